@@ -1,0 +1,189 @@
+//! Per-entry governance settings.
+
+use std::borrow::Cow;
+
+use serde::{Deserialize, Serialize};
+
+/// How a client picks one endpoint among a service's live endpoints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ShuntStrategy {
+    /// Round robin.
+    #[default]
+    Polling,
+    /// Uniformly random.
+    Random,
+    /// Consistent hash of the call's `#[hash_key]` argument over a ring with virtual nodes.
+    HashAlgorithm,
+    /// Always the appointed address (see [`GovernanceOptions::appoint_address`]).
+    Appoint,
+}
+
+impl std::str::FromStr for ShuntStrategy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "polling" | "round_robin" | "round-robin" => Ok(ShuntStrategy::Polling),
+            "random" => Ok(ShuntStrategy::Random),
+            "hash" | "hash_algorithm" => Ok(ShuntStrategy::HashAlgorithm),
+            "appoint" => Ok(ShuntStrategy::Appoint),
+            other => Err(format!(
+                "unknown shunt strategy {other:?}: expected polling, random, hash or appoint"
+            )),
+        }
+    }
+}
+
+/// The governance settings of one service entry, after every layer of configuration was applied.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct GovernanceOptions {
+    /// Endpoint selection.
+    pub shunt_strategy: ShuntStrategy,
+    /// The address used by [`ShuntStrategy::Appoint`], as `host:port`.
+    pub appoint_address: Option<String>,
+    /// Deadline of the whole call, retries included, in milliseconds; 0 means none.
+    pub timeout_ms: u64,
+    /// Attempts after the first one, on Overflow or an unreachable endpoint.
+    pub retry_times: u32,
+    /// Pause before each retry, in milliseconds.
+    pub retry_interval_ms: u64,
+    /// Whether the entry has a circuit breaker.
+    pub enable_circuit_breaker: bool,
+    /// Consecutive counted failures the breaker tolerates before it opens.
+    pub exceptions_allowed_before_breaking: u32,
+    /// How long the breaker stays open, in seconds.
+    pub breaker_seconds: u64,
+    /// Server side: calls of this entry handled at once before Overflow is answered.
+    pub max_concurrent_handling_count: u32,
+    /// Consecutive transport failures after which a client stops using an endpoint until the
+    /// registry announces it again.
+    pub unhealthy_times_allowed_before_removing: u32,
+    /// The method may run twice without harm: a call that may have reached a server that then
+    /// died is repeated elsewhere.
+    pub idempotent: bool,
+}
+
+impl Default for GovernanceOptions {
+    fn default() -> Self {
+        GovernanceOptions {
+            shunt_strategy: ShuntStrategy::Polling,
+            appoint_address: None,
+            timeout_ms: 5000,
+            retry_times: 3,
+            retry_interval_ms: 50,
+            enable_circuit_breaker: true,
+            exceptions_allowed_before_breaking: 3,
+            breaker_seconds: 60,
+            max_concurrent_handling_count: 50,
+            unhealthy_times_allowed_before_removing: 3,
+            idempotent: false,
+        }
+    }
+}
+
+/// A partial set of [`GovernanceOptions`]: what one configuration layer (a `#[governance(...)]`
+/// attribute, a config file section, a runtime update) changes. `None` keeps the value below.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GovernanceOverrides {
+    /// See [`GovernanceOptions::shunt_strategy`].
+    pub shunt_strategy: Option<ShuntStrategy>,
+    /// See [`GovernanceOptions::appoint_address`].
+    pub appoint_address: Option<Cow<'static, str>>,
+    /// See [`GovernanceOptions::timeout_ms`].
+    pub timeout_ms: Option<u64>,
+    /// See [`GovernanceOptions::retry_times`].
+    pub retry_times: Option<u32>,
+    /// See [`GovernanceOptions::retry_interval_ms`].
+    pub retry_interval_ms: Option<u64>,
+    /// See [`GovernanceOptions::enable_circuit_breaker`].
+    pub enable_circuit_breaker: Option<bool>,
+    /// See [`GovernanceOptions::exceptions_allowed_before_breaking`].
+    pub exceptions_allowed_before_breaking: Option<u32>,
+    /// See [`GovernanceOptions::breaker_seconds`].
+    pub breaker_seconds: Option<u64>,
+    /// See [`GovernanceOptions::max_concurrent_handling_count`].
+    pub max_concurrent_handling_count: Option<u32>,
+    /// See [`GovernanceOptions::unhealthy_times_allowed_before_removing`].
+    pub unhealthy_times_allowed_before_removing: Option<u32>,
+    /// See [`GovernanceOptions::idempotent`].
+    pub idempotent: Option<bool>,
+}
+
+impl GovernanceOverrides {
+    /// Changes nothing. Usable in `const` and `static` items.
+    pub const NONE: GovernanceOverrides = GovernanceOverrides {
+        shunt_strategy: None,
+        appoint_address: None,
+        timeout_ms: None,
+        retry_times: None,
+        retry_interval_ms: None,
+        enable_circuit_breaker: None,
+        exceptions_allowed_before_breaking: None,
+        breaker_seconds: None,
+        max_concurrent_handling_count: None,
+        unhealthy_times_allowed_before_removing: None,
+        idempotent: None,
+    };
+
+    /// Applies this layer on top of `base`.
+    pub fn apply_to(&self, base: &mut GovernanceOptions) {
+        macro_rules! set {
+            ($($f:ident),*) => {$(
+                if let Some(v) = &self.$f { base.$f = v.clone(); }
+            )*};
+        }
+        set!(
+            shunt_strategy,
+            timeout_ms,
+            retry_times,
+            retry_interval_ms,
+            enable_circuit_breaker,
+            exceptions_allowed_before_breaking,
+            breaker_seconds,
+            max_concurrent_handling_count,
+            unhealthy_times_allowed_before_removing,
+            idempotent
+        );
+        if let Some(a) = &self.appoint_address {
+            base.appoint_address = Some(a.to_string());
+        }
+    }
+
+    /// `base` with this layer applied.
+    pub fn applied(&self, base: &GovernanceOptions) -> GovernanceOptions {
+        let mut out = base.clone();
+        self.apply_to(&mut out);
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layers_override_only_what_they_set() {
+        let base = GovernanceOptions::default();
+        let layer = GovernanceOverrides {
+            timeout_ms: Some(800),
+            idempotent: Some(true),
+            ..GovernanceOverrides::NONE
+        };
+        let out = layer.applied(&base);
+        assert_eq!(out.timeout_ms, 800);
+        assert!(out.idempotent);
+        assert_eq!(out.retry_times, base.retry_times);
+    }
+
+    #[test]
+    fn unknown_fields_are_rejected() {
+        let err = toml_like_json(r#"{"timeout_msx": 3}"#).unwrap_err();
+        assert!(err.to_string().contains("timeout_msx"), "{err}");
+    }
+
+    fn toml_like_json(s: &str) -> Result<GovernanceOverrides, serde_json::Error> {
+        serde_json::from_str(s)
+    }
+}
