@@ -1,1 +1,66 @@
-//! placeholder
+//! # rpc-registry
+//!
+//! Where servers publish their instances and where clients learn a service's live endpoints.
+//!
+//! This crate owns the [`Registry`] trait and its embedded backends: [`InProcessRegistry`] (the
+//! default: servers and clients in one process, or tests) and [`StaticRegistry`] (a fixed list
+//! from code, the command line or a TOML file, for several processes with no registry server).
+//! Distributed backends implement the same trait.
+//!
+//! A registry stores only what servers say about themselves. It must not hold client-side state:
+//! a client's local judgement of an endpoint's health (see `rpc-governance`) never reaches it.
+//!
+//! ```
+//! use rpc_registry::{InProcessRegistry, Instance, Registry};
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), rpc_registry::RegistryError> {
+//! let registry = InProcessRegistry::new();
+//! let mut watch = registry.watch(&"echo.Echo".into()).await?;
+//! assert!(watch.current().is_empty());
+//!
+//! registry.register(Instance::new("127.0.0.1:9001", ["echo.Echo"])).await?;
+//! watch.changed().await?;
+//! assert_eq!(watch.current()[0].address, "127.0.0.1:9001");
+//! # Ok(()) }
+//! ```
+#![warn(missing_docs)]
+
+mod in_process;
+mod instance;
+mod static_list;
+
+use futures_util::future::BoxFuture;
+use rpc_core::ServiceId;
+
+pub use in_process::InProcessRegistry;
+pub use instance::{Endpoints, Instance, ServiceWatch};
+pub use static_list::StaticRegistry;
+
+/// A registry operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RegistryError {
+    /// The registry could not be reached or answered with an error.
+    #[error("registry unavailable: {0}")]
+    Unavailable(String),
+    /// The registry's configuration (address, file) is unusable.
+    #[error("registry configuration: {0}")]
+    Config(String),
+    /// The watch ended: the registry was dropped or shut down.
+    #[error("registry watch closed")]
+    Closed,
+}
+
+/// Publishes server instances and lets clients watch a service's live endpoints.
+///
+/// Implementations are shared (`Arc<dyn Registry>`) between a process's servers and clients.
+pub trait Registry: Send + Sync + 'static {
+    /// Publishes (or republishes, replacing the previous version) an instance.
+    fn register(&self, instance: Instance) -> BoxFuture<'_, Result<(), RegistryError>>;
+
+    /// Removes an instance; removing an unknown instance is not an error.
+    fn deregister<'a>(&'a self, instance_id: &'a str) -> BoxFuture<'a, Result<(), RegistryError>>;
+
+    /// The instances serving `service`: a snapshot now, then every change.
+    fn watch<'a>(&'a self, service: &'a ServiceId)
+        -> BoxFuture<'a, Result<ServiceWatch, RegistryError>>;
+}

@@ -1,0 +1,115 @@
+//! The in-process registry: servers and clients of one process, no server needed.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use futures_util::future::{self, BoxFuture};
+use rpc_core::ServiceId;
+use tokio::sync::watch;
+
+use crate::instance::snapshot;
+use crate::{Instance, Registry, RegistryError, ServiceWatch};
+
+/// A registry that lives in the process: the default, used by the demo and the tests.
+///
+/// Clone it to share it; every clone sees the same instances.
+#[derive(Clone, Default)]
+pub struct InProcessRegistry {
+    state: Arc<Mutex<State>>,
+}
+
+#[derive(Default)]
+struct State {
+    instances: BTreeMap<String, Arc<Instance>>,
+    watchers: HashMap<ServiceId, watch::Sender<crate::Endpoints>>,
+}
+
+impl State {
+    fn publish(&mut self, services: &[ServiceId]) {
+        for service in services {
+            if let Some(tx) = self.watchers.get(service) {
+                tx.send_replace(snapshot(service, self.instances.values()));
+            }
+        }
+    }
+}
+
+impl InProcessRegistry {
+    /// An empty registry.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn with_state<R>(&self, f: impl FnOnce(&mut State) -> R) -> R {
+        // A panic while holding the lock cannot leave `State` half-updated in a way that matters
+        // (every update is one insert/remove followed by republishing), so poisoning is ignored.
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        f(&mut state)
+    }
+}
+
+impl Registry for InProcessRegistry {
+    fn register(&self, instance: Instance) -> BoxFuture<'_, Result<(), RegistryError>> {
+        self.with_state(|state| {
+            let mut touched = instance.services.clone();
+            let old = state.instances.insert(instance.id.clone(), Arc::new(instance));
+            if let Some(old) = old {
+                touched.extend(old.services.iter().cloned());
+            }
+            state.publish(&touched);
+        });
+        Box::pin(future::ready(Ok(())))
+    }
+
+    fn deregister<'a>(&'a self, instance_id: &'a str) -> BoxFuture<'a, Result<(), RegistryError>> {
+        self.with_state(|state| {
+            if let Some(old) = state.instances.remove(instance_id) {
+                state.publish(&old.services);
+            }
+        });
+        Box::pin(future::ready(Ok(())))
+    }
+
+    fn watch<'a>(
+        &'a self,
+        service: &'a ServiceId,
+    ) -> BoxFuture<'a, Result<ServiceWatch, RegistryError>> {
+        let rx = self.with_state(|state| {
+            let State {
+                instances,
+                watchers,
+            } = state;
+            watchers
+                .entry(service.clone())
+                .or_insert_with(|| watch::Sender::new(snapshot(service, instances.values())))
+                .subscribe()
+        });
+        Box::pin(future::ready(Ok(ServiceWatch::new(rx))))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn watchers_see_registration_and_removal() {
+        let reg = InProcessRegistry::new();
+        let svc: ServiceId = "a.A".into();
+        let mut w = reg.watch(&svc).await.unwrap();
+        reg.register(Instance::new("127.0.0.1:2", ["a.A"])).await.unwrap();
+        reg.register(Instance::new("127.0.0.1:1", ["a.A", "b.B"])).await.unwrap();
+        reg.register(Instance::new("127.0.0.1:3", ["b.B"])).await.unwrap();
+        w.changed().await.unwrap();
+        let addrs: Vec<_> = w.current().iter().map(|i| i.address.clone()).collect();
+        assert_eq!(addrs, ["127.0.0.1:1", "127.0.0.1:2"]);
+
+        reg.deregister("127.0.0.1:1").await.unwrap();
+        w.changed().await.unwrap();
+        assert_eq!(w.current().len(), 1);
+
+        // A late watcher starts from the current snapshot.
+        let late = reg.watch(&"b.B".into()).await.unwrap();
+        assert_eq!(late.current()[0].address, "127.0.0.1:3");
+    }
+}

@@ -1,0 +1,168 @@
+//! A fixed list of endpoints: from code, the command line or a TOML file.
+
+use std::path::Path;
+
+use futures_util::future::{self, BoxFuture};
+use rpc_core::ServiceId;
+use serde::Deserialize;
+use tokio::sync::watch;
+
+use crate::instance::snapshot;
+use crate::{Instance, Registry, RegistryError, ServiceWatch};
+
+/// A registry whose endpoints never change: several processes on one machine, no registry
+/// server. Registering and deregistering are accepted and ignored.
+///
+/// An endpoint listed without services serves every service.
+///
+/// The file form (TOML):
+///
+/// ```toml
+/// [[endpoint]]
+/// address = "127.0.0.1:9001"
+///
+/// [[endpoint]]
+/// address = "127.0.0.1:9002"
+/// services = ["echo.Echo"]
+/// ```
+#[derive(Debug, Clone)]
+pub struct StaticRegistry {
+    endpoints: Vec<StaticEndpoint>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StaticEndpoint {
+    address: String,
+    #[serde(default)]
+    services: Vec<ServiceId>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StaticFile {
+    #[serde(default)]
+    endpoint: Vec<StaticEndpoint>,
+}
+
+impl StaticRegistry {
+    /// Every address serves every service.
+    pub fn new<S: Into<String>>(addresses: impl IntoIterator<Item = S>) -> Self {
+        StaticRegistry {
+            endpoints: addresses
+                .into_iter()
+                .map(|a| StaticEndpoint {
+                    address: a.into(),
+                    services: Vec::new(),
+                })
+                .collect(),
+        }
+    }
+
+    /// Parses a comma-separated list such as `"127.0.0.1:9001,127.0.0.1:9002"`.
+    pub fn from_list(list: &str) -> Result<Self, RegistryError> {
+        let addrs: Vec<&str> = list.split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
+        if addrs.is_empty() {
+            return Err(RegistryError::Config(format!(
+                "no endpoint in {list:?}: expected host:port[,host:port...]"
+            )));
+        }
+        for a in &addrs {
+            check_address(a)?;
+        }
+        Ok(Self::new(addrs))
+    }
+
+    /// Parses the TOML form (see the type's documentation).
+    pub fn from_toml(text: &str) -> Result<Self, RegistryError> {
+        let file: StaticFile = toml::from_str(text)
+            .map_err(|e| RegistryError::Config(format!("static registry file: {e}")))?;
+        for e in &file.endpoint {
+            check_address(&e.address)?;
+        }
+        Ok(StaticRegistry {
+            endpoints: file.endpoint,
+        })
+    }
+
+    /// Reads and parses a TOML file.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self, RegistryError> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            RegistryError::Config(format!("cannot read static registry file {}: {e}", path.display()))
+        })?;
+        Self::from_toml(&text)
+    }
+
+    fn instances(&self, service: &ServiceId) -> Vec<std::sync::Arc<Instance>> {
+        self.endpoints
+            .iter()
+            .map(|e| {
+                let services = if e.services.is_empty() {
+                    vec![service.clone()]
+                } else {
+                    e.services.clone()
+                };
+                std::sync::Arc::new(Instance::new(e.address.clone(), services))
+            })
+            .collect()
+    }
+}
+
+fn check_address(a: &str) -> Result<(), RegistryError> {
+    match a.rsplit_once(':') {
+        Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => Ok(()),
+        _ => Err(RegistryError::Config(format!(
+            "bad endpoint address {a:?}: expected host:port"
+        ))),
+    }
+}
+
+impl Registry for StaticRegistry {
+    fn register(&self, _instance: Instance) -> BoxFuture<'_, Result<(), RegistryError>> {
+        Box::pin(future::ready(Ok(())))
+    }
+
+    fn deregister<'a>(&'a self, _id: &'a str) -> BoxFuture<'a, Result<(), RegistryError>> {
+        Box::pin(future::ready(Ok(())))
+    }
+
+    fn watch<'a>(
+        &'a self,
+        service: &'a ServiceId,
+    ) -> BoxFuture<'a, Result<ServiceWatch, RegistryError>> {
+        let instances = self.instances(service);
+        // The sender is dropped at once: the snapshot never changes, and `changed()` reports
+        // `Closed`, which watchers treat as "nothing more will come".
+        let (_tx, rx) = watch::channel(snapshot(service, instances.iter()));
+        Box::pin(future::ready(Ok(ServiceWatch::new(rx))))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn list_and_file() {
+        let reg = StaticRegistry::from_list("127.0.0.1:2, 127.0.0.1:1").unwrap();
+        let w = reg.watch(&"x.X".into()).await.unwrap();
+        assert_eq!(w.current()[0].address, "127.0.0.1:1");
+
+        let reg = StaticRegistry::from_toml(
+            "[[endpoint]]\naddress = \"127.0.0.1:1\"\nservices = [\"a.A\"]\n\
+             [[endpoint]]\naddress = \"127.0.0.1:2\"\n",
+        )
+        .unwrap();
+        assert_eq!(reg.watch(&"a.A".into()).await.unwrap().current().len(), 2);
+        assert_eq!(reg.watch(&"b.B".into()).await.unwrap().current().len(), 1);
+    }
+
+    #[test]
+    fn bad_config_is_a_clear_error() {
+        let e = StaticRegistry::from_list("localhost").unwrap_err();
+        assert!(e.to_string().contains("expected host:port"), "{e}");
+        let e = StaticRegistry::from_toml("[[endpoint]]\nadress = \"x\"").unwrap_err();
+        assert!(e.to_string().contains("adress"), "{e}");
+    }
+}
