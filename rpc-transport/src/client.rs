@@ -1,0 +1,352 @@
+//! The client side of a connection: handshake, multiplexed calls, heartbeats.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use dashmap::DashMap;
+use futures_util::StreamExt;
+use rpc_core::wire::{
+    frame::Kind, Cancel, Hello, Ping, Pong, RemoteInvokeMessage, RemoteResultMessage,
+};
+use rpc_core::{RpcError, StatusCode, PROTOCOL_VERSION};
+use tokio::net::tcp::OwnedReadHalf;
+use tokio::net::TcpStream;
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+use tokio_util::codec::FramedRead;
+use tokio_util::sync::CancellationToken;
+
+use crate::codec::FrameCodec;
+use crate::writer::{spawn_writer, FrameSender};
+use crate::READ_BUFFER;
+
+/// How a client connects.
+#[derive(Debug, Clone)]
+pub struct ConnectOptions {
+    /// Sent in `Hello.token`; `None` sends an empty token.
+    pub token: Option<String>,
+    /// Sent in `Hello.client_id`.
+    pub client_id: String,
+    /// Largest frame accepted from the server.
+    pub max_frame_length: usize,
+    /// Limit on TCP connect plus handshake.
+    pub connect_timeout: Duration,
+    /// A `Ping` is sent after this long without traffic; the connection is closed when nothing
+    /// at all arrived for three intervals.
+    pub heartbeat_interval: Duration,
+}
+
+impl Default for ConnectOptions {
+    fn default() -> Self {
+        ConnectOptions {
+            token: None,
+            client_id: format!("rpc-client/{}", std::process::id()),
+            max_frame_length: rpc_core::DEFAULT_MAX_FRAME_LENGTH,
+            connect_timeout: Duration::from_secs(3),
+            heartbeat_interval: Duration::from_secs(10),
+        }
+    }
+}
+
+type Waiter = oneshot::Sender<Result<RemoteResultMessage, RpcError>>;
+
+/// One multiplexed connection to a server. Cheap to clone; calls run concurrently and are matched
+/// to their answers by `message_id`.
+#[derive(Clone)]
+pub struct Connection {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    peer: String,
+    sender: FrameSender,
+    pending: DashMap<u64, Waiter>,
+    in_flight: Arc<AtomicUsize>,
+    next_id: AtomicU64,
+    going_away: AtomicBool,
+    close: CancellationToken,
+}
+
+impl std::fmt::Debug for Connection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Connection")
+            .field("peer", &self.shared.peer)
+            .field("in_flight", &self.shared.in_flight.load(Ordering::Relaxed))
+            .field("usable", &self.is_usable())
+            .finish()
+    }
+}
+
+fn comm_error(peer: &str, what: impl std::fmt::Display) -> RpcError {
+    RpcError::new(StatusCode::CommunicationError, format!("{peer}: {what}"))
+}
+
+impl Connection {
+    /// Connects to `addr`, sends `Hello` and waits for `HelloAck`.
+    ///
+    /// Errors: [`StatusCode::CommunicationError`] when the server cannot be reached or the
+    /// handshake fails; [`StatusCode::RpcUnAuthentication`] when the server refuses the token.
+    pub async fn connect(addr: &str, options: &ConnectOptions) -> Result<Connection, RpcError> {
+        tokio::time::timeout(options.connect_timeout, Self::connect_inner(addr, options))
+            .await
+            .unwrap_or_else(|_| {
+                Err(comm_error(
+                    addr,
+                    format!(
+                        "no connection within {} ms; is the server running?",
+                        options.connect_timeout.as_millis()
+                    ),
+                ))
+            })
+    }
+
+    async fn connect_inner(addr: &str, options: &ConnectOptions) -> Result<Connection, RpcError> {
+        let stream = TcpStream::connect(addr)
+            .await
+            .map_err(|e| comm_error(addr, format!("connect failed: {e}")))?;
+        stream
+            .set_nodelay(true)
+            .map_err(|e| comm_error(addr, format!("TCP_NODELAY: {e}")))?;
+        let (rd, wr) = stream.into_split();
+        let in_flight = Arc::new(AtomicUsize::new(0));
+        let close = CancellationToken::new();
+        let sender = spawn_writer(wr, in_flight.clone(), close.clone());
+        sender.send(Kind::Hello(Hello {
+            protocol_version: PROTOCOL_VERSION,
+            token: options.token.clone().unwrap_or_default(),
+            client_id: options.client_id.clone(),
+        }));
+        let mut frames =
+            FramedRead::with_capacity(rd, FrameCodec::new(options.max_frame_length), READ_BUFFER);
+        match frames.next().await {
+            Some(Ok(Kind::HelloAck(_))) => {}
+            Some(Ok(Kind::GoAway(g))) => {
+                close.cancel();
+                return Err(RpcError::new(
+                    StatusCode::from_u32(g.status_code),
+                    format!("{addr} refused the connection: {}", g.reason),
+                ));
+            }
+            Some(Ok(other)) => {
+                close.cancel();
+                return Err(comm_error(
+                    addr,
+                    format!("expected HelloAck, got {other:?}"),
+                ));
+            }
+            Some(Err(e)) => {
+                close.cancel();
+                return Err(comm_error(addr, format!("handshake failed: {e}")));
+            }
+            None => {
+                close.cancel();
+                return Err(comm_error(addr, "connection closed during the handshake"));
+            }
+        }
+        let shared = Arc::new(Shared {
+            peer: addr.to_string(),
+            sender,
+            pending: DashMap::new(),
+            in_flight,
+            next_id: AtomicU64::new(1),
+            going_away: AtomicBool::new(false),
+            close,
+        });
+        let last_rx = Arc::new(AtomicU64::new(0));
+        let start = Instant::now();
+        tokio::spawn(read_loop(frames, shared.clone(), last_rx.clone(), start));
+        tokio::spawn(heartbeat(
+            Arc::downgrade(&shared),
+            options.heartbeat_interval,
+            last_rx,
+            start,
+        ));
+        Ok(Connection { shared })
+    }
+
+    /// The address this connection was made to.
+    pub fn peer(&self) -> &str {
+        &self.shared.peer
+    }
+
+    /// Whether new calls may be sent: open, and the server has not said `GoAway`.
+    pub fn is_usable(&self) -> bool {
+        !self.shared.close.is_cancelled() && !self.shared.going_away.load(Ordering::Relaxed)
+    }
+
+    /// Calls in flight on this connection.
+    pub fn in_flight(&self) -> usize {
+        self.shared.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// Closes the connection; calls in flight fail with a communication error.
+    pub fn close(&self) {
+        self.shared.close.cancel();
+    }
+
+    /// Sends one call and waits for its answer. `invoke.message_id` is assigned here.
+    ///
+    /// Dropping the returned future before the answer arrives sends `Cancel` to the server.
+    /// Errors are [`StatusCode::CommunicationError`]; when the request may have reached the
+    /// server the error says so ([`RpcError::is_maybe_delivered`]).
+    pub async fn call(
+        &self,
+        mut invoke: RemoteInvokeMessage,
+    ) -> Result<RemoteResultMessage, RpcError> {
+        let shared = &self.shared;
+        if !self.is_usable() {
+            return Err(comm_error(&shared.peer, "connection closed"));
+        }
+        let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
+        invoke.message_id = id;
+        let (tx, rx) = oneshot::channel();
+        shared.pending.insert(id, tx);
+        shared.in_flight.fetch_add(1, Ordering::Relaxed);
+        let mut guard = PendingGuard {
+            shared,
+            id,
+            armed: true,
+        };
+        if !shared.sender.send(Kind::Invoke(invoke)) {
+            guard.disarm_quietly();
+            return Err(comm_error(&shared.peer, "connection closed"));
+        }
+        let result = rx.await;
+        guard.armed = false;
+        shared.in_flight.fetch_sub(1, Ordering::Relaxed);
+        match result {
+            Ok(r) => r,
+            Err(_) => Err(comm_error(&shared.peer, "connection closed").maybe_delivered(true)),
+        }
+    }
+}
+
+/// Removes a call from the pending map and tells the server when the caller gives up.
+struct PendingGuard<'a> {
+    shared: &'a Shared,
+    id: u64,
+    armed: bool,
+}
+
+impl PendingGuard<'_> {
+    fn disarm_quietly(&mut self) {
+        self.armed = false;
+        self.shared.pending.remove(&self.id);
+        self.shared.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl Drop for PendingGuard<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.shared.in_flight.fetch_sub(1, Ordering::Relaxed);
+            if self.shared.pending.remove(&self.id).is_some() {
+                self.shared.sender.send(Kind::Cancel(Cancel {
+                    message_id: self.id,
+                }));
+            }
+        }
+    }
+}
+
+async fn read_loop(
+    mut frames: FramedRead<OwnedReadHalf, FrameCodec>,
+    shared: Arc<Shared>,
+    last_rx: Arc<AtomicU64>,
+    start: Instant,
+) {
+    let reason = loop {
+        let next = tokio::select! {
+            biased;
+            _ = shared.close.cancelled() => break "connection closed".to_string(),
+            f = frames.next() => f,
+        };
+        last_rx.store(start.elapsed().as_millis() as u64, Ordering::Relaxed);
+        match next {
+            Some(Ok(Kind::Result(result))) => {
+                if let Some((_, waiter)) = shared.pending.remove(&result.message_id) {
+                    let _ = waiter.send(Ok(result));
+                }
+                // An answer to a cancelled call: ignored, as the protocol says.
+            }
+            Some(Ok(Kind::Ping(Ping { nonce }))) => {
+                shared.sender.send(Kind::Pong(Pong { nonce }));
+            }
+            Some(Ok(Kind::Pong(_))) => {}
+            Some(Ok(Kind::GoAway(g))) => {
+                shared.going_away.store(true, Ordering::Relaxed);
+                if g.status_code != StatusCode::Success.as_u32() {
+                    break format!("server closed the connection: {}", g.reason);
+                }
+                tracing::debug!(peer = %shared.peer, reason = %g.reason, "server is draining");
+                if shared.pending.is_empty() {
+                    break "server is draining".to_string();
+                }
+            }
+            Some(Ok(other)) => {
+                break format!(
+                    "protocol violation: unexpected {} from the server",
+                    kind_name(&other)
+                )
+            }
+            Some(Err(e)) => break format!("bad frame from the server: {e}"),
+            None => break "connection closed by the server".to_string(),
+        }
+        if shared.going_away.load(Ordering::Relaxed) && shared.pending.is_empty() {
+            break "server is draining".to_string();
+        }
+    };
+    shared.close.cancel();
+    fail_pending(&shared, &reason);
+}
+
+fn fail_pending(shared: &Shared, reason: &str) {
+    let ids: Vec<u64> = shared.pending.iter().map(|e| *e.key()).collect();
+    for id in ids {
+        if let Some((_, waiter)) = shared.pending.remove(&id) {
+            let _ = waiter.send(Err(comm_error(&shared.peer, reason).maybe_delivered(true)));
+        }
+    }
+}
+
+async fn heartbeat(
+    shared: std::sync::Weak<Shared>,
+    interval: Duration,
+    last_rx: Arc<AtomicU64>,
+    start: Instant,
+) {
+    let mut nonce = 0u64;
+    loop {
+        let close = match shared.upgrade() {
+            Some(s) => s.close.clone(),
+            None => return,
+        };
+        tokio::select! {
+            _ = close.cancelled() => return,
+            _ = tokio::time::sleep(interval) => {}
+        }
+        let Some(s) = shared.upgrade() else { return };
+        let silent_for = start.elapsed().as_millis() as u64 - last_rx.load(Ordering::Relaxed);
+        if silent_for > 3 * interval.as_millis() as u64 {
+            tracing::debug!(peer = %s.peer, silent_for, "no traffic from the server: closing");
+            s.close.cancel();
+            return;
+        }
+        nonce += 1;
+        s.sender.send(Kind::Ping(Ping { nonce }));
+    }
+}
+
+pub(crate) fn kind_name(kind: &Kind) -> &'static str {
+    match kind {
+        Kind::Hello(_) => "Hello",
+        Kind::HelloAck(_) => "HelloAck",
+        Kind::Invoke(_) => "RemoteInvokeMessage",
+        Kind::Result(_) => "RemoteResultMessage",
+        Kind::Cancel(_) => "Cancel",
+        Kind::Ping(_) => "Ping",
+        Kind::Pong(_) => "Pong",
+        Kind::GoAway(_) => "GoAway",
+    }
+}

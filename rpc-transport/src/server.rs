@@ -1,0 +1,342 @@
+//! The server side: accept loop, handshake, per-connection dispatch, cancellation, draining.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use futures_util::future::{AbortHandle, Abortable, BoxFuture};
+use futures_util::StreamExt;
+use rpc_core::wire::{
+    frame::Kind, GoAway, HelloAck, Pong, RemoteInvokeMessage, RemoteResultMessage,
+};
+use rpc_core::{StatusCode, PROTOCOL_VERSION};
+use subtle::ConstantTimeEq;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Notify, Semaphore};
+use tokio::time::Instant;
+use tokio_util::codec::FramedRead;
+use tokio_util::sync::CancellationToken;
+
+use crate::client::kind_name;
+use crate::codec::FrameCodec;
+use crate::writer::{spawn_writer, FrameSender};
+use crate::READ_BUFFER;
+
+/// Connection-level settings of a server.
+#[derive(Debug, Clone)]
+pub struct ServerOptions {
+    /// Required `Hello.token`; `None` accepts any.
+    pub token: Option<String>,
+    /// Sent in `HelloAck.server_id`.
+    pub server_id: String,
+    /// Largest frame accepted from a client.
+    pub max_frame_length: usize,
+    /// A connection that sends no `Hello` within this time is closed.
+    pub handshake_timeout: Duration,
+    /// A connection on which nothing arrived for this long is closed.
+    pub idle_timeout: Duration,
+    /// On shutdown, how long calls in flight may take to finish.
+    pub drain_timeout: Duration,
+    /// Connections held at once; one more is refused with `GoAway`.
+    pub max_connections: usize,
+}
+
+impl Default for ServerOptions {
+    fn default() -> Self {
+        ServerOptions {
+            token: None,
+            server_id: format!("rpc-server/{}", std::process::id()),
+            max_frame_length: rpc_core::DEFAULT_MAX_FRAME_LENGTH,
+            handshake_timeout: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(60),
+            drain_timeout: Duration::from_secs(10),
+            max_connections: 10_000,
+        }
+    }
+}
+
+/// What the server does with one call.
+pub enum Dispatch {
+    /// Answer at once (overflow, unknown entry, ...), without spawning.
+    Ready(RemoteResultMessage),
+    /// Run this future in its own task; `Cancel` drops it.
+    Spawn(BoxFuture<'static, RemoteResultMessage>),
+}
+
+/// The layer above the transport: turns a call into its answer. `message_id` of the answer is
+/// filled in by the transport.
+pub trait InvokeHandler: Send + Sync + 'static {
+    /// Decides how to answer `invoke`; must not block.
+    fn handle(&self, invoke: RemoteInvokeMessage, peer: SocketAddr) -> Dispatch;
+}
+
+/// Accepts connections on `listener` until `shutdown` is cancelled, then drains every connection
+/// (`GoAway`, calls in flight finish within `drain_timeout`) and returns.
+pub async fn serve(
+    listener: TcpListener,
+    handler: Arc<dyn InvokeHandler>,
+    options: ServerOptions,
+    shutdown: CancellationToken,
+) {
+    let options = Arc::new(options);
+    let slots = Arc::new(Semaphore::new(options.max_connections));
+    let mut conns = tokio::task::JoinSet::new();
+    loop {
+        let accepted = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            a = listener.accept() => a,
+            Some(_) = conns.join_next(), if !conns.is_empty() => continue,
+        };
+        match accepted {
+            Ok((stream, peer)) => {
+                let handler = handler.clone();
+                let options = options.clone();
+                let shutdown = shutdown.clone();
+                match slots.clone().try_acquire_owned() {
+                    Ok(permit) => {
+                        conns.spawn(async move {
+                            serve_connection(stream, peer, handler, options, shutdown).await;
+                            drop(permit);
+                        });
+                    }
+                    Err(_) => {
+                        tracing::warn!(%peer, max = options.max_connections, "connection refused: too many connections");
+                        conns.spawn(refuse(stream, options.max_connections));
+                    }
+                }
+            }
+            Err(e) => {
+                // Out of file descriptors and the like: back off briefly instead of spinning.
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    }
+    drop(listener);
+    while conns.join_next().await.is_some() {}
+}
+
+async fn refuse(stream: TcpStream, max: usize) {
+    let (_rd, wr) = stream.into_split();
+    let close = CancellationToken::new();
+    let sender = spawn_writer(wr, Arc::new(AtomicUsize::new(0)), close.clone());
+    sender.send(go_away(
+        StatusCode::OverflowMaxServerHandle,
+        format!("the server holds its maximum of {max} connections; connect to another endpoint"),
+    ));
+    close.cancel();
+}
+
+fn go_away(code: StatusCode, reason: impl Into<String>) -> Kind {
+    Kind::GoAway(GoAway {
+        status_code: code.as_u32(),
+        reason: reason.into(),
+    })
+}
+
+struct Conn {
+    sender: FrameSender,
+    in_flight: Arc<AtomicUsize>,
+    tasks: Mutex<HashMap<u64, AbortHandle>>,
+    idle: Notify,
+}
+
+impl Conn {
+    fn tasks(&self) -> std::sync::MutexGuard<'_, HashMap<u64, AbortHandle>> {
+        self.tasks.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+async fn serve_connection(
+    stream: TcpStream,
+    peer: SocketAddr,
+    handler: Arc<dyn InvokeHandler>,
+    options: Arc<ServerOptions>,
+    shutdown: CancellationToken,
+) {
+    let _ = stream.set_nodelay(true);
+    let (rd, wr) = stream.into_split();
+    let in_flight = Arc::new(AtomicUsize::new(0));
+    let close = CancellationToken::new();
+    let sender = spawn_writer(wr, in_flight.clone(), close.clone());
+    let mut frames =
+        FramedRead::with_capacity(rd, FrameCodec::new(options.max_frame_length), READ_BUFFER);
+
+    if let Err((code, reason)) = handshake(&mut frames, &sender, &options).await {
+        tracing::info!(%peer, %reason, "handshake refused");
+        sender.send(go_away(code, reason));
+        close.cancel();
+        return;
+    }
+
+    let conn = Arc::new(Conn {
+        sender,
+        in_flight,
+        tasks: Mutex::new(HashMap::new()),
+        idle: Notify::new(),
+    });
+    let idle = tokio::time::sleep(options.idle_timeout);
+    tokio::pin!(idle);
+    let mut draining: Option<Instant> = None;
+
+    let reason: Option<String> = loop {
+        if let Some(deadline) = draining {
+            if conn.in_flight.load(Ordering::Acquire) == 0 || Instant::now() >= deadline {
+                break None;
+            }
+        }
+        let next = tokio::select! {
+            biased;
+            _ = shutdown.cancelled(), if draining.is_none() => {
+                conn.sender.send(go_away(StatusCode::Success, "server shutting down"));
+                draining = Some(Instant::now() + options.drain_timeout);
+                continue;
+            }
+            _ = conn.idle.notified(), if draining.is_some() => continue,
+            _ = tokio::time::sleep_until(draining.unwrap_or_else(Instant::now)), if draining.is_some() => continue,
+            _ = &mut idle => {
+                break Some(format!("idle for {} ms: closing", options.idle_timeout.as_millis()));
+            }
+            f = frames.next() => f,
+        };
+        idle.as_mut().reset(Instant::now() + options.idle_timeout);
+        match next {
+            Some(Ok(Kind::Invoke(invoke))) => {
+                if draining.is_some() {
+                    let mut r = error_result(
+                        StatusCode::CommunicationError,
+                        "the server is shutting down and did not run the call; call another endpoint",
+                    );
+                    r.message_id = invoke.message_id;
+                    conn.sender.send(Kind::Result(r));
+                    continue;
+                }
+                let id = invoke.message_id;
+                dispatch(&conn, handler.handle(invoke, peer), id);
+            }
+            Some(Ok(Kind::Cancel(c))) => {
+                if let Some(h) = conn.tasks().remove(&c.message_id) {
+                    h.abort();
+                    if conn.in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
+                        conn.idle.notify_one();
+                    }
+                }
+            }
+            Some(Ok(Kind::Ping(p))) => {
+                conn.sender.send(Kind::Pong(Pong { nonce: p.nonce }));
+            }
+            Some(Ok(Kind::Pong(_))) => {}
+            Some(Ok(Kind::GoAway(_))) => break None,
+            Some(Ok(other)) => {
+                break Some(format!(
+                    "protocol violation: unexpected {} after the handshake",
+                    kind_name(&other)
+                ));
+            }
+            Some(Err(e)) => break Some(e.to_string()),
+            None => break None,
+        }
+    };
+    if let Some(reason) = reason {
+        tracing::info!(%peer, %reason, "closing connection");
+        conn.sender
+            .send(go_away(StatusCode::FrameworkError, reason));
+    }
+    // Work for a client that is gone (or past the drain deadline) is dropped.
+    for (_, h) in conn.tasks().drain() {
+        h.abort();
+    }
+    close.cancel();
+}
+
+fn dispatch(conn: &Arc<Conn>, outcome: Dispatch, id: u64) {
+    match outcome {
+        Dispatch::Ready(mut r) => {
+            r.message_id = id;
+            conn.sender.send(Kind::Result(r));
+        }
+        Dispatch::Spawn(fut) => {
+            let (handle, registration) = AbortHandle::new_pair();
+            conn.in_flight.fetch_add(1, Ordering::AcqRel);
+            conn.tasks().insert(id, handle);
+            let conn = conn.clone();
+            tokio::spawn(async move {
+                let outcome = Abortable::new(fut, registration).await;
+                // Absent when a Cancel got there first (and already counted the call out).
+                if conn.tasks().remove(&id).is_some() {
+                    if let Ok(mut r) = outcome {
+                        r.message_id = id;
+                        conn.sender.send(Kind::Result(r));
+                    }
+                    if conn.in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
+                        conn.idle.notify_one();
+                    }
+                }
+            });
+        }
+    }
+}
+
+/// A result carrying an error status.
+pub fn error_result(code: StatusCode, message: impl Into<String>) -> RemoteResultMessage {
+    RemoteResultMessage {
+        status_code: code.as_u32(),
+        exception_message: message.into(),
+        ..Default::default()
+    }
+}
+
+async fn handshake(
+    frames: &mut FramedRead<tokio::net::tcp::OwnedReadHalf, FrameCodec>,
+    sender: &FrameSender,
+    options: &ServerOptions,
+) -> Result<(), (StatusCode, String)> {
+    let first = tokio::time::timeout(options.handshake_timeout, frames.next())
+        .await
+        .map_err(|_| {
+            (
+                StatusCode::Timeout,
+                format!(
+                    "no Hello within {} ms",
+                    options.handshake_timeout.as_millis()
+                ),
+            )
+        })?;
+    let hello = match first {
+        Some(Ok(Kind::Hello(h))) => h,
+        Some(Ok(other)) => {
+            return Err((
+                StatusCode::FrameworkError,
+                format!("the first frame must be Hello, got {}", kind_name(&other)),
+            ))
+        }
+        Some(Err(e)) => return Err((StatusCode::FrameworkError, e.to_string())),
+        None => return Err((StatusCode::FrameworkError, "closed before Hello".into())),
+    };
+    if hello.protocol_version != PROTOCOL_VERSION {
+        return Err((
+            StatusCode::FrameworkError,
+            format!(
+                "protocol version {} is not supported; this server speaks {PROTOCOL_VERSION}",
+                hello.protocol_version
+            ),
+        ));
+    }
+    if let Some(expected) = &options.token {
+        let ok: bool = expected.as_bytes().ct_eq(hello.token.as_bytes()).into();
+        if !ok {
+            return Err((
+                StatusCode::RpcUnAuthentication,
+                "authentication failed: the token does not match the server's".into(),
+            ));
+        }
+    }
+    sender.send(Kind::HelloAck(HelloAck {
+        protocol_version: PROTOCOL_VERSION,
+        server_id: options.server_id.clone(),
+        max_frame_length: options.max_frame_length.min(u32::MAX as usize) as u32,
+    }));
+    Ok(())
+}
