@@ -1,1 +1,27 @@
-//! placeholder
+//! # rpc-client
+//!
+//! What generated proxies call: [`Client::invoke`] resolves a service's live endpoints from a
+//! registry watch, picks one by the entry's shunt strategy ([`shunt`]), sends the call over a
+//! pooled connection and applies the entry's governance: the whole call under its deadline,
+//! retries on overflow or an unreachable endpoint on another endpoint, local endpoint health.
+//!
+//! The client never writes to the registry: its view of an endpoint's health stays in this
+//! process and expires.
+//!
+//! ```no_run
+//! use rpc_client::Client;
+//! use rpc_registry::StaticRegistry;
+//!
+//! let client = Client::builder()
+//!     .registry(StaticRegistry::from_list("127.0.0.1:9001,127.0.0.1:9002").unwrap())
+//!     .token("s3cret")
+//!     .build();
+//! # let _ = client;
+//! ```
+#![warn(missing_docs)]
+
+mod client;
+mod endpoints;
+pub mod shunt;
+
+pub use client::{Client, ClientBuilder};

@@ -17,6 +17,10 @@ pub trait Service: Send + Sync + 'static {
 
     /// Runs method number `method` with its argument list encoded by `codec`, and returns the
     /// encoded result or the error to send back (a business error carries its encoded value).
-    fn call(&self, method: usize, params: Bytes, codec: Codec)
-        -> BoxFuture<'static, Result<Bytes, RpcError>>;
+    fn call(
+        &self,
+        method: usize,
+        params: Bytes,
+        codec: Codec,
+    ) -> BoxFuture<'static, Result<Bytes, RpcError>>;
 }

@@ -177,6 +177,12 @@ async fn serve_connection(
         tasks: Mutex::new(HashMap::new()),
         idle: Notify::new(),
     });
+    // Runs however the connection ends, including when its task is aborted: running handlers
+    // are dropped and the socket is closed.
+    let _cleanup = ConnCleanup {
+        conn: conn.clone(),
+        close: close.clone(),
+    };
     let idle = tokio::time::sleep(options.idle_timeout);
     tokio::pin!(idle);
     let mut draining: Option<Instant> = None;
@@ -244,11 +250,21 @@ async fn serve_connection(
         conn.sender
             .send(go_away(StatusCode::FrameworkError, reason));
     }
-    // Work for a client that is gone (or past the drain deadline) is dropped.
-    for (_, h) in conn.tasks().drain() {
-        h.abort();
+}
+
+struct ConnCleanup {
+    conn: Arc<Conn>,
+    close: CancellationToken,
+}
+
+impl Drop for ConnCleanup {
+    fn drop(&mut self) {
+        // Work for a client that is gone (or past the drain deadline) is dropped.
+        for (_, h) in self.conn.tasks().drain() {
+            h.abort();
+        }
+        self.close.cancel();
     }
-    close.cancel();
 }
 
 fn dispatch(conn: &Arc<Conn>, outcome: Dispatch, id: u64) {

@@ -1,0 +1,113 @@
+//! A client's view of one service: its live endpoints (from the registry watch) and the state the
+//! shunt strategies keep.
+
+use std::sync::atomic::AtomicUsize;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use rpc_core::{GovernanceOptions, RpcError, ShuntStrategy, StatusCode};
+use rpc_governance::health::EndpointHealth;
+use rpc_registry::{Endpoints, ServiceWatch};
+
+use crate::shunt::{self, HashRing};
+
+pub(crate) struct ServiceState {
+    watch: ServiceWatch,
+    counter: AtomicUsize,
+    ring: Mutex<Option<(Endpoints, Arc<HashRing>)>>,
+}
+
+/// How acceptable an endpoint is for the next attempt; lower is better.
+fn rank(addr: &str, tried: &[String], health: &EndpointHealth) -> u8 {
+    let fresh = !tried.iter().any(|t| t == addr);
+    match (fresh, health.is_healthy(addr)) {
+        (true, true) => 0,
+        (true, false) => 1,
+        (false, true) => 2,
+        (false, false) => 3,
+    }
+}
+
+impl ServiceState {
+    pub(crate) fn new(watch: ServiceWatch) -> Self {
+        ServiceState {
+            watch,
+            counter: AtomicUsize::new(0),
+            ring: Mutex::new(None),
+        }
+    }
+
+    pub(crate) fn endpoints(&self) -> Endpoints {
+        self.watch.current()
+    }
+
+    fn ring(&self, eps: &Endpoints) -> Arc<HashRing> {
+        let mut cached = self.ring.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some((for_eps, ring)) = cached.as_ref() {
+            if Arc::ptr_eq(for_eps, eps) {
+                return ring.clone();
+            }
+        }
+        let ring = Arc::new(HashRing::new(eps.iter().map(|i| i.address.as_str())));
+        *cached = Some((eps.clone(), ring.clone()));
+        ring
+    }
+
+    /// Picks the address for the next attempt: untried healthy endpoints first, then untried
+    /// unhealthy ones, then tried ones, following the strategy within the best group.
+    pub(crate) fn select(
+        &self,
+        service_id: &str,
+        options: &GovernanceOptions,
+        hash_key: Option<u64>,
+        tried: &[String],
+        health: &EndpointHealth,
+    ) -> Result<String, RpcError> {
+        if options.shunt_strategy == ShuntStrategy::Appoint {
+            return options.appoint_address.clone().ok_or_else(|| {
+                RpcError::new(
+                    StatusCode::FrameworkError,
+                    format!(
+                        "{service_id}: shunt strategy appoint needs appoint_address = \"host:port\""
+                    ),
+                )
+            });
+        }
+        let eps = self.endpoints();
+        if eps.is_empty() {
+            return Err(RpcError::new(
+                StatusCode::NotFindServiceRoute,
+                format!(
+                    "no endpoint serves {service_id}: start a server for it, or check the \
+                     client's registry or endpoint list"
+                ),
+            ));
+        }
+        if let (ShuntStrategy::HashAlgorithm, Some(key)) = (options.shunt_strategy, hash_key) {
+            let ring = self.ring(&eps);
+            let mut best: Option<(u8, usize)> = None;
+            for idx in ring.walk(key) {
+                let r = rank(&eps[idx].address, tried, health);
+                if best.is_none_or(|(b, _)| r < b) {
+                    best = Some((r, idx));
+                    if r == 0 {
+                        break;
+                    }
+                }
+            }
+            // The ring holds every endpoint, so a best one exists.
+            let idx = best.map(|(_, i)| i).unwrap_or(0);
+            return Ok(eps[idx].address.clone());
+        }
+        let ranks: Vec<u8> = eps
+            .iter()
+            .map(|i| rank(&i.address, tried, health))
+            .collect();
+        let best = ranks.iter().copied().min().unwrap_or(0);
+        let group: Vec<usize> = (0..eps.len()).filter(|&i| ranks[i] == best).collect();
+        let pick = match options.shunt_strategy {
+            ShuntStrategy::Random => shunt::random(group.len()),
+            _ => shunt::polling(&self.counter, group.len()),
+        };
+        Ok(eps[group[pick]].address.clone())
+    }
+}

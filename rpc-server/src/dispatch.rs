@@ -1,0 +1,147 @@
+//! The server pipeline for one call: entry lookup → concurrency cap → handler under the deadline
+//! (panics caught) → server fallback on failure.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::FutureExt;
+use rpc_core::wire::{RemoteInvokeMessage, RemoteResultMessage};
+use rpc_core::{Codec, RpcError, StatusCode};
+use rpc_transport::{error_result, Dispatch, InvokeHandler};
+use tokio::sync::Semaphore;
+
+use crate::Service;
+
+/// Where one entry id leads.
+pub(crate) struct Route {
+    pub(crate) service: Arc<dyn Service>,
+    pub(crate) index: usize,
+    pub(crate) cap: Arc<Semaphore>,
+    pub(crate) cap_size: usize,
+    pub(crate) fallback: Option<Arc<dyn Service>>,
+}
+
+pub(crate) struct Dispatcher {
+    pub(crate) routes: HashMap<String, Route>,
+}
+
+impl InvokeHandler for Dispatcher {
+    fn handle(&self, invoke: RemoteInvokeMessage, _peer: SocketAddr) -> Dispatch {
+        let Some(route) = self.routes.get(invoke.service_entry_id.as_str()) else {
+            return Dispatch::Ready(error_result(
+                StatusCode::NotFindLocalServiceEntry,
+                format!(
+                    "this server has no service entry {:?}; check the service id and method name",
+                    invoke.service_entry_id
+                ),
+            ));
+        };
+        let Some(codec) = Codec::from_wire(invoke.codec) else {
+            return Dispatch::Ready(error_result(
+                StatusCode::FrameworkError,
+                format!(
+                    "unknown codec {}: use 0 (MessagePack) or 1 (JSON)",
+                    invoke.codec
+                ),
+            ));
+        };
+        let Ok(permit) = route.cap.clone().try_acquire_owned() else {
+            tracing::debug!(target: "rpc::governance", entry = %invoke.service_entry_id, cap = route.cap_size, "overflow");
+            return Dispatch::Ready(error_result(
+                StatusCode::OverflowMaxServerHandle,
+                format!(
+                    "{} is at its cap of {} concurrent calls; the call was not run, retry on \
+                     another endpoint",
+                    invoke.service_entry_id, route.cap_size
+                ),
+            ));
+        };
+        let handler = route
+            .service
+            .call(route.index, invoke.parameters.clone(), codec);
+        let fallback = route
+            .fallback
+            .clone()
+            .map(|f| (f, route.index, invoke.parameters));
+        let timeout_ms = invoke.timeout_ms;
+        let entry = invoke.service_entry_id;
+        Dispatch::Spawn(Box::pin(async move {
+            let result = run_guarded(handler, timeout_ms, &entry).await;
+            let result = match (result, fallback) {
+                (Err(e), Some((fb, index, params))) if runs_fallback(&e) => {
+                    tracing::info!(target: "rpc::governance", entry = %entry, cause = %e, "server fallback");
+                    run_guarded(fb.call(index, params, codec), timeout_ms, &entry)
+                        .await
+                        .map_err(|fe| {
+                            RpcError::new(
+                                StatusCode::FallbackExecFail,
+                                format!("{entry} failed ({e}) and so did its fallback ({fe})"),
+                            )
+                        })
+                }
+                (r, _) => r,
+            };
+            drop(permit);
+            to_message(result)
+        }))
+    }
+}
+
+/// Failures a server fallback answers for: the handler's own failures, not the callee's answers
+/// (business, validation, auth).
+fn runs_fallback(e: &RpcError) -> bool {
+    !e.code().is_callee_answer() && !e.code().is_breaker_exempt()
+}
+
+async fn run_guarded(
+    handler: futures_util::future::BoxFuture<'static, Result<Bytes, RpcError>>,
+    timeout_ms: u32,
+    entry: &str,
+) -> Result<Bytes, RpcError> {
+    let guarded = AssertUnwindSafe(handler).catch_unwind();
+    let outcome = if timeout_ms > 0 {
+        match tokio::time::timeout(Duration::from_millis(timeout_ms.into()), guarded).await {
+            Ok(o) => o,
+            Err(_) => {
+                return Err(RpcError::new(
+                    StatusCode::Timeout,
+                    format!("{entry} ran out of the caller's {timeout_ms} ms budget; the handler was stopped"),
+                ))
+            }
+        }
+    } else {
+        guarded.await
+    };
+    outcome.unwrap_or_else(|panic| {
+        let what = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic payload".into());
+        tracing::error!(entry, panic = %what, "handler panicked");
+        Err(RpcError::new(
+            StatusCode::ServerError,
+            format!("{entry} panicked: {what}"),
+        ))
+    })
+}
+
+fn to_message(result: Result<Bytes, RpcError>) -> RemoteResultMessage {
+    match result {
+        Ok(bytes) => RemoteResultMessage {
+            status_code: StatusCode::Success.as_u32(),
+            result: bytes,
+            ..Default::default()
+        },
+        Err(e) => RemoteResultMessage {
+            status_code: e.code().as_u32(),
+            result: e.payload().map(|(_, p)| p.clone()).unwrap_or_default(),
+            exception_message: e.message().to_string(),
+            ..Default::default()
+        },
+    }
+}
