@@ -247,6 +247,14 @@ impl Client {
             let outcome = self
                 .call_once(method, &addr, params.clone(), deadline)
                 .await;
+            // An answer from the server (success, or an error that is its own verdict rather
+            // than a failure to reach it) records who gave it.
+            if outcome
+                .as_ref()
+                .map_or_else(|e| !e.code().is_retryable(), |_| true)
+            {
+                crate::answered_by::record(&addr);
+            }
             let err = match outcome {
                 Ok(bytes) => {
                     health.success(&addr);

@@ -20,8 +20,10 @@
 //! ```
 #![warn(missing_docs)]
 
+mod answered_by;
 mod client;
 mod endpoints;
 pub mod shunt;
 
+pub use answered_by::answered_by;
 pub use client::{Client, ClientBuilder};

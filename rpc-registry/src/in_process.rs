@@ -52,7 +52,9 @@ impl Registry for InProcessRegistry {
     fn register(&self, instance: Instance) -> BoxFuture<'_, Result<(), RegistryError>> {
         self.with_state(|state| {
             let mut touched = instance.services.clone();
-            let old = state.instances.insert(instance.id.clone(), Arc::new(instance));
+            let old = state
+                .instances
+                .insert(instance.id.clone(), Arc::new(instance));
             if let Some(old) = old {
                 touched.extend(old.services.iter().cloned());
             }
@@ -97,9 +99,15 @@ mod tests {
         let reg = InProcessRegistry::new();
         let svc: ServiceId = "a.A".into();
         let mut w = reg.watch(&svc).await.unwrap();
-        reg.register(Instance::new("127.0.0.1:2", ["a.A"])).await.unwrap();
-        reg.register(Instance::new("127.0.0.1:1", ["a.A", "b.B"])).await.unwrap();
-        reg.register(Instance::new("127.0.0.1:3", ["b.B"])).await.unwrap();
+        reg.register(Instance::new("127.0.0.1:2", ["a.A"]))
+            .await
+            .unwrap();
+        reg.register(Instance::new("127.0.0.1:1", ["a.A", "b.B"]))
+            .await
+            .unwrap();
+        reg.register(Instance::new("127.0.0.1:3", ["b.B"]))
+            .await
+            .unwrap();
         w.changed().await.unwrap();
         let addrs: Vec<_> = w.current().iter().map(|i| i.address.clone()).collect();
         assert_eq!(addrs, ["127.0.0.1:1", "127.0.0.1:2"]);

@@ -61,6 +61,8 @@ pub trait Registry: Send + Sync + 'static {
     fn deregister<'a>(&'a self, instance_id: &'a str) -> BoxFuture<'a, Result<(), RegistryError>>;
 
     /// The instances serving `service`: a snapshot now, then every change.
-    fn watch<'a>(&'a self, service: &'a ServiceId)
-        -> BoxFuture<'a, Result<ServiceWatch, RegistryError>>;
+    fn watch<'a>(
+        &'a self,
+        service: &'a ServiceId,
+    ) -> BoxFuture<'a, Result<ServiceWatch, RegistryError>>;
 }

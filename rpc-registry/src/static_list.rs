@@ -61,7 +61,11 @@ impl StaticRegistry {
 
     /// Parses a comma-separated list such as `"127.0.0.1:9001,127.0.0.1:9002"`.
     pub fn from_list(list: &str) -> Result<Self, RegistryError> {
-        let addrs: Vec<&str> = list.split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
+        let addrs: Vec<&str> = list
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .collect();
         if addrs.is_empty() {
             return Err(RegistryError::Config(format!(
                 "no endpoint in {list:?}: expected host:port[,host:port...]"
@@ -89,7 +93,10 @@ impl StaticRegistry {
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self, RegistryError> {
         let path = path.as_ref();
         let text = std::fs::read_to_string(path).map_err(|e| {
-            RegistryError::Config(format!("cannot read static registry file {}: {e}", path.display()))
+            RegistryError::Config(format!(
+                "cannot read static registry file {}: {e}",
+                path.display()
+            ))
         })?;
         Self::from_toml(&text)
     }

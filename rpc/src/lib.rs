@@ -41,7 +41,7 @@
 //! ```
 #![warn(missing_docs)]
 
-pub use rpc_client::{Client, ClientBuilder};
+pub use rpc_client::{answered_by, Client, ClientBuilder};
 pub use rpc_core::{
     Codec, GovernanceOptions, GovernanceOverrides, MethodDescriptor, RemoteError, RpcError,
     ServiceEntry, ServiceEntryId, ServiceId, ShuntStrategy, StatusCode,
@@ -73,8 +73,8 @@ pub mod __private {
     pub use bytes::Bytes;
     pub use futures_util::future::BoxFuture;
     pub use rpc_core::{
-        Codec, GovernanceOverrides, MethodDescriptor, NoArgs, RemoteError, RpcError,
-        ShuntStrategy, StatusCode,
+        Codec, GovernanceOverrides, MethodDescriptor, NoArgs, RemoteError, RpcError, ShuntStrategy,
+        StatusCode,
     };
     use serde::de::DeserializeOwned;
     use serde::Serialize;

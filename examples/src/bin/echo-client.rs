@@ -1,0 +1,131 @@
+//! Calls `echo.Echo` on a list of endpoints and reports each call, for the failover
+//! walk-through.
+//!
+//! ```text
+//! echo-client --endpoints host:port,... --calls N [--interval-ms I] [--concurrency C]
+//!             [--strategy polling|random|hash|appoint] [--timeout-ms T] [--token T]
+//! ```
+//! Prints one line per call, then exactly
+//! `summary: <ok> ok, <business> business errors, <failed> failed`. Exits 0 whatever the calls'
+//! outcomes (2 on bad arguments).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Parser;
+use examples::{Echo, EchoClient};
+use rpc::{Client, GovernanceOverrides, ShuntStrategy, StaticRegistry, StatusCode};
+
+#[derive(Parser, Debug)]
+#[command(about = "Calls echo.Echo and reports each call")]
+struct Args {
+    /// Comma-separated host:port list.
+    #[arg(long)]
+    endpoints: String,
+    /// Number of calls.
+    #[arg(long)]
+    calls: u64,
+    /// Pause between two calls of one caller, in milliseconds.
+    #[arg(long, default_value_t = 0)]
+    interval_ms: u64,
+    /// Callers running at once.
+    #[arg(long, default_value_t = 1)]
+    concurrency: u64,
+    /// polling, random, hash or appoint (appoint: the first endpoint).
+    #[arg(long, default_value = "polling")]
+    strategy: ShuntStrategy,
+    /// Deadline of each call, retries included (0: none).
+    #[arg(long, default_value_t = 5000)]
+    timeout_ms: u64,
+    /// Token presented to the servers.
+    #[arg(long)]
+    token: Option<String>,
+}
+
+#[derive(Default)]
+struct Tally {
+    ok: AtomicU64,
+    business: AtomicU64,
+    failed: AtomicU64,
+}
+
+#[tokio::main]
+async fn main() {
+    let args = Args::parse();
+    let registry = match StaticRegistry::from_list(&args.endpoints) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("echo-client: {e}");
+            std::process::exit(2);
+        }
+    };
+    let first = args
+        .endpoints
+        .split(',')
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .to_string();
+    let mut builder = Client::builder().registry(registry).override_options(
+        EchoClient::SERVICE_ID,
+        GovernanceOverrides {
+            shunt_strategy: Some(args.strategy),
+            appoint_address: Some(first.into()),
+            timeout_ms: Some(args.timeout_ms),
+            ..GovernanceOverrides::NONE
+        },
+    );
+    if let Some(token) = &args.token {
+        builder = builder.token(token.clone());
+    }
+    let echo = EchoClient::new(builder.build());
+    let next = Arc::new(AtomicU64::new(0));
+    let tally = Arc::new(Tally::default());
+    let mut workers = Vec::new();
+    for _ in 0..args.concurrency.max(1) {
+        let (echo, next, tally) = (echo.clone(), next.clone(), tally.clone());
+        let (calls, interval) = (args.calls, Duration::from_millis(args.interval_ms));
+        workers.push(tokio::spawn(async move {
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= calls {
+                    break;
+                }
+                let text = format!("hello #{i}");
+                let (result, by) = rpc::answered_by(echo.echo(text.clone())).await;
+                let by = by.unwrap_or_else(|| "-".into());
+                match result {
+                    Ok(answer) if answer == text => {
+                        tally.ok.fetch_add(1, Ordering::Relaxed);
+                        println!("call {i}: ok from {by}");
+                    }
+                    Ok(answer) => {
+                        tally.failed.fetch_add(1, Ordering::Relaxed);
+                        println!("call {i}: failed: wrong answer {answer:?} from {by}");
+                    }
+                    Err(e) if e.code() == StatusCode::BusinessError => {
+                        tally.business.fetch_add(1, Ordering::Relaxed);
+                        println!("call {i}: business error from {by}: {}", e.message());
+                    }
+                    Err(e) => {
+                        tally.failed.fetch_add(1, Ordering::Relaxed);
+                        println!("call {i}: failed ({}): {e}", e.code().as_u32());
+                    }
+                }
+                if !interval.is_zero() {
+                    tokio::time::sleep(interval).await;
+                }
+            }
+        }));
+    }
+    for w in workers {
+        let _ = w.await;
+    }
+    println!(
+        "summary: {} ok, {} business errors, {} failed",
+        tally.ok.load(Ordering::Relaxed),
+        tally.business.load(Ordering::Relaxed),
+        tally.failed.load(Ordering::Relaxed)
+    );
+}

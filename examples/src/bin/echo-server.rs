@@ -1,0 +1,57 @@
+//! Serves `echo.Echo` on 127.0.0.1 for the failover walk-through.
+//!
+//! ```text
+//! echo-server --port P [--fail-every K] [--delay-ms D] [--max-concurrency N] [--token T]
+//! ```
+//! Prints `listening on <addr>` once it accepts connections; stops gracefully on Ctrl-C or
+//! SIGTERM.
+
+use std::time::Duration;
+
+use clap::Parser;
+use examples::{EchoServer, EchoService};
+use rpc::Server;
+
+#[derive(Parser, Debug)]
+#[command(about = "Serves echo.Echo for the failover walk-through")]
+struct Args {
+    /// Port on 127.0.0.1 (0 picks a free one).
+    #[arg(long, default_value_t = 0)]
+    port: u16,
+    /// Answer a business error on every K-th call (0: never).
+    #[arg(long, default_value_t = 0)]
+    fail_every: u64,
+    /// Hold each call this many milliseconds.
+    #[arg(long, default_value_t = 0)]
+    delay_ms: u64,
+    /// Calls handled at once before Overflow is answered.
+    #[arg(long, default_value_t = 50)]
+    max_concurrency: usize,
+    /// Token clients must present.
+    #[arg(long)]
+    token: Option<String>,
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args = Args::parse();
+    let mut builder = Server::builder()
+        .max_concurrency(args.max_concurrency)
+        .add_service(EchoServer::new(EchoService::new(
+            args.fail_every,
+            Duration::from_millis(args.delay_ms),
+        )));
+    if let Some(token) = args.token {
+        builder = builder.token(token);
+    }
+    let server = builder.serve(("127.0.0.1", args.port)).await?;
+    println!("listening on {}", server.local_addr());
+
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    server.shutdown().await;
+    Ok(())
+}

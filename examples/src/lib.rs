@@ -1,0 +1,60 @@
+//! Services shared by the example programs.
+//!
+//! `echo.Echo` is the service of the failover walk-through (`echo-server`, `echo-client`) and of
+//! the benchmark.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use rpc::RpcError;
+
+/// The echo service: answers what it is sent.
+#[rpc::service(name = "echo.Echo")]
+pub trait Echo {
+    /// Returns `text`. Idempotent, so a call that may have reached a server that died is
+    /// repeated on another one; `text` is the hash key under the hash strategy.
+    #[governance(idempotent)]
+    async fn echo(&self, #[hash_key] text: String) -> Result<String, RpcError>;
+}
+
+/// The echo implementation of `echo-server`.
+#[derive(Debug, Default)]
+pub struct EchoService {
+    /// Answer a business error on every K-th call (0: never).
+    pub fail_every: u64,
+    /// Hold each call this long.
+    pub delay: Duration,
+    calls: AtomicU64,
+}
+
+impl EchoService {
+    /// An echo service with the given behaviour.
+    pub fn new(fail_every: u64, delay: Duration) -> Self {
+        EchoService {
+            fail_every,
+            delay,
+            calls: AtomicU64::new(0),
+        }
+    }
+
+    /// Calls handled so far.
+    pub fn calls(&self) -> u64 {
+        self.calls.load(Ordering::Relaxed)
+    }
+}
+
+impl Echo for EchoService {
+    async fn echo(&self, text: String) -> Result<String, RpcError> {
+        let n = self.calls.fetch_add(1, Ordering::Relaxed) + 1;
+        if !self.delay.is_zero() {
+            tokio::time::sleep(self.delay).await;
+        }
+        if self.fail_every > 0 && n % self.fail_every == 0 {
+            return Err(RpcError::business(format!(
+                "call #{n} refused on purpose (--fail-every {})",
+                self.fail_every
+            )));
+        }
+        Ok(text)
+    }
+}

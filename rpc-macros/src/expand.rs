@@ -1,0 +1,364 @@
+//! The whole expansion: the rewritten trait, the descriptor table, the client and the server.
+
+use proc_macro2::TokenStream;
+use quote::{format_ident, quote, quote_spanned};
+use syn::spanned::Spanned;
+use syn::{Ident, ItemTrait, TraitItem};
+
+use crate::parse::{self, Service, ServiceArgs};
+use crate::{expand_client, expand_server};
+
+/// Names shared by the generated items of one service.
+pub struct Names {
+    /// The trait.
+    pub trait_ident: Ident,
+    /// `<Trait>Client`.
+    pub client: Ident,
+    /// `<Trait>Server`.
+    pub server: Ident,
+    /// The descriptor table, `__RPC_METHODS_<TRAIT>`.
+    pub methods: Ident,
+    /// The service id constant, `__RPC_SERVICE_ID_<TRAIT>`.
+    pub service_id: Ident,
+}
+
+impl Names {
+    fn new(trait_ident: &Ident) -> Self {
+        let upper = upper_snake(&syn::ext::IdentExt::unraw(trait_ident).to_string());
+        let span = trait_ident.span();
+        Names {
+            trait_ident: trait_ident.clone(),
+            client: format_ident!("{}Client", trait_ident, span = span),
+            server: format_ident!("{}Server", trait_ident, span = span),
+            methods: format_ident!("__RPC_METHODS_{}", upper),
+            service_id: format_ident!("__RPC_SERVICE_ID_{}", upper),
+        }
+    }
+}
+
+/// Entry point: `#[service(attr)] item`.
+pub fn expand(attr: TokenStream, item: TokenStream) -> TokenStream {
+    let mut trait_item: ItemTrait = match syn::parse2(item.clone()) {
+        Ok(t) => t,
+        Err(e) => {
+            let e = syn::Error::new(e.span(), format!("#[rpc::service] goes on a trait: {e}"))
+                .to_compile_error();
+            return quote!(#e #item);
+        }
+    };
+    let args = syn::parse2::<ServiceArgs>(attr);
+    let service = args.and_then(|args| Service::new(args, trait_item.clone()));
+    match service {
+        Ok(service) => expand_service(&service),
+        Err(e) => {
+            // Keep the trait (minus our helper attributes) so that the only errors the user
+            // sees are ours, not "cannot find trait" follow-ups.
+            parse::strip_helper_attrs(&mut trait_item);
+            let e = e.to_compile_error();
+            quote!(#e #trait_item)
+        }
+    }
+}
+
+fn expand_service(service: &Service) -> TokenStream {
+    let names = Names::new(service.ident());
+    let service_id_parts = service_id_parts(service);
+    let rewritten = rewrite_trait(service);
+    let table = descriptors(service, &names, &service_id_parts);
+    let client = expand_client::client(service, &names);
+    let server = expand_server::server(service, &names);
+    quote! {
+        #rewritten
+        #table
+        #client
+        #server
+    }
+}
+
+/// The arguments of a `concat!` producing the service id.
+fn service_id_parts(service: &Service) -> TokenStream {
+    match &service.name {
+        Some(name) => quote!(#name),
+        None => {
+            let t = syn::ext::IdentExt::unraw(service.ident()).to_string();
+            quote!(::core::module_path!(), ".", #t)
+        }
+    }
+}
+
+/// The trait as implementors see it: `async fn m(..) -> R` becomes
+/// `fn m(..) -> impl Future<Output = R> + Send`, and `Send + Sync + 'static` are supertraits.
+fn rewrite_trait(service: &Service) -> TokenStream {
+    let mut item = service.item.clone();
+    parse::strip_helper_attrs(&mut item);
+    if item.colon_token.is_none() {
+        item.colon_token = Some(Default::default());
+    }
+    if !item.supertraits.is_empty() && !item.supertraits.trailing_punct() {
+        item.supertraits.push_punct(Default::default());
+    }
+    item.supertraits
+        .push(syn::parse_quote!(::core::marker::Send));
+    item.supertraits
+        .push(syn::parse_quote!(::core::marker::Sync));
+    item.supertraits.push(syn::parse_quote!('static));
+    for it in &mut item.items {
+        let TraitItem::Fn(f) = it else { continue };
+        let Some(m) = service.methods.iter().find(|m| m.ident == f.sig.ident) else {
+            continue;
+        };
+        let output = &m.output;
+        f.sig.asyncness = None;
+        f.sig.output = syn::parse2(quote_spanned! {output.span()=>
+            -> impl ::core::future::Future<Output = #output> + ::core::marker::Send
+        })
+        .unwrap_or_else(|_| f.sig.output.clone());
+    }
+    quote!(#item)
+}
+
+/// The static descriptor table and the service id constant.
+fn descriptors(service: &Service, names: &Names, service_id_parts: &TokenStream) -> TokenStream {
+    let Names {
+        methods: table,
+        service_id,
+        trait_ident,
+        ..
+    } = names;
+    let n = service.methods.len();
+    let entries = service.methods.iter().map(|m| {
+        let name = m.name();
+        let hash_key = match m.hash_key {
+            Some(i) => quote!(::core::option::Option::Some(#i)),
+            None => quote!(::core::option::Option::None),
+        };
+        let governance = m.governance.to_tokens();
+        quote! {
+            ::rpc::__private::MethodDescriptor {
+                service_id: #service_id,
+                method: #name,
+                entry_id: ::core::concat!(#service_id_parts, ".", #name),
+                hash_key: #hash_key,
+                governance: #governance,
+            }
+        }
+    });
+    let doc_table = format!("The entry descriptors of [`{trait_ident}`], in declaration order.");
+    let doc_id = format!("The service id of [`{trait_ident}`].");
+    quote! {
+        #[doc = #doc_id]
+        #[doc(hidden)]
+        const #service_id: &str = ::core::concat!(#service_id_parts);
+
+        #[doc = #doc_table]
+        #[doc(hidden)]
+        static #table: [::rpc::__private::MethodDescriptor; #n] = [#(#entries),*];
+    }
+}
+
+/// `EchoService` → `ECHO_SERVICE`, `HTTPApi` → `HTTP_API`.
+pub fn upper_snake(name: &str) -> String {
+    let chars: Vec<char> = name.chars().collect();
+    let mut out = String::with_capacity(name.len() + 4);
+    for (i, &c) in chars.iter().enumerate() {
+        if c.is_uppercase() && i > 0 {
+            let prev = chars[i - 1];
+            let next_lower = chars.get(i + 1).is_some_and(|n| n.is_lowercase());
+            if prev.is_lowercase() || prev.is_ascii_digit() || (prev.is_uppercase() && next_lower) {
+                out.push('_');
+            }
+        }
+        out.extend(c.to_uppercase());
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn expand_str(attr: TokenStream, item: TokenStream) -> String {
+        expand(attr, item).to_string()
+    }
+
+    #[test]
+    fn upper_snake_names() {
+        assert_eq!(upper_snake("Echo"), "ECHO");
+        assert_eq!(upper_snake("EchoService"), "ECHO_SERVICE");
+        assert_eq!(upper_snake("HTTPApi"), "HTTP_API");
+        assert_eq!(upper_snake("V2Thing"), "V2_THING");
+        assert_eq!(upper_snake("snake_case"), "SNAKE_CASE");
+    }
+
+    fn sample() -> TokenStream {
+        quote! {
+            /// The echo service.
+            pub trait Echo {
+                /// Says it back.
+                #[governance(timeout_ms = 800, retry_times = 2, idempotent)]
+                async fn echo(&self, text: String) -> Result<String, RpcError>;
+                async fn profile(&self, #[hash_key] user_id: u64, verbose: bool)
+                    -> Result<Profile, MyError>;
+                async fn ping(&self) -> Result<(), RpcError>;
+            }
+        }
+    }
+
+    #[test]
+    fn expands_the_sample() {
+        let out = expand(quote!(name = "echo.Echo"), sample());
+        // The output must be valid Rust items.
+        let file: syn::File = syn::parse2(out.clone()).unwrap_or_else(|e| panic!("{e}\n{out}"));
+        let s = out.to_string();
+        assert!(!s.contains("compile_error"), "{s}");
+        assert!(!s.contains("governance ("), "helper attribute left: {s}");
+        assert!(!s.contains("# [hash_key]"), "helper attribute left: {s}");
+        assert!(s.contains("# [doc = r\" The echo service.\"]"), "{s}");
+        assert!(s.contains("# [doc = r\" Says it back.\"]"), "{s}");
+        assert!(
+            s.contains(
+                "fn echo (& self , text : String) -> impl :: core :: future :: Future < Output = \
+                 Result < String , RpcError > > + :: core :: marker :: Send ;"
+            ),
+            "{s}"
+        );
+        assert!(
+            s.contains(
+                "pub trait Echo : :: core :: marker :: Send + :: core :: marker :: Sync + 'static"
+            ),
+            "{s}"
+        );
+        assert!(
+            s.contains("const __RPC_SERVICE_ID_ECHO : & str = :: core :: concat ! (\"echo.Echo\")"),
+            "{s}"
+        );
+        assert!(
+            s.contains(
+                "static __RPC_METHODS_ECHO : [:: rpc :: __private :: MethodDescriptor ; 3usize]"
+            ),
+            "{s}"
+        );
+        assert!(
+            s.contains("entry_id : :: core :: concat ! (\"echo.Echo\" , \".\" , \"profile\")"),
+            "{s}"
+        );
+        assert!(
+            s.contains("hash_key : :: core :: option :: Option :: Some (0usize)"),
+            "{s}"
+        );
+        assert!(s.contains("pub struct EchoClient"), "{s}");
+        assert!(s.contains("pub struct EchoServer"), "{s}");
+        assert!(s.contains("impl Echo for EchoClient"), "{s}");
+        assert!(s.contains(":: rpc :: Service for EchoServer"), "{s}");
+        // Arguments travel as one tuple of references; no args as NoArgs.
+        assert!(s.contains("& (& user_id , & verbose ,)"), "{s}");
+        assert!(s.contains("& (& text ,)"), "{s}");
+        assert!(s.contains("& :: rpc :: __private :: NoArgs"), "{s}");
+        assert!(
+            s.contains(":: rpc :: __private :: hash_key (& user_id)"),
+            "{s}"
+        );
+        assert!(
+            s.contains("< MyError as :: rpc :: __private :: RemoteError > :: from_rpc_error"),
+            "{s}"
+        );
+        assert!(
+            s.contains("< MyError as :: rpc :: __private :: RemoteError > :: into_rpc_error"),
+            "{s}"
+        );
+        assert!(s.contains(":: rpc :: __private :: unknown_method"), "{s}");
+        // Items: trait, const, static, client struct + 3 impls, server struct + 4 impls.
+        assert!(file.items.len() >= 10, "{}", file.items.len());
+    }
+
+    #[test]
+    fn default_service_id_uses_the_module_path() {
+        let s = expand_str(quote!(), sample());
+        assert!(
+            s.contains(
+                "const __RPC_SERVICE_ID_ECHO : & str = :: core :: concat ! (:: core :: \
+                 module_path ! () , \".\" , \"Echo\")"
+            ),
+            "{s}"
+        );
+        assert!(
+            s.contains(
+                "entry_id : :: core :: concat ! (:: core :: module_path ! () , \".\" , \"Echo\" , \
+                 \".\" , \"echo\")"
+            ),
+            "{s}"
+        );
+    }
+
+    #[test]
+    fn errors_keep_the_trait_without_helper_attributes() {
+        let out = expand_str(
+            quote!(),
+            quote! {
+                trait T {
+                    #[governance(timeout_ms = 1)]
+                    async fn m(&self, #[hash_key] a: u8, #[hash_key] b: u8) -> Result<(), E>;
+                }
+            },
+        );
+        assert!(out.contains("compile_error"), "{out}");
+        assert!(out.contains("hash_key"), "{out}");
+        assert!(out.contains("trait T"), "{out}");
+        assert!(!out.contains("# [hash_key]"), "{out}");
+        assert!(!out.contains("# [governance"), "{out}");
+        assert!(!out.contains("TClient"), "{out}");
+    }
+
+    #[test]
+    fn rejects_non_traits() {
+        let out = expand_str(
+            quote!(),
+            quote!(
+                struct S;
+            ),
+        );
+        assert!(out.contains("compile_error"), "{out}");
+        assert!(out.contains("goes on a trait"), "{out}");
+        let out = expand_str(
+            quote!(bogus = 1),
+            quote!(
+                trait T {}
+            ),
+        );
+        assert!(out.contains("unknown #[rpc::service] argument"), "{out}");
+    }
+
+    #[test]
+    fn keeps_supertraits() {
+        let s = expand_str(
+            quote!(),
+            quote!(
+                pub(crate) trait T: Clone {
+                    async fn m(&self) -> Result<(), E>;
+                }
+            ),
+        );
+        assert!(
+            s.contains(
+                "pub (crate) trait T : Clone + :: core :: marker :: Send + :: core :: marker :: \
+                 Sync + 'static"
+            ),
+            "{s}"
+        );
+        assert!(s.contains("pub (crate) struct TClient"), "{s}");
+    }
+
+    #[test]
+    fn empty_service() {
+        let out = expand(
+            quote!(name = "e.E"),
+            quote!(
+                pub trait E {}
+            ),
+        );
+        let s = out.to_string();
+        assert!(!s.contains("compile_error"), "{s}");
+        assert!(s.contains("MethodDescriptor ; 0usize] = []"), "{s}");
+        syn::parse2::<syn::File>(out).unwrap();
+    }
+}

@@ -1,0 +1,649 @@
+//! Reads the attribute arguments and the trait into a [`Service`] model, and rejects what the
+//! generated code could not support, each error on the span of the offending tokens.
+
+use proc_macro2::Span;
+use syn::ext::IdentExt;
+use syn::parse::{Parse, ParseStream};
+use syn::spanned::Spanned;
+use syn::{
+    Attribute, FnArg, GenericArgument, Ident, ItemTrait, LitStr, Pat, PathArguments, ReturnType,
+    Token, TraitItem, TraitItemFn, Type,
+};
+
+use crate::governance::{self, Governance, Shunt};
+
+/// The arguments of `#[rpc::service(...)]`.
+#[derive(Debug, Default)]
+pub struct ServiceArgs {
+    /// `name = "echo.Echo"`: the service id, instead of `"<module path>.<Trait>"`.
+    pub name: Option<LitStr>,
+}
+
+impl Parse for ServiceArgs {
+    fn parse(input: ParseStream) -> syn::Result<Self> {
+        let mut args = ServiceArgs::default();
+        while !input.is_empty() {
+            let key: Ident = input.call(Ident::parse_any)?;
+            if key != "name" {
+                return Err(syn::Error::new(
+                    key.span(),
+                    format!(
+                        "unknown #[rpc::service] argument `{key}`; the only one is \
+                         `name = \"<service id>\"`"
+                    ),
+                ));
+            }
+            if args.name.is_some() {
+                return Err(syn::Error::new(key.span(), "`name` is set twice"));
+            }
+            input.parse::<Token![=]>()?;
+            let lit: LitStr = input.parse()?;
+            let value = lit.value();
+            if value.is_empty() || value.chars().any(char::is_whitespace) {
+                return Err(syn::Error::new(
+                    lit.span(),
+                    "the service name must be non-empty and without whitespace, for example \
+                     \"echo.Echo\"",
+                ));
+            }
+            args.name = Some(lit);
+            if !input.is_empty() {
+                input.parse::<Token![,]>()?;
+            }
+        }
+        Ok(args)
+    }
+}
+
+/// A service trait, checked.
+pub struct Service {
+    /// The trait as written (still with `#[governance]`/`#[hash_key]`).
+    pub item: ItemTrait,
+    /// `name = "..."`, when given.
+    pub name: Option<LitStr>,
+    /// One per trait method, in declaration order.
+    pub methods: Vec<Method>,
+}
+
+/// One method of the service.
+pub struct Method {
+    /// The method name.
+    pub ident: Ident,
+    /// The arguments after `&self`.
+    pub args: Vec<Arg>,
+    /// Index (among `args`) of the `#[hash_key]` argument.
+    pub hash_key: Option<usize>,
+    /// What `#[governance(...)]` sets.
+    pub governance: Governance,
+    /// The declared return type, `Result<T, E>`.
+    pub output: Type,
+    /// `T`.
+    pub ok: Type,
+    /// `E`.
+    pub err: Type,
+}
+
+/// One argument of a method.
+pub struct Arg {
+    /// Its name.
+    pub ident: Ident,
+    /// Its type.
+    pub ty: Type,
+}
+
+impl Method {
+    /// The method name as it appears in the entry id (without `r#`).
+    pub fn name(&self) -> String {
+        self.ident.unraw().to_string()
+    }
+}
+
+/// Collects several errors so a user sees all of them at once.
+#[derive(Default)]
+pub struct Errors(Option<syn::Error>);
+
+impl Errors {
+    pub fn push(&mut self, e: syn::Error) {
+        match &mut self.0 {
+            Some(all) => all.combine(e),
+            None => self.0 = Some(e),
+        }
+    }
+
+    pub fn add(&mut self, span: Span, message: impl std::fmt::Display) {
+        self.push(syn::Error::new(span, message));
+    }
+
+    pub fn finish(self) -> syn::Result<()> {
+        match self.0 {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
+fn is_hash_key(attr: &Attribute) -> bool {
+    attr.path().is_ident("hash_key")
+}
+
+/// Removes the attributes only this macro understands, so that the trait can be emitted as is
+/// (after an error, to avoid follow-up "cannot find attribute" errors).
+pub fn strip_helper_attrs(item: &mut ItemTrait) {
+    for it in &mut item.items {
+        if let TraitItem::Fn(f) = it {
+            f.attrs.retain(|a| !governance::is_governance(a));
+            for input in &mut f.sig.inputs {
+                if let FnArg::Typed(t) = input {
+                    t.attrs.retain(|a| !is_hash_key(a));
+                }
+            }
+        }
+    }
+}
+
+impl Service {
+    /// Checks the trait and builds the model; every problem found is reported.
+    pub fn new(args: ServiceArgs, item: ItemTrait) -> syn::Result<Self> {
+        let mut errors = Errors::default();
+        if let Some(u) = &item.unsafety {
+            errors.add(u.span, "a service trait cannot be `unsafe`");
+        }
+        if let Some(a) = &item.auto_token {
+            errors.add(a.span, "a service trait cannot be an auto trait");
+        }
+        if !item.generics.params.is_empty() || item.generics.where_clause.is_some() {
+            errors.add(
+                item.generics.span(),
+                "a service trait cannot be generic: every method's argument and result types \
+                 must be concrete so both sides agree on the wire format",
+            );
+        }
+        let mut methods = Vec::new();
+        for it in &item.items {
+            match it {
+                TraitItem::Fn(f) => match method(f) {
+                    Ok(m) => methods.push(m),
+                    Err(e) => errors.push(e),
+                },
+                other => errors.add(
+                    other.span(),
+                    "a service trait holds only `async fn` methods; move associated types, \
+                     consts and macros elsewhere",
+                ),
+            }
+        }
+        errors.finish()?;
+        Ok(Service {
+            item,
+            name: args.name,
+            methods,
+        })
+    }
+
+    /// The trait's name.
+    pub fn ident(&self) -> &Ident {
+        &self.item.ident
+    }
+}
+
+fn method(f: &TraitItemFn) -> syn::Result<Method> {
+    let sig = &f.sig;
+    let mut errors = Errors::default();
+    if let Some(block) = &f.default {
+        errors.add(
+            block.span(),
+            "a service method cannot have a default body: the generated client implements \
+             every method by a remote call; put the body in your `impl` of the trait",
+        );
+    }
+    if let Some(c) = &sig.constness {
+        errors.add(c.span, "a service method cannot be `const`");
+    }
+    if let Some(u) = &sig.unsafety {
+        errors.add(u.span, "a service method cannot be `unsafe`");
+    }
+    if let Some(abi) = &sig.abi {
+        errors.add(abi.span(), "a service method cannot have an `extern` ABI");
+    }
+    if let Some(v) = &sig.variadic {
+        errors.add(v.span(), "a service method cannot be variadic");
+    }
+    if sig.asyncness.is_none() {
+        errors.add(
+            sig.fn_token.span,
+            format!(
+                "service methods must be `async fn`: write `async fn {}(&self, ...) -> \
+                 Result<T, E>;`",
+                sig.ident
+            ),
+        );
+    }
+    if !sig.generics.params.is_empty() || sig.generics.where_clause.is_some() {
+        errors.add(
+            sig.generics.span(),
+            "a service method cannot be generic (nor name lifetimes): the server must know \
+             the concrete argument and result types to decode and encode them",
+        );
+    }
+
+    // The receiver: exactly `&self`.
+    let mut inputs = sig.inputs.iter();
+    match inputs.next() {
+        Some(FnArg::Receiver(r))
+            if r.reference.as_ref().is_some_and(|(_, lt)| lt.is_none())
+                && r.mutability.is_none()
+                && r.colon_token.is_none() => {}
+        Some(FnArg::Receiver(r)) => errors.add(
+            r.span(),
+            "a service method takes `&self` (not `self`, `&mut self` or a typed receiver): \
+             calls run concurrently on a shared instance",
+        ),
+        Some(other) => errors.add(
+            other.span(),
+            "a service method takes `&self` as its first parameter",
+        ),
+        None => errors.add(
+            sig.paren_token.span.join(),
+            "a service method takes `&self` as its first parameter",
+        ),
+    }
+
+    let mut args = Vec::new();
+    let mut hash_key: Option<usize> = None;
+    for (index, input) in inputs.enumerate() {
+        let FnArg::Typed(pt) = input else {
+            // A second receiver is rejected by the parser already.
+            continue;
+        };
+        for attr in &pt.attrs {
+            if is_hash_key(attr) {
+                if !matches!(attr.meta, syn::Meta::Path(_)) {
+                    errors.add(attr.meta.span(), "write `#[hash_key]` without arguments");
+                } else if hash_key.is_some() {
+                    errors.add(
+                        attr.span(),
+                        "only one argument can be the `#[hash_key]`: the hash shunt strategy \
+                         hashes a single value",
+                    );
+                } else {
+                    hash_key = Some(index);
+                }
+            } else {
+                errors.add(
+                    attr.span(),
+                    "only `#[hash_key]` is supported on a service method argument",
+                );
+            }
+        }
+        let ident = match &*pt.pat {
+            Pat::Ident(p) if p.by_ref.is_none() && p.mutability.is_none() && p.subpat.is_none() => {
+                p.ident.clone()
+            }
+            other => {
+                errors.add(
+                    other.span(),
+                    "service method arguments must be plain names (`name: Type`), not patterns",
+                );
+                continue;
+            }
+        };
+        match &*pt.ty {
+            Type::Reference(r) => errors.add(
+                r.span(),
+                "service method arguments are decoded into owned values on the server: take \
+                 an owned type (`String` rather than `&str`, `Vec<T>` rather than `&[T]`)",
+            ),
+            Type::ImplTrait(t) => errors.add(
+                t.span(),
+                "service method arguments need a concrete type, not `impl Trait`",
+            ),
+            _ => {}
+        }
+        args.push(Arg {
+            ident,
+            ty: (*pt.ty).clone(),
+        });
+    }
+
+    let governance = match Governance::from_attrs(&f.attrs) {
+        Ok(g) => g,
+        Err(e) => {
+            errors.push(e);
+            Governance::default()
+        }
+    };
+    if let Some((Shunt::HashAlgorithm, span)) = governance.shunt_strategy {
+        if hash_key.is_none() {
+            errors.add(
+                span,
+                "shunt_strategy = \"hash\" needs an argument marked `#[hash_key]`",
+            );
+        }
+    }
+
+    let result = match &sig.output {
+        ReturnType::Type(_, ty) => match result_types(ty) {
+            Some((ok, err)) => Some(((**ty).clone(), ok, err)),
+            None => {
+                errors.add(
+                    ty.span(),
+                    "a service method returns `Result<T, E>`, where `E` is `rpc::RpcError` or \
+                     your own error type (Serialize + Deserialize + From<RpcError>)",
+                );
+                None
+            }
+        },
+        ReturnType::Default => {
+            errors.add(
+                sig.paren_token.span.close(),
+                "a service method returns `Result<T, E>`; add `-> Result<(), RpcError>` if \
+                 there is nothing to return",
+            );
+            None
+        }
+    };
+
+    errors.finish()?;
+    let (output, ok, err) =
+        result.ok_or_else(|| syn::Error::new(sig.span(), "expected `-> Result<T, E>`"))?;
+    Ok(Method {
+        ident: sig.ident.clone(),
+        args,
+        hash_key,
+        governance,
+        output,
+        ok,
+        err,
+    })
+}
+
+/// `T` and `E` of a `Result<T, E>` (any path ending in `Result` with two type arguments).
+fn result_types(ty: &Type) -> Option<(Type, Type)> {
+    let Type::Path(tp) = ty else { return None };
+    if tp.qself.is_some() {
+        return None;
+    }
+    let last = tp.path.segments.last()?;
+    if last.ident != "Result" {
+        return None;
+    }
+    let PathArguments::AngleBracketed(ab) = &last.arguments else {
+        return None;
+    };
+    let mut types = ab.args.iter().map(|a| match a {
+        GenericArgument::Type(t) => Some(t.clone()),
+        _ => None,
+    });
+    let ok = types.next()??;
+    let err = types.next()??;
+    if types.next().is_some() {
+        return None;
+    }
+    Some((ok, err))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use quote::quote;
+
+    fn service(tokens: proc_macro2::TokenStream) -> syn::Result<Service> {
+        Service::new(ServiceArgs::default(), syn::parse2(tokens).unwrap())
+    }
+
+    fn error(tokens: proc_macro2::TokenStream) -> String {
+        match service(tokens) {
+            Ok(_) => panic!("expected an error"),
+            Err(e) => e
+                .into_iter()
+                .map(|e| e.to_string())
+                .collect::<Vec<_>>()
+                .join("\n"),
+        }
+    }
+
+    #[test]
+    fn reads_methods_in_order() {
+        let s = service(quote! {
+            pub trait Echo {
+                #[governance(timeout_ms = 800, retry_times = 2, idempotent)]
+                async fn echo(&self, text: String) -> Result<String, RpcError>;
+                async fn profile(&self, #[hash_key] user_id: u64, verbose: bool)
+                    -> std::result::Result<Profile, MyError>;
+                async fn ping(&self) -> Result<(), RpcError>;
+                async fn r#type(&self) -> Result<(), RpcError>;
+            }
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        let names: Vec<_> = s.methods.iter().map(Method::name).collect();
+        assert_eq!(names, ["echo", "profile", "ping", "type"]);
+        assert_eq!(s.methods[0].governance.timeout_ms, Some(800));
+        assert_eq!(s.methods[0].hash_key, None);
+        assert_eq!(s.methods[1].hash_key, Some(0));
+        assert_eq!(s.methods[1].args.len(), 2);
+        let err = &s.methods[1].err;
+        assert_eq!(quote!(#err).to_string(), "MyError");
+        assert!(s.methods[2].args.is_empty());
+    }
+
+    #[test]
+    fn hash_key_index_skips_self() {
+        let s = service(quote! {
+            trait T { async fn m(&self, a: u8, b: u8, #[hash_key] c: String) -> Result<(), E>; }
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(s.methods[0].hash_key, Some(2));
+    }
+
+    #[test]
+    fn rejects_two_hash_keys() {
+        let e = error(quote! {
+            trait T { async fn m(&self, #[hash_key] a: u8, #[hash_key] b: u8) -> Result<(), E>; }
+        });
+        assert!(e.contains("hash_key"), "{e}");
+    }
+
+    #[test]
+    fn rejects_unsupported_methods() {
+        let cases = [
+            (
+                quote!(
+                    trait T {
+                        fn m(&self) -> Result<(), E>;
+                    }
+                ),
+                "must be `async fn`",
+            ),
+            (
+                quote!(
+                    trait T {
+                        async fn m(self) -> Result<(), E>;
+                    }
+                ),
+                "takes `&self`",
+            ),
+            (
+                quote!(
+                    trait T {
+                        async fn m(&mut self) -> Result<(), E>;
+                    }
+                ),
+                "takes `&self`",
+            ),
+            (
+                quote!(
+                    trait T {
+                        async fn m(self: Arc<Self>) -> Result<(), E>;
+                    }
+                ),
+                "takes `&self`",
+            ),
+            (
+                quote!(
+                    trait T {
+                        async fn m() -> Result<(), E>;
+                    }
+                ),
+                "takes `&self`",
+            ),
+            (
+                quote!(
+                    trait T {
+                        async fn m(&self, (a, b): (u8, u8)) -> Result<(), E>;
+                    }
+                ),
+                "plain names",
+            ),
+            (
+                quote!(
+                    trait T {
+                        async fn m(&self, mut a: u8) -> Result<(), E>;
+                    }
+                ),
+                "plain names",
+            ),
+            (
+                quote!(
+                    trait T {
+                        async fn m<X>(&self, a: X) -> Result<(), E>;
+                    }
+                ),
+                "cannot be generic",
+            ),
+            (
+                quote!(
+                    trait T {
+                        async fn m<'a>(&'a self) -> Result<(), E>;
+                    }
+                ),
+                "cannot be generic",
+            ),
+            (
+                quote!(
+                    trait T {
+                        async fn m(&self) -> String;
+                    }
+                ),
+                "returns `Result<T, E>`",
+            ),
+            (
+                quote!(
+                    trait T {
+                        async fn m(&self) -> Result<String>;
+                    }
+                ),
+                "returns `Result<T, E>`",
+            ),
+            (
+                quote!(
+                    trait T {
+                        async fn m(&self);
+                    }
+                ),
+                "returns `Result<T, E>`",
+            ),
+            (
+                quote!(
+                    trait T {
+                        async fn m(&self) -> Result<(), E> {
+                            Ok(())
+                        }
+                    }
+                ),
+                "default body",
+            ),
+            (
+                quote!(
+                    trait T {
+                        async fn m(&self, s: &str) -> Result<(), E>;
+                    }
+                ),
+                "owned",
+            ),
+            (
+                quote!(
+                    trait T {
+                        async fn m(&self, #[hash_key(x)] s: u8) -> Result<(), E>;
+                    }
+                ),
+                "without arguments",
+            ),
+            (
+                quote!(
+                    trait T {
+                        #[governance(nope = 1)]
+                        async fn m(&self) -> Result<(), E>;
+                    }
+                ),
+                "unknown governance key `nope`",
+            ),
+            (
+                quote!(
+                    trait T {
+                        #[governance(shunt_strategy = "hash")]
+                        async fn m(&self) -> Result<(), E>;
+                    }
+                ),
+                "needs an argument marked `#[hash_key]`",
+            ),
+            (
+                quote!(
+                    trait T<X> {}
+                ),
+                "cannot be generic",
+            ),
+            (
+                quote!(
+                    trait T {
+                        type X;
+                    }
+                ),
+                "only `async fn`",
+            ),
+            (
+                quote!(
+                    unsafe trait T {}
+                ),
+                "`unsafe`",
+            ),
+        ];
+        for (tokens, want) in cases {
+            let e = error(tokens.clone());
+            assert!(e.contains(want), "{tokens}\n=> {e}");
+        }
+    }
+
+    #[test]
+    fn reports_every_error() {
+        let e = service(quote! {
+            trait T {
+                fn a(&self) -> Result<(), E>;
+                async fn b(&self) -> u8;
+            }
+        })
+        .err()
+        .unwrap();
+        assert_eq!(e.into_iter().count(), 2);
+    }
+
+    #[test]
+    fn service_args() {
+        let a: ServiceArgs = syn::parse2(quote!(name = "echo.Echo")).unwrap();
+        assert_eq!(a.name.unwrap().value(), "echo.Echo");
+        let a: ServiceArgs = syn::parse2(quote!()).unwrap();
+        assert!(a.name.is_none());
+        for (tokens, want) in [
+            (quote!(nme = "x"), "unknown #[rpc::service] argument `nme`"),
+            (quote!(name = ""), "non-empty"),
+            (quote!(name = "a b"), "whitespace"),
+            (quote!(name = 3), "expected string literal"),
+            (quote!(name = "a", name = "b"), "set twice"),
+        ] {
+            let e = syn::parse2::<ServiceArgs>(tokens)
+                .err()
+                .unwrap()
+                .to_string();
+            assert!(e.contains(want), "{e}");
+        }
+    }
+}
