@@ -50,6 +50,11 @@ pub use rpc_macros::service;
 pub use rpc_registry::{InProcessRegistry, Instance, Registry, RegistryError, StaticRegistry};
 pub use rpc_server::{Server, ServerBuilder, ServerHandle, Service};
 
+/// The README's quick start, compiled and run as a test.
+#[doc = include_str!("../../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
+
 /// The crates behind the facade, for what it does not re-export.
 pub mod crates {
     pub use rpc_client as client;
