@@ -8,9 +8,10 @@ use bytes::Bytes;
 use dashmap::DashMap;
 use rpc_core::wire::{RemoteInvokeMessage, RemoteResultMessage};
 use rpc_core::{
-    Codec, GovernanceOptions, GovernanceOverrides, MethodDescriptor, RpcError, ShuntStrategy,
-    StatusCode,
+    Codec, GovernanceOptions, GovernanceOverrides, MethodDescriptor, RpcError, Service,
+    ShuntStrategy, StatusCode,
 };
+use rpc_governance::breaker::{BreakerState, CircuitBreaker, Transition};
 use rpc_governance::health::EndpointHealth;
 use rpc_governance::retry::{self, Decision};
 use rpc_governance::timeout;
@@ -32,9 +33,16 @@ struct Inner {
     codec: Codec,
     defaults: GovernanceOptions,
     overrides: HashMap<String, GovernanceOverrides>,
-    entries: DashMap<&'static str, Arc<GovernanceOptions>>,
+    entries: DashMap<&'static str, Arc<EntryState>>,
     services: DashMap<&'static str, Arc<ServiceState>>,
+    fallbacks: HashMap<&'static str, Arc<dyn Service>>,
     health: EndpointHealth,
+}
+
+/// What a client keeps per entry: its options and its circuit breaker.
+struct EntryState {
+    options: Arc<GovernanceOptions>,
+    breaker: CircuitBreaker,
 }
 
 /// Builds a [`Client`].
@@ -45,6 +53,7 @@ pub struct ClientBuilder {
     connections_per_endpoint: usize,
     defaults: GovernanceOptions,
     overrides: HashMap<String, GovernanceOverrides>,
+    fallbacks: HashMap<&'static str, Arc<dyn Service>>,
 }
 
 impl Default for ClientBuilder {
@@ -56,6 +65,7 @@ impl Default for ClientBuilder {
             connections_per_endpoint: 1,
             defaults: GovernanceOptions::default(),
             overrides: HashMap::new(),
+            fallbacks: HashMap::new(),
         }
     }
 }
@@ -135,6 +145,16 @@ impl ClientBuilder {
         self
     }
 
+    /// Registers a fallback for the service it implements (a `<Trait>Server` wrapping another
+    /// implementation of the trait). It receives the original arguments when a call failed
+    /// (transport, timeout, overflow, open breaker, server error), never for business,
+    /// validation or auth errors, which are the callee's answer.
+    pub fn fallback(mut self, fallback: impl Service) -> Self {
+        self.fallbacks
+            .insert(fallback.service_id(), Arc::new(fallback));
+        self
+    }
+
     /// The client.
     pub fn build(self) -> Client {
         let max_backoff = Duration::from_secs(self.defaults.breaker_seconds.max(1));
@@ -149,6 +169,7 @@ impl ClientBuilder {
                 overrides: self.overrides,
                 entries: DashMap::new(),
                 services: DashMap::new(),
+                fallbacks: self.fallbacks,
                 health: EndpointHealth::new(max_backoff),
             }),
         }
@@ -169,8 +190,27 @@ impl Client {
     /// The governance settings in force for `method`: defaults, then its `#[governance(...)]`
     /// attribute, then this client's overrides for its service and for the entry.
     pub fn options(&self, method: &'static MethodDescriptor) -> Arc<GovernanceOptions> {
-        if let Some(o) = self.inner.entries.get(method.entry_id) {
-            return o.clone();
+        self.entry(method).options.clone()
+    }
+
+    /// The state of `method`'s circuit breaker.
+    pub fn breaker_state(&self, method: &'static MethodDescriptor) -> BreakerState {
+        self.entry(method).breaker.state()
+    }
+
+    /// Opens `method`'s breaker until [`reset_breaker`](Self::reset_breaker).
+    pub fn isolate(&self, method: &'static MethodDescriptor) {
+        self.entry(method).breaker.isolate();
+    }
+
+    /// Closes `method`'s breaker.
+    pub fn reset_breaker(&self, method: &'static MethodDescriptor) {
+        self.entry(method).breaker.reset();
+    }
+
+    fn entry(&self, method: &'static MethodDescriptor) -> Arc<EntryState> {
+        if let Some(e) = self.inner.entries.get(method.entry_id) {
+            return e.clone();
         }
         let mut o = method.governance.applied(&self.inner.defaults);
         for id in [method.service_id, method.entry_id] {
@@ -178,9 +218,16 @@ impl Client {
                 layer.apply_to(&mut o);
             }
         }
-        let o = Arc::new(o);
-        self.inner.entries.insert(method.entry_id, o.clone());
-        o
+        self.inner
+            .entries
+            .entry(method.entry_id)
+            .or_insert_with(|| {
+                Arc::new(EntryState {
+                    options: Arc::new(o),
+                    breaker: CircuitBreaker::new(),
+                })
+            })
+            .clone()
     }
 
     /// The live endpoints of `service_id` as the registry announces them.
@@ -219,15 +266,49 @@ impl Client {
         params: Bytes,
         hash_key: Option<u64>,
     ) -> Result<Bytes, RpcError> {
-        let options = self.options(method);
-        let deadline = timeout::deadline(&options);
-        timeout::run_until(
+        let entry = self.entry(method);
+        let result = self
+            .governed(method, &entry, params.clone(), hash_key)
+            .await;
+        match result {
+            Err(e) if runs_fallback(&e) => match self.inner.fallbacks.get(method.service_id) {
+                Some(fallback) => {
+                    run_fallback(fallback.as_ref(), method, params, self.codec(), e).await
+                }
+                None => Err(e),
+            },
+            r => r,
+        }
+    }
+
+    /// Circuit breaker → timeout → retry → call.
+    async fn governed(
+        &self,
+        method: &'static MethodDescriptor,
+        entry: &EntryState,
+        params: Bytes,
+        hash_key: Option<u64>,
+    ) -> Result<Bytes, RpcError> {
+        let options = &*entry.options;
+        let deadline = timeout::deadline(options);
+        let call = timeout::run_until(
             deadline,
             method.entry_id,
             options.timeout_ms,
-            self.attempts(method, &options, params, hash_key, deadline),
-        )
-        .await
+            self.attempts(method, options, params, hash_key, deadline),
+        );
+        if !options.enable_circuit_breaker {
+            return call.await;
+        }
+        let (permit, transition) = entry.breaker.try_acquire(method.entry_id, options)?;
+        if let Some(t) = transition {
+            breaker_event(method, t);
+        }
+        let result = call.await;
+        if let Some(t) = entry.breaker.record(permit, &result, options) {
+            breaker_event(method, t);
+        }
+        result
     }
 
     async fn attempts(
@@ -326,6 +407,57 @@ impl Client {
     pub fn close(&self) {
         self.inner.pool.close_all();
     }
+}
+
+fn breaker_event(method: &MethodDescriptor, t: Transition) {
+    let event = match t {
+        Transition::Break => "break",
+        Transition::HalfOpen => "half-open",
+        Transition::Reset => "reset",
+    };
+    tracing::info!(target: "rpc::governance", entry = method.entry_id, event, "circuit breaker");
+}
+
+/// A fallback answers for failures of the call, not for the callee's own answers or for
+/// authentication.
+fn runs_fallback(e: &RpcError) -> bool {
+    !e.code().is_callee_answer() && e.code() != StatusCode::RpcUnAuthentication
+}
+
+async fn run_fallback(
+    fallback: &dyn Service,
+    method: &'static MethodDescriptor,
+    params: Bytes,
+    codec: Codec,
+    cause: RpcError,
+) -> Result<Bytes, RpcError> {
+    // Recorded on the caller's current span: a trace shows why the fallback ran.
+    tracing::warn!(
+        target: "rpc::governance",
+        entry = method.entry_id,
+        event = "fallback",
+        cause = %cause,
+        "call failed, running the fallback"
+    );
+    let Some(index) = fallback
+        .methods()
+        .iter()
+        .position(|m| m.entry_id == method.entry_id)
+    else {
+        return Err(cause);
+    };
+    fallback.call(index, params, codec).await.map_err(|fe| {
+        if fe.code().is_callee_answer() {
+            return fe;
+        }
+        RpcError::new(
+            StatusCode::FallbackExecFail,
+            format!(
+                "{} failed ({cause}) and so did its fallback ({fe})",
+                method.entry_id
+            ),
+        )
+    })
 }
 
 fn into_result(r: RemoteResultMessage, codec: Codec, addr: &str) -> Result<Bytes, RpcError> {

@@ -28,6 +28,7 @@ mod error;
 mod hash;
 mod ids;
 mod options;
+mod service;
 mod status;
 pub mod wire;
 
@@ -37,6 +38,7 @@ pub use error::{RemoteError, RpcError};
 pub use hash::stable_hash;
 pub use ids::{ServiceEntryId, ServiceId};
 pub use options::{GovernanceOptions, GovernanceOverrides, ShuntStrategy};
+pub use service::{Service, ServiceFuture};
 pub use status::StatusCode;
 
 /// The protocol version this build speaks (`Hello.protocol_version`).

@@ -54,6 +54,8 @@ pub struct GovernanceOptions {
     pub exceptions_allowed_before_breaking: u32,
     /// How long the breaker stays open, in seconds.
     pub breaker_seconds: u64,
+    /// Probe calls a half-open breaker admits at once.
+    pub half_open_probes: u32,
     /// Server side: calls of this entry handled at once before Overflow is answered.
     pub max_concurrent_handling_count: u32,
     /// Consecutive transport failures after which a client stops using an endpoint until the
@@ -75,6 +77,7 @@ impl Default for GovernanceOptions {
             enable_circuit_breaker: true,
             exceptions_allowed_before_breaking: 3,
             breaker_seconds: 60,
+            half_open_probes: 1,
             max_concurrent_handling_count: 50,
             unhealthy_times_allowed_before_removing: 3,
             idempotent: false,
@@ -103,6 +106,8 @@ pub struct GovernanceOverrides {
     pub exceptions_allowed_before_breaking: Option<u32>,
     /// See [`GovernanceOptions::breaker_seconds`].
     pub breaker_seconds: Option<u64>,
+    /// See [`GovernanceOptions::half_open_probes`].
+    pub half_open_probes: Option<u32>,
     /// See [`GovernanceOptions::max_concurrent_handling_count`].
     pub max_concurrent_handling_count: Option<u32>,
     /// See [`GovernanceOptions::unhealthy_times_allowed_before_removing`].
@@ -122,6 +127,7 @@ impl GovernanceOverrides {
         enable_circuit_breaker: None,
         exceptions_allowed_before_breaking: None,
         breaker_seconds: None,
+        half_open_probes: None,
         max_concurrent_handling_count: None,
         unhealthy_times_allowed_before_removing: None,
         idempotent: None,
@@ -142,6 +148,7 @@ impl GovernanceOverrides {
             enable_circuit_breaker,
             exceptions_allowed_before_breaking,
             breaker_seconds,
+            half_open_probes,
             max_concurrent_handling_count,
             unhealthy_times_allowed_before_removing,
             idempotent

@@ -1,6 +1,7 @@
 //! # rpc-governance
 //!
 //! The policy engine's decisions, free of sockets: how long a call may take ([`timeout`]),
+//! when to stop calling a failing entry ([`breaker`]),
 //! whether and when a failed attempt is tried again and where ([`retry`]), and which endpoints a
 //! client should avoid for a while after they failed ([`health`]).
 //!
@@ -20,6 +21,7 @@
 //! ```
 #![warn(missing_docs)]
 
+pub mod breaker;
 pub mod health;
 pub mod retry;
 pub mod timeout;

@@ -27,4 +27,4 @@ mod server;
 mod service;
 
 pub use server::{Server, ServerBuilder, ServerHandle};
-pub use service::Service;
+pub use service::{Service, ServiceFuture};

@@ -1,0 +1,436 @@
+//! Circuit breaker: stops calling an entry whose remote side keeps failing, then probes it.
+
+use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
+
+use rpc_core::{GovernanceOptions, RpcError, StatusCode};
+use tokio::time::Instant;
+
+/// The state of a breaker, as [`CircuitBreaker::state`] reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BreakerState {
+    /// Calls flow; `failures` counted failures in a row so far.
+    Closed {
+        /// Consecutive counted failures.
+        failures: u32,
+    },
+    /// Calls fail fast with [`StatusCode::CircuitOpen`] until `retry_after` has passed.
+    Open {
+        /// Time left before the breaker admits a probe.
+        retry_after: Duration,
+    },
+    /// Probing: up to the configured number of calls go through; the first result decides.
+    HalfOpen {
+        /// Probes in flight.
+        probes: u32,
+    },
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Phase {
+    Closed { failures: u32 },
+    Open { until: Instant },
+    HalfOpen { probes: u32, since: Instant },
+    Isolated,
+}
+
+#[derive(Debug)]
+struct State {
+    phase: Phase,
+    /// Bumped at every transition: results of calls admitted under an older generation are
+    /// ignored (a call that started before the circuit opened says nothing about now).
+    generation: u64,
+    /// The failure that last opened the breaker, quoted in the fail-fast error.
+    last_cause: Option<String>,
+}
+
+/// Admission to call through a breaker; hand it back to [`CircuitBreaker::record`].
+#[derive(Debug)]
+#[must_use = "record the outcome, or the half-open probe slot stays taken until it expires"]
+pub struct Permit {
+    generation: u64,
+}
+
+/// What a call's outcome means to the breaker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// The remote side answered.
+    Success,
+    /// The remote side failed (transport, timeout, overflow, server error).
+    Failure,
+    /// Says nothing about the remote side (business, validation, auth, not-found,
+    /// not-implemented): Silky's exemptions.
+    Ignored,
+}
+
+impl Outcome {
+    /// Classifies a call's result.
+    pub fn of<T>(result: &Result<T, RpcError>) -> Outcome {
+        match result {
+            Ok(_) => Outcome::Success,
+            Err(e) if e.code().is_breaker_exempt() => Outcome::Ignored,
+            Err(_) => Outcome::Failure,
+        }
+    }
+}
+
+/// What a breaker transition was, for events.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transition {
+    /// Closed → open, or half-open → open after a failed probe.
+    Break,
+    /// Open → half-open: a probe is admitted.
+    HalfOpen,
+    /// Half-open → closed after a successful probe, or a manual reset.
+    Reset,
+}
+
+/// A per-entry circuit breaker in consecutive-failure mode.
+///
+/// Opens after `exceptions_allowed_before_breaking` counted failures in a row, stays open for
+/// `breaker_seconds`, then admits `half_open_probes` probe calls: a successful probe closes it,
+/// a failed one opens it again. A probe that never reports back frees its slot after
+/// `breaker_seconds`.
+#[derive(Debug)]
+pub struct CircuitBreaker {
+    state: Mutex<State>,
+}
+
+impl Default for CircuitBreaker {
+    fn default() -> Self {
+        CircuitBreaker {
+            state: Mutex::new(State {
+                phase: Phase::Closed { failures: 0 },
+                generation: 0,
+                last_cause: None,
+            }),
+        }
+    }
+}
+
+fn break_duration(o: &GovernanceOptions) -> Duration {
+    Duration::from_secs(o.breaker_seconds)
+}
+
+fn open_error(entry: &str, retry_after: Duration, cause: Option<&str>) -> RpcError {
+    RpcError::new(
+        StatusCode::CircuitOpen,
+        format!(
+            "the circuit breaker of {entry} is open after repeated failures, the call was not \
+             sent; last failure: {}",
+            cause.unwrap_or("none recorded")
+        ),
+    )
+    .with_retry_after(retry_after)
+}
+
+impl CircuitBreaker {
+    /// A closed breaker.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Admits a call, or fails fast with [`StatusCode::CircuitOpen`] carrying `retry_after`.
+    /// The second value reports a transition to half-open.
+    pub fn try_acquire(
+        &self,
+        entry: &str,
+        o: &GovernanceOptions,
+    ) -> Result<(Permit, Option<Transition>), RpcError> {
+        let now = Instant::now();
+        let mut s = self.lock();
+        match s.phase {
+            Phase::Closed { .. } => Ok((
+                Permit {
+                    generation: s.generation,
+                },
+                None,
+            )),
+            Phase::Isolated => Err(RpcError::new(
+                StatusCode::CircuitOpen,
+                format!("{entry} is isolated by an operator; reset its breaker to call it"),
+            )),
+            Phase::Open { until } if now < until => {
+                Err(open_error(entry, until - now, s.last_cause.as_deref()))
+            }
+            Phase::Open { .. } => {
+                s.generation += 1;
+                s.phase = Phase::HalfOpen {
+                    probes: 1,
+                    since: now,
+                };
+                Ok((
+                    Permit {
+                        generation: s.generation,
+                    },
+                    Some(Transition::HalfOpen),
+                ))
+            }
+            Phase::HalfOpen { probes, since } => {
+                if probes < o.half_open_probes.max(1) {
+                    s.phase = Phase::HalfOpen {
+                        probes: probes + 1,
+                        since,
+                    };
+                    Ok((
+                        Permit {
+                            generation: s.generation,
+                        },
+                        None,
+                    ))
+                } else if now >= since + break_duration(o) {
+                    // The probes never reported back: their slots are freed, a new round starts.
+                    s.generation += 1;
+                    s.phase = Phase::HalfOpen {
+                        probes: 1,
+                        since: now,
+                    };
+                    Ok((
+                        Permit {
+                            generation: s.generation,
+                        },
+                        None,
+                    ))
+                } else {
+                    Err(open_error(
+                        entry,
+                        since + break_duration(o) - now,
+                        s.last_cause.as_deref(),
+                    ))
+                }
+            }
+        }
+    }
+
+    /// Records the result of an admitted call; returns the transition it caused, if any.
+    pub fn record<T>(
+        &self,
+        permit: Permit,
+        result: &Result<T, RpcError>,
+        o: &GovernanceOptions,
+    ) -> Option<Transition> {
+        self.record_outcome(permit, Outcome::of(result), o, result.as_ref().err())
+    }
+
+    /// Records an outcome already classified; `cause` is quoted while the breaker is open.
+    pub fn record_outcome(
+        &self,
+        permit: Permit,
+        outcome: Outcome,
+        o: &GovernanceOptions,
+        cause: Option<&RpcError>,
+    ) -> Option<Transition> {
+        let mut s = self.lock();
+        if permit.generation != s.generation || outcome == Outcome::Ignored {
+            return None;
+        }
+        if outcome == Outcome::Failure {
+            if let Some(c) = cause {
+                s.last_cause = Some(c.to_string());
+            }
+        }
+        let now = Instant::now();
+        match (s.phase, outcome) {
+            (Phase::Closed { .. }, Outcome::Success) => {
+                s.phase = Phase::Closed { failures: 0 };
+                None
+            }
+            (Phase::Closed { failures }, Outcome::Failure) => {
+                let failures = failures + 1;
+                if failures >= o.exceptions_allowed_before_breaking.max(1) {
+                    s.generation += 1;
+                    s.phase = Phase::Open {
+                        until: now + break_duration(o),
+                    };
+                    Some(Transition::Break)
+                } else {
+                    s.phase = Phase::Closed { failures };
+                    None
+                }
+            }
+            (Phase::HalfOpen { .. }, Outcome::Success) => {
+                s.generation += 1;
+                s.phase = Phase::Closed { failures: 0 };
+                Some(Transition::Reset)
+            }
+            (Phase::HalfOpen { .. }, Outcome::Failure) => {
+                s.generation += 1;
+                s.phase = Phase::Open {
+                    until: now + break_duration(o),
+                };
+                Some(Transition::Break)
+            }
+            _ => None,
+        }
+    }
+
+    /// The current state.
+    pub fn state(&self) -> BreakerState {
+        let s = self.lock();
+        match s.phase {
+            Phase::Closed { failures } => BreakerState::Closed { failures },
+            Phase::Open { until } => BreakerState::Open {
+                retry_after: until.saturating_duration_since(Instant::now()),
+            },
+            Phase::HalfOpen { probes, .. } => BreakerState::HalfOpen { probes },
+            Phase::Isolated => BreakerState::Open {
+                retry_after: Duration::MAX,
+            },
+        }
+    }
+
+    /// Opens the breaker until [`reset`](Self::reset) is called.
+    pub fn isolate(&self) {
+        let mut s = self.lock();
+        s.generation += 1;
+        s.phase = Phase::Isolated;
+    }
+
+    /// Closes the breaker and forgets past failures.
+    pub fn reset(&self) {
+        let mut s = self.lock();
+        s.generation += 1;
+        s.phase = Phase::Closed { failures: 0 };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts() -> GovernanceOptions {
+        GovernanceOptions {
+            exceptions_allowed_before_breaking: 3,
+            breaker_seconds: 10,
+            half_open_probes: 1,
+            ..Default::default()
+        }
+    }
+
+    fn fail(b: &CircuitBreaker, o: &GovernanceOptions) -> Option<Transition> {
+        let (p, _) = b.try_acquire("e", o).unwrap();
+        b.record_outcome(p, Outcome::Failure, o, None)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn opens_after_n_consecutive_failures_not_n_minus_1() {
+        let (b, o) = (CircuitBreaker::new(), opts());
+        assert_eq!(fail(&b, &o), None);
+        assert_eq!(fail(&b, &o), None);
+        assert_eq!(b.state(), BreakerState::Closed { failures: 2 });
+        let (p, _) = b.try_acquire("e", &o).unwrap();
+        b.record_outcome(p, Outcome::Success, &o, None);
+        assert_eq!(
+            b.state(),
+            BreakerState::Closed { failures: 0 },
+            "a success resets the count"
+        );
+        fail(&b, &o);
+        fail(&b, &o);
+        assert_eq!(fail(&b, &o), Some(Transition::Break));
+        let err = b.try_acquire("e", &o).unwrap_err();
+        assert_eq!(err.code(), StatusCode::CircuitOpen);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn exempt_errors_never_count() {
+        let (b, o) = (CircuitBreaker::new(), opts());
+        for code in [
+            StatusCode::BusinessError,
+            StatusCode::ValidateError,
+            StatusCode::UnAuthentication,
+            StatusCode::RpcUnAuthentication,
+            StatusCode::NotFindLocalServiceEntry,
+            StatusCode::NotImplemented,
+        ] {
+            for _ in 0..5 {
+                let (p, _) = b.try_acquire("e", &o).unwrap();
+                let r: Result<(), _> = Err(RpcError::new(code, "x"));
+                b.record_outcome(p, Outcome::of(&r), &o, None);
+            }
+        }
+        assert_eq!(b.state(), BreakerState::Closed { failures: 0 });
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn retry_after_shrinks_then_half_open_admits_one_probe() {
+        let (b, o) = (CircuitBreaker::new(), opts());
+        for _ in 0..3 {
+            fail(&b, &o);
+        }
+        let first = b.try_acquire("e", &o).unwrap_err().retry_after().unwrap();
+        tokio::time::advance(Duration::from_secs(4)).await;
+        let later = b.try_acquire("e", &o).unwrap_err().retry_after().unwrap();
+        assert_eq!(first - later, Duration::from_secs(4));
+        tokio::time::advance(Duration::from_secs(6)).await;
+        let (probe, t) = b.try_acquire("e", &o).unwrap();
+        assert_eq!(t, Some(Transition::HalfOpen));
+        assert!(b.try_acquire("e", &o).is_err(), "only one probe");
+        assert_eq!(
+            b.record_outcome(probe, Outcome::Success, &o, None),
+            Some(Transition::Reset)
+        );
+        assert_eq!(b.state(), BreakerState::Closed { failures: 0 });
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn failed_probe_reopens_and_hung_probe_frees_its_slot() {
+        let (b, o) = (CircuitBreaker::new(), opts());
+        for _ in 0..3 {
+            fail(&b, &o);
+        }
+        tokio::time::advance(Duration::from_secs(10)).await;
+        let (probe, _) = b.try_acquire("e", &o).unwrap();
+        assert_eq!(
+            b.record_outcome(probe, Outcome::Failure, &o, None),
+            Some(Transition::Break)
+        );
+        assert!(matches!(b.state(), BreakerState::Open { .. }));
+        tokio::time::advance(Duration::from_secs(10)).await;
+        let (hung, _) = b.try_acquire("e", &o).unwrap();
+        assert!(b.try_acquire("e", &o).is_err());
+        tokio::time::advance(Duration::from_secs(10)).await;
+        let (fresh, _) = b.try_acquire("e", &o).unwrap();
+        // The hung probe's late result belongs to an old round and is ignored.
+        assert_eq!(b.record_outcome(hung, Outcome::Failure, &o, None), None);
+        assert_eq!(
+            b.record_outcome(fresh, Outcome::Success, &o, None),
+            Some(Transition::Reset)
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn results_of_calls_started_before_opening_are_ignored() {
+        let (b, o) = (CircuitBreaker::new(), opts());
+        let (early, _) = b.try_acquire("e", &o).unwrap();
+        for _ in 0..3 {
+            fail(&b, &o);
+        }
+        tokio::time::advance(Duration::from_secs(10)).await;
+        let (probe, _) = b.try_acquire("e", &o).unwrap();
+        assert_eq!(
+            b.record_outcome(early, Outcome::Success, &o, None),
+            None,
+            "stale success ignored"
+        );
+        assert!(matches!(b.state(), BreakerState::HalfOpen { probes: 1 }));
+        assert_eq!(
+            b.record_outcome(probe, Outcome::Success, &o, None),
+            Some(Transition::Reset)
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn isolate_and_reset() {
+        let (b, o) = (CircuitBreaker::new(), opts());
+        b.isolate();
+        tokio::time::advance(Duration::from_secs(3600)).await;
+        assert!(b.try_acquire("e", &o).is_err());
+        b.reset();
+        assert!(b.try_acquire("e", &o).is_ok());
+    }
+}
