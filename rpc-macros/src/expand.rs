@@ -38,7 +38,7 @@ impl Names {
 
 /// Entry point: `#[service(attr)] item`.
 pub fn expand(attr: TokenStream, item: TokenStream) -> TokenStream {
-    let mut trait_item: ItemTrait = match syn::parse2(item.clone()) {
+    let trait_item: ItemTrait = match syn::parse2(item.clone()) {
         Ok(t) => t,
         Err(e) => {
             let e = syn::Error::new(e.span(), format!("#[rpc::service] goes on a trait: {e}"))
@@ -51,9 +51,8 @@ pub fn expand(attr: TokenStream, item: TokenStream) -> TokenStream {
     match service {
         Ok(service) => expand_service(&service),
         Err(e) => {
-            // Keep the trait (minus our helper attributes) so that the only errors the user
-            // sees are ours, not "cannot find trait" follow-ups.
-            parse::strip_helper_attrs(&mut trait_item);
+            // Keep the trait so that the only errors the user sees are ours.
+            let trait_item = parse::passthrough(trait_item);
             let e = e.to_compile_error();
             quote!(#e #trait_item)
         }
@@ -152,6 +151,9 @@ fn descriptors(service: &Service, names: &Names, service_id_parts: &TokenStream)
 
         #[doc = #doc_table]
         #[doc(hidden)]
+        // `..GovernanceOverrides::NONE` stays even when every field is set, so that fields added
+        // to the type later need no change in the generator.
+        #[allow(clippy::needless_update)]
         static #table: [::rpc::__private::MethodDescriptor; #n] = [#(#entries),*];
     }
 }
@@ -307,6 +309,21 @@ mod tests {
         assert!(!out.contains("# [hash_key]"), "{out}");
         assert!(!out.contains("# [governance"), "{out}");
         assert!(!out.contains("TClient"), "{out}");
+
+        // Patterns become `_` so that rustc does not add its own error about them.
+        let out = expand_str(
+            quote!(),
+            quote!(
+                trait T {
+                    async fn m(&self, (a, b): (u8, u8), mut c: u8) -> Result<(), E>;
+                }
+            ),
+        );
+        assert!(out.contains("plain names"), "{out}");
+        assert!(
+            out.contains("async fn m (& self , _ : (u8 , u8) , _ : u8) -> Result < () , E > ;"),
+            "{out}"
+        );
     }
 
     #[test]

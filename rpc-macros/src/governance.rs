@@ -3,7 +3,6 @@
 use proc_macro2::{Span, TokenStream};
 use quote::quote;
 use syn::punctuated::Punctuated;
-use syn::spanned::Spanned;
 use syn::{Attribute, Expr, ExprLit, Lit, Meta, Token};
 
 /// The keys `#[governance(...)]` accepts, for error messages.
@@ -76,8 +75,8 @@ impl Governance {
                 other => {
                     push(
                         &mut errors,
-                        syn::Error::new(
-                            other.span(),
+                        syn::Error::new_spanned(
+                            other,
                             "expected `#[governance(key = value, ...)]`, for example \
                              `#[governance(timeout_ms = 800, retry_times = 2, idempotent)]`",
                         ),
@@ -108,8 +107,8 @@ impl Governance {
     fn set(&mut self, meta: &Meta) -> syn::Result<()> {
         let path = meta.path();
         let Some(key) = path.get_ident() else {
-            return Err(syn::Error::new(
-                path.span(),
+            return Err(syn::Error::new_spanned(
+                path,
                 format!("unknown governance key; expected one of: {KNOWN_KEYS}"),
             ));
         };
@@ -194,48 +193,62 @@ impl Governance {
         Ok(())
     }
 
-    /// The `::rpc::__private::GovernanceOverrides { .. }` expression, usable in a `static`.
+    /// The `::rpc::__private::GovernanceOverrides { .. }` expression, usable in a `static`: the
+    /// fields that are set, then `..GovernanceOverrides::NONE`, so that fields added to the type
+    /// later need no change here.
     pub fn to_tokens(&self) -> TokenStream {
-        fn opt<T: quote::ToTokens>(v: &Option<T>) -> TokenStream {
-            match v {
-                Some(v) => quote!(::core::option::Option::Some(#v)),
-                None => quote!(::core::option::Option::None),
-            }
+        fn some<T: quote::ToTokens>(name: &str, v: Option<T>) -> Option<TokenStream> {
+            let field = syn::Ident::new(name, Span::call_site());
+            v.map(|v| quote!(#field: ::core::option::Option::Some(#v),))
         }
-        let timeout_ms = opt(&self.timeout_ms);
-        let retry_times = opt(&self.retry_times);
-        let retry_interval_ms = opt(&self.retry_interval_ms);
-        let enable_circuit_breaker = opt(&self.enable_circuit_breaker);
-        let exceptions_allowed_before_breaking = opt(&self.exceptions_allowed_before_breaking);
-        let breaker_seconds = opt(&self.breaker_seconds);
-        let max_concurrent_handling_count = opt(&self.max_concurrent_handling_count);
-        let unhealthy_times_allowed_before_removing =
-            opt(&self.unhealthy_times_allowed_before_removing);
-        let idempotent = opt(&self.idempotent);
-        let shunt_strategy = match &self.shunt_strategy {
-            Some((s, _)) => {
-                let v = s.variant();
-                quote!(::core::option::Option::Some(::rpc::__private::ShuntStrategy::#v))
-            }
-            None => quote!(::core::option::Option::None),
-        };
-        let appoint_address = match &self.appoint_address {
-            Some(a) => quote!(::core::option::Option::Some(::std::borrow::Cow::Borrowed(#a))),
-            None => quote!(::core::option::Option::None),
-        };
+        // Unsuffixed, so that each literal takes the type of its field.
+        fn int(v: Option<impl Into<u64>>) -> Option<proc_macro2::Literal> {
+            v.map(|v| proc_macro2::Literal::u64_unsuffixed(v.into()))
+        }
+        let mut fields: Vec<TokenStream> = Vec::new();
+        if let Some((s, _)) = &self.shunt_strategy {
+            let v = s.variant();
+            fields.push(quote! {
+                shunt_strategy: ::core::option::Option::Some(
+                    ::rpc::__private::ShuntStrategy::#v
+                ),
+            });
+        }
+        if let Some(a) = &self.appoint_address {
+            fields.push(quote! {
+                appoint_address: ::core::option::Option::Some(::std::borrow::Cow::Borrowed(#a)),
+            });
+        }
+        fields.extend(
+            [
+                some("timeout_ms", int(self.timeout_ms)),
+                some("retry_times", int(self.retry_times)),
+                some("retry_interval_ms", int(self.retry_interval_ms)),
+                some("enable_circuit_breaker", self.enable_circuit_breaker),
+                some(
+                    "exceptions_allowed_before_breaking",
+                    int(self.exceptions_allowed_before_breaking),
+                ),
+                some("breaker_seconds", int(self.breaker_seconds)),
+                some(
+                    "max_concurrent_handling_count",
+                    int(self.max_concurrent_handling_count),
+                ),
+                some(
+                    "unhealthy_times_allowed_before_removing",
+                    int(self.unhealthy_times_allowed_before_removing),
+                ),
+                some("idempotent", self.idempotent),
+            ]
+            .into_iter()
+            .flatten(),
+        );
+        if fields.is_empty() {
+            return quote!(::rpc::__private::GovernanceOverrides::NONE);
+        }
         quote! {
             ::rpc::__private::GovernanceOverrides {
-                shunt_strategy: #shunt_strategy,
-                appoint_address: #appoint_address,
-                timeout_ms: #timeout_ms,
-                retry_times: #retry_times,
-                retry_interval_ms: #retry_interval_ms,
-                enable_circuit_breaker: #enable_circuit_breaker,
-                exceptions_allowed_before_breaking: #exceptions_allowed_before_breaking,
-                breaker_seconds: #breaker_seconds,
-                max_concurrent_handling_count: #max_concurrent_handling_count,
-                unhealthy_times_allowed_before_removing: #unhealthy_times_allowed_before_removing,
-                idempotent: #idempotent,
+                #(#fields)*
                 ..::rpc::__private::GovernanceOverrides::NONE
             }
         }
@@ -252,8 +265,8 @@ fn push(errors: &mut Option<syn::Error>, e: syn::Error) {
 fn literal<'a>(key: &syn::Ident, value: Option<&'a Expr>, what: &str) -> syn::Result<&'a Lit> {
     match value {
         Some(Expr::Lit(ExprLit { lit, .. })) => Ok(lit),
-        Some(other) => Err(syn::Error::new(
-            other.span(),
+        Some(other) => Err(syn::Error::new_spanned(
+            other,
             format!("`{key}` takes {what} literal"),
         )),
         None => Err(syn::Error::new(
@@ -270,8 +283,8 @@ where
 {
     if let Some(Expr::Unary(u)) = value {
         if matches!(u.op, syn::UnOp::Neg(_)) {
-            return Err(syn::Error::new(
-                u.span(),
+            return Err(syn::Error::new_spanned(
+                u,
                 format!("`{key}` takes a non-negative integer"),
             ));
         }
@@ -365,18 +378,31 @@ mod tests {
     }
 
     #[test]
-    fn tokens_name_every_set_field() {
-        let g = parse(quote!(#[governance(timeout_ms = 800, shunt_strategy = "random")])).unwrap();
+    fn tokens_name_only_the_set_fields() {
+        let g = parse(quote!(#[governance(timeout_ms = 800, retry_times = 2,
+            shunt_strategy = "random", idempotent)]))
+        .unwrap();
         let s = g.to_tokens().to_string();
         assert!(
-            s.contains("timeout_ms : :: core :: option :: Option :: Some (800u64)"),
+            s.contains("timeout_ms : :: core :: option :: Option :: Some (800) ,"),
+            "{s}"
+        );
+        assert!(
+            s.contains("retry_times : :: core :: option :: Option :: Some (2) ,"),
+            "{s}"
+        );
+        assert!(
+            s.contains("idempotent : :: core :: option :: Option :: Some (true) ,"),
             "{s}"
         );
         assert!(s.contains("ShuntStrategy :: Random"), "{s}");
+        assert!(!s.contains("breaker_seconds"), "{s}");
         assert!(
-            s.contains("retry_times : :: core :: option :: Option :: None"),
+            s.ends_with(".. :: rpc :: __private :: GovernanceOverrides :: NONE }"),
             "{s}"
         );
+        let none = Governance::default().to_tokens().to_string();
+        assert_eq!(none, ":: rpc :: __private :: GovernanceOverrides :: NONE");
     }
 
     #[test]

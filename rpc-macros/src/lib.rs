@@ -10,11 +10,34 @@
 //! decides which of those helpers a method calls, with which types and in which order. The
 //! generated code therefore needs the user crate to depend on `rpc` (under that name).
 //!
-//! The modules follow the expansion: [`parse`](crate::parse) reads and checks the trait,
+//! The modules follow the expansion: `parse` reads and checks the trait,
 //! `governance` reads `#[governance(...)]`, `expand` writes the rewritten trait and the
 //! descriptor table, `expand_client` and `expand_server` the two generated types.
 //!
 //! See [`service`] for what is generated and what is rejected.
+//!
+//! ```
+//! use rpc::RpcError;
+//!
+//! #[rpc::service(name = "doc.Counter")]
+//! pub trait Counter {
+//!     /// Adds `n` and returns the new total.
+//!     #[governance(timeout_ms = 800)]
+//!     async fn add(&self, n: u64) -> Result<u64, RpcError>;
+//! }
+//!
+//! // Generated next to the trait: the proxy, the dispatcher and the entry descriptors.
+//! assert_eq!(CounterClient::SERVICE_ID, "doc.Counter");
+//! let entry = &CounterClient::methods()[0];
+//! assert_eq!(entry.entry_id, "doc.Counter.add");
+//! assert_eq!(entry.governance.timeout_ms, Some(800));
+//!
+//! // A caller holds an `rpc::Client` and calls the trait's methods on the proxy.
+//! fn proxy(client: rpc::Client) -> CounterClient {
+//!     CounterClient::new(client)
+//! }
+//! # let _ = proxy;
+//! ```
 #![warn(missing_docs)]
 
 use proc_macro::TokenStream;
@@ -27,18 +50,81 @@ mod parse;
 
 /// Turns a trait into an RPC service: a client proxy, a server dispatcher and entry descriptors.
 ///
-/// ```ignore
-/// use rpc::RpcError;
+/// ```
+/// use rpc::{Codec, RemoteError, RpcError, Service, StatusCode};
+/// use serde::{Deserialize, Serialize};
+///
+/// #[derive(Debug, PartialEq, Serialize, Deserialize)]
+/// pub struct Profile {
+///     pub id: u64,
+///     pub verbose: bool,
+/// }
+///
+/// /// The service's own error type: it comes back to callers typed.
+/// #[derive(Debug, PartialEq, Serialize, Deserialize)]
+/// pub enum MyError {
+///     NoSuchUser(u64),
+///     Call(String),
+/// }
+///
+/// impl From<RpcError> for MyError {
+///     fn from(e: RpcError) -> Self {
+///         MyError::Call(e.to_string())
+///     }
+/// }
 ///
 /// #[rpc::service(name = "echo.Echo")]
 /// pub trait Echo {
 ///     /// Says it back.
 ///     #[governance(timeout_ms = 800, retry_times = 2, idempotent)]
 ///     async fn echo(&self, text: String) -> Result<String, RpcError>;
-///     async fn profile(&self, #[hash_key] user_id: u64, verbose: bool) -> Result<Profile, MyError>;
+///     /// Looks a user up; calls for one user go to the same server under the hash strategy.
+///     async fn profile(&self, #[hash_key] user_id: u64, verbose: bool)
+///         -> Result<Profile, MyError>;
+///     /// Answers.
 ///     async fn ping(&self) -> Result<(), RpcError>;
 /// }
+///
+/// struct Impl;
+///
+/// impl Echo for Impl {
+///     async fn echo(&self, text: String) -> Result<String, RpcError> {
+///         Ok(text)
+///     }
+///     async fn profile(&self, user_id: u64, verbose: bool) -> Result<Profile, MyError> {
+///         match user_id {
+///             0 => Err(MyError::NoSuchUser(0)),
+///             id => Ok(Profile { id, verbose }),
+///         }
+///     }
+///     async fn ping(&self) -> Result<(), RpcError> {
+///         Ok(())
+///     }
+/// }
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// // The descriptors, in declaration order.
+/// let methods = EchoServer::<Impl>::methods();
+/// assert_eq!(methods[1].entry_id, "echo.Echo.profile");
+/// assert_eq!(methods[1].hash_key, Some(0));
+/// assert_eq!(methods[0].governance.retry_times, Some(2));
+///
+/// // The dispatcher, called as the server calls it: method index, encoded argument tuple.
+/// let server = EchoServer::new(Impl);
+/// let codec = Codec::MsgPack;
+/// let out = server.call(0, codec.encode(&("hi",)).unwrap(), codec).await.unwrap();
+/// assert_eq!(codec.decode::<String>(&out).unwrap(), "hi");
+///
+/// // A typed error travels as a business error (1000) and decodes back.
+/// let err = server.call(1, codec.encode(&(0u64, true)).unwrap(), codec).await.unwrap_err();
+/// assert_eq!(err.code(), StatusCode::BusinessError);
+/// assert_eq!(MyError::from_rpc_error(err), MyError::NoSuchUser(0));
+/// # }
 /// ```
+///
+/// A client calls the same methods on `EchoClient::new(client)`, where `client` is an
+/// `rpc::Client`.
 ///
 /// # The service
 ///

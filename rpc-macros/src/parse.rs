@@ -4,7 +4,6 @@
 use proc_macro2::Span;
 use syn::ext::IdentExt;
 use syn::parse::{Parse, ParseStream};
-use syn::spanned::Spanned;
 use syn::{
     Attribute, FnArg, GenericArgument, Ident, ItemTrait, LitStr, Pat, PathArguments, ReturnType,
     Token, TraitItem, TraitItemFn, Type,
@@ -114,6 +113,11 @@ impl Errors {
         self.push(syn::Error::new(span, message));
     }
 
+    /// An error covering all of `tokens` (not only their first token).
+    pub fn spanned(&mut self, tokens: &dyn quote::ToTokens, message: impl std::fmt::Display) {
+        self.push(syn::Error::new_spanned(tokens, message));
+    }
+
     pub fn finish(self) -> syn::Result<()> {
         match self.0 {
             Some(e) => Err(e),
@@ -122,12 +126,43 @@ impl Errors {
     }
 }
 
+/// The tokens of `<...>` and of the `where` clause, for an error covering both.
+fn generics_tokens(g: &syn::Generics) -> proc_macro2::TokenStream {
+    let mut tokens = quote::ToTokens::to_token_stream(g);
+    quote::ToTokens::to_tokens(&g.where_clause, &mut tokens);
+    tokens
+}
+
 fn is_hash_key(attr: &Attribute) -> bool {
     attr.path().is_ident("hash_key")
 }
 
-/// Removes the attributes only this macro understands, so that the trait can be emitted as is
-/// (after an error, to avoid follow-up "cannot find attribute" errors).
+/// The trait as emitted next to our errors: without the attributes only this macro understands
+/// and with argument patterns replaced by `_`, so that the compiler adds no follow-up errors
+/// ("cannot find attribute", "patterns aren't allowed in functions without bodies", or, had the
+/// trait been dropped, "cannot find trait").
+pub fn passthrough(mut item: ItemTrait) -> ItemTrait {
+    strip_helper_attrs(&mut item);
+    for it in &mut item.items {
+        if let TraitItem::Fn(f) = it {
+            for input in &mut f.sig.inputs {
+                if let FnArg::Typed(t) = input {
+                    if !matches!(&*t.pat, Pat::Ident(p) if p.by_ref.is_none()
+                        && p.mutability.is_none() && p.subpat.is_none())
+                    {
+                        *t.pat = Pat::Wild(syn::PatWild {
+                            attrs: Vec::new(),
+                            underscore_token: Default::default(),
+                        });
+                    }
+                }
+            }
+        }
+    }
+    item
+}
+
+/// Removes the attributes only this macro understands.
 pub fn strip_helper_attrs(item: &mut ItemTrait) {
     for it in &mut item.items {
         if let TraitItem::Fn(f) = it {
@@ -152,8 +187,8 @@ impl Service {
             errors.add(a.span, "a service trait cannot be an auto trait");
         }
         if !item.generics.params.is_empty() || item.generics.where_clause.is_some() {
-            errors.add(
-                item.generics.span(),
+            errors.spanned(
+                &generics_tokens(&item.generics),
                 "a service trait cannot be generic: every method's argument and result types \
                  must be concrete so both sides agree on the wire format",
             );
@@ -165,8 +200,8 @@ impl Service {
                     Ok(m) => methods.push(m),
                     Err(e) => errors.push(e),
                 },
-                other => errors.add(
-                    other.span(),
+                other => errors.spanned(
+                    &other,
                     "a service trait holds only `async fn` methods; move associated types, \
                      consts and macros elsewhere",
                 ),
@@ -190,8 +225,8 @@ fn method(f: &TraitItemFn) -> syn::Result<Method> {
     let sig = &f.sig;
     let mut errors = Errors::default();
     if let Some(block) = &f.default {
-        errors.add(
-            block.span(),
+        errors.spanned(
+            &block,
             "a service method cannot have a default body: the generated client implements \
              every method by a remote call; put the body in your `impl` of the trait",
         );
@@ -203,10 +238,10 @@ fn method(f: &TraitItemFn) -> syn::Result<Method> {
         errors.add(u.span, "a service method cannot be `unsafe`");
     }
     if let Some(abi) = &sig.abi {
-        errors.add(abi.span(), "a service method cannot have an `extern` ABI");
+        errors.spanned(&abi, "a service method cannot have an `extern` ABI");
     }
     if let Some(v) = &sig.variadic {
-        errors.add(v.span(), "a service method cannot be variadic");
+        errors.spanned(&v, "a service method cannot be variadic");
     }
     if sig.asyncness.is_none() {
         errors.add(
@@ -219,8 +254,8 @@ fn method(f: &TraitItemFn) -> syn::Result<Method> {
         );
     }
     if !sig.generics.params.is_empty() || sig.generics.where_clause.is_some() {
-        errors.add(
-            sig.generics.span(),
+        errors.spanned(
+            &generics_tokens(&sig.generics),
             "a service method cannot be generic (nor name lifetimes): the server must know \
              the concrete argument and result types to decode and encode them",
         );
@@ -233,13 +268,13 @@ fn method(f: &TraitItemFn) -> syn::Result<Method> {
             if r.reference.as_ref().is_some_and(|(_, lt)| lt.is_none())
                 && r.mutability.is_none()
                 && r.colon_token.is_none() => {}
-        Some(FnArg::Receiver(r)) => errors.add(
-            r.span(),
+        Some(FnArg::Receiver(r)) => errors.spanned(
+            &r,
             "a service method takes `&self` (not `self`, `&mut self` or a typed receiver): \
              calls run concurrently on a shared instance",
         ),
-        Some(other) => errors.add(
-            other.span(),
+        Some(other) => errors.spanned(
+            &other,
             "a service method takes `&self` as its first parameter",
         ),
         None => errors.add(
@@ -258,10 +293,10 @@ fn method(f: &TraitItemFn) -> syn::Result<Method> {
         for attr in &pt.attrs {
             if is_hash_key(attr) {
                 if !matches!(attr.meta, syn::Meta::Path(_)) {
-                    errors.add(attr.meta.span(), "write `#[hash_key]` without arguments");
+                    errors.spanned(&attr.meta, "write `#[hash_key]` without arguments");
                 } else if hash_key.is_some() {
-                    errors.add(
-                        attr.span(),
+                    errors.spanned(
+                        &attr,
                         "only one argument can be the `#[hash_key]`: the hash shunt strategy \
                          hashes a single value",
                     );
@@ -269,8 +304,8 @@ fn method(f: &TraitItemFn) -> syn::Result<Method> {
                     hash_key = Some(index);
                 }
             } else {
-                errors.add(
-                    attr.span(),
+                errors.spanned(
+                    &attr,
                     "only `#[hash_key]` is supported on a service method argument",
                 );
             }
@@ -280,21 +315,21 @@ fn method(f: &TraitItemFn) -> syn::Result<Method> {
                 p.ident.clone()
             }
             other => {
-                errors.add(
-                    other.span(),
+                errors.spanned(
+                    &other,
                     "service method arguments must be plain names (`name: Type`), not patterns",
                 );
                 continue;
             }
         };
         match &*pt.ty {
-            Type::Reference(r) => errors.add(
-                r.span(),
+            Type::Reference(r) => errors.spanned(
+                &r,
                 "service method arguments are decoded into owned values on the server: take \
                  an owned type (`String` rather than `&str`, `Vec<T>` rather than `&[T]`)",
             ),
-            Type::ImplTrait(t) => errors.add(
-                t.span(),
+            Type::ImplTrait(t) => errors.spanned(
+                &t,
                 "service method arguments need a concrete type, not `impl Trait`",
             ),
             _ => {}
@@ -325,8 +360,8 @@ fn method(f: &TraitItemFn) -> syn::Result<Method> {
         ReturnType::Type(_, ty) => match result_types(ty) {
             Some((ok, err)) => Some(((**ty).clone(), ok, err)),
             None => {
-                errors.add(
-                    ty.span(),
+                errors.spanned(
+                    &ty,
                     "a service method returns `Result<T, E>`, where `E` is `rpc::RpcError` or \
                      your own error type (Serialize + Deserialize + From<RpcError>)",
                 );
@@ -345,7 +380,7 @@ fn method(f: &TraitItemFn) -> syn::Result<Method> {
 
     errors.finish()?;
     let (output, ok, err) =
-        result.ok_or_else(|| syn::Error::new(sig.span(), "expected `-> Result<T, E>`"))?;
+        result.ok_or_else(|| syn::Error::new_spanned(sig, "expected `-> Result<T, E>`"))?;
     Ok(Method {
         ident: sig.ident.clone(),
         args,
@@ -447,169 +482,102 @@ mod tests {
     fn rejects_unsupported_methods() {
         let cases = [
             (
-                quote!(
-                    trait T {
-                        fn m(&self) -> Result<(), E>;
-                    }
-                ),
+                "trait T { fn m(&self) -> Result<(), E>; }",
                 "must be `async fn`",
             ),
             (
-                quote!(
-                    trait T {
-                        async fn m(self) -> Result<(), E>;
-                    }
-                ),
+                "trait T { async fn m(self) -> Result<(), E>; }",
                 "takes `&self`",
             ),
             (
-                quote!(
-                    trait T {
-                        async fn m(&mut self) -> Result<(), E>;
-                    }
-                ),
+                "trait T { async fn m(&mut self) -> Result<(), E>; }",
                 "takes `&self`",
             ),
             (
-                quote!(
-                    trait T {
-                        async fn m(self: Arc<Self>) -> Result<(), E>;
-                    }
-                ),
+                "trait T { async fn m(self: Arc<Self>) -> Result<(), E>; }",
                 "takes `&self`",
             ),
             (
-                quote!(
-                    trait T {
-                        async fn m() -> Result<(), E>;
-                    }
-                ),
+                "trait T { async fn m() -> Result<(), E>; }",
                 "takes `&self`",
             ),
             (
-                quote!(
-                    trait T {
-                        async fn m(&self, (a, b): (u8, u8)) -> Result<(), E>;
-                    }
-                ),
+                "trait T { async fn m(&self, (a, b): (u8, u8)) -> Result<(), E>; }",
                 "plain names",
             ),
             (
-                quote!(
-                    trait T {
-                        async fn m(&self, mut a: u8) -> Result<(), E>;
-                    }
-                ),
+                "trait T { async fn m(&self, mut a: u8) -> Result<(), E>; }",
                 "plain names",
             ),
             (
-                quote!(
-                    trait T {
-                        async fn m<X>(&self, a: X) -> Result<(), E>;
-                    }
-                ),
+                "trait T { async fn m<X>(&self, a: X) -> Result<(), E>; }",
                 "cannot be generic",
             ),
             (
-                quote!(
-                    trait T {
-                        async fn m<'a>(&'a self) -> Result<(), E>;
-                    }
-                ),
+                "trait T { async fn m<'a>(&'a self) -> Result<(), E>; }",
                 "cannot be generic",
             ),
             (
-                quote!(
-                    trait T {
-                        async fn m(&self) -> String;
-                    }
-                ),
+                "trait T { async fn m(&self) -> Result<(), E> where Self: Sized; }",
+                "cannot be generic",
+            ),
+            (
+                "trait T { async fn m(&self) -> String; }",
                 "returns `Result<T, E>`",
             ),
             (
-                quote!(
-                    trait T {
-                        async fn m(&self) -> Result<String>;
-                    }
-                ),
+                "trait T { async fn m(&self) -> Result<String>; }",
                 "returns `Result<T, E>`",
             ),
             (
-                quote!(
-                    trait T {
-                        async fn m(&self);
-                    }
-                ),
+                "trait T { async fn m(&self) -> Result<'a, E>; }",
                 "returns `Result<T, E>`",
             ),
+            ("trait T { async fn m(&self); }", "returns `Result<T, E>`"),
             (
-                quote!(
-                    trait T {
-                        async fn m(&self) -> Result<(), E> {
-                            Ok(())
-                        }
-                    }
-                ),
+                "trait T { async fn m(&self) -> Result<(), E> { Ok(()) } }",
                 "default body",
             ),
             (
-                quote!(
-                    trait T {
-                        async fn m(&self, s: &str) -> Result<(), E>;
-                    }
-                ),
+                "trait T { async fn m(&self, s: &str) -> Result<(), E>; }",
                 "owned",
             ),
             (
-                quote!(
-                    trait T {
-                        async fn m(&self, #[hash_key(x)] s: u8) -> Result<(), E>;
-                    }
-                ),
-                "without arguments",
+                "trait T { async fn m(&self, s: impl X) -> Result<(), E>; }",
+                "concrete type",
             ),
             (
-                quote!(
-                    trait T {
-                        #[governance(nope = 1)]
-                        async fn m(&self) -> Result<(), E>;
-                    }
-                ),
+                "trait T { async fn m(&self, #[hash_key(x)] s: u8) -> Result<(), E>; }",
+                "without",
+            ),
+            (
+                "trait T { async fn m(&self, #[serde] s: u8) -> Result<(), E>; }",
+                "only `#[hash_key]`",
+            ),
+            ("trait T { const fn m(&self) -> Result<(), E>; }", "`const`"),
+            (
+                "trait T { unsafe fn m(&self) -> Result<(), E>; }",
+                "`unsafe`",
+            ),
+            (
+                "trait T { #[governance(nope = 1)] async fn m(&self) -> Result<(), E>; }",
                 "unknown governance key `nope`",
             ),
             (
-                quote!(
-                    trait T {
-                        #[governance(shunt_strategy = "hash")]
-                        async fn m(&self) -> Result<(), E>;
-                    }
-                ),
+                "trait T { #[governance(shunt_strategy = \"hash\")] \
+                 async fn m(&self) -> Result<(), E>; }",
                 "needs an argument marked `#[hash_key]`",
             ),
-            (
-                quote!(
-                    trait T<X> {}
-                ),
-                "cannot be generic",
-            ),
-            (
-                quote!(
-                    trait T {
-                        type X;
-                    }
-                ),
-                "only `async fn`",
-            ),
-            (
-                quote!(
-                    unsafe trait T {}
-                ),
-                "`unsafe`",
-            ),
+            ("trait T<X> {}", "cannot be generic"),
+            ("trait T where Self: Sized {}", "cannot be generic"),
+            ("trait T { type X; }", "only `async fn`"),
+            ("trait T { const X: u8; }", "only `async fn`"),
+            ("unsafe trait T {}", "`unsafe`"),
         ];
-        for (tokens, want) in cases {
-            let e = error(tokens.clone());
-            assert!(e.contains(want), "{tokens}\n=> {e}");
+        for (source, want) in cases {
+            let tokens: proc_macro2::TokenStream = syn::parse_str(source).unwrap();
+            let e = error(tokens);
+            assert!(e.contains(want), "{source}\n=> {e}");
         }
     }
 
