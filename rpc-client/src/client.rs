@@ -389,17 +389,28 @@ impl Client {
         params: Bytes,
         deadline: Option<Instant>,
     ) -> Result<Bytes, RpcError> {
+        let message = |params: Bytes| RemoteInvokeMessage {
+            message_id: 0,
+            service_entry_id: method.entry_id.to_string(),
+            codec: self.inner.codec.to_wire(),
+            parameters: params,
+            attachments: Default::default(),
+            timeout_ms: timeout::remaining_ms(deadline),
+        };
         let conn = self.inner.pool.get(addr).await?;
-        let answer = conn
-            .call(RemoteInvokeMessage {
-                message_id: 0,
-                service_entry_id: method.entry_id.to_string(),
-                codec: self.inner.codec.to_wire(),
-                parameters: params,
-                attachments: Default::default(),
-                timeout_ms: timeout::remaining_ms(deadline),
-            })
-            .await?;
+        let answer = match conn.call(message(params.clone())).await {
+            // The server was draining and closed before reading the call: the endpoint may
+            // well be back (a restart), so the call goes once more on a fresh connection.
+            Err(e) if conn.is_draining() && !e.is_maybe_delivered() => {
+                self.inner
+                    .pool
+                    .get(addr)
+                    .await?
+                    .call(message(params))
+                    .await?
+            }
+            other => other?,
+        };
         into_result(answer, self.inner.codec, addr)
     }
 

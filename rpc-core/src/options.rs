@@ -56,6 +56,18 @@ pub struct GovernanceOptions {
     pub breaker_seconds: u64,
     /// Probe calls a half-open breaker admits at once.
     pub half_open_probes: u32,
+    /// Failure-ratio mode of the breaker: it opens when this percentage of the calls in the
+    /// sampling window failed (0 = consecutive mode, driven by
+    /// `exceptions_allowed_before_breaking`).
+    pub failure_ratio_percent: u32,
+    /// Failure-ratio mode: the window over which the ratio is computed, in seconds.
+    pub sampling_window_seconds: u64,
+    /// Failure-ratio mode: calls the window must hold before the ratio can open the breaker.
+    pub minimum_throughput: u32,
+    /// Retry budget: retries allowed as a percentage of the entry's calls over the last 10 s.
+    pub retry_budget_percent: u32,
+    /// Retry budget: retries per second always allowed, whatever the ratio says.
+    pub retry_budget_min_per_second: u32,
     /// Server side: calls of this entry handled at once before Overflow is answered.
     pub max_concurrent_handling_count: u32,
     /// Consecutive transport failures after which a client stops using an endpoint until the
@@ -78,6 +90,11 @@ impl Default for GovernanceOptions {
             exceptions_allowed_before_breaking: 3,
             breaker_seconds: 60,
             half_open_probes: 1,
+            failure_ratio_percent: 0,
+            sampling_window_seconds: 10,
+            minimum_throughput: 20,
+            retry_budget_percent: 20,
+            retry_budget_min_per_second: 10,
             max_concurrent_handling_count: 50,
             unhealthy_times_allowed_before_removing: 3,
             idempotent: false,
@@ -108,6 +125,16 @@ pub struct GovernanceOverrides {
     pub breaker_seconds: Option<u64>,
     /// See [`GovernanceOptions::half_open_probes`].
     pub half_open_probes: Option<u32>,
+    /// See [`GovernanceOptions::failure_ratio_percent`].
+    pub failure_ratio_percent: Option<u32>,
+    /// See [`GovernanceOptions::sampling_window_seconds`].
+    pub sampling_window_seconds: Option<u64>,
+    /// See [`GovernanceOptions::minimum_throughput`].
+    pub minimum_throughput: Option<u32>,
+    /// See [`GovernanceOptions::retry_budget_percent`].
+    pub retry_budget_percent: Option<u32>,
+    /// See [`GovernanceOptions::retry_budget_min_per_second`].
+    pub retry_budget_min_per_second: Option<u32>,
     /// See [`GovernanceOptions::max_concurrent_handling_count`].
     pub max_concurrent_handling_count: Option<u32>,
     /// See [`GovernanceOptions::unhealthy_times_allowed_before_removing`].
@@ -128,6 +155,11 @@ impl GovernanceOverrides {
         exceptions_allowed_before_breaking: None,
         breaker_seconds: None,
         half_open_probes: None,
+        failure_ratio_percent: None,
+        sampling_window_seconds: None,
+        minimum_throughput: None,
+        retry_budget_percent: None,
+        retry_budget_min_per_second: None,
         max_concurrent_handling_count: None,
         unhealthy_times_allowed_before_removing: None,
         idempotent: None,
@@ -149,6 +181,11 @@ impl GovernanceOverrides {
             exceptions_allowed_before_breaking,
             breaker_seconds,
             half_open_probes,
+            failure_ratio_percent,
+            sampling_window_seconds,
+            minimum_throughput,
+            retry_budget_percent,
+            retry_budget_min_per_second,
             max_concurrent_handling_count,
             unhealthy_times_allowed_before_removing,
             idempotent

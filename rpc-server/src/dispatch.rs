@@ -13,6 +13,7 @@ use rpc_core::wire::{RemoteInvokeMessage, RemoteResultMessage};
 use rpc_core::{Codec, RpcError, StatusCode};
 use rpc_transport::{error_result, Dispatch, InvokeHandler};
 use tokio::sync::Semaphore;
+use tokio::time::Instant;
 
 use crate::Service;
 
@@ -67,14 +68,19 @@ impl InvokeHandler for Dispatcher {
             .fallback
             .clone()
             .map(|f| (f, route.index, invoke.parameters));
-        let timeout_ms = invoke.timeout_ms;
+        let deadline = (invoke.timeout_ms > 0).then(|| {
+            (
+                Instant::now() + Duration::from_millis(invoke.timeout_ms.into()),
+                invoke.timeout_ms,
+            )
+        });
         let entry = invoke.service_entry_id;
         Dispatch::Spawn(Box::pin(async move {
-            let result = run_guarded(handler, timeout_ms, &entry).await;
+            let result = run_guarded(handler, deadline, &entry).await;
             let result = match (result, fallback) {
                 (Err(e), Some((fb, index, params))) if runs_fallback(&e) => {
                     tracing::info!(target: "rpc::governance", entry = %entry, cause = %e, "server fallback");
-                    run_guarded(fb.call(index, params, codec), timeout_ms, &entry)
+                    run_guarded(fb.call(index, params, codec), deadline, &entry)
                         .await
                         .map_err(|fe| {
                             RpcError::new(
@@ -99,17 +105,20 @@ fn runs_fallback(e: &RpcError) -> bool {
 
 async fn run_guarded(
     handler: futures_util::future::BoxFuture<'static, Result<Bytes, RpcError>>,
-    timeout_ms: u32,
+    deadline: Option<(Instant, u32)>,
     entry: &str,
 ) -> Result<Bytes, RpcError> {
     let guarded = AssertUnwindSafe(handler).catch_unwind();
-    let outcome = if timeout_ms > 0 {
-        match tokio::time::timeout(Duration::from_millis(timeout_ms.into()), guarded).await {
+    let outcome = if let Some((deadline, budget_ms)) = deadline {
+        match tokio::time::timeout_at(deadline, guarded).await {
             Ok(o) => o,
             Err(_) => {
                 return Err(RpcError::new(
                     StatusCode::Timeout,
-                    format!("{entry} ran out of the caller's {timeout_ms} ms budget; the handler was stopped"),
+                    format!(
+                        "{entry} ran out of the caller's {budget_ms} ms budget; the handler was \
+                         stopped"
+                    ),
                 ))
             }
         }

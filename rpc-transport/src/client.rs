@@ -175,6 +175,12 @@ impl Connection {
         !self.shared.close.is_cancelled() && !self.shared.going_away.load(Ordering::Relaxed)
     }
 
+    /// Whether the server said it is draining (`GoAway` with status 200): calls that then fail
+    /// without an answer never reached it.
+    pub fn is_draining(&self) -> bool {
+        self.shared.going_away.load(Ordering::Relaxed)
+    }
+
     /// Calls in flight on this connection.
     pub fn in_flight(&self) -> usize {
         self.shared.in_flight.load(Ordering::Relaxed)
@@ -208,6 +214,12 @@ impl Connection {
             id,
             armed: true,
         };
+        if shared.close.is_cancelled() {
+            // The reader ended between the check above and the insert: it will not see this
+            // call, so it must not wait.
+            guard.disarm_quietly();
+            return Err(comm_error(&shared.peer, "connection closed"));
+        }
         if !shared.sender.send(Kind::Invoke(invoke)) {
             guard.disarm_quietly();
             return Err(comm_error(&shared.peer, "connection closed"));
@@ -256,6 +268,7 @@ async fn read_loop(
     last_rx: Arc<AtomicU64>,
     start: Instant,
 ) {
+    let mut clean_drain = true;
     let reason = loop {
         let next = tokio::select! {
             biased;
@@ -275,22 +288,27 @@ async fn read_loop(
             }
             Some(Ok(Kind::Pong(_))) => {}
             Some(Ok(Kind::GoAway(g))) => {
-                shared.going_away.store(true, Ordering::Relaxed);
                 if g.status_code != StatusCode::Success.as_u32() {
+                    clean_drain = false;
                     break format!("server closed the connection: {}", g.reason);
                 }
+                shared.going_away.store(true, Ordering::Relaxed);
                 tracing::debug!(peer = %shared.peer, reason = %g.reason, "server is draining");
                 if shared.pending.is_empty() {
                     break "server is draining".to_string();
                 }
             }
             Some(Ok(other)) => {
+                clean_drain = false;
                 break format!(
                     "protocol violation: unexpected {} from the server",
                     kind_name(&other)
-                )
+                );
             }
-            Some(Err(e)) => break format!("bad frame from the server: {e}"),
+            Some(Err(e)) => {
+                clean_drain = false;
+                break format!("bad frame from the server: {e}");
+            }
             None => break "connection closed by the server".to_string(),
         }
         if shared.going_away.load(Ordering::Relaxed) && shared.pending.is_empty() {
@@ -298,14 +316,18 @@ async fn read_loop(
         }
     };
     shared.close.cancel();
-    fail_pending(&shared, &reason);
+    // A draining server (GoAway 200) answers every call it read, even those it drops at its
+    // drain deadline: calls still pending now never reached it and may safely go elsewhere.
+    let maybe_delivered = !(clean_drain && shared.going_away.load(Ordering::Relaxed));
+    fail_pending(&shared, &reason, maybe_delivered);
 }
 
-fn fail_pending(shared: &Shared, reason: &str) {
+fn fail_pending(shared: &Shared, reason: &str, maybe_delivered: bool) {
     let ids: Vec<u64> = shared.pending.iter().map(|e| *e.key()).collect();
     for id in ids {
         if let Some((_, waiter)) = shared.pending.remove(&id) {
-            let _ = waiter.send(Err(comm_error(&shared.peer, reason).maybe_delivered(true)));
+            let err = comm_error(&shared.peer, reason).maybe_delivered(maybe_delivered);
+            let _ = waiter.send(Err(err));
         }
     }
 }
@@ -327,7 +349,8 @@ async fn heartbeat(
             _ = tokio::time::sleep(interval) => {}
         }
         let Some(s) = shared.upgrade() else { return };
-        let silent_for = start.elapsed().as_millis() as u64 - last_rx.load(Ordering::Relaxed);
+        let silent_for =
+            (start.elapsed().as_millis() as u64).saturating_sub(last_rx.load(Ordering::Relaxed));
         if silent_for > 3 * interval.as_millis() as u64 {
             tracing::debug!(peer = %s.peer, silent_for, "no traffic from the server: closing");
             s.close.cancel();

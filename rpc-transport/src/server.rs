@@ -189,7 +189,26 @@ async fn serve_connection(
 
     let reason: Option<String> = loop {
         if let Some(deadline) = draining {
-            if conn.in_flight.load(Ordering::Acquire) == 0 || Instant::now() >= deadline {
+            if conn.in_flight.load(Ordering::Acquire) == 0 {
+                break None;
+            }
+            if Instant::now() >= deadline {
+                // Every call the server read gets an answer, so the client knows that calls
+                // still pending when the connection closes were never read.
+                let dropped: Vec<(u64, AbortHandle)> = conn.tasks().drain().collect();
+                for (id, handle) in dropped {
+                    handle.abort();
+                    let mut r = error_result(
+                        StatusCode::ServerError,
+                        format!(
+                            "the server shut down before the call finished (drain deadline of \
+                             {} ms); it may have partly run",
+                            options.drain_timeout.as_millis()
+                        ),
+                    );
+                    r.message_id = id;
+                    conn.sender.send(Kind::Result(r));
+                }
                 break None;
             }
         }
@@ -203,6 +222,11 @@ async fn serve_connection(
             _ = conn.idle.notified(), if draining.is_some() => continue,
             _ = tokio::time::sleep_until(draining.unwrap_or_else(Instant::now)), if draining.is_some() => continue,
             _ = &mut idle => {
+                // A connection with calls in flight is not idle, however quiet the client is.
+                if conn.in_flight.load(Ordering::Acquire) > 0 {
+                    idle.as_mut().reset(Instant::now() + options.idle_timeout);
+                    continue;
+                }
                 break Some(format!("idle for {} ms: closing", options.idle_timeout.as_millis()));
             }
             f = frames.next() => f,
@@ -220,6 +244,15 @@ async fn serve_connection(
                     continue;
                 }
                 let id = invoke.message_id;
+                if conn.tasks().contains_key(&id) {
+                    let mut r = error_result(
+                        StatusCode::FrameworkError,
+                        format!("message_id {id} is already in flight on this connection; use a new id per call"),
+                    );
+                    r.message_id = id;
+                    conn.sender.send(Kind::Result(r));
+                    continue;
+                }
                 dispatch(&conn, handler.handle(invoke, peer), id);
             }
             Some(Ok(Kind::Cancel(c))) => {

@@ -1,0 +1,164 @@
+//! Helpers shared by the integration tests: bounded waits, a raw frame socket that speaks the
+//! wire from `proto/rpc.proto` by hand, and small synchronisation probes for service impls.
+//!
+//! Every test file includes this module with `mod common;`; not every file uses every helper.
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::BytesMut;
+use prost::Message;
+use rpc::crates::core::wire::{frame::Kind, Frame, GoAway, Hello, HelloAck};
+use rpc::crates::transport::FrameCodec;
+use rpc::GovernanceOverrides;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+
+/// Upper bound of every wait in the suite: a test that would hang fails after this instead.
+pub const LIMIT: Duration = Duration::from_secs(5);
+
+/// Awaits `fut`, failing the test with `what` if it does not finish within [`LIMIT`].
+pub async fn within<F: Future>(what: &str, fut: F) -> F::Output {
+    match tokio::time::timeout(LIMIT, fut).await {
+        Ok(v) => v,
+        Err(_) => panic!("{what}: not done within {LIMIT:?}"),
+    }
+}
+
+/// Client overrides that turn retries off.
+pub fn no_retry() -> GovernanceOverrides {
+    GovernanceOverrides {
+        retry_times: Some(0),
+        ..GovernanceOverrides::NONE
+    }
+}
+
+/// Receives exactly one message from `rx` within [`LIMIT`].
+pub async fn recv_one<T>(what: &str, rx: &mut mpsc::UnboundedReceiver<T>) -> T {
+    match within(what, rx.recv()).await {
+        Some(v) => v,
+        None => panic!("{what}: channel closed"),
+    }
+}
+
+/// Signals `tag` on a channel when dropped: handed into a handler, it proves the handler's
+/// future was dropped (cancelled) rather than left running.
+pub struct DropSignal {
+    tag: String,
+    tx: mpsc::UnboundedSender<String>,
+}
+
+impl DropSignal {
+    pub fn new(tag: impl Into<String>, tx: mpsc::UnboundedSender<String>) -> Self {
+        DropSignal {
+            tag: tag.into(),
+            tx,
+        }
+    }
+}
+
+impl Drop for DropSignal {
+    fn drop(&mut self) {
+        let _ = self.tx.send(std::mem::take(&mut self.tag));
+    }
+}
+
+/// A raw TCP connection speaking frames by hand: 4-byte big-endian length, then one protobuf
+/// `Frame`. Decoding deliberately does not use the framework's codec.
+pub struct RawConn {
+    stream: TcpStream,
+}
+
+impl RawConn {
+    pub async fn connect(addr: SocketAddr) -> Self {
+        let stream = within("raw connect", TcpStream::connect(addr))
+            .await
+            .expect("raw connect");
+        stream.set_nodelay(true).expect("nodelay");
+        RawConn { stream }
+    }
+
+    /// Wraps an accepted connection (for tests that play the server).
+    pub fn from_stream(stream: TcpStream) -> Self {
+        stream.set_nodelay(true).expect("nodelay");
+        RawConn { stream }
+    }
+
+    /// Sends one frame encoded by the framework's codec.
+    pub async fn send(&mut self, kind: Kind) -> std::io::Result<()> {
+        let mut buf = BytesMut::new();
+        FrameCodec::encode_kind(kind, &mut buf);
+        self.stream.write_all(&buf).await
+    }
+
+    /// Sends one frame encoded here from the proto definition alone.
+    pub async fn send_by_hand(&mut self, kind: Kind) -> std::io::Result<()> {
+        let body = Frame { kind: Some(kind) }.encode_to_vec();
+        let mut bytes = (body.len() as u32).to_be_bytes().to_vec();
+        bytes.extend_from_slice(&body);
+        self.stream.write_all(&bytes).await
+    }
+
+    /// Sends raw bytes.
+    pub async fn send_bytes(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        self.stream.write_all(bytes).await
+    }
+
+    /// The next frame, or `None` once the peer closed the connection (end of stream or reset).
+    /// Fails the test if nothing happens within [`LIMIT`].
+    pub async fn recv(&mut self) -> Option<Kind> {
+        within("raw recv", async {
+            let mut prefix = [0u8; 4];
+            if self.stream.read_exact(&mut prefix).await.is_err() {
+                return None;
+            }
+            let len = u32::from_be_bytes(prefix) as usize;
+            assert!(len <= 64 << 20, "server announced a frame of {len} bytes");
+            let mut body = vec![0u8; len];
+            if self.stream.read_exact(&mut body).await.is_err() {
+                return None;
+            }
+            let frame = Frame::decode(&body[..]).expect("server sent a malformed Frame");
+            Some(frame.kind.expect("server sent an empty Frame"))
+        })
+        .await
+    }
+
+    /// Sends a version-1 `Hello` with `token` and returns the server's reply.
+    pub async fn hello(&mut self, token: &str) -> Option<Kind> {
+        self.send(Kind::Hello(Hello {
+            protocol_version: 1,
+            token: token.to_string(),
+            client_id: "raw-test".into(),
+        }))
+        .await
+        .expect("send Hello");
+        self.recv().await
+    }
+
+    /// Completes the handshake without a token; fails the test unless it is accepted.
+    pub async fn handshake(&mut self) -> HelloAck {
+        match self.hello("").await {
+            Some(Kind::HelloAck(ack)) => ack,
+            other => panic!("expected HelloAck, got {other:?}"),
+        }
+    }
+
+    /// The next frame must be a `GoAway`.
+    pub async fn expect_go_away(&mut self) -> GoAway {
+        match self.recv().await {
+            Some(Kind::GoAway(g)) => g,
+            other => panic!("expected GoAway, got {other:?}"),
+        }
+    }
+
+    /// The connection must be closed by the server (no further frame).
+    pub async fn expect_closed(&mut self) {
+        if let Some(k) = self.recv().await {
+            panic!("expected the server to close the connection, got {k:?}");
+        }
+    }
+}

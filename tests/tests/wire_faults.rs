@@ -1,0 +1,381 @@
+//! Bad input on the wire: oversized frames, garbage, a wrong first frame, a wrong version, no
+//! `Hello` at all. The offending connection gets a `GoAway` with the reason and is closed; the
+//! server keeps serving everyone else.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{within, RawConn};
+use prost::Message;
+use rpc::crates::core::wire::{frame::Kind, Frame, Hello, Ping, RemoteInvokeMessage};
+use rpc::{Client, Codec, InProcessRegistry, RpcError, Server, ServerHandle, StatusCode};
+
+#[rpc::service(name = "t.Wire")]
+trait Wire {
+    async fn echo(&self, text: String) -> Result<String, RpcError>;
+}
+
+struct Echo;
+
+impl Wire for Echo {
+    async fn echo(&self, text: String) -> Result<String, RpcError> {
+        Ok(text)
+    }
+}
+
+const MAX: usize = 1024;
+
+/// A server accepting frames up to [`MAX`] bytes, and a normal client of it.
+async fn setup() -> (ServerHandle, WireClient) {
+    let reg = InProcessRegistry::new();
+    let server = Server::builder()
+        .registry(reg.clone())
+        .max_frame_length(MAX)
+        .add_service(WireServer::new(Echo))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let client = WireClient::new(Client::builder().registry(reg).build());
+    assert_eq!(client.echo("before".into()).await.expect("echo"), "before");
+    (server, client)
+}
+
+/// The normal client still gets answers (on its existing connection).
+async fn still_serving(client: &WireClient) {
+    assert_eq!(
+        within("echo after the fault", client.echo("after".into()))
+            .await
+            .expect("the server keeps serving other connections"),
+        "after"
+    );
+}
+
+fn echo_invoke(id: u64, text: &str) -> RemoteInvokeMessage {
+    RemoteInvokeMessage {
+        message_id: id,
+        service_entry_id: "t.Wire.echo".into(),
+        codec: Codec::MsgPack.to_wire(),
+        parameters: Codec::MsgPack.encode(&(text,)).expect("encode"),
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn oversized_prefix_after_hello_gets_go_away_naming_the_size_and_is_closed() {
+    let (server, client) = setup().await;
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    let ack = raw.handshake().await;
+    assert_eq!(ack.protocol_version, 1);
+    assert_eq!(
+        ack.max_frame_length as usize, MAX,
+        "HelloAck tells the limit"
+    );
+
+    // Only the prefix: the server must refuse before any payload arrives.
+    raw.send_bytes(&1_000_000u32.to_be_bytes())
+        .await
+        .expect("send prefix");
+    let g = raw.expect_go_away().await;
+    assert!(
+        g.reason.contains("1000000") && g.reason.contains(&MAX.to_string()),
+        "the reason names the size and the limit: {g:?}"
+    );
+    assert_ne!(g.status_code, StatusCode::Success.as_u32(), "{g:?}");
+    raw.expect_closed().await;
+    still_serving(&client).await;
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn a_frame_of_exactly_the_maximum_is_accepted_and_one_byte_more_is_not() {
+    let (server, client) = setup().await;
+    // Find a text whose invoke frame is exactly MAX bytes long.
+    let text = (0..MAX)
+        .map(|n| "x".repeat(n))
+        .find(|t| {
+            Frame {
+                kind: Some(Kind::Invoke(echo_invoke(1, t))),
+            }
+            .encoded_len()
+                == MAX
+        })
+        .expect("some text length gives a frame of exactly MAX bytes");
+
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.handshake().await;
+    raw.send(Kind::Invoke(echo_invoke(1, &text)))
+        .await
+        .expect("send");
+    match raw.recv().await {
+        Some(Kind::Result(r)) => {
+            assert_eq!(r.status_code, 200, "{r:?}");
+            assert_eq!(r.message_id, 1);
+            let back: String = Codec::MsgPack.decode(&r.result).expect("decode");
+            assert_eq!(back, text);
+        }
+        other => panic!("a frame of exactly {MAX} bytes must be served, got {other:?}"),
+    }
+
+    raw.send(Kind::Invoke(echo_invoke(2, &format!("{text}y"))))
+        .await
+        .expect("send");
+    let g = raw.expect_go_away().await;
+    assert!(g.reason.contains(&(MAX + 1).to_string()), "{g:?}");
+    raw.expect_closed().await;
+    still_serving(&client).await;
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn garbage_after_hello_closes_only_that_connection() {
+    let (server, client) = setup().await;
+    for garbage in [
+        &[0u8, 0, 0, 5, 0xff, 0xff, 0xff, 0xff, 0xff][..],
+        // A valid length and an empty `Frame`: no message inside.
+        &[0u8, 0, 0, 0][..],
+    ] {
+        let mut raw = RawConn::connect(server.local_addr()).await;
+        raw.handshake().await;
+        raw.send_bytes(garbage).await.expect("send garbage");
+        let g = raw.expect_go_away().await;
+        assert!(g.reason.contains("malformed"), "{garbage:?}: {g:?}");
+        raw.expect_closed().await;
+        still_serving(&client).await;
+    }
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn garbage_instead_of_hello_closes_only_that_connection() {
+    let (server, client) = setup().await;
+    // An HTTP request: its first four bytes read as a length of about 1.2 GB.
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.send_bytes(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .expect("send");
+    let g = raw.expect_go_away().await;
+    assert!(g.reason.contains("exceeds"), "{g:?}");
+    raw.expect_closed().await;
+    still_serving(&client).await;
+
+    // A short frame that is not protobuf.
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.send_bytes(&[0, 0, 0, 4, 0xde, 0xad, 0xbe, 0xef])
+        .await
+        .expect("send");
+    let g = raw.expect_go_away().await;
+    assert!(g.reason.contains("malformed"), "{g:?}");
+    raw.expect_closed().await;
+    still_serving(&client).await;
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn a_first_frame_other_than_hello_is_refused() {
+    let (server, client) = setup().await;
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.send(Kind::Ping(Ping { nonce: 1 })).await.expect("send");
+    let g = raw.expect_go_away().await;
+    assert!(
+        g.reason.contains("Hello") && g.reason.contains("Ping"),
+        "{g:?}"
+    );
+    raw.expect_closed().await;
+
+    // An invoke before the handshake is not run either.
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.send(Kind::Invoke(echo_invoke(1, "sneaky")))
+        .await
+        .expect("send");
+    let g = raw.expect_go_away().await;
+    assert!(g.reason.contains("Hello"), "{g:?}");
+    raw.expect_closed().await;
+    still_serving(&client).await;
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn an_unsupported_protocol_version_is_refused_with_the_reason() {
+    let (server, client) = setup().await;
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.send(Kind::Hello(Hello {
+        protocol_version: 2,
+        token: String::new(),
+        client_id: "future".into(),
+    }))
+    .await
+    .expect("send");
+    let g = raw.expect_go_away().await;
+    assert_eq!(g.status_code, StatusCode::FrameworkError.as_u32(), "{g:?}");
+    assert!(g.reason.contains("version 2"), "{g:?}");
+    raw.expect_closed().await;
+    still_serving(&client).await;
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn a_protocol_violation_after_the_handshake_closes_the_connection() {
+    let (server, client) = setup().await;
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.handshake().await;
+    // A second Hello is not something a client sends after the handshake.
+    raw.send(Kind::Hello(Hello {
+        protocol_version: 1,
+        ..Default::default()
+    }))
+    .await
+    .expect("send");
+    let g = raw.expect_go_away().await;
+    assert!(g.reason.contains("protocol violation"), "{g:?}");
+    raw.expect_closed().await;
+    still_serving(&client).await;
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn a_silent_connection_is_closed_after_the_handshake_timeout() {
+    let reg = InProcessRegistry::new();
+    let server = Server::builder()
+        .registry(reg.clone())
+        .handshake_timeout(Duration::from_millis(150))
+        .add_service(WireServer::new(Echo))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let client = WireClient::new(Client::builder().registry(reg).build());
+    // A real socket that says nothing: observed until the server gives up on it.
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    let g = raw.expect_go_away().await;
+    assert_eq!(g.status_code, StatusCode::Timeout.as_u32(), "{g:?}");
+    assert!(g.reason.contains("150 ms"), "{g:?}");
+    raw.expect_closed().await;
+    still_serving(&client).await;
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn an_answer_above_the_clients_limit_fails_the_call_clearly_and_the_client_recovers() {
+    let reg = InProcessRegistry::new();
+    let server = Server::builder()
+        .registry(reg.clone())
+        .add_service(WireServer::new(Echo))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let client = WireClient::new(
+        Client::builder()
+            .registry(reg)
+            .max_frame_length(256)
+            .override_options(WireClient::SERVICE_ID, common::no_retry())
+            .build(),
+    );
+    let fits = within("answer below the limit", client.echo("z".repeat(200))).await;
+    assert!(fits.is_ok(), "a 200-byte answer fits: {fits:?}");
+    let err = within("oversized answer", client.echo("z".repeat(1000)))
+        .await
+        .expect_err("a 1000-byte answer exceeds the client's 256-byte limit");
+    assert_eq!(err.code(), StatusCode::CommunicationError, "{err}");
+    assert!(
+        err.message().contains("exceeds") && err.message().contains("256"),
+        "{err}"
+    );
+    // The broken connection is replaced on the next call.
+    assert_eq!(
+        within("echo after", client.echo("small".into()))
+            .await
+            .expect("next call reconnects"),
+        "small"
+    );
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn one_connection_over_the_limit_is_refused_with_the_reason() {
+    let reg = InProcessRegistry::new();
+    let server = Server::builder()
+        .registry(reg.clone())
+        .max_connections(1)
+        .add_service(WireServer::new(Echo))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let first = WireClient::new(Client::builder().registry(reg.clone()).build());
+    assert_eq!(first.echo("one".into()).await.expect("first"), "one");
+
+    // A raw second connection is told why before it is closed.
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    let g = raw.expect_go_away().await;
+    assert_eq!(
+        g.status_code,
+        StatusCode::OverflowMaxServerHandle.as_u32(),
+        "{g:?}"
+    );
+    assert!(g.reason.contains("maximum of 1"), "{g:?}");
+    raw.expect_closed().await;
+
+    // A second client gets the refusal as its error.
+    let second = WireClient::new(
+        Client::builder()
+            .registry(reg.clone())
+            .override_options(WireClient::SERVICE_ID, common::no_retry())
+            .build(),
+    );
+    let err = within("refused client", second.echo("two".into()))
+        .await
+        .expect_err("over the connection limit");
+    assert_eq!(err.code(), StatusCode::OverflowMaxServerHandle, "{err}");
+    assert!(err.message().contains("maximum of 1"), "{err}");
+
+    // The first client is unaffected.
+    assert_eq!(first.echo("still".into()).await.expect("first"), "still");
+    within("shutdown", server.shutdown()).await;
+}
+
+/// FRAMEWORK BUG (see the report): a client that reuses a `message_id` while the first call
+/// is still registered makes the server lose one answer and leak one unit of its in-flight
+/// count, so a later graceful shutdown waits the whole drain timeout although nothing runs.
+#[tokio::test]
+async fn a_reused_message_id_does_not_stall_a_later_graceful_shutdown() {
+    let reg = InProcessRegistry::new();
+    let server = Server::builder()
+        .registry(reg.clone())
+        .drain_timeout(Duration::from_secs(30))
+        .add_service(WireServer::new(Echo))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.handshake().await;
+    // A protocol violation: the same id twice, back to back.
+    raw.send(Kind::Invoke(echo_invoke(5, "first")))
+        .await
+        .expect("send");
+    raw.send(Kind::Invoke(echo_invoke(5, "second")))
+        .await
+        .expect("send");
+    match raw.recv().await {
+        Some(Kind::Result(r)) => assert_eq!(r.message_id, 5),
+        other => panic!("expected a result, got {other:?}"),
+    }
+    // Both handlers are done (they echo at once); the connection is idle and open.
+    raw.send(Kind::Ping(Ping { nonce: 1 })).await.expect("send");
+    let mut pong = false;
+    for _ in 0..3 {
+        match raw.recv().await {
+            Some(Kind::Pong(_)) => {
+                pong = true;
+                break;
+            }
+            Some(Kind::Result(r)) => assert_eq!(r.message_id, 5),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert!(pong, "the connection still answers pings");
+    // Nothing runs, so draining must not wait for the 30 s drain limit.
+    let drained = tokio::time::timeout(Duration::from_secs(2), server.shutdown()).await;
+    assert!(
+        drained.is_ok(),
+        "shutdown waited for a call that is not running: the server's in-flight count leaked"
+    );
+}
