@@ -1,6 +1,7 @@
-//! The client: entry options, endpoint selection, remote execution under governance.
+//! The client: entry pipelines, endpoint selection, remote execution under governance.
 
 use std::collections::HashMap;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,9 +12,10 @@ use rpc_core::{
     Codec, GovernanceOptions, GovernanceOverrides, MethodDescriptor, RpcError, Service,
     ShuntStrategy, StatusCode,
 };
-use rpc_governance::breaker::{BreakerState, CircuitBreaker, Transition};
-use rpc_governance::health::EndpointHealth;
-use rpc_governance::retry::{self, Decision};
+use rpc_governance::breaker::BreakerState;
+use rpc_governance::config::{GovernanceConfig, Layers};
+use rpc_governance::events::{EventBus, EventKind};
+use rpc_governance::pipeline::{AttemptCtx, Attempts, Governance};
 use rpc_governance::timeout;
 use rpc_registry::{InProcessRegistry, Registry, ServiceWatch};
 use rpc_transport::{ConnectOptions, ConnectionPool};
@@ -21,7 +23,8 @@ use tokio::time::Instant;
 
 use crate::endpoints::ServiceState;
 
-/// Calls remote services. Cheap to clone; clones share connections, endpoint views and state.
+/// Calls remote services. Cheap to clone; clones share connections, endpoint views, entry
+/// pipelines and their state.
 #[derive(Clone)]
 pub struct Client {
     inner: Arc<Inner>,
@@ -31,18 +34,9 @@ struct Inner {
     registry: Arc<dyn Registry>,
     pool: ConnectionPool,
     codec: Codec,
-    defaults: GovernanceOptions,
-    overrides: HashMap<String, GovernanceOverrides>,
-    entries: DashMap<&'static str, Arc<EntryState>>,
+    governance: Governance,
     services: DashMap<&'static str, Arc<ServiceState>>,
     fallbacks: HashMap<&'static str, Arc<dyn Service>>,
-    health: EndpointHealth,
-}
-
-/// What a client keeps per entry: its options and its circuit breaker.
-struct EntryState {
-    options: Arc<GovernanceOptions>,
-    breaker: CircuitBreaker,
 }
 
 /// Builds a [`Client`].
@@ -51,8 +45,7 @@ pub struct ClientBuilder {
     codec: Codec,
     connect: ConnectOptions,
     connections_per_endpoint: usize,
-    defaults: GovernanceOptions,
-    overrides: HashMap<String, GovernanceOverrides>,
+    layers: Layers,
     fallbacks: HashMap<&'static str, Arc<dyn Service>>,
 }
 
@@ -63,8 +56,7 @@ impl Default for ClientBuilder {
             codec: Codec::MsgPack,
             connect: ConnectOptions::default(),
             connections_per_endpoint: 1,
-            defaults: GovernanceOptions::default(),
-            overrides: HashMap::new(),
+            layers: Layers::default(),
             fallbacks: HashMap::new(),
         }
     }
@@ -125,23 +117,44 @@ impl ClientBuilder {
         self
     }
 
-    /// The governance settings every entry starts from, before its `#[governance(...)]`
-    /// attribute and the overrides given here.
+    /// The code defaults every entry starts from, before its `#[governance(...)]` attribute,
+    /// the config file, the environment and runtime updates.
     pub fn default_options(mut self, options: GovernanceOptions) -> Self {
-        self.defaults = options;
+        self.layers.code_defaults = options;
         self
     }
 
     /// Shorthand: the default shunt strategy.
     pub fn shunt_strategy(mut self, s: ShuntStrategy) -> Self {
-        self.defaults.shunt_strategy = s;
+        self.layers.code_defaults.shunt_strategy = s;
         self
     }
 
-    /// Overrides for one entry (`"<service id>.<method>"`) or a whole service (`"<service id>"`);
-    /// entry overrides apply after service ones.
+    /// Overrides for one entry (`"<service id>.<method>"`) or a whole service (`"<service id>"`),
+    /// at the runtime level (above every other layer); entry overrides apply after service
+    /// ones. [`Client::update_options`] changes them later.
     pub fn override_options(mut self, id: impl Into<String>, o: GovernanceOverrides) -> Self {
-        self.overrides.insert(id.into(), o);
+        set_runtime(&mut self.layers.runtime, id.into(), o);
+        self
+    }
+
+    /// Loads the config file layer (TOML; see [`GovernanceConfig`]).
+    pub fn config_file(mut self, path: impl AsRef<Path>) -> Result<Self, RpcError> {
+        self.layers.file = GovernanceConfig::from_file(path)?;
+        Ok(self)
+    }
+
+    /// Loads the environment layer from `RPC_GOVERNANCE` (see [`GovernanceConfig`]).
+    pub fn config_env(mut self) -> Result<Self, RpcError> {
+        self.layers.env = GovernanceConfig::from_env()?;
+        Ok(self)
+    }
+
+    /// Sets the file and environment layers directly, for programs that read their
+    /// configuration elsewhere.
+    pub fn config_layers(mut self, file: GovernanceConfig, env: GovernanceConfig) -> Self {
+        self.layers.file = file;
+        self.layers.env = env;
         self
     }
 
@@ -157,7 +170,6 @@ impl ClientBuilder {
 
     /// The client.
     pub fn build(self) -> Client {
-        let max_backoff = Duration::from_secs(self.defaults.breaker_seconds.max(1));
         Client {
             inner: Arc::new(Inner {
                 registry: self
@@ -165,15 +177,19 @@ impl ClientBuilder {
                     .unwrap_or_else(|| Arc::new(InProcessRegistry::new())),
                 pool: ConnectionPool::new(self.connect, self.connections_per_endpoint),
                 codec: self.codec,
-                defaults: self.defaults,
-                overrides: self.overrides,
-                entries: DashMap::new(),
+                governance: Governance::new(self.layers),
                 services: DashMap::new(),
                 fallbacks: self.fallbacks,
-                health: EndpointHealth::new(max_backoff),
             }),
         }
     }
+}
+
+/// An id given without saying whether it names a service or an entry applies as both: a
+/// service id never equals an entry id of the same method, so only the right section matches.
+fn set_runtime(layer: &mut GovernanceConfig, id: String, o: GovernanceOverrides) {
+    layer.services.insert(id.clone(), o.clone());
+    layer.entries.insert(id, o);
 }
 
 impl Client {
@@ -187,47 +203,51 @@ impl Client {
         self.inner.codec
     }
 
-    /// The governance settings in force for `method`: defaults, then its `#[governance(...)]`
-    /// attribute, then this client's overrides for its service and for the entry.
+    /// The governance settings in force for `method`.
     pub fn options(&self, method: &'static MethodDescriptor) -> Arc<GovernanceOptions> {
-        self.entry(method).options.clone()
+        self.inner.governance.policy(method).options()
+    }
+
+    /// Changes the overrides of an entry or a service at run time. The next call uses them;
+    /// breakers, budgets and endpoint health keep their state.
+    pub fn update_options(&self, id: impl Into<String>, o: GovernanceOverrides) {
+        let id = id.into();
+        self.inner
+            .governance
+            .update_layers(|l| set_runtime(&mut l.runtime, id, o));
+    }
+
+    /// Reloads the config file layer; on error the old configuration stays in force.
+    pub fn reload_config(&self, path: impl AsRef<Path>) -> Result<(), RpcError> {
+        let file = GovernanceConfig::from_file(path)?;
+        self.inner.governance.update_layers(|l| l.file = file);
+        Ok(())
+    }
+
+    /// Governance events (retry, break, half-open, reset, timeout, fallback, reload, ejection,
+    /// budget exhaustion): `events().subscribe()`.
+    pub fn events(&self) -> &EventBus {
+        self.inner.governance.events()
     }
 
     /// The state of `method`'s circuit breaker.
     pub fn breaker_state(&self, method: &'static MethodDescriptor) -> BreakerState {
-        self.entry(method).breaker.state()
+        self.inner.governance.policy(method).breaker().state()
+    }
+
+    /// The state of every breaker this client has used.
+    pub fn breakers(&self) -> Vec<(rpc_core::ServiceEntryId, BreakerState)> {
+        self.inner.governance.breakers()
     }
 
     /// Opens `method`'s breaker until [`reset_breaker`](Self::reset_breaker).
     pub fn isolate(&self, method: &'static MethodDescriptor) {
-        self.entry(method).breaker.isolate();
+        self.inner.governance.policy(method).breaker().isolate();
     }
 
     /// Closes `method`'s breaker.
     pub fn reset_breaker(&self, method: &'static MethodDescriptor) {
-        self.entry(method).breaker.reset();
-    }
-
-    fn entry(&self, method: &'static MethodDescriptor) -> Arc<EntryState> {
-        if let Some(e) = self.inner.entries.get(method.entry_id) {
-            return e.clone();
-        }
-        let mut o = method.governance.applied(&self.inner.defaults);
-        for id in [method.service_id, method.entry_id] {
-            if let Some(layer) = self.inner.overrides.get(id) {
-                layer.apply_to(&mut o);
-            }
-        }
-        self.inner
-            .entries
-            .entry(method.entry_id)
-            .or_insert_with(|| {
-                Arc::new(EntryState {
-                    options: Arc::new(o),
-                    breaker: CircuitBreaker::new(),
-                })
-            })
-            .clone()
+        self.inner.governance.policy(method).breaker().reset();
     }
 
     /// The live endpoints of `service_id` as the registry announces them.
@@ -255,130 +275,47 @@ impl Client {
     /// Calls `method` with its argument list already encoded by [`codec`](Self::codec), and
     /// returns the encoded result.
     ///
-    /// The whole call, retries included, runs under the entry's `timeout_ms`; at the deadline
-    /// the attempt in flight is dropped and the server receives `Cancel`. Overflow and
-    /// unreachable endpoints are retried on another endpoint, up to `retry_times` after
-    /// `retry_interval_ms`; a call that may have reached a server that then failed is repeated
-    /// only for idempotent entries. A final failure names every endpoint tried.
+    /// The call passes the entry's pipeline: fallback → circuit breaker → timeout (the whole
+    /// call, retries included; at the deadline the attempt in flight is dropped and the server
+    /// receives `Cancel`) → retry (overflow and unreachable endpoints, on another endpoint,
+    /// within the retry budget; a call that may have reached a server that then failed is
+    /// repeated only for idempotent entries) → one attempt. A final failure names every
+    /// endpoint tried.
     pub async fn invoke(
         &self,
         method: &'static MethodDescriptor,
         params: Bytes,
         hash_key: Option<u64>,
     ) -> Result<Bytes, RpcError> {
-        let entry = self.entry(method);
-        let result = self
-            .governed(method, &entry, params.clone(), hash_key)
-            .await;
+        let result = match self.service(method.service_id).await {
+            Ok(service) => {
+                let policy = self.inner.governance.policy(method);
+                let attempts = ClientAttempts {
+                    client: self,
+                    method,
+                    service: &service,
+                    params: &params,
+                    hash_key,
+                };
+                self.inner.governance.execute(&policy, attempts).await
+            }
+            Err(e) => Err(e),
+        };
         match result {
             Err(e) if runs_fallback(&e) => match self.inner.fallbacks.get(method.service_id) {
                 Some(fallback) => {
+                    self.inner.governance.events().emit_parts(
+                        EventKind::Fallback,
+                        &Arc::from(method.entry_id),
+                        e.tried().last().map(String::as_str),
+                        0,
+                        Some(e.to_string()),
+                    );
                     run_fallback(fallback.as_ref(), method, params, self.codec(), e).await
                 }
                 None => Err(e),
             },
             r => r,
-        }
-    }
-
-    /// Circuit breaker → timeout → retry → call.
-    async fn governed(
-        &self,
-        method: &'static MethodDescriptor,
-        entry: &EntryState,
-        params: Bytes,
-        hash_key: Option<u64>,
-    ) -> Result<Bytes, RpcError> {
-        let options = &*entry.options;
-        let deadline = timeout::deadline(options);
-        let call = timeout::run_until(
-            deadline,
-            method.entry_id,
-            options.timeout_ms,
-            self.attempts(method, options, params, hash_key, deadline),
-        );
-        if !options.enable_circuit_breaker {
-            return call.await;
-        }
-        let (permit, transition) = entry.breaker.try_acquire(method.entry_id, options)?;
-        if let Some(t) = transition {
-            breaker_event(method, t);
-        }
-        let result = call.await;
-        if let Some(t) = entry.breaker.record(permit, &result, options) {
-            breaker_event(method, t);
-        }
-        result
-    }
-
-    async fn attempts(
-        &self,
-        method: &'static MethodDescriptor,
-        options: &GovernanceOptions,
-        params: Bytes,
-        hash_key: Option<u64>,
-        deadline: Option<Instant>,
-    ) -> Result<Bytes, RpcError> {
-        let service = self.service(method.service_id).await?;
-        let health = &self.inner.health;
-        let mut tried: Vec<String> = Vec::new();
-        let mut attempt = 0u32;
-        loop {
-            let addr = service.select(method.service_id, options, hash_key, &tried, health)?;
-            let outcome = self
-                .call_once(method, &addr, params.clone(), deadline)
-                .await;
-            // An answer from the server (success, or an error that is its own verdict rather
-            // than a failure to reach it) records who gave it.
-            if outcome
-                .as_ref()
-                .map_or_else(|e| !e.code().is_retryable(), |_| true)
-            {
-                crate::answered_by::record(&addr);
-            }
-            let err = match outcome {
-                Ok(bytes) => {
-                    health.success(&addr);
-                    return Ok(bytes);
-                }
-                Err(e) => e,
-            };
-            if err.code() == StatusCode::CommunicationError {
-                health.failure(&addr);
-            }
-            tried.push(addr);
-            let every_endpoint_tried = service
-                .endpoints()
-                .iter()
-                .all(|i| tried.iter().any(|t| *t == i.address));
-            let decision = if err.code() == StatusCode::CommunicationError && every_endpoint_tried {
-                Decision::GiveUp
-            } else {
-                retry::decide(&err, attempt, options, deadline)
-            };
-            match decision {
-                Decision::Retry { after } => {
-                    tracing::debug!(
-                        target: "rpc::governance",
-                        entry = method.entry_id,
-                        endpoint = %tried.last().map(String::as_str).unwrap_or(""),
-                        attempt,
-                        cause = %err,
-                        "retry"
-                    );
-                    attempt += 1;
-                    if !after.is_zero() {
-                        tokio::time::sleep(after).await;
-                    }
-                }
-                Decision::GiveUp => {
-                    return Err(if err.code().is_retryable() {
-                        err.with_tried(tried)
-                    } else {
-                        err
-                    })
-                }
-            }
         }
     }
 
@@ -420,13 +357,48 @@ impl Client {
     }
 }
 
-fn breaker_event(method: &MethodDescriptor, t: Transition) {
-    let event = match t {
-        Transition::Break => "break",
-        Transition::HalfOpen => "half-open",
-        Transition::Reset => "reset",
-    };
-    tracing::info!(target: "rpc::governance", entry = method.entry_id, event, "circuit breaker");
+/// The client's side of the pipeline for one call.
+struct ClientAttempts<'a> {
+    client: &'a Client,
+    method: &'static MethodDescriptor,
+    service: &'a ServiceState,
+    params: &'a Bytes,
+    hash_key: Option<u64>,
+}
+
+impl Attempts for ClientAttempts<'_> {
+    fn select(&self, ctx: &AttemptCtx<'_>) -> Result<String, RpcError> {
+        self.service.select(
+            self.method.service_id,
+            ctx.options,
+            self.hash_key,
+            ctx.tried,
+            self.client.inner.governance.health(),
+        )
+    }
+
+    async fn call(&self, addr: &str, deadline: Option<Instant>) -> Result<Bytes, RpcError> {
+        let result = self
+            .client
+            .call_once(self.method, addr, self.params.clone(), deadline)
+            .await;
+        // An answer from the server (success, or its own verdict rather than a failure to reach
+        // it) records who gave it.
+        if result
+            .as_ref()
+            .map_or_else(|e| !e.code().is_retryable(), |_| true)
+        {
+            crate::answered_by::record(addr);
+        }
+        result
+    }
+
+    fn untried_left(&self, tried: &[String]) -> bool {
+        self.service
+            .endpoints()
+            .iter()
+            .any(|i| !tried.iter().any(|t| *t == i.address))
+    }
 }
 
 /// A fallback answers for failures of the call, not for the callee's own answers or for
@@ -442,14 +414,6 @@ async fn run_fallback(
     codec: Codec,
     cause: RpcError,
 ) -> Result<Bytes, RpcError> {
-    // Recorded on the caller's current span: a trace shows why the fallback ran.
-    tracing::warn!(
-        target: "rpc::governance",
-        entry = method.entry_id,
-        event = "fallback",
-        cause = %cause,
-        "call failed, running the fallback"
-    );
     let Some(index) = fallback
         .methods()
         .iter()

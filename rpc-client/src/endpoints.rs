@@ -14,25 +14,39 @@ pub(crate) struct ServiceState {
     watch: ServiceWatch,
     counter: AtomicUsize,
     ring: Mutex<Option<(Endpoints, Arc<HashRing>)>>,
+    /// The snapshot last compared for re-announced endpoints.
+    seen: Mutex<Endpoints>,
 }
 
-/// How acceptable an endpoint is for the next attempt; lower is better.
+/// How acceptable an endpoint is for the next attempt; lower is better. Removed endpoints
+/// (repeated transport failures) come last: used only when nothing else is left.
 fn rank(addr: &str, tried: &[String], health: &EndpointHealth) -> u8 {
+    if health.is_clear() {
+        return if tried.iter().any(|t| t == addr) {
+            2
+        } else {
+            0
+        };
+    }
     let fresh = !tried.iter().any(|t| t == addr);
-    match (fresh, health.is_healthy(addr)) {
-        (true, true) => 0,
-        (true, false) => 1,
-        (false, true) => 2,
-        (false, false) => 3,
+    match (health.is_removed(addr), fresh, health.is_healthy(addr)) {
+        (true, true, _) => 4,
+        (true, false, _) => 5,
+        (false, true, true) => 0,
+        (false, true, false) => 1,
+        (false, false, true) => 2,
+        (false, false, false) => 3,
     }
 }
 
 impl ServiceState {
     pub(crate) fn new(watch: ServiceWatch) -> Self {
+        let seen = Mutex::new(watch.current());
         ServiceState {
             watch,
             counter: AtomicUsize::new(0),
             ring: Mutex::new(None),
+            seen,
         }
     }
 
@@ -50,6 +64,21 @@ impl ServiceState {
         let ring = Arc::new(HashRing::new(eps.iter().map(|i| i.address.as_str())));
         *cached = Some((eps.clone(), ring.clone()));
         ring
+    }
+
+    /// Endpoints the registry announces anew (absent from the previous snapshot) are no longer
+    /// removed: the registry, not this client, has the last word on membership.
+    fn restore_announced(&self, eps: &Endpoints, health: &EndpointHealth) {
+        let mut seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
+        if Arc::ptr_eq(&seen, eps) {
+            return;
+        }
+        for i in eps.iter() {
+            if !seen.iter().any(|s| s.address == i.address) {
+                health.restore(&i.address);
+            }
+        }
+        *seen = eps.clone();
     }
 
     /// Picks the address for the next attempt: untried healthy endpoints first, then untried
@@ -73,6 +102,9 @@ impl ServiceState {
             });
         }
         let eps = self.endpoints();
+        if !health.is_clear() {
+            self.restore_announced(&eps, health);
+        }
         if eps.is_empty() {
             return Err(RpcError::new(
                 StatusCode::NotFindServiceRoute,

@@ -14,6 +14,7 @@ pub enum ShuntStrategy {
     /// Uniformly random.
     Random,
     /// Consistent hash of the call's `#[hash_key]` argument over a ring with virtual nodes.
+    #[serde(alias = "hash")]
     HashAlgorithm,
     /// Always the appointed address (see [`GovernanceOptions::appoint_address`]).
     Appoint,

@@ -1,5 +1,6 @@
 //! Circuit breaker: stops calling an entry whose remote side keeps failing, then probes it.
 
+use std::collections::VecDeque;
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
@@ -42,6 +43,45 @@ struct State {
     generation: u64,
     /// The failure that last opened the breaker, quoted in the fail-fast error.
     last_cause: Option<String>,
+    /// Failure-ratio mode: outcomes per second over the sampling window.
+    window: VecDeque<Second>,
+    epoch: Instant,
+}
+
+/// Outcomes of one second, for failure-ratio mode.
+#[derive(Debug, Clone, Copy)]
+struct Second {
+    at: u64,
+    calls: u32,
+    failures: u32,
+}
+
+impl State {
+    /// Adds an outcome to the sampling window and returns the window's (calls, failures).
+    fn sample(&mut self, failed: bool, now: Instant, window_secs: u64) -> (u32, u32) {
+        let at = now.duration_since(self.epoch).as_secs();
+        while self
+            .window
+            .front()
+            .is_some_and(|s| at.saturating_sub(s.at) >= window_secs.max(1))
+        {
+            self.window.pop_front();
+        }
+        match self.window.back_mut() {
+            Some(s) if s.at == at => {
+                s.calls += 1;
+                s.failures += u32::from(failed);
+            }
+            _ => self.window.push_back(Second {
+                at,
+                calls: 1,
+                failures: u32::from(failed),
+            }),
+        }
+        self.window
+            .iter()
+            .fold((0, 0), |(c, f), s| (c + s.calls, f + s.failures))
+    }
 }
 
 /// Admission to call through a breaker; hand it back to [`CircuitBreaker::record`].
@@ -85,9 +125,12 @@ pub enum Transition {
     Reset,
 }
 
-/// A per-entry circuit breaker in consecutive-failure mode.
+/// A per-entry circuit breaker.
 ///
-/// Opens after `exceptions_allowed_before_breaking` counted failures in a row, stays open for
+/// Consecutive mode (`failure_ratio_percent` = 0, the default) opens after
+/// `exceptions_allowed_before_breaking` counted failures in a row; failure-ratio mode opens once
+/// the last `sampling_window_seconds` hold at least `minimum_throughput` calls of which
+/// `failure_ratio_percent` % or more failed. Either way it stays open for
 /// `breaker_seconds`, then admits `half_open_probes` probe calls: a successful probe closes it,
 /// a failed one opens it again. A probe that never reports back frees its slot after
 /// `breaker_seconds`.
@@ -103,6 +146,8 @@ impl Default for CircuitBreaker {
                 phase: Phase::Closed { failures: 0 },
                 generation: 0,
                 last_cause: None,
+                window: VecDeque::new(),
+                epoch: Instant::now(),
             }),
         }
     }
@@ -234,6 +279,23 @@ impl CircuitBreaker {
             }
         }
         let now = Instant::now();
+        if let Phase::Closed { .. } = s.phase {
+            if o.failure_ratio_percent > 0 {
+                let (calls, failures) =
+                    s.sample(outcome == Outcome::Failure, now, o.sampling_window_seconds);
+                let over = u64::from(failures) * 100
+                    >= u64::from(o.failure_ratio_percent) * u64::from(calls);
+                if calls >= o.minimum_throughput.max(1) && over {
+                    s.generation += 1;
+                    s.window.clear();
+                    s.phase = Phase::Open {
+                        until: now + break_duration(o),
+                    };
+                    return Some(Transition::Break);
+                }
+                return None;
+            }
+        }
         match (s.phase, outcome) {
             (Phase::Closed { .. }, Outcome::Success) => {
                 s.phase = Phase::Closed { failures: 0 };
@@ -422,6 +484,40 @@ mod tests {
             b.record_outcome(probe, Outcome::Success, &o, None),
             Some(Transition::Reset)
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn ratio_mode_waits_for_throughput_then_opens_at_the_ratio() {
+        let o = GovernanceOptions {
+            failure_ratio_percent: 50,
+            sampling_window_seconds: 10,
+            minimum_throughput: 10,
+            ..opts()
+        };
+        let b = CircuitBreaker::new();
+        let mut record = |outcome| {
+            let (p, _) = b.try_acquire("e", &o).unwrap();
+            b.record_outcome(p, outcome, &o, None)
+        };
+        // 9 failures: 100 % but below the minimum throughput.
+        for _ in 0..9 {
+            assert_eq!(record(Outcome::Failure), None);
+        }
+        // Old samples leave the window.
+        tokio::time::advance(Duration::from_secs(10)).await;
+        for _ in 0..6 {
+            assert_eq!(record(Outcome::Success), None);
+        }
+        for _ in 0..3 {
+            assert_eq!(record(Outcome::Failure), None);
+        }
+        // 10 calls, 4 failed: 40 % < 50 %.
+        assert_eq!(record(Outcome::Failure), None);
+        // 11 calls, 5 failed: 45 %.
+        assert_eq!(record(Outcome::Failure), None);
+        // 12 calls, 6 failed: 50 % → open.
+        assert_eq!(record(Outcome::Failure), Some(Transition::Break));
+        assert!(matches!(b.state(), BreakerState::Open { .. }));
     }
 
     #[tokio::test(start_paused = true)]

@@ -21,6 +21,7 @@ pub struct EndpointHealth {
 struct Mark {
     until: Instant,
     consecutive: u32,
+    removed: bool,
 }
 
 impl EndpointHealth {
@@ -32,14 +33,21 @@ impl EndpointHealth {
         }
     }
 
-    /// Records a transport failure of `addr`; returns how many failed in a row.
-    pub fn failure(&self, addr: &str) -> u32 {
+    /// Records a transport failure of `addr`; returns how many failed in a row. After
+    /// `remove_after` failures in a row (0: never) the endpoint is removed: it is chosen only
+    /// when nothing else is left, until [`restore`](Self::restore) (the registry announced it
+    /// again) or a success.
+    pub fn failure(&self, addr: &str, remove_after: u32) -> u32 {
         let now = Instant::now();
         let mut mark = self.marks.entry(addr.to_string()).or_insert(Mark {
             until: now,
             consecutive: 0,
+            removed: false,
         });
         mark.consecutive += 1;
+        if remove_after > 0 && mark.consecutive >= remove_after {
+            mark.removed = true;
+        }
         let backoff =
             Duration::from_secs(1u64 << (mark.consecutive - 1).min(16)).min(self.max_backoff);
         mark.until = now + backoff;
@@ -57,6 +65,24 @@ impl EndpointHealth {
     pub fn success(&self, addr: &str) {
         if !self.marks.is_empty() {
             self.marks.remove(addr);
+        }
+    }
+
+    /// Whether no endpoint carries a mark (the common case: nothing to check).
+    pub fn is_clear(&self) -> bool {
+        self.marks.is_empty()
+    }
+
+    /// Whether `addr` was removed after repeated failures.
+    pub fn is_removed(&self, addr: &str) -> bool {
+        !self.marks.is_empty() && self.marks.get(addr).is_some_and(|m| m.removed)
+    }
+
+    /// The registry announced `addr` again: it is no longer removed (its backoff mark stays).
+    pub fn restore(&self, addr: &str) {
+        if let Some(mut m) = self.marks.get_mut(addr) {
+            m.removed = false;
+            m.consecutive = 0;
         }
     }
 
@@ -80,22 +106,36 @@ mod tests {
     async fn marks_grow_and_expire() {
         let h = EndpointHealth::new(Duration::from_secs(3));
         assert!(h.is_healthy("a"));
-        h.failure("a");
+        h.failure("a", 0);
         assert!(!h.is_healthy("a"));
         tokio::time::advance(Duration::from_millis(1001)).await;
         assert!(h.is_healthy("a"));
-        h.failure("a"); // second in a row: 2 s
+        h.failure("a", 0); // second in a row: 2 s
         tokio::time::advance(Duration::from_millis(1500)).await;
         assert!(!h.is_healthy("a"));
         tokio::time::advance(Duration::from_millis(600)).await;
         assert!(h.is_healthy("a"));
-        h.failure("a");
-        h.failure("a"); // would be 8 s, capped at 3 s
+        h.failure("a", 0);
+        h.failure("a", 0); // would be 8 s, capped at 3 s
         tokio::time::advance(Duration::from_millis(3001)).await;
         assert!(h.is_healthy("a"));
         h.success("a");
-        h.failure("a");
+        h.failure("a", 0);
         tokio::time::advance(Duration::from_millis(1001)).await;
         assert!(h.is_healthy("a"), "success reset the count");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn removal_after_n_in_a_row_until_announced_again() {
+        let h = EndpointHealth::new(Duration::from_secs(60));
+        assert_eq!(h.failure("a", 3), 1);
+        assert_eq!(h.failure("a", 3), 2);
+        assert!(!h.is_removed("a"), "not after n - 1");
+        assert_eq!(h.failure("a", 3), 3);
+        assert!(h.is_removed("a"));
+        tokio::time::advance(Duration::from_secs(3600)).await;
+        assert!(h.is_removed("a"), "removal does not expire by itself");
+        h.restore("a");
+        assert!(!h.is_removed("a"));
     }
 }

@@ -22,6 +22,11 @@
 #![warn(missing_docs)]
 
 pub mod breaker;
+pub mod budget;
+pub mod bulkhead;
+pub mod config;
+pub mod events;
 pub mod health;
+pub mod pipeline;
 pub mod retry;
 pub mod timeout;

@@ -11,8 +11,9 @@ use bytes::Bytes;
 use futures_util::FutureExt;
 use rpc_core::wire::{RemoteInvokeMessage, RemoteResultMessage};
 use rpc_core::{Codec, RpcError, StatusCode};
+use rpc_governance::bulkhead::Bulkhead;
+use rpc_governance::events::{EventBus, EventKind};
 use rpc_transport::{error_result, Dispatch, InvokeHandler};
-use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
 use crate::Service;
@@ -21,17 +22,18 @@ use crate::Service;
 pub(crate) struct Route {
     pub(crate) service: Arc<dyn Service>,
     pub(crate) index: usize,
-    pub(crate) cap: Arc<Semaphore>,
-    pub(crate) cap_size: usize,
+    pub(crate) entry: Arc<str>,
+    pub(crate) cap: Bulkhead,
     pub(crate) fallback: Option<Arc<dyn Service>>,
 }
 
 pub(crate) struct Dispatcher {
     pub(crate) routes: HashMap<String, Route>,
+    pub(crate) events: EventBus,
 }
 
 impl InvokeHandler for Dispatcher {
-    fn handle(&self, invoke: RemoteInvokeMessage, _peer: SocketAddr) -> Dispatch {
+    fn handle(&self, invoke: RemoteInvokeMessage, peer: SocketAddr) -> Dispatch {
         let Some(route) = self.routes.get(invoke.service_entry_id.as_str()) else {
             return Dispatch::Ready(error_result(
                 StatusCode::NotFindLocalServiceEntry,
@@ -50,16 +52,18 @@ impl InvokeHandler for Dispatcher {
                 ),
             ));
         };
-        let Ok(permit) = route.cap.clone().try_acquire_owned() else {
-            tracing::debug!(target: "rpc::governance", entry = %invoke.service_entry_id, cap = route.cap_size, "overflow");
-            return Dispatch::Ready(error_result(
-                StatusCode::OverflowMaxServerHandle,
-                format!(
-                    "{} is at its cap of {} concurrent calls; the call was not run, retry on \
-                     another endpoint",
-                    invoke.service_entry_id, route.cap_size
-                ),
-            ));
+        let permit = match route.cap.try_enter(&route.entry) {
+            Ok(p) => p,
+            Err(e) => {
+                self.events.emit_parts(
+                    EventKind::Overflow,
+                    &route.entry,
+                    Some(&peer.to_string()),
+                    0,
+                    Some(e.message().to_string()),
+                );
+                return Dispatch::Ready(error_result(e.code(), e.message()));
+            }
         };
         let handler = route
             .service
@@ -75,11 +79,13 @@ impl InvokeHandler for Dispatcher {
             )
         });
         let entry = invoke.service_entry_id;
+        let (events, entry_id) = (self.events.clone(), route.entry.clone());
         Dispatch::Spawn(Box::pin(async move {
             let result = run_guarded(handler, deadline, &entry).await;
             let result = match (result, fallback) {
                 (Err(e), Some((fb, index, params))) if runs_fallback(&e) => {
-                    tracing::info!(target: "rpc::governance", entry = %entry, cause = %e, "server fallback");
+                    // On the handler's span: a trace shows why the fallback ran.
+                    events.emit_parts(EventKind::Fallback, &entry_id, None, 0, Some(e.to_string()));
                     run_guarded(fb.call(index, params, codec), deadline, &entry)
                         .await
                         .map_err(|fe| {

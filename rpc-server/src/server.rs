@@ -6,10 +6,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rpc_core::ServiceEntry;
+use rpc_governance::bulkhead::Bulkhead;
+use rpc_governance::events::EventBus;
 use rpc_registry::{Instance, Registry};
 use rpc_transport::ServerOptions;
 use tokio::net::{TcpListener, ToSocketAddrs};
-use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -35,6 +36,7 @@ pub struct ServerBuilder {
     max_concurrency: usize,
     advertise: Option<String>,
     metadata: Vec<(String, String)>,
+    events: EventBus,
 }
 
 impl Default for ServerBuilder {
@@ -48,6 +50,7 @@ impl Default for ServerBuilder {
                 as usize,
             advertise: None,
             metadata: Vec::new(),
+            events: EventBus::new(),
         }
     }
 }
@@ -136,23 +139,28 @@ impl ServerBuilder {
         self
     }
 
+    /// Governance events of this server (overflow, fallback): `events().subscribe()`.
+    pub fn events(&self) -> &EventBus {
+        &self.events
+    }
+
     fn routes(&self) -> HashMap<String, crate::dispatch::Route> {
-        let shared = Arc::new(Semaphore::new(self.max_concurrency));
+        let shared = Bulkhead::new(self.max_concurrency);
         let mut routes = HashMap::new();
         for service in &self.services {
             let fallback = self.fallbacks.get(service.service_id()).cloned();
             for (index, m) in service.methods().iter().enumerate() {
-                let (cap, cap_size) = match m.governance.max_concurrent_handling_count {
-                    Some(n) => (Arc::new(Semaphore::new(n as usize)), n as usize),
-                    None => (shared.clone(), self.max_concurrency),
+                let cap = match m.governance.max_concurrent_handling_count {
+                    Some(n) => Bulkhead::new(n as usize),
+                    None => shared.clone(),
                 };
                 routes.insert(
                     m.entry_id.to_string(),
                     Route {
                         service: service.clone(),
                         index,
+                        entry: Arc::from(m.entry_id),
                         cap,
-                        cap_size,
                         fallback: fallback.clone(),
                     },
                 );
@@ -172,6 +180,7 @@ impl ServerBuilder {
         let local_addr = listener.local_addr()?;
         let dispatcher = Arc::new(Dispatcher {
             routes: self.routes(),
+            events: self.events.clone(),
         });
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(rpc_transport::serve(
@@ -202,6 +211,7 @@ impl ServerBuilder {
         }
         tracing::info!(%local_addr, services = ?instance.services, "serving");
         Ok(ServerHandle {
+            events: self.events.clone(),
             local_addr,
             shutdown,
             task: Some(task),
@@ -213,6 +223,7 @@ impl ServerBuilder {
 
 /// A running server. Dropping it starts a graceful shutdown without waiting for it.
 pub struct ServerHandle {
+    events: EventBus,
     local_addr: SocketAddr,
     shutdown: CancellationToken,
     task: Option<JoinHandle<()>>,
@@ -224,6 +235,11 @@ impl ServerHandle {
     /// The bound address.
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
+    }
+
+    /// Governance events of this server (overflow, fallback): `events().subscribe()`.
+    pub fn events(&self) -> &EventBus {
+        &self.events
     }
 
     /// The id under which the instance is published.

@@ -1,0 +1,198 @@
+//! Where an entry's options come from, lowest first: code defaults < `#[governance(...)]` on the
+//! method < config file < environment (`RPC_GOVERNANCE`) < runtime updates.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use rpc_core::{GovernanceOptions, GovernanceOverrides, MethodDescriptor, RpcError, StatusCode};
+use serde::Deserialize;
+
+/// The environment variable read by [`GovernanceConfig::from_env`].
+pub const ENV_VAR: &str = "RPC_GOVERNANCE";
+
+/// One configuration layer: overrides for every entry, per service and per entry (the more
+/// specific wins). The config file is this in TOML:
+///
+/// ```toml
+/// [defaults]
+/// timeout_ms = 3000
+///
+/// [services."echo.Echo"]
+/// retry_times = 1
+///
+/// [entries."echo.Echo.echo"]
+/// idempotent = true
+/// shunt_strategy = "hash"
+/// ```
+///
+/// The environment variable `RPC_GOVERNANCE` holds the same document, with `;` allowed in place
+/// of line breaks: `RPC_GOVERNANCE='entries."echo.Echo.echo".timeout_ms = 800; defaults.retry_times = 1'`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GovernanceConfig {
+    /// Applies to every entry.
+    #[serde(default)]
+    pub defaults: GovernanceOverrides,
+    /// Per service id.
+    #[serde(default)]
+    pub services: HashMap<String, GovernanceOverrides>,
+    /// Per entry id.
+    #[serde(default)]
+    pub entries: HashMap<String, GovernanceOverrides>,
+}
+
+fn config_error(what: impl std::fmt::Display) -> RpcError {
+    RpcError::new(StatusCode::FrameworkError, what.to_string())
+}
+
+impl GovernanceConfig {
+    /// Parses the TOML form.
+    pub fn from_toml(text: &str) -> Result<Self, RpcError> {
+        toml::from_str(text).map_err(|e| config_error(format!("governance config: {e}")))
+    }
+
+    /// Reads and parses a TOML file.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self, RpcError> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            config_error(format!(
+                "cannot read governance config {}: {e}",
+                path.display()
+            ))
+        })?;
+        Self::from_toml(&text)
+            .map_err(|e| config_error(format!("{}: {}", path.display(), e.message())))
+    }
+
+    /// Parses `RPC_GOVERNANCE`; an unset variable is an empty layer.
+    pub fn from_env() -> Result<Self, RpcError> {
+        match std::env::var(ENV_VAR) {
+            Ok(v) => Self::from_toml(&v.replace(';', "\n"))
+                .map_err(|e| config_error(format!("{ENV_VAR}: {}", e.message()))),
+            Err(_) => Ok(Self::default()),
+        }
+    }
+
+    /// Sets (merging into what is there) the overrides for an entry id, or a service id when
+    /// `id` names a service (no method part known to the caller: both maps are consulted by
+    /// [`apply`](Self::apply), so either works).
+    pub fn set(&mut self, id: &str, overrides: GovernanceOverrides, is_service: bool) {
+        let map = if is_service {
+            &mut self.services
+        } else {
+            &mut self.entries
+        };
+        map.insert(id.to_string(), overrides);
+    }
+
+    /// Applies this layer (defaults, then the service's section, then the entry's).
+    pub fn apply(&self, method: &MethodDescriptor, options: &mut GovernanceOptions) {
+        self.defaults.apply_to(options);
+        if let Some(o) = self.services.get(method.service_id) {
+            o.apply_to(options);
+        }
+        if let Some(o) = self.entries.get(method.entry_id) {
+            o.apply_to(options);
+        }
+    }
+}
+
+/// Every layer of configuration, resolved into an entry's options by [`resolve`](Self::resolve).
+#[derive(Debug, Clone, Default)]
+pub struct Layers {
+    /// What the program sets as the starting point (the builder's defaults).
+    pub code_defaults: GovernanceOptions,
+    /// The config file.
+    pub file: GovernanceConfig,
+    /// `RPC_GOVERNANCE`.
+    pub env: GovernanceConfig,
+    /// Updates made while running.
+    pub runtime: GovernanceConfig,
+}
+
+impl Layers {
+    /// The options in force for `method`.
+    pub fn resolve(&self, method: &MethodDescriptor) -> GovernanceOptions {
+        let mut o = method.governance.applied(&self.code_defaults);
+        self.file.apply(method, &mut o);
+        self.env.apply(method, &mut o);
+        self.runtime.apply(method, &mut o);
+        o
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    static M: MethodDescriptor = MethodDescriptor {
+        service_id: "echo.Echo",
+        method: "echo",
+        entry_id: "echo.Echo.echo",
+        hash_key: None,
+        governance: GovernanceOverrides {
+            timeout_ms: Some(800),
+            retry_times: Some(2),
+            ..GovernanceOverrides::NONE
+        },
+    };
+
+    #[test]
+    fn each_layer_overrides_the_one_below() {
+        let mut layers = Layers::default();
+        // Code defaults < attribute.
+        assert_eq!(layers.resolve(&M).timeout_ms, 800);
+        assert_eq!(layers.resolve(&M).retry_interval_ms, 50);
+        // < file (service section < entry section).
+        layers.file = GovernanceConfig::from_toml(
+            "[defaults]\nretry_interval_ms = 7\n[services.\"echo.Echo\"]\ntimeout_ms = 900\nretry_times = 5\n\
+             [entries.\"echo.Echo.echo\"]\ntimeout_ms = 1000\nshunt_strategy = \"hash\"\n",
+        )
+        .unwrap();
+        let o = layers.resolve(&M);
+        assert_eq!(
+            (o.timeout_ms, o.retry_times, o.retry_interval_ms),
+            (1000, 5, 7)
+        );
+        assert_eq!(o.shunt_strategy, rpc_core::ShuntStrategy::HashAlgorithm);
+        // < environment.
+        layers.env =
+            GovernanceConfig::from_toml("entries.\"echo.Echo.echo\".timeout_ms = 1100").unwrap();
+        assert_eq!(layers.resolve(&M).timeout_ms, 1100);
+        // < runtime.
+        layers.runtime.set(
+            "echo.Echo.echo",
+            GovernanceOverrides {
+                timeout_ms: Some(1200),
+                ..GovernanceOverrides::NONE
+            },
+            false,
+        );
+        assert_eq!(layers.resolve(&M).timeout_ms, 1200);
+        assert_eq!(
+            layers.resolve(&M).retry_times,
+            5,
+            "untouched fields keep lower layers"
+        );
+    }
+
+    #[test]
+    fn broken_config_is_a_clear_error() {
+        let e = GovernanceConfig::from_toml("[entries.\"a.A.m\"]\ntimeout = 3").unwrap_err();
+        assert!(e.message().contains("timeout"), "{e}");
+        let e = GovernanceConfig::from_toml("[defaults]\nretry_times = -1").unwrap_err();
+        assert!(e.message().contains("retry_times"), "{e}");
+        let e = GovernanceConfig::from_file("/nonexistent/gov.toml").unwrap_err();
+        assert!(e.message().contains("/nonexistent/gov.toml"), "{e}");
+    }
+
+    #[test]
+    fn env_form_allows_semicolons() {
+        let c = GovernanceConfig::from_toml(
+            &"defaults.retry_times = 1; entries.\"a.A.m\".idempotent = true".replace(';', "\n"),
+        )
+        .unwrap();
+        assert_eq!(c.defaults.retry_times, Some(1));
+        assert_eq!(c.entries["a.A.m"].idempotent, Some(true));
+    }
+}

@@ -1,0 +1,131 @@
+//! Governance events: every policy decision, as a `tracing` event and to subscribers.
+
+use std::fmt;
+use std::sync::Arc;
+
+use tokio::sync::broadcast;
+
+/// What a policy decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum EventKind {
+    /// A failed attempt is tried again.
+    Retry,
+    /// A retry was refused because the entry's retry budget is spent.
+    BudgetExhausted,
+    /// A circuit breaker opened.
+    Break,
+    /// An open breaker admitted a probe.
+    HalfOpen,
+    /// A breaker closed again.
+    Reset,
+    /// A call ran out of its deadline.
+    Timeout,
+    /// A server refused a call at its concurrency cap.
+    Overflow,
+    /// A fallback answered for a failed call.
+    Fallback,
+    /// An entry's options changed at run time.
+    Reload,
+    /// An endpoint was marked unhealthy, or dropped after repeated failures.
+    Ejection,
+}
+
+impl EventKind {
+    /// The event's name in logs and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventKind::Retry => "retry",
+            EventKind::BudgetExhausted => "budget_exhausted",
+            EventKind::Break => "break",
+            EventKind::HalfOpen => "half_open",
+            EventKind::Reset => "reset",
+            EventKind::Timeout => "timeout",
+            EventKind::Overflow => "overflow",
+            EventKind::Fallback => "fallback",
+            EventKind::Reload => "reload",
+            EventKind::Ejection => "ejection",
+        }
+    }
+}
+
+impl fmt::Display for EventKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One governance decision.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GovernanceEvent {
+    /// What was decided.
+    pub kind: EventKind,
+    /// The service entry.
+    pub entry: Arc<str>,
+    /// The endpoint concerned, if any.
+    pub endpoint: Option<String>,
+    /// The attempt number (0 for the first attempt of a call).
+    pub attempt: u32,
+    /// Why: the error that led to the decision.
+    pub cause: Option<String>,
+}
+
+/// Emits governance events as `tracing` events (target `rpc::governance`, on the current span)
+/// and to every subscriber. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct EventBus {
+    tx: broadcast::Sender<GovernanceEvent>,
+}
+
+impl Default for EventBus {
+    fn default() -> Self {
+        EventBus {
+            tx: broadcast::Sender::new(1024),
+        }
+    }
+}
+
+impl EventBus {
+    /// A bus keeping up to 1024 events for slow subscribers (older ones are dropped for them).
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Receives every event emitted from now on.
+    pub fn subscribe(&self) -> broadcast::Receiver<GovernanceEvent> {
+        self.tx.subscribe()
+    }
+
+    /// Emits an event.
+    pub fn emit(&self, event: GovernanceEvent) {
+        tracing::info!(
+            target: "rpc::governance",
+            event = event.kind.as_str(),
+            entry = &*event.entry,
+            endpoint = event.endpoint.as_deref().unwrap_or(""),
+            attempt = event.attempt,
+            cause = event.cause.as_deref().unwrap_or(""),
+            "governance"
+        );
+        if self.tx.receiver_count() > 0 {
+            let _ = self.tx.send(event);
+        }
+    }
+
+    /// Shorthand for [`emit`](Self::emit).
+    pub fn emit_parts(
+        &self,
+        kind: EventKind,
+        entry: &Arc<str>,
+        endpoint: Option<&str>,
+        attempt: u32,
+        cause: Option<String>,
+    ) {
+        self.emit(GovernanceEvent {
+            kind,
+            entry: entry.clone(),
+            endpoint: endpoint.map(str::to_string),
+            attempt,
+            cause,
+        });
+    }
+}
