@@ -495,7 +495,7 @@ mod tests {
             ..opts()
         };
         let b = CircuitBreaker::new();
-        let mut record = |outcome| {
+        let record = |outcome| {
             let (p, _) = b.try_acquire("e", &o).unwrap();
             b.record_outcome(p, outcome, &o, None)
         };
