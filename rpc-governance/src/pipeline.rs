@@ -188,7 +188,6 @@ impl Governance {
         let result = timeout::run_until(
             deadline,
             &policy.entry,
-            options.timeout_ms,
             self.retry_loop(policy, &options, deadline, attempts),
         )
         .await;

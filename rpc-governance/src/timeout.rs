@@ -6,9 +6,30 @@ use std::time::Duration;
 use rpc_core::{GovernanceOptions, RpcError, StatusCode};
 use tokio::time::Instant;
 
-/// The deadline of a call starting now, or `None` when `timeout_ms` is 0.
+tokio::task_local! {
+    /// The deadline of the call a server is handling, seen by the calls its handler makes.
+    static INHERITED: Option<Instant>;
+}
+
+/// Runs a handler's future with `deadline` as the budget its own outgoing calls inherit.
+pub async fn with_inherited<F: Future>(deadline: Option<Instant>, f: F) -> F::Output {
+    INHERITED.scope(deadline, f).await
+}
+
+/// The deadline inherited from the call being handled, if any.
+pub fn inherited() -> Option<Instant> {
+    INHERITED.try_with(|d| *d).ok().flatten()
+}
+
+/// The deadline of a call starting now: the entry's `timeout_ms` (0 = none), shortened to what
+/// is left of the call being handled when this runs inside a server handler.
 pub fn deadline(options: &GovernanceOptions) -> Option<Instant> {
-    (options.timeout_ms > 0).then(|| Instant::now() + Duration::from_millis(options.timeout_ms))
+    let own = (options.timeout_ms > 0)
+        .then(|| Instant::now() + Duration::from_millis(options.timeout_ms));
+    match (own, inherited()) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
 }
 
 /// Milliseconds left before `deadline`, for `RemoteInvokeMessage.timeout_ms` (0 = none; at least
@@ -25,31 +46,28 @@ pub fn remaining_ms(deadline: Option<Instant>) -> u32 {
 
 /// Runs `call` until `deadline`. At the deadline the future is dropped, which cancels whatever
 /// it was doing (an in-flight remote call sends `Cancel`), and a [`StatusCode::Timeout`] error
-/// names the entry and the budget.
+/// names the entry and the budget it had.
 pub async fn run_until<F, T>(
     deadline: Option<Instant>,
     entry_id: &str,
-    timeout_ms: u64,
     call: F,
 ) -> Result<T, RpcError>
 where
     F: Future<Output = Result<T, RpcError>>,
 {
-    match deadline {
-        None => call.await,
-        Some(d) => match tokio::time::timeout_at(d, call).await {
-            Ok(r) => r,
-            Err(_) => {
-                tracing::debug!(target: "rpc::governance", entry = entry_id, timeout_ms, "timeout");
-                Err(RpcError::new(
-                    StatusCode::Timeout,
-                    format!(
-                        "{entry_id} did not complete within {timeout_ms} ms; raise timeout_ms \
-                         for the entry or look at the server's load"
-                    ),
-                ))
-            }
-        },
+    let Some(d) = deadline else {
+        return call.await;
+    };
+    let budget_ms = d.saturating_duration_since(Instant::now()).as_millis();
+    match tokio::time::timeout_at(d, call).await {
+        Ok(r) => r,
+        Err(_) => Err(RpcError::new(
+            StatusCode::Timeout,
+            format!(
+                "{entry_id} did not complete within its {budget_ms} ms budget; raise timeout_ms \
+                 for the entry or look at the server's load"
+            ),
+        )),
     }
 }
 
@@ -71,7 +89,7 @@ mod tests {
             }
         }
         let flag = Flag(dropped.clone());
-        let r: Result<(), _> = run_until(deadline(&opts), "a.A.m", 100, async move {
+        let r: Result<(), _> = run_until(deadline(&opts), "a.A.m", async move {
             let _flag = flag;
             std::future::pending::<()>().await;
             Ok(())
@@ -82,6 +100,41 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn nested_calls_inherit_what_is_left() {
+        let opts = GovernanceOptions {
+            timeout_ms: 5000,
+            ..Default::default()
+        };
+        let outer = Instant::now() + Duration::from_millis(300);
+        with_inherited(Some(outer), async {
+            assert_eq!(
+                deadline(&opts),
+                Some(outer),
+                "the shorter inherited budget wins"
+            );
+            let none = GovernanceOptions {
+                timeout_ms: 0,
+                ..Default::default()
+            };
+            assert_eq!(
+                deadline(&none),
+                Some(outer),
+                "even with no timeout of its own"
+            );
+        })
+        .await;
+        assert_eq!(inherited(), None);
+        let generous = Instant::now() + Duration::from_secs(60);
+        with_inherited(Some(generous), async {
+            assert_eq!(
+                deadline(&opts),
+                Some(Instant::now() + Duration::from_millis(5000))
+            );
+        })
+        .await;
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn zero_disables() {
         let opts = GovernanceOptions {
             timeout_ms: 0,
@@ -89,7 +142,7 @@ mod tests {
         };
         assert_eq!(deadline(&opts), None);
         assert_eq!(remaining_ms(None), 0);
-        let r = run_until(None, "a.A.m", 0, async {
+        let r = run_until(None, "a.A.m", async {
             tokio::time::sleep(Duration::from_secs(3600)).await;
             Ok::<_, RpcError>(7)
         })

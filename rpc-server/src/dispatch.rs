@@ -114,7 +114,11 @@ async fn run_guarded(
     deadline: Option<(Instant, u32)>,
     entry: &str,
 ) -> Result<Bytes, RpcError> {
-    let guarded = AssertUnwindSafe(handler).catch_unwind();
+    let inherited = deadline.map(|(d, _)| d);
+    let guarded = rpc_governance::timeout::with_inherited(
+        inherited,
+        AssertUnwindSafe(handler).catch_unwind(),
+    );
     let outcome = if let Some((deadline, budget_ms)) = deadline {
         match tokio::time::timeout_at(deadline, guarded).await {
             Ok(o) => o,
