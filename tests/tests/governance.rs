@@ -5,7 +5,6 @@ mod common;
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 use common::within;
 use rpc::crates::governance::breaker::BreakerState;
