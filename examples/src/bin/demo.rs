@@ -215,9 +215,155 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         other => println!("  reserve 40 apples -> unexpected {other:?}"),
     }
 
+    governance(&registry).await?;
+
     for s in servers {
         s.shutdown().await;
     }
     client.close();
+    Ok(())
+}
+
+/// Prices come from a service that can fail; a cached price list answers when it does.
+#[rpc::service(name = "demo.Pricing")]
+pub trait Pricing {
+    /// The price of an item, in cents.
+    #[governance(
+        retry_times = 0,
+        exceptions_allowed_before_breaking = 3,
+        breaker_seconds = 1
+    )]
+    async fn quote(&self, item: String) -> Result<u32, RpcError>;
+    /// A quote that takes `ms` milliseconds to compute.
+    #[governance(timeout_ms = 100)]
+    async fn slow_quote(&self, item: String, ms: u64) -> Result<u32, RpcError>;
+}
+
+struct PriceEngine {
+    down: std::sync::atomic::AtomicBool,
+    cancelled: Arc<AtomicU32>,
+}
+
+/// Counts handlers that were stopped before they finished.
+struct CountIfDropped(Arc<AtomicU32>, bool);
+
+impl Drop for CountIfDropped {
+    fn drop(&mut self) {
+        if !self.1 {
+            self.0.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Pricing for PriceEngine {
+    async fn quote(&self, _item: String) -> Result<u32, RpcError> {
+        if self.down.load(Ordering::Relaxed) {
+            return Err(RpcError::new(
+                rpc::StatusCode::ServerError,
+                "price database unreachable",
+            ));
+        }
+        Ok(250)
+    }
+    async fn slow_quote(&self, _item: String, ms: u64) -> Result<u32, RpcError> {
+        let mut guard = CountIfDropped(self.cancelled.clone(), false);
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+        guard.1 = true;
+        Ok(260)
+    }
+}
+
+/// Yesterday's prices: the client-side fallback.
+struct PriceList;
+
+impl Pricing for PriceList {
+    async fn quote(&self, _item: String) -> Result<u32, RpcError> {
+        Ok(240)
+    }
+    async fn slow_quote(&self, _item: String, _ms: u64) -> Result<u32, RpcError> {
+        Ok(240)
+    }
+}
+
+async fn governance(registry: &InProcessRegistry) -> Result<(), Box<dyn std::error::Error>> {
+    println!("\n== governance ==");
+    let engine = Arc::new(PriceEngine {
+        down: false.into(),
+        cancelled: Arc::new(AtomicU32::new(0)),
+    });
+    let server = Server::builder()
+        .registry(registry.clone())
+        .add_service(PricingServer::from_arc(engine.clone()))
+        .serve("127.0.0.1:0")
+        .await?;
+    let client = Client::builder()
+        .shared_registry(Arc::new(registry.clone()))
+        .fallback(PricingServer::new(PriceList))
+        .build();
+    let mut events = client.events().subscribe();
+    let pricing = PricingClient::new(client.clone());
+    let quote = &PricingClient::methods()[0];
+
+    println!(
+        "  quote            -> {:?} (live price)",
+        pricing.quote("apple".into()).await
+    );
+    engine.down.store(true, Ordering::Relaxed);
+    for i in 1..=3 {
+        println!(
+            "  quote, server failing #{i} -> {:?} (the fallback's cached price), breaker {:?}",
+            pricing.quote("apple".into()).await,
+            client.breaker_state(quote)
+        );
+    }
+    println!(
+        "  quote, breaker open -> {:?}: nothing is sent, the fallback still answers",
+        pricing.quote("apple".into()).await
+    );
+    engine.down.store(false, Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    println!(
+        "  after breaker_seconds = 1: a probe goes through -> {:?}, breaker {:?}",
+        pricing.quote("apple".into()).await,
+        client.breaker_state(quote)
+    );
+
+    let no_fallback = PricingClient::new(
+        Client::builder()
+            .shared_registry(Arc::new(registry.clone()))
+            .build(),
+    );
+    let started = tokio::time::Instant::now();
+    let timed_out = no_fallback.slow_quote("apple".into(), 1000).await;
+    println!(
+        "  slow_quote(1000 ms) with timeout_ms = 100 -> {} after {} ms",
+        timed_out
+            .map(|v| v.to_string())
+            .unwrap_or_else(|e| e.code().to_string()),
+        started.elapsed().as_millis()
+    );
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    println!(
+        "  server handlers stopped before finishing: {} (Cancel reached the server)",
+        engine.cancelled.load(Ordering::Relaxed)
+    );
+    no_fallback.client().update_options(
+        "demo.Pricing.slow_quote",
+        GovernanceOverrides {
+            timeout_ms: Some(2000),
+            ..GovernanceOverrides::NONE
+        },
+    );
+    println!(
+        "  runtime update timeout_ms = 2000, same call -> {:?} (no restart, no cache clear)",
+        no_fallback.slow_quote("apple".into(), 200).await
+    );
+
+    let mut counts: BTreeMap<&'static str, u32> = BTreeMap::new();
+    while let Ok(e) = events.try_recv() {
+        *counts.entry(e.kind.as_str()).or_default() += 1;
+    }
+    println!("  governance events seen by the first client: {counts:?}");
+    server.shutdown().await;
     Ok(())
 }

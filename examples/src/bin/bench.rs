@@ -1,0 +1,615 @@
+//! The benchmark program: `echo.Echo` over the framework, server and client in separate
+//! processes, measured the way the peerbench peers (`raw`, `tarpc`, `tonic`) are measured, so its
+//! lines drop into their table.
+//!
+//! ```text
+//! bench --mode server --addr 127.0.0.1:PORT [--max-concurrency N] [--peer-name NAME]
+//! bench --mode client --addr 127.0.0.1:PORT --conns N --concurrency C --payload BYTES
+//!       --duration S --warmup S --label L [--governance on|off] [--peer-name NAME]
+//! bench [--mode matrix] [--payloads 32,4096] [--concs 1,16,256] [--conns N]
+//!       [--duration S] [--warmup S] [--governance on|off]
+//! ```
+//!
+//! - `server` serves `echo.Echo` through `rpc::Server`, prints
+//!   `LISTENING peer=<name> addr=<addr> pid=<pid>` once it accepts connections, and on SIGTERM
+//!   (or SIGINT) prints
+//!   `SERVER peer=<name> served=<n> cpu_s=<s> wall_s=<s> cpu_us_per_req=<us> vcsw=<n> ivcsw=<n>`
+//!   (CPU and wall time since the process started) and exits at once.
+//! - `client` runs C closed-loop callers over N pooled connections to the one address for the
+//!   warm-up, then for the measured window, and prints one line
+//!   `RESULT peer=<name> mode=client label=L payload=BYTES conc=C conns=N requests=<n>
+//!   errors=<n> secs=<s> qps=<q> p50_us=<u> p99_us=<u> p999_us=<u> max_us=<u> mean_us=<u>
+//!   cpu_s=<s> cpu_cores=<c> cpu_us_per_req=<u> vcsw=<n> ivcsw=<n>`.
+//!   A call is measured when it starts inside the window; latencies come from an HDR histogram
+//!   (nanoseconds, 3 significant digits), CPU from `getrusage` between the start of the window
+//!   and the end of the last call. `--governance off` (or `RPC_BENCH_GOVERNANCE=off` when the
+//!   flag is absent) calls with `timeout_ms = 0`, `retry_times = 0` and no circuit breaker for
+//!   the service, to show what the governance layers cost.
+//! - `matrix` (the default) starts its own server process (this program, `--mode server` on
+//!   port 0), then one client process per case (payloads × concurrencies), and prints each
+//!   case's RESULT line and finally the server's SERVER line.
+//!
+//! Addresses must be on the loopback interface.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::SocketAddr;
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use clap::{Parser, ValueEnum};
+use examples::{Echo, EchoClient, EchoServer};
+use hdrhistogram::Histogram;
+use rpc::{Client, GovernanceOverrides, RpcError, Server, StaticRegistry};
+
+/// Calls answered by the server of this process.
+static SERVED: AtomicU64 = AtomicU64::new(0);
+
+/// Environment variable that turns governance off when `--governance` is not given.
+const GOVERNANCE_ENV: &str = "RPC_BENCH_GOVERNANCE";
+
+/// Latency histograms shared by the callers; a handful, not one per caller (each is ~200 KiB).
+const HISTOGRAM_SHARDS: usize = 8;
+
+/// Largest latency the histograms hold: one minute, in nanoseconds.
+const MAX_LATENCY_NS: u64 = 60_000_000_000;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Mode {
+    /// Serve echo.Echo until SIGTERM.
+    Server,
+    /// Load one server and print a RESULT line.
+    Client,
+    /// Own server process plus one client process per case.
+    Matrix,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Governance {
+    /// The entry's default options (timeout, retries, breaker).
+    On,
+    /// No timeout, no retries, no circuit breaker.
+    Off,
+}
+
+impl Governance {
+    fn as_str(self) -> &'static str {
+        match self {
+            Governance::On => "on",
+            Governance::Off => "off",
+        }
+    }
+}
+
+#[derive(Parser, Debug)]
+#[command(about = "Echo benchmark of the framework, peerbench-compatible")]
+struct Args {
+    /// What to run.
+    #[arg(long, value_enum, default_value_t = Mode::Matrix)]
+    mode: Mode,
+    /// Server: where to listen (port 0 picks one). Client: where to connect.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    addr: SocketAddr,
+    /// Connections to the server (client, matrix).
+    #[arg(long, default_value_t = 1)]
+    conns: usize,
+    /// Calls in flight at once (client).
+    #[arg(long, default_value_t = 1)]
+    concurrency: usize,
+    /// Bytes of the echoed string (client).
+    #[arg(long, default_value_t = 32)]
+    payload: usize,
+    /// Measured seconds (client: 10 by default; matrix: 2 per case).
+    #[arg(long)]
+    duration: Option<f64>,
+    /// Seconds of load before measuring (client: 1 by default; matrix: 0.5 per case).
+    #[arg(long)]
+    warmup: Option<f64>,
+    /// Free text copied into the RESULT line.
+    #[arg(long, default_value = "-")]
+    label: String,
+    /// Tokio worker threads (default: one per CPU this process may run on).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// The peer name printed in LISTENING / SERVER / RESULT lines.
+    #[arg(long, default_value = "rpc")]
+    peer_name: String,
+    /// Client governance: on (entry defaults) or off (no timeout, retry or breaker). Without
+    /// the flag, RPC_BENCH_GOVERNANCE=off|on decides, and "on" is the default.
+    #[arg(long, value_enum)]
+    governance: Option<Governance>,
+    /// Server: calls handled at once before Overflow is answered.
+    #[arg(long, default_value_t = 100_000)]
+    max_concurrency: usize,
+    /// Matrix: payload sizes, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "32,4096")]
+    payloads: Vec<usize>,
+    /// Matrix: concurrencies, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,16,256")]
+    concs: Vec<usize>,
+}
+
+impl Args {
+    fn governance(&self) -> Result<Governance, String> {
+        if let Some(g) = self.governance {
+            return Ok(g);
+        }
+        match std::env::var(GOVERNANCE_ENV) {
+            Err(_) => Ok(Governance::On),
+            Ok(v) => match v.trim().to_ascii_lowercase().as_str() {
+                "" | "on" | "1" | "true" => Ok(Governance::On),
+                "off" | "0" | "false" => Ok(Governance::Off),
+                other => Err(format!("{GOVERNANCE_ENV}={other:?}: use on or off")),
+            },
+        }
+    }
+
+    fn duration(&self, default: f64) -> Result<Duration, String> {
+        seconds("--duration", self.duration.unwrap_or(default))
+    }
+
+    fn warmup(&self, default: f64) -> Result<Duration, String> {
+        seconds("--warmup", self.warmup.unwrap_or(default))
+    }
+
+    fn runtime(&self) -> Result<tokio::runtime::Runtime, String> {
+        let mut b = tokio::runtime::Builder::new_multi_thread();
+        b.enable_all();
+        if let Some(t) = self.threads {
+            b.worker_threads(t.max(1));
+        }
+        b.build()
+            .map_err(|e| format!("could not start the tokio runtime: {e}"))
+    }
+}
+
+fn seconds(flag: &str, s: f64) -> Result<Duration, String> {
+    Duration::try_from_secs_f64(s)
+        .map_err(|_| format!("{flag} {s}: give a non-negative number of seconds"))
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    if !args.addr.ip().is_loopback() {
+        eprintln!(
+            "bench: {} is not a loopback address; the benchmark binds and connects to 127.0.0.1 only",
+            args.addr
+        );
+        return ExitCode::from(2);
+    }
+    let outcome = match args.mode {
+        Mode::Server => server_main(&args),
+        Mode::Client => client_main(&args),
+        Mode::Matrix => matrix_main(&args),
+    };
+    match outcome {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("bench: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------ measuring
+
+/// User plus system CPU time of the whole process so far, and its voluntary and involuntary
+/// context switches.
+fn process_usage() -> (Duration, i64, i64) {
+    // SAFETY: `rusage` is plain data for which all-zero bytes are a valid value, and
+    // `getrusage` only writes into the struct it is given.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: `ru` is a valid, writable `rusage`.
+    let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
+    if rc != 0 {
+        return (Duration::ZERO, 0, 0);
+    }
+    let time = |t: libc::timeval| {
+        Duration::from_secs(t.tv_sec.max(0) as u64) + Duration::from_micros(t.tv_usec.max(0) as u64)
+    };
+    (
+        time(ru.ru_utime) + time(ru.ru_stime),
+        ru.ru_nvcsw as i64,
+        ru.ru_nivcsw as i64,
+    )
+}
+
+fn histogram() -> Histogram<u64> {
+    // 1 ns .. 60 s with 3 significant digits: valid bounds, cannot fail.
+    Histogram::new_with_bounds(1, MAX_LATENCY_NS, 3).expect("valid histogram bounds")
+}
+
+// -------------------------------------------------------------------------------------- server
+
+/// The echo implementation: answers what it is sent and counts the calls.
+struct CountingEcho;
+
+impl Echo for CountingEcho {
+    async fn echo(&self, text: String) -> Result<String, RpcError> {
+        SERVED.fetch_add(1, Ordering::Relaxed);
+        Ok(text)
+    }
+}
+
+fn server_main(args: &Args) -> Result<(), String> {
+    let wall0 = Instant::now();
+    let (cpu0, _, _) = process_usage();
+    let rt = args.runtime()?;
+    let peer = args.peer_name.as_str();
+    rt.block_on(async {
+        let server = Server::builder()
+            .max_concurrency(args.max_concurrency)
+            .add_service(EchoServer::new(CountingEcho))
+            .serve(args.addr)
+            .await
+            .map_err(|e| format!("could not serve on {}: {e}", args.addr))?;
+        println!(
+            "LISTENING peer={peer} addr={} pid={}",
+            server.local_addr(),
+            std::process::id()
+        );
+        let _ = std::io::stdout().flush();
+        wait_for_signal().await?;
+        // Dropping the handle would start a graceful drain; the process exits first.
+        std::mem::forget(server);
+        Ok::<(), String>(())
+    })?;
+    let (cpu1, vcsw, ivcsw) = process_usage();
+    let cpu = (cpu1 - cpu0).as_secs_f64();
+    let served = SERVED.load(Ordering::Relaxed);
+    println!(
+        "SERVER peer={peer} served={served} cpu_s={cpu:.3} wall_s={:.3} cpu_us_per_req={:.3} \
+         vcsw={vcsw} ivcsw={ivcsw}",
+        wall0.elapsed().as_secs_f64(),
+        if served > 0 {
+            cpu * 1e6 / served as f64
+        } else {
+            0.0
+        },
+    );
+    let _ = std::io::stdout().flush();
+    // Connection tasks are not waited for.
+    std::process::exit(0);
+}
+
+async fn wait_for_signal() -> Result<(), String> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).map_err(|e| format!("SIGTERM handler: {e}"))?;
+    let mut int = signal(SignalKind::interrupt()).map_err(|e| format!("SIGINT handler: {e}"))?;
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+    Ok(())
+}
+
+// -------------------------------------------------------------------------------------- client
+
+/// What the callers measured.
+struct Measured {
+    hist: Histogram<u64>,
+    errors: u64,
+    secs: f64,
+    cpu: Duration,
+    vcsw: i64,
+    ivcsw: i64,
+}
+
+fn client_main(args: &Args) -> Result<(), String> {
+    if args.addr.port() == 0 {
+        return Err("--mode client needs the server's --addr 127.0.0.1:PORT".into());
+    }
+    if args.conns == 0 || args.concurrency == 0 {
+        return Err("--conns and --concurrency must be at least 1".into());
+    }
+    let governance = args.governance()?;
+    let warmup = args.warmup(1.0)?;
+    let duration = args.duration(10.0)?;
+    let rt = args.runtime()?;
+    let m = rt.block_on(run_load(args, governance, warmup, duration))?;
+    let n = m.hist.len();
+    let cpu = m.cpu.as_secs_f64();
+    let us = |q: f64| m.hist.value_at_quantile(q) as f64 / 1000.0;
+    println!(
+        "RESULT peer={} mode=client label={} payload={} conc={} conns={} requests={n} errors={} \
+         secs={:.3} qps={:.1} p50_us={:.1} p99_us={:.1} p999_us={:.1} max_us={:.1} mean_us={:.1} \
+         cpu_s={cpu:.3} cpu_cores={:.3} cpu_us_per_req={:.3} vcsw={} ivcsw={}",
+        args.peer_name,
+        if args.label.is_empty() {
+            "-"
+        } else {
+            &args.label
+        },
+        args.payload,
+        args.concurrency,
+        args.conns,
+        m.errors,
+        m.secs,
+        n as f64 / m.secs,
+        us(0.5),
+        us(0.99),
+        us(0.999),
+        m.hist.max() as f64 / 1000.0,
+        m.hist.mean() / 1000.0,
+        cpu / m.secs,
+        if n > 0 { cpu * 1e6 / n as f64 } else { 0.0 },
+        m.vcsw,
+        m.ivcsw,
+    );
+    let _ = std::io::stdout().flush();
+    if m.errors > 0 {
+        eprintln!("bench: {} calls failed or came back wrong", m.errors);
+    }
+    Ok(())
+}
+
+fn echo_client(args: &Args, governance: Governance) -> Result<EchoClient, String> {
+    let registry = StaticRegistry::from_list(&args.addr.to_string())
+        .map_err(|e| format!("endpoint list {}: {e}", args.addr))?;
+    let mut builder = Client::builder()
+        .registry(registry)
+        .connections_per_endpoint(args.conns);
+    if governance == Governance::Off {
+        builder = builder.override_options(
+            EchoClient::SERVICE_ID,
+            GovernanceOverrides {
+                timeout_ms: Some(0),
+                retry_times: Some(0),
+                enable_circuit_breaker: Some(false),
+                ..GovernanceOverrides::NONE
+            },
+        );
+    }
+    Ok(EchoClient::new(builder.build()))
+}
+
+async fn run_load(
+    args: &Args,
+    governance: Governance,
+    warmup: Duration,
+    duration: Duration,
+) -> Result<Measured, String> {
+    let echo = echo_client(args, governance)?;
+    let payload = "x".repeat(args.payload);
+    // One call per pooled connection first: connections are opened on first use, and an
+    // unreachable server should be an error, not a run full of failed calls.
+    for _ in 0..args.conns {
+        match echo.echo(payload.clone()).await {
+            Ok(answer) if answer.len() == payload.len() => {}
+            Ok(answer) => {
+                return Err(format!(
+                    "echo to {} answered {} bytes for {} sent",
+                    args.addr,
+                    answer.len(),
+                    payload.len()
+                ))
+            }
+            Err(e) => return Err(format!("echo to {} failed: {e}", args.addr)),
+        }
+    }
+
+    let begin = Instant::now() + warmup;
+    let end = begin + duration;
+    // CPU at the start of the measured window, taken by a plain thread so that a busy runtime
+    // does not delay the sample.
+    let at_begin = std::thread::spawn(move || {
+        std::thread::sleep(begin.saturating_duration_since(Instant::now()));
+        process_usage()
+    });
+    let shards: Arc<Vec<Mutex<Histogram<u64>>>> = Arc::new(
+        (0..HISTOGRAM_SHARDS.min(args.concurrency))
+            .map(|_| Mutex::new(histogram()))
+            .collect(),
+    );
+    let payload: Arc<str> = payload.into();
+    let mut callers = Vec::with_capacity(args.concurrency);
+    for i in 0..args.concurrency {
+        let echo = echo.clone();
+        let payload = payload.clone();
+        let shards = shards.clone();
+        callers.push(tokio::spawn(async move {
+            let shard = &shards[i % shards.len()];
+            let mut errors = 0u64;
+            let mut last = begin;
+            loop {
+                let t0 = Instant::now();
+                if t0 >= end {
+                    break;
+                }
+                let ok = matches!(
+                    echo.echo(payload.to_string()).await,
+                    Ok(answer) if answer.len() == payload.len()
+                );
+                let t1 = Instant::now();
+                if t0 >= begin {
+                    if !ok {
+                        errors += 1;
+                    }
+                    let ns = (t1 - t0).as_nanos().clamp(1, MAX_LATENCY_NS as u128) as u64;
+                    let _ = shard.lock().unwrap_or_else(|p| p.into_inner()).record(ns);
+                    last = t1;
+                }
+            }
+            (errors, last)
+        }));
+    }
+    let mut errors = 0;
+    let mut last = begin;
+    for c in callers {
+        let (e, l) = c.await.map_err(|e| format!("a caller task failed: {e}"))?;
+        errors += e;
+        last = last.max(l);
+    }
+    let (cpu1, vcsw1, ivcsw1) = process_usage();
+    let (cpu0, vcsw0, ivcsw0) = at_begin
+        .join()
+        .map_err(|_| "the CPU sampling thread panicked".to_string())?;
+    let mut hist = histogram();
+    for s in shards.iter() {
+        hist.add(&*s.lock().unwrap_or_else(|p| p.into_inner()))
+            .map_err(|e| format!("merging latency histograms: {e}"))?;
+    }
+    echo.client().close();
+    Ok(Measured {
+        hist,
+        errors,
+        secs: (last - begin).as_secs_f64().max(1e-9),
+        cpu: cpu1.saturating_sub(cpu0),
+        vcsw: vcsw1 - vcsw0,
+        ivcsw: ivcsw1 - ivcsw0,
+    })
+}
+
+// -------------------------------------------------------------------------------------- matrix
+
+/// A server process started by the matrix; stopped with SIGTERM, killed if it does not exit.
+struct ServerProcess {
+    child: Child,
+    stdout: BufReader<std::process::ChildStdout>,
+}
+
+impl ServerProcess {
+    fn start(args: &Args) -> Result<(ServerProcess, SocketAddr), String> {
+        let exe = std::env::current_exe().map_err(|e| format!("own path: {e}"))?;
+        let mut cmd = Command::new(exe);
+        cmd.args(["--mode", "server", "--addr", "127.0.0.1:0"])
+            .args(["--peer-name", &args.peer_name])
+            .args(["--max-concurrency", &args.max_concurrency.to_string()])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        if let Some(t) = args.threads {
+            cmd.args(["--threads", &t.to_string()]);
+        }
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| format!("could not start the server process: {e}"))?;
+        let Some(stdout) = child.stdout.take() else {
+            let _ = child.kill();
+            return Err("the server process has no stdout".into());
+        };
+        let mut server = ServerProcess {
+            child,
+            stdout: BufReader::new(stdout),
+        };
+        let mut line = String::new();
+        loop {
+            line.clear();
+            match server.stdout.read_line(&mut line) {
+                Ok(0) | Err(_) => {
+                    return Err("the server process exited before printing LISTENING".into())
+                }
+                Ok(_) => {}
+            }
+            if let Some(rest) = line.trim().strip_prefix("LISTENING ") {
+                let addr = field(rest, "addr")
+                    .and_then(|a| a.parse().ok())
+                    .ok_or_else(|| format!("no addr= in {:?}", line.trim()))?;
+                return Ok((server, addr));
+            }
+        }
+    }
+
+    /// SIGTERM, then the SERVER line.
+    fn stop(mut self) -> Option<String> {
+        // SAFETY: plain syscall on the pid of a child this process started and still owns.
+        unsafe {
+            libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
+        }
+        let mut found = None;
+        let mut line = String::new();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            line.clear();
+            match self.stdout.read_line(&mut line) {
+                Ok(0) | Err(_) => break,
+                Ok(_) if line.starts_with("SERVER ") => {
+                    found = Some(line.trim().to_string());
+                    break;
+                }
+                Ok(_) => {}
+            }
+        }
+        found
+    }
+}
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The value of `key=` in a line of `key=value` pairs.
+fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+    line.split_whitespace()
+        .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('='))
+}
+
+fn matrix_main(args: &Args) -> Result<(), String> {
+    let governance = args.governance()?;
+    let duration = args.duration(2.0)?;
+    let warmup = args.warmup(0.5)?;
+    if args.conns == 0
+        || args.payloads.is_empty()
+        || args.concs.is_empty()
+        || args.concs.contains(&0)
+    {
+        return Err("--conns and every --concs value must be at least 1, and --payloads and --concs non-empty".into());
+    }
+    let exe = std::env::current_exe().map_err(|e| format!("own path: {e}"))?;
+    let (server, addr) = ServerProcess::start(args)?;
+    eprintln!(
+        "bench: server {} on {addr}; {} cases of {:.1} s + {:.1} s warm-up, governance {}",
+        server.child.id(),
+        args.payloads.len() * args.concs.len(),
+        duration.as_secs_f64(),
+        warmup.as_secs_f64(),
+        governance.as_str()
+    );
+    let mut failure = None;
+    'cases: for &payload in &args.payloads {
+        for &conc in &args.concs {
+            let mut cmd = Command::new(&exe);
+            cmd.args(["--mode", "client", "--addr", &addr.to_string()])
+                .args(["--conns", &args.conns.min(conc).to_string()])
+                .args(["--concurrency", &conc.to_string()])
+                .args(["--payload", &payload.to_string()])
+                .args(["--duration", &duration.as_secs_f64().to_string()])
+                .args(["--warmup", &warmup.as_secs_f64().to_string()])
+                .args(["--label", "matrix"])
+                .args(["--peer-name", &args.peer_name])
+                .args(["--governance", governance.as_str()])
+                .stderr(Stdio::inherit());
+            if let Some(t) = args.threads {
+                cmd.args(["--threads", &t.to_string()]);
+            }
+            match cmd.output() {
+                Ok(out) if out.status.success() => {
+                    let text = String::from_utf8_lossy(&out.stdout);
+                    for line in text.lines().filter(|l| l.starts_with("RESULT ")) {
+                        println!("{line}");
+                    }
+                    let _ = std::io::stdout().flush();
+                }
+                Ok(out) => {
+                    failure = Some(format!(
+                        "client for payload {payload} conc {conc} exited with {}",
+                        out.status
+                    ));
+                    break 'cases;
+                }
+                Err(e) => {
+                    failure = Some(format!("could not start a client process: {e}"));
+                    break 'cases;
+                }
+            }
+        }
+    }
+    match server.stop() {
+        Some(line) => println!("{line}"),
+        None => eprintln!("bench: the server printed no SERVER line"),
+    }
+    failure.map_or(Ok(()), Err)
+}
