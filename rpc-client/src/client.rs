@@ -281,41 +281,50 @@ impl Client {
     /// within the retry budget; a call that may have reached a server that then failed is
     /// repeated only for idempotent entries) → one attempt. A final failure names every
     /// endpoint tried.
-    pub async fn invoke(
+    ///
+    /// `hash_key` computes the stable hash of the method's `#[hash_key]` argument; it runs only
+    /// when the entry's strategy is consistent hashing.
+    pub fn invoke<H: FnOnce() -> u64>(
         &self,
         method: &'static MethodDescriptor,
         params: Bytes,
-        hash_key: Option<u64>,
-    ) -> Result<Bytes, RpcError> {
-        let result = match self.service(method.service_id).await {
-            Ok(service) => {
-                let policy = self.inner.governance.policy(method);
-                let attempts = ClientAttempts {
-                    client: self,
-                    method,
-                    service: &service,
-                    params: &params,
-                    hash_key,
-                };
-                self.inner.governance.execute(&policy, attempts).await
-            }
-            Err(e) => Err(e),
+        hash_key: Option<H>,
+    ) -> impl std::future::Future<Output = Result<Bytes, RpcError>> + Send + '_ {
+        let policy = self.inner.governance.policy(method);
+        let hash_key = match policy.options().shunt_strategy {
+            ShuntStrategy::HashAlgorithm => hash_key.map(|h| h()),
+            _ => None,
         };
-        match result {
-            Err(e) if runs_fallback(&e) => match self.inner.fallbacks.get(method.service_id) {
-                Some(fallback) => {
-                    self.inner.governance.events().emit_parts(
-                        EventKind::Fallback,
-                        &Arc::from(method.entry_id),
-                        e.tried().last().map(String::as_str),
-                        0,
-                        Some(e.to_string()),
-                    );
-                    run_fallback(fallback.as_ref(), method, params, self.codec(), e).await
+        async move {
+            let result = match self.service(method.service_id).await {
+                Ok(service) => {
+                    let attempts = ClientAttempts {
+                        client: self,
+                        method,
+                        service: &service,
+                        params: &params,
+                        hash_key,
+                    };
+                    self.inner.governance.execute(&policy, attempts).await
                 }
-                None => Err(e),
-            },
-            r => r,
+                Err(e) => Err(e),
+            };
+            match result {
+                Err(e) if runs_fallback(&e) => match self.inner.fallbacks.get(method.service_id) {
+                    Some(fallback) => {
+                        self.inner.governance.events().emit_parts(
+                            EventKind::Fallback,
+                            &Arc::from(method.entry_id),
+                            e.tried().last().map(String::as_str),
+                            0,
+                            Some(e.to_string()),
+                        );
+                        run_fallback(fallback.as_ref(), method, params, self.codec(), e).await
+                    }
+                    None => Err(e),
+                },
+                r => r,
+            }
         }
     }
 

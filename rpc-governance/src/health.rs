@@ -1,6 +1,7 @@
 //! Endpoint health as one client sees it: local, expiring marks that are never written to a
 //! registry.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use dashmap::DashMap;
@@ -14,6 +15,9 @@ use tokio::time::Instant;
 #[derive(Debug)]
 pub struct EndpointHealth {
     marks: DashMap<String, Mark>,
+    /// How many marks exist: lets the hot path skip the map (whose `is_empty` locks every
+    /// shard) when every endpoint is healthy.
+    marked: AtomicUsize,
     max_backoff: Duration,
 }
 
@@ -29,6 +33,7 @@ impl EndpointHealth {
     pub fn new(max_backoff: Duration) -> Self {
         EndpointHealth {
             marks: DashMap::new(),
+            marked: AtomicUsize::new(0),
             max_backoff,
         }
     }
@@ -39,10 +44,13 @@ impl EndpointHealth {
     /// again) or a success.
     pub fn failure(&self, addr: &str, remove_after: u32) -> u32 {
         let now = Instant::now();
-        let mut mark = self.marks.entry(addr.to_string()).or_insert(Mark {
-            until: now,
-            consecutive: 0,
-            removed: false,
+        let mut mark = self.marks.entry(addr.to_string()).or_insert_with(|| {
+            self.marked.fetch_add(1, Ordering::Release);
+            Mark {
+                until: now,
+                consecutive: 0,
+                removed: false,
+            }
         });
         mark.consecutive += 1;
         if remove_after > 0 && mark.consecutive >= remove_after {
@@ -63,19 +71,19 @@ impl EndpointHealth {
 
     /// Records a success of `addr`: its mark is cleared.
     pub fn success(&self, addr: &str) {
-        if !self.marks.is_empty() {
-            self.marks.remove(addr);
+        if !self.is_clear() && self.marks.remove(addr).is_some() {
+            self.marked.fetch_sub(1, Ordering::Release);
         }
     }
 
     /// Whether no endpoint carries a mark (the common case: nothing to check).
     pub fn is_clear(&self) -> bool {
-        self.marks.is_empty()
+        self.marked.load(Ordering::Acquire) == 0
     }
 
     /// Whether `addr` was removed after repeated failures.
     pub fn is_removed(&self, addr: &str) -> bool {
-        !self.marks.is_empty() && self.marks.get(addr).is_some_and(|m| m.removed)
+        !self.is_clear() && self.marks.get(addr).is_some_and(|m| m.removed)
     }
 
     /// The registry announced `addr` again: it is no longer removed (its backoff mark stays).
@@ -88,7 +96,7 @@ impl EndpointHealth {
 
     /// Whether `addr` has no unexpired mark.
     pub fn is_healthy(&self, addr: &str) -> bool {
-        if self.marks.is_empty() {
+        if self.is_clear() {
             return true;
         }
         match self.marks.get(addr) {

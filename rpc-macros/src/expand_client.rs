@@ -86,9 +86,9 @@ fn method(index: usize, m: &Method, table: &syn::Ident) -> TokenStream {
     let hash = match m.hash_key {
         Some(i) => {
             let key = arg_idents[i];
-            quote!(::core::option::Option::Some(::rpc::__private::hash_key(&#key)))
+            quote!(::core::option::Option::Some(|| ::rpc::__private::hash_key(&#key)))
         }
-        None => quote!(::core::option::Option::None),
+        None => quote!(::core::option::Option::None::<fn() -> u64>),
     };
     quote! {
         fn #ident(&self, #(#arg_idents: #arg_tys),*)
@@ -97,7 +97,6 @@ fn method(index: usize, m: &Method, table: &syn::Ident) -> TokenStream {
             async move {
                 let __rpc_method: &'static ::rpc::__private::MethodDescriptor = &#table[#index];
                 let __rpc_codec: ::rpc::__private::Codec = ::rpc::Client::codec(&self.client);
-                let __rpc_hash: ::core::option::Option<u64> = #hash;
                 let __rpc_result: ::core::result::Result<#ok, ::rpc::__private::RpcError> =
                     async {
                         let __rpc_params =
@@ -106,7 +105,7 @@ fn method(index: usize, m: &Method, table: &syn::Ident) -> TokenStream {
                             &self.client,
                             __rpc_method,
                             __rpc_params,
-                            __rpc_hash,
+                            #hash,
                         )
                         .await?;
                         ::rpc::__private::decode_result::<#ok>(

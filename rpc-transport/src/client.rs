@@ -13,7 +13,6 @@ use rpc_core::{RpcError, StatusCode, PROTOCOL_VERSION};
 use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::TcpStream;
 use tokio::sync::oneshot;
-use tokio::time::Instant;
 use tokio_util::codec::FramedRead;
 use tokio_util::sync::CancellationToken;
 
@@ -65,6 +64,8 @@ struct Shared {
     in_flight: Arc<AtomicUsize>,
     next_id: AtomicU64,
     going_away: AtomicBool,
+    /// Mirrors `close` for the hot path: checking a token takes a lock, this does not.
+    closed: AtomicBool,
     close: CancellationToken,
 }
 
@@ -151,16 +152,15 @@ impl Connection {
             in_flight,
             next_id: AtomicU64::new(1),
             going_away: AtomicBool::new(false),
+            closed: AtomicBool::new(false),
             close,
         });
-        let last_rx = Arc::new(AtomicU64::new(0));
-        let start = Instant::now();
-        tokio::spawn(read_loop(frames, shared.clone(), last_rx.clone(), start));
+        let received = Arc::new(AtomicU64::new(0));
+        tokio::spawn(read_loop(frames, shared.clone(), received.clone()));
         tokio::spawn(heartbeat(
             Arc::downgrade(&shared),
             options.heartbeat_interval,
-            last_rx,
-            start,
+            received,
         ));
         Ok(Connection { shared })
     }
@@ -172,7 +172,8 @@ impl Connection {
 
     /// Whether new calls may be sent: open, and the server has not said `GoAway`.
     pub fn is_usable(&self) -> bool {
-        !self.shared.close.is_cancelled() && !self.shared.going_away.load(Ordering::Relaxed)
+        !self.shared.closed.load(Ordering::Acquire)
+            && !self.shared.going_away.load(Ordering::Relaxed)
     }
 
     /// Whether the server said it is draining (`GoAway` with status 200): calls that then fail
@@ -188,6 +189,7 @@ impl Connection {
 
     /// Closes the connection; calls in flight fail with a communication error.
     pub fn close(&self) {
+        self.shared.closed.store(true, Ordering::Release);
         self.shared.close.cancel();
     }
 
@@ -214,7 +216,7 @@ impl Connection {
             id,
             armed: true,
         };
-        if shared.close.is_cancelled() {
+        if shared.closed.load(Ordering::Acquire) {
             // The reader ended between the check above and the insert: it will not see this
             // call, so it must not wait.
             guard.disarm_quietly();
@@ -265,17 +267,18 @@ impl Drop for PendingGuard<'_> {
 async fn read_loop(
     mut frames: FramedRead<OwnedReadHalf, FrameCodec>,
     shared: Arc<Shared>,
-    last_rx: Arc<AtomicU64>,
-    start: Instant,
+    received: Arc<AtomicU64>,
 ) {
     let mut clean_drain = true;
+    let closing = shared.close.cancelled();
+    tokio::pin!(closing);
     let reason = loop {
         let next = tokio::select! {
             biased;
-            _ = shared.close.cancelled() => break "connection closed".to_string(),
+            _ = &mut closing => break "connection closed".to_string(),
             f = frames.next() => f,
         };
-        last_rx.store(start.elapsed().as_millis() as u64, Ordering::Relaxed);
+        received.fetch_add(1, Ordering::Relaxed);
         match next {
             Some(Ok(Kind::Result(result))) => {
                 if let Some((_, waiter)) = shared.pending.remove(&result.message_id) {
@@ -315,6 +318,7 @@ async fn read_loop(
             break "server is draining".to_string();
         }
     };
+    shared.closed.store(true, Ordering::Release);
     shared.close.cancel();
     // A draining server (GoAway 200) answers every call it read, even those it drops at its
     // drain deadline: calls still pending now never reached it and may safely go elsewhere.
@@ -332,13 +336,12 @@ fn fail_pending(shared: &Shared, reason: &str, maybe_delivered: bool) {
     }
 }
 
-async fn heartbeat(
-    shared: std::sync::Weak<Shared>,
-    interval: Duration,
-    last_rx: Arc<AtomicU64>,
-    start: Instant,
-) {
+/// Pings every `interval`; closes the connection when no frame at all arrived during three
+/// intervals in a row (a frame counter is compared, so the reader never reads the clock).
+async fn heartbeat(shared: std::sync::Weak<Shared>, interval: Duration, received: Arc<AtomicU64>) {
     let mut nonce = 0u64;
+    let mut last_count = received.load(Ordering::Relaxed);
+    let mut silent_ticks = 0u32;
     loop {
         let close = match shared.upgrade() {
             Some(s) => s.close.clone(),
@@ -349,10 +352,16 @@ async fn heartbeat(
             _ = tokio::time::sleep(interval) => {}
         }
         let Some(s) = shared.upgrade() else { return };
-        let silent_for =
-            (start.elapsed().as_millis() as u64).saturating_sub(last_rx.load(Ordering::Relaxed));
-        if silent_for > 3 * interval.as_millis() as u64 {
-            tracing::debug!(peer = %s.peer, silent_for, "no traffic from the server: closing");
+        let count = received.load(Ordering::Relaxed);
+        if count == last_count {
+            silent_ticks += 1;
+        } else {
+            silent_ticks = 0;
+            last_count = count;
+        }
+        if silent_ticks >= 3 {
+            tracing::debug!(peer = %s.peer, "no traffic from the server for three heartbeats: closing");
+            s.closed.store(true, Ordering::Release);
             s.close.cancel();
             return;
         }

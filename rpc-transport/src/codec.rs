@@ -110,7 +110,11 @@ mod tests {
             }),
             &mut buf,
         );
-        assert_eq!(u32::from_be_bytes(buf[..4].try_into().unwrap()) as usize, 2);
+        assert_eq!(
+            u32::from_be_bytes(buf[..4].try_into().unwrap()) as usize,
+            4,
+            "a Frame holding Ping(7) is 4 bytes"
+        );
         let mut codec = FrameCodec::new(1024);
         let mut partial = buf.split_to(3);
         assert!(codec.decode(&mut partial).unwrap().is_none());

@@ -4,6 +4,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use futures_util::future::{AbortHandle, Abortable, BoxFuture};
@@ -183,47 +184,26 @@ async fn serve_connection(
         conn: conn.clone(),
         close: close.clone(),
     };
+    let shutdown_signal = shutdown.cancelled();
+    tokio::pin!(shutdown_signal);
     let idle = tokio::time::sleep(options.idle_timeout);
     tokio::pin!(idle);
-    let mut draining: Option<Instant> = None;
+    // Idleness is checked when the timer fires rather than by resetting it for every frame.
+    let (mut frames_seen, mut frames_at_check) = (0u64, 0u64);
+    let ctx = FrameCtx {
+        conn: &conn,
+        handler: handler.as_ref(),
+        peer,
+    };
 
-    let reason: Option<String> = loop {
-        if let Some(deadline) = draining {
-            if conn.in_flight.load(Ordering::Acquire) == 0 {
-                break None;
-            }
-            if Instant::now() >= deadline {
-                // Every call the server read gets an answer, so the client knows that calls
-                // still pending when the connection closes were never read.
-                let dropped: Vec<(u64, AbortHandle)> = conn.tasks().drain().collect();
-                for (id, handle) in dropped {
-                    handle.abort();
-                    let mut r = error_result(
-                        StatusCode::ServerError,
-                        format!(
-                            "the server shut down before the call finished (drain deadline of \
-                             {} ms); it may have partly run",
-                            options.drain_timeout.as_millis()
-                        ),
-                    );
-                    r.message_id = id;
-                    conn.sender.send(Kind::Result(r));
-                }
-                break None;
-            }
-        }
+    let ended: Option<String> = loop {
         let next = tokio::select! {
             biased;
-            _ = shutdown.cancelled(), if draining.is_none() => {
-                conn.sender.send(go_away(StatusCode::Success, "server shutting down"));
-                draining = Some(Instant::now() + options.drain_timeout);
-                continue;
-            }
-            _ = conn.idle.notified(), if draining.is_some() => continue,
-            _ = tokio::time::sleep_until(draining.unwrap_or_else(Instant::now)), if draining.is_some() => continue,
+            _ = &mut shutdown_signal => break None,
             _ = &mut idle => {
                 // A connection with calls in flight is not idle, however quiet the client is.
-                if conn.in_flight.load(Ordering::Acquire) > 0 {
+                if frames_seen != frames_at_check || conn.in_flight.load(Ordering::Acquire) > 0 {
+                    frames_at_check = frames_seen;
                     idle.as_mut().reset(Instant::now() + options.idle_timeout);
                     continue;
                 }
@@ -231,29 +211,109 @@ async fn serve_connection(
             }
             f = frames.next() => f,
         };
-        idle.as_mut().reset(Instant::now() + options.idle_timeout);
+        frames_seen += 1;
+        if let Err(end) = ctx.on_frame(next, false) {
+            break end;
+        }
+    };
+
+    let reason = match ended {
+        Some(reason) => Some(reason),
+        None if shutdown.is_cancelled() => drain(&ctx, &mut frames, &options).await,
+        None => None,
+    };
+    if let Some(reason) = reason {
+        tracing::info!(%peer, %reason, "closing connection");
+        conn.sender
+            .send(go_away(StatusCode::FrameworkError, reason));
+    }
+}
+
+/// Shutdown: `GoAway`, then wait for the calls in flight (reading on, for `Cancel`) until the
+/// drain deadline; calls still running then are answered 520 and dropped.
+async fn drain(
+    ctx: &FrameCtx<'_>,
+    frames: &mut FramedRead<tokio::net::tcp::OwnedReadHalf, FrameCodec>,
+    options: &ServerOptions,
+) -> Option<String> {
+    let conn = ctx.conn;
+    conn.sender
+        .send(go_away(StatusCode::Success, "server shutting down"));
+    let deadline = tokio::time::sleep(options.drain_timeout);
+    tokio::pin!(deadline);
+    loop {
+        if conn.in_flight.load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        let next = tokio::select! {
+            biased;
+            _ = conn.idle.notified() => continue,
+            _ = &mut deadline => break,
+            f = frames.next() => f,
+        };
+        if let Err(end) = ctx.on_frame(next, true) {
+            return end;
+        }
+    }
+    // Every call the server read gets an answer, so the client knows that calls still pending
+    // when the connection closes were never read.
+    let dropped: Vec<(u64, AbortHandle)> = conn.tasks().drain().collect();
+    for (id, handle) in dropped {
+        handle.abort();
+        let mut r = error_result(
+            StatusCode::ServerError,
+            format!(
+                "the server shut down before the call finished (drain deadline of {} ms); it \
+                 may have partly run",
+                options.drain_timeout.as_millis()
+            ),
+        );
+        r.message_id = id;
+        conn.sender.send(Kind::Result(r));
+    }
+    None
+}
+
+/// What handling one frame needs.
+struct FrameCtx<'a> {
+    conn: &'a Arc<Conn>,
+    handler: &'a dyn InvokeHandler,
+    peer: SocketAddr,
+}
+
+impl FrameCtx<'_> {
+    /// Handles one frame; `Err` ends the connection (with a reason to send, or quietly).
+    fn on_frame(
+        &self,
+        next: Option<Result<Kind, crate::FrameError>>,
+        draining: bool,
+    ) -> Result<(), Option<String>> {
+        let conn = self.conn;
         match next {
             Some(Ok(Kind::Invoke(invoke))) => {
-                if draining.is_some() {
+                let id = invoke.message_id;
+                if draining {
                     let mut r = error_result(
                         StatusCode::CommunicationError,
-                        "the server is shutting down and did not run the call; call another endpoint",
-                    );
-                    r.message_id = invoke.message_id;
-                    conn.sender.send(Kind::Result(r));
-                    continue;
-                }
-                let id = invoke.message_id;
-                if conn.tasks().contains_key(&id) {
-                    let mut r = error_result(
-                        StatusCode::FrameworkError,
-                        format!("message_id {id} is already in flight on this connection; use a new id per call"),
+                        "the server is shutting down and did not run the call; call another \
+                         endpoint",
                     );
                     r.message_id = id;
                     conn.sender.send(Kind::Result(r));
-                    continue;
+                } else if conn.tasks().contains_key(&id) {
+                    let mut r = error_result(
+                        StatusCode::FrameworkError,
+                        format!(
+                            "message_id {id} is already in flight on this connection; use a new \
+                             id per call"
+                        ),
+                    );
+                    r.message_id = id;
+                    conn.sender.send(Kind::Result(r));
+                } else {
+                    dispatch(conn, self.handler.handle(invoke, self.peer), id);
                 }
-                dispatch(&conn, handler.handle(invoke, peer), id);
+                Ok(())
             }
             Some(Ok(Kind::Cancel(c))) => {
                 if let Some(h) = conn.tasks().remove(&c.message_id) {
@@ -262,26 +322,21 @@ async fn serve_connection(
                         conn.idle.notify_one();
                     }
                 }
+                Ok(())
             }
             Some(Ok(Kind::Ping(p))) => {
                 conn.sender.send(Kind::Pong(Pong { nonce: p.nonce }));
+                Ok(())
             }
-            Some(Ok(Kind::Pong(_))) => {}
-            Some(Ok(Kind::GoAway(_))) => break None,
-            Some(Ok(other)) => {
-                break Some(format!(
-                    "protocol violation: unexpected {} after the handshake",
-                    kind_name(&other)
-                ));
-            }
-            Some(Err(e)) => break Some(e.to_string()),
-            None => break None,
+            Some(Ok(Kind::Pong(_))) => Ok(()),
+            Some(Ok(Kind::GoAway(_))) => Err(None),
+            Some(Ok(other)) => Err(Some(format!(
+                "protocol violation: unexpected {} after the handshake",
+                kind_name(&other)
+            ))),
+            Some(Err(e)) => Err(Some(e.to_string())),
+            None => Err(None),
         }
-    };
-    if let Some(reason) = reason {
-        tracing::info!(%peer, %reason, "closing connection");
-        conn.sender
-            .send(go_away(StatusCode::FrameworkError, reason));
     }
 }
 
@@ -306,7 +361,16 @@ fn dispatch(conn: &Arc<Conn>, outcome: Dispatch, id: u64) {
             r.message_id = id;
             conn.sender.send(Kind::Result(r));
         }
-        Dispatch::Spawn(fut) => {
+        Dispatch::Spawn(mut fut) => {
+            // Most handlers finish without waiting: poll once here and spawn only if the handler
+            // has to wait. (The spawned task polls again with its own waker, so nothing is
+            // lost by this first poll's no-op waker.)
+            let mut cx = Context::from_waker(Waker::noop());
+            if let Poll::Ready(mut r) = fut.as_mut().poll(&mut cx) {
+                r.message_id = id;
+                conn.sender.send(Kind::Result(r));
+                return;
+            }
             let (handle, registration) = AbortHandle::new_pair();
             conn.in_flight.fetch_add(1, Ordering::AcqRel);
             conn.tasks().insert(id, handle);

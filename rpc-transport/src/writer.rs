@@ -52,11 +52,13 @@ async fn write_loop(
     close: CancellationToken,
 ) {
     let mut buf = BytesMut::with_capacity(BUFFER);
+    let closing = close.cancelled();
+    tokio::pin!(closing);
     loop {
         let first = tokio::select! {
             biased;
             f = rx.recv() => f,
-            _ = close.cancelled() => None,
+            _ = &mut closing => None,
         };
         let Some(first) = first else { break };
         FrameCodec::encode_kind(first, &mut buf);
