@@ -16,10 +16,8 @@ use rpc_governance::breaker::BreakerState;
 use rpc_governance::config::{GovernanceConfig, Layers};
 use rpc_governance::events::{EventBus, EventKind};
 use rpc_governance::pipeline::{AttemptCtx, Attempts, Governance};
-use rpc_governance::timeout;
 use rpc_registry::{InProcessRegistry, Registry, ServiceWatch};
 use rpc_transport::{ConnectOptions, ConnectionPool};
-use tokio::time::Instant;
 
 use crate::endpoints::ServiceState;
 
@@ -333,7 +331,7 @@ impl Client {
         method: &'static MethodDescriptor,
         addr: &str,
         params: Bytes,
-        deadline: Option<Instant>,
+        timeout_ms: u32,
     ) -> Result<Bytes, RpcError> {
         let message = |params: Bytes| RemoteInvokeMessage {
             message_id: 0,
@@ -341,7 +339,7 @@ impl Client {
             codec: self.inner.codec.to_wire(),
             parameters: params,
             attachments: Default::default(),
-            timeout_ms: timeout::remaining_ms(deadline),
+            timeout_ms,
         };
         let conn = self.inner.pool.get(addr).await?;
         let answer = match conn.call(message(params.clone())).await {
@@ -386,10 +384,10 @@ impl Attempts for ClientAttempts<'_> {
         )
     }
 
-    async fn call(&self, addr: &str, deadline: Option<Instant>) -> Result<Bytes, RpcError> {
+    async fn call(&self, addr: &str, timeout_ms: u32) -> Result<Bytes, RpcError> {
         let result = self
             .client
-            .call_once(self.method, addr, self.params.clone(), deadline)
+            .call_once(self.method, addr, self.params.clone(), timeout_ms)
             .await;
         // An answer from the server (success, or its own verdict rather than a failure to reach
         // it) records who gave it.

@@ -186,8 +186,16 @@ impl CircuitBreaker {
         entry: &str,
         o: &GovernanceOptions,
     ) -> Result<(Permit, Option<Transition>), RpcError> {
-        let now = Instant::now();
         let mut s = self.lock();
+        if let Phase::Closed { .. } = s.phase {
+            return Ok((
+                Permit {
+                    generation: s.generation,
+                },
+                None,
+            ));
+        }
+        let now = Instant::now();
         match s.phase {
             Phase::Closed { .. } => Ok((
                 Permit {
@@ -277,6 +285,13 @@ impl CircuitBreaker {
             if let Some(c) = cause {
                 s.last_cause = Some(c.to_string());
             }
+        }
+        if let (Phase::Closed { .. }, Outcome::Success, 0) =
+            (s.phase, outcome, o.failure_ratio_percent)
+        {
+            // The common case, without reading the clock.
+            s.phase = Phase::Closed { failures: 0 };
+            return None;
         }
         let now = Instant::now();
         if let Phase::Closed { .. } = s.phase {

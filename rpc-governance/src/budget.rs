@@ -43,9 +43,10 @@ impl RetryBudget {
 
     fn with_bucket<R>(
         &self,
+        at: Instant,
         f: impl FnOnce(&mut [Bucket; WINDOW_SECONDS as usize], u64) -> R,
     ) -> R {
-        let now = self.start.elapsed().as_secs();
+        let now = at.saturating_duration_since(self.start).as_secs();
         let mut w = self.window.lock().unwrap_or_else(PoisonError::into_inner);
         let b = &mut w[(now % WINDOW_SECONDS) as usize];
         if b.second != now {
@@ -60,12 +61,17 @@ impl RetryBudget {
 
     /// Records a call (its first attempt).
     pub fn deposit(&self) {
-        self.with_bucket(|w, now| w[(now % WINDOW_SECONDS) as usize].calls += 1);
+        self.deposit_at(Instant::now());
+    }
+
+    /// Records a call made at `at` (the caller's clock reading, to save one).
+    pub fn deposit_at(&self, at: Instant) {
+        self.with_bucket(at, |w, now| w[(now % WINDOW_SECONDS) as usize].calls += 1);
     }
 
     /// Takes one retry from the budget; false when it is spent.
     pub fn try_withdraw(&self, o: &GovernanceOptions) -> bool {
-        self.with_bucket(|w, now| {
+        self.with_bucket(Instant::now(), |w, now| {
             let (mut calls, mut retries) = (0u64, 0u64);
             for b in w.iter().filter(|b| now - b.second < WINDOW_SECONDS) {
                 calls += b.calls;

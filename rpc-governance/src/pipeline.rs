@@ -39,11 +39,12 @@ pub trait Attempts: Sync {
     /// (no endpoint at all) ends the call.
     fn select(&self, ctx: &AttemptCtx<'_>) -> Result<String, RpcError>;
 
-    /// Runs one attempt on `addr`.
+    /// Runs one attempt on `addr`; `timeout_ms` is the budget left for it (0 = none), to send
+    /// to the server.
     fn call(
         &self,
         addr: &str,
-        deadline: Option<Instant>,
+        timeout_ms: u32,
     ) -> impl Future<Output = Result<Bytes, RpcError>> + Send;
 
     /// Whether some endpoint has not been tried yet.
@@ -183,14 +184,15 @@ impl Governance {
         } else {
             None
         };
-        let deadline = timeout::deadline(&options);
-        policy.budget.deposit();
-        let result = timeout::run_until(
-            deadline,
-            &policy.entry,
-            self.retry_loop(policy, &options, deadline, attempts),
-        )
-        .await;
+        // One clock reading serves the deadline, the budget and the first attempt's timeout.
+        let started = Instant::now();
+        let deadline = timeout::deadline_from(started, &options);
+        policy.budget.deposit_at(started);
+        let attempts = self.retry_loop(policy, &options, started, deadline, attempts);
+        let result = match deadline {
+            Some(d) => timeout::run_until_from(started, d, &policy.entry, attempts).await,
+            None => attempts.await,
+        };
         if let Err(e) = &result {
             if e.code() == StatusCode::Timeout {
                 self.events.emit_parts(
@@ -214,6 +216,7 @@ impl Governance {
         &self,
         policy: &EntryPolicy,
         options: &GovernanceOptions,
+        started: Instant,
         deadline: Option<Instant>,
         attempts: A,
     ) -> Result<Bytes, RpcError> {
@@ -227,7 +230,12 @@ impl Governance {
                 options,
             };
             let addr = attempts.select(&ctx)?;
-            let err = match attempts.call(&addr, deadline).await {
+            let budget_ms = if attempt == 0 {
+                timeout::remaining_ms_at(started, deadline)
+            } else {
+                timeout::remaining_ms(deadline)
+            };
+            let err = match attempts.call(&addr, budget_ms).await {
                 Ok(bytes) => {
                     self.health.success(&addr);
                     return Ok(bytes);
@@ -342,7 +350,7 @@ mod tests {
             let fresh = self.endpoints.iter().find(|e| !ctx.tried.contains(e));
             Ok(fresh.unwrap_or(&self.endpoints[0]).clone())
         }
-        async fn call(&self, addr: &str, _deadline: Option<Instant>) -> Result<Bytes, RpcError> {
+        async fn call(&self, addr: &str, _timeout_ms: u32) -> Result<Bytes, RpcError> {
             let n = {
                 let mut log = self.log.lock().unwrap();
                 log.push((self.start.elapsed(), addr.to_string()));

@@ -24,8 +24,12 @@ pub fn inherited() -> Option<Instant> {
 /// The deadline of a call starting now: the entry's `timeout_ms` (0 = none), shortened to what
 /// is left of the call being handled when this runs inside a server handler.
 pub fn deadline(options: &GovernanceOptions) -> Option<Instant> {
-    let own = (options.timeout_ms > 0)
-        .then(|| Instant::now() + Duration::from_millis(options.timeout_ms));
+    deadline_from(Instant::now(), options)
+}
+
+/// [`deadline`] for a call that started at `now`.
+pub fn deadline_from(now: Instant, options: &GovernanceOptions) -> Option<Instant> {
+    let own = (options.timeout_ms > 0).then(|| now + Duration::from_millis(options.timeout_ms));
     match (own, inherited()) {
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, b) => a.or(b),
@@ -35,10 +39,15 @@ pub fn deadline(options: &GovernanceOptions) -> Option<Instant> {
 /// Milliseconds left before `deadline`, for `RemoteInvokeMessage.timeout_ms` (0 = none; at least
 /// 1 while the deadline has not passed).
 pub fn remaining_ms(deadline: Option<Instant>) -> u32 {
+    remaining_ms_at(Instant::now(), deadline)
+}
+
+/// [`remaining_ms`] as seen at `now`.
+pub fn remaining_ms_at(now: Instant, deadline: Option<Instant>) -> u32 {
     match deadline {
         None => 0,
         Some(d) => {
-            let left = d.saturating_duration_since(Instant::now()).as_millis();
+            let left = d.saturating_duration_since(now).as_millis();
             left.clamp(1, u32::MAX as u128) as u32
         }
     }
@@ -58,14 +67,28 @@ where
     let Some(d) = deadline else {
         return call.await;
     };
-    let budget_ms = d.saturating_duration_since(Instant::now()).as_millis();
+    let started = Instant::now();
+    run_until_from(started, d, entry_id, call).await
+}
+
+/// [`run_until`] for a call that started at `started` with deadline `d`.
+pub async fn run_until_from<F, T>(
+    started: Instant,
+    d: Instant,
+    entry_id: &str,
+    call: F,
+) -> Result<T, RpcError>
+where
+    F: Future<Output = Result<T, RpcError>>,
+{
     match tokio::time::timeout_at(d, call).await {
         Ok(r) => r,
         Err(_) => Err(RpcError::new(
             StatusCode::Timeout,
             format!(
-                "{entry_id} did not complete within its {budget_ms} ms budget; raise timeout_ms \
-                 for the entry or look at the server's load"
+                "{entry_id} did not complete within its {} ms budget; raise timeout_ms \
+                 for the entry or look at the server's load",
+                d.saturating_duration_since(started).as_millis()
             ),
         )),
     }
