@@ -18,6 +18,7 @@ use rpc_governance::events::{EventBus, EventKind};
 use rpc_governance::pipeline::{AttemptCtx, Attempts, Governance};
 use rpc_registry::{InProcessRegistry, Registry, ServiceWatch};
 use rpc_transport::{ConnectOptions, ConnectionPool};
+use tokio::time::Instant;
 
 use crate::endpoints::ServiceState;
 
@@ -332,6 +333,7 @@ impl Client {
         addr: &str,
         params: Bytes,
         timeout_ms: u32,
+        deadline: Option<Instant>,
     ) -> Result<Bytes, RpcError> {
         let message = |params: Bytes| RemoteInvokeMessage {
             message_id: 0,
@@ -341,21 +343,39 @@ impl Client {
             attachments: Default::default(),
             timeout_ms,
         };
-        let conn = self.inner.pool.get(addr).await?;
-        let answer = match conn.call(message(params.clone())).await {
+        let conn = self.connection(addr, deadline).await?;
+        let answer = match conn.call(message(params.clone()), deadline).await {
             // The server was draining and closed before reading the call: the endpoint may
             // well be back (a restart), so the call goes once more on a fresh connection.
             Err(e) if conn.is_draining() && !e.is_maybe_delivered() => {
-                self.inner
-                    .pool
-                    .get(addr)
+                self.connection(addr, deadline)
                     .await?
-                    .call(message(params))
+                    .call(message(params), deadline)
                     .await?
             }
             other => other?,
         };
         into_result(answer, self.inner.codec, addr)
+    }
+
+    /// A pooled connection to `addr`; connecting counts against the call's deadline. (When the
+    /// connection exists this returns at once and no timer is armed.)
+    async fn connection(
+        &self,
+        addr: &str,
+        deadline: Option<Instant>,
+    ) -> Result<rpc_transport::Connection, RpcError> {
+        match deadline {
+            None => self.inner.pool.get(addr).await,
+            Some(d) => tokio::time::timeout_at(d, self.inner.pool.get(addr))
+                .await
+                .unwrap_or_else(|_| {
+                    Err(RpcError::new(
+                        StatusCode::Timeout,
+                        format!("{addr}: not connected before the call's deadline"),
+                    ))
+                }),
+        }
     }
 
     /// Closes every connection this client holds.
@@ -384,10 +404,15 @@ impl Attempts for ClientAttempts<'_> {
         )
     }
 
-    async fn call(&self, addr: &str, timeout_ms: u32) -> Result<Bytes, RpcError> {
+    async fn call(
+        &self,
+        addr: &str,
+        timeout_ms: u32,
+        deadline: Option<Instant>,
+    ) -> Result<Bytes, RpcError> {
         let result = self
             .client
-            .call_once(self.method, addr, self.params.clone(), timeout_ms)
+            .call_once(self.method, addr, self.params.clone(), timeout_ms, deadline)
             .await;
         // An answer from the server (success, or its own verdict rather than a failure to reach
         // it) records who gave it.

@@ -130,6 +130,14 @@ impl ServiceState {
             let idx = best.map(|(_, i)| i).unwrap_or(0);
             return Ok(eps[idx].address.clone());
         }
+        if tried.is_empty() && health.is_clear() {
+            // The common case: every endpoint is equally good, nothing to rank.
+            let pick = match options.shunt_strategy {
+                ShuntStrategy::Random => shunt::random(eps.len()),
+                _ => shunt::polling(&self.counter, eps.len()),
+            };
+            return Ok(eps[pick].address.clone());
+        }
         let ranks: Vec<u8> = eps
             .iter()
             .map(|i| rank(&i.address, tried, health))

@@ -1,6 +1,7 @@
 //! Circuit breaker: stops calling an entry whose remote side keeps failing, then probes it.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
@@ -137,6 +138,43 @@ pub enum Transition {
 #[derive(Debug)]
 pub struct CircuitBreaker {
     state: Mutex<State>,
+    /// Mirrors of the state for the hot path, written whenever the lock is released: the
+    /// generation while closed (`NOT_CLOSED` otherwise), and whether it is closed with no
+    /// failure counted. A healthy entry's calls then take no lock at all.
+    closed_gen: AtomicU64,
+    clean: AtomicBool,
+}
+
+const NOT_CLOSED: u64 = u64::MAX;
+
+/// The breaker's state, locked; publishes the hot-path mirrors when released.
+struct Locked<'a> {
+    guard: std::sync::MutexGuard<'a, State>,
+    breaker: &'a CircuitBreaker,
+}
+
+impl std::ops::Deref for Locked<'_> {
+    type Target = State;
+    fn deref(&self) -> &State {
+        &self.guard
+    }
+}
+
+impl std::ops::DerefMut for Locked<'_> {
+    fn deref_mut(&mut self) -> &mut State {
+        &mut self.guard
+    }
+}
+
+impl Drop for Locked<'_> {
+    fn drop(&mut self) {
+        let (gen, clean) = match self.guard.phase {
+            Phase::Closed { failures } => (self.guard.generation, failures == 0),
+            _ => (NOT_CLOSED, false),
+        };
+        self.breaker.closed_gen.store(gen, Ordering::Release);
+        self.breaker.clean.store(clean, Ordering::Release);
+    }
 }
 
 impl Default for CircuitBreaker {
@@ -149,6 +187,8 @@ impl Default for CircuitBreaker {
                 window: VecDeque::new(),
                 epoch: Instant::now(),
             }),
+            closed_gen: AtomicU64::new(0),
+            clean: AtomicBool::new(true),
         }
     }
 }
@@ -175,8 +215,11 @@ impl CircuitBreaker {
         Self::default()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    fn lock(&self) -> Locked<'_> {
+        Locked {
+            guard: self.state.lock().unwrap_or_else(PoisonError::into_inner),
+            breaker: self,
+        }
     }
 
     /// Admits a call, or fails fast with [`StatusCode::CircuitOpen`] carrying `retry_after`.
@@ -186,6 +229,10 @@ impl CircuitBreaker {
         entry: &str,
         o: &GovernanceOptions,
     ) -> Result<(Permit, Option<Transition>), RpcError> {
+        let generation = self.closed_gen.load(Ordering::Acquire);
+        if generation != NOT_CLOSED {
+            return Ok((Permit { generation }, None));
+        }
         let mut s = self.lock();
         if let Phase::Closed { .. } = s.phase {
             return Ok((
@@ -277,8 +324,17 @@ impl CircuitBreaker {
         o: &GovernanceOptions,
         cause: Option<&RpcError>,
     ) -> Option<Transition> {
+        if outcome == Outcome::Ignored
+            || (outcome == Outcome::Success
+                && o.failure_ratio_percent == 0
+                && self.clean.load(Ordering::Acquire)
+                && self.closed_gen.load(Ordering::Acquire) == permit.generation)
+        {
+            // Nothing to change: closed with no failure counted, and a success keeps it so.
+            return None;
+        }
         let mut s = self.lock();
-        if permit.generation != s.generation || outcome == Outcome::Ignored {
+        if permit.generation != s.generation {
             return None;
         }
         if outcome == Outcome::Failure {

@@ -1,6 +1,7 @@
 //! Retry budget: retries allowed as a share of an entry's recent calls, so that an overloaded
 //! cluster is not hammered by every client retrying every call.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 
 use rpc_core::GovernanceOptions;
@@ -13,24 +14,28 @@ pub const WINDOW_SECONDS: u64 = 10;
 ///
 /// A retry is allowed while the window's retries stay below
 /// `max(retry_budget_percent % of its calls, retry_budget_min_per_second × window)`.
+/// Recording a call is one atomic add (a lock is taken only when a bucket turns over and when a
+/// retry is asked for); counts are approximate under races, which a budget tolerates.
 #[derive(Debug)]
 pub struct RetryBudget {
     start: Instant,
-    window: Mutex<[Bucket; WINDOW_SECONDS as usize]>,
+    buckets: [Bucket; WINDOW_SECONDS as usize],
+    turnover: Mutex<()>,
 }
 
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Default)]
 struct Bucket {
-    second: u64,
-    calls: u64,
-    retries: u64,
+    second: AtomicU64,
+    calls: AtomicU64,
+    retries: AtomicU64,
 }
 
 impl Default for RetryBudget {
     fn default() -> Self {
         RetryBudget {
             start: Instant::now(),
-            window: Mutex::new([Bucket::default(); WINDOW_SECONDS as usize]),
+            buckets: Default::default(),
+            turnover: Mutex::new(()),
         }
     }
 }
@@ -41,22 +46,23 @@ impl RetryBudget {
         Self::default()
     }
 
-    fn with_bucket<R>(
-        &self,
-        at: Instant,
-        f: impl FnOnce(&mut [Bucket; WINDOW_SECONDS as usize], u64) -> R,
-    ) -> R {
-        let now = at.saturating_duration_since(self.start).as_secs();
-        let mut w = self.window.lock().unwrap_or_else(PoisonError::into_inner);
-        let b = &mut w[(now % WINDOW_SECONDS) as usize];
-        if b.second != now {
-            *b = Bucket {
-                second: now,
-                calls: 0,
-                retries: 0,
-            };
+    /// The bucket of second `sec`, emptied first if it still holds an older second.
+    fn bucket(&self, sec: u64) -> &Bucket {
+        let b = &self.buckets[(sec % WINDOW_SECONDS) as usize];
+        if b.second.load(Ordering::Acquire) != sec {
+            let _turnover = self.turnover.lock().unwrap_or_else(PoisonError::into_inner);
+            if b.second.load(Ordering::Acquire) != sec {
+                b.calls.store(0, Ordering::Relaxed);
+                b.retries.store(0, Ordering::Relaxed);
+                b.second.store(sec, Ordering::Release);
+            }
         }
-        f(&mut w, now)
+        b
+    }
+
+    fn second(&self, at: Instant) -> u64 {
+        // Seconds are counted from 1 so that a fresh bucket (second 0) is never current.
+        at.saturating_duration_since(self.start).as_secs() + 1
     }
 
     /// Records a call (its first attempt).
@@ -66,26 +72,30 @@ impl RetryBudget {
 
     /// Records a call made at `at` (the caller's clock reading, to save one).
     pub fn deposit_at(&self, at: Instant) {
-        self.with_bucket(at, |w, now| w[(now % WINDOW_SECONDS) as usize].calls += 1);
+        self.bucket(self.second(at))
+            .calls
+            .fetch_add(1, Ordering::Relaxed);
     }
 
     /// Takes one retry from the budget; false when it is spent.
     pub fn try_withdraw(&self, o: &GovernanceOptions) -> bool {
-        self.with_bucket(Instant::now(), |w, now| {
-            let (mut calls, mut retries) = (0u64, 0u64);
-            for b in w.iter().filter(|b| now - b.second < WINDOW_SECONDS) {
-                calls += b.calls;
-                retries += b.retries;
+        let now = self.second(Instant::now());
+        let current = self.bucket(now);
+        let (mut calls, mut retries) = (0u64, 0u64);
+        for b in &self.buckets {
+            if now - b.second.load(Ordering::Acquire).min(now) < WINDOW_SECONDS {
+                calls += b.calls.load(Ordering::Relaxed);
+                retries += b.retries.load(Ordering::Relaxed);
             }
-            let by_ratio = calls * u64::from(o.retry_budget_percent) / 100;
-            let floor = u64::from(o.retry_budget_min_per_second) * WINDOW_SECONDS;
-            if retries < by_ratio.max(floor) {
-                w[(now % WINDOW_SECONDS) as usize].retries += 1;
-                true
-            } else {
-                false
-            }
-        })
+        }
+        let by_ratio = calls * u64::from(o.retry_budget_percent) / 100;
+        let floor = u64::from(o.retry_budget_min_per_second) * WINDOW_SECONDS;
+        if retries < by_ratio.max(floor) {
+            current.retries.fetch_add(1, Ordering::Relaxed);
+            true
+        } else {
+            false
+        }
     }
 }
 

@@ -39,12 +39,15 @@ pub trait Attempts: Sync {
     /// (no endpoint at all) ends the call.
     fn select(&self, ctx: &AttemptCtx<'_>) -> Result<String, RpcError>;
 
-    /// Runs one attempt on `addr`; `timeout_ms` is the budget left for it (0 = none), to send
-    /// to the server.
+    /// Runs one attempt on `addr`. `timeout_ms` is the budget left (0 = none), to send to the
+    /// server; at `deadline` the attempt must stop (dropping what it waits for, so the server
+    /// is told to stop) and fail with [`StatusCode::Timeout`]. The transport enforces this
+    /// with one sweeper per connection, which is much cheaper than a timer per call.
     fn call(
         &self,
         addr: &str,
         timeout_ms: u32,
+        deadline: Option<Instant>,
     ) -> impl Future<Output = Result<Bytes, RpcError>> + Send;
 
     /// Whether some endpoint has not been tried yet.
@@ -188,11 +191,13 @@ impl Governance {
         let started = Instant::now();
         let deadline = timeout::deadline_from(started, &options);
         policy.budget.deposit_at(started);
-        let attempts = self.retry_loop(policy, &options, started, deadline, attempts);
-        let result = match deadline {
-            Some(d) => timeout::run_until_from(started, d, &policy.entry, attempts).await,
-            None => attempts.await,
-        };
+        let result = self
+            .retry_loop(policy, &options, started, deadline, attempts)
+            .await
+            .map_err(|e| match (e.code(), deadline) {
+                (StatusCode::Timeout, Some(d)) => timeout::timeout_error(&policy.entry, started, d),
+                _ => e,
+            });
         if let Err(e) = &result {
             if e.code() == StatusCode::Timeout {
                 self.events.emit_parts(
@@ -233,9 +238,12 @@ impl Governance {
             let budget_ms = if attempt == 0 {
                 timeout::remaining_ms_at(started, deadline)
             } else {
+                if deadline.is_some_and(|d| Instant::now() >= d) {
+                    return Err(RpcError::new(StatusCode::Timeout, "deadline passed"));
+                }
                 timeout::remaining_ms(deadline)
             };
-            let err = match attempts.call(&addr, budget_ms).await {
+            let err = match attempts.call(&addr, budget_ms, deadline).await {
                 Ok(bytes) => {
                     self.health.success(&addr);
                     return Ok(bytes);
@@ -350,14 +358,27 @@ mod tests {
             let fresh = self.endpoints.iter().find(|e| !ctx.tried.contains(e));
             Ok(fresh.unwrap_or(&self.endpoints[0]).clone())
         }
-        async fn call(&self, addr: &str, _timeout_ms: u32) -> Result<Bytes, RpcError> {
+        async fn call(
+            &self,
+            addr: &str,
+            _timeout_ms: u32,
+            deadline: Option<Instant>,
+        ) -> Result<Bytes, RpcError> {
             let n = {
                 let mut log = self.log.lock().unwrap();
                 log.push((self.start.elapsed(), addr.to_string()));
                 log.len() - 1
             };
-            tokio::time::sleep(self.delay).await;
-            self.results[n.min(self.results.len() - 1)].clone()
+            let work = async {
+                tokio::time::sleep(self.delay).await;
+                self.results[n.min(self.results.len() - 1)].clone()
+            };
+            match deadline {
+                Some(d) => tokio::time::timeout_at(d, work)
+                    .await
+                    .unwrap_or_else(|_| Err(RpcError::new(StatusCode::Timeout, "late"))),
+                None => work.await,
+            }
         }
         fn untried_left(&self, tried: &[String]) -> bool {
             self.endpoints.iter().any(|e| !tried.contains(e))

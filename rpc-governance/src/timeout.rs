@@ -83,15 +83,20 @@ where
 {
     match tokio::time::timeout_at(d, call).await {
         Ok(r) => r,
-        Err(_) => Err(RpcError::new(
-            StatusCode::Timeout,
-            format!(
-                "{entry_id} did not complete within its {} ms budget; raise timeout_ms \
-                 for the entry or look at the server's load",
-                d.saturating_duration_since(started).as_millis()
-            ),
-        )),
+        Err(_) => Err(timeout_error(entry_id, started, d)),
     }
+}
+
+/// The error of a call that started at `started` and ran out of its deadline `d`.
+pub fn timeout_error(entry_id: &str, started: Instant, d: Instant) -> RpcError {
+    RpcError::new(
+        StatusCode::Timeout,
+        format!(
+            "{entry_id} did not complete within its {} ms budget; raise timeout_ms for the \
+             entry or look at the server's load",
+            d.saturating_duration_since(started).as_millis()
+        ),
+    )
 }
 
 #[cfg(test)]

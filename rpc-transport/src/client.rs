@@ -12,7 +12,8 @@ use rpc_core::wire::{
 use rpc_core::{RpcError, StatusCode, PROTOCOL_VERSION};
 use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::TcpStream;
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, Notify};
+use tokio::time::Instant;
 use tokio_util::codec::FramedRead;
 use tokio_util::sync::CancellationToken;
 
@@ -50,6 +51,16 @@ impl Default for ConnectOptions {
 
 type Waiter = oneshot::Sender<Result<RemoteResultMessage, RpcError>>;
 
+/// A call waiting for its answer.
+struct Pending {
+    waiter: Waiter,
+    /// Milliseconds after the connection's epoch at which the call times out (0: never).
+    deadline_ms: u64,
+}
+
+/// No sweep scheduled.
+const NO_SWEEP: u64 = u64::MAX;
+
 /// One multiplexed connection to a server. Cheap to clone; calls run concurrently and are matched
 /// to their answers by `message_id`.
 #[derive(Clone)]
@@ -60,7 +71,12 @@ pub struct Connection {
 struct Shared {
     peer: String,
     sender: FrameSender,
-    pending: DashMap<u64, Waiter>,
+    pending: DashMap<u64, Pending>,
+    /// Deadlines are enforced by one sweeper task per connection instead of one timer per
+    /// call: `next_sweep` is the earliest deadline not yet checked (ms after `epoch`).
+    epoch: Instant,
+    next_sweep: AtomicU64,
+    sweep: Notify,
     in_flight: Arc<AtomicUsize>,
     next_id: AtomicU64,
     going_away: AtomicBool,
@@ -149,6 +165,9 @@ impl Connection {
             peer: addr.to_string(),
             sender,
             pending: DashMap::new(),
+            epoch: Instant::now(),
+            next_sweep: AtomicU64::new(NO_SWEEP),
+            sweep: Notify::new(),
             in_flight,
             next_id: AtomicU64::new(1),
             going_away: AtomicBool::new(false),
@@ -157,6 +176,7 @@ impl Connection {
         });
         let received = Arc::new(AtomicU64::new(0));
         tokio::spawn(read_loop(frames, shared.clone(), received.clone()));
+        tokio::spawn(sweeper(shared.clone()));
         tokio::spawn(heartbeat(
             Arc::downgrade(&shared),
             options.heartbeat_interval,
@@ -195,12 +215,14 @@ impl Connection {
 
     /// Sends one call and waits for its answer. `invoke.message_id` is assigned here.
     ///
-    /// Dropping the returned future before the answer arrives sends `Cancel` to the server.
-    /// Errors are [`StatusCode::CommunicationError`]; when the request may have reached the
+    /// Dropping the returned future before the answer arrives sends `Cancel` to the server, and
+    /// so does reaching `deadline`, which fails the call with [`StatusCode::Timeout`]. Other
+    /// errors are [`StatusCode::CommunicationError`]; when the request may have reached the
     /// server the error says so ([`RpcError::is_maybe_delivered`]).
     pub async fn call(
         &self,
         mut invoke: RemoteInvokeMessage,
+        deadline: Option<Instant>,
     ) -> Result<RemoteResultMessage, RpcError> {
         let shared = &self.shared;
         if !self.is_usable() {
@@ -209,8 +231,23 @@ impl Connection {
         let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
         invoke.message_id = id;
         let (tx, rx) = oneshot::channel();
-        shared.pending.insert(id, tx);
+        let deadline_ms = deadline.map_or(0, |d| {
+            (d.saturating_duration_since(shared.epoch).as_millis() as u64).max(1)
+        });
+        shared.pending.insert(
+            id,
+            Pending {
+                waiter: tx,
+                deadline_ms,
+            },
+        );
         shared.in_flight.fetch_add(1, Ordering::Relaxed);
+        if deadline_ms != 0
+            && shared.next_sweep.fetch_min(deadline_ms, Ordering::AcqRel) > deadline_ms
+        {
+            // A new earliest deadline: the sweeper may be asleep until a later one.
+            shared.sweep.notify_one();
+        }
         let mut guard = PendingGuard {
             shared,
             id,
@@ -281,8 +318,8 @@ async fn read_loop(
         received.fetch_add(1, Ordering::Relaxed);
         match next {
             Some(Ok(Kind::Result(result))) => {
-                if let Some((_, waiter)) = shared.pending.remove(&result.message_id) {
-                    let _ = waiter.send(Ok(result));
+                if let Some((_, p)) = shared.pending.remove(&result.message_id) {
+                    let _ = p.waiter.send(Ok(result));
                 }
                 // An answer to a cancelled call: ignored, as the protocol says.
             }
@@ -329,9 +366,55 @@ async fn read_loop(
 fn fail_pending(shared: &Shared, reason: &str, maybe_delivered: bool) {
     let ids: Vec<u64> = shared.pending.iter().map(|e| *e.key()).collect();
     for id in ids {
-        if let Some((_, waiter)) = shared.pending.remove(&id) {
+        if let Some((_, p)) = shared.pending.remove(&id) {
             let err = comm_error(&shared.peer, reason).maybe_delivered(maybe_delivered);
-            let _ = waiter.send(Err(err));
+            let _ = p.waiter.send(Err(err));
+        }
+    }
+}
+
+/// Fails calls whose deadline passed with [`StatusCode::Timeout`] and sends `Cancel` for them.
+/// Sleeps until the earliest deadline, so a connection whose calls all answer in time costs one
+/// timer per earliest-deadline change, not one per call.
+/// Ends with the connection (the reader cancels `close` whenever it stops).
+async fn sweeper(s: Arc<Shared>) {
+    let closing = s.close.clone();
+    let closing = closing.cancelled();
+    tokio::pin!(closing);
+    loop {
+        let next = s.next_sweep.load(Ordering::Acquire);
+        let wake = s.epoch + Duration::from_millis(next.min(u32::MAX as u64));
+        tokio::select! {
+            _ = &mut closing => return,
+            _ = s.sweep.notified() => continue,
+            _ = tokio::time::sleep_until(wake), if next != NO_SWEEP => {}
+        }
+        let now_ms = s.epoch.elapsed().as_millis() as u64;
+        if now_ms < s.next_sweep.load(Ordering::Acquire) {
+            continue;
+        }
+        s.next_sweep.store(NO_SWEEP, Ordering::Release);
+        let mut expired = Vec::new();
+        for e in s.pending.iter() {
+            match e.deadline_ms {
+                0 => {}
+                d if d <= now_ms => expired.push(*e.key()),
+                d => {
+                    s.next_sweep.fetch_min(d, Ordering::AcqRel);
+                }
+            }
+        }
+        for id in expired {
+            if let Some((_, p)) = s.pending.remove(&id) {
+                let _ = p.waiter.send(Err(RpcError::new(
+                    StatusCode::Timeout,
+                    format!(
+                        "{}: no answer before the call's deadline; the server was told to stop",
+                        s.peer
+                    ),
+                )));
+                s.sender.send(Kind::Cancel(Cancel { message_id: id }));
+            }
         }
     }
 }

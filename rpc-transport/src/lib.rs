@@ -19,11 +19,16 @@
 //! # async fn f() -> Result<(), rpc_core::RpcError> {
 //! let conn = Connection::connect("127.0.0.1:9001", &ConnectOptions::default()).await?;
 //! let answer = conn
-//!     .call(RemoteInvokeMessage {
-//!         service_entry_id: "echo.Echo.echo".into(),
-//!         parameters: rpc_core::Codec::MsgPack.encode(&("hi",)).unwrap(),
-//!         ..Default::default()
-//!     })
+//!     .call(
+//!         RemoteInvokeMessage {
+//!             service_entry_id: "echo.Echo.echo".into(),
+//!             parameters: rpc_core::Codec::MsgPack.encode(&("hi",)).unwrap(),
+//!             timeout_ms: 800, // the server stops the work after this
+//!             ..Default::default()
+//!         },
+//!         // ...and so does the client: it fails the call and sends Cancel.
+//!         Some(tokio::time::Instant::now() + std::time::Duration::from_millis(800)),
+//!     )
 //!     .await?;
 //! println!("status {}", answer.status_code);
 //! # Ok(()) }

@@ -145,13 +145,16 @@ async fn the_server_deadline_alone_stops_the_handler_and_answers_519() {
         .expect("connect");
     let answer = within(
         "answer from the server's deadline",
-        conn.call(RemoteInvokeMessage {
-            service_entry_id: "t.Deadline.forever".into(),
-            codec: Codec::MsgPack.to_wire(),
-            parameters: Codec::MsgPack.encode(&NoArgs).expect("encode []"),
-            timeout_ms: 100,
-            ..Default::default()
-        }),
+        conn.call(
+            RemoteInvokeMessage {
+                service_entry_id: "t.Deadline.forever".into(),
+                codec: Codec::MsgPack.to_wire(),
+                parameters: Codec::MsgPack.encode(&NoArgs).expect("encode []"),
+                timeout_ms: 100,
+                ..Default::default()
+            },
+            None,
+        ),
     )
     .await
     .expect("the server answers");

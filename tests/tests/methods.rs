@@ -310,7 +310,9 @@ async fn raw_call(server: &ServerHandle, invoke: RemoteInvokeMessage) -> (u32, S
     let conn = Connection::connect(&server.local_addr().to_string(), &ConnectOptions::default())
         .await
         .expect("connect");
-    let r = within("raw call", conn.call(invoke)).await.expect("answer");
+    let r = within("raw call", conn.call(invoke, None))
+        .await
+        .expect("answer");
     (r.status_code, r.exception_message)
 }
 

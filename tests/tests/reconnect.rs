@@ -298,13 +298,16 @@ async fn client_heartbeats_keep_an_idle_connection_open() {
     assert!(conn.is_usable(), "pings kept the connection open");
     let answer = within(
         "call on the kept connection",
-        conn.call(rpc::crates::core::wire::RemoteInvokeMessage {
-            service_entry_id: "t.Life.whoami".into(),
-            parameters: rpc::Codec::MsgPack
-                .encode(&rpc::crates::core::NoArgs)
-                .expect("encode"),
-            ..Default::default()
-        }),
+        conn.call(
+            rpc::crates::core::wire::RemoteInvokeMessage {
+                service_entry_id: "t.Life.whoami".into(),
+                parameters: rpc::Codec::MsgPack
+                    .encode(&rpc::crates::core::NoArgs)
+                    .expect("encode"),
+                ..Default::default()
+            },
+            None,
+        ),
     )
     .await
     .expect("answer");
