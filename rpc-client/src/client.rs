@@ -15,6 +15,7 @@ use rpc_core::{
 use rpc_governance::breaker::BreakerState;
 use rpc_governance::config::{GovernanceConfig, Layers};
 use rpc_governance::events::{EventBus, EventKind};
+use rpc_governance::fallback;
 use rpc_governance::pipeline::{AttemptCtx, Attempts, Governance};
 use rpc_registry::{InProcessRegistry, Registry, ServiceWatch};
 use rpc_transport::{ConnectOptions, ConnectionPool};
@@ -309,19 +310,21 @@ impl Client {
                 Err(e) => Err(e),
             };
             match result {
-                Err(e) if runs_fallback(&e) => match self.inner.fallbacks.get(method.service_id) {
-                    Some(fallback) => {
-                        self.inner.governance.events().emit_parts(
-                            EventKind::Fallback,
-                            &Arc::from(method.entry_id),
-                            e.tried().last().map(String::as_str),
-                            0,
-                            Some(e.to_string()),
-                        );
-                        run_fallback(fallback.as_ref(), method, params, self.codec(), e).await
+                Err(e) if fallback::applies(&e, fallback::Side::Client) => {
+                    match self.inner.fallbacks.get(method.service_id) {
+                        Some(fallback) => {
+                            self.inner.governance.events().emit_parts(
+                                EventKind::Fallback,
+                                &Arc::from(method.entry_id),
+                                e.tried().last().map(String::as_str),
+                                0,
+                                Some(e.to_string()),
+                            );
+                            run_fallback(fallback.as_ref(), method, params, self.codec(), e).await
+                        }
+                        None => Err(e),
                     }
-                    None => Err(e),
-                },
+                }
                 r => r,
             }
         }
@@ -433,12 +436,6 @@ impl Attempts for ClientAttempts<'_> {
     }
 }
 
-/// A fallback answers for failures of the call, not for the callee's own answers or for
-/// authentication.
-fn runs_fallback(e: &RpcError) -> bool {
-    !e.code().is_callee_answer() && e.code() != StatusCode::RpcUnAuthentication
-}
-
 async fn run_fallback(
     fallback: &dyn Service,
     method: &'static MethodDescriptor,
@@ -453,18 +450,8 @@ async fn run_fallback(
     else {
         return Err(cause);
     };
-    fallback.call(index, params, codec).await.map_err(|fe| {
-        if fe.code().is_callee_answer() {
-            return fe;
-        }
-        RpcError::new(
-            StatusCode::FallbackExecFail,
-            format!(
-                "{} failed ({cause}) and so did its fallback ({fe})",
-                method.entry_id
-            ),
-        )
-    })
+    let answer = fallback.call(index, params, codec).await;
+    fallback::outcome(method.entry_id, cause, answer)
 }
 
 fn into_result(r: RemoteResultMessage, codec: Codec, addr: &str) -> Result<Bytes, RpcError> {

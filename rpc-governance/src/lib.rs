@@ -1,13 +1,27 @@
 //! # rpc-governance
 //!
-//! The policy engine's decisions, free of sockets: how long a call may take ([`timeout`]),
-//! when to stop calling a failing entry ([`breaker`]),
-//! whether and when a failed attempt is tried again and where ([`retry`]), and which endpoints a
-//! client should avoid for a while after they failed ([`health`]).
+//! The policy engine. Each policy is a small module of one shape — options (fields of
+//! `GovernanceOptions`) → state → decision → event:
 //!
-//! The crate decides; it never performs I/O. Callers (the client executor, the server) run the
-//! attempts and ask the policies what to do with each outcome. Every decision emits a `tracing`
-//! event with target `rpc::governance`.
+//! | module | decides |
+//! |---|---|
+//! | [`timeout`] | the call's deadline (nested calls inherit what is left) |
+//! | [`retry`] | whether a failed attempt is tried again and after what pause |
+//! | [`budget`] | whether retries are still affordable (share of recent calls) |
+//! | [`failover`] | when to stop moving to the next endpoint, and what the final error names |
+//! | [`health`] | which endpoints this client avoids for a while, or drops |
+//! | [`breaker`] | when to stop calling an entry, and when to probe it again |
+//! | [`fallback`] | when another implementation answers, and what a failed fallback says |
+//! | [`bulkhead`] | the server's concurrency cap (Overflow at once, never a queue) |
+//!
+//! [`pipeline::Governance`] puts the client side together, outermost first: (fallback, in the
+//! client, because it holds the arguments) → circuit breaker → timeout → retry/failover → one
+//! attempt, cached per entry id, with options resolved from [`config`] layers and every
+//! decision sent to the [`events`] bus (a `tracing` event on the current span, target
+//! `rpc::governance`, and subscribers).
+//!
+//! The crate never performs I/O: the caller supplies the attempts (endpoint selection and the
+//! remote call) through [`pipeline::Attempts`].
 //!
 //! ```
 //! use rpc_core::{GovernanceOptions, RpcError, StatusCode};
@@ -26,6 +40,8 @@ pub mod budget;
 pub mod bulkhead;
 pub mod config;
 pub mod events;
+pub mod failover;
+pub mod fallback;
 pub mod health;
 pub mod pipeline;
 pub mod retry;

@@ -16,8 +16,9 @@ use crate::breaker::{BreakerState, CircuitBreaker, Transition};
 use crate::budget::RetryBudget;
 use crate::config::Layers;
 use crate::events::{EventBus, EventKind};
+use crate::failover;
 use crate::health::EndpointHealth;
-use crate::retry::{self, Decision};
+use crate::retry::Decision;
 use crate::timeout;
 
 /// What an attempt needs to know.
@@ -263,18 +264,11 @@ impl Governance {
                 );
             }
             tried.push(addr);
-            let decision = if err.code() == StatusCode::CommunicationError
-                && !err.is_maybe_delivered()
-                && !attempts.untried_left(&tried)
-            {
-                // Every endpoint was unreachable: trying them again at once is pointless.
-                Decision::GiveUp
-            } else {
-                retry::decide(&err, attempt, options, deadline)
-            };
+            let untried_left = attempts.untried_left(&tried);
+            let decision = failover::decide(&err, attempt, options, deadline, untried_left);
             let after = match decision {
                 Decision::Retry { after } => after,
-                Decision::GiveUp => return Err(final_error(err, tried)),
+                Decision::GiveUp => return Err(failover::final_error(err, tried)),
             };
             if !policy.budget.try_withdraw(options) {
                 self.events.emit_parts(
@@ -294,7 +288,7 @@ impl Governance {
                 );
                 let spent =
                     RpcError::new(err.code(), msg).maybe_delivered(err.is_maybe_delivered());
-                return Err(final_error(spent, tried));
+                return Err(failover::final_error(spent, tried));
             }
             self.events.emit_parts(
                 EventKind::Retry,
@@ -308,14 +302,6 @@ impl Governance {
                 tokio::time::sleep(after).await;
             }
         }
-    }
-}
-
-fn final_error(err: RpcError, tried: Vec<String>) -> RpcError {
-    if err.code().is_retryable() {
-        err.with_tried(tried)
-    } else {
-        err
     }
 }
 

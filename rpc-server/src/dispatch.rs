@@ -13,6 +13,7 @@ use rpc_core::wire::{RemoteInvokeMessage, RemoteResultMessage};
 use rpc_core::{Codec, RpcError, StatusCode};
 use rpc_governance::bulkhead::Bulkhead;
 use rpc_governance::events::{EventBus, EventKind};
+use rpc_governance::fallback;
 use rpc_transport::{error_result, Dispatch, InvokeHandler};
 use tokio::time::Instant;
 
@@ -83,17 +84,13 @@ impl InvokeHandler for Dispatcher {
         Dispatch::Spawn(Box::pin(async move {
             let result = run_guarded(handler, deadline, &entry).await;
             let result = match (result, fallback) {
-                (Err(e), Some((fb, index, params))) if runs_fallback(&e) => {
+                (Err(e), Some((fb, index, params)))
+                    if fallback::applies(&e, fallback::Side::Server) =>
+                {
                     // On the handler's span: a trace shows why the fallback ran.
                     events.emit_parts(EventKind::Fallback, &entry_id, None, 0, Some(e.to_string()));
-                    run_guarded(fb.call(index, params, codec), deadline, &entry)
-                        .await
-                        .map_err(|fe| {
-                            RpcError::new(
-                                StatusCode::FallbackExecFail,
-                                format!("{entry} failed ({e}) and so did its fallback ({fe})"),
-                            )
-                        })
+                    let answer = run_guarded(fb.call(index, params, codec), deadline, &entry).await;
+                    fallback::outcome(&entry, e, answer)
                 }
                 (r, _) => r,
             };
@@ -101,12 +98,6 @@ impl InvokeHandler for Dispatcher {
             to_message(result)
         }))
     }
-}
-
-/// Failures a server fallback answers for: the handler's own failures, not the callee's answers
-/// (business, validation, auth).
-fn runs_fallback(e: &RpcError) -> bool {
-    !e.code().is_callee_answer() && !e.code().is_breaker_exempt()
 }
 
 async fn run_guarded(

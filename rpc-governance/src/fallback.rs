@@ -1,0 +1,106 @@
+//! Fallback: when another implementation of the service answers for a failed call.
+//!
+//! The fallback itself (a `Service` holding the arguments) runs in the client or the server;
+//! this module decides when it applies and what the caller sees when it fails too.
+
+use rpc_core::{RpcError, StatusCode};
+
+/// Where the fallback runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    /// Registered on a client: answers for failed calls.
+    Client,
+    /// Registered on a server: answers for its handler's failures.
+    Server,
+}
+
+/// Whether a fallback answers for `err`.
+///
+/// Never for the callee's own answers (business, validation, application auth) nor for a
+/// refused connection token: those reach the caller unchanged. On the client it runs for every
+/// failure of the call (transport, timeout, overflow, open breaker, server error, no endpoint);
+/// on the server for the handler's failures (error, panic, deadline), never for not-found.
+pub fn applies(err: &RpcError, side: Side) -> bool {
+    let code = err.code();
+    if code.is_callee_answer() || code == StatusCode::RpcUnAuthentication {
+        return false;
+    }
+    match side {
+        Side::Client => true,
+        Side::Server => !code.is_breaker_exempt(),
+    }
+}
+
+/// The result of a fallback that ran for `cause`: its answer, or, when it failed as well, an
+/// error carrying both causes ([`StatusCode::FallbackExecFail`]). A callee answer from the
+/// fallback (a business error) is passed on as it is.
+pub fn outcome<T>(
+    entry: &str,
+    cause: RpcError,
+    fallback: Result<T, RpcError>,
+) -> Result<T, RpcError> {
+    fallback.map_err(|fe| {
+        if fe.code().is_callee_answer() {
+            return fe;
+        }
+        RpcError::new(
+            StatusCode::FallbackExecFail,
+            format!("{entry} failed ({cause}) and so did its fallback ({fe})"),
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn applies_to_failures_not_to_answers() {
+        for code in [
+            StatusCode::CommunicationError,
+            StatusCode::Timeout,
+            StatusCode::OverflowMaxServerHandle,
+            StatusCode::CircuitOpen,
+            StatusCode::ServerError,
+        ] {
+            assert!(applies(&RpcError::new(code, "x"), Side::Client), "{code}");
+        }
+        assert!(applies(
+            &RpcError::new(StatusCode::NotFindServiceRoute, "x"),
+            Side::Client
+        ));
+        assert!(!applies(
+            &RpcError::new(StatusCode::NotFindLocalServiceEntry, "x"),
+            Side::Server
+        ));
+        for code in [
+            StatusCode::BusinessError,
+            StatusCode::ValidateError,
+            StatusCode::UnAuthentication,
+            StatusCode::RpcUnAuthentication,
+        ] {
+            for side in [Side::Client, Side::Server] {
+                assert!(!applies(&RpcError::new(code, "x"), side), "{code}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_failed_fallback_names_both_causes() {
+        let cause = RpcError::new(StatusCode::Timeout, "slow");
+        let e = outcome::<()>(
+            "a.A.m",
+            cause,
+            Err(RpcError::new(StatusCode::ServerError, "cache miss")),
+        )
+        .unwrap_err();
+        assert_eq!(e.code(), StatusCode::FallbackExecFail);
+        assert!(
+            e.message().contains("slow") && e.message().contains("cache miss"),
+            "{e}"
+        );
+        let cause = RpcError::new(StatusCode::Timeout, "slow");
+        let e = outcome::<()>("a.A.m", cause, Err(RpcError::business("no"))).unwrap_err();
+        assert_eq!(e.code(), StatusCode::BusinessError);
+    }
+}
