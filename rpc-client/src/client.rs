@@ -264,12 +264,30 @@ impl Client {
             return Ok(s.clone());
         }
         let watch = self.watch(service_id).await?;
-        Ok(self
+        let mut fresh = false;
+        let state = self
             .inner
             .services
             .entry(service_id)
-            .or_insert_with(|| Arc::new(ServiceState::new(watch)))
-            .clone())
+            .or_insert_with(|| {
+                fresh = true;
+                Arc::new(ServiceState::new(watch.clone()))
+            })
+            .clone();
+        if fresh {
+            // What the serving instances publish about their entries becomes a configuration
+            // layer: now, and again whenever the registry announces a change.
+            publish(&self.inner.governance, service_id, &watch.current());
+            let inner = Arc::downgrade(&self.inner);
+            let mut watch = watch;
+            tokio::spawn(async move {
+                while watch.changed().await.is_ok() {
+                    let Some(inner) = inner.upgrade() else { return };
+                    publish(&inner.governance, service_id, &watch.current());
+                }
+            });
+        }
+        Ok(state)
     }
 
     /// Calls `method` with its argument list already encoded by [`codec`](Self::codec), and
@@ -434,6 +452,23 @@ impl Attempts for ClientAttempts<'_> {
             .iter()
             .any(|i| !tried.iter().any(|t| *t == i.address))
     }
+}
+
+/// Hands the entry descriptors the instances of `service_id` publish to the governance layers;
+/// where instances disagree, the first by address wins, so every client decides alike.
+fn publish(governance: &Governance, service_id: &str, instances: &rpc_registry::Endpoints) {
+    let mut entries: Vec<(String, GovernanceOverrides)> = Vec::new();
+    for instance in instances.iter() {
+        for e in &instance.entries {
+            if e.service_id.as_str() == service_id
+                && e.governance != GovernanceOverrides::NONE
+                && !entries.iter().any(|(id, _)| id == e.id.as_str())
+            {
+                entries.push((e.id.to_string(), e.governance.clone()));
+            }
+        }
+    }
+    governance.publish(service_id, entries);
 }
 
 async fn run_fallback(

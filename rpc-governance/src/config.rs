@@ -97,11 +97,16 @@ impl GovernanceConfig {
     }
 }
 
-/// Every layer of configuration, resolved into an entry's options by [`resolve`](Self::resolve).
+/// Every layer of configuration, resolved into an entry's options by [`resolve`](Self::resolve):
+/// code defaults < the method's attribute < what the serving instances publish < config file <
+/// environment < runtime updates.
 #[derive(Debug, Clone, Default)]
 pub struct Layers {
     /// What the program sets as the starting point (the builder's defaults).
     pub code_defaults: GovernanceOptions,
+    /// The entry descriptors servers publish to the registry (their `#[governance(...)]`
+    /// attributes): defaults a client uses unless its own configuration says otherwise.
+    pub published: GovernanceConfig,
     /// The config file.
     pub file: GovernanceConfig,
     /// `RPC_GOVERNANCE`.
@@ -114,6 +119,7 @@ impl Layers {
     /// The options in force for `method`.
     pub fn resolve(&self, method: &MethodDescriptor) -> GovernanceOptions {
         let mut o = method.governance.applied(&self.code_defaults);
+        self.published.apply(method, &mut o);
         self.file.apply(method, &mut o);
         self.env.apply(method, &mut o);
         self.runtime.apply(method, &mut o);
@@ -143,6 +149,15 @@ mod tests {
         // Code defaults < attribute.
         assert_eq!(layers.resolve(&M).timeout_ms, 800);
         assert_eq!(layers.resolve(&M).retry_interval_ms, 50);
+        // < what servers publish.
+        layers.published.entries.insert(
+            "echo.Echo.echo".into(),
+            GovernanceOverrides {
+                timeout_ms: Some(850),
+                ..GovernanceOverrides::NONE
+            },
+        );
+        assert_eq!(layers.resolve(&M).timeout_ms, 850);
         // < file (service section < entry section).
         layers.file = GovernanceConfig::from_toml(
             "[defaults]\nretry_interval_ms = 7\n[services.\"echo.Echo\"]\ntimeout_ms = 900\nretry_times = 5\n\

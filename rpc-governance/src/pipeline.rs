@@ -9,7 +9,9 @@ use std::sync::{Arc, RwLock};
 use arc_swap::ArcSwap;
 use bytes::Bytes;
 use dashmap::DashMap;
-use rpc_core::{GovernanceOptions, MethodDescriptor, RpcError, ServiceEntryId, StatusCode};
+use rpc_core::{
+    GovernanceOptions, GovernanceOverrides, MethodDescriptor, RpcError, ServiceEntryId, StatusCode,
+};
 use tokio::time::Instant;
 
 use crate::breaker::{BreakerState, CircuitBreaker, Transition};
@@ -152,6 +154,32 @@ impl Governance {
                     .emit_parts(EventKind::Reload, &p.entry, None, 0, None);
             }
         }
+    }
+
+    /// Replaces what the instances of `service_id` publish about its entries (the registry's
+    /// entry descriptors); cached entries pick the change up on their next call.
+    pub fn publish(&self, service_id: &str, entries: Vec<(String, GovernanceOverrides)>) {
+        let prefix = format!("{service_id}.");
+        let unchanged = {
+            let layers = self.layers.read().unwrap_or_else(|p| p.into_inner());
+            let current: Vec<_> = layers
+                .published
+                .entries
+                .iter()
+                .filter(|(id, _)| id.starts_with(&prefix))
+                .collect();
+            current.len() == entries.len()
+                && entries
+                    .iter()
+                    .all(|(id, o)| layers.published.entries.get(id) == Some(o))
+        };
+        if unchanged {
+            return;
+        }
+        self.update_layers(|l| {
+            l.published.entries.retain(|id, _| !id.starts_with(&prefix));
+            l.published.entries.extend(entries);
+        });
     }
 
     /// The state of every cached entry's breaker.

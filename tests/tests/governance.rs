@@ -367,3 +367,61 @@ async fn overflow_is_an_event_on_the_server_and_a_retry_event_on_the_client() {
     within("first call", first).await.unwrap().unwrap();
     server.shutdown().await;
 }
+
+#[tokio::test]
+async fn what_servers_publish_is_used_unless_the_client_overrides_it() {
+    let reg = InProcessRegistry::new();
+    let (server, _w) = warehouse(&reg).await;
+    let level = level_method();
+    // A newer server publishes a longer timeout for `level` than this client's code declares
+    // (the registry entry is rewritten by hand to stand for it).
+    let mut published = rpc::Instance::new(server.local_addr().to_string(), ["g.Stock"]);
+    published.id = server.instance_id().to_string();
+    published.entries = vec![rpc::ServiceEntry {
+        id: "g.Stock.level".into(),
+        service_id: "g.Stock".into(),
+        method: "level".into(),
+        hash_key: None,
+        governance: GovernanceOverrides {
+            timeout_ms: Some(1234),
+            ..GovernanceOverrides::NONE
+        },
+    }];
+    rpc::Registry::register(&reg, published.clone())
+        .await
+        .unwrap();
+
+    let client = Client::builder().registry(reg.clone()).build();
+    let stock = StockClient::new(client.clone());
+    assert_eq!(stock.level("apple".into()).await.unwrap(), 7);
+    assert_eq!(
+        client.options(level).timeout_ms,
+        1234,
+        "the published value"
+    );
+    assert_eq!(
+        client.options(level).retry_times,
+        0,
+        "fields it does not publish stay"
+    );
+
+    // A change the registry announces reaches the cached pipeline.
+    published.entries[0].governance.timeout_ms = Some(4321);
+    rpc::Registry::register(&reg, published).await.unwrap();
+    let deadline = tokio::time::Instant::now() + common::LIMIT;
+    while client.options(level).timeout_ms != 4321 && tokio::time::Instant::now() < deadline {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(client.options(level).timeout_ms, 4321);
+
+    // The client's own configuration wins over what servers publish.
+    client.update_options(
+        "g.Stock.level",
+        GovernanceOverrides {
+            timeout_ms: Some(99),
+            ..GovernanceOverrides::NONE
+        },
+    );
+    assert_eq!(client.options(level).timeout_ms, 99);
+    server.shutdown().await;
+}
