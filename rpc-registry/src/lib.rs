@@ -4,8 +4,10 @@
 //!
 //! This crate owns the [`Registry`] trait and its embedded backends: [`InProcessRegistry`] (the
 //! default: servers and clients in one process, or tests) and [`StaticRegistry`] (a fixed list
-//! from code, the command line or a TOML file, for several processes with no registry server).
-//! Distributed backends implement the same trait.
+//! from code, the command line or a TOML file, for several processes with no registry server),
+//! and, behind the `etcd` feature, `EtcdRegistry`: instances under etcd leases with keep-alive
+//! (a killed server disappears within its TTL), clients watching a key prefix (changes arrive
+//! within a second, and the last endpoints stay in use while etcd is unreachable).
 //!
 //! A registry stores only what servers say about themselves. It must not hold client-side state:
 //! a client's local judgement of an endpoint's health (see `rpc-governance`) never reaches it.
@@ -25,6 +27,8 @@
 //! ```
 #![warn(missing_docs)]
 
+#[cfg(feature = "etcd")]
+mod etcd;
 mod in_process;
 mod instance;
 mod static_list;
@@ -32,6 +36,8 @@ mod static_list;
 use futures_util::future::BoxFuture;
 use rpc_core::ServiceId;
 
+#[cfg(feature = "etcd")]
+pub use etcd::{EtcdOptions, EtcdRegistry};
 pub use in_process::InProcessRegistry;
 pub use instance::{Endpoints, Instance, ServiceWatch};
 pub use static_list::StaticRegistry;

@@ -47,6 +47,8 @@ pub use rpc_core::{
     ServiceEntry, ServiceEntryId, ServiceId, ShuntStrategy, StatusCode,
 };
 pub use rpc_macros::service;
+#[cfg(feature = "etcd")]
+pub use rpc_registry::{EtcdOptions, EtcdRegistry};
 pub use rpc_registry::{InProcessRegistry, Instance, Registry, RegistryError, StaticRegistry};
 pub use rpc_server::{Server, ServerBuilder, ServerHandle, Service};
 

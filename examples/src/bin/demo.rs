@@ -3,6 +3,7 @@
 //!
 //! ```text
 //! cargo run --release -p examples --bin demo
+//! cargo run --release -p examples --features etcd --bin demo -- --registry etcd://127.0.0.1:2379
 //! ```
 
 use std::collections::BTreeMap;
@@ -10,11 +11,20 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use clap::Parser;
 use rpc::{
-    answered_by, Client, GovernanceOverrides, InProcessRegistry, RpcError, Server, ServerHandle,
+    answered_by, Client, GovernanceOverrides, Registry, RpcError, Server, ServerHandle,
     ShuntStrategy,
 };
 use serde::{Deserialize, Serialize};
+
+#[derive(Parser, Debug)]
+#[command(about = "Three servers and a client in one process, with a short report")]
+struct Args {
+    /// embedded (the default), static:<file> or etcd://host:port.
+    #[arg(long, default_value = "embedded")]
+    registry: String,
+}
 
 /// A typed business error: travels as status 1000 and comes back as this type.
 #[derive(Debug, Serialize, Deserialize)]
@@ -78,11 +88,11 @@ impl Inventory for Store {
 }
 
 async fn start(
-    registry: &InProcessRegistry,
+    registry: &Arc<dyn Registry>,
     name: &str,
 ) -> Result<ServerHandle, Box<dyn std::error::Error>> {
     Ok(Server::builder()
-        .registry(registry.clone())
+        .shared_registry(registry.clone())
         // A cap of 1 makes overflow easy to show.
         .max_concurrency(1)
         .add_service(InventoryServer::new(Store {
@@ -95,7 +105,8 @@ async fn start(
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let registry = InProcessRegistry::new();
+    let args = Args::parse();
+    let registry = examples::registry_from_flag(&args.registry, Duration::from_secs(10)).await?;
     let mut servers = Vec::new();
     let mut names = BTreeMap::new();
     for name in ["alpha", "beta", "gamma"] {
@@ -103,7 +114,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         names.insert(s.local_addr().to_string(), name);
         servers.push(s);
     }
-    println!("== three servers on the embedded registry ==");
+    println!("== three servers on the {} registry ==", args.registry);
     for (addr, name) in &names {
         println!("  {name:<6} {addr}");
     }
@@ -114,9 +125,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .to_string()
     };
 
-    let client = Client::builder()
-        .shared_registry(Arc::new(registry.clone()))
-        .build();
+    let client = Client::builder().shared_registry(registry.clone()).build();
     let inventory = InventoryClient::new(client.clone());
 
     println!("\n== round robin: 30 calls ==");
@@ -129,11 +138,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!(
         "\n== consistent hash: each item always lands on the same server, for every client =="
     );
-    let other = InventoryClient::new(
-        Client::builder()
-            .shared_registry(Arc::new(registry.clone()))
-            .build(),
-    );
+    let other = InventoryClient::new(Client::builder().shared_registry(registry.clone()).build());
     for item in ["apple", "pear", "plum", "fig", "kiwi"] {
         let mut seen = Vec::new();
         for c in [&inventory, &other, &inventory] {
@@ -193,7 +198,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("\n== typed business error ==");
     let pinned = InventoryClient::new(
         Client::builder()
-            .shared_registry(Arc::new(registry.clone()))
+            .shared_registry(registry.clone())
             .override_options(
                 "demo.Inventory.reserve",
                 GovernanceOverrides {
@@ -285,19 +290,19 @@ impl Pricing for PriceList {
     }
 }
 
-async fn governance(registry: &InProcessRegistry) -> Result<(), Box<dyn std::error::Error>> {
+async fn governance(registry: &Arc<dyn Registry>) -> Result<(), Box<dyn std::error::Error>> {
     println!("\n== governance ==");
     let engine = Arc::new(PriceEngine {
         down: false.into(),
         cancelled: Arc::new(AtomicU32::new(0)),
     });
     let server = Server::builder()
-        .registry(registry.clone())
+        .shared_registry(registry.clone())
         .add_service(PricingServer::from_arc(engine.clone()))
         .serve("127.0.0.1:0")
         .await?;
     let client = Client::builder()
-        .shared_registry(Arc::new(registry.clone()))
+        .shared_registry(registry.clone())
         .fallback(PricingServer::new(PriceList))
         .build();
     let mut events = client.events().subscribe();
@@ -328,11 +333,8 @@ async fn governance(registry: &InProcessRegistry) -> Result<(), Box<dyn std::err
         client.breaker_state(quote)
     );
 
-    let no_fallback = PricingClient::new(
-        Client::builder()
-            .shared_registry(Arc::new(registry.clone()))
-            .build(),
-    );
+    let no_fallback =
+        PricingClient::new(Client::builder().shared_registry(registry.clone()).build());
     let started = tokio::time::Instant::now();
     let timed_out = no_fallback.slow_quote("apple".into(), 1000).await;
     println!(

@@ -4,6 +4,7 @@
 //! ```text
 //! echo-client --endpoints host:port,... --calls N [--interval-ms I] [--concurrency C]
 //!             [--strategy polling|random|hash|appoint] [--timeout-ms T] [--token T]
+//! echo-client --registry static:<file>|etcd://host:port --calls N [...]
 //! ```
 //! Prints one line per call, then exactly
 //! `summary: <ok> ok, <business> business errors, <failed> failed`. Exits 0 whatever the calls'
@@ -21,8 +22,11 @@ use rpc::{Client, GovernanceOverrides, ShuntStrategy, StaticRegistry, StatusCode
 #[command(about = "Calls echo.Echo and reports each call")]
 struct Args {
     /// Comma-separated host:port list.
+    #[arg(long, required_unless_present = "registry")]
+    endpoints: Option<String>,
+    /// Where to find the endpoints instead: static:<file> or etcd://host:port.
     #[arg(long)]
-    endpoints: String,
+    registry: Option<String>,
     /// Number of calls.
     #[arg(long)]
     calls: u64,
@@ -53,29 +57,45 @@ struct Tally {
 #[tokio::main]
 async fn main() {
     let args = Args::parse();
-    let registry = match StaticRegistry::from_list(&args.endpoints) {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("echo-client: {e}");
-            std::process::exit(2);
-        }
+    let registry = match (&args.endpoints, &args.registry) {
+        (Some(list), _) => StaticRegistry::from_list(list)
+            .map(|r| Arc::new(r) as Arc<dyn rpc::Registry>)
+            .map_err(|e| e.to_string()),
+        (None, Some(flag)) => examples::registry_from_flag(flag, Duration::from_secs(10)).await,
+        (None, None) => Err("give --endpoints or --registry".to_string()),
     };
-    let first = args
-        .endpoints
-        .split(',')
-        .next()
-        .unwrap_or_default()
-        .trim()
-        .to_string();
-    let mut builder = Client::builder().registry(registry).override_options(
-        EchoClient::SERVICE_ID,
-        GovernanceOverrides {
-            shunt_strategy: Some(args.strategy),
-            appoint_address: Some(first.into()),
-            timeout_ms: Some(args.timeout_ms),
-            ..GovernanceOverrides::NONE
+    let registry = registry.unwrap_or_else(|e| {
+        eprintln!("echo-client: {e}");
+        std::process::exit(2);
+    });
+    // appoint: the first endpoint listed, or the first the registry announces.
+    let first = match &args.endpoints {
+        Some(list) => list
+            .split(',')
+            .next()
+            .unwrap_or_default()
+            .trim()
+            .to_string(),
+        None => match registry.watch(&EchoClient::SERVICE_ID.into()).await {
+            Ok(w) => w
+                .current()
+                .first()
+                .map(|i| i.address.clone())
+                .unwrap_or_default(),
+            Err(_) => String::new(),
         },
-    );
+    };
+    let mut builder = Client::builder()
+        .shared_registry(registry)
+        .override_options(
+            EchoClient::SERVICE_ID,
+            GovernanceOverrides {
+                shunt_strategy: Some(args.strategy),
+                appoint_address: Some(first.into()),
+                timeout_ms: Some(args.timeout_ms),
+                ..GovernanceOverrides::NONE
+            },
+        );
     if let Some(token) = &args.token {
         builder = builder.token(token.clone());
     }

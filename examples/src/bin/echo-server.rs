@@ -2,6 +2,7 @@
 //!
 //! ```text
 //! echo-server --port P [--fail-every K] [--delay-ms D] [--max-concurrency N] [--token T]
+//!             [--registry embedded|static:<file>|etcd://host:port] [--registry-ttl-secs S]
 //! ```
 //! Prints `listening on <addr>` once it accepts connections; stops gracefully on Ctrl-C or
 //! SIGTERM.
@@ -30,12 +31,27 @@ struct Args {
     /// Token clients must present.
     #[arg(long)]
     token: Option<String>,
+    /// Where to publish the instance: embedded (nothing outside this process),
+    /// static:<file> (nothing to publish) or etcd://host:port.
+    #[arg(long, default_value = "embedded")]
+    registry: String,
+    /// Lease of the published instance: a killed server disappears from etcd after this long.
+    #[arg(long, default_value_t = 10)]
+    registry_ttl_secs: u64,
 }
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
+    let registry =
+        examples::registry_from_flag(&args.registry, Duration::from_secs(args.registry_ttl_secs))
+            .await
+            .unwrap_or_else(|e| {
+                eprintln!("echo-server: {e}");
+                std::process::exit(2);
+            });
     let mut builder = Server::builder()
+        .shared_registry(registry)
         .max_concurrency(args.max_concurrency)
         .add_service(EchoServer::new(EchoService::new(
             args.fail_every,

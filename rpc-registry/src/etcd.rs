@@ -1,0 +1,482 @@
+//! The etcd backend (feature `etcd`): servers publish their instances under leases, clients
+//! watch a key prefix. [`EtcdRegistry`] documents the key layout and what happens while etcd is
+//! unreachable.
+//!
+//! ```no_run
+//! use rpc_registry::{EtcdRegistry, Registry};
+//! # async fn run() -> Result<(), rpc_registry::RegistryError> {
+//! let registry = EtcdRegistry::from_url("etcd://127.0.0.1:2379").await?;
+//! let watch = registry.watch(&"echo.Echo".into()).await?;
+//! println!("echo.Echo is served by {:?}", watch.current());
+//! # Ok(()) }
+//! ```
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use etcd_client::{Client, ConnectOptions};
+use futures_util::future::BoxFuture;
+use rpc_core::ServiceId;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+mod conn;
+mod tasks;
+
+use conn::Conn;
+use tasks::{keep_registered, Backoff, KeepRegistered, Signals, WatchTask};
+
+use crate::instance::snapshot;
+use crate::{Endpoints, Instance, Registry, RegistryError, ServiceWatch};
+
+/// Settings of an [`EtcdRegistry`]. Start from `EtcdOptions::default()` and change what you
+/// need.
+#[derive(Debug, Clone)]
+pub struct EtcdOptions {
+    /// Prefix of every key the registry reads and writes (`/rpc/` by default). Registries that
+    /// should see each other use the same prefix.
+    pub prefix: String,
+    /// Lease of every registered instance (10 s by default): a server that dies without
+    /// deregistering disappears after this long. etcd counts in whole seconds (this is rounded
+    /// up) and may raise very short leases to its own minimum (about 2 s).
+    pub lease_ttl: Duration,
+    /// Limit on opening a connection to an etcd endpoint (3 s by default).
+    pub connect_timeout: Duration,
+    /// Limit on each request to etcd (3 s by default), connecting included: past it the
+    /// operation fails as unreachable (or, in the background tasks, is retried).
+    pub request_timeout: Duration,
+}
+
+impl Default for EtcdOptions {
+    fn default() -> Self {
+        EtcdOptions {
+            prefix: "/rpc/".to_string(),
+            lease_ttl: Duration::from_secs(10),
+            connect_timeout: Duration::from_secs(3),
+            request_timeout: Duration::from_secs(3),
+        }
+    }
+}
+
+/// A [`Registry`] backed by an etcd cluster (v3 API): instances live under leases kept alive in
+/// the background, and every watched service is followed by one etcd watch, shared by all its
+/// watchers.
+///
+/// Cheap to clone: clones share the connection, the registrations and the watches.
+///
+/// # Layout
+///
+/// Every instance is stored once per service it serves, under
+/// `<prefix>services/<service id>/<instance id>` (prefix `/rpc/` by default), as the JSON of
+/// [`Instance`]. All keys of one instance share one lease of [`EtcdOptions::lease_ttl`] (10 s by
+/// default) that a background task keeps alive, so a server that dies disappears by itself
+/// within the TTL. A `/` or `%` inside a service or instance id is written `%2F` or `%25`.
+///
+/// # Behaviour when etcd is away
+///
+/// - Constructing the registry never contacts etcd: it cannot fail because etcd is down.
+/// - [`register`](Registry::register) and the first [`watch`](Registry::watch) of a service need
+///   etcd and fail with a clear [`RegistryError::Unavailable`] ("etcd at 127.0.0.1:2379
+///   unreachable: ...") when it does not answer within [`EtcdOptions::request_timeout`].
+/// - Once registered, an instance stays registered: if the keep-alive fails, it is retried with
+///   a bounded backoff (100 ms doubling up to 2 s), and when the lease turns out to be gone
+///   (etcd lost it, or it expired during a partition), a new lease is granted and the keys are
+///   written again.
+/// - Once watched, a service keeps its last known endpoints while etcd is away; the watch is
+///   reopened with the same backoff, from a fresh read of the prefix.
+///
+/// Dropping the last clone of the registry stops its background tasks without revoking
+/// anything: instances it registered then disappear when their lease expires, as after a crash.
+/// [`deregister`](Registry::deregister) removes an instance at once.
+///
+/// # Example
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use rpc_registry::{EtcdOptions, EtcdRegistry, Instance, Registry};
+///
+/// # #[tokio::main]
+/// # async fn main() -> Result<(), rpc_registry::RegistryError> {
+/// let options = EtcdOptions {
+///     lease_ttl: Duration::from_secs(5),
+///     ..EtcdOptions::default()
+/// };
+/// let registry = EtcdRegistry::connect(&["127.0.0.1:2379"], options).await?;
+/// // Or: EtcdRegistry::from_url("etcd://127.0.0.1:2379").await?
+///
+/// registry.register(Instance::new("127.0.0.1:9001", ["echo.Echo"])).await?;
+/// let mut watch = registry.watch(&"echo.Echo".into()).await?;
+/// println!("echo.Echo is served by {:?}", watch.current());
+/// watch.changed().await?; // the next addition or removal
+/// registry.deregister("127.0.0.1:9001").await?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct EtcdRegistry {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for EtcdRegistry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdRegistry")
+            .field("endpoints", &self.inner.conn.target)
+            .field("options", &*self.inner.conn.options)
+            .finish()
+    }
+}
+
+struct Inner {
+    conn: Conn,
+    /// Instance id → its keep-alive task. Held across the etcd calls of register/deregister,
+    /// which are rare, so that they apply in order.
+    registrations: tokio::sync::Mutex<HashMap<String, Registration>>,
+    watches: Watches,
+    /// Never sent on: background tasks see its receivers close when the registry is dropped.
+    _alive: watch::Sender<()>,
+    alive: watch::Receiver<()>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        for (_, registration) in self.registrations.get_mut().drain() {
+            registration.task.abort();
+        }
+    }
+}
+
+struct Registration {
+    /// The lease the instance's keys are under now; the keep-alive task updates it when it
+    /// registers again under a new lease.
+    lease: Arc<AtomicI64>,
+    task: JoinHandle<()>,
+}
+
+/// Service → the channel its watch task publishes on. An entry is removed, under this lock, by
+/// its task once no receiver is left, so `watch()` either subscribes to a live task or starts a
+/// new one.
+type Watches = Arc<Mutex<HashMap<ServiceId, Arc<watch::Sender<Endpoints>>>>>;
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // Every critical section is a lookup, an insert or a remove: nothing to leave half-done.
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl EtcdRegistry {
+    /// A registry on the etcd cluster at `endpoints` (`host:port` or `http://host:port`).
+    ///
+    /// Nothing is sent to etcd yet, so this succeeds while etcd is down; it fails only on an
+    /// unusable configuration (no endpoint, a malformed one, a zero TTL).
+    pub async fn connect(
+        endpoints: &[impl AsRef<str>],
+        options: EtcdOptions,
+    ) -> Result<Self, RegistryError> {
+        let endpoints: Vec<String> = endpoints
+            .iter()
+            .map(|e| e.as_ref().trim().to_string())
+            .filter(|e| !e.is_empty())
+            .collect();
+        if endpoints.is_empty() {
+            return Err(RegistryError::Config(
+                "no etcd endpoint given: expected host:port[,host:port...]".into(),
+            ));
+        }
+        for e in &endpoints {
+            check_endpoint(e)?;
+        }
+        if options.lease_ttl.is_zero() {
+            return Err(RegistryError::Config(
+                "etcd lease TTL must be at least 1 s".into(),
+            ));
+        }
+        let target = endpoints.join(",");
+        let connect = ConnectOptions::new()
+            .with_connect_timeout(options.connect_timeout)
+            // HTTP/2 pings detect a silently dead connection under a long-lived watch or
+            // keep-alive stream. etcd answers pings more frequent than every 5 s, or pings with
+            // no stream open, by closing the connection: hence 10 s, and only under streams.
+            .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5))
+            .with_keep_alive_while_idle(false);
+        let client = Client::connect(&endpoints, Some(connect))
+            .await
+            .map_err(|e| RegistryError::Config(format!("etcd at {target}: {e}")))?;
+        let (alive_tx, alive) = watch::channel(());
+        Ok(EtcdRegistry {
+            inner: Arc::new(Inner {
+                conn: Conn {
+                    client,
+                    options: Arc::new(options),
+                    target: Arc::from(target),
+                },
+                registrations: tokio::sync::Mutex::new(HashMap::new()),
+                watches: Arc::new(Mutex::new(HashMap::new())),
+                _alive: alive_tx,
+                alive,
+            }),
+        })
+    }
+
+    /// A registry from a URL such as `etcd://127.0.0.1:2379` or `etcd://h1:2379,h2:2379`, with
+    /// the default options.
+    pub async fn from_url(url: &str) -> Result<Self, RegistryError> {
+        Self::from_url_with_options(url, EtcdOptions::default()).await
+    }
+
+    /// Like [`from_url`](Self::from_url), with `options`.
+    pub async fn from_url_with_options(
+        url: &str,
+        options: EtcdOptions,
+    ) -> Result<Self, RegistryError> {
+        let endpoints = parse_url(url)?;
+        Self::connect(&endpoints, options).await
+    }
+
+    /// The options in force.
+    pub fn options(&self) -> &EtcdOptions {
+        &self.inner.conn.options
+    }
+
+    /// The etcd endpoints, comma-separated, as given.
+    pub fn endpoints(&self) -> &str {
+        &self.inner.conn.target
+    }
+
+    /// The key under which `instance_id` is published for `service`:
+    /// `<prefix>services/<service id>/<instance id>`.
+    pub fn key(&self, service: &ServiceId, instance_id: &str) -> String {
+        self.inner.conn.key(service, instance_id)
+    }
+
+    async fn register_instance(&self, instance: Instance) -> Result<(), RegistryError> {
+        let conn = &self.inner.conn;
+        let value = serde_json::to_vec(&instance).map_err(|e| {
+            RegistryError::Config(format!("instance {} cannot be encoded: {e}", instance.id))
+        })?;
+        let mut keys: Vec<String> = instance
+            .services
+            .iter()
+            .map(|s| conn.key(s, &instance.id))
+            .collect();
+        keys.sort();
+        keys.dedup();
+
+        let mut registrations = self.inner.registrations.lock().await;
+        if keys.is_empty() {
+            // Nothing to publish; a previous version of the instance goes away.
+            if let Some(old) = registrations.remove(&instance.id) {
+                stop(old, conn).await?;
+            }
+            return Ok(());
+        }
+        let (lease, ttl) = conn.grant().await?;
+        // The previous version's task must not write its keys again once the new ones are in.
+        let old = registrations.remove(&instance.id);
+        let old_lease = match old {
+            Some(old) => {
+                old.task.abort();
+                let _ = old.task.await;
+                Some(old.lease.load(Ordering::SeqCst))
+            }
+            None => None,
+        };
+        if let Err(e) = conn.put(&keys, &value, lease).await {
+            let _ = conn.revoke(lease).await;
+            return Err(e);
+        }
+        if let Some(old_lease) = old_lease {
+            // Removes at once the keys of services the new version no longer serves.
+            if let Err(e) = conn.revoke(old_lease).await {
+                tracing::warn!(
+                    instance = %instance.id, error = %e,
+                    "could not revoke the lease of the replaced registration; \
+                     its leftover keys expire with it"
+                );
+            }
+        }
+        let lease = Arc::new(AtomicI64::new(lease));
+        let task = tokio::spawn(keep_registered(KeepRegistered {
+            conn: conn.clone(),
+            instance_id: instance.id.clone(),
+            keys,
+            value,
+            lease: lease.clone(),
+            ttl,
+            alive: self.inner.alive.clone(),
+        }));
+        registrations.insert(instance.id, Registration { lease, task });
+        Ok(())
+    }
+
+    async fn deregister_instance(&self, instance_id: &str) -> Result<(), RegistryError> {
+        let mut registrations = self.inner.registrations.lock().await;
+        match registrations.remove(instance_id) {
+            Some(registration) => stop(registration, &self.inner.conn).await,
+            None => Ok(()),
+        }
+    }
+
+    async fn watch_service(&self, service: &ServiceId) -> Result<ServiceWatch, RegistryError> {
+        if let Some(tx) = lock(&self.inner.watches).get(service) {
+            return Ok(ServiceWatch::new(tx.subscribe()));
+        }
+        let conn = &self.inner.conn;
+        let (instances, revision) = conn.read(service).await?;
+        let mut watches = lock(&self.inner.watches);
+        if let Some(tx) = watches.get(service) {
+            // Another watcher started the task meanwhile.
+            return Ok(ServiceWatch::new(tx.subscribe()));
+        }
+        let tx = Arc::new(watch::Sender::new(snapshot(service, instances.values())));
+        let rx = tx.subscribe();
+        watches.insert(service.clone(), tx.clone());
+        tokio::spawn(
+            WatchTask {
+                conn: conn.clone(),
+                service: service.clone(),
+                prefix: conn.service_prefix(service),
+                signals: Signals {
+                    service: service.clone(),
+                    tx,
+                    watches: self.inner.watches.clone(),
+                    alive: self.inner.alive.clone(),
+                },
+                instances,
+                backoff: Backoff::default(),
+            }
+            .run(revision),
+        );
+        Ok(ServiceWatch::new(rx))
+    }
+}
+
+/// Stops a registration's keep-alive and revokes its lease: its keys disappear at once.
+async fn stop(registration: Registration, conn: &Conn) -> Result<(), RegistryError> {
+    registration.task.abort();
+    let _ = registration.task.await;
+    let lease = registration.lease.load(Ordering::SeqCst);
+    conn.revoke(lease).await.map_err(|e| {
+        RegistryError::Unavailable(format!(
+            "{e}; the instance disappears when its lease expires (TTL {:?})",
+            conn.options.lease_ttl
+        ))
+    })
+}
+
+impl Registry for EtcdRegistry {
+    /// Grants a lease, writes one key per service under it and keeps the lease alive in the
+    /// background (re-registering if the lease is lost). Registering an id again replaces the
+    /// previous version. Fails if etcd does not answer within the request timeout.
+    fn register(&self, instance: Instance) -> BoxFuture<'_, Result<(), RegistryError>> {
+        Box::pin(self.register_instance(instance))
+    }
+
+    /// Stops the keep-alive and revokes the lease: the keys disappear at once. An unknown id is
+    /// not an error. If etcd is unreachable, the keys expire with the lease.
+    fn deregister<'a>(&'a self, instance_id: &'a str) -> BoxFuture<'a, Result<(), RegistryError>> {
+        Box::pin(self.deregister_instance(instance_id))
+    }
+
+    /// Reads the service's keys (the first snapshot), then follows them with an etcd watch shared
+    /// by every watcher of the service. The first watch of a service fails if etcd does not
+    /// answer; later ones share the running watch and keep the last known endpoints while etcd
+    /// is away.
+    fn watch<'a>(
+        &'a self,
+        service: &'a ServiceId,
+    ) -> BoxFuture<'a, Result<ServiceWatch, RegistryError>> {
+        Box::pin(self.watch_service(service))
+    }
+}
+
+fn check_endpoint(e: &str) -> Result<(), RegistryError> {
+    let hostport = e
+        .strip_prefix("http://")
+        .or_else(|| e.strip_prefix("https://"))
+        .unwrap_or(e)
+        .trim_end_matches('/');
+    match hostport.rsplit_once(':') {
+        Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => Ok(()),
+        _ => Err(RegistryError::Config(format!(
+            "bad etcd endpoint {e:?}: expected host:port"
+        ))),
+    }
+}
+
+/// `etcd://h1:2379,h2:2379` → `["h1:2379", "h2:2379"]`.
+fn parse_url(url: &str) -> Result<Vec<String>, RegistryError> {
+    let Some(rest) = url.trim().strip_prefix("etcd://") else {
+        return Err(RegistryError::Config(format!(
+            "bad etcd URL {url:?}: expected etcd://host:port[,host:port...]"
+        )));
+    };
+    let endpoints: Vec<String> = rest
+        .trim_end_matches('/')
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_string)
+        .collect();
+    if endpoints.is_empty() {
+        return Err(RegistryError::Config(format!(
+            "bad etcd URL {url:?}: no endpoint; expected etcd://host:port[,host:port...]"
+        )));
+    }
+    for e in &endpoints {
+        check_endpoint(e).map_err(|_| {
+            RegistryError::Config(format!(
+                "bad etcd URL {url:?}: {e:?} is not host:port; expected \
+                 etcd://host:port[,host:port...]"
+            ))
+        })?;
+    }
+    Ok(endpoints)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls() {
+        assert_eq!(
+            parse_url("etcd://127.0.0.1:2379").unwrap(),
+            ["127.0.0.1:2379"]
+        );
+        assert_eq!(parse_url("etcd://a:1, b:2/").unwrap(), ["a:1", "b:2"]);
+        for bad in [
+            "127.0.0.1:2379",
+            "etcd://",
+            "etcd://host",
+            "etcd://h:port",
+            "http://h:1",
+        ] {
+            let e = parse_url(bad).unwrap_err().to_string();
+            assert!(e.contains("etcd://host:port"), "{bad}: {e}");
+        }
+    }
+
+    #[tokio::test]
+    async fn construction_does_not_need_etcd() {
+        let reg = EtcdRegistry::from_url_with_options(
+            "etcd://127.0.0.1:1",
+            EtcdOptions {
+                request_timeout: Duration::from_millis(300),
+                connect_timeout: Duration::from_millis(300),
+                ..EtcdOptions::default()
+            },
+        )
+        .await
+        .unwrap();
+        assert_eq!(reg.key(&"a/b".into(), "x"), "/rpc/services/a%2Fb/x");
+        let e = reg.watch(&"a.A".into()).await.unwrap_err().to_string();
+        assert!(e.contains("etcd at 127.0.0.1:1 unreachable"), "{e}");
+        let e = reg
+            .register(Instance::new("127.0.0.1:2", ["a.A"]))
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("etcd at 127.0.0.1:1 unreachable"), "{e}");
+        reg.deregister("127.0.0.1:2").await.unwrap();
+    }
+}

@@ -1,0 +1,337 @@
+//! The background tasks: one keeps an instance registered, one follows a watched service.
+
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use etcd_client::WatchOptions;
+use rpc_core::ServiceId;
+use tokio::sync::watch;
+
+use super::conn::{decode, Conn, Instances, KeepAliveEnd};
+use super::{lock, Watches};
+use crate::instance::snapshot;
+use crate::{Endpoints, RegistryError};
+
+/// Retry pauses: 100 ms doubling up to 2 s.
+pub(super) struct Backoff {
+    next: Duration,
+}
+
+impl Backoff {
+    const FIRST: Duration = Duration::from_millis(100);
+    const MAX: Duration = Duration::from_secs(2);
+
+    fn next(&mut self) -> Duration {
+        let d = self.next;
+        self.next = (d * 2).min(Self::MAX);
+        d
+    }
+
+    fn reset(&mut self) {
+        self.next = Self::FIRST;
+    }
+}
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Backoff { next: Self::FIRST }
+    }
+}
+
+/// What the keep-alive task of one instance needs.
+pub(super) struct KeepRegistered {
+    pub(super) conn: Conn,
+    pub(super) instance_id: String,
+    pub(super) keys: Vec<String>,
+    pub(super) value: Vec<u8>,
+    pub(super) lease: Arc<AtomicI64>,
+    pub(super) ttl: i64,
+    pub(super) alive: watch::Receiver<()>,
+}
+
+/// Keeps an instance registered until aborted (deregistration) or the registry is dropped.
+pub(super) async fn keep_registered(mut r: KeepRegistered) {
+    let mut backoff = Backoff::default();
+    // Whether the last attempt failed: the first failure of a streak is a warning, the rest
+    // are debug messages, and the recovery is logged.
+    let mut failing = false;
+    loop {
+        let lease = r.lease.load(Ordering::SeqCst);
+        let end = tokio::select! {
+            end = r.conn.keep_alive(lease, r.ttl, || {
+                backoff.reset();
+                if std::mem::take(&mut failing) {
+                    tracing::info!(instance = %r.instance_id, "etcd reachable again; lease kept");
+                }
+            }) => end,
+            _ = r.alive.changed() => return,
+        };
+        match end {
+            KeepAliveEnd::Failed(e) => {
+                if !std::mem::replace(&mut failing, true) {
+                    tracing::warn!(
+                        instance = %r.instance_id, error = %e,
+                        "lease keep-alive failed; retrying"
+                    );
+                } else {
+                    tracing::debug!(instance = %r.instance_id, error = %e, "keep-alive retry failed");
+                }
+                if !pause(backoff.next(), &mut r.alive).await {
+                    return;
+                }
+            }
+            KeepAliveEnd::Lost => {
+                tracing::warn!(
+                    instance = %r.instance_id,
+                    "etcd lost the instance's lease; registering it again"
+                );
+                // Registers again until it works.
+                loop {
+                    match reregister(&r).await {
+                        Ok(ttl) => {
+                            r.ttl = ttl;
+                            backoff.reset();
+                            failing = false;
+                            tracing::info!(instance = %r.instance_id, "registered again");
+                            break;
+                        }
+                        Err(e) => {
+                            tracing::debug!(
+                                instance = %r.instance_id, error = %e,
+                                "registering again failed; retrying"
+                            );
+                            if !pause(backoff.next(), &mut r.alive).await {
+                                return;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Grants a new lease and writes the keys under it; returns the granted TTL.
+async fn reregister(r: &KeepRegistered) -> Result<i64, RegistryError> {
+    let (lease, ttl) = r.conn.grant().await?;
+    // Recorded before the keys are written, so that a deregistration that aborts this task
+    // right after the write still revokes the right lease.
+    r.lease.store(lease, Ordering::SeqCst);
+    r.conn.put(&r.keys, &r.value, lease).await?;
+    Ok(ttl)
+}
+
+/// Sleeps `d`; false when the registry was dropped meanwhile.
+async fn pause(d: Duration, alive: &mut watch::Receiver<()>) -> bool {
+    tokio::select! {
+        _ = tokio::time::sleep(d) => true,
+        _ = alive.changed() => false,
+    }
+}
+
+/// Follows one service's keys and publishes every change of its snapshot.
+pub(super) struct WatchTask {
+    pub(super) conn: Conn,
+    pub(super) service: ServiceId,
+    pub(super) prefix: String,
+    pub(super) signals: Signals,
+    pub(super) instances: Instances,
+    pub(super) backoff: Backoff,
+}
+
+/// What ends a watch task: the registry dropped, or nobody watching anymore.
+pub(super) struct Signals {
+    pub(super) service: ServiceId,
+    pub(super) tx: Arc<watch::Sender<Endpoints>>,
+    pub(super) watches: Watches,
+    pub(super) alive: watch::Receiver<()>,
+}
+
+/// Why a watch task stops following etcd for a while or for good.
+enum Interrupt {
+    /// Nobody watches anymore, or the registry was dropped.
+    Stop,
+    /// The etcd watch ended; read the keys again and watch anew.
+    Resync,
+}
+
+impl Signals {
+    /// Resolves with `true` when the task must end: the registry was dropped, or the last
+    /// receiver went away (the task then retires from the map). Resolves with `false` when the
+    /// last receiver went away but a new watcher subscribed meanwhile: the task goes on.
+    async fn stop(&mut self) -> bool {
+        tokio::select! {
+            _ = self.alive.changed() => true,
+            _ = self.tx.closed() => {
+                let mut watches = lock(&self.watches);
+                if self.tx.receiver_count() > 0 {
+                    return false;
+                }
+                if watches.get(&self.service).is_some_and(|tx| Arc::ptr_eq(tx, &self.tx)) {
+                    watches.remove(&self.service);
+                }
+                true
+            }
+        }
+    }
+
+    /// Resolves only when the task must end.
+    async fn stopped(&mut self) {
+        while !self.stop().await {}
+    }
+
+    /// Sleeps `d`; false if the task must end meanwhile.
+    async fn pause(&mut self, d: Duration) -> bool {
+        tokio::select! {
+            _ = tokio::time::sleep(d) => true,
+            _ = self.stopped() => false,
+        }
+    }
+}
+
+impl WatchTask {
+    pub(super) async fn run(mut self, mut revision: i64) {
+        let mut failing = false;
+        loop {
+            match self.follow(revision).await {
+                Ok(Interrupt::Stop) => return,
+                Ok(Interrupt::Resync) => {}
+                Err(e) => {
+                    if !std::mem::replace(&mut failing, true) {
+                        tracing::warn!(
+                            service = %self.service, error = %e,
+                            "etcd watch interrupted; keeping the last known endpoints and retrying"
+                        );
+                    } else {
+                        tracing::debug!(service = %self.service, error = %e, "etcd watch retry failed");
+                    }
+                }
+            }
+            // Read the keys again (a fresh snapshot) before watching again.
+            loop {
+                if !self.signals.pause(self.backoff.next()).await {
+                    return;
+                }
+                let read = tokio::select! {
+                    read = self.conn.read(&self.service) => read,
+                    _ = self.signals.stopped() => return,
+                };
+                match read {
+                    Ok((instances, rev)) => {
+                        if std::mem::take(&mut failing) {
+                            tracing::info!(service = %self.service, "etcd watch resumed");
+                        }
+                        self.instances = instances;
+                        self.publish();
+                        revision = rev;
+                        break;
+                    }
+                    Err(e) => {
+                        if !std::mem::replace(&mut failing, true) {
+                            tracing::warn!(
+                                service = %self.service, error = %e,
+                                "etcd unreachable; keeping the last known endpoints and retrying"
+                            );
+                        } else {
+                            tracing::debug!(service = %self.service, error = %e, "etcd read failed");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Watches the prefix from `revision + 1`, applying events, until the watch ends
+    /// (`Ok(Resync)` or an error) or the task must end (`Ok(Stop)`).
+    async fn follow(&mut self, revision: i64) -> Result<Interrupt, RegistryError> {
+        let mut client = self.conn.client.watch_client();
+        let options = WatchOptions::new()
+            .with_prefix()
+            .with_start_revision(revision + 1);
+        let what = format!("watching {}", self.prefix);
+        let open = self
+            .conn
+            .call(&what, client.watch(self.prefix.as_bytes(), Some(options)));
+        let mut stream = tokio::select! {
+            s = open => s?,
+            _ = self.signals.stopped() => return Ok(Interrupt::Stop),
+        };
+        loop {
+            let message = tokio::select! {
+                m = stream.message() => m,
+                _ = self.signals.stopped() => return Ok(Interrupt::Stop),
+            };
+            let resp = match message {
+                Ok(Some(resp)) => resp,
+                Ok(None) => {
+                    return Err(RegistryError::Unavailable(format!(
+                        "etcd at {} ended the watch of {}",
+                        self.conn.target, self.prefix
+                    )))
+                }
+                Err(e) => return Err(self.conn.error(&what, e)),
+            };
+            if resp.canceled() || resp.compact_revision() > 0 {
+                tracing::debug!(
+                    service = %self.service,
+                    reason = resp.cancel_reason(),
+                    compact_revision = resp.compact_revision(),
+                    "etcd cancelled the watch; reading the keys again"
+                );
+                self.backoff.reset();
+                return Ok(Interrupt::Resync);
+            }
+            self.backoff.reset();
+            if resp.events().is_empty() {
+                continue;
+            }
+            for event in resp.events() {
+                let Some(kv) = event.kv() else { continue };
+                // A deleted key (removed, or expired with its lease) has version 0; any put
+                // gives it version 1 or more. (This avoids `Event::event_type`, which panics on
+                // an event type it does not know.)
+                if kv.version() == 0 {
+                    self.instances.remove(kv.key());
+                } else {
+                    match decode(kv.key(), kv.value()) {
+                        Some(instance) => {
+                            self.instances.insert(kv.key().to_vec(), instance);
+                        }
+                        None => {
+                            self.instances.remove(kv.key());
+                        }
+                    }
+                }
+            }
+            self.publish();
+        }
+    }
+
+    /// Publishes the current snapshot if it differs from the last one.
+    fn publish(&self) {
+        let next = snapshot(&self.service, self.instances.values());
+        self.signals.tx.send_if_modified(|current| {
+            if **current == *next {
+                false
+            } else {
+                *current = next;
+                true
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_is_bounded() {
+        let mut b = Backoff::default();
+        let steps: Vec<u128> = (0..7).map(|_| b.next().as_millis()).collect();
+        assert_eq!(steps, [100, 200, 400, 800, 1600, 2000, 2000]);
+        b.reset();
+        assert_eq!(b.next(), Duration::from_millis(100));
+    }
+}
