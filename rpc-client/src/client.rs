@@ -2,7 +2,8 @@
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -20,8 +21,10 @@ use rpc_governance::pipeline::{AttemptCtx, Attempts, Governance};
 use rpc_registry::{InProcessRegistry, Registry, ServiceWatch};
 use rpc_transport::{ConnectOptions, ConnectionPool};
 use tokio::time::Instant;
+use tracing::Instrument;
 
 use crate::endpoints::ServiceState;
+use crate::telemetry;
 
 /// Calls remote services. Cheap to clone; clones share connections, endpoint views, entry
 /// pipelines and their state.
@@ -37,6 +40,7 @@ struct Inner {
     governance: Governance,
     services: DashMap<&'static str, Arc<ServiceState>>,
     fallbacks: HashMap<&'static str, Arc<dyn Service>>,
+    metrics: telemetry::Metrics,
 }
 
 /// Builds a [`Client`].
@@ -47,6 +51,8 @@ pub struct ClientBuilder {
     connections_per_endpoint: usize,
     layers: Layers,
     fallbacks: HashMap<&'static str, Arc<dyn Service>>,
+    #[cfg(feature = "otel")]
+    meter: Option<opentelemetry::metrics::Meter>,
 }
 
 impl Default for ClientBuilder {
@@ -58,6 +64,8 @@ impl Default for ClientBuilder {
             connections_per_endpoint: 1,
             layers: Layers::default(),
             fallbacks: HashMap::new(),
+            #[cfg(feature = "otel")]
+            meter: None,
         }
     }
 }
@@ -168,8 +176,31 @@ impl ClientBuilder {
         self
     }
 
+    /// The OpenTelemetry meter of the client's metrics (feature `otel`); by default
+    /// `opentelemetry::global::meter("rpc")`, taken when the client is built, so install the
+    /// global meter provider first.
+    ///
+    /// Instruments: `rpc.client.duration` (histogram, ms), `rpc.client.calls` (counter, by
+    /// `rpc.status_code`), `rpc.client.in_flight` (up-down counter) and
+    /// `rpc.governance.events` (counter, by `event` and `rpc.entry_id`, `rpc.side = "client"`).
+    #[cfg(feature = "otel")]
+    pub fn meter(mut self, meter: opentelemetry::metrics::Meter) -> Self {
+        self.meter = Some(meter);
+        self
+    }
+
     /// The client.
     pub fn build(self) -> Client {
+        let governance = Governance::new(self.layers);
+        #[cfg(feature = "otel")]
+        let metrics = telemetry::Metrics::new(
+            &self
+                .meter
+                .unwrap_or_else(|| opentelemetry::global::meter("rpc")),
+            governance.events(),
+        );
+        #[cfg(not(feature = "otel"))]
+        let metrics = telemetry::Metrics;
         Client {
             inner: Arc::new(Inner {
                 registry: self
@@ -177,9 +208,10 @@ impl ClientBuilder {
                     .unwrap_or_else(|| Arc::new(InProcessRegistry::new())),
                 pool: ConnectionPool::new(self.connect, self.connections_per_endpoint),
                 codec: self.codec,
-                governance: Governance::new(self.layers),
+                governance,
                 services: DashMap::new(),
                 fallbacks: self.fallbacks,
+                metrics,
             }),
         }
     }
@@ -302,6 +334,11 @@ impl Client {
     ///
     /// `hash_key` computes the stable hash of the method's `#[hash_key]` argument; it runs only
     /// when the entry's strategy is consistent hashing.
+    ///
+    /// The call runs in an `rpc.client` span with a child `rpc.client.attempt` span per attempt
+    /// (OpenTelemetry RPC attributes; governance events land on them), carries the current
+    /// [`RpcContext`](rpc_core::RpcContext)'s attachments and, with feature `otel`, the
+    /// attempt span's W3C trace context, and is counted in the client's metrics.
     pub fn invoke<H: FnOnce() -> u64>(
         &self,
         method: &'static MethodDescriptor,
@@ -313,29 +350,44 @@ impl Client {
             ShuntStrategy::HashAlgorithm => hash_key.map(|h| h()),
             _ => None,
         };
+        let span = telemetry::call_span(method);
+        let call_span = span.clone();
         async move {
+            let metrics = self.inner.metrics.start(method);
+            let attempts = ClientAttempts {
+                client: self,
+                method,
+                service: None,
+                params: &params,
+                hash_key,
+                made: AtomicU32::new(0),
+                last_failed: Mutex::new(None),
+            };
             let result = match self.service(method.service_id).await {
                 Ok(service) => {
                     let attempts = ClientAttempts {
-                        client: self,
-                        method,
-                        service: &service,
-                        params: &params,
-                        hash_key,
+                        service: Some(&service),
+                        ..attempts
                     };
-                    self.inner.governance.execute(&policy, attempts).await
+                    let r = self.inner.governance.execute(&policy, &attempts).await;
+                    (r, attempts.made, attempts.last_failed)
                 }
-                Err(e) => Err(e),
+                Err(e) => (Err(e), attempts.made, attempts.last_failed),
             };
-            match result {
-                Err(e) if fallback::applies(&e, fallback::Side::Client) => {
+            let result = match result {
+                (Err(e), made, last_failed) if fallback::applies(&e, fallback::Side::Client) => {
                     match self.inner.fallbacks.get(method.service_id) {
                         Some(fallback) => {
+                            // On the call span: the original error, the endpoint of the last
+                            // failed attempt and that attempt's number.
+                            let last_failed =
+                                last_failed.into_inner().unwrap_or_else(|p| p.into_inner());
+                            let endpoint = e.tried().last().cloned().or(last_failed);
                             self.inner.governance.events().emit_parts(
                                 EventKind::Fallback,
                                 &Arc::from(method.entry_id),
-                                e.tried().last().map(String::as_str),
-                                0,
+                                endpoint.as_deref(),
+                                made.into_inner().saturating_sub(1),
                                 Some(e.to_string()),
                             );
                             run_fallback(fallback.as_ref(), method, params, self.codec(), e).await
@@ -343,9 +395,13 @@ impl Client {
                         None => Err(e),
                     }
                 }
-                r => r,
-            }
+                (r, _, _) => r,
+            };
+            telemetry::record_result(&call_span, &result);
+            metrics.finish(&result);
+            result
         }
+        .instrument(span)
     }
 
     async fn call_once(
@@ -356,22 +412,26 @@ impl Client {
         timeout_ms: u32,
         deadline: Option<Instant>,
     ) -> Result<Bytes, RpcError> {
-        let message = |params: Bytes| RemoteInvokeMessage {
+        let attachments = telemetry::outgoing_attachments();
+        let message = |params: Bytes, attachments| RemoteInvokeMessage {
             message_id: 0,
             service_entry_id: method.entry_id.to_string(),
             codec: self.inner.codec.to_wire(),
             parameters: params,
-            attachments: Default::default(),
+            attachments,
             timeout_ms,
         };
         let conn = self.connection(addr, deadline).await?;
-        let answer = match conn.call(message(params.clone()), deadline).await {
+        let answer = match conn
+            .call(message(params.clone(), attachments.clone()), deadline)
+            .await
+        {
             // The server was draining and closed before reading the call: the endpoint may
             // well be back (a restart), so the call goes once more on a fresh connection.
             Err(e) if conn.is_draining() && !e.is_maybe_delivered() => {
                 self.connection(addr, deadline)
                     .await?
-                    .call(message(params), deadline)
+                    .call(message(params, attachments), deadline)
                     .await?
             }
             other => other?,
@@ -409,14 +469,27 @@ impl Client {
 struct ClientAttempts<'a> {
     client: &'a Client,
     method: &'static MethodDescriptor,
-    service: &'a ServiceState,
+    /// Set once the service's endpoints are known.
+    service: Option<&'a ServiceState>,
     params: &'a Bytes,
     hash_key: Option<u64>,
+    /// Attempts made so far.
+    made: AtomicU32,
+    /// The endpoint of the last failed attempt (written only on failure), for the fallback
+    /// event.
+    last_failed: Mutex<Option<String>>,
 }
 
-impl Attempts for ClientAttempts<'_> {
+impl ClientAttempts<'_> {
+    fn service(&self) -> &ServiceState {
+        self.service
+            .expect("attempts run once the service is resolved")
+    }
+}
+
+impl Attempts for &ClientAttempts<'_> {
     fn select(&self, ctx: &AttemptCtx<'_>) -> Result<String, RpcError> {
-        self.service.select(
+        self.service().select(
             self.method.service_id,
             ctx.options,
             self.hash_key,
@@ -431,10 +504,17 @@ impl Attempts for ClientAttempts<'_> {
         timeout_ms: u32,
         deadline: Option<Instant>,
     ) -> Result<Bytes, RpcError> {
+        let attempt = self.made.fetch_add(1, Ordering::Relaxed);
+        let span = telemetry::attempt_span(self.method, attempt, addr);
         let result = self
             .client
             .call_once(self.method, addr, self.params.clone(), timeout_ms, deadline)
+            .instrument(span.clone())
             .await;
+        telemetry::record_result(&span, &result);
+        if result.is_err() {
+            *self.last_failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(addr.to_string());
+        }
         // An answer from the server (success, or its own verdict rather than a failure to reach
         // it) records who gave it.
         if result
@@ -447,7 +527,7 @@ impl Attempts for ClientAttempts<'_> {
     }
 
     fn untried_left(&self, tried: &[String]) -> bool {
-        self.service
+        self.service()
             .endpoints()
             .iter()
             .any(|i| !tried.iter().any(|t| *t == i.address))

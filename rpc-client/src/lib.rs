@@ -5,6 +5,13 @@
 //! pooled connection and applies the entry's governance: the whole call under its deadline,
 //! retries on overflow or an unreachable endpoint on another endpoint, local endpoint health.
 //!
+//! Observability: every call runs in an `rpc.client` span with one `rpc.client.attempt` child
+//! per attempt (OpenTelemetry RPC semantic-convention attributes; governance events are
+//! `tracing` events on them). Calls carry the current [`RpcContext`](rpc_core::RpcContext)'s
+//! attachments. With feature `otel` they also carry the attempt span's W3C trace context
+//! (`traceparent`/`tracestate`, from `tracing-opentelemetry`), and the client records
+//! OpenTelemetry metrics ([`ClientBuilder::meter`]).
+//!
 //! The client never writes to the registry: its view of an endpoint's health stays in this
 //! process and expires.
 //!
@@ -24,6 +31,7 @@ mod answered_by;
 mod client;
 mod endpoints;
 pub mod shunt;
+mod telemetry;
 
 pub use answered_by::answered_by;
 pub use client::{Client, ClientBuilder};

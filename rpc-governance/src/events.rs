@@ -1,7 +1,7 @@
 //! Governance events: every policy decision, as a `tracing` event and to subscribers.
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use tokio::sync::broadcast;
 
@@ -69,17 +69,33 @@ pub struct GovernanceEvent {
     pub cause: Option<String>,
 }
 
-/// Emits governance events as `tracing` events (target `rpc::governance`, on the current span)
-/// and to every subscriber. Cheap to clone.
-#[derive(Debug, Clone)]
+/// A function told of every event as it is emitted (metrics, for instance); see
+/// [`EventBus::set_observer`].
+pub type Observer = Arc<dyn Fn(&GovernanceEvent) + Send + Sync>;
+
+/// Emits governance events as `tracing` events (target `rpc::governance`, on the current span),
+/// to an optional [`Observer`] and to every subscriber. Cheap to clone; clones share the
+/// subscribers and the observer.
+#[derive(Clone)]
 pub struct EventBus {
     tx: broadcast::Sender<GovernanceEvent>,
+    observer: Arc<OnceLock<Observer>>,
+}
+
+impl fmt::Debug for EventBus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EventBus")
+            .field("subscribers", &self.tx.receiver_count())
+            .field("observer", &self.observer.get().is_some())
+            .finish()
+    }
 }
 
 impl Default for EventBus {
     fn default() -> Self {
         EventBus {
             tx: broadcast::Sender::new(1024),
+            observer: Arc::default(),
         }
     }
 }
@@ -95,6 +111,13 @@ impl EventBus {
         self.tx.subscribe()
     }
 
+    /// Installs the observer every clone of this bus calls, synchronously, for each event (the
+    /// OpenTelemetry event counter of `rpc-client` and `rpc-server` uses it). One observer per
+    /// bus: returns `false`, leaving the first in place, when one is already installed.
+    pub fn set_observer(&self, observer: Observer) -> bool {
+        self.observer.set(observer).is_ok()
+    }
+
     /// Emits an event.
     pub fn emit(&self, event: GovernanceEvent) {
         tracing::info!(
@@ -106,6 +129,9 @@ impl EventBus {
             cause = event.cause.as_deref().unwrap_or(""),
             "governance"
         );
+        if let Some(observer) = self.observer.get() {
+            observer(&event);
+        }
         if self.tx.receiver_count() > 0 {
             let _ = self.tx.send(event);
         }

@@ -1,5 +1,6 @@
 //! The server pipeline for one call: entry lookup → concurrency cap → handler under the deadline
-//! (panics caught) → server fallback on failure.
+//! (panics caught) and inside the caller's call context → server fallback on failure; all in the
+//! call's `rpc.server` span.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -10,19 +11,22 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures_util::FutureExt;
 use rpc_core::wire::{RemoteInvokeMessage, RemoteResultMessage};
-use rpc_core::{Codec, RpcError, StatusCode};
+use rpc_core::{Codec, MethodDescriptor, RpcContext, RpcError, StatusCode};
 use rpc_governance::bulkhead::Bulkhead;
 use rpc_governance::events::{EventBus, EventKind};
 use rpc_governance::fallback;
 use rpc_transport::{error_result, Dispatch, InvokeHandler};
 use tokio::time::Instant;
+use tracing::Instrument;
 
+use crate::telemetry;
 use crate::Service;
 
 /// Where one entry id leads.
 pub(crate) struct Route {
     pub(crate) service: Arc<dyn Service>,
     pub(crate) index: usize,
+    pub(crate) method: &'static MethodDescriptor,
     pub(crate) entry: Arc<str>,
     pub(crate) cap: Bulkhead,
     pub(crate) fallback: Option<Arc<dyn Service>>,
@@ -31,10 +35,15 @@ pub(crate) struct Route {
 pub(crate) struct Dispatcher {
     pub(crate) routes: HashMap<String, Route>,
     pub(crate) events: EventBus,
+    /// The bound address (`server.address` of the spans).
+    pub(crate) local: SocketAddr,
+    /// The published address, naming this server in governance events.
+    pub(crate) endpoint: Arc<str>,
+    pub(crate) metrics: telemetry::Metrics,
 }
 
 impl InvokeHandler for Dispatcher {
-    fn handle(&self, invoke: RemoteInvokeMessage, peer: SocketAddr) -> Dispatch {
+    fn handle(&self, mut invoke: RemoteInvokeMessage, peer: SocketAddr) -> Dispatch {
         let Some(route) = self.routes.get(invoke.service_entry_id.as_str()) else {
             return Dispatch::Ready(error_result(
                 StatusCode::NotFindLocalServiceEntry,
@@ -53,19 +62,26 @@ impl InvokeHandler for Dispatcher {
                 ),
             ));
         };
+        let attachments = std::mem::take(&mut invoke.attachments);
+        let span = telemetry::server_span(route.method, self.local, peer, &attachments);
         let permit = match route.cap.try_enter(&route.entry) {
             Ok(p) => p,
             Err(e) => {
-                self.events.emit_parts(
-                    EventKind::Overflow,
-                    &route.entry,
-                    Some(&peer.to_string()),
-                    0,
-                    Some(e.message().to_string()),
-                );
+                span.in_scope(|| {
+                    self.events.emit_parts(
+                        EventKind::Overflow,
+                        &route.entry,
+                        Some(&peer.to_string()),
+                        0,
+                        Some(e.message().to_string()),
+                    )
+                });
+                telemetry::record_error(&span, e.code(), e.message());
+                self.metrics.rejected(route.method, e.code());
                 return Dispatch::Ready(error_result(e.code(), e.message()));
             }
         };
+        let metrics = self.metrics.start(route.method);
         let handler = route
             .service
             .call(route.index, invoke.parameters.clone(), codec);
@@ -81,22 +97,44 @@ impl InvokeHandler for Dispatcher {
         });
         let entry = invoke.service_entry_id;
         let (events, entry_id) = (self.events.clone(), route.entry.clone());
-        Dispatch::Spawn(Box::pin(async move {
+        let endpoint = self.endpoint.clone();
+        let call_span = span.clone();
+        // The handler (and the fallback) run in the caller's call context, so the calls they
+        // make carry its attachments on; the span covers the first poll, made inline by the
+        // transport, as well as the task spawned if the handler has to wait.
+        let call = async move {
             let result = run_guarded(handler, deadline, &entry).await;
             let result = match (result, fallback) {
                 (Err(e), Some((fb, index, params)))
                     if fallback::applies(&e, fallback::Side::Server) =>
                 {
-                    // On the handler's span: a trace shows why the fallback ran.
-                    events.emit_parts(EventKind::Fallback, &entry_id, None, 0, Some(e.to_string()));
+                    // On the call's span: a trace shows why the fallback ran. The server sees
+                    // each attempt of a caller as a call of its own: attempt 0.
+                    events.emit_parts(
+                        EventKind::Fallback,
+                        &entry_id,
+                        Some(&endpoint),
+                        0,
+                        Some(e.to_string()),
+                    );
                     let answer = run_guarded(fb.call(index, params, codec), deadline, &entry).await;
                     fallback::outcome(&entry, e, answer)
                 }
                 (r, _) => r,
             };
             drop(permit);
+            telemetry::record_result(&call_span, &result);
+            metrics.finish(
+                result
+                    .as_ref()
+                    .map_or_else(RpcError::code, |_| StatusCode::Success),
+            );
             to_message(result)
-        }))
+        };
+        let attachments = telemetry::user_attachments(attachments);
+        Dispatch::Spawn(Box::pin(
+            RpcContext::scope(attachments, call).instrument(span),
+        ))
     }
 }
 

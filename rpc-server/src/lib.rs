@@ -10,6 +10,13 @@
 //! never queued) → the handler under the caller's deadline, with a panic turned into a server
 //! error (520) and, when registered, a server-side fallback answering for the handler's failures.
 //!
+//! Observability: each handled call runs in an `rpc.server` span (OpenTelemetry RPC
+//! semantic-convention attributes; the overflow and fallback governance events land on it),
+//! covering the handler wherever it runs, and the handler runs inside the caller's
+//! [`RpcContext`](rpc_core::RpcContext), so the calls it makes carry the caller's attachments
+//! on. With feature `otel` the span's parent is the caller's span, from the W3C `traceparent`
+//! attachment, and the server records OpenTelemetry metrics ([`ServerBuilder::meter`]).
+//!
 //! This crate must not choose endpoints or retry: that is the client's side.
 //!
 //! ```no_run
@@ -25,6 +32,7 @@
 mod dispatch;
 mod server;
 mod service;
+mod telemetry;
 
 pub use server::{Server, ServerBuilder, ServerHandle};
 pub use service::{Service, ServiceFuture};

@@ -37,6 +37,8 @@ pub struct ServerBuilder {
     advertise: Option<String>,
     metadata: Vec<(String, String)>,
     events: EventBus,
+    #[cfg(feature = "otel")]
+    meter: Option<opentelemetry::metrics::Meter>,
 }
 
 impl Default for ServerBuilder {
@@ -51,6 +53,8 @@ impl Default for ServerBuilder {
             advertise: None,
             metadata: Vec::new(),
             events: EventBus::new(),
+            #[cfg(feature = "otel")]
+            meter: None,
         }
     }
 }
@@ -144,6 +148,20 @@ impl ServerBuilder {
         &self.events
     }
 
+    /// The OpenTelemetry meter of the server's metrics (feature `otel`); by default
+    /// `opentelemetry::global::meter("rpc")`, taken when the server starts, so install the
+    /// global meter provider first.
+    ///
+    /// Instruments: `rpc.server.duration` (histogram, ms), `rpc.server.calls` (counter, by
+    /// `rpc.status_code`; overflow rejections included), `rpc.server.in_flight` (up-down
+    /// counter) and `rpc.governance.events` (counter, by `event` and `rpc.entry_id`,
+    /// `rpc.side = "server"`; overflow rejections are its `event = "overflow"`).
+    #[cfg(feature = "otel")]
+    pub fn meter(mut self, meter: opentelemetry::metrics::Meter) -> Self {
+        self.meter = Some(meter);
+        self
+    }
+
     fn routes(&self) -> HashMap<String, crate::dispatch::Route> {
         let shared = Bulkhead::new(self.max_concurrency);
         let mut routes = HashMap::new();
@@ -159,6 +177,7 @@ impl ServerBuilder {
                     Route {
                         service: service.clone(),
                         index,
+                        method: m,
                         entry: Arc::from(m.entry_id),
                         cap,
                         fallback: fallback.clone(),
@@ -178,9 +197,26 @@ impl ServerBuilder {
     /// Serves on an already bound listener.
     pub async fn serve_listener(self, listener: TcpListener) -> std::io::Result<ServerHandle> {
         let local_addr = listener.local_addr()?;
+        let address = self
+            .advertise
+            .clone()
+            .unwrap_or_else(|| local_addr.to_string());
+        #[cfg(feature = "otel")]
+        let metrics = crate::telemetry::Metrics::new(
+            &self
+                .meter
+                .clone()
+                .unwrap_or_else(|| opentelemetry::global::meter("rpc")),
+            &self.events,
+        );
+        #[cfg(not(feature = "otel"))]
+        let metrics = crate::telemetry::Metrics;
         let dispatcher = Arc::new(Dispatcher {
             routes: self.routes(),
             events: self.events.clone(),
+            local: local_addr,
+            endpoint: Arc::from(address.as_str()),
+            metrics,
         });
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(rpc_transport::serve(
@@ -189,10 +225,6 @@ impl ServerBuilder {
             self.options.clone(),
             shutdown.clone(),
         ));
-        let address = self
-            .advertise
-            .clone()
-            .unwrap_or_else(|| local_addr.to_string());
         let mut instance = Instance::new(address, self.services.iter().map(|s| s.service_id()));
         instance.entries = self
             .services

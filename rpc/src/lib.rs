@@ -6,7 +6,15 @@
 //! healthy.
 //!
 //! This crate is the facade users depend on: it re-exports the pieces and the `#[service]`
-//! attribute. It holds no logic of its own beyond the small helpers generated code calls.
+//! attribute. It holds no logic of its own beyond the small helpers generated code calls and,
+//! with feature `otel`, [`telemetry`]: installing the OpenTelemetry export.
+//!
+//! Observability: calls run in `rpc.client` / `rpc.client.attempt` and `rpc.server` `tracing`
+//! spans carrying the OpenTelemetry RPC attributes, with governance events on them; user
+//! attachments ([`RpcContext`]) follow a request from service to service. Feature `otel` adds
+//! the W3C trace context across services (one trace from the first caller to the last callee)
+//! and OpenTelemetry metrics (`rpc.client.duration`, `rpc.server.duration`, call counters,
+//! in-flight counts and governance events by kind).
 //!
 //! ```
 //! use rpc::prelude::*;
@@ -43,14 +51,17 @@
 
 pub use rpc_client::{answered_by, Client, ClientBuilder};
 pub use rpc_core::{
-    Codec, GovernanceOptions, GovernanceOverrides, MethodDescriptor, RemoteError, RpcError,
-    ServiceEntry, ServiceEntryId, ServiceId, ShuntStrategy, StatusCode,
+    Codec, GovernanceOptions, GovernanceOverrides, MethodDescriptor, RemoteError, RpcContext,
+    RpcError, ServiceEntry, ServiceEntryId, ServiceId, ShuntStrategy, StatusCode,
 };
 pub use rpc_macros::service;
 #[cfg(feature = "etcd")]
 pub use rpc_registry::{EtcdOptions, EtcdRegistry};
 pub use rpc_registry::{InProcessRegistry, Instance, Registry, RegistryError, StaticRegistry};
 pub use rpc_server::{Server, ServerBuilder, ServerHandle, Service};
+
+#[cfg(feature = "otel")]
+pub mod telemetry;
 
 /// The README's quick start, compiled and run as a test.
 #[doc = include_str!("../../README.md")]

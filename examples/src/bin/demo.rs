@@ -106,6 +106,9 @@ async fn start(
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
+    // `--features otel`: spans and metrics to standard output, logs by RUST_LOG to stderr.
+    #[cfg(feature = "otel")]
+    let _telemetry = rpc::telemetry::init_stdout()?;
     let registry = examples::registry_from_flag(&args.registry, Duration::from_secs(10)).await?;
     let mut servers = Vec::new();
     let mut names = BTreeMap::new();

@@ -57,6 +57,9 @@ struct Tally {
 #[tokio::main]
 async fn main() {
     let args = Args::parse();
+    // `--features otel`: spans and metrics to standard output, logs by RUST_LOG to stderr.
+    #[cfg(feature = "otel")]
+    let _telemetry = rpc::telemetry::init_stdout().expect("telemetry");
     let registry = match (&args.endpoints, &args.registry) {
         (Some(list), _) => StaticRegistry::from_list(list)
             .map(|r| Arc::new(r) as Arc<dyn rpc::Registry>)

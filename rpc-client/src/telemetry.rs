@@ -1,0 +1,279 @@
+//! The client's observability: `rpc.client` / `rpc.client.attempt` spans, the outgoing call
+//! context (user attachments and, with feature `otel`, the W3C trace context) and, with feature
+//! `otel`, the OpenTelemetry metrics.
+//!
+//! Integer attributes are recorded as `i64`: `tracing-opentelemetry` exports other integer
+//! types as strings.
+//!
+//! Without a subscriber every span is disabled after one check of its callsite's interest, and
+//! nothing here allocates or formats; without feature `otel` the metrics are zero-sized no-ops.
+
+use std::collections::BTreeMap;
+
+use bytes::Bytes;
+use rpc_core::{MethodDescriptor, RpcContext, RpcError, StatusCode};
+use tracing::field::{display, Empty};
+use tracing::Span;
+
+/// The span of one call, retries and fallback included.
+pub(crate) fn call_span(method: &'static MethodDescriptor) -> Span {
+    tracing::info_span!(
+        "rpc.client",
+        otel.kind = "client",
+        rpc.system = "rpc",
+        rpc.service = method.service_id,
+        rpc.method = method.method,
+        rpc.entry_id = method.entry_id,
+        rpc.status_code = Empty,
+        otel.status_code = Empty,
+        otel.status_description = Empty,
+    )
+}
+
+/// The span of one attempt on `addr` (a child of the current call span).
+pub(crate) fn attempt_span(method: &'static MethodDescriptor, attempt: u32, addr: &str) -> Span {
+    let span = tracing::info_span!(
+        "rpc.client.attempt",
+        otel.kind = "client",
+        rpc.system = "rpc",
+        rpc.service = method.service_id,
+        rpc.method = method.method,
+        rpc.entry_id = method.entry_id,
+        rpc.attempt = i64::from(attempt),
+        server.address = Empty,
+        server.port = Empty,
+        outcome = Empty,
+        rpc.status_code = Empty,
+        otel.status_code = Empty,
+        otel.status_description = Empty,
+    );
+    if !span.is_disabled() {
+        let (host, port) = split_address(addr);
+        span.record("server.address", host);
+        if let Some(port) = port {
+            span.record("server.port", i64::from(port));
+        }
+    }
+    span
+}
+
+/// Records how a call or an attempt ended on its span: `rpc.status_code`, `outcome` (attempt
+/// spans) and, on failure, `otel.status_code = "ERROR"` with the error as the description.
+pub(crate) fn record_result(span: &Span, result: &Result<Bytes, RpcError>) {
+    if span.is_disabled() {
+        return;
+    }
+    match result {
+        Ok(_) => {
+            span.record("rpc.status_code", i64::from(StatusCode::Success.as_u32()));
+            span.record("outcome", "success");
+        }
+        Err(e) => {
+            span.record("rpc.status_code", i64::from(e.code().as_u32()));
+            span.record("outcome", display(e.code()));
+            span.record("otel.status_code", "ERROR");
+            span.record("otel.status_description", display(e));
+        }
+    }
+}
+
+/// `host:port` (or `[v6]:port`) split into host and port; no allocation.
+pub(crate) fn split_address(addr: &str) -> (&str, Option<u16>) {
+    match addr.rsplit_once(':') {
+        Some((host, port)) if !host.is_empty() => match port.parse() {
+            Ok(port) => (
+                host.trim_start_matches('[').trim_end_matches(']'),
+                Some(port),
+            ),
+            Err(_) => (addr, None),
+        },
+        _ => (addr, None),
+    }
+}
+
+/// The attachments of an outgoing call: the current [`RpcContext`]'s user attachments and, with
+/// feature `otel`, the W3C trace context of the current span (the attempt span).
+pub(crate) fn outgoing_attachments() -> BTreeMap<String, String> {
+    #[allow(unused_mut)]
+    let mut attachments = RpcContext::current_attachments();
+    #[cfg(feature = "otel")]
+    otel::inject(&mut attachments);
+    attachments
+}
+
+#[cfg(feature = "otel")]
+pub(crate) use otel::Metrics;
+
+#[cfg(feature = "otel")]
+mod otel {
+    use std::collections::BTreeMap;
+    use std::sync::Arc;
+    use std::time::Instant;
+
+    use bytes::Bytes;
+    use opentelemetry::metrics::{Counter, Histogram, Meter, UpDownCounter};
+    use opentelemetry::propagation::{Injector, TextMapPropagator};
+    use opentelemetry::trace::TraceContextExt;
+    use opentelemetry::KeyValue;
+    use opentelemetry_sdk::propagation::TraceContextPropagator;
+    use rpc_core::{MethodDescriptor, RpcError, StatusCode, TRACE_CONTEXT_KEYS};
+    use rpc_governance::events::EventBus;
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+
+    struct MapInjector<'a>(&'a mut BTreeMap<String, String>);
+
+    impl Injector for MapInjector<'_> {
+        fn set(&mut self, key: &str, value: String) {
+            self.0.insert(key.to_string(), value);
+        }
+    }
+
+    /// Writes `traceparent`/`tracestate` of the current span into `attachments`, replacing
+    /// what the context carried in (which named the caller's caller).
+    pub(super) fn inject(attachments: &mut BTreeMap<String, String>) {
+        let span = tracing::Span::current();
+        if span.is_disabled() {
+            return;
+        }
+        let cx = span.context();
+        if !cx.span().span_context().is_valid() {
+            return;
+        }
+        for key in TRACE_CONTEXT_KEYS {
+            attachments.remove(key);
+        }
+        TraceContextPropagator::new().inject_context(&cx, &mut MapInjector(attachments));
+    }
+
+    /// The client's instruments.
+    pub(crate) struct Metrics {
+        duration: Histogram<f64>,
+        calls: Counter<u64>,
+        in_flight: UpDownCounter<i64>,
+    }
+
+    impl Metrics {
+        /// The instruments, from `meter`; governance events of `events` are counted too.
+        pub(crate) fn new(meter: &Meter, events: &EventBus) -> Self {
+            let governance = meter
+                .u64_counter("rpc.governance.events")
+                .with_description("Governance decisions (retry, break, fallback, ...) by kind")
+                .build();
+            events.set_observer(Arc::new(move |e| {
+                governance.add(
+                    1,
+                    &[
+                        KeyValue::new("rpc.side", "client"),
+                        KeyValue::new("event", e.kind.as_str()),
+                        KeyValue::new("rpc.entry_id", e.entry.to_string()),
+                    ],
+                );
+            }));
+            Metrics {
+                duration: meter
+                    .f64_histogram("rpc.client.duration")
+                    .with_unit("ms")
+                    .with_description("Duration of calls, retries and fallback included")
+                    .build(),
+                calls: meter
+                    .u64_counter("rpc.client.calls")
+                    .with_description("Calls made, by final status code")
+                    .build(),
+                in_flight: meter
+                    .i64_up_down_counter("rpc.client.in_flight")
+                    .with_description("Calls in progress")
+                    .build(),
+            }
+        }
+
+        /// Counts a call in; the guard counts it out, however it ends.
+        pub(crate) fn start(&self, method: &'static MethodDescriptor) -> CallGuard<'_> {
+            self.in_flight.add(1, &attributes(method)[..2]);
+            CallGuard {
+                metrics: self,
+                method,
+                started: Instant::now(),
+            }
+        }
+    }
+
+    fn attributes(method: &'static MethodDescriptor) -> [KeyValue; 3] {
+        [
+            KeyValue::new("rpc.service", method.service_id),
+            KeyValue::new("rpc.method", method.method),
+            KeyValue::new("rpc.system", "rpc"),
+        ]
+    }
+
+    /// One call in flight.
+    pub(crate) struct CallGuard<'a> {
+        metrics: &'a Metrics,
+        method: &'static MethodDescriptor,
+        started: Instant,
+    }
+
+    impl CallGuard<'_> {
+        /// Records the call's duration and final status.
+        pub(crate) fn finish(&self, result: &Result<Bytes, RpcError>) {
+            let code = match result {
+                Ok(_) => StatusCode::Success,
+                Err(e) => e.code(),
+            };
+            let [service, method, system] = attributes(self.method);
+            let attrs = [
+                service,
+                method,
+                system,
+                KeyValue::new("rpc.status_code", i64::from(code.as_u32())),
+            ];
+            let ms = self.started.elapsed().as_secs_f64() * 1000.0;
+            self.metrics.duration.record(ms, &attrs);
+            self.metrics.calls.add(1, &attrs);
+        }
+    }
+
+    impl Drop for CallGuard<'_> {
+        fn drop(&mut self) {
+            self.metrics
+                .in_flight
+                .add(-1, &attributes(self.method)[..2]);
+        }
+    }
+}
+
+#[cfg(not(feature = "otel"))]
+pub(crate) use noop::Metrics;
+
+#[cfg(not(feature = "otel"))]
+mod noop {
+    use bytes::Bytes;
+    use rpc_core::{MethodDescriptor, RpcError};
+
+    /// Without feature `otel`: nothing.
+    pub(crate) struct Metrics;
+
+    impl Metrics {
+        pub(crate) fn start(&self, _: &'static MethodDescriptor) -> CallGuard {
+            CallGuard
+        }
+    }
+
+    pub(crate) struct CallGuard;
+
+    impl CallGuard {
+        pub(crate) fn finish(&self, _: &Result<Bytes, RpcError>) {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split_address;
+
+    #[test]
+    fn addresses_split_into_host_and_port() {
+        assert_eq!(split_address("127.0.0.1:80"), ("127.0.0.1", Some(80)));
+        assert_eq!(split_address("[::1]:9000"), ("::1", Some(9000)));
+        assert_eq!(split_address("host"), ("host", None));
+        assert_eq!(split_address("host:x"), ("host:x", None));
+    }
+}

@@ -1,0 +1,259 @@
+//! The server's observability: the `rpc.server` span of each handled call, the incoming call
+//! context and, with feature `otel`, the W3C trace context as the span's parent and the
+//! OpenTelemetry metrics.
+//!
+//! Integer attributes are recorded as `i64`: `tracing-opentelemetry` exports other integer
+//! types as strings.
+//!
+//! Without a subscriber the span is disabled after one check of its callsite's interest and
+//! nothing here allocates or formats; without feature `otel` the metrics are zero-sized no-ops.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+
+use bytes::Bytes;
+use rpc_core::{MethodDescriptor, RpcError, StatusCode, TRACE_CONTEXT_KEYS};
+use tracing::field::Empty;
+use tracing::Span;
+
+/// The span of one handled call. With feature `otel`, its parent is the caller's attempt span
+/// named by the `traceparent` attachment.
+pub(crate) fn server_span(
+    method: &'static MethodDescriptor,
+    local: SocketAddr,
+    peer: SocketAddr,
+    attachments: &BTreeMap<String, String>,
+) -> Span {
+    let span = tracing::info_span!(
+        "rpc.server",
+        otel.kind = "server",
+        rpc.system = "rpc",
+        rpc.service = method.service_id,
+        rpc.method = method.method,
+        rpc.entry_id = method.entry_id,
+        server.address = display(local.ip()),
+        server.port = i64::from(local.port()),
+        client.address = display(peer.ip()),
+        client.port = i64::from(peer.port()),
+        rpc.status_code = Empty,
+        otel.status_code = Empty,
+        otel.status_description = Empty,
+    );
+    #[cfg(feature = "otel")]
+    otel::set_parent(&span, attachments);
+    #[cfg(not(feature = "otel"))]
+    let _ = attachments;
+    span
+}
+
+/// Records how the call ended: `rpc.status_code` and, on failure, `otel.status_code = "ERROR"`
+/// with the error as the description.
+pub(crate) fn record_result(span: &Span, result: &Result<Bytes, RpcError>) {
+    if span.is_disabled() {
+        return;
+    }
+    match result {
+        Ok(_) => {
+            span.record("rpc.status_code", i64::from(StatusCode::Success.as_u32()));
+        }
+        Err(e) => record_error(span, e.code(), e.message()),
+    }
+}
+
+/// [`record_result`] for an error known by its parts.
+pub(crate) fn record_error(span: &Span, code: StatusCode, message: &str) {
+    if span.is_disabled() {
+        return;
+    }
+    span.record("rpc.status_code", i64::from(code.as_u32()));
+    span.record("otel.status_code", "ERROR");
+    span.record("otel.status_description", message);
+}
+
+/// The user attachments of a received call: everything but the W3C trace context.
+pub(crate) fn user_attachments(
+    mut attachments: BTreeMap<String, String>,
+) -> BTreeMap<String, String> {
+    if !attachments.is_empty() {
+        for key in TRACE_CONTEXT_KEYS {
+            attachments.remove(key);
+        }
+    }
+    attachments
+}
+
+#[cfg(feature = "otel")]
+pub(crate) use otel::Metrics;
+
+#[cfg(feature = "otel")]
+mod otel {
+    use std::collections::BTreeMap;
+    use std::sync::Arc;
+    use std::time::Instant;
+
+    use opentelemetry::metrics::{Counter, Histogram, Meter, UpDownCounter};
+    use opentelemetry::propagation::{Extractor, TextMapPropagator};
+    use opentelemetry::trace::TraceContextExt;
+    use opentelemetry::KeyValue;
+    use opentelemetry_sdk::propagation::TraceContextPropagator;
+    use rpc_core::{MethodDescriptor, StatusCode};
+    use rpc_governance::events::EventBus;
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+
+    struct MapExtractor<'a>(&'a BTreeMap<String, String>);
+
+    impl Extractor for MapExtractor<'_> {
+        fn get(&self, key: &str) -> Option<&str> {
+            self.0.get(key).map(String::as_str)
+        }
+        fn keys(&self) -> Vec<&str> {
+            self.0.keys().map(String::as_str).collect()
+        }
+    }
+
+    /// Makes the caller's span (from `traceparent`/`tracestate`) the parent of `span`.
+    pub(super) fn set_parent(span: &tracing::Span, attachments: &BTreeMap<String, String>) {
+        if span.is_disabled() || !attachments.contains_key("traceparent") {
+            return;
+        }
+        let cx = TraceContextPropagator::new().extract(&MapExtractor(attachments));
+        if cx.span().span_context().is_valid() {
+            // Without the OpenTelemetry layer in the subscriber there is no parent to set.
+            let _ = span.set_parent(cx);
+        }
+    }
+
+    /// The server's instruments.
+    #[derive(Clone)]
+    pub(crate) struct Metrics {
+        inner: Arc<Instruments>,
+    }
+
+    struct Instruments {
+        duration: Histogram<f64>,
+        calls: Counter<u64>,
+        in_flight: UpDownCounter<i64>,
+    }
+
+    impl Metrics {
+        /// The instruments, from `meter`; governance events of `events` are counted too.
+        pub(crate) fn new(meter: &Meter, events: &EventBus) -> Self {
+            let governance = meter
+                .u64_counter("rpc.governance.events")
+                .with_description("Governance decisions (overflow, fallback, ...) by kind")
+                .build();
+            events.set_observer(Arc::new(move |e| {
+                governance.add(
+                    1,
+                    &[
+                        KeyValue::new("rpc.side", "server"),
+                        KeyValue::new("event", e.kind.as_str()),
+                        KeyValue::new("rpc.entry_id", e.entry.to_string()),
+                    ],
+                );
+            }));
+            Metrics {
+                inner: Arc::new(Instruments {
+                    duration: meter
+                        .f64_histogram("rpc.server.duration")
+                        .with_unit("ms")
+                        .with_description("Duration of handled calls, fallback included")
+                        .build(),
+                    calls: meter
+                        .u64_counter("rpc.server.calls")
+                        .with_description("Calls answered, by status code")
+                        .build(),
+                    in_flight: meter
+                        .i64_up_down_counter("rpc.server.in_flight")
+                        .with_description("Calls being handled")
+                        .build(),
+                }),
+            }
+        }
+
+        /// Counts a call answered without running the handler (overflow).
+        pub(crate) fn rejected(&self, method: &'static MethodDescriptor, code: StatusCode) {
+            self.inner.calls.add(1, &with_status(method, code));
+        }
+
+        /// Counts a call in; the guard counts it out, however it ends.
+        pub(crate) fn start(&self, method: &'static MethodDescriptor) -> CallGuard {
+            self.inner.in_flight.add(1, &attributes(method)[..2]);
+            CallGuard {
+                metrics: self.clone(),
+                method,
+                started: Instant::now(),
+            }
+        }
+    }
+
+    fn attributes(method: &'static MethodDescriptor) -> [KeyValue; 3] {
+        [
+            KeyValue::new("rpc.service", method.service_id),
+            KeyValue::new("rpc.method", method.method),
+            KeyValue::new("rpc.system", "rpc"),
+        ]
+    }
+
+    fn with_status(method: &'static MethodDescriptor, code: StatusCode) -> [KeyValue; 4] {
+        let [service, method, system] = attributes(method);
+        [
+            service,
+            method,
+            system,
+            KeyValue::new("rpc.status_code", i64::from(code.as_u32())),
+        ]
+    }
+
+    /// One call being handled.
+    pub(crate) struct CallGuard {
+        metrics: Metrics,
+        method: &'static MethodDescriptor,
+        started: Instant,
+    }
+
+    impl CallGuard {
+        /// Records the call's duration and status.
+        pub(crate) fn finish(&self, code: StatusCode) {
+            let attrs = with_status(self.method, code);
+            let ms = self.started.elapsed().as_secs_f64() * 1000.0;
+            self.metrics.inner.duration.record(ms, &attrs);
+            self.metrics.inner.calls.add(1, &attrs);
+        }
+    }
+
+    impl Drop for CallGuard {
+        fn drop(&mut self) {
+            self.metrics
+                .inner
+                .in_flight
+                .add(-1, &attributes(self.method)[..2]);
+        }
+    }
+}
+
+#[cfg(not(feature = "otel"))]
+pub(crate) use noop::Metrics;
+
+#[cfg(not(feature = "otel"))]
+mod noop {
+    use rpc_core::{MethodDescriptor, StatusCode};
+
+    /// Without feature `otel`: nothing.
+    #[derive(Clone)]
+    pub(crate) struct Metrics;
+
+    impl Metrics {
+        pub(crate) fn rejected(&self, _: &'static MethodDescriptor, _: StatusCode) {}
+
+        pub(crate) fn start(&self, _: &'static MethodDescriptor) -> CallGuard {
+            CallGuard
+        }
+    }
+
+    pub(crate) struct CallGuard;
+
+    impl CallGuard {
+        pub(crate) fn finish(&self, _: StatusCode) {}
+    }
+}

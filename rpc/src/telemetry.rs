@@ -1,0 +1,114 @@
+//! Exporting traces and metrics (feature `otel`).
+//!
+//! The framework instruments itself with `tracing` spans and OpenTelemetry metrics; this module
+//! installs what turns them into OpenTelemetry data: a `tracing` subscriber (formatted logs
+//! filtered by `RUST_LOG`, plus the `tracing-opentelemetry` layer), the W3C trace-context
+//! propagator and the global tracer and meter providers.
+//!
+//! [`init_stdout`] exports to standard output, for the demo programs and for trying things out;
+//! [`init_with`] takes providers built with any exporter. (An OTLP exporter is not bundled:
+//! build the providers with `opentelemetry-otlp` and pass them to [`init_with`].)
+//!
+//! ```no_run
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let telemetry = rpc::telemetry::init_stdout()?;
+//! // ... serve and call ...
+//! telemetry.shutdown(); // flushes what is buffered
+//! # Ok(()) }
+//! ```
+
+use opentelemetry::trace::TracerProvider as _;
+use opentelemetry_sdk::metrics::SdkMeterProvider;
+use opentelemetry_sdk::propagation::TraceContextPropagator;
+use opentelemetry_sdk::trace::SdkTracerProvider;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::EnvFilter;
+
+/// The OpenTelemetry crates this build uses, to build providers and exporters of matching
+/// versions.
+pub use {opentelemetry, opentelemetry_sdk, tracing_opentelemetry};
+
+/// The installed providers. [`shutdown`](Self::shutdown) (or dropping it) flushes and stops
+/// them.
+#[derive(Debug)]
+pub struct Telemetry {
+    tracer_provider: SdkTracerProvider,
+    meter_provider: SdkMeterProvider,
+}
+
+impl Telemetry {
+    /// The tracer provider in use.
+    pub fn tracer_provider(&self) -> &SdkTracerProvider {
+        &self.tracer_provider
+    }
+
+    /// The meter provider in use.
+    pub fn meter_provider(&self) -> &SdkMeterProvider {
+        &self.meter_provider
+    }
+
+    /// Exports what is buffered and stops the providers.
+    pub fn shutdown(self) {
+        // Drop does the work.
+    }
+}
+
+impl Drop for Telemetry {
+    fn drop(&mut self) {
+        let _ = self.tracer_provider.force_flush();
+        let _ = self.meter_provider.force_flush();
+        let _ = self.tracer_provider.shutdown();
+        let _ = self.meter_provider.shutdown();
+    }
+}
+
+/// Why telemetry could not be installed.
+#[derive(Debug)]
+pub struct TelemetryError(String);
+
+impl std::fmt::Display for TelemetryError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for TelemetryError {}
+
+/// Installs telemetry exporting spans (as each ends) and metrics (every 60 s and at shutdown)
+/// to standard output, plus formatted logs on standard error filtered by `RUST_LOG` (default
+/// `info`). Call it once, before building clients and servers (they take the global meter
+/// when built).
+pub fn init_stdout() -> Result<Telemetry, TelemetryError> {
+    let tracer_provider = SdkTracerProvider::builder()
+        .with_simple_exporter(opentelemetry_stdout::SpanExporter::default())
+        .build();
+    let meter_provider = SdkMeterProvider::builder()
+        .with_periodic_exporter(opentelemetry_stdout::MetricExporter::default())
+        .build();
+    init_with(tracer_provider, meter_provider)
+}
+
+/// Installs telemetry with providers built elsewhere (any exporter): the W3C trace-context
+/// propagator and `meter_provider` become global, and a `tracing` subscriber (logs filtered by
+/// `RUST_LOG` on standard error, spans to `tracer_provider`) becomes the global default.
+/// Fails when a global subscriber is already set.
+pub fn init_with(
+    tracer_provider: SdkTracerProvider,
+    meter_provider: SdkMeterProvider,
+) -> Result<Telemetry, TelemetryError> {
+    opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
+    opentelemetry::global::set_tracer_provider(tracer_provider.clone());
+    opentelemetry::global::set_meter_provider(meter_provider.clone());
+    let tracer = tracer_provider.tracer("rpc");
+    tracing_subscriber::registry()
+        .with(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")))
+        .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
+        .with(tracing_opentelemetry::layer().with_tracer(tracer))
+        .try_init()
+        .map_err(|e| TelemetryError(format!("could not install the tracing subscriber: {e}")))?;
+    Ok(Telemetry {
+        tracer_provider,
+        meter_provider,
+    })
+}
