@@ -110,3 +110,46 @@ async fn etcd_registry(
         "{url}: this build has no etcd support; rebuild with `--features etcd` (needs protoc)"
     ))
 }
+
+/// What `--telemetry` installed; dropping it flushes and stops the exporters.
+#[derive(Debug)]
+pub struct TelemetryGuard {
+    #[cfg(feature = "otel")]
+    _telemetry: Option<rpc::telemetry::Telemetry>,
+}
+
+/// Installs what a program's `--telemetry` flag names: `off` (the default), `stdout` (spans and
+/// metrics to standard output, logs by `RUST_LOG` to standard error; feature `otel`) or `otlp`
+/// (OTLP/gRPC configured by the `OTEL_*` variables; feature `otlp`).
+pub fn init_telemetry(kind: &str) -> Result<TelemetryGuard, String> {
+    match kind {
+        "off" => Ok(TelemetryGuard {
+            #[cfg(feature = "otel")]
+            _telemetry: None,
+        }),
+        #[cfg(feature = "otel")]
+        "stdout" => rpc::telemetry::init_stdout()
+            .map(|t| TelemetryGuard {
+                _telemetry: Some(t),
+            })
+            .map_err(|e| e.to_string()),
+        #[cfg(feature = "otlp")]
+        "otlp" => rpc::telemetry::init_otlp()
+            .map(|t| TelemetryGuard {
+                _telemetry: Some(t),
+            })
+            .map_err(|e| e.to_string()),
+        #[cfg(not(feature = "otel"))]
+        "stdout" => Err(
+            "--telemetry stdout: this build exports nothing; rebuild with `--features otel`".into(),
+        ),
+        #[cfg(not(feature = "otlp"))]
+        "otlp" => Err(
+            "--telemetry otlp: this build has no OTLP exporter; rebuild with `--features otlp`"
+                .into(),
+        ),
+        other => Err(format!(
+            "unknown --telemetry {other:?}: expected off, stdout or otlp"
+        )),
+    }
+}

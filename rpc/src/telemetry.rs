@@ -6,8 +6,9 @@
 //! propagator and the global tracer and meter providers.
 //!
 //! [`init_stdout`] exports to standard output, for the demo programs and for trying things out;
-//! [`init_with`] takes providers built with any exporter. (An OTLP exporter is not bundled:
-//! build the providers with `opentelemetry-otlp` and pass them to [`init_with`].)
+//! `init_otlp` (feature `otlp`) exports over OTLP/gRPC to anything that takes it (Jaeger, Tempo,
+//! Grafana, an OpenTelemetry collector), configured by the standard `OTEL_*` environment
+//! variables; [`init_with`] takes providers built with any exporter.
 //!
 //! ```no_run
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -85,6 +86,32 @@ pub fn init_stdout() -> Result<Telemetry, TelemetryError> {
         .build();
     let meter_provider = SdkMeterProvider::builder()
         .with_periodic_exporter(opentelemetry_stdout::MetricExporter::default())
+        .build();
+    init_with(tracer_provider, meter_provider)
+}
+
+/// Installs telemetry exporting spans and metrics over OTLP/gRPC, configured by the standard
+/// environment variables: `OTEL_EXPORTER_OTLP_ENDPOINT` (default `http://localhost:4317`),
+/// `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` / `..._METRICS_ENDPOINT`, `OTEL_EXPORTER_OTLP_HEADERS`,
+/// `OTEL_EXPORTER_OTLP_TIMEOUT`, `OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`. Spans are sent
+/// in batches, metrics every 60 s (`OTEL_METRIC_EXPORT_INTERVAL`) and at shutdown. Call it from
+/// within a tokio runtime. An unreachable collector is not an error here: exports fail later
+/// and are reported through the SDK's internal logs.
+#[cfg(feature = "otlp")]
+pub fn init_otlp() -> Result<Telemetry, TelemetryError> {
+    let spans = opentelemetry_otlp::SpanExporter::builder()
+        .with_tonic()
+        .build()
+        .map_err(|e| TelemetryError(format!("OTLP span exporter: {e}")))?;
+    let metrics = opentelemetry_otlp::MetricExporter::builder()
+        .with_tonic()
+        .build()
+        .map_err(|e| TelemetryError(format!("OTLP metric exporter: {e}")))?;
+    let tracer_provider = SdkTracerProvider::builder()
+        .with_batch_exporter(spans)
+        .build();
+    let meter_provider = SdkMeterProvider::builder()
+        .with_periodic_exporter(metrics)
         .build();
     init_with(tracer_provider, meter_provider)
 }

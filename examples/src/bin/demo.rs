@@ -24,6 +24,10 @@ struct Args {
     /// embedded (the default), static:<file> or etcd://host:port.
     #[arg(long, default_value = "embedded")]
     registry: String,
+    /// off, stdout (spans and metrics to standard output; build with --features otel) or otlp
+    /// (OTLP/gRPC by the OTEL_* variables; --features otlp).
+    #[arg(long, default_value = "off")]
+    telemetry: String,
 }
 
 /// A typed business error: travels as status 1000 and comes back as this type.
@@ -106,9 +110,10 @@ async fn start(
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
-    // `--features otel`: spans and metrics to standard output, logs by RUST_LOG to stderr.
-    #[cfg(feature = "otel")]
-    let _telemetry = rpc::telemetry::init_stdout()?;
+    let _telemetry = examples::init_telemetry(&args.telemetry).unwrap_or_else(|e| {
+        eprintln!("demo: {e}");
+        std::process::exit(2);
+    });
     let registry = examples::registry_from_flag(&args.registry, Duration::from_secs(10)).await?;
     let mut servers = Vec::new();
     let mut names = BTreeMap::new();

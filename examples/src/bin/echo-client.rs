@@ -45,6 +45,10 @@ struct Args {
     /// Token presented to the servers.
     #[arg(long)]
     token: Option<String>,
+    /// off, stdout (spans and metrics to standard output; build with --features otel) or otlp
+    /// (OTLP/gRPC by the OTEL_* variables; --features otlp).
+    #[arg(long, default_value = "off")]
+    telemetry: String,
 }
 
 #[derive(Default)]
@@ -57,9 +61,10 @@ struct Tally {
 #[tokio::main]
 async fn main() {
     let args = Args::parse();
-    // `--features otel`: spans and metrics to standard output, logs by RUST_LOG to stderr.
-    #[cfg(feature = "otel")]
-    let _telemetry = rpc::telemetry::init_stdout().expect("telemetry");
+    let _telemetry = examples::init_telemetry(&args.telemetry).unwrap_or_else(|e| {
+        eprintln!("echo-client: {e}");
+        std::process::exit(2);
+    });
     let registry = match (&args.endpoints, &args.registry) {
         (Some(list), _) => StaticRegistry::from_list(list)
             .map(|r| Arc::new(r) as Arc<dyn rpc::Registry>)

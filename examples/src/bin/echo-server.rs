@@ -38,14 +38,19 @@ struct Args {
     /// Lease of the published instance: a killed server disappears from etcd after this long.
     #[arg(long, default_value_t = 10)]
     registry_ttl_secs: u64,
+    /// off, stdout (spans and metrics to standard output; build with --features otel) or otlp
+    /// (OTLP/gRPC by the OTEL_* variables; --features otlp).
+    #[arg(long, default_value = "off")]
+    telemetry: String,
 }
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
-    // `--features otel`: spans and metrics to standard output, logs by RUST_LOG to stderr.
-    #[cfg(feature = "otel")]
-    let _telemetry = rpc::telemetry::init_stdout()?;
+    let _telemetry = examples::init_telemetry(&args.telemetry).unwrap_or_else(|e| {
+        eprintln!("echo-server: {e}");
+        std::process::exit(2);
+    });
     let registry =
         examples::registry_from_flag(&args.registry, Duration::from_secs(args.registry_ttl_secs))
             .await
