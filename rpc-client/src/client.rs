@@ -506,11 +506,19 @@ impl Attempts for &ClientAttempts<'_> {
     ) -> Result<Bytes, RpcError> {
         let attempt = self.made.fetch_add(1, Ordering::Relaxed);
         let span = telemetry::attempt_span(self.method, attempt, addr);
-        let result = self
-            .client
-            .call_once(self.method, addr, self.params.clone(), timeout_ms, deadline)
-            .instrument(span.clone())
-            .await;
+        let params = self.params.clone();
+        let result = if span.is_disabled() {
+            // No subscriber: skip the wrapper, which would move the whole attempt future once
+            // more on every call.
+            self.client
+                .call_once(self.method, addr, params, timeout_ms, deadline)
+                .await
+        } else {
+            self.client
+                .call_once(self.method, addr, params, timeout_ms, deadline)
+                .instrument(span.clone())
+                .await
+        };
         telemetry::record_result(&span, &result);
         if result.is_err() {
             *self.last_failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(addr.to_string());

@@ -132,9 +132,13 @@ impl InvokeHandler for Dispatcher {
             to_message(result)
         };
         let attachments = telemetry::user_attachments(attachments);
-        Dispatch::Spawn(Box::pin(
-            RpcContext::scope(attachments, call).instrument(span),
-        ))
+        // Each wrapper moves the whole call future once more: add only the ones in use (with
+        // no attachments the handler's own calls find an empty context either way).
+        Dispatch::Spawn(match (span.is_disabled(), attachments.is_empty()) {
+            (true, true) => Box::pin(call),
+            (true, false) => Box::pin(RpcContext::scope(attachments, call)),
+            (false, _) => Box::pin(RpcContext::scope(attachments, call).instrument(span)),
+        })
     }
 }
 
