@@ -192,28 +192,80 @@ impl ClientBuilder {
     /// The client.
     pub fn build(self) -> Client {
         let governance = Governance::new(self.layers);
+        let registry = self
+            .registry
+            .unwrap_or_else(|| Arc::new(InProcessRegistry::new()));
+        let pool = ConnectionPool::new(self.connect, self.connections_per_endpoint);
         #[cfg(feature = "otel")]
-        let metrics = telemetry::Metrics::new(
-            &self
-                .meter
-                .unwrap_or_else(|| opentelemetry::global::meter("rpc")),
-            governance.events(),
-        );
-        #[cfg(not(feature = "otel"))]
-        let metrics = telemetry::Metrics;
-        Client {
-            inner: Arc::new(Inner {
-                registry: self
-                    .registry
-                    .unwrap_or_else(|| Arc::new(InProcessRegistry::new())),
-                pool: ConnectionPool::new(self.connect, self.connections_per_endpoint),
+        let meter = self
+            .meter
+            .unwrap_or_else(|| opentelemetry::global::meter("rpc"));
+        let inner = Arc::new_cyclic(|this: &std::sync::Weak<Inner>| {
+            #[cfg(feature = "otel")]
+            let metrics = {
+                let (b, e) = (this.clone(), this.clone());
+                telemetry::Metrics::new(
+                    &meter,
+                    governance.events(),
+                    Box::new(move || b.upgrade().map(|i| i.breaker_gauge()).unwrap_or_default()),
+                    Box::new(move || e.upgrade().map(|i| i.health_gauge()).unwrap_or_default()),
+                )
+            };
+            #[cfg(not(feature = "otel"))]
+            let (metrics, _) = (telemetry::Metrics, this);
+            Inner {
+                registry,
+                pool,
                 codec: self.codec,
                 governance,
                 services: DashMap::new(),
                 fallbacks: self.fallbacks,
                 metrics,
-            }),
+            }
+        });
+        Client { inner }
+    }
+}
+
+#[cfg(feature = "otel")]
+impl Inner {
+    /// Breaker states for the `rpc.client.breaker_state` gauge.
+    fn breaker_gauge(&self) -> Vec<(String, i64)> {
+        self.governance
+            .breakers()
+            .into_iter()
+            .map(|(id, state)| {
+                let v = match state {
+                    BreakerState::Closed { .. } => 0,
+                    BreakerState::HalfOpen { .. } => 1,
+                    BreakerState::Open { .. } => 2,
+                };
+                (id.to_string(), v)
+            })
+            .collect()
+    }
+
+    /// Endpoint health for the `rpc.client.endpoint_health` gauge: every endpoint of every
+    /// service this client watches.
+    fn health_gauge(&self) -> Vec<(String, i64)> {
+        let health = self.governance.health();
+        let mut out: Vec<(String, i64)> = Vec::new();
+        for service in self.services.iter() {
+            for instance in service.endpoints().iter() {
+                if out.iter().any(|(a, _)| *a == instance.address) {
+                    continue;
+                }
+                let v = if health.is_removed(&instance.address) {
+                    2
+                } else if health.is_healthy(&instance.address) {
+                    0
+                } else {
+                    1
+                };
+                out.push((instance.address.clone(), v));
+            }
         }
+        out
     }
 }
 

@@ -111,7 +111,7 @@ mod otel {
     use std::time::Instant;
 
     use bytes::Bytes;
-    use opentelemetry::metrics::{Counter, Histogram, Meter, UpDownCounter};
+    use opentelemetry::metrics::{Counter, Histogram, Meter, ObservableGauge, UpDownCounter};
     use opentelemetry::propagation::{Injector, TextMapPropagator};
     use opentelemetry::trace::TraceContextExt;
     use opentelemetry::KeyValue;
@@ -150,11 +150,39 @@ mod otel {
         duration: Histogram<f64>,
         calls: Counter<u64>,
         in_flight: UpDownCounter<i64>,
+        _gauges: Vec<ObservableGauge<i64>>,
+    }
+
+    /// Reads a state to report, as (label value, gauge value) pairs.
+    pub(crate) type Probe = Box<dyn Fn() -> Vec<(String, i64)> + Send + Sync>;
+
+    fn gauge(
+        meter: &Meter,
+        name: &'static str,
+        doc: &'static str,
+        label: &'static str,
+        probe: Probe,
+    ) -> ObservableGauge<i64> {
+        meter
+            .i64_observable_gauge(name)
+            .with_description(doc)
+            .with_callback(move |observer| {
+                for (key, value) in probe() {
+                    observer.observe(value, &[KeyValue::new(label, key)]);
+                }
+            })
+            .build()
     }
 
     impl Metrics {
-        /// The instruments, from `meter`; governance events of `events` are counted too.
-        pub(crate) fn new(meter: &Meter, events: &EventBus) -> Self {
+        /// The instruments, from `meter`; governance events of `events` are counted too, and
+        /// `breakers` / `endpoints` are read at each collection.
+        pub(crate) fn new(
+            meter: &Meter,
+            events: &EventBus,
+            breakers: Probe,
+            endpoints: Probe,
+        ) -> Self {
             let governance = meter
                 .u64_counter("rpc.governance.events")
                 .with_description("Governance decisions (retry, break, fallback, ...) by kind")
@@ -183,6 +211,22 @@ mod otel {
                     .i64_up_down_counter("rpc.client.in_flight")
                     .with_description("Calls in progress")
                     .build(),
+                _gauges: vec![
+                    gauge(
+                        meter,
+                        "rpc.client.breaker_state",
+                        "Circuit breaker per entry: 0 closed, 1 half-open, 2 open",
+                        "rpc.entry_id",
+                        breakers,
+                    ),
+                    gauge(
+                        meter,
+                        "rpc.client.endpoint_health",
+                        "Endpoint as this client sees it: 0 healthy, 1 unhealthy for now, 2 removed",
+                        "server.address",
+                        endpoints,
+                    ),
+                ],
             }
         }
 

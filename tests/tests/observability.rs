@@ -376,6 +376,29 @@ fn in_flight(metrics: &[ResourceMetrics], name: &str) -> i64 {
     total
 }
 
+/// The last value of the i64 gauge `name` whose `label` is `key`.
+fn gauge(metrics: &[ResourceMetrics], name: &str, label: &str, key: &str) -> Option<i64> {
+    let mut found = None;
+    for rm in metrics {
+        for sm in rm.scope_metrics() {
+            for m in sm.metrics().filter(|m| m.name() == name) {
+                let AggregatedMetrics::I64(MetricData::Gauge(g)) = m.data() else {
+                    panic!("{name} is not an i64 gauge");
+                };
+                for dp in g.data_points() {
+                    if dp
+                        .attributes()
+                        .any(|kv| kv.key.as_str() == label && kv.value.as_str() == key)
+                    {
+                        found = Some(dp.value());
+                    }
+                }
+            }
+        }
+    }
+    found
+}
+
 #[tokio::test]
 async fn metrics_after_a_retry_an_open_breaker_and_a_fallback() {
     // A subscriber here too: `tracing` caches each callsite's interest process-wide, and a
@@ -496,6 +519,37 @@ async fn metrics_after_a_retry_an_open_breaker_and_a_fallback() {
     );
     assert_eq!(in_flight(&m, "rpc.client.in_flight"), 0);
     assert_eq!(in_flight(&m, "rpc.server.in_flight"), 0);
+    // Breaker state and endpoint health, read at collection.
+    assert_eq!(
+        gauge(
+            &m,
+            "rpc.client.breaker_state",
+            "rpc.entry_id",
+            "obs.Flaky.fail"
+        ),
+        Some(2),
+        "open"
+    );
+    assert_eq!(
+        gauge(
+            &m,
+            "rpc.client.breaker_state",
+            "rpc.entry_id",
+            "obs.Flaky.ping"
+        ),
+        Some(0),
+        "closed"
+    );
+    assert_eq!(
+        gauge(
+            &m,
+            "rpc.client.endpoint_health",
+            "server.address",
+            &good.local_addr().to_string()
+        ),
+        Some(0),
+        "healthy"
+    );
 
     good.shutdown().await;
     full.shutdown().await;
