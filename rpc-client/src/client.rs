@@ -38,7 +38,7 @@ struct Inner {
     pool: ConnectionPool,
     codec: Codec,
     governance: Governance,
-    services: DashMap<&'static str, Arc<ServiceState>>,
+    services: DashMap<&'static str, Arc<ServiceState>, ahash::RandomState>,
     fallbacks: HashMap<&'static str, Arc<dyn Service>>,
     metrics: telemetry::Metrics,
 }
@@ -218,7 +218,7 @@ impl ClientBuilder {
                 pool,
                 codec: self.codec,
                 governance,
-                services: DashMap::new(),
+                services: DashMap::with_hasher(ahash::RandomState::new()),
                 fallbacks: self.fallbacks,
                 metrics,
             }

@@ -89,7 +89,7 @@ impl EntryPolicy {
 #[derive(Debug)]
 pub struct Governance {
     layers: RwLock<Layers>,
-    cache: DashMap<ServiceEntryId, Arc<EntryPolicy>>,
+    cache: DashMap<ServiceEntryId, Arc<EntryPolicy>, ahash::RandomState>,
     health: EndpointHealth,
     events: EventBus,
 }
@@ -101,7 +101,7 @@ impl Governance {
             std::time::Duration::from_secs(layers.code_defaults.breaker_seconds.max(1));
         Governance {
             layers: RwLock::new(layers),
-            cache: DashMap::new(),
+            cache: DashMap::with_hasher(ahash::RandomState::new()),
             health: EndpointHealth::new(max_backoff),
             events: EventBus::new(),
         }

@@ -33,7 +33,9 @@ pub(crate) struct Route {
 }
 
 pub(crate) struct Dispatcher {
-    pub(crate) routes: HashMap<String, Route>,
+    /// Looked up with every call's entry id: a fast keyed hash (lookups only, so peers cannot
+    /// degrade it).
+    pub(crate) routes: HashMap<String, Route, ahash::RandomState>,
     pub(crate) events: EventBus,
     /// The bound address (`server.address` of the spans).
     pub(crate) local: SocketAddr,

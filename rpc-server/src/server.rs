@@ -162,9 +162,9 @@ impl ServerBuilder {
         self
     }
 
-    fn routes(&self) -> HashMap<String, crate::dispatch::Route> {
+    fn routes(&self) -> HashMap<String, crate::dispatch::Route, ahash::RandomState> {
         let shared = Bulkhead::new(self.max_concurrency);
-        let mut routes = HashMap::new();
+        let mut routes = HashMap::default();
         for service in &self.services {
             let fallback = self.fallbacks.get(service.service_id()).cloned();
             for (index, m) in service.methods().iter().enumerate() {

@@ -71,7 +71,7 @@ pub struct Connection {
 struct Shared {
     peer: String,
     sender: FrameSender,
-    pending: DashMap<u64, Pending>,
+    pending: DashMap<u64, Pending, ahash::RandomState>,
     /// Deadlines are enforced by one sweeper task per connection instead of one timer per
     /// call: `next_sweep` is the earliest deadline not yet checked (ms after `epoch`).
     epoch: Instant,
@@ -164,7 +164,7 @@ impl Connection {
         let shared = Arc::new(Shared {
             peer: addr.to_string(),
             sender,
-            pending: DashMap::new(),
+            pending: DashMap::with_hasher(ahash::RandomState::new()),
             epoch: Instant::now(),
             next_sweep: AtomicU64::new(NO_SWEEP),
             sweep: Notify::new(),

@@ -20,7 +20,7 @@ pub struct ConnectionPool {
 struct PoolInner {
     options: ConnectOptions,
     per_endpoint: usize,
-    slots: DashMap<String, Arc<Endpoint>>,
+    slots: DashMap<String, Arc<Endpoint>, ahash::RandomState>,
 }
 
 struct Endpoint {
@@ -36,7 +36,7 @@ impl ConnectionPool {
             inner: Arc::new(PoolInner {
                 options,
                 per_endpoint: connections_per_endpoint.max(1),
-                slots: DashMap::new(),
+                slots: DashMap::with_hasher(ahash::RandomState::new()),
             }),
         }
     }

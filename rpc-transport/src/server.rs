@@ -140,12 +140,12 @@ fn go_away(code: StatusCode, reason: impl Into<String>) -> Kind {
 struct Conn {
     sender: FrameSender,
     in_flight: Arc<AtomicUsize>,
-    tasks: Mutex<HashMap<u64, AbortHandle>>,
+    tasks: Mutex<HashMap<u64, AbortHandle, ahash::RandomState>>,
     idle: Notify,
 }
 
 impl Conn {
-    fn tasks(&self) -> std::sync::MutexGuard<'_, HashMap<u64, AbortHandle>> {
+    fn tasks(&self) -> std::sync::MutexGuard<'_, HashMap<u64, AbortHandle, ahash::RandomState>> {
         self.tasks.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
@@ -175,7 +175,7 @@ async fn serve_connection(
     let conn = Arc::new(Conn {
         sender,
         in_flight,
-        tasks: Mutex::new(HashMap::new()),
+        tasks: Mutex::new(HashMap::default()),
         idle: Notify::new(),
     });
     // Runs however the connection ends, including when its task is aborted: running handlers
