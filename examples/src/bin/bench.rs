@@ -13,18 +13,20 @@
 //! - `server` serves `echo.Echo` through `rpc::Server`, prints
 //!   `LISTENING peer=<name> addr=<addr> pid=<pid>` once it accepts connections, and on SIGTERM
 //!   (or SIGINT) prints
-//!   `SERVER peer=<name> served=<n> cpu_s=<s> wall_s=<s> cpu_us_per_req=<us> vcsw=<n> ivcsw=<n>`
+//!   `SERVER peer=<name> served=<n> cpu_s=<s> wall_s=<s> cpu_us_per_req=<us> vcsw=<n> ivcsw=<n>
+//!   maxrss_kb=<peak resident KiB>`
 //!   (CPU and wall time since the process started) and exits at once.
 //! - `client` runs C closed-loop callers over N pooled connections to the one address for the
 //!   warm-up, then for the measured window, and prints one line
 //!   `RESULT peer=<name> mode=client label=L payload=BYTES conc=C conns=N requests=<n>
 //!   errors=<n> secs=<s> qps=<q> p50_us=<u> p99_us=<u> p999_us=<u> max_us=<u> mean_us=<u>
-//!   cpu_s=<s> cpu_cores=<c> cpu_us_per_req=<u> vcsw=<n> ivcsw=<n>`.
+//!   cpu_s=<s> cpu_cores=<c> cpu_us_per_req=<u> vcsw=<n> ivcsw=<n> maxrss_kb=<n>`.
 //!   A call is measured when it starts inside the window; latencies come from an HDR histogram
 //!   (nanoseconds, 3 significant digits), CPU from `getrusage` between the start of the window
 //!   and the end of the last call. `--governance off` (or `RPC_BENCH_GOVERNANCE=off` when the
 //!   flag is absent) calls with `timeout_ms = 0`, `retry_times = 0` and no circuit breaker for
-//!   the service, to show what the governance layers cost.
+//!   the service, to show what the governance layers cost; `on` (the default) runs the default
+//!   options with a client fallback registered, as a governed deployment would.
 //! - `matrix` (the default) starts its own server process (this program, `--mode server` on
 //!   port 0), then one client process per case (payloads × concurrencies), and prints each
 //!   case's RESULT line and finally the server's SERVER line.
@@ -215,6 +217,17 @@ fn process_usage() -> (Duration, i64, i64) {
     )
 }
 
+/// Peak resident memory of the process so far, in KiB (`ru_maxrss`).
+fn peak_rss_kb() -> i64 {
+    // SAFETY: as in `process_usage`.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: `ru` is a valid, writable `rusage`.
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) } != 0 {
+        return 0;
+    }
+    ru.ru_maxrss as i64
+}
+
 fn histogram() -> Histogram<u64> {
     // 1 ns .. 60 s with 3 significant digits: valid bounds, cannot fail.
     Histogram::new_with_bounds(1, MAX_LATENCY_NS, 3).expect("valid histogram bounds")
@@ -228,6 +241,15 @@ struct CountingEcho;
 impl Echo for CountingEcho {
     async fn echo(&self, text: String) -> Result<String, RpcError> {
         SERVED.fetch_add(1, Ordering::Relaxed);
+        Ok(text)
+    }
+}
+
+/// The client-side fallback of governed runs: answers locally.
+struct LocalEcho;
+
+impl Echo for LocalEcho {
+    async fn echo(&self, text: String) -> Result<String, RpcError> {
         Ok(text)
     }
 }
@@ -260,13 +282,14 @@ fn server_main(args: &Args) -> Result<(), String> {
     let served = SERVED.load(Ordering::Relaxed);
     println!(
         "SERVER peer={peer} served={served} cpu_s={cpu:.3} wall_s={:.3} cpu_us_per_req={:.3} \
-         vcsw={vcsw} ivcsw={ivcsw}",
+         vcsw={vcsw} ivcsw={ivcsw} maxrss_kb={}",
         wall0.elapsed().as_secs_f64(),
         if served > 0 {
             cpu * 1e6 / served as f64
         } else {
             0.0
         },
+        peak_rss_kb(),
     );
     let _ = std::io::stdout().flush();
     // Connection tasks are not waited for.
@@ -314,7 +337,7 @@ fn client_main(args: &Args) -> Result<(), String> {
     println!(
         "RESULT peer={} mode=client label={} payload={} conc={} conns={} requests={n} errors={} \
          secs={:.3} qps={:.1} p50_us={:.1} p99_us={:.1} p999_us={:.1} max_us={:.1} mean_us={:.1} \
-         cpu_s={cpu:.3} cpu_cores={:.3} cpu_us_per_req={:.3} vcsw={} ivcsw={}",
+         cpu_s={cpu:.3} cpu_cores={:.3} cpu_us_per_req={:.3} vcsw={} ivcsw={} maxrss_kb={}",
         args.peer_name,
         if args.label.is_empty() {
             "-"
@@ -336,6 +359,7 @@ fn client_main(args: &Args) -> Result<(), String> {
         if n > 0 { cpu * 1e6 / n as f64 } else { 0.0 },
         m.vcsw,
         m.ivcsw,
+        peak_rss_kb(),
     );
     let _ = std::io::stdout().flush();
     if m.errors > 0 {
@@ -350,7 +374,11 @@ fn echo_client(args: &Args, governance: Governance) -> Result<EchoClient, String
     let mut builder = Client::builder()
         .registry(registry)
         .connections_per_endpoint(args.conns);
-    if governance == Governance::Off {
+    if governance == Governance::On {
+        // As a governed deployment runs: default options and a fallback registered (it never
+        // answers here, since no call fails, but its layer is in the path).
+        builder = builder.fallback(EchoServer::new(LocalEcho));
+    } else {
         builder = builder.override_options(
             EchoClient::SERVICE_ID,
             GovernanceOverrides {
