@@ -1,0 +1,157 @@
+//! The cost model: allocations per call, memory per idle connection, and memory over many
+//! calls, measured in one process with a counting allocator (server and client together).
+//!
+//! ```text
+//! cargo run --release -p examples --bin costs -- [--calls N] [--concurrency C] [--idle K]
+//! ```
+//! Prints `allocs_per_call=… bytes_per_call=…`, `idle_connection_kib=…` and the resident memory
+//! after each tenth of the calls, so that growth shows. Figures, not assertions.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use clap::Parser;
+use examples::{Echo, EchoClient, EchoServer, EchoService};
+use rpc::crates::transport::{ConnectOptions, Connection};
+use rpc::{Client, Server, StaticRegistry};
+
+/// Counts allocations and allocated bytes, then defers to the system allocator.
+struct Counting;
+
+static ALLOCS: AtomicU64 = AtomicU64::new(0);
+static BYTES: AtomicU64 = AtomicU64::new(0);
+
+// SAFETY: every method forwards to `System` with the same arguments; counting has no effect on
+// the memory handed out.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        BYTES.fetch_add(layout.size() as u64, Ordering::Relaxed);
+        // SAFETY: forwarded as received.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: forwarded as received.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        BYTES.fetch_add(new_size as u64, Ordering::Relaxed);
+        // SAFETY: forwarded as received.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+#[derive(Parser, Debug)]
+#[command(about = "Allocations per call, memory per idle connection, memory over many calls")]
+struct Args {
+    /// Calls measured.
+    #[arg(long, default_value_t = 1_000_000)]
+    calls: u64,
+    /// Callers at once.
+    #[arg(long, default_value_t = 64)]
+    concurrency: u64,
+    /// Idle connections opened for the per-connection figure.
+    #[arg(long, default_value_t = 1000)]
+    idle: usize,
+    /// Payload bytes.
+    #[arg(long, default_value_t = 32)]
+    payload: usize,
+}
+
+/// Resident memory in KiB, from /proc/self/statm.
+fn rss_kib() -> u64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    let pages: u64 = statm
+        .split_whitespace()
+        .nth(1)
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(0);
+    pages * 4
+}
+
+async fn run(echo: &EchoClient, calls: u64, concurrency: u64, payload: &str) {
+    let next = Arc::new(AtomicU64::new(0));
+    let mut callers = Vec::new();
+    for _ in 0..concurrency {
+        let (echo, next, payload) = (echo.clone(), next.clone(), payload.to_string());
+        callers.push(tokio::spawn(async move {
+            while next.fetch_add(1, Ordering::Relaxed) < calls {
+                if echo.echo(payload.clone()).await.is_err() {
+                    eprintln!("costs: a call failed");
+                }
+            }
+        }));
+    }
+    for c in callers {
+        let _ = c.await;
+    }
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args = Args::parse();
+    let server = Server::builder()
+        .max_concurrency(100_000)
+        .add_service(EchoServer::new(EchoService::default()))
+        .serve("127.0.0.1:0")
+        .await?;
+    let addr = server.local_addr().to_string();
+    let echo = EchoClient::new(
+        Client::builder()
+            .registry(StaticRegistry::new([addr.clone()]))
+            .build(),
+    );
+    let payload = "x".repeat(args.payload);
+
+    // Allocations per call (client and server sides together), after a warm-up.
+    run(&echo, 20_000, args.concurrency, &payload).await;
+    let sample = 200_000.min(args.calls.max(1));
+    let (a0, b0) = (ALLOCS.load(Ordering::Relaxed), BYTES.load(Ordering::Relaxed));
+    run(&echo, sample, args.concurrency, &payload).await;
+    let (a1, b1) = (ALLOCS.load(Ordering::Relaxed), BYTES.load(Ordering::Relaxed));
+    println!(
+        "allocs_per_call={:.2} bytes_per_call={:.0} (client + server, payload {} B, {} calls)",
+        (a1 - a0) as f64 / sample as f64,
+        (b1 - b0) as f64 / sample as f64,
+        args.payload,
+        sample
+    );
+
+    // Memory per idle connection (both ends are in this process).
+    let before = rss_kib();
+    let mut idle = Vec::with_capacity(args.idle);
+    for _ in 0..args.idle {
+        idle.push(Connection::connect(&addr, &ConnectOptions::default()).await?);
+    }
+    let after = rss_kib();
+    println!(
+        "idle_connection_kib={:.1} ({} connections, client and server ends together)",
+        after.saturating_sub(before) as f64 / args.idle.max(1) as f64,
+        args.idle
+    );
+    for c in &idle {
+        c.close();
+    }
+    drop(idle);
+
+    // Memory over many calls: resident size after each tenth.
+    let started = Instant::now();
+    let tenth = (args.calls / 10).max(1);
+    let mut line = String::new();
+    for i in 1..=10 {
+        run(&echo, tenth, args.concurrency, &payload).await;
+        line.push_str(&format!(" {}k={}", i * tenth / 1000, rss_kib()));
+    }
+    println!(
+        "rss_kib_by_calls:{line} ({:.0} calls/s in one process)",
+        (10 * tenth) as f64 / started.elapsed().as_secs_f64()
+    );
+    server.shutdown().await;
+    Ok(())
+}
