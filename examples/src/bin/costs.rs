@@ -112,9 +112,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Allocations per call (client and server sides together), after a warm-up.
     run(&echo, 20_000, args.concurrency, &payload).await;
     let sample = 200_000.min(args.calls.max(1));
-    let (a0, b0) = (ALLOCS.load(Ordering::Relaxed), BYTES.load(Ordering::Relaxed));
+    let (a0, b0) = (
+        ALLOCS.load(Ordering::Relaxed),
+        BYTES.load(Ordering::Relaxed),
+    );
     run(&echo, sample, args.concurrency, &payload).await;
-    let (a1, b1) = (ALLOCS.load(Ordering::Relaxed), BYTES.load(Ordering::Relaxed));
+    let (a1, b1) = (
+        ALLOCS.load(Ordering::Relaxed),
+        BYTES.load(Ordering::Relaxed),
+    );
     println!(
         "allocs_per_call={:.2} bytes_per_call={:.0} (client + server, payload {} B, {} calls)",
         (a1 - a0) as f64 / sample as f64,
