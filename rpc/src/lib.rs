@@ -58,7 +58,7 @@ pub use rpc_macros::service;
 #[cfg(feature = "etcd")]
 pub use rpc_registry::{EtcdOptions, EtcdRegistry};
 pub use rpc_registry::{InProcessRegistry, Instance, Registry, RegistryError, StaticRegistry};
-pub use rpc_server::{Server, ServerBuilder, ServerHandle, Service};
+pub use rpc_server::{Server, ServerBuilder, ServerHandle, Service, ServiceFuture};
 
 #[cfg(feature = "otel")]
 pub mod telemetry;

@@ -4,8 +4,10 @@
 //! ```text
 //! cargo run --release -p examples --bin costs -- [--calls N] [--concurrency C] [--idle K]
 //! ```
-//! Prints `allocs_per_call=… bytes_per_call=…`, `idle_connection_kib=…` and the resident memory
-//! after each tenth of the calls, so that growth shows. Figures, not assertions.
+//! Prints `allocs_per_call=… bytes_per_call=…`, `idle_connection_kib=…`, the resident memory
+//! after each tenth of the calls, so that growth shows, and `scale:` — calls per second and
+//! allocations per call before and after the client and server hold 10 000 entries and the
+//! service has 1 000 endpoints. Figures, not assertions.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -62,6 +64,52 @@ struct Args {
     /// Payload bytes.
     #[arg(long, default_value_t = 32)]
     payload: usize,
+    /// Entries added for the scale figure.
+    #[arg(long, default_value_t = 10_000)]
+    entries: usize,
+    /// Endpoints of the echo service for the scale figure.
+    #[arg(long, default_value_t = 1000)]
+    endpoints: usize,
+}
+
+/// A service with many entries (`wide.Wide.m<i>`), each answering its argument list.
+struct Wide(&'static [rpc::MethodDescriptor]);
+
+impl Wide {
+    fn new(n: usize) -> Self {
+        let methods: Vec<rpc::MethodDescriptor> = (0..n)
+            .map(|i| rpc::MethodDescriptor {
+                service_id: "wide.Wide",
+                method: Box::leak(format!("m{i}").into_boxed_str()),
+                entry_id: Box::leak(format!("wide.Wide.m{i}").into_boxed_str()),
+                hash_key: None,
+                governance: rpc::GovernanceOverrides::NONE,
+            })
+            .collect();
+        Wide(Box::leak(methods.into_boxed_slice()))
+    }
+}
+
+impl rpc::Service for Wide {
+    fn service_id(&self) -> &'static str {
+        "wide.Wide"
+    }
+    fn methods(&self) -> &'static [rpc::MethodDescriptor] {
+        self.0
+    }
+    fn call(&self, _method: usize, params: bytes::Bytes, _codec: rpc::Codec) -> rpc::ServiceFuture {
+        Box::pin(async move { Ok(params) })
+    }
+}
+
+/// Calls per second and allocations per call over `calls` calls.
+async fn rate(echo: &EchoClient, calls: u64, concurrency: u64, payload: &str) -> (f64, f64) {
+    let a0 = ALLOCS.load(Ordering::Relaxed);
+    let t0 = Instant::now();
+    run(echo, calls, concurrency, payload).await;
+    let secs = t0.elapsed().as_secs_f64();
+    let allocs = ALLOCS.load(Ordering::Relaxed) - a0;
+    (calls as f64 / secs, allocs as f64 / calls as f64)
 }
 
 /// Resident memory in KiB, from /proc/self/statm.
@@ -158,6 +206,59 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "rss_kib_by_calls:{line} ({:.0} calls/s in one process)",
         (10 * tenth) as f64 / started.elapsed().as_secs_f64()
     );
+
+    // Scale: the same calls with 10 000 entries in the server's table and the client's pipeline
+    // cache, and the echo service spread over 1 000 endpoints.
+    let sample = 300_000.min(args.calls.max(1));
+    let (base_rate, base_allocs) = rate(&echo, sample, args.concurrency, &payload).await;
+    let wide_server = Server::builder()
+        .add_service(Wide::new(args.entries))
+        .add_service(EchoServer::new(EchoService::default()))
+        .serve("127.0.0.1:0")
+        .await?;
+    let mut servers = vec![wide_server];
+    for _ in 1..args.endpoints {
+        servers.push(
+            Server::builder()
+                .add_service(EchoServer::new(EchoService::default()))
+                .serve("127.0.0.1:0")
+                .await?,
+        );
+    }
+    let addrs: Vec<String> = servers.iter().map(|s| s.local_addr().to_string()).collect();
+    let client = Client::builder()
+        .registry(StaticRegistry::new(addrs.clone()))
+        .build();
+    // Every entry is called once through the wide server, so the client caches a pipeline for
+    // each of them.
+    let wide_methods = Wide::new(args.entries).0;
+    let wide_client = Client::builder()
+        .registry(StaticRegistry::new([addrs[0].clone()]))
+        .build();
+    let params = rpc::Codec::MsgPack.encode(&rpc::crates::core::NoArgs)?;
+    for m in wide_methods {
+        wide_client
+            .invoke(m, params.clone(), None::<fn() -> u64>)
+            .await?;
+    }
+    let wide_echo = EchoClient::new(client);
+    // Connections to every endpoint are opened during the warm-up.
+    run(
+        &wide_echo,
+        2 * args.endpoints as u64,
+        args.concurrency,
+        &payload,
+    )
+    .await;
+    let (scaled_rate, scaled_allocs) = rate(&wide_echo, sample, args.concurrency, &payload).await;
+    println!(
+        "scale: 1 endpoint, 1 entry: {base_rate:.0} calls/s, {base_allocs:.2} allocs/call; \
+         {} endpoints, {} more entries: {scaled_rate:.0} calls/s, {scaled_allocs:.2} allocs/call",
+        args.endpoints, args.entries
+    );
+    for s in servers {
+        s.abort();
+    }
     server.shutdown().await;
     Ok(())
 }
