@@ -124,6 +124,21 @@ impl ServerBuilder {
         self
     }
 
+    /// Calls one connection may have running at once (1 024 by default); one more is answered
+    /// Overflow without running.
+    pub fn max_in_flight_per_connection(mut self, n: usize) -> Self {
+        self.options.max_in_flight_per_connection = n;
+        self
+    }
+
+    /// Attachments one call may carry, and their total bytes (64 and 16 KiB by default); a call
+    /// over either is answered 500 without running.
+    pub fn max_attachments(mut self, count: usize, bytes: usize) -> Self {
+        self.options.max_attachments = count;
+        self.options.max_attachment_bytes = bytes;
+        self
+    }
+
     /// Connections held at once (10 000 by default).
     pub fn max_connections(mut self, n: usize) -> Self {
         self.options.max_connections = n;

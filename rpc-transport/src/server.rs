@@ -42,6 +42,13 @@ pub struct ServerOptions {
     pub drain_timeout: Duration,
     /// Connections held at once; one more is refused with `GoAway`.
     pub max_connections: usize,
+    /// Calls one connection may have running at once; one more is answered Overflow (515)
+    /// without running, so a single client cannot hold the server's memory.
+    pub max_in_flight_per_connection: usize,
+    /// Attachments one call may carry.
+    pub max_attachments: usize,
+    /// Total bytes of one call's attachment keys and values.
+    pub max_attachment_bytes: usize,
 }
 
 impl Default for ServerOptions {
@@ -54,6 +61,9 @@ impl Default for ServerOptions {
             idle_timeout: Duration::from_secs(60),
             drain_timeout: Duration::from_secs(10),
             max_connections: 10_000,
+            max_in_flight_per_connection: 1024,
+            max_attachments: 64,
+            max_attachment_bytes: 16 * 1024,
         }
     }
 }
@@ -192,6 +202,7 @@ async fn serve_connection(
     let (mut frames_seen, mut frames_at_check) = (0u64, 0u64);
     let ctx = FrameCtx {
         conn: &conn,
+        options: &options,
         handler: handler.as_ref(),
         peer,
     };
@@ -277,11 +288,53 @@ async fn drain(
 /// What handling one frame needs.
 struct FrameCtx<'a> {
     conn: &'a Arc<Conn>,
+    options: &'a ServerOptions,
     handler: &'a dyn InvokeHandler,
     peer: SocketAddr,
 }
 
 impl FrameCtx<'_> {
+    /// Why a call is refused before it runs, if it is: over the connection's in-flight limit,
+    /// or carrying too many or too large attachments.
+    fn refusal(&self, invoke: &RemoteInvokeMessage) -> Option<(StatusCode, String)> {
+        let o = self.options;
+        let running = self.conn.in_flight.load(Ordering::Acquire);
+        if running >= o.max_in_flight_per_connection {
+            return Some((
+                StatusCode::OverflowMaxServerHandle,
+                format!(
+                    "this connection already has {running} calls running (the limit per \
+                     connection); the call was not run"
+                ),
+            ));
+        }
+        let a = &invoke.attachments;
+        if a.len() > o.max_attachments {
+            return Some((
+                StatusCode::FrameworkError,
+                format!(
+                    "{} attachments exceed the limit of {}; the call was not run",
+                    a.len(),
+                    o.max_attachments
+                ),
+            ));
+        }
+        if !a.is_empty() {
+            let bytes: usize = a.iter().map(|(k, v)| k.len() + v.len()).sum();
+            if bytes > o.max_attachment_bytes {
+                return Some((
+                    StatusCode::FrameworkError,
+                    format!(
+                        "attachments of {bytes} bytes exceed the limit of {} bytes; the call was \
+                         not run",
+                        o.max_attachment_bytes
+                    ),
+                ));
+            }
+        }
+        None
+    }
+
     /// Handles one frame; `Err` ends the connection (with a reason to send, or quietly).
     fn on_frame(
         &self,
@@ -298,6 +351,10 @@ impl FrameCtx<'_> {
                         "the server is shutting down and did not run the call; call another \
                          endpoint",
                     );
+                    r.message_id = id;
+                    conn.sender.send(Kind::Result(r));
+                } else if let Some((code, why)) = self.refusal(&invoke) {
+                    let mut r = error_result(code, why);
                     r.message_id = id;
                     conn.sender.send(Kind::Result(r));
                 } else if conn.tasks().contains_key(&id) {
