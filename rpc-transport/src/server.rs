@@ -240,6 +240,9 @@ async fn serve_connection(
     }
 }
 
+/// How long a drained connection waits for the client to close before closing itself.
+const DRAIN_LINGER: Duration = Duration::from_millis(500);
+
 /// Shutdown: `GoAway`, then wait for the calls in flight (reading on, for `Cancel`) until the
 /// drain deadline; calls still running then are answered 520 and dropped.
 async fn drain(
@@ -250,11 +253,19 @@ async fn drain(
     let conn = ctx.conn;
     conn.sender
         .send(go_away(StatusCode::Success, "server shutting down"));
-    let deadline = tokio::time::sleep(options.drain_timeout);
+    let hard = Instant::now() + options.drain_timeout;
+    let deadline = tokio::time::sleep_until(hard);
     tokio::pin!(deadline);
+    let mut lingering = false;
     loop {
-        if conn.in_flight.load(Ordering::Acquire) == 0 {
-            return None;
+        if !lingering && conn.in_flight.load(Ordering::Acquire) == 0 {
+            // Nothing left to finish. Keep reading a little, answering calls sent before the
+            // client saw GoAway ("not run"), until the client closes: closing with its calls
+            // unread in our buffer would reset the connection and could destroy the GoAway.
+            lingering = true;
+            deadline
+                .as_mut()
+                .reset(hard.min(Instant::now() + DRAIN_LINGER));
         }
         let next = tokio::select! {
             biased;
@@ -265,6 +276,9 @@ async fn drain(
         if let Err(end) = ctx.on_frame(next, true) {
             return end;
         }
+    }
+    if lingering {
+        return None;
     }
     // Every call the server read gets an answer, so the client knows that calls still pending
     // when the connection closes were never read.

@@ -90,7 +90,8 @@ async fn write_loop(
             buf = BytesMut::with_capacity(BUFFER);
         }
     }
-    // Whatever ended the loop ends the connection.
-    close.cancel();
+    // The reader is not stopped here: after a failed write it still reads what the peer sent
+    // before closing (a GoAway saying which calls it never read), then sees the close itself.
+    // Later sends fail, since this task no longer receives.
     let _ = wr.shutdown().await;
 }
