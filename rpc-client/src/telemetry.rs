@@ -107,7 +107,6 @@ pub(crate) use otel::Metrics;
 #[cfg(feature = "otel")]
 mod otel {
     use std::collections::BTreeMap;
-    use std::sync::Arc;
     use std::time::Instant;
 
     use bytes::Bytes;
@@ -183,20 +182,7 @@ mod otel {
             breakers: Probe,
             endpoints: Probe,
         ) -> Self {
-            let governance = meter
-                .u64_counter("rpc.governance.events")
-                .with_description("Governance decisions (retry, break, fallback, ...) by kind")
-                .build();
-            events.set_observer(Arc::new(move |e| {
-                governance.add(
-                    1,
-                    &[
-                        KeyValue::new("rpc.side", "client"),
-                        KeyValue::new("event", e.kind.as_str()),
-                        KeyValue::new("rpc.entry_id", e.entry.to_string()),
-                    ],
-                );
-            }));
+            events.count_in(meter, "client");
             Metrics {
                 duration: meter
                     .f64_histogram("rpc.client.duration")

@@ -58,6 +58,21 @@ struct Second {
 }
 
 impl State {
+    /// Moves to `phase` as a new generation: results of calls admitted before are ignored from
+    /// now on. Every transition goes through here.
+    fn enter(&mut self, phase: Phase) {
+        self.generation += 1;
+        self.phase = phase;
+        self.window.clear();
+    }
+
+    /// Admission under the current generation.
+    fn permit(&self) -> Permit {
+        Permit {
+            generation: self.generation,
+        }
+    }
+
     /// Adds an outcome to the sampling window and returns the window's (calls, failures).
     fn sample(&mut self, failed: bool, now: Instant, window_secs: u64) -> (u32, u32) {
         let at = now.duration_since(self.epoch).as_secs();
@@ -235,21 +250,12 @@ impl CircuitBreaker {
         }
         let mut s = self.lock();
         if let Phase::Closed { .. } = s.phase {
-            return Ok((
-                Permit {
-                    generation: s.generation,
-                },
-                None,
-            ));
+            return Ok((s.permit(), None));
         }
         let now = Instant::now();
+        let probe_round_over = |since: Instant| now >= since + break_duration(o);
         match s.phase {
-            Phase::Closed { .. } => Ok((
-                Permit {
-                    generation: s.generation,
-                },
-                None,
-            )),
+            Phase::Closed { .. } => Ok((s.permit(), None)),
             Phase::Isolated => Err(RpcError::new(
                 StatusCode::CircuitOpen,
                 format!("{entry} is isolated by an operator; reset its breaker to call it"),
@@ -258,51 +264,32 @@ impl CircuitBreaker {
                 Err(open_error(entry, until - now, s.last_cause.as_deref()))
             }
             Phase::Open { .. } => {
-                s.generation += 1;
-                s.phase = Phase::HalfOpen {
+                s.enter(Phase::HalfOpen {
                     probes: 1,
                     since: now,
+                });
+                Ok((s.permit(), Some(Transition::HalfOpen)))
+            }
+            Phase::HalfOpen { probes, since } if probes < o.half_open_probes.max(1) => {
+                s.phase = Phase::HalfOpen {
+                    probes: probes + 1,
+                    since,
                 };
-                Ok((
-                    Permit {
-                        generation: s.generation,
-                    },
-                    Some(Transition::HalfOpen),
-                ))
+                Ok((s.permit(), None))
             }
-            Phase::HalfOpen { probes, since } => {
-                if probes < o.half_open_probes.max(1) {
-                    s.phase = Phase::HalfOpen {
-                        probes: probes + 1,
-                        since,
-                    };
-                    Ok((
-                        Permit {
-                            generation: s.generation,
-                        },
-                        None,
-                    ))
-                } else if now >= since + break_duration(o) {
-                    // The probes never reported back: their slots are freed, a new round starts.
-                    s.generation += 1;
-                    s.phase = Phase::HalfOpen {
-                        probes: 1,
-                        since: now,
-                    };
-                    Ok((
-                        Permit {
-                            generation: s.generation,
-                        },
-                        None,
-                    ))
-                } else {
-                    Err(open_error(
-                        entry,
-                        since + break_duration(o) - now,
-                        s.last_cause.as_deref(),
-                    ))
-                }
+            Phase::HalfOpen { since, .. } if probe_round_over(since) => {
+                // The probes never reported back: their slots are freed, a new round starts.
+                s.enter(Phase::HalfOpen {
+                    probes: 1,
+                    since: now,
+                });
+                Ok((s.permit(), None))
             }
+            Phase::HalfOpen { since, .. } => Err(open_error(
+                entry,
+                since + break_duration(o) - now,
+                s.last_cause.as_deref(),
+            )),
         }
     }
 
@@ -357,11 +344,9 @@ impl CircuitBreaker {
                 let over = u64::from(failures) * 100
                     >= u64::from(o.failure_ratio_percent) * u64::from(calls);
                 if calls >= o.minimum_throughput.max(1) && over {
-                    s.generation += 1;
-                    s.window.clear();
-                    s.phase = Phase::Open {
+                    s.enter(Phase::Open {
                         until: now + break_duration(o),
-                    };
+                    });
                     return Some(Transition::Break);
                 }
                 return None;
@@ -375,10 +360,9 @@ impl CircuitBreaker {
             (Phase::Closed { failures }, Outcome::Failure) => {
                 let failures = failures + 1;
                 if failures >= o.exceptions_allowed_before_breaking.max(1) {
-                    s.generation += 1;
-                    s.phase = Phase::Open {
+                    s.enter(Phase::Open {
                         until: now + break_duration(o),
-                    };
+                    });
                     Some(Transition::Break)
                 } else {
                     s.phase = Phase::Closed { failures };
@@ -386,15 +370,13 @@ impl CircuitBreaker {
                 }
             }
             (Phase::HalfOpen { .. }, Outcome::Success) => {
-                s.generation += 1;
-                s.phase = Phase::Closed { failures: 0 };
+                s.enter(Phase::Closed { failures: 0 });
                 Some(Transition::Reset)
             }
             (Phase::HalfOpen { .. }, Outcome::Failure) => {
-                s.generation += 1;
-                s.phase = Phase::Open {
+                s.enter(Phase::Open {
                     until: now + break_duration(o),
-                };
+                });
                 Some(Transition::Break)
             }
             _ => None,
@@ -418,16 +400,12 @@ impl CircuitBreaker {
 
     /// Opens the breaker until [`reset`](Self::reset) is called.
     pub fn isolate(&self) {
-        let mut s = self.lock();
-        s.generation += 1;
-        s.phase = Phase::Isolated;
+        self.lock().enter(Phase::Isolated);
     }
 
     /// Closes the breaker and forgets past failures.
     pub fn reset(&self) {
-        let mut s = self.lock();
-        s.generation += 1;
-        s.phase = Phase::Closed { failures: 0 };
+        self.lock().enter(Phase::Closed { failures: 0 });
     }
 }
 

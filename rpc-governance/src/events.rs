@@ -118,6 +118,30 @@ impl EventBus {
         self.observer.set(observer).is_ok()
     }
 
+    /// Counts every event of this bus in the OpenTelemetry counter `rpc.governance.events`
+    /// of `meter`, by `event` kind, `rpc.entry_id` and `rpc.side` (`"client"` or `"server"`);
+    /// installs the bus's observer (see [`set_observer`](Self::set_observer)).
+    #[cfg(feature = "otel")]
+    pub fn count_in(&self, meter: &opentelemetry::metrics::Meter, side: &'static str) -> bool {
+        use opentelemetry::KeyValue;
+        let counter = meter
+            .u64_counter("rpc.governance.events")
+            .with_description(
+                "Governance decisions (retry, break, overflow, fallback, ...) by kind",
+            )
+            .build();
+        self.set_observer(Arc::new(move |e| {
+            counter.add(
+                1,
+                &[
+                    KeyValue::new("rpc.side", side),
+                    KeyValue::new("event", e.kind.as_str()),
+                    KeyValue::new("rpc.entry_id", e.entry.to_string()),
+                ],
+            );
+        }))
+    }
+
     /// Emits an event.
     pub fn emit(&self, event: GovernanceEvent) {
         tracing::info!(

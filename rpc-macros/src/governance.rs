@@ -5,10 +5,41 @@ use quote::quote;
 use syn::punctuated::Punctuated;
 use syn::{Attribute, Expr, ExprLit, Lit, Meta, Token};
 
-/// The keys `#[governance(...)]` accepts, for error messages.
-const KNOWN_KEYS: &str = "timeout_ms, retry_times, retry_interval_ms, enable_circuit_breaker, \
-    exceptions_allowed_before_breaking, breaker_seconds, max_concurrent_handling_count, \
-    unhealthy_times_allowed_before_removing, idempotent, shunt_strategy, appoint_address";
+/// The integer keys `#[governance(...)]` accepts — each a field of `GovernanceOverrides` — with
+/// the largest value the field holds. A new option needs a line here and nothing else.
+const INTEGERS: &[(&str, u64)] = &[
+    ("timeout_ms", u64::MAX),
+    ("retry_times", u32::MAX as u64),
+    ("retry_interval_ms", u64::MAX),
+    ("exceptions_allowed_before_breaking", u32::MAX as u64),
+    ("breaker_seconds", u64::MAX),
+    ("half_open_probes", u32::MAX as u64),
+    ("failure_ratio_percent", 100),
+    ("sampling_window_seconds", u64::MAX),
+    ("minimum_throughput", u32::MAX as u64),
+    ("retry_budget_percent", u32::MAX as u64),
+    ("retry_budget_min_per_second", u32::MAX as u64),
+    ("max_concurrent_handling_count", u32::MAX as u64),
+    ("unhealthy_times_allowed_before_removing", u32::MAX as u64),
+];
+
+/// The flag keys, and whether the bare form (`idempotent`) means `true`.
+const FLAGS: &[(&str, bool)] = &[("enable_circuit_breaker", false), ("idempotent", true)];
+
+/// Every key, for error messages.
+fn known_keys() -> String {
+    let mut keys: Vec<&str> = INTEGERS.iter().map(|(k, _)| *k).collect();
+    keys.extend(FLAGS.iter().map(|(k, _)| *k));
+    keys.extend(["shunt_strategy", "appoint_address"]);
+    keys.join(", ")
+}
+
+/// The value of an integer or flag key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Value {
+    Int(u64),
+    Flag(bool),
+}
 
 /// A shunt strategy named in the attribute.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,15 +76,8 @@ impl Shunt {
 /// other configuration layers.
 #[derive(Debug, Clone, Default)]
 pub struct Governance {
-    pub timeout_ms: Option<u64>,
-    pub retry_times: Option<u32>,
-    pub retry_interval_ms: Option<u64>,
-    pub enable_circuit_breaker: Option<bool>,
-    pub exceptions_allowed_before_breaking: Option<u32>,
-    pub breaker_seconds: Option<u64>,
-    pub max_concurrent_handling_count: Option<u32>,
-    pub unhealthy_times_allowed_before_removing: Option<u32>,
-    pub idempotent: Option<bool>,
+    /// The integer and flag keys set, in the order written.
+    values: Vec<(&'static str, Value)>,
     pub shunt_strategy: Option<(Shunt, Span)>,
     pub appoint_address: Option<String>,
 }
@@ -64,6 +88,11 @@ pub fn is_governance(attr: &Attribute) -> bool {
 }
 
 impl Governance {
+    /// The value set for an integer or flag key.
+    pub fn get(&self, key: &str) -> Option<Value> {
+        self.values.iter().find(|(k, _)| *k == key).map(|(_, v)| *v)
+    }
+
     /// Reads every `#[governance(...)]` among `attrs` (several attributes add up; a key set twice
     /// is an error).
     pub fn from_attrs(attrs: &[Attribute]) -> syn::Result<Self> {
@@ -109,7 +138,7 @@ impl Governance {
         let Some(key) = path.get_ident() else {
             return Err(syn::Error::new_spanned(
                 path,
-                format!("unknown governance key; expected one of: {KNOWN_KEYS}"),
+                format!("unknown governance key; expected one of: {}", known_keys()),
             ));
         };
         let name = key.to_string();
@@ -124,34 +153,29 @@ impl Governance {
             }
         };
         let dup = || syn::Error::new(key.span(), format!("`{name}` is set twice"));
-        macro_rules! int {
-            ($field:ident, $ty:ty) => {{
-                if self.$field.is_some() {
-                    return Err(dup());
-                }
-                self.$field = Some(int_value::<$ty>(key, value)?);
-            }};
+        if let Some(&(field, max)) = INTEGERS.iter().find(|(k, _)| *k == name) {
+            if self.get(field).is_some() {
+                return Err(dup());
+            }
+            let v: u64 = int_value(key, value)?;
+            if v > max {
+                return Err(syn::Error::new_spanned(
+                    value,
+                    format!("`{name}` is out of range: at most {max}"),
+                ));
+            }
+            self.values.push((field, Value::Int(v)));
+            return Ok(());
         }
-        macro_rules! boolean {
-            ($field:ident, $flag:expr) => {{
-                if self.$field.is_some() {
-                    return Err(dup());
-                }
-                self.$field = Some(bool_value(key, value, $flag)?);
-            }};
+        if let Some(&(field, bare)) = FLAGS.iter().find(|(k, _)| *k == name) {
+            if self.get(field).is_some() {
+                return Err(dup());
+            }
+            self.values
+                .push((field, Value::Flag(bool_value(key, value, bare)?)));
+            return Ok(());
         }
         match name.as_str() {
-            "timeout_ms" => int!(timeout_ms, u64),
-            "retry_times" => int!(retry_times, u32),
-            "retry_interval_ms" => int!(retry_interval_ms, u64),
-            "breaker_seconds" => int!(breaker_seconds, u64),
-            "exceptions_allowed_before_breaking" => int!(exceptions_allowed_before_breaking, u32),
-            "max_concurrent_handling_count" => int!(max_concurrent_handling_count, u32),
-            "unhealthy_times_allowed_before_removing" => {
-                int!(unhealthy_times_allowed_before_removing, u32)
-            }
-            "enable_circuit_breaker" => boolean!(enable_circuit_breaker, false),
-            "idempotent" => boolean!(idempotent, true),
             "shunt_strategy" => {
                 if self.shunt_strategy.is_some() {
                     return Err(dup());
@@ -186,7 +210,10 @@ impl Governance {
             _ => {
                 return Err(syn::Error::new(
                     key.span(),
-                    format!("unknown governance key `{name}`; expected one of: {KNOWN_KEYS}"),
+                    format!(
+                        "unknown governance key `{name}`; expected one of: {}",
+                        known_keys()
+                    ),
                 ))
             }
         }
@@ -197,14 +224,6 @@ impl Governance {
     /// fields that are set, then `..GovernanceOverrides::NONE`, so that fields added to the type
     /// later need no change here.
     pub fn to_tokens(&self) -> TokenStream {
-        fn some<T: quote::ToTokens>(name: &str, v: Option<T>) -> Option<TokenStream> {
-            let field = syn::Ident::new(name, Span::call_site());
-            v.map(|v| quote!(#field: ::core::option::Option::Some(#v),))
-        }
-        // Unsuffixed, so that each literal takes the type of its field.
-        fn int(v: Option<impl Into<u64>>) -> Option<proc_macro2::Literal> {
-            v.map(|v| proc_macro2::Literal::u64_unsuffixed(v.into()))
-        }
         let mut fields: Vec<TokenStream> = Vec::new();
         if let Some((s, _)) = &self.shunt_strategy {
             let v = s.variant();
@@ -219,30 +238,18 @@ impl Governance {
                 appoint_address: ::core::option::Option::Some(::std::borrow::Cow::Borrowed(#a)),
             });
         }
-        fields.extend(
-            [
-                some("timeout_ms", int(self.timeout_ms)),
-                some("retry_times", int(self.retry_times)),
-                some("retry_interval_ms", int(self.retry_interval_ms)),
-                some("enable_circuit_breaker", self.enable_circuit_breaker),
-                some(
-                    "exceptions_allowed_before_breaking",
-                    int(self.exceptions_allowed_before_breaking),
-                ),
-                some("breaker_seconds", int(self.breaker_seconds)),
-                some(
-                    "max_concurrent_handling_count",
-                    int(self.max_concurrent_handling_count),
-                ),
-                some(
-                    "unhealthy_times_allowed_before_removing",
-                    int(self.unhealthy_times_allowed_before_removing),
-                ),
-                some("idempotent", self.idempotent),
-            ]
-            .into_iter()
-            .flatten(),
-        );
+        for (name, value) in &self.values {
+            let field = syn::Ident::new(name, Span::call_site());
+            // Integers unsuffixed, so that each literal takes the type of its field.
+            let v = match value {
+                Value::Int(n) => {
+                    let lit = proc_macro2::Literal::u64_unsuffixed(*n);
+                    quote!(#lit)
+                }
+                Value::Flag(b) => quote!(#b),
+            };
+            fields.push(quote!(#field: ::core::option::Option::Some(#v),));
+        }
         if fields.is_empty() {
             return quote!(::rpc::__private::GovernanceOverrides::NONE);
         }
@@ -353,19 +360,25 @@ mod tests {
             #[governance(timeout_ms = 800, retry_times = 2, retry_interval_ms = 10,
                 enable_circuit_breaker = false, exceptions_allowed_before_breaking = 4,
                 breaker_seconds = 9, max_concurrent_handling_count = 7,
-                unhealthy_times_allowed_before_removing = 5, idempotent)]
+                unhealthy_times_allowed_before_removing = 5, idempotent,
+                failure_ratio_percent = 50)]
             #[governance(shunt_strategy = "hash", appoint_address = "127.0.0.1:9")]
         })
         .unwrap();
-        assert_eq!(g.timeout_ms, Some(800));
-        assert_eq!(g.retry_times, Some(2));
-        assert_eq!(g.retry_interval_ms, Some(10));
-        assert_eq!(g.enable_circuit_breaker, Some(false));
-        assert_eq!(g.exceptions_allowed_before_breaking, Some(4));
-        assert_eq!(g.breaker_seconds, Some(9));
-        assert_eq!(g.max_concurrent_handling_count, Some(7));
-        assert_eq!(g.unhealthy_times_allowed_before_removing, Some(5));
-        assert_eq!(g.idempotent, Some(true));
+        for (key, v) in [
+            ("timeout_ms", 800),
+            ("retry_times", 2),
+            ("retry_interval_ms", 10),
+            ("exceptions_allowed_before_breaking", 4),
+            ("breaker_seconds", 9),
+            ("max_concurrent_handling_count", 7),
+            ("unhealthy_times_allowed_before_removing", 5),
+            ("failure_ratio_percent", 50),
+        ] {
+            assert_eq!(g.get(key), Some(Value::Int(v)), "{key}");
+        }
+        assert_eq!(g.get("enable_circuit_breaker"), Some(Value::Flag(false)));
+        assert_eq!(g.get("idempotent"), Some(Value::Flag(true)));
         assert_eq!(g.shunt_strategy.map(|s| s.0), Some(Shunt::HashAlgorithm));
         assert_eq!(g.appoint_address.as_deref(), Some("127.0.0.1:9"));
     }
@@ -373,8 +386,8 @@ mod tests {
     #[test]
     fn idempotent_can_be_false() {
         let g = parse(quote!(#[governance(idempotent = false)])).unwrap();
-        assert_eq!(g.idempotent, Some(false));
-        assert_eq!(g.timeout_ms, None);
+        assert_eq!(g.get("idempotent"), Some(Value::Flag(false)));
+        assert_eq!(g.get("timeout_ms"), None);
     }
 
     #[test]
@@ -425,6 +438,10 @@ mod tests {
             (
                 quote!(#[governance(retry_times = 5000000000)]),
                 "out of range",
+            ),
+            (
+                quote!(#[governance(failure_ratio_percent = 101)]),
+                "at most 100",
             ),
             (quote!(#[governance(timeout_ms)]), "needs a value"),
             (

@@ -159,10 +159,12 @@ mod parse;
 /// # Method attributes
 ///
 /// `#[governance(...)]` on a method sets the defaults of its entry (configuration files and
-/// runtime updates still override them). Keys: `timeout_ms`, `retry_times`,
-/// `retry_interval_ms`, `enable_circuit_breaker`, `exceptions_allowed_before_breaking`,
-/// `breaker_seconds`, `max_concurrent_handling_count`,
-/// `unhealthy_times_allowed_before_removing` (integer or `true`/`false` literals), `idempotent`
+/// runtime updates still override them). Every field of `GovernanceOverrides` is a key: the
+/// integers `timeout_ms`, `retry_times`, `retry_interval_ms`,
+/// `exceptions_allowed_before_breaking`, `breaker_seconds`, `half_open_probes`,
+/// `failure_ratio_percent`, `sampling_window_seconds`, `minimum_throughput`,
+/// `retry_budget_percent`, `retry_budget_min_per_second`, `max_concurrent_handling_count`,
+/// `unhealthy_times_allowed_before_removing`; `enable_circuit_breaker = true | false`; `idempotent`
 /// (a bare flag, or `= true`/`= false`), `shunt_strategy = "polling" | "random" | "hash" |
 /// "appoint"` and `appoint_address = "host:port"`. Several `#[governance]` attributes add up; a
 /// key given twice is an error.

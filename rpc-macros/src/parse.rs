@@ -452,7 +452,10 @@ mod tests {
         .unwrap_or_else(|e| panic!("{e}"));
         let names: Vec<_> = s.methods.iter().map(Method::name).collect();
         assert_eq!(names, ["echo", "profile", "ping", "type"]);
-        assert_eq!(s.methods[0].governance.timeout_ms, Some(800));
+        assert_eq!(
+            s.methods[0].governance.get("timeout_ms"),
+            Some(crate::governance::Value::Int(800))
+        );
         assert_eq!(s.methods[0].hash_key, None);
         assert_eq!(s.methods[1].hash_key, Some(0));
         assert_eq!(s.methods[1].args.len(), 2);

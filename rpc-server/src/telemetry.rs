@@ -138,20 +138,7 @@ mod otel {
     impl Metrics {
         /// The instruments, from `meter`; governance events of `events` are counted too.
         pub(crate) fn new(meter: &Meter, events: &EventBus) -> Self {
-            let governance = meter
-                .u64_counter("rpc.governance.events")
-                .with_description("Governance decisions (overflow, fallback, ...) by kind")
-                .build();
-            events.set_observer(Arc::new(move |e| {
-                governance.add(
-                    1,
-                    &[
-                        KeyValue::new("rpc.side", "server"),
-                        KeyValue::new("event", e.kind.as_str()),
-                        KeyValue::new("rpc.entry_id", e.entry.to_string()),
-                    ],
-                );
-            }));
+            events.count_in(meter, "server");
             Metrics {
                 inner: Arc::new(Instruments {
                     duration: meter

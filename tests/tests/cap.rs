@@ -175,6 +175,29 @@ async fn an_entry_cap_is_its_own_and_leaves_other_entries_alone() {
     within("shutdown", server.shutdown()).await;
 }
 
+/// What a spawned `hold` call gives back: its result and the endpoint that answered.
+type HoldCall = tokio::task::JoinHandle<(Result<String, RpcError>, Option<String>)>;
+
+/// Starts a `hold` call for key "k" and waits until it entered one of the two servers, whose
+/// name it returns.
+async fn start_hold(
+    cap: &CapClient,
+    a_entered: &mut mpsc::UnboundedReceiver<String>,
+    b_entered: &mut mpsc::UnboundedReceiver<String>,
+) -> (HoldCall, String) {
+    let cap = cap.clone();
+    let call = tokio::spawn(async move { answered_by(cap.hold("k".into())).await });
+    let entered = within("a call entered a server", async {
+        tokio::select! {
+            n = a_entered.recv() => n,
+            n = b_entered.recv() => n,
+        }
+    })
+    .await
+    .expect("a gate is alive");
+    (call, entered)
+}
+
 #[tokio::test]
 async fn overflow_is_retried_on_another_endpoint_and_never_ran_on_the_full_one() {
     let reg = InProcessRegistry::new();
@@ -201,24 +224,8 @@ async fn overflow_is_retried_on_another_endpoint_and_never_ran_on_the_full_one()
             .build(),
     );
     // Both calls hash to the same owner; the second finds it full.
-    let first = tokio::spawn({
-        let cap = cap.clone();
-        async move { answered_by(cap.hold("k".into())).await }
-    });
-    let owner = tokio::select! {
-        n = a_entered.recv() => n,
-        n = b_entered.recv() => n,
-    }
-    .expect("first call entered");
-    let second = tokio::spawn({
-        let cap = cap.clone();
-        async move { answered_by(cap.hold("k".into())).await }
-    });
-    let other = tokio::select! {
-        n = a_entered.recv() => n,
-        n = b_entered.recv() => n,
-    }
-    .expect("second call entered");
+    let (first, owner) = start_hold(&cap, &mut a_entered, &mut b_entered).await;
+    let (second, other) = start_hold(&cap, &mut a_entered, &mut b_entered).await;
     assert_ne!(
         owner, other,
         "the overflowed call moved to the other server"

@@ -96,6 +96,29 @@ async fn wait_until(
     }
 }
 
+/// Starts server "b" on `etcd`, waits until the watch `w` lists it (next to `with`, when
+/// given), checks that some of four calls reach it, and stops it.
+async fn a_new_server_gets_calls(
+    etcd: &Etcd,
+    w: &mut ServiceWatch,
+    who: &WhoClient,
+    with: Option<&str>,
+) {
+    let b_reg = registry(etcd, TTL).await;
+    let b = serve("b", &b_reg).await;
+    let b_addr = b.local_addr().to_string();
+    wait_until(w, Duration::from_secs(5), "new server", |l| {
+        l.contains(&b_addr) && with.is_none_or(|a| l.iter().any(|x| x == a))
+    })
+    .await;
+    let mut answers = Vec::new();
+    for _ in 0..4 {
+        answers.push(within("call", who.whoami()).await.expect("call"));
+    }
+    assert!(answers.iter().any(|a| a == "b"), "{answers:?}");
+    within("shutdown", b.shutdown()).await;
+}
+
 fn has(addr: impl ToString) -> impl Fn(&[String]) -> bool {
     let addr = addr.to_string();
     move |list| list.contains(&addr)
@@ -397,22 +420,7 @@ async fn calls_keep_working_while_etcd_restarts_and_the_registration_survives() 
     eprintln!("{ok} calls succeeded through etcd's outage and restart");
 
     // The client's watch follows etcd again: a server started now gets calls.
-    let b_reg = registry(&etcd, TTL).await;
-    let b = serve("b", &b_reg).await;
-    let b_addr = b.local_addr().to_string();
-    wait_until(
-        &mut w,
-        Duration::from_secs(5),
-        "new server after restart",
-        has(&b_addr),
-    )
-    .await;
-    let mut answers = Vec::new();
-    for _ in 0..4 {
-        answers.push(within("call", who.whoami()).await.expect("call"));
-    }
-    assert!(answers.iter().any(|a| a == "b"), "{answers:?}");
-    within("shutdown", b.shutdown()).await;
+    a_new_server_gets_calls(&etcd, &mut w, &who, None).await;
     within("shutdown", server.shutdown()).await;
 }
 
@@ -450,19 +458,7 @@ async fn a_server_registers_again_when_etcd_comes_back_empty() {
     // The client's watch follows the new etcd (whose revisions started over): another server
     // appears, and calls reach it.
     let mut w = w;
-    let b_reg = registry(&etcd, TTL).await;
-    let b = serve("b", &b_reg).await;
-    let b_addr = b.local_addr().to_string();
-    wait_until(&mut w, Duration::from_secs(5), "new server", |l| {
-        l.contains(&addr) && l.contains(&b_addr)
-    })
-    .await;
-    let mut answers = Vec::new();
-    for _ in 0..4 {
-        answers.push(within("call", who.whoami()).await.expect("call"));
-    }
-    assert!(answers.iter().any(|a| a == "b"), "{answers:?}");
-    within("shutdown", b.shutdown()).await;
+    a_new_server_gets_calls(&etcd, &mut w, &who, Some(&addr)).await;
     within("shutdown", server.shutdown()).await;
 }
 

@@ -332,9 +332,10 @@ async fn one_connection_over_the_limit_is_refused_with_the_reason() {
     within("shutdown", server.shutdown()).await;
 }
 
-/// FRAMEWORK BUG (see the report): a client that reuses a `message_id` while the first call
-/// is still registered makes the server lose one answer and leak one unit of its in-flight
-/// count, so a later graceful shutdown waits the whole drain timeout although nothing runs.
+/// A client that reuses a `message_id` while the first call still runs gets a 500 for the second
+/// and loses nothing: the first call is answered, and a later graceful shutdown does not wait the
+/// whole drain timeout for a call that is not running (the server once overwrote the first
+/// call's entry, lost its answer and leaked its in-flight count).
 #[tokio::test]
 async fn a_reused_message_id_does_not_stall_a_later_graceful_shutdown() {
     let reg = InProcessRegistry::new();
