@@ -1,22 +1,39 @@
 //! Bulkhead: the server's concurrency cap. Full means Overflow at once, never a queue.
+//!
+//! A counting semaphore on one atomic: since a full bulkhead never queues a caller, it needs no
+//! wait list, and taking and returning a slot are one atomic operation each (a semaphore with a
+//! wait queue takes a lock to return a permit, on every call).
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use rpc_core::{RpcError, StatusCode};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// Caps calls handled at once.
 #[derive(Debug, Clone)]
 pub struct Bulkhead {
-    slots: Arc<Semaphore>,
+    in_use: Arc<AtomicUsize>,
     size: usize,
+}
+
+/// A slot of a [`Bulkhead`], returned when dropped.
+#[derive(Debug)]
+#[must_use = "the slot is returned as soon as the permit is dropped"]
+pub struct Permit {
+    in_use: Arc<AtomicUsize>,
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        self.in_use.fetch_sub(1, Ordering::Release);
+    }
 }
 
 impl Bulkhead {
     /// Room for `size` calls at once.
     pub fn new(size: usize) -> Self {
         Bulkhead {
-            slots: Arc::new(Semaphore::new(size)),
+            in_use: Arc::new(AtomicUsize::new(0)),
             size,
         }
     }
@@ -28,21 +45,30 @@ impl Bulkhead {
 
     /// Calls being handled now.
     pub fn in_use(&self) -> usize {
-        self.size - self.slots.available_permits()
+        self.in_use.load(Ordering::Acquire)
     }
 
     /// Takes a slot for as long as the permit lives, or answers Overflow (515) at once.
-    pub fn try_enter(&self, entry: &str) -> Result<OwnedSemaphorePermit, RpcError> {
-        self.slots.clone().try_acquire_owned().map_err(|_| {
-            RpcError::new(
+    pub fn try_enter(&self, entry: &str) -> Result<Permit, RpcError> {
+        // Never counts past the cap, so `in_use` is exact even while callers are refused.
+        let taken = self
+            .in_use
+            .fetch_update(Ordering::Acquire, Ordering::Relaxed, |n| {
+                (n < self.size).then_some(n + 1)
+            });
+        match taken {
+            Ok(_) => Ok(Permit {
+                in_use: self.in_use.clone(),
+            }),
+            Err(_) => Err(RpcError::new(
                 StatusCode::OverflowMaxServerHandle,
                 format!(
                     "{entry} is at its cap of {} concurrent calls; the call was not run, retry \
                      on another endpoint",
                     self.size
                 ),
-            )
-        })
+            )),
+        }
     }
 }
 
@@ -61,5 +87,23 @@ mod tests {
         drop(p1);
         assert_eq!(b.in_use(), 1);
         assert!(b.try_enter("e").is_ok());
+    }
+
+    #[test]
+    fn slots_come_back_under_contention() {
+        let b = Bulkhead::new(3);
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                s.spawn(|| {
+                    for _ in 0..10_000 {
+                        if let Ok(p) = b.try_enter("e") {
+                            assert!(b.in_use() <= 3);
+                            drop(p);
+                        }
+                    }
+                });
+            }
+        });
+        assert_eq!(b.in_use(), 0);
     }
 }

@@ -3,9 +3,11 @@
 //! call's `rpc.server` span.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::net::SocketAddr;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -84,13 +86,16 @@ impl InvokeHandler for Dispatcher {
             }
         };
         let metrics = self.metrics.start(route.method);
-        let handler = route
-            .service
-            .call(route.index, invoke.parameters.clone(), codec);
-        let fallback = route
-            .fallback
-            .clone()
-            .map(|f| (f, route.index, invoke.parameters));
+        // What only a failing call needs is cloned only when a fallback is registered.
+        let fallback = route.fallback.as_ref().map(|f| ServerFallback {
+            service: f.clone(),
+            index: route.index,
+            parameters: invoke.parameters.clone(),
+            events: self.events.clone(),
+            entry_id: route.entry.clone(),
+            endpoint: self.endpoint.clone(),
+        });
+        let handler = route.service.call(route.index, invoke.parameters, codec);
         let deadline = (invoke.timeout_ms > 0).then(|| {
             (
                 Instant::now() + Duration::from_millis(invoke.timeout_ms.into()),
@@ -98,8 +103,6 @@ impl InvokeHandler for Dispatcher {
             )
         });
         let entry = invoke.service_entry_id;
-        let (events, entry_id) = (self.events.clone(), route.entry.clone());
-        let endpoint = self.endpoint.clone();
         let call_span = span.clone();
         // The handler (and the fallback) run in the caller's call context, so the calls they
         // make carry its attachments on; the span covers the first poll, made inline by the
@@ -107,19 +110,18 @@ impl InvokeHandler for Dispatcher {
         let call = async move {
             let result = run_guarded(handler, deadline, &entry).await;
             let result = match (result, fallback) {
-                (Err(e), Some((fb, index, params)))
-                    if fallback::applies(&e, fallback::Side::Server) =>
-                {
+                (Err(e), Some(fb)) if fallback::applies(&e, fallback::Side::Server) => {
                     // On the call's span: a trace shows why the fallback ran. The server sees
                     // each attempt of a caller as a call of its own: attempt 0.
-                    events.emit_parts(
+                    fb.events.emit_parts(
                         EventKind::Fallback,
-                        &entry_id,
-                        Some(&endpoint),
+                        &fb.entry_id,
+                        Some(&fb.endpoint),
                         0,
                         Some(e.to_string()),
                     );
-                    let answer = run_guarded(fb.call(index, params, codec), deadline, &entry).await;
+                    let handler = fb.service.call(fb.index, fb.parameters, codec);
+                    let answer = run_guarded(handler, deadline, &entry).await;
                     fallback::outcome(&entry, e, answer)
                 }
                 (r, _) => r,
@@ -144,6 +146,16 @@ impl InvokeHandler for Dispatcher {
     }
 }
 
+/// A registered server fallback and what it needs to run after the handler failed.
+struct ServerFallback {
+    service: Arc<dyn Service>,
+    index: usize,
+    parameters: Bytes,
+    events: EventBus,
+    entry_id: Arc<str>,
+    endpoint: Arc<str>,
+}
+
 async fn run_guarded(
     handler: futures_util::future::BoxFuture<'static, Result<Bytes, RpcError>>,
     deadline: Option<(Instant, u32)>,
@@ -155,6 +167,13 @@ async fn run_guarded(
         AssertUnwindSafe(handler).catch_unwind(),
     );
     let outcome = if let Some((deadline, budget_ms)) = deadline {
+        // Most handlers answer in their first poll: the deadline's timer is armed only for one
+        // that has to wait.
+        let mut guarded = std::pin::pin!(guarded);
+        let first = std::future::poll_fn(|cx| Poll::Ready(guarded.as_mut().poll(cx))).await;
+        if let Poll::Ready(outcome) = first {
+            return settle(outcome, entry);
+        }
         match tokio::time::timeout_at(deadline, guarded).await {
             Ok(o) => o,
             Err(_) => {
@@ -170,6 +189,14 @@ async fn run_guarded(
     } else {
         guarded.await
     };
+    settle(outcome, entry)
+}
+
+/// The handler's result, or a panic turned into an error (520) that names the entry.
+fn settle(
+    outcome: std::thread::Result<Result<Bytes, RpcError>>,
+    entry: &str,
+) -> Result<Bytes, RpcError> {
     outcome.unwrap_or_else(|panic| {
         let what = panic
             .downcast_ref::<&str>()

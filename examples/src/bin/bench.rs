@@ -446,7 +446,7 @@ async fn run_load(
                     break;
                 }
                 let ok = matches!(
-                    echo.echo(payload.to_string()).await,
+                    echo.echo(String::from(&*payload)).await,
                     Ok(answer) if answer.len() == payload.len()
                 );
                 let t1 = Instant::now();
