@@ -1,5 +1,6 @@
 //! Per-connection limits, each tested with a misbehaving raw TCP client: calls running at once
-//! on one connection, attachments per call (count and bytes). Refused calls are answered at once
+//! on one connection, attachments per call (count and bytes), slow loris (a frame dribbled a
+//! byte at a time, before and after the handshake). Refused calls are answered at once
 //! and never run; other connections are served as before.
 
 mod common;
@@ -9,7 +10,10 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
 use common::{within, RawConn};
-use rpc::crates::core::wire::{frame::Kind, RemoteInvokeMessage, RemoteResultMessage};
+use rpc::crates::core::wire::{
+    frame::Kind, Frame, GoAway, Hello, RemoteInvokeMessage, RemoteResultMessage,
+};
+use rpc::crates::transport::FrameCodec;
 use rpc::{Client, Codec, InProcessRegistry, RpcError, Server, ServerHandle, StatusCode};
 
 #[rpc::service(name = "t.Limits")]
@@ -158,5 +162,131 @@ async fn too_many_or_too_large_attachments_are_refused_and_not_run() {
         "{r:?}"
     );
     assert_eq!(gate.ran.load(Ordering::SeqCst), 1);
+    server.shutdown().await;
+}
+
+/// Slow loris: a client that keeps a connection busy by sending one byte of a frame at a time,
+/// never completing it. Only complete frames count as traffic, so the dribbler is closed at the
+/// idle timeout (or at the handshake timeout, before `Hello` is complete) however steadily its
+/// bytes arrive, and the server serves everyone else meanwhile.
+/// Returns the bytes dribbled before the server closed, the bytes the whole frame would have
+/// needed, and the server's `GoAway`.
+async fn dribble_until_closed(
+    addr: std::net::SocketAddr,
+    handshake: bool,
+) -> (usize, usize, GoAway) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let stream = within("connect", tokio::net::TcpStream::connect(addr))
+        .await
+        .expect("connect");
+    let (mut rd, mut wr) = stream.into_split();
+    let mut hello = bytes::BytesMut::new();
+    FrameCodec::encode_kind(
+        Kind::Hello(Hello {
+            protocol_version: 1,
+            token: String::new(),
+            client_id: "slow-loris".into(),
+        }),
+        &mut hello,
+    );
+    let mut call = bytes::BytesMut::new();
+    FrameCodec::encode_kind(invoke(1, BTreeMap::new()), &mut call);
+    let mut sent = 0usize;
+    if handshake {
+        wr.write_all(&hello).await.expect("hello");
+    }
+    let partial = if handshake { call } else { hello };
+    let whole = partial.len();
+    // The attack: one byte every 20 ms, never the last one. Bounded: the frame has at most a
+    // few dozen bytes, the loop stops when the server closes.
+    let dribbler = tokio::spawn(async move {
+        for byte in &partial[..partial.len() - 1] {
+            if wr.write_all(&[*byte]).await.is_err() {
+                break;
+            }
+            sent += 1;
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        (sent, wr)
+    });
+    let mut received = Vec::new();
+    within(
+        "the server closes the dribbling connection",
+        rd.read_to_end(&mut received),
+    )
+    .await
+    .expect("read until closed");
+    let (sent, _wr) = dribbler.await.expect("dribbler");
+    // Everything the server sent: HelloAck (after a complete Hello), then its GoAway.
+    let mut frames = Vec::new();
+    let mut rest = &received[..];
+    while rest.len() >= 4 {
+        let len = u32::from_be_bytes([rest[0], rest[1], rest[2], rest[3]]) as usize;
+        let frame = <Frame as prost::Message>::decode(&rest[4..4 + len]).expect("a Frame");
+        frames.push(frame.kind.expect("a kind"));
+        rest = &rest[4 + len..];
+    }
+    match frames.pop() {
+        Some(Kind::GoAway(g)) => (sent, whole, g),
+        other => panic!("expected a GoAway last, got {other:?} after {frames:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_slow_loris_is_closed_at_the_idle_timeout_and_others_are_served() {
+    let gate = Arc::new(Gate {
+        open: tokio::sync::Semaphore::new(1000),
+        ran: AtomicU32::new(0),
+    });
+    let reg = InProcessRegistry::new();
+    let server = Server::builder()
+        .registry(reg.clone())
+        .idle_timeout(std::time::Duration::from_millis(150))
+        .add_service(LimitsServer::from_arc(gate.clone()))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let (sent, whole, g) = dribble_until_closed(server.local_addr(), true).await;
+    assert!(g.reason.contains("idle for 150 ms"), "{g:?}");
+    // Bytes kept arriving, more often than the idle timeout, and did not keep the connection:
+    // it was closed before the frame could have been complete.
+    assert!(
+        sent >= 2 && sent < whole - 1,
+        "dribbled {sent} of {whole} bytes"
+    );
+    assert_eq!(
+        gate.ran.load(Ordering::SeqCst),
+        0,
+        "the partial call never ran"
+    );
+    let client = LimitsClient::new(Client::builder().registry(reg).build());
+    assert_eq!(
+        within("a well-behaved call", client.hold("ok".into()))
+            .await
+            .expect("served"),
+        "ok"
+    );
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_slow_hello_is_closed_at_the_handshake_timeout() {
+    let gate = Arc::new(Gate {
+        open: tokio::sync::Semaphore::new(1000),
+        ran: AtomicU32::new(0),
+    });
+    let server = Server::builder()
+        .handshake_timeout(std::time::Duration::from_millis(150))
+        .add_service(LimitsServer::from_arc(gate))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let (sent, whole, g) = dribble_until_closed(server.local_addr(), false).await;
+    assert_eq!(g.status_code, StatusCode::Timeout.as_u32(), "{g:?}");
+    assert!(g.reason.contains("150 ms"), "{g:?}");
+    assert!(
+        sent >= 2 && sent < whole - 1,
+        "dribbled {sent} of {whole} bytes"
+    );
     server.shutdown().await;
 }
