@@ -1,1 +1,6 @@
 //! Integration tests live in `tests/tests/`.
+//!
+//! This library holds what the tests share with the helper programs of this package
+//! (`src/bin/`), which the tests start as separate processes.
+
+pub mod chaos;
