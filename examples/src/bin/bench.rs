@@ -196,25 +196,60 @@ fn main() -> ExitCode {
 
 // ------------------------------------------------------------------------------------ measuring
 
-/// User plus system CPU time of the whole process so far, and its voluntary and involuntary
-/// context switches.
-fn process_usage() -> (Duration, i64, i64) {
+/// What the process has used so far: CPU and context switches.
+#[derive(Debug, Clone, Copy, Default)]
+struct Usage {
+    /// User plus system CPU time.
+    cpu: Duration,
+    /// Voluntary context switches.
+    vcsw: i64,
+    /// Involuntary context switches.
+    ivcsw: i64,
+}
+
+impl std::ops::Sub for Usage {
+    type Output = Usage;
+    fn sub(self, earlier: Usage) -> Usage {
+        Usage {
+            cpu: self.cpu.saturating_sub(earlier.cpu),
+            vcsw: self.vcsw - earlier.vcsw,
+            ivcsw: self.ivcsw - earlier.ivcsw,
+        }
+    }
+}
+
+impl Usage {
+    /// `key=value` fields for a RESULT or SERVER line, per request where it makes sense.
+    fn fields(&self, requests: u64) -> String {
+        let cpu_us = if requests > 0 {
+            self.cpu.as_secs_f64() * 1e6 / requests as f64
+        } else {
+            0.0
+        };
+        format!(
+            "cpu_us_per_req={cpu_us:.3} vcsw={} ivcsw={}",
+            self.vcsw, self.ivcsw
+        )
+    }
+}
+
+fn process_usage() -> Usage {
     // SAFETY: `rusage` is plain data for which all-zero bytes are a valid value, and
     // `getrusage` only writes into the struct it is given.
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
     // SAFETY: `ru` is a valid, writable `rusage`.
     let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
     if rc != 0 {
-        return (Duration::ZERO, 0, 0);
+        return Usage::default();
     }
     let time = |t: libc::timeval| {
         Duration::from_secs(t.tv_sec.max(0) as u64) + Duration::from_micros(t.tv_usec.max(0) as u64)
     };
-    (
-        time(ru.ru_utime) + time(ru.ru_stime),
-        ru.ru_nvcsw as i64,
-        ru.ru_nivcsw as i64,
-    )
+    Usage {
+        cpu: time(ru.ru_utime) + time(ru.ru_stime),
+        vcsw: ru.ru_nvcsw as i64,
+        ivcsw: ru.ru_nivcsw as i64,
+    }
 }
 
 /// Peak resident memory of the process so far, in KiB (`ru_maxrss`).
@@ -256,7 +291,7 @@ impl Echo for LocalEcho {
 
 fn server_main(args: &Args) -> Result<(), String> {
     let wall0 = Instant::now();
-    let (cpu0, _, _) = process_usage();
+    let at_start = process_usage();
     let rt = args.runtime()?;
     let peer = args.peer_name.as_str();
     rt.block_on(async {
@@ -277,18 +312,13 @@ fn server_main(args: &Args) -> Result<(), String> {
         std::mem::forget(server);
         Ok::<(), String>(())
     })?;
-    let (cpu1, vcsw, ivcsw) = process_usage();
-    let cpu = (cpu1 - cpu0).as_secs_f64();
+    let used = process_usage() - at_start;
     let served = SERVED.load(Ordering::Relaxed);
     println!(
-        "SERVER peer={peer} served={served} cpu_s={cpu:.3} wall_s={:.3} cpu_us_per_req={:.3} \
-         vcsw={vcsw} ivcsw={ivcsw} maxrss_kb={}",
+        "SERVER peer={peer} served={served} cpu_s={:.3} wall_s={:.3} {} maxrss_kb={}",
+        used.cpu.as_secs_f64(),
         wall0.elapsed().as_secs_f64(),
-        if served > 0 {
-            cpu * 1e6 / served as f64
-        } else {
-            0.0
-        },
+        used.fields(served),
         peak_rss_kb(),
     );
     let _ = std::io::stdout().flush();
@@ -314,9 +344,7 @@ struct Measured {
     hist: Histogram<u64>,
     errors: u64,
     secs: f64,
-    cpu: Duration,
-    vcsw: i64,
-    ivcsw: i64,
+    used: Usage,
 }
 
 fn client_main(args: &Args) -> Result<(), String> {
@@ -332,12 +360,12 @@ fn client_main(args: &Args) -> Result<(), String> {
     let rt = args.runtime()?;
     let m = rt.block_on(run_load(args, governance, warmup, duration))?;
     let n = m.hist.len();
-    let cpu = m.cpu.as_secs_f64();
+    let cpu = m.used.cpu.as_secs_f64();
     let us = |q: f64| m.hist.value_at_quantile(q) as f64 / 1000.0;
     println!(
         "RESULT peer={} mode=client label={} payload={} conc={} conns={} requests={n} errors={} \
          secs={:.3} qps={:.1} p50_us={:.1} p99_us={:.1} p999_us={:.1} max_us={:.1} mean_us={:.1} \
-         cpu_s={cpu:.3} cpu_cores={:.3} cpu_us_per_req={:.3} vcsw={} ivcsw={} maxrss_kb={}",
+         cpu_s={cpu:.3} cpu_cores={:.3} {} maxrss_kb={}",
         args.peer_name,
         if args.label.is_empty() {
             "-"
@@ -356,9 +384,7 @@ fn client_main(args: &Args) -> Result<(), String> {
         m.hist.max() as f64 / 1000.0,
         m.hist.mean() / 1000.0,
         cpu / m.secs,
-        if n > 0 { cpu * 1e6 / n as f64 } else { 0.0 },
-        m.vcsw,
-        m.ivcsw,
+        m.used.fields(n),
         peak_rss_kb(),
     );
     let _ = std::io::stdout().flush();
@@ -469,8 +495,8 @@ async fn run_load(
         errors += e;
         last = last.max(l);
     }
-    let (cpu1, vcsw1, ivcsw1) = process_usage();
-    let (cpu0, vcsw0, ivcsw0) = at_begin
+    let at_end = process_usage();
+    let at_begin = at_begin
         .join()
         .map_err(|_| "the CPU sampling thread panicked".to_string())?;
     let mut hist = histogram();
@@ -483,9 +509,7 @@ async fn run_load(
         hist,
         errors,
         secs: (last - begin).as_secs_f64().max(1e-9),
-        cpu: cpu1.saturating_sub(cpu0),
-        vcsw: vcsw1 - vcsw0,
-        ivcsw: ivcsw1 - ivcsw0,
+        used: at_end - at_begin,
     })
 }
 
