@@ -28,6 +28,12 @@ pub struct CodecError {
     reason: String,
 }
 
+/// How deeply arrays and maps may nest in decoded bytes, for both codecs: serde_json's fixed
+/// limit, applied to MessagePack too so that both accept the same values. Decoding recurses once
+/// per level; rmp-serde's own default (1024 levels) lets a peer overflow a 2 MiB thread stack
+/// (a tokio worker's) in a debug build, which aborts the whole process.
+const MAX_DEPTH: usize = 128;
+
 impl Codec {
     /// Encodes a value. The argument list of a call is encoded as one tuple, which both codecs
     /// write as an array.
@@ -53,7 +59,11 @@ impl Codec {
     /// Decodes a value.
     pub fn decode<T: DeserializeOwned>(self, bytes: &[u8]) -> Result<T, CodecError> {
         let result = match self {
-            Codec::MsgPack => rmp_serde::from_slice(bytes).map_err(|e| e.to_string()),
+            Codec::MsgPack => {
+                let mut de = rmp_serde::Deserializer::from_read_ref(bytes);
+                de.set_max_depth(MAX_DEPTH);
+                T::deserialize(&mut de).map_err(|e| e.to_string())
+            }
             Codec::Json => serde_json::from_slice(bytes).map_err(|e| e.to_string()),
         };
         result.map_err(|reason| CodecError {
@@ -148,6 +158,27 @@ mod tests {
         }
         assert_eq!(&Codec::MsgPack.encode(&NoArgs).unwrap()[..], &[0x90]);
         assert_eq!(&Codec::Json.encode(&NoArgs).unwrap()[..], b"[]");
+    }
+
+    #[test]
+    fn both_codecs_refuse_the_same_nesting() {
+        // `depth` nested arrays: [[[...]]], decoded into a type that follows the nesting.
+        let msgpack = |depth: usize| -> Vec<u8> {
+            let mut bytes = vec![0x91; depth - 1];
+            bytes.push(0x90);
+            bytes
+        };
+        let json = |depth: usize| format!("{}{}", "[".repeat(depth), "]".repeat(depth));
+        for (depth, ok) in [(MAX_DEPTH - 1, true), (MAX_DEPTH, false)] {
+            let decoded = Codec::MsgPack.decode::<serde_json::Value>(&msgpack(depth));
+            assert_eq!(
+                decoded.is_ok(),
+                ok,
+                "MessagePack, depth {depth}: {decoded:?}"
+            );
+            let decoded = Codec::Json.decode::<serde_json::Value>(json(depth).as_bytes());
+            assert_eq!(decoded.is_ok(), ok, "JSON, depth {depth}: {decoded:?}");
+        }
     }
 
     #[test]
