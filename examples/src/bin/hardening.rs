@@ -37,7 +37,10 @@
 //!   - `slow_loris`: after Hello, one byte of a frame every 100 ms;
 //!   - `conn_flood`: connections up to `--max-connections` held, plus connectors that retry
 //!     as soon as they are refused;
-//!   - `all`: every kind above at once.
+//!   - `all`: every kind above at once;
+//!   - `cpu_control` (not in `all`): no traffic, the attackers' thread busy for
+//!     `--control-cores` (0.3 by default, about what the busiest attackers take): what taking
+//!     that much CPU from the machine costs by itself.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -170,6 +173,7 @@ enum AttackKind {
     SlowLoris,
     ConnFlood,
     All,
+    CpuControl,
 }
 
 impl AttackKind {
@@ -193,6 +197,7 @@ impl AttackKind {
             AttackKind::SlowLoris => "slow_loris",
             AttackKind::ConnFlood => "conn_flood",
             AttackKind::All => "all",
+            AttackKind::CpuControl => "cpu_control",
         }
     }
 }
@@ -204,7 +209,7 @@ struct AttackArgs {
         long,
         value_enum,
         value_delimiter = ',',
-        default_value = "oversized,attachments,in-flight,unread-answers,no-handshake,slow-loris,conn-flood,all"
+        default_value = "oversized,attachments,in-flight,unread-answers,no-handshake,slow-loris,conn-flood,all,cpu-control"
     )]
     kinds: Vec<AttackKind>,
     /// Measured seconds of each window.
@@ -229,6 +234,9 @@ struct AttackArgs {
     /// Calls sent without reading by unread_answers, at most.
     #[arg(long, default_value_t = 300_000)]
     unread_limit: u64,
+    /// cpu_control: CPU cores the attackers' thread keeps busy.
+    #[arg(long, default_value_t = 0.3)]
+    control_cores: f64,
     /// The server's connection limit (conn_flood fills it).
     #[arg(long, default_value_t = 256)]
     max_connections: usize,
@@ -800,6 +808,7 @@ struct Ctx {
     errors: AtomicU64,
     max_in_flight: usize,
     unread_limit: u64,
+    control_cores: f64,
 }
 
 impl Ctx {
@@ -822,12 +831,13 @@ impl Attack {
         limit: Duration,
     ) -> Result<Attack, String> {
         let stop = Arc::new(AtomicBool::new(false));
-        let (attackers, idle, max_in_flight, max_connections, unread_limit) = (
+        let (attackers, idle, max_in_flight, max_connections, unread_limit, control_cores) = (
             a.attackers,
             a.idle_attackers,
             a.max_in_flight,
             a.max_connections,
             a.unread_limit,
+            a.control_cores,
         );
         let stop2 = stop.clone();
         let thread = std::thread::Builder::new()
@@ -856,6 +866,7 @@ impl Attack {
                         errors: AtomicU64::new(0),
                         max_in_flight,
                         unread_limit,
+                        control_cores,
                     });
                     let kinds: Vec<AttackKind> = if kind == AttackKind::All {
                         AttackKind::EACH.to_vec()
@@ -867,7 +878,7 @@ impl Attack {
                         let n = match k {
                             AttackKind::NoHandshake | AttackKind::SlowLoris => idle,
                             AttackKind::ConnFlood => max_connections + 64,
-                            AttackKind::UnreadAnswers => 1,
+                            AttackKind::UnreadAnswers | AttackKind::CpuControl => 1,
                             _ => attackers,
                         };
                         for _ in 0..n {
@@ -1012,6 +1023,7 @@ async fn attacker(kind: AttackKind, ctx: Arc<Ctx>) {
         AttackKind::NoHandshake => no_handshake(&ctx).await,
         AttackKind::SlowLoris => slow_loris(&ctx).await,
         AttackKind::ConnFlood => conn_flood(&ctx).await,
+        AttackKind::CpuControl => cpu_control(&ctx).await,
         AttackKind::All => {}
     }
 }
@@ -1113,14 +1125,15 @@ async fn unread_answers(ctx: &Ctx) {
                 &mut batch,
             );
         }
-        match tokio::time::timeout(STEP, s.write_all(&batch)).await {
+        // A write cut short would leave half a frame: wait for it, within the attack's time.
+        match tokio::time::timeout_at(ctx.until, s.write_all(&batch)).await {
             Ok(Ok(())) => ctx.op(1000),
             Ok(Err(_)) => {
                 ctx.error();
                 return;
             }
-            // The server stopped reading: the connection is held as it is.
-            Err(_) => {}
+            // The server stopped reading until the end.
+            Err(_) => break,
         }
     }
     // Hold the connection, answers unread, until the attack ends.
@@ -1182,6 +1195,23 @@ async fn conn_flood(ctx: &Ctx) {
                 Ok(Ok(0)) | Ok(Err(_)) => break,
                 _ => {}
             }
+        }
+    }
+}
+
+/// No traffic: the attackers' thread keeps busy for `control_cores` of its time, to show what
+/// taking that much CPU from the machine costs the well-behaved callers by itself.
+async fn cpu_control(ctx: &Ctx) {
+    let (t0, c0) = (Instant::now(), thread_cpu());
+    while !ctx.done() {
+        if thread_cpu() - c0 < ctx.control_cores * t0.elapsed().as_secs_f64() {
+            let spin = Instant::now();
+            while spin.elapsed() < Duration::from_micros(100) {
+                std::hint::spin_loop();
+            }
+            ctx.op(1);
+        } else {
+            tokio::time::sleep(Duration::from_millis(1)).await;
         }
     }
 }
