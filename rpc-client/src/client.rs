@@ -119,6 +119,15 @@ impl ClientBuilder {
         self
     }
 
+    /// Connects to every server over TLS (feature `tls`), verifying each server's certificate
+    /// against the roots of `tls` and presenting its client certificate when it has one. The
+    /// TLS handshake counts within the connect timeout.
+    #[cfg(feature = "tls")]
+    pub fn tls(mut self, tls: rpc_transport::tls::ClientTls) -> Self {
+        self.connect.tls = Some(tls);
+        self
+    }
+
     /// Connections opened to each endpoint and used in turn (1 by default).
     pub fn connections_per_endpoint(mut self, n: usize) -> Self {
         self.connections_per_endpoint = n.max(1);

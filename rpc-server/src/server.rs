@@ -139,6 +139,15 @@ impl ServerBuilder {
         self
     }
 
+    /// Serves every connection over TLS (feature `tls`): the server presents the certificate
+    /// chain of `tls` and, when it requires client certificates, refuses clients without one
+    /// signed by its client CA. The TLS handshake counts within the handshake timeout.
+    #[cfg(feature = "tls")]
+    pub fn tls(mut self, tls: rpc_transport::tls::ServerTls) -> Self {
+        self.options.tls = Some(tls);
+        self
+    }
+
     /// Connections held at once (10 000 by default).
     pub fn max_connections(mut self, n: usize) -> Self {
         self.options.max_connections = n;

@@ -10,14 +10,14 @@ use rpc_core::wire::{
     frame::Kind, Cancel, Hello, Ping, Pong, RemoteInvokeMessage, RemoteResultMessage,
 };
 use rpc_core::{RpcError, StatusCode, PROTOCOL_VERSION};
-use tokio::net::tcp::OwnedReadHalf;
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 use tokio::sync::{oneshot, Notify};
 use tokio::time::Instant;
 use tokio_util::codec::FramedRead;
 use tokio_util::sync::CancellationToken;
 
-use crate::codec::FrameCodec;
+use crate::codec::{FrameCodec, FrameError};
 use crate::writer::{spawn_writer, FrameSender};
 use crate::READ_BUFFER;
 
@@ -35,6 +35,10 @@ pub struct ConnectOptions {
     /// A `Ping` is sent after this long without traffic; the connection is closed when nothing
     /// at all arrived for three intervals.
     pub heartbeat_interval: Duration,
+    /// TLS to the server (feature `tls`); `None` connects over plain TCP. The TLS handshake
+    /// counts within `connect_timeout`.
+    #[cfg(feature = "tls")]
+    pub tls: Option<crate::tls::ClientTls>,
 }
 
 impl Default for ConnectOptions {
@@ -45,6 +49,8 @@ impl Default for ConnectOptions {
             max_frame_length: rpc_core::DEFAULT_MAX_FRAME_LENGTH,
             connect_timeout: Duration::from_secs(3),
             heartbeat_interval: Duration::from_secs(10),
+            #[cfg(feature = "tls")]
+            tls: None,
         }
     }
 }
@@ -103,7 +109,9 @@ impl Connection {
     /// Connects to `addr`, sends `Hello` and waits for `HelloAck`.
     ///
     /// Errors: [`StatusCode::CommunicationError`] when the server cannot be reached or the
-    /// handshake fails; [`StatusCode::RpcUnAuthentication`] when the server refuses the token.
+    /// handshake fails (with TLS: also when the server's certificate is not trusted);
+    /// [`StatusCode::RpcUnAuthentication`] when the server refuses the token or, with TLS, the
+    /// client's certificate.
     pub async fn connect(addr: &str, options: &ConnectOptions) -> Result<Connection, RpcError> {
         tokio::time::timeout(options.connect_timeout, Self::connect_inner(addr, options))
             .await
@@ -125,7 +133,30 @@ impl Connection {
         stream
             .set_nodelay(true)
             .map_err(|e| comm_error(addr, format!("TCP_NODELAY: {e}")))?;
+        // The connected socket becomes its reader and writer here, and only here: plain TCP
+        // splits in place (no lock between the halves), TLS splits the stream after its
+        // handshake. Everything after is generic over the halves.
+        #[cfg(feature = "tls")]
+        if let Some(tls) = &options.tls {
+            let (rd, wr) = tokio::io::split(tls.connect(addr, stream).await?);
+            return Self::start(addr, rd, wr, options).await;
+        }
         let (rd, wr) = stream.into_split();
+        Self::start(addr, rd, wr, options).await
+    }
+
+    /// Sends `Hello` on a connected stream, waits for `HelloAck` and starts the connection's
+    /// tasks.
+    async fn start<R, W>(
+        addr: &str,
+        rd: R,
+        wr: W,
+        options: &ConnectOptions,
+    ) -> Result<Connection, RpcError>
+    where
+        R: AsyncRead + Unpin + Send + 'static,
+        W: AsyncWrite + Unpin + Send + 'static,
+    {
         let in_flight = Arc::new(AtomicUsize::new(0));
         let close = CancellationToken::new();
         let sender = spawn_writer(wr, in_flight.clone(), close.clone());
@@ -154,7 +185,7 @@ impl Connection {
             }
             Some(Err(e)) => {
                 close.cancel();
-                return Err(comm_error(addr, format!("handshake failed: {e}")));
+                return Err(handshake_failed(addr, e));
             }
             None => {
                 close.cancel();
@@ -301,8 +332,31 @@ impl Drop for PendingGuard<'_> {
     }
 }
 
-async fn read_loop(
-    mut frames: FramedRead<OwnedReadHalf, FrameCodec>,
+fn handshake_failed(addr: &str, e: FrameError) -> RpcError {
+    // With TLS 1.3 a server that refuses the client's certificate says so after the client's
+    // side of the TLS handshake is done: its alert is the first thing read.
+    #[cfg(feature = "tls")]
+    if let FrameError::Io(io) = &e {
+        if let Some(err) = crate::tls::handshake_error(addr, io) {
+            return err;
+        }
+    }
+    if let FrameError::TooLarge { len, .. } = e {
+        // The first bytes of a TLS record (an alert or a handshake, version 3.x) read as a
+        // length prefix.
+        if matches!(len >> 24, 0x15 | 0x16) && (len >> 16) & 0xff == 0x03 {
+            return comm_error(
+                addr,
+                "handshake failed: the server answered with TLS; connect with TLS (feature \
+                 `tls`: `ClientBuilder::tls` or `ConnectOptions::tls`)",
+            );
+        }
+    }
+    comm_error(addr, format!("handshake failed: {e}"))
+}
+
+async fn read_loop<R: AsyncRead + Unpin>(
+    mut frames: FramedRead<R, FrameCodec>,
     shared: Arc<Shared>,
     received: Arc<AtomicU64>,
 ) {

@@ -10,6 +10,9 @@
 //! it with one syscall, and one reader that decodes every complete frame in its buffer before
 //! waiting again. `TCP_NODELAY` is on.
 //!
+//! With feature `tls`, connections run over TLS (rustls) when `ServerOptions::tls` and
+//! `ConnectOptions::tls` say so, with mutual TLS as an option: see the `tls` module.
+//!
 //! This crate knows frames, not services: it must not look inside parameters, choose endpoints or
 //! apply governance policies. The server side hands each call to an [`InvokeHandler`].
 //!
@@ -39,6 +42,8 @@ mod client;
 mod codec;
 mod pool;
 mod server;
+#[cfg(feature = "tls")]
+pub mod tls;
 mod writer;
 
 pub use client::{ConnectOptions, Connection};

@@ -14,6 +14,7 @@ use rpc_core::wire::{
 };
 use rpc_core::{StatusCode, PROTOCOL_VERSION};
 use subtle::ConstantTimeEq;
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, Semaphore};
 use tokio::time::Instant;
@@ -49,6 +50,10 @@ pub struct ServerOptions {
     pub max_attachments: usize,
     /// Total bytes of one call's attachment keys and values.
     pub max_attachment_bytes: usize,
+    /// TLS on every connection (feature `tls`); `None` serves plain TCP. The TLS handshake
+    /// counts within `handshake_timeout`.
+    #[cfg(feature = "tls")]
+    pub tls: Option<crate::tls::ServerTls>,
 }
 
 impl Default for ServerOptions {
@@ -64,6 +69,8 @@ impl Default for ServerOptions {
             max_in_flight_per_connection: 1024,
             max_attachments: 64,
             max_attachment_bytes: 16 * 1024,
+            #[cfg(feature = "tls")]
+            tls: None,
         }
     }
 }
@@ -91,8 +98,13 @@ pub async fn serve(
     options: ServerOptions,
     shutdown: CancellationToken,
 ) {
-    let options = Arc::new(options);
-    let slots = Arc::new(Semaphore::new(options.max_connections));
+    let max_connections = options.max_connections;
+    let server = Arc::new(Served {
+        handler,
+        options,
+        shutdown: shutdown.clone(),
+    });
+    let slots = Arc::new(Semaphore::new(max_connections));
     let mut conns = tokio::task::JoinSet::new();
     loop {
         let accepted = tokio::select! {
@@ -102,19 +114,17 @@ pub async fn serve(
         };
         match accepted {
             Ok((stream, peer)) => {
-                let handler = handler.clone();
-                let options = options.clone();
-                let shutdown = shutdown.clone();
+                let server = server.clone();
                 match slots.clone().try_acquire_owned() {
                     Ok(permit) => {
                         conns.spawn(async move {
-                            serve_connection(stream, peer, handler, options, shutdown).await;
+                            serve_connection(stream, peer, server, true).await;
                             drop(permit);
                         });
                     }
                     Err(_) => {
-                        tracing::warn!(%peer, max = options.max_connections, "connection refused: too many connections");
-                        conns.spawn(refuse(stream, options.max_connections));
+                        tracing::warn!(%peer, max = max_connections, "connection refused: too many connections");
+                        conns.spawn(serve_connection(stream, peer, server, false));
                     }
                 }
             }
@@ -129,8 +139,40 @@ pub async fn serve(
     while conns.join_next().await.is_some() {}
 }
 
-async fn refuse(stream: TcpStream, max: usize) {
-    let (_rd, wr) = stream.into_split();
+/// What every connection of one server shares.
+struct Served {
+    handler: Arc<dyn InvokeHandler>,
+    options: ServerOptions,
+    shutdown: CancellationToken,
+}
+
+/// An accepted socket becomes its reader and writer here, and only here: plain TCP splits the
+/// socket in place (no lock between the halves); TLS runs its handshake first, within
+/// `handshake_timeout`, and splits the TLS stream. Everything after is generic over the halves,
+/// so neither path pays for the other. A connection over `max_connections` (`admitted` false)
+/// is told so with a `GoAway` and closed.
+async fn serve_connection(
+    stream: TcpStream,
+    peer: SocketAddr,
+    server: Arc<Served>,
+    admitted: bool,
+) {
+    let _ = stream.set_nodelay(true);
+    let hello_by = Instant::now() + server.options.handshake_timeout;
+    #[cfg(feature = "tls")]
+    if let Some(tls) = &server.options.tls {
+        let timeout = server.options.handshake_timeout;
+        if let Some(stream) = tls.accept(stream, peer, hello_by, timeout).await {
+            let (rd, wr) = tokio::io::split(stream);
+            run_connection(rd, wr, peer, &server, hello_by, admitted).await;
+        }
+        return;
+    }
+    let (rd, wr) = stream.into_split();
+    run_connection(rd, wr, peer, &server, hello_by, admitted).await;
+}
+
+async fn refuse<W: AsyncWrite + Unpin + Send + 'static>(wr: W, max: usize) {
     let close = CancellationToken::new();
     let sender = spawn_writer(wr, Arc::new(AtomicUsize::new(0)), close.clone());
     sender.send(go_away(
@@ -160,22 +202,33 @@ impl Conn {
     }
 }
 
-async fn serve_connection(
-    stream: TcpStream,
+async fn run_connection<R, W>(
+    rd: R,
+    wr: W,
     peer: SocketAddr,
-    handler: Arc<dyn InvokeHandler>,
-    options: Arc<ServerOptions>,
-    shutdown: CancellationToken,
-) {
-    let _ = stream.set_nodelay(true);
-    let (rd, wr) = stream.into_split();
+    server: &Served,
+    hello_by: Instant,
+    admitted: bool,
+) where
+    R: AsyncRead + Unpin + Send + 'static,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
+    let Served {
+        handler,
+        options,
+        shutdown,
+    } = server;
+    if !admitted {
+        refuse(wr, options.max_connections).await;
+        return;
+    }
     let in_flight = Arc::new(AtomicUsize::new(0));
     let close = CancellationToken::new();
     let sender = spawn_writer(wr, in_flight.clone(), close.clone());
     let mut frames =
         FramedRead::with_capacity(rd, FrameCodec::new(options.max_frame_length), READ_BUFFER);
 
-    if let Err((code, reason)) = handshake(&mut frames, &sender, &options).await {
+    if let Err((code, reason)) = handshake(&mut frames, &sender, options, hello_by).await {
         tracing::info!(%peer, %reason, "handshake refused");
         sender.send(go_away(code, reason));
         close.cancel();
@@ -202,7 +255,7 @@ async fn serve_connection(
     let (mut frames_seen, mut frames_at_check) = (0u64, 0u64);
     let ctx = FrameCtx {
         conn: &conn,
-        options: &options,
+        options,
         handler: handler.as_ref(),
         peer,
     };
@@ -230,7 +283,7 @@ async fn serve_connection(
 
     let reason = match ended {
         Some(reason) => Some(reason),
-        None if shutdown.is_cancelled() => drain(&ctx, &mut frames, &options).await,
+        None if shutdown.is_cancelled() => drain(&ctx, &mut frames, options).await,
         None => None,
     };
     if let Some(reason) = reason {
@@ -245,9 +298,9 @@ const DRAIN_LINGER: Duration = Duration::from_millis(500);
 
 /// Shutdown: `GoAway`, then wait for the calls in flight (reading on, for `Cancel`) until the
 /// drain deadline; calls still running then are answered 520 and dropped.
-async fn drain(
+async fn drain<R: AsyncRead + Unpin>(
     ctx: &FrameCtx<'_>,
-    frames: &mut FramedRead<tokio::net::tcp::OwnedReadHalf, FrameCodec>,
+    frames: &mut FramedRead<R, FrameCodec>,
     options: &ServerOptions,
 ) -> Option<String> {
     let conn = ctx.conn;
@@ -472,12 +525,15 @@ pub fn error_result(code: StatusCode, message: impl Into<String>) -> RemoteResul
     }
 }
 
-async fn handshake(
-    frames: &mut FramedRead<tokio::net::tcp::OwnedReadHalf, FrameCodec>,
+/// Reads `Hello` (by `hello_by`: `handshake_timeout` after the accept, TLS included) and answers
+/// `HelloAck`, or says why the client is refused.
+async fn handshake<R: AsyncRead + Unpin>(
+    frames: &mut FramedRead<R, FrameCodec>,
     sender: &FrameSender,
     options: &ServerOptions,
+    hello_by: Instant,
 ) -> Result<(), (StatusCode, String)> {
-    let first = tokio::time::timeout(options.handshake_timeout, frames.next())
+    let first = tokio::time::timeout_at(hello_by, frames.next())
         .await
         .map_err(|_| {
             (

@@ -5,8 +5,7 @@ use std::sync::Arc;
 
 use bytes::BytesMut;
 use rpc_core::wire::frame::Kind;
-use tokio::io::AsyncWriteExt;
-use tokio::net::tcp::OwnedWriteHalf;
+use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -30,13 +29,13 @@ impl FrameSender {
     }
 }
 
-/// Starts the writer task for `wr`.
+/// Starts the writer task for `wr`: the write half of a TCP socket, or of a TLS stream.
 ///
 /// `in_flight` counts calls whose frames are still to come (pending calls on a client, running
 /// handlers on a server): when more are in flight than the batch holds, the writer yields once
 /// before writing so that their frames share the write. At low load it writes at once.
-pub(crate) fn spawn_writer(
-    wr: OwnedWriteHalf,
+pub(crate) fn spawn_writer<W: AsyncWrite + Unpin + Send + 'static>(
+    wr: W,
     in_flight: Arc<AtomicUsize>,
     close: CancellationToken,
 ) -> FrameSender {
@@ -45,9 +44,9 @@ pub(crate) fn spawn_writer(
     FrameSender { tx }
 }
 
-async fn write_loop(
+async fn write_loop<W: AsyncWrite + Unpin>(
     mut rx: mpsc::UnboundedReceiver<Kind>,
-    mut wr: OwnedWriteHalf,
+    mut wr: W,
     in_flight: Arc<AtomicUsize>,
     close: CancellationToken,
 ) {
@@ -81,7 +80,9 @@ async fn write_loop(
             }
             break;
         }
-        if wr.write_all(&buf).await.is_err() {
+        // `flush` costs nothing on a TCP socket; a TLS stream may still hold the end of the
+        // batch after `write_all` when the socket was full.
+        if wr.write_all(&buf).await.is_err() || wr.flush().await.is_err() {
             break;
         }
         buf.clear();

@@ -63,6 +63,13 @@ pub use rpc_server::{Server, ServerBuilder, ServerHandle, Service, ServiceFuture
 #[cfg(feature = "otel")]
 pub mod telemetry;
 
+/// TLS on the connections (feature `tls`): pass a [`ServerTls`](tls::ServerTls) to
+/// [`ServerBuilder::tls`] and a [`ClientTls`](tls::ClientTls) to [`ClientBuilder::tls`].
+#[cfg(feature = "tls")]
+pub mod tls {
+    pub use rpc_transport::tls::{ClientTls, ServerTls};
+}
+
 /// The README's quick start, compiled and run as a test.
 #[doc = include_str!("../../README.md")]
 #[cfg(doctest)]
