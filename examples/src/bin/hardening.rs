@@ -18,7 +18,9 @@
 //!   slow dependency would). The client has no retry and no circuit breaker, so every answer of
 //!   the server reaches the measurement as it is. First C = `--cap` closed-loop callers (the cap's
 //!   worth: unloaded), then `--factor` × C callers: latency of admitted calls (p50/p99), latency
-//!   of Overflow (515) answers, and the server's memory before, at most during and after.
+//!   of Overflow (515) answers, and the server's memory before, at most during and after; then
+//!   the latency of Overflow answers to a single quiet caller while C calls of `hold` (100 ×
+//!   `--work-us`) keep the cap full.
 //! - `attack`: per attack kind, a fresh server (`--max-connections`, `--max-in-flight` per
 //!   connection, 1 MiB frames, default attachment limits of 64 and 16 KiB, handshake timeout
 //!   5 s, idle timeout 60 s) and `--good-callers` closed-loop callers of
@@ -66,6 +68,8 @@ trait Target {
     async fn echo(&self, text: String) -> Result<String, RpcError>;
     /// Answers after the server's `--work-us`.
     async fn work(&self, text: String) -> Result<String, RpcError>;
+    /// Answers after 100 × the server's `--work-us`.
+    async fn hold(&self, text: String) -> Result<String, RpcError>;
 }
 
 struct Node {
@@ -78,6 +82,10 @@ impl Target for Node {
     }
     async fn work(&self, text: String) -> Result<String, RpcError> {
         tokio::time::sleep(self.work).await;
+        Ok(text)
+    }
+    async fn hold(&self, text: String) -> Result<String, RpcError> {
+        tokio::time::sleep(self.work * 100).await;
         Ok(text)
     }
 }
@@ -454,6 +462,7 @@ impl Window {
 enum Call {
     Echo,
     Work,
+    Hold,
 }
 
 /// `callers` closed-loop callers for `length` (and at most `max_calls` calls each).
@@ -479,6 +488,7 @@ async fn window(
                 let r = match call {
                     Call::Echo => target.echo(text.clone()).await,
                     Call::Work => target.work(text.clone()).await,
+                    Call::Hold => target.hold(text.clone()).await,
                 };
                 let took = t0.elapsed();
                 match r {
@@ -572,6 +582,15 @@ fn overload_main(a: OverloadArgs) -> Result<(), String> {
         tokio::time::sleep(Duration::from_millis(500)).await;
         let rss_after = server.rss_kib();
 
+        // Overflow answers to a quiet client: the cap held by slow calls, one caller asking.
+        let holders = tokio::spawn({
+            let target = target.clone();
+            async move { window(&target, Call::Hold, a.cap, length, a.max_calls).await }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let quiet = window(&target, Call::Echo, 1, length / 2, a.max_calls).await;
+        let _ = holders.await;
+
         let p99_unloaded = unloaded.ok.at(0.99);
         let p99_loaded = loaded.ok.at(0.99);
         println!(
@@ -611,6 +630,15 @@ fn overload_main(a: OverloadArgs) -> Result<(), String> {
             loaded.overflow.at(0.5),
             loaded.overflow.at(0.99),
             loaded.overflow.at(1.0)
+        );
+        println!(
+            "overflow_quiet answers={} p50_us={} p99_us={} admitted={} (cap held by {} calls of \
+             100 × work, one caller)",
+            quiet.overflow.len(),
+            quiet.overflow.at(0.5),
+            quiet.overflow.at(0.99),
+            quiet.ok.len(),
+            a.cap
         );
         println!(
             "server_rss_kib before={rss_before} during_max={rss_during} after={rss_after} \
