@@ -42,7 +42,10 @@
 //!   - `all`: every kind above at once;
 //!   - `cpu_control` (not in `all`): no traffic, the attackers' thread busy for
 //!     `--control-cores` (0.3 by default, about what the busiest attackers take): what taking
-//!     that much CPU from the machine costs by itself.
+//!     that much CPU from the machine costs by itself;
+//!   - `churn_control` (not in `all`): what `oversized` does, against a listener of the
+//!     attackers' own that reads, answers 32 bytes and closes: what that connection churn costs
+//!     the machine without the server taking part.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -182,6 +185,7 @@ enum AttackKind {
     ConnFlood,
     All,
     CpuControl,
+    ChurnControl,
 }
 
 impl AttackKind {
@@ -206,6 +210,7 @@ impl AttackKind {
             AttackKind::ConnFlood => "conn_flood",
             AttackKind::All => "all",
             AttackKind::CpuControl => "cpu_control",
+            AttackKind::ChurnControl => "churn_control",
         }
     }
 }
@@ -217,7 +222,7 @@ struct AttackArgs {
         long,
         value_enum,
         value_delimiter = ',',
-        default_value = "oversized,attachments,in-flight,unread-answers,no-handshake,slow-loris,conn-flood,all,cpu-control"
+        default_value = "oversized,attachments,in-flight,unread-answers,no-handshake,slow-loris,conn-flood,all,cpu-control,churn-control"
     )]
     kinds: Vec<AttackKind>,
     /// Measured seconds of each window.
@@ -1052,18 +1057,45 @@ async fn attacker(kind: AttackKind, ctx: Arc<Ctx>) {
         AttackKind::SlowLoris => slow_loris(&ctx).await,
         AttackKind::ConnFlood => conn_flood(&ctx).await,
         AttackKind::CpuControl => cpu_control(&ctx).await,
+        AttackKind::ChurnControl => churn_control(&ctx).await,
         AttackKind::All => {}
     }
 }
 
 /// Hello, then a frame announcing 1 GiB; the server must refuse it from the prefix alone.
 async fn oversized(ctx: &Ctx) {
+    oversized_at(ctx, ctx.addr).await;
+}
+
+/// What `oversized` does, against a listener of this thread that reads, answers 32 bytes and
+/// closes: the cost of the connection churn alone, without the server.
+async fn churn_control(ctx: &Ctx) {
+    let Ok(listener) = tokio::net::TcpListener::bind("127.0.0.1:0").await else {
+        ctx.error();
+        return;
+    };
+    let Ok(addr) = listener.local_addr() else {
+        ctx.error();
+        return;
+    };
+    let until = ctx.until;
+    let acceptor = tokio::spawn(async move {
+        while let Ok(Ok((mut s, _))) = tokio::time::timeout_at(until, listener.accept()).await {
+            let mut sink = [0u8; 64];
+            let _ = s.read(&mut sink).await;
+            let _ = s.write_all(&[0u8; 32]).await;
+        }
+    });
+    oversized_at(ctx, addr).await;
+    acceptor.abort();
+}
+
+async fn oversized_at(ctx: &Ctx, addr: SocketAddr) {
     let mut buf = BytesMut::new();
     frame(hello(), &mut buf);
     buf.put_u32(1 << 30);
     while !ctx.done() {
-        let Ok(Ok(mut s)) = tokio::time::timeout(STEP * 10, TcpStream::connect(ctx.addr)).await
-        else {
+        let Ok(Ok(mut s)) = tokio::time::timeout(STEP * 10, TcpStream::connect(addr)).await else {
             back_off(ctx).await;
             continue;
         };
