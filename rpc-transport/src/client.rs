@@ -21,8 +21,8 @@ use crate::codec::{FrameCodec, FrameError};
 use crate::writer::{spawn_writer, FrameSender};
 use crate::READ_BUFFER;
 
-/// How a client connects.
-#[derive(Debug, Clone)]
+/// How a client connects. Its `Debug` form shows whether a token is set, never the token.
+#[derive(Clone)]
 pub struct ConnectOptions {
     /// Sent in `Hello.token`; `None` sends an empty token.
     pub token: Option<String>,
@@ -52,6 +52,20 @@ impl Default for ConnectOptions {
             #[cfg(feature = "tls")]
             tls: None,
         }
+    }
+}
+
+impl std::fmt::Debug for ConnectOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut d = f.debug_struct("ConnectOptions");
+        d.field("token", &crate::Redacted(&self.token))
+            .field("client_id", &self.client_id)
+            .field("max_frame_length", &self.max_frame_length)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("heartbeat_interval", &self.heartbeat_interval);
+        #[cfg(feature = "tls")]
+        d.field("tls", &self.tls);
+        d.finish()
     }
 }
 

@@ -54,3 +54,15 @@ pub use server::{error_result, serve, Dispatch, InvokeHandler, ServerOptions};
 /// Initial capacity of each connection's read buffer: 64 KiB, so a 4 KiB payload stream needs no
 /// regrowth and many small frames arrive in one read.
 const READ_BUFFER: usize = 64 * 1024;
+
+/// Shows a secret as set or not, never its value (`Debug` of the options that hold a token).
+struct Redacted<'a>(&'a Option<String>);
+
+impl std::fmt::Debug for Redacted<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self.0 {
+            Some(_) => "Some(<redacted>)",
+            None => "None",
+        })
+    }
+}

@@ -26,8 +26,9 @@ use crate::codec::FrameCodec;
 use crate::writer::{spawn_writer, FrameSender};
 use crate::READ_BUFFER;
 
-/// Connection-level settings of a server.
-#[derive(Debug, Clone)]
+/// Connection-level settings of a server. Its `Debug` form shows whether a token is set, never
+/// the token.
+#[derive(Clone)]
 pub struct ServerOptions {
     /// Required `Hello.token`; `None` accepts any.
     pub token: Option<String>,
@@ -72,6 +73,28 @@ impl Default for ServerOptions {
             #[cfg(feature = "tls")]
             tls: None,
         }
+    }
+}
+
+impl std::fmt::Debug for ServerOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut d = f.debug_struct("ServerOptions");
+        d.field("token", &crate::Redacted(&self.token))
+            .field("server_id", &self.server_id)
+            .field("max_frame_length", &self.max_frame_length)
+            .field("handshake_timeout", &self.handshake_timeout)
+            .field("idle_timeout", &self.idle_timeout)
+            .field("drain_timeout", &self.drain_timeout)
+            .field("max_connections", &self.max_connections)
+            .field(
+                "max_in_flight_per_connection",
+                &self.max_in_flight_per_connection,
+            )
+            .field("max_attachments", &self.max_attachments)
+            .field("max_attachment_bytes", &self.max_attachment_bytes);
+        #[cfg(feature = "tls")]
+        d.field("tls", &self.tls);
+        d.finish()
     }
 }
 

@@ -130,3 +130,87 @@ async fn a_bad_token_on_the_wire_gets_go_away_517_and_the_connection_closes() {
     }
     within("shutdown", server.shutdown()).await;
 }
+
+/// Everything written through `tracing` while the test runs, at every level.
+#[derive(Clone, Default)]
+struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Captured {
+    type Writer = Captured;
+    fn make_writer(&'a self) -> Captured {
+        self.clone()
+    }
+}
+
+/// The token is a secret: neither the server's nor the client's logs (at trace level), nor the
+/// errors callers see, nor the `Debug` form of the settings that hold it, contain it.
+#[tokio::test]
+async fn the_token_never_appears_in_logs_errors_or_debug_output() {
+    let logs = Captured::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::TRACE)
+        .with_writer(logs.clone())
+        .with_ansi(false)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    let wrong = "wrong-s3cret-guess";
+    let reg = InProcessRegistry::new();
+    let (server, _) = serve(&reg, Some(TOKEN)).await;
+    let good = client(&reg, Some(TOKEN));
+    assert_eq!(
+        within("good call", good.secret()).await.expect("served"),
+        "gold"
+    );
+    let err = within("bad call", client(&reg, Some(wrong)).secret())
+        .await
+        .expect_err("refused");
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    let go_away = format!("{:?}", raw.hello(wrong).await);
+    within("shutdown", server.shutdown()).await;
+
+    let server_settings = format!(
+        "{:?}",
+        rpc::crates::transport::ServerOptions {
+            token: Some(TOKEN.into()),
+            ..Default::default()
+        }
+    );
+    let client_settings = format!(
+        "{:?}",
+        rpc::crates::transport::ConnectOptions {
+            token: Some(TOKEN.into()),
+            ..Default::default()
+        }
+    );
+    assert!(server_settings.contains("token"), "{server_settings}");
+    let logs = String::from_utf8(logs.0.lock().unwrap().clone()).expect("utf-8 logs");
+    assert!(
+        logs.contains("handshake refused"),
+        "the refusal is logged: {logs}"
+    );
+    for (what, text) in [
+        ("logs", logs.as_str()),
+        ("the caller's error", &err.to_string()),
+        ("the GoAway", &go_away),
+        ("ServerOptions' Debug", &server_settings),
+        ("ConnectOptions' Debug", &client_settings),
+    ] {
+        for secret in [TOKEN, wrong] {
+            assert!(
+                !text.contains(secret),
+                "{what} contain the token {secret:?}: {text}"
+            );
+        }
+    }
+}
