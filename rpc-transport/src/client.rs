@@ -378,10 +378,14 @@ async fn read_loop<R: AsyncRead + Unpin>(
     let closing = shared.close.cancelled();
     tokio::pin!(closing);
     let reason = loop {
-        let next = tokio::select! {
-            biased;
-            _ = &mut closing => break "connection closed".to_string(),
-            f = frames.next() => f,
+        // Answers already read are handed out before the close signal is polled again.
+        let next = match crate::codec::buffered(&mut frames) {
+            Some(frame) => Some(frame),
+            None => tokio::select! {
+                biased;
+                _ = &mut closing => break "connection closed".to_string(),
+                f = frames.next() => f,
+            },
         };
         received.fetch_add(1, Ordering::Relaxed);
         match next {

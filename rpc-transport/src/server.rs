@@ -284,6 +284,15 @@ async fn run_connection<R, W>(
     };
 
     let ended: Option<String> = loop {
+        // Frames already read are handled before anything else is polled: the shutdown and
+        // idle checks run once per read from the socket, not once per frame.
+        if let Some(next) = crate::codec::buffered(&mut frames) {
+            frames_seen += 1;
+            if let Err(end) = ctx.on_frame(Some(next), false) {
+                break end;
+            }
+            continue;
+        }
         let next = tokio::select! {
             biased;
             _ = &mut shutdown_signal => break None,
