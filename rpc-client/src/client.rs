@@ -501,12 +501,15 @@ impl Client {
     }
 
     /// A pooled connection to `addr`; connecting counts against the call's deadline. (When the
-    /// connection exists this returns at once and no timer is armed.)
+    /// connection exists it is returned at once, before any timer is armed.)
     async fn connection(
         &self,
         addr: &str,
         deadline: Option<Instant>,
     ) -> Result<rpc_transport::Connection, RpcError> {
+        if let Some(conn) = self.inner.pool.try_get(addr) {
+            return Ok(conn);
+        }
         match deadline {
             None => self.inner.pool.get(addr).await,
             Some(d) => tokio::time::timeout_at(d, self.inner.pool.get(addr))

@@ -46,6 +46,18 @@ impl ConnectionPool {
         &self.inner.options
     }
 
+    /// A usable connection to `addr` if the pool holds one, without connecting: the fast path
+    /// for callers that arm a timer only when a connect is needed.
+    pub fn try_get(&self, addr: &str) -> Option<Connection> {
+        let endpoint = self.inner.slots.get(addr)?;
+        let i = if endpoint.conns.len() == 1 {
+            0
+        } else {
+            endpoint.next.fetch_add(1, Ordering::Relaxed) % endpoint.conns.len()
+        };
+        usable(&endpoint.conns[i])
+    }
+
     /// A usable connection to `addr`, connecting when there is none.
     pub async fn get(&self, addr: &str) -> Result<Connection, RpcError> {
         let endpoint = match self.inner.slots.get(addr) {
