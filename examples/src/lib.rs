@@ -49,7 +49,7 @@ impl Echo for EchoService {
         if !self.delay.is_zero() {
             tokio::time::sleep(self.delay).await;
         }
-        if self.fail_every > 0 && n % self.fail_every == 0 {
+        if self.fail_every > 0 && n.is_multiple_of(self.fail_every) {
             return Err(RpcError::business(format!(
                 "call #{n} refused on purpose (--fail-every {})",
                 self.fail_every
