@@ -132,10 +132,19 @@ impl ServerBuilder {
     }
 
     /// Attachments one call may carry, and their total bytes (64 and 16 KiB by default); a call
-    /// over either is answered 500 without running.
+    /// over either is answered 500 without running, and a connection that keeps sending such
+    /// calls is closed (see [`rpc_transport::ABUSE_LIMIT`]).
     pub fn max_attachments(mut self, count: usize, bytes: usize) -> Self {
         self.options.max_attachments = count;
         self.options.max_attachment_bytes = bytes;
+        self
+    }
+
+    /// Bytes of answers one connection may have queued and unwritten (1 MiB by default): above
+    /// it, as with a client that does not read its answers, the server takes no more calls from
+    /// that connection until they are written.
+    pub fn max_unsent_bytes(mut self, n: usize) -> Self {
+        self.options.max_unsent_bytes = n;
         self
     }
 

@@ -49,7 +49,9 @@ mod writer;
 pub use client::{ConnectOptions, Connection};
 pub use codec::{FrameCodec, FrameError};
 pub use pool::ConnectionPool;
-pub use server::{error_result, serve, Dispatch, InvokeHandler, ServerOptions};
+pub use server::{
+    error_result, serve, Dispatch, InvokeHandler, ServerOptions, ABUSE_LIMIT, REFUSALS_BEFORE_PAUSE,
+};
 
 /// Initial capacity of each connection's read buffer: 64 KiB, so a 4 KiB payload stream needs no
 /// regrowth and many small frames arrive in one read.

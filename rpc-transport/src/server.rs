@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
@@ -49,8 +49,14 @@ pub struct ServerOptions {
     pub max_in_flight_per_connection: usize,
     /// Attachments one call may carry.
     pub max_attachments: usize,
-    /// Total bytes of one call's attachment keys and values.
+    /// Total bytes of one call's attachment keys and values. A connection whose calls break
+    /// the attachment limits more than [`ABUSE_LIMIT`] times is closed.
     pub max_attachment_bytes: usize,
+    /// Answers queued on one connection and not yet written, in bytes (about: payload and
+    /// message of each answer plus 64). Above this, as when a client sends calls but does not
+    /// read the answers, the server stops reading that connection's calls until the answers are
+    /// written, so memory stays bounded and TCP pushes back on the client.
+    pub max_unsent_bytes: usize,
     /// TLS on every connection (feature `tls`); `None` serves plain TCP. The TLS handshake
     /// counts within `handshake_timeout`.
     #[cfg(feature = "tls")]
@@ -70,6 +76,7 @@ impl Default for ServerOptions {
             max_in_flight_per_connection: 1024,
             max_attachments: 64,
             max_attachment_bytes: 16 * 1024,
+            max_unsent_bytes: 1024 * 1024,
             #[cfg(feature = "tls")]
             tls: None,
         }
@@ -91,12 +98,23 @@ impl std::fmt::Debug for ServerOptions {
                 &self.max_in_flight_per_connection,
             )
             .field("max_attachments", &self.max_attachments)
-            .field("max_attachment_bytes", &self.max_attachment_bytes);
+            .field("max_attachment_bytes", &self.max_attachment_bytes)
+            .field("max_unsent_bytes", &self.max_unsent_bytes);
         #[cfg(feature = "tls")]
         d.field("tls", &self.tls);
         d.finish()
     }
 }
+
+/// Calls breaking the attachment limits that one connection may send before it is closed: a
+/// client that keeps doing it is broken or hostile, and each such call costs the server a full
+/// decode.
+pub const ABUSE_LIMIT: u32 = 8;
+
+/// Calls refused in a row at a connection's in-flight limit after which the server stops
+/// reading that connection until one of its calls finishes: the first are answered Overflow at
+/// once, the rest wait in TCP instead of costing the server a refusal each.
+pub const REFUSALS_BEFORE_PAUSE: u32 = 64;
 
 /// What the server does with one call.
 pub enum Dispatch {
@@ -217,6 +235,12 @@ struct Conn {
     in_flight: Arc<AtomicUsize>,
     tasks: Mutex<HashMap<u64, AbortHandle, ahash::RandomState>>,
     idle: Notify,
+    /// Woken when a spawned call finishes (for a reader paused at the in-flight limit).
+    finished: Notify,
+    /// Calls refused in a row at the in-flight limit.
+    refused_in_a_row: AtomicU32,
+    /// Calls that broke the attachment limits.
+    abuses: AtomicU32,
 }
 
 impl Conn {
@@ -263,6 +287,9 @@ async fn run_connection<R, W>(
         in_flight,
         tasks: Mutex::new(HashMap::default()),
         idle: Notify::new(),
+        finished: Notify::new(),
+        refused_in_a_row: AtomicU32::new(0),
+        abuses: AtomicU32::new(0),
     });
     // Runs however the connection ends, including when its task is aborted: running handlers
     // are dropped and the socket is closed.
@@ -284,14 +311,25 @@ async fn run_connection<R, W>(
     };
 
     let ended: Option<String> = loop {
+        // No more calls are taken while the client leaves its answers unread, nor after many
+        // calls in a row were refused at the in-flight limit, until a running call finishes:
+        // the frames wait in the read buffer and in TCP.
+        let backlogged = conn.sender.backlog().bytes() > options.max_unsent_bytes;
+        let at_limit = conn.refused_in_a_row.load(Ordering::Relaxed) >= REFUSALS_BEFORE_PAUSE
+            && conn.in_flight.load(Ordering::Acquire) >= options.max_in_flight_per_connection;
+        let paused = backlogged || at_limit;
         // Frames already read are handled before anything else is polled: the shutdown and
-        // idle checks run once per read from the socket, not once per frame.
-        if let Some(next) = crate::codec::buffered(&mut frames) {
-            frames_seen += 1;
-            if let Err(end) = ctx.on_frame(Some(next), false) {
-                break end;
+        // idle checks run once per read from the socket, not once per frame. Each counts
+        // against the task's scheduling budget, so one busy connection cannot hold a worker.
+        if !paused {
+            if let Some(next) = crate::codec::buffered(&mut frames) {
+                frames_seen += 1;
+                if let Err(end) = ctx.on_frame(Some(next), false) {
+                    break end;
+                }
+                tokio::task::coop::consume_budget().await;
+                continue;
             }
-            continue;
         }
         let next = tokio::select! {
             biased;
@@ -305,7 +343,9 @@ async fn run_connection<R, W>(
                 }
                 break Some(format!("idle for {} ms: closing", options.idle_timeout.as_millis()));
             }
-            f = frames.next() => f,
+            _ = conn.sender.backlog().written(), if backlogged => continue,
+            _ = conn.finished.notified(), if at_limit && !backlogged => continue,
+            f = frames.next(), if !paused => f,
         };
         frames_seen += 1;
         if let Err(end) = ctx.on_frame(next, false) {
@@ -399,6 +439,7 @@ impl FrameCtx<'_> {
         let o = self.options;
         let running = self.conn.in_flight.load(Ordering::Acquire);
         if running >= o.max_in_flight_per_connection {
+            self.conn.refused_in_a_row.fetch_add(1, Ordering::Relaxed);
             return Some((
                 StatusCode::OverflowMaxServerHandle,
                 format!(
@@ -407,8 +448,10 @@ impl FrameCtx<'_> {
                 ),
             ));
         }
+        self.conn.refused_in_a_row.store(0, Ordering::Relaxed);
         let a = &invoke.attachments;
         if a.len() > o.max_attachments {
+            self.conn.abuses.fetch_add(1, Ordering::Relaxed);
             return Some((
                 StatusCode::FrameworkError,
                 format!(
@@ -421,6 +464,7 @@ impl FrameCtx<'_> {
         if !a.is_empty() {
             let bytes: usize = a.iter().map(|(k, v)| k.len() + v.len()).sum();
             if bytes > o.max_attachment_bytes {
+                self.conn.abuses.fetch_add(1, Ordering::Relaxed);
                 return Some((
                     StatusCode::FrameworkError,
                     format!(
@@ -456,7 +500,16 @@ impl FrameCtx<'_> {
                     let mut r = error_result(code, why);
                     r.message_id = id;
                     conn.sender.send(Kind::Result(r));
-                } else if conn.tasks().contains_key(&id) {
+                    let abuses = conn.abuses.load(Ordering::Relaxed);
+                    if abuses > ABUSE_LIMIT {
+                        return Err(Some(format!(
+                            "{abuses} calls broke the attachment limits: closing the connection"
+                        )));
+                    }
+                } else if conn.in_flight.load(Ordering::Acquire) > 0
+                    && conn.tasks().contains_key(&id)
+                {
+                    // (With no call running, the map of running calls is empty.)
                     let mut r = error_result(
                         StatusCode::FrameworkError,
                         format!(
@@ -477,6 +530,7 @@ impl FrameCtx<'_> {
                     if conn.in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
                         conn.idle.notify_one();
                     }
+                    conn.finished.notify_one();
                 }
                 Ok(())
             }
@@ -542,6 +596,7 @@ fn dispatch(conn: &Arc<Conn>, outcome: Dispatch, id: u64) {
                     if conn.in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
                         conn.idle.notify_one();
                     }
+                    conn.finished.notify_one();
                 }
             });
         }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use bytes::BytesMut;
 use rpc_core::wire::frame::Kind;
 use tokio::io::{AsyncWrite, AsyncWriteExt};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Notify};
 use tokio_util::sync::CancellationToken;
 
 use crate::codec::FrameCodec;
@@ -20,12 +20,60 @@ const BUFFER: usize = 64 * 1024;
 #[derive(Debug, Clone)]
 pub(crate) struct FrameSender {
     tx: mpsc::UnboundedSender<Kind>,
+    backlog: Arc<Backlog>,
+}
+
+/// Bytes queued for the writer and not yet written (an estimate: the payload and message of
+/// each frame plus a fixed overhead), so that a server can stop reading from a client that does
+/// not read its answers instead of queueing them without bound.
+#[derive(Debug, Default)]
+pub(crate) struct Backlog {
+    bytes: AtomicUsize,
+    /// Woken when the writer has written a batch.
+    written: Notify,
+}
+
+impl Backlog {
+    /// Bytes queued and not yet written.
+    pub(crate) fn bytes(&self) -> usize {
+        self.bytes.load(Ordering::Relaxed)
+    }
+
+    /// Resolves after the writer's next completed write (at once if one completed since the
+    /// last wait). For one waiter.
+    pub(crate) fn written(&self) -> tokio::sync::futures::Notified<'_> {
+        self.written.notified()
+    }
+}
+
+/// What a frame is counted as in the backlog: its variable parts plus the rest of the message.
+fn estimate(kind: &Kind) -> usize {
+    const FIXED: usize = 64;
+    FIXED
+        + match kind {
+            Kind::Result(r) => r.result.len() + r.exception_message.len(),
+            Kind::Invoke(i) => i.parameters.len() + i.service_entry_id.len(),
+            Kind::GoAway(g) => g.reason.len(),
+            _ => 0,
+        }
 }
 
 impl FrameSender {
     /// Queues a frame; false when the connection is closed.
     pub(crate) fn send(&self, kind: Kind) -> bool {
-        self.tx.send(kind).is_ok()
+        // Counted before it can reach the writer, which subtracts it once written.
+        let n = estimate(&kind);
+        self.backlog.bytes.fetch_add(n, Ordering::Relaxed);
+        if self.tx.send(kind).is_err() {
+            self.backlog.bytes.fetch_sub(n, Ordering::Relaxed);
+            return false;
+        }
+        true
+    }
+
+    /// The bytes queued behind this sender.
+    pub(crate) fn backlog(&self) -> &Backlog {
+        &self.backlog
     }
 }
 
@@ -40,14 +88,16 @@ pub(crate) fn spawn_writer<W: AsyncWrite + Unpin + Send + 'static>(
     close: CancellationToken,
 ) -> FrameSender {
     let (tx, rx) = mpsc::unbounded_channel();
-    tokio::spawn(write_loop(rx, wr, in_flight, close));
-    FrameSender { tx }
+    let backlog = Arc::new(Backlog::default());
+    tokio::spawn(write_loop(rx, wr, in_flight, backlog.clone(), close));
+    FrameSender { tx, backlog }
 }
 
 async fn write_loop<W: AsyncWrite + Unpin>(
     mut rx: mpsc::UnboundedReceiver<Kind>,
     mut wr: W,
     in_flight: Arc<AtomicUsize>,
+    backlog: Arc<Backlog>,
     close: CancellationToken,
 ) {
     let mut buf = BytesMut::with_capacity(BUFFER);
@@ -60,6 +110,7 @@ async fn write_loop<W: AsyncWrite + Unpin>(
             _ = &mut closing => None,
         };
         let Some(first) = first else { break };
+        let mut counted = estimate(&first);
         FrameCodec::encode_kind(first, &mut buf);
         let mut frames = 1usize;
         let mut yielded = false;
@@ -67,6 +118,7 @@ async fn write_loop<W: AsyncWrite + Unpin>(
             while buf.len() < MAX_BATCH {
                 match rx.try_recv() {
                     Ok(kind) => {
+                        counted += estimate(&kind);
                         FrameCodec::encode_kind(kind, &mut buf);
                         frames += 1;
                     }
@@ -85,6 +137,10 @@ async fn write_loop<W: AsyncWrite + Unpin>(
         if wr.write_all(&buf).await.is_err() || wr.flush().await.is_err() {
             break;
         }
+        backlog.bytes.fetch_sub(counted, Ordering::Relaxed);
+        // One waiter at most (the connection's reader); a permit is kept if it is not waiting
+        // yet, so a write between its check and its wait is not missed.
+        backlog.written.notify_one();
         buf.clear();
         if buf.capacity() > 4 * MAX_BATCH {
             // A burst of large frames grew the buffer: give the memory back.

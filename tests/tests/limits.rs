@@ -290,3 +290,131 @@ async fn a_slow_hello_is_closed_at_the_handshake_timeout() {
     );
     server.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_connection_that_keeps_breaking_the_attachment_limits_is_closed() {
+    let gate = Arc::new(Gate {
+        open: tokio::sync::Semaphore::new(1000),
+        ran: AtomicU32::new(0),
+    });
+    let (server, reg) = setup(gate.clone()).await;
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.handshake().await;
+    let many: BTreeMap<String, String> = (0..5).map(|i| (format!("k{i}"), "v".into())).collect();
+    let limit = rpc::crates::transport::ABUSE_LIMIT as u64;
+    for id in 1..=limit + 5 {
+        raw.send(invoke(id, many.clone())).await.expect("send");
+    }
+    // Each is answered 500 until the limit is passed; then the connection is closed.
+    for id in 1..=limit + 1 {
+        let r = answer(&mut raw).await;
+        assert_eq!((r.message_id, r.status_code), (id, 500), "{r:?}");
+    }
+    let g = raw.expect_go_away().await;
+    assert!(g.reason.contains("broke the attachment limits"), "{g:?}");
+    raw.expect_closed().await;
+    assert_eq!(gate.ran.load(Ordering::SeqCst), 0, "none of them ran");
+    let client = LimitsClient::new(Client::builder().registry(reg).build());
+    assert_eq!(
+        within("a well-behaved call", client.hold("ok".into()))
+            .await
+            .expect("served"),
+        "ok"
+    );
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn after_many_refusals_at_the_in_flight_limit_the_server_waits_for_a_call_to_finish() {
+    let gate = Arc::new(Gate {
+        open: tokio::sync::Semaphore::new(0),
+        ran: AtomicU32::new(0),
+    });
+    let (server, _reg) = setup(gate.clone()).await;
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.handshake().await;
+    // The limit is 3: three calls are held, then a hundred more arrive.
+    let pause = u64::from(rpc::crates::transport::REFUSALS_BEFORE_PAUSE);
+    let extra = pause + 36;
+    for id in 1..=3 + extra {
+        raw.send(invoke(id, BTreeMap::new())).await.expect("send");
+    }
+    // The first `pause` of them are refused at once...
+    for _ in 0..pause {
+        let r = answer(&mut raw).await;
+        assert_eq!(r.status_code, 515, "{r:?}");
+    }
+    assert_eq!(gate.ran.load(Ordering::SeqCst), 3);
+    // ...and the rest wait unread until the held calls finish; then they are served.
+    gate.open.add_permits(1000);
+    let (mut ok, mut refused) = (0, 0);
+    for _ in 0..3 + (extra - pause) {
+        match answer(&mut raw).await.status_code {
+            200 => ok += 1,
+            515 => refused += 1,
+            other => panic!("unexpected status {other}"),
+        }
+    }
+    assert_eq!((ok, refused), (3 + extra - pause, 0));
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_client_that_never_reads_its_answers_is_no_longer_read() {
+    use tokio::io::AsyncWriteExt;
+    let gate = Arc::new(Gate {
+        open: tokio::sync::Semaphore::new(1 << 20),
+        ran: AtomicU32::new(0),
+    });
+    let server = Server::builder()
+        .max_unsent_bytes(16 * 1024)
+        .add_service(LimitsServer::from_arc(gate.clone()))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket.set_recv_buffer_size(4096).expect("SO_RCVBUF");
+    let mut stream = within("connect", socket.connect(server.local_addr()))
+        .await
+        .expect("connect");
+    let mut hello = bytes::BytesMut::new();
+    FrameCodec::encode_kind(
+        Kind::Hello(Hello {
+            protocol_version: 1,
+            token: String::new(),
+            client_id: "never-reads".into(),
+        }),
+        &mut hello,
+    );
+    stream.write_all(&hello).await.expect("hello");
+    let mut chunk = bytes::BytesMut::new();
+    for id in 0..1000 {
+        FrameCodec::encode_kind(invoke(id, BTreeMap::new()), &mut chunk);
+    }
+    // Bounded: at most 2 000 chunks (2 million calls, about 90 MB). A server that kept reading
+    // would take them all; this one stops once the unread answers pass its limit, the socket
+    // buffers fill, and a write no longer completes.
+    let mut sent = 0u64;
+    let mut blocked = false;
+    for _ in 0..2000 {
+        match tokio::time::timeout(std::time::Duration::from_secs(1), stream.write_all(&chunk))
+            .await
+        {
+            Ok(r) => r.expect("write"),
+            Err(_) => {
+                blocked = true;
+                break;
+            }
+        }
+        sent += 1000;
+    }
+    let ran = u64::from(gate.ran.load(Ordering::SeqCst));
+    assert!(
+        blocked,
+        "the server read all {sent} calls of a client reading nothing"
+    );
+    assert!(ran < sent, "{ran} calls ran of {sent} sent");
+    eprintln!("the server stopped reading after {ran} of {sent}+ calls");
+    drop(stream);
+    within("shutdown", server.shutdown()).await;
+}
