@@ -14,7 +14,7 @@ use rpc_core::{
 };
 use tokio::time::Instant;
 
-use crate::breaker::{BreakerState, CircuitBreaker, Transition};
+use crate::breaker::{BreakerState, CircuitBreaker, Outcome, Transition};
 use crate::budget::RetryBudget;
 use crate::config::Layers;
 use crate::events::{EventBus, EventKind};
@@ -220,8 +220,16 @@ impl Governance {
         let started = Instant::now();
         let deadline = timeout::deadline_from(started, &options);
         policy.budget.deposit_at(started);
+        let mut endpoint_only = false;
         let result = self
-            .retry_loop(policy, &options, started, deadline, attempts)
+            .retry_loop(
+                policy,
+                &options,
+                started,
+                deadline,
+                attempts,
+                &mut endpoint_only,
+            )
             .await
             .map_err(|e| match (e.code(), deadline) {
                 (StatusCode::Timeout, Some(d)) => timeout::timeout_error(&policy.entry, started, d),
@@ -239,7 +247,20 @@ impl Governance {
             }
         }
         if let Some(permit) = permit {
-            if let Some(t) = policy.breaker.record(permit, &result, &options) {
+            // A call that may have reached an endpoint which then failed, and was not repeated
+            // elsewhere only because the entry is not idempotent, says something about that
+            // endpoint (endpoint health ejects it), not about the service: the entry's breaker
+            // does not count it, or one crashed server would open it with others alive.
+            let outcome = if endpoint_only {
+                Outcome::Ignored
+            } else {
+                Outcome::of(&result)
+            };
+            if let Some(t) =
+                policy
+                    .breaker
+                    .record_outcome(permit, outcome, &options, result.as_ref().err())
+            {
                 self.breaker_event(policy, t, result.as_ref().err());
             }
         }
@@ -253,6 +274,7 @@ impl Governance {
         started: Instant,
         deadline: Option<Instant>,
         attempts: A,
+        endpoint_only: &mut bool,
     ) -> Result<Bytes, RpcError> {
         let mut tried: Vec<String> = Vec::new();
         let mut attempt = 0u32;
@@ -296,7 +318,12 @@ impl Governance {
             let decision = failover::decide(&err, attempt, options, deadline, untried_left);
             let after = match decision {
                 Decision::Retry { after } => after,
-                Decision::GiveUp => return Err(failover::final_error(err, tried)),
+                Decision::GiveUp => {
+                    *endpoint_only = err.code() == StatusCode::CommunicationError
+                        && err.is_maybe_delivered()
+                        && untried_left;
+                    return Err(failover::final_error(err, tried));
+                }
             };
             if !policy.budget.try_withdraw(options) {
                 self.events.emit_parts(
@@ -493,6 +520,43 @@ mod tests {
         let _ = g.execute(&p, &s).await;
         assert_eq!(s.starts().len(), 3);
         assert_eq!(p.breaker().state(), BreakerState::Closed { failures: 1 });
+    }
+
+    fn died_mid_call() -> Result<Bytes, RpcError> {
+        Err(
+            RpcError::new(StatusCode::CommunicationError, "connection closed")
+                .maybe_delivered(true),
+        )
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn one_endpoint_dying_mid_call_does_not_open_the_entry_breaker() {
+        let g = engine(GovernanceOptions {
+            timeout_ms: 0,
+            exceptions_allowed_before_breaking: 3,
+            ..Default::default()
+        });
+        let p = g.policy(&M);
+        // Not idempotent: not repeated, but other endpoints were left untried.
+        for _ in 0..5 {
+            let s = Script::new(vec![died_mid_call()], Duration::ZERO);
+            let err = g.execute(&p, &s).await.unwrap_err();
+            assert!(err.is_maybe_delivered(), "{err}");
+            assert_eq!(s.starts().len(), 1, "not repeated");
+        }
+        assert_eq!(p.breaker().state(), BreakerState::Closed { failures: 0 });
+
+        // With no endpoint left to go to, the same failures do count.
+        for _ in 0..3 {
+            let mut s = Script::new(vec![died_mid_call()], Duration::ZERO);
+            s.endpoints.truncate(1);
+            let _ = g.execute(&p, &s).await;
+        }
+        assert!(
+            matches!(p.breaker().state(), BreakerState::Open { .. }),
+            "{:?}",
+            p.breaker().state()
+        );
     }
 
     #[tokio::test(start_paused = true)]
