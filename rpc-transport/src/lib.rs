@@ -57,6 +57,9 @@ pub use server::{
 /// regrowth and many small frames arrive in one read.
 const READ_BUFFER: usize = 64 * 1024;
 
+/// Capacity of a server connection's read buffer until the handshake is done.
+const HELLO_BUFFER: usize = 1024;
+
 /// Shows a secret as set or not, never its value (`Debug` of the options that hold a token).
 struct Redacted<'a>(&'a Option<String>);
 

@@ -24,7 +24,7 @@ use tokio_util::sync::CancellationToken;
 use crate::client::kind_name;
 use crate::codec::FrameCodec;
 use crate::writer::{spawn_writer, FrameSender};
-use crate::READ_BUFFER;
+use crate::{HELLO_BUFFER, READ_BUFFER};
 
 /// Connection-level settings of a server. Its `Debug` form shows whether a token is set, never
 /// the token.
@@ -114,7 +114,7 @@ pub const ABUSE_LIMIT: u32 = 8;
 /// Calls refused in a row at a connection's in-flight limit after which the server stops
 /// reading that connection until one of its calls finishes: the first are answered Overflow at
 /// once, the rest wait in TCP instead of costing the server a refusal each.
-pub const REFUSALS_BEFORE_PAUSE: u32 = 64;
+pub const REFUSALS_BEFORE_PAUSE: u32 = 16;
 
 /// What the server does with one call.
 pub enum Dispatch {
@@ -147,10 +147,23 @@ pub async fn serve(
     });
     let slots = Arc::new(Semaphore::new(max_connections));
     let mut conns = tokio::task::JoinSet::new();
+    // After refusing a connection at the limit, accepting pauses until a slot frees or
+    // REFUSAL_BACKOFF passes: a flood of connects then waits in the kernel's accept queue
+    // instead of costing an accept, a GoAway and a close each.
+    let mut back_off: Option<Instant> = None;
     loop {
         let accepted = tokio::select! {
             _ = shutdown.cancelled() => break,
-            a = listener.accept() => a,
+            _ = sleep_until_or_never(back_off), if back_off.is_some() => {
+                back_off = None;
+                continue;
+            }
+            Ok(slot) = slots.clone().acquire_owned(), if back_off.is_some() => {
+                drop(slot);
+                back_off = None;
+                continue;
+            }
+            a = listener.accept(), if back_off.is_none() => a,
             Some(_) = conns.join_next(), if !conns.is_empty() => continue,
         };
         match accepted {
@@ -166,6 +179,7 @@ pub async fn serve(
                     Err(_) => {
                         tracing::warn!(%peer, max = max_connections, "connection refused: too many connections");
                         conns.spawn(serve_connection(stream, peer, server, false));
+                        back_off = Some(Instant::now() + REFUSAL_BACKOFF);
                     }
                 }
             }
@@ -178,6 +192,17 @@ pub async fn serve(
     }
     drop(listener);
     while conns.join_next().await.is_some() {}
+}
+
+/// How long accepting pauses after a connection was refused at `max_connections`, unless a
+/// slot frees sooner.
+const REFUSAL_BACKOFF: Duration = Duration::from_millis(50);
+
+async fn sleep_until_or_never(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
 }
 
 /// What every connection of one server shares.
@@ -272,8 +297,10 @@ async fn run_connection<R, W>(
     let in_flight = Arc::new(AtomicUsize::new(0));
     let close = CancellationToken::new();
     let sender = spawn_writer(wr, in_flight.clone(), close.clone());
+    // A small buffer until the client has said Hello: connections that never get that far
+    // (floods, scanners) cost little memory.
     let mut frames =
-        FramedRead::with_capacity(rd, FrameCodec::new(options.max_frame_length), READ_BUFFER);
+        FramedRead::with_capacity(rd, FrameCodec::new(options.max_frame_length), HELLO_BUFFER);
 
     if let Err((code, reason)) = handshake(&mut frames, &sender, options, hello_by).await {
         tracing::info!(%peer, %reason, "handshake refused");
@@ -281,6 +308,7 @@ async fn run_connection<R, W>(
         close.cancel();
         return;
     }
+    frames.read_buffer_mut().reserve(READ_BUFFER);
 
     let conn = Arc::new(Conn {
         sender,

@@ -13,8 +13,9 @@ use crate::codec::FrameCodec;
 
 /// Bytes gathered before a write is issued even if more frames are queued.
 const MAX_BATCH: usize = 256 * 1024;
-/// Initial capacity of the write buffer.
-const BUFFER: usize = 64 * 1024;
+/// Initial capacity of the write buffer; it grows with the batches it carries and keeps its
+/// size (up to `4 * MAX_BATCH`), so short-lived connections stay small.
+const BUFFER: usize = 4 * 1024;
 
 /// The queue in front of a connection's writer task. Cheap to clone.
 #[derive(Debug, Clone)]

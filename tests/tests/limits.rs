@@ -418,3 +418,33 @@ async fn a_client_that_never_reads_its_answers_is_no_longer_read() {
     drop(stream);
     within("shutdown", server.shutdown()).await;
 }
+
+/// After refusing a connection at `max_connections`, the server stops accepting for a moment
+/// (connects wait in the kernel's queue instead of costing a refusal each), and accepts again
+/// as soon as a connection slot frees.
+#[tokio::test]
+async fn after_a_refusal_at_the_connection_limit_a_freed_slot_is_taken_at_once() {
+    let gate = Arc::new(Gate {
+        open: tokio::sync::Semaphore::new(1000),
+        ran: AtomicU32::new(0),
+    });
+    let server = Server::builder()
+        .max_connections(1)
+        .add_service(LimitsServer::from_arc(gate))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let mut first = RawConn::connect(server.local_addr()).await;
+    first.handshake().await;
+    let mut refused = RawConn::connect(server.local_addr()).await;
+    let g = refused.expect_go_away().await;
+    assert_eq!(g.status_code, 515, "{g:?}");
+    refused.expect_closed().await;
+    // Connected at the TCP level (the kernel's accept queue), waiting for the server.
+    let mut waiting = RawConn::connect(server.local_addr()).await;
+    drop(first);
+    // The freed slot ends the pause: the waiting connection is accepted and served.
+    let ack = waiting.handshake().await;
+    assert_eq!(ack.protocol_version, 1);
+    server.shutdown().await;
+}
