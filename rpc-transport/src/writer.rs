@@ -11,6 +11,11 @@ use tokio_util::sync::CancellationToken;
 
 use crate::codec::FrameCodec;
 
+/// The writer yields to gather more frames only when more than this many calls beyond the
+/// batch are in flight: with a few calls in flight, waiting a scheduler round costs more
+/// latency than the shared write saves.
+const YIELD_MARGIN: usize = 32;
+
 /// Bytes gathered before a write is issued even if more frames are queued.
 const MAX_BATCH: usize = 256 * 1024;
 /// Initial capacity of the write buffer; it grows with the batches it carries and keeps its
@@ -126,7 +131,10 @@ async fn write_loop<W: AsyncWrite + Unpin>(
                     Err(_) => break,
                 }
             }
-            if !yielded && buf.len() < MAX_BATCH && in_flight.load(Ordering::Relaxed) > frames {
+            if !yielded
+                && buf.len() < MAX_BATCH
+                && in_flight.load(Ordering::Relaxed) > frames + YIELD_MARGIN
+            {
                 yielded = true;
                 tokio::task::yield_now().await;
                 continue;
