@@ -308,7 +308,15 @@ async fn run_connection<R, W>(
         close.cancel();
         return;
     }
-    frames.read_buffer_mut().reserve(READ_BUFFER);
+    // The connection's real buffer (a buffer remembers the capacity it was made with and
+    // regrows to it), holding whatever the client sent right after its Hello.
+    let early = frames.read_buffer().clone();
+    let mut frames = FramedRead::with_capacity(
+        frames.into_inner(),
+        FrameCodec::new(options.max_frame_length),
+        READ_BUFFER,
+    );
+    frames.read_buffer_mut().extend_from_slice(&early);
 
     let conn = Arc::new(Conn {
         sender,
