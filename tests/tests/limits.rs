@@ -35,6 +35,14 @@ impl Limits for Gate {
     }
 }
 
+/// A gate with `permits` passes open.
+fn gate(permits: usize) -> Arc<Gate> {
+    Arc::new(Gate {
+        open: tokio::sync::Semaphore::new(permits),
+        ran: AtomicU32::new(0),
+    })
+}
+
 async fn setup(gate: Arc<Gate>) -> (ServerHandle, InProcessRegistry) {
     let reg = InProcessRegistry::new();
     let server = Server::builder()
@@ -69,10 +77,7 @@ async fn answer(raw: &mut RawConn) -> RemoteResultMessage {
 
 #[tokio::test]
 async fn calls_over_the_connections_limit_are_refused_at_once_and_others_are_served() {
-    let gate = Arc::new(Gate {
-        open: tokio::sync::Semaphore::new(0),
-        ran: AtomicU32::new(0),
-    });
+    let gate = gate(0);
     let (server, reg) = setup(gate.clone()).await;
     let mut raw = RawConn::connect(server.local_addr()).await;
     raw.handshake().await;
@@ -119,10 +124,7 @@ async fn calls_over_the_connections_limit_are_refused_at_once_and_others_are_ser
 
 #[tokio::test]
 async fn too_many_or_too_large_attachments_are_refused_and_not_run() {
-    let gate = Arc::new(Gate {
-        open: tokio::sync::Semaphore::new(1000),
-        ran: AtomicU32::new(0),
-    });
+    let gate = gate(1000);
     let (server, _reg) = setup(gate.clone()).await;
     let mut raw = RawConn::connect(server.local_addr()).await;
     raw.handshake().await;
@@ -234,10 +236,7 @@ async fn dribble_until_closed(
 
 #[tokio::test]
 async fn a_slow_loris_is_closed_at_the_idle_timeout_and_others_are_served() {
-    let gate = Arc::new(Gate {
-        open: tokio::sync::Semaphore::new(1000),
-        ran: AtomicU32::new(0),
-    });
+    let gate = gate(1000);
     let reg = InProcessRegistry::new();
     let server = Server::builder()
         .registry(reg.clone())
@@ -271,10 +270,7 @@ async fn a_slow_loris_is_closed_at_the_idle_timeout_and_others_are_served() {
 
 #[tokio::test]
 async fn a_slow_hello_is_closed_at_the_handshake_timeout() {
-    let gate = Arc::new(Gate {
-        open: tokio::sync::Semaphore::new(1000),
-        ran: AtomicU32::new(0),
-    });
+    let gate = gate(1000);
     let server = Server::builder()
         .handshake_timeout(std::time::Duration::from_millis(150))
         .add_service(LimitsServer::from_arc(gate))
@@ -293,10 +289,7 @@ async fn a_slow_hello_is_closed_at_the_handshake_timeout() {
 
 #[tokio::test]
 async fn a_connection_that_keeps_breaking_the_attachment_limits_is_closed() {
-    let gate = Arc::new(Gate {
-        open: tokio::sync::Semaphore::new(1000),
-        ran: AtomicU32::new(0),
-    });
+    let gate = gate(1000);
     let (server, reg) = setup(gate.clone()).await;
     let mut raw = RawConn::connect(server.local_addr()).await;
     raw.handshake().await;
@@ -326,10 +319,7 @@ async fn a_connection_that_keeps_breaking_the_attachment_limits_is_closed() {
 
 #[tokio::test]
 async fn after_many_refusals_at_the_in_flight_limit_the_server_waits_for_a_call_to_finish() {
-    let gate = Arc::new(Gate {
-        open: tokio::sync::Semaphore::new(0),
-        ran: AtomicU32::new(0),
-    });
+    let gate = gate(0);
     let (server, _reg) = setup(gate.clone()).await;
     let mut raw = RawConn::connect(server.local_addr()).await;
     raw.handshake().await;
@@ -362,10 +352,7 @@ async fn after_many_refusals_at_the_in_flight_limit_the_server_waits_for_a_call_
 #[tokio::test]
 async fn a_client_that_never_reads_its_answers_is_no_longer_read() {
     use tokio::io::AsyncWriteExt;
-    let gate = Arc::new(Gate {
-        open: tokio::sync::Semaphore::new(1 << 20),
-        ran: AtomicU32::new(0),
-    });
+    let gate = gate(1 << 20);
     let server = Server::builder()
         .max_unsent_bytes(16 * 1024)
         .add_service(LimitsServer::from_arc(gate.clone()))
@@ -424,10 +411,7 @@ async fn a_client_that_never_reads_its_answers_is_no_longer_read() {
 /// as soon as a connection slot frees.
 #[tokio::test]
 async fn after_a_refusal_at_the_connection_limit_a_freed_slot_is_taken_at_once() {
-    let gate = Arc::new(Gate {
-        open: tokio::sync::Semaphore::new(1000),
-        ran: AtomicU32::new(0),
-    });
+    let gate = gate(1000);
     let server = Server::builder()
         .max_connections(1)
         .add_service(LimitsServer::from_arc(gate))
