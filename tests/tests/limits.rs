@@ -43,6 +43,17 @@ fn gate(permits: usize) -> Arc<Gate> {
     })
 }
 
+/// A well-behaved client of the registry's server is served.
+async fn still_served(reg: InProcessRegistry) {
+    let client = LimitsClient::new(Client::builder().registry(reg).build());
+    assert_eq!(
+        within("a well-behaved call", client.hold("ok".into()))
+            .await
+            .expect("served"),
+        "ok"
+    );
+}
+
 async fn setup(gate: Arc<Gate>) -> (ServerHandle, InProcessRegistry) {
     let reg = InProcessRegistry::new();
     let server = Server::builder()
@@ -258,13 +269,7 @@ async fn a_slow_loris_is_closed_at_the_idle_timeout_and_others_are_served() {
         0,
         "the partial call never ran"
     );
-    let client = LimitsClient::new(Client::builder().registry(reg).build());
-    assert_eq!(
-        within("a well-behaved call", client.hold("ok".into()))
-            .await
-            .expect("served"),
-        "ok"
-    );
+    still_served(reg).await;
     server.shutdown().await;
 }
 
@@ -307,13 +312,7 @@ async fn a_connection_that_keeps_breaking_the_attachment_limits_is_closed() {
     assert!(g.reason.contains("broke the attachment limits"), "{g:?}");
     raw.expect_closed().await;
     assert_eq!(gate.ran.load(Ordering::SeqCst), 0, "none of them ran");
-    let client = LimitsClient::new(Client::builder().registry(reg).build());
-    assert_eq!(
-        within("a well-behaved call", client.hold("ok".into()))
-            .await
-            .expect("served"),
-        "ok"
-    );
+    still_served(reg).await;
     server.shutdown().await;
 }
 

@@ -135,6 +135,17 @@ impl Served {
     }
 }
 
+/// A client trusting `ca` is served by `s`.
+async fn assert_served(s: &Served, ca: &Ca, what: &str) {
+    let answer = within(
+        what,
+        s.client(Some(trusting(ca)), None).secret("ann".into()),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert_eq!(answer, "gold for ann");
+}
+
 async fn serve(tls: Option<ServerTls>, token: Option<&str>) -> Served {
     let reg = InProcessRegistry::new();
     let safe = Arc::new(Safe {
@@ -273,13 +284,7 @@ async fn a_client_trusting_another_ca_fails_clearly_and_the_server_serves_others
     logs.expect(&["TLS handshake failed"]).await;
     assert_eq!(s.calls(), 0, "no handler ran");
     // ...and serves a client that trusts its CA.
-    let answer = within(
-        "good client",
-        s.client(Some(trusting(&ca)), None).secret("ann".into()),
-    )
-    .await
-    .expect("a client trusting the right CA");
-    assert_eq!(answer, "gold for ann");
+    assert_served(&s, &ca, "good client").await;
     within("shutdown", s.server.shutdown()).await;
 }
 
@@ -389,13 +394,7 @@ async fn a_plain_client_to_a_tls_server_fails_cleanly_and_the_server_serves_othe
     within("shutdown", server.shutdown()).await;
 
     // The first server still serves TLS clients.
-    let answer = within(
-        "TLS client",
-        s.client(Some(trusting(&ca)), None).secret("ann".into()),
-    )
-    .await
-    .expect("a TLS client");
-    assert_eq!(answer, "gold for ann");
+    assert_served(&s, &ca, "TLS client").await;
     within("shutdown", s.server.shutdown()).await;
 }
 
