@@ -43,6 +43,19 @@ fn gate(permits: usize) -> Arc<Gate> {
     })
 }
 
+/// A server from [`setup`] and a raw connection to it past the handshake.
+async fn connected(gate: Arc<Gate>) -> (ServerHandle, InProcessRegistry, RawConn) {
+    let (server, reg) = setup(gate).await;
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.handshake().await;
+    (server, reg, raw)
+}
+
+/// One attachment more than [`setup`] allows.
+fn five_attachments() -> BTreeMap<String, String> {
+    (0..5).map(|i| (format!("k{i}"), "v".into())).collect()
+}
+
 /// A well-behaved client of the registry's server is served.
 async fn still_served(reg: InProcessRegistry) {
     let client = LimitsClient::new(Client::builder().registry(reg).build());
@@ -89,9 +102,7 @@ async fn answer(raw: &mut RawConn) -> RemoteResultMessage {
 #[tokio::test]
 async fn calls_over_the_connections_limit_are_refused_at_once_and_others_are_served() {
     let gate = gate(0);
-    let (server, reg) = setup(gate.clone()).await;
-    let mut raw = RawConn::connect(server.local_addr()).await;
-    raw.handshake().await;
+    let (server, reg, mut raw) = connected(gate.clone()).await;
     for id in 1..=5 {
         raw.send(invoke(id, BTreeMap::new())).await.expect("send");
     }
@@ -136,11 +147,9 @@ async fn calls_over_the_connections_limit_are_refused_at_once_and_others_are_ser
 #[tokio::test]
 async fn too_many_or_too_large_attachments_are_refused_and_not_run() {
     let gate = gate(1000);
-    let (server, _reg) = setup(gate.clone()).await;
-    let mut raw = RawConn::connect(server.local_addr()).await;
-    raw.handshake().await;
+    let (server, _reg, mut raw) = connected(gate.clone()).await;
 
-    let many: BTreeMap<String, String> = (0..5).map(|i| (format!("k{i}"), "v".into())).collect();
+    let many = five_attachments();
     raw.send(invoke(1, many)).await.expect("send");
     let r = answer(&mut raw).await;
     assert_eq!((r.message_id, r.status_code), (1, 500), "{r:?}");
@@ -295,10 +304,8 @@ async fn a_slow_hello_is_closed_at_the_handshake_timeout() {
 #[tokio::test]
 async fn a_connection_that_keeps_breaking_the_attachment_limits_is_closed() {
     let gate = gate(1000);
-    let (server, reg) = setup(gate.clone()).await;
-    let mut raw = RawConn::connect(server.local_addr()).await;
-    raw.handshake().await;
-    let many: BTreeMap<String, String> = (0..5).map(|i| (format!("k{i}"), "v".into())).collect();
+    let (server, reg, mut raw) = connected(gate.clone()).await;
+    let many = five_attachments();
     let limit = rpc::crates::transport::ABUSE_LIMIT as u64;
     for id in 1..=limit + 5 {
         raw.send(invoke(id, many.clone())).await.expect("send");
@@ -319,9 +326,7 @@ async fn a_connection_that_keeps_breaking_the_attachment_limits_is_closed() {
 #[tokio::test]
 async fn after_many_refusals_at_the_in_flight_limit_the_server_waits_for_a_call_to_finish() {
     let gate = gate(0);
-    let (server, _reg) = setup(gate.clone()).await;
-    let mut raw = RawConn::connect(server.local_addr()).await;
-    raw.handshake().await;
+    let (server, _reg, mut raw) = connected(gate.clone()).await;
     // The limit is 3: three calls are held, then a hundred more arrive.
     let pause = u64::from(rpc::crates::transport::REFUSALS_BEFORE_PAUSE);
     let extra = pause + 36;

@@ -322,81 +322,77 @@ async fn fallback_events_land_on_the_spans_of_both_sides() {
     assert_eq!(attr_i64(failed_call, "rpc.status_code"), Some(200));
 }
 
+/// The data of every exported metric called `name`.
+fn metric_data<'a>(
+    metrics: &'a [ResourceMetrics],
+    name: &'a str,
+) -> impl Iterator<Item = &'a AggregatedMetrics> + 'a {
+    metrics
+        .iter()
+        .flat_map(|rm| rm.scope_metrics())
+        .flat_map(|sm| sm.metrics())
+        .filter(move |m| m.name() == name)
+        .map(|m| m.data())
+}
+
 /// Sums of counter data points whose attributes include every pair of `filter`.
 fn counter(metrics: &[ResourceMetrics], name: &str, filter: &[(&str, Value)]) -> u64 {
-    let mut total = 0;
-    for rm in metrics {
-        for sm in rm.scope_metrics() {
-            for m in sm.metrics().filter(|m| m.name() == name) {
-                let AggregatedMetrics::U64(MetricData::Sum(sum)) = m.data() else {
-                    panic!("{name} is not a u64 counter");
-                };
-                for dp in sum.data_points() {
-                    let matches = filter.iter().all(|(k, v)| {
+    metric_data(metrics, name)
+        .map(|data| {
+            let AggregatedMetrics::U64(MetricData::Sum(sum)) = data else {
+                panic!("{name} is not a u64 counter");
+            };
+            sum.data_points()
+                .filter(|dp| {
+                    filter.iter().all(|(k, v)| {
                         dp.attributes()
                             .any(|kv| kv.key.as_str() == *k && kv.value == *v)
-                    });
-                    if matches {
-                        total += dp.value();
-                    }
-                }
-            }
-        }
-    }
-    total
+                    })
+                })
+                .map(|dp| dp.value())
+                .sum::<u64>()
+        })
+        .sum()
 }
 
 fn histogram_count(metrics: &[ResourceMetrics], name: &str) -> u64 {
-    let mut total = 0;
-    for rm in metrics {
-        for sm in rm.scope_metrics() {
-            for m in sm.metrics().filter(|m| m.name() == name) {
-                let AggregatedMetrics::F64(MetricData::Histogram(h)) = m.data() else {
-                    panic!("{name} is not an f64 histogram");
-                };
-                total += h.data_points().map(|dp| dp.count()).sum::<u64>();
-            }
-        }
-    }
-    total
+    metric_data(metrics, name)
+        .map(|data| {
+            let AggregatedMetrics::F64(MetricData::Histogram(h)) = data else {
+                panic!("{name} is not an f64 histogram");
+            };
+            h.data_points().map(|dp| dp.count()).sum::<u64>()
+        })
+        .sum()
 }
 
 fn in_flight(metrics: &[ResourceMetrics], name: &str) -> i64 {
-    let mut total = 0;
-    for rm in metrics {
-        for sm in rm.scope_metrics() {
-            for m in sm.metrics().filter(|m| m.name() == name) {
-                let AggregatedMetrics::I64(MetricData::Sum(sum)) = m.data() else {
-                    panic!("{name} is not an i64 up-down counter");
-                };
-                total += sum.data_points().map(|dp| dp.value()).sum::<i64>();
-            }
-        }
-    }
-    total
+    metric_data(metrics, name)
+        .map(|data| {
+            let AggregatedMetrics::I64(MetricData::Sum(sum)) = data else {
+                panic!("{name} is not an i64 up-down counter");
+            };
+            sum.data_points().map(|dp| dp.value()).sum::<i64>()
+        })
+        .sum()
 }
 
 /// The last value of the i64 gauge `name` whose `label` is `key`.
 fn gauge(metrics: &[ResourceMetrics], name: &str, label: &str, key: &str) -> Option<i64> {
-    let mut found = None;
-    for rm in metrics {
-        for sm in rm.scope_metrics() {
-            for m in sm.metrics().filter(|m| m.name() == name) {
-                let AggregatedMetrics::I64(MetricData::Gauge(g)) = m.data() else {
-                    panic!("{name} is not an i64 gauge");
-                };
-                for dp in g.data_points() {
-                    if dp
-                        .attributes()
+    metric_data(metrics, name)
+        .filter_map(|data| {
+            let AggregatedMetrics::I64(MetricData::Gauge(g)) = data else {
+                panic!("{name} is not an i64 gauge");
+            };
+            g.data_points()
+                .filter(|dp| {
+                    dp.attributes()
                         .any(|kv| kv.key.as_str() == label && kv.value.as_str() == key)
-                    {
-                        found = Some(dp.value());
-                    }
-                }
-            }
-        }
-    }
-    found
+                })
+                .map(|dp| dp.value())
+                .last()
+        })
+        .last()
 }
 
 #[tokio::test]

@@ -103,6 +103,13 @@ fn trusting(ca: &Ca) -> ClientTls {
     ClientTls::from_pem(ca.pem.as_bytes()).expect("client TLS config")
 }
 
+/// Trusting `ca`, and presenting `id` as the client's certificate.
+fn presenting(ca: &Ca, id: &Identity) -> ClientTls {
+    trusting(ca)
+        .identity(id.cert.as_bytes(), id.key.as_bytes())
+        .expect("client identity")
+}
+
 struct Served {
     server: ServerHandle,
     reg: InProcessRegistry,
@@ -133,6 +140,23 @@ impl Served {
         }
         VaultClient::new(builder.build())
     }
+}
+
+/// A call with `tls` (plain when `None`) fails as a communication error naming the peer and
+/// saying `why`, before the 2 s connect and handshake timeouts could have ended it.
+async fn fails_at_once(s: &Served, tls: Option<ClientTls>, why: &str) {
+    let started = Instant::now();
+    let err = within(why, s.client(tls, None).secret("ann".into()))
+        .await
+        .expect_err("a mismatched client must not get through");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "refused at once, not by a timeout: {:?}",
+        started.elapsed()
+    );
+    assert_eq!(err.code(), StatusCode::CommunicationError, "{err}");
+    assert!(err.message().contains(&s.addr()), "names the peer: {err}");
+    assert!(err.message().contains(why), "says why: {err}");
 }
 
 /// A client trusting `ca` is served by `s`.
@@ -316,9 +340,7 @@ async fn mutual_tls_refuses_clients_without_a_good_certificate() {
 
     // A certificate from a CA the server does not trust.
     let rogue = rogue_ca.client("rogue");
-    let with_rogue = trusting(&server_ca)
-        .identity(rogue.cert.as_bytes(), rogue.key.as_bytes())
-        .expect("client identity");
+    let with_rogue = presenting(&server_ca, &rogue);
     let err = within(
         "call with a rogue certificate",
         s.client(Some(with_rogue), None).secret("rogue".into()),
@@ -333,9 +355,7 @@ async fn mutual_tls_refuses_clients_without_a_good_certificate() {
 
     // A certificate signed by the client CA.
     let good = client_ca.client("ann");
-    let with_good = trusting(&server_ca)
-        .identity(good.cert.as_bytes(), good.key.as_bytes())
-        .expect("client identity");
+    let with_good = presenting(&server_ca, &good);
     let answer = within(
         "call with a good certificate",
         s.client(Some(with_good), None).secret("ann".into()),
@@ -355,24 +375,7 @@ async fn a_plain_client_to_a_tls_server_fails_cleanly_and_the_server_serves_othe
 
     // A plain client's Hello is no TLS ClientHello: the server refuses it at once, before any
     // timeout (the client's connect timeout and the server's handshake timeout are 2 s).
-    let started = Instant::now();
-    let err = within(
-        "plain call to a TLS server",
-        s.client(None, None).secret("ann".into()),
-    )
-    .await
-    .expect_err("a plain client must not get through a TLS server");
-    assert!(
-        started.elapsed() < Duration::from_secs(2),
-        "refused at once, not by a timeout: {:?}",
-        started.elapsed()
-    );
-    assert_eq!(err.code(), StatusCode::CommunicationError, "{err}");
-    assert!(err.message().contains(&s.addr()), "names the peer: {err}");
-    assert!(
-        err.message().contains("answered with TLS"),
-        "says why: {err}"
-    );
+    fails_at_once(&s, None, "answered with TLS").await;
     logs.expect(&["TLS handshake failed", "without TLS"]).await;
     assert_eq!(s.calls(), 0);
 
@@ -402,24 +405,7 @@ async fn a_plain_client_to_a_tls_server_fails_cleanly_and_the_server_serves_othe
 async fn a_tls_client_to_a_plain_server_fails_cleanly() {
     let ca = Ca::new("test CA");
     let s = serve(None, None).await;
-    let started = Instant::now();
-    let err = within(
-        "TLS call to a plain server",
-        s.client(Some(trusting(&ca)), None).secret("ann".into()),
-    )
-    .await
-    .expect_err("a TLS client must not talk to a plain server");
-    assert!(
-        started.elapsed() < Duration::from_secs(2),
-        "refused at once, not by a timeout: {:?}",
-        started.elapsed()
-    );
-    assert_eq!(err.code(), StatusCode::CommunicationError, "{err}");
-    assert!(err.message().contains(&s.addr()), "names the peer: {err}");
-    assert!(
-        err.message().contains("did not answer with TLS"),
-        "says why: {err}"
-    );
+    fails_at_once(&s, Some(trusting(&ca)), "did not answer with TLS").await;
     // The plain server serves plain clients.
     let answer = within("plain client", s.client(None, None).secret("ann".into()))
         .await

@@ -1202,6 +1202,17 @@ async fn unread_answers(ctx: &Ctx) {
     }
 }
 
+/// Reads and drops whatever the server sends until it closes `s` or the window ends.
+async fn hold_until_closed(ctx: &Ctx, s: &mut TcpStream) {
+    let mut sink = [0u8; 256];
+    while !ctx.done() {
+        match tokio::time::timeout(STEP, s.read(&mut sink)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => break,
+            _ => {}
+        }
+    }
+}
+
 /// A connection that never sends Hello, held until the server closes it; then another.
 async fn no_handshake(ctx: &Ctx) {
     while !ctx.done() {
@@ -1211,13 +1222,7 @@ async fn no_handshake(ctx: &Ctx) {
             continue;
         };
         ctx.op(1);
-        let mut sink = [0u8; 256];
-        while !ctx.done() {
-            match tokio::time::timeout(STEP, s.read(&mut sink)).await {
-                Ok(Ok(0)) | Ok(Err(_)) => break,
-                _ => {}
-            }
-        }
+        hold_until_closed(ctx, &mut s).await;
     }
 }
 
@@ -1249,13 +1254,7 @@ async fn conn_flood(ctx: &Ctx) {
             tokio::task::yield_now().await;
             continue;
         };
-        let mut sink = [0u8; 256];
-        while !ctx.done() {
-            match tokio::time::timeout(STEP, s.read(&mut sink)).await {
-                Ok(Ok(0)) | Ok(Err(_)) => break,
-                _ => {}
-            }
-        }
+        hold_until_closed(ctx, &mut s).await;
     }
 }
 

@@ -191,22 +191,26 @@ impl Signals {
 }
 
 impl WatchTask {
+    /// Logs a failed watch or read: a warning when the trouble starts, then quietly at debug
+    /// level until it is over.
+    fn trouble(&self, failing: &mut bool, what: &str, e: &dyn std::fmt::Display) {
+        if !std::mem::replace(failing, true) {
+            tracing::warn!(
+                service = %self.service, error = %e,
+                "{what}; keeping the last known endpoints and retrying"
+            );
+        } else {
+            tracing::debug!(service = %self.service, error = %e, "{what}, again");
+        }
+    }
+
     pub(super) async fn run(mut self, mut revision: i64) {
         let mut failing = false;
         loop {
             match self.follow(revision).await {
                 Ok(Interrupt::Stop) => return,
                 Ok(Interrupt::Resync) => {}
-                Err(e) => {
-                    if !std::mem::replace(&mut failing, true) {
-                        tracing::warn!(
-                            service = %self.service, error = %e,
-                            "etcd watch interrupted; keeping the last known endpoints and retrying"
-                        );
-                    } else {
-                        tracing::debug!(service = %self.service, error = %e, "etcd watch retry failed");
-                    }
-                }
+                Err(e) => self.trouble(&mut failing, "etcd watch interrupted", &e),
             }
             // Read the keys again (a fresh snapshot) before watching again.
             loop {
@@ -227,16 +231,7 @@ impl WatchTask {
                         revision = rev;
                         break;
                     }
-                    Err(e) => {
-                        if !std::mem::replace(&mut failing, true) {
-                            tracing::warn!(
-                                service = %self.service, error = %e,
-                                "etcd unreachable; keeping the last known endpoints and retrying"
-                            );
-                        } else {
-                            tracing::debug!(service = %self.service, error = %e, "etcd read failed");
-                        }
-                    }
+                    Err(e) => self.trouble(&mut failing, "etcd unreachable", &e),
                 }
             }
         }
