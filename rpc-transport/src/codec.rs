@@ -36,7 +36,8 @@ pub struct FrameCodec {
     max_frame_length: usize,
 }
 
-const PREFIX: usize = 4;
+/// Bytes of the length prefix.
+pub(crate) const PREFIX: usize = 4;
 
 impl FrameCodec {
     /// A codec accepting frames up to `max_frame_length` bytes (the N of the prefix).
@@ -46,6 +47,9 @@ impl FrameCodec {
 
     /// Appends one frame holding `kind` to `dst`.
     pub fn encode_kind(kind: Kind, dst: &mut BytesMut) {
+        if crate::encode::put_call_frame(&kind, dst) {
+            return;
+        }
         let frame = Frame { kind: Some(kind) };
         let len = frame.encoded_len();
         dst.reserve(PREFIX + len);

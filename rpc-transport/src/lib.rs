@@ -40,6 +40,7 @@
 
 mod client;
 mod codec;
+mod encode;
 mod pool;
 mod server;
 #[cfg(feature = "tls")]
