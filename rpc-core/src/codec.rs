@@ -1,6 +1,8 @@
 //! Parameter and result codecs: MessagePack (default) and JSON.
 
-use bytes::Bytes;
+use std::cell::RefCell;
+
+use bytes::{BufMut, Bytes, BytesMut};
 use serde::de::DeserializeOwned;
 use serde::ser::SerializeTuple;
 use serde::{Deserialize, Serialize};
@@ -28,6 +30,13 @@ pub struct CodecError {
     reason: String,
 }
 
+/// Size of the per-thread buffer encoded values are cut from (see [`Codec::encode`]).
+const ARENA: usize = 16 * 1024;
+
+thread_local! {
+    static ARENA_BUF: RefCell<BytesMut> = RefCell::new(BytesMut::new());
+}
+
 /// How deeply arrays and maps may nest in decoded bytes, for both codecs: serde_json's fixed
 /// limit, applied to MessagePack too so that both accept the same values. Decoding recurses once
 /// per level; rmp-serde's own default (1024 levels) lets a peer overflow a 2 MiB thread stack
@@ -37,23 +46,47 @@ const MAX_DEPTH: usize = 128;
 impl Codec {
     /// Encodes a value. The argument list of a call is encoded as one tuple, which both codecs
     /// write as an array.
+    ///
+    /// The bytes are cut from a per-thread buffer of 16 KiB that many encoded values
+    /// share, so encoding a small value allocates nothing most of the time; the buffer is freed
+    /// once the last value cut from it is dropped.
     pub fn encode<T: Serialize + ?Sized>(self, value: &T) -> Result<Bytes, CodecError> {
-        // Most argument lists and results are small: one allocation instead of several
-        // doublings from an empty vector.
-        let mut out = Vec::with_capacity(128);
-        let result = match self {
-            Codec::MsgPack => rmp_serde::encode::write_named(&mut out, value)
-                .map(|()| out)
-                .map_err(|e| e.to_string()),
-            Codec::Json => serde_json::to_writer(&mut out, value)
-                .map(|()| out)
-                .map_err(|e| e.to_string()),
+        ARENA_BUF
+            .with(|arena| match arena.try_borrow_mut() {
+                Ok(mut buf) => self.encode_into(&mut buf, value),
+                // Only reachable if a value's `Serialize` encodes another value with a codec.
+                Err(_) => self.encode_into(&mut BytesMut::new(), value),
+            })
+            .map_err(|reason| CodecError {
+                codec: self,
+                op: "encoding",
+                reason,
+            })
+    }
+
+    fn encode_into<T: Serialize + ?Sized>(
+        self,
+        buf: &mut BytesMut,
+        value: &T,
+    ) -> Result<Bytes, String> {
+        if buf.capacity() < ARENA / 8 {
+            // Reuses the buffer when every value cut from it is gone, else starts a new one.
+            buf.reserve(ARENA);
+        }
+        let mut out = buf.writer();
+        let written = match self {
+            Codec::MsgPack => {
+                rmp_serde::encode::write_named(&mut out, value).map_err(|e| e.to_string())
+            }
+            Codec::Json => serde_json::to_writer(&mut out, value).map_err(|e| e.to_string()),
         };
-        result.map(Bytes::from).map_err(|reason| CodecError {
-            codec: self,
-            op: "encoding",
-            reason,
-        })
+        match written {
+            Ok(()) => Ok(buf.split().freeze()),
+            Err(e) => {
+                buf.clear();
+                Err(e)
+            }
+        }
     }
 
     /// Decodes a value.
@@ -187,5 +220,65 @@ mod tests {
             .decode::<(String,)>(&[0xc1, 0xff])
             .unwrap_err();
         assert!(err.to_string().contains("decoding failed"), "{err}");
+    }
+
+    /// A value whose encoding fails halfway, after some bytes are written.
+    struct FailsHalfway;
+
+    impl Serialize for FailsHalfway {
+        fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+            let mut t = serializer.serialize_tuple(2)?;
+            t.serialize_element("written before the failure")?;
+            t.serialize_element(&Unencodable)?;
+            t.end()
+        }
+    }
+
+    struct Unencodable;
+
+    impl Serialize for Unencodable {
+        fn serialize<S: serde::Serializer>(&self, _: S) -> Result<S::Ok, S::Error> {
+            Err(serde::ser::Error::custom("cannot encode this"))
+        }
+    }
+
+    #[test]
+    fn values_cut_from_the_shared_buffer_stay_apart() {
+        for codec in [Codec::MsgPack, Codec::Json] {
+            // Enough values, small and large, kept alive together to fill several buffers.
+            let values: Vec<(u32, String)> = (0..2_000u32)
+                .map(|i| (i, "x".repeat((i as usize * 37) % (3 * ARENA / 2))))
+                .collect();
+            let encoded: Vec<Bytes> = values.iter().map(|v| codec.encode(v).unwrap()).collect();
+            // A failed encoding leaves nothing behind for the next value.
+            assert!(codec.encode(&FailsHalfway).is_err());
+            let after = codec.encode(&(7u32, "after")).unwrap();
+            for (value, bytes) in values.iter().zip(&encoded) {
+                assert_eq!(&codec.decode::<(u32, String)>(bytes).unwrap(), value);
+            }
+            assert_eq!(
+                codec.decode::<(u32, String)>(&after).unwrap(),
+                (7, "after".to_string())
+            );
+        }
+    }
+
+    #[test]
+    fn a_value_encoding_another_value_still_encodes() {
+        /// Encodes a value with a codec while being encoded itself, and is written as that
+        /// value's length.
+        struct Nested;
+        impl Serialize for Nested {
+            fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+                let inner = Codec::MsgPack
+                    .encode(&("inner", 1u8))
+                    .map_err(serde::ser::Error::custom)?;
+                serializer.serialize_u64(inner.len() as u64)
+            }
+        }
+        let expected = Codec::MsgPack.encode(&("inner", 1u8)).unwrap().len() as u64;
+        let outer = Codec::MsgPack.encode(&("before", Nested, "after")).unwrap();
+        let decoded: (String, u64, String) = Codec::MsgPack.decode(&outer).unwrap();
+        assert_eq!(decoded, ("before".into(), expected, "after".into()));
     }
 }
