@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use dashmap::DashMap;
-use rpc_core::wire::{RemoteInvokeMessage, RemoteResultMessage};
+use rpc_core::wire::RemoteResultMessage;
 use rpc_core::{
     Codec, GovernanceOptions, GovernanceOverrides, MethodDescriptor, RpcError, Service,
     ShuntStrategy, StatusCode,
@@ -19,7 +19,7 @@ use rpc_governance::events::{EventBus, EventKind};
 use rpc_governance::fallback;
 use rpc_governance::pipeline::{AttemptCtx, Attempts, Governance};
 use rpc_registry::{InProcessRegistry, Registry, ServiceWatch};
-use rpc_transport::{ConnectOptions, ConnectionPool};
+use rpc_transport::{Call, ConnectOptions, ConnectionPool};
 use tokio::time::Instant;
 use tracing::Instrument;
 
@@ -474,9 +474,8 @@ impl Client {
         deadline: Option<Instant>,
     ) -> Result<Bytes, RpcError> {
         let attachments = telemetry::outgoing_attachments();
-        let message = |params: Bytes, attachments| RemoteInvokeMessage {
-            message_id: 0,
-            service_entry_id: method.entry_id.to_string(),
+        let message = |params: Bytes, attachments| Call {
+            service_entry_id: method.entry_id.into(),
             codec: self.inner.codec.to_wire(),
             parameters: params,
             attachments,

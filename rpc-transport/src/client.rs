@@ -1,9 +1,12 @@
 //! The client side of a connection: handshake, multiplexed calls, heartbeats.
 
+use std::borrow::Cow;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
 use dashmap::DashMap;
 use futures_util::StreamExt;
 use rpc_core::wire::{
@@ -18,6 +21,7 @@ use tokio_util::codec::FramedRead;
 use tokio_util::sync::CancellationToken;
 
 use crate::codec::{FrameCodec, FrameError};
+use crate::encode::InvokeFields;
 use crate::writer::{spawn_writer, FrameSender};
 use crate::READ_BUFFER;
 
@@ -66,6 +70,49 @@ impl std::fmt::Debug for ConnectOptions {
         #[cfg(feature = "tls")]
         d.field("tls", &self.tls);
         d.finish()
+    }
+}
+
+/// One call for [`Connection::call`]: a `RemoteInvokeMessage` without its `message_id`, which the
+/// connection assigns. The entry id is usually a method descriptor's `&'static str`, borrowed
+/// rather than copied into every call; any `RemoteInvokeMessage` converts into a `Call`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Call {
+    /// Which method to run: "<service id>.<method>".
+    pub service_entry_id: Cow<'static, str>,
+    /// How `parameters` is encoded, and how the result will be (`Codec::to_wire`).
+    pub codec: i32,
+    /// The encoded argument list.
+    pub parameters: Bytes,
+    /// Context carried with the call.
+    pub attachments: BTreeMap<String, String>,
+    /// The caller's remaining budget in milliseconds; 0 means no deadline.
+    pub timeout_ms: u32,
+}
+
+impl Call {
+    pub(crate) fn fields(&self, message_id: u64) -> InvokeFields<'_> {
+        InvokeFields {
+            message_id,
+            service_entry_id: &self.service_entry_id,
+            codec: self.codec,
+            parameters: &self.parameters,
+            attachments: &self.attachments,
+            timeout_ms: self.timeout_ms,
+        }
+    }
+}
+
+impl From<RemoteInvokeMessage> for Call {
+    /// Takes everything but `message_id`.
+    fn from(m: RemoteInvokeMessage) -> Self {
+        Call {
+            service_entry_id: m.service_entry_id.into(),
+            codec: m.codec,
+            parameters: m.parameters,
+            attachments: m.attachments,
+            timeout_ms: m.timeout_ms,
+        }
     }
 }
 
@@ -258,7 +305,7 @@ impl Connection {
         self.shared.close.cancel();
     }
 
-    /// Sends one call and waits for its answer. `invoke.message_id` is assigned here.
+    /// Sends one call and waits for its answer; the call's `message_id` is assigned here.
     ///
     /// Dropping the returned future before the answer arrives sends `Cancel` to the server, and
     /// so does reaching `deadline`, which fails the call with [`StatusCode::Timeout`]. Other
@@ -266,15 +313,15 @@ impl Connection {
     /// server the error says so ([`RpcError::is_maybe_delivered`]).
     pub async fn call(
         &self,
-        mut invoke: RemoteInvokeMessage,
+        call: impl Into<Call>,
         deadline: Option<Instant>,
     ) -> Result<RemoteResultMessage, RpcError> {
+        let call = call.into();
         let shared = &self.shared;
         if !self.is_usable() {
             return Err(comm_error(&shared.peer, "connection closed"));
         }
         let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
-        invoke.message_id = id;
         let (tx, rx) = oneshot::channel();
         let deadline_ms = deadline.map_or(0, |d| {
             (d.saturating_duration_since(shared.epoch).as_millis() as u64).max(1)
@@ -304,7 +351,7 @@ impl Connection {
             guard.disarm_quietly();
             return Err(comm_error(&shared.peer, "connection closed"));
         }
-        if !shared.sender.send(Kind::Invoke(invoke)) {
+        if !shared.sender.send_call(id, call) {
             guard.disarm_quietly();
             return Err(comm_error(&shared.peer, "connection closed"));
         }

@@ -96,13 +96,36 @@ fn int32(value: i32) -> u64 {
     value as i64 as u64
 }
 
+/// The fields of a `RemoteInvokeMessage`, borrowed from the message or from a [`Call`](crate::Call).
+pub(crate) struct InvokeFields<'a> {
+    pub(crate) message_id: u64,
+    pub(crate) service_entry_id: &'a str,
+    pub(crate) codec: i32,
+    pub(crate) parameters: &'a [u8],
+    pub(crate) attachments: &'a BTreeMap<String, String>,
+    pub(crate) timeout_ms: u32,
+}
+
+impl<'a> From<&'a RemoteInvokeMessage> for InvokeFields<'a> {
+    fn from(m: &'a RemoteInvokeMessage) -> Self {
+        InvokeFields {
+            message_id: m.message_id,
+            service_entry_id: &m.service_entry_id,
+            codec: m.codec,
+            parameters: &m.parameters,
+            attachments: &m.attachments,
+            timeout_ms: m.timeout_ms,
+        }
+    }
+}
+
 /// Length of the body of a `RemoteInvokeMessage`.
-fn invoke_len(m: &RemoteInvokeMessage) -> usize {
+fn invoke_len(m: &InvokeFields<'_>) -> usize {
     varint_len(m.message_id)
         + bytes_len(m.service_entry_id.len())
         + varint_len(int32(m.codec))
         + bytes_len(m.parameters.len())
-        + map_len(&m.attachments)
+        + map_len(m.attachments)
         + varint_len(u64::from(m.timeout_ms))
 }
 
@@ -122,32 +145,38 @@ fn result_len(m: &RemoteResultMessage) -> usize {
 /// Appends an invoke or result frame, length prefix included, and returns true; returns false
 /// and writes nothing for any other kind.
 pub(crate) fn put_call_frame(kind: &Kind, dst: &mut BytesMut) -> bool {
-    let (tag, body) = match kind {
-        Kind::Invoke(m) => (FRAME_INVOKE, invoke_len(m)),
-        Kind::Result(m) => (FRAME_RESULT, result_len(m)),
+    match kind {
+        Kind::Invoke(m) => put_invoke_frame(&m.into(), dst),
+        Kind::Result(m) => put_frame(FRAME_RESULT, result_len(m), dst, |dst| put_result(m, dst)),
         _ => return false,
-    };
+    }
+    true
+}
+
+/// Appends the frame of an invoke, length prefix included.
+pub(crate) fn put_invoke_frame(m: &InvokeFields<'_>, dst: &mut BytesMut) {
+    put_frame(FRAME_INVOKE, invoke_len(m), dst, |dst| put_invoke(m, dst));
+}
+
+/// Appends a frame whose `kind` is field `tag`, a message of `body` bytes that `put_body`
+/// writes.
+fn put_frame(tag: u32, body: usize, dst: &mut BytesMut, put_body: impl FnOnce(&mut BytesMut)) {
     let len = nested_len(body);
     dst.reserve(PREFIX + len);
     // See `FrameCodec::encode_kind` on why the length fits the prefix.
     dst.put_u32(len as u32);
     put_key(tag, LEN, dst);
     encode_varint(body as u64, dst);
-    match kind {
-        Kind::Invoke(m) => put_invoke(m, dst),
-        Kind::Result(m) => put_result(m, dst),
-        _ => unreachable!("matched above"),
-    }
-    true
+    put_body(dst);
 }
 
 /// Writes the body of a `RemoteInvokeMessage`.
-fn put_invoke(m: &RemoteInvokeMessage, dst: &mut impl BufMut) {
+fn put_invoke(m: &InvokeFields<'_>, dst: &mut impl BufMut) {
     put_varint(1, m.message_id, dst);
     put_bytes(2, m.service_entry_id.as_bytes(), dst);
     put_varint(3, int32(m.codec), dst);
-    put_bytes(4, &m.parameters, dst);
-    put_map(5, &m.attachments, dst);
+    put_bytes(4, m.parameters, dst);
+    put_map(5, m.attachments, dst);
     put_varint(6, u64::from(m.timeout_ms), dst);
 }
 
@@ -253,6 +282,13 @@ mod tests {
             let mut ours = BytesMut::new();
             assert!(put_call_frame(kind, &mut ours));
             assert_eq!(&ours[..], &by_prost(kind)[..], "{kind:?}");
+            // A client's call, which the writer encodes from its own fields.
+            if let Kind::Invoke(m) = kind {
+                let mut from_call = BytesMut::new();
+                let call = crate::Call::from(m.clone());
+                put_invoke_frame(&call.fields(m.message_id), &mut from_call);
+                assert_eq!(from_call, ours, "{m:?}");
+            }
         }
     }
 

@@ -17,13 +17,12 @@
 //! apply governance policies. The server side hands each call to an [`InvokeHandler`].
 //!
 //! ```no_run
-//! use rpc_transport::{ConnectOptions, Connection};
-//! use rpc_core::wire::RemoteInvokeMessage;
+//! use rpc_transport::{Call, ConnectOptions, Connection};
 //! # async fn f() -> Result<(), rpc_core::RpcError> {
 //! let conn = Connection::connect("127.0.0.1:9001", &ConnectOptions::default()).await?;
 //! let answer = conn
 //!     .call(
-//!         RemoteInvokeMessage {
+//!         Call {
 //!             service_entry_id: "echo.Echo.echo".into(),
 //!             parameters: rpc_core::Codec::MsgPack.encode(&("hi",)).unwrap(),
 //!             timeout_ms: 800, // the server stops the work after this
@@ -47,7 +46,7 @@ mod server;
 pub mod tls;
 mod writer;
 
-pub use client::{ConnectOptions, Connection};
+pub use client::{Call, ConnectOptions, Connection};
 pub use codec::{FrameCodec, FrameError};
 pub use pool::ConnectionPool;
 pub use server::{

@@ -9,7 +9,9 @@ use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, Notify};
 use tokio_util::sync::CancellationToken;
 
+use crate::client::Call;
 use crate::codec::FrameCodec;
+use crate::encode::put_invoke_frame;
 
 /// The writer yields to gather more frames only when more than this many calls beyond the
 /// batch are in flight: with a few calls in flight, waiting a scheduler round costs more
@@ -25,8 +27,24 @@ const BUFFER: usize = 4 * 1024;
 /// The queue in front of a connection's writer task. Cheap to clone.
 #[derive(Debug, Clone)]
 pub(crate) struct FrameSender {
-    tx: mpsc::UnboundedSender<Kind>,
+    tx: mpsc::UnboundedSender<Outgoing>,
     backlog: Arc<Backlog>,
+}
+
+/// What the writer is handed: a frame, or a client's call with the id it was given.
+#[derive(Debug)]
+pub(crate) enum Outgoing {
+    Frame(Kind),
+    Call(u64, Call),
+}
+
+impl Outgoing {
+    fn encode(self, dst: &mut BytesMut) {
+        match self {
+            Outgoing::Frame(kind) => FrameCodec::encode_kind(kind, dst),
+            Outgoing::Call(id, call) => put_invoke_frame(&call.fields(id), dst),
+        }
+    }
 }
 
 /// Bytes queued for the writer and not yet written (an estimate: the payload and message of
@@ -53,24 +71,35 @@ impl Backlog {
 }
 
 /// What a frame is counted as in the backlog: its variable parts plus the rest of the message.
-fn estimate(kind: &Kind) -> usize {
+fn estimate(frame: &Outgoing) -> usize {
     const FIXED: usize = 64;
     FIXED
-        + match kind {
-            Kind::Result(r) => r.result.len() + r.exception_message.len(),
-            Kind::Invoke(i) => i.parameters.len() + i.service_entry_id.len(),
-            Kind::GoAway(g) => g.reason.len(),
-            _ => 0,
+        + match frame {
+            Outgoing::Frame(Kind::Result(r)) => r.result.len() + r.exception_message.len(),
+            Outgoing::Frame(Kind::Invoke(i)) => i.parameters.len() + i.service_entry_id.len(),
+            Outgoing::Frame(Kind::GoAway(g)) => g.reason.len(),
+            Outgoing::Frame(_) => 0,
+            Outgoing::Call(_, c) => c.parameters.len() + c.service_entry_id.len(),
         }
 }
 
 impl FrameSender {
     /// Queues a frame; false when the connection is closed.
     pub(crate) fn send(&self, kind: Kind) -> bool {
+        self.push(Outgoing::Frame(kind))
+    }
+
+    /// Queues a client's call as an invoke frame with `message_id` `id`; false when the
+    /// connection is closed.
+    pub(crate) fn send_call(&self, id: u64, call: Call) -> bool {
+        self.push(Outgoing::Call(id, call))
+    }
+
+    fn push(&self, frame: Outgoing) -> bool {
         // Counted before it can reach the writer, which subtracts it once written.
-        let n = estimate(&kind);
+        let n = estimate(&frame);
         self.backlog.bytes.fetch_add(n, Ordering::Relaxed);
-        if self.tx.send(kind).is_err() {
+        if self.tx.send(frame).is_err() {
             self.backlog.bytes.fetch_sub(n, Ordering::Relaxed);
             return false;
         }
@@ -100,7 +129,7 @@ pub(crate) fn spawn_writer<W: AsyncWrite + Unpin + Send + 'static>(
 }
 
 async fn write_loop<W: AsyncWrite + Unpin>(
-    mut rx: mpsc::UnboundedReceiver<Kind>,
+    mut rx: mpsc::UnboundedReceiver<Outgoing>,
     mut wr: W,
     in_flight: Arc<AtomicUsize>,
     backlog: Arc<Backlog>,
@@ -117,15 +146,15 @@ async fn write_loop<W: AsyncWrite + Unpin>(
         };
         let Some(first) = first else { break };
         let mut counted = estimate(&first);
-        FrameCodec::encode_kind(first, &mut buf);
+        first.encode(&mut buf);
         let mut frames = 1usize;
         let mut yielded = false;
         loop {
             while buf.len() < MAX_BATCH {
                 match rx.try_recv() {
-                    Ok(kind) => {
-                        counted += estimate(&kind);
-                        FrameCodec::encode_kind(kind, &mut buf);
+                    Ok(frame) => {
+                        counted += estimate(&frame);
+                        frame.encode(&mut buf);
                         frames += 1;
                     }
                     Err(_) => break,
