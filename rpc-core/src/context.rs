@@ -50,6 +50,12 @@ impl RpcContext {
         CONTEXT.scope(attachments, fut)
     }
 
+    /// Runs `f` with `attachments` as the call context: the synchronous form of
+    /// [`scope`](Self::scope), for polling a future once in place.
+    pub fn sync_scope<R>(attachments: BTreeMap<String, String>, f: impl FnOnce() -> R) -> R {
+        CONTEXT.sync_scope(attachments, f)
+    }
+
     /// Runs `fut` with the current attachments plus `key = value`.
     pub fn with_attachment<F: Future>(
         key: impl Into<String>,

@@ -16,6 +16,12 @@ pub async fn with_inherited<F: Future>(deadline: Option<Instant>, f: F) -> F::Ou
     INHERITED.scope(deadline, f).await
 }
 
+/// Runs `f` with `deadline` as the budget the outgoing calls it starts inherit: the synchronous
+/// form of [`with_inherited`], for polling a handler once in place.
+pub fn sync_with_inherited<R>(deadline: Option<Instant>, f: impl FnOnce() -> R) -> R {
+    INHERITED.sync_scope(deadline, f)
+}
+
 /// The deadline inherited from the call being handled, if any.
 pub fn inherited() -> Option<Instant> {
     INHERITED.try_with(|d| *d).ok().flatten()

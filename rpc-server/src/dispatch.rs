@@ -2,12 +2,12 @@
 //! (panics caught) and inside the caller's call context → server fallback on failure; all in the
 //! call's `rpc.server` span.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
-use std::task::Poll;
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -95,7 +95,7 @@ impl InvokeHandler for Dispatcher {
             entry_id: route.entry.clone(),
             endpoint: self.endpoint.clone(),
         });
-        let handler = route.service.call(route.index, invoke.parameters, codec);
+        let mut handler = route.service.call(route.index, invoke.parameters, codec);
         let deadline = (invoke.timeout_ms > 0).then(|| {
             (
                 Instant::now() + Duration::from_millis(invoke.timeout_ms.into()),
@@ -103,39 +103,42 @@ impl InvokeHandler for Dispatcher {
             )
         });
         let entry = invoke.service_entry_id;
-        let call_span = span.clone();
-        // The handler (and the fallback) run in the caller's call context, so the calls they
-        // make carry its attachments on; the span covers the first poll, made inline by the
-        // transport, as well as the task spawned if the handler has to wait.
-        let call = async move {
-            let result = run_guarded(handler, deadline, &entry).await;
-            let result = match (result, fallback) {
-                (Err(e), Some(fb)) if fallback::applies(&e, fallback::Side::Server) => {
-                    // On the call's span: a trace shows why the fallback ran. The server sees
-                    // each attempt of a caller as a call of its own: attempt 0.
-                    fb.events.emit_parts(
-                        EventKind::Fallback,
-                        &fb.entry_id,
-                        Some(&fb.endpoint),
-                        0,
-                        Some(e.to_string()),
-                    );
-                    let handler = fb.service.call(fb.index, fb.parameters, codec);
-                    let answer = run_guarded(handler, deadline, &entry).await;
-                    fallback::outcome(&entry, e, answer)
-                }
-                (r, _) => r,
-            };
-            drop(permit);
-            telemetry::record_result(&call_span, &result);
-            metrics.finish(
-                result
-                    .as_ref()
-                    .map_or_else(RpcError::code, |_| StatusCode::Success),
-            );
-            to_message(result)
-        };
         let attachments = telemetry::user_attachments(attachments);
+        // Most handlers answer in their first poll. It is made here, in the call's context,
+        // span and inherited deadline, so such a call is answered without a future of its own;
+        // the rest (a handler that waits, a fallback to run) continues in one.
+        let rest = match poll_first(&mut handler, deadline, &attachments, &span) {
+            Poll::Ready(outcome) => match (settle(outcome, &entry), fallback) {
+                (Err(e), Some(fb)) if fallback::applies(&e, fallback::Side::Server) => {
+                    Rest::Fallback(e, fb)
+                }
+                (result, _) => {
+                    drop(permit);
+                    return Dispatch::Ready(finish(&span, &metrics, result));
+                }
+            },
+            Poll::Pending => Rest::Handler(handler, fallback),
+        };
+        let call_span = span.clone();
+        let call = async move {
+            let (e, fb) = match rest {
+                Rest::Handler(handler, fallback) => {
+                    match (run_guarded(handler, deadline, &entry).await, fallback) {
+                        (Err(e), Some(fb)) if fallback::applies(&e, fallback::Side::Server) => {
+                            (e, fb)
+                        }
+                        (result, _) => {
+                            drop(permit);
+                            return finish(&call_span, &metrics, result);
+                        }
+                    }
+                }
+                Rest::Fallback(e, fb) => (e, fb),
+            };
+            let result = run_fallback(fb, e, codec, deadline, &entry).await;
+            drop(permit);
+            finish(&call_span, &metrics, result)
+        };
         // Each wrapper moves the whole call future once more: add only the ones in use (with
         // no attachments the handler's own calls find an empty context either way).
         Dispatch::Spawn(match (span.is_disabled(), attachments.is_empty()) {
@@ -144,6 +147,89 @@ impl InvokeHandler for Dispatcher {
             (false, _) => Box::pin(RpcContext::scope(attachments, call).instrument(span)),
         })
     }
+}
+
+/// What is left of a call its first poll did not answer.
+enum Rest {
+    /// The handler is waiting; the fallback, if any, runs should it fail.
+    Handler(HandlerFuture, Option<ServerFallback>),
+    /// The handler failed at once, and the fallback is to run.
+    Fallback(RpcError, ServerFallback),
+}
+
+type HandlerFuture = futures_util::future::BoxFuture<'static, Result<Bytes, RpcError>>;
+type Outcome = std::thread::Result<Result<Bytes, RpcError>>;
+
+/// Polls the handler once in the call's span, attachments and inherited deadline, catching a
+/// panic. Its waker does nothing: a handler that has to wait is polled again, with its task's
+/// waker, by the future that continues the call.
+fn poll_first(
+    handler: &mut HandlerFuture,
+    deadline: Option<(Instant, u32)>,
+    attachments: &BTreeMap<String, String>,
+    span: &tracing::Span,
+) -> Poll<Outcome> {
+    let mut poll = || {
+        let mut cx = Context::from_waker(Waker::noop());
+        match std::panic::catch_unwind(AssertUnwindSafe(|| handler.as_mut().poll(&mut cx))) {
+            Ok(Poll::Ready(result)) => Poll::Ready(Ok(result)),
+            Ok(Poll::Pending) => Poll::Pending,
+            Err(panic) => Poll::Ready(Err(panic)),
+        }
+    };
+    let mut in_context = || {
+        if attachments.is_empty() {
+            poll()
+        } else {
+            RpcContext::sync_scope(attachments.clone(), &mut poll)
+        }
+    };
+    let mut in_deadline = || match deadline {
+        Some((d, _)) => rpc_governance::timeout::sync_with_inherited(Some(d), &mut in_context),
+        None => in_context(),
+    };
+    if span.is_disabled() {
+        in_deadline()
+    } else {
+        span.in_scope(in_deadline)
+    }
+}
+
+/// Ends a call: its span and metrics record the result, which becomes the answer.
+fn finish(
+    span: &tracing::Span,
+    metrics: &telemetry::CallGuard,
+    result: Result<Bytes, RpcError>,
+) -> RemoteResultMessage {
+    telemetry::record_result(span, &result);
+    metrics.finish(
+        result
+            .as_ref()
+            .map_or_else(RpcError::code, |_| StatusCode::Success),
+    );
+    to_message(result)
+}
+
+/// Runs the server fallback after the handler failed with `e`.
+async fn run_fallback(
+    fb: ServerFallback,
+    e: RpcError,
+    codec: Codec,
+    deadline: Option<(Instant, u32)>,
+    entry: &str,
+) -> Result<Bytes, RpcError> {
+    // On the call's span: a trace shows why the fallback ran. The server sees each attempt of
+    // a caller as a call of its own: attempt 0.
+    fb.events.emit_parts(
+        EventKind::Fallback,
+        &fb.entry_id,
+        Some(&fb.endpoint),
+        0,
+        Some(e.to_string()),
+    );
+    let handler = fb.service.call(fb.index, fb.parameters, codec);
+    let answer = run_guarded(handler, deadline, entry).await;
+    fallback::outcome(entry, e, answer)
 }
 
 /// A registered server fallback and what it needs to run after the handler failed.
@@ -157,7 +243,7 @@ struct ServerFallback {
 }
 
 async fn run_guarded(
-    handler: futures_util::future::BoxFuture<'static, Result<Bytes, RpcError>>,
+    handler: HandlerFuture,
     deadline: Option<(Instant, u32)>,
     entry: &str,
 ) -> Result<Bytes, RpcError> {
@@ -193,10 +279,7 @@ async fn run_guarded(
 }
 
 /// The handler's result, or a panic turned into an error (520) that names the entry.
-fn settle(
-    outcome: std::thread::Result<Result<Bytes, RpcError>>,
-    entry: &str,
-) -> Result<Bytes, RpcError> {
+fn settle(outcome: Outcome, entry: &str) -> Result<Bytes, RpcError> {
     outcome.unwrap_or_else(|panic| {
         let what = panic
             .downcast_ref::<&str>()

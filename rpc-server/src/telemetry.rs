@@ -83,7 +83,7 @@ pub(crate) fn user_attachments(
 }
 
 #[cfg(feature = "otel")]
-pub(crate) use otel::Metrics;
+pub(crate) use otel::{CallGuard, Metrics};
 
 #[cfg(feature = "otel")]
 mod otel {
@@ -220,7 +220,7 @@ mod otel {
 }
 
 #[cfg(not(feature = "otel"))]
-pub(crate) use noop::Metrics;
+pub(crate) use noop::{CallGuard, Metrics};
 
 #[cfg(not(feature = "otel"))]
 mod noop {
