@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The project's test command (README): installs what the tests need (etcd, protoc) when it is
-# missing, then checks formatting and lints and runs every test of the workspace with every
-# feature (the etcd tests start their own etcd on free loopback ports).
+# missing, then checks formatting, lints and the API docs and runs every test of the workspace
+# with every feature (the etcd tests start their own etcd on free loopback ports).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,6 +25,9 @@ cargo fmt --all -- --check
 
 echo "== cargo clippy --all-targets --all-features -- -D warnings"
 cargo clippy --workspace --all-targets --all-features -- -D warnings
+
+echo "== cargo doc (warnings are errors)"
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --all-features --quiet
 
 echo "== cargo test --all-features"
 cargo test --workspace --all-features

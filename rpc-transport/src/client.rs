@@ -78,7 +78,7 @@ impl std::fmt::Debug for ConnectOptions {
 /// rather than copied into every call; any `RemoteInvokeMessage` converts into a `Call`.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Call {
-    /// Which method to run: "<service id>.<method>".
+    /// Which method to run: `"<service id>.<method>"`, for example `"echo.Echo.echo"`.
     pub service_entry_id: Cow<'static, str>,
     /// How `parameters` is encoded, and how the result will be (`Codec::to_wire`).
     pub codec: i32,

@@ -21,7 +21,7 @@ use serde::{Deserialize, Serialize};
 #[derive(Parser, Debug)]
 #[command(about = "Three servers and a client in one process, with a short report")]
 struct Args {
-    /// embedded (the default), static:<file> or etcd://host:port.
+    /// embedded (the default), static:FILE or etcd://host:port.
     #[arg(long, default_value = "embedded")]
     registry: String,
     /// off, stdout (spans and metrics to standard output; build with --features otel) or otlp

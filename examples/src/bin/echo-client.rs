@@ -24,7 +24,7 @@ struct Args {
     /// Comma-separated host:port list.
     #[arg(long, required_unless_present = "registry")]
     endpoints: Option<String>,
-    /// Where to find the endpoints instead: static:<file> or etcd://host:port.
+    /// Where to find the endpoints instead: static:FILE or etcd://host:port.
     #[arg(long)]
     registry: Option<String>,
     /// Number of calls.

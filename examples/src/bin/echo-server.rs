@@ -32,7 +32,7 @@ struct Args {
     #[arg(long)]
     token: Option<String>,
     /// Where to publish the instance: embedded (nothing outside this process),
-    /// static:<file> (nothing to publish) or etcd://host:port.
+    /// static:FILE (nothing to publish) or etcd://host:port.
     #[arg(long, default_value = "embedded")]
     registry: String,
     /// Lease of the published instance: a killed server disappears from etcd after this long.
