@@ -148,6 +148,13 @@ impl ServerBuilder {
         self
     }
 
+    /// Calls one connection may start per second (bursts of a tenth of that); above it the
+    /// server stops reading the connection until the rate allows the next call. Off by default.
+    pub fn max_calls_per_second_per_connection(mut self, n: u32) -> Self {
+        self.options.max_calls_per_second_per_connection = Some(n);
+        self
+    }
+
     /// Serves every connection over TLS (feature `tls`): the server presents the certificate
     /// chain of `tls` and, when it requires client certificates, refuses clients without one
     /// signed by its client CA. The TLS handshake counts within the handshake timeout.

@@ -57,6 +57,11 @@ pub struct ServerOptions {
     /// read the answers, the server stops reading that connection's calls until the answers are
     /// written, so memory stays bounded and TCP pushes back on the client.
     pub max_unsent_bytes: usize,
+    /// Calls one connection may start per second, with bursts of a tenth of a second's worth
+    /// (at least one call). Above it the server stops reading that connection until the rate
+    /// allows the next call, so TCP pushes back on the client and a client that pipelines calls
+    /// as fast as it can gets no more than its share. `None` (the default): no limit.
+    pub max_calls_per_second_per_connection: Option<u32>,
     /// TLS on every connection (feature `tls`); `None` serves plain TCP. The TLS handshake
     /// counts within `handshake_timeout`.
     #[cfg(feature = "tls")]
@@ -77,6 +82,7 @@ impl Default for ServerOptions {
             max_attachments: 64,
             max_attachment_bytes: 16 * 1024,
             max_unsent_bytes: 1024 * 1024,
+            max_calls_per_second_per_connection: None,
             #[cfg(feature = "tls")]
             tls: None,
         }
@@ -99,7 +105,11 @@ impl std::fmt::Debug for ServerOptions {
             )
             .field("max_attachments", &self.max_attachments)
             .field("max_attachment_bytes", &self.max_attachment_bytes)
-            .field("max_unsent_bytes", &self.max_unsent_bytes);
+            .field("max_unsent_bytes", &self.max_unsent_bytes)
+            .field(
+                "max_calls_per_second_per_connection",
+                &self.max_calls_per_second_per_connection,
+            );
         #[cfg(feature = "tls")]
         d.field("tls", &self.tls);
         d.finish()
@@ -346,23 +356,33 @@ async fn run_connection<R, W>(
         peer,
     };
 
+    let mut rate = options
+        .max_calls_per_second_per_connection
+        .map(|n| CallRate::new(n, Instant::now()));
+    // Armed while the call rate pauses the connection.
+    let throttle = tokio::time::sleep(Duration::ZERO);
+    tokio::pin!(throttle);
+    let mut throttled = false;
+
     let ended: Option<String> = loop {
         // No more calls are taken while the client leaves its answers unread, nor after many
-        // calls in a row were refused at the in-flight limit, until a running call finishes:
-        // the frames wait in the read buffer and in TCP.
+        // calls in a row were refused at the in-flight limit, until a running call finishes,
+        // nor above the call rate: the frames wait in the read buffer and in TCP.
         let backlogged = conn.sender.backlog().bytes() > options.max_unsent_bytes;
         let at_limit = conn.refused_in_a_row.load(Ordering::Relaxed) >= REFUSALS_BEFORE_PAUSE
             && conn.in_flight.load(Ordering::Acquire) >= options.max_in_flight_per_connection;
-        let paused = backlogged || at_limit;
+        let paused = backlogged || at_limit || throttled;
         // Frames already read are handled before anything else is polled: the shutdown and
         // idle checks run once per read from the socket, not once per frame. Each counts
         // against the task's scheduling budget, so one busy connection cannot hold a worker.
         if !paused {
             if let Some(next) = crate::codec::buffered(&mut frames) {
                 frames_seen += 1;
+                let call = matches!(next, Ok(Kind::Invoke(_)));
                 if let Err(end) = ctx.on_frame(Some(next), false) {
                     break end;
                 }
+                throttled = call && throttle_at(&mut rate, throttle.as_mut());
                 tokio::task::coop::consume_budget().await;
                 continue;
             }
@@ -381,12 +401,18 @@ async fn run_connection<R, W>(
             }
             _ = conn.sender.backlog().written(), if backlogged => continue,
             _ = conn.finished.notified(), if at_limit && !backlogged => continue,
+            _ = &mut throttle, if throttled => {
+                throttled = false;
+                continue;
+            }
             f = frames.next(), if !paused => f,
         };
         frames_seen += 1;
+        let call = matches!(next, Some(Ok(Kind::Invoke(_))));
         if let Err(end) = ctx.on_frame(next, false) {
             break end;
         }
+        throttled = call && throttle_at(&mut rate, throttle.as_mut());
     };
 
     let reason = match ended {
@@ -398,6 +424,51 @@ async fn run_connection<R, W>(
         tracing::info!(%peer, %reason, "closing connection");
         conn.sender
             .send(go_away(StatusCode::FrameworkError, reason));
+    }
+}
+
+/// One connection's call rate: a token bucket holding a tenth of a second's calls.
+struct CallRate {
+    per_second: f64,
+    burst: f64,
+    tokens: f64,
+    at: Instant,
+}
+
+impl CallRate {
+    fn new(per_second: u32, now: Instant) -> Self {
+        let per_second = f64::from(per_second.max(1));
+        let burst = (per_second / 10.0).max(1.0);
+        CallRate {
+            per_second,
+            burst,
+            tokens: burst,
+            at: now,
+        }
+    }
+
+    /// Counts a call that started at `now`; when the next one would be over the rate, the
+    /// instant it may start.
+    fn take(&mut self, now: Instant) -> Option<Instant> {
+        let refill = now.saturating_duration_since(self.at).as_secs_f64() * self.per_second;
+        self.tokens = (self.tokens + refill).min(self.burst) - 1.0;
+        self.at = now;
+        (self.tokens < 1.0)
+            .then(|| now + Duration::from_secs_f64((1.0 - self.tokens) / self.per_second))
+    }
+}
+
+/// After a call: arms `throttle` and returns true when the connection's rate says to wait.
+fn throttle_at(
+    rate: &mut Option<CallRate>,
+    throttle: std::pin::Pin<&mut tokio::time::Sleep>,
+) -> bool {
+    match rate.as_mut().and_then(|r| r.take(Instant::now())) {
+        Some(until) => {
+            throttle.reset(until);
+            true
+        }
+        None => false,
     }
 }
 

@@ -436,3 +436,47 @@ async fn after_a_refusal_at_the_connection_limit_a_freed_slot_is_taken_at_once()
     assert_eq!(ack.protocol_version, 1);
     server.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_connection_over_its_call_rate_is_read_no_faster_and_loses_nothing() {
+    const RATE: u32 = 200;
+    const CALLS: u64 = 100;
+    let gate = gate(1000);
+    let reg = InProcessRegistry::new();
+    let server = Server::builder()
+        .registry(reg.clone())
+        .max_calls_per_second_per_connection(RATE)
+        .add_service(LimitsServer::from_arc(gate.clone()))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.handshake().await;
+    let started = std::time::Instant::now();
+    for id in 1..=CALLS {
+        raw.send(invoke(id, BTreeMap::new())).await.expect("send");
+    }
+    // Another connection has a rate of its own: served while this one waits.
+    still_served(reg).await;
+    let mut answered = Vec::new();
+    for _ in 0..CALLS {
+        let r = answer(&mut raw).await;
+        assert_eq!(r.status_code, StatusCode::Success.as_u32(), "{r:?}");
+        answered.push(r.message_id);
+    }
+    let elapsed = started.elapsed();
+    answered.sort_unstable();
+    assert_eq!(
+        answered,
+        (1..=CALLS).collect::<Vec<_>>(),
+        "every call answered"
+    );
+    // A burst of a tenth of a second's calls, then one call per 1/RATE s.
+    let burst = u64::from(RATE / 10);
+    let least = std::time::Duration::from_secs_f64((CALLS - burst) as f64 / f64::from(RATE));
+    assert!(
+        elapsed >= least.mul_f64(0.99),
+        "{CALLS} calls at {RATE}/s were all read in {elapsed:?}, less than {least:?}"
+    );
+    server.shutdown().await;
+}

@@ -23,7 +23,8 @@
 //!   `--work-us`) keep the cap full.
 //! - `attack`: per attack kind, a fresh server (`--max-connections`, `--max-in-flight` per
 //!   connection, 1 MiB frames, default attachment limits of 64 and 16 KiB, handshake timeout
-//!   5 s, idle timeout 60 s) and `--good-callers` closed-loop callers of
+//!   5 s, idle timeout 60 s, a call rate per connection when `--call-rate` is above 0) and
+//!   `--good-callers` closed-loop callers of
 //!   `hardening.Target.echo` (32 B, default governance) on `--good-connections` connections.
 //!   Their QPS is measured alone and while the attack runs, in turns (alone, under attack,
 //!   alone, ... `--rounds` times), so that a change of the machine's other load hits both;
@@ -133,6 +134,9 @@ struct ServeArgs {
     /// Milliseconds without a frame after which a connection is closed.
     #[arg(long, default_value_t = 60_000)]
     idle_timeout_ms: u64,
+    /// Calls one connection may start per second; 0: no limit.
+    #[arg(long, default_value_t = 0)]
+    call_rate: u32,
 }
 
 impl ServeArgs {
@@ -148,6 +152,7 @@ impl ServeArgs {
                 self.handshake_timeout_ms.to_string(),
             ),
             ("--idle-timeout-ms", self.idle_timeout_ms.to_string()),
+            ("--call-rate", self.call_rate.to_string()),
         ]
         .into_iter()
         .flat_map(|(k, v)| [k.to_string(), v])
@@ -259,6 +264,9 @@ struct AttackArgs {
     /// The server's cap.
     #[arg(long, default_value_t = 1000)]
     cap: usize,
+    /// The server's limit of calls per second per connection; 0: none.
+    #[arg(long, default_value_t = 0)]
+    call_rate: u32,
 }
 
 fn main() -> ExitCode {
@@ -292,7 +300,11 @@ fn seconds(s: f64) -> Result<Duration, String> {
 
 fn serve_main(a: ServeArgs) -> Result<(), String> {
     runtime()?.block_on(async {
-        let server = Server::builder()
+        let mut server = Server::builder();
+        if a.call_rate > 0 {
+            server = server.max_calls_per_second_per_connection(a.call_rate);
+        }
+        let server = server
             .max_concurrency(a.cap)
             .max_connections(a.max_connections)
             .max_frame_length(a.max_frame)
@@ -534,6 +546,7 @@ fn overload_main(a: OverloadArgs) -> Result<(), String> {
         max_in_flight: 1024,
         handshake_timeout_ms: 5000,
         idle_timeout_ms: 60_000,
+        call_rate: 0,
     })?;
     runtime()?.block_on(async {
         // Every answer of the server as it is: no retry, no client breaker.
@@ -674,7 +687,7 @@ fn attack_main(a: AttackArgs) -> Result<(), String> {
     let rt = runtime()?;
     println!(
         "attack good_callers={} good_connections={} seconds={} rounds={} attackers={} \
-         idle_attackers={} max_connections={} max_in_flight={} cap={}",
+         idle_attackers={} max_connections={} max_in_flight={} cap={} call_rate={}",
         a.good_callers,
         a.good_connections,
         a.seconds,
@@ -683,7 +696,8 @@ fn attack_main(a: AttackArgs) -> Result<(), String> {
         a.idle_attackers,
         a.max_connections,
         a.max_in_flight,
-        a.cap
+        a.cap,
+        a.call_rate
     );
     for &kind in &a.kinds {
         let server = ServerProc::start(&ServeArgs {
@@ -694,6 +708,7 @@ fn attack_main(a: AttackArgs) -> Result<(), String> {
             max_in_flight: a.max_in_flight,
             handshake_timeout_ms: 5000,
             idle_timeout_ms: 60_000,
+            call_rate: a.call_rate,
         })?;
         let line = rt.block_on(attack_one(&a, kind, &server, length))?;
         println!("{line}");
