@@ -408,7 +408,7 @@ impl Client {
     ) -> impl std::future::Future<Output = Result<Bytes, RpcError>> + Send + '_ {
         let policy = self.inner.governance.policy(method);
         let hash_key = match policy.options().shunt_strategy {
-            ShuntStrategy::HashAlgorithm => hash_key.map(|h| h()),
+            ShuntStrategy::Hash => hash_key.map(|h| h()),
             _ => None,
         };
         let span = telemetry::call_span(method);

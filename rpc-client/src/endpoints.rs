@@ -114,7 +114,7 @@ impl ServiceState {
                 ),
             ));
         }
-        if let (ShuntStrategy::HashAlgorithm, Some(key)) = (options.shunt_strategy, hash_key) {
+        if let (ShuntStrategy::Hash, Some(key)) = (options.shunt_strategy, hash_key) {
             let ring = self.ring(&eps);
             let mut best: Option<(u8, usize)> = None;
             for idx in ring.walk(key) {

@@ -8,14 +8,16 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ShuntStrategy {
-    /// Round robin.
+    /// Round robin (Silky's `polling`, the spelling it is written and published with).
     #[default]
-    Polling,
+    #[serde(rename = "polling", alias = "round_robin", alias = "round-robin")]
+    RoundRobin,
     /// Uniformly random.
     Random,
     /// Consistent hash of the call's `#[hash_key]` argument over a ring with virtual nodes.
-    #[serde(alias = "hash")]
-    HashAlgorithm,
+    /// Written and published as Silky's `hash_algorithm`; `hash` is accepted too.
+    #[serde(rename = "hash_algorithm", alias = "hash")]
+    Hash,
     /// Always the appointed address (see [`GovernanceOptions::appoint_address`]).
     Appoint,
 }
@@ -24,9 +26,9 @@ impl std::str::FromStr for ShuntStrategy {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s {
-            "polling" | "round_robin" | "round-robin" => Ok(ShuntStrategy::Polling),
+            "polling" | "round_robin" | "round-robin" => Ok(ShuntStrategy::RoundRobin),
             "random" => Ok(ShuntStrategy::Random),
-            "hash" | "hash_algorithm" => Ok(ShuntStrategy::HashAlgorithm),
+            "hash" | "hash_algorithm" => Ok(ShuntStrategy::Hash),
             "appoint" => Ok(ShuntStrategy::Appoint),
             other => Err(format!(
                 "unknown shunt strategy {other:?}: expected polling, random, hash or appoint"
@@ -82,7 +84,7 @@ pub struct GovernanceOptions {
 impl Default for GovernanceOptions {
     fn default() -> Self {
         GovernanceOptions {
-            shunt_strategy: ShuntStrategy::Polling,
+            shunt_strategy: ShuntStrategy::RoundRobin,
             appoint_address: None,
             timeout_ms: 5000,
             retry_times: 3,
@@ -207,6 +209,30 @@ impl GovernanceOverrides {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rust_names_in_code_silky_spellings_on_the_wire_and_in_config() {
+        for (text, want) in [
+            ("\"polling\"", ShuntStrategy::RoundRobin),
+            ("\"round_robin\"", ShuntStrategy::RoundRobin),
+            ("\"hash\"", ShuntStrategy::Hash),
+            ("\"hash_algorithm\"", ShuntStrategy::Hash),
+            ("\"random\"", ShuntStrategy::Random),
+            ("\"appoint\"", ShuntStrategy::Appoint),
+        ] {
+            let got: ShuntStrategy = serde_json::from_str(text).unwrap();
+            assert_eq!(got, want, "{text}");
+        }
+        // Published descriptors keep the spelling older processes read.
+        assert_eq!(
+            serde_json::to_string(&ShuntStrategy::Hash).unwrap(),
+            "\"hash_algorithm\""
+        );
+        assert_eq!(
+            serde_json::to_string(&ShuntStrategy::RoundRobin).unwrap(),
+            "\"polling\""
+        );
+    }
 
     #[test]
     fn layers_override_only_what_they_set() {

@@ -169,7 +169,7 @@ mod tests {
             (o.timeout_ms, o.retry_times, o.retry_interval_ms),
             (1000, 5, 7)
         );
-        assert_eq!(o.shunt_strategy, rpc_core::ShuntStrategy::HashAlgorithm);
+        assert_eq!(o.shunt_strategy, rpc_core::ShuntStrategy::Hash);
         // < environment.
         layers.env =
             GovernanceConfig::from_toml("entries.\"echo.Echo.echo\".timeout_ms = 1100").unwrap();

@@ -44,9 +44,9 @@ pub enum Value {
 /// A shunt strategy named in the attribute.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Shunt {
-    Polling,
+    RoundRobin,
     Random,
-    HashAlgorithm,
+    Hash,
     Appoint,
 }
 
@@ -54,9 +54,9 @@ impl Shunt {
     fn parse(s: &str) -> Option<Self> {
         // The same spellings as `ShuntStrategy::from_str` in rpc-core.
         match s {
-            "polling" | "round_robin" | "round-robin" => Some(Shunt::Polling),
+            "polling" | "round_robin" | "round-robin" => Some(Shunt::RoundRobin),
             "random" => Some(Shunt::Random),
-            "hash" | "hash_algorithm" => Some(Shunt::HashAlgorithm),
+            "hash" | "hash_algorithm" => Some(Shunt::Hash),
             "appoint" => Some(Shunt::Appoint),
             _ => None,
         }
@@ -64,9 +64,9 @@ impl Shunt {
 
     fn variant(self) -> TokenStream {
         match self {
-            Shunt::Polling => quote!(Polling),
+            Shunt::RoundRobin => quote!(RoundRobin),
             Shunt::Random => quote!(Random),
-            Shunt::HashAlgorithm => quote!(HashAlgorithm),
+            Shunt::Hash => quote!(Hash),
             Shunt::Appoint => quote!(Appoint),
         }
     }
@@ -379,7 +379,7 @@ mod tests {
         }
         assert_eq!(g.get("enable_circuit_breaker"), Some(Value::Flag(false)));
         assert_eq!(g.get("idempotent"), Some(Value::Flag(true)));
-        assert_eq!(g.shunt_strategy.map(|s| s.0), Some(Shunt::HashAlgorithm));
+        assert_eq!(g.shunt_strategy.map(|s| s.0), Some(Shunt::Hash));
         assert_eq!(g.appoint_address.as_deref(), Some("127.0.0.1:9"));
     }
 

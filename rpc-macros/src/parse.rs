@@ -347,7 +347,7 @@ fn method(f: &TraitItemFn) -> syn::Result<Method> {
             Governance::default()
         }
     };
-    if let Some((Shunt::HashAlgorithm, span)) = governance.shunt_strategy {
+    if let Some((Shunt::Hash, span)) = governance.shunt_strategy {
         if hash_key.is_none() {
             errors.add(
                 span,

@@ -248,7 +248,7 @@ fn descriptors_follow_the_declaration() {
     assert_eq!(
         by("profile").governance,
         GovernanceOverrides {
-            shunt_strategy: Some(ShuntStrategy::HashAlgorithm),
+            shunt_strategy: Some(ShuntStrategy::Hash),
             enable_circuit_breaker: Some(false),
             idempotent: Some(false),
             ..GovernanceOverrides::NONE
