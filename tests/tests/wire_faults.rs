@@ -336,43 +336,91 @@ async fn one_connection_over_the_limit_is_refused_with_the_reason() {
 /// and loses nothing: the first call is answered, and a later graceful shutdown does not wait the
 /// whole drain timeout for a call that is not running (the server once overwrote the first
 /// call's entry, lost its answer and leaked its in-flight count).
+///
+/// The first call is held inside its handler (it waits on a channel the test controls) when the
+/// duplicate arrives, so the duplicate meets a call that really is in flight.
 #[tokio::test]
 async fn a_reused_message_id_does_not_stall_a_later_graceful_shutdown() {
+    #[rpc::service(name = "t.Held")]
+    trait Held {
+        async fn hold(&self, text: String) -> Result<String, RpcError>;
+    }
+    /// Says when a call entered its handler, then waits for the test's go.
+    struct Gate {
+        entered: tokio::sync::mpsc::UnboundedSender<String>,
+        go: tokio::sync::Mutex<tokio::sync::mpsc::UnboundedReceiver<()>>,
+    }
+    impl Held for Gate {
+        async fn hold(&self, text: String) -> Result<String, RpcError> {
+            let _ = self.entered.send(text.clone());
+            self.go.lock().await.recv().await;
+            Ok(text)
+        }
+    }
+    let (entered_tx, mut entered) = tokio::sync::mpsc::unbounded_channel();
+    let (go, go_rx) = tokio::sync::mpsc::unbounded_channel();
     let reg = InProcessRegistry::new();
     let server = Server::builder()
         .registry(reg.clone())
         .drain_timeout(Duration::from_secs(30))
-        .add_service(WireServer::new(Echo))
+        .add_service(HeldServer::new(Gate {
+            entered: entered_tx,
+            go: tokio::sync::Mutex::new(go_rx),
+        }))
         .serve("127.0.0.1:0")
         .await
         .expect("serve");
+    let hold_invoke = |id: u64, text: &str| RemoteInvokeMessage {
+        message_id: id,
+        service_entry_id: "t.Held.hold".into(),
+        codec: Codec::MsgPack.to_wire(),
+        parameters: Codec::MsgPack.encode(&(text,)).expect("encode"),
+        ..Default::default()
+    };
     let mut raw = RawConn::connect(server.local_addr()).await;
     raw.handshake().await;
-    // A protocol violation: the same id twice, back to back.
-    raw.send(Kind::Invoke(echo_invoke(5, "first")))
+    raw.send(Kind::Invoke(hold_invoke(5, "first")))
         .await
         .expect("send");
-    raw.send(Kind::Invoke(echo_invoke(5, "second")))
+    assert_eq!(
+        common::recv_one("the first call entered its handler", &mut entered).await,
+        "first"
+    );
+    // A protocol violation: the same id again while the first call is held in its handler.
+    raw.send(Kind::Invoke(hold_invoke(5, "second")))
         .await
         .expect("send");
     match raw.recv().await {
-        Some(Kind::Result(r)) => assert_eq!(r.message_id, 5),
-        other => panic!("expected a result, got {other:?}"),
-    }
-    // Both handlers are done (they echo at once); the connection is idle and open.
-    raw.send(Kind::Ping(Ping { nonce: 1 })).await.expect("send");
-    let mut pong = false;
-    for _ in 0..3 {
-        match raw.recv().await {
-            Some(Kind::Pong(_)) => {
-                pong = true;
-                break;
-            }
-            Some(Kind::Result(r)) => assert_eq!(r.message_id, 5),
-            other => panic!("unexpected {other:?}"),
+        Some(Kind::Result(r)) => {
+            assert_eq!(r.message_id, 5);
+            assert_eq!(r.status_code, StatusCode::FrameworkError.as_u32(), "{r:?}");
+            assert!(
+                r.exception_message
+                    .contains("message_id 5 is already in flight"),
+                "{r:?}"
+            );
         }
+        other => panic!("expected the duplicate's refusal, got {other:?}"),
     }
-    assert!(pong, "the connection still answers pings");
+    // The duplicate never ran.
+    assert!(entered.try_recv().is_err(), "the duplicate ran its handler");
+    // The first call is still there: released, it answers with its own result.
+    go.send(()).expect("release the first call");
+    match raw.recv().await {
+        Some(Kind::Result(r)) => {
+            assert_eq!(r.message_id, 5);
+            assert_eq!(r.status_code, StatusCode::Success.as_u32(), "{r:?}");
+            let text: String = Codec::MsgPack.decode(&r.result).expect("decode");
+            assert_eq!(text, "first", "the first call's answer");
+        }
+        other => panic!("expected the first call's answer, got {other:?}"),
+    }
+    // Nothing else follows: the connection answers a ping next.
+    raw.send(Kind::Ping(Ping { nonce: 1 })).await.expect("send");
+    match raw.recv().await {
+        Some(Kind::Pong(p)) => assert_eq!(p.nonce, 1),
+        other => panic!("expected a pong, got {other:?}"),
+    }
     // Nothing runs, so draining must not wait for the 30 s drain limit.
     let drained = tokio::time::timeout(Duration::from_secs(2), server.shutdown()).await;
     assert!(
