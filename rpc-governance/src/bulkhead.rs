@@ -1,15 +1,17 @@
 //! Bulkhead: the server's concurrency cap. Full means Overflow at once, never a queue.
 //!
-//! A counting semaphore on one atomic: since a full bulkhead never queues a caller, it needs no
-//! wait list, and taking and returning a slot are one atomic operation each (a semaphore with a
-//! wait queue takes a lock to return a permit, on every call).
+//! An admission counter, not a semaphore: a call either takes one of `size` slots at once or is
+//! refused with Overflow (515); nothing ever waits for a slot to come back, so a burst over the
+//! cap costs the refused callers one round trip and the server no memory. Without a wait list,
+//! taking and returning a slot are one atomic operation each on a single counter.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use rpc_core::{RpcError, StatusCode};
 
-/// Caps calls handled at once.
+/// Caps calls handled at once by counting admissions: [`try_enter`](Self::try_enter) takes a
+/// slot or refuses at once; it never waits.
 #[derive(Debug, Clone)]
 pub struct Bulkhead {
     in_use: Arc<AtomicUsize>,
@@ -48,7 +50,8 @@ impl Bulkhead {
         self.in_use.load(Ordering::Acquire)
     }
 
-    /// Takes a slot for as long as the permit lives, or answers Overflow (515) at once.
+    /// Takes a slot for as long as the permit lives, or answers Overflow (515) at once: a full
+    /// bulkhead refuses, it does not queue the caller until a slot is free.
     pub fn try_enter(&self, entry: &str) -> Result<Permit, RpcError> {
         // Never counts past the cap, so `in_use` is exact even while callers are refused.
         let taken = self

@@ -5,7 +5,7 @@
 //! instance to a registry and serves until [`ServerHandle::shutdown`].
 //!
 //! Each call passes the server pipeline: authentication (at the handshake, in `rpc-transport`)
-//! → the concurrency cap (a semaphore per server, or per entry where the entry sets
+//! → the concurrency cap (an admission counter per server, or per entry where the entry sets
 //! `max_concurrent_handling_count`; when full the call is answered Overflow (515) at once and
 //! never queued) → the handler under the caller's deadline, with a panic turned into a server
 //! error (520) and, when registered, a server-side fallback answering for the handler's failures.

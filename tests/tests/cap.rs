@@ -250,3 +250,65 @@ async fn overflow_is_retried_on_another_endpoint_and_never_ran_on_the_full_one()
         within("shutdown", s.shutdown()).await;
     }
 }
+
+/// With one endpoint there is no other to move to: an Overflow is retried on the same endpoint
+/// (after `retry_interval_ms`, since a full cap may clear up), up to `retry_times`, and the
+/// final error lists that endpoint once per attempt.
+#[tokio::test]
+async fn with_one_endpoint_overflow_is_retried_on_that_endpoint() {
+    let reg = InProcessRegistry::new();
+    let (gate, mut entered) = Gate::new("only");
+    let server = serve(&reg, &gate, 1).await;
+    let addr = server.local_addr().to_string();
+    let mut refused = server.events().subscribe();
+    let client = Client::builder()
+        .registry(reg.clone())
+        .override_options(
+            CapClient::SERVICE_ID,
+            GovernanceOverrides {
+                retry_times: Some(2),
+                ..GovernanceOverrides::NONE
+            },
+        )
+        .build();
+    let mut events = client.events().subscribe();
+    let cap = CapClient::new(client);
+    let held = tokio::spawn({
+        let cap = cap.clone();
+        async move { cap.hold("k".into()).await }
+    });
+    recv_one("the first call holds the only slot", &mut entered).await;
+
+    let err = within("the second call", cap.hold("k".into()))
+        .await
+        .expect_err("the only endpoint stays full");
+    assert_eq!(err.code(), StatusCode::OverflowMaxServerHandle, "{err}");
+    assert_eq!(
+        err.tried(),
+        [addr.as_str(), addr.as_str(), addr.as_str()],
+        "three attempts, all on the one endpoint"
+    );
+    let retries: Vec<_> = std::iter::from_fn(|| events.try_recv().ok())
+        .filter(|e| e.kind == rpc::crates::governance::events::EventKind::Retry)
+        .map(|e| e.endpoint)
+        .collect();
+    assert_eq!(retries, [Some(addr.clone()), Some(addr.clone())]);
+    let overflows = std::iter::from_fn(|| refused.try_recv().ok())
+        .filter(|e| e.kind == rpc::crates::governance::events::EventKind::Overflow)
+        .count();
+    assert_eq!(
+        overflows, 3,
+        "the server refused each of the three attempts"
+    );
+    assert_eq!(gate.ran.load(Ordering::SeqCst), 1, "none of them ran");
+
+    gate.release.add_permits(1);
+    assert_eq!(
+        within("the held call", held)
+            .await
+            .expect("join")
+            .expect("held"),
+        "only"
+    );
+    within("shutdown", server.shutdown()).await;
+}
