@@ -4,3 +4,5 @@
 //! (`src/bin/`), which the tests start as separate processes.
 
 pub mod chaos;
+pub mod shunt;
+pub mod who;
