@@ -168,7 +168,7 @@ async fn the_server_deadline_alone_stops_the_handler_and_answers_519() {
     within("shutdown", server.shutdown()).await;
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn dropping_the_call_future_cancels_the_handler_and_frees_its_slot() {
     let reg = InProcessRegistry::new();
     let (server, mut probe) = serve(&reg, 1).await;
@@ -193,8 +193,15 @@ async fn dropping_the_call_future_cancels_the_handler_and_frees_its_slot() {
     // The cap of 1 is free again, and the connection is still good.
     assert_eq!(d.quick().await.expect("quick after the cancel"), 7);
 
-    // The same through a caller-side timeout around the call.
-    let gave_up = tokio::time::timeout(Duration::from_millis(50), d.forever()).await;
+    // The same through a caller-side timeout around the call, which expires (on the paused
+    // clock) only once the handler is known to run: no race between the timeout and the call.
+    let mut call = Box::pin(tokio::time::timeout(Duration::from_secs(60), d.forever()));
+    tokio::select! {
+        r = &mut call => panic!("forever answered or timed out before it ran: {r:?}"),
+        tag = probe.entered.recv() => assert_eq!(tag.as_deref(), Some("forever")),
+    }
+    tokio::time::advance(Duration::from_secs(60)).await;
+    let gave_up = call.await;
     assert!(gave_up.is_err(), "forever answered: {gave_up:?}");
     assert_eq!(
         recv_one("the Cancel dropped the handler", &mut probe.dropped).await,

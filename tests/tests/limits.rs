@@ -254,7 +254,8 @@ async fn dribble_until_closed(
     }
 }
 
-#[tokio::test]
+// The paused clock: the dribble and the timeout run in virtual time.
+#[tokio::test(start_paused = true)]
 async fn a_slow_loris_is_closed_at_the_idle_timeout_and_others_are_served() {
     let gate = gate(1000);
     let reg = InProcessRegistry::new();
@@ -282,7 +283,8 @@ async fn a_slow_loris_is_closed_at_the_idle_timeout_and_others_are_served() {
     server.shutdown().await;
 }
 
-#[tokio::test]
+// The paused clock: the dribble and the timeout run in virtual time.
+#[tokio::test(start_paused = true)]
 async fn a_slow_hello_is_closed_at_the_handshake_timeout() {
     let gate = gate(1000);
     let server = Server::builder()

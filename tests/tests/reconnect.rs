@@ -248,7 +248,9 @@ async fn a_connection_with_nothing_arriving_is_closed_at_the_idle_timeout() {
     within("shutdown", server.shutdown()).await;
 }
 
-#[tokio::test]
+// The paused clock: the idle timeouts pass in virtual time, with every ping and pong on the
+// real socket handled before the clock moves on.
+#[tokio::test(start_paused = true)]
 async fn client_heartbeats_keep_an_idle_connection_open() {
     let (n, _p) = node("only");
     let server = builder(&n)
@@ -263,7 +265,7 @@ async fn client_heartbeats_keep_an_idle_connection_open() {
     let conn = Connection::connect(&server.local_addr().to_string(), &options)
         .await
         .expect("connect");
-    // Three idle timeouts of real time on a real socket, with no call.
+    // Three idle timeouts on a real socket, with no call.
     tokio::time::sleep(Duration::from_millis(450)).await;
     assert!(conn.is_usable(), "pings kept the connection open");
     let answer = within(
@@ -288,7 +290,7 @@ async fn client_heartbeats_keep_an_idle_connection_open() {
 /// A call that takes longer than the server's idle timeout, on a connection whose client does
 /// not ping within it: a connection with a call running is not idle (as `proto/rpc.proto` says,
 /// and as gRPC counts it), so the call is not cut off.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_call_in_flight_is_not_cut_off_by_the_idle_timeout() {
     let (n, mut probe) = node("only");
     let server = builder(&n)
@@ -311,7 +313,7 @@ async fn a_call_in_flight_is_not_cut_off_by_the_idle_timeout() {
     .await
     .expect("send");
     recv_one("hold entered", &mut probe.entered).await;
-    // Three idle timeouts of real time pass while the handler works.
+    // Three idle timeouts pass (on the paused clock) while the handler works.
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(
         probe.dropped.try_recv().is_err(),

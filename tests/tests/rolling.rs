@@ -44,9 +44,13 @@ async fn a_rolling_restart_under_load_loses_no_call() {
     let orders = OrdersClient::new(Client::builder().registry(reg.clone()).build());
     let (ok, failed) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
     let done = Arc::new(AtomicBool::new(false));
+    // Successful calls so far, watched by the test to pace the restarts.
+    let (progress, mut answered) = tokio::sync::watch::channel(0u64);
+    let progress = Arc::new(progress);
     let mut callers = Vec::new();
     for c in 0..8u64 {
         let (orders, ok, failed, done) = (orders.clone(), ok.clone(), failed.clone(), done.clone());
+        let progress = progress.clone();
         callers.push(tokio::spawn(async move {
             // Bounded: at most 20 000 calls per caller, and stops once the restarts are over.
             for i in 0..20_000u64 {
@@ -54,7 +58,10 @@ async fn a_rolling_restart_under_load_loses_no_call() {
                     break;
                 }
                 match orders.place(c * 1_000_000 + i).await {
-                    Ok(n) if n == c * 1_000_000 + i => ok.fetch_add(1, Ordering::Relaxed),
+                    Ok(n) if n == c * 1_000_000 + i => {
+                        progress.send_modify(|n| *n += 1);
+                        ok.fetch_add(1, Ordering::Relaxed)
+                    }
                     Ok(_) => failed.fetch_add(1, Ordering::Relaxed),
                     Err(e) => {
                         eprintln!("lost call: {e}");
@@ -66,10 +73,14 @@ async fn a_rolling_restart_under_load_loses_no_call() {
     }
     // Replace each server in turn while the callers run.
     for round in 0..3 {
-        let before = ok.load(Ordering::Relaxed);
-        while ok.load(Ordering::Relaxed) < before + 200 {
-            tokio::task::yield_now().await;
-        }
+        // 200 more calls answered (bounded: fails after LIMIT instead of spinning).
+        let before = *answered.borrow_and_update();
+        within(
+            "200 more calls before the next restart",
+            answered.wait_for(|n| *n >= before + 200),
+        )
+        .await
+        .expect("the callers hold the sender");
         let old = servers.remove(0);
         within("graceful shutdown", old.shutdown()).await;
         servers.push(start(&reg).await);
