@@ -280,9 +280,11 @@ impl Inner {
 
 /// An id given without saying whether it names a service or an entry applies as both: a
 /// service id never equals an entry id of the same method, so only the right section matches.
+///
+/// An update merges into what earlier updates set for the same id, field by field.
 fn set_runtime(layer: &mut GovernanceConfig, id: String, o: GovernanceOverrides) {
-    layer.services.insert(id.clone(), o.clone());
-    layer.entries.insert(id, o);
+    layer.services.entry(id.clone()).or_default().merge(&o);
+    layer.entries.entry(id).or_default().merge(&o);
 }
 
 impl Client {
@@ -301,13 +303,41 @@ impl Client {
         self.inner.governance.policy(method).options()
     }
 
-    /// Changes the overrides of an entry or a service at run time. The next call uses them;
-    /// breakers, budgets and endpoint health keep their state.
+    /// Changes the overrides of an entry or a service at run time. The update merges into the
+    /// earlier runtime overrides of the same id, field by field: what `o` sets replaces, what it
+    /// leaves `None` keeps its earlier runtime value ([`clear_option`](Self::clear_option) unsets
+    /// one). The next call uses them; breakers, budgets and endpoint health keep their state.
     pub fn update_options(&self, id: impl Into<String>, o: GovernanceOverrides) {
         let id = id.into();
         self.inner
             .governance
             .update_layers(|l| set_runtime(&mut l.runtime, id, o));
+    }
+
+    /// Unsets one runtime override of an entry or a service (`field` named as in the config
+    /// file, for example `"timeout_ms"`): the layers below decide it again from the next call.
+    /// An unknown field name is an error that lists the known ones, and changes nothing.
+    pub fn clear_option(&self, id: &str, field: &str) -> Result<(), RpcError> {
+        // Checks the name first, so that a typo changes nothing.
+        GovernanceOverrides::default().clear(field)?;
+        self.inner.governance.update_layers(|l| {
+            for map in [&mut l.runtime.services, &mut l.runtime.entries] {
+                if let Some(o) = map.get_mut(id) {
+                    // The name is known: clearing cannot fail.
+                    let _ = o.clear(field);
+                }
+            }
+        });
+        Ok(())
+    }
+
+    /// Removes every runtime override of an entry or a service: what the layers below
+    /// (attribute, published descriptors, config file, environment) say applies again.
+    pub fn clear_options(&self, id: &str) {
+        self.inner.governance.update_layers(|l| {
+            l.runtime.services.remove(id);
+            l.runtime.entries.remove(id);
+        });
     }
 
     /// Reloads the config file layer; on error the old configuration stays in force.

@@ -3,6 +3,9 @@
 use std::borrow::Cow;
 
 use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::{RpcError, StatusCode};
 
 /// How a client picks one endpoint among a service's live endpoints.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
@@ -198,6 +201,52 @@ impl GovernanceOverrides {
         }
     }
 
+    /// Merges a newer layer into this one, field by field: what `newer` sets replaces what is
+    /// here, what it leaves `None` stays as it was. Runtime updates of an id combine this way.
+    pub fn merge(&mut self, newer: &GovernanceOverrides) {
+        let (Ok(Value::Object(mut mine)), Ok(Value::Object(theirs))) =
+            (serde_json::to_value(&*self), serde_json::to_value(newer))
+        else {
+            return;
+        };
+        for (field, value) in theirs {
+            if !value.is_null() {
+                mine.insert(field, value);
+            }
+        }
+        if let Ok(merged) = serde_json::from_value(Value::Object(mine)) {
+            *self = merged;
+        }
+    }
+
+    /// Unsets one field (named as in the config file, for example `"timeout_ms"`), so the
+    /// layers below decide it again. An unknown name is an error listing the known ones.
+    pub fn clear(&mut self, field: &str) -> Result<(), RpcError> {
+        let Ok(Value::Object(mut fields)) = serde_json::to_value(&*self) else {
+            return Err(RpcError::new(
+                StatusCode::FrameworkError,
+                "governance overrides could not be represented",
+            ));
+        };
+        match fields.get_mut(field) {
+            Some(value) => *value = Value::Null,
+            None => {
+                let known: Vec<&str> = fields.keys().map(String::as_str).collect();
+                return Err(RpcError::new(
+                    StatusCode::FrameworkError,
+                    format!(
+                        "no governance option named {field:?}; the options are: {}",
+                        known.join(", ")
+                    ),
+                ));
+            }
+        }
+        *self = serde_json::from_value(Value::Object(fields)).map_err(|e| {
+            RpcError::new(StatusCode::FrameworkError, format!("clearing {field}: {e}"))
+        })?;
+        Ok(())
+    }
+
     /// `base` with this layer applied.
     pub fn applied(&self, base: &GovernanceOptions) -> GovernanceOptions {
         let mut out = base.clone();
@@ -252,6 +301,49 @@ mod tests {
     fn unknown_fields_are_rejected() {
         let err = toml_like_json(r#"{"timeout_msx": 3}"#).unwrap_err();
         assert!(err.to_string().contains("timeout_msx"), "{err}");
+    }
+
+    #[test]
+    fn merge_keeps_what_the_newer_layer_leaves_unset() {
+        let mut runtime = GovernanceOverrides {
+            timeout_ms: Some(800),
+            appoint_address: Some("127.0.0.1:9".into()),
+            ..GovernanceOverrides::NONE
+        };
+        runtime.merge(&GovernanceOverrides {
+            retry_times: Some(0),
+            timeout_ms: Some(900),
+            ..GovernanceOverrides::NONE
+        });
+        let want = GovernanceOverrides {
+            timeout_ms: Some(900),
+            retry_times: Some(0),
+            appoint_address: Some("127.0.0.1:9".into()),
+            ..GovernanceOverrides::NONE
+        };
+        assert_eq!(runtime, want);
+    }
+
+    #[test]
+    fn clear_unsets_one_field_and_names_unknown_ones() {
+        let mut o = GovernanceOverrides {
+            timeout_ms: Some(800),
+            idempotent: Some(true),
+            ..GovernanceOverrides::NONE
+        };
+        o.clear("timeout_ms").unwrap();
+        assert_eq!(
+            o,
+            GovernanceOverrides {
+                idempotent: Some(true),
+                ..GovernanceOverrides::NONE
+            }
+        );
+        let e = o.clear("timeout").unwrap_err();
+        assert!(
+            e.message().contains("\"timeout\"") && e.message().contains("timeout_ms"),
+            "{e}"
+        );
     }
 
     fn toml_like_json(s: &str) -> Result<GovernanceOverrides, serde_json::Error> {

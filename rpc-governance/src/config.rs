@@ -82,7 +82,7 @@ impl GovernanceConfig {
         } else {
             &mut self.entries
         };
-        map.insert(id.to_string(), overrides);
+        map.entry(id.to_string()).or_default().merge(&overrides);
     }
 
     /// Applies this layer (defaults, then the service's section, then the entry's).
