@@ -689,7 +689,10 @@ fn into_result(r: RemoteResultMessage, codec: Codec, addr: &str) -> Result<Bytes
     }
     let mut err = RpcError::new(code, message);
     if !r.result.is_empty() {
-        err = err.with_payload(codec, r.result);
+        // A typed error value carrying an infrastructure status: the handler ran, so the call
+        // is repeated elsewhere only for idempotent entries.
+        let carried = code != StatusCode::BusinessError;
+        err = err.with_payload(codec, r.result).maybe_delivered(carried);
     }
     Err(err)
 }

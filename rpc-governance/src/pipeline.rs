@@ -232,7 +232,10 @@ impl Governance {
             )
             .await
             .map_err(|e| match (e.code(), deadline) {
-                (StatusCode::Timeout, Some(d)) => timeout::timeout_error(&policy.entry, started, d),
+                // A callee's typed error carrying a timeout of its own keeps its value.
+                (StatusCode::Timeout, Some(d)) if e.payload().is_none() => {
+                    timeout::timeout_error(&policy.entry, started, d)
+                }
                 _ => e,
             });
         if let Err(e) = &result {

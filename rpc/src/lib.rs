@@ -51,8 +51,8 @@
 
 pub use rpc_client::{answered_by, Client, ClientBuilder};
 pub use rpc_core::{
-    Codec, GovernanceOptions, GovernanceOverrides, MethodDescriptor, RemoteError, RpcContext,
-    RpcError, ServiceEntry, ServiceEntryId, ServiceId, ShuntStrategy, StatusCode,
+    serde_rpc_error, Codec, GovernanceOptions, GovernanceOverrides, MethodDescriptor, RemoteError,
+    RpcContext, RpcError, ServiceEntry, ServiceEntryId, ServiceId, ShuntStrategy, StatusCode,
 };
 pub use rpc_macros::service;
 #[cfg(feature = "etcd")]
