@@ -18,6 +18,7 @@ use rpc_governance::config::{GovernanceConfig, Layers};
 use rpc_governance::events::{EventBus, EventKind};
 use rpc_governance::fallback;
 use rpc_governance::pipeline::{AttemptCtx, Attempts, Governance};
+use rpc_governance::timeout;
 use rpc_registry::{InProcessRegistry, Registry, ServiceWatch};
 use rpc_transport::{Call, ConnectOptions, ConnectionPool};
 use tokio::time::Instant;
@@ -468,6 +469,18 @@ impl Client {
             let result = match result {
                 (Err(e), made, last_failed) if fallback::applies(&e, fallback::Side::Client) => {
                     match self.inner.fallbacks.get(method.service_id) {
+                        // Inside a handler whose caller's deadline has passed, nobody would
+                        // receive the fallback's answer: it does not start (and does not act).
+                        Some(_) if timeout::inherited_passed() => {
+                            self.inner.governance.events().emit_parts(
+                                EventKind::FallbackSkipped,
+                                &Arc::from(method.entry_id),
+                                e.tried().last().map(String::as_str),
+                                made.into_inner().saturating_sub(1),
+                                Some(e.to_string()),
+                            );
+                            Err(timeout::fallback_skipped(method.entry_id, &e))
+                        }
                         Some(fallback) => {
                             // On the call span: the original error, the endpoint of the last
                             // failed attempt and that attempt's number.

@@ -82,6 +82,12 @@ pub struct GovernanceOptions {
     /// The method may run twice without harm: a call that may have reached a server that then
     /// died is repeated elsewhere.
     pub idempotent: bool,
+    /// A call made while handling another call (B's call to C while B serves A) inherits what
+    /// is left of the caller's deadline less this slack, in milliseconds, at most a quarter of
+    /// what is left: B's own call times out early enough for B (its fallback, its error) to
+    /// still answer A in time. Default 50 ms: a few round trips on a LAN plus a local
+    /// fallback's work, and small against the default 5 s budget.
+    pub deadline_slack_ms: u64,
 }
 
 impl Default for GovernanceOptions {
@@ -104,6 +110,7 @@ impl Default for GovernanceOptions {
             max_concurrent_handling_count: 50,
             unhealthy_times_allowed_before_removing: 3,
             idempotent: false,
+            deadline_slack_ms: 50,
         }
     }
 }
@@ -147,6 +154,8 @@ pub struct GovernanceOverrides {
     pub unhealthy_times_allowed_before_removing: Option<u32>,
     /// See [`GovernanceOptions::idempotent`].
     pub idempotent: Option<bool>,
+    /// See [`GovernanceOptions::deadline_slack_ms`].
+    pub deadline_slack_ms: Option<u64>,
 }
 
 impl GovernanceOverrides {
@@ -169,6 +178,7 @@ impl GovernanceOverrides {
         max_concurrent_handling_count: None,
         unhealthy_times_allowed_before_removing: None,
         idempotent: None,
+        deadline_slack_ms: None,
     };
 
     /// Applies this layer on top of `base`.
@@ -194,7 +204,8 @@ impl GovernanceOverrides {
             retry_budget_min_per_second,
             max_concurrent_handling_count,
             unhealthy_times_allowed_before_removing,
-            idempotent
+            idempotent,
+            deadline_slack_ms
         );
         if let Some(a) = &self.appoint_address {
             base.appoint_address = Some(a.to_string());

@@ -234,7 +234,7 @@ impl Governance {
             .map_err(|e| match (e.code(), deadline) {
                 // A callee's typed error carrying a timeout of its own keeps its value.
                 (StatusCode::Timeout, Some(d)) if e.payload().is_none() => {
-                    timeout::timeout_error(&policy.entry, started, d)
+                    timeout::timeout_error_for(&policy.entry, started, d, &options)
                 }
                 _ => e,
             });

@@ -218,6 +218,18 @@ async fn run_fallback(
     deadline: Option<(Instant, u32)>,
     entry: &str,
 ) -> Result<Bytes, RpcError> {
+    // Once the caller's deadline has passed the caller has its timeout: a fallback started
+    // now would act for nobody.
+    if deadline.is_some_and(|(d, _)| Instant::now() >= d) {
+        fb.events.emit_parts(
+            EventKind::FallbackSkipped,
+            &fb.entry_id,
+            Some(&fb.endpoint),
+            0,
+            Some(e.to_string()),
+        );
+        return Err(e);
+    }
     // On the call's span: a trace shows why the fallback ran. The server sees each attempt of
     // a caller as a call of its own: attempt 0.
     fb.events.emit_parts(
