@@ -308,11 +308,20 @@ impl Client {
     /// earlier runtime overrides of the same id, field by field: what `o` sets replaces, what it
     /// leaves `None` keeps its earlier runtime value ([`clear_option`](Self::clear_option) unsets
     /// one). The next call uses them; breakers, budgets and endpoint health keep their state.
-    pub fn update_options(&self, id: impl Into<String>, o: GovernanceOverrides) {
+    ///
+    /// An update that would give an entry this client has already called options it cannot
+    /// carry out (`shunt_strategy = hash` on a method without a `#[hash_key]` argument) is
+    /// refused with an error naming the entry, and changes nothing. An entry not called yet is
+    /// checked at its first call, which fails with that error instead of going round robin.
+    pub fn update_options(
+        &self,
+        id: impl Into<String>,
+        o: GovernanceOverrides,
+    ) -> Result<(), RpcError> {
         let id = id.into();
         self.inner
             .governance
-            .update_layers(|l| set_runtime(&mut l.runtime, id, o));
+            .try_update_layers(|l| set_runtime(&mut l.runtime, id, o))
     }
 
     /// Unsets one runtime override of an entry or a service (`field` named as in the config
@@ -321,31 +330,42 @@ impl Client {
     pub fn clear_option(&self, id: &str, field: &str) -> Result<(), RpcError> {
         // Checks the name first, so that a typo changes nothing.
         GovernanceOverrides::default().clear(field)?;
-        self.inner.governance.update_layers(|l| {
+        self.inner.governance.try_update_layers(|l| {
             for map in [&mut l.runtime.services, &mut l.runtime.entries] {
                 if let Some(o) = map.get_mut(id) {
                     // The name is known: clearing cannot fail.
                     let _ = o.clear(field);
                 }
             }
-        });
-        Ok(())
+        })
     }
 
     /// Removes every runtime override of an entry or a service: what the layers below
     /// (attribute, published descriptors, config file, environment) say applies again.
-    pub fn clear_options(&self, id: &str) {
-        self.inner.governance.update_layers(|l| {
+    /// Refused like [`update_options`](Self::update_options) when that would leave an entry
+    /// with options it cannot carry out.
+    pub fn clear_options(&self, id: &str) -> Result<(), RpcError> {
+        self.inner.governance.try_update_layers(|l| {
             l.runtime.services.remove(id);
             l.runtime.entries.remove(id);
-        });
+        })
     }
 
-    /// Reloads the config file layer; on error the old configuration stays in force.
+    /// Reloads the config file layer; on error (a broken file, or options an entry already
+    /// called cannot carry out, as for [`update_options`](Self::update_options)) the old
+    /// configuration stays in force.
     pub fn reload_config(&self, path: impl AsRef<Path>) -> Result<(), RpcError> {
+        let path = path.as_ref();
         let file = GovernanceConfig::from_file(path)?;
-        self.inner.governance.update_layers(|l| l.file = file);
-        Ok(())
+        self.inner
+            .governance
+            .try_update_layers(|l| l.file = file)
+            .map_err(|e| {
+                RpcError::new(
+                    e.code(),
+                    format!("{}: {}; not loaded", path.display(), e.message()),
+                )
+            })
     }
 
     /// Governance events (retry, break, half-open, reset, timeout, fallback, reload, ejection,
@@ -438,13 +458,20 @@ impl Client {
         hash_key: Option<H>,
     ) -> impl std::future::Future<Output = Result<Bytes, RpcError>> + Send + '_ {
         let policy = self.inner.governance.policy(method);
-        let hash_key = match policy.options().shunt_strategy {
-            ShuntStrategy::Hash => hash_key.map(|h| h()),
-            _ => None,
+        let (hash_key, misconfigured) = match policy.options().shunt_strategy {
+            // Hashing asked for an entry with nothing to hash: refused, not round robin.
+            ShuntStrategy::Hash if method.hash_key.is_none() => {
+                (None, self.inner.governance.check(method).err())
+            }
+            ShuntStrategy::Hash => (hash_key.map(|h| h()), None),
+            _ => (None, None),
         };
         let span = telemetry::call_span(method);
         let call_span = span.clone();
         async move {
+            if let Some(e) = misconfigured {
+                return Err(e);
+            }
             let metrics = self.inner.metrics.start(method);
             let attempts = ClientAttempts {
                 client: self,

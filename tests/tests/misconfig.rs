@@ -4,7 +4,9 @@
 
 mod common;
 
-use rpc::{Client, GovernanceOverrides, InProcessRegistry, RpcError};
+use common::within;
+use rpc::crates::governance::config::GovernanceConfig;
+use rpc::{Client, GovernanceOverrides, InProcessRegistry, RpcError, ShuntStrategy, StatusCode};
 
 #[rpc::service(name = "m.Conf")]
 trait Conf {
@@ -27,20 +29,24 @@ async fn runtime_updates_merge_per_field_and_can_be_cleared() {
     let client = Client::builder().registry(InProcessRegistry::new()).build();
     let get = entry("get");
     let (attribute_timeout, attribute_retries) = (700, 2);
-    client.update_options(
-        "m.Conf.get",
-        GovernanceOverrides {
-            timeout_ms: Some(200),
-            ..GovernanceOverrides::NONE
-        },
-    );
-    client.update_options(
-        "m.Conf.get",
-        GovernanceOverrides {
-            retry_times: Some(0),
-            ..GovernanceOverrides::NONE
-        },
-    );
+    client
+        .update_options(
+            "m.Conf.get",
+            GovernanceOverrides {
+                timeout_ms: Some(200),
+                ..GovernanceOverrides::NONE
+            },
+        )
+        .unwrap();
+    client
+        .update_options(
+            "m.Conf.get",
+            GovernanceOverrides {
+                retry_times: Some(0),
+                ..GovernanceOverrides::NONE
+            },
+        )
+        .unwrap();
     let o = client.options(get);
     assert_eq!(
         (o.timeout_ms, o.retry_times),
@@ -63,10 +69,112 @@ async fn runtime_updates_merge_per_field_and_can_be_cleared() {
         "a bad name changes nothing"
     );
 
-    client.clear_options("m.Conf.get");
+    client.clear_options("m.Conf.get").unwrap();
     let o = client.options(get);
     assert_eq!(
         (o.timeout_ms, o.retry_times),
         (attribute_timeout, attribute_retries)
     );
+}
+
+struct Answer;
+
+impl Conf for Answer {
+    async fn get(&self, key: u64) -> Result<u64, RpcError> {
+        Ok(key)
+    }
+    async fn plain(&self, n: u32) -> Result<u32, RpcError> {
+        Ok(n + 1)
+    }
+}
+
+async fn serve_conf(reg: &InProcessRegistry) -> rpc::ServerHandle {
+    rpc::Server::builder()
+        .registry(reg.clone())
+        .add_service(ConfServer::new(Answer))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve")
+}
+
+fn hash() -> GovernanceOverrides {
+    GovernanceOverrides {
+        shunt_strategy: Some(ShuntStrategy::Hash),
+        ..GovernanceOverrides::NONE
+    }
+}
+
+/// `shunt_strategy = hash` on a method without `#[hash_key]`: a runtime update or a reload is
+/// refused for an entry already called, and an entry not called yet fails its first call with
+/// the same error instead of quietly going round robin.
+#[tokio::test]
+async fn hashing_a_method_without_a_hash_key_is_refused() {
+    let reg = InProcessRegistry::new();
+    let server = serve_conf(&reg).await;
+
+    // Loaded from configuration before any call: the entry's first call is refused.
+    let file =
+        GovernanceConfig::from_toml("[entries.\"m.Conf.plain\"]\nshunt_strategy = \"hash\"\n")
+            .expect("toml");
+    let configured = ConfClient::new(
+        Client::builder()
+            .registry(reg.clone())
+            .config_layers(file, GovernanceConfig::default())
+            .build(),
+    );
+    let e = within("misconfigured call", configured.plain(1))
+        .await
+        .expect_err("hash without a hash key");
+    assert_eq!(e.code(), StatusCode::FrameworkError, "{e}");
+    assert!(
+        e.message().contains("m.Conf.plain")
+            && e.message().contains("#[hash_key]")
+            && e.message().contains("config file"),
+        "{e}"
+    );
+    assert_eq!(within("keyed entry", configured.get(5)).await, Ok(5));
+
+    // At run time, for entries already called.
+    let client = Client::builder().registry(reg.clone()).build();
+    let conf = ConfClient::new(client.clone());
+    assert_eq!(within("plain", conf.plain(1)).await, Ok(2));
+    assert_eq!(within("get", conf.get(3)).await, Ok(3));
+    for id in ["m.Conf.plain", "m.Conf"] {
+        let e = client.update_options(id, hash()).expect_err(id);
+        assert!(
+            e.message().contains("m.Conf.plain") && e.message().contains("runtime update"),
+            "{e}"
+        );
+    }
+    assert_eq!(
+        client.options(entry("plain")).shunt_strategy,
+        ShuntStrategy::RoundRobin,
+        "a refused update changes nothing"
+    );
+    client
+        .update_options("m.Conf.get", hash())
+        .expect("get has a hash key");
+    assert_eq!(
+        client.options(entry("get")).shunt_strategy,
+        ShuntStrategy::Hash
+    );
+
+    // A reloaded file is checked the same way, and the old configuration stays.
+    let dir = std::env::temp_dir().join(format!("misconfig-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let path = dir.join("governance.toml");
+    std::fs::write(&path, "[services.\"m.Conf\"]\nshunt_strategy = \"hash\"\n").expect("write");
+    let e = client
+        .reload_config(&path)
+        .expect_err("plain has no hash key");
+    assert!(
+        e.message().contains("governance.toml") && e.message().contains("m.Conf.plain"),
+        "{e}"
+    );
+    assert_eq!(
+        client.options(entry("plain")).shunt_strategy,
+        ShuntStrategy::RoundRobin
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    within("shutdown", server.shutdown()).await;
 }
