@@ -229,8 +229,9 @@ impl ServerBuilder {
     }
 
     /// Binds `addr` (port 0 picks a free port), publishes the instance and starts serving.
+    /// A failure to bind names the address (in use, not permitted, not local).
     pub async fn serve(self, addr: impl ToSocketAddrs) -> std::io::Result<ServerHandle> {
-        let listener = TcpListener::bind(addr).await?;
+        let listener = bind(addr).await?;
         self.serve_listener(listener).await
     }
 
@@ -348,4 +349,36 @@ impl Drop for ServerHandle {
     fn drop(&mut self) {
         self.shutdown.cancel();
     }
+}
+
+/// Binds a listener on `addr`; the error says which address could not be bound and why.
+async fn bind(addr: impl ToSocketAddrs) -> std::io::Result<TcpListener> {
+    let addrs: Vec<std::net::SocketAddr> = tokio::net::lookup_host(addr)
+        .await
+        .map_err(|e| {
+            std::io::Error::new(
+                e.kind(),
+                format!("cannot resolve the address to listen on: {e}"),
+            )
+        })?
+        .collect();
+    TcpListener::bind(&addrs[..]).await.map_err(|e| {
+        let list: Vec<String> = addrs.iter().map(ToString::to_string).collect();
+        let hint = match e.kind() {
+            std::io::ErrorKind::AddrInUse => {
+                "another process listens there: stop it, or choose another port (0 picks a free one)"
+            }
+            std::io::ErrorKind::PermissionDenied => {
+                "ports below 1024 need privileges: choose a port above 1023"
+            }
+            std::io::ErrorKind::AddrNotAvailable => {
+                "the address is not one of this host's: listen on 0.0.0.0 or a local address"
+            }
+            _ => "check the address",
+        };
+        std::io::Error::new(
+            e.kind(),
+            format!("cannot listen on {}: {e}; {hint}", list.join(", ")),
+        )
+    })
 }

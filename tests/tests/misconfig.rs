@@ -178,3 +178,19 @@ async fn hashing_a_method_without_a_hash_key_is_refused() {
     let _ = std::fs::remove_dir_all(&dir);
     within("shutdown", server.shutdown()).await;
 }
+
+/// A server that cannot bind says which address, and why.
+#[tokio::test]
+async fn a_bind_error_names_the_address() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = taken.local_addr().expect("addr").to_string();
+    let Err(e) = rpc::Server::builder()
+        .add_service(ConfServer::new(Answer))
+        .serve(addr.as_str())
+        .await
+    else {
+        panic!("served on a taken port")
+    };
+    assert_eq!(e.kind(), std::io::ErrorKind::AddrInUse);
+    assert!(e.to_string().contains(&addr), "{e}");
+}
