@@ -727,6 +727,9 @@ fn into_result(r: RemoteResultMessage, codec: Codec, addr: &str) -> Result<Bytes
     if code.is_overflow() || code == StatusCode::CommunicationError {
         message = format!("{addr}: {message}");
     }
+    if code == StatusCode::ValidateError {
+        message = format!("{message} (answered by {addr})");
+    }
     let mut err = RpcError::new(code, message);
     if !r.result.is_empty() {
         // A typed error value carrying an infrastructure status: the handler ran, so the call

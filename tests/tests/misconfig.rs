@@ -13,6 +13,7 @@ trait Conf {
     #[governance(timeout_ms = 700, retry_times = 2)]
     async fn get(&self, #[hash_key] key: u64) -> Result<u64, RpcError>;
     async fn plain(&self, n: u32) -> Result<u32, RpcError>;
+    async fn boom(&self, what: String) -> Result<u32, RpcError>;
 }
 
 fn entry(name: &str) -> &'static rpc::MethodDescriptor {
@@ -85,6 +86,9 @@ impl Conf for Answer {
     }
     async fn plain(&self, n: u32) -> Result<u32, RpcError> {
         Ok(n + 1)
+    }
+    async fn boom(&self, what: String) -> Result<u32, RpcError> {
+        panic!("boom: {what}");
     }
 }
 
@@ -193,4 +197,97 @@ async fn a_bind_error_names_the_address() {
     };
     assert_eq!(e.kind(), std::io::ErrorKind::AddrInUse);
     assert!(e.to_string().contains(&addr), "{e}");
+}
+
+/// Everything written through `tracing` while a test runs.
+#[derive(Clone, Default)]
+struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Captured {
+    type Writer = Captured;
+    fn make_writer(&'a self) -> Captured {
+        self.clone()
+    }
+}
+
+/// The log of this test binary: a global subscriber (a scoped one can miss events whose
+/// callsites other tests' threads register at the same moment). Tests find their own lines by
+/// a value only they produce.
+fn captured() -> &'static Captured {
+    static LOGS: std::sync::OnceLock<Captured> = std::sync::OnceLock::new();
+    LOGS.get_or_init(|| {
+        let logs = Captured::default();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(logs.clone())
+            .with_ansi(false)
+            .finish();
+        let _ = tracing::subscriber::set_global_default(subscriber);
+        logs
+    })
+}
+
+/// A panic is answered 520 with a short id; its text stays in the server's log, on the line
+/// that carries the same id and the entry, unless the server opts into sending it.
+#[tokio::test]
+async fn a_panic_text_stays_in_the_servers_log() {
+    let logs = captured();
+    let reg = InProcessRegistry::new();
+    let server = serve_conf(&reg).await;
+    let c = ConfClient::new(Client::builder().registry(reg.clone()).build());
+    let err = within("panicking call", c.boom("kaput".into()))
+        .await
+        .expect_err("panicked");
+    assert_eq!(err.code(), StatusCode::ServerError, "{err}");
+    assert_eq!(err.code().as_u32(), 520);
+    assert!(err.message().contains("m.Conf.boom"), "{err}");
+    assert!(
+        !err.message().contains("kaput"),
+        "the panic text left the server: {err}"
+    );
+    let id = err
+        .message()
+        .split("panic id ")
+        .nth(1)
+        .map(|rest| {
+            rest.chars()
+                .take_while(char::is_ascii_hexdigit)
+                .collect::<String>()
+        })
+        .unwrap_or_default();
+    assert_eq!(id.len(), 8, "a short panic id in {err}");
+    let log = String::from_utf8_lossy(&logs.0.lock().unwrap()).into_owned();
+    assert!(
+        log.lines()
+            .any(|l| l.contains(&id) && l.contains("m.Conf.boom") && l.contains("boom: kaput")),
+        "no log line with the id {id}, the entry and the text ({err}):\n{log}"
+    );
+    within("shutdown", server.shutdown()).await;
+
+    // For development, the text can be sent along.
+    let reg = InProcessRegistry::new();
+    let verbose = rpc::Server::builder()
+        .registry(reg.clone())
+        .send_panic_text(true)
+        .add_service(ConfServer::new(Answer))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let err = within(
+        "panicking call",
+        ConfClient::new(Client::builder().registry(reg.clone()).build()).boom("kaput".into()),
+    )
+    .await
+    .expect_err("panicked");
+    assert!(err.message().contains("boom: kaput"), "{err}");
+    within("shutdown", verbose.shutdown()).await;
 }
