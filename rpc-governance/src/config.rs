@@ -245,10 +245,13 @@ mod tests {
             hash_key: Some(0),
             governance: GovernanceOverrides::NONE,
         };
-        let mut layers = Layers::default();
-        layers.file =
-            GovernanceConfig::from_toml("[services.\"echo.Echo\"]\nshunt_strategy = \"hash\"\n")
-                .unwrap();
+        let mut layers = Layers {
+            file: GovernanceConfig::from_toml(
+                "[services.\"echo.Echo\"]\nshunt_strategy = \"hash\"\n",
+            )
+            .unwrap(),
+            ..Layers::default()
+        };
         assert!(layers.check(&KEYED).is_ok());
         let e = layers.check(&M).unwrap_err();
         assert!(
