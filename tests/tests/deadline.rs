@@ -351,7 +351,7 @@ async fn the_middle_tier_fallback_answers_before_the_callers_deadline() {
         .override_options(
             TierCClient::SERVICE_ID,
             GovernanceOverrides {
-                deadline_slack_ms: Some(200),
+                deadline_slack_ms: Some(500),
                 ..timeout_of(0)
             },
         )
@@ -367,12 +367,13 @@ async fn the_middle_tier_fallback_answers_before_the_callers_deadline() {
     let a = TierBClient::new(
         Client::builder()
             .registry(reg.clone())
-            .override_options(TierBClient::SERVICE_ID, timeout_of(1000))
+            .override_options(TierBClient::SERVICE_ID, timeout_of(2000))
             .build(),
     );
 
-    // C never answers; B's call to C ends 200 ms before A's deadline, B's fallback answers,
-    // and A receives that answer instead of its own timeout.
+    // C never answers; B's call to C ends 500 ms before A's deadline (a quarter of the
+    // budget, so the slack is not capped), B's fallback answers, and A receives that answer
+    // instead of its own timeout.
     assert_eq!(within("A's call", a.ask()).await, Ok(7));
     assert_eq!(recv_one("B's fallback ran", &mut ran).await, "c-fallback");
     let timeout = next_event(&mut b_events, EventKind::Timeout).await;
