@@ -18,6 +18,7 @@ use rpc_governance::config::{GovernanceConfig, Layers};
 use rpc_governance::events::{EventBus, EventKind};
 use rpc_governance::fallback;
 use rpc_governance::pipeline::{AttemptCtx, Attempts, Governance};
+use rpc_governance::timeout;
 use rpc_registry::{InProcessRegistry, Registry, ServiceWatch};
 use rpc_transport::{Call, ConnectOptions, ConnectionPool};
 use tokio::time::Instant;
@@ -280,9 +281,11 @@ impl Inner {
 
 /// An id given without saying whether it names a service or an entry applies as both: a
 /// service id never equals an entry id of the same method, so only the right section matches.
+///
+/// An update merges into what earlier updates set for the same id, field by field.
 fn set_runtime(layer: &mut GovernanceConfig, id: String, o: GovernanceOverrides) {
-    layer.services.insert(id.clone(), o.clone());
-    layer.entries.insert(id, o);
+    layer.services.entry(id.clone()).or_default().merge(&o);
+    layer.entries.entry(id).or_default().merge(&o);
 }
 
 impl Client {
@@ -301,20 +304,68 @@ impl Client {
         self.inner.governance.policy(method).options()
     }
 
-    /// Changes the overrides of an entry or a service at run time. The next call uses them;
-    /// breakers, budgets and endpoint health keep their state.
-    pub fn update_options(&self, id: impl Into<String>, o: GovernanceOverrides) {
+    /// Changes the overrides of an entry or a service at run time. The update merges into the
+    /// earlier runtime overrides of the same id, field by field: what `o` sets replaces, what it
+    /// leaves `None` keeps its earlier runtime value ([`clear_option`](Self::clear_option) unsets
+    /// one). The next call uses them; breakers, budgets and endpoint health keep their state.
+    ///
+    /// An update that would give an entry this client has already called options it cannot
+    /// carry out (`shunt_strategy = hash` on a method without a `#[hash_key]` argument) is
+    /// refused with an error naming the entry, and changes nothing. An entry not called yet is
+    /// checked at its first call, which fails with that error instead of going round robin.
+    pub fn update_options(
+        &self,
+        id: impl Into<String>,
+        o: GovernanceOverrides,
+    ) -> Result<(), RpcError> {
         let id = id.into();
         self.inner
             .governance
-            .update_layers(|l| set_runtime(&mut l.runtime, id, o));
+            .try_update_layers(|l| set_runtime(&mut l.runtime, id, o))
     }
 
-    /// Reloads the config file layer; on error the old configuration stays in force.
+    /// Unsets one runtime override of an entry or a service (`field` named as in the config
+    /// file, for example `"timeout_ms"`): the layers below decide it again from the next call.
+    /// An unknown field name is an error that lists the known ones, and changes nothing.
+    pub fn clear_option(&self, id: &str, field: &str) -> Result<(), RpcError> {
+        // Checks the name first, so that a typo changes nothing.
+        GovernanceOverrides::default().clear(field)?;
+        self.inner.governance.try_update_layers(|l| {
+            for map in [&mut l.runtime.services, &mut l.runtime.entries] {
+                if let Some(o) = map.get_mut(id) {
+                    // The name is known: clearing cannot fail.
+                    let _ = o.clear(field);
+                }
+            }
+        })
+    }
+
+    /// Removes every runtime override of an entry or a service: what the layers below
+    /// (attribute, published descriptors, config file, environment) say applies again.
+    /// Refused like [`update_options`](Self::update_options) when that would leave an entry
+    /// with options it cannot carry out.
+    pub fn clear_options(&self, id: &str) -> Result<(), RpcError> {
+        self.inner.governance.try_update_layers(|l| {
+            l.runtime.services.remove(id);
+            l.runtime.entries.remove(id);
+        })
+    }
+
+    /// Reloads the config file layer; on error (a broken file, or options an entry already
+    /// called cannot carry out, as for [`update_options`](Self::update_options)) the old
+    /// configuration stays in force.
     pub fn reload_config(&self, path: impl AsRef<Path>) -> Result<(), RpcError> {
+        let path = path.as_ref();
         let file = GovernanceConfig::from_file(path)?;
-        self.inner.governance.update_layers(|l| l.file = file);
-        Ok(())
+        self.inner
+            .governance
+            .try_update_layers(|l| l.file = file)
+            .map_err(|e| {
+                RpcError::new(
+                    e.code(),
+                    format!("{}: {}; not loaded", path.display(), e.message()),
+                )
+            })
     }
 
     /// Governance events (retry, break, half-open, reset, timeout, fallback, reload, ejection,
@@ -407,13 +458,20 @@ impl Client {
         hash_key: Option<H>,
     ) -> impl std::future::Future<Output = Result<Bytes, RpcError>> + Send + '_ {
         let policy = self.inner.governance.policy(method);
-        let hash_key = match policy.options().shunt_strategy {
-            ShuntStrategy::Hash => hash_key.map(|h| h()),
-            _ => None,
+        let (hash_key, misconfigured) = match policy.options().shunt_strategy {
+            // Hashing asked for an entry with nothing to hash: refused, not round robin.
+            ShuntStrategy::Hash if method.hash_key.is_none() => {
+                (None, self.inner.governance.check(method).err())
+            }
+            ShuntStrategy::Hash => (hash_key.map(|h| h()), None),
+            _ => (None, None),
         };
         let span = telemetry::call_span(method);
         let call_span = span.clone();
         async move {
+            if let Some(e) = misconfigured {
+                return Err(e);
+            }
             let metrics = self.inner.metrics.start(method);
             let attempts = ClientAttempts {
                 client: self,
@@ -438,6 +496,18 @@ impl Client {
             let result = match result {
                 (Err(e), made, last_failed) if fallback::applies(&e, fallback::Side::Client) => {
                     match self.inner.fallbacks.get(method.service_id) {
+                        // Inside a handler whose caller's deadline has passed, nobody would
+                        // receive the fallback's answer: it does not start (and does not act).
+                        Some(_) if timeout::inherited_passed() => {
+                            self.inner.governance.events().emit_parts(
+                                EventKind::FallbackSkipped,
+                                &Arc::from(method.entry_id),
+                                e.tried().last().map(String::as_str),
+                                made.into_inner().saturating_sub(1),
+                                Some(e.to_string()),
+                            );
+                            Err(timeout::fallback_skipped(method.entry_id, &e))
+                        }
                         Some(fallback) => {
                             // On the call span: the original error, the endpoint of the last
                             // failed attempt and that attempt's number.
@@ -657,9 +727,15 @@ fn into_result(r: RemoteResultMessage, codec: Codec, addr: &str) -> Result<Bytes
     if code.is_overflow() || code == StatusCode::CommunicationError {
         message = format!("{addr}: {message}");
     }
+    if code == StatusCode::ValidateError {
+        message = format!("{message} (answered by {addr})");
+    }
     let mut err = RpcError::new(code, message);
     if !r.result.is_empty() {
-        err = err.with_payload(codec, r.result);
+        // A typed error value carrying an infrastructure status: the handler ran, so the call
+        // is repeated elsewhere only for idempotent entries.
+        let carried = code != StatusCode::BusinessError;
+        err = err.with_payload(codec, r.result).maybe_delivered(carried);
     }
     Err(err)
 }

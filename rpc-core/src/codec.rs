@@ -106,6 +106,34 @@ impl Codec {
         })
     }
 
+    /// Decodes a value through a [`DeserializeSeed`](serde::de::DeserializeSeed): a decoder
+    /// that carries state, such as the names of a method's arguments for its errors. Same
+    /// limits as [`decode`](Self::decode).
+    pub fn decode_seed<'de, T: serde::de::DeserializeSeed<'de>>(
+        self,
+        seed: T,
+        bytes: &'de [u8],
+    ) -> Result<T::Value, CodecError> {
+        let result = match self {
+            Codec::MsgPack => {
+                let mut de = rmp_serde::Deserializer::from_read_ref(bytes);
+                de.set_max_depth(MAX_DEPTH);
+                seed.deserialize(&mut de).map_err(|e| e.to_string())
+            }
+            Codec::Json => {
+                let mut de = serde_json::Deserializer::from_slice(bytes);
+                seed.deserialize(&mut de)
+                    .and_then(|v| de.end().map(|()| v))
+                    .map_err(|e| e.to_string())
+            }
+        };
+        result.map_err(|reason| CodecError {
+            codec: self,
+            op: "decoding",
+            reason,
+        })
+    }
+
     /// The codec's number on the wire.
     pub fn to_wire(self) -> i32 {
         match self {

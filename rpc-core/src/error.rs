@@ -1,11 +1,12 @@
 //! The one error type of the framework, and how a service's own error type crosses the wire.
 
+use std::cell::RefCell;
 use std::fmt;
 use std::time::Duration;
 
 use bytes::Bytes;
 use serde::de::DeserializeOwned;
-use serde::Serialize;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::{Codec, StatusCode};
 
@@ -52,7 +53,14 @@ impl RpcError {
         Self::new(StatusCode::ValidateError, message)
     }
 
-    /// A business error carrying a service's typed error value, encoded by `codec`.
+    /// The dependency the callee needed could not be used (504, "no usable endpoint"): the
+    /// 503-like status a service returns, inside its typed error, when what it calls is down.
+    /// A caller's breaker counts it and its fallback answers for it.
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::NotFindServiceRouteAddress, message)
+    }
+
+    /// A typed error value encoded by `codec`, carried by this error.
     pub fn with_payload(mut self, codec: Codec, payload: Bytes) -> Self {
         self.inner.payload = Some((codec, payload));
         self
@@ -87,7 +95,8 @@ impl RpcError {
         &self.inner.message
     }
 
-    /// The encoded typed error value of a business error, with the codec that encoded it.
+    /// The encoded typed error value the error carries (a business error, or a typed error
+    /// carrying an infrastructure status), with the codec that encoded it.
     pub fn payload(&self) -> Option<&(Codec, Bytes)> {
         self.inner.payload.as_ref()
     }
@@ -139,12 +148,136 @@ impl fmt::Debug for RpcError {
 
 impl std::error::Error for RpcError {}
 
+/// The serialised form of an [`RpcError`]; see [`serde_rpc_error`].
+#[derive(Serialize, Deserialize)]
+#[serde(rename = "RpcError")]
+struct SerialForm {
+    code: u32,
+    message: String,
+    #[serde(default)]
+    maybe_delivered: bool,
+    #[serde(default)]
+    tried: Vec<String>,
+    #[serde(default)]
+    retry_after_ms: Option<u64>,
+}
+
+thread_local! {
+    /// While [`RemoteError::into_rpc_error`] encodes a typed error value: the first `RpcError`
+    /// the value holds, which gives the value its status.
+    static CARRIED: RefCell<Option<Option<RpcError>>> = const { RefCell::new(None) };
+}
+
+/// Serialises an [`RpcError`] held in a typed error value, with its status and details:
+/// `#[serde(with = "rpc::serde_rpc_error")]` on the field.
+///
+/// ```
+/// use rpc_core::{serde_rpc_error, RpcError};
+/// use serde::{Deserialize, Serialize};
+///
+/// #[derive(Debug, Serialize, Deserialize)]
+/// enum OrderError {
+///     OutOfStock { item: String },
+///     /// A failed downstream call: travels with its status (see `RemoteError`).
+///     Rpc(#[serde(with = "serde_rpc_error")] RpcError),
+/// }
+///
+/// impl From<RpcError> for OrderError {
+///     fn from(e: RpcError) -> Self {
+///         OrderError::Rpc(e)
+///     }
+/// }
+/// ```
+///
+/// The serialised form is a map with `code` (the status number), `message`,
+/// `maybe_delivered`, `tried` (endpoints, in order) and `retry_after_ms` (null when unknown);
+/// a typed error payload the error itself carries is left out.
+pub mod serde_rpc_error {
+    use super::*;
+
+    /// Serialises `e` (and, while a typed error value is being encoded for the wire, makes it
+    /// the value's status).
+    pub fn serialize<S: Serializer>(e: &RpcError, serializer: S) -> Result<S::Ok, S::Error> {
+        CARRIED.with(|c| {
+            if let Ok(mut c) = c.try_borrow_mut() {
+                if let Some(slot @ None) = c.as_mut() {
+                    *slot = Some(e.clone());
+                }
+            }
+        });
+        SerialForm {
+            code: e.inner.code.as_u32(),
+            message: e.inner.message.clone(),
+            maybe_delivered: e.inner.maybe_delivered,
+            tried: e.inner.tried.clone(),
+            retry_after_ms: e
+                .inner
+                .retry_after
+                .map(|d| d.as_millis().min(u64::MAX as u128) as u64),
+        }
+        .serialize(serializer)
+    }
+
+    /// Deserialises what [`serialize`] wrote.
+    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<RpcError, D::Error> {
+        let f = SerialForm::deserialize(deserializer)?;
+        let mut e = RpcError::new(StatusCode::from_u32(f.code), f.message)
+            .maybe_delivered(f.maybe_delivered)
+            .with_tried(f.tried);
+        if let Some(ms) = f.retry_after_ms {
+            e = e.with_retry_after(Duration::from_millis(ms));
+        }
+        Ok(e)
+    }
+}
+
+impl StatusCode {
+    /// The status a typed error value travels with when it holds an error with this status:
+    /// the callee's own answers (and a nonsensical success) stay a business error (1000); a
+    /// failure to reach the callee's own dependency (506 connection, 522 open breaker) becomes
+    /// 504, "no usable endpoint", since the callee itself was reached and must not be held
+    /// responsible for a broken connection of its own; every other status is kept.
+    pub const fn carried(self) -> StatusCode {
+        match self {
+            StatusCode::CommunicationError | StatusCode::CircuitOpen => {
+                StatusCode::NotFindServiceRouteAddress
+            }
+            StatusCode::Success => StatusCode::BusinessError,
+            code if code.is_callee_answer() => StatusCode::BusinessError,
+            code => code,
+        }
+    }
+}
+
+/// Encodes `value`, returning the first [`RpcError`] it holds, if any.
+fn encode_capturing<E: Serialize>(
+    value: &E,
+    codec: Codec,
+) -> (Result<Bytes, crate::CodecError>, Option<RpcError>) {
+    let outer = CARRIED.with(|c| c.replace(Some(None)));
+    let encoded = codec.encode(value);
+    let carried = CARRIED.with(|c| c.replace(outer)).flatten();
+    (encoded, carried)
+}
+
 /// An error type that a service method may return: [`RpcError`] itself, or any user type that is
 /// `Serialize + DeserializeOwned + From<RpcError>`.
 ///
-/// A user error value returned by a handler travels as a business error (1000) carrying the
-/// encoded value, and the client proxy decodes it back into the same type. Failures of the call
-/// itself (timeout, no endpoint, ...) reach the caller through `From<RpcError>`.
+/// A user error value returned by a handler travels encoded, and the client proxy decodes it
+/// back into the same type. Its status says what kind of failure it is:
+///
+/// - a value that holds no [`RpcError`] is the service's business answer (1000): never counted
+///   by a breaker, never retried, never replaced by a fallback;
+/// - a value that holds an [`RpcError`] through [`serde_rpc_error`] (typically a variant
+///   `Rpc(#[serde(with = "rpc::serde_rpc_error")] RpcError)` filled by `From<RpcError>`, so
+///   `?` on a failed downstream call produces it) travels with that
+///   error's status, mapped by [`StatusCode::carried`], and with its details (maybe-delivered,
+///   endpoints tried, retry-after) inside the value. The caller's governance treats it as the
+///   infrastructure failure it is: its breaker counts it and its fallback answers for it. To
+///   say "unavailable" without a downstream error, hold [`RpcError::unavailable`].
+///
+/// Failures of the call itself (timeout, no endpoint, ...) reach the caller through
+/// `From<RpcError>`.
 pub trait RemoteError: Sized + Send + 'static {
     /// Builds the caller-side error from what the call produced.
     fn from_rpc_error(err: RpcError) -> Self;
@@ -166,21 +299,30 @@ where
     E: Serialize + DeserializeOwned + From<RpcError> + Send + 'static,
 {
     fn from_rpc_error(err: RpcError) -> Self {
-        if err.code() == StatusCode::BusinessError {
-            if let Some((codec, payload)) = err.payload() {
-                if let Ok(value) = codec.decode::<E>(payload) {
-                    return value;
-                }
+        // Whatever its status: a typed value carrying an infrastructure status has a payload too.
+        if let Some((codec, payload)) = err.payload() {
+            if let Ok(value) = codec.decode::<E>(payload) {
+                return value;
             }
         }
         E::from(err)
     }
 
     fn into_rpc_error(self, codec: Codec) -> RpcError {
-        match codec.encode(&self) {
-            Ok(payload) => RpcError::business(std::any::type_name::<E>().to_string())
+        match encode_capturing(&self, codec) {
+            (Ok(payload), None) => RpcError::business(std::any::type_name::<E>().to_string())
                 .with_payload(codec, payload),
-            Err(e) => RpcError::new(
+            (Ok(payload), Some(held)) => {
+                let mut e = RpcError::new(held.code().carried(), held.message().to_string())
+                    .with_payload(codec, payload)
+                    .maybe_delivered(held.is_maybe_delivered())
+                    .with_tried(held.tried().to_vec());
+                if let Some(after) = held.retry_after() {
+                    e = e.with_retry_after(after);
+                }
+                e
+            }
+            (Err(e), _) => RpcError::new(
                 StatusCode::ServerError,
                 format!("could not encode the service's error value: {e}"),
             ),
@@ -211,6 +353,44 @@ mod tests {
             let wire = MyError::NoSuchUser(7).into_rpc_error(codec);
             assert_eq!(wire.code(), StatusCode::BusinessError);
             assert_eq!(MyError::from_rpc_error(wire), MyError::NoSuchUser(7));
+        }
+    }
+
+    #[derive(Debug, Serialize, Deserialize, PartialEq)]
+    enum OrderError {
+        OutOfStock { item: String },
+        Rpc(#[serde(with = "serde_rpc_error")] RpcError),
+    }
+
+    impl From<RpcError> for OrderError {
+        fn from(e: RpcError) -> Self {
+            OrderError::Rpc(e)
+        }
+    }
+
+    #[test]
+    fn a_typed_error_holding_an_rpc_error_carries_its_status_and_details() {
+        for codec in [Codec::MsgPack, Codec::Json] {
+            let down = RpcError::new(StatusCode::CommunicationError, "connection refused")
+                .with_tried(vec!["127.0.0.1:1".into()])
+                .maybe_delivered(true)
+                .with_retry_after(Duration::from_millis(1500));
+            let wire = OrderError::Rpc(down.clone()).into_rpc_error(codec);
+            assert_eq!(wire.code().as_u32(), 504, "{wire}");
+            assert_eq!(wire.tried(), ["127.0.0.1:1"]);
+            assert!(wire.is_maybe_delivered());
+            assert_eq!(wire.retry_after(), Some(Duration::from_millis(1500)));
+            // The caller decodes the value with the inner error's own status and details.
+            assert_eq!(OrderError::from_rpc_error(wire), OrderError::Rpc(down));
+
+            let late = RpcError::new(StatusCode::Timeout, "late");
+            let wire = OrderError::Rpc(late).into_rpc_error(codec);
+            assert_eq!(wire.code().as_u32(), 519);
+
+            let business = OrderError::OutOfStock { item: "nut".into() }.into_rpc_error(codec);
+            assert_eq!(business.code().as_u32(), 1000);
+            let wrapped = OrderError::Rpc(RpcError::validation("bad qty")).into_rpc_error(codec);
+            assert_eq!(wrapped.code().as_u32(), 1000, "a callee answer stays one");
         }
     }
 

@@ -3,6 +3,9 @@
 use std::borrow::Cow;
 
 use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::{RpcError, StatusCode};
 
 /// How a client picks one endpoint among a service's live endpoints.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
@@ -79,6 +82,12 @@ pub struct GovernanceOptions {
     /// The method may run twice without harm: a call that may have reached a server that then
     /// died is repeated elsewhere.
     pub idempotent: bool,
+    /// A call made while handling another call (B's call to C while B serves A) inherits what
+    /// is left of the caller's deadline less this slack, in milliseconds, at most a quarter of
+    /// what is left: B's own call times out early enough for B (its fallback, its error) to
+    /// still answer A in time. Default 50 ms: a few round trips on a LAN plus a local
+    /// fallback's work, and small against the default 5 s budget.
+    pub deadline_slack_ms: u64,
 }
 
 impl Default for GovernanceOptions {
@@ -101,6 +110,7 @@ impl Default for GovernanceOptions {
             max_concurrent_handling_count: 50,
             unhealthy_times_allowed_before_removing: 3,
             idempotent: false,
+            deadline_slack_ms: 50,
         }
     }
 }
@@ -144,6 +154,8 @@ pub struct GovernanceOverrides {
     pub unhealthy_times_allowed_before_removing: Option<u32>,
     /// See [`GovernanceOptions::idempotent`].
     pub idempotent: Option<bool>,
+    /// See [`GovernanceOptions::deadline_slack_ms`].
+    pub deadline_slack_ms: Option<u64>,
 }
 
 impl GovernanceOverrides {
@@ -166,6 +178,7 @@ impl GovernanceOverrides {
         max_concurrent_handling_count: None,
         unhealthy_times_allowed_before_removing: None,
         idempotent: None,
+        deadline_slack_ms: None,
     };
 
     /// Applies this layer on top of `base`.
@@ -191,11 +204,58 @@ impl GovernanceOverrides {
             retry_budget_min_per_second,
             max_concurrent_handling_count,
             unhealthy_times_allowed_before_removing,
-            idempotent
+            idempotent,
+            deadline_slack_ms
         );
         if let Some(a) = &self.appoint_address {
             base.appoint_address = Some(a.to_string());
         }
+    }
+
+    /// Merges a newer layer into this one, field by field: what `newer` sets replaces what is
+    /// here, what it leaves `None` stays as it was. Runtime updates of an id combine this way.
+    pub fn merge(&mut self, newer: &GovernanceOverrides) {
+        let (Ok(Value::Object(mut mine)), Ok(Value::Object(theirs))) =
+            (serde_json::to_value(&*self), serde_json::to_value(newer))
+        else {
+            return;
+        };
+        for (field, value) in theirs {
+            if !value.is_null() {
+                mine.insert(field, value);
+            }
+        }
+        if let Ok(merged) = serde_json::from_value(Value::Object(mine)) {
+            *self = merged;
+        }
+    }
+
+    /// Unsets one field (named as in the config file, for example `"timeout_ms"`), so the
+    /// layers below decide it again. An unknown name is an error listing the known ones.
+    pub fn clear(&mut self, field: &str) -> Result<(), RpcError> {
+        let Ok(Value::Object(mut fields)) = serde_json::to_value(&*self) else {
+            return Err(RpcError::new(
+                StatusCode::FrameworkError,
+                "governance overrides could not be represented",
+            ));
+        };
+        match fields.get_mut(field) {
+            Some(value) => *value = Value::Null,
+            None => {
+                let known: Vec<&str> = fields.keys().map(String::as_str).collect();
+                return Err(RpcError::new(
+                    StatusCode::FrameworkError,
+                    format!(
+                        "no governance option named {field:?}; the options are: {}",
+                        known.join(", ")
+                    ),
+                ));
+            }
+        }
+        *self = serde_json::from_value(Value::Object(fields)).map_err(|e| {
+            RpcError::new(StatusCode::FrameworkError, format!("clearing {field}: {e}"))
+        })?;
+        Ok(())
     }
 
     /// `base` with this layer applied.
@@ -252,6 +312,49 @@ mod tests {
     fn unknown_fields_are_rejected() {
         let err = toml_like_json(r#"{"timeout_msx": 3}"#).unwrap_err();
         assert!(err.to_string().contains("timeout_msx"), "{err}");
+    }
+
+    #[test]
+    fn merge_keeps_what_the_newer_layer_leaves_unset() {
+        let mut runtime = GovernanceOverrides {
+            timeout_ms: Some(800),
+            appoint_address: Some("127.0.0.1:9".into()),
+            ..GovernanceOverrides::NONE
+        };
+        runtime.merge(&GovernanceOverrides {
+            retry_times: Some(0),
+            timeout_ms: Some(900),
+            ..GovernanceOverrides::NONE
+        });
+        let want = GovernanceOverrides {
+            timeout_ms: Some(900),
+            retry_times: Some(0),
+            appoint_address: Some("127.0.0.1:9".into()),
+            ..GovernanceOverrides::NONE
+        };
+        assert_eq!(runtime, want);
+    }
+
+    #[test]
+    fn clear_unsets_one_field_and_names_unknown_ones() {
+        let mut o = GovernanceOverrides {
+            timeout_ms: Some(800),
+            idempotent: Some(true),
+            ..GovernanceOverrides::NONE
+        };
+        o.clear("timeout_ms").unwrap();
+        assert_eq!(
+            o,
+            GovernanceOverrides {
+                idempotent: Some(true),
+                ..GovernanceOverrides::NONE
+            }
+        );
+        let e = o.clear("timeout").unwrap_err();
+        assert!(
+            e.message().contains("\"timeout\"") && e.message().contains("timeout_ms"),
+            "{e}"
+        );
     }
 
     fn toml_like_json(s: &str) -> Result<GovernanceOverrides, serde_json::Error> {

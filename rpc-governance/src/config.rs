@@ -4,7 +4,9 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use rpc_core::{GovernanceOptions, GovernanceOverrides, MethodDescriptor, RpcError, StatusCode};
+use rpc_core::{
+    GovernanceOptions, GovernanceOverrides, MethodDescriptor, RpcError, ShuntStrategy, StatusCode,
+};
 use serde::Deserialize;
 
 /// The environment variable read by [`GovernanceConfig::from_env`].
@@ -82,7 +84,7 @@ impl GovernanceConfig {
         } else {
             &mut self.entries
         };
-        map.insert(id.to_string(), overrides);
+        map.entry(id.to_string()).or_default().merge(&overrides);
     }
 
     /// Applies this layer (defaults, then the service's section, then the entry's).
@@ -124,6 +126,49 @@ impl Layers {
         self.env.apply(method, &mut o);
         self.runtime.apply(method, &mut o);
         o
+    }
+
+    /// Checks that the options these layers give `method` can be carried out: consistent
+    /// hashing needs a `#[hash_key]` argument to hash (without one, every call would quietly
+    /// go round robin). The error names the entry and the layer that asked for hashing.
+    pub fn check(&self, method: &MethodDescriptor) -> Result<(), RpcError> {
+        if method.hash_key.is_some() || self.resolve(method).shunt_strategy != ShuntStrategy::Hash {
+            return Ok(());
+        }
+        // The highest layer that sets the strategy for this entry is the one to change.
+        let mut o = method.governance.applied(&self.code_defaults);
+        let mut source = if method.governance.shunt_strategy.is_some() {
+            "the method's #[governance] attribute"
+        } else {
+            "the client's default options"
+        };
+        for (layer, name) in [
+            (&self.published, "the descriptors its servers publish"),
+            (&self.file, "the config file"),
+            (&self.env, "RPC_GOVERNANCE"),
+            (&self.runtime, "a runtime update"),
+        ] {
+            let before = o.shunt_strategy;
+            layer.apply(method, &mut o);
+            let sets = [
+                Some(&layer.defaults),
+                layer.services.get(method.service_id),
+                layer.entries.get(method.entry_id),
+            ]
+            .into_iter()
+            .flatten()
+            .any(|x| x.shunt_strategy.is_some());
+            if sets || o.shunt_strategy != before {
+                source = name;
+            }
+        }
+        Err(RpcError::new(
+            StatusCode::FrameworkError,
+            format!(
+                "{}: shunt_strategy = hash (set by {source}) needs an argument marked                  #[hash_key], and {} has none; mark the argument to hash on, or choose another                  strategy for this entry",
+                method.entry_id, method.method
+            ),
+        ))
     }
 }
 
@@ -189,6 +234,41 @@ mod tests {
             5,
             "untouched fields keep lower layers"
         );
+    }
+
+    #[test]
+    fn hashing_without_a_hash_key_is_refused_naming_the_entry_and_the_layer() {
+        static KEYED: MethodDescriptor = MethodDescriptor {
+            service_id: "echo.Echo",
+            method: "profile",
+            entry_id: "echo.Echo.profile",
+            hash_key: Some(0),
+            governance: GovernanceOverrides::NONE,
+        };
+        let mut layers = Layers {
+            file: GovernanceConfig::from_toml(
+                "[services.\"echo.Echo\"]\nshunt_strategy = \"hash\"\n",
+            )
+            .unwrap(),
+            ..Layers::default()
+        };
+        assert!(layers.check(&KEYED).is_ok());
+        let e = layers.check(&M).unwrap_err();
+        assert!(
+            e.message().contains("echo.Echo.echo")
+                && e.message().contains("#[hash_key]")
+                && e.message().contains("config file"),
+            "{e}"
+        );
+        layers.runtime.set(
+            "echo.Echo.echo",
+            GovernanceOverrides {
+                shunt_strategy: Some(rpc_core::ShuntStrategy::RoundRobin),
+                ..GovernanceOverrides::NONE
+            },
+            false,
+        );
+        assert!(layers.check(&M).is_ok());
     }
 
     #[test]

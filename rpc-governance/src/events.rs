@@ -24,6 +24,9 @@ pub enum EventKind {
     Overflow,
     /// A fallback answered for a failed call.
     Fallback,
+    /// A fallback was not started because the caller's deadline had already passed: the
+    /// caller has its timeout, and nothing would receive the fallback's answer.
+    FallbackSkipped,
     /// An entry's options changed at run time.
     Reload,
     /// An endpoint was marked unhealthy, or dropped after repeated failures.
@@ -42,6 +45,7 @@ impl EventKind {
             EventKind::Timeout => "timeout",
             EventKind::Overflow => "overflow",
             EventKind::Fallback => "fallback",
+            EventKind::FallbackSkipped => "fallback_skipped",
             EventKind::Reload => "reload",
             EventKind::Ejection => "ejection",
         }

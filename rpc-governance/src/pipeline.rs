@@ -141,11 +141,39 @@ impl Governance {
             .clone()
     }
 
+    /// [`update_layers`](Self::update_layers), refused (nothing changes) when the new layers
+    /// give an entry this engine has already used options it cannot carry out
+    /// ([`Layers::check`]).
+    pub fn try_update_layers(&self, change: impl FnOnce(&mut Layers)) -> Result<(), RpcError> {
+        let mut layers = self.layers.write().unwrap_or_else(|p| p.into_inner());
+        let mut next = layers.clone();
+        change(&mut next);
+        for p in self.cache.iter() {
+            next.check(p.method)?;
+        }
+        *layers = next;
+        self.refresh(&layers);
+        Ok(())
+    }
+
+    /// Checks the options the layers give `method` ([`Layers::check`]).
+    pub fn check(&self, method: &MethodDescriptor) -> Result<(), RpcError> {
+        self.layers
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .check(method)
+    }
+
     /// Changes the configuration layers; every cached entry gets its new options for its next
     /// call and keeps its runtime state (an open breaker stays open, counters stay).
     pub fn update_layers(&self, change: impl FnOnce(&mut Layers)) {
         let mut layers = self.layers.write().unwrap_or_else(|p| p.into_inner());
         change(&mut layers);
+        self.refresh(&layers);
+    }
+
+    /// Gives every cached entry the options `layers` resolve for it.
+    fn refresh(&self, layers: &Layers) {
         for p in self.cache.iter() {
             let new = layers.resolve(p.method);
             if *p.options.load_full() != new {
@@ -232,7 +260,10 @@ impl Governance {
             )
             .await
             .map_err(|e| match (e.code(), deadline) {
-                (StatusCode::Timeout, Some(d)) => timeout::timeout_error(&policy.entry, started, d),
+                // A callee's typed error carrying a timeout of its own keeps its value.
+                (StatusCode::Timeout, Some(d)) if e.payload().is_none() => {
+                    timeout::timeout_error_for(&policy.entry, started, d, &options)
+                }
                 _ => e,
             });
         if let Err(e) = &result {

@@ -1,4 +1,8 @@
 //! Timeout: the whole call's deadline.
+//!
+//! A call made while a server handles another call inherits that call's deadline, less a slack
+//! (`deadline_slack_ms`): were both to expire at the same moment, the middle tier's own
+//! answer (its fallback, its error) would always arrive after its caller had given up.
 
 use std::future::Future;
 use std::time::Duration;
@@ -28,7 +32,7 @@ pub fn inherited() -> Option<Instant> {
 }
 
 /// The deadline of a call starting now: the entry's `timeout_ms` (0 = none), shortened to what
-/// is left of the call being handled when this runs inside a server handler.
+/// is left of the call being handled, less the slack, when this runs inside a server handler.
 pub fn deadline(options: &GovernanceOptions) -> Option<Instant> {
     deadline_from(Instant::now(), options)
 }
@@ -36,10 +40,36 @@ pub fn deadline(options: &GovernanceOptions) -> Option<Instant> {
 /// [`deadline`] for a call that started at `now`.
 pub fn deadline_from(now: Instant, options: &GovernanceOptions) -> Option<Instant> {
     let own = (options.timeout_ms > 0).then(|| now + Duration::from_millis(options.timeout_ms));
-    match (own, inherited()) {
+    let inherited = inherited().map(|b| b - slack(now, b, options));
+    match (own, inherited) {
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, b) => a.or(b),
     }
+}
+
+/// The slack kept from an inherited deadline `b` at `now`: `deadline_slack_ms`, at most a
+/// quarter of what is left.
+fn slack(now: Instant, b: Instant, options: &GovernanceOptions) -> Duration {
+    let left = b.saturating_duration_since(now);
+    Duration::from_millis(options.deadline_slack_ms).min(left / 4)
+}
+
+/// True when the deadline inherited from the call being handled has passed: a fallback does
+/// not start then, since its caller already has its timeout.
+pub fn inherited_passed() -> bool {
+    inherited().is_some_and(|d| Instant::now() >= d)
+}
+
+/// The error of a fallback not started because the caller's deadline had passed.
+pub fn fallback_skipped(entry_id: &str, cause: &RpcError) -> RpcError {
+    RpcError::new(
+        StatusCode::Timeout,
+        format!(
+            "{entry_id} failed ({cause}) after its caller's deadline had passed; its fallback was \
+             not started, since the caller has already timed out: give the caller a larger \
+             timeout_ms, or this entry a smaller one"
+        ),
+    )
 }
 
 /// Milliseconds left before `deadline`, for `RemoteInvokeMessage.timeout_ms` (0 = none; at least
@@ -93,6 +123,31 @@ where
     }
 }
 
+/// [`timeout_error`] that says when the budget was the caller's: `d` came from the deadline
+/// inherited from the call being handled rather than the entry's own `timeout_ms`.
+pub fn timeout_error_for(
+    entry_id: &str,
+    started: Instant,
+    d: Instant,
+    options: &GovernanceOptions,
+) -> RpcError {
+    let own = (options.timeout_ms > 0).then(|| started + Duration::from_millis(options.timeout_ms));
+    let from_caller = inherited().is_some() && own.is_none_or(|own| d < own);
+    if !from_caller {
+        return timeout_error(entry_id, started, d);
+    }
+    RpcError::new(
+        StatusCode::Timeout,
+        format!(
+            "{entry_id} did not complete within its {} ms budget, inherited from the caller's \
+             deadline (what was left of it, less up to {} ms kept to answer the caller); raise \
+             the timeout_ms where the chain of calls starts, or look at the server's load",
+            d.saturating_duration_since(started).as_millis(),
+            options.deadline_slack_ms
+        ),
+    )
+}
+
 /// The error of a call that started at `started` and ran out of its deadline `d`.
 pub fn timeout_error(entry_id: &str, started: Instant, d: Instant) -> RpcError {
     RpcError::new(
@@ -140,11 +195,13 @@ mod tests {
             ..Default::default()
         };
         let outer = Instant::now() + Duration::from_millis(300);
+        // The default slack: 50 ms, under a quarter of the 300 ms left.
+        let slack = Duration::from_millis(50);
         with_inherited(Some(outer), async {
             assert_eq!(
                 deadline(&opts),
-                Some(outer),
-                "the shorter inherited budget wins"
+                Some(outer - slack),
+                "the shorter inherited budget wins, less the slack"
             );
             let none = GovernanceOptions {
                 timeout_ms: 0,
@@ -152,7 +209,7 @@ mod tests {
             };
             assert_eq!(
                 deadline(&none),
-                Some(outer),
+                Some(outer - slack),
                 "even with no timeout of its own"
             );
         })
@@ -166,6 +223,65 @@ mod tests {
             );
         })
         .await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_slack_is_capped_at_a_quarter_of_what_is_left_and_configurable() {
+        let opts = GovernanceOptions {
+            timeout_ms: 0,
+            ..Default::default()
+        };
+        let outer = Instant::now() + Duration::from_millis(40);
+        with_inherited(Some(outer), async {
+            assert_eq!(deadline(&opts), Some(outer - Duration::from_millis(10)));
+        })
+        .await;
+        let outer = Instant::now() + Duration::from_millis(1000);
+        let custom = GovernanceOptions {
+            deadline_slack_ms: 120,
+            ..opts.clone()
+        };
+        with_inherited(Some(outer), async {
+            assert_eq!(deadline(&custom), Some(outer - Duration::from_millis(120)));
+            let none = GovernanceOptions {
+                deadline_slack_ms: 0,
+                ..opts.clone()
+            };
+            assert_eq!(deadline(&none), Some(outer));
+        })
+        .await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_timeout_message_says_when_the_budget_was_the_callers() {
+        let opts = GovernanceOptions {
+            timeout_ms: 5000,
+            ..Default::default()
+        };
+        let started = Instant::now();
+        let outer = started + Duration::from_millis(300);
+        let inherited_msg = with_inherited(Some(outer), async {
+            let d = deadline_from(started, &opts).unwrap();
+            timeout_error_for("a.A.m", started, d, &opts).to_string()
+        })
+        .await;
+        assert!(
+            inherited_msg.contains("250 ms budget, inherited from the caller's deadline"),
+            "{inherited_msg}"
+        );
+        let own = GovernanceOptions {
+            timeout_ms: 100,
+            ..opts
+        };
+        let own_msg = with_inherited(Some(outer), async {
+            let d = deadline_from(started, &own).unwrap();
+            timeout_error_for("a.A.m", started, d, &own).to_string()
+        })
+        .await;
+        assert!(
+            own_msg.contains("100 ms budget") && !own_msg.contains("inherited"),
+            "{own_msg}"
+        );
     }
 
     #[tokio::test(start_paused = true)]

@@ -146,6 +146,18 @@ fn arm(
                 __rpc_method,
             )?;
         }
+    } else if arg_idents.len() <= MAX_NAMED_ARGS {
+        // Each argument's name and type, for an error that says which one did not decode.
+        let names = m.args.iter().map(|a| a.ident.to_string());
+        let types = m.args.iter().map(|a| type_name(&a.ty));
+        quote! {
+            let (#(#arg_idents,)*) = ::rpc::__private::decode_named_args::<(#(#arg_tys,)*)>(
+                __rpc_codec,
+                &__rpc_params,
+                __rpc_method,
+                &[#((#names, #types)),*],
+            )?;
+        }
     } else {
         quote! {
             let (#(#arg_idents,)*) = ::rpc::__private::decode_args::<(#(#arg_tys,)*)>(
@@ -175,4 +187,17 @@ fn arm(
             })
         }
     }
+}
+
+/// Argument lists up to this length decode element by element (`rpc::__private::ArgList`), so
+/// that an error names the argument.
+const MAX_NAMED_ARGS: usize = 16;
+
+/// A type as the user wrote it, for error messages: `Vec<Point>`, `(u32, String)`.
+fn type_name(ty: &syn::Type) -> String {
+    quote!(#ty)
+        .to_string()
+        .replace(' ', "")
+        .replace(',', ", ")
+        .replace("dyn", "dyn ")
 }

@@ -21,6 +21,7 @@ const INTEGERS: &[(&str, u64)] = &[
     ("retry_budget_min_per_second", u32::MAX as u64),
     ("max_concurrent_handling_count", u32::MAX as u64),
     ("unhealthy_times_allowed_before_removing", u32::MAX as u64),
+    ("deadline_slack_ms", u64::MAX),
 ];
 
 /// The flag keys, and whether the bare form (`idempotent`) means `true`.

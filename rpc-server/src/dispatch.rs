@@ -44,6 +44,8 @@ pub(crate) struct Dispatcher {
     /// The published address, naming this server in governance events.
     pub(crate) endpoint: Arc<str>,
     pub(crate) metrics: telemetry::Metrics,
+    /// Whether a handler's panic message goes to the caller (otherwise only to the log).
+    pub(crate) send_panic_text: bool,
 }
 
 impl InvokeHandler for Dispatcher {
@@ -94,6 +96,7 @@ impl InvokeHandler for Dispatcher {
             events: self.events.clone(),
             entry_id: route.entry.clone(),
             endpoint: self.endpoint.clone(),
+            send_panic_text: self.send_panic_text,
         });
         let mut handler = route.service.call(route.index, invoke.parameters, codec);
         let deadline = (invoke.timeout_ms > 0).then(|| {
@@ -108,7 +111,8 @@ impl InvokeHandler for Dispatcher {
         // span and inherited deadline, so such a call is answered without a future of its own;
         // the rest (a handler that waits, a fallback to run) continues in one.
         let rest = match poll_first(&mut handler, deadline, &attachments, &span) {
-            Poll::Ready(outcome) => match (settle(outcome, &entry), fallback) {
+            Poll::Ready(outcome) => match (settle(outcome, &entry, self.send_panic_text), fallback)
+            {
                 (Err(e), Some(fb)) if fallback::applies(&e, fallback::Side::Server) => {
                     Rest::Fallback(e, fb)
                 }
@@ -120,10 +124,14 @@ impl InvokeHandler for Dispatcher {
             Poll::Pending => Rest::Handler(handler, fallback),
         };
         let call_span = span.clone();
+        let panic_text = self.send_panic_text;
         let call = async move {
             let (e, fb) = match rest {
                 Rest::Handler(handler, fallback) => {
-                    match (run_guarded(handler, deadline, &entry).await, fallback) {
+                    match (
+                        run_guarded(handler, deadline, &entry, panic_text).await,
+                        fallback,
+                    ) {
                         (Err(e), Some(fb)) if fallback::applies(&e, fallback::Side::Server) => {
                             (e, fb)
                         }
@@ -218,6 +226,18 @@ async fn run_fallback(
     deadline: Option<(Instant, u32)>,
     entry: &str,
 ) -> Result<Bytes, RpcError> {
+    // Once the caller's deadline has passed the caller has its timeout: a fallback started
+    // now would act for nobody.
+    if deadline.is_some_and(|(d, _)| Instant::now() >= d) {
+        fb.events.emit_parts(
+            EventKind::FallbackSkipped,
+            &fb.entry_id,
+            Some(&fb.endpoint),
+            0,
+            Some(e.to_string()),
+        );
+        return Err(e);
+    }
     // On the call's span: a trace shows why the fallback ran. The server sees each attempt of
     // a caller as a call of its own: attempt 0.
     fb.events.emit_parts(
@@ -228,7 +248,7 @@ async fn run_fallback(
         Some(e.to_string()),
     );
     let handler = fb.service.call(fb.index, fb.parameters, codec);
-    let answer = run_guarded(handler, deadline, entry).await;
+    let answer = run_guarded(handler, deadline, entry, fb.send_panic_text).await;
     fallback::outcome(entry, e, answer)
 }
 
@@ -240,12 +260,14 @@ struct ServerFallback {
     events: EventBus,
     entry_id: Arc<str>,
     endpoint: Arc<str>,
+    send_panic_text: bool,
 }
 
 async fn run_guarded(
     handler: HandlerFuture,
     deadline: Option<(Instant, u32)>,
     entry: &str,
+    send_panic_text: bool,
 ) -> Result<Bytes, RpcError> {
     let inherited = deadline.map(|(d, _)| d);
     let guarded = rpc_governance::timeout::with_inherited(
@@ -258,7 +280,7 @@ async fn run_guarded(
         let mut guarded = std::pin::pin!(guarded);
         let first = std::future::poll_fn(|cx| Poll::Ready(guarded.as_mut().poll(cx))).await;
         if let Poll::Ready(outcome) = first {
-            return settle(outcome, entry);
+            return settle(outcome, entry, send_panic_text);
         }
         match tokio::time::timeout_at(deadline, guarded).await {
             Ok(o) => o,
@@ -275,23 +297,43 @@ async fn run_guarded(
     } else {
         guarded.await
     };
-    settle(outcome, entry)
+    settle(outcome, entry, send_panic_text)
 }
 
 /// The handler's result, or a panic turned into an error (520) that names the entry.
-fn settle(outcome: Outcome, entry: &str) -> Result<Bytes, RpcError> {
+///
+/// The panic message may show a service's internals (paths, values, queries), so it is logged
+/// here with the entry and a short panic id, and the caller receives the id to find it by;
+/// the text itself only with `send_panic_text`.
+fn settle(outcome: Outcome, entry: &str, send_panic_text: bool) -> Result<Bytes, RpcError> {
     outcome.unwrap_or_else(|panic| {
         let what = panic
             .downcast_ref::<&str>()
             .map(|s| s.to_string())
             .or_else(|| panic.downcast_ref::<String>().cloned())
             .unwrap_or_else(|| "unknown panic payload".into());
-        tracing::error!(entry, panic = %what, "handler panicked");
-        Err(RpcError::new(
-            StatusCode::ServerError,
-            format!("{entry} panicked: {what}"),
-        ))
+        let id = panic_id();
+        tracing::error!(entry, panic_id = %id, panic = %what, "handler panicked");
+        let mut message = format!(
+            "{entry} failed on the server: its handler panicked; the server's log has the \
+             details under panic id {id}"
+        );
+        if send_panic_text {
+            message.push_str(&format!(" ({what})"));
+        }
+        Err(RpcError::new(StatusCode::ServerError, message))
     })
+}
+
+/// A short id (8 hex digits) for one panic, unlikely to repeat within a server's log.
+fn panic_id() -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::OnceLock;
+    static SEED: OnceLock<ahash::RandomState> = OnceLock::new();
+    static COUNT: AtomicU64 = AtomicU64::new(0);
+    let n = COUNT.fetch_add(1, Ordering::Relaxed);
+    let h = SEED.get_or_init(ahash::RandomState::new).hash_one(n);
+    format!("{:08x}", h as u32)
 }
 
 fn to_message(result: Result<Bytes, RpcError>) -> RemoteResultMessage {

@@ -51,8 +51,8 @@
 
 pub use rpc_client::{answered_by, Client, ClientBuilder};
 pub use rpc_core::{
-    Codec, GovernanceOptions, GovernanceOverrides, MethodDescriptor, RemoteError, RpcContext,
-    RpcError, ServiceEntry, ServiceEntryId, ServiceId, ShuntStrategy, StatusCode,
+    serde_rpc_error, Codec, GovernanceOptions, GovernanceOverrides, MethodDescriptor, RemoteError,
+    RpcContext, RpcError, ServiceEntry, ServiceEntryId, ServiceId, ShuntStrategy, StatusCode,
 };
 pub use rpc_macros::service;
 #[cfg(feature = "etcd")]
@@ -150,6 +150,126 @@ pub mod __private {
             ))
         })
     }
+
+    /// Server side: decodes the argument list of a method whose arguments are named in
+    /// `args` (name and type, in order), so that an error names the argument that failed: its
+    /// position (from 1), name and expected type.
+    pub fn decode_named_args<T: ArgList>(
+        codec: Codec,
+        bytes: &[u8],
+        method: &MethodDescriptor,
+        args: &'static [(&'static str, &'static str)],
+    ) -> Result<T, RpcError> {
+        let seed = ArgsSeed::<T> {
+            args,
+            entry: method.entry_id,
+            list: std::marker::PhantomData,
+        };
+        codec.decode_seed(seed, bytes).map_err(|e| {
+            RpcError::validation(format!(
+                "could not decode the arguments of {}: {e}; send them as one array in the \
+                 order the method declares them",
+                method.entry_id
+            ))
+        })
+    }
+
+    /// An argument list decoded element by element ([`decode_named_args`]): tuples of 1 to
+    /// 16 arguments.
+    pub trait ArgList: Sized {
+        /// Reads the arguments from `seq`, naming the one that fails from `args`.
+        fn from_seq<'de, S: serde::de::SeqAccess<'de>>(
+            seq: S,
+            args: &[(&str, &str)],
+        ) -> Result<Self, S::Error>;
+    }
+
+    struct ArgsSeed<T> {
+        args: &'static [(&'static str, &'static str)],
+        entry: &'static str,
+        list: std::marker::PhantomData<T>,
+    }
+
+    impl<'de, T: ArgList> serde::de::DeserializeSeed<'de> for ArgsSeed<T> {
+        type Value = T;
+        fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<T, D::Error> {
+            d.deserialize_seq(self)
+        }
+    }
+
+    impl<'de, T: ArgList> serde::de::Visitor<'de> for ArgsSeed<T> {
+        type Value = T;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            let list: Vec<String> = self
+                .args
+                .iter()
+                .map(|(name, ty)| format!("{name}: {ty}"))
+                .collect();
+            write!(
+                f,
+                "the argument list of {}, an array ({})",
+                self.entry,
+                list.join(", ")
+            )
+        }
+        fn visit_seq<S: serde::de::SeqAccess<'de>>(self, seq: S) -> Result<T, S::Error> {
+            T::from_seq(seq, self.args)
+        }
+    }
+
+    /// The argument at `index` (from 0) of the list.
+    fn next_arg<'de, T: serde::Deserialize<'de>, S: serde::de::SeqAccess<'de>>(
+        seq: &mut S,
+        index: usize,
+        args: &[(&str, &str)],
+    ) -> Result<T, S::Error> {
+        use serde::de::Error;
+        let (name, ty) = args.get(index).copied().unwrap_or(("?", "?"));
+        let position = index + 1;
+        match seq.next_element::<T>() {
+            Ok(Some(v)) => Ok(v),
+            Ok(None) => Err(S::Error::custom(format!(
+                "argument {position} `{name}` ({ty}) is missing: the call sent {index} of {}",
+                args.len()
+            ))),
+            Err(e) => Err(S::Error::custom(format!(
+                "argument {position} `{name}`: expected {ty}: {e}"
+            ))),
+        }
+    }
+
+    macro_rules! arg_list {
+        ($($t:ident $i:tt),+) => {
+            impl<$($t: DeserializeOwned),+> ArgList for ($($t,)+) {
+                fn from_seq<'de, S: serde::de::SeqAccess<'de>>(
+                    mut seq: S,
+                    args: &[(&str, &str)],
+                ) -> Result<Self, S::Error> {
+                    let list = ($(next_arg::<$t, S>(&mut seq, $i, args)?,)+);
+                    // Extra trailing arguments (from a newer caller) are ignored, as a
+                    // positional decoder would.
+                    while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+                    Ok(list)
+                }
+            }
+        };
+    }
+    arg_list!(A0 0);
+    arg_list!(A0 0, A1 1);
+    arg_list!(A0 0, A1 1, A2 2);
+    arg_list!(A0 0, A1 1, A2 2, A3 3);
+    arg_list!(A0 0, A1 1, A2 2, A3 3, A4 4);
+    arg_list!(A0 0, A1 1, A2 2, A3 3, A4 4, A5 5);
+    arg_list!(A0 0, A1 1, A2 2, A3 3, A4 4, A5 5, A6 6);
+    arg_list!(A0 0, A1 1, A2 2, A3 3, A4 4, A5 5, A6 6, A7 7);
+    arg_list!(A0 0, A1 1, A2 2, A3 3, A4 4, A5 5, A6 6, A7 7, A8 8);
+    arg_list!(A0 0, A1 1, A2 2, A3 3, A4 4, A5 5, A6 6, A7 7, A8 8, A9 9);
+    arg_list!(A0 0, A1 1, A2 2, A3 3, A4 4, A5 5, A6 6, A7 7, A8 8, A9 9, A10 10);
+    arg_list!(A0 0, A1 1, A2 2, A3 3, A4 4, A5 5, A6 6, A7 7, A8 8, A9 9, A10 10, A11 11);
+    arg_list!(A0 0, A1 1, A2 2, A3 3, A4 4, A5 5, A6 6, A7 7, A8 8, A9 9, A10 10, A11 11, A12 12);
+    arg_list!(A0 0, A1 1, A2 2, A3 3, A4 4, A5 5, A6 6, A7 7, A8 8, A9 9, A10 10, A11 11, A12 12, A13 13);
+    arg_list!(A0 0, A1 1, A2 2, A3 3, A4 4, A5 5, A6 6, A7 7, A8 8, A9 9, A10 10, A11 11, A12 12, A13 13, A14 14);
+    arg_list!(A0 0, A1 1, A2 2, A3 3, A4 4, A5 5, A6 6, A7 7, A8 8, A9 9, A10 10, A11 11, A12 12, A13 13, A14 14, A15 15);
 
     /// Server side: encodes the result value.
     pub fn encode_result<T: Serialize>(

@@ -271,3 +271,214 @@ async fn the_client_sends_its_budget_and_cancels_at_the_deadline() {
         .expect_err("no answer was sent");
     assert_eq!(err.code(), StatusCode::Timeout, "{err}");
 }
+
+// A → B → C, B holding a fallback: B's own calls inherit A's budget less a slack, so that B can
+// still answer A in time; a fallback does not start once its caller's deadline has passed.
+
+#[rpc::service(name = "t.TierC")]
+trait TierC {
+    /// Never answers.
+    async fn hang(&self) -> Result<u32, RpcError>;
+}
+
+#[rpc::service(name = "t.TierB")]
+trait TierB {
+    /// Asks C.
+    async fn ask(&self) -> Result<u32, RpcError>;
+}
+
+struct Hanging;
+
+impl TierC for Hanging {
+    async fn hang(&self) -> Result<u32, RpcError> {
+        std::future::pending::<()>().await;
+        Ok(0)
+    }
+}
+
+/// B's (client-side) fallback for C: answers 7 and reports that it ran.
+struct CFallback(mpsc::UnboundedSender<&'static str>);
+
+impl TierC for CFallback {
+    async fn hang(&self) -> Result<u32, RpcError> {
+        let _ = self.0.send("c-fallback");
+        Ok(7)
+    }
+}
+
+struct Middle(TierCClient);
+
+impl TierB for Middle {
+    async fn ask(&self) -> Result<u32, RpcError> {
+        self.0.hang().await
+    }
+}
+
+/// B's server-side fallback: answers 8 and reports that it ran.
+struct BFallback(mpsc::UnboundedSender<&'static str>);
+
+impl TierB for BFallback {
+    async fn ask(&self) -> Result<u32, RpcError> {
+        let _ = self.0.send("b-fallback");
+        Ok(8)
+    }
+}
+
+/// Receives events from `rx` until one of `kind` arrives (bounded by the suite's limit).
+async fn next_event(
+    rx: &mut tokio::sync::broadcast::Receiver<rpc::crates::governance::events::GovernanceEvent>,
+    kind: rpc::crates::governance::events::EventKind,
+) -> rpc::crates::governance::events::GovernanceEvent {
+    within("governance event", async {
+        loop {
+            match rx.recv().await {
+                Ok(e) if e.kind == kind => return e,
+                Ok(_) => continue,
+                Err(e) => panic!("event stream ended: {e}"),
+            }
+        }
+    })
+    .await
+}
+
+#[tokio::test]
+async fn the_middle_tier_fallback_answers_before_the_callers_deadline() {
+    use rpc::crates::governance::events::EventKind;
+    let reg = InProcessRegistry::new();
+    let c = Server::builder()
+        .registry(reg.clone())
+        .add_service(TierCServer::new(Hanging))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve C");
+    let (ran_tx, mut ran) = mpsc::unbounded_channel();
+    // B's calls to C have no timeout of their own: A's budget, inherited, bounds them.
+    let b_client = Client::builder()
+        .registry(reg.clone())
+        .override_options(
+            TierCClient::SERVICE_ID,
+            GovernanceOverrides {
+                deadline_slack_ms: Some(500),
+                ..timeout_of(0)
+            },
+        )
+        .fallback(TierCServer::new(CFallback(ran_tx)))
+        .build();
+    let mut b_events = b_client.events().subscribe();
+    let b = Server::builder()
+        .registry(reg.clone())
+        .add_service(TierBServer::new(Middle(TierCClient::new(b_client))))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve B");
+    let a = TierBClient::new(
+        Client::builder()
+            .registry(reg.clone())
+            .override_options(TierBClient::SERVICE_ID, timeout_of(2000))
+            .build(),
+    );
+
+    // C never answers; B's call to C ends 500 ms before A's deadline (a quarter of the
+    // budget, so the slack is not capped), B's fallback answers, and A receives that answer
+    // instead of its own timeout.
+    assert_eq!(within("A's call", a.ask()).await, Ok(7));
+    assert_eq!(recv_one("B's fallback ran", &mut ran).await, "c-fallback");
+    let timeout = next_event(&mut b_events, EventKind::Timeout).await;
+    let cause = timeout.cause.unwrap_or_default();
+    assert!(
+        cause.contains("t.TierC.hang") && cause.contains("inherited from the caller's deadline"),
+        "{cause}"
+    );
+    within("shutdown B", b.shutdown()).await;
+    within("shutdown C", c.shutdown()).await;
+}
+
+#[tokio::test]
+async fn a_server_fallback_does_not_start_after_the_callers_deadline() {
+    use rpc::crates::governance::events::EventKind;
+    let reg = InProcessRegistry::new();
+    let (ran_tx, mut ran) = mpsc::unbounded_channel();
+    // B's handler waits on a C that never answers, with no slack: it runs until A's deadline.
+    let c = Server::builder()
+        .registry(reg.clone())
+        .add_service(TierCServer::new(Hanging))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve C");
+    let b_client = Client::builder()
+        .registry(reg.clone())
+        .override_options(
+            TierCClient::SERVICE_ID,
+            GovernanceOverrides {
+                deadline_slack_ms: Some(0),
+                ..timeout_of(0)
+            },
+        )
+        .build();
+    let b = Server::builder()
+        .registry(reg.clone())
+        .add_service(TierBServer::new(Middle(TierCClient::new(b_client))))
+        .fallback(TierBServer::new(BFallback(ran_tx)))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve B");
+    let mut b_events = b.events().subscribe();
+    // A speaks the wire by hand and does not cancel: B alone decides at the deadline.
+    let mut a = RawConn::connect(b.local_addr()).await;
+    a.handshake().await;
+    a.send(Kind::Invoke(RemoteInvokeMessage {
+        message_id: 1,
+        service_entry_id: "t.TierB.ask".into(),
+        codec: Codec::MsgPack.to_wire(),
+        parameters: Codec::MsgPack.encode(&NoArgs).expect("encode"),
+        timeout_ms: 100,
+        ..Default::default()
+    }))
+    .await
+    .expect("send the call");
+    match within("B's answer", a.recv()).await {
+        Some(Kind::Result(r)) => assert_eq!(r.status_code, 519, "{r:?}"),
+        other => panic!("expected B's answer, got {other:?}"),
+    }
+    let skipped = next_event(&mut b_events, EventKind::FallbackSkipped).await;
+    assert_eq!(&*skipped.entry, "t.TierB.ask");
+    // The skip is decided where the fallback would have been called: it never ran.
+    assert!(
+        ran.try_recv().is_err(),
+        "B's fallback ran after A's deadline"
+    );
+    within("shutdown B", b.shutdown()).await;
+    within("shutdown C", c.shutdown()).await;
+}
+
+/// Inside a handler whose caller's deadline has passed, a client fallback does not start: the
+/// call fails with a timeout saying so, and a `fallback_skipped` event is emitted.
+#[tokio::test(start_paused = true)]
+async fn a_client_fallback_does_not_start_once_the_inherited_deadline_passed() {
+    use rpc::crates::governance::events::EventKind;
+    use rpc::crates::governance::timeout::with_inherited;
+    let down = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        l.local_addr().expect("addr").to_string()
+    };
+    let (ran_tx, mut ran) = mpsc::unbounded_channel();
+    let client = Client::builder()
+        .registry(StaticRegistry::new([down]))
+        .override_options(TierCClient::SERVICE_ID, no_retry())
+        .fallback(TierCServer::new(CFallback(ran_tx)))
+        .build();
+    let mut events = client.events().subscribe();
+    let c = TierCClient::new(client);
+    let passed = tokio::time::Instant::now();
+    let err = with_inherited(Some(passed), c.hang())
+        .await
+        .expect_err("the fallback must not answer");
+    assert_eq!(err.code(), StatusCode::Timeout, "{err}");
+    assert!(err.message().contains("fallback was not started"), "{err}");
+    let skipped = next_event(&mut events, EventKind::FallbackSkipped).await;
+    assert_eq!(&*skipped.entry, "t.TierC.hang");
+    assert!(ran.try_recv().is_err(), "the fallback ran");
+
+    // Outside any handler the same failure is answered by the fallback.
+    assert_eq!(c.hang().await, Ok(7));
+}

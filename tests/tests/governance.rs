@@ -197,13 +197,15 @@ async fn each_configuration_layer_overrides_the_one_below() {
     assert_eq!(client.options(budget).timeout_ms, 400);
 
     // < runtime update, effective on the next call, observable through the inherited budget.
-    client.update_options(
-        "g.Stock.budget_left_ms",
-        GovernanceOverrides {
-            timeout_ms: Some(200),
-            ..GovernanceOverrides::NONE
-        },
-    );
+    client
+        .update_options(
+            "g.Stock.budget_left_ms",
+            GovernanceOverrides {
+                timeout_ms: Some(200),
+                ..GovernanceOverrides::NONE
+            },
+        )
+        .unwrap();
     assert_eq!(client.options(budget).timeout_ms, 200);
     let left = StockClient::new(client.clone())
         .budget_left_ms()
@@ -415,13 +417,15 @@ async fn what_servers_publish_is_used_unless_the_client_overrides_it() {
     assert_eq!(client.options(level).timeout_ms, 4321);
 
     // The client's own configuration wins over what servers publish.
-    client.update_options(
-        "g.Stock.level",
-        GovernanceOverrides {
-            timeout_ms: Some(99),
-            ..GovernanceOverrides::NONE
-        },
-    );
+    client
+        .update_options(
+            "g.Stock.level",
+            GovernanceOverrides {
+                timeout_ms: Some(99),
+                ..GovernanceOverrides::NONE
+            },
+        )
+        .unwrap();
     assert_eq!(client.options(level).timeout_ms, 99);
     server.shutdown().await;
 }

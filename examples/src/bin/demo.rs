@@ -363,7 +363,7 @@ async fn governance(registry: &Arc<dyn Registry>) -> Result<(), Box<dyn std::err
             timeout_ms: Some(2000),
             ..GovernanceOverrides::NONE
         },
-    );
+    )?;
     println!(
         "  runtime update timeout_ms = 2000, same call -> {:?} (no restart, no cache clear)",
         no_fallback.slow_quote("apple".into(), 200).await
