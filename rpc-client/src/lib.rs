@@ -31,7 +31,9 @@ mod answered_by;
 mod client;
 mod endpoints;
 pub mod shunt;
+pub mod status;
 mod telemetry;
 
 pub use answered_by::answered_by;
 pub use client::{Client, ClientBuilder};
+pub use status::{EndpointState, EndpointStatus};
