@@ -446,6 +446,9 @@ impl Governance {
                 );
                 let spent =
                     RpcError::new(err.code(), msg).maybe_delivered(err.is_maybe_delivered());
+                let last = tried.last().map(String::as_str).unwrap_or_default();
+                ending.endpoint_held =
+                    fault.is_some() && attempts.any_other(last, &|e| self.health.is_usable(e));
                 ending.attempt_timeout = attempt_timed_out;
                 return Err(failover::final_error(spent, tried));
             }

@@ -335,9 +335,16 @@ async fn an_endpoint_failing_n_times_in_a_row_is_dropped_while_others_serve() {
     // A live server joins; the removed endpoint stays out while it serves.
     let (live, w) = warehouse(&reg).await;
     for _ in 0..20 {
-        assert_eq!(within("level", stock.level("apple".into())).await.unwrap(), 7);
+        assert_eq!(
+            within("level", stock.level("apple".into())).await.unwrap(),
+            7
+        );
     }
-    assert_eq!(w.calls.load(Ordering::SeqCst), 20, "every call went to the live server");
+    assert_eq!(
+        w.calls.load(Ordering::SeqCst),
+        20,
+        "every call went to the live server"
+    );
     assert_eq!(state_of_dead().state, EndpointState::Removed);
     live.shutdown().await;
 }
