@@ -27,8 +27,8 @@ trait Shard {
     /// Hash-routed by key; not retried, so each call shows where its key went.
     #[governance(shunt_strategy = "hash", retry_times = 0)]
     async fn get(&self, #[hash_key] key: u32) -> Result<String, RpcError>;
-    /// Round robin, idempotent: may be repeated elsewhere.
-    #[governance(idempotent)]
+    /// Round robin, idempotent: may be repeated elsewhere, after 150 ms on a silent server.
+    #[governance(idempotent, attempt_timeout_ms = 150)]
     async fn read(&self) -> Result<String, RpcError>;
     /// Not idempotent; reports entry and never answers.
     async fn hold(&self) -> Result<String, RpcError>;
@@ -358,8 +358,8 @@ async fn one_sick_shard_does_not_take_the_healthy_shards_keys_down() {
 }
 
 /// Item 2, round robin: one of three servers frozen (its handler never answers). It is
-/// ejected after a few timeouts, and idempotent calls with a per-attempt timeout succeed
-/// elsewhere within their budget: none of 600 fails.
+/// ejected after a few timeouts, and idempotent calls with a per-attempt timeout (from the
+/// method's `#[governance]` attribute) succeed elsewhere within their budget: none of 600 fails.
 #[tokio::test]
 async fn a_frozen_server_is_ejected_and_idempotent_calls_retry_elsewhere() {
     let cluster = Cluster::start(&["a", "b", "c"]).await;
@@ -369,7 +369,6 @@ async fn a_frozen_server_is_ejected_and_idempotent_calls_retry_elsewhere() {
             ShardClient::SERVICE_ID,
             GovernanceOverrides {
                 timeout_ms: Some(4000),
-                attempt_timeout_ms: Some(150),
                 retry_times: Some(2),
                 retry_interval_ms: Some(0),
                 ..GovernanceOverrides::NONE
