@@ -38,15 +38,14 @@ pub enum Fault {
 
 impl Fault {
     /// The fault `err` shows in the endpoint that returned it, if any: communication errors are
-    /// transport faults; timeouts, server errors (520) and framework errors (500) are sick
-    /// answers. Business, validation, auth, not-found, overflow and open-breaker errors say
-    /// nothing against the endpoint.
+    /// transport faults; timeouts and server errors (520: the handler failed or panicked) are
+    /// sick answers. Business, validation, auth, not-found, overflow (load, not sickness),
+    /// framework (a request the server refused, which any endpoint would refuse) and
+    /// open-breaker errors say nothing against the endpoint.
     pub fn of(err: &RpcError) -> Option<Fault> {
         match err.code() {
             StatusCode::CommunicationError => Some(Fault::Transport),
-            StatusCode::Timeout | StatusCode::ServerError | StatusCode::FrameworkError => {
-                Some(Fault::Sick)
-            }
+            StatusCode::Timeout | StatusCode::ServerError => Some(Fault::Sick),
             _ => None,
         }
     }

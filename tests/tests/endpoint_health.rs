@@ -13,13 +13,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{recv_one, within};
-use rpc::crates::client::status::{EndpointState, EndpointStatus};
 use rpc::crates::governance::breaker::BreakerState;
 use rpc::crates::governance::events::{EventKind, GovernanceEvent};
 use rpc::{
     answered_by, Client, GovernanceOptions, GovernanceOverrides, RpcError, Server, ServerHandle,
     StaticRegistry, StatusCode,
 };
+use rpc::{EndpointState, EndpointStatus};
 use tokio::sync::{broadcast, mpsc};
 
 #[rpc::service(name = "h.Shard")]

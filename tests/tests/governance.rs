@@ -273,7 +273,7 @@ async fn a_nested_call_inherits_what_is_left_of_the_callers_budget() {
 /// appear; the removed endpoint gets none of its traffic.
 #[tokio::test]
 async fn an_endpoint_failing_n_times_in_a_row_is_dropped_while_others_serve() {
-    use rpc::crates::client::status::EndpointState;
+    use rpc::EndpointState;
     use rpc::{Instance, Registry};
 
     const N: u32 = 3;
