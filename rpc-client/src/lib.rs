@@ -13,7 +13,7 @@
 //! OpenTelemetry metrics ([`ClientBuilder::meter`]).
 //!
 //! The client never writes to the registry: its view of an endpoint's health stays in this
-//! process and expires.
+//! process and expires; [`Client::endpoints`] shows it and [`Client::readmit`] overrides it.
 //!
 //! ```no_run
 //! use rpc_client::Client;
