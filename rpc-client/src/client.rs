@@ -1,8 +1,8 @@
 //! The client: entry pipelines, endpoint selection, remote execution under governance.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -25,6 +25,7 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use crate::endpoints::ServiceState;
+use crate::status::{EndpointStatus, FIRST_PROBE_INTERVAL, MAX_PROBE_INTERVAL};
 use crate::telemetry;
 
 /// Calls remote services. Cheap to clone; clones share connections, endpoint views, entry
@@ -42,6 +43,8 @@ struct Inner {
     services: DashMap<&'static str, Arc<ServiceState>, ahash::RandomState>,
     fallbacks: HashMap<&'static str, Arc<dyn Service>>,
     metrics: telemetry::Metrics,
+    /// Removed endpoints a background task is probing.
+    probing: Mutex<HashSet<String>>,
 }
 
 /// Builds a [`Client`].
@@ -231,6 +234,7 @@ impl ClientBuilder {
                 services: DashMap::with_hasher(ahash::RandomState::new()),
                 fallbacks: self.fallbacks,
                 metrics,
+                probing: Mutex::new(HashSet::new()),
             }
         });
         Client { inner }
@@ -384,14 +388,142 @@ impl Client {
         self.inner.governance.breakers()
     }
 
-    /// Opens `method`'s breaker until [`reset_breaker`](Self::reset_breaker).
+    /// Opens `method`'s breaker until [`reset_breaker`](Self::reset_breaker); emits an
+    /// `isolate` event.
     pub fn isolate(&self, method: &'static MethodDescriptor) {
-        self.inner.governance.policy(method).breaker().isolate();
+        self.inner.governance.isolate(method);
     }
 
-    /// Closes `method`'s breaker.
+    /// Closes `method`'s breaker and forgets its failures; emits a `reset` event.
     pub fn reset_breaker(&self, method: &'static MethodDescriptor) {
-        self.inner.governance.policy(method).breaker().reset();
+        self.inner.governance.reset_breaker(method);
+    }
+
+    /// Every endpoint of the services this client has called, by address, with its health as
+    /// this client sees it: healthy, unhealthy until a mark expires (after failures held
+    /// against it: transport errors at once; timeouts and server errors after
+    /// `exceptions_allowed_before_breaking` in a row), or removed (after
+    /// `unhealthy_times_allowed_before_removing` transport failures in a row; probed in the
+    /// background with a connect and handshake, every 250 ms doubling up to 30 s, and
+    /// re-admitted when one succeeds), with its failures in a row and the last one.
+    pub fn endpoints(&self) -> Vec<EndpointStatus> {
+        let mut by_addr: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for service in self.inner.services.iter() {
+            for instance in service.endpoints().iter() {
+                let services = by_addr.entry(instance.address.clone()).or_default();
+                if !services.iter().any(|s| s == service.key()) {
+                    services.push(service.key().to_string());
+                }
+            }
+        }
+        let health = self.inner.governance.health();
+        by_addr
+            .into_iter()
+            .map(|(address, services)| {
+                let view = health.view(&address);
+                EndpointStatus {
+                    address,
+                    services,
+                    state: view.state,
+                    consecutive_failures: view.consecutive_failures,
+                    last_failure: view.last_failure,
+                }
+            })
+            .collect()
+    }
+
+    /// Takes `addr` back at once, as an operator decision: clears its unhealthy mark or its
+    /// removal, as a success would, and emits a `readmission` event. Returns whether it had a
+    /// mark. (A removed endpoint is also re-admitted by itself once a background probe reaches
+    /// it; see [`endpoints`](Self::endpoints).)
+    pub fn readmit(&self, addr: &str) -> bool {
+        let had = self.inner.governance.health().readmit(addr);
+        if had {
+            self.readmission_event(addr, "re-admitted by an operator".into());
+        }
+        had
+    }
+
+    fn readmission_event(&self, addr: &str, cause: String) {
+        let services: Vec<String> = self
+            .inner
+            .services
+            .iter()
+            .filter(|s| s.endpoints().iter().any(|i| i.address == addr))
+            .map(|s| s.key().to_string())
+            .collect();
+        self.events().emit_parts(
+            EventKind::Readmission,
+            &Arc::from(services.join(",")),
+            Some(addr),
+            0,
+            Some(cause),
+        );
+    }
+
+    /// Probes a removed endpoint in the background until it answers a connect and handshake
+    /// (no user call is spent on it), then re-admits it: a static list recovers when a server
+    /// restarts on the same address. Pauses start at [`FIRST_PROBE_INTERVAL`] and double up to
+    /// [`MAX_PROBE_INTERVAL`]; the task ends when the endpoint is no longer removed (the
+    /// registry announced it again, or [`readmit`](Self::readmit)) or the client is dropped.
+    fn probe_in_background(&self, addr: &str) {
+        let fresh = self
+            .inner
+            .probing
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(addr.to_string());
+        if !fresh {
+            return;
+        }
+        let weak = Arc::downgrade(&self.inner);
+        let addr = addr.to_string();
+        tokio::spawn(async move {
+            let mut pause = FIRST_PROBE_INTERVAL;
+            loop {
+                tokio::time::sleep(pause).await;
+                let Some(inner) = weak.upgrade() else { return };
+                let client = Client { inner };
+                let health = client.inner.governance.health();
+                let done = if !health.is_removed(&addr) {
+                    true
+                } else {
+                    // The connection made by the probe joins the pool for the next call.
+                    match client.inner.pool.get(&addr).await {
+                        Ok(_) => {
+                            if health.readmit(&addr) {
+                                client.readmission_event(
+                                    &addr,
+                                    "a background probe connected and completed the handshake"
+                                        .into(),
+                                );
+                            }
+                            true
+                        }
+                        Err(e) => {
+                            tracing::debug!(
+                                target: "rpc::governance",
+                                endpoint = %addr,
+                                error = %e,
+                                next_probe_ms = (pause * 2).min(MAX_PROBE_INTERVAL).as_millis() as u64,
+                                "removed endpoint still unreachable"
+                            );
+                            false
+                        }
+                    }
+                };
+                if done {
+                    client
+                        .inner
+                        .probing
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .remove(&addr);
+                    return;
+                }
+                pause = (pause * 2).min(MAX_PROBE_INTERVAL);
+            }
+        });
     }
 
     /// The live endpoints of `service_id` as the registry announces them.
@@ -481,6 +613,7 @@ impl Client {
                 hash_key,
                 made: AtomicU32::new(0),
                 last_failed: Mutex::new(None),
+                connection: AtomicU64::new(0),
             };
             let result = match self.service(method.service_id).await {
                 Ok(service) => {
@@ -535,6 +668,8 @@ impl Client {
         .instrument(span)
     }
 
+    /// One attempt on `addr`; `connection` receives the id of the connection the call was sent
+    /// on, so that failures of calls that broke together count once.
     async fn call_once(
         &self,
         method: &'static MethodDescriptor,
@@ -542,6 +677,7 @@ impl Client {
         params: Bytes,
         timeout_ms: u32,
         deadline: Option<Instant>,
+        connection: &AtomicU64,
     ) -> Result<Bytes, RpcError> {
         let attachments = telemetry::outgoing_attachments();
         let message = |params: Bytes, attachments| Call {
@@ -552,6 +688,7 @@ impl Client {
             timeout_ms,
         };
         let conn = self.connection(addr, deadline).await?;
+        connection.store(conn.id(), Ordering::Relaxed);
         let answer = match conn
             .call(message(params.clone(), attachments.clone()), deadline)
             .await
@@ -559,10 +696,9 @@ impl Client {
             // The server was draining and closed before reading the call: the endpoint may
             // well be back (a restart), so the call goes once more on a fresh connection.
             Err(e) if conn.is_draining() && !e.is_maybe_delivered() => {
-                self.connection(addr, deadline)
-                    .await?
-                    .call(message(params, attachments), deadline)
-                    .await?
+                let fresh = self.connection(addr, deadline).await?;
+                connection.store(fresh.id(), Ordering::Relaxed);
+                fresh.call(message(params, attachments), deadline).await?
             }
             other => other?,
         };
@@ -611,6 +747,8 @@ struct ClientAttempts<'a> {
     /// The endpoint of the last failed attempt (written only on failure), for the fallback
     /// event.
     last_failed: Mutex<Option<String>>,
+    /// The connection the last attempt was sent on (0: it got none).
+    connection: AtomicU64,
 }
 
 impl ClientAttempts<'_> {
@@ -640,15 +778,17 @@ impl Attempts for &ClientAttempts<'_> {
         let attempt = self.made.fetch_add(1, Ordering::Relaxed);
         let span = telemetry::attempt_span(self.method, attempt, addr);
         let params = self.params.clone();
+        let conn = &self.connection;
+        conn.store(0, Ordering::Relaxed);
         let result = if span.is_disabled() {
             // No subscriber: skip the wrapper, which would move the whole attempt future once
             // more on every call.
             self.client
-                .call_once(self.method, addr, params, timeout_ms, deadline)
+                .call_once(self.method, addr, params, timeout_ms, deadline, conn)
                 .await
         } else {
             self.client
-                .call_once(self.method, addr, params, timeout_ms, deadline)
+                .call_once(self.method, addr, params, timeout_ms, deadline, conn)
                 .instrument(span.clone())
                 .await
         };
@@ -672,6 +812,24 @@ impl Attempts for &ClientAttempts<'_> {
             .endpoints()
             .iter()
             .any(|i| !tried.iter().any(|t| *t == i.address))
+    }
+
+    fn any_other(&self, addr: &str, usable: &dyn Fn(&str) -> bool) -> bool {
+        self.service()
+            .endpoints()
+            .iter()
+            .any(|i| i.address != addr && usable(&i.address))
+    }
+
+    fn failed_connection(&self) -> Option<u64> {
+        match self.connection.load(Ordering::Relaxed) {
+            0 => None,
+            id => Some(id),
+        }
+    }
+
+    fn removed(&self, addr: &str) {
+        self.client.probe_in_background(addr);
     }
 }
 

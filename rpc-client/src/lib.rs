@@ -13,7 +13,7 @@
 //! OpenTelemetry metrics ([`ClientBuilder::meter`]).
 //!
 //! The client never writes to the registry: its view of an endpoint's health stays in this
-//! process and expires.
+//! process and expires; [`Client::endpoints`] shows it and [`Client::readmit`] overrides it.
 //!
 //! ```no_run
 //! use rpc_client::Client;
@@ -31,7 +31,9 @@ mod answered_by;
 mod client;
 mod endpoints;
 pub mod shunt;
+pub mod status;
 mod telemetry;
 
 pub use answered_by::answered_by;
 pub use client::{Client, ClientBuilder};
+pub use status::{EndpointState, EndpointStatus};

@@ -50,6 +50,10 @@ pub struct GovernanceOptions {
     pub appoint_address: Option<String>,
     /// Deadline of the whole call, retries included, in milliseconds; 0 means none.
     pub timeout_ms: u64,
+    /// Deadline of each attempt, in milliseconds; 0 means none (an attempt may use what is left
+    /// of `timeout_ms`). An attempt that runs out of it counts against its endpoint and, for an
+    /// idempotent entry, is retried on another endpoint within the call's `timeout_ms`.
+    pub attempt_timeout_ms: u64,
     /// Attempts after the first one, on Overflow or an unreachable endpoint.
     pub retry_times: u32,
     /// Pause before each retry, in milliseconds.
@@ -96,6 +100,7 @@ impl Default for GovernanceOptions {
             shunt_strategy: ShuntStrategy::RoundRobin,
             appoint_address: None,
             timeout_ms: 5000,
+            attempt_timeout_ms: 0,
             retry_times: 3,
             retry_interval_ms: 50,
             enable_circuit_breaker: true,
@@ -126,6 +131,8 @@ pub struct GovernanceOverrides {
     pub appoint_address: Option<Cow<'static, str>>,
     /// See [`GovernanceOptions::timeout_ms`].
     pub timeout_ms: Option<u64>,
+    /// See [`GovernanceOptions::attempt_timeout_ms`].
+    pub attempt_timeout_ms: Option<u64>,
     /// See [`GovernanceOptions::retry_times`].
     pub retry_times: Option<u32>,
     /// See [`GovernanceOptions::retry_interval_ms`].
@@ -164,6 +171,7 @@ impl GovernanceOverrides {
         shunt_strategy: None,
         appoint_address: None,
         timeout_ms: None,
+        attempt_timeout_ms: None,
         retry_times: None,
         retry_interval_ms: None,
         enable_circuit_breaker: None,
@@ -191,6 +199,7 @@ impl GovernanceOverrides {
         set!(
             shunt_strategy,
             timeout_ms,
+            attempt_timeout_ms,
             retry_times,
             retry_interval_ms,
             enable_circuit_breaker,

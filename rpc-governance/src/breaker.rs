@@ -1,4 +1,13 @@
 //! Circuit breaker: stops calling an entry whose remote side keeps failing, then probes it.
+//!
+//! A half-open breaker must never wedge: every way a probe can end settles it. A success or an
+//! exempt answer ([`Outcome::Answered`]: business, validation, not found, auth, not
+//! implemented, which come from the callee's own logic and so prove the remote side is up)
+//! closes it; a counted failure (timeouts included) opens it again; an outcome that says
+//! nothing about the entry ([`Outcome::Ignored`]: a maybe-delivered failure held against one
+//! endpoint) frees the probe slot for the next call; and a probe whose future is dropped
+//! (caller cancellation, a panic) frees its slot at once through its [`Permit`]'s `Drop`. Only a
+//! probe that hangs forever waits for the `breaker_seconds` expiry.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -66,13 +75,6 @@ impl State {
         self.window.clear();
     }
 
-    /// Admission under the current generation.
-    fn permit(&self) -> Permit {
-        Permit {
-            generation: self.generation,
-        }
-    }
-
     /// Adds an outcome to the sampling window and returns the window's (calls, failures).
     fn sample(&mut self, failed: bool, now: Instant, window_secs: u64) -> (u32, u32) {
         let at = now.duration_since(self.epoch).as_secs();
@@ -100,11 +102,24 @@ impl State {
     }
 }
 
-/// Admission to call through a breaker; hand it back to [`CircuitBreaker::record`].
+/// Admission to call through a breaker; hand it back to [`CircuitBreaker::record`]. A probe's
+/// permit dropped without a recorded outcome (the call was cancelled, or panicked) frees its
+/// half-open slot at once.
 #[derive(Debug)]
-#[must_use = "record the outcome, or the half-open probe slot stays taken until it expires"]
-pub struct Permit {
+#[must_use = "record the outcome; a dropped probe permit only frees its slot"]
+pub struct Permit<'a> {
+    breaker: &'a CircuitBreaker,
     generation: u64,
+    /// Admitted as a half-open probe: its slot must be settled.
+    probe: bool,
+}
+
+impl Drop for Permit<'_> {
+    fn drop(&mut self) {
+        if self.probe {
+            self.breaker.release(self.generation);
+        }
+    }
 }
 
 /// What a call's outcome means to the breaker.
@@ -114,8 +129,12 @@ pub enum Outcome {
     Success,
     /// The remote side failed (transport, timeout, overflow, server error).
     Failure,
-    /// Says nothing about the remote side (business, validation, auth, not-found,
-    /// not-implemented): Silky's exemptions.
+    /// The callee's own logic answered with an error (business, validation, auth, not-found,
+    /// not-implemented: Silky's exemptions). Not counted while closed; as a probe's result it
+    /// proves the remote side is up and closes the breaker.
+    Answered,
+    /// Says nothing about the entry (a maybe-delivered failure held against one endpoint while
+    /// others remain): not counted; a probe's slot is freed for the next call.
     Ignored,
 }
 
@@ -124,7 +143,7 @@ impl Outcome {
     pub fn of<T>(result: &Result<T, RpcError>) -> Outcome {
         match result {
             Ok(_) => Outcome::Success,
-            Err(e) if e.code().is_breaker_exempt() => Outcome::Ignored,
+            Err(e) if e.code().is_breaker_exempt() => Outcome::Answered,
             Err(_) => Outcome::Failure,
         }
     }
@@ -137,7 +156,7 @@ pub enum Transition {
     Break,
     /// Open → half-open: a probe is admitted.
     HalfOpen,
-    /// Half-open → closed after a successful probe, or a manual reset.
+    /// Half-open → closed after a successful or answered probe, or a manual reset.
     Reset,
 }
 
@@ -147,9 +166,9 @@ pub enum Transition {
 /// `exceptions_allowed_before_breaking` counted failures in a row; failure-ratio mode opens once
 /// the last `sampling_window_seconds` hold at least `minimum_throughput` calls of which
 /// `failure_ratio_percent` % or more failed. Either way it stays open for
-/// `breaker_seconds`, then admits `half_open_probes` probe calls: a successful probe closes it,
-/// a failed one opens it again. A probe that never reports back frees its slot after
-/// `breaker_seconds`.
+/// `breaker_seconds`, then admits `half_open_probes` probe calls: a successful or answered probe
+/// closes it, a failed one opens it again, an ignored or cancelled one frees its slot. A probe
+/// that never reports back frees its slot after `breaker_seconds`.
 #[derive(Debug)]
 pub struct CircuitBreaker {
     state: Mutex<State>,
@@ -243,19 +262,19 @@ impl CircuitBreaker {
         &self,
         entry: &str,
         o: &GovernanceOptions,
-    ) -> Result<(Permit, Option<Transition>), RpcError> {
+    ) -> Result<(Permit<'_>, Option<Transition>), RpcError> {
         let generation = self.closed_gen.load(Ordering::Acquire);
         if generation != NOT_CLOSED {
-            return Ok((Permit { generation }, None));
+            return Ok((self.permit(generation, false), None));
         }
         let mut s = self.lock();
         if let Phase::Closed { .. } = s.phase {
-            return Ok((s.permit(), None));
+            return Ok((self.permit(s.generation, false), None));
         }
         let now = Instant::now();
         let probe_round_over = |since: Instant| now >= since + break_duration(o);
         match s.phase {
-            Phase::Closed { .. } => Ok((s.permit(), None)),
+            Phase::Closed { .. } => Ok((self.permit(s.generation, false), None)),
             Phase::Isolated => Err(RpcError::new(
                 StatusCode::CircuitOpen,
                 format!("{entry} is isolated by an operator; reset its breaker to call it"),
@@ -268,14 +287,14 @@ impl CircuitBreaker {
                     probes: 1,
                     since: now,
                 });
-                Ok((s.permit(), Some(Transition::HalfOpen)))
+                Ok((self.permit(s.generation, true), Some(Transition::HalfOpen)))
             }
             Phase::HalfOpen { probes, since } if probes < o.half_open_probes.max(1) => {
                 s.phase = Phase::HalfOpen {
                     probes: probes + 1,
                     since,
                 };
-                Ok((s.permit(), None))
+                Ok((self.permit(s.generation, true), None))
             }
             Phase::HalfOpen { since, .. } if probe_round_over(since) => {
                 // The probes never reported back: their slots are freed, a new round starts.
@@ -283,7 +302,7 @@ impl CircuitBreaker {
                     probes: 1,
                     since: now,
                 });
-                Ok((s.permit(), None))
+                Ok((self.permit(s.generation, true), None))
             }
             Phase::HalfOpen { since, .. } => Err(open_error(
                 entry,
@@ -293,10 +312,32 @@ impl CircuitBreaker {
         }
     }
 
+    fn permit(&self, generation: u64, probe: bool) -> Permit<'_> {
+        Permit {
+            breaker: self,
+            generation,
+            probe,
+        }
+    }
+
+    /// Frees the slot of a probe admitted under `generation` that ended without a verdict.
+    fn release(&self, generation: u64) {
+        let mut s = self.lock();
+        if s.generation != generation {
+            return;
+        }
+        if let Phase::HalfOpen { probes, since } = s.phase {
+            s.phase = Phase::HalfOpen {
+                probes: probes.saturating_sub(1),
+                since,
+            };
+        }
+    }
+
     /// Records the result of an admitted call; returns the transition it caused, if any.
     pub fn record<T>(
         &self,
-        permit: Permit,
+        permit: Permit<'_>,
         result: &Result<T, RpcError>,
         o: &GovernanceOptions,
     ) -> Option<Transition> {
@@ -306,12 +347,14 @@ impl CircuitBreaker {
     /// Records an outcome already classified; `cause` is quoted while the breaker is open.
     pub fn record_outcome(
         &self,
-        permit: Permit,
+        mut permit: Permit<'_>,
         outcome: Outcome,
         o: &GovernanceOptions,
         cause: Option<&RpcError>,
     ) -> Option<Transition> {
-        if outcome == Outcome::Ignored
+        // Settled here, whatever the outcome: the permit's drop has nothing left to free.
+        let probe = std::mem::replace(&mut permit.probe, false);
+        if (!probe && matches!(outcome, Outcome::Answered | Outcome::Ignored))
             || (outcome == Outcome::Success
                 && o.failure_ratio_percent == 0
                 && self.clean.load(Ordering::Acquire)
@@ -369,9 +412,16 @@ impl CircuitBreaker {
                     None
                 }
             }
-            (Phase::HalfOpen { .. }, Outcome::Success) => {
+            (Phase::HalfOpen { .. }, Outcome::Success | Outcome::Answered) => {
                 s.enter(Phase::Closed { failures: 0 });
                 Some(Transition::Reset)
+            }
+            (Phase::HalfOpen { probes, since }, Outcome::Ignored) => {
+                s.phase = Phase::HalfOpen {
+                    probes: probes.saturating_sub(1),
+                    since,
+                };
+                None
             }
             (Phase::HalfOpen { .. }, Outcome::Failure) => {
                 s.enter(Phase::Open {

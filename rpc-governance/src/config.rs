@@ -290,4 +290,18 @@ mod tests {
         assert_eq!(c.defaults.retry_times, Some(1));
         assert_eq!(c.entries["a.A.m"].idempotent, Some(true));
     }
+
+    #[test]
+    fn attempt_timeout_is_an_option_of_every_layer() {
+        let c = GovernanceConfig::from_toml(
+            "[defaults]\nattempt_timeout_ms = 250\n[entries.\"echo.Echo.echo\"]\nattempt_timeout_ms = 90\n",
+        )
+        .unwrap();
+        assert_eq!(c.defaults.attempt_timeout_ms, Some(250));
+        let layers = Layers {
+            file: c,
+            ..Default::default()
+        };
+        assert_eq!(layers.resolve(&M).attempt_timeout_ms, 90);
+    }
 }

@@ -16,8 +16,10 @@ pub enum EventKind {
     Break,
     /// An open breaker admitted a probe.
     HalfOpen,
-    /// A breaker closed again.
+    /// A breaker closed again (after a probe, or reset by an operator).
     Reset,
+    /// An operator isolated an entry: its breaker stays open until reset.
+    Isolate,
     /// A call ran out of its deadline.
     Timeout,
     /// A server refused a call at its concurrency cap.
@@ -31,6 +33,9 @@ pub enum EventKind {
     Reload,
     /// An endpoint was marked unhealthy, or dropped after repeated failures.
     Ejection,
+    /// A removed endpoint was taken back (a background probe reached it, or an operator
+    /// re-admitted it).
+    Readmission,
 }
 
 impl EventKind {
@@ -42,12 +47,14 @@ impl EventKind {
             EventKind::Break => "break",
             EventKind::HalfOpen => "half_open",
             EventKind::Reset => "reset",
+            EventKind::Isolate => "isolate",
             EventKind::Timeout => "timeout",
             EventKind::Overflow => "overflow",
             EventKind::Fallback => "fallback",
             EventKind::FallbackSkipped => "fallback_skipped",
             EventKind::Reload => "reload",
             EventKind::Ejection => "ejection",
+            EventKind::Readmission => "readmission",
         }
     }
 }

@@ -1,17 +1,98 @@
 //! Endpoint health as one client sees it: local, expiring marks that are never written to a
 //! registry.
+//!
+//! Failures that belong to one endpoint are held against that endpoint first, so that one sick
+//! server among healthy ones loses its share of the traffic (and, under hash routing, its keys
+//! move to the next server on the ring) while the others keep serving, instead of opening the
+//! entry's breaker for everyone. Two kinds count ([`Fault`]):
+//!
+//! - **transport** (unreachable, connection broken): the endpoint is marked unhealthy at once,
+//!   and removed after `unhealthy_times_allowed_before_removing` of them in a row. Calls that
+//!   fail together because one connection broke count once: a crash with k calls in flight is
+//!   one failure of the endpoint, not k.
+//! - **sick** (reached, but no answer before the attempt's deadline, or a server error): the
+//!   endpoint is marked unhealthy after `exceptions_allowed_before_breaking` of them in a row
+//!   (the entry breaker's threshold, applied per endpoint), and marked again at once by each
+//!   further one until a success.
+//!
+//! A mark lasts 1 s, 2 s, 4 s, ... (doubling per failure in a row, capped); when it expires the
+//! endpoint gets traffic again, which probes it. A removed endpoint gets no traffic while any
+//! other is left: the client probes it in the background (a connect and handshake) and
+//! re-admits it on success, or [`EndpointHealth::readmit`] does it by hand.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use dashmap::DashMap;
+use rpc_core::{GovernanceOptions, RpcError, StatusCode};
 use tokio::time::Instant;
 
-/// Local marks on endpoints that failed at the transport level.
+/// A failure that belongs to one endpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// The endpoint could not be reached, or the connection to it broke.
+    Transport,
+    /// The endpoint was reached but failed the call: no answer in time, or a server error.
+    Sick,
+}
+
+impl Fault {
+    /// The fault `err` shows in the endpoint that returned it, if any: communication errors are
+    /// transport faults; timeouts and server errors (520: the handler failed or panicked) are
+    /// sick answers. Business, validation, auth, not-found, overflow (load, not sickness),
+    /// framework (a request the server refused, which any endpoint would refuse) and
+    /// open-breaker errors say nothing against the endpoint.
+    pub fn of(err: &RpcError) -> Option<Fault> {
+        match err.code() {
+            StatusCode::CommunicationError => Some(Fault::Transport),
+            StatusCode::Timeout | StatusCode::ServerError => Some(Fault::Sick),
+            _ => None,
+        }
+    }
+}
+
+/// What [`EndpointHealth::record_failure`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Recorded {
+    /// Failures in a row so far.
+    pub consecutive: u32,
+    /// Whether this failure counted (one per broken connection).
+    pub counted: bool,
+    /// The endpoint is now marked unhealthy for this long.
+    pub ejected_for: Option<Duration>,
+    /// The endpoint was removed by this failure.
+    pub removed: bool,
+}
+
+/// How an endpoint stands, as [`EndpointHealth::view`] reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EndpointState {
+    /// Chosen like any other.
+    Healthy,
+    /// Avoided while another endpoint is usable, for `retry_in` more.
+    Unhealthy {
+        /// Time left on the mark.
+        retry_in: Duration,
+    },
+    /// Dropped after repeated transport failures: used only when nothing else is left, until
+    /// a background probe, the registry or [`EndpointHealth::readmit`] brings it back.
+    Removed,
+}
+
+/// One endpoint's health.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EndpointHealthView {
+    /// Its state.
+    pub state: EndpointState,
+    /// Failures in a row (0 after a success).
+    pub consecutive_failures: u32,
+    /// The last failure held against it, while it has failures in a row.
+    pub last_failure: Option<String>,
+}
+
+/// Local marks on endpoints that failed (see the module documentation).
 ///
-/// A failure makes the endpoint unhealthy for a time that doubles with each consecutive failure
-/// (1 s, 2 s, 4 s, ... up to `max_backoff`); a success clears the mark. Clients prefer healthy
-/// endpoints and use unhealthy ones only when nothing else is left.
+/// Clients prefer healthy endpoints and use unhealthy ones only when nothing else is left.
 #[derive(Debug)]
 pub struct EndpointHealth {
     marks: DashMap<String, Mark>,
@@ -21,11 +102,18 @@ pub struct EndpointHealth {
     max_backoff: Duration,
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Mark {
     until: Instant,
     consecutive: u32,
     removed: bool,
+    /// The connection whose breaking was last counted.
+    connection: Option<u64>,
+    reason: String,
+}
+
+fn backoff(n: u32, max: Duration) -> Duration {
+    Duration::from_secs(1u64 << n.min(16)).min(max)
 }
 
 impl EndpointHealth {
@@ -38,11 +126,32 @@ impl EndpointHealth {
         }
     }
 
-    /// Records a transport failure of `addr`; returns how many failed in a row. After
-    /// `remove_after` failures in a row (0: never) the endpoint is removed: it is chosen only
-    /// when nothing else is left, until [`restore`](Self::restore) (the registry announced it
-    /// again) or a success.
+    /// Records a transport failure of `addr` with no connection to tell apart; returns how many
+    /// failed in a row. After `remove_after` failures in a row (0: never) the endpoint is
+    /// removed: it is chosen only when nothing else is left, until [`restore`](Self::restore)
+    /// (the registry announced it again), [`readmit`](Self::readmit) or a success.
     pub fn failure(&self, addr: &str, remove_after: u32) -> u32 {
+        let o = GovernanceOptions {
+            unhealthy_times_allowed_before_removing: remove_after,
+            ..GovernanceOptions::default()
+        };
+        self.record_failure(addr, Fault::Transport, None, "transport failure", &o)
+            .consecutive
+    }
+
+    /// Records a failure of `addr` (see the module documentation). `connection` identifies
+    /// the connection a transport failure happened on: further failures on the same one do
+    /// not count again. The thresholds are `o.exceptions_allowed_before_breaking` (sick
+    /// answers before a mark) and `o.unhealthy_times_allowed_before_removing` (transport
+    /// failures before removal, 0 = never).
+    pub fn record_failure(
+        &self,
+        addr: &str,
+        fault: Fault,
+        connection: Option<u64>,
+        reason: &str,
+        o: &GovernanceOptions,
+    ) -> Recorded {
         let now = Instant::now();
         let mut mark = self.marks.entry(addr.to_string()).or_insert_with(|| {
             self.marked.fetch_add(1, Ordering::Release);
@@ -50,29 +159,72 @@ impl EndpointHealth {
                 until: now,
                 consecutive: 0,
                 removed: false,
+                connection: None,
+                reason: String::new(),
             }
         });
-        mark.consecutive += 1;
-        if remove_after > 0 && mark.consecutive >= remove_after {
-            mark.removed = true;
+        if fault == Fault::Transport && connection.is_some() && mark.connection == connection {
+            return Recorded {
+                consecutive: mark.consecutive,
+                counted: false,
+                ejected_for: None,
+                removed: false,
+            };
         }
-        let backoff =
-            Duration::from_secs(1u64 << (mark.consecutive - 1).min(16)).min(self.max_backoff);
-        mark.until = now + backoff;
-        tracing::debug!(
-            target: "rpc::governance",
-            endpoint = addr,
-            consecutive = mark.consecutive,
-            backoff_ms = backoff.as_millis() as u64,
-            "endpoint marked unhealthy"
-        );
-        mark.consecutive
+        if connection.is_some() {
+            mark.connection = connection;
+        }
+        mark.consecutive += 1;
+        mark.reason = reason.to_string();
+        let n = mark.consecutive;
+        let mut removed = false;
+        let ejected_for = match fault {
+            Fault::Transport => {
+                let remove_after = o.unhealthy_times_allowed_before_removing;
+                if remove_after > 0 && n >= remove_after && !mark.removed {
+                    mark.removed = true;
+                    removed = true;
+                }
+                Some(backoff(n - 1, self.max_backoff))
+            }
+            Fault::Sick => {
+                let eject_after = o.exceptions_allowed_before_breaking.max(1);
+                (n >= eject_after).then(|| backoff(n - eject_after, self.max_backoff))
+            }
+        };
+        if let Some(b) = ejected_for {
+            mark.until = now + b;
+            tracing::debug!(
+                target: "rpc::governance",
+                endpoint = addr,
+                consecutive = n,
+                backoff_ms = b.as_millis() as u64,
+                "endpoint marked unhealthy"
+            );
+        }
+        Recorded {
+            consecutive: n,
+            counted: true,
+            ejected_for,
+            removed,
+        }
     }
 
     /// Records a success of `addr`: its mark is cleared.
     pub fn success(&self, addr: &str) {
         if !self.is_clear() && self.marks.remove(addr).is_some() {
             self.marked.fetch_sub(1, Ordering::Release);
+        }
+    }
+
+    /// Clears every mark on `addr`, removal included (an operator, or a successful background
+    /// probe, says it is back). Returns whether it had one.
+    pub fn readmit(&self, addr: &str) -> bool {
+        if self.marks.remove(addr).is_some() {
+            self.marked.fetch_sub(1, Ordering::Release);
+            true
+        } else {
+            false
         }
     }
 
@@ -84,6 +236,17 @@ impl EndpointHealth {
     /// Whether `addr` was removed after repeated failures.
     pub fn is_removed(&self, addr: &str) -> bool {
         !self.is_clear() && self.marks.get(addr).is_some_and(|m| m.removed)
+    }
+
+    /// Whether `addr` is neither removed nor marked unhealthy.
+    pub fn is_usable(&self, addr: &str) -> bool {
+        if self.is_clear() {
+            return true;
+        }
+        match self.marks.get(addr) {
+            None => true,
+            Some(m) => !m.removed && Instant::now() >= m.until,
+        }
     }
 
     /// The registry announced `addr` again: it is no longer removed (its backoff mark stays).
@@ -102,6 +265,32 @@ impl EndpointHealth {
         match self.marks.get(addr) {
             None => true,
             Some(m) => Instant::now() >= m.until,
+        }
+    }
+
+    /// How `addr` stands now.
+    pub fn view(&self, addr: &str) -> EndpointHealthView {
+        let Some(m) = self.marks.get(addr) else {
+            return EndpointHealthView {
+                state: EndpointState::Healthy,
+                consecutive_failures: 0,
+                last_failure: None,
+            };
+        };
+        let now = Instant::now();
+        let state = if m.removed {
+            EndpointState::Removed
+        } else if now < m.until {
+            EndpointState::Unhealthy {
+                retry_in: m.until - now,
+            }
+        } else {
+            EndpointState::Healthy
+        };
+        EndpointHealthView {
+            state,
+            consecutive_failures: m.consecutive,
+            last_failure: (m.consecutive > 0).then(|| m.reason.clone()),
         }
     }
 }
@@ -145,5 +334,67 @@ mod tests {
         assert!(h.is_removed("a"), "removal does not expire by itself");
         h.restore("a");
         assert!(!h.is_removed("a"));
+    }
+
+    fn sick_opts() -> GovernanceOptions {
+        GovernanceOptions {
+            exceptions_allowed_before_breaking: 3,
+            unhealthy_times_allowed_before_removing: 3,
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn sick_answers_eject_after_the_threshold_then_each_one_again() {
+        let (h, o) = (EndpointHealth::new(Duration::from_secs(60)), sick_opts());
+        for n in 1..3 {
+            let r = h.record_failure("a", Fault::Sick, None, "timeout", &o);
+            assert_eq!((r.consecutive, r.ejected_for), (n, None));
+            assert!(h.is_usable("a"), "not after {n}");
+        }
+        let r = h.record_failure("a", Fault::Sick, None, "timeout", &o);
+        assert_eq!(r.ejected_for, Some(Duration::from_secs(1)));
+        assert!(!h.is_usable("a"));
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert!(h.is_usable("a"), "the mark expires: traffic probes it");
+        let r = h.record_failure("a", Fault::Sick, None, "timeout", &o);
+        assert_eq!(
+            r.ejected_for,
+            Some(Duration::from_secs(2)),
+            "at once, doubled"
+        );
+        assert!(
+            !r.removed && !h.is_removed("a"),
+            "sick answers never remove"
+        );
+        let v = h.view("a");
+        assert_eq!(v.consecutive_failures, 4);
+        assert_eq!(v.last_failure.as_deref(), Some("timeout"));
+        assert!(matches!(v.state, EndpointState::Unhealthy { .. }));
+        h.success("a");
+        assert_eq!(h.view("a").state, EndpointState::Healthy);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn calls_failing_on_one_broken_connection_count_once() {
+        let (h, o) = (EndpointHealth::new(Duration::from_secs(60)), sick_opts());
+        // Three calls in flight on connection 7 fail together.
+        let counted: Vec<bool> = (0..3)
+            .map(|_| {
+                h.record_failure("a", Fault::Transport, Some(7), "closed", &o)
+                    .counted
+            })
+            .collect();
+        assert_eq!(counted, [true, false, false]);
+        assert_eq!(h.view("a").consecutive_failures, 1);
+        assert!(!h.is_removed("a"));
+        // Connecting again fails twice more: now three in a row.
+        h.record_failure("a", Fault::Transport, None, "refused", &o);
+        let r = h.record_failure("a", Fault::Transport, None, "refused", &o);
+        assert!(r.removed && h.is_removed("a"));
+        assert_eq!(h.view("a").state, EndpointState::Removed);
+        assert!(h.readmit("a"));
+        assert_eq!(h.view("a").state, EndpointState::Healthy);
+        assert!(h.is_clear());
     }
 }

@@ -2,7 +2,17 @@
 //! circuit breaker → timeout → retry (with failover and a budget) → attempt.
 //!
 //! The fallback layer sits outside, in the client, because it holds the call's arguments.
-
+//!
+//! The engine enforces the call's deadline itself, over every attempt and pause: an attempt
+//! still running at the deadline (or at its own `attempt_timeout_ms`) is dropped, whatever the
+//! attempt does with the deadline it was given.
+//!
+//! Failures that belong to one endpoint (see [`Fault`]) are held against that endpoint first
+//! ([`EndpointHealth`]): while another endpoint of the service is usable, such a failure does
+//! not count toward the entry's breaker, so one sick server loses its own traffic (and its
+//! keys under hash routing) instead of taking the whole entry down. Once no other endpoint is
+//! usable (or there is only one), the same failures count for the entry exactly as before:
+//! the breaker opens when the entry as a whole fails.
 use std::future::Future;
 use std::sync::{Arc, RwLock};
 
@@ -19,8 +29,8 @@ use crate::budget::RetryBudget;
 use crate::config::Layers;
 use crate::events::{EventBus, EventKind};
 use crate::failover;
-use crate::health::EndpointHealth;
-use crate::retry::Decision;
+use crate::health::{EndpointHealth, Fault};
+use crate::retry::{self, Decision};
 use crate::timeout;
 
 /// What an attempt needs to know.
@@ -55,6 +65,36 @@ pub trait Attempts: Sync {
 
     /// Whether some endpoint has not been tried yet.
     fn untried_left(&self, tried: &[String]) -> bool;
+
+    /// Whether an endpoint of the service other than `addr` passes `usable`. Failures held
+    /// against `addr` do not count toward the entry's breaker while one does. The default,
+    /// `false`, counts every failure for the entry.
+    fn any_other(&self, addr: &str, usable: &dyn Fn(&str) -> bool) -> bool {
+        let _ = (addr, usable);
+        false
+    }
+
+    /// The id of the connection the last failed attempt ran on, when it had one: calls that
+    /// fail together because one connection broke count once against its endpoint.
+    fn failed_connection(&self) -> Option<u64> {
+        None
+    }
+
+    /// `addr` was just removed after repeated transport failures: the caller may start
+    /// probing it in the background (the engine performs no I/O).
+    fn removed(&self, addr: &str) {
+        let _ = addr;
+    }
+}
+
+/// How a call's attempts ended, beyond their result.
+#[derive(Debug, Default)]
+struct Ending {
+    /// The final failure was held against its endpoint while others remain usable.
+    endpoint_held: bool,
+    /// The final failure was an attempt running out of `attempt_timeout_ms`, not the call's
+    /// deadline.
+    attempt_timeout: bool,
 }
 
 /// The cached part of one entry's pipeline: its options and runtime state.
@@ -218,6 +258,34 @@ impl Governance {
             .collect()
     }
 
+    /// Opens `method`'s breaker until [`reset_breaker`](Self::reset_breaker), as an operator
+    /// decision: emits an [`EventKind::Isolate`] event.
+    pub fn isolate(&self, method: &'static MethodDescriptor) {
+        let policy = self.policy(method);
+        policy.breaker.isolate();
+        self.events.emit_parts(
+            EventKind::Isolate,
+            &policy.entry,
+            None,
+            0,
+            Some("isolated by an operator".into()),
+        );
+    }
+
+    /// Closes `method`'s breaker and forgets its failures, as an operator decision: emits an
+    /// [`EventKind::Reset`] event.
+    pub fn reset_breaker(&self, method: &'static MethodDescriptor) {
+        let policy = self.policy(method);
+        policy.breaker.reset();
+        self.events.emit_parts(
+            EventKind::Reset,
+            &policy.entry,
+            None,
+            0,
+            Some("reset by an operator".into()),
+        );
+    }
+
     fn breaker_event(&self, policy: &EntryPolicy, t: Transition, cause: Option<&RpcError>) {
         let kind = match t {
             Transition::Break => EventKind::Break,
@@ -248,26 +316,21 @@ impl Governance {
         let started = Instant::now();
         let deadline = timeout::deadline_from(started, &options);
         policy.budget.deposit_at(started);
-        let mut endpoint_only = false;
+        let mut ending = Ending::default();
         let result = self
-            .retry_loop(
-                policy,
-                &options,
-                started,
-                deadline,
-                attempts,
-                &mut endpoint_only,
-            )
+            .retry_loop(policy, &options, started, deadline, attempts, &mut ending)
             .await
             .map_err(|e| match (e.code(), deadline) {
                 // A callee's typed error carrying a timeout of its own keeps its value.
-                (StatusCode::Timeout, Some(d)) if e.payload().is_none() => {
+                (StatusCode::Timeout, Some(d))
+                    if e.payload().is_none() && !ending.attempt_timeout =>
+                {
                     timeout::timeout_error_for(&policy.entry, started, d, &options)
                 }
                 _ => e,
             });
         if let Err(e) = &result {
-            if e.code() == StatusCode::Timeout {
+            if e.code() == StatusCode::Timeout && !ending.attempt_timeout {
                 self.events.emit_parts(
                     EventKind::Timeout,
                     &policy.entry,
@@ -278,11 +341,11 @@ impl Governance {
             }
         }
         if let Some(permit) = permit {
-            // A call that may have reached an endpoint which then failed, and was not repeated
-            // elsewhere only because the entry is not idempotent, says something about that
-            // endpoint (endpoint health ejects it), not about the service: the entry's breaker
-            // does not count it, or one crashed server would open it with others alive.
-            let outcome = if endpoint_only {
+            // A failure held against its endpoint while other endpoints remain usable says
+            // something about that endpoint (endpoint health ejects it), not about the service:
+            // the entry's breaker does not count it, or one sick server would open it with
+            // others alive. A probe ending so frees its slot for the next call.
+            let outcome = if ending.endpoint_held && result.is_err() {
                 Outcome::Ignored
             } else {
                 Outcome::of(&result)
@@ -305,7 +368,7 @@ impl Governance {
         started: Instant,
         deadline: Option<Instant>,
         attempts: A,
-        endpoint_only: &mut bool,
+        ending: &mut Ending,
     ) -> Result<Bytes, RpcError> {
         let mut tried: Vec<String> = Vec::new();
         let mut attempt = 0u32;
@@ -317,42 +380,82 @@ impl Governance {
                 options,
             };
             let addr = attempts.select(&ctx)?;
-            let budget_ms = if attempt == 0 {
-                timeout::remaining_ms_at(started, deadline)
+            let now = if attempt == 0 {
+                started
             } else {
-                if deadline.is_some_and(|d| Instant::now() >= d) {
+                let now = Instant::now();
+                if deadline.is_some_and(|d| now >= d) {
                     return Err(RpcError::new(StatusCode::Timeout, "deadline passed"));
                 }
-                timeout::remaining_ms(deadline)
+                now
             };
-            let err = match attempts.call(&addr, budget_ms, deadline).await {
+            // The attempt's own deadline, when `attempt_timeout_ms` ends it before the call's.
+            let own = (options.attempt_timeout_ms > 0)
+                .then(|| now + std::time::Duration::from_millis(options.attempt_timeout_ms))
+                .filter(|a| deadline.is_none_or(|d| *a < d));
+            let attempt_deadline = own.or(deadline);
+            let budget_ms = timeout::remaining_ms_at(now, attempt_deadline);
+            let call = attempts.call(&addr, budget_ms, attempt_deadline);
+            // Enforced here too, so no attempt outlives its deadline whatever it does with it.
+            let outcome = match attempt_deadline {
+                None => call.await,
+                Some(d) => tokio::time::timeout_at(d, call).await.unwrap_or_else(|_| {
+                    Err(RpcError::new(
+                        StatusCode::Timeout,
+                        format!("{addr}: no answer before the deadline"),
+                    ))
+                }),
+            };
+            let mut err = match outcome {
                 Ok(bytes) => {
                     self.health.success(&addr);
                     return Ok(bytes);
                 }
                 Err(e) => e,
             };
-            if err.code() == StatusCode::CommunicationError {
-                let n = self
-                    .health
-                    .failure(&addr, options.unhealthy_times_allowed_before_removing);
+            let attempt_timed_out = own.is_some() && err.code() == StatusCode::Timeout;
+            if attempt_timed_out {
+                err = RpcError::new(
+                    StatusCode::Timeout,
+                    format!(
+                        "{addr}: no answer within the attempt timeout of {} ms \
+                         (attempt_timeout_ms); the server was told to stop",
+                        options.attempt_timeout_ms
+                    ),
+                )
+                .maybe_delivered(true);
                 self.events.emit_parts(
-                    EventKind::Ejection,
+                    EventKind::Timeout,
                     &policy.entry,
                     Some(&addr),
                     attempt,
-                    Some(format!("{err} ({n} in a row)")),
+                    Some(err.to_string()),
                 );
+            }
+            let fault = Fault::of(&err);
+            if let Some(fault) = fault {
+                self.hold_against(policy, options, &addr, fault, &err, attempt, &attempts);
+            } else if err.code().is_breaker_exempt() {
+                // The callee's own logic answered: the endpoint is up.
+                self.health.success(&addr);
             }
             tried.push(addr);
             let untried_left = attempts.untried_left(&tried);
-            let decision = failover::decide(&err, attempt, options, deadline, untried_left);
+            let decision = if attempt_timed_out {
+                retry::decide_after_attempt_timeout(attempt, options, deadline)
+            } else {
+                failover::decide(&err, attempt, options, deadline, untried_left)
+            };
             let after = match decision {
                 Decision::Retry { after } => after,
                 Decision::GiveUp => {
-                    *endpoint_only = err.code() == StatusCode::CommunicationError
-                        && err.is_maybe_delivered()
-                        && untried_left;
+                    let last = tried.last().map(String::as_str).unwrap_or_default();
+                    ending.endpoint_held = (fault.is_some()
+                        && attempts.any_other(last, &|e| self.health.is_usable(e)))
+                        || (err.code() == StatusCode::CommunicationError
+                            && err.is_maybe_delivered()
+                            && untried_left);
+                    ending.attempt_timeout = attempt_timed_out;
                     return Err(failover::final_error(err, tried));
                 }
             };
@@ -374,6 +477,10 @@ impl Governance {
                 );
                 let spent =
                     RpcError::new(err.code(), msg).maybe_delivered(err.is_maybe_delivered());
+                let last = tried.last().map(String::as_str).unwrap_or_default();
+                ending.endpoint_held =
+                    fault.is_some() && attempts.any_other(last, &|e| self.health.is_usable(e));
+                ending.attempt_timeout = attempt_timed_out;
                 return Err(failover::final_error(spent, tried));
             }
             self.events.emit_parts(
@@ -389,6 +496,44 @@ impl Governance {
             }
         }
     }
+
+    /// Holds a failure against `addr` in endpoint health; an ejection (or removal) is an event.
+    #[allow(clippy::too_many_arguments)]
+    fn hold_against<A: Attempts>(
+        &self,
+        policy: &EntryPolicy,
+        options: &GovernanceOptions,
+        addr: &str,
+        fault: Fault,
+        err: &RpcError,
+        attempt: u32,
+        attempts: &A,
+    ) {
+        let connection = match fault {
+            Fault::Transport => attempts.failed_connection(),
+            Fault::Sick => None,
+        };
+        let cause = err.to_string();
+        let r = self
+            .health
+            .record_failure(addr, fault, connection, &cause, options);
+        let Some(for_) = r.ejected_for else { return };
+        let what = if r.removed {
+            "removed; probed in the background until it answers".to_string()
+        } else {
+            format!("avoided for {} ms", for_.as_millis())
+        };
+        self.events.emit_parts(
+            EventKind::Ejection,
+            &policy.entry,
+            Some(addr),
+            attempt,
+            Some(format!("{cause} ({} in a row; {what})", r.consecutive)),
+        );
+        if r.removed {
+            attempts.removed(addr);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -397,8 +542,10 @@ mod tests {
     use std::time::Duration;
 
     use rpc_core::GovernanceOverrides;
+    use tokio::sync::broadcast;
 
     use super::*;
+    use crate::events::GovernanceEvent;
 
     /// Scripted attempts: each takes `delay`, then returns the next scripted result (the last
     /// one repeats). Records when each attempt started and on which endpoint.
@@ -406,6 +553,9 @@ mod tests {
         endpoints: Vec<String>,
         results: Vec<Result<Bytes, RpcError>>,
         delay: Duration,
+        /// Whether an attempt stops at the deadline it is given (the transport does); when
+        /// false it runs its whole `delay` regardless, and only the engine can stop it.
+        honours_deadline: bool,
         log: Mutex<Vec<(Duration, String)>>,
         start: Instant,
     }
@@ -416,6 +566,7 @@ mod tests {
                 endpoints: vec!["a:1".into(), "b:1".into(), "c:1".into()],
                 results,
                 delay,
+                honours_deadline: true,
                 log: Mutex::new(Vec::new()),
                 start: Instant::now(),
             }
@@ -445,7 +596,7 @@ mod tests {
                 tokio::time::sleep(self.delay).await;
                 self.results[n.min(self.results.len() - 1)].clone()
             };
-            match deadline {
+            match deadline.filter(|_| self.honours_deadline) {
                 Some(d) => tokio::time::timeout_at(d, work)
                     .await
                     .unwrap_or_else(|_| Err(RpcError::new(StatusCode::Timeout, "late"))),
@@ -454,6 +605,9 @@ mod tests {
         }
         fn untried_left(&self, tried: &[String]) -> bool {
             self.endpoints.iter().any(|e| !tried.contains(e))
+        }
+        fn any_other(&self, addr: &str, usable: &dyn Fn(&str) -> bool) -> bool {
+            self.endpoints.iter().any(|e| e != addr && usable(e))
         }
     }
 
@@ -512,7 +666,10 @@ mod tests {
             timeout_ms: 200,
             ..Default::default()
         });
-        let s = Script::new(vec![overflow()], Duration::from_millis(70));
+        // Attempts ignore the deadline they are given: the engine alone must stop the call at
+        // 200 ms, in the middle of the third 70 ms attempt.
+        let mut s = Script::new(vec![overflow()], Duration::from_millis(70));
+        s.honours_deadline = false;
         let t0 = Instant::now();
         let err = g.execute(&g.policy(&M), &s).await.unwrap_err();
         assert_eq!(err.code(), StatusCode::Timeout);
@@ -660,7 +817,7 @@ mod tests {
         let mut events = g.events().subscribe();
         let p = g.policy(&M);
         for _ in 0..2 {
-            let s = Script::new(vec![server_error()], Duration::ZERO);
+            let s = single(vec![server_error()], Duration::ZERO);
             let _ = g.execute(&p, &s).await;
         }
         assert!(matches!(p.breaker().state(), BreakerState::Open { .. }));
@@ -711,5 +868,335 @@ mod tests {
         }
         assert_eq!(s.starts().len(), 5, "never retried");
         assert_eq!(p.breaker().state(), BreakerState::Closed { failures: 0 });
+    }
+
+    fn single(results: Vec<Result<Bytes, RpcError>>, delay: Duration) -> Script {
+        let mut s = Script::new(results, delay);
+        s.endpoints.truncate(1);
+        s
+    }
+
+    /// An engine whose breaker for `M` is open after counted failures on the only endpoint, and
+    /// whose `breaker_seconds` (10 s) have just passed: the next call is the half-open probe.
+    async fn probing() -> (
+        Governance,
+        Arc<EntryPolicy>,
+        broadcast::Receiver<GovernanceEvent>,
+    ) {
+        let g = engine(GovernanceOptions {
+            retry_times: 0,
+            timeout_ms: 1000,
+            exceptions_allowed_before_breaking: 2,
+            breaker_seconds: 10,
+            half_open_probes: 1,
+            ..Default::default()
+        });
+        let p = g.policy(&M);
+        for _ in 0..2 {
+            let _ = g
+                .execute(&p, &single(vec![server_error()], Duration::ZERO))
+                .await;
+        }
+        assert!(matches!(p.breaker().state(), BreakerState::Open { .. }));
+        tokio::time::advance(Duration::from_secs(10)).await;
+        let events = g.events().subscribe();
+        (g, p, events)
+    }
+
+    fn kinds(rx: &mut broadcast::Receiver<GovernanceEvent>) -> Vec<EventKind> {
+        std::iter::from_fn(|| rx.try_recv().ok())
+            .map(|e| e.kind)
+            .collect()
+    }
+
+    /// The call after a probe is admitted at once (not 522) and reaches the endpoint.
+    async fn next_call_goes_through(g: &Governance, p: &EntryPolicy) {
+        let s = single(vec![ok()], Duration::ZERO);
+        assert_eq!(g.execute(p, &s).await.unwrap(), Bytes::from_static(b"ok"));
+        assert_eq!(s.starts().len(), 1);
+        assert_eq!(p.breaker().state(), BreakerState::Closed { failures: 0 });
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_probe_answered_with_an_exempt_error_closes_the_breaker() {
+        for answer in [
+            RpcError::business("no such item"),
+            RpcError::validation("bad name"),
+            RpcError::new(StatusCode::NotFindServiceEntry, "no such entry"),
+            RpcError::new(StatusCode::RpcUnAuthentication, "bad token"),
+            RpcError::new(StatusCode::NotImplemented, "later"),
+        ] {
+            let (g, p, mut events) = probing().await;
+            let s = single(vec![Err(answer.clone())], Duration::ZERO);
+            let err = g.execute(&p, &s).await.unwrap_err();
+            assert_eq!(
+                err.code(),
+                answer.code(),
+                "the callee's answer reaches the caller"
+            );
+            assert_eq!(
+                p.breaker().state(),
+                BreakerState::Closed { failures: 0 },
+                "{answer}: the remote side answered, so it is up"
+            );
+            assert_eq!(kinds(&mut events), [EventKind::HalfOpen, EventKind::Reset]);
+            next_call_goes_through(&g, &p).await;
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_cancelled_probe_frees_its_slot_at_once() {
+        let (g, p, _events) = probing().await;
+        let slow = single(vec![ok()], Duration::from_secs(5));
+        // The caller drops the probe after 100 ms, long before breaker_seconds.
+        let r = tokio::time::timeout(Duration::from_millis(100), g.execute(&p, &slow)).await;
+        assert!(r.is_err(), "the caller gave up");
+        assert_eq!(p.breaker().state(), BreakerState::HalfOpen { probes: 0 });
+        next_call_goes_through(&g, &p).await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_panicking_probe_frees_its_slot_at_once() {
+        struct Panics;
+        impl Attempts for &Panics {
+            fn select(&self, _: &AttemptCtx<'_>) -> Result<String, RpcError> {
+                Ok("a:1".into())
+            }
+            async fn call(&self, _: &str, _: u32, _: Option<Instant>) -> Result<Bytes, RpcError> {
+                panic!("attempt panicked")
+            }
+            fn untried_left(&self, _: &[String]) -> bool {
+                false
+            }
+        }
+        let (g, p, _events) = probing().await;
+        let g = Arc::new(g);
+        let task = tokio::spawn({
+            let (g, p) = (g.clone(), p.clone());
+            async move { g.execute(&p, &Panics).await }
+        });
+        assert!(task.await.unwrap_err().is_panic());
+        assert_eq!(p.breaker().state(), BreakerState::HalfOpen { probes: 0 });
+        next_call_goes_through(&g, &p).await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_probe_that_times_out_counts_as_a_failure() {
+        let (g, p, mut events) = probing().await;
+        let hung = single(vec![ok()], Duration::from_secs(60));
+        let err = g.execute(&p, &hung).await.unwrap_err();
+        assert_eq!(err.code(), StatusCode::Timeout);
+        assert!(matches!(p.breaker().state(), BreakerState::Open { .. }));
+        let k = kinds(&mut events);
+        assert!(
+            k.ends_with(&[EventKind::Timeout, EventKind::Break]),
+            "{k:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_probe_failing_maybe_delivered_on_one_endpoint_frees_its_slot() {
+        let (g, p, _events) = probing().await;
+        // Three endpoints: not idempotent, so not repeated; held against a:1 alone.
+        let s = Script::new(vec![died_mid_call()], Duration::ZERO);
+        let err = g.execute(&p, &s).await.unwrap_err();
+        assert!(err.is_maybe_delivered(), "{err}");
+        assert_eq!(p.breaker().state(), BreakerState::HalfOpen { probes: 0 });
+        next_call_goes_through(&g, &p).await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn isolate_and_reset_are_events() {
+        let g = engine(GovernanceOptions::default());
+        let mut events = g.events().subscribe();
+        g.isolate(&M);
+        let s = single(vec![ok()], Duration::ZERO);
+        let err = g.execute(&g.policy(&M), &s).await.unwrap_err();
+        assert_eq!(err.code(), StatusCode::CircuitOpen);
+        g.reset_breaker(&M);
+        g.execute(&g.policy(&M), &s).await.unwrap();
+        let got: Vec<(EventKind, String)> = std::iter::from_fn(|| events.try_recv().ok())
+            .map(|e| (e.kind, e.cause.unwrap_or_default()))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (EventKind::Isolate, "isolated by an operator".to_string()),
+                (EventKind::Reset, "reset by an operator".to_string()),
+            ]
+        );
+    }
+
+    /// Two shards: each call has an owner (as a hash key would), and goes to the owner unless
+    /// endpoint health says it is not usable. `sick` answers with `sick_answer`.
+    struct Shards<'a> {
+        g: &'a Governance,
+        owner: &'static str,
+        sick: &'static str,
+        sick_answer: Result<Bytes, RpcError>,
+        answered: Mutex<Vec<String>>,
+    }
+
+    const SHARDS: [&str; 2] = ["a:1", "b:1"];
+
+    impl Attempts for &Shards<'_> {
+        fn select(&self, ctx: &AttemptCtx<'_>) -> Result<String, RpcError> {
+            let other = SHARDS.iter().find(|e| **e != self.owner).unwrap();
+            let usable =
+                self.g.health().is_usable(self.owner) && !ctx.tried.iter().any(|t| t == self.owner);
+            Ok(if usable { self.owner } else { other }.to_string())
+        }
+        async fn call(&self, addr: &str, _: u32, d: Option<Instant>) -> Result<Bytes, RpcError> {
+            self.answered.lock().unwrap().push(addr.to_string());
+            if addr == self.sick {
+                let answer = self.sick_answer.clone();
+                if answer
+                    .as_ref()
+                    .is_err_and(|e| e.code() == StatusCode::Timeout)
+                {
+                    tokio::time::sleep_until(d.unwrap()).await;
+                }
+                answer
+            } else {
+                ok()
+            }
+        }
+        fn untried_left(&self, tried: &[String]) -> bool {
+            SHARDS.iter().any(|e| !tried.iter().any(|t| t == e))
+        }
+        fn any_other(&self, addr: &str, usable: &dyn Fn(&str) -> bool) -> bool {
+            SHARDS.iter().any(|e| *e != addr && usable(e))
+        }
+    }
+
+    fn late() -> Result<Bytes, RpcError> {
+        Err(RpcError::new(StatusCode::Timeout, "late"))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_sick_shard_is_ejected_and_the_healthy_shards_keys_keep_succeeding() {
+        for sick_answer in [server_error(), late()] {
+            let g = engine(GovernanceOptions {
+                retry_times: 0,
+                timeout_ms: 300,
+                exceptions_allowed_before_breaking: 3,
+                ..Default::default()
+            });
+            let p = g.policy(&M);
+            let mut sick_failed = 0;
+            for i in 0..200 {
+                let owner = SHARDS[i % 2];
+                let s = Shards {
+                    g: &g,
+                    owner,
+                    sick: "a:1",
+                    sick_answer: sick_answer.clone(),
+                    answered: Mutex::new(Vec::new()),
+                };
+                let r = g.execute(&p, &s).await;
+                if owner == "b:1" {
+                    assert!(r.is_ok(), "call {i}: healthy shard's key failed: {r:?}");
+                } else if let Err(e) = r {
+                    assert_ne!(e.code(), StatusCode::CircuitOpen, "call {i}");
+                    sick_failed += 1;
+                }
+            }
+            // Ejected after exceptions_allowed_before_breaking failures; its keys then go to
+            // the other shard (the calls are too quick for the 1 s mark to expire, except
+            // with 300 ms timeouts: then each expiry costs one more failure).
+            assert!(sick_failed >= 3, "{sick_failed}");
+            assert!(sick_failed <= 3 + 100 * 300 / 1000, "{sick_failed}");
+            assert!(
+                matches!(p.breaker().state(), BreakerState::Closed { .. }),
+                "{:?}",
+                p.breaker().state()
+            );
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_entry_breaker_still_opens_when_every_endpoint_fails() {
+        let g = engine(GovernanceOptions {
+            retry_times: 0,
+            timeout_ms: 0,
+            exceptions_allowed_before_breaking: 3,
+            ..Default::default()
+        });
+        let p = g.policy(&M);
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let mut calls = 0;
+        while !matches!(p.breaker().state(), BreakerState::Open { .. }) {
+            calls += 1;
+            assert!(calls <= 30, "the breaker never opened");
+            // Round robin over three endpoints that all fail, preferring usable ones.
+            let s = Script::new(vec![server_error()], Duration::ZERO);
+            let n = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let usable: Vec<&String> = s
+                .endpoints
+                .iter()
+                .filter(|e| g.health().is_usable(e))
+                .collect();
+            let pick = if usable.is_empty() {
+                s.endpoints[n % 3].clone()
+            } else {
+                usable[n % usable.len()].clone()
+            };
+            let mut s = s;
+            s.endpoints.retain(|e| *e == pick);
+            s.endpoints.extend(
+                ["a:1", "b:1", "c:1"]
+                    .map(String::from)
+                    .into_iter()
+                    .filter(|e| *e != pick),
+            );
+            let _ = g.execute(&p, &s).await;
+        }
+        // Each endpoint is ejected after its 3rd failure (calls 7, 8, 9) and those failures
+        // are held against it while another is usable; from the 9th on none is, and the
+        // entry counts 3 in a row: 9, 10, 11.
+        assert_eq!(calls, 11);
+        // One endpoint: counted from the first failure, as before.
+        let g = engine(GovernanceOptions {
+            retry_times: 0,
+            timeout_ms: 0,
+            exceptions_allowed_before_breaking: 3,
+            ..Default::default()
+        });
+        let p = g.policy(&M);
+        for _ in 0..3 {
+            let _ = g
+                .execute(&p, &single(vec![server_error()], Duration::ZERO))
+                .await;
+        }
+        assert!(matches!(p.breaker().state(), BreakerState::Open { .. }));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_idempotent_call_retries_elsewhere_after_its_attempt_timeout() {
+        let g = engine(GovernanceOptions {
+            retry_times: 2,
+            retry_interval_ms: 0,
+            timeout_ms: 1000,
+            attempt_timeout_ms: 100,
+            idempotent: true,
+            ..Default::default()
+        });
+        let p = g.policy(&M);
+        let s = Shards {
+            g: &g,
+            owner: "a:1",
+            sick: "a:1",
+            sick_answer: late(),
+            answered: Mutex::new(Vec::new()),
+        };
+        let t0 = Instant::now();
+        assert!(g.execute(&p, &s).await.is_ok());
+        assert_eq!(t0.elapsed(), Duration::from_millis(100));
+        assert_eq!(*s.answered.lock().unwrap(), ["a:1", "b:1"]);
+        // Not idempotent: the timed-out attempt may have run, so it is not repeated.
+        g.update_layers(|l| l.code_defaults.idempotent = false);
+        let err = g.execute(&p, &s).await.unwrap_err();
+        assert_eq!(err.code(), StatusCode::Timeout);
+        assert!(err.message().contains("attempt_timeout_ms"), "{err}");
     }
 }

@@ -46,6 +46,27 @@ pub fn decide(
     Decision::Retry { after }
 }
 
+/// Decides after attempt number `attempt` ran out of its own deadline
+/// ([`GovernanceOptions::attempt_timeout_ms`]) while the call's `deadline` had time left.
+///
+/// The request may have reached the server, so only an idempotent entry tries again (on
+/// another endpoint when one exists), within `retry_times` and only when the pause fits before
+/// the call's deadline.
+pub fn decide_after_attempt_timeout(
+    attempt: u32,
+    options: &GovernanceOptions,
+    deadline: Option<Instant>,
+) -> Decision {
+    if !options.idempotent || attempt >= options.retry_times {
+        return Decision::GiveUp;
+    }
+    let after = Duration::from_millis(options.retry_interval_ms);
+    if deadline.is_some_and(|d| Instant::now() + after >= d) {
+        return Decision::GiveUp;
+    }
+    Decision::Retry { after }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -116,5 +137,32 @@ mod tests {
             decide(&e, 0, &opts(), Some(later)),
             Decision::Retry { .. }
         ));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_attempt_timeout_is_retried_only_for_idempotent_entries_within_the_call() {
+        let later = Some(Instant::now() + Duration::from_millis(500));
+        assert_eq!(
+            decide_after_attempt_timeout(0, &opts(), later),
+            Decision::GiveUp,
+            "may have run: not repeated unless idempotent"
+        );
+        let idem = GovernanceOptions {
+            idempotent: true,
+            ..opts()
+        };
+        assert!(matches!(
+            decide_after_attempt_timeout(0, &idem, later),
+            Decision::Retry { .. }
+        ));
+        assert_eq!(
+            decide_after_attempt_timeout(2, &idem, later),
+            Decision::GiveUp
+        );
+        let soon = Some(Instant::now() + Duration::from_millis(30));
+        assert_eq!(
+            decide_after_attempt_timeout(0, &idem, soon),
+            Decision::GiveUp
+        );
     }
 }

@@ -9,6 +9,7 @@ use syn::{Attribute, Expr, ExprLit, Lit, Meta, Token};
 /// the largest value the field holds. A new option needs a line here and nothing else.
 const INTEGERS: &[(&str, u64)] = &[
     ("timeout_ms", u64::MAX),
+    ("attempt_timeout_ms", u64::MAX),
     ("retry_times", u32::MAX as u64),
     ("retry_interval_ms", u64::MAX),
     ("exceptions_allowed_before_breaking", u32::MAX as u64),

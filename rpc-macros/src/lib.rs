@@ -160,7 +160,7 @@ mod parse;
 ///
 /// `#[governance(...)]` on a method sets the defaults of its entry (configuration files and
 /// runtime updates still override them). Every field of `GovernanceOverrides` is a key: the
-/// integers `timeout_ms`, `retry_times`, `retry_interval_ms`,
+/// integers `timeout_ms`, `attempt_timeout_ms`, `retry_times`, `retry_interval_ms`,
 /// `exceptions_allowed_before_breaking`, `breaker_seconds`, `half_open_probes`,
 /// `failure_ratio_percent`, `sampling_window_seconds`, `minimum_throughput`,
 /// `retry_budget_percent`, `retry_budget_min_per_second`, `max_concurrent_handling_count`,

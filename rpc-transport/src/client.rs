@@ -135,7 +135,12 @@ pub struct Connection {
     shared: Arc<Shared>,
 }
 
+/// Ids of connections, unique in the process.
+static NEXT_CONNECTION_ID: AtomicU64 = AtomicU64::new(1);
+
 struct Shared {
+    /// Unique in the process, never 0.
+    id: u64,
     peer: String,
     sender: FrameSender,
     pending: DashMap<u64, Pending, ahash::RandomState>,
@@ -254,6 +259,7 @@ impl Connection {
             }
         }
         let shared = Arc::new(Shared {
+            id: NEXT_CONNECTION_ID.fetch_add(1, Ordering::Relaxed),
             peer: addr.to_string(),
             sender,
             pending: DashMap::with_hasher(ahash::RandomState::new()),
@@ -275,6 +281,12 @@ impl Connection {
             received,
         ));
         Ok(Connection { shared })
+    }
+
+    /// A number that identifies this connection in the process (never 0): calls that fail
+    /// because the same connection broke can be told apart from independent failures.
+    pub fn id(&self) -> u64 {
+        self.shared.id
     }
 
     /// The address this connection was made to.

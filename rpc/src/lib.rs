@@ -50,6 +50,8 @@
 #![warn(missing_docs)]
 
 pub use rpc_client::{answered_by, Client, ClientBuilder};
+/// Endpoint health as [`Client::endpoints`] reports it.
+pub use rpc_client::{EndpointState, EndpointStatus};
 pub use rpc_core::{
     serde_rpc_error, Codec, GovernanceOptions, GovernanceOverrides, MethodDescriptor, RemoteError,
     RpcContext, RpcError, ServiceEntry, ServiceEntryId, ServiceId, ShuntStrategy, StatusCode,

@@ -12,7 +12,7 @@ use rpc::crates::governance::config::GovernanceConfig;
 use rpc::crates::governance::events::EventKind;
 use rpc::{
     Client, GovernanceOptions, GovernanceOverrides, InProcessRegistry, RpcError, Server,
-    ServerHandle, StaticRegistry, StatusCode,
+    ServerHandle, StatusCode,
 };
 
 #[rpc::service(name = "g.Stock")]
@@ -269,43 +269,85 @@ async fn a_nested_call_inherits_what_is_left_of_the_callers_budget() {
     back.shutdown().await;
 }
 
+/// The endpoint is the only one the client knows while it fails, so every call picks it (an
+/// unhealthy endpoint is still used when nothing else is left) and the count really climbs
+/// to n through the real path: select, connect, fail, health. Only then does a live server
+/// appear; the removed endpoint gets none of its traffic.
 #[tokio::test]
 async fn an_endpoint_failing_n_times_in_a_row_is_dropped_while_others_serve() {
+    use rpc::EndpointState;
+    use rpc::{Instance, Registry};
+
+    const N: u32 = 3;
     let reg = InProcessRegistry::new();
-    let (live, w) = warehouse(&reg).await;
-    // A dead address listed first: nothing listens there.
+    // A dead address: nothing listens there.
     let dead = {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap().to_string()
     };
-    let statics = StaticRegistry::new([dead.clone(), live.local_addr().to_string()]);
+    reg.register(Instance::new(dead.clone(), [StockClient::SERVICE_ID]))
+        .await
+        .unwrap();
     let client = Client::builder()
-        .registry(statics)
+        .registry(reg.clone())
         .default_options(GovernanceOptions {
-            unhealthy_times_allowed_before_removing: 2,
+            unhealthy_times_allowed_before_removing: N,
             enable_circuit_breaker: false,
             ..Default::default()
         })
         .build();
     let mut events = client.events().subscribe();
-    let stock = StockClient::new(client);
-    // Retries are off for `level`: a call that picks the dead endpoint fails; one that picks
-    // the live one succeeds.
-    let mut failures = 0;
-    for _ in 0..20 {
-        if stock.level("apple".into()).await.is_err() {
-            failures += 1;
+    let stock = StockClient::new(client.clone());
+    let state_of_dead = || {
+        client
+            .endpoints()
+            .into_iter()
+            .find(|e| e.address == dead)
+            .expect("the dead endpoint is listed")
+    };
+    // Retries are off for `level`: one attempt, on the dead endpoint, per call.
+    for i in 1..=N {
+        let err = within("level", stock.level("apple".into()))
+            .await
+            .expect_err("nothing listens");
+        assert_eq!(err.code(), StatusCode::CommunicationError, "{err}");
+        let s = state_of_dead();
+        assert_eq!(s.consecutive_failures, i, "{s:?}");
+        if i < N {
+            assert!(
+                matches!(s.state, EndpointState::Unhealthy { .. }),
+                "not removed after {i} < {N}: {s:?}"
+            );
+        } else {
+            assert_eq!(s.state, EndpointState::Removed, "removed after {N}");
         }
     }
-    // The dead endpoint was picked until it was marked (then only when nothing else is left).
-    assert!(failures <= 2, "{failures} calls went to the dead endpoint");
-    assert!(w.calls.load(Ordering::SeqCst) >= 18);
     let ejections: Vec<_> = std::iter::from_fn(|| events.try_recv().ok())
         .filter(|e| e.kind == EventKind::Ejection)
         .collect();
-    assert!(!ejections.is_empty());
-    assert_eq!(ejections[0].endpoint.as_deref(), Some(dead.as_str()));
-    assert_eq!(&*ejections[0].entry, "g.Stock.level");
+    assert_eq!(ejections.len(), N as usize, "{ejections:?}");
+    for (i, e) in ejections.iter().enumerate() {
+        assert_eq!(e.endpoint.as_deref(), Some(dead.as_str()));
+        assert_eq!(&*e.entry, "g.Stock.level");
+        let cause = e.cause.as_deref().unwrap_or("");
+        assert!(cause.contains(&format!("({} in a row", i + 1)), "{cause}");
+        assert_eq!(cause.contains("removed"), i + 1 == N as usize, "{cause}");
+    }
+
+    // A live server joins; the removed endpoint stays out while it serves.
+    let (live, w) = warehouse(&reg).await;
+    for _ in 0..20 {
+        assert_eq!(
+            within("level", stock.level("apple".into())).await.unwrap(),
+            7
+        );
+    }
+    assert_eq!(
+        w.calls.load(Ordering::SeqCst),
+        20,
+        "every call went to the live server"
+    );
+    assert_eq!(state_of_dead().state, EndpointState::Removed);
     live.shutdown().await;
 }
 

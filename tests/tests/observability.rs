@@ -543,8 +543,8 @@ async fn metrics_after_a_retry_an_open_breaker_and_a_fallback() {
             "server.address",
             &good.local_addr().to_string()
         ),
-        Some(0),
-        "healthy"
+        Some(1),
+        "unhealthy: its server errors to `fail` are held against it too"
     );
 
     good.shutdown().await;
