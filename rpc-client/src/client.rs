@@ -352,6 +352,39 @@ impl Client {
             .map_err(|e| RpcError::new(StatusCode::NotFindServiceRoute, e.to_string()))
     }
 
+    /// Waits until the registry announces at least one endpoint of `service_id`, up to
+    /// `timeout`, and returns them: for a program that starts next to its servers and should
+    /// not make its first call before one is up. It waits on the registry's watch (no polling).
+    ///
+    /// Fails with [`StatusCode::NotFindServiceRoute`] when `timeout` passes first, or at once
+    /// when the registry can announce nothing more (a static list without the service).
+    pub async fn wait_for_endpoints(
+        &self,
+        service_id: &str,
+        timeout: Duration,
+    ) -> Result<rpc_registry::Endpoints, RpcError> {
+        let deadline = Instant::now() + timeout;
+        let mut watch = self.watch(service_id).await?;
+        loop {
+            let current = watch.current();
+            if !current.is_empty() {
+                return Ok(current);
+            }
+            let why = match tokio::time::timeout_at(deadline, watch.changed()).await {
+                Ok(Ok(())) => continue,
+                Ok(Err(_)) => "the registry will announce none (a static list without it?)".into(),
+                Err(_) => format!("none after waiting {} ms", timeout.as_millis()),
+            };
+            return Err(RpcError::new(
+                StatusCode::NotFindServiceRoute,
+                format!(
+                    "no endpoint of {service_id}: {why}; start a server for it, or check the \
+                     client's registry"
+                ),
+            ));
+        }
+    }
+
     async fn service(&self, service_id: &'static str) -> Result<Arc<ServiceState>, RpcError> {
         if let Some(s) = self.inner.services.get(service_id) {
             return Ok(s.clone());

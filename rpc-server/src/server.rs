@@ -334,6 +334,33 @@ impl ServerHandle {
         }
     }
 
+    /// Serves until the process is asked to stop (SIGINT, i.e. Ctrl-C, or SIGTERM, what
+    /// `kill`, systemd and Kubernetes send), then [`shutdown`](Self::shutdown)s gracefully:
+    /// deregisters the instance, sends `GoAway`, lets the calls in flight finish (up to the
+    /// drain timeout) and returns. What a service's `main` ends with:
+    ///
+    /// ```no_run
+    /// # async fn f(server: rpc_server::ServerHandle) -> std::io::Result<()> {
+    /// server.serve_until_signal().await?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// The signal handlers are installed when this is called, not when the future is first
+    /// polled, so a signal arriving right after the call is not missed (and does not kill the
+    /// process). Fails only when they cannot be installed. Must be called within a tokio
+    /// runtime.
+    pub fn serve_until_signal(
+        self,
+    ) -> impl std::future::Future<Output = std::io::Result<()>> + Send + 'static {
+        let signals = StopSignals::install();
+        async move {
+            let which = signals?.recv().await;
+            tracing::info!(signal = which, instance = %self.instance_id, "stopping gracefully");
+            self.shutdown().await;
+            Ok(())
+        }
+    }
+
     /// Stops at once: connections are closed and calls in flight are dropped, as if the process
     /// died (the registry entry stays, as it would after a crash). For failure tests.
     pub fn abort(mut self) {
@@ -347,5 +374,45 @@ impl ServerHandle {
 impl Drop for ServerHandle {
     fn drop(&mut self) {
         self.shutdown.cancel();
+    }
+}
+
+/// The signals that ask a server to stop, listened to from the moment they are installed.
+struct StopSignals {
+    #[cfg(unix)]
+    interrupt: tokio::signal::unix::Signal,
+    #[cfg(unix)]
+    terminate: tokio::signal::unix::Signal,
+}
+
+impl StopSignals {
+    fn install() -> std::io::Result<Self> {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            Ok(StopSignals {
+                interrupt: signal(SignalKind::interrupt())?,
+                terminate: signal(SignalKind::terminate())?,
+            })
+        }
+        #[cfg(not(unix))]
+        Ok(StopSignals {})
+    }
+
+    /// Waits for the first stop signal and names it.
+    async fn recv(mut self) -> &'static str {
+        #[cfg(unix)]
+        {
+            tokio::select! {
+                _ = self.interrupt.recv() => "SIGINT",
+                _ = self.terminate.recv() => "SIGTERM",
+            }
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = &mut self;
+            let _ = tokio::signal::ctrl_c().await;
+            "Ctrl-C"
+        }
     }
 }

@@ -16,6 +16,11 @@
 //! and OpenTelemetry metrics (`rpc.client.duration`, `rpc.server.duration`, call counters,
 //! in-flight counts and governance events by kind).
 //!
+//! Governance decisions (retry, break, half-open, reset, timeout, overflow, fallback, reload,
+//! ejection) reach [`Client::events`] and [`ServerHandle::events`] subscribers as
+//! [`GovernanceEvent`]s of an [`EventKind`] on an [`EventBus`]; [`Client::breakers`] and
+//! [`Client::breaker_state`] report each entry's [`BreakerState`].
+//!
 //! ```
 //! use rpc::prelude::*;
 //!
@@ -50,6 +55,8 @@
 #![warn(missing_docs)]
 
 pub use rpc_client::{answered_by, Client, ClientBuilder};
+pub use rpc_governance::breaker::BreakerState;
+pub use rpc_governance::events::{EventBus, EventKind, GovernanceEvent};
 pub use rpc_core::{
     Codec, GovernanceOptions, GovernanceOverrides, MethodDescriptor, RemoteError, RpcContext,
     RpcError, ServiceEntry, ServiceEntryId, ServiceId, ShuntStrategy, StatusCode,

@@ -4,3 +4,4 @@
 //! (`src/bin/`), which the tests start as separate processes.
 
 pub mod chaos;
+pub mod signals;

@@ -69,13 +69,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         builder = builder.token(token);
     }
     let server = builder.serve(("127.0.0.1", args.port)).await?;
-    println!("listening on {}", server.local_addr());
-
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
-    }
-    server.shutdown().await;
+    let addr = server.local_addr();
+    let stopped = server.serve_until_signal();
+    println!("listening on {addr}");
+    stopped.await?;
     Ok(())
 }
