@@ -24,6 +24,7 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use crate::endpoints::ServiceState;
+use crate::shunt::RingKey;
 use crate::telemetry;
 
 /// Calls remote services. Cheap to clone; clones share connections, endpoint views, entry
@@ -41,6 +42,14 @@ struct Inner {
     services: DashMap<&'static str, Arc<ServiceState>, ahash::RandomState>,
     fallbacks: HashMap<&'static str, Arc<dyn Service>>,
     metrics: telemetry::Metrics,
+    ring_keys: RingKeys,
+}
+
+/// What places instances on each service's hash ring.
+#[derive(Default)]
+struct RingKeys {
+    default: RingKey,
+    services: HashMap<String, RingKey>,
 }
 
 /// Builds a [`Client`].
@@ -51,6 +60,7 @@ pub struct ClientBuilder {
     connections_per_endpoint: usize,
     layers: Layers,
     fallbacks: HashMap<&'static str, Arc<dyn Service>>,
+    ring_keys: RingKeys,
     #[cfg(feature = "otel")]
     meter: Option<opentelemetry::metrics::Meter>,
 }
@@ -64,6 +74,7 @@ impl Default for ClientBuilder {
             connections_per_endpoint: 1,
             layers: Layers::default(),
             fallbacks: HashMap::new(),
+            ring_keys: RingKeys::default(),
             #[cfg(feature = "otel")]
             meter: None,
         }
@@ -144,6 +155,20 @@ impl ClientBuilder {
     /// Shorthand: the default shunt strategy.
     pub fn shunt_strategy(mut self, s: ShuntStrategy) -> Self {
         self.layers.code_defaults.shunt_strategy = s;
+        self
+    }
+
+    /// What places instances on the consistent-hash ring of every service (their address by
+    /// default). [`RingKey::InstanceId`] or [`RingKey::Metadata`] keep a shard's keys when it
+    /// restarts on another address; every client of the service should use the same choice.
+    pub fn ring_key(mut self, key: RingKey) -> Self {
+        self.ring_keys.default = key;
+        self
+    }
+
+    /// Like [`ring_key`](Self::ring_key), for one service only.
+    pub fn service_ring_key(mut self, service_id: impl Into<String>, key: RingKey) -> Self {
+        self.ring_keys.services.insert(service_id.into(), key);
         self
     }
 
@@ -230,6 +255,7 @@ impl ClientBuilder {
                 services: DashMap::with_hasher(ahash::RandomState::new()),
                 fallbacks: self.fallbacks,
                 metrics,
+                ring_keys: self.ring_keys,
             }
         });
         Client { inner }
@@ -397,7 +423,9 @@ impl Client {
             .entry(service_id)
             .or_insert_with(|| {
                 fresh = true;
-                Arc::new(ServiceState::new(watch.clone()))
+                let keys = &self.inner.ring_keys;
+                let key = keys.services.get(service_id).unwrap_or(&keys.default);
+                Arc::new(ServiceState::new(watch.clone(), key.clone()))
             })
             .clone();
         if fresh {
@@ -410,6 +438,10 @@ impl Client {
                 while watch.changed().await.is_ok() {
                     let Some(inner) = inner.upgrade() else { return };
                     publish(&inner.governance, service_id, &watch.current());
+                    let state = inner.services.get(service_id).map(|s| s.clone());
+                    if let Some(state) = state {
+                        state.refresh_ring();
+                    }
                 }
             });
         }

@@ -35,3 +35,4 @@ mod telemetry;
 
 pub use answered_by::answered_by;
 pub use client::{Client, ClientBuilder};
+pub use shunt::RingKey;

@@ -35,6 +35,7 @@ pub struct ServerBuilder {
     options: ServerOptions,
     max_concurrency: usize,
     advertise: Option<String>,
+    instance_id: Option<String>,
     metadata: Vec<(String, String)>,
     events: EventBus,
     #[cfg(feature = "otel")]
@@ -51,6 +52,7 @@ impl Default for ServerBuilder {
             max_concurrency: rpc_core::GovernanceOptions::default().max_concurrent_handling_count
                 as usize,
             advertise: None,
+            instance_id: None,
             metadata: Vec::new(),
             events: EventBus::new(),
             #[cfg(feature = "otel")]
@@ -177,6 +179,15 @@ impl ServerBuilder {
         self
     }
 
+    /// The id the instance is published under (its address by default). A stable id, such as
+    /// a shard's name, lets clients that key their hash ring by it (`RingKey::InstanceId`)
+    /// keep sending the shard its keys when it restarts on another port. Two running servers
+    /// must not share an id: the registry keeps one instance per id.
+    pub fn instance_id(mut self, id: impl Into<String>) -> Self {
+        self.instance_id = Some(id.into());
+        self
+    }
+
     /// Adds metadata (version, weight, ...) to the published instance.
     pub fn metadata(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.metadata.push((key.into(), value.into()));
@@ -272,6 +283,9 @@ impl ServerBuilder {
             .flat_map(|s| s.methods().iter().map(ServiceEntry::from))
             .collect();
         instance.metadata.extend(self.metadata.iter().cloned());
+        if let Some(id) = &self.instance_id {
+            instance.id = id.clone();
+        }
         if let Some(registry) = &self.registry {
             if let Err(e) = registry.register(instance.clone()).await {
                 shutdown.cancel();

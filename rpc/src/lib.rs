@@ -54,7 +54,7 @@
 //! ```
 #![warn(missing_docs)]
 
-pub use rpc_client::{answered_by, Client, ClientBuilder};
+pub use rpc_client::{answered_by, Client, ClientBuilder, RingKey};
 pub use rpc_governance::breaker::BreakerState;
 pub use rpc_governance::events::{EventBus, EventKind, GovernanceEvent};
 pub use rpc_core::{

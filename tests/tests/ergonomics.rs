@@ -216,3 +216,89 @@ async fn sigterm_deregisters_lets_the_call_in_flight_finish_and_exits_cleanly() 
     let exit = server.child.wait().unwrap();
     assert!(exit.success(), "signal-server exited with {exit}");
 }
+
+#[rpc::service(name = "ergo.Shard")]
+pub trait Shard {
+    /// The name of the shard that owns `key`.
+    async fn owner(&self, #[hash_key] key: u64) -> Result<String, RpcError>;
+}
+
+struct Named(&'static str);
+
+impl Shard for Named {
+    async fn owner(&self, _key: u64) -> Result<String, RpcError> {
+        Ok(self.0.to_string())
+    }
+}
+
+async fn shard(registry: &InProcessRegistry, name: &'static str) -> rpc::ServerHandle {
+    Server::builder()
+        .registry(registry.clone())
+        .instance_id(name)
+        .metadata("shard", name)
+        .add_service(ShardServer::new(Named(name)))
+        .serve("127.0.0.1:0")
+        .await
+        .unwrap()
+}
+
+fn hash_client(registry: &InProcessRegistry, key: rpc::RingKey) -> ShardClient {
+    ShardClient::new(
+        Client::builder()
+            .registry(registry.clone())
+            .shunt_strategy(rpc::ShuntStrategy::Hash)
+            .service_ring_key(ShardClient::SERVICE_ID, key)
+            .build(),
+    )
+}
+
+/// Who owns each of 200 keys, as the servers themselves answer.
+async fn owners(client: &ShardClient) -> Vec<String> {
+    let mut out = Vec::new();
+    for key in 0..200u64 {
+        out.push(within("a hash-routed call", client.owner(key)).await.unwrap());
+    }
+    out
+}
+
+#[tokio::test]
+async fn a_shard_restarting_on_a_new_port_keeps_its_keys_when_the_ring_is_keyed_by_id() {
+    let registry = InProcessRegistry::new();
+    let a = shard(&registry, "shard-a").await;
+    let b = shard(&registry, "shard-b").await;
+    let by_id = hash_client(&registry, rpc::RingKey::InstanceId);
+    let by_meta = hash_client(&registry, rpc::RingKey::Metadata("shard".into()));
+    let by_address = hash_client(&registry, rpc::RingKey::Address);
+    let mut watch = by_id.client().watch(ShardClient::SERVICE_ID).await.unwrap();
+    let before = (
+        owners(&by_id).await,
+        owners(&by_meta).await,
+        owners(&by_address).await,
+    );
+    for owners in [&before.0, &before.1] {
+        assert!(owners.iter().any(|o| o == "shard-a") && owners.iter().any(|o| o == "shard-b"));
+    }
+
+    // shard-b stops and comes back on another port, under the same id and shard name.
+    let old_port = b.local_addr().port();
+    b.shutdown().await;
+    let b = shard(&registry, "shard-b").await;
+    assert_ne!(b.local_addr().port(), old_port);
+    let new_addr = b.local_addr().to_string();
+    within("the new shard-b announced", async {
+        while !watch.current().iter().any(|i| i.address == new_addr) {
+            watch.changed().await.unwrap();
+        }
+    })
+    .await;
+
+    assert_eq!(owners(&by_id).await, before.0, "keyed by instance id");
+    assert_eq!(owners(&by_meta).await, before.1, "keyed by metadata");
+    // Keyed by address, the new port is another place on the ring: some keys moved.
+    let after = owners(&by_address).await;
+    assert!(
+        after.iter().zip(&before.2).any(|(x, y)| x != y),
+        "no key moved although shard-b's address changed"
+    );
+    drop(a);
+}
