@@ -241,8 +241,8 @@ impl ClientBuilder {
                 telemetry::Metrics::new(
                     &meter,
                     governance.events(),
-                    Box::new(move || b.upgrade().map(|i| i.breaker_gauge()).unwrap_or_default()),
-                    Box::new(move || e.upgrade().map(|i| i.health_gauge()).unwrap_or_default()),
+                    Box::new(move || b.upgrade().map(|i| i.breaker_gauge())),
+                    Box::new(move || e.upgrade().map(|i| i.health_gauge())),
                 )
             };
             #[cfg(not(feature = "otel"))]
@@ -259,6 +259,16 @@ impl ClientBuilder {
             }
         });
         Client { inner }
+    }
+}
+
+/// The gauges' last values stay for the next collection: a program's final metrics flush
+/// often comes after its client is dropped.
+#[cfg(feature = "otel")]
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.metrics
+            .freeze(self.breaker_gauge(), self.health_gauge());
     }
 }
 
@@ -479,7 +489,10 @@ impl Client {
         let span = telemetry::call_span(method);
         let call_span = span.clone();
         async move {
-            let metrics = self.inner.metrics.start(method);
+            let deadline = rpc_governance::timeout::deadline(&policy.options());
+            let watch =
+                telemetry::CallWatch::new(call_span, self.inner.metrics.start(method), deadline);
+            let mut fallback_cause = None;
             let attempts = ClientAttempts {
                 client: self,
                 method,
@@ -516,15 +529,21 @@ impl Client {
                                 made.into_inner().saturating_sub(1),
                                 Some(e.to_string()),
                             );
-                            run_fallback(fallback.as_ref(), method, params, self.codec(), e).await
+                            fallback_cause = Some(e.clone());
+                            let answer =
+                                run_fallback(fallback.as_ref(), method, params, self.codec(), e)
+                                    .await;
+                            if answer.is_ok() {
+                                crate::answered_by::record("fallback");
+                            }
+                            answer
                         }
                         None => Err(e),
                     }
                 }
                 (r, _, _) => r,
             };
-            telemetry::record_result(&call_span, &result);
-            metrics.finish(&result);
+            watch.finish(&result, fallback_cause.as_ref());
             result
         }
         .instrument(span)
@@ -634,6 +653,7 @@ impl Attempts for &ClientAttempts<'_> {
     ) -> Result<Bytes, RpcError> {
         let attempt = self.made.fetch_add(1, Ordering::Relaxed);
         let span = telemetry::attempt_span(self.method, attempt, addr);
+        let watch = telemetry::AttemptWatch::new(span.clone(), deadline);
         let params = self.params.clone();
         let result = if span.is_disabled() {
             // No subscriber: skip the wrapper, which would move the whole attempt future once
@@ -647,7 +667,7 @@ impl Attempts for &ClientAttempts<'_> {
                 .instrument(span.clone())
                 .await
         };
-        telemetry::record_result(&span, &result);
+        watch.finish(&result);
         if result.is_err() {
             *self.last_failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(addr.to_string());
         }
@@ -701,7 +721,7 @@ async fn run_fallback(
     else {
         return Err(cause);
     };
-    let answer = fallback.call(index, params, codec).await;
+    let answer = fallback::with_cause(cause.clone(), fallback.call(index, params, codec)).await;
     fallback::outcome(method.entry_id, cause, answer)
 }
 

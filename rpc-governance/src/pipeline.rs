@@ -221,6 +221,8 @@ impl Governance {
         let deadline = timeout::deadline_from(started, &options);
         policy.budget.deposit_at(started);
         let mut endpoint_only = false;
+        // The endpoint of the last failed attempt, which the timeout event names.
+        let mut last_failed = None;
         let result = self
             .retry_loop(
                 policy,
@@ -228,19 +230,19 @@ impl Governance {
                 started,
                 deadline,
                 attempts,
-                &mut endpoint_only,
+                (&mut endpoint_only, &mut last_failed),
             )
-            .await
-            .map_err(|e| match (e.code(), deadline) {
-                (StatusCode::Timeout, Some(d)) => timeout::timeout_error(&policy.entry, started, d),
-                _ => e,
-            });
+            .await;
+        let result = result.map_err(|e| match (e.code(), deadline) {
+            (StatusCode::Timeout, Some(d)) => timeout::timeout_error(&policy.entry, started, d),
+            _ => e,
+        });
         if let Err(e) = &result {
             if e.code() == StatusCode::Timeout {
                 self.events.emit_parts(
                     EventKind::Timeout,
                     &policy.entry,
-                    None,
+                    last_failed.as_deref(),
                     0,
                     Some(e.to_string()),
                 );
@@ -274,7 +276,7 @@ impl Governance {
         started: Instant,
         deadline: Option<Instant>,
         attempts: A,
-        endpoint_only: &mut bool,
+        (endpoint_only, last_failed): (&mut bool, &mut Option<String>),
     ) -> Result<Bytes, RpcError> {
         let mut tried: Vec<String> = Vec::new();
         let mut attempt = 0u32;
@@ -313,6 +315,7 @@ impl Governance {
                     Some(format!("{err} ({n} in a row)")),
                 );
             }
+            *last_failed = Some(addr.clone());
             tried.push(addr);
             let untried_left = attempts.untried_left(&tried);
             let decision = failover::decide(&err, attempt, options, deadline, untried_left);

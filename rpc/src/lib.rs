@@ -57,6 +57,7 @@
 pub use rpc_client::{answered_by, Client, ClientBuilder, RingKey};
 pub use rpc_governance::breaker::BreakerState;
 pub use rpc_governance::events::{EventBus, EventKind, GovernanceEvent};
+pub use rpc_governance::fallback::cause as fallback_cause;
 pub use rpc_core::{
     Codec, GovernanceOptions, GovernanceOverrides, MethodDescriptor, RemoteError, RpcContext,
     RpcError, ServiceEntry, ServiceEntryId, ServiceId, ShuntStrategy, StatusCode,
