@@ -487,6 +487,7 @@ impl Client {
             _ => None,
         };
         let span = telemetry::call_span(method);
+        let call_id = telemetry::call_id(&span);
         let call_span = span.clone();
         async move {
             let deadline = rpc_governance::timeout::deadline(&policy.options());
@@ -499,6 +500,7 @@ impl Client {
                 service: None,
                 params: &params,
                 hash_key,
+                call_id: call_id.as_deref(),
                 made: AtomicU32::new(0),
                 last_failed: Mutex::new(None),
             };
@@ -556,8 +558,9 @@ impl Client {
         params: Bytes,
         timeout_ms: u32,
         deadline: Option<Instant>,
+        call_id: Option<&str>,
     ) -> Result<Bytes, RpcError> {
-        let attachments = telemetry::outgoing_attachments();
+        let attachments = telemetry::outgoing_attachments(call_id);
         let message = |params: Bytes, attachments| Call {
             service_entry_id: method.entry_id.into(),
             codec: self.inner.codec.to_wire(),
@@ -620,6 +623,8 @@ struct ClientAttempts<'a> {
     service: Option<&'a ServiceState>,
     params: &'a Bytes,
     hash_key: Option<u64>,
+    /// The call's short id, when the call is logged.
+    call_id: Option<&'a str>,
     /// Attempts made so far.
     made: AtomicU32,
     /// The endpoint of the last failed attempt (written only on failure), for the fallback
@@ -659,11 +664,11 @@ impl Attempts for &ClientAttempts<'_> {
             // No subscriber: skip the wrapper, which would move the whole attempt future once
             // more on every call.
             self.client
-                .call_once(self.method, addr, params, timeout_ms, deadline)
+                .call_once(self.method, addr, params, timeout_ms, deadline, self.call_id)
                 .await
         } else {
             self.client
-                .call_once(self.method, addr, params, timeout_ms, deadline)
+                .call_once(self.method, addr, params, timeout_ms, deadline, self.call_id)
                 .instrument(span.clone())
                 .await
         };

@@ -11,7 +11,7 @@
 use std::collections::BTreeMap;
 
 use bytes::Bytes;
-use rpc_core::{MethodDescriptor, RpcContext, RpcError, StatusCode};
+use rpc_core::{MethodDescriptor, RpcContext, RpcError, StatusCode, CALL_ID_KEY};
 use tokio::time::Instant;
 use tracing::field::{display, Empty};
 use tracing::Span;
@@ -25,12 +25,25 @@ pub(crate) fn call_span(method: &'static MethodDescriptor) -> Span {
         rpc.service = method.service_id,
         rpc.method = method.method,
         rpc.entry_id = method.entry_id,
+        call_id = Empty,
         rpc.status_code = Empty,
         outcome = Empty,
         rpc.fallback.cause = Empty,
         otel.status_code = Empty,
         otel.status_description = Empty,
     )
+}
+
+/// A short id for the call of `span` (8 hex digits), recorded on it as `call_id` and sent to
+/// the server as the [`CALL_ID_KEY`] attachment; `None` when the span is disabled (nothing
+/// logs the call, so nothing is generated or sent).
+pub(crate) fn call_id(span: &Span) -> Option<String> {
+    if span.is_disabled() {
+        return None;
+    }
+    let id = format!("{:08x}", rand::random::<u32>());
+    span.record("call_id", id.as_str());
+    Some(id)
 }
 
 /// The span of one attempt on `addr` (a child of the current call span).
@@ -226,11 +239,15 @@ pub(crate) fn split_address(addr: &str) -> (&str, Option<u16>) {
     }
 }
 
-/// The attachments of an outgoing call: the current [`RpcContext`]'s user attachments and, with
-/// feature `otel`, the W3C trace context of the current span (the attempt span).
-pub(crate) fn outgoing_attachments() -> BTreeMap<String, String> {
+/// The attachments of an outgoing call: the current [`RpcContext`]'s user attachments, the
+/// call's id when it is logged and, with feature `otel`, the W3C trace context of the current
+/// span (the attempt span).
+pub(crate) fn outgoing_attachments(call_id: Option<&str>) -> BTreeMap<String, String> {
     #[allow(unused_mut)]
     let mut attachments = RpcContext::current_attachments();
+    if let Some(id) = call_id {
+        attachments.insert(CALL_ID_KEY.to_string(), id.to_string());
+    }
     #[cfg(feature = "otel")]
     otel::inject(&mut attachments);
     attachments

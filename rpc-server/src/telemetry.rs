@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 
 use bytes::Bytes;
-use rpc_core::{MethodDescriptor, RpcError, StatusCode, TRACE_CONTEXT_KEYS};
+use rpc_core::{MethodDescriptor, RpcError, StatusCode, CALL_ID_KEY, TRACE_CONTEXT_KEYS};
 use tokio::time::Instant;
 use tracing::field::Empty;
 use tracing::Span;
@@ -36,12 +36,16 @@ pub(crate) fn server_span(
         server.port = i64::from(local.port()),
         client.address = display(peer.ip()),
         client.port = i64::from(peer.port()),
+        call_id = Empty,
         rpc.status_code = Empty,
         outcome = Empty,
         rpc.fallback.cause = Empty,
         otel.status_code = Empty,
         otel.status_description = Empty,
     );
+    if let Some(id) = attachments.get(CALL_ID_KEY) {
+        span.record("call_id", id.as_str());
+    }
     #[cfg(feature = "otel")]
     otel::set_parent(&span, attachments);
     #[cfg(not(feature = "otel"))]
@@ -162,7 +166,8 @@ impl Drop for CallWatch {
     }
 }
 
-/// The user attachments of a received call: everything but the W3C trace context.
+/// The user attachments of a received call: everything but the W3C trace context and the
+/// call id.
 pub(crate) fn user_attachments(
     mut attachments: BTreeMap<String, String>,
 ) -> BTreeMap<String, String> {
@@ -170,6 +175,7 @@ pub(crate) fn user_attachments(
         for key in TRACE_CONTEXT_KEYS {
             attachments.remove(key);
         }
+        attachments.remove(CALL_ID_KEY);
     }
     attachments
 }

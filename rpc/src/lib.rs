@@ -68,6 +68,8 @@ pub use rpc_registry::{EtcdOptions, EtcdRegistry};
 pub use rpc_registry::{InProcessRegistry, Instance, Registry, RegistryError, StaticRegistry};
 pub use rpc_server::{Server, ServerBuilder, ServerHandle, Service, ServiceFuture};
 
+#[cfg(feature = "logging")]
+pub mod logging;
 #[cfg(feature = "otel")]
 pub mod telemetry;
 

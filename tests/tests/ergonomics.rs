@@ -302,3 +302,117 @@ async fn a_shard_restarting_on_a_new_port_keeps_its_keys_when_the_ring_is_keyed_
     );
     drop(a);
 }
+
+#[rpc::service(name = "ergo.Logged")]
+pub trait Logged {
+    #[governance(retry_times = 0)]
+    async fn work(&self, n: u32) -> Result<u32, RpcError>;
+}
+
+struct Worker;
+
+impl Logged for Worker {
+    async fn work(&self, n: u32) -> Result<u32, RpcError> {
+        tracing::info!(n, "in the handler");
+        Err(RpcError::new(StatusCode::ServerError, "broken on purpose"))
+    }
+}
+
+/// The fallback: its answer makes the client log a `fallback` event on the call's span.
+struct Spare;
+
+impl Logged for Spare {
+    async fn work(&self, n: u32) -> Result<u32, RpcError> {
+        Ok(n)
+    }
+}
+
+/// Log output, shared with the test.
+#[derive(Clone, Default)]
+struct Lines(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl Write for Lines {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Lines {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+/// The word that follows `span{` on `line`: the call id.
+fn id_after<'a>(line: &'a str, span: &str) -> &'a str {
+    let rest = line
+        .split_once(&format!("{span}{{"))
+        .unwrap_or_else(|| panic!("no {span} span on {line:?}"))
+        .1;
+    rest.split([' ', '}']).next().unwrap_or_default()
+}
+
+async fn logged_call(terminal: bool) -> String {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::Layer;
+    let lines = Lines::default();
+    let writer = lines.clone();
+    let subscriber = tracing_subscriber::registry().with(
+        rpc::logging::layer_with_writer(move || writer.clone(), terminal)
+            .with_filter(tracing_subscriber::filter::LevelFilter::INFO),
+    );
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let server = Server::builder()
+        .add_service(LoggedServer::new(Worker))
+        .serve("127.0.0.1:0")
+        .await
+        .unwrap();
+    let client = Client::builder()
+        .registry(rpc::StaticRegistry::from_list(&server.local_addr().to_string()).unwrap())
+        .fallback(LoggedServer::new(Spare))
+        .build();
+    let logged = LoggedClient::new(client);
+    for n in [1, 2] {
+        assert_eq!(within("a call", logged.work(n)).await.unwrap(), n);
+    }
+    server.shutdown().await;
+    lines.text()
+}
+
+#[tokio::test]
+async fn one_call_shows_the_same_short_id_on_client_and_server_lines() {
+    let text = logged_call(false).await;
+    let server_lines: Vec<&str> = text.lines().filter(|l| l.contains("in the handler")).collect();
+    let client_lines: Vec<&str> = text.lines().filter(|l| l.contains("event=fallback")).collect();
+    assert_eq!((server_lines.len(), client_lines.len()), (2, 2), "{text}");
+    let mut ids = Vec::new();
+    for (server, client) in server_lines.iter().zip(&client_lines) {
+        let id = id_after(server, "rpc.server");
+        assert_eq!(id.len(), 8, "{server}");
+        assert!(id.chars().all(|c| c.is_ascii_hexdigit()), "{server}");
+        assert_eq!(id_after(client, "rpc.client"), id, "{client}\n{server}");
+        ids.push(id);
+    }
+    assert_ne!(ids[0], ids[1], "each call has its own id");
+    for line in text.lines() {
+        // Short: no attribute that only repeats the entry id, no escape codes off a terminal.
+        for noise in ["rpc.system", "otel.kind", "rpc.service", "client.port", "\u{1b}["] {
+            assert!(!line.contains(noise), "{noise:?} in {line:?}");
+        }
+    }
+    assert!(server_lines[0].contains("ergo.Logged.work"), "{}", server_lines[0]);
+}
+
+#[tokio::test]
+async fn on_a_terminal_the_lines_are_coloured() {
+    let text = logged_call(true).await;
+    let line = text
+        .lines()
+        .find(|l| l.contains("in the handler"))
+        .unwrap_or_else(|| panic!("{text}"));
+    assert!(line.contains("\u{1b}["), "{line:?}");
+}
