@@ -664,11 +664,25 @@ impl Attempts for &ClientAttempts<'_> {
             // No subscriber: skip the wrapper, which would move the whole attempt future once
             // more on every call.
             self.client
-                .call_once(self.method, addr, params, timeout_ms, deadline, self.call_id)
+                .call_once(
+                    self.method,
+                    addr,
+                    params,
+                    timeout_ms,
+                    deadline,
+                    self.call_id,
+                )
                 .await
         } else {
             self.client
-                .call_once(self.method, addr, params, timeout_ms, deadline, self.call_id)
+                .call_once(
+                    self.method,
+                    addr,
+                    params,
+                    timeout_ms,
+                    deadline,
+                    self.call_id,
+                )
                 .instrument(span.clone())
                 .await
         };

@@ -4,7 +4,6 @@
 use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex, PoisonError};
 
-
 use rpc_core::{GovernanceOptions, RpcError, ShuntStrategy, StatusCode};
 use rpc_governance::health::EndpointHealth;
 use rpc_registry::{Endpoints, ServiceWatch};

@@ -224,7 +224,8 @@ mod tests {
         assert_eq!(cache.builds(), 1);
         // The watch announces a change: the ring is rebuilt there, once, and the calls that
         // follow find it ready.
-        let second: Endpoints = Arc::new(vec![instance("a:1", "a", None), instance("b:1", "b", None)]);
+        let second: Endpoints =
+            Arc::new(vec![instance("a:1", "a", None), instance("b:1", "b", None)]);
         cache.refresh(&second);
         cache.refresh(&second);
         assert_eq!(cache.builds(), 2);

@@ -447,7 +447,12 @@ mod otel {
 
         fn record(&self, code: Option<StatusCode>, outcome: &'static str) {
             let [service, method, system] = attributes(self.method);
-            let mut attrs = vec![service, method, system, KeyValue::new("rpc.outcome", outcome)];
+            let mut attrs = vec![
+                service,
+                method,
+                system,
+                KeyValue::new("rpc.outcome", outcome),
+            ];
             if let Some(code) = code {
                 attrs.push(KeyValue::new("rpc.status_code", i64::from(code.as_u32())));
             }

@@ -135,7 +135,10 @@ mod tests {
             ("zk://h:1", "unknown registry scheme \"zk\""),
             ("localhost", "expected embedded, static:FILE"),
             ("static:", "names no file"),
-            ("static:/nonexistent/rpc.toml", "cannot read static registry file"),
+            (
+                "static:/nonexistent/rpc.toml",
+                "cannot read static registry file",
+            ),
             ("etcd://", "etcd"),
         ] {
             match <dyn Registry>::from_url(url).await {

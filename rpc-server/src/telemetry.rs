@@ -100,14 +100,19 @@ impl CallWatch {
 
     /// The call ended with `result`; `fallback` is the handler's failure a fallback answered
     /// for, if one did.
-    pub(crate) fn finish(&mut self, result: &Result<Bytes, RpcError>, fallback: Option<StatusCode>) {
+    pub(crate) fn finish(
+        &mut self,
+        result: &Result<Bytes, RpcError>,
+        fallback: Option<StatusCode>,
+    ) {
         self.done = true;
         record_result(&self.span, result);
         match (result, fallback) {
             (Ok(_), Some(cause)) => {
                 if !self.span.is_disabled() {
                     self.span.record("outcome", "fallback");
-                    self.span.record("rpc.fallback.cause", i64::from(cause.as_u32()));
+                    self.span
+                        .record("rpc.fallback.cause", i64::from(cause.as_u32()));
                 }
                 self.metrics.finish(cause, "fallback");
             }
@@ -133,13 +138,11 @@ impl Drop for CallWatch {
             return;
         }
         let elapsed_ms = now.saturating_duration_since(self.started).as_millis() as u64;
-        let budget_ms = self
-            .deadline
-            .map_or(0, |d| {
-                d.saturating_duration_since(self.started)
-                    .as_micros()
-                    .div_ceil(1000) as u64
-            });
+        let budget_ms = self.deadline.map_or(0, |d| {
+            d.saturating_duration_since(self.started)
+                .as_micros()
+                .div_ceil(1000) as u64
+        });
         let budget = match self.deadline {
             Some(_) => format!("{budget_ms} ms budget"),
             None => "no deadline".to_string(),
@@ -149,7 +152,9 @@ impl Drop for CallWatch {
                 .record("rpc.status_code", i64::from(StatusCode::Timeout.as_u32()));
             (
                 "timeout",
-                format!("handler dropped at the caller's deadline after {elapsed_ms} ms ({budget})"),
+                format!(
+                    "handler dropped at the caller's deadline after {elapsed_ms} ms ({budget})"
+                ),
             )
         } else {
             (
@@ -309,7 +314,12 @@ mod otel {
         /// the caller's `Cancel` (`cancelled`, no status).
         pub(crate) fn dropped(&self, code: Option<StatusCode>, outcome: &'static str) {
             let [service, method, system] = attributes(self.method);
-            let mut attrs = vec![service, method, system, KeyValue::new("rpc.outcome", outcome)];
+            let mut attrs = vec![
+                service,
+                method,
+                system,
+                KeyValue::new("rpc.outcome", outcome),
+            ];
             if let Some(code) = code {
                 attrs.push(KeyValue::new("rpc.status_code", i64::from(code.as_u32())));
             }

@@ -55,13 +55,13 @@
 #![warn(missing_docs)]
 
 pub use rpc_client::{answered_by, Client, ClientBuilder, RingKey};
-pub use rpc_governance::breaker::BreakerState;
-pub use rpc_governance::events::{EventBus, EventKind, GovernanceEvent};
-pub use rpc_governance::fallback::cause as fallback_cause;
 pub use rpc_core::{
     Codec, GovernanceOptions, GovernanceOverrides, MethodDescriptor, RemoteError, RpcContext,
     RpcError, ServiceEntry, ServiceEntryId, ServiceId, ShuntStrategy, StatusCode,
 };
+pub use rpc_governance::breaker::BreakerState;
+pub use rpc_governance::events::{EventBus, EventKind, GovernanceEvent};
+pub use rpc_governance::fallback::cause as fallback_cause;
 pub use rpc_macros::service;
 #[cfg(feature = "etcd")]
 pub use rpc_registry::{EtcdOptions, EtcdRegistry};

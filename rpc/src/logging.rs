@@ -109,7 +109,11 @@ impl<'w> FormatFields<'w> for ShortFields {
         if let Some(id) = visitor.call_id.take() {
             // Recorded once the span exists, the call id still comes first.
             let rest = std::mem::take(&mut current.fields);
-            current.fields = if rest.is_empty() { id } else { format!("{id} {rest}") };
+            current.fields = if rest.is_empty() {
+                id
+            } else {
+                format!("{id} {rest}")
+            };
         }
         if visitor.out.is_empty() {
             return Ok(());
@@ -140,8 +144,14 @@ enum Shown {
 
 fn shown(name: &str) -> Shown {
     match name {
-        "otel.kind" | "rpc.system" | "rpc.service" | "rpc.method" | "otel.status_code"
-        | "otel.status_description" | "client.address" | "client.port" => Shown::Hidden,
+        "otel.kind"
+        | "rpc.system"
+        | "rpc.service"
+        | "rpc.method"
+        | "otel.status_code"
+        | "otel.status_description"
+        | "client.address"
+        | "client.port" => Shown::Hidden,
         "message" | "call_id" | "rpc.entry_id" => Shown::Bare,
         "server.address" => Shown::Named("to"),
         "server.port" => Shown::Suffix(":"),
@@ -182,7 +192,11 @@ impl ShortVisitor {
             }
             Shown::Named(label) => {
                 sep(&mut self.out);
-                let label = if label.is_empty() { field.name() } else { label };
+                let label = if label.is_empty() {
+                    field.name()
+                } else {
+                    label
+                };
                 write!(self.out, "{label}={value}")
             }
         };

@@ -235,7 +235,11 @@ async fn serve(meter: &opentelemetry::metrics::Meter) -> (ServerHandle, Probe) {
     (server, Probe { entered, dropped })
 }
 
-fn client_of(server: &ServerHandle, meter: &opentelemetry::metrics::Meter, timeout_ms: u64) -> Client {
+fn client_of(
+    server: &ServerHandle,
+    meter: &opentelemetry::metrics::Meter,
+    timeout_ms: u64,
+) -> Client {
     Client::builder()
         .meter(meter.clone())
         .registry(StaticRegistry::from_list(&server.local_addr().to_string()).unwrap())
@@ -277,7 +281,10 @@ async fn a_call_its_caller_drops_ends_both_spans_cancelled_and_is_counted() {
     for name in ["rpc.client", "rpc.client.attempt", "rpc.server"] {
         let span = one(&spans, name);
         let description = error_description(span);
-        assert!(description.contains("cancelled by"), "{name}: {description}");
+        assert!(
+            description.contains("cancelled by"),
+            "{name}: {description}"
+        );
         // The call's budget, or what was left of it when the attempt started.
         let budget: u64 = description
             .rsplit_once(" ms budget")
@@ -296,14 +303,23 @@ async fn a_call_its_caller_drops_ends_both_spans_cancelled_and_is_counted() {
 
     // A debug line on each side with the time the call ran and its budget.
     let lines = seen.lines.text();
-    for what in ["call cancelled by its caller", "handler cancelled by the caller"] {
+    for what in [
+        "call cancelled by its caller",
+        "handler cancelled by the caller",
+    ] {
         let line = lines
             .lines()
             .find(|l| l.contains(what))
             .unwrap_or_else(|| panic!("no debug line {what:?} in:\n{lines}"));
         assert!(line.contains("DEBUG"), "{line}");
-        assert!(line.contains("elapsed_ms=") && line.contains("budget_ms=60000"), "{line}");
-        assert!(line.contains("cancel.Slow.forever"), "the line names the entry: {line}");
+        assert!(
+            line.contains("elapsed_ms=") && line.contains("budget_ms=60000"),
+            "{line}"
+        );
+        assert!(
+            line.contains("cancel.Slow.forever"),
+            "the line names the entry: {line}"
+        );
     }
     server.shutdown().await;
 }
@@ -339,7 +355,11 @@ async fn a_call_dropped_at_its_deadline_ends_its_spans_with_519_and_the_event_na
     .await;
     for name in ["rpc.client", "rpc.client.attempt"] {
         let span = one(&spans, name);
-        assert_eq!(attr(span, "rpc.status_code"), Some(Value::I64(519)), "{name}");
+        assert_eq!(
+            attr(span, "rpc.status_code"),
+            Some(Value::I64(519)),
+            "{name}"
+        );
         error_description(span);
     }
     // The server's handler ends by its own deadline (519) or by the Cancel the client sends
@@ -379,7 +399,11 @@ async fn a_fallback_answer_is_counted_apart_says_fallback_and_reads_its_cause() 
     let m = seen.metrics();
     let broken = ("rpc.method", Value::from("broken"));
     assert_eq!(
-        counter(&m, "rpc.client.calls", &[broken.clone(), ("rpc.status_code", Value::I64(200))]),
+        counter(
+            &m,
+            "rpc.client.calls",
+            &[broken.clone(), ("rpc.status_code", Value::I64(200))]
+        ),
         0,
         "not a real success"
     );
@@ -419,18 +443,28 @@ async fn a_server_fallback_reads_its_cause_and_is_counted_apart() {
             .registry(StaticRegistry::from_list(&server.local_addr().to_string()).unwrap())
             .build(),
     );
-    assert_eq!(slow.broken().await.unwrap(), StatusCode::ServerError.as_u32());
+    assert_eq!(
+        slow.broken().await.unwrap(),
+        StatusCode::ServerError.as_u32()
+    );
     let m = seen.metrics();
     assert_eq!(
         counter(
             &m,
             "rpc.server.calls",
-            &[("rpc.outcome", "fallback".into()), ("rpc.status_code", Value::I64(520))]
+            &[
+                ("rpc.outcome", "fallback".into()),
+                ("rpc.status_code", Value::I64(520))
+            ]
         ),
         1
     );
     assert_eq!(
-        counter(&m, "rpc.server.calls", &[("rpc.status_code", Value::I64(200))]),
+        counter(
+            &m,
+            "rpc.server.calls",
+            &[("rpc.status_code", Value::I64(200))]
+        ),
         0
     );
     server.shutdown().await;
@@ -466,7 +500,12 @@ async fn the_gauges_reach_the_final_flush_after_the_client_is_dropped() {
     drop((slow, client));
     let m = seen.metrics();
     assert_eq!(
-        gauge(&m, "rpc.client.breaker_state", "rpc.entry_id", "cancel.Slow.broken"),
+        gauge(
+            &m,
+            "rpc.client.breaker_state",
+            "rpc.entry_id",
+            "cancel.Slow.broken"
+        ),
         Some(2),
         "the open breaker is in the final flush"
     );

@@ -38,14 +38,18 @@ async fn a_registry_from_a_url_reaches_a_real_server() {
     let url = server.local_addr().to_string();
     let registry = <dyn Registry>::from_url(&url).await.unwrap();
     let echo = EchoClient::new(Client::builder().shared_registry(registry).build());
-    assert_eq!(within("a call", echo.echo("hi".into())).await.unwrap(), "hi");
+    assert_eq!(
+        within("a call", echo.echo("hi".into())).await.unwrap(),
+        "hi"
+    );
 
     let err = <dyn Registry>::from_url("consul://127.0.0.1:8500")
         .await
         .err()
         .expect("an unknown scheme is refused");
     assert!(
-        err.to_string().contains("unknown registry scheme \"consul\""),
+        err.to_string()
+            .contains("unknown registry scheme \"consul\""),
         "{err}"
     );
 }
@@ -205,7 +209,10 @@ async fn sigterm_deregisters_lets_the_call_in_flight_finish_and_exits_cleanly() 
         }
     })
     .await;
-    assert!(!call.is_finished(), "the held call ended before it was released");
+    assert!(
+        !call.is_finished(),
+        "the held call ended before it was released"
+    );
 
     // Released, the call in flight finishes with its answer, and the process exits cleanly.
     let stdin = server.child.stdin.as_mut().expect("piped stdin");
@@ -256,7 +263,11 @@ fn hash_client(registry: &InProcessRegistry, key: rpc::RingKey) -> ShardClient {
 async fn owners(client: &ShardClient) -> Vec<String> {
     let mut out = Vec::new();
     for key in 0..200u64 {
-        out.push(within("a hash-routed call", client.owner(key)).await.unwrap());
+        out.push(
+            within("a hash-routed call", client.owner(key))
+                .await
+                .unwrap(),
+        );
     }
     out
 }
@@ -386,8 +397,14 @@ async fn logged_call(terminal: bool) -> String {
 #[tokio::test]
 async fn one_call_shows_the_same_short_id_on_client_and_server_lines() {
     let text = logged_call(false).await;
-    let server_lines: Vec<&str> = text.lines().filter(|l| l.contains("in the handler")).collect();
-    let client_lines: Vec<&str> = text.lines().filter(|l| l.contains("event=fallback")).collect();
+    let server_lines: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("in the handler"))
+        .collect();
+    let client_lines: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("event=fallback"))
+        .collect();
     assert_eq!((server_lines.len(), client_lines.len()), (2, 2), "{text}");
     let mut ids = Vec::new();
     for (server, client) in server_lines.iter().zip(&client_lines) {
@@ -400,11 +417,21 @@ async fn one_call_shows_the_same_short_id_on_client_and_server_lines() {
     assert_ne!(ids[0], ids[1], "each call has its own id");
     for line in text.lines() {
         // Short: no attribute that only repeats the entry id, no escape codes off a terminal.
-        for noise in ["rpc.system", "otel.kind", "rpc.service", "client.port", "\u{1b}["] {
+        for noise in [
+            "rpc.system",
+            "otel.kind",
+            "rpc.service",
+            "client.port",
+            "\u{1b}[",
+        ] {
             assert!(!line.contains(noise), "{noise:?} in {line:?}");
         }
     }
-    assert!(server_lines[0].contains("ergo.Logged.work"), "{}", server_lines[0]);
+    assert!(
+        server_lines[0].contains("ergo.Logged.work"),
+        "{}",
+        server_lines[0]
+    );
 }
 
 #[tokio::test]

@@ -499,7 +499,10 @@ async fn metrics_after_a_retry_an_open_breaker_and_a_fallback() {
     let fallback_answers = counter(
         &m,
         "rpc.client.calls",
-        &[("rpc.method", "fail".into()), ("rpc.outcome", "fallback".into())],
+        &[
+            ("rpc.method", "fail".into()),
+            ("rpc.outcome", "fallback".into()),
+        ],
     );
     assert_eq!(fallback_answers, fail_calls, "the fallback answered");
     let server_calls = |code: StatusCode| {
