@@ -44,7 +44,7 @@ impl dyn Registry {
         Self::from_url_with_lease(url, None).await
     }
 
-    /// Like [`from_url`](<dyn Registry>::from_url), with the lease of the instances this
+    /// Like [`from_url`](trait.Registry.html#method.from_url), with the lease of the instances this
     /// process registers (etcd: a killed server disappears after this long; the default is
     /// 10 s). The embedded backends have no lease and ignore it.
     pub async fn from_url_with_lease(
