@@ -490,7 +490,7 @@ impl Client {
         let call_id = telemetry::call_id(&span);
         let call_span = span.clone();
         async move {
-            let deadline = rpc_governance::timeout::deadline(&policy.options());
+            let deadline = || rpc_governance::timeout::deadline(&policy.options());
             let watch =
                 telemetry::CallWatch::new(call_span, self.inner.metrics.start(method), deadline);
             let mut fallback_cause = None;

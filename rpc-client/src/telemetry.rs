@@ -115,7 +115,7 @@ fn record_dropped(span: &Span, what: &str, started: Instant, deadline: Option<In
         return timed_out;
     }
     let elapsed_ms = now.saturating_duration_since(started).as_millis() as u64;
-    let budget_ms = deadline.map_or(0, |d| ceil_ms(d.saturating_duration_since(started)));
+    let budget_ms = deadline.map_or(0, |d| round_ms(d.saturating_duration_since(started)));
     let budget = match deadline {
         Some(_) => format!("{budget_ms} ms budget"),
         None => "no deadline".to_string(),
@@ -139,10 +139,10 @@ fn record_dropped(span: &Span, what: &str, started: Instant, deadline: Option<In
     timed_out
 }
 
-/// Whole milliseconds, rounded up: a budget measured a few microseconds after its deadline was
-/// set reads as the budget given.
-fn ceil_ms(d: std::time::Duration) -> u64 {
-    d.as_micros().div_ceil(1000) as u64
+/// Whole milliseconds, rounded to the nearest: a budget measured a few microseconds after its
+/// deadline was set reads as the budget given.
+fn round_ms(d: std::time::Duration) -> u64 {
+    d.as_micros().saturating_add(500) as u64 / 1000
 }
 
 /// Watches one call: however it ends (an answer, a fallback's answer, or its future dropped by
@@ -150,18 +150,26 @@ fn ceil_ms(d: std::time::Duration) -> u64 {
 pub(crate) struct CallWatch<'a> {
     span: Span,
     metrics: CallGuard<'a>,
-    started: Instant,
-    deadline: Option<Instant>,
+    /// When the call started and its deadline; read only when something watches (a span or
+    /// the metrics), so an unobserved call pays no clock reading for it.
+    started: Option<(Instant, Option<Instant>)>,
     done: bool,
 }
 
 impl<'a> CallWatch<'a> {
-    pub(crate) fn new(span: Span, metrics: CallGuard<'a>, deadline: Option<Instant>) -> Self {
+    pub(crate) fn new(
+        span: Span,
+        metrics: CallGuard<'a>,
+        deadline: impl FnOnce() -> Option<Instant>,
+    ) -> Self {
+        let watched = !span.is_disabled() || cfg!(feature = "otel");
         CallWatch {
             span,
             metrics,
-            started: Instant::now(),
-            deadline,
+            started: watched.then(|| {
+                let deadline = deadline();
+                (Instant::now(), deadline)
+            }),
             done: false,
         }
     }
@@ -185,8 +193,8 @@ impl<'a> CallWatch<'a> {
 
 impl Drop for CallWatch<'_> {
     fn drop(&mut self) {
-        if !self.done {
-            let timed_out = record_dropped(&self.span, "call", self.started, self.deadline);
+        if let (false, Some((started, deadline))) = (self.done, self.started) {
+            let timed_out = record_dropped(&self.span, "call", started, deadline);
             self.metrics.dropped(timed_out);
         }
     }
@@ -195,17 +203,17 @@ impl Drop for CallWatch<'_> {
 /// Watches one attempt, like [`CallWatch`] (attempts have no metrics of their own).
 pub(crate) struct AttemptWatch {
     span: Span,
-    started: Instant,
-    deadline: Option<Instant>,
+    /// When the attempt started and its deadline, when its span is enabled.
+    started: Option<(Instant, Option<Instant>)>,
     done: bool,
 }
 
 impl AttemptWatch {
     pub(crate) fn new(span: Span, deadline: Option<Instant>) -> Self {
+        let started = (!span.is_disabled()).then(|| (Instant::now(), deadline));
         AttemptWatch {
             span,
-            started: Instant::now(),
-            deadline,
+            started,
             done: false,
         }
     }
@@ -219,8 +227,8 @@ impl AttemptWatch {
 
 impl Drop for AttemptWatch {
     fn drop(&mut self) {
-        if !self.done {
-            record_dropped(&self.span, "attempt", self.started, self.deadline);
+        if let (false, Some((started, deadline))) = (self.done, self.started) {
+            record_dropped(&self.span, "attempt", started, deadline);
         }
     }
 }

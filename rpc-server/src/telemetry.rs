@@ -82,17 +82,20 @@ pub(crate) fn record_error(span: &Span, code: StatusCode, message: &str) {
 pub(crate) struct CallWatch {
     span: Span,
     metrics: CallGuard,
-    started: Instant,
+    /// When the call started; read only when something watches (the span or the metrics), so
+    /// an unobserved call pays no clock reading for it.
+    started: Option<Instant>,
     deadline: Option<Instant>,
     done: bool,
 }
 
 impl CallWatch {
     pub(crate) fn new(span: Span, metrics: CallGuard, deadline: Option<Instant>) -> Self {
+        let watched = !span.is_disabled() || cfg!(feature = "otel");
         CallWatch {
             span,
             metrics,
-            started: Instant::now(),
+            started: watched.then(Instant::now),
             deadline,
             done: false,
         }
@@ -124,9 +127,9 @@ impl CallWatch {
 
 impl Drop for CallWatch {
     fn drop(&mut self) {
-        if self.done {
+        let (false, Some(started)) = (self.done, self.started) else {
             return;
-        }
+        };
         let now = Instant::now();
         let timed_out = self.deadline.is_some_and(|d| now >= d);
         if timed_out {
@@ -137,9 +140,9 @@ impl Drop for CallWatch {
         if self.span.is_disabled() {
             return;
         }
-        let elapsed_ms = now.saturating_duration_since(self.started).as_millis() as u64;
+        let elapsed_ms = now.saturating_duration_since(started).as_millis() as u64;
         let budget_ms = self.deadline.map_or(0, |d| {
-            d.saturating_duration_since(self.started)
+            d.saturating_duration_since(started)
                 .as_micros()
                 .div_ceil(1000) as u64
         });
