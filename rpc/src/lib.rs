@@ -16,6 +16,9 @@
 //! and OpenTelemetry metrics (`rpc.client.duration`, `rpc.server.duration`, call counters,
 //! in-flight counts and governance events by kind).
 //!
+//! With feature `logging` (on by default), [`logging::init`] prints those spans as short lines
+//! for people, with a call id the client's and the server's lines of one call share.
+//!
 //! Governance decisions (retry, break, half-open, reset, timeout, overflow, fallback, reload,
 //! ejection) reach [`Client::events`] and [`ServerHandle::events`] subscribers as
 //! [`GovernanceEvent`]s of an [`EventKind`] on an [`EventBus`]; [`Client::breakers`] and
