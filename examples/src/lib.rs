@@ -59,58 +59,6 @@ impl Echo for EchoService {
     }
 }
 
-/// The registry named by a program's `--registry` flag:
-///
-/// - `embedded` (the default): an in-process registry, for servers and clients of one process;
-/// - `static:<file>`: a TOML list of endpoints (see `rpc::StaticRegistry`);
-/// - `etcd://host:port[,host:port...]`: an etcd cluster, with `ttl` as the lease of what this
-///   process registers (needs the `etcd` feature).
-pub async fn registry_from_flag(
-    flag: &str,
-    ttl: std::time::Duration,
-) -> Result<std::sync::Arc<dyn rpc::Registry>, String> {
-    use std::sync::Arc;
-    if flag == "embedded" {
-        return Ok(Arc::new(rpc::InProcessRegistry::new()));
-    }
-    if let Some(file) = flag.strip_prefix("static:") {
-        return rpc::StaticRegistry::from_file(file)
-            .map(|r| Arc::new(r) as Arc<dyn rpc::Registry>)
-            .map_err(|e| e.to_string());
-    }
-    if flag.starts_with("etcd://") {
-        return etcd_registry(flag, ttl).await;
-    }
-    Err(format!(
-        "unknown registry {flag:?}: expected embedded, static:<file> or etcd://host:port"
-    ))
-}
-
-#[cfg(feature = "etcd")]
-async fn etcd_registry(
-    url: &str,
-    ttl: std::time::Duration,
-) -> Result<std::sync::Arc<dyn rpc::Registry>, String> {
-    let options = rpc::EtcdOptions {
-        lease_ttl: ttl,
-        ..Default::default()
-    };
-    rpc::EtcdRegistry::from_url_with_options(url, options)
-        .await
-        .map(|r| std::sync::Arc::new(r) as std::sync::Arc<dyn rpc::Registry>)
-        .map_err(|e| e.to_string())
-}
-
-#[cfg(not(feature = "etcd"))]
-async fn etcd_registry(
-    url: &str,
-    _ttl: std::time::Duration,
-) -> Result<std::sync::Arc<dyn rpc::Registry>, String> {
-    Err(format!(
-        "{url}: this build has no etcd support; rebuild with `--features etcd` (needs protoc)"
-    ))
-}
-
 /// What `--telemetry` installed; dropping it flushes and stops the exporters.
 #[derive(Debug)]
 pub struct TelemetryGuard {

@@ -25,6 +25,7 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use crate::endpoints::ServiceState;
+use crate::shunt::RingKey;
 use crate::status::{EndpointStatus, FIRST_PROBE_INTERVAL, MAX_PROBE_INTERVAL};
 use crate::telemetry;
 
@@ -45,6 +46,14 @@ struct Inner {
     metrics: telemetry::Metrics,
     /// Removed endpoints a background task is probing.
     probing: Mutex<HashSet<String>>,
+    ring_keys: RingKeys,
+}
+
+/// What places instances on each service's hash ring.
+#[derive(Default)]
+struct RingKeys {
+    default: RingKey,
+    services: HashMap<String, RingKey>,
 }
 
 /// Builds a [`Client`].
@@ -55,6 +64,7 @@ pub struct ClientBuilder {
     connections_per_endpoint: usize,
     layers: Layers,
     fallbacks: HashMap<&'static str, Arc<dyn Service>>,
+    ring_keys: RingKeys,
     #[cfg(feature = "otel")]
     meter: Option<opentelemetry::metrics::Meter>,
 }
@@ -68,6 +78,7 @@ impl Default for ClientBuilder {
             connections_per_endpoint: 1,
             layers: Layers::default(),
             fallbacks: HashMap::new(),
+            ring_keys: RingKeys::default(),
             #[cfg(feature = "otel")]
             meter: None,
         }
@@ -151,6 +162,20 @@ impl ClientBuilder {
         self
     }
 
+    /// What places instances on the consistent-hash ring of every service (their address by
+    /// default). [`RingKey::InstanceId`] or [`RingKey::Metadata`] keep a shard's keys when it
+    /// restarts on another address; every client of the service should use the same choice.
+    pub fn ring_key(mut self, key: RingKey) -> Self {
+        self.ring_keys.default = key;
+        self
+    }
+
+    /// Like [`ring_key`](Self::ring_key), for one service only.
+    pub fn service_ring_key(mut self, service_id: impl Into<String>, key: RingKey) -> Self {
+        self.ring_keys.services.insert(service_id.into(), key);
+        self
+    }
+
     /// Overrides for one entry (`"<service id>.<method>"`) or a whole service (`"<service id>"`),
     /// at the runtime level (above every other layer); entry overrides apply after service
     /// ones. [`Client::update_options`] changes them later.
@@ -220,8 +245,8 @@ impl ClientBuilder {
                 telemetry::Metrics::new(
                     &meter,
                     governance.events(),
-                    Box::new(move || b.upgrade().map(|i| i.breaker_gauge()).unwrap_or_default()),
-                    Box::new(move || e.upgrade().map(|i| i.health_gauge()).unwrap_or_default()),
+                    Box::new(move || b.upgrade().map(|i| i.breaker_gauge())),
+                    Box::new(move || e.upgrade().map(|i| i.health_gauge())),
                 )
             };
             #[cfg(not(feature = "otel"))]
@@ -235,9 +260,20 @@ impl ClientBuilder {
                 fallbacks: self.fallbacks,
                 metrics,
                 probing: Mutex::new(HashSet::new()),
+                ring_keys: self.ring_keys,
             }
         });
         Client { inner }
+    }
+}
+
+/// The gauges' last values stay for the next collection: a program's final metrics flush
+/// often comes after its client is dropped.
+#[cfg(feature = "otel")]
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.metrics
+            .freeze(self.breaker_gauge(), self.health_gauge());
     }
 }
 
@@ -535,6 +571,39 @@ impl Client {
             .map_err(|e| RpcError::new(StatusCode::NotFindServiceRoute, e.to_string()))
     }
 
+    /// Waits until the registry announces at least one endpoint of `service_id`, up to
+    /// `timeout`, and returns them: for a program that starts next to its servers and should
+    /// not make its first call before one is up. It waits on the registry's watch (no polling).
+    ///
+    /// Fails with [`StatusCode::NotFindServiceRoute`] when `timeout` passes first, or at once
+    /// when the registry can announce nothing more (a static list without the service).
+    pub async fn wait_for_endpoints(
+        &self,
+        service_id: &str,
+        timeout: Duration,
+    ) -> Result<rpc_registry::Endpoints, RpcError> {
+        let deadline = Instant::now() + timeout;
+        let mut watch = self.watch(service_id).await?;
+        loop {
+            let current = watch.current();
+            if !current.is_empty() {
+                return Ok(current);
+            }
+            let why = match tokio::time::timeout_at(deadline, watch.changed()).await {
+                Ok(Ok(())) => continue,
+                Ok(Err(_)) => "the registry will announce none (a static list without it?)".into(),
+                Err(_) => format!("none after waiting {} ms", timeout.as_millis()),
+            };
+            return Err(RpcError::new(
+                StatusCode::NotFindServiceRoute,
+                format!(
+                    "no endpoint of {service_id}: {why}; start a server for it, or check the \
+                     client's registry"
+                ),
+            ));
+        }
+    }
+
     async fn service(&self, service_id: &'static str) -> Result<Arc<ServiceState>, RpcError> {
         if let Some(s) = self.inner.services.get(service_id) {
             return Ok(s.clone());
@@ -547,7 +616,9 @@ impl Client {
             .entry(service_id)
             .or_insert_with(|| {
                 fresh = true;
-                Arc::new(ServiceState::new(watch.clone()))
+                let keys = &self.inner.ring_keys;
+                let key = keys.services.get(service_id).unwrap_or(&keys.default);
+                Arc::new(ServiceState::new(watch.clone(), key.clone()))
             })
             .clone();
         if fresh {
@@ -560,6 +631,10 @@ impl Client {
                 while watch.changed().await.is_ok() {
                     let Some(inner) = inner.upgrade() else { return };
                     publish(&inner.governance, service_id, &watch.current());
+                    let state = inner.services.get(service_id).map(|s| s.clone());
+                    if let Some(state) = state {
+                        state.refresh_ring();
+                    }
                 }
             });
         }
@@ -599,18 +674,23 @@ impl Client {
             _ => (None, None),
         };
         let span = telemetry::call_span(method);
+        let call_id = telemetry::call_id(&span);
         let call_span = span.clone();
         async move {
             if let Some(e) = misconfigured {
                 return Err(e);
             }
-            let metrics = self.inner.metrics.start(method);
+            let deadline = || rpc_governance::timeout::deadline(&policy.options());
+            let watch =
+                telemetry::CallWatch::new(call_span, self.inner.metrics.start(method), deadline);
+            let mut fallback_cause = None;
             let attempts = ClientAttempts {
                 client: self,
                 method,
                 service: None,
                 params: &params,
                 hash_key,
+                call_id: call_id.as_deref(),
                 made: AtomicU32::new(0),
                 last_failed: Mutex::new(None),
                 connection: AtomicU64::new(0),
@@ -654,15 +734,21 @@ impl Client {
                                 made.into_inner().saturating_sub(1),
                                 Some(e.to_string()),
                             );
-                            run_fallback(fallback.as_ref(), method, params, self.codec(), e).await
+                            fallback_cause = Some(e.clone());
+                            let answer =
+                                run_fallback(fallback.as_ref(), method, params, self.codec(), e)
+                                    .await;
+                            if answer.is_ok() {
+                                crate::answered_by::record("fallback");
+                            }
+                            answer
                         }
                         None => Err(e),
                     }
                 }
                 (r, _, _) => r,
             };
-            telemetry::record_result(&call_span, &result);
-            metrics.finish(&result);
+            watch.finish(&result, fallback_cause.as_ref());
             result
         }
         .instrument(span)
@@ -678,8 +764,9 @@ impl Client {
         timeout_ms: u32,
         deadline: Option<Instant>,
         connection: &AtomicU64,
+        call_id: Option<&str>,
     ) -> Result<Bytes, RpcError> {
-        let attachments = telemetry::outgoing_attachments();
+        let attachments = telemetry::outgoing_attachments(call_id);
         let message = |params: Bytes, attachments| Call {
             service_entry_id: method.entry_id.into(),
             codec: self.inner.codec.to_wire(),
@@ -742,6 +829,8 @@ struct ClientAttempts<'a> {
     service: Option<&'a ServiceState>,
     params: &'a Bytes,
     hash_key: Option<u64>,
+    /// The call's short id, when the call is logged.
+    call_id: Option<&'a str>,
     /// Attempts made so far.
     made: AtomicU32,
     /// The endpoint of the last failed attempt (written only on failure), for the fallback
@@ -777,6 +866,7 @@ impl Attempts for &ClientAttempts<'_> {
     ) -> Result<Bytes, RpcError> {
         let attempt = self.made.fetch_add(1, Ordering::Relaxed);
         let span = telemetry::attempt_span(self.method, attempt, addr);
+        let watch = telemetry::AttemptWatch::new(span.clone(), deadline);
         let params = self.params.clone();
         let conn = &self.connection;
         conn.store(0, Ordering::Relaxed);
@@ -784,15 +874,31 @@ impl Attempts for &ClientAttempts<'_> {
             // No subscriber: skip the wrapper, which would move the whole attempt future once
             // more on every call.
             self.client
-                .call_once(self.method, addr, params, timeout_ms, deadline, conn)
+                .call_once(
+                    self.method,
+                    addr,
+                    params,
+                    timeout_ms,
+                    deadline,
+                    conn,
+                    self.call_id,
+                )
                 .await
         } else {
             self.client
-                .call_once(self.method, addr, params, timeout_ms, deadline, conn)
+                .call_once(
+                    self.method,
+                    addr,
+                    params,
+                    timeout_ms,
+                    deadline,
+                    conn,
+                    self.call_id,
+                )
                 .instrument(span.clone())
                 .await
         };
-        telemetry::record_result(&span, &result);
+        watch.finish(&result);
         if result.is_err() {
             *self.last_failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(addr.to_string());
         }
@@ -864,7 +970,7 @@ async fn run_fallback(
     else {
         return Err(cause);
     };
-    let answer = fallback.call(index, params, codec).await;
+    let answer = fallback::with_cause(cause.clone(), fallback.call(index, params, codec)).await;
     fallback::outcome(method.entry_id, cause, answer)
 }
 

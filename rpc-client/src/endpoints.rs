@@ -8,12 +8,13 @@ use rpc_core::{GovernanceOptions, RpcError, ShuntStrategy, StatusCode};
 use rpc_governance::health::EndpointHealth;
 use rpc_registry::{Endpoints, ServiceWatch};
 
-use crate::shunt::{self, HashRing};
+use crate::shunt::{self, RingCache, RingKey, RingSnapshot};
 
 pub(crate) struct ServiceState {
     watch: ServiceWatch,
     counter: AtomicUsize,
-    ring: Mutex<Option<(Endpoints, Arc<HashRing>)>>,
+    /// The hash ring of the current snapshot, rebuilt by the watch (see [`RingCache`]).
+    ring: RingCache,
     /// The snapshot last compared for re-announced endpoints.
     seen: Mutex<Endpoints>,
 }
@@ -40,12 +41,12 @@ fn rank(addr: &str, tried: &[String], health: &EndpointHealth) -> u8 {
 }
 
 impl ServiceState {
-    pub(crate) fn new(watch: ServiceWatch) -> Self {
+    pub(crate) fn new(watch: ServiceWatch, ring_key: RingKey) -> Self {
         let seen = Mutex::new(watch.current());
         ServiceState {
             watch,
             counter: AtomicUsize::new(0),
-            ring: Mutex::new(None),
+            ring: RingCache::new(ring_key),
             seen,
         }
     }
@@ -54,16 +55,14 @@ impl ServiceState {
         self.watch.current()
     }
 
-    fn ring(&self, eps: &Endpoints) -> Arc<HashRing> {
-        let mut cached = self.ring.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some((for_eps, ring)) = cached.as_ref() {
-            if Arc::ptr_eq(for_eps, eps) {
-                return ring.clone();
-            }
-        }
-        let ring = Arc::new(HashRing::new(eps.iter().map(|i| i.address.as_str())));
-        *cached = Some((eps.clone(), ring.clone()));
-        ring
+    fn ring(&self, eps: &Endpoints) -> Arc<RingSnapshot> {
+        self.ring.get(eps)
+    }
+
+    /// Called by the registry watch on every new snapshot: the hash ring is rebuilt here, off
+    /// the call path.
+    pub(crate) fn refresh_ring(&self) {
+        self.ring.refresh(&self.endpoints());
     }
 
     /// Endpoints the registry announces anew (absent from the previous snapshot) are no longer
@@ -117,7 +116,7 @@ impl ServiceState {
         if let (ShuntStrategy::Hash, Some(key)) = (options.shunt_strategy, hash_key) {
             let ring = self.ring(&eps);
             let mut best: Option<(u8, usize)> = None;
-            for idx in ring.walk(key) {
+            for idx in ring.ring.walk(key) {
                 let r = rank(&eps[idx].address, tried, health);
                 if best.is_none_or(|(b, _)| r < b) {
                     best = Some((r, idx));

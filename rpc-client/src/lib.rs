@@ -36,4 +36,5 @@ mod telemetry;
 
 pub use answered_by::answered_by;
 pub use client::{Client, ClientBuilder};
+pub use shunt::RingKey;
 pub use status::{EndpointState, EndpointStatus};

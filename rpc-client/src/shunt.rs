@@ -1,9 +1,109 @@
 //! Shunt strategies: choosing one endpoint among a service's live endpoints.
+//!
+//! The consistent-hash ring is placed by a [`RingKey`] of each instance (its address by
+//! default), and built once per registry snapshot, when the snapshot changes, rather than on
+//! the call path: a call reads the ring of the current snapshot without taking a lock.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
 
+use arc_swap::ArcSwapOption;
 use rand::Rng;
 use rpc_core::stable_hash;
+use rpc_registry::{Endpoints, Instance};
+
+/// What places an instance on the consistent-hash ring. Clients that should agree on which
+/// server owns a key use the same choice.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum RingKey {
+    /// The instance's address (the default): a server that comes back on another port owns
+    /// other keys.
+    #[default]
+    Address,
+    /// The instance's id (`ServerBuilder::instance_id`; the address when the server sets
+    /// none): a shard that restarts on a new port under the same id keeps its keys.
+    InstanceId,
+    /// The value of this metadata key (`ServerBuilder::metadata`), such as a shard name; an
+    /// instance without it is placed by its address.
+    Metadata(String),
+}
+
+impl RingKey {
+    /// The string that places `instance` on the ring.
+    pub fn of<'a>(&self, instance: &'a Instance) -> &'a str {
+        match self {
+            RingKey::Address => &instance.address,
+            RingKey::InstanceId => &instance.id,
+            RingKey::Metadata(key) => instance
+                .metadata
+                .get(key)
+                .map_or(instance.address.as_str(), String::as_str),
+        }
+    }
+}
+
+/// The ring of one registry snapshot.
+#[derive(Debug)]
+pub(crate) struct RingSnapshot {
+    /// The snapshot the ring was built from; ring indices index it.
+    pub(crate) endpoints: Endpoints,
+    pub(crate) ring: HashRing,
+}
+
+/// The ring of a service's current snapshot: built when the registry announces a change
+/// ([`refresh`](Self::refresh)), read by calls without a lock ([`get`](Self::get)). Nothing is
+/// built for a service no call has routed by hash.
+#[derive(Debug, Default)]
+pub(crate) struct RingCache {
+    key: RingKey,
+    current: ArcSwapOption<RingSnapshot>,
+    builds: AtomicU64,
+}
+
+impl RingCache {
+    pub(crate) fn new(key: RingKey) -> Self {
+        RingCache {
+            key,
+            ..Default::default()
+        }
+    }
+
+    /// The ring of `endpoints`. Built here only for the first hash-routed call of a service,
+    /// or when a call sees a snapshot before the watch has rebuilt the ring for it.
+    pub(crate) fn get(&self, endpoints: &Endpoints) -> Arc<RingSnapshot> {
+        if let Some(snapshot) = self.current.load_full() {
+            if Arc::ptr_eq(&snapshot.endpoints, endpoints) {
+                return snapshot;
+            }
+        }
+        self.build(endpoints)
+    }
+
+    /// Rebuilds the ring for a new snapshot, if any call uses the ring.
+    pub(crate) fn refresh(&self, endpoints: &Endpoints) {
+        match self.current.load().as_ref() {
+            Some(snapshot) if !Arc::ptr_eq(&snapshot.endpoints, endpoints) => {}
+            _ => return,
+        }
+        self.build(endpoints);
+    }
+
+    fn build(&self, endpoints: &Endpoints) -> Arc<RingSnapshot> {
+        self.builds.fetch_add(1, Ordering::Relaxed);
+        let snapshot = Arc::new(RingSnapshot {
+            endpoints: endpoints.clone(),
+            ring: HashRing::new(endpoints.iter().map(|i| self.key.of(i))),
+        });
+        self.current.store(Some(snapshot.clone()));
+        snapshot
+    }
+
+    /// Rings built so far.
+    #[cfg(test)]
+    pub(crate) fn builds(&self) -> u64 {
+        self.builds.load(Ordering::Relaxed)
+    }
+}
 
 /// Virtual nodes per endpoint on the consistent-hash ring.
 pub const VIRTUAL_NODES: usize = 160;
@@ -91,6 +191,47 @@ mod tests {
                 assert_eq!(before, after);
             }
         }
+    }
+
+    fn instance(address: &str, id: &str, shard: Option<&str>) -> Arc<Instance> {
+        let mut i = Instance::new(address, ["s.S"]);
+        i.id = id.into();
+        if let Some(shard) = shard {
+            i.metadata.insert("shard".into(), shard.into());
+        }
+        Arc::new(i)
+    }
+
+    #[test]
+    fn the_ring_key_chooses_what_places_an_instance() {
+        let i = instance("10.0.0.1:7", "db-1", Some("east"));
+        assert_eq!(RingKey::Address.of(&i), "10.0.0.1:7");
+        assert_eq!(RingKey::InstanceId.of(&i), "db-1");
+        assert_eq!(RingKey::Metadata("shard".into()).of(&i), "east");
+        assert_eq!(RingKey::Metadata("zone".into()).of(&i), "10.0.0.1:7");
+    }
+
+    #[test]
+    fn a_ring_is_built_once_per_snapshot_by_the_watch_not_by_the_calls() {
+        let cache = RingCache::new(RingKey::Address);
+        let first: Endpoints = Arc::new(vec![instance("a:1", "a", None)]);
+        // No call has used the ring: a new snapshot builds nothing.
+        cache.refresh(&first);
+        assert_eq!(cache.builds(), 0);
+        // The first hash-routed call builds it; later calls of that snapshot share it.
+        let ring = cache.get(&first);
+        assert!(Arc::ptr_eq(&ring, &cache.get(&first)));
+        assert_eq!(cache.builds(), 1);
+        // The watch announces a change: the ring is rebuilt there, once, and the calls that
+        // follow find it ready.
+        let second: Endpoints =
+            Arc::new(vec![instance("a:1", "a", None), instance("b:1", "b", None)]);
+        cache.refresh(&second);
+        cache.refresh(&second);
+        assert_eq!(cache.builds(), 2);
+        let ring = cache.get(&second);
+        assert_eq!(cache.builds(), 2);
+        assert_eq!(ring.endpoints.len(), 2);
     }
 
     #[test]

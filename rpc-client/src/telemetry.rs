@@ -11,7 +11,8 @@
 use std::collections::BTreeMap;
 
 use bytes::Bytes;
-use rpc_core::{MethodDescriptor, RpcContext, RpcError, StatusCode};
+use rpc_core::{MethodDescriptor, RpcContext, RpcError, StatusCode, CALL_ID_KEY};
+use tokio::time::Instant;
 use tracing::field::{display, Empty};
 use tracing::Span;
 
@@ -24,10 +25,25 @@ pub(crate) fn call_span(method: &'static MethodDescriptor) -> Span {
         rpc.service = method.service_id,
         rpc.method = method.method,
         rpc.entry_id = method.entry_id,
+        call_id = Empty,
         rpc.status_code = Empty,
+        outcome = Empty,
+        rpc.fallback.cause = Empty,
         otel.status_code = Empty,
         otel.status_description = Empty,
     )
+}
+
+/// A short id for the call of `span` (8 hex digits), recorded on it as `call_id` and sent to
+/// the server as the [`CALL_ID_KEY`] attachment; `None` when the span is disabled (nothing
+/// logs the call, so nothing is generated or sent).
+pub(crate) fn call_id(span: &Span) -> Option<String> {
+    if span.is_disabled() {
+        return None;
+    }
+    let id = format!("{:08x}", rand::random::<u32>());
+    span.record("call_id", id.as_str());
+    Some(id)
 }
 
 /// The span of one attempt on `addr` (a child of the current call span).
@@ -77,6 +93,146 @@ pub(crate) fn record_result(span: &Span, result: &Result<Bytes, RpcError>) {
     }
 }
 
+/// Records on a call span that a fallback gave its answer: `outcome = "fallback"` and the
+/// status of the failure it answered for (`rpc.fallback.cause`).
+fn record_fallback(span: &Span, cause: &RpcError) {
+    if span.is_disabled() {
+        return;
+    }
+    span.record("rpc.status_code", i64::from(StatusCode::Success.as_u32()));
+    span.record("outcome", "fallback");
+    span.record("rpc.fallback.cause", i64::from(cause.code().as_u32()));
+}
+
+/// Records on `span` that the call or attempt it covers was dropped before it ended: at its
+/// deadline (519, `outcome = "timeout"`) or because its caller gave up (`outcome =
+/// "cancelled"`), with a debug line giving the time it ran and its budget. Returns whether the
+/// deadline had passed.
+fn record_dropped(span: &Span, what: &str, started: Instant, deadline: Option<Instant>) -> bool {
+    let now = Instant::now();
+    let timed_out = deadline.is_some_and(|d| now >= d);
+    if span.is_disabled() {
+        return timed_out;
+    }
+    let elapsed_ms = now.saturating_duration_since(started).as_millis() as u64;
+    let budget_ms = deadline.map_or(0, |d| round_ms(d.saturating_duration_since(started)));
+    let budget = match deadline {
+        Some(_) => format!("{budget_ms} ms budget"),
+        None => "no deadline".to_string(),
+    };
+    let (outcome, description) = if timed_out {
+        span.record("rpc.status_code", i64::from(StatusCode::Timeout.as_u32()));
+        (
+            "timeout",
+            format!("{what} dropped at its deadline after {elapsed_ms} ms ({budget})"),
+        )
+    } else {
+        (
+            "cancelled",
+            format!("{what} cancelled by its caller after {elapsed_ms} ms ({budget})"),
+        )
+    };
+    span.record("outcome", outcome);
+    span.record("otel.status_code", "ERROR");
+    span.record("otel.status_description", description.as_str());
+    span.in_scope(|| tracing::debug!(elapsed_ms, budget_ms, outcome, "{description}"));
+    timed_out
+}
+
+/// Whole milliseconds, rounded to the nearest: a budget measured a few microseconds after its
+/// deadline was set reads as the budget given.
+fn round_ms(d: std::time::Duration) -> u64 {
+    d.as_micros().saturating_add(500) as u64 / 1000
+}
+
+/// Watches one call: however it ends (an answer, a fallback's answer, or its future dropped by
+/// a caller that gave up), its span and its metrics say so.
+pub(crate) struct CallWatch<'a> {
+    span: Span,
+    metrics: CallGuard<'a>,
+    /// When the call started and its deadline; read only when something watches (a span or
+    /// the metrics), so an unobserved call pays no clock reading for it.
+    started: Option<(Instant, Option<Instant>)>,
+    done: bool,
+}
+
+impl<'a> CallWatch<'a> {
+    pub(crate) fn new(
+        span: Span,
+        metrics: CallGuard<'a>,
+        deadline: impl FnOnce() -> Option<Instant>,
+    ) -> Self {
+        let watched = !span.is_disabled() || cfg!(feature = "otel");
+        CallWatch {
+            span,
+            metrics,
+            started: watched.then(|| {
+                let deadline = deadline();
+                (Instant::now(), deadline)
+            }),
+            done: false,
+        }
+    }
+
+    /// The call ended with `result`; `fallback` is the failure a fallback answered for, if one
+    /// did.
+    pub(crate) fn finish(mut self, result: &Result<Bytes, RpcError>, fallback: Option<&RpcError>) {
+        self.done = true;
+        match (result, fallback) {
+            (Ok(_), Some(cause)) => {
+                record_fallback(&self.span, cause);
+                self.metrics.fallback(cause.code());
+            }
+            _ => {
+                record_result(&self.span, result);
+                self.metrics.finish(result);
+            }
+        }
+    }
+}
+
+impl Drop for CallWatch<'_> {
+    fn drop(&mut self) {
+        if let (false, Some((started, deadline))) = (self.done, self.started) {
+            let timed_out = record_dropped(&self.span, "call", started, deadline);
+            self.metrics.dropped(timed_out);
+        }
+    }
+}
+
+/// Watches one attempt, like [`CallWatch`] (attempts have no metrics of their own).
+pub(crate) struct AttemptWatch {
+    span: Span,
+    /// When the attempt started and its deadline, when its span is enabled.
+    started: Option<(Instant, Option<Instant>)>,
+    done: bool,
+}
+
+impl AttemptWatch {
+    pub(crate) fn new(span: Span, deadline: Option<Instant>) -> Self {
+        let started = (!span.is_disabled()).then(|| (Instant::now(), deadline));
+        AttemptWatch {
+            span,
+            started,
+            done: false,
+        }
+    }
+
+    /// The attempt ended with `result`.
+    pub(crate) fn finish(mut self, result: &Result<Bytes, RpcError>) {
+        self.done = true;
+        record_result(&self.span, result);
+    }
+}
+
+impl Drop for AttemptWatch {
+    fn drop(&mut self) {
+        if let (false, Some((started, deadline))) = (self.done, self.started) {
+            record_dropped(&self.span, "attempt", started, deadline);
+        }
+    }
+}
+
 /// `host:port` (or `[v6]:port`) split into host and port; no allocation.
 pub(crate) fn split_address(addr: &str) -> (&str, Option<u16>) {
     match addr.rsplit_once(':') {
@@ -91,22 +247,27 @@ pub(crate) fn split_address(addr: &str) -> (&str, Option<u16>) {
     }
 }
 
-/// The attachments of an outgoing call: the current [`RpcContext`]'s user attachments and, with
-/// feature `otel`, the W3C trace context of the current span (the attempt span).
-pub(crate) fn outgoing_attachments() -> BTreeMap<String, String> {
+/// The attachments of an outgoing call: the current [`RpcContext`]'s user attachments, the
+/// call's id when it is logged and, with feature `otel`, the W3C trace context of the current
+/// span (the attempt span).
+pub(crate) fn outgoing_attachments(call_id: Option<&str>) -> BTreeMap<String, String> {
     #[allow(unused_mut)]
     let mut attachments = RpcContext::current_attachments();
+    if let Some(id) = call_id {
+        attachments.insert(CALL_ID_KEY.to_string(), id.to_string());
+    }
     #[cfg(feature = "otel")]
     otel::inject(&mut attachments);
     attachments
 }
 
 #[cfg(feature = "otel")]
-pub(crate) use otel::Metrics;
+pub(crate) use otel::{CallGuard, Metrics};
 
 #[cfg(feature = "otel")]
 mod otel {
     use std::collections::BTreeMap;
+    use std::sync::{Arc, Mutex, PoisonError};
     use std::time::Instant;
 
     use bytes::Bytes;
@@ -150,10 +311,15 @@ mod otel {
         calls: Counter<u64>,
         in_flight: UpDownCounter<i64>,
         _gauges: Vec<ObservableGauge<i64>>,
+        /// The gauges' last values, reported by the next collection after the client is gone.
+        frozen: [Frozen; 2],
     }
 
-    /// Reads a state to report, as (label value, gauge value) pairs.
-    pub(crate) type Probe = Box<dyn Fn() -> Vec<(String, i64)> + Send + Sync>;
+    /// Reads a state to report, as (label value, gauge value) pairs; `None` once the client
+    /// is gone.
+    pub(crate) type Probe = Box<dyn Fn() -> Option<Vec<(String, i64)>> + Send + Sync>;
+
+    type Frozen = Arc<Mutex<Option<Vec<(String, i64)>>>>;
 
     fn gauge(
         meter: &Meter,
@@ -161,12 +327,20 @@ mod otel {
         doc: &'static str,
         label: &'static str,
         probe: Probe,
+        frozen: Frozen,
     ) -> ObservableGauge<i64> {
         meter
             .i64_observable_gauge(name)
             .with_description(doc)
             .with_callback(move |observer| {
-                for (key, value) in probe() {
+                let values = probe().unwrap_or_else(|| {
+                    frozen
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .take()
+                        .unwrap_or_default()
+                });
+                for (key, value) in values {
                     observer.observe(value, &[KeyValue::new(label, key)]);
                 }
             })
@@ -183,6 +357,7 @@ mod otel {
             endpoints: Probe,
         ) -> Self {
             events.count_in(meter, "client");
+            let frozen: [Frozen; 2] = Default::default();
             Metrics {
                 duration: meter
                     .f64_histogram("rpc.client.duration")
@@ -204,6 +379,7 @@ mod otel {
                         "Circuit breaker per entry: 0 closed, 1 half-open, 2 open",
                         "rpc.entry_id",
                         breakers,
+                        frozen[0].clone(),
                     ),
                     gauge(
                         meter,
@@ -211,8 +387,18 @@ mod otel {
                         "Endpoint as this client sees it: 0 healthy, 1 unhealthy for now, 2 removed",
                         "server.address",
                         endpoints,
+                        frozen[1].clone(),
                     ),
                 ],
+                frozen,
+            }
+        }
+
+        /// Keeps the gauges' last values for the collection after the client is dropped (the
+        /// final flush of a program that drops its client before its telemetry).
+        pub(crate) fn freeze(&self, breakers: Vec<(String, i64)>, endpoints: Vec<(String, i64)>) {
+            for (cell, values) in self.frozen.iter().zip([breakers, endpoints]) {
+                *cell.lock().unwrap_or_else(PoisonError::into_inner) = Some(values);
             }
         }
 
@@ -243,19 +429,41 @@ mod otel {
     }
 
     impl CallGuard<'_> {
-        /// Records the call's duration and final status.
+        /// Records the call's duration and final status (`rpc.outcome` success or error).
         pub(crate) fn finish(&self, result: &Result<Bytes, RpcError>) {
-            let code = match result {
-                Ok(_) => StatusCode::Success,
-                Err(e) => e.code(),
-            };
+            match result {
+                Ok(_) => self.record(Some(StatusCode::Success), "success"),
+                Err(e) => self.record(Some(e.code()), "error"),
+            }
+        }
+
+        /// Records a call a fallback answered for a failure with status `cause`: counted with
+        /// that status and `rpc.outcome = "fallback"`, apart from real successes.
+        pub(crate) fn fallback(&self, cause: StatusCode) {
+            self.record(Some(cause), "fallback");
+        }
+
+        /// Records a call whose future was dropped: at its deadline (519, `rpc.outcome =
+        /// "timeout"`) or by a caller that gave up (`rpc.outcome = "cancelled"`, no status).
+        pub(crate) fn dropped(&self, timed_out: bool) {
+            if timed_out {
+                self.record(Some(StatusCode::Timeout), "timeout");
+            } else {
+                self.record(None, "cancelled");
+            }
+        }
+
+        fn record(&self, code: Option<StatusCode>, outcome: &'static str) {
             let [service, method, system] = attributes(self.method);
-            let attrs = [
+            let mut attrs = vec![
                 service,
                 method,
                 system,
-                KeyValue::new("rpc.status_code", i64::from(code.as_u32())),
+                KeyValue::new("rpc.outcome", outcome),
             ];
+            if let Some(code) = code {
+                attrs.push(KeyValue::new("rpc.status_code", i64::from(code.as_u32())));
+            }
             let ms = self.started.elapsed().as_secs_f64() * 1000.0;
             self.metrics.duration.record(ms, &attrs);
             self.metrics.calls.add(1, &attrs);
@@ -272,26 +480,28 @@ mod otel {
 }
 
 #[cfg(not(feature = "otel"))]
-pub(crate) use noop::Metrics;
+pub(crate) use noop::{CallGuard, Metrics};
 
 #[cfg(not(feature = "otel"))]
 mod noop {
     use bytes::Bytes;
-    use rpc_core::{MethodDescriptor, RpcError};
+    use rpc_core::{MethodDescriptor, RpcError, StatusCode};
 
     /// Without feature `otel`: nothing.
     pub(crate) struct Metrics;
 
     impl Metrics {
-        pub(crate) fn start(&self, _: &'static MethodDescriptor) -> CallGuard {
-            CallGuard
+        pub(crate) fn start(&self, _: &'static MethodDescriptor) -> CallGuard<'_> {
+            CallGuard(std::marker::PhantomData)
         }
     }
 
-    pub(crate) struct CallGuard;
+    pub(crate) struct CallGuard<'a>(std::marker::PhantomData<&'a ()>);
 
-    impl CallGuard {
+    impl CallGuard<'_> {
         pub(crate) fn finish(&self, _: &Result<Bytes, RpcError>) {}
+        pub(crate) fn fallback(&self, _: StatusCode) {}
+        pub(crate) fn dropped(&self, _: bool) {}
     }
 }
 

@@ -19,6 +19,11 @@ tokio::task_local! {
 /// Attachment keys reserved for the W3C trace context; they are never user attachments.
 pub const TRACE_CONTEXT_KEYS: [&str; 2] = ["traceparent", "tracestate"];
 
+/// Attachment key of the short call id a client gives each call it logs (8 hex digits), so
+/// that the client's and the server's log lines of one call carry the same id. Sent only when
+/// the client's call span is enabled; never a user attachment (the server takes it out).
+pub const CALL_ID_KEY: &str = "rpc-call-id";
+
 /// The task-local call context. Every function is associated: the context belongs to the task
 /// running the future passed to [`scope`](Self::scope).
 ///

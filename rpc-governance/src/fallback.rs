@@ -50,6 +50,34 @@ pub fn outcome<T>(
     })
 }
 
+tokio::task_local! {
+    static CAUSE: RpcError;
+}
+
+/// Why the fallback running in this task runs: the error of the call (or, on a server, of the
+/// handler) it answers for. `None` outside a fallback. A fallback can use it to answer
+/// differently for an open breaker than for a timeout, or to log the cause.
+///
+/// ```
+/// # use rpc_core::{RpcError, StatusCode};
+/// # use rpc_governance::fallback;
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// let cause = RpcError::new(StatusCode::CircuitOpen, "breaker open");
+/// let seen = fallback::with_cause(cause, async { fallback::cause().map(|e| e.code()) }).await;
+/// assert_eq!(seen, Some(StatusCode::CircuitOpen));
+/// assert!(fallback::cause().is_none());
+/// # }
+/// ```
+pub fn cause() -> Option<RpcError> {
+    CAUSE.try_with(RpcError::clone).ok()
+}
+
+/// Runs `fallback` with `cause` readable through [`cause`].
+pub async fn with_cause<F: std::future::Future>(cause: RpcError, fallback: F) -> F::Output {
+    CAUSE.scope(cause, fallback).await
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -95,6 +95,8 @@ struct Ending {
     /// The final failure was an attempt running out of `attempt_timeout_ms`, not the call's
     /// deadline.
     attempt_timeout: bool,
+    /// The endpoint of the last failed attempt, which the timeout event names.
+    last_failed: Option<String>,
 }
 
 /// The cached part of one entry's pipeline: its options and runtime state.
@@ -334,7 +336,7 @@ impl Governance {
                 self.events.emit_parts(
                     EventKind::Timeout,
                     &policy.entry,
-                    None,
+                    ending.last_failed.as_deref(),
                     0,
                     Some(e.to_string()),
                 );
@@ -439,6 +441,7 @@ impl Governance {
                 // The callee's own logic answered: the endpoint is up.
                 self.health.success(&addr);
             }
+            ending.last_failed = Some(addr.clone());
             tried.push(addr);
             let untried_left = attempts.untried_left(&tried);
             let decision = if attempt_timed_out {

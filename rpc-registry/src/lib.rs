@@ -8,6 +8,9 @@
 //! and, behind the `etcd` feature, `EtcdRegistry`: instances under etcd leases with keep-alive
 //! (a killed server disappears within its TTL), clients watching a key prefix (changes arrive
 //! within a second, and the last endpoints stay in use while etcd is unreachable).
+//! [`<dyn Registry>::from_url`](trait.Registry.html#method.from_url) makes any of them from one
+//! string (`embedded`, `static:FILE`, `host:port,...`, `etcd://host:port`), such as a
+//! `--registry` flag.
 //!
 //! A registry stores only what servers say about themselves. It must not hold client-side state:
 //! a client's local judgement of an endpoint's health (see `rpc-governance`) never reaches it.
@@ -32,6 +35,7 @@ mod etcd;
 mod in_process;
 mod instance;
 mod static_list;
+mod url;
 
 use futures_util::future::BoxFuture;
 use rpc_core::ServiceId;

@@ -24,7 +24,12 @@ use crate::{Instance, Registry, RegistryError, ServiceWatch};
 /// [[endpoint]]
 /// address = "127.0.0.1:9002"
 /// services = ["echo.Echo"]
+/// id = "echo-2"                 # optional: the instance id (default: the address)
+/// metadata = { shard = "b" }    # optional
 /// ```
+///
+/// `id` and `metadata` are what a client's hash ring can be keyed by (`RingKey` in
+/// `rpc-client`), so a shard moved to another port in the file keeps its keys.
 #[derive(Debug, Clone)]
 pub struct StaticRegistry {
     endpoints: Vec<StaticEndpoint>,
@@ -36,6 +41,10 @@ struct StaticEndpoint {
     address: String,
     #[serde(default)]
     services: Vec<ServiceId>,
+    #[serde(default)]
+    id: Option<String>,
+    #[serde(default)]
+    metadata: std::collections::BTreeMap<String, String>,
 }
 
 #[derive(Deserialize)]
@@ -54,6 +63,8 @@ impl StaticRegistry {
                 .map(|a| StaticEndpoint {
                     address: a.into(),
                     services: Vec::new(),
+                    id: None,
+                    metadata: Default::default(),
                 })
                 .collect(),
         }
@@ -110,7 +121,12 @@ impl StaticRegistry {
                 } else {
                     e.services.clone()
                 };
-                std::sync::Arc::new(Instance::new(e.address.clone(), services))
+                let mut instance = Instance::new(e.address.clone(), services);
+                if let Some(id) = &e.id {
+                    instance.id = id.clone();
+                }
+                instance.metadata = e.metadata.clone();
+                std::sync::Arc::new(instance)
             })
             .collect()
     }
@@ -163,6 +179,14 @@ mod tests {
         .unwrap();
         assert_eq!(reg.watch(&"a.A".into()).await.unwrap().current().len(), 2);
         assert_eq!(reg.watch(&"b.B".into()).await.unwrap().current().len(), 1);
+
+        let reg = StaticRegistry::from_toml(
+            "[[endpoint]]\naddress = \"127.0.0.1:1\"\nid = \"db-1\"\nmetadata = { shard = \"a\" }\n",
+        )
+        .unwrap();
+        let w = reg.watch(&"a.A".into()).await.unwrap();
+        assert_eq!(w.current()[0].id, "db-1");
+        assert_eq!(w.current()[0].metadata["shard"], "a");
     }
 
     #[test]

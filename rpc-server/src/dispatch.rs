@@ -107,6 +107,7 @@ impl InvokeHandler for Dispatcher {
         });
         let entry = invoke.service_entry_id;
         let attachments = telemetry::user_attachments(attachments);
+        let mut watch = telemetry::CallWatch::new(span.clone(), metrics, deadline.map(|(d, _)| d));
         // Most handlers answer in their first poll. It is made here, in the call's context,
         // span and inherited deadline, so such a call is answered without a future of its own;
         // the rest (a handler that waits, a fallback to run) continues in one.
@@ -118,12 +119,11 @@ impl InvokeHandler for Dispatcher {
                 }
                 (result, _) => {
                     drop(permit);
-                    return Dispatch::Ready(finish(&span, &metrics, result));
+                    return Dispatch::Ready(finish(&mut watch, result, None));
                 }
             },
             Poll::Pending => Rest::Handler(handler, fallback),
         };
-        let call_span = span.clone();
         let panic_text = self.send_panic_text;
         let call = async move {
             let (e, fb) = match rest {
@@ -137,15 +137,16 @@ impl InvokeHandler for Dispatcher {
                         }
                         (result, _) => {
                             drop(permit);
-                            return finish(&call_span, &metrics, result);
+                            return finish(&mut watch, result, None);
                         }
                     }
                 }
                 Rest::Fallback(e, fb) => (e, fb),
             };
+            let cause = e.code();
             let result = run_fallback(fb, e, codec, deadline, &entry).await;
             drop(permit);
-            finish(&call_span, &metrics, result)
+            finish(&mut watch, result, Some(cause))
         };
         // Each wrapper moves the whole call future once more: add only the ones in use (with
         // no attachments the handler's own calls find an empty context either way).
@@ -203,18 +204,14 @@ fn poll_first(
     }
 }
 
-/// Ends a call: its span and metrics record the result, which becomes the answer.
+/// Ends a call: its span and metrics record the result (and the failure a fallback answered
+/// for, if one did), which becomes the answer.
 fn finish(
-    span: &tracing::Span,
-    metrics: &telemetry::CallGuard,
+    watch: &mut telemetry::CallWatch,
     result: Result<Bytes, RpcError>,
+    fallback: Option<StatusCode>,
 ) -> RemoteResultMessage {
-    telemetry::record_result(span, &result);
-    metrics.finish(
-        result
-            .as_ref()
-            .map_or_else(RpcError::code, |_| StatusCode::Success),
-    );
+    watch.finish(&result, fallback);
     to_message(result)
 }
 
@@ -248,7 +245,11 @@ async fn run_fallback(
         Some(e.to_string()),
     );
     let handler = fb.service.call(fb.index, fb.parameters, codec);
-    let answer = run_guarded(handler, deadline, entry, fb.send_panic_text).await;
+    let answer = fallback::with_cause(
+        e.clone(),
+        run_guarded(handler, deadline, entry, fb.send_panic_text),
+    )
+    .await;
     fallback::outcome(entry, e, answer)
 }
 

@@ -35,6 +35,7 @@ pub struct ServerBuilder {
     options: ServerOptions,
     max_concurrency: usize,
     advertise: Option<String>,
+    instance_id: Option<String>,
     metadata: Vec<(String, String)>,
     events: EventBus,
     send_panic_text: bool,
@@ -52,6 +53,7 @@ impl Default for ServerBuilder {
             max_concurrency: rpc_core::GovernanceOptions::default().max_concurrent_handling_count
                 as usize,
             advertise: None,
+            instance_id: None,
             metadata: Vec::new(),
             events: EventBus::new(),
             send_panic_text: false,
@@ -187,6 +189,15 @@ impl ServerBuilder {
         self
     }
 
+    /// The id the instance is published under (its address by default). A stable id, such as
+    /// a shard's name, lets clients that key their hash ring by it (`RingKey::InstanceId`)
+    /// keep sending the shard its keys when it restarts on another port. Two running servers
+    /// must not share an id: the registry keeps one instance per id.
+    pub fn instance_id(mut self, id: impl Into<String>) -> Self {
+        self.instance_id = Some(id.into());
+        self
+    }
+
     /// Adds metadata (version, weight, ...) to the published instance.
     pub fn metadata(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.metadata.push((key.into(), value.into()));
@@ -284,6 +295,9 @@ impl ServerBuilder {
             .flat_map(|s| s.methods().iter().map(ServiceEntry::from))
             .collect();
         instance.metadata.extend(self.metadata.iter().cloned());
+        if let Some(id) = &self.instance_id {
+            instance.id = id.clone();
+        }
         if let Some(registry) = &self.registry {
             if let Err(e) = registry.register(instance.clone()).await {
                 shutdown.cancel();
@@ -346,6 +360,33 @@ impl ServerHandle {
         }
     }
 
+    /// Serves until the process is asked to stop (SIGINT, i.e. Ctrl-C, or SIGTERM, what
+    /// `kill`, systemd and Kubernetes send), then [`shutdown`](Self::shutdown)s gracefully:
+    /// deregisters the instance, sends `GoAway`, lets the calls in flight finish (up to the
+    /// drain timeout) and returns. What a service's `main` ends with:
+    ///
+    /// ```no_run
+    /// # async fn f(server: rpc_server::ServerHandle) -> std::io::Result<()> {
+    /// server.serve_until_signal().await?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// The signal handlers are installed when this is called, not when the future is first
+    /// polled, so a signal arriving right after the call is not missed (and does not kill the
+    /// process). Fails only when they cannot be installed. Must be called within a tokio
+    /// runtime.
+    pub fn serve_until_signal(
+        self,
+    ) -> impl std::future::Future<Output = std::io::Result<()>> + Send + 'static {
+        let signals = StopSignals::install();
+        async move {
+            let which = signals?.recv().await;
+            tracing::info!(signal = which, instance = %self.instance_id, "stopping gracefully");
+            self.shutdown().await;
+            Ok(())
+        }
+    }
+
     /// Stops at once: connections are closed and calls in flight are dropped, as if the process
     /// died (the registry entry stays, as it would after a crash). For failure tests.
     pub fn abort(mut self) {
@@ -392,4 +433,44 @@ async fn bind(addr: impl ToSocketAddrs) -> std::io::Result<TcpListener> {
             format!("cannot listen on {}: {e}; {hint}", list.join(", ")),
         )
     })
+}
+
+/// The signals that ask a server to stop, listened to from the moment they are installed.
+struct StopSignals {
+    #[cfg(unix)]
+    interrupt: tokio::signal::unix::Signal,
+    #[cfg(unix)]
+    terminate: tokio::signal::unix::Signal,
+}
+
+impl StopSignals {
+    fn install() -> std::io::Result<Self> {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            Ok(StopSignals {
+                interrupt: signal(SignalKind::interrupt())?,
+                terminate: signal(SignalKind::terminate())?,
+            })
+        }
+        #[cfg(not(unix))]
+        Ok(StopSignals {})
+    }
+
+    /// Waits for the first stop signal and names it.
+    async fn recv(mut self) -> &'static str {
+        #[cfg(unix)]
+        {
+            tokio::select! {
+                _ = self.interrupt.recv() => "SIGINT",
+                _ = self.terminate.recv() => "SIGTERM",
+            }
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = &mut self;
+            let _ = tokio::signal::ctrl_c().await;
+            "Ctrl-C"
+        }
+    }
 }

@@ -12,7 +12,8 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 
 use bytes::Bytes;
-use rpc_core::{MethodDescriptor, RpcError, StatusCode, TRACE_CONTEXT_KEYS};
+use rpc_core::{MethodDescriptor, RpcError, StatusCode, CALL_ID_KEY, TRACE_CONTEXT_KEYS};
+use tokio::time::Instant;
 use tracing::field::Empty;
 use tracing::Span;
 
@@ -35,10 +36,16 @@ pub(crate) fn server_span(
         server.port = i64::from(local.port()),
         client.address = display(peer.ip()),
         client.port = i64::from(peer.port()),
+        call_id = Empty,
         rpc.status_code = Empty,
+        outcome = Empty,
+        rpc.fallback.cause = Empty,
         otel.status_code = Empty,
         otel.status_description = Empty,
     );
+    if let Some(id) = attachments.get(CALL_ID_KEY) {
+        span.record("call_id", id.as_str());
+    }
     #[cfg(feature = "otel")]
     otel::set_parent(&span, attachments);
     #[cfg(not(feature = "otel"))]
@@ -70,7 +77,105 @@ pub(crate) fn record_error(span: &Span, code: StatusCode, message: &str) {
     span.record("otel.status_description", message);
 }
 
-/// The user attachments of a received call: everything but the W3C trace context.
+/// Watches one handled call: however it ends (an answer, a fallback's answer, or its future
+/// dropped by the caller's `Cancel` or at its deadline), its span and its metrics say so.
+pub(crate) struct CallWatch {
+    span: Span,
+    metrics: CallGuard,
+    /// When the call started; read only when something watches (the span or the metrics), so
+    /// an unobserved call pays no clock reading for it.
+    started: Option<Instant>,
+    deadline: Option<Instant>,
+    done: bool,
+}
+
+impl CallWatch {
+    pub(crate) fn new(span: Span, metrics: CallGuard, deadline: Option<Instant>) -> Self {
+        let watched = !span.is_disabled() || cfg!(feature = "otel");
+        CallWatch {
+            span,
+            metrics,
+            started: watched.then(Instant::now),
+            deadline,
+            done: false,
+        }
+    }
+
+    /// The call ended with `result`; `fallback` is the handler's failure a fallback answered
+    /// for, if one did.
+    pub(crate) fn finish(
+        &mut self,
+        result: &Result<Bytes, RpcError>,
+        fallback: Option<StatusCode>,
+    ) {
+        self.done = true;
+        record_result(&self.span, result);
+        match (result, fallback) {
+            (Ok(_), Some(cause)) => {
+                if !self.span.is_disabled() {
+                    self.span.record("outcome", "fallback");
+                    self.span
+                        .record("rpc.fallback.cause", i64::from(cause.as_u32()));
+                }
+                self.metrics.finish(cause, "fallback");
+            }
+            (Ok(_), None) => self.metrics.finish(StatusCode::Success, "success"),
+            (Err(e), _) => self.metrics.finish(e.code(), "error"),
+        }
+    }
+}
+
+impl Drop for CallWatch {
+    fn drop(&mut self) {
+        let (false, Some(started)) = (self.done, self.started) else {
+            return;
+        };
+        let now = Instant::now();
+        let timed_out = self.deadline.is_some_and(|d| now >= d);
+        if timed_out {
+            self.metrics.dropped(Some(StatusCode::Timeout), "timeout");
+        } else {
+            self.metrics.dropped(None, "cancelled");
+        }
+        if self.span.is_disabled() {
+            return;
+        }
+        let elapsed_ms = now.saturating_duration_since(started).as_millis() as u64;
+        let budget_ms = self.deadline.map_or(0, |d| {
+            d.saturating_duration_since(started)
+                .as_micros()
+                .div_ceil(1000) as u64
+        });
+        let budget = match self.deadline {
+            Some(_) => format!("{budget_ms} ms budget"),
+            None => "no deadline".to_string(),
+        };
+        let (outcome, description) = if timed_out {
+            self.span
+                .record("rpc.status_code", i64::from(StatusCode::Timeout.as_u32()));
+            (
+                "timeout",
+                format!(
+                    "handler dropped at the caller's deadline after {elapsed_ms} ms ({budget})"
+                ),
+            )
+        } else {
+            (
+                "cancelled",
+                format!("handler cancelled by the caller after {elapsed_ms} ms ({budget})"),
+            )
+        };
+        self.span.record("outcome", outcome);
+        self.span.record("otel.status_code", "ERROR");
+        self.span
+            .record("otel.status_description", description.as_str());
+        self.span
+            .in_scope(|| tracing::debug!(elapsed_ms, budget_ms, outcome, "{description}"));
+    }
+}
+
+/// The user attachments of a received call: everything but the W3C trace context and the
+/// call id.
 pub(crate) fn user_attachments(
     mut attachments: BTreeMap<String, String>,
 ) -> BTreeMap<String, String> {
@@ -78,6 +183,7 @@ pub(crate) fn user_attachments(
         for key in TRACE_CONTEXT_KEYS {
             attachments.remove(key);
         }
+        attachments.remove(CALL_ID_KEY);
     }
     attachments
 }
@@ -182,13 +288,14 @@ mod otel {
         ]
     }
 
-    fn with_status(method: &'static MethodDescriptor, code: StatusCode) -> [KeyValue; 4] {
+    fn with_status(method: &'static MethodDescriptor, code: StatusCode) -> [KeyValue; 5] {
         let [service, method, system] = attributes(method);
         [
             service,
             method,
             system,
             KeyValue::new("rpc.status_code", i64::from(code.as_u32())),
+            KeyValue::new("rpc.outcome", "error"),
         ]
     }
 
@@ -200,9 +307,25 @@ mod otel {
     }
 
     impl CallGuard {
-        /// Records the call's duration and status.
-        pub(crate) fn finish(&self, code: StatusCode) {
-            let attrs = with_status(self.method, code);
+        /// Records the call's duration, status and `rpc.outcome` (success, error, or fallback:
+        /// a fallback's answer counted with the status of the failure it answered for).
+        pub(crate) fn finish(&self, code: StatusCode, outcome: &'static str) {
+            self.dropped(Some(code), outcome);
+        }
+
+        /// Records a call whose handler was dropped: at its deadline (519, `timeout`) or by
+        /// the caller's `Cancel` (`cancelled`, no status).
+        pub(crate) fn dropped(&self, code: Option<StatusCode>, outcome: &'static str) {
+            let [service, method, system] = attributes(self.method);
+            let mut attrs = vec![
+                service,
+                method,
+                system,
+                KeyValue::new("rpc.outcome", outcome),
+            ];
+            if let Some(code) = code {
+                attrs.push(KeyValue::new("rpc.status_code", i64::from(code.as_u32())));
+            }
             let ms = self.started.elapsed().as_secs_f64() * 1000.0;
             self.metrics.inner.duration.record(ms, &attrs);
             self.metrics.inner.calls.add(1, &attrs);
@@ -241,6 +364,7 @@ mod noop {
     pub(crate) struct CallGuard;
 
     impl CallGuard {
-        pub(crate) fn finish(&self, _: StatusCode) {}
+        pub(crate) fn finish(&self, _: StatusCode, _: &'static str) {}
+        pub(crate) fn dropped(&self, _: Option<StatusCode>, _: &'static str) {}
     }
 }

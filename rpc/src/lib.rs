@@ -16,6 +16,14 @@
 //! and OpenTelemetry metrics (`rpc.client.duration`, `rpc.server.duration`, call counters,
 //! in-flight counts and governance events by kind).
 //!
+//! With feature `logging` (on by default), [`logging::init`] prints those spans as short lines
+//! for people, with a call id the client's and the server's lines of one call share.
+//!
+//! Governance decisions (retry, break, half-open, reset, timeout, overflow, fallback, reload,
+//! ejection) reach [`Client::events`] and [`ServerHandle::events`] subscribers as
+//! [`GovernanceEvent`]s of an [`EventKind`] on an [`EventBus`]; [`Client::breakers`] and
+//! [`Client::breaker_state`] report each entry's [`BreakerState`].
+//!
 //! ```
 //! use rpc::prelude::*;
 //!
@@ -49,19 +57,24 @@
 //! ```
 #![warn(missing_docs)]
 
-pub use rpc_client::{answered_by, Client, ClientBuilder};
+pub use rpc_client::{answered_by, Client, ClientBuilder, RingKey};
 /// Endpoint health as [`Client::endpoints`] reports it.
 pub use rpc_client::{EndpointState, EndpointStatus};
 pub use rpc_core::{
     serde_rpc_error, Codec, GovernanceOptions, GovernanceOverrides, MethodDescriptor, RemoteError,
     RpcContext, RpcError, ServiceEntry, ServiceEntryId, ServiceId, ShuntStrategy, StatusCode,
 };
+pub use rpc_governance::breaker::BreakerState;
+pub use rpc_governance::events::{EventBus, EventKind, GovernanceEvent};
+pub use rpc_governance::fallback::cause as fallback_cause;
 pub use rpc_macros::service;
 #[cfg(feature = "etcd")]
 pub use rpc_registry::{EtcdOptions, EtcdRegistry};
 pub use rpc_registry::{InProcessRegistry, Instance, Registry, RegistryError, StaticRegistry};
 pub use rpc_server::{Server, ServerBuilder, ServerHandle, Service, ServiceFuture};
 
+#[cfg(feature = "logging")]
+pub mod logging;
 #[cfg(feature = "otel")]
 pub mod telemetry;
 

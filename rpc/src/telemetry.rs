@@ -118,7 +118,8 @@ pub fn init_otlp() -> Result<Telemetry, TelemetryError> {
 
 /// Installs telemetry with providers built elsewhere (any exporter): the W3C trace-context
 /// propagator and `meter_provider` become global, and a `tracing` subscriber (logs filtered by
-/// `RUST_LOG` on standard error, spans to `tracer_provider`) becomes the global default.
+/// `RUST_LOG` on standard error, formatted as [`crate::logging::layer`] does; spans to
+/// `tracer_provider`) becomes the global default.
 /// Fails when a global subscriber is already set.
 pub fn init_with(
     tracer_provider: SdkTracerProvider,
@@ -130,7 +131,7 @@ pub fn init_with(
     let tracer = tracer_provider.tracer("rpc");
     tracing_subscriber::registry()
         .with(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")))
-        .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
+        .with(crate::logging::layer())
         .with(tracing_opentelemetry::layer().with_tracer(tracer))
         .try_init()
         .map_err(|e| TelemetryError(format!("could not install the tracing subscriber: {e}")))?;

@@ -5,4 +5,5 @@
 
 pub mod chaos;
 pub mod shunt;
+pub mod signals;
 pub mod who;

@@ -493,7 +493,18 @@ async fn metrics_after_a_retry_an_open_breaker_and_a_fallback() {
         )
     };
     assert_eq!(ok("ping"), 4);
-    assert_eq!(ok("fail"), fail_calls, "the fallback answered");
+    // A fallback's answers are counted apart from real successes, under the status of the
+    // failure each answered for.
+    assert_eq!(ok("fail"), 0, "no real success");
+    let fallback_answers = counter(
+        &m,
+        "rpc.client.calls",
+        &[
+            ("rpc.method", "fail".into()),
+            ("rpc.outcome", "fallback".into()),
+        ],
+    );
+    assert_eq!(fallback_answers, fail_calls, "the fallback answered");
     let server_calls = |code: StatusCode| {
         counter(
             &m,

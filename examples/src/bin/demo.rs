@@ -114,7 +114,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         eprintln!("demo: {e}");
         std::process::exit(2);
     });
-    let registry = examples::registry_from_flag(&args.registry, Duration::from_secs(10)).await?;
+    let registry = <dyn Registry>::from_url(&args.registry).await?;
     let mut servers = Vec::new();
     let mut names = BTreeMap::new();
     for name in ["alpha", "beta", "gamma"] {

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use examples::{Echo, EchoClient};
-use rpc::{Client, GovernanceOverrides, ShuntStrategy, StaticRegistry, StatusCode};
+use rpc::{Client, GovernanceOverrides, Registry, ShuntStrategy, StatusCode};
 
 #[derive(Parser, Debug)]
 #[command(about = "Calls echo.Echo and reports each call")]
@@ -65,14 +65,12 @@ async fn main() {
         eprintln!("echo-client: {e}");
         std::process::exit(2);
     });
-    let registry = match (&args.endpoints, &args.registry) {
-        (Some(list), _) => StaticRegistry::from_list(list)
-            .map(|r| Arc::new(r) as Arc<dyn rpc::Registry>)
-            .map_err(|e| e.to_string()),
-        (None, Some(flag)) => examples::registry_from_flag(flag, Duration::from_secs(10)).await,
-        (None, None) => Err("give --endpoints or --registry".to_string()),
+    // `--endpoints` is a static list: the same string `from_url` takes.
+    let Some(url) = args.endpoints.as_ref().or(args.registry.as_ref()) else {
+        eprintln!("echo-client: give --endpoints or --registry");
+        std::process::exit(2);
     };
-    let registry = registry.unwrap_or_else(|e| {
+    let registry = <dyn Registry>::from_url(url).await.unwrap_or_else(|e| {
         eprintln!("echo-client: {e}");
         std::process::exit(2);
     });

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use examples::{EchoServer, EchoService};
-use rpc::Server;
+use rpc::{Registry, Server};
 
 #[derive(Parser, Debug)]
 #[command(about = "Serves echo.Echo for the failover walk-through")]
@@ -51,13 +51,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         eprintln!("echo-server: {e}");
         std::process::exit(2);
     });
-    let registry =
-        examples::registry_from_flag(&args.registry, Duration::from_secs(args.registry_ttl_secs))
-            .await
-            .unwrap_or_else(|e| {
-                eprintln!("echo-server: {e}");
-                std::process::exit(2);
-            });
+    let ttl = Duration::from_secs(args.registry_ttl_secs);
+    let registry = <dyn Registry>::from_url_with_lease(&args.registry, Some(ttl))
+        .await
+        .unwrap_or_else(|e| {
+            eprintln!("echo-server: {e}");
+            std::process::exit(2);
+        });
     let mut builder = Server::builder()
         .shared_registry(registry)
         .max_concurrency(args.max_concurrency)
@@ -69,13 +69,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         builder = builder.token(token);
     }
     let server = builder.serve(("127.0.0.1", args.port)).await?;
-    println!("listening on {}", server.local_addr());
-
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
-    }
-    server.shutdown().await;
+    let addr = server.local_addr();
+    let stopped = server.serve_until_signal();
+    println!("listening on {addr}");
+    stopped.await?;
     Ok(())
 }

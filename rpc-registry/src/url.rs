@@ -1,0 +1,171 @@
+//! One string names a registry: what a program's `--registry` flag or a config value holds, so a
+//! service's `main` does not match on backends itself.
+//!
+//! The forms: `embedded` (an in-process registry), `static:FILE` (a TOML list of endpoints),
+//! `host:port,...` (a static list given inline) and `etcd://host:port[,host:port...]` (an etcd
+//! cluster; feature `etcd`). Anything else is a [`RegistryError::Config`] naming the forms.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::{InProcessRegistry, Registry, RegistryError, StaticRegistry};
+
+const FORMS: &str = "expected embedded, static:FILE, host:port[,host:port...] or \
+                     etcd://host:port[,host:port...]";
+
+impl dyn Registry {
+    /// The registry `url` names, with the default settings of its backend:
+    ///
+    /// | `url` | registry |
+    /// |---|---|
+    /// | `embedded` | a new [`InProcessRegistry`]: servers and clients of this process only |
+    /// | `static:FILE` | [`StaticRegistry::from_file`] (the TOML form) |
+    /// | `host:port,host:port` | [`StaticRegistry::from_list`] |
+    /// | `etcd://host:port[,host:port...]` | `EtcdRegistry::from_url` (feature `etcd`) |
+    ///
+    /// An unknown scheme, an address that is not `host:port`, an unreadable file, or an
+    /// `etcd://` URL in a build without the `etcd` feature is a [`RegistryError::Config`] saying
+    /// what to write instead. Connecting to etcd contacts nothing yet (see `EtcdRegistry`), so
+    /// this does not fail because etcd is down.
+    ///
+    /// ```
+    /// use rpc_registry::Registry;
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), rpc_registry::RegistryError> {
+    /// let registry = <dyn Registry>::from_url("127.0.0.1:9001,127.0.0.1:9002").await?;
+    /// let watch = registry.watch(&"echo.Echo".into()).await?;
+    /// assert_eq!(watch.current().len(), 2);
+    ///
+    /// let err = <dyn Registry>::from_url("zk://127.0.0.1:2181").await.err().unwrap();
+    /// assert!(err.to_string().contains("unknown registry scheme \"zk\""), "{err}");
+    /// # Ok(()) }
+    /// ```
+    pub async fn from_url(url: &str) -> Result<Arc<dyn Registry>, RegistryError> {
+        Self::from_url_with_lease(url, None).await
+    }
+
+    /// Like [`from_url`](trait.Registry.html#method.from_url), with the lease of the instances this
+    /// process registers (etcd: a killed server disappears after this long; the default is
+    /// 10 s). The embedded backends have no lease and ignore it.
+    pub async fn from_url_with_lease(
+        url: &str,
+        lease_ttl: Option<Duration>,
+    ) -> Result<Arc<dyn Registry>, RegistryError> {
+        let url = url.trim();
+        if url == "embedded" {
+            return Ok(Arc::new(InProcessRegistry::new()));
+        }
+        if let Some(file) = url.strip_prefix("static:") {
+            if file.is_empty() {
+                return Err(RegistryError::Config(format!(
+                    "registry {url:?} names no file: write static:PATH (a TOML list of endpoints)"
+                )));
+            }
+            return Ok(Arc::new(StaticRegistry::from_file(file)?));
+        }
+        if let Some((scheme, _)) = url.split_once("://") {
+            return match scheme {
+                "etcd" => etcd(url, lease_ttl).await,
+                _ => Err(RegistryError::Config(format!(
+                    "unknown registry scheme {scheme:?} in {url:?}: {FORMS}"
+                ))),
+            };
+        }
+        StaticRegistry::from_list(url)
+            .map(|r| Arc::new(r) as Arc<dyn Registry>)
+            .map_err(|e| RegistryError::Config(format!("registry {url:?}: {e}; {FORMS}")))
+    }
+}
+
+#[cfg(feature = "etcd")]
+async fn etcd(url: &str, lease_ttl: Option<Duration>) -> Result<Arc<dyn Registry>, RegistryError> {
+    let mut options = crate::EtcdOptions::default();
+    if let Some(ttl) = lease_ttl {
+        options.lease_ttl = ttl;
+    }
+    let registry = crate::EtcdRegistry::from_url_with_options(url, options).await?;
+    Ok(Arc::new(registry))
+}
+
+#[cfg(not(feature = "etcd"))]
+async fn etcd(url: &str, _: Option<Duration>) -> Result<Arc<dyn Registry>, RegistryError> {
+    Err(RegistryError::Config(format!(
+        "{url}: this build has no etcd support; enable the `etcd` feature of rpc (or \
+         rpc-registry), which needs protoc to build"
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn addresses(url: &str) -> Vec<String> {
+        let registry = <dyn Registry>::from_url(url).await.unwrap();
+        let watch = registry.watch(&"a.A".into()).await.unwrap();
+        let list = watch.current();
+        list.iter().map(|i| i.address.clone()).collect()
+    }
+
+    #[tokio::test]
+    async fn every_form_names_its_backend() {
+        // A list: the addresses given, sorted as every snapshot is.
+        assert_eq!(
+            addresses(" 127.0.0.1:2,127.0.0.1:1 ").await,
+            ["127.0.0.1:1", "127.0.0.1:2"]
+        );
+        // A file.
+        let path = std::env::temp_dir().join(format!("rpc-url-test-{}.toml", std::process::id()));
+        std::fs::write(&path, "[[endpoint]]\naddress = \"10.0.0.1:7\"\n").unwrap();
+        let url = format!("static:{}", path.display());
+        assert_eq!(addresses(&url).await, ["10.0.0.1:7"]);
+        std::fs::remove_file(&path).unwrap();
+        // Embedded: an in-process registry, which takes registrations and announces them.
+        let registry = <dyn Registry>::from_url("embedded").await.unwrap();
+        registry
+            .register(crate::Instance::new("127.0.0.1:5", ["a.A"]))
+            .await
+            .unwrap();
+        let watch = registry.watch(&"a.A".into()).await.unwrap();
+        assert_eq!(watch.current()[0].address, "127.0.0.1:5");
+    }
+
+    #[tokio::test]
+    async fn bad_urls_are_config_errors_naming_the_forms() {
+        for (url, says) in [
+            ("zk://h:1", "unknown registry scheme \"zk\""),
+            ("localhost", "expected embedded, static:FILE"),
+            ("static:", "names no file"),
+            (
+                "static:/nonexistent/rpc.toml",
+                "cannot read static registry file",
+            ),
+            ("etcd://", "etcd"),
+        ] {
+            match <dyn Registry>::from_url(url).await {
+                Err(RegistryError::Config(m)) => assert!(m.contains(says), "{url}: {m}"),
+                Err(e) => panic!("{url}: not a config error: {e}"),
+                Ok(_) => panic!("{url} was accepted"),
+            }
+        }
+    }
+
+    #[cfg(not(feature = "etcd"))]
+    #[tokio::test]
+    async fn an_etcd_url_without_the_feature_says_how_to_get_it() {
+        let Err(RegistryError::Config(m)) = <dyn Registry>::from_url("etcd://127.0.0.1:2379").await
+        else {
+            panic!("an etcd URL was accepted without the etcd feature");
+        };
+        assert!(m.contains("enable the `etcd` feature"), "{m}");
+    }
+
+    #[cfg(feature = "etcd")]
+    #[tokio::test]
+    async fn an_etcd_url_makes_an_etcd_registry() {
+        // Constructing contacts nothing, so no etcd is needed for this.
+        let registry =
+            <dyn Registry>::from_url_with_lease("etcd://127.0.0.1:1", Some(Duration::from_secs(3)))
+                .await;
+        assert!(registry.is_ok());
+    }
+}

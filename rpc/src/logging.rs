@@ -1,0 +1,214 @@
+//! Log lines for people (feature `logging`, on by default).
+//!
+//! The framework's spans carry the OpenTelemetry RPC attributes, which make a trace complete but
+//! a log line three terminal rows long. [`init`] installs a `tracing` subscriber that prints
+//! lines a person reads: the span fields cut to the call's short id, its entry, the attempt and
+//! the endpoint, colour and a compact layout on a terminal, plain text otherwise (a file, a
+//! pipe, a log collector).
+//!
+//! Every logged call gets a short id (8 hex digits) that the client sends to the server with
+//! the call, so one call's lines carry the same id on both sides:
+//!
+//! ```text
+//! 12:00:01.123 DEBUG rpc.client{3fa9c1d2 shop.Greeter.greet}:rpc.client.attempt{attempt=0 to=127.0.0.1:7001}: ...
+//! 12:00:01.124  INFO rpc.server{3fa9c1d2 shop.Greeter.greet}: app: charging the card
+//! ```
+//!
+//! ```no_run
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! rpc::logging::init()?; // RUST_LOG filters (default: info)
+//! # Ok(()) }
+//! ```
+//!
+//! [`layer`] and [`layer_with_writer`] give the same formatting as a layer, to combine with
+//! others (the OpenTelemetry layer, for instance).
+
+use std::fmt::{self, Write as _};
+use std::io::IsTerminal;
+
+use tracing::field::Field;
+use tracing::Subscriber;
+use tracing_subscriber::field::{RecordFields, Visit};
+use tracing_subscriber::fmt::format::Writer;
+use tracing_subscriber::fmt::{FormatFields, FormattedFields, MakeWriter};
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::registry::LookupSpan;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{EnvFilter, Layer};
+
+/// Why logging could not be installed.
+#[derive(Debug)]
+pub struct LoggingError(String);
+
+impl fmt::Display for LoggingError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for LoggingError {}
+
+/// Installs, as the global default, a subscriber printing to standard error with the
+/// [`layer`] formatting, filtered by `RUST_LOG` (default `info`). Fails when a global
+/// subscriber is already set.
+pub fn init() -> Result<(), LoggingError> {
+    tracing_subscriber::registry()
+        .with(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")))
+        .with(layer())
+        .try_init()
+        .map_err(|e| LoggingError(format!("could not install the tracing subscriber: {e}")))
+}
+
+/// The formatting layer of [`init`], printing to standard error: colour and a compact layout
+/// when standard error is a terminal, plain lines otherwise.
+pub fn layer<S>() -> Box<dyn Layer<S> + Send + Sync>
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+{
+    layer_with_writer(std::io::stderr, std::io::stderr().is_terminal())
+}
+
+/// The formatting layer of [`init`], printing to `writer`; `terminal` chooses colour and the
+/// compact layout, otherwise lines are plain.
+pub fn layer_with_writer<S, W>(writer: W, terminal: bool) -> Box<dyn Layer<S> + Send + Sync>
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+    W: for<'w> MakeWriter<'w> + Send + Sync + 'static,
+{
+    let layer = tracing_subscriber::fmt::layer()
+        .fmt_fields(ShortFields)
+        .with_writer(writer)
+        .with_ansi(terminal);
+    if terminal {
+        Box::new(layer.compact())
+    } else {
+        Box::new(layer)
+    }
+}
+
+/// Formats fields for people: the OpenTelemetry attributes that only repeat what the entry id
+/// says (`rpc.system`, `rpc.service`, `rpc.method`, `otel.*`, the caller's address) are left
+/// out, the call id and the entry id are printed bare, and the endpoint as `to=host:port`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ShortFields;
+
+impl<'w> FormatFields<'w> for ShortFields {
+    fn format_fields<R: RecordFields>(&self, mut writer: Writer<'w>, fields: R) -> fmt::Result {
+        let mut visitor = ShortVisitor::default();
+        fields.record(&mut visitor);
+        writer.write_str(&visitor.finish())
+    }
+
+    fn add_fields(
+        &self,
+        current: &'w mut FormattedFields<Self>,
+        fields: &tracing::span::Record<'_>,
+    ) -> fmt::Result {
+        let mut visitor = ShortVisitor::default();
+        fields.record(&mut visitor);
+        if let Some(id) = visitor.call_id.take() {
+            // Recorded once the span exists, the call id still comes first.
+            let rest = std::mem::take(&mut current.fields);
+            current.fields = if rest.is_empty() {
+                id
+            } else {
+                format!("{id} {rest}")
+            };
+        }
+        if visitor.out.is_empty() {
+            return Ok(());
+        }
+        if !current.fields.is_empty() {
+            current.fields.push(' ');
+        }
+        current.fields.push_str(&visitor.out);
+        Ok(())
+    }
+}
+
+#[derive(Default)]
+struct ShortVisitor {
+    out: String,
+    /// The call id, printed first.
+    call_id: Option<String>,
+}
+
+/// How a field is printed.
+enum Shown {
+    Hidden,
+    Bare,
+    /// Glued to the previous field (`server.port` after `server.address`).
+    Suffix(&'static str),
+    Named(&'static str),
+}
+
+fn shown(name: &str) -> Shown {
+    match name {
+        "otel.kind"
+        | "rpc.system"
+        | "rpc.service"
+        | "rpc.method"
+        | "otel.status_code"
+        | "otel.status_description"
+        | "client.address"
+        | "client.port" => Shown::Hidden,
+        "message" | "call_id" | "rpc.entry_id" => Shown::Bare,
+        "server.address" => Shown::Named("to"),
+        "server.port" => Shown::Suffix(":"),
+        "rpc.attempt" => Shown::Named("attempt"),
+        "rpc.status_code" => Shown::Named("status"),
+        _ => Shown::Named(""),
+    }
+}
+
+impl ShortVisitor {
+    fn finish(self) -> String {
+        match self.call_id {
+            Some(id) if self.out.is_empty() => id,
+            Some(id) => format!("{id} {}", self.out),
+            None => self.out,
+        }
+    }
+
+    fn write(&mut self, field: &Field, value: fmt::Arguments<'_>) {
+        if field.name() == "call_id" {
+            self.call_id = Some(value.to_string());
+            return;
+        }
+        let sep = |out: &mut String| {
+            if !out.is_empty() {
+                out.push(' ');
+            }
+        };
+        let _ = match shown(field.name()) {
+            Shown::Hidden => Ok(()),
+            Shown::Bare => {
+                sep(&mut self.out);
+                self.out.write_fmt(value)
+            }
+            Shown::Suffix(glue) => {
+                self.out.push_str(glue);
+                self.out.write_fmt(value)
+            }
+            Shown::Named(label) => {
+                sep(&mut self.out);
+                let label = if label.is_empty() {
+                    field.name()
+                } else {
+                    label
+                };
+                write!(self.out, "{label}={value}")
+            }
+        };
+    }
+}
+
+impl Visit for ShortVisitor {
+    fn record_str(&mut self, field: &Field, value: &str) {
+        self.write(field, format_args!("{value}"));
+    }
+
+    fn record_debug(&mut self, field: &Field, value: &dyn fmt::Debug) {
+        self.write(field, format_args!("{value:?}"));
+    }
+}
