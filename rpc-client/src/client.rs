@@ -754,19 +754,18 @@ impl Client {
         .instrument(span)
     }
 
-    /// One attempt on `addr`; `connection` receives the id of the connection the call was sent
-    /// on, so that failures of calls that broke together count once.
+    /// One attempt of `call` on `addr`; `call.connection` receives the id of the connection the
+    /// call was sent on, so that failures of calls that broke together count once.
     async fn call_once(
         &self,
-        method: &'static MethodDescriptor,
+        call: &ClientAttempts<'_>,
         addr: &str,
         params: Bytes,
         timeout_ms: u32,
         deadline: Option<Instant>,
-        connection: &AtomicU64,
-        call_id: Option<&str>,
     ) -> Result<Bytes, RpcError> {
-        let attachments = telemetry::outgoing_attachments(call_id);
+        let (method, connection) = (call.method, &call.connection);
+        let attachments = telemetry::outgoing_attachments(call.call_id);
         let message = |params: Bytes, attachments| Call {
             service_entry_id: method.entry_id.into(),
             codec: self.inner.codec.to_wire(),
@@ -868,33 +867,16 @@ impl Attempts for &ClientAttempts<'_> {
         let span = telemetry::attempt_span(self.method, attempt, addr);
         let watch = telemetry::AttemptWatch::new(span.clone(), deadline);
         let params = self.params.clone();
-        let conn = &self.connection;
-        conn.store(0, Ordering::Relaxed);
+        self.connection.store(0, Ordering::Relaxed);
         let result = if span.is_disabled() {
             // No subscriber: skip the wrapper, which would move the whole attempt future once
             // more on every call.
             self.client
-                .call_once(
-                    self.method,
-                    addr,
-                    params,
-                    timeout_ms,
-                    deadline,
-                    conn,
-                    self.call_id,
-                )
+                .call_once(self, addr, params, timeout_ms, deadline)
                 .await
         } else {
             self.client
-                .call_once(
-                    self.method,
-                    addr,
-                    params,
-                    timeout_ms,
-                    deadline,
-                    conn,
-                    self.call_id,
-                )
+                .call_once(self, addr, params, timeout_ms, deadline)
                 .instrument(span.clone())
                 .await
         };
