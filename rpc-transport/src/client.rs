@@ -130,9 +130,26 @@ const NO_SWEEP: u64 = u64::MAX;
 
 /// One multiplexed connection to a server. Cheap to clone; calls run concurrently and are matched
 /// to their answers by `message_id`.
+///
+/// Dropping the last clone closes the connection and ends its tasks (reader, writer, deadline
+/// sweeper, heartbeat): its heartbeats would otherwise keep the server's idle timeout from ever
+/// closing a connection nobody can use any more.
 #[derive(Clone)]
 pub struct Connection {
     shared: Arc<Shared>,
+    /// Held only by the clones of this `Connection`, never by its tasks.
+    _owners: Arc<CloseOnDrop>,
+}
+
+/// Closes the connection when the last [`Connection`] clone goes: the connection's tasks hold
+/// `Shared` themselves, so its count cannot tell when users are done with it.
+struct CloseOnDrop(Arc<Shared>);
+
+impl Drop for CloseOnDrop {
+    fn drop(&mut self) {
+        self.0.closed.store(true, Ordering::Release);
+        self.0.close.cancel();
+    }
 }
 
 struct Shared {
@@ -274,7 +291,10 @@ impl Connection {
             options.heartbeat_interval,
             received,
         ));
-        Ok(Connection { shared })
+        Ok(Connection {
+            _owners: Arc::new(CloseOnDrop(shared.clone())),
+            shared,
+        })
     }
 
     /// The address this connection was made to.

@@ -11,7 +11,9 @@ use crate::client::{ConnectOptions, Connection};
 /// A pool of multiplexed connections: `connections_per_endpoint` per address, used in turn.
 ///
 /// A connection that broke or that the server asked to leave (`GoAway`) is replaced on the next
-/// call that needs it, so a restarted server is picked up without any action.
+/// call that needs it, so a restarted server is picked up without any action. Dropping the last
+/// clone of the pool closes its connections (those a caller still holds stay open until they
+/// are dropped too).
 #[derive(Clone)]
 pub struct ConnectionPool {
     inner: Arc<PoolInner>,
@@ -50,12 +52,15 @@ impl ConnectionPool {
     /// for callers that arm a timer only when a connect is needed.
     pub fn try_get(&self, addr: &str) -> Option<Connection> {
         let endpoint = self.inner.slots.get(addr)?;
-        let i = if endpoint.conns.len() == 1 {
-            0
-        } else {
-            endpoint.next.fetch_add(1, Ordering::Relaxed) % endpoint.conns.len()
-        };
-        usable(&endpoint.conns[i])
+        if endpoint.conns.len() == 1 {
+            return usable(&endpoint.conns[0]);
+        }
+        // The turn is taken only when its connection is there: a miss leaves it to `get`, which
+        // connects that very slot, so every slot gets its connection.
+        let turn = endpoint.next.load(Ordering::Relaxed);
+        let conn = usable(&endpoint.conns[turn % endpoint.conns.len()])?;
+        endpoint.next.fetch_add(1, Ordering::Relaxed);
+        Some(conn)
     }
 
     /// A usable connection to `addr`, connecting when there is none.
