@@ -44,6 +44,9 @@ pub(crate) struct Dispatcher {
     /// The published address, naming this server in governance events.
     pub(crate) endpoint: Arc<str>,
     pub(crate) metrics: telemetry::Metrics,
+    /// Whether the handler's first poll runs here, on the connection's reader
+    /// (`ServerBuilder::inline_first_poll`).
+    pub(crate) inline_first_poll: bool,
 }
 
 impl InvokeHandler for Dispatcher {
@@ -104,10 +107,18 @@ impl InvokeHandler for Dispatcher {
         });
         let entry = invoke.service_entry_id;
         let attachments = telemetry::user_attachments(attachments);
-        // Most handlers answer in their first poll. It is made here, in the call's context,
-        // span and inherited deadline, so such a call is answered without a future of its own;
-        // the rest (a handler that waits, a fallback to run) continues in one.
-        let rest = match poll_first(&mut handler, deadline, &attachments, &span) {
+        // Most handlers answer in their first poll. When the server is told its handlers never
+        // block (`inline_first_poll`), that poll is made here, on the connection's reader, in
+        // the call's context, span and inherited deadline, so such a call is answered without
+        // a future of its own; the rest (a handler that waits, a fallback to run) continues in
+        // one. Otherwise the whole call runs in its own task: a handler blocking before its
+        // first `.await` must not stall the reader and every other call on the connection.
+        let first = if self.inline_first_poll {
+            poll_first(&mut handler, deadline, &attachments, &span)
+        } else {
+            Poll::Pending
+        };
+        let rest = match first {
             Poll::Ready(outcome) => match (settle(outcome, &entry), fallback) {
                 (Err(e), Some(fb)) if fallback::applies(&e, fallback::Side::Server) => {
                     Rest::Fallback(e, fb)

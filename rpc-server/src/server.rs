@@ -155,6 +155,19 @@ impl ServerBuilder {
         self
     }
 
+    /// Polls each call's handler once on the connection's reader before giving it a task of its
+    /// own (off by default). A handler that answers in that poll then costs no task, which
+    /// saves about a microsecond per call (RELIABILITY.md has the figures).
+    ///
+    /// Only for services whose handlers never block and never compute for long before their
+    /// first `.await`: while such a handler runs on the reader, every other call, `Cancel` and
+    /// `Ping` on its connection waits. Without this option a blocking handler stalls only its
+    /// own task.
+    pub fn inline_first_poll(mut self, yes: bool) -> Self {
+        self.options.inline_first_poll = yes;
+        self
+    }
+
     /// Serves every connection over TLS (feature `tls`): the server presents the certificate
     /// chain of `tls` and, when it requires client certificates, refuses clients without one
     /// signed by its client CA. The TLS handshake counts within the handshake timeout.
@@ -257,6 +270,7 @@ impl ServerBuilder {
             local: local_addr,
             endpoint: Arc::from(address.as_str()),
             metrics,
+            inline_first_poll: self.options.inline_first_poll,
         });
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(rpc_transport::serve(

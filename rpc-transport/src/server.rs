@@ -63,6 +63,12 @@ pub struct ServerOptions {
     /// allows the next call, so TCP pushes back on the client and a client that pipelines calls
     /// as fast as it can gets no more than its share. `None` (the default): no limit.
     pub max_calls_per_second_per_connection: Option<u32>,
+    /// Whether a call's handler is first polled on the connection's reader, before a task is
+    /// spawned for it: a handler that answers in that poll then costs no task. Only for
+    /// servers whose handlers never block nor compute for long before their first `.await`:
+    /// while one does, the reader is stalled, and with it every other call, `Cancel` and `Ping`
+    /// on that connection. `false` (the default): every call runs in its own task.
+    pub inline_first_poll: bool,
     /// TLS on every connection (feature `tls`); `None` serves plain TCP. The TLS handshake
     /// counts within `handshake_timeout`.
     #[cfg(feature = "tls")]
@@ -84,6 +90,7 @@ impl Default for ServerOptions {
             max_attachment_bytes: 16 * 1024,
             max_unsent_bytes: 1024 * 1024,
             max_calls_per_second_per_connection: None,
+            inline_first_poll: false,
             #[cfg(feature = "tls")]
             tls: None,
         }
@@ -110,7 +117,8 @@ impl std::fmt::Debug for ServerOptions {
             .field(
                 "max_calls_per_second_per_connection",
                 &self.max_calls_per_second_per_connection,
-            );
+            )
+            .field("inline_first_poll", &self.inline_first_poll);
         #[cfg(feature = "tls")]
         d.field("tls", &self.tls);
         d.finish()
@@ -628,7 +636,8 @@ impl FrameCtx<'_> {
                     r.message_id = id;
                     conn.sender.send(Kind::Result(r));
                 } else {
-                    dispatch(conn, self.handler.handle(invoke, self.peer), id);
+                    let outcome = self.handler.handle(invoke, self.peer);
+                    dispatch(conn, outcome, id, self.options.inline_first_poll);
                 }
                 Ok(())
             }
@@ -673,27 +682,34 @@ impl Drop for ConnCleanup {
     }
 }
 
-fn dispatch(conn: &Arc<Conn>, outcome: Dispatch, id: u64) {
+/// Answers or starts one call. The handler runs in a task of its own, so that one blocking
+/// before its first `.await` stalls only itself, never the connection's reader; with
+/// `inline_first_poll` it is polled once here first and spawned only if it has to wait.
+fn dispatch(conn: &Arc<Conn>, outcome: Dispatch, id: u64, inline_first_poll: bool) {
     match outcome {
         Dispatch::Ready(mut r) => {
             r.message_id = id;
             conn.sender.send(Kind::Result(r));
         }
         Dispatch::Spawn(mut fut) => {
-            // Most handlers finish without waiting: poll once here and spawn only if the handler
-            // has to wait. (The spawned task polls again with its own waker, so nothing is
-            // lost by this first poll's no-op waker.)
-            let mut cx = Context::from_waker(Waker::noop());
-            if let Poll::Ready(mut r) = fut.as_mut().poll(&mut cx) {
-                r.message_id = id;
-                conn.sender.send(Kind::Result(r));
-                return;
+            // (The spawned task polls again with its own waker, so nothing is lost by this
+            // first poll's no-op waker.)
+            if inline_first_poll {
+                let mut cx = Context::from_waker(Waker::noop());
+                if let Poll::Ready(mut r) = fut.as_mut().poll(&mut cx) {
+                    r.message_id = id;
+                    conn.sender.send(Kind::Result(r));
+                    return;
+                }
             }
             let (handle, registration) = AbortHandle::new_pair();
             conn.in_flight.fetch_add(1, Ordering::AcqRel);
             conn.tasks().insert(id, handle);
             let conn = conn.clone();
             tokio::spawn(async move {
+                if !inline_first_poll {
+                    Handoff(false).await;
+                }
                 let outcome = Abortable::new(fut, registration).await;
                 // Absent when a Cancel got there first (and already counted the call out).
                 if conn.tasks().remove(&id).is_some() {
@@ -708,6 +724,30 @@ fn dispatch(conn: &Arc<Conn>, outcome: Dispatch, id: u64) {
                 }
             });
         }
+    }
+}
+
+/// Makes a freshly spawned call task give way once before it polls the handler, so that a
+/// handler which then blocks its thread does not stall the rest of the server.
+///
+/// A task spawned by the reader goes into its worker's "next task" slot, which other workers
+/// cannot steal from and which wakes no idle worker. Were the handler to block in that first
+/// run, the worker would be held, and with it the I/O driver it may have been the last to run:
+/// no other worker would be woken to read the connection. A task that wakes itself and returns
+/// `Pending` is put at the back of the run queue instead, which wakes an idle worker (when
+/// there is one) to take over reading.
+struct Handoff(bool);
+
+impl std::future::Future for Handoff {
+    type Output = ();
+
+    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        if self.0 {
+            return Poll::Ready(());
+        }
+        self.0 = true;
+        cx.waker().wake_by_ref();
+        Poll::Pending
     }
 }
 
