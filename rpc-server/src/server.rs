@@ -47,6 +47,9 @@ impl Default for ServerBuilder {
             services: Vec::new(),
             fallbacks: HashMap::new(),
             registry: None,
+            options: ServerOptions {
+                inline_first_poll: std::env::var_os("RPC_INLINE_FIRST_POLL").is_some(),
+                ..ServerOptions::default()
             options: ServerOptions::default(),
             max_concurrency: rpc_core::GovernanceOptions::default().max_concurrent_handling_count
                 as usize,
@@ -152,6 +155,15 @@ impl ServerBuilder {
     /// server stops reading the connection until the rate allows the next call. Off by default.
     pub fn max_calls_per_second_per_connection(mut self, n: u32) -> Self {
         self.options.max_calls_per_second_per_connection = Some(n);
+        self
+    }
+
+    /// Bytes that the read buffers of large frames (above a connection's own 64 KiB) may hold
+    /// at once over all connections (64 MiB by default, never less than one maximal frame): a
+    /// frame that would need more than is left waits unread, so TCP pushes back on its peer.
+    /// Frames before the handshake are limited to [`rpc_transport::MAX_HELLO_FRAME`] bytes.
+    pub fn max_read_buffer_bytes(mut self, n: usize) -> Self {
+        self.options.max_read_buffer_bytes = n;
         self
     }
 

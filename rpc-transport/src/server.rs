@@ -24,8 +24,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::client::kind_name;
 use crate::codec::FrameCodec;
+use crate::reader::{FrameReader, ReadBudget};
 use crate::writer::{spawn_writer, FrameSender};
-use crate::{HELLO_BUFFER, READ_BUFFER};
+use crate::HELLO_BUFFER;
 
 /// Connection-level settings of a server. Its `Debug` form shows whether a token is set, never
 /// the token.
@@ -63,6 +64,13 @@ pub struct ServerOptions {
     /// allows the next call, so TCP pushes back on the client and a client that pipelines calls
     /// as fast as it can gets no more than its share. `None` (the default): no limit.
     pub max_calls_per_second_per_connection: Option<u32>,
+    /// Bytes the read buffers of frames larger than a connection's own 64 KiB buffer may hold
+    /// at once, summed over every connection of the server (never less than one frame of
+    /// `max_frame_length`). A frame that would need more than is left waits, and its
+    /// connection is not read meanwhile, so TCP pushes back on its peer; it is read once other
+    /// frames are complete. Frames before the handshake are limited to [`MAX_HELLO_FRAME`]
+    /// bytes instead.
+    pub max_read_buffer_bytes: usize,
     /// Whether a call's handler is first polled on the connection's reader, before a task is
     /// spawned for it: a handler that answers in that poll then costs no task. Only for
     /// servers whose handlers never block nor compute for long before their first `.await`:
@@ -90,6 +98,7 @@ impl Default for ServerOptions {
             max_attachment_bytes: 16 * 1024,
             max_unsent_bytes: 1024 * 1024,
             max_calls_per_second_per_connection: None,
+            max_read_buffer_bytes: 64 * 1024 * 1024,
             inline_first_poll: false,
             #[cfg(feature = "tls")]
             tls: None,
@@ -118,12 +127,18 @@ impl std::fmt::Debug for ServerOptions {
                 "max_calls_per_second_per_connection",
                 &self.max_calls_per_second_per_connection,
             )
+            .field("max_read_buffer_bytes", &self.max_read_buffer_bytes)
             .field("inline_first_poll", &self.inline_first_poll);
         #[cfg(feature = "tls")]
         d.field("tls", &self.tls);
         d.finish()
     }
 }
+
+/// Largest frame a server reads before it has accepted the client's `Hello` (8 KiB): a `Hello`
+/// is a version, a token and a client id, and a peer that has not authenticated gets no more
+/// of the server's memory than that. A longer frame gets `GoAway` at its length prefix.
+pub const MAX_HELLO_FRAME: usize = 8 * 1024;
 
 /// Calls breaking the attachment limits that one connection may send before it is closed: a
 /// client that keeps doing it is broken or hostile, and each such call costs the server a full
@@ -161,6 +176,7 @@ pub async fn serve(
     let max_connections = options.max_connections;
     let server = Arc::new(Served {
         handler,
+        budget: ReadBudget::new(options.max_read_buffer_bytes, options.max_frame_length),
         options,
         shutdown: shutdown.clone(),
     });
@@ -227,6 +243,8 @@ async fn sleep_until_or_never(at: Option<Instant>) {
 /// What every connection of one server shares.
 struct Served {
     handler: Arc<dyn InvokeHandler>,
+    /// Shared by the read buffers of every connection's large frames.
+    budget: ReadBudget,
     options: ServerOptions,
     shutdown: CancellationToken,
 }
@@ -306,6 +324,7 @@ async fn run_connection<R, W>(
 {
     let Served {
         handler,
+        budget,
         options,
         shutdown,
     } = server;
@@ -316,10 +335,11 @@ async fn run_connection<R, W>(
     let in_flight = Arc::new(AtomicUsize::new(0));
     let close = CancellationToken::new();
     let sender = spawn_writer(wr, in_flight.clone(), close.clone());
-    // A small buffer until the client has said Hello: connections that never get that far
-    // (floods, scanners) cost little memory.
-    let mut frames =
-        FramedRead::with_capacity(rd, FrameCodec::new(options.max_frame_length), HELLO_BUFFER);
+    // A small buffer, and frames of a few KiB at most, until the client has said Hello:
+    // connections that never get that far (floods, scanners, peers announcing large frames)
+    // cost little memory.
+    let hello_limit = options.max_frame_length.min(MAX_HELLO_FRAME);
+    let mut frames = FramedRead::with_capacity(rd, FrameCodec::new(hello_limit), HELLO_BUFFER);
 
     if let Err((code, reason)) = handshake(&mut frames, &sender, options, hello_by).await {
         tracing::info!(%peer, %reason, "handshake refused");
@@ -327,15 +347,16 @@ async fn run_connection<R, W>(
         close.cancel();
         return;
     }
-    // The connection's real buffer (a buffer remembers the capacity it was made with and
-    // regrows to it), holding whatever the client sent right after its Hello.
+    // The connection's real buffer, under the server's read budget, holding whatever the
+    // client sent right after its Hello.
     let early = frames.read_buffer().clone();
-    let mut frames = FramedRead::with_capacity(
+    let mut frames = FrameReader::new(
         frames.into_inner(),
-        FrameCodec::new(options.max_frame_length),
-        READ_BUFFER,
+        &early,
+        options.max_frame_length,
+        budget.clone(),
+        peer,
     );
-    frames.read_buffer_mut().extend_from_slice(&early);
 
     let conn = Arc::new(Conn {
         sender,
@@ -373,7 +394,21 @@ async fn run_connection<R, W>(
     tokio::pin!(throttle);
     let mut throttled = false;
 
+    // Whether the reader gave way once since the connection reached its in-flight limit.
+    let mut gave_way = false;
     let ended: Option<String> = loop {
+        // Calls just read run in tasks of their own: at the in-flight limit, let them run once
+        // before refusing more, so that a client pipelining calls that finish at once is not
+        // refused for calls that are merely not yet polled.
+        if conn.in_flight.load(Ordering::Acquire) >= options.max_in_flight_per_connection {
+            if !gave_way {
+                gave_way = true;
+                tokio::task::yield_now().await;
+                continue;
+            }
+        } else {
+            gave_way = false;
+        }
         // No more calls are taken while the client leaves its answers unread, nor after many
         // calls in a row were refused at the in-flight limit, until a running call finishes,
         // nor above the call rate: the frames wait in the read buffer and in TCP.
@@ -385,7 +420,7 @@ async fn run_connection<R, W>(
         // idle checks run once per read from the socket, not once per frame. Each counts
         // against the task's scheduling budget, so one busy connection cannot hold a worker.
         if !paused {
-            if let Some(next) = crate::codec::buffered(&mut frames) {
+            if let Some(next) = frames.buffered() {
                 frames_seen += 1;
                 let call = matches!(next, Ok(Kind::Invoke(_)));
                 if let Err(end) = ctx.on_frame(Some(next), false) {
@@ -488,7 +523,7 @@ const DRAIN_LINGER: Duration = Duration::from_millis(500);
 /// drain deadline; calls still running then are answered 520 and dropped.
 async fn drain<R: AsyncRead + Unpin>(
     ctx: &FrameCtx<'_>,
-    frames: &mut FramedRead<R, FrameCodec>,
+    frames: &mut FrameReader<R>,
     options: &ServerOptions,
 ) -> Option<String> {
     let conn = ctx.conn;
@@ -797,6 +832,15 @@ async fn handshake<R: AsyncRead + Unpin>(
             return Err((
                 StatusCode::FrameworkError,
                 format!("the first frame must be Hello, got {}", kind_name(&other)),
+            ))
+        }
+        Some(Err(crate::FrameError::TooLarge { len, max })) => {
+            return Err((
+                StatusCode::FrameworkError,
+                format!(
+                    "a frame of {len} bytes before the handshake exceeds the limit of {max} bytes \
+                     for frames before Hello is accepted; send Hello first"
+                ),
             ))
         }
         Some(Err(e)) => return Err((StatusCode::FrameworkError, e.to_string())),
