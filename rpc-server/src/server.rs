@@ -47,9 +47,6 @@ impl Default for ServerBuilder {
             services: Vec::new(),
             fallbacks: HashMap::new(),
             registry: None,
-            options: ServerOptions {
-                inline_first_poll: std::env::var_os("RPC_INLINE_FIRST_POLL").is_some(),
-                ..ServerOptions::default()
             options: ServerOptions::default(),
             max_concurrency: rpc_core::GovernanceOptions::default().max_concurrent_handling_count
                 as usize,
