@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
-use futures_util::future::{AbortHandle, Abortable, BoxFuture};
+use futures_util::future::BoxFuture;
 use futures_util::StreamExt;
 use rpc_core::wire::{
     frame::Kind, GoAway, HelloAck, Pong, RemoteInvokeMessage, RemoteResultMessage,
@@ -18,6 +18,7 @@ use subtle::ConstantTimeEq;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, Semaphore};
+use tokio::task::AbortHandle;
 use tokio::time::Instant;
 use tokio_util::codec::FramedRead;
 use tokio_util::sync::CancellationToken;
@@ -737,27 +738,29 @@ fn dispatch(conn: &Arc<Conn>, outcome: Dispatch, id: u64, inline_first_poll: boo
                     return;
                 }
             }
-            let (handle, registration) = AbortHandle::new_pair();
             conn.in_flight.fetch_add(1, Ordering::AcqRel);
-            conn.tasks().insert(id, handle);
-            let conn = conn.clone();
-            tokio::spawn(async move {
+            // The map stays locked until the task's handle is in it: the task looks itself up
+            // there when it finishes.
+            let mut tasks = conn.tasks();
+            let task_conn = conn.clone();
+            let task = tokio::spawn(async move {
+                let conn = task_conn;
                 if !inline_first_poll {
                     Handoff(false).await;
                 }
-                let outcome = Abortable::new(fut, registration).await;
-                // Absent when a Cancel got there first (and already counted the call out).
+                let mut r = fut.await;
+                // Absent when a Cancel got there first (it aborted the task, which then ends at
+                // its next `.await`, and already counted the call out).
                 if conn.tasks().remove(&id).is_some() {
-                    if let Ok(mut r) = outcome {
-                        r.message_id = id;
-                        conn.sender.send(Kind::Result(r));
-                    }
+                    r.message_id = id;
+                    conn.sender.send(Kind::Result(r));
                     if conn.in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
                         conn.idle.notify_one();
                     }
                     conn.finished.notify_one();
                 }
             });
+            tasks.insert(id, task.abort_handle());
         }
     }
 }
