@@ -46,6 +46,9 @@ pub(crate) struct Dispatcher {
     pub(crate) metrics: telemetry::Metrics,
     /// Whether a handler's panic message goes to the caller (otherwise only to the log).
     pub(crate) send_panic_text: bool,
+    /// Whether the handler's first poll runs here, on the connection's reader
+    /// (`ServerBuilder::inline_first_poll`).
+    pub(crate) inline_first_poll: bool,
 }
 
 impl InvokeHandler for Dispatcher {
@@ -108,10 +111,18 @@ impl InvokeHandler for Dispatcher {
         let entry = invoke.service_entry_id;
         let attachments = telemetry::user_attachments(attachments);
         let mut watch = telemetry::CallWatch::new(span.clone(), metrics, deadline.map(|(d, _)| d));
-        // Most handlers answer in their first poll. It is made here, in the call's context,
-        // span and inherited deadline, so such a call is answered without a future of its own;
-        // the rest (a handler that waits, a fallback to run) continues in one.
-        let rest = match poll_first(&mut handler, deadline, &attachments, &span) {
+        // Most handlers answer in their first poll. When the server is told its handlers never
+        // block (`inline_first_poll`), that poll is made here, on the connection's reader, in
+        // the call's context, span and inherited deadline, so such a call is answered without
+        // a future of its own; the rest (a handler that waits, a fallback to run) continues in
+        // one. Otherwise the whole call runs in its own task: a handler blocking before its
+        // first `.await` must not stall the reader and every other call on the connection.
+        let first = if self.inline_first_poll {
+            poll_first(&mut handler, deadline, &attachments, &span)
+        } else {
+            Poll::Pending
+        };
+        let rest = match first {
             Poll::Ready(outcome) => match (settle(outcome, &entry, self.send_panic_text), fallback)
             {
                 (Err(e), Some(fb)) if fallback::applies(&e, fallback::Side::Server) => {

@@ -39,6 +39,12 @@ pub struct ConnectOptions {
     /// A `Ping` is sent after this long without traffic; the connection is closed when nothing
     /// at all arrived for three intervals.
     pub heartbeat_interval: Duration,
+    /// Bytes of calls queued on one connection and not yet written (about: parameters and
+    /// entry id of each call plus 64), 4 MiB by default. Above it, as when the server stalls
+    /// and stops reading, a new call waits for room, within its deadline, instead of growing
+    /// the client's memory without limit; a call is always let in while the queue is below
+    /// the limit, however large it is.
+    pub max_unsent_bytes: usize,
     /// TLS to the server (feature `tls`); `None` connects over plain TCP. The TLS handshake
     /// counts within `connect_timeout`.
     #[cfg(feature = "tls")]
@@ -53,6 +59,7 @@ impl Default for ConnectOptions {
             max_frame_length: rpc_core::DEFAULT_MAX_FRAME_LENGTH,
             connect_timeout: Duration::from_secs(3),
             heartbeat_interval: Duration::from_secs(10),
+            max_unsent_bytes: 4 * 1024 * 1024,
             #[cfg(feature = "tls")]
             tls: None,
         }
@@ -66,7 +73,8 @@ impl std::fmt::Debug for ConnectOptions {
             .field("client_id", &self.client_id)
             .field("max_frame_length", &self.max_frame_length)
             .field("connect_timeout", &self.connect_timeout)
-            .field("heartbeat_interval", &self.heartbeat_interval);
+            .field("heartbeat_interval", &self.heartbeat_interval)
+            .field("max_unsent_bytes", &self.max_unsent_bytes);
         #[cfg(feature = "tls")]
         d.field("tls", &self.tls);
         d.finish()
@@ -130,9 +138,26 @@ const NO_SWEEP: u64 = u64::MAX;
 
 /// One multiplexed connection to a server. Cheap to clone; calls run concurrently and are matched
 /// to their answers by `message_id`.
+///
+/// Dropping the last clone closes the connection and ends its tasks (reader, writer, deadline
+/// sweeper, heartbeat): its heartbeats would otherwise keep the server's idle timeout from ever
+/// closing a connection nobody can use any more.
 #[derive(Clone)]
 pub struct Connection {
     shared: Arc<Shared>,
+    /// Held only by the clones of this `Connection`, never by its tasks.
+    _owners: Arc<CloseOnDrop>,
+}
+
+/// Closes the connection when the last [`Connection`] clone goes: the connection's tasks hold
+/// `Shared` themselves, so its count cannot tell when users are done with it.
+struct CloseOnDrop(Arc<Shared>);
+
+impl Drop for CloseOnDrop {
+    fn drop(&mut self) {
+        self.0.closed.store(true, Ordering::Release);
+        self.0.close.cancel();
+    }
 }
 
 /// Ids of connections, unique in the process.
@@ -143,6 +168,8 @@ struct Shared {
     id: u64,
     peer: String,
     sender: FrameSender,
+    /// `ConnectOptions::max_unsent_bytes`.
+    max_unsent_bytes: usize,
     pending: DashMap<u64, Pending, ahash::RandomState>,
     /// Deadlines are enforced by one sweeper task per connection instead of one timer per
     /// call: `next_sweep` is the earliest deadline not yet checked (ms after `epoch`).
@@ -262,6 +289,7 @@ impl Connection {
             id: NEXT_CONNECTION_ID.fetch_add(1, Ordering::Relaxed),
             peer: addr.to_string(),
             sender,
+            max_unsent_bytes: options.max_unsent_bytes,
             pending: DashMap::with_hasher(ahash::RandomState::new()),
             epoch: Instant::now(),
             next_sweep: AtomicU64::new(NO_SWEEP),
@@ -280,7 +308,10 @@ impl Connection {
             options.heartbeat_interval,
             received,
         ));
-        Ok(Connection { shared })
+        Ok(Connection {
+            _owners: Arc::new(CloseOnDrop(shared.clone())),
+            shared,
+        })
     }
 
     /// A number that identifies this connection in the process (never 0): calls that fail
@@ -304,6 +335,12 @@ impl Connection {
     /// without an answer never reached it.
     pub fn is_draining(&self) -> bool {
         self.shared.going_away.load(Ordering::Relaxed)
+    }
+
+    /// Bytes of calls queued on this connection and not yet written to the socket (an
+    /// estimate, as [`ConnectOptions::max_unsent_bytes`] counts them).
+    pub fn unsent_bytes(&self) -> usize {
+        self.shared.sender.backlog().bytes()
     }
 
     /// Calls in flight on this connection.
@@ -332,6 +369,9 @@ impl Connection {
         let shared = &self.shared;
         if !self.is_usable() {
             return Err(comm_error(&shared.peer, "connection closed"));
+        }
+        if shared.sender.backlog().bytes() > shared.max_unsent_bytes {
+            self.wait_for_room(deadline).await?;
         }
         let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
@@ -374,6 +414,61 @@ impl Connection {
             Ok(r) => r,
             Err(_) => Err(comm_error(&shared.peer, "connection closed").maybe_delivered(true)),
         }
+    }
+}
+
+impl Connection {
+    /// Waits until the send queue is back within `max_unsent_bytes`: backpressure on callers
+    /// when the server does not read, instead of memory growing without limit.
+    async fn wait_for_room(&self, deadline: Option<Instant>) -> Result<(), RpcError> {
+        let shared = &self.shared;
+        let backlog = shared.sender.backlog();
+        let max = shared.max_unsent_bytes;
+        let mut logged = false;
+        loop {
+            let room = backlog.room();
+            tokio::pin!(room);
+            room.as_mut().enable();
+            if backlog.bytes() <= max {
+                return Ok(());
+            }
+            if shared.closed.load(Ordering::Acquire) {
+                return Err(comm_error(&shared.peer, "connection closed"));
+            }
+            if !logged {
+                logged = true;
+                tracing::debug!(
+                    peer = %shared.peer,
+                    unsent = backlog.bytes(),
+                    max,
+                    "send queue full: the call waits for room"
+                );
+            }
+            tokio::select! {
+                _ = room => {}
+                _ = shared.close.cancelled() => {
+                    return Err(comm_error(&shared.peer, "connection closed"));
+                }
+                _ = sleep_until_or_never(deadline) => {
+                    return Err(RpcError::new(
+                        StatusCode::Timeout,
+                        format!(
+                            "{}: the call was not sent: the connection's send queue stayed above \
+                             {max} bytes until the call's deadline (the server is not reading \
+                             its calls; check that it is alive)",
+                            shared.peer
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+}
+
+async fn sleep_until_or_never(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
     }
 }
 

@@ -41,6 +41,7 @@ mod client;
 mod codec;
 mod encode;
 mod pool;
+mod reader;
 mod server;
 #[cfg(feature = "tls")]
 pub mod tls;
@@ -50,7 +51,8 @@ pub use client::{Call, ConnectOptions, Connection};
 pub use codec::{FrameCodec, FrameError};
 pub use pool::ConnectionPool;
 pub use server::{
-    error_result, serve, Dispatch, InvokeHandler, ServerOptions, ABUSE_LIMIT, REFUSALS_BEFORE_PAUSE,
+    error_result, serve, Dispatch, InvokeHandler, ServerOptions, ABUSE_LIMIT, MAX_HELLO_FRAME,
+    REFUSALS_BEFORE_PAUSE,
 };
 
 /// Initial capacity of each connection's read buffer: 64 KiB, so a 4 KiB payload stream needs no

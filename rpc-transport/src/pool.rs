@@ -1,9 +1,14 @@
 //! Connections per endpoint, made on first use and remade after a failure.
+//!
+//! Callers that need a connection which is not there share one connect attempt per slot: N
+//! callers to an endpoint that does not answer all get its error after one connect timeout,
+//! instead of queueing one behind another for N of them.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock, Weak};
 
 use dashmap::DashMap;
+use futures_util::future::{BoxFuture, FutureExt, Shared};
 use rpc_core::RpcError;
 
 use crate::client::{ConnectOptions, Connection};
@@ -11,7 +16,9 @@ use crate::client::{ConnectOptions, Connection};
 /// A pool of multiplexed connections: `connections_per_endpoint` per address, used in turn.
 ///
 /// A connection that broke or that the server asked to leave (`GoAway`) is replaced on the next
-/// call that needs it, so a restarted server is picked up without any action.
+/// call that needs it, so a restarted server is picked up without any action. Dropping the last
+/// clone of the pool closes its connections (those a caller still holds stay open until they
+/// are dropped too).
 #[derive(Clone)]
 pub struct ConnectionPool {
     inner: Arc<PoolInner>,
@@ -26,8 +33,12 @@ struct PoolInner {
 struct Endpoint {
     conns: Vec<RwLock<Option<Connection>>>,
     next: AtomicUsize,
-    connecting: tokio::sync::Mutex<()>,
+    /// Per slot, the connect attempt under way, which every caller needing that slot awaits.
+    connecting: Vec<Mutex<Option<Connecting>>>,
 }
+
+/// One connect attempt, awaited by every caller that needs it.
+type Connecting = Shared<BoxFuture<'static, Result<Connection, RpcError>>>;
 
 impl ConnectionPool {
     /// A pool that opens `connections_per_endpoint` (at least 1) connections per address.
@@ -50,12 +61,15 @@ impl ConnectionPool {
     /// for callers that arm a timer only when a connect is needed.
     pub fn try_get(&self, addr: &str) -> Option<Connection> {
         let endpoint = self.inner.slots.get(addr)?;
-        let i = if endpoint.conns.len() == 1 {
-            0
-        } else {
-            endpoint.next.fetch_add(1, Ordering::Relaxed) % endpoint.conns.len()
-        };
-        usable(&endpoint.conns[i])
+        if endpoint.conns.len() == 1 {
+            return usable(&endpoint.conns[0]);
+        }
+        // The turn is taken only when its connection is there: a miss leaves it to `get`, which
+        // connects that very slot, so every slot gets its connection.
+        let turn = endpoint.next.load(Ordering::Relaxed);
+        let conn = usable(&endpoint.conns[turn % endpoint.conns.len()])?;
+        endpoint.next.fetch_add(1, Ordering::Relaxed);
+        Some(conn)
     }
 
     /// A usable connection to `addr`, connecting when there is none.
@@ -72,7 +86,9 @@ impl ConnectionPool {
                             .map(|_| RwLock::new(None))
                             .collect(),
                         next: AtomicUsize::new(0),
-                        connecting: tokio::sync::Mutex::new(()),
+                        connecting: (0..self.inner.per_endpoint)
+                            .map(|_| Mutex::new(None))
+                            .collect(),
                     })
                 })
                 .clone(),
@@ -85,15 +101,30 @@ impl ConnectionPool {
         if let Some(c) = usable(&endpoint.conns[i]) {
             return Ok(c);
         }
-        // One connect at a time per endpoint: concurrent callers wait for it instead of opening
-        // a connection each.
-        let _connecting = endpoint.connecting.lock().await;
-        if let Some(c) = usable(&endpoint.conns[i]) {
-            return Ok(c);
-        }
-        let conn = Connection::connect(addr, &self.inner.options).await?;
-        *endpoint.conns[i].write().unwrap_or_else(|p| p.into_inner()) = Some(conn.clone());
-        Ok(conn)
+        // One connect at a time per slot: concurrent callers await the same attempt (and its
+        // error) instead of opening a connection each or waiting for one another's.
+        let attempt = {
+            let mut connecting = endpoint.connecting[i]
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            if let Some(c) = usable(&endpoint.conns[i]) {
+                return Ok(c);
+            }
+            match connecting.as_ref() {
+                Some(attempt) if attempt.peek().is_none() => attempt.clone(),
+                _ => {
+                    let attempt = connect(
+                        addr.to_string(),
+                        self.inner.options.clone(),
+                        Arc::downgrade(&endpoint),
+                        i,
+                    );
+                    *connecting = Some(attempt.clone());
+                    attempt
+                }
+            }
+        };
+        attempt.await
     }
 
     /// Closes and forgets every connection to `addr`.
@@ -114,6 +145,25 @@ impl ConnectionPool {
             self.evict(&a);
         }
     }
+}
+
+/// A connect attempt that puts its connection in slot `i` of `endpoint`. (Weak: the attempt is
+/// stored in the endpoint, and an attempt every caller gave up on must not keep it alive.)
+fn connect(
+    addr: String,
+    options: ConnectOptions,
+    endpoint: Weak<Endpoint>,
+    i: usize,
+) -> Connecting {
+    async move {
+        let conn = Connection::connect(&addr, &options).await?;
+        if let Some(endpoint) = endpoint.upgrade() {
+            *endpoint.conns[i].write().unwrap_or_else(|p| p.into_inner()) = Some(conn.clone());
+        }
+        Ok(conn)
+    }
+    .boxed()
+    .shared()
 }
 
 fn usable(slot: &RwLock<Option<Connection>>) -> Option<Connection> {

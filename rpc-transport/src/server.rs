@@ -7,24 +7,27 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
-use futures_util::future::{AbortHandle, Abortable, BoxFuture};
+use futures_util::future::BoxFuture;
 use futures_util::StreamExt;
 use rpc_core::wire::{
     frame::Kind, GoAway, HelloAck, Pong, RemoteInvokeMessage, RemoteResultMessage,
 };
 use rpc_core::{StatusCode, PROTOCOL_VERSION};
+use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, Semaphore};
+use tokio::task::AbortHandle;
 use tokio::time::Instant;
 use tokio_util::codec::FramedRead;
 use tokio_util::sync::CancellationToken;
 
 use crate::client::kind_name;
 use crate::codec::FrameCodec;
+use crate::reader::{FrameReader, ReadBudget};
 use crate::writer::{spawn_writer, FrameSender};
-use crate::{HELLO_BUFFER, READ_BUFFER};
+use crate::HELLO_BUFFER;
 
 /// Connection-level settings of a server. Its `Debug` form shows whether a token is set, never
 /// the token.
@@ -62,6 +65,19 @@ pub struct ServerOptions {
     /// allows the next call, so TCP pushes back on the client and a client that pipelines calls
     /// as fast as it can gets no more than its share. `None` (the default): no limit.
     pub max_calls_per_second_per_connection: Option<u32>,
+    /// Bytes the read buffers of frames larger than a connection's own 64 KiB buffer may hold
+    /// at once, summed over every connection of the server (never less than one frame of
+    /// `max_frame_length`). A frame that would need more than is left waits, and its
+    /// connection is not read meanwhile, so TCP pushes back on its peer; it is read once other
+    /// frames are complete. Frames before the handshake are limited to [`MAX_HELLO_FRAME`]
+    /// bytes instead.
+    pub max_read_buffer_bytes: usize,
+    /// Whether a call's handler is first polled on the connection's reader, before a task is
+    /// spawned for it: a handler that answers in that poll then costs no task. Only for
+    /// servers whose handlers never block nor compute for long before their first `.await`:
+    /// while one does, the reader is stalled, and with it every other call, `Cancel` and `Ping`
+    /// on that connection. `false` (the default): every call runs in its own task.
+    pub inline_first_poll: bool,
     /// TLS on every connection (feature `tls`); `None` serves plain TCP. The TLS handshake
     /// counts within `handshake_timeout`.
     #[cfg(feature = "tls")]
@@ -83,6 +99,8 @@ impl Default for ServerOptions {
             max_attachment_bytes: 16 * 1024,
             max_unsent_bytes: 1024 * 1024,
             max_calls_per_second_per_connection: None,
+            max_read_buffer_bytes: 64 * 1024 * 1024,
+            inline_first_poll: false,
             #[cfg(feature = "tls")]
             tls: None,
         }
@@ -109,12 +127,19 @@ impl std::fmt::Debug for ServerOptions {
             .field(
                 "max_calls_per_second_per_connection",
                 &self.max_calls_per_second_per_connection,
-            );
+            )
+            .field("max_read_buffer_bytes", &self.max_read_buffer_bytes)
+            .field("inline_first_poll", &self.inline_first_poll);
         #[cfg(feature = "tls")]
         d.field("tls", &self.tls);
         d.finish()
     }
 }
+
+/// Largest frame a server reads before it has accepted the client's `Hello` (8 KiB): a `Hello`
+/// is a version, a token and a client id, and a peer that has not authenticated gets no more
+/// of the server's memory than that. A longer frame gets `GoAway` at its length prefix.
+pub const MAX_HELLO_FRAME: usize = 8 * 1024;
 
 /// Calls breaking the attachment limits that one connection may send before it is closed: a
 /// client that keeps doing it is broken or hostile, and each such call costs the server a full
@@ -152,6 +177,7 @@ pub async fn serve(
     let max_connections = options.max_connections;
     let server = Arc::new(Served {
         handler,
+        budget: ReadBudget::new(options.max_read_buffer_bytes, options.max_frame_length),
         options,
         shutdown: shutdown.clone(),
     });
@@ -218,6 +244,8 @@ async fn sleep_until_or_never(at: Option<Instant>) {
 /// What every connection of one server shares.
 struct Served {
     handler: Arc<dyn InvokeHandler>,
+    /// Shared by the read buffers of every connection's large frames.
+    budget: ReadBudget,
     options: ServerOptions,
     shutdown: CancellationToken,
 }
@@ -297,6 +325,7 @@ async fn run_connection<R, W>(
 {
     let Served {
         handler,
+        budget,
         options,
         shutdown,
     } = server;
@@ -307,10 +336,11 @@ async fn run_connection<R, W>(
     let in_flight = Arc::new(AtomicUsize::new(0));
     let close = CancellationToken::new();
     let sender = spawn_writer(wr, in_flight.clone(), close.clone());
-    // A small buffer until the client has said Hello: connections that never get that far
-    // (floods, scanners) cost little memory.
-    let mut frames =
-        FramedRead::with_capacity(rd, FrameCodec::new(options.max_frame_length), HELLO_BUFFER);
+    // A small buffer, and frames of a few KiB at most, until the client has said Hello:
+    // connections that never get that far (floods, scanners, peers announcing large frames)
+    // cost little memory.
+    let hello_limit = options.max_frame_length.min(MAX_HELLO_FRAME);
+    let mut frames = FramedRead::with_capacity(rd, FrameCodec::new(hello_limit), HELLO_BUFFER);
 
     if let Err((code, reason)) = handshake(&mut frames, &sender, options, hello_by).await {
         tracing::info!(%peer, %reason, "handshake refused");
@@ -318,15 +348,16 @@ async fn run_connection<R, W>(
         close.cancel();
         return;
     }
-    // The connection's real buffer (a buffer remembers the capacity it was made with and
-    // regrows to it), holding whatever the client sent right after its Hello.
+    // The connection's real buffer, under the server's read budget, holding whatever the
+    // client sent right after its Hello.
     let early = frames.read_buffer().clone();
-    let mut frames = FramedRead::with_capacity(
+    let mut frames = FrameReader::new(
         frames.into_inner(),
-        FrameCodec::new(options.max_frame_length),
-        READ_BUFFER,
+        &early,
+        options.max_frame_length,
+        budget.clone(),
+        peer,
     );
-    frames.read_buffer_mut().extend_from_slice(&early);
 
     let conn = Arc::new(Conn {
         sender,
@@ -364,7 +395,21 @@ async fn run_connection<R, W>(
     tokio::pin!(throttle);
     let mut throttled = false;
 
+    // Whether the reader gave way once since the connection reached its in-flight limit.
+    let mut gave_way = false;
     let ended: Option<String> = loop {
+        // Calls just read run in tasks of their own: at the in-flight limit, let them run once
+        // before refusing more, so that a client pipelining calls that finish at once is not
+        // refused for calls that are merely not yet polled.
+        if conn.in_flight.load(Ordering::Acquire) >= options.max_in_flight_per_connection {
+            if !gave_way {
+                gave_way = true;
+                tokio::task::yield_now().await;
+                continue;
+            }
+        } else {
+            gave_way = false;
+        }
         // No more calls are taken while the client leaves its answers unread, nor after many
         // calls in a row were refused at the in-flight limit, until a running call finishes,
         // nor above the call rate: the frames wait in the read buffer and in TCP.
@@ -376,7 +421,7 @@ async fn run_connection<R, W>(
         // idle checks run once per read from the socket, not once per frame. Each counts
         // against the task's scheduling budget, so one busy connection cannot hold a worker.
         if !paused {
-            if let Some(next) = crate::codec::buffered(&mut frames) {
+            if let Some(next) = frames.buffered() {
                 frames_seen += 1;
                 let call = matches!(next, Ok(Kind::Invoke(_)));
                 if let Err(end) = ctx.on_frame(Some(next), false) {
@@ -479,7 +524,7 @@ const DRAIN_LINGER: Duration = Duration::from_millis(500);
 /// drain deadline; calls still running then are answered 520 and dropped.
 async fn drain<R: AsyncRead + Unpin>(
     ctx: &FrameCtx<'_>,
-    frames: &mut FramedRead<R, FrameCodec>,
+    frames: &mut FrameReader<R>,
     options: &ServerOptions,
 ) -> Option<String> {
     let conn = ctx.conn;
@@ -627,7 +672,8 @@ impl FrameCtx<'_> {
                     r.message_id = id;
                     conn.sender.send(Kind::Result(r));
                 } else {
-                    dispatch(conn, self.handler.handle(invoke, self.peer), id);
+                    let outcome = self.handler.handle(invoke, self.peer);
+                    dispatch(conn, outcome, id, self.options.inline_first_poll);
                 }
                 Ok(())
             }
@@ -672,41 +718,74 @@ impl Drop for ConnCleanup {
     }
 }
 
-fn dispatch(conn: &Arc<Conn>, outcome: Dispatch, id: u64) {
+/// Answers or starts one call. The handler runs in a task of its own, so that one blocking
+/// before its first `.await` stalls only itself, never the connection's reader; with
+/// `inline_first_poll` it is polled once here first and spawned only if it has to wait.
+fn dispatch(conn: &Arc<Conn>, outcome: Dispatch, id: u64, inline_first_poll: bool) {
     match outcome {
         Dispatch::Ready(mut r) => {
             r.message_id = id;
             conn.sender.send(Kind::Result(r));
         }
         Dispatch::Spawn(mut fut) => {
-            // Most handlers finish without waiting: poll once here and spawn only if the handler
-            // has to wait. (The spawned task polls again with its own waker, so nothing is
-            // lost by this first poll's no-op waker.)
-            let mut cx = Context::from_waker(Waker::noop());
-            if let Poll::Ready(mut r) = fut.as_mut().poll(&mut cx) {
-                r.message_id = id;
-                conn.sender.send(Kind::Result(r));
-                return;
+            // (The spawned task polls again with its own waker, so nothing is lost by this
+            // first poll's no-op waker.)
+            if inline_first_poll {
+                let mut cx = Context::from_waker(Waker::noop());
+                if let Poll::Ready(mut r) = fut.as_mut().poll(&mut cx) {
+                    r.message_id = id;
+                    conn.sender.send(Kind::Result(r));
+                    return;
+                }
             }
-            let (handle, registration) = AbortHandle::new_pair();
             conn.in_flight.fetch_add(1, Ordering::AcqRel);
-            conn.tasks().insert(id, handle);
-            let conn = conn.clone();
-            tokio::spawn(async move {
-                let outcome = Abortable::new(fut, registration).await;
-                // Absent when a Cancel got there first (and already counted the call out).
+            // The map stays locked until the task's handle is in it: the task looks itself up
+            // there when it finishes.
+            let mut tasks = conn.tasks();
+            let task_conn = conn.clone();
+            let task = tokio::spawn(async move {
+                let conn = task_conn;
+                if !inline_first_poll {
+                    Handoff(false).await;
+                }
+                let mut r = fut.await;
+                // Absent when a Cancel got there first (it aborted the task, which then ends at
+                // its next `.await`, and already counted the call out).
                 if conn.tasks().remove(&id).is_some() {
-                    if let Ok(mut r) = outcome {
-                        r.message_id = id;
-                        conn.sender.send(Kind::Result(r));
-                    }
+                    r.message_id = id;
+                    conn.sender.send(Kind::Result(r));
                     if conn.in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
                         conn.idle.notify_one();
                     }
                     conn.finished.notify_one();
                 }
             });
+            tasks.insert(id, task.abort_handle());
         }
+    }
+}
+
+/// Makes a freshly spawned call task give way once before it polls the handler, so that a
+/// handler which then blocks its thread does not stall the rest of the server.
+///
+/// A task spawned by the reader goes into its worker's "next task" slot, which other workers
+/// cannot steal from and which wakes no idle worker. Were the handler to block in that first
+/// run, the worker would be held, and with it the I/O driver it may have been the last to run:
+/// no other worker would be woken to read the connection. A task that wakes itself and returns
+/// `Pending` is put at the back of the run queue instead, which wakes an idle worker (when
+/// there is one) to take over reading.
+struct Handoff(bool);
+
+impl std::future::Future for Handoff {
+    type Output = ();
+
+    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        if self.0 {
+            return Poll::Ready(());
+        }
+        self.0 = true;
+        cx.waker().wake_by_ref();
+        Poll::Pending
     }
 }
 
@@ -717,6 +796,18 @@ pub fn error_result(code: StatusCode, message: impl Into<String>) -> RemoteResul
         exception_message: message.into(),
         ..Default::default()
     }
+}
+
+/// The SHA-256 digest of a token: what the handshake compares.
+fn token_digest(token: &str) -> [u8; 32] {
+    Sha256::digest(token.as_bytes()).into()
+}
+
+/// Whether `given` is the `expected` token. The digests of both are compared in constant time,
+/// so the comparison always covers 32 bytes: neither the time taken nor an early exit on a
+/// length mismatch tells a client how long the token is or how much of it was right.
+fn token_matches(expected: &str, given: &str) -> bool {
+    token_digest(expected).ct_eq(&token_digest(given)).into()
 }
 
 /// Reads `Hello` (by `hello_by`: `handshake_timeout` after the accept, TLS included) and answers
@@ -746,6 +837,15 @@ async fn handshake<R: AsyncRead + Unpin>(
                 format!("the first frame must be Hello, got {}", kind_name(&other)),
             ))
         }
+        Some(Err(crate::FrameError::TooLarge { len, max })) => {
+            return Err((
+                StatusCode::FrameworkError,
+                format!(
+                    "a frame of {len} bytes before the handshake exceeds the limit of {max} bytes \
+                     for frames before Hello is accepted; send Hello first"
+                ),
+            ))
+        }
         Some(Err(e)) => return Err((StatusCode::FrameworkError, e.to_string())),
         None => return Err((StatusCode::FrameworkError, "closed before Hello".into())),
     };
@@ -759,8 +859,7 @@ async fn handshake<R: AsyncRead + Unpin>(
         ));
     }
     if let Some(expected) = &options.token {
-        let ok: bool = expected.as_bytes().ct_eq(hello.token.as_bytes()).into();
-        if !ok {
+        if !token_matches(expected, &hello.token) {
             return Err((
                 StatusCode::RpcUnAuthentication,
                 "authentication failed: the token does not match the server's".into(),
@@ -773,4 +872,37 @@ async fn handshake<R: AsyncRead + Unpin>(
         max_frame_length: options.max_frame_length.min(u32::MAX as usize) as u32,
     }));
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_token_check_compares_sha256_digests() {
+        // FIPS 180-2 test vector: SHA-256("abc").
+        let abc = [
+            0xba, 0x78, 0x16, 0xbf, 0x8f, 0x01, 0xcf, 0xea, 0x41, 0x41, 0x40, 0xde, 0x5d, 0xae,
+            0x22, 0x23, 0xb0, 0x03, 0x61, 0xa3, 0x96, 0x17, 0x7a, 0x9c, 0xb4, 0x10, 0xff, 0x61,
+            0xf2, 0x00, 0x15, 0xad,
+        ];
+        assert_eq!(token_digest("abc"), abc);
+    }
+
+    #[test]
+    fn only_the_same_token_matches_whatever_its_length() {
+        let secret = "s3cret-token";
+        assert!(token_matches(secret, secret));
+        for wrong in [
+            "",
+            "s",
+            "s3cret-toke",
+            "s3cret-tokem",
+            "s3cret-token ",
+            &secret.repeat(100),
+        ] {
+            assert!(!token_matches(secret, wrong), "{wrong:?} matched");
+        }
+        assert!(token_matches("", ""));
+    }
 }

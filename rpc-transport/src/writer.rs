@@ -55,6 +55,9 @@ pub(crate) struct Backlog {
     bytes: AtomicUsize,
     /// Woken when the writer has written a batch.
     written: Notify,
+    /// Every waiter is woken when the writer has written a batch or stopped (callers waiting
+    /// for room in a client's send queue).
+    room: Notify,
 }
 
 impl Backlog {
@@ -67,6 +70,12 @@ impl Backlog {
     /// last wait). For one waiter.
     pub(crate) fn written(&self) -> tokio::sync::futures::Notified<'_> {
         self.written.notified()
+    }
+
+    /// Resolves after the writer's next completed write, or once it stopped; for any number of
+    /// waiters (enable it before checking [`bytes`](Self::bytes), so no wake-up is missed).
+    pub(crate) fn room(&self) -> tokio::sync::futures::Notified<'_> {
+        self.room.notified()
     }
 }
 
@@ -179,6 +188,7 @@ async fn write_loop<W: AsyncWrite + Unpin>(
         // One waiter at most (the connection's reader); a permit is kept if it is not waiting
         // yet, so a write between its check and its wait is not missed.
         backlog.written.notify_one();
+        backlog.room.notify_waiters();
         buf.clear();
         if buf.capacity() > 4 * MAX_BATCH {
             // A burst of large frames grew the buffer: give the memory back.
@@ -188,5 +198,6 @@ async fn write_loop<W: AsyncWrite + Unpin>(
     // The reader is not stopped here: after a failed write it still reads what the peer sent
     // before closing (a GoAway saying which calls it never read), then sees the close itself.
     // Later sends fail, since this task no longer receives.
+    backlog.room.notify_waiters();
     let _ = wr.shutdown().await;
 }

@@ -428,3 +428,58 @@ async fn a_reused_message_id_does_not_stall_a_later_graceful_shutdown() {
         "shutdown waited for a call that is not running: the server's in-flight count leaked"
     );
 }
+
+/// Before its `Hello` is accepted a peer gets a few KiB of the server's memory, not a frame of
+/// the full limit: a length prefix above `MAX_HELLO_FRAME` is refused at once, with nothing of
+/// the payload read, while a `Hello` carrying a token of several KiB is still accepted.
+#[tokio::test]
+async fn a_frame_larger_than_a_few_kib_before_hello_is_refused_at_its_prefix() {
+    let limit = rpc::crates::transport::MAX_HELLO_FRAME;
+    assert_eq!(limit, 8 * 1024);
+    let reg = InProcessRegistry::new();
+    // The default frame limit, 16 MiB: far above what a peer may send before its Hello.
+    let server = Server::builder()
+        .registry(reg.clone())
+        .add_service(WireServer::new(Echo))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let client = WireClient::new(Client::builder().registry(reg).build());
+
+    // Only the prefix, announcing 1 MiB: the server answers without waiting for the payload.
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.send_bytes(&(1u32 << 20).to_be_bytes())
+        .await
+        .expect("send");
+    let g = raw.expect_go_away().await;
+    assert!(
+        g.reason
+            .contains("a frame of 1048576 bytes before the handshake exceeds the limit of 8192"),
+        "{g:?}"
+    );
+    raw.expect_closed().await;
+
+    // One byte over the limit is refused as well; a Hello of about 6 KiB is accepted.
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.send_bytes(&((limit + 1) as u32).to_be_bytes())
+        .await
+        .expect("send");
+    let g = raw.expect_go_away().await;
+    assert!(g.reason.contains("exceeds the limit of 8192"), "{g:?}");
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    match raw.hello(&"t".repeat(6 * 1024)).await {
+        Some(Kind::HelloAck(_)) => {}
+        other => panic!("expected HelloAck, got {other:?}"),
+    }
+    // After the handshake the full limit applies again.
+    let big = "x".repeat(64 * 1024);
+    raw.send(Kind::Invoke(echo_invoke(1, &big)))
+        .await
+        .expect("send");
+    match raw.recv().await {
+        Some(Kind::Result(r)) => assert_eq!((r.message_id, r.status_code), (1, 200), "{r:?}"),
+        other => panic!("expected a result, got {other:?}"),
+    }
+    still_serving(&client).await;
+    within("shutdown", server.shutdown()).await;
+}

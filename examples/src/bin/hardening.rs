@@ -6,7 +6,8 @@
 //! hardening overload [--cap 32] [--factor 10] [--work-us 1000] [--seconds 3]
 //! hardening attack [--kinds oversized,attachments,...,all] [--seconds 1] [--rounds 3]
 //!                  [--good-callers 16] [--good-connections 1]
-//! hardening serve [...]        # the server process the two modes above start
+//! hardening memory [--peers 32] [--mib 15] [--seconds 3]
+//! hardening serve [...]        # the server process the modes above start
 //! ```
 //!
 //! The server always runs in a process of its own (this program, `serve`), started on
@@ -47,6 +48,11 @@
 //!   - `churn_control` (not in `all`): what `oversized` does, against a listener of the
 //!     attackers' own that reads, answers 32 bytes and closes: what that connection churn costs
 //!     the machine without the server taking part.
+//! - `memory`: `--peers` raw TCP peers each announce a frame of 16 MiB (the default frame
+//!   limit, which the server runs with here) and send `--mib` MiB of it, for at most
+//!   `--seconds`, holding their connections open; once without saying `Hello` first, once after
+//!   the handshake. The server's memory before, at most during (sampled every 20 ms) and after
+//!   the peers closed, and how much the peers got to send.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -109,6 +115,21 @@ enum Cmd {
     Overload(OverloadArgs),
     /// Well-behaved clients' QPS alone and while raw TCP clients attack.
     Attack(AttackArgs),
+    /// Server memory while peers announce large frames, before and after the handshake.
+    Memory(MemoryArgs),
+}
+
+#[derive(ClapArgs, Debug)]
+struct MemoryArgs {
+    /// Peers, each on a connection of its own.
+    #[arg(long, default_value_t = 32)]
+    peers: usize,
+    /// MiB each peer sends of its 16 MiB frame.
+    #[arg(long, default_value_t = 15)]
+    mib: usize,
+    /// Seconds the peers may take to send (a peer the server no longer reads stops there).
+    #[arg(long, default_value_t = 3.0)]
+    seconds: f64,
 }
 
 #[derive(ClapArgs, Debug, Clone)]
@@ -275,6 +296,7 @@ fn main() -> ExitCode {
         Cmd::Serve(a) => serve_main(a),
         Cmd::Overload(a) => overload_main(a),
         Cmd::Attack(a) => attack_main(a),
+        Cmd::Memory(a) => memory_main(a),
     };
     match outcome {
         Ok(()) => ExitCode::SUCCESS,
@@ -675,6 +697,115 @@ fn rss_kib(pid: u32) -> u64 {
         .find_map(|l| l.strip_prefix("VmRSS:"))
         .and_then(|v| v.split_whitespace().next()?.parse().ok())
         .unwrap_or(0)
+}
+
+// -------------------------------------------------------------------------------------- memory
+
+fn memory_main(a: MemoryArgs) -> Result<(), String> {
+    let length = seconds(a.seconds)?;
+    let rt = runtime()?;
+    println!(
+        "memory peers={} mib={} seconds={}",
+        a.peers, a.mib, a.seconds
+    );
+    for handshake in [false, true] {
+        let server = ServerProc::start(&ServeArgs {
+            cap: 50,
+            work_us: 1000,
+            max_connections: 10_000,
+            max_frame: 16 << 20,
+            max_in_flight: 1024,
+            // Long enough that no connection is closed for slowness while measured.
+            handshake_timeout_ms: 60_000,
+            idle_timeout_ms: 60_000,
+            call_rate: 0,
+        })?;
+        let line = rt.block_on(memory_one(&a, handshake, &server, length));
+        println!("{line}");
+        let _ = std::io::stdout().flush();
+    }
+    Ok(())
+}
+
+/// One run of `memory`: every peer connects (and says Hello when `handshake`), announces a
+/// 16 MiB frame and writes `mib` MiB of it, until done, refused or out of time.
+async fn memory_one(
+    a: &MemoryArgs,
+    handshake: bool,
+    server: &ServerProc,
+    length: Duration,
+) -> String {
+    let rss_before = server.rss_kib();
+    let stop = Arc::new(AtomicBool::new(false));
+    let pid = server.pid;
+    let peak = Arc::new(AtomicU64::new(rss_before));
+    let sampler = {
+        let (stop, peak) = (stop.clone(), peak.clone());
+        tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                peak.fetch_max(rss_kib(pid), Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+    };
+    let until = tokio::time::Instant::now() + length;
+    let mut peers = tokio::task::JoinSet::new();
+    for _ in 0..a.peers {
+        let (addr, bytes) = (server.addr, a.mib << 20);
+        peers.spawn(async move {
+            let Ok(Ok(mut s)) = tokio::time::timeout_at(until, TcpStream::connect(addr)).await
+            else {
+                return (None, 0);
+            };
+            if handshake {
+                let mut buf = BytesMut::new();
+                frame(hello(), &mut buf);
+                if s.write_all(&buf).await.is_err()
+                    || !matches!(read_frame(&mut s).await, Ok(Some(Kind::HelloAck(_))))
+                {
+                    return (None, 0);
+                }
+            }
+            let mut sent = 0usize;
+            if s.write_all(&(16u32 << 20).to_be_bytes()).await.is_ok() {
+                let chunk = vec![0u8; 64 * 1024];
+                while sent < bytes {
+                    match tokio::time::timeout_at(until, s.write_all(&chunk)).await {
+                        Ok(Ok(())) => sent += chunk.len(),
+                        _ => break,
+                    }
+                }
+            }
+            (Some(s), sent)
+        });
+    }
+    let mut held = Vec::new();
+    let mut sent_total = 0usize;
+    while let Some(r) = peers.join_next().await {
+        if let Ok((s, sent)) = r {
+            held.extend(s);
+            sent_total += sent;
+        }
+    }
+    // Every peer has sent what it could and still holds its connection: the server holds what
+    // it read of them now.
+    peak.fetch_max(server.rss_kib(), Ordering::Relaxed);
+    let rss_held = server.rss_kib();
+    drop(held);
+    // The server sees the peers close and frees what it held for them.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.store(true, Ordering::Relaxed);
+    let _ = sampler.await;
+    let rss_after = server.rss_kib();
+    format!(
+        "memory handshake={} peers={} sent_mib={} server_rss_kib_before={rss_before} \
+         server_rss_kib_during_max={} server_rss_kib_held={rss_held} \
+         server_rss_kib_after={rss_after}",
+        if handshake { "done" } else { "none" },
+        a.peers,
+        sent_total >> 20,
+        peak.load(Ordering::Relaxed),
+    )
 }
 
 // -------------------------------------------------------------------------------------- attack

@@ -1,0 +1,179 @@
+//! A server connection's frame reader, under the server-wide read budget.
+//!
+//! Each connection reads into a buffer of its own of [`READ_BUFFER`](crate::READ_BUFFER) bytes,
+//! which holds every frame that fits. A frame announced larger than that needs a buffer of its
+//! size, and many peers announcing large frames (16 MiB by default) and sending them slowly
+//! would hold that much memory each. So the bytes of such buffers come from one budget shared
+//! by the whole server: a frame larger than what is left waits, with its connection no longer
+//! read (TCP pushes back on the peer), until other frames are complete and give their share
+//! back. Nothing of it is buffered while it waits.
+//!
+//! The budget never holds less than one frame of the maximum size, and a connection holds a
+//! share only for the one frame it is reading, asking for it all at once (the semaphore is
+//! fair, first come first served): a frame never waits for a share held by a connection that
+//! itself waits, so every frame within the limit is read in turn. A peer that takes a share
+//! and then stops sending keeps it until the idle timeout closes its connection (only complete
+//! frames count as traffic).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use bytes::{Buf, BytesMut};
+use rpc_core::wire::frame::Kind;
+use tokio::io::{AsyncRead, AsyncReadExt};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_util::codec::Decoder;
+
+use crate::codec::{FrameCodec, FrameError, PREFIX};
+use crate::READ_BUFFER;
+
+/// The budget counts in units of this many bytes, so that a semaphore's `u32` request covers
+/// any frame a 4-byte prefix can announce.
+const UNIT: usize = 1024;
+
+/// The bytes of large frames' read buffers that a server may hold at once.
+#[derive(Debug, Clone)]
+pub(crate) struct ReadBudget {
+    units: Arc<Semaphore>,
+}
+
+impl ReadBudget {
+    /// A budget of `bytes`, raised to one frame of `max_frame_length` if it is less.
+    pub(crate) fn new(bytes: usize, max_frame_length: usize) -> Self {
+        let bytes = bytes.max(max_frame_length.saturating_add(PREFIX));
+        ReadBudget {
+            units: Arc::new(Semaphore::new(units(bytes) as usize)),
+        }
+    }
+}
+
+/// Units needed for `bytes`.
+fn units(bytes: usize) -> u32 {
+    bytes.div_ceil(UNIT).min(u32::MAX as usize) as u32
+}
+
+/// Reads frames from one connection; see the module documentation.
+pub(crate) struct FrameReader<R> {
+    rd: R,
+    buf: BytesMut,
+    codec: FrameCodec,
+    max_frame_length: usize,
+    budget: ReadBudget,
+    /// The share of the budget held for the large frame being read.
+    share: Option<OwnedSemaphorePermit>,
+    peer: SocketAddr,
+    eof: bool,
+}
+
+impl<R: AsyncRead + Unpin> FrameReader<R> {
+    /// A reader of `rd` whose buffer starts with `early` (what was read after `Hello`).
+    pub(crate) fn new(
+        rd: R,
+        early: &[u8],
+        max_frame_length: usize,
+        budget: ReadBudget,
+        peer: SocketAddr,
+    ) -> Self {
+        let mut buf = BytesMut::with_capacity(READ_BUFFER.max(early.len()));
+        buf.extend_from_slice(early);
+        FrameReader {
+            rd,
+            buf,
+            codec: FrameCodec::new(max_frame_length),
+            max_frame_length,
+            budget,
+            share: None,
+            peer,
+            eof: false,
+        }
+    }
+
+    /// The next complete frame already in the buffer, without reading from the socket.
+    pub(crate) fn buffered(&mut self) -> Option<Result<Kind, FrameError>> {
+        if self.buf.len() < PREFIX {
+            return None;
+        }
+        let len = announced(&self.buf);
+        // Above the maximum the codec refuses it at once; below, it is decoded only once all
+        // of it is here (the codec would grow the buffer for it otherwise).
+        if len <= self.max_frame_length && self.buf.len() < PREFIX + len {
+            return None;
+        }
+        let frame = self.codec.decode(&mut self.buf).transpose()?;
+        if self.share.take().is_some() {
+            // The large frame is out (its payload, shared with the buffer, now belongs to the
+            // call): back to a buffer of the usual size.
+            let rest = std::mem::replace(&mut self.buf, BytesMut::with_capacity(READ_BUFFER));
+            self.buf.extend_from_slice(&rest);
+        }
+        Some(frame)
+    }
+
+    /// The next frame; `None` at the end of the stream. Cancel-safe: dropping the future loses
+    /// no byte (a wait for the budget starts again at the back of the queue).
+    pub(crate) async fn next(&mut self) -> Option<Result<Kind, FrameError>> {
+        loop {
+            if let Some(frame) = self.buffered() {
+                return Some(frame);
+            }
+            if self.eof {
+                return None;
+            }
+            if self.buf.len() >= PREFIX {
+                let total = PREFIX + announced(&self.buf);
+                if total > READ_BUFFER && self.share.is_none() {
+                    self.share = Some(self.take_share(total).await?);
+                    // Exactly the frame's size, so the budget counts what is held.
+                    let mut big = BytesMut::with_capacity(total);
+                    big.extend_from_slice(&self.buf);
+                    self.buf = big;
+                } else if self.buf.capacity() < total {
+                    self.buf.reserve(total - self.buf.len());
+                }
+            }
+            if self.buf.len() == self.buf.capacity() {
+                self.buf.reserve(READ_BUFFER);
+            }
+            match self.rd.read_buf(&mut self.buf).await {
+                Ok(0) => {
+                    self.eof = true;
+                    if !self.buf.is_empty() {
+                        return Some(Err(FrameError::Io(std::io::Error::new(
+                            std::io::ErrorKind::UnexpectedEof,
+                            "the peer closed the connection in the middle of a frame",
+                        ))));
+                    }
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    self.eof = true;
+                    return Some(Err(e.into()));
+                }
+            }
+        }
+    }
+
+    /// The budget's share for a frame of `total` bytes, waiting for it if need be.
+    async fn take_share(&self, total: usize) -> Option<OwnedSemaphorePermit> {
+        let n = units(total);
+        let units = self.budget.units.clone();
+        if let Ok(share) = units.clone().try_acquire_many_owned(n) {
+            tracing::trace!(peer = %self.peer, bytes = total, "read budget: frame granted");
+            return Some(share);
+        }
+        tracing::debug!(
+            peer = %self.peer,
+            bytes = total,
+            "read budget exhausted: the frame waits, and the connection is not read meanwhile"
+        );
+        // Fails only if the semaphore is closed, which this crate never does.
+        let share = units.acquire_many_owned(n).await.ok()?;
+        tracing::trace!(peer = %self.peer, bytes = total, "read budget: frame granted");
+        Some(share)
+    }
+}
+
+/// The length a buffer's first four bytes announce.
+fn announced(buf: &BytesMut) -> usize {
+    (&buf[..PREFIX]).get_u32() as usize
+}
