@@ -8,40 +8,13 @@
 
 mod common;
 
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{recv_one, within, RawConn};
-use rpc::crates::core::wire::{frame::Kind, HelloAck};
+use common::{recv_one, within};
 use rpc::crates::transport::{Call, ConnectOptions, Connection, ConnectionPool};
 use rpc::StatusCode;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
-
-/// Every line logged while the test runs.
-#[derive(Clone)]
-struct Lines(Arc<Mutex<mpsc::UnboundedSender<String>>>);
-
-impl std::io::Write for Lines {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        let _ = self
-            .0
-            .lock()
-            .expect("lock")
-            .send(String::from_utf8_lossy(buf).into_owned());
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Lines {
-    type Writer = Lines;
-    fn make_writer(&'a self) -> Lines {
-        self.clone()
-    }
-}
 
 const KIB: usize = 1024;
 
@@ -53,18 +26,7 @@ async fn stalled_server() -> (std::net::SocketAddr, tokio::sync::oneshot::Sender
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     tokio::spawn(async move {
         let (stream, _) = listener.accept().await.expect("accept");
-        let mut raw = RawConn::from_stream(stream);
-        match raw.recv().await {
-            Some(Kind::Hello(_)) => {}
-            other => panic!("expected Hello, got {other:?}"),
-        }
-        raw.send(Kind::HelloAck(HelloAck {
-            protocol_version: 1,
-            server_id: "stalled".into(),
-            max_frame_length: 1 << 24,
-        }))
-        .await
-        .expect("send HelloAck");
+        let raw = common::accept_hello(stream, "stalled", 1 << 24).await;
         let _ = stopped.await;
         drop(raw);
     });
@@ -84,7 +46,7 @@ async fn a_stalled_server_bounds_the_clients_send_queue_and_calls_wait_within_th
     let (tx, mut lines) = mpsc::unbounded_channel();
     let subscriber = tracing_subscriber::fmt()
         .with_max_level(tracing::Level::DEBUG)
-        .with_writer(Lines(Arc::new(Mutex::new(tx))))
+        .with_writer(common::LogLines::new(tx))
         .with_ansi(false)
         .finish();
     let _guard = tracing::subscriber::set_default(subscriber);

@@ -10,8 +10,8 @@ mod common;
 
 use std::net::SocketAddr;
 
-use common::{recv_one, within, RawConn};
-use rpc::crates::core::wire::{frame::Kind, HelloAck, Pong, RemoteResultMessage};
+use common::{recv_one, within};
+use rpc::crates::core::wire::{frame::Kind, Pong, RemoteResultMessage};
 use rpc::crates::transport::{ConnectOptions, ConnectionPool};
 use rpc::{Client, Codec, RpcError, StaticRegistry};
 use tokio::net::TcpListener;
@@ -41,18 +41,7 @@ async fn raw_server() -> (SocketAddr, mpsc::UnboundedReceiver<Seen>) {
         while let Ok((stream, _)) = listener.accept().await {
             let tx = tx.clone();
             tokio::spawn(async move {
-                let mut raw = RawConn::from_stream(stream);
-                match raw.recv().await {
-                    Some(Kind::Hello(_)) => {}
-                    other => panic!("expected Hello, got {other:?}"),
-                }
-                raw.send(Kind::HelloAck(HelloAck {
-                    protocol_version: 1,
-                    server_id: "raw".into(),
-                    max_frame_length: 1 << 20,
-                }))
-                .await
-                .expect("send HelloAck");
+                let mut raw = common::accept_hello(stream, "raw", 1 << 20).await;
                 let _ = tx.send(Seen::Connected);
                 // `recv` waits at most `common::LIMIT` for each frame: a connection the client
                 // forgot stays silent for longer than that only if heartbeats stopped too.

@@ -9,8 +9,6 @@
 
 mod common;
 
-use std::sync::{Arc, Mutex};
-
 use bytes::BytesMut;
 use common::{recv_one, within, RawConn};
 use rpc::crates::core::wire::{frame::Kind, RemoteInvokeMessage, RemoteResultMessage};
@@ -28,31 +26,6 @@ struct Len;
 impl Budget for Len {
     async fn len(&self, text: String) -> Result<u64, RpcError> {
         Ok(text.len() as u64)
-    }
-}
-
-/// Every line the server logs, one message each.
-#[derive(Clone)]
-struct Lines(Arc<Mutex<mpsc::UnboundedSender<String>>>);
-
-impl std::io::Write for Lines {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        let _ = self
-            .0
-            .lock()
-            .expect("lock")
-            .send(String::from_utf8_lossy(buf).into_owned());
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Lines {
-    type Writer = Lines;
-    fn make_writer(&'a self) -> Lines {
-        self.clone()
     }
 }
 
@@ -104,7 +77,7 @@ async fn a_large_frame_over_the_budget_left_waits_unread_and_is_served_once_budg
     let (tx, mut lines) = mpsc::unbounded_channel();
     let subscriber = tracing_subscriber::fmt()
         .with_max_level(tracing::Level::TRACE)
-        .with_writer(Lines(Arc::new(Mutex::new(tx))))
+        .with_writer(common::LogLines::new(tx))
         .with_ansi(false)
         .finish();
     let _guard = tracing::subscriber::set_default(subscriber);

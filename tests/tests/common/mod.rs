@@ -162,3 +162,54 @@ impl RawConn {
         }
     }
 }
+
+/// A `tracing` writer that sends every logged line down a channel, so a test can wait for the
+/// line it expects instead of sleeping.
+#[derive(Clone)]
+pub struct LogLines(std::sync::Arc<std::sync::Mutex<mpsc::UnboundedSender<String>>>);
+
+impl LogLines {
+    /// Lines written go to `tx`, one message per write.
+    pub fn new(tx: mpsc::UnboundedSender<String>) -> Self {
+        LogLines(std::sync::Arc::new(std::sync::Mutex::new(tx)))
+    }
+}
+
+impl std::io::Write for LogLines {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let _ = self
+            .0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .send(String::from_utf8_lossy(buf).into_owned());
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for LogLines {
+    type Writer = LogLines;
+    fn make_writer(&'a self) -> LogLines {
+        self.clone()
+    }
+}
+
+/// The server's side of a handshake on an accepted raw socket: reads `Hello` (panicking on
+/// anything else) and answers `HelloAck` naming `server_id` and `max_frame_length`.
+pub async fn accept_hello(stream: TcpStream, server_id: &str, max_frame_length: u32) -> RawConn {
+    let mut raw = RawConn::from_stream(stream);
+    match raw.recv().await {
+        Some(Kind::Hello(_)) => {}
+        other => panic!("expected Hello, got {other:?}"),
+    }
+    raw.send(Kind::HelloAck(HelloAck {
+        protocol_version: 1,
+        server_id: server_id.into(),
+        max_frame_length,
+    }))
+    .await
+    .expect("send HelloAck");
+    raw
+}
