@@ -2,7 +2,6 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -15,17 +14,18 @@ use rpc_core::{
 };
 use rpc_governance::breaker::BreakerState;
 use rpc_governance::config::{GovernanceConfig, Layers};
+use rpc_governance::engine::Governance;
 use rpc_governance::events::{EventBus, EventKind};
-use rpc_governance::fallback;
-use rpc_governance::pipeline::{AttemptCtx, Attempts, Governance};
-use rpc_governance::timeout;
+use rpc_governance::stack::{
+    self, Balance, CallCx, ClientParts, Fallbacks, Middleware, Service as _,
+};
 use rpc_registry::{InProcessRegistry, Registry, ServiceWatch};
 use rpc_transport::{Call, ConnectOptions, ConnectionPool};
 use tokio::time::Instant;
 use tracing::Instrument;
 
-use crate::endpoints::ServiceState;
-use crate::shunt::RingKey;
+use crate::balance::ring::RingKey;
+use crate::balance::{Picker, ServiceState};
 use crate::status::{EndpointStatus, FIRST_PROBE_INTERVAL, MAX_PROBE_INTERVAL};
 use crate::telemetry;
 
@@ -34,6 +34,9 @@ use crate::telemetry;
 #[derive(Clone)]
 pub struct Client {
     inner: Arc<Inner>,
+    /// Options this handle's calls apply above every other level
+    /// ([`with_options`](Client::with_options)).
+    call_options: Option<Arc<GovernanceOverrides>>,
 }
 
 struct Inner {
@@ -42,7 +45,11 @@ struct Inner {
     codec: Codec,
     governance: Governance,
     services: DashMap<&'static str, Arc<ServiceState>, ahash::RandomState>,
-    fallbacks: HashMap<&'static str, Arc<dyn Service>>,
+    fallbacks: Fallbacks,
+    /// User layers around each call, outermost first.
+    layers: Vec<Arc<dyn Middleware>>,
+    /// User layers around each attempt, outermost first.
+    attempt_layers: Vec<Arc<dyn Middleware>>,
     metrics: telemetry::Metrics,
     /// Removed endpoints a background task is probing.
     probing: Mutex<HashSet<String>>,
@@ -63,7 +70,9 @@ pub struct ClientBuilder {
     connect: ConnectOptions,
     connections_per_endpoint: usize,
     layers: Layers,
-    fallbacks: HashMap<&'static str, Arc<dyn Service>>,
+    fallbacks: Fallbacks,
+    middleware: Vec<Arc<dyn Middleware>>,
+    attempt_middleware: Vec<Arc<dyn Middleware>>,
     ring_keys: RingKeys,
     #[cfg(feature = "otel")]
     meter: Option<opentelemetry::metrics::Meter>,
@@ -77,7 +86,9 @@ impl Default for ClientBuilder {
             connect: ConnectOptions::default(),
             connections_per_endpoint: 1,
             layers: Layers::default(),
-            fallbacks: HashMap::new(),
+            fallbacks: Fallbacks::default(),
+            middleware: Vec::new(),
+            attempt_middleware: Vec::new(),
             ring_keys: RingKeys::default(),
             #[cfg(feature = "otel")]
             meter: None,
@@ -214,6 +225,22 @@ impl ClientBuilder {
         self
     }
 
+    /// Adds a user layer around every call, outside the whole governance stack: it sees each
+    /// call once, whatever its retries, and the fallback's answer. Layers run in the order they
+    /// are added, the first outermost. See [`Middleware`] and the README's "Middleware".
+    pub fn layer(mut self, layer: impl Middleware) -> Self {
+        self.middleware.push(Arc::new(layer));
+        self
+    }
+
+    /// Adds a user layer around every attempt, below the retry layer: it sees each attempt
+    /// with its endpoint ([`CallCx::endpoint`]) and attempt number. Layers run in the order
+    /// they are added, the first outermost.
+    pub fn attempt_layer(mut self, layer: impl Middleware) -> Self {
+        self.attempt_middleware.push(Arc::new(layer));
+        self
+    }
+
     /// The OpenTelemetry meter of the client's metrics (feature `otel`); by default
     /// `opentelemetry::global::meter("rpc")`, taken when the client is built, so install the
     /// global meter provider first.
@@ -258,12 +285,17 @@ impl ClientBuilder {
                 governance,
                 services: DashMap::with_hasher(ahash::RandomState::new()),
                 fallbacks: self.fallbacks,
+                layers: self.middleware,
+                attempt_layers: self.attempt_middleware,
                 metrics,
                 probing: Mutex::new(HashSet::new()),
                 ring_keys: self.ring_keys,
             }
         });
-        Client { inner }
+        Client {
+            inner,
+            call_options: None,
+        }
     }
 }
 
@@ -519,7 +551,10 @@ impl Client {
             loop {
                 tokio::time::sleep(pause).await;
                 let Some(inner) = weak.upgrade() else { return };
-                let client = Client { inner };
+                let client = Client {
+                    inner,
+                    call_options: None,
+                };
                 let health = client.inner.governance.health();
                 let done = if !health.is_removed(&addr) {
                     true
@@ -633,7 +668,7 @@ impl Client {
                     publish(&inner.governance, service_id, &watch.current());
                     let state = inner.services.get(service_id).map(|s| s.clone());
                     if let Some(state) = state {
-                        state.refresh_ring();
+                        state.refresh();
                     }
                 }
             });
@@ -641,15 +676,61 @@ impl Client {
         Ok(state)
     }
 
+    /// A handle whose calls apply `overrides` above every other configuration level (code
+    /// defaults, attribute, published descriptors, config file, environment, runtime updates),
+    /// for those calls only: for example a shorter deadline for one request. Cheap (the handle
+    /// shares everything with `self`); overrides given again merge, field by field.
+    ///
+    /// ```no_run
+    /// # fn f(client: rpc_client::Client) {
+    /// use rpc_core::GovernanceOverrides;
+    /// let hurried = client.with_options(GovernanceOverrides {
+    ///     timeout_ms: Some(200),
+    ///     retry_times: Some(0),
+    ///     ..GovernanceOverrides::NONE
+    /// });
+    /// # let _ = hurried; }
+    /// ```
+    ///
+    /// A proxy made from the handle (`GreeterClient::new(hurried)`, or
+    /// `greeter.with_options(..)`) calls with them.
+    pub fn with_options(&self, overrides: GovernanceOverrides) -> Client {
+        let mut merged = self.call_options.as_deref().cloned().unwrap_or_default();
+        merged.merge(&overrides);
+        Client {
+            inner: self.inner.clone(),
+            call_options: Some(Arc::new(merged)),
+        }
+    }
+
+    /// A handle whose calls have at most `timeout` (retries included): shorthand for
+    /// [`with_options`](Self::with_options) with `timeout_ms`.
+    pub fn with_timeout(&self, timeout: Duration) -> Client {
+        let ms = u64::try_from(timeout.as_millis())
+            .unwrap_or(u64::MAX)
+            .max(1);
+        self.with_options(GovernanceOverrides {
+            timeout_ms: Some(ms),
+            ..GovernanceOverrides::NONE
+        })
+    }
+
+    /// The per-call options of this handle, if any.
+    pub fn call_options(&self) -> Option<&GovernanceOverrides> {
+        self.call_options.as_deref()
+    }
+
     /// Calls `method` with its argument list already encoded by [`codec`](Self::codec), and
     /// returns the encoded result.
     ///
-    /// The call passes the entry's pipeline: fallback → circuit breaker → timeout (the whole
-    /// call, retries included; at the deadline the attempt in flight is dropped and the server
-    /// receives `Cancel`) → retry (overflow and unreachable endpoints, on another endpoint,
-    /// within the retry budget; a call that may have reached a server that then failed is
-    /// repeated only for idempotent entries) → one attempt. A final failure names every
-    /// endpoint tried.
+    /// The call passes the stack of
+    /// [`rpc_governance::stack`](rpc_governance::stack#the-order): the client's per-call
+    /// layers, fallback, circuit breaker, timeout (the whole call, retries included; at the
+    /// deadline the attempt in flight is dropped and the server receives `Cancel`), retry and
+    /// failover (overflow and unreachable endpoints, on the balancer's next candidate, within
+    /// the retry budget; a call that may have reached a server that then failed is repeated
+    /// only for idempotent entries), the per-attempt layers, one attempt. A final failure
+    /// names every endpoint tried.
     ///
     /// `hash_key` computes the stable hash of the method's `#[hash_key]` argument; it runs only
     /// when the entry's strategy is consistent hashing.
@@ -664,11 +745,26 @@ impl Client {
         params: Bytes,
         hash_key: Option<H>,
     ) -> impl std::future::Future<Output = Result<Bytes, RpcError>> + Send + '_ {
-        let policy = self.inner.governance.policy(method);
-        let (hash_key, misconfigured) = match policy.options().shunt_strategy {
+        let governance = &self.inner.governance;
+        let policy = governance.policy(method);
+        let options = match &self.call_options {
+            None => policy.options(),
+            Some(o) => Arc::new(o.applied(&policy.options())),
+        };
+        let (hash_key, misconfigured) = match options.shunt_strategy {
             // Hashing asked for an entry with nothing to hash: refused, not round robin.
             ShuntStrategy::Hash if method.hash_key.is_none() => {
-                (None, self.inner.governance.check(method).err())
+                let e = governance.check(method).err().unwrap_or_else(|| {
+                    RpcError::new(
+                        StatusCode::FrameworkError,
+                        format!(
+                            "{}: shunt_strategy = hash needs a #[hash_key] argument; this \
+                             call's options ask for it",
+                            method.entry_id
+                        ),
+                    )
+                });
+                (None, Some(e))
             }
             ShuntStrategy::Hash => (hash_key.map(|h| h()), None),
             _ => (None, None),
@@ -680,92 +776,40 @@ impl Client {
             if let Some(e) = misconfigured {
                 return Err(e);
             }
-            let deadline = || rpc_governance::timeout::deadline(&policy.options());
+            let deadline = || rpc_governance::timeout::deadline(&options);
             let watch =
                 telemetry::CallWatch::new(call_span, self.inner.metrics.start(method), deadline);
-            let mut fallback_cause = None;
-            let attempts = ClientAttempts {
-                client: self,
-                method,
-                service: None,
-                params: &params,
-                hash_key,
-                call_id: call_id.as_deref(),
-                made: AtomicU32::new(0),
-                last_failed: Mutex::new(None),
-                connection: AtomicU64::new(0),
-            };
-            let result = match self.service(method.service_id).await {
-                Ok(service) => {
-                    let attempts = ClientAttempts {
-                        service: Some(&service),
-                        ..attempts
-                    };
-                    let r = self.inner.governance.execute(&policy, &attempts).await;
-                    (r, attempts.made, attempts.last_failed)
-                }
-                Err(e) => (Err(e), attempts.made, attempts.last_failed),
-            };
-            let result = match result {
-                (Err(e), made, last_failed) if fallback::applies(&e, fallback::Side::Client) => {
-                    match self.inner.fallbacks.get(method.service_id) {
-                        // Inside a handler whose caller's deadline has passed, nobody would
-                        // receive the fallback's answer: it does not start (and does not act).
-                        Some(_) if timeout::inherited_passed() => {
-                            self.inner.governance.events().emit_parts(
-                                EventKind::FallbackSkipped,
-                                &Arc::from(method.entry_id),
-                                e.tried().last().map(String::as_str),
-                                made.into_inner().saturating_sub(1),
-                                Some(e.to_string()),
-                            );
-                            Err(timeout::fallback_skipped(method.entry_id, &e))
-                        }
-                        Some(fallback) => {
-                            // On the call span: the original error, the endpoint of the last
-                            // failed attempt and that attempt's number.
-                            let last_failed =
-                                last_failed.into_inner().unwrap_or_else(|p| p.into_inner());
-                            let endpoint = e.tried().last().cloned().or(last_failed);
-                            self.inner.governance.events().emit_parts(
-                                EventKind::Fallback,
-                                &Arc::from(method.entry_id),
-                                endpoint.as_deref(),
-                                made.into_inner().saturating_sub(1),
-                                Some(e.to_string()),
-                            );
-                            fallback_cause = Some(e.clone());
-                            let answer =
-                                run_fallback(fallback.as_ref(), method, params, self.codec(), e)
-                                    .await;
-                            if answer.is_ok() {
-                                crate::answered_by::record("fallback");
-                            }
-                            answer
-                        }
-                        None => Err(e),
-                    }
-                }
-                (r, _, _) => r,
-            };
-            watch.finish(&result, fallback_cause.as_ref());
+            let mut cx = CallCx::new(governance, policy, options.clone())
+                .with_hash_key(hash_key)
+                .with_call_id(call_id);
+            let stack = stack::client_stack(ClientParts {
+                outer: &self.inner.layers,
+                fallbacks: &self.inner.fallbacks,
+                codec: self.inner.codec,
+                balance: ClientBalance { client: self },
+                per_attempt: &self.inner.attempt_layers,
+                attempt: Attempt { client: self },
+            });
+            let result = stack.call(&mut cx, params).await;
+            if result.is_ok() && cx.fallback_cause().is_some() {
+                crate::answered_by::record("fallback");
+            }
+            watch.finish(&result, cx.fallback_cause());
             result
         }
         .instrument(span)
     }
 
-    /// One attempt of `call` on `addr`; `call.connection` receives the id of the connection the
-    /// call was sent on, so that failures of calls that broke together count once.
+    /// One attempt on `addr`, the endpoint the balancer chose for it.
     async fn call_once(
         &self,
-        call: &ClientAttempts<'_>,
+        cx: &mut CallCx<'_>,
         addr: &str,
         params: Bytes,
-        timeout_ms: u32,
-        deadline: Option<Instant>,
     ) -> Result<Bytes, RpcError> {
-        let (method, connection) = (call.method, &call.connection);
-        let attachments = telemetry::outgoing_attachments(call.call_id);
+        let method = cx.method();
+        let (timeout_ms, deadline) = (cx.budget_ms(), cx.attempt_deadline());
+        let attachments = telemetry::outgoing_attachments(cx.call_id(), cx.attachments());
         let message = |params: Bytes, attachments| Call {
             service_entry_id: method.entry_id.into(),
             codec: self.inner.codec.to_wire(),
@@ -774,7 +818,7 @@ impl Client {
             timeout_ms,
         };
         let conn = self.connection(addr, deadline).await?;
-        connection.store(conn.id(), Ordering::Relaxed);
+        cx.set_connection(conn.id());
         let answer = match conn
             .call(message(params.clone(), attachments.clone()), deadline)
             .await
@@ -783,7 +827,7 @@ impl Client {
             // well be back (a restart), so the call goes once more on a fresh connection.
             Err(e) if conn.is_draining() && !e.is_maybe_delivered() => {
                 let fresh = self.connection(addr, deadline).await?;
-                connection.store(fresh.id(), Ordering::Relaxed);
+                cx.set_connection(fresh.id());
                 fresh.call(message(params, attachments), deadline).await?
             }
             other => other?,
@@ -820,104 +864,59 @@ impl Client {
     }
 }
 
-/// The client's side of the pipeline for one call.
-struct ClientAttempts<'a> {
-    client: &'a Client,
-    method: &'static MethodDescriptor,
-    /// Set once the service's endpoints are known.
-    service: Option<&'a ServiceState>,
-    params: &'a Bytes,
-    hash_key: Option<u64>,
-    /// The call's short id, when the call is logged.
-    call_id: Option<&'a str>,
-    /// Attempts made so far.
-    made: AtomicU32,
-    /// The endpoint of the last failed attempt (written only on failure), for the fallback
-    /// event.
-    last_failed: Mutex<Option<String>>,
-    /// The connection the last attempt was sent on (0: it got none).
-    connection: AtomicU64,
+/// The client's endpoint choice, as the stack asks for it: the picker of the called service.
+struct ClientBalance<'c> {
+    client: &'c Client,
 }
 
-impl ClientAttempts<'_> {
-    fn service(&self) -> &ServiceState {
-        self.service
-            .expect("attempts run once the service is resolved")
+impl Balance for ClientBalance<'_> {
+    type Picker = Picker;
+
+    async fn picker(&self, cx: &CallCx<'_>) -> Result<Picker, RpcError> {
+        let service = self.client.service(cx.method().service_id).await?;
+        Ok(Picker { service })
+    }
+
+    fn removed(&self, addr: &str) {
+        self.client.probe_in_background(addr);
     }
 }
 
-impl Attempts for &ClientAttempts<'_> {
-    fn select(&self, ctx: &AttemptCtx<'_>) -> Result<String, RpcError> {
-        self.service().select(
-            self.method.service_id,
-            ctx.options,
-            self.hash_key,
-            ctx.tried,
-            self.client.inner.governance.health(),
-        )
-    }
+/// The bottom of the client's stack: one attempt, in its `rpc.client.attempt` span.
+struct Attempt<'c> {
+    client: &'c Client,
+}
 
-    async fn call(
-        &self,
-        addr: &str,
-        timeout_ms: u32,
-        deadline: Option<Instant>,
-    ) -> Result<Bytes, RpcError> {
-        let attempt = self.made.fetch_add(1, Ordering::Relaxed);
-        let span = telemetry::attempt_span(self.method, attempt, addr);
-        let watch = telemetry::AttemptWatch::new(span.clone(), deadline);
-        let params = self.params.clone();
-        self.connection.store(0, Ordering::Relaxed);
+impl stack::Service for Attempt<'_> {
+    async fn call(&self, cx: &mut CallCx<'_>, params: Bytes) -> Result<Bytes, RpcError> {
+        let Some(addr) = cx.endpoint().map(Arc::<str>::from) else {
+            return Err(RpcError::new(
+                StatusCode::FrameworkError,
+                "an attempt ran before an endpoint was chosen",
+            ));
+        };
+        let span = telemetry::attempt_span(cx.method(), cx.attempt(), &addr);
+        let watch = telemetry::AttemptWatch::new(span.clone(), cx.attempt_deadline());
         let result = if span.is_disabled() {
             // No subscriber: skip the wrapper, which would move the whole attempt future once
             // more on every call.
-            self.client
-                .call_once(self, addr, params, timeout_ms, deadline)
-                .await
+            self.client.call_once(cx, &addr, params).await
         } else {
             self.client
-                .call_once(self, addr, params, timeout_ms, deadline)
+                .call_once(cx, &addr, params)
                 .instrument(span.clone())
                 .await
         };
         watch.finish(&result);
-        if result.is_err() {
-            *self.last_failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(addr.to_string());
-        }
         // An answer from the server (success, or its own verdict rather than a failure to reach
         // it) records who gave it.
         if result
             .as_ref()
             .map_or_else(|e| !e.code().is_retryable(), |_| true)
         {
-            crate::answered_by::record(addr);
+            crate::answered_by::record(&addr);
         }
         result
-    }
-
-    fn untried_left(&self, tried: &[String]) -> bool {
-        self.service()
-            .endpoints()
-            .iter()
-            .any(|i| !tried.iter().any(|t| *t == i.address))
-    }
-
-    fn any_other(&self, addr: &str, usable: &dyn Fn(&str) -> bool) -> bool {
-        self.service()
-            .endpoints()
-            .iter()
-            .any(|i| i.address != addr && usable(&i.address))
-    }
-
-    fn failed_connection(&self) -> Option<u64> {
-        match self.connection.load(Ordering::Relaxed) {
-            0 => None,
-            id => Some(id),
-        }
-    }
-
-    fn removed(&self, addr: &str) {
-        self.client.probe_in_background(addr);
     }
 }
 
@@ -936,24 +935,6 @@ fn publish(governance: &Governance, service_id: &str, instances: &rpc_registry::
         }
     }
     governance.publish(service_id, entries);
-}
-
-async fn run_fallback(
-    fallback: &dyn Service,
-    method: &'static MethodDescriptor,
-    params: Bytes,
-    codec: Codec,
-    cause: RpcError,
-) -> Result<Bytes, RpcError> {
-    let Some(index) = fallback
-        .methods()
-        .iter()
-        .position(|m| m.entry_id == method.entry_id)
-    else {
-        return Err(cause);
-    };
-    let answer = fallback::with_cause(cause.clone(), fallback.call(index, params, codec)).await;
-    fallback::outcome(method.entry_id, cause, answer)
 }
 
 fn into_result(r: RemoteResultMessage, codec: Codec, addr: &str) -> Result<Bytes, RpcError> {

@@ -28,13 +28,13 @@
 #![warn(missing_docs)]
 
 mod answered_by;
+pub mod balance;
 mod client;
-mod endpoints;
-pub mod shunt;
+pub use balance::ring as shunt;
 pub mod status;
 mod telemetry;
 
 pub use answered_by::answered_by;
+pub use balance::ring::RingKey;
 pub use client::{Client, ClientBuilder};
-pub use shunt::RingKey;
 pub use status::{EndpointState, EndpointStatus};

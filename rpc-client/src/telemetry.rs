@@ -249,10 +249,16 @@ pub(crate) fn split_address(addr: &str) -> (&str, Option<u16>) {
 
 /// The attachments of an outgoing call: the current [`RpcContext`]'s user attachments, the
 /// call's id when it is logged and, with feature `otel`, the W3C trace context of the current
-/// span (the attempt span).
-pub(crate) fn outgoing_attachments(call_id: Option<&str>) -> BTreeMap<String, String> {
+/// span (the attempt span). `added` (what the call's layers added) wins over the context's.
+pub(crate) fn outgoing_attachments(
+    call_id: Option<&str>,
+    added: &BTreeMap<String, String>,
+) -> BTreeMap<String, String> {
     #[allow(unused_mut)]
     let mut attachments = RpcContext::current_attachments();
+    for (k, v) in added {
+        attachments.insert(k.clone(), v.clone());
+    }
     if let Some(id) = call_id {
         attachments.insert(CALL_ID_KEY.to_string(), id.to_string());
     }

@@ -1,14 +1,24 @@
-//! A client's view of one service: its live endpoints (from the registry watch) and the state the
-//! shunt strategies keep.
+//! Endpoint choice, in one place: a client's view of each service (its live endpoints from the
+//! registry watch), the shunt strategies (round robin, random, consistent hash on a ring,
+//! appointed address), the ranking by this client's endpoint health (healthy before marked,
+//! removed last) and the picker that hands the call stack its candidates in that order.
+//!
+//! Why one module: failover, hash routing and ejection all answer the same question (where does
+//! the next attempt go?), and answering it in one place is what keeps them consistent. The
+//! retry layer only asks for the next candidate.
+
+pub mod ring;
 
 use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex, PoisonError};
 
+use arc_swap::ArcSwapOption;
 use rpc_core::{GovernanceOptions, RpcError, ShuntStrategy, StatusCode};
 use rpc_governance::health::EndpointHealth;
+use rpc_governance::stack::{CallCx, Pick};
 use rpc_registry::{Endpoints, ServiceWatch};
 
-use crate::shunt::{self, RingCache, RingKey, RingSnapshot};
+use ring::{RingCache, RingKey, RingSnapshot};
 
 pub(crate) struct ServiceState {
     watch: ServiceWatch,
@@ -17,19 +27,28 @@ pub(crate) struct ServiceState {
     ring: RingCache,
     /// The snapshot last compared for re-announced endpoints.
     seen: Mutex<Endpoints>,
+    /// The addresses of the current snapshot as shared strings, so that naming the chosen
+    /// endpoint for an attempt copies no string.
+    addresses: ArcSwapOption<Addresses>,
+}
+
+/// The addresses of one snapshot, in its order.
+struct Addresses {
+    endpoints: Endpoints,
+    list: Vec<Arc<str>>,
 }
 
 /// How acceptable an endpoint is for the next attempt; lower is better. Removed endpoints
 /// (repeated transport failures) come last: used only when nothing else is left.
-fn rank(addr: &str, tried: &[String], health: &EndpointHealth) -> u8 {
+fn rank(addr: &str, tried: &[Arc<str>], health: &EndpointHealth) -> u8 {
     if health.is_clear() {
-        return if tried.iter().any(|t| t == addr) {
+        return if tried.iter().any(|t| **t == *addr) {
             2
         } else {
             0
         };
     }
-    let fresh = !tried.iter().any(|t| t == addr);
+    let fresh = !tried.iter().any(|t| **t == *addr);
     match (health.is_removed(addr), fresh, health.is_healthy(addr)) {
         (true, true, _) => 4,
         (true, false, _) => 5,
@@ -48,6 +67,7 @@ impl ServiceState {
             counter: AtomicUsize::new(0),
             ring: RingCache::new(ring_key),
             seen,
+            addresses: ArcSwapOption::empty(),
         }
     }
 
@@ -59,10 +79,27 @@ impl ServiceState {
         self.ring.get(eps)
     }
 
-    /// Called by the registry watch on every new snapshot: the hash ring is rebuilt here, off
-    /// the call path.
-    pub(crate) fn refresh_ring(&self) {
-        self.ring.refresh(&self.endpoints());
+    /// Called by the registry watch on every new snapshot: the hash ring and the shared
+    /// addresses are rebuilt here, off the call path.
+    pub(crate) fn refresh(&self) {
+        let eps = self.endpoints();
+        self.ring.refresh(&eps);
+        self.addresses(&eps);
+    }
+
+    /// The shared address strings of `eps`.
+    fn addresses(&self, eps: &Endpoints) -> Arc<Addresses> {
+        if let Some(a) = self.addresses.load_full() {
+            if Arc::ptr_eq(&a.endpoints, eps) {
+                return a;
+            }
+        }
+        let a = Arc::new(Addresses {
+            endpoints: eps.clone(),
+            list: eps.iter().map(|i| Arc::from(i.address.as_str())).collect(),
+        });
+        self.addresses.store(Some(a.clone()));
+        a
     }
 
     /// Endpoints the registry announces anew (absent from the previous snapshot) are no longer
@@ -87,18 +124,22 @@ impl ServiceState {
         service_id: &str,
         options: &GovernanceOptions,
         hash_key: Option<u64>,
-        tried: &[String],
+        tried: &[Arc<str>],
         health: &EndpointHealth,
-    ) -> Result<String, RpcError> {
+    ) -> Result<Arc<str>, RpcError> {
         if options.shunt_strategy == ShuntStrategy::Appoint {
-            return options.appoint_address.clone().ok_or_else(|| {
-                RpcError::new(
-                    StatusCode::FrameworkError,
-                    format!(
+            return options
+                .appoint_address
+                .as_deref()
+                .map(Arc::from)
+                .ok_or_else(|| {
+                    RpcError::new(
+                        StatusCode::FrameworkError,
+                        format!(
                         "{service_id}: shunt strategy appoint needs appoint_address = \"host:port\""
                     ),
-                )
-            });
+                    )
+                });
         }
         let eps = self.endpoints();
         if !health.is_clear() {
@@ -127,15 +168,15 @@ impl ServiceState {
             }
             // The ring holds every endpoint, so a best one exists.
             let idx = best.map(|(_, i)| i).unwrap_or(0);
-            return Ok(eps[idx].address.clone());
+            return Ok(self.addresses(&eps).list[idx].clone());
         }
         if tried.is_empty() && health.is_clear() {
             // The common case: every endpoint is equally good, nothing to rank.
             let pick = match options.shunt_strategy {
-                ShuntStrategy::Random => shunt::random(eps.len()),
-                _ => shunt::polling(&self.counter, eps.len()),
+                ShuntStrategy::Random => ring::random(eps.len()),
+                _ => ring::polling(&self.counter, eps.len()),
             };
-            return Ok(eps[pick].address.clone());
+            return Ok(self.addresses(&eps).list[pick].clone());
         }
         let ranks: Vec<u8> = eps
             .iter()
@@ -144,9 +185,44 @@ impl ServiceState {
         let best = ranks.iter().copied().min().unwrap_or(0);
         let group: Vec<usize> = (0..eps.len()).filter(|&i| ranks[i] == best).collect();
         let pick = match options.shunt_strategy {
-            ShuntStrategy::Random => shunt::random(group.len()),
-            _ => shunt::polling(&self.counter, group.len()),
+            ShuntStrategy::Random => ring::random(group.len()),
+            _ => ring::polling(&self.counter, group.len()),
         };
-        Ok(eps[group[pick]].address.clone())
+        Ok(self.addresses(&eps).list[group[pick]].clone())
+    }
+}
+
+/// The candidates of one call of a service, best first: asked for each attempt's endpoint, it
+/// ranks the service's current endpoints by what the call has tried and this client's health
+/// view, and follows the entry's strategy within the best group.
+pub(crate) struct Picker {
+    pub(crate) service: Arc<ServiceState>,
+}
+
+impl Pick for Picker {
+    fn next(&mut self, cx: &CallCx<'_>) -> Result<Arc<str>, RpcError> {
+        self.service.select(
+            cx.method().service_id,
+            cx.options(),
+            cx.hash_key(),
+            cx.tried(),
+            cx.health(),
+        )
+    }
+
+    fn untried_left(&self, cx: &CallCx<'_>) -> bool {
+        let tried = cx.tried();
+        self.service
+            .endpoints()
+            .iter()
+            .any(|i| !tried.iter().any(|t| **t == *i.address))
+    }
+
+    fn any_other_usable(&self, addr: &str, cx: &CallCx<'_>) -> bool {
+        let health = cx.health();
+        self.service
+            .endpoints()
+            .iter()
+            .any(|i| i.address != addr && health.is_usable(&i.address))
     }
 }

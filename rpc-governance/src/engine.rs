@@ -1,0 +1,214 @@
+//! The governance engine of one client: the per-entry state cached by entry id (options
+//! resolved from the configuration layers, circuit breaker, retry budget), endpoint health and
+//! the event bus. The layers of the call stack ([`crate::stack`]) read and update it through
+//! each call's [`CallCx`](crate::stack::CallCx).
+//!
+//! Failures that belong to one endpoint (see [`Fault`](crate::health::Fault)) are held against
+//! that endpoint first ([`EndpointHealth`]): while another endpoint of the service is usable,
+//! such a failure does not count toward the entry's breaker, so one sick server loses its own
+//! traffic (and its keys under hash routing) instead of taking the whole entry down. Once no
+//! other endpoint is usable (or there is only one), the same failures count for the entry
+//! exactly as before: the breaker opens when the entry as a whole fails.
+use std::sync::{Arc, RwLock};
+
+use arc_swap::ArcSwap;
+use dashmap::DashMap;
+use rpc_core::{
+    GovernanceOptions, GovernanceOverrides, MethodDescriptor, RpcError, ServiceEntryId,
+};
+
+use crate::breaker::{BreakerState, CircuitBreaker};
+use crate::budget::RetryBudget;
+use crate::config::Layers;
+use crate::events::{EventBus, EventKind};
+use crate::health::EndpointHealth;
+
+/// The cached part of one entry's pipeline: its options and runtime state.
+#[derive(Debug)]
+pub struct EntryPolicy {
+    pub(crate) entry: Arc<str>,
+    method: &'static MethodDescriptor,
+    options: ArcSwap<GovernanceOptions>,
+    breaker: CircuitBreaker,
+    pub(crate) budget: RetryBudget,
+}
+
+impl EntryPolicy {
+    /// The entry's options now.
+    pub fn options(&self) -> Arc<GovernanceOptions> {
+        self.options.load_full()
+    }
+
+    /// The entry's breaker.
+    pub fn breaker(&self) -> &CircuitBreaker {
+        &self.breaker
+    }
+
+    /// The entry's method.
+    pub fn method(&self) -> &'static MethodDescriptor {
+        self.method
+    }
+}
+
+/// The governance engine of one client: per-entry pipelines cached by entry id, the layers of
+/// configuration they are resolved from, endpoint health and the event bus.
+#[derive(Debug)]
+pub struct Governance {
+    layers: RwLock<Layers>,
+    cache: DashMap<ServiceEntryId, Arc<EntryPolicy>, ahash::RandomState>,
+    health: EndpointHealth,
+    events: EventBus,
+}
+
+impl Governance {
+    /// An engine resolving options from `layers`.
+    pub fn new(layers: Layers) -> Self {
+        let max_backoff =
+            std::time::Duration::from_secs(layers.code_defaults.breaker_seconds.max(1));
+        Governance {
+            layers: RwLock::new(layers),
+            cache: DashMap::with_hasher(ahash::RandomState::new()),
+            health: EndpointHealth::new(max_backoff),
+            events: EventBus::new(),
+        }
+    }
+
+    /// Local endpoint health.
+    pub fn health(&self) -> &EndpointHealth {
+        &self.health
+    }
+
+    /// The event bus: `events().subscribe()` receives every decision.
+    pub fn events(&self) -> &EventBus {
+        &self.events
+    }
+
+    /// The pipeline of `method`, built on first use and cached by entry id.
+    pub fn policy(&self, method: &'static MethodDescriptor) -> Arc<EntryPolicy> {
+        if let Some(p) = self.cache.get(method.entry_id) {
+            return p.clone();
+        }
+        let options = self
+            .layers
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .resolve(method);
+        self.cache
+            .entry(ServiceEntryId::from(method.entry_id))
+            .or_insert_with(|| {
+                Arc::new(EntryPolicy {
+                    entry: Arc::from(method.entry_id),
+                    method,
+                    options: ArcSwap::from_pointee(options),
+                    breaker: CircuitBreaker::new(),
+                    budget: RetryBudget::new(),
+                })
+            })
+            .clone()
+    }
+
+    /// [`update_layers`](Self::update_layers), refused (nothing changes) when the new layers
+    /// give an entry this engine has already used options it cannot carry out
+    /// ([`Layers::check`]).
+    pub fn try_update_layers(&self, change: impl FnOnce(&mut Layers)) -> Result<(), RpcError> {
+        let mut layers = self.layers.write().unwrap_or_else(|p| p.into_inner());
+        let mut next = layers.clone();
+        change(&mut next);
+        for p in self.cache.iter() {
+            next.check(p.method)?;
+        }
+        *layers = next;
+        self.refresh(&layers);
+        Ok(())
+    }
+
+    /// Checks the options the layers give `method` ([`Layers::check`]).
+    pub fn check(&self, method: &MethodDescriptor) -> Result<(), RpcError> {
+        self.layers
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .check(method)
+    }
+
+    /// Changes the configuration layers; every cached entry gets its new options for its next
+    /// call and keeps its runtime state (an open breaker stays open, counters stay).
+    pub fn update_layers(&self, change: impl FnOnce(&mut Layers)) {
+        let mut layers = self.layers.write().unwrap_or_else(|p| p.into_inner());
+        change(&mut layers);
+        self.refresh(&layers);
+    }
+
+    /// Gives every cached entry the options `layers` resolve for it.
+    fn refresh(&self, layers: &Layers) {
+        for p in self.cache.iter() {
+            let new = layers.resolve(p.method);
+            if *p.options.load_full() != new {
+                p.options.store(Arc::new(new));
+                self.events
+                    .emit_parts(EventKind::Reload, &p.entry, None, 0, None);
+            }
+        }
+    }
+
+    /// Replaces what the instances of `service_id` publish about its entries (the registry's
+    /// entry descriptors); cached entries pick the change up on their next call.
+    pub fn publish(&self, service_id: &str, entries: Vec<(String, GovernanceOverrides)>) {
+        let prefix = format!("{service_id}.");
+        let unchanged = {
+            let layers = self.layers.read().unwrap_or_else(|p| p.into_inner());
+            let current: Vec<_> = layers
+                .published
+                .entries
+                .iter()
+                .filter(|(id, _)| id.starts_with(&prefix))
+                .collect();
+            current.len() == entries.len()
+                && entries
+                    .iter()
+                    .all(|(id, o)| layers.published.entries.get(id) == Some(o))
+        };
+        if unchanged {
+            return;
+        }
+        self.update_layers(|l| {
+            l.published.entries.retain(|id, _| !id.starts_with(&prefix));
+            l.published.entries.extend(entries);
+        });
+    }
+
+    /// The state of every cached entry's breaker.
+    pub fn breakers(&self) -> Vec<(ServiceEntryId, BreakerState)> {
+        self.cache
+            .iter()
+            .map(|p| (p.key().clone(), p.breaker.state()))
+            .collect()
+    }
+
+    /// Opens `method`'s breaker until [`reset_breaker`](Self::reset_breaker), as an operator
+    /// decision: emits an [`EventKind::Isolate`] event.
+    pub fn isolate(&self, method: &'static MethodDescriptor) {
+        let policy = self.policy(method);
+        policy.breaker.isolate();
+        self.events.emit_parts(
+            EventKind::Isolate,
+            &policy.entry,
+            None,
+            0,
+            Some("isolated by an operator".into()),
+        );
+    }
+
+    /// Closes `method`'s breaker and forgets its failures, as an operator decision: emits an
+    /// [`EventKind::Reset`] event.
+    pub fn reset_breaker(&self, method: &'static MethodDescriptor) {
+        let policy = self.policy(method);
+        policy.breaker.reset();
+        self.events.emit_parts(
+            EventKind::Reset,
+            &policy.entry,
+            None,
+            0,
+            Some("reset by an operator".into()),
+        );
+    }
+}

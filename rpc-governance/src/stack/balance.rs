@@ -1,0 +1,63 @@
+//! Endpoint choice as the stack sees it: a picker per call that yields candidates in order.
+//!
+//! The retry layer asks the picker for each attempt's endpoint and moves to the next candidate
+//! when an attempt fails; how the candidates are ordered (strategy, hash ring, health ranking,
+//! ejection) is the balancer's business, in one module of the client.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use rpc_core::RpcError;
+
+use super::CallCx;
+
+/// Makes the picker of one call.
+pub trait Balance: Send + Sync {
+    /// The candidates of one call.
+    type Picker: Pick;
+
+    /// The picker of the call in `cx` (its entry, options and hash key). An error here (no
+    /// endpoint known for the service) ends the call.
+    fn picker(
+        &self,
+        cx: &CallCx<'_>,
+    ) -> impl Future<Output = Result<Self::Picker, RpcError>> + Send;
+
+    /// `addr` was just removed after repeated transport failures: the balancer may probe it in
+    /// the background (the stack performs no I/O).
+    fn removed(&self, addr: &str) {
+        let _ = addr;
+    }
+}
+
+/// The ordered candidates of one call.
+pub trait Pick: Send {
+    /// The endpoint of the next attempt: the best candidate not tried yet (`cx.tried()`), or,
+    /// once every one was tried, the best tried one again. An error (no endpoint at all) ends
+    /// the call.
+    fn next(&mut self, cx: &CallCx<'_>) -> Result<Arc<str>, RpcError>;
+
+    /// Whether some candidate has not been tried yet.
+    fn untried_left(&self, cx: &CallCx<'_>) -> bool;
+
+    /// Whether a candidate other than `addr` is usable now (by this client's endpoint health).
+    /// Failures held against `addr` do not count toward the entry's breaker while one is. The
+    /// default, `false`, counts every failure for the entry.
+    fn any_other_usable(&self, addr: &str, cx: &CallCx<'_>) -> bool {
+        let _ = (addr, cx);
+        false
+    }
+}
+
+impl<B: Balance> Balance for &B {
+    type Picker = B::Picker;
+    fn picker(
+        &self,
+        cx: &CallCx<'_>,
+    ) -> impl Future<Output = Result<Self::Picker, RpcError>> + Send {
+        (**self).picker(cx)
+    }
+    fn removed(&self, addr: &str) {
+        (**self).removed(addr)
+    }
+}

@@ -1,0 +1,63 @@
+//! The circuit breaker as a layer: an entry that keeps failing is failed fast for a while
+//! instead of piling more calls onto a service that cannot answer them.
+//!
+//! The breaker's state and rules live in [`crate::breaker`]; this layer takes a permit before
+//! the call and records the call's outcome after it. A failure the retry layer held against one
+//! endpoint while others remain usable says something about that endpoint, not the service: it
+//! is not counted (endpoint health ejects the endpoint instead).
+
+use bytes::Bytes;
+use rpc_core::RpcError;
+
+use super::{CallCx, Service};
+use crate::breaker::{Outcome, Transition};
+use crate::events::EventKind;
+
+/// Wraps `S` in the entry's circuit breaker (when `enable_circuit_breaker`).
+#[derive(Debug, Clone)]
+pub struct CircuitBreakerLayer<S> {
+    inner: S,
+}
+
+impl<S> CircuitBreakerLayer<S> {
+    /// The layer over `inner`.
+    pub fn new(inner: S) -> Self {
+        CircuitBreakerLayer { inner }
+    }
+}
+
+fn event(cx: &CallCx<'_>, t: Transition, cause: Option<&RpcError>) {
+    let kind = match t {
+        Transition::Break => EventKind::Break,
+        Transition::HalfOpen => EventKind::HalfOpen,
+        Transition::Reset => EventKind::Reset,
+    };
+    cx.emit(kind, None, 0, cause.map(|c| c.to_string()));
+}
+
+impl<S: Service> Service for CircuitBreakerLayer<S> {
+    async fn call(&self, cx: &mut CallCx<'_>, req: Bytes) -> Result<Bytes, RpcError> {
+        if !cx.options.enable_circuit_breaker {
+            return self.inner.call(cx, req).await;
+        }
+        let policy = cx.policy.clone();
+        let (permit, t) = policy.breaker().try_acquire(&policy.entry, &cx.options)?;
+        if let Some(t) = t {
+            event(cx, t, None);
+        }
+        let result = self.inner.call(cx, req).await;
+        let outcome = if cx.endpoint_held && result.is_err() {
+            Outcome::Ignored
+        } else {
+            Outcome::of(&result)
+        };
+        if let Some(t) =
+            policy
+                .breaker()
+                .record_outcome(permit, outcome, &cx.options, result.as_ref().err())
+        {
+            event(cx, t, result.as_ref().err());
+        }
+        result
+    }
+}

@@ -1,0 +1,211 @@
+//! The per-call context: what every layer of one call may read, and what layers report to the
+//! layers above them.
+//!
+//! One context lives for the whole call, on the caller's stack: the retry layer updates it for
+//! each attempt (attempt number, chosen endpoint, its deadline) and leaves in it what the layers
+//! above need to judge the result (whether the failure was held against one endpoint, whether it
+//! was an attempt's own timeout). Nothing in it is allocated until it is used: the list of
+//! endpoints tried grows only on a failure, the outgoing attachments only when a layer adds one.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use rpc_core::{GovernanceOptions, MethodDescriptor, RpcError};
+use tokio::time::Instant;
+
+use crate::engine::{EntryPolicy, Governance};
+use crate::events::{EventBus, EventKind};
+use crate::health::EndpointHealth;
+
+/// The context of one call, passed down through every layer of the stack.
+pub struct CallCx<'g> {
+    pub(crate) engine: &'g Governance,
+    pub(crate) policy: Arc<EntryPolicy>,
+    pub(crate) options: Arc<GovernanceOptions>,
+    pub(crate) hash_key: Option<u64>,
+    pub(crate) started: Instant,
+    pub(crate) deadline: Option<Instant>,
+    pub(crate) attempt: u32,
+    pub(crate) attempt_deadline: Option<Instant>,
+    pub(crate) budget_ms: u32,
+    pub(crate) endpoint: Option<Arc<str>>,
+    pub(crate) tried: Vec<Arc<str>>,
+    pub(crate) connection: Option<u64>,
+    /// The final failure was held against its endpoint while others remain usable.
+    pub(crate) endpoint_held: bool,
+    /// The final failure was an attempt running out of `attempt_timeout_ms`.
+    pub(crate) attempt_timed_out: bool,
+    /// The endpoint of the last failed attempt.
+    pub(crate) last_failed: Option<Arc<str>>,
+    pub(crate) fallback_cause: Option<RpcError>,
+    attachments: BTreeMap<String, String>,
+    call_id: Option<String>,
+}
+
+impl std::fmt::Debug for CallCx<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CallCx")
+            .field("entry", &self.entry_id())
+            .field("attempt", &self.attempt)
+            .field("endpoint", &self.endpoint)
+            .field("tried", &self.tried)
+            .field("deadline", &self.deadline)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'g> CallCx<'g> {
+    /// The context of a call of `policy`'s entry under `options` (the entry's options, or the
+    /// caller's per-call options applied over them).
+    pub fn new(
+        engine: &'g Governance,
+        policy: Arc<EntryPolicy>,
+        options: Arc<GovernanceOptions>,
+    ) -> Self {
+        let now = Instant::now();
+        CallCx {
+            engine,
+            policy,
+            options,
+            hash_key: None,
+            started: now,
+            deadline: None,
+            attempt: 0,
+            attempt_deadline: None,
+            budget_ms: 0,
+            endpoint: None,
+            tried: Vec::new(),
+            connection: None,
+            endpoint_held: false,
+            attempt_timed_out: false,
+            last_failed: None,
+            fallback_cause: None,
+            attachments: BTreeMap::new(),
+            call_id: None,
+        }
+    }
+
+    /// Sets the hash of the call's `#[hash_key]` argument, for consistent hashing.
+    pub fn with_hash_key(mut self, key: Option<u64>) -> Self {
+        self.hash_key = key;
+        self
+    }
+
+    /// Sets the call's short id, sent as an attachment when the call is logged.
+    pub fn with_call_id(mut self, id: Option<String>) -> Self {
+        self.call_id = id;
+        self
+    }
+
+    /// The entry id, `"<service id>.<method>"`.
+    pub fn entry_id(&self) -> &str {
+        self.policy.method().entry_id
+    }
+
+    /// The entry's method descriptor.
+    pub fn method(&self) -> &'static MethodDescriptor {
+        self.policy.method()
+    }
+
+    /// The options in force for this call.
+    pub fn options(&self) -> &GovernanceOptions {
+        &self.options
+    }
+
+    /// The hash of the `#[hash_key]` argument, when the entry routes by consistent hash.
+    pub fn hash_key(&self) -> Option<u64> {
+        self.hash_key
+    }
+
+    /// When the call's timeout layer started it.
+    pub fn started(&self) -> Instant {
+        self.started
+    }
+
+    /// The call's deadline (retries included), once the timeout layer has set it.
+    pub fn deadline(&self) -> Option<Instant> {
+        self.deadline
+    }
+
+    /// The current attempt: 0 for the first.
+    pub fn attempt(&self) -> u32 {
+        self.attempt
+    }
+
+    /// The current attempt's deadline: the call's, or earlier under `attempt_timeout_ms`. An
+    /// attempt must stop there (dropping what it waits for, so the server is told to stop).
+    pub fn attempt_deadline(&self) -> Option<Instant> {
+        self.attempt_deadline
+    }
+
+    /// Milliseconds left for the current attempt, to tell the server (0 = none).
+    pub fn budget_ms(&self) -> u32 {
+        self.budget_ms
+    }
+
+    /// The endpoint of the current attempt, once the balancer has chosen it.
+    pub fn endpoint(&self) -> Option<&str> {
+        self.endpoint.as_deref()
+    }
+
+    /// Endpoints tried (and failed) so far, in order.
+    pub fn tried(&self) -> &[Arc<str>] {
+        &self.tried
+    }
+
+    /// The endpoint of the last failed attempt, if one failed.
+    pub fn last_failed(&self) -> Option<&str> {
+        self.last_failed.as_deref()
+    }
+
+    /// The error a fallback answered for, once the fallback layer ran one.
+    pub fn fallback_cause(&self) -> Option<&RpcError> {
+        self.fallback_cause.as_ref()
+    }
+
+    /// Records the connection the current attempt was sent on: calls that fail together because
+    /// one connection broke count once against its endpoint.
+    pub fn set_connection(&mut self, id: u64) {
+        self.connection = Some(id);
+    }
+
+    /// Attachments layers added to this call, sent with every attempt beside those of the
+    /// current [`RpcContext`](rpc_core::RpcContext).
+    pub fn attachments(&self) -> &BTreeMap<String, String> {
+        &self.attachments
+    }
+
+    /// Adds an attachment to this call (it wins over an attachment of the same key in the
+    /// current [`RpcContext`](rpc_core::RpcContext)).
+    pub fn insert_attachment(&mut self, key: impl Into<String>, value: impl Into<String>) {
+        self.attachments.insert(key.into(), value.into());
+    }
+
+    /// The call's short id, when the call is logged.
+    pub fn call_id(&self) -> Option<&str> {
+        self.call_id.as_deref()
+    }
+
+    /// The event sink: every decision is sent there.
+    pub fn events(&self) -> &EventBus {
+        self.engine.events()
+    }
+
+    /// This client's view of endpoint health.
+    pub fn health(&self) -> &EndpointHealth {
+        self.engine.health()
+    }
+
+    /// Emits an event about this call's entry.
+    pub fn emit(
+        &self,
+        kind: EventKind,
+        endpoint: Option<&str>,
+        attempt: u32,
+        cause: Option<String>,
+    ) {
+        self.engine
+            .events()
+            .emit_parts(kind, &self.policy.entry, endpoint, attempt, cause);
+    }
+}

@@ -1,0 +1,131 @@
+//! User layers: code of the application's own around every call, or around every attempt.
+//!
+//! Authorization headers, argument checks, metrics of one's own, tenant tags: what tower's
+//! layers, Volo's and Kitex's middleware and Dubbo's filters do. A [`Middleware`] sees the
+//! call's context ([`CallCx`]: entry, options in force, deadline, attempt, endpoint once chosen,
+//! attachments) and the encoded arguments, and either answers itself or passes the call on with
+//! [`Next::run`].
+//!
+//! A client runs its per-call layers outside the whole governance stack (they see one call,
+//! whatever its retries, and the fallback's answer) and its per-attempt layers below the retry
+//! layer (they see every attempt, with its endpoint). An installed layer costs one boxed future
+//! per call (or attempt); with none installed, a call pays nothing for the feature.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use futures_util::future::BoxFuture;
+use rpc_core::RpcError;
+
+use super::{CallCx, Service};
+
+/// A user layer. Implement [`call`](Self::call): do what the layer does, then
+/// `next.run(cx, req).await` (or answer without calling on).
+///
+/// ```
+/// use bytes::Bytes;
+/// use futures_util::future::BoxFuture;
+/// use rpc_core::RpcError;
+/// use rpc_governance::stack::{CallCx, Middleware, Next};
+///
+/// /// Tags every call with the tenant it is made for.
+/// struct Tenant(&'static str);
+///
+/// impl Middleware for Tenant {
+///     fn call<'a>(
+///         &'a self,
+///         cx: &'a mut CallCx<'_>,
+///         req: Bytes,
+///         next: Next<'a>,
+///     ) -> BoxFuture<'a, Result<Bytes, RpcError>> {
+///         cx.insert_attachment("tenant", self.0);
+///         next.run(cx, req)
+///     }
+/// }
+/// ```
+pub trait Middleware: Send + Sync + 'static {
+    /// Handles one call (or attempt).
+    fn call<'a>(
+        &'a self,
+        cx: &'a mut CallCx<'_>,
+        req: Bytes,
+        next: Next<'a>,
+    ) -> BoxFuture<'a, Result<Bytes, RpcError>>;
+}
+
+/// The rest of the stack below a [`Middleware`].
+pub struct Next<'a> {
+    rest: &'a [Arc<dyn Middleware>],
+    end: &'a (dyn Erased + 'a),
+}
+
+impl std::fmt::Debug for Next<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Next")
+            .field("layers_left", &self.rest.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'a> Next<'a> {
+    /// Passes the call on to the next layer (or, after the last one, the stack below).
+    pub fn run(self, cx: &'a mut CallCx<'_>, req: Bytes) -> BoxFuture<'a, Result<Bytes, RpcError>> {
+        match self.rest.split_first() {
+            Some((first, rest)) => first.call(
+                cx,
+                req,
+                Next {
+                    rest,
+                    end: self.end,
+                },
+            ),
+            None => self.end.call_boxed(cx, req),
+        }
+    }
+}
+
+/// A [`Service`] behind a pointer: the end of a chain of user layers.
+trait Erased: Send + Sync {
+    fn call_boxed<'a>(
+        &'a self,
+        cx: &'a mut CallCx<'_>,
+        req: Bytes,
+    ) -> BoxFuture<'a, Result<Bytes, RpcError>>;
+}
+
+impl<S: Service> Erased for S {
+    fn call_boxed<'a>(
+        &'a self,
+        cx: &'a mut CallCx<'_>,
+        req: Bytes,
+    ) -> BoxFuture<'a, Result<Bytes, RpcError>> {
+        Box::pin(Service::call(self, cx, req))
+    }
+}
+
+/// `S` behind a list of user layers, the first outermost.
+pub struct Layered<'l, S> {
+    layers: &'l [Arc<dyn Middleware>],
+    inner: S,
+}
+
+impl<'l, S> Layered<'l, S> {
+    /// `inner` behind `layers`.
+    pub fn new(layers: &'l [Arc<dyn Middleware>], inner: S) -> Self {
+        Layered { layers, inner }
+    }
+}
+
+impl<S: Service> Service for Layered<'_, S> {
+    async fn call(&self, cx: &mut CallCx<'_>, req: Bytes) -> Result<Bytes, RpcError> {
+        if self.layers.is_empty() {
+            return self.inner.call(cx, req).await;
+        }
+        Next {
+            rest: self.layers,
+            end: &self.inner,
+        }
+        .run(cx, req)
+        .await
+    }
+}

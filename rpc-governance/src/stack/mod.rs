@@ -1,0 +1,115 @@
+//! The client's governance as a stack of layers over one per-call context.
+//!
+//! Each policy is one layer: it receives the call's [`CallCx`] and the encoded arguments,
+//! decides, calls the layer below (or not), and looks at the result on its way back up. State
+//! that one layer learns and another needs (the endpoint of the last failed attempt, whether a
+//! failure was held against one endpoint) travels in the context, never through side channels.
+//! A new policy (rate limit, hedging, an adaptive limit) is one more layer here, in
+//! [`client_stack`], the only place the order is written:
+//!
+//! ```text
+//! [user layers, per call]            Middleware installed with ClientBuilder::layer
+//! Fallback                           another implementation answers a failed call
+//!  └ CircuitBreaker                  per entry: fail fast while the entry is failing
+//!    └ Timeout                       the whole call's deadline, retries included
+//!      └ Retry / Failover            next candidate from the Balance picker, within the budget
+//!        └ [user layers, per attempt] Middleware installed with ClientBuilder::attempt_layer
+//!          └ attempt                 the caller's: connection and frame
+//! ```
+//!
+//! Layers are plain structs borrowing what they need, put together for each call by
+//! [`client_stack`]: building the stack allocates nothing, and a user layer list that is empty
+//! costs one branch.
+//!
+//! The crate performs no I/O: the caller supplies endpoint choice ([`Balance`]) and the attempt
+//! itself (a [`Service`] at the bottom of the stack).
+
+mod balance;
+mod breaker;
+mod context;
+mod fallback;
+mod middleware;
+mod retry;
+#[cfg(test)]
+mod tests;
+mod timeout;
+
+use std::future::Future;
+
+use bytes::Bytes;
+use rpc_core::{Codec, RpcError};
+
+pub use balance::{Balance, Pick};
+pub use breaker::CircuitBreakerLayer;
+pub use context::CallCx;
+pub use fallback::{FallbackLayer, Fallbacks};
+pub use middleware::{Layered, Middleware, Next};
+pub use retry::RetryLayer;
+pub use timeout::TimeoutLayer;
+
+/// One stage of a call: takes the call's context and its encoded arguments, returns the encoded
+/// result. Layers implement it by wrapping the stage below them.
+pub trait Service: Send + Sync {
+    /// Runs the call (or, below the retry layer, one attempt) through this stage.
+    fn call(
+        &self,
+        cx: &mut CallCx<'_>,
+        req: Bytes,
+    ) -> impl Future<Output = Result<Bytes, RpcError>> + Send;
+}
+
+impl<S: Service> Service for &S {
+    fn call(
+        &self,
+        cx: &mut CallCx<'_>,
+        req: Bytes,
+    ) -> impl Future<Output = Result<Bytes, RpcError>> + Send {
+        (**self).call(cx, req)
+    }
+}
+
+/// What a client hands [`client_stack`].
+pub struct ClientParts<'a, B, A> {
+    /// User layers around the whole call (outside the fallback).
+    pub outer: &'a [std::sync::Arc<dyn Middleware>],
+    /// Fallbacks registered on the client, by service id.
+    pub fallbacks: &'a Fallbacks,
+    /// The codec the fallbacks decode the arguments with.
+    pub codec: Codec,
+    /// Endpoint choice: an ordered list of candidates per call.
+    pub balance: B,
+    /// User layers around each attempt, once its endpoint is known.
+    pub per_attempt: &'a [std::sync::Arc<dyn Middleware>],
+    /// One attempt on the endpoint in [`CallCx::endpoint`].
+    pub attempt: A,
+}
+
+/// The client's stack, in its one built-in order (see the [module](self) documentation).
+pub fn client_stack<'a, B, A>(parts: ClientParts<'a, B, A>) -> impl Service + 'a
+where
+    B: Balance + 'a,
+    A: Service + 'a,
+{
+    let ClientParts {
+        outer,
+        fallbacks,
+        codec,
+        balance,
+        per_attempt,
+        attempt,
+    } = parts;
+    Layered::new(
+        outer,
+        FallbackLayer::new(
+            fallbacks,
+            codec,
+            governed(balance, Layered::new(per_attempt, attempt)),
+        ),
+    )
+}
+
+/// The governed core, without fallback and user layers: circuit breaker → timeout →
+/// retry/failover over `balance` → `attempt`.
+pub fn governed<B: Balance, A: Service>(balance: B, attempt: A) -> impl Service {
+    CircuitBreakerLayer::new(TimeoutLayer::new(RetryLayer::new(balance, attempt)))
+}

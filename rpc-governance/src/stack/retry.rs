@@ -1,0 +1,212 @@
+//! Retry and failover as a layer: a failed attempt that another endpoint (or a moment) may cure
+//! is tried again, on the balancer's next candidate, within the retry budget and before the
+//! call's deadline.
+//!
+//! The decisions are [`crate::retry`], [`crate::failover`] and [`crate::budget`]; failures that
+//! belong to one endpoint are held against it in [`crate::health`] first. This layer also
+//! enforces each attempt's deadline (`attempt_timeout_ms`, or the call's): an attempt still
+//! running then is dropped, whatever it does with the deadline it was given.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use rpc_core::{RpcError, StatusCode};
+use tokio::time::Instant;
+
+use super::{Balance, CallCx, Pick, Service};
+use crate::events::EventKind;
+use crate::failover;
+use crate::health::Fault;
+use crate::retry::{self, Decision};
+use crate::timeout;
+
+/// Runs attempts of `S` on the candidates of `B`.
+#[derive(Debug, Clone)]
+pub struct RetryLayer<B, S> {
+    balance: B,
+    inner: S,
+}
+
+impl<B, S> RetryLayer<B, S> {
+    /// Attempts of `inner` on the endpoints `balance` yields.
+    pub fn new(balance: B, inner: S) -> Self {
+        RetryLayer { balance, inner }
+    }
+}
+
+impl<B: Balance, S: Service> Service for RetryLayer<B, S> {
+    async fn call(&self, cx: &mut CallCx<'_>, req: Bytes) -> Result<Bytes, RpcError> {
+        let mut picker = self.balance.picker(cx).await?;
+        cx.policy.budget.deposit_at(cx.started);
+        let deadline = cx.deadline;
+        loop {
+            let addr = picker.next(cx)?;
+            let now = if cx.attempt == 0 {
+                cx.started
+            } else {
+                let now = Instant::now();
+                if deadline.is_some_and(|d| now >= d) {
+                    return Err(RpcError::new(StatusCode::Timeout, "deadline passed"));
+                }
+                now
+            };
+            // The attempt's own deadline, when `attempt_timeout_ms` ends it before the call's.
+            let attempt_timeout_ms = cx.options.attempt_timeout_ms;
+            let own = (attempt_timeout_ms > 0)
+                .then(|| now + Duration::from_millis(attempt_timeout_ms))
+                .filter(|a| deadline.is_none_or(|d| *a < d));
+            let attempt_deadline = own.or(deadline);
+            cx.attempt_deadline = attempt_deadline;
+            cx.budget_ms = timeout::remaining_ms_at(now, attempt_deadline);
+            cx.endpoint = Some(addr.clone());
+            cx.connection = None;
+            let call = self.inner.call(cx, req.clone());
+            // Enforced here too, so no attempt outlives its deadline whatever it does with it.
+            let outcome = match attempt_deadline {
+                None => call.await,
+                Some(d) => tokio::time::timeout_at(d, call).await.unwrap_or_else(|_| {
+                    Err(RpcError::new(
+                        StatusCode::Timeout,
+                        format!("{addr}: no answer before the deadline"),
+                    ))
+                }),
+            };
+            let err = match outcome {
+                Ok(bytes) => {
+                    cx.health().success(&addr);
+                    return Ok(bytes);
+                }
+                Err(e) => e,
+            };
+            match self.after_failure(cx, &picker, addr, err, own.is_some()) {
+                Ok(after) => {
+                    cx.attempt += 1;
+                    if !after.is_zero() {
+                        tokio::time::sleep(after).await;
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
+impl<B: Balance, S> RetryLayer<B, S> {
+    /// Judges a failed attempt on `addr`: holds it against the endpoint when it belongs there,
+    /// then either returns the pause before the next attempt or the call's final error.
+    fn after_failure(
+        &self,
+        cx: &mut CallCx<'_>,
+        picker: &B::Picker,
+        addr: Arc<str>,
+        mut err: RpcError,
+        has_own_deadline: bool,
+    ) -> Result<Duration, RpcError> {
+        let attempt = cx.attempt;
+        let attempt_timed_out = has_own_deadline && err.code() == StatusCode::Timeout;
+        if attempt_timed_out {
+            err = RpcError::new(
+                StatusCode::Timeout,
+                format!(
+                    "{addr}: no answer within the attempt timeout of {} ms \
+                     (attempt_timeout_ms); the server was told to stop",
+                    cx.options.attempt_timeout_ms
+                ),
+            )
+            .maybe_delivered(true);
+            cx.emit(
+                EventKind::Timeout,
+                Some(&addr),
+                attempt,
+                Some(err.to_string()),
+            );
+        }
+        let fault = Fault::of(&err);
+        if let Some(fault) = fault {
+            self.hold_against(cx, &addr, fault, &err);
+        } else if err.code().is_breaker_exempt() {
+            // The callee's own logic answered: the endpoint is up.
+            cx.health().success(&addr);
+        }
+        cx.last_failed = Some(addr.clone());
+        cx.tried.push(addr);
+        let untried_left = picker.untried_left(cx);
+        let decision = if attempt_timed_out {
+            retry::decide_after_attempt_timeout(attempt, &cx.options, cx.deadline)
+        } else {
+            failover::decide(&err, attempt, &cx.options, cx.deadline, untried_left)
+        };
+        let last = cx.tried.last().cloned().unwrap_or_else(|| Arc::from(""));
+        let after = match decision {
+            Decision::Retry { after } => after,
+            Decision::GiveUp => {
+                cx.endpoint_held = (fault.is_some() && picker.any_other_usable(&last, cx))
+                    || (err.code() == StatusCode::CommunicationError
+                        && err.is_maybe_delivered()
+                        && untried_left);
+                cx.attempt_timed_out = attempt_timed_out;
+                return Err(failover::final_error(err, tried(cx)));
+            }
+        };
+        if !cx.policy.budget.try_withdraw(&cx.options) {
+            cx.emit(
+                EventKind::BudgetExhausted,
+                Some(&last),
+                attempt,
+                Some(err.to_string()),
+            );
+            let msg = format!(
+                "{}; not retried: the retry budget of {} is spent (retries are capped at {} % \
+                 of calls, at least {}/s)",
+                err.message(),
+                cx.entry_id(),
+                cx.options.retry_budget_percent,
+                cx.options.retry_budget_min_per_second
+            );
+            let spent = RpcError::new(err.code(), msg).maybe_delivered(err.is_maybe_delivered());
+            cx.endpoint_held = fault.is_some() && picker.any_other_usable(&last, cx);
+            cx.attempt_timed_out = attempt_timed_out;
+            return Err(failover::final_error(spent, tried(cx)));
+        }
+        cx.emit(
+            EventKind::Retry,
+            Some(&last),
+            attempt,
+            Some(err.to_string()),
+        );
+        Ok(after)
+    }
+
+    /// Holds a failure against `addr` in endpoint health; an ejection (or removal) is an event.
+    fn hold_against(&self, cx: &CallCx<'_>, addr: &str, fault: Fault, err: &RpcError) {
+        let connection = match fault {
+            Fault::Transport => cx.connection,
+            Fault::Sick => None,
+        };
+        let cause = err.to_string();
+        let r = cx
+            .health()
+            .record_failure(addr, fault, connection, &cause, &cx.options);
+        let Some(for_) = r.ejected_for else { return };
+        let what = if r.removed {
+            "removed; probed in the background until it answers".to_string()
+        } else {
+            format!("avoided for {} ms", for_.as_millis())
+        };
+        cx.emit(
+            EventKind::Ejection,
+            Some(addr),
+            cx.attempt,
+            Some(format!("{cause} ({} in a row; {what})", r.consecutive)),
+        );
+        if r.removed {
+            self.balance.removed(addr);
+        }
+    }
+}
+
+/// The endpoints tried, for the final error.
+fn tried(cx: &CallCx<'_>) -> Vec<String> {
+    cx.tried.iter().map(|a| a.to_string()).collect()
+}

@@ -1,0 +1,752 @@
+//! The stack's policies under tokio's paused clock, driven by scripted attempts: each test
+//! scripts what the endpoints answer and checks what the layers decided.
+
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use rpc_core::{GovernanceOptions, GovernanceOverrides, MethodDescriptor, RpcError, StatusCode};
+use tokio::sync::broadcast;
+use tokio::time::Instant;
+
+use super::{governed, Balance, CallCx, Pick, Service};
+use crate::breaker::BreakerState;
+use crate::config::Layers;
+use crate::engine::{EntryPolicy, Governance};
+use crate::events::{EventKind, GovernanceEvent};
+
+/// What a scripted attempt knows when it picks its endpoint.
+struct AttemptCtx<'a> {
+    #[allow(dead_code)]
+    attempt: u32,
+    #[allow(dead_code)]
+    deadline: Option<Instant>,
+    tried: &'a [String],
+    #[allow(dead_code)]
+    options: &'a GovernanceOptions,
+}
+
+/// The scripted `Attempts` mock: endpoint choice and the attempt in one object, adapted to the
+/// stack's [`Balance`], [`Pick`] and bottom [`Service`] by [`Scripted`].
+trait Attempts: Sync {
+    fn select(&self, ctx: &AttemptCtx<'_>) -> Result<String, RpcError>;
+    fn call(
+        &self,
+        addr: &str,
+        timeout_ms: u32,
+        deadline: Option<Instant>,
+    ) -> impl Future<Output = Result<Bytes, RpcError>> + Send;
+    fn untried_left(&self, tried: &[String]) -> bool;
+    fn any_other(&self, addr: &str, usable: &dyn Fn(&str) -> bool) -> bool {
+        let _ = (addr, usable);
+        false
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Scripted<A>(A);
+
+fn tried(cx: &CallCx<'_>) -> Vec<String> {
+    cx.tried().iter().map(|a| a.to_string()).collect()
+}
+
+impl<A: Attempts + Copy + Send> Balance for Scripted<A> {
+    type Picker = Scripted<A>;
+    async fn picker(&self, _: &CallCx<'_>) -> Result<Self::Picker, RpcError> {
+        Ok(*self)
+    }
+}
+
+impl<A: Attempts + Copy + Send> Pick for Scripted<A> {
+    fn next(&mut self, cx: &CallCx<'_>) -> Result<Arc<str>, RpcError> {
+        let tried = tried(cx);
+        let ctx = AttemptCtx {
+            attempt: cx.attempt(),
+            deadline: cx.deadline(),
+            tried: &tried,
+            options: cx.options(),
+        };
+        self.0.select(&ctx).map(Arc::from)
+    }
+    fn untried_left(&self, cx: &CallCx<'_>) -> bool {
+        self.0.untried_left(&tried(cx))
+    }
+    fn any_other_usable(&self, addr: &str, cx: &CallCx<'_>) -> bool {
+        self.0.any_other(addr, &|e| cx.health().is_usable(e))
+    }
+}
+
+impl<A: Attempts + Copy + Send> Service for Scripted<A> {
+    async fn call(&self, cx: &mut CallCx<'_>, _: Bytes) -> Result<Bytes, RpcError> {
+        let addr = cx.endpoint().unwrap_or_default().to_string();
+        self.0
+            .call(&addr, cx.budget_ms(), cx.attempt_deadline())
+            .await
+    }
+}
+
+impl Governance {
+    /// One call of `policy`'s entry through breaker → timeout → retry → the scripted attempts.
+    async fn execute<A: Attempts + Copy + Send>(
+        &self,
+        policy: &EntryPolicy,
+        attempts: A,
+    ) -> Result<Bytes, RpcError> {
+        let policy = self.policy(policy.method());
+        let mut cx = CallCx::new(self, policy.clone(), policy.options());
+        governed(Scripted(attempts), Scripted(attempts))
+            .call(&mut cx, Bytes::new())
+            .await
+    }
+}
+
+/// Scripted attempts: each takes `delay`, then returns the next scripted result (the last
+/// one repeats). Records when each attempt started and on which endpoint.
+struct Script {
+    endpoints: Vec<String>,
+    results: Vec<Result<Bytes, RpcError>>,
+    delay: Duration,
+    /// Whether an attempt stops at the deadline it is given (the transport does); when
+    /// false it runs its whole `delay` regardless, and only the engine can stop it.
+    honours_deadline: bool,
+    log: Mutex<Vec<(Duration, String)>>,
+    start: Instant,
+}
+
+impl Script {
+    fn new(results: Vec<Result<Bytes, RpcError>>, delay: Duration) -> Self {
+        Script {
+            endpoints: vec!["a:1".into(), "b:1".into(), "c:1".into()],
+            results,
+            delay,
+            honours_deadline: true,
+            log: Mutex::new(Vec::new()),
+            start: Instant::now(),
+        }
+    }
+    fn starts(&self) -> Vec<Duration> {
+        self.log.lock().unwrap().iter().map(|(t, _)| *t).collect()
+    }
+}
+
+impl Attempts for &Script {
+    fn select(&self, ctx: &AttemptCtx<'_>) -> Result<String, RpcError> {
+        let fresh = self.endpoints.iter().find(|e| !ctx.tried.contains(e));
+        Ok(fresh.unwrap_or(&self.endpoints[0]).clone())
+    }
+    async fn call(
+        &self,
+        addr: &str,
+        _timeout_ms: u32,
+        deadline: Option<Instant>,
+    ) -> Result<Bytes, RpcError> {
+        let n = {
+            let mut log = self.log.lock().unwrap();
+            log.push((self.start.elapsed(), addr.to_string()));
+            log.len() - 1
+        };
+        let work = async {
+            tokio::time::sleep(self.delay).await;
+            self.results[n.min(self.results.len() - 1)].clone()
+        };
+        match deadline.filter(|_| self.honours_deadline) {
+            Some(d) => tokio::time::timeout_at(d, work)
+                .await
+                .unwrap_or_else(|_| Err(RpcError::new(StatusCode::Timeout, "late"))),
+            None => work.await,
+        }
+    }
+    fn untried_left(&self, tried: &[String]) -> bool {
+        self.endpoints.iter().any(|e| !tried.contains(e))
+    }
+    fn any_other(&self, addr: &str, usable: &dyn Fn(&str) -> bool) -> bool {
+        self.endpoints.iter().any(|e| e != addr && usable(e))
+    }
+}
+
+static M: MethodDescriptor = MethodDescriptor {
+    service_id: "t.T",
+    method: "m",
+    entry_id: "t.T.m",
+    hash_key: None,
+    governance: GovernanceOverrides::NONE,
+};
+
+fn engine(o: GovernanceOptions) -> Governance {
+    Governance::new(Layers {
+        code_defaults: o,
+        ..Default::default()
+    })
+}
+
+fn overflow() -> Result<Bytes, RpcError> {
+    Err(RpcError::new(StatusCode::OverflowMaxServerHandle, "full"))
+}
+
+fn server_error() -> Result<Bytes, RpcError> {
+    Err(RpcError::new(StatusCode::ServerError, "boom"))
+}
+
+fn ok() -> Result<Bytes, RpcError> {
+    Ok(Bytes::from_static(b"ok"))
+}
+
+#[tokio::test(start_paused = true)]
+async fn retries_respect_count_and_interval_on_fresh_endpoints() {
+    let g = engine(GovernanceOptions {
+        retry_times: 2,
+        retry_interval_ms: 50,
+        timeout_ms: 0,
+        ..Default::default()
+    });
+    let s = Script::new(vec![overflow()], Duration::from_millis(10));
+    let err = g.execute(&g.policy(&M), &s).await.unwrap_err();
+    assert_eq!(err.code(), StatusCode::OverflowMaxServerHandle);
+    let ms: Vec<u128> = s.starts().iter().map(|d| d.as_millis()).collect();
+    assert_eq!(
+        ms,
+        [0, 60, 120],
+        "1 + retry_times attempts, interval after each"
+    );
+    assert_eq!(err.tried(), ["a:1", "b:1", "c:1"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_timeout_covers_all_retries() {
+    let g = engine(GovernanceOptions {
+        retry_times: 10,
+        retry_interval_ms: 0,
+        timeout_ms: 200,
+        ..Default::default()
+    });
+    // Attempts ignore the deadline they are given: the engine alone must stop the call at
+    // 200 ms, in the middle of the third 70 ms attempt.
+    let mut s = Script::new(vec![overflow()], Duration::from_millis(70));
+    s.honours_deadline = false;
+    let t0 = Instant::now();
+    let err = g.execute(&g.policy(&M), &s).await.unwrap_err();
+    assert_eq!(err.code(), StatusCode::Timeout);
+    assert_eq!(t0.elapsed(), Duration::from_millis(200));
+    assert_eq!(
+        s.starts().len(),
+        3,
+        "the third attempt was cut by the deadline"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn no_retry_when_the_interval_does_not_fit_before_the_deadline() {
+    let g = engine(GovernanceOptions {
+        retry_times: 10,
+        retry_interval_ms: 50,
+        timeout_ms: 200,
+        ..Default::default()
+    });
+    let s = Script::new(vec![overflow()], Duration::from_millis(30));
+    let err = g.execute(&g.policy(&M), &s).await.unwrap_err();
+    // Attempts at 0, 80, 160 ms; at 190 ms only 10 ms are left, less than the interval.
+    assert_eq!(err.code(), StatusCode::OverflowMaxServerHandle);
+    assert_eq!(s.starts().len(), 3);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_retried_call_counts_once_toward_the_breaker() {
+    let g = engine(GovernanceOptions {
+        retry_times: 2,
+        timeout_ms: 0,
+        ..Default::default()
+    });
+    let s = Script::new(vec![overflow()], Duration::ZERO);
+    let p = g.policy(&M);
+    let _ = g.execute(&p, &s).await;
+    assert_eq!(s.starts().len(), 3);
+    assert_eq!(p.breaker().state(), BreakerState::Closed { failures: 1 });
+}
+
+fn died_mid_call() -> Result<Bytes, RpcError> {
+    Err(RpcError::new(StatusCode::CommunicationError, "connection closed").maybe_delivered(true))
+}
+
+#[tokio::test(start_paused = true)]
+async fn one_endpoint_dying_mid_call_does_not_open_the_entry_breaker() {
+    let g = engine(GovernanceOptions {
+        timeout_ms: 0,
+        exceptions_allowed_before_breaking: 3,
+        ..Default::default()
+    });
+    let p = g.policy(&M);
+    // Not idempotent: not repeated, but other endpoints were left untried.
+    for _ in 0..5 {
+        let s = Script::new(vec![died_mid_call()], Duration::ZERO);
+        let err = g.execute(&p, &s).await.unwrap_err();
+        assert!(err.is_maybe_delivered(), "{err}");
+        assert_eq!(s.starts().len(), 1, "not repeated");
+    }
+    assert_eq!(p.breaker().state(), BreakerState::Closed { failures: 0 });
+
+    // With no endpoint left to go to, the same failures do count.
+    for _ in 0..3 {
+        let mut s = Script::new(vec![died_mid_call()], Duration::ZERO);
+        s.endpoints.truncate(1);
+        let _ = g.execute(&p, &s).await;
+    }
+    assert!(
+        matches!(p.breaker().state(), BreakerState::Open { .. }),
+        "{:?}",
+        p.breaker().state()
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn cancellation_during_the_interval_stops_attempts_and_is_not_a_timeout() {
+    let g = engine(GovernanceOptions {
+        retry_times: 5,
+        retry_interval_ms: 1000,
+        timeout_ms: 60_000,
+        ..Default::default()
+    });
+    let mut events = g.events().subscribe();
+    let s = Script::new(vec![overflow()], Duration::ZERO);
+    let p = g.policy(&M);
+    // The caller gives up 1.5 s in, during the second pause.
+    let r = tokio::time::timeout(Duration::from_millis(1500), g.execute(&p, &s)).await;
+    assert!(r.is_err());
+    tokio::time::advance(Duration::from_secs(10)).await;
+    assert_eq!(s.starts().len(), 2, "no attempt after the caller left");
+    assert_eq!(
+        p.breaker().state(),
+        BreakerState::Closed { failures: 0 },
+        "not counted"
+    );
+    let kinds: Vec<EventKind> = std::iter::from_fn(|| events.try_recv().ok())
+        .map(|e| e.kind)
+        .collect();
+    assert!(!kinds.contains(&EventKind::Timeout), "{kinds:?}");
+    assert_eq!(kinds.iter().filter(|k| **k == EventKind::Retry).count(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn budget_exhaustion_stops_retries_and_says_so() {
+    let g = engine(GovernanceOptions {
+        retry_times: 3,
+        retry_interval_ms: 0,
+        retry_budget_percent: 0,
+        retry_budget_min_per_second: 1, // 10 retries per 10 s window
+        enable_circuit_breaker: false,
+        timeout_ms: 0,
+        ..Default::default()
+    });
+    let mut events = g.events().subscribe();
+    let p = g.policy(&M);
+    let mut attempts = 0;
+    let mut last = None;
+    for _ in 0..5 {
+        let s = Script::new(vec![overflow()], Duration::ZERO);
+        last = Some(g.execute(&p, &s).await.unwrap_err());
+        attempts += s.starts().len();
+    }
+    // 5 calls: 5 first attempts + the 10 retries the budget allows.
+    assert_eq!(attempts, 15);
+    let err = last.unwrap();
+    assert!(err.message().contains("retry budget"), "{err}");
+    let kinds: Vec<EventKind> = std::iter::from_fn(|| events.try_recv().ok())
+        .map(|e| e.kind)
+        .collect();
+    assert!(kinds.contains(&EventKind::BudgetExhausted));
+}
+
+#[tokio::test(start_paused = true)]
+async fn reload_takes_effect_on_the_next_call_and_keeps_an_open_breaker_open() {
+    let g = engine(GovernanceOptions {
+        retry_times: 0,
+        timeout_ms: 0,
+        exceptions_allowed_before_breaking: 2,
+        breaker_seconds: 30,
+        ..Default::default()
+    });
+    let mut events = g.events().subscribe();
+    let p = g.policy(&M);
+    for _ in 0..2 {
+        let s = single(vec![server_error()], Duration::ZERO);
+        let _ = g.execute(&p, &s).await;
+    }
+    assert!(matches!(p.breaker().state(), BreakerState::Open { .. }));
+    g.update_layers(|l| {
+        l.runtime.entries.insert(
+            "t.T.m".into(),
+            GovernanceOverrides {
+                timeout_ms: Some(700),
+                ..GovernanceOverrides::NONE
+            },
+        );
+    });
+    let same = g.policy(&M);
+    assert!(Arc::ptr_eq(&p, &same), "the cached pipeline is kept");
+    assert_eq!(
+        same.options().timeout_ms,
+        700,
+        "new options without a cache clear"
+    );
+    assert!(
+        matches!(same.breaker().state(), BreakerState::Open { .. }),
+        "still open"
+    );
+    let s = Script::new(vec![ok()], Duration::ZERO);
+    assert_eq!(
+        g.execute(&same, &s).await.unwrap_err().code(),
+        StatusCode::CircuitOpen
+    );
+    assert!(s.starts().is_empty(), "an open breaker sends nothing");
+    let kinds: Vec<EventKind> = std::iter::from_fn(|| events.try_recv().ok())
+        .map(|e| e.kind)
+        .collect();
+    assert!(
+        kinds.contains(&EventKind::Break) && kinds.contains(&EventKind::Reload),
+        "{kinds:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn business_errors_pass_through_untouched() {
+    let g = engine(GovernanceOptions::default());
+    let s = Script::new(vec![Err(RpcError::business("no"))], Duration::ZERO);
+    let p = g.policy(&M);
+    for _ in 0..5 {
+        let err = g.execute(&p, &s).await.unwrap_err();
+        assert_eq!(err.code(), StatusCode::BusinessError);
+        assert!(err.tried().is_empty());
+    }
+    assert_eq!(s.starts().len(), 5, "never retried");
+    assert_eq!(p.breaker().state(), BreakerState::Closed { failures: 0 });
+}
+
+fn single(results: Vec<Result<Bytes, RpcError>>, delay: Duration) -> Script {
+    let mut s = Script::new(results, delay);
+    s.endpoints.truncate(1);
+    s
+}
+
+/// An engine whose breaker for `M` is open after counted failures on the only endpoint, and
+/// whose `breaker_seconds` (10 s) have just passed: the next call is the half-open probe.
+async fn probing() -> (
+    Governance,
+    Arc<EntryPolicy>,
+    broadcast::Receiver<GovernanceEvent>,
+) {
+    let g = engine(GovernanceOptions {
+        retry_times: 0,
+        timeout_ms: 1000,
+        exceptions_allowed_before_breaking: 2,
+        breaker_seconds: 10,
+        half_open_probes: 1,
+        ..Default::default()
+    });
+    let p = g.policy(&M);
+    for _ in 0..2 {
+        let _ = g
+            .execute(&p, &single(vec![server_error()], Duration::ZERO))
+            .await;
+    }
+    assert!(matches!(p.breaker().state(), BreakerState::Open { .. }));
+    tokio::time::advance(Duration::from_secs(10)).await;
+    let events = g.events().subscribe();
+    (g, p, events)
+}
+
+fn kinds(rx: &mut broadcast::Receiver<GovernanceEvent>) -> Vec<EventKind> {
+    std::iter::from_fn(|| rx.try_recv().ok())
+        .map(|e| e.kind)
+        .collect()
+}
+
+/// The call after a probe is admitted at once (not 522) and reaches the endpoint.
+async fn next_call_goes_through(g: &Governance, p: &EntryPolicy) {
+    let s = single(vec![ok()], Duration::ZERO);
+    assert_eq!(g.execute(p, &s).await.unwrap(), Bytes::from_static(b"ok"));
+    assert_eq!(s.starts().len(), 1);
+    assert_eq!(p.breaker().state(), BreakerState::Closed { failures: 0 });
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_probe_answered_with_an_exempt_error_closes_the_breaker() {
+    for answer in [
+        RpcError::business("no such item"),
+        RpcError::validation("bad name"),
+        RpcError::new(StatusCode::NotFindServiceEntry, "no such entry"),
+        RpcError::new(StatusCode::RpcUnAuthentication, "bad token"),
+        RpcError::new(StatusCode::NotImplemented, "later"),
+    ] {
+        let (g, p, mut events) = probing().await;
+        let s = single(vec![Err(answer.clone())], Duration::ZERO);
+        let err = g.execute(&p, &s).await.unwrap_err();
+        assert_eq!(
+            err.code(),
+            answer.code(),
+            "the callee's answer reaches the caller"
+        );
+        assert_eq!(
+            p.breaker().state(),
+            BreakerState::Closed { failures: 0 },
+            "{answer}: the remote side answered, so it is up"
+        );
+        assert_eq!(kinds(&mut events), [EventKind::HalfOpen, EventKind::Reset]);
+        next_call_goes_through(&g, &p).await;
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_cancelled_probe_frees_its_slot_at_once() {
+    let (g, p, _events) = probing().await;
+    let slow = single(vec![ok()], Duration::from_secs(5));
+    // The caller drops the probe after 100 ms, long before breaker_seconds.
+    let r = tokio::time::timeout(Duration::from_millis(100), g.execute(&p, &slow)).await;
+    assert!(r.is_err(), "the caller gave up");
+    assert_eq!(p.breaker().state(), BreakerState::HalfOpen { probes: 0 });
+    next_call_goes_through(&g, &p).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_panicking_probe_frees_its_slot_at_once() {
+    struct Panics;
+    impl Attempts for &Panics {
+        fn select(&self, _: &AttemptCtx<'_>) -> Result<String, RpcError> {
+            Ok("a:1".into())
+        }
+        async fn call(&self, _: &str, _: u32, _: Option<Instant>) -> Result<Bytes, RpcError> {
+            panic!("attempt panicked")
+        }
+        fn untried_left(&self, _: &[String]) -> bool {
+            false
+        }
+    }
+    let (g, p, _events) = probing().await;
+    let g = Arc::new(g);
+    let task = tokio::spawn({
+        let (g, p) = (g.clone(), p.clone());
+        async move { g.execute(&p, &Panics).await }
+    });
+    assert!(task.await.unwrap_err().is_panic());
+    assert_eq!(p.breaker().state(), BreakerState::HalfOpen { probes: 0 });
+    next_call_goes_through(&g, &p).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_probe_that_times_out_counts_as_a_failure() {
+    let (g, p, mut events) = probing().await;
+    let hung = single(vec![ok()], Duration::from_secs(60));
+    let err = g.execute(&p, &hung).await.unwrap_err();
+    assert_eq!(err.code(), StatusCode::Timeout);
+    assert!(matches!(p.breaker().state(), BreakerState::Open { .. }));
+    let k = kinds(&mut events);
+    assert!(
+        k.ends_with(&[EventKind::Timeout, EventKind::Break]),
+        "{k:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_probe_failing_maybe_delivered_on_one_endpoint_frees_its_slot() {
+    let (g, p, _events) = probing().await;
+    // Three endpoints: not idempotent, so not repeated; held against a:1 alone.
+    let s = Script::new(vec![died_mid_call()], Duration::ZERO);
+    let err = g.execute(&p, &s).await.unwrap_err();
+    assert!(err.is_maybe_delivered(), "{err}");
+    assert_eq!(p.breaker().state(), BreakerState::HalfOpen { probes: 0 });
+    next_call_goes_through(&g, &p).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn isolate_and_reset_are_events() {
+    let g = engine(GovernanceOptions::default());
+    let mut events = g.events().subscribe();
+    g.isolate(&M);
+    let s = single(vec![ok()], Duration::ZERO);
+    let err = g.execute(&g.policy(&M), &s).await.unwrap_err();
+    assert_eq!(err.code(), StatusCode::CircuitOpen);
+    g.reset_breaker(&M);
+    g.execute(&g.policy(&M), &s).await.unwrap();
+    let got: Vec<(EventKind, String)> = std::iter::from_fn(|| events.try_recv().ok())
+        .map(|e| (e.kind, e.cause.unwrap_or_default()))
+        .collect();
+    assert_eq!(
+        got,
+        [
+            (EventKind::Isolate, "isolated by an operator".to_string()),
+            (EventKind::Reset, "reset by an operator".to_string()),
+        ]
+    );
+}
+
+/// Two shards: each call has an owner (as a hash key would), and goes to the owner unless
+/// endpoint health says it is not usable. `sick` answers with `sick_answer`.
+struct Shards<'a> {
+    g: &'a Governance,
+    owner: &'static str,
+    sick: &'static str,
+    sick_answer: Result<Bytes, RpcError>,
+    answered: Mutex<Vec<String>>,
+}
+
+const SHARDS: [&str; 2] = ["a:1", "b:1"];
+
+impl Attempts for &Shards<'_> {
+    fn select(&self, ctx: &AttemptCtx<'_>) -> Result<String, RpcError> {
+        let other = SHARDS.iter().find(|e| **e != self.owner).unwrap();
+        let usable =
+            self.g.health().is_usable(self.owner) && !ctx.tried.iter().any(|t| t == self.owner);
+        Ok(if usable { self.owner } else { other }.to_string())
+    }
+    async fn call(&self, addr: &str, _: u32, d: Option<Instant>) -> Result<Bytes, RpcError> {
+        self.answered.lock().unwrap().push(addr.to_string());
+        if addr == self.sick {
+            let answer = self.sick_answer.clone();
+            if answer
+                .as_ref()
+                .is_err_and(|e| e.code() == StatusCode::Timeout)
+            {
+                tokio::time::sleep_until(d.unwrap()).await;
+            }
+            answer
+        } else {
+            ok()
+        }
+    }
+    fn untried_left(&self, tried: &[String]) -> bool {
+        SHARDS.iter().any(|e| !tried.iter().any(|t| t == e))
+    }
+    fn any_other(&self, addr: &str, usable: &dyn Fn(&str) -> bool) -> bool {
+        SHARDS.iter().any(|e| *e != addr && usable(e))
+    }
+}
+
+fn late() -> Result<Bytes, RpcError> {
+    Err(RpcError::new(StatusCode::Timeout, "late"))
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_sick_shard_is_ejected_and_the_healthy_shards_keys_keep_succeeding() {
+    for sick_answer in [server_error(), late()] {
+        let g = engine(GovernanceOptions {
+            retry_times: 0,
+            timeout_ms: 300,
+            exceptions_allowed_before_breaking: 3,
+            ..Default::default()
+        });
+        let p = g.policy(&M);
+        let mut sick_failed = 0;
+        for i in 0..200 {
+            let owner = SHARDS[i % 2];
+            let s = Shards {
+                g: &g,
+                owner,
+                sick: "a:1",
+                sick_answer: sick_answer.clone(),
+                answered: Mutex::new(Vec::new()),
+            };
+            let r = g.execute(&p, &s).await;
+            if owner == "b:1" {
+                assert!(r.is_ok(), "call {i}: healthy shard's key failed: {r:?}");
+            } else if let Err(e) = r {
+                assert_ne!(e.code(), StatusCode::CircuitOpen, "call {i}");
+                sick_failed += 1;
+            }
+        }
+        // Ejected after exceptions_allowed_before_breaking failures; its keys then go to
+        // the other shard (the calls are too quick for the 1 s mark to expire, except
+        // with 300 ms timeouts: then each expiry costs one more failure).
+        assert!(sick_failed >= 3, "{sick_failed}");
+        assert!(sick_failed <= 3 + 100 * 300 / 1000, "{sick_failed}");
+        assert!(
+            matches!(p.breaker().state(), BreakerState::Closed { .. }),
+            "{:?}",
+            p.breaker().state()
+        );
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_entry_breaker_still_opens_when_every_endpoint_fails() {
+    let g = engine(GovernanceOptions {
+        retry_times: 0,
+        timeout_ms: 0,
+        exceptions_allowed_before_breaking: 3,
+        ..Default::default()
+    });
+    let p = g.policy(&M);
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let mut calls = 0;
+    while !matches!(p.breaker().state(), BreakerState::Open { .. }) {
+        calls += 1;
+        assert!(calls <= 30, "the breaker never opened");
+        // Round robin over three endpoints that all fail, preferring usable ones.
+        let s = Script::new(vec![server_error()], Duration::ZERO);
+        let n = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let usable: Vec<&String> = s
+            .endpoints
+            .iter()
+            .filter(|e| g.health().is_usable(e))
+            .collect();
+        let pick = if usable.is_empty() {
+            s.endpoints[n % 3].clone()
+        } else {
+            usable[n % usable.len()].clone()
+        };
+        let mut s = s;
+        s.endpoints.retain(|e| *e == pick);
+        s.endpoints.extend(
+            ["a:1", "b:1", "c:1"]
+                .map(String::from)
+                .into_iter()
+                .filter(|e| *e != pick),
+        );
+        let _ = g.execute(&p, &s).await;
+    }
+    // Each endpoint is ejected after its 3rd failure (calls 7, 8, 9) and those failures
+    // are held against it while another is usable; from the 9th on none is, and the
+    // entry counts 3 in a row: 9, 10, 11.
+    assert_eq!(calls, 11);
+    // One endpoint: counted from the first failure, as before.
+    let g = engine(GovernanceOptions {
+        retry_times: 0,
+        timeout_ms: 0,
+        exceptions_allowed_before_breaking: 3,
+        ..Default::default()
+    });
+    let p = g.policy(&M);
+    for _ in 0..3 {
+        let _ = g
+            .execute(&p, &single(vec![server_error()], Duration::ZERO))
+            .await;
+    }
+    assert!(matches!(p.breaker().state(), BreakerState::Open { .. }));
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_idempotent_call_retries_elsewhere_after_its_attempt_timeout() {
+    let g = engine(GovernanceOptions {
+        retry_times: 2,
+        retry_interval_ms: 0,
+        timeout_ms: 1000,
+        attempt_timeout_ms: 100,
+        idempotent: true,
+        ..Default::default()
+    });
+    let p = g.policy(&M);
+    let s = Shards {
+        g: &g,
+        owner: "a:1",
+        sick: "a:1",
+        sick_answer: late(),
+        answered: Mutex::new(Vec::new()),
+    };
+    let t0 = Instant::now();
+    assert!(g.execute(&p, &s).await.is_ok());
+    assert_eq!(t0.elapsed(), Duration::from_millis(100));
+    assert_eq!(*s.answered.lock().unwrap(), ["a:1", "b:1"]);
+    // Not idempotent: the timed-out attempt may have run, so it is not repeated.
+    g.update_layers(|l| l.code_defaults.idempotent = false);
+    let err = g.execute(&p, &s).await.unwrap_err();
+    assert_eq!(err.code(), StatusCode::Timeout);
+    assert!(err.message().contains("attempt_timeout_ms"), "{err}");
+}

@@ -1,0 +1,61 @@
+//! The whole call's deadline as a layer: retries and pauses included, so a caller waits at most
+//! `timeout_ms` (or what is left of the deadline it inherited from the call it serves).
+//!
+//! The deadline itself is computed in [`crate::timeout`]; the retry layer enforces it on every
+//! attempt. This layer sets it in the context and turns a timeout into the error that names the
+//! budget.
+
+use bytes::Bytes;
+use rpc_core::{RpcError, StatusCode};
+use tokio::time::Instant;
+
+use super::{CallCx, Service};
+use crate::events::EventKind;
+use crate::timeout;
+
+/// Puts `S` under the call's deadline.
+#[derive(Debug, Clone)]
+pub struct TimeoutLayer<S> {
+    inner: S,
+}
+
+impl<S> TimeoutLayer<S> {
+    /// The layer over `inner`.
+    pub fn new(inner: S) -> Self {
+        TimeoutLayer { inner }
+    }
+}
+
+impl<S: Service> Service for TimeoutLayer<S> {
+    async fn call(&self, cx: &mut CallCx<'_>, req: Bytes) -> Result<Bytes, RpcError> {
+        // One clock reading serves the deadline, the budget and the first attempt's timeout.
+        let started = Instant::now();
+        let deadline = timeout::deadline_from(started, &cx.options);
+        cx.started = started;
+        cx.deadline = deadline;
+        let result = self
+            .inner
+            .call(cx, req)
+            .await
+            .map_err(|e| match (e.code(), deadline) {
+                // A callee's typed error carrying a timeout of its own keeps its value.
+                (StatusCode::Timeout, Some(d))
+                    if e.payload().is_none() && !cx.attempt_timed_out =>
+                {
+                    timeout::timeout_error_for(cx.entry_id(), started, d, &cx.options)
+                }
+                _ => e,
+            });
+        if let Err(e) = &result {
+            if e.code() == StatusCode::Timeout && !cx.attempt_timed_out {
+                cx.emit(
+                    EventKind::Timeout,
+                    cx.last_failed.as_deref(),
+                    0,
+                    Some(e.to_string()),
+                );
+            }
+        }
+        result
+    }
+}
