@@ -14,14 +14,16 @@
 //! | [`fallback`] | when another implementation answers, and what a failed fallback says |
 //! | [`bulkhead`] | the server's concurrency cap (Overflow at once, never a queue) |
 //!
-//! [`pipeline::Governance`] puts the client side together, outermost first: (fallback, in the
-//! client, because it holds the arguments) → circuit breaker → timeout → retry/failover → one
-//! attempt, cached per entry id, with options resolved from [`config`] layers and every
-//! decision sent to the [`events`] bus (a `tracing` event on the current span, target
-//! `rpc::governance`, and subscribers).
+//! [`stack`] puts the client side together as layers over one per-call context, in one
+//! order written once ([`stack::client_stack`]): user layers → fallback → circuit breaker →
+//! timeout → retry/failover (over the caller's [`stack::Balance`] picker) → per-attempt user
+//! layers → the attempt. [`engine::Governance`] holds what outlives a call: per-entry options
+//! (resolved from the [`config`] layers) and state, cached by entry id, endpoint health and the
+//! [`events`] bus (a `tracing` event on the current span, target `rpc::governance`, and
+//! subscribers).
 //!
-//! The crate never performs I/O: the caller supplies the attempts (endpoint selection and the
-//! remote call) through [`pipeline::Attempts`].
+//! The crate never performs I/O: the caller supplies endpoint choice and the attempt itself
+//! (the bottom [`stack::Service`]).
 //!
 //! ```
 //! use rpc_core::{GovernanceOptions, RpcError, StatusCode};

@@ -67,11 +67,16 @@ pub use rpc_core::{
 pub use rpc_governance::breaker::BreakerState;
 pub use rpc_governance::events::{EventBus, EventKind, GovernanceEvent};
 pub use rpc_governance::fallback::cause as fallback_cause;
+/// Client middleware: a layer around every call (`ClientBuilder::layer`) or every attempt
+/// (`ClientBuilder::attempt_layer`), and the per-call context it sees.
+pub use rpc_governance::stack::{CallCx, Middleware, Next};
 pub use rpc_macros::service;
 #[cfg(feature = "etcd")]
 pub use rpc_registry::{EtcdOptions, EtcdRegistry};
 pub use rpc_registry::{InProcessRegistry, Instance, Registry, RegistryError, StaticRegistry};
 pub use rpc_server::{Server, ServerBuilder, ServerHandle, Service, ServiceFuture};
+/// What a middleware receives and returns: encoded arguments and results, boxed futures.
+pub use {bytes::Bytes, futures_util::future::BoxFuture};
 
 #[cfg(feature = "logging")]
 pub mod logging;
