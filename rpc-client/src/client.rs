@@ -889,7 +889,7 @@ struct Attempt<'c> {
 
 impl stack::Service for Attempt<'_> {
     async fn call(&self, cx: &mut CallCx<'_>, params: Bytes) -> Result<Bytes, RpcError> {
-        let Some(addr) = cx.endpoint().map(Arc::<str>::from) else {
+        let Some(addr) = cx.endpoint_shared().cloned() else {
             return Err(RpcError::new(
                 StatusCode::FrameworkError,
                 "an attempt ran before an endpoint was chosen",

@@ -148,6 +148,12 @@ impl<'g> CallCx<'g> {
         self.endpoint.as_deref()
     }
 
+    /// [`endpoint`](Self::endpoint) as the shared string the balancer handed out (cloning it
+    /// copies no text).
+    pub fn endpoint_shared(&self) -> Option<&Arc<str>> {
+        self.endpoint.as_ref()
+    }
+
     /// Endpoints tried (and failed) so far, in order.
     pub fn tried(&self) -> &[Arc<str>] {
         &self.tried
