@@ -30,6 +30,7 @@
 //! ```
 #![warn(missing_docs)]
 
+mod endpoints;
 #[cfg(feature = "etcd")]
 mod etcd;
 mod in_process;
@@ -40,10 +41,11 @@ mod url;
 use futures_util::future::BoxFuture;
 use rpc_core::ServiceId;
 
+pub use endpoints::Endpoints;
 #[cfg(feature = "etcd")]
 pub use etcd::{EtcdOptions, EtcdRegistry};
 pub use in_process::InProcessRegistry;
-pub use instance::{Endpoints, Instance, ServiceWatch};
+pub use instance::{Instance, ServiceWatch};
 pub use static_list::StaticRegistry;
 
 /// A registry operation failed.
