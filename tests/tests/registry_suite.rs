@@ -365,6 +365,15 @@ async fn registering_an_id_again_replaces_it_without_duplicates<B: Writable>() {
     // Another service: it leaves t.A and appears under t.B.
     let v4 = instance("127.0.0.1:3002", "db", &["t.B"]);
     register(&registry, v4.clone()).await;
+    // `register` returns once the replacement is complete: a watch opened now, by another
+    // process, finds only the new version, and nothing left behind under t.A.
+    let later = store.another().await;
+    let left = watch(&later, "t.A").await.current();
+    assert!(left.is_empty(), "left behind under t.A: {left:?}");
+    let seen = watch(&later, "t.B").await.current();
+    assert_eq!(seen.len(), 1, "{seen:?}");
+    assert_eq!(*seen[0], v4);
+    // And the watchers that were open follow.
     wait_for(&mut a, "gone from t.A", |eps| eps.is_empty()).await;
     let seen = wait_for(&mut b, "under t.B", |eps| !eps.is_empty()).await;
     assert_eq!(seen.len(), 1, "{seen:?}");
