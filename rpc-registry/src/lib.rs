@@ -12,6 +12,11 @@
 //! string (`embedded`, `static:FILE`, `host:port,...`, `etcd://host:port`), such as a
 //! `--registry` flag.
 //!
+//! Every watch hands out [`Endpoints`] snapshots, whose constructor alone fixes their order (by
+//! address, then instance id, one instance per id), so whatever the backend, every client sees
+//! a service's instances in the same order: the order its hash ring, round robin and failover
+//! follow.
+//!
 //! A registry stores only what servers say about themselves. It must not hold client-side state:
 //! a client's local judgement of an endpoint's health (see `rpc-governance`) never reaches it.
 //!
