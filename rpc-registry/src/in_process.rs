@@ -89,35 +89,3 @@ impl Registry for InProcessRegistry {
         Box::pin(future::ready(Ok(ServiceWatch::new(rx))))
     }
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[tokio::test]
-    async fn watchers_see_registration_and_removal() {
-        let reg = InProcessRegistry::new();
-        let svc: ServiceId = "a.A".into();
-        let mut w = reg.watch(&svc).await.unwrap();
-        reg.register(Instance::new("127.0.0.1:2", ["a.A"]))
-            .await
-            .unwrap();
-        reg.register(Instance::new("127.0.0.1:1", ["a.A", "b.B"]))
-            .await
-            .unwrap();
-        reg.register(Instance::new("127.0.0.1:3", ["b.B"]))
-            .await
-            .unwrap();
-        w.changed().await.unwrap();
-        let addrs: Vec<_> = w.current().iter().map(|i| i.address.clone()).collect();
-        assert_eq!(addrs, ["127.0.0.1:1", "127.0.0.1:2"]);
-
-        reg.deregister("127.0.0.1:1").await.unwrap();
-        w.changed().await.unwrap();
-        assert_eq!(w.current().len(), 1);
-
-        // A late watcher starts from the current snapshot.
-        let late = reg.watch(&"b.B".into()).await.unwrap();
-        assert_eq!(late.current()[0].address, "127.0.0.1:3");
-    }
-}

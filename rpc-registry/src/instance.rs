@@ -7,7 +7,7 @@ use rpc_core::{ServiceEntry, ServiceId};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
-use crate::RegistryError;
+use crate::{Endpoints, RegistryError};
 
 /// One running server: where it listens and what it serves.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -48,9 +48,6 @@ impl Instance {
     }
 }
 
-/// A snapshot of a service's instances, ordered by address.
-pub type Endpoints = Arc<Vec<Arc<Instance>>>;
-
 /// A live view of one service's instances: [`current`](Self::current) is always the latest
 /// snapshot, and [`changed`](Self::changed) waits for the next one.
 #[derive(Debug, Clone)]
@@ -77,12 +74,10 @@ impl ServiceWatch {
     }
 }
 
-/// Builds the sorted snapshot for `service` from a set of instances.
+/// The snapshot of `service` from a set of instances (sorted by [`Endpoints::new`]).
 pub(crate) fn snapshot<'a>(
     service: &ServiceId,
     instances: impl Iterator<Item = &'a Arc<Instance>>,
 ) -> Endpoints {
-    let mut list: Vec<Arc<Instance>> = instances.filter(|i| i.serves(service)).cloned().collect();
-    list.sort_by(|a, b| a.address.cmp(&b.address).then_with(|| a.id.cmp(&b.id)));
-    Arc::new(list)
+    Endpoints::new(instances.filter(|i| i.serves(service)).cloned())
 }

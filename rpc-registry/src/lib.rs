@@ -12,6 +12,11 @@
 //! string (`embedded`, `static:FILE`, `host:port,...`, `etcd://host:port`), such as a
 //! `--registry` flag.
 //!
+//! Every watch hands out [`Endpoints`] snapshots, whose constructor alone fixes their order (by
+//! address, then instance id, one instance per id), so whatever the backend, every client sees
+//! a service's instances in the same order: the order its hash ring, round robin and failover
+//! follow.
+//!
 //! A registry stores only what servers say about themselves. It must not hold client-side state:
 //! a client's local judgement of an endpoint's health (see `rpc-governance`) never reaches it.
 //!
@@ -30,6 +35,7 @@
 //! ```
 #![warn(missing_docs)]
 
+mod endpoints;
 #[cfg(feature = "etcd")]
 mod etcd;
 mod in_process;
@@ -40,10 +46,11 @@ mod url;
 use futures_util::future::BoxFuture;
 use rpc_core::ServiceId;
 
+pub use endpoints::Endpoints;
 #[cfg(feature = "etcd")]
 pub use etcd::{EtcdOptions, EtcdRegistry};
 pub use in_process::InProcessRegistry;
-pub use instance::{Endpoints, Instance, ServiceWatch};
+pub use instance::{Instance, ServiceWatch};
 pub use static_list::StaticRegistry;
 
 /// A registry operation failed.

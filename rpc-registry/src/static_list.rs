@@ -13,7 +13,8 @@ use crate::{Instance, Registry, RegistryError, ServiceWatch};
 /// A registry whose endpoints never change: several processes on one machine, no registry
 /// server. Registering and deregistering are accepted and ignored.
 ///
-/// An endpoint listed without services serves every service.
+/// An endpoint listed without services serves every service. Each endpoint's instance id (its
+/// `id`, or else its address) must be unique in the list.
 ///
 /// The file form (TOML):
 ///
@@ -85,7 +86,9 @@ impl StaticRegistry {
         for a in &addrs {
             check_address(a)?;
         }
-        Ok(Self::new(addrs))
+        let registry = Self::new(addrs);
+        registry.check_unique_ids()?;
+        Ok(registry)
     }
 
     /// Parses the TOML form (see the type's documentation).
@@ -95,9 +98,27 @@ impl StaticRegistry {
         for e in &file.endpoint {
             check_address(&e.address)?;
         }
-        Ok(StaticRegistry {
+        let registry = StaticRegistry {
             endpoints: file.endpoint,
-        })
+        };
+        registry.check_unique_ids()?;
+        Ok(registry)
+    }
+
+    /// Two entries with one instance id are one instance listed twice, and a snapshot keeps only
+    /// one of them: most likely a copy-paste slip, so it is refused rather than half-used.
+    fn check_unique_ids(&self) -> Result<(), RegistryError> {
+        let mut seen = std::collections::HashSet::new();
+        for e in &self.endpoints {
+            let id = e.id.as_deref().unwrap_or(&e.address);
+            if !seen.insert(id) {
+                return Err(RegistryError::Config(format!(
+                    "endpoint {id:?} is listed twice: give each endpoint its own address, or its \
+                     own id"
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// Reads and parses a TOML file.
@@ -195,5 +216,16 @@ mod tests {
         assert!(e.to_string().contains("expected host:port"), "{e}");
         let e = StaticRegistry::from_toml("[[endpoint]]\nadress = \"x\"").unwrap_err();
         assert!(e.to_string().contains("adress"), "{e}");
+        let e = StaticRegistry::from_list("127.0.0.1:1,127.0.0.1:2,127.0.0.1:1").unwrap_err();
+        assert!(
+            e.to_string().contains("\"127.0.0.1:1\" is listed twice"),
+            "{e}"
+        );
+        let e = StaticRegistry::from_toml(
+            "[[endpoint]]\naddress = \"127.0.0.1:1\"\nid = \"db\"\n\
+             [[endpoint]]\naddress = \"127.0.0.1:2\"\nid = \"db\"\n",
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("\"db\" is listed twice"), "{e}");
     }
 }

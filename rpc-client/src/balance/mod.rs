@@ -106,7 +106,7 @@ impl ServiceState {
     /// removed: the registry, not this client, has the last word on membership.
     fn restore_announced(&self, eps: &Endpoints, health: &EndpointHealth) {
         let mut seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
-        if Arc::ptr_eq(&seen, eps) {
+        if Endpoints::ptr_eq(&seen, eps) {
             return;
         }
         for i in eps.iter() {

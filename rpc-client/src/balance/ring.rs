@@ -72,7 +72,7 @@ impl RingCache {
     /// or when a call sees a snapshot before the watch has rebuilt the ring for it.
     pub(crate) fn get(&self, endpoints: &Endpoints) -> Arc<RingSnapshot> {
         if let Some(snapshot) = self.current.load_full() {
-            if Arc::ptr_eq(&snapshot.endpoints, endpoints) {
+            if Endpoints::ptr_eq(&snapshot.endpoints, endpoints) {
                 return snapshot;
             }
         }
@@ -82,7 +82,7 @@ impl RingCache {
     /// Rebuilds the ring for a new snapshot, if any call uses the ring.
     pub(crate) fn refresh(&self, endpoints: &Endpoints) {
         match self.current.load().as_ref() {
-            Some(snapshot) if !Arc::ptr_eq(&snapshot.endpoints, endpoints) => {}
+            Some(snapshot) if !Endpoints::ptr_eq(&snapshot.endpoints, endpoints) => {}
             _ => return,
         }
         self.build(endpoints);
@@ -214,7 +214,7 @@ mod tests {
     #[test]
     fn a_ring_is_built_once_per_snapshot_by_the_watch_not_by_the_calls() {
         let cache = RingCache::new(RingKey::Address);
-        let first: Endpoints = Arc::new(vec![instance("a:1", "a", None)]);
+        let first = Endpoints::new([instance("a:1", "a", None)]);
         // No call has used the ring: a new snapshot builds nothing.
         cache.refresh(&first);
         assert_eq!(cache.builds(), 0);
@@ -224,8 +224,7 @@ mod tests {
         assert_eq!(cache.builds(), 1);
         // The watch announces a change: the ring is rebuilt there, once, and the calls that
         // follow find it ready.
-        let second: Endpoints =
-            Arc::new(vec![instance("a:1", "a", None), instance("b:1", "b", None)]);
+        let second = Endpoints::new([instance("a:1", "a", None), instance("b:1", "b", None)]);
         cache.refresh(&second);
         cache.refresh(&second);
         assert_eq!(cache.builds(), 2);
