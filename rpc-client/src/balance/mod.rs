@@ -90,7 +90,7 @@ impl ServiceState {
     /// The shared address strings of `eps`.
     fn addresses(&self, eps: &Endpoints) -> Arc<Addresses> {
         if let Some(a) = self.addresses.load_full() {
-            if Arc::ptr_eq(&a.endpoints, eps) {
+            if Endpoints::ptr_eq(&a.endpoints, eps) {
                 return a;
             }
         }
