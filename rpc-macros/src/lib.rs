@@ -11,8 +11,10 @@
 //! generated code therefore needs the user crate to depend on `rpc` (under that name).
 //!
 //! The modules follow the expansion: `parse` reads and checks the trait,
-//! `governance` reads `#[governance(...)]`, `expand` writes the rewritten trait and the
-//! descriptor table, `expand_client` and `expand_server` the two generated types.
+//! `governance` reads `#[governance(...)]` with the keys of `keys` (the options' one
+//! declaration, shared with rpc-core), `expand` writes the rewritten trait and the descriptor
+//! table and calls `expand_client` and `expand_server` for the two generated types; the names
+//! all three use are in `names`, so that no module imports from one that imports it back.
 //!
 //! See [`service`] for what is generated and what is rejected.
 //!
@@ -46,6 +48,8 @@ mod expand;
 mod expand_client;
 mod expand_server;
 mod governance;
+mod keys;
+mod names;
 mod parse;
 
 /// Turns a trait into an RPC service: a client proxy, a server dispatcher and entry descriptors.
@@ -159,15 +163,12 @@ mod parse;
 /// # Method attributes
 ///
 /// `#[governance(...)]` on a method sets the defaults of its entry (configuration files and
-/// runtime updates still override them). Every field of `GovernanceOverrides` is a key: the
-/// integers `timeout_ms`, `attempt_timeout_ms`, `retry_times`, `retry_interval_ms`,
-/// `exceptions_allowed_before_breaking`, `breaker_seconds`, `half_open_probes`,
-/// `failure_ratio_percent`, `sampling_window_seconds`, `minimum_throughput`,
-/// `retry_budget_percent`, `retry_budget_min_per_second`, `max_concurrent_handling_count`,
-/// `unhealthy_times_allowed_before_removing`; `enable_circuit_breaker = true | false`; `idempotent`
-/// (a bare flag, or `= true`/`= false`), `shunt_strategy = "polling" | "random" | "hash" |
-/// "appoint"` and `appoint_address = "host:port"`. Several `#[governance]` attributes add up; a
-/// key given twice is an error.
+/// runtime updates still override them). Every governance option is a key, under the name of its
+/// field in `GovernanceOverrides` and of its TOML key (the README's options tables and
+/// `rpc_core::OPTIONS` list them by policy): integers as unsuffixed literals (`timeout_ms = 800`),
+/// flags as `= true` or `= false` (`idempotent` also bare), `shunt_strategy = "polling" |
+/// "random" | "hash" | "appoint"` and `appoint_address = "host:port"`. Several `#[governance]`
+/// attributes add up; a key given twice is an error.
 ///
 /// `#[hash_key]` on one argument makes it the key of the hash shunt strategy (which
 /// `shunt_strategy = "hash"` requires).
