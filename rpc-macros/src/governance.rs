@@ -427,6 +427,53 @@ mod tests {
     }
 
     #[test]
+    fn every_option_of_rpc_core_is_a_key_of_its_kind() {
+        use rpc::crates::core::{OptionKind, OPTIONS};
+        let names: Vec<&str> = keys::KEYS.iter().map(|k| k.name).collect();
+        let declared: Vec<&str> = OPTIONS.iter().map(|o| o.name).collect();
+        assert_eq!(names, declared);
+        for o in OPTIONS {
+            let key = syn::Ident::new(o.name, Span::call_site());
+            let (ok, want, too_much) = match o.kind {
+                OptionKind::Int { max } => {
+                    let lit = proc_macro2::Literal::u64_unsuffixed(max);
+                    let over = (max < u64::MAX).then(|| {
+                        let over = proc_macro2::Literal::u64_unsuffixed(max + 1);
+                        quote!(#key = #over)
+                    });
+                    (quote!(#key = #lit), Value::Int(max), over)
+                }
+                OptionKind::Bool => (quote!(#key = false), Value::Flag(false), None),
+                OptionKind::Str => (
+                    quote!(#key = "127.0.0.1:9"),
+                    Value::Str("127.0.0.1:9".into()),
+                    None,
+                ),
+                OptionKind::Enum { values } => {
+                    for v in values {
+                        let g = parse(quote!(#[governance(#key = #v)])).unwrap();
+                        let variant = v.parse::<rpc::crates::core::ShuntStrategy>().unwrap();
+                        let want = format!("{variant:?}");
+                        assert_eq!(
+                            g.get(o.name),
+                            Some(Value::Strategy(want.leak())),
+                            "{} = {v}",
+                            o.name
+                        );
+                    }
+                    continue;
+                }
+            };
+            let g = parse(quote!(#[governance(#ok)])).unwrap_or_else(|e| panic!("{ok}: {e}"));
+            assert_eq!(g.get(o.name), Some(want), "{ok}");
+            if let Some(too_much) = too_much {
+                let e = parse(quote!(#[governance(#too_much)])).unwrap_err();
+                assert!(e.to_string().contains("out of range"), "{too_much}: {e}");
+            }
+        }
+    }
+
+    #[test]
     fn all_errors_are_reported() {
         let err = parse(quote!(#[governance(nope = 1, also_nope = 2)])).unwrap_err();
         assert_eq!(err.into_iter().count(), 2);

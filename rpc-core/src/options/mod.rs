@@ -192,6 +192,8 @@ impl GovernanceOverrides {
 
 #[cfg(test)]
 mod tests {
+    use serde_json::Value;
+
     use super::*;
 
     #[test]
@@ -279,6 +281,73 @@ mod tests {
             e.message().contains("\"timeout\"") && e.message().contains("timeout_ms"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn defaults_are_the_documented_ones() {
+        // The defaults the README and the design documents give, written out by hand.
+        let want = GovernanceOptions {
+            shunt_strategy: ShuntStrategy::RoundRobin,
+            appoint_address: None,
+            timeout_ms: 5000,
+            attempt_timeout_ms: 0,
+            deadline_slack_ms: 50,
+            retry_times: 3,
+            retry_interval_ms: 50,
+            retry_budget_percent: 20,
+            retry_budget_min_per_second: 10,
+            idempotent: false,
+            enable_circuit_breaker: true,
+            exceptions_allowed_before_breaking: 3,
+            breaker_seconds: 60,
+            half_open_probes: 1,
+            failure_ratio_percent: 0,
+            sampling_window_seconds: 10,
+            minimum_throughput: 20,
+            unhealthy_times_allowed_before_removing: 3,
+            max_concurrent_handling_count: 50,
+        };
+        assert_eq!(GovernanceOptions::default(), want);
+    }
+
+    #[test]
+    fn every_descriptor_names_a_key_with_its_default_and_kind() {
+        let defaults = serde_json::to_value(GovernanceOptions::default()).unwrap();
+        let fields = defaults.as_object().unwrap();
+        assert_eq!(fields.len(), OPTIONS.len(), "one descriptor per field");
+        for o in OPTIONS {
+            let value = &fields[o.name];
+            // The default text is what the field serializes to.
+            let shown = match value {
+                Value::Null => "none".to_string(),
+                Value::String(s) => s.parse::<ShuntStrategy>().unwrap().name().to_string(),
+                other => other.to_string(),
+            };
+            assert_eq!(shown, o.default, "{}", o.name);
+            // The kind says what the key takes: a value of that kind is accepted, and clearing
+            // the key by its name works.
+            let sample = match o.kind {
+                OptionKind::Int { max } => serde_json::json!(max),
+                OptionKind::Bool => serde_json::json!(true),
+                OptionKind::Str => serde_json::json!("127.0.0.1:9"),
+                OptionKind::Enum { values } => serde_json::json!(values[values.len() - 1]),
+            };
+            let mut layer: GovernanceOverrides =
+                serde_json::from_value(serde_json::json!({ o.name: sample }))
+                    .unwrap_or_else(|e| panic!("{}: {e}", o.name));
+            assert_ne!(layer, GovernanceOverrides::NONE, "{}", o.name);
+            layer.clear(o.name).unwrap();
+            assert_eq!(layer, GovernanceOverrides::NONE, "{}", o.name);
+        }
+    }
+
+    #[test]
+    fn the_unknown_option_error_lists_every_option() {
+        let mut layer = GovernanceOverrides::NONE;
+        let e = layer.clear("retries").unwrap_err();
+        for o in OPTIONS {
+            assert!(e.message().contains(o.name), "{}: {e}", o.name);
+        }
     }
 
     fn toml_like_json(s: &str) -> Result<GovernanceOverrides, serde_json::Error> {
