@@ -169,7 +169,11 @@ impl Governance {
             Kind::Address => {
                 let lit = str_value(ident, value)?;
                 let address = lit.value();
-                if address.trim().is_empty() || !address.contains(':') {
+                // The same rule as `GovernanceOverrides::validate` in rpc-core.
+                let host_port = address
+                    .rsplit_once(':')
+                    .is_some_and(|(h, p)| !h.trim().is_empty() && p.parse::<u16>().is_ok());
+                if !host_port {
                     return Err(syn::Error::new(
                         lit.span(),
                         format!("{name} must be `host:port`, for example \"127.0.0.1:9000\""),
@@ -470,6 +474,17 @@ mod tests {
                 let e = parse(quote!(#[governance(#too_much)])).unwrap_err();
                 assert!(e.to_string().contains("out of range"), "{too_much}: {e}");
             }
+        }
+    }
+
+    #[test]
+    fn an_address_needs_a_host_and_a_port_number() {
+        for bad in ["nowhere", ":9000", "host:", "host:port", "host:70000"] {
+            let e = parse(quote!(#[governance(appoint_address = #bad)])).unwrap_err();
+            assert!(e.to_string().contains("host:port"), "{bad}: {e}");
+        }
+        for good in ["127.0.0.1:9000", "localhost:1", "[::1]:9000"] {
+            assert!(parse(quote!(#[governance(appoint_address = #good)])).is_ok(), "{good}");
         }
     }
 

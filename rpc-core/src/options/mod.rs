@@ -56,6 +56,26 @@ macro_rules! applied_value {
     ($kind:ident, $v:expr) => { *$v };
 }
 
+/// What a value of each kind must be beyond its type, as an error message when it is not.
+macro_rules! value_problem {
+    (percent, $name:ident, $v:expr) => {
+        (*$v > 100).then(|| format!("{} = {} is out of range: at most 100", stringify!($name), $v))
+    };
+    (address, $name:ident, $v:expr) => {
+        (!is_host_port($v)).then(|| {
+            format!(
+                "{} = {:?} is not `host:port`, for example \"127.0.0.1:9000\"",
+                stringify!($name),
+                $v
+            )
+        })
+    };
+    ($kind:ident, $name:ident, $v:expr) => {{
+        let _ = $v;
+        None::<String>
+    }};
+}
+
 /// What a kind is to someone writing it.
 macro_rules! option_kind {
     (u64) => { OptionKind::Int { max: u64::MAX } };
@@ -124,6 +144,23 @@ macro_rules! governance_options {
                 }
             )*)*}
 
+            /// Checks what the types cannot: a percentage is at most 100, an address is
+            /// `host:port`. The error names every value that is wrong, with its key (the
+            /// `#[governance(...)]` attribute refuses the same values at compile time).
+            pub fn validate(&self) -> Result<(), RpcError> {
+                let mut problems: Vec<String> = Vec::new();
+                $($(
+                    if let Some(v) = &self.$name {
+                        problems.extend(value_problem!($kind, $name, v));
+                    }
+                )*)*
+                if problems.is_empty() {
+                    Ok(())
+                } else {
+                    Err(RpcError::new(StatusCode::FrameworkError, problems.join("; ")))
+                }
+            }
+
             /// Unsets one field (named as in the config file, for example `"timeout_ms"`), so
             /// the layers below decide it again. An unknown name is an error listing the known
             /// ones.
@@ -175,6 +212,14 @@ macro_rules! shunt_strategy_spellings {
 }
 
 include!("declared.rs");
+
+/// `host:port` with a non-empty host and a port number.
+fn is_host_port(address: &str) -> bool {
+    match address.rsplit_once(':') {
+        Some((host, port)) => !host.trim().is_empty() && port.parse::<u16>().is_ok(),
+        None => false,
+    }
+}
 
 /// The options' names, for error messages.
 fn option_names() -> String {
