@@ -484,7 +484,10 @@ mod tests {
             assert!(e.to_string().contains("host:port"), "{bad}: {e}");
         }
         for good in ["127.0.0.1:9000", "localhost:1", "[::1]:9000"] {
-            assert!(parse(quote!(#[governance(appoint_address = #good)])).is_ok(), "{good}");
+            assert!(
+                parse(quote!(#[governance(appoint_address = #good)])).is_ok(),
+                "{good}"
+            );
         }
     }
 

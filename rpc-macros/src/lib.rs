@@ -189,3 +189,80 @@ mod parse;
 pub fn service(attr: TokenStream, item: TokenStream) -> TokenStream {
     expand::expand(attr.into(), item.into()).into()
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    /// The modules of this crate that each module's code (its tests left out) names through
+    /// `crate::`, read from the sources.
+    fn imports() -> BTreeMap<String, Vec<String>> {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/src");
+        let mut modules = BTreeMap::new();
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            let name = path.file_stem().unwrap().to_string_lossy().into_owned();
+            if path.extension().is_some_and(|e| e == "rs") && name != "lib" {
+                let text = std::fs::read_to_string(&path).unwrap();
+                let code = text.split("#[cfg(test)]").next().unwrap_or("").to_string();
+                modules.insert(name, code);
+            }
+        }
+        let names: Vec<String> = modules.keys().cloned().collect();
+        modules
+            .into_iter()
+            .map(|(module, code)| {
+                let mut used: Vec<String> = Vec::new();
+                for (i, _) in code.match_indices("crate::") {
+                    let rest = &code[i + "crate::".len()..];
+                    // `crate::a::..` or `crate::{a, b::..}`.
+                    let list = match rest.strip_prefix('{') {
+                        Some(inner) => &inner[..inner.find('}').unwrap_or(inner.len())],
+                        None => rest
+                            .split(|c: char| !c.is_alphanumeric() && c != '_')
+                            .next()
+                            .unwrap_or(""),
+                    };
+                    for part in list.split(',') {
+                        let first = part.trim().split("::").next().unwrap_or("").trim();
+                        if names.iter().any(|n| n == first)
+                            && first != module
+                            && !used.iter().any(|u| u == first)
+                        {
+                            used.push(first.to_string());
+                        }
+                    }
+                }
+                (module, used)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn module_imports_form_no_circle() {
+        let graph = imports();
+        assert!(
+            graph["expand"].contains(&"expand_client".to_string()),
+            "{graph:?}"
+        );
+        // Depth-first search from every module; a module met again on the current path closes
+        // a circle.
+        fn visit<'a>(
+            graph: &'a BTreeMap<String, Vec<String>>,
+            module: &'a str,
+            path: &mut Vec<&'a str>,
+        ) {
+            if let Some(at) = path.iter().position(|m| *m == module) {
+                panic!("import circle: {} -> {module}", path[at..].join(" -> "));
+            }
+            path.push(module);
+            for next in &graph[module] {
+                visit(graph, next, path);
+            }
+            path.pop();
+        }
+        for module in graph.keys() {
+            visit(&graph, module, &mut Vec::new());
+        }
+    }
+}
