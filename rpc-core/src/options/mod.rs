@@ -38,28 +38,50 @@ macro_rules! override_type {
 
 /// The default written in the declaration, as a value.
 macro_rules! default_value {
-    (strategy, $d:ident) => { ShuntStrategy::$d };
-    (address, None) => { None };
-    ($kind:ident, $d:tt) => { $d };
+    (strategy, $d:ident) => {
+        ShuntStrategy::$d
+    };
+    (address, None) => {
+        None
+    };
+    ($kind:ident, $d:tt) => {
+        $d
+    };
 }
 
 /// The default written in the declaration, as the README shows it.
 macro_rules! default_text {
-    (strategy, $d:ident) => { ShuntStrategy::$d.name() };
-    (address, None) => { "none" };
-    ($kind:ident, $d:tt) => { stringify!($d) };
+    (strategy, $d:ident) => {
+        ShuntStrategy::$d.name()
+    };
+    (address, None) => {
+        "none"
+    };
+    ($kind:ident, $d:tt) => {
+        stringify!($d)
+    };
 }
 
 /// An override's value as the option's value.
 macro_rules! applied_value {
-    (address, $v:expr) => { Some($v.to_string()) };
-    ($kind:ident, $v:expr) => { *$v };
+    (address, $v:expr) => {
+        Some($v.to_string())
+    };
+    ($kind:ident, $v:expr) => {
+        *$v
+    };
 }
 
 /// What a value of each kind must be beyond its type, as an error message when it is not.
 macro_rules! value_problem {
     (percent, $name:ident, $v:expr) => {
-        (*$v > 100).then(|| format!("{} = {} is out of range: at most 100", stringify!($name), $v))
+        (*$v > 100).then(|| {
+            format!(
+                "{} = {} is out of range: at most 100",
+                stringify!($name),
+                $v
+            )
+        })
     };
     (address, $name:ident, $v:expr) => {
         (!is_host_port($v)).then(|| {
@@ -78,13 +100,31 @@ macro_rules! value_problem {
 
 /// What a kind is to someone writing it.
 macro_rules! option_kind {
-    (u64) => { OptionKind::Int { max: u64::MAX } };
-    (u32) => { OptionKind::Int { max: u32::MAX as u64 } };
-    (percent) => { OptionKind::Int { max: 100 } };
-    (flag) => { OptionKind::Bool };
-    (bare_flag) => { OptionKind::Bool };
-    (strategy) => { OptionKind::Enum { values: ShuntStrategy::NAMES } };
-    (address) => { OptionKind::Str };
+    (u64) => {
+        OptionKind::Int { max: u64::MAX }
+    };
+    (u32) => {
+        OptionKind::Int {
+            max: u32::MAX as u64,
+        }
+    };
+    (percent) => {
+        OptionKind::Int { max: 100 }
+    };
+    (flag) => {
+        OptionKind::Bool
+    };
+    (bare_flag) => {
+        OptionKind::Bool
+    };
+    (strategy) => {
+        OptionKind::Enum {
+            values: ShuntStrategy::NAMES,
+        }
+    };
+    (address) => {
+        OptionKind::Str
+    };
 }
 
 /// Reads `declared.rs`: the options' types, defaults, overrides and descriptors.
@@ -223,7 +263,11 @@ fn is_host_port(address: &str) -> bool {
 
 /// The options' names, for error messages.
 fn option_names() -> String {
-    OPTIONS.iter().map(|o| o.name).collect::<Vec<_>>().join(", ")
+    OPTIONS
+        .iter()
+        .map(|o| o.name)
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 impl GovernanceOverrides {
