@@ -41,7 +41,10 @@ pub use entry::{MethodDescriptor, ServiceEntry};
 pub use error::{serde_rpc_error, RemoteError, RpcError};
 pub use hash::stable_hash;
 pub use ids::{ServiceEntryId, ServiceId};
-pub use options::{GovernanceOptions, GovernanceOverrides, ShuntStrategy};
+pub use options::{
+    GovernanceOptions, GovernanceOverrides, OptionDescriptor, OptionGroup, OptionKind, OptionSide,
+    ShuntStrategy, OPTIONS,
+};
 pub use service::{Service, ServiceFuture};
 pub use status::StatusCode;
 

@@ -50,7 +50,40 @@ fn config_error(what: impl std::fmt::Display) -> RpcError {
 impl GovernanceConfig {
     /// Parses the TOML form.
     pub fn from_toml(text: &str) -> Result<Self, RpcError> {
-        toml::from_str(text).map_err(|e| config_error(format!("governance config: {e}")))
+        let config: Self =
+            toml::from_str(text).map_err(|e| config_error(format!("governance config: {e}")))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks every section's values beyond their types (a percentage above 100, an address
+    /// that is not `host:port`), naming the section of each wrong value.
+    pub fn validate(&self) -> Result<(), RpcError> {
+        let mut sections: Vec<(String, &GovernanceOverrides)> =
+            vec![("[defaults]".to_string(), &self.defaults)];
+        for (kind, map) in [("services", &self.services), ("entries", &self.entries)] {
+            let mut ids: Vec<&String> = map.keys().collect();
+            ids.sort();
+            for id in ids {
+                sections.push((format!("[{kind}.{id:?}]"), &map[id]));
+            }
+        }
+        let problems: Vec<String> = sections
+            .into_iter()
+            .filter_map(|(section, o)| {
+                o.validate()
+                    .err()
+                    .map(|e| format!("{section} {}", e.message()))
+            })
+            .collect();
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(config_error(format!(
+                "governance config: {}; change these values, the file is not applied",
+                problems.join("; ")
+            )))
+        }
     }
 
     /// Reads and parses a TOML file.
@@ -279,6 +312,27 @@ mod tests {
         assert!(e.message().contains("retry_times"), "{e}");
         let e = GovernanceConfig::from_file("/nonexistent/gov.toml").unwrap_err();
         assert!(e.message().contains("/nonexistent/gov.toml"), "{e}");
+    }
+
+    #[test]
+    fn values_the_attribute_refuses_are_refused_in_config_naming_the_section() {
+        let e = GovernanceConfig::from_toml(
+            "[defaults]\nfailure_ratio_percent = 100\n\
+             [entries.\"a.A.m\"]\nfailure_ratio_percent = 101\n\
+             [services.\"a.A\"]\nappoint_address = \"nowhere\"\n",
+        )
+        .unwrap_err();
+        assert_eq!(
+            e.message(),
+            "governance config: [services.\"a.A\"] appoint_address = \"nowhere\" is not \
+             `host:port`, for example \"127.0.0.1:9000\"; [entries.\"a.A.m\"] \
+             failure_ratio_percent = 101 is out of range: at most 100; change these values, the \
+             file is not applied"
+        );
+        let ok = GovernanceConfig::from_toml(
+            "[defaults]\nfailure_ratio_percent = 100\nappoint_address = \"127.0.0.1:9000\"\n",
+        );
+        assert!(ok.is_ok(), "{ok:?}");
     }
 
     #[test]

@@ -3,7 +3,7 @@
 use proc_macro2::TokenStream;
 use quote::quote;
 
-use crate::expand::Names;
+use crate::names::Names;
 use crate::parse::{Method, Service};
 
 /// The client struct, its inherent API and its implementation of the trait.

@@ -3,7 +3,7 @@
 use proc_macro2::TokenStream;
 use quote::{format_ident, quote};
 
-use crate::expand::Names;
+use crate::names::Names;
 use crate::parse::{Method, Service};
 
 /// The server struct, its inherent API and its `::rpc::Service` implementation.

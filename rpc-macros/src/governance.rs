@@ -1,87 +1,44 @@
-//! `#[governance(...)]` on a method: parsed into the overrides of its entry descriptor.
+//! `#[governance(...)]` on a method: parsed into the overrides of its entry descriptor. The
+//! keys, their kinds and the strategies' spellings are those of the options' one declaration
+//! ([`crate::keys`]); what is here only reads a value of each kind.
 
 use proc_macro2::{Span, TokenStream};
 use quote::quote;
 use syn::punctuated::Punctuated;
 use syn::{Attribute, Expr, ExprLit, Lit, Meta, Token};
 
-/// The integer keys `#[governance(...)]` accepts — each a field of `GovernanceOverrides` — with
-/// the largest value the field holds. A new option needs a line here and nothing else.
-const INTEGERS: &[(&str, u64)] = &[
-    ("timeout_ms", u64::MAX),
-    ("attempt_timeout_ms", u64::MAX),
-    ("retry_times", u32::MAX as u64),
-    ("retry_interval_ms", u64::MAX),
-    ("exceptions_allowed_before_breaking", u32::MAX as u64),
-    ("breaker_seconds", u64::MAX),
-    ("half_open_probes", u32::MAX as u64),
-    ("failure_ratio_percent", 100),
-    ("sampling_window_seconds", u64::MAX),
-    ("minimum_throughput", u32::MAX as u64),
-    ("retry_budget_percent", u32::MAX as u64),
-    ("retry_budget_min_per_second", u32::MAX as u64),
-    ("max_concurrent_handling_count", u32::MAX as u64),
-    ("unhealthy_times_allowed_before_removing", u32::MAX as u64),
-    ("deadline_slack_ms", u64::MAX),
-];
+use crate::keys::{self, Kind};
 
-/// The flag keys, and whether the bare form (`idempotent`) means `true`.
-const FLAGS: &[(&str, bool)] = &[("enable_circuit_breaker", false), ("idempotent", true)];
-
-/// Every key, for error messages.
-fn known_keys() -> String {
-    let mut keys: Vec<&str> = INTEGERS.iter().map(|(k, _)| *k).collect();
-    keys.extend(FLAGS.iter().map(|(k, _)| *k));
-    keys.extend(["shunt_strategy", "appoint_address"]);
-    keys.join(", ")
-}
-
-/// The value of an integer or flag key.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The value of one key.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Value {
+    /// An integer key.
     Int(u64),
+    /// A flag.
     Flag(bool),
+    /// A shunt strategy: the `ShuntStrategy` variant's name.
+    Strategy(&'static str),
+    /// A string (an address).
+    Str(String),
 }
 
-/// A shunt strategy named in the attribute.
+/// A shunt strategy named in the attribute, as the `ShuntStrategy` variant's name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Shunt {
-    RoundRobin,
-    Random,
-    Hash,
-    Appoint,
-}
+pub struct Shunt(pub &'static str);
 
 impl Shunt {
-    fn parse(s: &str) -> Option<Self> {
-        // The same spellings as `ShuntStrategy::from_str` in rpc-core.
-        match s {
-            "polling" | "round_robin" | "round-robin" => Some(Shunt::RoundRobin),
-            "random" => Some(Shunt::Random),
-            "hash" | "hash_algorithm" => Some(Shunt::Hash),
-            "appoint" => Some(Shunt::Appoint),
-            _ => None,
-        }
-    }
-
-    fn variant(self) -> TokenStream {
-        match self {
-            Shunt::RoundRobin => quote!(RoundRobin),
-            Shunt::Random => quote!(Random),
-            Shunt::Hash => quote!(Hash),
-            Shunt::Appoint => quote!(Appoint),
-        }
+    /// Consistent hashing, which needs a `#[hash_key]` argument.
+    pub fn is_hash(self) -> bool {
+        self.0 == "Hash"
     }
 }
 
-/// What the `#[governance(...)]` attributes of one method set; `None` leaves the value to the
-/// other configuration layers.
+/// What the `#[governance(...)]` attributes of one method set; a key not set leaves the value
+/// to the other configuration layers.
 #[derive(Debug, Clone, Default)]
 pub struct Governance {
-    /// The integer and flag keys set, in the order written.
-    values: Vec<(&'static str, Value)>,
-    pub shunt_strategy: Option<(Shunt, Span)>,
-    pub appoint_address: Option<String>,
+    /// The keys set, in the order written, with the span of each key.
+    values: Vec<(&'static str, Value, Span)>,
 }
 
 /// True for `#[governance(...)]`.
@@ -90,9 +47,20 @@ pub fn is_governance(attr: &Attribute) -> bool {
 }
 
 impl Governance {
-    /// The value set for an integer or flag key.
+    /// The value set for a key.
     pub fn get(&self, key: &str) -> Option<Value> {
-        self.values.iter().find(|(k, _)| *k == key).map(|(_, v)| *v)
+        self.values
+            .iter()
+            .find(|(k, _, _)| *k == key)
+            .map(|(_, v, _)| v.clone())
+    }
+
+    /// The shunt strategy set, with the span of its key.
+    pub fn shunt_strategy(&self) -> Option<(Shunt, Span)> {
+        self.values.iter().find_map(|(_, v, span)| match v {
+            Value::Strategy(s) => Some((Shunt(s), *span)),
+            _ => None,
+        })
     }
 
     /// Reads every `#[governance(...)]` among `attrs` (several attributes add up; a key set twice
@@ -137,13 +105,25 @@ impl Governance {
 
     fn set(&mut self, meta: &Meta) -> syn::Result<()> {
         let path = meta.path();
-        let Some(key) = path.get_ident() else {
+        let Some(ident) = path.get_ident() else {
             return Err(syn::Error::new_spanned(
                 path,
-                format!("unknown governance key; expected one of: {}", known_keys()),
+                format!(
+                    "unknown governance key; expected one of: {}",
+                    keys::known_keys()
+                ),
             ));
         };
-        let name = key.to_string();
+        let name = ident.to_string();
+        let Some(key) = keys::key(&name) else {
+            return Err(syn::Error::new(
+                ident.span(),
+                format!(
+                    "unknown governance key `{name}`; expected one of: {}",
+                    keys::known_keys()
+                ),
+            ));
+        };
         let value = match meta {
             Meta::NameValue(nv) => Some(&nv.value),
             Meta::Path(_) => None,
@@ -154,71 +134,55 @@ impl Governance {
                 ))
             }
         };
-        let dup = || syn::Error::new(key.span(), format!("`{name}` is set twice"));
-        if let Some(&(field, max)) = INTEGERS.iter().find(|(k, _)| *k == name) {
-            if self.get(field).is_some() {
-                return Err(dup());
-            }
-            let v: u64 = int_value(key, value)?;
-            if v > max {
-                return Err(syn::Error::new_spanned(
-                    value,
-                    format!("`{name}` is out of range: at most {max}"),
-                ));
-            }
-            self.values.push((field, Value::Int(v)));
-            return Ok(());
+        if self.get(key.name).is_some() {
+            return Err(syn::Error::new(
+                ident.span(),
+                format!("`{name}` is set twice"),
+            ));
         }
-        if let Some(&(field, bare)) = FLAGS.iter().find(|(k, _)| *k == name) {
-            if self.get(field).is_some() {
-                return Err(dup());
-            }
-            self.values
-                .push((field, Value::Flag(bool_value(key, value, bare)?)));
-            return Ok(());
-        }
-        match name.as_str() {
-            "shunt_strategy" => {
-                if self.shunt_strategy.is_some() {
-                    return Err(dup());
+        let v = match key.kind {
+            Kind::Int { max } => {
+                let v: u64 = int_value(ident, value)?;
+                if v > max {
+                    return Err(syn::Error::new_spanned(
+                        value,
+                        format!("`{name}` is out of range: at most {max}"),
+                    ));
                 }
-                let lit = str_value(key, value)?;
-                let shunt = Shunt::parse(&lit.value()).ok_or_else(|| {
+                Value::Int(v)
+            }
+            Kind::Flag { bare } => Value::Flag(bool_value(ident, value, bare)?),
+            Kind::Strategy => {
+                let lit = str_value(ident, value)?;
+                let variant = keys::strategy(&lit.value()).ok_or_else(|| {
                     syn::Error::new(
                         lit.span(),
                         format!(
-                            "unknown shunt strategy {:?}: expected \"polling\", \"random\", \
-                             \"hash\" or \"appoint\"",
-                            lit.value()
+                            "unknown shunt strategy {:?}: expected {}",
+                            lit.value(),
+                            keys::strategy_names()
                         ),
                     )
                 })?;
-                self.shunt_strategy = Some((shunt, key.span()));
+                Value::Strategy(variant)
             }
-            "appoint_address" => {
-                if self.appoint_address.is_some() {
-                    return Err(dup());
-                }
-                let lit = str_value(key, value)?;
+            Kind::Address => {
+                let lit = str_value(ident, value)?;
                 let address = lit.value();
-                if address.trim().is_empty() || !address.contains(':') {
+                // The same rule as `GovernanceOverrides::validate` in rpc-core.
+                let host_port = address
+                    .rsplit_once(':')
+                    .is_some_and(|(h, p)| !h.trim().is_empty() && p.parse::<u16>().is_ok());
+                if !host_port {
                     return Err(syn::Error::new(
                         lit.span(),
-                        "appoint_address must be `host:port`, for example \"127.0.0.1:9000\"",
+                        format!("{name} must be `host:port`, for example \"127.0.0.1:9000\""),
                     ));
                 }
-                self.appoint_address = Some(address);
+                Value::Str(address)
             }
-            _ => {
-                return Err(syn::Error::new(
-                    key.span(),
-                    format!(
-                        "unknown governance key `{name}`; expected one of: {}",
-                        known_keys()
-                    ),
-                ))
-            }
-        }
+        };
+        self.values.push((key.name, v, ident.span()));
         Ok(())
     }
 
@@ -226,33 +190,24 @@ impl Governance {
     /// fields that are set, then `..GovernanceOverrides::NONE`, so that fields added to the type
     /// later need no change here.
     pub fn to_tokens(&self) -> TokenStream {
-        let mut fields: Vec<TokenStream> = Vec::new();
-        if let Some((s, _)) = &self.shunt_strategy {
-            let v = s.variant();
-            fields.push(quote! {
-                shunt_strategy: ::core::option::Option::Some(
-                    ::rpc::__private::ShuntStrategy::#v
-                ),
-            });
-        }
-        if let Some(a) = &self.appoint_address {
-            fields.push(quote! {
-                appoint_address: ::core::option::Option::Some(::std::borrow::Cow::Borrowed(#a)),
-            });
-        }
-        for (name, value) in &self.values {
+        let fields = self.values.iter().map(|(name, value, _)| {
             let field = syn::Ident::new(name, Span::call_site());
-            // Integers unsuffixed, so that each literal takes the type of its field.
             let v = match value {
+                // Integers unsuffixed, so that each literal takes the type of its field.
                 Value::Int(n) => {
                     let lit = proc_macro2::Literal::u64_unsuffixed(*n);
                     quote!(#lit)
                 }
                 Value::Flag(b) => quote!(#b),
+                Value::Strategy(variant) => {
+                    let variant = syn::Ident::new(variant, Span::call_site());
+                    quote!(::rpc::__private::ShuntStrategy::#variant)
+                }
+                Value::Str(s) => quote!(::std::borrow::Cow::Borrowed(#s)),
             };
-            fields.push(quote!(#field: ::core::option::Option::Some(#v),));
-        }
-        if fields.is_empty() {
+            quote!(#field: ::core::option::Option::Some(#v),)
+        });
+        if self.values.is_empty() {
             return quote!(::rpc::__private::GovernanceOverrides::NONE);
         }
         quote! {
@@ -381,8 +336,11 @@ mod tests {
         }
         assert_eq!(g.get("enable_circuit_breaker"), Some(Value::Flag(false)));
         assert_eq!(g.get("idempotent"), Some(Value::Flag(true)));
-        assert_eq!(g.shunt_strategy.map(|s| s.0), Some(Shunt::Hash));
-        assert_eq!(g.appoint_address.as_deref(), Some("127.0.0.1:9"));
+        assert_eq!(g.shunt_strategy().map(|s| s.0), Some(Shunt("Hash")));
+        assert_eq!(
+            g.get("appoint_address"),
+            Some(Value::Str("127.0.0.1:9".into()))
+        );
     }
 
     #[test]
@@ -469,6 +427,67 @@ mod tests {
         for (attr, want) in cases {
             let err = parse(attr.clone()).unwrap_err().to_string();
             assert!(err.contains(want), "{attr}: {err}");
+        }
+    }
+
+    #[test]
+    fn every_option_of_rpc_core_is_a_key_of_its_kind() {
+        use rpc::crates::core::{OptionKind, OPTIONS};
+        let names: Vec<&str> = keys::KEYS.iter().map(|k| k.name).collect();
+        let declared: Vec<&str> = OPTIONS.iter().map(|o| o.name).collect();
+        assert_eq!(names, declared);
+        for o in OPTIONS {
+            let key = syn::Ident::new(o.name, Span::call_site());
+            let (ok, want, too_much) = match o.kind {
+                OptionKind::Int { max } => {
+                    let lit = proc_macro2::Literal::u64_unsuffixed(max);
+                    let over = (max < u64::MAX).then(|| {
+                        let over = proc_macro2::Literal::u64_unsuffixed(max + 1);
+                        quote!(#key = #over)
+                    });
+                    (quote!(#key = #lit), Value::Int(max), over)
+                }
+                OptionKind::Bool => (quote!(#key = false), Value::Flag(false), None),
+                OptionKind::Str => (
+                    quote!(#key = "127.0.0.1:9"),
+                    Value::Str("127.0.0.1:9".into()),
+                    None,
+                ),
+                OptionKind::Enum { values } => {
+                    for v in values {
+                        let g = parse(quote!(#[governance(#key = #v)])).unwrap();
+                        let variant = v.parse::<rpc::crates::core::ShuntStrategy>().unwrap();
+                        let want = format!("{variant:?}");
+                        assert_eq!(
+                            g.get(o.name),
+                            Some(Value::Strategy(want.leak())),
+                            "{} = {v}",
+                            o.name
+                        );
+                    }
+                    continue;
+                }
+            };
+            let g = parse(quote!(#[governance(#ok)])).unwrap_or_else(|e| panic!("{ok}: {e}"));
+            assert_eq!(g.get(o.name), Some(want), "{ok}");
+            if let Some(too_much) = too_much {
+                let e = parse(quote!(#[governance(#too_much)])).unwrap_err();
+                assert!(e.to_string().contains("out of range"), "{too_much}: {e}");
+            }
+        }
+    }
+
+    #[test]
+    fn an_address_needs_a_host_and_a_port_number() {
+        for bad in ["nowhere", ":9000", "host:", "host:port", "host:70000"] {
+            let e = parse(quote!(#[governance(appoint_address = #bad)])).unwrap_err();
+            assert!(e.to_string().contains("host:port"), "{bad}: {e}");
+        }
+        for good in ["127.0.0.1:9000", "localhost:1", "[::1]:9000"] {
+            assert!(
+                parse(quote!(#[governance(appoint_address = #good)])).is_ok(),
+                "{good}"
+            );
         }
     }
 

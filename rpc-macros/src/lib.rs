@@ -11,8 +11,10 @@
 //! generated code therefore needs the user crate to depend on `rpc` (under that name).
 //!
 //! The modules follow the expansion: `parse` reads and checks the trait,
-//! `governance` reads `#[governance(...)]`, `expand` writes the rewritten trait and the
-//! descriptor table, `expand_client` and `expand_server` the two generated types.
+//! `governance` reads `#[governance(...)]` with the keys of `keys` (the options' one
+//! declaration, shared with rpc-core), `expand` writes the rewritten trait and the descriptor
+//! table and calls `expand_client` and `expand_server` for the two generated types; the names
+//! all three use are in `names`, so that no module imports from one that imports it back.
 //!
 //! See [`service`] for what is generated and what is rejected.
 //!
@@ -46,6 +48,8 @@ mod expand;
 mod expand_client;
 mod expand_server;
 mod governance;
+mod keys;
+mod names;
 mod parse;
 
 /// Turns a trait into an RPC service: a client proxy, a server dispatcher and entry descriptors.
@@ -159,15 +163,12 @@ mod parse;
 /// # Method attributes
 ///
 /// `#[governance(...)]` on a method sets the defaults of its entry (configuration files and
-/// runtime updates still override them). Every field of `GovernanceOverrides` is a key: the
-/// integers `timeout_ms`, `attempt_timeout_ms`, `retry_times`, `retry_interval_ms`,
-/// `exceptions_allowed_before_breaking`, `breaker_seconds`, `half_open_probes`,
-/// `failure_ratio_percent`, `sampling_window_seconds`, `minimum_throughput`,
-/// `retry_budget_percent`, `retry_budget_min_per_second`, `max_concurrent_handling_count`,
-/// `unhealthy_times_allowed_before_removing`; `enable_circuit_breaker = true | false`; `idempotent`
-/// (a bare flag, or `= true`/`= false`), `shunt_strategy = "polling" | "random" | "hash" |
-/// "appoint"` and `appoint_address = "host:port"`. Several `#[governance]` attributes add up; a
-/// key given twice is an error.
+/// runtime updates still override them). Every governance option is a key, under the name of its
+/// field in `GovernanceOverrides` and of its TOML key (the README's options tables and
+/// `rpc_core::OPTIONS` list them by policy): integers as unsuffixed literals (`timeout_ms = 800`),
+/// flags as `= true` or `= false` (`idempotent` also bare), `shunt_strategy = "polling" |
+/// "random" | "hash" | "appoint"` and `appoint_address = "host:port"`. Several `#[governance]`
+/// attributes add up; a key given twice is an error.
 ///
 /// `#[hash_key]` on one argument makes it the key of the hash shunt strategy (which
 /// `shunt_strategy = "hash"` requires).
@@ -187,4 +188,81 @@ mod parse;
 #[proc_macro_attribute]
 pub fn service(attr: TokenStream, item: TokenStream) -> TokenStream {
     expand::expand(attr.into(), item.into()).into()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    /// The modules of this crate that each module's code (its tests left out) names through
+    /// `crate::`, read from the sources.
+    fn imports() -> BTreeMap<String, Vec<String>> {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/src");
+        let mut modules = BTreeMap::new();
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            let name = path.file_stem().unwrap().to_string_lossy().into_owned();
+            if path.extension().is_some_and(|e| e == "rs") && name != "lib" {
+                let text = std::fs::read_to_string(&path).unwrap();
+                let code = text.split("#[cfg(test)]").next().unwrap_or("").to_string();
+                modules.insert(name, code);
+            }
+        }
+        let names: Vec<String> = modules.keys().cloned().collect();
+        modules
+            .into_iter()
+            .map(|(module, code)| {
+                let mut used: Vec<String> = Vec::new();
+                for (i, _) in code.match_indices("crate::") {
+                    let rest = &code[i + "crate::".len()..];
+                    // `crate::a::..` or `crate::{a, b::..}`.
+                    let list = match rest.strip_prefix('{') {
+                        Some(inner) => &inner[..inner.find('}').unwrap_or(inner.len())],
+                        None => rest
+                            .split(|c: char| !c.is_alphanumeric() && c != '_')
+                            .next()
+                            .unwrap_or(""),
+                    };
+                    for part in list.split(',') {
+                        let first = part.trim().split("::").next().unwrap_or("").trim();
+                        if names.iter().any(|n| n == first)
+                            && first != module
+                            && !used.iter().any(|u| u == first)
+                        {
+                            used.push(first.to_string());
+                        }
+                    }
+                }
+                (module, used)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn module_imports_form_no_circle() {
+        let graph = imports();
+        assert!(
+            graph["expand"].contains(&"expand_client".to_string()),
+            "{graph:?}"
+        );
+        // Depth-first search from every module; a module met again on the current path closes
+        // a circle.
+        fn visit<'a>(
+            graph: &'a BTreeMap<String, Vec<String>>,
+            module: &'a str,
+            path: &mut Vec<&'a str>,
+        ) {
+            if let Some(at) = path.iter().position(|m| *m == module) {
+                panic!("import circle: {} -> {module}", path[at..].join(" -> "));
+            }
+            path.push(module);
+            for next in &graph[module] {
+                visit(graph, next, path);
+            }
+            path.pop();
+        }
+        for module in graph.keys() {
+            visit(&graph, module, &mut Vec::new());
+        }
+    }
 }

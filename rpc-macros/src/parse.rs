@@ -9,7 +9,7 @@ use syn::{
     Token, TraitItem, TraitItemFn, Type,
 };
 
-use crate::governance::{self, Governance, Shunt};
+use crate::governance::{self, Governance};
 
 /// The arguments of `#[rpc::service(...)]`.
 #[derive(Debug, Default)]
@@ -347,8 +347,8 @@ fn method(f: &TraitItemFn) -> syn::Result<Method> {
             Governance::default()
         }
     };
-    if let Some((Shunt::Hash, span)) = governance.shunt_strategy {
-        if hash_key.is_none() {
+    if let Some((shunt, span)) = governance.shunt_strategy() {
+        if shunt.is_hash() && hash_key.is_none() {
             errors.add(
                 span,
                 "shunt_strategy = \"hash\" needs an argument marked `#[hash_key]`",

@@ -1,0 +1,112 @@
+// The one declaration of every governance option: its name (the field, the TOML key and the
+// `#[governance(...)]` key), its kind, its default, its policy, the side that applies it, the
+// line of the README's options table, and its rustdoc.
+//
+// Two crates read this file with `include!`, each with its own `governance_options!` and
+// `shunt_strategy_spellings!` macros: rpc-core (`options/mod.rs`) makes `GovernanceOptions`,
+// its `Default`, `GovernanceOverrides` with `apply_to`/`merge`/`clear` and the `OPTIONS`
+// descriptor table from it; rpc-macros (`src/keys.rs`) makes the keys and values
+// `#[governance(...)]` accepts. The README's tables are checked against `OPTIONS`
+// (`cargo test -p rpc-core --test readme_options`).
+//
+// Adding an option is one entry here, in its policy's block:
+//
+//     /// Rustdoc of the field.
+//     name: kind = default, Side, "meaning, one line, for the README";
+//
+// Kinds: `u64`, `u32`, `percent` (a `u32` from 0 to 100), `flag` (a `bool` written
+// `key = true | false`), `bare_flag` (also `#[governance(key)]` for `true`), `strategy`
+// (a `ShuntStrategy`, written as one of its spellings below) and `address` (an optional
+// `host:port`). Side: `Client`, `Server` or `Both`. Then the policy that reads the option uses
+// the new field; nothing else changes.
+
+governance_options! {
+    Balance {
+        /// Endpoint selection.
+        shunt_strategy: strategy = RoundRobin, Client,
+            "`polling`, `random`, `hash` (the `#[hash_key]` argument on a ring with virtual nodes), `appoint` (with `appoint_address`)";
+        /// The address used by [`ShuntStrategy::Appoint`], as `host:port`.
+        appoint_address: address = None, Client,
+            "the `host:port` every call goes to under `shunt_strategy = appoint`";
+    }
+    Timeout {
+        /// Deadline of the whole call, retries included, in milliseconds; 0 means none.
+        timeout_ms: u64 = 5000, Client,
+            "deadline of the whole call, retries included; 0 = none. A call made inside a handler inherits what is left of its caller's budget, less `deadline_slack_ms`; its timeout message then says the budget was the caller's.";
+        /// Deadline of each attempt, in milliseconds; 0 means none (an attempt may use what is left
+        /// of `timeout_ms`). An attempt that runs out of it counts against its endpoint and, for an
+        /// idempotent entry, is retried on another endpoint within the call's `timeout_ms`.
+        attempt_timeout_ms: u64 = 0, Client,
+            "deadline of each attempt; 0 = none. An attempt that runs out of it counts against its endpoint and, for an idempotent entry, is retried on another endpoint within `timeout_ms`";
+        /// A call made while handling another call (B's call to C while B serves A) inherits what
+        /// is left of the caller's deadline less this slack, in milliseconds, at most a quarter of
+        /// what is left: B's own call times out early enough for B (its fallback, its error) to
+        /// still answer A in time. Default 50 ms: a few round trips on a LAN plus a local
+        /// fallback's work, and small against the default 5 s budget.
+        deadline_slack_ms: u64 = 50, Client,
+            "kept from an inherited budget (at most a quarter of it) so the middle tier (its fallback, its error) still answers its caller in time. A fallback does not start once its caller's deadline has passed (event `fallback_skipped`).";
+    }
+    Retry {
+        /// Attempts after the first one, on Overflow or an unreachable endpoint.
+        retry_times: u32 = 3, Client,
+            "attempts after the first; no retry if the pause does not fit before the deadline";
+        /// Pause before each retry, in milliseconds.
+        retry_interval_ms: u64 = 50, Client,
+            "the pause before each retry, in milliseconds";
+        /// Retry budget: retries allowed as a percentage of the entry's calls over the last 10 s.
+        retry_budget_percent: u32 = 20, Client,
+            "retries stay below this share of the entry's calls over 10 s";
+        /// Retry budget: retries per second always allowed, whatever the ratio says.
+        retry_budget_min_per_second: u32 = 10, Client,
+            "retries per second always allowed, whatever the share says";
+        /// The method may run twice without harm: a call that may have reached a server that then
+        /// died is repeated elsewhere.
+        idempotent: bare_flag = false, Client,
+            "a call that may have reached a server that then died is repeated elsewhere only when true; otherwise its error says it may have been delivered";
+    }
+    Breaker {
+        /// Whether the entry has a circuit breaker.
+        enable_circuit_breaker: flag = true, Client,
+            "per entry, counting only failures that speak about the remote side";
+        /// Consecutive counted failures the breaker tolerates before it opens.
+        exceptions_allowed_before_breaking: u32 = 3, Client,
+            "consecutive mode: opens after this many counted failures in a row";
+        /// How long the breaker stays open, in seconds.
+        breaker_seconds: u64 = 60, Client,
+            "how long an open breaker fails fast, in seconds";
+        /// Probe calls a half-open breaker admits at once.
+        half_open_probes: u32 = 1, Client,
+            "calls let through after the break; a success or the callee's own answer (business, validation, not found, auth) closes, a failure or timeout reopens, a cancelled or panicking probe frees its slot at once";
+        /// Failure-ratio mode of the breaker: it opens when this percentage of the calls in the
+        /// sampling window failed (0 = consecutive mode, driven by
+        /// `exceptions_allowed_before_breaking`).
+        failure_ratio_percent: percent = 0, Client,
+            "ratio mode (when set): opens when this share of the window's calls failed; 0 = consecutive mode";
+        /// Failure-ratio mode: the window over which the ratio is computed, in seconds.
+        sampling_window_seconds: u64 = 10, Client,
+            "ratio mode: the window the share is computed over, in seconds";
+        /// Failure-ratio mode: calls the window must hold before the ratio can open the breaker.
+        minimum_throughput: u32 = 20, Client,
+            "ratio mode: calls the window must hold before the share can open the breaker";
+    }
+    Health {
+        /// Consecutive transport failures after which a client stops using an endpoint until the
+        /// registry announces it again.
+        unhealthy_times_allowed_before_removing: u32 = 3, Client,
+            "transport failures in a row after which this client drops the endpoint (before that: unhealthy for 1 s, 2 s, 4 s …); a dropped endpoint is probed in the background (connect + handshake, 250 ms doubling to 30 s) and taken back when one succeeds or the registry announces it again";
+    }
+    Admission {
+        /// Server side: calls of this entry handled at once before Overflow is answered.
+        max_concurrent_handling_count: u32 = 50, Server,
+            "the server cap, an admission count: calls over it get Overflow at once, none queue (per server via `max_concurrency`, per entry via the attribute)";
+    }
+}
+
+// The spellings of each `ShuntStrategy` accepted in config files and attributes. The first is
+// the one error messages and the README show; serde writes the variant's `rename`.
+shunt_strategy_spellings! {
+    RoundRobin = "polling" | "round_robin" | "round-robin",
+    Random = "random",
+    Hash = "hash" | "hash_algorithm",
+    Appoint = "appoint",
+}
