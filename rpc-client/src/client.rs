@@ -381,7 +381,9 @@ impl Client {
     /// leaves `None` keeps its earlier runtime value ([`clear_option`](Self::clear_option) unsets
     /// one). The next call uses them; breakers, budgets and endpoint health keep their state.
     ///
-    /// An update that would give an entry this client has already called options it cannot
+    /// A value out of range (a percentage above 100, an address without a port) is refused
+    /// with an error naming it, as in a config file. An update that would give an entry this
+    /// client has already called options it cannot
     /// carry out (`shunt_strategy = hash` on a method without a `#[hash_key]` argument) is
     /// refused with an error naming the entry, and changes nothing. An entry not called yet is
     /// checked at its first call, which fails with that error instead of going round robin.
@@ -390,6 +392,7 @@ impl Client {
         id: impl Into<String>,
         o: GovernanceOverrides,
     ) -> Result<(), RpcError> {
+        o.validate()?;
         let id = id.into();
         self.inner
             .governance

@@ -51,6 +51,18 @@ pub fn client(service: &Service, names: &Names) -> TokenStream {
                 &self.client
             }
 
+            /// A proxy whose calls apply `overrides` above every other configuration level,
+            /// for its calls only (see [`rpc::Client::with_options`](::rpc::Client::with_options)).
+            pub fn with_options(&self, overrides: ::rpc::GovernanceOverrides) -> Self {
+                Self { client: self.client.with_options(overrides) }
+            }
+
+            /// A proxy whose calls take at most `timeout`, retries included (see
+            /// [`rpc::Client::with_timeout`](::rpc::Client::with_timeout)).
+            pub fn with_timeout(&self, timeout: ::core::time::Duration) -> Self {
+                Self { client: self.client.with_timeout(timeout) }
+            }
+
             /// The entry descriptors of the service, one per method in declaration order.
             pub fn methods() -> &'static [::rpc::__private::MethodDescriptor] {
                 &#table

@@ -299,6 +299,22 @@ async fn per_call_options_win_over_every_level() {
     .unwrap()
     .unwrap();
     assert!(left <= 200, "{left}");
+    // The generated proxy offers the same, for its own calls only.
+    let left = within(
+        "proxy with_timeout",
+        normal
+            .with_timeout(std::time::Duration::from_millis(150))
+            .budget(),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    assert!(left <= 150, "{left}");
+    let left = within("proxy unchanged", normal.budget())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(left > 10_000, "{left}");
     // Any option: appointing an address nobody listens on, without retries, fails this call
     // only; the handle the options were not given to still reaches the server.
     let dead = {

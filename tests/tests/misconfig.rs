@@ -291,3 +291,24 @@ async fn a_panic_text_stays_in_the_servers_log() {
     assert!(err.message().contains("boom: kaput"), "{err}");
     within("shutdown", verbose.shutdown()).await;
 }
+
+/// A runtime update is checked like a config file: a value out of range is refused with an
+/// error naming it, and nothing changes.
+#[tokio::test]
+async fn a_runtime_update_out_of_range_is_refused_and_changes_nothing() {
+    let client = Client::builder().registry(InProcessRegistry::new()).build();
+    let get = entry("get");
+    let before = client.options(get);
+    let err = client
+        .update_options(
+            "m.Conf.get",
+            GovernanceOverrides {
+                failure_ratio_percent: Some(150),
+                timeout_ms: Some(10),
+                ..GovernanceOverrides::NONE
+            },
+        )
+        .unwrap_err();
+    assert!(err.message().contains("failure_ratio_percent"), "{err}");
+    assert_eq!(client.options(get), before);
+}
