@@ -17,7 +17,7 @@ use rpc_core::{Codec, MethodDescriptor, RpcContext, RpcError, StatusCode};
 use rpc_governance::bulkhead::Bulkhead;
 use rpc_governance::events::{EventBus, EventKind};
 use rpc_governance::fallback;
-use rpc_transport::{error_result, Dispatch, InvokeHandler};
+use rpc_transport::{error_result, Caller, Dispatch, InvokeHandler};
 use tokio::time::Instant;
 use tracing::Instrument;
 
@@ -52,7 +52,8 @@ pub(crate) struct Dispatcher {
 }
 
 impl InvokeHandler for Dispatcher {
-    fn handle(&self, mut invoke: RemoteInvokeMessage, peer: SocketAddr) -> Dispatch {
+    fn handle(&self, mut invoke: RemoteInvokeMessage, caller: &Arc<Caller>) -> Dispatch {
+        let peer = caller.peer();
         let Some(route) = self.routes.get(invoke.service_entry_id.as_str()) else {
             return Dispatch::Ready(error_result(
                 StatusCode::NotFindLocalServiceEntry,
