@@ -61,8 +61,9 @@ pub use rpc_client::{answered_by, Client, ClientBuilder, RingKey};
 /// Endpoint health as [`Client::endpoints`] reports it.
 pub use rpc_client::{EndpointState, EndpointStatus};
 pub use rpc_core::{
-    serde_rpc_error, Codec, GovernanceOptions, GovernanceOverrides, MethodDescriptor, RemoteError,
-    RpcContext, RpcError, ServiceEntry, ServiceEntryId, ServiceId, ShuntStrategy, StatusCode,
+    serde_rpc_error, Codec, FieldError, GovernanceOptions, GovernanceOverrides, MethodDescriptor,
+    RemoteError, RpcContext, RpcError, ServiceEntry, ServiceEntryId, ServiceId, ShuntStrategy,
+    StatusCode,
 };
 pub use rpc_governance::breaker::BreakerState;
 pub use rpc_governance::events::{EventBus, EventKind, GovernanceEvent};
@@ -71,6 +72,8 @@ pub use rpc_macros::service;
 #[cfg(feature = "etcd")]
 pub use rpc_registry::{EtcdOptions, EtcdRegistry};
 pub use rpc_registry::{InProcessRegistry, Instance, Registry, RegistryError, StaticRegistry};
+/// Server middleware (README, "Server middleware"): layers around dispatch and who calls.
+pub use rpc_server::{Caller, LayerFuture, Next, ServerLayer, ServerRequest};
 pub use rpc_server::{Server, ServerBuilder, ServerHandle, Service, ServiceFuture};
 
 #[cfg(feature = "logging")]
