@@ -93,7 +93,10 @@ impl fmt::Debug for Caller {
             .field("token_verified", &self.token_verified)
             .field(
                 "peer_certificate",
-                &self.peer_certificate.as_ref().map(|c| format!("{} bytes", c.len())),
+                &self
+                    .peer_certificate
+                    .as_ref()
+                    .map(|c| format!("{} bytes", c.len())),
             )
             .finish()
     }
