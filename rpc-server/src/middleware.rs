@@ -48,7 +48,7 @@ pub type LayerFuture<'a> = Pin<Box<dyn Future<Output = Result<Bytes, RpcError>> 
 ///         Box::pin(async move {
 ///             if req.entry_id() == "orders.Orders.cancel" && req.caller().client_id() != "admin" {
 ///                 return Err(RpcError::new(
-///                     StatusCode::UnAuthentication,
+///                     StatusCode::RpcUnAuthentication,
 ///                     "only admin may cancel orders; call with the admin client id",
 ///                 ));
 ///             }
