@@ -559,3 +559,259 @@ async fn a_panicking_layer_answers_520_and_the_server_keeps_serving() {
     assert_eq!(s.shop.placed.load(Ordering::SeqCst), 0);
     within("shutdown", s.server.shutdown()).await;
 }
+
+// ---- Early answers in the span and the server's metrics ----
+
+mod observed {
+    use opentelemetry::trace::TracerProvider as _;
+    use opentelemetry::Value;
+    use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData, ResourceMetrics};
+    use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
+    use tracing_subscriber::layer::SubscriberExt;
+
+    /// Spans recorded by this test's own subscriber (current-thread runtime).
+    pub struct Traces {
+        provider: SdkTracerProvider,
+        exporter: InMemorySpanExporter,
+    }
+
+    impl Traces {
+        pub fn install() -> (Self, tracing::subscriber::DefaultGuard) {
+            let exporter = InMemorySpanExporter::default();
+            let provider = SdkTracerProvider::builder()
+                .with_simple_exporter(exporter.clone())
+                .build();
+            let subscriber = tracing_subscriber::registry()
+                .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")));
+            let guard = tracing::subscriber::set_default(subscriber);
+            (Traces { provider, exporter }, guard)
+        }
+
+        pub fn spans(&self) -> Vec<SpanData> {
+            self.provider.force_flush().expect("flush spans");
+            self.exporter.get_finished_spans().expect("spans")
+        }
+    }
+
+    pub fn attr(span: &SpanData, key: &str) -> Option<Value> {
+        span.attributes
+            .iter()
+            .find(|kv| kv.key.as_str() == key)
+            .map(|kv| kv.value.clone())
+    }
+
+    /// Sum of the u64 counter `name` over the data points carrying every pair of `filter`.
+    pub fn counter(metrics: &[ResourceMetrics], name: &str, filter: &[(&str, Value)]) -> u64 {
+        metrics
+            .iter()
+            .flat_map(|rm| rm.scope_metrics())
+            .flat_map(|sm| sm.metrics())
+            .filter(|m| m.name() == name)
+            .map(|m| {
+                let AggregatedMetrics::U64(MetricData::Sum(sum)) = m.data() else {
+                    panic!("{name} is not a u64 counter");
+                };
+                sum.data_points()
+                    .filter(|dp| {
+                        filter.iter().all(|(k, v)| {
+                            dp.attributes()
+                                .any(|kv| kv.key.as_str() == *k && kv.value == *v)
+                        })
+                    })
+                    .map(|dp| dp.value())
+                    .sum::<u64>()
+            })
+            .sum()
+    }
+}
+
+#[tokio::test]
+async fn an_early_answer_is_recorded_with_its_status_on_the_span_and_in_the_metrics() {
+    use opentelemetry::metrics::MeterProvider as _;
+    use opentelemetry_sdk::metrics::{InMemoryMetricExporter, PeriodicReader, SdkMeterProvider};
+
+    let (traces, _guard) = observed::Traces::install();
+    let exporter = InMemoryMetricExporter::default();
+    let provider = SdkMeterProvider::builder()
+        .with_reader(PeriodicReader::builder(exporter.clone()).build())
+        .build();
+    let meter = provider.meter("rpc");
+    let s = serve_orders(50, None, |b| {
+        b.meter(meter).layer(CancelAllowList {
+            allowed: HashSet::new(),
+        })
+    })
+    .await;
+    let orders = client(&s.reg, "shop");
+    within("refused cancel", orders.cancel(1))
+        .await
+        .expect_err("refused");
+    within("place", orders.place("pen".into(), 1))
+        .await
+        .expect("place");
+
+    let spans = traces.spans();
+    let server_span = |method: &'static str| {
+        spans
+            .iter()
+            .find(|s| {
+                s.name == "rpc.server" && observed::attr(s, "rpc.method") == Some(method.into())
+            })
+            .unwrap_or_else(|| panic!("no rpc.server span for {method}"))
+    };
+    assert_eq!(
+        observed::attr(server_span("cancel"), "rpc.status_code"),
+        Some(517i64.into())
+    );
+    assert_eq!(
+        observed::attr(server_span("place"), "rpc.status_code"),
+        Some(200i64.into())
+    );
+
+    provider.force_flush().expect("flush metrics");
+    let m = exporter.get_finished_metrics().expect("metrics");
+    let calls = |method: &'static str, code: i64| {
+        observed::counter(
+            &m,
+            "rpc.server.calls",
+            &[
+                ("rpc.method", method.into()),
+                ("rpc.status_code", code.into()),
+            ],
+        )
+    };
+    assert_eq!(calls("cancel", 517), 1);
+    assert_eq!(calls("place", 200), 1);
+    within("shutdown", s.server.shutdown()).await;
+}
+
+// ---- Mutual TLS: the caller's certificate ----
+
+mod certs {
+    use rcgen::{
+        BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer,
+        KeyPair, KeyUsagePurpose,
+    };
+
+    /// A certificate authority made for one test.
+    pub struct Ca {
+        pub pem: String,
+        issuer: Issuer<'static, KeyPair>,
+    }
+
+    /// A certificate (PEM and DER) and its key (PEM).
+    pub struct Identity {
+        pub cert: String,
+        pub der: Vec<u8>,
+        pub key: String,
+    }
+
+    impl Ca {
+        pub fn new(name: &str) -> Ca {
+            let mut params = CertificateParams::new(Vec::<String>::new()).expect("CA params");
+            params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+            params.distinguished_name.push(DnType::CommonName, name);
+            params.key_usages = vec![
+                KeyUsagePurpose::KeyCertSign,
+                KeyUsagePurpose::CrlSign,
+                KeyUsagePurpose::DigitalSignature,
+            ];
+            let key = KeyPair::generate().expect("CA key");
+            let cert = params.self_signed(&key).expect("self-signed CA");
+            Ca {
+                pem: cert.pem(),
+                issuer: Issuer::new(params, key),
+            }
+        }
+
+        pub fn issue(&self, name: &str, usage: ExtendedKeyUsagePurpose) -> Identity {
+            let mut params = CertificateParams::new(vec![name.to_string()]).expect("params");
+            params.distinguished_name.push(DnType::CommonName, name);
+            params.extended_key_usages = vec![usage];
+            let key = KeyPair::generate().expect("key");
+            let cert = params.signed_by(&key, &self.issuer).expect("signed");
+            Identity {
+                cert: cert.pem(),
+                der: cert.der().to_vec(),
+                key: key.serialize_pem(),
+            }
+        }
+    }
+}
+
+/// Lets `cancel` through only for callers whose certificate is `admin`'s (compared as DER: a
+/// real service would parse it and read its subject).
+struct CancelByCertificate {
+    admin_der: Vec<u8>,
+}
+
+impl ServerLayer for CancelByCertificate {
+    fn call<'a>(&'a self, req: &'a mut ServerRequest, next: Next<'a>) -> LayerFuture<'a> {
+        Box::pin(async move {
+            if req.entry_id() == "orders.Orders.cancel"
+                && req.caller().peer_certificate() != Some(&self.admin_der[..])
+            {
+                return Err(RpcError::new(
+                    StatusCode::RpcUnAuthentication,
+                    "cancelling needs the admin certificate; connect with it",
+                ));
+            }
+            next.run(req).await
+        })
+    }
+}
+
+#[tokio::test]
+async fn under_mutual_tls_a_layer_decides_by_the_callers_certificate() {
+    use rcgen::ExtendedKeyUsagePurpose::{ClientAuth, ServerAuth};
+    use rpc::tls::{ClientTls, ServerTls};
+
+    let (server_ca, client_ca) = (certs::Ca::new("server CA"), certs::Ca::new("client CA"));
+    let server_id = server_ca.issue("127.0.0.1", ServerAuth);
+    let admin = client_ca.issue("admin", ClientAuth);
+    let clerk = client_ca.issue("clerk", ClientAuth);
+    let (tx, mut seen) = mpsc::unbounded_channel();
+    let tls = ServerTls::from_pem(server_id.cert.as_bytes(), server_id.key.as_bytes())
+        .expect("server TLS")
+        .require_client_certs(client_ca.pem.as_bytes())
+        .expect("client CA");
+    let s = serve_orders(50, None, |b| {
+        b.tls(tls).layer(Witness(tx)).layer(CancelByCertificate {
+            admin_der: admin.der.clone(),
+        })
+    })
+    .await;
+    let presenting = |id: &certs::Identity, client_id: &str| {
+        OrdersClient::new(
+            Client::builder()
+                .registry(s.reg.clone())
+                .token(TOKEN)
+                .client_id(client_id)
+                .tls(
+                    ClientTls::from_pem(server_ca.pem.as_bytes())
+                        .expect("roots")
+                        .identity(id.cert.as_bytes(), id.key.as_bytes())
+                        .expect("identity"),
+                )
+                .override_options(OrdersClient::SERVICE_ID, no_retry())
+                .build(),
+        )
+    };
+
+    let by_clerk = presenting(&clerk, "clerk");
+    let refused = within("clerk cancels", by_clerk.cancel(1))
+        .await
+        .expect_err("the clerk's certificate may not cancel");
+    assert_eq!(refused.code(), StatusCode::RpcUnAuthentication, "{refused}");
+    let saw = recv_one("the clerk's call", &mut seen).await;
+    assert_eq!(saw.certificate.as_deref(), Some(&clerk.der[..]));
+
+    let by_admin = presenting(&admin, "admin");
+    assert!(within("admin cancels", by_admin.cancel(1))
+        .await
+        .expect("admin cancel"));
+    let saw = recv_one("the admin's call", &mut seen).await;
+    assert_eq!(saw.certificate.as_deref(), Some(&admin.der[..]));
+    assert_eq!(s.shop.cancelled.load(Ordering::SeqCst), 1);
+    within("shutdown", s.server.shutdown()).await;
+}
