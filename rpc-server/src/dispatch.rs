@@ -24,7 +24,7 @@ use rpc_transport::{error_result, Caller, Dispatch, InvokeHandler};
 use tokio::time::Instant;
 use tracing::Instrument;
 
-use crate::middleware::{Next, ServerLayer, ServerRequest};
+use crate::middleware::{LayerFuture, Next, ServerLayer, ServerRequest};
 use crate::telemetry;
 use crate::Service;
 
@@ -303,11 +303,19 @@ impl Dispatcher {
         let send_panic_text = self.send_panic_text;
         let call = async move {
             let entry = method.entry_id;
-            let next = Next {
-                layers: &chain.layers,
-                end: &chain.end,
+            // The first layer is called here rather than through `Next::run`, whose future has
+            // room for the end of the chain: this future then holds only the layer's box.
+            let first: LayerFuture<'_> = match chain.layers.split_first() {
+                Some((layer, rest)) => layer.call(
+                    &mut req,
+                    Next {
+                        layers: rest,
+                        end: &chain.end,
+                    },
+                ),
+                None => Box::pin(chain.end.run(&mut req)),
             };
-            let chained = AssertUnwindSafe(next.run(&mut req)).catch_unwind();
+            let chained = AssertUnwindSafe(first).catch_unwind();
             let outcome = match deadline {
                 None => chained.await,
                 Some((d, budget_ms)) => match tokio::time::timeout_at(d, chained).await {
