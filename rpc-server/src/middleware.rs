@@ -170,25 +170,20 @@ pub struct Next<'a> {
 
 impl<'a> Next<'a> {
     /// Runs the rest of the chain on `req` and returns its answer.
-    pub fn run(
-        self,
-        req: &'a mut ServerRequest,
-    ) -> impl Future<Output = Result<Bytes, RpcError>> + Send + 'a {
-        async move {
-            match self.layers.split_first() {
-                Some((layer, rest)) => {
-                    layer
-                        .call(
-                            req,
-                            Next {
-                                layers: rest,
-                                end: self.end,
-                            },
-                        )
-                        .await
-                }
-                None => self.end.run(req).await,
+    pub async fn run(self, req: &'a mut ServerRequest) -> Result<Bytes, RpcError> {
+        match self.layers.split_first() {
+            Some((layer, rest)) => {
+                layer
+                    .call(
+                        req,
+                        Next {
+                            layers: rest,
+                            end: self.end,
+                        },
+                    )
+                    .await
             }
+            None => self.end.run(req).await,
         }
     }
 }
