@@ -305,12 +305,12 @@ impl Dispatcher {
             let entry = method.entry_id;
             // The first layer is called here rather than through `Next::run`, whose future has
             // room for the end of the chain: this future then holds only the layer's box.
-            let first: LayerFuture<'_> = match chain.layers.split_first() {
-                Some((layer, rest)) => layer.call(
+            let first: LayerFuture<'_> = match chain.layers.first() {
+                Some(layer) => layer.call(
                     &mut req,
                     Next {
-                        layers: rest,
-                        end: &chain.end,
+                        chain: &chain,
+                        at: 1,
                     },
                 ),
                 None => Box::pin(chain.end.run(&mut req)),

@@ -36,6 +36,8 @@ pub mod middleware;
 mod server;
 mod service;
 mod telemetry;
+#[cfg(feature = "tower")]
+pub mod tower;
 
 pub use middleware::{LayerFuture, Next, ServerLayer, ServerRequest};
 pub use rpc_transport::Caller;

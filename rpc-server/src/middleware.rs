@@ -31,6 +31,8 @@ use rpc_transport::Caller;
 use serde::de::DeserializeOwned;
 use tokio::time::Instant;
 
+use crate::dispatch::Layered;
+
 /// What a layer returns: the future of the call's answer, encoded (`Ok`) or an error.
 pub type LayerFuture<'a> = Pin<Box<dyn Future<Output = Result<Bytes, RpcError>> + Send + 'a>>;
 
@@ -148,6 +150,23 @@ impl ServerRequest {
     }
 }
 
+impl ServerRequest {
+    /// Moves the call out of `self`, leaving the same call without its arguments and
+    /// attachments (for an adapter that must own the request).
+    #[cfg_attr(not(feature = "tower"), allow(dead_code))]
+    pub(crate) fn split_off(&mut self) -> ServerRequest {
+        ServerRequest {
+            method: self.method,
+            caller: self.caller.clone(),
+            attachments: std::mem::take(&mut self.attachments),
+            deadline: self.deadline,
+            parameters: std::mem::take(&mut self.parameters),
+            codec: self.codec,
+            fallback_cause: None,
+        }
+    }
+}
+
 impl std::fmt::Debug for ServerRequest {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ServerRequest")
@@ -164,26 +183,27 @@ impl std::fmt::Debug for ServerRequest {
 /// The rest of the chain after a layer: the next layer, or, after the last, entry admission
 /// (the cap), the handler and the server fallback.
 pub struct Next<'a> {
-    pub(crate) layers: &'a [Arc<dyn ServerLayer>],
-    pub(crate) end: &'a crate::dispatch::Terminal,
+    pub(crate) chain: &'a Arc<Layered>,
+    /// The index of the next layer in `chain.layers`.
+    pub(crate) at: usize,
 }
 
 impl<'a> Next<'a> {
     /// Runs the rest of the chain on `req` and returns its answer.
     pub async fn run(self, req: &'a mut ServerRequest) -> Result<Bytes, RpcError> {
-        match self.layers.split_first() {
-            Some((layer, rest)) => {
+        match self.chain.layers.get(self.at) {
+            Some(layer) => {
                 layer
                     .call(
                         req,
                         Next {
-                            layers: rest,
-                            end: self.end,
+                            chain: self.chain,
+                            at: self.at + 1,
                         },
                     )
                     .await
             }
-            None => self.end.run(req).await,
+            None => self.chain.end.run(req).await,
         }
     }
 }
@@ -191,7 +211,10 @@ impl<'a> Next<'a> {
 impl std::fmt::Debug for Next<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Next")
-            .field("layers_left", &self.layers.len())
+            .field(
+                "layers_left",
+                &self.chain.layers.len().saturating_sub(self.at),
+            )
             .finish()
     }
 }

@@ -72,6 +72,9 @@ pub use rpc_macros::service;
 #[cfg(feature = "etcd")]
 pub use rpc_registry::{EtcdOptions, EtcdRegistry};
 pub use rpc_registry::{InProcessRegistry, Instance, Registry, RegistryError, StaticRegistry};
+/// `tower` layers as server layers (feature `tower`).
+#[cfg(feature = "tower")]
+pub use rpc_server::tower;
 /// Server middleware (README, "Server middleware"): layers around dispatch and who calls.
 pub use rpc_server::{Caller, LayerFuture, Next, ServerLayer, ServerRequest};
 pub use rpc_server::{Server, ServerBuilder, ServerHandle, Service, ServiceFuture};

@@ -815,3 +815,89 @@ async fn under_mutual_tls_a_layer_decides_by_the_callers_certificate() {
     assert_eq!(s.shop.cancelled.load(Ordering::SeqCst), 1);
     within("shutdown", s.server.shutdown()).await;
 }
+
+// ---- A tower layer through the adapter (feature `tower`) ----
+
+/// A tower middleware of a team's own: `cancel` only with the attachment `role = admin`.
+#[derive(Clone)]
+struct RoleGate<S> {
+    inner: S,
+}
+
+struct RoleGateLayer;
+
+impl<S> rpc::tower::Layer<S> for RoleGateLayer {
+    type Service = RoleGate<S>;
+    fn layer(&self, inner: S) -> RoleGate<S> {
+        RoleGate { inner }
+    }
+}
+
+impl<S> rpc::tower::Service<rpc::tower::TowerRequest> for RoleGate<S>
+where
+    S: rpc::tower::Service<rpc::tower::TowerRequest, Error = RpcError>,
+    S::Future: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = RpcError;
+    type Future = futures_util::future::BoxFuture<'static, Result<S::Response, RpcError>>;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), RpcError>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: rpc::tower::TowerRequest) -> Self::Future {
+        let r = req.request();
+        if r.entry_id() == "orders.Orders.cancel"
+            && r.attachments().get("role").map(String::as_str) != Some("admin")
+        {
+            return Box::pin(async {
+                Err(RpcError::new(
+                    StatusCode::RpcUnAuthentication,
+                    "cancelling needs role=admin",
+                ))
+            });
+        }
+        Box::pin(self.inner.call(req))
+    }
+}
+
+#[tokio::test]
+async fn a_tower_layer_runs_in_its_place_in_the_chain_and_can_refuse() {
+    let metrics = CountCalls::default();
+    let s = serve_orders(50, None, |b| {
+        b.layer(metrics.clone())
+            .layer(rpc::tower::TowerLayer::new(RoleGateLayer))
+            .layer(ValidateOrders)
+    })
+    .await;
+    let orders = client(&s.reg, "shop");
+    let refused = within("cancel without the role", orders.cancel(1))
+        .await
+        .expect_err("no role");
+    assert_eq!(refused.code(), StatusCode::RpcUnAuthentication, "{refused}");
+    assert!(within(
+        "cancel as admin",
+        RpcContext::with_attachment("role", "admin", orders.cancel(1))
+    )
+    .await
+    .expect("admin cancel"));
+    // Behind the tower layer, the next server layer still runs.
+    within("invalid place", orders.place("pen".into(), 0))
+        .await
+        .expect_err("invalid");
+    let expected: BTreeMap<(String, u32), usize> = [
+        (("orders.Orders.cancel".to_string(), 517), 1),
+        (("orders.Orders.cancel".to_string(), 200), 1),
+        (("orders.Orders.place".to_string(), 1001), 1),
+    ]
+    .into_iter()
+    .collect();
+    assert_eq!(*metrics.counts.lock().unwrap(), expected);
+    assert_eq!(s.shop.cancelled.load(Ordering::SeqCst), 1);
+    assert_eq!(s.shop.placed.load(Ordering::SeqCst), 0);
+    within("shutdown", s.server.shutdown()).await;
+}
