@@ -26,6 +26,17 @@ struct Inner {
     maybe_delivered: bool,
     tried: Vec<String>,
     retry_after: Option<Duration>,
+    fields: Vec<FieldError>,
+}
+
+/// One argument that failed validation, as a validation error (1001) carries it to the caller
+/// (`ValidateError` of `proto/rpc.proto`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FieldError {
+    /// The argument or field, e.g. `quantity` or `address.zip`.
+    pub member: String,
+    /// What is wrong with it and what is accepted.
+    pub message: String,
 }
 
 impl RpcError {
@@ -39,6 +50,7 @@ impl RpcError {
                 maybe_delivered: false,
                 tried: Vec::new(),
                 retry_after: None,
+                fields: Vec::new(),
             }),
         }
     }
@@ -85,6 +97,32 @@ impl RpcError {
         self
     }
 
+    /// Adds a field that failed validation: sent in the answer's `validate_errors`, with the
+    /// status (1001 for [`validation`](Self::validation) errors).
+    ///
+    /// ```
+    /// use rpc_core::RpcError;
+    /// let e = RpcError::validation("the order was refused")
+    ///     .with_field_error("quantity", "must be between 1 and 100");
+    /// assert_eq!(e.field_errors()[0].member, "quantity");
+    /// ```
+    pub fn with_field_error(
+        mut self,
+        member: impl Into<String>,
+        message: impl Into<String>,
+    ) -> Self {
+        self.inner.fields.push(FieldError {
+            member: member.into(),
+            message: message.into(),
+        });
+        self
+    }
+
+    /// The fields that failed validation (empty for other errors).
+    pub fn field_errors(&self) -> &[FieldError] {
+        &self.inner.fields
+    }
+
     /// The status code.
     pub fn code(&self) -> StatusCode {
         self.inner.code
@@ -120,6 +158,13 @@ impl RpcError {
 impl fmt::Display for RpcError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}: {}", self.inner.code, self.inner.message)?;
+        for (i, field) in self.inner.fields.iter().enumerate() {
+            let sep = if i == 0 { " (" } else { "; " };
+            write!(f, "{sep}{}: {}", field.member, field.message)?;
+        }
+        if !self.inner.fields.is_empty() {
+            f.write_str(")")?;
+        }
         if self.inner.maybe_delivered {
             f.write_str(" (the request may have been delivered and run)")?;
         }
@@ -142,6 +187,7 @@ impl fmt::Debug for RpcError {
             .field("maybe_delivered", &self.inner.maybe_delivered)
             .field("tried", &self.inner.tried)
             .field("retry_after", &self.inner.retry_after)
+            .field("field_errors", &self.inner.fields)
             .finish()
     }
 }

@@ -1,6 +1,9 @@
-//! The server pipeline for one call: entry lookup → concurrency cap → handler under the deadline
-//! (panics caught) and inside the caller's call context → server fallback on failure; all in the
-//! call's `rpc.server` span.
+//! The server pipeline for one call: entry lookup → the user's layers, if any → concurrency cap
+//! → handler under the deadline (panics caught) and inside the caller's call context → server
+//! fallback on failure; all in the call's `rpc.server` span.
+//!
+//! A server without layers takes the path it always took; one with layers runs the same steps
+//! after them, as the end of the chain ([`Terminal`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
@@ -12,15 +15,16 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::FutureExt;
-use rpc_core::wire::{RemoteInvokeMessage, RemoteResultMessage};
+use rpc_core::wire::{RemoteInvokeMessage, RemoteResultMessage, ValidateError};
 use rpc_core::{Codec, MethodDescriptor, RpcContext, RpcError, StatusCode};
 use rpc_governance::bulkhead::Bulkhead;
 use rpc_governance::events::{EventBus, EventKind};
 use rpc_governance::fallback;
-use rpc_transport::{error_result, Dispatch, InvokeHandler};
+use rpc_transport::{error_result, Caller, Dispatch, InvokeHandler};
 use tokio::time::Instant;
 use tracing::Instrument;
 
+use crate::middleware::{LayerFuture, Next, ServerLayer, ServerRequest};
 use crate::telemetry;
 use crate::Service;
 
@@ -32,6 +36,84 @@ pub(crate) struct Route {
     pub(crate) entry: Arc<str>,
     pub(crate) cap: Bulkhead,
     pub(crate) fallback: Option<Arc<dyn Service>>,
+    /// The user's layers and what runs after them, when the server has layers.
+    pub(crate) layered: Option<Arc<Layered>>,
+}
+
+/// An entry's chain on a server with layers: shared by its calls, so that a call takes one
+/// reference to it rather than one to each part.
+pub(crate) struct Layered {
+    pub(crate) layers: Arc<[Arc<dyn ServerLayer>]>,
+    pub(crate) end: Terminal,
+}
+
+/// What follows the last layer: entry admission (the cap), the handler under the deadline and
+/// in the caller's context, and the server fallback.
+pub(crate) struct Terminal {
+    pub(crate) service: Arc<dyn Service>,
+    pub(crate) index: usize,
+    pub(crate) entry: Arc<str>,
+    pub(crate) cap: Bulkhead,
+    pub(crate) fallback: Option<Arc<dyn Service>>,
+    pub(crate) events: EventBus,
+    pub(crate) endpoint: Arc<str>,
+    pub(crate) send_panic_text: bool,
+}
+
+impl Terminal {
+    /// Admits `req` at its entry's cap and runs its handler (and the fallback, should the
+    /// handler fail), handing them the arguments and the attachments.
+    pub(crate) async fn run(&self, req: &mut ServerRequest) -> Result<Bytes, RpcError> {
+        let _permit = match self.cap.try_enter(&self.entry) {
+            Ok(p) => p,
+            Err(e) => {
+                self.events.emit_parts(
+                    EventKind::Overflow,
+                    &self.entry,
+                    Some(&req.caller.peer().to_string()),
+                    0,
+                    Some(e.message().to_string()),
+                );
+                return Err(e);
+            }
+        };
+        let parameters = std::mem::take(&mut req.parameters);
+        let fallback = self.fallback.as_ref().map(|f| ServerFallback {
+            service: f.clone(),
+            index: self.index,
+            parameters: parameters.clone(),
+            events: self.events.clone(),
+            entry_id: self.entry.clone(),
+            endpoint: self.endpoint.clone(),
+            send_panic_text: self.send_panic_text,
+        });
+        let (codec, deadline) = (req.codec, req.deadline);
+        let handler = self.service.call(self.index, parameters, codec);
+        let attachments = std::mem::take(&mut req.attachments);
+        let entry: &str = &self.entry;
+        let run = async move {
+            match (
+                run_guarded(handler, deadline, entry, self.send_panic_text).await,
+                fallback,
+            ) {
+                (Err(e), Some(fb)) if fallback::applies(&e, fallback::Side::Server) => {
+                    let cause = e.code();
+                    (
+                        run_fallback(fb, e, codec, deadline, entry).await,
+                        Some(cause),
+                    )
+                }
+                (result, _) => (result, None),
+            }
+        };
+        let (result, cause) = if attachments.is_empty() {
+            run.await
+        } else {
+            RpcContext::scope(attachments, run).await
+        };
+        req.fallback_cause = cause;
+        result
+    }
 }
 
 pub(crate) struct Dispatcher {
@@ -52,7 +134,8 @@ pub(crate) struct Dispatcher {
 }
 
 impl InvokeHandler for Dispatcher {
-    fn handle(&self, mut invoke: RemoteInvokeMessage, peer: SocketAddr) -> Dispatch {
+    fn handle(&self, mut invoke: RemoteInvokeMessage, caller: &Arc<Caller>) -> Dispatch {
+        let peer = caller.peer();
         let Some(route) = self.routes.get(invoke.service_entry_id.as_str()) else {
             return Dispatch::Ready(error_result(
                 StatusCode::NotFindLocalServiceEntry,
@@ -73,6 +156,17 @@ impl InvokeHandler for Dispatcher {
         };
         let attachments = std::mem::take(&mut invoke.attachments);
         let span = telemetry::server_span(route.method, self.local, peer, &attachments);
+        if let Some(chain) = &route.layered {
+            return self.layered(
+                chain,
+                route.method,
+                invoke,
+                codec,
+                attachments,
+                span,
+                caller,
+            );
+        }
         let permit = match route.cap.try_enter(&route.entry) {
             Ok(p) => p,
             Err(e) => {
@@ -165,6 +259,84 @@ impl InvokeHandler for Dispatcher {
             (true, true) => Box::pin(call),
             (true, false) => Box::pin(RpcContext::scope(attachments, call)),
             (false, _) => Box::pin(RpcContext::scope(attachments, call).instrument(span)),
+        })
+    }
+}
+
+impl Dispatcher {
+    /// A call on a server with layers: the layers, then entry admission, handler and fallback
+    /// ([`Terminal`]), in one future, all within the caller's deadline; a panic anywhere in the
+    /// chain becomes a server error (520). The span and the metrics watch the whole chain, so
+    /// an early answer is recorded with its status like any other.
+    #[allow(clippy::too_many_arguments)]
+    fn layered(
+        &self,
+        chain: &Arc<Layered>,
+        method: &'static MethodDescriptor,
+        invoke: RemoteInvokeMessage,
+        codec: Codec,
+        attachments: BTreeMap<String, String>,
+        span: tracing::Span,
+        caller: &Arc<Caller>,
+    ) -> Dispatch {
+        let deadline = (invoke.timeout_ms > 0).then(|| {
+            (
+                Instant::now() + Duration::from_millis(invoke.timeout_ms.into()),
+                invoke.timeout_ms,
+            )
+        });
+        let mut watch = telemetry::CallWatch::new(
+            span.clone(),
+            self.metrics.start(method),
+            deadline.map(|(d, _)| d),
+        );
+        let mut req = ServerRequest {
+            method,
+            caller: caller.clone(),
+            attachments: telemetry::user_attachments(attachments),
+            deadline,
+            parameters: invoke.parameters,
+            codec,
+            fallback_cause: None,
+        };
+        let chain = chain.clone();
+        let send_panic_text = self.send_panic_text;
+        let call = async move {
+            let entry = method.entry_id;
+            // The first layer is called here rather than through `Next::run`, whose future has
+            // room for the end of the chain: this future then holds only the layer's box.
+            let first: LayerFuture<'_> = match chain.layers.first() {
+                Some(layer) => layer.call(
+                    &mut req,
+                    Next {
+                        chain: &chain,
+                        at: 1,
+                    },
+                ),
+                None => Box::pin(chain.end.run(&mut req)),
+            };
+            let chained = AssertUnwindSafe(first).catch_unwind();
+            let outcome = match deadline {
+                None => chained.await,
+                Some((d, budget_ms)) => match tokio::time::timeout_at(d, chained).await {
+                    Ok(outcome) => outcome,
+                    Err(_) => Ok(Err(RpcError::new(
+                        StatusCode::Timeout,
+                        format!(
+                            "{entry} ran out of the caller's {budget_ms} ms budget in the \
+                             server's layers or handler; the call was stopped"
+                        ),
+                    ))),
+                },
+            };
+            let result = settle(outcome, entry, send_panic_text);
+            let cause = req.fallback_cause;
+            finish(&mut watch, result, cause)
+        };
+        Dispatch::Spawn(if span.is_disabled() {
+            Box::pin(call)
+        } else {
+            Box::pin(call.instrument(span))
         })
     }
 }
@@ -359,6 +531,14 @@ fn to_message(result: Result<Bytes, RpcError>) -> RemoteResultMessage {
             status_code: e.code().as_u32(),
             result: e.payload().map(|(_, p)| p.clone()).unwrap_or_default(),
             exception_message: e.message().to_string(),
+            validate_errors: e
+                .field_errors()
+                .iter()
+                .map(|f| ValidateError {
+                    member_name: f.member.clone(),
+                    error_message: f.message.clone(),
+                })
+                .collect(),
             ..Default::default()
         },
     }

@@ -9,6 +9,8 @@
 //! `max_concurrent_handling_count`; when full the call is answered Overflow (515) at once and
 //! never queued) → the handler under the caller's deadline, with a panic turned into a server
 //! error (520) and, when registered, a server-side fallback answering for the handler's failures.
+//! User [`ServerLayer`]s ([`ServerBuilder::layer`], see [`middleware`]) run before the cap: they
+//! see the entry, the [`Caller`], the attachments and the deadline, and may answer early.
 //!
 //! Observability: each handled call runs in an `rpc.server` span (OpenTelemetry RPC
 //! semantic-convention attributes; the overflow and fallback governance events land on it),
@@ -30,9 +32,14 @@
 #![warn(missing_docs)]
 
 mod dispatch;
+pub mod middleware;
 mod server;
 mod service;
 mod telemetry;
+#[cfg(feature = "tower")]
+pub mod tower;
 
+pub use middleware::{LayerFuture, Next, ServerLayer, ServerRequest};
+pub use rpc_transport::Caller;
 pub use server::{Server, ServerBuilder, ServerHandle};
 pub use service::{Service, ServiceFuture};

@@ -14,7 +14,8 @@ use tokio::net::{TcpListener, ToSocketAddrs};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::dispatch::{Dispatcher, Route};
+use crate::dispatch::{Dispatcher, Layered, Route, Terminal};
+use crate::middleware::ServerLayer;
 use crate::Service;
 
 /// Entry point: `Server::builder()`.
@@ -39,6 +40,7 @@ pub struct ServerBuilder {
     metadata: Vec<(String, String)>,
     events: EventBus,
     send_panic_text: bool,
+    layers: Vec<Arc<dyn ServerLayer>>,
     #[cfg(feature = "otel")]
     meter: Option<opentelemetry::metrics::Meter>,
 }
@@ -57,6 +59,7 @@ impl Default for ServerBuilder {
             metadata: Vec::new(),
             events: EventBus::new(),
             send_panic_text: false,
+            layers: Vec::new(),
             #[cfg(feature = "otel")]
             meter: None,
         }
@@ -75,6 +78,16 @@ impl ServerBuilder {
     /// gets only that id). For development.
     pub fn send_panic_text(mut self, yes: bool) -> Self {
         self.send_panic_text = yes;
+        self
+    }
+
+    /// Adds a user layer around dispatch (see [`crate::middleware`]): it sees each call's entry,
+    /// [`Caller`](crate::Caller), attachments and deadline before the call is admitted at its
+    /// entry's cap, and may answer it at once. Layers run in the order they are added, the
+    /// first outermost. A server without layers pays nothing for the feature; each layer costs
+    /// a call one boxed future.
+    pub fn layer(mut self, layer: impl ServerLayer) -> Self {
+        self.layers.push(Arc::new(layer));
         self
     }
 
@@ -245,8 +258,9 @@ impl ServerBuilder {
         self
     }
 
-    fn routes(&self) -> HashMap<String, crate::dispatch::Route, ahash::RandomState> {
+    fn routes(&self, endpoint: &Arc<str>) -> HashMap<String, Route, ahash::RandomState> {
         let shared = Bulkhead::new(self.max_concurrency);
+        let layers: Arc<[Arc<dyn ServerLayer>]> = self.layers.iter().cloned().collect();
         let mut routes = HashMap::default();
         for service in &self.services {
             let fallback = self.fallbacks.get(service.service_id()).cloned();
@@ -255,15 +269,32 @@ impl ServerBuilder {
                     Some(n) => Bulkhead::new(n as usize),
                     None => shared.clone(),
                 };
+                let entry: Arc<str> = Arc::from(m.entry_id);
+                let layered = (!layers.is_empty()).then(|| {
+                    Arc::new(Layered {
+                        layers: layers.clone(),
+                        end: Terminal {
+                            service: service.clone(),
+                            index,
+                            entry: entry.clone(),
+                            cap: cap.clone(),
+                            fallback: fallback.clone(),
+                            events: self.events.clone(),
+                            endpoint: endpoint.clone(),
+                            send_panic_text: self.send_panic_text,
+                        },
+                    })
+                });
                 routes.insert(
                     m.entry_id.to_string(),
                     Route {
                         service: service.clone(),
                         index,
                         method: m,
-                        entry: Arc::from(m.entry_id),
+                        entry,
                         cap,
                         fallback: fallback.clone(),
+                        layered,
                     },
                 );
             }
@@ -295,11 +326,12 @@ impl ServerBuilder {
         );
         #[cfg(not(feature = "otel"))]
         let metrics = crate::telemetry::Metrics;
+        let endpoint: Arc<str> = Arc::from(address.as_str());
         let dispatcher = Arc::new(Dispatcher {
-            routes: self.routes(),
+            routes: self.routes(&endpoint),
             events: self.events.clone(),
             local: local_addr,
-            endpoint: Arc::from(address.as_str()),
+            endpoint,
             metrics,
             send_panic_text: self.send_panic_text,
             inline_first_poll: self.options.inline_first_poll,

@@ -14,7 +14,8 @@
 //! `ConnectOptions::tls` say so, with mutual TLS as an option: see the `tls` module.
 //!
 //! This crate knows frames, not services: it must not look inside parameters, choose endpoints or
-//! apply governance policies. The server side hands each call to an [`InvokeHandler`].
+//! apply governance policies. The server side hands each call to an [`InvokeHandler`], with the
+//! [`Caller`] its connection's handshake established (client id, token check, TLS certificate).
 //!
 //! ```no_run
 //! use rpc_transport::{Call, ConnectOptions, Connection};
@@ -37,6 +38,7 @@
 //! ```
 #![warn(missing_docs)]
 
+mod caller;
 mod client;
 mod codec;
 mod encode;
@@ -47,6 +49,7 @@ mod server;
 pub mod tls;
 mod writer;
 
+pub use caller::Caller;
 pub use client::{Call, ConnectOptions, Connection};
 pub use codec::{FrameCodec, FrameError};
 pub use pool::ConnectionPool;

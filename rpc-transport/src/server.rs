@@ -23,6 +23,7 @@ use tokio::time::Instant;
 use tokio_util::codec::FramedRead;
 use tokio_util::sync::CancellationToken;
 
+use crate::caller::Caller;
 use crate::client::kind_name;
 use crate::codec::FrameCodec;
 use crate::reader::{FrameReader, ReadBudget};
@@ -162,8 +163,9 @@ pub enum Dispatch {
 /// The layer above the transport: turns a call into its answer. `message_id` of the answer is
 /// filled in by the transport.
 pub trait InvokeHandler: Send + Sync + 'static {
-    /// Decides how to answer `invoke`; must not block.
-    fn handle(&self, invoke: RemoteInvokeMessage, peer: SocketAddr) -> Dispatch;
+    /// Decides how to answer `invoke` from `caller` (the same `Arc` for every call of a
+    /// connection, built at its handshake); must not block.
+    fn handle(&self, invoke: RemoteInvokeMessage, caller: &Arc<Caller>) -> Dispatch;
 }
 
 /// Accepts connections on `listener` until `shutdown` is cancelled, then drains every connection
@@ -267,13 +269,14 @@ async fn serve_connection(
     if let Some(tls) = &server.options.tls {
         let timeout = server.options.handshake_timeout;
         if let Some(stream) = tls.accept(stream, peer, hello_by, timeout).await {
+            let cert = crate::tls::peer_certificate(&stream);
             let (rd, wr) = tokio::io::split(stream);
-            run_connection(rd, wr, peer, &server, hello_by, admitted).await;
+            run_connection(rd, wr, peer, cert, &server, hello_by, admitted).await;
         }
         return;
     }
     let (rd, wr) = stream.into_split();
-    run_connection(rd, wr, peer, &server, hello_by, admitted).await;
+    run_connection(rd, wr, peer, None, &server, hello_by, admitted).await;
 }
 
 async fn refuse<W: AsyncWrite + Unpin + Send + 'static>(wr: W, max: usize) {
@@ -316,6 +319,7 @@ async fn run_connection<R, W>(
     rd: R,
     wr: W,
     peer: SocketAddr,
+    peer_certificate: Option<Vec<u8>>,
     server: &Served,
     hello_by: Instant,
     admitted: bool,
@@ -342,12 +346,21 @@ async fn run_connection<R, W>(
     let hello_limit = options.max_frame_length.min(MAX_HELLO_FRAME);
     let mut frames = FramedRead::with_capacity(rd, FrameCodec::new(hello_limit), HELLO_BUFFER);
 
-    if let Err((code, reason)) = handshake(&mut frames, &sender, options, hello_by).await {
-        tracing::info!(%peer, %reason, "handshake refused");
-        sender.send(go_away(code, reason));
-        close.cancel();
-        return;
-    }
+    let client_id = match handshake(&mut frames, &sender, options, hello_by).await {
+        Ok(client_id) => client_id,
+        Err((code, reason)) => {
+            tracing::info!(%peer, %reason, "handshake refused");
+            sender.send(go_away(code, reason));
+            close.cancel();
+            return;
+        }
+    };
+    // Who calls, once for the connection: every call is handed this `Arc`.
+    let caller = Arc::new(
+        Caller::new(peer, client_id)
+            .with_token_verified(options.token.is_some())
+            .with_peer_certificate(peer_certificate),
+    );
     // The connection's real buffer, under the server's read budget, holding whatever the
     // client sent right after its Hello.
     let early = frames.read_buffer().clone();
@@ -384,7 +397,7 @@ async fn run_connection<R, W>(
         conn: &conn,
         options,
         handler: handler.as_ref(),
-        peer,
+        caller,
     };
 
     let mut rate = options
@@ -581,7 +594,7 @@ struct FrameCtx<'a> {
     conn: &'a Arc<Conn>,
     options: &'a ServerOptions,
     handler: &'a dyn InvokeHandler,
-    peer: SocketAddr,
+    caller: Arc<Caller>,
 }
 
 impl FrameCtx<'_> {
@@ -672,7 +685,7 @@ impl FrameCtx<'_> {
                     r.message_id = id;
                     conn.sender.send(Kind::Result(r));
                 } else {
-                    let outcome = self.handler.handle(invoke, self.peer);
+                    let outcome = self.handler.handle(invoke, &self.caller);
                     dispatch(conn, outcome, id, self.options.inline_first_poll);
                 }
                 Ok(())
@@ -811,13 +824,13 @@ fn token_matches(expected: &str, given: &str) -> bool {
 }
 
 /// Reads `Hello` (by `hello_by`: `handshake_timeout` after the accept, TLS included) and answers
-/// `HelloAck`, or says why the client is refused.
+/// `HelloAck` (returning the client's id), or says why the client is refused.
 async fn handshake<R: AsyncRead + Unpin>(
     frames: &mut FramedRead<R, FrameCodec>,
     sender: &FrameSender,
     options: &ServerOptions,
     hello_by: Instant,
-) -> Result<(), (StatusCode, String)> {
+) -> Result<String, (StatusCode, String)> {
     let first = tokio::time::timeout_at(hello_by, frames.next())
         .await
         .map_err(|_| {
@@ -871,7 +884,7 @@ async fn handshake<R: AsyncRead + Unpin>(
         server_id: options.server_id.clone(),
         max_frame_length: options.max_frame_length.min(u32::MAX as usize) as u32,
     }));
-    Ok(())
+    Ok(hello.client_id)
 }
 
 #[cfg(test)]

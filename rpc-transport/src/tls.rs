@@ -129,6 +129,16 @@ impl ServerTls {
     }
 }
 
+/// The end-entity certificate (DER) a client presented in the handshake of `stream`, if any:
+/// what `Caller::peer_certificate` gives. Read once per connection.
+pub(crate) fn peer_certificate(stream: &server::TlsStream<TcpStream>) -> Option<Vec<u8>> {
+    let (_, session) = stream.get_ref();
+    session
+        .peer_certificates()
+        .and_then(|chain| chain.first())
+        .map(|leaf| leaf.as_ref().to_vec())
+}
+
 /// After a refused handshake, rustls has queued an alert saying why. Closing a socket with
 /// unread bytes (the client's next flight, its first frame) resets the connection, which can
 /// destroy the alert before the client reads it: read and drop what the client still sends

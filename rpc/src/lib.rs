@@ -61,8 +61,9 @@ pub use rpc_client::{answered_by, Client, ClientBuilder, RingKey};
 /// Endpoint health as [`Client::endpoints`] reports it.
 pub use rpc_client::{EndpointState, EndpointStatus};
 pub use rpc_core::{
-    serde_rpc_error, Codec, GovernanceOptions, GovernanceOverrides, MethodDescriptor, RemoteError,
-    RpcContext, RpcError, ServiceEntry, ServiceEntryId, ServiceId, ShuntStrategy, StatusCode,
+    serde_rpc_error, Codec, FieldError, GovernanceOptions, GovernanceOverrides, MethodDescriptor,
+    RemoteError, RpcContext, RpcError, ServiceEntry, ServiceEntryId, ServiceId, ShuntStrategy,
+    StatusCode,
 };
 pub use rpc_governance::breaker::BreakerState;
 pub use rpc_governance::events::{EventBus, EventKind, GovernanceEvent};
@@ -74,6 +75,11 @@ pub use rpc_macros::service;
 #[cfg(feature = "etcd")]
 pub use rpc_registry::{EtcdOptions, EtcdRegistry};
 pub use rpc_registry::{InProcessRegistry, Instance, Registry, RegistryError, StaticRegistry};
+/// `tower` layers as server layers (feature `tower`).
+#[cfg(feature = "tower")]
+pub use rpc_server::tower;
+/// Server middleware (README, "Server middleware"): layers around dispatch and who calls.
+pub use rpc_server::{Caller, LayerFuture, Next, ServerLayer, ServerRequest};
 pub use rpc_server::{Server, ServerBuilder, ServerHandle, Service, ServiceFuture};
 /// What a middleware receives and returns: encoded arguments and results, boxed futures.
 pub use {bytes::Bytes, futures_util::future::BoxFuture};

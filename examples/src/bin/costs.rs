@@ -2,7 +2,8 @@
 //! calls, measured in one process with a counting allocator (server and client together).
 //!
 //! ```text
-//! cargo run --release -p examples --bin costs -- [--calls N] [--concurrency C] [--idle K]
+//! cargo run --release -p examples --bin costs -- [--calls N] [--concurrency C] [--idle K] [--layers L]
+//! cargo run --release -p examples --features tower --bin costs -- --tower-layers L
 //! ```
 //! Prints `allocs_per_call=… bytes_per_call=…`, `idle_connection_kib=…`, the resident memory
 //! after each tenth of the calls, so that growth shows, and `scale:` — calls per second and
@@ -70,6 +71,38 @@ struct Args {
     /// Endpoints of the echo service for the scale figure.
     #[arg(long, default_value_t = 1000)]
     endpoints: usize,
+    /// Pass-through server layers installed on the measured server (the cost of middleware).
+    #[arg(long, default_value_t = 0)]
+    layers: usize,
+    /// Pass-through `tower` layers installed through `rpc::tower::TowerLayer` (feature `tower`).
+    #[cfg(feature = "tower")]
+    #[arg(long, default_value_t = 0)]
+    tower_layers: usize,
+}
+
+/// A tower layer that adds nothing: what the adapter costs by itself.
+#[cfg(feature = "tower")]
+struct TowerIdentity;
+
+#[cfg(feature = "tower")]
+impl rpc::tower::Layer<rpc::tower::NextService> for TowerIdentity {
+    type Service = rpc::tower::NextService;
+    fn layer(&self, inner: rpc::tower::NextService) -> rpc::tower::NextService {
+        inner
+    }
+}
+
+/// A server layer that hands every call on unchanged: what a layer costs by itself.
+struct PassThrough;
+
+impl rpc::ServerLayer for PassThrough {
+    fn call<'a>(
+        &'a self,
+        req: &'a mut rpc::ServerRequest,
+        next: rpc::Next<'a>,
+    ) -> rpc::LayerFuture<'a> {
+        Box::pin(next.run(req))
+    }
 }
 
 /// A service with many entries (`wide.Wide.m<i>`), each answering its argument list.
@@ -144,11 +177,17 @@ async fn run(echo: &EchoClient, calls: u64, concurrency: u64, payload: &str) {
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
-    let server = Server::builder()
+    let mut builder = Server::builder()
         .max_concurrency(100_000)
-        .add_service(EchoServer::new(EchoService::default()))
-        .serve("127.0.0.1:0")
-        .await?;
+        .add_service(EchoServer::new(EchoService::default()));
+    for _ in 0..args.layers {
+        builder = builder.layer(PassThrough);
+    }
+    #[cfg(feature = "tower")]
+    for _ in 0..args.tower_layers {
+        builder = builder.layer(rpc::tower::TowerLayer::new(TowerIdentity));
+    }
+    let server = builder.serve("127.0.0.1:0").await?;
     let addr = server.local_addr().to_string();
     let echo = EchoClient::new(
         Client::builder()

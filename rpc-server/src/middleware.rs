@@ -1,0 +1,220 @@
+//! Server middleware: user layers around dispatch.
+//!
+//! Authorization per method, argument validation, a service's own metrics and audit logs all
+//! need the same place: after the connection was admitted and the caller authenticated, before
+//! the call takes one of its entry's slots and reaches the handler. A [`ServerLayer`] sits
+//! there. It sees the entry, the [`Caller`], the attachments, the deadline and the encoded
+//! arguments, and either answers at once (any status, or a value) or hands the call on with
+//! [`Next::run`]. Layers run in the order they were installed
+//! ([`ServerBuilder::layer`](crate::ServerBuilder::layer)), the first outermost:
+//!
+//! ```text
+//! accept → handshake (token, TLS) → connection admission (frames, in-flight, rate)
+//!   → layer 1 → layer 2 → … → entry admission (cap) → server fallback → handler
+//! ```
+//!
+//! A call a layer answers never takes a cap slot, never runs the handler and never reaches the
+//! server fallback: an early answer is the server's answer, not a handler failure. The call's
+//! `rpc.server` span and metrics record it with its status like any other.
+//!
+//! Cost: a server without layers dispatches exactly as before (no box, no extra future). With
+//! layers, each installed layer boxes its future once per call.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use rpc_core::{Codec, MethodDescriptor, RpcError, StatusCode};
+use rpc_transport::Caller;
+use serde::de::DeserializeOwned;
+use tokio::time::Instant;
+
+use crate::dispatch::Layered;
+
+/// What a layer returns: the future of the call's answer, encoded (`Ok`) or an error.
+pub type LayerFuture<'a> = Pin<Box<dyn Future<Output = Result<Bytes, RpcError>> + Send + 'a>>;
+
+/// A user middleware around the server's dispatch (see the [module](self) for where it runs).
+///
+/// ```
+/// use rpc_server::{LayerFuture, Next, ServerLayer, ServerRequest};
+/// use rpc_core::{RpcError, StatusCode};
+///
+/// /// Refuses `orders.Orders.cancel` to every client but `admin`.
+/// struct OnlyAdminCancels;
+///
+/// impl ServerLayer for OnlyAdminCancels {
+///     fn call<'a>(&'a self, req: &'a mut ServerRequest, next: Next<'a>) -> LayerFuture<'a> {
+///         Box::pin(async move {
+///             if req.entry_id() == "orders.Orders.cancel" && req.caller().client_id() != "admin" {
+///                 return Err(RpcError::new(
+///                     StatusCode::RpcUnAuthentication,
+///                     "only admin may cancel orders; call with the admin client id",
+///                 ));
+///             }
+///             next.run(req).await
+///         })
+///     }
+/// }
+/// ```
+pub trait ServerLayer: Send + Sync + 'static {
+    /// Handles one call: answer it (return without calling `next`) or hand it on with
+    /// `next.run(req)`, looking at or changing its result on the way back.
+    fn call<'a>(&'a self, req: &'a mut ServerRequest, next: Next<'a>) -> LayerFuture<'a>;
+}
+
+/// One call as the server's layers see it.
+///
+/// [`Next::run`] hands the arguments and the attachments to the handler: after it returns,
+/// [`parameters`](Self::parameters) and [`attachments`](Self::attachments) are empty.
+pub struct ServerRequest {
+    pub(crate) method: &'static MethodDescriptor,
+    pub(crate) caller: Arc<Caller>,
+    pub(crate) attachments: BTreeMap<String, String>,
+    pub(crate) deadline: Option<(Instant, u32)>,
+    pub(crate) parameters: Bytes,
+    pub(crate) codec: Codec,
+    /// The handler's failure a server fallback answered for, if one did (for the span).
+    pub(crate) fallback_cause: Option<StatusCode>,
+}
+
+impl ServerRequest {
+    /// The entry called: `"<service id>.<method>"`, e.g. `"orders.Orders.cancel"`.
+    pub fn entry_id(&self) -> &'static str {
+        self.method.entry_id
+    }
+
+    /// The descriptor of the method called (service id, method name, governance overrides).
+    pub fn method(&self) -> &'static MethodDescriptor {
+        self.method
+    }
+
+    /// Who calls: the identity the connection's handshake established.
+    pub fn caller(&self) -> &Caller {
+        &self.caller
+    }
+
+    /// The caller's attachments (the trace context and the call id left out): what the
+    /// handler will find in its `RpcContext`.
+    pub fn attachments(&self) -> &BTreeMap<String, String> {
+        &self.attachments
+    }
+
+    /// The attachments, to change what the layers after this one and the handler see.
+    pub fn attachments_mut(&mut self) -> &mut BTreeMap<String, String> {
+        &mut self.attachments
+    }
+
+    /// When the caller stops waiting (`None`: the caller set no timeout). The handler is
+    /// stopped then, and so is a layer still running.
+    pub fn deadline(&self) -> Option<Instant> {
+        self.deadline.map(|(d, _)| d)
+    }
+
+    /// The encoded argument list (one array, as [`codec`](Self::codec) encodes it).
+    pub fn parameters(&self) -> &Bytes {
+        &self.parameters
+    }
+
+    /// The codec of the arguments and of the answer.
+    pub fn codec(&self) -> Codec {
+        self.codec
+    }
+
+    /// Decodes the argument list as the tuple of the method's parameters, e.g. `(String, u32)`
+    /// for `fn order(&self, item: String, quantity: u32)`. Arguments that do not decode as
+    /// `T` give a validation error (1001) naming the entry.
+    pub fn decode_parameters<T: DeserializeOwned>(&self) -> Result<T, RpcError> {
+        self.codec.decode(&self.parameters).map_err(|e| {
+            RpcError::validation(format!(
+                "the arguments of {} do not decode as the layer expects: {e}; check the \
+                 layer's parameter types against the method",
+                self.method.entry_id
+            ))
+        })
+    }
+
+    /// Encodes `value` as the answer of a layer that answers by itself (status 200).
+    pub fn encode_answer<T: serde::Serialize>(&self, value: &T) -> Result<Bytes, RpcError> {
+        self.codec.encode(value).map_err(|e| {
+            RpcError::new(
+                StatusCode::FrameworkError,
+                format!(
+                    "a layer's answer to {} could not be encoded: {e}",
+                    self.method.entry_id
+                ),
+            )
+        })
+    }
+}
+
+impl ServerRequest {
+    /// Moves the call out of `self`, leaving the same call without its arguments and
+    /// attachments (for an adapter that must own the request).
+    #[cfg_attr(not(feature = "tower"), allow(dead_code))]
+    pub(crate) fn split_off(&mut self) -> ServerRequest {
+        ServerRequest {
+            method: self.method,
+            caller: self.caller.clone(),
+            attachments: std::mem::take(&mut self.attachments),
+            deadline: self.deadline,
+            parameters: std::mem::take(&mut self.parameters),
+            codec: self.codec,
+            fallback_cause: None,
+        }
+    }
+}
+
+impl std::fmt::Debug for ServerRequest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerRequest")
+            .field("entry_id", &self.method.entry_id)
+            .field("caller", &self.caller)
+            .field("attachments", &self.attachments.keys().collect::<Vec<_>>())
+            .field("deadline", &self.deadline())
+            .field("parameters", &self.parameters.len())
+            .field("codec", &self.codec)
+            .finish()
+    }
+}
+
+/// The rest of the chain after a layer: the next layer, or, after the last, entry admission
+/// (the cap), the handler and the server fallback.
+pub struct Next<'a> {
+    pub(crate) chain: &'a Arc<Layered>,
+    /// The index of the next layer in `chain.layers`.
+    pub(crate) at: usize,
+}
+
+impl<'a> Next<'a> {
+    /// Runs the rest of the chain on `req` and returns its answer.
+    pub async fn run(self, req: &'a mut ServerRequest) -> Result<Bytes, RpcError> {
+        match self.chain.layers.get(self.at) {
+            Some(layer) => {
+                layer
+                    .call(
+                        req,
+                        Next {
+                            chain: self.chain,
+                            at: self.at + 1,
+                        },
+                    )
+                    .await
+            }
+            None => self.chain.end.run(req).await,
+        }
+    }
+}
+
+impl std::fmt::Debug for Next<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Next")
+            .field(
+                "layers_left",
+                &self.chain.layers.len().saturating_sub(self.at),
+            )
+            .finish()
+    }
+}

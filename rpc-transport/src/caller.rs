@@ -1,0 +1,124 @@
+//! Who is calling: what the server learned about a client when it accepted the connection.
+//!
+//! Authorization is decided per call (this method, for this client), but everything it can go
+//! by is known once per connection: the peer address, the client id of its `Hello`, whether it
+//! passed the token check, and, with mutual TLS, the certificate it presented. So a [`Caller`]
+//! is built once, when the handshake succeeds, and every call of the connection sees the same
+//! one through an `Arc`: knowing who calls costs a call nothing.
+
+use std::fmt;
+use std::net::SocketAddr;
+
+/// The identity of the client behind one connection, as established at its handshake.
+///
+/// Every call of a connection is handed the same `Arc<Caller>`
+/// ([`InvokeHandler::handle`](crate::InvokeHandler::handle)). The client id and the peer
+/// address are what the client says and where it connects from: alone they authenticate
+/// nothing. What the server checked is [`token_verified`](Self::token_verified) (the shared
+/// token of `ServerOptions::token`) and, with mutual TLS, the
+/// [`peer_certificate`](Self::peer_certificate), which chains to the server's client CA.
+///
+/// ```
+/// use rpc_transport::Caller;
+/// let caller = Caller::new("127.0.0.1:40000".parse().unwrap(), "billing-7")
+///     .with_token_verified(true);
+/// assert_eq!(caller.client_id(), "billing-7");
+/// assert!(caller.token_verified());
+/// assert!(caller.peer_certificate().is_none());
+/// ```
+#[derive(Clone, PartialEq, Eq)]
+pub struct Caller {
+    peer: SocketAddr,
+    client_id: String,
+    token_verified: bool,
+    peer_certificate: Option<Vec<u8>>,
+}
+
+impl Caller {
+    /// A caller at `peer` that said `client_id` in its `Hello`, with no token checked and no
+    /// certificate presented (add them with the `with_` methods).
+    pub fn new(peer: SocketAddr, client_id: impl Into<String>) -> Self {
+        Caller {
+            peer,
+            client_id: client_id.into(),
+            token_verified: false,
+            peer_certificate: None,
+        }
+    }
+
+    /// Says whether the server required a token and this caller's matched.
+    pub fn with_token_verified(mut self, verified: bool) -> Self {
+        self.token_verified = verified;
+        self
+    }
+
+    /// The end-entity certificate (DER) the caller presented in a mutual TLS handshake.
+    pub fn with_peer_certificate(mut self, der: Option<Vec<u8>>) -> Self {
+        self.peer_certificate = der;
+        self
+    }
+
+    /// The address the connection comes from.
+    pub fn peer(&self) -> SocketAddr {
+        self.peer
+    }
+
+    /// The client id of the caller's `Hello` (`ConnectOptions::client_id`, by default
+    /// `rpc-client/<pid>`): a name the client chose, verified by nothing; trust it only on
+    /// connections that passed the token check or mutual TLS.
+    pub fn client_id(&self) -> &str {
+        &self.client_id
+    }
+
+    /// Whether the server required a token and the caller's `Hello` carried it. `false` when the
+    /// server requires none (a connection with a wrong token never gets as far as a call).
+    pub fn token_verified(&self) -> bool {
+        self.token_verified
+    }
+
+    /// The end-entity certificate (DER) the caller presented in the TLS handshake, verified
+    /// against the server's client CA: present only on servers that require client
+    /// certificates (`ServerTls::require_client_certs`, feature `tls`). Parse it with an X.509
+    /// library to read its subject or its subject alternative names.
+    pub fn peer_certificate(&self) -> Option<&[u8]> {
+        self.peer_certificate.as_deref()
+    }
+}
+
+impl fmt::Debug for Caller {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Caller")
+            .field("peer", &self.peer)
+            .field("client_id", &self.client_id)
+            .field("token_verified", &self.token_verified)
+            .field(
+                "peer_certificate",
+                &self
+                    .peer_certificate
+                    .as_ref()
+                    .map(|c| format!("{} bytes", c.len())),
+            )
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_new_caller_has_checked_nothing_until_told() {
+        let peer: SocketAddr = "127.0.0.1:9".parse().unwrap();
+        let bare = Caller::new(peer, "c");
+        assert_eq!(
+            (bare.peer(), bare.token_verified(), bare.peer_certificate()),
+            (peer, false, None)
+        );
+        let full = bare
+            .with_token_verified(true)
+            .with_peer_certificate(Some(vec![0x30, 0x03]));
+        assert!(full.token_verified());
+        assert_eq!(full.peer_certificate(), Some(&[0x30, 0x03][..]));
+        assert!(format!("{full:?}").contains("2 bytes"));
+    }
+}
