@@ -79,7 +79,7 @@ pub use rpc_registry::{InProcessRegistry, Instance, Registry, RegistryError, Sta
 #[cfg(feature = "tower")]
 pub use rpc_server::tower;
 /// Server middleware (README, "Server middleware"): layers around dispatch and who calls.
-pub use rpc_server::{Caller, LayerFuture, Next, ServerLayer, ServerRequest};
+pub use rpc_server::{Caller, LayerFuture, Next as ServerNext, ServerLayer, ServerRequest};
 pub use rpc_server::{Server, ServerBuilder, ServerHandle, Service, ServiceFuture};
 /// What a middleware receives and returns: encoded arguments and results, boxed futures.
 pub use {bytes::Bytes, futures_util::future::BoxFuture};

@@ -13,8 +13,8 @@ use common::{no_retry, recv_one, within};
 use rpc::crates::core::wire::{RemoteInvokeMessage, RemoteResultMessage};
 use rpc::crates::transport::{self as transport, Call, ConnectOptions, Connection, Dispatch};
 use rpc::{
-    Caller, Client, InProcessRegistry, LayerFuture, Next, RpcContext, RpcError, Server,
-    ServerHandle, ServerLayer, ServerRequest, StatusCode,
+    Caller, Client, InProcessRegistry, LayerFuture, RpcContext, RpcError, Server, ServerHandle,
+    ServerLayer, ServerNext, ServerRequest, StatusCode,
 };
 use tokio::sync::{mpsc, Semaphore};
 use tokio_util::sync::CancellationToken;
@@ -87,7 +87,7 @@ struct CancelAllowList {
 }
 
 impl ServerLayer for CancelAllowList {
-    fn call<'a>(&'a self, req: &'a mut ServerRequest, next: Next<'a>) -> LayerFuture<'a> {
+    fn call<'a>(&'a self, req: &'a mut ServerRequest, next: ServerNext<'a>) -> LayerFuture<'a> {
         Box::pin(async move {
             if req.entry_id() == "orders.Orders.cancel"
                 && !(req.caller().token_verified()
@@ -111,7 +111,7 @@ impl ServerLayer for CancelAllowList {
 struct ValidateOrders;
 
 impl ServerLayer for ValidateOrders {
-    fn call<'a>(&'a self, req: &'a mut ServerRequest, next: Next<'a>) -> LayerFuture<'a> {
+    fn call<'a>(&'a self, req: &'a mut ServerRequest, next: ServerNext<'a>) -> LayerFuture<'a> {
         Box::pin(async move {
             if req.entry_id() == "orders.Orders.place" {
                 let (item, quantity): (String, u32) = req.decode_parameters()?;
@@ -138,7 +138,7 @@ struct CountCalls {
 }
 
 impl ServerLayer for CountCalls {
-    fn call<'a>(&'a self, req: &'a mut ServerRequest, next: Next<'a>) -> LayerFuture<'a> {
+    fn call<'a>(&'a self, req: &'a mut ServerRequest, next: ServerNext<'a>) -> LayerFuture<'a> {
         Box::pin(async move {
             let entry = req.entry_id();
             let result = next.run(req).await;
@@ -172,7 +172,7 @@ struct Seen {
 struct Witness(mpsc::UnboundedSender<Seen>);
 
 impl ServerLayer for Witness {
-    fn call<'a>(&'a self, req: &'a mut ServerRequest, next: Next<'a>) -> LayerFuture<'a> {
+    fn call<'a>(&'a self, req: &'a mut ServerRequest, next: ServerNext<'a>) -> LayerFuture<'a> {
         Box::pin(async move {
             let _ = self.0.send(Seen {
                 entry: req.entry_id(),
@@ -510,7 +510,7 @@ async fn a_layer_sees_the_entry_caller_attachments_and_deadline() {
 struct Canned;
 
 impl ServerLayer for Canned {
-    fn call<'a>(&'a self, req: &'a mut ServerRequest, next: Next<'a>) -> LayerFuture<'a> {
+    fn call<'a>(&'a self, req: &'a mut ServerRequest, next: ServerNext<'a>) -> LayerFuture<'a> {
         Box::pin(async move {
             if req.entry_id() == "orders.Orders.place" {
                 return req.encode_answer(&4242u64);
@@ -540,7 +540,7 @@ async fn a_layer_can_answer_with_a_value_of_its_own() {
 struct Broken;
 
 impl ServerLayer for Broken {
-    fn call<'a>(&'a self, _req: &'a mut ServerRequest, _next: Next<'a>) -> LayerFuture<'a> {
+    fn call<'a>(&'a self, _req: &'a mut ServerRequest, _next: ServerNext<'a>) -> LayerFuture<'a> {
         Box::pin(async move { panic!("broken layer") })
     }
 }
@@ -746,7 +746,7 @@ struct CancelByCertificate {
 }
 
 impl ServerLayer for CancelByCertificate {
-    fn call<'a>(&'a self, req: &'a mut ServerRequest, next: Next<'a>) -> LayerFuture<'a> {
+    fn call<'a>(&'a self, req: &'a mut ServerRequest, next: ServerNext<'a>) -> LayerFuture<'a> {
         Box::pin(async move {
             if req.entry_id() == "orders.Orders.cancel"
                 && req.caller().peer_certificate() != Some(&self.admin_der[..])

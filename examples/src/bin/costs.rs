@@ -99,7 +99,7 @@ impl rpc::ServerLayer for PassThrough {
     fn call<'a>(
         &'a self,
         req: &'a mut rpc::ServerRequest,
-        next: rpc::Next<'a>,
+        next: rpc::ServerNext<'a>,
     ) -> rpc::LayerFuture<'a> {
         Box::pin(next.run(req))
     }
