@@ -1,17 +1,11 @@
-//! The client side of a connection: handshake, multiplexed calls, heartbeats.
+//! One multiplexed connection: connect, handshake, send calls, wait for their answers.
 
-use std::borrow::Cow;
-use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
-use bytes::Bytes;
 use dashmap::DashMap;
 use futures_util::StreamExt;
-use rpc_core::wire::{
-    frame::Kind, Cancel, Hello, Ping, Pong, RemoteInvokeMessage, RemoteResultMessage,
-};
+use rpc_core::wire::{frame::Kind, Hello, RemoteResultMessage};
 use rpc_core::{RpcError, StatusCode, PROTOCOL_VERSION};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
@@ -20,121 +14,14 @@ use tokio::time::Instant;
 use tokio_util::codec::FramedRead;
 use tokio_util::sync::CancellationToken;
 
+use super::heartbeat::{heartbeat, sweeper};
+use super::options::ConnectOptions;
+use super::pending::{Pending, PendingGuard, NO_SWEEP};
+use super::reader::read_loop;
+use super::Call;
 use crate::codec::{FrameCodec, FrameError};
-use crate::encode::InvokeFields;
 use crate::writer::{spawn_writer, FrameSender};
 use crate::READ_BUFFER;
-
-/// How a client connects. Its `Debug` form shows whether a token is set, never the token.
-#[derive(Clone)]
-pub struct ConnectOptions {
-    /// Sent in `Hello.token`; `None` sends an empty token.
-    pub token: Option<String>,
-    /// Sent in `Hello.client_id`.
-    pub client_id: String,
-    /// Largest frame accepted from the server.
-    pub max_frame_length: usize,
-    /// Limit on TCP connect plus handshake.
-    pub connect_timeout: Duration,
-    /// A `Ping` is sent after this long without traffic; the connection is closed when nothing
-    /// at all arrived for three intervals.
-    pub heartbeat_interval: Duration,
-    /// Bytes of calls queued on one connection and not yet written (about: parameters and
-    /// entry id of each call plus 64), 4 MiB by default. Above it, as when the server stalls
-    /// and stops reading, a new call waits for room, within its deadline, instead of growing
-    /// the client's memory without limit; a call is always let in while the queue is below
-    /// the limit, however large it is.
-    pub max_unsent_bytes: usize,
-    /// TLS to the server (feature `tls`); `None` connects over plain TCP. The TLS handshake
-    /// counts within `connect_timeout`.
-    #[cfg(feature = "tls")]
-    pub tls: Option<crate::tls::ClientTls>,
-}
-
-impl Default for ConnectOptions {
-    fn default() -> Self {
-        ConnectOptions {
-            token: None,
-            client_id: format!("rpc-client/{}", std::process::id()),
-            max_frame_length: rpc_core::DEFAULT_MAX_FRAME_LENGTH,
-            connect_timeout: Duration::from_secs(3),
-            heartbeat_interval: Duration::from_secs(10),
-            max_unsent_bytes: 4 * 1024 * 1024,
-            #[cfg(feature = "tls")]
-            tls: None,
-        }
-    }
-}
-
-impl std::fmt::Debug for ConnectOptions {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let mut d = f.debug_struct("ConnectOptions");
-        d.field("token", &crate::Redacted(&self.token))
-            .field("client_id", &self.client_id)
-            .field("max_frame_length", &self.max_frame_length)
-            .field("connect_timeout", &self.connect_timeout)
-            .field("heartbeat_interval", &self.heartbeat_interval)
-            .field("max_unsent_bytes", &self.max_unsent_bytes);
-        #[cfg(feature = "tls")]
-        d.field("tls", &self.tls);
-        d.finish()
-    }
-}
-
-/// One call for [`Connection::call`]: a `RemoteInvokeMessage` without its `message_id`, which the
-/// connection assigns. The entry id is usually a method descriptor's `&'static str`, borrowed
-/// rather than copied into every call; any `RemoteInvokeMessage` converts into a `Call`.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Call {
-    /// Which method to run: `"<service id>.<method>"`, for example `"echo.Echo.echo"`.
-    pub service_entry_id: Cow<'static, str>,
-    /// How `parameters` is encoded, and how the result will be (`Codec::to_wire`).
-    pub codec: i32,
-    /// The encoded argument list.
-    pub parameters: Bytes,
-    /// Context carried with the call.
-    pub attachments: BTreeMap<String, String>,
-    /// The caller's remaining budget in milliseconds; 0 means no deadline.
-    pub timeout_ms: u32,
-}
-
-impl Call {
-    pub(crate) fn fields(&self, message_id: u64) -> InvokeFields<'_> {
-        InvokeFields {
-            message_id,
-            service_entry_id: &self.service_entry_id,
-            codec: self.codec,
-            parameters: &self.parameters,
-            attachments: &self.attachments,
-            timeout_ms: self.timeout_ms,
-        }
-    }
-}
-
-impl From<RemoteInvokeMessage> for Call {
-    /// Takes everything but `message_id`.
-    fn from(m: RemoteInvokeMessage) -> Self {
-        Call {
-            service_entry_id: m.service_entry_id.into(),
-            codec: m.codec,
-            parameters: m.parameters,
-            attachments: m.attachments,
-            timeout_ms: m.timeout_ms,
-        }
-    }
-}
-
-type Waiter = oneshot::Sender<Result<RemoteResultMessage, RpcError>>;
-
-/// A call waiting for its answer.
-struct Pending {
-    waiter: Waiter,
-    /// Milliseconds after the connection's epoch at which the call times out (0: never).
-    deadline_ms: u64,
-}
-
-/// No sweep scheduled.
-const NO_SWEEP: u64 = u64::MAX;
 
 /// One multiplexed connection to a server. Cheap to clone; calls run concurrently and are matched
 /// to their answers by `message_id`.
@@ -144,14 +31,14 @@ const NO_SWEEP: u64 = u64::MAX;
 /// closing a connection nobody can use any more.
 #[derive(Clone)]
 pub struct Connection {
-    shared: Arc<Shared>,
+    pub(super) shared: Arc<Shared>,
     /// Held only by the clones of this `Connection`, never by its tasks.
-    _owners: Arc<CloseOnDrop>,
+    pub(super) _owners: Arc<CloseOnDrop>,
 }
 
 /// Closes the connection when the last [`Connection`] clone goes: the connection's tasks hold
 /// `Shared` themselves, so its count cannot tell when users are done with it.
-struct CloseOnDrop(Arc<Shared>);
+pub(super) struct CloseOnDrop(Arc<Shared>);
 
 impl Drop for CloseOnDrop {
     fn drop(&mut self) {
@@ -161,27 +48,27 @@ impl Drop for CloseOnDrop {
 }
 
 /// Ids of connections, unique in the process.
-static NEXT_CONNECTION_ID: AtomicU64 = AtomicU64::new(1);
+pub(super) static NEXT_CONNECTION_ID: AtomicU64 = AtomicU64::new(1);
 
-struct Shared {
+pub(super) struct Shared {
     /// Unique in the process, never 0.
-    id: u64,
-    peer: String,
-    sender: FrameSender,
+    pub(super) id: u64,
+    pub(super) peer: String,
+    pub(super) sender: FrameSender,
     /// `ConnectOptions::max_unsent_bytes`.
-    max_unsent_bytes: usize,
-    pending: DashMap<u64, Pending, ahash::RandomState>,
+    pub(super) max_unsent_bytes: usize,
+    pub(super) pending: DashMap<u64, Pending, ahash::RandomState>,
     /// Deadlines are enforced by one sweeper task per connection instead of one timer per
     /// call: `next_sweep` is the earliest deadline not yet checked (ms after `epoch`).
-    epoch: Instant,
-    next_sweep: AtomicU64,
-    sweep: Notify,
-    in_flight: Arc<AtomicUsize>,
-    next_id: AtomicU64,
-    going_away: AtomicBool,
+    pub(super) epoch: Instant,
+    pub(super) next_sweep: AtomicU64,
+    pub(super) sweep: Notify,
+    pub(super) in_flight: Arc<AtomicUsize>,
+    pub(super) next_id: AtomicU64,
+    pub(super) going_away: AtomicBool,
     /// Mirrors `close` for the hot path: checking a token takes a lock, this does not.
-    closed: AtomicBool,
-    close: CancellationToken,
+    pub(super) closed: AtomicBool,
+    pub(super) close: CancellationToken,
 }
 
 impl std::fmt::Debug for Connection {
@@ -194,7 +81,7 @@ impl std::fmt::Debug for Connection {
     }
 }
 
-fn comm_error(peer: &str, what: impl std::fmt::Display) -> RpcError {
+pub(super) fn comm_error(peer: &str, what: impl std::fmt::Display) -> RpcError {
     RpcError::new(StatusCode::CommunicationError, format!("{peer}: {what}"))
 }
 
@@ -465,42 +352,14 @@ impl Connection {
     }
 }
 
-async fn sleep_until_or_never(at: Option<Instant>) {
+pub(super) async fn sleep_until_or_never(at: Option<Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,
         None => std::future::pending().await,
     }
 }
 
-/// Removes a call from the pending map and tells the server when the caller gives up.
-struct PendingGuard<'a> {
-    shared: &'a Shared,
-    id: u64,
-    armed: bool,
-}
-
-impl PendingGuard<'_> {
-    fn disarm_quietly(&mut self) {
-        self.armed = false;
-        self.shared.pending.remove(&self.id);
-        self.shared.in_flight.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
-impl Drop for PendingGuard<'_> {
-    fn drop(&mut self) {
-        if self.armed {
-            self.shared.in_flight.fetch_sub(1, Ordering::Relaxed);
-            if self.shared.pending.remove(&self.id).is_some() {
-                self.shared.sender.send(Kind::Cancel(Cancel {
-                    message_id: self.id,
-                }));
-            }
-        }
-    }
-}
-
-fn handshake_failed(addr: &str, e: FrameError) -> RpcError {
+pub(super) fn handshake_failed(addr: &str, e: FrameError) -> RpcError {
     // With TLS 1.3 a server that refuses the client's certificate says so after the client's
     // side of the TLS handshake is done: its alert is the first thing read.
     #[cfg(feature = "tls")]
@@ -521,173 +380,4 @@ fn handshake_failed(addr: &str, e: FrameError) -> RpcError {
         }
     }
     comm_error(addr, format!("handshake failed: {e}"))
-}
-
-async fn read_loop<R: AsyncRead + Unpin>(
-    mut frames: FramedRead<R, FrameCodec>,
-    shared: Arc<Shared>,
-    received: Arc<AtomicU64>,
-) {
-    let mut clean_drain = true;
-    let closing = shared.close.cancelled();
-    tokio::pin!(closing);
-    let reason = loop {
-        // Answers already read are handed out before the close signal is polled again.
-        let next = match crate::codec::buffered(&mut frames) {
-            Some(frame) => Some(frame),
-            None => tokio::select! {
-                biased;
-                _ = &mut closing => break "connection closed".to_string(),
-                f = frames.next() => f,
-            },
-        };
-        received.fetch_add(1, Ordering::Relaxed);
-        match next {
-            Some(Ok(Kind::Result(result))) => {
-                if let Some((_, p)) = shared.pending.remove(&result.message_id) {
-                    let _ = p.waiter.send(Ok(result));
-                }
-                // An answer to a cancelled call: ignored, as the protocol says.
-            }
-            Some(Ok(Kind::Ping(Ping { nonce }))) => {
-                shared.sender.send(Kind::Pong(Pong { nonce }));
-            }
-            Some(Ok(Kind::Pong(_))) => {}
-            Some(Ok(Kind::GoAway(g))) => {
-                if g.status_code != StatusCode::Success.as_u32() {
-                    clean_drain = false;
-                    break format!("server closed the connection: {}", g.reason);
-                }
-                shared.going_away.store(true, Ordering::Relaxed);
-                tracing::debug!(peer = %shared.peer, reason = %g.reason, "server is draining");
-                if shared.pending.is_empty() {
-                    break "server is draining".to_string();
-                }
-            }
-            Some(Ok(other)) => {
-                clean_drain = false;
-                break format!(
-                    "protocol violation: unexpected {} from the server",
-                    kind_name(&other)
-                );
-            }
-            Some(Err(e)) => {
-                clean_drain = false;
-                break format!("bad frame from the server: {e}");
-            }
-            None => break "connection closed by the server".to_string(),
-        }
-        if shared.going_away.load(Ordering::Relaxed) && shared.pending.is_empty() {
-            break "server is draining".to_string();
-        }
-    };
-    shared.closed.store(true, Ordering::Release);
-    shared.close.cancel();
-    // A draining server (GoAway 200) answers every call it read, even those it drops at its
-    // drain deadline: calls still pending now never reached it and may safely go elsewhere.
-    let maybe_delivered = !(clean_drain && shared.going_away.load(Ordering::Relaxed));
-    fail_pending(&shared, &reason, maybe_delivered);
-}
-
-fn fail_pending(shared: &Shared, reason: &str, maybe_delivered: bool) {
-    let ids: Vec<u64> = shared.pending.iter().map(|e| *e.key()).collect();
-    for id in ids {
-        if let Some((_, p)) = shared.pending.remove(&id) {
-            let err = comm_error(&shared.peer, reason).maybe_delivered(maybe_delivered);
-            let _ = p.waiter.send(Err(err));
-        }
-    }
-}
-
-/// Fails calls whose deadline passed with [`StatusCode::Timeout`] and sends `Cancel` for them.
-/// Sleeps until the earliest deadline, so a connection whose calls all answer in time costs one
-/// timer per earliest-deadline change, not one per call.
-/// Ends with the connection (the reader cancels `close` whenever it stops).
-async fn sweeper(s: Arc<Shared>) {
-    let closing = s.close.clone();
-    let closing = closing.cancelled();
-    tokio::pin!(closing);
-    loop {
-        let next = s.next_sweep.load(Ordering::Acquire);
-        let wake = s.epoch + Duration::from_millis(next.min(u32::MAX as u64));
-        tokio::select! {
-            _ = &mut closing => return,
-            _ = s.sweep.notified() => continue,
-            _ = tokio::time::sleep_until(wake), if next != NO_SWEEP => {}
-        }
-        let now_ms = s.epoch.elapsed().as_millis() as u64;
-        if now_ms < s.next_sweep.load(Ordering::Acquire) {
-            continue;
-        }
-        s.next_sweep.store(NO_SWEEP, Ordering::Release);
-        let mut expired = Vec::new();
-        for e in s.pending.iter() {
-            match e.deadline_ms {
-                0 => {}
-                d if d <= now_ms => expired.push(*e.key()),
-                d => {
-                    s.next_sweep.fetch_min(d, Ordering::AcqRel);
-                }
-            }
-        }
-        for id in expired {
-            if let Some((_, p)) = s.pending.remove(&id) {
-                let _ = p.waiter.send(Err(RpcError::new(
-                    StatusCode::Timeout,
-                    format!(
-                        "{}: no answer before the call's deadline; the server was told to stop",
-                        s.peer
-                    ),
-                )));
-                s.sender.send(Kind::Cancel(Cancel { message_id: id }));
-            }
-        }
-    }
-}
-
-/// Pings every `interval`; closes the connection when no frame at all arrived during three
-/// intervals in a row (a frame counter is compared, so the reader never reads the clock).
-async fn heartbeat(shared: std::sync::Weak<Shared>, interval: Duration, received: Arc<AtomicU64>) {
-    let mut nonce = 0u64;
-    let mut last_count = received.load(Ordering::Relaxed);
-    let mut silent_ticks = 0u32;
-    loop {
-        let close = match shared.upgrade() {
-            Some(s) => s.close.clone(),
-            None => return,
-        };
-        tokio::select! {
-            _ = close.cancelled() => return,
-            _ = tokio::time::sleep(interval) => {}
-        }
-        let Some(s) = shared.upgrade() else { return };
-        let count = received.load(Ordering::Relaxed);
-        if count == last_count {
-            silent_ticks += 1;
-        } else {
-            silent_ticks = 0;
-            last_count = count;
-        }
-        if silent_ticks >= 3 {
-            tracing::debug!(peer = %s.peer, "no traffic from the server for three heartbeats: closing");
-            s.closed.store(true, Ordering::Release);
-            s.close.cancel();
-            return;
-        }
-        nonce += 1;
-        s.sender.send(Kind::Ping(Ping { nonce }));
-    }
-}
-
-pub(crate) fn kind_name(kind: &Kind) -> &'static str {
-    match kind {
-        Kind::Hello(_) => "Hello",
-        Kind::HelloAck(_) => "HelloAck",
-        Kind::Invoke(_) => "RemoteInvokeMessage",
-        Kind::Result(_) => "RemoteResultMessage",
-        Kind::Cancel(_) => "Cancel",
-        Kind::Ping(_) => "Ping",
-        Kind::Pong(_) => "Pong",
-        Kind::GoAway(_) => "GoAway",
-    }
 }

@@ -1,0 +1,294 @@
+//! One connection: its read loop, the tasks of its calls, and its cleanup however it ends.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+use rpc_core::wire::frame::Kind;
+use rpc_core::StatusCode;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::sync::Notify;
+use tokio::task::AbortHandle;
+use tokio::time::Instant;
+use tokio_util::codec::FramedRead;
+use tokio_util::sync::CancellationToken;
+
+use super::accept::refuse;
+use super::admission::{throttle_at, CallRate, FrameCtx};
+use super::drain::drain;
+use super::handshake::handshake;
+use super::{go_away, Dispatch, Served, MAX_HELLO_FRAME, REFUSALS_BEFORE_PAUSE};
+use crate::codec::FrameCodec;
+use crate::reader::FrameReader;
+use crate::writer::{spawn_writer, FrameSender};
+use crate::HELLO_BUFFER;
+
+pub(super) struct Conn {
+    pub(super) sender: FrameSender,
+    pub(super) in_flight: Arc<AtomicUsize>,
+    pub(super) tasks: Mutex<HashMap<u64, AbortHandle, ahash::RandomState>>,
+    pub(super) idle: Notify,
+    /// Woken when a spawned call finishes (for a reader paused at the in-flight limit).
+    pub(super) finished: Notify,
+    /// Calls refused in a row at the in-flight limit.
+    pub(super) refused_in_a_row: AtomicU32,
+    /// Calls that broke the attachment limits.
+    pub(super) abuses: AtomicU32,
+}
+
+impl Conn {
+    pub(super) fn tasks(
+        &self,
+    ) -> std::sync::MutexGuard<'_, HashMap<u64, AbortHandle, ahash::RandomState>> {
+        self.tasks.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+pub(super) async fn run_connection<R, W>(
+    rd: R,
+    wr: W,
+    peer: SocketAddr,
+    server: &Served,
+    hello_by: Instant,
+    admitted: bool,
+) where
+    R: AsyncRead + Unpin + Send + 'static,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
+    let Served {
+        handler,
+        budget,
+        options,
+        shutdown,
+    } = server;
+    if !admitted {
+        refuse(wr, options.max_connections).await;
+        return;
+    }
+    let in_flight = Arc::new(AtomicUsize::new(0));
+    let close = CancellationToken::new();
+    let sender = spawn_writer(wr, in_flight.clone(), close.clone());
+    // A small buffer, and frames of a few KiB at most, until the client has said Hello:
+    // connections that never get that far (floods, scanners, peers announcing large frames)
+    // cost little memory.
+    let hello_limit = options.max_frame_length.min(MAX_HELLO_FRAME);
+    let mut frames = FramedRead::with_capacity(rd, FrameCodec::new(hello_limit), HELLO_BUFFER);
+
+    if let Err((code, reason)) = handshake(&mut frames, &sender, options, hello_by).await {
+        tracing::info!(%peer, %reason, "handshake refused");
+        sender.send(go_away(code, reason));
+        close.cancel();
+        return;
+    }
+    // The connection's real buffer, under the server's read budget, holding whatever the
+    // client sent right after its Hello.
+    let early = frames.read_buffer().clone();
+    let mut frames = FrameReader::new(
+        frames.into_inner(),
+        &early,
+        options.max_frame_length,
+        budget.clone(),
+        peer,
+    );
+
+    let conn = Arc::new(Conn {
+        sender,
+        in_flight,
+        tasks: Mutex::new(HashMap::default()),
+        idle: Notify::new(),
+        finished: Notify::new(),
+        refused_in_a_row: AtomicU32::new(0),
+        abuses: AtomicU32::new(0),
+    });
+    // Runs however the connection ends, including when its task is aborted: running handlers
+    // are dropped and the socket is closed.
+    let _cleanup = ConnCleanup {
+        conn: conn.clone(),
+        close: close.clone(),
+    };
+    let shutdown_signal = shutdown.cancelled();
+    tokio::pin!(shutdown_signal);
+    let idle = tokio::time::sleep(options.idle_timeout);
+    tokio::pin!(idle);
+    // Idleness is checked when the timer fires rather than by resetting it for every frame.
+    let (mut frames_seen, mut frames_at_check) = (0u64, 0u64);
+    let ctx = FrameCtx {
+        conn: &conn,
+        options,
+        handler: handler.as_ref(),
+        peer,
+    };
+
+    let mut rate = options
+        .max_calls_per_second_per_connection
+        .map(|n| CallRate::new(n, Instant::now()));
+    // Armed while the call rate pauses the connection.
+    let throttle = tokio::time::sleep(Duration::ZERO);
+    tokio::pin!(throttle);
+    let mut throttled = false;
+
+    // Whether the reader gave way once since the connection reached its in-flight limit.
+    let mut gave_way = false;
+    let ended: Option<String> = loop {
+        // Calls just read run in tasks of their own: at the in-flight limit, let them run once
+        // before refusing more, so that a client pipelining calls that finish at once is not
+        // refused for calls that are merely not yet polled.
+        if conn.in_flight.load(Ordering::Acquire) >= options.max_in_flight_per_connection {
+            if !gave_way {
+                gave_way = true;
+                tokio::task::yield_now().await;
+                continue;
+            }
+        } else {
+            gave_way = false;
+        }
+        // No more calls are taken while the client leaves its answers unread, nor after many
+        // calls in a row were refused at the in-flight limit, until a running call finishes,
+        // nor above the call rate: the frames wait in the read buffer and in TCP.
+        let backlogged = conn.sender.backlog().bytes() > options.max_unsent_bytes;
+        let at_limit = conn.refused_in_a_row.load(Ordering::Relaxed) >= REFUSALS_BEFORE_PAUSE
+            && conn.in_flight.load(Ordering::Acquire) >= options.max_in_flight_per_connection;
+        let paused = backlogged || at_limit || throttled;
+        // Frames already read are handled before anything else is polled: the shutdown and
+        // idle checks run once per read from the socket, not once per frame. Each counts
+        // against the task's scheduling budget, so one busy connection cannot hold a worker.
+        if !paused {
+            if let Some(next) = frames.buffered() {
+                frames_seen += 1;
+                let call = matches!(next, Ok(Kind::Invoke(_)));
+                if let Err(end) = ctx.on_frame(Some(next), false) {
+                    break end;
+                }
+                throttled = call && throttle_at(&mut rate, throttle.as_mut());
+                tokio::task::coop::consume_budget().await;
+                continue;
+            }
+        }
+        let next = tokio::select! {
+            biased;
+            _ = &mut shutdown_signal => break None,
+            _ = &mut idle => {
+                // A connection with calls in flight is not idle, however quiet the client is.
+                if frames_seen != frames_at_check || conn.in_flight.load(Ordering::Acquire) > 0 {
+                    frames_at_check = frames_seen;
+                    idle.as_mut().reset(Instant::now() + options.idle_timeout);
+                    continue;
+                }
+                break Some(format!("idle for {} ms: closing", options.idle_timeout.as_millis()));
+            }
+            _ = conn.sender.backlog().written(), if backlogged => continue,
+            _ = conn.finished.notified(), if at_limit && !backlogged => continue,
+            _ = &mut throttle, if throttled => {
+                throttled = false;
+                continue;
+            }
+            f = frames.next(), if !paused => f,
+        };
+        frames_seen += 1;
+        let call = matches!(next, Some(Ok(Kind::Invoke(_))));
+        if let Err(end) = ctx.on_frame(next, false) {
+            break end;
+        }
+        throttled = call && throttle_at(&mut rate, throttle.as_mut());
+    };
+
+    let reason = match ended {
+        Some(reason) => Some(reason),
+        None if shutdown.is_cancelled() => drain(&ctx, &mut frames, options).await,
+        None => None,
+    };
+    if let Some(reason) = reason {
+        tracing::info!(%peer, %reason, "closing connection");
+        conn.sender
+            .send(go_away(StatusCode::FrameworkError, reason));
+    }
+}
+
+pub(super) struct ConnCleanup {
+    pub(super) conn: Arc<Conn>,
+    pub(super) close: CancellationToken,
+}
+
+impl Drop for ConnCleanup {
+    fn drop(&mut self) {
+        // Work for a client that is gone (or past the drain deadline) is dropped.
+        for (_, h) in self.conn.tasks().drain() {
+            h.abort();
+        }
+        self.close.cancel();
+    }
+}
+
+/// Answers or starts one call. The handler runs in a task of its own, so that one blocking
+/// before its first `.await` stalls only itself, never the connection's reader; with
+/// `inline_first_poll` it is polled once here first and spawned only if it has to wait.
+pub(super) fn dispatch(conn: &Arc<Conn>, outcome: Dispatch, id: u64, inline_first_poll: bool) {
+    match outcome {
+        Dispatch::Ready(mut r) => {
+            r.message_id = id;
+            conn.sender.send(Kind::Result(r));
+        }
+        Dispatch::Spawn(mut fut) => {
+            // (The spawned task polls again with its own waker, so nothing is lost by this
+            // first poll's no-op waker.)
+            if inline_first_poll {
+                let mut cx = Context::from_waker(Waker::noop());
+                if let Poll::Ready(mut r) = fut.as_mut().poll(&mut cx) {
+                    r.message_id = id;
+                    conn.sender.send(Kind::Result(r));
+                    return;
+                }
+            }
+            conn.in_flight.fetch_add(1, Ordering::AcqRel);
+            // The map stays locked until the task's handle is in it: the task looks itself up
+            // there when it finishes.
+            let mut tasks = conn.tasks();
+            let task_conn = conn.clone();
+            let task = tokio::spawn(async move {
+                let conn = task_conn;
+                if !inline_first_poll {
+                    Handoff(false).await;
+                }
+                let mut r = fut.await;
+                // Absent when a Cancel got there first (it aborted the task, which then ends at
+                // its next `.await`, and already counted the call out).
+                if conn.tasks().remove(&id).is_some() {
+                    r.message_id = id;
+                    conn.sender.send(Kind::Result(r));
+                    if conn.in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
+                        conn.idle.notify_one();
+                    }
+                    conn.finished.notify_one();
+                }
+            });
+            tasks.insert(id, task.abort_handle());
+        }
+    }
+}
+
+/// Makes a freshly spawned call task give way once before it polls the handler, so that a
+/// handler which then blocks its thread does not stall the rest of the server.
+///
+/// A task spawned by the reader goes into its worker's "next task" slot, which other workers
+/// cannot steal from and which wakes no idle worker. Were the handler to block in that first
+/// run, the worker would be held, and with it the I/O driver it may have been the last to run:
+/// no other worker would be woken to read the connection. A task that wakes itself and returns
+/// `Pending` is put at the back of the run queue instead, which wakes an idle worker (when
+/// there is one) to take over reading.
+pub(super) struct Handoff(bool);
+
+impl std::future::Future for Handoff {
+    type Output = ();
+
+    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        if self.0 {
+            return Poll::Ready(());
+        }
+        self.0 = true;
+        cx.waker().wake_by_ref();
+        Poll::Pending
+    }
+}
