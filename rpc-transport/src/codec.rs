@@ -5,6 +5,9 @@ use prost::Message;
 use rpc_core::wire::{frame::Kind, Frame};
 use tokio_util::codec::{Decoder, Encoder};
 
+use crate::encode::put_call_frame;
+pub(crate) use crate::encode::PREFIX;
+
 /// Why a frame could not be read or written.
 #[derive(Debug, thiserror::Error)]
 pub enum FrameError {
@@ -36,9 +39,6 @@ pub struct FrameCodec {
     max_frame_length: usize,
 }
 
-/// Bytes of the length prefix.
-pub(crate) const PREFIX: usize = 4;
-
 impl FrameCodec {
     /// A codec accepting frames up to `max_frame_length` bytes (the N of the prefix).
     pub fn new(max_frame_length: usize) -> Self {
@@ -47,7 +47,7 @@ impl FrameCodec {
 
     /// Appends one frame holding `kind` to `dst`.
     pub fn encode_kind(kind: Kind, dst: &mut BytesMut) {
-        if crate::encode::put_call_frame(&kind, dst) {
+        if put_call_frame(&kind, dst) {
             return;
         }
         let frame = Frame { kind: Some(kind) };
@@ -103,6 +103,20 @@ impl Encoder<Kind> for FrameCodec {
     fn encode(&mut self, kind: Kind, dst: &mut BytesMut) -> Result<(), FrameError> {
         Self::encode_kind(kind, dst);
         Ok(())
+    }
+}
+
+/// The name of a frame kind, for errors and logs.
+pub(crate) fn kind_name(kind: &Kind) -> &'static str {
+    match kind {
+        Kind::Hello(_) => "Hello",
+        Kind::HelloAck(_) => "HelloAck",
+        Kind::Invoke(_) => "RemoteInvokeMessage",
+        Kind::Result(_) => "RemoteResultMessage",
+        Kind::Cancel(_) => "Cancel",
+        Kind::Ping(_) => "Ping",
+        Kind::Pong(_) => "Pong",
+        Kind::GoAway(_) => "GoAway",
     }
 }
 

@@ -37,6 +37,7 @@
 //! ```
 #![warn(missing_docs)]
 
+mod call;
 mod client;
 mod codec;
 mod encode;
@@ -47,7 +48,8 @@ mod server;
 pub mod tls;
 mod writer;
 
-pub use client::{Call, ConnectOptions, Connection};
+pub use call::Call;
+pub use client::{ConnectOptions, Connection};
 pub use codec::{FrameCodec, FrameError};
 pub use pool::ConnectionPool;
 pub use server::{

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use dashmap::DashMap;
 use futures_util::StreamExt;
-use rpc_core::wire::{frame::Kind, Hello, RemoteResultMessage};
+use rpc_core::wire::{frame::Kind, Cancel, Hello, RemoteResultMessage};
 use rpc_core::{RpcError, StatusCode, PROTOCOL_VERSION};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
@@ -16,11 +16,13 @@ use tokio_util::sync::CancellationToken;
 
 use super::heartbeat::{heartbeat, sweeper};
 use super::options::ConnectOptions;
-use super::pending::{Pending, PendingGuard, NO_SWEEP};
+use super::pending::{Pending, NO_SWEEP};
 use super::reader::read_loop;
-use super::Call;
-use crate::codec::{FrameCodec, FrameError};
-use crate::writer::{spawn_writer, FrameSender};
+use super::shared::{comm_error, Shared, NEXT_CONNECTION_ID};
+use crate::call::Call;
+use crate::codec::FrameCodec;
+use crate::codec::FrameError;
+use crate::writer::spawn_writer;
 use crate::READ_BUFFER;
 
 /// One multiplexed connection to a server. Cheap to clone; calls run concurrently and are matched
@@ -47,30 +49,6 @@ impl Drop for CloseOnDrop {
     }
 }
 
-/// Ids of connections, unique in the process.
-pub(super) static NEXT_CONNECTION_ID: AtomicU64 = AtomicU64::new(1);
-
-pub(super) struct Shared {
-    /// Unique in the process, never 0.
-    pub(super) id: u64,
-    pub(super) peer: String,
-    pub(super) sender: FrameSender,
-    /// `ConnectOptions::max_unsent_bytes`.
-    pub(super) max_unsent_bytes: usize,
-    pub(super) pending: DashMap<u64, Pending, ahash::RandomState>,
-    /// Deadlines are enforced by one sweeper task per connection instead of one timer per
-    /// call: `next_sweep` is the earliest deadline not yet checked (ms after `epoch`).
-    pub(super) epoch: Instant,
-    pub(super) next_sweep: AtomicU64,
-    pub(super) sweep: Notify,
-    pub(super) in_flight: Arc<AtomicUsize>,
-    pub(super) next_id: AtomicU64,
-    pub(super) going_away: AtomicBool,
-    /// Mirrors `close` for the hot path: checking a token takes a lock, this does not.
-    pub(super) closed: AtomicBool,
-    pub(super) close: CancellationToken,
-}
-
 impl std::fmt::Debug for Connection {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Connection")
@@ -79,10 +57,6 @@ impl std::fmt::Debug for Connection {
             .field("usable", &self.is_usable())
             .finish()
     }
-}
-
-pub(super) fn comm_error(peer: &str, what: impl std::fmt::Display) -> RpcError {
-    RpcError::new(StatusCode::CommunicationError, format!("{peer}: {what}"))
 }
 
 impl Connection {
@@ -380,4 +354,32 @@ pub(super) fn handshake_failed(addr: &str, e: FrameError) -> RpcError {
         }
     }
     comm_error(addr, format!("handshake failed: {e}"))
+}
+
+/// Removes a call from the pending map and tells the server when the caller gives up.
+pub(super) struct PendingGuard<'a> {
+    pub(super) shared: &'a Shared,
+    pub(super) id: u64,
+    pub(super) armed: bool,
+}
+
+impl PendingGuard<'_> {
+    pub(super) fn disarm_quietly(&mut self) {
+        self.armed = false;
+        self.shared.pending.remove(&self.id);
+        self.shared.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl Drop for PendingGuard<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.shared.in_flight.fetch_sub(1, Ordering::Relaxed);
+            if self.shared.pending.remove(&self.id).is_some() {
+                self.shared.sender.send(Kind::Cancel(Cancel {
+                    message_id: self.id,
+                }));
+            }
+        }
+    }
 }

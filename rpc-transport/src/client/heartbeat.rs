@@ -7,8 +7,8 @@ use std::time::Duration;
 use rpc_core::wire::{frame::Kind, Cancel, Ping};
 use rpc_core::{RpcError, StatusCode};
 
-use super::connection::Shared;
 use super::pending::NO_SWEEP;
+use super::shared::Shared;
 
 /// Fails calls whose deadline passed with [`StatusCode::Timeout`] and sends `Cancel` for them.
 /// Sleeps until the earliest deadline, so a connection whose calls all answer in time costs one

@@ -1,78 +1,17 @@
 //! The client side of a connection: handshake, multiplexed calls, heartbeats.
 //!
-//! One module per role: [`options`] says how to connect, [`connection`] connects, shakes hands
-//! and sends calls, [`pending`] is the table of calls waiting for their answers, [`reader`]
-//! hands answers to them, [`heartbeat`] pings the server and expires calls past their deadline.
+//! One module per role, each depending only on those listed before it: [`options`] says how to
+//! connect, [`pending`] is the table of calls waiting for their answers, [`shared`] is what a
+//! connection's handle and its tasks share, [`reader`] hands answers to the waiting calls,
+//! [`heartbeat`] pings the server and expires calls past their deadline, [`connection`]
+//! connects, shakes hands and sends calls.
 
 mod connection;
 mod heartbeat;
 mod options;
 mod pending;
 mod reader;
+mod shared;
 
 pub use connection::Connection;
 pub use options::ConnectOptions;
-
-use std::borrow::Cow;
-use std::collections::BTreeMap;
-
-use bytes::Bytes;
-use rpc_core::wire::{frame::Kind, RemoteInvokeMessage};
-
-use crate::encode::InvokeFields;
-
-/// One call for [`Connection::call`]: a `RemoteInvokeMessage` without its `message_id`, which the
-/// connection assigns. The entry id is usually a method descriptor's `&'static str`, borrowed
-/// rather than copied into every call; any `RemoteInvokeMessage` converts into a `Call`.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Call {
-    /// Which method to run: `"<service id>.<method>"`, for example `"echo.Echo.echo"`.
-    pub service_entry_id: Cow<'static, str>,
-    /// How `parameters` is encoded, and how the result will be (`Codec::to_wire`).
-    pub codec: i32,
-    /// The encoded argument list.
-    pub parameters: Bytes,
-    /// Context carried with the call.
-    pub attachments: BTreeMap<String, String>,
-    /// The caller's remaining budget in milliseconds; 0 means no deadline.
-    pub timeout_ms: u32,
-}
-
-impl Call {
-    pub(crate) fn fields(&self, message_id: u64) -> InvokeFields<'_> {
-        InvokeFields {
-            message_id,
-            service_entry_id: &self.service_entry_id,
-            codec: self.codec,
-            parameters: &self.parameters,
-            attachments: &self.attachments,
-            timeout_ms: self.timeout_ms,
-        }
-    }
-}
-
-impl From<RemoteInvokeMessage> for Call {
-    /// Takes everything but `message_id`.
-    fn from(m: RemoteInvokeMessage) -> Self {
-        Call {
-            service_entry_id: m.service_entry_id.into(),
-            codec: m.codec,
-            parameters: m.parameters,
-            attachments: m.attachments,
-            timeout_ms: m.timeout_ms,
-        }
-    }
-}
-
-pub(crate) fn kind_name(kind: &Kind) -> &'static str {
-    match kind {
-        Kind::Hello(_) => "Hello",
-        Kind::HelloAck(_) => "HelloAck",
-        Kind::Invoke(_) => "RemoteInvokeMessage",
-        Kind::Result(_) => "RemoteResultMessage",
-        Kind::Cancel(_) => "Cancel",
-        Kind::Ping(_) => "Ping",
-        Kind::Pong(_) => "Pong",
-        Kind::GoAway(_) => "GoAway",
-    }
-}

@@ -9,9 +9,8 @@ use rpc_core::StatusCode;
 use tokio::io::AsyncRead;
 use tokio_util::codec::FramedRead;
 
-use super::connection::Shared;
-use super::kind_name;
-use super::pending::fail_pending;
+use super::shared::{comm_error, Shared};
+use crate::codec::kind_name;
 use crate::codec::FrameCodec;
 
 pub(super) async fn read_loop<R: AsyncRead + Unpin>(
@@ -78,4 +77,14 @@ pub(super) async fn read_loop<R: AsyncRead + Unpin>(
     // drain deadline: calls still pending now never reached it and may safely go elsewhere.
     let maybe_delivered = !(clean_drain && shared.going_away.load(Ordering::Relaxed));
     fail_pending(&shared, &reason, maybe_delivered);
+}
+
+pub(super) fn fail_pending(shared: &Shared, reason: &str, maybe_delivered: bool) {
+    let ids: Vec<u64> = shared.pending.iter().map(|e| *e.key()).collect();
+    for id in ids {
+        if let Some((_, p)) = shared.pending.remove(&id) {
+            let err = comm_error(&shared.peer, reason).maybe_delivered(maybe_delivered);
+            let _ = p.waiter.send(Err(err));
+        }
+    }
 }

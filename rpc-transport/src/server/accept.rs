@@ -2,21 +2,18 @@
 //! their connection loop.
 
 use std::net::SocketAddr;
-use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
 use std::time::Duration;
 
-use rpc_core::StatusCode;
-use tokio::io::AsyncWrite;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::connection::run_connection;
-use super::{go_away, InvokeHandler, Served, ServerOptions};
+use super::connection::{run_connection, Served};
+use super::handler::InvokeHandler;
+use super::options::ServerOptions;
 use crate::reader::ReadBudget;
-use crate::writer::spawn_writer;
 
 /// Accepts connections on `listener` until `shutdown` is cancelled, then drains every connection
 /// (`GoAway`, calls in flight finish within `drain_timeout`) and returns.
@@ -117,14 +114,4 @@ pub(super) async fn serve_connection(
     }
     let (rd, wr) = stream.into_split();
     run_connection(rd, wr, peer, &server, hello_by, admitted).await;
-}
-
-pub(super) async fn refuse<W: AsyncWrite + Unpin + Send + 'static>(wr: W, max: usize) {
-    let close = CancellationToken::new();
-    let sender = spawn_writer(wr, Arc::new(AtomicUsize::new(0)), close.clone());
-    sender.send(go_away(
-        StatusCode::OverflowMaxServerHandle,
-        format!("the server holds its maximum of {max} connections; connect to another endpoint"),
-    ));
-    close.cancel();
 }

@@ -10,9 +10,10 @@ use rpc_core::wire::{frame::Kind, Pong, RemoteInvokeMessage};
 use rpc_core::StatusCode;
 use tokio::time::Instant;
 
-use super::connection::{dispatch, Conn};
-use super::{error_result, InvokeHandler, ServerOptions, ABUSE_LIMIT};
-use crate::client::kind_name;
+use super::calls::{dispatch, Conn};
+use super::handler::{error_result, InvokeHandler};
+use super::options::{ServerOptions, ABUSE_LIMIT};
+use crate::codec::kind_name;
 
 /// One connection's call rate: a token bucket holding a tenth of a second's calls.
 pub(super) struct CallRate {

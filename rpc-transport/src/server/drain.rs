@@ -11,7 +11,8 @@ use tokio::task::AbortHandle;
 use tokio::time::Instant;
 
 use super::admission::FrameCtx;
-use super::{error_result, go_away, ServerOptions};
+use super::handler::{error_result, go_away};
+use super::options::ServerOptions;
 use crate::reader::FrameReader;
 
 /// How long a drained connection waits for the client to close before closing itself.

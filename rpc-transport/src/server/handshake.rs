@@ -10,8 +10,8 @@ use tokio::io::AsyncRead;
 use tokio::time::Instant;
 use tokio_util::codec::FramedRead;
 
-use super::ServerOptions;
-use crate::client::kind_name;
+use super::options::ServerOptions;
+use crate::codec::kind_name;
 use crate::codec::FrameCodec;
 use crate::writer::FrameSender;
 
