@@ -9,7 +9,7 @@ use rpc_core::wire::RemoteInvokeMessage;
 
 use crate::encode::InvokeFields;
 
-/// One call for [`Connection::call`]: a `RemoteInvokeMessage` without its `message_id`, which the
+/// One call for [`Connection::call`](crate::Connection::call): a `RemoteInvokeMessage` without its `message_id`, which the
 /// connection assigns. The entry id is usually a method descriptor's `&'static str`, borrowed
 /// rather than copied into every call; any `RemoteInvokeMessage` converts into a `Call`.
 #[derive(Debug, Clone, Default, PartialEq)]
