@@ -3,20 +3,19 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use dashmap::DashMap;
 use futures_util::StreamExt;
 use rpc_core::wire::{frame::Kind, Cancel, Hello, RemoteResultMessage};
 use rpc_core::{RpcError, StatusCode, PROTOCOL_VERSION};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
-use tokio::sync::{oneshot, Notify};
+use tokio::sync::Notify;
 use tokio::time::Instant;
 use tokio_util::codec::FramedRead;
 use tokio_util::sync::CancellationToken;
 
 use super::heartbeat::{heartbeat, sweeper};
 use super::options::ConnectOptions;
-use super::pending::{Pending, NO_SWEEP};
+use super::pending::{PendingTable, NO_SWEEP};
 use super::reader::read_loop;
 use super::shared::{comm_error, Shared, NEXT_CONNECTION_ID};
 use crate::call::Call;
@@ -151,12 +150,11 @@ impl Connection {
             peer: addr.to_string(),
             sender,
             max_unsent_bytes: options.max_unsent_bytes,
-            pending: DashMap::with_hasher(ahash::RandomState::new()),
+            pending: PendingTable::default(),
             epoch: Instant::now(),
             next_sweep: AtomicU64::new(NO_SWEEP),
             sweep: Notify::new(),
             in_flight,
-            next_id: AtomicU64::new(1),
             going_away: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             close,
@@ -234,18 +232,10 @@ impl Connection {
         if shared.sender.backlog().bytes() > shared.max_unsent_bytes {
             self.wait_for_room(deadline).await?;
         }
-        let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = oneshot::channel();
         let deadline_ms = deadline.map_or(0, |d| {
             (d.saturating_duration_since(shared.epoch).as_millis() as u64).max(1)
         });
-        shared.pending.insert(
-            id,
-            Pending {
-                waiter: tx,
-                deadline_ms,
-            },
-        );
+        let id = shared.pending.insert(deadline_ms);
         shared.in_flight.fetch_add(1, Ordering::Relaxed);
         if deadline_ms != 0
             && shared.next_sweep.fetch_min(deadline_ms, Ordering::AcqRel) > deadline_ms
@@ -268,13 +258,10 @@ impl Connection {
             guard.disarm_quietly();
             return Err(comm_error(&shared.peer, "connection closed"));
         }
-        let result = rx.await;
+        let result = std::future::poll_fn(|cx| shared.pending.poll(id, cx)).await;
         guard.armed = false;
         shared.in_flight.fetch_sub(1, Ordering::Relaxed);
-        match result {
-            Ok(r) => r,
-            Err(_) => Err(comm_error(&shared.peer, "connection closed").maybe_delivered(true)),
-        }
+        result
     }
 }
 
@@ -356,7 +343,7 @@ pub(super) fn handshake_failed(addr: &str, e: FrameError) -> RpcError {
     comm_error(addr, format!("handshake failed: {e}"))
 }
 
-/// Removes a call from the pending map and tells the server when the caller gives up.
+/// Removes a call from the pending table and tells the server when the caller gives up.
 pub(super) struct PendingGuard<'a> {
     pub(super) shared: &'a Shared,
     pub(super) id: u64,
@@ -366,7 +353,7 @@ pub(super) struct PendingGuard<'a> {
 impl PendingGuard<'_> {
     pub(super) fn disarm_quietly(&mut self) {
         self.armed = false;
-        self.shared.pending.remove(&self.id);
+        self.shared.pending.remove(self.id);
         self.shared.in_flight.fetch_sub(1, Ordering::Relaxed);
     }
 }
@@ -375,7 +362,7 @@ impl Drop for PendingGuard<'_> {
     fn drop(&mut self) {
         if self.armed {
             self.shared.in_flight.fetch_sub(1, Ordering::Relaxed);
-            if self.shared.pending.remove(&self.id).is_some() {
+            if self.shared.pending.remove(self.id) {
                 self.shared.sender.send(Kind::Cancel(Cancel {
                     message_id: self.id,
                 }));

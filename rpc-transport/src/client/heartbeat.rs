@@ -18,6 +18,8 @@ pub(super) async fn sweeper(s: Arc<Shared>) {
     let closing = s.close.clone();
     let closing = closing.cancelled();
     tokio::pin!(closing);
+    // Reused from sweep to sweep.
+    let mut expired = Vec::new();
     loop {
         let next = s.next_sweep.load(Ordering::Acquire);
         let wake = s.epoch + Duration::from_millis(next.min(u32::MAX as u64));
@@ -31,27 +33,23 @@ pub(super) async fn sweeper(s: Arc<Shared>) {
             continue;
         }
         s.next_sweep.store(NO_SWEEP, Ordering::Release);
-        let mut expired = Vec::new();
-        for e in s.pending.iter() {
-            match e.deadline_ms {
-                0 => {}
-                d if d <= now_ms => expired.push(*e.key()),
-                d => {
-                    s.next_sweep.fetch_min(d, Ordering::AcqRel);
-                }
-            }
-        }
-        for id in expired {
-            if let Some((_, p)) = s.pending.remove(&id) {
-                let _ = p.waiter.send(Err(RpcError::new(
+        expired.clear();
+        let next = s.pending.expire(
+            now_ms,
+            || {
+                RpcError::new(
                     StatusCode::Timeout,
                     format!(
                         "{}: no answer before the call's deadline; the server was told to stop",
                         s.peer
                     ),
-                )));
-                s.sender.send(Kind::Cancel(Cancel { message_id: id }));
-            }
+                )
+            },
+            &mut expired,
+        );
+        s.next_sweep.fetch_min(next, Ordering::AcqRel);
+        for &id in &expired {
+            s.sender.send(Kind::Cancel(Cancel { message_id: id }));
         }
     }
 }

@@ -34,10 +34,9 @@ pub(super) async fn read_loop<R: AsyncRead + Unpin>(
         received.fetch_add(1, Ordering::Relaxed);
         match next {
             Some(Ok(Kind::Result(result))) => {
-                if let Some((_, p)) = shared.pending.remove(&result.message_id) {
-                    let _ = p.waiter.send(Ok(result));
-                }
-                // An answer to a cancelled call: ignored, as the protocol says.
+                // An answer to a cancelled call matches no waiting call: ignored, as the
+                // protocol says.
+                shared.pending.complete(result.message_id, result);
             }
             Some(Ok(Kind::Ping(Ping { nonce }))) => {
                 shared.sender.send(Kind::Pong(Pong { nonce }));
@@ -50,7 +49,7 @@ pub(super) async fn read_loop<R: AsyncRead + Unpin>(
                 }
                 shared.going_away.store(true, Ordering::Relaxed);
                 tracing::debug!(peer = %shared.peer, reason = %g.reason, "server is draining");
-                if shared.pending.is_empty() {
+                if shared.pending.waiting() == 0 {
                     break "server is draining".to_string();
                 }
             }
@@ -67,7 +66,7 @@ pub(super) async fn read_loop<R: AsyncRead + Unpin>(
             }
             None => break "connection closed by the server".to_string(),
         }
-        if shared.going_away.load(Ordering::Relaxed) && shared.pending.is_empty() {
+        if shared.going_away.load(Ordering::Relaxed) && shared.pending.waiting() == 0 {
             break "server is draining".to_string();
         }
     };
@@ -80,11 +79,7 @@ pub(super) async fn read_loop<R: AsyncRead + Unpin>(
 }
 
 pub(super) fn fail_pending(shared: &Shared, reason: &str, maybe_delivered: bool) {
-    let ids: Vec<u64> = shared.pending.iter().map(|e| *e.key()).collect();
-    for id in ids {
-        if let Some((_, p)) = shared.pending.remove(&id) {
-            let err = comm_error(&shared.peer, reason).maybe_delivered(maybe_delivered);
-            let _ = p.waiter.send(Err(err));
-        }
-    }
+    shared
+        .pending
+        .fail_all(|| comm_error(&shared.peer, reason).maybe_delivered(maybe_delivered));
 }
