@@ -34,5 +34,5 @@ mod server;
 mod service;
 mod telemetry;
 
-pub use server::{Server, ServerBuilder, ServerHandle};
+pub use server::{ListenAddr, Server, ServerBuilder, ServerHandle};
 pub use service::{Service, ServiceFuture};

@@ -15,7 +15,6 @@
 //! and then stops sending keeps it until the idle timeout closes its connection (only complete
 //! frames count as traffic).
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use bytes::{Buf, BytesMut};
@@ -25,6 +24,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::codec::Decoder;
 
 use crate::codec::{FrameCodec, FrameError, PREFIX};
+use crate::peer::PeerAddr;
 use crate::READ_BUFFER;
 
 /// The budget counts in units of this many bytes, so that a semaphore's `u32` request covers
@@ -61,7 +61,7 @@ pub(crate) struct FrameReader<R> {
     budget: ReadBudget,
     /// The share of the budget held for the large frame being read.
     share: Option<OwnedSemaphorePermit>,
-    peer: SocketAddr,
+    peer: PeerAddr,
     eof: bool,
 }
 
@@ -72,7 +72,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
         early: &[u8],
         max_frame_length: usize,
         budget: ReadBudget,
-        peer: SocketAddr,
+        peer: PeerAddr,
     ) -> Self {
         let mut buf = BytesMut::with_capacity(READ_BUFFER.max(early.len()));
         buf.extend_from_slice(early);

@@ -7,7 +7,6 @@ use futures_util::StreamExt;
 use rpc_core::wire::{frame::Kind, Cancel, Hello, RemoteResultMessage};
 use rpc_core::{RpcError, StatusCode, PROTOCOL_VERSION};
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::net::TcpStream;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 use tokio_util::codec::FramedRead;
@@ -21,6 +20,7 @@ use super::shared::{comm_error, Shared, NEXT_CONNECTION_ID};
 use crate::call::Call;
 use crate::codec::FrameCodec;
 use crate::codec::FrameError;
+use crate::transport::{Address, Dialer, Stream, TcpDialer};
 use crate::writer::spawn_writer;
 use crate::READ_BUFFER;
 
@@ -59,35 +59,58 @@ impl std::fmt::Debug for Connection {
 }
 
 impl Connection {
-    /// Connects to `addr`, sends `Hello` and waits for `HelloAck`.
+    /// Connects to `addr`, sends `Hello` and waits for `HelloAck`. `addr` is `host:port`
+    /// (TCP) or `unix:/path/to.sock` (a Unix domain socket); see [`Address`].
     ///
     /// Errors: [`StatusCode::CommunicationError`] when the server cannot be reached or the
     /// handshake fails (with TLS: also when the server's certificate is not trusted);
     /// [`StatusCode::RpcUnAuthentication`] when the server refuses the token or, with TLS, the
     /// client's certificate.
     pub async fn connect(addr: &str, options: &ConnectOptions) -> Result<Connection, RpcError> {
-        tokio::time::timeout(options.connect_timeout, Self::connect_inner(addr, options))
-            .await
-            .unwrap_or_else(|_| {
-                Err(comm_error(
-                    addr,
-                    format!(
-                        "no connection within {} ms; is the server running?",
-                        options.connect_timeout.as_millis()
-                    ),
-                ))
-            })
+        match Address::parse(addr) {
+            Address::Tcp(_) => Self::connect_with(&TcpDialer, addr, options).await,
+            #[cfg(unix)]
+            Address::Unix(_) => {
+                Self::connect_with(&crate::transport::UnixDialer, addr, options).await
+            }
+            #[cfg(not(unix))]
+            Address::Unix(_) => Err(comm_error(addr, crate::transport::no_unix_sockets(addr))),
+        }
     }
 
-    async fn connect_inner(addr: &str, options: &ConnectOptions) -> Result<Connection, RpcError> {
-        let stream = TcpStream::connect(addr)
+    /// Like [`connect`](Self::connect), over the transport of `dialer`.
+    pub async fn connect_with<D: Dialer>(
+        dialer: &D,
+        addr: &str,
+        options: &ConnectOptions,
+    ) -> Result<Connection, RpcError> {
+        tokio::time::timeout(
+            options.connect_timeout,
+            Self::connect_inner(dialer, addr, options),
+        )
+        .await
+        .unwrap_or_else(|_| {
+            Err(comm_error(
+                addr,
+                format!(
+                    "no connection within {} ms; is the server running?",
+                    options.connect_timeout.as_millis()
+                ),
+            ))
+        })
+    }
+
+    async fn connect_inner<D: Dialer>(
+        dialer: &D,
+        addr: &str,
+        options: &ConnectOptions,
+    ) -> Result<Connection, RpcError> {
+        let (stream, _peer) = dialer
+            .dial(addr)
             .await
             .map_err(|e| comm_error(addr, format!("connect failed: {e}")))?;
-        stream
-            .set_nodelay(true)
-            .map_err(|e| comm_error(addr, format!("TCP_NODELAY: {e}")))?;
-        // The connected socket becomes its reader and writer here, and only here: plain TCP
-        // splits in place (no lock between the halves), TLS splits the stream after its
+        // The connected socket becomes its reader and writer here, and only here: a plain
+        // socket splits in place (no lock between the halves), TLS splits the stream after its
         // handshake. Everything after is generic over the halves.
         #[cfg(feature = "tls")]
         if let Some(tls) = &options.tls {

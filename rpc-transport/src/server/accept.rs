@@ -1,11 +1,9 @@
 //! The accept loop: takes sockets, refuses those over `max_connections`, hands the rest to
 //! their connection loop.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -13,12 +11,17 @@ use tokio_util::sync::CancellationToken;
 use super::connection::{run_connection, Served};
 use super::handler::InvokeHandler;
 use super::options::ServerOptions;
+use crate::peer::PeerAddr;
 use crate::reader::ReadBudget;
+use crate::transport::{Listener, Stream};
 
 /// Accepts connections on `listener` until `shutdown` is cancelled, then drains every connection
 /// (`GoAway`, calls in flight finish within `drain_timeout`) and returns.
-pub async fn serve(
-    listener: TcpListener,
+///
+/// `listener` is any [`Listener`]: a `tokio::net::TcpListener`, a
+/// [`UnixListener`](crate::UnixListener), or another transport's.
+pub async fn serve<L: Listener>(
+    listener: L,
     handler: Arc<dyn InvokeHandler>,
     options: ServerOptions,
     shutdown: CancellationToken,
@@ -90,23 +93,22 @@ pub(super) async fn sleep_until_or_never(at: Option<Instant>) {
     }
 }
 
-/// An accepted socket becomes its reader and writer here, and only here: plain TCP splits the
-/// socket in place (no lock between the halves); TLS runs its handshake first, within
+/// An accepted socket becomes its reader and writer here, and only here: a plain socket splits
+/// in place (no lock between the halves); TLS runs its handshake first, within
 /// `handshake_timeout`, and splits the TLS stream. Everything after is generic over the halves,
 /// so neither path pays for the other. A connection over `max_connections` (`admitted` false)
 /// is told so with a `GoAway` and closed.
-pub(super) async fn serve_connection(
-    stream: TcpStream,
-    peer: SocketAddr,
+pub(super) async fn serve_connection<S: Stream>(
+    stream: S,
+    peer: PeerAddr,
     server: Arc<Served>,
     admitted: bool,
 ) {
-    let _ = stream.set_nodelay(true);
     let hello_by = Instant::now() + server.options.handshake_timeout;
     #[cfg(feature = "tls")]
     if let Some(tls) = &server.options.tls {
         let timeout = server.options.handshake_timeout;
-        if let Some(stream) = tls.accept(stream, peer, hello_by, timeout).await {
+        if let Some(stream) = tls.accept(stream, &peer, hello_by, timeout).await {
             let (rd, wr) = tokio::io::split(stream);
             run_connection(rd, wr, peer, &server, hello_by, admitted).await;
         }

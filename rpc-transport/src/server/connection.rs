@@ -1,7 +1,6 @@
 //! One connection: handshake, then its read loop until it ends or drains.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -21,8 +20,10 @@ use super::handler::{go_away, InvokeHandler};
 use super::handshake::handshake;
 use super::options::{ServerOptions, MAX_HELLO_FRAME, REFUSALS_BEFORE_PAUSE};
 use crate::codec::FrameCodec;
+use crate::peer::PeerAddr;
 use crate::reader::FrameReader;
 use crate::reader::ReadBudget;
+use crate::transport::socket_addr_or_unspecified;
 use crate::writer::spawn_writer;
 use crate::HELLO_BUFFER;
 
@@ -38,7 +39,7 @@ pub(super) struct Served {
 pub(super) async fn run_connection<R, W>(
     rd: R,
     wr: W,
-    peer: SocketAddr,
+    peer: PeerAddr,
     server: &Served,
     hello_by: Instant,
     admitted: bool,
@@ -79,7 +80,7 @@ pub(super) async fn run_connection<R, W>(
         &early,
         options.max_frame_length,
         budget.clone(),
-        peer,
+        peer.clone(),
     );
 
     let conn = Arc::new(Conn {
@@ -107,7 +108,7 @@ pub(super) async fn run_connection<R, W>(
         conn: &conn,
         options,
         handler: handler.as_ref(),
-        peer,
+        peer: socket_addr_or_unspecified(&peer),
     };
 
     let mut rate = options
