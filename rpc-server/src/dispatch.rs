@@ -12,12 +12,12 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::FutureExt;
-use rpc_core::wire::{RemoteInvokeMessage, RemoteResultMessage};
+use rpc_core::wire::RemoteResultMessage;
 use rpc_core::{Codec, MethodDescriptor, RpcContext, RpcError, StatusCode};
 use rpc_governance::bulkhead::Bulkhead;
 use rpc_governance::events::{EventBus, EventKind};
 use rpc_governance::fallback;
-use rpc_transport::{error_result, Dispatch, InvokeHandler};
+use rpc_transport::{error_result, Dispatch, Invoke, InvokeHandler};
 use tokio::time::Instant;
 use tracing::Instrument;
 
@@ -52,7 +52,7 @@ pub(crate) struct Dispatcher {
 }
 
 impl InvokeHandler for Dispatcher {
-    fn handle(&self, mut invoke: RemoteInvokeMessage, peer: SocketAddr) -> Dispatch {
+    fn handle(&self, mut invoke: Invoke, peer: SocketAddr) -> Dispatch {
         let Some(route) = self.routes.get(invoke.service_entry_id.as_str()) else {
             return Dispatch::Ready(error_result(
                 StatusCode::NotFindLocalServiceEntry,

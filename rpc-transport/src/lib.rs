@@ -47,7 +47,9 @@
 mod call;
 mod client;
 mod codec;
+mod decode;
 mod encode;
+mod invoke;
 mod peer;
 mod pool;
 mod reader;
@@ -60,6 +62,7 @@ mod writer;
 pub use call::Call;
 pub use client::{ConnectOptions, Connection};
 pub use codec::{FrameCodec, FrameError};
+pub use invoke::{Invoke, WireStr};
 pub use peer::{PeerAddr, UNIX_SCHEME};
 pub use pool::ConnectionPool;
 pub use server::{

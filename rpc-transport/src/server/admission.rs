@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use rpc_core::wire::{frame::Kind, Pong, RemoteInvokeMessage};
+use rpc_core::wire::{frame::Kind, Pong};
 use rpc_core::StatusCode;
 use tokio::time::Instant;
 
@@ -14,6 +14,7 @@ use super::calls::{dispatch, Conn};
 use super::handler::{error_result, InvokeHandler};
 use super::options::{ServerOptions, ABUSE_LIMIT};
 use crate::codec::kind_name;
+use crate::invoke::{Incoming, Invoke};
 
 /// One connection's call rate: a token bucket holding a tenth of a second's calls.
 pub(super) struct CallRate {
@@ -71,7 +72,7 @@ pub(super) struct FrameCtx<'a> {
 impl FrameCtx<'_> {
     /// Why a call is refused before it runs, if it is: over the connection's in-flight limit,
     /// or carrying too many or too large attachments.
-    pub(super) fn refusal(&self, invoke: &RemoteInvokeMessage) -> Option<(StatusCode, String)> {
+    pub(super) fn refusal(&self, invoke: &Invoke) -> Option<(StatusCode, String)> {
         let o = self.options;
         let running = self.conn.in_flight.load(Ordering::Acquire);
         if running >= o.max_in_flight_per_connection {
@@ -117,12 +118,12 @@ impl FrameCtx<'_> {
     /// Handles one frame; `Err` ends the connection (with a reason to send, or quietly).
     pub(super) fn on_frame(
         &self,
-        next: Option<Result<Kind, crate::FrameError>>,
+        next: Option<Result<Incoming, crate::FrameError>>,
         draining: bool,
     ) -> Result<(), Option<String>> {
         let conn = self.conn;
         match next {
-            Some(Ok(Kind::Invoke(invoke))) => {
+            Some(Ok(Incoming::Invoke(invoke))) => {
                 let id = invoke.message_id;
                 if draining {
                     let mut r = error_result(
@@ -161,7 +162,7 @@ impl FrameCtx<'_> {
                 }
                 Ok(())
             }
-            Some(Ok(Kind::Cancel(c))) => {
+            Some(Ok(Incoming::Other(Kind::Cancel(c)))) => {
                 if let Some(h) = conn.tasks().remove(&c.message_id) {
                     h.abort();
                     if conn.in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
@@ -171,13 +172,13 @@ impl FrameCtx<'_> {
                 }
                 Ok(())
             }
-            Some(Ok(Kind::Ping(p))) => {
+            Some(Ok(Incoming::Other(Kind::Ping(p)))) => {
                 conn.sender.send(Kind::Pong(Pong { nonce: p.nonce }));
                 Ok(())
             }
-            Some(Ok(Kind::Pong(_))) => Ok(()),
-            Some(Ok(Kind::GoAway(_))) => Err(None),
-            Some(Ok(other)) => Err(Some(format!(
+            Some(Ok(Incoming::Other(Kind::Pong(_)))) => Ok(()),
+            Some(Ok(Incoming::Other(Kind::GoAway(_)))) => Err(None),
+            Some(Ok(Incoming::Other(other))) => Err(Some(format!(
                 "protocol violation: unexpected {} after the handshake",
                 kind_name(&other)
             ))),

@@ -5,7 +5,6 @@ use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use rpc_core::wire::frame::Kind;
 use rpc_core::StatusCode;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::Notify;
@@ -20,6 +19,7 @@ use super::handler::{go_away, InvokeHandler};
 use super::handshake::handshake;
 use super::options::{ServerOptions, MAX_HELLO_FRAME, REFUSALS_BEFORE_PAUSE};
 use crate::codec::FrameCodec;
+use crate::invoke::Incoming;
 use crate::peer::PeerAddr;
 use crate::reader::FrameReader;
 use crate::reader::ReadBudget;
@@ -147,7 +147,7 @@ pub(super) async fn run_connection<R, W>(
         if !paused {
             if let Some(next) = frames.buffered() {
                 frames_seen += 1;
-                let call = matches!(next, Ok(Kind::Invoke(_)));
+                let call = matches!(next, Ok(Incoming::Invoke(_)));
                 if let Err(end) = ctx.on_frame(Some(next), false) {
                     break end;
                 }
@@ -177,7 +177,7 @@ pub(super) async fn run_connection<R, W>(
             f = frames.next(), if !paused => f,
         };
         frames_seen += 1;
-        let call = matches!(next, Some(Ok(Kind::Invoke(_))));
+        let call = matches!(next, Some(Ok(Incoming::Invoke(_))));
         if let Err(end) = ctx.on_frame(next, false) {
             break end;
         }

@@ -4,8 +4,10 @@
 use std::net::SocketAddr;
 
 use futures_util::future::BoxFuture;
-use rpc_core::wire::{frame::Kind, GoAway, RemoteInvokeMessage, RemoteResultMessage};
+use rpc_core::wire::{frame::Kind, GoAway, RemoteResultMessage};
 use rpc_core::StatusCode;
+
+use crate::invoke::Invoke;
 
 /// What the server does with one call.
 pub enum Dispatch {
@@ -19,7 +21,7 @@ pub enum Dispatch {
 /// filled in by the transport.
 pub trait InvokeHandler: Send + Sync + 'static {
     /// Decides how to answer `invoke`; must not block.
-    fn handle(&self, invoke: RemoteInvokeMessage, peer: SocketAddr) -> Dispatch;
+    fn handle(&self, invoke: Invoke, peer: SocketAddr) -> Dispatch;
 }
 
 /// A result carrying an error status.
