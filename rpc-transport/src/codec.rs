@@ -106,7 +106,7 @@ impl FrameCodec {
         src: &mut BytesMut,
     ) -> Result<Option<Incoming>, FrameError> {
         match self.split_frame(src)? {
-            Some(payload) => decode_incoming(payload).map(Some),
+            Some(payload) => decode_incoming(payload)?.map(Some).ok_or(FrameError::Empty),
             None => Ok(None),
         }
     }

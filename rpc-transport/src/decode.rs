@@ -10,22 +10,21 @@
 
 use bytes::{Buf, Bytes};
 use prost::encoding::decode_varint;
-use prost::Message;
+use prost::{DecodeError, Message};
 use rpc_core::wire::Frame;
 
-use crate::codec::FrameError;
 use crate::invoke::{Incoming, Invoke, WireStr};
 
 /// `Frame.invoke`: field 3, length-delimited.
 const FRAME_INVOKE_KEY: u64 = (3 << 3) | 2;
 
-/// Decodes a frame's payload (without its length prefix).
-pub(crate) fn decode_incoming(payload: Bytes) -> Result<Incoming, FrameError> {
+/// Decodes a frame's payload (without its length prefix); `None` for a `Frame` holding no
+/// message.
+pub(crate) fn decode_incoming(payload: Bytes) -> Result<Option<Incoming>, DecodeError> {
     if let Some(invoke) = invoke_frame(&payload) {
-        return Ok(Incoming::Invoke(invoke));
+        return Ok(Some(Incoming::Invoke(invoke)));
     }
-    let frame = Frame::decode(payload)?;
-    frame.kind.map(Incoming::from).ok_or(FrameError::Empty)
+    Ok(Frame::decode(payload)?.kind.map(Incoming::from))
 }
 
 /// The call in `payload` if it is a plain invoke frame; `None` for anything else.
@@ -114,11 +113,13 @@ mod tests {
     use rpc_core::wire::{frame::Kind, Ping, RemoteInvokeMessage};
 
     use super::*;
-    use crate::codec::FrameCodec;
+    use crate::codec::{FrameCodec, FrameError};
 
     /// Both decoders on one payload: the same frame, or both an error.
     fn same_as_prost(payload: &[u8]) {
-        let ours = decode_incoming(Bytes::copy_from_slice(payload));
+        let ours = decode_incoming(Bytes::copy_from_slice(payload))
+            .map_err(FrameError::from)
+            .and_then(|f| f.ok_or(FrameError::Empty));
         let prost = Frame::decode(payload)
             .map_err(FrameError::from)
             .and_then(|f| f.kind.ok_or(FrameError::Empty))
@@ -173,7 +174,7 @@ mod tests {
             assert!(invoke_frame(&Bytes::from(p.clone())).is_some(), "{m:?}");
             same_as_prost(&p);
             match decode_incoming(Bytes::from(p)).expect("decodes") {
-                Incoming::Invoke(i) => assert_eq!(RemoteInvokeMessage::from(i), m),
+                Some(Incoming::Invoke(i)) => assert_eq!(RemoteInvokeMessage::from(i), m),
                 other => panic!("expected an invoke, got {other:?}"),
             }
         }
@@ -247,7 +248,7 @@ mod tests {
             0,
             "no allocation for a call without attachments"
         );
-        let Ok(Incoming::Invoke(i)) = decoded else {
+        let Ok(Some(Incoming::Invoke(i))) = decoded else {
             panic!("expected an invoke")
         };
         assert_eq!(&*i.service_entry_id, "echo.Echo.echo");
