@@ -154,10 +154,15 @@ impl StaticRegistry {
 }
 
 fn check_address(a: &str) -> Result<(), RegistryError> {
+    if let Some(path) = a.strip_prefix("unix:") {
+        if !path.is_empty() {
+            return Ok(());
+        }
+    }
     match a.rsplit_once(':') {
         Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => Ok(()),
         _ => Err(RegistryError::Config(format!(
-            "bad endpoint address {a:?}: expected host:port"
+            "bad endpoint address {a:?}: expected host:port, or unix:/path for a Unix socket"
         ))),
     }
 }
@@ -186,6 +191,14 @@ impl Registry for StaticRegistry {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn unix_socket_endpoints_are_accepted_and_an_empty_path_is_not() {
+        let r = StaticRegistry::from_list("unix:/tmp/a.sock,127.0.0.1:9001").unwrap();
+        let _ = r;
+        let e = StaticRegistry::from_list("unix:").unwrap_err();
+        assert!(e.to_string().contains("unix:/path"), "{e}");
+    }
 
     #[tokio::test]
     async fn list_and_file() {

@@ -15,12 +15,12 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::FutureExt;
-use rpc_core::wire::{RemoteInvokeMessage, RemoteResultMessage, ValidateError};
+use rpc_core::wire::{RemoteResultMessage, ValidateError};
 use rpc_core::{Codec, MethodDescriptor, RpcContext, RpcError, StatusCode};
 use rpc_governance::bulkhead::Bulkhead;
 use rpc_governance::events::{EventBus, EventKind};
 use rpc_governance::fallback;
-use rpc_transport::{error_result, Caller, Dispatch, InvokeHandler};
+use rpc_transport::{error_result, Caller, Dispatch, Invoke, InvokeHandler};
 use tokio::time::Instant;
 use tracing::Instrument;
 
@@ -134,7 +134,7 @@ pub(crate) struct Dispatcher {
 }
 
 impl InvokeHandler for Dispatcher {
-    fn handle(&self, mut invoke: RemoteInvokeMessage, caller: &Arc<Caller>) -> Dispatch {
+    fn handle(&self, mut invoke: Invoke, caller: &Arc<Caller>) -> Dispatch {
         let peer = caller.peer();
         let Some(route) = self.routes.get(invoke.service_entry_id.as_str()) else {
             return Dispatch::Ready(error_result(
@@ -273,7 +273,7 @@ impl Dispatcher {
         &self,
         chain: &Arc<Layered>,
         method: &'static MethodDescriptor,
-        invoke: RemoteInvokeMessage,
+        invoke: Invoke,
         codec: Codec,
         attachments: BTreeMap<String, String>,
         span: tracing::Span,

@@ -41,5 +41,5 @@ pub mod tower;
 
 pub use middleware::{LayerFuture, Next, ServerLayer, ServerRequest};
 pub use rpc_transport::Caller;
-pub use server::{Server, ServerBuilder, ServerHandle};
+pub use server::{ListenAddr, Server, ServerBuilder, ServerHandle};
 pub use service::{Service, ServiceFuture};

@@ -10,6 +10,7 @@ use rpc_governance::bulkhead::Bulkhead;
 use rpc_governance::events::EventBus;
 use rpc_registry::{Instance, Registry};
 use rpc_transport::ServerOptions;
+use rpc_transport::{Listener, PeerAddr};
 use tokio::net::{TcpListener, ToSocketAddrs};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -303,19 +304,44 @@ impl ServerBuilder {
     }
 
     /// Binds `addr` (port 0 picks a free port), publishes the instance and starts serving.
-    /// A failure to bind names the address (in use, not permitted, not local).
-    pub async fn serve(self, addr: impl ToSocketAddrs) -> std::io::Result<ServerHandle> {
-        let listener = bind(addr).await?;
-        self.serve_listener(listener).await
+    /// `addr` is `host:port` (or a `SocketAddr`, or `(host, port)`), or `unix:/path/to.sock`
+    /// for a Unix domain socket, which is published as `unix:/path/to.sock` and which clients
+    /// dial as any other address. A failure to bind names the address (in use, not permitted,
+    /// not local).
+    pub async fn serve(self, addr: impl Into<ListenAddr>) -> std::io::Result<ServerHandle> {
+        let addr = addr.into();
+        match rpc_transport::Address::parse(&addr.0) {
+            rpc_transport::Address::Tcp(tcp) => {
+                let listener = bind(tcp).await?;
+                self.serve_listener(listener).await
+            }
+            #[cfg(unix)]
+            rpc_transport::Address::Unix(path) => {
+                let listener = bind_unix(path)?;
+                self.serve_on(listener).await
+            }
+            #[cfg(not(unix))]
+            rpc_transport::Address::Unix(_) => Err(std::io::Error::new(
+                std::io::ErrorKind::Unsupported,
+                format!("cannot listen on {}: Unix domain sockets are not available on this platform; use host:port", addr.0),
+            )),
+        }
     }
 
     /// Serves on an already bound listener.
     pub async fn serve_listener(self, listener: TcpListener) -> std::io::Result<ServerHandle> {
-        let local_addr = listener.local_addr()?;
-        let address = self
-            .advertise
-            .clone()
-            .unwrap_or_else(|| local_addr.to_string());
+        self.serve_on(listener).await
+    }
+
+    /// Serves on an already bound listener of any transport (TCP, a Unix domain socket, or
+    /// another [`Listener`]).
+    pub async fn serve_on<L: Listener>(self, listener: L) -> std::io::Result<ServerHandle> {
+        let bound = listener.local_addr()?;
+        // Layers that take a socket address get the unspecified one for a Unix socket.
+        let local_addr = bound
+            .tcp()
+            .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0)));
+        let address = self.advertise.clone().unwrap_or_else(|| bound.to_string());
         #[cfg(feature = "otel")]
         let metrics = crate::telemetry::Metrics::new(
             &self
@@ -362,10 +388,11 @@ impl ServerBuilder {
                 )));
             }
         }
-        tracing::info!(%local_addr, services = ?instance.services, "serving");
+        tracing::info!(address = %bound, services = ?instance.services, "serving");
         Ok(ServerHandle {
             events: self.events.clone(),
             local_addr,
+            bound,
             shutdown,
             task: Some(task),
             registry: self.registry,
@@ -378,6 +405,7 @@ impl ServerBuilder {
 pub struct ServerHandle {
     events: EventBus,
     local_addr: SocketAddr,
+    bound: PeerAddr,
     shutdown: CancellationToken,
     task: Option<JoinHandle<()>>,
     registry: Option<Arc<dyn Registry>>,
@@ -385,9 +413,15 @@ pub struct ServerHandle {
 }
 
 impl ServerHandle {
-    /// The bound address.
+    /// The bound TCP address; for a server on a Unix domain socket, `0.0.0.0:0` (see
+    /// [`address`](Self::address)).
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
+    }
+
+    /// The bound address as clients dial it: `127.0.0.1:9001` or `unix:/run/app.sock`.
+    pub fn address(&self) -> &PeerAddr {
+        &self.bound
     }
 
     /// Governance events of this server (overflow, fallback): `events().subscribe()`.
@@ -456,6 +490,78 @@ impl Drop for ServerHandle {
     fn drop(&mut self) {
         self.shutdown.cancel();
     }
+}
+
+/// Where a server listens: `host:port` (a `&str`, a `String`, a `SocketAddr`, or a
+/// `(host, port)` pair), or `unix:/path/to.sock` for a Unix domain socket.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ListenAddr(String);
+
+impl From<&str> for ListenAddr {
+    fn from(a: &str) -> Self {
+        ListenAddr(a.to_string())
+    }
+}
+
+impl From<String> for ListenAddr {
+    fn from(a: String) -> Self {
+        ListenAddr(a)
+    }
+}
+
+impl From<&String> for ListenAddr {
+    fn from(a: &String) -> Self {
+        ListenAddr(a.clone())
+    }
+}
+
+impl From<SocketAddr> for ListenAddr {
+    fn from(a: SocketAddr) -> Self {
+        ListenAddr(a.to_string())
+    }
+}
+
+impl From<(std::net::IpAddr, u16)> for ListenAddr {
+    fn from((ip, port): (std::net::IpAddr, u16)) -> Self {
+        SocketAddr::from((ip, port)).into()
+    }
+}
+
+impl From<(std::net::Ipv4Addr, u16)> for ListenAddr {
+    fn from((ip, port): (std::net::Ipv4Addr, u16)) -> Self {
+        SocketAddr::from((ip, port)).into()
+    }
+}
+
+impl From<(&str, u16)> for ListenAddr {
+    fn from((host, port): (&str, u16)) -> Self {
+        if host.contains(':') {
+            ListenAddr(format!("[{host}]:{port}"))
+        } else {
+            ListenAddr(format!("{host}:{port}"))
+        }
+    }
+}
+
+/// Binds a Unix domain socket at `path`; the error says which path and what to do.
+#[cfg(unix)]
+fn bind_unix(path: &std::path::Path) -> std::io::Result<rpc_transport::UnixListener> {
+    rpc_transport::UnixListener::bind(path).map_err(|e| {
+        let hint = match e.kind() {
+            std::io::ErrorKind::AddrInUse => {
+                "a file exists at that path: if no server uses it any more, remove it"
+            }
+            std::io::ErrorKind::NotFound => "its directory does not exist: create it first",
+            std::io::ErrorKind::PermissionDenied => {
+                "this process may not create files there: choose a directory it owns"
+            }
+            _ => "check the path (at most about 100 bytes long)",
+        };
+        std::io::Error::new(
+            e.kind(),
+            format!("cannot listen on unix:{}: {e}; {hint}", path.display()),
+        )
+    })
 }
 
 /// Binds a listener on `addr`; the error says which address could not be bound and why.

@@ -9,6 +9,8 @@
 use std::fmt;
 use std::net::SocketAddr;
 
+use crate::peer::PeerAddr;
+
 /// The identity of the client behind one connection, as established at its handshake.
 ///
 /// Every call of a connection is handed the same `Arc<Caller>`
@@ -28,6 +30,7 @@ use std::net::SocketAddr;
 /// ```
 #[derive(Clone, PartialEq, Eq)]
 pub struct Caller {
+    address: PeerAddr,
     peer: SocketAddr,
     client_id: String,
     token_verified: bool,
@@ -37,9 +40,11 @@ pub struct Caller {
 impl Caller {
     /// A caller at `peer` that said `client_id` in its `Hello`, with no token checked and no
     /// certificate presented (add them with the `with_` methods).
-    pub fn new(peer: SocketAddr, client_id: impl Into<String>) -> Self {
+    pub fn new(peer: impl Into<PeerAddr>, client_id: impl Into<String>) -> Self {
+        let address = peer.into();
         Caller {
-            peer,
+            peer: crate::transport::socket_addr_or_unspecified(&address),
+            address,
             client_id: client_id.into(),
             token_verified: false,
             peer_certificate: None,
@@ -58,9 +63,15 @@ impl Caller {
         self
     }
 
-    /// The address the connection comes from.
+    /// The address the connection comes from, as a socket address (`0.0.0.0:0` for a Unix
+    /// socket peer: see [`address`](Self::address)).
     pub fn peer(&self) -> SocketAddr {
         self.peer
+    }
+
+    /// The address the connection comes from, on whichever transport.
+    pub fn address(&self) -> &PeerAddr {
+        &self.address
     }
 
     /// The client id of the caller's `Hello` (`ConnectOptions::client_id`, by default

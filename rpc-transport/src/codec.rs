@@ -1,9 +1,14 @@
 //! The frame codec: a 4-byte big-endian length, then one protobuf `Frame`.
 
-use bytes::{Buf, BufMut, BytesMut};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 use prost::Message;
 use rpc_core::wire::{frame::Kind, Frame};
 use tokio_util::codec::{Decoder, Encoder};
+
+use crate::decode::decode_incoming;
+use crate::encode::put_call_frame;
+pub(crate) use crate::encode::PREFIX;
+use crate::invoke::Incoming;
 
 /// Why a frame could not be read or written.
 #[derive(Debug, thiserror::Error)]
@@ -36,9 +41,6 @@ pub struct FrameCodec {
     max_frame_length: usize,
 }
 
-/// Bytes of the length prefix.
-pub(crate) const PREFIX: usize = 4;
-
 impl FrameCodec {
     /// A codec accepting frames up to `max_frame_length` bytes (the N of the prefix).
     pub fn new(max_frame_length: usize) -> Self {
@@ -47,7 +49,7 @@ impl FrameCodec {
 
     /// Appends one frame holding `kind` to `dst`.
     pub fn encode_kind(kind: Kind, dst: &mut BytesMut) {
-        if crate::encode::put_call_frame(&kind, dst) {
+        if put_call_frame(&kind, dst) {
             return;
         }
         let frame = Frame { kind: Some(kind) };
@@ -66,6 +68,19 @@ impl Decoder for FrameCodec {
     type Error = FrameError;
 
     fn decode(&mut self, src: &mut BytesMut) -> Result<Option<Kind>, FrameError> {
+        let Some(payload) = self.split_frame(src)? else {
+            return Ok(None);
+        };
+        let frame = Frame::decode(payload)?;
+        frame.kind.map(Some).ok_or(FrameError::Empty)
+    }
+}
+
+impl FrameCodec {
+    /// The payload of the next complete frame in `src`, taken out of it; `None` while the
+    /// frame is incomplete (room for it is reserved). A length above the maximum is refused
+    /// before anything is buffered.
+    pub(crate) fn split_frame(&self, src: &mut BytesMut) -> Result<Option<Bytes>, FrameError> {
         if src.len() < PREFIX {
             return Ok(None);
         }
@@ -81,9 +96,19 @@ impl Decoder for FrameCodec {
             return Ok(None);
         }
         src.advance(PREFIX);
-        let payload = src.split_to(len).freeze();
-        let frame = Frame::decode(payload)?;
-        frame.kind.map(Some).ok_or(FrameError::Empty)
+        Ok(Some(src.split_to(len).freeze()))
+    }
+
+    /// Like [`Decoder::decode`], for the server: a call comes as an [`Invoke`] whose entry id
+    /// shares the frame's buffer.
+    pub(crate) fn decode_incoming(
+        &self,
+        src: &mut BytesMut,
+    ) -> Result<Option<Incoming>, FrameError> {
+        match self.split_frame(src)? {
+            Some(payload) => decode_incoming(payload)?.map(Some).ok_or(FrameError::Empty),
+            None => Ok(None),
+        }
     }
 }
 
@@ -103,6 +128,20 @@ impl Encoder<Kind> for FrameCodec {
     fn encode(&mut self, kind: Kind, dst: &mut BytesMut) -> Result<(), FrameError> {
         Self::encode_kind(kind, dst);
         Ok(())
+    }
+}
+
+/// The name of a frame kind, for errors and logs.
+pub(crate) fn kind_name(kind: &Kind) -> &'static str {
+    match kind {
+        Kind::Hello(_) => "Hello",
+        Kind::HelloAck(_) => "HelloAck",
+        Kind::Invoke(_) => "RemoteInvokeMessage",
+        Kind::Result(_) => "RemoteResultMessage",
+        Kind::Cancel(_) => "Cancel",
+        Kind::Ping(_) => "Ping",
+        Kind::Pong(_) => "Pong",
+        Kind::GoAway(_) => "GoAway",
     }
 }
 

@@ -15,7 +15,8 @@ use bytes::{BufMut, BytesMut};
 use prost::encoding::{encode_varint, encoded_len_varint};
 use rpc_core::wire::{frame::Kind, RemoteInvokeMessage, RemoteResultMessage, ValidateError};
 
-use crate::codec::PREFIX;
+/// Bytes of a frame's length prefix (a big-endian `u32`).
+pub(crate) const PREFIX: usize = 4;
 
 /// Protobuf wire types used here.
 const VARINT: u32 = 0;

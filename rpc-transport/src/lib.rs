@@ -1,21 +1,28 @@
 //! # rpc-transport
 //!
-//! Frames on TCP, as `proto/rpc.proto` defines them: the length-delimited [`FrameCodec`], the
-//! client [`Connection`] (handshake, many calls multiplexed by `message_id`, `Cancel` when a
-//! caller gives up, heartbeats), the [`ConnectionPool`] that reconnects after a server restart,
-//! and the server accept loop [`serve`] (handshake with constant-time token check, frame limits,
-//! idle timeout, `Cancel`, graceful drain).
+//! Frames on a byte stream, as `proto/rpc.proto` defines them: the length-delimited
+//! [`FrameCodec`], the client [`Connection`] (handshake, many calls multiplexed by `message_id`
+//! through a slab of pending calls, `Cancel` when a caller gives up, heartbeats), the
+//! [`ConnectionPool`] that reconnects after a server restart, and the server accept loop
+//! [`serve`] (handshake with constant-time token check, frame limits, idle timeout, `Cancel`,
+//! graceful drain).
+//!
+//! The stream comes from a transport: dialing and listening go through the [`Dialer`],
+//! [`Listener`] and [`Stream`] traits of the [`transport`] module, whose two implementations
+//! are TCP (`host:port`) and Unix domain sockets (`unix:/path/to.sock`); the address chooses.
 //!
 //! Each connection has one writer task that drains every queued frame into one buffer and writes
 //! it with one syscall, and one reader that decodes every complete frame in its buffer before
 //! waiting again. `TCP_NODELAY` is on.
 //!
 //! With feature `tls`, connections run over TLS (rustls) when `ServerOptions::tls` and
-//! `ConnectOptions::tls` say so, with mutual TLS as an option: see the `tls` module.
+//! `ConnectOptions::tls` say so, with mutual TLS as an option, over any transport: see the
+//! `tls` module.
 //!
-//! This crate knows frames, not services: it must not look inside parameters, choose endpoints or
-//! apply governance policies. The server side hands each call to an [`InvokeHandler`], with the
-//! [`Caller`] its connection's handshake established (client id, token check, TLS certificate).
+//! This crate knows frames and streams, not services: it must not look inside parameters,
+//! choose endpoints or apply governance policies. The server side hands each call to an
+//! [`InvokeHandler`], with the [`Caller`] its connection's handshake established (client id,
+//! token check, TLS certificate).
 //!
 //! ```no_run
 //! use rpc_transport::{Call, ConnectOptions, Connection};
@@ -38,25 +45,36 @@
 //! ```
 #![warn(missing_docs)]
 
+mod call;
 mod caller;
 mod client;
 mod codec;
+mod decode;
 mod encode;
+mod invoke;
+mod peer;
 mod pool;
 mod reader;
 mod server;
 #[cfg(feature = "tls")]
 pub mod tls;
+pub mod transport;
 mod writer;
 
+pub use call::Call;
 pub use caller::Caller;
-pub use client::{Call, ConnectOptions, Connection};
+pub use client::{ConnectOptions, Connection};
 pub use codec::{FrameCodec, FrameError};
+pub use invoke::{Invoke, WireStr};
+pub use peer::{PeerAddr, UNIX_SCHEME};
 pub use pool::ConnectionPool;
 pub use server::{
     error_result, serve, Dispatch, InvokeHandler, ServerOptions, ABUSE_LIMIT, MAX_HELLO_FRAME,
     REFUSALS_BEFORE_PAUSE,
 };
+pub use transport::{Address, Dialer, Listener, Stream, TcpDialer};
+#[cfg(unix)]
+pub use transport::{UnixDialer, UnixListener};
 
 /// Initial capacity of each connection's read buffer: 64 KiB, so a 4 KiB payload stream needs no
 /// regrowth and many small frames arrive in one read.
@@ -74,5 +92,44 @@ impl std::fmt::Debug for Redacted<'_> {
             Some(_) => "Some(<redacted>)",
             None => "None",
         })
+    }
+}
+
+/// Allocations counted per thread, for the tests that check a path allocates nothing.
+#[cfg(test)]
+pub(crate) mod alloc_count {
+    use std::alloc::{GlobalAlloc, Layout, System};
+    use std::cell::Cell;
+
+    thread_local! {
+        static COUNT: Cell<u64> = const { Cell::new(0) };
+    }
+
+    struct Counting;
+
+    // SAFETY: every method forwards to `System` with the same arguments.
+    unsafe impl GlobalAlloc for Counting {
+        unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+            let _ = COUNT.try_with(|c| c.set(c.get() + 1));
+            // SAFETY: forwarded as received.
+            unsafe { System.alloc(layout) }
+        }
+        unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+            // SAFETY: forwarded as received.
+            unsafe { System.dealloc(ptr, layout) }
+        }
+        unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+            let _ = COUNT.try_with(|c| c.set(c.get() + 1));
+            // SAFETY: forwarded as received.
+            unsafe { System.realloc(ptr, layout, new_size) }
+        }
+    }
+
+    #[global_allocator]
+    static GLOBAL: Counting = Counting;
+
+    /// Allocations made by this thread so far.
+    pub(crate) fn this_thread() -> u64 {
+        COUNT.with(Cell::get)
     }
 }

@@ -15,16 +15,15 @@
 //! and then stops sending keeps it until the idle timeout closes its connection (only complete
 //! frames count as traffic).
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use bytes::{Buf, BytesMut};
-use rpc_core::wire::frame::Kind;
 use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
-use tokio_util::codec::Decoder;
 
 use crate::codec::{FrameCodec, FrameError, PREFIX};
+use crate::invoke::Incoming;
+use crate::peer::PeerAddr;
 use crate::READ_BUFFER;
 
 /// The budget counts in units of this many bytes, so that a semaphore's `u32` request covers
@@ -61,7 +60,7 @@ pub(crate) struct FrameReader<R> {
     budget: ReadBudget,
     /// The share of the budget held for the large frame being read.
     share: Option<OwnedSemaphorePermit>,
-    peer: SocketAddr,
+    peer: PeerAddr,
     eof: bool,
 }
 
@@ -72,7 +71,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
         early: &[u8],
         max_frame_length: usize,
         budget: ReadBudget,
-        peer: SocketAddr,
+        peer: PeerAddr,
     ) -> Self {
         let mut buf = BytesMut::with_capacity(READ_BUFFER.max(early.len()));
         buf.extend_from_slice(early);
@@ -89,7 +88,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
     }
 
     /// The next complete frame already in the buffer, without reading from the socket.
-    pub(crate) fn buffered(&mut self) -> Option<Result<Kind, FrameError>> {
+    pub(crate) fn buffered(&mut self) -> Option<Result<Incoming, FrameError>> {
         if self.buf.len() < PREFIX {
             return None;
         }
@@ -99,7 +98,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
         if len <= self.max_frame_length && self.buf.len() < PREFIX + len {
             return None;
         }
-        let frame = self.codec.decode(&mut self.buf).transpose()?;
+        let frame = self.codec.decode_incoming(&mut self.buf).transpose()?;
         if self.share.take().is_some() {
             // The large frame is out (its payload, shared with the buffer, now belongs to the
             // call): back to a buffer of the usual size.
@@ -111,7 +110,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
 
     /// The next frame; `None` at the end of the stream. Cancel-safe: dropping the future loses
     /// no byte (a wait for the budget starts again at the back of the queue).
-    pub(crate) async fn next(&mut self) -> Option<Result<Kind, FrameError>> {
+    pub(crate) async fn next(&mut self) -> Option<Result<Incoming, FrameError>> {
         loop {
             if let Some(frame) = self.buffered() {
                 return Some(frame);

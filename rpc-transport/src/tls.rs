@@ -25,15 +25,15 @@
 //! ```
 
 use std::fmt;
-use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use rpc_core::{RpcError, StatusCode};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::time::Instant;
+
+use crate::peer::PeerAddr;
 use tokio_rustls::rustls::crypto::CryptoProvider;
 use tokio_rustls::rustls::pki_types::pem::{self, PemObject};
 use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
@@ -105,13 +105,13 @@ impl ServerTls {
 
     /// Runs the server side of the TLS handshake on an accepted socket, until `deadline`
     /// (`timeout` after the accept). A refused client is logged, with why, and `None` returned.
-    pub(crate) async fn accept(
+    pub(crate) async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
         &self,
-        stream: TcpStream,
-        peer: SocketAddr,
+        stream: S,
+        peer: &PeerAddr,
         deadline: Instant,
         timeout: Duration,
-    ) -> Option<server::TlsStream<TcpStream>> {
+    ) -> Option<server::TlsStream<S>> {
         let handshake = self.acceptor.accept(stream).into_fallible();
         let (reason, socket) = match tokio::time::timeout_at(deadline, handshake).await {
             Ok(Ok(stream)) => return Some(stream),
@@ -131,7 +131,7 @@ impl ServerTls {
 
 /// The end-entity certificate (DER) a client presented in the handshake of `stream`, if any:
 /// what `Caller::peer_certificate` gives. Read once per connection.
-pub(crate) fn peer_certificate(stream: &server::TlsStream<TcpStream>) -> Option<Vec<u8>> {
+pub(crate) fn peer_certificate<S>(stream: &server::TlsStream<S>) -> Option<Vec<u8>> {
     let (_, session) = stream.get_ref();
     session
         .peer_certificates()
@@ -143,7 +143,7 @@ pub(crate) fn peer_certificate(stream: &server::TlsStream<TcpStream>) -> Option<
 /// unread bytes (the client's next flight, its first frame) resets the connection, which can
 /// destroy the alert before the client reads it: read and drop what the client still sends
 /// until it closes, for a short while.
-async fn linger(mut socket: TcpStream, deadline: Instant) {
+async fn linger<S: AsyncRead + AsyncWrite + Unpin>(mut socket: S, deadline: Instant) {
     let until = deadline.min(Instant::now() + LINGER);
     let _ = tokio::time::timeout_at(until, async {
         let _ = socket.shutdown().await;
@@ -227,13 +227,22 @@ impl ClientTls {
     }
 
     /// Runs the client side of the TLS handshake with the server at `addr`.
-    pub(crate) async fn connect(
+    pub(crate) async fn connect<S: AsyncRead + AsyncWrite + Unpin>(
         &self,
         addr: &str,
-        stream: TcpStream,
-    ) -> Result<client::TlsStream<TcpStream>, RpcError> {
+        stream: S,
+    ) -> Result<client::TlsStream<S>, RpcError> {
         let name = match &self.server_name {
             Some(n) => n.clone(),
+            None if addr.starts_with(crate::peer::UNIX_SCHEME) => {
+                return Err(RpcError::new(
+                    StatusCode::FrameworkError,
+                    format!(
+                        "{addr}: a Unix socket address names no host for the server's \
+                         certificate; set the name it carries with ClientTls::server_name"
+                    ),
+                ))
+            }
             None => {
                 let host = host_of(addr);
                 ServerName::try_from(host.to_string()).map_err(|e| {

@@ -9,7 +9,7 @@ use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, Notify};
 use tokio_util::sync::CancellationToken;
 
-use crate::client::Call;
+use crate::call::Call;
 use crate::codec::FrameCodec;
 use crate::encode::put_invoke_frame;
 

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use common::{no_retry, recv_one, within};
-use rpc::crates::core::wire::{RemoteInvokeMessage, RemoteResultMessage};
+use rpc::crates::core::wire::RemoteResultMessage;
 use rpc::crates::transport::{self as transport, Call, ConnectOptions, Connection, Dispatch};
 use rpc::{
     Caller, Client, InProcessRegistry, LayerFuture, RpcContext, RpcError, Server, ServerHandle,
@@ -207,7 +207,7 @@ fn client(reg: &InProcessRegistry, client_id: &str) -> OrdersClient {
 struct Recorder(mpsc::UnboundedSender<Arc<Caller>>);
 
 impl transport::InvokeHandler for Recorder {
-    fn handle(&self, _invoke: RemoteInvokeMessage, caller: &Arc<Caller>) -> Dispatch {
+    fn handle(&self, _invoke: transport::Invoke, caller: &Arc<Caller>) -> Dispatch {
         let _ = self.0.send(caller.clone());
         Dispatch::Ready(RemoteResultMessage {
             status_code: StatusCode::Success.as_u32(),

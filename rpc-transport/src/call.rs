@@ -1,0 +1,53 @@
+//! A call as the client hands it to its connection: what the writer encodes, shared by the
+//! client side and the writer so that neither depends on the other.
+
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+
+use bytes::Bytes;
+use rpc_core::wire::RemoteInvokeMessage;
+
+use crate::encode::InvokeFields;
+
+/// One call for [`Connection::call`](crate::Connection::call): a `RemoteInvokeMessage` without its `message_id`, which the
+/// connection assigns. The entry id is usually a method descriptor's `&'static str`, borrowed
+/// rather than copied into every call; any `RemoteInvokeMessage` converts into a `Call`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Call {
+    /// Which method to run: `"<service id>.<method>"`, for example `"echo.Echo.echo"`.
+    pub service_entry_id: Cow<'static, str>,
+    /// How `parameters` is encoded, and how the result will be (`Codec::to_wire`).
+    pub codec: i32,
+    /// The encoded argument list.
+    pub parameters: Bytes,
+    /// Context carried with the call.
+    pub attachments: BTreeMap<String, String>,
+    /// The caller's remaining budget in milliseconds; 0 means no deadline.
+    pub timeout_ms: u32,
+}
+
+impl Call {
+    pub(crate) fn fields(&self, message_id: u64) -> InvokeFields<'_> {
+        InvokeFields {
+            message_id,
+            service_entry_id: &self.service_entry_id,
+            codec: self.codec,
+            parameters: &self.parameters,
+            attachments: &self.attachments,
+            timeout_ms: self.timeout_ms,
+        }
+    }
+}
+
+impl From<RemoteInvokeMessage> for Call {
+    /// Takes everything but `message_id`.
+    fn from(m: RemoteInvokeMessage) -> Self {
+        Call {
+            service_entry_id: m.service_entry_id.into(),
+            codec: m.codec,
+            parameters: m.parameters,
+            attachments: m.attachments,
+            timeout_ms: m.timeout_ms,
+        }
+    }
+}

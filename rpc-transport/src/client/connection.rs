@@ -1,0 +1,395 @@
+//! One multiplexed connection: connect, handshake, send calls, wait for their answers.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use futures_util::StreamExt;
+use rpc_core::wire::{frame::Kind, Cancel, Hello, RemoteResultMessage};
+use rpc_core::{RpcError, StatusCode, PROTOCOL_VERSION};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::sync::Notify;
+use tokio::time::Instant;
+use tokio_util::codec::FramedRead;
+use tokio_util::sync::CancellationToken;
+
+use super::heartbeat::{heartbeat, sweeper};
+use super::options::ConnectOptions;
+use super::pending::{PendingTable, NO_SWEEP};
+use super::reader::read_loop;
+use super::shared::{comm_error, Shared, NEXT_CONNECTION_ID};
+use crate::call::Call;
+use crate::codec::FrameCodec;
+use crate::codec::FrameError;
+use crate::transport::{Address, Dialer, Stream, TcpDialer};
+use crate::writer::spawn_writer;
+use crate::READ_BUFFER;
+
+/// One multiplexed connection to a server. Cheap to clone; calls run concurrently and are matched
+/// to their answers by `message_id`.
+///
+/// Dropping the last clone closes the connection and ends its tasks (reader, writer, deadline
+/// sweeper, heartbeat): its heartbeats would otherwise keep the server's idle timeout from ever
+/// closing a connection nobody can use any more.
+#[derive(Clone)]
+pub struct Connection {
+    pub(super) shared: Arc<Shared>,
+    /// Held only by the clones of this `Connection`, never by its tasks.
+    pub(super) _owners: Arc<CloseOnDrop>,
+}
+
+/// Closes the connection when the last [`Connection`] clone goes: the connection's tasks hold
+/// `Shared` themselves, so its count cannot tell when users are done with it.
+pub(super) struct CloseOnDrop(Arc<Shared>);
+
+impl Drop for CloseOnDrop {
+    fn drop(&mut self) {
+        self.0.closed.store(true, Ordering::Release);
+        self.0.close.cancel();
+    }
+}
+
+impl std::fmt::Debug for Connection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Connection")
+            .field("peer", &self.shared.peer)
+            .field("in_flight", &self.shared.in_flight.load(Ordering::Relaxed))
+            .field("usable", &self.is_usable())
+            .finish()
+    }
+}
+
+impl Connection {
+    /// Connects to `addr`, sends `Hello` and waits for `HelloAck`. `addr` is `host:port`
+    /// (TCP) or `unix:/path/to.sock` (a Unix domain socket); see [`Address`].
+    ///
+    /// Errors: [`StatusCode::CommunicationError`] when the server cannot be reached or the
+    /// handshake fails (with TLS: also when the server's certificate is not trusted);
+    /// [`StatusCode::RpcUnAuthentication`] when the server refuses the token or, with TLS, the
+    /// client's certificate.
+    pub async fn connect(addr: &str, options: &ConnectOptions) -> Result<Connection, RpcError> {
+        match Address::parse(addr) {
+            Address::Tcp(_) => Self::connect_with(&TcpDialer, addr, options).await,
+            #[cfg(unix)]
+            Address::Unix(_) => {
+                Self::connect_with(&crate::transport::UnixDialer, addr, options).await
+            }
+            #[cfg(not(unix))]
+            Address::Unix(_) => Err(comm_error(addr, crate::transport::no_unix_sockets(addr))),
+        }
+    }
+
+    /// Like [`connect`](Self::connect), over the transport of `dialer`.
+    pub async fn connect_with<D: Dialer>(
+        dialer: &D,
+        addr: &str,
+        options: &ConnectOptions,
+    ) -> Result<Connection, RpcError> {
+        tokio::time::timeout(
+            options.connect_timeout,
+            Self::connect_inner(dialer, addr, options),
+        )
+        .await
+        .unwrap_or_else(|_| {
+            Err(comm_error(
+                addr,
+                format!(
+                    "no connection within {} ms; is the server running?",
+                    options.connect_timeout.as_millis()
+                ),
+            ))
+        })
+    }
+
+    async fn connect_inner<D: Dialer>(
+        dialer: &D,
+        addr: &str,
+        options: &ConnectOptions,
+    ) -> Result<Connection, RpcError> {
+        let (stream, _peer) = dialer
+            .dial(addr)
+            .await
+            .map_err(|e| comm_error(addr, format!("connect failed: {e}")))?;
+        // The connected socket becomes its reader and writer here, and only here: a plain
+        // socket splits in place (no lock between the halves), TLS splits the stream after its
+        // handshake. Everything after is generic over the halves.
+        #[cfg(feature = "tls")]
+        if let Some(tls) = &options.tls {
+            let (rd, wr) = tokio::io::split(tls.connect(addr, stream).await?);
+            return Self::start(addr, rd, wr, options).await;
+        }
+        let (rd, wr) = stream.into_split();
+        Self::start(addr, rd, wr, options).await
+    }
+
+    /// Sends `Hello` on a connected stream, waits for `HelloAck` and starts the connection's
+    /// tasks.
+    async fn start<R, W>(
+        addr: &str,
+        rd: R,
+        wr: W,
+        options: &ConnectOptions,
+    ) -> Result<Connection, RpcError>
+    where
+        R: AsyncRead + Unpin + Send + 'static,
+        W: AsyncWrite + Unpin + Send + 'static,
+    {
+        let in_flight = Arc::new(AtomicUsize::new(0));
+        let close = CancellationToken::new();
+        let sender = spawn_writer(wr, in_flight.clone(), close.clone());
+        sender.send(Kind::Hello(Hello {
+            protocol_version: PROTOCOL_VERSION,
+            token: options.token.clone().unwrap_or_default(),
+            client_id: options.client_id.clone(),
+        }));
+        let mut frames =
+            FramedRead::with_capacity(rd, FrameCodec::new(options.max_frame_length), READ_BUFFER);
+        match frames.next().await {
+            Some(Ok(Kind::HelloAck(_))) => {}
+            Some(Ok(Kind::GoAway(g))) => {
+                close.cancel();
+                return Err(RpcError::new(
+                    StatusCode::from_u32(g.status_code),
+                    format!("{addr} refused the connection: {}", g.reason),
+                ));
+            }
+            Some(Ok(other)) => {
+                close.cancel();
+                return Err(comm_error(
+                    addr,
+                    format!("expected HelloAck, got {other:?}"),
+                ));
+            }
+            Some(Err(e)) => {
+                close.cancel();
+                return Err(handshake_failed(addr, e));
+            }
+            None => {
+                close.cancel();
+                return Err(comm_error(addr, "connection closed during the handshake"));
+            }
+        }
+        let shared = Arc::new(Shared {
+            id: NEXT_CONNECTION_ID.fetch_add(1, Ordering::Relaxed),
+            peer: addr.to_string(),
+            sender,
+            max_unsent_bytes: options.max_unsent_bytes,
+            pending: PendingTable::default(),
+            epoch: Instant::now(),
+            next_sweep: AtomicU64::new(NO_SWEEP),
+            sweep: Notify::new(),
+            in_flight,
+            going_away: AtomicBool::new(false),
+            closed: AtomicBool::new(false),
+            close,
+        });
+        let received = Arc::new(AtomicU64::new(0));
+        tokio::spawn(read_loop(frames, shared.clone(), received.clone()));
+        tokio::spawn(sweeper(shared.clone()));
+        tokio::spawn(heartbeat(
+            Arc::downgrade(&shared),
+            options.heartbeat_interval,
+            received,
+        ));
+        Ok(Connection {
+            _owners: Arc::new(CloseOnDrop(shared.clone())),
+            shared,
+        })
+    }
+
+    /// A number that identifies this connection in the process (never 0): calls that fail
+    /// because the same connection broke can be told apart from independent failures.
+    pub fn id(&self) -> u64 {
+        self.shared.id
+    }
+
+    /// The address this connection was made to.
+    pub fn peer(&self) -> &str {
+        &self.shared.peer
+    }
+
+    /// Whether new calls may be sent: open, and the server has not said `GoAway`.
+    pub fn is_usable(&self) -> bool {
+        !self.shared.closed.load(Ordering::Acquire)
+            && !self.shared.going_away.load(Ordering::Relaxed)
+    }
+
+    /// Whether the server said it is draining (`GoAway` with status 200): calls that then fail
+    /// without an answer never reached it.
+    pub fn is_draining(&self) -> bool {
+        self.shared.going_away.load(Ordering::Relaxed)
+    }
+
+    /// Bytes of calls queued on this connection and not yet written to the socket (an
+    /// estimate, as [`ConnectOptions::max_unsent_bytes`] counts them).
+    pub fn unsent_bytes(&self) -> usize {
+        self.shared.sender.backlog().bytes()
+    }
+
+    /// Calls in flight on this connection.
+    pub fn in_flight(&self) -> usize {
+        self.shared.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// Closes the connection; calls in flight fail with a communication error.
+    pub fn close(&self) {
+        self.shared.closed.store(true, Ordering::Release);
+        self.shared.close.cancel();
+    }
+
+    /// Sends one call and waits for its answer; the call's `message_id` is assigned here.
+    ///
+    /// Dropping the returned future before the answer arrives sends `Cancel` to the server, and
+    /// so does reaching `deadline`, which fails the call with [`StatusCode::Timeout`]. Other
+    /// errors are [`StatusCode::CommunicationError`]; when the request may have reached the
+    /// server the error says so ([`RpcError::is_maybe_delivered`]).
+    pub async fn call(
+        &self,
+        call: impl Into<Call>,
+        deadline: Option<Instant>,
+    ) -> Result<RemoteResultMessage, RpcError> {
+        let call = call.into();
+        let shared = &self.shared;
+        if !self.is_usable() {
+            return Err(comm_error(&shared.peer, "connection closed"));
+        }
+        if shared.sender.backlog().bytes() > shared.max_unsent_bytes {
+            self.wait_for_room(deadline).await?;
+        }
+        let deadline_ms = deadline.map_or(0, |d| {
+            (d.saturating_duration_since(shared.epoch).as_millis() as u64).max(1)
+        });
+        let id = shared.pending.insert(deadline_ms);
+        shared.in_flight.fetch_add(1, Ordering::Relaxed);
+        if deadline_ms != 0
+            && shared.next_sweep.fetch_min(deadline_ms, Ordering::AcqRel) > deadline_ms
+        {
+            // A new earliest deadline: the sweeper may be asleep until a later one.
+            shared.sweep.notify_one();
+        }
+        let mut guard = PendingGuard {
+            shared,
+            id,
+            armed: true,
+        };
+        if shared.closed.load(Ordering::Acquire) {
+            // The reader ended between the check above and the insert: it will not see this
+            // call, so it must not wait.
+            guard.disarm_quietly();
+            return Err(comm_error(&shared.peer, "connection closed"));
+        }
+        if !shared.sender.send_call(id, call) {
+            guard.disarm_quietly();
+            return Err(comm_error(&shared.peer, "connection closed"));
+        }
+        let result = std::future::poll_fn(|cx| shared.pending.poll(id, cx)).await;
+        guard.armed = false;
+        shared.in_flight.fetch_sub(1, Ordering::Relaxed);
+        result
+    }
+}
+
+impl Connection {
+    /// Waits until the send queue is back within `max_unsent_bytes`: backpressure on callers
+    /// when the server does not read, instead of memory growing without limit.
+    async fn wait_for_room(&self, deadline: Option<Instant>) -> Result<(), RpcError> {
+        let shared = &self.shared;
+        let backlog = shared.sender.backlog();
+        let max = shared.max_unsent_bytes;
+        let mut logged = false;
+        loop {
+            let room = backlog.room();
+            tokio::pin!(room);
+            room.as_mut().enable();
+            if backlog.bytes() <= max {
+                return Ok(());
+            }
+            if shared.closed.load(Ordering::Acquire) {
+                return Err(comm_error(&shared.peer, "connection closed"));
+            }
+            if !logged {
+                logged = true;
+                tracing::debug!(
+                    peer = %shared.peer,
+                    unsent = backlog.bytes(),
+                    max,
+                    "send queue full: the call waits for room"
+                );
+            }
+            tokio::select! {
+                _ = room => {}
+                _ = shared.close.cancelled() => {
+                    return Err(comm_error(&shared.peer, "connection closed"));
+                }
+                _ = sleep_until_or_never(deadline) => {
+                    return Err(RpcError::new(
+                        StatusCode::Timeout,
+                        format!(
+                            "{}: the call was not sent: the connection's send queue stayed above \
+                             {max} bytes until the call's deadline (the server is not reading \
+                             its calls; check that it is alive)",
+                            shared.peer
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+}
+
+pub(super) async fn sleep_until_or_never(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+pub(super) fn handshake_failed(addr: &str, e: FrameError) -> RpcError {
+    // With TLS 1.3 a server that refuses the client's certificate says so after the client's
+    // side of the TLS handshake is done: its alert is the first thing read.
+    #[cfg(feature = "tls")]
+    if let FrameError::Io(io) = &e {
+        if let Some(err) = crate::tls::handshake_error(addr, io) {
+            return err;
+        }
+    }
+    if let FrameError::TooLarge { len, .. } = e {
+        // The first bytes of a TLS record (an alert or a handshake, version 3.x) read as a
+        // length prefix.
+        if matches!(len >> 24, 0x15 | 0x16) && (len >> 16) & 0xff == 0x03 {
+            return comm_error(
+                addr,
+                "handshake failed: the server answered with TLS; connect with TLS (feature \
+                 `tls`: `ClientBuilder::tls` or `ConnectOptions::tls`)",
+            );
+        }
+    }
+    comm_error(addr, format!("handshake failed: {e}"))
+}
+
+/// Removes a call from the pending table and tells the server when the caller gives up.
+pub(super) struct PendingGuard<'a> {
+    pub(super) shared: &'a Shared,
+    pub(super) id: u64,
+    pub(super) armed: bool,
+}
+
+impl PendingGuard<'_> {
+    pub(super) fn disarm_quietly(&mut self) {
+        self.armed = false;
+        self.shared.pending.remove(self.id);
+        self.shared.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl Drop for PendingGuard<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.shared.in_flight.fetch_sub(1, Ordering::Relaxed);
+            if self.shared.pending.remove(self.id) {
+                self.shared.sender.send(Kind::Cancel(Cancel {
+                    message_id: self.id,
+                }));
+            }
+        }
+    }
+}

@@ -1,0 +1,93 @@
+//! The deadline sweeper and the heartbeat of a connection.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use rpc_core::wire::{frame::Kind, Cancel, Ping};
+use rpc_core::{RpcError, StatusCode};
+
+use super::pending::NO_SWEEP;
+use super::shared::Shared;
+
+/// Fails calls whose deadline passed with [`StatusCode::Timeout`] and sends `Cancel` for them.
+/// Sleeps until the earliest deadline, so a connection whose calls all answer in time costs one
+/// timer per earliest-deadline change, not one per call.
+/// Ends with the connection (the reader cancels `close` whenever it stops).
+pub(super) async fn sweeper(s: Arc<Shared>) {
+    let closing = s.close.clone();
+    let closing = closing.cancelled();
+    tokio::pin!(closing);
+    // Reused from sweep to sweep.
+    let mut expired = Vec::new();
+    loop {
+        let next = s.next_sweep.load(Ordering::Acquire);
+        let wake = s.epoch + Duration::from_millis(next.min(u32::MAX as u64));
+        tokio::select! {
+            _ = &mut closing => return,
+            _ = s.sweep.notified() => continue,
+            _ = tokio::time::sleep_until(wake), if next != NO_SWEEP => {}
+        }
+        let now_ms = s.epoch.elapsed().as_millis() as u64;
+        if now_ms < s.next_sweep.load(Ordering::Acquire) {
+            continue;
+        }
+        s.next_sweep.store(NO_SWEEP, Ordering::Release);
+        expired.clear();
+        let next = s.pending.expire(
+            now_ms,
+            || {
+                RpcError::new(
+                    StatusCode::Timeout,
+                    format!(
+                        "{}: no answer before the call's deadline; the server was told to stop",
+                        s.peer
+                    ),
+                )
+            },
+            &mut expired,
+        );
+        s.next_sweep.fetch_min(next, Ordering::AcqRel);
+        for &id in &expired {
+            s.sender.send(Kind::Cancel(Cancel { message_id: id }));
+        }
+    }
+}
+
+/// Pings every `interval`; closes the connection when no frame at all arrived during three
+/// intervals in a row (a frame counter is compared, so the reader never reads the clock).
+pub(super) async fn heartbeat(
+    shared: std::sync::Weak<Shared>,
+    interval: Duration,
+    received: Arc<AtomicU64>,
+) {
+    let mut nonce = 0u64;
+    let mut last_count = received.load(Ordering::Relaxed);
+    let mut silent_ticks = 0u32;
+    loop {
+        let close = match shared.upgrade() {
+            Some(s) => s.close.clone(),
+            None => return,
+        };
+        tokio::select! {
+            _ = close.cancelled() => return,
+            _ = tokio::time::sleep(interval) => {}
+        }
+        let Some(s) = shared.upgrade() else { return };
+        let count = received.load(Ordering::Relaxed);
+        if count == last_count {
+            silent_ticks += 1;
+        } else {
+            silent_ticks = 0;
+            last_count = count;
+        }
+        if silent_ticks >= 3 {
+            tracing::debug!(peer = %s.peer, "no traffic from the server for three heartbeats: closing");
+            s.closed.store(true, Ordering::Release);
+            s.close.cancel();
+            return;
+        }
+        nonce += 1;
+        s.sender.send(Kind::Ping(Ping { nonce }));
+    }
+}

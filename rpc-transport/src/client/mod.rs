@@ -1,0 +1,17 @@
+//! The client side of a connection: handshake, multiplexed calls, heartbeats.
+//!
+//! One module per role, each depending only on those listed before it: [`options`] says how to
+//! connect, [`pending`] is the table of calls waiting for their answers, [`shared`] is what a
+//! connection's handle and its tasks share, [`reader`] hands answers to the waiting calls,
+//! [`heartbeat`] pings the server and expires calls past their deadline, [`connection`]
+//! connects, shakes hands and sends calls.
+
+mod connection;
+mod heartbeat;
+mod options;
+mod pending;
+mod reader;
+mod shared;
+
+pub use connection::Connection;
+pub use options::ConnectOptions;

@@ -1,0 +1,59 @@
+//! How a client connects.
+
+use std::time::Duration;
+
+/// How a client connects. Its `Debug` form shows whether a token is set, never the token.
+#[derive(Clone)]
+pub struct ConnectOptions {
+    /// Sent in `Hello.token`; `None` sends an empty token.
+    pub token: Option<String>,
+    /// Sent in `Hello.client_id`.
+    pub client_id: String,
+    /// Largest frame accepted from the server.
+    pub max_frame_length: usize,
+    /// Limit on TCP connect plus handshake.
+    pub connect_timeout: Duration,
+    /// A `Ping` is sent after this long without traffic; the connection is closed when nothing
+    /// at all arrived for three intervals.
+    pub heartbeat_interval: Duration,
+    /// Bytes of calls queued on one connection and not yet written (about: parameters and
+    /// entry id of each call plus 64), 4 MiB by default. Above it, as when the server stalls
+    /// and stops reading, a new call waits for room, within its deadline, instead of growing
+    /// the client's memory without limit; a call is always let in while the queue is below
+    /// the limit, however large it is.
+    pub max_unsent_bytes: usize,
+    /// TLS to the server (feature `tls`); `None` connects over plain TCP. The TLS handshake
+    /// counts within `connect_timeout`.
+    #[cfg(feature = "tls")]
+    pub tls: Option<crate::tls::ClientTls>,
+}
+
+impl Default for ConnectOptions {
+    fn default() -> Self {
+        ConnectOptions {
+            token: None,
+            client_id: format!("rpc-client/{}", std::process::id()),
+            max_frame_length: rpc_core::DEFAULT_MAX_FRAME_LENGTH,
+            connect_timeout: Duration::from_secs(3),
+            heartbeat_interval: Duration::from_secs(10),
+            max_unsent_bytes: 4 * 1024 * 1024,
+            #[cfg(feature = "tls")]
+            tls: None,
+        }
+    }
+}
+
+impl std::fmt::Debug for ConnectOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut d = f.debug_struct("ConnectOptions");
+        d.field("token", &crate::Redacted(&self.token))
+            .field("client_id", &self.client_id)
+            .field("max_frame_length", &self.max_frame_length)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("heartbeat_interval", &self.heartbeat_interval)
+            .field("max_unsent_bytes", &self.max_unsent_bytes);
+        #[cfg(feature = "tls")]
+        d.field("tls", &self.tls);
+        d.finish()
+    }
+}

@@ -1,0 +1,259 @@
+//! Direct decoding of the frame every call brings the server: `Frame { invoke }`.
+//!
+//! prost decodes `RemoteInvokeMessage.service_entry_id` into a `String` of its own, an
+//! allocation per call for an id that is only looked up. Here the invoke frame is read in one
+//! pass, and the id and the parameters are slices of the frame's buffer. Only the shape every
+//! encoder writes is read here (one `invoke` field in the frame, the message's known fields
+//! with their wire types, map entries of a key and a value); anything else (unknown fields,
+//! repeated oneof fields, malformed input) goes to prost, so the result is always what prost
+//! would decode: the unit tests compare both decoders on generated and on mangled frames.
+
+use bytes::{Buf, Bytes};
+use prost::encoding::decode_varint;
+use prost::{DecodeError, Message};
+use rpc_core::wire::Frame;
+
+use crate::invoke::{Incoming, Invoke, WireStr};
+
+/// `Frame.invoke`: field 3, length-delimited.
+const FRAME_INVOKE_KEY: u64 = (3 << 3) | 2;
+
+/// Decodes a frame's payload (without its length prefix); `None` for a `Frame` holding no
+/// message.
+pub(crate) fn decode_incoming(payload: Bytes) -> Result<Option<Incoming>, DecodeError> {
+    if let Some(invoke) = invoke_frame(&payload) {
+        return Ok(Some(Incoming::Invoke(invoke)));
+    }
+    Ok(Frame::decode(payload)?.kind.map(Incoming::from))
+}
+
+/// The call in `payload` if it is a plain invoke frame; `None` for anything else.
+fn invoke_frame(payload: &Bytes) -> Option<Invoke> {
+    let mut buf = &payload[..];
+    if decode_varint(&mut buf).ok()? != FRAME_INVOKE_KEY {
+        return None;
+    }
+    let len = usize::try_from(decode_varint(&mut buf).ok()?).ok()?;
+    if len != buf.remaining() {
+        // More fields after the invoke (prost would merge or replace): not the plain shape.
+        return None;
+    }
+    let start = payload.len() - len;
+    invoke_body(&payload.slice(start..))
+}
+
+/// Reads a `RemoteInvokeMessage` body.
+fn invoke_body(body: &Bytes) -> Option<Invoke> {
+    let mut m = Invoke::default();
+    let mut buf = &body[..];
+    while buf.has_remaining() {
+        let key = decode_varint(&mut buf).ok()?;
+        match key {
+            // message_id: uint64
+            0x08 => m.message_id = decode_varint(&mut buf).ok()?,
+            // service_entry_id: string
+            0x12 => {
+                let s = slice(body, &mut buf)?;
+                m.service_entry_id = WireStr::from_utf8(s).ok()?;
+            }
+            // codec: enum (int32), truncated as prost does
+            0x18 => m.codec = decode_varint(&mut buf).ok()? as i32,
+            // parameters: bytes
+            0x22 => m.parameters = slice(body, &mut buf)?,
+            // attachments: map<string, string>
+            0x2a => {
+                let entry = slice(body, &mut buf)?;
+                let (k, v) = map_entry(&entry)?;
+                m.attachments.insert(k, v);
+            }
+            // timeout_ms: uint32, truncated as prost does
+            0x30 => m.timeout_ms = decode_varint(&mut buf).ok()? as u32,
+            _ => return None,
+        }
+    }
+    Some(m)
+}
+
+/// The next length-delimited field's bytes, as a slice of `whole` (which `buf` is a suffix of).
+fn slice(whole: &Bytes, buf: &mut &[u8]) -> Option<Bytes> {
+    let len = usize::try_from(decode_varint(buf).ok()?).ok()?;
+    if len > buf.len() {
+        return None;
+    }
+    let start = whole.len() - buf.len();
+    buf.advance(len);
+    Some(whole.slice(start..start + len))
+}
+
+/// One `map<string, string>` entry: key (field 1) and value (field 2), each at most once.
+fn map_entry(entry: &[u8]) -> Option<(String, String)> {
+    let mut buf = entry;
+    let (mut k, mut v) = (None, None);
+    while buf.has_remaining() {
+        let field = match decode_varint(&mut buf).ok()? {
+            0x0a if k.is_none() => &mut k,
+            0x12 if v.is_none() => &mut v,
+            _ => return None,
+        };
+        let len = usize::try_from(decode_varint(&mut buf).ok()?).ok()?;
+        if len > buf.len() {
+            return None;
+        }
+        *field = Some(std::str::from_utf8(&buf[..len]).ok()?.to_string());
+        buf.advance(len);
+    }
+    Some((k.unwrap_or_default(), v.unwrap_or_default()))
+}
+
+#[cfg(test)]
+mod tests {
+    use bytes::BytesMut;
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+    use rpc_core::wire::{frame::Kind, Ping, RemoteInvokeMessage};
+
+    use super::*;
+    use crate::codec::{FrameCodec, FrameError};
+
+    /// Both decoders on one payload: the same frame, or both an error.
+    fn same_as_prost(payload: &[u8]) {
+        let ours = decode_incoming(Bytes::copy_from_slice(payload))
+            .map_err(FrameError::from)
+            .and_then(|f| f.ok_or(FrameError::Empty));
+        let prost = Frame::decode(payload)
+            .map_err(FrameError::from)
+            .and_then(|f| f.kind.ok_or(FrameError::Empty))
+            .map(Incoming::from);
+        match (ours, prost) {
+            (Ok(a), Ok(b)) => assert_eq!(a, b, "payload {payload:02x?}"),
+            (Err(_), Err(_)) => {}
+            (a, b) => panic!("decoders disagree on {payload:02x?}: {a:?} against {b:?}"),
+        }
+    }
+
+    fn payload(kind: Kind) -> Vec<u8> {
+        let mut buf = BytesMut::new();
+        FrameCodec::encode_kind(kind, &mut buf);
+        buf[crate::encode::PREFIX..].to_vec()
+    }
+
+    fn random_invoke(rng: &mut StdRng) -> RemoteInvokeMessage {
+        let word = |rng: &mut StdRng, n: usize| -> String {
+            (0..rng.random_range(0..n))
+                .map(|_| rng.random_range('a'..='z'))
+                .collect()
+        };
+        RemoteInvokeMessage {
+            message_id: if rng.random_bool(0.2) {
+                0
+            } else {
+                rng.random()
+            },
+            service_entry_id: word(rng, 40),
+            codec: [0, 1, -1, i32::MAX][rng.random_range(0..4)],
+            parameters: (0..rng.random_range(0..300))
+                .map(|_| rng.random())
+                .collect(),
+            attachments: (0..rng.random_range(0..4))
+                .map(|_| (word(rng, 8), word(rng, 8)))
+                .collect(),
+            timeout_ms: if rng.random_bool(0.3) {
+                0
+            } else {
+                rng.random()
+            },
+        }
+    }
+
+    #[test]
+    fn invoke_frames_decode_as_prost_decodes_them() {
+        let mut rng = StdRng::seed_from_u64(12);
+        for _ in 0..2_000 {
+            let m = random_invoke(&mut rng);
+            let p = payload(Kind::Invoke(m.clone()));
+            assert!(invoke_frame(&Bytes::from(p.clone())).is_some(), "{m:?}");
+            same_as_prost(&p);
+            match decode_incoming(Bytes::from(p)).expect("decodes") {
+                Some(Incoming::Invoke(i)) => assert_eq!(RemoteInvokeMessage::from(i), m),
+                other => panic!("expected an invoke, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn unusual_and_broken_frames_decode_as_prost_decodes_them() {
+        let mut rng = StdRng::seed_from_u64(7);
+        let mut cases: Vec<Vec<u8>> = vec![
+            vec![],
+            payload(Kind::Ping(Ping { nonce: 3 })),
+            // An invoke followed by a ping: prost keeps the last oneof field.
+            [
+                payload(Kind::Invoke(random_invoke(&mut rng))),
+                payload(Kind::Ping(Ping { nonce: 1 })),
+            ]
+            .concat(),
+            // Two invokes: prost merges them.
+            [
+                payload(Kind::Invoke(random_invoke(&mut rng))),
+                payload(Kind::Invoke(random_invoke(&mut rng))),
+            ]
+            .concat(),
+            // An unknown field (15, varint) inside the invoke.
+            vec![0x1a, 0x04, 0x08, 0x01, 0x78, 0x05],
+            // A map entry with its key twice, and one with an unknown field.
+            vec![0x1a, 0x08, 0x2a, 0x06, 0x0a, 0x01, b'a', 0x0a, 0x01, b'b'],
+            vec![0x1a, 0x07, 0x2a, 0x05, 0x0a, 0x01, b'a', 0x18, 0x01],
+            // An entry id that is not UTF-8, and a truncated body.
+            vec![0x1a, 0x04, 0x12, 0x02, 0xff, 0xfe],
+            vec![0x1a, 0x05, 0x12, 0x09, b'a'],
+            // A varint of eleven bytes.
+            [&[0x1a, 0x0c, 0x08][..], &[0xff; 10][..], &[0x01][..]].concat(),
+        ];
+        // Every prefix and one-byte change of some real frames.
+        for _ in 0..30 {
+            let p = payload(Kind::Invoke(random_invoke(&mut rng)));
+            for cut in 0..p.len() {
+                cases.push(p[..cut].to_vec());
+            }
+            for _ in 0..30 {
+                let mut q = p.clone();
+                let i = rng.random_range(0..q.len());
+                q[i] = rng.random();
+                cases.push(q);
+            }
+        }
+        for c in &cases {
+            same_as_prost(c);
+        }
+    }
+
+    #[test]
+    fn the_entry_id_shares_the_frame_buffer() {
+        let m = RemoteInvokeMessage {
+            message_id: 1,
+            service_entry_id: "echo.Echo.echo".into(),
+            ..Default::default()
+        };
+        // As the server's reader hands it over: split off its read buffer.
+        let mut buf = BytesMut::new();
+        FrameCodec::encode_kind(Kind::Invoke(m), &mut buf);
+        let p = FrameCodec::new(1024)
+            .split_frame(&mut buf)
+            .expect("a frame")
+            .expect("complete");
+        let before = crate::alloc_count::this_thread();
+        let decoded = decode_incoming(p.clone());
+        assert_eq!(
+            crate::alloc_count::this_thread() - before,
+            0,
+            "no allocation for a call without attachments"
+        );
+        let Ok(Some(Incoming::Invoke(i))) = decoded else {
+            panic!("expected an invoke")
+        };
+        assert_eq!(&*i.service_entry_id, "echo.Echo.echo");
+        let id = i.service_entry_id.as_str().as_ptr() as usize;
+        let range = p.as_ptr() as usize..p.as_ptr() as usize + p.len();
+        assert!(range.contains(&id), "the id points into the frame");
+    }
+}

@@ -1,0 +1,127 @@
+//! A call as the server reads it: the fields of a `RemoteInvokeMessage`, with the entry id
+//! sharing the frame's buffer instead of being copied into a `String` of its own.
+//!
+//! The entry id is read on every call only to look the method up; copying it out of the
+//! frame cost an allocation per call. [`WireStr`] holds it as a slice of the frame's bytes,
+//! checked to be UTF-8 once, when the frame is decoded.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::ops::Deref;
+
+use bytes::Bytes;
+use rpc_core::wire::{frame::Kind, RemoteInvokeMessage};
+
+/// A UTF-8 string sharing the buffer of the frame it was read from. Cheap to clone.
+#[derive(Clone, Default, PartialEq, Eq, Hash)]
+pub struct WireStr(Bytes);
+
+impl WireStr {
+    /// `bytes` as a string, if they are UTF-8.
+    pub fn from_utf8(bytes: Bytes) -> Result<WireStr, std::str::Utf8Error> {
+        std::str::from_utf8(&bytes)?;
+        Ok(WireStr(bytes))
+    }
+
+    /// The string.
+    pub fn as_str(&self) -> &str {
+        // Checked when built (`from_utf8`, `From<String>`, `From<&'static str>`); the empty
+        // fallback is never taken.
+        std::str::from_utf8(&self.0).unwrap_or_default()
+    }
+}
+
+impl Deref for WireStr {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        self.as_str()
+    }
+}
+
+impl From<String> for WireStr {
+    fn from(s: String) -> Self {
+        WireStr(Bytes::from(s.into_bytes()))
+    }
+}
+
+impl From<&'static str> for WireStr {
+    fn from(s: &'static str) -> Self {
+        WireStr(Bytes::from_static(s.as_bytes()))
+    }
+}
+
+impl fmt::Debug for WireStr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self.as_str(), f)
+    }
+}
+
+impl fmt::Display for WireStr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One call, as an [`InvokeHandler`](crate::InvokeHandler) receives it: the fields of
+/// `RemoteInvokeMessage` (see `proto/rpc.proto`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Invoke {
+    /// The id the client matches the answer with.
+    pub message_id: u64,
+    /// Which method to run: `"<service id>.<method>"`.
+    pub service_entry_id: WireStr,
+    /// How `parameters` is encoded (`Codec::to_wire`).
+    pub codec: i32,
+    /// The encoded argument list.
+    pub parameters: Bytes,
+    /// Context carried with the call.
+    pub attachments: BTreeMap<String, String>,
+    /// The caller's remaining budget in milliseconds; 0 means no deadline.
+    pub timeout_ms: u32,
+}
+
+impl From<RemoteInvokeMessage> for Invoke {
+    /// Keeps the id's bytes (no copy).
+    fn from(m: RemoteInvokeMessage) -> Self {
+        Invoke {
+            message_id: m.message_id,
+            service_entry_id: m.service_entry_id.into(),
+            codec: m.codec,
+            parameters: m.parameters,
+            attachments: m.attachments,
+            timeout_ms: m.timeout_ms,
+        }
+    }
+}
+
+impl From<Invoke> for RemoteInvokeMessage {
+    fn from(i: Invoke) -> Self {
+        RemoteInvokeMessage {
+            message_id: i.message_id,
+            service_entry_id: i.service_entry_id.as_str().to_string(),
+            codec: i.codec,
+            parameters: i.parameters,
+            attachments: i.attachments,
+            timeout_ms: i.timeout_ms,
+        }
+    }
+}
+
+/// A frame as the server reads it: a call, or any other frame.
+#[derive(Debug, PartialEq)]
+pub(crate) enum Incoming {
+    /// A `RemoteInvokeMessage`.
+    Invoke(Invoke),
+    /// Any other kind (never `Kind::Invoke`).
+    Other(Kind),
+}
+
+impl From<Kind> for Incoming {
+    fn from(kind: Kind) -> Self {
+        match kind {
+            Kind::Invoke(m) => Incoming::Invoke(m.into()),
+            other => Incoming::Other(other),
+        }
+    }
+}

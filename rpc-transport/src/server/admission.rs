@@ -1,0 +1,189 @@
+//! Admission of frames and calls on one connection: the in-flight limit, the attachment
+//! limits, the call rate, and the answer to each frame.
+
+use crate::caller::Caller;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rpc_core::wire::{frame::Kind, Pong};
+use rpc_core::StatusCode;
+use tokio::time::Instant;
+
+use super::calls::{dispatch, Conn};
+use super::handler::{error_result, InvokeHandler};
+use super::options::{ServerOptions, ABUSE_LIMIT};
+use crate::codec::kind_name;
+use crate::invoke::{Incoming, Invoke};
+
+/// One connection's call rate: a token bucket holding a tenth of a second's calls.
+pub(super) struct CallRate {
+    pub(super) per_second: f64,
+    pub(super) burst: f64,
+    pub(super) tokens: f64,
+    pub(super) at: Instant,
+}
+
+impl CallRate {
+    pub(super) fn new(per_second: u32, now: Instant) -> Self {
+        let per_second = f64::from(per_second.max(1));
+        let burst = (per_second / 10.0).max(1.0);
+        CallRate {
+            per_second,
+            burst,
+            tokens: burst,
+            at: now,
+        }
+    }
+
+    /// Counts a call that started at `now`; when the next one would be over the rate, the
+    /// instant it may start.
+    pub(super) fn take(&mut self, now: Instant) -> Option<Instant> {
+        let refill = now.saturating_duration_since(self.at).as_secs_f64() * self.per_second;
+        self.tokens = (self.tokens + refill).min(self.burst) - 1.0;
+        self.at = now;
+        (self.tokens < 1.0)
+            .then(|| now + Duration::from_secs_f64((1.0 - self.tokens) / self.per_second))
+    }
+}
+
+/// After a call: arms `throttle` and returns true when the connection's rate says to wait.
+pub(super) fn throttle_at(
+    rate: &mut Option<CallRate>,
+    throttle: std::pin::Pin<&mut tokio::time::Sleep>,
+) -> bool {
+    match rate.as_mut().and_then(|r| r.take(Instant::now())) {
+        Some(until) => {
+            throttle.reset(until);
+            true
+        }
+        None => false,
+    }
+}
+
+/// What handling one frame needs.
+pub(super) struct FrameCtx<'a> {
+    pub(super) conn: &'a Arc<Conn>,
+    pub(super) options: &'a ServerOptions,
+    pub(super) handler: &'a dyn InvokeHandler,
+    pub(super) caller: Arc<Caller>,
+}
+
+impl FrameCtx<'_> {
+    /// Why a call is refused before it runs, if it is: over the connection's in-flight limit,
+    /// or carrying too many or too large attachments.
+    pub(super) fn refusal(&self, invoke: &Invoke) -> Option<(StatusCode, String)> {
+        let o = self.options;
+        let running = self.conn.in_flight.load(Ordering::Acquire);
+        if running >= o.max_in_flight_per_connection {
+            self.conn.refused_in_a_row.fetch_add(1, Ordering::Relaxed);
+            return Some((
+                StatusCode::OverflowMaxServerHandle,
+                format!(
+                    "this connection already has {running} calls running (the limit per \
+                     connection); the call was not run"
+                ),
+            ));
+        }
+        self.conn.refused_in_a_row.store(0, Ordering::Relaxed);
+        let a = &invoke.attachments;
+        if a.len() > o.max_attachments {
+            self.conn.abuses.fetch_add(1, Ordering::Relaxed);
+            return Some((
+                StatusCode::FrameworkError,
+                format!(
+                    "{} attachments exceed the limit of {}; the call was not run",
+                    a.len(),
+                    o.max_attachments
+                ),
+            ));
+        }
+        if !a.is_empty() {
+            let bytes: usize = a.iter().map(|(k, v)| k.len() + v.len()).sum();
+            if bytes > o.max_attachment_bytes {
+                self.conn.abuses.fetch_add(1, Ordering::Relaxed);
+                return Some((
+                    StatusCode::FrameworkError,
+                    format!(
+                        "attachments of {bytes} bytes exceed the limit of {} bytes; the call was \
+                         not run",
+                        o.max_attachment_bytes
+                    ),
+                ));
+            }
+        }
+        None
+    }
+
+    /// Handles one frame; `Err` ends the connection (with a reason to send, or quietly).
+    pub(super) fn on_frame(
+        &self,
+        next: Option<Result<Incoming, crate::FrameError>>,
+        draining: bool,
+    ) -> Result<(), Option<String>> {
+        let conn = self.conn;
+        match next {
+            Some(Ok(Incoming::Invoke(invoke))) => {
+                let id = invoke.message_id;
+                if draining {
+                    let mut r = error_result(
+                        StatusCode::CommunicationError,
+                        "the server is shutting down and did not run the call; call another \
+                         endpoint",
+                    );
+                    r.message_id = id;
+                    conn.sender.send(Kind::Result(r));
+                } else if let Some((code, why)) = self.refusal(&invoke) {
+                    let mut r = error_result(code, why);
+                    r.message_id = id;
+                    conn.sender.send(Kind::Result(r));
+                    let abuses = conn.abuses.load(Ordering::Relaxed);
+                    if abuses > ABUSE_LIMIT {
+                        return Err(Some(format!(
+                            "{abuses} calls broke the attachment limits: closing the connection"
+                        )));
+                    }
+                } else if conn.in_flight.load(Ordering::Acquire) > 0
+                    && conn.tasks().contains_key(&id)
+                {
+                    // (With no call running, the map of running calls is empty.)
+                    let mut r = error_result(
+                        StatusCode::FrameworkError,
+                        format!(
+                            "message_id {id} is already in flight on this connection; use a new \
+                             id per call"
+                        ),
+                    );
+                    r.message_id = id;
+                    conn.sender.send(Kind::Result(r));
+                } else {
+                    let outcome = self.handler.handle(invoke, &self.caller);
+                    dispatch(conn, outcome, id, self.options.inline_first_poll);
+                }
+                Ok(())
+            }
+            Some(Ok(Incoming::Other(Kind::Cancel(c)))) => {
+                if let Some(h) = conn.tasks().remove(&c.message_id) {
+                    h.abort();
+                    if conn.in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
+                        conn.idle.notify_one();
+                    }
+                    conn.finished.notify_one();
+                }
+                Ok(())
+            }
+            Some(Ok(Incoming::Other(Kind::Ping(p)))) => {
+                conn.sender.send(Kind::Pong(Pong { nonce: p.nonce }));
+                Ok(())
+            }
+            Some(Ok(Incoming::Other(Kind::Pong(_)))) => Ok(()),
+            Some(Ok(Incoming::Other(Kind::GoAway(_)))) => Err(None),
+            Some(Ok(Incoming::Other(other))) => Err(Some(format!(
+                "protocol violation: unexpected {} after the handshake",
+                kind_name(&other)
+            ))),
+            Some(Err(e)) => Err(Some(e.to_string())),
+            None => Err(None),
+        }
+    }
+}

@@ -1,0 +1,217 @@
+//! One connection: handshake, then its read loop until it ends or drains.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rpc_core::StatusCode;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::sync::Notify;
+use tokio::time::Instant;
+use tokio_util::codec::FramedRead;
+use tokio_util::sync::CancellationToken;
+
+use super::admission::{throttle_at, CallRate, FrameCtx};
+use super::calls::{Conn, ConnCleanup};
+use super::drain::drain;
+use super::handler::{go_away, InvokeHandler};
+use super::handshake::handshake;
+use super::options::{ServerOptions, MAX_HELLO_FRAME, REFUSALS_BEFORE_PAUSE};
+use crate::caller::Caller;
+use crate::codec::FrameCodec;
+use crate::invoke::Incoming;
+use crate::peer::PeerAddr;
+use crate::reader::FrameReader;
+use crate::reader::ReadBudget;
+use crate::writer::spawn_writer;
+use crate::HELLO_BUFFER;
+
+/// What every connection of one server shares.
+pub(super) struct Served {
+    pub(super) handler: Arc<dyn InvokeHandler>,
+    /// Shared by the read buffers of every connection's large frames.
+    pub(super) budget: ReadBudget,
+    pub(super) options: ServerOptions,
+    pub(super) shutdown: CancellationToken,
+}
+
+pub(super) async fn run_connection<R, W>(
+    rd: R,
+    wr: W,
+    peer: PeerAddr,
+    peer_certificate: Option<Vec<u8>>,
+    server: &Served,
+    hello_by: Instant,
+    admitted: bool,
+) where
+    R: AsyncRead + Unpin + Send + 'static,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
+    let Served {
+        handler,
+        budget,
+        options,
+        shutdown,
+    } = server;
+    if !admitted {
+        refuse(wr, options.max_connections).await;
+        return;
+    }
+    let in_flight = Arc::new(AtomicUsize::new(0));
+    let close = CancellationToken::new();
+    let sender = spawn_writer(wr, in_flight.clone(), close.clone());
+    // A small buffer, and frames of a few KiB at most, until the client has said Hello:
+    // connections that never get that far (floods, scanners, peers announcing large frames)
+    // cost little memory.
+    let hello_limit = options.max_frame_length.min(MAX_HELLO_FRAME);
+    let mut frames = FramedRead::with_capacity(rd, FrameCodec::new(hello_limit), HELLO_BUFFER);
+
+    let client_id = match handshake(&mut frames, &sender, options, hello_by).await {
+        Ok(client_id) => client_id,
+        Err((code, reason)) => {
+            tracing::info!(%peer, %reason, "handshake refused");
+            sender.send(go_away(code, reason));
+            close.cancel();
+            return;
+        }
+    };
+    // Who calls, once for the connection: every call is handed this `Arc`.
+    let caller = Arc::new(
+        Caller::new(peer.clone(), client_id)
+            .with_token_verified(options.token.is_some())
+            .with_peer_certificate(peer_certificate),
+    );
+    // The connection's real buffer, under the server's read budget, holding whatever the
+    // client sent right after its Hello.
+    let early = frames.read_buffer().clone();
+    let mut frames = FrameReader::new(
+        frames.into_inner(),
+        &early,
+        options.max_frame_length,
+        budget.clone(),
+        peer.clone(),
+    );
+
+    let conn = Arc::new(Conn {
+        sender,
+        in_flight,
+        tasks: Mutex::new(HashMap::default()),
+        idle: Notify::new(),
+        finished: Notify::new(),
+        refused_in_a_row: AtomicU32::new(0),
+        abuses: AtomicU32::new(0),
+    });
+    // Runs however the connection ends, including when its task is aborted: running handlers
+    // are dropped and the socket is closed.
+    let _cleanup = ConnCleanup {
+        conn: conn.clone(),
+        close: close.clone(),
+    };
+    let shutdown_signal = shutdown.cancelled();
+    tokio::pin!(shutdown_signal);
+    let idle = tokio::time::sleep(options.idle_timeout);
+    tokio::pin!(idle);
+    // Idleness is checked when the timer fires rather than by resetting it for every frame.
+    let (mut frames_seen, mut frames_at_check) = (0u64, 0u64);
+    let ctx = FrameCtx {
+        conn: &conn,
+        options,
+        handler: handler.as_ref(),
+        caller,
+    };
+
+    let mut rate = options
+        .max_calls_per_second_per_connection
+        .map(|n| CallRate::new(n, Instant::now()));
+    // Armed while the call rate pauses the connection.
+    let throttle = tokio::time::sleep(Duration::ZERO);
+    tokio::pin!(throttle);
+    let mut throttled = false;
+
+    // Whether the reader gave way once since the connection reached its in-flight limit.
+    let mut gave_way = false;
+    let ended: Option<String> = loop {
+        // Calls just read run in tasks of their own: at the in-flight limit, let them run once
+        // before refusing more, so that a client pipelining calls that finish at once is not
+        // refused for calls that are merely not yet polled.
+        if conn.in_flight.load(Ordering::Acquire) >= options.max_in_flight_per_connection {
+            if !gave_way {
+                gave_way = true;
+                tokio::task::yield_now().await;
+                continue;
+            }
+        } else {
+            gave_way = false;
+        }
+        // No more calls are taken while the client leaves its answers unread, nor after many
+        // calls in a row were refused at the in-flight limit, until a running call finishes,
+        // nor above the call rate: the frames wait in the read buffer and in TCP.
+        let backlogged = conn.sender.backlog().bytes() > options.max_unsent_bytes;
+        let at_limit = conn.refused_in_a_row.load(Ordering::Relaxed) >= REFUSALS_BEFORE_PAUSE
+            && conn.in_flight.load(Ordering::Acquire) >= options.max_in_flight_per_connection;
+        let paused = backlogged || at_limit || throttled;
+        // Frames already read are handled before anything else is polled: the shutdown and
+        // idle checks run once per read from the socket, not once per frame. Each counts
+        // against the task's scheduling budget, so one busy connection cannot hold a worker.
+        if !paused {
+            if let Some(next) = frames.buffered() {
+                frames_seen += 1;
+                let call = matches!(next, Ok(Incoming::Invoke(_)));
+                if let Err(end) = ctx.on_frame(Some(next), false) {
+                    break end;
+                }
+                throttled = call && throttle_at(&mut rate, throttle.as_mut());
+                tokio::task::coop::consume_budget().await;
+                continue;
+            }
+        }
+        let next = tokio::select! {
+            biased;
+            _ = &mut shutdown_signal => break None,
+            _ = &mut idle => {
+                // A connection with calls in flight is not idle, however quiet the client is.
+                if frames_seen != frames_at_check || conn.in_flight.load(Ordering::Acquire) > 0 {
+                    frames_at_check = frames_seen;
+                    idle.as_mut().reset(Instant::now() + options.idle_timeout);
+                    continue;
+                }
+                break Some(format!("idle for {} ms: closing", options.idle_timeout.as_millis()));
+            }
+            _ = conn.sender.backlog().written(), if backlogged => continue,
+            _ = conn.finished.notified(), if at_limit && !backlogged => continue,
+            _ = &mut throttle, if throttled => {
+                throttled = false;
+                continue;
+            }
+            f = frames.next(), if !paused => f,
+        };
+        frames_seen += 1;
+        let call = matches!(next, Some(Ok(Incoming::Invoke(_))));
+        if let Err(end) = ctx.on_frame(next, false) {
+            break end;
+        }
+        throttled = call && throttle_at(&mut rate, throttle.as_mut());
+    };
+
+    let reason = match ended {
+        Some(reason) => Some(reason),
+        None if shutdown.is_cancelled() => drain(&ctx, &mut frames, options).await,
+        None => None,
+    };
+    if let Some(reason) = reason {
+        tracing::info!(%peer, %reason, "closing connection");
+        conn.sender
+            .send(go_away(StatusCode::FrameworkError, reason));
+    }
+}
+
+pub(super) async fn refuse<W: AsyncWrite + Unpin + Send + 'static>(wr: W, max: usize) {
+    let close = CancellationToken::new();
+    let sender = spawn_writer(wr, Arc::new(AtomicUsize::new(0)), close.clone());
+    sender.send(go_away(
+        StatusCode::OverflowMaxServerHandle,
+        format!("the server holds its maximum of {max} connections; connect to another endpoint"),
+    ));
+    close.cancel();
+}

@@ -1,0 +1,75 @@
+//! Graceful shutdown of one connection: `GoAway`, then the calls in flight finish or are
+//! answered at the drain deadline.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use rpc_core::wire::frame::Kind;
+use rpc_core::StatusCode;
+use tokio::io::AsyncRead;
+use tokio::task::AbortHandle;
+use tokio::time::Instant;
+
+use super::admission::FrameCtx;
+use super::handler::{error_result, go_away};
+use super::options::ServerOptions;
+use crate::reader::FrameReader;
+
+/// How long a drained connection waits for the client to close before closing itself.
+pub(super) const DRAIN_LINGER: Duration = Duration::from_millis(500);
+
+/// Shutdown: `GoAway`, then wait for the calls in flight (reading on, for `Cancel`) until the
+/// drain deadline; calls still running then are answered 520 and dropped.
+pub(super) async fn drain<R: AsyncRead + Unpin>(
+    ctx: &FrameCtx<'_>,
+    frames: &mut FrameReader<R>,
+    options: &ServerOptions,
+) -> Option<String> {
+    let conn = ctx.conn;
+    conn.sender
+        .send(go_away(StatusCode::Success, "server shutting down"));
+    let hard = Instant::now() + options.drain_timeout;
+    let deadline = tokio::time::sleep_until(hard);
+    tokio::pin!(deadline);
+    let mut lingering = false;
+    loop {
+        if !lingering && conn.in_flight.load(Ordering::Acquire) == 0 {
+            // Nothing left to finish. Keep reading a little, answering calls sent before the
+            // client saw GoAway ("not run"), until the client closes: closing with its calls
+            // unread in our buffer would reset the connection and could destroy the GoAway.
+            lingering = true;
+            deadline
+                .as_mut()
+                .reset(hard.min(Instant::now() + DRAIN_LINGER));
+        }
+        let next = tokio::select! {
+            biased;
+            _ = conn.idle.notified() => continue,
+            _ = &mut deadline => break,
+            f = frames.next() => f,
+        };
+        if let Err(end) = ctx.on_frame(next, true) {
+            return end;
+        }
+    }
+    if lingering {
+        return None;
+    }
+    // Every call the server read gets an answer, so the client knows that calls still pending
+    // when the connection closes were never read.
+    let dropped: Vec<(u64, AbortHandle)> = conn.tasks().drain().collect();
+    for (id, handle) in dropped {
+        handle.abort();
+        let mut r = error_result(
+            StatusCode::ServerError,
+            format!(
+                "the server shut down before the call finished (drain deadline of {} ms); it \
+                 may have partly run",
+                options.drain_timeout.as_millis()
+            ),
+        );
+        r.message_id = id;
+        conn.sender.send(Kind::Result(r));
+    }
+    None
+}

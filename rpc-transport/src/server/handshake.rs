@@ -1,0 +1,125 @@
+//! The handshake: `Hello` within the handshake timeout, the protocol version, the token
+//! compared by digest in constant time.
+
+use futures_util::StreamExt;
+use rpc_core::wire::{frame::Kind, HelloAck};
+use rpc_core::{StatusCode, PROTOCOL_VERSION};
+use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq;
+use tokio::io::AsyncRead;
+use tokio::time::Instant;
+use tokio_util::codec::FramedRead;
+
+use super::options::ServerOptions;
+use crate::codec::kind_name;
+use crate::codec::FrameCodec;
+use crate::writer::FrameSender;
+
+/// The SHA-256 digest of a token: what the handshake compares.
+pub(super) fn token_digest(token: &str) -> [u8; 32] {
+    Sha256::digest(token.as_bytes()).into()
+}
+
+/// Whether `given` is the `expected` token. The digests of both are compared in constant time,
+/// so the comparison always covers 32 bytes: neither the time taken nor an early exit on a
+/// length mismatch tells a client how long the token is or how much of it was right.
+pub(super) fn token_matches(expected: &str, given: &str) -> bool {
+    token_digest(expected).ct_eq(&token_digest(given)).into()
+}
+
+/// Reads `Hello` (by `hello_by`: `handshake_timeout` after the accept, TLS included) and answers
+/// `HelloAck`, or says why the client is refused.
+pub(super) async fn handshake<R: AsyncRead + Unpin>(
+    frames: &mut FramedRead<R, FrameCodec>,
+    sender: &FrameSender,
+    options: &ServerOptions,
+    hello_by: Instant,
+) -> Result<String, (StatusCode, String)> {
+    let first = tokio::time::timeout_at(hello_by, frames.next())
+        .await
+        .map_err(|_| {
+            (
+                StatusCode::Timeout,
+                format!(
+                    "no Hello within {} ms",
+                    options.handshake_timeout.as_millis()
+                ),
+            )
+        })?;
+    let hello = match first {
+        Some(Ok(Kind::Hello(h))) => h,
+        Some(Ok(other)) => {
+            return Err((
+                StatusCode::FrameworkError,
+                format!("the first frame must be Hello, got {}", kind_name(&other)),
+            ))
+        }
+        Some(Err(crate::FrameError::TooLarge { len, max })) => {
+            return Err((
+                StatusCode::FrameworkError,
+                format!(
+                    "a frame of {len} bytes before the handshake exceeds the limit of {max} bytes \
+                     for frames before Hello is accepted; send Hello first"
+                ),
+            ))
+        }
+        Some(Err(e)) => return Err((StatusCode::FrameworkError, e.to_string())),
+        None => return Err((StatusCode::FrameworkError, "closed before Hello".into())),
+    };
+    if hello.protocol_version != PROTOCOL_VERSION {
+        return Err((
+            StatusCode::FrameworkError,
+            format!(
+                "protocol version {} is not supported; this server speaks {PROTOCOL_VERSION}",
+                hello.protocol_version
+            ),
+        ));
+    }
+    if let Some(expected) = &options.token {
+        if !token_matches(expected, &hello.token) {
+            return Err((
+                StatusCode::RpcUnAuthentication,
+                "authentication failed: the token does not match the server's".into(),
+            ));
+        }
+    }
+    sender.send(Kind::HelloAck(HelloAck {
+        protocol_version: PROTOCOL_VERSION,
+        server_id: options.server_id.clone(),
+        max_frame_length: options.max_frame_length.min(u32::MAX as usize) as u32,
+    }));
+    Ok(hello.client_id)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_token_check_compares_sha256_digests() {
+        // FIPS 180-2 test vector: SHA-256("abc").
+        let abc = [
+            0xba, 0x78, 0x16, 0xbf, 0x8f, 0x01, 0xcf, 0xea, 0x41, 0x41, 0x40, 0xde, 0x5d, 0xae,
+            0x22, 0x23, 0xb0, 0x03, 0x61, 0xa3, 0x96, 0x17, 0x7a, 0x9c, 0xb4, 0x10, 0xff, 0x61,
+            0xf2, 0x00, 0x15, 0xad,
+        ];
+        assert_eq!(token_digest("abc"), abc);
+    }
+
+    #[test]
+    fn only_the_same_token_matches_whatever_its_length() {
+        let secret = "s3cret-token";
+        assert!(token_matches(secret, secret));
+        for wrong in [
+            "",
+            "s",
+            "s3cret-toke",
+            "s3cret-tokem",
+            "s3cret-token ",
+            &secret.repeat(100),
+        ] {
+            assert!(!token_matches(secret, wrong), "{wrong:?} matched");
+        }
+        assert!(token_matches("", ""));
+    }
+}

@@ -1,0 +1,22 @@
+//! The server side: accept loop, handshake, per-connection dispatch, cancellation, draining.
+//!
+//! One module per role, each depending only on those listed before it: [`options`] (settings
+//! and fixed limits), [`handler`] (the seam to the layer above: [`InvokeHandler`], the answers
+//! the transport builds itself), [`handshake`] (`Hello` and its token), [`calls`] (the calls
+//! running on a connection, matched by `message_id` for `Cancel`), [`admission`] (which frames
+//! and calls a connection may send: in-flight, attachment and rate limits), [`drain`]
+//! (graceful end), [`connection`] (one connection's read loop), [`accept`] (the accept loop
+//! and `max_connections`).
+
+mod accept;
+mod admission;
+mod calls;
+mod connection;
+mod drain;
+mod handler;
+mod handshake;
+mod options;
+
+pub use accept::serve;
+pub use handler::{error_result, Dispatch, InvokeHandler};
+pub use options::{ServerOptions, ABUSE_LIMIT, MAX_HELLO_FRAME, REFUSALS_BEFORE_PAUSE};

@@ -1,0 +1,125 @@
+//! Connection-level settings of a server and the fixed limits beside them.
+
+use std::time::Duration;
+
+/// Connection-level settings of a server. Its `Debug` form shows whether a token is set, never
+/// the token.
+#[derive(Clone)]
+pub struct ServerOptions {
+    /// Required `Hello.token`; `None` accepts any.
+    pub token: Option<String>,
+    /// Sent in `HelloAck.server_id`.
+    pub server_id: String,
+    /// Largest frame accepted from a client.
+    pub max_frame_length: usize,
+    /// A connection that sends no `Hello` within this time is closed.
+    pub handshake_timeout: Duration,
+    /// A connection on which nothing arrived for this long is closed.
+    pub idle_timeout: Duration,
+    /// On shutdown, how long calls in flight may take to finish.
+    pub drain_timeout: Duration,
+    /// Connections held at once; one more is refused with `GoAway`.
+    pub max_connections: usize,
+    /// Calls one connection may have running at once; one more is answered Overflow (515)
+    /// without running, so a single client cannot hold the server's memory.
+    pub max_in_flight_per_connection: usize,
+    /// Attachments one call may carry.
+    pub max_attachments: usize,
+    /// Total bytes of one call's attachment keys and values. A connection whose calls break
+    /// the attachment limits more than [`ABUSE_LIMIT`] times is closed.
+    pub max_attachment_bytes: usize,
+    /// Answers queued on one connection and not yet written, in bytes (about: payload and
+    /// message of each answer plus 64). Above this, as when a client sends calls but does not
+    /// read the answers, the server stops reading that connection's calls until the answers are
+    /// written, so memory stays bounded and TCP pushes back on the client.
+    pub max_unsent_bytes: usize,
+    /// Calls one connection may start per second, with bursts of a tenth of a second's worth
+    /// (at least one call). Above it the server stops reading that connection until the rate
+    /// allows the next call, so TCP pushes back on the client and a client that pipelines calls
+    /// as fast as it can gets no more than its share. `None` (the default): no limit.
+    pub max_calls_per_second_per_connection: Option<u32>,
+    /// Bytes the read buffers of frames larger than a connection's own 64 KiB buffer may hold
+    /// at once, summed over every connection of the server (never less than one frame of
+    /// `max_frame_length`). A frame that would need more than is left waits, and its
+    /// connection is not read meanwhile, so TCP pushes back on its peer; it is read once other
+    /// frames are complete. Frames before the handshake are limited to [`MAX_HELLO_FRAME`]
+    /// bytes instead.
+    pub max_read_buffer_bytes: usize,
+    /// Whether a call's handler is first polled on the connection's reader, before a task is
+    /// spawned for it: a handler that answers in that poll then costs no task. Only for
+    /// servers whose handlers never block nor compute for long before their first `.await`:
+    /// while one does, the reader is stalled, and with it every other call, `Cancel` and `Ping`
+    /// on that connection. `false` (the default): every call runs in its own task.
+    pub inline_first_poll: bool,
+    /// TLS on every connection (feature `tls`); `None` serves plain TCP. The TLS handshake
+    /// counts within `handshake_timeout`.
+    #[cfg(feature = "tls")]
+    pub tls: Option<crate::tls::ServerTls>,
+}
+
+impl Default for ServerOptions {
+    fn default() -> Self {
+        ServerOptions {
+            token: None,
+            server_id: format!("rpc-server/{}", std::process::id()),
+            max_frame_length: rpc_core::DEFAULT_MAX_FRAME_LENGTH,
+            handshake_timeout: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(60),
+            drain_timeout: Duration::from_secs(10),
+            max_connections: 10_000,
+            max_in_flight_per_connection: 1024,
+            max_attachments: 64,
+            max_attachment_bytes: 16 * 1024,
+            max_unsent_bytes: 1024 * 1024,
+            max_calls_per_second_per_connection: None,
+            max_read_buffer_bytes: 64 * 1024 * 1024,
+            inline_first_poll: false,
+            #[cfg(feature = "tls")]
+            tls: None,
+        }
+    }
+}
+
+impl std::fmt::Debug for ServerOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut d = f.debug_struct("ServerOptions");
+        d.field("token", &crate::Redacted(&self.token))
+            .field("server_id", &self.server_id)
+            .field("max_frame_length", &self.max_frame_length)
+            .field("handshake_timeout", &self.handshake_timeout)
+            .field("idle_timeout", &self.idle_timeout)
+            .field("drain_timeout", &self.drain_timeout)
+            .field("max_connections", &self.max_connections)
+            .field(
+                "max_in_flight_per_connection",
+                &self.max_in_flight_per_connection,
+            )
+            .field("max_attachments", &self.max_attachments)
+            .field("max_attachment_bytes", &self.max_attachment_bytes)
+            .field("max_unsent_bytes", &self.max_unsent_bytes)
+            .field(
+                "max_calls_per_second_per_connection",
+                &self.max_calls_per_second_per_connection,
+            )
+            .field("max_read_buffer_bytes", &self.max_read_buffer_bytes)
+            .field("inline_first_poll", &self.inline_first_poll);
+        #[cfg(feature = "tls")]
+        d.field("tls", &self.tls);
+        d.finish()
+    }
+}
+
+/// Largest frame a server reads before it has accepted the client's `Hello` (8 KiB): a `Hello`
+/// is a version, a token and a client id, and a peer that has not authenticated gets no more
+/// of the server's memory than that. A longer frame gets `GoAway` at its length prefix.
+pub const MAX_HELLO_FRAME: usize = 8 * 1024;
+
+/// Calls breaking the attachment limits that one connection may send before it is closed: a
+/// client that keeps doing it is broken or hostile, and each such call costs the server a full
+/// decode.
+pub const ABUSE_LIMIT: u32 = 8;
+
+/// Calls refused in a row at a connection's in-flight limit after which the server stops
+/// reading that connection until one of its calls finishes: the first are answered Overflow at
+/// once, the rest wait in TCP instead of costing the server a refusal each.
+pub const REFUSALS_BEFORE_PAUSE: u32 = 16;
