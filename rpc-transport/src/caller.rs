@@ -22,7 +22,7 @@ use crate::peer::PeerAddr;
 ///
 /// ```
 /// use rpc_transport::Caller;
-/// let caller = Caller::new("127.0.0.1:40000".parse().unwrap(), "billing-7")
+/// let caller = Caller::new("127.0.0.1:40000".parse::<std::net::SocketAddr>().unwrap(), "billing-7")
 ///     .with_token_verified(true);
 /// assert_eq!(caller.client_id(), "billing-7");
 /// assert!(caller.token_verified());
