@@ -23,7 +23,9 @@ pub struct CallCx<'g> {
     pub(crate) policy: Arc<EntryPolicy>,
     pub(crate) options: Arc<GovernanceOptions>,
     pub(crate) hash_key: Option<u64>,
-    pub(crate) started: Instant,
+    /// Set by the timeout layer (one clock reading serves the deadline, the budget and the
+    /// first attempt).
+    pub(crate) started: Option<Instant>,
     pub(crate) deadline: Option<Instant>,
     pub(crate) attempt: u32,
     pub(crate) attempt_deadline: Option<Instant>,
@@ -62,13 +64,12 @@ impl<'g> CallCx<'g> {
         policy: Arc<EntryPolicy>,
         options: Arc<GovernanceOptions>,
     ) -> Self {
-        let now = Instant::now();
         CallCx {
             engine,
             policy,
             options,
             hash_key: None,
-            started: now,
+            started: None,
             deadline: None,
             attempt: 0,
             attempt_deadline: None,
@@ -117,9 +118,9 @@ impl<'g> CallCx<'g> {
         self.hash_key
     }
 
-    /// When the call's timeout layer started it.
+    /// When the call's timeout layer started it (now, before that layer ran).
     pub fn started(&self) -> Instant {
-        self.started
+        self.started.unwrap_or_else(Instant::now)
     }
 
     /// The call's deadline (retries included), once the timeout layer has set it.

@@ -38,12 +38,13 @@ impl<B, S> RetryLayer<B, S> {
 impl<B: Balance, S: Service> Service for RetryLayer<B, S> {
     async fn call(&self, cx: &mut CallCx<'_>, req: Bytes) -> Result<Bytes, RpcError> {
         let mut picker = self.balance.picker(cx).await?;
-        cx.policy.budget.deposit_at(cx.started);
+        let started = cx.started();
+        cx.policy.budget.deposit_at(started);
         let deadline = cx.deadline;
         loop {
             let addr = picker.next(cx)?;
             let now = if cx.attempt == 0 {
-                cx.started
+                started
             } else {
                 let now = Instant::now();
                 if deadline.is_some_and(|d| now >= d) {

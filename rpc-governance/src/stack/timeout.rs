@@ -31,7 +31,7 @@ impl<S: Service> Service for TimeoutLayer<S> {
         // One clock reading serves the deadline, the budget and the first attempt's timeout.
         let started = Instant::now();
         let deadline = timeout::deadline_from(started, &cx.options);
-        cx.started = started;
+        cx.started = Some(started);
         cx.deadline = deadline;
         let result = self
             .inner
