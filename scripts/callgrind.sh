@@ -21,6 +21,7 @@
 #   GOVERNANCE="on off"    rpc variants: default options with a fallback (on) or no timeout,
 #                          retry or breaker (off, RPC_BENCH_GOVERNANCE=off)
 #   CALLS=200000 BASE_CALLS=20000 CONC=256 PAYLOAD=32 CONNS=1
+#   SERVER_ARGS="..."      extra flags for the rpc server, e.g. "--inline-first-poll"
 #   THREADS=<n>            tokio worker threads of both processes (default: tokio's, one per CPU)
 #   SERVER_CPU=0 CLIENT_CPU=1  pinning with taskset, as scripts/bench.sh does; PIN=0 turns it off
 #   BENCH=<path>           measure this bench binary instead of building this worktree's (for
@@ -116,11 +117,14 @@ threads=()
 run() {
   local name=$1 prog=$2 gov=$3 requests=$4
   local fifo=$work/$name.listening
+  local extra=()
+  # shellcheck disable=SC2206 # flags, split on spaces on purpose
+  [[ $prog == bench ]] && extra=(${SERVER_ARGS:-})
   rm -f "$fifo"
   mkfifo "$fifo"
   "${pin_server[@]}" "${vg[@]}" --callgrind-out-file="$work/$name.server.cg" \
     --log-file="$work/$name.server.vg.log" \
-    "$work/$prog" --mode server --addr 127.0.0.1:0 "${threads[@]}" \
+    "$work/$prog" --mode server --addr 127.0.0.1:0 "${threads[@]}" "${extra[@]}" \
     >"$fifo" 2>"$work/$name.server.err" &
   server_pid=$!
   exec 3<"$fifo"

@@ -23,30 +23,36 @@ GROUPS = [
     ("memcpy/memmove (futures and values moved)", r"mem(cpy|move)|__memcpy|__memmove"),
     ("memset/memcmp/strlen", r"mem(set|cmp)|__memset|strlen|bcmp"),
     ("allocation and free (malloc, free, realloc)",
-     r"\b(malloc|free|realloc|calloc|_int_malloc|_int_free|_int_realloc|malloc_consolidate|"
-     r"tcache|unlink_chunk|cfree|__rust_(alloc|dealloc|realloc)|alloc::alloc)"),
-    ("system calls and libc I/O", r"\b(send|sendto|recv|recvfrom|read|write|writev|epoll_wait|"
-     r"epoll_ctl|syscall|__libc_|clock_gettime|__vdso|futex|pthread_)"),
-    ("tracing / span checks / metrics", r"tracing|opentelemetry|metrics|telemetry"),
-    ("prost encode/decode", r"prost|encoded_len|::encode|::decode|merge_field|encode_varint|"
-     r"decode_varint"),
-    ("DashMap / hash maps", r"dashmap|hashbrown|ahash|RandomState|BuildHasher|hash::|Hasher"),
-    ("oneshot / mpsc / sync channels", r"sync::oneshot|sync::mpsc|oneshot|mpsc|Notify|semaphore|"
-     r"batch_semaphore"),
-    ("tokio timers", r"tokio::time::|(?<![a-z_])time::|Sleep|Timeout|timer|clock"),
-    ("tokio task spawn/wake/schedule",
-     r"tokio::runtime::task|task::harness|task::raw|task::state|task::core|scheduler|"
-     r"waker|Waker|wake|spawn|JoinHandle|multi_thread|worker::|inject|OwnedTasks|idle"),
-    ("tokio I/O driver", r"tokio::io|tokio::net|io::driver|PollEvented|scheduled_io|mio::"),
-    ("bytes", r"bytes::"),
-    ("governance", r"rpc_governance"),
-    ("client", r"rpc_client"),
-    ("server", r"rpc_server"),
-    ("transport", r"rpc_transport"),
-    ("core", r"rpc_core"),
-    ("benchmark program (histogram, clock, echo)", r"hdrhistogram|bench::|examples::|raw::|"
-     r"peerbench_common|std::time|Instant"),
-    ("std / core", r"^(std|core|alloc)::|<(std|core|alloc)::"),
+     r"^(malloc|free|realloc|calloc|posix_memalign|_mid_memalign.*|_int_malloc|_int_free|"
+     r"_int_realloc|_int_memalign|malloc_consolidate|tcache.*|unlink_chunk.*|cfree|"
+     r"__rust_(alloc|dealloc|realloc).*)$|alloc::alloc::"),
+    ("system calls and libc", r"^(send|sendto|sendmsg|recv|recvfrom|read|write|writev|"
+     r"epoll_wait|epoll_ctl|syscall|clock_gettime.*|__vdso.*|__libc_.*|__GI_.*|pthread_.*|"
+     r"__lll_.*|futex.*)$"),
+    ("clock reads and Instant arithmetic", r"Timespec|Instant|std::time|SystemTime"),
+    ("tracing / telemetry / metrics", r"tracing|opentelemetry|metrics|telemetry"),
+    ("prost and codec encode/decode", r"prost|encoded_len|encode_varint|decode_varint|"
+     r"merge_field|serde|from_utf8|rpc_core::codec|decode_named_args|__private"),
+    ("generated stubs (EchoClient/EchoServer)", r"EchoClient|EchoServer"),
+    ("DashMap / hash maps", r"dashmap|hashbrown|ahash|RandomState|BuildHasher|Hasher|"
+     r"lock_api|RwLock"),
+    ("oneshot / mpsc / semaphore / Notify", r"oneshot|mpsc|Notify|semaphore|AtomicWaker"),
+    ("tokio timers", r"tokio::time::|tokio::runtime::time|TimerEntry|Sleep|Timeout|"
+     r"Option<tokio::runtime::Timer>"),
+    ("tokio tasks: spawn, poll, wake, schedule, JoinHandle",
+     r"tokio::runtime::task|tokio::runtime::scheduler|tokio::task|tokio::runtime::context|"
+     r"waker|Waker|JoinHandle|OwnedTasks|coop"),
+    ("tokio I/O driver", r"tokio::io|tokio::net|tokio::runtime::io|PollEvented|mio::"),
+    ("bytes (Bytes/BytesMut)", r"bytes::"),
+    ("arc-swap and Arc drops", r"arc_swap|Arc<.*>::drop_slow"),
+    ("governance stack and engine", r"rpc_governance"),
+    ("rpc-client", r"rpc_client"),
+    ("rpc-server", r"rpc_server"),
+    ("rpc-transport (frames, pending, reader, writer)", r"rpc_transport"),
+    ("rpc-core", r"rpc_core"),
+    ("benchmark program (load loop, histogram)", r"hdrhistogram|^bench::|raw::|peerbench_common"),
+    ("btree (attachments maps)", r"btree"),
+    ("std / core other", r"^(std|core|alloc)::|<(std|core|alloc)::"),
 ]
 
 
@@ -103,6 +109,8 @@ def main():
     ap.add_argument("--calls", type=float, required=True)
     ap.add_argument("--title", default="")
     ap.add_argument("--groups", action="store_true")
+    ap.add_argument("--members", type=int, default=0,
+                    help="with --groups: list this many largest functions of each group")
     ap.add_argument("--width", type=int, default=150)
     ap.add_argument("base")
     ap.add_argument("full")
@@ -127,6 +135,11 @@ def main():
         print("-- exclusive instructions per call, grouped")
         for g, d in sorted(sums.items(), key=lambda kv: -kv[1]):
             print(f"{d:9.1f} {100 * d / total:5.1f}%  {g}")
+            if a.members:
+                rows = sorted(((n, v) for n, v in excl.items() if group_of(n) == g),
+                              key=lambda kv: -kv[1])
+                for name, v in rows[: a.members]:
+                    print(f"          {v:8.1f}  {name[: a.width - 20]}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 //! lines drop into their table.
 //!
 //! ```text
-//! bench --mode server --addr 127.0.0.1:PORT [--max-concurrency N] [--peer-name NAME]
+//! bench --mode server --addr 127.0.0.1:PORT [--max-concurrency N] [--inline-first-poll]
+//!       [--peer-name NAME]
 //! bench --mode client --addr 127.0.0.1:PORT --conns N --concurrency C --payload BYTES
 //!       (--duration S | --requests N) --warmup S --label L [--governance on|off]
 //!       [--peer-name NAME]
@@ -130,6 +131,10 @@ struct Args {
     /// the flag, RPC_BENCH_GOVERNANCE=off|on decides, and "on" is the default.
     #[arg(long, value_enum)]
     governance: Option<Governance>,
+    /// Server: poll each handler once on the connection's reader before spawning a task for
+    /// it (`ServerBuilder::inline_first_poll`), to measure what the task per call costs.
+    #[arg(long)]
+    inline_first_poll: bool,
     /// Server: calls handled at once before Overflow is answered.
     #[arg(long, default_value_t = 100_000)]
     max_concurrency: usize,
@@ -306,6 +311,7 @@ fn server_main(args: &Args) -> Result<(), String> {
     rt.block_on(async {
         let server = Server::builder()
             .max_concurrency(args.max_concurrency)
+            .inline_first_poll(args.inline_first_poll)
             .add_service(EchoServer::new(CountingEcho))
             .serve(args.addr)
             .await
@@ -486,9 +492,7 @@ async fn run_load(
                 let t0 = Instant::now();
                 match end {
                     Some(end) if t0 >= end => break,
-                    None if t0 >= begin && remaining.fetch_sub(1, Ordering::Relaxed) <= 0 => {
-                        break
-                    }
+                    None if t0 >= begin && remaining.fetch_sub(1, Ordering::Relaxed) <= 0 => break,
                     _ => {}
                 }
                 let ok = matches!(
