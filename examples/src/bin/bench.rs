@@ -3,9 +3,11 @@
 //! lines drop into their table.
 //!
 //! ```text
-//! bench --mode server --addr 127.0.0.1:PORT [--max-concurrency N] [--peer-name NAME]
+//! bench --mode server --addr 127.0.0.1:PORT [--max-concurrency N] [--inline-first-poll]
+//!       [--peer-name NAME]
 //! bench --mode client --addr 127.0.0.1:PORT --conns N --concurrency C --payload BYTES
-//!       --duration S --warmup S --label L [--governance on|off] [--peer-name NAME]
+//!       (--duration S | --requests N) --warmup S --label L [--governance on|off]
+//!       [--peer-name NAME]
 //! bench [--mode matrix] [--payloads 32,4096] [--concs 1,16,256] [--conns N]
 //!       [--duration S] [--warmup S] [--governance on|off]
 //! ```
@@ -23,7 +25,11 @@
 //!   cpu_s=<s> cpu_cores=<c> cpu_us_per_req=<u> vcsw=<n> ivcsw=<n> maxrss_kb=<n>`.
 //!   A call is measured when it starts inside the window; latencies come from an HDR histogram
 //!   (nanoseconds, 3 significant digits), CPU from `getrusage` between the start of the window
-//!   and the end of the last call. `--governance off` (or `RPC_BENCH_GOVERNANCE=off` when the
+//!   and the end of the last call. `--requests N` ends the run after N calls started after the
+//!   warm-up instead of after `--duration` (peerbench's flag of the same name): with
+//!   `--warmup 0` the process makes exactly N calls plus one per connection before the load,
+//!   which makes a run under an instruction counter finite and comparable
+//!   (`scripts/callgrind.sh`). `--governance off` (or `RPC_BENCH_GOVERNANCE=off` when the
 //!   flag is absent) calls with `timeout_ms = 0`, `retry_times = 0` and no circuit breaker for
 //!   the service, to show what the governance layers cost; `on` (the default) runs the default
 //!   options with a client fallback registered, as a governed deployment would.
@@ -36,7 +42,7 @@
 use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
 use std::process::{Child, Command, ExitCode, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -105,6 +111,10 @@ struct Args {
     /// Measured seconds (client: 10 by default; matrix: 2 per case).
     #[arg(long)]
     duration: Option<f64>,
+    /// Client: stop after this many calls started after the warm-up, instead of after
+    /// `--duration`.
+    #[arg(long, conflicts_with = "duration")]
+    requests: Option<u64>,
     /// Seconds of load before measuring (client: 1 by default; matrix: 0.5 per case).
     #[arg(long)]
     warmup: Option<f64>,
@@ -121,6 +131,10 @@ struct Args {
     /// the flag, RPC_BENCH_GOVERNANCE=off|on decides, and "on" is the default.
     #[arg(long, value_enum)]
     governance: Option<Governance>,
+    /// Server: poll each handler once on the connection's reader before spawning a task for
+    /// it (`ServerBuilder::inline_first_poll`), to measure what the task per call costs.
+    #[arg(long)]
+    inline_first_poll: bool,
     /// Server: calls handled at once before Overflow is answered.
     #[arg(long, default_value_t = 100_000)]
     max_concurrency: usize,
@@ -297,6 +311,7 @@ fn server_main(args: &Args) -> Result<(), String> {
     rt.block_on(async {
         let server = Server::builder()
             .max_concurrency(args.max_concurrency)
+            .inline_first_poll(args.inline_first_poll)
             .add_service(EchoServer::new(CountingEcho))
             .serve(args.addr)
             .await
@@ -444,7 +459,13 @@ async fn run_load(
     }
 
     let begin = Instant::now() + warmup;
-    let end = begin + duration;
+    // With --requests the run ends on a count: each caller takes one from `remaining` before a
+    // measured call and stops when none is left, so exactly that many measured calls are made.
+    let end = args.requests.is_none().then(|| begin + duration);
+    let remaining = Arc::new(AtomicI64::new(
+        args.requests
+            .map_or(i64::MAX, |r| i64::try_from(r).unwrap_or(i64::MAX)),
+    ));
     // CPU at the start of the measured window, taken by a plain thread so that a busy runtime
     // does not delay the sample.
     let at_begin = std::thread::spawn(move || {
@@ -462,14 +483,17 @@ async fn run_load(
         let echo = echo.clone();
         let payload = payload.clone();
         let shards = shards.clone();
+        let remaining = remaining.clone();
         callers.push(tokio::spawn(async move {
             let shard = &shards[i % shards.len()];
             let mut errors = 0u64;
             let mut last = begin;
             loop {
                 let t0 = Instant::now();
-                if t0 >= end {
-                    break;
+                match end {
+                    Some(end) if t0 >= end => break,
+                    None if t0 >= begin && remaining.fetch_sub(1, Ordering::Relaxed) <= 0 => break,
+                    _ => {}
                 }
                 let ok = matches!(
                     echo.echo(String::from(&*payload)).await,
