@@ -2,7 +2,7 @@
 //! calls, measured in one process with a counting allocator (server and client together).
 //!
 //! ```text
-//! cargo run --release -p examples --bin costs -- [--calls N] [--concurrency C] [--idle K] [--layers L]
+//! cargo run --release -p examples --bin costs -- [--calls N] [--concurrency C] [--idle K] [--layers L] [--scale-only]
 //! cargo run --release -p examples --features tower --bin costs -- --tower-layers L
 //! ```
 //! Prints `allocs_per_call=… bytes_per_call=…`, `idle_connection_kib=…`, the resident memory
@@ -74,6 +74,9 @@ struct Args {
     /// Pass-through server layers installed on the measured server (the cost of middleware).
     #[arg(long, default_value_t = 0)]
     layers: usize,
+    /// Print only the `scale:` line (skips the allocation and memory figures).
+    #[arg(long)]
+    scale_only: bool,
     /// Pass-through `tower` layers installed through `rpc::tower::TowerLayer` (feature `tower`).
     #[cfg(feature = "tower")]
     #[arg(long, default_value_t = 0)]
@@ -174,6 +177,65 @@ async fn run(echo: &EchoClient, calls: u64, concurrency: u64, payload: &str) {
     }
 }
 
+/// Allocations per call, memory per idle connection, and memory over many calls.
+async fn memory_figures(
+    args: &Args,
+    echo: &EchoClient,
+    addr: &str,
+    payload: &str,
+) -> Result<(), Box<dyn std::error::Error>> {
+    // Allocations per call (client and server sides together), after a warm-up.
+    run(echo, 20_000, args.concurrency, payload).await;
+    let sample = 200_000.min(args.calls.max(1));
+    let (a0, b0) = (
+        ALLOCS.load(Ordering::Relaxed),
+        BYTES.load(Ordering::Relaxed),
+    );
+    run(echo, sample, args.concurrency, payload).await;
+    let (a1, b1) = (
+        ALLOCS.load(Ordering::Relaxed),
+        BYTES.load(Ordering::Relaxed),
+    );
+    println!(
+        "allocs_per_call={:.2} bytes_per_call={:.0} (client + server, payload {} B, {} calls)",
+        (a1 - a0) as f64 / sample as f64,
+        (b1 - b0) as f64 / sample as f64,
+        args.payload,
+        sample
+    );
+
+    // Memory per idle connection (both ends are in this process).
+    let before = rss_kib();
+    let mut idle = Vec::with_capacity(args.idle);
+    for _ in 0..args.idle {
+        idle.push(Connection::connect(addr, &ConnectOptions::default()).await?);
+    }
+    let after = rss_kib();
+    println!(
+        "idle_connection_kib={:.1} ({} connections, client and server ends together)",
+        after.saturating_sub(before) as f64 / args.idle.max(1) as f64,
+        args.idle
+    );
+    for c in &idle {
+        c.close();
+    }
+    drop(idle);
+
+    // Memory over many calls: resident size after each tenth.
+    let started = Instant::now();
+    let tenth = (args.calls / 10).max(1);
+    let mut line = String::new();
+    for i in 1..=10 {
+        run(echo, tenth, args.concurrency, payload).await;
+        line.push_str(&format!(" {}k={}", i * tenth / 1000, rss_kib()));
+    }
+    println!(
+        "rss_kib_by_calls:{line} ({:.0} calls/s in one process)",
+        (10 * tenth) as f64 / started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
@@ -196,55 +258,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     let payload = "x".repeat(args.payload);
 
-    // Allocations per call (client and server sides together), after a warm-up.
-    run(&echo, 20_000, args.concurrency, &payload).await;
-    let sample = 200_000.min(args.calls.max(1));
-    let (a0, b0) = (
-        ALLOCS.load(Ordering::Relaxed),
-        BYTES.load(Ordering::Relaxed),
-    );
-    run(&echo, sample, args.concurrency, &payload).await;
-    let (a1, b1) = (
-        ALLOCS.load(Ordering::Relaxed),
-        BYTES.load(Ordering::Relaxed),
-    );
-    println!(
-        "allocs_per_call={:.2} bytes_per_call={:.0} (client + server, payload {} B, {} calls)",
-        (a1 - a0) as f64 / sample as f64,
-        (b1 - b0) as f64 / sample as f64,
-        args.payload,
-        sample
-    );
-
-    // Memory per idle connection (both ends are in this process).
-    let before = rss_kib();
-    let mut idle = Vec::with_capacity(args.idle);
-    for _ in 0..args.idle {
-        idle.push(Connection::connect(&addr, &ConnectOptions::default()).await?);
+    if !args.scale_only {
+        memory_figures(&args, &echo, &addr, &payload).await?;
     }
-    let after = rss_kib();
-    println!(
-        "idle_connection_kib={:.1} ({} connections, client and server ends together)",
-        after.saturating_sub(before) as f64 / args.idle.max(1) as f64,
-        args.idle
-    );
-    for c in &idle {
-        c.close();
-    }
-    drop(idle);
-
-    // Memory over many calls: resident size after each tenth.
-    let started = Instant::now();
-    let tenth = (args.calls / 10).max(1);
-    let mut line = String::new();
-    for i in 1..=10 {
-        run(&echo, tenth, args.concurrency, &payload).await;
-        line.push_str(&format!(" {}k={}", i * tenth / 1000, rss_kib()));
-    }
-    println!(
-        "rss_kib_by_calls:{line} ({:.0} calls/s in one process)",
-        (10 * tenth) as f64 / started.elapsed().as_secs_f64()
-    );
 
     // Scale: the same calls with 10 000 entries in the server's table and the client's pipeline
     // cache, and the echo service spread over 1 000 endpoints.
