@@ -13,11 +13,12 @@ mod common;
 use std::io::Write;
 use std::sync::{Arc, Mutex};
 
+use common::otel::{attr, counter, gauge, histogram_count};
 use common::{recv_one, within, DropSignal};
 use opentelemetry::metrics::MeterProvider as _;
 use opentelemetry::trace::{Status, TracerProvider as _};
 use opentelemetry::Value;
-use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData, ResourceMetrics};
+use opentelemetry_sdk::metrics::data::ResourceMetrics;
 use opentelemetry_sdk::metrics::{InMemoryMetricExporter, PeriodicReader, SdkMeterProvider};
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
 use rpc::{
@@ -144,13 +145,6 @@ impl Seen {
 
 use tracing_subscriber::Layer as _;
 
-fn attr(span: &SpanData, key: &str) -> Option<Value> {
-    span.attributes
-        .iter()
-        .find(|kv| kv.key.as_str() == key)
-        .map(|kv| kv.value.clone())
-}
-
 fn one<'a>(spans: &'a [SpanData], name: &str) -> &'a SpanData {
     let found: Vec<&SpanData> = spans.iter().filter(|s| s.name == name).collect();
     assert_eq!(found.len(), 1, "{name}: {found:#?}");
@@ -162,57 +156,6 @@ fn error_description(span: &SpanData) -> String {
         Status::Error { description } => description.to_string(),
         other => panic!("{} ended with {other:?}, not an error", span.name),
     }
-}
-
-/// Sum of the counter `name` over the points carrying every pair of `filter`.
-fn counter(metrics: &[ResourceMetrics], name: &str, filter: &[(&str, Value)]) -> u64 {
-    data(metrics, name)
-        .map(|d| {
-            let AggregatedMetrics::U64(MetricData::Sum(sum)) = d else {
-                panic!("{name} is not a u64 counter");
-            };
-            sum.data_points()
-                .filter(|dp| {
-                    filter.iter().all(|(k, v)| {
-                        dp.attributes()
-                            .any(|kv| kv.key.as_str() == *k && kv.value == *v)
-                    })
-                })
-                .map(|dp| dp.value())
-                .sum::<u64>()
-        })
-        .sum()
-}
-
-fn histogram_count(metrics: &[ResourceMetrics], name: &str, filter: &[(&str, Value)]) -> u64 {
-    data(metrics, name)
-        .map(|d| {
-            let AggregatedMetrics::F64(MetricData::Histogram(h)) = d else {
-                panic!("{name} is not an f64 histogram");
-            };
-            h.data_points()
-                .filter(|dp| {
-                    filter.iter().all(|(k, v)| {
-                        dp.attributes()
-                            .any(|kv| kv.key.as_str() == *k && kv.value == *v)
-                    })
-                })
-                .map(|dp| dp.count())
-                .sum::<u64>()
-        })
-        .sum()
-}
-
-fn data<'a>(
-    metrics: &'a [ResourceMetrics],
-    name: &'a str,
-) -> impl Iterator<Item = &'a AggregatedMetrics> + 'a {
-    metrics
-        .iter()
-        .flat_map(|rm| rm.scope_metrics())
-        .flat_map(|sm| sm.metrics())
-        .filter(move |m| m.name() == name)
-        .map(|m| m.data())
 }
 
 struct Probe {
@@ -468,24 +411,6 @@ async fn a_server_fallback_reads_its_cause_and_is_counted_apart() {
         0
     );
     server.shutdown().await;
-}
-
-/// The last value of the i64 gauge `name` whose `label` is `key`.
-fn gauge(metrics: &[ResourceMetrics], name: &str, label: &str, key: &str) -> Option<i64> {
-    data(metrics, name)
-        .filter_map(|d| {
-            let AggregatedMetrics::I64(MetricData::Gauge(g)) = d else {
-                panic!("{name} is not an i64 gauge");
-            };
-            g.data_points()
-                .filter(|dp| {
-                    dp.attributes()
-                        .any(|kv| kv.key.as_str() == label && kv.value.as_str() == key)
-                })
-                .map(|dp| dp.value())
-                .last()
-        })
-        .last()
 }
 
 #[tokio::test]

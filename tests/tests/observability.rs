@@ -7,10 +7,13 @@
 //! `tracing::subscriber::set_default`, and hands its own meter to the clients and servers, so
 //! tests running in parallel do not see each other's data.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
+use common::otel::{counter, gauge, histogram_count, metric_data};
 use opentelemetry::trace::{SpanId, Status, TracerProvider as _};
 use opentelemetry::{KeyValue, Value};
 use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData, ResourceMetrics};
@@ -322,50 +325,6 @@ async fn fallback_events_land_on_the_spans_of_both_sides() {
     assert_eq!(attr_i64(failed_call, "rpc.status_code"), Some(200));
 }
 
-/// The data of every exported metric called `name`.
-fn metric_data<'a>(
-    metrics: &'a [ResourceMetrics],
-    name: &'a str,
-) -> impl Iterator<Item = &'a AggregatedMetrics> + 'a {
-    metrics
-        .iter()
-        .flat_map(|rm| rm.scope_metrics())
-        .flat_map(|sm| sm.metrics())
-        .filter(move |m| m.name() == name)
-        .map(|m| m.data())
-}
-
-/// Sums of counter data points whose attributes include every pair of `filter`.
-fn counter(metrics: &[ResourceMetrics], name: &str, filter: &[(&str, Value)]) -> u64 {
-    metric_data(metrics, name)
-        .map(|data| {
-            let AggregatedMetrics::U64(MetricData::Sum(sum)) = data else {
-                panic!("{name} is not a u64 counter");
-            };
-            sum.data_points()
-                .filter(|dp| {
-                    filter.iter().all(|(k, v)| {
-                        dp.attributes()
-                            .any(|kv| kv.key.as_str() == *k && kv.value == *v)
-                    })
-                })
-                .map(|dp| dp.value())
-                .sum::<u64>()
-        })
-        .sum()
-}
-
-fn histogram_count(metrics: &[ResourceMetrics], name: &str) -> u64 {
-    metric_data(metrics, name)
-        .map(|data| {
-            let AggregatedMetrics::F64(MetricData::Histogram(h)) = data else {
-                panic!("{name} is not an f64 histogram");
-            };
-            h.data_points().map(|dp| dp.count()).sum::<u64>()
-        })
-        .sum()
-}
-
 fn in_flight(metrics: &[ResourceMetrics], name: &str) -> i64 {
     metric_data(metrics, name)
         .map(|data| {
@@ -375,24 +334,6 @@ fn in_flight(metrics: &[ResourceMetrics], name: &str) -> i64 {
             sum.data_points().map(|dp| dp.value()).sum::<i64>()
         })
         .sum()
-}
-
-/// The last value of the i64 gauge `name` whose `label` is `key`.
-fn gauge(metrics: &[ResourceMetrics], name: &str, label: &str, key: &str) -> Option<i64> {
-    metric_data(metrics, name)
-        .filter_map(|data| {
-            let AggregatedMetrics::I64(MetricData::Gauge(g)) = data else {
-                panic!("{name} is not an i64 gauge");
-            };
-            g.data_points()
-                .filter(|dp| {
-                    dp.attributes()
-                        .any(|kv| kv.key.as_str() == label && kv.value.as_str() == key)
-                })
-                .map(|dp| dp.value())
-                .last()
-        })
-        .last()
 }
 
 #[tokio::test]
@@ -519,9 +460,12 @@ async fn metrics_after_a_retry_an_open_breaker_and_a_fallback() {
         u64::from(reached),
         "the open breaker sent nothing"
     );
-    assert_eq!(histogram_count(&m, "rpc.client.duration"), 4 + fail_calls);
     assert_eq!(
-        histogram_count(&m, "rpc.server.duration"),
+        histogram_count(&m, "rpc.client.duration", &[]),
+        4 + fail_calls
+    );
+    assert_eq!(
+        histogram_count(&m, "rpc.server.duration", &[]),
         4 + u64::from(reached)
     );
     assert_eq!(in_flight(&m, "rpc.client.in_flight"), 0);

@@ -564,8 +564,6 @@ async fn a_panicking_layer_answers_520_and_the_server_keeps_serving() {
 
 mod observed {
     use opentelemetry::trace::TracerProvider as _;
-    use opentelemetry::Value;
-    use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData, ResourceMetrics};
     use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
     use tracing_subscriber::layer::SubscriberExt;
 
@@ -593,36 +591,7 @@ mod observed {
         }
     }
 
-    pub fn attr(span: &SpanData, key: &str) -> Option<Value> {
-        span.attributes
-            .iter()
-            .find(|kv| kv.key.as_str() == key)
-            .map(|kv| kv.value.clone())
-    }
-
-    /// Sum of the u64 counter `name` over the data points carrying every pair of `filter`.
-    pub fn counter(metrics: &[ResourceMetrics], name: &str, filter: &[(&str, Value)]) -> u64 {
-        metrics
-            .iter()
-            .flat_map(|rm| rm.scope_metrics())
-            .flat_map(|sm| sm.metrics())
-            .filter(|m| m.name() == name)
-            .map(|m| {
-                let AggregatedMetrics::U64(MetricData::Sum(sum)) = m.data() else {
-                    panic!("{name} is not a u64 counter");
-                };
-                sum.data_points()
-                    .filter(|dp| {
-                        filter.iter().all(|(k, v)| {
-                            dp.attributes()
-                                .any(|kv| kv.key.as_str() == *k && kv.value == *v)
-                        })
-                    })
-                    .map(|dp| dp.value())
-                    .sum::<u64>()
-            })
-            .sum()
-    }
+    pub use crate::common::otel::{attr, counter};
 }
 
 #[tokio::test]

@@ -17,6 +17,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 
+pub mod otel;
+
 /// Upper bound of every wait in the suite: a test that would hang fails after this instead.
 pub const LIMIT: Duration = Duration::from_secs(5);
 

@@ -1,0 +1,86 @@
+//! Readers of what the in-memory OpenTelemetry exporters recorded: span attributes and the sums
+//! of counter and histogram data points, filtered by attributes.
+
+use opentelemetry::Value;
+use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData, ResourceMetrics};
+use opentelemetry_sdk::trace::SpanData;
+
+/// The value of attribute `key` on `span`.
+pub fn attr(span: &SpanData, key: &str) -> Option<Value> {
+    span.attributes
+        .iter()
+        .find(|kv| kv.key.as_str() == key)
+        .map(|kv| kv.value.clone())
+}
+
+/// The data of every exported metric called `name`.
+pub fn metric_data<'a>(
+    metrics: &'a [ResourceMetrics],
+    name: &'a str,
+) -> impl Iterator<Item = &'a AggregatedMetrics> + 'a {
+    metrics
+        .iter()
+        .flat_map(|rm| rm.scope_metrics())
+        .flat_map(|sm| sm.metrics())
+        .filter(move |m| m.name() == name)
+        .map(|m| m.data())
+}
+
+/// Whether the attributes `attributes()` yields include every pair of `filter`.
+fn matches<'a, I>(attributes: impl Fn() -> I, filter: &[(&str, Value)]) -> bool
+where
+    I: Iterator<Item = &'a opentelemetry::KeyValue>,
+{
+    filter
+        .iter()
+        .all(|(k, v)| attributes().any(|kv| kv.key.as_str() == *k && kv.value == *v))
+}
+
+/// Sum of the u64 counter `name` over the data points carrying every pair of `filter`.
+pub fn counter(metrics: &[ResourceMetrics], name: &str, filter: &[(&str, Value)]) -> u64 {
+    metric_data(metrics, name)
+        .map(|d| {
+            let AggregatedMetrics::U64(MetricData::Sum(sum)) = d else {
+                panic!("{name} is not a u64 counter");
+            };
+            sum.data_points()
+                .filter(|dp| matches(|| dp.attributes(), filter))
+                .map(|dp| dp.value())
+                .sum::<u64>()
+        })
+        .sum()
+}
+
+/// Values recorded by the f64 histogram `name` in the data points carrying every pair of
+/// `filter`.
+pub fn histogram_count(metrics: &[ResourceMetrics], name: &str, filter: &[(&str, Value)]) -> u64 {
+    metric_data(metrics, name)
+        .map(|d| {
+            let AggregatedMetrics::F64(MetricData::Histogram(h)) = d else {
+                panic!("{name} is not an f64 histogram");
+            };
+            h.data_points()
+                .filter(|dp| matches(|| dp.attributes(), filter))
+                .map(|dp| dp.count())
+                .sum::<u64>()
+        })
+        .sum()
+}
+
+/// The last value of the i64 gauge `name` whose `label` is `key`.
+pub fn gauge(metrics: &[ResourceMetrics], name: &str, label: &str, key: &str) -> Option<i64> {
+    metric_data(metrics, name)
+        .filter_map(|d| {
+            let AggregatedMetrics::I64(MetricData::Gauge(g)) = d else {
+                panic!("{name} is not an i64 gauge");
+            };
+            g.data_points()
+                .filter(|dp| {
+                    dp.attributes()
+                        .any(|kv| kv.key.as_str() == label && kv.value.as_str() == key)
+                })
+                .map(|dp| dp.value())
+                .last()
+        })
+        .last()
+}
