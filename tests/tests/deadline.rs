@@ -5,7 +5,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{no_retry, recv_one, within, DropSignal, RawConn};
+use common::{no_retry, recv_one, until_entered, within, DropSignal, RawConn};
 use rpc::crates::core::wire::{frame::Kind, HelloAck, RemoteInvokeMessage};
 use rpc::crates::core::NoArgs;
 use rpc::crates::transport::{ConnectOptions, Connection};
@@ -179,11 +179,7 @@ async fn dropping_the_call_future_cancels_the_handler_and_frees_its_slot() {
             .override_options(DeadlineClient::SERVICE_ID, timeout_of(0))
             .build(),
     );
-    let mut call = Box::pin(d.forever());
-    tokio::select! {
-        r = &mut call => panic!("forever answered: {r:?}"),
-        tag = probe.entered.recv() => assert_eq!(tag.as_deref(), Some("forever")),
-    }
+    let call = until_entered(Box::pin(d.forever()), "forever", &mut probe.entered).await;
     // The caller gives up: dropping its future sends Cancel.
     drop(call);
     assert_eq!(
@@ -195,11 +191,12 @@ async fn dropping_the_call_future_cancels_the_handler_and_frees_its_slot() {
 
     // The same through a caller-side timeout around the call, which expires (on the paused
     // clock) only once the handler is known to run: no race between the timeout and the call.
-    let mut call = Box::pin(tokio::time::timeout(Duration::from_secs(60), d.forever()));
-    tokio::select! {
-        r = &mut call => panic!("forever answered or timed out before it ran: {r:?}"),
-        tag = probe.entered.recv() => assert_eq!(tag.as_deref(), Some("forever")),
-    }
+    let call = until_entered(
+        Box::pin(tokio::time::timeout(Duration::from_secs(60), d.forever())),
+        "forever",
+        &mut probe.entered,
+    )
+    .await;
     tokio::time::advance(Duration::from_secs(60)).await;
     let gave_up = call.await;
     assert!(gave_up.is_err(), "forever answered: {gave_up:?}");

@@ -10,7 +10,7 @@ mod common;
 use std::path::Path;
 use std::time::Duration;
 
-use common::{recv_one, within, DropSignal};
+use common::{recv_one, until_entered, within, DropSignal};
 use rcgen::{
     BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
     KeyUsagePurpose,
@@ -127,11 +127,7 @@ async fn dropping_a_call_over_a_unix_socket_cancels_its_handler() {
             .override_options(LocalClient::SERVICE_ID, options(0))
             .build(),
     );
-    let mut call = Box::pin(client.forever());
-    tokio::select! {
-        r = &mut call => panic!("forever answered: {r:?}"),
-        tag = probe.entered.recv() => assert_eq!(tag.as_deref(), Some("forever")),
-    }
+    let call = until_entered(Box::pin(client.forever()), "forever", &mut probe.entered).await;
     drop(call);
     assert_eq!(
         recv_one("the Cancel dropped the handler", &mut probe.dropped).await,

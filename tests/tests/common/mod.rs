@@ -46,6 +46,24 @@ pub async fn recv_one<T>(what: &str, rx: &mut mpsc::UnboundedReceiver<T>) -> T {
     }
 }
 
+/// Polls `call` until its handler reports `tag` on `entered`, and hands the call back still
+/// pending; fails the test if the call answers first, or if another tag comes.
+pub async fn until_entered<F>(
+    mut call: std::pin::Pin<Box<F>>,
+    tag: &str,
+    entered: &mut mpsc::UnboundedReceiver<String>,
+) -> std::pin::Pin<Box<F>>
+where
+    F: Future,
+    F::Output: std::fmt::Debug,
+{
+    tokio::select! {
+        r = &mut call => panic!("the call answered before its handler ran: {r:?}"),
+        got = entered.recv() => assert_eq!(got.as_deref(), Some(tag)),
+    }
+    call
+}
+
 /// Signals `tag` on a channel when dropped: handed into a handler, it proves the handler's
 /// future was dropped (cancelled) rather than left running.
 pub struct DropSignal {
