@@ -9,7 +9,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use common::{no_retry, recv_one, within};
+use common::{certs, no_retry, recv_one, within};
 use rpc::crates::core::wire::RemoteResultMessage;
 use rpc::crates::transport::{self as transport, Call, ConnectOptions, Connection, Dispatch};
 use rpc::{
@@ -656,58 +656,6 @@ async fn an_early_answer_is_recorded_with_its_status_on_the_span_and_in_the_metr
 
 // ---- Mutual TLS: the caller's certificate ----
 
-mod certs {
-    use rcgen::{
-        BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer,
-        KeyPair, KeyUsagePurpose,
-    };
-
-    /// A certificate authority made for one test.
-    pub struct Ca {
-        pub pem: String,
-        issuer: Issuer<'static, KeyPair>,
-    }
-
-    /// A certificate (PEM and DER) and its key (PEM).
-    pub struct Identity {
-        pub cert: String,
-        pub der: Vec<u8>,
-        pub key: String,
-    }
-
-    impl Ca {
-        pub fn new(name: &str) -> Ca {
-            let mut params = CertificateParams::new(Vec::<String>::new()).expect("CA params");
-            params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-            params.distinguished_name.push(DnType::CommonName, name);
-            params.key_usages = vec![
-                KeyUsagePurpose::KeyCertSign,
-                KeyUsagePurpose::CrlSign,
-                KeyUsagePurpose::DigitalSignature,
-            ];
-            let key = KeyPair::generate().expect("CA key");
-            let cert = params.self_signed(&key).expect("self-signed CA");
-            Ca {
-                pem: cert.pem(),
-                issuer: Issuer::new(params, key),
-            }
-        }
-
-        pub fn issue(&self, name: &str, usage: ExtendedKeyUsagePurpose) -> Identity {
-            let mut params = CertificateParams::new(vec![name.to_string()]).expect("params");
-            params.distinguished_name.push(DnType::CommonName, name);
-            params.extended_key_usages = vec![usage];
-            let key = KeyPair::generate().expect("key");
-            let cert = params.signed_by(&key, &self.issuer).expect("signed");
-            Identity {
-                cert: cert.pem(),
-                der: cert.der().to_vec(),
-                key: key.serialize_pem(),
-            }
-        }
-    }
-}
-
 /// Lets `cancel` through only for callers whose certificate is `admin`'s (compared as DER: a
 /// real service would parse it and read its subject).
 struct CancelByCertificate {
@@ -732,13 +680,12 @@ impl ServerLayer for CancelByCertificate {
 
 #[tokio::test]
 async fn under_mutual_tls_a_layer_decides_by_the_callers_certificate() {
-    use rcgen::ExtendedKeyUsagePurpose::{ClientAuth, ServerAuth};
     use rpc::tls::{ClientTls, ServerTls};
 
     let (server_ca, client_ca) = (certs::Ca::new("server CA"), certs::Ca::new("client CA"));
-    let server_id = server_ca.issue("127.0.0.1", ServerAuth);
-    let admin = client_ca.issue("admin", ClientAuth);
-    let clerk = client_ca.issue("clerk", ClientAuth);
+    let server_id = server_ca.server();
+    let admin = client_ca.client("admin");
+    let clerk = client_ca.client("clerk");
     let (tx, mut seen) = mpsc::unbounded_channel();
     let tls = ServerTls::from_pem(server_id.cert.as_bytes(), server_id.key.as_bytes())
         .expect("server TLS")

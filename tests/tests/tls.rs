@@ -9,11 +9,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::certs::{Ca, Identity};
 use common::{no_retry, within, LIMIT};
-use rcgen::{
-    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
-    KeyUsagePurpose,
-};
 use rpc::crates::transport::{ConnectOptions, Connection};
 use rpc::tls::{ClientTls, ServerTls};
 use rpc::{Client, InProcessRegistry, RpcError, Server, ServerHandle, StatusCode};
@@ -32,65 +29,6 @@ impl Vault for Safe {
     async fn secret(&self, who: String) -> Result<String, RpcError> {
         self.calls.fetch_add(1, Ordering::SeqCst);
         Ok(format!("gold for {who}"))
-    }
-}
-
-/// A certificate authority made for one test.
-struct Ca {
-    pem: String,
-    issuer: Issuer<'static, KeyPair>,
-}
-
-/// A certificate chain and its key, both PEM.
-struct Identity {
-    cert: String,
-    key: String,
-}
-
-impl Ca {
-    fn new(name: &str) -> Ca {
-        let mut params = CertificateParams::new(Vec::<String>::new()).expect("CA params");
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params.distinguished_name.push(DnType::CommonName, name);
-        params.key_usages = vec![
-            KeyUsagePurpose::KeyCertSign,
-            KeyUsagePurpose::CrlSign,
-            KeyUsagePurpose::DigitalSignature,
-        ];
-        let key = KeyPair::generate().expect("CA key");
-        let cert = params.self_signed(&key).expect("self-signed CA");
-        Ca {
-            pem: cert.pem(),
-            issuer: Issuer::new(params, key),
-        }
-    }
-
-    /// A server certificate for 127.0.0.1 and localhost.
-    fn server(&self) -> Identity {
-        self.issue(
-            &["127.0.0.1", "localhost"],
-            ExtendedKeyUsagePurpose::ServerAuth,
-        )
-    }
-
-    /// A client certificate.
-    fn client(&self, name: &str) -> Identity {
-        self.issue(&[name], ExtendedKeyUsagePurpose::ClientAuth)
-    }
-
-    fn issue(&self, names: &[&str], usage: ExtendedKeyUsagePurpose) -> Identity {
-        let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
-        let mut params = CertificateParams::new(names.clone()).expect("params");
-        params
-            .distinguished_name
-            .push(DnType::CommonName, &names[0]);
-        params.extended_key_usages = vec![usage];
-        let key = KeyPair::generate().expect("key");
-        let cert = params.signed_by(&key, &self.issuer).expect("signed");
-        Identity {
-            cert: cert.pem(),
-            key: key.serialize_pem(),
-        }
     }
 }
 

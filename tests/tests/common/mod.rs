@@ -17,6 +17,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 
+pub mod certs;
 pub mod otel;
 
 /// Upper bound of every wait in the suite: a test that would hang fails after this instead.
