@@ -46,6 +46,7 @@ pub mod events;
 pub mod failover;
 pub mod fallback;
 pub mod health;
+pub mod ratelimit;
 pub mod retry;
 pub mod stack;
 pub mod timeout;

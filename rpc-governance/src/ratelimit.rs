@@ -1,0 +1,260 @@
+//! Rate limits: how many calls an entry takes per second, in all and per caller.
+//!
+//! A concurrency cap protects a server from work piling up; it does not stop one caller from
+//! taking every slot, nor a burst of cheap calls from starving a shared resource behind them. A
+//! rate limit answers "how often", not "how many at once": each entry may have a token bucket
+//! for all its callers and one per caller (keyed by the client id of the handshake), refilled at
+//! the configured rate, holding at most a burst. A call that finds no token is refused at once,
+//! with the time until the next token as its `retry_after`, so a well-behaved client waits that
+//! long instead of hammering, and the refusal costs the server one lookup.
+//!
+//! Buckets take their time from tokio's clock, so the paused clock drives them in tests.
+//! Per-caller buckets are bounded: past [`MAX_CALLERS`] distinct callers, the new ones share one
+//! bucket, so a peer inventing client ids cannot grow the table without limit.
+
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use dashmap::DashMap;
+use tokio::time::Instant;
+
+/// Distinct callers given a bucket of their own, per entry; later ones share one.
+pub const MAX_CALLERS: usize = 10_000;
+
+/// Tokens at a rate, holding at most a burst: the classic token bucket.
+#[derive(Debug)]
+pub struct TokenBucket {
+    per_second: f64,
+    burst: f64,
+    state: Mutex<BucketState>,
+}
+
+#[derive(Debug)]
+struct BucketState {
+    tokens: f64,
+    at: Instant,
+}
+
+impl TokenBucket {
+    /// `per_second` tokens a second (at least one every thousand seconds), holding at most
+    /// `burst` (at least one); starts full.
+    pub fn new(per_second: f64, burst: u32) -> Self {
+        let per_second = per_second.max(0.001);
+        let burst = f64::from(burst.max(1));
+        TokenBucket {
+            per_second,
+            burst,
+            state: Mutex::new(BucketState {
+                tokens: burst,
+                at: Instant::now(),
+            }),
+        }
+    }
+
+    /// Takes a token, or says how long until one is there.
+    pub fn try_take(&self) -> Result<(), Duration> {
+        self.try_take_at(Instant::now())
+    }
+
+    /// [`try_take`](Self::try_take) at `now`.
+    pub fn try_take_at(&self, now: Instant) -> Result<(), Duration> {
+        let mut s = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let refill = now.saturating_duration_since(s.at).as_secs_f64() * self.per_second;
+        s.tokens = (s.tokens + refill).min(self.burst);
+        s.at = now;
+        if s.tokens >= 1.0 {
+            s.tokens -= 1.0;
+            Ok(())
+        } else {
+            Err(Duration::from_secs_f64((1.0 - s.tokens) / self.per_second))
+        }
+    }
+}
+
+/// What an entry's limits are: calls per second for all callers and for each caller, each with
+/// its burst (`None`: no such limit).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RateLimits {
+    /// Calls per second for all callers together, and the burst.
+    pub entry: Option<(f64, u32)>,
+    /// Calls per second for each caller (by client id), and the burst.
+    pub per_caller: Option<(f64, u32)>,
+}
+
+/// Which limit refused a call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refused {
+    /// The entry's limit for all callers.
+    Entry,
+    /// The caller's own quota.
+    Caller,
+}
+
+/// One entry's rate limits and their buckets.
+#[derive(Debug)]
+pub struct RateLimiter {
+    limits: RateLimits,
+    entry: Option<TokenBucket>,
+    callers: Option<Callers>,
+}
+
+/// The per-caller buckets of an entry.
+#[derive(Debug)]
+struct Callers {
+    rate: f64,
+    burst: u32,
+    table: DashMap<Arc<str>, Arc<TokenBucket>, ahash::RandomState>,
+    /// Shared by the callers beyond [`MAX_CALLERS`].
+    crowd: Arc<TokenBucket>,
+}
+
+impl Callers {
+    fn bucket(&self, caller: &str) -> Arc<TokenBucket> {
+        if let Some(b) = self.table.get(caller) {
+            return b.clone();
+        }
+        if self.table.len() >= MAX_CALLERS {
+            return self.crowd.clone();
+        }
+        self.table
+            .entry(Arc::from(caller))
+            .or_insert_with(|| Arc::new(TokenBucket::new(self.rate, self.burst)))
+            .clone()
+    }
+}
+
+impl RateLimiter {
+    /// Buckets for `limits`, full.
+    pub fn new(limits: RateLimits) -> Self {
+        RateLimiter {
+            limits,
+            entry: limits.entry.map(|(r, b)| TokenBucket::new(r, b)),
+            callers: limits.per_caller.map(|(rate, burst)| Callers {
+                rate,
+                burst,
+                table: DashMap::with_hasher(ahash::RandomState::new()),
+                crowd: Arc::new(TokenBucket::new(rate, burst)),
+            }),
+        }
+    }
+
+    /// The limits this limiter enforces.
+    pub fn limits(&self) -> RateLimits {
+        self.limits
+    }
+
+    /// Admits one call of `caller` at `now`, or says which limit refused it and when a token
+    /// will be there. The caller's quota is checked first, so a caller over its own quota does
+    /// not spend the entry's tokens that other callers need.
+    pub fn try_admit_at(&self, caller: &str, now: Instant) -> Result<(), (Refused, Duration)> {
+        if let Some(callers) = &self.callers {
+            callers
+                .bucket(caller)
+                .try_take_at(now)
+                .map_err(|after| (Refused::Caller, after))?;
+        }
+        if let Some(entry) = &self.entry {
+            entry
+                .try_take_at(now)
+                .map_err(|after| (Refused::Entry, after))?;
+        }
+        Ok(())
+    }
+
+    /// [`try_admit_at`](Self::try_admit_at) now.
+    pub fn try_admit(&self, caller: &str) -> Result<(), (Refused, Duration)> {
+        self.try_admit_at(caller, Instant::now())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_bucket_gives_its_burst_then_one_token_per_period() {
+        let b = TokenBucket::new(10.0, 3);
+        for _ in 0..3 {
+            assert_eq!(b.try_take(), Ok(()));
+        }
+        // Empty: the next token comes after 1/10 s.
+        assert_eq!(b.try_take(), Err(Duration::from_millis(100)));
+        tokio::time::advance(Duration::from_millis(60)).await;
+        let wait = b.try_take().unwrap_err();
+        assert!(
+            (wait.as_secs_f64() - 0.04).abs() < 1e-9,
+            "40 ms left, got {wait:?}"
+        );
+        tokio::time::advance(Duration::from_millis(40)).await;
+        assert_eq!(b.try_take(), Ok(()));
+        // A long pause refills only up to the burst.
+        tokio::time::advance(Duration::from_secs(60)).await;
+        let taken = (0..10).filter(|_| b.try_take().is_ok()).count();
+        assert_eq!(taken, 3);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn over_one_second_a_bucket_admits_its_rate_plus_its_burst() {
+        let b = TokenBucket::new(50.0, 5);
+        let start = Instant::now();
+        let mut admitted = 0;
+        // Calls every millisecond for one second: 5 at once, then 50 more over the second.
+        for ms in 0..1000u64 {
+            if b.try_take_at(start + Duration::from_millis(ms)).is_ok() {
+                admitted += 1;
+            }
+        }
+        // (The token of t = 1000 ms is not reached by the loop, which stops at 999 ms.)
+        assert_eq!(admitted, 5 + 49);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_caller_over_its_quota_does_not_take_the_entrys_tokens() {
+        let limiter = RateLimiter::new(RateLimits {
+            entry: Some((100.0, 10)),
+            per_caller: Some((1.0, 2)),
+        });
+        let now = Instant::now();
+        assert!(limiter.try_admit_at("greedy", now).is_ok());
+        assert!(limiter.try_admit_at("greedy", now).is_ok());
+        for _ in 0..20 {
+            let (which, after) = limiter.try_admit_at("greedy", now).unwrap_err();
+            assert_eq!(which, Refused::Caller);
+            assert_eq!(after, Duration::from_secs(1));
+        }
+        // The entry spent 2 of its 10 tokens: 8 remain for the others, then the entry refuses.
+        let others: Vec<_> = (0..9)
+            .map(|i| limiter.try_admit_at(&format!("polite-{i}"), now))
+            .collect();
+        assert!(others[..8].iter().all(Result::is_ok), "{others:?}");
+        assert_eq!(others[8].unwrap_err().0, Refused::Entry);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn callers_beyond_the_table_share_one_bucket() {
+        let limiter = RateLimiter::new(RateLimits {
+            entry: None,
+            per_caller: Some((1.0, 1)),
+        });
+        let now = Instant::now();
+        for i in 0..MAX_CALLERS {
+            assert!(limiter.try_admit_at(&format!("c{i}"), now).is_ok());
+        }
+        // Two newcomers: the first takes the shared bucket's token, the second finds it empty.
+        assert!(limiter.try_admit_at("late-1", now).is_ok());
+        assert_eq!(
+            limiter.try_admit_at("late-2", now).unwrap_err().0,
+            Refused::Caller
+        );
+        assert_eq!(limiter.callers.as_ref().unwrap().table.len(), MAX_CALLERS);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn without_limits_every_call_is_admitted() {
+        let limiter = RateLimiter::new(RateLimits {
+            entry: None,
+            per_caller: None,
+        });
+        assert!((0..10_000).all(|_| limiter.try_admit("anyone").is_ok()));
+    }
+}
