@@ -49,4 +49,5 @@ pub mod health;
 pub mod ratelimit;
 pub mod retry;
 pub mod stack;
+pub mod throttle;
 pub mod timeout;
