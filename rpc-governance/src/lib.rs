@@ -37,6 +37,7 @@
 //! ```
 #![warn(missing_docs)]
 
+pub mod adaptive;
 pub mod breaker;
 pub mod budget;
 pub mod bulkhead;

@@ -1,0 +1,438 @@
+//! Adaptive concurrency: a server cap that finds its own value.
+//!
+//! A fixed cap ([`crate::bulkhead`]) must be guessed: too low and the server refuses calls it
+//! could serve, too high and calls queue inside it (on its threads, its database pool, its
+//! downstream calls) until every answer is late. The right number moves with the hardware, the
+//! payloads and what the handlers wait on. This limiter measures it, with the gradient rule of
+//! Envoy's adaptive concurrency filter (and of Netflix's concurrency-limits): what a call takes
+//! without queueing (`no_load`, the shortest window average seen) against what calls take now,
+//!
+//! ```text
+//! gradient  = clamp(tolerance × no_load / rtt, 0.5, 2)
+//! new limit = limit × gradient + √limit                   within [min, max]
+//! ```
+//!
+//! so the limit doubles at most while calls are as fast as they get, and halves at most when
+//! they take longer than `tolerance` allows. It changes once per window of samples (as many as
+//! the limit, at least ten: one round trip's worth at full use, averaged), not after every call,
+//! whose samples all describe the same moment, and only while at least half of it is in use, so
+//! a quiet server does not raise it blindly. Every 60 windows the limit is held at its minimum
+//! for `min` calls, to measure `no_load` anew without the queue the limit itself allows; a server
+//! that became slower for good (heavier calls, a slower disk) is then judged by its new speed.
+//!
+//! Admission is like the fixed cap's: a call takes a slot at once or is refused with Overflow
+//! (515) at once, never queued. Two refinements:
+//! - **Deadline-aware:** a call whose remaining budget is below what the entry's calls take
+//!   recently would time out anyway; it is refused at once instead of run for nothing.
+//! - **Criticality:** callers may mark a call critical, default or sheddable. Sheddable calls
+//!   get 80 % of the limit, default ones all of it, critical ones a tenth more: as load rises,
+//!   sheddable work is refused first.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use rpc_core::{RpcError, StatusCode};
+use tokio::time::Instant;
+
+/// How much a call matters to its caller, for admission under load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Criticality {
+    /// Refused last: may go a tenth over the limit.
+    Critical,
+    /// The limit as measured.
+    #[default]
+    Default,
+    /// Refused first: held to 80 % of the limit.
+    Sheddable,
+}
+
+impl Criticality {
+    /// The criticality named `name` (`critical`, `default`, `sheddable`), as carried by a call.
+    pub fn parse(name: &str) -> Option<Criticality> {
+        match name {
+            "critical" => Some(Criticality::Critical),
+            "default" => Some(Criticality::Default),
+            "sheddable" => Some(Criticality::Sheddable),
+            _ => None,
+        }
+    }
+
+    /// Calls of this criticality admitted at once under `limit`.
+    fn share(self, limit: usize) -> usize {
+        match self {
+            Criticality::Critical => limit + (limit / 10).max(1),
+            Criticality::Default => limit,
+            Criticality::Sheddable => (limit * 4 / 5).max(1),
+        }
+    }
+}
+
+/// Bounds and tuning of an [`AdaptiveLimit`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdaptiveOptions {
+    /// The limit before any call has been measured.
+    pub initial: usize,
+    /// The limit never goes below this.
+    pub min: usize,
+    /// The limit never goes above this.
+    pub max: usize,
+    /// How much slower than without load calls may be before the limit shrinks (1.25: a
+    /// quarter slower).
+    pub tolerance: f64,
+}
+
+impl Default for AdaptiveOptions {
+    fn default() -> Self {
+        AdaptiveOptions {
+            initial: 20,
+            min: 4,
+            max: 1000,
+            tolerance: 1.25,
+        }
+    }
+}
+
+/// The measured state behind the limit.
+#[derive(Debug)]
+struct Estimate {
+    limit: f64,
+    /// The shortest window average since the last probe, in seconds.
+    no_load: Option<f64>,
+    /// Fast average of the calls' round trip, in seconds (for deadline-aware admission).
+    recent: Option<f64>,
+    /// Windows until the next probe.
+    until_probe: usize,
+    /// During a probe, the limit to return to and when the probe began (calls admitted
+    /// before then ran under the old limit's queue and are not counted).
+    probing: Option<(f64, Instant)>,
+    /// The window being gathered: samples, their sum (seconds), the most calls in flight.
+    window: (usize, f64, usize),
+}
+
+/// A concurrency limit that adapts to measured latency; see the [module](self) documentation.
+#[derive(Debug, Clone)]
+pub struct AdaptiveLimit {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    options: AdaptiveOptions,
+    in_flight: AtomicUsize,
+    /// The current limit, rounded, read on every admission without the lock.
+    limit: AtomicUsize,
+    estimate: Mutex<Estimate>,
+}
+
+/// A slot of an [`AdaptiveLimit`]: dropping it returns the slot and records how long the call
+/// took (unless [`ignore`](Self::ignore)d).
+#[derive(Debug)]
+#[must_use = "the slot is returned and measured when the permit is dropped"]
+pub struct AdaptivePermit {
+    inner: Arc<Inner>,
+    started: Instant,
+    measured: bool,
+}
+
+impl AdaptivePermit {
+    /// Returns the slot without measuring the call: for calls that ended early (cancelled,
+    /// refused further down) and say nothing about the server's latency.
+    pub fn ignore(mut self) {
+        self.measured = false;
+    }
+}
+
+impl Drop for AdaptivePermit {
+    fn drop(&mut self) {
+        let in_flight = self.inner.in_flight.fetch_sub(1, Ordering::AcqRel);
+        if self.measured {
+            self.inner.sample(self.started, Instant::now(), in_flight);
+        }
+    }
+}
+
+impl AdaptiveLimit {
+    /// A limiter starting at `options.initial`, within `[options.min, options.max]`.
+    pub fn new(options: AdaptiveOptions) -> Self {
+        let min = options.min.max(1);
+        let options = AdaptiveOptions {
+            min,
+            max: options.max.max(min),
+            initial: options.initial.clamp(min, options.max.max(min)),
+            tolerance: options.tolerance.max(1.0),
+        };
+        AdaptiveLimit {
+            inner: Arc::new(Inner {
+                options,
+                in_flight: AtomicUsize::new(0),
+                limit: AtomicUsize::new(options.initial),
+                estimate: Mutex::new(Estimate {
+                    limit: options.initial as f64,
+                    no_load: None,
+                    recent: None,
+                    until_probe: PROBE_EVERY,
+                    probing: None,
+                    window: (0, 0.0, 0),
+                }),
+            }),
+        }
+    }
+
+    /// The current limit.
+    pub fn limit(&self) -> usize {
+        self.inner.limit.load(Ordering::Relaxed)
+    }
+
+    /// Calls holding a slot now.
+    pub fn in_flight(&self) -> usize {
+        self.inner.in_flight.load(Ordering::Acquire)
+    }
+
+    /// What the entry's calls take recently (the fast average), once measured.
+    pub fn recent_latency(&self) -> Option<Duration> {
+        let e = self.inner.lock();
+        e.recent.map(Duration::from_secs_f64)
+    }
+
+    /// Takes a slot for a call of `criticality` with `remaining` budget (None: no deadline),
+    /// or refuses it at once with Overflow (515): over the limit for its criticality, or with
+    /// less time left than the entry's calls take recently.
+    pub fn try_enter(
+        &self,
+        entry: &str,
+        criticality: Criticality,
+        remaining: Option<Duration>,
+    ) -> Result<AdaptivePermit, RpcError> {
+        if let (Some(left), Some(needs)) = (remaining, self.recent_latency()) {
+            if left < needs {
+                return Err(RpcError::new(
+                    StatusCode::OverflowMaxServerHandle,
+                    format!(
+                        "{entry}: the call has {} ms left and calls here take about {} ms now; \
+                         refused at once rather than run for nothing: call another endpoint or \
+                         allow a longer deadline",
+                        left.as_millis(),
+                        needs.as_millis()
+                    ),
+                ));
+            }
+        }
+        let limit = self.limit();
+        let share = criticality.share(limit);
+        let taken = self
+            .inner
+            .in_flight
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < share).then_some(n + 1)
+            });
+        match taken {
+            Ok(_) => Ok(AdaptivePermit {
+                inner: self.inner.clone(),
+                started: Instant::now(),
+                measured: true,
+            }),
+            Err(n) => Err(RpcError::new(
+                StatusCode::OverflowMaxServerHandle,
+                format!(
+                    "{entry} is handling {n} calls, its adaptive limit for {criticality:?} calls \
+                     now (of {limit}); call another endpoint or retry later"
+                ),
+            )),
+        }
+    }
+}
+
+impl Inner {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Estimate> {
+        self.estimate.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Folds the round trip of one call, admitted at `started` and finished at `now` with
+    /// `in_flight` calls running (itself included), into the estimate, and the limit at the end
+    /// of a window.
+    fn sample(&self, started: Instant, now: Instant, in_flight: usize) {
+        /// Weight of a new sample in the recent average (about the last ten calls).
+        const RECENT: f64 = 0.1;
+        let rtt = (now - started).as_secs_f64().max(1e-6);
+        let o = &self.options;
+        let mut e = self.lock();
+        if e.probing.is_some_and(|(_, since)| started < since) {
+            return;
+        }
+        e.recent = Some(e.recent.map_or(rtt, |r| r + (rtt - r) * RECENT));
+        let (n, sum, most) = e.window;
+        let (n, sum, most) = (n + 1, sum + rtt, most.max(in_flight));
+        // A probe's window is one minimum's worth of calls, so the probe ends quickly.
+        let size = match e.probing {
+            Some(_) => o.min,
+            None => (e.limit as usize).max(10),
+        };
+        if n < size {
+            e.window = (n, sum, most);
+            return;
+        }
+        e.window = (0, 0.0, 0);
+        let rtt = sum / n as f64;
+        let next = if let Some((before, _)) = e.probing.take() {
+            // The probe's window ran at the minimum: no queue, the true no-load time.
+            e.no_load = Some(rtt);
+            before
+        } else if e.until_probe == 0 {
+            e.until_probe = PROBE_EVERY;
+            e.probing = Some((e.limit, now));
+            o.min as f64
+        } else {
+            e.until_probe -= 1;
+            let no_load = e.no_load.map_or(rtt, |n| n.min(rtt));
+            e.no_load = Some(no_load);
+            if (most as f64) * 2.0 < e.limit {
+                // Not using the limit: latency says nothing about a larger one.
+                return;
+            }
+            let gradient = (o.tolerance * no_load / rtt).clamp(0.5, 2.0);
+            (e.limit * gradient + e.limit.sqrt()).clamp(o.min as f64, o.max as f64)
+        };
+        e.limit = next;
+        self.limit.store(next.round() as usize, Ordering::Relaxed);
+    }
+}
+
+/// `no_load` is measured anew every this many windows.
+const PROBE_EVERY: usize = 60;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs `n` calls that each take `rtt` with `parallel` of them in flight, on the paused
+    /// clock; returns how many were refused.
+    async fn load(l: &AdaptiveLimit, n: usize, parallel: usize, rtt: Duration) -> usize {
+        let mut refused = 0;
+        for _ in 0..n / parallel {
+            let permits: Vec<_> = (0..parallel)
+                .filter_map(|_| l.try_enter("e", Criticality::Default, None).ok())
+                .collect();
+            refused += parallel - permits.len();
+            tokio::time::advance(rtt).await;
+            drop(permits);
+        }
+        refused
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn steady_latency_under_full_use_raises_the_limit() {
+        let l = AdaptiveLimit::new(AdaptiveOptions::default());
+        let start = l.limit();
+        // Offered: always as many calls as the limit allows, at a steady 10 ms.
+        for _ in 0..50 {
+            let parallel = l.limit();
+            load(&l, parallel, parallel, Duration::from_millis(10)).await;
+        }
+        assert!(l.limit() > 2 * start, "{} -> {}", start, l.limit());
+    }
+
+    /// A server that runs `capacity` calls at once in 10 ms: more queue, and take longer in
+    /// proportion. Offered as many calls as the limit admits, round after round; returns the
+    /// limit after each round.
+    async fn against_capacity(l: &AdaptiveLimit, capacity: usize, rounds: usize) -> Vec<usize> {
+        let mut limits = Vec::new();
+        for _ in 0..rounds {
+            let parallel = l.limit();
+            let rtt = Duration::from_millis(10) * parallel.div_ceil(capacity) as u32;
+            load(l, parallel, parallel, rtt).await;
+            limits.push(l.limit());
+        }
+        limits
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_limit_settles_near_the_servers_capacity() {
+        for (initial, capacity) in [(20, 100), (400, 50)] {
+            let l = AdaptiveLimit::new(AdaptiveOptions {
+                initial,
+                ..AdaptiveOptions::default()
+            });
+            let limits = against_capacity(&l, capacity, 300).await;
+            let mut tail = limits[200..].to_vec();
+            tail.sort_unstable();
+            let median = tail[tail.len() / 2];
+            // Probes hold the limit at its minimum for a window now and then: a few rounds.
+            let low = tail.iter().filter(|l| **l < capacity / 2).count();
+            assert!(
+                median >= capacity * 7 / 10 && median <= capacity * 3 / 2 && low <= 10,
+                "capacity {capacity}, from {initial}: median limit of the last 100 rounds \
+                 {median}, {low} rounds below half the capacity: {tail:?}"
+            );
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_idle_server_does_not_raise_its_limit() {
+        let l = AdaptiveLimit::new(AdaptiveOptions::default());
+        // One call at a time, far below half the limit of 20.
+        load(&l, 500, 1, Duration::from_millis(5)).await;
+        assert_eq!(l.limit(), AdaptiveOptions::default().initial);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn over_the_limit_calls_are_refused_at_once_with_overflow() {
+        let l = AdaptiveLimit::new(AdaptiveOptions {
+            initial: 10,
+            ..AdaptiveOptions::default()
+        });
+        let held: Vec<_> = (0..10)
+            .map(|_| l.try_enter("e", Criticality::Default, None).unwrap())
+            .collect();
+        let e = l.try_enter("e", Criticality::Default, None).unwrap_err();
+        assert_eq!(e.code(), StatusCode::OverflowMaxServerHandle);
+        assert_eq!(l.in_flight(), 10);
+        drop(held);
+        assert_eq!(l.in_flight(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn sheddable_calls_are_refused_before_default_and_critical_ones() {
+        let l = AdaptiveLimit::new(AdaptiveOptions {
+            initial: 10,
+            ..AdaptiveOptions::default()
+        });
+        // 8 in flight: sheddable calls (80 % of 10) are refused, the others admitted.
+        let mut held: Vec<_> = (0..8)
+            .map(|_| l.try_enter("e", Criticality::Default, None).unwrap())
+            .collect();
+        assert!(l.try_enter("e", Criticality::Sheddable, None).is_err());
+        held.push(l.try_enter("e", Criticality::Default, None).unwrap());
+        held.push(l.try_enter("e", Criticality::Default, None).unwrap());
+        // At the limit: default refused, critical still admitted (a tenth more: 11).
+        assert!(l.try_enter("e", Criticality::Default, None).is_err());
+        held.push(l.try_enter("e", Criticality::Critical, None).unwrap());
+        assert!(l.try_enter("e", Criticality::Critical, None).is_err());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_call_with_less_budget_than_calls_take_is_refused_at_once() {
+        let l = AdaptiveLimit::new(AdaptiveOptions::default());
+        load(&l, 100, 1, Duration::from_millis(50)).await;
+        let needs = l.recent_latency().expect("measured");
+        assert_eq!(needs, Duration::from_millis(50));
+        let e = l
+            .try_enter("e", Criticality::Default, Some(Duration::from_millis(20)))
+            .unwrap_err();
+        assert_eq!(e.code(), StatusCode::OverflowMaxServerHandle);
+        assert!(e.message().contains("20 ms left"), "{e}");
+        assert!(l
+            .try_enter("e", Criticality::Default, Some(Duration::from_millis(80)))
+            .is_ok());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_ignored_permit_returns_its_slot_without_a_sample() {
+        let l = AdaptiveLimit::new(AdaptiveOptions::default());
+        let p = l.try_enter("e", Criticality::Default, None).unwrap();
+        tokio::time::advance(Duration::from_secs(3)).await;
+        p.ignore();
+        assert_eq!(l.in_flight(), 0);
+        assert_eq!(l.recent_latency(), None);
+    }
+}
