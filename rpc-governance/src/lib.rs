@@ -13,6 +13,11 @@
 //! | [`breaker`] | when to stop calling an entry, and when to probe it again |
 //! | [`fallback`] | when another implementation answers, and what a failed fallback says |
 //! | [`bulkhead`] | the server's concurrency cap (Overflow at once, never a queue) |
+//! | [`adaptive`] | a server cap that follows measured latency, deadline- and criticality-aware |
+//! | [`ratelimit`] | calls per second per entry and per caller (token buckets) |
+//! | [`throttle`] | when a client drops calls itself because the server keeps refusing them |
+//! | [`load`] | load-aware endpoint choice: peak-EWMA latency × outstanding calls, two choices |
+//! | [`outlier`] | which endpoints fail markedly more often than their peers |
 //!
 //! [`stack`] puts the client side together as layers over one per-call context, in one
 //! order written once ([`stack::client_stack`]): user layers → fallback → circuit breaker →
@@ -47,6 +52,8 @@ pub mod events;
 pub mod failover;
 pub mod fallback;
 pub mod health;
+pub mod load;
+pub mod outlier;
 pub mod ratelimit;
 pub mod retry;
 pub mod stack;

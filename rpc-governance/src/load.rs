@@ -1,0 +1,312 @@
+//! Load-aware endpoint choice: peak-EWMA latency × outstanding calls, power of two choices.
+//!
+//! Round robin sends a slow server as many calls as a fast one; they queue there, and the
+//! cluster's p99 becomes the slow server's. Asking every server for its load before each call
+//! costs a round trip. The answer Finagle and Linkerd use costs nothing extra: each client keeps,
+//! per endpoint, a latency estimate that jumps up at once when a call is slow and decays slowly
+//! when calls are fast again (peak EWMA), multiplied by the calls it has outstanding there; for
+//! each call it draws two endpoints at random and takes the one with the lower score ("power of
+//! two choices": nearly as good as asking everyone, and without the herd that always picking the
+//! single best would cause).
+//!
+//! Three inputs refine the score:
+//! - what the server reports on each answer ([`ServerLoad`]: its calls in flight against its
+//!   cap), so a server busy with other clients' calls looks busy to this one too;
+//! - the instance's `weight` from its registry metadata (a weight-2 instance gets about twice
+//!   the calls of a weight-1 one);
+//! - slow start: an instance that just appeared has its weight ramped up from a tenth over
+//!   `slow_start`, so a cold cache or JIT is not flooded on its first second.
+//!
+//! An endpoint nothing is known about yet scores as if its calls took [`DEFAULT_RTT`], so new
+//! endpoints are tried but not preferred blindly. Time is tokio's clock, so the paused clock
+//! drives the decay in tests.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+/// The latency assumed for an endpoint before its first answer.
+pub const DEFAULT_RTT: Duration = Duration::from_millis(30);
+
+/// How long a peak takes to decay to about a third (1/e) once calls are fast again.
+pub const DECAY: Duration = Duration::from_secs(10);
+
+/// What a server says of its load on an answer: calls it is handling and its cap (0: no cap
+/// known).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ServerLoad {
+    /// Calls being handled by the server (all clients), the answered one included.
+    pub in_flight: u32,
+    /// The server's concurrency cap or current adaptive limit for the entry (0: unknown).
+    pub limit: u32,
+}
+
+impl ServerLoad {
+    /// Packs into one word, for a lock-free cell.
+    fn pack(self) -> u64 {
+        (u64::from(self.in_flight) << 32) | u64::from(self.limit)
+    }
+
+    fn unpack(word: u64) -> Self {
+        ServerLoad {
+            in_flight: (word >> 32) as u32,
+            limit: word as u32,
+        }
+    }
+
+    /// How full the server says it is, 0 (idle or unknown) to 1 (at its limit) and beyond.
+    pub fn utilization(self) -> f64 {
+        if self.limit == 0 {
+            0.0
+        } else {
+            f64::from(self.in_flight) / f64::from(self.limit)
+        }
+    }
+}
+
+/// One endpoint's load as this client sees it.
+#[derive(Debug)]
+pub struct EndpointLoad {
+    /// (cost in seconds, when last updated), None before the first answer.
+    ewma: Mutex<Option<(f64, Instant)>>,
+    outstanding: AtomicUsize,
+    reported: AtomicU64,
+    weight: f64,
+    since: Instant,
+    slow_start: Duration,
+}
+
+/// An outstanding call on an endpoint; [`finish`](Self::finish) records its latency. Dropped
+/// unfinished (cancelled), it only stops counting as outstanding.
+#[derive(Debug)]
+#[must_use = "the call counts as outstanding until this is finished or dropped"]
+pub struct Outstanding<'a> {
+    load: &'a EndpointLoad,
+    started: Instant,
+}
+
+impl Outstanding<'_> {
+    /// The call was answered: its latency (and the server's report, if any) update the score.
+    pub fn finish(self, reported: Option<ServerLoad>) {
+        let now = Instant::now();
+        self.load.observe(now - self.started, now);
+        if let Some(r) = reported {
+            self.load.report(r);
+        }
+    }
+}
+
+impl Drop for Outstanding<'_> {
+    fn drop(&mut self) {
+        self.load.outstanding.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl EndpointLoad {
+    /// An endpoint of `weight` (1.0 when the registry says nothing; at least 0.01), first seen
+    /// now, whose weight ramps up over `slow_start` (zero: at once).
+    pub fn new(weight: f64, slow_start: Duration) -> Self {
+        EndpointLoad {
+            ewma: Mutex::new(None),
+            outstanding: AtomicUsize::new(0),
+            reported: AtomicU64::new(0),
+            weight: weight.max(0.01),
+            since: Instant::now(),
+            slow_start,
+        }
+    }
+
+    /// Counts a call as outstanding until the returned guard is finished or dropped.
+    pub fn start(&self) -> Outstanding<'_> {
+        self.outstanding.fetch_add(1, Ordering::AcqRel);
+        Outstanding {
+            load: self,
+            started: Instant::now(),
+        }
+    }
+
+    /// Calls outstanding now.
+    pub fn outstanding(&self) -> usize {
+        self.outstanding.load(Ordering::Acquire)
+    }
+
+    /// Folds a call's latency observed at `now` into the peak EWMA: a slower call raises the
+    /// cost at once, a faster one lowers it with the weight of the time since the last update.
+    pub fn observe(&self, rtt: Duration, now: Instant) {
+        let rtt = rtt.as_secs_f64();
+        let mut ewma = self.ewma.lock().unwrap_or_else(PoisonError::into_inner);
+        let cost = match *ewma {
+            Some((cost, at)) if rtt < cost => {
+                let elapsed = now.saturating_duration_since(at).as_secs_f64();
+                let w = (-elapsed / DECAY.as_secs_f64()).exp();
+                cost * w + rtt * (1.0 - w)
+            }
+            _ => rtt,
+        };
+        *ewma = Some((cost, now));
+    }
+
+    /// Records what the server said of its load.
+    pub fn report(&self, load: ServerLoad) {
+        self.reported.store(load.pack(), Ordering::Relaxed);
+    }
+
+    /// What the server last said of its load.
+    pub fn reported(&self) -> ServerLoad {
+        ServerLoad::unpack(self.reported.load(Ordering::Relaxed))
+    }
+
+    /// The weight in force at `now`: the registry's, ramped from a tenth during slow start.
+    pub fn weight_at(&self, now: Instant) -> f64 {
+        let age = now.saturating_duration_since(self.since);
+        if self.slow_start.is_zero() || age >= self.slow_start {
+            return self.weight;
+        }
+        let ramp = age.as_secs_f64() / self.slow_start.as_secs_f64();
+        self.weight * (0.1 + 0.9 * ramp)
+    }
+
+    /// The score at `now`, lower is better: cost × (outstanding + 1), raised by the server's
+    /// reported utilization, divided by the weight in force.
+    pub fn score_at(&self, now: Instant) -> f64 {
+        let cost = self
+            .ewma
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .map_or(DEFAULT_RTT.as_secs_f64(), |(c, _)| c);
+        let busy = 1.0 + self.reported().utilization();
+        cost * (self.outstanding() as f64 + 1.0) * busy / self.weight_at(now)
+    }
+}
+
+/// Power of two choices among `n` candidates: `draw(k)` returns a uniform index below `k`;
+/// `score(i)` the score of candidate `i`. Returns the lower-scored of two distinct random
+/// candidates (the first on a tie), or the only one.
+pub fn two_choices(
+    n: usize,
+    mut draw: impl FnMut(usize) -> usize,
+    score: impl Fn(usize) -> f64,
+) -> Option<usize> {
+    match n {
+        0 => None,
+        1 => Some(0),
+        _ => {
+            let a = draw(n);
+            // A second, distinct index: draw among the n - 1 others.
+            let b = (a + 1 + draw(n - 1)) % n;
+            Some(if score(b) < score(a) { b } else { a })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_slow_answer_raises_the_cost_at_once_and_it_decays_slowly() {
+        let e = EndpointLoad::new(1.0, Duration::ZERO);
+        let t0 = Instant::now();
+        e.observe(ms(10), t0);
+        assert!((e.score_at(t0) - 0.010).abs() < 1e-12);
+        e.observe(ms(500), t0);
+        assert!(
+            (e.score_at(t0) - 0.5).abs() < 1e-12,
+            "peaks are taken whole"
+        );
+        // One decay period later a 10 ms answer brings the cost to 500·e⁻¹ + 10·(1 − e⁻¹).
+        let t1 = t0 + DECAY;
+        e.observe(ms(10), t1);
+        let w = (-1.0f64).exp();
+        let expected = 0.5 * w + 0.010 * (1.0 - w);
+        assert!((e.score_at(t1) - expected).abs() < 1e-12);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn outstanding_calls_and_server_reports_raise_the_score() {
+        let e = EndpointLoad::new(1.0, Duration::ZERO);
+        let now = Instant::now();
+        e.observe(ms(10), now);
+        let calls: Vec<_> = (0..3).map(|_| e.start()).collect();
+        assert!((e.score_at(now) - 0.010 * 4.0).abs() < 1e-12);
+        drop(calls);
+        assert_eq!(e.outstanding(), 0);
+        e.report(ServerLoad {
+            in_flight: 30,
+            limit: 60,
+        });
+        assert!((e.score_at(now) - 0.010 * 1.5).abs() < 1e-12);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn slow_start_ramps_the_weight_from_a_tenth() {
+        let e = EndpointLoad::new(2.0, Duration::from_secs(10));
+        let t0 = Instant::now();
+        assert!((e.weight_at(t0) - 0.2).abs() < 1e-12);
+        assert!((e.weight_at(t0 + Duration::from_secs(5)) - 2.0 * 0.55).abs() < 1e-12);
+        assert_eq!(e.weight_at(t0 + Duration::from_secs(10)), 2.0);
+    }
+
+    #[test]
+    fn two_choices_takes_the_lower_score_of_two_distinct_candidates() {
+        let scores = [5.0, 1.0, 3.0];
+        // Draws 0 then 0: candidates 0 and 1 (the first of the others).
+        let mut draws = [0, 0].into_iter();
+        let picked = two_choices(3, |_| draws.next().unwrap(), |i| scores[i]);
+        assert_eq!(picked, Some(1));
+        // Draws 2 then 1: candidates 2 and (2 + 1 + 1) % 3 = 1.
+        let mut draws = [2, 1].into_iter();
+        assert_eq!(
+            two_choices(3, |_| draws.next().unwrap(), |i| scores[i]),
+            Some(1)
+        );
+        assert_eq!(two_choices(0, |_| 0, |_| 0.0), None);
+        assert_eq!(two_choices(1, |_| 0, |_| 0.0), Some(0));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_ten_times_slower_endpoint_gets_few_calls() {
+        // Three endpoints, one ten times slower; a closed loop of 30 callers, each call taking
+        // its endpoint's latency, simulated on the paused clock one millisecond at a time.
+        let latency = [ms(10), ms(10), ms(100)];
+        let loads: Vec<EndpointLoad> = (0..3)
+            .map(|_| EndpointLoad::new(1.0, Duration::ZERO))
+            .collect();
+        let mut sent = [0u32; 3];
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut draw = |k: usize| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed % k as u64) as usize
+        };
+        let mut running: Vec<(usize, Instant, Outstanding<'_>)> = Vec::new();
+        let t0 = Instant::now();
+        for step in 0..10_000u64 {
+            let now = t0 + ms(step);
+            let (done, still): (Vec<_>, Vec<_>) = running
+                .drain(..)
+                .partition(|(i, started, _)| now - *started >= latency[*i]);
+            running = still;
+            for (_, _, call) in done {
+                call.finish(None);
+            }
+            while running.len() < 30 {
+                let i = two_choices(3, &mut draw, |i| loads[i].score_at(now)).unwrap();
+                sent[i] += 1;
+                running.push((i, now, loads[i].start()));
+            }
+            tokio::time::advance(ms(1)).await;
+        }
+        let total: u32 = sent.iter().sum();
+        let slow_share = f64::from(sent[2]) / f64::from(total);
+        // Round robin would send it a third; latency-aware choice far less.
+        assert!(slow_share < 0.1, "{sent:?}");
+    }
+}
