@@ -921,6 +921,14 @@ impl stack::Service for Attempt<'_> {
         }
         result
     }
+
+    /// Every wait of an attempt ends at its deadline with a timeout: connecting
+    /// ([`Client::connection`]), waiting for room in the send queue, and waiting for the answer,
+    /// which the connection's deadline sweeper fails (and cancels on the server) for all its
+    /// calls with one timer.
+    fn enforces_attempt_deadline(&self) -> bool {
+        true
+    }
 }
 
 /// Hands the entry descriptors the instances of `service_id` publish to the governance layers;

@@ -128,4 +128,10 @@ impl<S: Service> Service for Layered<'_, S> {
         .run(cx, req)
         .await
     }
+
+    /// A user layer may do anything with the deadline: only an empty list passes the inner
+    /// stage's promise on.
+    fn enforces_attempt_deadline(&self) -> bool {
+        self.layers.is_empty() && self.inner.enforces_attempt_deadline()
+    }
 }
