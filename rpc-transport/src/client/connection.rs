@@ -12,13 +12,13 @@ use tokio::time::Instant;
 use tokio_util::codec::FramedRead;
 use tokio_util::sync::CancellationToken;
 
+use super::answer::AnswerCodec;
 use super::heartbeat::{heartbeat, sweeper};
 use super::options::ConnectOptions;
 use super::pending::{PendingTable, NO_SWEEP};
 use super::reader::read_loop;
 use super::shared::{comm_error, Shared, NEXT_CONNECTION_ID};
 use crate::call::Call;
-use crate::codec::FrameCodec;
 use crate::codec::FrameError;
 use crate::transport::{Address, Dialer, Stream, TcpDialer};
 use crate::writer::spawn_writer;
@@ -142,7 +142,7 @@ impl Connection {
             client_id: options.client_id.clone(),
         }));
         let mut frames =
-            FramedRead::with_capacity(rd, FrameCodec::new(options.max_frame_length), READ_BUFFER);
+            FramedRead::with_capacity(rd, AnswerCodec::new(options.max_frame_length), READ_BUFFER);
         match frames.next().await {
             Some(Ok(Kind::HelloAck(_))) => {}
             Some(Ok(Kind::GoAway(g))) => {
