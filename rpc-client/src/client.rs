@@ -22,6 +22,7 @@ use rpc_governance::stack::{
 use rpc_registry::{InProcessRegistry, Registry, ServiceWatch};
 use rpc_transport::{Call, ConnectOptions, ConnectionPool};
 use tokio::time::Instant;
+use futures_util::future::Either;
 use tracing::Instrument;
 
 use crate::balance::ring::RingKey;
@@ -775,7 +776,7 @@ impl Client {
         let span = telemetry::call_span(method);
         let call_id = telemetry::call_id(&span);
         let call_span = span.clone();
-        async move {
+        let call = async move {
             if let Some(e) = misconfigured {
                 return Err(e);
             }
@@ -799,12 +800,21 @@ impl Client {
             }
             watch.finish(&result, cx.fallback_cause());
             result
+        };
+        // Without a subscriber the span is disabled: no wrapper, which would enter and leave it
+        // on every poll.
+        if span.is_disabled() {
+            Either::Left(call)
+        } else {
+            Either::Right(call.instrument(span))
         }
-        .instrument(span)
     }
 
     /// One attempt on `addr`, the endpoint the balancer chose for it.
-    async fn call_once(
+    ///
+    /// One `async fn` (no nested one for connecting when the pool has the connection): each
+    /// nested state machine costs every call on every poll.
+    async fn attempt(
         &self,
         cx: &mut CallCx<'_>,
         addr: &str,
@@ -812,7 +822,6 @@ impl Client {
     ) -> Result<Bytes, RpcError> {
         let method = cx.method();
         let (timeout_ms, deadline) = (cx.budget_ms(), cx.attempt_deadline());
-        let attachments = telemetry::outgoing_attachments(cx.call_id(), cx.attachments());
         let message = |params: Bytes, attachments| Call {
             service_entry_id: method.entry_id.into(),
             codec: self.inner.codec.to_wire(),
@@ -820,22 +829,43 @@ impl Client {
             attachments,
             timeout_ms,
         };
-        let conn = self.connection(addr, deadline).await?;
-        cx.set_connection(conn.id());
-        let answer = match conn
-            .call(message(params.clone(), attachments.clone()), deadline)
-            .await
-        {
-            // The server was draining and closed before reading the call: the endpoint may
-            // well be back (a restart), so the call goes once more on a fresh connection.
-            Err(e) if conn.is_draining() && !e.is_maybe_delivered() => {
-                let fresh = self.connection(addr, deadline).await?;
-                cx.set_connection(fresh.id());
-                fresh.call(message(params, attachments), deadline).await?
+        'attempt: {
+            // A pooled connection is taken at once, without the future that connects.
+            let conn = match self.inner.pool.try_get(addr) {
+                Some(conn) => conn,
+                None => match self.connection(addr, deadline).await {
+                    Ok(conn) => conn,
+                    Err(e) => break 'attempt Err(e),
+                },
+            };
+            cx.set_connection(conn.id());
+            let attachments = telemetry::outgoing_attachments(cx.call_id(), cx.attachments());
+            let answer = match conn
+                .call(message(params.clone(), attachments), deadline)
+                .await
+            {
+                // The server was draining and closed before reading the call: the endpoint
+                // may well be back (a restart), so the call goes once more on a fresh
+                // connection.
+                Err(e) if conn.is_draining() && !e.is_maybe_delivered() => {
+                    let fresh = match self.connection(addr, deadline).await {
+                        Ok(conn) => conn,
+                        Err(e) => break 'attempt Err(e),
+                    };
+                    cx.set_connection(fresh.id());
+                    // Rare: the attachments are gathered again rather than copied for every
+                    // call.
+                    let attachments =
+                        telemetry::outgoing_attachments(cx.call_id(), cx.attachments());
+                    fresh.call(message(params, attachments), deadline).await
+                }
+                other => other,
+            };
+            match answer {
+                Ok(answer) => into_result(answer, self.inner.codec, addr),
+                Err(e) => Err(e),
             }
-            other => other?,
-        };
-        into_result(answer, self.inner.codec, addr)
+        }
     }
 
     /// A pooled connection to `addr`; connecting counts against the call's deadline. (When the
@@ -903,10 +933,10 @@ impl stack::Service for Attempt<'_> {
         let result = if span.is_disabled() {
             // No subscriber: skip the wrapper, which would move the whole attempt future once
             // more on every call.
-            self.client.call_once(cx, &addr, params).await
+            self.client.attempt(cx, &addr, params).await
         } else {
             self.client
-                .call_once(cx, &addr, params)
+                .attempt(cx, &addr, params)
                 .instrument(span.clone())
                 .await
         };
