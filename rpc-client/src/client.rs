@@ -2,7 +2,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -46,6 +46,11 @@ struct Inner {
     codec: Codec,
     governance: Governance,
     services: DashMap<&'static str, Arc<ServiceState>, ahash::RandomState>,
+    /// The states of the first services called, by the address and length of their
+    /// `'static` id: every call looks its service up, and a slot read is one load and a
+    /// compare where the map hashes the id and takes a shard lock. A slot is set once; a
+    /// service's state is never replaced or removed, so it cannot go stale.
+    fast_services: [OnceLock<((usize, usize), Arc<ServiceState>)>; FAST_SLOTS],
     fallbacks: Fallbacks,
     /// User layers around each call, outermost first.
     layers: Vec<Arc<dyn Middleware>>,
@@ -285,6 +290,7 @@ impl ClientBuilder {
                 codec: self.codec,
                 governance,
                 services: DashMap::with_hasher(ahash::RandomState::new()),
+                fast_services: std::array::from_fn(|_| OnceLock::new()),
                 fallbacks: self.fallbacks,
                 layers: self.middleware,
                 attempt_layers: self.attempt_middleware,
@@ -644,8 +650,18 @@ impl Client {
     }
 
     async fn service(&self, service_id: &'static str) -> Result<Arc<ServiceState>, RpcError> {
+        let key = (service_id.as_ptr() as usize, service_id.len());
+        let slot = &self.inner.fast_services[fast_slot(key.0)];
+        if let Some((k, s)) = slot.get() {
+            if *k == key {
+                return Ok(s.clone());
+            }
+        }
         if let Some(s) = self.inner.services.get(service_id) {
-            return Ok(s.clone());
+            let s = s.clone();
+            // The first service to reach a free slot keeps it.
+            let _ = slot.set((key, s.clone()));
+            return Ok(s);
         }
         let watch = self.watch(service_id).await?;
         let mut fresh = false;
@@ -895,6 +911,14 @@ impl Client {
     pub fn close(&self) {
         self.inner.pool.close_all();
     }
+}
+
+/// Slots of the services' fast path ([`Inner::fast_services`]).
+const FAST_SLOTS: usize = 64;
+
+/// The slot of a `'static` string's address (Fibonacci hashing).
+fn fast_slot(addr: usize) -> usize {
+    ((addr as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 58) as usize % FAST_SLOTS
 }
 
 /// The client's endpoint choice, as the stack asks for it: the picker of the called service.
