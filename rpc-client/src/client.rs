@@ -799,7 +799,8 @@ impl Client {
             let deadline = || rpc_governance::timeout::deadline(&options);
             let watch =
                 telemetry::CallWatch::new(call_span, self.inner.metrics.start(method), deadline);
-            let mut cx = CallCx::new(governance, policy, options.clone())
+            // The watch has read the options already: the context takes them over.
+            let mut cx = CallCx::new(governance, policy, options)
                 .with_hash_key(hash_key)
                 .with_call_id(call_id);
             let stack = stack::client_stack(ClientParts {

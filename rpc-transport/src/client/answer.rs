@@ -63,12 +63,14 @@ fn result_frame(payload: &Bytes) -> Option<RemoteResultMessage> {
         return None;
     }
     let mut m = RemoteResultMessage::default();
-    while !buf.is_empty() {
-        match decode_varint(&mut buf).ok()? {
+    while let Some((&key, rest)) = buf.split_first() {
+        // Every key of the plain shape is one byte; a longer one is not the plain shape.
+        buf = rest;
+        match key {
             // message_id: uint64
-            0x08 => m.message_id = decode_varint(&mut buf).ok()?,
+            0x08 => m.message_id = varint(&mut buf)?,
             // status_code: uint32, truncated as prost does
-            0x10 => m.status_code = decode_varint(&mut buf).ok()? as u32,
+            0x10 => m.status_code = varint(&mut buf)? as u32,
             // result: bytes, a slice of the frame
             0x1a => {
                 let (from, to) = field(&mut buf, payload.len())?;
@@ -85,10 +87,22 @@ fn result_frame(payload: &Bytes) -> Option<RemoteResultMessage> {
     Some(m)
 }
 
+/// A varint, the one-byte case inline (status codes, lengths of small results).
+#[inline(always)]
+fn varint(buf: &mut &[u8]) -> Option<u64> {
+    match buf.first() {
+        Some(&b) if b < 0x80 => {
+            *buf = &buf[1..];
+            Some(u64::from(b))
+        }
+        _ => decode_varint(buf).ok(),
+    }
+}
+
 /// The next length-delimited field of `buf` (a suffix of a payload of `whole` bytes), as a
 /// range of the payload; `buf` moves past it.
 fn field(buf: &mut &[u8], whole: usize) -> Option<(usize, usize)> {
-    let len = usize::try_from(decode_varint(buf).ok()?).ok()?;
+    let len = usize::try_from(varint(buf)?).ok()?;
     if len > buf.len() {
         return None;
     }
