@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use dashmap::DashMap;
+use futures_util::future::Either;
 use rpc_core::wire::RemoteResultMessage;
 use rpc_core::{
     Codec, GovernanceOptions, GovernanceOverrides, MethodDescriptor, RpcError, Service,
@@ -22,7 +23,6 @@ use rpc_governance::stack::{
 use rpc_registry::{InProcessRegistry, Registry, ServiceWatch};
 use rpc_transport::{Call, ConnectOptions, ConnectionPool};
 use tokio::time::Instant;
-use futures_util::future::Either;
 use tracing::Instrument;
 
 use crate::balance::ring::RingKey;
@@ -50,7 +50,7 @@ struct Inner {
     /// `'static` id: every call looks its service up, and a slot read is one load and a
     /// compare where the map hashes the id and takes a shard lock. A slot is set once; a
     /// service's state is never replaced or removed, so it cannot go stale.
-    fast_services: [OnceLock<((usize, usize), Arc<ServiceState>)>; FAST_SLOTS],
+    fast_services: [OnceLock<ServiceSlot>; FAST_SLOTS],
     fallbacks: Fallbacks,
     /// User layers around each call, outermost first.
     layers: Vec<Arc<dyn Middleware>>,
@@ -916,6 +916,9 @@ impl Client {
 
 /// Slots of the services' fast path ([`Inner::fast_services`]).
 const FAST_SLOTS: usize = 64;
+
+/// A service's state, keyed by the address and length of its `'static` id.
+type ServiceSlot = ((usize, usize), Arc<ServiceState>);
 
 /// The slot of a `'static` string's address (Fibonacci hashing).
 fn fast_slot(addr: usize) -> usize {

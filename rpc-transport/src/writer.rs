@@ -206,7 +206,13 @@ pub(crate) fn spawn_writer<W: AsyncWrite + Unpin + Send + 'static>(
 ) -> FrameSender {
     let queue = Arc::new(Queue::default());
     let backlog = Arc::new(Backlog::default());
-    tokio::spawn(write_loop(queue.clone(), wr, in_flight, backlog.clone(), close));
+    tokio::spawn(write_loop(
+        queue.clone(),
+        wr,
+        in_flight,
+        backlog.clone(),
+        close,
+    ));
     FrameSender {
         senders: Arc::new(Senders(queue)),
         backlog,
@@ -316,7 +322,11 @@ mod tests {
     #[tokio::test]
     async fn frames_from_many_senders_arrive_whole_and_in_each_senders_order() {
         let (ours, theirs) = tokio::io::duplex(1 << 16);
-        let sender = spawn_writer(ours, Arc::new(AtomicUsize::new(0)), CancellationToken::new());
+        let sender = spawn_writer(
+            ours,
+            Arc::new(AtomicUsize::new(0)),
+            CancellationToken::new(),
+        );
         let tasks: Vec<_> = (0..4u64)
             .map(|t| {
                 let sender = sender.clone();
@@ -362,6 +372,10 @@ mod tests {
         // The stream ends after the queue is closed.
         assert!(frames.next().await.is_none());
         assert!(!sender.send(ping(2)), "refused once the writer has stopped");
-        assert_eq!(sender.backlog().bytes(), 0, "a refused frame is not counted");
+        assert_eq!(
+            sender.backlog().bytes(),
+            0,
+            "a refused frame is not counted"
+        );
     }
 }

@@ -41,7 +41,7 @@ pub struct CallCx<'g> {
     pub(crate) last_failed: Option<Arc<str>>,
     pub(crate) fallback_cause: Option<RpcError>,
     /// Only when a layer adds one: most calls carry none, and an empty map still costs its drop.
-    attachments: Option<Box<BTreeMap<String, String>>>,
+    attachments: Option<BTreeMap<String, String>>,
     call_id: Option<String>,
 }
 
@@ -183,7 +183,7 @@ impl<'g> CallCx<'g> {
     /// Attachments layers added to this call, sent with every attempt beside those of the
     /// current [`RpcContext`](rpc_core::RpcContext).
     pub fn attachments(&self) -> &BTreeMap<String, String> {
-        self.attachments.as_deref().unwrap_or(&NO_ATTACHMENTS)
+        self.attachments.as_ref().unwrap_or(&NO_ATTACHMENTS)
     }
 
     /// Adds an attachment to this call (it wins over an attachment of the same key in the

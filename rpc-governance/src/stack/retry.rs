@@ -69,12 +69,14 @@ impl<B: Balance, S: Service> Service for RetryLayer<B, S> {
             // deadline sweeper does, for all its calls with one timer): a second timer per
             // attempt would only cost.
             let outcome = match attempt_deadline {
-                Some(d) if !enforced => tokio::time::timeout_at(d, call).await.unwrap_or_else(|_| {
-                    Err(RpcError::new(
-                        StatusCode::Timeout,
-                        format!("{addr}: no answer before the deadline"),
-                    ))
-                }),
+                Some(d) if !enforced => {
+                    tokio::time::timeout_at(d, call).await.unwrap_or_else(|_| {
+                        Err(RpcError::new(
+                            StatusCode::Timeout,
+                            format!("{addr}: no answer before the deadline"),
+                        ))
+                    })
+                }
                 _ => call.await,
             };
             let err = match outcome {

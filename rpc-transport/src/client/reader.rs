@@ -9,8 +9,8 @@ use rpc_core::StatusCode;
 use tokio::io::AsyncRead;
 use tokio_util::codec::{Decoder, FramedRead};
 
-use super::shared::{comm_error, Shared};
 use super::answer::AnswerCodec;
+use super::shared::{comm_error, Shared};
 use crate::codec::{kind_name, FrameError};
 
 pub(super) async fn read_loop<R: AsyncRead + Unpin>(
