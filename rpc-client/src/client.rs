@@ -2,11 +2,12 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
 use dashmap::DashMap;
+use futures_util::future::Either;
 use rpc_core::wire::RemoteResultMessage;
 use rpc_core::{
     Codec, GovernanceOptions, GovernanceOverrides, MethodDescriptor, RpcError, Service,
@@ -45,6 +46,11 @@ struct Inner {
     codec: Codec,
     governance: Governance,
     services: DashMap<&'static str, Arc<ServiceState>, ahash::RandomState>,
+    /// The states of the first services called, by the address and length of their
+    /// `'static` id: every call looks its service up, and a slot read is one load and a
+    /// compare where the map hashes the id and takes a shard lock. A slot is set once; a
+    /// service's state is never replaced or removed, so it cannot go stale.
+    fast_services: [OnceLock<ServiceSlot>; FAST_SLOTS],
     fallbacks: Fallbacks,
     /// User layers around each call, outermost first.
     layers: Vec<Arc<dyn Middleware>>,
@@ -284,6 +290,7 @@ impl ClientBuilder {
                 codec: self.codec,
                 governance,
                 services: DashMap::with_hasher(ahash::RandomState::new()),
+                fast_services: std::array::from_fn(|_| OnceLock::new()),
                 fallbacks: self.fallbacks,
                 layers: self.middleware,
                 attempt_layers: self.attempt_middleware,
@@ -643,8 +650,18 @@ impl Client {
     }
 
     async fn service(&self, service_id: &'static str) -> Result<Arc<ServiceState>, RpcError> {
+        let key = (service_id.as_ptr() as usize, service_id.len());
+        let slot = &self.inner.fast_services[fast_slot(key.0)];
+        if let Some((k, s)) = slot.get() {
+            if *k == key {
+                return Ok(s.clone());
+            }
+        }
         if let Some(s) = self.inner.services.get(service_id) {
-            return Ok(s.clone());
+            let s = s.clone();
+            // The first service to reach a free slot keeps it.
+            let _ = slot.set((key, s.clone()));
+            return Ok(s);
         }
         let watch = self.watch(service_id).await?;
         let mut fresh = false;
@@ -775,14 +792,15 @@ impl Client {
         let span = telemetry::call_span(method);
         let call_id = telemetry::call_id(&span);
         let call_span = span.clone();
-        async move {
+        let call = async move {
             if let Some(e) = misconfigured {
                 return Err(e);
             }
             let deadline = || rpc_governance::timeout::deadline(&options);
             let watch =
                 telemetry::CallWatch::new(call_span, self.inner.metrics.start(method), deadline);
-            let mut cx = CallCx::new(governance, policy, options.clone())
+            // The watch has read the options already: the context takes them over.
+            let mut cx = CallCx::new(governance, policy, options)
                 .with_hash_key(hash_key)
                 .with_call_id(call_id);
             let stack = stack::client_stack(ClientParts {
@@ -799,12 +817,21 @@ impl Client {
             }
             watch.finish(&result, cx.fallback_cause());
             result
+        };
+        // Without a subscriber the span is disabled: no wrapper, which would enter and leave it
+        // on every poll.
+        if span.is_disabled() {
+            Either::Left(call)
+        } else {
+            Either::Right(call.instrument(span))
         }
-        .instrument(span)
     }
 
     /// One attempt on `addr`, the endpoint the balancer chose for it.
-    async fn call_once(
+    ///
+    /// One `async fn` (no nested one for connecting when the pool has the connection): each
+    /// nested state machine costs every call on every poll.
+    async fn attempt(
         &self,
         cx: &mut CallCx<'_>,
         addr: &str,
@@ -812,7 +839,6 @@ impl Client {
     ) -> Result<Bytes, RpcError> {
         let method = cx.method();
         let (timeout_ms, deadline) = (cx.budget_ms(), cx.attempt_deadline());
-        let attachments = telemetry::outgoing_attachments(cx.call_id(), cx.attachments());
         let message = |params: Bytes, attachments| Call {
             service_entry_id: method.entry_id.into(),
             codec: self.inner.codec.to_wire(),
@@ -820,22 +846,43 @@ impl Client {
             attachments,
             timeout_ms,
         };
-        let conn = self.connection(addr, deadline).await?;
-        cx.set_connection(conn.id());
-        let answer = match conn
-            .call(message(params.clone(), attachments.clone()), deadline)
-            .await
-        {
-            // The server was draining and closed before reading the call: the endpoint may
-            // well be back (a restart), so the call goes once more on a fresh connection.
-            Err(e) if conn.is_draining() && !e.is_maybe_delivered() => {
-                let fresh = self.connection(addr, deadline).await?;
-                cx.set_connection(fresh.id());
-                fresh.call(message(params, attachments), deadline).await?
+        'attempt: {
+            // A pooled connection is taken at once, without the future that connects.
+            let conn = match self.inner.pool.try_get(addr) {
+                Some(conn) => conn,
+                None => match self.connection(addr, deadline).await {
+                    Ok(conn) => conn,
+                    Err(e) => break 'attempt Err(e),
+                },
+            };
+            cx.set_connection(conn.id());
+            let attachments = telemetry::outgoing_attachments(cx.call_id(), cx.attachments());
+            let answer = match conn
+                .call(message(params.clone(), attachments), deadline)
+                .await
+            {
+                // The server was draining and closed before reading the call: the endpoint
+                // may well be back (a restart), so the call goes once more on a fresh
+                // connection.
+                Err(e) if conn.is_draining() && !e.is_maybe_delivered() => {
+                    let fresh = match self.connection(addr, deadline).await {
+                        Ok(conn) => conn,
+                        Err(e) => break 'attempt Err(e),
+                    };
+                    cx.set_connection(fresh.id());
+                    // Rare: the attachments are gathered again rather than copied for every
+                    // call.
+                    let attachments =
+                        telemetry::outgoing_attachments(cx.call_id(), cx.attachments());
+                    fresh.call(message(params, attachments), deadline).await
+                }
+                other => other,
+            };
+            match answer {
+                Ok(answer) => into_result(answer, self.inner.codec, addr),
+                Err(e) => Err(e),
             }
-            other => other?,
-        };
-        into_result(answer, self.inner.codec, addr)
+        }
     }
 
     /// A pooled connection to `addr`; connecting counts against the call's deadline. (When the
@@ -865,6 +912,17 @@ impl Client {
     pub fn close(&self) {
         self.inner.pool.close_all();
     }
+}
+
+/// Slots of the services' fast path ([`Inner::fast_services`]).
+const FAST_SLOTS: usize = 64;
+
+/// A service's state, keyed by the address and length of its `'static` id.
+type ServiceSlot = ((usize, usize), Arc<ServiceState>);
+
+/// The slot of a `'static` string's address (Fibonacci hashing).
+fn fast_slot(addr: usize) -> usize {
+    ((addr as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 58) as usize % FAST_SLOTS
 }
 
 /// The client's endpoint choice, as the stack asks for it: the picker of the called service.
@@ -903,10 +961,10 @@ impl stack::Service for Attempt<'_> {
         let result = if span.is_disabled() {
             // No subscriber: skip the wrapper, which would move the whole attempt future once
             // more on every call.
-            self.client.call_once(cx, &addr, params).await
+            self.client.attempt(cx, &addr, params).await
         } else {
             self.client
-                .call_once(cx, &addr, params)
+                .attempt(cx, &addr, params)
                 .instrument(span.clone())
                 .await
         };
@@ -920,6 +978,14 @@ impl stack::Service for Attempt<'_> {
             crate::answered_by::record(&addr);
         }
         result
+    }
+
+    /// Every wait of an attempt ends at its deadline with a timeout: connecting
+    /// ([`Client::connection`]), waiting for room in the send queue, and waiting for the answer,
+    /// which the connection's deadline sweeper fails (and cancels on the server) for all its
+    /// calls with one timer.
+    fn enforces_attempt_deadline(&self) -> bool {
+        true
     }
 }
 

@@ -9,7 +9,7 @@
 //! traffic (and its keys under hash routing) instead of taking the whole entry down. Once no
 //! other endpoint is usable (or there is only one), the same failures count for the entry
 //! exactly as before: the breaker opens when the entry as a whole fails.
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, OnceLock, RwLock};
 
 use arc_swap::ArcSwap;
 use dashmap::DashMap;
@@ -56,8 +56,23 @@ impl EntryPolicy {
 pub struct Governance {
     layers: RwLock<Layers>,
     cache: DashMap<ServiceEntryId, Arc<EntryPolicy>, ahash::RandomState>,
+    /// The policies of the first methods seen, by the address of their `'static` descriptor:
+    /// every call looks its entry's policy up, and a slot read is one load and a compare where
+    /// the map hashes the entry id and takes a shard lock. A slot is set once and never
+    /// changes (a policy is never replaced: options change inside it), so it cannot go stale;
+    /// methods whose slot is taken use the map.
+    fast: [OnceLock<(usize, Arc<EntryPolicy>)>; FAST_SLOTS],
     health: EndpointHealth,
     events: EventBus,
+}
+
+/// Slots of [`Governance::policy`]'s fast path.
+const FAST_SLOTS: usize = 64;
+
+/// The slot of a descriptor's address (Fibonacci hashing: descriptors sit next to each other
+/// in their service's table, and their addresses differ in the low bits only).
+fn fast_slot(addr: usize) -> usize {
+    ((addr as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 58) as usize % FAST_SLOTS
 }
 
 impl Governance {
@@ -68,6 +83,7 @@ impl Governance {
         Governance {
             layers: RwLock::new(layers),
             cache: DashMap::with_hasher(ahash::RandomState::new()),
+            fast: std::array::from_fn(|_| OnceLock::new()),
             health: EndpointHealth::new(max_backoff),
             events: EventBus::new(),
         }
@@ -85,6 +101,20 @@ impl Governance {
 
     /// The pipeline of `method`, built on first use and cached by entry id.
     pub fn policy(&self, method: &'static MethodDescriptor) -> Arc<EntryPolicy> {
+        let key = std::ptr::from_ref(method) as usize;
+        let slot = &self.fast[fast_slot(key)];
+        if let Some((k, p)) = slot.get() {
+            if *k == key {
+                return p.clone();
+            }
+        }
+        let p = self.policy_by_id(method);
+        // The first method to reach a free slot keeps it.
+        let _ = slot.set((key, p.clone()));
+        p
+    }
+
+    fn policy_by_id(&self, method: &'static MethodDescriptor) -> Arc<EntryPolicy> {
         if let Some(p) = self.cache.get(method.entry_id) {
             return p.clone();
         }
@@ -210,5 +240,65 @@ impl Governance {
             0,
             Some("reset by an operator".into()),
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use rpc_core::{GovernanceOverrides, MethodDescriptor};
+
+    use super::*;
+
+    /// Descriptors of `n` entries of one service, as a generated table lays them out.
+    fn table(n: usize) -> &'static [MethodDescriptor] {
+        let v: Vec<MethodDescriptor> = (0..n)
+            .map(|i| MethodDescriptor {
+                service_id: "t.T",
+                method: Box::leak(format!("m{i}").into_boxed_str()),
+                entry_id: Box::leak(format!("t.T.m{i}").into_boxed_str()),
+                hash_key: None,
+                governance: GovernanceOverrides::NONE,
+            })
+            .collect();
+        Box::leak(v.into_boxed_slice())
+    }
+
+    #[test]
+    fn every_method_gets_its_own_entrys_policy_and_runtime_updates_reach_it() {
+        let g = Governance::new(Layers::default());
+        // More methods than fast slots, so some share a slot and go to the map.
+        let methods = table(3 * FAST_SLOTS);
+        for _ in 0..2 {
+            for m in methods {
+                let p = g.policy(m);
+                assert_eq!(p.method().entry_id, m.entry_id);
+                assert!(Arc::ptr_eq(&p, &g.policy(m)), "one policy per entry");
+            }
+        }
+        // Another descriptor of an entry already seen (same id, another address): its policy.
+        let m5 = &methods[5];
+        let twin: &'static MethodDescriptor = Box::leak(Box::new(MethodDescriptor {
+            service_id: m5.service_id,
+            method: m5.method,
+            entry_id: m5.entry_id,
+            hash_key: None,
+            governance: GovernanceOverrides::NONE,
+        }));
+        assert!(Arc::ptr_eq(&g.policy(twin), &g.policy(&methods[5])));
+        // A runtime update reaches the next lookup of each entry, whichever path it takes.
+        g.update_layers(|l| {
+            for m in methods {
+                l.runtime.entries.insert(
+                    m.entry_id.to_string(),
+                    GovernanceOverrides {
+                        timeout_ms: Some(1_234),
+                        ..GovernanceOverrides::NONE
+                    },
+                );
+            }
+        });
+        for m in methods {
+            assert_eq!(g.policy(m).options().timeout_ms, 1_234, "{}", m.entry_id);
+        }
     }
 }

@@ -102,6 +102,8 @@ fn method(index: usize, m: &Method, table: &syn::Ident) -> TokenStream {
         }
         None => quote!(::core::option::Option::None::<fn() -> u64>),
     };
+    // One state machine (no nested `async` block), built where it is returned: a future
+    // whose construction did work first would be moved (copied) by every caller.
     quote! {
         fn #ident(&self, #(#arg_idents: #arg_tys),*)
             -> impl ::core::future::Future<Output = #output> + ::core::marker::Send
@@ -110,23 +112,30 @@ fn method(index: usize, m: &Method, table: &syn::Ident) -> TokenStream {
                 let __rpc_method: &'static ::rpc::__private::MethodDescriptor = &#table[#index];
                 let __rpc_codec: ::rpc::__private::Codec = ::rpc::Client::codec(&self.client);
                 let __rpc_result: ::core::result::Result<#ok, ::rpc::__private::RpcError> =
-                    async {
-                        let __rpc_params =
-                            ::rpc::__private::encode_args(__rpc_codec, #params, __rpc_method)?;
-                        let __rpc_bytes = ::rpc::Client::invoke(
-                            &self.client,
-                            __rpc_method,
-                            __rpc_params,
-                            #hash,
-                        )
-                        .await?;
-                        ::rpc::__private::decode_result::<#ok>(
-                            __rpc_codec,
-                            &__rpc_bytes,
-                            __rpc_method,
-                        )
-                    }
-                    .await;
+                    match ::rpc::__private::encode_args(__rpc_codec, #params, __rpc_method) {
+                        ::core::result::Result::Ok(__rpc_params) => {
+                            match ::rpc::Client::invoke(
+                                &self.client,
+                                __rpc_method,
+                                __rpc_params,
+                                #hash,
+                            )
+                            .await
+                            {
+                                ::core::result::Result::Ok(__rpc_bytes) => {
+                                    ::rpc::__private::decode_result::<#ok>(
+                                        __rpc_codec,
+                                        &__rpc_bytes,
+                                        __rpc_method,
+                                    )
+                                }
+                                ::core::result::Result::Err(__rpc_e) => {
+                                    ::core::result::Result::Err(__rpc_e)
+                                }
+                            }
+                        }
+                        ::core::result::Result::Err(__rpc_e) => ::core::result::Result::Err(__rpc_e),
+                    };
                 __rpc_result.map_err(<#err as ::rpc::__private::RemoteError>::from_rpc_error)
             }
         }

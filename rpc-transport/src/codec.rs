@@ -112,16 +112,6 @@ impl FrameCodec {
     }
 }
 
-/// The next complete frame already in `frames`' read buffer, decoded without reading from the
-/// socket; `None` when the buffer holds no complete frame.
-pub(crate) fn buffered<R>(
-    frames: &mut tokio_util::codec::FramedRead<R, FrameCodec>,
-) -> Option<Result<Kind, FrameError>> {
-    // The codec is stateless (its limit only), so a copy decodes as well as the original.
-    let mut codec = frames.decoder().clone();
-    codec.decode(frames.read_buffer_mut()).transpose()
-}
-
 impl Encoder<Kind> for FrameCodec {
     type Error = FrameError;
 

@@ -87,6 +87,20 @@ impl ServiceState {
         self.addresses(&eps);
     }
 
+    /// The shared address string of `eps[idx]`: from the cached list when it is `eps`'s (read
+    /// without touching its reference count), else from a list made for `eps`.
+    fn address(&self, eps: &Endpoints, idx: usize) -> Arc<str> {
+        {
+            let cached = self.addresses.load();
+            if let Some(a) = cached.as_deref() {
+                if Endpoints::ptr_eq(&a.endpoints, eps) {
+                    return a.list[idx].clone();
+                }
+            }
+        }
+        self.addresses(eps).list[idx].clone()
+    }
+
     /// The shared address strings of `eps`.
     fn addresses(&self, eps: &Endpoints) -> Arc<Addresses> {
         if let Some(a) = self.addresses.load_full() {
@@ -168,7 +182,7 @@ impl ServiceState {
             }
             // The ring holds every endpoint, so a best one exists.
             let idx = best.map(|(_, i)| i).unwrap_or(0);
-            return Ok(self.addresses(&eps).list[idx].clone());
+            return Ok(self.address(&eps, idx));
         }
         if tried.is_empty() && health.is_clear() {
             // The common case: every endpoint is equally good, nothing to rank.
@@ -176,7 +190,7 @@ impl ServiceState {
                 ShuntStrategy::Random => ring::random(eps.len()),
                 _ => ring::polling(&self.counter, eps.len()),
             };
-            return Ok(self.addresses(&eps).list[pick].clone());
+            return Ok(self.address(&eps, pick));
         }
         let ranks: Vec<u8> = eps
             .iter()
@@ -188,7 +202,7 @@ impl ServiceState {
             ShuntStrategy::Random => ring::random(group.len()),
             _ => ring::polling(&self.counter, group.len()),
         };
-        Ok(self.addresses(&eps).list[group[pick]].clone())
+        Ok(self.address(&eps, group[pick]))
     }
 }
 

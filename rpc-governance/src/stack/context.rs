@@ -40,9 +40,13 @@ pub struct CallCx<'g> {
     /// The endpoint of the last failed attempt.
     pub(crate) last_failed: Option<Arc<str>>,
     pub(crate) fallback_cause: Option<RpcError>,
-    attachments: BTreeMap<String, String>,
+    /// Only when a layer adds one: most calls carry none, and an empty map still costs its drop.
+    attachments: Option<BTreeMap<String, String>>,
     call_id: Option<String>,
 }
+
+/// What [`CallCx::attachments`] shows when no layer added any.
+static NO_ATTACHMENTS: BTreeMap<String, String> = BTreeMap::new();
 
 impl std::fmt::Debug for CallCx<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -81,7 +85,7 @@ impl<'g> CallCx<'g> {
             attempt_timed_out: false,
             last_failed: None,
             fallback_cause: None,
-            attachments: BTreeMap::new(),
+            attachments: None,
             call_id: None,
         }
     }
@@ -179,13 +183,15 @@ impl<'g> CallCx<'g> {
     /// Attachments layers added to this call, sent with every attempt beside those of the
     /// current [`RpcContext`](rpc_core::RpcContext).
     pub fn attachments(&self) -> &BTreeMap<String, String> {
-        &self.attachments
+        self.attachments.as_ref().unwrap_or(&NO_ATTACHMENTS)
     }
 
     /// Adds an attachment to this call (it wins over an attachment of the same key in the
     /// current [`RpcContext`](rpc_core::RpcContext)).
     pub fn insert_attachment(&mut self, key: impl Into<String>, value: impl Into<String>) {
-        self.attachments.insert(key.into(), value.into());
+        self.attachments
+            .get_or_insert_with(Default::default)
+            .insert(key.into(), value.into());
     }
 
     /// The call's short id, when the call is logged.

@@ -14,7 +14,7 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use futures_util::future::BoxFuture;
+use futures_util::future::{BoxFuture, Either};
 use rpc_core::RpcError;
 
 use super::{CallCx, Service};
@@ -24,7 +24,7 @@ use super::{CallCx, Service};
 ///
 /// ```
 /// use bytes::Bytes;
-/// use futures_util::future::BoxFuture;
+/// use futures_util::future::{BoxFuture, Either};
 /// use rpc_core::RpcError;
 /// use rpc_governance::stack::{CallCx, Middleware, Next};
 ///
@@ -117,15 +117,29 @@ impl<'l, S> Layered<'l, S> {
 }
 
 impl<S: Service> Service for Layered<'_, S> {
-    async fn call(&self, cx: &mut CallCx<'_>, req: Bytes) -> Result<Bytes, RpcError> {
+    /// Not an `async fn`: with no layer installed the inner stage's future is returned as it
+    /// is, so an empty list adds no state machine of its own to every call.
+    fn call(
+        &self,
+        cx: &mut CallCx<'_>,
+        req: Bytes,
+    ) -> impl std::future::Future<Output = Result<Bytes, RpcError>> + Send {
         if self.layers.is_empty() {
-            return self.inner.call(cx, req).await;
+            return Either::Left(self.inner.call(cx, req));
         }
-        Next {
-            rest: self.layers,
-            end: &self.inner,
-        }
-        .run(cx, req)
-        .await
+        Either::Right(async move {
+            Next {
+                rest: self.layers,
+                end: &self.inner,
+            }
+            .run(cx, req)
+            .await
+        })
+    }
+
+    /// A user layer may do anything with the deadline: only an empty list passes the inner
+    /// stage's promise on.
+    fn enforces_attempt_deadline(&self) -> bool {
+        self.layers.is_empty() && self.inner.enforces_attempt_deadline()
     }
 }

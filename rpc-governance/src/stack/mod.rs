@@ -56,6 +56,16 @@ pub trait Service: Send + Sync {
         cx: &mut CallCx<'_>,
         req: Bytes,
     ) -> impl Future<Output = Result<Bytes, RpcError>> + Send;
+
+    /// Whether this stage ends an attempt by itself once [`CallCx::attempt_deadline`] passes:
+    /// it fails with [`StatusCode::Timeout`](rpc_core::StatusCode::Timeout), having stopped
+    /// what it waited for (the server told to stop), at that deadline and not later. The retry
+    /// layer then arms no timer of its own for the attempt; otherwise (the default, `false`)
+    /// it wraps each attempt in one, so that no attempt outlives its deadline whatever the
+    /// stage does with it.
+    fn enforces_attempt_deadline(&self) -> bool {
+        false
+    }
 }
 
 impl<S: Service> Service for &S {
@@ -65,6 +75,10 @@ impl<S: Service> Service for &S {
         req: Bytes,
     ) -> impl Future<Output = Result<Bytes, RpcError>> + Send {
         (**self).call(cx, req)
+    }
+
+    fn enforces_attempt_deadline(&self) -> bool {
+        (**self).enforces_attempt_deadline()
     }
 }
 

@@ -41,6 +41,7 @@ impl<B: Balance, S: Service> Service for RetryLayer<B, S> {
         let started = cx.started();
         cx.policy.budget.deposit_at(started);
         let deadline = cx.deadline;
+        let enforced = self.inner.enforces_attempt_deadline();
         loop {
             let addr = picker.next(cx)?;
             let now = if cx.attempt == 0 {
@@ -63,15 +64,20 @@ impl<B: Balance, S: Service> Service for RetryLayer<B, S> {
             cx.endpoint = Some(addr.clone());
             cx.connection = None;
             let call = self.inner.call(cx, req.clone());
-            // Enforced here too, so no attempt outlives its deadline whatever it does with it.
+            // Enforced here too, so no attempt outlives its deadline whatever it does with it,
+            // unless the attempt itself promises to end at the deadline (a connection's
+            // deadline sweeper does, for all its calls with one timer): a second timer per
+            // attempt would only cost.
             let outcome = match attempt_deadline {
-                None => call.await,
-                Some(d) => tokio::time::timeout_at(d, call).await.unwrap_or_else(|_| {
-                    Err(RpcError::new(
-                        StatusCode::Timeout,
-                        format!("{addr}: no answer before the deadline"),
-                    ))
-                }),
+                Some(d) if !enforced => {
+                    tokio::time::timeout_at(d, call).await.unwrap_or_else(|_| {
+                        Err(RpcError::new(
+                            StatusCode::Timeout,
+                            format!("{addr}: no answer before the deadline"),
+                        ))
+                    })
+                }
+                _ => call.await,
             };
             let err = match outcome {
                 Ok(bytes) => {

@@ -750,3 +750,69 @@ async fn an_idempotent_call_retries_elsewhere_after_its_attempt_timeout() {
     assert_eq!(err.code(), StatusCode::Timeout);
     assert!(err.message().contains("attempt_timeout_ms"), "{err}");
 }
+
+/// A bottom stage that promises to end each attempt at its deadline by itself (as the client's
+/// attempt does through its connection's deadline sweeper).
+struct Promising<A>(Scripted<A>);
+
+impl<A: Attempts + Copy + Send> Service for Promising<A> {
+    fn call(
+        &self,
+        cx: &mut CallCx<'_>,
+        req: Bytes,
+    ) -> impl Future<Output = Result<Bytes, RpcError>> + Send {
+        self.0.call(cx, req)
+    }
+    fn enforces_attempt_deadline(&self) -> bool {
+        true
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_attempt_that_ends_at_its_deadline_itself_gets_no_second_timer() {
+    let g = engine(GovernanceOptions {
+        retry_times: 0,
+        timeout_ms: 200,
+        ..Default::default()
+    });
+    // The attempt breaks its promise (it runs its whole 1 s): the call ending at 1 s, not at
+    // 200 ms, shows that the retry layer armed no timer of its own. The same script without
+    // the promise is cut at 200 ms (`the_timeout_covers_all_retries`).
+    let mut s = Script::new(vec![ok()], Duration::from_millis(1_000));
+    s.honours_deadline = false;
+    let policy = g.policy(&M);
+    let mut cx = CallCx::new(&g, policy.clone(), policy.options());
+    let t0 = Instant::now();
+    let answer = governed(Scripted(&s), Promising(Scripted(&s)))
+        .call(&mut cx, Bytes::new())
+        .await;
+    assert_eq!(t0.elapsed(), Duration::from_millis(1_000));
+    assert_eq!(answer.unwrap(), Bytes::from_static(b"ok"));
+    // Behind a user layer the promise no longer holds: the retry layer's timer is back.
+    let layers: Vec<Arc<dyn super::Middleware>> = vec![Arc::new(PassOn)];
+    let mut cx = CallCx::new(&g, policy.clone(), policy.options());
+    let t0 = Instant::now();
+    let err = governed(
+        Scripted(&s),
+        super::Layered::new(&layers, Promising(Scripted(&s))),
+    )
+    .call(&mut cx, Bytes::new())
+    .await
+    .unwrap_err();
+    assert_eq!(err.code(), StatusCode::Timeout);
+    assert_eq!(t0.elapsed(), Duration::from_millis(200));
+}
+
+/// A user layer that passes every call on.
+struct PassOn;
+
+impl super::Middleware for PassOn {
+    fn call<'a>(
+        &'a self,
+        cx: &'a mut CallCx<'_>,
+        req: Bytes,
+        next: super::Next<'a>,
+    ) -> futures_util::future::BoxFuture<'a, Result<Bytes, RpcError>> {
+        next.run(cx, req)
+    }
+}

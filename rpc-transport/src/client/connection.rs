@@ -2,6 +2,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::task::Poll;
 
 use futures_util::StreamExt;
 use rpc_core::wire::{frame::Kind, Cancel, Hello, RemoteResultMessage};
@@ -12,13 +13,13 @@ use tokio::time::Instant;
 use tokio_util::codec::FramedRead;
 use tokio_util::sync::CancellationToken;
 
+use super::answer::AnswerCodec;
 use super::heartbeat::{heartbeat, sweeper};
 use super::options::ConnectOptions;
 use super::pending::{PendingTable, NO_SWEEP};
 use super::reader::read_loop;
 use super::shared::{comm_error, Shared, NEXT_CONNECTION_ID};
 use crate::call::Call;
-use crate::codec::FrameCodec;
 use crate::codec::FrameError;
 use crate::transport::{Address, Dialer, Stream, TcpDialer};
 use crate::writer::spawn_writer;
@@ -142,7 +143,7 @@ impl Connection {
             client_id: options.client_id.clone(),
         }));
         let mut frames =
-            FramedRead::with_capacity(rd, FrameCodec::new(options.max_frame_length), READ_BUFFER);
+            FramedRead::with_capacity(rd, AnswerCodec::new(options.max_frame_length), READ_BUFFER);
         match frames.next().await {
             Some(Ok(Kind::HelloAck(_))) => {}
             Some(Ok(Kind::GoAway(g))) => {
@@ -258,32 +259,44 @@ impl Connection {
         let deadline_ms = deadline.map_or(0, |d| {
             (d.saturating_duration_since(shared.epoch).as_millis() as u64).max(1)
         });
-        let id = shared.pending.insert(deadline_ms);
-        shared.in_flight.fetch_add(1, Ordering::Relaxed);
-        if deadline_ms != 0
-            && shared.next_sweep.fetch_min(deadline_ms, Ordering::AcqRel) > deadline_ms
-        {
-            // A new earliest deadline: the sweeper may be asleep until a later one.
-            shared.sweep.notify_one();
-        }
         let mut guard = PendingGuard {
             shared,
-            id,
-            armed: true,
+            id: 0,
+            armed: false,
         };
-        if shared.closed.load(Ordering::Acquire) {
-            // The reader ended between the check above and the insert: it will not see this
-            // call, so it must not wait.
-            guard.disarm_quietly();
-            return Err(comm_error(&shared.peer, "connection closed"));
+        let mut call = Some(call);
+        // The call takes its slot and is sent from its first poll, so the slot gets the
+        // caller's waker at once: one lock of the table fewer per call.
+        let result = std::future::poll_fn(|cx| {
+            let Some(call) = call.take() else {
+                return shared.pending.poll(guard.id, cx);
+            };
+            guard.id = shared.pending.insert(deadline_ms, Some(cx.waker().clone()));
+            guard.armed = true;
+            shared.in_flight.fetch_add(1, Ordering::Relaxed);
+            if deadline_ms != 0
+                && shared.next_sweep.fetch_min(deadline_ms, Ordering::AcqRel) > deadline_ms
+            {
+                // A new earliest deadline: the sweeper may be asleep until a later one.
+                shared.sweep.notify_one();
+            }
+            if shared.closed.load(Ordering::Acquire) {
+                // The reader ended between the check above and the insert: it will not see
+                // this call, so it must not wait.
+                guard.disarm_quietly();
+                return Poll::Ready(Err(comm_error(&shared.peer, "connection closed")));
+            }
+            if !shared.sender.send_call(guard.id, call) {
+                guard.disarm_quietly();
+                return Poll::Ready(Err(comm_error(&shared.peer, "connection closed")));
+            }
+            Poll::Pending
+        })
+        .await;
+        if guard.armed {
+            guard.armed = false;
+            shared.in_flight.fetch_sub(1, Ordering::Relaxed);
         }
-        if !shared.sender.send_call(id, call) {
-            guard.disarm_quietly();
-            return Err(comm_error(&shared.peer, "connection closed"));
-        }
-        let result = std::future::poll_fn(|cx| shared.pending.poll(id, cx)).await;
-        guard.armed = false;
-        shared.in_flight.fetch_sub(1, Ordering::Relaxed);
         result
     }
 }

@@ -2,10 +2,11 @@
 //!
 //! One module per role, each depending only on those listed before it: [`options`] says how to
 //! connect, [`pending`] is the table of calls waiting for their answers, [`shared`] is what a
-//! connection's handle and its tasks share, [`reader`] hands answers to the waiting calls,
+//! connection's handle and its tasks share, [`answer`] decodes what the server sends, [`reader`] hands answers to the waiting calls,
 //! [`heartbeat`] pings the server and expires calls past their deadline, [`connection`]
 //! connects, shakes hands and sends calls.
 
+mod answer;
 mod connection;
 mod heartbeat;
 mod options;

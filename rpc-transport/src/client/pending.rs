@@ -101,12 +101,13 @@ impl PendingTable {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Takes a slot for a new call, which times out at `deadline_ms` (0: never); returns the
-    /// call's message id.
-    pub(super) fn insert(&self, deadline_ms: u64) -> u64 {
+    /// Takes a slot for a new call, which times out at `deadline_ms` (0: never) and is woken
+    /// through `waker` (given here when the call is made from its first poll, which saves
+    /// locking the table once more to store it); returns the call's message id.
+    pub(super) fn insert(&self, deadline_ms: u64, waker: Option<Waker>) -> u64 {
         let mut slab = self.lock();
         slab.waiting += 1;
-        let state = State::Waiting(None);
+        let state = State::Waiting(waker);
         if let Some(index) = slab.free.pop() {
             let slot = &mut slab.slots[index as usize];
             slot.state = state;
@@ -275,7 +276,7 @@ mod tests {
         let count = Arc::new(Count::default());
         let waker = Waker::from(count.clone());
         let mut cx = Context::from_waker(&waker);
-        let id = table.insert(0);
+        let id = table.insert(0, None);
         assert!(table.poll(id, &mut cx).is_pending());
         assert_eq!(table.waiting(), 1);
         assert!(table.complete(id, answer(id)));
@@ -292,12 +293,12 @@ mod tests {
     #[test]
     fn a_late_answer_for_a_recycled_slot_is_dropped() {
         let table = PendingTable::default();
-        let old = table.insert(0);
+        let old = table.insert(0, None);
         assert!(
             table.remove(old),
             "a waiting call that gives up tells the server"
         );
-        let new = table.insert(0);
+        let new = table.insert(0, None);
         assert_eq!(old & 0xffff_ffff, new & 0xffff_ffff, "the slot is reused");
         assert_ne!(old, new, "under another message id");
         assert!(
@@ -311,7 +312,7 @@ mod tests {
     #[test]
     fn giving_up_after_the_answer_came_sends_no_cancel() {
         let table = PendingTable::default();
-        let id = table.insert(0);
+        let id = table.insert(0, None);
         assert!(table.complete(id, answer(id)));
         assert!(!table.remove(id));
         assert!(!table.remove(id), "removing twice is harmless");
@@ -320,9 +321,9 @@ mod tests {
     #[test]
     fn expire_ends_only_calls_past_their_deadline_and_reports_the_next() {
         let table = PendingTable::default();
-        let early = table.insert(10);
-        let late = table.insert(30);
-        let never = table.insert(0);
+        let early = table.insert(10, None);
+        let late = table.insert(30, None);
+        let never = table.insert(0, None);
         let mut expired = Vec::new();
         assert_eq!(table.expire(20, timeout, &mut expired), 30);
         assert_eq!(expired, vec![early]);
@@ -353,14 +354,14 @@ mod tests {
         let waker = Waker::noop();
         let mut cx = Context::from_waker(waker);
         // 64 calls in flight at once, then the same number again and again.
-        let mut ids: Vec<u64> = (0..64).map(|_| table.insert(0)).collect();
+        let mut ids: Vec<u64> = (0..64).map(|_| table.insert(0, None)).collect();
         for id in ids.drain(..) {
             table.remove(id);
         }
         let before = crate::alloc_count::this_thread();
         for _ in 0..1_000 {
             for _ in 0..64 {
-                ids.push(table.insert(5));
+                ids.push(table.insert(5, None));
             }
             for &id in &ids {
                 assert!(table.poll(id, &mut cx).is_pending());

@@ -7,14 +7,14 @@ use futures_util::StreamExt;
 use rpc_core::wire::{frame::Kind, Ping, Pong};
 use rpc_core::StatusCode;
 use tokio::io::AsyncRead;
-use tokio_util::codec::FramedRead;
+use tokio_util::codec::{Decoder, FramedRead};
 
+use super::answer::AnswerCodec;
 use super::shared::{comm_error, Shared};
-use crate::codec::kind_name;
-use crate::codec::FrameCodec;
+use crate::codec::{kind_name, FrameError};
 
 pub(super) async fn read_loop<R: AsyncRead + Unpin>(
-    mut frames: FramedRead<R, FrameCodec>,
+    mut frames: FramedRead<R, AnswerCodec>,
     shared: Arc<Shared>,
     received: Arc<AtomicU64>,
 ) {
@@ -23,7 +23,7 @@ pub(super) async fn read_loop<R: AsyncRead + Unpin>(
     tokio::pin!(closing);
     let reason = loop {
         // Answers already read are handed out before the close signal is polled again.
-        let next = match crate::codec::buffered(&mut frames) {
+        let next = match buffered(&mut frames) {
             Some(frame) => Some(frame),
             None => tokio::select! {
                 biased;
@@ -82,4 +82,12 @@ pub(super) fn fail_pending(shared: &Shared, reason: &str, maybe_delivered: bool)
     shared
         .pending
         .fail_all(|| comm_error(&shared.peer, reason).maybe_delivered(maybe_delivered));
+}
+
+/// The next complete frame already in `frames`' read buffer, decoded without reading from the
+/// socket; `None` when the buffer holds no complete frame.
+fn buffered<R>(frames: &mut FramedRead<R, AnswerCodec>) -> Option<Result<Kind, FrameError>> {
+    // The codec is stateless (its limit only), so a copy decodes as well as the original.
+    let mut codec = frames.decoder().clone();
+    codec.decode(frames.read_buffer_mut()).transpose()
 }
