@@ -2,11 +2,13 @@
 //! and their answers.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll, Waker};
 
-use rpc_core::wire::frame::Kind;
+use futures_util::FutureExt;
+use rpc_core::wire::{frame::Kind, RemoteResultMessage};
 use tokio::sync::Notify;
 use tokio::task::AbortHandle;
 use tokio_util::sync::CancellationToken;
@@ -50,49 +52,136 @@ impl Drop for ConnCleanup {
     }
 }
 
-/// Answers or starts one call. The handler runs in a task of its own, so that one blocking
-/// before its first `.await` stalls only itself, never the connection's reader; with
-/// `inline_first_poll` it is polled once here first and spawned only if it has to wait.
-pub(super) fn dispatch(conn: &Arc<Conn>, outcome: Dispatch, id: u64, inline_first_poll: bool) {
-    match outcome {
-        Dispatch::Ready(mut r) => {
-            r.message_id = id;
-            conn.sender.send(Kind::Result(r));
+/// Where the answer to one call goes. [`InvokeHandler::dispatch`](super::InvokeHandler::dispatch)
+/// receives one with each call and either answers at once ([`answer`](Self::answer)) or
+/// starts the call's future ([`spawn`](Self::spawn)).
+///
+/// A call future runs in a task of its own, so that a handler blocking before its first
+/// `.await` stalls only itself, never the connection's reader; `Cancel` aborts that task.
+pub struct Responder<'a> {
+    to: To<'a>,
+}
+
+enum To<'a> {
+    /// A call read from a connection, answered on it.
+    Conn {
+        conn: &'a Arc<Conn>,
+        id: u64,
+        inline_first_poll: bool,
+    },
+    /// Kept as a [`Dispatch`] ([`Responder::capture`]).
+    Capture(&'a mut Option<Dispatch>),
+}
+
+impl<'a> Responder<'a> {
+    pub(super) fn new(conn: &'a Arc<Conn>, id: u64, inline_first_poll: bool) -> Self {
+        Responder {
+            to: To::Conn {
+                conn,
+                id,
+                inline_first_poll,
+            },
         }
-        Dispatch::Spawn(mut fut) => {
-            // (The spawned task polls again with its own waker, so nothing is lost by this
-            // first poll's no-op waker.)
-            if inline_first_poll {
-                let mut cx = Context::from_waker(Waker::noop());
-                if let Poll::Ready(mut r) = fut.as_mut().poll(&mut cx) {
-                    r.message_id = id;
-                    conn.sender.send(Kind::Result(r));
-                    return;
-                }
-            }
-            conn.in_flight.fetch_add(1, Ordering::AcqRel);
-            // The map stays locked until the task's handle is in it: the task looks itself up
-            // there when it finishes.
-            let mut tasks = conn.tasks();
-            let task_conn = conn.clone();
-            let task = tokio::spawn(async move {
-                let conn = task_conn;
-                if !inline_first_poll {
-                    Handoff(false).await;
-                }
-                let mut r = fut.await;
-                // Absent when a Cancel got there first (it aborted the task, which then ends at
-                // its next `.await`, and already counted the call out).
-                if conn.tasks().remove(&id).is_some() {
-                    r.message_id = id;
-                    conn.sender.send(Kind::Result(r));
-                    if conn.in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
-                        conn.idle.notify_one();
+    }
+
+    /// A responder that keeps what it is given in `slot`, as a [`Dispatch`] (a spawned future
+    /// boxed): for a handler's [`handle`](super::InvokeHandler::handle) written in terms of its
+    /// `dispatch`.
+    pub fn capture(slot: &'a mut Option<Dispatch>) -> Self {
+        Responder {
+            to: To::Capture(slot),
+        }
+    }
+
+    /// Answers the call with `result` (its `message_id` is filled in).
+    pub fn answer(self, result: RemoteResultMessage) {
+        match self.to {
+            To::Conn { conn, id, .. } => send_result(conn, id, result),
+            To::Capture(slot) => *slot = Some(Dispatch::Ready(result)),
+        }
+    }
+
+    /// Runs `call` in a task of its own and answers with its output; `Cancel` aborts the task.
+    ///
+    /// The future is spawned as it is: keep it small (a few hundred bytes), since the task
+    /// holding it is allocated per call, and allocations of more than about 1 KiB take the
+    /// allocator's slow paths. Unless the server polls handlers inline
+    /// (`ServerOptions::inline_first_poll`), the task gives way once before its first poll of
+    /// `call` (see `Handoff`).
+    pub fn spawn<F>(self, call: F)
+    where
+        F: Future<Output = RemoteResultMessage> + Send + 'static,
+    {
+        match self.to {
+            To::Conn {
+                conn,
+                id,
+                inline_first_poll,
+            } => spawn_call(conn, id, !inline_first_poll, call),
+            To::Capture(slot) => *slot = Some(Dispatch::Spawn(Box::pin(call))),
+        }
+    }
+
+    /// Answers or starts the call as `dispatch` says. With `inline_first_poll`, a future is
+    /// polled once here first, and spawned only if it has to wait.
+    pub fn dispatch(self, dispatch: Dispatch) {
+        match dispatch {
+            Dispatch::Ready(r) => self.answer(r),
+            Dispatch::Spawn(mut fut) => {
+                if let To::Conn {
+                    conn,
+                    id,
+                    inline_first_poll: true,
+                } = &self.to
+                {
+                    // (The spawned task polls again with its own waker, so nothing is lost by
+                    // this first poll's no-op waker.)
+                    let mut cx = Context::from_waker(Waker::noop());
+                    if let Poll::Ready(r) = fut.as_mut().poll(&mut cx) {
+                        send_result(conn, *id, r);
+                        return;
                     }
-                    conn.finished.notify_one();
                 }
-            });
-            tasks.insert(id, task.abort_handle());
+                self.spawn(fut)
+            }
+        }
+    }
+}
+
+fn send_result(conn: &Conn, id: u64, mut r: RemoteResultMessage) {
+    r.message_id = id;
+    conn.sender.send(Kind::Result(r));
+}
+
+/// Starts one call's task; `hand_off` makes it give way once before polling `call`.
+fn spawn_call<F>(conn: &Arc<Conn>, id: u64, hand_off: bool, call: F)
+where
+    F: Future<Output = RemoteResultMessage> + Send + 'static,
+{
+    conn.in_flight.fetch_add(1, Ordering::AcqRel);
+    // The map stays locked until the task's handle is in it: the task looks itself up there
+    // when it finishes.
+    let mut tasks = conn.tasks();
+    let task_conn = conn.clone();
+    // Combinators rather than an `async` block, which would hold `call` twice (as captured and
+    // as awaited): the task is allocated, and moved within tokio, for every call.
+    let task = Handoff(!hand_off)
+        .then(move |()| call)
+        .map(move |r| task_conn.finish(id, r));
+    let task = tokio::spawn(task);
+    tasks.insert(id, task.abort_handle());
+}
+
+impl Conn {
+    /// Answers a call whose task ended with `r`, unless a `Cancel` got there first (it aborted
+    /// the task, which then ends at its next `.await`, and already counted the call out).
+    fn finish(&self, id: u64, r: RemoteResultMessage) {
+        if self.tasks().remove(&id).is_some() {
+            send_result(self, id, r);
+            if self.in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
+                self.idle.notify_one();
+            }
+            self.finished.notify_one();
         }
     }
 }

@@ -18,5 +18,6 @@ mod handshake;
 mod options;
 
 pub use accept::serve;
+pub use calls::Responder;
 pub use handler::{error_result, Dispatch, InvokeHandler};
 pub use options::{ServerOptions, ABUSE_LIMIT, MAX_HELLO_FRAME, REFUSALS_BEFORE_PAUSE};
