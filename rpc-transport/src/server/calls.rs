@@ -3,14 +3,14 @@
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll, Waker};
 
 use futures_util::FutureExt;
 use rpc_core::wire::{frame::Kind, RemoteResultMessage};
 use tokio::sync::Notify;
-use tokio::task::AbortHandle;
+use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use super::handler::Dispatch;
@@ -19,7 +19,7 @@ use crate::writer::FrameSender;
 pub(super) struct Conn {
     pub(super) sender: FrameSender,
     pub(super) in_flight: Arc<AtomicUsize>,
-    pub(super) tasks: Mutex<HashMap<u64, AbortHandle, ahash::RandomState>>,
+    pub(super) tasks: Mutex<HashMap<u64, JoinHandle<()>, ahash::RandomState>>,
     pub(super) idle: Notify,
     /// Woken when a spawned call finishes (for a reader paused at the in-flight limit).
     pub(super) finished: Notify,
@@ -27,12 +27,15 @@ pub(super) struct Conn {
     pub(super) refused_in_a_row: AtomicU32,
     /// Calls that broke the attachment limits.
     pub(super) abuses: AtomicU32,
+    /// Set when the reader started a call task that is to give way before it runs (see
+    /// [`Handoff`]): the reader does so once, before it waits for more frames.
+    pub(super) give_way: AtomicBool,
 }
 
 impl Conn {
     pub(super) fn tasks(
         &self,
-    ) -> std::sync::MutexGuard<'_, HashMap<u64, AbortHandle, ahash::RandomState>> {
+    ) -> std::sync::MutexGuard<'_, HashMap<u64, JoinHandle<()>, ahash::RandomState>> {
         self.tasks.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
@@ -106,8 +109,9 @@ impl<'a> Responder<'a> {
     /// The future is spawned as it is: keep it small (a few hundred bytes), since the task
     /// holding it is allocated per call, and allocations of more than about 1 KiB take the
     /// allocator's slow paths. Unless the server polls handlers inline
-    /// (`ServerOptions::inline_first_poll`), the task gives way once before its first poll of
-    /// `call` (see `Handoff`).
+    /// (`ServerOptions::inline_first_poll`), the connection's reader gives way once before it
+    /// waits for more frames (see `Handoff`), so that a handler blocking in its first poll
+    /// does not stall the connection.
     pub fn spawn<F>(self, call: F)
     where
         F: Future<Output = RemoteResultMessage> + Send + 'static,
@@ -153,23 +157,24 @@ fn send_result(conn: &Conn, id: u64, mut r: RemoteResultMessage) {
     conn.sender.send(Kind::Result(r));
 }
 
-/// Starts one call's task; `hand_off` makes it give way once before polling `call`.
+/// Starts one call's task; with `hand_off`, the reader gives way before it waits for more
+/// frames (see [`Handoff`]).
 fn spawn_call<F>(conn: &Arc<Conn>, id: u64, hand_off: bool, call: F)
 where
     F: Future<Output = RemoteResultMessage> + Send + 'static,
 {
     conn.in_flight.fetch_add(1, Ordering::AcqRel);
+    if hand_off {
+        conn.give_way.store(true, Ordering::Relaxed);
+    }
     // The map stays locked until the task's handle is in it: the task looks itself up there
     // when it finishes.
     let mut tasks = conn.tasks();
     let task_conn = conn.clone();
-    // Combinators rather than an `async` block, which would hold `call` twice (as captured and
-    // as awaited): the task is allocated, and moved within tokio, for every call.
-    let task = Handoff(!hand_off)
-        .then(move |()| call)
-        .map(move |r| task_conn.finish(id, r));
-    let task = tokio::spawn(task);
-    tasks.insert(id, task.abort_handle());
+    // A combinator rather than an `async` block, which would hold `call` twice (as captured
+    // and as awaited): the task is allocated, and moved within tokio, for every call.
+    let task = tokio::spawn(call.map(move |r| task_conn.finish(id, r)));
+    tasks.insert(id, task);
 }
 
 impl Conn {
@@ -186,16 +191,25 @@ impl Conn {
     }
 }
 
-/// Makes a freshly spawned call task give way once before it polls the handler, so that a
-/// handler which then blocks its thread does not stall the rest of the server.
+/// Makes the connection's reader give way once after it started call tasks, before it waits
+/// for more frames, so that a handler which blocks its thread before its first `.await` does
+/// not stall the rest of the connection.
 ///
 /// A task spawned by the reader goes into its worker's "next task" slot, which other workers
-/// cannot steal from and which wakes no idle worker. Were the handler to block in that first
-/// run, the worker would be held, and with it the I/O driver it may have been the last to run:
-/// no other worker would be woken to read the connection. A task that wakes itself and returns
-/// `Pending` is put at the back of the run queue instead, which wakes an idle worker (when
-/// there is one) to take over reading.
+/// cannot steal from and which wakes no idle worker; the worker runs it as soon as the reader
+/// waits. Were that handler to block, the worker would be held, and with it the I/O driver it
+/// may have been the last to run: no other worker would be woken to read the connection. A
+/// task that wakes itself and returns `Pending` is put at the back of the run queue instead,
+/// which wakes an idle worker (when there is one) to take the reader over. One give-way per
+/// batch of frames read, rather than one per call task, keeps that promise: only the last
+/// task spawned is in the slot, and the reader is in the queue, stealable, before it runs.
 pub(super) struct Handoff(bool);
+
+impl Handoff {
+    pub(super) fn new() -> Self {
+        Handoff(false)
+    }
+}
 
 impl std::future::Future for Handoff {
     type Output = ();
