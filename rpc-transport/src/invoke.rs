@@ -28,6 +28,12 @@ impl WireStr {
         Ok(WireStr(bytes))
     }
 
+    /// `bytes` the caller has checked to be UTF-8 (the frame decoder).
+    pub(crate) fn checked(bytes: Bytes) -> WireStr {
+        debug_assert!(std::str::from_utf8(&bytes).is_ok());
+        WireStr(bytes)
+    }
+
     /// The string's bytes (UTF-8), without checking them again: for lookups by bytes.
     pub fn as_bytes(&self) -> &[u8] {
         &self.0
