@@ -20,7 +20,7 @@ use rpc_core::{Codec, MethodDescriptor, RpcContext, RpcError, StatusCode};
 use rpc_governance::bulkhead::{Bulkhead, Permit};
 use rpc_governance::events::{EventBus, EventKind};
 use rpc_governance::fallback;
-use rpc_transport::{error_result, Caller, Dispatch, Invoke, InvokeHandler, Responder};
+use rpc_transport::{error_result, Caller, Dispatch, Invoke, InvokeHandler};
 use tokio::time::Instant;
 use tracing::Instrument;
 
@@ -126,24 +126,12 @@ pub(crate) struct Dispatcher {
 }
 
 impl InvokeHandler for Dispatcher {
-    fn handle(&self, invoke: Invoke, caller: &Arc<Caller>) -> Dispatch {
-        let mut decided = None;
-        self.dispatch(invoke, caller, Responder::capture(&mut decided));
-        decided.unwrap_or_else(|| {
-            Dispatch::Ready(error_result(
-                StatusCode::ServerError,
-                "the server's dispatcher gave no answer to the call; please report this",
-            ))
-        })
-    }
-
-    /// Starts the call's future as it is (no box): a task per call of a few hundred bytes.
-    fn dispatch(&self, mut invoke: Invoke, caller: &Arc<Caller>, respond: Responder<'_>) {
+    fn handle(&self, mut invoke: Invoke, caller: &Arc<Caller>) -> Dispatch {
         let peer = caller.peer();
         // Looked up by its bytes: the route table's keys are valid ids, so an id that matches
         // one needs no further check.
         let Some(route) = self.routes.get(invoke.service_entry_id.as_bytes()) else {
-            return respond.answer(error_result(
+            return Dispatch::Ready(error_result(
                 StatusCode::NotFindLocalServiceEntry,
                 format!(
                     "this server has no service entry {:?}; check the service id and method name",
@@ -152,7 +140,7 @@ impl InvokeHandler for Dispatcher {
             ));
         };
         let Some(codec) = Codec::from_wire(invoke.codec) else {
-            return respond.answer(error_result(
+            return Dispatch::Ready(error_result(
                 StatusCode::FrameworkError,
                 format!(
                     "unknown codec {}: use 0 (MessagePack) or 1 (JSON)",
@@ -171,7 +159,6 @@ impl InvokeHandler for Dispatcher {
                 attachments,
                 span,
                 caller,
-                respond,
             );
         }
         let permit = match route.cap.try_enter(&route.entry) {
@@ -188,7 +175,7 @@ impl InvokeHandler for Dispatcher {
                 });
                 telemetry::record_error(&span, e.code(), e.message());
                 self.metrics.rejected(route.method, e.code());
-                return respond.answer(error_result(e.code(), e.message()));
+                return Dispatch::Ready(error_result(e.code(), e.message()));
             }
         };
         let metrics = self.metrics.start(route.method);
@@ -229,16 +216,16 @@ impl InvokeHandler for Dispatcher {
         };
         if let Poll::Ready(outcome) = first {
             if let Some(answer) = call.settle(outcome) {
-                return respond.answer(answer);
+                return Dispatch::Ready(answer);
             }
         }
         // Each wrapper moves the whole call future once more: add only the ones in use (with
         // no attachments the handler's own calls find an empty context either way).
-        match (span.is_disabled(), attachments.is_empty()) {
-            (true, true) => respond.spawn(call),
-            (true, false) => respond.spawn(RpcContext::scope(attachments, call)),
-            (false, _) => respond.spawn(RpcContext::scope(attachments, call).instrument(span)),
-        }
+        Dispatch::Spawn(match (span.is_disabled(), attachments.is_empty()) {
+            (true, true) => Box::pin(call),
+            (true, false) => Box::pin(RpcContext::scope(attachments, call)),
+            (false, _) => Box::pin(RpcContext::scope(attachments, call).instrument(span)),
+        })
     }
 }
 
@@ -257,8 +244,7 @@ impl Dispatcher {
         attachments: BTreeMap<String, String>,
         span: tracing::Span,
         caller: &Arc<Caller>,
-        respond: Responder<'_>,
-    ) {
+    ) -> Dispatch {
         let deadline = (invoke.timeout_ms > 0).then(|| {
             (
                 Instant::now() + Duration::from_millis(invoke.timeout_ms.into()),
@@ -313,11 +299,11 @@ impl Dispatcher {
             let cause = req.fallback_cause;
             finish(&mut watch, result, cause)
         };
-        if span.is_disabled() {
-            respond.spawn(call)
+        Dispatch::Spawn(if span.is_disabled() {
+            Box::pin(call)
         } else {
-            respond.spawn(call.instrument(span))
-        }
+            Box::pin(call.instrument(span))
+        })
     }
 }
 
@@ -671,10 +657,10 @@ mod tests {
         }
     }
 
-    /// The future a call runs as, in the task the transport spawns for it, stays in the small
-    /// allocations the allocator serves from its per-thread caches: the task is allocated per
-    /// call. (The bound is the allocator's, not this code's: glibc's thread cache holds blocks
-    /// up to 1 KiB, and a task adds its header and trailer to the future.)
+    /// The future a call runs as, boxed per call, stays in the small allocations the allocator
+    /// serves from its per-thread cache. (The bound is the allocator's, not this code's: glibc's
+    /// thread cache holds blocks up to about 1 KiB; the future this replaced was larger, and
+    /// every call took the allocator's slow path.)
     #[test]
     fn a_call_runs_as_a_future_of_less_than_half_a_kib() {
         let rt = tokio::runtime::Builder::new_current_thread()

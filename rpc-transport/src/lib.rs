@@ -69,8 +69,8 @@ pub use invoke::{Invoke, WireStr};
 pub use peer::{PeerAddr, UNIX_SCHEME};
 pub use pool::ConnectionPool;
 pub use server::{
-    error_result, serve, Dispatch, InvokeHandler, Responder, ServerOptions, ABUSE_LIMIT,
-    MAX_HELLO_FRAME, REFUSALS_BEFORE_PAUSE,
+    error_result, serve, Dispatch, InvokeHandler, ServerOptions, ABUSE_LIMIT, MAX_HELLO_FRAME,
+    REFUSALS_BEFORE_PAUSE,
 };
 pub use transport::{Address, Dialer, Listener, Stream, TcpDialer};
 #[cfg(unix)]

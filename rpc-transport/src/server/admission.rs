@@ -10,7 +10,7 @@ use rpc_core::wire::{frame::Kind, Pong};
 use rpc_core::StatusCode;
 use tokio::time::Instant;
 
-use super::calls::{Conn, Responder};
+use super::calls::{dispatch, Conn};
 use super::handler::{error_result, InvokeHandler};
 use super::options::{ServerOptions, ABUSE_LIMIT};
 use crate::codec::kind_name;
@@ -157,8 +157,8 @@ impl FrameCtx<'_> {
                     r.message_id = id;
                     conn.sender.send(Kind::Result(r));
                 } else {
-                    let respond = Responder::new(conn, id, self.options.inline_first_poll);
-                    self.handler.dispatch(invoke, &self.caller, respond);
+                    let outcome = self.handler.handle(invoke, &self.caller);
+                    dispatch(conn, outcome, id, self.options.inline_first_poll);
                 }
                 Ok(())
             }

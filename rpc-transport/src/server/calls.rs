@@ -2,24 +2,25 @@
 //! and their answers.
 
 use std::collections::HashMap;
-use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll, Waker};
 
-use futures_util::FutureExt;
 use rpc_core::wire::{frame::Kind, RemoteResultMessage};
 use tokio::sync::Notify;
-use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use super::handler::Dispatch;
+use super::runner::{self, CallSink, Runners, Running};
 use crate::writer::FrameSender;
 
 pub(super) struct Conn {
     pub(super) sender: FrameSender,
     pub(super) in_flight: Arc<AtomicUsize>,
-    pub(super) tasks: Mutex<HashMap<u64, JoinHandle<()>, ahash::RandomState>>,
+    /// The calls running, by id: what `Cancel` aborts them with.
+    pub(super) tasks: Mutex<HashMap<u64, Running, ahash::RandomState>>,
+    /// The connection's idle call tasks.
+    pub(super) runners: Runners,
     pub(super) idle: Notify,
     /// Woken when a spawned call finishes (for a reader paused at the in-flight limit).
     pub(super) finished: Notify,
@@ -35,7 +36,7 @@ pub(super) struct Conn {
 impl Conn {
     pub(super) fn tasks(
         &self,
-    ) -> std::sync::MutexGuard<'_, HashMap<u64, JoinHandle<()>, ahash::RandomState>> {
+    ) -> std::sync::MutexGuard<'_, HashMap<u64, Running, ahash::RandomState>> {
         self.tasks.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
@@ -51,104 +52,8 @@ impl Drop for ConnCleanup {
         for (_, h) in self.conn.tasks().drain() {
             h.abort();
         }
+        self.conn.runners.close();
         self.close.cancel();
-    }
-}
-
-/// Where the answer to one call goes. [`InvokeHandler::dispatch`](super::InvokeHandler::dispatch)
-/// receives one with each call and either answers at once ([`answer`](Self::answer)) or
-/// starts the call's future ([`spawn`](Self::spawn)).
-///
-/// A call future runs in a task of its own, so that a handler blocking before its first
-/// `.await` stalls only itself, never the connection's reader; `Cancel` aborts that task.
-pub struct Responder<'a> {
-    to: To<'a>,
-}
-
-enum To<'a> {
-    /// A call read from a connection, answered on it.
-    Conn {
-        conn: &'a Arc<Conn>,
-        id: u64,
-        inline_first_poll: bool,
-    },
-    /// Kept as a [`Dispatch`] ([`Responder::capture`]).
-    Capture(&'a mut Option<Dispatch>),
-}
-
-impl<'a> Responder<'a> {
-    pub(super) fn new(conn: &'a Arc<Conn>, id: u64, inline_first_poll: bool) -> Self {
-        Responder {
-            to: To::Conn {
-                conn,
-                id,
-                inline_first_poll,
-            },
-        }
-    }
-
-    /// A responder that keeps what it is given in `slot`, as a [`Dispatch`] (a spawned future
-    /// boxed): for a handler's [`handle`](super::InvokeHandler::handle) written in terms of its
-    /// `dispatch`.
-    pub fn capture(slot: &'a mut Option<Dispatch>) -> Self {
-        Responder {
-            to: To::Capture(slot),
-        }
-    }
-
-    /// Answers the call with `result` (its `message_id` is filled in).
-    pub fn answer(self, result: RemoteResultMessage) {
-        match self.to {
-            To::Conn { conn, id, .. } => send_result(conn, id, result),
-            To::Capture(slot) => *slot = Some(Dispatch::Ready(result)),
-        }
-    }
-
-    /// Runs `call` in a task of its own and answers with its output; `Cancel` aborts the task.
-    ///
-    /// The future is spawned as it is: keep it small (a few hundred bytes), since the task
-    /// holding it is allocated per call, and allocations of more than about 1 KiB take the
-    /// allocator's slow paths. Unless the server polls handlers inline
-    /// (`ServerOptions::inline_first_poll`), the connection's reader gives way once before it
-    /// waits for more frames (see `Handoff`), so that a handler blocking in its first poll
-    /// does not stall the connection.
-    pub fn spawn<F>(self, call: F)
-    where
-        F: Future<Output = RemoteResultMessage> + Send + 'static,
-    {
-        match self.to {
-            To::Conn {
-                conn,
-                id,
-                inline_first_poll,
-            } => spawn_call(conn, id, !inline_first_poll, call),
-            To::Capture(slot) => *slot = Some(Dispatch::Spawn(Box::pin(call))),
-        }
-    }
-
-    /// Answers or starts the call as `dispatch` says. With `inline_first_poll`, a future is
-    /// polled once here first, and spawned only if it has to wait.
-    pub fn dispatch(self, dispatch: Dispatch) {
-        match dispatch {
-            Dispatch::Ready(r) => self.answer(r),
-            Dispatch::Spawn(mut fut) => {
-                if let To::Conn {
-                    conn,
-                    id,
-                    inline_first_poll: true,
-                } = &self.to
-                {
-                    // (The spawned task polls again with its own waker, so nothing is lost by
-                    // this first poll's no-op waker.)
-                    let mut cx = Context::from_waker(Waker::noop());
-                    if let Poll::Ready(r) = fut.as_mut().poll(&mut cx) {
-                        send_result(conn, *id, r);
-                        return;
-                    }
-                }
-                self.spawn(fut)
-            }
-        }
     }
 }
 
@@ -157,30 +62,50 @@ fn send_result(conn: &Conn, id: u64, mut r: RemoteResultMessage) {
     conn.sender.send(Kind::Result(r));
 }
 
-/// Starts one call's task; with `hand_off`, the reader gives way before it waits for more
-/// frames (see [`Handoff`]).
-fn spawn_call<F>(conn: &Arc<Conn>, id: u64, hand_off: bool, call: F)
-where
-    F: Future<Output = RemoteResultMessage> + Send + 'static,
-{
-    conn.in_flight.fetch_add(1, Ordering::AcqRel);
-    if hand_off {
-        conn.give_way.store(true, Ordering::Relaxed);
+/// Answers or starts one call. The call's future runs in a task of its own (a reused one: see
+/// `runner`), so that a handler blocking before its first `.await` stalls only itself, never
+/// the connection's reader; with `inline_first_poll` it is polled once here first, and handed
+/// to a task only if it has to wait.
+pub(super) fn dispatch(conn: &Arc<Conn>, outcome: Dispatch, id: u64, inline_first_poll: bool) {
+    match outcome {
+        Dispatch::Ready(r) => send_result(conn, id, r),
+        Dispatch::Spawn(mut fut) => {
+            // (The task polls again with its own waker, so nothing is lost by this first
+            // poll's no-op waker.)
+            if inline_first_poll {
+                let mut cx = Context::from_waker(Waker::noop());
+                if let Poll::Ready(r) = fut.as_mut().poll(&mut cx) {
+                    send_result(conn, id, r);
+                    return;
+                }
+            } else {
+                // The reader gives way before it waits for more frames (see `Handoff`).
+                conn.give_way.store(true, Ordering::Relaxed);
+            }
+            conn.in_flight.fetch_add(1, Ordering::AcqRel);
+            // The map stays locked until the call is in it: its task looks it up there when it
+            // finishes.
+            let mut tasks = conn.tasks();
+            let running = runner::start(conn, id, fut);
+            tasks.insert(id, running);
+        }
     }
-    // The map stays locked until the task's handle is in it: the task looks itself up there
-    // when it finishes.
-    let mut tasks = conn.tasks();
-    let task_conn = conn.clone();
-    // A combinator rather than an `async` block, which would hold `call` twice (as captured
-    // and as awaited): the task is allocated, and moved within tokio, for every call.
-    let task = tokio::spawn(call.map(move |r| task_conn.finish(id, r)));
-    tasks.insert(id, task);
+}
+
+impl CallSink for Conn {
+    fn finish(&self, id: u64, r: RemoteResultMessage) {
+        Conn::finish(self, id, r)
+    }
+
+    fn runners(&self) -> &Runners {
+        &self.runners
+    }
 }
 
 impl Conn {
     /// Answers a call whose task ended with `r`, unless a `Cancel` got there first (it aborted
-    /// the task, which then ends at its next `.await`, and already counted the call out).
-    fn finish(&self, id: u64, r: RemoteResultMessage) {
+    /// the call, which then ends at its task's next poll, and already counted the call out).
+    pub(super) fn finish(&self, id: u64, r: RemoteResultMessage) {
         if self.tasks().remove(&id).is_some() {
             send_result(self, id, r);
             if self.in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {

@@ -18,6 +18,7 @@ use super::drain::drain;
 use super::handler::{go_away, InvokeHandler};
 use super::handshake::handshake;
 use super::options::{ServerOptions, MAX_HELLO_FRAME, REFUSALS_BEFORE_PAUSE};
+use super::runner::Runners;
 use crate::caller::Caller;
 use crate::codec::FrameCodec;
 use crate::invoke::Incoming;
@@ -97,6 +98,7 @@ pub(super) async fn run_connection<R, W>(
         sender,
         in_flight,
         tasks: Mutex::new(HashMap::default()),
+        runners: Runners::default(),
         idle: Notify::new(),
         finished: Notify::new(),
         refused_in_a_row: AtomicU32::new(0),
