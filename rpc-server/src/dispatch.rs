@@ -17,7 +17,7 @@ use bytes::Bytes;
 use futures_util::FutureExt;
 use rpc_core::wire::{RemoteResultMessage, ValidateError};
 use rpc_core::{Codec, MethodDescriptor, RpcContext, RpcError, StatusCode};
-use rpc_governance::bulkhead::Bulkhead;
+use rpc_governance::bulkhead::{Bulkhead, Permit};
 use rpc_governance::events::{EventBus, EventKind};
 use rpc_governance::fallback;
 use rpc_transport::{error_result, Caller, Dispatch, Invoke, InvokeHandler};
@@ -35,7 +35,7 @@ pub(crate) struct Route {
     pub(crate) method: &'static MethodDescriptor,
     pub(crate) entry: Arc<str>,
     pub(crate) cap: Bulkhead,
-    pub(crate) fallback: Option<Arc<dyn Service>>,
+    pub(crate) fallback: Option<Arc<FallbackTo>>,
     /// The user's layers and what runs after them, when the server has layers.
     pub(crate) layered: Option<Arc<Layered>>,
 }
@@ -54,9 +54,8 @@ pub(crate) struct Terminal {
     pub(crate) index: usize,
     pub(crate) entry: Arc<str>,
     pub(crate) cap: Bulkhead,
-    pub(crate) fallback: Option<Arc<dyn Service>>,
+    pub(crate) fallback: Option<Arc<FallbackTo>>,
     pub(crate) events: EventBus,
-    pub(crate) endpoint: Arc<str>,
     pub(crate) send_panic_text: bool,
 }
 
@@ -78,14 +77,9 @@ impl Terminal {
             }
         };
         let parameters = std::mem::take(&mut req.parameters);
-        let fallback = self.fallback.as_ref().map(|f| ServerFallback {
-            service: f.clone(),
-            index: self.index,
+        let fallback = self.fallback.as_ref().map(|to| ServerFallback {
+            to: to.clone(),
             parameters: parameters.clone(),
-            events: self.events.clone(),
-            entry_id: self.entry.clone(),
-            endpoint: self.endpoint.clone(),
-            send_panic_text: self.send_panic_text,
         });
         let (codec, deadline) = (req.codec, req.deadline);
         let handler = self.service.call(self.index, parameters, codec);
@@ -117,14 +111,12 @@ impl Terminal {
 }
 
 pub(crate) struct Dispatcher {
-    /// Looked up with every call's entry id: a fast keyed hash (lookups only, so peers cannot
-    /// degrade it).
-    pub(crate) routes: HashMap<String, Route, ahash::RandomState>,
+    /// Looked up with every call's entry id, by its bytes: a fast keyed hash (lookups only, so
+    /// peers cannot degrade it).
+    pub(crate) routes: HashMap<Box<[u8]>, Route, ahash::RandomState>,
     pub(crate) events: EventBus,
     /// The bound address (`server.address` of the spans).
     pub(crate) local: SocketAddr,
-    /// The published address, naming this server in governance events.
-    pub(crate) endpoint: Arc<str>,
     pub(crate) metrics: telemetry::Metrics,
     /// Whether a handler's panic message goes to the caller (otherwise only to the log).
     pub(crate) send_panic_text: bool,
@@ -136,7 +128,9 @@ pub(crate) struct Dispatcher {
 impl InvokeHandler for Dispatcher {
     fn handle(&self, mut invoke: Invoke, caller: &Arc<Caller>) -> Dispatch {
         let peer = caller.peer();
-        let Some(route) = self.routes.get(invoke.service_entry_id.as_str()) else {
+        // Looked up by its bytes: the route table's keys are valid ids, so an id that matches
+        // one needs no further check.
+        let Some(route) = self.routes.get(invoke.service_entry_id.as_bytes()) else {
             return Dispatch::Ready(error_result(
                 StatusCode::NotFindLocalServiceEntry,
                 format!(
@@ -186,14 +180,9 @@ impl InvokeHandler for Dispatcher {
         };
         let metrics = self.metrics.start(route.method);
         // What only a failing call needs is cloned only when a fallback is registered.
-        let fallback = route.fallback.as_ref().map(|f| ServerFallback {
-            service: f.clone(),
-            index: route.index,
+        let fallback = route.fallback.as_ref().map(|to| ServerFallback {
+            to: to.clone(),
             parameters: invoke.parameters.clone(),
-            events: self.events.clone(),
-            entry_id: route.entry.clone(),
-            endpoint: self.endpoint.clone(),
-            send_panic_text: self.send_panic_text,
         });
         let mut handler = route.service.call(route.index, invoke.parameters, codec);
         let deadline = (invoke.timeout_ms > 0).then(|| {
@@ -202,9 +191,9 @@ impl InvokeHandler for Dispatcher {
                 invoke.timeout_ms,
             )
         });
-        let entry = invoke.service_entry_id;
+        let entry = route.method.entry_id;
         let attachments = telemetry::user_attachments(attachments);
-        let mut watch = telemetry::CallWatch::new(span.clone(), metrics, deadline.map(|(d, _)| d));
+        let watch = telemetry::CallWatch::new(span.clone(), metrics, deadline.map(|(d, _)| d));
         // Most handlers answer in their first poll. When the server is told its handlers never
         // block (`inline_first_poll`), that poll is made here, on the connection's reader, in
         // the call's context, span and inherited deadline, so such a call is answered without
@@ -216,43 +205,20 @@ impl InvokeHandler for Dispatcher {
         } else {
             Poll::Pending
         };
-        let rest = match first {
-            Poll::Ready(outcome) => match (settle(outcome, &entry, self.send_panic_text), fallback)
-            {
-                (Err(e), Some(fb)) if fallback::applies(&e, fallback::Side::Server) => {
-                    Rest::Fallback(e, fb)
-                }
-                (result, _) => {
-                    drop(permit);
-                    return Dispatch::Ready(finish(&mut watch, result, None));
-                }
-            },
-            Poll::Pending => Rest::Handler(handler, fallback),
+        let mut call = CallFuture {
+            guarded: Guarded::new(handler, deadline, entry),
+            fallback,
+            running_fallback: None,
+            permit: Some(permit),
+            watch,
+            codec,
+            send_panic_text: self.send_panic_text,
         };
-        let panic_text = self.send_panic_text;
-        let call = async move {
-            let (e, fb) = match rest {
-                Rest::Handler(handler, fallback) => {
-                    match (
-                        run_guarded(handler, deadline, &entry, panic_text).await,
-                        fallback,
-                    ) {
-                        (Err(e), Some(fb)) if fallback::applies(&e, fallback::Side::Server) => {
-                            (e, fb)
-                        }
-                        (result, _) => {
-                            drop(permit);
-                            return finish(&mut watch, result, None);
-                        }
-                    }
-                }
-                Rest::Fallback(e, fb) => (e, fb),
-            };
-            let cause = e.code();
-            let result = run_fallback(fb, e, codec, deadline, &entry).await;
-            drop(permit);
-            finish(&mut watch, result, Some(cause))
-        };
+        if let Poll::Ready(outcome) = first {
+            if let Some(answer) = call.settle(outcome) {
+                return Dispatch::Ready(answer);
+            }
+        }
         // Each wrapper moves the whole call future once more: add only the ones in use (with
         // no attachments the handler's own calls find an empty context either way).
         Dispatch::Spawn(match (span.is_disabled(), attachments.is_empty()) {
@@ -341,12 +307,79 @@ impl Dispatcher {
     }
 }
 
-/// What is left of a call its first poll did not answer.
-enum Rest {
-    /// The handler is waiting; the fallback, if any, runs should it fail.
-    Handler(HandlerFuture, Option<ServerFallback>),
-    /// The handler failed at once, and the fallback is to run.
-    Fallback(RpcError, ServerFallback),
+/// One call of a server without layers, from its handler's poll to its answer: the handler
+/// under the caller's deadline ([`Guarded`]), then the server fallback should the handler
+/// fail, with the entry's permit held and the call watched until the end.
+///
+/// Written out rather than as an `async` block, which would hold the handler and the fallback
+/// twice (as captured and as moved out) and room for the fallback's future in every call's
+/// task: this holds little more than the handler's box, a boxed fallback future once one
+/// runs, and the watch.
+struct CallFuture {
+    guarded: Guarded<'static>,
+    /// Runs should the handler fail with an error the fallback applies to.
+    fallback: Option<ServerFallback>,
+    /// The fallback running, and the failure it answers for.
+    running_fallback: Option<(StatusCode, FallbackFuture)>,
+    /// Released before the answer is sent.
+    permit: Option<Permit>,
+    watch: telemetry::CallWatch,
+    codec: Codec,
+    send_panic_text: bool,
+}
+
+type FallbackFuture = std::pin::Pin<Box<dyn Future<Output = Result<Bytes, RpcError>> + Send>>;
+
+impl CallFuture {
+    /// Takes the handler's outcome: the answer, or `None` when the fallback now runs.
+    fn settle(&mut self, outcome: Outcome) -> Option<RemoteResultMessage> {
+        let entry = self.guarded.entry;
+        match (
+            settle(outcome, entry, self.send_panic_text),
+            self.fallback.take(),
+        ) {
+            (Err(e), Some(fb)) if fallback::applies(&e, fallback::Side::Server) => {
+                let (codec, deadline) = (self.codec, self.guarded.deadline);
+                self.running_fallback = Some((
+                    e.code(),
+                    Box::pin(run_fallback(fb, e, codec, deadline, entry)),
+                ));
+                None
+            }
+            (result, _) => {
+                self.permit = None;
+                Some(finish(&mut self.watch, result, None))
+            }
+        }
+    }
+}
+
+impl Future for CallFuture {
+    type Output = RemoteResultMessage;
+
+    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = &mut *self;
+        if this.running_fallback.is_none() {
+            let outcome = match std::pin::Pin::new(&mut this.guarded).poll(cx) {
+                Poll::Ready(outcome) => outcome,
+                Poll::Pending => return Poll::Pending,
+            };
+            if let Some(answer) = this.settle(outcome) {
+                return Poll::Ready(answer);
+            }
+        }
+        let Some((cause, running)) = &mut this.running_fallback else {
+            return Poll::Pending;
+        };
+        let result = match running.as_mut().poll(cx) {
+            Poll::Ready(result) => result,
+            Poll::Pending => return Poll::Pending,
+        };
+        let cause = *cause;
+        this.running_fallback = None;
+        this.permit = None;
+        Poll::Ready(finish(&mut this.watch, result, Some(cause)))
+    }
 }
 
 type HandlerFuture = futures_util::future::BoxFuture<'static, Result<Bytes, RpcError>>;
@@ -408,11 +441,12 @@ async fn run_fallback(
 ) -> Result<Bytes, RpcError> {
     // Once the caller's deadline has passed the caller has its timeout: a fallback started
     // now would act for nobody.
+    let to = &fb.to;
     if deadline.is_some_and(|(d, _)| Instant::now() >= d) {
-        fb.events.emit_parts(
+        to.events.emit_parts(
             EventKind::FallbackSkipped,
-            &fb.entry_id,
-            Some(&fb.endpoint),
+            &to.entry_id,
+            Some(&to.endpoint),
             0,
             Some(e.to_string()),
         );
@@ -420,31 +454,36 @@ async fn run_fallback(
     }
     // On the call's span: a trace shows why the fallback ran. The server sees each attempt of
     // a caller as a call of its own: attempt 0.
-    fb.events.emit_parts(
+    to.events.emit_parts(
         EventKind::Fallback,
-        &fb.entry_id,
-        Some(&fb.endpoint),
+        &to.entry_id,
+        Some(&to.endpoint),
         0,
         Some(e.to_string()),
     );
-    let handler = fb.service.call(fb.index, fb.parameters, codec);
+    let handler = to.service.call(to.index, fb.parameters, codec);
     let answer = fallback::with_cause(
         e.clone(),
-        run_guarded(handler, deadline, entry, fb.send_panic_text),
+        run_guarded(handler, deadline, entry, to.send_panic_text),
     )
     .await;
     fallback::outcome(entry, e, answer)
 }
 
-/// A registered server fallback and what it needs to run after the handler failed.
+/// A registered server fallback of one entry and what it needs to run: built once per entry.
+pub(crate) struct FallbackTo {
+    pub(crate) service: Arc<dyn Service>,
+    pub(crate) index: usize,
+    pub(crate) events: EventBus,
+    pub(crate) entry_id: Arc<str>,
+    pub(crate) endpoint: Arc<str>,
+    pub(crate) send_panic_text: bool,
+}
+
+/// What a call keeps to run the server fallback after its handler failed.
 struct ServerFallback {
-    service: Arc<dyn Service>,
-    index: usize,
+    to: Arc<FallbackTo>,
     parameters: Bytes,
-    events: EventBus,
-    entry_id: Arc<str>,
-    endpoint: Arc<str>,
-    send_panic_text: bool,
 }
 
 async fn run_guarded(
@@ -453,35 +492,71 @@ async fn run_guarded(
     entry: &str,
     send_panic_text: bool,
 ) -> Result<Bytes, RpcError> {
-    let inherited = deadline.map(|(d, _)| d);
-    let guarded = rpc_governance::timeout::with_inherited(
-        inherited,
-        AssertUnwindSafe(handler).catch_unwind(),
-    );
-    let outcome = if let Some((deadline, budget_ms)) = deadline {
-        // Most handlers answer in their first poll: the deadline's timer is armed only for one
-        // that has to wait.
-        let mut guarded = std::pin::pin!(guarded);
-        let first = std::future::poll_fn(|cx| Poll::Ready(guarded.as_mut().poll(cx))).await;
-        if let Poll::Ready(outcome) = first {
-            return settle(outcome, entry, send_panic_text);
+    settle(
+        Guarded::new(handler, deadline, entry).await,
+        entry,
+        send_panic_text,
+    )
+}
+
+/// A handler polled under the caller's deadline: each poll runs inside that deadline as the
+/// one the handler's own calls inherit, and catches a panic; when the deadline passes first,
+/// the outcome is a timeout (504) and the handler is dropped with this future.
+///
+/// Written out rather than as `with_inherited(…, timeout_at(…, catch_unwind(…)))`: most
+/// handlers answer in their first poll, and this holds only the handler's box and, once the
+/// handler has to wait, a boxed timer, which keeps the call's task small.
+struct Guarded<'e> {
+    handler: HandlerFuture,
+    deadline: Option<(Instant, u32)>,
+    entry: &'e str,
+    /// Armed at the first poll the handler does not answer in.
+    timer: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl<'e> Guarded<'e> {
+    fn new(handler: HandlerFuture, deadline: Option<(Instant, u32)>, entry: &'e str) -> Self {
+        Guarded {
+            handler,
+            deadline,
+            entry,
+            timer: None,
         }
-        match tokio::time::timeout_at(deadline, guarded).await {
-            Ok(o) => o,
-            Err(_) => {
-                return Err(RpcError::new(
-                    StatusCode::Timeout,
-                    format!(
-                        "{entry} ran out of the caller's {budget_ms} ms budget; the handler was \
-                         stopped"
-                    ),
-                ))
-            }
+    }
+}
+
+impl Future for Guarded<'_> {
+    type Output = Outcome;
+
+    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Outcome> {
+        let this = &mut *self;
+        let handler = &mut this.handler;
+        let polled =
+            rpc_governance::timeout::sync_with_inherited(this.deadline.map(|(d, _)| d), || {
+                std::panic::catch_unwind(AssertUnwindSafe(|| handler.as_mut().poll(cx)))
+            });
+        match polled {
+            Ok(Poll::Ready(result)) => return Poll::Ready(Ok(result)),
+            Ok(Poll::Pending) => {}
+            Err(panic) => return Poll::Ready(Err(panic)),
         }
-    } else {
-        guarded.await
-    };
-    settle(outcome, entry, send_panic_text)
+        let Some((deadline, budget_ms)) = this.deadline else {
+            return Poll::Pending;
+        };
+        let timer = this
+            .timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+        if timer.as_mut().poll(cx).is_pending() {
+            return Poll::Pending;
+        }
+        Poll::Ready(Ok(Err(RpcError::new(
+            StatusCode::Timeout,
+            format!(
+                "{} ran out of the caller's {budget_ms} ms budget; the handler was stopped",
+                this.entry
+            ),
+        ))))
+    }
 }
 
 /// The handler's result, or a panic turned into an error (520) that names the entry.
@@ -541,5 +616,68 @@ fn to_message(result: Result<Bytes, RpcError>) -> RemoteResultMessage {
                 .collect(),
             ..Default::default()
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rpc_core::{GovernanceOverrides, Service, ServiceFuture};
+
+    static METHODS: [MethodDescriptor; 1] = [MethodDescriptor {
+        service_id: "t.T",
+        method: "m",
+        entry_id: "t.T.m",
+        hash_key: None,
+        governance: GovernanceOverrides::NONE,
+    }];
+
+    /// Answers every call with its arguments, at once.
+    struct Echo;
+
+    impl Service for Echo {
+        fn service_id(&self) -> &'static str {
+            "t.T"
+        }
+        fn methods(&self) -> &'static [MethodDescriptor] {
+            &METHODS
+        }
+        fn call(&self, _method: usize, params: Bytes, _codec: Codec) -> ServiceFuture {
+            Box::pin(async move { Ok(params) })
+        }
+    }
+
+    fn invoke(timeout_ms: u32) -> Invoke {
+        Invoke {
+            message_id: 1,
+            service_entry_id: "t.T.m".into(),
+            parameters: Bytes::from_static(b"\x91\xa2hi"),
+            timeout_ms,
+            ..Default::default()
+        }
+    }
+
+    /// The future a call runs as, boxed per call, stays in the small allocations the allocator
+    /// serves from its per-thread cache. (The bound is the allocator's, not this code's: glibc's
+    /// thread cache holds blocks up to about 1 KiB; the future this replaced was larger, and
+    /// every call took the allocator's slow path.)
+    #[test]
+    fn a_call_runs_as_a_future_of_less_than_half_a_kib() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .expect("a runtime");
+        let _entered = rt.enter();
+        let dispatcher = crate::Server::builder()
+            .add_service(Echo)
+            .dispatcher(SocketAddr::from(([127, 0, 0, 1], 1)), "127.0.0.1:1");
+        let caller = Arc::new(Caller::new(SocketAddr::from(([127, 0, 0, 1], 2)), "c"));
+        for timeout_ms in [0, 800] {
+            let Dispatch::Spawn(call) = dispatcher.handle(invoke(timeout_ms), &caller) else {
+                panic!("expected the call to be spawned")
+            };
+            let size = std::mem::size_of_val(&*call);
+            assert!(size <= 512, "the call's future is {size} bytes");
+        }
     }
 }

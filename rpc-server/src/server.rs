@@ -15,7 +15,7 @@ use tokio::net::{TcpListener, ToSocketAddrs};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::dispatch::{Dispatcher, Layered, Route, Terminal};
+use crate::dispatch::{Dispatcher, FallbackTo, Layered, Route, Terminal};
 use crate::middleware::ServerLayer;
 use crate::Service;
 
@@ -259,7 +259,30 @@ impl ServerBuilder {
         self
     }
 
-    fn routes(&self, endpoint: &Arc<str>) -> HashMap<String, Route, ahash::RandomState> {
+    /// The dispatcher of a server bound to `local` and published as `address`.
+    pub(crate) fn dispatcher(&self, local: SocketAddr, address: &str) -> Dispatcher {
+        #[cfg(feature = "otel")]
+        let metrics = crate::telemetry::Metrics::new(
+            &self
+                .meter
+                .clone()
+                .unwrap_or_else(|| opentelemetry::global::meter("rpc")),
+            &self.events,
+        );
+        #[cfg(not(feature = "otel"))]
+        let metrics = crate::telemetry::Metrics;
+        let endpoint: Arc<str> = Arc::from(address);
+        Dispatcher {
+            routes: self.routes(&endpoint),
+            events: self.events.clone(),
+            local,
+            metrics,
+            send_panic_text: self.send_panic_text,
+            inline_first_poll: self.options.inline_first_poll,
+        }
+    }
+
+    fn routes(&self, endpoint: &Arc<str>) -> HashMap<Box<[u8]>, Route, ahash::RandomState> {
         let shared = Bulkhead::new(self.max_concurrency);
         let layers: Arc<[Arc<dyn ServerLayer>]> = self.layers.iter().cloned().collect();
         let mut routes = HashMap::default();
@@ -271,6 +294,16 @@ impl ServerBuilder {
                     None => shared.clone(),
                 };
                 let entry: Arc<str> = Arc::from(m.entry_id);
+                let fallback = fallback.as_ref().map(|service| {
+                    Arc::new(FallbackTo {
+                        service: service.clone(),
+                        index,
+                        events: self.events.clone(),
+                        entry_id: entry.clone(),
+                        endpoint: endpoint.clone(),
+                        send_panic_text: self.send_panic_text,
+                    })
+                });
                 let layered = (!layers.is_empty()).then(|| {
                     Arc::new(Layered {
                         layers: layers.clone(),
@@ -281,20 +314,19 @@ impl ServerBuilder {
                             cap: cap.clone(),
                             fallback: fallback.clone(),
                             events: self.events.clone(),
-                            endpoint: endpoint.clone(),
                             send_panic_text: self.send_panic_text,
                         },
                     })
                 });
                 routes.insert(
-                    m.entry_id.to_string(),
+                    m.entry_id.as_bytes().into(),
                     Route {
                         service: service.clone(),
                         index,
                         method: m,
                         entry,
                         cap,
-                        fallback: fallback.clone(),
+                        fallback,
                         layered,
                     },
                 );
@@ -342,26 +374,7 @@ impl ServerBuilder {
             .tcp()
             .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0)));
         let address = self.advertise.clone().unwrap_or_else(|| bound.to_string());
-        #[cfg(feature = "otel")]
-        let metrics = crate::telemetry::Metrics::new(
-            &self
-                .meter
-                .clone()
-                .unwrap_or_else(|| opentelemetry::global::meter("rpc")),
-            &self.events,
-        );
-        #[cfg(not(feature = "otel"))]
-        let metrics = crate::telemetry::Metrics;
-        let endpoint: Arc<str> = Arc::from(address.as_str());
-        let dispatcher = Arc::new(Dispatcher {
-            routes: self.routes(&endpoint),
-            events: self.events.clone(),
-            local: local_addr,
-            endpoint,
-            metrics,
-            send_panic_text: self.send_panic_text,
-            inline_first_poll: self.options.inline_first_poll,
-        });
+        let dispatcher = Arc::new(self.dispatcher(local_addr, &address));
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(rpc_transport::serve(
             listener,

@@ -8,6 +8,8 @@
 //! repeated oneof fields, malformed input) goes to prost, so the result is always what prost
 //! would decode: the unit tests compare both decoders on generated and on mangled frames.
 
+use std::collections::BTreeMap;
+
 use bytes::{Buf, Bytes};
 use prost::encoding::decode_varint;
 use prost::{DecodeError, Message};
@@ -38,51 +40,73 @@ fn invoke_frame(payload: &Bytes) -> Option<Invoke> {
         // More fields after the invoke (prost would merge or replace): not the plain shape.
         return None;
     }
-    let start = payload.len() - len;
-    invoke_body(&payload.slice(start..))
+    invoke_body(payload, buf)
 }
 
-/// Reads a `RemoteInvokeMessage` body.
-fn invoke_body(body: &Bytes) -> Option<Invoke> {
-    let mut m = Invoke::default();
-    let mut buf = &body[..];
+/// Reads a `RemoteInvokeMessage` body: `buf`, the end of `whole`. The entry id and the
+/// parameters are located first and sliced out of `whole` once, at the end (a field sent twice
+/// replaces the first, as prost does; each occurrence of the id is checked to be UTF-8).
+fn invoke_body(whole: &Bytes, mut buf: &[u8]) -> Option<Invoke> {
+    let (mut message_id, mut codec, mut timeout_ms) = (0, 0, 0);
+    let (mut entry, mut parameters) = (0..0, 0..0);
+    let mut attachments = BTreeMap::new();
     while buf.has_remaining() {
         let key = decode_varint(&mut buf).ok()?;
         match key {
             // message_id: uint64
-            0x08 => m.message_id = decode_varint(&mut buf).ok()?,
+            0x08 => message_id = decode_varint(&mut buf).ok()?,
             // service_entry_id: string
             0x12 => {
-                let s = slice(body, &mut buf)?;
-                m.service_entry_id = WireStr::from_utf8(s).ok()?;
+                entry = field(whole, &mut buf)?;
+                let id = &whole[entry.clone()];
+                // Entry ids are ASCII in practice: checked a word at a time first.
+                if !id.is_ascii() {
+                    std::str::from_utf8(id).ok()?;
+                }
             }
             // codec: enum (int32), truncated as prost does
-            0x18 => m.codec = decode_varint(&mut buf).ok()? as i32,
+            0x18 => codec = decode_varint(&mut buf).ok()? as i32,
             // parameters: bytes
-            0x22 => m.parameters = slice(body, &mut buf)?,
+            0x22 => parameters = field(whole, &mut buf)?,
             // attachments: map<string, string>
             0x2a => {
-                let entry = slice(body, &mut buf)?;
-                let (k, v) = map_entry(&entry)?;
-                m.attachments.insert(k, v);
+                let entry = field(whole, &mut buf)?;
+                let (k, v) = map_entry(&whole[entry])?;
+                attachments.insert(k, v);
             }
             // timeout_ms: uint32, truncated as prost does
-            0x30 => m.timeout_ms = decode_varint(&mut buf).ok()? as u32,
+            0x30 => timeout_ms = decode_varint(&mut buf).ok()? as u32,
             _ => return None,
         }
     }
-    Some(m)
+    Some(Invoke {
+        message_id,
+        service_entry_id: WireStr::checked(slice_of(whole, entry)),
+        codec,
+        parameters: slice_of(whole, parameters),
+        attachments,
+        timeout_ms,
+    })
 }
 
-/// The next length-delimited field's bytes, as a slice of `whole` (which `buf` is a suffix of).
-fn slice(whole: &Bytes, buf: &mut &[u8]) -> Option<Bytes> {
+/// The next length-delimited field's place in `whole` (which `buf` is a suffix of).
+fn field(whole: &[u8], buf: &mut &[u8]) -> Option<std::ops::Range<usize>> {
     let len = usize::try_from(decode_varint(buf).ok()?).ok()?;
     if len > buf.len() {
         return None;
     }
     let start = whole.len() - buf.len();
     buf.advance(len);
-    Some(whole.slice(start..start + len))
+    Some(start..start + len)
+}
+
+/// `range` of `whole`, sharing its buffer; an empty range shares nothing.
+fn slice_of(whole: &Bytes, range: std::ops::Range<usize>) -> Bytes {
+    if range.is_empty() {
+        Bytes::new()
+    } else {
+        whole.slice(range)
+    }
 }
 
 /// One `map<string, string>` entry: key (field 1) and value (field 2), each at most once.

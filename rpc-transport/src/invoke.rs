@@ -3,7 +3,8 @@
 //!
 //! The entry id is read on every call only to look the method up; copying it out of the
 //! frame cost an allocation per call. [`WireStr`] holds it as a slice of the frame's bytes,
-//! checked to be UTF-8 once, when the frame is decoded.
+//! checked to be UTF-8 once, when the frame is decoded; the server looks it up by its bytes
+//! ([`WireStr::as_bytes`]), so no call checks them again.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -19,11 +20,27 @@ pub struct WireStr(Bytes);
 impl WireStr {
     /// `bytes` as a string, if they are UTF-8.
     pub fn from_utf8(bytes: Bytes) -> Result<WireStr, std::str::Utf8Error> {
-        std::str::from_utf8(&bytes)?;
+        // Entry ids are ASCII in practice: checked a word at a time, where the general check
+        // goes byte by byte on short strings.
+        if !bytes.is_ascii() {
+            std::str::from_utf8(&bytes)?;
+        }
         Ok(WireStr(bytes))
     }
 
-    /// The string.
+    /// `bytes` the caller has checked to be UTF-8 (the frame decoder).
+    pub(crate) fn checked(bytes: Bytes) -> WireStr {
+        debug_assert!(std::str::from_utf8(&bytes).is_ok());
+        WireStr(bytes)
+    }
+
+    /// The string's bytes (UTF-8), without checking them again: for lookups by bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+
+    /// The string (its bytes are checked again: on the hot path, prefer
+    /// [`as_bytes`](Self::as_bytes)).
     pub fn as_str(&self) -> &str {
         // Checked when built (`from_utf8`, `From<String>`, `From<&'static str>`); the empty
         // fallback is never taken.

@@ -2,22 +2,25 @@
 //! and their answers.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll, Waker};
 
-use rpc_core::wire::frame::Kind;
+use rpc_core::wire::{frame::Kind, RemoteResultMessage};
 use tokio::sync::Notify;
-use tokio::task::AbortHandle;
 use tokio_util::sync::CancellationToken;
 
 use super::handler::Dispatch;
+use super::runner::{self, CallSink, Runners, Running};
 use crate::writer::FrameSender;
 
 pub(super) struct Conn {
     pub(super) sender: FrameSender,
     pub(super) in_flight: Arc<AtomicUsize>,
-    pub(super) tasks: Mutex<HashMap<u64, AbortHandle, ahash::RandomState>>,
+    /// The calls running, by id: what `Cancel` aborts them with.
+    pub(super) tasks: Mutex<HashMap<u64, Running, ahash::RandomState>>,
+    /// The connection's idle call tasks.
+    pub(super) runners: Runners,
     pub(super) idle: Notify,
     /// Woken when a spawned call finishes (for a reader paused at the in-flight limit).
     pub(super) finished: Notify,
@@ -25,12 +28,15 @@ pub(super) struct Conn {
     pub(super) refused_in_a_row: AtomicU32,
     /// Calls that broke the attachment limits.
     pub(super) abuses: AtomicU32,
+    /// Set when the reader started a call task that is to give way before it runs (see
+    /// [`Handoff`]): the reader does so once, before it waits for more frames.
+    pub(super) give_way: AtomicBool,
 }
 
 impl Conn {
     pub(super) fn tasks(
         &self,
-    ) -> std::sync::MutexGuard<'_, HashMap<u64, AbortHandle, ahash::RandomState>> {
+    ) -> std::sync::MutexGuard<'_, HashMap<u64, Running, ahash::RandomState>> {
         self.tasks.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
@@ -46,67 +52,89 @@ impl Drop for ConnCleanup {
         for (_, h) in self.conn.tasks().drain() {
             h.abort();
         }
+        self.conn.runners.close();
         self.close.cancel();
     }
 }
 
-/// Answers or starts one call. The handler runs in a task of its own, so that one blocking
-/// before its first `.await` stalls only itself, never the connection's reader; with
-/// `inline_first_poll` it is polled once here first and spawned only if it has to wait.
+fn send_result(conn: &Conn, id: u64, mut r: RemoteResultMessage) {
+    r.message_id = id;
+    conn.sender.send(Kind::Result(r));
+}
+
+/// Answers or starts one call. The call's future runs in a task of its own (a reused one: see
+/// `runner`), so that a handler blocking before its first `.await` stalls only itself, never
+/// the connection's reader; with `inline_first_poll` it is polled once here first, and handed
+/// to a task only if it has to wait.
 pub(super) fn dispatch(conn: &Arc<Conn>, outcome: Dispatch, id: u64, inline_first_poll: bool) {
     match outcome {
-        Dispatch::Ready(mut r) => {
-            r.message_id = id;
-            conn.sender.send(Kind::Result(r));
-        }
+        Dispatch::Ready(r) => send_result(conn, id, r),
         Dispatch::Spawn(mut fut) => {
-            // (The spawned task polls again with its own waker, so nothing is lost by this
-            // first poll's no-op waker.)
+            // (The task polls again with its own waker, so nothing is lost by this first
+            // poll's no-op waker.)
             if inline_first_poll {
                 let mut cx = Context::from_waker(Waker::noop());
-                if let Poll::Ready(mut r) = fut.as_mut().poll(&mut cx) {
-                    r.message_id = id;
-                    conn.sender.send(Kind::Result(r));
+                if let Poll::Ready(r) = fut.as_mut().poll(&mut cx) {
+                    send_result(conn, id, r);
                     return;
                 }
+            } else {
+                // The reader gives way before it waits for more frames (see `Handoff`).
+                conn.give_way.store(true, Ordering::Relaxed);
             }
             conn.in_flight.fetch_add(1, Ordering::AcqRel);
-            // The map stays locked until the task's handle is in it: the task looks itself up
-            // there when it finishes.
+            // The map stays locked until the call is in it: its task looks it up there when it
+            // finishes.
             let mut tasks = conn.tasks();
-            let task_conn = conn.clone();
-            let task = tokio::spawn(async move {
-                let conn = task_conn;
-                if !inline_first_poll {
-                    Handoff(false).await;
-                }
-                let mut r = fut.await;
-                // Absent when a Cancel got there first (it aborted the task, which then ends at
-                // its next `.await`, and already counted the call out).
-                if conn.tasks().remove(&id).is_some() {
-                    r.message_id = id;
-                    conn.sender.send(Kind::Result(r));
-                    if conn.in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
-                        conn.idle.notify_one();
-                    }
-                    conn.finished.notify_one();
-                }
-            });
-            tasks.insert(id, task.abort_handle());
+            let running = runner::start(conn, id, fut);
+            tasks.insert(id, running);
         }
     }
 }
 
-/// Makes a freshly spawned call task give way once before it polls the handler, so that a
-/// handler which then blocks its thread does not stall the rest of the server.
+impl CallSink for Conn {
+    fn finish(&self, id: u64, r: RemoteResultMessage) {
+        Conn::finish(self, id, r)
+    }
+
+    fn runners(&self) -> &Runners {
+        &self.runners
+    }
+}
+
+impl Conn {
+    /// Answers a call whose task ended with `r`, unless a `Cancel` got there first (it aborted
+    /// the call, which then ends at its task's next poll, and already counted the call out).
+    pub(super) fn finish(&self, id: u64, r: RemoteResultMessage) {
+        if self.tasks().remove(&id).is_some() {
+            send_result(self, id, r);
+            if self.in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
+                self.idle.notify_one();
+            }
+            self.finished.notify_one();
+        }
+    }
+}
+
+/// Makes the connection's reader give way once after it started call tasks, before it waits
+/// for more frames, so that a handler which blocks its thread before its first `.await` does
+/// not stall the rest of the connection.
 ///
 /// A task spawned by the reader goes into its worker's "next task" slot, which other workers
-/// cannot steal from and which wakes no idle worker. Were the handler to block in that first
-/// run, the worker would be held, and with it the I/O driver it may have been the last to run:
-/// no other worker would be woken to read the connection. A task that wakes itself and returns
-/// `Pending` is put at the back of the run queue instead, which wakes an idle worker (when
-/// there is one) to take over reading.
+/// cannot steal from and which wakes no idle worker; the worker runs it as soon as the reader
+/// waits. Were that handler to block, the worker would be held, and with it the I/O driver it
+/// may have been the last to run: no other worker would be woken to read the connection. A
+/// task that wakes itself and returns `Pending` is put at the back of the run queue instead,
+/// which wakes an idle worker (when there is one) to take the reader over. One give-way per
+/// batch of frames read, rather than one per call task, keeps that promise: only the last
+/// task spawned is in the slot, and the reader is in the queue, stealable, before it runs.
 pub(super) struct Handoff(bool);
+
+impl Handoff {
+    pub(super) fn new() -> Self {
+        Handoff(false)
+    }
+}
 
 impl std::future::Future for Handoff {
     type Output = ();

@@ -1,7 +1,7 @@
 //! One connection: handshake, then its read loop until it ends or drains.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -13,11 +13,12 @@ use tokio_util::codec::FramedRead;
 use tokio_util::sync::CancellationToken;
 
 use super::admission::{throttle_at, CallRate, FrameCtx};
-use super::calls::{Conn, ConnCleanup};
+use super::calls::{Conn, ConnCleanup, Handoff};
 use super::drain::drain;
 use super::handler::{go_away, InvokeHandler};
 use super::handshake::handshake;
 use super::options::{ServerOptions, MAX_HELLO_FRAME, REFUSALS_BEFORE_PAUSE};
+use super::runner::Runners;
 use crate::caller::Caller;
 use crate::codec::FrameCodec;
 use crate::invoke::Incoming;
@@ -97,10 +98,12 @@ pub(super) async fn run_connection<R, W>(
         sender,
         in_flight,
         tasks: Mutex::new(HashMap::default()),
+        runners: Runners::default(),
         idle: Notify::new(),
         finished: Notify::new(),
         refused_in_a_row: AtomicU32::new(0),
         abuses: AtomicU32::new(0),
+        give_way: AtomicBool::new(false),
     });
     // Runs however the connection ends, including when its task is aborted: running handlers
     // are dropped and the socket is closed.
@@ -165,6 +168,10 @@ pub(super) async fn run_connection<R, W>(
                 tokio::task::coop::consume_budget().await;
                 continue;
             }
+        }
+        // Before waiting: let the call tasks just started run elsewhere should one block.
+        if conn.give_way.swap(false, Ordering::Relaxed) {
+            Handoff::new().await;
         }
         let next = tokio::select! {
             biased;

@@ -7,7 +7,6 @@ use std::time::Duration;
 use rpc_core::wire::frame::Kind;
 use rpc_core::StatusCode;
 use tokio::io::AsyncRead;
-use tokio::task::AbortHandle;
 use tokio::time::Instant;
 
 use super::admission::FrameCtx;
@@ -57,7 +56,7 @@ pub(super) async fn drain<R: AsyncRead + Unpin>(
     }
     // Every call the server read gets an answer, so the client knows that calls still pending
     // when the connection closes were never read.
-    let dropped: Vec<(u64, AbortHandle)> = conn.tasks().drain().collect();
+    let dropped: Vec<_> = conn.tasks().drain().collect();
     for (id, handle) in dropped {
         handle.abort();
         let mut r = error_result(

@@ -15,7 +15,9 @@ use crate::invoke::Invoke;
 pub enum Dispatch {
     /// Answer at once (overflow, unknown entry, ...), without spawning.
     Ready(RemoteResultMessage),
-    /// Run this future in its own task; `Cancel` drops it.
+    /// Run this future in a task of its own; `Cancel` drops it. Keep it small (a few hundred
+    /// bytes): it is allocated per call, and glibc's allocator serves blocks above about
+    /// 1 KiB through its slow paths.
     Spawn(BoxFuture<'static, RemoteResultMessage>),
 }
 

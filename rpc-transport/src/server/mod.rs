@@ -2,11 +2,11 @@
 //!
 //! One module per role, each depending only on those listed before it: [`options`] (settings
 //! and fixed limits), [`handler`] (the seam to the layer above: [`InvokeHandler`], the answers
-//! the transport builds itself), [`handshake`] (`Hello` and its token), [`calls`] (the calls
-//! running on a connection, matched by `message_id` for `Cancel`), [`admission`] (which frames
-//! and calls a connection may send: in-flight, attachment and rate limits), [`drain`]
-//! (graceful end), [`connection`] (one connection's read loop), [`accept`] (the accept loop
-//! and `max_connections`).
+//! the transport builds itself), [`handshake`] (`Hello` and its token), [`runner`] (call
+//! tasks, reused), [`calls`] (the calls running on a connection, matched by `message_id` for
+//! `Cancel`), [`admission`] (which frames and calls a connection may send: in-flight,
+//! attachment and rate limits), [`drain`] (graceful end), [`connection`] (one connection's read
+//! loop), [`accept`] (the accept loop and `max_connections`).
 
 mod accept;
 mod admission;
@@ -16,7 +16,9 @@ mod drain;
 mod handler;
 mod handshake;
 mod options;
+mod runner;
 
 pub use accept::serve;
+
 pub use handler::{error_result, Dispatch, InvokeHandler};
 pub use options::{ServerOptions, ABUSE_LIMIT, MAX_HELLO_FRAME, REFUSALS_BEFORE_PAUSE};

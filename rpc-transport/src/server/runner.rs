@@ -1,0 +1,218 @@
+//! Call tasks, reused. Every call runs in a task of its own, so that a handler blocking before
+//! its first `.await` stalls only itself; but tokio aligns each task to 128 bytes, which
+//! glibc's allocator serves through `posix_memalign`, its slow path: about 800 instructions
+//! per call with the free, more than the rest of spawning. So a task whose call has ended does
+//! not end with it: it waits, idle, for the next call of its connection. A connection keeps as
+//! many such tasks as it had calls running at once (at most its in-flight limit), and they end
+//! with it. A call is handed to its task boxed, a small allocation served from the
+//! allocator's per-thread cache.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::task::{Context, Poll};
+
+use futures_util::task::AtomicWaker;
+use rpc_core::wire::RemoteResultMessage;
+
+/// A call's future as its task runs it.
+pub(super) type CallFuture = Pin<Box<dyn Future<Output = RemoteResultMessage> + Send>>;
+
+/// What owns call tasks (a connection): where their answers go, and where they wait idle.
+pub(super) trait CallSink: Send + Sync + 'static {
+    /// Answers call `id` with `answer` (unless `Cancel` got there first).
+    fn finish(&self, id: u64, answer: RemoteResultMessage);
+    /// The idle call tasks.
+    fn runners(&self) -> &Runners;
+}
+
+/// One reusable call task, as the connection sees it.
+#[derive(Default)]
+struct Runner {
+    state: Mutex<State>,
+    waker: AtomicWaker,
+}
+
+#[derive(Default)]
+struct State {
+    /// A call handed over, not yet taken up by the task.
+    next: Option<(u64, CallFuture)>,
+    /// Counts the calls handed over: the generation of the latest.
+    generation: u64,
+    /// The generation of the call `Cancel` aborted last (0: none).
+    cancelled: u64,
+    /// From the hand-over of a call until the task is idle again.
+    busy: bool,
+    /// The connection ended: the task ends.
+    stop: bool,
+}
+
+impl Runner {
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Hands `call` over; returns its generation.
+    fn start(&self, id: u64, call: CallFuture) -> u64 {
+        let generation = {
+            let mut s = self.state();
+            s.generation += 1;
+            s.next = Some((id, call));
+            s.busy = true;
+            s.generation
+        };
+        self.waker.wake();
+        generation
+    }
+
+    /// Drops the call of `generation`, at once if its task has not taken it up yet, else at the
+    /// task's next poll (as aborting a task would).
+    fn cancel(&self, generation: u64) {
+        let dropped = {
+            let mut s = self.state();
+            s.cancelled = generation;
+            if s.generation == generation {
+                s.next.take()
+            } else {
+                None
+            }
+        };
+        drop(dropped);
+        self.waker.wake();
+    }
+
+    /// Ends the task, dropping its call if it has one.
+    fn stop(&self) {
+        let dropped = {
+            let mut s = self.state();
+            s.stop = true;
+            s.next.take()
+        };
+        drop(dropped);
+        self.waker.wake();
+    }
+}
+
+/// A call running in a reused task: what `Cancel` aborts it with.
+pub(super) struct Running {
+    runner: Arc<Runner>,
+    generation: u64,
+}
+
+impl Running {
+    /// Drops the call's future (and with it the handler) at its task's next poll.
+    pub(super) fn abort(&self) {
+        self.runner.cancel(self.generation);
+    }
+}
+
+/// The idle call tasks of one connection.
+#[derive(Default)]
+pub(super) struct Runners {
+    idle: Mutex<Idle>,
+}
+
+#[derive(Default)]
+struct Idle {
+    runners: Vec<Arc<Runner>>,
+    /// The connection ended: tasks that become idle end instead.
+    closed: bool,
+}
+
+impl Runners {
+    fn idle(&self) -> MutexGuard<'_, Idle> {
+        self.idle.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Ends every idle task, and every task that becomes idle from now on.
+    pub(super) fn close(&self) {
+        let runners = {
+            let mut idle = self.idle();
+            idle.closed = true;
+            std::mem::take(&mut idle.runners)
+        };
+        for r in runners {
+            r.stop();
+        }
+    }
+
+    fn put_back(&self, runner: Arc<Runner>) {
+        let mut idle = self.idle();
+        if idle.closed {
+            drop(idle);
+            runner.stop();
+        } else {
+            idle.runners.push(runner);
+        }
+    }
+}
+
+/// Runs call `id` of `conn` in an idle task of the connection, or in a new one.
+pub(super) fn start<C: CallSink>(conn: &Arc<C>, id: u64, call: CallFuture) -> Running {
+    let idle = conn.runners().idle().runners.pop();
+    let runner = match idle {
+        Some(runner) => runner,
+        None => {
+            let runner = Arc::new(Runner::default());
+            tokio::spawn(RunnerTask {
+                runner: runner.clone(),
+                conn: conn.clone(),
+                current: None,
+            });
+            runner
+        }
+    };
+    let generation = runner.start(id, call);
+    Running { runner, generation }
+}
+
+/// The task: takes up each call handed over, runs it, answers it, and becomes idle again.
+struct RunnerTask<C> {
+    runner: Arc<Runner>,
+    conn: Arc<C>,
+    /// The call being run: its id, generation and future.
+    current: Option<(u64, u64, CallFuture)>,
+}
+
+impl<C: CallSink> Future for RunnerTask<C> {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let this = &mut *self;
+        loop {
+            this.runner.waker.register(cx.waker());
+            let mut cancelled = None;
+            let mut now_idle = false;
+            {
+                let mut s = this.runner.state();
+                if s.stop {
+                    return Poll::Ready(());
+                }
+                if matches!(&this.current, Some((_, g, _)) if *g == s.cancelled) {
+                    cancelled = this.current.take();
+                }
+                if this.current.is_none() {
+                    match s.next.take() {
+                        Some((id, call)) => this.current = Some((id, s.generation, call)),
+                        None => now_idle = std::mem::replace(&mut s.busy, false),
+                    }
+                }
+            }
+            // Outside the lock: dropping a handler runs its code.
+            drop(cancelled);
+            if now_idle {
+                this.conn.runners().put_back(this.runner.clone());
+            }
+            let Some((id, _, call)) = &mut this.current else {
+                return Poll::Pending;
+            };
+            let answer = match call.as_mut().poll(cx) {
+                Poll::Ready(answer) => answer,
+                Poll::Pending => return Poll::Pending,
+            };
+            let id = *id;
+            this.current = None;
+            this.conn.finish(id, answer);
+        }
+    }
+}
