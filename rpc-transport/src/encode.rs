@@ -141,6 +141,9 @@ fn result_len(m: &RemoteResultMessage) -> usize {
             .map(|e| nested_len(pair_len(&e.member_name, &e.error_message)))
             .sum::<usize>()
         + map_len(&m.attachments)
+        + varint_len(u64::from(m.server_in_flight))
+        + varint_len(u64::from(m.server_limit))
+        + varint_len(u64::from(m.retry_after_ms))
 }
 
 /// Appends an invoke or result frame, length prefix included, and returns true; returns false
@@ -195,6 +198,9 @@ fn put_result(m: &RemoteResultMessage, dst: &mut impl BufMut) {
         put_pair(5, member_name, error_message, dst);
     }
     put_map(6, &m.attachments, dst);
+    put_varint(7, u64::from(m.server_in_flight), dst);
+    put_varint(8, u64::from(m.server_limit), dst);
+    put_varint(9, u64::from(m.retry_after_ms), dst);
 }
 
 #[cfg(test)]
@@ -254,6 +260,9 @@ mod tests {
                 })
                 .collect(),
             attachments: map(rng),
+            server_in_flight: uint(rng) as u32,
+            server_limit: uint(rng) as u32,
+            retry_after_ms: uint(rng) as u32,
         }
     }
 

@@ -81,6 +81,10 @@ fn result_frame(payload: &Bytes) -> Option<RemoteResultMessage> {
                 let (from, to) = field(&mut buf, payload.len())?;
                 m.exception_message = std::str::from_utf8(&payload[from..to]).ok()?.to_owned();
             }
+            // server_in_flight, server_limit, retry_after_ms: uint32
+            0x38 => m.server_in_flight = varint(&mut buf)? as u32,
+            0x40 => m.server_limit = varint(&mut buf)? as u32,
+            0x48 => m.retry_after_ms = varint(&mut buf)? as u32,
             _ => return None,
         }
     }
@@ -164,6 +168,15 @@ mod tests {
             },
             validate_errors: Vec::new(),
             attachments: Default::default(),
+            server_in_flight: {
+                let n = rng.random_range(1..2000);
+                zero_or(rng, n) as u32
+            },
+            server_limit: {
+                let n = rng.random_range(1..2000);
+                zero_or(rng, n) as u32
+            },
+            retry_after_ms: zero_or(rng, u64::from(u32::MAX)) as u32,
         }
     }
 
