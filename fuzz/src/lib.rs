@@ -50,6 +50,9 @@ pub fn sample_kinds() -> Vec<rpc_core::wire::frame::Kind> {
                 error_message: "at least 4 characters".into(),
             }],
             attachments: Default::default(),
+            server_in_flight: 12,
+            server_limit: 50,
+            retry_after_ms: 0,
         }),
         Kind::Cancel(Cancel {
             message_id: u64::MAX,
