@@ -95,6 +95,30 @@ impl std::fmt::Debug for Redacted<'_> {
     }
 }
 
+/// Broken variants of real frames, for the tests that hold a hand-written decoder to prost's.
+#[cfg(test)]
+pub(crate) mod mutations {
+    use rand::rngs::StdRng;
+    use rand::Rng;
+
+    /// Every prefix of each frame of `frames`, and 30 copies of it with one byte changed.
+    pub(crate) fn of(frames: impl IntoIterator<Item = Vec<u8>>, rng: &mut StdRng) -> Vec<Vec<u8>> {
+        let mut cases = Vec::new();
+        for p in frames {
+            for cut in 0..p.len() {
+                cases.push(p[..cut].to_vec());
+            }
+            for _ in 0..30 {
+                let mut q = p.clone();
+                let i = rng.random_range(0..q.len());
+                q[i] = rng.random();
+                cases.push(q);
+            }
+        }
+        cases
+    }
+}
+
 /// Allocations counted per thread, for the tests that check a path allocates nothing.
 #[cfg(test)]
 pub(crate) mod alloc_count {

@@ -235,18 +235,10 @@ mod tests {
             [&[0x22, 0x0c, 0x08][..], &[0xff; 10][..], &[0x01][..]].concat(),
         ];
         // Every prefix and one-byte change of some real frames.
-        for _ in 0..30 {
-            let p = payload(Kind::Result(random_result(&mut rng)));
-            for cut in 0..p.len() {
-                cases.push(p[..cut].to_vec());
-            }
-            for _ in 0..30 {
-                let mut q = p.clone();
-                let i = rng.random_range(0..q.len());
-                q[i] = rng.random();
-                cases.push(q);
-            }
-        }
+        let frames: Vec<_> = (0..30)
+            .map(|_| payload(Kind::Result(random_result(&mut rng))))
+            .collect();
+        cases.extend(crate::mutations::of(frames, &mut rng));
         for c in &cases {
             same_as_prost(c);
         }
