@@ -232,14 +232,59 @@ fn histogram() -> Histogram<u64> {
     Histogram::new_with_bounds(1, 60_000_000, 3).expect("valid histogram bounds")
 }
 
+/// Outcomes gathered by the callers of one run, shared between them.
+#[derive(Clone)]
+struct Tally(Arc<Mutex<(u64, u64, Histogram<u64>)>>);
+
+impl Tally {
+    fn new() -> Self {
+        Tally(Arc::new(Mutex::new((0, 0, histogram()))))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, (u64, u64, Histogram<u64>)> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Counts one call: answered (with its latency in microseconds) or failed.
+    fn record(&self, answered: Option<u64>) {
+        let mut t = self.lock();
+        match answered {
+            Some(micros) => {
+                t.0 += 1;
+                let _ = t.2.record(micros);
+            }
+            None => t.1 += 1,
+        }
+    }
+
+    /// Adds what one caller counted on its own.
+    fn add(&self, ok: u64, failed: u64, hist: &Histogram<u64>) {
+        let mut t = self.lock();
+        t.0 += ok;
+        t.1 += failed;
+        let _ = t.2.add(hist);
+    }
+
+    /// The run's figures, over `secs` seconds.
+    fn measured(&self, secs: f64) -> Measured {
+        let (ok, failed, hist) = std::mem::replace(&mut *self.lock(), (0, 0, histogram()));
+        Measured {
+            ok,
+            failed,
+            secs,
+            hist,
+        }
+    }
+}
+
 /// `callers` callers calling `echo` back to back for `secs` seconds (closed loop).
 async fn closed_loop(echo: &EchoClient, callers: usize, secs: f64) -> Measured {
     let until = Instant::now() + Duration::from_secs_f64(secs);
-    let shared = Arc::new(Mutex::new((0u64, 0u64, histogram())));
+    let tally = Tally::new();
     let started = Instant::now();
     let tasks: Vec<_> = (0..callers)
         .map(|_| {
-            let (echo, shared) = (echo.clone(), shared.clone());
+            let (echo, tally) = (echo.clone(), tally.clone());
             tokio::spawn(async move {
                 let (mut ok, mut failed, mut hist) = (0, 0, histogram());
                 while Instant::now() < until {
@@ -252,33 +297,20 @@ async fn closed_loop(echo: &EchoClient, callers: usize, secs: f64) -> Measured {
                         Err(_) => failed += 1,
                     }
                 }
-                let mut s = shared.lock().unwrap_or_else(|p| p.into_inner());
-                s.0 += ok;
-                s.1 += failed;
-                let _ = s.2.add(&hist);
+                tally.add(ok, failed, &hist);
             })
         })
         .collect();
     for t in tasks {
         let _ = t.await;
     }
-    let secs = started.elapsed().as_secs_f64();
-    let (ok, failed, hist) = std::mem::replace(
-        &mut *shared.lock().unwrap_or_else(|p| p.into_inner()),
-        (0, 0, histogram()),
-    );
-    Measured {
-        ok,
-        failed,
-        secs,
-        hist,
-    }
+    tally.measured(started.elapsed().as_secs_f64())
 }
 
 /// Calls started at `rate` per second for `secs` seconds whatever the answers (open loop),
 /// at most `outstanding` at once (beyond that a call is counted failed without being sent).
 async fn open_loop(echo: &EchoClient, rate: f64, outstanding: usize, secs: f64) -> Measured {
-    let shared = Arc::new(Mutex::new((0u64, 0u64, histogram())));
+    let tally = Tally::new();
     let limit = Arc::new(Semaphore::new(outstanding));
     let started = Instant::now();
     let total = (rate * secs) as u64;
@@ -288,39 +320,21 @@ async fn open_loop(echo: &EchoClient, rate: f64, outstanding: usize, secs: f64) 
     for _ in 0..total {
         tick.tick().await;
         let Ok(permit) = limit.clone().try_acquire_owned() else {
-            shared.lock().unwrap_or_else(|p| p.into_inner()).1 += 1;
+            tally.record(None);
             continue;
         };
-        let (echo, shared) = (echo.clone(), shared.clone());
+        let (echo, tally) = (echo.clone(), tally.clone());
         tasks.push(tokio::spawn(async move {
             let t = Instant::now();
             let r = echo.echo("x".repeat(32)).await;
-            let micros = t.elapsed().as_micros() as u64;
             drop(permit);
-            let mut s = shared.lock().unwrap_or_else(|p| p.into_inner());
-            match r {
-                Ok(_) => {
-                    s.0 += 1;
-                    let _ = s.2.record(micros);
-                }
-                Err(_) => s.1 += 1,
-            }
+            tally.record(r.ok().map(|_| t.elapsed().as_micros() as u64));
         }));
     }
     for t in tasks {
         let _ = t.await;
     }
-    let secs = started.elapsed().as_secs_f64();
-    let (ok, failed, hist) = std::mem::replace(
-        &mut *shared.lock().unwrap_or_else(|p| p.into_inner()),
-        (0, 0, histogram()),
-    );
-    Measured {
-        ok,
-        failed,
-        secs,
-        hist,
-    }
+    tally.measured(started.elapsed().as_secs_f64())
 }
 
 fn echo_of(addrs: &[&ServerProcess], overrides: GovernanceOverrides) -> EchoClient {
