@@ -17,6 +17,7 @@ use rpc_governance::breaker::BreakerState;
 use rpc_governance::config::{GovernanceConfig, Layers};
 use rpc_governance::engine::Governance;
 use rpc_governance::events::{EventBus, EventKind};
+use rpc_governance::health::Fault;
 use rpc_governance::load::{EndpointLoad, ServerLoad};
 use rpc_governance::stack::{
     self, Balance, CallCx, ClientParts, Fallbacks, Middleware, Service as _,
@@ -901,6 +902,38 @@ impl Client {
             || (options.shunt_strategy == ShuntStrategy::Hash && options.hash_balance_factor > 0)
     }
 
+    /// Counts an attempt's outcome for outlier ejection by success rate: failures that belong
+    /// to the endpoint ([`Fault::of`]) count against it, Overflow (load, not sickness) not at
+    /// all, anything else (the callee's own answer) as a success. Ejections are events.
+    fn count_outcome(
+        &self,
+        cx: &CallCx<'_>,
+        addr: &str,
+        result: &Result<Bytes, RpcError>,
+        service_id: &'static str,
+    ) {
+        let ok = match result {
+            Ok(_) => true,
+            Err(e) if e.code().is_overflow() => return,
+            Err(e) => Fault::of(e).is_none(),
+        };
+        let Some(service) = self.service_now(service_id) else {
+            return;
+        };
+        for o in service.record_outcome(addr, ok, cx.options(), cx.health()) {
+            cx.emit(
+                EventKind::Ejection,
+                Some(&o.address),
+                cx.attempt(),
+                Some(format!(
+                    "{}; avoided for {} ms",
+                    o.cause(),
+                    cx.options().outlier_interval_ms
+                )),
+            );
+        }
+    }
+
     /// The state of a service a call has already looked up, without waiting.
     fn service_now(&self, service_id: &'static str) -> Option<Arc<ServiceState>> {
         let key = (service_id.as_ptr() as usize, service_id.len());
@@ -1004,6 +1037,10 @@ impl stack::Service for Attempt<'_> {
                 .instrument(span.clone())
                 .await
         };
+        if cx.options().outlier_success_rate {
+            self.client
+                .count_outcome(cx, &addr, &result, cx.method().service_id);
+        }
         if let Some(outstanding) = outstanding {
             // An answer (or a timeout: the endpoint was that slow) is a latency; a call that
             // never reached the endpoint only stops counting.

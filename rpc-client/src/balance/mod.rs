@@ -24,6 +24,7 @@ use dashmap::DashMap;
 use rpc_core::{GovernanceOptions, RpcError, ShuntStrategy, StatusCode};
 use rpc_governance::health::EndpointHealth;
 use rpc_governance::load::{two_choices, EndpointLoad};
+use rpc_governance::outlier::{Outlier, SuccessRateRule, SuccessRateTracker};
 use rpc_governance::stack::{CallCx, Pick};
 use rpc_registry::{Endpoints, Instance, ServiceWatch};
 use tokio::time::Instant;
@@ -44,6 +45,8 @@ pub(crate) struct ServiceState {
     loads: DashMap<String, (f64, Arc<EndpointLoad>)>,
     /// The `slow_start_ms` of the last load-aware call, for instances announced later.
     slow_start_ms: AtomicU64,
+    /// Calls and successes per endpoint over the current interval, for outlier ejection.
+    outcomes: SuccessRateTracker,
 }
 
 /// The registry metadata key of an instance's weight: a positive number, 1 when absent. Read by
@@ -109,7 +112,31 @@ impl ServiceState {
             addresses: ArcSwapOption::empty(),
             loads: DashMap::new(),
             slow_start_ms: AtomicU64::new(0),
+            outcomes: SuccessRateTracker::new(),
         }
+    }
+
+    /// Counts an attempt's outcome on `addr` for outlier ejection by success rate (when
+    /// `outlier_success_rate` is on); when an interval ends, its outliers are ejected in
+    /// `health` for `outlier_interval_ms` and returned, for their events.
+    pub(crate) fn record_outcome(
+        &self,
+        addr: &str,
+        ok: bool,
+        options: &GovernanceOptions,
+        health: &EndpointHealth,
+    ) -> Vec<Outlier> {
+        if !options.outlier_success_rate {
+            return Vec::new();
+        }
+        let interval = Duration::from_millis(options.outlier_interval_ms.max(1));
+        let outliers = self
+            .outcomes
+            .record(addr, ok, interval, &SuccessRateRule::of(options));
+        for o in &outliers {
+            health.eject(&o.address, interval, &o.cause());
+        }
+        outliers
     }
 
     /// The load of endpoint `addr`, made on first use (weight from the current snapshot, no
@@ -497,6 +524,42 @@ mod tests {
         assert_eq!(weight_of(&instance("c:1", Some("heavy"))), 1.0);
         assert_eq!(weight_of(&instance("c:1", Some("-2"))), 1.0);
         assert_eq!(weight_of(&instance("c:1", Some("2.5"))), 2.5);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_endpoint_failing_one_call_in_four_is_ejected_by_success_rate() {
+        let addrs = ["a:1", "b:1", "c:1", "d:1", "e:1"];
+        let (s, _tx) = state(addrs.iter().map(|a| instance(a, None)).collect());
+        let health = EndpointHealth::new(Duration::from_secs(60));
+        let o = GovernanceOptions {
+            outlier_success_rate: true,
+            outlier_request_volume: 20,
+            ..GovernanceOptions::default()
+        };
+        // 40 calls each; e fails every fourth, never three in a row, so consecutive-failure
+        // marks never catch it.
+        for n in 0..40 {
+            for a in addrs {
+                let ok = a != "e:1" || n % 4 != 0;
+                assert!(s.record_outcome(a, ok, &o, &health).is_empty());
+            }
+        }
+        assert!(health.is_usable("e:1"));
+        // Off, nothing is counted or judged.
+        let off = GovernanceOptions::default();
+        tokio::time::advance(Duration::from_secs(10)).await;
+        assert!(s.record_outcome("a:1", true, &off, &health).is_empty());
+        // The interval (10 s by default) ended: the next call judges it. Rates 1, 1, 1, 1,
+        // 0.75: mean 0.95, stdev 0.1, threshold 0.76.
+        let out = s.record_outcome("a:1", true, &o, &health);
+        let ejected: Vec<&str> = out.iter().map(|o| o.address.as_str()).collect();
+        assert_eq!(ejected, ["e:1"]);
+        assert!(!health.is_usable("e:1"));
+        let counts = picks(&s, &GovernanceOptions::default(), &[], &health, 40);
+        assert_eq!(counts.get("e:1"), None, "{counts:?}");
+        // Ejected for one interval, then back.
+        tokio::time::advance(Duration::from_secs(10)).await;
+        assert!(health.is_usable("e:1"));
     }
 
     #[tokio::test(start_paused = true)]
