@@ -363,6 +363,7 @@ async fn scenario_a(args: &Args) -> Result<(), String> {
         "the reference p99",
     );
     drop(f3);
+    // Each case gets a slow server of its own, so that what it served is that case's share.
     let slow = ServerProcess::start(&["--delay-ms", "10"])?;
     let rr = closed_loop(
         &echo_of(&[&f1, &f2, &slow], GovernanceOverrides::NONE),
@@ -370,30 +371,40 @@ async fn scenario_a(args: &Args) -> Result<(), String> {
         args.seconds,
     )
     .await;
+    let rr_slow = slow.stop()?;
     row(
         "a",
         "one 10x slower, round robin",
         &rr,
         &format!(
-            "p99 {:.1}x the healthy cluster's",
-            rr.p(0.99) / healthy.p(0.99)
+            "p99 {:.1}x the healthy cluster's; the slow server served {:.1} %",
+            rr.p(0.99) / healthy.p(0.99),
+            share(rr_slow, &rr)
         ),
     );
+    let slow = ServerProcess::start(&["--delay-ms", "10"])?;
     let least_loaded = GovernanceOverrides {
         shunt_strategy: Some(ShuntStrategy::LeastLoaded),
         ..GovernanceOverrides::NONE
     };
     let ll = closed_loop(&echo_of(&[&f1, &f2, &slow], least_loaded), 32, args.seconds).await;
+    let ll_slow = slow.stop()?;
     row(
         "a",
         "one 10x slower, least_loaded",
         &ll,
         &format!(
-            "p99 {:.1}x the healthy cluster's (goal: within 2x)",
-            ll.p(0.99) / healthy.p(0.99)
+            "p99 {:.1}x the healthy cluster's (goal: within 2x); the slow server served {:.1} %",
+            ll.p(0.99) / healthy.p(0.99),
+            share(ll_slow, &ll)
         ),
     );
     Ok(())
+}
+
+/// `served` as a percentage of the calls `m` made.
+fn share(served: u64, m: &Measured) -> f64 {
+    100.0 * served as f64 / (m.ok + m.failed).max(1) as f64
 }
 
 async fn scenario_b(args: &Args) -> Result<(), String> {
