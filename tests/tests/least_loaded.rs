@@ -1,5 +1,6 @@
-//! The load-aware strategy (`shunt_strategy = least_loaded`) over real servers: a slow server
-//! gets few calls, and an instance's `weight` metadata shares the calls out.
+//! Load-aware balancing over real servers: under `shunt_strategy = least_loaded` a slow server
+//! gets few calls and an instance's `weight` metadata shares the calls out; under `hash` with
+//! `hash_balance_factor` a key moves past its owner while that holds too many calls.
 
 mod common;
 
@@ -125,4 +126,118 @@ async fn a_weight_3_instance_gets_about_three_times_the_calls_of_a_weight_1_one(
     );
     within("shutdown", heavy.shutdown()).await;
     within("shutdown", light.shutdown()).await;
+}
+
+#[rpc::service(name = "t.Bounded")]
+trait Bounded {
+    /// Reports entry, waits for a permit the test hands out; returns the server's name.
+    #[governance(shunt_strategy = "hash")]
+    async fn hold(&self, #[hash_key] key: String) -> Result<String, RpcError>;
+}
+
+/// A server whose handlers report entry on a channel shared by all servers and wait for a
+/// permit of their own server.
+struct Gate {
+    name: String,
+    entered: tokio::sync::mpsc::UnboundedSender<String>,
+    release: Arc<tokio::sync::Semaphore>,
+}
+
+impl Bounded for Gate {
+    async fn hold(&self, _key: String) -> Result<String, RpcError> {
+        let _ = self.entered.send(self.name.clone());
+        self.release
+            .acquire()
+            .await
+            .map_err(|_| RpcError::business("gate closed"))?
+            .forget();
+        Ok(self.name.clone())
+    }
+}
+
+#[tokio::test]
+async fn bounded_load_hashing_sends_a_key_past_its_busy_owner() {
+    use std::collections::BTreeMap;
+    use tokio::sync::{mpsc, Semaphore};
+
+    let reg = InProcessRegistry::new();
+    let (entered_tx, mut entered) = mpsc::unbounded_channel();
+    let mut gates: BTreeMap<String, Arc<Semaphore>> = BTreeMap::new();
+    let mut servers = Vec::new();
+    for i in 0..3 {
+        let name = format!("s{i}");
+        let release = Arc::new(Semaphore::new(0));
+        gates.insert(name.clone(), release.clone());
+        servers.push(
+            Server::builder()
+                .registry(reg.clone())
+                .add_service(BoundedServer::new(Gate {
+                    name,
+                    entered: entered_tx.clone(),
+                    release,
+                }))
+                .serve("127.0.0.1:0")
+                .await
+                .expect("serve"),
+        );
+    }
+    let client = Client::builder()
+        .registry(reg.clone())
+        .override_options(
+            BoundedClient::SERVICE_ID,
+            rpc::GovernanceOverrides {
+                hash_balance_factor: Some(125),
+                ..rpc::GovernanceOverrides::NONE
+            },
+        )
+        .build();
+    let bounded = BoundedClient::new(client.clone());
+    let key = || "the-key".to_string();
+    async fn next_entry(rx: &mut mpsc::UnboundedReceiver<String>) -> String {
+        within("a handler entered", rx.recv())
+            .await
+            .expect("entered")
+    }
+
+    // Calls of one key, held in their handlers, placed one at a time so that each entry shows
+    // where it went. The first, with nothing outstanding (bound ⌈1.25 × 1 / 3⌉ = 1, and
+    // 0 + 1 fits), goes to the key's owner.
+    let mut calls = Vec::new();
+    let first = {
+        let b = bounded.clone();
+        tokio::spawn(async move { b.hold(key()).await })
+    };
+    calls.push(first);
+    let owner = next_entry(&mut entered).await;
+    // With the owner holding 1 of 1 outstanding calls, the bound at 125 % is
+    // ⌈1.25 × 2 / 3⌉ = 1: 1 + 1 is over, so the next call of the same key goes past the owner.
+    let second = {
+        let b = bounded.clone();
+        tokio::spawn(async move { b.hold(key()).await })
+    };
+    calls.push(second);
+    let moved = next_entry(&mut entered).await;
+    assert_ne!(moved, owner, "the busy owner kept the key");
+
+    // The control: with the bound off for one call, the key goes to its owner, busy or not.
+    let unbounded = BoundedClient::new(client.with_options(rpc::GovernanceOverrides {
+        hash_balance_factor: Some(0),
+        ..rpc::GovernanceOverrides::NONE
+    }));
+    let third = tokio::spawn(async move { unbounded.hold(key()).await });
+    calls.push(third);
+    assert_eq!(next_entry(&mut entered).await, owner);
+
+    for release in gates.values() {
+        release.add_permits(calls.len());
+    }
+    for c in calls {
+        within("a held call", c)
+            .await
+            .expect("task")
+            .expect("the held call answers once released");
+    }
+    for s in servers {
+        within("shutdown", s.shutdown()).await;
+    }
 }
