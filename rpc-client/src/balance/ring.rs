@@ -157,12 +157,14 @@ pub fn load_bound(total: usize, endpoints: usize, factor_percent: u32) -> usize 
 }
 
 /// Which endpoints, holding `outstanding[i]` calls each, cannot take one more call without
-/// going over the [`load_bound`] of `factor_percent` (0: none is ever over).
+/// going over the [`load_bound`] of `factor_percent` (0: none is ever over). A factor below
+/// 100 % cannot hold (some endpoint always carries the mean), so it acts as 100 %.
 pub fn over_bound(outstanding: &[usize], factor_percent: u32) -> Vec<bool> {
     if factor_percent == 0 {
         return vec![false; outstanding.len()];
     }
-    let bound = load_bound(outstanding.iter().sum(), outstanding.len(), factor_percent);
+    let factor = factor_percent.max(100);
+    let bound = load_bound(outstanding.iter().sum(), outstanding.len(), factor);
     outstanding.iter().map(|&o| o + 1 > bound).collect()
 }
 
@@ -275,6 +277,8 @@ mod tests {
             1,
             "an idle cluster takes a call anywhere"
         );
+        // A factor below 100 % acts as 100 %: ⌈(5 + 1) / 3⌉ = 2, so 1 + 1 fits and 2 + 1 not.
+        assert_eq!(over_bound(&[1, 2, 2], 50), [false, true, true]);
     }
 
     #[test]

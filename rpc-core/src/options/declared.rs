@@ -36,7 +36,7 @@ governance_options! {
         /// Bounded-load consistent hashing, in percent of the mean: under `hash`, an endpoint
         /// with more outstanding calls than this share of the mean (rounded up) is walked past
         /// to the next one on the ring. 0 turns it off; 125 means no endpoint takes more than
-        /// 1.25 × the mean.
+        /// 1.25 × the mean; values from 1 to 100 act as 100.
         hash_balance_factor: u32 = 0, Client,
             "under `hash`, a key's owner holding more than this percentage of the mean outstanding calls is passed over for the next on the ring (125 = at most 1.25 × the mean); 0 = off";
         /// Outlier ejection by success rate (Envoy's rule): every `outlier_interval_ms`, an
