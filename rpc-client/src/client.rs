@@ -17,6 +17,8 @@ use rpc_governance::breaker::BreakerState;
 use rpc_governance::config::{GovernanceConfig, Layers};
 use rpc_governance::engine::Governance;
 use rpc_governance::events::{EventBus, EventKind};
+use rpc_governance::health::Fault;
+use rpc_governance::load::{EndpointLoad, ServerLoad};
 use rpc_governance::stack::{
     self, Balance, CallCx, ClientParts, Fallbacks, Middleware, Service as _,
 };
@@ -836,6 +838,7 @@ impl Client {
         cx: &mut CallCx<'_>,
         addr: &str,
         params: Bytes,
+        reported: &mut Option<ServerLoad>,
     ) -> Result<Bytes, RpcError> {
         let method = cx.method();
         let (timeout_ms, deadline) = (cx.budget_ms(), cx.attempt_deadline());
@@ -879,10 +882,67 @@ impl Client {
                 other => other,
             };
             match answer {
-                Ok(answer) => into_result(answer, self.inner.codec, addr),
+                Ok(answer) => {
+                    if answer.server_in_flight != 0 || answer.server_limit != 0 {
+                        *reported = Some(ServerLoad {
+                            in_flight: answer.server_in_flight,
+                            limit: answer.server_limit,
+                        });
+                    }
+                    into_result(answer, self.inner.codec, addr)
+                }
                 Err(e) => Err(e),
             }
         }
+    }
+
+    /// Whether calls under `options` need their endpoint's load counted.
+    fn tracks_load(&self, options: &GovernanceOptions) -> bool {
+        options.shunt_strategy == ShuntStrategy::LeastLoaded
+            || (options.shunt_strategy == ShuntStrategy::Hash && options.hash_balance_factor > 0)
+    }
+
+    /// Counts an attempt's outcome for outlier ejection by success rate: failures that belong
+    /// to the endpoint ([`Fault::of`]) count against it, Overflow (load, not sickness) not at
+    /// all, anything else (the callee's own answer) as a success. Ejections are events.
+    fn count_outcome(
+        &self,
+        cx: &CallCx<'_>,
+        addr: &str,
+        result: &Result<Bytes, RpcError>,
+        service_id: &'static str,
+    ) {
+        let ok = match result {
+            Ok(_) => true,
+            Err(e) if e.code().is_overflow() => return,
+            Err(e) => Fault::of(e).is_none(),
+        };
+        let Some(service) = self.service_now(service_id) else {
+            return;
+        };
+        for o in service.record_outcome(addr, ok, cx.options(), cx.health()) {
+            cx.emit(
+                EventKind::Ejection,
+                Some(&o.address),
+                cx.attempt(),
+                Some(format!(
+                    "{}; avoided for {} ms",
+                    o.cause(),
+                    cx.options().outlier_interval_ms
+                )),
+            );
+        }
+    }
+
+    /// The state of a service a call has already looked up, without waiting.
+    fn service_now(&self, service_id: &'static str) -> Option<Arc<ServiceState>> {
+        let key = (service_id.as_ptr() as usize, service_id.len());
+        if let Some((k, s)) = self.inner.fast_services[fast_slot(key.0)].get() {
+            if *k == key {
+                return Some(s.clone());
+            }
+        }
+        self.inner.services.get(service_id).map(|s| s.clone())
     }
 
     /// A pooled connection to `addr`; connecting counts against the call's deadline. (When the
@@ -958,16 +1018,39 @@ impl stack::Service for Attempt<'_> {
         };
         let span = telemetry::attempt_span(cx.method(), cx.attempt(), &addr);
         let watch = telemetry::AttemptWatch::new(span.clone(), cx.attempt_deadline());
+        // Load-aware choices need the attempt counted on its endpoint while it runs.
+        let load = self
+            .client
+            .tracks_load(cx.options())
+            .then(|| self.client.service_now(cx.method().service_id))
+            .flatten()
+            .map(|service| service.load_of(&addr));
+        let outstanding = load.as_deref().map(EndpointLoad::start);
+        let mut reported = None;
         let result = if span.is_disabled() {
             // No subscriber: skip the wrapper, which would move the whole attempt future once
             // more on every call.
-            self.client.attempt(cx, &addr, params).await
+            self.client.attempt(cx, &addr, params, &mut reported).await
         } else {
             self.client
-                .attempt(cx, &addr, params)
+                .attempt(cx, &addr, params, &mut reported)
                 .instrument(span.clone())
                 .await
         };
+        if cx.options().outlier_success_rate {
+            self.client
+                .count_outcome(cx, &addr, &result, cx.method().service_id);
+        }
+        if let Some(outstanding) = outstanding {
+            // An answer (or a timeout: the endpoint was that slow) is a latency; a call that
+            // never reached the endpoint only stops counting.
+            let reached = result
+                .as_ref()
+                .map_or_else(|e| e.code() != StatusCode::CommunicationError, |_| true);
+            if reached {
+                outstanding.finish(reported);
+            }
+        }
         watch.finish(&result);
         // An answer from the server (success, or its own verdict rather than a failure to reach
         // it) records who gave it.

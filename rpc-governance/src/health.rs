@@ -210,6 +210,31 @@ impl EndpointHealth {
         }
     }
 
+    /// Marks `addr` unhealthy for `for_` (or longer, if it already is) without counting a
+    /// failure: an outlier by success rate ([`crate::outlier`]) is avoided while other
+    /// endpoints are usable, and gets traffic again when the mark expires.
+    pub fn eject(&self, addr: &str, for_: Duration, reason: &str) {
+        let now = Instant::now();
+        let mut mark = self.marks.entry(addr.to_string()).or_insert_with(|| {
+            self.marked.fetch_add(1, Ordering::Release);
+            Mark {
+                until: now,
+                consecutive: 0,
+                removed: false,
+                connection: None,
+                reason: String::new(),
+            }
+        });
+        mark.until = mark.until.max(now + for_);
+        mark.reason = reason.to_string();
+        tracing::debug!(
+            target: "rpc::governance",
+            endpoint = addr,
+            ejected_ms = for_.as_millis() as u64,
+            "endpoint ejected as an outlier"
+        );
+    }
+
     /// Records a success of `addr`: its mark is cleared.
     pub fn success(&self, addr: &str) {
         if !self.is_clear() && self.marks.remove(addr).is_some() {
@@ -373,6 +398,18 @@ mod tests {
         assert!(matches!(v.state, EndpointState::Unhealthy { .. }));
         h.success("a");
         assert_eq!(h.view("a").state, EndpointState::Healthy);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_ejected_outlier_is_avoided_until_its_mark_expires() {
+        let h = EndpointHealth::new(Duration::from_secs(60));
+        h.eject("a", Duration::from_secs(10), "success rate 75 %");
+        assert!(!h.is_usable("a") && !h.is_removed("a"));
+        assert_eq!(h.view("a").consecutive_failures, 0, "no failure counted");
+        tokio::time::advance(Duration::from_millis(9_999)).await;
+        assert!(!h.is_healthy("a"));
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert!(h.is_usable("a"), "the mark expires: traffic probes it");
     }
 
     #[tokio::test(start_paused = true)]

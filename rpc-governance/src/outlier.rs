@@ -8,8 +8,17 @@
 //! the mean are outliers. Comparing with the peers means a cluster-wide failure (every endpoint
 //! at 50 %) ejects nobody: there is nothing better to move the calls to.
 //!
-//! This module decides; the caller counts calls per endpoint over its interval and ejects what
-//! it is told, at most `max_ejection_percent` of the endpoints at once.
+//! [`success_rate_outliers`] decides; [`SuccessRateTracker`] counts calls per endpoint over an
+//! interval and judges each interval when it ends (at the first call after it, so no timer
+//! runs); the caller ejects what it is told through [`crate::health`], at most
+//! `max_ejection_percent` of the endpoints that served calls in the interval at once.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
+
+use rpc_core::GovernanceOptions;
+use tokio::time::Instant;
 
 /// When the rule judges, and how strictly.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -33,6 +42,115 @@ impl Default for SuccessRateRule {
             stdev_factor: 1.9,
             max_ejection_percent: 10,
         }
+    }
+}
+
+impl SuccessRateRule {
+    /// The rule of an entry's options (`outlier_request_volume`, `outlier_minimum_hosts`,
+    /// `outlier_stdev_factor_percent`, `outlier_max_ejection_percent`).
+    pub fn of(o: &GovernanceOptions) -> Self {
+        SuccessRateRule {
+            request_volume: u64::from(o.outlier_request_volume),
+            minimum_hosts: o.outlier_minimum_hosts as usize,
+            stdev_factor: f64::from(o.outlier_stdev_factor_percent) / 100.0,
+            max_ejection_percent: o.outlier_max_ejection_percent,
+        }
+    }
+}
+
+/// An endpoint judged an outlier over one interval.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Outlier {
+    /// The endpoint's address.
+    pub address: String,
+    /// Its calls that succeeded in the interval.
+    pub successes: u64,
+    /// Its calls in the interval.
+    pub calls: u64,
+    /// The mean success rate of the endpoints judged, 0 to 1.
+    pub mean_rate: f64,
+}
+
+impl Outlier {
+    /// Why it is ejected, for the ejection event.
+    pub fn cause(&self) -> String {
+        format!(
+            "success rate {:.1} % ({} of {} calls) against a mean of {:.1} % over the interval \
+             (outlier by success rate)",
+            100.0 * self.successes as f64 / self.calls.max(1) as f64,
+            self.successes,
+            self.calls,
+            100.0 * self.mean_rate
+        )
+    }
+}
+
+/// Calls and successes per endpoint over the current interval.
+#[derive(Debug)]
+pub struct SuccessRateTracker {
+    window: Mutex<Window>,
+}
+
+#[derive(Debug)]
+struct Window {
+    started: Instant,
+    counts: HashMap<String, (u64, u64)>,
+}
+
+impl Default for SuccessRateTracker {
+    fn default() -> Self {
+        SuccessRateTracker::new()
+    }
+}
+
+impl SuccessRateTracker {
+    /// An interval starting now.
+    pub fn new() -> Self {
+        SuccessRateTracker {
+            window: Mutex::new(Window {
+                started: Instant::now(),
+                counts: HashMap::new(),
+            }),
+        }
+    }
+
+    /// Counts one call of `addr` (`ok`: it succeeded). When the current interval (of length
+    /// `interval`) has ended, the interval is judged by `rule` first and a new one begins with
+    /// this call: the outliers of the ended interval are returned, worst first.
+    pub fn record(
+        &self,
+        addr: &str,
+        ok: bool,
+        interval: Duration,
+        rule: &SuccessRateRule,
+    ) -> Vec<Outlier> {
+        let now = Instant::now();
+        let mut w = self.window.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut outliers = Vec::new();
+        if now.saturating_duration_since(w.started) >= interval {
+            let ended = std::mem::take(&mut w.counts);
+            w.started = now;
+            let (addrs, counts): (Vec<String>, Vec<(u64, u64)>) = ended.into_iter().unzip();
+            let judged: Vec<f64> = counts
+                .iter()
+                .filter(|(_, calls)| *calls >= rule.request_volume.max(1))
+                .map(|(ok, calls)| *ok as f64 / *calls as f64)
+                .collect();
+            let mean_rate = judged.iter().sum::<f64>() / judged.len().max(1) as f64;
+            outliers = success_rate_outliers(&counts, rule)
+                .into_iter()
+                .map(|i| Outlier {
+                    address: addrs[i].clone(),
+                    successes: counts[i].0,
+                    calls: counts[i].1,
+                    mean_rate,
+                })
+                .collect();
+        }
+        let c = w.counts.entry(addr.to_string()).or_insert((0, 0));
+        c.0 += u64::from(ok);
+        c.1 += 1;
+        outliers
     }
 }
 
@@ -89,6 +207,63 @@ mod tests {
         // Only four endpoints qualify: fewer than minimum_hosts.
         let counts = vec![(1000, 1000), (1000, 1000), (1000, 1000), (0, 1000)];
         assert!(success_rate_outliers(&counts, &rule).is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_tracker_judges_each_interval_when_it_ends() {
+        let t = SuccessRateTracker::new();
+        let (interval, rule) = (Duration::from_secs(10), SuccessRateRule::default());
+        // Five endpoints of 100 calls; e4 fails one call in four, never two in a row.
+        for n in 0..100 {
+            for e in 0..5 {
+                let ok = e != 4 || n % 4 != 0;
+                let out = t.record(&format!("e{e}"), ok, interval, &rule);
+                assert!(out.is_empty(), "nothing is judged before the interval ends");
+            }
+        }
+        tokio::time::advance(Duration::from_secs(9)).await;
+        assert!(t.record("e0", true, interval, &rule).is_empty());
+        tokio::time::advance(Duration::from_secs(1)).await;
+        // Rates 1, 1, 1, 1 (e0 with 101 calls) and 0.75: mean 0.95, stdev 0.1, threshold
+        // 0.95 - 1.9 x 0.1 = 0.76, so e4 alone is below it.
+        let out = t.record("e1", true, interval, &rule);
+        assert_eq!(
+            out,
+            vec![Outlier {
+                address: "e4".into(),
+                successes: 75,
+                calls: 100,
+                mean_rate: 0.95,
+            }]
+        );
+        // A new interval began: the old counts are gone.
+        tokio::time::advance(Duration::from_secs(10)).await;
+        assert!(t.record("e1", true, interval, &rule).is_empty());
+    }
+
+    #[test]
+    fn the_rule_follows_the_options() {
+        let o = GovernanceOptions {
+            outlier_request_volume: 20,
+            outlier_minimum_hosts: 3,
+            outlier_stdev_factor_percent: 150,
+            outlier_max_ejection_percent: 50,
+            ..GovernanceOptions::default()
+        };
+        assert_eq!(
+            SuccessRateRule::of(&o),
+            SuccessRateRule {
+                request_volume: 20,
+                minimum_hosts: 3,
+                stdev_factor: 1.5,
+                max_ejection_percent: 50,
+            }
+        );
+        assert_eq!(
+            SuccessRateRule::of(&GovernanceOptions::default()),
+            SuccessRateRule::default(),
+            "the options' defaults are Envoy's"
+        );
     }
 
     #[test]

@@ -21,7 +21,8 @@ pub struct Instance {
     /// The entries it serves, with the governance settings the service declares.
     #[serde(default)]
     pub entries: Vec<ServiceEntry>,
-    /// Free-form metadata, such as `version` or `weight`.
+    /// Free-form metadata, such as `version` or `weight` (a positive number, read by clients'
+    /// `least_loaded` strategy: see `rpc_client::balance::WEIGHT_KEY`).
     #[serde(default)]
     pub metadata: BTreeMap<String, String>,
 }

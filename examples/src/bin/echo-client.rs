@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! echo-client --endpoints host:port,... --calls N [--interval-ms I] [--concurrency C]
-//!             [--strategy polling|random|hash|appoint] [--timeout-ms T] [--token T]
+//!             [--strategy polling|random|hash|appoint|least_loaded] [--timeout-ms T] [--token T]
 //! echo-client --registry static:<file>|etcd://host:port --calls N [...]
 //! ```
 //! Prints one line per call, then exactly
@@ -36,7 +36,7 @@ struct Args {
     /// Callers running at once.
     #[arg(long, default_value_t = 1)]
     concurrency: u64,
-    /// polling, random, hash or appoint (appoint: the first endpoint).
+    /// polling, random, hash, appoint (the first endpoint) or least_loaded.
     #[arg(long, default_value = "polling")]
     strategy: ShuntStrategy,
     /// Deadline of each call, retries included (0: none).

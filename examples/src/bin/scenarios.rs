@@ -5,8 +5,8 @@
 //! cargo run --release -p examples --bin scenarios -- [--only a,b,c,d,e] [--seconds S]
 //! ```
 //!
-//! - (a) three servers, one ten times slower: throughput and p50/p99 of round robin, beside an
-//!   all-healthy cluster.
+//! - (a) three servers, one ten times slower: throughput and p50/p99 of round robin and of the
+//!   load-aware picker (`least_loaded`), beside an all-healthy cluster.
 //! - (b) offered load three times capacity: goodput and the admitted calls' p99 under the fixed
 //!   cap of 50, beside the unloaded p99.
 //! - (c) 1 % of answers fifty times slower: p99.
@@ -27,7 +27,9 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use examples::{Echo, EchoClient, EchoServer};
 use hdrhistogram::Histogram;
-use rpc::{Client, GovernanceOverrides, RpcError, Server, StaticRegistry, StatusCode};
+use rpc::{
+    Client, GovernanceOverrides, RpcError, Server, ShuntStrategy, StaticRegistry, StatusCode,
+};
 use tokio::sync::Semaphore;
 
 #[derive(Parser, Debug, Clone)]
@@ -375,6 +377,7 @@ async fn scenario_a(args: &Args) -> Result<(), String> {
         "the reference p99",
     );
     drop(f3);
+    // Each case gets a slow server of its own, so that what it served is that case's share.
     let slow = ServerProcess::start(&["--delay-ms", "10"])?;
     let rr = closed_loop(
         &echo_of(&[&f1, &f2, &slow], GovernanceOverrides::NONE),
@@ -382,16 +385,40 @@ async fn scenario_a(args: &Args) -> Result<(), String> {
         args.seconds,
     )
     .await;
+    let rr_slow = slow.stop()?;
     row(
         "a",
         "one 10x slower, round robin",
         &rr,
         &format!(
-            "p99 {:.1}x the healthy cluster's",
-            rr.p(0.99) / healthy.p(0.99)
+            "p99 {:.1}x the healthy cluster's; the slow server served {:.1} %",
+            rr.p(0.99) / healthy.p(0.99),
+            share(rr_slow, &rr)
+        ),
+    );
+    let slow = ServerProcess::start(&["--delay-ms", "10"])?;
+    let least_loaded = GovernanceOverrides {
+        shunt_strategy: Some(ShuntStrategy::LeastLoaded),
+        ..GovernanceOverrides::NONE
+    };
+    let ll = closed_loop(&echo_of(&[&f1, &f2, &slow], least_loaded), 32, args.seconds).await;
+    let ll_slow = slow.stop()?;
+    row(
+        "a",
+        "one 10x slower, least_loaded",
+        &ll,
+        &format!(
+            "p99 {:.1}x the healthy cluster's (goal: within 2x); the slow server served {:.1} %",
+            ll.p(0.99) / healthy.p(0.99),
+            share(ll_slow, &ll)
         ),
     );
     Ok(())
+}
+
+/// `served` as a percentage of the calls `m` made.
+fn share(served: u64, m: &Measured) -> f64 {
+    100.0 * served as f64 / (m.ok + m.failed).max(1) as f64
 }
 
 async fn scenario_b(args: &Args) -> Result<(), String> {

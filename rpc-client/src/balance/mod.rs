@@ -1,7 +1,13 @@
 //! Endpoint choice, in one place: a client's view of each service (its live endpoints from the
-//! registry watch), the shunt strategies (round robin, random, consistent hash on a ring,
-//! appointed address), the ranking by this client's endpoint health (healthy before marked,
-//! removed last) and the picker that hands the call stack its candidates in that order.
+//! registry watch), the shunt strategies (round robin, random, consistent hash on a ring with an
+//! optional load bound, appointed address, least loaded by power of two choices), the ranking by
+//! this client's endpoint health (healthy before marked, removed last) and the picker that hands
+//! the call stack its candidates in that order.
+//!
+//! The load-aware strategies read each endpoint's [`EndpointLoad`]: the attempt counts as
+//! outstanding on its endpoint while it runs, and its latency and the server's load report
+//! update the score when it is answered. An instance's weight is its registry metadata
+//! [`WEIGHT_KEY`].
 //!
 //! Why one module: failover, hash routing and ejection all answer the same question (where does
 //! the next attempt go?), and answering it in one place is what keeps them consistent. The
@@ -9,14 +15,19 @@
 
 pub mod ring;
 
-use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
 use arc_swap::ArcSwapOption;
+use dashmap::DashMap;
 use rpc_core::{GovernanceOptions, RpcError, ShuntStrategy, StatusCode};
 use rpc_governance::health::EndpointHealth;
+use rpc_governance::load::{two_choices, EndpointLoad};
+use rpc_governance::outlier::{Outlier, SuccessRateRule, SuccessRateTracker};
 use rpc_governance::stack::{CallCx, Pick};
-use rpc_registry::{Endpoints, ServiceWatch};
+use rpc_registry::{Endpoints, Instance, ServiceWatch};
+use tokio::time::Instant;
 
 use ring::{RingCache, RingKey, RingSnapshot};
 
@@ -30,6 +41,37 @@ pub(crate) struct ServiceState {
     /// The addresses of the current snapshot as shared strings, so that naming the chosen
     /// endpoint for an attempt copies no string.
     addresses: ArcSwapOption<Addresses>,
+    /// Each endpoint's load as this client sees it, with the weight it was made with.
+    loads: DashMap<String, (f64, Arc<EndpointLoad>)>,
+    /// The `slow_start_ms` of the last load-aware call, for instances announced later.
+    slow_start_ms: AtomicU64,
+    /// Calls and successes per endpoint over the current interval, for outlier ejection.
+    outcomes: SuccessRateTracker,
+}
+
+/// The registry metadata key of an instance's weight: a positive number, 1 when absent. Read by
+/// the `least_loaded` strategy, whose score is divided by it (a weight-3 instance gets about
+/// three times the calls of a weight-1 one); round robin, random and hash ignore it.
+pub const WEIGHT_KEY: &str = "weight";
+
+/// `instance`'s weight from its [`WEIGHT_KEY`] metadata; 1 when absent, and 1 (with a warning)
+/// when it is not a positive number.
+pub fn weight_of(instance: &Instance) -> f64 {
+    let Some(text) = instance.metadata.get(WEIGHT_KEY) else {
+        return 1.0;
+    };
+    match text.trim().parse::<f64>() {
+        Ok(w) if w.is_finite() && w > 0.0 => w,
+        _ => {
+            tracing::warn!(
+                target: "rpc::governance",
+                endpoint = instance.address.as_str(),
+                weight = text.as_str(),
+                "instance metadata `weight` is not a positive number; weight 1 is used"
+            );
+            1.0
+        }
+    }
 }
 
 /// The addresses of one snapshot, in its order.
@@ -68,7 +110,78 @@ impl ServiceState {
             ring: RingCache::new(ring_key),
             seen,
             addresses: ArcSwapOption::empty(),
+            loads: DashMap::new(),
+            slow_start_ms: AtomicU64::new(0),
+            outcomes: SuccessRateTracker::new(),
         }
+    }
+
+    /// Counts an attempt's outcome on `addr` for outlier ejection by success rate (when
+    /// `outlier_success_rate` is on); when an interval ends, its outliers are ejected in
+    /// `health` for `outlier_interval_ms` and returned, for their events.
+    pub(crate) fn record_outcome(
+        &self,
+        addr: &str,
+        ok: bool,
+        options: &GovernanceOptions,
+        health: &EndpointHealth,
+    ) -> Vec<Outlier> {
+        if !options.outlier_success_rate {
+            return Vec::new();
+        }
+        let interval = Duration::from_millis(options.outlier_interval_ms.max(1));
+        let outliers = self
+            .outcomes
+            .record(addr, ok, interval, &SuccessRateRule::of(options));
+        for o in &outliers {
+            health.eject(&o.address, interval, &o.cause());
+        }
+        outliers
+    }
+
+    /// The load of endpoint `addr`, made on first use (weight from the current snapshot, no
+    /// slow start: the endpoint was there when this client first looked).
+    pub(crate) fn load_of(&self, addr: &str) -> Arc<EndpointLoad> {
+        if let Some(l) = self.loads.get(addr) {
+            return l.1.clone();
+        }
+        let weight = self
+            .endpoints()
+            .iter()
+            .find(|i| i.address == addr)
+            .map_or(1.0, |i| weight_of(i));
+        self.loads
+            .entry(addr.to_string())
+            .or_insert_with(|| (weight, Arc::new(EndpointLoad::new(weight, Duration::ZERO))))
+            .1
+            .clone()
+    }
+
+    /// Brings the loads in line with a new snapshot: endpoints announced since the last one
+    /// start their slow start now, a changed weight is taken, departed endpoints are dropped.
+    fn refresh_loads(&self, eps: &Endpoints) {
+        if self.loads.is_empty() {
+            // No load-aware call yet: nothing to keep in line.
+            return;
+        }
+        let slow_start = Duration::from_millis(self.slow_start_ms.load(Ordering::Relaxed));
+        for i in eps.iter() {
+            let weight = weight_of(i);
+            let fresh = !self.loads.contains_key(i.address.as_str());
+            let changed = self
+                .loads
+                .get(i.address.as_str())
+                .is_some_and(|l| l.0 != weight);
+            if fresh || changed {
+                let ramp = if fresh { slow_start } else { Duration::ZERO };
+                self.loads.insert(
+                    i.address.clone(),
+                    (weight, Arc::new(EndpointLoad::new(weight, ramp))),
+                );
+            }
+        }
+        self.loads
+            .retain(|addr, _| eps.iter().any(|i| i.address == *addr));
     }
 
     pub(crate) fn endpoints(&self) -> Endpoints {
@@ -85,6 +198,7 @@ impl ServiceState {
         let eps = self.endpoints();
         self.ring.refresh(&eps);
         self.addresses(&eps);
+        self.refresh_loads(&eps);
     }
 
     /// The shared address string of `eps[idx]`: from the cached list when it is `eps`'s (read
@@ -170,12 +284,23 @@ impl ServiceState {
         }
         if let (ShuntStrategy::Hash, Some(key)) = (options.shunt_strategy, hash_key) {
             let ring = self.ring(&eps);
-            let mut best: Option<(u8, usize)> = None;
+            // Bounded load: an endpoint over the bound ranks after every one under it of the
+            // same health.
+            let over: Vec<bool> = if options.hash_balance_factor > 0 {
+                let outstanding: Vec<usize> = eps
+                    .iter()
+                    .map(|i| self.load_of(&i.address).outstanding())
+                    .collect();
+                ring::over_bound(&outstanding, options.hash_balance_factor)
+            } else {
+                vec![false; eps.len()]
+            };
+            let mut best: Option<((u8, bool), usize)> = None;
             for idx in ring.ring.walk(key) {
-                let r = rank(&eps[idx].address, tried, health);
+                let r = (rank(&eps[idx].address, tried, health), over[idx]);
                 if best.is_none_or(|(b, _)| r < b) {
                     best = Some((r, idx));
-                    if r == 0 {
+                    if r == (0, false) {
                         break;
                     }
                 }
@@ -183,6 +308,22 @@ impl ServiceState {
             // The ring holds every endpoint, so a best one exists.
             let idx = best.map(|(_, i)| i).unwrap_or(0);
             return Ok(self.address(&eps, idx));
+        }
+        if options.shunt_strategy == ShuntStrategy::LeastLoaded {
+            self.slow_start_ms
+                .store(options.slow_start_ms, Ordering::Relaxed);
+            let group: Vec<usize> = if tried.is_empty() && health.is_clear() {
+                (0..eps.len()).collect()
+            } else {
+                best_group(&eps, tried, health)
+            };
+            let loads: Vec<Arc<EndpointLoad>> = group
+                .iter()
+                .map(|&i| self.load_of(&eps[i].address))
+                .collect();
+            let now = Instant::now();
+            let pick = two_choices(loads.len(), ring::random, |k| loads[k].score_at(now));
+            return Ok(self.address(&eps, group[pick.unwrap_or(0)]));
         }
         if tried.is_empty() && health.is_clear() {
             // The common case: every endpoint is equally good, nothing to rank.
@@ -192,18 +333,23 @@ impl ServiceState {
             };
             return Ok(self.address(&eps, pick));
         }
-        let ranks: Vec<u8> = eps
-            .iter()
-            .map(|i| rank(&i.address, tried, health))
-            .collect();
-        let best = ranks.iter().copied().min().unwrap_or(0);
-        let group: Vec<usize> = (0..eps.len()).filter(|&i| ranks[i] == best).collect();
+        let group = best_group(&eps, tried, health);
         let pick = match options.shunt_strategy {
             ShuntStrategy::Random => ring::random(group.len()),
             _ => ring::polling(&self.counter, group.len()),
         };
         Ok(self.address(&eps, group[pick]))
     }
+}
+
+/// The indexes of the endpoints of the best rank (see [`rank`]).
+fn best_group(eps: &Endpoints, tried: &[Arc<str>], health: &EndpointHealth) -> Vec<usize> {
+    let ranks: Vec<u8> = eps
+        .iter()
+        .map(|i| rank(&i.address, tried, health))
+        .collect();
+    let best = ranks.iter().copied().min().unwrap_or(0);
+    (0..eps.len()).filter(|&i| ranks[i] == best).collect()
 }
 
 /// The candidates of one call of a service, best first: asked for each attempt's endpoint, it
@@ -238,5 +384,208 @@ impl Pick for Picker {
             .endpoints()
             .iter()
             .any(|i| i.address != addr && health.is_usable(&i.address))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::sync::watch;
+
+    fn instance(address: &str, weight: Option<&str>) -> Arc<Instance> {
+        let mut i = Instance::new(address, ["s.S"]);
+        if let Some(w) = weight {
+            i.metadata.insert(WEIGHT_KEY.into(), w.into());
+        }
+        Arc::new(i)
+    }
+
+    fn state(instances: Vec<Arc<Instance>>) -> (ServiceState, watch::Sender<Endpoints>) {
+        let (tx, rx) = watch::channel(Endpoints::new(instances));
+        (
+            ServiceState::new(ServiceWatch::new(rx), RingKey::Address),
+            tx,
+        )
+    }
+
+    fn least_loaded() -> GovernanceOptions {
+        GovernanceOptions {
+            shunt_strategy: ShuntStrategy::LeastLoaded,
+            ..GovernanceOptions::default()
+        }
+    }
+
+    fn picks(
+        s: &ServiceState,
+        o: &GovernanceOptions,
+        tried: &[Arc<str>],
+        health: &EndpointHealth,
+        n: usize,
+    ) -> HashMap<String, usize> {
+        let mut counts = HashMap::new();
+        for _ in 0..n {
+            let a = s.select("s.S", o, None, tried, health).unwrap();
+            *counts.entry(a.to_string()).or_default() += 1;
+        }
+        counts
+    }
+
+    use std::collections::HashMap;
+
+    #[tokio::test(start_paused = true)]
+    async fn least_loaded_takes_the_endpoint_with_fewer_calls_outstanding() {
+        let (s, _tx) = state(vec![instance("a:1", None), instance("b:1", None)]);
+        let health = EndpointHealth::new(Duration::from_secs(60));
+        // Same latency seen on both; b has three calls outstanding, so its score is four
+        // times a's: with two endpoints both are always drawn, and a always wins.
+        let now = Instant::now();
+        s.load_of("a:1").observe(Duration::from_millis(10), now);
+        s.load_of("b:1").observe(Duration::from_millis(10), now);
+        let b = s.load_of("b:1");
+        let _busy: Vec<_> = (0..3).map(|_| b.start()).collect();
+        let counts = picks(&s, &least_loaded(), &[], &health, 50);
+        assert_eq!(counts.get("a:1"), Some(&50), "{counts:?}");
+        // The same under round robin: half each, whatever the load.
+        let rr = picks(&s, &GovernanceOptions::default(), &[], &health, 50);
+        assert_eq!((rr.get("a:1"), rr.get("b:1")), (Some(&25), Some(&25)));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn least_loaded_chooses_among_healthy_untried_endpoints_first() {
+        let (s, _tx) = state(vec![
+            instance("a:1", None),
+            instance("b:1", None),
+            instance("c:1", None),
+        ]);
+        let health = EndpointHealth::new(Duration::from_secs(60));
+        // a is the least loaded, but marked unhealthy: b and c take every call.
+        let now = Instant::now();
+        s.load_of("a:1").observe(Duration::from_millis(1), now);
+        s.load_of("b:1").observe(Duration::from_millis(50), now);
+        s.load_of("c:1").observe(Duration::from_millis(50), now);
+        health.failure("a:1", 0);
+        let counts = picks(&s, &least_loaded(), &[], &health, 60);
+        assert_eq!(counts.get("a:1"), None, "{counts:?}");
+        // Failover: b was tried, so c is next (a still marked).
+        let tried: Vec<Arc<str>> = vec![Arc::from("b:1")];
+        let counts = picks(&s, &least_loaded(), &tried, &health, 20);
+        assert_eq!(counts.get("c:1"), Some(&20), "{counts:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_instance_announced_later_ramps_up_over_slow_start() {
+        let (s, tx) = state(vec![instance("a:1", None)]);
+        let health = EndpointHealth::new(Duration::from_secs(60));
+        let o = GovernanceOptions {
+            slow_start_ms: 10_000,
+            ..least_loaded()
+        };
+        assert_eq!(picks(&s, &o, &[], &health, 1).get("a:1"), Some(&1));
+        tx.send(Endpoints::new([
+            instance("a:1", None),
+            instance("b:1", None),
+        ]))
+        .unwrap();
+        s.refresh();
+        // Nothing measured on either: b's weight is a tenth of a's, so its score is ten times
+        // a's while a has fewer than nine calls outstanding: every call goes to a.
+        let a = s.load_of("a:1");
+        let _held: Vec<_> = (0..5).map(|_| a.start()).collect();
+        let counts = picks(&s, &o, &[], &health, 40);
+        assert_eq!(counts.get("a:1"), Some(&40), "{counts:?}");
+        // After the slow start both weigh 1: b, idle, takes every call.
+        tokio::time::advance(Duration::from_secs(10)).await;
+        let counts = picks(&s, &o, &[], &health, 40);
+        assert_eq!(counts.get("b:1"), Some(&40), "{counts:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_instance_weight_divides_the_score() {
+        let (s, _tx) = state(vec![instance("a:1", Some("3")), instance("b:1", None)]);
+        let health = EndpointHealth::new(Duration::from_secs(60));
+        // Same latency, a of weight 3: with one call outstanding a scores 10 ms × 2 / 3, below
+        // idle b's 10 ms × 1 / 1; with three outstanding, 10 ms × 4 / 3, above it.
+        let now = Instant::now();
+        s.load_of("a:1").observe(Duration::from_millis(10), now);
+        s.load_of("b:1").observe(Duration::from_millis(10), now);
+        let a = s.load_of("a:1");
+        let one = a.start();
+        assert_eq!(
+            picks(&s, &least_loaded(), &[], &health, 10).get("a:1"),
+            Some(&10)
+        );
+        let _more = (a.start(), a.start());
+        assert_eq!(
+            picks(&s, &least_loaded(), &[], &health, 10).get("b:1"),
+            Some(&10)
+        );
+        drop(one);
+        // A weight that is not a positive number counts as 1.
+        assert_eq!(weight_of(&instance("c:1", Some("heavy"))), 1.0);
+        assert_eq!(weight_of(&instance("c:1", Some("-2"))), 1.0);
+        assert_eq!(weight_of(&instance("c:1", Some("2.5"))), 2.5);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_endpoint_failing_one_call_in_four_is_ejected_by_success_rate() {
+        let addrs = ["a:1", "b:1", "c:1", "d:1", "e:1"];
+        let (s, _tx) = state(addrs.iter().map(|a| instance(a, None)).collect());
+        let health = EndpointHealth::new(Duration::from_secs(60));
+        let o = GovernanceOptions {
+            outlier_success_rate: true,
+            outlier_request_volume: 20,
+            ..GovernanceOptions::default()
+        };
+        // 40 calls each; e fails every fourth, never three in a row, so consecutive-failure
+        // marks never catch it.
+        for n in 0..40 {
+            for a in addrs {
+                let ok = a != "e:1" || n % 4 != 0;
+                assert!(s.record_outcome(a, ok, &o, &health).is_empty());
+            }
+        }
+        assert!(health.is_usable("e:1"));
+        // Off, nothing is counted or judged.
+        let off = GovernanceOptions::default();
+        tokio::time::advance(Duration::from_secs(10)).await;
+        assert!(s.record_outcome("a:1", true, &off, &health).is_empty());
+        // The interval (10 s by default) ended: the next call judges it. Rates 1, 1, 1, 1,
+        // 0.75: mean 0.95, stdev 0.1, threshold 0.76.
+        let out = s.record_outcome("a:1", true, &o, &health);
+        let ejected: Vec<&str> = out.iter().map(|o| o.address.as_str()).collect();
+        assert_eq!(ejected, ["e:1"]);
+        assert!(!health.is_usable("e:1"));
+        let counts = picks(&s, &GovernanceOptions::default(), &[], &health, 40);
+        assert_eq!(counts.get("e:1"), None, "{counts:?}");
+        // Ejected for one interval, then back.
+        tokio::time::advance(Duration::from_secs(10)).await;
+        assert!(health.is_usable("e:1"));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn bounded_load_hashing_moves_a_key_off_an_owner_over_the_bound() {
+        let (s, _tx) = state(vec![
+            instance("a:1", None),
+            instance("b:1", None),
+            instance("c:1", None),
+        ]);
+        let health = EndpointHealth::new(Duration::from_secs(60));
+        let key = 42u64;
+        let eps = s.endpoints();
+        let walk: Vec<usize> = s.ring(&eps).ring.walk(key).collect();
+        let owner = eps[walk[0]].address.clone();
+        let next = eps[walk[1]].address.clone();
+        let hash = |factor| GovernanceOptions {
+            shunt_strategy: ShuntStrategy::Hash,
+            hash_balance_factor: factor,
+            ..GovernanceOptions::default()
+        };
+        let load = s.load_of(&owner);
+        let _held: Vec<_> = (0..6).map(|_| load.start()).collect();
+        let pick = |o: &GovernanceOptions| s.select("s.S", o, Some(key), &[], &health).unwrap();
+        // Off: the owner keeps its key whatever it holds.
+        assert_eq!(&*pick(&hash(0)), owner.as_str());
+        // 125 %: ⌈1.25 × 7 / 3⌉ = 3 < 6 + 1, so the next on the ring takes it.
+        assert_eq!(&*pick(&hash(125)), next.as_str());
     }
 }

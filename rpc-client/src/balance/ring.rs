@@ -146,6 +146,39 @@ impl HashRing {
     }
 }
 
+/// The most outstanding calls an endpoint may hold under bounded-load hashing, with `total`
+/// outstanding over `endpoints` endpoints and a factor of `factor_percent` % of the mean:
+/// ⌈factor × (total + 1) / endpoints⌉, the + 1 being the call now placed (as in "Consistent
+/// Hashing with Bounded Loads", Mirrokni, Thorup, Zadimoghaddam).
+pub fn load_bound(total: usize, endpoints: usize, factor_percent: u32) -> usize {
+    let num = u128::from(factor_percent) * (total as u128 + 1);
+    let den = 100 * endpoints.max(1) as u128;
+    num.div_ceil(den) as usize
+}
+
+/// Which endpoints, holding `outstanding[i]` calls each, cannot take one more call without
+/// going over the [`load_bound`] of `factor_percent` (0: none is ever over). A factor below
+/// 100 % cannot hold (some endpoint always carries the mean), so it acts as 100 %.
+pub fn over_bound(outstanding: &[usize], factor_percent: u32) -> Vec<bool> {
+    if factor_percent == 0 {
+        return vec![false; outstanding.len()];
+    }
+    let factor = factor_percent.max(100);
+    let bound = load_bound(outstanding.iter().sum(), outstanding.len(), factor);
+    outstanding.iter().map(|&o| o + 1 > bound).collect()
+}
+
+impl HashRing {
+    /// The endpoint a call of `key` goes to under bounded load: the first on the walk from
+    /// `key` that is not [`over_bound`]; the owner when every one is.
+    pub fn owner_bounded(&self, key: u64, outstanding: &[usize], factor_percent: u32) -> usize {
+        let over = over_bound(outstanding, factor_percent);
+        let mut walk = self.walk(key).peekable();
+        let owner = walk.peek().copied().unwrap_or(0);
+        walk.find(|&i| !over[i]).unwrap_or(owner)
+    }
+}
+
 /// Round robin over the acceptable candidates.
 pub fn polling(counter: &AtomicUsize, candidates: usize) -> usize {
     counter.fetch_add(1, Ordering::Relaxed) % candidates
@@ -231,6 +264,48 @@ mod tests {
         let ring = cache.get(&second);
         assert_eq!(cache.builds(), 2);
         assert_eq!(ring.endpoints.len(), 2);
+    }
+
+    #[test]
+    fn the_load_bound_is_the_factor_times_the_mean_rounded_up() {
+        // 125 % of (8 + 1) / 3 = 3.75: at most 4 calls each.
+        assert_eq!(load_bound(8, 3, 125), 4);
+        // 100 % of (5 + 1) / 3 = 2 exactly.
+        assert_eq!(load_bound(5, 3, 100), 2);
+        assert_eq!(
+            load_bound(0, 3, 125),
+            1,
+            "an idle cluster takes a call anywhere"
+        );
+        // A factor below 100 % acts as 100 %: ⌈(5 + 1) / 3⌉ = 2, so 1 + 1 fits and 2 + 1 not.
+        assert_eq!(over_bound(&[1, 2, 2], 50), [false, true, true]);
+    }
+
+    #[test]
+    fn a_bounded_ring_walks_past_an_owner_over_the_bound() {
+        let ring = HashRing::new(["a:1", "b:1", "c:1"].into_iter());
+        for k in 0..200u64 {
+            let key = stable_hash(&k.to_le_bytes());
+            let walk: Vec<usize> = ring.walk(key).collect();
+            let (owner, next) = (walk[0], walk[1]);
+            // The owner holds 6 of 6 outstanding calls: the bound at 125 % is
+            // ⌈1.25 × 7 / 3⌉ = 3, so it cannot take a seventh; the next on the ring can.
+            let mut outstanding = [0usize; 3];
+            outstanding[owner] = 6;
+            assert_eq!(ring.owner_bounded(key, &outstanding, 125), next, "key {k}");
+            // Off (factor 0), or under the bound, the owner keeps its key.
+            assert_eq!(ring.owner_bounded(key, &outstanding, 0), owner);
+            let mut light = [1usize; 3];
+            light[owner] = 2;
+            // Bound ⌈1.25 × 5 / 3⌉ = 3: the owner's 2 + 1 fits.
+            assert_eq!(ring.owner_bounded(key, &light, 125), owner);
+            // The owner and the next both full: the third on the ring.
+            let mut two = [0usize; 3];
+            two[owner] = 6;
+            two[next] = 6;
+            // Bound ⌈1.25 × 13 / 3⌉ = 6: 6 + 1 is over for both.
+            assert_eq!(ring.owner_bounded(key, &two, 125), walk[2]);
+        }
     }
 
     #[test]

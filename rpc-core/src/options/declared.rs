@@ -24,10 +24,43 @@ governance_options! {
     Balance {
         /// Endpoint selection.
         shunt_strategy: strategy = RoundRobin, Client,
-            "`polling`, `random`, `hash` (the `#[hash_key]` argument on a ring with virtual nodes), `appoint` (with `appoint_address`)";
+            "`polling`, `random`, `hash` (the `#[hash_key]` argument on a ring with virtual nodes), `appoint` (with `appoint_address`), `least_loaded` (alias `p2c`: the better of two random endpoints by peak-EWMA latency × calls in flight × the server's reported load, divided by the instance's `weight` metadata)";
         /// The address used by [`ShuntStrategy::Appoint`], as `host:port`.
         appoint_address: address = None, Client,
             "the `host:port` every call goes to under `shunt_strategy = appoint`";
+        /// Slow start of instances the registry announces after this client first saw the
+        /// service, in milliseconds: under `least_loaded` their weight ramps up from a tenth over
+        /// this time. 0 turns it off.
+        slow_start_ms: u64 = 0, Client,
+            "under `least_loaded`, an instance announced after the client's first call ramps from a tenth of its weight over this time; 0 = off";
+        /// Bounded-load consistent hashing, in percent of the mean: under `hash`, an endpoint
+        /// with more outstanding calls than this share of the mean (rounded up) is walked past
+        /// to the next one on the ring. 0 turns it off; 125 means no endpoint takes more than
+        /// 1.25 × the mean; values from 1 to 100 act as 100.
+        hash_balance_factor: u32 = 0, Client,
+            "under `hash`, a key's owner holding more than this percentage of the mean outstanding calls is passed over for the next on the ring (125 = at most 1.25 × the mean); 0 = off";
+        /// Outlier ejection by success rate (Envoy's rule): every `outlier_interval_ms`, an
+        /// endpoint whose success rate lies more than `outlier_stdev_factor_percent` / 100
+        /// standard deviations below its peers' mean is marked unhealthy.
+        outlier_success_rate: flag = false, Client,
+            "eject, every `outlier_interval_ms`, endpoints whose success rate lies far below their peers' (Envoy's success-rate rule), beside consecutive-failure marks";
+        /// Outlier ejection: the interval calls are counted over, in milliseconds.
+        outlier_interval_ms: u64 = 10000, Client,
+            "the interval the success rates are counted over";
+        /// Outlier ejection: calls an endpoint must have served in the interval to be judged.
+        outlier_request_volume: u32 = 100, Client,
+            "calls an endpoint must have served in the interval to be judged";
+        /// Outlier ejection: endpoints that must qualify before any is judged.
+        outlier_minimum_hosts: u32 = 5, Client,
+            "endpoints that must qualify before any is judged";
+        /// Outlier ejection: standard deviations below the mean that make an outlier, in
+        /// hundredths (190 = 1.9).
+        outlier_stdev_factor_percent: u32 = 190, Client,
+            "standard deviations below the mean that make an outlier, in hundredths (190 = 1.9)";
+        /// Outlier ejection: at most this share of the endpoints (at least one) is ejected at
+        /// once.
+        outlier_max_ejection_percent: percent = 10, Client,
+            "at most this share of the endpoints (at least one) is ejected at once, for `outlier_interval_ms`";
     }
     Timeout {
         /// Deadline of the whole call, retries included, in milliseconds; 0 means none.
@@ -109,4 +142,5 @@ shunt_strategy_spellings! {
     Random = "random",
     Hash = "hash" | "hash_algorithm",
     Appoint = "appoint",
+    LeastLoaded = "least_loaded" | "p2c" | "least-loaded",
 }

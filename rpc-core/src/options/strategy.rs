@@ -21,10 +21,15 @@ pub enum ShuntStrategy {
     /// Always the appointed address (see
     /// [`GovernanceOptions::appoint_address`](crate::GovernanceOptions::appoint_address)).
     Appoint,
+    /// Load-aware: the better of two random endpoints by peak-EWMA latency × calls in flight
+    /// × the server's reported load, divided by the instance's weight (power of two choices).
+    /// Written `least_loaded`; `p2c` is accepted too.
+    #[serde(rename = "least_loaded", alias = "p2c", alias = "least-loaded")]
+    LeastLoaded,
 }
 
 impl ShuntStrategy {
-    /// The usual spelling: `polling`, `random`, `hash` or `appoint`.
+    /// The usual spelling: `polling`, `random`, `hash`, `appoint` or `least_loaded`.
     pub const fn name(self) -> &'static str {
         // Indexes follow the order of `shunt_strategy_spellings!` in `declared.rs`, which the
         // tests check.
@@ -75,7 +80,7 @@ mod tests {
         let e = "nearest".parse::<ShuntStrategy>().unwrap_err();
         assert_eq!(
             e,
-            "unknown shunt strategy \"nearest\": expected polling, random, hash or appoint"
+            "unknown shunt strategy \"nearest\": expected polling, random, hash, appoint or least_loaded"
         );
     }
 }
