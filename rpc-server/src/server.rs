@@ -8,6 +8,7 @@ use std::time::Duration;
 use rpc_core::ServiceEntry;
 use rpc_governance::bulkhead::Bulkhead;
 use rpc_governance::events::EventBus;
+use rpc_governance::ratelimit::{RateLimiter, RateLimits};
 use rpc_registry::{Instance, Registry};
 use rpc_transport::ServerOptions;
 use rpc_transport::{Listener, PeerAddr};
@@ -15,9 +16,52 @@ use tokio::net::{TcpListener, ToSocketAddrs};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use crate::admission::{Admission, Gate};
 use crate::dispatch::{Dispatcher, FallbackTo, Layered, Route, Terminal};
 use crate::middleware::ServerLayer;
 use crate::Service;
+
+/// An entry's admission from its overrides: its rate limits (when set above 0), then its own
+/// cap or the server's shared one, or an adaptive limit at most that cap (per entry: latency is
+/// the entry's own) when `adaptive_concurrency` is on for the entry or the server.
+fn admission(
+    o: &rpc_core::GovernanceOverrides,
+    shared: &Bulkhead,
+    server_adaptive: bool,
+) -> Admission {
+    let d = rpc_core::GovernanceOptions::default();
+    let limit = |rate: Option<u32>, burst: Option<u32>, default_burst: u32| {
+        rate.filter(|&r| r > 0)
+            .map(|r| (f64::from(r), burst.unwrap_or(default_burst).max(1)))
+    };
+    let limits = RateLimits {
+        entry: limit(
+            o.rate_limit_per_second,
+            o.rate_limit_burst,
+            d.rate_limit_burst,
+        ),
+        per_caller: limit(
+            o.caller_rate_limit_per_second,
+            o.caller_rate_limit_burst,
+            d.caller_rate_limit_burst,
+        ),
+    };
+    let limiter =
+        (limits.entry.is_some() || limits.per_caller.is_some()).then(|| RateLimiter::new(limits));
+    let cap = match o.max_concurrent_handling_count {
+        Some(n) => Bulkhead::new(n as usize),
+        None => shared.clone(),
+    };
+    let gate = if o.adaptive_concurrency.unwrap_or(server_adaptive) {
+        Gate::adaptive(
+            cap.size(),
+            o.adaptive_min_limit.unwrap_or(d.adaptive_min_limit) as usize,
+        )
+    } else {
+        Gate::Cap(cap)
+    };
+    Admission { limiter, gate }
+}
 
 /// Entry point: `Server::builder()`.
 pub struct Server;
@@ -41,6 +85,7 @@ pub struct ServerBuilder {
     metadata: Vec<(String, String)>,
     events: EventBus,
     send_panic_text: bool,
+    adaptive: bool,
     layers: Vec<Arc<dyn ServerLayer>>,
     #[cfg(feature = "otel")]
     meter: Option<opentelemetry::metrics::Meter>,
@@ -60,6 +105,7 @@ impl Default for ServerBuilder {
             metadata: Vec::new(),
             events: EventBus::new(),
             send_panic_text: false,
+            adaptive: false,
             layers: Vec::new(),
             #[cfg(feature = "otel")]
             meter: None,
@@ -117,6 +163,15 @@ impl ServerBuilder {
     /// `max_concurrent_handling_count` in `#[governance(...)]` get a cap of their own.
     pub fn max_concurrency(mut self, n: usize) -> Self {
         self.max_concurrency = n;
+        self
+    }
+
+    /// Gives every entry an adaptive concurrency limit instead of its fixed cap (off by
+    /// default; per entry with `#[governance(adaptive_concurrency)]`): the limit follows the
+    /// entry's measured latency, between `adaptive_min_limit` and the cap, and a call over it
+    /// is answered Overflow (515) at once. See [`rpc_governance::adaptive`].
+    pub fn adaptive_concurrency(mut self, yes: bool) -> Self {
+        self.adaptive = yes;
         self
     }
 
@@ -289,10 +344,7 @@ impl ServerBuilder {
         for service in &self.services {
             let fallback = self.fallbacks.get(service.service_id()).cloned();
             for (index, m) in service.methods().iter().enumerate() {
-                let cap = match m.governance.max_concurrent_handling_count {
-                    Some(n) => Bulkhead::new(n as usize),
-                    None => shared.clone(),
-                };
+                let admission = Arc::new(admission(&m.governance, &shared, self.adaptive));
                 let entry: Arc<str> = Arc::from(m.entry_id);
                 let fallback = fallback.as_ref().map(|service| {
                     Arc::new(FallbackTo {
@@ -311,7 +363,7 @@ impl ServerBuilder {
                             service: service.clone(),
                             index,
                             entry: entry.clone(),
-                            cap: cap.clone(),
+                            admission: admission.clone(),
                             fallback: fallback.clone(),
                             events: self.events.clone(),
                             send_panic_text: self.send_panic_text,
@@ -325,7 +377,7 @@ impl ServerBuilder {
                         index,
                         method: m,
                         entry,
-                        cap,
+                        admission,
                         fallback,
                         layered,
                     },
