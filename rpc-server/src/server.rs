@@ -27,22 +27,30 @@ use crate::Service;
 fn admission(
     o: &rpc_core::GovernanceOverrides,
     shared: &Bulkhead,
-    server_adaptive: bool,
+    server: &ServerBuilder,
 ) -> Admission {
     let d = rpc_core::GovernanceOptions::default();
-    let limit = |rate: Option<u32>, burst: Option<u32>, default_burst: u32| {
-        rate.filter(|&r| r > 0)
-            .map(|r| (f64::from(r), burst.unwrap_or(default_burst).max(1)))
-    };
+    // The entry's own rate (and burst) if it sets one, else the server's.
+    let limit =
+        |rate: Option<u32>, burst: Option<u32>, server: Option<(u32, u32)>, default_burst| {
+            let (rate, burst) = match (rate, server) {
+                (Some(r), _) => (r, burst.unwrap_or(default_burst)),
+                (None, Some((r, b))) => (r, b),
+                (None, None) => (0, default_burst),
+            };
+            (rate > 0).then(|| (f64::from(rate), burst.max(1)))
+        };
     let limits = RateLimits {
         entry: limit(
             o.rate_limit_per_second,
             o.rate_limit_burst,
+            server.rate_limit,
             d.rate_limit_burst,
         ),
         per_caller: limit(
             o.caller_rate_limit_per_second,
             o.caller_rate_limit_burst,
+            server.caller_rate_limit,
             d.caller_rate_limit_burst,
         ),
     };
@@ -52,7 +60,7 @@ fn admission(
         Some(n) => Bulkhead::new(n as usize),
         None => shared.clone(),
     };
-    let gate = if o.adaptive_concurrency.unwrap_or(server_adaptive) {
+    let gate = if o.adaptive_concurrency.unwrap_or(server.adaptive) {
         Gate::adaptive(
             cap.size(),
             o.adaptive_min_limit.unwrap_or(d.adaptive_min_limit) as usize,
@@ -86,6 +94,9 @@ pub struct ServerBuilder {
     events: EventBus,
     send_panic_text: bool,
     adaptive: bool,
+    /// Rate limits for entries that set none: all callers, per caller (per second, burst).
+    rate_limit: Option<(u32, u32)>,
+    caller_rate_limit: Option<(u32, u32)>,
     layers: Vec<Arc<dyn ServerLayer>>,
     #[cfg(feature = "otel")]
     meter: Option<opentelemetry::metrics::Meter>,
@@ -106,6 +117,8 @@ impl Default for ServerBuilder {
             events: EventBus::new(),
             send_panic_text: false,
             adaptive: false,
+            rate_limit: None,
+            caller_rate_limit: None,
             layers: Vec::new(),
             #[cfg(feature = "otel")]
             meter: None,
@@ -172,6 +185,23 @@ impl ServerBuilder {
     /// is answered Overflow (515) at once. See [`rpc_governance::adaptive`].
     pub fn adaptive_concurrency(mut self, yes: bool) -> Self {
         self.adaptive = yes;
+        self
+    }
+
+    /// Gives every entry that sets no `rate_limit_per_second` of its own a token bucket of
+    /// `per_second` calls a second holding `burst` (each entry its own): calls over it are
+    /// answered 429 at once, with the time until the next token. 0 turns it off.
+    pub fn rate_limit(mut self, per_second: u32, burst: u32) -> Self {
+        self.rate_limit = Some((per_second, burst));
+        self
+    }
+
+    /// Gives each caller (by the client id of its handshake) a quota of `per_second` calls a
+    /// second, with `burst`, on every entry that sets no `caller_rate_limit_per_second` of its
+    /// own: a caller over it is answered 429 and does not spend the entry's other limits.
+    /// 0 turns it off.
+    pub fn caller_rate_limit(mut self, per_second: u32, burst: u32) -> Self {
+        self.caller_rate_limit = Some((per_second, burst));
         self
     }
 
@@ -344,7 +374,7 @@ impl ServerBuilder {
         for service in &self.services {
             let fallback = self.fallbacks.get(service.service_id()).cloned();
             for (index, m) in service.methods().iter().enumerate() {
-                let admission = Arc::new(admission(&m.governance, &shared, self.adaptive));
+                let admission = Arc::new(admission(&m.governance, &shared, self));
                 let entry: Arc<str> = Arc::from(m.entry_id);
                 let fallback = fallback.as_ref().map(|service| {
                     Arc::new(FallbackTo {
