@@ -30,6 +30,8 @@ trait Rate {
         caller_rate_limit_burst = 4
     )]
     async fn quota(&self) -> Result<u32, RpcError>;
+    /// Limited only by what the server sets for every entry.
+    async fn free(&self) -> Result<u32, RpcError>;
 }
 
 struct Impl;
@@ -40,6 +42,9 @@ impl Rate for Impl {
     }
     async fn quota(&self) -> Result<u32, RpcError> {
         Ok(2)
+    }
+    async fn free(&self) -> Result<u32, RpcError> {
+        Ok(3)
     }
 }
 
@@ -183,5 +188,42 @@ async fn many_429s_leave_the_breaker_closed() {
         client.breaker_state(&RateClient::methods()[0]),
         BreakerState::Closed { failures: 0 }
     );
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_server_wide_caller_quota_limits_entries_that_set_none() {
+    const BURST: u32 = 2;
+    let reg = InProcessRegistry::new();
+    let server = Server::builder()
+        .registry(reg.clone())
+        .caller_rate_limit(RATE, BURST)
+        .add_service(RateServer::new(Impl))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let (_c, rate) = client(&reg, "one");
+    let start = Instant::now();
+    let mut admitted = 0;
+    let refused = loop {
+        assert!(admitted < BURST as usize + 20, "never refused");
+        match within("a call", rate.free()).await {
+            Ok(_) => admitted += 1,
+            Err(e) => break e,
+        }
+    };
+    let most = BURST as usize + refilled(start.elapsed(), RATE);
+    assert!(
+        (BURST as usize..=most).contains(&admitted),
+        "admitted {admitted}"
+    );
+    assert_eq!(refused.code(), StatusCode::RateLimited, "{refused}");
+    assert!(
+        refused.message().contains("quota of caller \"one\""),
+        "{refused}"
+    );
+    // Another caller has a quota of its own.
+    let (_o, other) = client(&reg, "other");
+    assert_eq!(within("another caller", other.free()).await.expect("ok"), 3);
     server.shutdown().await;
 }
