@@ -1103,13 +1103,20 @@ fn into_result(r: RemoteResultMessage, codec: Codec, addr: &str) -> Result<Bytes
             .collect();
         message = format!("{message} ({})", fields.join("; "));
     }
-    if code.is_overflow() || code == StatusCode::CommunicationError {
+    if code.is_overflow()
+        || code == StatusCode::CommunicationError
+        || code == StatusCode::RateLimited
+    {
         message = format!("{addr}: {message}");
     }
     if code == StatusCode::ValidateError {
         message = format!("{message} (answered by {addr})");
     }
     let mut err = RpcError::new(code, message);
+    if r.retry_after_ms > 0 {
+        // The server's word on when it will take the call (a rate limit's next token).
+        err = err.with_retry_after(Duration::from_millis(r.retry_after_ms.into()));
+    }
     if !r.result.is_empty() {
         // A typed error value carrying an infrastructure status: the handler ran, so the call
         // is repeated elsewhere only for idempotent entries.

@@ -45,6 +45,10 @@ pub enum StatusCode {
     /// 522: the circuit breaker of the entry is open; the call was not sent. (Not one of
     /// Silky's numbers: Silky has none for this; 503 means a route parse error there.)
     CircuitOpen,
+    /// 429: over the server's rate limit for the entry (all callers, or this caller's quota);
+    /// nothing ran. The answer's `retry_after` says when a token is there; another endpoint
+    /// may take the call now. Says nothing about the server's health, so no breaker counts it.
+    RateLimited,
     /// Any other number received from a peer, kept as it was.
     Other(u32),
 }
@@ -72,6 +76,7 @@ impl StatusCode {
             StatusCode::UnAuthorization => 403,
             StatusCode::NotImplemented => 501,
             StatusCode::CircuitOpen => 522,
+            StatusCode::RateLimited => 429,
             StatusCode::Other(n) => n,
         }
     }
@@ -98,6 +103,7 @@ impl StatusCode {
             403 => StatusCode::UnAuthorization,
             501 => StatusCode::NotImplemented,
             522 => StatusCode::CircuitOpen,
+            429 => StatusCode::RateLimited,
             n => StatusCode::Other(n),
         }
     }
@@ -110,13 +116,14 @@ impl StatusCode {
         )
     }
 
-    /// A failure that a retry on another endpoint may cure: overflow, or an endpoint that could
-    /// not be reached or broke. Never business, validation, auth, not-found or not-implemented.
+    /// A failure that a retry on another endpoint may cure: overflow, a rate limit, or an
+    /// endpoint that could not be reached or broke. Never business, validation, auth, not-found or not-implemented.
     pub const fn is_retryable(self) -> bool {
         matches!(
             self,
             StatusCode::OverflowMaxRequest
                 | StatusCode::OverflowMaxServerHandle
+                | StatusCode::RateLimited
                 | StatusCode::CommunicationError
                 | StatusCode::NotFindServiceRouteAddress
         )
@@ -136,7 +143,8 @@ impl StatusCode {
     }
 
     /// Errors that say nothing about the remote side's health (Silky's exemptions): the callee's
-    /// answers plus not-found, not-implemented and connection authentication.
+    /// answers plus not-found, not-implemented, connection authentication and a rate limit
+    /// (the server refused by policy, not because it failed).
     pub const fn is_breaker_exempt(self) -> bool {
         self.is_callee_answer()
             || matches!(
@@ -146,6 +154,7 @@ impl StatusCode {
                     | StatusCode::NotFindServiceEntry
                     | StatusCode::NotImplemented
                     | StatusCode::RpcUnAuthentication
+                    | StatusCode::RateLimited
                     | StatusCode::Success
             )
     }
@@ -173,6 +182,7 @@ impl fmt::Display for StatusCode {
             StatusCode::UnAuthorization => "unauthorized",
             StatusCode::NotImplemented => "not implemented",
             StatusCode::CircuitOpen => "circuit open",
+            StatusCode::RateLimited => "rate limited",
             StatusCode::Other(_) => "status",
         };
         write!(f, "{name} ({})", self.as_u32())
@@ -187,7 +197,7 @@ mod tests {
     fn numbers_round_trip() {
         for n in [
             200, 500, 404, 504, 506, 507, 509, 513, 514, 515, 517, 519, 520, 1000, 1001, 401, 403,
-            501, 522, 42,
+            501, 522, 429, 42,
         ] {
             assert_eq!(StatusCode::from_u32(n).as_u32(), n);
         }
@@ -204,5 +214,13 @@ mod tests {
         assert!(StatusCode::NotFindServiceEntry.is_breaker_exempt());
         assert!(!StatusCode::ServerError.is_breaker_exempt());
         assert!(!StatusCode::Timeout.is_breaker_exempt());
+        // A rate limit: retried elsewhere, never held against the server, not the callee's
+        // own answer (a server fallback does not replace it).
+        let limited = StatusCode::from_u32(429);
+        assert_eq!(limited, StatusCode::RateLimited);
+        assert!(limited.is_retryable());
+        assert!(limited.is_breaker_exempt());
+        assert!(!limited.is_callee_answer());
+        assert_eq!(limited.to_string(), "rate limited (429)");
     }
 }

@@ -24,6 +24,8 @@ pub enum EventKind {
     Timeout,
     /// A server refused a call at its concurrency cap.
     Overflow,
+    /// A server refused a call over a rate limit (the entry's, or the caller's quota).
+    RateLimited,
     /// A fallback answered for a failed call.
     Fallback,
     /// A fallback was not started because the caller's deadline had already passed: the
@@ -50,6 +52,7 @@ impl EventKind {
             EventKind::Isolate => "isolate",
             EventKind::Timeout => "timeout",
             EventKind::Overflow => "overflow",
+            EventKind::RateLimited => "rate_limited",
             EventKind::Fallback => "fallback",
             EventKind::FallbackSkipped => "fallback_skipped",
             EventKind::Reload => "reload",

@@ -17,13 +17,13 @@ use bytes::Bytes;
 use futures_util::FutureExt;
 use rpc_core::wire::{RemoteResultMessage, ValidateError};
 use rpc_core::{Codec, MethodDescriptor, RpcContext, RpcError, StatusCode};
-use rpc_governance::bulkhead::{Bulkhead, Permit};
 use rpc_governance::events::{EventBus, EventKind};
 use rpc_governance::fallback;
 use rpc_transport::{error_result, Caller, Dispatch, Invoke, InvokeHandler};
 use tokio::time::Instant;
 use tracing::Instrument;
 
+use crate::admission::{Admission, Slot, CRITICALITY_ATTACHMENT};
 use crate::middleware::{LayerFuture, Next, ServerLayer, ServerRequest};
 use crate::telemetry;
 use crate::Service;
@@ -34,7 +34,7 @@ pub(crate) struct Route {
     pub(crate) index: usize,
     pub(crate) method: &'static MethodDescriptor,
     pub(crate) entry: Arc<str>,
-    pub(crate) cap: Bulkhead,
+    pub(crate) admission: Arc<Admission>,
     pub(crate) fallback: Option<Arc<FallbackTo>>,
     /// The user's layers and what runs after them, when the server has layers.
     pub(crate) layered: Option<Arc<Layered>>,
@@ -47,27 +47,37 @@ pub(crate) struct Layered {
     pub(crate) end: Terminal,
 }
 
-/// What follows the last layer: entry admission (the cap), the handler under the deadline and
+/// What follows the last layer: entry admission (rate limits, cap or adaptive limit), the handler under the deadline and
 /// in the caller's context, and the server fallback.
 pub(crate) struct Terminal {
     pub(crate) service: Arc<dyn Service>,
     pub(crate) index: usize,
     pub(crate) entry: Arc<str>,
-    pub(crate) cap: Bulkhead,
+    pub(crate) admission: Arc<Admission>,
     pub(crate) fallback: Option<Arc<FallbackTo>>,
     pub(crate) events: EventBus,
     pub(crate) send_panic_text: bool,
 }
 
 impl Terminal {
-    /// Admits `req` at its entry's cap and runs its handler (and the fallback, should the
-    /// handler fail), handing them the arguments and the attachments.
+    /// Admits `req` at its entry (rate limits, then the cap or adaptive limit) and runs its
+    /// handler (and the fallback, should the handler fail), handing them the arguments and the
+    /// attachments.
     pub(crate) async fn run(&self, req: &mut ServerRequest) -> Result<Bytes, RpcError> {
-        let _permit = match self.cap.try_enter(&self.entry) {
+        let admitted = self.admission.admit(
+            &self.entry,
+            req.caller.client_id(),
+            req.attachments
+                .get(CRITICALITY_ATTACHMENT)
+                .map(String::as_str),
+            req.deadline
+                .map(|(d, _)| d.saturating_duration_since(Instant::now())),
+        );
+        let _permit = match admitted {
             Ok(p) => p,
             Err(e) => {
                 self.events.emit_parts(
-                    EventKind::Overflow,
+                    refusal_event(&e),
                     &self.entry,
                     Some(&req.caller.peer().to_string()),
                     0,
@@ -106,8 +116,28 @@ impl Terminal {
             RpcContext::scope(attachments, run).await
         };
         req.fallback_cause = cause;
+        req.load = Some(self.admission.load());
         result
     }
+}
+
+/// The governance event of an admission refusal: over a rate limit, or at the gate.
+fn refusal_event(e: &RpcError) -> EventKind {
+    if e.code() == StatusCode::RateLimited {
+        EventKind::RateLimited
+    } else {
+        EventKind::Overflow
+    }
+}
+
+/// Writes the entry's load (in flight, limit) into an answer.
+fn with_load(
+    mut answer: RemoteResultMessage,
+    (in_flight, limit): (u32, u32),
+) -> RemoteResultMessage {
+    answer.server_in_flight = in_flight;
+    answer.server_limit = limit;
+    answer
 }
 
 pub(crate) struct Dispatcher {
@@ -161,12 +191,18 @@ impl InvokeHandler for Dispatcher {
                 caller,
             );
         }
-        let permit = match route.cap.try_enter(&route.entry) {
+        let admitted = route.admission.admit(
+            &route.entry,
+            caller.client_id(),
+            attachments.get(CRITICALITY_ATTACHMENT).map(String::as_str),
+            (invoke.timeout_ms > 0).then(|| Duration::from_millis(invoke.timeout_ms.into())),
+        );
+        let permit = match admitted {
             Ok(p) => p,
             Err(e) => {
                 span.in_scope(|| {
                     self.events.emit_parts(
-                        EventKind::Overflow,
+                        refusal_event(&e),
                         &route.entry,
                         Some(&peer.to_string()),
                         0,
@@ -175,7 +211,7 @@ impl InvokeHandler for Dispatcher {
                 });
                 telemetry::record_error(&span, e.code(), e.message());
                 self.metrics.rejected(route.method, e.code());
-                return Dispatch::Ready(error_result(e.code(), e.message()));
+                return Dispatch::Ready(with_load(to_message(Err(e)), route.admission.load()));
             }
         };
         let metrics = self.metrics.start(route.method);
@@ -210,6 +246,7 @@ impl InvokeHandler for Dispatcher {
             fallback,
             running_fallback: None,
             permit: Some(permit),
+            admission: route.admission.clone(),
             watch,
             codec,
             send_panic_text: self.send_panic_text,
@@ -264,6 +301,7 @@ impl Dispatcher {
             parameters: invoke.parameters,
             codec,
             fallback_cause: None,
+            load: None,
         };
         let chain = chain.clone();
         let send_panic_text = self.send_panic_text;
@@ -297,7 +335,9 @@ impl Dispatcher {
             };
             let result = settle(outcome, entry, send_panic_text);
             let cause = req.fallback_cause;
-            finish(&mut watch, result, cause)
+            // A call answered by a layer, or refused at admission, reports the load it found.
+            let load = req.load.unwrap_or_else(|| chain.end.admission.load());
+            with_load(finish(&mut watch, result, cause), load)
         };
         Dispatch::Spawn(if span.is_disabled() {
             Box::pin(call)
@@ -322,7 +362,9 @@ struct CallFuture {
     /// The fallback running, and the failure it answers for.
     running_fallback: Option<(StatusCode, FallbackFuture)>,
     /// Released before the answer is sent.
-    permit: Option<Permit>,
+    permit: Option<Slot>,
+    /// The entry's admission, whose load the answer reports.
+    admission: Arc<Admission>,
     watch: telemetry::CallWatch,
     codec: Codec,
     send_panic_text: bool,
@@ -347,8 +389,9 @@ impl CallFuture {
                 None
             }
             (result, _) => {
+                let load = self.admission.load();
                 self.permit = None;
-                Some(finish(&mut self.watch, result, None))
+                Some(with_load(finish(&mut self.watch, result, None), load))
             }
         }
     }
@@ -377,8 +420,12 @@ impl Future for CallFuture {
         };
         let cause = *cause;
         this.running_fallback = None;
+        let load = this.admission.load();
         this.permit = None;
-        Poll::Ready(finish(&mut this.watch, result, Some(cause)))
+        Poll::Ready(with_load(
+            finish(&mut this.watch, result, Some(cause)),
+            load,
+        ))
     }
 }
 
@@ -606,6 +653,9 @@ fn to_message(result: Result<Bytes, RpcError>) -> RemoteResultMessage {
             status_code: e.code().as_u32(),
             result: e.payload().map(|(_, p)| p.clone()).unwrap_or_default(),
             exception_message: e.message().to_string(),
+            retry_after_ms: e
+                .retry_after()
+                .map_or(0, |d| u32::try_from(d.as_millis()).unwrap_or(u32::MAX)),
             validate_errors: e
                 .field_errors()
                 .iter()

@@ -31,6 +31,7 @@
 //! ```
 #![warn(missing_docs)]
 
+mod admission;
 mod dispatch;
 pub mod middleware;
 mod server;
@@ -39,6 +40,7 @@ mod telemetry;
 #[cfg(feature = "tower")]
 pub mod tower;
 
+pub use admission::CRITICALITY_ATTACHMENT;
 pub use middleware::{LayerFuture, Next, ServerLayer, ServerRequest};
 pub use rpc_transport::Caller;
 pub use server::{ListenAddr, Server, ServerBuilder, ServerHandle};

@@ -78,6 +78,8 @@ pub struct ServerRequest {
     pub(crate) codec: Codec,
     /// The handler's failure a server fallback answered for, if one did (for the span).
     pub(crate) fallback_cause: Option<StatusCode>,
+    /// The entry's load (in flight, this call included; limit) as the handler finished.
+    pub(crate) load: Option<(u32, u32)>,
 }
 
 impl ServerRequest {
@@ -163,6 +165,7 @@ impl ServerRequest {
             parameters: std::mem::take(&mut self.parameters),
             codec: self.codec,
             fallback_cause: None,
+            load: None,
         }
     }
 }

@@ -8,6 +8,7 @@ use std::time::Duration;
 use rpc_core::ServiceEntry;
 use rpc_governance::bulkhead::Bulkhead;
 use rpc_governance::events::EventBus;
+use rpc_governance::ratelimit::{RateLimiter, RateLimits};
 use rpc_registry::{Instance, Registry};
 use rpc_transport::ServerOptions;
 use rpc_transport::{Listener, PeerAddr};
@@ -15,9 +16,60 @@ use tokio::net::{TcpListener, ToSocketAddrs};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use crate::admission::{Admission, Gate};
 use crate::dispatch::{Dispatcher, FallbackTo, Layered, Route, Terminal};
 use crate::middleware::ServerLayer;
 use crate::Service;
+
+/// An entry's admission from its overrides: its rate limits (when set above 0), then its own
+/// cap or the server's shared one, or an adaptive limit at most that cap (per entry: latency is
+/// the entry's own) when `adaptive_concurrency` is on for the entry or the server.
+fn admission(
+    o: &rpc_core::GovernanceOverrides,
+    shared: &Bulkhead,
+    server: &ServerBuilder,
+) -> Admission {
+    let d = rpc_core::GovernanceOptions::default();
+    // The entry's own rate (and burst) if it sets one, else the server's.
+    let limit =
+        |rate: Option<u32>, burst: Option<u32>, server: Option<(u32, u32)>, default_burst| {
+            let (rate, burst) = match (rate, server) {
+                (Some(r), _) => (r, burst.unwrap_or(default_burst)),
+                (None, Some((r, b))) => (r, b),
+                (None, None) => (0, default_burst),
+            };
+            (rate > 0).then(|| (f64::from(rate), burst.max(1)))
+        };
+    let limits = RateLimits {
+        entry: limit(
+            o.rate_limit_per_second,
+            o.rate_limit_burst,
+            server.rate_limit,
+            d.rate_limit_burst,
+        ),
+        per_caller: limit(
+            o.caller_rate_limit_per_second,
+            o.caller_rate_limit_burst,
+            server.caller_rate_limit,
+            d.caller_rate_limit_burst,
+        ),
+    };
+    let limiter =
+        (limits.entry.is_some() || limits.per_caller.is_some()).then(|| RateLimiter::new(limits));
+    let cap = match o.max_concurrent_handling_count {
+        Some(n) => Bulkhead::new(n as usize),
+        None => shared.clone(),
+    };
+    let gate = if o.adaptive_concurrency.unwrap_or(server.adaptive) {
+        Gate::adaptive(
+            cap.size(),
+            o.adaptive_min_limit.unwrap_or(d.adaptive_min_limit) as usize,
+        )
+    } else {
+        Gate::Cap(cap)
+    };
+    Admission { limiter, gate }
+}
 
 /// Entry point: `Server::builder()`.
 pub struct Server;
@@ -41,6 +93,10 @@ pub struct ServerBuilder {
     metadata: Vec<(String, String)>,
     events: EventBus,
     send_panic_text: bool,
+    adaptive: bool,
+    /// Rate limits for entries that set none: all callers, per caller (per second, burst).
+    rate_limit: Option<(u32, u32)>,
+    caller_rate_limit: Option<(u32, u32)>,
     layers: Vec<Arc<dyn ServerLayer>>,
     #[cfg(feature = "otel")]
     meter: Option<opentelemetry::metrics::Meter>,
@@ -60,6 +116,9 @@ impl Default for ServerBuilder {
             metadata: Vec::new(),
             events: EventBus::new(),
             send_panic_text: false,
+            adaptive: false,
+            rate_limit: None,
+            caller_rate_limit: None,
             layers: Vec::new(),
             #[cfg(feature = "otel")]
             meter: None,
@@ -117,6 +176,32 @@ impl ServerBuilder {
     /// `max_concurrent_handling_count` in `#[governance(...)]` get a cap of their own.
     pub fn max_concurrency(mut self, n: usize) -> Self {
         self.max_concurrency = n;
+        self
+    }
+
+    /// Gives every entry an adaptive concurrency limit instead of its fixed cap (off by
+    /// default; per entry with `#[governance(adaptive_concurrency)]`): the limit follows the
+    /// entry's measured latency, between `adaptive_min_limit` and the cap, and a call over it
+    /// is answered Overflow (515) at once. See [`rpc_governance::adaptive`].
+    pub fn adaptive_concurrency(mut self, yes: bool) -> Self {
+        self.adaptive = yes;
+        self
+    }
+
+    /// Gives every entry that sets no `rate_limit_per_second` of its own a token bucket of
+    /// `per_second` calls a second holding `burst` (each entry its own): calls over it are
+    /// answered 429 at once, with the time until the next token. 0 turns it off.
+    pub fn rate_limit(mut self, per_second: u32, burst: u32) -> Self {
+        self.rate_limit = Some((per_second, burst));
+        self
+    }
+
+    /// Gives each caller (by the client id of its handshake) a quota of `per_second` calls a
+    /// second, with `burst`, on every entry that sets no `caller_rate_limit_per_second` of its
+    /// own: a caller over it is answered 429 and does not spend the entry's other limits.
+    /// 0 turns it off.
+    pub fn caller_rate_limit(mut self, per_second: u32, burst: u32) -> Self {
+        self.caller_rate_limit = Some((per_second, burst));
         self
     }
 
@@ -289,10 +374,7 @@ impl ServerBuilder {
         for service in &self.services {
             let fallback = self.fallbacks.get(service.service_id()).cloned();
             for (index, m) in service.methods().iter().enumerate() {
-                let cap = match m.governance.max_concurrent_handling_count {
-                    Some(n) => Bulkhead::new(n as usize),
-                    None => shared.clone(),
-                };
+                let admission = Arc::new(admission(&m.governance, &shared, self));
                 let entry: Arc<str> = Arc::from(m.entry_id);
                 let fallback = fallback.as_ref().map(|service| {
                     Arc::new(FallbackTo {
@@ -311,7 +393,7 @@ impl ServerBuilder {
                             service: service.clone(),
                             index,
                             entry: entry.clone(),
-                            cap: cap.clone(),
+                            admission: admission.clone(),
                             fallback: fallback.clone(),
                             events: self.events.clone(),
                             send_panic_text: self.send_panic_text,
@@ -325,7 +407,7 @@ impl ServerBuilder {
                         index,
                         method: m,
                         entry,
-                        cap,
+                        admission,
                         fallback,
                         layered,
                     },

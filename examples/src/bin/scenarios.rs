@@ -60,6 +60,13 @@ struct Args {
     /// Server: the concurrency cap (`max_concurrent_handling_count`).
     #[arg(long, default_value_t = 50)]
     cap: u32,
+    /// Server: an adaptive concurrency limit (at most `--cap`) instead of the fixed cap.
+    #[arg(long)]
+    adaptive: bool,
+    /// Server: each caller's quota, calls per second (by client id; 0: none), with a burst of
+    /// a tenth of a second's worth.
+    #[arg(long, default_value_t = 0)]
+    caller_quota: u32,
     /// Server: answer every call with Overflow (a failing leaf).
     #[arg(long)]
     fail: bool,
@@ -142,6 +149,8 @@ async fn server_main(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     };
     let server = Server::builder()
         .max_concurrency(args.cap as usize)
+        .adaptive_concurrency(args.adaptive)
+        .caller_rate_limit(args.caller_quota, (args.caller_quota / 10).max(1))
         .add_service(EchoServer::new(tier))
         .serve("127.0.0.1:0")
         .await?;
@@ -431,19 +440,38 @@ async fn scenario_b(args: &Args) -> Result<(), String> {
         enable_circuit_breaker: Some(false),
         ..GovernanceOverrides::NONE
     };
-    let echo = echo_of(&[&server], admission_only);
+    let echo = echo_of(&[&server], admission_only.clone());
     let unloaded = closed_loop(&echo, 1, args.seconds).await;
     row("b", "unloaded, one caller", &unloaded, "the reference p99");
     let loaded = open_loop(&echo, 3.0 * capacity, 10_000, args.seconds).await;
+    let figure = |m: &Measured| {
+        format!(
+            "goodput {:.0} % of capacity, admitted p99 {:.1}x unloaded",
+            100.0 * m.rate() / capacity,
+            m.p(0.99) / unloaded.p(0.99)
+        )
+    };
+    row("b", "3x capacity, fixed cap 50", &loaded, &figure(&loaded));
+    drop(server);
+    // The same server with the adaptive limit (at most the cap of 50): a warm-up run lets the
+    // limit find its value, then the measured one.
+    let server = ServerProcess::start(&[
+        "--delay-ms",
+        "5",
+        "--capacity",
+        "8",
+        "--cap",
+        "50",
+        "--adaptive",
+    ])?;
+    let echo = echo_of(&[&server], admission_only);
+    let _warm = open_loop(&echo, 3.0 * capacity, 10_000, 1.0).await;
+    let adaptive = open_loop(&echo, 3.0 * capacity, 10_000, args.seconds).await;
     row(
         "b",
-        "3x capacity, fixed cap 50",
-        &loaded,
-        &format!(
-            "goodput {:.0} % of capacity, admitted p99 {:.1}x unloaded",
-            100.0 * loaded.rate() / capacity,
-            loaded.p(0.99) / unloaded.p(0.99)
-        ),
+        "3x capacity, adaptive limit (max 50)",
+        &adaptive,
+        &figure(&adaptive),
     );
     Ok(())
 }
@@ -495,12 +523,22 @@ async fn scenario_d(args: &Args) -> Result<(), String> {
     Ok(())
 }
 
+/// A client of `server` whose handshake names it `id` (the key of per-caller quotas).
+fn echo_as(server: &ServerProcess, id: &str) -> EchoClient {
+    EchoClient::new(
+        Client::builder()
+            .registry(StaticRegistry::new([server.addr.clone()]))
+            .client_id(id)
+            .build(),
+    )
+}
+
 async fn scenario_e(args: &Args) -> Result<(), String> {
     let server = ServerProcess::start(&["--delay-ms", "1", "--cap", "1000"])?;
-    let polite = echo_of(&[&server], GovernanceOverrides::NONE);
+    let polite = echo_as(&server, "polite");
     let alone = closed_loop(&polite, 4, args.seconds).await;
     row("e", "well-behaved caller alone", &alone, "");
-    let greedy = echo_of(&[&server], GovernanceOverrides::NONE);
+    let greedy = echo_as(&server, "greedy");
     let secs = args.seconds;
     let hog = tokio::spawn(async move { closed_loop(&greedy, 256, secs).await });
     let beside = closed_loop(&polite, 4, args.seconds).await;
@@ -510,6 +548,28 @@ async fn scenario_e(args: &Args) -> Result<(), String> {
         "beside a greedy caller, no quota",
         &beside,
         &format!("{:.0} % of alone", 100.0 * beside.rate() / alone.rate()),
+    );
+    drop(server);
+    // Each caller's quota: half as much again as the well-behaved caller takes alone, so it
+    // is not limited, while the greedy one is (the refused calls are answered 429).
+    let quota = ((alone.rate() * 1.5).ceil() as u32).max(1).to_string();
+    let server =
+        ServerProcess::start(&["--delay-ms", "1", "--cap", "1000", "--caller-quota", &quota])?;
+    let polite = echo_as(&server, "polite");
+    let greedy = echo_as(&server, "greedy");
+    let hog = tokio::spawn(async move { closed_loop(&greedy, 256, secs).await });
+    let quota_on = closed_loop(&polite, 4, args.seconds).await;
+    let hogged = hog.await.map_err(|e| format!("the greedy caller: {e}"))?;
+    row(
+        "e",
+        &format!("beside a greedy caller, quota {quota}/s per caller"),
+        &quota_on,
+        &format!(
+            "{:.0} % of alone; the greedy caller got {:.0}/s, {} refused",
+            100.0 * quota_on.rate() / alone.rate(),
+            hogged.rate(),
+            hogged.failed
+        ),
     );
     Ok(())
 }

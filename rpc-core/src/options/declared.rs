@@ -132,6 +132,28 @@ governance_options! {
         /// Server side: calls of this entry handled at once before Overflow is answered.
         max_concurrent_handling_count: u32 = 50, Server,
             "the server cap, an admission count: calls over it get Overflow at once, none queue (per server via `max_concurrency`, per entry via the attribute)";
+        /// Server side: calls of this entry admitted per second for all callers together (a
+        /// token bucket); 0 means no limit. Calls over it are answered 429 with a retry-after.
+        rate_limit_per_second: u32 = 0, Server,
+            "calls per second the entry takes from all callers (token bucket); 0 = none. Over it: 429 at once, with `retry_after_ms` until the next token";
+        /// Server side: the burst of `rate_limit_per_second`: calls admitted at once after a
+        /// quiet spell (at least 1).
+        rate_limit_burst: u32 = 10, Server,
+            "the bucket's size: calls admitted at once after a quiet spell";
+        /// Server side: calls of this entry admitted per second from each caller (keyed by the
+        /// client id of its handshake); 0 means no quota.
+        caller_rate_limit_per_second: u32 = 0, Server,
+            "per-caller quota (by the handshake's client id), calls per second; 0 = none. Checked before the entry's limit, so a greedy caller does not spend other callers' tokens";
+        /// Server side: the burst of `caller_rate_limit_per_second` (at least 1).
+        caller_rate_limit_burst: u32 = 10, Server,
+            "the burst of each caller's quota";
+        /// Server side: the entry's admission uses an adaptive limit (gradient controller on
+        /// measured latency) instead of the fixed cap, which becomes the limit's maximum.
+        adaptive_concurrency: bare_flag = false, Server,
+            "the cap adapts to measured latency (gradient rule), between `adaptive_min_limit` and the cap; over it 515 at once. Deadline-aware (a call with less budget than calls take now: 515 at once) and criticality-aware (attachment `rpc-criticality`: `critical`, `default`, `sheddable`; sheddable refused first)";
+        /// Server side: the least the adaptive limit goes down to.
+        adaptive_min_limit: u32 = 4, Server,
+            "the least the adaptive limit goes down to (its maximum is the cap)";
     }
 }
 

@@ -403,6 +403,12 @@ mod tests {
             minimum_throughput: 20,
             unhealthy_times_allowed_before_removing: 3,
             max_concurrent_handling_count: 50,
+            rate_limit_per_second: 0,
+            rate_limit_burst: 10,
+            caller_rate_limit_per_second: 0,
+            caller_rate_limit_burst: 10,
+            adaptive_concurrency: false,
+            adaptive_min_limit: 4,
         };
         assert_eq!(GovernanceOptions::default(), want);
     }

@@ -1,0 +1,130 @@
+//! Entry admission: the rate limits, then the concurrency gate (fixed cap or adaptive limit).
+//!
+//! A server refuses work it cannot or should not take before running it, at once, so the
+//! caller can go elsewhere: first "how often" (the entry's token buckets, all callers and per
+//! caller: 429 with the time until the next token), then "how many at once" (the fixed cap, or
+//! the adaptive limit that measures what the entry can take: 515). Every answer of an admitted
+//! call then reports the entry's load (calls in flight, the limit in force) for the clients'
+//! pickers.
+
+use std::time::Duration;
+
+use rpc_core::{RpcError, StatusCode};
+use rpc_governance::adaptive::{AdaptiveLimit, AdaptiveOptions, AdaptivePermit, Criticality};
+use rpc_governance::bulkhead::{Bulkhead, Permit};
+use rpc_governance::ratelimit::{RateLimiter, RateLimits, Refused};
+
+/// The attachment a caller marks a call's criticality with: `critical`, `default` or
+/// `sheddable` (anything else counts as `default`).
+pub const CRITICALITY_ATTACHMENT: &str = "rpc-criticality";
+
+/// How many calls of an entry run at once.
+#[derive(Debug, Clone)]
+pub(crate) enum Gate {
+    /// The fixed cap.
+    Cap(Bulkhead),
+    /// The adaptive limit, at most the cap.
+    Adaptive(AdaptiveLimit),
+}
+
+/// A slot taken at an entry's gate, returned when dropped.
+#[derive(Debug)]
+pub(crate) enum Slot {
+    Cap(#[allow(dead_code)] Permit),
+    Adaptive(#[allow(dead_code)] AdaptivePermit),
+}
+
+/// An entry's admission: its rate limits, if any, and its gate. Shared by its calls.
+#[derive(Debug)]
+pub(crate) struct Admission {
+    pub(crate) limiter: Option<RateLimiter>,
+    pub(crate) gate: Gate,
+}
+
+impl Gate {
+    /// The adaptive limit of an entry whose cap is `cap`, starting at the lesser of 20 and the
+    /// cap, never below `min`.
+    pub(crate) fn adaptive(cap: usize, min: usize) -> Gate {
+        let max = cap.max(1);
+        let min = min.clamp(1, max);
+        Gate::Adaptive(AdaptiveLimit::new(AdaptiveOptions {
+            initial: AdaptiveOptions::default().initial.clamp(min, max),
+            min,
+            max,
+            ..AdaptiveOptions::default()
+        }))
+    }
+}
+
+impl Admission {
+    /// Admits a call of `client_id` with `criticality` and `remaining` budget, or refuses it
+    /// at once: 429 over a rate limit (with its retry-after), 515 at the gate.
+    pub(crate) fn admit(
+        &self,
+        entry: &str,
+        client_id: &str,
+        criticality: Option<&str>,
+        remaining: Option<Duration>,
+    ) -> Result<Slot, RpcError> {
+        if let Some(limiter) = &self.limiter {
+            if let Err((which, after)) = limiter.try_admit(client_id) {
+                return Err(rate_limited(
+                    entry,
+                    client_id,
+                    limiter.limits(),
+                    which,
+                    after,
+                ));
+            }
+        }
+        match &self.gate {
+            Gate::Cap(cap) => cap.try_enter(entry).map(Slot::Cap),
+            Gate::Adaptive(limit) => {
+                let criticality = criticality.and_then(Criticality::parse).unwrap_or_default();
+                limit
+                    .try_enter(entry, criticality, remaining)
+                    .map(Slot::Adaptive)
+            }
+        }
+    }
+
+    /// The entry's load now: calls holding a slot, and the limit in force.
+    pub(crate) fn load(&self) -> (u32, u32) {
+        let (n, limit) = match &self.gate {
+            Gate::Cap(cap) => (cap.in_use(), cap.size()),
+            Gate::Adaptive(a) => (a.in_flight(), a.limit()),
+        };
+        (saturate(n), saturate(limit))
+    }
+}
+
+fn saturate(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+/// The 429 answer: which limit, its rate, and when to come back.
+fn rate_limited(
+    entry: &str,
+    client_id: &str,
+    limits: RateLimits,
+    which: Refused,
+    after: Duration,
+) -> RpcError {
+    // Rounded up: a caller that waits the advertised time finds a token.
+    let ms = after.as_micros().div_ceil(1000).max(1);
+    let what = match (which, limits.per_caller, limits.entry) {
+        (Refused::Caller, Some((rate, _)), _) => {
+            format!("the quota of caller {client_id:?} ({rate} calls/s)")
+        }
+        (_, _, Some((rate, _))) => format!("its limit for all callers ({rate} calls/s)"),
+        _ => "its rate limit".to_string(),
+    };
+    RpcError::new(
+        StatusCode::RateLimited,
+        format!(
+            "{entry} refused the call over {what}; nothing ran: retry after {ms} ms, or on \
+             another endpoint"
+        ),
+    )
+    .with_retry_after(Duration::from_millis(u64::try_from(ms).unwrap_or(u64::MAX)))
+}
