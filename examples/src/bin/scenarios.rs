@@ -68,6 +68,10 @@ struct Args {
     /// breaker, decide how often a failing leaf is called).
     #[arg(long)]
     no_breaker: bool,
+    /// Server: the client calling `--next` retries even while serving a retried call
+    /// (`retry_chain_stop = false`: today's behaviour before the chain stop).
+    #[arg(long)]
+    no_chain_stop: bool,
 }
 
 // ------------------------------------------------------------------------------------ servers
@@ -118,6 +122,7 @@ impl Echo for Tier {
 async fn server_main(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     let breaker = GovernanceOverrides {
         enable_circuit_breaker: args.no_breaker.then_some(false),
+        retry_chain_stop: args.no_chain_stop.then_some(false),
         ..GovernanceOverrides::NONE
     };
     let next = args.next.as_ref().map(|addr| {
@@ -444,27 +449,35 @@ async fn scenario_c(args: &Args) -> Result<(), String> {
 }
 
 async fn scenario_d(args: &Args) -> Result<(), String> {
-    let leaf = ServerProcess::start(&["--fail"])?;
-    // Breakers off at every level: the retries alone decide how often the leaf is called.
-    let mid = ServerProcess::start(&["--next", &leaf.addr, "--no-breaker"])?;
-    let top = ServerProcess::start(&["--next", &mid.addr, "--no-breaker"])?;
     let no_breaker = GovernanceOverrides {
         enable_circuit_breaker: Some(false),
         ..GovernanceOverrides::NONE
     };
-    let m = closed_loop(&echo_of(&[&top], no_breaker), 16, args.seconds).await;
-    drop((top, mid));
-    let reached = leaf.stop()?;
-    let calls = m.ok + m.failed;
-    row(
-        "d",
-        "failing leaf, chain of three, default retries",
-        &m,
-        &format!(
-            "{:.2} leaf calls per top-level call ({reached} for {calls})",
-            reached as f64 / calls.max(1) as f64
+    for (case, flags) in [
+        (
+            "without the chain stop",
+            &["--no-breaker", "--no-chain-stop"][..],
         ),
-    );
+        ("with the chain stop", &["--no-breaker"][..]),
+    ] {
+        let leaf = ServerProcess::start(&["--fail"])?;
+        // Breakers off at every level: the retries alone decide how often the leaf is called.
+        let mid = ServerProcess::start(&[&["--next", &leaf.addr][..], flags].concat())?;
+        let top = ServerProcess::start(&[&["--next", &mid.addr][..], flags].concat())?;
+        let m = closed_loop(&echo_of(&[&top], no_breaker.clone()), 16, args.seconds).await;
+        drop((top, mid));
+        let reached = leaf.stop()?;
+        let calls = m.ok + m.failed;
+        row(
+            "d",
+            &format!("failing leaf, chain of three, default retries, {case}"),
+            &m,
+            &format!(
+                "{:.2} leaf calls per top-level call ({reached} for {calls})",
+                reached as f64 / calls.max(1) as f64
+            ),
+        );
+    }
     Ok(())
 }
 

@@ -59,6 +59,11 @@ governance_options! {
         /// Retry budget: retries per second always allowed, whatever the ratio says.
         retry_budget_min_per_second: u32 = 10, Client,
             "retries per second always allowed, whatever the share says";
+        /// Chain stop: a call made while serving a call that a caller up the chain retries
+        /// (attachment `rpc-retry-depth`) is not retried again, so retries do not multiply
+        /// across hops; `false` lets this entry retry anyway.
+        retry_chain_stop: flag = true, Client,
+            "a call made while serving a call some caller up the chain retries (attachment `rpc-retry-depth`) is not retried again, so a failing leaf is not hit `(1 + retries)` times per hop; `false` retries anyway";
         /// The method may run twice without harm: a call that may have reached a server that then
         /// died is repeated elsewhere.
         idempotent: bare_flag = false, Client,

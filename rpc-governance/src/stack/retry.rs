@@ -6,12 +6,18 @@
 //! belong to one endpoint are held against it in [`crate::health`] first. This layer also
 //! enforces each attempt's deadline (`attempt_timeout_ms`, or the call's): an attempt still
 //! running then is dropped, whatever it does with the deadline it was given.
+//!
+//! Retries across hops multiply: three levels that each try four times hit a failing leaf 64
+//! times per call. So a call this layer may retry says so to the server (attachment
+//! [`RETRY_DEPTH_KEY`], the number of retrying callers up the chain), the server hands it to
+//! its handler's context, and a call made there is not retried again (`retry_chain_stop`,
+//! on by default): the outermost caller that retries owns the retries of the whole chain.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use rpc_core::{RpcError, StatusCode};
+use rpc_core::{RpcContext, RpcError, StatusCode, RETRY_DEPTH_KEY};
 use tokio::time::Instant;
 
 use super::{Balance, CallCx, Pick, Service};
@@ -42,6 +48,11 @@ impl<B: Balance, S: Service> Service for RetryLayer<B, S> {
         cx.policy.budget.deposit_at(started);
         let deadline = cx.deadline;
         let enforced = self.inner.enforces_attempt_deadline();
+        let depth = RpcContext::retry_depth();
+        let chain_stopped = depth > 0 && cx.options.retry_chain_stop;
+        if !chain_stopped && cx.options.retry_times > 0 {
+            cx.insert_attachment(RETRY_DEPTH_KEY, (depth.saturating_add(1)).to_string());
+        }
         loop {
             let addr = picker.next(cx)?;
             let now = if cx.attempt == 0 {
@@ -86,7 +97,7 @@ impl<B: Balance, S: Service> Service for RetryLayer<B, S> {
                 }
                 Err(e) => e,
             };
-            match self.after_failure(cx, &picker, addr, err, own.is_some()) {
+            match self.after_failure(cx, &picker, addr, err, own.is_some(), chain_stopped) {
                 Ok(after) => {
                     cx.attempt += 1;
                     if !after.is_zero() {
@@ -109,6 +120,7 @@ impl<B: Balance, S> RetryLayer<B, S> {
         addr: Arc<str>,
         mut err: RpcError,
         has_own_deadline: bool,
+        chain_stopped: bool,
     ) -> Result<Duration, RpcError> {
         let attempt = cx.attempt;
         let attempt_timed_out = has_own_deadline && err.code() == StatusCode::Timeout;
@@ -145,6 +157,17 @@ impl<B: Balance, S> RetryLayer<B, S> {
             failover::decide(&err, attempt, &cx.options, cx.deadline, untried_left)
         };
         let last = cx.tried.last().cloned().unwrap_or_else(|| Arc::from(""));
+        if chain_stopped && matches!(decision, Decision::Retry { .. }) {
+            let msg = format!(
+                "{}; not retried: this call was made while serving a call that a caller up the \
+                 chain retries (retry_chain_stop), so that retries do not multiply across hops",
+                err.message()
+            );
+            let stopped = RpcError::new(err.code(), msg).maybe_delivered(err.is_maybe_delivered());
+            cx.endpoint_held = fault.is_some() && picker.any_other_usable(&last, cx);
+            cx.attempt_timed_out = attempt_timed_out;
+            return Err(failover::final_error(stopped, tried(cx)));
+        }
         let after = match decision {
             Decision::Retry { after } => after,
             Decision::GiveUp => {
