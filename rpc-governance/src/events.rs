@@ -36,6 +36,9 @@ pub enum EventKind {
     /// A removed endpoint was taken back (a background probe reached it, or an operator
     /// re-admitted it).
     Readmission,
+    /// A client dropped an attempt itself (adaptive throttling): the server keeps refusing
+    /// the entry's calls for overload, so this one was not sent.
+    Throttled,
 }
 
 impl EventKind {
@@ -55,6 +58,7 @@ impl EventKind {
             EventKind::Reload => "reload",
             EventKind::Ejection => "ejection",
             EventKind::Readmission => "readmission",
+            EventKind::Throttled => "throttled",
         }
     }
 }

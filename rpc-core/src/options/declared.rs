@@ -68,6 +68,12 @@ governance_options! {
         /// died is repeated elsewhere.
         idempotent: bare_flag = false, Client,
             "a call that may have reached a server that then died is repeated elsewhere only when true; otherwise its error says it may have been delivered";
+        /// Client-side adaptive throttling (the SRE rule), as K × 100: each attempt is dropped
+        /// locally with probability `max(0, (requests − K · accepts) / (requests + 1))` over the
+        /// last 10 s, where accepts are the server's answers other than an overload refusal.
+        /// 0 turns it off; 200 is K = 2.
+        throttle_k_percent: u32 = 0, Client,
+            "adaptive throttling, K × 100 (200 = K of 2; 0 = off): an attempt is dropped locally (514, event `throttled`, not retried) with probability max(0, (requests − K·accepts) / (requests + 1)) over 10 s; accepts are answers other than an overload refusal (515, 429)";
     }
     Breaker {
         /// Whether the entry has a circuit breaker.

@@ -37,6 +37,8 @@ pub struct CallCx<'g> {
     pub(crate) endpoint_held: bool,
     /// The final failure was an attempt running out of `attempt_timeout_ms`.
     pub(crate) attempt_timed_out: bool,
+    /// The last attempt was dropped locally by adaptive throttling (never sent).
+    pub(crate) throttled: bool,
     /// The endpoint of the last failed attempt.
     pub(crate) last_failed: Option<Arc<str>>,
     pub(crate) fallback_cause: Option<RpcError>,
@@ -83,6 +85,7 @@ impl<'g> CallCx<'g> {
             connection: None,
             endpoint_held: false,
             attempt_timed_out: false,
+            throttled: false,
             last_failed: None,
             fallback_cause: None,
             attachments: None,

@@ -13,7 +13,8 @@
 //!  └ CircuitBreaker                  per entry: fail fast while the entry is failing
 //!    └ Timeout                       the whole call's deadline, retries included
 //!      └ Retry / Failover            next candidate from the Balance picker, within the budget
-//!        └ [user layers, per attempt] Middleware installed with ClientBuilder::attempt_layer
+//!        └ Throttle                  per entry: drop attempts while the server refuses most
+//!          └ [user layers, per attempt] Middleware installed with ClientBuilder::attempt_layer
 //!          └ attempt                 the caller's: connection and frame
 //! ```
 //!
@@ -32,6 +33,7 @@ mod middleware;
 mod retry;
 #[cfg(test)]
 mod tests;
+mod throttle;
 mod timeout;
 
 use std::future::Future;
@@ -45,6 +47,7 @@ pub use context::CallCx;
 pub use fallback::{FallbackLayer, Fallbacks};
 pub use middleware::{Layered, Middleware, Next};
 pub use retry::RetryLayer;
+pub use throttle::ThrottleLayer;
 pub use timeout::TimeoutLayer;
 
 /// One stage of a call: takes the call's context and its encoded arguments, returns the encoded
@@ -123,7 +126,10 @@ where
 }
 
 /// The governed core, without fallback and user layers: circuit breaker → timeout →
-/// retry/failover over `balance` → `attempt`.
+/// retry/failover over `balance` → adaptive throttling → `attempt`.
 pub fn governed<B: Balance, A: Service>(balance: B, attempt: A) -> impl Service {
-    CircuitBreakerLayer::new(TimeoutLayer::new(RetryLayer::new(balance, attempt)))
+    CircuitBreakerLayer::new(TimeoutLayer::new(RetryLayer::new(
+        balance,
+        ThrottleLayer::new(attempt),
+    )))
 }

@@ -123,6 +123,12 @@ impl<B: Balance, S> RetryLayer<B, S> {
         chain_stopped: bool,
     ) -> Result<Duration, RpcError> {
         let attempt = cx.attempt;
+        if cx.throttled {
+            // Dropped locally: nothing was sent, nothing to hold against the endpoint, and an
+            // attempt right away would be dropped again.
+            cx.tried.push(addr);
+            return Err(err);
+        }
         let attempt_timed_out = has_own_deadline && err.code() == StatusCode::Timeout;
         if attempt_timed_out {
             err = RpcError::new(

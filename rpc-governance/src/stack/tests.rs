@@ -15,6 +15,7 @@ use crate::breaker::BreakerState;
 use crate::config::Layers;
 use crate::engine::{EntryPolicy, Governance};
 use crate::events::{EventKind, GovernanceEvent};
+use crate::throttle::Throttle;
 
 /// What a scripted attempt knows when it picks its endpoint.
 struct AttemptCtx<'a> {
@@ -815,4 +816,147 @@ impl super::Middleware for PassOn {
     ) -> futures_util::future::BoxFuture<'a, Result<Bytes, RpcError>> {
         next.run(cx, req)
     }
+}
+
+// ------------------------------------------------------------------ chain stop and throttling
+
+#[tokio::test(start_paused = true)]
+async fn a_call_made_while_serving_a_retried_call_is_not_retried_again() {
+    use rpc_core::{RpcContext, RETRY_DEPTH_KEY};
+    let served = std::collections::BTreeMap::from([(RETRY_DEPTH_KEY.to_string(), "1".into())]);
+    for (chain_stop, attempts) in [(true, 1), (false, 4)] {
+        let g = engine(GovernanceOptions {
+            retry_times: 3,
+            retry_interval_ms: 0,
+            timeout_ms: 0,
+            retry_chain_stop: chain_stop,
+            ..Default::default()
+        });
+        let s = Script::new(vec![overflow()], Duration::ZERO);
+        let err = RpcContext::scope(served.clone(), g.execute(&g.policy(&M), &s))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), StatusCode::OverflowMaxServerHandle);
+        assert_eq!(
+            s.starts().len(),
+            attempts,
+            "retry_chain_stop = {chain_stop}"
+        );
+        if chain_stop {
+            assert!(err.message().contains("retry_chain_stop"), "{err}");
+        }
+    }
+    // Outside a retried call (no attachment), retries run as configured.
+    let g = engine(GovernanceOptions {
+        retry_times: 3,
+        retry_interval_ms: 0,
+        timeout_ms: 0,
+        ..Default::default()
+    });
+    let s = Script::new(vec![overflow()], Duration::ZERO);
+    g.execute(&g.policy(&M), &s).await.unwrap_err();
+    assert_eq!(s.starts().len(), 4);
+}
+
+fn throttled(k_percent: u32, retry_times: u32) -> Governance {
+    engine(GovernanceOptions {
+        throttle_k_percent: k_percent,
+        retry_times,
+        retry_interval_ms: 50,
+        retry_budget_min_per_second: 1_000_000,
+        enable_circuit_breaker: false,
+        timeout_ms: 0,
+        ..Default::default()
+    })
+}
+
+fn too_many_requests() -> Result<Bytes, RpcError> {
+    Err(RpcError::new(StatusCode::from_u32(429), "rate limited"))
+}
+
+#[tokio::test(start_paused = true)]
+async fn throttling_sends_a_server_that_refuses_everything_almost_nothing() {
+    for refusal in [overflow(), too_many_requests()] {
+        let g = throttled(200, 0);
+        let s = Script::new(vec![refusal.clone()], Duration::ZERO);
+        let mut dropped = 0;
+        for _ in 0..1000 {
+            let err = g.execute(&g.policy(&M), &s).await.unwrap_err();
+            if err.code() == StatusCode::OverflowMaxRequest {
+                assert!(err.message().contains("dropped by this client"), "{err}");
+                dropped += 1;
+            }
+        }
+        // With no accepts the rule drops call r with probability r / (r + 1): about
+        // ln(1000) + 0.58 ≈ 7.5 of 1000 calls go out (see throttle.rs); throttling off, 1000.
+        let sent = s.starts().len();
+        assert!(sent < 30, "{sent} of 1000 calls sent ({refusal:?})");
+        assert_eq!(sent + dropped, 1000);
+    }
+    let g = throttled(0, 0);
+    let s = Script::new(vec![overflow()], Duration::ZERO);
+    for _ in 0..1000 {
+        g.execute(&g.policy(&M), &s).await.unwrap_err();
+    }
+    assert_eq!(s.starts().len(), 1000, "throttle_k_percent = 0 is off");
+}
+
+#[tokio::test(start_paused = true)]
+async fn answers_other_than_overload_refusals_count_as_accepts() {
+    // Business errors and server errors are the server accepting the call: with K = 2 the
+    // probability max(0, (r − 2a) / (r + 1)) stays 0 while a = r, so nothing is dropped.
+    for answer in [ok(), Err(RpcError::business("no")), server_error()] {
+        let g = throttled(200, 0);
+        let s = Script::new(vec![answer.clone()], Duration::ZERO);
+        for _ in 0..1000 {
+            let _ = g.execute(&g.policy(&M), &s).await;
+        }
+        assert_eq!(s.starts().len(), 1000, "{answer:?}");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_dropped_attempt_fails_the_call_at_once_and_is_not_retried() {
+    let g = throttled(200, 3);
+    let policy = g.policy(&M);
+    // 1000 refused requests in the window: the next one is dropped with p = 1000 / 1001.
+    let t = policy
+        .throttle
+        .get_or_init(|| Throttle::new(2.0, Duration::from_secs(10)));
+    for _ in 0..1000 {
+        t.admit_at(Instant::now(), 1.0);
+    }
+    let mut events = g.events().subscribe();
+    let s = Script::new(vec![overflow()], Duration::ZERO);
+    let t0 = Instant::now();
+    let err = g.execute(&policy, &s).await.unwrap_err();
+    assert_eq!(err.code(), StatusCode::OverflowMaxRequest, "{err}");
+    assert!(err.message().contains("throttle_k_percent"), "{err}");
+    assert_eq!(s.starts().len(), 0, "nothing was sent");
+    assert_eq!(
+        t0.elapsed(),
+        Duration::ZERO,
+        "no retry pause: failed at once"
+    );
+    let e = events.try_recv().expect("one event");
+    assert_eq!(e.kind, EventKind::Throttled);
+    assert!(events.try_recv().is_err(), "no retry event after the drop");
+}
+
+#[tokio::test(start_paused = true)]
+async fn calls_go_out_again_once_the_refusals_leave_the_window() {
+    let g = throttled(200, 0);
+    let refusing = Script::new(vec![overflow()], Duration::ZERO);
+    for _ in 0..200 {
+        let _ = g.execute(&g.policy(&M), &refusing).await;
+    }
+    assert!(refusing.starts().len() < 20);
+    tokio::time::advance(Duration::from_secs(11)).await;
+    let healthy = Script::new(vec![ok()], Duration::ZERO);
+    for _ in 0..100 {
+        g.execute(&g.policy(&M), &healthy)
+            .await
+            .expect("sent and answered");
+    }
+    assert_eq!(healthy.starts().len(), 100);
 }
