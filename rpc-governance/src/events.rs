@@ -39,6 +39,9 @@ pub enum EventKind {
     /// A client dropped an attempt itself (adaptive throttling): the server keeps refusing
     /// the entry's calls for overload, so this one was not sent.
     Throttled,
+    /// The first attempt of an idempotent call had not answered after `hedge_delay_ms`: a
+    /// second attempt went to another endpoint.
+    Hedge,
 }
 
 impl EventKind {
@@ -59,6 +62,7 @@ impl EventKind {
             EventKind::Ejection => "ejection",
             EventKind::Readmission => "readmission",
             EventKind::Throttled => "throttled",
+            EventKind::Hedge => "hedge",
         }
     }
 }

@@ -74,6 +74,11 @@ governance_options! {
         /// 0 turns it off; 200 is K = 2.
         throttle_k_percent: u32 = 0, Client,
             "adaptive throttling, K × 100 (200 = K of 2; 0 = off): an attempt is dropped locally (514, event `throttled`, not retried) with probability max(0, (requests − K·accepts) / (requests + 1)) over 10 s; accepts are answers other than an overload refusal (515, 429)";
+        /// Hedging, for idempotent entries: when the first attempt has not answered after this
+        /// many milliseconds, a second goes to another endpoint; the first answer wins and the
+        /// other attempt is cancelled. A hedge draws on the retry budget. 0 turns it off.
+        hedge_delay_ms: u64 = 0, Client,
+            "idempotent entries only (0 = off): after this delay without an answer a second attempt goes to another endpoint; the first answer wins, the other is cancelled (Cancel frame); a hedge draws on the retry budget and is not sent once it is spent (event `hedge`)";
     }
     Breaker {
         /// Whether the entry has a circuit breaker.

@@ -45,16 +45,17 @@ impl<B: Balance, S: Service> Service for RetryLayer<B, S> {
     async fn call(&self, cx: &mut CallCx<'_>, req: Bytes) -> Result<Bytes, RpcError> {
         let mut picker = self.balance.picker(cx).await?;
         let started = cx.started();
-        cx.policy.budget.deposit_at(started);
+        if !cx.hedge {
+            cx.policy.budget.deposit_at(started);
+        }
         let deadline = cx.deadline;
         let enforced = self.inner.enforces_attempt_deadline();
-        let depth = RpcContext::retry_depth();
-        let chain_stopped = depth > 0 && cx.options.retry_chain_stop;
-        if !chain_stopped && cx.options.retry_times > 0 {
-            cx.insert_attachment(RETRY_DEPTH_KEY, (depth.saturating_add(1)).to_string());
-        }
+        let chain_stopped = mark_retry_depth(cx);
         loop {
             let addr = picker.next(cx)?;
+            if let Some(slot) = &cx.first_endpoint {
+                let _ = slot.set(addr.clone());
+            }
             let now = if cx.attempt == 0 {
                 started
             } else {
@@ -240,6 +241,17 @@ impl<B: Balance, S> RetryLayer<B, S> {
             self.balance.removed(addr);
         }
     }
+}
+
+/// Marks a call its client may retry with [`RETRY_DEPTH_KEY`] (one more than the depth of
+/// the call being served); returns whether the chain stop forbids this call's retries.
+pub(crate) fn mark_retry_depth(cx: &mut CallCx<'_>) -> bool {
+    let depth = RpcContext::retry_depth();
+    let chain_stopped = depth > 0 && cx.options.retry_chain_stop;
+    if !chain_stopped && cx.options.retry_times > 0 {
+        cx.insert_attachment(RETRY_DEPTH_KEY, depth.saturating_add(1).to_string());
+    }
+    chain_stopped
 }
 
 /// The endpoints tried, for the final error.

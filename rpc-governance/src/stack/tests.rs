@@ -960,3 +960,179 @@ async fn calls_go_out_again_once_the_refusals_leave_the_window() {
     }
     assert_eq!(healthy.starts().len(), 100);
 }
+
+// --------------------------------------------------------------------------------- hedging
+
+/// Per attempt: endpoint, start, and when it finished (`None`: dropped before).
+type AttemptLog = Arc<Mutex<Vec<(String, Duration, Option<Duration>)>>>;
+
+/// Attempts whose endpoint sets how long they take (then they succeed with the endpoint's
+/// name); records each attempt's start and whether it completed or was dropped.
+struct Endpoints {
+    delays: Vec<(&'static str, Duration)>,
+    start: Instant,
+    /// (endpoint, started at, finished: Some(at) or dropped: None)
+    log: AttemptLog,
+}
+
+impl Endpoints {
+    fn new(delays: &[(&'static str, u64)]) -> Self {
+        Endpoints {
+            delays: delays
+                .iter()
+                .map(|(e, ms)| (*e, Duration::from_millis(*ms)))
+                .collect(),
+            start: Instant::now(),
+            log: Arc::default(),
+        }
+    }
+    fn log(&self) -> Vec<(String, u128, Option<u128>)> {
+        self.log
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(e, s, f)| (e.clone(), s.as_millis(), f.map(|f| f.as_millis())))
+            .collect()
+    }
+}
+
+/// Marks the attempt's log entry finished unless dropped first.
+struct Finish {
+    log: AttemptLog,
+    i: usize,
+    start: Instant,
+    done: bool,
+}
+
+impl Drop for Finish {
+    fn drop(&mut self) {
+        if self.done {
+            self.log.lock().unwrap()[self.i].2 = Some(self.start.elapsed());
+        }
+    }
+}
+
+impl Attempts for &Endpoints {
+    fn select(&self, ctx: &AttemptCtx<'_>) -> Result<String, RpcError> {
+        let fresh = self
+            .delays
+            .iter()
+            .find(|(e, _)| !ctx.tried.iter().any(|t| t == e));
+        Ok(fresh.unwrap_or(&self.delays[0]).0.to_string())
+    }
+    async fn call(
+        &self,
+        addr: &str,
+        _timeout_ms: u32,
+        _deadline: Option<Instant>,
+    ) -> Result<Bytes, RpcError> {
+        let i = {
+            let mut log = self.log.lock().unwrap();
+            log.push((addr.to_string(), self.start.elapsed(), None));
+            log.len() - 1
+        };
+        let mut finish = Finish {
+            log: self.log.clone(),
+            i,
+            start: self.start,
+            done: false,
+        };
+        let delay = self
+            .delays
+            .iter()
+            .find(|(e, _)| *e == addr)
+            .map_or(Duration::ZERO, |(_, d)| *d);
+        tokio::time::sleep(delay).await;
+        finish.done = true;
+        Ok(Bytes::from(addr.to_string()))
+    }
+    fn untried_left(&self, tried: &[String]) -> bool {
+        self.delays
+            .iter()
+            .any(|(e, _)| !tried.iter().any(|t| t == e))
+    }
+}
+
+fn hedged(delay_ms: u64, idempotent: bool) -> GovernanceOptions {
+    GovernanceOptions {
+        hedge_delay_ms: delay_ms,
+        idempotent,
+        timeout_ms: 0,
+        ..Default::default()
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_hedge_goes_elsewhere_after_the_delay_and_the_first_answer_wins() {
+    let g = engine(hedged(50, true));
+    let e = Endpoints::new(&[("slow:1", 1000), ("fast:1", 10)]);
+    let mut events = g.events().subscribe();
+    let t0 = Instant::now();
+    let answer = g
+        .execute(&g.policy(&M), &e)
+        .await
+        .expect("the hedge answers");
+    assert_eq!(&answer[..], b"fast:1");
+    // Hedge sent at 50 ms, answered at 60 ms; the slow attempt was dropped, never finished.
+    assert_eq!(t0.elapsed(), Duration::from_millis(60));
+    assert_eq!(
+        e.log(),
+        [
+            ("slow:1".to_string(), 0, None),
+            ("fast:1".to_string(), 50, Some(60))
+        ]
+    );
+    assert_eq!(
+        events.try_recv().expect("hedge event").kind,
+        EventKind::Hedge
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn no_hedge_when_the_first_attempt_answers_before_the_delay() {
+    let g = engine(hedged(50, true));
+    let e = Endpoints::new(&[("a:1", 49), ("b:1", 10)]);
+    let answer = g.execute(&g.policy(&M), &e).await.expect("answered");
+    assert_eq!(&answer[..], b"a:1");
+    assert_eq!(e.log(), [("a:1".to_string(), 0, Some(49))]);
+    // Nothing fires later either.
+    tokio::time::advance(Duration::from_secs(1)).await;
+    assert_eq!(e.log().len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn no_hedge_for_an_entry_that_is_not_idempotent() {
+    let g = engine(hedged(50, false));
+    let e = Endpoints::new(&[("slow:1", 1000), ("fast:1", 10)]);
+    let answer = g.execute(&g.policy(&M), &e).await.expect("answered");
+    assert_eq!(&answer[..], b"slow:1");
+    assert_eq!(e.log(), [("slow:1".to_string(), 0, Some(1000))]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn no_hedge_once_the_retry_budget_is_spent() {
+    // 10 % of calls, no per-second floor: the first call has no budget, so no hedge; after
+    // nine more calls, 10 deposited, one hedge is allowed.
+    let g = engine(GovernanceOptions {
+        retry_budget_percent: 10,
+        retry_budget_min_per_second: 0,
+        ..hedged(50, true)
+    });
+    let e = Endpoints::new(&[("slow:1", 1000), ("fast:1", 10)]);
+    let answer = g.execute(&g.policy(&M), &e).await.expect("answered");
+    assert_eq!(
+        &answer[..],
+        b"slow:1",
+        "budget spent: waited for the first attempt"
+    );
+    assert_eq!(e.log().len(), 1);
+    let fast_first = Endpoints::new(&[("fast:1", 1)]);
+    for _ in 0..9 {
+        g.execute(&g.policy(&M), &fast_first)
+            .await
+            .expect("answered");
+    }
+    let e = Endpoints::new(&[("slow:1", 1000), ("fast:1", 10)]);
+    let answer = g.execute(&g.policy(&M), &e).await.expect("answered");
+    assert_eq!(&answer[..], b"fast:1", "one hedge allowed by the budget");
+}
