@@ -15,9 +15,9 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
-use rpc_core::{GovernanceOptions, RpcError};
+use rpc_core::{GovernanceOptions, RpcError, RETRY_DEPTH_KEY};
 
-use super::retry::mark_retry_depth;
+use super::retry::retry_depth_mark;
 use super::{CallCx, Service};
 use crate::events::EventKind;
 
@@ -47,6 +47,11 @@ impl<S: Service> Service for HedgeLayer<S> {
             ..(*cx.options).clone()
         });
         let mut hedge_cx = cx.fork_hedge(options, None);
+        // The hedge is an attempt of the same call: it carries the call's retry depth (its own
+        // options, one attempt, would not).
+        if let (_, Some(depth)) = retry_depth_mark(&cx.options) {
+            hedge_cx.insert_attachment(RETRY_DEPTH_KEY, depth.to_string());
+        }
         let primary_options = cx.options.clone();
         let started = cx.started();
         let sent = AtomicBool::new(false);
@@ -64,8 +69,6 @@ impl<S: Service> Service for HedgeLayer<S> {
             }
             // Elsewhere than the first attempt: its endpoint counts as tried.
             hedge_cx.tried.extend(first.get().cloned());
-            // The hedge is an attempt of the same call: it says so like a retry would.
-            mark_retry_depth(&mut hedge_cx);
             sent.store(true, Ordering::Relaxed);
             hedge_cx.emit(
                 EventKind::Hedge,

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use rpc_core::{RpcContext, RpcError, StatusCode, RETRY_DEPTH_KEY};
+use rpc_core::{GovernanceOptions, RpcContext, RpcError, StatusCode, RETRY_DEPTH_KEY};
 use tokio::time::Instant;
 
 use super::{Balance, CallCx, Pick, Service};
@@ -246,12 +246,20 @@ impl<B: Balance, S> RetryLayer<B, S> {
 /// Marks a call its client may retry with [`RETRY_DEPTH_KEY`] (one more than the depth of
 /// the call being served); returns whether the chain stop forbids this call's retries.
 pub(crate) fn mark_retry_depth(cx: &mut CallCx<'_>) -> bool {
-    let depth = RpcContext::retry_depth();
-    let chain_stopped = depth > 0 && cx.options.retry_chain_stop;
-    if !chain_stopped && cx.options.retry_times > 0 {
-        cx.insert_attachment(RETRY_DEPTH_KEY, depth.saturating_add(1).to_string());
+    let (chain_stopped, mark) = retry_depth_mark(&cx.options);
+    if let Some(depth) = mark {
+        cx.insert_attachment(RETRY_DEPTH_KEY, depth.to_string());
     }
     chain_stopped
+}
+
+/// Under `options`, in the call being served: whether the chain stop forbids retries, and the
+/// retry depth to send when the call may be retried.
+pub(crate) fn retry_depth_mark(options: &GovernanceOptions) -> (bool, Option<u32>) {
+    let depth = RpcContext::retry_depth();
+    let chain_stopped = depth > 0 && options.retry_chain_stop;
+    let mark = (!chain_stopped && options.retry_times > 0).then(|| depth.saturating_add(1));
+    (chain_stopped, mark)
 }
 
 /// The endpoints tried, for the final error.
