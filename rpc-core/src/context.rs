@@ -24,6 +24,14 @@ pub const TRACE_CONTEXT_KEYS: [&str; 2] = ["traceparent", "tracestate"];
 /// the client's call span is enabled; never a user attachment (the server takes it out).
 pub const CALL_ID_KEY: &str = "rpc-call-id";
 
+/// Attachment key of a call's retry depth: how many callers up the chain retry the call on
+/// failure (`1`: the caller retries it). A client sets it on every attempt of a call it may
+/// retry; the server hands it to the handler with the other attachments, so the calls the
+/// handler makes carry it too, and (under `retry_chain_stop`, the default) do not retry again:
+/// the outermost caller that retries owns the retries of the whole chain, and a failing leaf
+/// three hops down sees each top-level call about once instead of `(1 + retries)³` times.
+pub const RETRY_DEPTH_KEY: &str = "rpc-retry-depth";
+
 /// The task-local call context. Every function is associated: the context belongs to the task
 /// running the future passed to [`scope`](Self::scope).
 ///
@@ -80,6 +88,16 @@ impl RpcContext {
     /// One attachment of the current context.
     pub fn get(key: &str) -> Option<String> {
         Self::with_current(|a| a.get(key).cloned())
+    }
+
+    /// The retry depth of the call being served ([`RETRY_DEPTH_KEY`]; 0 outside a handler, or
+    /// when no caller up the chain retries, or when the attachment is not a number).
+    pub fn retry_depth() -> u32 {
+        Self::with_current(|a| {
+            a.get(RETRY_DEPTH_KEY)
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0)
+        })
     }
 
     /// Calls `f` with the current attachments (an empty map outside any scope), without

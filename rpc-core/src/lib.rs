@@ -36,7 +36,7 @@ mod status;
 pub mod wire;
 
 pub use codec::{Codec, CodecError, NoArgs};
-pub use context::{RpcContext, CALL_ID_KEY, TRACE_CONTEXT_KEYS};
+pub use context::{RpcContext, CALL_ID_KEY, RETRY_DEPTH_KEY, TRACE_CONTEXT_KEYS};
 pub use entry::{MethodDescriptor, ServiceEntry};
 pub use error::{serde_rpc_error, FieldError, RemoteError, RpcError};
 pub use hash::stable_hash;

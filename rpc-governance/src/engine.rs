@@ -31,6 +31,8 @@ pub struct EntryPolicy {
     options: ArcSwap<GovernanceOptions>,
     breaker: CircuitBreaker,
     pub(crate) budget: RetryBudget,
+    /// Adaptive throttling's counts, made when the entry first has `throttle_k_percent` set.
+    pub(crate) throttle: std::sync::OnceLock<crate::throttle::Throttle>,
 }
 
 impl EntryPolicy {
@@ -132,6 +134,7 @@ impl Governance {
                     options: ArcSwap::from_pointee(options),
                     breaker: CircuitBreaker::new(),
                     budget: RetryBudget::new(),
+                    throttle: std::sync::OnceLock::new(),
                 })
             })
             .clone()

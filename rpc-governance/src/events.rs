@@ -38,6 +38,12 @@ pub enum EventKind {
     /// A removed endpoint was taken back (a background probe reached it, or an operator
     /// re-admitted it).
     Readmission,
+    /// A client dropped an attempt itself (adaptive throttling): the server keeps refusing
+    /// the entry's calls for overload, so this one was not sent.
+    Throttled,
+    /// The first attempt of an idempotent call had not answered after `hedge_delay_ms`: a
+    /// second attempt went to another endpoint.
+    Hedge,
 }
 
 impl EventKind {
@@ -58,6 +64,8 @@ impl EventKind {
             EventKind::Reload => "reload",
             EventKind::Ejection => "ejection",
             EventKind::Readmission => "readmission",
+            EventKind::Throttled => "throttled",
+            EventKind::Hedge => "hedge",
         }
     }
 }

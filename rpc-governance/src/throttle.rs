@@ -16,6 +16,7 @@
 //! a recovering server sees traffic growing back. The window is kept in ten slices, so old
 //! counts leave it a slice at a time. Time is tokio's clock, so the paused clock drives it.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
@@ -30,6 +31,8 @@ pub struct Throttle {
     k: f64,
     slice: Duration,
     state: Mutex<Window>,
+    /// State of the draws' generator (splitmix64 over a counter).
+    draws: AtomicU64,
 }
 
 #[derive(Debug)]
@@ -75,7 +78,22 @@ impl Throttle {
                 newest: 0,
                 at: Instant::now(),
             }),
+            draws: AtomicU64::new(0x9e37_79b9_7f4a_7c15),
         }
+    }
+
+    /// A uniform number in [0, 1) for [`admit_at`](Self::admit_at): splitmix64 over a
+    /// counter, so a run is reproducible and no random-number crate is needed for a coin
+    /// whose bias matters, not its secrecy.
+    pub fn draw(&self) -> f64 {
+        let mut z = self
+            .draws
+            .fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed)
+            .wrapping_add(0x9e37_79b9_7f4a_7c15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        (z >> 11) as f64 / (1u64 << 53) as f64
     }
 
     /// The probability with which a call made at `now` is dropped.
@@ -90,12 +108,19 @@ impl Throttle {
     /// `draw` is a uniform random number in [0, 1) (the caller's, so that tests choose it).
     /// A dropped call counts as a request too, as the rule says.
     pub fn admit_at(&self, now: Instant, draw: f64) -> bool {
+        self.admit_with_k_at(now, draw, self.k)
+    }
+
+    /// [`admit_at`](Self::admit_at) with multiplier `k` (at least 1) instead of the one given
+    /// at construction, for callers whose K may change at run time.
+    pub fn admit_with_k_at(&self, now: Instant, draw: f64, k: f64) -> bool {
+        let k = k.max(1.0);
         let mut w = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         w.advance(now, self.slice);
         let (requests, accepts) = w.totals();
         let newest = w.newest;
         w.slices[newest].0 += 1;
-        draw >= probability(requests, accepts, self.k)
+        draw >= probability(requests, accepts, k)
     }
 
     /// Counts a call the server accepted (answered, whatever the answer, other than a refusal
@@ -160,6 +185,22 @@ mod tests {
         // least r / (r + 1), about 1 / (r + 1) of the time, so about ln(1000) + 0.58 ≈ 7.5
         // calls of the 1000 go out.
         assert!(sent < 20, "{sent} of 1000 calls still sent");
+    }
+
+    #[test]
+    fn draws_are_spread_evenly_over_the_unit_interval() {
+        let t = Throttle::new(2.0, WINDOW);
+        let mut tenths = [0u32; 10];
+        for _ in 0..10_000 {
+            let d = t.draw();
+            assert!((0.0..1.0).contains(&d), "{d}");
+            tenths[(d * 10.0) as usize] += 1;
+        }
+        // 1 000 expected per tenth; a fair coin stays within ±15 % at this count.
+        assert!(
+            tenths.iter().all(|&n| (850..=1150).contains(&n)),
+            "{tenths:?}"
+        );
     }
 
     #[tokio::test(start_paused = true)]

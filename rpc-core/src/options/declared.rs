@@ -92,10 +92,26 @@ governance_options! {
         /// Retry budget: retries per second always allowed, whatever the ratio says.
         retry_budget_min_per_second: u32 = 10, Client,
             "retries per second always allowed, whatever the share says";
+        /// Chain stop: a call made while serving a call that a caller up the chain retries
+        /// (attachment `rpc-retry-depth`) is not retried again, so retries do not multiply
+        /// across hops; `false` lets this entry retry anyway.
+        retry_chain_stop: flag = true, Client,
+            "a call made while serving a call some caller up the chain retries (attachment `rpc-retry-depth`) is not retried again, so a failing leaf is not hit `(1 + retries)` times per hop; `false` retries anyway";
         /// The method may run twice without harm: a call that may have reached a server that then
         /// died is repeated elsewhere.
         idempotent: bare_flag = false, Client,
             "a call that may have reached a server that then died is repeated elsewhere only when true; otherwise its error says it may have been delivered";
+        /// Client-side adaptive throttling (the SRE rule), as K × 100: each attempt is dropped
+        /// locally with probability `max(0, (requests − K · accepts) / (requests + 1))` over the
+        /// last 10 s, where accepts are the server's answers other than an overload refusal.
+        /// 0 turns it off; 200 is K = 2.
+        throttle_k_percent: u32 = 0, Client,
+            "adaptive throttling, K × 100 (200 = K of 2; 0 = off): an attempt is dropped locally (514, event `throttled`, not retried) with probability max(0, (requests − K·accepts) / (requests + 1)) over 10 s; accepts are answers other than an overload refusal (515, 429)";
+        /// Hedging, for idempotent entries: when the first attempt has not answered after this
+        /// many milliseconds, a second goes to another endpoint; the first answer wins and the
+        /// other attempt is cancelled. A hedge draws on the retry budget. 0 turns it off.
+        hedge_delay_ms: u64 = 0, Client,
+            "idempotent entries only (0 = off): after this delay without an answer a second attempt goes to another endpoint; the first answer wins, the other is cancelled (Cancel frame); a hedge draws on the retry budget and is not sent once it is spent (event `hedge`)";
     }
     Breaker {
         /// Whether the entry has a circuit breaker.

@@ -46,7 +46,8 @@ impl<S: Service> Service for CircuitBreakerLayer<S> {
             event(cx, t, None);
         }
         let result = self.inner.call(cx, req).await;
-        let outcome = if cx.endpoint_held && result.is_err() {
+        // A call dropped by adaptive throttling says nothing new about the remote side.
+        let outcome = if (cx.endpoint_held || cx.throttled) && result.is_err() {
             Outcome::Ignored
         } else {
             Outcome::of(&result)

@@ -37,6 +37,13 @@ pub struct CallCx<'g> {
     pub(crate) endpoint_held: bool,
     /// The final failure was an attempt running out of `attempt_timeout_ms`.
     pub(crate) attempt_timed_out: bool,
+    /// The last attempt was dropped locally by adaptive throttling (never sent).
+    pub(crate) throttled: bool,
+    /// Filled by the retry layer with the first attempt's endpoint, when the hedge layer
+    /// asks (it needs it to send its hedge elsewhere while the first attempt still runs).
+    pub(crate) first_endpoint: Option<Arc<std::sync::OnceLock<Arc<str>>>>,
+    /// This context is a hedge's: one attempt, not a call of its own (no budget deposit).
+    pub(crate) hedge: bool,
     /// The endpoint of the last failed attempt.
     pub(crate) last_failed: Option<Arc<str>>,
     pub(crate) fallback_cause: Option<RpcError>,
@@ -83,6 +90,9 @@ impl<'g> CallCx<'g> {
             connection: None,
             endpoint_held: false,
             attempt_timed_out: false,
+            throttled: false,
+            first_endpoint: None,
+            hedge: false,
             last_failed: None,
             fallback_cause: None,
             attachments: None,
@@ -100,6 +110,26 @@ impl<'g> CallCx<'g> {
     pub fn with_call_id(mut self, id: Option<String>) -> Self {
         self.call_id = id;
         self
+    }
+
+    /// The context of a hedge of this call: same entry, deadline, attachments and call id,
+    /// `options` in force (the hedge's own: one attempt), avoiding `avoid` (the endpoint the
+    /// first attempt runs on).
+    pub(crate) fn fork_hedge(
+        &self,
+        options: Arc<GovernanceOptions>,
+        avoid: Option<Arc<str>>,
+    ) -> CallCx<'g> {
+        let mut cx = CallCx::new(self.engine, self.policy.clone(), options);
+        cx.hash_key = self.hash_key;
+        cx.started = self.started;
+        cx.deadline = self.deadline;
+        cx.attachments = self.attachments.clone();
+        cx.call_id = self.call_id.clone();
+        cx.hedge = true;
+        cx.attempt = 1;
+        cx.tried.extend(avoid);
+        cx
     }
 
     /// The entry id, `"<service id>.<method>"`.

@@ -12,8 +12,10 @@
 //! Fallback                           another implementation answers a failed call
 //!  └ CircuitBreaker                  per entry: fail fast while the entry is failing
 //!    └ Timeout                       the whole call's deadline, retries included
+//!     └ Hedge                        idempotent: a second attempt elsewhere after a delay
 //!      └ Retry / Failover            next candidate from the Balance picker, within the budget
-//!        └ [user layers, per attempt] Middleware installed with ClientBuilder::attempt_layer
+//!        └ Throttle                  per entry: drop attempts while the server refuses most
+//!          └ [user layers, per attempt] Middleware installed with ClientBuilder::attempt_layer
 //!          └ attempt                 the caller's: connection and frame
 //! ```
 //!
@@ -28,10 +30,12 @@ mod balance;
 mod breaker;
 mod context;
 mod fallback;
+mod hedge;
 mod middleware;
 mod retry;
 #[cfg(test)]
 mod tests;
+mod throttle;
 mod timeout;
 
 use std::future::Future;
@@ -43,8 +47,10 @@ pub use balance::{Balance, Pick};
 pub use breaker::CircuitBreakerLayer;
 pub use context::CallCx;
 pub use fallback::{FallbackLayer, Fallbacks};
+pub use hedge::HedgeLayer;
 pub use middleware::{Layered, Middleware, Next};
 pub use retry::RetryLayer;
+pub use throttle::ThrottleLayer;
 pub use timeout::TimeoutLayer;
 
 /// One stage of a call: takes the call's context and its encoded arguments, returns the encoded
@@ -122,8 +128,11 @@ where
     )
 }
 
-/// The governed core, without fallback and user layers: circuit breaker → timeout →
-/// retry/failover over `balance` → `attempt`.
+/// The governed core, without fallback and user layers: circuit breaker → timeout → hedge →
+/// retry/failover over `balance` → adaptive throttling → `attempt`.
 pub fn governed<B: Balance, A: Service>(balance: B, attempt: A) -> impl Service {
-    CircuitBreakerLayer::new(TimeoutLayer::new(RetryLayer::new(balance, attempt)))
+    CircuitBreakerLayer::new(TimeoutLayer::new(HedgeLayer::new(RetryLayer::new(
+        balance,
+        ThrottleLayer::new(attempt),
+    ))))
 }

@@ -6,12 +6,18 @@
 //! belong to one endpoint are held against it in [`crate::health`] first. This layer also
 //! enforces each attempt's deadline (`attempt_timeout_ms`, or the call's): an attempt still
 //! running then is dropped, whatever it does with the deadline it was given.
+//!
+//! Retries across hops multiply: three levels that each try four times hit a failing leaf 64
+//! times per call. So a call this layer may retry says so to the server (attachment
+//! [`RETRY_DEPTH_KEY`], the number of retrying callers up the chain), the server hands it to
+//! its handler's context, and a call made there is not retried again (`retry_chain_stop`,
+//! on by default): the outermost caller that retries owns the retries of the whole chain.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use rpc_core::{RpcError, StatusCode};
+use rpc_core::{GovernanceOptions, RpcContext, RpcError, StatusCode, RETRY_DEPTH_KEY};
 use tokio::time::Instant;
 
 use super::{Balance, CallCx, Pick, Service};
@@ -39,11 +45,17 @@ impl<B: Balance, S: Service> Service for RetryLayer<B, S> {
     async fn call(&self, cx: &mut CallCx<'_>, req: Bytes) -> Result<Bytes, RpcError> {
         let mut picker = self.balance.picker(cx).await?;
         let started = cx.started();
-        cx.policy.budget.deposit_at(started);
+        if !cx.hedge {
+            cx.policy.budget.deposit_at(started);
+        }
         let deadline = cx.deadline;
         let enforced = self.inner.enforces_attempt_deadline();
+        let chain_stopped = mark_retry_depth(cx);
         loop {
             let addr = picker.next(cx)?;
+            if let Some(slot) = &cx.first_endpoint {
+                let _ = slot.set(addr.clone());
+            }
             let now = if cx.attempt == 0 {
                 started
             } else {
@@ -86,7 +98,7 @@ impl<B: Balance, S: Service> Service for RetryLayer<B, S> {
                 }
                 Err(e) => e,
             };
-            match self.after_failure(cx, &picker, addr, err, own.is_some()) {
+            match self.after_failure(cx, &picker, addr, err, own.is_some(), chain_stopped) {
                 Ok(after) => {
                     cx.attempt += 1;
                     if !after.is_zero() {
@@ -109,8 +121,15 @@ impl<B: Balance, S> RetryLayer<B, S> {
         addr: Arc<str>,
         mut err: RpcError,
         has_own_deadline: bool,
+        chain_stopped: bool,
     ) -> Result<Duration, RpcError> {
         let attempt = cx.attempt;
+        if cx.throttled {
+            // Dropped locally: nothing was sent, nothing to hold against the endpoint, and an
+            // attempt right away would be dropped again.
+            cx.tried.push(addr);
+            return Err(err);
+        }
         let attempt_timed_out = has_own_deadline && err.code() == StatusCode::Timeout;
         if attempt_timed_out {
             err = RpcError::new(
@@ -145,6 +164,17 @@ impl<B: Balance, S> RetryLayer<B, S> {
             failover::decide(&err, attempt, &cx.options, cx.deadline, untried_left)
         };
         let last = cx.tried.last().cloned().unwrap_or_else(|| Arc::from(""));
+        if chain_stopped && matches!(decision, Decision::Retry { .. }) {
+            let msg = format!(
+                "{}; not retried: this call was made while serving a call that a caller up the \
+                 chain retries (retry_chain_stop), so that retries do not multiply across hops",
+                err.message()
+            );
+            let stopped = RpcError::new(err.code(), msg).maybe_delivered(err.is_maybe_delivered());
+            cx.endpoint_held = fault.is_some() && picker.any_other_usable(&last, cx);
+            cx.attempt_timed_out = attempt_timed_out;
+            return Err(failover::final_error(stopped, tried(cx)));
+        }
         let after = match decision {
             Decision::Retry { after } => after,
             Decision::GiveUp => {
@@ -211,6 +241,25 @@ impl<B: Balance, S> RetryLayer<B, S> {
             self.balance.removed(addr);
         }
     }
+}
+
+/// Marks a call its client may retry with [`RETRY_DEPTH_KEY`] (one more than the depth of
+/// the call being served); returns whether the chain stop forbids this call's retries.
+pub(crate) fn mark_retry_depth(cx: &mut CallCx<'_>) -> bool {
+    let (chain_stopped, mark) = retry_depth_mark(&cx.options);
+    if let Some(depth) = mark {
+        cx.insert_attachment(RETRY_DEPTH_KEY, depth.to_string());
+    }
+    chain_stopped
+}
+
+/// Under `options`, in the call being served: whether the chain stop forbids retries, and the
+/// retry depth to send when the call may be retried.
+pub(crate) fn retry_depth_mark(options: &GovernanceOptions) -> (bool, Option<u32>) {
+    let depth = RpcContext::retry_depth();
+    let chain_stopped = depth > 0 && options.retry_chain_stop;
+    let mark = (!chain_stopped && options.retry_times > 0).then(|| depth.saturating_add(1));
+    (chain_stopped, mark)
 }
 
 /// The endpoints tried, for the final error.

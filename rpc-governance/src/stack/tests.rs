@@ -15,6 +15,7 @@ use crate::breaker::BreakerState;
 use crate::config::Layers;
 use crate::engine::{EntryPolicy, Governance};
 use crate::events::{EventKind, GovernanceEvent};
+use crate::throttle::Throttle;
 
 /// What a scripted attempt knows when it picks its endpoint.
 struct AttemptCtx<'a> {
@@ -815,4 +816,323 @@ impl super::Middleware for PassOn {
     ) -> futures_util::future::BoxFuture<'a, Result<Bytes, RpcError>> {
         next.run(cx, req)
     }
+}
+
+// ------------------------------------------------------------------ chain stop and throttling
+
+#[tokio::test(start_paused = true)]
+async fn a_call_made_while_serving_a_retried_call_is_not_retried_again() {
+    use rpc_core::{RpcContext, RETRY_DEPTH_KEY};
+    let served = std::collections::BTreeMap::from([(RETRY_DEPTH_KEY.to_string(), "1".into())]);
+    for (chain_stop, attempts) in [(true, 1), (false, 4)] {
+        let g = engine(GovernanceOptions {
+            retry_times: 3,
+            retry_interval_ms: 0,
+            timeout_ms: 0,
+            retry_chain_stop: chain_stop,
+            ..Default::default()
+        });
+        let s = Script::new(vec![overflow()], Duration::ZERO);
+        let err = RpcContext::scope(served.clone(), g.execute(&g.policy(&M), &s))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), StatusCode::OverflowMaxServerHandle);
+        assert_eq!(
+            s.starts().len(),
+            attempts,
+            "retry_chain_stop = {chain_stop}"
+        );
+        if chain_stop {
+            assert!(err.message().contains("retry_chain_stop"), "{err}");
+        }
+    }
+    // Outside a retried call (no attachment), retries run as configured.
+    let g = engine(GovernanceOptions {
+        retry_times: 3,
+        retry_interval_ms: 0,
+        timeout_ms: 0,
+        ..Default::default()
+    });
+    let s = Script::new(vec![overflow()], Duration::ZERO);
+    g.execute(&g.policy(&M), &s).await.unwrap_err();
+    assert_eq!(s.starts().len(), 4);
+}
+
+fn throttled(k_percent: u32, retry_times: u32) -> Governance {
+    engine(GovernanceOptions {
+        throttle_k_percent: k_percent,
+        retry_times,
+        retry_interval_ms: 50,
+        retry_budget_min_per_second: 1_000_000,
+        enable_circuit_breaker: false,
+        timeout_ms: 0,
+        ..Default::default()
+    })
+}
+
+fn too_many_requests() -> Result<Bytes, RpcError> {
+    Err(RpcError::new(StatusCode::from_u32(429), "rate limited"))
+}
+
+#[tokio::test(start_paused = true)]
+async fn throttling_sends_a_server_that_refuses_everything_almost_nothing() {
+    for refusal in [overflow(), too_many_requests()] {
+        let g = throttled(200, 0);
+        let s = Script::new(vec![refusal.clone()], Duration::ZERO);
+        let mut dropped = 0;
+        for _ in 0..1000 {
+            let err = g.execute(&g.policy(&M), &s).await.unwrap_err();
+            if err.code() == StatusCode::OverflowMaxRequest {
+                assert!(err.message().contains("dropped by this client"), "{err}");
+                dropped += 1;
+            }
+        }
+        // With no accepts the rule drops call r with probability r / (r + 1): about
+        // ln(1000) + 0.58 ≈ 7.5 of 1000 calls go out (see throttle.rs); throttling off, 1000.
+        let sent = s.starts().len();
+        assert!(sent < 30, "{sent} of 1000 calls sent ({refusal:?})");
+        assert_eq!(sent + dropped, 1000);
+    }
+    let g = throttled(0, 0);
+    let s = Script::new(vec![overflow()], Duration::ZERO);
+    for _ in 0..1000 {
+        g.execute(&g.policy(&M), &s).await.unwrap_err();
+    }
+    assert_eq!(s.starts().len(), 1000, "throttle_k_percent = 0 is off");
+}
+
+#[tokio::test(start_paused = true)]
+async fn answers_other_than_overload_refusals_count_as_accepts() {
+    // Business errors and server errors are the server accepting the call: with K = 2 the
+    // probability max(0, (r − 2a) / (r + 1)) stays 0 while a = r, so nothing is dropped.
+    for answer in [ok(), Err(RpcError::business("no")), server_error()] {
+        let g = throttled(200, 0);
+        let s = Script::new(vec![answer.clone()], Duration::ZERO);
+        for _ in 0..1000 {
+            let _ = g.execute(&g.policy(&M), &s).await;
+        }
+        assert_eq!(s.starts().len(), 1000, "{answer:?}");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_dropped_attempt_fails_the_call_at_once_and_is_not_retried() {
+    let g = throttled(200, 3);
+    let policy = g.policy(&M);
+    // 1000 refused requests in the window: the next one is dropped with p = 1000 / 1001.
+    let t = policy
+        .throttle
+        .get_or_init(|| Throttle::new(2.0, Duration::from_secs(10)));
+    for _ in 0..1000 {
+        t.admit_at(Instant::now(), 1.0);
+    }
+    let mut events = g.events().subscribe();
+    let s = Script::new(vec![overflow()], Duration::ZERO);
+    let t0 = Instant::now();
+    let err = g.execute(&policy, &s).await.unwrap_err();
+    assert_eq!(err.code(), StatusCode::OverflowMaxRequest, "{err}");
+    assert!(err.message().contains("throttle_k_percent"), "{err}");
+    assert_eq!(s.starts().len(), 0, "nothing was sent");
+    assert_eq!(
+        t0.elapsed(),
+        Duration::ZERO,
+        "no retry pause: failed at once"
+    );
+    let e = events.try_recv().expect("one event");
+    assert_eq!(e.kind, EventKind::Throttled);
+    assert!(events.try_recv().is_err(), "no retry event after the drop");
+}
+
+#[tokio::test(start_paused = true)]
+async fn calls_go_out_again_once_the_refusals_leave_the_window() {
+    let g = throttled(200, 0);
+    let refusing = Script::new(vec![overflow()], Duration::ZERO);
+    for _ in 0..200 {
+        let _ = g.execute(&g.policy(&M), &refusing).await;
+    }
+    assert!(refusing.starts().len() < 20);
+    tokio::time::advance(Duration::from_secs(11)).await;
+    let healthy = Script::new(vec![ok()], Duration::ZERO);
+    for _ in 0..100 {
+        g.execute(&g.policy(&M), &healthy)
+            .await
+            .expect("sent and answered");
+    }
+    assert_eq!(healthy.starts().len(), 100);
+}
+
+// --------------------------------------------------------------------------------- hedging
+
+/// Per attempt: endpoint, start, and when it finished (`None`: dropped before).
+type AttemptLog = Arc<Mutex<Vec<(String, Duration, Option<Duration>)>>>;
+
+/// Attempts whose endpoint sets how long they take (then they succeed with the endpoint's
+/// name); records each attempt's start and whether it completed or was dropped.
+struct Endpoints {
+    delays: Vec<(&'static str, Duration)>,
+    start: Instant,
+    /// (endpoint, started at, finished: Some(at) or dropped: None)
+    log: AttemptLog,
+}
+
+impl Endpoints {
+    fn new(delays: &[(&'static str, u64)]) -> Self {
+        Endpoints {
+            delays: delays
+                .iter()
+                .map(|(e, ms)| (*e, Duration::from_millis(*ms)))
+                .collect(),
+            start: Instant::now(),
+            log: Arc::default(),
+        }
+    }
+    fn log(&self) -> Vec<(String, u128, Option<u128>)> {
+        self.log
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(e, s, f)| (e.clone(), s.as_millis(), f.map(|f| f.as_millis())))
+            .collect()
+    }
+}
+
+/// Marks the attempt's log entry finished unless dropped first.
+struct Finish {
+    log: AttemptLog,
+    i: usize,
+    start: Instant,
+    done: bool,
+}
+
+impl Drop for Finish {
+    fn drop(&mut self) {
+        if self.done {
+            self.log.lock().unwrap()[self.i].2 = Some(self.start.elapsed());
+        }
+    }
+}
+
+impl Attempts for &Endpoints {
+    fn select(&self, ctx: &AttemptCtx<'_>) -> Result<String, RpcError> {
+        let fresh = self
+            .delays
+            .iter()
+            .find(|(e, _)| !ctx.tried.iter().any(|t| t == e));
+        Ok(fresh.unwrap_or(&self.delays[0]).0.to_string())
+    }
+    async fn call(
+        &self,
+        addr: &str,
+        _timeout_ms: u32,
+        _deadline: Option<Instant>,
+    ) -> Result<Bytes, RpcError> {
+        let i = {
+            let mut log = self.log.lock().unwrap();
+            log.push((addr.to_string(), self.start.elapsed(), None));
+            log.len() - 1
+        };
+        let mut finish = Finish {
+            log: self.log.clone(),
+            i,
+            start: self.start,
+            done: false,
+        };
+        let delay = self
+            .delays
+            .iter()
+            .find(|(e, _)| *e == addr)
+            .map_or(Duration::ZERO, |(_, d)| *d);
+        tokio::time::sleep(delay).await;
+        finish.done = true;
+        Ok(Bytes::from(addr.to_string()))
+    }
+    fn untried_left(&self, tried: &[String]) -> bool {
+        self.delays
+            .iter()
+            .any(|(e, _)| !tried.iter().any(|t| t == e))
+    }
+}
+
+fn hedged(delay_ms: u64, idempotent: bool) -> GovernanceOptions {
+    GovernanceOptions {
+        hedge_delay_ms: delay_ms,
+        idempotent,
+        timeout_ms: 0,
+        ..Default::default()
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_hedge_goes_elsewhere_after_the_delay_and_the_first_answer_wins() {
+    let g = engine(hedged(50, true));
+    let e = Endpoints::new(&[("slow:1", 1000), ("fast:1", 10)]);
+    let mut events = g.events().subscribe();
+    let t0 = Instant::now();
+    let answer = g
+        .execute(&g.policy(&M), &e)
+        .await
+        .expect("the hedge answers");
+    assert_eq!(&answer[..], b"fast:1");
+    // Hedge sent at 50 ms, answered at 60 ms; the slow attempt was dropped, never finished.
+    assert_eq!(t0.elapsed(), Duration::from_millis(60));
+    assert_eq!(
+        e.log(),
+        [
+            ("slow:1".to_string(), 0, None),
+            ("fast:1".to_string(), 50, Some(60))
+        ]
+    );
+    assert_eq!(
+        events.try_recv().expect("hedge event").kind,
+        EventKind::Hedge
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn no_hedge_when_the_first_attempt_answers_before_the_delay() {
+    let g = engine(hedged(50, true));
+    let e = Endpoints::new(&[("a:1", 49), ("b:1", 10)]);
+    let answer = g.execute(&g.policy(&M), &e).await.expect("answered");
+    assert_eq!(&answer[..], b"a:1");
+    assert_eq!(e.log(), [("a:1".to_string(), 0, Some(49))]);
+    // Nothing fires later either.
+    tokio::time::advance(Duration::from_secs(1)).await;
+    assert_eq!(e.log().len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn no_hedge_for_an_entry_that_is_not_idempotent() {
+    let g = engine(hedged(50, false));
+    let e = Endpoints::new(&[("slow:1", 1000), ("fast:1", 10)]);
+    let answer = g.execute(&g.policy(&M), &e).await.expect("answered");
+    assert_eq!(&answer[..], b"slow:1");
+    assert_eq!(e.log(), [("slow:1".to_string(), 0, Some(1000))]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn no_hedge_once_the_retry_budget_is_spent() {
+    // 10 % of calls, no per-second floor: the first call has no budget, so no hedge; after
+    // nine more calls, 10 deposited, one hedge is allowed.
+    let g = engine(GovernanceOptions {
+        retry_budget_percent: 10,
+        retry_budget_min_per_second: 0,
+        ..hedged(50, true)
+    });
+    let e = Endpoints::new(&[("slow:1", 1000), ("fast:1", 10)]);
+    let answer = g.execute(&g.policy(&M), &e).await.expect("answered");
+    assert_eq!(
+        &answer[..],
+        b"slow:1",
+        "budget spent: waited for the first attempt"
+    );
+    assert_eq!(e.log().len(), 1);
+    let fast_first = Endpoints::new(&[("fast:1", 1)]);
+    for _ in 0..9 {
+        g.execute(&g.policy(&M), &fast_first)
+            .await
+            .expect("answered");
+    }
+    let e = Endpoints::new(&[("slow:1", 1000), ("fast:1", 10)]);
+    let answer = g.execute(&g.policy(&M), &e).await.expect("answered");
+    assert_eq!(&answer[..], b"fast:1", "one hedge allowed by the budget");
 }
