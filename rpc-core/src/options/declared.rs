@@ -94,9 +94,10 @@ governance_options! {
             "retries per second always allowed, whatever the share says";
         /// Chain stop: a call made while serving a call that a caller up the chain retries
         /// (attachment `rpc-retry-depth`) is not retried again, so retries do not multiply
-        /// across hops; `false` lets this entry retry anyway.
+        /// across hops (it still fails over from an endpoint it never reached: connection
+        /// refused, nothing sent); `false` lets this entry retry anyway.
         retry_chain_stop: flag = true, Client,
-            "a call made while serving a call some caller up the chain retries (attachment `rpc-retry-depth`) is not retried again, so a failing leaf is not hit `(1 + retries)` times per hop; `false` retries anyway";
+            "a call made while serving a call some caller up the chain retries (attachment `rpc-retry-depth`) is not retried again, so a failing leaf is not hit `(1 + retries)` times per hop (failing over from an endpoint the call never reached stays allowed); `false` retries anyway";
         /// The method may run twice without harm: a call that may have reached a server that then
         /// died is repeated elsewhere.
         idempotent: bare_flag = false, Client,

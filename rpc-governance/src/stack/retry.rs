@@ -164,7 +164,13 @@ impl<B: Balance, S> RetryLayer<B, S> {
             failover::decide(&err, attempt, &cx.options, cx.deadline, untried_left)
         };
         let last = cx.tried.last().cloned().unwrap_or_else(|| Arc::from(""));
-        if chain_stopped && matches!(decision, Decision::Retry { .. }) {
+        // The stop is for failures a server saw (refusals, errors, calls that may have been
+        // delivered): retrying those multiplies load down the chain. Moving on from an endpoint
+        // the call never reached (connection refused, nothing sent) costs no server anything,
+        // so a middle tier still fails over from a dead instance.
+        let never_reached =
+            err.code() == StatusCode::CommunicationError && !err.is_maybe_delivered();
+        if chain_stopped && !never_reached && matches!(decision, Decision::Retry { .. }) {
             let msg = format!(
                 "{}; not retried: this call was made while serving a call that a caller up the \
                  chain retries (retry_chain_stop), so that retries do not multiply across hops",

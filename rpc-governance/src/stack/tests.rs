@@ -858,6 +858,35 @@ async fn a_call_made_while_serving_a_retried_call_is_not_retried_again() {
     assert_eq!(s.starts().len(), 4);
 }
 
+#[tokio::test(start_paused = true)]
+async fn under_the_chain_stop_a_call_still_fails_over_from_an_endpoint_it_never_reached() {
+    use rpc_core::{RpcContext, RETRY_DEPTH_KEY};
+    let served = std::collections::BTreeMap::from([(RETRY_DEPTH_KEY.to_string(), "1".into())]);
+    let g = engine(GovernanceOptions {
+        retry_times: 3,
+        retry_interval_ms: 0,
+        timeout_ms: 0,
+        ..Default::default()
+    });
+    // The first endpoint refuses the connection (nothing sent), the second answers.
+    let refused = Err(RpcError::new(
+        StatusCode::CommunicationError,
+        "connection refused",
+    ));
+    let s = Script::new(vec![refused, ok()], Duration::ZERO);
+    let answer = RpcContext::scope(served.clone(), g.execute(&g.policy(&M), &s))
+        .await
+        .expect("failed over to the second endpoint");
+    assert_eq!(&answer[..], b"ok");
+    assert_eq!(s.starts().len(), 2);
+    // A refusal the server made is still not retried.
+    let s = Script::new(vec![overflow(), ok()], Duration::ZERO);
+    let err = RpcContext::scope(served, g.execute(&g.policy(&M), &s))
+        .await
+        .unwrap_err();
+    assert_eq!(s.starts().len(), 1, "{err}");
+}
+
 fn throttled(k_percent: u32, retry_times: u32) -> Governance {
     engine(GovernanceOptions {
         throttle_k_percent: k_percent,
