@@ -8,7 +8,11 @@ use crate::retry::{self, Decision};
 
 /// Decides after a failed attempt, on top of [`retry::decide`]: when the failure was an
 /// unreachable endpoint (the request never left) and no endpoint is left untried, the call
-/// gives up at once — every endpoint is down, and trying them again would only wait.
+/// gives up at once — every endpoint is down, and trying them again would only wait. A refusal
+/// that says when to come back (a 429's `retry_after`) is honoured when the next attempt can
+/// only go to an endpoint already tried: the pause is at least that long, and the call gives up
+/// (with the refusal, which carries `retry_after`) when that does not fit before the deadline.
+/// With an untried endpoint left, the next attempt goes there after the usual interval.
 pub fn decide(
     err: &RpcError,
     attempt: u32,
@@ -19,7 +23,19 @@ pub fn decide(
     if err.code() == StatusCode::CommunicationError && !err.is_maybe_delivered() && !untried_left {
         return Decision::GiveUp;
     }
-    retry::decide(err, attempt, options, deadline)
+    match (
+        retry::decide(err, attempt, options, deadline),
+        err.retry_after(),
+    ) {
+        (Decision::Retry { after }, Some(wait)) if !untried_left && wait > after => {
+            if deadline.is_some_and(|d| Instant::now() + wait >= d) {
+                Decision::GiveUp
+            } else {
+                Decision::Retry { after: wait }
+            }
+        }
+        (decision, _) => decision,
+    }
 }
 
 /// The error the caller sees: failures that another endpoint might have cured carry every
@@ -35,6 +51,7 @@ pub fn final_error(err: RpcError, tried: Vec<String>) -> RpcError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     #[test]
     fn all_unreachable_gives_up_and_names_them() {
@@ -55,5 +72,32 @@ mod tests {
         assert_eq!(e.tried(), ["a:1", "b:1"]);
         let e = final_error(RpcError::business("no"), vec!["a:1".into()]);
         assert!(e.tried().is_empty());
+    }
+
+    #[test]
+    fn a_rate_limit_refusal_is_waited_out_only_when_no_other_endpoint_is_left() {
+        let o = GovernanceOptions {
+            retry_interval_ms: 50,
+            ..GovernanceOptions::default()
+        };
+        let limited = RpcError::new(StatusCode::RateLimited, "over the rate")
+            .with_retry_after(Duration::from_millis(300));
+        // Another endpoint is left: it is tried after the usual interval.
+        assert_eq!(
+            decide(&limited, 0, &o, None, true),
+            Decision::Retry {
+                after: Duration::from_millis(50)
+            }
+        );
+        // Only tried endpoints are left: the refusal's time is waited out.
+        assert_eq!(
+            decide(&limited, 0, &o, None, false),
+            Decision::Retry {
+                after: Duration::from_millis(300)
+            }
+        );
+        // ... unless it does not fit before the deadline.
+        let soon = Instant::now() + Duration::from_millis(200);
+        assert_eq!(decide(&limited, 0, &o, Some(soon), false), Decision::GiveUp);
     }
 }
