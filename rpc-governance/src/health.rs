@@ -153,16 +153,7 @@ impl EndpointHealth {
         o: &GovernanceOptions,
     ) -> Recorded {
         let now = Instant::now();
-        let mut mark = self.marks.entry(addr.to_string()).or_insert_with(|| {
-            self.marked.fetch_add(1, Ordering::Release);
-            Mark {
-                until: now,
-                consecutive: 0,
-                removed: false,
-                connection: None,
-                reason: String::new(),
-            }
-        });
+        let mut mark = self.mark_of(addr, now);
         if fault == Fault::Transport && connection.is_some() && mark.connection == connection {
             return Recorded {
                 consecutive: mark.consecutive,
@@ -210,12 +201,9 @@ impl EndpointHealth {
         }
     }
 
-    /// Marks `addr` unhealthy for `for_` (or longer, if it already is) without counting a
-    /// failure: an outlier by success rate ([`crate::outlier`]) is avoided while other
-    /// endpoints are usable, and gets traffic again when the mark expires.
-    pub fn eject(&self, addr: &str, for_: Duration, reason: &str) {
-        let now = Instant::now();
-        let mut mark = self.marks.entry(addr.to_string()).or_insert_with(|| {
+    /// `addr`'s mark, a fresh one (healthy as of `now`) if it had none.
+    fn mark_of(&self, addr: &str, now: Instant) -> dashmap::mapref::one::RefMut<'_, String, Mark> {
+        self.marks.entry(addr.to_string()).or_insert_with(|| {
             self.marked.fetch_add(1, Ordering::Release);
             Mark {
                 until: now,
@@ -224,7 +212,15 @@ impl EndpointHealth {
                 connection: None,
                 reason: String::new(),
             }
-        });
+        })
+    }
+
+    /// Marks `addr` unhealthy for `for_` (or longer, if it already is) without counting a
+    /// failure: an outlier by success rate ([`crate::outlier`]) is avoided while other
+    /// endpoints are usable, and gets traffic again when the mark expires.
+    pub fn eject(&self, addr: &str, for_: Duration, reason: &str) {
+        let now = Instant::now();
+        let mut mark = self.mark_of(addr, now);
         mark.until = mark.until.max(now + for_);
         mark.reason = reason.to_string();
         tracing::debug!(

@@ -47,11 +47,7 @@ struct Gate {
 impl Adapt for Gate {
     async fn hold(&self) -> Result<u32, RpcError> {
         let _ = self.entered.send(());
-        self.release
-            .acquire()
-            .await
-            .map_err(|_| RpcError::business("gate closed"))?
-            .forget();
+        common::let_through(&self.release).await?;
         Ok(1)
     }
     async fn quick(&self) -> Result<u32, RpcError> {

@@ -48,11 +48,7 @@ impl Gate {
     async fn held(&self) -> Result<String, RpcError> {
         self.ran.fetch_add(1, Ordering::SeqCst);
         let _ = self.entered.send(self.name.clone());
-        self.release
-            .acquire()
-            .await
-            .map_err(|_| RpcError::business("gate closed"))?
-            .forget();
+        common::let_through(&self.release).await?;
         Ok(self.name.clone())
     }
 }

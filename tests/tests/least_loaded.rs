@@ -146,11 +146,7 @@ struct Gate {
 impl Bounded for Gate {
     async fn hold(&self, _key: String) -> Result<String, RpcError> {
         let _ = self.entered.send(self.name.clone());
-        self.release
-            .acquire()
-            .await
-            .map_err(|_| RpcError::business("gate closed"))?
-            .forget();
+        common::let_through(&self.release).await?;
         Ok(self.name.clone())
     }
 }

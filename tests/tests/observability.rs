@@ -13,18 +13,17 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
-use common::otel::{counter, gauge, histogram_count, metric_data};
-use opentelemetry::trace::{SpanId, Status, TracerProvider as _};
+use common::otel::{counter, gauge, histogram_count, metric_data, Traces};
+use opentelemetry::trace::{SpanId, Status};
 use opentelemetry::{KeyValue, Value};
 use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData, ResourceMetrics};
 use opentelemetry_sdk::metrics::{InMemoryMetricExporter, PeriodicReader, SdkMeterProvider};
-use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
+use opentelemetry_sdk::trace::SpanData;
 use rpc::crates::governance::breaker::BreakerState;
 use rpc::{
     Client, GovernanceOverrides, RpcContext, RpcError, Server, ServerHandle, StaticRegistry,
     StatusCode,
 };
-use tracing_subscriber::layer::SubscriberExt;
 
 #[rpc::service(name = "obs.Hop")]
 pub trait Hop {
@@ -82,29 +81,6 @@ impl Flaky for Zero {
 }
 
 /// Spans recorded by this test's own subscriber.
-struct Traces {
-    provider: SdkTracerProvider,
-    exporter: InMemorySpanExporter,
-}
-
-impl Traces {
-    fn install() -> (Self, tracing::subscriber::DefaultGuard) {
-        let exporter = InMemorySpanExporter::default();
-        let provider = SdkTracerProvider::builder()
-            .with_simple_exporter(exporter.clone())
-            .build();
-        let subscriber = tracing_subscriber::registry()
-            .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")));
-        let guard = tracing::subscriber::set_default(subscriber);
-        (Traces { provider, exporter }, guard)
-    }
-
-    fn spans(&self) -> Vec<SpanData> {
-        self.provider.force_flush().unwrap();
-        self.exporter.get_finished_spans().unwrap()
-    }
-}
-
 fn attr<'a>(span: &'a SpanData, key: &str) -> Option<&'a Value> {
     span.attributes
         .iter()

@@ -60,11 +60,7 @@ impl Overload for Gate {
         let _running = Running(&self.running);
         self.ran.fetch_add(1, Ordering::SeqCst);
         let _ = self.entered.send(());
-        self.release
-            .acquire()
-            .await
-            .map_err(|_| RpcError::business("gate closed"))?
-            .forget();
+        common::let_through(&self.release).await?;
         Ok(1)
     }
     async fn quick(&self) -> Result<u64, RpcError> {

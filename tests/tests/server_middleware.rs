@@ -563,35 +563,7 @@ async fn a_panicking_layer_answers_520_and_the_server_keeps_serving() {
 // ---- Early answers in the span and the server's metrics ----
 
 mod observed {
-    use opentelemetry::trace::TracerProvider as _;
-    use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
-    use tracing_subscriber::layer::SubscriberExt;
-
-    /// Spans recorded by this test's own subscriber (current-thread runtime).
-    pub struct Traces {
-        provider: SdkTracerProvider,
-        exporter: InMemorySpanExporter,
-    }
-
-    impl Traces {
-        pub fn install() -> (Self, tracing::subscriber::DefaultGuard) {
-            let exporter = InMemorySpanExporter::default();
-            let provider = SdkTracerProvider::builder()
-                .with_simple_exporter(exporter.clone())
-                .build();
-            let subscriber = tracing_subscriber::registry()
-                .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")));
-            let guard = tracing::subscriber::set_default(subscriber);
-            (Traces { provider, exporter }, guard)
-        }
-
-        pub fn spans(&self) -> Vec<SpanData> {
-            self.provider.force_flush().expect("flush spans");
-            self.exporter.get_finished_spans().expect("spans")
-        }
-    }
-
-    pub use crate::common::otel::{attr, counter};
+    pub use crate::common::otel::{attr, counter, Traces};
 }
 
 #[tokio::test]

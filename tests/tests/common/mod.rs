@@ -65,6 +65,17 @@ where
     call
 }
 
+/// Waits for a permit of `release` and keeps it: a handler held until the test lets it through,
+/// one permit per call; an error once the semaphore is closed.
+pub async fn let_through(release: &tokio::sync::Semaphore) -> Result<(), rpc::RpcError> {
+    release
+        .acquire()
+        .await
+        .map_err(|_| rpc::RpcError::business("gate closed"))?
+        .forget();
+    Ok(())
+}
+
 /// Signals `tag` on a channel when dropped: handed into a handler, it proves the handler's
 /// future was dropped (cancelled) rather than left running.
 pub struct DropSignal {

@@ -1,9 +1,37 @@
 //! Readers of what the in-memory OpenTelemetry exporters recorded: span attributes and the sums
 //! of counter and histogram data points, filtered by attributes.
 
+use opentelemetry::trace::TracerProvider as _;
 use opentelemetry::Value;
 use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData, ResourceMetrics};
-use opentelemetry_sdk::trace::SpanData;
+use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
+use tracing_subscriber::layer::SubscriberExt;
+
+/// Spans recorded by a test's own subscriber (for its current-thread runtime).
+pub struct Traces {
+    provider: SdkTracerProvider,
+    exporter: InMemorySpanExporter,
+}
+
+impl Traces {
+    /// Installs the subscriber on this thread until the guard is dropped.
+    pub fn install() -> (Self, tracing::subscriber::DefaultGuard) {
+        let exporter = InMemorySpanExporter::default();
+        let provider = SdkTracerProvider::builder()
+            .with_simple_exporter(exporter.clone())
+            .build();
+        let subscriber = tracing_subscriber::registry()
+            .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")));
+        let guard = tracing::subscriber::set_default(subscriber);
+        (Traces { provider, exporter }, guard)
+    }
+
+    /// The spans ended so far.
+    pub fn spans(&self) -> Vec<SpanData> {
+        self.provider.force_flush().expect("flush spans");
+        self.exporter.get_finished_spans().expect("spans")
+    }
+}
 
 /// The value of attribute `key` on `span`.
 pub fn attr(span: &SpanData, key: &str) -> Option<Value> {
