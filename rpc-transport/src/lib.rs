@@ -95,15 +95,32 @@ impl std::fmt::Debug for Redacted<'_> {
     }
 }
 
-/// Broken variants of real frames, for the tests that hold a hand-written decoder to prost's.
+/// Broken and unusual payloads, for the tests that hold a hand-written decoder to prost's.
 #[cfg(test)]
 pub(crate) mod mutations {
     use rand::rngs::StdRng;
     use rand::Rng;
 
-    /// Every prefix of each frame of `frames`, and 30 copies of it with one byte changed.
-    pub(crate) fn of(frames: impl IntoIterator<Item = Vec<u8>>, rng: &mut StdRng) -> Vec<Vec<u8>> {
-        let mut cases = Vec::new();
+    /// The cases every decoder of one frame kind is held to, for the kind whose oneof key
+    /// byte is `key`, `frame` making real payloads of that kind and `other` a payload of
+    /// another kind: nothing, the other kind, the kind followed by the other (prost keeps the
+    /// last oneof field), the kind twice (prost merges), an unknown field (15, varint) inside,
+    /// a varint of eleven bytes, and every prefix and one-byte change of 30 real frames.
+    pub(crate) fn cases(
+        key: u8,
+        mut frame: impl FnMut(&mut StdRng) -> Vec<u8>,
+        other: Vec<u8>,
+        rng: &mut StdRng,
+    ) -> Vec<Vec<u8>> {
+        let mut cases = vec![
+            vec![],
+            other.clone(),
+            [frame(rng), other].concat(),
+            [frame(rng), frame(rng)].concat(),
+            vec![key, 0x04, 0x08, 0x01, 0x78, 0x05],
+            [&[key, 0x0c, 0x08][..], &[0xff; 10][..], &[0x01][..]].concat(),
+        ];
+        let frames: Vec<_> = (0..30).map(|_| frame(rng)).collect();
         for p in frames {
             for cut in 0..p.len() {
                 cases.push(p[..cut].to_vec());
