@@ -138,6 +138,7 @@ mod tests {
 
     use super::*;
     use crate::codec::{FrameCodec, FrameError};
+    use crate::mutations::payload;
 
     /// Both decoders on one payload: the same frame, or both an error.
     fn same_as_prost(payload: &[u8]) {
@@ -148,17 +149,7 @@ mod tests {
             .map_err(FrameError::from)
             .and_then(|f| f.kind.ok_or(FrameError::Empty))
             .map(Incoming::from);
-        match (ours, prost) {
-            (Ok(a), Ok(b)) => assert_eq!(a, b, "payload {payload:02x?}"),
-            (Err(_), Err(_)) => {}
-            (a, b) => panic!("decoders disagree on {payload:02x?}: {a:?} against {b:?}"),
-        }
-    }
-
-    fn payload(kind: Kind) -> Vec<u8> {
-        let mut buf = BytesMut::new();
-        FrameCodec::encode_kind(kind, &mut buf);
-        buf[crate::encode::PREFIX..].to_vec()
+        crate::mutations::agree(payload, ours, prost);
     }
 
     fn random_invoke(rng: &mut StdRng) -> RemoteInvokeMessage {

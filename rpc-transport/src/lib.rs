@@ -98,8 +98,34 @@ impl std::fmt::Debug for Redacted<'_> {
 /// Broken and unusual payloads, for the tests that hold a hand-written decoder to prost's.
 #[cfg(test)]
 pub(crate) mod mutations {
+    use bytes::BytesMut;
     use rand::rngs::StdRng;
     use rand::Rng;
+    use rpc_core::wire::frame::Kind;
+
+    use crate::codec::FrameCodec;
+
+    /// The payload of the frame of `kind`, without its length prefix.
+    pub(crate) fn payload(kind: Kind) -> Vec<u8> {
+        let mut buf = BytesMut::new();
+        FrameCodec::encode_kind(kind, &mut buf);
+        buf[crate::encode::PREFIX..].to_vec()
+    }
+
+    /// Fails unless a hand-written decoder (`ours`) and prost agree on `payload`: the same
+    /// value, or both an error.
+    pub(crate) fn agree<T, A, B>(payload: &[u8], ours: Result<T, A>, prost: Result<T, B>)
+    where
+        T: PartialEq + std::fmt::Debug,
+        A: std::fmt::Debug,
+        B: std::fmt::Debug,
+    {
+        match (ours, prost) {
+            (Ok(a), Ok(b)) => assert_eq!(a, b, "payload {payload:02x?}"),
+            (Err(_), Err(_)) => {}
+            (a, b) => panic!("decoders disagree on {payload:02x?}: {a:?} against {b:?}"),
+        }
+    }
 
     /// The cases every decoder of one frame kind is held to, for the kind whose oneof key
     /// byte is `key`, `frame` making real payloads of that kind and `other` a payload of

@@ -122,6 +122,7 @@ mod tests {
     use rpc_core::wire::{Ping, RemoteInvokeMessage, ValidateError};
 
     use super::*;
+    use crate::mutations::payload;
 
     /// Both decoders on one payload: the same frame, or both an error.
     fn same_as_prost(payload: &[u8]) {
@@ -129,17 +130,7 @@ mod tests {
         let prost = Frame::decode(payload)
             .map_err(FrameError::from)
             .and_then(|f| f.kind.ok_or(FrameError::Empty));
-        match (ours, prost) {
-            (Ok(a), Ok(b)) => assert_eq!(a, b, "payload {payload:02x?}"),
-            (Err(_), Err(_)) => {}
-            (a, b) => panic!("decoders disagree on {payload:02x?}: {a:?} against {b:?}"),
-        }
-    }
-
-    fn payload(kind: Kind) -> Vec<u8> {
-        let mut buf = BytesMut::new();
-        FrameCodec::encode_kind(kind, &mut buf);
-        buf[4..].to_vec()
+        crate::mutations::agree(payload, ours, prost);
     }
 
     fn random_result(rng: &mut StdRng) -> RemoteResultMessage {
