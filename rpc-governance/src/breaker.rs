@@ -312,6 +312,12 @@ impl CircuitBreaker {
         }
     }
 
+    /// Whether an operator isolated the entry ([`isolate`](Self::isolate)): the one refusal
+    /// observe mode does not lift.
+    pub fn is_isolated(&self) -> bool {
+        matches!(self.lock().phase, Phase::Isolated)
+    }
+
     fn permit(&self, generation: u64, probe: bool) -> Permit<'_> {
         Permit {
             breaker: self,

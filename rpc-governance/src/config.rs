@@ -1,5 +1,6 @@
 //! Where an entry's options come from, lowest first: code defaults < `#[governance(...)]` on the
-//! method < config file < environment (`RPC_GOVERNANCE`) < runtime updates.
+//! method < config file < environment (`RPC_GOVERNANCE`) < the config centre (the governance
+//! document of the rule store in etcd) < runtime updates.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -134,7 +135,7 @@ impl GovernanceConfig {
 
 /// Every layer of configuration, resolved into an entry's options by [`resolve`](Self::resolve):
 /// code defaults < the method's attribute < what the serving instances publish < config file <
-/// environment < runtime updates.
+/// environment < config centre < runtime updates.
 #[derive(Debug, Clone, Default)]
 pub struct Layers {
     /// What the program sets as the starting point (the builder's defaults).
@@ -146,6 +147,9 @@ pub struct Layers {
     pub file: GovernanceConfig,
     /// `RPC_GOVERNANCE`.
     pub env: GovernanceConfig,
+    /// The config centre: the governance document in force from the rule store (etcd),
+    /// replaced whole by each new valid version.
+    pub centre: GovernanceConfig,
     /// Updates made while running.
     pub runtime: GovernanceConfig,
 }
@@ -157,6 +161,7 @@ impl Layers {
         self.published.apply(method, &mut o);
         self.file.apply(method, &mut o);
         self.env.apply(method, &mut o);
+        self.centre.apply(method, &mut o);
         self.runtime.apply(method, &mut o);
         o
     }
@@ -179,6 +184,7 @@ impl Layers {
             (&self.published, "the descriptors its servers publish"),
             (&self.file, "the config file"),
             (&self.env, "RPC_GOVERNANCE"),
+            (&self.centre, "the governance rules in the config centre"),
             (&self.runtime, "a runtime update"),
         ] {
             let before = o.shunt_strategy;
@@ -252,6 +258,13 @@ mod tests {
         layers.env =
             GovernanceConfig::from_toml("entries.\"echo.Echo.echo\".timeout_ms = 1100").unwrap();
         assert_eq!(layers.resolve(&M).timeout_ms, 1100);
+        // < config centre.
+        layers.centre = GovernanceConfig::from_toml(
+            "[services.\"echo.Echo\"]\ntimeout_ms = 1150\nretry_interval_ms = 8\n",
+        )
+        .unwrap();
+        assert_eq!(layers.resolve(&M).timeout_ms, 1150);
+        assert_eq!(layers.resolve(&M).retry_interval_ms, 8);
         // < runtime.
         layers.runtime.set(
             "echo.Echo.echo",

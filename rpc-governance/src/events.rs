@@ -44,6 +44,10 @@ pub enum EventKind {
     /// The first attempt of an idempotent call had not answered after `hedge_delay_ms`: a
     /// second attempt went to another endpoint.
     Hedge,
+    /// A rule document (governance or routing) from the rule store was refused: it does not
+    /// parse or names an impossible option. The last good version stays in force; the event's
+    /// `rule_version` is the refused version and its `cause` the reason.
+    RuleRejected,
 }
 
 impl EventKind {
@@ -66,6 +70,7 @@ impl EventKind {
             EventKind::Readmission => "readmission",
             EventKind::Throttled => "throttled",
             EventKind::Hedge => "hedge",
+            EventKind::RuleRejected => "rule_rejected",
         }
     }
 }
@@ -89,6 +94,11 @@ pub struct GovernanceEvent {
     pub attempt: u32,
     /// Why: the error that led to the decision.
     pub cause: Option<String>,
+    /// The policy runs in observe mode (`<policy>_observe = true`): this is what it would have
+    /// done, and it did not do it (the call went on).
+    pub observed: bool,
+    /// The version of the rule document concerned ([`EventKind::RuleRejected`]), if any.
+    pub rule_version: Option<i64>,
 }
 
 /// A function told of every event as it is emitted (metrics, for instance); see
@@ -159,6 +169,7 @@ impl EventBus {
                     KeyValue::new("rpc.side", side),
                     KeyValue::new("event", e.kind.as_str()),
                     KeyValue::new("rpc.entry_id", e.entry.to_string()),
+                    KeyValue::new("observed", e.observed),
                 ],
             );
         }))
@@ -173,6 +184,7 @@ impl EventBus {
             endpoint = event.endpoint.as_deref().unwrap_or(""),
             attempt = event.attempt,
             cause = event.cause.as_deref().unwrap_or(""),
+            observed = event.observed,
             "governance"
         );
         if let Some(observer) = self.observer.get() {
@@ -198,6 +210,29 @@ impl EventBus {
             endpoint: endpoint.map(str::to_string),
             attempt,
             cause,
+            observed: false,
+            rule_version: None,
+        });
+    }
+
+    /// Emits what a policy in observe mode would have done (`observed: true`): the same kind
+    /// of event as when it acts, so dashboards and alerts can compare the two.
+    pub fn emit_observed(
+        &self,
+        kind: EventKind,
+        entry: &Arc<str>,
+        endpoint: Option<&str>,
+        attempt: u32,
+        cause: Option<String>,
+    ) {
+        self.emit(GovernanceEvent {
+            kind,
+            entry: entry.clone(),
+            endpoint: endpoint.map(str::to_string),
+            attempt,
+            cause,
+            observed: true,
+            rule_version: None,
         });
     }
 }

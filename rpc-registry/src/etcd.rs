@@ -23,7 +23,10 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 mod conn;
+mod rules;
 mod tasks;
+
+pub use rules::RuleStore;
 
 use conn::Conn;
 use tasks::{keep_registered, Backoff, KeepRegistered, Signals, WatchTask};

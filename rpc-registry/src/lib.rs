@@ -40,6 +40,7 @@ mod endpoints;
 mod etcd;
 mod in_process;
 mod instance;
+pub mod rules;
 mod static_list;
 mod url;
 
@@ -48,9 +49,10 @@ use rpc_core::ServiceId;
 
 pub use endpoints::Endpoints;
 #[cfg(feature = "etcd")]
-pub use etcd::{EtcdOptions, EtcdRegistry};
+pub use etcd::{EtcdOptions, EtcdRegistry, RuleStore};
 pub use in_process::InProcessRegistry;
 pub use instance::{Instance, ServiceWatch};
+pub use rules::{RuleError, RuleKind, RuleSource, RuleVersion};
 pub use static_list::StaticRegistry;
 
 /// A registry operation failed.

@@ -61,6 +61,10 @@ governance_options! {
         /// once.
         outlier_max_ejection_percent: percent = 10, Client,
             "at most this share of the endpoints (at least one) is ejected at once, for `outlier_interval_ms`";
+        /// Outlier ejection in observe mode: outliers are judged and reported (event
+        /// `ejection` with `observed = true`) but stay in use.
+        outlier_observe: flag = false, Client,
+            "observe mode: outliers are judged and reported (event `ejection`, `observed = true`) but not ejected";
     }
     Timeout {
         /// Deadline of the whole call, retries included, in milliseconds; 0 means none.
@@ -108,6 +112,10 @@ governance_options! {
         /// 0 turns it off; 200 is K = 2.
         throttle_k_percent: u32 = 0, Client,
             "adaptive throttling, K × 100 (200 = K of 2; 0 = off): an attempt is dropped locally (514, event `throttled`, not retried) with probability max(0, (requests − K·accepts) / (requests + 1)) over 10 s; accepts are answers other than an overload refusal (515, 429)";
+        /// Adaptive throttling in observe mode: an attempt the rule would drop is reported
+        /// (event `throttled` with `observed = true`) and sent.
+        throttle_observe: flag = false, Client,
+            "observe mode: an attempt throttling would drop is reported (event `throttled`, `observed = true`) and sent";
         /// Hedging, for idempotent entries: when the first attempt has not answered after this
         /// many milliseconds, a second goes to another endpoint; the first answer wins and the
         /// other attempt is cancelled. A hedge draws on the retry budget. 0 turns it off.
@@ -138,6 +146,11 @@ governance_options! {
         /// Failure-ratio mode: calls the window must hold before the ratio can open the breaker.
         minimum_throughput: u32 = 20, Client,
             "ratio mode: calls the window must hold before the share can open the breaker";
+        /// The breaker in observe mode: it counts and changes state as usual (event `break`
+        /// with `observed = true` when it would open), but an open breaker lets calls through.
+        /// An operator's isolation is still enforced.
+        breaker_observe: flag = false, Client,
+            "observe mode: the breaker counts and opens as usual (event `break`, `observed = true`) but calls still pass while it is open; an operator's isolation still holds";
     }
     Health {
         /// Consecutive transport failures after which a client stops using an endpoint until the
@@ -164,6 +177,10 @@ governance_options! {
         /// Server side: the burst of `caller_rate_limit_per_second` (at least 1).
         caller_rate_limit_burst: u32 = 10, Server,
             "the burst of each caller's quota";
+        /// Server side: the rate limits in observe mode: a call over a limit is reported
+        /// (event `rate_limited` with `observed = true`) and admitted.
+        rate_limit_observe: flag = false, Server,
+            "observe mode for both rate limits: a call over one is reported (event `rate_limited`, `observed = true`) and admitted";
         /// Server side: the entry's admission uses an adaptive limit (gradient controller on
         /// measured latency) instead of the fixed cap, which becomes the limit's maximum.
         adaptive_concurrency: bare_flag = false, Server,
@@ -171,6 +188,10 @@ governance_options! {
         /// Server side: the least the adaptive limit goes down to.
         adaptive_min_limit: u32 = 4, Server,
             "the least the adaptive limit goes down to (its maximum is the cap)";
+        /// Server side: the cap or adaptive limit in observe mode: a call over it is reported
+        /// (event `overflow` with `observed = true`) and admitted.
+        admission_observe: flag = false, Server,
+            "observe mode for the cap and the adaptive limit: a call over it is reported (event `overflow`, `observed = true`) and admitted";
     }
 }
 

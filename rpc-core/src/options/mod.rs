@@ -386,6 +386,7 @@ mod tests {
             outlier_minimum_hosts: 5,
             outlier_stdev_factor_percent: 190,
             outlier_max_ejection_percent: 10,
+            outlier_observe: false,
             timeout_ms: 5000,
             attempt_timeout_ms: 0,
             deadline_slack_ms: 50,
@@ -397,6 +398,7 @@ mod tests {
             idempotent: false,
             throttle_k_percent: 0,
             hedge_delay_ms: 0,
+            throttle_observe: false,
             enable_circuit_breaker: true,
             exceptions_allowed_before_breaking: 3,
             breaker_seconds: 60,
@@ -404,14 +406,17 @@ mod tests {
             failure_ratio_percent: 0,
             sampling_window_seconds: 10,
             minimum_throughput: 20,
+            breaker_observe: false,
             unhealthy_times_allowed_before_removing: 3,
             max_concurrent_handling_count: 50,
             rate_limit_per_second: 0,
             rate_limit_burst: 10,
             caller_rate_limit_per_second: 0,
             caller_rate_limit_burst: 10,
+            rate_limit_observe: false,
             adaptive_concurrency: false,
             adaptive_min_limit: 4,
+            admission_observe: false,
         };
         assert_eq!(GovernanceOptions::default(), want);
     }

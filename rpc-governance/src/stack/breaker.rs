@@ -5,6 +5,10 @@
 //! the call and records the call's outcome after it. A failure the retry layer held against one
 //! endpoint while others remain usable says something about that endpoint, not the service: it
 //! is not counted (endpoint health ejects the endpoint instead).
+//!
+//! In observe mode (`breaker_observe`) the breaker counts and changes state as usual, and its
+//! events say `observed`, but a call it would fail fast goes on (uncounted, as it would not have
+//! been sent): an operator can watch what a new threshold would do on live traffic first.
 
 use bytes::Bytes;
 use rpc_core::RpcError;
@@ -32,7 +36,12 @@ fn event(cx: &CallCx<'_>, t: Transition, cause: Option<&RpcError>) {
         Transition::HalfOpen => EventKind::HalfOpen,
         Transition::Reset => EventKind::Reset,
     };
-    cx.emit(kind, None, 0, cause.map(|c| c.to_string()));
+    let cause = cause.map(|c| c.to_string());
+    if cx.options.breaker_observe {
+        cx.emit_observed(kind, None, 0, cause);
+    } else {
+        cx.emit(kind, None, 0, cause);
+    }
 }
 
 impl<S: Service> Service for CircuitBreakerLayer<S> {
@@ -41,7 +50,14 @@ impl<S: Service> Service for CircuitBreakerLayer<S> {
             return self.inner.call(cx, req).await;
         }
         let policy = cx.policy.clone();
-        let (permit, t) = policy.breaker().try_acquire(&policy.entry, &cx.options)?;
+        let (permit, t) = match policy.breaker().try_acquire(&policy.entry, &cx.options) {
+            Ok(admitted) => admitted,
+            // Observe mode: the call the breaker would fail fast goes on, uncounted.
+            Err(_) if cx.options.breaker_observe && !policy.breaker().is_isolated() => {
+                return self.inner.call(cx, req).await;
+            }
+            Err(e) => return Err(e),
+        };
         if let Some(t) = t {
             event(cx, t, None);
         }

@@ -251,4 +251,17 @@ impl<'g> CallCx<'g> {
             .events()
             .emit_parts(kind, &self.policy.entry, endpoint, attempt, cause);
     }
+
+    /// Emits what a policy in observe mode would have done to this call (`observed: true`).
+    pub fn emit_observed(
+        &self,
+        kind: EventKind,
+        endpoint: Option<&str>,
+        attempt: u32,
+        cause: Option<String>,
+    ) {
+        self.engine
+            .events()
+            .emit_observed(kind, &self.policy.entry, endpoint, attempt, cause);
+    }
 }

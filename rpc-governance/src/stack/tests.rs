@@ -1165,3 +1165,76 @@ async fn no_hedge_once_the_retry_budget_is_spent() {
     let answer = g.execute(&g.policy(&M), &e).await.expect("answered");
     assert_eq!(&answer[..], b"fast:1", "one hedge allowed by the budget");
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_breaker_in_observe_mode_opens_and_reports_it_but_lets_calls_through() {
+    let g = engine(GovernanceOptions {
+        retry_times: 0,
+        timeout_ms: 0,
+        exceptions_allowed_before_breaking: 2,
+        breaker_seconds: 30,
+        breaker_observe: true,
+        ..Default::default()
+    });
+    let mut events = g.events().subscribe();
+    let p = g.policy(&M);
+    let s = single(vec![server_error()], Duration::ZERO);
+    for _ in 0..5 {
+        let err = g.execute(&p, &s).await.unwrap_err();
+        assert_eq!(err.code(), server_error().unwrap_err().code(), "{err}");
+    }
+    // Enforced, the 3rd to 5th calls would have failed fast unsent: here all five went out.
+    assert_eq!(s.starts().len(), 5, "observe mode sends every call");
+    assert!(matches!(p.breaker().state(), BreakerState::Open { .. }));
+    let seen: Vec<(EventKind, bool)> = std::iter::from_fn(|| events.try_recv().ok())
+        .filter(|e| e.kind != EventKind::Ejection)
+        .map(|e| (e.kind, e.observed))
+        .collect();
+    assert_eq!(seen, vec![(EventKind::Break, true)], "one observed break");
+    // An operator's isolation is still enforced.
+    g.isolate(&M);
+    let s = single(vec![ok()], Duration::ZERO);
+    assert_eq!(
+        g.execute(&p, &s).await.unwrap_err().code(),
+        StatusCode::CircuitOpen
+    );
+    assert!(s.starts().is_empty());
+    // Back to enforcing (a reload): the breaker, still open, fails fast again.
+    g.reset_breaker(&M);
+    g.update_layers(|l| {
+        l.runtime.entries.insert(
+            "t.T.m".into(),
+            GovernanceOverrides {
+                breaker_observe: Some(false),
+                ..GovernanceOverrides::NONE
+            },
+        );
+    });
+    let s = single(vec![server_error()], Duration::ZERO);
+    for _ in 0..3 {
+        let _ = g.execute(&p, &s).await;
+    }
+    assert_eq!(s.starts().len(), 2, "enforced: the 3rd call fails fast");
+}
+
+#[tokio::test(start_paused = true)]
+async fn throttling_in_observe_mode_sends_what_it_would_drop_and_reports_it() {
+    let g = engine(GovernanceOptions {
+        throttle_observe: true,
+        ..throttled(200, 0).policy(&M).options().as_ref().clone()
+    });
+    let mut events = g.events().subscribe();
+    let s = Script::new(vec![overflow()], Duration::ZERO);
+    for _ in 0..1000 {
+        let err = g.execute(&g.policy(&M), &s).await.unwrap_err();
+        assert_ne!(err.code(), StatusCode::OverflowMaxRequest, "{err}");
+    }
+    assert_eq!(s.starts().len(), 1000, "every attempt is sent");
+    let observed = std::iter::from_fn(|| events.try_recv().ok())
+        .filter(|e| e.kind == EventKind::Throttled)
+        .inspect(|e| assert!(e.observed, "{e:?}"))
+        .count();
+    // Enforced, all but about 8 of 1000 would be dropped (see the test above): so many
+    // observed drops here.
+    assert!(observed > 970, "{observed} observed drops of 1000");
+}

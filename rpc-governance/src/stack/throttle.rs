@@ -6,6 +6,9 @@
 //! retries are what keeps an overloaded server overloaded. A dropped attempt fails the call at
 //! once (the retry layer does not retry it, the breaker does not count it, endpoint health does
 //! not hold it against anyone): trying again right away would only be dropped again.
+//!
+//! In observe mode (`throttle_observe`) an attempt the rule would drop is reported (event
+//! `throttled`, `observed`) and sent all the same.
 
 use std::time::Duration;
 
@@ -61,7 +64,21 @@ impl<S: Service> Service for ThrottleLayer<S> {
             .get_or_init(|| Throttle::new(f64::from(k_percent) / 100.0, WINDOW));
         let k = f64::from(k_percent) / 100.0;
         let now = Instant::now();
-        if !throttle.admit_with_k_at(now, throttle.draw(), k) {
+        let admitted = throttle.admit_with_k_at(now, throttle.draw(), k);
+        if !admitted && cx.options.throttle_observe {
+            let p = throttle.drop_probability_at(now);
+            cx.emit_observed(
+                EventKind::Throttled,
+                cx.endpoint(),
+                cx.attempt,
+                Some(format!(
+                    "{}: would be dropped by this client (probability {:.0} %, \
+                     throttle_k_percent = {k_percent}); sent, throttle_observe is on",
+                    cx.entry_id(),
+                    p * 100.0
+                )),
+            );
+        } else if !admitted {
             cx.throttled = true;
             let p = throttle.drop_probability_at(now);
             let err = RpcError::new(

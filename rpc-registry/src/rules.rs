@@ -1,0 +1,303 @@
+//! Rules from a config centre: governance and routing documents that every client and server
+//! follows while it runs.
+//!
+//! Options written in code, a file or the environment reach one process when it starts; an
+//! operator steering a fleet needs one document that every process picks up on its next call.
+//! A [`RuleSource`] hands out the document of each [`RuleKind`] in force and every later
+//! version (the etcd rule store, `RuleStore`, is one; feature `etcd`). [`follow`] is what a
+//! client or a server runs on it: each new version is validated and applied, or refused with an
+//! [`EventKind::RuleRejected`] event and a warning while the last good version stays in force.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::str::FromStr;
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::time::Duration;
+
+use futures_util::future::BoxFuture;
+use rpc_core::RpcError;
+use rpc_governance::config::GovernanceConfig;
+use rpc_governance::events::{EventBus, EventKind, GovernanceEvent};
+use tokio::sync::watch;
+
+use crate::RegistryError;
+
+/// The kinds of rule document.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum RuleKind {
+    /// Governance options: the config file's shape (`[defaults]`, `[services."id"]`,
+    /// `[entries."id"]`), applied as the "centre" level, above `RPC_GOVERNANCE` and below
+    /// runtime updates.
+    Governance,
+    /// Routing rules (tag routing, weighted splits, routing by attachment).
+    Routing,
+}
+
+impl RuleKind {
+    /// Every kind.
+    pub const ALL: [RuleKind; 2] = [RuleKind::Governance, RuleKind::Routing];
+
+    /// The kind's name: its key under the store's prefix and its name on the command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RuleKind::Governance => "governance",
+            RuleKind::Routing => "routing",
+        }
+    }
+
+    /// Checks a document of this kind: it must parse, and every value must be one its policy
+    /// can carry out. The error names the line and the field (TOML's own position) or the
+    /// section and the value.
+    pub fn validate(self, text: &str) -> Result<(), RpcError> {
+        match self {
+            RuleKind::Governance => GovernanceConfig::from_toml(text).map(|_| ()),
+            RuleKind::Routing => validate_routing(text),
+        }
+    }
+}
+
+/// The routing document's check. The routing rules' own parser replaces this body once it is
+/// part of the workspace: `rpc_governance::routing::RoutingRules::from_toml(text).map(|_| ())`.
+fn validate_routing(text: &str) -> Result<(), RpcError> {
+    text.parse::<toml::Table>().map(|_| ()).map_err(|e| {
+        RpcError::new(
+            rpc_core::StatusCode::FrameworkError,
+            format!("routing rules: {e}"),
+        )
+    })
+}
+
+impl fmt::Display for RuleKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for RuleKind {
+    type Err = RuleError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        RuleKind::ALL
+            .into_iter()
+            .find(|k| k.as_str() == s)
+            .ok_or_else(|| RuleError::UnknownKind(s.to_string()))
+    }
+}
+
+/// One version of a rule document.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RuleVersion {
+    /// The version: increases with every write of any document of the store (the etcd revision
+    /// of the write).
+    pub version: i64,
+    /// The document, as written.
+    pub text: Arc<str>,
+}
+
+/// A rule store operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RuleError {
+    /// The document is not valid; nothing was written.
+    #[error("the {kind} rules are not valid, nothing was written: {reason}")]
+    Invalid {
+        /// The document's kind.
+        kind: RuleKind,
+        /// What is wrong, with the line or the field.
+        reason: String,
+    },
+    /// Someone else wrote the document since it was read; nothing was written.
+    #[error(
+        "the {kind} rules changed meanwhile (expected version {expected}, found {found}); \
+         nothing was written: read them again and retry"
+    )]
+    Conflict {
+        /// The document's kind.
+        kind: RuleKind,
+        /// The version the write expected to replace (0: none).
+        expected: i64,
+        /// The version in the store (0: none).
+        found: i64,
+    },
+    /// A rollback to a version the history does not hold.
+    #[error("the {kind} rules have no version {version} in their history (kept: {kept:?})")]
+    UnknownVersion {
+        /// The document's kind.
+        kind: RuleKind,
+        /// The version asked for.
+        version: i64,
+        /// The versions the history holds.
+        kept: Vec<i64>,
+    },
+    /// No such kind of document.
+    #[error("no rule kind {0:?}: the kinds are governance and routing")]
+    UnknownKind(String),
+    /// The store could not be reached.
+    #[error(transparent)]
+    Registry(#[from] RegistryError),
+}
+
+/// The document of one kind in force, and every later version, as they are written; `None`
+/// while the store holds none.
+pub type RuleWatch = watch::Receiver<Option<RuleVersion>>;
+
+/// Where rule documents come from (the etcd `RuleStore`, feature `etcd`).
+pub trait RuleSource: Send + Sync + 'static {
+    /// Follows the documents of `kind`: the receiver holds the version in force and sees each
+    /// later one. It stays open while the store is unreachable (keeping the last version) and
+    /// closes when the source is dropped.
+    fn watch_rules(&self, kind: RuleKind) -> BoxFuture<'_, Result<RuleWatch, RegistryError>>;
+}
+
+/// What a process does with rule documents: a client puts a governance document in its
+/// "centre" level, a server rebuilds its entries' admission.
+pub trait RuleTarget: Send + Sync + 'static {
+    /// Applies a document of `kind` (checked with [`RuleKind::validate`] already), or refuses
+    /// it, changing nothing, with the reason.
+    fn apply(&self, kind: RuleKind, rules: &RuleVersion) -> Result<(), RpcError>;
+    /// Where the rejections are reported.
+    fn events(&self) -> &EventBus;
+}
+
+/// The versions in force in one process, by kind.
+#[derive(Debug, Default)]
+pub struct RulesInForce {
+    versions: Mutex<HashMap<RuleKind, i64>>,
+}
+
+impl RulesInForce {
+    /// The version of `kind` in force, if one was applied.
+    pub fn version(&self, kind: RuleKind) -> Option<i64> {
+        self.versions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&kind)
+            .copied()
+    }
+
+    fn set(&self, kind: RuleKind, version: i64) {
+        self.versions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(kind, version);
+    }
+}
+
+/// The pause before opening the watch again after the source failed to open it.
+const REOPEN_AFTER: Duration = Duration::from_secs(1);
+
+/// Follows every kind of document of `source` for `target` until the target is dropped:
+/// applies each valid new version and records it in `in_force`; reports each refused one
+/// (invalid, or refused by the target) as an [`EventKind::RuleRejected`] event with its
+/// version and reason, and a warning, leaving the last good version in force.
+pub async fn follow<T: RuleTarget>(
+    source: Arc<dyn RuleSource>,
+    target: Weak<T>,
+    in_force: Arc<RulesInForce>,
+) {
+    let tasks: Vec<_> = RuleKind::ALL
+        .into_iter()
+        .map(|kind| follow_kind(source.clone(), kind, target.clone(), in_force.clone()))
+        .collect();
+    futures_util::future::join_all(tasks).await;
+}
+
+async fn follow_kind<T: RuleTarget>(
+    source: Arc<dyn RuleSource>,
+    kind: RuleKind,
+    target: Weak<T>,
+    in_force: Arc<RulesInForce>,
+) {
+    let mut watch = loop {
+        match source.watch_rules(kind).await {
+            Ok(w) => break w,
+            Err(e) => {
+                tracing::warn!(target: "rpc::rules", kind = kind.as_str(), "cannot follow the rules: {e}; trying again");
+                if target.strong_count() == 0 {
+                    return;
+                }
+                tokio::time::sleep(REOPEN_AFTER).await;
+            }
+        }
+    };
+    loop {
+        let current = watch.borrow_and_update().clone();
+        let Some(t) = target.upgrade() else { return };
+        if let Some(rules) = current {
+            if in_force.version(kind) != Some(rules.version) {
+                take(&*t, kind, &rules, &in_force);
+            }
+        }
+        drop(t);
+        if watch.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Validates and applies one version, or reports it refused.
+fn take<T: RuleTarget>(target: &T, kind: RuleKind, rules: &RuleVersion, in_force: &RulesInForce) {
+    let applied = kind
+        .validate(&rules.text)
+        .and_then(|()| target.apply(kind, rules));
+    match applied {
+        Ok(()) => {
+            in_force.set(kind, rules.version);
+            tracing::info!(target: "rpc::rules", kind = kind.as_str(), version = rules.version, "rules applied");
+        }
+        Err(e) => {
+            let kept = match in_force.version(kind) {
+                Some(v) => format!("version {v} stays in force"),
+                None => "no version of these rules is in force".to_string(),
+            };
+            let reason = format!(
+                "{kind} rules version {} refused: {}; {kept}",
+                rules.version,
+                e.message()
+            );
+            tracing::warn!(target: "rpc::rules", kind = kind.as_str(), version = rules.version, "{reason}");
+            target.events().emit(GovernanceEvent {
+                kind: EventKind::RuleRejected,
+                entry: Arc::from(format!("rules/{kind}")),
+                endpoint: None,
+                attempt: 0,
+                cause: Some(reason),
+                observed: false,
+                rule_version: Some(rules.version),
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kinds_parse_by_name_and_unknown_ones_are_named() {
+        assert_eq!("governance".parse::<RuleKind>().unwrap(), RuleKind::Governance);
+        assert_eq!("routing".parse::<RuleKind>().unwrap(), RuleKind::Routing);
+        let e = "routes".parse::<RuleKind>().unwrap_err();
+        assert!(e.to_string().contains("\"routes\""), "{e}");
+    }
+
+    #[test]
+    fn an_invalid_governance_document_is_refused_naming_the_line_and_field() {
+        let e = RuleKind::Governance
+            .validate("[defaults]\ntimeout_ms = 10\nretry_tims = 2\n")
+            .unwrap_err();
+        assert!(
+            e.message().contains("line 3") && e.message().contains("retry_tims"),
+            "{e}"
+        );
+        let e = RuleKind::Governance
+            .validate("[entries.\"a.B.c\"]\nfailure_ratio_percent = 150\n")
+            .unwrap_err();
+        assert!(
+            e.message().contains("a.B.c") && e.message().contains("failure_ratio_percent"),
+            "{e}"
+        );
+        assert!(RuleKind::Governance
+            .validate("[defaults]\ntimeout_ms = 10\n")
+            .is_ok());
+    }
+}
