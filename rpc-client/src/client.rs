@@ -62,6 +62,13 @@ struct Inner {
     /// Removed endpoints a background task is probing.
     probing: Mutex<HashSet<String>>,
     ring_keys: RingKeys,
+    /// The rule versions in force ([`ClientBuilder::rules`]).
+    rules: Arc<rpc_registry::rules::RulesInForce>,
+    /// The task following the rules, stopped with the client.
+    rules_task: OnceLock<crate::rules::AbortOnDrop>,
+    /// Where outlier ejections in observe mode (`outlier_observe`) go: a view of endpoint
+    /// health no picker reads.
+    observed_health: rpc_governance::health::EndpointHealth,
 }
 
 /// What places instances on each service's hash ring.
@@ -82,6 +89,7 @@ pub struct ClientBuilder {
     middleware: Vec<Arc<dyn Middleware>>,
     attempt_middleware: Vec<Arc<dyn Middleware>>,
     ring_keys: RingKeys,
+    rules: Option<Arc<dyn rpc_registry::RuleSource>>,
     #[cfg(feature = "otel")]
     meter: Option<opentelemetry::metrics::Meter>,
 }
@@ -98,6 +106,7 @@ impl Default for ClientBuilder {
             middleware: Vec::new(),
             attempt_middleware: Vec::new(),
             ring_keys: RingKeys::default(),
+            rules: None,
             #[cfg(feature = "otel")]
             meter: None,
         }
@@ -223,6 +232,17 @@ impl ClientBuilder {
         self
     }
 
+    /// Follows the rules of `source` (the etcd `RuleStore`, for instance; needs a Tokio
+    /// runtime when [`build`](Self::build) runs): each valid new governance document becomes
+    /// the "centre" level of every entry's options (above `RPC_GOVERNANCE`, below runtime
+    /// updates) from the next call, keeping breakers, budgets and endpoint health; an invalid
+    /// one is refused (event `rule_rejected`, a warning) and the last good version stays in
+    /// force. [`Client::rules_version`] says which version is in force.
+    pub fn rules(mut self, source: impl rpc_registry::RuleSource) -> Self {
+        self.rules = Some(Arc::new(source));
+        self
+    }
+
     /// Registers a fallback for the service it implements (a `<Trait>Server` wrapping another
     /// implementation of the trait). It receives the original arguments when a call failed
     /// (transport, timeout, overflow, open breaker, server error), never for business,
@@ -299,8 +319,16 @@ impl ClientBuilder {
                 metrics,
                 probing: Mutex::new(HashSet::new()),
                 ring_keys: self.ring_keys,
+                rules: Arc::default(),
+                rules_task: OnceLock::new(),
+                observed_health: rpc_governance::health::EndpointHealth::new(Duration::from_secs(
+                    60,
+                )),
             }
         });
+        if let Some(source) = self.rules {
+            crate::rules::start(source, &inner);
+        }
         Client {
             inner,
             call_options: None,
@@ -367,6 +395,30 @@ impl Inner {
 fn set_runtime(layer: &mut GovernanceConfig, id: String, o: GovernanceOverrides) {
     layer.services.entry(id.clone()).or_default().merge(&o);
     layer.entries.entry(id).or_default().merge(&o);
+}
+
+impl rpc_registry::rules::RuleTarget for Inner {
+    fn apply(
+        &self,
+        kind: rpc_registry::RuleKind,
+        rules: &rpc_registry::RuleVersion,
+    ) -> Result<(), RpcError> {
+        crate::rules::apply(&self.governance, kind, rules)
+    }
+
+    fn events(&self) -> &EventBus {
+        self.governance.events()
+    }
+}
+
+impl crate::rules::HasRules for Inner {
+    fn in_force(&self) -> Arc<rpc_registry::rules::RulesInForce> {
+        self.rules.clone()
+    }
+
+    fn hold(&self, task: crate::rules::AbortOnDrop) {
+        let _ = self.rules_task.set(task);
+    }
 }
 
 impl Client {
@@ -450,6 +502,12 @@ impl Client {
                     format!("{}: {}; not loaded", path.display(), e.message()),
                 )
             })
+    }
+
+    /// The version of the rules of `kind` in force (see [`ClientBuilder::rules`]), if one was
+    /// applied.
+    pub fn rules_version(&self, kind: rpc_registry::RuleKind) -> Option<i64> {
+        self.inner.rules.version(kind)
     }
 
     /// Governance events (retry, break, half-open, reset, timeout, fallback, reload, ejection,
@@ -920,17 +978,35 @@ impl Client {
         let Some(service) = self.service_now(service_id) else {
             return;
         };
-        for o in service.record_outcome(addr, ok, cx.options(), cx.health()) {
-            cx.emit(
-                EventKind::Ejection,
-                Some(&o.address),
-                cx.attempt(),
-                Some(format!(
-                    "{}; avoided for {} ms",
-                    o.cause(),
-                    cx.options().outlier_interval_ms
-                )),
+        // Observe mode: the outliers are judged as usual and marked in a view of health no
+        // picker reads, so they stay in use.
+        let observe = cx.options().outlier_observe;
+        let health = if observe {
+            &self.inner.observed_health
+        } else {
+            cx.health()
+        };
+        for o in service.record_outcome(addr, ok, cx.options(), health) {
+            let cause = format!(
+                "{}; avoided for {} ms",
+                o.cause(),
+                cx.options().outlier_interval_ms
             );
+            if observe {
+                cx.emit_observed(
+                    EventKind::Ejection,
+                    Some(&o.address),
+                    cx.attempt(),
+                    Some(cause),
+                );
+            } else {
+                cx.emit(
+                    EventKind::Ejection,
+                    Some(&o.address),
+                    cx.attempt(),
+                    Some(cause),
+                );
+            }
         }
     }
 

@@ -30,6 +30,7 @@
 mod answered_by;
 pub mod balance;
 mod client;
+mod rules;
 pub use balance::ring as shunt;
 pub mod status;
 mod telemetry;

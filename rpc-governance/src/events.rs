@@ -48,6 +48,9 @@ pub enum EventKind {
     /// parse or names an impossible option. The last good version stays in force; the event's
     /// `rule_version` is the refused version and its `cause` the reason.
     RuleRejected,
+    /// A new version of a rule document was applied (its `rule_version`); the entries it
+    /// changes report `reload`.
+    RuleApplied,
 }
 
 impl EventKind {
@@ -71,6 +74,7 @@ impl EventKind {
             EventKind::Throttled => "throttled",
             EventKind::Hedge => "hedge",
             EventKind::RuleRejected => "rule_rejected",
+            EventKind::RuleApplied => "rule_applied",
         }
     }
 }

@@ -243,6 +243,15 @@ fn take<T: RuleTarget>(target: &T, kind: RuleKind, rules: &RuleVersion, in_force
         Ok(()) => {
             in_force.set(kind, rules.version);
             tracing::info!(target: "rpc::rules", kind = kind.as_str(), version = rules.version, "rules applied");
+            target.events().emit(GovernanceEvent {
+                kind: EventKind::RuleApplied,
+                entry: Arc::from(format!("rules/{kind}")),
+                endpoint: None,
+                attempt: 0,
+                cause: None,
+                observed: false,
+                rule_version: Some(rules.version),
+            });
         }
         Err(e) => {
             let kept = match in_force.version(kind) {
@@ -274,7 +283,10 @@ mod tests {
 
     #[test]
     fn kinds_parse_by_name_and_unknown_ones_are_named() {
-        assert_eq!("governance".parse::<RuleKind>().unwrap(), RuleKind::Governance);
+        assert_eq!(
+            "governance".parse::<RuleKind>().unwrap(),
+            RuleKind::Governance
+        );
         assert_eq!("routing".parse::<RuleKind>().unwrap(), RuleKind::Routing);
         let e = "routes".parse::<RuleKind>().unwrap_err();
         assert!(e.to_string().contains("\"routes\""), "{e}");

@@ -6,8 +6,17 @@
 //! the adaptive limit that measures what the entry can take: 515). Every answer of an admitted
 //! call then reports the entry's load (calls in flight, the limit in force) for the clients'
 //! pickers.
+//!
+//! An entry's admission is replaced whole when the governance rules change its options (see
+//! `rules.rs`): calls admitted before keep their slot in the old gate, the next call meets the
+//! new one. In observe mode (`rate_limit_observe`, `admission_observe`) a call a limit would
+//! refuse is reported (the same event, `observed`) and admitted.
 
+use std::sync::Arc;
 use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use rpc_governance::events::{EventBus, EventKind};
 
 use rpc_core::{RpcError, StatusCode};
 use rpc_governance::adaptive::{AdaptiveLimit, AdaptiveOptions, AdaptivePermit, Criticality};
@@ -32,13 +41,28 @@ pub(crate) enum Gate {
 pub(crate) enum Slot {
     Cap(#[allow(dead_code)] Permit),
     Adaptive(#[allow(dead_code)] AdaptivePermit),
+    /// Admitted over the gate's limit, in observe mode: holds no slot.
+    Observed,
 }
 
-/// An entry's admission: its rate limits, if any, and its gate. Shared by its calls.
+/// An entry's admission policy: its rate limits, if any, its gate, and which of them only
+/// observe.
 #[derive(Debug)]
-pub(crate) struct Admission {
+pub(crate) struct Policy {
     pub(crate) limiter: Option<RateLimiter>,
     pub(crate) gate: Gate,
+    /// `rate_limit_observe`: over a rate limit, report and admit.
+    pub(crate) observe_rate: bool,
+    /// `admission_observe`: over the cap or adaptive limit, report and admit.
+    pub(crate) observe_gate: bool,
+}
+
+/// An entry's admission: the policy in force, replaced whole when the rules change. Shared by
+/// its calls.
+#[derive(Debug)]
+pub(crate) struct Admission {
+    now: ArcSwap<Policy>,
+    events: EventBus,
 }
 
 impl Gate {
@@ -57,6 +81,38 @@ impl Gate {
 }
 
 impl Admission {
+    /// The admission of `policy`, reporting observed refusals on `events`.
+    pub(crate) fn new(policy: Policy, events: EventBus) -> Self {
+        Admission {
+            now: ArcSwap::from_pointee(policy),
+            events,
+        }
+    }
+
+    /// Puts `policy` in force from the next call.
+    pub(crate) fn replace(&self, policy: Policy) {
+        self.now.store(Arc::new(policy));
+    }
+
+    /// The cap in force (the adaptive limit's maximum when adaptive).
+    #[cfg(test)]
+    pub(crate) fn cap(&self) -> usize {
+        match &self.now.load().gate {
+            Gate::Cap(cap) => cap.size(),
+            Gate::Adaptive(a) => a.limit(),
+        }
+    }
+
+    fn observed(&self, kind: EventKind, entry: &str, e: &RpcError) {
+        self.events.emit_observed(
+            kind,
+            &Arc::from(entry),
+            None,
+            0,
+            Some(format!("would refuse, admitted (observe mode): {e}")),
+        );
+    }
+
     /// Admits a call of `client_id` with `criticality` and `remaining` budget, or refuses it
     /// at once: 429 over a rate limit (with its retry-after), 515 at the gate.
     pub(crate) fn admit(
@@ -66,18 +122,17 @@ impl Admission {
         criticality: Option<&str>,
         remaining: Option<Duration>,
     ) -> Result<Slot, RpcError> {
-        if let Some(limiter) = &self.limiter {
+        let p = self.now.load();
+        if let Some(limiter) = &p.limiter {
             if let Err((which, after)) = limiter.try_admit(client_id) {
-                return Err(rate_limited(
-                    entry,
-                    client_id,
-                    limiter.limits(),
-                    which,
-                    after,
-                ));
+                let e = rate_limited(entry, client_id, limiter.limits(), which, after);
+                if !p.observe_rate {
+                    return Err(e);
+                }
+                self.observed(EventKind::RateLimited, entry, &e);
             }
         }
-        match &self.gate {
+        let slot = match &p.gate {
             Gate::Cap(cap) => cap.try_enter(entry).map(Slot::Cap),
             Gate::Adaptive(limit) => {
                 let criticality = criticality.and_then(Criticality::parse).unwrap_or_default();
@@ -85,12 +140,20 @@ impl Admission {
                     .try_enter(entry, criticality, remaining)
                     .map(Slot::Adaptive)
             }
+        };
+        match slot {
+            Err(e) if p.observe_gate => {
+                self.observed(EventKind::Overflow, entry, &e);
+                Ok(Slot::Observed)
+            }
+            other => other,
         }
     }
 
     /// The entry's load now: calls holding a slot, and the limit in force.
     pub(crate) fn load(&self) -> (u32, u32) {
-        let (n, limit) = match &self.gate {
+        let p = self.now.load();
+        let (n, limit) = match &p.gate {
             Gate::Cap(cap) => (cap.in_use(), cap.size()),
             Gate::Adaptive(a) => (a.in_flight(), a.limit()),
         };

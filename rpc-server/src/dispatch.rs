@@ -718,9 +718,11 @@ mod tests {
             .build()
             .expect("a runtime");
         let _entered = rt.enter();
-        let dispatcher = crate::Server::builder()
-            .add_service(Echo)
-            .dispatcher(SocketAddr::from(([127, 0, 0, 1], 1)), "127.0.0.1:1");
+        let dispatcher = crate::Server::builder().add_service(Echo).dispatcher(
+            SocketAddr::from(([127, 0, 0, 1], 1)),
+            "127.0.0.1:1",
+            &rpc_governance::bulkhead::Bulkhead::new(50),
+        );
         let caller = Arc::new(Caller::new(SocketAddr::from(([127, 0, 0, 1], 2)), "c"));
         for timeout_ms in [0, 800] {
             let Dispatch::Spawn(call) = dispatcher.handle(invoke(timeout_ms), &caller) else {

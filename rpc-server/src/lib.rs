@@ -34,6 +34,7 @@
 mod admission;
 mod dispatch;
 pub mod middleware;
+mod rules;
 mod server;
 mod service;
 mod telemetry;

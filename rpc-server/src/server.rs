@@ -16,7 +16,7 @@ use tokio::net::{TcpListener, ToSocketAddrs};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::admission::{Admission, Gate};
+use crate::admission::{Admission, Gate, Policy};
 use crate::dispatch::{Dispatcher, FallbackTo, Layered, Route, Terminal};
 use crate::middleware::ServerLayer;
 use crate::Service;
@@ -24,11 +24,11 @@ use crate::Service;
 /// An entry's admission from its overrides: its rate limits (when set above 0), then its own
 /// cap or the server's shared one, or an adaptive limit at most that cap (per entry: latency is
 /// the entry's own) when `adaptive_concurrency` is on for the entry or the server.
-fn admission(
+pub(crate) fn admission(
     o: &rpc_core::GovernanceOverrides,
     shared: &Bulkhead,
-    server: &ServerBuilder,
-) -> Admission {
+    server: &ServerDefaults,
+) -> Policy {
     let d = rpc_core::GovernanceOptions::default();
     // The entry's own rate (and burst) if it sets one, else the server's.
     let limit =
@@ -68,7 +68,20 @@ fn admission(
     } else {
         Gate::Cap(cap)
     };
-    Admission { limiter, gate }
+    Policy {
+        limiter,
+        gate,
+        observe_rate: o.rate_limit_observe.unwrap_or(false),
+        observe_gate: o.admission_observe.unwrap_or(false),
+    }
+}
+
+/// What the server sets for entries that set nothing themselves.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ServerDefaults {
+    pub(crate) adaptive: bool,
+    pub(crate) rate_limit: Option<(u32, u32)>,
+    pub(crate) caller_rate_limit: Option<(u32, u32)>,
 }
 
 /// Entry point: `Server::builder()`.
@@ -98,6 +111,7 @@ pub struct ServerBuilder {
     rate_limit: Option<(u32, u32)>,
     caller_rate_limit: Option<(u32, u32)>,
     layers: Vec<Arc<dyn ServerLayer>>,
+    rules: Option<Arc<dyn rpc_registry::RuleSource>>,
     #[cfg(feature = "otel")]
     meter: Option<opentelemetry::metrics::Meter>,
 }
@@ -120,6 +134,7 @@ impl Default for ServerBuilder {
             rate_limit: None,
             caller_rate_limit: None,
             layers: Vec::new(),
+            rules: None,
             #[cfg(feature = "otel")]
             meter: None,
         }
@@ -344,8 +359,31 @@ impl ServerBuilder {
         self
     }
 
+    /// Follows the governance rules of `source` (the etcd `RuleStore`, for instance): each
+    /// valid new version changes the entries' server options (cap, rate limits, adaptive
+    /// limit, observe modes) from their next call, above their `#[governance]` attributes; an
+    /// invalid one is refused (event `rule_rejected`, a warning) and the last good version
+    /// stays in force. [`ServerHandle::rules_version`] says which version is in force.
+    pub fn rules(mut self, source: impl rpc_registry::RuleSource) -> Self {
+        self.rules = Some(Arc::new(source));
+        self
+    }
+
+    fn defaults(&self) -> ServerDefaults {
+        ServerDefaults {
+            adaptive: self.adaptive,
+            rate_limit: self.rate_limit,
+            caller_rate_limit: self.caller_rate_limit,
+        }
+    }
+
     /// The dispatcher of a server bound to `local` and published as `address`.
-    pub(crate) fn dispatcher(&self, local: SocketAddr, address: &str) -> Dispatcher {
+    pub(crate) fn dispatcher(
+        &self,
+        local: SocketAddr,
+        address: &str,
+        shared: &Bulkhead,
+    ) -> Dispatcher {
         #[cfg(feature = "otel")]
         let metrics = crate::telemetry::Metrics::new(
             &self
@@ -358,7 +396,7 @@ impl ServerBuilder {
         let metrics = crate::telemetry::Metrics;
         let endpoint: Arc<str> = Arc::from(address);
         Dispatcher {
-            routes: self.routes(&endpoint),
+            routes: self.routes(&endpoint, shared),
             events: self.events.clone(),
             local,
             metrics,
@@ -367,14 +405,21 @@ impl ServerBuilder {
         }
     }
 
-    fn routes(&self, endpoint: &Arc<str>) -> HashMap<Box<[u8]>, Route, ahash::RandomState> {
-        let shared = Bulkhead::new(self.max_concurrency);
+    fn routes(
+        &self,
+        endpoint: &Arc<str>,
+        shared: &Bulkhead,
+    ) -> HashMap<Box<[u8]>, Route, ahash::RandomState> {
+        let defaults = self.defaults();
         let layers: Arc<[Arc<dyn ServerLayer>]> = self.layers.iter().cloned().collect();
         let mut routes = HashMap::default();
         for service in &self.services {
             let fallback = self.fallbacks.get(service.service_id()).cloned();
             for (index, m) in service.methods().iter().enumerate() {
-                let admission = Arc::new(admission(&m.governance, &shared, self));
+                let admission = Arc::new(Admission::new(
+                    admission(&m.governance, shared, &defaults),
+                    self.events.clone(),
+                ));
                 let entry: Arc<str> = Arc::from(m.entry_id);
                 let fallback = fallback.as_ref().map(|service| {
                     Arc::new(FallbackTo {
@@ -456,7 +501,18 @@ impl ServerBuilder {
             .tcp()
             .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0)));
         let address = self.advertise.clone().unwrap_or_else(|| bound.to_string());
-        let dispatcher = Arc::new(self.dispatcher(local_addr, &address));
+        // The cap of entries that set none, shared by them.
+        let shared = Bulkhead::new(self.max_concurrency);
+        let dispatcher = Arc::new(self.dispatcher(local_addr, &address, &shared));
+        let rules = self.rules.clone().map(|source| {
+            crate::rules::follow(
+                source,
+                &dispatcher,
+                shared.clone(),
+                self.defaults(),
+                self.events.clone(),
+            )
+        });
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(rpc_transport::serve(
             listener,
@@ -492,6 +548,7 @@ impl ServerBuilder {
             task: Some(task),
             registry: self.registry,
             instance_id: instance.id,
+            rules,
         })
     }
 }
@@ -505,9 +562,16 @@ pub struct ServerHandle {
     task: Option<JoinHandle<()>>,
     registry: Option<Arc<dyn Registry>>,
     instance_id: String,
+    rules: Option<crate::rules::Following>,
 }
 
 impl ServerHandle {
+    /// The version of the rules of `kind` in force on this server (see
+    /// [`ServerBuilder::rules`]), if one was applied.
+    pub fn rules_version(&self, kind: rpc_registry::RuleKind) -> Option<i64> {
+        self.rules.as_ref().and_then(|r| r.in_force.version(kind))
+    }
+
     /// The bound TCP address; for a server on a Unix domain socket, `0.0.0.0:0` (see
     /// [`address`](Self::address)).
     pub fn local_addr(&self) -> SocketAddr {

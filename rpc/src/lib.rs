@@ -74,8 +74,8 @@ pub use rpc_governance::stack::{CallCx, Middleware, Next};
 pub use rpc_macros::service;
 #[cfg(feature = "etcd")]
 pub use rpc_registry::{EtcdOptions, EtcdRegistry, RuleStore};
-pub use rpc_registry::{RuleError, RuleKind, RuleSource, RuleVersion};
 pub use rpc_registry::{InProcessRegistry, Instance, Registry, RegistryError, StaticRegistry};
+pub use rpc_registry::{RuleError, RuleKind, RuleSource, RuleVersion};
 /// `tower` layers as server layers (feature `tower`).
 #[cfg(feature = "tower")]
 pub use rpc_server::tower;

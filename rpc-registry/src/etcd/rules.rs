@@ -9,8 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use etcd_client::{
-    Compare, CompareOp, DeleteOptions, GetOptions, SortOrder, SortTarget, Txn, TxnOp,
-    WatchOptions,
+    Compare, CompareOp, DeleteOptions, GetOptions, SortOrder, SortTarget, Txn, TxnOp, WatchOptions,
 };
 use futures_util::future::BoxFuture;
 use tokio::sync::watch;

@@ -1,0 +1,65 @@
+//! A client follows the rules of a config centre: the governance document in force becomes the
+//! "centre" level of every entry's options, through the same layers as the config file and
+//! runtime updates, so a change applies on the next call and keeps breakers, budgets and
+//! endpoint health.
+
+use std::sync::Arc;
+
+use rpc_core::RpcError;
+use rpc_governance::config::GovernanceConfig;
+use rpc_governance::engine::Governance;
+use rpc_registry::rules::{RuleKind, RuleSource, RuleTarget, RuleVersion};
+
+/// Aborts a task when dropped (with the client).
+pub(crate) struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Starts following `source` for the client `inner`, if a Tokio runtime runs; without one the
+/// rules are not followed, and a warning says so.
+pub(crate) fn start<T>(source: Arc<dyn RuleSource>, inner: &Arc<T>)
+where
+    T: RuleTarget + HasRules,
+{
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        tracing::warn!(
+            target: "rpc::rules",
+            "the client was built outside a Tokio runtime: it does not follow the rules; \
+             build it inside the runtime"
+        );
+        return;
+    };
+    let task = runtime.spawn(rpc_registry::rules::follow(
+        source,
+        Arc::downgrade(inner),
+        inner.in_force(),
+    ));
+    inner.hold(AbortOnDrop(task.abort_handle()));
+}
+
+/// What the client keeps of the rules: their versions in force and the task following them.
+pub(crate) trait HasRules {
+    fn in_force(&self) -> Arc<rpc_registry::rules::RulesInForce>;
+    fn hold(&self, task: AbortOnDrop);
+}
+
+/// Puts a governance document in the centre level; refused, changing nothing, when it gives an
+/// entry already called options it cannot carry out. A routing document is accepted as
+/// validated (applied by the routing layer once it is part of the client).
+pub(crate) fn apply(
+    governance: &Governance,
+    kind: RuleKind,
+    rules: &RuleVersion,
+) -> Result<(), RpcError> {
+    match kind {
+        RuleKind::Governance => {
+            let centre = GovernanceConfig::from_toml(&rules.text)?;
+            governance.try_update_layers(|l| l.centre = centre)
+        }
+        RuleKind::Routing => Ok(()),
+    }
+}
