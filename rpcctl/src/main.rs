@@ -18,6 +18,8 @@
 //! validated first.
 
 mod exit;
+#[cfg(feature = "etcd")]
+mod rules;
 
 use clap::{Parser, Subcommand};
 
@@ -70,12 +72,21 @@ pub enum Command {
     Status,
     /// Follows a process's governance events (needs --admin).
     Events,
+    /// Governance and routing rules in etcd (needs --registry etcd://...).
+    #[cfg(feature = "etcd")]
+    Rules {
+        /// get, set, diff, history or rollback.
+        #[command(subcommand)]
+        command: rules::RulesCommand,
+    },
 }
 
 #[tokio::main]
 async fn main() {
     let cli = Cli::parse();
     let result: Result<(), Failure> = match cli.command {
+        #[cfg(feature = "etcd")]
+        Command::Rules { command } => rules::run(cli.registry.as_deref(), cli.json, command).await,
         Command::Services
         | Command::Instances { .. }
         | Command::Entries { .. }

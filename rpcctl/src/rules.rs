@@ -1,0 +1,222 @@
+//! `rpcctl rules get|set|diff|history|rollback`: the governance and routing documents in etcd.
+//!
+//! Nothing is written that the store has not validated: `set` and `rollback` go through the
+//! rule store, which checks the document (the same parser every process applies it with) and
+//! writes it only over the version it read.
+
+use clap::Subcommand;
+use rpc::{EtcdRegistry, RuleError, RuleKind, RuleStore};
+
+use crate::exit::Failure;
+
+/// The `rules` subcommands.
+#[derive(Subcommand, Debug)]
+pub enum RulesCommand {
+    /// Prints the document in force and its version.
+    Get {
+        /// governance or routing.
+        kind: String,
+    },
+    /// Validates FILE and writes it as the new version (exit 1, nothing written, if invalid).
+    Set {
+        /// governance or routing.
+        kind: String,
+        /// The TOML document.
+        file: String,
+    },
+    /// Shows the line diff between the document in force and FILE.
+    Diff {
+        /// governance or routing.
+        kind: String,
+        /// The TOML document.
+        file: String,
+    },
+    /// Lists the versions the history keeps.
+    History {
+        /// governance or routing.
+        kind: String,
+    },
+    /// Writes an earlier version's text again, as a new version.
+    Rollback {
+        /// governance or routing.
+        kind: String,
+        /// The version to bring back (see `history`).
+        version: i64,
+    },
+}
+
+/// Runs a `rules` subcommand against the etcd of `registry` (`etcd://host:port`).
+pub async fn run(registry: Option<&str>, json: bool, command: RulesCommand) -> Result<(), Failure> {
+    let url = registry
+        .ok_or_else(|| Failure::usage("rules live in etcd: give --registry etcd://host:port"))?;
+    if !url.starts_with("etcd://") {
+        return Err(Failure::usage(format!(
+            "rules live in etcd: --registry must be etcd://host:port, not {url:?}"
+        )));
+    }
+    let store = EtcdRegistry::from_url(url)
+        .await
+        .map_err(|e| Failure::usage(e.to_string()))?
+        .rules();
+    match command {
+        RulesCommand::Get { kind } => get(&store, kind_of(&kind)?, json).await,
+        RulesCommand::Set { kind, file } => {
+            let kind = kind_of(&kind)?;
+            let text = read(&file)?;
+            let version = store.put(kind, &text).await.map_err(failure)?;
+            print_version(json, kind, version, "written");
+            Ok(())
+        }
+        RulesCommand::Diff { kind, file } => {
+            let kind = kind_of(&kind)?;
+            let text = read(&file)?;
+            let now = store.get(kind).await.map_err(failure)?;
+            let old = now.as_ref().map_or("", |v| &*v.text);
+            let lines = diff(old, &text);
+            if json {
+                let out = serde_json::json!({
+                    "kind": kind.as_str(),
+                    "version": now.as_ref().map(|v| v.version),
+                    "diff": lines,
+                });
+                println!("{out}");
+            } else {
+                match &now {
+                    Some(v) => println!("--- {kind} version {}\n+++ {file}", v.version),
+                    None => println!("--- {kind} (none in force)\n+++ {file}"),
+                }
+                for l in &lines {
+                    println!("{l}");
+                }
+            }
+            Ok(())
+        }
+        RulesCommand::History { kind } => {
+            let kind = kind_of(&kind)?;
+            let history = store.history(kind).await.map_err(failure)?;
+            if json {
+                let out: Vec<_> = history
+                    .iter()
+                    .map(|v| serde_json::json!({ "version": v.version, "text": &*v.text }))
+                    .collect();
+                println!("{}", serde_json::Value::Array(out));
+            } else {
+                println!("{:>10}  first line", "version");
+                for v in &history {
+                    let first = v.text.lines().next().unwrap_or("");
+                    println!("{:>10}  {first}", v.version);
+                }
+            }
+            Ok(())
+        }
+        RulesCommand::Rollback { kind, version } => {
+            let kind = kind_of(&kind)?;
+            let new = store.rollback(kind, version).await.map_err(failure)?;
+            print_version(
+                json,
+                kind,
+                new,
+                &format!("rolled back to version {version}'s text"),
+            );
+            Ok(())
+        }
+    }
+}
+
+fn kind_of(kind: &str) -> Result<RuleKind, Failure> {
+    kind.parse()
+        .map_err(|e: RuleError| Failure::usage(e.to_string()))
+}
+
+fn read(file: &str) -> Result<String, Failure> {
+    std::fs::read_to_string(file).map_err(|e| Failure::usage(format!("cannot read {file}: {e}")))
+}
+
+fn failure(e: RuleError) -> Failure {
+    match e {
+        RuleError::UnknownKind(_) => Failure::usage(e.to_string()),
+        _ => Failure::failed(e.to_string()),
+    }
+}
+
+fn print_version(json: bool, kind: RuleKind, version: i64, what: &str) {
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({ "kind": kind.as_str(), "version": version })
+        );
+    } else {
+        println!("{kind} rules {what}: version {version}");
+    }
+}
+
+async fn get(store: &RuleStore, kind: RuleKind, json: bool) -> Result<(), Failure> {
+    let now = store.get(kind).await.map_err(failure)?;
+    match (now, json) {
+        (Some(v), true) => println!(
+            "{}",
+            serde_json::json!({ "kind": kind.as_str(), "version": v.version, "text": &*v.text })
+        ),
+        (None, true) => println!(
+            "{}",
+            serde_json::json!({ "kind": kind.as_str(), "version": null, "text": null })
+        ),
+        (Some(v), false) => {
+            println!("# {kind} rules, version {}", v.version);
+            print!("{}", v.text);
+            if !v.text.ends_with('\n') {
+                println!();
+            }
+        }
+        (None, false) => println!("# no {kind} rules in force"),
+    }
+    Ok(())
+}
+
+/// The line diff from `old` to `new` (longest common subsequence): unchanged lines start with
+/// a space, removed ones with `-`, added ones with `+`.
+fn diff(old: &str, new: &str) -> Vec<String> {
+    let a: Vec<&str> = old.lines().collect();
+    let b: Vec<&str> = new.lines().collect();
+    // lcs[i][j]: the common subsequence's length of a[i..] and b[j..].
+    let mut lcs = vec![vec![0usize; b.len() + 1]; a.len() + 1];
+    for i in (0..a.len()).rev() {
+        for j in (0..b.len()).rev() {
+            lcs[i][j] = if a[i] == b[j] {
+                lcs[i + 1][j + 1] + 1
+            } else {
+                lcs[i + 1][j].max(lcs[i][j + 1])
+            };
+        }
+    }
+    let (mut i, mut j, mut out) = (0, 0, Vec::new());
+    while i < a.len() || j < b.len() {
+        if i < a.len() && j < b.len() && a[i] == b[j] {
+            out.push(format!(" {}", a[i]));
+            i += 1;
+            j += 1;
+        } else if i < a.len() && (j == b.len() || lcs[i + 1][j] >= lcs[i][j + 1]) {
+            // Removals before additions, as `diff -u` shows them.
+            out.push(format!("-{}", a[i]));
+            i += 1;
+        } else {
+            out.push(format!("+{}", b[j]));
+            j += 1;
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::diff;
+
+    #[test]
+    fn the_diff_keeps_common_lines_and_marks_the_others() {
+        assert_eq!(
+            diff("a\nb\nc\n", "a\nx\nc\nd\n"),
+            vec![" a", "-b", "+x", " c", "+d"]
+        );
+        assert_eq!(diff("", "a\n"), vec!["+a"]);
+    }
+}
