@@ -191,3 +191,104 @@ fn rate_limited(
     )
     .with_retry_after(Duration::from_millis(u64::try_from(ms).unwrap_or(u64::MAX)))
 }
+
+#[cfg(test)]
+mod tests {
+    use rpc_core::StatusCode;
+    use rpc_governance::events::GovernanceEvent;
+    use tokio::sync::broadcast;
+
+    use super::*;
+
+    fn admission(gate: Gate, rate: Option<(f64, u32)>, observe: bool) -> (Admission, Events) {
+        let events = EventBus::new();
+        let rx = events.subscribe();
+        let policy = Policy {
+            limiter: rate.map(|entry| {
+                RateLimiter::new(RateLimits {
+                    entry: Some(entry),
+                    per_caller: None,
+                })
+            }),
+            gate,
+            observe_rate: observe,
+            observe_gate: observe,
+        };
+        (Admission::new(policy, events), Events(rx))
+    }
+
+    struct Events(broadcast::Receiver<GovernanceEvent>);
+
+    impl Events {
+        fn all(&mut self) -> Vec<(EventKind, bool)> {
+            std::iter::from_fn(|| self.0.try_recv().ok())
+                .map(|e| (e.kind, e.observed))
+                .collect()
+        }
+    }
+
+    fn admit(a: &Admission) -> Result<Slot, RpcError> {
+        a.admit("t.T.m", "caller", None, None)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn over_a_rate_limit_observe_mode_admits_and_reports_what_enforcing_refuses() {
+        // One call per second, burst 1: the second call within the second is over the limit.
+        for observe in [false, true] {
+            let (a, mut events) = admission(Gate::Cap(Bulkhead::new(10)), Some((1.0, 1)), observe);
+            assert!(admit(&a).is_ok());
+            let second = admit(&a);
+            if observe {
+                assert!(second.is_ok(), "observe mode admits");
+                assert_eq!(events.all(), vec![(EventKind::RateLimited, true)]);
+            } else {
+                let e = second.unwrap_err();
+                assert_eq!(e.code(), StatusCode::RateLimited, "{e}");
+                assert!(events.all().is_empty(), "the dispatcher reports refusals");
+            }
+            // A second later the bucket has a token again.
+            tokio::time::advance(Duration::from_secs(1)).await;
+            assert!(admit(&a).is_ok());
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn over_the_cap_or_the_adaptive_limit_observe_mode_admits_and_reports() {
+        for gate in [|| Gate::Cap(Bulkhead::new(1)), || Gate::adaptive(1, 1)] {
+            for observe in [false, true] {
+                let (a, mut events) = admission(gate(), None, observe);
+                let held = admit(&a).unwrap();
+                assert_eq!(a.load(), (1, 1));
+                let second = admit(&a);
+                if observe {
+                    assert!(matches!(second, Ok(Slot::Observed)));
+                    assert_eq!(events.all(), vec![(EventKind::Overflow, true)]);
+                    // An observed call holds no slot.
+                    assert_eq!(a.load(), (1, 1));
+                } else {
+                    let e = second.unwrap_err();
+                    assert_eq!(e.code(), StatusCode::OverflowMaxServerHandle, "{e}");
+                }
+                drop(held);
+                assert!(admit(&a).is_ok());
+            }
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_replaced_policy_applies_to_the_next_call_and_calls_in_flight_keep_their_slot() {
+        let (a, _events) = admission(Gate::Cap(Bulkhead::new(1)), None, false);
+        let held = admit(&a).unwrap();
+        assert!(admit(&a).is_err());
+        a.replace(Policy {
+            limiter: None,
+            gate: Gate::Cap(Bulkhead::new(3)),
+            observe_rate: false,
+            observe_gate: false,
+        });
+        assert_eq!(a.cap(), 3);
+        let more: Vec<Slot> = (0..3).map(|_| admit(&a).unwrap()).collect();
+        assert!(admit(&a).is_err(), "the new cap is 3");
+        drop((held, more));
+    }
+}
