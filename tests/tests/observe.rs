@@ -28,7 +28,7 @@ struct Named {
 impl Node for Arc<Named> {
     async fn name(&self) -> Result<String, RpcError> {
         let n = self.calls.fetch_add(1, Ordering::SeqCst);
-        if self.name == "e" && n % 4 == 0 {
+        if self.name == "e" && n.is_multiple_of(4) {
             return Err(RpcError::new(StatusCode::ServerError, "e is flaky"));
         }
         Ok(self.name.clone())
