@@ -17,6 +17,10 @@
 //! a service's instances in the same order: the order its hash ring, round robin and failover
 //! follow.
 //!
+//! The same etcd keeps the fleet's rules: [`rules`] defines the governance and routing
+//! documents, the [`RuleSource`] clients and servers follow, and (feature `etcd`) `RuleStore`,
+//! which validates, versions and keeps the history of every write.
+//!
 //! A registry stores only what servers say about themselves. It must not hold client-side state:
 //! a client's local judgement of an endpoint's health (see `rpc-governance`) never reaches it.
 //!
