@@ -651,7 +651,10 @@ impl Client {
         }
     }
 
-    async fn service(&self, service_id: &'static str) -> Result<Arc<ServiceState>, RpcError> {
+    pub(crate) async fn service(
+        &self,
+        service_id: &'static str,
+    ) -> Result<Arc<ServiceState>, RpcError> {
         let key = (service_id.as_ptr() as usize, service_id.len());
         let slot = &self.inner.fast_services[fast_slot(key.0)];
         if let Some((k, s)) = slot.get() {
