@@ -19,6 +19,7 @@ use rpc_governance::engine::Governance;
 use rpc_governance::events::{EventBus, EventKind};
 use rpc_governance::health::Fault;
 use rpc_governance::load::{EndpointLoad, ServerLoad};
+use rpc_governance::routing::RoutingRules;
 use rpc_governance::stack::{
     self, Balance, CallCx, ClientParts, Fallbacks, Middleware, Service as _,
 };
@@ -28,6 +29,7 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use crate::balance::ring::RingKey;
+use crate::balance::routing::Router;
 use crate::balance::{Picker, ServiceState};
 use crate::status::{EndpointStatus, FIRST_PROBE_INTERVAL, MAX_PROBE_INTERVAL};
 use crate::telemetry;
@@ -62,6 +64,8 @@ struct Inner {
     /// Removed endpoints a background task is probing.
     probing: Mutex<HashSet<String>>,
     ring_keys: RingKeys,
+    /// The routing rules in force.
+    routing: Router,
 }
 
 /// What places instances on each service's hash ring.
@@ -82,6 +86,7 @@ pub struct ClientBuilder {
     middleware: Vec<Arc<dyn Middleware>>,
     attempt_middleware: Vec<Arc<dyn Middleware>>,
     ring_keys: RingKeys,
+    routing: RoutingRules,
     #[cfg(feature = "otel")]
     meter: Option<opentelemetry::metrics::Meter>,
 }
@@ -98,6 +103,7 @@ impl Default for ClientBuilder {
             middleware: Vec::new(),
             attempt_middleware: Vec::new(),
             ring_keys: RingKeys::default(),
+            routing: RoutingRules::default(),
             #[cfg(feature = "otel")]
             meter: None,
         }
@@ -223,6 +229,16 @@ impl ClientBuilder {
         self
     }
 
+    /// The routing rules in force from the first call (none by default): which instances, by
+    /// their metadata tags, the calls of a service or an entry go to (see
+    /// [`rpc_governance::routing`]). Refused, with the error naming the rule and the field,
+    /// when they do not validate. [`Client::set_routing_rules`] replaces them later.
+    pub fn routing_rules(mut self, rules: RoutingRules) -> Result<Self, RpcError> {
+        rules.validate()?;
+        self.routing = rules;
+        Ok(self)
+    }
+
     /// Registers a fallback for the service it implements (a `<Trait>Server` wrapping another
     /// implementation of the trait). It receives the original arguments when a call failed
     /// (transport, timeout, overflow, open breaker, server error), never for business,
@@ -299,6 +315,7 @@ impl ClientBuilder {
                 metrics,
                 probing: Mutex::new(HashSet::new()),
                 ring_keys: self.ring_keys,
+                routing: Router::new(self.routing),
             }
         });
         Client {
@@ -450,6 +467,27 @@ impl Client {
                     format!("{}: {}; not loaded", path.display(), e.message()),
                 )
             })
+    }
+
+    /// Replaces the routing rules (see [`rpc_governance::routing`]): calls that start from now
+    /// on follow `rules`; calls in flight keep the group they were given. Rules that do not
+    /// validate are refused with an error naming the rule and the field, and the rules in
+    /// force stay. Breakers, budgets and endpoint health keep their state.
+    pub fn set_routing_rules(&self, rules: RoutingRules) -> Result<(), RpcError> {
+        rules.validate()?;
+        let count = rules.routes.len();
+        self.inner.routing.set(rules);
+        tracing::info!(
+            target: "rpc::routing",
+            rules = count,
+            "routing rules replaced; they apply from the next call"
+        );
+        Ok(())
+    }
+
+    /// The routing rules in force.
+    pub fn routing_rules(&self) -> Arc<RoutingRules> {
+        self.inner.routing.rules()
     }
 
     /// Governance events (retry, break, half-open, reset, timeout, fallback, reload, ejection,
@@ -998,7 +1036,8 @@ impl Balance for ClientBalance<'_> {
 
     async fn picker(&self, cx: &CallCx<'_>) -> Result<Picker, RpcError> {
         let service = self.client.service(cx.method().service_id).await?;
-        Ok(Picker { service })
+        let route = self.client.inner.routing.choose(cx, &service)?;
+        Ok(Picker { service, route })
     }
 
     fn removed(&self, addr: &str) {

@@ -254,10 +254,26 @@ impl RoutingRules {
         entry_id: &str,
         attachments: &BTreeMap<String, String>,
     ) -> Option<(usize, &Route)> {
-        self.routes
-            .iter()
-            .enumerate()
-            .find(|(_, r)| r.applies_to(service_id, entry_id) && r.holds(attachments))
+        self.route_matching(service_id, entry_id, |k, v| {
+            attachments.get(k).is_some_and(|a| a == v)
+        })
+    }
+
+    /// [`route_for`](Self::route_for), with the attachments read through `attachment_is(key,
+    /// value)`: whether the call's attachment `key` equals `value` (for a caller whose
+    /// attachments live in several places).
+    pub fn route_matching(
+        &self,
+        service_id: &str,
+        entry_id: &str,
+        attachment_is: impl Fn(&str, &str) -> bool,
+    ) -> Option<(usize, &Route)> {
+        self.routes.iter().enumerate().find(|(_, r)| {
+            r.applies_to(service_id, entry_id)
+                && r.when
+                    .as_ref()
+                    .is_none_or(|w| attachment_is(&w.attachment, &w.equals))
+        })
     }
 
     /// Whether some rule names `service_id` or one of its entries: a service no rule names
@@ -285,12 +301,6 @@ impl Route {
             (None, Some(e)) => e == entry_id,
             (None, None) => false,
         }
-    }
-
-    fn holds(&self, attachments: &BTreeMap<String, String>) -> bool {
-        self.when
-            .as_ref()
-            .is_none_or(|w| attachments.get(&w.attachment) == Some(&w.equals))
     }
 
     /// Whether this rule, placed earlier, takes every call `later` could match.
