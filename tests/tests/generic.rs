@@ -217,7 +217,7 @@ async fn the_governance_the_server_publishes_applies_to_calls_by_id() {
     let state = breakers
         .iter()
         .find(|(id, _)| id.as_str() == "gen.Shop.fragile")
-        .map(|(_, s)| s.clone());
+        .map(|(_, s)| *s);
     assert!(
         matches!(state, Some(BreakerState::Open { .. })),
         "{breakers:?}"
