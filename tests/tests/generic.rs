@@ -224,3 +224,56 @@ async fn the_governance_the_server_publishes_applies_to_calls_by_id() {
     );
     server.shutdown().await;
 }
+
+#[rpc::service(name = "gen.Shard")]
+pub trait Shard {
+    async fn owner(&self, #[hash_key] user: u64, note: String) -> Result<String, RpcError>;
+}
+
+struct Owner(&'static str);
+
+impl Shard for Owner {
+    async fn owner(&self, _user: u64, _note: String) -> Result<String, RpcError> {
+        Ok(self.0.to_string())
+    }
+}
+
+#[tokio::test]
+async fn under_hashing_a_call_by_id_goes_where_the_proxy_sends_the_same_key() {
+    let registry = InProcessRegistry::new();
+    let mut servers = Vec::new();
+    for name in ["a", "b", "c"] {
+        servers.push(
+            Server::builder()
+                .registry(registry.clone())
+                .add_service(ShardServer::new(Owner(name)))
+                .serve("127.0.0.1:0")
+                .await
+                .expect("serve"),
+        );
+    }
+    let client = Client::builder()
+        .registry(registry)
+        .shunt_strategy(rpc::ShuntStrategy::Hash)
+        .build();
+    let proxy = ShardClient::new(client.clone());
+    let mut owners = std::collections::BTreeSet::new();
+    for user in 0..40u64 {
+        // The oracle: where the compiled proxy sends the key.
+        let expected = within("proxy", proxy.owner(user, "x".into()))
+            .await
+            .expect("proxy call");
+        let by_id = within(
+            "by id",
+            client.invoke_json("gen.Shard.owner", json!([user, "y"])),
+        )
+        .await
+        .expect("call by id");
+        assert_eq!(by_id, json!(expected), "user {user}");
+        owners.insert(expected);
+    }
+    assert_eq!(owners.len(), 3, "the keys spread over every server");
+    for s in servers {
+        s.shutdown().await;
+    }
+}
