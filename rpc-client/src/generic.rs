@@ -15,8 +15,9 @@
 //! is refused (a method whose one parameter is a struct is called with `[{...}]`).
 //!
 //! A call needs a `'static` descriptor (the client caches each entry's state by it): each entry
-//! id called this way is interned once per process, and only after some instance published it,
-//! so what is kept is bounded by the entries servers publish.
+//! id called this way is interned once per process, and only after some instance published it
+//! (or, for instances that publish nothing, such as a static list's, once called), so what is
+//! kept is bounded by the entries servers publish; a service id naming no instance is not kept.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock, PoisonError};
@@ -65,20 +66,29 @@ impl Client {
             ))
             .with_field_error("arguments", "must be a JSON array"));
         };
-        let service_id = intern_str(service_id);
-        // Watching the service first makes what its instances publish a configuration level
-        // before the entry's options are resolved.
-        let service = self.service(service_id).await?;
-        let instances = service.endpoints();
-        if instances.is_empty() {
-            return Err(RpcError::new(
+        let no_instance = || {
+            RpcError::new(
                 StatusCode::NotFindServiceRoute,
                 format!(
                     "{entry_id}: no instance of {service_id} is registered; start a server for \
                      it, or check the client's registry (`rpcctl services` lists the known \
                      services)"
                 ),
-            ));
+            )
+        };
+        // A service id is kept (interned, watched for good) only once an instance of it was
+        // seen, so ids that name nothing cost nothing lasting.
+        let service_id = match lookup_str(service_id) {
+            Some(id) => id,
+            None if self.watch(service_id).await?.current().is_empty() => return Err(no_instance()),
+            None => intern_str(service_id),
+        };
+        // Watching the service first makes what its instances publish a configuration level
+        // before the entry's options are resolved.
+        let service = self.service(service_id).await?;
+        let instances = service.endpoints();
+        if instances.is_empty() {
+            return Err(no_instance());
         }
         let mut published: Vec<&str> = Vec::new();
         let mut found = None;
@@ -223,6 +233,11 @@ fn intern_in(table: &mut Interned, s: &str) -> &'static str {
     leaked
 }
 
+/// `s` as a `'static` string if it was interned already.
+fn lookup_str(s: &str) -> Option<&'static str> {
+    interned().strings.get(s).copied()
+}
+
 /// `s` as a `'static` string, the same one every time.
 fn intern_str(s: &str) -> &'static str {
     intern_in(&mut interned(), s)
@@ -302,6 +317,20 @@ mod tests {
         assert_eq!(to_json(Codec::MsgPack, &bytes).unwrap(), expected);
         // A plain decode into `Value` refuses the binary and the integer key.
         assert!(Codec::MsgPack.decode::<Value>(&bytes).is_err());
+    }
+
+    #[tokio::test]
+    async fn a_service_id_naming_no_instance_is_not_kept() {
+        let client = Client::builder()
+            .registry(rpc_registry::InProcessRegistry::new())
+            .build();
+        let e = client
+            .invoke_json("t.NobodyServes.m", serde_json::json!([]))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), StatusCode::NotFindServiceRoute, "{e}");
+        assert!(lookup_str("t.NobodyServes").is_none());
+        assert!(lookup_str("t.NobodyServes.m").is_none());
     }
 
     #[test]
