@@ -19,6 +19,7 @@ use rpc_governance::engine::Governance;
 use rpc_governance::events::{EventBus, EventKind};
 use rpc_governance::health::Fault;
 use rpc_governance::load::{EndpointLoad, ServerLoad};
+use rpc_governance::routing::RoutingRules;
 use rpc_governance::stack::{
     self, Balance, CallCx, ClientParts, Fallbacks, Middleware, Service as _,
 };
@@ -28,6 +29,7 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use crate::balance::ring::RingKey;
+use crate::balance::routing::Router;
 use crate::balance::{Picker, ServiceState};
 use crate::status::{EndpointStatus, FIRST_PROBE_INTERVAL, MAX_PROBE_INTERVAL};
 use crate::telemetry;
@@ -69,6 +71,8 @@ struct Inner {
     /// Where outlier ejections in observe mode (`outlier_observe`) go: a view of endpoint
     /// health no picker reads.
     observed_health: rpc_governance::health::EndpointHealth,
+    /// The routing rules in force.
+    routing: Router,
 }
 
 /// What places instances on each service's hash ring.
@@ -90,6 +94,7 @@ pub struct ClientBuilder {
     attempt_middleware: Vec<Arc<dyn Middleware>>,
     ring_keys: RingKeys,
     rules: Option<Arc<dyn rpc_registry::RuleSource>>,
+    routing: RoutingRules,
     #[cfg(feature = "otel")]
     meter: Option<opentelemetry::metrics::Meter>,
 }
@@ -107,6 +112,7 @@ impl Default for ClientBuilder {
             attempt_middleware: Vec::new(),
             ring_keys: RingKeys::default(),
             rules: None,
+            routing: RoutingRules::default(),
             #[cfg(feature = "otel")]
             meter: None,
         }
@@ -243,6 +249,16 @@ impl ClientBuilder {
         self
     }
 
+    /// The routing rules in force from the first call (none by default): which instances, by
+    /// their metadata tags, the calls of a service or an entry go to (see
+    /// [`rpc_governance::routing`]). Refused, with the error naming the rule and the field,
+    /// when they do not validate. [`Client::set_routing_rules`] replaces them later.
+    pub fn routing_rules(mut self, rules: RoutingRules) -> Result<Self, RpcError> {
+        rules.validate()?;
+        self.routing = rules;
+        Ok(self)
+    }
+
     /// Registers a fallback for the service it implements (a `<Trait>Server` wrapping another
     /// implementation of the trait). It receives the original arguments when a call failed
     /// (transport, timeout, overflow, open breaker, server error), never for business,
@@ -324,6 +340,7 @@ impl ClientBuilder {
                 observed_health: rpc_governance::health::EndpointHealth::new(Duration::from_secs(
                     60,
                 )),
+                routing: Router::new(self.routing),
             }
         });
         if let Some(source) = self.rules {
@@ -403,7 +420,7 @@ impl rpc_registry::rules::RuleTarget for Inner {
         kind: rpc_registry::RuleKind,
         rules: &rpc_registry::RuleVersion,
     ) -> Result<(), RpcError> {
-        crate::rules::apply(&self.governance, kind, rules)
+        crate::rules::apply(&self.governance, &self.routing, kind, rules)
     }
 
     fn events(&self) -> &EventBus {
@@ -508,6 +525,27 @@ impl Client {
     /// applied.
     pub fn rules_version(&self, kind: rpc_registry::RuleKind) -> Option<i64> {
         self.inner.rules.version(kind)
+    }
+
+    /// Replaces the routing rules (see [`rpc_governance::routing`]): calls that start from now
+    /// on follow `rules`; calls in flight keep the group they were given. Rules that do not
+    /// validate are refused with an error naming the rule and the field, and the rules in
+    /// force stay. Breakers, budgets and endpoint health keep their state.
+    pub fn set_routing_rules(&self, rules: RoutingRules) -> Result<(), RpcError> {
+        rules.validate()?;
+        let count = rules.routes.len();
+        self.inner.routing.set(rules);
+        tracing::info!(
+            target: "rpc::routing",
+            rules = count,
+            "routing rules replaced; they apply from the next call"
+        );
+        Ok(())
+    }
+
+    /// The routing rules in force.
+    pub fn routing_rules(&self) -> Arc<RoutingRules> {
+        self.inner.routing.rules()
     }
 
     /// Governance events (retry, break, half-open, reset, timeout, fallback, reload, ejection,
@@ -709,7 +747,10 @@ impl Client {
         }
     }
 
-    async fn service(&self, service_id: &'static str) -> Result<Arc<ServiceState>, RpcError> {
+    pub(crate) async fn service(
+        &self,
+        service_id: &'static str,
+    ) -> Result<Arc<ServiceState>, RpcError> {
         let key = (service_id.as_ptr() as usize, service_id.len());
         let slot = &self.inner.fast_services[fast_slot(key.0)];
         if let Some((k, s)) = slot.get() {
@@ -1071,7 +1112,8 @@ impl Balance for ClientBalance<'_> {
 
     async fn picker(&self, cx: &CallCx<'_>) -> Result<Picker, RpcError> {
         let service = self.client.service(cx.method().service_id).await?;
-        Ok(Picker { service })
+        let route = self.client.inner.routing.choose(cx, &service)?;
+        Ok(Picker { service, route })
     }
 
     fn removed(&self, addr: &str) {

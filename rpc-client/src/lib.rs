@@ -30,6 +30,7 @@
 mod answered_by;
 pub mod balance;
 mod client;
+mod generic;
 mod rules;
 pub use balance::ring as shunt;
 pub mod status;
@@ -38,4 +39,5 @@ mod telemetry;
 pub use answered_by::answered_by;
 pub use balance::ring::RingKey;
 pub use client::{Client, ClientBuilder};
+pub use generic::error_body;
 pub use status::{EndpointState, EndpointStatus};

@@ -8,7 +8,10 @@ use std::sync::Arc;
 use rpc_core::RpcError;
 use rpc_governance::config::GovernanceConfig;
 use rpc_governance::engine::Governance;
+use rpc_governance::routing::RoutingRules;
 use rpc_registry::rules::{RuleKind, RuleSource, RuleTarget, RuleVersion};
+
+use crate::balance::routing::Router;
 
 /// Aborts a task when dropped (with the client).
 pub(crate) struct AbortOnDrop(tokio::task::AbortHandle);
@@ -47,11 +50,12 @@ pub(crate) trait HasRules {
     fn hold(&self, task: AbortOnDrop);
 }
 
-/// Puts a governance document in the centre level; refused, changing nothing, when it gives an
-/// entry already called options it cannot carry out. A routing document is accepted as
-/// validated (applied by the routing layer once it is part of the client).
+/// Puts a governance document in the centre level (refused, changing nothing, when it gives an
+/// entry already called options it cannot carry out), or a routing document in the router,
+/// from the next call.
 pub(crate) fn apply(
     governance: &Governance,
+    router: &Router,
     kind: RuleKind,
     rules: &RuleVersion,
 ) -> Result<(), RpcError> {
@@ -60,6 +64,9 @@ pub(crate) fn apply(
             let centre = GovernanceConfig::from_toml(&rules.text)?;
             governance.try_update_layers(|l| l.centre = centre)
         }
-        RuleKind::Routing => Ok(()),
+        RuleKind::Routing => {
+            router.set(RoutingRules::from_toml(&rules.text)?);
+            Ok(())
+        }
     }
 }

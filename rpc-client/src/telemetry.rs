@@ -29,6 +29,9 @@ pub(crate) fn call_span(method: &'static MethodDescriptor) -> Span {
         rpc.status_code = Empty,
         outcome = Empty,
         rpc.fallback.cause = Empty,
+        rpc.route = Empty,
+        rpc.route.group = Empty,
+        rpc.route.fallback = Empty,
         otel.status_code = Empty,
         otel.status_description = Empty,
     )

@@ -18,6 +18,7 @@
 //! | [`throttle`] | when a client drops calls itself because the server keeps refusing them |
 //! | [`load`] | load-aware endpoint choice: peak-EWMA latency × outstanding calls, two choices |
 //! | [`outlier`] | which endpoints fail markedly more often than their peers |
+//! | [`routing`] | which instances (by metadata tags) a call may go to: tag routing, weighted splits, by attachment |
 //!
 //! [`stack`] puts the client side together as layers over one per-call context, in one
 //! order written once ([`stack::client_stack`]): user layers → fallback → circuit breaker →
@@ -56,6 +57,7 @@ pub mod load;
 pub mod outlier;
 pub mod ratelimit;
 pub mod retry;
+pub mod routing;
 pub mod stack;
 pub mod throttle;
 pub mod timeout;

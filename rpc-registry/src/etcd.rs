@@ -390,6 +390,12 @@ impl Registry for EtcdRegistry {
     ) -> BoxFuture<'a, Result<ServiceWatch, RegistryError>> {
         Box::pin(self.watch_service(service))
     }
+
+    /// Reads the keys under `<prefix>services/` (keys only, one request): the services with at
+    /// least one live instance. Fails if etcd does not answer within the request timeout.
+    fn services(&self) -> BoxFuture<'_, Result<Vec<ServiceId>, RegistryError>> {
+        Box::pin(self.inner.conn.services())
+    }
 }
 
 fn check_endpoint(e: &str) -> Result<(), RegistryError> {

@@ -88,4 +88,10 @@ impl Registry for InProcessRegistry {
         });
         Box::pin(future::ready(Ok(ServiceWatch::new(rx))))
     }
+
+    fn services(&self) -> BoxFuture<'_, Result<Vec<ServiceId>, RegistryError>> {
+        let ids =
+            self.with_state(|state| crate::service_ids(state.instances.values().map(|i| &**i)));
+        Box::pin(future::ready(Ok(ids)))
+    }
 }

@@ -88,4 +88,19 @@ pub trait Registry: Send + Sync + 'static {
         &'a self,
         service: &'a ServiceId,
     ) -> BoxFuture<'a, Result<ServiceWatch, RegistryError>>;
+
+    /// The services the registry knows now: every service id at least one instance publishes,
+    /// sorted, each once. What an operator lists before looking at one service's instances
+    /// (`rpcctl services`); clients never need it to call.
+    ///
+    /// A static list names only the services its endpoints list explicitly: an endpoint listed
+    /// without services serves any service, so it adds no name.
+    fn services(&self) -> BoxFuture<'_, Result<Vec<ServiceId>, RegistryError>>;
+}
+
+/// The services of `instances`, sorted and each once: what [`Registry::services`] returns.
+pub(crate) fn service_ids<'a>(instances: impl Iterator<Item = &'a Instance>) -> Vec<ServiceId> {
+    let ids: std::collections::BTreeSet<&ServiceId> =
+        instances.flat_map(|i| i.services.iter()).collect();
+    ids.into_iter().cloned().collect()
 }

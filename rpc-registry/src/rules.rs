@@ -56,15 +56,9 @@ impl RuleKind {
     }
 }
 
-/// The routing document's check. The routing rules' own parser replaces this body once it is
-/// part of the workspace: `rpc_governance::routing::RoutingRules::from_toml(text).map(|_| ())`.
+/// The routing document's check: the routing rules' own parser and validation.
 fn validate_routing(text: &str) -> Result<(), RpcError> {
-    text.parse::<toml::Table>().map(|_| ()).map_err(|e| {
-        RpcError::new(
-            rpc_core::StatusCode::FrameworkError,
-            format!("routing rules: {e}"),
-        )
-    })
+    rpc_governance::routing::RoutingRules::from_toml(text).map(|_| ())
 }
 
 impl fmt::Display for RuleKind {

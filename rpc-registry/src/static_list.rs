@@ -186,6 +186,17 @@ impl Registry for StaticRegistry {
         let (_tx, rx) = watch::channel(snapshot(service, instances.iter()));
         Box::pin(future::ready(Ok(ServiceWatch::new(rx))))
     }
+
+    /// The services the endpoints list explicitly (an endpoint without `services` serves any
+    /// service and adds no name).
+    fn services(&self) -> BoxFuture<'_, Result<Vec<ServiceId>, RegistryError>> {
+        let ids: std::collections::BTreeSet<&ServiceId> = self
+            .endpoints
+            .iter()
+            .flat_map(|e| e.services.iter())
+            .collect();
+        Box::pin(future::ready(Ok(ids.into_iter().cloned().collect())))
+    }
 }
 
 #[cfg(test)]

@@ -68,6 +68,7 @@ pub use rpc_core::{
 pub use rpc_governance::breaker::BreakerState;
 pub use rpc_governance::events::{EventBus, EventKind, GovernanceEvent};
 pub use rpc_governance::fallback::cause as fallback_cause;
+pub use rpc_governance::routing::RoutingRules;
 /// Client middleware: a layer around every call (`ClientBuilder::layer`) or every attempt
 /// (`ClientBuilder::attempt_layer`), and the per-call context it sees.
 pub use rpc_governance::stack::{CallCx, Middleware, Next};

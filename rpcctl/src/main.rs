@@ -17,7 +17,9 @@
 //! What this program must not do: keep state between runs, or write anything it has not
 //! validated first.
 
+mod call;
 mod exit;
+mod registry;
 #[cfg(feature = "etcd")]
 mod rules;
 
@@ -65,8 +67,13 @@ pub enum Command {
     Call {
         /// The entry id, e.g. echo.Echo.echo.
         entry: String,
-        /// The arguments, a JSON array (one element per parameter).
-        json: String,
+        /// The arguments, a JSON array (one element per parameter). (Not named `json`: that
+        /// is the global `--json` flag's id, and clap would confuse the two.)
+        #[arg(value_name = "JSON")]
+        args: String,
+        /// The servers' handshake token, when they require one.
+        #[arg(long, env = "RPCCTL_SERVER_TOKEN")]
+        server_token: Option<String>,
     },
     /// Status of a process: breakers, endpoint health and options (needs --admin).
     Status,
@@ -87,12 +94,27 @@ async fn main() {
     let result: Result<(), Failure> = match cli.command {
         #[cfg(feature = "etcd")]
         Command::Rules { command } => rules::run(cli.registry.as_deref(), cli.json, command).await,
-        Command::Services
-        | Command::Instances { .. }
-        | Command::Entries { .. }
-        | Command::Call { .. }
-        | Command::Status
-        | Command::Events => Err(Failure::usage(
+        Command::Services => match registry::open(cli.registry.as_deref()).await {
+            Ok(r) => registry::services(&*r, cli.json).await,
+            Err(e) => Err(e),
+        },
+        Command::Instances { service } => match registry::open(cli.registry.as_deref()).await {
+            Ok(r) => registry::instances(&*r, &service, cli.json).await,
+            Err(e) => Err(e),
+        },
+        Command::Entries { service } => match registry::open(cli.registry.as_deref()).await {
+            Ok(r) => registry::entries(&*r, &service, cli.json).await,
+            Err(e) => Err(e),
+        },
+        Command::Call {
+            entry,
+            args,
+            server_token,
+        } => match registry::open(cli.registry.as_deref()).await {
+            Ok(r) => call::run(r, &entry, &args, server_token.as_deref()).await,
+            Err(e) => Err(e),
+        },
+        Command::Status | Command::Events => Err(Failure::usage(
             "this command is not available in this build",
         )),
     };

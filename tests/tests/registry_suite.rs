@@ -242,6 +242,29 @@ async fn ids_services_and_metadata_round_trip<B: Backend>() {
     }
 }
 
+/// The listing names every service some instance serves, sorted as plain strings, each once
+/// (however many instances serve it), and nothing else; another process sees the same list.
+async fn the_listing_names_each_service_once_in_order<B: Backend>() {
+    let store = B::store(&[
+        instance("127.0.0.1:1", "one", &["t.B", "t.A"]),
+        instance("127.0.0.1:2", "two", &["t.A"]),
+        instance("127.0.0.1:3", "three", &["a/b%c.Odd", "t.C"]),
+        instance("127.0.0.1:4", "four", &["t.A", "t.B"]),
+    ])
+    .await;
+    let expected: Vec<ServiceId> = ["a/b%c.Odd", "t.A", "t.B", "t.C"]
+        .into_iter()
+        .map(ServiceId::from)
+        .collect();
+    let here = within("list", store.registry().services())
+        .await
+        .expect("list");
+    assert_eq!(here, expected);
+    let other = store.another().await;
+    let there = within("list", other.services()).await.expect("list");
+    assert_eq!(there, expected, "another process's view");
+}
+
 // ---------------------------------------------------------------------------------------------
 // Checks of backends that take registrations at run time.
 // ---------------------------------------------------------------------------------------------
@@ -413,6 +436,31 @@ async fn entry_descriptors_round_trip<B: Writable>() {
     }
 }
 
+/// A service whose last instance is deregistered leaves the listing; one registered later
+/// joins it. An empty store lists nothing.
+async fn the_listing_follows_registrations<B: Writable>() {
+    let store = B::store(&[]).await;
+    let registry = store.registry();
+    let list = |r: Arc<dyn Registry>| async move {
+        within("list", r.services())
+            .await
+            .expect("list")
+            .into_iter()
+            .map(|s| s.as_str().to_string())
+            .collect::<Vec<String>>()
+    };
+    assert!(list(registry.clone()).await.is_empty());
+    register(&registry, instance("127.0.0.1:1", "one", &["t.A", "t.B"])).await;
+    register(&registry, instance("127.0.0.1:2", "two", &["t.B"])).await;
+    assert_eq!(list(registry.clone()).await, ["t.A", "t.B"]);
+    deregister(&registry, "one").await;
+    // t.B keeps an instance; t.A has none left.
+    assert_eq!(list(store.another().await).await, ["t.B"]);
+    register(&registry, instance("127.0.0.1:3", "three", &["t.C"])).await;
+    deregister(&registry, "two").await;
+    assert_eq!(list(store.another().await).await, ["t.C"]);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Checks of backends whose registrations expire.
 // ---------------------------------------------------------------------------------------------
@@ -466,6 +514,7 @@ macro_rules! read_checks {
             services_do_not_see_each_others_instances,
             two_independent_watchers_see_the_same_order,
             ids_services_and_metadata_round_trip,
+            the_listing_names_each_service_once_in_order,
         );
     };
 }
@@ -480,6 +529,7 @@ macro_rules! write_checks {
             a_deregistered_instance_is_gone,
             registering_an_id_again_replaces_it_without_duplicates,
             entry_descriptors_round_trip,
+            the_listing_follows_registrations,
         );
     };
 }

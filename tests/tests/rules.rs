@@ -337,3 +337,79 @@ async fn a_running_servers_entry_cap_follows_the_rules_and_can_observe() {
     assert_eq!(within("first", first).await.unwrap(), "held");
     assert_eq!(within("second", second).await.unwrap(), "held");
 }
+
+#[rpc::service(name = "t.Who")]
+trait Who {
+    /// Answers the serving instance's name.
+    async fn who(&self) -> Result<String, RpcError>;
+}
+
+struct Named(&'static str);
+
+impl Who for Named {
+    async fn who(&self) -> Result<String, RpcError> {
+        Ok(self.0.to_string())
+    }
+}
+
+#[tokio::test]
+async fn a_routing_document_in_etcd_steers_a_running_clients_calls_and_a_bad_one_is_refused() {
+    let etcd = Etcd::start().await;
+    let rules = store(&etcd).await;
+    let reg = InProcessRegistry::new();
+    let mut servers = Vec::new();
+    for (name, version) in [("canary", "canary"), ("stable", "stable")] {
+        servers.push(
+            Server::builder()
+                .registry(reg.clone())
+                .metadata("version", version)
+                .add_service(WhoServer::new(Named(name)))
+                .serve("127.0.0.1:0")
+                .await
+                .expect("serve"),
+        );
+    }
+    let client = Client::builder().registry(reg).rules(rules.clone()).build();
+    let who = WhoClient::new(client.clone());
+    let mut events = client.events().subscribe();
+    async fn served(who: &WhoClient, n: usize) -> Vec<String> {
+        let mut names = Vec::new();
+        for _ in 0..n {
+            names.push(within("call", who.who()).await.expect("call"));
+        }
+        names
+    }
+    // Without rules, round robin reaches both instances.
+    let mut before = served(&who, 4).await;
+    before.sort();
+    before.dedup();
+    assert_eq!(before, ["canary", "stable"]);
+
+    // A valid routing document: every call goes to the canary from the next call.
+    let doc = "[[routes]]\nname = \"all-canary\"\nservice = \"t.Who\"\n\
+               to = [ { tags = { version = \"canary\" } } ]\n";
+    let v1 = rules.set(RuleKind::Routing, doc, 0).await.unwrap();
+    rule_event(&mut events, EventKind::RuleApplied, v1).await;
+    assert_eq!(client.rules_version(RuleKind::Routing), Some(v1));
+    assert_eq!(client.routing_rules().routes.len(), 1);
+    assert!(served(&who, 6).await.iter().all(|n| n == "canary"));
+
+    // The store refuses a document the routing parser refuses (a weight of 0)...
+    let bad = doc.replace("} } ]", "}, weight = 0 } ]");
+    let e = rules.set(RuleKind::Routing, &bad, v1).await.unwrap_err();
+    assert!(matches!(e, RuleError::Invalid { .. }), "{e}");
+    assert!(e.to_string().contains("weight"), "{e}");
+    // ...and a client refuses it when written past the store: the last good version stays.
+    let mut raw = etcd.client().await;
+    let put = raw
+        .put(rules.key(RuleKind::Routing), bad.as_str(), None)
+        .await
+        .unwrap();
+    let bad_version = put.header().unwrap().revision();
+    rule_event(&mut events, EventKind::RuleRejected, bad_version).await;
+    assert_eq!(client.rules_version(RuleKind::Routing), Some(v1));
+    assert!(served(&who, 4).await.iter().all(|n| n == "canary"));
+    for s in servers {
+        s.shutdown().await;
+    }
+}

@@ -14,6 +14,7 @@
 //! retry layer only asks for the next candidate.
 
 pub mod ring;
+pub(crate) mod routing;
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -246,9 +247,37 @@ impl ServiceState {
     }
 
     /// Picks the address for the next attempt: untried healthy endpoints first, then untried
-    /// unhealthy ones, then tried ones, following the strategy within the best group.
+    /// unhealthy ones, then tried ones, following the strategy within the best group. (Calls go
+    /// through [`select_from`](Self::select_from), with their routing rule's group.)
+    #[cfg(test)]
     pub(crate) fn select(
         &self,
+        service_id: &str,
+        options: &GovernanceOptions,
+        hash_key: Option<u64>,
+        tried: &[Arc<str>],
+        health: &EndpointHealth,
+    ) -> Result<Arc<str>, RpcError> {
+        self.select_from(
+            self.endpoints(),
+            None,
+            service_id,
+            options,
+            hash_key,
+            tried,
+            health,
+        )
+    }
+
+    /// [`select`](Self::select) in the snapshot `eps`, among the endpoints at the indexes
+    /// `among` only when given (the group a routing rule chose: never empty). The hash ring
+    /// stays the whole service's, walked past the endpoints outside the group, so a key keeps
+    /// its owner within the group as the group changes.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn select_from(
+        &self,
+        eps: Endpoints,
+        among: Option<&[usize]>,
         service_id: &str,
         options: &GovernanceOptions,
         hash_key: Option<u64>,
@@ -269,10 +298,11 @@ impl ServiceState {
                     )
                 });
         }
-        let eps = self.endpoints();
         if !health.is_clear() {
             self.restore_announced(&eps, health);
         }
+        let among = among.filter(|a| !a.is_empty());
+        let inside = |idx: usize| among.is_none_or(|a| a.contains(&idx));
         if eps.is_empty() {
             return Err(RpcError::new(
                 StatusCode::NotFindServiceRoute,
@@ -296,7 +326,7 @@ impl ServiceState {
                 vec![false; eps.len()]
             };
             let mut best: Option<((u8, bool), usize)> = None;
-            for idx in ring.ring.walk(key) {
+            for idx in ring.ring.walk(key).filter(|&i| inside(i)) {
                 let r = (rank(&eps[idx].address, tried, health), over[idx]);
                 if best.is_none_or(|(b, _)| r < b) {
                     best = Some((r, idx));
@@ -306,16 +336,16 @@ impl ServiceState {
                 }
             }
             // The ring holds every endpoint, so a best one exists.
-            let idx = best.map(|(_, i)| i).unwrap_or(0);
+            let idx = best.map(|(_, i)| i).unwrap_or(among.map_or(0, |a| a[0]));
             return Ok(self.address(&eps, idx));
         }
         if options.shunt_strategy == ShuntStrategy::LeastLoaded {
             self.slow_start_ms
                 .store(options.slow_start_ms, Ordering::Relaxed);
             let group: Vec<usize> = if tried.is_empty() && health.is_clear() {
-                (0..eps.len()).collect()
+                among.map_or_else(|| (0..eps.len()).collect(), <[usize]>::to_vec)
             } else {
-                best_group(&eps, tried, health)
+                best_group(&eps, among, tried, health)
             };
             let loads: Vec<Arc<EndpointLoad>> = group
                 .iter()
@@ -327,13 +357,14 @@ impl ServiceState {
         }
         if tried.is_empty() && health.is_clear() {
             // The common case: every endpoint is equally good, nothing to rank.
+            let n = among.map_or(eps.len(), <[usize]>::len);
             let pick = match options.shunt_strategy {
-                ShuntStrategy::Random => ring::random(eps.len()),
-                _ => ring::polling(&self.counter, eps.len()),
+                ShuntStrategy::Random => ring::random(n),
+                _ => ring::polling(&self.counter, n),
             };
-            return Ok(self.address(&eps, pick));
+            return Ok(self.address(&eps, among.map_or(pick, |a| a[pick])));
         }
-        let group = best_group(&eps, tried, health);
+        let group = best_group(&eps, among, tried, health);
         let pick = match options.shunt_strategy {
             ShuntStrategy::Random => ring::random(group.len()),
             _ => ring::polling(&self.counter, group.len()),
@@ -342,26 +373,53 @@ impl ServiceState {
     }
 }
 
-/// The indexes of the endpoints of the best rank (see [`rank`]).
-fn best_group(eps: &Endpoints, tried: &[Arc<str>], health: &EndpointHealth) -> Vec<usize> {
-    let ranks: Vec<u8> = eps
+/// The indexes of the endpoints of the best rank (see [`rank`]), among `among` when given.
+fn best_group(
+    eps: &Endpoints,
+    among: Option<&[usize]>,
+    tried: &[Arc<str>],
+    health: &EndpointHealth,
+) -> Vec<usize> {
+    let candidates: Vec<usize> = among.map_or_else(|| (0..eps.len()).collect(), <[usize]>::to_vec);
+    let ranks: Vec<u8> = candidates
         .iter()
-        .map(|i| rank(&i.address, tried, health))
+        .map(|&i| rank(&eps[i].address, tried, health))
         .collect();
     let best = ranks.iter().copied().min().unwrap_or(0);
-    (0..eps.len()).filter(|&i| ranks[i] == best).collect()
+    candidates
+        .iter()
+        .zip(&ranks)
+        .filter(|(_, r)| **r == best)
+        .map(|(i, _)| *i)
+        .collect()
 }
 
 /// The candidates of one call of a service, best first: asked for each attempt's endpoint, it
 /// ranks the service's current endpoints by what the call has tried and this client's health
-/// view, and follows the entry's strategy within the best group.
+/// view, and follows the entry's strategy within the best group. When a routing rule chose a
+/// group of instances for the call ([`routing::Choice`]), only those are candidates.
 pub(crate) struct Picker {
     pub(crate) service: Arc<ServiceState>,
+    pub(crate) route: Option<routing::Choice>,
+}
+
+impl Picker {
+    /// The indexes of the call's candidates in `eps`: `None` for every endpoint.
+    fn among(&self, eps: &Endpoints, cx: &CallCx<'_>) -> Result<Option<Vec<usize>>, RpcError> {
+        match &self.route {
+            None => Ok(None),
+            Some(choice) => choice.candidates(eps, cx.entry_id()),
+        }
+    }
 }
 
 impl Pick for Picker {
     fn next(&mut self, cx: &CallCx<'_>) -> Result<Arc<str>, RpcError> {
-        self.service.select(
+        let eps = self.service.endpoints();
+        let among = self.among(&eps, cx)?;
+        self.service.select_from(
+            eps,
+            among.as_deref(),
             cx.method().service_id,
             cx.options(),
             cx.hash_key(),
@@ -372,18 +430,23 @@ impl Pick for Picker {
 
     fn untried_left(&self, cx: &CallCx<'_>) -> bool {
         let tried = cx.tried();
-        self.service
-            .endpoints()
-            .iter()
-            .any(|i| !tried.iter().any(|t| **t == *i.address))
+        let eps = self.service.endpoints();
+        let among = self.among(&eps, cx).ok().flatten();
+        eps.iter().enumerate().any(|(idx, i)| {
+            among.as_ref().is_none_or(|a| a.contains(&idx))
+                && !tried.iter().any(|t| **t == *i.address)
+        })
     }
 
     fn any_other_usable(&self, addr: &str, cx: &CallCx<'_>) -> bool {
         let health = cx.health();
-        self.service
-            .endpoints()
-            .iter()
-            .any(|i| i.address != addr && health.is_usable(&i.address))
+        let eps = self.service.endpoints();
+        let among = self.among(&eps, cx).ok().flatten();
+        eps.iter().enumerate().any(|(idx, i)| {
+            among.as_ref().is_none_or(|a| a.contains(&idx))
+                && i.address != addr
+                && health.is_usable(&i.address)
+        })
     }
 }
 

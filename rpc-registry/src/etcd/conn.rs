@@ -114,6 +114,44 @@ impl Conn {
         Ok((instances, revision))
     }
 
+    /// Every service id with at least one key under `<prefix>services/`, sorted, each once. Reads
+    /// the keys only (no instance is decoded): a listing costs etcd one range request.
+    pub(super) async fn services(&self) -> Result<Vec<ServiceId>, RegistryError> {
+        let prefix = format!("{}services/", self.options.prefix);
+        let mut kv = self.client.kv_client();
+        let what = format!("listing {prefix}");
+        let resp = self
+            .call(
+                &what,
+                kv.get(
+                    prefix.as_bytes(),
+                    Some(GetOptions::new().with_prefix().with_keys_only()),
+                ),
+            )
+            .await?;
+        let mut ids = std::collections::BTreeSet::new();
+        for kv in resp.kvs() {
+            let Some(rest) = kv.key().strip_prefix(prefix.as_bytes()) else {
+                continue;
+            };
+            // `<service id>/<instance id>`: the service is the segment before the first `/`
+            // (a `/` inside an id is written `%2F`).
+            let Some(end) = rest.iter().position(|b| *b == b'/') else {
+                continue;
+            };
+            match std::str::from_utf8(&rest[..end]) {
+                Ok(segment) if !segment.is_empty() => {
+                    ids.insert(unescape(segment));
+                }
+                _ => tracing::warn!(
+                    key = %String::from_utf8_lossy(kv.key()),
+                    "skipping a registry key that names no service"
+                ),
+            }
+        }
+        Ok(ids.into_iter().map(ServiceId::from).collect())
+    }
+
     /// A new lease: its id and the TTL etcd granted (seconds).
     pub(super) async fn grant(&self) -> Result<(i64, i64), RegistryError> {
         let mut lease = self.client.lease_client();
@@ -283,6 +321,15 @@ fn escape(segment: &str) -> std::borrow::Cow<'_, str> {
     }
 }
 
+/// The inverse of [`escape`]: `%2F` → `/`, `%25` → `%` (anything else stays as it is).
+fn unescape(segment: &str) -> String {
+    if segment.contains('%') {
+        segment.replace("%2F", "/").replace("%25", "%")
+    } else {
+        segment.to_string()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -291,6 +338,9 @@ mod tests {
     fn keys_escape_separators() {
         assert_eq!(escape("echo.Echo"), "echo.Echo");
         assert_eq!(escape("a/b%c"), "a%2Fb%25c");
+        for id in ["echo.Echo", "a/b%c", "%2F", "x%252Fy/"] {
+            assert_eq!(unescape(&escape(id)), id, "{id}");
+        }
     }
 
     #[test]

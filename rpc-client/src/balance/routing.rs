@@ -1,0 +1,185 @@
+//! Routing rules applied per call, before the balancer: which instances of the service the
+//! call may go to (see [`rpc_governance::routing`] for the document and its semantics).
+//!
+//! Why here: the rule decides the *group* (instances holding some metadata tags), the shunt
+//! strategy still spreads calls *within* it, so the choice is made once when the call's picker
+//! is made and then narrows every attempt's candidates. The group is drawn by weight per call,
+//! and is judged live against this client's endpoint health at that moment; the fallback
+//! (`any` or `fail`) applies when it has no live instance. The rule that chose is recorded on
+//! the call's span (`rpc.route`, with `rpc.route.group` and, when the fallback applied,
+//! `rpc.route.fallback`) and in a debug event (target `rpc::routing`).
+//!
+//! No rules cost a call one atomic load; rules naming other services, one scan of the rules.
+
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use rpc_core::{RpcContext, RpcError};
+use rpc_governance::health::EndpointHealth;
+use rpc_governance::routing::{has_tags, tags_text, Fallback, Route, RoutingRules};
+use rpc_governance::stack::CallCx;
+use rpc_registry::Endpoints;
+
+use super::ServiceState;
+
+/// The routing rules in force in one client; replaced whole, read by each call.
+pub(crate) struct Router {
+    rules: ArcSwap<RoutingRules>,
+}
+
+impl Router {
+    /// A router applying `rules` (already validated).
+    pub(crate) fn new(rules: RoutingRules) -> Self {
+        Router {
+            rules: ArcSwap::from_pointee(rules),
+        }
+    }
+
+    /// The rules in force.
+    pub(crate) fn rules(&self) -> Arc<RoutingRules> {
+        self.rules.load_full()
+    }
+
+    /// Puts `rules` (already validated) in force from the next call.
+    pub(crate) fn set(&self, rules: RoutingRules) {
+        self.rules.store(Arc::new(rules));
+    }
+
+    /// The route of the call in `cx` to `service`: `None` when no rule routes it. Draws the
+    /// group, judges whether it has a live instance, applies the fallback, and records the
+    /// choice on the current span (the call's `rpc.client` span).
+    pub(crate) fn choose(
+        &self,
+        cx: &CallCx<'_>,
+        service: &ServiceState,
+    ) -> Result<Option<Choice>, RpcError> {
+        let rules = self.rules.load();
+        if rules.is_empty() {
+            return Ok(None);
+        }
+        let method = cx.method();
+        // The call's attachments: those layers added, over those of the current context.
+        let attachment_is = |key: &str, value: &str| match cx.attachments().get(key) {
+            Some(a) => a == value,
+            None => RpcContext::with_current(|m| m.get(key).is_some_and(|a| a == value)),
+        };
+        let Some((index, route)) =
+            rules.route_matching(method.service_id, method.entry_id, attachment_is)
+        else {
+            return Ok(None);
+        };
+        let target = match route.total_weight() {
+            0 | 1 => 0,
+            total => route.target_for(rand::random_range(0..total)),
+        };
+        let eps = service.endpoints();
+        let health = cx.health();
+        let live = live_members(&eps, route, target, health);
+        let fell_back = if live == 0 {
+            match route.fallback {
+                Fallback::Fail => {
+                    let why = no_live_why(&eps, route, target, method.service_id);
+                    record(route, target, Some("fail"));
+                    return Err(route.no_live_instance(target, method.entry_id, &why));
+                }
+                Fallback::Any => true,
+            }
+        } else {
+            false
+        };
+        record(route, target, fell_back.then_some("any"));
+        Ok(Some(Choice {
+            rules: self.rules(),
+            route: index,
+            target,
+            fell_back,
+        }))
+    }
+}
+
+/// The instances of the group `target` of `route` that `health` lets calls go to.
+fn live_members(eps: &Endpoints, route: &Route, target: usize, health: &EndpointHealth) -> usize {
+    let tags = &route.to[target].tags;
+    eps.iter()
+        .filter(|i| has_tags(&i.metadata, tags) && health.is_usable(&i.address))
+        .count()
+}
+
+/// Why the group has no live instance, for the error.
+fn no_live_why(eps: &Endpoints, route: &Route, target: usize, service_id: &str) -> String {
+    let tags = &route.to[target].tags;
+    let members = eps.iter().filter(|i| has_tags(&i.metadata, tags)).count();
+    if members == 0 {
+        format!(
+            "{} instance(s) of {service_id} registered, none tagged so",
+            eps.len()
+        )
+    } else {
+        format!("its {members} instance(s) are marked unhealthy or removed by this client")
+    }
+}
+
+/// Records the rule's choice on the current span and as a debug event.
+fn record(route: &Route, target: usize, fallback: Option<&str>) {
+    let group = tags_text(&route.to[target].tags);
+    let span = tracing::Span::current();
+    span.record("rpc.route", route.name.as_str());
+    span.record("rpc.route.group", group.as_str());
+    if let Some(f) = fallback {
+        span.record("rpc.route.fallback", f);
+    }
+    tracing::debug!(
+        target: "rpc::routing",
+        rule = route.name.as_str(),
+        group = group.as_str(),
+        fallback = fallback.unwrap_or(""),
+        "routing rule chose the call's instances"
+    );
+}
+
+/// What a routing rule decided for one call: the group drawn for it, and whether the fallback
+/// `any` let it go anywhere because the group had no live instance.
+pub(crate) struct Choice {
+    rules: Arc<RoutingRules>,
+    route: usize,
+    target: usize,
+    fell_back: bool,
+}
+
+impl Choice {
+    fn route(&self) -> &Route {
+        &self.rules.routes[self.route]
+    }
+
+    /// The indexes in `eps` of the call's candidates: the group's instances (healthy or not:
+    /// the balancer ranks them), or `None` (every instance) when the fallback `any` applied.
+    /// A group left with no instance at all in a newer snapshot applies the fallback again.
+    pub(crate) fn candidates(
+        &self,
+        eps: &Endpoints,
+        entry_id: &str,
+    ) -> Result<Option<Vec<usize>>, RpcError> {
+        if self.fell_back {
+            return Ok(None);
+        }
+        let route = self.route();
+        let tags = &route.to[self.target].tags;
+        let members: Vec<usize> = eps
+            .iter()
+            .enumerate()
+            .filter(|(_, i)| has_tags(&i.metadata, tags))
+            .map(|(idx, _)| idx)
+            .collect();
+        if !members.is_empty() {
+            return Ok(Some(members));
+        }
+        match route.fallback {
+            Fallback::Any => Ok(None),
+            Fallback::Fail => {
+                let service = route.service_of().unwrap_or_default();
+                let why = no_live_why(eps, route, self.target, service);
+                Err(route.no_live_instance(self.target, entry_id, &why))
+            }
+        }
+    }
+}

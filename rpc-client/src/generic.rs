@@ -1,0 +1,349 @@
+//! Calling any entry by id with JSON arguments, with no compiled descriptor: what a command line,
+//! a console or a gateway does, knowing only what servers publish.
+//!
+//! Why it exists: an operator checking a service from a shell, or a console trying a call,
+//! has no generated proxy for it. [`Client::invoke_json`] finds the entry in what the service's
+//! instances publish to the registry (its id, its `#[hash_key]` argument and its governance
+//! settings), transcodes the JSON arguments to the client's wire codec with serde
+//! (`serde_json::Value` → MessagePack or JSON), makes the call through the same governance stack
+//! as a proxy's (timeout, retry, breaker, failover, routing rules; the published settings apply
+//! below the client's own levels, as for a proxy), and transcodes the answer back
+//! (`serde_transcode`, so MessagePack binaries and integer map keys come out as JSON too).
+//!
+//! The arguments are a JSON array, one element per parameter in declaration order: published
+//! descriptors carry no parameter names, so a JSON object is not taken as named arguments and
+//! is refused (a method whose one parameter is a struct is called with `[{...}]`).
+//!
+//! A call needs a `'static` descriptor (the client caches each entry's state by it): each entry
+//! id called this way is interned once per process, and only after some instance published it
+//! (or, for instances that publish nothing, such as a static list's, once called), so what is
+//! kept is bounded by the entries servers publish; a service id naming no instance is not kept.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock, PoisonError};
+
+use bytes::Bytes;
+use rpc_core::{Codec, GovernanceOverrides, MethodDescriptor, RpcError, StatusCode};
+use serde_json::Value;
+
+use crate::Client;
+
+/// How deeply arrays and maps may nest in an answer: the codecs' own limit (serde_json's).
+const MAX_DEPTH: usize = 128;
+
+impl Client {
+    /// Calls the entry `entry_id` (`"<service id>.<method>"`) with `args`, a JSON array holding
+    /// one element per parameter, and returns the answer as JSON.
+    ///
+    /// The entry is looked up in what the service's instances publish: an id none of them
+    /// publishes fails with [`StatusCode::NotFindServiceEntry`] (513) listing the entries they
+    /// do publish, and a service with no instance with [`StatusCode::NotFindServiceRoute`]
+    /// (404). Instances that publish no entries at all (a static list) cannot be checked: the
+    /// call is sent, and the server answers 507 for an entry it does not have. The entry's
+    /// published governance applies (below the client's config file, environment and runtime
+    /// levels, as for a proxy), as do the routing rules, and under `shunt_strategy = hash` the
+    /// published `#[hash_key]` argument is hashed as a proxy hashes it.
+    ///
+    /// `args` other than an array is refused with [`StatusCode::ValidateError`] (1001) before
+    /// anything is sent. A failed call returns the call's error; a typed error's value
+    /// (`Result<T, MyError>` on the server) is carried as JSON: [`error_body`] reads it.
+    ///
+    /// ```no_run
+    /// # async fn f(client: rpc_client::Client) -> Result<(), rpc_core::RpcError> {
+    /// let answer = client
+    ///     .invoke_json("echo.Echo.echo", serde_json::json!(["hello"]))
+    ///     .await?;
+    /// assert_eq!(answer, "hello");
+    /// # Ok(()) }
+    /// ```
+    pub async fn invoke_json(&self, entry_id: &str, args: Value) -> Result<Value, RpcError> {
+        let (service_id, method) = split_entry_id(entry_id)?;
+        let Value::Array(list) = &args else {
+            return Err(RpcError::validation(format!(
+                "{entry_id}: the arguments must be a JSON array, one element per parameter in \
+                 declaration order (got {}); write [{args}] for a single argument",
+                kind(&args)
+            ))
+            .with_field_error("arguments", "must be a JSON array"));
+        };
+        let no_instance = || {
+            RpcError::new(
+                StatusCode::NotFindServiceRoute,
+                format!(
+                    "{entry_id}: no instance of {service_id} is registered; start a server for \
+                     it, or check the client's registry (`rpcctl services` lists the known \
+                     services)"
+                ),
+            )
+        };
+        // A service id is kept (interned, watched for good) only once an instance of it was
+        // seen, so ids that name nothing cost nothing lasting.
+        let service_id = match lookup_str(service_id) {
+            Some(id) => id,
+            None if self.watch(service_id).await?.current().is_empty() => return Err(no_instance()),
+            None => intern_str(service_id),
+        };
+        // Watching the service first makes what its instances publish a configuration level
+        // before the entry's options are resolved.
+        let service = self.service(service_id).await?;
+        let instances = service.endpoints();
+        if instances.is_empty() {
+            return Err(no_instance());
+        }
+        let mut published: Vec<&str> = Vec::new();
+        let mut found = None;
+        for instance in instances.iter() {
+            for e in instance
+                .entries
+                .iter()
+                .filter(|e| e.service_id.as_str() == service_id)
+            {
+                if e.id.as_str() == entry_id {
+                    found.get_or_insert(e);
+                }
+                if !published.contains(&e.id.as_str()) {
+                    published.push(e.id.as_str());
+                }
+            }
+        }
+        let hash_key = match (found, published.is_empty()) {
+            (Some(e), _) => e.hash_key,
+            // Nothing published (a static list): the server has the last word.
+            (None, true) => None,
+            (None, false) => {
+                published.sort_unstable();
+                return Err(RpcError::new(
+                    StatusCode::NotFindServiceEntry,
+                    format!(
+                        "{entry_id} is not an entry of {service_id}: its instances publish {}",
+                        published.join(", ")
+                    ),
+                ));
+            }
+        };
+        let descriptor = intern_descriptor(service_id, method, entry_id, hash_key);
+        let codec = self.codec();
+        let params = codec.encode(&args).map_err(|e| {
+            RpcError::validation(format!("{entry_id}: the arguments cannot be encoded: {e}"))
+        })?;
+        let key = hash_key.and_then(|i| list.get(i)).map(|arg| {
+            let arg = arg.clone();
+            // As a proxy hashes its `#[hash_key]` argument: its MessagePack encoding.
+            move || {
+                Codec::MsgPack
+                    .encode(&arg)
+                    .map_or(0, |b| rpc_core::stable_hash(&b))
+            }
+        });
+        match self.invoke(descriptor, params, key).await {
+            Ok(answer) => to_json(codec, &answer).map_err(|e| {
+                RpcError::new(
+                    StatusCode::FrameworkError,
+                    format!("{entry_id}: the answer is not readable as JSON: {e}"),
+                )
+            }),
+            Err(e) => Err(json_payload(e)),
+        }
+    }
+}
+
+/// The value of a typed error (`Result<T, MyError>` on the server) carried by `error`, as
+/// JSON; `None` when the error carries none (a plain status and message).
+pub fn error_body(error: &RpcError) -> Option<Value> {
+    let (codec, bytes) = error.payload()?;
+    to_json(*codec, bytes).ok()
+}
+
+/// `error` with its typed value, if any, carried as JSON.
+fn json_payload(error: RpcError) -> RpcError {
+    let Some((codec, bytes)) = error.payload() else {
+        return error;
+    };
+    if *codec == Codec::Json {
+        return error;
+    }
+    match to_json(*codec, bytes).and_then(|v| serde_json::to_vec(&v).map_err(|e| e.to_string())) {
+        Ok(json) => error.with_payload(Codec::Json, Bytes::from(json)),
+        Err(_) => error,
+    }
+}
+
+/// Transcodes an encoded value to JSON.
+fn to_json(codec: Codec, bytes: &[u8]) -> Result<Value, String> {
+    match codec {
+        Codec::MsgPack => {
+            let mut de = rmp_serde::Deserializer::from_read_ref(bytes);
+            de.set_max_depth(MAX_DEPTH);
+            serde_transcode::transcode(&mut de, serde_json::value::Serializer)
+                .map_err(|e| e.to_string())
+        }
+        Codec::Json => serde_json::from_slice(bytes).map_err(|e| e.to_string()),
+    }
+}
+
+/// `"shop.Greeter.greet"` → `("shop.Greeter", "greet")`.
+fn split_entry_id(entry_id: &str) -> Result<(&str, &str), RpcError> {
+    match entry_id.rsplit_once('.') {
+        Some((service, method)) if !service.is_empty() && !method.is_empty() => {
+            Ok((service, method))
+        }
+        _ => Err(RpcError::new(
+            StatusCode::NotFindServiceEntry,
+            format!(
+                "{entry_id:?} is not an entry id: expected <service id>.<method>, such as \
+                 echo.Echo.echo (`rpcctl entries SERVICE` lists a service's entries)"
+            ),
+        )),
+    }
+}
+
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// The interned strings and descriptors of entries called by id.
+#[derive(Default)]
+struct Interned {
+    strings: HashMap<String, &'static str>,
+    descriptors: HashMap<(String, Option<usize>), &'static MethodDescriptor>,
+}
+
+fn interned() -> std::sync::MutexGuard<'static, Interned> {
+    static INTERNED: OnceLock<Mutex<Interned>> = OnceLock::new();
+    // Every critical section is a lookup or an insert: nothing to leave half-done.
+    INTERNED
+        .get_or_init(Mutex::default)
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+}
+
+fn intern_in(table: &mut Interned, s: &str) -> &'static str {
+    if let Some(s) = table.strings.get(s) {
+        return s;
+    }
+    let leaked: &'static str = Box::leak(s.to_string().into_boxed_str());
+    table.strings.insert(s.to_string(), leaked);
+    leaked
+}
+
+/// `s` as a `'static` string if it was interned already.
+fn lookup_str(s: &str) -> Option<&'static str> {
+    interned().strings.get(s).copied()
+}
+
+/// `s` as a `'static` string, the same one every time.
+fn intern_str(s: &str) -> &'static str {
+    intern_in(&mut interned(), s)
+}
+
+/// The descriptor of a published entry, made once per entry id and hash-key position. Its own
+/// governance is empty: the published settings reach the entry through the client's published
+/// level, which follows the registry.
+fn intern_descriptor(
+    service_id: &'static str,
+    method: &str,
+    entry_id: &str,
+    hash_key: Option<usize>,
+) -> &'static MethodDescriptor {
+    let mut table = interned();
+    let key = (entry_id.to_string(), hash_key);
+    if let Some(d) = table.descriptors.get(&key) {
+        return d;
+    }
+    let descriptor: &'static MethodDescriptor = Box::leak(Box::new(MethodDescriptor {
+        service_id,
+        method: intern_in(&mut table, method),
+        entry_id: intern_in(&mut table, entry_id),
+        hash_key,
+        governance: GovernanceOverrides::NONE,
+    }));
+    table.descriptors.insert(key, descriptor);
+    descriptor
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entry_ids_split_at_the_last_dot() {
+        assert_eq!(
+            split_entry_id("shop.Greeter.greet").unwrap(),
+            ("shop.Greeter", "greet")
+        );
+        for bad in ["greet", ".greet", "shop.Greeter.", ""] {
+            let e = split_entry_id(bad).unwrap_err();
+            assert_eq!(e.code(), StatusCode::NotFindServiceEntry, "{bad}");
+            assert!(e.message().contains("<service id>.<method>"), "{e}");
+        }
+    }
+
+    #[test]
+    fn messagepack_answers_transcode_to_json() {
+        use std::collections::BTreeMap;
+        #[derive(serde::Serialize)]
+        struct Answer {
+            name: String,
+            #[serde(with = "serde_bytes_like")]
+            raw: Vec<u8>,
+            by_id: BTreeMap<u32, bool>,
+            missing: Option<u8>,
+        }
+        /// Serializes as a byte string (MessagePack bin), as `serde_bytes` would.
+        mod serde_bytes_like {
+            pub fn serialize<S: serde::Serializer>(v: &[u8], s: S) -> Result<S::Ok, S::Error> {
+                s.serialize_bytes(v)
+            }
+        }
+        let bytes = Codec::MsgPack
+            .encode(&Answer {
+                name: "ann".into(),
+                raw: vec![1, 2],
+                by_id: BTreeMap::from([(7, true)]),
+                missing: None,
+            })
+            .unwrap();
+        // The oracle: the JSON a reader expects, written out.
+        let expected = serde_json::json!({
+            "name": "ann", "raw": [1, 2], "by_id": { "7": true }, "missing": null
+        });
+        assert_eq!(to_json(Codec::MsgPack, &bytes).unwrap(), expected);
+        // A plain decode into `Value` refuses the binary and the integer key.
+        assert!(Codec::MsgPack.decode::<Value>(&bytes).is_err());
+    }
+
+    #[tokio::test]
+    async fn a_service_id_naming_no_instance_is_not_kept() {
+        let client = Client::builder()
+            .registry(rpc_registry::InProcessRegistry::new())
+            .build();
+        let e = client
+            .invoke_json("t.NobodyServes.m", serde_json::json!([]))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), StatusCode::NotFindServiceRoute, "{e}");
+        assert!(lookup_str("t.NobodyServes").is_none());
+        assert!(lookup_str("t.NobodyServes.m").is_none());
+    }
+
+    #[test]
+    fn descriptors_are_interned_once() {
+        let s = intern_str("t.Generic");
+        let a = intern_descriptor(s, "m", "t.Generic.m", None);
+        let b = intern_descriptor(intern_str("t.Generic"), "m", "t.Generic.m", None);
+        assert!(std::ptr::eq(a, b));
+        assert_eq!(
+            (a.service_id, a.method, a.entry_id),
+            ("t.Generic", "m", "t.Generic.m")
+        );
+        let c = intern_descriptor(s, "m", "t.Generic.m", Some(0));
+        assert!(!std::ptr::eq(a, c));
+    }
+}
