@@ -110,9 +110,16 @@ governance_options! {
             "adaptive throttling, K × 100 (200 = K of 2; 0 = off): an attempt is dropped locally (514, event `throttled`, not retried) with probability max(0, (requests − K·accepts) / (requests + 1)) over 10 s; accepts are answers other than an overload refusal (515, 429)";
         /// Hedging, for idempotent entries: when the first attempt has not answered after this
         /// many milliseconds, a second goes to another endpoint; the first answer wins and the
-        /// other attempt is cancelled. A hedge draws on the retry budget. 0 turns it off.
+        /// other attempt is cancelled. A hedge draws on the retry budget. 0 turns it off
+        /// (unless `hedge_percentile` is set; then this is the delay's floor).
         hedge_delay_ms: u64 = 0, Client,
-            "idempotent entries only (0 = off): after this delay without an answer a second attempt goes to another endpoint; the first answer wins, the other is cancelled (Cancel frame); a hedge draws on the retry budget and is not sent once it is spent (event `hedge`)";
+            "idempotent entries only (0 = off, unless `hedge_percentile` is set): after this delay without an answer a second attempt goes to another endpoint; the first answer wins, the other is cancelled (Cancel frame); a hedge draws on the retry budget and is not sent once it is spent (event `hedge`)";
+        /// Hedging by percentile, for idempotent entries: when set (1 to 100), the hedge delay
+        /// is the entry's latency at this percentile over the last 10 s, never less than
+        /// `hedge_delay_ms`; until 20 calls were seen in that window the delay is
+        /// `hedge_delay_ms` (no hedge when that is 0). 0 turns it off.
+        hedge_percentile: percent = 0, Client,
+            "idempotent entries only (0 = off): the hedge delay is the entry's latency at this percentile over the last 10 s (95 = p95), at least `hedge_delay_ms`; until 20 calls were seen the delay is `hedge_delay_ms` (none when 0)";
     }
     Breaker {
         /// Whether the entry has a circuit breaker.

@@ -397,6 +397,7 @@ mod tests {
             idempotent: false,
             throttle_k_percent: 0,
             hedge_delay_ms: 0,
+            hedge_percentile: 0,
             enable_circuit_breaker: true,
             exceptions_allowed_before_breaking: 3,
             breaker_seconds: 60,
