@@ -198,4 +198,6 @@ async fn under_hedge_percentile_calls_are_hedged_once_the_entry_has_a_latency_re
         );
     }
     drop(client);
+    within("shutdown", quick.shutdown()).await;
+    within("shutdown", stuck.shutdown()).await;
 }

@@ -31,7 +31,7 @@ struct Node {
 impl Flaky for Node {
     async fn work(&self) -> Result<u32, RpcError> {
         let n = self.served.fetch_add(1, Ordering::SeqCst);
-        if self.flaky && n % 4 == 0 {
+        if self.flaky && n.is_multiple_of(4) {
             return Err(RpcError::new(
                 StatusCode::ServerError,
                 "one call in four fails",

@@ -237,10 +237,13 @@ async fn a_server_wide_caller_quota_limits_entries_that_set_none() {
 /// limits judge it, with when it arrived (the server's clock) and, when it was refused 429,
 /// the retry-after the server answered.
 #[derive(Clone, Default)]
-struct Arrivals(Arc<Mutex<Vec<(tokio::time::Instant, Option<Duration>)>>>);
+struct Arrivals(Arc<Mutex<Vec<Arrival>>>);
+
+/// When a call arrived, and the retry-after of its 429 when it was refused.
+type Arrival = (tokio::time::Instant, Option<Duration>);
 
 impl Arrivals {
-    fn get(&self) -> Vec<(tokio::time::Instant, Option<Duration>)> {
+    fn get(&self) -> Vec<Arrival> {
         self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 }

@@ -24,7 +24,7 @@ governance_options! {
     Balance {
         /// Endpoint selection.
         shunt_strategy: strategy = RoundRobin, Client,
-            "`polling`, `random`, `hash` (the `#[hash_key]` argument on a ring with virtual nodes), `appoint` (with `appoint_address`), `least_loaded` (alias `p2c`: the better of two random endpoints by peak-EWMA latency × calls in flight × the server's reported load, divided by the instance's `weight` metadata)";
+            "`polling`, `random`, `hash` (the `#[hash_key]` argument on a ring with virtual nodes), `appoint` (with `appoint_address`), `least_loaded` (alias `p2c`: the better of two random endpoints by peak-EWMA latency × √(calls in flight ÷ the instance's `weight` metadata) × the server's reported load)";
         /// The address used by [`ShuntStrategy::Appoint`], as `host:port`.
         appoint_address: address = None, Client,
             "the `host:port` every call goes to under `shunt_strategy = appoint`";
