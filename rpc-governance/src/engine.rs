@@ -33,6 +33,9 @@ pub struct EntryPolicy {
     pub(crate) budget: RetryBudget,
     /// Adaptive throttling's counts, made when the entry first has `throttle_k_percent` set.
     pub(crate) throttle: std::sync::OnceLock<crate::throttle::Throttle>,
+    /// The entry's recent call latencies, made when the entry first has `hedge_percentile`
+    /// set.
+    pub(crate) latency: std::sync::OnceLock<crate::latency::LatencyWindow>,
 }
 
 impl EntryPolicy {
@@ -135,6 +138,7 @@ impl Governance {
                     breaker: CircuitBreaker::new(),
                     budget: RetryBudget::new(),
                     throttle: std::sync::OnceLock::new(),
+                    latency: std::sync::OnceLock::new(),
                 })
             })
             .clone()

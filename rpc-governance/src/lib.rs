@@ -16,6 +16,7 @@
 //! | [`adaptive`] | a server cap that follows measured latency, deadline- and criticality-aware |
 //! | [`ratelimit`] | calls per second per entry and per caller (token buckets) |
 //! | [`throttle`] | when a client drops calls itself because the server keeps refusing them |
+//! | [`latency`] | an entry's recent latency by percentile (the hedge delay under `hedge_percentile`) |
 //! | [`load`] | load-aware endpoint choice: peak-EWMA latency × outstanding calls, two choices |
 //! | [`outlier`] | which endpoints fail markedly more often than their peers |
 //! | [`routing`] | which instances (by metadata tags) a call may go to: tag routing, weighted splits, by attachment |
@@ -53,6 +54,7 @@ pub mod events;
 pub mod failover;
 pub mod fallback;
 pub mod health;
+pub mod latency;
 pub mod load;
 pub mod outlier;
 pub mod ratelimit;

@@ -83,7 +83,7 @@ async fn most_calls_go_to_the_fast_server_under_least_loaded() {
     // Two servers, one answering after 100 ms, the other at once; 8 callers, 200 calls.
     // Round robin sends the slow one exactly half (the control below). Least loaded sends it
     // calls only until its first answer shows its latency (100 ms against the fast one's
-    // ~1 ms: its score stays above the fast one's while that has fewer than ~100 calls
+    // ~1 ms: its score stays above the fast one's while that has fewer than ~10 000 calls
     // outstanding, and only 8 ever are): at most a few per caller at the start.
     let reg = InProcessRegistry::new();
     let (fast, fast_served) = server(&reg, Duration::ZERO, None).await;

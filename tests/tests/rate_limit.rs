@@ -1,16 +1,21 @@
 //! Server rate limits over TCP: over the entry's token bucket a call is answered 429 at once
 //! with a retry-after the configured rate explains; a caller over its own quota does not take
-//! another caller's calls; the client's breaker does not count 429.
+//! another caller's calls; the client's breaker does not count 429; a client whose only
+//! endpoint answered 429 waits the retry-after before trying it again.
 //!
 //! The buckets refill on the real clock here (real sockets need it), at 1 call a second: each
 //! test's oracle allows for the time the test itself took, measured, rather than assuming it.
 
 mod common;
 
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{no_retry, within};
-use rpc::{BreakerState, Client, EventKind, InProcessRegistry, RpcError, Server, StatusCode};
+use rpc::{
+    BreakerState, Client, EventKind, GovernanceOverrides, InProcessRegistry, LayerFuture, RpcError,
+    Server, ServerLayer, ServerNext, ServerRequest, StaticRegistry, StatusCode,
+};
 
 /// Configured rates: one call a second, so a test's own few milliseconds hardly refill.
 const RATE: u32 = 1;
@@ -225,5 +230,110 @@ async fn a_server_wide_caller_quota_limits_entries_that_set_none() {
     // Another caller has a quota of its own.
     let (_o, other) = client(&reg, "other");
     assert_eq!(within("another caller", other.free()).await.expect("ok"), 3);
+    server.shutdown().await;
+}
+
+/// The server's arrival record: every call that reaches the server, before its entry's rate
+/// limits judge it, with when it arrived (the server's clock) and, when it was refused 429,
+/// the retry-after the server answered.
+#[derive(Clone, Default)]
+struct Arrivals(Arc<Mutex<Vec<Arrival>>>);
+
+/// When a call arrived, and the retry-after of its 429 when it was refused.
+type Arrival = (tokio::time::Instant, Option<Duration>);
+
+impl Arrivals {
+    fn get(&self) -> Vec<Arrival> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
+impl ServerLayer for Arrivals {
+    fn call<'a>(&'a self, req: &'a mut ServerRequest, next: ServerNext<'a>) -> LayerFuture<'a> {
+        Box::pin(async move {
+            let at = tokio::time::Instant::now();
+            let result = next.run(req).await;
+            let refused = match &result {
+                Err(e) if e.code() == StatusCode::RateLimited => {
+                    Some(e.retry_after().expect("a 429 carries a retry-after"))
+                }
+                _ => None,
+            };
+            self.0
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push((at, refused));
+            result
+        })
+    }
+}
+
+#[tokio::test]
+async fn a_client_refused_429_by_its_only_endpoint_waits_the_retry_after_before_trying_it_again() {
+    // 5 calls a second, burst 1: a second call right after the first finds no token and is
+    // refused with a retry-after of up to 200 ms. The client retries after 1 ms
+    // (`retry_interval_ms`), so a retry that did not wait for the retry-after would arrive
+    // with no token yet and be refused again, three retries in a few milliseconds.
+    let arrivals = Arrivals::default();
+    let server = Server::builder()
+        .rate_limit(5, 1)
+        .layer(arrivals.clone())
+        .add_service(RateServer::new(Impl))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let client = Client::builder()
+        .registry(StaticRegistry::new([server.local_addr().to_string()]))
+        .override_options(
+            RateClient::SERVICE_ID,
+            GovernanceOverrides {
+                retry_times: Some(3),
+                retry_interval_ms: Some(1),
+                timeout_ms: Some(5_000),
+                ..GovernanceOverrides::NONE
+            },
+        )
+        .build();
+    let mut events = client.events().subscribe();
+    let rate = RateClient::new(client.clone());
+    assert_eq!(within("the first call", rate.free()).await.expect("ok"), 3);
+    assert_eq!(
+        within("the second call", rate.free())
+            .await
+            .expect("answered after waiting for the next token"),
+        3
+    );
+    let record = arrivals.get();
+    // First call admitted; the second call's first attempt refused; its retry admitted.
+    let refused: Vec<usize> = (0..record.len())
+        .filter(|&i| record[i].1.is_some())
+        .collect();
+    assert_eq!(
+        refused,
+        [1],
+        "exactly the second call's first attempt is refused: {record:?}"
+    );
+    assert_eq!(record.len(), 3, "{record:?}");
+    let (refused_at, after) = (record[1].0, record[1].1.unwrap_or_default());
+    let retried_at = record[2].0;
+    assert!(
+        retried_at.duration_since(refused_at) >= after,
+        "the retry arrived {:?} after the refusal, before its retry-after of {after:?}",
+        retried_at.duration_since(refused_at)
+    );
+    // The client said why it tried again: one retry event, citing the 429.
+    let retry = within("the retry event", async {
+        loop {
+            let e = events.recv().await.expect("events");
+            if e.kind == EventKind::Retry {
+                break e;
+            }
+        }
+    })
+    .await;
+    assert!(
+        retry.cause.as_deref().unwrap_or("").contains("retry after"),
+        "{retry:?}"
+    );
     server.shutdown().await;
 }

@@ -9,7 +9,8 @@
 //!   load-aware picker (`least_loaded`), beside an all-healthy cluster.
 //! - (b) offered load three times capacity: goodput and the admitted calls' p99 under the fixed
 //!   cap of 50, beside the unloaded p99.
-//! - (c) 1 % of answers fifty times slower: p99.
+//! - (c) 1 % of answers fifty times slower: p99 without hedging, hedging after a fixed delay
+//!   and after the entry's p95 latency.
 //! - (d) a three-level chain whose leaf fails: calls reaching the leaf per top-level call.
 //! - (e) a greedy caller beside a well-behaved one: the well-behaved caller's throughput beside
 //!   what it gets alone.
@@ -499,10 +500,18 @@ async fn scenario_c(args: &Args) -> Result<(), String> {
         idempotent: Some(true),
         ..GovernanceOverrides::NONE
     };
+    // The same after the entry's p95 latency (a delay nobody has to guess), floored at 1 ms.
+    let by_percentile = GovernanceOverrides {
+        hedge_delay_ms: Some(1),
+        hedge_percentile: Some(95),
+        idempotent: Some(true),
+        ..GovernanceOverrides::NONE
+    };
     let mut p99_off = None;
     for (case, overrides) in [
         ("no hedging", GovernanceOverrides::NONE),
         ("hedging after 5 ms", hedging),
+        ("hedging after the p95 (hedge_percentile)", by_percentile),
     ] {
         let (s1, s2) = (tail()?, tail()?);
         let m = closed_loop(&echo_of(&[&s1, &s2], overrides), 16, args.seconds).await;

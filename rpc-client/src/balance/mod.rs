@@ -51,7 +51,7 @@ pub(crate) struct ServiceState {
 }
 
 /// The registry metadata key of an instance's weight: a positive number, 1 when absent. Read by
-/// the `least_loaded` strategy, whose score is divided by it (a weight-3 instance gets about
+/// the `least_loaded` strategy, whose load term is divided by it (a weight-3 instance gets about
 /// three times the calls of a weight-1 one); round robin, random and hash ignore it.
 pub const WEIGHT_KEY: &str = "weight";
 
@@ -499,8 +499,8 @@ mod tests {
     async fn least_loaded_takes_the_endpoint_with_fewer_calls_outstanding() {
         let (s, _tx) = state(vec![instance("a:1", None), instance("b:1", None)]);
         let health = EndpointHealth::new(Duration::from_secs(60));
-        // Same latency seen on both; b has three calls outstanding, so its score is four
-        // times a's: with two endpoints both are always drawn, and a always wins.
+        // Same latency seen on both; b has three calls outstanding, so its score is twice a's
+        // (√4): with two endpoints both are always drawn, and a always wins.
         let now = Instant::now();
         s.load_of("a:1").observe(Duration::from_millis(10), now);
         s.load_of("b:1").observe(Duration::from_millis(10), now);
@@ -550,8 +550,9 @@ mod tests {
         ]))
         .unwrap();
         s.refresh();
-        // Nothing measured on either: b's weight is a tenth of a's, so its score is ten times
-        // a's while a has fewer than nine calls outstanding: every call goes to a.
+        // Nothing measured on either: b's weight is a tenth of a's, so a scores lower while its
+        // calls outstanding + 1 are fewer than ten (√((5 + 1) / 1) < √(1 / 0.1)): every call
+        // goes to a.
         let a = s.load_of("a:1");
         let _held: Vec<_> = (0..5).map(|_| a.start()).collect();
         let counts = picks(&s, &o, &[], &health, 40);
@@ -566,8 +567,8 @@ mod tests {
     async fn the_instance_weight_divides_the_score() {
         let (s, _tx) = state(vec![instance("a:1", Some("3")), instance("b:1", None)]);
         let health = EndpointHealth::new(Duration::from_secs(60));
-        // Same latency, a of weight 3: with one call outstanding a scores 10 ms × 2 / 3, below
-        // idle b's 10 ms × 1 / 1; with three outstanding, 10 ms × 4 / 3, above it.
+        // Same latency, a of weight 3: with one call outstanding a scores 10 ms × √(2 / 3),
+        // below idle b's 10 ms × √(1 / 1); with three outstanding, 10 ms × √(4 / 3), above it.
         let now = Instant::now();
         s.load_of("a:1").observe(Duration::from_millis(10), now);
         s.load_of("b:1").observe(Duration::from_millis(10), now);

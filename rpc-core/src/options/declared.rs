@@ -24,7 +24,7 @@ governance_options! {
     Balance {
         /// Endpoint selection.
         shunt_strategy: strategy = RoundRobin, Client,
-            "`polling`, `random`, `hash` (the `#[hash_key]` argument on a ring with virtual nodes), `appoint` (with `appoint_address`), `least_loaded` (alias `p2c`: the better of two random endpoints by peak-EWMA latency × calls in flight × the server's reported load, divided by the instance's `weight` metadata)";
+            "`polling`, `random`, `hash` (the `#[hash_key]` argument on a ring with virtual nodes), `appoint` (with `appoint_address`), `least_loaded` (alias `p2c`: the better of two random endpoints by peak-EWMA latency × √(calls in flight ÷ the instance's `weight` metadata) × the server's reported load)";
         /// The address used by [`ShuntStrategy::Appoint`], as `host:port`.
         appoint_address: address = None, Client,
             "the `host:port` every call goes to under `shunt_strategy = appoint`";
@@ -118,9 +118,16 @@ governance_options! {
             "observe mode: an attempt throttling would drop is reported (event `throttled`, `observed = true`) and sent";
         /// Hedging, for idempotent entries: when the first attempt has not answered after this
         /// many milliseconds, a second goes to another endpoint; the first answer wins and the
-        /// other attempt is cancelled. A hedge draws on the retry budget. 0 turns it off.
+        /// other attempt is cancelled. A hedge draws on the retry budget. 0 turns it off
+        /// (unless `hedge_percentile` is set; then this is the delay's floor).
         hedge_delay_ms: u64 = 0, Client,
-            "idempotent entries only (0 = off): after this delay without an answer a second attempt goes to another endpoint; the first answer wins, the other is cancelled (Cancel frame); a hedge draws on the retry budget and is not sent once it is spent (event `hedge`)";
+            "idempotent entries only (0 = off, unless `hedge_percentile` is set): after this delay without an answer a second attempt goes to another endpoint; the first answer wins, the other is cancelled (Cancel frame); a hedge draws on the retry budget and is not sent once it is spent (event `hedge`)";
+        /// Hedging by percentile, for idempotent entries: when set (1 to 100), the hedge delay
+        /// is the entry's latency at this percentile over the last 10 s, never less than
+        /// `hedge_delay_ms`; until 20 calls were seen in that window the delay is
+        /// `hedge_delay_ms` (no hedge when that is 0). 0 turns it off.
+        hedge_percentile: percent = 0, Client,
+            "idempotent entries only (0 = off): the hedge delay is the entry's latency at this percentile over the last 10 s (95 = p95), at least `hedge_delay_ms`; until 20 calls were seen the delay is `hedge_delay_ms` (none when 0)";
     }
     Breaker {
         /// Whether the entry has a circuit breaker.

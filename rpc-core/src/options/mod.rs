@@ -399,6 +399,7 @@ mod tests {
             throttle_k_percent: 0,
             hedge_delay_ms: 0,
             throttle_observe: false,
+            hedge_percentile: 0,
             enable_circuit_breaker: true,
             exceptions_allowed_before_breaking: 3,
             breaker_seconds: 60,

@@ -4,6 +4,14 @@
 //! candidate after the first attempt's; the first success wins and the other attempt is
 //! dropped, which makes the transport send Cancel so its server stops too.
 //!
+//! The delay is fixed (`hedge_delay_ms`) or follows the entry's recent latency
+//! (`hedge_percentile`, [`crate::latency`]): hedging after the p95 sends about 5 % of calls a
+//! hedge whatever the usual latency is, and keeps doing so when it changes. `hedge_delay_ms` is
+//! then the floor (on loopback the p95 may be a fraction of a millisecond) and the delay until
+//! the window holds enough calls. The window learns the time each call's first attempt took to
+//! answer; when a hedge answers first, the first attempt's time so far (a lower bound of its
+//! latency, at least the delay), so the slow answers hedging hides still count.
+//!
 //! A hedge is extra load, so it draws on the entry's retry budget
 //! ([`RetryBudget::try_withdraw`](crate::budget::RetryBudget::try_withdraw)) and is not sent
 //! once the budget is spent: under overload, when every call is slow, hedges stop by
@@ -17,11 +25,15 @@ use std::time::Duration;
 use bytes::Bytes;
 use rpc_core::{GovernanceOptions, RpcError, RETRY_DEPTH_KEY};
 
+use tokio::time::Instant;
+
 use super::retry::retry_depth_mark;
 use super::{CallCx, Service};
 use crate::events::EventKind;
+use crate::latency::LatencyWindow;
 
-/// Sends a hedge of `S`'s call after `hedge_delay_ms` without an answer.
+/// Sends a hedge of `S`'s call after `hedge_delay_ms` (or the entry's `hedge_percentile`
+/// latency) without an answer.
 #[derive(Debug, Clone)]
 pub struct HedgeLayer<S> {
     inner: S,
@@ -34,12 +46,68 @@ impl<S> HedgeLayer<S> {
     }
 }
 
+/// The hedge delay under `options`, with the entry's latency `window` (when
+/// `hedge_percentile` is set), and why, for the event; `None`: no hedge for this call.
+fn hedge_delay(
+    options: &GovernanceOptions,
+    window: Option<&LatencyWindow>,
+    now: Instant,
+) -> Option<(Duration, String)> {
+    let floor = Duration::from_millis(options.hedge_delay_ms);
+    let percentile = options.hedge_percentile;
+    match window.and_then(|w| w.percentile_at(percentile, now)) {
+        Some(latency) if latency > floor => Some((
+            latency,
+            format!(
+                "no answer after {:.1} ms, the entry's p{percentile} latency over the last {} s \
+                 (hedge_percentile)",
+                latency.as_secs_f64() * 1000.0,
+                crate::latency::WINDOW.as_secs()
+            ),
+        )),
+        _ if floor.is_zero() => None,
+        Some(_) => Some((
+            floor,
+            format!(
+                "no answer after {} ms (hedge_delay_ms, above the entry's p{percentile} \
+                 latency)",
+                options.hedge_delay_ms
+            ),
+        )),
+        None => Some((
+            floor,
+            format!(
+                "no answer after {} ms (hedge_delay_ms)",
+                options.hedge_delay_ms
+            ),
+        )),
+    }
+}
+
 impl<S: Service> Service for HedgeLayer<S> {
     async fn call(&self, cx: &mut CallCx<'_>, req: Bytes) -> Result<Bytes, RpcError> {
-        let delay_ms = cx.options.hedge_delay_ms;
-        if delay_ms == 0 || !cx.options.idempotent {
+        let o = &cx.options;
+        if !o.idempotent || (o.hedge_delay_ms == 0 && o.hedge_percentile == 0) {
             return self.inner.call(cx, req).await;
         }
+        let policy = cx.policy.clone();
+        let window =
+            (o.hedge_percentile > 0).then(|| policy.latency.get_or_init(LatencyWindow::new));
+        let started = cx.started();
+        let learn = |latency: Duration| {
+            if let Some(w) = window {
+                w.record_at(latency, Instant::now());
+            }
+        };
+        let Some((delay, why)) = hedge_delay(o, window, started) else {
+            // Too few calls seen for a percentile, and no floor: this call only teaches the
+            // window.
+            let result = self.inner.call(cx, req).await;
+            if result.is_ok() {
+                learn(started.elapsed());
+            }
+            return result;
+        };
         let first = Arc::new(OnceLock::new());
         cx.first_endpoint = Some(first.clone());
         let options = Arc::new(GovernanceOptions {
@@ -53,11 +121,10 @@ impl<S: Service> Service for HedgeLayer<S> {
             hedge_cx.insert_attachment(RETRY_DEPTH_KEY, depth.to_string());
         }
         let primary_options = cx.options.clone();
-        let started = cx.started();
         let sent = AtomicBool::new(false);
         let primary = self.inner.call(cx, req.clone());
         let hedge = async {
-            tokio::time::sleep_until(started + Duration::from_millis(delay_ms)).await;
+            tokio::time::sleep_until(started + delay).await;
             if !hedge_cx.policy.budget.try_withdraw(&primary_options) {
                 hedge_cx.emit(
                     EventKind::BudgetExhausted,
@@ -70,19 +137,17 @@ impl<S: Service> Service for HedgeLayer<S> {
             // Elsewhere than the first attempt: its endpoint counts as tried.
             hedge_cx.tried.extend(first.get().cloned());
             sent.store(true, Ordering::Relaxed);
-            hedge_cx.emit(
-                EventKind::Hedge,
-                first.get().map(|a| &**a),
-                1,
-                Some(format!("no answer after {delay_ms} ms (hedge_delay_ms)")),
-            );
+            hedge_cx.emit(EventKind::Hedge, first.get().map(|a| &**a), 1, Some(why));
             Some(self.inner.call(&mut hedge_cx, req).await)
         };
         tokio::pin!(primary, hedge);
         tokio::select! {
             biased;
             r = &mut primary => match r {
-                Ok(bytes) => Ok(bytes),
+                Ok(bytes) => {
+                    learn(started.elapsed());
+                    Ok(bytes)
+                }
                 // The first attempt failed for good before any hedge: none is sent now.
                 Err(e) if !sent.load(Ordering::Relaxed) => Err(e),
                 // A hedge already sent may still answer.
@@ -92,7 +157,11 @@ impl<S: Service> Service for HedgeLayer<S> {
                 },
             },
             h = &mut hedge => match h {
-                Some(Ok(bytes)) => Ok(bytes),
+                Some(Ok(bytes)) => {
+                    // The first attempt, still running, has taken at least this long.
+                    learn(started.elapsed());
+                    Ok(bytes)
+                }
                 // No hedge (budget spent), or it failed: the first attempt decides.
                 _ => primary.await,
             },

@@ -1237,4 +1237,92 @@ async fn throttling_in_observe_mode_sends_what_it_would_drop_and_reports_it() {
     // Enforced, all but about 8 of 1000 would be dropped (see the test above): so many
     // observed drops here.
     assert!(observed > 970, "{observed} observed drops of 1000");
+fn hedged_by_percentile(percentile: u32, floor_ms: u64) -> GovernanceOptions {
+    GovernanceOptions {
+        hedge_percentile: percentile,
+        ..hedged(floor_ms, true)
+    }
+}
+
+/// `n` calls that each answer after `ms` from one endpoint: what the entry's latency window
+/// learns.
+async fn teach(g: &Governance, n: usize, ms: u64) {
+    let e = Endpoints::new(&[("usual:1", ms)]);
+    for _ in 0..n {
+        g.execute(&g.policy(&M), &e).await.expect("answered");
+    }
+    assert!(e.log().iter().all(|(addr, _, _)| addr == "usual:1"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_hedge_delay_follows_the_entrys_latency_percentile() {
+    // No floor: until the window holds 20 calls there is no hedge at all.
+    let g = engine(hedged_by_percentile(90, 0));
+    let e = Endpoints::new(&[("slow:1", 1000), ("fast:1", 10)]);
+    let answer = g.execute(&g.policy(&M), &e).await.expect("answered");
+    assert_eq!(&answer[..], b"slow:1", "no percentile yet: no hedge");
+    assert_eq!(e.log().len(), 1);
+    // 30 calls of 20 ms (the slow one above counts too: 1 of 31, beyond the p90).
+    teach(&g, 30, 20).await;
+    let mut events = g.events().subscribe();
+    let e = Endpoints::new(&[("slow:1", 1000), ("fast:1", 10)]);
+    let t0 = Instant::now();
+    let answer = g
+        .execute(&g.policy(&M), &e)
+        .await
+        .expect("the hedge answers");
+    assert_eq!(&answer[..], b"fast:1");
+    // Hedged at the p90, 20 ms: the histogram's bucket holding 20 ms ends at 20.095 ms, which
+    // the timer rounds up to 21 ms. Answered 10 ms later.
+    let log = e.log();
+    assert_eq!(log[0], ("slow:1".to_string(), 0, None));
+    assert_eq!((log[1].0.as_str(), log[1].1), ("fast:1", 21), "{log:?}");
+    assert_eq!(t0.elapsed().as_millis(), 31);
+    let event = events.try_recv().expect("hedge event");
+    assert_eq!(event.kind, EventKind::Hedge);
+    let cause = event.cause.unwrap_or_default();
+    assert!(
+        cause.contains("p90 latency") && cause.contains("hedge_percentile"),
+        "{cause}"
+    );
+    // The first attempt, dropped at 31 ms, was learnt as at least that slow.
+    let policy = g.policy(&M);
+    let window = policy.latency.get().expect("the window exists");
+    assert_eq!(window.len_at(Instant::now()), 32);
+    let slowest = window
+        .percentile_at(100, Instant::now())
+        .expect("enough calls");
+    assert!(slowest >= Duration::from_millis(31), "{slowest:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn hedge_delay_ms_is_the_floor_and_the_delay_before_enough_calls_were_seen() {
+    let g = engine(hedged_by_percentile(90, 50));
+    // Before enough calls: the floor.
+    let e = Endpoints::new(&[("slow:1", 1000), ("fast:1", 10)]);
+    let answer = g.execute(&g.policy(&M), &e).await.expect("answered");
+    assert_eq!(&answer[..], b"fast:1");
+    assert_eq!(e.log()[1].1, 50);
+    // A p90 of 20 ms is below the floor: still 50 ms.
+    teach(&g, 30, 20).await;
+    let e = Endpoints::new(&[("slow:1", 1000), ("fast:1", 10)]);
+    g.execute(&g.policy(&M), &e).await.expect("answered");
+    assert_eq!(e.log()[1].1, 50);
+    // A p90 of 80 ms is above it: 80 ms (80.383, the top of its bucket, timed at 81).
+    teach(&g, 300, 80).await;
+    let e = Endpoints::new(&[("slow:1", 1000), ("fast:1", 10)]);
+    g.execute(&g.policy(&M), &e).await.expect("answered");
+    assert_eq!(e.log()[1].1, 81, "{:?}", e.log());
+}
+
+#[tokio::test(start_paused = true)]
+async fn old_latencies_stop_setting_the_hedge_delay() {
+    let g = engine(hedged_by_percentile(90, 0));
+    teach(&g, 30, 200).await;
+    // Ten seconds later the 200 ms calls have left the window; 30 calls of 20 ms set it now.
+    tokio::time::advance(crate::latency::WINDOW).await;
+    teach(&g, 30, 20).await;
+    let e = Endpoints::new(&[("slow:1", 1000), ("fast:1", 10)]);
+    g.execute(&g.policy(&M), &e).await.expect("answered");
+    assert_eq!(e.log()[1].1, 21, "{:?}", e.log());
 }
