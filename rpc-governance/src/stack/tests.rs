@@ -1237,6 +1237,8 @@ async fn throttling_in_observe_mode_sends_what_it_would_drop_and_reports_it() {
     // Enforced, all but about 8 of 1000 would be dropped (see the test above): so many
     // observed drops here.
     assert!(observed > 970, "{observed} observed drops of 1000");
+}
+
 fn hedged_by_percentile(percentile: u32, floor_ms: u64) -> GovernanceOptions {
     GovernanceOptions {
         hedge_percentile: percentile,
