@@ -23,7 +23,7 @@
 use std::sync::Mutex;
 
 use prometheus_client::encoding::text::encode;
-use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -34,18 +34,35 @@ use rpc_governance::calls::{CallObserver, CallRecord};
 /// The content type of [`Metrics::render`]'s text.
 pub(crate) const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
+// The labels of the per-call series borrow `'static` strings (entry ids are their
+// descriptors'): counting a call whose series exists allocates nothing.
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct CallLabels {
-    side: String,
-    entry: String,
-    status: String,
-    outcome: String,
+    side: &'static str,
+    entry: &'static str,
+    status: Status,
+    outcome: &'static str,
+}
+
+/// A final status code, or `none` for a call its caller gave up on.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+struct Status(Option<u32>);
+
+impl EncodeLabelValue for Status {
+    fn encode(&self, encoder: &mut LabelValueEncoder<'_>) -> std::fmt::Result {
+        use std::fmt::Write;
+        match self.0 {
+            Some(code) => write!(encoder, "{code}"),
+            None => encoder.write_str("none"),
+        }
+    }
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct EntryLabels {
-    side: String,
-    entry: String,
+    side: &'static str,
+    entry: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -187,17 +204,14 @@ impl Metrics {
 }
 
 impl CallObserver for Metrics {
-    fn call_ended(&self, call: &CallRecord<'_>) {
-        let side = call.side.as_str().to_string();
-        let entry = call.entry.to_string();
+    fn call_ended(&self, call: &CallRecord) {
+        let (side, entry) = (call.side.as_str(), call.entry);
         self.calls
             .get_or_create(&CallLabels {
-                side: side.clone(),
-                entry: entry.clone(),
-                status: call
-                    .status
-                    .map_or_else(|| "none".to_string(), |s| s.as_u32().to_string()),
-                outcome: call.outcome.to_string(),
+                side,
+                entry,
+                status: Status(call.status.map(|s| s.as_u32())),
+                outcome: call.outcome,
             })
             .inc();
         self.latency

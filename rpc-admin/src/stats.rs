@@ -31,7 +31,7 @@ struct Bucket {
 pub(crate) struct Stats {
     start: Instant,
     window: u64,
-    entries: Mutex<BTreeMap<(&'static str, String), VecDeque<Bucket>>>,
+    entries: Mutex<BTreeMap<(&'static str, &'static str), VecDeque<Bucket>>>,
 }
 
 /// One entry's figures over the window.
@@ -75,11 +75,17 @@ impl Stats {
     }
 
     /// Records a call that ended at `at`.
-    pub(crate) fn record(&self, side: Side, entry: &str, at: Instant, elapsed: Duration, ok: bool) {
+    pub(crate) fn record(
+        &self,
+        side: Side,
+        entry: &'static str,
+        at: Instant,
+        elapsed: Duration,
+        ok: bool,
+    ) {
         let second = self.second(at);
         let mut entries = self.entries.lock().unwrap_or_else(|p| p.into_inner());
-        let key = (side.as_str(), entry.to_string());
-        let buckets = entries.entry(key).or_default();
+        let buckets = entries.entry((side.as_str(), entry)).or_default();
         while buckets
             .front()
             .is_some_and(|b| b.second + self.window <= second)
@@ -134,7 +140,7 @@ impl Stats {
                 };
                 EntryStats {
                     side,
-                    entry: entry.clone(),
+                    entry: entry.to_string(),
                     calls,
                     errors,
                     calls_per_second: calls as f64 / self.window as f64,
@@ -152,7 +158,7 @@ impl Stats {
 }
 
 impl CallObserver for Stats {
-    fn call_ended(&self, call: &CallRecord<'_>) {
+    fn call_ended(&self, call: &CallRecord) {
         self.record(
             call.side,
             call.entry,

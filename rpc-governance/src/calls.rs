@@ -34,11 +34,11 @@ impl Side {
 
 /// One call as it ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CallRecord<'a> {
+pub struct CallRecord {
     /// Made or handled.
     pub side: Side,
-    /// The service entry.
-    pub entry: &'a str,
+    /// The service entry (its descriptor's id: an observer can keep it without copying).
+    pub entry: &'static str,
     /// The final status (200 for success; for a fallback's answer, the status of the failure
     /// it answered for); `None` for a call its caller gave up on.
     pub status: Option<StatusCode>,
@@ -53,7 +53,7 @@ pub struct CallRecord<'a> {
 /// ends: keep it short (count, record into a histogram).
 pub trait CallObserver: Send + Sync + 'static {
     /// A call ended.
-    fn call_ended(&self, call: &CallRecord<'_>);
+    fn call_ended(&self, call: &CallRecord);
 }
 
 /// The observers of one client or one server. Cheap to clone; clones share the list.
@@ -102,7 +102,7 @@ impl CallObservers {
     pub fn ended(
         &self,
         side: Side,
-        entry: &str,
+        entry: &'static str,
         started: Instant,
         status: Option<StatusCode>,
         outcome: &'static str,
@@ -131,7 +131,7 @@ mod tests {
     struct Seen(Mutex<Vec<(String, Option<StatusCode>, &'static str)>>);
 
     impl CallObserver for Seen {
-        fn call_ended(&self, c: &CallRecord<'_>) {
+        fn call_ended(&self, c: &CallRecord) {
             self.0
                 .lock()
                 .unwrap()
