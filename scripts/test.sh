@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The project's test command (README): installs what the tests need (etcd, protoc) when it is
-# missing, then checks formatting, lints and the API docs and runs every test of the workspace
+# The project's test command (README): installs what the tests need (etcd, protoc, prometheus)
+# when it is missing, then checks formatting, lints and the API docs and runs every test of the workspace
 # with every feature (the etcd tests start their own etcd on free loopback ports).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,6 +8,8 @@ cd "$(dirname "$0")/.."
 need=()
 command -v etcd >/dev/null 2>&1 || need+=(etcd-server)
 command -v protoc >/dev/null 2>&1 || need+=(protobuf-compiler)
+# rpc-admin's Prometheus test scrapes a running server with a real Prometheus.
+command -v prometheus >/dev/null 2>&1 || need+=(prometheus)
 if ((${#need[@]})); then
   echo "== installing ${need[*]}"
   sudo=""
@@ -18,6 +20,9 @@ fi
 # Debian's etcd-server starts a system etcd on the default ports; the tests use their own.
 if command -v systemctl >/dev/null 2>&1 && systemctl is-active --quiet etcd 2>/dev/null; then
   echo "(a system etcd is running; the tests start their own on free ports)"
+fi
+if command -v systemctl >/dev/null 2>&1 && systemctl is-active --quiet prometheus 2>/dev/null; then
+  echo "(a system prometheus is running; the test starts its own on a free port)"
 fi
 
 echo "== cargo fmt --check"

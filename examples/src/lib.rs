@@ -101,3 +101,30 @@ pub fn init_telemetry(kind: &str) -> Result<TelemetryGuard, String> {
         )),
     }
 }
+
+/// Starts the admin endpoint a program's `--admin ADDR` asks for (with `--admin-token T`),
+/// showing `client` and `server` when given, and prints `admin on <addr>` (the real port when
+/// ADDR asked for port 0) once it listens. `None` when no `--admin` was given.
+pub async fn start_admin(
+    addr: Option<&str>,
+    token: Option<&str>,
+    client: Option<&rpc::Client>,
+    server: Option<&rpc::ServerHandle>,
+) -> Result<Option<rpc::admin::AdminHandle>, rpc::admin::AdminError> {
+    let Some(addr) = addr else {
+        return Ok(None);
+    };
+    let mut builder = rpc::admin::Admin::builder();
+    if let Some(token) = token {
+        builder = builder.token(token);
+    }
+    if let Some(client) = client {
+        builder = builder.client(client);
+    }
+    if let Some(server) = server {
+        builder = builder.server(server);
+    }
+    let admin = builder.serve(addr).await?;
+    println!("admin on {}", admin.local_addr());
+    Ok(Some(admin))
+}

@@ -14,8 +14,9 @@ use rpc_core::{
     ShuntStrategy, StatusCode,
 };
 use rpc_governance::breaker::BreakerState;
+use rpc_governance::calls::{CallObserver, CallObservers};
 use rpc_governance::config::{GovernanceConfig, Layers};
-use rpc_governance::engine::Governance;
+use rpc_governance::engine::{EntryOptions, Governance};
 use rpc_governance::events::{EventBus, EventKind};
 use rpc_governance::health::Fault;
 use rpc_governance::load::{EndpointLoad, ServerLoad};
@@ -61,6 +62,8 @@ struct Inner {
     /// User layers around each attempt, outermost first.
     attempt_layers: Vec<Arc<dyn Middleware>>,
     metrics: telemetry::Metrics,
+    /// Told of every call as it ends ([`Client::observe_calls`]).
+    calls: CallObservers,
     /// Removed endpoints a background task is probing.
     probing: Mutex<HashSet<String>>,
     ring_keys: RingKeys,
@@ -333,6 +336,7 @@ impl ClientBuilder {
                 layers: self.middleware,
                 attempt_layers: self.attempt_middleware,
                 metrics,
+                calls: CallObservers::new(),
                 probing: Mutex::new(HashSet::new()),
                 ring_keys: self.ring_keys,
                 rules: Arc::default(),
@@ -573,6 +577,56 @@ impl Client {
     /// Closes `method`'s breaker and forgets its failures; emits a `reset` event.
     pub fn reset_breaker(&self, method: &'static MethodDescriptor) {
         self.inner.governance.reset_breaker(method);
+    }
+
+    /// [`isolate`](Self::isolate) by entry id (an operator's tool with no descriptor at hand:
+    /// an admin endpoint). Fails with [`StatusCode::NotFindServiceRoute`], changing nothing,
+    /// for an entry this client has not called.
+    pub fn isolate_entry(&self, entry_id: &str) -> Result<(), RpcError> {
+        if self.inner.governance.isolate_entry(entry_id) {
+            Ok(())
+        } else {
+            Err(unknown_entry(entry_id))
+        }
+    }
+
+    /// [`reset_breaker`](Self::reset_breaker) by entry id; fails like
+    /// [`isolate_entry`](Self::isolate_entry) for an entry this client has not called.
+    pub fn reset_breaker_entry(&self, entry_id: &str) -> Result<(), RpcError> {
+        if self.inner.governance.reset_breaker_entry(entry_id) {
+            Ok(())
+        } else {
+            Err(unknown_entry(entry_id))
+        }
+    }
+
+    /// The options in force for every entry this client has called, with the level of
+    /// configuration that set each ([`OptionLevel`](rpc_core::options::OptionLevel): code
+    /// defaults, attribute, published descriptors, config file, environment, runtime
+    /// updates), sorted by entry id. Per-call options of a handle are not included: they are
+    /// that handle's, not the entry's.
+    pub fn entry_options(&self) -> Vec<EntryOptions> {
+        self.inner.governance.entry_options()
+    }
+
+    /// The services this client has called, each with its instances as the registry
+    /// announces them now (address, id, metadata, published entries), sorted by service id.
+    pub fn services(&self) -> Vec<(String, rpc_registry::Endpoints)> {
+        let mut out: Vec<(String, rpc_registry::Endpoints)> = self
+            .inner
+            .services
+            .iter()
+            .map(|s| (s.key().to_string(), s.endpoints()))
+            .collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
+    }
+
+    /// Tells `observer` of every call this client (and every clone of it) starts from now on,
+    /// as it ends: entry, final status, outcome and duration. While no observer is attached a
+    /// call reads no clock for it.
+    pub fn observe_calls(&self, observer: Arc<dyn CallObserver>) {
+        self.inner.calls.add(observer);
     }
 
     /// Every endpoint of the services this client has called, by address, with its health as
@@ -898,8 +952,13 @@ impl Client {
                 return Err(e);
             }
             let deadline = || rpc_governance::timeout::deadline(&options);
-            let watch =
-                telemetry::CallWatch::new(call_span, self.inner.metrics.start(method), deadline);
+            let watch = telemetry::CallWatch::new(
+                call_span,
+                self.inner.metrics.start(method),
+                deadline,
+                &self.inner.calls,
+                method.entry_id,
+            );
             // The watch has read the options already: the context takes them over.
             let mut cx = CallCx::new(governance, policy, options)
                 .with_hash_key(hash_key)
@@ -1089,6 +1148,17 @@ impl Client {
     pub fn close(&self) {
         self.inner.pool.close_all();
     }
+}
+
+/// The error for an entry id this client has not called.
+fn unknown_entry(entry_id: &str) -> RpcError {
+    RpcError::new(
+        StatusCode::NotFindServiceRoute,
+        format!(
+            "this client has not called {entry_id:?}: its breaker does not exist yet; check the \
+             entry id (\"<service id>.<method>\")"
+        ),
+    )
 }
 
 /// Slots of the services' fast path ([`Inner::fast_services`]).

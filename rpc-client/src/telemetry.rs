@@ -12,6 +12,7 @@ use std::collections::BTreeMap;
 
 use bytes::Bytes;
 use rpc_core::{MethodDescriptor, RpcContext, RpcError, StatusCode, CALL_ID_KEY};
+use rpc_governance::calls::{CallObservers, Side};
 use tokio::time::Instant;
 use tracing::field::{display, Empty};
 use tracing::Span;
@@ -149,13 +150,15 @@ fn round_ms(d: std::time::Duration) -> u64 {
 }
 
 /// Watches one call: however it ends (an answer, a fallback's answer, or its future dropped by
-/// a caller that gave up), its span and its metrics say so.
+/// a caller that gave up), its span, its metrics and the client's call observers say so.
 pub(crate) struct CallWatch<'a> {
     span: Span,
     metrics: CallGuard<'a>,
     /// When the call started and its deadline; read only when something watches (a span or
     /// the metrics), so an unobserved call pays no clock reading for it.
     started: Option<(Instant, Option<Instant>)>,
+    /// The client's call observers, the entry and the call's start, when any observes calls.
+    observed: Option<(&'a CallObservers, &'static str, Instant, Option<Instant>)>,
     done: bool,
 }
 
@@ -164,15 +167,26 @@ impl<'a> CallWatch<'a> {
         span: Span,
         metrics: CallGuard<'a>,
         deadline: impl FnOnce() -> Option<Instant>,
+        observers: &'a CallObservers,
+        entry: &'static str,
     ) -> Self {
         let watched = !span.is_disabled() || cfg!(feature = "otel");
+        let observed = observers.is_active();
+        let (started, observed) = if watched || observed {
+            let deadline = deadline();
+            let now = Instant::now();
+            (
+                watched.then_some((now, deadline)),
+                observed.then_some((observers, entry, now, deadline)),
+            )
+        } else {
+            (None, None)
+        };
         CallWatch {
             span,
             metrics,
-            started: watched.then(|| {
-                let deadline = deadline();
-                (Instant::now(), deadline)
-            }),
+            started,
+            observed,
             done: false,
         }
     }
@@ -181,24 +195,48 @@ impl<'a> CallWatch<'a> {
     /// did.
     pub(crate) fn finish(mut self, result: &Result<Bytes, RpcError>, fallback: Option<&RpcError>) {
         self.done = true;
-        match (result, fallback) {
+        let (status, outcome) = match (result, fallback) {
             (Ok(_), Some(cause)) => {
                 record_fallback(&self.span, cause);
                 self.metrics.fallback(cause.code());
+                (cause.code(), "fallback")
             }
             _ => {
                 record_result(&self.span, result);
                 self.metrics.finish(result);
+                match result {
+                    Ok(_) => (StatusCode::Success, "success"),
+                    Err(e) => (e.code(), "error"),
+                }
             }
+        };
+        if let Some((observers, entry, started, _)) = self.observed {
+            observers.ended(Side::Client, entry, started, Some(status), outcome);
         }
     }
 }
 
 impl Drop for CallWatch<'_> {
     fn drop(&mut self) {
-        if let (false, Some((started, deadline))) = (self.done, self.started) {
+        if self.done {
+            return;
+        }
+        if let Some((started, deadline)) = self.started {
             let timed_out = record_dropped(&self.span, "call", started, deadline);
             self.metrics.dropped(timed_out);
+        }
+        if let Some((observers, entry, started, deadline)) = self.observed {
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                observers.ended(
+                    Side::Client,
+                    entry,
+                    started,
+                    Some(StatusCode::Timeout),
+                    "timeout",
+                );
+            } else {
+                observers.ended(Side::Client, entry, started, None, "cancelled");
+            }
         }
     }
 }

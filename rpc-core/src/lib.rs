@@ -30,7 +30,7 @@ mod entry;
 mod error;
 mod hash;
 mod ids;
-mod options;
+pub mod options;
 mod service;
 mod status;
 pub mod wire;

@@ -5,8 +5,10 @@
 use std::collections::HashMap;
 use std::path::Path;
 
+use rpc_core::options::OptionLevel;
 use rpc_core::{
     GovernanceOptions, GovernanceOverrides, MethodDescriptor, RpcError, ShuntStrategy, StatusCode,
+    OPTIONS,
 };
 use serde::Deserialize;
 
@@ -121,6 +123,21 @@ impl GovernanceConfig {
         map.entry(id.to_string()).or_default().merge(&overrides);
     }
 
+    /// The fields this layer sets for `method`, in any of its sections.
+    pub fn fields_set_for(&self, method: &MethodDescriptor) -> Vec<&'static str> {
+        let mut out = self.defaults.set_fields();
+        for o in [
+            self.services.get(method.service_id),
+            self.entries.get(method.entry_id),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            out.extend(o.set_fields());
+        }
+        out
+    }
+
     /// Applies this layer (defaults, then the service's section, then the entry's).
     pub fn apply(&self, method: &MethodDescriptor, options: &mut GovernanceOptions) {
         self.defaults.apply_to(options);
@@ -164,6 +181,40 @@ impl Layers {
         self.centre.apply(method, &mut o);
         self.runtime.apply(method, &mut o);
         o
+    }
+
+    /// For every option of `method`, in declaration order, the level that set the value
+    /// [`resolve`](Self::resolve) gives it: the highest layer that sets the field, or
+    /// [`OptionLevel::Code`] where the program's defaults differ from the framework's, or else
+    /// [`OptionLevel::Default`].
+    pub fn levels(&self, method: &MethodDescriptor) -> Vec<(&'static str, OptionLevel)> {
+        let mut levels: Vec<(&'static str, OptionLevel)> = OPTIONS
+            .iter()
+            .map(|o| (o.name, OptionLevel::Default))
+            .collect();
+        let mut raise = |fields: Vec<&'static str>, level: OptionLevel| {
+            for (name, at) in levels.iter_mut() {
+                if fields.contains(name) {
+                    *at = level;
+                }
+            }
+        };
+        raise(
+            self.code_defaults
+                .differing_fields(&GovernanceOptions::default()),
+            OptionLevel::Code,
+        );
+        raise(method.governance.set_fields(), OptionLevel::Attribute);
+        for (layer, level) in [
+            (&self.published, OptionLevel::Published),
+            (&self.file, OptionLevel::File),
+            (&self.env, OptionLevel::Env),
+            (&self.centre, OptionLevel::Centre),
+            (&self.runtime, OptionLevel::Runtime),
+        ] {
+            raise(layer.fields_set_for(method), level);
+        }
+        levels
     }
 
     /// Checks that the options these layers give `method` can be carried out: consistent
@@ -280,6 +331,43 @@ mod tests {
             5,
             "untouched fields keep lower layers"
         );
+    }
+
+    #[test]
+    fn each_field_reports_the_highest_level_that_set_it() {
+        let layers = Layers {
+            code_defaults: GovernanceOptions {
+                retry_interval_ms: 75,
+                ..GovernanceOptions::default()
+            },
+            file: GovernanceConfig::from_toml(
+                "[defaults]\nbreaker_seconds = 9\n[services.\"echo.Echo\"]\nretry_times = 5\n",
+            )
+            .unwrap(),
+            env: GovernanceConfig::from_toml("entries.\"echo.Echo.echo\".retry_times = 4").unwrap(),
+            runtime: {
+                let mut c = GovernanceConfig::default();
+                c.set(
+                    "echo.Echo.echo",
+                    GovernanceOverrides {
+                        idempotent: Some(true),
+                        ..GovernanceOverrides::NONE
+                    },
+                    false,
+                );
+                c
+            },
+            ..Layers::default()
+        };
+        let levels: HashMap<&str, OptionLevel> = layers.levels(&M).into_iter().collect();
+        // Written out from the layers above: M's attribute sets timeout_ms and retry_times.
+        assert_eq!(levels["timeout_ms"], OptionLevel::Attribute);
+        assert_eq!(levels["retry_times"], OptionLevel::Env);
+        assert_eq!(levels["breaker_seconds"], OptionLevel::File);
+        assert_eq!(levels["retry_interval_ms"], OptionLevel::Code);
+        assert_eq!(levels["idempotent"], OptionLevel::Runtime);
+        assert_eq!(levels["hedge_delay_ms"], OptionLevel::Default);
+        assert_eq!(levels.len(), OPTIONS.len());
     }
 
     #[test]

@@ -13,6 +13,7 @@ use std::sync::{Arc, OnceLock, RwLock};
 
 use arc_swap::ArcSwap;
 use dashmap::DashMap;
+use rpc_core::options::OptionLevel;
 use rpc_core::{
     GovernanceOptions, GovernanceOverrides, MethodDescriptor, RpcError, ServiceEntryId,
 };
@@ -53,6 +54,18 @@ impl EntryPolicy {
     pub fn method(&self) -> &'static MethodDescriptor {
         self.method
     }
+}
+
+/// An entry's options in force and, for each option, the level of configuration that set it
+/// ([`Governance::entry_options`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EntryOptions {
+    /// The entry.
+    pub entry: ServiceEntryId,
+    /// Its options now.
+    pub options: Arc<GovernanceOptions>,
+    /// Every option's name with the level that set its value, in declaration order.
+    pub levels: Vec<(&'static str, OptionLevel)>,
 }
 
 /// The governance engine of one client: per-entry pipelines cached by entry id, the layers of
@@ -219,6 +232,53 @@ impl Governance {
             .iter()
             .map(|p| (p.key().clone(), p.breaker.state()))
             .collect()
+    }
+
+    /// The options in force for every entry this engine has used, with the level that set
+    /// each, sorted by entry id.
+    pub fn entry_options(&self) -> Vec<EntryOptions> {
+        let layers = self.layers.read().unwrap_or_else(|p| p.into_inner());
+        let mut out: Vec<EntryOptions> = self
+            .cache
+            .iter()
+            .map(|p| EntryOptions {
+                entry: p.key().clone(),
+                options: p.options(),
+                levels: layers.levels(p.method),
+            })
+            .collect();
+        out.sort_by(|a, b| a.entry.as_str().cmp(b.entry.as_str()));
+        out
+    }
+
+    /// The descriptor of an entry this engine has used, by its id.
+    pub fn method_of(&self, entry_id: &str) -> Option<&'static MethodDescriptor> {
+        self.cache.get(entry_id).map(|p| p.method)
+    }
+
+    /// [`isolate`](Self::isolate) by entry id, for an operator who has no descriptor at hand
+    /// (an admin endpoint). Returns `false`, changing nothing, when this engine has not used
+    /// the entry.
+    pub fn isolate_entry(&self, entry_id: &str) -> bool {
+        match self.method_of(entry_id) {
+            Some(method) => {
+                self.isolate(method);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// [`reset_breaker`](Self::reset_breaker) by entry id; `false`, changing nothing, when this
+    /// engine has not used the entry.
+    pub fn reset_breaker_entry(&self, entry_id: &str) -> bool {
+        match self.method_of(entry_id) {
+            Some(method) => {
+                self.reset_breaker(method);
+                true
+            }
+            None => false,
+        }
     }
 
     /// Opens `method`'s breaker until [`reset_breaker`](Self::reset_breaker), as an operator

@@ -48,6 +48,7 @@ pub mod adaptive;
 pub mod breaker;
 pub mod budget;
 pub mod bulkhead;
+pub mod calls;
 pub mod config;
 pub mod engine;
 pub mod events;

@@ -17,6 +17,7 @@ use bytes::Bytes;
 use futures_util::FutureExt;
 use rpc_core::wire::{RemoteResultMessage, ValidateError};
 use rpc_core::{Codec, MethodDescriptor, RpcContext, RpcError, StatusCode};
+use rpc_governance::calls::{CallObservers, Side};
 use rpc_governance::events::{EventBus, EventKind};
 use rpc_governance::fallback;
 use rpc_transport::{error_result, Caller, Dispatch, Invoke, InvokeHandler};
@@ -145,6 +146,8 @@ pub(crate) struct Dispatcher {
     /// peers cannot degrade it).
     pub(crate) routes: HashMap<Box<[u8]>, Route, ahash::RandomState>,
     pub(crate) events: EventBus,
+    /// Told of every call as it ends (`ServerStatus::observe_calls`).
+    pub(crate) calls: CallObservers,
     /// The bound address (`server.address` of the spans).
     pub(crate) local: SocketAddr,
     pub(crate) metrics: telemetry::Metrics,
@@ -211,6 +214,15 @@ impl InvokeHandler for Dispatcher {
                 });
                 telemetry::record_error(&span, e.code(), e.message());
                 self.metrics.rejected(route.method, e.code());
+                if let Some(started) = self.calls.start() {
+                    self.calls.ended(
+                        Side::Server,
+                        route.method.entry_id,
+                        started,
+                        Some(e.code()),
+                        "error",
+                    );
+                }
                 return Dispatch::Ready(with_load(to_message(Err(e)), route.admission.load()));
             }
         };
@@ -229,7 +241,13 @@ impl InvokeHandler for Dispatcher {
         });
         let entry = route.method.entry_id;
         let attachments = telemetry::user_attachments(attachments);
-        let watch = telemetry::CallWatch::new(span.clone(), metrics, deadline.map(|(d, _)| d));
+        let watch = telemetry::CallWatch::new(
+            span.clone(),
+            metrics,
+            deadline.map(|(d, _)| d),
+            &self.calls,
+            entry,
+        );
         // Most handlers answer in their first poll. When the server is told its handlers never
         // block (`inline_first_poll`), that poll is made here, on the connection's reader, in
         // the call's context, span and inherited deadline, so such a call is answered without
@@ -292,6 +310,8 @@ impl Dispatcher {
             span.clone(),
             self.metrics.start(method),
             deadline.map(|(d, _)| d),
+            &self.calls,
+            method.entry_id,
         );
         let mut req = ServerRequest {
             method,

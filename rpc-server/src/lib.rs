@@ -44,5 +44,5 @@ pub mod tower;
 pub use admission::CRITICALITY_ATTACHMENT;
 pub use middleware::{LayerFuture, Next, ServerLayer, ServerRequest};
 pub use rpc_transport::Caller;
-pub use server::{ListenAddr, Server, ServerBuilder, ServerHandle};
+pub use server::{ListenAddr, Server, ServerBuilder, ServerHandle, ServerStatus};
 pub use service::{Service, ServiceFuture};

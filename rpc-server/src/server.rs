@@ -2,11 +2,13 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use rpc_core::ServiceEntry;
 use rpc_governance::bulkhead::Bulkhead;
+use rpc_governance::calls::{CallObserver, CallObservers};
 use rpc_governance::events::EventBus;
 use rpc_governance::ratelimit::{RateLimiter, RateLimits};
 use rpc_registry::{Instance, Registry};
@@ -105,6 +107,7 @@ pub struct ServerBuilder {
     instance_id: Option<String>,
     metadata: Vec<(String, String)>,
     events: EventBus,
+    calls: CallObservers,
     send_panic_text: bool,
     adaptive: bool,
     /// Rate limits for entries that set none: all callers, per caller (per second, burst).
@@ -129,6 +132,7 @@ impl Default for ServerBuilder {
             instance_id: None,
             metadata: Vec::new(),
             events: EventBus::new(),
+            calls: CallObservers::new(),
             send_panic_text: false,
             adaptive: false,
             rate_limit: None,
@@ -398,6 +402,7 @@ impl ServerBuilder {
         Dispatcher {
             routes: self.routes(&endpoint, shared),
             events: self.events.clone(),
+            calls: self.calls.clone(),
             local,
             metrics,
             send_panic_text: self.send_panic_text,
@@ -540,6 +545,15 @@ impl ServerBuilder {
             }
         }
         tracing::info!(address = %bound, services = ?instance.services, "serving");
+        let status = ServerStatus(Arc::new(StatusInner {
+            registered: AtomicBool::new(self.registry.is_some()),
+            has_registry: self.registry.is_some(),
+            draining: AtomicBool::new(false),
+            instance_id: instance.id.clone(),
+            instance,
+            events: self.events.clone(),
+            calls: self.calls.clone(),
+        }));
         Ok(ServerHandle {
             events: self.events.clone(),
             local_addr,
@@ -547,8 +561,9 @@ impl ServerBuilder {
             shutdown,
             task: Some(task),
             registry: self.registry,
-            instance_id: instance.id,
+            instance_id: status.0.instance_id.clone(),
             rules,
+            status,
         })
     }
 }
@@ -563,6 +578,74 @@ pub struct ServerHandle {
     registry: Option<Arc<dyn Registry>>,
     instance_id: String,
     rules: Option<crate::rules::Following>,
+    status: ServerStatus,
+}
+
+/// What an operator's tool reads about a running server, while the [`ServerHandle`] stays
+/// with the program that stops it: whether it is published and whether it is draining, what
+/// it published, its events and its calls. Cheap to clone; from [`ServerHandle::status`].
+#[derive(Clone)]
+pub struct ServerStatus(Arc<StatusInner>);
+
+struct StatusInner {
+    registered: AtomicBool,
+    has_registry: bool,
+    draining: AtomicBool,
+    instance_id: String,
+    instance: Instance,
+    events: EventBus,
+    calls: CallObservers,
+}
+
+impl std::fmt::Debug for ServerStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerStatus")
+            .field("instance", &self.0.instance_id)
+            .field("registered", &self.is_registered())
+            .field("draining", &self.is_draining())
+            .finish()
+    }
+}
+
+impl ServerStatus {
+    /// Whether the instance is published in a registry now: from a successful start until
+    /// [`ServerHandle::shutdown`] deregisters it. `false` for a server without a registry.
+    pub fn is_registered(&self) -> bool {
+        self.0.registered.load(Ordering::Acquire)
+    }
+
+    /// Whether the server was given a registry to publish to.
+    pub fn has_registry(&self) -> bool {
+        self.0.has_registry
+    }
+
+    /// Whether the server is stopping (shutdown, abort or its handle dropped): it takes no
+    /// new connections and tells clients to go elsewhere.
+    pub fn is_draining(&self) -> bool {
+        self.0.draining.load(Ordering::Acquire)
+    }
+
+    /// The instance as the server publishes it: address, id, services, entries with their
+    /// declared governance, metadata.
+    pub fn instance(&self) -> &Instance {
+        &self.0.instance
+    }
+
+    /// The server's governance events (overflow, rate limits, fallback).
+    pub fn events(&self) -> &EventBus {
+        &self.0.events
+    }
+
+    /// Tells `observer` of every call the server handles from now on, as it ends (refusals at
+    /// the entry's admission included). While no observer is attached a call reads no clock
+    /// for it.
+    pub fn observe_calls(&self, observer: Arc<dyn CallObserver>) {
+        self.0.calls.add(observer);
+    }
+
+    fn draining(&self) {
+        self.0.draining.store(true, Ordering::Release);
+    }
 }
 
 impl ServerHandle {
@@ -593,14 +676,22 @@ impl ServerHandle {
         &self.instance_id
     }
 
+    /// Registration, draining, the published instance, events and call observers, in a handle
+    /// an admin endpoint can keep while this one stays with the program.
+    pub fn status(&self) -> ServerStatus {
+        self.status.clone()
+    }
+
     /// Stops gracefully: deregisters the instance first (so clients stop choosing it), then
     /// stops accepting, sends `GoAway` on every connection and waits for calls in flight, up to
     /// the drain timeout.
     pub async fn shutdown(mut self) {
+        self.status.draining();
         if let Some(registry) = &self.registry {
             if let Err(e) = registry.deregister(&self.instance_id).await {
                 tracing::warn!(error = %e, "could not deregister before shutdown");
             }
+            self.status.0.registered.store(false, Ordering::Release);
         }
         self.shutdown.cancel();
         if let Some(task) = self.task.take() {
@@ -638,6 +729,7 @@ impl ServerHandle {
     /// Stops at once: connections are closed and calls in flight are dropped, as if the process
     /// died (the registry entry stays, as it would after a crash). For failure tests.
     pub fn abort(mut self) {
+        self.status.draining();
         if let Some(task) = self.task.take() {
             task.abort();
         }
@@ -647,6 +739,7 @@ impl ServerHandle {
 
 impl Drop for ServerHandle {
     fn drop(&mut self) {
+        self.status.draining();
         self.shutdown.cancel();
     }
 }

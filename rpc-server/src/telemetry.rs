@@ -13,6 +13,7 @@ use std::net::SocketAddr;
 
 use bytes::Bytes;
 use rpc_core::{MethodDescriptor, RpcError, StatusCode, CALL_ID_KEY, TRACE_CONTEXT_KEYS};
+use rpc_governance::calls::{CallObservers, Side};
 use tokio::time::Instant;
 use tracing::field::Empty;
 use tracing::Span;
@@ -78,7 +79,8 @@ pub(crate) fn record_error(span: &Span, code: StatusCode, message: &str) {
 }
 
 /// Watches one handled call: however it ends (an answer, a fallback's answer, or its future
-/// dropped by the caller's `Cancel` or at its deadline), its span and its metrics say so.
+/// dropped by the caller's `Cancel` or at its deadline), its span, its metrics and the
+/// server's call observers say so.
 pub(crate) struct CallWatch {
     span: Span,
     metrics: CallGuard,
@@ -86,18 +88,34 @@ pub(crate) struct CallWatch {
     /// an unobserved call pays no clock reading for it.
     started: Option<Instant>,
     deadline: Option<Instant>,
+    /// The server's call observers and the entry, when any observes calls.
+    observed: Option<(CallObservers, &'static str)>,
     done: bool,
 }
 
 impl CallWatch {
-    pub(crate) fn new(span: Span, metrics: CallGuard, deadline: Option<Instant>) -> Self {
-        let watched = !span.is_disabled() || cfg!(feature = "otel");
+    pub(crate) fn new(
+        span: Span,
+        metrics: CallGuard,
+        deadline: Option<Instant>,
+        observers: &CallObservers,
+        entry: &'static str,
+    ) -> Self {
+        let observed = observers.is_active().then(|| (observers.clone(), entry));
+        let watched = !span.is_disabled() || cfg!(feature = "otel") || observed.is_some();
         CallWatch {
             span,
             metrics,
             started: watched.then(Instant::now),
             deadline,
+            observed,
             done: false,
+        }
+    }
+
+    fn tell(&self, status: Option<StatusCode>, outcome: &'static str) {
+        if let (Some((observers, entry)), Some(started)) = (&self.observed, self.started) {
+            observers.ended(Side::Server, entry, started, status, outcome);
         }
     }
 
@@ -118,9 +136,16 @@ impl CallWatch {
                         .record("rpc.fallback.cause", i64::from(cause.as_u32()));
                 }
                 self.metrics.finish(cause, "fallback");
+                self.tell(Some(cause), "fallback");
             }
-            (Ok(_), None) => self.metrics.finish(StatusCode::Success, "success"),
-            (Err(e), _) => self.metrics.finish(e.code(), "error"),
+            (Ok(_), None) => {
+                self.metrics.finish(StatusCode::Success, "success");
+                self.tell(Some(StatusCode::Success), "success");
+            }
+            (Err(e), _) => {
+                self.metrics.finish(e.code(), "error");
+                self.tell(Some(e.code()), "error");
+            }
         }
     }
 }
@@ -134,8 +159,10 @@ impl Drop for CallWatch {
         let timed_out = self.deadline.is_some_and(|d| now >= d);
         if timed_out {
             self.metrics.dropped(Some(StatusCode::Timeout), "timeout");
+            self.tell(Some(StatusCode::Timeout), "timeout");
         } else {
             self.metrics.dropped(None, "cancelled");
+            self.tell(None, "cancelled");
         }
         if self.span.is_disabled() {
             return;

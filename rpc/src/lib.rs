@@ -57,6 +57,9 @@
 //! ```
 #![warn(missing_docs)]
 
+/// A process's admin endpoint (feature `admin`): `rpc::admin::Admin::builder()`.
+#[cfg(feature = "admin")]
+pub use rpc_admin as admin;
 pub use rpc_client::{answered_by, Client, ClientBuilder, RingKey};
 /// Endpoint health as [`Client::endpoints`] reports it.
 pub use rpc_client::{EndpointState, EndpointStatus};
@@ -82,7 +85,7 @@ pub use rpc_registry::{RuleError, RuleKind, RuleSource, RuleVersion};
 pub use rpc_server::tower;
 /// Server middleware (README, "Server middleware"): layers around dispatch and who calls.
 pub use rpc_server::{Caller, LayerFuture, Next as ServerNext, ServerLayer, ServerRequest};
-pub use rpc_server::{Server, ServerBuilder, ServerHandle, Service, ServiceFuture};
+pub use rpc_server::{Server, ServerBuilder, ServerHandle, ServerStatus, Service, ServiceFuture};
 /// What a middleware receives and returns: encoded arguments and results, boxed futures.
 pub use {bytes::Bytes, futures_util::future::BoxFuture};
 

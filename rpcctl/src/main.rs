@@ -8,7 +8,7 @@
 //!   call ENTRY JSON               calls ENTRY with JSON arguments, prints the JSON answer
 //!   rules get|set|diff|history|rollback   governance and routing rules in etcd
 //!   status                        breakers, endpoint health and options of a process (--admin)
-//!   events                        follows a process's governance events (--admin)
+//!   events [--count N]            follows a process's governance events (--admin)
 //! ```
 //!
 //! Exit codes scripts can trust: 0 done, 1 the operation failed (the remote side said no, a
@@ -17,6 +17,7 @@
 //! What this program must not do: keep state between runs, or write anything it has not
 //! validated first.
 
+mod admin;
 mod call;
 mod exit;
 mod registry;
@@ -78,7 +79,11 @@ pub enum Command {
     /// Status of a process: breakers, endpoint health and options (needs --admin).
     Status,
     /// Follows a process's governance events (needs --admin).
-    Events,
+    Events {
+        /// Stop after this many events (default: follow until the process stops or Ctrl-C).
+        #[arg(long)]
+        count: Option<usize>,
+    },
     /// Governance and routing rules in etcd (needs --registry etcd://...).
     #[cfg(feature = "etcd")]
     Rules {
@@ -114,9 +119,12 @@ async fn main() {
             Ok(r) => call::run(r, &entry, &args, server_token.as_deref()).await,
             Err(e) => Err(e),
         },
-        Command::Status | Command::Events => Err(Failure::usage(
-            "this command is not available in this build",
-        )),
+        Command::Status => {
+            admin::status(cli.admin.as_deref(), cli.token.as_deref(), cli.json).await
+        }
+        Command::Events { count } => {
+            admin::events(cli.admin.as_deref(), cli.token.as_deref(), cli.json, count).await
+        }
     };
     if let Err(failure) = result {
         eprintln!("rpcctl: {}", failure.message);

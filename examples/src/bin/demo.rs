@@ -4,7 +4,13 @@
 //! ```text
 //! cargo run --release -p examples --bin demo
 //! cargo run --release -p examples --features etcd --bin demo -- --registry etcd://127.0.0.1:2379
+//! cargo run --release -p examples --bin demo -- --admin 127.0.0.1:9901 --admin-token T
 //! ```
+//!
+//! With `--admin ADDR` the demo serves the admin endpoint of its client and of gamma, its last
+//! server,
+//! prints `admin on <addr>` once it listens, and after its report stays up until Ctrl-C or
+//! SIGTERM, so `rpcctl --admin ADDR status` can look at it.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -28,6 +34,13 @@ struct Args {
     /// (OTLP/gRPC by the OTEL_* variables; --features otlp).
     #[arg(long, default_value = "off")]
     telemetry: String,
+    /// Serve the admin endpoint of the demo's client and first server on host:port, loopback
+    /// (port 0 picks a free one; printed as `admin on <addr>`), and stay up after the report.
+    #[arg(long)]
+    admin: Option<String>,
+    /// The admin endpoint's token: requests send `Authorization: Bearer <token>`.
+    #[arg(long)]
+    admin_token: Option<String>,
 }
 
 /// A typed business error: travels as status 1000 and comes back as this type.
@@ -135,6 +148,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let client = Client::builder().shared_registry(registry.clone()).build();
     let inventory = InventoryClient::new(client.clone());
+    let admin = examples::start_admin(
+        args.admin.as_deref(),
+        args.admin_token.as_deref(),
+        Some(&client),
+        // The last server: the failover section stops the first.
+        servers.last(),
+    )
+    .await?;
 
     println!("\n== round robin: 30 calls ==");
     let mut spread: BTreeMap<String, u32> = BTreeMap::new();
@@ -230,6 +251,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     governance(&registry).await?;
 
+    if let Some(admin) = admin {
+        println!(
+            "\n== admin endpoint on {} (the client, and gamma as the server; Ctrl-C to stop) ==",
+            admin.local_addr()
+        );
+        wait_for_stop().await?;
+        admin.shutdown().await;
+    }
     for s in servers {
         s.shutdown().await;
     }
@@ -376,4 +405,21 @@ async fn governance(registry: &Arc<dyn Registry>) -> Result<(), Box<dyn std::err
     println!("  governance events seen by the first client: {counts:?}");
     server.shutdown().await;
     Ok(())
+}
+
+/// Waits for Ctrl-C or SIGTERM.
+async fn wait_for_stop() -> std::io::Result<()> {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = signal(SignalKind::terminate())?;
+        tokio::select! {
+            r = tokio::signal::ctrl_c() => r,
+            _ = term.recv() => Ok(()),
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        tokio::signal::ctrl_c().await
+    }
 }

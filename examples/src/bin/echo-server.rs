@@ -3,9 +3,10 @@
 //! ```text
 //! echo-server --port P [--fail-every K] [--delay-ms D] [--max-concurrency N] [--token T]
 //!             [--registry embedded|static:<file>|etcd://host:port] [--registry-ttl-secs S]
+//!             [--admin ADDR [--admin-token T]]
 //! ```
-//! Prints `listening on <addr>` once it accepts connections; stops gracefully on Ctrl-C or
-//! SIGTERM.
+//! Prints `listening on <addr>` once it accepts connections (and `admin on <addr>` once the
+//! admin endpoint listens, with `--admin`); stops gracefully on Ctrl-C or SIGTERM.
 
 use std::time::Duration;
 
@@ -42,6 +43,13 @@ struct Args {
     /// (OTLP/gRPC by the OTEL_* variables; --features otlp).
     #[arg(long, default_value = "off")]
     telemetry: String,
+    /// Serve the admin endpoint (health, readiness, metrics, JSON API) on host:port, loopback
+    /// (port 0 picks a free one; the real address is printed as `admin on <addr>`).
+    #[arg(long)]
+    admin: Option<String>,
+    /// The admin endpoint's token: requests send `Authorization: Bearer <token>`.
+    #[arg(long)]
+    admin_token: Option<String>,
 }
 
 #[tokio::main]
@@ -70,8 +78,22 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let server = builder.serve(("127.0.0.1", args.port)).await?;
     let addr = server.local_addr();
+    let admin = examples::start_admin(
+        args.admin.as_deref(),
+        args.admin_token.as_deref(),
+        None,
+        Some(&server),
+    )
+    .await
+    .unwrap_or_else(|e| {
+        eprintln!("echo-server: {e}");
+        std::process::exit(2);
+    });
     let stopped = server.serve_until_signal();
     println!("listening on {addr}");
     stopped.await?;
+    if let Some(admin) = admin {
+        admin.shutdown().await;
+    }
     Ok(())
 }

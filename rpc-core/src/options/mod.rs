@@ -13,9 +13,11 @@ use serde::{Deserialize, Serialize};
 use crate::{RpcError, StatusCode};
 
 mod descriptor;
+mod level;
 mod strategy;
 
 pub use descriptor::{OptionDescriptor, OptionGroup, OptionKind, OptionSide};
+pub use level::OptionLevel;
 pub use strategy::ShuntStrategy;
 
 /// The type of an option of each kind in [`GovernanceOptions`].
@@ -152,6 +154,20 @@ macro_rules! governance_options {
             }
         }
 
+        impl GovernanceOptions {
+            /// The names of the fields whose values differ from `other`'s, in declaration
+            /// order.
+            pub fn differing_fields(&self, other: &GovernanceOptions) -> Vec<&'static str> {
+                let mut out = Vec::new();
+                $($(
+                    if self.$name != other.$name {
+                        out.push(stringify!($name));
+                    }
+                )*)*
+                out
+            }
+        }
+
         /// A partial set of [`GovernanceOptions`]: what one configuration layer (a
         /// `#[governance(...)]` attribute, a config file section, a runtime update) changes.
         /// `None` keeps the value below.
@@ -183,6 +199,17 @@ macro_rules! governance_options {
                     self.$name = Some(v.clone());
                 }
             )*)*}
+
+            /// The names of the fields this layer sets, in declaration order.
+            pub fn set_fields(&self) -> Vec<&'static str> {
+                let mut out = Vec::new();
+                $($(
+                    if self.$name.is_some() {
+                        out.push(stringify!($name));
+                    }
+                )*)*
+                out
+            }
 
             /// Checks what the types cannot: a percentage is at most 100, an address is
             /// `host:port`. The error names every value that is wrong, with its key (the
@@ -321,6 +348,29 @@ mod tests {
         assert_eq!(out.timeout_ms, 800);
         assert!(out.idempotent);
         assert_eq!(out.retry_times, base.retry_times);
+    }
+
+    #[test]
+    fn set_and_differing_fields_name_exactly_the_fields_concerned() {
+        let layer = GovernanceOverrides {
+            timeout_ms: Some(800),
+            shunt_strategy: Some(ShuntStrategy::Hash),
+            ..GovernanceOverrides::NONE
+        };
+        // Declaration order: the balance block comes before the timeout block.
+        assert_eq!(layer.set_fields(), ["shunt_strategy", "timeout_ms"]);
+        assert!(GovernanceOverrides::NONE.set_fields().is_empty());
+        let base = GovernanceOptions::default();
+        let changed = GovernanceOptions {
+            retry_times: 0,
+            idempotent: true,
+            ..base.clone()
+        };
+        assert_eq!(
+            changed.differing_fields(&base),
+            ["retry_times", "idempotent"]
+        );
+        assert!(base.differing_fields(&base).is_empty());
     }
 
     #[test]

@@ -1,0 +1,383 @@
+//! The routes: health, readiness, metrics and the JSON API, behind the token check.
+//!
+//! Every answer of the JSON API is an object (never a bare array), so fields can be added
+//! without breaking a script; every refusal is `{"error": "..."}` saying what to do.
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{Path, Query, Request, State as Shared};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures_util::Stream;
+use rpc_client::EndpointState;
+use rpc_governance::breaker::BreakerState;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use subtle::ConstantTimeEq;
+
+use crate::metrics::CONTENT_TYPE;
+use crate::State;
+
+type St = Shared<Arc<State>>;
+
+/// The router of one admin endpoint.
+pub(crate) fn router(state: Arc<State>) -> Router {
+    let guarded = Router::new()
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .route("/api/services", get(services))
+        .route("/api/entries", get(entries))
+        .route("/api/breakers", get(breakers))
+        .route("/api/breakers/{entry}/isolate", post(isolate))
+        .route("/api/breakers/{entry}/reset", post(reset))
+        .route("/api/endpoints", get(endpoints))
+        .route("/api/endpoints/{addr}/readmit", post(readmit))
+        .route("/api/stats", get(stats))
+        .route("/api/events", get(events))
+        .route("/api/events/stream", get(stream))
+        .fallback(not_found)
+        .route_layer(middleware::from_fn_with_state(state.clone(), authorize));
+    Router::new()
+        .route("/healthz", get(|| async { "ok" }))
+        .merge(guarded)
+        .fallback(not_found)
+        .with_state(state)
+}
+
+/// A JSON refusal.
+fn refuse(status: StatusCode, message: impl Into<String>) -> Response {
+    (status, Json(json!({ "error": message.into() }))).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::same_token;
+
+    #[test]
+    fn only_the_same_token_matches_whatever_its_length() {
+        assert!(same_token("s3cret", "s3cret"));
+        for other in ["", "s3cre", "s3cret ", "S3cret", "s3cret-and-more"] {
+            assert!(!same_token(other, "s3cret"), "{other:?}");
+        }
+    }
+}
+
+async fn not_found(req: Request) -> Response {
+    refuse(
+        StatusCode::NOT_FOUND,
+        format!(
+            "no route {} {}; the routes are /healthz, /readyz, /metrics and /api/... (see the \
+             README's \"Admin endpoint\")",
+            req.method(),
+            req.uri().path()
+        ),
+    )
+}
+
+/// Whether `given` is `token`: their SHA-256 digests compared in constant time, so neither the
+/// token's bytes nor its length show in the time a refusal takes (as the handshake's token).
+fn same_token(given: &str, token: &str) -> bool {
+    use sha2::{Digest, Sha256};
+    bool::from(
+        Sha256::digest(given.as_bytes())
+            .as_slice()
+            .ct_eq(Sha256::digest(token.as_bytes()).as_slice()),
+    )
+}
+
+/// Lets a request through with the right bearer token ([`same_token`]).
+async fn authorize(Shared(state): St, headers: HeaderMap, req: Request, next: Next) -> Response {
+    let Some(token) = &state.token else {
+        return next.run(req).await;
+    };
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    let why = match given {
+        Some(g) if same_token(g, token) => return next.run(req).await,
+        Some(_) => "wrong token",
+        None => "missing token",
+    };
+    let mut response = refuse(
+        StatusCode::UNAUTHORIZED,
+        format!(
+            "{why}: send the header `Authorization: Bearer <token>` with this process's admin \
+             token (rpcctl: --token or RPCCTL_TOKEN)"
+        ),
+    );
+    response.headers_mut().insert(
+        header::WWW_AUTHENTICATE,
+        header::HeaderValue::from_static("Bearer"),
+    );
+    response
+}
+
+/// Whether the server is ready, and why not.
+fn readiness(state: &State) -> Option<Result<(), String>> {
+    let server = state.server.as_ref()?;
+    Some(if server.is_draining() {
+        Err("draining: the server is shutting down".into())
+    } else if server.has_registry() && !server.is_registered() {
+        Err("not registered: the instance is not published in the registry".into())
+    } else {
+        Ok(())
+    })
+}
+
+async fn readyz(Shared(state): St) -> Response {
+    match readiness(&state) {
+        None | Some(Ok(())) => (StatusCode::OK, "ready").into_response(),
+        Some(Err(why)) => {
+            (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {why}")).into_response()
+        }
+    }
+}
+
+fn breaker_value(state: &BreakerState) -> i64 {
+    match state {
+        BreakerState::Closed { .. } => 0,
+        BreakerState::HalfOpen { .. } => 1,
+        BreakerState::Open { .. } => 2,
+    }
+}
+
+fn health_value(state: &EndpointState) -> i64 {
+    match state {
+        EndpointState::Healthy => 0,
+        EndpointState::Unhealthy { .. } => 1,
+        EndpointState::Removed => 2,
+    }
+}
+
+async fn metrics(Shared(state): St) -> Response {
+    let (breakers, endpoints) = match &state.client {
+        Some(c) => (
+            c.breakers()
+                .iter()
+                .map(|(id, s)| (id.to_string(), breaker_value(s)))
+                .collect(),
+            c.endpoints()
+                .iter()
+                .map(|e| (e.address.clone(), health_value(&e.state)))
+                .collect(),
+        ),
+        None => (Vec::new(), Vec::new()),
+    };
+    let ready = readiness(&state).map(|r| r.is_ok());
+    let text = state.metrics.render(breakers, endpoints, ready);
+    ([(header::CONTENT_TYPE, CONTENT_TYPE)], text).into_response()
+}
+
+fn no_client() -> Response {
+    refuse(
+        StatusCode::NOT_FOUND,
+        "this process's admin endpoint shows no client: breakers and endpoints belong to a client",
+    )
+}
+
+async fn services(Shared(state): St) -> Response {
+    let client: Vec<Value> = state.client.as_ref().map_or_else(Vec::new, |c| {
+        c.services()
+            .into_iter()
+            .map(|(service, instances)| {
+                let instances: Vec<Value> = instances
+                    .iter()
+                    .map(|i| serde_json::to_value(&**i).unwrap_or(Value::Null))
+                    .collect();
+                json!({ "service": service, "instances": instances })
+            })
+            .collect()
+    });
+    let server = state.server.as_ref().map(|s| {
+        json!({
+            "instance": serde_json::to_value(s.instance()).unwrap_or(Value::Null),
+            "registered": s.is_registered(),
+            "draining": s.is_draining(),
+        })
+    });
+    Json(json!({ "client": client, "server": server })).into_response()
+}
+
+async fn entries(Shared(state): St) -> Response {
+    let Some(client) = &state.client else {
+        return Json(json!({ "entries": [] })).into_response();
+    };
+    let entries: Vec<Value> = client
+        .entry_options()
+        .into_iter()
+        .map(|e| {
+            let values = serde_json::to_value(&*e.options).unwrap_or(Value::Null);
+            let options: BTreeMap<&str, Value> = e
+                .levels
+                .iter()
+                .map(|(name, level)| {
+                    let value = values.get(*name).cloned().unwrap_or(Value::Null);
+                    (*name, json!({ "value": value, "level": level }))
+                })
+                .collect();
+            json!({ "entry": e.entry.as_str(), "options": options })
+        })
+        .collect();
+    Json(json!({ "entries": entries })).into_response()
+}
+
+/// One breaker as JSON.
+fn breaker_json(entry: &str, s: &BreakerState) -> Value {
+    match s {
+        BreakerState::Closed { failures } => {
+            json!({ "entry": entry, "state": "closed", "failures": failures })
+        }
+        BreakerState::HalfOpen { probes } => {
+            json!({ "entry": entry, "state": "half_open", "probes": probes })
+        }
+        BreakerState::Open { retry_after } if *retry_after == Duration::MAX => {
+            json!({ "entry": entry, "state": "isolated" })
+        }
+        BreakerState::Open { retry_after } => json!({
+            "entry": entry,
+            "state": "open",
+            "retry_after_ms": u64::try_from(retry_after.as_millis()).unwrap_or(u64::MAX),
+        }),
+    }
+}
+
+async fn breakers(Shared(state): St) -> Response {
+    let Some(client) = &state.client else {
+        return Json(json!({ "breakers": [] })).into_response();
+    };
+    let mut list = client.breakers();
+    list.sort_by(|a, b| a.0.as_str().cmp(b.0.as_str()));
+    let breakers: Vec<Value> = list
+        .iter()
+        .map(|(id, s)| breaker_json(id.as_str(), s))
+        .collect();
+    Json(json!({ "breakers": breakers })).into_response()
+}
+
+/// Isolates or resets `entry`'s breaker and answers its new state.
+fn steer(state: &State, entry: &str, isolate: bool) -> Response {
+    let Some(client) = &state.client else {
+        return no_client();
+    };
+    let done = if isolate {
+        client.isolate_entry(entry)
+    } else {
+        client.reset_breaker_entry(entry)
+    };
+    if let Err(e) = done {
+        return refuse(StatusCode::NOT_FOUND, e.message());
+    }
+    let now = client
+        .breakers()
+        .into_iter()
+        .find(|(id, _)| id.as_str() == entry)
+        .map_or(Value::Null, |(_, s)| breaker_json(entry, &s));
+    Json(now).into_response()
+}
+
+async fn isolate(Shared(state): St, Path(entry): Path<String>) -> Response {
+    steer(&state, &entry, true)
+}
+
+async fn reset(Shared(state): St, Path(entry): Path<String>) -> Response {
+    steer(&state, &entry, false)
+}
+
+async fn endpoints(Shared(state): St) -> Response {
+    let Some(client) = &state.client else {
+        return Json(json!({ "endpoints": [] })).into_response();
+    };
+    let endpoints: Vec<Value> = client
+        .endpoints()
+        .into_iter()
+        .map(|e| {
+            let (name, retry_in_ms) = match e.state {
+                EndpointState::Healthy => ("healthy", None),
+                EndpointState::Unhealthy { retry_in } => (
+                    "unhealthy",
+                    Some(u64::try_from(retry_in.as_millis()).unwrap_or(u64::MAX)),
+                ),
+                EndpointState::Removed => ("removed", None),
+            };
+            json!({
+                "address": e.address,
+                "services": e.services,
+                "state": name,
+                "retry_in_ms": retry_in_ms,
+                "failures": e.consecutive_failures,
+                "reason": e.last_failure,
+            })
+        })
+        .collect();
+    Json(json!({ "endpoints": endpoints })).into_response()
+}
+
+async fn readmit(Shared(state): St, Path(addr): Path<String>) -> Response {
+    let Some(client) = &state.client else {
+        return no_client();
+    };
+    if !client.endpoints().iter().any(|e| e.address == addr) {
+        return refuse(
+            StatusCode::NOT_FOUND,
+            format!(
+                "{addr:?} is not an endpoint of a service this client has called; GET \
+                 /api/endpoints lists them"
+            ),
+        );
+    }
+    let had_mark = client.readmit(&addr);
+    Json(json!({ "address": addr, "had_mark": had_mark })).into_response()
+}
+
+async fn stats(Shared(state): St) -> Response {
+    let entries = state.stats.snapshot(tokio::time::Instant::now());
+    Json(json!({
+        "window_seconds": state.stats.window_seconds(),
+        "entries": entries,
+    }))
+    .into_response()
+}
+
+#[derive(Deserialize)]
+struct Limit {
+    limit: Option<usize>,
+}
+
+async fn events(Shared(state): St, Query(q): Query<Limit>) -> Response {
+    let limit = q.limit.unwrap_or(100).min(state.events.capacity());
+    let events = state.events.recent(limit);
+    Json(json!({ "events": events })).into_response()
+}
+
+async fn stream(Shared(state): St) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
+    use tokio::sync::broadcast::error::RecvError;
+    let rx = state.events.subscribe();
+    let stop = state.stop.clone();
+    let events = futures_util::stream::unfold((rx, stop), |(mut rx, stop)| async move {
+        loop {
+            let next = tokio::select! {
+                _ = stop.cancelled() => return None,
+                next = rx.recv() => next,
+            };
+            match next {
+                Ok(e) => {
+                    let data = serde_json::to_string(&*e).unwrap_or_default();
+                    let event = Event::default().id(e.seq.to_string()).data(data);
+                    return Some((Ok(event), (rx, stop)));
+                }
+                // A slow reader skips what it missed; the ring still has it.
+                Err(RecvError::Lagged(_)) => continue,
+                Err(RecvError::Closed) => return None,
+            }
+        }
+    });
+    Sse::new(events).keep_alive(KeepAlive::default())
+}

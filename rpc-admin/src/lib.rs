@@ -1,0 +1,327 @@
+//! # rpc-admin
+//!
+//! The admin endpoint of one process: what an operator (or `rpcctl`, or a console) reads and
+//! steers while it runs. Governance state lives in each process (breakers, endpoint health,
+//! options resolved from several levels), so each process that wants to be seen serves it,
+//! opt-in, over HTTP on loopback by default:
+//!
+//! | route | what |
+//! |---|---|
+//! | `GET /healthz` | `ok` while the process serves HTTP (no token needed) |
+//! | `GET /readyz` | 200 when the server is registered and not draining, 503 with the reason |
+//! | `GET /metrics` | Prometheus text format: calls, latency, governance events, breakers, endpoint health |
+//! | `GET /api/services` | services, instances (with metadata) and entries, as this process sees them |
+//! | `GET /api/entries` | per entry, every option in force with the level that set it |
+//! | `GET /api/breakers` | each entry's breaker |
+//! | `POST /api/breakers/{entry}/isolate`, `.../reset` | opens an entry's breaker until reset, closes it |
+//! | `GET /api/endpoints` | endpoint health with reason and failures in a row |
+//! | `POST /api/endpoints/{addr}/readmit` | takes an endpoint back |
+//! | `GET /api/stats` | per entry over the last window: calls/s, error rate, p50/p99 ms |
+//! | `GET /api/events?limit=N` | recent governance events (a bounded ring) |
+//! | `GET /api/events/stream` | governance events as they happen (server-sent events, one JSON event per message) |
+//!
+//! Every route but `/healthz` needs `Authorization: Bearer <token>` when a token is set; a
+//! missing or wrong token gets 401 with a JSON `{"error": ...}` saying what to send. An unknown
+//! entry or endpoint is 404 with a JSON error. Without a token the endpoint serves loopback
+//! only; a non-loopback address needs both a token and [`AdminBuilder::allow_remote`].
+//!
+//! ```no_run
+//! # async fn f(client: rpc_client::Client, server: rpc_server::ServerHandle) -> Result<(), rpc_admin::AdminError> {
+//! let admin = rpc_admin::Admin::builder()
+//!     .client(&client)
+//!     .server(&server)
+//!     .token("s3cret")
+//!     .serve("127.0.0.1:0")
+//!     .await?;
+//! println!("admin on {}", admin.local_addr());
+//! admin.shutdown().await;
+//! # Ok(()) }
+//! ```
+#![warn(missing_docs)]
+
+mod api;
+mod events;
+mod metrics;
+mod stats;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rpc_client::Client;
+use rpc_server::{ServerHandle, ServerStatus};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::events::EventLog;
+use crate::metrics::Metrics;
+use crate::stats::Stats;
+
+/// Why an admin endpoint did not start.
+#[derive(Debug, thiserror::Error)]
+pub enum AdminError {
+    /// The address is not `host:port`, or names no address.
+    #[error("admin address {addr:?} is not host:port (for example 127.0.0.1:9901): {reason}")]
+    BadAddress {
+        /// The address given.
+        addr: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A non-loopback address was given without [`AdminBuilder::allow_remote`].
+    #[error(
+        "admin address {addr} is not a loopback address: the admin endpoint steers breakers; \
+         serve it on 127.0.0.1, or call allow_remote(true) and set a token to expose it"
+    )]
+    NotLoopback {
+        /// The address given.
+        addr: String,
+    },
+    /// A non-loopback address was allowed, but no token was set.
+    #[error(
+        "admin address {addr} is reachable from other hosts, and no token is set: set one with \
+         token(..) (clients then send `Authorization: Bearer <token>`)"
+    )]
+    TokenRequired {
+        /// The address given.
+        addr: String,
+    },
+    /// Binding failed.
+    #[error("cannot listen on admin address {addr}: {source}")]
+    Bind {
+        /// The address given.
+        addr: String,
+        /// The system's reason.
+        source: std::io::Error,
+    },
+}
+
+/// Starts an admin endpoint: [`Admin::builder`].
+pub struct Admin;
+
+impl Admin {
+    /// A builder with nothing attached, no token, loopback only, the last 1000 events kept and
+    /// statistics over 10 s.
+    pub fn builder() -> AdminBuilder {
+        AdminBuilder {
+            client: None,
+            server: None,
+            token: None,
+            allow_remote: false,
+            events_kept: 1000,
+            stats_window: Duration::from_secs(10),
+        }
+    }
+}
+
+/// What an admin endpoint shows and how it is reached.
+pub struct AdminBuilder {
+    client: Option<Client>,
+    server: Option<ServerStatus>,
+    token: Option<String>,
+    allow_remote: bool,
+    events_kept: usize,
+    stats_window: Duration,
+}
+
+impl AdminBuilder {
+    /// Shows and steers this client: its breakers, endpoints, options, services, calls and
+    /// events.
+    pub fn client(mut self, client: &Client) -> Self {
+        self.client = Some(client.clone());
+        self
+    }
+
+    /// Shows this server: readiness, its published instance, its calls and events.
+    pub fn server(self, server: &ServerHandle) -> Self {
+        self.server_status(server.status())
+    }
+
+    /// Like [`server`](Self::server), from a [`ServerStatus`] already taken.
+    pub fn server_status(mut self, status: ServerStatus) -> Self {
+        self.server = Some(status);
+        self
+    }
+
+    /// Requires `Authorization: Bearer <token>` on every route but `/healthz`.
+    pub fn token(mut self, token: impl Into<String>) -> Self {
+        let token = token.into();
+        self.token = (!token.is_empty()).then_some(token);
+        self
+    }
+
+    /// Allows an address other hosts can reach (needs a token). Off by default.
+    pub fn allow_remote(mut self, yes: bool) -> Self {
+        self.allow_remote = yes;
+        self
+    }
+
+    /// How many recent events `GET /api/events` can return (1000 by default).
+    pub fn events_kept(mut self, n: usize) -> Self {
+        self.events_kept = n.max(1);
+        self
+    }
+
+    /// The window of `GET /api/stats`, in whole seconds (10 s by default).
+    pub fn stats_window(mut self, window: Duration) -> Self {
+        self.stats_window = window.max(Duration::from_secs(1));
+        self
+    }
+
+    /// Binds `addr` (`host:port`; port 0 picks a free port) and serves until
+    /// [`AdminHandle::shutdown`] or the handle is dropped. From now on the attached client's
+    /// and server's calls are counted and their events kept.
+    pub async fn serve(self, addr: &str) -> Result<AdminHandle, AdminError> {
+        let resolved: Vec<SocketAddr> = tokio::net::lookup_host(addr)
+            .await
+            .map_err(|e| AdminError::BadAddress {
+                addr: addr.to_string(),
+                reason: e.to_string(),
+            })?
+            .collect();
+        let Some(first) = resolved.first().copied() else {
+            return Err(AdminError::BadAddress {
+                addr: addr.to_string(),
+                reason: "it resolves to no address".into(),
+            });
+        };
+        let remote = resolved.iter().any(|a| !a.ip().is_loopback());
+        if remote && !self.allow_remote {
+            return Err(AdminError::NotLoopback {
+                addr: addr.to_string(),
+            });
+        }
+        if remote && self.token.is_none() {
+            return Err(AdminError::TokenRequired {
+                addr: addr.to_string(),
+            });
+        }
+        let listener = tokio::net::TcpListener::bind(first)
+            .await
+            .map_err(|source| AdminError::Bind {
+                addr: addr.to_string(),
+                source,
+            })?;
+        let local_addr = listener.local_addr().map_err(|source| AdminError::Bind {
+            addr: addr.to_string(),
+            source,
+        })?;
+        if self.token.is_none() {
+            tracing::warn!(
+                address = %local_addr,
+                "admin endpoint without a token: anyone on this host can isolate breakers"
+            );
+        }
+        let stop = CancellationToken::new();
+        let state = Arc::new(State {
+            metrics: Arc::new(Metrics::new()),
+            stats: Arc::new(Stats::new(self.stats_window)),
+            events: EventLog::new(self.events_kept),
+            token: self.token,
+            client: self.client,
+            server: self.server,
+            stop: stop.clone(),
+        });
+        state.attach();
+        let router = api::router(state);
+        let shutdown = stop.clone();
+        let task = tokio::spawn(async move {
+            let served = axum::serve(listener, router)
+                .with_graceful_shutdown(shutdown.cancelled_owned())
+                .await;
+            if let Err(e) = served {
+                tracing::warn!(error = %e, "admin endpoint stopped");
+            }
+        });
+        tracing::info!(address = %local_addr, "admin endpoint serving");
+        Ok(AdminHandle {
+            local_addr,
+            stop,
+            task: Some(task),
+        })
+    }
+}
+
+/// A running admin endpoint. Dropping it stops it (without waiting).
+pub struct AdminHandle {
+    local_addr: SocketAddr,
+    stop: CancellationToken,
+    task: Option<JoinHandle<()>>,
+}
+
+impl AdminHandle {
+    /// The bound address (with the real port when port 0 was asked for).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Stops serving: event streams end, requests in progress finish, then it returns.
+    pub async fn shutdown(mut self) {
+        self.stop.cancel();
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+    }
+}
+
+impl Drop for AdminHandle {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// What the routes share.
+pub(crate) struct State {
+    pub(crate) metrics: Arc<Metrics>,
+    pub(crate) stats: Arc<Stats>,
+    pub(crate) events: EventLog,
+    pub(crate) token: Option<String>,
+    pub(crate) client: Option<Client>,
+    pub(crate) server: Option<ServerStatus>,
+    /// Cancelled when the endpoint stops: ends the event subscriptions and streams.
+    pub(crate) stop: CancellationToken,
+}
+
+impl State {
+    /// Starts counting the attached client's and server's calls and reading their events.
+    fn attach(self: &Arc<Self>) {
+        if let Some(client) = &self.client {
+            client.observe_calls(self.metrics.clone());
+            client.observe_calls(self.stats.clone());
+            self.follow("client", client.events().subscribe());
+        }
+        if let Some(server) = &self.server {
+            server.observe_calls(self.metrics.clone());
+            server.observe_calls(self.stats.clone());
+            self.follow("server", server.events().subscribe());
+        }
+    }
+
+    /// Reads one bus's events into the log and the event counter until the endpoint stops.
+    fn follow(
+        self: &Arc<Self>,
+        side: &'static str,
+        mut rx: tokio::sync::broadcast::Receiver<rpc_governance::events::GovernanceEvent>,
+    ) {
+        use tokio::sync::broadcast::error::RecvError;
+        let state = Arc::downgrade(self);
+        let stop = self.stop.clone();
+        tokio::spawn(async move {
+            loop {
+                let next = tokio::select! {
+                    _ = stop.cancelled() => return,
+                    next = rx.recv() => next,
+                };
+                let Some(state) = state.upgrade() else { return };
+                match next {
+                    Ok(e) => {
+                        state.metrics.event(side, e.kind.as_str());
+                        state.events.push(side, &e);
+                    }
+                    Err(RecvError::Lagged(n)) => state.metrics.lost(n),
+                    Err(RecvError::Closed) => return,
+                }
+            }
+        });
+    }
+}

@@ -1,0 +1,209 @@
+//! Live statistics per entry over a sliding window: calls per second, error rate, p50 and p99
+//! latency, as a console's charts poll them (`GET /api/stats`).
+//!
+//! Prometheus computes rates from counters over its own scrapes; a console polling one process
+//! needs the figures ready, over the last few seconds only. Each entry keeps one bucket per
+//! second of the window (count, errors, a latency histogram), made when a call lands in it and
+//! dropped once the window has passed it, so an idle entry costs nothing but its name.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use hdrhistogram::Histogram;
+use rpc_governance::calls::{CallObserver, CallRecord, Side};
+use serde::Serialize;
+use tokio::time::Instant;
+
+/// Latencies are recorded in microseconds, from 1 µs to 10 minutes, to 2 significant digits
+/// (1 % precision is what a p99 panel shows).
+const MAX_MICROS: u64 = 600_000_000;
+
+/// One second of one entry.
+struct Bucket {
+    second: u64,
+    calls: u64,
+    errors: u64,
+    latency: Histogram<u32>,
+}
+
+/// The live statistics of every entry a process makes or handles calls of.
+pub(crate) struct Stats {
+    start: Instant,
+    window: u64,
+    entries: Mutex<BTreeMap<(&'static str, &'static str), VecDeque<Bucket>>>,
+}
+
+/// One entry's figures over the window.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub(crate) struct EntryStats {
+    /// `client` (calls made) or `server` (calls handled).
+    pub side: &'static str,
+    /// The entry id.
+    pub entry: String,
+    /// Calls that ended within the window.
+    pub calls: u64,
+    /// Of those, the ones that did not succeed (a fallback's answer counts as a failure).
+    pub errors: u64,
+    /// `calls` divided by the window's length.
+    pub calls_per_second: f64,
+    /// `errors / calls`, 0 without calls.
+    pub error_rate: f64,
+    /// Median latency, in milliseconds.
+    pub p50_ms: f64,
+    /// 99th percentile latency, in milliseconds.
+    pub p99_ms: f64,
+}
+
+impl Stats {
+    /// Statistics over the last `window` (whole seconds, at least one).
+    pub(crate) fn new(window: Duration) -> Self {
+        Stats {
+            start: Instant::now(),
+            window: window.as_secs().max(1),
+            entries: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    /// The window's length in seconds.
+    pub(crate) fn window_seconds(&self) -> u64 {
+        self.window
+    }
+
+    fn second(&self, at: Instant) -> u64 {
+        at.saturating_duration_since(self.start).as_secs()
+    }
+
+    /// Records a call that ended at `at`.
+    pub(crate) fn record(
+        &self,
+        side: Side,
+        entry: &'static str,
+        at: Instant,
+        elapsed: Duration,
+        ok: bool,
+    ) {
+        let second = self.second(at);
+        let mut entries = self.entries.lock().unwrap_or_else(|p| p.into_inner());
+        let buckets = entries.entry((side.as_str(), entry)).or_default();
+        while buckets
+            .front()
+            .is_some_and(|b| b.second + self.window <= second)
+        {
+            buckets.pop_front();
+        }
+        if buckets.back().is_none_or(|b| b.second != second) {
+            let Ok(latency) = Histogram::new_with_bounds(1, MAX_MICROS, 2) else {
+                return;
+            };
+            buckets.push_back(Bucket {
+                second,
+                calls: 0,
+                errors: 0,
+                latency,
+            });
+        }
+        if let Some(b) = buckets.back_mut() {
+            b.calls += 1;
+            b.errors += u64::from(!ok);
+            let micros = u64::try_from(elapsed.as_micros()).unwrap_or(MAX_MICROS);
+            b.latency.saturating_record(micros.clamp(1, MAX_MICROS));
+        }
+    }
+
+    /// Every entry's figures over the window ending at `now` (entries without calls in it
+    /// included, with zeros, so a chart's line does not vanish when traffic stops).
+    pub(crate) fn snapshot(&self, now: Instant) -> Vec<EntryStats> {
+        let second = self.second(now);
+        let entries = self.entries.lock().unwrap_or_else(|p| p.into_inner());
+        entries
+            .iter()
+            .map(|((side, entry), buckets)| {
+                let live = buckets.iter().filter(|b| b.second + self.window > second);
+                let (mut calls, mut errors) = (0, 0);
+                let mut latency: Option<Histogram<u32>> = None;
+                for b in live {
+                    calls += b.calls;
+                    errors += b.errors;
+                    match &mut latency {
+                        None => latency = Some(b.latency.clone()),
+                        Some(h) => {
+                            // Same bounds: adding cannot fail.
+                            let _ = h.add(&b.latency);
+                        }
+                    }
+                }
+                let ms = |q: f64| {
+                    latency
+                        .as_ref()
+                        .map_or(0.0, |h| h.value_at_quantile(q) as f64 / 1000.0)
+                };
+                EntryStats {
+                    side,
+                    entry: entry.to_string(),
+                    calls,
+                    errors,
+                    calls_per_second: calls as f64 / self.window as f64,
+                    error_rate: if calls == 0 {
+                        0.0
+                    } else {
+                        errors as f64 / calls as f64
+                    },
+                    p50_ms: ms(0.5),
+                    p99_ms: ms(0.99),
+                }
+            })
+            .collect()
+    }
+}
+
+impl CallObserver for Stats {
+    fn call_ended(&self, call: &CallRecord) {
+        self.record(
+            call.side,
+            call.entry,
+            Instant::now(),
+            call.elapsed,
+            call.outcome == "success",
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn figures_cover_the_window_and_percentiles_follow_the_recorded_latencies() {
+        let stats = Stats::new(Duration::from_secs(10));
+        let t0 = Instant::now();
+        // 100 calls of 1..=100 ms, every tenth failing, all in the window.
+        for i in 1..=100u64 {
+            stats.record(
+                Side::Client,
+                "a.A.m",
+                t0 + Duration::from_millis(20 * i),
+                Duration::from_millis(i),
+                i % 10 != 0,
+            );
+        }
+        let now = t0 + Duration::from_secs(3);
+        let s = &stats.snapshot(now)[0];
+        assert_eq!((s.side, s.entry.as_str()), ("client", "a.A.m"));
+        assert_eq!((s.calls, s.errors), (100, 10));
+        assert!((s.calls_per_second - 10.0).abs() < 1e-9, "{s:?}");
+        assert!((s.error_rate - 0.1).abs() < 1e-9, "{s:?}");
+        // The 50th of 1..=100 ms is 50 ms, the 99th 99 ms; within the histogram's 1 %.
+        assert!((s.p50_ms - 50.0).abs() <= 0.5, "{s:?}");
+        assert!((s.p99_ms - 99.0).abs() <= 1.0, "{s:?}");
+        // Ten seconds after the last call (at 2 s) nothing is left in the window, but the
+        // entry stays listed.
+        let later = stats.snapshot(t0 + Duration::from_secs(13));
+        assert_eq!(later[0].calls, 0);
+        assert_eq!(later[0].p99_ms, 0.0);
+        // Half the window later, only the calls of its second half count.
+        let mid = stats.snapshot(t0 + Duration::from_millis(11_500));
+        // Seconds 2.. of the calls (at 20·i ms: i = 100 at 2 s) remain: one call.
+        assert_eq!(mid[0].calls, 1, "{mid:?}");
+    }
+}

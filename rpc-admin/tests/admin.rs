@@ -1,0 +1,564 @@
+//! The admin endpoint over real TCP, with a real HTTP client: every route, the token's
+//! refusals, breakers isolated through the API as the client reports them, readiness while
+//! draining, the Prometheus text counting the calls the test made, and the event stream
+//! delivering an event a call caused.
+//!
+//! Expected values come from what the test did (calls made, failures asked for, options set),
+//! never from the endpoint's own figures.
+
+use std::time::Duration;
+
+use reqwest::StatusCode as Http;
+use rpc::{
+    Client, GovernanceOverrides, InProcessRegistry, RpcError, Server, ServerHandle, StatusCode,
+};
+use rpc_admin::{Admin, AdminError, AdminHandle};
+use serde_json::Value;
+
+#[rpc::service(name = "adm.Echo")]
+trait Echo {
+    #[governance(timeout_ms = 800)]
+    async fn echo(&self, text: String) -> Result<String, RpcError>;
+    /// Fails as asked: "business" with a business error, "overflow" with Overflow (which the
+    /// client retries), anything else succeeds.
+    async fn fail(&self, how: String) -> Result<String, RpcError>;
+}
+
+struct Plain;
+
+impl Echo for Plain {
+    async fn echo(&self, text: String) -> Result<String, RpcError> {
+        Ok(text)
+    }
+    async fn fail(&self, how: String) -> Result<String, RpcError> {
+        match how.as_str() {
+            "business" => Err(RpcError::business("refused, as asked")),
+            "overflow" => Err(RpcError::new(
+                StatusCode::OverflowMaxServerHandle,
+                "full, as asked",
+            )),
+            _ => Ok(how),
+        }
+    }
+}
+
+const TOKEN: &str = "t0ken";
+
+struct Setup {
+    server: ServerHandle,
+    client: Client,
+    echo: EchoClient,
+    admin: AdminHandle,
+    http: reqwest::Client,
+}
+
+impl Setup {
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.admin.local_addr())
+    }
+
+    async fn get(&self, path: &str) -> (Http, String) {
+        let r = self
+            .http
+            .get(self.url(path))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .expect("GET");
+        let status = r.status();
+        (status, r.text().await.expect("body"))
+    }
+
+    async fn get_json(&self, path: &str) -> Value {
+        let (status, body) = self.get(path).await;
+        assert_eq!(status, Http::OK, "{path}: {body}");
+        serde_json::from_str(&body).unwrap_or_else(|e| panic!("{path}: {e}: {body}"))
+    }
+
+    async fn post(&self, path: &str) -> (Http, Value) {
+        let r = self
+            .http
+            .post(self.url(path))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .expect("POST");
+        let status = r.status();
+        let body = r.text().await.expect("body");
+        (
+            status,
+            serde_json::from_str(&body).unwrap_or_else(|e| panic!("{path}: {e}: {body}")),
+        )
+    }
+}
+
+async fn setup() -> Setup {
+    let registry = InProcessRegistry::new();
+    let server = Server::builder()
+        .registry(registry.clone())
+        .metadata("version", "canary")
+        .add_service(EchoServer::new(Plain))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let client = Client::builder()
+        .registry(registry)
+        .override_options(
+            "adm.Echo.fail",
+            GovernanceOverrides {
+                retry_times: Some(1),
+                retry_interval_ms: Some(1),
+                ..GovernanceOverrides::NONE
+            },
+        )
+        .build();
+    let admin = Admin::builder()
+        .client(&client)
+        .server(&server)
+        .token(TOKEN)
+        .serve("127.0.0.1:0")
+        .await
+        .expect("admin");
+    Setup {
+        server,
+        echo: EchoClient::new(client.clone()),
+        client,
+        admin,
+        http: reqwest::Client::new(),
+    }
+}
+
+/// Waits, at most 10 s, until `path`'s JSON satisfies `done`; the events reach the endpoint
+/// through a subscription, a moment after the call that caused them.
+async fn until(s: &Setup, path: &str, done: impl Fn(&Value) -> bool) -> Value {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let v = s.get_json(path).await;
+        if done(&v) {
+            return v;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{path} never showed what was expected: {v}"
+        );
+        tokio::task::yield_now().await;
+    }
+}
+
+const GUARDED: [&str; 9] = [
+    "/readyz",
+    "/metrics",
+    "/api/services",
+    "/api/entries",
+    "/api/breakers",
+    "/api/endpoints",
+    "/api/stats",
+    "/api/events?limit=5",
+    "/api/events/stream",
+];
+
+#[tokio::test]
+async fn every_route_but_healthz_refuses_a_missing_or_wrong_token_saying_what_to_send() {
+    let s = setup().await;
+    let healthz = s.http.get(s.url("/healthz")).send().await.unwrap();
+    assert_eq!(healthz.status(), Http::OK);
+    assert_eq!(healthz.text().await.unwrap(), "ok");
+    for path in GUARDED {
+        for (token, why) in [(None, "missing token"), (Some("nope"), "wrong token")] {
+            let mut req = s.http.get(s.url(path));
+            if let Some(t) = token {
+                req = req.bearer_auth(t);
+            }
+            let r = req.send().await.unwrap();
+            assert_eq!(r.status(), Http::UNAUTHORIZED, "{path} {why}");
+            let body: Value = serde_json::from_str(&r.text().await.unwrap()).unwrap();
+            let error = body["error"].as_str().unwrap_or_default();
+            assert!(
+                error.contains(why) && error.contains("Authorization: Bearer"),
+                "{path}: {body}"
+            );
+        }
+        for path in [
+            "/api/breakers/adm.Echo.echo/isolate",
+            "/api/endpoints/x:1/readmit",
+        ] {
+            let r = s.http.post(s.url(path)).send().await.unwrap();
+            assert_eq!(r.status(), Http::UNAUTHORIZED, "{path}");
+        }
+    }
+    // With the token, each answers (the stream's body never ends: only its head is read).
+    for path in GUARDED {
+        let r = s
+            .http
+            .get(s.url(path))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), Http::OK, "{path}");
+    }
+    let (status, body) = s.get("/no/such/route").await;
+    assert_eq!(status, Http::NOT_FOUND);
+    assert!(body.contains("\"error\""), "{body}");
+    s.admin.shutdown().await;
+}
+
+#[tokio::test]
+async fn isolating_through_the_api_opens_the_breaker_the_client_reports_and_reset_closes_it() {
+    let s = setup().await;
+    assert_eq!(s.echo.echo("a".into()).await.unwrap(), "a");
+    let (status, body) = s.post("/api/breakers/adm.Echo.echo/isolate").await;
+    assert_eq!(status, Http::OK, "{body}");
+    assert_eq!(body["state"], "isolated");
+    // The client agrees, and so do its calls.
+    let state = s
+        .client
+        .breakers()
+        .into_iter()
+        .find(|(id, _)| id.as_str() == "adm.Echo.echo")
+        .map(|(_, state)| state);
+    assert!(
+        matches!(state, Some(rpc::BreakerState::Open { retry_after }) if retry_after == Duration::MAX),
+        "{state:?}"
+    );
+    let e = s.echo.echo("b".into()).await.unwrap_err();
+    assert_eq!(e.code(), StatusCode::CircuitOpen, "{e}");
+    let listed = s.get_json("/api/breakers").await;
+    assert_eq!(
+        listed["breakers"][0],
+        serde_json::json!({"entry": "adm.Echo.echo", "state": "isolated"})
+    );
+    let (status, body) = s.post("/api/breakers/adm.Echo.echo/reset").await;
+    assert_eq!(status, Http::OK, "{body}");
+    assert_eq!(body["state"], "closed");
+    assert_eq!(s.echo.echo("c".into()).await.unwrap(), "c");
+    // An entry the client never called, and an address it does not know: 404 with a reason.
+    let (status, body) = s.post("/api/breakers/adm.Echo.nothing/isolate").await;
+    assert_eq!(status, Http::NOT_FOUND);
+    assert!(
+        body["error"].as_str().unwrap().contains("adm.Echo.nothing"),
+        "{body}"
+    );
+    let (status, body) = s.post("/api/endpoints/127.0.0.1:1/readmit").await;
+    assert_eq!(status, Http::NOT_FOUND);
+    assert!(
+        body["error"].as_str().unwrap().contains("127.0.0.1:1"),
+        "{body}"
+    );
+    s.admin.shutdown().await;
+}
+
+#[tokio::test]
+async fn readyz_answers_503_with_the_reason_once_the_server_drains() {
+    let s = setup().await;
+    let (status, body) = s.get("/readyz").await;
+    assert_eq!((status, body.as_str()), (Http::OK, "ready"));
+    let Setup {
+        server,
+        admin,
+        http,
+        ..
+    } = s;
+    server.shutdown().await;
+    let r = http
+        .get(format!("http://{}/readyz", admin.local_addr()))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), Http::SERVICE_UNAVAILABLE);
+    assert!(r.text().await.unwrap().contains("draining"));
+}
+
+/// The value of the one sample line of `name` carrying every label of `labels`.
+fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    text.lines()
+        .filter(|l| l.starts_with(&format!("{name}{{")))
+        .find(|l| {
+            labels
+                .iter()
+                .all(|(k, v)| l.contains(&format!("{k}=\"{v}\"")))
+        })
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+#[tokio::test]
+async fn metrics_count_the_calls_made_per_entry_status_and_side_with_latency_and_events() {
+    let s = setup().await;
+    for i in 0..5 {
+        s.echo.echo(format!("{i}")).await.unwrap();
+    }
+    for _ in 0..2 {
+        let e = s.echo.fail("business".into()).await.unwrap_err();
+        assert_eq!(e.code(), StatusCode::BusinessError);
+    }
+    s.post("/api/breakers/adm.Echo.echo/isolate").await;
+    // The isolate event reaches the counter before the ring: once the ring has it, so has
+    // the counter.
+    until(&s, "/api/events", |v| {
+        v["events"]
+            .as_array()
+            .is_some_and(|e| e.iter().any(|e| e["kind"] == "isolate"))
+    })
+    .await;
+    let r = s
+        .http
+        .get(s.url("/metrics"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    let content_type = r.headers()[reqwest::header::CONTENT_TYPE]
+        .to_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        content_type.starts_with("application/openmetrics-text"),
+        "{content_type}"
+    );
+    let text = r.text().await.unwrap();
+    for side in ["client", "server"] {
+        let calls = |entry, status, outcome| {
+            sample(
+                &text,
+                "rpc_calls_total",
+                &[
+                    ("side", side),
+                    ("entry", entry),
+                    ("status", status),
+                    ("outcome", outcome),
+                ],
+            )
+        };
+        assert_eq!(
+            calls("adm.Echo.echo", "200", "success"),
+            Some(5.0),
+            "{side}\n{text}"
+        );
+        assert_eq!(
+            calls("adm.Echo.fail", "1000", "error"),
+            Some(2.0),
+            "{side}\n{text}"
+        );
+        let count = |entry| {
+            sample(
+                &text,
+                "rpc_call_duration_seconds_count",
+                &[("side", side), ("entry", entry)],
+            )
+        };
+        assert_eq!(count("adm.Echo.echo"), Some(5.0), "{text}");
+        assert_eq!(count("adm.Echo.fail"), Some(2.0), "{text}");
+    }
+    assert_eq!(
+        sample(
+            &text,
+            "rpc_governance_events_total",
+            &[("side", "client"), ("kind", "isolate")]
+        ),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(
+        sample(&text, "rpc_breaker_state", &[("entry", "adm.Echo.echo")]),
+        Some(2.0)
+    );
+    let address = s.server.address().to_string();
+    assert_eq!(
+        sample(&text, "rpc_endpoint_health", &[("address", &address)]),
+        Some(0.0)
+    );
+    assert!(text.contains("\nrpc_server_ready 1\n"), "{text}");
+    assert!(text.ends_with("# EOF\n"), "{text}");
+    s.admin.shutdown().await;
+}
+
+#[tokio::test]
+async fn the_json_api_shows_services_options_with_their_level_endpoints_stats_and_events() {
+    let s = setup().await;
+    s.client
+        .update_options(
+            "adm.Echo.echo",
+            GovernanceOverrides {
+                retry_times: Some(0),
+                ..GovernanceOverrides::NONE
+            },
+        )
+        .unwrap();
+    for _ in 0..3 {
+        s.echo.echo("x".into()).await.unwrap();
+    }
+    s.echo.fail("business".into()).await.unwrap_err();
+    // Changing an entry already called reloads its options: a `reload` event.
+    s.client
+        .update_options(
+            "adm.Echo.echo",
+            GovernanceOverrides {
+                deadline_slack_ms: Some(40),
+                ..GovernanceOverrides::NONE
+            },
+        )
+        .unwrap();
+    let address = s.server.address().to_string();
+
+    let services = s.get_json("/api/services").await;
+    let client = &services["client"][0];
+    assert_eq!(client["service"], "adm.Echo");
+    assert_eq!(client["instances"][0]["address"], address.as_str());
+    assert_eq!(client["instances"][0]["metadata"]["version"], "canary");
+    let entries: Vec<&str> = client["instances"][0]["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(entries, ["adm.Echo.echo", "adm.Echo.fail"]);
+    assert_eq!(services["server"]["instance"]["address"], address.as_str());
+    assert_eq!(services["server"]["registered"], true);
+
+    // Levels: the attribute says timeout_ms = 800, and the server publishes it with its
+    // instance (the higher level of the two: published); a runtime update set retry_times = 0;
+    // the rest are defaults.
+    let entries = s.get_json("/api/entries").await;
+    let echo = entries["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["entry"] == "adm.Echo.echo")
+        .expect("echo listed");
+    let o = &echo["options"];
+    assert_eq!(
+        o["timeout_ms"],
+        serde_json::json!({"value": 800, "level": "published"})
+    );
+    assert_eq!(
+        o["retry_times"],
+        serde_json::json!({"value": 0, "level": "runtime"})
+    );
+    assert_eq!(
+        o["deadline_slack_ms"],
+        serde_json::json!({"value": 40, "level": "runtime"})
+    );
+    assert_eq!(
+        o["breaker_seconds"],
+        serde_json::json!({"value": 60, "level": "default"})
+    );
+    assert_eq!(
+        o.as_object().unwrap().len(),
+        rpc::crates::core::OPTIONS.len()
+    );
+
+    let endpoints = s.get_json("/api/endpoints").await;
+    assert_eq!(endpoints["endpoints"][0]["address"], address.as_str());
+    assert_eq!(endpoints["endpoints"][0]["state"], "healthy");
+    assert_eq!(endpoints["endpoints"][0]["failures"], 0);
+    let (status, body) = s.post(&format!("/api/endpoints/{address}/readmit")).await;
+    assert_eq!(status, Http::OK, "{body}");
+    assert_eq!(body["had_mark"], false);
+
+    // Within the window: 3 successes of `echo`, 1 failure of `fail`, on each side.
+    let stats = s.get_json("/api/stats").await;
+    assert_eq!(stats["window_seconds"], 10);
+    let of = |side: &str, entry: &str| {
+        stats["entries"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["side"] == side && e["entry"] == entry)
+            .cloned()
+            .unwrap_or_else(|| panic!("{side} {entry}: {stats}"))
+    };
+    for side in ["client", "server"] {
+        let echo = of(side, "adm.Echo.echo");
+        assert_eq!(
+            (echo["calls"].as_u64(), echo["errors"].as_u64()),
+            (Some(3), Some(0))
+        );
+        assert_eq!(echo["error_rate"], 0.0);
+        assert!((echo["calls_per_second"].as_f64().unwrap() - 0.3).abs() < 1e-9);
+        let p50 = echo["p50_ms"].as_f64().unwrap();
+        let p99 = echo["p99_ms"].as_f64().unwrap();
+        assert!(p50 > 0.0 && p50 <= p99, "{echo}");
+        let fail = of(side, "adm.Echo.fail");
+        assert_eq!(
+            (fail["calls"].as_u64(), fail["error_rate"].as_f64()),
+            (Some(1), Some(1.0))
+        );
+    }
+
+    // The second update emitted a reload event for `echo`; `limit` bounds the answer.
+    let events = until(&s, "/api/events?limit=1", |v| {
+        v["events"].as_array().is_some_and(|e| !e.is_empty())
+    })
+    .await;
+    let events = events["events"].as_array().unwrap();
+    assert_eq!(events.len(), 1);
+    assert_eq!(
+        (&events[0]["kind"], &events[0]["entry"]),
+        (&"reload".into(), &"adm.Echo.echo".into())
+    );
+    s.admin.shutdown().await;
+}
+
+#[tokio::test]
+async fn the_event_stream_delivers_an_event_a_call_caused() {
+    let s = setup().await;
+    let mut stream = s
+        .http
+        .get(s.url("/api/events/stream"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(stream.status(), Http::OK);
+    // The server answers Overflow: the client retries (retry_times = 1), a `retry` event.
+    let e = s.echo.fail("overflow".into()).await.unwrap_err();
+    assert!(e.code().is_overflow(), "{e}");
+    let mut buffer = String::new();
+    let event = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            while let Some(end) = buffer.find("\n\n") {
+                let message: String = buffer.drain(..end + 2).collect();
+                let data: String = message
+                    .lines()
+                    .filter_map(|l| l.strip_prefix("data:"))
+                    .map(str::trim_start)
+                    .collect();
+                if data.is_empty() {
+                    continue; // a keep-alive comment
+                }
+                let event: Value = serde_json::from_str(&data).expect("one JSON event");
+                if event["kind"] == "retry" {
+                    return event;
+                }
+            }
+            let chunk = stream.chunk().await.expect("read").expect("stream open");
+            buffer.push_str(std::str::from_utf8(&chunk).expect("utf-8"));
+        }
+    })
+    .await
+    .expect("a retry event within 10 s");
+    assert_eq!(event["side"], "client");
+    assert_eq!(event["entry"], "adm.Echo.fail");
+    assert_eq!(event["attempt"], 0);
+    assert!(
+        event["cause"].as_str().unwrap().contains("full, as asked"),
+        "{event}"
+    );
+    s.admin.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_non_loopback_address_needs_allow_remote_and_a_token() {
+    let e = Admin::builder().serve("0.0.0.0:0").await.err();
+    assert!(matches!(e, Some(AdminError::NotLoopback { .. })), "{e:?}");
+    let e = Admin::builder()
+        .allow_remote(true)
+        .serve("0.0.0.0:0")
+        .await
+        .err();
+    assert!(matches!(e, Some(AdminError::TokenRequired { .. })), "{e:?}");
+    let e = Admin::builder().serve("no-port").await.err();
+    assert!(matches!(e, Some(AdminError::BadAddress { .. })), "{e:?}");
+}

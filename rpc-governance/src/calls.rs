@@ -1,0 +1,162 @@
+//! Calls as they end, told to whatever in the process counts them besides OpenTelemetry: an
+//! admin endpoint's Prometheus metrics and its live statistics per entry.
+//!
+//! Such an observer is attached to a running client or server (an admin endpoint is opt-in and
+//! may start after them), so the client and the server each hold a [`CallObservers`] list
+//! from the start. While it is empty a call pays one relaxed atomic load for it and reads no
+//! clock.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use rpc_core::StatusCode;
+use tokio::time::Instant;
+
+/// Which side of a call a record describes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Side {
+    /// A call this process made.
+    Client,
+    /// A call this process handled.
+    Server,
+}
+
+impl Side {
+    /// `"client"` or `"server"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Side::Client => "client",
+            Side::Server => "server",
+        }
+    }
+}
+
+/// One call as it ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CallRecord {
+    /// Made or handled.
+    pub side: Side,
+    /// The service entry (its descriptor's id: an observer can keep it without copying).
+    pub entry: &'static str,
+    /// The final status (200 for success; for a fallback's answer, the status of the failure
+    /// it answered for); `None` for a call its caller gave up on.
+    pub status: Option<StatusCode>,
+    /// `success`, `error`, `fallback`, `timeout` or `cancelled`, as the OpenTelemetry
+    /// metrics' `rpc.outcome`.
+    pub outcome: &'static str,
+    /// From the call's start to its end, retries and fallback included.
+    pub elapsed: Duration,
+}
+
+/// Told of every call of the client or server it is attached to, synchronously, as the call
+/// ends: keep it short (count, record into a histogram).
+pub trait CallObserver: Send + Sync + 'static {
+    /// A call ended.
+    fn call_ended(&self, call: &CallRecord);
+}
+
+/// The observers of one client or one server. Cheap to clone; clones share the list.
+#[derive(Clone, Default)]
+pub struct CallObservers(Arc<Shared>);
+
+#[derive(Default)]
+struct Shared {
+    /// Whether the list has anything: what a call checks first.
+    any: AtomicBool,
+    list: RwLock<Vec<Arc<dyn CallObserver>>>,
+}
+
+impl std::fmt::Debug for CallObservers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CallObservers")
+            .field("active", &self.is_active())
+            .finish()
+    }
+}
+
+impl CallObservers {
+    /// An empty list.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds an observer; it is told of every call that starts from now on.
+    pub fn add(&self, observer: Arc<dyn CallObserver>) {
+        let mut list = self.0.list.write().unwrap_or_else(|p| p.into_inner());
+        list.push(observer);
+        self.0.any.store(true, Ordering::Release);
+    }
+
+    /// Whether any observer is attached.
+    pub fn is_active(&self) -> bool {
+        self.0.any.load(Ordering::Relaxed)
+    }
+
+    /// The start of a call, when something observes calls (`None` otherwise: no clock read).
+    pub fn start(&self) -> Option<Instant> {
+        self.is_active().then(Instant::now)
+    }
+
+    /// Tells every observer that a call started at `started` ended now.
+    pub fn ended(
+        &self,
+        side: Side,
+        entry: &'static str,
+        started: Instant,
+        status: Option<StatusCode>,
+        outcome: &'static str,
+    ) {
+        let record = CallRecord {
+            side,
+            entry,
+            status,
+            outcome,
+            elapsed: started.elapsed(),
+        };
+        let list = self.0.list.read().unwrap_or_else(|p| p.into_inner());
+        for observer in list.iter() {
+            observer.call_ended(&record);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+
+    #[derive(Default)]
+    struct Seen(Mutex<Vec<(String, Option<StatusCode>, &'static str)>>);
+
+    impl CallObserver for Seen {
+        fn call_ended(&self, c: &CallRecord) {
+            self.0
+                .lock()
+                .unwrap()
+                .push((c.entry.to_string(), c.status, c.outcome));
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn nothing_is_timed_until_an_observer_is_added_then_every_call_is_told() {
+        let observers = CallObservers::new();
+        assert!(observers.start().is_none());
+        let seen = Arc::new(Seen::default());
+        observers.clone().add(seen.clone());
+        let started = observers.start().expect("observed now");
+        tokio::time::advance(Duration::from_millis(7)).await;
+        observers.ended(
+            Side::Client,
+            "a.A.m",
+            started,
+            Some(StatusCode::Success),
+            "success",
+        );
+        assert_eq!(
+            *seen.0.lock().unwrap(),
+            [("a.A.m".to_string(), Some(StatusCode::Success), "success")]
+        );
+    }
+}

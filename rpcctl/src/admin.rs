@@ -1,0 +1,335 @@
+//! `rpcctl status` and `rpcctl events`: a process's admin endpoint (`--admin ADDR`, the
+//! address its `admin on <addr>` line printed; `--token T`).
+//!
+//! `status` shows the breakers, the endpoint health and the options set above their defaults,
+//! as tables, or everything as one JSON object with `--json`. `events` follows the governance
+//! event stream (server-sent events), one line per event, or one JSON object per line with
+//! `--json`, until the process stops, Ctrl-C, or `--count N` events.
+//!
+//! Exit codes: 2 when `--admin` is missing or the token is refused (the command line is
+//! wrong), 1 when the endpoint cannot be reached or answers with an error.
+
+use std::io::Write;
+
+use serde_json::Value;
+
+use crate::exit::Failure;
+
+/// An admin endpoint to talk to.
+pub struct Endpoint {
+    base: String,
+    token: Option<String>,
+    http: reqwest::Client,
+}
+
+impl Endpoint {
+    /// The endpoint at `addr` (`host:port`, or an `http://` URL), with `token` if given.
+    pub fn new(addr: Option<&str>, token: Option<&str>) -> Result<Self, Failure> {
+        let Some(addr) = addr.map(str::trim).filter(|a| !a.is_empty()) else {
+            return Err(Failure::usage(
+                "this command needs a process's admin endpoint: --admin host:port (or \
+                 RPCCTL_ADMIN), the address its `admin on <addr>` line printed",
+            ));
+        };
+        let base = if addr.starts_with("http://") || addr.starts_with("https://") {
+            addr.trim_end_matches('/').to_string()
+        } else {
+            format!("http://{addr}")
+        };
+        Ok(Endpoint {
+            base,
+            token: token.map(str::to_string),
+            http: reqwest::Client::new(),
+        })
+    }
+
+    async fn send(&self, path: &str) -> Result<reqwest::Response, Failure> {
+        let mut req = self.http.get(format!("{}{path}", self.base));
+        if let Some(t) = &self.token {
+            req = req.bearer_auth(t);
+        }
+        let response = req.send().await.map_err(|e| {
+            Failure::failed(format!(
+                "cannot reach the admin endpoint at {}: {e}; is the process running with \
+                 --admin, on this address?",
+                self.base
+            ))
+        })?;
+        let status = response.status();
+        if status.is_success() {
+            return Ok(response);
+        }
+        let body = response.text().await.unwrap_or_default();
+        let said = serde_json::from_str::<Value>(&body)
+            .ok()
+            .and_then(|v| v["error"].as_str().map(str::to_string))
+            .unwrap_or(body);
+        let message = format!("{}{path} answered {status}: {said}", self.base);
+        Err(if status == reqwest::StatusCode::UNAUTHORIZED {
+            Failure::usage(message)
+        } else {
+            Failure::failed(message)
+        })
+    }
+
+    async fn get_json(&self, path: &str) -> Result<Value, Failure> {
+        let response = self.send(path).await?;
+        let text = response.text().await.map_err(|e| {
+            Failure::failed(format!("{}{path}: reading the answer: {e}", self.base))
+        })?;
+        serde_json::from_str(&text)
+            .map_err(|e| Failure::failed(format!("{}{path}: not JSON ({e}): {text}", self.base)))
+    }
+
+    /// Readiness: `ready`, or the endpoint's reason.
+    async fn readiness(&self) -> Result<String, Failure> {
+        let mut req = self.http.get(format!("{}/readyz", self.base));
+        if let Some(t) = &self.token {
+            req = req.bearer_auth(t);
+        }
+        let r = req.send().await.map_err(|e| {
+            Failure::failed(format!(
+                "cannot reach the admin endpoint at {}: {e}",
+                self.base
+            ))
+        })?;
+        let status = r.status();
+        let text = r.text().await.unwrap_or_default();
+        match status.as_u16() {
+            200 | 503 => Ok(text),
+            _ => {
+                // The same refusal as every other route: let `send` word it.
+                self.send("/readyz").await?;
+                Ok(text)
+            }
+        }
+    }
+}
+
+/// `rpcctl status`.
+pub async fn status(addr: Option<&str>, token: Option<&str>, json: bool) -> Result<(), Failure> {
+    let admin = Endpoint::new(addr, token)?;
+    let ready = admin.readiness().await?;
+    let breakers = admin.get_json("/api/breakers").await?;
+    let endpoints = admin.get_json("/api/endpoints").await?;
+    let entries = admin.get_json("/api/entries").await?;
+    if json {
+        let all = serde_json::json!({
+            "ready": ready,
+            "breakers": breakers["breakers"],
+            "endpoints": endpoints["endpoints"],
+            "entries": entries["entries"],
+        });
+        println!("{all}");
+        return Ok(());
+    }
+    let mut out = String::new();
+    out.push_str(&format!("readiness: {ready}\n\nBREAKERS\n"));
+    let rows: Vec<Vec<String>> = list(&breakers["breakers"])
+        .map(|b| {
+            let detail = match b["state"].as_str().unwrap_or("") {
+                "closed" => format!("{} failures in a row", b["failures"]),
+                "open" => format!("probe in {} ms", b["retry_after_ms"]),
+                "half_open" => format!("{} probes in flight", b["probes"]),
+                "isolated" => "until reset".to_string(),
+                _ => String::new(),
+            };
+            vec![text(&b["entry"]), text(&b["state"]), detail]
+        })
+        .collect();
+    out.push_str(&table(&["ENTRY", "STATE", "DETAIL"], &rows));
+    out.push_str("\nENDPOINTS\n");
+    let rows: Vec<Vec<String>> = list(&endpoints["endpoints"])
+        .map(|e| {
+            let mut state = text(&e["state"]);
+            if let Some(ms) = e["retry_in_ms"].as_u64() {
+                state = format!("{state} ({ms} ms left)");
+            }
+            vec![
+                text(&e["address"]),
+                state,
+                text(&e["failures"]),
+                text(&e["reason"]),
+            ]
+        })
+        .collect();
+    out.push_str(&table(&["ADDRESS", "STATE", "FAILURES", "REASON"], &rows));
+    out.push_str("\nOPTIONS (those not at their default)\n");
+    let mut rows: Vec<Vec<String>> = Vec::new();
+    for e in list(&entries["entries"]) {
+        if let Some(options) = e["options"].as_object() {
+            for (name, o) in options {
+                if o["level"] != "default" {
+                    rows.push(vec![
+                        text(&e["entry"]),
+                        name.clone(),
+                        text(&o["value"]),
+                        text(&o["level"]),
+                    ]);
+                }
+            }
+        }
+    }
+    out.push_str(&table(&["ENTRY", "OPTION", "VALUE", "LEVEL"], &rows));
+    print!("{out}");
+    Ok(())
+}
+
+/// `rpcctl events`.
+pub async fn events(
+    addr: Option<&str>,
+    token: Option<&str>,
+    json: bool,
+    count: Option<usize>,
+) -> Result<(), Failure> {
+    let admin = Endpoint::new(addr, token)?;
+    let mut stream = admin.send("/api/events/stream").await?;
+    // The endpoint subscribed before answering: from here on no event is missed.
+    eprintln!(
+        "rpcctl: following the governance events of {} (Ctrl-C to stop)",
+        admin.base
+    );
+    let mut seen = 0usize;
+    if count == Some(0) {
+        return Ok(());
+    }
+    let mut buffer = String::new();
+    let stdout = std::io::stdout();
+    loop {
+        while let Some(end) = buffer.find("\n\n") {
+            let message: String = buffer.drain(..end + 2).collect();
+            let data: String = message
+                .lines()
+                .filter_map(|l| l.strip_prefix("data:"))
+                .map(|l| l.strip_prefix(' ').unwrap_or(l))
+                .collect::<Vec<_>>()
+                .join("\n");
+            if data.is_empty() {
+                continue; // a keep-alive comment
+            }
+            let line = if json {
+                data
+            } else {
+                match serde_json::from_str::<Value>(&data) {
+                    Ok(e) => human(&e),
+                    Err(_) => data,
+                }
+            };
+            let mut out = stdout.lock();
+            // A closed pipe (`| head`) ends the command quietly.
+            if writeln!(out, "{line}").and_then(|()| out.flush()).is_err() {
+                return Ok(());
+            }
+            seen += 1;
+            if count.is_some_and(|n| seen >= n) {
+                return Ok(());
+            }
+        }
+        match stream.chunk().await {
+            Ok(Some(chunk)) => buffer.push_str(&String::from_utf8_lossy(&chunk)),
+            Ok(None) => {
+                return Err(Failure::failed(format!(
+                    "{} closed the event stream (the process stopped, or its admin endpoint did)",
+                    admin.base
+                )))
+            }
+            Err(e) => {
+                return Err(Failure::failed(format!(
+                    "reading the event stream of {}: {e}",
+                    admin.base
+                )))
+            }
+        }
+    }
+}
+
+/// One event as a line for people: `seq side kind entry [endpoint] [attempt N]: cause`.
+fn human(e: &Value) -> String {
+    let mut line = format!(
+        "{} {} {} {}",
+        text(&e["seq"]),
+        text(&e["side"]),
+        text(&e["kind"]),
+        text(&e["entry"])
+    );
+    if let Some(endpoint) = e["endpoint"].as_str() {
+        line.push_str(&format!(" {endpoint}"));
+    }
+    if let Some(attempt) = e["attempt"].as_u64().filter(|a| *a > 0) {
+        line.push_str(&format!(" attempt {attempt}"));
+    }
+    if let Some(cause) = e["cause"].as_str() {
+        line.push_str(&format!(": {cause}"));
+    }
+    line
+}
+
+fn list(v: &Value) -> impl Iterator<Item = &Value> {
+    v.as_array().into_iter().flatten()
+}
+
+/// A value as a cell: strings without quotes, null as `-`.
+fn text(v: &Value) -> String {
+    match v {
+        Value::Null => "-".to_string(),
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+/// Left-aligned columns, two spaces apart; `(none)` under the header when empty.
+fn table(header: &[&str], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
+    for row in rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let line = |cells: Vec<&str>| {
+        let mut s = String::new();
+        for (i, (cell, w)) in cells.iter().zip(&widths).enumerate() {
+            if i + 1 == cells.len() {
+                s.push_str(cell);
+            } else {
+                s.push_str(&format!("{cell:<w$}  "));
+            }
+        }
+        s.trim_end().to_string() + "\n"
+    };
+    let mut out = line(header.to_vec());
+    if rows.is_empty() {
+        out.push_str("(none)\n");
+    }
+    for row in rows {
+        out.push_str(&line(row.iter().map(String::as_str).collect()));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tables_align_columns_and_say_when_empty() {
+        let t = table(
+            &["A", "BB"],
+            &[
+                vec!["long cell".into(), "x".into()],
+                vec!["s".into(), "y".into()],
+            ],
+        );
+        assert_eq!(t, "A          BB\nlong cell  x\ns          y\n");
+        assert_eq!(table(&["A"], &[]), "A\n(none)\n");
+    }
+
+    #[test]
+    fn an_event_line_names_side_kind_entry_endpoint_and_cause() {
+        let e = serde_json::json!({"seq": 3, "side": "client", "kind": "retry",
+            "entry": "a.A.m", "endpoint": "127.0.0.1:1", "attempt": 1, "cause": "full"});
+        assert_eq!(
+            human(&e),
+            "3 client retry a.A.m 127.0.0.1:1 attempt 1: full"
+        );
+    }
+}

@@ -1,0 +1,253 @@
+//! `rpcctl status` and `rpcctl events`, the built program run against a real process's admin
+//! endpoint (this test process: a server, a client that called it, and the endpoint, over
+//! TCP on loopback). Expected values come from what the test did to the client.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use rpc::admin::{Admin, AdminHandle};
+use rpc::{Client, GovernanceOverrides, InProcessRegistry, RpcError, Server, ServerHandle};
+use serde_json::Value;
+
+#[rpc::service(name = "ctl.Echo")]
+trait Echo {
+    #[governance(timeout_ms = 800)]
+    async fn echo(&self, text: String) -> Result<String, RpcError>;
+}
+
+struct Plain;
+
+impl Echo for Plain {
+    async fn echo(&self, text: String) -> Result<String, RpcError> {
+        Ok(text)
+    }
+}
+
+const TOKEN: &str = "ctl-token";
+
+struct Process {
+    server: ServerHandle,
+    client: Client,
+    admin: AdminHandle,
+}
+
+/// A server, a client that called `ctl.Echo.echo` once (with a runtime update of its
+/// retries), and the admin endpoint of both.
+async fn process() -> Process {
+    let registry = InProcessRegistry::new();
+    let server = Server::builder()
+        .registry(registry.clone())
+        .add_service(EchoServer::new(Plain))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let client = Client::builder().registry(registry).build();
+    EchoClient::new(client.clone())
+        .echo("hi".into())
+        .await
+        .expect("call");
+    client
+        .update_options(
+            "ctl.Echo.echo",
+            GovernanceOverrides {
+                retry_times: Some(1),
+                ..GovernanceOverrides::NONE
+            },
+        )
+        .expect("update");
+    let admin = Admin::builder()
+        .client(&client)
+        .server(&server)
+        .token(TOKEN)
+        .serve("127.0.0.1:0")
+        .await
+        .expect("admin");
+    Process {
+        server,
+        client,
+        admin,
+    }
+}
+
+/// Runs rpcctl with `args` to its end, off the runtime's threads (the endpoint it asks lives
+/// on them).
+async fn rpcctl(args: Vec<String>) -> Output {
+    tokio::task::spawn_blocking(move || {
+        Command::new(env!("CARGO_BIN_EXE_rpcctl"))
+            .args(&args)
+            .env_remove("RPCCTL_ADMIN")
+            .env_remove("RPCCTL_TOKEN")
+            .output()
+            .expect("run rpcctl")
+    })
+    .await
+    .expect("join")
+}
+
+fn args(list: &[&str]) -> Vec<String> {
+    list.iter().map(|s| s.to_string()).collect()
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_shows_breakers_endpoint_health_and_options_as_tables_and_json() {
+    let p = process().await;
+    let addr = p.admin.local_addr().to_string();
+    let endpoint = p.server.address().to_string();
+
+    let o = rpcctl(args(&["--admin", &addr, "--token", TOKEN, "status"])).await;
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(out.contains("readiness: ready"), "{out}");
+    let row = |first: &str| {
+        out.lines()
+            .find(|l| l.starts_with(first))
+            .map(|l| l.split_whitespace().collect::<Vec<_>>())
+            .unwrap_or_else(|| panic!("no row {first}:\n{out}"))
+    };
+    assert_eq!(row("ctl.Echo.echo  ")[..2], ["ctl.Echo.echo", "closed"]);
+    assert_eq!(row(&endpoint)[..3], [endpoint.as_str(), "healthy", "0"]);
+    let options: Vec<Vec<&str>> = out
+        .lines()
+        .filter(|l| l.starts_with("ctl.Echo.echo") && l.split_whitespace().count() == 4)
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert!(
+        options.contains(&vec!["ctl.Echo.echo", "retry_times", "1", "runtime"]),
+        "{out}"
+    );
+    assert!(
+        options.contains(&vec!["ctl.Echo.echo", "timeout_ms", "800", "published"]),
+        "{out}"
+    );
+
+    // The client isolates the entry: the next status says so, in JSON too.
+    p.client.isolate_entry("ctl.Echo.echo").expect("isolate");
+    let o = rpcctl(args(&[
+        "--admin", &addr, "--token", TOKEN, "--json", "status",
+    ]))
+    .await;
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: Value = serde_json::from_str(&stdout(&o)).expect("one JSON object");
+    assert_eq!(v["breakers"][0]["entry"], "ctl.Echo.echo");
+    assert_eq!(v["breakers"][0]["state"], "isolated");
+    assert_eq!(v["endpoints"][0]["address"], endpoint.as_str());
+    assert_eq!(
+        v["entries"][0]["options"]["retry_times"]["level"],
+        "runtime"
+    );
+    assert_eq!(v["ready"], "ready");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_exits_2_for_a_wrong_token_or_no_address_and_1_for_an_unreachable_one() {
+    let p = process().await;
+    let addr = p.admin.local_addr().to_string();
+    let o = rpcctl(args(&["--admin", &addr, "--token", "wrong", "status"])).await;
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("wrong token"), "{}", stderr(&o));
+    let o = rpcctl(args(&["status"])).await;
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("--admin"), "{}", stderr(&o));
+    // A port nothing listens on: bound, then released.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let closed_addr = closed.local_addr().unwrap().to_string();
+    drop(closed);
+    let o = rpcctl(args(&["--admin", &closed_addr, "status"])).await;
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("cannot reach"), "{}", stderr(&o));
+}
+
+/// Starts `rpcctl events --count 1` and returns once it follows the stream (its standard
+/// error says so), with its standard output's lines and whether it exited 0 (within 20 s).
+async fn follow(addr: &str, json: bool) -> (mpsc::Receiver<String>, tokio::task::JoinHandle<bool>) {
+    let mut a = args(&["--admin", addr, "--token", TOKEN, "events", "--count", "1"]);
+    if json {
+        a.insert(0, "--json".into());
+    }
+    let mut child = Command::new(env!("CARGO_BIN_EXE_rpcctl"))
+        .args(&a)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start rpcctl events");
+    let (out_tx, out_rx) = mpsc::channel();
+    let stdout = child.stdout.take().expect("stdout");
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = out_tx.send(line);
+        }
+    });
+    let stderr = child.stderr.take().expect("stderr");
+    let (err_tx, err_rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = err_tx.send(line);
+        }
+    });
+    let following = tokio::task::spawn_blocking(move || {
+        err_rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("rpcctl says it follows the stream")
+    })
+    .await
+    .expect("join");
+    assert!(following.contains("following"), "{following}");
+    let exit = tokio::task::spawn_blocking(move || {
+        // `wait` with a bound: the child is killed if it has not ended in 20 s.
+        let (tx, rx) = mpsc::channel();
+        let id = child.id();
+        std::thread::spawn(move || {
+            let _ = tx.send(child.wait().map(|s| s.success()).unwrap_or(false));
+        });
+        match rx.recv_timeout(Duration::from_secs(20)) {
+            Ok(ok) => ok,
+            Err(_) => {
+                let _ = Command::new("kill").arg(id.to_string()).status();
+                false
+            }
+        }
+    });
+    (out_rx, exit)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_prints_the_event_the_process_emits_once_following() {
+    let p = process().await;
+    let addr = p.admin.local_addr().to_string();
+
+    let (lines, exit) = follow(&addr, true).await;
+    p.client.isolate_entry("ctl.Echo.echo").expect("isolate");
+    assert!(exit.await.expect("join"), "rpcctl events --count 1 exits 0");
+    let line = lines
+        .recv_timeout(Duration::from_secs(5))
+        .expect("one line");
+    let e: Value = serde_json::from_str(&line).expect("a JSON object per line");
+    assert_eq!(
+        (e["side"].as_str(), e["kind"].as_str()),
+        (Some("client"), Some("isolate"))
+    );
+    assert_eq!(e["entry"], "ctl.Echo.echo");
+
+    let (lines, exit) = follow(&addr, false).await;
+    p.client
+        .reset_breaker_entry("ctl.Echo.echo")
+        .expect("reset");
+    assert!(exit.await.expect("join"));
+    let line = lines
+        .recv_timeout(Duration::from_secs(5))
+        .expect("one line");
+    assert!(
+        line.contains("client reset ctl.Echo.echo: reset by an operator"),
+        "{line}"
+    );
+}
