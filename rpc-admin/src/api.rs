@@ -46,9 +46,20 @@ pub(crate) fn router(state: Arc<State>) -> Router {
         .route_layer(middleware::from_fn_with_state(state.clone(), authorize));
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
+        .route("/", get(console))
         .merge(guarded)
         .fallback(not_found)
         .with_state(state)
+}
+
+/// The web console: one page built into the binary (nothing is fetched at build or run time)
+/// that polls the JSON API with the token the operator gives it (the page's `#token=...`
+/// fragment, which the browser never sends, or its form). The page itself holds no data, so it
+/// is served without the token.
+const CONSOLE: &str = include_str!("../assets/console.html");
+
+async fn console() -> axum::response::Html<&'static str> {
+    axum::response::Html(CONSOLE)
 }
 
 /// A JSON refusal.

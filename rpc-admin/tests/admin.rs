@@ -562,3 +562,41 @@ async fn a_non_loopback_address_needs_allow_remote_and_a_token() {
     let e = Admin::builder().serve("no-port").await.err();
     assert!(matches!(e, Some(AdminError::BadAddress { .. })), "{e:?}");
 }
+
+#[tokio::test]
+async fn the_console_page_is_served_without_the_token_and_polls_only_guarded_routes() {
+    let s = setup().await;
+    let r = s.http.get(s.url("/")).send().await.unwrap();
+    assert_eq!(r.status(), Http::OK);
+    let kind = r.headers()[reqwest::header::CONTENT_TYPE]
+        .to_str()
+        .unwrap()
+        .to_string();
+    assert!(kind.starts_with("text/html"), "{kind}");
+    let page = r.text().await.unwrap();
+    assert!(page.contains("<title>rpc console</title>"), "the page");
+    // Every API path the page reads is one the token guards (the page itself holds no data).
+    for path in [
+        "/api/services",
+        "/api/stats",
+        "/api/breakers",
+        "/api/endpoints",
+        "/api/events",
+    ] {
+        assert!(page.contains(path), "the page reads {path}");
+        assert!(
+            GUARDED.iter().any(|g| g.starts_with(path)),
+            "{path} is guarded"
+        );
+    }
+    assert!(
+        page.contains("Authorization") && page.contains("Bearer "),
+        "sends the token"
+    );
+    // Nothing is fetched from elsewhere (the only URL is the SVG namespace, a name).
+    let urls = page.replace("\"http://www.w3.org/2000/svg\"", "");
+    assert!(
+        !urls.contains("http://") && !urls.contains("https://"),
+        "self-contained"
+    );
+}
