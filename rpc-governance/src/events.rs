@@ -105,6 +105,28 @@ pub struct GovernanceEvent {
     pub rule_version: Option<i64>,
 }
 
+impl GovernanceEvent {
+    /// An event about no rule version, acted on (`observed = false`) or only observed.
+    fn of(
+        kind: EventKind,
+        entry: &Arc<str>,
+        endpoint: Option<&str>,
+        attempt: u32,
+        cause: Option<String>,
+        observed: bool,
+    ) -> Self {
+        GovernanceEvent {
+            kind,
+            entry: entry.clone(),
+            endpoint: endpoint.map(str::to_string),
+            attempt,
+            cause,
+            observed,
+            rule_version: None,
+        }
+    }
+}
+
 /// A function told of every event as it is emitted (metrics, for instance); see
 /// [`EventBus::set_observer`].
 pub type Observer = Arc<dyn Fn(&GovernanceEvent) + Send + Sync>;
@@ -208,15 +230,9 @@ impl EventBus {
         attempt: u32,
         cause: Option<String>,
     ) {
-        self.emit(GovernanceEvent {
-            kind,
-            entry: entry.clone(),
-            endpoint: endpoint.map(str::to_string),
-            attempt,
-            cause,
-            observed: false,
-            rule_version: None,
-        });
+        self.emit(GovernanceEvent::of(
+            kind, entry, endpoint, attempt, cause, false,
+        ));
     }
 
     /// Emits what a policy in observe mode would have done (`observed: true`): the same kind
@@ -229,14 +245,8 @@ impl EventBus {
         attempt: u32,
         cause: Option<String>,
     ) {
-        self.emit(GovernanceEvent {
-            kind,
-            entry: entry.clone(),
-            endpoint: endpoint.map(str::to_string),
-            attempt,
-            cause,
-            observed: true,
-            rule_version: None,
-        });
+        self.emit(GovernanceEvent::of(
+            kind, entry, endpoint, attempt, cause, true,
+        ));
     }
 }

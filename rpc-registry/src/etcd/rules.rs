@@ -161,18 +161,7 @@ impl RuleStore {
 
     /// The versions of `kind` the history keeps, oldest first.
     pub async fn history(&self, kind: RuleKind) -> Result<Vec<RuleVersion>, RuleError> {
-        let prefix = self.history_prefix(kind);
-        let mut kv = self.conn.client.kv_client();
-        let options = GetOptions::new()
-            .with_prefix()
-            .with_sort(SortTarget::Key, SortOrder::Ascend);
-        let resp = self
-            .conn
-            .call(
-                &format!("reading {prefix}"),
-                kv.get(prefix.as_bytes(), Some(options)),
-            )
-            .await?;
+        let resp = self.read_history(kind, false).await?;
         Ok(resp
             .kvs()
             .iter()
@@ -198,21 +187,34 @@ impl RuleStore {
         self.set(kind, &old.text, expected).await
     }
 
-    /// Deletes the oldest history entries of `kind` beyond the limit.
-    async fn trim(&self, kind: RuleKind) -> Result<(), RuleError> {
+    /// The history entries of `kind`, oldest first (their keys only when `keys_only`).
+    async fn read_history(
+        &self,
+        kind: RuleKind,
+        keys_only: bool,
+    ) -> Result<etcd_client::GetResponse, RuleError> {
         let prefix = self.history_prefix(kind);
         let mut kv = self.conn.client.kv_client();
-        let options = GetOptions::new()
+        let mut options = GetOptions::new()
             .with_prefix()
-            .with_keys_only()
             .with_sort(SortTarget::Key, SortOrder::Ascend);
-        let resp = self
+        if keys_only {
+            options = options.with_keys_only();
+        }
+        Ok(self
             .conn
             .call(
                 &format!("reading {prefix}"),
                 kv.get(prefix.as_bytes(), Some(options)),
             )
-            .await?;
+            .await?)
+    }
+
+    /// Deletes the oldest history entries of `kind` beyond the limit.
+    async fn trim(&self, kind: RuleKind) -> Result<(), RuleError> {
+        let prefix = self.history_prefix(kind);
+        let mut kv = self.conn.client.kv_client();
+        let resp = self.read_history(kind, true).await?;
         let keys = resp.kvs();
         if keys.len() <= self.history_limit {
             return Ok(());
