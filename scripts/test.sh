@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The project's test command (README): installs what the tests need (etcd, protoc, prometheus)
-# when it is missing, then checks formatting, lints and the API docs and runs every test of the workspace
-# with every feature (the etcd tests start their own etcd on free loopback ports).
+# The project's test command (README): installs what the tests need (etcd, protoc, prometheus,
+# chromium and chromedriver) when it is missing, then checks formatting, lints and the API docs
+# and runs every test of the workspace with every feature (the etcd tests start their own etcd on
+# free loopback ports).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -10,6 +11,9 @@ command -v etcd >/dev/null 2>&1 || need+=(etcd-server)
 command -v protoc >/dev/null 2>&1 || need+=(protobuf-compiler)
 # rpc-admin's Prometheus test scrapes a running server with a real Prometheus.
 command -v prometheus >/dev/null 2>&1 || need+=(prometheus)
+# rpc-admin's console test drives the web console in a real headless chromium through chromedriver.
+command -v chromium >/dev/null 2>&1 || need+=(chromium)
+command -v chromedriver >/dev/null 2>&1 || need+=(chromium-driver)
 if ((${#need[@]})); then
   echo "== installing ${need[*]}"
   sudo=""
