@@ -1,0 +1,499 @@
+//! The web console in a real headless chromium, driven through chromedriver (WebDriver), against a
+//! real server, client and admin endpoint over TCP: the page takes the token from its fragment
+//! and shows the running service, its isolate button isolates the breaker (as the JSON API and
+//! the client's next call confirm), and a wrong token shows the refusal and no data.
+//!
+//! The page is what an operator uses, so it is tested the way an operator uses it: in a browser,
+//! clicking. Every wait is a bounded poll on a WebDriver condition (an element, or a script's
+//! answer), never a fixed delay. Expected values come from what the test set up (the server's
+//! address, its metadata, the entry it called) and from the JSON API read with a plain HTTP
+//! client, never from the page alone.
+//!
+//! Needs `chromium` and `chromedriver` on the PATH; scripts/test.sh installs Debian's `chromium`
+//! and `chromium-driver` when they are missing.
+
+use std::os::unix::fs::PermissionsExt;
+use std::panic::AssertUnwindSafe;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use fantoccini::elements::Element;
+use fantoccini::wd::Capabilities;
+use fantoccini::{Client as Browser, ClientBuilder, Locator};
+use futures_util::FutureExt;
+use hyper_util::client::legacy::connect::HttpConnector;
+use rpc::{Client, InProcessRegistry, RpcError, Server, ServerHandle, StatusCode};
+use rpc_admin::{Admin, AdminHandle};
+use serde_json::{json, Value};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+#[rpc::service(name = "con.Echo")]
+trait Echo {
+    async fn echo(&self, text: String) -> Result<String, RpcError>;
+}
+
+struct Plain;
+
+impl Echo for Plain {
+    async fn echo(&self, text: String) -> Result<String, RpcError> {
+        Ok(text)
+    }
+}
+
+const TOKEN: &str = "console-t0ken";
+const SERVICE: &str = "con.Echo";
+const ENTRY: &str = "con.Echo.echo";
+
+/// The longest any one wait (chromedriver starting, the page showing something) may take: far
+/// above what it takes on a loaded two-core machine (about a second), so a failure means the page
+/// never got there.
+const WAIT: Duration = Duration::from_secs(30);
+/// How often a wait looks again.
+const POLL: Duration = Duration::from_millis(50);
+
+const MISSING: &str = "the console test drives a real headless chromium through chromedriver: \
+    install Debian's `chromium` and `chromium-driver` (scripts/test.sh does when they are missing)";
+
+/// The executable `name` on the PATH, as `which` finds it.
+fn on_path(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(name))
+        .find(|p| {
+            p.metadata()
+                .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        })
+}
+
+/// The chromium chromedriver starts: the one on the PATH, else Debian's.
+fn chromium() -> PathBuf {
+    on_path("chromium")
+        .or_else(|| Some(PathBuf::from("/usr/bin/chromium")).filter(|p| p.is_file()))
+        .unwrap_or_else(|| panic!("no chromium on the PATH nor at /usr/bin/chromium: {MISSING}"))
+}
+
+/// A chromedriver child on a free loopback port, killed with everything it started (its process
+/// group: the browsers) when dropped, so a failing test leaves no browser behind.
+struct Chromedriver {
+    child: Child,
+    port: u16,
+    /// What chromedriver printed, for failure messages.
+    output: Arc<Mutex<Vec<String>>>,
+}
+
+impl Chromedriver {
+    /// Starts chromedriver with `--port=0` (it picks a free port and prints it: no race for the
+    /// port) and waits, at most [`WAIT`], until it says it listens, then checks that it answers.
+    async fn start() -> Self {
+        let program = on_path("chromedriver")
+            .unwrap_or_else(|| panic!("no chromedriver on the PATH: {MISSING}"));
+        let mut child = Command::new(&program)
+            .arg("--port=0")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .process_group(0)
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {}: {e}; {MISSING}", program.display()));
+        let mut lines = BufReader::new(child.stdout.take().expect("piped stdout")).lines();
+        let output = Arc::new(Mutex::new(Vec::new()));
+        let started = tokio::time::timeout(WAIT, async {
+            while let Ok(Some(line)) = lines.next_line().await {
+                let port = listening_port(&line);
+                output.lock().unwrap().push(line);
+                if port.is_some() {
+                    return port;
+                }
+            }
+            None
+        })
+        .await;
+        let Ok(Some(port)) = started else {
+            panic!(
+                "chromedriver never said it listens within {WAIT:?} ({}); it printed: {:?}",
+                if started.is_err() {
+                    "timed out"
+                } else {
+                    "it exited"
+                },
+                output.lock().unwrap()
+            );
+        };
+        // Keep reading, so its output never fills the pipe and stays at hand for messages.
+        let sink = output.clone();
+        tokio::spawn(async move {
+            while let Ok(Some(line)) = lines.next_line().await {
+                sink.lock().unwrap().push(line);
+            }
+        });
+        let driver = Chromedriver {
+            child,
+            port,
+            output,
+        };
+        let status = reqwest::get(format!("{}/status", driver.url()))
+            .await
+            .unwrap_or_else(|e| panic!("chromedriver does not answer on port {port}: {e}"))
+            .text()
+            .await
+            .expect("chromedriver's /status");
+        let status: Value = serde_json::from_str(&status)
+            .unwrap_or_else(|e| panic!("chromedriver's /status is not JSON: {e}: {status}"));
+        assert_eq!(
+            status["value"]["ready"], true,
+            "chromedriver is not ready: {status}"
+        );
+        driver
+    }
+
+    fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// A new browser session: headless chromium, its own fresh profile (so nothing the page
+    /// keeps, such as its token, carries over from another session).
+    async fn browser(&self) -> Browser {
+        let mut caps = Capabilities::new();
+        caps.insert("browserName".into(), json!("chrome"));
+        caps.insert(
+            "goog:chromeOptions".into(),
+            json!({
+                "binary": chromium(),
+                "args": [
+                    "--headless",
+                    "--no-sandbox",
+                    "--disable-gpu",
+                    "--disable-dev-shm-usage",
+                    "--window-size=1400,1100",
+                ],
+            }),
+        );
+        ClientBuilder::new(HttpConnector::new())
+            .capabilities(caps)
+            .connect(&self.url())
+            .await
+            .unwrap_or_else(|e| {
+                panic!(
+                    "chromedriver could not start {}: {e}; it printed: {:?}",
+                    chromium().display(),
+                    self.output.lock().unwrap()
+                )
+            })
+    }
+
+    /// Runs `check` in a new browser session and ends the session whether or not `check`
+    /// panicked, so chromium quits in order; a panic is then passed on.
+    async fn with_browser<F, Fut>(&self, check: F)
+    where
+        F: FnOnce(Browser) -> Fut,
+        Fut: std::future::Future<Output = ()>,
+    {
+        let browser = self.browser().await;
+        let outcome = AssertUnwindSafe(check(browser.clone()))
+            .catch_unwind()
+            .await;
+        let closed = browser.close().await;
+        if let Err(panic) = outcome {
+            std::panic::resume_unwind(panic);
+        }
+        closed.expect("ending the browser session");
+    }
+}
+
+impl Drop for Chromedriver {
+    fn drop(&mut self) {
+        if let Some(pid) = self.child.id() {
+            // SAFETY: kill(2) with a negative pid signals the process group chromedriver leads
+            // (it was started with `process_group(0)`); it touches no memory of this process.
+            unsafe {
+                libc::kill(-(pid as libc::pid_t), libc::SIGKILL);
+            }
+        }
+        let _ = self.child.start_kill();
+    }
+}
+
+/// The port in chromedriver's `ChromeDriver was started successfully on port N.` line.
+fn listening_port(line: &str) -> Option<u16> {
+    let (_, rest) = line.split_once("started successfully on port ")?;
+    rest.trim_end().trim_end_matches('.').parse().ok()
+}
+
+struct Setup {
+    server: ServerHandle,
+    client: Client,
+    echo: EchoClient,
+    admin: AdminHandle,
+    http: reqwest::Client,
+}
+
+impl Setup {
+    /// The console's address with `token` in its fragment.
+    fn console(&self, token: &str) -> String {
+        format!("http://{}/#token={token}", self.admin.local_addr())
+    }
+
+    /// The JSON API, read with a plain HTTP client and the right token: the oracle.
+    async fn api(&self, path: &str) -> Value {
+        let r = self
+            .http
+            .get(format!("http://{}{path}", self.admin.local_addr()))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .expect("GET");
+        assert_eq!(r.status(), reqwest::StatusCode::OK, "{path}");
+        let body = r.text().await.expect("body");
+        serde_json::from_str(&body).unwrap_or_else(|e| panic!("{path}: {e}: {body}"))
+    }
+}
+
+/// A server and a client on one registry, one call made (so the client knows the service and
+/// the entry's breaker exists), and the admin endpoint of both behind [`TOKEN`].
+async fn setup() -> Setup {
+    let registry = InProcessRegistry::new();
+    let server = Server::builder()
+        .registry(registry.clone())
+        .metadata("version", "canary")
+        .add_service(EchoServer::new(Plain))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let client = Client::builder().registry(registry).build();
+    let admin = Admin::builder()
+        .client(&client)
+        .server(&server)
+        .token(TOKEN)
+        .serve("127.0.0.1:0")
+        .await
+        .expect("admin");
+    let echo = EchoClient::new(client.clone());
+    assert_eq!(echo.echo("a".into()).await.expect("first call"), "a");
+    Setup {
+        server,
+        client,
+        echo,
+        admin,
+        http: reqwest::Client::new(),
+    }
+}
+
+/// Waits, at most [`WAIT`], until the page has an element `locator` finds; `what` names it in
+/// the failure message, with the page's status line.
+async fn shows(browser: &Browser, what: &str, locator: Locator<'_>) -> Element {
+    match browser
+        .wait()
+        .at_most(WAIT)
+        .every(POLL)
+        .for_element(locator)
+        .await
+    {
+        Ok(element) => element,
+        Err(e) => {
+            let status = match browser.find(Locator::Id("status")).await {
+                Ok(s) => s.text().await.unwrap_or_default(),
+                Err(e) => format!("(no status line: {e})"),
+            };
+            panic!("the page never showed {what} within {WAIT:?}: {e}; its status line: {status:?}")
+        }
+    }
+}
+
+/// Waits, at most [`WAIT`], until `script` (a function body) returns true in the page.
+async fn until_script(browser: &Browser, what: &str, script: &str) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let answer = browser.execute(script, vec![]).await.expect("script");
+        if answer == Value::Bool(true) {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the page never got to {what} within {WAIT:?} (last answer: {answer})"
+        );
+        tokio::time::sleep(POLL).await;
+    }
+}
+
+async fn rows(browser: &Browser, table: &str) -> usize {
+    browser
+        .find_all(Locator::Css(&format!("#{table} tbody tr")))
+        .await
+        .expect("find rows")
+        .len()
+}
+
+#[tokio::test]
+async fn the_page_takes_the_token_from_its_fragment_and_shows_the_running_service() {
+    let s = setup().await;
+    let driver = Chromedriver::start().await;
+    let address = s.server.local_addr().to_string();
+    driver
+        .with_browser(|browser| async move {
+            browser.goto(&s.console(TOKEN)).await.expect("goto");
+            // The service's row names the server's address and the metadata it registered with.
+            let row = format!(
+                "//table[@id='services']//tr[@data-service='{SERVICE}']\
+                 [td[normalize-space(.)='{address}']][td[contains(., 'version=canary')]]"
+            );
+            shows(
+                &browser,
+                "the service's row with its address and metadata",
+                Locator::XPath(&row),
+            )
+            .await;
+            let status = shows(
+                &browser,
+                "the live status line",
+                Locator::XPath("//*[@id='status'][starts-with(normalize-space(.), 'live')]"),
+            )
+            .await;
+            assert!(status.text().await.unwrap().starts_with("live"));
+            // The entry the client calls has its charts (the live figures cover the last few
+            // seconds: a call now is in them), and its breaker is listed closed.
+            assert_eq!(s.echo.echo("b".into()).await.expect("call"), "b");
+            shows(
+                &browser,
+                "the entry's charts",
+                Locator::Css(&format!(
+                    "#stats .entry-stats[data-entry='{ENTRY}'][data-side='client'] svg polyline"
+                )),
+            )
+            .await;
+            shows(
+                &browser,
+                "the entry's closed breaker",
+                Locator::Css(&format!(
+                    "#breakers tr[data-entry='{ENTRY}'] td.state.closed"
+                )),
+            )
+            .await;
+            // The token leaves the address bar (a screenshot or a shared link does not carry it).
+            let url = browser.current_url().await.expect("url");
+            assert_eq!(url.fragment(), None, "{url}");
+            assert!(!url.as_str().contains(TOKEN), "{url}");
+        })
+        .await;
+}
+
+#[tokio::test]
+async fn clicking_isolate_isolates_the_breaker_as_the_api_and_the_clients_next_call_show() {
+    let s = setup().await;
+    let driver = Chromedriver::start().await;
+    driver
+        .with_browser(|browser| async move {
+            browser.goto(&s.console(TOKEN)).await.expect("goto");
+            let closed = format!("#breakers tr[data-entry='{ENTRY}'] td.state.closed");
+            shows(&browser, "the entry's closed breaker", Locator::Css(&closed)).await;
+            let before = s.api("/api/breakers").await;
+            assert_eq!(
+                (&before["breakers"][0]["entry"], &before["breakers"][0]["state"]),
+                (&json!(ENTRY), &json!("closed")),
+                "before the click: {before}"
+            );
+            // The page redraws its tables every second: a button found just before a redraw
+            // is gone by the click, so find it again (a bounded number of times).
+            let button = format!("#breakers tr[data-entry='{ENTRY}'] button.isolate");
+            let mut attempts = 0;
+            loop {
+                attempts += 1;
+                let b = shows(&browser, "the isolate button", Locator::Css(&button)).await;
+                match b.click().await {
+                    Ok(()) => break,
+                    Err(e) if e.is_stale_element_reference() && attempts < 10 => continue,
+                    Err(e) => panic!("clicking isolate (attempt {attempts}): {e}"),
+                }
+            }
+            shows(
+                &browser,
+                "the breaker isolated",
+                Locator::Css(&format!(
+                    "#breakers tr[data-entry='{ENTRY}'] td.state.isolated"
+                )),
+            )
+            .await;
+            // The API and the client agree with the page.
+            assert_eq!(
+                s.api("/api/breakers").await["breakers"],
+                json!([{"entry": ENTRY, "state": "isolated"}])
+            );
+            let state = s
+                .client
+                .breakers()
+                .into_iter()
+                .find(|(id, _)| id.as_str() == ENTRY)
+                .map(|(_, state)| state);
+            assert!(
+                matches!(state, Some(rpc::BreakerState::Open { retry_after }) if retry_after == Duration::MAX),
+                "{state:?}"
+            );
+            let e = s.echo.echo("b".into()).await.unwrap_err();
+            assert_eq!(e.code(), StatusCode::CircuitOpen, "{e}");
+            assert_eq!(e.code().as_u32(), 522, "{e}");
+        })
+        .await;
+}
+
+#[tokio::test]
+async fn a_wrong_token_shows_the_refusal_and_no_data() {
+    let s = setup().await;
+    // There is data to show: the right token reads the service and its breaker.
+    let services = s.api("/api/services").await;
+    assert!(services.to_string().contains(SERVICE), "{services}");
+    assert_eq!(
+        s.api("/api/breakers").await["breakers"]
+            .as_array()
+            .map(Vec::len),
+        Some(1)
+    );
+    let driver = Chromedriver::start().await;
+    driver
+        .with_browser(|browser| async move {
+            browser
+                .goto(&s.console("not-the-token"))
+                .await
+                .expect("goto");
+            let status = shows(
+                &browser,
+                "the refusal in its status line",
+                Locator::XPath("//*[@id='status'][starts-with(normalize-space(.), '401')]"),
+            )
+            .await;
+            let text = status.text().await.unwrap();
+            assert!(
+                text.contains("wrong token") && text.contains("Authorization: Bearer"),
+                "the status line says what went wrong and what to send: {text:?}"
+            );
+            // Wait until the page has polled twice (every request of the first round has
+            // been answered and handled), then nothing may have been filled in.
+            until_script(
+                &browser,
+                "its second poll",
+                "return performance.getEntriesByType('resource')\
+                   .filter((e) => e.name.endsWith('/api/services')).length >= 2;",
+            )
+            .await;
+            for table in ["services", "breakers", "endpoints"] {
+                assert_eq!(rows(&browser, table).await, 0, "#{table} has rows");
+            }
+            let events = browser.find(Locator::Id("events")).await.unwrap();
+            assert_eq!(events.text().await.unwrap(), "");
+            let stats = browser.find(Locator::Id("stats")).await.unwrap();
+            assert_eq!(stats.text().await.unwrap(), "no calls yet");
+            assert_eq!(
+                browser
+                    .find(Locator::Id("server-line"))
+                    .await
+                    .unwrap()
+                    .text()
+                    .await
+                    .unwrap(),
+                ""
+            );
+        })
+        .await;
+}
