@@ -65,7 +65,7 @@ async fn console() -> axum::response::Html<&'static str> {
 }
 
 /// A JSON refusal.
-pub(crate) fn refuse(status: StatusCode, message: impl Into<String>) -> Response {
+fn refuse(status: StatusCode, message: impl Into<String>) -> Response {
     (status, Json(json!({ "error": message.into() }))).into_response()
 }
 

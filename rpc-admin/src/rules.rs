@@ -25,10 +25,28 @@ use futures_util::future::BoxFuture;
 use rpc_registry::{RuleError, RuleKind, RuleVersion};
 use serde_json::{json, Value};
 
-use crate::api::refuse;
 use crate::State;
 
 type St = Shared<Arc<State>>;
+
+/// A refusal: its status and its JSON body (`{"error": ...}`, and more for a conflict).
+#[derive(Debug)]
+struct Refusal(StatusCode, Value);
+
+impl Refusal {
+    fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        Refusal(status, json!({ "error": message.into() }))
+    }
+}
+
+impl IntoResponse for Refusal {
+    fn into_response(self) -> Response {
+        (self.0, Json(self.1)).into_response()
+    }
+}
+
+/// What a route answers: a JSON object, or a refusal.
+type Answer = Result<Json<Value>, Refusal>;
 
 /// What the routes need of a rule store (the etcd `RuleStore`, feature `etcd`), as an object
 /// so that the routes are the same in every build.
@@ -83,9 +101,9 @@ pub(crate) fn routes() -> Router<Arc<State>> {
 }
 
 /// The kind a path names, or a 404 naming the kinds.
-fn kind_of(name: &str) -> Result<RuleKind, Response> {
+fn kind_of(name: &str) -> Result<RuleKind, Refusal> {
     name.parse::<RuleKind>()
-        .map_err(|e| refuse(StatusCode::NOT_FOUND, e.to_string()))
+        .map_err(|e| Refusal::new(StatusCode::NOT_FOUND, e.to_string()))
 }
 
 /// What to do when no store is attached.
@@ -101,39 +119,39 @@ const NO_STORE: &str = if cfg!(feature = "etcd") {
 };
 
 /// The attached store, or a 404 saying how to attach one.
-fn store(state: &State) -> Result<&dyn Store, Response> {
+fn store(state: &State) -> Result<&dyn Store, Refusal> {
     state
         .rules
         .as_deref()
-        .ok_or_else(|| refuse(StatusCode::NOT_FOUND, NO_STORE))
+        .ok_or_else(|| Refusal::new(StatusCode::NOT_FOUND, NO_STORE))
 }
 
 /// A store's refusal as an answer: an invalid document is 400, a version changed meanwhile
 /// 409 (with both versions, so a tool can reload), a version the history does not keep 404,
 /// an unreachable store 503.
-fn failed(e: RuleError) -> Response {
+fn failed(e: RuleError) -> Refusal {
     match e {
-        RuleError::Invalid { .. } => refuse(StatusCode::BAD_REQUEST, e.to_string()),
+        RuleError::Invalid { .. } => Refusal::new(StatusCode::BAD_REQUEST, e.to_string()),
         RuleError::Conflict {
             kind,
             expected,
             found,
-        } => (
+        } => Refusal(
             StatusCode::CONFLICT,
-            Json(json!({
+            json!({
                 "error": format!(
-                    "{e}: reload the {kind} rules (GET /api/rules/{kind}, version {found} now) \
-                     and apply your change to them"
+                    "the {kind} rules changed meanwhile (expected version {expected}, found \
+                     {found}); nothing was written: reload them (GET /api/rules/{kind}) and \
+                     apply your change again"
                 ),
                 "expected": expected,
                 "found": found,
-            })),
-        )
-            .into_response(),
+            }),
+        ),
         RuleError::UnknownVersion { .. } | RuleError::UnknownKind(_) => {
-            refuse(StatusCode::NOT_FOUND, e.to_string())
+            Refusal::new(StatusCode::NOT_FOUND, e.to_string())
         }
-        RuleError::Registry(_) => refuse(
+        RuleError::Registry(_) => Refusal::new(
             StatusCode::SERVICE_UNAVAILABLE,
             format!("{e}; the rules were not changed: try again once etcd answers"),
         ),
@@ -151,7 +169,7 @@ fn applied(state: &State, kind: RuleKind) -> Value {
 
 /// `GET /api/rules`: per kind, the version in force in the store (`null` without a store, 0
 /// when it holds none) and the versions this process applied.
-async fn overview(Shared(state): St) -> Response {
+async fn overview(Shared(state): St) -> Json<Value> {
     let store = state.rules.as_deref();
     let mut kinds = Vec::new();
     let mut store_error = None;
@@ -177,38 +195,25 @@ async fn overview(Shared(state): St) -> Response {
         "store_error": store_error,
         "kinds": kinds,
     }))
-    .into_response()
 }
 
 /// `GET /api/rules/{kind}`: the document in force (version 0 and no text when there is none).
-async fn document(Shared(state): St, Path(kind): Path<String>) -> Response {
-    let kind = match kind_of(&kind) {
-        Ok(k) => k,
-        Err(r) => return r,
-    };
-    let store = match store(&state) {
-        Ok(s) => s,
-        Err(r) => return r,
-    };
-    match store.get(kind).await {
-        Ok(v) => {
-            let (version, text) = v.map_or((0, Arc::from("")), |v| (v.version, v.text));
-            Json(json!({
-                "kind": kind.as_str(),
-                "version": version,
-                "text": &*text,
-                "applied": applied(&state, kind),
-            }))
-            .into_response()
-        }
-        Err(e) => failed(e),
-    }
+async fn document(Shared(state): St, Path(kind): Path<String>) -> Answer {
+    let kind = kind_of(&kind)?;
+    let v = store(&state)?.get(kind).await.map_err(failed)?;
+    let (version, text) = v.map_or((0, Arc::from("")), |v| (v.version, v.text));
+    Ok(Json(json!({
+        "kind": kind.as_str(),
+        "version": version,
+        "text": &*text,
+        "applied": applied(&state, kind),
+    })))
 }
 
 /// The body as the document's text, or a 400 saying what to send.
-fn text_of(body: &Bytes) -> Result<&str, Response> {
+fn text_of(body: &Bytes) -> Result<&str, Refusal> {
     std::str::from_utf8(body).map_err(|e| {
-        refuse(
+        Refusal::new(
             StatusCode::BAD_REQUEST,
             format!("the body must be the rules document, TOML text in UTF-8: {e}"),
         )
@@ -217,26 +222,19 @@ fn text_of(body: &Bytes) -> Result<&str, Response> {
 
 /// `POST /api/rules/{kind}/validate`: whether the body is a valid document of `kind`, and why
 /// not. Needs no store; writes nothing.
-async fn validate(Path(kind): Path<String>, body: Bytes) -> Response {
-    let kind = match kind_of(&kind) {
-        Ok(k) => k,
-        Err(r) => return r,
-    };
-    let text = match text_of(&body) {
-        Ok(t) => t,
-        Err(r) => return r,
-    };
-    match kind.validate(text) {
-        Ok(()) => Json(json!({ "valid": true })),
-        Err(e) => Json(json!({ "valid": false, "error": e.message() })),
-    }
-    .into_response()
+async fn validate(Path(kind): Path<String>, body: Bytes) -> Answer {
+    let kind = kind_of(&kind)?;
+    let text = text_of(&body)?;
+    Ok(Json(match kind.validate(text) {
+        Ok(()) => json!({ "valid": true }),
+        Err(e) => json!({ "valid": false, "error": e.message() }),
+    }))
 }
 
 /// The `expected` version of a write's query (`?expected=V`), or a 400 saying what to send.
-fn expected_of(query: Option<&str>, kind: RuleKind) -> Result<i64, Response> {
+fn expected_of(query: Option<&str>, kind: RuleKind) -> Result<i64, Refusal> {
     let missing = || {
-        refuse(
+        Refusal::new(
             StatusCode::BAD_REQUEST,
             format!(
                 "say which version this document replaces: PUT /api/rules/{kind}?expected=V, \
@@ -254,7 +252,7 @@ fn expected_of(query: Option<&str>, kind: RuleKind) -> Result<i64, Response> {
         .ok()
         .filter(|v| *v >= 0)
         .ok_or_else(|| {
-            refuse(
+            Refusal::new(
                 StatusCode::BAD_REQUEST,
                 format!(
                     "expected={value:?} is not a version: give the version GET /api/rules/{kind} \
@@ -270,94 +268,62 @@ async fn write(
     Path(kind): Path<String>,
     RawQuery(query): RawQuery,
     body: Bytes,
-) -> Response {
-    let kind = match kind_of(&kind) {
-        Ok(k) => k,
-        Err(r) => return r,
-    };
-    let expected = match expected_of(query.as_deref(), kind) {
-        Ok(v) => v,
-        Err(r) => return r,
-    };
-    let text = match text_of(&body) {
-        Ok(t) => t,
-        Err(r) => return r,
-    };
-    let store = match store(&state) {
-        Ok(s) => s,
-        Err(r) => return r,
-    };
-    match store.set(kind, text, expected).await {
-        Ok(version) => {
-            tracing::info!(
-                target: "rpc::rules",
-                kind = kind.as_str(),
-                expected,
-                version,
-                "rules written through the admin endpoint"
-            );
-            Json(json!({ "kind": kind.as_str(), "version": version })).into_response()
-        }
-        Err(e) => failed(e),
-    }
+) -> Answer {
+    let kind = kind_of(&kind)?;
+    let expected = expected_of(query.as_deref(), kind)?;
+    let text = text_of(&body)?;
+    let version = store(&state)?
+        .set(kind, text, expected)
+        .await
+        .map_err(failed)?;
+    tracing::info!(
+        target: "rpc::rules",
+        kind = kind.as_str(),
+        expected,
+        version,
+        "rules written through the admin endpoint"
+    );
+    Ok(Json(json!({ "kind": kind.as_str(), "version": version })))
 }
 
 /// `GET /api/rules/{kind}/history`: the versions the store keeps, oldest first.
-async fn history(Shared(state): St, Path(kind): Path<String>) -> Response {
-    let kind = match kind_of(&kind) {
-        Ok(k) => k,
-        Err(r) => return r,
-    };
-    let store = match store(&state) {
-        Ok(s) => s,
-        Err(r) => return r,
-    };
-    match store.history(kind).await {
-        Ok(list) => {
-            let versions: Vec<Value> = list
-                .iter()
-                .map(|v| json!({ "version": v.version, "text": &*v.text }))
-                .collect();
-            Json(json!({ "kind": kind.as_str(), "versions": versions })).into_response()
-        }
-        Err(e) => failed(e),
-    }
+async fn history(Shared(state): St, Path(kind): Path<String>) -> Answer {
+    let kind = kind_of(&kind)?;
+    let list = store(&state)?.history(kind).await.map_err(failed)?;
+    let versions: Vec<Value> = list
+        .iter()
+        .map(|v| json!({ "version": v.version, "text": &*v.text }))
+        .collect();
+    Ok(Json(json!({ "kind": kind.as_str(), "versions": versions })))
 }
 
 /// `POST /api/rules/{kind}/rollback/{version}`: writes the text of `version` again, as a new
 /// version.
-async fn rollback(Shared(state): St, Path((kind, version)): Path<(String, String)>) -> Response {
-    let kind = match kind_of(&kind) {
-        Ok(k) => k,
-        Err(r) => return r,
-    };
+async fn rollback(Shared(state): St, Path((kind, version)): Path<(String, String)>) -> Answer {
+    let kind = kind_of(&kind)?;
     let Ok(version) = version.parse::<i64>() else {
-        return refuse(
+        return Err(Refusal::new(
             StatusCode::BAD_REQUEST,
             format!(
                 "{version:?} is not a version: GET /api/rules/{kind}/history lists the versions \
                  to roll back to"
             ),
-        );
+        ));
     };
-    let store = match store(&state) {
-        Ok(s) => s,
-        Err(r) => return r,
-    };
-    match store.rollback(kind, version).await {
-        Ok(now) => {
-            tracing::info!(
-                target: "rpc::rules",
-                kind = kind.as_str(),
-                from = version,
-                version = now,
-                "rules rolled back through the admin endpoint"
-            );
-            Json(json!({ "kind": kind.as_str(), "version": now, "rolled_back_to": version }))
-                .into_response()
-        }
-        Err(e) => failed(e),
-    }
+    let now = store(&state)?
+        .rollback(kind, version)
+        .await
+        .map_err(failed)?;
+    tracing::info!(
+        target: "rpc::rules",
+        kind = kind.as_str(),
+        from = version,
+        version = now,
+        "rules rolled back through the admin endpoint"
+    );
+    Ok(Json(
+        json!({ "kind": kind.as_str(), "version": now, "rolled_back_to": version }),
+    ))
 }
 
 #[cfg(test)]

@@ -569,3 +569,46 @@ async fn every_rules_route_refuses_a_missing_or_wrong_token_and_writes_nothing()
     );
     assert_eq!(store.history(RuleKind::Governance).await.unwrap().len(), 1);
 }
+
+#[tokio::test]
+async fn the_console_page_carries_the_rules_editor_with_its_stable_ids() {
+    let admin = Admin::builder()
+        .token(TOKEN)
+        .serve("127.0.0.1:0")
+        .await
+        .expect("admin");
+    let r = reqwest::Client::new()
+        .get(format!("http://{}/", admin.local_addr()))
+        .send()
+        .await
+        .expect("GET /");
+    assert_eq!(r.status(), Http::OK);
+    let page = r.text().await.expect("page");
+    for id in [
+        "rules",
+        "rules-kind",
+        "rules-text",
+        "rules-validate",
+        "rules-save",
+        "rules-message",
+        "rules-history",
+    ] {
+        assert!(page.contains(&format!("id=\"{id}\"")), "#{id}");
+    }
+    // The routes it reads and writes, and the policies its observe controls edit.
+    for used in [
+        "\"/api/rules\"",
+        "/validate\"",
+        "/history\"",
+        "/rollback/\"",
+        "?expected=\"",
+    ] {
+        assert!(page.contains(used), "{used}");
+    }
+    for policy in ["breaker", "throttle", "outlier", "rate_limit", "admission"] {
+        assert!(page.contains(&format!("\"{policy}\"")), "{policy}");
+        // Each is a field the governance document takes in [defaults].
+        let doc = format!("[defaults]\n{policy}_observe = true\n");
+        assert!(RuleKind::Governance.validate(&doc).is_ok(), "{doc}");
+    }
+}
