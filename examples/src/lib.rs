@@ -111,10 +111,22 @@ pub async fn start_admin(
     client: Option<&rpc::Client>,
     server: Option<&rpc::ServerHandle>,
 ) -> Result<Option<rpc::admin::AdminHandle>, rpc::admin::AdminError> {
+    start_admin_with(addr, token, client, server, |builder| builder).await
+}
+
+/// Like [`start_admin`], with `more` adding to the builder what a program has besides a client
+/// and a server (`|b| b.rules(store)`: the rule store its `--registry etcd://...` names).
+pub async fn start_admin_with(
+    addr: Option<&str>,
+    token: Option<&str>,
+    client: Option<&rpc::Client>,
+    server: Option<&rpc::ServerHandle>,
+    more: impl FnOnce(rpc::admin::AdminBuilder) -> rpc::admin::AdminBuilder,
+) -> Result<Option<rpc::admin::AdminHandle>, rpc::admin::AdminError> {
     let Some(addr) = addr else {
         return Ok(None);
     };
-    let mut builder = rpc::admin::Admin::builder();
+    let mut builder = more(rpc::admin::Admin::builder());
     if let Some(token) = token {
         builder = builder.token(token);
     }

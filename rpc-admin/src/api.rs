@@ -42,7 +42,9 @@ pub(crate) fn router(state: Arc<State>) -> Router {
         .route("/api/stats", get(stats))
         .route("/api/events", get(events))
         .route("/api/events/stream", get(stream))
+        .merge(crate::rules::routes())
         .fallback(not_found)
+        .method_not_allowed_fallback(not_allowed)
         .route_layer(middleware::from_fn_with_state(state.clone(), authorize));
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
@@ -86,6 +88,18 @@ async fn not_found(req: Request) -> Response {
         format!(
             "no route {} {}; the routes are /healthz, /readyz, /metrics and /api/... (see the \
              README's \"Admin endpoint\")",
+            req.method(),
+            req.uri().path()
+        ),
+    )
+}
+
+async fn not_allowed(req: Request) -> Response {
+    refuse(
+        StatusCode::METHOD_NOT_ALLOWED,
+        format!(
+            "{} is not a method of {}; see the README's \"Admin endpoint\" for the methods of \
+             each route",
             req.method(),
             req.uri().path()
         ),

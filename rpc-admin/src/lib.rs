@@ -19,6 +19,16 @@
 //! | `GET /api/stats` | per entry over the last window: calls/s, error rate, p50/p99 ms |
 //! | `GET /api/events?limit=N` | recent governance events (a bounded ring) |
 //! | `GET /api/events/stream` | governance events as they happen (server-sent events, one JSON event per message) |
+//! | `GET /api/rules` | per rule kind: the version in force in the rule store, the versions this process applied |
+//! | `GET /api/rules/{kind}` | the `governance` or `routing` document in force: `{kind, version, text}` |
+//! | `POST /api/rules/{kind}/validate` | checks the body (TOML) as a document of that kind; writes nothing |
+//! | `PUT /api/rules/{kind}?expected=V` | validates the body and writes it over version `V`: `{version}`; 400 invalid, 409 changed meanwhile |
+//! | `GET /api/rules/{kind}/history` | the versions the store keeps, oldest first |
+//! | `POST /api/rules/{kind}/rollback/{version}` | writes that version's text again, as a new version |
+//!
+//! The rule routes read and write the etcd rule store attached with `AdminBuilder::rules`
+//! (feature `etcd`); without one they answer 404 saying how to attach it, while
+//! `GET /api/rules` still shows the versions applied and `validate` still checks a draft.
 //!
 //! Every route but `/healthz` needs `Authorization: Bearer <token>` when a token is set; a
 //! missing or wrong token gets 401 with a JSON `{"error": ...}` saying what to send. An unknown
@@ -42,6 +52,7 @@
 mod api;
 mod events;
 mod metrics;
+mod rules;
 mod stats;
 
 use std::net::SocketAddr;
@@ -110,6 +121,7 @@ impl Admin {
             allow_remote: false,
             events_kept: 1000,
             stats_window: Duration::from_secs(10),
+            rules: None,
         }
     }
 }
@@ -122,6 +134,7 @@ pub struct AdminBuilder {
     allow_remote: bool,
     events_kept: usize,
     stats_window: Duration,
+    rules: Option<Arc<dyn rules::Store>>,
 }
 
 impl AdminBuilder {
@@ -140,6 +153,16 @@ impl AdminBuilder {
     /// Like [`server`](Self::server), from a [`ServerStatus`] already taken.
     pub fn server_status(mut self, status: ServerStatus) -> Self {
         self.server = Some(status);
+        self
+    }
+
+    /// Shows and edits the rules of `store` (`/api/rules/...` and the console's rules editor):
+    /// the documents in force, validated writes over the version read, history and rollback.
+    /// Usually the store of the registry the process uses
+    /// ([`EtcdRegistry::rules`](rpc_registry::EtcdRegistry::rules)).
+    #[cfg(feature = "etcd")]
+    pub fn rules(mut self, store: rpc_registry::RuleStore) -> Self {
+        self.rules = Some(Arc::new(store));
         self
     }
 
@@ -220,6 +243,7 @@ impl AdminBuilder {
             token: self.token,
             client: self.client,
             server: self.server,
+            rules: self.rules,
             stop: stop.clone(),
         });
         state.attach();
@@ -278,6 +302,8 @@ pub(crate) struct State {
     pub(crate) token: Option<String>,
     pub(crate) client: Option<Client>,
     pub(crate) server: Option<ServerStatus>,
+    /// The rule store the rules routes read and write, if one is attached.
+    pub(crate) rules: Option<Arc<dyn rules::Store>>,
     /// Cancelled when the endpoint stops: ends the event subscriptions and streams.
     pub(crate) stop: CancellationToken,
 }

@@ -553,6 +553,7 @@ impl ServerBuilder {
             instance,
             events: self.events.clone(),
             calls: self.calls.clone(),
+            rules: rules.as_ref().map(|r| r.in_force.clone()),
         }));
         Ok(ServerHandle {
             events: self.events.clone(),
@@ -595,6 +596,7 @@ struct StatusInner {
     instance: Instance,
     events: EventBus,
     calls: CallObservers,
+    rules: Option<Arc<rpc_registry::rules::RulesInForce>>,
 }
 
 impl std::fmt::Debug for ServerStatus {
@@ -641,6 +643,12 @@ impl ServerStatus {
     /// for it.
     pub fn observe_calls(&self, observer: Arc<dyn CallObserver>) {
         self.0.calls.add(observer);
+    }
+
+    /// The version of the rules of `kind` in force on this server (see
+    /// [`ServerBuilder::rules`]), if one was applied.
+    pub fn rules_version(&self, kind: rpc_registry::RuleKind) -> Option<i64> {
+        self.0.rules.as_ref().and_then(|r| r.version(kind))
     }
 
     fn draining(&self) {

@@ -7,7 +7,12 @@
 //! ```
 //! Prints `listening on <addr>` once it accepts connections (and `admin on <addr>` once the
 //! admin endpoint listens, with `--admin`); stops gracefully on Ctrl-C or SIGTERM.
+//!
+//! With `--registry etcd://...` (build with `--features etcd`) the server also follows the
+//! rules of that etcd's rule store, and the admin endpoint shows and edits them (its
+//! `/api/rules` routes and the console's rules editor).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
@@ -60,12 +65,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         std::process::exit(2);
     });
     let ttl = Duration::from_secs(args.registry_ttl_secs);
-    let registry = <dyn Registry>::from_url_with_lease(&args.registry, Some(ttl))
-        .await
-        .unwrap_or_else(|e| {
-            eprintln!("echo-server: {e}");
-            std::process::exit(2);
-        });
+    let (registry, rules) = registry(&args.registry, ttl).await.unwrap_or_else(|e| {
+        eprintln!("echo-server: {e}");
+        std::process::exit(2);
+    });
     let mut builder = Server::builder()
         .shared_registry(registry)
         .max_concurrency(args.max_concurrency)
@@ -76,13 +79,22 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     if let Some(token) = args.token {
         builder = builder.token(token);
     }
+    #[cfg(feature = "etcd")]
+    if let Some(store) = &rules {
+        builder = builder.rules(store.clone());
+    }
     let server = builder.serve(("127.0.0.1", args.port)).await?;
     let addr = server.local_addr();
-    let admin = examples::start_admin(
+    let admin = examples::start_admin_with(
         args.admin.as_deref(),
         args.admin_token.as_deref(),
         None,
         Some(&server),
+        |admin| match rules {
+            #[cfg(feature = "etcd")]
+            Some(store) => admin.rules(store),
+            _ => admin,
+        },
     )
     .await
     .unwrap_or_else(|e| {
@@ -96,4 +108,30 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         admin.shutdown().await;
     }
     Ok(())
+}
+
+/// The rule store of an etcd registry (feature `etcd`); nothing without etcd support.
+#[cfg(feature = "etcd")]
+type Rules = rpc::RuleStore;
+#[cfg(not(feature = "etcd"))]
+type Rules = std::convert::Infallible;
+
+/// The registry `url` names, with `ttl` as the lease of the published instance, and for an
+/// etcd URL the rule store on the same connection.
+async fn registry(
+    url: &str,
+    ttl: Duration,
+) -> Result<(Arc<dyn Registry>, Option<Rules>), rpc::RegistryError> {
+    #[cfg(feature = "etcd")]
+    if url.trim().starts_with("etcd://") {
+        let options = rpc::EtcdOptions {
+            lease_ttl: ttl,
+            ..rpc::EtcdOptions::default()
+        };
+        let etcd = rpc::EtcdRegistry::from_url_with_options(url.trim(), options).await?;
+        let rules = etcd.rules();
+        return Ok((Arc::new(etcd), Some(rules)));
+    }
+    let registry = <dyn Registry>::from_url_with_lease(url, Some(ttl)).await?;
+    Ok((registry, None))
 }

@@ -1,0 +1,614 @@
+//! The admin endpoint's rules routes against a real etcd (started on free loopback ports by
+//! the tests' harness): every route's answer, each checked against the rule store read
+//! directly (`RuleStore::get` / `history`, the oracle); an invalid document and a stale
+//! version refused with nothing written; a rollback bringing an old text back as a new
+//! version; a client and a server following the store applying a document written through
+//! the endpoint; and the token's refusals.
+
+#[path = "../../tests/tests/common/etcd.rs"]
+mod etcd_harness;
+
+use std::future::Future;
+use std::time::Duration;
+
+use etcd_harness::Etcd;
+use reqwest::StatusCode as Http;
+use rpc::{Client, InProcessRegistry, RpcError, Server};
+use rpc_admin::{Admin, AdminHandle};
+use rpc_governance::events::{EventKind, GovernanceEvent};
+use rpc_registry::{EtcdOptions, EtcdRegistry, RuleKind, RuleStore};
+use serde_json::{json, Value};
+use tokio::sync::broadcast;
+
+#[rpc::service(name = "adm.Ruled")]
+trait Ruled {
+    async fn echo(&self, text: String) -> Result<String, RpcError>;
+}
+
+struct Plain;
+
+impl Ruled for Plain {
+    async fn echo(&self, text: String) -> Result<String, RpcError> {
+        Ok(text)
+    }
+}
+
+const TOKEN: &str = "t0ken";
+const V1: &str = "[defaults]\ntimeout_ms = 1000\n";
+const V2: &str = "[defaults]\ntimeout_ms = 2000\nbreaker_observe = true\n";
+const INVALID: &str = "[defaults]\ntimeout_ms = 10\nretry_tims = 2\n";
+const ROUTING: &str = "[[routes]]\nname = \"all-canary\"\nservice = \"adm.Ruled\"\n\
+                       to = [ { tags = { version = \"canary\" } } ]\n";
+
+/// Fails the test when `f` takes more than 10 s.
+async fn within<T>(what: &str, f: impl Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(10), f)
+        .await
+        .unwrap_or_else(|_| panic!("{what} took more than 10 s"))
+}
+
+async fn store(etcd: &Etcd) -> RuleStore {
+    let options = EtcdOptions {
+        connect_timeout: Duration::from_secs(1),
+        request_timeout: Duration::from_secs(1),
+        ..EtcdOptions::default()
+    };
+    EtcdRegistry::connect(&[etcd.endpoint()], options)
+        .await
+        .expect("etcd registry")
+        .rules()
+}
+
+/// An HTTP client for one admin endpoint, sending the token.
+struct Http1 {
+    base: String,
+    http: reqwest::Client,
+}
+
+impl Http1 {
+    fn new(admin: &AdminHandle) -> Self {
+        Http1 {
+            base: format!("http://{}", admin.local_addr()),
+            http: reqwest::Client::new(),
+        }
+    }
+
+    /// Sends `method path` with `body` (if any) and the token; the status and the JSON answer.
+    async fn send(&self, method: &str, path: &str, body: Option<&str>) -> (Http, Value) {
+        self.send_as(Some(TOKEN), method, path, body).await
+    }
+
+    async fn send_as(
+        &self,
+        token: Option<&str>,
+        method: &str,
+        path: &str,
+        body: Option<&str>,
+    ) -> (Http, Value) {
+        let method = reqwest::Method::from_bytes(method.as_bytes()).expect("method");
+        let mut req = self.http.request(method, format!("{}{path}", self.base));
+        if let Some(token) = token {
+            req = req.bearer_auth(token);
+        }
+        if let Some(body) = body {
+            req = req.body(body.to_string());
+        }
+        let r = within(path, req.send()).await.expect("request");
+        let status = r.status();
+        let text = r.text().await.expect("body");
+        let json = serde_json::from_str(&text)
+            .unwrap_or_else(|e| panic!("{path}: not JSON ({e}): {text}"));
+        (status, json)
+    }
+
+    /// `send`, expecting 200.
+    async fn ok(&self, method: &str, path: &str, body: Option<&str>) -> Value {
+        let (status, v) = self.send(method, path, body).await;
+        assert_eq!(status, Http::OK, "{method} {path}: {v}");
+        v
+    }
+}
+
+async fn admin_on(store: &RuleStore) -> AdminHandle {
+    Admin::builder()
+        .rules(store.clone())
+        .token(TOKEN)
+        .serve("127.0.0.1:0")
+        .await
+        .expect("admin")
+}
+
+/// The store's history as the routes answer it.
+async fn history_of(store: &RuleStore, kind: RuleKind) -> Vec<Value> {
+    store
+        .history(kind)
+        .await
+        .expect("history")
+        .iter()
+        .map(|v| json!({ "version": v.version, "text": &*v.text }))
+        .collect()
+}
+
+/// The store's document as `GET /api/rules/{kind}` answers it: version 0 and "" for none.
+async fn in_store(store: &RuleStore, kind: RuleKind) -> (i64, String) {
+    store
+        .get(kind)
+        .await
+        .expect("get")
+        .map_or((0, String::new()), |v| (v.version, v.text.to_string()))
+}
+
+#[tokio::test]
+async fn the_routes_show_write_list_and_roll_back_what_the_store_holds() {
+    let etcd = Etcd::start().await;
+    let store = store(&etcd).await;
+    let admin = admin_on(&store).await;
+    let api = Http1::new(&admin);
+
+    // Nothing yet: version 0 and no text, for both kinds.
+    let all = api.ok("GET", "/api/rules", None).await;
+    assert_eq!(all["store"], true, "{all}");
+    let kinds: Vec<&str> = all["kinds"]
+        .as_array()
+        .expect("kinds")
+        .iter()
+        .map(|k| k["kind"].as_str().expect("kind"))
+        .collect();
+    assert_eq!(kinds, ["governance", "routing"]);
+    assert!(
+        all["kinds"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|k| k["version"] == 0),
+        "{all}"
+    );
+    let doc = api.ok("GET", "/api/rules/governance", None).await;
+    assert_eq!(
+        (doc["version"].clone(), doc["text"].clone()),
+        (json!(0), json!(""))
+    );
+
+    // A write over "none" (expected=0): the store holds it, under the version answered.
+    let w1 = api
+        .ok("PUT", "/api/rules/governance?expected=0", Some(V1))
+        .await;
+    let v1 = w1["version"].as_i64().expect("version");
+    assert_eq!(
+        in_store(&store, RuleKind::Governance).await,
+        (v1, V1.into())
+    );
+    let doc = api.ok("GET", "/api/rules/governance", None).await;
+    assert_eq!(doc["kind"], "governance");
+    assert_eq!(doc["version"], v1);
+    assert_eq!(doc["text"], V1);
+
+    // A write over v1.
+    let path = format!("/api/rules/governance?expected={v1}");
+    let v2 = api.ok("PUT", &path, Some(V2)).await["version"]
+        .as_i64()
+        .expect("version");
+    assert!(v2 > v1, "{v2} after {v1}");
+    assert_eq!(
+        in_store(&store, RuleKind::Governance).await,
+        (v2, V2.into())
+    );
+
+    // The overview shows the store's versions, per kind.
+    let all = api.ok("GET", "/api/rules", None).await;
+    assert_eq!(all["kinds"][0]["version"], v2, "{all}");
+    assert_eq!(all["kinds"][1]["version"], 0, "{all}");
+
+    // The history is the store's, oldest first.
+    let h = api.ok("GET", "/api/rules/governance/history", None).await;
+    assert_eq!(h["kind"], "governance");
+    let versions = h["versions"].as_array().expect("versions").clone();
+    assert_eq!(versions, history_of(&store, RuleKind::Governance).await);
+    assert_eq!(
+        versions,
+        [
+            json!({ "version": v1, "text": V1 }),
+            json!({ "version": v2, "text": V2 })
+        ]
+    );
+
+    // Rolling back to v1 writes V1 again, as a new version, and the history keeps all three.
+    let r = api
+        .ok(
+            "POST",
+            &format!("/api/rules/governance/rollback/{v1}"),
+            None,
+        )
+        .await;
+    let v3 = r["version"].as_i64().expect("version");
+    assert!(v3 > v2, "{v3} after {v2}");
+    assert_eq!(
+        in_store(&store, RuleKind::Governance).await,
+        (v3, V1.into())
+    );
+    let h = api.ok("GET", "/api/rules/governance/history", None).await;
+    assert_eq!(h["versions"].as_array().unwrap().len(), 3, "{h}");
+    assert_eq!(h["versions"][2], json!({ "version": v3, "text": V1 }));
+
+    // Routing documents go through the same routes, to their own key.
+    let w = api
+        .ok("PUT", "/api/rules/routing?expected=0", Some(ROUTING))
+        .await;
+    let r1 = w["version"].as_i64().expect("version");
+    assert_eq!(
+        in_store(&store, RuleKind::Routing).await,
+        (r1, ROUTING.into())
+    );
+    assert_eq!(
+        in_store(&store, RuleKind::Governance).await,
+        (v3, V1.into())
+    );
+    let all = api.ok("GET", "/api/rules", None).await;
+    assert_eq!(all["kinds"][1]["version"], r1, "{all}");
+}
+
+#[tokio::test]
+async fn an_invalid_document_is_refused_with_400_naming_the_field_and_nothing_is_written() {
+    let etcd = Etcd::start().await;
+    let store = store(&etcd).await;
+    let admin = admin_on(&store).await;
+    let api = Http1::new(&admin);
+    let v1 = store.set(RuleKind::Governance, V1, 0).await.expect("set");
+    let before = history_of(&store, RuleKind::Governance).await;
+
+    // Validation answers what the rule kind's own check says, and writes nothing.
+    let why = RuleKind::Governance
+        .validate(INVALID)
+        .expect_err("invalid")
+        .message()
+        .to_string();
+    let v = api
+        .ok("POST", "/api/rules/governance/validate", Some(INVALID))
+        .await;
+    assert_eq!(v, json!({ "valid": false, "error": why }));
+    let v = api
+        .ok("POST", "/api/rules/governance/validate", Some(V2))
+        .await;
+    assert_eq!(v, json!({ "valid": true }));
+    // A routing document is not a governance document, and the other way round.
+    let v = api
+        .ok("POST", "/api/rules/routing/validate", Some(ROUTING))
+        .await;
+    assert_eq!(v["valid"], true, "{v}");
+    let v = api
+        .ok("POST", "/api/rules/governance/validate", Some(ROUTING))
+        .await;
+    assert_eq!(v["valid"], false, "{v}");
+
+    // A write of it: 400 with the line and the field, and the store is as it was.
+    let (status, e) = api
+        .send(
+            "PUT",
+            &format!("/api/rules/governance?expected={v1}"),
+            Some(INVALID),
+        )
+        .await;
+    assert_eq!(status, Http::BAD_REQUEST, "{e}");
+    let message = e["error"].as_str().expect("error");
+    assert!(
+        message.contains("line 3") && message.contains("retry_tims"),
+        "{message}"
+    );
+    assert!(message.contains("nothing was written"), "{message}");
+    assert_eq!(
+        in_store(&store, RuleKind::Governance).await,
+        (v1, V1.into())
+    );
+    assert_eq!(history_of(&store, RuleKind::Governance).await, before);
+
+    // Text that is not UTF-8 is refused before it is read.
+    let r = reqwest::Client::new()
+        .put(format!(
+            "http://{}/api/rules/governance?expected={v1}",
+            admin.local_addr()
+        ))
+        .bearer_auth(TOKEN)
+        .body(vec![0xff, 0xfe, b'a'])
+        .send()
+        .await
+        .expect("PUT");
+    assert_eq!(r.status(), Http::BAD_REQUEST);
+    let e: Value = serde_json::from_str(&r.text().await.expect("body")).expect("JSON");
+    assert!(e["error"].as_str().unwrap().contains("UTF-8"), "{e}");
+    assert_eq!(
+        in_store(&store, RuleKind::Governance).await,
+        (v1, V1.into())
+    );
+}
+
+#[tokio::test]
+async fn a_stale_or_missing_expected_version_is_refused_and_nothing_is_written() {
+    let etcd = Etcd::start().await;
+    let store = store(&etcd).await;
+    let admin = admin_on(&store).await;
+    let api = Http1::new(&admin);
+
+    // The console read "none" (0); meanwhile someone else wrote v1 (straight to the store).
+    let v1 = store.set(RuleKind::Governance, V1, 0).await.expect("set");
+    let (status, e) = api
+        .send("PUT", "/api/rules/governance?expected=0", Some(V2))
+        .await;
+    assert_eq!(status, Http::CONFLICT, "{e}");
+    assert_eq!(
+        (e["expected"].clone(), e["found"].clone()),
+        (json!(0), json!(v1))
+    );
+    let message = e["error"].as_str().expect("error");
+    assert!(message.contains("reload"), "{message}");
+    assert_eq!(
+        in_store(&store, RuleKind::Governance).await,
+        (v1, V1.into())
+    );
+
+    // No expected version, or one that is not a number: 400 saying what to send.
+    for path in [
+        "/api/rules/governance",
+        "/api/rules/governance?expected=latest",
+        "/api/rules/governance?expected=-1",
+    ] {
+        let (status, e) = api.send("PUT", path, Some(V2)).await;
+        assert_eq!(status, Http::BAD_REQUEST, "{path}: {e}");
+        assert!(
+            e["error"]
+                .as_str()
+                .unwrap()
+                .contains("GET /api/rules/governance"),
+            "{path}: {e}"
+        );
+    }
+    assert_eq!(
+        in_store(&store, RuleKind::Governance).await,
+        (v1, V1.into())
+    );
+    assert_eq!(store.history(RuleKind::Governance).await.unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn unknown_kinds_versions_and_methods_get_json_errors_naming_what_exists() {
+    let etcd = Etcd::start().await;
+    let store = store(&etcd).await;
+    let admin = admin_on(&store).await;
+    let api = Http1::new(&admin);
+    let v1 = store.set(RuleKind::Governance, V1, 0).await.expect("set");
+
+    for (method, path) in [
+        ("GET", "/api/rules/routes"),
+        ("PUT", "/api/rules/routes?expected=0"),
+        ("POST", "/api/rules/routes/validate"),
+        ("GET", "/api/rules/routes/history"),
+        ("POST", "/api/rules/routes/rollback/1"),
+    ] {
+        let (status, e) = api.send(method, path, Some(V1)).await;
+        assert_eq!(status, Http::NOT_FOUND, "{method} {path}: {e}");
+        let message = e["error"].as_str().expect("error");
+        assert!(
+            message.contains("\"routes\"")
+                && message.contains("governance")
+                && message.contains("routing"),
+            "{method} {path}: {message}"
+        );
+    }
+
+    // A version the history does not hold: 404 listing the ones it does.
+    let (status, e) = api
+        .send(
+            "POST",
+            &format!("/api/rules/governance/rollback/{}", v1 + 100),
+            None,
+        )
+        .await;
+    assert_eq!(status, Http::NOT_FOUND, "{e}");
+    assert!(
+        e["error"].as_str().unwrap().contains(&format!("[{v1}]")),
+        "{e}"
+    );
+    let (status, e) = api
+        .send("POST", "/api/rules/governance/rollback/first", None)
+        .await;
+    assert_eq!(status, Http::BAD_REQUEST, "{e}");
+    assert!(e["error"].as_str().unwrap().contains("history"), "{e}");
+    assert_eq!(
+        in_store(&store, RuleKind::Governance).await,
+        (v1, V1.into())
+    );
+
+    // A method a route does not have: a JSON 405.
+    let (status, e) = api.send("DELETE", "/api/rules/governance", None).await;
+    assert_eq!(status, Http::METHOD_NOT_ALLOWED, "{e}");
+    assert!(e["error"].as_str().unwrap().contains("DELETE"), "{e}");
+    assert_eq!(
+        in_store(&store, RuleKind::Governance).await,
+        (v1, V1.into())
+    );
+}
+
+#[tokio::test]
+async fn without_a_store_the_routes_say_how_to_attach_one_and_validation_still_works() {
+    let admin = Admin::builder()
+        .token(TOKEN)
+        .serve("127.0.0.1:0")
+        .await
+        .expect("admin");
+    let api = Http1::new(&admin);
+    let all = api.ok("GET", "/api/rules", None).await;
+    assert_eq!(all["store"], false, "{all}");
+    assert!(
+        all["kinds"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|k| k["version"].is_null()),
+        "{all}"
+    );
+    for (method, path) in [
+        ("GET", "/api/rules/governance"),
+        ("PUT", "/api/rules/governance?expected=0"),
+        ("GET", "/api/rules/governance/history"),
+        ("POST", "/api/rules/governance/rollback/1"),
+    ] {
+        let (status, e) = api.send(method, path, Some(V1)).await;
+        assert_eq!(status, Http::NOT_FOUND, "{method} {path}: {e}");
+        assert!(
+            e["error"].as_str().unwrap().contains("--registry etcd://"),
+            "{method} {path}: {e}"
+        );
+    }
+    let v = api
+        .ok("POST", "/api/rules/governance/validate", Some(V1))
+        .await;
+    assert_eq!(v, json!({ "valid": true }));
+}
+
+/// Waits (at most 10 s) for the `rule_applied` event of `version`.
+async fn applied(events: &mut broadcast::Receiver<GovernanceEvent>, version: i64) {
+    within("the rule_applied event", async {
+        loop {
+            let e = events.recv().await.expect("events");
+            if e.kind == EventKind::RuleApplied && e.rule_version == Some(version) {
+                return;
+            }
+        }
+    })
+    .await
+}
+
+#[tokio::test]
+async fn a_client_and_a_server_following_the_store_apply_a_document_written_through_the_endpoint() {
+    let etcd = Etcd::start().await;
+    let store = store(&etcd).await;
+    let registry = InProcessRegistry::new();
+    let server = Server::builder()
+        .registry(registry.clone())
+        .rules(store.clone())
+        .add_service(RuledServer::new(Plain))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let client = Client::builder()
+        .registry(registry)
+        .rules(store.clone())
+        .build();
+    let mut client_events = client.events().subscribe();
+    let mut server_events = server.events().subscribe();
+    let admin = Admin::builder()
+        .client(&client)
+        .server(&server)
+        .rules(store.clone())
+        .token(TOKEN)
+        .serve("127.0.0.1:0")
+        .await
+        .expect("admin");
+    let api = Http1::new(&admin);
+
+    let all = api.ok("GET", "/api/rules", None).await;
+    assert_eq!(
+        all["kinds"][0]["applied"],
+        json!({ "client": null, "server": null }),
+        "nothing applied yet: {all}"
+    );
+
+    let v = api
+        .ok("PUT", "/api/rules/governance?expected=0", Some(V2))
+        .await["version"]
+        .as_i64()
+        .expect("version");
+    applied(&mut client_events, v).await;
+    applied(&mut server_events, v).await;
+    // The processes' own word (the oracle), then the endpoint's.
+    assert_eq!(client.rules_version(RuleKind::Governance), Some(v));
+    assert_eq!(server.rules_version(RuleKind::Governance), Some(v));
+    assert!(client.options(&RuledClient::methods()[0]).breaker_observe);
+    let all = api.ok("GET", "/api/rules", None).await;
+    assert_eq!(all["kinds"][0]["version"], v, "{all}");
+    assert_eq!(
+        all["kinds"][0]["applied"],
+        json!({ "client": v, "server": v }),
+        "{all}"
+    );
+    let doc = api.ok("GET", "/api/rules/governance", None).await;
+    assert_eq!(doc["applied"], json!({ "client": v, "server": v }), "{doc}");
+    // The call still works under the rules.
+    let echo = RuledClient::new(client.clone());
+    assert_eq!(within("call", echo.echo("hi".into())).await.unwrap(), "hi");
+}
+
+#[tokio::test]
+async fn every_rules_route_refuses_a_missing_or_wrong_token_and_writes_nothing() {
+    let etcd = Etcd::start().await;
+    let store = store(&etcd).await;
+    let admin = admin_on(&store).await;
+    let api = Http1::new(&admin);
+    let v1 = store.set(RuleKind::Governance, V1, 0).await.expect("set");
+    let routes = [
+        ("GET", "/api/rules".to_string()),
+        ("GET", "/api/rules/governance".to_string()),
+        ("POST", "/api/rules/governance/validate".to_string()),
+        ("PUT", format!("/api/rules/governance?expected={v1}")),
+        ("GET", "/api/rules/governance/history".to_string()),
+        ("POST", format!("/api/rules/governance/rollback/{v1}")),
+    ];
+    for (method, path) in &routes {
+        for (token, why) in [(None, "missing token"), (Some("wrong"), "wrong token")] {
+            let (status, e) = api.send_as(token, method, path, Some(V2)).await;
+            assert_eq!(status, Http::UNAUTHORIZED, "{method} {path}: {e}");
+            let message = e["error"].as_str().expect("error");
+            assert!(
+                message.contains(why) && message.contains("Authorization: Bearer"),
+                "{method} {path}: {message}"
+            );
+        }
+    }
+    assert_eq!(
+        in_store(&store, RuleKind::Governance).await,
+        (v1, V1.into())
+    );
+    assert_eq!(store.history(RuleKind::Governance).await.unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn the_console_page_carries_the_rules_editor_with_its_stable_ids() {
+    let admin = Admin::builder()
+        .token(TOKEN)
+        .serve("127.0.0.1:0")
+        .await
+        .expect("admin");
+    let r = reqwest::Client::new()
+        .get(format!("http://{}/", admin.local_addr()))
+        .send()
+        .await
+        .expect("GET /");
+    assert_eq!(r.status(), Http::OK);
+    let page = r.text().await.expect("page");
+    for id in [
+        "rules",
+        "rules-kind",
+        "rules-text",
+        "rules-validate",
+        "rules-save",
+        "rules-message",
+        "rules-history",
+    ] {
+        assert!(page.contains(&format!("id=\"{id}\"")), "#{id}");
+    }
+    // The routes it reads and writes, and the policies its observe controls edit.
+    for used in [
+        "\"/api/rules\"",
+        "/validate\"",
+        "/history\"",
+        "/rollback/\"",
+        "?expected=\"",
+    ] {
+        assert!(page.contains(used), "{used}");
+    }
+    for policy in ["breaker", "throttle", "outlier", "rate_limit", "admission"] {
+        assert!(page.contains(&format!("\"{policy}\"")), "{policy}");
+        // Each is a field the governance document takes in [defaults].
+        let doc = format!("[defaults]\n{policy}_observe = true\n");
+        assert!(RuleKind::Governance.validate(&doc).is_ok(), "{doc}");
+    }
+}
