@@ -140,3 +140,31 @@ pub async fn start_admin_with(
     println!("admin on {}", admin.local_addr());
     Ok(Some(admin))
 }
+
+/// The rule store of an etcd registry (feature `etcd`); nothing without etcd support.
+#[cfg(feature = "etcd")]
+pub type Rules = rpc::RuleStore;
+/// The rule store of an etcd registry (feature `etcd`); nothing without etcd support.
+#[cfg(not(feature = "etcd"))]
+pub type Rules = std::convert::Infallible;
+
+/// The registry `url` names (with `lease` as the lease of what a server publishes, when given),
+/// and for an etcd URL the rule store on the same connection, which the programs follow and
+/// hand to their admin endpoint.
+pub async fn registry_and_rules(
+    url: &str,
+    lease: Option<Duration>,
+) -> Result<(std::sync::Arc<dyn rpc::Registry>, Option<Rules>), rpc::RegistryError> {
+    #[cfg(feature = "etcd")]
+    if url.trim().starts_with("etcd://") {
+        let mut options = rpc::EtcdOptions::default();
+        if let Some(ttl) = lease {
+            options.lease_ttl = ttl;
+        }
+        let etcd = rpc::EtcdRegistry::from_url_with_options(url.trim(), options).await?;
+        let rules = etcd.rules();
+        return Ok((std::sync::Arc::new(etcd), Some(rules)));
+    }
+    let registry = <dyn rpc::Registry>::from_url_with_lease(url, lease).await?;
+    Ok((registry, None))
+}

@@ -9,6 +9,11 @@
 //! Prints one line per call, then exactly
 //! `summary: <ok> ok, <business> business errors, <failed> failed`. Exits 0 whatever the calls'
 //! outcomes (2 on bad arguments).
+//!
+//! With `--admin ADDR [--admin-token T]` the client's admin endpoint (its breakers, endpoint
+//! health, calls and events; the console at `/`) serves while the calls run, and prints
+//! `admin on <addr>` once it listens. With `--registry etcd://...` (build with `--features
+//! etcd`) the client follows that etcd's rules, and the admin endpoint shows and edits them.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -16,7 +21,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use examples::{Echo, EchoClient};
-use rpc::{Client, GovernanceOverrides, Registry, ShuntStrategy, StatusCode};
+use rpc::{Client, GovernanceOverrides, ShuntStrategy, StatusCode};
 
 #[derive(Parser, Debug)]
 #[command(about = "Calls echo.Echo and reports each call")]
@@ -49,6 +54,13 @@ struct Args {
     /// (OTLP/gRPC by the OTEL_* variables; --features otlp).
     #[arg(long, default_value = "off")]
     telemetry: String,
+    /// Serve the client's admin endpoint on host:port (loopback; port 0 picks a free one, printed
+    /// as `admin on <addr>`) while the calls run.
+    #[arg(long)]
+    admin: Option<String>,
+    /// The admin endpoint's token: requests send `Authorization: Bearer <token>`.
+    #[arg(long, requires = "admin")]
+    admin_token: Option<String>,
 }
 
 #[derive(Default)]
@@ -70,10 +82,12 @@ async fn main() {
         eprintln!("echo-client: give --endpoints or --registry");
         std::process::exit(2);
     };
-    let registry = <dyn Registry>::from_url(url).await.unwrap_or_else(|e| {
-        eprintln!("echo-client: {e}");
-        std::process::exit(2);
-    });
+    let (registry, rules) = examples::registry_and_rules(url, None)
+        .await
+        .unwrap_or_else(|e| {
+            eprintln!("echo-client: {e}");
+            std::process::exit(2);
+        });
     // appoint: the first endpoint listed, or the first the registry announces.
     let first = match &args.endpoints {
         Some(list) => list
@@ -105,7 +119,28 @@ async fn main() {
     if let Some(token) = &args.token {
         builder = builder.token(token.clone());
     }
-    let echo = EchoClient::new(builder.build());
+    #[cfg(feature = "etcd")]
+    if let Some(store) = &rules {
+        builder = builder.rules(store.clone());
+    }
+    let client = builder.build();
+    let admin = examples::start_admin_with(
+        args.admin.as_deref(),
+        args.admin_token.as_deref(),
+        Some(&client),
+        None,
+        |admin| match rules {
+            #[cfg(feature = "etcd")]
+            Some(store) => admin.rules(store),
+            _ => admin,
+        },
+    )
+    .await
+    .unwrap_or_else(|e| {
+        eprintln!("echo-client: {e}");
+        std::process::exit(2);
+    });
+    let echo = EchoClient::new(client);
     let next = Arc::new(AtomicU64::new(0));
     let tally = Arc::new(Tally::default());
     let mut workers = Vec::new();
@@ -154,4 +189,7 @@ async fn main() {
         tally.business.load(Ordering::Relaxed),
         tally.failed.load(Ordering::Relaxed)
     );
+    if let Some(admin) = admin {
+        admin.shutdown().await;
+    }
 }

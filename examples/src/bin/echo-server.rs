@@ -12,12 +12,11 @@
 //! rules of that etcd's rule store, and the admin endpoint shows and edits them (its
 //! `/api/rules` routes and the console's rules editor).
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
 use examples::{EchoServer, EchoService};
-use rpc::{Registry, Server};
+use rpc::Server;
 
 #[derive(Parser, Debug)]
 #[command(about = "Serves echo.Echo for the failover walk-through")]
@@ -65,7 +64,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         std::process::exit(2);
     });
     let ttl = Duration::from_secs(args.registry_ttl_secs);
-    let (registry, rules) = registry(&args.registry, ttl).await.unwrap_or_else(|e| {
+    let (registry, rules) = examples::registry_and_rules(&args.registry, Some(ttl)).await.unwrap_or_else(|e| {
         eprintln!("echo-server: {e}");
         std::process::exit(2);
     });
@@ -108,30 +107,4 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         admin.shutdown().await;
     }
     Ok(())
-}
-
-/// The rule store of an etcd registry (feature `etcd`); nothing without etcd support.
-#[cfg(feature = "etcd")]
-type Rules = rpc::RuleStore;
-#[cfg(not(feature = "etcd"))]
-type Rules = std::convert::Infallible;
-
-/// The registry `url` names, with `ttl` as the lease of the published instance, and for an
-/// etcd URL the rule store on the same connection.
-async fn registry(
-    url: &str,
-    ttl: Duration,
-) -> Result<(Arc<dyn Registry>, Option<Rules>), rpc::RegistryError> {
-    #[cfg(feature = "etcd")]
-    if url.trim().starts_with("etcd://") {
-        let options = rpc::EtcdOptions {
-            lease_ttl: ttl,
-            ..rpc::EtcdOptions::default()
-        };
-        let etcd = rpc::EtcdRegistry::from_url_with_options(url.trim(), options).await?;
-        let rules = etcd.rules();
-        return Ok((Arc::new(etcd), Some(rules)));
-    }
-    let registry = <dyn Registry>::from_url_with_lease(url, Some(ttl)).await?;
-    Ok((registry, None))
 }
