@@ -8,6 +8,7 @@
 //! version written from the rule store's own history in etcd, which path wrote it from whether
 //! `rpcctl` sits beside the demo's executable.
 
+#[cfg(feature = "etcd")]
 #[path = "../../tests/tests/common/etcd.rs"]
 mod etcd_harness;
 
@@ -73,6 +74,7 @@ fn line<'a>(lines: &'a [String], needle: &str) -> &'a str {
 }
 
 /// The number right after `after` in `line`.
+#[cfg(feature = "etcd")]
 fn number_after(line: &str, after: &str) -> i64 {
     let rest = &line[line
         .find(after)
