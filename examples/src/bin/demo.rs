@@ -15,7 +15,7 @@
 //! Over etcd (`--registry etcd://HOST:PORT`, built with `--features etcd`) the report ends with
 //! a control-plane section: rules written to etcd steer a running client, a 95/5 routing split
 //! sends the canary its share of the calls, and a governance rule set with `rpcctl` changes the
-//! next calls (see [`control_plane`]). On any other registry the section prints one line saying
+//! next calls (module `control_plane`). On any other registry the section prints one line saying
 //! what it needs.
 
 use std::collections::BTreeMap;
