@@ -64,10 +64,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         std::process::exit(2);
     });
     let ttl = Duration::from_secs(args.registry_ttl_secs);
-    let (registry, rules) = examples::registry_and_rules(&args.registry, Some(ttl)).await.unwrap_or_else(|e| {
-        eprintln!("echo-server: {e}");
-        std::process::exit(2);
-    });
+    let (registry, rules) = examples::registry_and_rules(&args.registry, Some(ttl))
+        .await
+        .unwrap_or_else(|e| {
+            eprintln!("echo-server: {e}");
+            std::process::exit(2);
+        });
     let mut builder = Server::builder()
         .shared_registry(registry)
         .max_concurrency(args.max_concurrency)
