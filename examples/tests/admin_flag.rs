@@ -1,4 +1,4 @@
-//! `echo-server --admin ADDR` and `demo --admin ADDR`: each prints `admin on <addr>` with the
+//! `echo-server --admin ADDR`, `echo-client --admin ADDR` and `demo --admin ADDR`: each prints `admin on <addr>` with the
 //! real port once the admin endpoint listens, and the endpoint answers there with the token of
 //! `--admin-token` (the programs run as real processes; the endpoint is reached over TCP).
 
@@ -120,4 +120,37 @@ async fn demo_serves_its_clients_breakers_after_the_report() {
         get(&addr, "/readyz", Some("T")).await,
         (200, "ready".to_string())
     );
+}
+
+#[tokio::test]
+async fn echo_client_serves_its_breakers_while_its_calls_run() {
+    let (_server, server_out) = spawn(env!("CARGO_BIN_EXE_echo-server"), &["--port", "0"]);
+    let listening = wait_for(&server_out, "listening on ", Duration::from_secs(20));
+    let server = listening.trim_start_matches("listening on ").to_string();
+    // Calls paced so the client outlives the checks (it is killed when the test ends).
+    let (_client, out) = spawn(
+        env!("CARGO_BIN_EXE_echo-client"),
+        &[
+            "--endpoints",
+            &server,
+            "--calls",
+            "100000",
+            "--interval-ms",
+            "10",
+            "--admin",
+            "127.0.0.1:0",
+            "--admin-token",
+            "T",
+        ],
+    );
+    let addr = admin_addr(&wait_for(&out, "admin on ", Duration::from_secs(20)));
+    // A call printed: its entry's breaker exists in the client from then on.
+    wait_for(&out, "call 0: ok", Duration::from_secs(20));
+    let (status, breakers) = get(&addr, "/api/breakers", Some("T")).await;
+    assert_eq!(status, 200);
+    assert!(breakers.contains("echo.Echo.echo"), "{breakers}");
+    let (status, endpoints) = get(&addr, "/api/endpoints", Some("T")).await;
+    assert_eq!(status, 200);
+    assert!(endpoints.contains(&server), "{endpoints} names {server}");
+    assert_eq!(get(&addr, "/api/breakers", Some("wrong")).await.0, 401);
 }
