@@ -1,6 +1,6 @@
-//! `echo-server --admin ADDR`, `echo-client --admin ADDR` and `demo --admin ADDR`: each prints `admin on <addr>` with the
-//! real port once the admin endpoint listens, and the endpoint answers there with the token of
-//! `--admin-token` (the programs run as real processes; the endpoint is reached over TCP).
+//! `echo-server --admin ADDR`, `echo-client --admin ADDR` and `demo --admin ADDR`: each prints
+//! `admin on <addr>` with the real port once the admin endpoint listens, and the endpoint answers
+//! there with the token of `--admin-token` (the programs run as real processes; the endpoint is reached over TCP).
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, ChildStdout, Command, Stdio};
