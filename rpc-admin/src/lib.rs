@@ -60,6 +60,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rpc_client::Client;
+use rpc_governance::calls::CallObserver;
 use rpc_server::{ServerHandle, ServerStatus};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -247,7 +248,7 @@ impl AdminBuilder {
             stop: stop.clone(),
         });
         state.attach();
-        let router = api::router(state);
+        let router = api::router(state.clone());
         let shutdown = stop.clone();
         let task = tokio::spawn(async move {
             let served = axum::serve(listener, router)
@@ -262,15 +263,18 @@ impl AdminBuilder {
             local_addr,
             stop,
             task: Some(task),
+            state,
         })
     }
 }
 
-/// A running admin endpoint. Dropping it stops it (without waiting).
+/// A running admin endpoint. Dropping it stops it (without waiting). Once stopped, the client
+/// and the server it showed no longer count their calls for it.
 pub struct AdminHandle {
     local_addr: SocketAddr,
     stop: CancellationToken,
     task: Option<JoinHandle<()>>,
+    state: Arc<State>,
 }
 
 impl AdminHandle {
@@ -282,6 +286,7 @@ impl AdminHandle {
     /// Stops serving: event streams end, requests in progress finish, then it returns.
     pub async fn shutdown(mut self) {
         self.stop.cancel();
+        self.state.detach();
         if let Some(task) = self.task.take() {
             let _ = task.await;
         }
@@ -291,6 +296,7 @@ impl AdminHandle {
 impl Drop for AdminHandle {
     fn drop(&mut self) {
         self.stop.cancel();
+        self.state.detach();
     }
 }
 
@@ -320,6 +326,21 @@ impl State {
             server.observe_calls(self.metrics.clone());
             server.observe_calls(self.stats.clone());
             self.follow("server", server.events().subscribe());
+        }
+    }
+
+    /// Stops counting the attached client's and server's calls (the event readers end with
+    /// `stop`).
+    fn detach(&self) {
+        let (metrics, stats): (Arc<dyn CallObserver>, Arc<dyn CallObserver>) =
+            (self.metrics.clone(), self.stats.clone());
+        if let Some(client) = &self.client {
+            client.unobserve_calls(&metrics);
+            client.unobserve_calls(&stats);
+        }
+        if let Some(server) = &self.server {
+            server.unobserve_calls(&metrics);
+            server.unobserve_calls(&stats);
         }
     }
 

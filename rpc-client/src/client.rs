@@ -629,6 +629,12 @@ impl Client {
         self.inner.calls.add(observer);
     }
 
+    /// Stops telling `observer` (the `Arc` given to [`observe_calls`](Self::observe_calls)) of
+    /// calls.
+    pub fn unobserve_calls(&self, observer: &Arc<dyn CallObserver>) {
+        self.inner.calls.remove(observer);
+    }
+
     /// Every endpoint of the services this client has called, by address, with its health as
     /// this client sees it: healthy, unhealthy until a mark expires (after failures held
     /// against it: transport errors at once; timeouts and server errors after

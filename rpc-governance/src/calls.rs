@@ -88,6 +88,14 @@ impl CallObservers {
         self.0.any.store(true, Ordering::Release);
     }
 
+    /// Removes `observer` (the same `Arc` that was added); calls no longer tell it anything,
+    /// and with no observer left they read no clock again.
+    pub fn remove(&self, observer: &Arc<dyn CallObserver>) {
+        let mut list = self.0.list.write().unwrap_or_else(|p| p.into_inner());
+        list.retain(|o| !Arc::ptr_eq(o, observer));
+        self.0.any.store(!list.is_empty(), Ordering::Release);
+    }
+
     /// Whether any observer is attached.
     pub fn is_active(&self) -> bool {
         self.0.any.load(Ordering::Relaxed)
@@ -157,6 +165,26 @@ mod tests {
         assert_eq!(
             *seen.0.lock().unwrap(),
             [("a.A.m".to_string(), Some(StatusCode::Success), "success")]
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_removed_observer_is_told_nothing_and_with_none_left_nothing_is_timed() {
+        let observers = CallObservers::new();
+        let (kept, removed) = (Arc::new(Seen::default()), Arc::new(Seen::default()));
+        let removed_dyn: Arc<dyn CallObserver> = removed.clone();
+        observers.add(kept.clone());
+        observers.add(removed_dyn.clone());
+        observers.remove(&removed_dyn);
+        let started = observers.start().expect("one observer is left");
+        observers.ended(Side::Server, "a.A.m", started, None, "refused");
+        assert_eq!(kept.0.lock().unwrap().len(), 1);
+        assert!(removed.0.lock().unwrap().is_empty());
+        let kept_dyn: Arc<dyn CallObserver> = kept.clone();
+        observers.remove(&kept_dyn);
+        assert!(
+            observers.start().is_none(),
+            "no observer left: no clock read"
         );
     }
 }

@@ -645,6 +645,12 @@ impl ServerStatus {
         self.0.calls.add(observer);
     }
 
+    /// Stops telling `observer` (the `Arc` given to [`observe_calls`](Self::observe_calls)) of
+    /// calls.
+    pub fn unobserve_calls(&self, observer: &Arc<dyn CallObserver>) {
+        self.0.calls.remove(observer);
+    }
+
     /// The version of the rules of `kind` in force on this server (see
     /// [`ServerBuilder::rules`]), if one was applied.
     pub fn rules_version(&self, kind: rpc_registry::RuleKind) -> Option<i64> {
