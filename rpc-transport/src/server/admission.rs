@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use rpc_core::wire::{frame::Kind, Pong};
+use rpc_core::wire::{frame::Kind, Pong, RemoteResultMessage};
 use rpc_core::StatusCode;
 use tokio::time::Instant;
 
@@ -157,6 +157,14 @@ impl FrameCtx<'_> {
                     r.message_id = id;
                     conn.sender.send(Kind::Result(r));
                 } else {
+                    let mut invoke = invoke;
+                    if invoke.compression != 0 {
+                        if let Err(mut r) = unpack(&mut invoke, self.options.max_frame_length) {
+                            r.message_id = id;
+                            conn.sender.send(Kind::Result(r));
+                            return Ok(());
+                        }
+                    }
                     let outcome = self.handler.handle(invoke, &self.caller);
                     dispatch(conn, outcome, id, self.options.inline_first_poll);
                 }
@@ -185,5 +193,24 @@ impl FrameCtx<'_> {
             Some(Err(e)) => Err(Some(e.to_string())),
             None => Err(None),
         }
+    }
+}
+
+/// Decompresses a call's parameters, at most the frame limit of them; when they do not
+/// decompress, the answer (500, saying why) to send instead of running the call. The
+/// connection and its other calls go on: one bad payload says nothing about the next.
+fn unpack(invoke: &mut Invoke, limit: usize) -> Result<(), RemoteResultMessage> {
+    match crate::compression::decompress(invoke.compression, &invoke.parameters, limit) {
+        Ok(plain) => {
+            invoke.parameters = plain;
+            Ok(())
+        }
+        Err(e) => Err(error_result(
+            StatusCode::FrameworkError,
+            format!(
+                "the parameters of this call to {:?} were not run: {e}",
+                invoke.service_entry_id
+            ),
+        )),
     }
 }
