@@ -118,6 +118,7 @@ impl fmt::Debug for Caller {
             .field("peer", &self.peer)
             .field("client_id", &self.client_id)
             .field("token_verified", &self.token_verified)
+            .field("accept_compression", &self.accept_compression)
             .field(
                 "peer_certificate",
                 &self
