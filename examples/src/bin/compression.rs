@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use examples::{EchoClient, EchoServer, EchoService};
+use examples::{Echo, EchoClient, EchoServer, EchoService};
 use hdrhistogram::Histogram;
 use rpc::crates::transport::compression::{compress, decompress};
 use rpc::{Client, Codec, Compression, GovernanceOverrides, Server, StaticRegistry};

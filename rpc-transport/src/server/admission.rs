@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use rpc_core::wire::{frame::Kind, Pong, RemoteResultMessage};
+use rpc_core::wire::{frame::Kind, Pong};
 use rpc_core::StatusCode;
 use tokio::time::Instant;
 
@@ -159,7 +159,8 @@ impl FrameCtx<'_> {
                 } else {
                     let mut invoke = invoke;
                     if invoke.compression != 0 {
-                        if let Err(mut r) = unpack(&mut invoke, self.options.max_frame_length) {
+                        if let Err(why) = unpack(&mut invoke, self.options.max_frame_length) {
+                            let mut r = error_result(StatusCode::FrameworkError, why);
                             r.message_id = id;
                             conn.sender.send(Kind::Result(r));
                             return Ok(());
@@ -197,20 +198,17 @@ impl FrameCtx<'_> {
 }
 
 /// Decompresses a call's parameters, at most the frame limit of them; when they do not
-/// decompress, the answer (500, saying why) to send instead of running the call. The
-/// connection and its other calls go on: one bad payload says nothing about the next.
-fn unpack(invoke: &mut Invoke, limit: usize) -> Result<(), RemoteResultMessage> {
+/// decompress, why (answered with status 500 instead of running the call). The connection and
+/// its other calls go on: one bad payload says nothing about the next.
+fn unpack(invoke: &mut Invoke, limit: usize) -> Result<(), String> {
     match crate::compression::decompress(invoke.compression, &invoke.parameters, limit) {
         Ok(plain) => {
             invoke.parameters = plain;
             Ok(())
         }
-        Err(e) => Err(error_result(
-            StatusCode::FrameworkError,
-            format!(
-                "the parameters of this call to {:?} were not run: {e}",
-                invoke.service_entry_id
-            ),
+        Err(e) => Err(format!(
+            "the call to {:?} was not run: {e}",
+            invoke.service_entry_id
         )),
     }
 }
