@@ -503,3 +503,47 @@ async fn a_client_refuses_a_corrupt_or_oversized_answer_and_its_other_calls_go_o
     assert_eq!(back, "fine");
     within("fake server", fake).await.expect("fake server");
 }
+
+#[tokio::test]
+async fn the_attempt_span_records_the_algorithm_and_the_sizes_before_and_after() {
+    let (traces, _guard) = common::otel::Traces::install();
+    let server = server().await;
+    let client = client_to(server.local_addr());
+    let payload = text(64 * 1024);
+    within("zstd", client.zstd_echo(payload.clone()))
+        .await
+        .expect("zstd");
+    within("plain", client.plain_echo(payload.clone()))
+        .await
+        .expect("plain");
+    let spans = traces.spans();
+    let attempts: Vec<_> = spans
+        .iter()
+        .filter(|s| s.name == "rpc.client.attempt")
+        .collect();
+    let of = |method: &str| {
+        attempts
+            .iter()
+            .find(|s| {
+                common::otel::attr(s, "rpc.method").map(|v| v.to_string()) == Some(method.into())
+            })
+            .unwrap_or_else(|| panic!("no attempt span of {method}"))
+    };
+    // The oracle: the parameters as the codec encodes them, and what zstd makes of them.
+    let encoded = Codec::MsgPack.encode(&(payload.as_str(),)).expect("encode");
+    let packed = compress(Compression::Zstd, &encoded);
+    let zstd = of("zstd_echo");
+    let attr = |key| common::otel::attr(zstd, key).map(|v| v.to_string());
+    assert_eq!(attr("rpc.compression"), Some("zstd".into()));
+    assert_eq!(attr("rpc.request.size"), Some(encoded.len().to_string()));
+    assert_eq!(
+        attr("rpc.request.compressed_size"),
+        Some(packed.len().to_string())
+    );
+    assert_eq!(
+        common::otel::attr(of("plain_echo"), "rpc.compression"),
+        None,
+        "nothing recorded for an uncompressed call"
+    );
+    within("shutdown", server.shutdown()).await;
+}
