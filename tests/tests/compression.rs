@@ -547,3 +547,28 @@ async fn the_attempt_span_records_the_algorithm_and_the_sizes_before_and_after()
     );
     within("shutdown", server.shutdown()).await;
 }
+
+#[tokio::test]
+async fn the_server_compresses_answers_with_its_own_option_even_for_plain_calls() {
+    let server = server().await;
+    let proxy = Proxy::start(server.local_addr()).await;
+    let client = client_to(proxy.addr);
+    warm_up(&client, &proxy).await;
+    let payload = text(64 * 1024);
+    // This handle turns compression off for its calls: the parameters go plain, but the
+    // server's option for the entry (the attribute: zstd) still compresses the answer for a
+    // client that decodes zstd.
+    let off = client.with_options(GovernanceOverrides {
+        compression: Some(Compression::Off),
+        ..GovernanceOverrides::NONE
+    });
+    assert_eq!(
+        within("off", off.zstd_echo(payload.clone()))
+            .await
+            .expect("off"),
+        payload
+    );
+    let (up, down) = proxy.counts.take();
+    assert!(up > 64 * 1024 && down < 16 * 1024, "{up} up, {down} down");
+    within("shutdown", server.shutdown()).await;
+}
