@@ -25,11 +25,13 @@ pub fn sample_kinds() -> Vec<rpc_core::wire::frame::Kind> {
             protocol_version: rpc_core::PROTOCOL_VERSION,
             token: "s3cret".into(),
             client_id: "client-1@host".into(),
+            accept_compression: vec![1, 2],
         }),
         Kind::HelloAck(HelloAck {
             protocol_version: rpc_core::PROTOCOL_VERSION,
             server_id: "server-1".into(),
             max_frame_length: rpc_core::DEFAULT_MAX_FRAME_LENGTH as u32,
+            accept_compression: vec![1, 2],
         }),
         Kind::Invoke(RemoteInvokeMessage {
             message_id: 42,
@@ -39,6 +41,7 @@ pub fn sample_kinds() -> Vec<rpc_core::wire::frame::Kind> {
             parameters: bytes::Bytes::from_static(&[0x92, 0xa3, b'a', b'n', b'n', 0x02]),
             attachments,
             timeout_ms: 800,
+            compression: 0,
         }),
         Kind::Result(RemoteResultMessage {
             message_id: 42,
@@ -53,6 +56,7 @@ pub fn sample_kinds() -> Vec<rpc_core::wire::frame::Kind> {
             server_in_flight: 12,
             server_limit: 50,
             retry_after_ms: 0,
+            compression: 0,
         }),
         Kind::Cancel(Cancel {
             message_id: u64::MAX,
@@ -62,6 +66,24 @@ pub fn sample_kinds() -> Vec<rpc_core::wire::frame::Kind> {
         Kind::GoAway(GoAway {
             status_code: 200,
             reason: "draining".into(),
+        }),
+        // A call whose parameters are compressed (LZ4: the size, then one block), and its
+        // compressed answer.
+        Kind::Invoke(RemoteInvokeMessage {
+            message_id: 43,
+            service_entry_id: "shop.Greeter.greet".into(),
+            parameters: bytes::Bytes::from_static(&[
+                6, 0, 0, 0, 0x60, 0x92, 0xa3, b'a', b'n', b'n', 0x02,
+            ]),
+            compression: rpc_core::wire::Compression::Lz4 as i32,
+            ..Default::default()
+        }),
+        Kind::Result(RemoteResultMessage {
+            message_id: 43,
+            status_code: 200,
+            result: bytes::Bytes::from_static(&[2, 0, 0, 0, 0x20, 0xc3, 0xc3]),
+            compression: rpc_core::wire::Compression::Lz4 as i32,
+            ..Default::default()
         }),
     ]
 }

@@ -10,8 +10,8 @@ use dashmap::DashMap;
 use futures_util::future::Either;
 use rpc_core::wire::RemoteResultMessage;
 use rpc_core::{
-    Codec, GovernanceOptions, GovernanceOverrides, MethodDescriptor, RpcError, Service,
-    ShuntStrategy, StatusCode,
+    Codec, Compression, GovernanceOptions, GovernanceOverrides, MethodDescriptor, RpcError,
+    Service, ShuntStrategy, StatusCode,
 };
 use rpc_governance::breaker::BreakerState;
 use rpc_governance::calls::{CallObserver, CallObservers};
@@ -25,6 +25,7 @@ use rpc_governance::stack::{
     self, Balance, CallCx, ClientParts, Fallbacks, Middleware, Service as _,
 };
 use rpc_registry::{InProcessRegistry, Registry, ServiceWatch};
+use rpc_transport::compression::{self, Accepted};
 use rpc_transport::{Call, ConnectOptions, ConnectionPool};
 use tokio::time::Instant;
 use tracing::Instrument;
@@ -1006,12 +1007,27 @@ impl Client {
     ) -> Result<Bytes, RpcError> {
         let method = cx.method();
         let (timeout_ms, deadline) = (cx.budget_ms(), cx.attempt_deadline());
-        let message = |params: Bytes, attachments| Call {
-            service_entry_id: method.entry_id.into(),
-            codec: self.inner.codec.to_wire(),
-            parameters: params,
-            attachments,
-            timeout_ms,
+        // The entry's compression, when on: the parameters are compressed for the connection
+        // they go on (only with an algorithm its server accepts).
+        let packing = match cx.options().compression {
+            Compression::Off => None,
+            algorithm => Some((algorithm, cx.options().compression_threshold as usize)),
+        };
+        let message = |params: Bytes, attachments, accepts: Accepted| {
+            let packed = packing.and_then(|(algorithm, threshold)| {
+                let packed = compression::pack(algorithm, threshold, accepts, &params)?;
+                telemetry::record_compression(algorithm, params.len(), packed.len());
+                Some((packed, algorithm.to_wire()))
+            });
+            let (parameters, compression) = packed.unwrap_or((params, 0));
+            Call {
+                service_entry_id: method.entry_id.into(),
+                codec: self.inner.codec.to_wire(),
+                parameters,
+                attachments,
+                timeout_ms,
+                compression,
+            }
         };
         'attempt: {
             // A pooled connection is taken at once, without the future that connects.
@@ -1025,7 +1041,10 @@ impl Client {
             cx.set_connection(conn.id());
             let attachments = telemetry::outgoing_attachments(cx.call_id(), cx.attachments());
             let answer = match conn
-                .call(message(params.clone(), attachments), deadline)
+                .call(
+                    message(params.clone(), attachments, conn.accept_compression()),
+                    deadline,
+                )
                 .await
             {
                 // The server was draining and closed before reading the call: the endpoint
@@ -1041,7 +1060,10 @@ impl Client {
                     // call.
                     let attachments =
                         telemetry::outgoing_attachments(cx.call_id(), cx.attachments());
-                    fresh.call(message(params, attachments), deadline).await
+                    let accepts = fresh.accept_compression();
+                    fresh
+                        .call(message(params, attachments, accepts), deadline)
+                        .await
                 }
                 other => other,
             };

@@ -11,7 +11,7 @@
 use std::collections::BTreeMap;
 
 use bytes::Bytes;
-use rpc_core::{MethodDescriptor, RpcContext, RpcError, StatusCode, CALL_ID_KEY};
+use rpc_core::{Compression, MethodDescriptor, RpcContext, RpcError, StatusCode, CALL_ID_KEY};
 use rpc_governance::calls::{CallObservers, Side};
 use tokio::time::Instant;
 use tracing::field::{display, Empty};
@@ -66,6 +66,9 @@ pub(crate) fn attempt_span(method: &'static MethodDescriptor, attempt: u32, addr
         rpc.status_code = Empty,
         otel.status_code = Empty,
         otel.status_description = Empty,
+        rpc.compression = Empty,
+        rpc.request.size = Empty,
+        rpc.request.compressed_size = Empty,
     );
     if !span.is_disabled() {
         let (host, port) = split_address(addr);
@@ -75,6 +78,18 @@ pub(crate) fn attempt_span(method: &'static MethodDescriptor, attempt: u32, addr
         }
     }
     span
+}
+
+/// Records on the current attempt span that the parameters were compressed: the algorithm
+/// (`rpc.compression`) and their size before and after (`rpc.request.size`,
+/// `rpc.request.compressed_size`).
+pub(crate) fn record_compression(algorithm: Compression, size: usize, compressed: usize) {
+    let span = Span::current();
+    if !span.is_disabled() {
+        span.record("rpc.compression", algorithm.name());
+        span.record("rpc.request.size", size as i64);
+        span.record("rpc.request.compressed_size", compressed as i64);
+    }
 }
 
 /// Records how a call or an attempt ended on its span: `rpc.status_code`, `outcome` (attempt

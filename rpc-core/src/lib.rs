@@ -42,8 +42,8 @@ pub use error::{serde_rpc_error, FieldError, RemoteError, RpcError};
 pub use hash::stable_hash;
 pub use ids::{ServiceEntryId, ServiceId};
 pub use options::{
-    GovernanceOptions, GovernanceOverrides, OptionDescriptor, OptionGroup, OptionKind, OptionSide,
-    ShuntStrategy, OPTIONS,
+    Compression, GovernanceOptions, GovernanceOverrides, OptionDescriptor, OptionGroup, OptionKind,
+    OptionSide, ShuntStrategy, OPTIONS,
 };
 pub use service::{Service, ServiceFuture};
 pub use status::StatusCode;

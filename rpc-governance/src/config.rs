@@ -371,6 +371,31 @@ mod tests {
     }
 
     #[test]
+    fn compression_travels_through_the_levels_like_any_option() {
+        let layers = Layers {
+            file: GovernanceConfig::from_toml("[defaults]\ncompression = \"lz4\"\n").unwrap(),
+            env: GovernanceConfig::from_toml(
+                "entries.\"echo.Echo.echo\".compression_threshold = 4096",
+            )
+            .unwrap(),
+            ..Layers::default()
+        };
+        let o = layers.resolve(&M);
+        assert_eq!(
+            (o.compression, o.compression_threshold),
+            (rpc_core::Compression::Lz4, 4096)
+        );
+        let levels: HashMap<&str, OptionLevel> = layers.levels(&M).into_iter().collect();
+        assert_eq!(levels["compression"], OptionLevel::File);
+        assert_eq!(levels["compression_threshold"], OptionLevel::Env);
+        let e = GovernanceConfig::from_toml("[defaults]\ncompression = \"gzip\"\n").unwrap_err();
+        assert!(
+            e.message().contains("gzip") && e.message().contains("zstd"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn hashing_without_a_hash_key_is_refused_naming_the_entry_and_the_layer() {
         static KEYED: MethodDescriptor = MethodDescriptor {
             service_id: "echo.Echo",

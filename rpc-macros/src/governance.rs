@@ -18,6 +18,8 @@ pub enum Value {
     Flag(bool),
     /// A shunt strategy: the `ShuntStrategy` variant's name.
     Strategy(&'static str),
+    /// A compression algorithm: the `Compression` variant's name.
+    Compression(&'static str),
     /// A string (an address).
     Str(String),
 }
@@ -166,6 +168,20 @@ impl Governance {
                 })?;
                 Value::Strategy(variant)
             }
+            Kind::Compression => {
+                let lit = str_value(ident, value)?;
+                let variant = keys::compression(&lit.value()).ok_or_else(|| {
+                    syn::Error::new(
+                        lit.span(),
+                        format!(
+                            "unknown compression {:?}: expected {}",
+                            lit.value(),
+                            keys::compression_names()
+                        ),
+                    )
+                })?;
+                Value::Compression(variant)
+            }
             Kind::Address => {
                 let lit = str_value(ident, value)?;
                 let address = lit.value();
@@ -202,6 +218,10 @@ impl Governance {
                 Value::Strategy(variant) => {
                     let variant = syn::Ident::new(variant, Span::call_site());
                     quote!(::rpc::__private::ShuntStrategy::#variant)
+                }
+                Value::Compression(variant) => {
+                    let variant = syn::Ident::new(variant, Span::call_site());
+                    quote!(::rpc::__private::Compression::#variant)
                 }
                 Value::Str(s) => quote!(::std::borrow::Cow::Borrowed(#s)),
             };
@@ -418,6 +438,10 @@ mod tests {
                 "host:port",
             ),
             (
+                quote!(#[governance(compression = "gzip")]),
+                "unknown compression \"gzip\": expected \"off\", \"zstd\" or \"lz4\"",
+            ),
+            (
                 quote!(#[governance(timeout_ms = 1, timeout_ms = 2)]),
                 "set twice",
             ),
@@ -456,14 +480,14 @@ mod tests {
                 OptionKind::Enum { values } => {
                     for v in values {
                         let g = parse(quote!(#[governance(#key = #v)])).unwrap();
-                        let variant = v.parse::<rpc::crates::core::ShuntStrategy>().unwrap();
-                        let want = format!("{variant:?}");
-                        assert_eq!(
-                            g.get(o.name),
-                            Some(Value::Strategy(want.leak())),
-                            "{} = {v}",
-                            o.name
-                        );
+                        let want = match v.parse::<rpc::crates::core::ShuntStrategy>() {
+                            Ok(variant) => Value::Strategy(format!("{variant:?}").leak()),
+                            Err(_) => {
+                                let variant = v.parse::<rpc::crates::core::Compression>().unwrap();
+                                Value::Compression(format!("{variant:?}").leak())
+                            }
+                        };
+                        assert_eq!(g.get(o.name), Some(want), "{} = {v}", o.name);
                     }
                     continue;
                 }

@@ -20,6 +20,8 @@ pub enum Kind {
     },
     /// A string naming a `ShuntStrategy` (see [`STRATEGIES`]).
     Strategy,
+    /// A string naming a `Compression` (see [`COMPRESSIONS`]).
+    Compression,
     /// A `host:port` string.
     Address,
 }
@@ -56,6 +58,9 @@ macro_rules! kind {
     (strategy) => {
         Kind::Strategy
     };
+    (compression) => {
+        Kind::Compression
+    };
     (address) => {
         Kind::Address
     };
@@ -79,6 +84,15 @@ macro_rules! shunt_strategy_spellings {
     ($($variant:ident = $first:literal $(| $more:literal)*,)*) => {
         /// Each `ShuntStrategy` variant with its spellings, the usual one first.
         pub const STRATEGIES: &[(&str, &[&str])] = &[
+            $((stringify!($variant), &[$first $(, $more)*]),)*
+        ];
+    };
+}
+
+macro_rules! compression_spellings {
+    ($($variant:ident = $first:literal $(| $more:literal)*,)*) => {
+        /// Each `Compression` variant with its spellings, the usual one first.
+        pub const COMPRESSIONS: &[(&str, &[&str])] = &[
             $((stringify!($variant), &[$first $(, $more)*]),)*
         ];
     };
@@ -120,6 +134,26 @@ pub fn strategy(s: &str) -> Option<&'static str> {
 /// `"polling", "random", "hash" or "appoint"`.
 pub fn strategy_names() -> String {
     let names: Vec<String> = STRATEGIES
+        .iter()
+        .map(|(_, spellings)| format!("{:?}", spellings[0]))
+        .collect();
+    match names.split_last() {
+        Some((last, rest)) if !rest.is_empty() => format!("{} or {last}", rest.join(", ")),
+        _ => names.join(""),
+    }
+}
+
+/// The `Compression` variant spelled `s`.
+pub fn compression(s: &str) -> Option<&'static str> {
+    COMPRESSIONS
+        .iter()
+        .find(|(_, spellings)| spellings.contains(&s))
+        .map(|(variant, _)| *variant)
+}
+
+/// `"off", "zstd" or "lz4"`.
+pub fn compression_names() -> String {
+    let names: Vec<String> = COMPRESSIONS
         .iter()
         .map(|(_, spellings)| format!("{:?}", spellings[0]))
         .collect();

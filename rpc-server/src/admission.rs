@@ -12,13 +12,14 @@
 //! new one. In observe mode (`rate_limit_observe`, `admission_observe`) a call a limit would
 //! refuse is reported (the same event, `observed`) and admitted.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use rpc_governance::events::{EventBus, EventKind};
 
-use rpc_core::{RpcError, StatusCode};
+use rpc_core::{Compression, RpcError, StatusCode};
 use rpc_governance::adaptive::{AdaptiveLimit, AdaptiveOptions, AdaptivePermit, Criticality};
 use rpc_governance::bulkhead::{Bulkhead, Permit};
 use rpc_governance::ratelimit::{RateLimiter, RateLimits, Refused};
@@ -63,6 +64,10 @@ pub(crate) struct Policy {
 pub(crate) struct Admission {
     now: ArcSwap<Policy>,
     events: EventBus,
+    /// How the entry's answers are compressed (not admission, but a server option of the entry
+    /// that changes with the same rules): the algorithm's wire number in the high 32 bits,
+    /// the threshold in the low ones. An atomic, so a call reads it for the price of a load.
+    compression: AtomicU64,
 }
 
 impl Gate {
@@ -86,7 +91,22 @@ impl Admission {
         Admission {
             now: ArcSwap::from_pointee(policy),
             events,
+            compression: AtomicU64::new(0),
         }
+    }
+
+    /// Compresses the entry's answers with `algorithm` from `threshold` bytes on, from the next
+    /// call.
+    pub(crate) fn set_compression(&self, algorithm: Compression, threshold: u32) {
+        let packed = (u64::from(algorithm.to_wire() as u32) << 32) | u64::from(threshold);
+        self.compression.store(packed, Ordering::Relaxed);
+    }
+
+    /// The entry's answer compression: the algorithm and the threshold.
+    pub(crate) fn compression(&self) -> (Compression, u32) {
+        let packed = self.compression.load(Ordering::Relaxed);
+        let algorithm = Compression::from_wire((packed >> 32) as i32).unwrap_or_default();
+        (algorithm, packed as u32)
     }
 
     /// Puts `policy` in force from the next call.

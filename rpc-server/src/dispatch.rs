@@ -16,7 +16,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures_util::FutureExt;
 use rpc_core::wire::{RemoteResultMessage, ValidateError};
-use rpc_core::{Codec, MethodDescriptor, RpcContext, RpcError, StatusCode};
+use rpc_core::{Codec, Compression, MethodDescriptor, RpcContext, RpcError, StatusCode};
 use rpc_governance::calls::{CallObservers, Side};
 use rpc_governance::events::{EventBus, EventKind};
 use rpc_governance::fallback;
@@ -159,8 +159,7 @@ pub(crate) struct Dispatcher {
 }
 
 impl InvokeHandler for Dispatcher {
-    fn handle(&self, mut invoke: Invoke, caller: &Arc<Caller>) -> Dispatch {
-        let peer = caller.peer();
+    fn handle(&self, invoke: Invoke, caller: &Arc<Caller>) -> Dispatch {
         // Looked up by its bytes: the route table's keys are valid ids, so an id that matches
         // one needs no further check.
         let Some(route) = self.routes.get(invoke.service_entry_id.as_bytes()) else {
@@ -172,6 +171,76 @@ impl InvokeHandler for Dispatcher {
                 ),
             ));
         };
+        match Pack::of(&route.admission, caller, invoke.compression) {
+            None => self.handle_route(route, invoke, caller),
+            Some(pack) => pack.wrap(self.handle_route(route, invoke, caller)),
+        }
+    }
+}
+
+/// How one call's answer is compressed: with `algorithm` (one the caller accepts) when its
+/// result is at least `threshold` bytes and shrinks.
+#[derive(Debug, Clone, Copy)]
+struct Pack {
+    algorithm: Compression,
+    threshold: usize,
+}
+
+impl Pack {
+    /// The compression of an answer of `admission`'s entry to a call from `caller` that came
+    /// compressed with `came_with` (a wire number): the entry's own `compression` when set,
+    /// else the call's algorithm; `None` when that is off or the caller does not decode it
+    /// (the answer then goes plain, at no cost).
+    fn of(admission: &Admission, caller: &Caller, came_with: i32) -> Option<Pack> {
+        let (own, threshold) = admission.compression();
+        let algorithm = match own {
+            Compression::Off => Compression::from_wire(came_with)?,
+            set => set,
+        };
+        caller
+            .accept_compression()
+            .contains(algorithm)
+            .then_some(Pack {
+                algorithm,
+                threshold: threshold as usize,
+            })
+    }
+
+    /// `dispatch` with its answer compressed: at once, or when its future ends (in the call's
+    /// task).
+    fn wrap(self, dispatch: Dispatch) -> Dispatch {
+        match dispatch {
+            Dispatch::Ready(answer) => Dispatch::Ready(self.apply(answer)),
+            Dispatch::Spawn(call) => Dispatch::Spawn(Box::pin(call.map(move |a| self.apply(a)))),
+        }
+    }
+
+    fn apply(self, mut answer: RemoteResultMessage) -> RemoteResultMessage {
+        if answer.compression == 0 {
+            if let Some(packed) = rpc_transport::compression::pack(
+                self.algorithm,
+                self.threshold,
+                rpc_transport::compression::Accepted::SUPPORTED,
+                &answer.result,
+            ) {
+                tracing::trace!(
+                    compression = self.algorithm.name(),
+                    size = answer.result.len(),
+                    compressed_size = packed.len(),
+                    "answer compressed"
+                );
+                answer.result = packed;
+                answer.compression = self.algorithm.to_wire();
+            }
+        }
+        answer
+    }
+}
+
+impl Dispatcher {
+    /// One call of an entry found in the route table: everything after the lookup.
+    fn handle_route(&self, route: &Route, mut invoke: Invoke, caller: &Arc<Caller>) -> Dispatch {
+        let peer = caller.peer();
         let Some(codec) = Codec::from_wire(invoke.codec) else {
             return Dispatch::Ready(error_result(
                 StatusCode::FrameworkError,

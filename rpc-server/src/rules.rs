@@ -1,5 +1,5 @@
 //! A running server follows the governance rules of a config centre: its entries' server
-//! options (cap, rate limits, adaptive limit, observe modes) change with the rules, without a
+//! options (cap, rate limits, adaptive limit, observe modes, answer compression) change with the rules, without a
 //! restart.
 //!
 //! The governance document is a level above the methods' `#[governance]` attributes (and the
@@ -18,7 +18,7 @@ use rpc_registry::rules::{RuleKind, RuleSource, RuleTarget, RuleVersion, RulesIn
 
 use crate::admission::Admission;
 use crate::dispatch::Dispatcher;
-use crate::server::{admission, ServerDefaults};
+use crate::server::{admission, compression, ServerDefaults};
 
 /// The server's side of the rules: each entry's admission and the overrides it was built from.
 struct Target {
@@ -109,6 +109,8 @@ impl RuleTarget for Target {
                 continue;
             }
             admission_of_entry.replace(admission(&o, &self.shared, &self.defaults));
+            let (algorithm, threshold) = compression(&o);
+            admission_of_entry.set_compression(algorithm, threshold);
             self.events.emit_parts(
                 EventKind::Reload,
                 &Arc::from(m.entry_id),

@@ -78,6 +78,17 @@ pub(crate) fn admission(
     }
 }
 
+/// How an entry's answers are compressed under its overrides: its `compression` (default
+/// `off`: then answers follow the algorithm the call came with) from its
+/// `compression_threshold` on.
+pub(crate) fn compression(o: &rpc_core::GovernanceOverrides) -> (rpc_core::Compression, u32) {
+    let d = rpc_core::GovernanceOptions::default();
+    (
+        o.compression.unwrap_or(d.compression),
+        o.compression_threshold.unwrap_or(d.compression_threshold),
+    )
+}
+
 /// What the server sets for entries that set nothing themselves.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct ServerDefaults {
@@ -425,6 +436,8 @@ impl ServerBuilder {
                     admission(&m.governance, shared, &defaults),
                     self.events.clone(),
                 ));
+                let (algorithm, threshold) = compression(&m.governance);
+                admission.set_compression(algorithm, threshold);
                 let entry: Arc<str> = Arc::from(m.entry_id);
                 let fallback = fallback.as_ref().map(|service| {
                     Arc::new(FallbackTo {

@@ -24,6 +24,11 @@ pub struct Call {
     pub attachments: BTreeMap<String, String>,
     /// The caller's remaining budget in milliseconds; 0 means no deadline.
     pub timeout_ms: u32,
+    /// The algorithm `parameters` is already compressed with, as a wire number
+    /// (`Compression::to_wire`; 0: plain). Only one the server accepts
+    /// ([`Connection::accepts`](crate::Connection::accepts)); see
+    /// [`compression::pack`](crate::compression::pack).
+    pub compression: i32,
 }
 
 impl Call {
@@ -35,6 +40,7 @@ impl Call {
             parameters: &self.parameters,
             attachments: &self.attachments,
             timeout_ms: self.timeout_ms,
+            compression: self.compression,
         }
     }
 }
@@ -48,6 +54,7 @@ impl From<RemoteInvokeMessage> for Call {
             parameters: m.parameters,
             attachments: m.attachments,
             timeout_ms: m.timeout_ms,
+            compression: m.compression,
         }
     }
 }

@@ -9,6 +9,7 @@
 use std::fmt;
 use std::net::SocketAddr;
 
+use crate::compression::Accepted;
 use crate::peer::PeerAddr;
 
 /// The identity of the client behind one connection, as established at its handshake.
@@ -35,11 +36,12 @@ pub struct Caller {
     client_id: String,
     token_verified: bool,
     peer_certificate: Option<Vec<u8>>,
+    accept_compression: Accepted,
 }
 
 impl Caller {
-    /// A caller at `peer` that said `client_id` in its `Hello`, with no token checked and no
-    /// certificate presented (add them with the `with_` methods).
+    /// A caller at `peer` that said `client_id` in its `Hello`, with no token checked, no
+    /// certificate presented and no compression accepted (add them with the `with_` methods).
     pub fn new(peer: impl Into<PeerAddr>, client_id: impl Into<String>) -> Self {
         let address = peer.into();
         Caller {
@@ -48,7 +50,21 @@ impl Caller {
             client_id: client_id.into(),
             token_verified: false,
             peer_certificate: None,
+            accept_compression: Accepted::NONE,
         }
+    }
+
+    /// The compression algorithms the caller's `Hello` listed as ones it decodes: a server
+    /// compresses its answers only with one of these.
+    pub fn with_accept_compression(mut self, accepted: Accepted) -> Self {
+        self.accept_compression = accepted;
+        self
+    }
+
+    /// The compression algorithms the caller decodes (none for a client that predates
+    /// compression).
+    pub fn accept_compression(&self) -> Accepted {
+        self.accept_compression
     }
 
     /// Says whether the server required a token and this caller's matched.
@@ -102,6 +118,7 @@ impl fmt::Debug for Caller {
             .field("peer", &self.peer)
             .field("client_id", &self.client_id)
             .field("token_verified", &self.token_verified)
+            .field("accept_compression", &self.accept_compression)
             .field(
                 "peer_certificate",
                 &self

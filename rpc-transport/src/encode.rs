@@ -105,6 +105,7 @@ pub(crate) struct InvokeFields<'a> {
     pub(crate) parameters: &'a [u8],
     pub(crate) attachments: &'a BTreeMap<String, String>,
     pub(crate) timeout_ms: u32,
+    pub(crate) compression: i32,
 }
 
 impl<'a> From<&'a RemoteInvokeMessage> for InvokeFields<'a> {
@@ -116,6 +117,7 @@ impl<'a> From<&'a RemoteInvokeMessage> for InvokeFields<'a> {
             parameters: &m.parameters,
             attachments: &m.attachments,
             timeout_ms: m.timeout_ms,
+            compression: m.compression,
         }
     }
 }
@@ -128,6 +130,7 @@ fn invoke_len(m: &InvokeFields<'_>) -> usize {
         + bytes_len(m.parameters.len())
         + map_len(m.attachments)
         + varint_len(u64::from(m.timeout_ms))
+        + varint_len(int32(m.compression))
 }
 
 /// Length of the body of a `RemoteResultMessage`.
@@ -144,6 +147,7 @@ fn result_len(m: &RemoteResultMessage) -> usize {
         + varint_len(u64::from(m.server_in_flight))
         + varint_len(u64::from(m.server_limit))
         + varint_len(u64::from(m.retry_after_ms))
+        + varint_len(int32(m.compression))
 }
 
 /// Appends an invoke or result frame, length prefix included, and returns true; returns false
@@ -182,6 +186,7 @@ fn put_invoke(m: &InvokeFields<'_>, dst: &mut impl BufMut) {
     put_bytes(4, m.parameters, dst);
     put_map(5, m.attachments, dst);
     put_varint(6, u64::from(m.timeout_ms), dst);
+    put_varint(10, int32(m.compression), dst);
 }
 
 /// Writes the body of a `RemoteResultMessage`.
@@ -201,6 +206,7 @@ fn put_result(m: &RemoteResultMessage, dst: &mut impl BufMut) {
     put_varint(7, u64::from(m.server_in_flight), dst);
     put_varint(8, u64::from(m.server_limit), dst);
     put_varint(9, u64::from(m.retry_after_ms), dst);
+    put_varint(10, int32(m.compression), dst);
 }
 
 #[cfg(test)]
@@ -244,6 +250,7 @@ mod tests {
             parameters: text(rng).into_bytes().into(),
             attachments: map(rng),
             timeout_ms: uint(rng) as u32,
+            compression: [0, 1, 2, 9, -1][rng.random_range(0..5)],
         }
     }
 
@@ -263,6 +270,7 @@ mod tests {
             server_in_flight: uint(rng) as u32,
             server_limit: uint(rng) as u32,
             retry_after_ms: uint(rng) as u32,
+            compression: [0, 1, 2, 9, -1][rng.random_range(0..5)],
         }
     }
 

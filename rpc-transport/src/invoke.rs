@@ -96,6 +96,11 @@ pub struct Invoke {
     pub attachments: BTreeMap<String, String>,
     /// The caller's remaining budget in milliseconds; 0 means no deadline.
     pub timeout_ms: u32,
+    /// The algorithm `parameters` crossed the wire compressed with, as a wire number (0:
+    /// plain). As the frame is decoded, `parameters` holds the bytes as sent; the server
+    /// decompresses them before a handler sees the call, so a handler gets plain parameters
+    /// and learns here how they came (a server answers with the same algorithm by default).
+    pub compression: i32,
 }
 
 impl From<RemoteInvokeMessage> for Invoke {
@@ -108,6 +113,7 @@ impl From<RemoteInvokeMessage> for Invoke {
             parameters: m.parameters,
             attachments: m.attachments,
             timeout_ms: m.timeout_ms,
+            compression: m.compression,
         }
     }
 }
@@ -121,6 +127,7 @@ impl From<Invoke> for RemoteInvokeMessage {
             parameters: i.parameters,
             attachments: i.attachments,
             timeout_ms: i.timeout_ms,
+            compression: i.compression,
         }
     }
 }

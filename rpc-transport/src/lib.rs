@@ -49,6 +49,7 @@ mod call;
 mod caller;
 mod client;
 mod codec;
+pub mod compression;
 mod decode;
 mod encode;
 mod invoke;

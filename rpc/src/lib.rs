@@ -64,9 +64,9 @@ pub use rpc_client::{answered_by, Client, ClientBuilder, RingKey};
 /// Endpoint health as [`Client::endpoints`] reports it.
 pub use rpc_client::{EndpointState, EndpointStatus};
 pub use rpc_core::{
-    serde_rpc_error, Codec, FieldError, GovernanceOptions, GovernanceOverrides, MethodDescriptor,
-    RemoteError, RpcContext, RpcError, ServiceEntry, ServiceEntryId, ServiceId, ShuntStrategy,
-    StatusCode,
+    serde_rpc_error, Codec, Compression, FieldError, GovernanceOptions, GovernanceOverrides,
+    MethodDescriptor, RemoteError, RpcContext, RpcError, ServiceEntry, ServiceEntryId, ServiceId,
+    ShuntStrategy, StatusCode,
 };
 pub use rpc_governance::breaker::BreakerState;
 pub use rpc_governance::events::{EventBus, EventKind, GovernanceEvent};
@@ -129,8 +129,8 @@ pub mod __private {
     pub use bytes::Bytes;
     pub use futures_util::future::BoxFuture;
     pub use rpc_core::{
-        Codec, GovernanceOverrides, MethodDescriptor, NoArgs, RemoteError, RpcError, ShuntStrategy,
-        StatusCode,
+        Codec, Compression, GovernanceOverrides, MethodDescriptor, NoArgs, RemoteError, RpcError,
+        ShuntStrategy, StatusCode,
     };
     use serde::de::DeserializeOwned;
     use serde::Serialize;

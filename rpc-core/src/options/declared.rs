@@ -16,8 +16,8 @@
 //
 // Kinds: `u64`, `u32`, `percent` (a `u32` from 0 to 100), `flag` (a `bool` written
 // `key = true | false`), `bare_flag` (also `#[governance(key)]` for `true`), `strategy`
-// (a `ShuntStrategy`, written as one of its spellings below) and `address` (an optional
-// `host:port`). Side: `Client`, `Server` or `Both`. Then the policy that reads the option uses
+// (a `ShuntStrategy`, written as one of its spellings below), `compression` (a `Compression`,
+// written as one of its spellings below) and `address` (an optional `host:port`). Side: `Client`, `Server` or `Both`. Then the policy that reads the option uses
 // the new field; nothing else changes.
 
 governance_options! {
@@ -200,6 +200,19 @@ governance_options! {
         admission_observe: flag = false, Server,
             "observe mode for the cap and the adaptive limit: a call over it is reported (event `overflow`, `observed = true`) and admitted";
     }
+    Compression {
+        /// How the entry's payloads are compressed on the wire: the client compresses the
+        /// parameters, the server the results (a server whose option for the entry is `off`
+        /// answers with the algorithm the call came with). Only payloads of at least
+        /// `compression_threshold` bytes, only with an algorithm the peer listed in its
+        /// handshake, and only when compressing makes them smaller.
+        compression: compression = Off, Both,
+            "`off`, `zstd` (Zstandard, level 1) or `lz4` (LZ4 block): payloads of at least `compression_threshold` bytes are compressed, parameters by the client, results by the server (whose `off` answers with the call's algorithm), when the peer's handshake lists the algorithm and it makes them smaller";
+        /// The least size, in bytes, of a payload (encoded parameters or result) that is
+        /// compressed under `compression`.
+        compression_threshold: u32 = 1024, Both,
+            "payloads (encoded parameters or result) of at least this many bytes are compressed";
+    }
 }
 
 // The spellings of each `ShuntStrategy` accepted in config files and attributes. The first is
@@ -210,4 +223,12 @@ shunt_strategy_spellings! {
     Hash = "hash" | "hash_algorithm",
     Appoint = "appoint",
     LeastLoaded = "least_loaded" | "p2c" | "least-loaded",
+}
+
+// The spellings of each `Compression` accepted in config files and attributes. The first is the
+// one error messages and the README show, and the one serde writes.
+compression_spellings! {
+    Off = "off",
+    Zstd = "zstd",
+    Lz4 = "lz4",
 }

@@ -54,6 +54,8 @@ pub enum OptionGroup {
     Health,
     /// The server's admission cap.
     Admission,
+    /// Compression of the payloads on the wire.
+    Compression,
 }
 
 impl OptionGroup {
@@ -66,6 +68,7 @@ impl OptionGroup {
             OptionGroup::Breaker => "breaker",
             OptionGroup::Health => "health",
             OptionGroup::Admission => "admission",
+            OptionGroup::Compression => "compression",
         }
     }
 }

@@ -12,10 +12,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::{RpcError, StatusCode};
 
+mod compression;
 mod descriptor;
 mod level;
 mod strategy;
 
+pub use compression::Compression;
 pub use descriptor::{OptionDescriptor, OptionGroup, OptionKind, OptionSide};
 pub use level::OptionLevel;
 pub use strategy::ShuntStrategy;
@@ -28,6 +30,7 @@ macro_rules! option_type {
     (flag) => { bool };
     (bare_flag) => { bool };
     (strategy) => { ShuntStrategy };
+    (compression) => { Compression };
     (address) => { Option<String> };
 }
 
@@ -43,6 +46,9 @@ macro_rules! default_value {
     (strategy, $d:ident) => {
         ShuntStrategy::$d
     };
+    (compression, $d:ident) => {
+        Compression::$d
+    };
     (address, None) => {
         None
     };
@@ -55,6 +61,9 @@ macro_rules! default_value {
 macro_rules! default_text {
     (strategy, $d:ident) => {
         ShuntStrategy::$d.name()
+    };
+    (compression, $d:ident) => {
+        Compression::$d.name()
     };
     (address, None) => {
         "none"
@@ -122,6 +131,11 @@ macro_rules! option_kind {
     (strategy) => {
         OptionKind::Enum {
             values: ShuntStrategy::NAMES,
+        }
+    };
+    (compression) => {
+        OptionKind::Enum {
+            values: Compression::NAMES,
         }
     };
     (address) => {
@@ -273,6 +287,21 @@ macro_rules! shunt_strategy_spellings {
             ];
 
             /// The usual spelling of each strategy, as messages and the README show them.
+            pub const NAMES: &[&str] = &[$($first),*];
+        }
+    };
+}
+
+/// Reads the compression algorithms' spellings of `declared.rs`.
+macro_rules! compression_spellings {
+    ($($variant:ident = $first:literal $(| $more:literal)*,)*) => {
+        impl Compression {
+            /// Each algorithm's spellings in config files and attributes, the usual one first.
+            pub const SPELLINGS: &[(Compression, &[&str])] = &[
+                $((Compression::$variant, &[$first $(, $more)*]),)*
+            ];
+
+            /// The usual spelling of each algorithm, as messages and the README show them.
             pub const NAMES: &[&str] = &[$($first),*];
         }
     };
@@ -468,6 +497,8 @@ mod tests {
             adaptive_concurrency: false,
             adaptive_min_limit: 4,
             admission_observe: false,
+            compression: Compression::Off,
+            compression_threshold: 1024,
         };
         assert_eq!(GovernanceOptions::default(), want);
     }
@@ -482,7 +513,10 @@ mod tests {
             // The default text is what the field serializes to.
             let shown = match value {
                 Value::Null => "none".to_string(),
-                Value::String(s) => s.parse::<ShuntStrategy>().unwrap().name().to_string(),
+                Value::String(s) => match s.parse::<ShuntStrategy>() {
+                    Ok(strategy) => strategy.name().to_string(),
+                    Err(_) => s.parse::<Compression>().unwrap().name().to_string(),
+                },
                 other => other.to_string(),
             };
             assert_eq!(shown, o.default, "{}", o.name);

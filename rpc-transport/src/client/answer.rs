@@ -3,8 +3,8 @@
 //! prost decodes a frame through its generic merge machinery: the oneof, then the message
 //! field by field, each varint read through `Buf`; for a 40-byte answer that was the largest
 //! single cost of the client's reader. Here the plain shape every encoder writes (one `result`
-//! field in the frame; `message_id`, `status_code`, `result` and `exception_message`, each
-//! with its own wire type) is read in one pass, the result a slice of the frame's buffer.
+//! field in the frame; `message_id`, `status_code`, `result`, `exception_message`, the load
+//! report and `compression`, each with its own wire type) is read in one pass, the result a slice of the frame's buffer.
 //! Anything else (validation errors, attachments, unknown fields, repeated oneof fields,
 //! another frame kind, malformed input) goes to prost, so the outcome is always what prost
 //! would decode: the unit tests compare both decoders on generated and on mangled frames.
@@ -85,6 +85,8 @@ fn result_frame(payload: &Bytes) -> Option<RemoteResultMessage> {
             0x38 => m.server_in_flight = varint(&mut buf)? as u32,
             0x40 => m.server_limit = varint(&mut buf)? as u32,
             0x48 => m.retry_after_ms = varint(&mut buf)? as u32,
+            // compression: enum (int32), truncated as prost does
+            0x50 => m.compression = varint(&mut buf)? as i32,
             _ => return None,
         }
     }
@@ -168,6 +170,7 @@ mod tests {
                 zero_or(rng, n) as u32
             },
             retry_after_ms: zero_or(rng, u64::from(u32::MAX)) as u32,
+            compression: [0, 1, 2, -1][rng.random_range(0..4)],
         }
     }
 

@@ -21,6 +21,7 @@ use super::reader::read_loop;
 use super::shared::{comm_error, Shared, NEXT_CONNECTION_ID};
 use crate::call::Call;
 use crate::codec::FrameError;
+use crate::compression::Accepted;
 use crate::transport::{Address, Dialer, Stream, TcpDialer};
 use crate::writer::spawn_writer;
 use crate::READ_BUFFER;
@@ -62,6 +63,9 @@ impl std::fmt::Debug for Connection {
 impl Connection {
     /// Connects to `addr`, sends `Hello` and waits for `HelloAck`. `addr` is `host:port`
     /// (TCP) or `unix:/path/to.sock` (a Unix domain socket); see [`Address`].
+    ///
+    /// The `Hello` lists every compression algorithm this build decodes, so the server may
+    /// compress its answers; [`call`](Self::call) decompresses them.
     ///
     /// Errors: [`StatusCode::CommunicationError`] when the server cannot be reached or the
     /// handshake fails (with TLS: also when the server's certificate is not trusted);
@@ -141,11 +145,12 @@ impl Connection {
             protocol_version: PROTOCOL_VERSION,
             token: options.token.clone().unwrap_or_default(),
             client_id: options.client_id.clone(),
+            accept_compression: crate::compression::supported_wire(),
         }));
         let mut frames =
             FramedRead::with_capacity(rd, AnswerCodec::new(options.max_frame_length), READ_BUFFER);
-        match frames.next().await {
-            Some(Ok(Kind::HelloAck(_))) => {}
+        let accepts = match frames.next().await {
+            Some(Ok(Kind::HelloAck(ack))) => Accepted::from_wire(&ack.accept_compression),
             Some(Ok(Kind::GoAway(g))) => {
                 close.cancel();
                 return Err(RpcError::new(
@@ -168,12 +173,14 @@ impl Connection {
                 close.cancel();
                 return Err(comm_error(addr, "connection closed during the handshake"));
             }
-        }
+        };
         let shared = Arc::new(Shared {
             id: NEXT_CONNECTION_ID.fetch_add(1, Ordering::Relaxed),
             peer: addr.to_string(),
             sender,
             max_unsent_bytes: options.max_unsent_bytes,
+            max_frame_length: options.max_frame_length,
+            accepts,
             pending: PendingTable::default(),
             epoch: Instant::now(),
             next_sweep: AtomicU64::new(NO_SWEEP),
@@ -226,6 +233,17 @@ impl Connection {
         self.shared.sender.backlog().bytes()
     }
 
+    /// Whether the server listed `algorithm` in its `HelloAck` as one it decodes: a call's
+    /// parameters may be compressed with it ([`Call::compression`]).
+    pub fn accepts(&self, algorithm: rpc_core::Compression) -> bool {
+        self.shared.accepts.contains(algorithm)
+    }
+
+    /// The compression algorithms the server decodes, as its `HelloAck` listed them.
+    pub fn accept_compression(&self) -> Accepted {
+        self.shared.accepts
+    }
+
     /// Calls in flight on this connection.
     pub fn in_flight(&self) -> usize {
         self.shared.in_flight.load(Ordering::Relaxed)
@@ -237,7 +255,10 @@ impl Connection {
         self.shared.close.cancel();
     }
 
-    /// Sends one call and waits for its answer; the call's `message_id` is assigned here.
+    /// Sends one call and waits for its answer; the call's `message_id` is assigned here. A
+    /// compressed answer comes back decompressed (`compression` 0): a result that does not
+    /// decompress, or would exceed `ConnectOptions::max_frame_length`, fails the call with
+    /// [`StatusCode::FrameworkError`] saying so.
     ///
     /// Dropping the returned future before the answer arrives sends `Cancel` to the server, and
     /// so does reaching `deadline`, which fails the call with [`StatusCode::Timeout`]. Other
@@ -297,7 +318,29 @@ impl Connection {
             guard.armed = false;
             shared.in_flight.fetch_sub(1, Ordering::Relaxed);
         }
-        result
+        match result {
+            Ok(answer) if answer.compression != 0 => self.unpack(answer),
+            other => other,
+        }
+    }
+
+    /// A compressed answer's result, decompressed within the client's frame limit.
+    fn unpack(&self, mut answer: RemoteResultMessage) -> Result<RemoteResultMessage, RpcError> {
+        let limit = self.shared.max_frame_length;
+        match crate::compression::decompress(answer.compression, &answer.result, limit) {
+            Ok(plain) => {
+                answer.result = plain;
+                answer.compression = 0;
+                Ok(answer)
+            }
+            Err(e) => Err(RpcError::new(
+                StatusCode::FrameworkError,
+                format!(
+                    "{}: the answer (status {}) could not be read: {e}",
+                    self.shared.peer, answer.status_code
+                ),
+            )),
+        }
     }
 }
 

@@ -9,6 +9,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::pending::PendingTable;
+use crate::compression::Accepted;
 use crate::writer::FrameSender;
 
 /// Ids of connections, unique in the process.
@@ -22,6 +23,10 @@ pub(super) struct Shared {
     pub(super) sender: FrameSender,
     /// `ConnectOptions::max_unsent_bytes`.
     pub(super) max_unsent_bytes: usize,
+    /// `ConnectOptions::max_frame_length`: also the most a compressed answer may decompress to.
+    pub(super) max_frame_length: usize,
+    /// The compression algorithms the server's `HelloAck` listed.
+    pub(super) accepts: Accepted,
     /// Calls waiting for their answers, by message id.
     pub(super) pending: PendingTable,
     /// Deadlines are enforced by one sweeper task per connection instead of one timer per

@@ -157,6 +157,15 @@ impl FrameCtx<'_> {
                     r.message_id = id;
                     conn.sender.send(Kind::Result(r));
                 } else {
+                    let mut invoke = invoke;
+                    if invoke.compression != 0 {
+                        if let Err(why) = unpack(&mut invoke, self.options.max_frame_length) {
+                            let mut r = error_result(StatusCode::FrameworkError, why);
+                            r.message_id = id;
+                            conn.sender.send(Kind::Result(r));
+                            return Ok(());
+                        }
+                    }
                     let outcome = self.handler.handle(invoke, &self.caller);
                     dispatch(conn, outcome, id, self.options.inline_first_poll);
                 }
@@ -185,5 +194,21 @@ impl FrameCtx<'_> {
             Some(Err(e)) => Err(Some(e.to_string())),
             None => Err(None),
         }
+    }
+}
+
+/// Decompresses a call's parameters, at most the frame limit of them; when they do not
+/// decompress, why (answered with status 500 instead of running the call). The connection and
+/// its other calls go on: one bad payload says nothing about the next.
+fn unpack(invoke: &mut Invoke, limit: usize) -> Result<(), String> {
+    match crate::compression::decompress(invoke.compression, &invoke.parameters, limit) {
+        Ok(plain) => {
+            invoke.parameters = plain;
+            Ok(())
+        }
+        Err(e) => Err(format!(
+            "the call to {:?} was not run: {e}",
+            invoke.service_entry_id
+        )),
     }
 }

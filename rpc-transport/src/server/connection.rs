@@ -21,6 +21,7 @@ use super::options::{ServerOptions, MAX_HELLO_FRAME, REFUSALS_BEFORE_PAUSE};
 use super::runner::Runners;
 use crate::caller::Caller;
 use crate::codec::FrameCodec;
+use crate::compression::Accepted;
 use crate::invoke::Incoming;
 use crate::peer::PeerAddr;
 use crate::reader::FrameReader;
@@ -68,8 +69,8 @@ pub(super) async fn run_connection<R, W>(
     let hello_limit = options.max_frame_length.min(MAX_HELLO_FRAME);
     let mut frames = FramedRead::with_capacity(rd, FrameCodec::new(hello_limit), HELLO_BUFFER);
 
-    let client_id = match handshake(&mut frames, &sender, options, hello_by).await {
-        Ok(client_id) => client_id,
+    let hello = match handshake(&mut frames, &sender, options, hello_by).await {
+        Ok(hello) => hello,
         Err((code, reason)) => {
             tracing::info!(%peer, %reason, "handshake refused");
             sender.send(go_away(code, reason));
@@ -79,7 +80,8 @@ pub(super) async fn run_connection<R, W>(
     };
     // Who calls, once for the connection: every call is handed this `Arc`.
     let caller = Arc::new(
-        Caller::new(peer.clone(), client_id)
+        Caller::new(peer.clone(), hello.client_id)
+            .with_accept_compression(Accepted::from_wire(&hello.accept_compression))
             .with_token_verified(options.token.is_some())
             .with_peer_certificate(peer_certificate),
     );

@@ -2,7 +2,7 @@
 //! compared by digest in constant time.
 
 use futures_util::StreamExt;
-use rpc_core::wire::{frame::Kind, HelloAck};
+use rpc_core::wire::{frame::Kind, Hello, HelloAck};
 use rpc_core::{StatusCode, PROTOCOL_VERSION};
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
@@ -28,13 +28,14 @@ pub(super) fn token_matches(expected: &str, given: &str) -> bool {
 }
 
 /// Reads `Hello` (by `hello_by`: `handshake_timeout` after the accept, TLS included) and answers
-/// `HelloAck`, or says why the client is refused.
+/// `HelloAck` (listing the compression algorithms the server decodes), or says why the client
+/// is refused. Returns the client's `Hello`.
 pub(super) async fn handshake<R: AsyncRead + Unpin>(
     frames: &mut FramedRead<R, FrameCodec>,
     sender: &FrameSender,
     options: &ServerOptions,
     hello_by: Instant,
-) -> Result<String, (StatusCode, String)> {
+) -> Result<Hello, (StatusCode, String)> {
     let first = tokio::time::timeout_at(hello_by, frames.next())
         .await
         .map_err(|_| {
@@ -87,8 +88,9 @@ pub(super) async fn handshake<R: AsyncRead + Unpin>(
         protocol_version: PROTOCOL_VERSION,
         server_id: options.server_id.clone(),
         max_frame_length: options.max_frame_length.min(u32::MAX as usize) as u32,
+        accept_compression: crate::compression::supported_wire(),
     }));
-    Ok(hello.client_id)
+    Ok(hello)
 }
 
 #[cfg(test)]
