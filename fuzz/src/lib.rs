@@ -25,11 +25,13 @@ pub fn sample_kinds() -> Vec<rpc_core::wire::frame::Kind> {
             protocol_version: rpc_core::PROTOCOL_VERSION,
             token: "s3cret".into(),
             client_id: "client-1@host".into(),
+            ..Default::default()
         }),
         Kind::HelloAck(HelloAck {
             protocol_version: rpc_core::PROTOCOL_VERSION,
             server_id: "server-1".into(),
             max_frame_length: rpc_core::DEFAULT_MAX_FRAME_LENGTH as u32,
+            ..Default::default()
         }),
         Kind::Invoke(RemoteInvokeMessage {
             message_id: 42,
@@ -39,6 +41,7 @@ pub fn sample_kinds() -> Vec<rpc_core::wire::frame::Kind> {
             parameters: bytes::Bytes::from_static(&[0x92, 0xa3, b'a', b'n', b'n', 0x02]),
             attachments,
             timeout_ms: 800,
+            ..Default::default()
         }),
         Kind::Result(RemoteResultMessage {
             message_id: 42,

@@ -1006,6 +1006,7 @@ impl Client {
             parameters: params,
             attachments,
             timeout_ms,
+            stream_mode: 0,
         };
         'attempt: {
             // A pooled connection is taken at once, without the future that connects.

@@ -24,6 +24,9 @@ pub struct Call {
     pub attachments: BTreeMap<String, String>,
     /// The caller's remaining budget in milliseconds; 0 means no deadline.
     pub timeout_ms: u32,
+    /// `StreamMode` of the call (`StreamMode::Unary as i32`, 0, for a plain call); set by
+    /// [`Connection::open_stream`](crate::Connection::open_stream).
+    pub stream_mode: i32,
 }
 
 impl Call {
@@ -35,6 +38,7 @@ impl Call {
             parameters: &self.parameters,
             attachments: &self.attachments,
             timeout_ms: self.timeout_ms,
+            stream_mode: self.stream_mode,
         }
     }
 }
@@ -48,6 +52,7 @@ impl From<RemoteInvokeMessage> for Call {
             parameters: m.parameters,
             attachments: m.attachments,
             timeout_ms: m.timeout_ms,
+            stream_mode: m.stream_mode,
         }
     }
 }

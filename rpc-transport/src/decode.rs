@@ -47,7 +47,7 @@ fn invoke_frame(payload: &Bytes) -> Option<Invoke> {
 /// parameters are located first and sliced out of `whole` once, at the end (a field sent twice
 /// replaces the first, as prost does; each occurrence of the id is checked to be UTF-8).
 fn invoke_body(whole: &Bytes, mut buf: &[u8]) -> Option<Invoke> {
-    let (mut message_id, mut codec, mut timeout_ms) = (0, 0, 0);
+    let (mut message_id, mut codec, mut timeout_ms, mut stream_mode) = (0, 0, 0, 0);
     let (mut entry, mut parameters) = (0..0, 0..0);
     let mut attachments = BTreeMap::new();
     while buf.has_remaining() {
@@ -76,6 +76,8 @@ fn invoke_body(whole: &Bytes, mut buf: &[u8]) -> Option<Invoke> {
             }
             // timeout_ms: uint32, truncated as prost does
             0x30 => timeout_ms = decode_varint(&mut buf).ok()? as u32,
+            // stream_mode: enum (int32), truncated as prost does
+            0x58 => stream_mode = decode_varint(&mut buf).ok()? as i32,
             _ => return None,
         }
     }
@@ -86,6 +88,7 @@ fn invoke_body(whole: &Bytes, mut buf: &[u8]) -> Option<Invoke> {
         parameters: slice_of(whole, parameters),
         attachments,
         timeout_ms,
+        stream_mode,
     })
 }
 
@@ -177,6 +180,7 @@ mod tests {
             } else {
                 rng.random()
             },
+            stream_mode: [0, 0, 1, 2, 3, 7, -1][rng.random_range(0..7)],
         }
     }
 

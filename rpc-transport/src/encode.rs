@@ -105,6 +105,7 @@ pub(crate) struct InvokeFields<'a> {
     pub(crate) parameters: &'a [u8],
     pub(crate) attachments: &'a BTreeMap<String, String>,
     pub(crate) timeout_ms: u32,
+    pub(crate) stream_mode: i32,
 }
 
 impl<'a> From<&'a RemoteInvokeMessage> for InvokeFields<'a> {
@@ -116,6 +117,7 @@ impl<'a> From<&'a RemoteInvokeMessage> for InvokeFields<'a> {
             parameters: &m.parameters,
             attachments: &m.attachments,
             timeout_ms: m.timeout_ms,
+            stream_mode: m.stream_mode,
         }
     }
 }
@@ -128,6 +130,7 @@ fn invoke_len(m: &InvokeFields<'_>) -> usize {
         + bytes_len(m.parameters.len())
         + map_len(m.attachments)
         + varint_len(u64::from(m.timeout_ms))
+        + varint_len(int32(m.stream_mode))
 }
 
 /// Length of the body of a `RemoteResultMessage`.
@@ -182,6 +185,7 @@ fn put_invoke(m: &InvokeFields<'_>, dst: &mut impl BufMut) {
     put_bytes(4, m.parameters, dst);
     put_map(5, m.attachments, dst);
     put_varint(6, u64::from(m.timeout_ms), dst);
+    put_varint(11, int32(m.stream_mode), dst);
 }
 
 /// Writes the body of a `RemoteResultMessage`.
@@ -244,6 +248,8 @@ mod tests {
             parameters: text(rng).into_bytes().into(),
             attachments: map(rng),
             timeout_ms: uint(rng) as u32,
+            // Includes values no enum names: they are kept as numbers.
+            stream_mode: [0, 0, 1, 2, 3, 9, -2][rng.random_range(0..7)],
         }
     }
 

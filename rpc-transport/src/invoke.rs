@@ -96,6 +96,15 @@ pub struct Invoke {
     pub attachments: BTreeMap<String, String>,
     /// The caller's remaining budget in milliseconds; 0 means no deadline.
     pub timeout_ms: u32,
+    /// The call's shape (`StreamMode` as a number; 0, unary, for a plain call).
+    pub stream_mode: i32,
+}
+
+impl Invoke {
+    /// The call's shape, `None` for a number no `StreamMode` names.
+    pub fn mode(&self) -> Option<rpc_core::StreamMode> {
+        rpc_core::StreamMode::try_from(self.stream_mode).ok()
+    }
 }
 
 impl From<RemoteInvokeMessage> for Invoke {
@@ -108,6 +117,7 @@ impl From<RemoteInvokeMessage> for Invoke {
             parameters: m.parameters,
             attachments: m.attachments,
             timeout_ms: m.timeout_ms,
+            stream_mode: m.stream_mode,
         }
     }
 }
@@ -121,6 +131,7 @@ impl From<Invoke> for RemoteInvokeMessage {
             parameters: i.parameters,
             attachments: i.attachments,
             timeout_ms: i.timeout_ms,
+            stream_mode: i.stream_mode,
         }
     }
 }

@@ -238,6 +238,7 @@ async fn the_client_sends_its_budget_and_cancels_at_the_deadline() {
         protocol_version: 1,
         server_id: "fake".into(),
         max_frame_length: 1 << 20,
+        ..Default::default()
     }))
     .await
     .expect("send HelloAck");

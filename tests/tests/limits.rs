@@ -208,6 +208,7 @@ async fn dribble_until_closed(
             protocol_version: 1,
             token: String::new(),
             client_id: "slow-loris".into(),
+            ..Default::default()
         }),
         &mut hello,
     );
@@ -376,6 +377,7 @@ async fn a_client_that_never_reads_its_answers_is_no_longer_read() {
             protocol_version: 1,
             token: String::new(),
             client_id: "never-reads".into(),
+            ..Default::default()
         }),
         &mut hello,
     );

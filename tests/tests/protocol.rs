@@ -130,6 +130,7 @@ async fn a_hand_built_client_speaks_the_protocol_from_the_proto_and_msgpack_alon
         protocol_version: 1,
         token: String::new(),
         client_id: "by-hand".into(),
+        ..Default::default()
     }))
     .await
     .expect("send");

@@ -203,6 +203,7 @@ async fn an_unsupported_protocol_version_is_refused_with_the_reason() {
         protocol_version: 2,
         token: String::new(),
         client_id: "future".into(),
+        ..Default::default()
     }))
     .await
     .expect("send");

@@ -1129,6 +1129,7 @@ fn hello() -> Kind {
         protocol_version: 1,
         token: String::new(),
         client_id: "attacker".into(),
+        ..Default::default()
     })
 }
 

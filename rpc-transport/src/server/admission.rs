@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use rpc_core::wire::{frame::Kind, Pong};
+use rpc_core::wire::{frame::Kind, Pong, StreamEnd, StreamItem};
 use rpc_core::StatusCode;
 use tokio::time::Instant;
 
@@ -133,6 +133,14 @@ impl FrameCtx<'_> {
                     );
                     r.message_id = id;
                     conn.sender.send(Kind::Result(r));
+                } else if invoke.stream_mode != 0 && conn.client_window.is_none() {
+                    let mut r = error_result(
+                        StatusCode::FrameworkError,
+                        "this connection did not negotiate streams: set Hello.streams to open \
+                         a stream; the call was not run",
+                    );
+                    r.message_id = id;
+                    conn.sender.send(Kind::Result(r));
                 } else if let Some((code, why)) = self.refusal(&invoke) {
                     let mut r = error_result(code, why);
                     r.message_id = id;
@@ -169,6 +177,22 @@ impl FrameCtx<'_> {
                         conn.idle.notify_one();
                     }
                     conn.finished.notify_one();
+                }
+                Ok(())
+            }
+            Some(Ok(Incoming::Other(Kind::StreamCredit(c)))) => {
+                // Credit for a stream that ended meanwhile is dropped.
+                if let Some(slot) = conn.streams.get(c.message_id) {
+                    slot.grant(c.items);
+                }
+                Ok(())
+            }
+            Some(Ok(Incoming::Other(Kind::StreamItem(StreamItem { message_id, .. }))))
+            | Some(Ok(Incoming::Other(Kind::StreamEnd(StreamEnd { message_id, .. })))) => {
+                // The streams served so far take no items from the client: one that is sent
+                // some ends with an error. (Frames for a stream that ended are dropped.)
+                if let Some(slot) = conn.streams.get(message_id) {
+                    slot.violate();
                 }
                 Ok(())
             }

@@ -68,8 +68,8 @@ pub(super) async fn run_connection<R, W>(
     let hello_limit = options.max_frame_length.min(MAX_HELLO_FRAME);
     let mut frames = FramedRead::with_capacity(rd, FrameCodec::new(hello_limit), HELLO_BUFFER);
 
-    let client_id = match handshake(&mut frames, &sender, options, hello_by).await {
-        Ok(client_id) => client_id,
+    let hello = match handshake(&mut frames, &sender, options, hello_by).await {
+        Ok(hello) => hello,
         Err((code, reason)) => {
             tracing::info!(%peer, %reason, "handshake refused");
             sender.send(go_away(code, reason));
@@ -79,7 +79,7 @@ pub(super) async fn run_connection<R, W>(
     };
     // Who calls, once for the connection: every call is handed this `Arc`.
     let caller = Arc::new(
-        Caller::new(peer.clone(), client_id)
+        Caller::new(peer.clone(), hello.client_id)
             .with_token_verified(options.token.is_some())
             .with_peer_certificate(peer_certificate),
     );
@@ -104,6 +104,8 @@ pub(super) async fn run_connection<R, W>(
         refused_in_a_row: AtomicU32::new(0),
         abuses: AtomicU32::new(0),
         give_way: AtomicBool::new(false),
+        streams: Default::default(),
+        client_window: hello.stream_window,
     });
     // Runs however the connection ends, including when its task is aborted: running handlers
     // are dropped and the socket is closed.

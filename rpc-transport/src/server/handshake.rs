@@ -27,6 +27,14 @@ pub(super) fn token_matches(expected: &str, given: &str) -> bool {
     token_digest(expected).ct_eq(&token_digest(given)).into()
 }
 
+/// What the handshake established about the client.
+pub(super) struct Hello {
+    pub(super) client_id: String,
+    /// The client's `stream_window` (at least 1) when it can stream; `None` when it cannot:
+    /// it is sent no stream frame.
+    pub(super) stream_window: Option<u32>,
+}
+
 /// Reads `Hello` (by `hello_by`: `handshake_timeout` after the accept, TLS included) and answers
 /// `HelloAck`, or says why the client is refused.
 pub(super) async fn handshake<R: AsyncRead + Unpin>(
@@ -34,7 +42,7 @@ pub(super) async fn handshake<R: AsyncRead + Unpin>(
     sender: &FrameSender,
     options: &ServerOptions,
     hello_by: Instant,
-) -> Result<String, (StatusCode, String)> {
+) -> Result<Hello, (StatusCode, String)> {
     let first = tokio::time::timeout_at(hello_by, frames.next())
         .await
         .map_err(|_| {
@@ -87,8 +95,17 @@ pub(super) async fn handshake<R: AsyncRead + Unpin>(
         protocol_version: PROTOCOL_VERSION,
         server_id: options.server_id.clone(),
         max_frame_length: options.max_frame_length.min(u32::MAX as usize) as u32,
+        streams: hello.streams,
+        stream_window: if hello.streams {
+            options.stream_window.max(1)
+        } else {
+            0
+        },
     }));
-    Ok(hello.client_id)
+    Ok(Hello {
+        client_id: hello.client_id,
+        stream_window: hello.streams.then_some(hello.stream_window.max(1)),
+    })
 }
 
 #[cfg(test)]

@@ -165,6 +165,7 @@ impl RawConn {
             protocol_version: 1,
             token: token.to_string(),
             client_id: "raw-test".into(),
+            ..Default::default()
         }))
         .await
         .expect("send Hello");
@@ -240,6 +241,7 @@ pub async fn accept_hello(stream: TcpStream, server_id: &str, max_frame_length: 
         protocol_version: 1,
         server_id: server_id.into(),
         max_frame_length,
+        ..Default::default()
     }))
     .await
     .expect("send HelloAck");
