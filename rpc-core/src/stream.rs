@@ -140,11 +140,18 @@ mod tests {
 
     #[tokio::test]
     async fn collect_all_returns_the_items_or_the_first_error() {
-        assert_eq!(RpcStream::iter([1, 2]).collect_all().await.ok(), Some(vec![1, 2]));
+        assert_eq!(
+            RpcStream::iter([1, 2]).collect_all().await.ok(),
+            Some(vec![1, 2])
+        );
         let e = RpcStream::<u8>::failed(RpcError::new(StatusCode::Timeout, "late"))
             .collect_all()
             .await;
         assert!(matches!(e, Err(e) if e.code() == StatusCode::Timeout));
-        assert!(RpcStream::<u8>::empty().collect_all().await.unwrap().is_empty());
+        assert!(RpcStream::<u8>::empty()
+            .collect_all()
+            .await
+            .unwrap()
+            .is_empty());
     }
 }

@@ -51,6 +51,49 @@ pub fn server(service: &Service, names: &Names) -> TokenStream {
             }
         }
     };
+    // Streaming methods: their shape, and their dispatch (only when the service has some, so
+    // a unary service keeps the trait's defaults).
+    let streaming: Vec<_> = service
+        .methods
+        .iter()
+        .enumerate()
+        .filter(|(_, m)| m.stream_item.is_some())
+        .collect();
+    let streams = if streaming.is_empty() {
+        quote!()
+    } else {
+        let indexes = streaming.iter().map(|(i, _)| *i);
+        let stream_arms = streaming
+            .iter()
+            .map(|(i, m)| stream_arm(*i, m, trait_ident, table, &imp));
+        let unknown_stream = quote! {
+            ::rpc::__private::boxed_stream(::core::future::ready(::core::result::Result::Err(
+                ::rpc::__private::unknown_method(#service_id, __rpc_index),
+            )))
+        };
+        quote! {
+            fn stream_mode(&self, __rpc_index: usize) -> ::rpc::__private::StreamMode {
+                match __rpc_index {
+                    #(#indexes)|* => ::rpc::__private::StreamMode::Server,
+                    _ => ::rpc::__private::StreamMode::Unary,
+                }
+            }
+
+            fn call_stream(
+                &self,
+                __rpc_index: usize,
+                __rpc_params: ::rpc::__private::Bytes,
+                __rpc_inbound: ::core::option::Option<::rpc::__private::ByteStream>,
+                __rpc_codec: ::rpc::__private::Codec,
+            ) -> ::rpc::__private::StreamFuture {
+                let _ = __rpc_inbound;
+                match __rpc_index {
+                    #(#stream_arms)*
+                    _ => #unknown_stream,
+                }
+            }
+        }
+    };
     quote! {
         #[doc = #doc]
         #[allow(dead_code)]
@@ -123,6 +166,8 @@ pub fn server(service: &Service, names: &Names) -> TokenStream {
             > {
                 #dispatch
             }
+
+            #streams
         }
     }
 }
@@ -136,9 +181,78 @@ fn arm(
 ) -> TokenStream {
     let ident = &m.ident;
     let err = &m.err;
+    if m.stream_item.is_some() {
+        // Called as a unary call: refused (the server's dispatcher refuses it first).
+        return quote! {
+            #index => ::rpc::__private::boxed(::core::future::ready(::core::result::Result::Err(
+                ::rpc::__private::wrong_shape(&#table[#index], true),
+            ))),
+        };
+    }
+    let arg_idents: Vec<_> = m.args.iter().map(|a| &a.ident).collect();
+    let decode = decode_args(m);
+    quote! {
+        #index => {
+            let __rpc_inner = ::std::sync::Arc::clone(&self.inner);
+            ::rpc::__private::boxed(async move {
+                let __rpc_method: &'static ::rpc::__private::MethodDescriptor = &#table[#index];
+                #decode
+                match <#imp as #trait_ident>::#ident(&*__rpc_inner, #(#arg_idents),*).await {
+                    ::core::result::Result::Ok(__rpc_value) => {
+                        ::rpc::__private::encode_result(__rpc_codec, &__rpc_value, __rpc_method)
+                    }
+                    ::core::result::Result::Err(__rpc_error) => ::core::result::Result::Err(
+                        <#err as ::rpc::__private::RemoteError>::into_rpc_error(
+                            __rpc_error,
+                            __rpc_codec,
+                        ),
+                    ),
+                }
+            })
+        }
+    }
+}
+
+/// The `call_stream` arm of a server-streaming method: decode the arguments, run the handler's
+/// set-up, encode its items.
+fn stream_arm(
+    index: usize,
+    m: &Method,
+    trait_ident: &syn::Ident,
+    table: &syn::Ident,
+    imp: &syn::Ident,
+) -> TokenStream {
+    let ident = &m.ident;
+    let err = &m.err;
+    let arg_idents: Vec<_> = m.args.iter().map(|a| &a.ident).collect();
+    let decode = decode_args(m);
+    quote! {
+        #index => {
+            let __rpc_inner = ::std::sync::Arc::clone(&self.inner);
+            ::rpc::__private::boxed_stream(async move {
+                let __rpc_method: &'static ::rpc::__private::MethodDescriptor = &#table[#index];
+                #decode
+                match <#imp as #trait_ident>::#ident(&*__rpc_inner, #(#arg_idents),*).await {
+                    ::core::result::Result::Ok(__rpc_items) => ::core::result::Result::Ok(
+                        ::rpc::__private::encode_stream(__rpc_codec, __rpc_items, __rpc_method),
+                    ),
+                    ::core::result::Result::Err(__rpc_error) => ::core::result::Result::Err(
+                        <#err as ::rpc::__private::RemoteError>::into_rpc_error(
+                            __rpc_error,
+                            __rpc_codec,
+                        ),
+                    ),
+                }
+            })
+        }
+    }
+}
+
+/// Decodes `__rpc_params` into the method's arguments (`?` on failure).
+fn decode_args(m: &Method) -> TokenStream {
     let arg_idents: Vec<_> = m.args.iter().map(|a| &a.ident).collect();
     let arg_tys = m.args.iter().map(|a| &a.ty);
-    let decode = if arg_idents.is_empty() {
+    if arg_idents.is_empty() {
         quote! {
             ::rpc::__private::decode_args::<::rpc::__private::NoArgs>(
                 __rpc_codec,
@@ -165,26 +279,6 @@ fn arm(
                 &__rpc_params,
                 __rpc_method,
             )?;
-        }
-    };
-    quote! {
-        #index => {
-            let __rpc_inner = ::std::sync::Arc::clone(&self.inner);
-            ::rpc::__private::boxed(async move {
-                let __rpc_method: &'static ::rpc::__private::MethodDescriptor = &#table[#index];
-                #decode
-                match <#imp as #trait_ident>::#ident(&*__rpc_inner, #(#arg_idents),*).await {
-                    ::core::result::Result::Ok(__rpc_value) => {
-                        ::rpc::__private::encode_result(__rpc_codec, &__rpc_value, __rpc_method)
-                    }
-                    ::core::result::Result::Err(__rpc_error) => ::core::result::Result::Err(
-                        <#err as ::rpc::__private::RemoteError>::into_rpc_error(
-                            __rpc_error,
-                            __rpc_codec,
-                        ),
-                    ),
-                }
-            })
         }
     }
 }

@@ -80,6 +80,8 @@ pub struct Method {
     pub ok: Type,
     /// `E`.
     pub err: Type,
+    /// `I` when `T` is `RpcStream<I>`: a server-streaming method.
+    pub stream_item: Option<Type>,
 }
 
 /// One argument of a method.
@@ -322,6 +324,13 @@ fn method(f: &TraitItemFn) -> syn::Result<Method> {
                 continue;
             }
         };
+        if stream_item(&pt.ty).is_some() {
+            errors.spanned(
+                &pt.ty,
+                "a stream argument (client streaming) is not supported yet: a method may \
+                 return `Result<RpcStream<T>, E>` (server streaming)",
+            );
+        }
         match &*pt.ty {
             Type::Reference(r) => errors.spanned(
                 &r,
@@ -381,6 +390,7 @@ fn method(f: &TraitItemFn) -> syn::Result<Method> {
     errors.finish()?;
     let (output, ok, err) =
         result.ok_or_else(|| syn::Error::new_spanned(sig, "expected `-> Result<T, E>`"))?;
+    let stream_item = stream_item(&ok);
     Ok(Method {
         ident: sig.ident.clone(),
         args,
@@ -389,7 +399,27 @@ fn method(f: &TraitItemFn) -> syn::Result<Method> {
         output,
         ok,
         err,
+        stream_item,
     })
+}
+
+/// `I` of an `RpcStream<I>` (any path ending in `RpcStream` with one type argument).
+fn stream_item(ty: &Type) -> Option<Type> {
+    let Type::Path(tp) = ty else { return None };
+    if tp.qself.is_some() {
+        return None;
+    }
+    let last = tp.path.segments.last()?;
+    if last.ident != "RpcStream" {
+        return None;
+    }
+    let PathArguments::AngleBracketed(ab) = &last.arguments else {
+        return None;
+    };
+    match ab.args.iter().collect::<Vec<_>>()[..] {
+        [GenericArgument::Type(t)] => Some(t.clone()),
+        _ => None,
+    }
 }
 
 /// `T` and `E` of a `Result<T, E>` (any path ending in `Result` with two type arguments).

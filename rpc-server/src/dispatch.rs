@@ -16,7 +16,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures_util::FutureExt;
 use rpc_core::wire::{RemoteResultMessage, ValidateError};
-use rpc_core::{Codec, MethodDescriptor, RpcContext, RpcError, StatusCode};
+use rpc_core::{Codec, MethodDescriptor, RpcContext, RpcError, StatusCode, StreamMode};
 use rpc_governance::calls::{CallObservers, Side};
 use rpc_governance::events::{EventBus, EventKind};
 use rpc_governance::fallback;
@@ -39,6 +39,8 @@ pub(crate) struct Route {
     pub(crate) fallback: Option<Arc<FallbackTo>>,
     /// The user's layers and what runs after them, when the server has layers.
     pub(crate) layered: Option<Arc<Layered>>,
+    /// The method's shape: unary, or which way it streams.
+    pub(crate) stream: StreamMode,
 }
 
 /// An entry's chain on a server with layers: shared by its calls, so that a call takes one
@@ -123,7 +125,7 @@ impl Terminal {
 }
 
 /// The governance event of an admission refusal: over a rate limit, or at the gate.
-fn refusal_event(e: &RpcError) -> EventKind {
+pub(crate) fn refusal_event(e: &RpcError) -> EventKind {
     if e.code() == StatusCode::RateLimited {
         EventKind::RateLimited
     } else {
@@ -132,7 +134,7 @@ fn refusal_event(e: &RpcError) -> EventKind {
 }
 
 /// Writes the entry's load (in flight, limit) into an answer.
-fn with_load(
+pub(crate) fn with_load(
     mut answer: RemoteResultMessage,
     (in_flight, limit): (u32, u32),
 ) -> RemoteResultMessage {
@@ -181,8 +183,14 @@ impl InvokeHandler for Dispatcher {
                 ),
             ));
         };
+        if invoke.stream_mode != route.stream as i32 {
+            return Dispatch::Ready(crate::streams::mode_mismatch(route, invoke.stream_mode));
+        }
         let attachments = std::mem::take(&mut invoke.attachments);
         let span = telemetry::server_span(route.method, self.local, peer, &attachments);
+        if route.stream != StreamMode::Unary {
+            return crate::streams::dispatch(self, route, invoke, codec, attachments, span, caller);
+        }
         if let Some(chain) = &route.layered {
             return self.layered(
                 chain,
@@ -450,7 +458,7 @@ impl Future for CallFuture {
 }
 
 type HandlerFuture = futures_util::future::BoxFuture<'static, Result<Bytes, RpcError>>;
-type Outcome = std::thread::Result<Result<Bytes, RpcError>>;
+pub(crate) type Outcome = std::thread::Result<Result<Bytes, RpcError>>;
 
 /// Polls the handler once in the call's span, attachments and inherited deadline, catching a
 /// panic. Its waker does nothing: a handler that has to wait is polled again, with its task's
@@ -631,7 +639,11 @@ impl Future for Guarded<'_> {
 /// The panic message may show a service's internals (paths, values, queries), so it is logged
 /// here with the entry and a short panic id, and the caller receives the id to find it by;
 /// the text itself only with `send_panic_text`.
-fn settle(outcome: Outcome, entry: &str, send_panic_text: bool) -> Result<Bytes, RpcError> {
+pub(crate) fn settle(
+    outcome: Outcome,
+    entry: &str,
+    send_panic_text: bool,
+) -> Result<Bytes, RpcError> {
     outcome.unwrap_or_else(|panic| {
         let what = panic
             .downcast_ref::<&str>()
@@ -662,7 +674,7 @@ fn panic_id() -> String {
     format!("{:08x}", h as u32)
 }
 
-fn to_message(result: Result<Bytes, RpcError>) -> RemoteResultMessage {
+pub(crate) fn to_message(result: Result<Bytes, RpcError>) -> RemoteResultMessage {
     match result {
         Ok(bytes) => RemoteResultMessage {
             status_code: StatusCode::Success.as_u32(),

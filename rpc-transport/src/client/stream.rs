@@ -231,10 +231,13 @@ impl Stream for ClientStream {
             }
         };
         if grant > 0 {
-            this.conn.shared.sender.send(Kind::StreamCredit(StreamCredit {
-                message_id: this.id,
-                items: grant,
-            }));
+            this.conn
+                .shared
+                .sender
+                .send(Kind::StreamCredit(StreamCredit {
+                    message_id: this.id,
+                    items: grant,
+                }));
         }
         match next {
             Some(Ok(item)) => Poll::Ready(Some(Ok(item))),

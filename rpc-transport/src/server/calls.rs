@@ -10,8 +10,8 @@ use rpc_core::wire::{frame::Kind, RemoteResultMessage};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use super::handler::Dispatch;
 use super::handler::error_result;
+use super::handler::Dispatch;
 use super::runner::{self, CallFuture, CallSink, Runners, Running};
 use super::streams::{StreamDriver, StreamTable};
 use crate::writer::FrameSender;

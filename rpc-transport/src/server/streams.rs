@@ -208,7 +208,11 @@ mod tests {
     #[tokio::test]
     async fn the_producer_is_polled_only_within_the_credit_and_the_slot_goes_with_the_task() {
         let (ours, _theirs) = tokio::io::duplex(1 << 20);
-        let sender = spawn_writer(ours, Arc::new(AtomicUsize::new(0)), CancellationToken::new());
+        let sender = spawn_writer(
+            ours,
+            Arc::new(AtomicUsize::new(0)),
+            CancellationToken::new(),
+        );
         let polled = Arc::new(AtomicUsize::new(0));
         let p = polled.clone();
         let events = stream::iter(std::iter::once(StreamEvent::Accepted))

@@ -1,0 +1,515 @@
+//! Server streaming over real TCP: items in order then the end, flow control that stops a
+//! producer whose consumer stops reading, cancellation by dropping the stream, errors and the
+//! deadline mid-stream, many streams beside unary calls on one connection, a server that dies
+//! mid-stream, the cap counting open streams, and peers that do not stream.
+
+mod common;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{no_retry, recv_one, within, DropSignal, RawConn};
+use futures_util::future::join_all;
+use rpc::crates::core::wire::{frame::Kind, RemoteInvokeMessage, StreamMode};
+use rpc::crates::transport::DEFAULT_STREAM_WINDOW;
+use rpc::{
+    Client, Codec, GovernanceOverrides, InProcessRegistry, RpcError, RpcStream, Server,
+    ServerHandle, StaticRegistry, StatusCode,
+};
+use serde::{Deserialize, Serialize};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Tick {
+    pub seq: u32,
+    pub label: String,
+}
+
+#[rpc::service(name = "t.Feed")]
+pub trait Feed {
+    /// `n` ticks, numbered from 0.
+    async fn ticks(&self, n: u32) -> Result<RpcStream<Tick>, RpcError>;
+    /// Numbers from 0 without end; counts how often its producer is asked for an item and
+    /// reports when it is dropped.
+    async fn endless(&self) -> Result<RpcStream<u64>, RpcError>;
+    /// `n` numbers, then a business error.
+    async fn fail_after(&self, n: u32) -> Result<RpcStream<u32>, RpcError>;
+    /// `n` numbers, then waits for ever (reports that it got there).
+    async fn stall_after(&self, n: u32) -> Result<RpcStream<u32>, RpcError>;
+    /// Refuses at its set-up with a business error: nothing is streamed.
+    async fn refuse(&self) -> Result<RpcStream<u32>, RpcError>;
+    /// A unary method beside the streams.
+    async fn echo(&self, text: String) -> Result<String, RpcError>;
+}
+
+#[derive(Clone)]
+struct Feeds {
+    /// Items the `endless` producer was asked for.
+    polls: Arc<AtomicU64>,
+    dropped: mpsc::UnboundedSender<String>,
+    stalled: mpsc::UnboundedSender<String>,
+}
+
+impl Feed for Feeds {
+    async fn ticks(&self, n: u32) -> Result<RpcStream<Tick>, RpcError> {
+        Ok(RpcStream::iter((0..n).map(|seq| Tick {
+            seq,
+            label: format!("tick-{seq}"),
+        })))
+    }
+
+    async fn endless(&self) -> Result<RpcStream<u64>, RpcError> {
+        let polls = self.polls.clone();
+        let guard = DropSignal::new("endless", self.dropped.clone());
+        Ok(RpcStream::new(futures_util::stream::unfold(
+            (0u64, guard),
+            move |(n, guard)| {
+                polls.fetch_add(1, Ordering::SeqCst);
+                std::future::ready(Some((n, (n + 1, guard))))
+            },
+        )))
+    }
+
+    async fn fail_after(&self, n: u32) -> Result<RpcStream<u32>, RpcError> {
+        let items = (0..n)
+            .map(Ok)
+            .chain(std::iter::once(Err(RpcError::business(format!(
+                "ran out after {n}"
+            )))));
+        Ok(RpcStream::try_new(futures_util::stream::iter(items)))
+    }
+
+    async fn stall_after(&self, n: u32) -> Result<RpcStream<u32>, RpcError> {
+        let stalled = self.stalled.clone();
+        let guard = DropSignal::new("stall_after", self.dropped.clone());
+        let rest = futures_util::stream::once(async move {
+            let _guard = guard;
+            let _ = stalled.send("stalled".into());
+            std::future::pending::<u32>().await
+        });
+        Ok(RpcStream::new(futures_util::StreamExt::chain(
+            futures_util::stream::iter(0..n),
+            rest,
+        )))
+    }
+
+    async fn refuse(&self) -> Result<RpcStream<u32>, RpcError> {
+        Err(RpcError::business("no stream for you"))
+    }
+
+    async fn echo(&self, text: String) -> Result<String, RpcError> {
+        Ok(text)
+    }
+}
+
+struct Probe {
+    polls: Arc<AtomicU64>,
+    dropped: mpsc::UnboundedReceiver<String>,
+    stalled: mpsc::UnboundedReceiver<String>,
+}
+
+async fn serve(reg: &InProcessRegistry, cap: usize) -> (ServerHandle, Probe) {
+    let (dropped_tx, dropped) = mpsc::unbounded_channel();
+    let (stalled_tx, stalled) = mpsc::unbounded_channel();
+    let polls = Arc::new(AtomicU64::new(0));
+    let server = Server::builder()
+        .registry(reg.clone())
+        .max_concurrency(cap)
+        .add_service(FeedServer::new(Feeds {
+            polls: polls.clone(),
+            dropped: dropped_tx,
+            stalled: stalled_tx,
+        }))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    (
+        server,
+        Probe {
+            polls,
+            dropped,
+            stalled,
+        },
+    )
+}
+
+fn timeout_of(ms: u64) -> GovernanceOverrides {
+    GovernanceOverrides {
+        timeout_ms: Some(ms),
+        retry_times: Some(0),
+        ..GovernanceOverrides::NONE
+    }
+}
+
+fn feed(reg: &InProcessRegistry) -> FeedClient {
+    FeedClient::new(
+        Client::builder()
+            .registry(reg.clone())
+            .override_options(FeedClient::SERVICE_ID, no_retry())
+            .build(),
+    )
+}
+
+#[tokio::test]
+async fn server_streaming_delivers_n_items_in_order_then_ends() {
+    let reg = InProcessRegistry::new();
+    let (server, _probe) = serve(&reg, 50).await;
+    for codec in [Codec::MsgPack, Codec::Json] {
+        let f = FeedClient::new(Client::builder().registry(reg.clone()).codec(codec).build());
+        let n = 3 * DEFAULT_STREAM_WINDOW + 7;
+        let mut s = within("open", f.ticks(n)).await.expect("ticks");
+        let mut seen = Vec::new();
+        while let Some(item) = within("next tick", s.next()).await {
+            seen.push(item.expect("a tick"));
+        }
+        let expected: Vec<Tick> = (0..n)
+            .map(|seq| Tick {
+                seq,
+                label: format!("tick-{seq}"),
+            })
+            .collect();
+        assert_eq!(seen, expected, "{codec:?}");
+        assert!(s.next().await.is_none(), "nothing after the end");
+        // An empty stream ends at once.
+        let empty = within("open", f.ticks(0)).await.expect("ticks(0)");
+        assert!(within("collect", empty.collect_all())
+            .await
+            .expect("ok")
+            .is_empty());
+    }
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn a_consumer_that_stops_reading_stops_the_producer_at_the_window() {
+    const WINDOW: u32 = 8;
+    let reg = InProcessRegistry::new();
+    let (server, probe) = serve(&reg, 50).await;
+    let client = Client::builder()
+        .registry(reg.clone())
+        .stream_window(WINDOW)
+        .build();
+    let f = FeedClient::new(client);
+    let mut s = within("open", f.endless()).await.expect("endless");
+    // Fewer than half the window taken: no credit goes back to the server.
+    for want in 0..3u64 {
+        assert_eq!(
+            within("item", s.next()).await.expect("item").expect("ok"),
+            want
+        );
+    }
+    // The producer fills the window the client announced, and is not asked for more: wait
+    // until it got there, then let the connection carry other traffic (round trips through
+    // both sides' tasks) before looking again.
+    within("the producer reaches the window", async {
+        while probe.polls.load(Ordering::SeqCst) < u64::from(WINDOW) {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    for i in 0..20 {
+        assert_eq!(
+            within("echo", f.echo(format!("ping {i}")))
+                .await
+                .expect("echo"),
+            format!("ping {i}")
+        );
+    }
+    assert_eq!(
+        probe.polls.load(Ordering::SeqCst),
+        u64::from(WINDOW),
+        "a stopped consumer holds the producer at the window"
+    );
+    // Reading on, the stream continues in order, and the producer stays within the window of
+    // what was taken.
+    for want in 3..200u64 {
+        assert_eq!(
+            within("item", s.next()).await.expect("item").expect("ok"),
+            want
+        );
+        let polls = probe.polls.load(Ordering::SeqCst);
+        assert!(
+            polls <= want + 1 + u64::from(WINDOW),
+            "{polls} items produced when {} were taken",
+            want + 1
+        );
+    }
+    drop(s);
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn dropping_the_stream_drops_the_handlers_stream_and_frees_its_slot() {
+    let reg = InProcessRegistry::new();
+    // A cap of 1: the open stream holds it until it ends.
+    let (server, mut probe) = serve(&reg, 1).await;
+    let f = feed(&reg);
+    let mut s = within("open", f.endless()).await.expect("endless");
+    assert_eq!(
+        within("item", s.next()).await.expect("item").expect("ok"),
+        0
+    );
+    let over = within("echo at the cap", f.echo("x".into())).await;
+    assert_eq!(
+        over.expect_err("the open stream counts against the cap")
+            .code(),
+        StatusCode::OverflowMaxServerHandle
+    );
+    drop(s);
+    assert_eq!(
+        recv_one(
+            "the Cancel dropped the handler's stream",
+            &mut probe.dropped
+        )
+        .await,
+        "endless"
+    );
+    // The cap's slot is free again.
+    assert_eq!(
+        within("echo", f.echo("after".into())).await.expect("echo"),
+        "after"
+    );
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn a_server_error_mid_stream_ends_it_with_that_error_after_the_items_before_it() {
+    let reg = InProcessRegistry::new();
+    let (server, _probe) = serve(&reg, 50).await;
+    let f = feed(&reg);
+    let mut s = within("open", f.fail_after(5)).await.expect("fail_after");
+    for want in 0..5 {
+        assert_eq!(
+            within("item", s.next()).await.expect("item").expect("ok"),
+            want
+        );
+    }
+    let e = within("the error", s.next())
+        .await
+        .expect("an error item")
+        .expect_err("the stream's error");
+    assert_eq!(e.code(), StatusCode::BusinessError);
+    assert!(e.message().contains("ran out after 5"), "{e}");
+    assert!(
+        within("end", s.next()).await.is_none(),
+        "nothing after the error"
+    );
+
+    // A set-up that fails is a refusal: the call's error, no stream.
+    let e = within("refuse", f.refuse())
+        .await
+        .expect_err("refused at its set-up");
+    assert_eq!(e.code(), StatusCode::BusinessError);
+    assert!(e.message().contains("no stream for you"), "{e}");
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_deadline_ends_the_stream_with_a_timeout_after_the_items_that_arrived() {
+    let reg = InProcessRegistry::new();
+    let (server, mut probe) = serve(&reg, 50).await;
+    let f = FeedClient::new(
+        Client::builder()
+            .registry(reg.clone())
+            .override_options(FeedClient::SERVICE_ID, timeout_of(60_000))
+            .build(),
+    );
+    let mut s = within("open", f.stall_after(3)).await.expect("stall_after");
+    for want in 0..3 {
+        assert_eq!(
+            within("item", s.next()).await.expect("item").expect("ok"),
+            want
+        );
+    }
+    // The handler waits for ever now; the deadline (on the paused clock) ends the stream.
+    assert_eq!(recv_one("stalled", &mut probe.stalled).await, "stalled");
+    tokio::time::advance(Duration::from_secs(60)).await;
+    let e = within("the timeout", s.next())
+        .await
+        .expect("an error item")
+        .expect_err("the deadline's error");
+    assert_eq!(e.code(), StatusCode::Timeout, "{e}");
+    assert!(s.next().await.is_none(), "nothing after the timeout");
+    assert_eq!(
+        recv_one(
+            "the server dropped the handler's stream",
+            &mut probe.dropped
+        )
+        .await,
+        "stall_after"
+    );
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn many_streams_share_one_connection_with_unary_calls_and_a_stalled_one() {
+    let reg = InProcessRegistry::new();
+    let (server, probe) = serve(&reg, 200).await;
+    // One connection per endpoint (the default): every stream and call below shares it.
+    let client = Client::builder()
+        .registry(reg.clone())
+        .connections_per_endpoint(1)
+        .stream_window(4)
+        .override_options(FeedClient::SERVICE_ID, no_retry())
+        .build();
+    let f = FeedClient::new(client);
+    // A stream nobody reads: it stalls at its window and must stall nothing else.
+    let stalled = within("open", f.endless()).await.expect("endless");
+    let streams = (0..64u32).map(|k| {
+        let f = f.clone();
+        async move {
+            let n = 50 + k;
+            let items = within("collect", f.ticks(n).await.expect("ticks").collect_all())
+                .await
+                .expect("complete");
+            let seqs: Vec<u32> = items.iter().map(|t| t.seq).collect();
+            assert_eq!(seqs, (0..n).collect::<Vec<_>>(), "stream {k} in order");
+        }
+    });
+    let unary = (0..64u32).map(|k| {
+        let f = f.clone();
+        async move {
+            assert_eq!(
+                f.echo(format!("u{k}")).await.expect("echo"),
+                format!("u{k}")
+            );
+        }
+    });
+    within("everything", async {
+        tokio::join!(join_all(streams), join_all(unary));
+    })
+    .await;
+    assert!(
+        probe.polls.load(Ordering::SeqCst) <= 4,
+        "the unread stream stayed within its window"
+    );
+    drop(stalled);
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn a_server_that_dies_mid_stream_ends_it_with_an_error_saying_how_many_items_arrived() {
+    let reg = InProcessRegistry::new();
+    let (server, mut probe) = serve(&reg, 50).await;
+    let f = feed(&reg);
+    let mut s = within("open", f.stall_after(3)).await.expect("stall_after");
+    for want in 0..3 {
+        assert_eq!(
+            within("item", s.next()).await.expect("item").expect("ok"),
+            want
+        );
+    }
+    assert_eq!(recv_one("stalled", &mut probe.stalled).await, "stalled");
+    server.abort();
+    let e = within("the failure", s.next())
+        .await
+        .expect("an error item")
+        .expect_err("the connection's failure");
+    assert_eq!(e.code(), StatusCode::CommunicationError, "{e}");
+    assert!(e.message().contains("after 3 items arrived"), "{e}");
+    assert!(e.is_maybe_delivered(), "{e}");
+    assert!(s.next().await.is_none());
+}
+
+/// A client that did not offer streams in its Hello (an older client) keeps working for unary
+/// calls, and a stream it opens anyway is refused without running.
+#[tokio::test]
+async fn a_client_without_streams_keeps_working_for_unary_calls() {
+    let reg = InProcessRegistry::new();
+    let (server, probe) = serve(&reg, 50).await;
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    let ack = raw.handshake().await;
+    assert!(!ack.streams, "no streams offered, none accepted");
+    let invoke = |id: u64, entry: &str, params: bytes::Bytes, mode: StreamMode| {
+        Kind::Invoke(RemoteInvokeMessage {
+            message_id: id,
+            service_entry_id: entry.into(),
+            parameters: params,
+            stream_mode: mode as i32,
+            ..Default::default()
+        })
+    };
+    let hi = Codec::MsgPack.encode(&("hi",)).expect("encode");
+    raw.send(invoke(1, "t.Feed.echo", hi, StreamMode::Unary))
+        .await
+        .expect("send");
+    match raw.recv().await {
+        Some(Kind::Result(r)) => {
+            assert_eq!((r.message_id, r.status_code), (1, 200));
+            let text: String = Codec::MsgPack.decode(&r.result).expect("decode");
+            assert_eq!(text, "hi");
+        }
+        other => panic!("expected the answer, got {other:?}"),
+    }
+    let none = Codec::MsgPack.encode(&()).expect("encode");
+    raw.send(invoke(2, "t.Feed.endless", none, StreamMode::Server))
+        .await
+        .expect("send");
+    match raw.recv().await {
+        Some(Kind::Result(r)) => {
+            assert_eq!((r.message_id, r.status_code), (2, 500));
+            assert!(r.exception_message.contains("Hello.streams"), "{r:?}");
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    assert_eq!(probe.polls.load(Ordering::SeqCst), 0, "nothing ran");
+    within("shutdown", server.shutdown()).await;
+}
+
+/// A server that does not stream (an older one: its HelloAck does not set `streams`): a stream
+/// fails at once with a typed error and nothing is sent; unary calls go on.
+#[tokio::test]
+async fn a_stream_to_a_server_that_does_not_stream_fails_at_once() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let f = FeedClient::new(
+        Client::builder()
+            .registry(StaticRegistry::new([addr.to_string()]))
+            .override_options(FeedClient::SERVICE_ID, no_retry())
+            .build(),
+    );
+    let old_server = tokio::spawn(async move {
+        let (stream, _) = within("accept", listener.accept()).await.expect("accept");
+        let mut peer = RawConn::from_stream(stream);
+        match peer.recv().await {
+            Some(Kind::Hello(h)) => {
+                assert!(h.streams, "the client offers streams");
+                assert_eq!(h.stream_window, DEFAULT_STREAM_WINDOW);
+            }
+            other => panic!("expected Hello, got {other:?}"),
+        }
+        peer.send(Kind::HelloAck(Default::default()))
+            .await
+            .expect("ack");
+        // The next frame is the unary call: the stream was never sent.
+        let call = match peer.recv().await {
+            Some(Kind::Invoke(i)) => i,
+            other => panic!("expected the unary call, got {other:?}"),
+        };
+        assert_eq!(call.service_entry_id, "t.Feed.echo");
+        assert_eq!(call.stream_mode, 0);
+        peer.send(Kind::Result(rpc::crates::core::wire::RemoteResultMessage {
+            message_id: call.message_id,
+            status_code: 200,
+            result: Codec::MsgPack.encode(&"old").expect("encode"),
+            ..Default::default()
+        }))
+        .await
+        .expect("answer");
+    });
+    // (The handshake completes on the first call.)
+    let e = within("ticks", f.ticks(3))
+        .await
+        .expect_err("the server does not stream");
+    assert_eq!(e.code(), StatusCode::NotImplemented, "{e}");
+    assert!(e.message().contains("does not stream"), "{e}");
+    assert_eq!(
+        within("echo", f.echo("x".into())).await.expect("echo"),
+        "old"
+    );
+    within("the fake server", old_server)
+        .await
+        .expect("fake server");
+}
