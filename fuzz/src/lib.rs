@@ -8,7 +8,7 @@
 pub fn sample_kinds() -> Vec<rpc_core::wire::frame::Kind> {
     use rpc_core::wire::{
         frame::Kind, Cancel, GoAway, Hello, HelloAck, Ping, Pong, RemoteInvokeMessage,
-        RemoteResultMessage, ValidateError,
+        RemoteResultMessage, StreamCredit, StreamEnd, StreamItem, ValidateError,
     };
     let attachments = [
         (
@@ -25,12 +25,16 @@ pub fn sample_kinds() -> Vec<rpc_core::wire::frame::Kind> {
             protocol_version: rpc_core::PROTOCOL_VERSION,
             token: "s3cret".into(),
             client_id: "client-1@host".into(),
+            streams: true,
+            stream_window: 32,
             ..Default::default()
         }),
         Kind::HelloAck(HelloAck {
             protocol_version: rpc_core::PROTOCOL_VERSION,
             server_id: "server-1".into(),
             max_frame_length: rpc_core::DEFAULT_MAX_FRAME_LENGTH as u32,
+            streams: true,
+            stream_window: 32,
             ..Default::default()
         }),
         Kind::Invoke(RemoteInvokeMessage {
@@ -65,6 +69,27 @@ pub fn sample_kinds() -> Vec<rpc_core::wire::frame::Kind> {
         Kind::GoAway(GoAway {
             status_code: 200,
             reason: "draining".into(),
+        }),
+        Kind::Invoke(RemoteInvokeMessage {
+            message_id: 43,
+            service_entry_id: "shop.Prices.ticks".into(),
+            parameters: bytes::Bytes::from_static(&[0x91, 0x64]),
+            timeout_ms: 60_000,
+            stream_mode: rpc_core::StreamMode::Server as i32,
+            ..Default::default()
+        }),
+        Kind::StreamCredit(StreamCredit {
+            message_id: 43,
+            items: 32,
+        }),
+        Kind::StreamItem(StreamItem {
+            message_id: 43,
+            payload: bytes::Bytes::from_static(b"\x82\xa3seq\x00\xa5label\xa3t-0"),
+        }),
+        Kind::StreamEnd(StreamEnd {
+            message_id: 43,
+            status_code: 200,
+            exception_message: String::new(),
         }),
     ]
 }

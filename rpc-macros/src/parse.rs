@@ -495,6 +495,35 @@ mod tests {
     }
 
     #[test]
+    fn a_method_returning_an_rpc_stream_streams_its_items() {
+        let s = service(quote! {
+            trait Feed {
+                async fn ticks(&self, n: u32) -> Result<RpcStream<Tick>, RpcError>;
+                async fn qualified(&self) -> Result<rpc::RpcStream<Vec<u8>>, MyError>;
+                async fn plain(&self) -> Result<Vec<Tick>, RpcError>;
+            }
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        let items: Vec<_> = s
+            .methods
+            .iter()
+            .map(|m| m.stream_item.as_ref().map(|t| quote!(#t).to_string()))
+            .collect();
+        assert_eq!(
+            items,
+            [
+                Some("Tick".to_string()),
+                Some("Vec < u8 >".to_string()),
+                None
+            ]
+        );
+        let e = error(quote! {
+            trait Up { async fn put(&self, chunks: RpcStream<Chunk>) -> Result<(), RpcError>; }
+        });
+        assert!(e.contains("client streaming) is not supported yet"), "{e}");
+    }
+
+    #[test]
     fn hash_key_index_skips_self() {
         let s = service(quote! {
             trait T { async fn m(&self, a: u8, b: u8, #[hash_key] c: String) -> Result<(), E>; }

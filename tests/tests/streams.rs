@@ -48,6 +48,8 @@ pub trait Feed {
 struct Feeds {
     /// Items the `endless` producer was asked for.
     polls: Arc<AtomicU64>,
+    /// Streams of `stall_after` set up.
+    setups: Arc<AtomicU64>,
     dropped: mpsc::UnboundedSender<String>,
     stalled: mpsc::UnboundedSender<String>,
 }
@@ -82,6 +84,7 @@ impl Feed for Feeds {
     }
 
     async fn stall_after(&self, n: u32) -> Result<RpcStream<u32>, RpcError> {
+        self.setups.fetch_add(1, Ordering::SeqCst);
         let stalled = self.stalled.clone();
         let guard = DropSignal::new("stall_after", self.dropped.clone());
         let rest = futures_util::stream::once(async move {
@@ -106,6 +109,7 @@ impl Feed for Feeds {
 
 struct Probe {
     polls: Arc<AtomicU64>,
+    setups: Arc<AtomicU64>,
     dropped: mpsc::UnboundedReceiver<String>,
     stalled: mpsc::UnboundedReceiver<String>,
 }
@@ -114,11 +118,13 @@ async fn serve(reg: &InProcessRegistry, cap: usize) -> (ServerHandle, Probe) {
     let (dropped_tx, dropped) = mpsc::unbounded_channel();
     let (stalled_tx, stalled) = mpsc::unbounded_channel();
     let polls = Arc::new(AtomicU64::new(0));
+    let setups = Arc::new(AtomicU64::new(0));
     let server = Server::builder()
         .registry(reg.clone())
         .max_concurrency(cap)
         .add_service(FeedServer::new(Feeds {
             polls: polls.clone(),
+            setups: setups.clone(),
             dropped: dropped_tx,
             stalled: stalled_tx,
         }))
@@ -129,6 +135,7 @@ async fn serve(reg: &InProcessRegistry, cap: usize) -> (ServerHandle, Probe) {
         server,
         Probe {
             polls,
+            setups,
             dropped,
             stalled,
         },
@@ -411,6 +418,133 @@ async fn a_server_that_dies_mid_stream_ends_it_with_an_error_saying_how_many_ite
     assert!(e.message().contains("after 3 items arrived"), "{e}");
     assert!(e.is_maybe_delivered(), "{e}");
     assert!(s.next().await.is_none());
+}
+
+/// The set-up passes the entry's governance: a refusal (515 at a full cap) fails over to the
+/// other endpoint; once a stream was accepted it is never opened again, not even when its
+/// server dies mid-stream.
+#[tokio::test]
+async fn a_refused_set_up_fails_over_and_an_accepted_stream_is_never_replayed() {
+    let reg = InProcessRegistry::new();
+    let (full, full_probe) = serve(&reg, 1).await;
+    let (free, mut free_probe) = serve(&reg, 50).await;
+    // Another client holds the only slot of `full` with a stream.
+    let holder = FeedClient::new(
+        Client::builder()
+            .registry(StaticRegistry::new([full.local_addr().to_string()]))
+            .build(),
+    );
+    let held = within("hold", holder.endless()).await.expect("endless");
+    let f = FeedClient::new(Client::builder().registry(reg.clone()).build());
+    let mut open = Vec::new();
+    for _ in 0..4 {
+        // Round robin: at least every other set-up tries `full` first, is refused, and goes
+        // to `free`.
+        let mut s = within("open", f.stall_after(2)).await.expect("fails over");
+        for want in 0..2 {
+            assert_eq!(
+                within("item", s.next()).await.expect("item").expect("ok"),
+                want
+            );
+        }
+        assert_eq!(
+            recv_one("stalled", &mut free_probe.stalled).await,
+            "stalled"
+        );
+        open.push(s);
+    }
+    assert_eq!(free_probe.setups.load(Ordering::SeqCst), 4);
+    assert_eq!(
+        full_probe.setups.load(Ordering::SeqCst),
+        0,
+        "refused before its handler"
+    );
+    // `full` has room now; `free` dies: the streams end with the failure, none is repeated.
+    drop(held);
+    free.abort();
+    for mut s in open {
+        let e = within("the failure", s.next())
+            .await
+            .expect("an error item")
+            .expect_err("the connection's failure");
+        assert_eq!(e.code(), StatusCode::CommunicationError, "{e}");
+        assert!(e.message().contains("after 2 items arrived"), "{e}");
+    }
+    assert_eq!(
+        full_probe.setups.load(Ordering::SeqCst),
+        0,
+        "no stream was opened again"
+    );
+    within("shutdown", full.shutdown()).await;
+}
+
+/// A graceful shutdown lets open streams run on until the drain deadline, then ends those
+/// still open with a status saying so.
+#[tokio::test(start_paused = true)]
+async fn draining_lets_open_streams_finish_until_the_drain_deadline() {
+    let reg = InProcessRegistry::new();
+    let (dropped_tx, mut dropped) = mpsc::unbounded_channel();
+    let (stalled_tx, mut stalled) = mpsc::unbounded_channel();
+    let server = Server::builder()
+        .registry(reg.clone())
+        .drain_timeout(Duration::from_secs(2))
+        .add_service(FeedServer::new(Feeds {
+            polls: Default::default(),
+            setups: Default::default(),
+            dropped: dropped_tx,
+            stalled: stalled_tx,
+        }))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let f = FeedClient::new(
+        Client::builder()
+            .registry(reg.clone())
+            .stream_window(4)
+            .override_options(FeedClient::SERVICE_ID, timeout_of(0))
+            .build(),
+    );
+    let mut long = within("open", f.ticks(100)).await.expect("ticks");
+    assert_eq!(
+        within("tick", long.next())
+            .await
+            .expect("item")
+            .expect("ok")
+            .seq,
+        0
+    );
+    let mut stuck = within("open", f.stall_after(1)).await.expect("stall_after");
+    assert_eq!(
+        within("item", stuck.next())
+            .await
+            .expect("item")
+            .expect("ok"),
+        0
+    );
+    assert_eq!(recv_one("stalled", &mut stalled).await, "stalled");
+    let stopping = tokio::spawn(server.shutdown());
+    // The long stream runs to its end while the server drains (its window of 4 means most of
+    // it is produced after the shutdown began).
+    for want in 1..100 {
+        assert_eq!(
+            within("tick", long.next())
+                .await
+                .expect("item")
+                .expect("ok")
+                .seq,
+            want
+        );
+    }
+    assert!(within("end", long.next()).await.is_none(), "complete");
+    // The stuck one is ended at the drain deadline.
+    let e = within("the drain deadline", stuck.next())
+        .await
+        .expect("an error item")
+        .expect_err("ended by the drain");
+    assert_eq!(e.code(), StatusCode::ServerError, "{e}");
+    assert!(e.message().contains("drain deadline"), "{e}");
+    assert_eq!(recv_one("dropped", &mut dropped).await, "stall_after");
+    within("shutdown", stopping).await.expect("shutdown");
 }
 
 /// A client that did not offer streams in its Hello (an older client) keeps working for unary
