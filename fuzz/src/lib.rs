@@ -27,7 +27,6 @@ pub fn sample_kinds() -> Vec<rpc_core::wire::frame::Kind> {
             client_id: "client-1@host".into(),
             streams: true,
             stream_window: 32,
-            ..Default::default()
         }),
         Kind::HelloAck(HelloAck {
             protocol_version: rpc_core::PROTOCOL_VERSION,
@@ -35,7 +34,6 @@ pub fn sample_kinds() -> Vec<rpc_core::wire::frame::Kind> {
             max_frame_length: rpc_core::DEFAULT_MAX_FRAME_LENGTH as u32,
             streams: true,
             stream_window: 32,
-            ..Default::default()
         }),
         Kind::Invoke(RemoteInvokeMessage {
             message_id: 42,
