@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use bytes::Bytes;
 use futures_util::future::Either;
+use futures_util::StreamExt;
 use rpc_core::{
     ByteStream, GovernanceOptions, MethodDescriptor, RpcError, RpcStream, ShuntStrategy,
     StatusCode, StreamMode,
@@ -51,6 +52,83 @@ impl Client {
         params: Bytes,
         hash_key: Option<H>,
     ) -> Result<ByteStream, RpcError> {
+        let stream = self
+            .open_stream(method, params, hash_key, StreamMode::Server)
+            .await?;
+        Ok(RpcStream::try_new(stream))
+    }
+
+    /// Calls a client-streaming `method`: opens the stream with its other arguments already
+    /// encoded by [`codec`](Self::codec), sends the encoded `items` and returns the encoded
+    /// answer.
+    ///
+    /// The set-up passes the entry's governance as for
+    /// [`invoke_stream`](Self::invoke_stream): it may be retried or fail over, and since no
+    /// item is sent before the server accepted the stream, `items` is never asked for an item
+    /// twice. Items are taken from `items` only while the server has granted credit for them,
+    /// so a server that takes them slowly slows the producer down instead of filling memory.
+    /// An error item of `items` ends the call, the server told so; a server that ends the
+    /// stream early (its error, the deadline, a failure) ends it with that error.
+    pub async fn invoke_client_stream<H: FnOnce() -> u64>(
+        &self,
+        method: &'static MethodDescriptor,
+        params: Bytes,
+        mut items: ByteStream,
+        hash_key: Option<H>,
+    ) -> Result<Bytes, RpcError> {
+        let mut stream = self
+            .open_stream(method, params, hash_key, StreamMode::Client)
+            .await?;
+        loop {
+            // No credit, no item taken: the producer waits for the server.
+            if !stream.ready().await {
+                break;
+            }
+            let next = tokio::select! {
+                next = items.next() => next,
+                // The server ended the stream first: its end says how.
+                () = stream.ended() => break,
+            };
+            match next {
+                Some(Ok(item)) => {
+                    if stream.send(item).is_err() {
+                        break;
+                    }
+                }
+                Some(Err(e)) => {
+                    stream.finish(Err(e.clone()));
+                    // (Dropping the stream tells the server to stop.)
+                    return Err(e);
+                }
+                None => {
+                    stream.finish(Ok(()));
+                    break;
+                }
+            }
+        }
+        match stream.next().await {
+            Some(Ok(answer)) => Ok(answer),
+            Some(Err(e)) => Err(e),
+            None => Err(RpcError::new(
+                StatusCode::FrameworkError,
+                format!(
+                    "{}: the server completed the stream without an answer; is the method \
+                     client-streaming on the server too?",
+                    method.entry_id
+                ),
+            )),
+        }
+    }
+
+    /// Opens a stream of `mode` through the entry's governance; see
+    /// [`invoke_stream`](Self::invoke_stream).
+    async fn open_stream<H: FnOnce() -> u64>(
+        &self,
+        method: &'static MethodDescriptor,
+        params: Bytes,
+        hash_key: Option<H>,
+        mode: StreamMode,
+    ) -> Result<ClientStream, RpcError> {
         let governance = &self.inner.governance;
         let policy = governance.policy(method);
         let mut options = match &self.call_options {
@@ -105,6 +183,7 @@ impl Client {
                 attempt: OpenAttempt {
                     client: self,
                     opened: &opened,
+                    mode,
                 },
             });
             let result = stack.call(&mut cx, params).await;
@@ -118,7 +197,7 @@ impl Client {
         }
         .await;
         result?;
-        let stream = opened
+        opened
             .into_inner()
             .unwrap_or_else(PoisonError::into_inner)
             .ok_or_else(|| {
@@ -130,8 +209,7 @@ impl Client {
                         method.entry_id
                     ),
                 )
-            })?;
-        Ok(RpcStream::try_new(stream))
+            })
     }
 }
 
@@ -140,6 +218,7 @@ impl Client {
 struct OpenAttempt<'c> {
     client: &'c Client,
     opened: &'c Mutex<Option<ClientStream>>,
+    mode: StreamMode,
 }
 
 impl stack::Service for OpenAttempt<'_> {
@@ -171,7 +250,7 @@ impl stack::Service for OpenAttempt<'_> {
                 ),
                 stream_mode: 0,
             };
-            match conn.open_stream(call, StreamMode::Server, deadline).await? {
+            match conn.open_stream(call, self.mode, deadline).await? {
                 Opened::Accepted(stream) => {
                     let at: Arc<str> = addr.clone();
                     let stream = stream.with_end_error(Box::new(move |answer| {

@@ -57,12 +57,18 @@ pub fn server(service: &Service, names: &Names) -> TokenStream {
         .methods
         .iter()
         .enumerate()
-        .filter(|(_, m)| m.stream_item.is_some())
+        .filter(|(_, m)| m.stream_item.is_some() || m.stream_arg.is_some())
         .collect();
     let streams = if streaming.is_empty() {
         quote!()
     } else {
-        let indexes = streaming.iter().map(|(i, _)| *i);
+        let modes = streaming.iter().map(|(i, m)| {
+            if m.stream_arg.is_some() {
+                quote!(#i => ::rpc::__private::StreamMode::Client,)
+            } else {
+                quote!(#i => ::rpc::__private::StreamMode::Server,)
+            }
+        });
         let stream_arms = streaming
             .iter()
             .map(|(i, m)| stream_arm(*i, m, trait_ident, table, &imp));
@@ -74,7 +80,7 @@ pub fn server(service: &Service, names: &Names) -> TokenStream {
         quote! {
             fn stream_mode(&self, __rpc_index: usize) -> ::rpc::__private::StreamMode {
                 match __rpc_index {
-                    #(#indexes)|* => ::rpc::__private::StreamMode::Server,
+                    #(#modes)*
                     _ => ::rpc::__private::StreamMode::Unary,
                 }
             }
@@ -181,7 +187,7 @@ fn arm(
 ) -> TokenStream {
     let ident = &m.ident;
     let err = &m.err;
-    if m.stream_item.is_some() {
+    if m.stream_item.is_some() || m.stream_arg.is_some() {
         // Called as a unary call: refused (the server's dispatcher refuses it first).
         return quote! {
             #index => ::rpc::__private::boxed(::core::future::ready(::core::result::Result::Err(
@@ -226,6 +232,38 @@ fn stream_arm(
     let err = &m.err;
     let arg_idents: Vec<_> = m.args.iter().map(|a| &a.ident).collect();
     let decode = decode_args(m);
+    if let (Some(item), Some(last)) = (&m.stream_arg, m.args.last()) {
+        // Client streaming: the caller's items as the last argument, the answer as the
+        // stream's one item.
+        let stream_ident = &last.ident;
+        return quote! {
+            #index => {
+                let __rpc_inner = ::std::sync::Arc::clone(&self.inner);
+                ::rpc::__private::boxed_stream(async move {
+                    let __rpc_method: &'static ::rpc::__private::MethodDescriptor =
+                        &#table[#index];
+                    #decode
+                    let #stream_ident = ::rpc::__private::inbound_stream::<#item>(
+                        __rpc_codec,
+                        __rpc_inbound,
+                        __rpc_method,
+                    );
+                    match <#imp as #trait_ident>::#ident(&*__rpc_inner, #(#arg_idents),*).await {
+                        ::core::result::Result::Ok(__rpc_value) => {
+                            ::rpc::__private::encode_result(__rpc_codec, &__rpc_value, __rpc_method)
+                                .map(::rpc::__private::answer_stream)
+                        }
+                        ::core::result::Result::Err(__rpc_error) => ::core::result::Result::Err(
+                            <#err as ::rpc::__private::RemoteError>::into_rpc_error(
+                                __rpc_error,
+                                __rpc_codec,
+                            ),
+                        ),
+                    }
+                })
+            }
+        };
+    }
     quote! {
         #index => {
             let __rpc_inner = ::std::sync::Arc::clone(&self.inner);
@@ -250,8 +288,8 @@ fn stream_arm(
 
 /// Decodes `__rpc_params` into the method's arguments (`?` on failure).
 fn decode_args(m: &Method) -> TokenStream {
-    let arg_idents: Vec<_> = m.args.iter().map(|a| &a.ident).collect();
-    let arg_tys = m.args.iter().map(|a| &a.ty);
+    let arg_idents: Vec<_> = m.params().map(|a| &a.ident).collect();
+    let arg_tys = m.params().map(|a| &a.ty);
     if arg_idents.is_empty() {
         quote! {
             ::rpc::__private::decode_args::<::rpc::__private::NoArgs>(
@@ -262,8 +300,8 @@ fn decode_args(m: &Method) -> TokenStream {
         }
     } else if arg_idents.len() <= MAX_NAMED_ARGS {
         // Each argument's name and type, for an error that says which one did not decode.
-        let names = m.args.iter().map(|a| a.ident.to_string());
-        let types = m.args.iter().map(|a| type_name(&a.ty));
+        let names = m.params().map(|a| a.ident.to_string());
+        let types = m.params().map(|a| type_name(&a.ty));
         quote! {
             let (#(#arg_idents,)*) = ::rpc::__private::decode_named_args::<(#(#arg_tys,)*)>(
                 __rpc_codec,

@@ -82,6 +82,9 @@ pub struct Method {
     pub err: Type,
     /// `I` when `T` is `RpcStream<I>`: a server-streaming method.
     pub stream_item: Option<Type>,
+    /// `I` when the last argument is an `RpcStream<I>`: a client-streaming method (the
+    /// argument is in `args`, and not among the encoded parameters).
+    pub stream_arg: Option<Type>,
 }
 
 /// One argument of a method.
@@ -90,6 +93,15 @@ pub struct Arg {
     pub ident: Ident,
     /// Its type.
     pub ty: Type,
+    /// `I` when the type is `RpcStream<I>`: the caller's request stream.
+    pub stream_item: Option<Type>,
+}
+
+impl Method {
+    /// The arguments encoded in the call's parameters: all but a request stream.
+    pub fn params(&self) -> impl Iterator<Item = &Arg> {
+        self.args.iter().filter(|a| a.stream_item.is_none())
+    }
 }
 
 impl Method {
@@ -324,11 +336,12 @@ fn method(f: &TraitItemFn) -> syn::Result<Method> {
                 continue;
             }
         };
-        if stream_item(&pt.ty).is_some() {
+        let arg_stream = stream_item(&pt.ty);
+        if arg_stream.is_some() && index + 2 != sig.inputs.len() {
             errors.spanned(
                 &pt.ty,
-                "a stream argument (client streaming) is not supported yet: a method may \
-                 return `Result<RpcStream<T>, E>` (server streaming)",
+                "a stream argument (client streaming) must be the method's last argument, and \
+                 there can be only one",
             );
         }
         match &*pt.ty {
@@ -346,6 +359,7 @@ fn method(f: &TraitItemFn) -> syn::Result<Method> {
         args.push(Arg {
             ident,
             ty: (*pt.ty).clone(),
+            stream_item: arg_stream,
         });
     }
 
@@ -391,6 +405,20 @@ fn method(f: &TraitItemFn) -> syn::Result<Method> {
     let (output, ok, err) =
         result.ok_or_else(|| syn::Error::new_spanned(sig, "expected `-> Result<T, E>`"))?;
     let stream_item = stream_item(&ok);
+    let stream_arg = args.iter().find_map(|a| a.stream_item.clone());
+    if stream_item.is_some() && stream_arg.is_some() {
+        return Err(syn::Error::new_spanned(
+            &sig.ident,
+            "bidirectional streaming (a stream argument and a stream result) is not supported \
+             yet: take a stream (client streaming) or return one (server streaming)",
+        ));
+    }
+    if stream_arg.is_some() && hash_key.is_some() {
+        return Err(syn::Error::new_spanned(
+            &sig.ident,
+            "a client-streaming method cannot have a `#[hash_key]` argument yet",
+        ));
+    }
     Ok(Method {
         ident: sig.ident.clone(),
         args,
@@ -400,6 +428,7 @@ fn method(f: &TraitItemFn) -> syn::Result<Method> {
         ok,
         err,
         stream_item,
+        stream_arg,
     })
 }
 
@@ -517,10 +546,23 @@ mod tests {
                 None
             ]
         );
+        let s = service(quote! {
+            trait Up { async fn put(&self, name: String, chunks: RpcStream<Chunk>) -> Result<u64, E>; }
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        let m = &s.methods[0];
+        let item = m.stream_arg.as_ref().expect("a client stream");
+        assert_eq!(quote!(#item).to_string(), "Chunk");
+        let params: Vec<_> = m.params().map(|a| a.ident.to_string()).collect();
+        assert_eq!(params, ["name"]);
         let e = error(quote! {
-            trait Up { async fn put(&self, chunks: RpcStream<Chunk>) -> Result<(), RpcError>; }
+            trait Up { async fn put(&self, chunks: RpcStream<Chunk>, n: u8) -> Result<(), E>; }
         });
-        assert!(e.contains("client streaming) is not supported yet"), "{e}");
+        assert!(e.contains("must be the method's last argument"), "{e}");
+        let e = error(quote! {
+            trait Up { async fn put(&self, c: RpcStream<Chunk>) -> Result<RpcStream<u8>, E>; }
+        });
+        assert!(e.contains("bidirectional streaming"), "{e}");
     }
 
     #[test]

@@ -161,7 +161,30 @@ pub(crate) struct Dispatcher {
 }
 
 impl InvokeHandler for Dispatcher {
-    fn handle(&self, mut invoke: Invoke, caller: &Arc<Caller>) -> Dispatch {
+    fn handle(&self, invoke: Invoke, caller: &Arc<Caller>) -> Dispatch {
+        self.dispatch(invoke, caller, None)
+    }
+
+    fn handle_stream(
+        &self,
+        invoke: Invoke,
+        caller: &Arc<Caller>,
+        inbound: rpc_core::ByteStream,
+    ) -> Dispatch {
+        self.dispatch(invoke, caller, Some(inbound))
+    }
+}
+
+impl Dispatcher {
+    /// Answers or starts one call; `inbound` holds the caller's items of a stream that takes
+    /// them.
+    #[inline]
+    fn dispatch(
+        &self,
+        mut invoke: Invoke,
+        caller: &Arc<Caller>,
+        inbound: Option<rpc_core::ByteStream>,
+    ) -> Dispatch {
         let peer = caller.peer();
         // Looked up by its bytes: the route table's keys are valid ids, so an id that matches
         // one needs no further check.
@@ -189,7 +212,16 @@ impl InvokeHandler for Dispatcher {
         let attachments = std::mem::take(&mut invoke.attachments);
         let span = telemetry::server_span(route.method, self.local, peer, &attachments);
         if route.stream != StreamMode::Unary {
-            return crate::streams::dispatch(self, route, invoke, codec, attachments, span, caller);
+            return crate::streams::dispatch(
+                self,
+                route,
+                invoke,
+                inbound,
+                codec,
+                attachments,
+                span,
+                caller,
+            );
         }
         if let Some(chain) = &route.layered {
             return self.layered(

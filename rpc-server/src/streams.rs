@@ -53,10 +53,12 @@ fn describe(mode: StreamMode) -> String {
 }
 
 /// Admits a streaming call and hands the transport its events; see the module documentation.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn dispatch(
     d: &Dispatcher,
     route: &Route,
     invoke: Invoke,
+    inbound: Option<ByteStream>,
     codec: Codec,
     attachments: BTreeMap<String, String>,
     span: tracing::Span,
@@ -75,11 +77,11 @@ pub(crate) fn dispatch(
         telemetry::record_error(&span, e.code(), e.message());
         return Dispatch::Ready(to_message(Err(e)));
     }
-    if route.stream != StreamMode::Server {
+    if !matches!(route.stream, StreamMode::Server | StreamMode::Client) {
         let e = RpcError::new(
             StatusCode::NotImplemented,
             format!(
-                "{} is {}; this server serves server-streaming methods only",
+                "{} is {}; this server serves server- and client-streaming methods only",
                 route.method.entry_id,
                 describe(route.stream)
             ),
@@ -128,7 +130,7 @@ pub(crate) fn dispatch(
     let attachments = telemetry::user_attachments(attachments);
     let setup = route
         .service
-        .call_stream(route.index, invoke.parameters, None, codec);
+        .call_stream(route.index, invoke.parameters, inbound, codec);
     // The set-up runs in the caller's context, so the calls it makes carry its attachments on.
     let setup: StreamFuture = if attachments.is_empty() {
         setup
@@ -144,6 +146,8 @@ pub(crate) fn dispatch(
     );
     Dispatch::Stream(
         ServerStream {
+            client_streaming: route.stream == StreamMode::Client,
+            accepted: false,
             setup: Some(setup),
             items: None,
             deadline,
@@ -164,6 +168,11 @@ pub(crate) fn dispatch(
 /// poll of the handler's code catches a panic (520) and runs inside the caller's deadline as
 /// the one its own calls inherit.
 struct ServerStream {
+    /// The caller streams its items and gets one answer: the stream is accepted before the
+    /// handler runs (it takes the items), and the handler's one item is the answer.
+    client_streaming: bool,
+    /// `Accepted` was produced.
+    accepted: bool,
     setup: Option<StreamFuture>,
     items: Option<ByteStream>,
     deadline: Option<(Instant, u32)>,
@@ -226,12 +235,21 @@ impl Stream for ServerStream {
                 return this.end(Err(e));
             }
         }
+        if this.client_streaming && !this.accepted {
+            // Admitted: the caller may send its items, which the handler takes.
+            this.accepted = true;
+            return Poll::Ready(Some(StreamEvent::Accepted));
+        }
         if let Some(setup) = &mut this.setup {
             let outcome: Outcome = match Self::guarded(this.deadline, || setup.as_mut().poll(cx)) {
                 Ok(Poll::Pending) => return Poll::Pending,
                 Ok(Poll::Ready(Ok(items))) => {
                     this.setup = None;
                     this.items = Some(items);
+                    if this.accepted {
+                        return Pin::new(this).poll_next(cx);
+                    }
+                    this.accepted = true;
                     return Poll::Ready(Some(StreamEvent::Accepted));
                 }
                 Ok(Poll::Ready(Err(e))) => Ok(Err(e)),
@@ -245,6 +263,8 @@ impl Stream for ServerStream {
         };
         let outcome: Outcome = match Self::guarded(this.deadline, || items.poll_next_unpin(cx)) {
             Ok(Poll::Pending) => return Poll::Pending,
+            // A client stream's answer: its end.
+            Ok(Poll::Ready(Some(Ok(answer)))) if this.client_streaming => Ok(Ok(answer)),
             Ok(Poll::Ready(Some(Ok(item)))) => {
                 this.sent += 1;
                 return Poll::Ready(Some(StreamEvent::Item(item)));

@@ -358,6 +358,27 @@ pub mod __private {
         items.map_items(move |bytes| decode_result(codec, &bytes, method))
     }
 
+    /// Server side: the caller's request stream of a client-streaming method, decoded.
+    pub fn inbound_stream<T: DeserializeOwned + Send + 'static>(
+        codec: Codec,
+        inbound: Option<ByteStream>,
+        method: &'static MethodDescriptor,
+    ) -> RpcStream<T> {
+        match inbound {
+            Some(items) => decode_stream(codec, items, method),
+            None => RpcStream::failed(RpcError::new(
+                StatusCode::FrameworkError,
+                format!("{} was called without its request stream", method.entry_id),
+            )),
+        }
+    }
+
+    /// Server side: a client-streaming method's encoded answer, as the one item its
+    /// dispatcher produces.
+    pub fn answer_stream(answer: Bytes) -> ByteStream {
+        RpcStream::iter(std::iter::once(answer))
+    }
+
     /// The error of a unary call of a streaming method (or the reverse) in a dispatcher.
     pub fn wrong_shape(method: &MethodDescriptor, streaming: bool) -> RpcError {
         RpcError::new(

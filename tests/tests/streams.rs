@@ -1,7 +1,10 @@
-//! Server streaming over real TCP: items in order then the end, flow control that stops a
-//! producer whose consumer stops reading, cancellation by dropping the stream, errors and the
-//! deadline mid-stream, many streams beside unary calls on one connection, a server that dies
-//! mid-stream, the cap counting open streams, and peers that do not stream.
+//! Streams over real TCP. Server streaming: items in order then the end, flow control that
+//! stops a producer whose consumer stops reading, cancellation by dropping the stream, errors
+//! and the deadline mid-stream, many streams beside unary calls on one connection, a server
+//! that dies mid-stream, failover before acceptance and no replay after, draining, the cap
+//! counting open streams, and peers that do not stream. Client streaming: every item sent and
+//! the answer back, flow control that stops the caller's producer when the handler stops
+//! taking items, and an error in the caller's stream.
 
 mod common;
 
@@ -42,6 +45,10 @@ pub trait Feed {
     async fn refuse(&self) -> Result<RpcStream<u32>, RpcError>;
     /// A unary method beside the streams.
     async fn echo(&self, text: String) -> Result<String, RpcError>;
+    /// Client streaming: the sum of the caller's numbers, labelled.
+    async fn sum(&self, label: String, numbers: RpcStream<u64>) -> Result<String, RpcError>;
+    /// Client streaming: takes `n` numbers, reports it, then waits for ever.
+    async fn take_then_wait(&self, n: u32, numbers: RpcStream<u64>) -> Result<u64, RpcError>;
 }
 
 #[derive(Clone)]
@@ -104,6 +111,25 @@ impl Feed for Feeds {
 
     async fn echo(&self, text: String) -> Result<String, RpcError> {
         Ok(text)
+    }
+
+    async fn sum(&self, label: String, mut numbers: RpcStream<u64>) -> Result<String, RpcError> {
+        let (mut total, mut count) = (0u64, 0u64);
+        while let Some(n) = numbers.next().await {
+            total += n?;
+            count += 1;
+        }
+        Ok(format!("{label}={total} from {count} items"))
+    }
+
+    async fn take_then_wait(&self, n: u32, mut numbers: RpcStream<u64>) -> Result<u64, RpcError> {
+        let _guard = DropSignal::new("take_then_wait", self.dropped.clone());
+        for _ in 0..n {
+            numbers.next().await.expect("an item")?;
+        }
+        let _ = self.stalled.send(format!("took {n}"));
+        std::future::pending::<()>().await;
+        Ok(0)
     }
 }
 
@@ -545,6 +571,103 @@ async fn draining_lets_open_streams_finish_until_the_drain_deadline() {
     assert!(e.message().contains("drain deadline"), "{e}");
     assert_eq!(recv_one("dropped", &mut dropped).await, "stall_after");
     within("shutdown", stopping).await.expect("shutdown");
+}
+
+#[tokio::test]
+async fn client_streaming_sends_every_item_and_gets_the_answer() {
+    let reg = InProcessRegistry::new();
+    let (server, _probe) = serve(&reg, 50).await;
+    for codec in [Codec::MsgPack, Codec::Json] {
+        let f = FeedClient::new(Client::builder().registry(reg.clone()).codec(codec).build());
+        let answer = within("sum", f.sum("total".into(), RpcStream::iter(1..=1000u64)))
+            .await
+            .expect("sum");
+        assert_eq!(answer, "total=500500 from 1000 items", "{codec:?}");
+        let none = within("sum", f.sum("none".into(), RpcStream::empty()))
+            .await
+            .expect("sum of nothing");
+        assert_eq!(none, "none=0 from 0 items");
+    }
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn a_handler_that_stops_taking_items_stops_the_callers_producer_at_the_window() {
+    const WINDOW: u32 = 8;
+    let reg = InProcessRegistry::new();
+    let (dropped_tx, mut dropped) = mpsc::unbounded_channel();
+    let (stalled_tx, mut stalled) = mpsc::unbounded_channel();
+    let server = Server::builder()
+        .registry(reg.clone())
+        .stream_window(WINDOW)
+        .add_service(FeedServer::new(Feeds {
+            polls: Default::default(),
+            setups: Default::default(),
+            dropped: dropped_tx,
+            stalled: stalled_tx,
+        }))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let f = feed(&reg);
+    // The caller's producer: endless, counting the items it is asked for.
+    let produced = Arc::new(AtomicU64::new(0));
+    let counter = produced.clone();
+    let numbers = RpcStream::new(futures_util::stream::unfold(0u64, move |n| {
+        counter.fetch_add(1, Ordering::SeqCst);
+        std::future::ready(Some((n, n + 1)))
+    }));
+    let call = tokio::spawn({
+        let f = f.clone();
+        async move { f.take_then_wait(3, numbers).await }
+    });
+    // The handler took 3 (fewer than half the server's window: no credit went back).
+    assert_eq!(recv_one("took", &mut stalled).await, "took 3");
+    within("the producer reaches the window", async {
+        while produced.load(Ordering::SeqCst) < u64::from(WINDOW) {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    for i in 0..20 {
+        assert_eq!(
+            within("echo", f.echo(format!("e{i}"))).await.expect("echo"),
+            format!("e{i}")
+        );
+    }
+    assert_eq!(
+        produced.load(Ordering::SeqCst),
+        u64::from(WINDOW),
+        "a handler that stops taking items holds the caller's producer at the window"
+    );
+    // Giving up on the call drops the handler.
+    call.abort();
+    assert_eq!(recv_one("dropped", &mut dropped).await, "take_then_wait");
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn an_error_in_the_callers_stream_ends_the_call_with_it() {
+    let reg = InProcessRegistry::new();
+    let (server, _probe) = serve(&reg, 50).await;
+    let f = feed(&reg);
+    let numbers = RpcStream::try_new(futures_util::stream::iter(vec![
+        Ok(1u64),
+        Ok(2),
+        Err(RpcError::business("the source broke")),
+        Ok(3),
+    ]));
+    let e = within("sum", f.sum("broken".into(), numbers))
+        .await
+        .expect_err("the caller's error");
+    assert_eq!(e.code(), StatusCode::BusinessError);
+    assert!(e.message().contains("the source broke"), "{e}");
+    // The connection and the server are fine.
+    assert_eq!(
+        within("echo", f.echo("ok".into())).await.expect("echo"),
+        "ok"
+    );
+    within("shutdown", server.shutdown()).await;
 }
 
 /// A client that did not offer streams in its Hello (an older client) keeps working for unary

@@ -17,7 +17,9 @@ use std::task::{Context, Poll, Waker};
 
 use bytes::Bytes;
 use futures_util::Stream;
-use rpc_core::wire::{frame::Kind, Cancel, RemoteResultMessage, StreamCredit};
+use rpc_core::wire::{
+    frame::Kind, Cancel, RemoteResultMessage, StreamCredit, StreamEnd, StreamItem,
+};
 use rpc_core::{RpcError, StatusCode};
 
 use super::connection::Connection;
@@ -46,6 +48,10 @@ struct Inner {
     taken: u32,
     /// Items the server has granted for the client's own items (client and bidi streams).
     send_credit: u64,
+    /// The sender of the client's items, waiting for credit or for the end.
+    send_waker: Option<Waker>,
+    /// The stream ended (its end may have been taken by the consumer since).
+    ended: bool,
 }
 
 impl StreamShared {
@@ -62,13 +68,13 @@ impl StreamShared {
 
     /// Credit from the server: the first accepts the stream.
     pub(super) fn credit(&self, items: u32) {
-        let waker = {
+        let (waker, sender) = {
             let mut s = self.lock();
             s.accepted = true;
             s.send_credit += u64::from(items);
-            s.waker.take()
+            (s.waker.take(), s.send_waker.take())
         };
-        if let Some(w) = waker {
+        for w in [waker, sender].into_iter().flatten() {
             w.wake();
         }
     }
@@ -99,8 +105,13 @@ impl StreamShared {
     /// arrived.
     pub(super) fn end(&self, end: End) -> Option<Waker> {
         let mut s = self.lock();
-        if s.end.is_some() {
+        if s.ended {
             return None;
+        }
+        s.ended = true;
+        if let Some(w) = s.send_waker.take() {
+            // (Waking under the lock is fine for a sender: it takes this lock only when polled.)
+            w.wake();
         }
         let end = end.map_err(|e| {
             if s.accepted {
@@ -120,6 +131,40 @@ impl StreamShared {
         });
         s.end = Some(end);
         s.waker.take()
+    }
+
+    /// Ready with `true` once an item may be sent (the server granted credit), with `false`
+    /// once the stream ended.
+    fn poll_ready(&self, cx: &mut Context<'_>) -> Poll<bool> {
+        let mut s = self.lock();
+        if s.ended {
+            return Poll::Ready(false);
+        }
+        if s.send_credit > 0 {
+            return Poll::Ready(true);
+        }
+        store(&mut s.send_waker, cx);
+        Poll::Pending
+    }
+
+    /// Ready once the stream ended.
+    fn poll_ended(&self, cx: &mut Context<'_>) -> Poll<()> {
+        let mut s = self.lock();
+        if s.ended {
+            return Poll::Ready(());
+        }
+        store(&mut s.send_waker, cx);
+        Poll::Pending
+    }
+
+    /// Takes one item's credit, if there is some and the stream is open.
+    fn take_credit(&self) -> bool {
+        let mut s = self.lock();
+        if s.ended || s.send_credit == 0 {
+            return false;
+        }
+        s.send_credit -= 1;
+        true
     }
 
     /// The set-up's outcome once known: accepted (`Ok(None)`), refused with the server's
@@ -203,6 +248,53 @@ impl ClientStream {
     pub fn received(&self) -> u64 {
         self.shared.lock().received
     }
+
+    /// For a stream taking the client's items (client or bidirectional streaming): resolves
+    /// with `true` once the server has granted credit for one more item, with `false` once
+    /// the stream ended (read it for why). Only then is the next item worth producing.
+    pub async fn ready(&self) -> bool {
+        std::future::poll_fn(|cx| self.shared.poll_ready(cx)).await
+    }
+
+    /// Resolves once the stream ended (read it for how).
+    pub async fn ended(&self) {
+        std::future::poll_fn(|cx| self.shared.poll_ended(cx)).await
+    }
+
+    /// Sends one item of the client's request stream, using one item of the server's credit;
+    /// an error, sending nothing, when there is no credit (wait for [`ready`](Self::ready))
+    /// or the stream ended.
+    pub fn send(&self, item: Bytes) -> Result<(), RpcError> {
+        if !self.shared.take_credit() {
+            return Err(RpcError::new(
+                StatusCode::FrameworkError,
+                format!(
+                    "{}: the stream item was not sent: no credit from the server, or the \
+                     stream ended; wait for ClientStream::ready",
+                    self.conn.peer()
+                ),
+            ));
+        }
+        self.conn.shared.sender.send(Kind::StreamItem(StreamItem {
+            message_id: self.id,
+            payload: item,
+        }));
+        Ok(())
+    }
+
+    /// Ends the client's request stream: `Ok` when it is complete, else with the error that
+    /// stopped it (the server ends the stream with that status).
+    pub fn finish(&self, end: Result<(), RpcError>) {
+        let (status_code, exception_message) = match end {
+            Ok(()) => (StatusCode::Success.as_u32(), String::new()),
+            Err(e) => (e.code().as_u32(), e.message().to_string()),
+        };
+        self.conn.shared.sender.send(Kind::StreamEnd(StreamEnd {
+            message_id: self.id,
+            status_code,
+            exception_message,
+        }));
+    }
 }
 
 impl Stream for ClientStream {
@@ -244,6 +336,13 @@ impl Stream for ClientStream {
             Some(Err(end)) => {
                 this.finished = true;
                 match end {
+                    // A client stream's answer comes with its end.
+                    Ok(answer)
+                        if answer.status_code == StatusCode::Success.as_u32()
+                            && !answer.result.is_empty() =>
+                    {
+                        Poll::Ready(Some(Ok(answer.result)))
+                    }
                     Ok(answer) if answer.status_code == StatusCode::Success.as_u32() => {
                         Poll::Ready(None)
                     }

@@ -6,13 +6,15 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use rpc_core::wire::{frame::Kind, Pong, StreamEnd, StreamItem};
+use rpc_core::wire::{frame::Kind, Pong};
 use rpc_core::StatusCode;
+use rpc_core::StreamMode;
 use tokio::time::Instant;
 
 use super::calls::{dispatch, Conn};
 use super::handler::{error_result, InvokeHandler};
 use super::options::{ServerOptions, ABUSE_LIMIT};
+use super::streams::{Inbound, StreamSlot};
 use crate::codec::kind_name;
 use crate::invoke::{Incoming, Invoke};
 
@@ -164,9 +166,18 @@ impl FrameCtx<'_> {
                     );
                     r.message_id = id;
                     conn.sender.send(Kind::Result(r));
+                } else if matches!(invoke.mode(), Some(StreamMode::Client | StreamMode::Bidi)) {
+                    // The client's items may come before the handler is set up: they wait in
+                    // the stream's queue, which exists from now on.
+                    let slot = Arc::new(StreamSlot::new(self.options.stream_window.max(1)));
+                    conn.streams.open(id, slot.clone());
+                    let inbound = Inbound::new(id, slot.clone(), conn.sender.clone());
+                    let inbound = rpc_core::RpcStream::try_new(inbound);
+                    let outcome = self.handler.handle_stream(invoke, &self.caller, inbound);
+                    dispatch(conn, outcome, id, false, Some(slot));
                 } else {
                     let outcome = self.handler.handle(invoke, &self.caller);
-                    dispatch(conn, outcome, id, self.options.inline_first_poll);
+                    dispatch(conn, outcome, id, self.options.inline_first_poll, None);
                 }
                 Ok(())
             }
@@ -187,12 +198,17 @@ impl FrameCtx<'_> {
                 }
                 Ok(())
             }
-            Some(Ok(Incoming::Other(Kind::StreamItem(StreamItem { message_id, .. }))))
-            | Some(Ok(Incoming::Other(Kind::StreamEnd(StreamEnd { message_id, .. })))) => {
-                // The streams served so far take no items from the client: one that is sent
-                // some ends with an error. (Frames for a stream that ended are dropped.)
-                if let Some(slot) = conn.streams.get(message_id) {
-                    slot.violate();
+            Some(Ok(Incoming::Other(Kind::StreamItem(item)))) => {
+                // (Items of a stream that ended are dropped; a stream that takes none, or is
+                // sent more than its credit, ends with an error.)
+                if let Some(slot) = conn.streams.get(item.message_id) {
+                    slot.push(item.payload);
+                }
+                Ok(())
+            }
+            Some(Ok(Incoming::Other(Kind::StreamEnd(end)))) => {
+                if let Some(slot) = conn.streams.get(end.message_id) {
+                    slot.finish(end);
                 }
                 Ok(())
             }

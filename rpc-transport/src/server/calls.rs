@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 use super::handler::error_result;
 use super::handler::Dispatch;
 use super::runner::{self, CallFuture, CallSink, Runners, Running};
-use super::streams::{StreamDriver, StreamTable};
+use super::streams::{StreamDriver, StreamSlot, StreamTable};
 use crate::writer::FrameSender;
 
 pub(super) struct Conn {
@@ -73,7 +73,19 @@ fn send_result(conn: &Conn, id: u64, mut r: RemoteResultMessage) {
 /// `runner`), so that a handler blocking before its first `.await` stalls only itself, never
 /// the connection's reader; with `inline_first_poll` it is polled once here first, and handed
 /// to a task only if it has to wait.
-pub(super) fn dispatch(conn: &Arc<Conn>, outcome: Dispatch, id: u64, inline_first_poll: bool) {
+pub(super) fn dispatch(
+    conn: &Arc<Conn>,
+    outcome: Dispatch,
+    id: u64,
+    inline_first_poll: bool,
+    slot: Option<Arc<StreamSlot>>,
+) {
+    if !matches!(outcome, Dispatch::Stream(_)) {
+        // A stream refused (or answered as a call): its client's items go nowhere.
+        if let Some(slot) = &slot {
+            conn.streams.close(id, slot);
+        }
+    }
     match outcome {
         Dispatch::Ready(r) => send_result(conn, id, r),
         Dispatch::Spawn(mut fut) => {
@@ -106,7 +118,8 @@ pub(super) fn dispatch(conn: &Arc<Conn>, outcome: Dispatch, id: u64, inline_firs
                 return;
             };
             conn.give_way.store(true, Ordering::Relaxed);
-            let driver = StreamDriver::new(id, events, window, &conn.streams, conn.sender.clone());
+            let driver =
+                StreamDriver::new(id, events, window, slot, &conn.streams, conn.sender.clone());
             spawn(conn, id, Box::pin(driver));
         }
     }

@@ -47,6 +47,19 @@ pub trait InvokeHandler: Send + Sync + 'static {
     /// Decides how to answer `invoke` from `caller` (the same `Arc` for every call of a
     /// connection, built at its handshake); must not block.
     fn handle(&self, invoke: Invoke, caller: &Arc<Caller>) -> Dispatch;
+
+    /// Decides how to answer `invoke`, a stream taking the client's items (client or
+    /// bidirectional streaming), whose items come in `inbound` (the client is granted credit
+    /// as they are taken). The default: [`handle`](Self::handle), dropping the items.
+    fn handle_stream(
+        &self,
+        invoke: Invoke,
+        caller: &Arc<Caller>,
+        inbound: rpc_core::ByteStream,
+    ) -> Dispatch {
+        drop(inbound);
+        self.handle(invoke, caller)
+    }
 }
 
 /// A result carrying an error status.
