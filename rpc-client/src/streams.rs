@@ -13,13 +13,12 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use bytes::Bytes;
 use futures_util::future::Either;
-use futures_util::StreamExt;
 use rpc_core::{
     ByteStream, GovernanceOptions, MethodDescriptor, RpcError, RpcStream, ShuntStrategy,
     StatusCode, StreamMode,
 };
 use rpc_governance::stack::{self, CallCx, ClientParts, Fallbacks, Service as _};
-use rpc_transport::{Call, ClientStream, Opened};
+use rpc_transport::{Call, ClientStream, Opened, StreamSender};
 use tracing::Instrument;
 
 use crate::client::{into_result, Client, ClientBalance};
@@ -76,36 +75,12 @@ impl Client {
         mut items: ByteStream,
         hash_key: Option<H>,
     ) -> Result<Bytes, RpcError> {
+        use futures_util::StreamExt;
         let mut stream = self
             .open_stream(method, params, hash_key, StreamMode::Client)
             .await?;
-        loop {
-            // No credit, no item taken: the producer waits for the server.
-            if !stream.ready().await {
-                break;
-            }
-            let next = tokio::select! {
-                next = items.next() => next,
-                // The server ended the stream first: its end says how.
-                () = stream.ended() => break,
-            };
-            match next {
-                Some(Ok(item)) => {
-                    if stream.send(item).is_err() {
-                        break;
-                    }
-                }
-                Some(Err(e)) => {
-                    stream.finish(Err(e.clone()));
-                    // (Dropping the stream tells the server to stop.)
-                    return Err(e);
-                }
-                None => {
-                    stream.finish(Ok(()));
-                    break;
-                }
-            }
-        }
+        // An error of the caller's stream ends the call (dropping the stream tells the server).
+        send_all(&stream.sender(), &mut items).await?;
         match stream.next().await {
             Some(Ok(answer)) => Ok(answer),
             Some(Err(e)) => Err(e),
@@ -118,6 +93,33 @@ impl Client {
                 ),
             )),
         }
+    }
+
+    /// Calls a bidirectional streaming `method`: opens the stream with its other arguments
+    /// already encoded by [`codec`](Self::codec), sends the encoded `items` from a task of
+    /// their own while the answer's items are read, and returns those.
+    ///
+    /// The set-up passes the entry's governance as for
+    /// [`invoke_stream`](Self::invoke_stream). Each side's items flow within the other
+    /// side's credit: `items` is asked for an item only when the server can take it, and the
+    /// server's producer stops when the answer is not read. An error item of `items` ends the
+    /// stream with that error; dropping the answer stream stops both directions.
+    pub async fn invoke_bidi<H: FnOnce() -> u64>(
+        &self,
+        method: &'static MethodDescriptor,
+        params: Bytes,
+        mut items: ByteStream,
+        hash_key: Option<H>,
+    ) -> Result<ByteStream, RpcError> {
+        let stream = self
+            .open_stream(method, params, hash_key, StreamMode::Bidi)
+            .await?;
+        let sender = stream.sender();
+        tokio::spawn(async move {
+            // (An error of `items` was sent as the stream's end: the reader gets it back.)
+            let _ = send_all(&sender, &mut items).await;
+        });
+        Ok(RpcStream::try_new(stream))
     }
 
     /// Opens a stream of `mode` through the entry's governance; see
@@ -210,6 +212,38 @@ impl Client {
                     ),
                 )
             })
+    }
+}
+
+/// Sends `items` on a stream that takes the client's items, each only once the server has
+/// granted credit for it, then the end of the request stream; stops when the stream ended.
+/// An error item of `items` is sent as the request stream's end and returned.
+async fn send_all(sender: &StreamSender, items: &mut ByteStream) -> Result<(), RpcError> {
+    loop {
+        // No credit, no item taken: the producer waits for the server.
+        if !sender.ready().await {
+            return Ok(());
+        }
+        let next = tokio::select! {
+            next = items.next() => next,
+            // The stream ended first (the server's end, or its reader gave up).
+            () = sender.ended() => return Ok(()),
+        };
+        match next {
+            Some(Ok(item)) => {
+                if sender.send(item).is_err() {
+                    return Ok(());
+                }
+            }
+            Some(Err(e)) => {
+                sender.finish(Err(e.clone()));
+                return Err(e);
+            }
+            None => {
+                sender.finish(Ok(()));
+                return Ok(());
+            }
+        }
     }
 }
 

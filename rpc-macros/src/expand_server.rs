@@ -63,10 +63,10 @@ pub fn server(service: &Service, names: &Names) -> TokenStream {
         quote!()
     } else {
         let modes = streaming.iter().map(|(i, m)| {
-            if m.stream_arg.is_some() {
-                quote!(#i => ::rpc::__private::StreamMode::Client,)
-            } else {
-                quote!(#i => ::rpc::__private::StreamMode::Server,)
+            match (m.stream_arg.is_some(), m.stream_item.is_some()) {
+                (true, true) => quote!(#i => ::rpc::__private::StreamMode::Bidi,),
+                (true, false) => quote!(#i => ::rpc::__private::StreamMode::Client,),
+                _ => quote!(#i => ::rpc::__private::StreamMode::Server,),
             }
         });
         let stream_arms = streaming
@@ -232,7 +232,21 @@ fn stream_arm(
     let err = &m.err;
     let arg_idents: Vec<_> = m.args.iter().map(|a| &a.ident).collect();
     let decode = decode_args(m);
-    if let (Some(item), Some(last)) = (&m.stream_arg, m.args.last()) {
+    // The caller's items, as the last argument (client and bidirectional streaming).
+    let inbound = match (&m.stream_arg, m.args.last()) {
+        (Some(item), Some(last)) => {
+            let stream_ident = &last.ident;
+            quote! {
+                let #stream_ident = ::rpc::__private::inbound_stream::<#item>(
+                    __rpc_codec,
+                    __rpc_inbound,
+                    __rpc_method,
+                );
+            }
+        }
+        _ => quote!(),
+    };
+    if let (Some(item), Some(last), None) = (&m.stream_arg, m.args.last(), &m.stream_item) {
         // Client streaming: the caller's items as the last argument, the answer as the
         // stream's one item.
         let stream_ident = &last.ident;
@@ -270,6 +284,7 @@ fn stream_arm(
             ::rpc::__private::boxed_stream(async move {
                 let __rpc_method: &'static ::rpc::__private::MethodDescriptor = &#table[#index];
                 #decode
+                #inbound
                 match <#imp as #trait_ident>::#ident(&*__rpc_inner, #(#arg_idents),*).await {
                     ::core::result::Result::Ok(__rpc_items) => ::core::result::Result::Ok(
                         ::rpc::__private::encode_stream(__rpc_codec, __rpc_items, __rpc_method),

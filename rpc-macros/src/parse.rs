@@ -82,8 +82,9 @@ pub struct Method {
     pub err: Type,
     /// `I` when `T` is `RpcStream<I>`: a server-streaming method.
     pub stream_item: Option<Type>,
-    /// `I` when the last argument is an `RpcStream<I>`: a client-streaming method (the
-    /// argument is in `args`, and not among the encoded parameters).
+    /// `I` when the last argument is an `RpcStream<I>`: a client-streaming method, or a
+    /// bidirectional one when `stream_item` is set too (the argument is in `args`, and not
+    /// among the encoded parameters).
     pub stream_arg: Option<Type>,
 }
 
@@ -406,13 +407,6 @@ fn method(f: &TraitItemFn) -> syn::Result<Method> {
         result.ok_or_else(|| syn::Error::new_spanned(sig, "expected `-> Result<T, E>`"))?;
     let stream_item = stream_item(&ok);
     let stream_arg = args.iter().find_map(|a| a.stream_item.clone());
-    if stream_item.is_some() && stream_arg.is_some() {
-        return Err(syn::Error::new_spanned(
-            &sig.ident,
-            "bidirectional streaming (a stream argument and a stream result) is not supported \
-             yet: take a stream (client streaming) or return one (server streaming)",
-        ));
-    }
     if stream_arg.is_some() && hash_key.is_some() {
         return Err(syn::Error::new_spanned(
             &sig.ident,
@@ -559,10 +553,15 @@ mod tests {
             trait Up { async fn put(&self, chunks: RpcStream<Chunk>, n: u8) -> Result<(), E>; }
         });
         assert!(e.contains("must be the method's last argument"), "{e}");
-        let e = error(quote! {
-            trait Up { async fn put(&self, c: RpcStream<Chunk>) -> Result<RpcStream<u8>, E>; }
-        });
-        assert!(e.contains("bidirectional streaming"), "{e}");
+        let s = service(quote! {
+            trait Chat { async fn chat(&self, c: RpcStream<String>) -> Result<RpcStream<u8>, E>; }
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        let m = &s.methods[0];
+        assert!(
+            m.stream_arg.is_some() && m.stream_item.is_some(),
+            "bidirectional"
+        );
     }
 
     #[test]

@@ -77,17 +77,6 @@ pub(crate) fn dispatch(
         telemetry::record_error(&span, e.code(), e.message());
         return Dispatch::Ready(to_message(Err(e)));
     }
-    if !matches!(route.stream, StreamMode::Server | StreamMode::Client) {
-        let e = RpcError::new(
-            StatusCode::NotImplemented,
-            format!(
-                "{} is {}; this server serves server- and client-streaming methods only",
-                route.method.entry_id,
-                describe(route.stream)
-            ),
-        );
-        return Dispatch::Ready(to_message(Err(e)));
-    }
     let peer = caller.peer();
     let admitted = route.admission.admit(
         &route.entry,
@@ -146,6 +135,7 @@ pub(crate) fn dispatch(
     );
     Dispatch::Stream(
         ServerStream {
+            accept_first: route.stream != StreamMode::Server,
             client_streaming: route.stream == StreamMode::Client,
             accepted: false,
             setup: Some(setup),
@@ -168,8 +158,10 @@ pub(crate) fn dispatch(
 /// poll of the handler's code catches a panic (520) and runs inside the caller's deadline as
 /// the one its own calls inherit.
 struct ServerStream {
-    /// The caller streams its items and gets one answer: the stream is accepted before the
-    /// handler runs (it takes the items), and the handler's one item is the answer.
+    /// The caller streams its items (client and bidirectional streaming): the stream is
+    /// accepted before the handler runs, since the handler takes them.
+    accept_first: bool,
+    /// The caller gets one answer: the handler's one item.
     client_streaming: bool,
     /// `Accepted` was produced.
     accepted: bool,
@@ -235,7 +227,7 @@ impl Stream for ServerStream {
                 return this.end(Err(e));
             }
         }
-        if this.client_streaming && !this.accepted {
+        if this.accept_first && !this.accepted {
             // Admitted: the caller may send its items, which the handler takes.
             this.accepted = true;
             return Poll::Ready(Some(StreamEvent::Accepted));

@@ -63,7 +63,7 @@ mod writer;
 
 pub use call::Call;
 pub use caller::Caller;
-pub use client::{ClientStream, ConnectOptions, Connection, EndToError, Opened};
+pub use client::{ClientStream, ConnectOptions, Connection, EndToError, Opened, StreamSender};
 pub use codec::{FrameCodec, FrameError};
 pub use invoke::{Invoke, WireStr};
 pub use peer::{PeerAddr, UNIX_SCHEME};

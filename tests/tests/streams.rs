@@ -4,7 +4,8 @@
 //! that dies mid-stream, failover before acceptance and no replay after, draining, the cap
 //! counting open streams, and peers that do not stream. Client streaming: every item sent and
 //! the answer back, flow control that stops the caller's producer when the handler stops
-//! taking items, and an error in the caller's stream.
+//! taking items, and an error in the caller's stream. Both ways: each item answered as it
+//! comes, and dropping the answer stopping both directions.
 
 mod common;
 
@@ -49,6 +50,12 @@ pub trait Feed {
     async fn sum(&self, label: String, numbers: RpcStream<u64>) -> Result<String, RpcError>;
     /// Client streaming: takes `n` numbers, reports it, then waits for ever.
     async fn take_then_wait(&self, n: u32, numbers: RpcStream<u64>) -> Result<u64, RpcError>;
+    /// Both ways: each line back with `prefix`, as it comes; reports when it is dropped.
+    async fn chat(
+        &self,
+        prefix: String,
+        lines: RpcStream<String>,
+    ) -> Result<RpcStream<String>, RpcError>;
 }
 
 #[derive(Clone)]
@@ -120,6 +127,18 @@ impl Feed for Feeds {
             count += 1;
         }
         Ok(format!("{label}={total} from {count} items"))
+    }
+
+    async fn chat(
+        &self,
+        prefix: String,
+        lines: RpcStream<String>,
+    ) -> Result<RpcStream<String>, RpcError> {
+        let guard = DropSignal::new("chat", self.dropped.clone());
+        Ok(lines.map_items(move |line| {
+            let _ = &guard;
+            Ok(format!("{prefix}{line}"))
+        }))
     }
 
     async fn take_then_wait(&self, n: u32, mut numbers: RpcStream<u64>) -> Result<u64, RpcError> {
@@ -663,6 +682,57 @@ async fn an_error_in_the_callers_stream_ends_the_call_with_it() {
     assert_eq!(e.code(), StatusCode::BusinessError);
     assert!(e.message().contains("the source broke"), "{e}");
     // The connection and the server are fine.
+    assert_eq!(
+        within("echo", f.echo("ok".into())).await.expect("echo"),
+        "ok"
+    );
+    within("shutdown", server.shutdown()).await;
+}
+
+/// Both ways at once: each line is answered before the next is sent (the caller's stream
+/// waits for the answer), so neither side batches; the caller's end ends the answer.
+#[tokio::test]
+async fn bidirectional_streaming_answers_each_item_as_it_comes() {
+    let reg = InProcessRegistry::new();
+    let (server, mut probe) = serve(&reg, 50).await;
+    let f = feed(&reg);
+    let (lines_tx, lines_rx) = mpsc::unbounded_channel::<String>();
+    let lines = RpcStream::new(futures_util::stream::unfold(
+        lines_rx,
+        |mut rx| async move { rx.recv().await.map(|line| (line, rx)) },
+    ));
+    let mut replies = within("open", f.chat("> ".into(), lines))
+        .await
+        .expect("chat");
+    for i in 0..50 {
+        lines_tx.send(format!("line {i}")).expect("send");
+        let reply = within("reply", replies.next())
+            .await
+            .expect("a reply")
+            .expect("ok");
+        assert_eq!(reply, format!("> line {i}"));
+    }
+    drop(lines_tx);
+    assert!(
+        within("the end", replies.next()).await.is_none(),
+        "the caller's end ends the answer"
+    );
+    assert_eq!(recv_one("dropped", &mut probe.dropped).await, "chat");
+
+    // Dropping the answer stops both directions: the handler's stream is dropped.
+    let endless = RpcStream::iter((0u64..).map(|n| n.to_string()));
+    let mut replies = within("open", f.chat("".into(), endless))
+        .await
+        .expect("chat");
+    assert_eq!(
+        within("reply", replies.next())
+            .await
+            .expect("a reply")
+            .expect("ok"),
+        "0"
+    );
+    drop(replies);
+    assert_eq!(recv_one("dropped", &mut probe.dropped).await, "chat");
     assert_eq!(
         within("echo", f.echo("ok".into())).await.expect("echo"),
         "ok"

@@ -18,4 +18,4 @@ mod stream;
 
 pub use connection::Connection;
 pub use options::ConnectOptions;
-pub use stream::{ClientStream, EndToError, Opened};
+pub use stream::{ClientStream, EndToError, Opened, StreamSender};

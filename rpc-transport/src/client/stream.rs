@@ -200,30 +200,38 @@ pub type EndToError = Box<dyn Fn(RemoteResultMessage) -> RpcError + Send + Sync>
 
 /// The items of a stream the server accepted, from
 /// [`Connection::open_stream`](super::Connection::open_stream): each encoded item in order,
-/// then the end: nothing more when the server completed it (status 200), one error item when
-/// it ended with an error, its deadline passed (519) or the connection broke (506, saying how
-/// many items arrived).
+/// then the end: nothing more when the server completed it (status 200; for a client stream,
+/// its answer as the last item), one error item when it ended with an error, its deadline
+/// passed (519) or the connection broke (506, saying how many items arrived). A stream that
+/// takes the client's items sends them through [`send`](Self::send) or a
+/// [`sender`](Self::sender).
 ///
 /// Taking items grants the server credit for more; a consumer that stops taking them stops
 /// the server's producer once the window is full. Dropping the stream before its end sends
 /// `Cancel`: the server drops its producer.
 pub struct ClientStream {
-    conn: Connection,
-    id: u64,
-    shared: Arc<StreamShared>,
+    tx: StreamSender,
     /// Credit is granted once this many items were taken.
     grant_at: u32,
     finished: bool,
     to_error: EndToError,
 }
 
+/// The sending side of a stream that takes the client's items (client or bidirectional
+/// streaming), from [`ClientStream::sender`]: usable from another task while the stream's
+/// items are read. Cheap to clone.
+#[derive(Clone)]
+pub struct StreamSender {
+    conn: Connection,
+    id: u64,
+    shared: Arc<StreamShared>,
+}
+
 impl ClientStream {
     pub(super) fn new(conn: Connection, id: u64, shared: Arc<StreamShared>) -> Self {
         let grant_at = (shared.window / 2).max(1);
         ClientStream {
-            conn,
-            id,
-            shared,
+            tx: StreamSender { conn, id, shared },
             grant_at,
             finished: false,
             to_error: Box::new(|r| {
@@ -241,22 +249,49 @@ impl ClientStream {
 
     /// The stream's `message_id` on its connection.
     pub fn message_id(&self) -> u64 {
-        self.id
+        self.tx.id
     }
 
     /// Items received from the server so far.
     pub fn received(&self) -> u64 {
-        self.shared.lock().received
+        self.tx.shared.lock().received
     }
 
-    /// For a stream taking the client's items (client or bidirectional streaming): resolves
-    /// with `true` once the server has granted credit for one more item, with `false` once
-    /// the stream ended (read it for why). Only then is the next item worth producing.
+    /// The sending side, for a stream taking the client's items.
+    pub fn sender(&self) -> StreamSender {
+        self.tx.clone()
+    }
+
+    /// See [`StreamSender::ready`].
+    pub async fn ready(&self) -> bool {
+        self.tx.ready().await
+    }
+
+    /// See [`StreamSender::ended`].
+    pub async fn ended(&self) {
+        self.tx.ended().await
+    }
+
+    /// See [`StreamSender::send`].
+    pub fn send(&self, item: Bytes) -> Result<(), RpcError> {
+        self.tx.send(item)
+    }
+
+    /// See [`StreamSender::finish`].
+    pub fn finish(&self, end: Result<(), RpcError>) {
+        self.tx.finish(end)
+    }
+}
+
+impl StreamSender {
+    /// Resolves with `true` once the server has granted credit for one more item, with
+    /// `false` once the stream ended (read it for why). Only then is the next item worth
+    /// producing.
     pub async fn ready(&self) -> bool {
         std::future::poll_fn(|cx| self.shared.poll_ready(cx)).await
     }
 
-    /// Resolves once the stream ended (read it for how).
+    /// Resolves once the stream ended (read it for how), or its reader gave it up.
     pub async fn ended(&self) {
         std::future::poll_fn(|cx| self.shared.poll_ended(cx)).await
     }
@@ -270,7 +305,7 @@ impl ClientStream {
                 StatusCode::FrameworkError,
                 format!(
                     "{}: the stream item was not sent: no credit from the server, or the \
-                     stream ended; wait for ClientStream::ready",
+                     stream ended; wait for ready()",
                     self.conn.peer()
                 ),
             ));
@@ -297,6 +332,14 @@ impl ClientStream {
     }
 }
 
+impl fmt::Debug for StreamSender {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StreamSender")
+            .field("message_id", &self.id)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Stream for ClientStream {
     type Item = Result<Bytes, RpcError>;
 
@@ -306,7 +349,7 @@ impl Stream for ClientStream {
             return Poll::Ready(None);
         }
         let (next, grant) = {
-            let mut s = this.shared.lock();
+            let mut s = this.tx.shared.lock();
             if let Some(item) = s.items.pop_front() {
                 s.taken += 1;
                 let grant = if s.taken >= this.grant_at && s.end.is_none() {
@@ -323,11 +366,12 @@ impl Stream for ClientStream {
             }
         };
         if grant > 0 {
-            this.conn
+            this.tx
+                .conn
                 .shared
                 .sender
                 .send(Kind::StreamCredit(StreamCredit {
-                    message_id: this.id,
+                    message_id: this.tx.id,
                     items: grant,
                 }));
         }
@@ -357,13 +401,18 @@ impl Stream for ClientStream {
 
 impl Drop for ClientStream {
     fn drop(&mut self) {
-        let shared = &self.conn.shared;
+        let shared = &self.tx.conn.shared;
         shared.in_flight.fetch_sub(1, Ordering::Relaxed);
         // Still open on the server (its slot is still held): tell it to stop.
-        if shared.pending.remove(self.id) {
+        if shared.pending.remove(self.tx.id) {
             shared.sender.send(Kind::Cancel(Cancel {
-                message_id: self.id,
+                message_id: self.tx.id,
             }));
+        }
+        // A sender elsewhere stops too.
+        let given_up = RpcError::new(StatusCode::FrameworkError, "the stream was given up");
+        if let Some(w) = self.tx.shared.end(Err(given_up)) {
+            w.wake();
         }
     }
 }
@@ -371,8 +420,8 @@ impl Drop for ClientStream {
 impl fmt::Debug for ClientStream {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ClientStream")
-            .field("peer", &self.conn.peer())
-            .field("message_id", &self.id)
+            .field("peer", &self.tx.conn.peer())
+            .field("message_id", &self.tx.id)
             .field("received", &self.received())
             .field("finished", &self.finished)
             .finish()
