@@ -840,3 +840,117 @@ async fn a_stream_to_a_server_that_does_not_stream_fails_at_once() {
         .await
         .expect("fake server");
 }
+
+/// A server that sends more items than the client granted breaks the protocol: that stream
+/// (only) ends with an error after the items within the window, the server is told to stop it,
+/// and the connection carries on. The client's reader never waits for the stream's consumer.
+#[tokio::test]
+async fn items_beyond_the_window_end_only_that_stream() {
+    use rpc::crates::core::wire::{RemoteResultMessage, StreamCredit, StreamItem};
+    use rpc::crates::transport::{ConnectOptions, Connection, Opened};
+    const WINDOW: u32 = 4;
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (cancelled_tx, cancelled) = tokio::sync::oneshot::channel();
+    let rogue = tokio::spawn(async move {
+        let (stream, _) = within("accept", listener.accept()).await.expect("accept");
+        let mut peer = RawConn::from_stream(stream);
+        let window = match peer.recv().await {
+            Some(Kind::Hello(h)) => h.stream_window,
+            other => panic!("expected Hello, got {other:?}"),
+        };
+        peer.send(Kind::HelloAck(rpc::crates::core::wire::HelloAck {
+            protocol_version: 1,
+            streams: true,
+            stream_window: 8,
+            ..Default::default()
+        }))
+        .await
+        .expect("ack");
+        let open = match peer.recv().await {
+            Some(Kind::Invoke(i)) => i,
+            other => panic!("expected the stream's opening, got {other:?}"),
+        };
+        assert_eq!(open.stream_mode, StreamMode::Server as i32);
+        let id = open.message_id;
+        peer.send(Kind::StreamCredit(StreamCredit {
+            message_id: id,
+            items: 0,
+        }))
+        .await
+        .expect("accept");
+        // One item more than the window, nothing granted back.
+        for n in 0..=window {
+            peer.send(Kind::StreamItem(StreamItem {
+                message_id: id,
+                payload: Codec::MsgPack.encode(&n).expect("encode"),
+            }))
+            .await
+            .expect("item");
+        }
+        match peer.recv().await {
+            Some(Kind::Cancel(c)) => assert_eq!(c.message_id, id),
+            other => panic!("expected Cancel for the broken stream, got {other:?}"),
+        }
+        let _ = cancelled_tx.send(());
+        // The connection carries on: a unary call is answered.
+        let call = match peer.recv().await {
+            Some(Kind::Invoke(i)) => i,
+            other => panic!("expected a call, got {other:?}"),
+        };
+        peer.send(Kind::Result(RemoteResultMessage {
+            message_id: call.message_id,
+            status_code: 200,
+            ..Default::default()
+        }))
+        .await
+        .expect("answer");
+        window
+    });
+    let conn = Connection::connect(
+        &addr.to_string(),
+        &ConnectOptions {
+            stream_window: WINDOW,
+            ..Default::default()
+        },
+    )
+    .await
+    .expect("connect");
+    assert!(conn.supports_streams());
+    let call = || rpc::crates::transport::Call {
+        service_entry_id: "t.Feed.endless".into(),
+        ..Default::default()
+    };
+    let mut s = match within("open", conn.open_stream(call(), StreamMode::Server, None))
+        .await
+        .expect("open")
+    {
+        Opened::Accepted(s) => s,
+        Opened::Refused(r) => panic!("refused: {r:?}"),
+    };
+    // Nothing is read before the client told the server to stop: its reader buffered the
+    // window and ended the stream at the item beyond it without waiting for this consumer.
+    within("the Cancel", cancelled)
+        .await
+        .expect("the rogue got its Cancel");
+    let mut items = Vec::new();
+    let end = loop {
+        match within("next", futures_util::StreamExt::next(&mut s)).await {
+            Some(Ok(item)) => items.push(Codec::MsgPack.decode::<u32>(&item).expect("decode")),
+            Some(Err(e)) => break e,
+            None => panic!("the stream ended without its error"),
+        }
+    };
+    assert_eq!(
+        items,
+        (0..WINDOW).collect::<Vec<_>>(),
+        "the items within the window"
+    );
+    assert_eq!(end.code(), StatusCode::FrameworkError);
+    assert!(end.message().contains("protocol violation"), "{end}");
+    let answer = within("unary call", conn.call(call(), None))
+        .await
+        .expect("the connection carries on");
+    assert_eq!(answer.status_code, 200);
+    assert_eq!(within("rogue", rogue).await.expect("rogue server"), WINDOW);
+}

@@ -84,7 +84,7 @@ impl StreamShared {
     pub(super) fn push(&self, item: Bytes) -> bool {
         let waker = {
             let mut s = self.lock();
-            if s.end.is_some() {
+            if s.ended {
                 return true;
             }
             if !s.accepted || s.items.len() >= self.window as usize {
@@ -352,7 +352,7 @@ impl Stream for ClientStream {
             let mut s = this.tx.shared.lock();
             if let Some(item) = s.items.pop_front() {
                 s.taken += 1;
-                let grant = if s.taken >= this.grant_at && s.end.is_none() {
+                let grant = if s.taken >= this.grant_at && !s.ended {
                     std::mem::take(&mut s.taken)
                 } else {
                     0
