@@ -76,7 +76,7 @@ impl Terminal {
             req.deadline
                 .map(|(d, _)| d.saturating_duration_since(Instant::now())),
         );
-        let _permit = match admitted {
+        let permit = match admitted {
             Ok(p) => p,
             Err(e) => {
                 self.events.emit_parts(
@@ -90,6 +90,26 @@ impl Terminal {
             }
         };
         let parameters = std::mem::take(&mut req.parameters);
+        if let Some(opened) = req.stream.clone() {
+            // A server stream: its set-up is what the layers see; its items, holding the
+            // entry's slot until they end, are left for the dispatcher.
+            let attachments = std::mem::take(&mut req.attachments);
+            let setup = self
+                .service
+                .call_stream(self.index, parameters, None, req.codec);
+            let items = if attachments.is_empty() {
+                setup.await
+            } else {
+                RpcContext::scope(attachments, setup).await
+            }?;
+            *opened
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) =
+                Some(crate::streams::holding(items, permit));
+            req.load = Some(self.admission.load());
+            return Ok(Bytes::new());
+        }
+        let _permit = permit;
         let fallback = self.fallback.as_ref().map(|to| ServerFallback {
             to: to.clone(),
             parameters: parameters.clone(),
@@ -362,6 +382,7 @@ impl Dispatcher {
             codec,
             fallback_cause: None,
             load: None,
+            stream: None,
         };
         let chain = chain.clone();
         let send_panic_text = self.send_panic_text;

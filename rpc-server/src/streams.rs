@@ -19,13 +19,18 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures_util::stream::{Stream, StreamExt};
 use rpc_core::wire::RemoteResultMessage;
-use rpc_core::{ByteStream, Codec, RpcContext, RpcError, StatusCode, StreamFuture, StreamMode};
+use rpc_core::{
+    ByteStream, Codec, RpcContext, RpcError, RpcStream, StatusCode, StreamFuture, StreamMode,
+};
 use rpc_governance::calls::Side;
 use rpc_transport::{error_result, Caller, Dispatch, Invoke, StreamEvent};
 use tokio::time::Instant;
 
 use crate::admission::{Admission, Slot, CRITICALITY_ATTACHMENT};
-use crate::dispatch::{refusal_event, settle, to_message, with_load, Dispatcher, Outcome, Route};
+use crate::dispatch::{
+    refusal_event, settle, to_message, with_load, Dispatcher, Layered, Outcome, Route,
+};
+use crate::middleware::{LayerFuture, Next, ServerRequest, StreamSlot};
 use crate::telemetry;
 
 /// The answer to a call whose shape is not its method's.
@@ -64,18 +69,31 @@ pub(crate) fn dispatch(
     span: tracing::Span,
     caller: &Arc<Caller>,
 ) -> Dispatch {
-    if route.layered.is_some() {
-        // Server layers see a call's bytes in and out; a stream has no such answer yet.
-        let e = RpcError::new(
-            StatusCode::NotImplemented,
-            format!(
-                "{} streams, and this server has server layers, which do not run for streams \
-                 yet: serve streaming services from a server without layers",
-                route.method.entry_id
-            ),
+    if let Some(chain) = &route.layered {
+        if route.stream != StreamMode::Server {
+            // The layers would have to run around the whole exchange of items.
+            let e = RpcError::new(
+                StatusCode::NotImplemented,
+                format!(
+                    "{} is {}, and this server has server layers, which run for server streams \
+                     only so far: serve it from a server without layers",
+                    route.method.entry_id,
+                    describe(route.stream)
+                ),
+            );
+            telemetry::record_error(&span, e.code(), e.message());
+            return Dispatch::Ready(to_message(Err(e)));
+        }
+        return layered(
+            d,
+            route,
+            chain.clone(),
+            invoke,
+            codec,
+            attachments,
+            span,
+            caller,
         );
-        telemetry::record_error(&span, e.code(), e.message());
-        return Dispatch::Ready(to_message(Err(e)));
     }
     let peer = caller.peer();
     let admitted = route.admission.admit(
@@ -152,6 +170,103 @@ pub(crate) fn dispatch(
         }
         .boxed(),
     )
+}
+
+/// A server stream on a server with layers: the layers see its set-up as a call (they may
+/// refuse it, change its attachments, look at its outcome), the end of their chain admits it
+/// at the entry and sets the handler's stream up, and its items then flow as on a server
+/// without layers, within the same deadline.
+#[allow(clippy::too_many_arguments)]
+fn layered(
+    d: &Dispatcher,
+    route: &Route,
+    chain: Arc<Layered>,
+    invoke: Invoke,
+    codec: Codec,
+    attachments: BTreeMap<String, String>,
+    span: tracing::Span,
+    caller: &Arc<Caller>,
+) -> Dispatch {
+    let entry = route.method.entry_id;
+    let deadline = (invoke.timeout_ms > 0).then(|| {
+        (
+            Instant::now() + Duration::from_millis(invoke.timeout_ms.into()),
+            invoke.timeout_ms,
+        )
+    });
+    let opened = StreamSlot::default();
+    let mut req = ServerRequest {
+        method: route.method,
+        caller: caller.clone(),
+        attachments: telemetry::user_attachments(attachments),
+        deadline,
+        parameters: invoke.parameters,
+        codec,
+        fallback_cause: None,
+        load: None,
+        stream: Some(opened.clone()),
+    };
+    let setup: StreamFuture = Box::pin(async move {
+        let first: LayerFuture<'_> = match chain.layers.first() {
+            Some(layer) => layer.call(
+                &mut req,
+                Next {
+                    chain: &chain,
+                    at: 1,
+                },
+            ),
+            None => Box::pin(chain.end.run(&mut req)),
+        };
+        first.await?;
+        let items = opened
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        items.ok_or_else(|| {
+            RpcError::new(
+                StatusCode::FrameworkError,
+                format!(
+                    "{entry} streams, and a server layer answered its set-up itself: a layer \
+                     must hand a stream on with next.run or refuse it with an error"
+                ),
+            )
+        })
+    });
+    let watch = telemetry::CallWatch::new(
+        span,
+        d.metrics.start(route.method),
+        deadline.map(|(d, _)| d),
+        &d.calls,
+        entry,
+    );
+    Dispatch::Stream(
+        ServerStream {
+            accept_first: false,
+            client_streaming: false,
+            accepted: false,
+            setup: Some(setup),
+            items: None,
+            deadline,
+            timer: None,
+            entry,
+            // The items hold the entry's slot, taken at the end of the chain.
+            permit: None,
+            admission: route.admission.clone(),
+            watch,
+            send_panic_text: d.send_panic_text,
+            sent: 0,
+            ended: false,
+        }
+        .boxed(),
+    )
+}
+
+/// `items`, holding the entry's slot `permit` until they are dropped.
+pub(crate) fn holding(items: ByteStream, permit: Slot) -> ByteStream {
+    RpcStream::try_new(items.map(move |item| {
+        let _held = &permit;
+        item
+    }))
 }
 
 /// One stream being served: the handler's set-up, then its items, under the deadline; every

@@ -954,3 +954,97 @@ async fn items_beyond_the_window_end_only_that_stream() {
     assert_eq!(answer.status_code, 200);
     assert_eq!(within("rogue", rogue).await.expect("rogue server"), WINDOW);
 }
+
+/// Refuses the client `intruder`; counts the calls it sees.
+struct Gate(Arc<AtomicU64>);
+
+impl rpc::ServerLayer for Gate {
+    fn call<'a>(
+        &'a self,
+        req: &'a mut rpc::ServerRequest,
+        next: rpc::ServerNext<'a>,
+    ) -> rpc::LayerFuture<'a> {
+        Box::pin(async move {
+            self.0.fetch_add(1, Ordering::SeqCst);
+            if req.caller().client_id() == "intruder" {
+                return Err(RpcError::new(
+                    StatusCode::UnAuthorization,
+                    "intruders may not stream",
+                ));
+            }
+            next.run(req).await
+        })
+    }
+}
+
+/// Server layers see a server stream's set-up as a call: they may refuse it before the
+/// handler runs; a stream they hand on streams as without layers. (Client and bidirectional
+/// streams are refused by servers with layers, 501, for now.)
+#[tokio::test]
+async fn server_layers_see_a_streams_set_up_and_may_refuse_it() {
+    let reg = InProcessRegistry::new();
+    let seen = Arc::new(AtomicU64::new(0));
+    let (dropped_tx, _dropped) = mpsc::unbounded_channel();
+    let (stalled_tx, _stalled) = mpsc::unbounded_channel();
+    let setups = Arc::new(AtomicU64::new(0));
+    let server = Server::builder()
+        .registry(reg.clone())
+        .max_concurrency(1)
+        .layer(Gate(seen.clone()))
+        .add_service(FeedServer::new(Feeds {
+            polls: Default::default(),
+            setups: setups.clone(),
+            dropped: dropped_tx,
+            stalled: stalled_tx,
+        }))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let f = feed(&reg);
+    let ticks = within("ticks", f.ticks(40).await.expect("ticks").collect_all())
+        .await
+        .expect("complete");
+    assert_eq!(ticks.len(), 40);
+    assert_eq!(
+        seen.load(Ordering::SeqCst),
+        1,
+        "the layer saw the set-up once"
+    );
+    // The stream held the cap's only slot while open, and gave it back at its end.
+    let mut open = within("open", f.stall_after(1)).await.expect("stall_after");
+    assert_eq!(
+        within("item", open.next())
+            .await
+            .expect("item")
+            .expect("ok"),
+        0
+    );
+    let over = within("echo at the cap", f.echo("x".into())).await;
+    assert_eq!(
+        over.expect_err("the open stream holds the slot").code(),
+        StatusCode::OverflowMaxServerHandle
+    );
+    drop(open);
+
+    let intruder = FeedClient::new(
+        Client::builder()
+            .registry(reg.clone())
+            .client_id("intruder")
+            .override_options(FeedClient::SERVICE_ID, no_retry())
+            .build(),
+    );
+    let e = within("refused", intruder.stall_after(1))
+        .await
+        .expect_err("the layer refuses the stream");
+    assert_eq!(e.code(), StatusCode::UnAuthorization, "{e}");
+    assert_eq!(
+        setups.load(Ordering::SeqCst),
+        1,
+        "the refused set-up never ran"
+    );
+    let e = within("sum", intruder.sum("x".into(), RpcStream::iter([1u64])))
+        .await
+        .expect_err("client streams do not pass layers yet");
+    assert_eq!(e.code(), StatusCode::NotImplemented, "{e}");
+    within("shutdown", server.shutdown()).await;
+}
