@@ -105,7 +105,7 @@ impl Terminal {
             *opened
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner) =
-                Some(crate::streams::holding(items, permit));
+                Some(crate::streams::holding(items, permit.for_stream()));
             req.load = Some(self.admission.load());
             return Ok(Bytes::new());
         }

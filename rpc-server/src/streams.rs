@@ -103,7 +103,7 @@ pub(crate) fn dispatch(
         (invoke.timeout_ms > 0).then(|| Duration::from_millis(invoke.timeout_ms.into())),
     );
     let permit = match admitted {
-        Ok(p) => p,
+        Ok(p) => p.for_stream(),
         Err(e) => {
             span.in_scope(|| {
                 d.events.emit_parts(
