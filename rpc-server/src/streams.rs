@@ -12,6 +12,7 @@ use std::collections::BTreeMap;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -135,6 +136,16 @@ pub(crate) fn dispatch(
         )
     });
     let attachments = telemetry::user_attachments(attachments);
+    // The caller's items, counted as the handler takes them (for the span).
+    let received = Arc::new(AtomicU64::new(0));
+    let inbound = inbound.map(|items| {
+        let counter = received.clone();
+        RpcStream::try_new(items.inspect(move |item| {
+            if item.is_ok() {
+                counter.fetch_add(1, Ordering::Relaxed);
+            }
+        }))
+    });
     let setup = route
         .service
         .call_stream(route.index, invoke.parameters, inbound, codec);
@@ -166,6 +177,7 @@ pub(crate) fn dispatch(
             watch,
             send_panic_text: d.send_panic_text,
             sent: 0,
+            received,
             ended: false,
         }
         .boxed(),
@@ -255,6 +267,7 @@ fn layered(
             watch,
             send_panic_text: d.send_panic_text,
             sent: 0,
+            received: Default::default(),
             ended: false,
         }
         .boxed(),
@@ -292,6 +305,8 @@ struct ServerStream {
     send_panic_text: bool,
     /// Items produced so far.
     sent: u64,
+    /// The caller's items the handler took so far.
+    received: Arc<AtomicU64>,
     ended: bool,
 }
 
@@ -303,6 +318,8 @@ impl ServerStream {
         self.items = None;
         let load = self.admission.load();
         self.permit = None;
+        self.watch
+            .stream_items(self.sent, self.received.load(Ordering::Relaxed));
         self.watch.finish(&result, None);
         Poll::Ready(Some(StreamEvent::End(with_load(to_message(result), load))))
     }

@@ -1048,3 +1048,43 @@ async fn server_layers_see_a_streams_set_up_and_may_refuse_it() {
     assert_eq!(e.code(), StatusCode::NotImplemented, "{e}");
     within("shutdown", server.shutdown()).await;
 }
+
+/// The server's span of a stream covers it to its end and says how many items went each way.
+#[tokio::test]
+async fn the_servers_span_of_a_stream_counts_its_items_each_way() {
+    use common::otel::{attr, Traces};
+    use opentelemetry::Value;
+    let (traces, _guard) = Traces::install();
+    let reg = InProcessRegistry::new();
+    let (server, _probe) = serve(&reg, 50).await;
+    let f = feed(&reg);
+    let ticks = within("ticks", f.ticks(7).await.expect("ticks").collect_all())
+        .await
+        .expect("complete");
+    assert_eq!(ticks.len(), 7);
+    let sum = within("sum", f.sum("s".into(), RpcStream::iter(1..=5u64)))
+        .await
+        .expect("sum");
+    assert_eq!(sum, "s=15 from 5 items");
+    within("shutdown", server.shutdown()).await;
+    let spans = traces.spans();
+    let server_span = |entry: &str| {
+        spans
+            .iter()
+            .find(|s| {
+                s.name == "rpc.server"
+                    && attr(s, "rpc.entry_id") == Some(Value::from(entry.to_string()))
+            })
+            .unwrap_or_else(|| panic!("no server span for {entry}"))
+    };
+    let ticks = server_span("t.Feed.ticks");
+    assert_eq!(attr(ticks, "rpc.stream.items_sent"), Some(Value::I64(7)));
+    assert_eq!(
+        attr(ticks, "rpc.stream.items_received"),
+        Some(Value::I64(0))
+    );
+    assert_eq!(attr(ticks, "rpc.status_code"), Some(Value::I64(200)));
+    let sum = server_span("t.Feed.sum");
+    assert_eq!(attr(sum, "rpc.stream.items_sent"), Some(Value::I64(0)));
+    assert_eq!(attr(sum, "rpc.stream.items_received"), Some(Value::I64(5)));
+}
