@@ -8,7 +8,7 @@
 pub fn sample_kinds() -> Vec<rpc_core::wire::frame::Kind> {
     use rpc_core::wire::{
         frame::Kind, Cancel, GoAway, Hello, HelloAck, Ping, Pong, RemoteInvokeMessage,
-        RemoteResultMessage, ValidateError,
+        RemoteResultMessage, StreamCredit, StreamEnd, StreamItem, ValidateError,
     };
     let attachments = [
         (
@@ -26,12 +26,16 @@ pub fn sample_kinds() -> Vec<rpc_core::wire::frame::Kind> {
             token: "s3cret".into(),
             client_id: "client-1@host".into(),
             accept_compression: vec![1, 2],
+            streams: true,
+            stream_window: 32,
         }),
         Kind::HelloAck(HelloAck {
             protocol_version: rpc_core::PROTOCOL_VERSION,
             server_id: "server-1".into(),
             max_frame_length: rpc_core::DEFAULT_MAX_FRAME_LENGTH as u32,
             accept_compression: vec![1, 2],
+            streams: true,
+            stream_window: 32,
         }),
         Kind::Invoke(RemoteInvokeMessage {
             message_id: 42,
@@ -42,6 +46,7 @@ pub fn sample_kinds() -> Vec<rpc_core::wire::frame::Kind> {
             attachments,
             timeout_ms: 800,
             compression: 0,
+            ..Default::default()
         }),
         Kind::Result(RemoteResultMessage {
             message_id: 42,
@@ -84,6 +89,27 @@ pub fn sample_kinds() -> Vec<rpc_core::wire::frame::Kind> {
             result: bytes::Bytes::from_static(&[2, 0, 0, 0, 0x20, 0xc3, 0xc3]),
             compression: rpc_core::wire::Compression::Lz4 as i32,
             ..Default::default()
+        }),
+        Kind::Invoke(RemoteInvokeMessage {
+            message_id: 43,
+            service_entry_id: "shop.Prices.ticks".into(),
+            parameters: bytes::Bytes::from_static(&[0x91, 0x64]),
+            timeout_ms: 60_000,
+            stream_mode: rpc_core::StreamMode::Server as i32,
+            ..Default::default()
+        }),
+        Kind::StreamCredit(StreamCredit {
+            message_id: 43,
+            items: 32,
+        }),
+        Kind::StreamItem(StreamItem {
+            message_id: 43,
+            payload: bytes::Bytes::from_static(b"\x82\xa3seq\x00\xa5label\xa3t-0"),
+        }),
+        Kind::StreamEnd(StreamEnd {
+            message_id: 43,
+            status_code: 200,
+            exception_message: String::new(),
         }),
     ]
 }

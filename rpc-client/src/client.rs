@@ -40,17 +40,17 @@ use crate::telemetry;
 /// pipelines and their state.
 #[derive(Clone)]
 pub struct Client {
-    inner: Arc<Inner>,
+    pub(crate) inner: Arc<Inner>,
     /// Options this handle's calls apply above every other level
     /// ([`with_options`](Client::with_options)).
-    call_options: Option<Arc<GovernanceOverrides>>,
+    pub(crate) call_options: Option<Arc<GovernanceOverrides>>,
 }
 
-struct Inner {
+pub(crate) struct Inner {
     registry: Arc<dyn Registry>,
     pool: ConnectionPool,
-    codec: Codec,
-    governance: Governance,
+    pub(crate) codec: Codec,
+    pub(crate) governance: Governance,
     services: DashMap<&'static str, Arc<ServiceState>, ahash::RandomState>,
     /// The states of the first services called, by the address and length of their
     /// `'static` id: every call looks its service up, and a slot read is one load and a
@@ -59,12 +59,12 @@ struct Inner {
     fast_services: [OnceLock<ServiceSlot>; FAST_SLOTS],
     fallbacks: Fallbacks,
     /// User layers around each call, outermost first.
-    layers: Vec<Arc<dyn Middleware>>,
+    pub(crate) layers: Vec<Arc<dyn Middleware>>,
     /// User layers around each attempt, outermost first.
-    attempt_layers: Vec<Arc<dyn Middleware>>,
-    metrics: telemetry::Metrics,
+    pub(crate) attempt_layers: Vec<Arc<dyn Middleware>>,
+    pub(crate) metrics: telemetry::Metrics,
     /// Told of every call as it ends ([`Client::observe_calls`]).
-    calls: CallObservers,
+    pub(crate) calls: CallObservers,
     /// Removed endpoints a background task is probing.
     probing: Mutex<HashSet<String>>,
     ring_keys: RingKeys,
@@ -178,6 +178,14 @@ impl ClientBuilder {
     #[cfg(feature = "tls")]
     pub fn tls(mut self, tls: rpc_transport::tls::ClientTls) -> Self {
         self.connect.tls = Some(tls);
+        self
+    }
+
+    /// Items per stream the client buffers before it grants the server more (32 by default):
+    /// a stream whose consumer stops reading holds at most this many items, and the server's
+    /// producer stops until it reads on.
+    pub fn stream_window(mut self, items: u32) -> Self {
+        self.connect.stream_window = items.max(1);
         self
     }
 
@@ -1027,6 +1035,7 @@ impl Client {
                 attachments,
                 timeout_ms,
                 compression,
+                stream_mode: 0,
             }
         };
         'attempt: {
@@ -1151,7 +1160,7 @@ impl Client {
 
     /// A pooled connection to `addr`; connecting counts against the call's deadline. (When the
     /// connection exists it is returned at once, before any timer is armed.)
-    async fn connection(
+    pub(crate) async fn connection(
         &self,
         addr: &str,
         deadline: Option<Instant>,
@@ -1201,8 +1210,8 @@ fn fast_slot(addr: usize) -> usize {
 }
 
 /// The client's endpoint choice, as the stack asks for it: the picker of the called service.
-struct ClientBalance<'c> {
-    client: &'c Client,
+pub(crate) struct ClientBalance<'c> {
+    pub(crate) client: &'c Client,
 }
 
 impl Balance for ClientBalance<'_> {
@@ -1305,7 +1314,11 @@ fn publish(governance: &Governance, service_id: &str, instances: &rpc_registry::
     governance.publish(service_id, entries);
 }
 
-fn into_result(r: RemoteResultMessage, codec: Codec, addr: &str) -> Result<Bytes, RpcError> {
+pub(crate) fn into_result(
+    r: RemoteResultMessage,
+    codec: Codec,
+    addr: &str,
+) -> Result<Bytes, RpcError> {
     let code = StatusCode::from_u32(r.status_code);
     if code == StatusCode::Success {
         return Ok(r.result);

@@ -32,6 +32,7 @@ pub mod balance;
 mod client;
 mod generic;
 mod rules;
+mod streams;
 pub use balance::ring as shunt;
 pub mod status;
 mod telemetry;

@@ -5,10 +5,17 @@ use std::pin::Pin;
 
 use bytes::Bytes;
 
-use crate::{Codec, MethodDescriptor, RpcError};
+use crate::stream::ByteStream;
+use crate::wire::StreamMode;
+use crate::{Codec, MethodDescriptor, RpcError, StatusCode};
 
 /// The future a [`Service`] call returns.
 pub type ServiceFuture = Pin<Box<dyn Future<Output = Result<Bytes, RpcError>> + Send + 'static>>;
+
+/// The future a [`Service`] streaming call returns: the set-up's outcome, then the stream of
+/// encoded items (an error item ends the stream with that error).
+pub type StreamFuture =
+    Pin<Box<dyn Future<Output = Result<ByteStream, RpcError>> + Send + 'static>>;
 
 /// A service with encoded arguments in and an encoded result out.
 ///
@@ -25,4 +32,35 @@ pub trait Service: Send + Sync + 'static {
     /// Runs method number `method` with its argument list encoded by `codec`, and returns the
     /// encoded result or the error to send back (a business error carries its encoded value).
     fn call(&self, method: usize, params: Bytes, codec: Codec) -> ServiceFuture;
+
+    /// The shape of method number `method`: [`StreamMode::Unary`] (the default) for a method
+    /// run by [`call`](Self::call), another mode for one run by
+    /// [`call_stream`](Self::call_stream).
+    fn stream_mode(&self, method: usize) -> StreamMode {
+        let _ = method;
+        StreamMode::Unary
+    }
+
+    /// Runs streaming method number `method` with its other arguments encoded by `codec` in
+    /// `params` and, for a method taking a stream, the caller's encoded items in `inbound`;
+    /// returns the set-up's outcome (an error is the call's refusal: nothing was streamed),
+    /// then the encoded items of the answer. The default: the service has no streaming method.
+    fn call_stream(
+        &self,
+        method: usize,
+        params: Bytes,
+        inbound: Option<ByteStream>,
+        codec: Codec,
+    ) -> StreamFuture {
+        let _ = (params, inbound, codec);
+        let entry = self
+            .methods()
+            .get(method)
+            .map_or("this method", |m| m.entry_id);
+        let e = RpcError::new(
+            StatusCode::NotImplemented,
+            format!("{entry} is not a streaming method of this service; call it as a unary call"),
+        );
+        Box::pin(std::future::ready(Err(e)))
+    }
 }

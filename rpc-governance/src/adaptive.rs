@@ -141,6 +141,13 @@ impl AdaptivePermit {
     pub fn ignore(mut self) {
         self.measured = false;
     }
+
+    /// The same slot, returned without measuring when dropped: for work whose duration is not
+    /// a latency (an open stream lasts as long as its caller wants it).
+    pub fn unmeasured(mut self) -> Self {
+        self.measured = false;
+        self
+    }
 }
 
 impl Drop for AdaptivePermit {
@@ -365,6 +372,28 @@ mod tests {
                  {median}, {low} rounds below half the capacity: {tail:?}"
             );
         }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_unmeasured_slot_is_held_and_returned_without_a_latency_sample() {
+        let l = AdaptiveLimit::new(AdaptiveOptions::default());
+        let stream = l
+            .try_enter("e", Criticality::Default, None)
+            .unwrap()
+            .unmeasured();
+        assert_eq!(l.in_flight(), 1, "held");
+        tokio::time::advance(Duration::from_secs(60)).await;
+        drop(stream);
+        assert_eq!(l.in_flight(), 0, "returned");
+        assert_eq!(
+            l.recent_latency(),
+            None,
+            "a minute-long stream is no latency"
+        );
+        let call = l.try_enter("e", Criticality::Default, None).unwrap();
+        tokio::time::advance(Duration::from_millis(10)).await;
+        drop(call);
+        assert_eq!(l.recent_latency(), Some(Duration::from_millis(10)));
     }
 
     #[tokio::test(start_paused = true)]

@@ -221,6 +221,40 @@ mod tests {
     }
 
     #[test]
+    fn a_streaming_method_gets_a_stream_proxy_and_a_stream_dispatcher() {
+        let out = expand(
+            quote!(name = "t.Feed"),
+            quote! {
+                pub trait Feed {
+                    async fn ticks(&self, n: u32) -> Result<RpcStream<Tick>, RpcError>;
+                    async fn echo(&self, s: String) -> Result<String, RpcError>;
+                }
+            },
+        );
+        syn::parse2::<syn::File>(out.clone()).unwrap_or_else(|e| panic!("{e}\n{out}"));
+        let s = out.to_string();
+        assert!(!s.contains("compile_error"), "{s}");
+        // The proxy opens a stream and decodes its items.
+        assert!(s.contains(":: rpc :: Client :: invoke_stream"), "{s}");
+        assert!(
+            s.contains(":: rpc :: __private :: decode_stream :: < Tick >"),
+            "{s}"
+        );
+        // The dispatcher: the method's shape, its set-up and items, and a refusal of a unary
+        // call of it.
+        assert!(
+            s.contains("0usize => :: rpc :: __private :: StreamMode :: Server"),
+            "{s}"
+        );
+        assert!(s.contains("fn call_stream"), "{s}");
+        assert!(s.contains(":: rpc :: __private :: encode_stream"), "{s}");
+        assert!(s.contains(":: rpc :: __private :: wrong_shape"), "{s}");
+        // A service without streaming methods keeps the trait's defaults.
+        let unary = expand(quote!(name = "echo.Echo"), sample()).to_string();
+        assert!(!unary.contains("call_stream"), "{unary}");
+    }
+
+    #[test]
     fn default_service_id_uses_the_module_path() {
         let s = expand_str(quote!(), sample());
         assert!(

@@ -90,10 +90,11 @@ fn method(index: usize, m: &Method, table: &syn::Ident) -> TokenStream {
     let err = &m.err;
     let arg_idents: Vec<_> = m.args.iter().map(|a| &a.ident).collect();
     let arg_tys = m.args.iter().map(|a| &a.ty);
-    let params = if arg_idents.is_empty() {
+    let param_idents: Vec<_> = m.params().map(|a| &a.ident).collect();
+    let params = if param_idents.is_empty() {
         quote!(&::rpc::__private::NoArgs)
     } else {
-        quote!(&(#(&#arg_idents,)*))
+        quote!(&(#(&#param_idents,)*))
     };
     let hash = match m.hash_key {
         Some(i) => {
@@ -102,6 +103,150 @@ fn method(index: usize, m: &Method, table: &syn::Ident) -> TokenStream {
         }
         None => quote!(::core::option::Option::None::<fn() -> u64>),
     };
+    if let (Some(_), Some(last), Some(item)) = (&m.stream_arg, m.args.last(), &m.stream_item) {
+        // Both ways: the set-up under the entry's governance, the caller's items sent from a
+        // task of their own as the server grants credit, the answer's items decoded.
+        let stream_ident = &last.ident;
+        return quote! {
+            fn #ident(&self, #(#arg_idents: #arg_tys),*)
+                -> impl ::core::future::Future<Output = #output> + ::core::marker::Send
+            {
+                async move {
+                    let __rpc_method: &'static ::rpc::__private::MethodDescriptor =
+                        &#table[#index];
+                    let __rpc_codec: ::rpc::__private::Codec = ::rpc::Client::codec(&self.client);
+                    let __rpc_result: ::core::result::Result<#ok, ::rpc::__private::RpcError> =
+                        match ::rpc::__private::encode_args(__rpc_codec, #params, __rpc_method) {
+                            ::core::result::Result::Ok(__rpc_params) => {
+                                match ::rpc::Client::invoke_bidi(
+                                    &self.client,
+                                    __rpc_method,
+                                    __rpc_params,
+                                    ::rpc::__private::encode_stream(
+                                        __rpc_codec,
+                                        #stream_ident,
+                                        __rpc_method,
+                                    ),
+                                    #hash,
+                                )
+                                .await
+                                {
+                                    ::core::result::Result::Ok(__rpc_items) => {
+                                        ::core::result::Result::Ok(
+                                            ::rpc::__private::decode_stream::<#item>(
+                                                __rpc_codec,
+                                                __rpc_items,
+                                                __rpc_method,
+                                            ),
+                                        )
+                                    }
+                                    ::core::result::Result::Err(__rpc_e) => {
+                                        ::core::result::Result::Err(__rpc_e)
+                                    }
+                                }
+                            }
+                            ::core::result::Result::Err(__rpc_e) => {
+                                ::core::result::Result::Err(__rpc_e)
+                            }
+                        };
+                    __rpc_result.map_err(<#err as ::rpc::__private::RemoteError>::from_rpc_error)
+                }
+            }
+        };
+    }
+    if let (Some(_), Some(last)) = (&m.stream_arg, m.args.last()) {
+        // A client stream: the set-up under the entry's governance, the items sent as the
+        // server grants credit, then the answer.
+        let stream_ident = &last.ident;
+        return quote! {
+            fn #ident(&self, #(#arg_idents: #arg_tys),*)
+                -> impl ::core::future::Future<Output = #output> + ::core::marker::Send
+            {
+                async move {
+                    let __rpc_method: &'static ::rpc::__private::MethodDescriptor =
+                        &#table[#index];
+                    let __rpc_codec: ::rpc::__private::Codec = ::rpc::Client::codec(&self.client);
+                    let __rpc_result: ::core::result::Result<#ok, ::rpc::__private::RpcError> =
+                        match ::rpc::__private::encode_args(__rpc_codec, #params, __rpc_method) {
+                            ::core::result::Result::Ok(__rpc_params) => {
+                                match ::rpc::Client::invoke_client_stream(
+                                    &self.client,
+                                    __rpc_method,
+                                    __rpc_params,
+                                    ::rpc::__private::encode_stream(
+                                        __rpc_codec,
+                                        #stream_ident,
+                                        __rpc_method,
+                                    ),
+                                    #hash,
+                                )
+                                .await
+                                {
+                                    ::core::result::Result::Ok(__rpc_bytes) => {
+                                        ::rpc::__private::decode_result::<#ok>(
+                                            __rpc_codec,
+                                            &__rpc_bytes,
+                                            __rpc_method,
+                                        )
+                                    }
+                                    ::core::result::Result::Err(__rpc_e) => {
+                                        ::core::result::Result::Err(__rpc_e)
+                                    }
+                                }
+                            }
+                            ::core::result::Result::Err(__rpc_e) => {
+                                ::core::result::Result::Err(__rpc_e)
+                            }
+                        };
+                    __rpc_result.map_err(<#err as ::rpc::__private::RemoteError>::from_rpc_error)
+                }
+            }
+        };
+    }
+    if let Some(item) = &m.stream_item {
+        // A server stream: the set-up under the entry's governance, then its items decoded.
+        return quote! {
+            fn #ident(&self, #(#arg_idents: #arg_tys),*)
+                -> impl ::core::future::Future<Output = #output> + ::core::marker::Send
+            {
+                async move {
+                    let __rpc_method: &'static ::rpc::__private::MethodDescriptor =
+                        &#table[#index];
+                    let __rpc_codec: ::rpc::__private::Codec = ::rpc::Client::codec(&self.client);
+                    let __rpc_result: ::core::result::Result<#ok, ::rpc::__private::RpcError> =
+                        match ::rpc::__private::encode_args(__rpc_codec, #params, __rpc_method) {
+                            ::core::result::Result::Ok(__rpc_params) => {
+                                match ::rpc::Client::invoke_stream(
+                                    &self.client,
+                                    __rpc_method,
+                                    __rpc_params,
+                                    #hash,
+                                )
+                                .await
+                                {
+                                    ::core::result::Result::Ok(__rpc_items) => {
+                                        ::core::result::Result::Ok(
+                                            ::rpc::__private::decode_stream::<#item>(
+                                                __rpc_codec,
+                                                __rpc_items,
+                                                __rpc_method,
+                                            ),
+                                        )
+                                    }
+                                    ::core::result::Result::Err(__rpc_e) => {
+                                        ::core::result::Result::Err(__rpc_e)
+                                    }
+                                }
+                            }
+                            ::core::result::Result::Err(__rpc_e) => {
+                                ::core::result::Result::Err(__rpc_e)
+                            }
+                        };
+                    __rpc_result.map_err(<#err as ::rpc::__private::RemoteError>::from_rpc_error)
+                }
+            }
+        };
+    }
     // One state machine (no nested `async` block), built where it is returned: a future
     // whose construction did work first would be moved (copied) by every caller.
     quote! {

@@ -51,6 +51,55 @@ pub fn server(service: &Service, names: &Names) -> TokenStream {
             }
         }
     };
+    // Streaming methods: their shape, and their dispatch (only when the service has some, so
+    // a unary service keeps the trait's defaults).
+    let streaming: Vec<_> = service
+        .methods
+        .iter()
+        .enumerate()
+        .filter(|(_, m)| m.stream_item.is_some() || m.stream_arg.is_some())
+        .collect();
+    let streams = if streaming.is_empty() {
+        quote!()
+    } else {
+        let modes = streaming.iter().map(|(i, m)| {
+            match (m.stream_arg.is_some(), m.stream_item.is_some()) {
+                (true, true) => quote!(#i => ::rpc::__private::StreamMode::Bidi,),
+                (true, false) => quote!(#i => ::rpc::__private::StreamMode::Client,),
+                _ => quote!(#i => ::rpc::__private::StreamMode::Server,),
+            }
+        });
+        let stream_arms = streaming
+            .iter()
+            .map(|(i, m)| stream_arm(*i, m, trait_ident, table, &imp));
+        let unknown_stream = quote! {
+            ::rpc::__private::boxed_stream(::core::future::ready(::core::result::Result::Err(
+                ::rpc::__private::unknown_method(#service_id, __rpc_index),
+            )))
+        };
+        quote! {
+            fn stream_mode(&self, __rpc_index: usize) -> ::rpc::__private::StreamMode {
+                match __rpc_index {
+                    #(#modes)*
+                    _ => ::rpc::__private::StreamMode::Unary,
+                }
+            }
+
+            fn call_stream(
+                &self,
+                __rpc_index: usize,
+                __rpc_params: ::rpc::__private::Bytes,
+                __rpc_inbound: ::core::option::Option<::rpc::__private::ByteStream>,
+                __rpc_codec: ::rpc::__private::Codec,
+            ) -> ::rpc::__private::StreamFuture {
+                let _ = __rpc_inbound;
+                match __rpc_index {
+                    #(#stream_arms)*
+                    _ => #unknown_stream,
+                }
+            }
+        }
+    };
     quote! {
         #[doc = #doc]
         #[allow(dead_code)]
@@ -123,6 +172,8 @@ pub fn server(service: &Service, names: &Names) -> TokenStream {
             > {
                 #dispatch
             }
+
+            #streams
         }
     }
 }
@@ -136,37 +187,16 @@ fn arm(
 ) -> TokenStream {
     let ident = &m.ident;
     let err = &m.err;
+    if m.stream_item.is_some() || m.stream_arg.is_some() {
+        // Called as a unary call: refused (the server's dispatcher refuses it first).
+        return quote! {
+            #index => ::rpc::__private::boxed(::core::future::ready(::core::result::Result::Err(
+                ::rpc::__private::wrong_shape(&#table[#index], true),
+            ))),
+        };
+    }
     let arg_idents: Vec<_> = m.args.iter().map(|a| &a.ident).collect();
-    let arg_tys = m.args.iter().map(|a| &a.ty);
-    let decode = if arg_idents.is_empty() {
-        quote! {
-            ::rpc::__private::decode_args::<::rpc::__private::NoArgs>(
-                __rpc_codec,
-                &__rpc_params,
-                __rpc_method,
-            )?;
-        }
-    } else if arg_idents.len() <= MAX_NAMED_ARGS {
-        // Each argument's name and type, for an error that says which one did not decode.
-        let names = m.args.iter().map(|a| a.ident.to_string());
-        let types = m.args.iter().map(|a| type_name(&a.ty));
-        quote! {
-            let (#(#arg_idents,)*) = ::rpc::__private::decode_named_args::<(#(#arg_tys,)*)>(
-                __rpc_codec,
-                &__rpc_params,
-                __rpc_method,
-                &[#((#names, #types)),*],
-            )?;
-        }
-    } else {
-        quote! {
-            let (#(#arg_idents,)*) = ::rpc::__private::decode_args::<(#(#arg_tys,)*)>(
-                __rpc_codec,
-                &__rpc_params,
-                __rpc_method,
-            )?;
-        }
-    };
+    let decode = decode_args(m);
     quote! {
         #index => {
             let __rpc_inner = ::std::sync::Arc::clone(&self.inner);
@@ -185,6 +215,123 @@ fn arm(
                     ),
                 }
             })
+        }
+    }
+}
+
+/// The `call_stream` arm of a server-streaming method: decode the arguments, run the handler's
+/// set-up, encode its items.
+fn stream_arm(
+    index: usize,
+    m: &Method,
+    trait_ident: &syn::Ident,
+    table: &syn::Ident,
+    imp: &syn::Ident,
+) -> TokenStream {
+    let ident = &m.ident;
+    let err = &m.err;
+    let arg_idents: Vec<_> = m.args.iter().map(|a| &a.ident).collect();
+    let decode = decode_args(m);
+    // The caller's items, as the last argument (client and bidirectional streaming).
+    let inbound = match (&m.stream_arg, m.args.last()) {
+        (Some(item), Some(last)) => {
+            let stream_ident = &last.ident;
+            quote! {
+                let #stream_ident = ::rpc::__private::inbound_stream::<#item>(
+                    __rpc_codec,
+                    __rpc_inbound,
+                    __rpc_method,
+                );
+            }
+        }
+        _ => quote!(),
+    };
+    if let (Some(item), Some(last), None) = (&m.stream_arg, m.args.last(), &m.stream_item) {
+        // Client streaming: the caller's items as the last argument, the answer as the
+        // stream's one item.
+        let stream_ident = &last.ident;
+        return quote! {
+            #index => {
+                let __rpc_inner = ::std::sync::Arc::clone(&self.inner);
+                ::rpc::__private::boxed_stream(async move {
+                    let __rpc_method: &'static ::rpc::__private::MethodDescriptor =
+                        &#table[#index];
+                    #decode
+                    let #stream_ident = ::rpc::__private::inbound_stream::<#item>(
+                        __rpc_codec,
+                        __rpc_inbound,
+                        __rpc_method,
+                    );
+                    match <#imp as #trait_ident>::#ident(&*__rpc_inner, #(#arg_idents),*).await {
+                        ::core::result::Result::Ok(__rpc_value) => {
+                            ::rpc::__private::encode_result(__rpc_codec, &__rpc_value, __rpc_method)
+                                .map(::rpc::__private::answer_stream)
+                        }
+                        ::core::result::Result::Err(__rpc_error) => ::core::result::Result::Err(
+                            <#err as ::rpc::__private::RemoteError>::into_rpc_error(
+                                __rpc_error,
+                                __rpc_codec,
+                            ),
+                        ),
+                    }
+                })
+            }
+        };
+    }
+    quote! {
+        #index => {
+            let __rpc_inner = ::std::sync::Arc::clone(&self.inner);
+            ::rpc::__private::boxed_stream(async move {
+                let __rpc_method: &'static ::rpc::__private::MethodDescriptor = &#table[#index];
+                #decode
+                #inbound
+                match <#imp as #trait_ident>::#ident(&*__rpc_inner, #(#arg_idents),*).await {
+                    ::core::result::Result::Ok(__rpc_items) => ::core::result::Result::Ok(
+                        ::rpc::__private::encode_stream(__rpc_codec, __rpc_items, __rpc_method),
+                    ),
+                    ::core::result::Result::Err(__rpc_error) => ::core::result::Result::Err(
+                        <#err as ::rpc::__private::RemoteError>::into_rpc_error(
+                            __rpc_error,
+                            __rpc_codec,
+                        ),
+                    ),
+                }
+            })
+        }
+    }
+}
+
+/// Decodes `__rpc_params` into the method's arguments (`?` on failure).
+fn decode_args(m: &Method) -> TokenStream {
+    let arg_idents: Vec<_> = m.params().map(|a| &a.ident).collect();
+    let arg_tys = m.params().map(|a| &a.ty);
+    if arg_idents.is_empty() {
+        quote! {
+            ::rpc::__private::decode_args::<::rpc::__private::NoArgs>(
+                __rpc_codec,
+                &__rpc_params,
+                __rpc_method,
+            )?;
+        }
+    } else if arg_idents.len() <= MAX_NAMED_ARGS {
+        // Each argument's name and type, for an error that says which one did not decode.
+        let names = m.params().map(|a| a.ident.to_string());
+        let types = m.params().map(|a| type_name(&a.ty));
+        quote! {
+            let (#(#arg_idents,)*) = ::rpc::__private::decode_named_args::<(#(#arg_tys,)*)>(
+                __rpc_codec,
+                &__rpc_params,
+                __rpc_method,
+                &[#((#names, #types)),*],
+            )?;
+        }
+    } else {
+        quote! {
+            let (#(#arg_idents,)*) = ::rpc::__private::decode_args::<(#(#arg_tys,)*)>(
+                __rpc_codec,
+                &__rpc_params,
+                __rpc_method,
+            )?;
         }
     }
 }

@@ -80,6 +80,12 @@ pub struct Method {
     pub ok: Type,
     /// `E`.
     pub err: Type,
+    /// `I` when `T` is `RpcStream<I>`: a server-streaming method.
+    pub stream_item: Option<Type>,
+    /// `I` when the last argument is an `RpcStream<I>`: a client-streaming method, or a
+    /// bidirectional one when `stream_item` is set too (the argument is in `args`, and not
+    /// among the encoded parameters).
+    pub stream_arg: Option<Type>,
 }
 
 /// One argument of a method.
@@ -88,6 +94,15 @@ pub struct Arg {
     pub ident: Ident,
     /// Its type.
     pub ty: Type,
+    /// `I` when the type is `RpcStream<I>`: the caller's request stream.
+    pub stream_item: Option<Type>,
+}
+
+impl Method {
+    /// The arguments encoded in the call's parameters: all but a request stream.
+    pub fn params(&self) -> impl Iterator<Item = &Arg> {
+        self.args.iter().filter(|a| a.stream_item.is_none())
+    }
 }
 
 impl Method {
@@ -322,6 +337,14 @@ fn method(f: &TraitItemFn) -> syn::Result<Method> {
                 continue;
             }
         };
+        let arg_stream = stream_item(&pt.ty);
+        if arg_stream.is_some() && index + 2 != sig.inputs.len() {
+            errors.spanned(
+                &pt.ty,
+                "a stream argument (client streaming) must be the method's last argument, and \
+                 there can be only one",
+            );
+        }
         match &*pt.ty {
             Type::Reference(r) => errors.spanned(
                 &r,
@@ -337,6 +360,7 @@ fn method(f: &TraitItemFn) -> syn::Result<Method> {
         args.push(Arg {
             ident,
             ty: (*pt.ty).clone(),
+            stream_item: arg_stream,
         });
     }
 
@@ -381,6 +405,14 @@ fn method(f: &TraitItemFn) -> syn::Result<Method> {
     errors.finish()?;
     let (output, ok, err) =
         result.ok_or_else(|| syn::Error::new_spanned(sig, "expected `-> Result<T, E>`"))?;
+    let stream_item = stream_item(&ok);
+    let stream_arg = args.iter().find_map(|a| a.stream_item.clone());
+    if stream_arg.is_some() && hash_key.is_some() {
+        return Err(syn::Error::new_spanned(
+            &sig.ident,
+            "a client-streaming method cannot have a `#[hash_key]` argument yet",
+        ));
+    }
     Ok(Method {
         ident: sig.ident.clone(),
         args,
@@ -389,7 +421,28 @@ fn method(f: &TraitItemFn) -> syn::Result<Method> {
         output,
         ok,
         err,
+        stream_item,
+        stream_arg,
     })
+}
+
+/// `I` of an `RpcStream<I>` (any path ending in `RpcStream` with one type argument).
+fn stream_item(ty: &Type) -> Option<Type> {
+    let Type::Path(tp) = ty else { return None };
+    if tp.qself.is_some() {
+        return None;
+    }
+    let last = tp.path.segments.last()?;
+    if last.ident != "RpcStream" {
+        return None;
+    }
+    let PathArguments::AngleBracketed(ab) = &last.arguments else {
+        return None;
+    };
+    match ab.args.iter().collect::<Vec<_>>()[..] {
+        [GenericArgument::Type(t)] => Some(t.clone()),
+        _ => None,
+    }
 }
 
 /// `T` and `E` of a `Result<T, E>` (any path ending in `Result` with two type arguments).
@@ -462,6 +515,53 @@ mod tests {
         let err = &s.methods[1].err;
         assert_eq!(quote!(#err).to_string(), "MyError");
         assert!(s.methods[2].args.is_empty());
+    }
+
+    #[test]
+    fn a_method_returning_an_rpc_stream_streams_its_items() {
+        let s = service(quote! {
+            trait Feed {
+                async fn ticks(&self, n: u32) -> Result<RpcStream<Tick>, RpcError>;
+                async fn qualified(&self) -> Result<rpc::RpcStream<Vec<u8>>, MyError>;
+                async fn plain(&self) -> Result<Vec<Tick>, RpcError>;
+            }
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        let items: Vec<_> = s
+            .methods
+            .iter()
+            .map(|m| m.stream_item.as_ref().map(|t| quote!(#t).to_string()))
+            .collect();
+        assert_eq!(
+            items,
+            [
+                Some("Tick".to_string()),
+                Some("Vec < u8 >".to_string()),
+                None
+            ]
+        );
+        let s = service(quote! {
+            trait Up { async fn put(&self, name: String, chunks: RpcStream<Chunk>) -> Result<u64, E>; }
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        let m = &s.methods[0];
+        let item = m.stream_arg.as_ref().expect("a client stream");
+        assert_eq!(quote!(#item).to_string(), "Chunk");
+        let params: Vec<_> = m.params().map(|a| a.ident.to_string()).collect();
+        assert_eq!(params, ["name"]);
+        let e = error(quote! {
+            trait Up { async fn put(&self, chunks: RpcStream<Chunk>, n: u8) -> Result<(), E>; }
+        });
+        assert!(e.contains("must be the method's last argument"), "{e}");
+        let s = service(quote! {
+            trait Chat { async fn chat(&self, c: RpcStream<String>) -> Result<RpcStream<u8>, E>; }
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        let m = &s.methods[0];
+        assert!(
+            m.stream_arg.is_some() && m.stream_item.is_some(),
+            "bidirectional"
+        );
     }
 
     #[test]

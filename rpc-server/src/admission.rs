@@ -46,6 +46,17 @@ pub(crate) enum Slot {
     Observed,
 }
 
+impl Slot {
+    /// The slot for an open stream: held until the stream ends, and not measured by an
+    /// adaptive limit (a stream's duration is the caller's choice, not the server's latency).
+    pub(crate) fn for_stream(self) -> Slot {
+        match self {
+            Slot::Adaptive(p) => Slot::Adaptive(p.unmeasured()),
+            other => other,
+        }
+    }
+}
+
 /// An entry's admission policy: its rate limits, if any, its gate, and which of them only
 /// observe.
 #[derive(Debug)]

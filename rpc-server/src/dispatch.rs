@@ -16,7 +16,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures_util::FutureExt;
 use rpc_core::wire::{RemoteResultMessage, ValidateError};
-use rpc_core::{Codec, Compression, MethodDescriptor, RpcContext, RpcError, StatusCode};
+use rpc_core::{
+    Codec, Compression, MethodDescriptor, RpcContext, RpcError, StatusCode, StreamMode,
+};
 use rpc_governance::calls::{CallObservers, Side};
 use rpc_governance::events::{EventBus, EventKind};
 use rpc_governance::fallback;
@@ -39,6 +41,8 @@ pub(crate) struct Route {
     pub(crate) fallback: Option<Arc<FallbackTo>>,
     /// The user's layers and what runs after them, when the server has layers.
     pub(crate) layered: Option<Arc<Layered>>,
+    /// The method's shape: unary, or which way it streams.
+    pub(crate) stream: StreamMode,
 }
 
 /// An entry's chain on a server with layers: shared by its calls, so that a call takes one
@@ -74,7 +78,7 @@ impl Terminal {
             req.deadline
                 .map(|(d, _)| d.saturating_duration_since(Instant::now())),
         );
-        let _permit = match admitted {
+        let permit = match admitted {
             Ok(p) => p,
             Err(e) => {
                 self.events.emit_parts(
@@ -88,6 +92,26 @@ impl Terminal {
             }
         };
         let parameters = std::mem::take(&mut req.parameters);
+        if let Some(opened) = req.stream.clone() {
+            // A server stream: its set-up is what the layers see; its items, holding the
+            // entry's slot until they end, are left for the dispatcher.
+            let attachments = std::mem::take(&mut req.attachments);
+            let setup = self
+                .service
+                .call_stream(self.index, parameters, None, req.codec);
+            let items = if attachments.is_empty() {
+                setup.await
+            } else {
+                RpcContext::scope(attachments, setup).await
+            }?;
+            *opened
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) =
+                Some(crate::streams::holding(items, permit.for_stream()));
+            req.load = Some(self.admission.load());
+            return Ok(Bytes::new());
+        }
+        let _permit = permit;
         let fallback = self.fallback.as_ref().map(|to| ServerFallback {
             to: to.clone(),
             parameters: parameters.clone(),
@@ -123,7 +147,7 @@ impl Terminal {
 }
 
 /// The governance event of an admission refusal: over a rate limit, or at the gate.
-fn refusal_event(e: &RpcError) -> EventKind {
+pub(crate) fn refusal_event(e: &RpcError) -> EventKind {
     if e.code() == StatusCode::RateLimited {
         EventKind::RateLimited
     } else {
@@ -132,7 +156,7 @@ fn refusal_event(e: &RpcError) -> EventKind {
 }
 
 /// Writes the entry's load (in flight, limit) into an answer.
-fn with_load(
+pub(crate) fn with_load(
     mut answer: RemoteResultMessage,
     (in_flight, limit): (u32, u32),
 ) -> RemoteResultMessage {
@@ -160,6 +184,29 @@ pub(crate) struct Dispatcher {
 
 impl InvokeHandler for Dispatcher {
     fn handle(&self, invoke: Invoke, caller: &Arc<Caller>) -> Dispatch {
+        self.dispatch(invoke, caller, None)
+    }
+
+    fn handle_stream(
+        &self,
+        invoke: Invoke,
+        caller: &Arc<Caller>,
+        inbound: rpc_core::ByteStream,
+    ) -> Dispatch {
+        self.dispatch(invoke, caller, Some(inbound))
+    }
+}
+
+impl Dispatcher {
+    /// Answers or starts one call; `inbound` holds the caller's items of a stream that takes
+    /// them.
+    #[inline]
+    fn dispatch(
+        &self,
+        invoke: Invoke,
+        caller: &Arc<Caller>,
+        inbound: Option<rpc_core::ByteStream>,
+    ) -> Dispatch {
         // Looked up by its bytes: the route table's keys are valid ids, so an id that matches
         // one needs no further check.
         let Some(route) = self.routes.get(invoke.service_entry_id.as_bytes()) else {
@@ -172,8 +219,8 @@ impl InvokeHandler for Dispatcher {
             ));
         };
         match Pack::of(&route.admission, caller, invoke.compression) {
-            None => self.handle_route(route, invoke, caller),
-            Some(pack) => pack.wrap(self.handle_route(route, invoke, caller)),
+            None => self.handle_route(route, invoke, caller, inbound),
+            Some(pack) => pack.wrap(self.handle_route(route, invoke, caller, inbound)),
         }
     }
 }
@@ -212,6 +259,8 @@ impl Pack {
         match dispatch {
             Dispatch::Ready(answer) => Dispatch::Ready(self.apply(answer)),
             Dispatch::Spawn(call) => Dispatch::Spawn(Box::pin(call.map(move |a| self.apply(a)))),
+            // A stream's items and end go as they are: stream payloads are not compressed yet.
+            stream @ Dispatch::Stream(_) => stream,
         }
     }
 
@@ -239,7 +288,13 @@ impl Pack {
 
 impl Dispatcher {
     /// One call of an entry found in the route table: everything after the lookup.
-    fn handle_route(&self, route: &Route, mut invoke: Invoke, caller: &Arc<Caller>) -> Dispatch {
+    fn handle_route(
+        &self,
+        route: &Route,
+        mut invoke: Invoke,
+        caller: &Arc<Caller>,
+        inbound: Option<rpc_core::ByteStream>,
+    ) -> Dispatch {
         let peer = caller.peer();
         let Some(codec) = Codec::from_wire(invoke.codec) else {
             return Dispatch::Ready(error_result(
@@ -250,8 +305,23 @@ impl Dispatcher {
                 ),
             ));
         };
+        if invoke.stream_mode != route.stream as i32 {
+            return Dispatch::Ready(crate::streams::mode_mismatch(route, invoke.stream_mode));
+        }
         let attachments = std::mem::take(&mut invoke.attachments);
         let span = telemetry::server_span(route.method, self.local, peer, &attachments);
+        if route.stream != StreamMode::Unary {
+            return crate::streams::dispatch(
+                self,
+                route,
+                invoke,
+                inbound,
+                codec,
+                attachments,
+                span,
+                caller,
+            );
+        }
         if let Some(chain) = &route.layered {
             return self.layered(
                 chain,
@@ -391,6 +461,7 @@ impl Dispatcher {
             codec,
             fallback_cause: None,
             load: None,
+            stream: None,
         };
         let chain = chain.clone();
         let send_panic_text = self.send_panic_text;
@@ -519,7 +590,7 @@ impl Future for CallFuture {
 }
 
 type HandlerFuture = futures_util::future::BoxFuture<'static, Result<Bytes, RpcError>>;
-type Outcome = std::thread::Result<Result<Bytes, RpcError>>;
+pub(crate) type Outcome = std::thread::Result<Result<Bytes, RpcError>>;
 
 /// Polls the handler once in the call's span, attachments and inherited deadline, catching a
 /// panic. Its waker does nothing: a handler that has to wait is polled again, with its task's
@@ -700,7 +771,11 @@ impl Future for Guarded<'_> {
 /// The panic message may show a service's internals (paths, values, queries), so it is logged
 /// here with the entry and a short panic id, and the caller receives the id to find it by;
 /// the text itself only with `send_panic_text`.
-fn settle(outcome: Outcome, entry: &str, send_panic_text: bool) -> Result<Bytes, RpcError> {
+pub(crate) fn settle(
+    outcome: Outcome,
+    entry: &str,
+    send_panic_text: bool,
+) -> Result<Bytes, RpcError> {
     outcome.unwrap_or_else(|panic| {
         let what = panic
             .downcast_ref::<&str>()
@@ -731,7 +806,7 @@ fn panic_id() -> String {
     format!("{:08x}", h as u32)
 }
 
-fn to_message(result: Result<Bytes, RpcError>) -> RemoteResultMessage {
+pub(crate) fn to_message(result: Result<Bytes, RpcError>) -> RemoteResultMessage {
     match result {
         Ok(bytes) => RemoteResultMessage {
             status_code: StatusCode::Success.as_u32(),

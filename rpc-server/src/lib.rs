@@ -37,6 +37,7 @@ pub mod middleware;
 mod rules;
 mod server;
 mod service;
+mod streams;
 mod telemetry;
 #[cfg(feature = "tower")]
 pub mod tower;

@@ -80,7 +80,14 @@ pub struct ServerRequest {
     pub(crate) fallback_cause: Option<StatusCode>,
     /// The entry's load (in flight, this call included; limit) as the handler finished.
     pub(crate) load: Option<(u32, u32)>,
+    /// For a server stream: where the end of the chain leaves the handler's items (holding
+    /// the entry's slot) once set up; the layers see the set-up's outcome as the call's.
+    /// (Shared with a request split off for an adapter that owns it.)
+    pub(crate) stream: Option<StreamSlot>,
 }
+
+/// Where the end of a server layer chain leaves a server stream's items.
+pub(crate) type StreamSlot = Arc<std::sync::Mutex<Option<rpc_core::ByteStream>>>;
 
 impl ServerRequest {
     /// The entry called: `"<service id>.<method>"`, e.g. `"orders.Orders.cancel"`.
@@ -166,6 +173,7 @@ impl ServerRequest {
             codec: self.codec,
             fallback_cause: None,
             load: None,
+            stream: self.stream.clone(),
         }
     }
 }

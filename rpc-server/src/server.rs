@@ -318,6 +318,13 @@ impl ServerBuilder {
         self
     }
 
+    /// Items per stream the server buffers of a client's request stream before it grants
+    /// more (32 by default).
+    pub fn stream_window(mut self, items: u32) -> Self {
+        self.options.stream_window = items.max(1);
+        self
+    }
+
     /// Serves every connection over TLS (feature `tls`): the server presents the certificate
     /// chain of `tls` and, when it requires client certificates, refuses clients without one
     /// signed by its client CA. The TLS handshake counts within the handshake timeout.
@@ -473,6 +480,7 @@ impl ServerBuilder {
                         admission,
                         fallback,
                         layered,
+                        stream: service.stream_mode(index),
                     },
                 );
             }

@@ -41,6 +41,8 @@ pub(crate) fn server_span(
         rpc.status_code = Empty,
         outcome = Empty,
         rpc.fallback.cause = Empty,
+        rpc.stream.items_sent = Empty,
+        rpc.stream.items_received = Empty,
         otel.status_code = Empty,
         otel.status_description = Empty,
     );
@@ -94,6 +96,16 @@ pub(crate) struct CallWatch {
 }
 
 impl CallWatch {
+    /// Records on the call's span the items a stream sent and received, as it ends.
+    pub(crate) fn stream_items(&self, sent: u64, received: u64) {
+        if !self.span.is_disabled() {
+            // (As i64: OpenTelemetry has no unsigned integers.)
+            let n = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+            self.span.record("rpc.stream.items_sent", n(sent));
+            self.span.record("rpc.stream.items_received", n(received));
+        }
+    }
+
     pub(crate) fn new(
         span: Span,
         metrics: CallGuard,

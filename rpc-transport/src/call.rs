@@ -29,6 +29,9 @@ pub struct Call {
     /// ([`Connection::accepts`](crate::Connection::accepts)); see
     /// [`compression::pack`](crate::compression::pack).
     pub compression: i32,
+    /// `StreamMode` of the call (`StreamMode::Unary as i32`, 0, for a plain call); set by
+    /// [`Connection::open_stream`](crate::Connection::open_stream).
+    pub stream_mode: i32,
 }
 
 impl Call {
@@ -41,6 +44,7 @@ impl Call {
             attachments: &self.attachments,
             timeout_ms: self.timeout_ms,
             compression: self.compression,
+            stream_mode: self.stream_mode,
         }
     }
 }
@@ -55,6 +59,7 @@ impl From<RemoteInvokeMessage> for Call {
             attachments: m.attachments,
             timeout_ms: m.timeout_ms,
             compression: m.compression,
+            stream_mode: m.stream_mode,
         }
     }
 }

@@ -132,6 +132,9 @@ pub(crate) fn kind_name(kind: &Kind) -> &'static str {
         Kind::Ping(_) => "Ping",
         Kind::Pong(_) => "Pong",
         Kind::GoAway(_) => "GoAway",
+        Kind::StreamItem(_) => "StreamItem",
+        Kind::StreamEnd(_) => "StreamEnd",
+        Kind::StreamCredit(_) => "StreamCredit",
     }
 }
 

@@ -47,7 +47,8 @@ fn invoke_frame(payload: &Bytes) -> Option<Invoke> {
 /// parameters are located first and sliced out of `whole` once, at the end (a field sent twice
 /// replaces the first, as prost does; each occurrence of the id is checked to be UTF-8).
 fn invoke_body(whole: &Bytes, mut buf: &[u8]) -> Option<Invoke> {
-    let (mut message_id, mut codec, mut timeout_ms, mut compression) = (0, 0, 0, 0);
+    let (mut message_id, mut codec, mut timeout_ms, mut compression, mut stream_mode) =
+        (0, 0, 0, 0, 0);
     let (mut entry, mut parameters) = (0..0, 0..0);
     let mut attachments = BTreeMap::new();
     while buf.has_remaining() {
@@ -78,6 +79,8 @@ fn invoke_body(whole: &Bytes, mut buf: &[u8]) -> Option<Invoke> {
             0x30 => timeout_ms = decode_varint(&mut buf).ok()? as u32,
             // compression: enum (int32), truncated as prost does
             0x50 => compression = decode_varint(&mut buf).ok()? as i32,
+            // stream_mode: enum (int32), truncated as prost does
+            0x58 => stream_mode = decode_varint(&mut buf).ok()? as i32,
             _ => return None,
         }
     }
@@ -89,6 +92,7 @@ fn invoke_body(whole: &Bytes, mut buf: &[u8]) -> Option<Invoke> {
         attachments,
         timeout_ms,
         compression,
+        stream_mode,
     })
 }
 
@@ -181,6 +185,7 @@ mod tests {
                 rng.random()
             },
             compression: [0, 1, 2, -1][rng.random_range(0..4)],
+            stream_mode: [0, 0, 1, 2, 3, 7, -1][rng.random_range(0..7)],
         }
     }
 

@@ -106,6 +106,7 @@ pub(crate) struct InvokeFields<'a> {
     pub(crate) attachments: &'a BTreeMap<String, String>,
     pub(crate) timeout_ms: u32,
     pub(crate) compression: i32,
+    pub(crate) stream_mode: i32,
 }
 
 impl<'a> From<&'a RemoteInvokeMessage> for InvokeFields<'a> {
@@ -118,6 +119,7 @@ impl<'a> From<&'a RemoteInvokeMessage> for InvokeFields<'a> {
             attachments: &m.attachments,
             timeout_ms: m.timeout_ms,
             compression: m.compression,
+            stream_mode: m.stream_mode,
         }
     }
 }
@@ -131,6 +133,7 @@ fn invoke_len(m: &InvokeFields<'_>) -> usize {
         + map_len(m.attachments)
         + varint_len(u64::from(m.timeout_ms))
         + varint_len(int32(m.compression))
+        + varint_len(int32(m.stream_mode))
 }
 
 /// Length of the body of a `RemoteResultMessage`.
@@ -187,6 +190,7 @@ fn put_invoke(m: &InvokeFields<'_>, dst: &mut impl BufMut) {
     put_map(5, m.attachments, dst);
     put_varint(6, u64::from(m.timeout_ms), dst);
     put_varint(10, int32(m.compression), dst);
+    put_varint(11, int32(m.stream_mode), dst);
 }
 
 /// Writes the body of a `RemoteResultMessage`.
@@ -251,6 +255,8 @@ mod tests {
             attachments: map(rng),
             timeout_ms: uint(rng) as u32,
             compression: [0, 1, 2, 9, -1][rng.random_range(0..5)],
+            // Includes values no enum names: they are kept as numbers.
+            stream_mode: [0, 0, 1, 2, 3, 9, -2][rng.random_range(0..7)],
         }
     }
 

@@ -101,6 +101,15 @@ pub struct Invoke {
     /// decompresses them before a handler sees the call, so a handler gets plain parameters
     /// and learns here how they came (a server answers with the same algorithm by default).
     pub compression: i32,
+    /// The call's shape (`StreamMode` as a number; 0, unary, for a plain call).
+    pub stream_mode: i32,
+}
+
+impl Invoke {
+    /// The call's shape, `None` for a number no `StreamMode` names.
+    pub fn mode(&self) -> Option<rpc_core::StreamMode> {
+        rpc_core::StreamMode::try_from(self.stream_mode).ok()
+    }
 }
 
 impl From<RemoteInvokeMessage> for Invoke {
@@ -114,6 +123,7 @@ impl From<RemoteInvokeMessage> for Invoke {
             attachments: m.attachments,
             timeout_ms: m.timeout_ms,
             compression: m.compression,
+            stream_mode: m.stream_mode,
         }
     }
 }
@@ -128,6 +138,7 @@ impl From<Invoke> for RemoteInvokeMessage {
             attachments: i.attachments,
             timeout_ms: i.timeout_ms,
             compression: i.compression,
+            stream_mode: i.stream_mode,
         }
     }
 }

@@ -64,14 +64,14 @@ mod writer;
 
 pub use call::Call;
 pub use caller::Caller;
-pub use client::{ConnectOptions, Connection};
+pub use client::{ClientStream, ConnectOptions, Connection, EndToError, Opened, StreamSender};
 pub use codec::{FrameCodec, FrameError};
 pub use invoke::{Invoke, WireStr};
 pub use peer::{PeerAddr, UNIX_SCHEME};
 pub use pool::ConnectionPool;
 pub use server::{
-    error_result, serve, Dispatch, InvokeHandler, ServerOptions, ABUSE_LIMIT, MAX_HELLO_FRAME,
-    REFUSALS_BEFORE_PAUSE,
+    error_result, serve, Dispatch, InvokeHandler, ServerOptions, StreamEvent, ABUSE_LIMIT,
+    DEFAULT_STREAM_WINDOW, MAX_HELLO_FRAME, REFUSALS_BEFORE_PAUSE,
 };
 pub use transport::{Address, Dialer, Listener, Stream, TcpDialer};
 #[cfg(unix)]

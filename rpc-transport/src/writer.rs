@@ -149,6 +149,7 @@ fn estimate(frame: &Outgoing) -> usize {
             Outgoing::Frame(Kind::Result(r)) => r.result.len() + r.exception_message.len(),
             Outgoing::Frame(Kind::Invoke(i)) => i.parameters.len() + i.service_entry_id.len(),
             Outgoing::Frame(Kind::GoAway(g)) => g.reason.len(),
+            Outgoing::Frame(Kind::StreamItem(i)) => i.payload.len(),
             Outgoing::Frame(_) => 0,
             Outgoing::Call(_, c) => c.parameters.len() + c.service_entry_id.len(),
         }

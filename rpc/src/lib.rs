@@ -65,8 +65,8 @@ pub use rpc_client::{answered_by, Client, ClientBuilder, RingKey};
 pub use rpc_client::{EndpointState, EndpointStatus};
 pub use rpc_core::{
     serde_rpc_error, Codec, Compression, FieldError, GovernanceOptions, GovernanceOverrides,
-    MethodDescriptor, RemoteError, RpcContext, RpcError, ServiceEntry, ServiceEntryId, ServiceId,
-    ShuntStrategy, StatusCode,
+    MethodDescriptor, RemoteError, RpcContext, RpcError, RpcStream, ServiceEntry, ServiceEntryId,
+    ServiceId, ShuntStrategy, StatusCode,
 };
 pub use rpc_governance::breaker::BreakerState;
 pub use rpc_governance::events::{EventBus, EventKind, GovernanceEvent};
@@ -119,7 +119,8 @@ pub mod crates {
 /// `use rpc::prelude::*;` brings what a service definition and its callers need.
 pub mod prelude {
     pub use crate::{
-        Client, Codec, InProcessRegistry, RpcError, Server, Service, StaticRegistry, StatusCode,
+        Client, Codec, InProcessRegistry, RpcError, RpcStream, Server, Service, StaticRegistry,
+        StatusCode,
     };
 }
 
@@ -129,8 +130,8 @@ pub mod __private {
     pub use bytes::Bytes;
     pub use futures_util::future::BoxFuture;
     pub use rpc_core::{
-        Codec, Compression, GovernanceOverrides, MethodDescriptor, NoArgs, RemoteError, RpcError,
-        ShuntStrategy, StatusCode,
+        ByteStream, Codec, Compression, GovernanceOverrides, MethodDescriptor, NoArgs, RemoteError,
+        RpcError, RpcStream, ShuntStrategy, StatusCode, StreamFuture, StreamMode,
     };
     use serde::de::DeserializeOwned;
     use serde::Serialize;
@@ -335,6 +336,73 @@ pub mod __private {
 
     fn rmp_serde_encode<T: Serialize + ?Sized>(key: &T) -> Option<Bytes> {
         Codec::MsgPack.encode(key).ok()
+    }
+
+    /// Server side: the items of a streaming method, each encoded by `codec` (an item that
+    /// does not encode ends the stream with that error).
+    pub fn encode_stream<T: Serialize + Send + 'static>(
+        codec: Codec,
+        items: RpcStream<T>,
+        method: &'static MethodDescriptor,
+    ) -> ByteStream {
+        items.map_items(move |item| encode_result(codec, &item, method))
+    }
+
+    /// Client side: the items of a streaming method, each decoded by `codec` (an item that
+    /// does not decode ends the stream with that error).
+    pub fn decode_stream<T: DeserializeOwned + Send + 'static>(
+        codec: Codec,
+        items: ByteStream,
+        method: &'static MethodDescriptor,
+    ) -> RpcStream<T> {
+        items.map_items(move |bytes| decode_result(codec, &bytes, method))
+    }
+
+    /// Server side: the caller's request stream of a client-streaming method, decoded.
+    pub fn inbound_stream<T: DeserializeOwned + Send + 'static>(
+        codec: Codec,
+        inbound: Option<ByteStream>,
+        method: &'static MethodDescriptor,
+    ) -> RpcStream<T> {
+        match inbound {
+            Some(items) => decode_stream(codec, items, method),
+            None => RpcStream::failed(RpcError::new(
+                StatusCode::FrameworkError,
+                format!("{} was called without its request stream", method.entry_id),
+            )),
+        }
+    }
+
+    /// Server side: a client-streaming method's encoded answer, as the one item its
+    /// dispatcher produces.
+    pub fn answer_stream(answer: Bytes) -> ByteStream {
+        RpcStream::iter(std::iter::once(answer))
+    }
+
+    /// The error of a unary call of a streaming method (or the reverse) in a dispatcher.
+    pub fn wrong_shape(method: &MethodDescriptor, streaming: bool) -> RpcError {
+        RpcError::new(
+            StatusCode::FrameworkError,
+            if streaming {
+                format!(
+                    "{} is a streaming method: it is called as a stream",
+                    method.entry_id
+                )
+            } else {
+                format!(
+                    "{} is a unary method: it cannot be opened as a stream",
+                    method.entry_id
+                )
+            },
+        )
+    }
+
+    /// Boxes a stream's set-up as the dispatcher returns it.
+    pub fn boxed_stream<F>(f: F) -> StreamFuture
+    where
+        F: std::future::Future<Output = Result<ByteStream, RpcError>> + Send + 'static,
+    {
+        Box::pin(f)
     }
 
     /// Boxes a future as the dispatcher returns it.

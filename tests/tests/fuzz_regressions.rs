@@ -124,8 +124,8 @@ fn truncated_and_empty_payloads_are_typed_errors() {
         first_error_bytewise(1024, &truncated).0,
         FrameError::Malformed(_)
     ));
-    // A Frame holding only an unknown field: valid protobuf, no message.
-    let unknown = [0, 0, 0, 2, 0x48, 0x01];
+    // A Frame holding only an unknown field (number 100, varint): valid protobuf, no message.
+    let unknown = [0, 0, 0, 3, 0xa0, 0x06, 0x01];
     assert!(matches!(
         first_error_bytewise(1024, &unknown).0,
         FrameError::Empty

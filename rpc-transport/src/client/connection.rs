@@ -19,6 +19,7 @@ use super::options::ConnectOptions;
 use super::pending::{PendingTable, NO_SWEEP};
 use super::reader::read_loop;
 use super::shared::{comm_error, Shared, NEXT_CONNECTION_ID};
+use super::stream::{ClientStream, Opened, StreamShared};
 use crate::call::Call;
 use crate::codec::FrameError;
 use crate::compression::Accepted;
@@ -146,11 +147,16 @@ impl Connection {
             token: options.token.clone().unwrap_or_default(),
             client_id: options.client_id.clone(),
             accept_compression: crate::compression::supported_wire(),
+            streams: options.streams,
+            stream_window: options.stream_window.max(1),
         }));
         let mut frames =
             FramedRead::with_capacity(rd, AnswerCodec::new(options.max_frame_length), READ_BUFFER);
-        let accepts = match frames.next().await {
-            Some(Ok(Kind::HelloAck(ack))) => Accepted::from_wire(&ack.accept_compression),
+        let (accepts, server_streams) = match frames.next().await {
+            Some(Ok(Kind::HelloAck(ack))) => (
+                Accepted::from_wire(&ack.accept_compression),
+                options.streams && ack.streams,
+            ),
             Some(Ok(Kind::GoAway(g))) => {
                 close.cancel();
                 return Err(RpcError::new(
@@ -189,6 +195,8 @@ impl Connection {
             going_away: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             close,
+            server_streams,
+            stream_window: options.stream_window.max(1),
         });
         let received = Arc::new(AtomicU64::new(0));
         tokio::spawn(read_loop(frames, shared.clone(), received.clone()));
@@ -244,7 +252,13 @@ impl Connection {
         self.shared.accepts
     }
 
-    /// Calls in flight on this connection.
+    /// Whether the server takes streams on this connection (both sides offered them in the
+    /// handshake).
+    pub fn supports_streams(&self) -> bool {
+        self.shared.server_streams
+    }
+
+    /// Calls (and streams) in flight on this connection.
     pub fn in_flight(&self) -> usize {
         self.shared.in_flight.load(Ordering::Relaxed)
     }
@@ -345,6 +359,82 @@ impl Connection {
 }
 
 impl Connection {
+    /// Opens a stream: sends `call` with `mode` (not unary) and waits for the server's
+    /// set-up. The stream's `message_id` is assigned here.
+    ///
+    /// The server either accepts it ([`Opened::Accepted`]: the items follow) or refuses it
+    /// with its answer ([`Opened::Refused`], as a unary call's answer: nothing was streamed).
+    /// `deadline` covers the set-up and the whole stream: when it passes, the stream ends with
+    /// a [`StatusCode::Timeout`] error item after the items that arrived, and the server is
+    /// sent `Cancel`. Dropping the future during the set-up, or the stream before its end,
+    /// sends `Cancel` too.
+    ///
+    /// Errors: [`StatusCode::NotImplemented`] at once, sending nothing, when the server did
+    /// not take streams in the handshake; otherwise as [`call`](Self::call).
+    pub async fn open_stream(
+        &self,
+        call: impl Into<Call>,
+        mode: rpc_core::StreamMode,
+        deadline: Option<Instant>,
+    ) -> Result<Opened, RpcError> {
+        let mut call = call.into();
+        let shared = &self.shared;
+        if !shared.server_streams {
+            return Err(RpcError::new(
+                StatusCode::NotImplemented,
+                format!(
+                    "{}: this connection does not stream: the server did not offer streams in                      its handshake (an older server, or this client's ConnectOptions::streams                      is off); call a unary method, or upgrade the server",
+                    shared.peer
+                ),
+            ));
+        }
+        if mode == rpc_core::StreamMode::Unary {
+            return Err(RpcError::new(
+                StatusCode::FrameworkError,
+                "open_stream needs a streaming mode; use call for a unary call",
+            ));
+        }
+        if !self.is_usable() {
+            return Err(comm_error(&shared.peer, "connection closed"));
+        }
+        if shared.sender.backlog().bytes() > shared.max_unsent_bytes {
+            self.wait_for_room(deadline).await?;
+        }
+        call.stream_mode = mode as i32;
+        let deadline_ms = deadline.map_or(0, |d| {
+            (d.saturating_duration_since(shared.epoch).as_millis() as u64).max(1)
+        });
+        let stream = Arc::new(StreamShared::new(shared.stream_window));
+        let id = shared.pending.insert_stream(deadline_ms, stream.clone());
+        shared.in_flight.fetch_add(1, Ordering::Relaxed);
+        // From here the stream owns the slot: dropping it (or this future before the set-up
+        // is known) frees the slot and sends Cancel while the server may still run it.
+        let accepted = ClientStream::new(self.clone(), id, stream.clone());
+        if deadline_ms != 0
+            && shared.next_sweep.fetch_min(deadline_ms, Ordering::AcqRel) > deadline_ms
+        {
+            shared.sweep.notify_one();
+        }
+        if shared.closed.load(Ordering::Acquire) || !shared.sender.send_call(id, call) {
+            // The reader may not see this stream: it must not wait.
+            return Err(comm_error(&shared.peer, "connection closed"));
+        }
+        match std::future::poll_fn(|cx| stream.poll_open(cx)).await {
+            Ok(None) => Ok(Opened::Accepted(accepted)),
+            Ok(Some(answer)) if answer.status_code == StatusCode::Success.as_u32() => {
+                Err(RpcError::new(
+                    StatusCode::FrameworkError,
+                    format!(
+                        "{}: the server answered the stream's opening as a unary call; is the                          method a streaming one on the server too?",
+                        shared.peer
+                    ),
+                ))
+            }
+            Ok(Some(refusal)) => Ok(Opened::Refused(refusal)),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Waits until the send queue is back within `max_unsent_bytes`: backpressure on callers
     /// when the server does not read, instead of memory growing without limit.
     async fn wait_for_room(&self, deadline: Option<Instant>) -> Result<(), RpcError> {

@@ -3,8 +3,9 @@
 //! One module per role, each depending only on those listed before it: [`options`] says how to
 //! connect, [`pending`] is the table of calls waiting for their answers, [`shared`] is what a
 //! connection's handle and its tasks share, [`answer`] decodes what the server sends, [`reader`] hands answers to the waiting calls,
-//! [`heartbeat`] pings the server and expires calls past their deadline, [`connection`]
-//! connects, shakes hands and sends calls.
+//! [`heartbeat`] pings the server and expires calls past their deadline, [`stream`] holds the
+//! items of a stream until its consumer takes them, [`connection`] connects, shakes hands,
+//! sends calls and opens streams.
 
 mod answer;
 mod connection;
@@ -13,6 +14,8 @@ mod options;
 mod pending;
 mod reader;
 mod shared;
+mod stream;
 
 pub use connection::Connection;
 pub use options::ConnectOptions;
+pub use stream::{ClientStream, EndToError, Opened, StreamSender};

@@ -22,6 +22,13 @@ pub struct ConnectOptions {
     /// the client's memory without limit; a call is always let in while the queue is below
     /// the limit, however large it is.
     pub max_unsent_bytes: usize,
+    /// Whether the client offers streams in its `Hello` (true by default). A client that does
+    /// not is sent no stream frame and cannot open streams.
+    pub streams: bool,
+    /// Items per stream the client buffers for the server before it grants more
+    /// (`Hello.stream_window`): a stream whose consumer stops reading holds at most this many
+    /// items, and the server's producer stops. At least 1.
+    pub stream_window: u32,
     /// TLS to the server (feature `tls`); `None` connects over plain TCP. The TLS handshake
     /// counts within `connect_timeout`.
     #[cfg(feature = "tls")]
@@ -37,6 +44,8 @@ impl Default for ConnectOptions {
             connect_timeout: Duration::from_secs(3),
             heartbeat_interval: Duration::from_secs(10),
             max_unsent_bytes: 4 * 1024 * 1024,
+            streams: true,
+            stream_window: crate::DEFAULT_STREAM_WINDOW,
             #[cfg(feature = "tls")]
             tls: None,
         }
@@ -51,7 +60,9 @@ impl std::fmt::Debug for ConnectOptions {
             .field("max_frame_length", &self.max_frame_length)
             .field("connect_timeout", &self.connect_timeout)
             .field("heartbeat_interval", &self.heartbeat_interval)
-            .field("max_unsent_bytes", &self.max_unsent_bytes);
+            .field("max_unsent_bytes", &self.max_unsent_bytes)
+            .field("streams", &self.streams)
+            .field("stream_window", &self.stream_window);
         #[cfg(feature = "tls")]
         d.field("tls", &self.tls);
         d.finish()

@@ -9,14 +9,20 @@
 //! late for a call that gave up, whose slot a newer call now holds, does not match and is
 //! dropped, as the protocol says.
 //!
+//! A stream holds a slot too, for its whole life ([`State::Stream`]): its id is then unique
+//! among the connection's calls and streams, and the sweeper, the connection's failure and a
+//! caller giving up end it as they end a call.
+//!
 //! One lock covers the table; it is held for a few instructions at a time and never across an
 //! `.await` or a wake-up.
 
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll, Waker};
 
 use rpc_core::wire::RemoteResultMessage;
 use rpc_core::RpcError;
+
+use super::stream::StreamShared;
 
 /// What a waiting call receives: its answer, or why there is none.
 pub(super) type Outcome = Result<RemoteResultMessage, RpcError>;
@@ -35,7 +41,7 @@ struct Slab {
     slots: Vec<Slot>,
     /// Indexes of free slots, the most recently freed last (its memory is warm).
     free: Vec<u32>,
-    /// Slots in state `Waiting`.
+    /// Slots in state `Waiting` or `Stream`.
     waiting: usize,
 }
 
@@ -53,6 +59,9 @@ enum State {
     Waiting(Option<Waker>),
     /// The outcome is there and the caller has not taken it yet.
     Done(Outcome),
+    /// A stream, from its opening until it ends (its answer, its deadline, the connection's
+    /// failure) or its consumer gives up.
+    Stream(Arc<StreamShared>),
 }
 
 fn key(index: u32, generation: u32) -> u64 {
@@ -75,7 +84,7 @@ impl Slab {
     fn free(&mut self, key: u64) {
         let (index, _) = split(key);
         if let Some(slot) = self.slots.get_mut(index) {
-            if matches!(slot.state, State::Waiting(_)) {
+            if matches!(slot.state, State::Waiting(_) | State::Stream(_)) {
                 self.waiting -= 1;
             }
             slot.state = State::Free;
@@ -87,6 +96,13 @@ impl Slab {
     /// Ends a waiting call with `outcome`; the waker to wake once the lock is released.
     fn finish(&mut self, key: u64, outcome: Outcome) -> Option<Option<Waker>> {
         let slot = self.slot(key)?;
+        if let State::Stream(stream) = &slot.state {
+            // The stream's end: the slot is free once the stream has it.
+            let stream = stream.clone();
+            let waker = stream.end(outcome);
+            self.free(key);
+            return Some(waker);
+        }
         let State::Waiting(waker) = std::mem::replace(&mut slot.state, State::Done(outcome)) else {
             // Already done (its answer came before the sweeper got to it): keep that.
             return None;
@@ -114,6 +130,33 @@ impl PendingTable {
             slot.deadline_ms = deadline_ms;
             return key(index, slot.generation);
         }
+        Self::push(&mut slab, state, deadline_ms)
+    }
+
+    /// Takes a slot for a new stream, which ends at `deadline_ms` (0: never); returns its
+    /// message id.
+    pub(super) fn insert_stream(&self, deadline_ms: u64, stream: Arc<StreamShared>) -> u64 {
+        let mut slab = self.lock();
+        slab.waiting += 1;
+        let state = State::Stream(stream);
+        if let Some(index) = slab.free.pop() {
+            let slot = &mut slab.slots[index as usize];
+            slot.state = state;
+            slot.deadline_ms = deadline_ms;
+            return key(index, slot.generation);
+        }
+        Self::push(&mut slab, state, deadline_ms)
+    }
+
+    /// The open stream `key` names, if it is one.
+    pub(super) fn stream(&self, key: u64) -> Option<Arc<StreamShared>> {
+        match &self.lock().slot(key)?.state {
+            State::Stream(s) => Some(s.clone()),
+            _ => None,
+        }
+    }
+
+    fn push(slab: &mut Slab, state: State, deadline_ms: u64) -> u64 {
         // A u32 of slots is far more calls than a connection can hold in memory.
         let index = slab.slots.len() as u32;
         slab.slots.push(Slot {
@@ -165,6 +208,10 @@ impl PendingTable {
                 slab.free(key);
                 Poll::Ready(outcome)
             }
+            State::Stream(_) => Poll::Ready(Err(RpcError::new(
+                rpc_core::StatusCode::FrameworkError,
+                "a stream's slot was polled as a call's; this is a bug",
+            ))),
             State::Free => unreachable!("`slot` never returns a free slot"),
         }
     }
@@ -176,7 +223,7 @@ impl PendingTable {
         let Some(slot) = slab.slot(key) else {
             return false;
         };
-        let was_waiting = matches!(slot.state, State::Waiting(_));
+        let was_waiting = matches!(slot.state, State::Waiting(_) | State::Stream(_));
         slab.free(key);
         was_waiting
     }
@@ -191,11 +238,23 @@ impl PendingTable {
         let mut wakers = Vec::new();
         {
             let mut slab = self.lock();
-            for slot in &mut slab.slots {
-                if let State::Waiting(w) = &mut slot.state {
-                    wakers.extend(w.take());
-                    slot.state = State::Done(Err(make()));
+            let mut streams = Vec::new();
+            for (index, slot) in slab.slots.iter_mut().enumerate() {
+                match &mut slot.state {
+                    State::Waiting(w) => {
+                        wakers.extend(w.take());
+                        slot.state = State::Done(Err(make()));
+                    }
+                    State::Stream(s) => {
+                        wakers.extend(s.end(Err(make())));
+                        streams.push(key(index as u32, slot.generation));
+                    }
+                    _ => {}
                 }
+            }
+            // Ended streams leave the table; their consumers have the end.
+            for k in streams {
+                slab.free(k);
             }
             slab.waiting = 0;
         }
@@ -216,22 +275,37 @@ impl PendingTable {
         {
             let mut slab = self.lock();
             let mut ended = 0;
+            let mut streams = Vec::new();
             for (index, slot) in slab.slots.iter_mut().enumerate() {
-                let State::Waiting(w) = &mut slot.state else {
+                if !matches!(slot.state, State::Waiting(_) | State::Stream(_)) {
                     continue;
-                };
+                }
                 match slot.deadline_ms {
                     0 => {}
                     d if d <= now_ms => {
-                        wakers.extend(w.take());
-                        slot.state = State::Done(Err(make()));
-                        expired.push(key(index as u32, slot.generation));
-                        ended += 1;
+                        let k = key(index as u32, slot.generation);
+                        match &mut slot.state {
+                            State::Waiting(w) => {
+                                wakers.extend(w.take());
+                                slot.state = State::Done(Err(make()));
+                                ended += 1;
+                            }
+                            State::Stream(s) => {
+                                wakers.extend(s.end(Err(make())));
+                                streams.push(k);
+                            }
+                            _ => {}
+                        }
+                        expired.push(k);
                     }
                     d => next = next.min(d),
                 }
             }
             slab.waiting -= ended;
+            // (`free` counts an ended stream out.)
+            for k in streams {
+                slab.free(k);
+            }
         }
         wakers.into_iter().for_each(Waker::wake);
         next

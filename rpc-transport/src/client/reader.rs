@@ -4,8 +4,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use futures_util::StreamExt;
-use rpc_core::wire::{frame::Kind, Ping, Pong};
-use rpc_core::StatusCode;
+use rpc_core::wire::{frame::Kind, Cancel, Ping, Pong};
+use rpc_core::{RpcError, StatusCode};
 use tokio::io::AsyncRead;
 use tokio_util::codec::{Decoder, FramedRead};
 
@@ -37,6 +37,35 @@ pub(super) async fn read_loop<R: AsyncRead + Unpin>(
                 // An answer to a cancelled call matches no waiting call: ignored, as the
                 // protocol says.
                 shared.pending.complete(result.message_id, result);
+            }
+            Some(Ok(Kind::StreamItem(item))) => {
+                // Items of a stream that ended or was given up are dropped.
+                if let Some(stream) = shared.pending.stream(item.message_id) {
+                    if !stream.push(item.payload) {
+                        // Beyond the credit given: this stream (only) ends.
+                        let violation = RpcError::new(
+                            StatusCode::FrameworkError,
+                            format!(
+                                "{}: protocol violation: the server sent more stream items than \
+                                 it was granted; the stream was ended",
+                                shared.peer
+                            ),
+                        );
+                        if let Some(w) = stream.end(Err(violation)) {
+                            w.wake();
+                        }
+                        if shared.pending.remove(item.message_id) {
+                            shared.sender.send(Kind::Cancel(Cancel {
+                                message_id: item.message_id,
+                            }));
+                        }
+                    }
+                }
+            }
+            Some(Ok(Kind::StreamCredit(credit))) => {
+                if let Some(stream) = shared.pending.stream(credit.message_id) {
+                    stream.credit(credit.items);
+                }
             }
             Some(Ok(Kind::Ping(Ping { nonce }))) => {
                 shared.sender.send(Kind::Pong(Pong { nonce }));

@@ -39,6 +39,10 @@ pub(super) struct Shared {
     /// Mirrors `close` for the hot path: checking a token takes a lock, this does not.
     pub(super) closed: AtomicBool,
     pub(super) close: CancellationToken,
+    /// Whether the server takes streams (`HelloAck.streams`, to a `Hello` offering them).
+    pub(super) server_streams: bool,
+    /// Items per stream this client buffers (`Hello.stream_window`).
+    pub(super) stream_window: u32,
 }
 
 pub(super) fn comm_error(peer: &str, what: impl std::fmt::Display) -> RpcError {

@@ -8,11 +8,13 @@ use std::time::Duration;
 
 use rpc_core::wire::{frame::Kind, Pong};
 use rpc_core::StatusCode;
+use rpc_core::StreamMode;
 use tokio::time::Instant;
 
 use super::calls::{dispatch, Conn};
 use super::handler::{error_result, InvokeHandler};
 use super::options::{ServerOptions, ABUSE_LIMIT};
+use super::streams::{Inbound, StreamSlot};
 use crate::codec::kind_name;
 use crate::invoke::{Incoming, Invoke};
 
@@ -133,6 +135,14 @@ impl FrameCtx<'_> {
                     );
                     r.message_id = id;
                     conn.sender.send(Kind::Result(r));
+                } else if invoke.stream_mode != 0 && conn.client_window.is_none() {
+                    let mut r = error_result(
+                        StatusCode::FrameworkError,
+                        "this connection did not negotiate streams: set Hello.streams to open \
+                         a stream; the call was not run",
+                    );
+                    r.message_id = id;
+                    conn.sender.send(Kind::Result(r));
                 } else if let Some((code, why)) = self.refusal(&invoke) {
                     let mut r = error_result(code, why);
                     r.message_id = id;
@@ -156,6 +166,15 @@ impl FrameCtx<'_> {
                     );
                     r.message_id = id;
                     conn.sender.send(Kind::Result(r));
+                } else if matches!(invoke.mode(), Some(StreamMode::Client | StreamMode::Bidi)) {
+                    // The client's items may come before the handler is set up: they wait in
+                    // the stream's queue, which exists from now on.
+                    let slot = Arc::new(StreamSlot::new(self.options.stream_window.max(1)));
+                    conn.streams.open(id, slot.clone());
+                    let inbound = Inbound::new(id, slot.clone(), conn.sender.clone());
+                    let inbound = rpc_core::RpcStream::try_new(inbound);
+                    let outcome = self.handler.handle_stream(invoke, &self.caller, inbound);
+                    dispatch(conn, outcome, id, false, Some(slot));
                 } else {
                     let mut invoke = invoke;
                     if invoke.compression != 0 {
@@ -167,7 +186,7 @@ impl FrameCtx<'_> {
                         }
                     }
                     let outcome = self.handler.handle(invoke, &self.caller);
-                    dispatch(conn, outcome, id, self.options.inline_first_poll);
+                    dispatch(conn, outcome, id, self.options.inline_first_poll, None);
                 }
                 Ok(())
             }
@@ -178,6 +197,27 @@ impl FrameCtx<'_> {
                         conn.idle.notify_one();
                     }
                     conn.finished.notify_one();
+                }
+                Ok(())
+            }
+            Some(Ok(Incoming::Other(Kind::StreamCredit(c)))) => {
+                // Credit for a stream that ended meanwhile is dropped.
+                if let Some(slot) = conn.streams.get(c.message_id) {
+                    slot.grant(c.items);
+                }
+                Ok(())
+            }
+            Some(Ok(Incoming::Other(Kind::StreamItem(item)))) => {
+                // (Items of a stream that ended are dropped; a stream that takes none, or is
+                // sent more than its credit, ends with an error.)
+                if let Some(slot) = conn.streams.get(item.message_id) {
+                    slot.push(item.payload);
+                }
+                Ok(())
+            }
+            Some(Ok(Incoming::Other(Kind::StreamEnd(end)))) => {
+                if let Some(slot) = conn.streams.get(end.message_id) {
+                    slot.finish(end);
                 }
                 Ok(())
             }

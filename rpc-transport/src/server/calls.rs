@@ -10,8 +10,10 @@ use rpc_core::wire::{frame::Kind, RemoteResultMessage};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
+use super::handler::error_result;
 use super::handler::Dispatch;
-use super::runner::{self, CallSink, Runners, Running};
+use super::runner::{self, CallFuture, CallSink, Runners, Running};
+use super::streams::{StreamDriver, StreamSlot, StreamTable};
 use crate::writer::FrameSender;
 
 pub(super) struct Conn {
@@ -31,6 +33,11 @@ pub(super) struct Conn {
     /// Set when the reader started a call task that is to give way before it runs (see
     /// [`Handoff`]): the reader does so once, before it waits for more frames.
     pub(super) give_way: AtomicBool,
+    /// The streams open on the connection, for the credit and items the client sends them.
+    pub(super) streams: Arc<StreamTable>,
+    /// The client's `Hello.stream_window` when it can stream; `None`: it cannot, and is sent
+    /// no stream frame.
+    pub(super) client_window: Option<u32>,
 }
 
 impl Conn {
@@ -66,7 +73,19 @@ fn send_result(conn: &Conn, id: u64, mut r: RemoteResultMessage) {
 /// `runner`), so that a handler blocking before its first `.await` stalls only itself, never
 /// the connection's reader; with `inline_first_poll` it is polled once here first, and handed
 /// to a task only if it has to wait.
-pub(super) fn dispatch(conn: &Arc<Conn>, outcome: Dispatch, id: u64, inline_first_poll: bool) {
+pub(super) fn dispatch(
+    conn: &Arc<Conn>,
+    outcome: Dispatch,
+    id: u64,
+    inline_first_poll: bool,
+    slot: Option<Arc<StreamSlot>>,
+) {
+    if !matches!(outcome, Dispatch::Stream(_)) {
+        // A stream refused (or answered as a call): its client's items go nowhere.
+        if let Some(slot) = &slot {
+            conn.streams.close(id, slot);
+        }
+    }
     match outcome {
         Dispatch::Ready(r) => send_result(conn, id, r),
         Dispatch::Spawn(mut fut) => {
@@ -82,14 +101,38 @@ pub(super) fn dispatch(conn: &Arc<Conn>, outcome: Dispatch, id: u64, inline_firs
                 // The reader gives way before it waits for more frames (see `Handoff`).
                 conn.give_way.store(true, Ordering::Relaxed);
             }
-            conn.in_flight.fetch_add(1, Ordering::AcqRel);
-            // The map stays locked until the call is in it: its task looks it up there when it
-            // finishes.
-            let mut tasks = conn.tasks();
-            let running = runner::start(conn, id, fut);
-            tasks.insert(id, running);
+            spawn(conn, id, fut);
+        }
+        Dispatch::Stream(events) => {
+            let Some(window) = conn.client_window else {
+                // (The reader refuses stream opens from such clients before the handler.)
+                send_result(
+                    conn,
+                    id,
+                    error_result(
+                        rpc_core::StatusCode::FrameworkError,
+                        "the server answered with a stream, but this connection did not \
+                         negotiate streams (Hello.streams)",
+                    ),
+                );
+                return;
+            };
+            conn.give_way.store(true, Ordering::Relaxed);
+            let driver =
+                StreamDriver::new(id, events, window, slot, &conn.streams, conn.sender.clone());
+            spawn(conn, id, Box::pin(driver));
         }
     }
+}
+
+/// Runs call `id` in a task of the connection, counted in flight until it ends.
+fn spawn(conn: &Arc<Conn>, id: u64, fut: CallFuture) {
+    conn.in_flight.fetch_add(1, Ordering::AcqRel);
+    // The map stays locked until the call is in it: its task looks it up there when it
+    // finishes.
+    let mut tasks = conn.tasks();
+    let running = runner::start(conn, id, fut);
+    tasks.insert(id, running);
 }
 
 impl CallSink for Conn {

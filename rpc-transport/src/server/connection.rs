@@ -21,7 +21,6 @@ use super::options::{ServerOptions, MAX_HELLO_FRAME, REFUSALS_BEFORE_PAUSE};
 use super::runner::Runners;
 use crate::caller::Caller;
 use crate::codec::FrameCodec;
-use crate::compression::Accepted;
 use crate::invoke::Incoming;
 use crate::peer::PeerAddr;
 use crate::reader::FrameReader;
@@ -81,7 +80,7 @@ pub(super) async fn run_connection<R, W>(
     // Who calls, once for the connection: every call is handed this `Arc`.
     let caller = Arc::new(
         Caller::new(peer.clone(), hello.client_id)
-            .with_accept_compression(Accepted::from_wire(&hello.accept_compression))
+            .with_accept_compression(hello.accept_compression)
             .with_token_verified(options.token.is_some())
             .with_peer_certificate(peer_certificate),
     );
@@ -106,6 +105,8 @@ pub(super) async fn run_connection<R, W>(
         refused_in_a_row: AtomicU32::new(0),
         abuses: AtomicU32::new(0),
         give_way: AtomicBool::new(false),
+        streams: Default::default(),
+        client_window: hello.stream_window,
     });
     // Runs however the connection ends, including when its task is aborted: running handlers
     // are dropped and the socket is closed.

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use crate::caller::Caller;
 
 use futures_util::future::BoxFuture;
+use futures_util::stream::BoxStream;
 use rpc_core::wire::{frame::Kind, GoAway, RemoteResultMessage};
 use rpc_core::StatusCode;
 
@@ -19,6 +20,25 @@ pub enum Dispatch {
     /// bytes): it is allocated per call, and glibc's allocator serves blocks above about
     /// 1 KiB through its slow paths.
     Spawn(BoxFuture<'static, RemoteResultMessage>),
+    /// Answer a call that opened a stream (`Invoke::stream_mode` other than unary) with these
+    /// events, run in a task of their own as `Spawn` is: first [`StreamEvent::Accepted`] (the
+    /// set-up succeeded; the client is told by a `StreamCredit`) or an
+    /// [`StreamEvent::End`] refusing the stream, then items, then `End`. The transport polls
+    /// the stream only while the client has credit for more items, so a client that stops
+    /// reading stops the producer; `Cancel` drops it. A stream ending without `End` ends with
+    /// status 200.
+    Stream(BoxStream<'static, StreamEvent>),
+}
+
+/// What a stream answering a call produces (see [`Dispatch::Stream`]).
+#[derive(Debug, Clone, PartialEq)]
+pub enum StreamEvent {
+    /// The stream is set up: items may follow.
+    Accepted,
+    /// One encoded item (accepts the stream first if it was not yet).
+    Item(bytes::Bytes),
+    /// The end of the stream, with its status: a refusal when it comes before `Accepted`.
+    End(RemoteResultMessage),
 }
 
 /// The layer above the transport: turns a call into its answer. `message_id` of the answer is
@@ -27,6 +47,19 @@ pub trait InvokeHandler: Send + Sync + 'static {
     /// Decides how to answer `invoke` from `caller` (the same `Arc` for every call of a
     /// connection, built at its handshake); must not block.
     fn handle(&self, invoke: Invoke, caller: &Arc<Caller>) -> Dispatch;
+
+    /// Decides how to answer `invoke`, a stream taking the client's items (client or
+    /// bidirectional streaming), whose items come in `inbound` (the client is granted credit
+    /// as they are taken). The default: [`handle`](Self::handle), dropping the items.
+    fn handle_stream(
+        &self,
+        invoke: Invoke,
+        caller: &Arc<Caller>,
+        inbound: rpc_core::ByteStream,
+    ) -> Dispatch {
+        drop(inbound);
+        self.handle(invoke, caller)
+    }
 }
 
 /// A result carrying an error status.

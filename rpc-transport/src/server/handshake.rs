@@ -2,7 +2,7 @@
 //! compared by digest in constant time.
 
 use futures_util::StreamExt;
-use rpc_core::wire::{frame::Kind, Hello, HelloAck};
+use rpc_core::wire::{frame::Kind, HelloAck};
 use rpc_core::{StatusCode, PROTOCOL_VERSION};
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
@@ -13,6 +13,7 @@ use tokio_util::codec::FramedRead;
 use super::options::ServerOptions;
 use crate::codec::kind_name;
 use crate::codec::FrameCodec;
+use crate::compression::Accepted;
 use crate::writer::FrameSender;
 
 /// The SHA-256 digest of a token: what the handshake compares.
@@ -27,9 +28,19 @@ pub(super) fn token_matches(expected: &str, given: &str) -> bool {
     token_digest(expected).ct_eq(&token_digest(given)).into()
 }
 
+/// What the handshake established about the client.
+pub(super) struct Hello {
+    pub(super) client_id: String,
+    /// The client's `stream_window` (at least 1) when it can stream; `None` when it cannot:
+    /// it is sent no stream frame.
+    pub(super) stream_window: Option<u32>,
+    /// The compression algorithms the client decodes (its `accept_compression`).
+    pub(super) accept_compression: Accepted,
+}
+
 /// Reads `Hello` (by `hello_by`: `handshake_timeout` after the accept, TLS included) and answers
 /// `HelloAck` (listing the compression algorithms the server decodes), or says why the client
-/// is refused. Returns the client's `Hello`.
+/// is refused. Returns what the client's `Hello` said.
 pub(super) async fn handshake<R: AsyncRead + Unpin>(
     frames: &mut FramedRead<R, FrameCodec>,
     sender: &FrameSender,
@@ -89,8 +100,18 @@ pub(super) async fn handshake<R: AsyncRead + Unpin>(
         server_id: options.server_id.clone(),
         max_frame_length: options.max_frame_length.min(u32::MAX as usize) as u32,
         accept_compression: crate::compression::supported_wire(),
+        streams: hello.streams,
+        stream_window: if hello.streams {
+            options.stream_window.max(1)
+        } else {
+            0
+        },
     }));
-    Ok(hello)
+    Ok(Hello {
+        stream_window: hello.streams.then_some(hello.stream_window.max(1)),
+        accept_compression: Accepted::from_wire(&hello.accept_compression),
+        client_id: hello.client_id,
+    })
 }
 
 #[cfg(test)]

@@ -5,8 +5,9 @@
 //! the transport builds itself), [`handshake`] (`Hello` and its token), [`runner`] (call
 //! tasks, reused), [`calls`] (the calls running on a connection, matched by `message_id` for
 //! `Cancel`), [`admission`] (which frames and calls a connection may send: in-flight,
-//! attachment and rate limits), [`drain`] (graceful end), [`connection`] (one connection's read
-//! loop), [`accept`] (the accept loop and `max_connections`).
+//! attachment and rate limits), [`streams`] (the streams a connection serves: credit, items,
+//! end), [`drain`] (graceful end), [`connection`] (one connection's read loop), [`accept`]
+//! (the accept loop and `max_connections`).
 
 mod accept;
 mod admission;
@@ -17,8 +18,11 @@ mod handler;
 mod handshake;
 mod options;
 mod runner;
+mod streams;
 
 pub use accept::serve;
 
-pub use handler::{error_result, Dispatch, InvokeHandler};
-pub use options::{ServerOptions, ABUSE_LIMIT, MAX_HELLO_FRAME, REFUSALS_BEFORE_PAUSE};
+pub use handler::{error_result, Dispatch, InvokeHandler, StreamEvent};
+pub use options::{
+    ServerOptions, ABUSE_LIMIT, DEFAULT_STREAM_WINDOW, MAX_HELLO_FRAME, REFUSALS_BEFORE_PAUSE,
+};

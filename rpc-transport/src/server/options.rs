@@ -51,6 +51,9 @@ pub struct ServerOptions {
     /// while one does, the reader is stalled, and with it every other call, `Cancel` and `Ping`
     /// on that connection. `false` (the default): every call runs in its own task.
     pub inline_first_poll: bool,
+    /// Items per stream the server buffers for a client's request stream before it grants
+    /// more (`HelloAck.stream_window`): what a client may send ahead on one stream. At least 1.
+    pub stream_window: u32,
     /// TLS on every connection (feature `tls`); `None` serves plain TCP. The TLS handshake
     /// counts within `handshake_timeout`.
     #[cfg(feature = "tls")]
@@ -74,6 +77,7 @@ impl Default for ServerOptions {
             max_calls_per_second_per_connection: None,
             max_read_buffer_bytes: 64 * 1024 * 1024,
             inline_first_poll: false,
+            stream_window: DEFAULT_STREAM_WINDOW,
             #[cfg(feature = "tls")]
             tls: None,
         }
@@ -102,12 +106,17 @@ impl std::fmt::Debug for ServerOptions {
                 &self.max_calls_per_second_per_connection,
             )
             .field("max_read_buffer_bytes", &self.max_read_buffer_bytes)
-            .field("inline_first_poll", &self.inline_first_poll);
+            .field("inline_first_poll", &self.inline_first_poll)
+            .field("stream_window", &self.stream_window);
         #[cfg(feature = "tls")]
         d.field("tls", &self.tls);
         d.finish()
     }
 }
+
+/// Items per stream a side buffers for its peer before granting more, unless configured
+/// otherwise (`ServerOptions::stream_window`, `ConnectOptions::stream_window`).
+pub const DEFAULT_STREAM_WINDOW: u32 = 32;
 
 /// Largest frame a server reads before it has accepted the client's `Hello` (8 KiB): a `Hello`
 /// is a version, a token and a client id, and a peer that has not authenticated gets no more

@@ -1,0 +1,498 @@
+//! Streaming calls on the server: admission as for a unary call, then the handler's set-up and
+//! its items as the events the transport sends, under the caller's deadline, with the entry's
+//! slot held until the stream ends.
+//!
+//! An open stream counts as one running call of its entry (the cap and adaptive limit see it)
+//! and of its connection, from its admission until its end, however it ends: complete, an
+//! error item, the deadline (519), `Cancel`, the connection's end or the drain deadline. The
+//! transport polls the events only while the client has credit, so a handler's stream is
+//! never asked for more items than the client's window holds.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::stream::{Stream, StreamExt};
+use rpc_core::wire::RemoteResultMessage;
+use rpc_core::{
+    ByteStream, Codec, RpcContext, RpcError, RpcStream, StatusCode, StreamFuture, StreamMode,
+};
+use rpc_governance::calls::Side;
+use rpc_transport::{error_result, Caller, Dispatch, Invoke, StreamEvent};
+use tokio::time::Instant;
+
+use crate::admission::{Admission, Slot, CRITICALITY_ATTACHMENT};
+use crate::dispatch::{
+    refusal_event, settle, to_message, with_load, Dispatcher, Layered, Outcome, Route,
+};
+use crate::middleware::{LayerFuture, Next, ServerRequest, StreamSlot};
+use crate::telemetry;
+
+/// The answer to a call whose shape is not its method's.
+pub(crate) fn mode_mismatch(route: &Route, sent: i32) -> RemoteResultMessage {
+    let sent = StreamMode::try_from(sent).map_or_else(|_| format!("mode {sent}"), describe);
+    error_result(
+        StatusCode::FrameworkError,
+        format!(
+            "{} is {}, and was called as {sent}; client and server must share the service \
+             definition",
+            route.method.entry_id,
+            describe(route.stream)
+        ),
+    )
+}
+
+fn describe(mode: StreamMode) -> String {
+    match mode {
+        StreamMode::Unary => "a unary method",
+        StreamMode::Server => "a server-streaming method",
+        StreamMode::Client => "a client-streaming method",
+        StreamMode::Bidi => "a bidirectional streaming method",
+    }
+    .to_string()
+}
+
+/// Admits a streaming call and hands the transport its events; see the module documentation.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn dispatch(
+    d: &Dispatcher,
+    route: &Route,
+    invoke: Invoke,
+    inbound: Option<ByteStream>,
+    codec: Codec,
+    attachments: BTreeMap<String, String>,
+    span: tracing::Span,
+    caller: &Arc<Caller>,
+) -> Dispatch {
+    if let Some(chain) = &route.layered {
+        if route.stream != StreamMode::Server {
+            // The layers would have to run around the whole exchange of items.
+            let e = RpcError::new(
+                StatusCode::NotImplemented,
+                format!(
+                    "{} is {}, and this server has server layers, which run for server streams \
+                     only so far: serve it from a server without layers",
+                    route.method.entry_id,
+                    describe(route.stream)
+                ),
+            );
+            telemetry::record_error(&span, e.code(), e.message());
+            return Dispatch::Ready(to_message(Err(e)));
+        }
+        return layered(
+            d,
+            route,
+            chain.clone(),
+            invoke,
+            codec,
+            attachments,
+            span,
+            caller,
+        );
+    }
+    let peer = caller.peer();
+    let admitted = route.admission.admit(
+        &route.entry,
+        caller.client_id(),
+        attachments.get(CRITICALITY_ATTACHMENT).map(String::as_str),
+        (invoke.timeout_ms > 0).then(|| Duration::from_millis(invoke.timeout_ms.into())),
+    );
+    let permit = match admitted {
+        Ok(p) => p.for_stream(),
+        Err(e) => {
+            span.in_scope(|| {
+                d.events.emit_parts(
+                    refusal_event(&e),
+                    &route.entry,
+                    Some(&peer.to_string()),
+                    0,
+                    Some(e.message().to_string()),
+                )
+            });
+            telemetry::record_error(&span, e.code(), e.message());
+            d.metrics.rejected(route.method, e.code());
+            if let Some(started) = d.calls.start() {
+                d.calls.ended(
+                    Side::Server,
+                    route.method.entry_id,
+                    started,
+                    Some(e.code()),
+                    "error",
+                );
+            }
+            return Dispatch::Ready(with_load(to_message(Err(e)), route.admission.load()));
+        }
+    };
+    let deadline = (invoke.timeout_ms > 0).then(|| {
+        (
+            Instant::now() + Duration::from_millis(invoke.timeout_ms.into()),
+            invoke.timeout_ms,
+        )
+    });
+    let attachments = telemetry::user_attachments(attachments);
+    // The caller's items, counted as the handler takes them (for the span).
+    let received = Arc::new(AtomicU64::new(0));
+    let inbound = inbound.map(|items| {
+        let counter = received.clone();
+        RpcStream::try_new(items.inspect(move |item| {
+            if item.is_ok() {
+                counter.fetch_add(1, Ordering::Relaxed);
+            }
+        }))
+    });
+    let setup = route
+        .service
+        .call_stream(route.index, invoke.parameters, inbound, codec);
+    // The set-up runs in the caller's context, so the calls it makes carry its attachments on.
+    let setup: StreamFuture = if attachments.is_empty() {
+        setup
+    } else {
+        Box::pin(RpcContext::scope(attachments, setup))
+    };
+    let watch = telemetry::CallWatch::new(
+        span,
+        d.metrics.start(route.method),
+        deadline.map(|(d, _)| d),
+        &d.calls,
+        route.method.entry_id,
+    );
+    Dispatch::Stream(
+        ServerStream {
+            accept_first: route.stream != StreamMode::Server,
+            client_streaming: route.stream == StreamMode::Client,
+            accepted: false,
+            setup: Some(setup),
+            items: None,
+            deadline,
+            timer: None,
+            entry: route.method.entry_id,
+            permit: Some(permit),
+            admission: route.admission.clone(),
+            watch,
+            send_panic_text: d.send_panic_text,
+            sent: 0,
+            received,
+            ended: false,
+        }
+        .boxed(),
+    )
+}
+
+/// A server stream on a server with layers: the layers see its set-up as a call (they may
+/// refuse it, change its attachments, look at its outcome), the end of their chain admits it
+/// at the entry and sets the handler's stream up, and its items then flow as on a server
+/// without layers, within the same deadline.
+#[allow(clippy::too_many_arguments)]
+fn layered(
+    d: &Dispatcher,
+    route: &Route,
+    chain: Arc<Layered>,
+    invoke: Invoke,
+    codec: Codec,
+    attachments: BTreeMap<String, String>,
+    span: tracing::Span,
+    caller: &Arc<Caller>,
+) -> Dispatch {
+    let entry = route.method.entry_id;
+    let deadline = (invoke.timeout_ms > 0).then(|| {
+        (
+            Instant::now() + Duration::from_millis(invoke.timeout_ms.into()),
+            invoke.timeout_ms,
+        )
+    });
+    let opened = StreamSlot::default();
+    let mut req = ServerRequest {
+        method: route.method,
+        caller: caller.clone(),
+        attachments: telemetry::user_attachments(attachments),
+        deadline,
+        parameters: invoke.parameters,
+        codec,
+        fallback_cause: None,
+        load: None,
+        stream: Some(opened.clone()),
+    };
+    let setup: StreamFuture = Box::pin(async move {
+        let first: LayerFuture<'_> = match chain.layers.first() {
+            Some(layer) => layer.call(
+                &mut req,
+                Next {
+                    chain: &chain,
+                    at: 1,
+                },
+            ),
+            None => Box::pin(chain.end.run(&mut req)),
+        };
+        first.await?;
+        let items = opened
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        items.ok_or_else(|| {
+            RpcError::new(
+                StatusCode::FrameworkError,
+                format!(
+                    "{entry} streams, and a server layer answered its set-up itself: a layer \
+                     must hand a stream on with next.run or refuse it with an error"
+                ),
+            )
+        })
+    });
+    let watch = telemetry::CallWatch::new(
+        span,
+        d.metrics.start(route.method),
+        deadline.map(|(d, _)| d),
+        &d.calls,
+        entry,
+    );
+    Dispatch::Stream(
+        ServerStream {
+            accept_first: false,
+            client_streaming: false,
+            accepted: false,
+            setup: Some(setup),
+            items: None,
+            deadline,
+            timer: None,
+            entry,
+            // The items hold the entry's slot, taken at the end of the chain.
+            permit: None,
+            admission: route.admission.clone(),
+            watch,
+            send_panic_text: d.send_panic_text,
+            sent: 0,
+            received: Default::default(),
+            ended: false,
+        }
+        .boxed(),
+    )
+}
+
+/// `items`, holding the entry's slot `permit` until they are dropped.
+pub(crate) fn holding(items: ByteStream, permit: Slot) -> ByteStream {
+    RpcStream::try_new(items.map(move |item| {
+        let _held = &permit;
+        item
+    }))
+}
+
+/// One stream being served: the handler's set-up, then its items, under the deadline; every
+/// poll of the handler's code catches a panic (520) and runs inside the caller's deadline as
+/// the one its own calls inherit.
+struct ServerStream {
+    /// The caller streams its items (client and bidirectional streaming): the stream is
+    /// accepted before the handler runs, since the handler takes them.
+    accept_first: bool,
+    /// The caller gets one answer: the handler's one item.
+    client_streaming: bool,
+    /// `Accepted` was produced.
+    accepted: bool,
+    setup: Option<StreamFuture>,
+    items: Option<ByteStream>,
+    deadline: Option<(Instant, u32)>,
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    entry: &'static str,
+    /// The entry's slot, held until the stream ends.
+    permit: Option<Slot>,
+    admission: Arc<Admission>,
+    watch: telemetry::CallWatch,
+    send_panic_text: bool,
+    /// Items produced so far.
+    sent: u64,
+    /// The caller's items the handler took so far.
+    received: Arc<AtomicU64>,
+    ended: bool,
+}
+
+impl ServerStream {
+    fn end(&mut self, result: Result<Bytes, RpcError>) -> Poll<Option<StreamEvent>> {
+        self.ended = true;
+        // The handler's stream goes first, then its slot.
+        self.setup = None;
+        self.items = None;
+        let load = self.admission.load();
+        self.permit = None;
+        self.watch
+            .stream_items(self.sent, self.received.load(Ordering::Relaxed));
+        self.watch.finish(&result, None);
+        Poll::Ready(Some(StreamEvent::End(with_load(to_message(result), load))))
+    }
+
+    /// Polls the handler's code once, inside the deadline, catching a panic.
+    fn guarded<T>(
+        deadline: Option<(Instant, u32)>,
+        poll: impl FnOnce() -> Poll<T>,
+    ) -> std::thread::Result<Poll<T>> {
+        rpc_governance::timeout::sync_with_inherited(deadline.map(|(d, _)| d), || {
+            std::panic::catch_unwind(AssertUnwindSafe(poll))
+        })
+    }
+}
+
+impl Stream for ServerStream {
+    type Item = StreamEvent;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<StreamEvent>> {
+        let this = &mut *self;
+        if this.ended {
+            return Poll::Ready(None);
+        }
+        if let Some((deadline, budget_ms)) = this.deadline {
+            let timer = this
+                .timer
+                .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+            if timer.as_mut().poll(cx).is_ready() {
+                let e = RpcError::new(
+                    StatusCode::Timeout,
+                    format!(
+                        "{} ran out of the caller's {budget_ms} ms budget after {} stream \
+                         items; the stream was stopped",
+                        this.entry, this.sent
+                    ),
+                );
+                return this.end(Err(e));
+            }
+        }
+        if this.accept_first && !this.accepted {
+            // Admitted: the caller may send its items, which the handler takes.
+            this.accepted = true;
+            return Poll::Ready(Some(StreamEvent::Accepted));
+        }
+        if let Some(setup) = &mut this.setup {
+            let outcome: Outcome = match Self::guarded(this.deadline, || setup.as_mut().poll(cx)) {
+                Ok(Poll::Pending) => return Poll::Pending,
+                Ok(Poll::Ready(Ok(items))) => {
+                    this.setup = None;
+                    this.items = Some(items);
+                    if this.accepted {
+                        return Pin::new(this).poll_next(cx);
+                    }
+                    this.accepted = true;
+                    return Poll::Ready(Some(StreamEvent::Accepted));
+                }
+                Ok(Poll::Ready(Err(e))) => Ok(Err(e)),
+                Err(panic) => Err(panic),
+            };
+            let result = settle(outcome, this.entry, this.send_panic_text);
+            return this.end(result);
+        }
+        let Some(items) = &mut this.items else {
+            return Poll::Ready(None);
+        };
+        let outcome: Outcome = match Self::guarded(this.deadline, || items.poll_next_unpin(cx)) {
+            Ok(Poll::Pending) => return Poll::Pending,
+            // A client stream's answer: its end.
+            Ok(Poll::Ready(Some(Ok(answer)))) if this.client_streaming => Ok(Ok(answer)),
+            Ok(Poll::Ready(Some(Ok(item)))) => {
+                this.sent += 1;
+                return Poll::Ready(Some(StreamEvent::Item(item)));
+            }
+            Ok(Poll::Ready(Some(Err(e)))) => Ok(Err(e)),
+            Ok(Poll::Ready(None)) => Ok(Ok(Bytes::new())),
+            Err(panic) => Err(panic),
+        };
+        let result = settle(outcome, this.entry, this.send_panic_text);
+        this.end(result)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rpc_core::{GovernanceOverrides, MethodDescriptor, RpcStream, Service, ServiceFuture};
+    use rpc_transport::InvokeHandler;
+    use std::net::SocketAddr;
+
+    static METHODS: [MethodDescriptor; 1] = [MethodDescriptor {
+        service_id: "t.S",
+        method: "count",
+        entry_id: "t.S.count",
+        hash_key: None,
+        governance: GovernanceOverrides::NONE,
+    }];
+
+    /// Streams 1, 2, 3 encoded, then fails if asked for a fourth.
+    struct Count;
+
+    impl Service for Count {
+        fn service_id(&self) -> &'static str {
+            "t.S"
+        }
+        fn methods(&self) -> &'static [MethodDescriptor] {
+            &METHODS
+        }
+        fn call(&self, _: usize, _: Bytes, _: Codec) -> ServiceFuture {
+            Box::pin(async { Err(RpcError::new(StatusCode::FrameworkError, "unary")) })
+        }
+        fn stream_mode(&self, _: usize) -> StreamMode {
+            StreamMode::Server
+        }
+        fn call_stream(&self, _: usize, _: Bytes, _: Option<ByteStream>, _: Codec) -> StreamFuture {
+            Box::pin(async {
+                Ok(RpcStream::try_new(futures_util::stream::iter(vec![
+                    Ok(Bytes::from_static(b"1")),
+                    Ok(Bytes::from_static(b"2")),
+                    Err(RpcError::new(StatusCode::BusinessError, "no more")),
+                ])))
+            })
+        }
+    }
+
+    #[tokio::test]
+    async fn a_stream_is_accepted_then_yields_its_items_then_its_error_end_and_holds_its_slot() {
+        let server = crate::Server::builder().add_service(Count);
+        let shared = rpc_governance::bulkhead::Bulkhead::new(1);
+        let d = server.dispatcher(
+            SocketAddr::from(([127, 0, 0, 1], 1)),
+            "127.0.0.1:1",
+            &shared,
+        );
+        let caller = Arc::new(Caller::new(SocketAddr::from(([127, 0, 0, 1], 2)), "c"));
+        let invoke = |mode: StreamMode| Invoke {
+            message_id: 1,
+            service_entry_id: "t.S.count".into(),
+            stream_mode: mode as i32,
+            ..Default::default()
+        };
+        match d.handle(invoke(StreamMode::Unary), &caller) {
+            Dispatch::Ready(r) => {
+                assert_eq!(r.status_code, 500);
+                assert!(r.exception_message.contains("server-streaming"), "{r:?}");
+            }
+            _ => panic!("a unary call of a streaming method is refused"),
+        }
+        let Dispatch::Stream(mut events) = d.handle(invoke(StreamMode::Server), &caller) else {
+            panic!("expected a stream")
+        };
+        // The cap of 1 is held by the open stream.
+        match d.handle(invoke(StreamMode::Server), &caller) {
+            Dispatch::Ready(r) => assert_eq!(r.status_code, 515),
+            _ => panic!("the second stream is over the cap"),
+        }
+        let mut seen = Vec::new();
+        while let Some(e) = events.next().await {
+            seen.push(e);
+        }
+        assert_eq!(seen[0], StreamEvent::Accepted);
+        assert_eq!(seen[1], StreamEvent::Item(Bytes::from_static(b"1")));
+        assert_eq!(seen[2], StreamEvent::Item(Bytes::from_static(b"2")));
+        match &seen[3] {
+            StreamEvent::End(r) => {
+                assert_eq!((r.status_code, &*r.exception_message), (1000, "no more"))
+            }
+            other => panic!("expected the end, got {other:?}"),
+        }
+        assert_eq!(seen.len(), 4);
+        // The slot is back.
+        assert!(matches!(
+            d.handle(invoke(StreamMode::Server), &caller),
+            Dispatch::Stream(_)
+        ));
+    }
+}

@@ -1,0 +1,440 @@
+//! The client's side of a stream: the items the server sends, buffered within the window the
+//! client announced, handed to the consumer in order, with credit granted back as they are
+//! taken.
+//!
+//! A stream holds a slot of the connection's pending table for its whole life, so the deadline
+//! sweeper, `Cancel` on drop and the failure of the connection treat it as they treat a call.
+//! The connection's reader only appends to a stream's buffer: it never waits for a consumer.
+//! A server that sends more than the credit given breaks the protocol, and that stream (only)
+//! ends with an error.
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::pin::Pin;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::task::{Context, Poll, Waker};
+
+use bytes::Bytes;
+use futures_util::Stream;
+use rpc_core::wire::{
+    frame::Kind, Cancel, RemoteResultMessage, StreamCredit, StreamEnd, StreamItem,
+};
+use rpc_core::{RpcError, StatusCode};
+
+use super::connection::Connection;
+
+/// How a stream ended: the server's answer, or why there is none.
+pub(super) type End = Result<RemoteResultMessage, RpcError>;
+
+/// One stream's state, shared by the pending table (reader, sweeper) and its consumer.
+pub(super) struct StreamShared {
+    inner: Mutex<Inner>,
+    /// Items the client buffers for this stream (its `Hello.stream_window`).
+    window: u32,
+}
+
+#[derive(Default)]
+struct Inner {
+    /// The server accepted the stream (its `StreamCredit` came).
+    accepted: bool,
+    items: VecDeque<Bytes>,
+    /// Set once the stream ended; the consumer gets it after the items before it.
+    end: Option<End>,
+    waker: Option<Waker>,
+    /// Items received so far.
+    received: u64,
+    /// Items taken by the consumer since credit was last granted.
+    taken: u32,
+    /// Items the server has granted for the client's own items (client and bidi streams).
+    send_credit: u64,
+    /// The sender of the client's items, waiting for credit or for the end.
+    send_waker: Option<Waker>,
+    /// The stream ended (its end may have been taken by the consumer since).
+    ended: bool,
+}
+
+impl StreamShared {
+    pub(super) fn new(window: u32) -> Self {
+        StreamShared {
+            inner: Mutex::new(Inner::default()),
+            window: window.max(1),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Credit from the server: the first accepts the stream.
+    pub(super) fn credit(&self, items: u32) {
+        let (waker, sender) = {
+            let mut s = self.lock();
+            s.accepted = true;
+            s.send_credit += u64::from(items);
+            (s.waker.take(), s.send_waker.take())
+        };
+        for w in [waker, sender].into_iter().flatten() {
+            w.wake();
+        }
+    }
+
+    /// An item from the server; false when it is beyond the credit given (the stream must
+    /// then be ended: the server broke the protocol).
+    pub(super) fn push(&self, item: Bytes) -> bool {
+        let waker = {
+            let mut s = self.lock();
+            if s.ended {
+                return true;
+            }
+            if !s.accepted || s.items.len() >= self.window as usize {
+                return false;
+            }
+            s.items.push_back(item);
+            s.received += 1;
+            s.waker.take()
+        };
+        if let Some(w) = waker {
+            w.wake();
+        }
+        true
+    }
+
+    /// Ends the stream with `end` (unless it ended already); returns the waker to wake once
+    /// the caller's locks are released. A failure without an answer says how many items
+    /// arrived.
+    pub(super) fn end(&self, end: End) -> Option<Waker> {
+        let mut s = self.lock();
+        if s.ended {
+            return None;
+        }
+        s.ended = true;
+        if let Some(w) = s.send_waker.take() {
+            // (Waking under the lock is fine for a sender: it takes this lock only when polled.)
+            w.wake();
+        }
+        let end = end.map_err(|e| {
+            if s.accepted {
+                let n = s.received;
+                RpcError::new(
+                    e.code(),
+                    format!(
+                        "{} (the stream ended there, after {n} item{} arrived)",
+                        e.message(),
+                        if n == 1 { "" } else { "s" }
+                    ),
+                )
+                .maybe_delivered(true)
+            } else {
+                e
+            }
+        });
+        s.end = Some(end);
+        s.waker.take()
+    }
+
+    /// Ready with `true` once an item may be sent (the server granted credit), with `false`
+    /// once the stream ended.
+    fn poll_ready(&self, cx: &mut Context<'_>) -> Poll<bool> {
+        let mut s = self.lock();
+        if s.ended {
+            return Poll::Ready(false);
+        }
+        if s.send_credit > 0 {
+            return Poll::Ready(true);
+        }
+        store(&mut s.send_waker, cx);
+        Poll::Pending
+    }
+
+    /// Ready once the stream ended.
+    fn poll_ended(&self, cx: &mut Context<'_>) -> Poll<()> {
+        let mut s = self.lock();
+        if s.ended {
+            return Poll::Ready(());
+        }
+        store(&mut s.send_waker, cx);
+        Poll::Pending
+    }
+
+    /// Takes one item's credit, if there is some and the stream is open.
+    fn take_credit(&self) -> bool {
+        let mut s = self.lock();
+        if s.ended || s.send_credit == 0 {
+            return false;
+        }
+        s.send_credit -= 1;
+        true
+    }
+
+    /// The set-up's outcome once known: accepted (`Ok(None)`), refused with the server's
+    /// answer (`Ok(Some(..))`), or failed.
+    pub(super) fn poll_open(
+        &self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<Option<RemoteResultMessage>, RpcError>> {
+        let mut s = self.lock();
+        if s.accepted {
+            return Poll::Ready(Ok(None));
+        }
+        match s.end.take() {
+            Some(Ok(answer)) => Poll::Ready(Ok(Some(answer))),
+            Some(Err(e)) => Poll::Ready(Err(e)),
+            None => {
+                store(&mut s.waker, cx);
+                Poll::Pending
+            }
+        }
+    }
+}
+
+fn store(slot: &mut Option<Waker>, cx: &Context<'_>) {
+    match slot {
+        Some(w) if w.will_wake(cx.waker()) => {}
+        _ => *slot = Some(cx.waker().clone()),
+    }
+}
+
+/// Turns a stream's error end (the server's answer, status other than 200) into its error.
+pub type EndToError = Box<dyn Fn(RemoteResultMessage) -> RpcError + Send + Sync>;
+
+/// The items of a stream the server accepted, from
+/// [`Connection::open_stream`](super::Connection::open_stream): each encoded item in order,
+/// then the end: nothing more when the server completed it (status 200; for a client stream,
+/// its answer as the last item), one error item when it ended with an error, its deadline
+/// passed (519) or the connection broke (506, saying how many items arrived). A stream that
+/// takes the client's items sends them through [`send`](Self::send) or a
+/// [`sender`](Self::sender).
+///
+/// Taking items grants the server credit for more; a consumer that stops taking them stops
+/// the server's producer once the window is full. Dropping the stream before its end sends
+/// `Cancel`: the server drops its producer.
+pub struct ClientStream {
+    tx: StreamSender,
+    /// Credit is granted once this many items were taken.
+    grant_at: u32,
+    finished: bool,
+    to_error: EndToError,
+}
+
+/// The sending side of a stream that takes the client's items (client or bidirectional
+/// streaming), from [`ClientStream::sender`]: usable from another task while the stream's
+/// items are read. Cheap to clone.
+#[derive(Clone)]
+pub struct StreamSender {
+    conn: Connection,
+    id: u64,
+    shared: Arc<StreamShared>,
+}
+
+impl ClientStream {
+    pub(super) fn new(conn: Connection, id: u64, shared: Arc<StreamShared>) -> Self {
+        let grant_at = (shared.window / 2).max(1);
+        ClientStream {
+            tx: StreamSender { conn, id, shared },
+            grant_at,
+            finished: false,
+            to_error: Box::new(|r| {
+                RpcError::new(StatusCode::from_u32(r.status_code), r.exception_message)
+            }),
+        }
+    }
+
+    /// Sets how the server's error answer ending the stream becomes the error item (by
+    /// default: its status and message).
+    pub fn with_end_error(mut self, to_error: EndToError) -> Self {
+        self.to_error = to_error;
+        self
+    }
+
+    /// The stream's `message_id` on its connection.
+    pub fn message_id(&self) -> u64 {
+        self.tx.id
+    }
+
+    /// Items received from the server so far.
+    pub fn received(&self) -> u64 {
+        self.tx.shared.lock().received
+    }
+
+    /// The sending side, for a stream taking the client's items.
+    pub fn sender(&self) -> StreamSender {
+        self.tx.clone()
+    }
+
+    /// See [`StreamSender::ready`].
+    pub async fn ready(&self) -> bool {
+        self.tx.ready().await
+    }
+
+    /// See [`StreamSender::ended`].
+    pub async fn ended(&self) {
+        self.tx.ended().await
+    }
+
+    /// See [`StreamSender::send`].
+    pub fn send(&self, item: Bytes) -> Result<(), RpcError> {
+        self.tx.send(item)
+    }
+
+    /// See [`StreamSender::finish`].
+    pub fn finish(&self, end: Result<(), RpcError>) {
+        self.tx.finish(end)
+    }
+}
+
+impl StreamSender {
+    /// Resolves with `true` once the server has granted credit for one more item, with
+    /// `false` once the stream ended (read it for why). Only then is the next item worth
+    /// producing.
+    pub async fn ready(&self) -> bool {
+        std::future::poll_fn(|cx| self.shared.poll_ready(cx)).await
+    }
+
+    /// Resolves once the stream ended (read it for how), or its reader gave it up.
+    pub async fn ended(&self) {
+        std::future::poll_fn(|cx| self.shared.poll_ended(cx)).await
+    }
+
+    /// Sends one item of the client's request stream, using one item of the server's credit;
+    /// an error, sending nothing, when there is no credit (wait for [`ready`](Self::ready))
+    /// or the stream ended.
+    pub fn send(&self, item: Bytes) -> Result<(), RpcError> {
+        if !self.shared.take_credit() {
+            return Err(RpcError::new(
+                StatusCode::FrameworkError,
+                format!(
+                    "{}: the stream item was not sent: no credit from the server, or the \
+                     stream ended; wait for ready()",
+                    self.conn.peer()
+                ),
+            ));
+        }
+        self.conn.shared.sender.send(Kind::StreamItem(StreamItem {
+            message_id: self.id,
+            payload: item,
+        }));
+        Ok(())
+    }
+
+    /// Ends the client's request stream: `Ok` when it is complete, else with the error that
+    /// stopped it (the server ends the stream with that status).
+    pub fn finish(&self, end: Result<(), RpcError>) {
+        let (status_code, exception_message) = match end {
+            Ok(()) => (StatusCode::Success.as_u32(), String::new()),
+            Err(e) => (e.code().as_u32(), e.message().to_string()),
+        };
+        self.conn.shared.sender.send(Kind::StreamEnd(StreamEnd {
+            message_id: self.id,
+            status_code,
+            exception_message,
+        }));
+    }
+}
+
+impl fmt::Debug for StreamSender {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StreamSender")
+            .field("message_id", &self.id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Stream for ClientStream {
+    type Item = Result<Bytes, RpcError>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = &mut *self;
+        if this.finished {
+            return Poll::Ready(None);
+        }
+        let (next, grant) = {
+            let mut s = this.tx.shared.lock();
+            if let Some(item) = s.items.pop_front() {
+                s.taken += 1;
+                let grant = if s.taken >= this.grant_at && !s.ended {
+                    std::mem::take(&mut s.taken)
+                } else {
+                    0
+                };
+                (Some(Ok(item)), grant)
+            } else if let Some(end) = s.end.take() {
+                (Some(Err(end)), 0)
+            } else {
+                store(&mut s.waker, cx);
+                return Poll::Pending;
+            }
+        };
+        if grant > 0 {
+            this.tx
+                .conn
+                .shared
+                .sender
+                .send(Kind::StreamCredit(StreamCredit {
+                    message_id: this.tx.id,
+                    items: grant,
+                }));
+        }
+        match next {
+            Some(Ok(item)) => Poll::Ready(Some(Ok(item))),
+            Some(Err(end)) => {
+                this.finished = true;
+                match end {
+                    // A client stream's answer comes with its end.
+                    Ok(answer)
+                        if answer.status_code == StatusCode::Success.as_u32()
+                            && !answer.result.is_empty() =>
+                    {
+                        Poll::Ready(Some(Ok(answer.result)))
+                    }
+                    Ok(answer) if answer.status_code == StatusCode::Success.as_u32() => {
+                        Poll::Ready(None)
+                    }
+                    Ok(answer) => Poll::Ready(Some(Err((this.to_error)(answer)))),
+                    Err(e) => Poll::Ready(Some(Err(e))),
+                }
+            }
+            None => Poll::Ready(None),
+        }
+    }
+}
+
+impl Drop for ClientStream {
+    fn drop(&mut self) {
+        let shared = &self.tx.conn.shared;
+        shared.in_flight.fetch_sub(1, Ordering::Relaxed);
+        // Still open on the server (its slot is still held): tell it to stop.
+        if shared.pending.remove(self.tx.id) {
+            shared.sender.send(Kind::Cancel(Cancel {
+                message_id: self.tx.id,
+            }));
+        }
+        // A sender elsewhere stops too.
+        let given_up = RpcError::new(StatusCode::FrameworkError, "the stream was given up");
+        if let Some(w) = self.tx.shared.end(Err(given_up)) {
+            w.wake();
+        }
+    }
+}
+
+impl fmt::Debug for ClientStream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ClientStream")
+            .field("peer", &self.tx.conn.peer())
+            .field("message_id", &self.tx.id)
+            .field("received", &self.received())
+            .field("finished", &self.finished)
+            .finish()
+    }
+}
+
+/// The outcome of [`Connection::open_stream`](super::Connection::open_stream) when the server
+/// answered.
+#[derive(Debug)]
+pub enum Opened {
+    /// The server accepted the stream: its items.
+    Accepted(ClientStream),
+    /// The server refused it (overflow, unknown entry, the handler's set-up failed, ...):
+    /// its answer, as for a unary call. Nothing was streamed.
+    Refused(RemoteResultMessage),
+}
