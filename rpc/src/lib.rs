@@ -78,6 +78,8 @@ pub use rpc_governance::stack::{CallCx, Middleware, Next};
 pub use rpc_macros::service;
 #[cfg(feature = "etcd")]
 pub use rpc_registry::{EtcdOptions, EtcdRegistry, RuleStore};
+#[cfg(feature = "zookeeper")]
+pub use rpc_registry::{ZooKeeperOptions, ZooKeeperRegistry};
 pub use rpc_registry::{InProcessRegistry, Instance, Registry, RegistryError, StaticRegistry};
 pub use rpc_registry::{RuleError, RuleKind, RuleSource, RuleVersion};
 /// `tower` layers as server layers (feature `tower`).
