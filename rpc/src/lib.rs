@@ -78,10 +78,10 @@ pub use rpc_governance::stack::{CallCx, Middleware, Next};
 pub use rpc_macros::service;
 #[cfg(feature = "etcd")]
 pub use rpc_registry::{EtcdOptions, EtcdRegistry, RuleStore};
-#[cfg(feature = "zookeeper")]
-pub use rpc_registry::{ZooKeeperOptions, ZooKeeperRegistry};
 pub use rpc_registry::{InProcessRegistry, Instance, Registry, RegistryError, StaticRegistry};
 pub use rpc_registry::{RuleError, RuleKind, RuleSource, RuleVersion};
+#[cfg(feature = "zookeeper")]
+pub use rpc_registry::{ZooKeeperOptions, ZooKeeperRegistry};
 /// `tower` layers as server layers (feature `tower`).
 #[cfg(feature = "tower")]
 pub use rpc_server::tower;
