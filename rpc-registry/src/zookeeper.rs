@@ -304,13 +304,16 @@ impl ZooKeeperRegistry {
             return Ok(());
         };
         registration.task.abort();
-        drop(registrations);
+        // Still under the lock: a registration of the same id waits for the removal, so that
+        // the removal cannot take the new version's nodes.
         let conn = &self.inner.conn;
         match conn.remove(&registration.paths).await {
             Ok(()) => Ok(()),
             Err(e) => {
                 // The session may well live on (a reconnection keeps it): the nodes are
-                // removed in the background once ZooKeeper answers.
+                // removed in the background once ZooKeeper answers (unless the id is registered
+                // again first).
+                drop(registrations);
                 tokio::spawn(remove_later(
                     conn.clone(),
                     self.inner.registrations.clone(),
@@ -479,7 +482,7 @@ fn parse_url(url: &str) -> Result<(Vec<String>, Option<String>), RegistryError> 
         }
     }
     let prefix = prefix
-        .filter(|p| p.trim_end_matches('/') != "")
+        .filter(|p| !p.trim_end_matches('/').is_empty())
         .map(|p| p.trim_end_matches('/').to_string());
     if let Some(why) = prefix.as_deref().and_then(prefix_problem) {
         return Err(RegistryError::Config(format!(

@@ -349,7 +349,11 @@ async fn calls_keep_working_while_zookeeper_restarts_and_the_sessions_resume() {
         gone.is_err(),
         "the client dropped its endpoints while ZooKeeper was away"
     );
-    assert_eq!(addresses(&w), [addr.clone()], "the last known endpoints");
+    assert_eq!(
+        addresses(&w),
+        vec![addr.clone()],
+        "the last known endpoints"
+    );
 
     // ZooKeeper is back with its data, and its sessions with a fresh timeout: both registries
     // resume theirs, so the node is the one written before the outage (same session), and it
