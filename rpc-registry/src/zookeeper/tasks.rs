@@ -177,16 +177,24 @@ impl WatchTask {
     }
 
     /// Applies the watch's events until the session ends or the task must end. After a
-    /// disconnection, or a read that failed, everything is read again (ZooKeeper does not
-    /// replay the events of a persistent watch missed while disconnected).
+    /// reconnection the watch is added again and everything is read again; after a read that
+    /// failed, everything is read again.
+    ///
+    /// Why both: ZooKeeper does not replay the events a persistent watch missed while the
+    /// client was disconnected, and zookeeper-client 0.11 re-sends a session's watches after a
+    /// reconnection in a request that carries only the one-shot kinds, so the persistent watch
+    /// itself is gone. Adding it again is harmless where it is not (ZooKeeper keeps one watch
+    /// per path and mode), and dropping the previous watcher then removes nothing on the server,
+    /// since the new one has the same path and mode.
     async fn follow(
         &mut self,
         client: &zk::Client,
         watcher: &mut zk::PersistentWatcher,
         failing: &mut bool,
     ) -> End {
-        // Whether the instances may miss changes, and whether the session is disconnected.
-        let (mut stale, mut disconnected) = (false, false);
+        // Whether the instances may miss changes, whether the watch must be added again, and
+        // whether the session is disconnected.
+        let (mut stale, mut rewatch, mut disconnected) = (false, false, false);
         loop {
             let retry_in = if stale && !disconnected {
                 Some(self.backoff.next())
@@ -205,7 +213,7 @@ impl WatchTask {
                 _ = self.signals.stopped() => return End::Stop,
             };
             let Some(first) = first else {
-                stale = !self.resync(client, failing).await;
+                stale = !self.refresh(client, watcher, &mut rewatch, failing).await;
                 continue;
             };
             // The events already there are applied before publishing: a replaced node (deleted
@@ -217,11 +225,12 @@ impl WatchTask {
                         zk::SessionState::Disconnected => {
                             disconnected = true;
                             stale = true;
+                            rewatch = true;
                             self.trouble(failing, "ZooKeeper disconnected", &"connection lost");
                         }
                         zk::SessionState::SyncConnected | zk::SessionState::ConnectedReadOnly => {
                             disconnected = false;
-                            stale = !self.resync(client, failing).await;
+                            stale = !self.refresh(client, watcher, &mut rewatch, failing).await;
                         }
                         state => {
                             self.publish();
@@ -257,6 +266,30 @@ impl WatchTask {
             }
             self.publish();
         }
+    }
+
+    /// Adds the watch again if `rewatch` says so, then reads the whole service again; false if
+    /// either failed.
+    async fn refresh(
+        &mut self,
+        client: &zk::Client,
+        watcher: &mut zk::PersistentWatcher,
+        rewatch: &mut bool,
+        failing: &mut bool,
+    ) -> bool {
+        if *rewatch {
+            match self.conn.watch(client, &self.dir).await {
+                Ok(fresh) => {
+                    *watcher = fresh;
+                    *rewatch = false;
+                }
+                Err(e) => {
+                    self.trouble(failing, "watching the service again failed", &e);
+                    return false;
+                }
+            }
+        }
+        self.resync(client, failing).await
     }
 
     /// Reads the whole service again; false if that failed.
