@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# The project's test command (README): installs what the tests need (etcd, protoc, prometheus,
-# chromium and chromedriver) when it is missing, then checks formatting, lints and the API docs
-# and runs every test of the workspace with every feature (the etcd tests start their own etcd on
-# free loopback ports).
+# The project's test command (README): installs what the tests need (etcd, ZooKeeper, protoc,
+# prometheus, chromium and chromedriver) when it is missing, then checks formatting, lints and the
+# API docs and runs every test of the workspace with every feature (the etcd and ZooKeeper tests
+# start their own servers on free loopback ports).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 need=()
 command -v etcd >/dev/null 2>&1 || need+=(etcd-server)
+# The ZooKeeper registry's tests run Debian's ZooKeeper (its jar, on the JRE it brings).
+[[ -e /usr/share/java/zookeeper.jar ]] && command -v java >/dev/null 2>&1 || need+=(zookeeper)
 command -v protoc >/dev/null 2>&1 || need+=(protobuf-compiler)
 # rpc-admin's Prometheus test scrapes a running server with a real Prometheus.
 command -v prometheus >/dev/null 2>&1 || need+=(prometheus)
@@ -24,6 +26,9 @@ fi
 # Debian's etcd-server starts a system etcd on the default ports; the tests use their own.
 if command -v systemctl >/dev/null 2>&1 && systemctl is-active --quiet etcd 2>/dev/null; then
   echo "(a system etcd is running; the tests start their own on free ports)"
+fi
+if command -v systemctl >/dev/null 2>&1 && systemctl is-active --quiet zookeeper 2>/dev/null; then
+  echo "(a system ZooKeeper is running; the tests start their own on free ports)"
 fi
 if command -v systemctl >/dev/null 2>&1 && systemctl is-active --quiet prometheus 2>/dev/null; then
   echo "(a system prometheus is running; the test starts its own on a free port)"

@@ -13,7 +13,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicI64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use etcd_client::{Client, ConnectOptions};
@@ -29,10 +29,11 @@ mod tasks;
 pub use rules::RuleStore;
 
 use conn::Conn;
-use tasks::{keep_registered, Backoff, KeepRegistered, Signals, WatchTask};
+use tasks::{keep_registered, KeepRegistered, WatchTask};
 
 use crate::instance::snapshot;
-use crate::{Endpoints, Instance, Registry, RegistryError, ServiceWatch};
+use crate::remote::{encode, lock, Backoff, Signals, Watches};
+use crate::{Instance, Registry, RegistryError, ServiceWatch};
 
 /// Settings of an [`EtcdRegistry`]. Start from `EtcdOptions::default()` and change what you
 /// need.
@@ -156,16 +157,6 @@ struct Registration {
     task: JoinHandle<()>,
 }
 
-/// Service → the channel its watch task publishes on. An entry is removed, under this lock, by
-/// its task once no receiver is left, so `watch()` either subscribes to a live task or starts a
-/// new one.
-type Watches = Arc<Mutex<HashMap<ServiceId, Arc<watch::Sender<Endpoints>>>>>;
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    // Every critical section is a lookup, an insert or a remove: nothing to leave half-done.
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
 impl EtcdRegistry {
     /// A registry on the etcd cluster at `endpoints` (`host:port` or `http://host:port`).
     ///
@@ -253,9 +244,7 @@ impl EtcdRegistry {
 
     async fn register_instance(&self, instance: Instance) -> Result<(), RegistryError> {
         let conn = &self.inner.conn;
-        let value = serde_json::to_vec(&instance).map_err(|e| {
-            RegistryError::Config(format!("instance {} cannot be encoded: {e}", instance.id))
-        })?;
+        let value = encode(&instance)?;
         let mut keys: Vec<String> = instance
             .services
             .iter()

@@ -7,10 +7,14 @@
 //! from code, the command line or a TOML file, for several processes with no registry server),
 //! and, behind the `etcd` feature, `EtcdRegistry`: instances under etcd leases with keep-alive
 //! (a killed server disappears within its TTL), clients watching a key prefix (changes arrive
-//! within a second, and the last endpoints stay in use while etcd is unreachable).
+//! within a second, and the last endpoints stay in use while etcd is unreachable); behind the
+//! `zookeeper` feature, `ZooKeeperRegistry`: instances as ephemeral nodes of a ZooKeeper session
+//! (a killed server disappears within the session timeout; a server whose session ended
+//! registers again), clients following a persistent watch (and keeping the last endpoints while
+//! ZooKeeper is unreachable).
 //! [`<dyn Registry>::from_url`](trait.Registry.html#method.from_url) makes any of them from one
-//! string (`embedded`, `static:FILE`, `host:port,...`, `etcd://host:port`), such as a
-//! `--registry` flag.
+//! string (`embedded`, `static:FILE`, `host:port,...`, `etcd://host:port`, `zk://host:port`),
+//! such as a `--registry` flag.
 //!
 //! Every watch hands out [`Endpoints`] snapshots, whose constructor alone fixes their order (by
 //! address, then instance id, one instance per id), so whatever the backend, every client sees
@@ -44,9 +48,13 @@ mod endpoints;
 mod etcd;
 mod in_process;
 mod instance;
+#[cfg(any(feature = "etcd", feature = "zookeeper"))]
+mod remote;
 pub mod rules;
 mod static_list;
 mod url;
+#[cfg(feature = "zookeeper")]
+mod zookeeper;
 
 use futures_util::future::BoxFuture;
 use rpc_core::ServiceId;
@@ -58,6 +66,8 @@ pub use in_process::InProcessRegistry;
 pub use instance::{Instance, ServiceWatch};
 pub use rules::{RuleError, RuleKind, RuleSource, RuleVersion};
 pub use static_list::StaticRegistry;
+#[cfg(feature = "zookeeper")]
+pub use zookeeper::{ZooKeeperOptions, ZooKeeperRegistry};
 
 /// A registry operation failed.
 #[derive(Debug, thiserror::Error)]

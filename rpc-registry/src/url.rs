@@ -2,16 +2,17 @@
 //! service's `main` does not match on backends itself.
 //!
 //! The forms: `embedded` (an in-process registry), `static:FILE` (a TOML list of endpoints),
-//! `host:port,...` (a static list given inline) and `etcd://host:port[,host:port...]` (an etcd
-//! cluster; feature `etcd`). Anything else is a [`RegistryError::Config`] naming the forms.
+//! `host:port,...` (a static list given inline), `etcd://host:port[,host:port...]` (an etcd
+//! cluster; feature `etcd`) and `zk://host:port[,host:port...][/prefix]` (a ZooKeeper ensemble;
+//! feature `zookeeper`). Anything else is a [`RegistryError::Config`] naming the forms.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use crate::{InProcessRegistry, Registry, RegistryError, StaticRegistry};
 
-const FORMS: &str = "expected embedded, static:FILE, host:port[,host:port...] or \
-                     etcd://host:port[,host:port...]";
+const FORMS: &str = "expected embedded, static:FILE, host:port[,host:port...], \
+                     etcd://host:port[,host:port...] or zk://host:port[,host:port...]";
 
 impl dyn Registry {
     /// The registry `url` names, with the default settings of its backend:
@@ -22,11 +23,12 @@ impl dyn Registry {
     /// | `static:FILE` | [`StaticRegistry::from_file`] (the TOML form) |
     /// | `host:port,host:port` | [`StaticRegistry::from_list`] |
     /// | `etcd://host:port[,host:port...]` | `EtcdRegistry::from_url` (feature `etcd`) |
+    /// | `zk://host:port[,host:port...][/prefix]` | `ZooKeeperRegistry::from_url` (feature `zookeeper`) |
     ///
     /// An unknown scheme, an address that is not `host:port`, an unreadable file, or an
-    /// `etcd://` URL in a build without the `etcd` feature is a [`RegistryError::Config`] saying
-    /// what to write instead. Connecting to etcd contacts nothing yet (see `EtcdRegistry`), so
-    /// this does not fail because etcd is down.
+    /// `etcd://` or `zk://` URL in a build without its feature is a [`RegistryError::Config`]
+    /// saying what to write instead. Connecting to etcd or ZooKeeper contacts nothing yet (see
+    /// `EtcdRegistry`, `ZooKeeperRegistry`), so this does not fail because either is down.
     ///
     /// ```
     /// use rpc_registry::Registry;
@@ -36,8 +38,8 @@ impl dyn Registry {
     /// let watch = registry.watch(&"echo.Echo".into()).await?;
     /// assert_eq!(watch.current().len(), 2);
     ///
-    /// let err = <dyn Registry>::from_url("zk://127.0.0.1:2181").await.err().unwrap();
-    /// assert!(err.to_string().contains("unknown registry scheme \"zk\""), "{err}");
+    /// let err = <dyn Registry>::from_url("consul://127.0.0.1:8500").await.err().unwrap();
+    /// assert!(err.to_string().contains("unknown registry scheme \"consul\""), "{err}");
     /// # Ok(()) }
     /// ```
     pub async fn from_url(url: &str) -> Result<Arc<dyn Registry>, RegistryError> {
@@ -45,8 +47,9 @@ impl dyn Registry {
     }
 
     /// Like [`from_url`](trait.Registry.html#method.from_url), with the lease of the instances this
-    /// process registers (etcd: a killed server disappears after this long; the default is
-    /// 10 s). The embedded backends have no lease and ignore it.
+    /// process registers: a killed server disappears after this long (etcd: the lease's TTL;
+    /// ZooKeeper: the session timeout; 10 s by default for both). The embedded backends have no
+    /// lease and ignore it.
     pub async fn from_url_with_lease(
         url: &str,
         lease_ttl: Option<Duration>,
@@ -66,6 +69,7 @@ impl dyn Registry {
         if let Some((scheme, _)) = url.split_once("://") {
             return match scheme {
                 "etcd" => etcd(url, lease_ttl).await,
+                "zk" => zookeeper(url, lease_ttl),
                 _ => Err(RegistryError::Config(format!(
                     "unknown registry scheme {scheme:?} in {url:?}: {FORMS}"
                 ))),
@@ -92,6 +96,24 @@ async fn etcd(url: &str, _: Option<Duration>) -> Result<Arc<dyn Registry>, Regis
     Err(RegistryError::Config(format!(
         "{url}: this build has no etcd support; enable the `etcd` feature of rpc (or \
          rpc-registry), which needs protoc to build"
+    )))
+}
+
+#[cfg(feature = "zookeeper")]
+fn zookeeper(url: &str, lease_ttl: Option<Duration>) -> Result<Arc<dyn Registry>, RegistryError> {
+    let mut options = crate::ZooKeeperOptions::default();
+    if let Some(ttl) = lease_ttl {
+        options.session_timeout = ttl;
+    }
+    let registry = crate::ZooKeeperRegistry::from_url_with_options(url, options)?;
+    Ok(Arc::new(registry))
+}
+
+#[cfg(not(feature = "zookeeper"))]
+fn zookeeper(url: &str, _: Option<Duration>) -> Result<Arc<dyn Registry>, RegistryError> {
+    Err(RegistryError::Config(format!(
+        "{url}: this build has no ZooKeeper support; enable the `zookeeper` feature of rpc (or \
+         rpc-registry)"
     )))
 }
 
@@ -132,7 +154,7 @@ mod tests {
     #[tokio::test]
     async fn bad_urls_are_config_errors_naming_the_forms() {
         for (url, says) in [
-            ("zk://h:1", "unknown registry scheme \"zk\""),
+            ("consul://h:1", "unknown registry scheme \"consul\""),
             ("localhost", "expected embedded, static:FILE"),
             ("static:", "names no file"),
             (
@@ -157,6 +179,31 @@ mod tests {
             panic!("an etcd URL was accepted without the etcd feature");
         };
         assert!(m.contains("enable the `etcd` feature"), "{m}");
+    }
+
+    #[cfg(not(feature = "zookeeper"))]
+    #[tokio::test]
+    async fn a_zk_url_without_the_feature_says_how_to_get_it() {
+        let Err(RegistryError::Config(m)) = <dyn Registry>::from_url("zk://127.0.0.1:2181").await
+        else {
+            panic!("a zk URL was accepted without the zookeeper feature");
+        };
+        assert!(m.contains("enable the `zookeeper` feature"), "{m}");
+    }
+
+    #[cfg(feature = "zookeeper")]
+    #[tokio::test]
+    async fn a_zk_url_makes_a_zookeeper_registry() {
+        // Constructing contacts nothing, so no ZooKeeper is needed for this.
+        let registry =
+            <dyn Registry>::from_url_with_lease("zk://127.0.0.1:1", Some(Duration::from_secs(3)))
+                .await;
+        assert!(registry.is_ok());
+        let err = <dyn Registry>::from_url("zk://127.0.0.1")
+            .await
+            .err()
+            .unwrap();
+        assert!(err.to_string().contains("zk://host:port"), "{err}");
     }
 
     #[cfg(feature = "etcd")]

@@ -80,6 +80,8 @@ pub use rpc_macros::service;
 pub use rpc_registry::{EtcdOptions, EtcdRegistry, RuleStore};
 pub use rpc_registry::{InProcessRegistry, Instance, Registry, RegistryError, StaticRegistry};
 pub use rpc_registry::{RuleError, RuleKind, RuleSource, RuleVersion};
+#[cfg(feature = "zookeeper")]
+pub use rpc_registry::{ZooKeeperOptions, ZooKeeperRegistry};
 /// `tower` layers as server layers (feature `tower`).
 #[cfg(feature = "tower")]
 pub use rpc_server::tower;

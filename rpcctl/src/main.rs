@@ -32,7 +32,8 @@ use exit::Failure;
 #[derive(Parser, Debug)]
 #[command(name = "rpcctl", about = "The control plane from a shell", version)]
 pub struct Cli {
-    /// The registry: embedded, static:FILE, host:port[,host:port...] or etcd://host:port.
+    /// The registry: embedded, static:FILE, host:port[,host:port...], etcd://host:port or
+    /// zk://host:port.
     #[arg(long, global = true, env = "RPCCTL_REGISTRY")]
     pub registry: Option<String>,
     /// A process's admin endpoint, host:port.

@@ -1,5 +1,6 @@
 //! `services`, `instances SERVICE` and `entries SERVICE`: what a registry knows, read from any
-//! registry URL (`embedded`, `static:FILE`, `host:port,...`, `etcd://host:port`).
+//! registry URL (`embedded`, `static:FILE`, `host:port,...`, `etcd://host:port`,
+//! `zk://host:port`).
 //!
 //! An operator's first question about a fleet is "what runs, where, and with which settings":
 //! these answer it from the registry alone, without reaching any server. Human output is one
@@ -21,7 +22,8 @@ pub async fn open(url: Option<&str>) -> Result<Arc<dyn Registry>, Failure> {
     let Some(url) = url else {
         return Err(Failure::usage(
             "this command reads a registry: give --registry URL (embedded, static:FILE, \
-             host:port[,host:port...] or etcd://host:port), or set RPCCTL_REGISTRY",
+             host:port[,host:port...], etcd://host:port or zk://host:port), or set \
+             RPCCTL_REGISTRY",
         ));
     };
     <dyn Registry>::from_url(url)

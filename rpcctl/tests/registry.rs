@@ -1,11 +1,14 @@
 //! `rpcctl services | instances | entries` against real registries: a static list read from a
-//! file, and a real etcd where a running `#[rpc::service]` server publishes its instance. The
+//! file, and a real etcd and a real ZooKeeper where a running `#[rpc::service]` server publishes
+//! its instance. The
 //! one-per-line forms are the contract scripts rely on, so they are compared whole.
 
 #[path = "../../tests/tests/common/etcd.rs"]
 mod etcd_harness;
 #[path = "route_support/mod.rs"]
 mod support;
+#[path = "../../tests/tests/common/zookeeper.rs"]
+mod zookeeper_harness;
 
 use std::time::Duration;
 
@@ -78,10 +81,10 @@ async fn a_missing_or_unusable_registry_is_a_usage_error_and_an_unreachable_one_
     let run = rpcctl(&["services"]).await;
     assert_eq!(run.code, 2, "{run:?}");
     assert!(run.stderr.contains("give --registry URL"), "{run:?}");
-    let run = rpcctl(&["--registry", "zk://127.0.0.1:2181", "services"]).await;
+    let run = rpcctl(&["--registry", "consul://127.0.0.1:8500", "services"]).await;
     assert_eq!(run.code, 2, "{run:?}");
     assert!(
-        run.stderr.contains("unknown registry scheme \"zk\""),
+        run.stderr.contains("unknown registry scheme \"consul\""),
         "{run:?}"
     );
     let run = rpcctl(&["--registry", "static:/nonexistent/list.toml", "services"]).await;
@@ -101,14 +104,34 @@ async fn a_missing_or_unusable_registry_is_a_usage_error_and_an_unreachable_one_
     assert_eq!(run.code, 1, "{run:?}");
     assert!(run.stderr.contains("unreachable"), "{run:?}");
     assert!(run.stdout.is_empty(), "{run:?}");
+    let run = rpcctl(&["--registry", &format!("zk://127.0.0.1:{port}"), "services"]).await;
+    assert_eq!(run.code, 1, "{run:?}");
+    assert!(
+        run.stderr
+            .contains(&format!("ZooKeeper at 127.0.0.1:{port} unreachable")),
+        "{run:?}"
+    );
+    assert!(run.stdout.is_empty(), "{run:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn services_instances_and_entries_of_a_server_publishing_in_etcd() {
     let etcd = etcd_harness::Etcd::start().await;
-    let registry = <dyn Registry>::from_url_with_lease(&etcd.url(), Some(Duration::from_secs(5)))
+    what_a_server_publishes_at(&etcd.url()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn services_instances_and_entries_of_a_server_publishing_in_zookeeper() {
+    let zookeeper = zookeeper_harness::ZooKeeper::start().await;
+    what_a_server_publishes_at(&zookeeper.url()).await;
+}
+
+/// Serves `echo.Echo` registered at `url` and checks what `services`, `instances` and
+/// `entries` show of it, then that it leaves the listing when it shuts down.
+async fn what_a_server_publishes_at(url: &str) {
+    let registry = <dyn Registry>::from_url_with_lease(url, Some(Duration::from_secs(5)))
         .await
-        .expect("etcd registry");
+        .expect("registry");
     let server = Server::builder()
         .shared_registry(registry)
         .metadata("version", "stable")
@@ -117,7 +140,7 @@ async fn services_instances_and_entries_of_a_server_publishing_in_etcd() {
         .await
         .expect("serve");
     let addr = server.local_addr().to_string();
-    let url = etcd.url();
+    let url = url.to_string();
 
     let run = rpcctl(&["--registry", &url, "services"]).await;
     assert_eq!(

@@ -1,20 +1,24 @@
-//! One registry test suite, run against every backend: the in-process registry, the static list
-//! and etcd (a real etcd per test, on free loopback ports, from `common/etcd.rs`).
+//! One registry test suite, run against every backend: the in-process registry, the static list,
+//! etcd (a real etcd per test, on free loopback ports, from `common/etcd.rs`) and ZooKeeper (one
+//! real ZooKeeper for the whole suite, from `common/zookeeper.rs`, each check under its own
+//! prefix).
 //!
 //! Clients index the snapshot a registry hands them (hash ring, round robin, failover order),
 //! so every backend must give the same answers: what is registered is seen, in one order, by
 //! every watcher, and what is removed or replaced goes. The checks below are written once, over
 //! a [`Backend`]; each backend is one factory and one `mod` at the end of the file naming the
-//! groups of checks it runs. A new backend (ZooKeeper, say) implements [`Backend`] (and
-//! [`Writable`], [`Expiring`] when they apply) and adds its `mod`.
+//! groups of checks it runs. A new backend implements [`Backend`] (and [`Writable`],
+//! [`Expiring`] when they apply) and adds its `mod`.
 //!
 //! Every wait is on the watch's `changed()`, bounded by `common::LIMIT` only so that a change
 //! that never comes fails instead of hanging. The expiry check waits for etcd's own lease
-//! clock, which cannot be paused.
+//! clock (or ZooKeeper's session clock), which cannot be paused.
 
 mod common;
 #[path = "common/etcd.rs"]
 mod etcd_harness;
+#[path = "common/zookeeper.rs"]
+mod zookeeper_harness;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -722,4 +726,67 @@ mod etcd {
     read_checks!(Etcd);
     write_checks!(Etcd);
     expiry_checks!(Etcd);
+}
+
+/// ZooKeeper: one real ZooKeeper for the suite (a JVM takes about a second to start), each check
+/// under a prefix of its own (`zk://host:port/test-<n>`), so that checks see only their own
+/// nodes; handles made by `<dyn Registry>::from_url_with_lease` (each one its own session and
+/// watches, as another process would have).
+struct ZooKeeper;
+
+struct ZooKeeperStore {
+    registry: Arc<dyn Registry>,
+    url: String,
+}
+
+impl ZooKeeper {
+    async fn open(url: &str) -> Arc<dyn Registry> {
+        <dyn Registry>::from_url_with_lease(url, Some(<ZooKeeper as Expiring>::TTL))
+            .await
+            .expect("ZooKeeper registry")
+    }
+}
+
+impl Backend for ZooKeeper {
+    type Store = ZooKeeperStore;
+
+    async fn store(instances: &[Instance]) -> ZooKeeperStore {
+        let zookeeper = zookeeper_harness::ZooKeeper::shared().await;
+        let url = zookeeper.url_with_prefix(&zookeeper_harness::ZooKeeper::prefix());
+        let registry = Self::open(&url).await;
+        seed(&registry, instances).await;
+        ZooKeeperStore { registry, url }
+    }
+}
+
+impl Store for ZooKeeperStore {
+    fn registry(&self) -> Arc<dyn Registry> {
+        self.registry.clone()
+    }
+
+    async fn another(&self) -> Arc<dyn Registry> {
+        ZooKeeper::open(&self.url).await
+    }
+}
+
+impl Writable for ZooKeeper {}
+
+impl Expiring for ZooKeeper {
+    /// The session timeout: the same 2 s as etcd's lease (the harness's ZooKeeper allows
+    /// sessions down to 200 ms).
+    const TTL: Duration = Duration::from_secs(2);
+
+    /// Dropping the last clone of a ZooKeeper registry closes its connection without closing
+    /// its session (see `ZooKeeperRegistry`), as a killed process does: the session, and its
+    /// nodes, expire.
+    async fn crashable(store: &ZooKeeperStore) -> Arc<dyn Registry> {
+        ZooKeeper::open(&store.url).await
+    }
+}
+
+mod zookeeper {
+    use super::ZooKeeper;
+    read_checks!(ZooKeeper);
+    write_checks!(ZooKeeper);
+    expiry_checks!(ZooKeeper);
 }

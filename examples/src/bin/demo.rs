@@ -4,6 +4,7 @@
 //! ```text
 //! cargo run --release -p examples --bin demo
 //! cargo run --release -p examples --features etcd --bin demo -- --registry etcd://127.0.0.1:2379
+//! cargo run --release -p examples --features zookeeper --bin demo -- --registry zk://127.0.0.1:2181
 //! cargo run --release -p examples --bin demo -- --admin 127.0.0.1:9901 --admin-token T
 //! ```
 //!
@@ -33,7 +34,7 @@ use serde::{Deserialize, Serialize};
 #[derive(Parser, Debug)]
 #[command(about = "Three servers and a client in one process, with a short report")]
 struct Args {
-    /// embedded (the default), static:FILE or etcd://host:port.
+    /// embedded (the default), static:FILE, etcd://host:port or zk://host:port.
     #[arg(long, default_value = "embedded")]
     registry: String,
     /// off, stdout (spans and metrics to standard output; build with --features otel) or otlp

@@ -4,7 +4,7 @@
 //! ```text
 //! echo-client --endpoints host:port,... --calls N [--interval-ms I] [--concurrency C]
 //!             [--strategy polling|random|hash|appoint|least_loaded] [--timeout-ms T] [--token T]
-//! echo-client --registry static:<file>|etcd://host:port --calls N [...]
+//! echo-client --registry static:<file>|etcd://host:port|zk://host:port --calls N [...]
 //! ```
 //! Prints one line per call, then exactly
 //! `summary: <ok> ok, <business> business errors, <failed> failed`. Exits 0 whatever the calls'
@@ -29,7 +29,7 @@ struct Args {
     /// Comma-separated host:port list.
     #[arg(long, required_unless_present = "registry")]
     endpoints: Option<String>,
-    /// Where to find the endpoints instead: static:FILE or etcd://host:port.
+    /// Where to find the endpoints instead: static:FILE, etcd://host:port or zk://host:port.
     #[arg(long)]
     registry: Option<String>,
     /// Number of calls.

@@ -2,7 +2,8 @@
 //!
 //! ```text
 //! echo-server --port P [--fail-every K] [--delay-ms D] [--max-concurrency N] [--token T]
-//!             [--registry embedded|static:<file>|etcd://host:port] [--registry-ttl-secs S]
+//!             [--registry embedded|static:<file>|etcd://host:port|zk://host:port]
+//!             [--registry-ttl-secs S]
 //!             [--admin ADDR [--admin-token T]]
 //! ```
 //! Prints `listening on <addr>` once it accepts connections (and `admin on <addr>` once the
@@ -37,10 +38,11 @@ struct Args {
     #[arg(long)]
     token: Option<String>,
     /// Where to publish the instance: embedded (nothing outside this process),
-    /// static:FILE (nothing to publish) or etcd://host:port.
+    /// static:FILE (nothing to publish), etcd://host:port or zk://host:port.
     #[arg(long, default_value = "embedded")]
     registry: String,
-    /// Lease of the published instance: a killed server disappears from etcd after this long.
+    /// Lease of the published instance: a killed server disappears from etcd (the lease) or
+    /// ZooKeeper (the session timeout) after this long.
     #[arg(long, default_value_t = 10)]
     registry_ttl_secs: u64,
     /// off, stdout (spans and metrics to standard output; build with --features otel) or otlp

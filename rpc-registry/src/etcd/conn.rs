@@ -9,6 +9,7 @@ use etcd_client::{Client, GetOptions, PutOptions, Txn, TxnOp};
 use rpc_core::ServiceId;
 
 use super::EtcdOptions;
+use crate::remote::{decode, escape, unescape};
 use crate::{Instance, RegistryError};
 
 /// What the background tasks share with the registry: the client and the settings.
@@ -295,59 +296,5 @@ fn lease_not_found(e: &etcd_client::Error) -> bool {
         etcd_client::Error::LeaseKeepAliveError(m) => m.contains("not found"),
         etcd_client::Error::GRpcStatus(s) => s.message().contains("lease not found"),
         _ => false,
-    }
-}
-
-pub(super) fn decode(key: &[u8], value: &[u8]) -> Option<Arc<Instance>> {
-    match serde_json::from_slice::<Instance>(value) {
-        Ok(instance) => Some(Arc::new(instance)),
-        Err(e) => {
-            tracing::warn!(
-                key = %String::from_utf8_lossy(key),
-                error = %e,
-                "skipping a registry value that is not an instance"
-            );
-            None
-        }
-    }
-}
-
-/// Makes an id usable as one key segment: `%` → `%25`, `/` → `%2F`.
-fn escape(segment: &str) -> std::borrow::Cow<'_, str> {
-    if segment.contains(['/', '%']) {
-        segment.replace('%', "%25").replace('/', "%2F").into()
-    } else {
-        segment.into()
-    }
-}
-
-/// The inverse of [`escape`]: `%2F` → `/`, `%25` → `%` (anything else stays as it is).
-fn unescape(segment: &str) -> String {
-    if segment.contains('%') {
-        segment.replace("%2F", "/").replace("%25", "%")
-    } else {
-        segment.to_string()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn keys_escape_separators() {
-        assert_eq!(escape("echo.Echo"), "echo.Echo");
-        assert_eq!(escape("a/b%c"), "a%2Fb%25c");
-        for id in ["echo.Echo", "a/b%c", "%2F", "x%252Fy/"] {
-            assert_eq!(unescape(&escape(id)), id, "{id}");
-        }
-    }
-
-    #[test]
-    fn malformed_values_are_skipped() {
-        assert!(decode(b"k", b"not json").is_none());
-        assert!(decode(b"k", b"{\"id\":1}").is_none());
-        let good = serde_json::to_vec(&Instance::new("127.0.0.1:1", ["a.A"])).unwrap();
-        assert_eq!(decode(b"k", &good).unwrap().address, "127.0.0.1:1");
     }
 }

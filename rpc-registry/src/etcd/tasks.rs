@@ -2,42 +2,15 @@
 
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 use etcd_client::WatchOptions;
 use rpc_core::ServiceId;
 use tokio::sync::watch;
 
-use super::conn::{decode, Conn, Instances, KeepAliveEnd};
-use super::{lock, Watches};
+use super::conn::{Conn, Instances, KeepAliveEnd};
 use crate::instance::snapshot;
-use crate::{Endpoints, RegistryError};
-
-/// Retry pauses: 100 ms doubling up to 2 s.
-pub(super) struct Backoff {
-    next: Duration,
-}
-
-impl Backoff {
-    const FIRST: Duration = Duration::from_millis(100);
-    const MAX: Duration = Duration::from_secs(2);
-
-    fn next(&mut self) -> Duration {
-        let d = self.next;
-        self.next = (d * 2).min(Self::MAX);
-        d
-    }
-
-    fn reset(&mut self) {
-        self.next = Self::FIRST;
-    }
-}
-
-impl Default for Backoff {
-    fn default() -> Self {
-        Backoff { next: Self::FIRST }
-    }
-}
+use crate::remote::{decode, pause, Backoff, Signals};
+use crate::RegistryError;
 
 /// What the keep-alive task of one instance needs.
 pub(super) struct KeepRegistered {
@@ -122,14 +95,6 @@ async fn reregister(r: &KeepRegistered) -> Result<i64, RegistryError> {
     Ok(ttl)
 }
 
-/// Sleeps `d`; false when the registry was dropped meanwhile.
-async fn pause(d: Duration, alive: &mut watch::Receiver<()>) -> bool {
-    tokio::select! {
-        _ = tokio::time::sleep(d) => true,
-        _ = alive.changed() => false,
-    }
-}
-
 /// Follows one service's keys and publishes every change of its snapshot.
 pub(super) struct WatchTask {
     pub(super) conn: Conn,
@@ -140,54 +105,12 @@ pub(super) struct WatchTask {
     pub(super) backoff: Backoff,
 }
 
-/// What ends a watch task: the registry dropped, or nobody watching anymore.
-pub(super) struct Signals {
-    pub(super) service: ServiceId,
-    pub(super) tx: Arc<watch::Sender<Endpoints>>,
-    pub(super) watches: Watches,
-    pub(super) alive: watch::Receiver<()>,
-}
-
 /// Why a watch task stops following etcd for a while or for good.
 enum Interrupt {
     /// Nobody watches anymore, or the registry was dropped.
     Stop,
     /// The etcd watch ended; read the keys again and watch anew.
     Resync,
-}
-
-impl Signals {
-    /// Resolves with `true` when the task must end: the registry was dropped, or the last
-    /// receiver went away (the task then retires from the map). Resolves with `false` when the
-    /// last receiver went away but a new watcher subscribed meanwhile: the task goes on.
-    async fn stop(&mut self) -> bool {
-        tokio::select! {
-            _ = self.alive.changed() => true,
-            _ = self.tx.closed() => {
-                let mut watches = lock(&self.watches);
-                if self.tx.receiver_count() > 0 {
-                    return false;
-                }
-                if watches.get(&self.service).is_some_and(|tx| Arc::ptr_eq(tx, &self.tx)) {
-                    watches.remove(&self.service);
-                }
-                true
-            }
-        }
-    }
-
-    /// Resolves only when the task must end.
-    async fn stopped(&mut self) {
-        while !self.stop().await {}
-    }
-
-    /// Sleeps `d`; false if the task must end meanwhile.
-    async fn pause(&mut self, d: Duration) -> bool {
-        tokio::select! {
-            _ = tokio::time::sleep(d) => true,
-            _ = self.stopped() => false,
-        }
-    }
 }
 
 impl WatchTask {
@@ -305,28 +228,7 @@ impl WatchTask {
 
     /// Publishes the current snapshot if it differs from the last one.
     fn publish(&self) {
-        let next = snapshot(&self.service, self.instances.values());
-        self.signals.tx.send_if_modified(|current| {
-            if **current == *next {
-                false
-            } else {
-                *current = next;
-                true
-            }
-        });
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn backoff_is_bounded() {
-        let mut b = Backoff::default();
-        let steps: Vec<u128> = (0..7).map(|_| b.next().as_millis()).collect();
-        assert_eq!(steps, [100, 200, 400, 800, 1600, 2000, 2000]);
-        b.reset();
-        assert_eq!(b.next(), Duration::from_millis(100));
+        self.signals
+            .publish(snapshot(&self.service, self.instances.values()));
     }
 }

@@ -1,0 +1,236 @@
+//! What the backends that keep instances in a shared store (etcd, ZooKeeper) have in common: the
+//! JSON an instance is stored as, the escaping of ids into key or path segments, the retry pauses
+//! of their background tasks, and the bookkeeping of the watch tasks that follow one service.
+//!
+//! It exists so that an instance published through one backend reads the same through another
+//! (the same JSON, the same segment names), and so that a change to how watchers come and go is
+//! made once.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use rpc_core::ServiceId;
+use tokio::sync::watch;
+
+use crate::{Endpoints, Instance, RegistryError};
+
+/// The stored form of `instance`: its JSON, as every distributed backend writes it.
+pub(crate) fn encode(instance: &Instance) -> Result<Vec<u8>, RegistryError> {
+    serde_json::to_vec(instance).map_err(|e| {
+        RegistryError::Config(format!("instance {} cannot be encoded: {e}", instance.id))
+    })
+}
+
+/// The instance stored at `key`; a value that is not one is skipped with a warning.
+pub(crate) fn decode(key: &[u8], value: &[u8]) -> Option<Arc<Instance>> {
+    match serde_json::from_slice::<Instance>(value) {
+        Ok(instance) => Some(Arc::new(instance)),
+        Err(e) => {
+            tracing::warn!(
+                key = %String::from_utf8_lossy(key),
+                error = %e,
+                "skipping a registry value that is not an instance"
+            );
+            None
+        }
+    }
+}
+
+/// Makes an id usable as one key or path segment: `%` → `%25`, `/` → `%2F`, and a segment that
+/// is all dots (`.`, `..`, which paths give a meaning) has each written `%2E`.
+pub(crate) fn escape(segment: &str) -> std::borrow::Cow<'_, str> {
+    if !segment.is_empty() && segment.bytes().all(|b| b == b'.') {
+        return segment.replace('.', "%2E").into();
+    }
+    if segment.contains(['/', '%']) {
+        segment.replace('%', "%25").replace('/', "%2F").into()
+    } else {
+        segment.into()
+    }
+}
+
+/// The inverse of [`escape`]: `%2F` → `/`, `%25` → `%`, `%2E` → `.`; anything else stays as it
+/// is.
+pub(crate) fn unescape(segment: &str) -> String {
+    if !segment.contains('%') {
+        return segment.to_string();
+    }
+    let mut out = String::with_capacity(segment.len());
+    let mut rest = segment;
+    while let Some(i) = rest.find('%') {
+        out.push_str(&rest[..i]);
+        let code = rest.get(i + 1..i + 3);
+        let decoded = match code {
+            Some("2F") => Some('/'),
+            Some("25") => Some('%'),
+            Some("2E") => Some('.'),
+            _ => None,
+        };
+        match decoded {
+            Some(c) => {
+                out.push(c);
+                rest = &rest[i + 3..];
+            }
+            None => {
+                out.push('%');
+                rest = &rest[i + 1..];
+            }
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+/// Retry pauses: 100 ms doubling up to a maximum (2 s unless said otherwise).
+pub(crate) struct Backoff {
+    next: Duration,
+    max: Duration,
+}
+
+impl Backoff {
+    const FIRST: Duration = Duration::from_millis(100);
+    const MAX: Duration = Duration::from_secs(2);
+
+    /// Pauses that stop growing at `max` (at least the first pause, 100 ms).
+    pub(crate) fn up_to(max: Duration) -> Self {
+        Backoff {
+            next: Self::FIRST,
+            max: max.max(Self::FIRST),
+        }
+    }
+
+    pub(crate) fn next(&mut self) -> Duration {
+        let d = self.next;
+        self.next = (d * 2).min(self.max);
+        d
+    }
+
+    pub(crate) fn reset(&mut self) {
+        self.next = Self::FIRST;
+    }
+}
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Backoff::up_to(Self::MAX)
+    }
+}
+
+/// Service → the channel its watch task publishes on. An entry is removed, under this lock, by
+/// its task once no receiver is left, so `watch()` either subscribes to a live task or starts a
+/// new one.
+pub(crate) type Watches = Arc<Mutex<HashMap<ServiceId, Arc<watch::Sender<Endpoints>>>>>;
+
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // Every critical section is a lookup, an insert or a remove: nothing to leave half-done.
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// What ends a watch task: the registry dropped, or nobody watching anymore.
+pub(crate) struct Signals {
+    pub(crate) service: ServiceId,
+    pub(crate) tx: Arc<watch::Sender<Endpoints>>,
+    pub(crate) watches: Watches,
+    pub(crate) alive: watch::Receiver<()>,
+}
+
+impl Signals {
+    /// Resolves with `true` when the task must end: the registry was dropped, or the last
+    /// receiver went away (the task then retires from the map). Resolves with `false` when the
+    /// last receiver went away but a new watcher subscribed meanwhile: the task goes on.
+    async fn stop(&mut self) -> bool {
+        tokio::select! {
+            _ = self.alive.changed() => true,
+            _ = self.tx.closed() => {
+                let mut watches = lock(&self.watches);
+                if self.tx.receiver_count() > 0 {
+                    return false;
+                }
+                if watches.get(&self.service).is_some_and(|tx| Arc::ptr_eq(tx, &self.tx)) {
+                    watches.remove(&self.service);
+                }
+                true
+            }
+        }
+    }
+
+    /// Resolves only when the task must end.
+    pub(crate) async fn stopped(&mut self) {
+        while !self.stop().await {}
+    }
+
+    /// Sleeps `d`; false if the task must end meanwhile.
+    pub(crate) async fn pause(&mut self, d: Duration) -> bool {
+        tokio::select! {
+            _ = tokio::time::sleep(d) => true,
+            _ = self.stopped() => false,
+        }
+    }
+
+    /// Publishes `next` if it differs from the last snapshot.
+    pub(crate) fn publish(&self, next: Endpoints) {
+        self.tx.send_if_modified(|current| {
+            if **current == *next {
+                false
+            } else {
+                *current = next;
+                true
+            }
+        });
+    }
+}
+
+/// Sleeps `d`; false when the registry was dropped meanwhile.
+pub(crate) async fn pause(d: Duration, alive: &mut watch::Receiver<()>) -> bool {
+    tokio::select! {
+        _ = tokio::time::sleep(d) => true,
+        _ = alive.changed() => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn segments_escape_separators_and_dots() {
+        assert_eq!(escape("echo.Echo"), "echo.Echo");
+        assert_eq!(escape("a/b%c"), "a%2Fb%25c");
+        assert_eq!(escape(".."), "%2E%2E");
+        for id in [
+            "echo.Echo",
+            "a/b%c",
+            "%2F",
+            "x%252Fy/",
+            ".",
+            "..",
+            "...",
+            "%2E",
+            "50%",
+            "%zz",
+        ] {
+            assert_eq!(unescape(&escape(id)), id, "{id}");
+        }
+    }
+
+    #[test]
+    fn malformed_values_are_skipped() {
+        assert!(decode(b"k", b"not json").is_none());
+        assert!(decode(b"k", b"{\"id\":1}").is_none());
+        let good = encode(&Instance::new("127.0.0.1:1", ["a.A"])).unwrap();
+        assert_eq!(decode(b"k", &good).unwrap().address, "127.0.0.1:1");
+    }
+
+    #[test]
+    fn backoff_is_bounded() {
+        let mut b = Backoff::default();
+        let steps: Vec<u128> = (0..7).map(|_| b.next().as_millis()).collect();
+        assert_eq!(steps, [100, 200, 400, 800, 1600, 2000, 2000]);
+        b.reset();
+        assert_eq!(b.next(), Duration::from_millis(100));
+        let mut short = Backoff::up_to(Duration::from_millis(500));
+        let steps: Vec<u128> = (0..4).map(|_| short.next().as_millis()).collect();
+        assert_eq!(steps, [100, 200, 400, 500]);
+    }
+}

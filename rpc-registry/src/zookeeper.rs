@@ -1,0 +1,576 @@
+//! The ZooKeeper backend (feature `zookeeper`): servers publish their instances as ephemeral
+//! nodes of the registry's session, clients follow a persistent recursive watch on a service's
+//! node. [`ZooKeeperRegistry`] documents the node layout and what happens when the session ends
+//! or ZooKeeper is unreachable.
+//!
+//! ```no_run
+//! use rpc_registry::{Registry, ZooKeeperRegistry};
+//! # async fn run() -> Result<(), rpc_registry::RegistryError> {
+//! let registry = ZooKeeperRegistry::from_url("zk://127.0.0.1:2181")?;
+//! let watch = registry.watch(&"echo.Echo".into()).await?;
+//! println!("echo.Echo is served by {:?}", watch.current());
+//! # Ok(()) }
+//! ```
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures_util::future::BoxFuture;
+use rpc_core::ServiceId;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+mod conn;
+mod tasks;
+
+use conn::Conn;
+use tasks::{keep_registered, KeepRegistered, WatchTask};
+
+use crate::instance::snapshot;
+use crate::remote::{encode, lock, pause, Backoff, Signals, Watches};
+use crate::{Instance, Registry, RegistryError, ServiceWatch};
+
+/// Settings of a [`ZooKeeperRegistry`]. Start from `ZooKeeperOptions::default()` and change
+/// what you need.
+#[derive(Debug, Clone)]
+pub struct ZooKeeperOptions {
+    /// The node under which everything lives (`/rpc` by default). Registries that should see
+    /// each other use the same prefix. A `zk://` URL may give it as its path
+    /// (`zk://host:port/prefix`).
+    pub prefix: String,
+    /// Timeout of the registry's ZooKeeper session (10 s by default): a server that dies
+    /// without deregistering disappears after this long. ZooKeeper keeps it within its
+    /// `minSessionTimeout` and `maxSessionTimeout` (by default 2 and 20 times its `tickTime`,
+    /// so 4 s to 40 s).
+    pub session_timeout: Duration,
+    /// Limit on opening a session (3 s by default).
+    pub connect_timeout: Duration,
+    /// Limit on each request to ZooKeeper (3 s by default): past it the operation fails as
+    /// unreachable (or, in the background tasks, is retried).
+    pub request_timeout: Duration,
+}
+
+impl Default for ZooKeeperOptions {
+    fn default() -> Self {
+        ZooKeeperOptions {
+            prefix: "/rpc".to_string(),
+            session_timeout: Duration::from_secs(10),
+            connect_timeout: Duration::from_secs(3),
+            request_timeout: Duration::from_secs(3),
+        }
+    }
+}
+
+/// A [`Registry`] backed by ZooKeeper (3.6 or later: it uses persistent recursive watches):
+/// every instance is a set of ephemeral nodes of the registry's one session, and every watched
+/// service is followed by one watch shared by all its watchers.
+///
+/// Cheap to clone: clones share the session, the registrations and the watches.
+///
+/// # Layout
+///
+/// Every instance is stored once per service it serves, as the ephemeral node
+/// `<prefix>/services/<service id>/<instance id>` (prefix `/rpc` by default) holding the JSON
+/// of [`Instance`] (the same value an etcd registry stores). Service nodes are containers,
+/// which ZooKeeper removes once their last instance is gone. A `/` or `%` inside a service or
+/// instance id is written `%2F` or `%25`, and an id made of dots only has them written `%2E`.
+///
+/// # Sessions, and ZooKeeper away
+///
+/// - Constructing the registry never contacts ZooKeeper: it cannot fail because ZooKeeper is
+///   down. The session is opened by the first operation that needs it.
+/// - [`register`](Registry::register) and the first [`watch`](Registry::watch) of a service
+///   need ZooKeeper and fail with a clear [`RegistryError::Unavailable`] ("ZooKeeper at
+///   127.0.0.1:2181 unreachable: ...") when it does not answer in time.
+/// - A server that dies (or whose registry is dropped without deregistering) leaves its
+///   session to expire: its nodes go after [`ZooKeeperOptions::session_timeout`].
+/// - Once registered, an instance stays registered: while the connection is lost the session
+///   (and so the nodes) lives on for its timeout and the client reconnects; if the session ends
+///   (it expired, or ZooKeeper came back without it), the nodes are written again on a new
+///   session, retried with a backoff of at most a quarter of the session timeout (and 2 s).
+///   A session this side gave up on while ZooKeeper was unreachable is resumed if ZooKeeper
+///   still has it, so its nodes stay as they were.
+/// - Once watched, a service keeps its last known endpoints while ZooKeeper is away; after a
+///   reconnection, or on a new session, it reads the service again.
+///
+/// [`deregister`](Registry::deregister) removes an instance's nodes at once.
+///
+/// # Example
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use rpc_registry::{Instance, Registry, ZooKeeperOptions, ZooKeeperRegistry};
+///
+/// # #[tokio::main]
+/// # async fn main() -> Result<(), rpc_registry::RegistryError> {
+/// let options = ZooKeeperOptions {
+///     session_timeout: Duration::from_secs(6),
+///     ..ZooKeeperOptions::default()
+/// };
+/// let registry = ZooKeeperRegistry::new(&["127.0.0.1:2181"], options)?;
+/// // Or: ZooKeeperRegistry::from_url("zk://127.0.0.1:2181")?
+///
+/// registry.register(Instance::new("127.0.0.1:9001", ["echo.Echo"])).await?;
+/// let mut watch = registry.watch(&"echo.Echo".into()).await?;
+/// println!("echo.Echo is served by {:?}", watch.current());
+/// watch.changed().await?; // the next addition or removal
+/// registry.deregister("127.0.0.1:9001").await?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct ZooKeeperRegistry {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for ZooKeeperRegistry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ZooKeeperRegistry")
+            .field("servers", &self.inner.conn.servers)
+            .field("options", &*self.inner.conn.options)
+            .finish()
+    }
+}
+
+struct Inner {
+    conn: Conn,
+    registrations: Registrations,
+    watches: Watches,
+    /// Numbers the registrations, so that a task can tell whether it still owns its id.
+    tokens: AtomicU64,
+    /// Never sent on: background tasks see its receivers close when the registry is dropped.
+    _alive: watch::Sender<()>,
+    alive: watch::Receiver<()>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // The tasks also end on their own when they see `alive` close.
+        if let Ok(mut registrations) = self.registrations.try_lock() {
+            for (_, registration) in registrations.drain() {
+                registration.task.abort();
+            }
+        }
+    }
+}
+
+/// Instance id → its registration. Held across the ZooKeeper calls of register, deregister and
+/// re-registration, which are rare, so that they apply in order.
+type Registrations = Arc<tokio::sync::Mutex<HashMap<String, Registration>>>;
+
+struct Registration {
+    token: u64,
+    paths: Vec<String>,
+    task: JoinHandle<()>,
+}
+
+impl ZooKeeperRegistry {
+    /// A registry on the ZooKeeper ensemble at `servers` (`host:port` each).
+    ///
+    /// Nothing is sent to ZooKeeper yet, so this succeeds while ZooKeeper is down; it fails
+    /// only on an unusable configuration (no server, a malformed one, a bad prefix, a zero
+    /// timeout).
+    pub fn new(
+        servers: &[impl AsRef<str>],
+        options: ZooKeeperOptions,
+    ) -> Result<Self, RegistryError> {
+        let servers: Vec<String> = servers
+            .iter()
+            .map(|s| s.as_ref().trim().to_string())
+            .filter(|s| !s.is_empty())
+            .collect();
+        if servers.is_empty() {
+            return Err(RegistryError::Config(
+                "no ZooKeeper server given: expected host:port[,host:port...]".into(),
+            ));
+        }
+        for s in &servers {
+            if !is_host_port(s) {
+                return Err(RegistryError::Config(format!(
+                    "bad ZooKeeper server {s:?}: expected host:port"
+                )));
+            }
+        }
+        check_prefix(&options.prefix)?;
+        if options.session_timeout.is_zero() {
+            return Err(RegistryError::Config(
+                "ZooKeeper session timeout must not be zero".into(),
+            ));
+        }
+        let (alive_tx, alive) = watch::channel(());
+        Ok(ZooKeeperRegistry {
+            inner: Arc::new(Inner {
+                conn: Conn::new(servers.join(","), options),
+                registrations: Arc::new(tokio::sync::Mutex::new(HashMap::new())),
+                watches: Arc::new(Mutex::new(HashMap::new())),
+                tokens: AtomicU64::new(0),
+                _alive: alive_tx,
+                alive,
+            }),
+        })
+    }
+
+    /// A registry from a URL such as `zk://127.0.0.1:2181`, `zk://h1:2181,h2:2181` or
+    /// `zk://127.0.0.1:2181/prefix` (the path, when given, is the prefix), with the default
+    /// options.
+    pub fn from_url(url: &str) -> Result<Self, RegistryError> {
+        Self::from_url_with_options(url, ZooKeeperOptions::default())
+    }
+
+    /// Like [`from_url`](Self::from_url), with `options` (a path in the URL replaces
+    /// `options.prefix`).
+    pub fn from_url_with_options(
+        url: &str,
+        mut options: ZooKeeperOptions,
+    ) -> Result<Self, RegistryError> {
+        let (servers, prefix) = parse_url(url)?;
+        if let Some(prefix) = prefix {
+            options.prefix = prefix;
+        }
+        Self::new(&servers, options)
+    }
+
+    /// The options in force.
+    pub fn options(&self) -> &ZooKeeperOptions {
+        &self.inner.conn.options
+    }
+
+    /// The ZooKeeper servers, comma-separated, as given.
+    pub fn servers(&self) -> &str {
+        &self.inner.conn.servers
+    }
+
+    /// The node under which `instance_id` is published for `service`:
+    /// `<prefix>/services/<service id>/<instance id>`.
+    pub fn path(&self, service: &ServiceId, instance_id: &str) -> String {
+        self.inner.conn.path(service, instance_id)
+    }
+
+    async fn register_instance(&self, instance: Instance) -> Result<(), RegistryError> {
+        let conn = &self.inner.conn;
+        let value = encode(&instance)?;
+        let mut paths: Vec<String> = instance
+            .services
+            .iter()
+            .map(|s| conn.path(s, &instance.id))
+            .collect();
+        paths.sort();
+        paths.dedup();
+
+        let mut registrations = self.inner.registrations.lock().await;
+        let obsolete: Vec<String> = registrations
+            .get(&instance.id)
+            .map(|old| {
+                old.paths
+                    .iter()
+                    .filter(|p| !paths.contains(p))
+                    .cloned()
+                    .collect()
+            })
+            .unwrap_or_default();
+        if paths.is_empty() {
+            // Nothing to publish; a previous version of the instance goes away.
+            if let Some(old) = registrations.remove(&instance.id) {
+                old.task.abort();
+                conn.remove(&old.paths).await?;
+            }
+            return Ok(());
+        }
+        // One transaction: on failure the previous version stays as it was, still kept.
+        let client = conn.write(&paths, &value, &obsolete).await?;
+        if let Some(old) = registrations.remove(&instance.id) {
+            // It cannot be writing: that takes the lock held here.
+            old.task.abort();
+        }
+        let token = self.inner.tokens.fetch_add(1, Ordering::Relaxed);
+        let task = tokio::spawn(keep_registered(KeepRegistered {
+            conn: conn.clone(),
+            registrations: self.inner.registrations.clone(),
+            instance_id: instance.id.clone(),
+            token,
+            paths: paths.clone(),
+            value,
+            client,
+            alive: self.inner.alive.clone(),
+        }));
+        registrations.insert(instance.id, Registration { token, paths, task });
+        Ok(())
+    }
+
+    async fn deregister_instance(&self, instance_id: &str) -> Result<(), RegistryError> {
+        let mut registrations = self.inner.registrations.lock().await;
+        let Some(registration) = registrations.remove(instance_id) else {
+            return Ok(());
+        };
+        registration.task.abort();
+        // Still under the lock: a registration of the same id waits for the removal, so that
+        // the removal cannot take the new version's nodes.
+        let conn = &self.inner.conn;
+        match conn.remove(&registration.paths).await {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                // The session may well live on (a reconnection keeps it): the nodes are
+                // removed in the background once ZooKeeper answers (unless the id is registered
+                // again first).
+                drop(registrations);
+                tokio::spawn(remove_later(
+                    conn.clone(),
+                    self.inner.registrations.clone(),
+                    instance_id.to_string(),
+                    registration.paths,
+                    self.inner.alive.clone(),
+                ));
+                Err(RegistryError::Unavailable(format!(
+                    "{e}; the instance's nodes are removed as soon as ZooKeeper answers, or go \
+                     when the session ends"
+                )))
+            }
+        }
+    }
+
+    async fn watch_service(&self, service: &ServiceId) -> Result<ServiceWatch, RegistryError> {
+        if let Some(tx) = lock(&self.inner.watches).get(service) {
+            return Ok(ServiceWatch::new(tx.subscribe()));
+        }
+        let conn = &self.inner.conn;
+        let dir = conn.service_dir(service);
+        let (client, watcher, instances) = tasks::open(conn, service, &dir).await?;
+        let mut watches = lock(&self.inner.watches);
+        if let Some(tx) = watches.get(service) {
+            // Another watcher started the task meanwhile.
+            return Ok(ServiceWatch::new(tx.subscribe()));
+        }
+        let tx = Arc::new(watch::Sender::new(snapshot(service, instances.values())));
+        let rx = tx.subscribe();
+        watches.insert(service.clone(), tx.clone());
+        tokio::spawn(
+            WatchTask {
+                conn: conn.clone(),
+                service: service.clone(),
+                dir,
+                signals: Signals {
+                    service: service.clone(),
+                    tx,
+                    watches: self.inner.watches.clone(),
+                    alive: self.inner.alive.clone(),
+                },
+                instances,
+                backoff: Backoff::up_to(conn.retry_max()),
+            }
+            .run(client, watcher),
+        );
+        Ok(ServiceWatch::new(rx))
+    }
+}
+
+/// Retries removing a deregistered instance's nodes until it works, the id is registered
+/// again, or the registry is dropped.
+async fn remove_later(
+    conn: Conn,
+    registrations: Registrations,
+    instance_id: String,
+    paths: Vec<String>,
+    mut alive: watch::Receiver<()>,
+) {
+    let mut backoff = Backoff::up_to(conn.retry_max());
+    loop {
+        if !pause(backoff.next(), &mut alive).await {
+            return;
+        }
+        let registrations = registrations.lock().await;
+        if registrations.contains_key(&instance_id) {
+            return;
+        }
+        match conn.remove(&paths).await {
+            Ok(()) => return,
+            Err(e) => {
+                tracing::debug!(instance = %instance_id, error = %e, "removal failed; retrying")
+            }
+        }
+    }
+}
+
+impl Registry for ZooKeeperRegistry {
+    /// Writes one ephemeral node per service, in one transaction, and keeps them registered
+    /// across sessions in the background. Registering an id again replaces the previous
+    /// version (and removes the nodes of services it no longer serves) in one transaction.
+    /// Fails if ZooKeeper does not answer in time; the previous version then stays.
+    fn register(&self, instance: Instance) -> BoxFuture<'_, Result<(), RegistryError>> {
+        Box::pin(self.register_instance(instance))
+    }
+
+    /// Removes the instance's nodes at once. An unknown id is not an error. If ZooKeeper does
+    /// not answer, the removal is retried in the background (and the nodes go anyway when the
+    /// session ends).
+    fn deregister<'a>(&'a self, instance_id: &'a str) -> BoxFuture<'a, Result<(), RegistryError>> {
+        Box::pin(self.deregister_instance(instance_id))
+    }
+
+    /// Watches the service's node (a persistent recursive watch), then reads its instances (the
+    /// first snapshot); one watch serves every watcher of the service. The first watch of a
+    /// service fails if ZooKeeper does not answer; later ones share the running watch and keep
+    /// the last known endpoints while ZooKeeper is away.
+    fn watch<'a>(
+        &'a self,
+        service: &'a ServiceId,
+    ) -> BoxFuture<'a, Result<ServiceWatch, RegistryError>> {
+        Box::pin(self.watch_service(service))
+    }
+
+    /// Lists `<prefix>/services` and counts each service's instances (one pipelined batch):
+    /// the services with at least one live instance. Fails if ZooKeeper does not answer.
+    fn services(&self) -> BoxFuture<'_, Result<Vec<ServiceId>, RegistryError>> {
+        Box::pin(self.inner.conn.services())
+    }
+}
+
+fn is_host_port(s: &str) -> bool {
+    matches!(s.rsplit_once(':'), Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok())
+}
+
+/// A prefix is an absolute ZooKeeper path: `/`, or `/a/b` with no empty, `.` or `..` segment.
+fn check_prefix(prefix: &str) -> Result<(), RegistryError> {
+    prefix_problem(prefix).map_or(Ok(()), |why| {
+        Err(RegistryError::Config(format!(
+            "bad ZooKeeper prefix {prefix:?}: {why}; expected an absolute path such as /rpc"
+        )))
+    })
+}
+
+/// What is wrong with `prefix`, if anything.
+fn prefix_problem(prefix: &str) -> Option<&'static str> {
+    let Some(rest) = prefix.strip_prefix('/') else {
+        return Some("it does not start with /");
+    };
+    let rest = rest.strip_suffix('/').unwrap_or(rest);
+    let bad_segment = |s: &str| s.is_empty() || s == "." || s == "..";
+    if !rest.is_empty() && rest.split('/').any(bad_segment) {
+        return Some("it has an empty, . or .. segment");
+    }
+    None
+}
+
+/// `zk://h1:2181,h2:2181/prefix` → `(["h1:2181", "h2:2181"], Some("/prefix"))`.
+fn parse_url(url: &str) -> Result<(Vec<String>, Option<String>), RegistryError> {
+    const FORM: &str = "expected zk://host:port[,host:port...][/prefix]";
+    let Some(rest) = url.trim().strip_prefix("zk://") else {
+        return Err(RegistryError::Config(format!(
+            "bad ZooKeeper URL {url:?}: {FORM}"
+        )));
+    };
+    let (hosts, prefix) = match rest.find('/') {
+        Some(i) => (&rest[..i], Some(&rest[i..])),
+        None => (rest, None),
+    };
+    let servers: Vec<String> = hosts
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_string)
+        .collect();
+    if servers.is_empty() {
+        return Err(RegistryError::Config(format!(
+            "bad ZooKeeper URL {url:?}: no server; {FORM}"
+        )));
+    }
+    for s in &servers {
+        if !is_host_port(s) {
+            return Err(RegistryError::Config(format!(
+                "bad ZooKeeper URL {url:?}: {s:?} is not host:port; {FORM}"
+            )));
+        }
+    }
+    let prefix = prefix
+        .filter(|p| !p.trim_end_matches('/').is_empty())
+        .map(|p| p.trim_end_matches('/').to_string());
+    if let Some(why) = prefix.as_deref().and_then(prefix_problem) {
+        return Err(RegistryError::Config(format!(
+            "bad ZooKeeper URL {url:?}: the prefix {why}; {FORM}"
+        )));
+    }
+    Ok((servers, prefix))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls() {
+        assert_eq!(
+            parse_url("zk://127.0.0.1:2181").unwrap(),
+            (vec!["127.0.0.1:2181".to_string()], None)
+        );
+        assert_eq!(
+            parse_url("zk://a:1, b:2/").unwrap(),
+            (vec!["a:1".to_string(), "b:2".to_string()], None)
+        );
+        assert_eq!(
+            parse_url("zk://a:1/team/rpc/").unwrap(),
+            (vec!["a:1".to_string()], Some("/team/rpc".to_string()))
+        );
+        for bad in [
+            "127.0.0.1:2181",
+            "zk://",
+            "zk://host",
+            "zk://h:port",
+            "etcd://h:1",
+            "zk://h:1/a//b",
+            "zk://h:1/a/../b",
+        ] {
+            let e = parse_url(bad).unwrap_err().to_string();
+            assert!(e.contains("zk://host:port"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn prefixes() {
+        for good in ["/", "/rpc", "/a/b", "/rpc/"] {
+            assert!(check_prefix(good).is_ok(), "{good}");
+        }
+        for bad in ["", "rpc", "/a//b", "/./b", "/a/.."] {
+            let e = check_prefix(bad).unwrap_err().to_string();
+            assert!(e.contains("expected an absolute path"), "{bad}: {e}");
+        }
+        let reg = ZooKeeperRegistry::from_url("zk://127.0.0.1:1/").unwrap();
+        assert_eq!(reg.path(&"a.A".into(), "x"), "/rpc/services/a.A/x");
+        let options = ZooKeeperOptions {
+            prefix: "/".into(),
+            ..ZooKeeperOptions::default()
+        };
+        let reg = ZooKeeperRegistry::from_url_with_options("zk://127.0.0.1:1", options).unwrap();
+        assert_eq!(reg.path(&"a/b".into(), ".."), "/services/a%2Fb/%2E%2E");
+    }
+
+    #[tokio::test]
+    async fn construction_does_not_need_zookeeper() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .unwrap()
+            .port();
+        let reg = ZooKeeperRegistry::from_url_with_options(
+            &format!("zk://127.0.0.1:{port}/t"),
+            ZooKeeperOptions {
+                request_timeout: Duration::from_millis(300),
+                connect_timeout: Duration::from_millis(300),
+                ..ZooKeeperOptions::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(reg.path(&"a.A".into(), "x"), "/t/services/a.A/x");
+        let unreachable = format!("ZooKeeper at 127.0.0.1:{port} unreachable");
+        let e = reg.watch(&"a.A".into()).await.unwrap_err().to_string();
+        assert!(e.contains(&unreachable), "{e}");
+        let e = reg
+            .register(Instance::new("127.0.0.1:2", ["a.A"]))
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(&unreachable), "{e}");
+        let e = reg.services().await.unwrap_err().to_string();
+        assert!(e.contains(&unreachable), "{e}");
+        // Nothing was registered: nothing to remove.
+        reg.deregister("127.0.0.1:2").await.unwrap();
+    }
+}
