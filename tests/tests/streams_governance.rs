@@ -1,0 +1,630 @@
+//! Streams under the client's governance, over real TCP: a fallback answers a stream whose
+//! set-up failed (with its own items, taking the caller's), never a business refusal and never
+//! once the server accepted the stream; failed set-ups count in the entry's circuit breaker and
+//! an open breaker refuses the next set-up without reaching the server, while a failure after
+//! acceptance does not count; the client's span, metrics and call observers cover the whole
+//! stream (its end status, the items each way, its duration).
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::SystemTime;
+
+use common::otel::{attr, counter, Traces};
+use common::within;
+use opentelemetry::Value;
+use rpc::crates::governance::calls::{CallObserver, CallRecord};
+use rpc::{
+    BreakerState, Client, GovernanceOverrides, InProcessRegistry, RpcError, RpcStream, Server,
+    ServerHandle, StatusCode,
+};
+use tokio::sync::mpsc;
+
+#[rpc::service(name = "g.Stocks")]
+pub trait Stocks {
+    /// Prices `0..n`, then the end.
+    async fn prices(&self, n: u32) -> Result<RpcStream<u32>, RpcError>;
+    /// Prices `0..n`, then a server error item: a failure after the stream was accepted.
+    async fn break_after(&self, n: u32) -> Result<RpcStream<u32>, RpcError>;
+    /// Refuses its set-up with a business error.
+    async fn closed(&self) -> Result<RpcStream<u32>, RpcError>;
+    /// Client streaming: the sum of the caller's numbers.
+    async fn total(&self, numbers: RpcStream<u64>) -> Result<u64, RpcError>;
+    /// Both ways: each of the caller's numbers, doubled.
+    async fn double(&self, numbers: RpcStream<u64>) -> Result<RpcStream<u64>, RpcError>;
+}
+
+/// The live service: while `down`, every set-up fails with a server error (520, a failure a
+/// fallback answers for and the breaker counts). Counts the set-ups that reached it.
+#[derive(Clone, Default)]
+struct Market {
+    down: Arc<AtomicBool>,
+    setups: Arc<AtomicU64>,
+}
+
+impl Market {
+    fn setup(&self) -> Result<(), RpcError> {
+        self.setups.fetch_add(1, Ordering::SeqCst);
+        if self.down.load(Ordering::SeqCst) {
+            return Err(RpcError::new(StatusCode::ServerError, "the market is down"));
+        }
+        Ok(())
+    }
+}
+
+impl Stocks for Market {
+    async fn prices(&self, n: u32) -> Result<RpcStream<u32>, RpcError> {
+        self.setup()?;
+        Ok(RpcStream::iter(0..n))
+    }
+
+    async fn break_after(&self, n: u32) -> Result<RpcStream<u32>, RpcError> {
+        self.setup()?;
+        let items = (0..n).map(Ok).chain(std::iter::once(Err(RpcError::new(
+            StatusCode::ServerError,
+            "the feed broke",
+        ))));
+        Ok(RpcStream::try_new(futures_util::stream::iter(items)))
+    }
+
+    async fn closed(&self) -> Result<RpcStream<u32>, RpcError> {
+        self.setup()?;
+        Err(RpcError::business("the market is closed today"))
+    }
+
+    async fn total(&self, mut numbers: RpcStream<u64>) -> Result<u64, RpcError> {
+        self.setup()?;
+        let mut total = 0;
+        while let Some(n) = numbers.next().await {
+            total += n?;
+        }
+        Ok(total)
+    }
+
+    async fn double(&self, numbers: RpcStream<u64>) -> Result<RpcStream<u64>, RpcError> {
+        self.setup()?;
+        Ok(numbers.map_items(|n| Ok(n * 2)))
+    }
+}
+
+/// The fallback: answers that cannot be mistaken for the market's (prices from 1000, totals
+/// plus a million, numbers times ten); counts the set-ups it answered.
+#[derive(Clone, Default)]
+struct Cache {
+    used: Arc<AtomicU64>,
+}
+
+impl Stocks for Cache {
+    async fn prices(&self, n: u32) -> Result<RpcStream<u32>, RpcError> {
+        self.used.fetch_add(1, Ordering::SeqCst);
+        Ok(RpcStream::iter(1000..1000 + n))
+    }
+
+    async fn break_after(&self, n: u32) -> Result<RpcStream<u32>, RpcError> {
+        self.prices(n).await
+    }
+
+    async fn closed(&self) -> Result<RpcStream<u32>, RpcError> {
+        self.prices(1).await
+    }
+
+    async fn total(&self, mut numbers: RpcStream<u64>) -> Result<u64, RpcError> {
+        self.used.fetch_add(1, Ordering::SeqCst);
+        let mut total = 1_000_000;
+        while let Some(n) = numbers.next().await {
+            total += n?;
+        }
+        Ok(total)
+    }
+
+    async fn double(&self, numbers: RpcStream<u64>) -> Result<RpcStream<u64>, RpcError> {
+        self.used.fetch_add(1, Ordering::SeqCst);
+        Ok(numbers.map_items(|n| Ok(n * 10)))
+    }
+}
+
+async fn serve(reg: &InProcessRegistry) -> (ServerHandle, Market) {
+    let market = Market::default();
+    let server = Server::builder()
+        .registry(reg.clone())
+        .add_service(StocksServer::new(market.clone()))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    (server, market)
+}
+
+/// No retry (each set-up is one attempt), no deadline, and a breaker that opens after
+/// `breaks_after` counted failures and stays open for an hour.
+fn options(breaks_after: u32) -> GovernanceOverrides {
+    GovernanceOverrides {
+        retry_times: Some(0),
+        timeout_ms: Some(0),
+        exceptions_allowed_before_breaking: Some(breaks_after),
+        breaker_seconds: Some(3600),
+        ..GovernanceOverrides::NONE
+    }
+}
+
+fn client(reg: &InProcessRegistry, fallback: Option<&Cache>) -> Client {
+    let builder = Client::builder()
+        .registry(reg.clone())
+        .override_options(StocksClient::SERVICE_ID, options(100));
+    match fallback {
+        Some(cache) => builder.fallback(StocksServer::new(cache.clone())),
+        None => builder,
+    }
+    .build()
+}
+
+#[tokio::test]
+async fn a_fallback_answers_a_server_stream_whose_set_up_failed_with_its_own_items() {
+    let reg = InProcessRegistry::new();
+    let (server, market) = serve(&reg).await;
+    let cache = Cache::default();
+    let stocks = StocksClient::new(client(&reg, Some(&cache)));
+
+    market.down.store(true, Ordering::SeqCst);
+    let prices = within("prices", async {
+        stocks
+            .prices(3)
+            .await
+            .expect("the fallback's stream")
+            .collect_all()
+            .await
+    })
+    .await
+    .expect("every item");
+    assert_eq!(prices, [1000, 1001, 1002], "the fallback's items");
+    assert_eq!(
+        market.setups.load(Ordering::SeqCst),
+        1,
+        "the set-up was tried"
+    );
+    assert_eq!(cache.used.load(Ordering::SeqCst), 1);
+
+    // The market is back: its own stream, the fallback not asked.
+    market.down.store(false, Ordering::SeqCst);
+    let prices = within("prices", async {
+        stocks
+            .prices(3)
+            .await
+            .expect("the market's stream")
+            .collect_all()
+            .await
+    })
+    .await
+    .expect("every item");
+    assert_eq!(prices, [0, 1, 2]);
+    assert_eq!(
+        cache.used.load(Ordering::SeqCst),
+        1,
+        "no fallback this time"
+    );
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn a_fallback_of_a_refused_client_or_bidi_stream_takes_all_the_callers_items() {
+    // A server whose every call overflows (the cap is 0): the set-up is refused before the
+    // server accepts the stream, with nothing of the caller's taken.
+    let reg = InProcessRegistry::new();
+    let market = Market::default();
+    let full = Server::builder()
+        .registry(reg.clone())
+        .max_concurrency(0)
+        .add_service(StocksServer::new(market.clone()))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let cache = Cache::default();
+    let stocks = StocksClient::new(client(&reg, Some(&cache)));
+
+    let total = within("total", stocks.total(RpcStream::iter(1..=4u64)))
+        .await
+        .expect("the fallback's answer");
+    assert_eq!(total, 1_000_000 + 10, "the fallback summed every item");
+    let doubled = within("double", async {
+        stocks
+            .double(RpcStream::iter([1u64, 2, 3]))
+            .await
+            .expect("the fallback's stream")
+            .collect_all()
+            .await
+    })
+    .await
+    .expect("every item");
+    assert_eq!(
+        doubled,
+        [10, 20, 30],
+        "the fallback's items, from every item"
+    );
+    assert_eq!(market.setups.load(Ordering::SeqCst), 0, "no handler ran");
+    assert_eq!(cache.used.load(Ordering::SeqCst), 2);
+    within("shutdown", full.shutdown()).await;
+}
+
+#[tokio::test]
+async fn a_client_stream_the_server_accepted_is_never_answered_by_the_fallback() {
+    // A client stream is accepted as soon as it is admitted, before its handler runs: the
+    // handler's failure ends the accepted stream, and the caller's items already went to it.
+    let reg = InProcessRegistry::new();
+    let (server, market) = serve(&reg).await;
+    let cache = Cache::default();
+    let stocks = StocksClient::new(client(&reg, Some(&cache)));
+    market.down.store(true, Ordering::SeqCst);
+    let err = within("total", stocks.total(RpcStream::iter(1..=4u64)))
+        .await
+        .expect_err("the handler's failure");
+    assert_eq!(err.code(), StatusCode::ServerError, "{err}");
+    assert_eq!(market.setups.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        cache.used.load(Ordering::SeqCst),
+        0,
+        "no fallback after acceptance"
+    );
+
+    market.down.store(false, Ordering::SeqCst);
+    let total = within("total", stocks.total(RpcStream::iter(1..=4u64)))
+        .await
+        .expect("the market's answer");
+    assert_eq!(total, 10);
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn a_business_refusal_of_a_stream_reaches_the_caller_and_not_the_fallback() {
+    let reg = InProcessRegistry::new();
+    let (server, market) = serve(&reg).await;
+    let cache = Cache::default();
+    let stocks = StocksClient::new(client(&reg, Some(&cache)));
+    let err = within("closed", stocks.closed())
+        .await
+        .expect_err("the market refuses");
+    assert_eq!(err.code(), StatusCode::BusinessError, "{err}");
+    assert_eq!(market.setups.load(Ordering::SeqCst), 1);
+    assert_eq!(cache.used.load(Ordering::SeqCst), 0, "no fallback");
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn no_fallback_runs_once_the_server_accepted_the_stream() {
+    let reg = InProcessRegistry::new();
+    let (server, _market) = serve(&reg).await;
+    let cache = Cache::default();
+    let stocks = StocksClient::new(client(&reg, Some(&cache)));
+    let mut items = within("break_after", stocks.break_after(2))
+        .await
+        .expect("accepted");
+    let mut seen = Vec::new();
+    let end = within("the stream's end", async {
+        loop {
+            match items.next().await {
+                Some(Ok(n)) => seen.push(n),
+                Some(Err(e)) => break Some(e),
+                None => break None,
+            }
+        }
+    })
+    .await;
+    assert_eq!(seen, [0, 1], "the market's items, not the fallback's");
+    let end = end.expect("the stream ends with the market's error");
+    assert_eq!(end.code(), StatusCode::ServerError, "{end}");
+    assert!(items.next().await.is_none(), "nothing after the error");
+    assert_eq!(
+        cache.used.load(Ordering::SeqCst),
+        0,
+        "no fallback after acceptance"
+    );
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn failed_stream_set_ups_open_the_breaker_which_refuses_the_next_without_the_server() {
+    let reg = InProcessRegistry::new();
+    let (server, market) = serve(&reg).await;
+    let client = Client::builder()
+        .registry(reg.clone())
+        .override_options(StocksClient::SERVICE_ID, options(2))
+        .build();
+    let stocks = StocksClient::new(client.clone());
+    let prices = &StocksClient::methods()[0];
+    market.down.store(true, Ordering::SeqCst);
+    for n in 0..2 {
+        assert!(
+            matches!(client.breaker_state(prices), BreakerState::Closed { .. }),
+            "closed before failure {n}: {:?}",
+            client.breaker_state(prices)
+        );
+        let err = within("prices", stocks.prices(3))
+            .await
+            .expect_err("the set-up fails");
+        assert_eq!(err.code(), StatusCode::ServerError, "{err}");
+    }
+    assert!(
+        matches!(client.breaker_state(prices), BreakerState::Open { .. }),
+        "two failed set-ups open it: {:?}",
+        client.breaker_state(prices)
+    );
+    market.down.store(false, Ordering::SeqCst);
+    let err = within("prices", stocks.prices(3))
+        .await
+        .expect_err("the open breaker refuses");
+    assert_eq!(err.code(), StatusCode::CircuitOpen, "{err}");
+    assert_eq!(err.code().as_u32(), 522);
+    assert_eq!(
+        market.setups.load(Ordering::SeqCst),
+        2,
+        "the refused set-up never reached the server"
+    );
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn a_failure_after_acceptance_is_not_held_against_the_breaker() {
+    let reg = InProcessRegistry::new();
+    let (server, market) = serve(&reg).await;
+    let client = Client::builder()
+        .registry(reg.clone())
+        .override_options(StocksClient::SERVICE_ID, options(1))
+        .build();
+    let stocks = StocksClient::new(client.clone());
+    let break_after = &StocksClient::methods()[1];
+    for _ in 0..3 {
+        let end = within("break_after", async {
+            stocks
+                .break_after(1)
+                .await
+                .expect("accepted")
+                .collect_all()
+                .await
+        })
+        .await
+        .expect_err("each stream ends with the server's error");
+        assert_eq!(end.code(), StatusCode::ServerError, "{end}");
+    }
+    assert!(
+        matches!(
+            client.breaker_state(break_after),
+            BreakerState::Closed { .. }
+        ),
+        "three failures after acceptance leave it closed: {:?}",
+        client.breaker_state(break_after)
+    );
+    // With the same settings, one failed set-up opens it.
+    market.down.store(true, Ordering::SeqCst);
+    let err = within("break_after", stocks.break_after(1))
+        .await
+        .expect_err("the set-up fails");
+    assert_eq!(err.code(), StatusCode::ServerError, "{err}");
+    assert!(
+        matches!(client.breaker_state(break_after), BreakerState::Open { .. }),
+        "one failed set-up opens it: {:?}",
+        client.breaker_state(break_after)
+    );
+    within("shutdown", server.shutdown()).await;
+}
+
+/// The client's `rpc.client` span of `entry` (the only one).
+fn client_span(
+    spans: &[opentelemetry_sdk::trace::SpanData],
+    entry: &str,
+) -> opentelemetry_sdk::trace::SpanData {
+    let mut found = spans.iter().filter(|s| {
+        s.name == "rpc.client" && attr(s, "rpc.entry_id") == Some(Value::from(entry.to_string()))
+    });
+    let span = found
+        .next()
+        .unwrap_or_else(|| panic!("no client span for {entry}"))
+        .clone();
+    assert!(found.next().is_none(), "one client span for {entry}");
+    span
+}
+
+#[tokio::test]
+async fn the_clients_span_covers_the_whole_stream_with_its_items_each_way_and_end_status() {
+    let (traces, _guard) = Traces::install();
+    let reg = InProcessRegistry::new();
+    let (server, _market) = serve(&reg).await;
+    let stocks = StocksClient::new(client(&reg, None));
+
+    let mut prices = within("prices", stocks.prices(5)).await.expect("accepted");
+    let first = within("first", prices.next()).await;
+    assert_eq!(first.map(Result::ok), Some(Some(0)));
+    // After the set-up and the first item: the span must still be open.
+    let mid_stream = SystemTime::now();
+    let rest = within("the rest", prices.collect_all())
+        .await
+        .expect("the rest");
+    assert_eq!(rest, [1, 2, 3, 4]);
+
+    let total = within("total", stocks.total(RpcStream::iter(1..=4u64)))
+        .await
+        .expect("total");
+    assert_eq!(total, 10);
+    let end = within("break_after", async {
+        stocks
+            .break_after(2)
+            .await
+            .expect("accepted")
+            .collect_all()
+            .await
+    })
+    .await
+    .expect_err("the server's error");
+    assert_eq!(end.code(), StatusCode::ServerError);
+    within("shutdown", server.shutdown()).await;
+
+    let spans = traces.spans();
+    let span = client_span(&spans, "g.Stocks.prices");
+    assert!(
+        span.end_time >= mid_stream,
+        "the span ends with the stream, not at its set-up"
+    );
+    assert_eq!(
+        attr(&span, "rpc.stream.items_received"),
+        Some(Value::I64(5))
+    );
+    assert_eq!(attr(&span, "rpc.stream.items_sent"), Some(Value::I64(0)));
+    assert_eq!(attr(&span, "rpc.status_code"), Some(Value::I64(200)));
+    let span = client_span(&spans, "g.Stocks.total");
+    assert_eq!(attr(&span, "rpc.stream.items_sent"), Some(Value::I64(4)));
+    assert_eq!(
+        attr(&span, "rpc.stream.items_received"),
+        Some(Value::I64(1)),
+        "the answer"
+    );
+    assert_eq!(attr(&span, "rpc.status_code"), Some(Value::I64(200)));
+    let span = client_span(&spans, "g.Stocks.break_after");
+    assert_eq!(
+        attr(&span, "rpc.stream.items_received"),
+        Some(Value::I64(2))
+    );
+    assert_eq!(
+        attr(&span, "rpc.status_code"),
+        Some(Value::I64(i64::from(StatusCode::ServerError.as_u32())))
+    );
+    assert!(
+        matches!(span.status, opentelemetry::trace::Status::Error { .. }),
+        "{:?}",
+        span.status
+    );
+}
+
+/// Sends every call record to the test.
+struct Records(Mutex<mpsc::UnboundedSender<(String, Option<StatusCode>, String)>>);
+
+impl CallObserver for Records {
+    fn call_ended(&self, call: &CallRecord) {
+        let _ = self.0.lock().unwrap().send((
+            call.entry.to_string(),
+            call.status,
+            call.outcome.to_string(),
+        ));
+    }
+}
+
+#[tokio::test]
+async fn call_observers_hear_of_a_stream_at_its_end_with_its_end_status() {
+    let reg = InProcessRegistry::new();
+    let (server, _market) = serve(&reg).await;
+    let client = client(&reg, None);
+    let (tx, mut records) = mpsc::unbounded_channel();
+    client.observe_calls(Arc::new(Records(Mutex::new(tx))));
+    let stocks = StocksClient::new(client);
+
+    let mut items = within("break_after", stocks.break_after(2))
+        .await
+        .expect("accepted");
+    assert_eq!(
+        within("an item", items.next()).await.map(Result::ok),
+        Some(Some(0))
+    );
+    assert!(records.try_recv().is_err(), "nothing told before the end");
+    let end = within("the end", async {
+        while let Some(Ok(_)) = items.next().await {}
+    });
+    end.await;
+    assert_eq!(
+        records.try_recv().ok(),
+        Some((
+            "g.Stocks.break_after".to_string(),
+            Some(StatusCode::ServerError),
+            "error".to_string()
+        ))
+    );
+
+    // A stream its caller drops is a cancelled call, told as it is dropped.
+    let mut prices = within("prices", stocks.prices(100))
+        .await
+        .expect("accepted");
+    assert!(within("an item", prices.next()).await.is_some());
+    assert!(records.try_recv().is_err(), "still open");
+    drop(prices);
+    assert_eq!(
+        records.try_recv().ok(),
+        Some(("g.Stocks.prices".to_string(), None, "cancelled".to_string()))
+    );
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn stream_items_are_counted_by_entry_and_direction() {
+    use opentelemetry::metrics::MeterProvider as _;
+    use opentelemetry_sdk::metrics::{InMemoryMetricExporter, PeriodicReader, SdkMeterProvider};
+    let exporter = InMemoryMetricExporter::default();
+    let provider = SdkMeterProvider::builder()
+        .with_reader(PeriodicReader::builder(exporter.clone()).build())
+        .build();
+    let reg = InProcessRegistry::new();
+    let (server, _market) = serve(&reg).await;
+    let stocks = StocksClient::new(
+        Client::builder()
+            .registry(reg.clone())
+            .meter(provider.meter("rpc"))
+            .override_options(StocksClient::SERVICE_ID, options(100))
+            .build(),
+    );
+    let prices = within("prices", async {
+        stocks
+            .prices(5)
+            .await
+            .expect("accepted")
+            .collect_all()
+            .await
+    })
+    .await
+    .expect("items");
+    assert_eq!(prices.len(), 5);
+    let total = within("total", stocks.total(RpcStream::iter(1..=4u64)))
+        .await
+        .expect("total");
+    assert_eq!(total, 10);
+    let doubled = within("double", async {
+        stocks
+            .double(RpcStream::iter([1u64, 2, 3]))
+            .await
+            .expect("accepted")
+            .collect_all()
+            .await
+    })
+    .await
+    .expect("items");
+    assert_eq!(doubled, [2, 4, 6]);
+    within("shutdown", server.shutdown()).await;
+
+    provider.force_flush().expect("flush");
+    let metrics = exporter.get_finished_metrics().expect("metrics");
+    let items = |entry: &str, direction: &str| {
+        counter(
+            &metrics,
+            "rpc.client.stream.items",
+            &[
+                ("rpc.entry_id", Value::from(entry.to_string())),
+                ("rpc.stream.direction", Value::from(direction.to_string())),
+            ],
+        )
+    };
+    assert_eq!(items("g.Stocks.prices", "received"), 5);
+    assert_eq!(items("g.Stocks.prices", "sent"), 0);
+    assert_eq!(items("g.Stocks.total", "sent"), 4);
+    assert_eq!(items("g.Stocks.total", "received"), 1);
+    assert_eq!(items("g.Stocks.double", "sent"), 3);
+    assert_eq!(items("g.Stocks.double", "received"), 3);
+    // One call each, counted at the stream's end with its status.
+    let calls = |method: &str| {
+        counter(
+            &metrics,
+            "rpc.client.calls",
+            &[
+                ("rpc.method", Value::from(method.to_string())),
+                ("rpc.status_code", Value::I64(200)),
+            ],
+        )
+    };
+    assert_eq!(
+        (calls("prices"), calls("total"), calls("double")),
+        (1, 1, 1)
+    );
+}
