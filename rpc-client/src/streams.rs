@@ -32,13 +32,13 @@ use bytes::Bytes;
 use futures_util::future::Either;
 use futures_util::Stream;
 use rpc_core::{
-    ByteStream, GovernanceOptions, MethodDescriptor, RpcError, RpcStream, ShuntStrategy,
-    StatusCode, StreamMode,
+    ByteStream, Compression, GovernanceOptions, MethodDescriptor, RpcError, RpcStream,
+    ShuntStrategy, StatusCode, StreamMode,
 };
 use rpc_governance::events::EventKind;
 use rpc_governance::fallback::{self, Side};
 use rpc_governance::stack::{self, CallCx, Layered, Service as _};
-use rpc_transport::{Call, ClientStream, Opened, StreamSender};
+use rpc_transport::{compression, Call, ClientStream, Opened, StreamSender};
 use tracing::Instrument;
 
 use crate::client::{into_result, Client, ClientBalance};
@@ -462,19 +462,35 @@ impl stack::Service for OpenAttempt<'_> {
             let deadline = cx.deadline();
             let conn = self.client.connection(&addr, cx.attempt_deadline()).await?;
             cx.set_connection(conn.id());
+            // The set-up's arguments are compressed as a unary call's are: with the entry's
+            // algorithm, above its threshold, when this connection's server accepts it.
+            let options = cx.options();
+            let (parameters, compression) = match options.compression {
+                Compression::Off => (params, 0),
+                algorithm => match compression::pack(
+                    algorithm,
+                    options.compression_threshold as usize,
+                    conn.accept_compression(),
+                    &params,
+                ) {
+                    Some(packed) => {
+                        telemetry::record_compression(algorithm, params.len(), packed.len());
+                        (packed, algorithm.to_wire())
+                    }
+                    None => (params, 0),
+                },
+            };
             let call = Call {
                 service_entry_id: method.entry_id.into(),
                 codec: codec.to_wire(),
-                parameters: params,
+                parameters,
                 attachments: telemetry::outgoing_attachments(cx.call_id(), cx.attachments()),
                 timeout_ms: rpc_governance::timeout::remaining_ms_at(
                     tokio::time::Instant::now(),
                     deadline,
                 ),
                 stream_mode: 0,
-                // A stream's set-up arguments and items go plain: stream payloads are not
-                // compressed yet.
-                compression: 0,
+                compression,
             };
             match conn.open_stream(call, self.mode, deadline).await? {
                 Opened::Accepted(stream) => {

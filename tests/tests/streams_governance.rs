@@ -33,6 +33,23 @@ pub trait Stocks {
     async fn total(&self, numbers: RpcStream<u64>) -> Result<u64, RpcError>;
     /// Both ways: each of the caller's numbers, doubled.
     async fn double(&self, numbers: RpcStream<u64>) -> Result<RpcStream<u64>, RpcError>;
+    /// Where `word` starts in `text`, one position per item (a set-up with a large argument).
+    async fn find(&self, text: String, word: String) -> Result<RpcStream<u32>, RpcError>;
+    /// Client streaming: the length of `text` plus the caller's numbers.
+    async fn tally(&self, text: String, numbers: RpcStream<u64>) -> Result<u64, RpcError>;
+}
+
+/// The positions of `word` in `text`: the oracle of `find`.
+fn positions(text: &str, word: &str) -> Vec<u32> {
+    text.match_indices(word).map(|(i, _)| i as u32).collect()
+}
+
+async fn tally_of(text: String, mut numbers: RpcStream<u64>) -> Result<u64, RpcError> {
+    let mut total = text.len() as u64;
+    while let Some(n) = numbers.next().await {
+        total += n?;
+    }
+    Ok(total)
 }
 
 /// The live service: while `down`, every set-up fails with a server error (520, a failure a
@@ -86,6 +103,16 @@ impl Stocks for Market {
         self.setup()?;
         Ok(numbers.map_items(|n| Ok(n * 2)))
     }
+
+    async fn find(&self, text: String, word: String) -> Result<RpcStream<u32>, RpcError> {
+        self.setup()?;
+        Ok(RpcStream::iter(positions(&text, &word)))
+    }
+
+    async fn tally(&self, text: String, numbers: RpcStream<u64>) -> Result<u64, RpcError> {
+        self.setup()?;
+        tally_of(text, numbers).await
+    }
 }
 
 /// The fallback: answers that cannot be mistaken for the market's (prices from 1000, totals
@@ -121,6 +148,15 @@ impl Stocks for Cache {
     async fn double(&self, numbers: RpcStream<u64>) -> Result<RpcStream<u64>, RpcError> {
         self.used.fetch_add(1, Ordering::SeqCst);
         Ok(numbers.map_items(|n| Ok(n * 10)))
+    }
+
+    async fn find(&self, _: String, _: String) -> Result<RpcStream<u32>, RpcError> {
+        self.prices(1).await
+    }
+
+    async fn tally(&self, text: String, numbers: RpcStream<u64>) -> Result<u64, RpcError> {
+        self.used.fetch_add(1, Ordering::SeqCst);
+        tally_of(text, numbers).await
     }
 }
 
@@ -626,5 +662,93 @@ async fn stream_items_are_counted_by_entry_and_direction() {
     assert_eq!(
         (calls("prices"), calls("total"), calls("double")),
         (1, 1, 1)
+    );
+}
+
+/// A compressible text of about `n` bytes, with "needle" in it now and then.
+fn haystack(n: usize) -> String {
+    let mut out = String::with_capacity(n + 64);
+    let mut i = 0;
+    while out.len() < n {
+        if i % 97 == 0 {
+            out.push_str("needle ");
+        }
+        out.push_str(&format!("hay {i} "));
+        i += 1;
+    }
+    out
+}
+
+#[tokio::test]
+async fn a_streams_set_up_arguments_are_compressed_with_the_entrys_option() {
+    use rpc::crates::core::Compression;
+    use rpc::crates::transport::compression::compress;
+    use rpc::Codec;
+    let (traces, _guard) = Traces::install();
+    let reg = InProcessRegistry::new();
+    let (server, _market) = serve(&reg).await;
+    let stocks = StocksClient::new(
+        Client::builder()
+            .registry(reg.clone())
+            .override_options(
+                StocksClient::SERVICE_ID,
+                GovernanceOverrides {
+                    compression: Some(Compression::Zstd),
+                    compression_threshold: Some(1024),
+                    ..options(100)
+                },
+            )
+            .build(),
+    );
+    let text = haystack(64 * 1024);
+    let found = within("find", async {
+        stocks
+            .find(text.clone(), "needle".into())
+            .await
+            .expect("accepted")
+            .collect_all()
+            .await
+    })
+    .await
+    .expect("items");
+    let expected = positions(&text, "needle");
+    assert!(expected.len() > 10);
+    assert_eq!(
+        found, expected,
+        "the server decoded the compressed arguments"
+    );
+    let tally = within(
+        "tally",
+        stocks.tally(text.clone(), RpcStream::iter([1u64, 2])),
+    )
+    .await
+    .expect("the answer");
+    assert_eq!(tally, text.len() as u64 + 3, "a client stream's too");
+    within("shutdown", server.shutdown()).await;
+
+    // The oracle: the arguments as the codec encodes them, and what zstd makes of them.
+    let encoded = Codec::MsgPack
+        .encode(&(text.as_str(), "needle"))
+        .expect("encode");
+    let packed = compress(Compression::Zstd, &encoded);
+    let spans = traces.spans();
+    let attempt = spans
+        .iter()
+        .find(|s| {
+            s.name == "rpc.client.attempt"
+                && attr(s, "rpc.method") == Some(Value::from("find".to_string()))
+        })
+        .expect("the set-up's attempt span");
+    assert_eq!(
+        attr(attempt, "rpc.compression"),
+        Some(Value::from("zstd".to_string()))
+    );
+    assert_eq!(
+        attr(attempt, "rpc.request.size"),
+        Some(Value::I64(encoded.len() as i64))
+    );
+    assert_eq!(
+        attr(attempt, "rpc.request.compressed_size"),
+        Some(Value::I64(packed.len() as i64))
     );
 }

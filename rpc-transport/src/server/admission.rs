@@ -167,6 +167,16 @@ impl FrameCtx<'_> {
                     r.message_id = id;
                     conn.sender.send(Kind::Result(r));
                 } else if matches!(invoke.mode(), Some(StreamMode::Client | StreamMode::Bidi)) {
+                    // Compressed set-up arguments are unpacked as a unary call's are.
+                    let mut invoke = invoke;
+                    if invoke.compression != 0 {
+                        if let Err(why) = unpack(&mut invoke, self.options.max_frame_length) {
+                            let mut r = error_result(StatusCode::FrameworkError, why);
+                            r.message_id = id;
+                            conn.sender.send(Kind::Result(r));
+                            return Ok(());
+                        }
+                    }
                     // The client's items may come before the handler is set up: they wait in
                     // the stream's queue, which exists from now on.
                     let slot = Arc::new(StreamSlot::new(self.options.stream_window.max(1)));
