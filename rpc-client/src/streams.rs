@@ -200,6 +200,7 @@ impl Client {
         let inbound = Mutex::new(inbound);
         let cause = Mutex::new(None);
         let sent = Arc::new(AtomicU64::new(0));
+        let set_up_at = tokio::time::Instant::now();
         let call = async {
             let deadline = || rpc_governance::timeout::deadline(&options);
             let watch = telemetry::CallWatch::new(
@@ -235,7 +236,12 @@ impl Client {
             );
             let result = stack.call(&mut cx, params).await;
             match result {
-                Ok(_) => Ok(watch.into_stream(sent.clone(), take(&cause))),
+                Ok(_) => Ok(watch.into_stream(
+                    sent.clone(),
+                    take(&cause),
+                    cx.take_stream_end_hooks(),
+                    set_up_at,
+                )),
                 Err(e) => {
                     watch.finish(&Err(e.clone()), None);
                     Err(e)

@@ -15,6 +15,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use rpc_core::{Compression, MethodDescriptor, RpcContext, RpcError, StatusCode, CALL_ID_KEY};
 use rpc_governance::calls::{CallObservers, Side};
+use rpc_governance::stack::{StreamEnd, StreamEndHook};
 use tokio::time::Instant;
 use tracing::field::{display, Empty};
 use tracing::Span;
@@ -266,9 +267,13 @@ impl CallWatch<'_> {
         mut self,
         sent: Arc<AtomicU64>,
         fallback: Option<RpcError>,
+        hooks: Vec<StreamEndHook>,
+        opened: Instant,
     ) -> StreamWatch {
         self.done = true;
         StreamWatch {
+            hooks,
+            opened,
             span: self.span.clone(),
             metrics: self.metrics.to_stream(),
             started: self.started,
@@ -299,6 +304,12 @@ pub(crate) struct StreamWatch {
     received: u64,
     /// The failure the stream's fallback answers for, when a fallback's stream runs.
     fallback: Option<RpcError>,
+    /// What the call's layers asked to be told at the end ([`CallCx::on_stream_end`]).
+    ///
+    /// [`CallCx::on_stream_end`]: rpc_governance::stack::CallCx::on_stream_end
+    hooks: Vec<StreamEndHook>,
+    /// When the set-up started.
+    opened: Instant,
     done: bool,
 }
 
@@ -336,6 +347,28 @@ impl StreamWatch {
         };
         if let Some((observers, entry, started, _)) = &self.observed {
             observers.ended(Side::Client, entry, *started, Some(status), outcome);
+        }
+        let status = match end {
+            Ok(()) => StatusCode::Success,
+            Err(e) => e.code(),
+        };
+        self.run_hooks(Some(status), end.err());
+    }
+
+    /// Tells the layers' hooks how the stream ended.
+    fn run_hooks(&mut self, status: Option<StatusCode>, error: Option<&RpcError>) {
+        if self.hooks.is_empty() {
+            return;
+        }
+        let end = StreamEnd {
+            status,
+            error: error.cloned(),
+            items_sent: self.sent.load(Ordering::Relaxed),
+            items_received: self.received,
+            elapsed: self.opened.elapsed(),
+        };
+        for hook in std::mem::take(&mut self.hooks) {
+            hook(&end);
         }
     }
 
@@ -376,6 +409,14 @@ impl Drop for StreamWatch {
                 observers.ended(Side::Client, entry, *started, None, "cancelled");
             }
         }
+        let timed_out = if self.hooks.is_empty() {
+            false
+        } else {
+            self.started
+                .and_then(|(_, deadline)| deadline)
+                .is_some_and(|d| Instant::now() >= d)
+        };
+        self.run_hooks(timed_out.then_some(StatusCode::Timeout), None);
     }
 }
 

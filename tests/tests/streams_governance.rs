@@ -752,3 +752,158 @@ async fn a_streams_set_up_arguments_are_compressed_with_the_entrys_option() {
         Some(Value::I64(packed.len() as i64))
     );
 }
+
+/// What a user's layer saw of one call: its entry, the set-up's status, and how the stream
+/// ended (status, items sent, items received), once it did.
+type Seen = (String, &'static str, Option<StatusCode>, u64, u64);
+
+/// A user's client layer: records each call's set-up and asks to be told of its stream's end.
+struct Watcher(mpsc::UnboundedSender<Seen>);
+
+impl rpc::Middleware for Watcher {
+    fn call<'a>(
+        &'a self,
+        cx: &'a mut rpc::CallCx<'_>,
+        req: rpc::Bytes,
+        next: rpc::Next<'a>,
+    ) -> rpc::BoxFuture<'a, Result<rpc::Bytes, RpcError>> {
+        Box::pin(async move {
+            let entry = cx.entry_id().to_string();
+            let tx = self.0.clone();
+            let at_end = entry.clone();
+            cx.on_stream_end(move |end| {
+                let _ = tx.send((
+                    at_end,
+                    "end",
+                    end.status,
+                    end.items_sent,
+                    end.items_received,
+                ));
+            });
+            let result = next.run(cx, req).await;
+            let status = match &result {
+                Ok(_) => StatusCode::Success,
+                Err(e) => e.code(),
+            };
+            let _ = self.0.send((entry, "set-up", Some(status), 0, 0));
+            result
+        })
+    }
+}
+
+#[tokio::test]
+async fn a_client_layer_sees_a_streams_set_up_and_its_end() {
+    let reg = InProcessRegistry::new();
+    let (server, market) = serve(&reg).await;
+    let (tx, mut seen) = mpsc::unbounded_channel();
+    let stocks = StocksClient::new(
+        Client::builder()
+            .registry(reg.clone())
+            .override_options(StocksClient::SERVICE_ID, options(100))
+            .layer(Watcher(tx))
+            .build(),
+    );
+    let next = |seen: &mut mpsc::UnboundedReceiver<Seen>| seen.try_recv().ok();
+
+    // A server stream: the set-up when it is accepted, the end once read to its end.
+    let mut prices = within("prices", stocks.prices(3)).await.expect("accepted");
+    assert_eq!(
+        next(&mut seen),
+        Some((
+            "g.Stocks.prices".into(),
+            "set-up",
+            Some(StatusCode::Success),
+            0,
+            0
+        ))
+    );
+    assert!(within("an item", prices.next()).await.is_some());
+    assert_eq!(next(&mut seen), None, "not ended yet");
+    while let Some(item) = within("an item", prices.next()).await {
+        item.expect("an item");
+    }
+    assert_eq!(
+        next(&mut seen),
+        Some((
+            "g.Stocks.prices".into(),
+            "end",
+            Some(StatusCode::Success),
+            0,
+            3
+        ))
+    );
+
+    // A client stream: the items sent and the answer.
+    let total = within("total", stocks.total(RpcStream::iter(1..=4u64)))
+        .await
+        .expect("total");
+    assert_eq!(total, 10);
+    assert_eq!(
+        next(&mut seen),
+        Some((
+            "g.Stocks.total".into(),
+            "set-up",
+            Some(StatusCode::Success),
+            0,
+            0
+        ))
+    );
+    assert_eq!(
+        next(&mut seen),
+        Some((
+            "g.Stocks.total".into(),
+            "end",
+            Some(StatusCode::Success),
+            4,
+            1
+        ))
+    );
+
+    // An error after acceptance: its status at the end.
+    let end = within("break_after", async {
+        stocks
+            .break_after(2)
+            .await
+            .expect("accepted")
+            .collect_all()
+            .await
+    })
+    .await
+    .expect_err("the server's error");
+    assert_eq!(end.code(), StatusCode::ServerError);
+    assert_eq!(next(&mut seen).map(|s| s.1), Some("set-up"));
+    assert_eq!(
+        next(&mut seen),
+        Some((
+            "g.Stocks.break_after".into(),
+            "end",
+            Some(StatusCode::ServerError),
+            0,
+            2
+        ))
+    );
+
+    // A stream its caller drops: ended without a status.
+    let mut prices = within("prices", stocks.prices(100))
+        .await
+        .expect("accepted");
+    assert!(within("an item", prices.next()).await.is_some());
+    assert_eq!(next(&mut seen).map(|s| s.1), Some("set-up"));
+    drop(prices);
+    assert_eq!(
+        next(&mut seen),
+        Some(("g.Stocks.prices".into(), "end", None, 0, 1))
+    );
+
+    // A set-up that fails: the layer sees the failure, and no end.
+    market.down.store(true, Ordering::SeqCst);
+    let err = within("prices", stocks.prices(3))
+        .await
+        .expect_err("the set-up fails");
+    assert_eq!(
+        next(&mut seen),
+        Some(("g.Stocks.prices".into(), "set-up", Some(err.code()), 0, 0))
+    );
+    assert_eq!(next(&mut seen), None, "no end for a stream never opened");
+    within("shutdown", server.shutdown()).await;
+}
