@@ -19,7 +19,11 @@
 //! a hedge would open the stream twice.
 //!
 //! The call's span (`rpc.client`) and its metrics cover the whole stream, from the set-up to
-//! the end: its end status, the items each way and its duration.
+//! the end: its end status, the items each way and its duration. Client layers see the set-up
+//! as the call and its end through [`CallCx::on_stream_end`].
+//!
+//! The entry's compression applies to the set-up's arguments and to each of the caller's
+//! items (above the entry's threshold, with an algorithm the connection's server accepts).
 //!
 //! [`ClientBuilder::fallback`]: crate::ClientBuilder::fallback
 
@@ -95,10 +99,10 @@ impl Client {
         let mut open = self
             .open_stream(method, params, hash_key, StreamMode::Client, Some(items))
             .await?;
-        if let (Some(sender), Some(mut items)) = (open.sender(), open.inbound.take()) {
+        if let (Some((sender, pack)), Some(mut items)) = (open.sender(), open.inbound.take()) {
             // An error of the caller's stream ends the call (dropping the stream tells the
             // server).
-            if let Err(e) = send_all(&sender, &mut items, &open.sent).await {
+            if let Err(e) = send_all(&sender, &mut items, &open.sent, pack).await {
                 open.watch.finish(Err(&e));
                 return Err(e);
             }
@@ -142,11 +146,11 @@ impl Client {
         let mut open = self
             .open_stream(method, params, hash_key, StreamMode::Bidi, Some(items))
             .await?;
-        if let (Some(sender), Some(mut items)) = (open.sender(), open.inbound.take()) {
+        if let (Some((sender, pack)), Some(mut items)) = (open.sender(), open.inbound.take()) {
             let sent = open.sent.clone();
             tokio::spawn(async move {
                 // (An error of `items` was sent as the stream's end: the reader gets it back.)
-                let _ = send_all(&sender, &mut items, &sent).await;
+                let _ = send_all(&sender, &mut items, &sent, pack).await;
             });
         }
         Ok(open.into_items())
@@ -280,8 +284,9 @@ fn take<T>(cell: &Mutex<Option<T>>) -> Option<T> {
 
 /// Where a stream's items come from once its set-up succeeded.
 enum Source {
-    /// The server accepted it.
-    Remote(ClientStream),
+    /// The server accepted it; the caller's items are compressed with the algorithm and
+    /// above the threshold given, when there are (the server accepts the algorithm).
+    Remote(ClientStream, Option<ItemPack>),
     /// A fallback answered its failed set-up.
     Fallback(ByteStream),
 }
@@ -298,9 +303,9 @@ struct OpenStream {
 
 impl OpenStream {
     /// What sends the caller's items to the server; `None` for a fallback's stream.
-    fn sender(&self) -> Option<StreamSender> {
+    fn sender(&self) -> Option<(StreamSender, Option<ItemPack>)> {
         match &self.stream {
-            Source::Remote(s) => Some(s.sender()),
+            Source::Remote(s, pack) => Some((s.sender(), *pack)),
             Source::Fallback(_) => None,
         }
     }
@@ -312,7 +317,7 @@ impl OpenStream {
 
     fn into_watched(self) -> Watched {
         let items = match self.stream {
-            Source::Remote(s) => RpcStream::try_new(s),
+            Source::Remote(s, _) => RpcStream::try_new(s),
             Source::Fallback(s) => s,
         };
         Watched {
@@ -412,6 +417,7 @@ async fn send_all(
     sender: &StreamSender,
     items: &mut ByteStream,
     sent: &AtomicU64,
+    pack: Option<ItemPack>,
 ) -> Result<(), RpcError> {
     loop {
         // No credit, no item taken: the producer waits for the server.
@@ -425,7 +431,11 @@ async fn send_all(
         };
         match next {
             Some(Ok(item)) => {
-                if sender.send(item).is_err() {
+                let (item, compression) = match pack {
+                    None => (item, 0),
+                    Some(pack) => pack.apply(item),
+                };
+                if sender.send_packed(item, compression).is_err() {
                     return Ok(());
                 }
                 sent.fetch_add(1, Ordering::Relaxed);
@@ -438,6 +448,39 @@ async fn send_all(
                 sender.finish(Ok(()));
                 return Ok(());
             }
+        }
+    }
+}
+
+/// How the caller's items of a stream are compressed: with the entry's algorithm (one the
+/// connection's server accepts), each item of at least the entry's threshold that shrinks.
+#[derive(Debug, Clone, Copy)]
+struct ItemPack {
+    algorithm: Compression,
+    threshold: usize,
+}
+
+impl ItemPack {
+    /// The packing of the entry's `options` towards a server accepting `accepts`; `None`
+    /// when compression is off or the server does not decode the algorithm.
+    fn of(options: &GovernanceOptions, accepts: compression::Accepted) -> Option<ItemPack> {
+        let algorithm = options.compression;
+        accepts.contains(algorithm).then_some(ItemPack {
+            algorithm,
+            threshold: options.compression_threshold as usize,
+        })
+    }
+
+    /// `item` compressed, with its algorithm's wire number, or as it is with 0.
+    fn apply(self, item: Bytes) -> (Bytes, i32) {
+        match compression::pack(
+            self.algorithm,
+            self.threshold,
+            compression::Accepted::SUPPORTED,
+            &item,
+        ) {
+            Some(packed) => (packed, self.algorithm.to_wire()),
+            None => (item, 0),
         }
     }
 }
@@ -471,6 +514,7 @@ impl stack::Service for OpenAttempt<'_> {
             // The set-up's arguments are compressed as a unary call's are: with the entry's
             // algorithm, above its threshold, when this connection's server accepts it.
             let options = cx.options();
+            let item_pack = ItemPack::of(options, conn.accept_compression());
             let (parameters, compression) = match options.compression {
                 Compression::Off => (params, 0),
                 algorithm => match compression::pack(
@@ -507,7 +551,7 @@ impl stack::Service for OpenAttempt<'_> {
                             .unwrap_or_else(|| RpcError::new(StatusCode::FrameworkError, "?"))
                     }));
                     *self.opened.lock().unwrap_or_else(PoisonError::into_inner) =
-                        Some(Source::Remote(stream));
+                        Some(Source::Remote(stream, item_pack));
                     Ok(Bytes::new())
                 }
                 Opened::Refused(answer) => into_result(answer, codec, &addr),

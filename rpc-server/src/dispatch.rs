@@ -22,7 +22,7 @@ use rpc_core::{
 use rpc_governance::calls::{CallObservers, Side};
 use rpc_governance::events::{EventBus, EventKind};
 use rpc_governance::fallback;
-use rpc_transport::{error_result, Caller, Dispatch, Invoke, InvokeHandler};
+use rpc_transport::{error_result, Caller, Dispatch, Invoke, InvokeHandler, StreamEvent};
 use tokio::time::Instant;
 use tracing::Instrument;
 
@@ -259,8 +259,26 @@ impl Pack {
         match dispatch {
             Dispatch::Ready(answer) => Dispatch::Ready(self.apply(answer)),
             Dispatch::Spawn(call) => Dispatch::Spawn(Box::pin(call.map(move |a| self.apply(a)))),
-            // A stream's items and end go as they are: stream payloads are not compressed yet.
-            stream @ Dispatch::Stream(_) => stream,
+            // A stream's items are compressed one by one; its end goes as it is.
+            Dispatch::Stream(events) => Dispatch::Stream(Box::pin(futures_util::StreamExt::map(
+                events,
+                move |event| self.apply_item(event),
+            ))),
+        }
+    }
+
+    fn apply_item(self, event: StreamEvent) -> StreamEvent {
+        match event {
+            StreamEvent::Item(payload) => match rpc_transport::compression::pack(
+                self.algorithm,
+                self.threshold,
+                rpc_transport::compression::Accepted::SUPPORTED,
+                &payload,
+            ) {
+                Some(packed) => StreamEvent::Packed(packed, self.algorithm.to_wire()),
+                None => StreamEvent::Item(payload),
+            },
+            other => other,
         }
     }
 

@@ -884,6 +884,7 @@ async fn items_beyond_the_window_end_only_that_stream() {
             peer.send(Kind::StreamItem(StreamItem {
                 message_id: id,
                 payload: Codec::MsgPack.encode(&n).expect("encode"),
+                compression: 0,
             }))
             .await
             .expect("item");

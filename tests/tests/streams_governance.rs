@@ -2,8 +2,10 @@
 //! set-up failed (with its own items, taking the caller's), never a business refusal and never
 //! once the server accepted the stream; failed set-ups count in the entry's circuit breaker and
 //! an open breaker refuses the next set-up without reaching the server, while a failure after
-//! acceptance does not count; the client's span, metrics and call observers cover the whole
-//! stream (its end status, the items each way, its duration).
+//! acceptance does not count; the client's span, metrics, call observers and layers cover the
+//! whole stream (its end status, the items each way, its duration); a stream's set-up arguments
+//! and its items both ways are compressed with the entry's option, and a corrupt item ends that
+//! stream with 500.
 
 mod common;
 
@@ -37,6 +39,17 @@ pub trait Stocks {
     async fn find(&self, text: String, word: String) -> Result<RpcStream<u32>, RpcError>;
     /// Client streaming: the length of `text` plus the caller's numbers.
     async fn tally(&self, text: String, numbers: RpcStream<u64>) -> Result<u64, RpcError>;
+    /// Both ways, compressed: each line back upper-cased after `prefix`.
+    #[governance(compression = "zstd")]
+    async fn shout(
+        &self,
+        prefix: String,
+        lines: RpcStream<String>,
+    ) -> Result<RpcStream<String>, RpcError>;
+}
+
+fn shouted(prefix: &str, line: &str) -> String {
+    format!("{prefix}{}", line.to_uppercase())
 }
 
 /// The positions of `word` in `text`: the oracle of `find`.
@@ -113,6 +126,15 @@ impl Stocks for Market {
         self.setup()?;
         tally_of(text, numbers).await
     }
+
+    async fn shout(
+        &self,
+        prefix: String,
+        lines: RpcStream<String>,
+    ) -> Result<RpcStream<String>, RpcError> {
+        self.setup()?;
+        Ok(lines.map_items(move |line| Ok(shouted(&prefix, &line))))
+    }
 }
 
 /// The fallback: answers that cannot be mistaken for the market's (prices from 1000, totals
@@ -158,6 +180,18 @@ impl Stocks for Cache {
         self.used.fetch_add(1, Ordering::SeqCst);
         tally_of(text, numbers).await
     }
+
+    async fn shout(&self, _: String, _: RpcStream<String>) -> Result<RpcStream<String>, RpcError> {
+        self.used.fetch_add(1, Ordering::SeqCst);
+        Ok(RpcStream::empty())
+    }
+}
+
+/// A subscriber for a test that reads no span: `tracing` caches a callsite's interest
+/// process-wide, and a thread without one could mark the spans as never wanted while another
+/// test records them.
+fn traced() -> (Traces, tracing::subscriber::DefaultGuard) {
+    Traces::install()
 }
 
 async fn serve(reg: &InProcessRegistry) -> (ServerHandle, Market) {
@@ -196,6 +230,7 @@ fn client(reg: &InProcessRegistry, fallback: Option<&Cache>) -> Client {
 
 #[tokio::test]
 async fn a_fallback_answers_a_server_stream_whose_set_up_failed_with_its_own_items() {
+    let _traced = traced();
     let reg = InProcessRegistry::new();
     let (server, market) = serve(&reg).await;
     let cache = Cache::default();
@@ -243,6 +278,7 @@ async fn a_fallback_answers_a_server_stream_whose_set_up_failed_with_its_own_ite
 
 #[tokio::test]
 async fn a_fallback_of_a_refused_client_or_bidi_stream_takes_all_the_callers_items() {
+    let _traced = traced();
     // A server whose every call overflows (the cap is 0): the set-up is refused before the
     // server accepts the stream, with nothing of the caller's taken.
     let reg = InProcessRegistry::new();
@@ -283,6 +319,7 @@ async fn a_fallback_of_a_refused_client_or_bidi_stream_takes_all_the_callers_ite
 
 #[tokio::test]
 async fn a_client_stream_the_server_accepted_is_never_answered_by_the_fallback() {
+    let _traced = traced();
     // A client stream is accepted as soon as it is admitted, before its handler runs: the
     // handler's failure ends the accepted stream, and the caller's items already went to it.
     let reg = InProcessRegistry::new();
@@ -311,6 +348,7 @@ async fn a_client_stream_the_server_accepted_is_never_answered_by_the_fallback()
 
 #[tokio::test]
 async fn a_business_refusal_of_a_stream_reaches_the_caller_and_not_the_fallback() {
+    let _traced = traced();
     let reg = InProcessRegistry::new();
     let (server, market) = serve(&reg).await;
     let cache = Cache::default();
@@ -326,6 +364,7 @@ async fn a_business_refusal_of_a_stream_reaches_the_caller_and_not_the_fallback(
 
 #[tokio::test]
 async fn no_fallback_runs_once_the_server_accepted_the_stream() {
+    let _traced = traced();
     let reg = InProcessRegistry::new();
     let (server, _market) = serve(&reg).await;
     let cache = Cache::default();
@@ -358,6 +397,7 @@ async fn no_fallback_runs_once_the_server_accepted_the_stream() {
 
 #[tokio::test]
 async fn failed_stream_set_ups_open_the_breaker_which_refuses_the_next_without_the_server() {
+    let _traced = traced();
     let reg = InProcessRegistry::new();
     let (server, market) = serve(&reg).await;
     let client = Client::builder()
@@ -399,6 +439,7 @@ async fn failed_stream_set_ups_open_the_breaker_which_refuses_the_next_without_t
 
 #[tokio::test]
 async fn a_failure_after_acceptance_is_not_held_against_the_breaker() {
+    let _traced = traced();
     let reg = InProcessRegistry::new();
     let (server, market) = serve(&reg).await;
     let client = Client::builder()
@@ -543,6 +584,7 @@ impl CallObserver for Records {
 
 #[tokio::test]
 async fn call_observers_hear_of_a_stream_at_its_end_with_its_end_status() {
+    let _traced = traced();
     let reg = InProcessRegistry::new();
     let (server, _market) = serve(&reg).await;
     let client = client(&reg, None);
@@ -587,6 +629,7 @@ async fn call_observers_hear_of_a_stream_at_its_end_with_its_end_status() {
 
 #[tokio::test]
 async fn stream_items_are_counted_by_entry_and_direction() {
+    let _traced = traced();
     use opentelemetry::metrics::MeterProvider as _;
     use opentelemetry_sdk::metrics::{InMemoryMetricExporter, PeriodicReader, SdkMeterProvider};
     let exporter = InMemoryMetricExporter::default();
@@ -793,6 +836,7 @@ impl rpc::Middleware for Watcher {
 
 #[tokio::test]
 async fn a_client_layer_sees_a_streams_set_up_and_its_end() {
+    let _traced = traced();
     let reg = InProcessRegistry::new();
     let (server, market) = serve(&reg).await;
     let (tx, mut seen) = mpsc::unbounded_channel();
@@ -906,4 +950,258 @@ async fn a_client_layer_sees_a_streams_set_up_and_its_end() {
     );
     assert_eq!(next(&mut seen), None, "no end for a stream never opened");
     within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn compressed_stream_items_arrive_whole_both_ways_between_client_and_server() {
+    let _traced = traced();
+    let reg = InProcessRegistry::new();
+    let (server, _market) = serve(&reg).await;
+    let stocks = StocksClient::new(client(&reg, None));
+    let lines: Vec<String> = (0..5).map(|i| haystack(8 * 1024 + i)).collect();
+    let back = within("shout", async {
+        stocks
+            .shout("> ".into(), RpcStream::iter(lines.clone()))
+            .await
+            .expect("accepted")
+            .collect_all()
+            .await
+    })
+    .await
+    .expect("every item");
+    let expected: Vec<String> = lines.iter().map(|l| shouted("> ", l)).collect();
+    assert_eq!(back, expected);
+    within("shutdown", server.shutdown()).await;
+}
+
+/// A raw client that accepts zstd and streams, against the real server: the server
+/// decompresses a compressed item, compresses its own items of the entry (declared zstd), and
+/// ends a stream whose item does not decompress with 500, the connection going on.
+#[tokio::test]
+async fn on_the_wire_the_server_takes_and_sends_compressed_items_and_ends_a_stream_on_a_corrupt_one(
+) {
+    let _traced = traced();
+    use common::RawConn;
+    use rpc::crates::core::wire::{
+        frame::Kind, Hello, RemoteInvokeMessage, StreamEnd, StreamItem, StreamMode,
+    };
+    use rpc::crates::core::Compression;
+    use rpc::crates::transport::compression::{compress, decompress};
+    use rpc::Codec;
+    let reg = InProcessRegistry::new();
+    let (server, _market) = serve(&reg).await;
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.send(Kind::Hello(Hello {
+        protocol_version: 1,
+        client_id: "raw-zstd".into(),
+        streams: true,
+        stream_window: 8,
+        accept_compression: vec![Compression::Zstd.to_wire()],
+        ..Default::default()
+    }))
+    .await
+    .expect("hello");
+    assert!(matches!(raw.recv().await, Some(Kind::HelloAck(a)) if a.streams));
+    let open = |id: u64| {
+        Kind::Invoke(RemoteInvokeMessage {
+            message_id: id,
+            service_entry_id: "g.Stocks.shout".into(),
+            parameters: Codec::MsgPack.encode(&(">",)).expect("encode"),
+            stream_mode: StreamMode::Bidi as i32,
+            ..Default::default()
+        })
+    };
+    let line = haystack(16 * 1024);
+    let encoded = Codec::MsgPack.encode(&line).expect("encode");
+    let packed = compress(Compression::Zstd, &encoded);
+    assert!(packed.len() < encoded.len() / 4);
+
+    raw.send(open(1)).await.expect("open");
+    assert!(
+        matches!(within("accepted", raw.recv()).await, Some(Kind::StreamCredit(c)) if c.message_id == 1)
+    );
+    raw.send(Kind::StreamItem(StreamItem {
+        message_id: 1,
+        payload: packed,
+        compression: Compression::Zstd.to_wire(),
+    }))
+    .await
+    .expect("item");
+    let item = loop {
+        match within("the answer's item", raw.recv()).await {
+            Some(Kind::StreamItem(item)) => break item,
+            Some(Kind::StreamCredit(_)) => continue,
+            other => panic!("expected an item, got {other:?}"),
+        }
+    };
+    assert_eq!(
+        item.compression,
+        Compression::Zstd.to_wire(),
+        "sent compressed"
+    );
+    let plain = decompress(item.compression, &item.payload, 1 << 20).expect("decompresses");
+    let answer: String = Codec::MsgPack.decode(&plain).expect("decode");
+    assert_eq!(
+        answer,
+        shouted(">", &line),
+        "the server read the compressed item"
+    );
+    raw.send(Kind::StreamEnd(StreamEnd {
+        message_id: 1,
+        status_code: 200,
+        exception_message: String::new(),
+    }))
+    .await
+    .expect("end");
+    let end = loop {
+        match within("the end", raw.recv()).await {
+            Some(Kind::Result(r)) => break r,
+            Some(Kind::StreamCredit(_)) => continue,
+            other => panic!("expected the end, got {other:?}"),
+        }
+    };
+    assert_eq!((end.message_id, end.status_code), (1, 200));
+
+    // A corrupt item: that stream ends with 500, saying why.
+    raw.send(open(2)).await.expect("open");
+    assert!(
+        matches!(within("accepted", raw.recv()).await, Some(Kind::StreamCredit(c)) if c.message_id == 2)
+    );
+    raw.send(Kind::StreamItem(StreamItem {
+        message_id: 2,
+        payload: rpc::Bytes::from_static(b"not zstd at all"),
+        compression: Compression::Zstd.to_wire(),
+    }))
+    .await
+    .expect("item");
+    let end = loop {
+        match within("the end", raw.recv()).await {
+            Some(Kind::Result(r)) => break r,
+            Some(Kind::StreamCredit(_)) => continue,
+            other => panic!("expected the end, got {other:?}"),
+        }
+    };
+    assert_eq!((end.message_id, end.status_code), (2, 500), "{end:?}");
+    assert!(end.exception_message.contains("stream item"), "{end:?}");
+
+    // The connection goes on: a third stream works.
+    raw.send(open(3)).await.expect("open");
+    assert!(
+        matches!(within("accepted", raw.recv()).await, Some(Kind::StreamCredit(c)) if c.message_id == 3)
+    );
+    // (Closing the connection ends that open stream, which would otherwise hold the drain.)
+    drop(raw);
+    within("shutdown", server.shutdown()).await;
+}
+
+/// A raw server that accepts zstd and streams, against the real client: the client compresses
+/// its items of the entry (declared zstd), decompresses the server's, and ends the stream (only)
+/// with 500 on an item that does not decompress, telling the server to stop.
+#[tokio::test]
+async fn on_the_wire_the_client_sends_compressed_items_and_ends_a_stream_on_a_corrupt_one() {
+    let _traced = traced();
+    use common::RawConn;
+    use rpc::crates::core::wire::{frame::Kind, HelloAck, StreamCredit, StreamItem};
+    use rpc::crates::core::Compression;
+    use rpc::crates::transport::compression::{compress, decompress};
+    use rpc::{Codec, StaticRegistry};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let line = haystack(16 * 1024);
+    let expected_line = line.clone();
+    let raw_server = tokio::spawn(async move {
+        let (stream, _) = within("accept", listener.accept()).await.expect("accept");
+        let mut peer = RawConn::from_stream(stream);
+        match peer.recv().await {
+            Some(Kind::Hello(h)) => assert!(h.accept_compression.contains(&1), "{h:?}"),
+            other => panic!("expected Hello, got {other:?}"),
+        }
+        peer.send(Kind::HelloAck(HelloAck {
+            protocol_version: 1,
+            streams: true,
+            stream_window: 8,
+            accept_compression: vec![Compression::Zstd.to_wire()],
+            ..Default::default()
+        }))
+        .await
+        .expect("ack");
+        let open = match peer.recv().await {
+            Some(Kind::Invoke(i)) => i,
+            other => panic!("expected the stream's opening, got {other:?}"),
+        };
+        let id = open.message_id;
+        peer.send(Kind::StreamCredit(StreamCredit {
+            message_id: id,
+            items: 8,
+        }))
+        .await
+        .expect("accept");
+        let item = match within("the caller's item", peer.recv()).await {
+            Some(Kind::StreamItem(item)) => item,
+            other => panic!("expected an item, got {other:?}"),
+        };
+        assert_eq!(
+            item.compression,
+            Compression::Zstd.to_wire(),
+            "sent compressed"
+        );
+        let plain = decompress(item.compression, &item.payload, 1 << 20).expect("decompresses");
+        let got: String = Codec::MsgPack.decode(&plain).expect("decode");
+        assert_eq!(got, expected_line);
+        // One good compressed item back, then a corrupt one.
+        let answer = Codec::MsgPack.encode(&shouted(">", &got)).expect("encode");
+        for (payload, compression) in [
+            (
+                compress(Compression::Zstd, &answer),
+                Compression::Zstd.to_wire(),
+            ),
+            (
+                rpc::Bytes::from_static(b"not zstd at all"),
+                Compression::Zstd.to_wire(),
+            ),
+        ] {
+            peer.send(Kind::StreamItem(StreamItem {
+                message_id: id,
+                payload,
+                compression,
+            }))
+            .await
+            .expect("item");
+        }
+        // The client tells this server to stop the stream.
+        loop {
+            match within("the Cancel", peer.recv()).await {
+                Some(Kind::Cancel(c)) => break assert_eq!(c.message_id, id),
+                Some(Kind::StreamItem(_) | Kind::StreamEnd(_)) => continue,
+                other => panic!("expected Cancel, got {other:?}"),
+            }
+        }
+    });
+    let stocks = StocksClient::new(
+        Client::builder()
+            .registry(StaticRegistry::from_list(&addr.to_string()).expect("registry"))
+            .override_options(StocksClient::SERVICE_ID, options(100))
+            .build(),
+    );
+    let mut back = within(
+        "shout",
+        stocks.shout(">".into(), RpcStream::iter([line.clone()])),
+    )
+    .await
+    .expect("accepted");
+    let first = within("first", back.next()).await.expect("an item");
+    assert_eq!(first.expect("decompressed"), shouted(">", &line));
+    let end = within("the end", back.next())
+        .await
+        .expect("an error item")
+        .expect_err("the corrupt item ends the stream");
+    assert_eq!(end.code(), StatusCode::FrameworkError, "{end}");
+    assert_eq!(end.code().as_u32(), 500);
+    assert!(end.message().contains("stream item"), "{end}");
+    assert!(back.next().await.is_none(), "nothing after the error");
+    within("the raw server", raw_server)
+        .await
+        .expect("raw server");
 }

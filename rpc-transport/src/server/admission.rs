@@ -221,7 +221,19 @@ impl FrameCtx<'_> {
                 // (Items of a stream that ended are dropped; a stream that takes none, or is
                 // sent more than its credit, ends with an error.)
                 if let Some(slot) = conn.streams.get(item.message_id) {
-                    slot.push(item.payload);
+                    match crate::compression::unpack_item(&item, self.options.max_frame_length) {
+                        Ok(payload) => slot.push(payload),
+                        // A corrupt item ends the client's request stream with 500, and so
+                        // the stream.
+                        Err(why) => slot.finish(rpc_core::wire::StreamEnd {
+                            message_id: item.message_id,
+                            status_code: StatusCode::FrameworkError.as_u32(),
+                            exception_message: format!(
+                                "{why}; the stream was ended: send items that decompress \
+                                 within the server's frame limit"
+                            ),
+                        }),
+                    }
                 }
                 Ok(())
             }
