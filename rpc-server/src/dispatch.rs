@@ -93,12 +93,18 @@ impl Terminal {
         };
         let parameters = std::mem::take(&mut req.parameters);
         if let Some(opened) = req.stream.clone() {
-            // A server stream: its set-up is what the layers see; its items, holding the
-            // entry's slot until they end, are left for the dispatcher.
+            // A stream: its set-up is what the layers see (with the caller's items, for a
+            // stream taking them); its items, holding the entry's slot until they end, are
+            // left for the dispatcher.
             let attachments = std::mem::take(&mut req.attachments);
+            let inbound = req.inbound.as_ref().and_then(|slot| {
+                slot.lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .take()
+            });
             let setup = self
                 .service
-                .call_stream(self.index, parameters, None, req.codec);
+                .call_stream(self.index, parameters, inbound, req.codec);
             let items = if attachments.is_empty() {
                 setup.await
             } else {
@@ -480,6 +486,7 @@ impl Dispatcher {
             fallback_cause: None,
             load: None,
             stream: None,
+            inbound: None,
         };
         let chain = chain.clone();
         let send_panic_text = self.send_panic_text;

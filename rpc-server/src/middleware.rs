@@ -84,6 +84,9 @@ pub struct ServerRequest {
     /// the entry's slot) once set up; the layers see the set-up's outcome as the call's.
     /// (Shared with a request split off for an adapter that owns it.)
     pub(crate) stream: Option<StreamSlot>,
+    /// For a client or bidirectional stream: the caller's items, which the end of the chain
+    /// hands the handler (shared with a split-off request, as `stream`).
+    pub(crate) inbound: Option<StreamSlot>,
 }
 
 /// Where the end of a server layer chain leaves a server stream's items.
@@ -174,6 +177,7 @@ impl ServerRequest {
             fallback_cause: None,
             load: None,
             stream: self.stream.clone(),
+            inbound: self.inbound.clone(),
         }
     }
 }

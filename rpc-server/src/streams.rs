@@ -71,25 +71,11 @@ pub(crate) fn dispatch(
     caller: &Arc<Caller>,
 ) -> Dispatch {
     if let Some(chain) = &route.layered {
-        if route.stream != StreamMode::Server {
-            // The layers would have to run around the whole exchange of items.
-            let e = RpcError::new(
-                StatusCode::NotImplemented,
-                format!(
-                    "{} is {}, and this server has server layers, which run for server streams \
-                     only so far: serve it from a server without layers",
-                    route.method.entry_id,
-                    describe(route.stream)
-                ),
-            );
-            telemetry::record_error(&span, e.code(), e.message());
-            return Dispatch::Ready(to_message(Err(e)));
-        }
         return layered(
             d,
             route,
             chain.clone(),
-            invoke,
+            (invoke, inbound),
             codec,
             attachments,
             span,
@@ -184,16 +170,18 @@ pub(crate) fn dispatch(
     )
 }
 
-/// A server stream on a server with layers: the layers see its set-up as a call (they may
-/// refuse it, change its attachments, look at its outcome), the end of their chain admits it
-/// at the entry and sets the handler's stream up, and its items then flow as on a server
-/// without layers, within the same deadline.
+/// A stream on a server with layers: the layers see its set-up as a call (they may refuse it,
+/// change its attachments, look at its outcome), the end of their chain admits it at the
+/// entry and sets the handler's stream up (handing it the caller's items, for a stream taking
+/// them), and its items then flow as on a server without layers, within the same deadline.
+/// A client or bidirectional stream is accepted before its layers run (the caller's items
+/// wait within their window meanwhile), so a layer's refusal ends it after acceptance.
 #[allow(clippy::too_many_arguments)]
 fn layered(
     d: &Dispatcher,
     route: &Route,
     chain: Arc<Layered>,
-    invoke: Invoke,
+    (invoke, inbound): (Invoke, Option<ByteStream>),
     codec: Codec,
     attachments: BTreeMap<String, String>,
     span: tracing::Span,
@@ -217,6 +205,7 @@ fn layered(
         fallback_cause: None,
         load: None,
         stream: Some(opened.clone()),
+        inbound: inbound.map(|items| Arc::new(std::sync::Mutex::new(Some(items)))),
     };
     let setup: StreamFuture = Box::pin(async move {
         let first: LayerFuture<'_> = match chain.layers.first() {
@@ -253,8 +242,8 @@ fn layered(
     );
     Dispatch::Stream(
         ServerStream {
-            accept_first: false,
-            client_streaming: false,
+            accept_first: route.stream != StreamMode::Server,
+            client_streaming: route.stream == StreamMode::Client,
             accepted: false,
             setup: Some(setup),
             items: None,

@@ -1205,3 +1205,87 @@ async fn on_the_wire_the_client_sends_compressed_items_and_ends_a_stream_on_a_co
         .await
         .expect("raw server");
 }
+
+/// A server layer that records each set-up it sees (entry, caller) and refuses the caller
+/// `intruder`.
+struct ServerGate(mpsc::UnboundedSender<String>);
+
+impl rpc::ServerLayer for ServerGate {
+    fn call<'a>(
+        &'a self,
+        req: &'a mut rpc::ServerRequest,
+        next: rpc::ServerNext<'a>,
+    ) -> rpc::LayerFuture<'a> {
+        Box::pin(async move {
+            let _ = self.0.send(req.entry_id().to_string());
+            if req.caller().client_id() == "intruder" {
+                return Err(RpcError::new(
+                    StatusCode::UnAuthorization,
+                    "intruders stream nothing",
+                ));
+            }
+            next.run(req).await
+        })
+    }
+}
+
+#[tokio::test]
+async fn server_layers_pass_client_and_bidi_streams_and_may_refuse_them() {
+    let _traced = traced();
+    let reg = InProcessRegistry::new();
+    let (seen_tx, mut seen) = mpsc::unbounded_channel();
+    let market = Market::default();
+    let server = Server::builder()
+        .registry(reg.clone())
+        .layer(ServerGate(seen_tx))
+        .add_service(StocksServer::new(market.clone()))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let stocks = StocksClient::new(client(&reg, None));
+    let total = within("total", stocks.total(RpcStream::iter(1..=100u64)))
+        .await
+        .expect("total through the layer");
+    assert_eq!(total, 5050);
+    assert_eq!(seen.try_recv().ok().as_deref(), Some("g.Stocks.total"));
+    let doubled = within("double", async {
+        stocks
+            .double(RpcStream::iter(1..=50u64))
+            .await
+            .expect("accepted")
+            .collect_all()
+            .await
+    })
+    .await
+    .expect("items");
+    assert_eq!(doubled, (1..=50u64).map(|n| n * 2).collect::<Vec<_>>());
+    assert_eq!(seen.try_recv().ok().as_deref(), Some("g.Stocks.double"));
+
+    let intruder = StocksClient::new(
+        Client::builder()
+            .registry(reg.clone())
+            .client_id("intruder")
+            .override_options(StocksClient::SERVICE_ID, options(100))
+            .build(),
+    );
+    let e = within("total", intruder.total(RpcStream::iter(1..=4u64)))
+        .await
+        .expect_err("the layer refuses");
+    assert_eq!(e.code(), StatusCode::UnAuthorization, "{e}");
+    let e = within("double", async {
+        intruder
+            .double(RpcStream::iter([1u64]))
+            .await?
+            .collect_all()
+            .await
+    })
+    .await
+    .expect_err("the layer refuses");
+    assert_eq!(e.code(), StatusCode::UnAuthorization, "{e}");
+    assert_eq!(
+        market.setups.load(Ordering::SeqCst),
+        2,
+        "the refused streams' handlers never ran"
+    );
+    within("shutdown", server.shutdown()).await;
+}
