@@ -487,6 +487,7 @@ impl Dispatcher {
             load: None,
             stream: None,
             inbound: None,
+            stream_end: None,
         };
         let chain = chain.clone();
         let send_panic_text = self.send_panic_text;

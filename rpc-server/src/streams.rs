@@ -31,7 +31,7 @@ use crate::admission::{Admission, Slot, CRITICALITY_ATTACHMENT};
 use crate::dispatch::{
     refusal_event, settle, to_message, with_load, Dispatcher, Layered, Outcome, Route,
 };
-use crate::middleware::{LayerFuture, Next, ServerRequest, StreamSlot};
+use crate::middleware::{LayerFuture, Next, ServerRequest, StreamEndHooks, StreamSlot};
 use crate::telemetry;
 
 /// The answer to a call whose shape is not its method's.
@@ -165,6 +165,7 @@ pub(crate) fn dispatch(
             sent: 0,
             received,
             ended: false,
+            end_hooks: None,
         }
         .boxed(),
     )
@@ -195,6 +196,17 @@ fn layered(
         )
     });
     let opened = StreamSlot::default();
+    let hooks = StreamEndHooks::default();
+    // The caller's items, counted as the handler takes them (for the span and the hooks).
+    let received = Arc::new(AtomicU64::new(0));
+    let inbound = inbound.map(|items| {
+        let counter = received.clone();
+        RpcStream::try_new(items.inspect(move |item| {
+            if item.is_ok() {
+                counter.fetch_add(1, Ordering::Relaxed);
+            }
+        }))
+    });
     let mut req = ServerRequest {
         method: route.method,
         caller: caller.clone(),
@@ -206,6 +218,7 @@ fn layered(
         load: None,
         stream: Some(opened.clone()),
         inbound: inbound.map(|items| Arc::new(std::sync::Mutex::new(Some(items)))),
+        stream_end: Some(hooks.clone()),
     };
     let setup: StreamFuture = Box::pin(async move {
         let first: LayerFuture<'_> = match chain.layers.first() {
@@ -256,8 +269,9 @@ fn layered(
             watch,
             send_panic_text: d.send_panic_text,
             sent: 0,
-            received: Default::default(),
+            received,
             ended: false,
+            end_hooks: Some((hooks, Instant::now())),
         }
         .boxed(),
     )
@@ -297,11 +311,15 @@ struct ServerStream {
     /// The caller's items the handler took so far.
     received: Arc<AtomicU64>,
     ended: bool,
+    /// What server layers asked to be told as the stream ends, and when it started.
+    end_hooks: Option<(StreamEndHooks, Instant)>,
 }
 
 impl ServerStream {
     fn end(&mut self, result: Result<Bytes, RpcError>) -> Poll<Option<StreamEvent>> {
         self.ended = true;
+        // (Layers hear of the end of a stream whose set-up succeeded only.)
+        let set_up = self.items.is_some();
         // The handler's stream goes first, then its slot.
         self.setup = None;
         self.items = None;
@@ -310,7 +328,39 @@ impl ServerStream {
         self.watch
             .stream_items(self.sent, self.received.load(Ordering::Relaxed));
         self.watch.finish(&result, None);
+        if set_up {
+            self.run_end_hooks(Some(&result));
+        }
         Poll::Ready(Some(StreamEvent::End(with_load(to_message(result), load))))
+    }
+
+    /// Tells the layers' hooks how the stream ended (`None`: stopped before its end).
+    fn run_end_hooks(&mut self, result: Option<&Result<Bytes, RpcError>>) {
+        let Some((hooks, started)) = self.end_hooks.take() else {
+            return;
+        };
+        let hooks = std::mem::take(
+            &mut *hooks
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        );
+        if hooks.is_empty() {
+            return;
+        }
+        let error = result.and_then(|r| r.as_ref().err()).cloned();
+        let end = rpc_governance::stack::StreamEnd {
+            status: result.map(|r| {
+                r.as_ref()
+                    .map_or_else(RpcError::code, |_| StatusCode::Success)
+            }),
+            error,
+            items_sent: self.sent,
+            items_received: self.received.load(Ordering::Relaxed),
+            elapsed: started.elapsed(),
+        };
+        for hook in hooks {
+            hook(&end);
+        }
     }
 
     /// Polls the handler's code once, inside the deadline, catching a panic.
@@ -321,6 +371,15 @@ impl ServerStream {
         rpc_governance::timeout::sync_with_inherited(deadline.map(|(d, _)| d), || {
             std::panic::catch_unwind(AssertUnwindSafe(poll))
         })
+    }
+}
+
+impl Drop for ServerStream {
+    fn drop(&mut self) {
+        // Stopped before its end: `Cancel`, the connection's end, the drain.
+        if !self.ended && self.items.is_some() {
+            self.run_end_hooks(None);
+        }
     }
 }
 

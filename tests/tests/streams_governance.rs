@@ -1206,8 +1206,8 @@ async fn on_the_wire_the_client_sends_compressed_items_and_ends_a_stream_on_a_co
         .expect("raw server");
 }
 
-/// A server layer that records each set-up it sees (entry, caller) and refuses the caller
-/// `intruder`.
+/// A server layer that records each set-up it sees and each stream's end, and refuses the
+/// caller `intruder`.
 struct ServerGate(mpsc::UnboundedSender<String>);
 
 impl rpc::ServerLayer for ServerGate {
@@ -1217,7 +1217,17 @@ impl rpc::ServerLayer for ServerGate {
         next: rpc::ServerNext<'a>,
     ) -> rpc::LayerFuture<'a> {
         Box::pin(async move {
-            let _ = self.0.send(req.entry_id().to_string());
+            let entry = req.entry_id();
+            let _ = self.0.send(entry.to_string());
+            let tx = self.0.clone();
+            req.on_stream_end(move |end| {
+                let _ = tx.send(format!(
+                    "end {entry} {:?} sent {} received {}",
+                    end.status.map(StatusCode::as_u32),
+                    end.items_sent,
+                    end.items_received
+                ));
+            });
             if req.caller().client_id() == "intruder" {
                 return Err(RpcError::new(
                     StatusCode::UnAuthorization,
@@ -1230,7 +1240,7 @@ impl rpc::ServerLayer for ServerGate {
 }
 
 #[tokio::test]
-async fn server_layers_pass_client_and_bidi_streams_and_may_refuse_them() {
+async fn server_layers_pass_client_and_bidi_streams_hear_of_their_end_and_may_refuse_them() {
     let _traced = traced();
     let reg = InProcessRegistry::new();
     let (seen_tx, mut seen) = mpsc::unbounded_channel();
@@ -1248,6 +1258,11 @@ async fn server_layers_pass_client_and_bidi_streams_and_may_refuse_them() {
         .expect("total through the layer");
     assert_eq!(total, 5050);
     assert_eq!(seen.try_recv().ok().as_deref(), Some("g.Stocks.total"));
+    assert_eq!(
+        seen.try_recv().ok().as_deref(),
+        Some("end g.Stocks.total Some(200) sent 0 received 100"),
+        "the layer heard of the end before the caller had its answer"
+    );
     let doubled = within("double", async {
         stocks
             .double(RpcStream::iter(1..=50u64))
@@ -1260,6 +1275,10 @@ async fn server_layers_pass_client_and_bidi_streams_and_may_refuse_them() {
     .expect("items");
     assert_eq!(doubled, (1..=50u64).map(|n| n * 2).collect::<Vec<_>>());
     assert_eq!(seen.try_recv().ok().as_deref(), Some("g.Stocks.double"));
+    assert_eq!(
+        seen.try_recv().ok().as_deref(),
+        Some("end g.Stocks.double Some(200) sent 50 received 50")
+    );
 
     let intruder = StocksClient::new(
         Client::builder()
@@ -1286,6 +1305,12 @@ async fn server_layers_pass_client_and_bidi_streams_and_may_refuse_them() {
         market.setups.load(Ordering::SeqCst),
         2,
         "the refused streams' handlers never ran"
+    );
+    let told: Vec<String> = std::iter::from_fn(|| seen.try_recv().ok()).collect();
+    assert_eq!(
+        told,
+        ["g.Stocks.total", "g.Stocks.double"],
+        "the refused set-ups seen, and no end for them"
     );
     within("shutdown", server.shutdown()).await;
 }
