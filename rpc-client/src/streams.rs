@@ -8,8 +8,7 @@
 //! in the entry's circuit breaker as a failed unary call does, and an open breaker refuses the
 //! set-up ([`StatusCode::CircuitOpen`]). A failure after acceptance (the server dying, its
 //! error item, the deadline) ends that stream only: it is not held against the breaker, which
-//! judges whether the entry can be called, not how long-lived streams end; the connection's
-//! failure counts against the endpoint's health, as for any call on it.
+//! judges whether the entry can be called, not how long-lived streams end.
 //!
 //! A fallback registered for the service ([`ClientBuilder::fallback`]) answers a stream whose
 //! set-up failed for the same failures as a unary call's fallback (transport, timeout,
