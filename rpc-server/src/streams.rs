@@ -377,8 +377,12 @@ impl ServerStream {
 impl Drop for ServerStream {
     fn drop(&mut self) {
         // Stopped before its end: `Cancel`, the connection's end, the drain.
-        if !self.ended && self.items.is_some() {
-            self.run_end_hooks(None);
+        if !self.ended {
+            self.watch
+                .stream_items(self.sent, self.received.load(Ordering::Relaxed));
+            if self.items.is_some() {
+                self.run_end_hooks(None);
+            }
         }
     }
 }

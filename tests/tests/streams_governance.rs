@@ -628,7 +628,7 @@ async fn call_observers_hear_of_a_stream_at_its_end_with_its_end_status() {
 }
 
 #[tokio::test]
-async fn stream_items_are_counted_by_entry_and_direction() {
+async fn stream_items_are_counted_by_entry_and_direction_on_both_sides() {
     let _traced = traced();
     use opentelemetry::metrics::MeterProvider as _;
     use opentelemetry_sdk::metrics::{InMemoryMetricExporter, PeriodicReader, SdkMeterProvider};
@@ -637,7 +637,13 @@ async fn stream_items_are_counted_by_entry_and_direction() {
         .with_reader(PeriodicReader::builder(exporter.clone()).build())
         .build();
     let reg = InProcessRegistry::new();
-    let (server, _market) = serve(&reg).await;
+    let server = Server::builder()
+        .registry(reg.clone())
+        .meter(provider.meter("rpc"))
+        .add_service(StocksServer::new(Market::default()))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
     let stocks = StocksClient::new(
         Client::builder()
             .registry(reg.clone())
@@ -691,6 +697,21 @@ async fn stream_items_are_counted_by_entry_and_direction() {
     assert_eq!(items("g.Stocks.total", "received"), 1);
     assert_eq!(items("g.Stocks.double", "sent"), 3);
     assert_eq!(items("g.Stocks.double", "received"), 3);
+    // The server's side: what it sent, and the caller's items its handler took.
+    let served = |entry: &str, direction: &str| {
+        counter(
+            &metrics,
+            "rpc.server.stream.items",
+            &[
+                ("rpc.entry_id", Value::from(entry.to_string())),
+                ("rpc.stream.direction", Value::from(direction.to_string())),
+            ],
+        )
+    };
+    assert_eq!(served("g.Stocks.prices", "sent"), 5);
+    assert_eq!(served("g.Stocks.total", "received"), 4);
+    assert_eq!(served("g.Stocks.double", "sent"), 3);
+    assert_eq!(served("g.Stocks.double", "received"), 3);
     // One call each, counted at the stream's end with its status.
     let calls = |method: &str| {
         counter(
