@@ -102,9 +102,18 @@ impl Terminal {
                     .unwrap_or_else(std::sync::PoisonError::into_inner)
                     .take()
             });
+            let for_fallback = self.fallback.as_ref().map(|_| parameters.clone());
             let setup = self
                 .service
                 .call_stream(self.index, parameters, inbound, req.codec);
+            let mode = self.service.stream_mode(self.index);
+            let setup = crate::streams::with_fallback(
+                setup,
+                self.fallback.as_ref(),
+                mode,
+                for_fallback,
+                req.codec,
+            );
             let items = if attachments.is_empty() {
                 setup.await
             } else {

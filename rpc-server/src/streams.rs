@@ -24,12 +24,14 @@ use rpc_core::{
     ByteStream, Codec, RpcContext, RpcError, RpcStream, StatusCode, StreamFuture, StreamMode,
 };
 use rpc_governance::calls::Side;
+use rpc_governance::events::EventKind;
+use rpc_governance::fallback;
 use rpc_transport::{error_result, Caller, Dispatch, Invoke, StreamEvent};
 use tokio::time::Instant;
 
 use crate::admission::{Admission, Slot, CRITICALITY_ATTACHMENT};
 use crate::dispatch::{
-    refusal_event, settle, to_message, with_load, Dispatcher, Layered, Outcome, Route,
+    refusal_event, settle, to_message, with_load, Dispatcher, FallbackTo, Layered, Outcome, Route,
 };
 use crate::middleware::{LayerFuture, Next, ServerRequest, StreamEndHooks, StreamSlot};
 use crate::telemetry;
@@ -132,9 +134,17 @@ pub(crate) fn dispatch(
             }
         }))
     });
+    let parameters = route.fallback.as_ref().map(|_| invoke.parameters.clone());
     let setup = route
         .service
         .call_stream(route.index, invoke.parameters, inbound, codec);
+    let setup = with_fallback(
+        setup,
+        route.fallback.as_ref(),
+        route.stream,
+        parameters,
+        codec,
+    );
     // The set-up runs in the caller's context, so the calls it makes carry its attachments on.
     let setup: StreamFuture = if attachments.is_empty() {
         setup
@@ -275,6 +285,42 @@ fn layered(
         }
         .boxed(),
     )
+}
+
+/// `setup` answered, should it fail with an error a server fallback applies to, by the
+/// fallback's own stream: for a server stream only (a stream taking the caller's items was
+/// accepted before its handler ran, and its items may be spent), and only for the set-up's
+/// error (a panic of the set-up is not answered for).
+pub(crate) fn with_fallback(
+    setup: StreamFuture,
+    fallback: Option<&Arc<FallbackTo>>,
+    mode: StreamMode,
+    parameters: Option<Bytes>,
+    codec: Codec,
+) -> StreamFuture {
+    let (Some(to), StreamMode::Server, Some(parameters)) = (fallback, mode, parameters) else {
+        return setup;
+    };
+    let to = to.clone();
+    Box::pin(async move {
+        let e = match setup.await {
+            Err(e) if fallback::applies(&e, fallback::Side::Server) => e,
+            other => return other,
+        };
+        to.events.emit_parts(
+            EventKind::Fallback,
+            &to.entry_id,
+            Some(&to.endpoint),
+            0,
+            Some(e.to_string()),
+        );
+        let answer = fallback::with_cause(
+            e.clone(),
+            to.service.call_stream(to.index, parameters, None, codec),
+        )
+        .await;
+        fallback::outcome(&to.entry_id, e, answer)
+    })
 }
 
 /// `items`, holding the entry's slot `permit` until they are dropped.

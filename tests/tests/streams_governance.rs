@@ -1335,3 +1335,67 @@ async fn server_layers_pass_client_and_bidi_streams_hear_of_their_end_and_may_re
     );
     within("shutdown", server.shutdown()).await;
 }
+
+#[tokio::test]
+async fn a_server_fallback_answers_a_server_streams_failed_set_up_only() {
+    let _traced = traced();
+    for layered in [false, true] {
+        let reg = InProcessRegistry::new();
+        let market = Market::default();
+        let cache = Cache::default();
+        let (seen_tx, _seen) = mpsc::unbounded_channel();
+        let builder = Server::builder()
+            .registry(reg.clone())
+            .add_service(StocksServer::new(market.clone()))
+            .fallback(StocksServer::new(cache.clone()));
+        let builder = if layered {
+            builder.layer(ServerGate(seen_tx))
+        } else {
+            builder
+        };
+        let server = builder.serve("127.0.0.1:0").await.expect("serve");
+        let stocks = StocksClient::new(client(&reg, None));
+        market.down.store(true, Ordering::SeqCst);
+
+        let prices = within("prices", async {
+            stocks
+                .prices(3)
+                .await
+                .expect("accepted")
+                .collect_all()
+                .await
+        })
+        .await
+        .expect("items");
+        assert_eq!(
+            prices,
+            [1000, 1001, 1002],
+            "layered {layered}: the fallback's"
+        );
+        assert_eq!(cache.used.load(Ordering::SeqCst), 1, "layered {layered}");
+
+        // A business refusal is the handler's answer.
+        market.down.store(false, Ordering::SeqCst);
+        let e = within("closed", stocks.closed())
+            .await
+            .expect_err("refused");
+        assert_eq!(
+            e.code(),
+            StatusCode::BusinessError,
+            "layered {layered}: {e}"
+        );
+        market.down.store(true, Ordering::SeqCst);
+        // A client stream was accepted before its handler failed: not answered for.
+        let e = within("total", stocks.total(RpcStream::iter([1u64, 2])))
+            .await
+            .expect_err("the handler's failure");
+        assert_eq!(e.code(), StatusCode::ServerError, "layered {layered}: {e}");
+        assert_eq!(
+            cache.used.load(Ordering::SeqCst),
+            1,
+            "layered {layered}: the fallback answered the server stream only"
+        );
+        assert_eq!(market.setups.load(Ordering::SeqCst), 3, "layered {layered}");
+        within("shutdown", server.shutdown()).await;
+    }
+}
