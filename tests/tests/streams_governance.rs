@@ -5,7 +5,8 @@
 //! acceptance does not count; the client's span, metrics, call observers and layers cover the
 //! whole stream (its end status, the items each way, its duration); a stream's set-up arguments
 //! and its items both ways are compressed with the entry's option, and a corrupt item ends that
-//! stream with 500.
+//! stream with 500. On the server: layers pass client and bidirectional streams and hear of
+//! every stream's end, and a server fallback answers a server stream's failed set-up.
 
 mod common;
 
