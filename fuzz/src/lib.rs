@@ -105,6 +105,7 @@ pub fn sample_kinds() -> Vec<rpc_core::wire::frame::Kind> {
         Kind::StreamItem(StreamItem {
             message_id: 43,
             payload: bytes::Bytes::from_static(b"\x82\xa3seq\x00\xa5label\xa3t-0"),
+            compression: 0,
         }),
         Kind::StreamEnd(StreamEnd {
             message_id: 43,

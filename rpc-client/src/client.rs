@@ -57,7 +57,7 @@ pub(crate) struct Inner {
     /// compare where the map hashes the id and takes a shard lock. A slot is set once; a
     /// service's state is never replaced or removed, so it cannot go stale.
     fast_services: [OnceLock<ServiceSlot>; FAST_SLOTS],
-    fallbacks: Fallbacks,
+    pub(crate) fallbacks: Fallbacks,
     /// User layers around each call, outermost first.
     pub(crate) layers: Vec<Arc<dyn Middleware>>,
     /// User layers around each attempt, outermost first.

@@ -1,43 +1,61 @@
 //! Streaming calls from the client: the stream's set-up passes the entry's governance as a
-//! unary call does (breaker, timeout, retry and failover act on it), and its items then come
-//! straight from the connection.
+//! unary call does (user layers, fallback, breaker, timeout, retry and failover act on it), and
+//! its items then come straight from the connection.
 //!
 //! The set-up is the call, as far as governance sees: it succeeds when the server accepts the
 //! stream, and only then do items flow, so a retry (or a failover) can only ever happen before
-//! the first item: no item already delivered is delivered again. Fallbacks and hedging do not
-//! apply to streams: a fallback answers with one value, and a hedge would open the stream
-//! twice. The call's deadline covers the whole stream: the server is told it, and the
-//! connection ends the stream with a timeout item when it passes.
+//! the first item: no item already delivered is delivered again. A set-up that fails counts
+//! in the entry's circuit breaker as a failed unary call does, and an open breaker refuses the
+//! set-up ([`StatusCode::CircuitOpen`]). A failure after acceptance (the server dying, its
+//! error item, the deadline) ends that stream only: it is not held against the breaker, which
+//! judges whether the entry can be called, not how long-lived streams end.
+//!
+//! A fallback registered for the service ([`ClientBuilder::fallback`]) answers a stream whose
+//! set-up failed for the same failures as a unary call's fallback (transport, timeout,
+//! overflow, open breaker, server error; never a business, validation or authentication
+//! answer) with a stream of its own: the caller's items, none of which was sent yet, go to
+//! it. Once the server accepted a stream no fallback runs. Hedging does not apply to streams:
+//! a hedge would open the stream twice.
+//!
+//! The call's span (`rpc.client`) and its metrics cover the whole stream, from the set-up to
+//! the end: its end status, the items each way and its duration. Client layers see the set-up
+//! as the call and its end through [`CallCx::on_stream_end`].
+//!
+//! The entry's compression applies to the set-up's arguments and to each of the caller's
+//! items (above the entry's threshold, with an algorithm the connection's server accepts).
+//!
+//! [`ClientBuilder::fallback`]: crate::ClientBuilder::fallback
 
-use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use futures_util::future::Either;
+use futures_util::Stream;
 use rpc_core::{
-    ByteStream, GovernanceOptions, MethodDescriptor, RpcError, RpcStream, ShuntStrategy,
-    StatusCode, StreamMode,
+    ByteStream, Compression, GovernanceOptions, MethodDescriptor, RpcError, RpcStream,
+    ShuntStrategy, StatusCode, StreamMode,
 };
-use rpc_governance::stack::{self, CallCx, ClientParts, Fallbacks, Service as _};
-use rpc_transport::{Call, ClientStream, Opened, StreamSender};
+use rpc_governance::events::EventKind;
+use rpc_governance::fallback::{self, Side};
+use rpc_governance::stack::{self, CallCx, Layered, Service as _};
+use rpc_transport::{compression, Call, ClientStream, Opened, StreamSender};
 use tracing::Instrument;
 
 use crate::client::{into_result, Client, ClientBalance};
-use crate::telemetry;
-
-/// No fallback for streams (see the module documentation).
-fn no_fallbacks() -> &'static Fallbacks {
-    static NONE: OnceLock<Fallbacks> = OnceLock::new();
-    NONE.get_or_init(Fallbacks::default)
-}
+use crate::telemetry::{self, StreamWatch};
 
 impl Client {
     /// Opens a server stream of `method` with its other arguments already encoded by
     /// [`codec`](Self::codec), and returns its encoded items once the server accepted it.
     ///
     /// The set-up passes the entry's governance as [`invoke`](Self::invoke) does (user layers,
-    /// circuit breaker, timeout, retry and failover, per-attempt layers), without fallback or
+    /// fallback, circuit breaker, timeout, retry and failover, per-attempt layers), without
     /// hedging; a set-up that fails is retried or fails over only before the server accepted
-    /// the stream, so no item is ever delivered twice. The entry's timeout covers the whole
+    /// the stream, so no item is ever delivered twice, and a registered fallback answers a
+    /// set-up that failed with its own stream. The entry's timeout covers the whole
     /// stream: when it passes, the stream ends with a [`StatusCode::Timeout`] item after the
     /// items that arrived, and the server is told to stop. A failure mid-stream ends it with
     /// an error item (the server's own error, typed as for a unary call, or a connection
@@ -51,10 +69,10 @@ impl Client {
         params: Bytes,
         hash_key: Option<H>,
     ) -> Result<ByteStream, RpcError> {
-        let stream = self
-            .open_stream(method, params, hash_key, StreamMode::Server)
+        let open = self
+            .open_stream(method, params, hash_key, StreamMode::Server, None)
             .await?;
-        Ok(RpcStream::try_new(stream))
+        Ok(open.into_items())
     }
 
     /// Calls a client-streaming `method`: opens the stream with its other arguments already
@@ -64,24 +82,32 @@ impl Client {
     /// The set-up passes the entry's governance as for
     /// [`invoke_stream`](Self::invoke_stream): it may be retried or fail over, and since no
     /// item is sent before the server accepted the stream, `items` is never asked for an item
-    /// twice. Items are taken from `items` only while the server has granted credit for them,
-    /// so a server that takes them slowly slows the producer down instead of filling memory.
-    /// An error item of `items` ends the call, the server told so; a server that ends the
-    /// stream early (its error, the deadline, a failure) ends it with that error.
+    /// twice (a fallback answering a failed set-up takes `items` whole). Items are taken from
+    /// `items` only while the server has granted credit for them, so a server that takes them
+    /// slowly slows the producer down instead of filling memory. An error item of `items` ends
+    /// the call, the server told so; a server that ends the stream early (its error, the
+    /// deadline, a failure) ends it with that error.
     pub async fn invoke_client_stream<H: FnOnce() -> u64>(
         &self,
         method: &'static MethodDescriptor,
         params: Bytes,
-        mut items: ByteStream,
+        items: ByteStream,
         hash_key: Option<H>,
     ) -> Result<Bytes, RpcError> {
         use futures_util::StreamExt;
-        let mut stream = self
-            .open_stream(method, params, hash_key, StreamMode::Client)
+        let mut open = self
+            .open_stream(method, params, hash_key, StreamMode::Client, Some(items))
             .await?;
-        // An error of the caller's stream ends the call (dropping the stream tells the server).
-        send_all(&stream.sender(), &mut items).await?;
-        match stream.next().await {
+        if let (Some((sender, pack)), Some(mut items)) = (open.sender(), open.inbound.take()) {
+            // An error of the caller's stream ends the call (dropping the stream tells the
+            // server).
+            if let Err(e) = send_all(&sender, &mut items, &open.sent, pack).await {
+                open.watch.finish(Err(&e));
+                return Err(e);
+            }
+        }
+        let mut answer = open.into_watched();
+        let result = match answer.next().await {
             Some(Ok(answer)) => Ok(answer),
             Some(Err(e)) => Err(e),
             None => Err(RpcError::new(
@@ -92,7 +118,12 @@ impl Client {
                     method.entry_id
                 ),
             )),
+        };
+        // The answer is the stream's last item: its arrival ends the call.
+        if result.is_ok() {
+            answer.watch.finish(Ok(()));
         }
+        result
     }
 
     /// Calls a bidirectional streaming `method`: opens the stream with its other arguments
@@ -108,29 +139,34 @@ impl Client {
         &self,
         method: &'static MethodDescriptor,
         params: Bytes,
-        mut items: ByteStream,
+        items: ByteStream,
         hash_key: Option<H>,
     ) -> Result<ByteStream, RpcError> {
-        let stream = self
-            .open_stream(method, params, hash_key, StreamMode::Bidi)
+        let mut open = self
+            .open_stream(method, params, hash_key, StreamMode::Bidi, Some(items))
             .await?;
-        let sender = stream.sender();
-        tokio::spawn(async move {
-            // (An error of `items` was sent as the stream's end: the reader gets it back.)
-            let _ = send_all(&sender, &mut items).await;
-        });
-        Ok(RpcStream::try_new(stream))
+        if let (Some((sender, pack)), Some(mut items)) = (open.sender(), open.inbound.take()) {
+            let sent = open.sent.clone();
+            tokio::spawn(async move {
+                // (An error of `items` was sent as the stream's end: the reader gets it back.)
+                let _ = send_all(&sender, &mut items, &sent, pack).await;
+            });
+        }
+        Ok(open.into_items())
     }
 
     /// Opens a stream of `mode` through the entry's governance; see
-    /// [`invoke_stream`](Self::invoke_stream).
+    /// [`invoke_stream`](Self::invoke_stream). `inbound` (the caller's items, for a stream
+    /// taking them) goes to a fallback if one answers the set-up, and back to the caller
+    /// otherwise.
     async fn open_stream<H: FnOnce() -> u64>(
         &self,
         method: &'static MethodDescriptor,
         params: Bytes,
         hash_key: Option<H>,
         mode: StreamMode,
-    ) -> Result<ClientStream, RpcError> {
+        inbound: Option<ByteStream>,
+    ) -> Result<OpenStream, RpcError> {
         let governance = &self.inner.governance;
         let policy = governance.policy(method);
         let mut options = match &self.call_options {
@@ -160,10 +196,14 @@ impl Client {
             ShuntStrategy::Hash => hash_key.map(|h| h()),
             _ => None,
         };
-        let span = telemetry::call_span(method);
+        let span = telemetry::stream_span(method);
         let call_id = telemetry::call_id(&span);
         let call_span = span.clone();
         let opened = Mutex::new(None);
+        let inbound = Mutex::new(inbound);
+        let cause = Mutex::new(None);
+        let sent = Arc::new(AtomicU64::new(0));
+        let set_up_at = tokio::time::Instant::now();
         let call = async {
             let deadline = || rpc_governance::timeout::deadline(&options);
             let watch = telemetry::CallWatch::new(
@@ -176,49 +216,208 @@ impl Client {
             let mut cx = CallCx::new(governance, policy, options.clone())
                 .with_hash_key(hash_key)
                 .with_call_id(call_id);
-            let stack = stack::client_stack(ClientParts {
-                outer: &self.inner.layers,
-                fallbacks: no_fallbacks(),
-                codec: self.inner.codec,
-                balance: ClientBalance { client: self },
-                per_attempt: &self.inner.attempt_layers,
-                attempt: OpenAttempt {
+            let governed = stack::governed(
+                ClientBalance { client: self },
+                Layered::new(
+                    &self.inner.attempt_layers,
+                    OpenAttempt {
+                        client: self,
+                        opened: &opened,
+                        mode,
+                    },
+                ),
+            );
+            let stack = Layered::new(
+                &self.inner.layers,
+                StreamFallback {
                     client: self,
+                    inner: governed,
                     opened: &opened,
-                    mode,
+                    inbound: &inbound,
+                    cause: &cause,
                 },
-            });
+            );
             let result = stack.call(&mut cx, params).await;
-            watch.finish(&result, None);
-            result
+            match result {
+                Ok(_) => Ok(watch.into_stream(
+                    sent.clone(),
+                    take(&cause),
+                    cx.take_stream_end_hooks(),
+                    set_up_at,
+                )),
+                Err(e) => {
+                    watch.finish(&Err(e.clone()), None);
+                    Err(e)
+                }
+            }
         };
-        let result = if span.is_disabled() {
+        let watch = if span.is_disabled() {
             Either::Left(call)
         } else {
             Either::Right(call.instrument(span))
         }
-        .await;
-        result?;
-        opened
-            .into_inner()
-            .unwrap_or_else(PoisonError::into_inner)
-            .ok_or_else(|| {
-                RpcError::new(
-                    StatusCode::FrameworkError,
-                    format!(
-                        "{}: the stream's set-up succeeded without a stream (a client layer \
-                         answered it?); streams must reach the server",
-                        method.entry_id
-                    ),
-                )
-            })
+        .await?;
+        let stream = take(&opened).ok_or_else(|| {
+            RpcError::new(
+                StatusCode::FrameworkError,
+                format!(
+                    "{}: the stream's set-up succeeded without a stream (a client layer \
+                     answered it?); streams must reach the server",
+                    method.entry_id
+                ),
+            )
+        })?;
+        Ok(OpenStream {
+            stream,
+            inbound: take(&inbound),
+            sent,
+            watch,
+        })
+    }
+}
+
+/// What is in a mutex, taken out.
+fn take<T>(cell: &Mutex<Option<T>>) -> Option<T> {
+    cell.lock().unwrap_or_else(PoisonError::into_inner).take()
+}
+
+/// Where a stream's items come from once its set-up succeeded.
+enum Source {
+    /// The server accepted it; the caller's items are compressed with the algorithm and
+    /// above the threshold given, when there are (the server accepts the algorithm).
+    Remote(ClientStream, Option<ItemPack>),
+    /// A fallback answered its failed set-up.
+    Fallback(ByteStream),
+}
+
+/// A stream whose set-up succeeded, with what its caller still holds.
+struct OpenStream {
+    stream: Source,
+    /// The caller's items, when the server (not a fallback) took the stream.
+    inbound: Option<ByteStream>,
+    /// The caller's items sent so far.
+    sent: Arc<AtomicU64>,
+    watch: StreamWatch,
+}
+
+impl OpenStream {
+    /// What sends the caller's items to the server; `None` for a fallback's stream.
+    fn sender(&self) -> Option<(StreamSender, Option<ItemPack>)> {
+        match &self.stream {
+            Source::Remote(s, pack) => Some((s.sender(), *pack)),
+            Source::Fallback(_) => None,
+        }
+    }
+
+    /// The stream's items, watched until it ends.
+    fn into_items(self) -> ByteStream {
+        RpcStream::try_new(self.into_watched())
+    }
+
+    fn into_watched(self) -> Watched {
+        let items = match self.stream {
+            Source::Remote(s, _) => RpcStream::try_new(s),
+            Source::Fallback(s) => s,
+        };
+        Watched {
+            items,
+            watch: self.watch,
+        }
+    }
+}
+
+/// A stream's items, counted as they arrive; its end (or its drop) ends the call's watch.
+struct Watched {
+    items: ByteStream,
+    watch: StreamWatch,
+}
+
+impl Stream for Watched {
+    type Item = Result<Bytes, RpcError>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let next = Pin::new(&mut self.items).poll_next(cx);
+        match &next {
+            Poll::Ready(Some(Ok(_))) => self.watch.received(),
+            Poll::Ready(Some(Err(e))) => self.watch.finish(Err(e)),
+            Poll::Ready(None) => self.watch.finish(Ok(())),
+            Poll::Pending => {}
+        }
+        next
+    }
+}
+
+/// The fallback of a stream's set-up: when the governed set-up fails with a failure a
+/// fallback answers for, the fallback registered for the service opens a stream of its own
+/// (taking the caller's items); never once the server accepted the stream, since the set-up
+/// then succeeded.
+struct StreamFallback<'c, S> {
+    client: &'c Client,
+    inner: S,
+    opened: &'c Mutex<Option<Source>>,
+    inbound: &'c Mutex<Option<ByteStream>>,
+    /// The failure the fallback answered for, once it did.
+    cause: &'c Mutex<Option<RpcError>>,
+}
+
+impl<S: stack::Service> stack::Service for StreamFallback<'_, S> {
+    async fn call(&self, cx: &mut CallCx<'_>, req: Bytes) -> Result<Bytes, RpcError> {
+        let method = cx.method();
+        let Some(fallback) = self.client.inner.fallbacks.get(method.service_id) else {
+            return self.inner.call(cx, req).await;
+        };
+        let e = match self.inner.call(cx, req.clone()).await {
+            Err(e) if fallback::applies(&e, Side::Client) => e,
+            other => return other,
+        };
+        let endpoint = e.tried().last().map(String::as_str);
+        // Inside a handler whose caller's deadline has passed, nobody would read the
+        // fallback's stream: it does not start.
+        if rpc_governance::timeout::inherited_passed() {
+            cx.emit(
+                EventKind::FallbackSkipped,
+                endpoint,
+                cx.attempt(),
+                Some(e.to_string()),
+            );
+            return Err(rpc_governance::timeout::fallback_skipped(
+                method.entry_id,
+                &e,
+            ));
+        }
+        let Some(index) = fallback
+            .methods()
+            .iter()
+            .position(|m| m.entry_id == method.entry_id)
+        else {
+            return Err(e);
+        };
+        cx.emit(
+            EventKind::Fallback,
+            endpoint,
+            cx.attempt(),
+            Some(e.to_string()),
+        );
+        let items = take(self.inbound);
+        let setup = fallback.call_stream(index, req, items, self.client.inner.codec);
+        let answer = fallback::with_cause(e.clone(), setup).await;
+        let stream = fallback::outcome(method.entry_id, e.clone(), answer)?;
+        *self.opened.lock().unwrap_or_else(PoisonError::into_inner) =
+            Some(Source::Fallback(stream));
+        *self.cause.lock().unwrap_or_else(PoisonError::into_inner) = Some(e);
+        Ok(Bytes::new())
     }
 }
 
 /// Sends `items` on a stream that takes the client's items, each only once the server has
 /// granted credit for it, then the end of the request stream; stops when the stream ended.
 /// An error item of `items` is sent as the request stream's end and returned.
-async fn send_all(sender: &StreamSender, items: &mut ByteStream) -> Result<(), RpcError> {
+async fn send_all(
+    sender: &StreamSender,
+    items: &mut ByteStream,
+    sent: &AtomicU64,
+    pack: Option<ItemPack>,
+) -> Result<(), RpcError> {
     loop {
         // No credit, no item taken: the producer waits for the server.
         if !sender.ready().await {
@@ -231,9 +430,14 @@ async fn send_all(sender: &StreamSender, items: &mut ByteStream) -> Result<(), R
         };
         match next {
             Some(Ok(item)) => {
-                if sender.send(item).is_err() {
+                let (item, compression) = match pack {
+                    None => (item, 0),
+                    Some(pack) => pack.apply(item),
+                };
+                if sender.send_packed(item, compression).is_err() {
                     return Ok(());
                 }
+                sent.fetch_add(1, Ordering::Relaxed);
             }
             Some(Err(e)) => {
                 sender.finish(Err(e.clone()));
@@ -247,11 +451,44 @@ async fn send_all(sender: &StreamSender, items: &mut ByteStream) -> Result<(), R
     }
 }
 
+/// How the caller's items of a stream are compressed: with the entry's algorithm (one the
+/// connection's server accepts), each item of at least the entry's threshold that shrinks.
+#[derive(Debug, Clone, Copy)]
+struct ItemPack {
+    algorithm: Compression,
+    threshold: usize,
+}
+
+impl ItemPack {
+    /// The packing of the entry's `options` towards a server accepting `accepts`; `None`
+    /// when compression is off or the server does not decode the algorithm.
+    fn of(options: &GovernanceOptions, accepts: compression::Accepted) -> Option<ItemPack> {
+        let algorithm = options.compression;
+        accepts.contains(algorithm).then_some(ItemPack {
+            algorithm,
+            threshold: options.compression_threshold as usize,
+        })
+    }
+
+    /// `item` compressed, with its algorithm's wire number, or as it is with 0.
+    fn apply(self, item: Bytes) -> (Bytes, i32) {
+        match compression::pack(
+            self.algorithm,
+            self.threshold,
+            compression::Accepted::SUPPORTED,
+            &item,
+        ) {
+            Some(packed) => (packed, self.algorithm.to_wire()),
+            None => (item, 0),
+        }
+    }
+}
+
 /// The bottom of a stream's stack: one attempt at opening it on the chosen endpoint. The
 /// accepted stream is put aside for the caller; the stack sees an empty answer.
 struct OpenAttempt<'c> {
     client: &'c Client,
-    opened: &'c Mutex<Option<ClientStream>>,
+    opened: &'c Mutex<Option<Source>>,
     mode: StreamMode,
 }
 
@@ -273,19 +510,36 @@ impl stack::Service for OpenAttempt<'_> {
             let deadline = cx.deadline();
             let conn = self.client.connection(&addr, cx.attempt_deadline()).await?;
             cx.set_connection(conn.id());
+            // The set-up's arguments are compressed as a unary call's are: with the entry's
+            // algorithm, above its threshold, when this connection's server accepts it.
+            let options = cx.options();
+            let item_pack = ItemPack::of(options, conn.accept_compression());
+            let (parameters, compression) = match options.compression {
+                Compression::Off => (params, 0),
+                algorithm => match compression::pack(
+                    algorithm,
+                    options.compression_threshold as usize,
+                    conn.accept_compression(),
+                    &params,
+                ) {
+                    Some(packed) => {
+                        telemetry::record_compression(algorithm, params.len(), packed.len());
+                        (packed, algorithm.to_wire())
+                    }
+                    None => (params, 0),
+                },
+            };
             let call = Call {
                 service_entry_id: method.entry_id.into(),
                 codec: codec.to_wire(),
-                parameters: params,
+                parameters,
                 attachments: telemetry::outgoing_attachments(cx.call_id(), cx.attachments()),
                 timeout_ms: rpc_governance::timeout::remaining_ms_at(
                     tokio::time::Instant::now(),
                     deadline,
                 ),
                 stream_mode: 0,
-                // A stream's set-up arguments and items go plain: stream payloads are not
-                // compressed yet.
-                compression: 0,
+                compression,
             };
             match conn.open_stream(call, self.mode, deadline).await? {
                 Opened::Accepted(stream) => {
@@ -295,7 +549,8 @@ impl stack::Service for OpenAttempt<'_> {
                             .err()
                             .unwrap_or_else(|| RpcError::new(StatusCode::FrameworkError, "?"))
                     }));
-                    *self.opened.lock().unwrap_or_else(PoisonError::into_inner) = Some(stream);
+                    *self.opened.lock().unwrap_or_else(PoisonError::into_inner) =
+                        Some(Source::Remote(stream, item_pack));
                     Ok(Bytes::new())
                 }
                 Opened::Refused(answer) => into_result(answer, codec, &addr),

@@ -9,10 +9,13 @@
 //! nothing here allocates or formats; without feature `otel` the metrics are zero-sized no-ops.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use bytes::Bytes;
 use rpc_core::{Compression, MethodDescriptor, RpcContext, RpcError, StatusCode, CALL_ID_KEY};
 use rpc_governance::calls::{CallObservers, Side};
+use rpc_governance::stack::{StreamEnd, StreamEndHook};
 use tokio::time::Instant;
 use tracing::field::{display, Empty};
 use tracing::Span;
@@ -35,6 +38,31 @@ pub(crate) fn call_span(method: &'static MethodDescriptor) -> Span {
         rpc.route.fallback = Empty,
         otel.status_code = Empty,
         otel.status_description = Empty,
+    )
+}
+
+/// The span of one stream, from its set-up (retries and fallback included) to its end: the
+/// call span's fields plus the items each way (`rpc.stream.items_sent`,
+/// `rpc.stream.items_received`), recorded as the stream ends.
+pub(crate) fn stream_span(method: &'static MethodDescriptor) -> Span {
+    tracing::info_span!(
+        "rpc.client",
+        otel.kind = "client",
+        rpc.system = "rpc",
+        rpc.service = method.service_id,
+        rpc.method = method.method,
+        rpc.entry_id = method.entry_id,
+        call_id = Empty,
+        rpc.status_code = Empty,
+        outcome = Empty,
+        rpc.fallback.cause = Empty,
+        rpc.route = Empty,
+        rpc.route.group = Empty,
+        rpc.route.fallback = Empty,
+        otel.status_code = Empty,
+        otel.status_description = Empty,
+        rpc.stream.items_sent = Empty,
+        rpc.stream.items_received = Empty,
     )
 }
 
@@ -231,6 +259,167 @@ impl<'a> CallWatch<'a> {
     }
 }
 
+impl CallWatch<'_> {
+    /// The set-up of a stream succeeded (`fallback`: the failure a fallback's stream answers
+    /// for): the call goes on until the stream ends, watched by the returned
+    /// [`StreamWatch`], which records the status, the items each way and the duration then.
+    pub(crate) fn into_stream(
+        mut self,
+        sent: Arc<AtomicU64>,
+        fallback: Option<RpcError>,
+        hooks: Vec<StreamEndHook>,
+        opened: Instant,
+    ) -> StreamWatch {
+        self.done = true;
+        StreamWatch {
+            hooks,
+            opened,
+            span: self.span.clone(),
+            metrics: self.metrics.to_stream(),
+            started: self.started,
+            observed: self.observed.map(|(observers, entry, started, deadline)| {
+                (observers.clone(), entry, started, deadline)
+            }),
+            sent,
+            received: 0,
+            fallback,
+            done: false,
+        }
+    }
+}
+
+/// Watches an accepted stream until it ends: its end status, the items each way and its
+/// duration go to the call's span, the metrics (`rpc.client.calls`, `rpc.client.duration`,
+/// `rpc.client.stream.items`) and the client's call observers, as [`CallWatch`] does for a
+/// unary call. A stream dropped before its end was cancelled by its caller (or, past its
+/// deadline, timed out).
+pub(crate) struct StreamWatch {
+    span: Span,
+    metrics: StreamGuard,
+    started: Option<(Instant, Option<Instant>)>,
+    observed: Option<(CallObservers, &'static str, Instant, Option<Instant>)>,
+    /// Items sent to the server (counted by the task sending them).
+    sent: Arc<AtomicU64>,
+    /// Items received (for a client stream, its answer).
+    received: u64,
+    /// The failure the stream's fallback answers for, when a fallback's stream runs.
+    fallback: Option<RpcError>,
+    /// What the call's layers asked to be told at the end ([`CallCx::on_stream_end`]).
+    ///
+    /// [`CallCx::on_stream_end`]: rpc_governance::stack::CallCx::on_stream_end
+    hooks: Vec<StreamEndHook>,
+    /// When the set-up started.
+    opened: Instant,
+    done: bool,
+}
+
+impl StreamWatch {
+    /// One more item received.
+    pub(crate) fn received(&mut self) {
+        self.received += 1;
+    }
+
+    /// The stream ended: completed (`Ok`) or with an error item.
+    pub(crate) fn finish(&mut self, end: Result<(), &RpcError>) {
+        if self.done {
+            return;
+        }
+        self.done = true;
+        self.record_items();
+        let (status, outcome) = match (end, &self.fallback) {
+            (Ok(()), Some(cause)) => {
+                record_fallback(&self.span, cause);
+                self.metrics.fallback(cause.code());
+                (cause.code(), "fallback")
+            }
+            (Ok(()), None) => {
+                let ok = Ok(Bytes::new());
+                record_result(&self.span, &ok);
+                self.metrics.finish(&ok);
+                (StatusCode::Success, "success")
+            }
+            (Err(e), _) => {
+                let err = Err(e.clone());
+                record_result(&self.span, &err);
+                self.metrics.finish(&err);
+                (e.code(), "error")
+            }
+        };
+        if let Some((observers, entry, started, _)) = &self.observed {
+            observers.ended(Side::Client, entry, *started, Some(status), outcome);
+        }
+        let status = match end {
+            Ok(()) => StatusCode::Success,
+            Err(e) => e.code(),
+        };
+        self.run_hooks(Some(status), end.err());
+    }
+
+    /// Tells the layers' hooks how the stream ended.
+    fn run_hooks(&mut self, status: Option<StatusCode>, error: Option<&RpcError>) {
+        if self.hooks.is_empty() {
+            return;
+        }
+        let end = StreamEnd {
+            status,
+            error: error.cloned(),
+            items_sent: self.sent.load(Ordering::Relaxed),
+            items_received: self.received,
+            elapsed: self.opened.elapsed(),
+        };
+        for hook in std::mem::take(&mut self.hooks) {
+            hook(&end);
+        }
+    }
+
+    fn record_items(&self) {
+        let sent = self.sent.load(Ordering::Relaxed);
+        self.metrics.items(sent, self.received);
+        if !self.span.is_disabled() {
+            self.span.record("rpc.stream.items_sent", sent as i64);
+            self.span
+                .record("rpc.stream.items_received", self.received as i64);
+            // Entered once more as the stream ends: an exporter that takes a span's end from
+            // its last exit ends it here, not at the set-up.
+            self.span.in_scope(|| ());
+        }
+    }
+}
+
+impl Drop for StreamWatch {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        self.record_items();
+        if let Some((started, deadline)) = self.started {
+            let timed_out = record_dropped(&self.span, "stream", started, deadline);
+            self.metrics.dropped(timed_out);
+        }
+        if let Some((observers, entry, started, deadline)) = &self.observed {
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                observers.ended(
+                    Side::Client,
+                    entry,
+                    *started,
+                    Some(StatusCode::Timeout),
+                    "timeout",
+                );
+            } else {
+                observers.ended(Side::Client, entry, *started, None, "cancelled");
+            }
+        }
+        let timed_out = if self.hooks.is_empty() {
+            false
+        } else {
+            self.started
+                .and_then(|(_, deadline)| deadline)
+                .is_some_and(|d| Instant::now() >= d)
+        };
+        self.run_hooks(timed_out.then_some(StatusCode::Timeout), None);
+    }
+}
+
 impl Drop for CallWatch<'_> {
     fn drop(&mut self) {
         if self.done {
@@ -324,7 +513,7 @@ pub(crate) fn outgoing_attachments(
 }
 
 #[cfg(feature = "otel")]
-pub(crate) use otel::{CallGuard, Metrics};
+pub(crate) use otel::{CallGuard, Metrics, StreamGuard};
 
 #[cfg(feature = "otel")]
 mod otel {
@@ -372,6 +561,7 @@ mod otel {
         duration: Histogram<f64>,
         calls: Counter<u64>,
         in_flight: UpDownCounter<i64>,
+        stream_items: Counter<u64>,
         _gauges: Vec<ObservableGauge<i64>>,
         /// The gauges' last values, reported by the next collection after the client is gone.
         frozen: [Frozen; 2],
@@ -433,6 +623,12 @@ mod otel {
                 in_flight: meter
                     .i64_up_down_counter("rpc.client.in_flight")
                     .with_description("Calls in progress")
+                    .build(),
+                stream_items: meter
+                    .u64_counter("rpc.client.stream.items")
+                    .with_description(
+                        "Stream items, by entry and direction (sent to or received from the server)",
+                    )
                     .build(),
                 _gauges: vec![
                     gauge(
@@ -532,6 +728,98 @@ mod otel {
         }
     }
 
+    impl CallGuard<'_> {
+        /// The same call, now an accepted stream: a guard of its own that counts it in flight
+        /// until the stream ends (this one counts it out as it is dropped).
+        pub(crate) fn to_stream(&self) -> StreamGuard {
+            self.metrics.in_flight.add(1, &attributes(self.method)[..2]);
+            StreamGuard {
+                duration: self.metrics.duration.clone(),
+                calls: self.metrics.calls.clone(),
+                in_flight: self.metrics.in_flight.clone(),
+                items: self.metrics.stream_items.clone(),
+                method: self.method,
+                started: self.started,
+            }
+        }
+    }
+
+    /// One accepted stream in flight: the instruments a [`CallGuard`] uses, owned, so that
+    /// they outlive the set-up's borrow of the client.
+    pub(crate) struct StreamGuard {
+        duration: Histogram<f64>,
+        calls: Counter<u64>,
+        in_flight: UpDownCounter<i64>,
+        items: Counter<u64>,
+        method: &'static MethodDescriptor,
+        started: Instant,
+    }
+
+    impl StreamGuard {
+        /// Records the stream's duration and end status, as [`CallGuard::finish`].
+        pub(crate) fn finish(&self, result: &Result<Bytes, RpcError>) {
+            match result {
+                Ok(_) => self.record(Some(StatusCode::Success), "success"),
+                Err(e) => self.record(Some(e.code()), "error"),
+            }
+        }
+
+        /// Records a fallback's stream that completed, as [`CallGuard::fallback`].
+        pub(crate) fn fallback(&self, cause: StatusCode) {
+            self.record(Some(cause), "fallback");
+        }
+
+        /// Records a stream dropped before its end, as [`CallGuard::dropped`].
+        pub(crate) fn dropped(&self, timed_out: bool) {
+            if timed_out {
+                self.record(Some(StatusCode::Timeout), "timeout");
+            } else {
+                self.record(None, "cancelled");
+            }
+        }
+
+        /// Counts the stream's items each way (`rpc.stream.direction` = `sent` / `received`).
+        pub(crate) fn items(&self, sent: u64, received: u64) {
+            let [service, method, system] = attributes(self.method);
+            for (direction, n) in [("sent", sent), ("received", received)] {
+                if n > 0 {
+                    self.items.add(
+                        n,
+                        &[
+                            service.clone(),
+                            method.clone(),
+                            system.clone(),
+                            KeyValue::new("rpc.entry_id", self.method.entry_id),
+                            KeyValue::new("rpc.stream.direction", direction),
+                        ],
+                    );
+                }
+            }
+        }
+
+        fn record(&self, code: Option<StatusCode>, outcome: &'static str) {
+            let [service, method, system] = attributes(self.method);
+            let mut attrs = vec![
+                service,
+                method,
+                system,
+                KeyValue::new("rpc.outcome", outcome),
+            ];
+            if let Some(code) = code {
+                attrs.push(KeyValue::new("rpc.status_code", i64::from(code.as_u32())));
+            }
+            let ms = self.started.elapsed().as_secs_f64() * 1000.0;
+            self.duration.record(ms, &attrs);
+            self.calls.add(1, &attrs);
+        }
+    }
+
+    impl Drop for StreamGuard {
+        fn drop(&mut self) {
+            self.in_flight.add(-1, &attributes(self.method)[..2]);
+        }
+    }
+
     impl Drop for CallGuard<'_> {
         fn drop(&mut self) {
             self.metrics
@@ -542,7 +830,7 @@ mod otel {
 }
 
 #[cfg(not(feature = "otel"))]
-pub(crate) use noop::{CallGuard, Metrics};
+pub(crate) use noop::{CallGuard, Metrics, StreamGuard};
 
 #[cfg(not(feature = "otel"))]
 mod noop {
@@ -564,6 +852,19 @@ mod noop {
         pub(crate) fn finish(&self, _: &Result<Bytes, RpcError>) {}
         pub(crate) fn fallback(&self, _: StatusCode) {}
         pub(crate) fn dropped(&self, _: bool) {}
+        pub(crate) fn to_stream(&self) -> StreamGuard {
+            StreamGuard
+        }
+    }
+
+    /// Without feature `otel`: nothing.
+    pub(crate) struct StreamGuard;
+
+    impl StreamGuard {
+        pub(crate) fn finish(&self, _: &Result<Bytes, RpcError>) {}
+        pub(crate) fn fallback(&self, _: StatusCode) {}
+        pub(crate) fn dropped(&self, _: bool) {}
+        pub(crate) fn items(&self, _: u64, _: u64) {}
     }
 }
 

@@ -22,7 +22,7 @@ use rpc_core::{
 use rpc_governance::calls::{CallObservers, Side};
 use rpc_governance::events::{EventBus, EventKind};
 use rpc_governance::fallback;
-use rpc_transport::{error_result, Caller, Dispatch, Invoke, InvokeHandler};
+use rpc_transport::{error_result, Caller, Dispatch, Invoke, InvokeHandler, StreamEvent};
 use tokio::time::Instant;
 use tracing::Instrument;
 
@@ -93,12 +93,27 @@ impl Terminal {
         };
         let parameters = std::mem::take(&mut req.parameters);
         if let Some(opened) = req.stream.clone() {
-            // A server stream: its set-up is what the layers see; its items, holding the
-            // entry's slot until they end, are left for the dispatcher.
+            // A stream: its set-up is what the layers see (with the caller's items, for a
+            // stream taking them); its items, holding the entry's slot until they end, are
+            // left for the dispatcher.
             let attachments = std::mem::take(&mut req.attachments);
+            let inbound = req.inbound.as_ref().and_then(|slot| {
+                slot.lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .take()
+            });
+            let for_fallback = self.fallback.as_ref().map(|_| parameters.clone());
             let setup = self
                 .service
-                .call_stream(self.index, parameters, None, req.codec);
+                .call_stream(self.index, parameters, inbound, req.codec);
+            let mode = self.service.stream_mode(self.index);
+            let setup = crate::streams::with_fallback(
+                setup,
+                self.fallback.as_ref(),
+                mode,
+                for_fallback,
+                req.codec,
+            );
             let items = if attachments.is_empty() {
                 setup.await
             } else {
@@ -259,8 +274,26 @@ impl Pack {
         match dispatch {
             Dispatch::Ready(answer) => Dispatch::Ready(self.apply(answer)),
             Dispatch::Spawn(call) => Dispatch::Spawn(Box::pin(call.map(move |a| self.apply(a)))),
-            // A stream's items and end go as they are: stream payloads are not compressed yet.
-            stream @ Dispatch::Stream(_) => stream,
+            // A stream's items are compressed one by one; its end goes as it is.
+            Dispatch::Stream(events) => Dispatch::Stream(Box::pin(futures_util::StreamExt::map(
+                events,
+                move |event| self.apply_item(event),
+            ))),
+        }
+    }
+
+    fn apply_item(self, event: StreamEvent) -> StreamEvent {
+        match event {
+            StreamEvent::Item(payload) => match rpc_transport::compression::pack(
+                self.algorithm,
+                self.threshold,
+                rpc_transport::compression::Accepted::SUPPORTED,
+                &payload,
+            ) {
+                Some(packed) => StreamEvent::Packed(packed, self.algorithm.to_wire()),
+                None => StreamEvent::Item(payload),
+            },
+            other => other,
         }
     }
 
@@ -462,6 +495,8 @@ impl Dispatcher {
             fallback_cause: None,
             load: None,
             stream: None,
+            inbound: None,
+            stream_end: None,
         };
         let chain = chain.clone();
         let send_panic_text = self.send_panic_text;

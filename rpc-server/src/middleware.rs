@@ -84,12 +84,40 @@ pub struct ServerRequest {
     /// the entry's slot) once set up; the layers see the set-up's outcome as the call's.
     /// (Shared with a request split off for an adapter that owns it.)
     pub(crate) stream: Option<StreamSlot>,
+    /// For a client or bidirectional stream: the caller's items, which the end of the chain
+    /// hands the handler (shared with a split-off request, as `stream`).
+    pub(crate) inbound: Option<StreamSlot>,
+    /// For a stream's set-up: what layers asked to be told as the stream ends
+    /// ([`on_stream_end`](Self::on_stream_end)).
+    pub(crate) stream_end: Option<StreamEndHooks>,
 }
+
+/// The hooks layers registered on a stream's set-up, run as the stream ends.
+pub(crate) type StreamEndHooks = Arc<std::sync::Mutex<Vec<rpc_governance::stack::StreamEndHook>>>;
 
 /// Where the end of a server layer chain leaves a server stream's items.
 pub(crate) type StreamSlot = Arc<std::sync::Mutex<Option<rpc_core::ByteStream>>>;
 
 impl ServerRequest {
+    /// Asks to be told how the stream this request sets up ends: for a stream whose set-up
+    /// succeeds, `hook` runs once as the stream ends (completed, with an error or at the
+    /// deadline, or stopped by the caller's `Cancel`, its connection's end or the drain:
+    /// `status` `None`), with the items the server sent (`items_sent`) and the caller's items
+    /// its handler took (`items_received`). A layer sees the set-up as the call (its result
+    /// is the set-up's) and the stream's end through this hook. For a unary call, or a set-up
+    /// that fails, the hook never runs.
+    pub fn on_stream_end(
+        &mut self,
+        hook: impl FnOnce(&rpc_governance::stack::StreamEnd) + Send + Sync + 'static,
+    ) {
+        if let Some(hooks) = &self.stream_end {
+            hooks
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .push(Box::new(hook));
+        }
+    }
+
     /// The entry called: `"<service id>.<method>"`, e.g. `"orders.Orders.cancel"`.
     pub fn entry_id(&self) -> &'static str {
         self.method.entry_id
@@ -174,6 +202,8 @@ impl ServerRequest {
             fallback_cause: None,
             load: None,
             stream: self.stream.clone(),
+            inbound: self.inbound.clone(),
+            stream_end: self.stream_end.clone(),
         }
     }
 }

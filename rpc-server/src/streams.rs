@@ -24,14 +24,16 @@ use rpc_core::{
     ByteStream, Codec, RpcContext, RpcError, RpcStream, StatusCode, StreamFuture, StreamMode,
 };
 use rpc_governance::calls::Side;
+use rpc_governance::events::EventKind;
+use rpc_governance::fallback;
 use rpc_transport::{error_result, Caller, Dispatch, Invoke, StreamEvent};
 use tokio::time::Instant;
 
 use crate::admission::{Admission, Slot, CRITICALITY_ATTACHMENT};
 use crate::dispatch::{
-    refusal_event, settle, to_message, with_load, Dispatcher, Layered, Outcome, Route,
+    refusal_event, settle, to_message, with_load, Dispatcher, FallbackTo, Layered, Outcome, Route,
 };
-use crate::middleware::{LayerFuture, Next, ServerRequest, StreamSlot};
+use crate::middleware::{LayerFuture, Next, ServerRequest, StreamEndHooks, StreamSlot};
 use crate::telemetry;
 
 /// The answer to a call whose shape is not its method's.
@@ -71,25 +73,11 @@ pub(crate) fn dispatch(
     caller: &Arc<Caller>,
 ) -> Dispatch {
     if let Some(chain) = &route.layered {
-        if route.stream != StreamMode::Server {
-            // The layers would have to run around the whole exchange of items.
-            let e = RpcError::new(
-                StatusCode::NotImplemented,
-                format!(
-                    "{} is {}, and this server has server layers, which run for server streams \
-                     only so far: serve it from a server without layers",
-                    route.method.entry_id,
-                    describe(route.stream)
-                ),
-            );
-            telemetry::record_error(&span, e.code(), e.message());
-            return Dispatch::Ready(to_message(Err(e)));
-        }
         return layered(
             d,
             route,
             chain.clone(),
-            invoke,
+            (invoke, inbound),
             codec,
             attachments,
             span,
@@ -146,9 +134,17 @@ pub(crate) fn dispatch(
             }
         }))
     });
+    let parameters = route.fallback.as_ref().map(|_| invoke.parameters.clone());
     let setup = route
         .service
         .call_stream(route.index, invoke.parameters, inbound, codec);
+    let setup = with_fallback(
+        setup,
+        route.fallback.as_ref(),
+        route.stream,
+        parameters,
+        codec,
+    );
     // The set-up runs in the caller's context, so the calls it makes carry its attachments on.
     let setup: StreamFuture = if attachments.is_empty() {
         setup
@@ -179,21 +175,24 @@ pub(crate) fn dispatch(
             sent: 0,
             received,
             ended: false,
+            end_hooks: None,
         }
         .boxed(),
     )
 }
 
-/// A server stream on a server with layers: the layers see its set-up as a call (they may
-/// refuse it, change its attachments, look at its outcome), the end of their chain admits it
-/// at the entry and sets the handler's stream up, and its items then flow as on a server
-/// without layers, within the same deadline.
+/// A stream on a server with layers: the layers see its set-up as a call (they may refuse it,
+/// change its attachments, look at its outcome), the end of their chain admits it at the
+/// entry and sets the handler's stream up (handing it the caller's items, for a stream taking
+/// them), and its items then flow as on a server without layers, within the same deadline.
+/// A client or bidirectional stream is accepted before its layers run (the caller's items
+/// wait within their window meanwhile), so a layer's refusal ends it after acceptance.
 #[allow(clippy::too_many_arguments)]
 fn layered(
     d: &Dispatcher,
     route: &Route,
     chain: Arc<Layered>,
-    invoke: Invoke,
+    (invoke, inbound): (Invoke, Option<ByteStream>),
     codec: Codec,
     attachments: BTreeMap<String, String>,
     span: tracing::Span,
@@ -207,6 +206,17 @@ fn layered(
         )
     });
     let opened = StreamSlot::default();
+    let hooks = StreamEndHooks::default();
+    // The caller's items, counted as the handler takes them (for the span and the hooks).
+    let received = Arc::new(AtomicU64::new(0));
+    let inbound = inbound.map(|items| {
+        let counter = received.clone();
+        RpcStream::try_new(items.inspect(move |item| {
+            if item.is_ok() {
+                counter.fetch_add(1, Ordering::Relaxed);
+            }
+        }))
+    });
     let mut req = ServerRequest {
         method: route.method,
         caller: caller.clone(),
@@ -217,6 +227,8 @@ fn layered(
         fallback_cause: None,
         load: None,
         stream: Some(opened.clone()),
+        inbound: inbound.map(|items| Arc::new(std::sync::Mutex::new(Some(items)))),
+        stream_end: Some(hooks.clone()),
     };
     let setup: StreamFuture = Box::pin(async move {
         let first: LayerFuture<'_> = match chain.layers.first() {
@@ -253,8 +265,8 @@ fn layered(
     );
     Dispatch::Stream(
         ServerStream {
-            accept_first: false,
-            client_streaming: false,
+            accept_first: route.stream != StreamMode::Server,
+            client_streaming: route.stream == StreamMode::Client,
             accepted: false,
             setup: Some(setup),
             items: None,
@@ -267,11 +279,48 @@ fn layered(
             watch,
             send_panic_text: d.send_panic_text,
             sent: 0,
-            received: Default::default(),
+            received,
             ended: false,
+            end_hooks: Some((hooks, Instant::now())),
         }
         .boxed(),
     )
+}
+
+/// `setup` answered, should it fail with an error a server fallback applies to, by the
+/// fallback's own stream: for a server stream only (a stream taking the caller's items was
+/// accepted before its handler ran, and its items may be spent), and only for the set-up's
+/// error (a panic of the set-up is not answered for).
+pub(crate) fn with_fallback(
+    setup: StreamFuture,
+    fallback: Option<&Arc<FallbackTo>>,
+    mode: StreamMode,
+    parameters: Option<Bytes>,
+    codec: Codec,
+) -> StreamFuture {
+    let (Some(to), StreamMode::Server, Some(parameters)) = (fallback, mode, parameters) else {
+        return setup;
+    };
+    let to = to.clone();
+    Box::pin(async move {
+        let e = match setup.await {
+            Err(e) if fallback::applies(&e, fallback::Side::Server) => e,
+            other => return other,
+        };
+        to.events.emit_parts(
+            EventKind::Fallback,
+            &to.entry_id,
+            Some(&to.endpoint),
+            0,
+            Some(e.to_string()),
+        );
+        let answer = fallback::with_cause(
+            e.clone(),
+            to.service.call_stream(to.index, parameters, None, codec),
+        )
+        .await;
+        fallback::outcome(&to.entry_id, e, answer)
+    })
 }
 
 /// `items`, holding the entry's slot `permit` until they are dropped.
@@ -308,11 +357,15 @@ struct ServerStream {
     /// The caller's items the handler took so far.
     received: Arc<AtomicU64>,
     ended: bool,
+    /// What server layers asked to be told as the stream ends, and when it started.
+    end_hooks: Option<(StreamEndHooks, Instant)>,
 }
 
 impl ServerStream {
     fn end(&mut self, result: Result<Bytes, RpcError>) -> Poll<Option<StreamEvent>> {
         self.ended = true;
+        // (Layers hear of the end of a stream whose set-up succeeded only.)
+        let set_up = self.items.is_some();
         // The handler's stream goes first, then its slot.
         self.setup = None;
         self.items = None;
@@ -321,7 +374,39 @@ impl ServerStream {
         self.watch
             .stream_items(self.sent, self.received.load(Ordering::Relaxed));
         self.watch.finish(&result, None);
+        if set_up {
+            self.run_end_hooks(Some(&result));
+        }
         Poll::Ready(Some(StreamEvent::End(with_load(to_message(result), load))))
+    }
+
+    /// Tells the layers' hooks how the stream ended (`None`: stopped before its end).
+    fn run_end_hooks(&mut self, result: Option<&Result<Bytes, RpcError>>) {
+        let Some((hooks, started)) = self.end_hooks.take() else {
+            return;
+        };
+        let hooks = std::mem::take(
+            &mut *hooks
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        );
+        if hooks.is_empty() {
+            return;
+        }
+        let error = result.and_then(|r| r.as_ref().err()).cloned();
+        let end = rpc_governance::stack::StreamEnd {
+            status: result.map(|r| {
+                r.as_ref()
+                    .map_or_else(RpcError::code, |_| StatusCode::Success)
+            }),
+            error,
+            items_sent: self.sent,
+            items_received: self.received.load(Ordering::Relaxed),
+            elapsed: started.elapsed(),
+        };
+        for hook in hooks {
+            hook(&end);
+        }
     }
 
     /// Polls the handler's code once, inside the deadline, catching a panic.
@@ -332,6 +417,19 @@ impl ServerStream {
         rpc_governance::timeout::sync_with_inherited(deadline.map(|(d, _)| d), || {
             std::panic::catch_unwind(AssertUnwindSafe(poll))
         })
+    }
+}
+
+impl Drop for ServerStream {
+    fn drop(&mut self) {
+        // Stopped before its end: `Cancel`, the connection's end, the drain.
+        if !self.ended {
+            self.watch
+                .stream_items(self.sent, self.received.load(Ordering::Relaxed));
+            if self.items.is_some() {
+                self.run_end_hooks(None);
+            }
+        }
     }
 }
 

@@ -104,6 +104,7 @@ impl CallWatch {
             self.span.record("rpc.stream.items_sent", n(sent));
             self.span.record("rpc.stream.items_received", n(received));
         }
+        self.metrics.items(sent, received);
     }
 
     pub(crate) fn new(
@@ -278,6 +279,7 @@ mod otel {
         duration: Histogram<f64>,
         calls: Counter<u64>,
         in_flight: UpDownCounter<i64>,
+        stream_items: Counter<u64>,
     }
 
     impl Metrics {
@@ -298,6 +300,13 @@ mod otel {
                     in_flight: meter
                         .i64_up_down_counter("rpc.server.in_flight")
                         .with_description("Calls being handled")
+                        .build(),
+                    stream_items: meter
+                        .u64_counter("rpc.server.stream.items")
+                        .with_description(
+                            "Stream items, by entry and direction (sent to the caller, or the \
+                             caller's taken by the handler)",
+                        )
                         .build(),
                 }),
             }
@@ -350,6 +359,25 @@ mod otel {
         /// a fallback's answer counted with the status of the failure it answered for).
         pub(crate) fn finish(&self, code: StatusCode, outcome: &'static str) {
             self.dropped(Some(code), outcome);
+        }
+
+        /// Counts a stream's items each way (`rpc.stream.direction` = `sent` / `received`).
+        pub(crate) fn items(&self, sent: u64, received: u64) {
+            let [service, method, system] = attributes(self.method);
+            for (direction, n) in [("sent", sent), ("received", received)] {
+                if n > 0 {
+                    self.metrics.inner.stream_items.add(
+                        n,
+                        &[
+                            service.clone(),
+                            method.clone(),
+                            system.clone(),
+                            KeyValue::new("rpc.entry_id", self.method.entry_id),
+                            KeyValue::new("rpc.stream.direction", direction),
+                        ],
+                    );
+                }
+            }
         }
 
         /// Records a call whose handler was dropped: at its deadline (519, `timeout`) or by
@@ -405,5 +433,6 @@ mod noop {
     impl CallGuard {
         pub(crate) fn finish(&self, _: StatusCode, _: &'static str) {}
         pub(crate) fn dropped(&self, _: Option<StatusCode>, _: &'static str) {}
+        pub(crate) fn items(&self, _: u64, _: u64) {}
     }
 }

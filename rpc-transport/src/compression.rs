@@ -210,6 +210,18 @@ pub fn pack(
     (packed.len() < data.len()).then_some(packed)
 }
 
+/// A stream item's payload, decompressed within `limit` bytes when it came compressed.
+pub(crate) fn unpack_item(
+    item: &rpc_core::wire::StreamItem,
+    limit: usize,
+) -> Result<bytes::Bytes, String> {
+    if item.compression == 0 {
+        return Ok(item.payload.clone());
+    }
+    decompress(item.compression, &item.payload, limit)
+        .map_err(|e| format!("stream item {}: {e}", item.message_id))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

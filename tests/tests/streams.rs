@@ -884,6 +884,7 @@ async fn items_beyond_the_window_end_only_that_stream() {
             peer.send(Kind::StreamItem(StreamItem {
                 message_id: id,
                 payload: Codec::MsgPack.encode(&n).expect("encode"),
+                compression: 0,
             }))
             .await
             .expect("item");
@@ -979,7 +980,7 @@ impl rpc::ServerLayer for Gate {
 
 /// Server layers see a server stream's set-up as a call: they may refuse it before the
 /// handler runs; a stream they hand on streams as without layers. (Client and bidirectional
-/// streams are refused by servers with layers, 501, for now.)
+/// streams pass them too: tests/streams_governance.rs.)
 #[tokio::test]
 async fn server_layers_see_a_streams_set_up_and_may_refuse_it() {
     let reg = InProcessRegistry::new();
@@ -1044,8 +1045,8 @@ async fn server_layers_see_a_streams_set_up_and_may_refuse_it() {
     );
     let e = within("sum", intruder.sum("x".into(), RpcStream::iter([1u64])))
         .await
-        .expect_err("client streams do not pass layers yet");
-    assert_eq!(e.code(), StatusCode::NotImplemented, "{e}");
+        .expect_err("the layer refuses client streams too");
+    assert_eq!(e.code(), StatusCode::UnAuthorization, "{e}");
     within("shutdown", server.shutdown()).await;
 }
 

@@ -50,7 +50,30 @@ pub struct CallCx<'g> {
     /// Only when a layer adds one: most calls carry none, and an empty map still costs its drop.
     attachments: Option<BTreeMap<String, String>>,
     call_id: Option<String>,
+    /// What layers asked to be told when the stream this call opens ends (empty for most
+    /// calls: an empty list allocates nothing).
+    stream_end: Vec<StreamEndHook>,
 }
+
+/// How a stream ended, as a hook a layer registered with [`CallCx::on_stream_end`] sees it.
+#[derive(Debug, Clone)]
+pub struct StreamEnd {
+    /// The stream's end status: 200 when it completed, the error's status when it ended with
+    /// one (the server's error, the deadline, a failed connection), `None` when its caller
+    /// dropped it before its end.
+    pub status: Option<rpc_core::StatusCode>,
+    /// The error it ended with, if it did.
+    pub error: Option<RpcError>,
+    /// Items the caller sent (client and bidirectional streams).
+    pub items_sent: u64,
+    /// Items the caller received (for a client stream, its one answer).
+    pub items_received: u64,
+    /// From the start of the set-up to the end.
+    pub elapsed: std::time::Duration,
+}
+
+/// A hook registered with [`CallCx::on_stream_end`].
+pub type StreamEndHook = Box<dyn FnOnce(&StreamEnd) + Send + Sync>;
 
 /// What [`CallCx::attachments`] shows when no layer added any.
 static NO_ATTACHMENTS: BTreeMap<String, String> = BTreeMap::new();
@@ -97,6 +120,7 @@ impl<'g> CallCx<'g> {
             fallback_cause: None,
             attachments: None,
             call_id: None,
+            stream_end: Vec::new(),
         }
     }
 
@@ -222,6 +246,23 @@ impl<'g> CallCx<'g> {
         self.attachments
             .get_or_insert_with(Default::default)
             .insert(key.into(), value.into());
+    }
+
+    /// Asks to be told how the stream this call sets up ends: for the set-up of a stream
+    /// whose set-up succeeds, `hook` runs once as the stream ends (completed, with an error,
+    /// or dropped by its caller), with its status and the items each way. A layer sees the
+    /// set-up as a call (its result is the set-up's), and the stream's end through this hook.
+    /// For a unary call, or a set-up that fails (the layer sees that error itself), the hook
+    /// never runs. A hook registered by a per-attempt layer runs at the end of the stream the
+    /// call opened, whichever attempt opened it.
+    pub fn on_stream_end(&mut self, hook: impl FnOnce(&StreamEnd) + Send + Sync + 'static) {
+        self.stream_end.push(Box::new(hook));
+    }
+
+    /// The hooks registered with [`on_stream_end`](Self::on_stream_end), taken out: the
+    /// client runs them as the stream ends.
+    pub fn take_stream_end_hooks(&mut self) -> Vec<StreamEndHook> {
+        std::mem::take(&mut self.stream_end)
     }
 
     /// The call's short id, when the call is logged.

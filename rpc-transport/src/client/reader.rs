@@ -41,7 +41,27 @@ pub(super) async fn read_loop<R: AsyncRead + Unpin>(
             Some(Ok(Kind::StreamItem(item))) => {
                 // Items of a stream that ended or was given up are dropped.
                 if let Some(stream) = shared.pending.stream(item.message_id) {
-                    if !stream.push(item.payload) {
+                    let payload =
+                        match crate::compression::unpack_item(&item, shared.max_frame_length) {
+                            Ok(payload) => payload,
+                            Err(e) => {
+                                // A corrupt item ends its stream (only), the server told to stop.
+                                let e = RpcError::new(
+                                    StatusCode::FrameworkError,
+                                    format!("{}: {e}; the stream was ended", shared.peer),
+                                );
+                                if let Some(w) = stream.end(Err(e)) {
+                                    w.wake();
+                                }
+                                if shared.pending.remove(item.message_id) {
+                                    shared.sender.send(Kind::Cancel(Cancel {
+                                        message_id: item.message_id,
+                                    }));
+                                }
+                                continue;
+                            }
+                        };
+                    if !stream.push(payload) {
                         // Beyond the credit given: this stream (only) ends.
                         let violation = RpcError::new(
                             StatusCode::FrameworkError,

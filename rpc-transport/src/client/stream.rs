@@ -300,6 +300,13 @@ impl StreamSender {
     /// an error, sending nothing, when there is no credit (wait for [`ready`](Self::ready))
     /// or the stream ended.
     pub fn send(&self, item: Bytes) -> Result<(), RpcError> {
+        self.send_packed(item, 0)
+    }
+
+    /// [`send`](Self::send) for an item compressed with the algorithm of wire number
+    /// `compression` (0: plain), which must be one the server accepts
+    /// ([`Connection::accept_compression`](crate::Connection::accept_compression)).
+    pub fn send_packed(&self, item: Bytes, compression: i32) -> Result<(), RpcError> {
         if !self.shared.take_credit() {
             return Err(RpcError::new(
                 StatusCode::FrameworkError,
@@ -313,6 +320,7 @@ impl StreamSender {
         self.conn.shared.sender.send(Kind::StreamItem(StreamItem {
             message_id: self.id,
             payload: item,
+            compression,
         }));
         Ok(())
     }

@@ -167,6 +167,16 @@ impl FrameCtx<'_> {
                     r.message_id = id;
                     conn.sender.send(Kind::Result(r));
                 } else if matches!(invoke.mode(), Some(StreamMode::Client | StreamMode::Bidi)) {
+                    // Compressed set-up arguments are unpacked as a unary call's are.
+                    let mut invoke = invoke;
+                    if invoke.compression != 0 {
+                        if let Err(why) = unpack(&mut invoke, self.options.max_frame_length) {
+                            let mut r = error_result(StatusCode::FrameworkError, why);
+                            r.message_id = id;
+                            conn.sender.send(Kind::Result(r));
+                            return Ok(());
+                        }
+                    }
                     // The client's items may come before the handler is set up: they wait in
                     // the stream's queue, which exists from now on.
                     let slot = Arc::new(StreamSlot::new(self.options.stream_window.max(1)));
@@ -211,7 +221,19 @@ impl FrameCtx<'_> {
                 // (Items of a stream that ended are dropped; a stream that takes none, or is
                 // sent more than its credit, ends with an error.)
                 if let Some(slot) = conn.streams.get(item.message_id) {
-                    slot.push(item.payload);
+                    match crate::compression::unpack_item(&item, self.options.max_frame_length) {
+                        Ok(payload) => slot.push(payload),
+                        // A corrupt item ends the client's request stream with 500, and so
+                        // the stream.
+                        Err(why) => slot.finish(rpc_core::wire::StreamEnd {
+                            message_id: item.message_id,
+                            status_code: StatusCode::FrameworkError.as_u32(),
+                            exception_message: format!(
+                                "{why}; the stream was ended: send items that decompress \
+                                 within the server's frame limit"
+                            ),
+                        }),
+                    }
                 }
                 Ok(())
             }

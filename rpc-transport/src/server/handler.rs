@@ -37,8 +37,23 @@ pub enum StreamEvent {
     Accepted,
     /// One encoded item (accepts the stream first if it was not yet).
     Item(bytes::Bytes),
+    /// One encoded item compressed with the algorithm of wire number `.1` (one the client
+    /// accepts), sent as it is.
+    Packed(bytes::Bytes, i32),
     /// The end of the stream, with its status: a refusal when it comes before `Accepted`.
     End(RemoteResultMessage),
+}
+
+impl StreamEvent {
+    /// An item's payload and its compression's wire number (0: plain); `None` for another
+    /// event.
+    pub fn into_item(self) -> Option<(bytes::Bytes, i32)> {
+        match self {
+            StreamEvent::Item(payload) => Some((payload, 0)),
+            StreamEvent::Packed(payload, compression) => Some((payload, compression)),
+            _ => None,
+        }
+    }
 }
 
 /// The layer above the transport: turns a call into its answer. `message_id` of the answer is

@@ -341,14 +341,18 @@ impl Future for StreamDriver {
                         this.accept();
                     }
                 }
-                Poll::Ready(Some(StreamEvent::Item(payload))) => {
+                Poll::Ready(Some(item @ (StreamEvent::Item(_) | StreamEvent::Packed(..)))) => {
                     if !this.accepted {
                         this.accept();
                     }
+                    let Some((payload, compression)) = item.into_item() else {
+                        unreachable!("an item")
+                    };
                     this.slot.credit.fetch_sub(1, Ordering::AcqRel);
                     this.sender.send(Kind::StreamItem(StreamItem {
                         message_id: this.id,
                         payload,
+                        compression,
                     }));
                     sent += 1;
                 }
