@@ -169,8 +169,16 @@ async fn warm_up(client: &ZipClient, proxy: &Proxy) {
     proxy.counts.take();
 }
 
+/// A span subscriber on this test's thread until dropped. Every test installs one: `tracing`
+/// caches each callsite's interest process-wide, and a thread without a subscriber could
+/// register the attempt span's callsite as never wanted while the span test runs.
+fn traced() -> (common::otel::Traces, tracing::subscriber::DefaultGuard) {
+    common::otel::Traces::install()
+}
+
 #[tokio::test]
 async fn zstd_and_lz4_payloads_cross_the_wire_compressed_and_come_back_whole() {
+    let _traced = traced();
     let server = server().await;
     let proxy = Proxy::start(server.local_addr()).await;
     let client = client_to(proxy.addr);
@@ -210,6 +218,7 @@ async fn zstd_and_lz4_payloads_cross_the_wire_compressed_and_come_back_whole() {
 
 #[tokio::test]
 async fn payloads_below_the_threshold_go_plain_and_from_the_threshold_on_compressed() {
+    let _traced = traced();
     let server = server().await;
     let proxy = Proxy::start(server.local_addr()).await;
     let client = client_to(proxy.addr);
@@ -263,6 +272,7 @@ async fn payloads_below_the_threshold_go_plain_and_from_the_threshold_on_compres
 
 #[tokio::test]
 async fn compression_turned_on_by_the_client_is_followed_by_the_server() {
+    let _traced = traced();
     let server = server().await;
     let proxy = Proxy::start(server.local_addr()).await;
     let client = client_to(proxy.addr);
@@ -306,6 +316,7 @@ async fn raw_result(raw: &mut RawConn) -> rpc::crates::core::wire::RemoteResultM
 
 #[tokio::test]
 async fn a_peer_that_does_not_negotiate_gets_plain_answers_even_from_a_compressing_entry() {
+    let _traced = traced();
     let server = server().await;
     let payload = text(64 * 1024);
 
@@ -351,6 +362,7 @@ async fn a_peer_that_does_not_negotiate_gets_plain_answers_even_from_a_compressi
 
 #[tokio::test]
 async fn corrupt_or_oversized_compressed_parameters_get_a_clear_500_and_the_connection_goes_on() {
+    let _traced = traced();
     let server = server().await;
     let mut raw = RawConn::connect(server.local_addr()).await;
     raw.handshake().await;
@@ -433,6 +445,7 @@ async fn corrupt_or_oversized_compressed_parameters_get_a_clear_500_and_the_conn
 
 #[tokio::test]
 async fn a_client_refuses_a_corrupt_or_oversized_answer_and_its_other_calls_go_on() {
+    let _traced = traced();
     // A server played by hand: it answers the first calls with bad compressed results, then
     // properly.
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
@@ -506,7 +519,7 @@ async fn a_client_refuses_a_corrupt_or_oversized_answer_and_its_other_calls_go_o
 
 #[tokio::test]
 async fn the_attempt_span_records_the_algorithm_and_the_sizes_before_and_after() {
-    let (traces, _guard) = common::otel::Traces::install();
+    let (traces, _guard) = traced();
     let server = server().await;
     let client = client_to(server.local_addr());
     let payload = text(64 * 1024);
@@ -550,6 +563,7 @@ async fn the_attempt_span_records_the_algorithm_and_the_sizes_before_and_after()
 
 #[tokio::test]
 async fn the_server_compresses_answers_with_its_own_option_even_for_plain_calls() {
+    let _traced = traced();
     let server = server().await;
     let proxy = Proxy::start(server.local_addr()).await;
     let client = client_to(proxy.addr);
