@@ -11,6 +11,7 @@
 #        BASE=afc122e (unset: no unary comparison; built in a temporary worktree into
 #        BASE_TARGET_DIR, default target/stream-bench-base) or BASE_BIN=<a bench built from it>,
 #        UNARY_CASES="32:1 32:256 4096:16" (payload:concurrency, one connection)
+#        STREAM_WINDOW=<items> (the rpc client's ClientBuilder::stream_window; unset: its default)
 #        CARGO_TARGET_DIR (default target/) for both programs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,13 +39,18 @@ cp "$target/release/bench" "$work/rpc"
 cp "$target/release/tonic-stream" "$work/tonic"
 
 # start_server PROGRAM: starts it on a free port, sets $addr and $spid.
+nserver=0
 start_server() {
-  "$@" --mode server --addr 127.0.0.1:0 >"$work/server.out" &
+  # A file per server: the next one's output never mixes with (or is read as) the last one's.
+  nserver=$((nserver + 1))
+  out=$work/server.$nserver.out
+  : >"$out"
+  "$@" --mode server --addr 127.0.0.1:0 >"$out" &
   spid=$!
   servers+=("$spid")
   addr=
   for _ in $(seq 1 200); do
-    addr=$(sed -n 's/^LISTENING .*addr=\([^ ]*\).*/\1/p' "$work/server.out")
+    addr=$(sed -n 's/^LISTENING .*addr=\([^ ]*\).*/\1/p' "$out")
     [[ -n $addr ]] && return 0
     kill -0 "$spid" 2>/dev/null || break
     sleep 0.05
@@ -62,7 +68,7 @@ stop_server() {
   done
   kill -KILL "$spid" 2>/dev/null || true
   wait "$spid" 2>/dev/null || true
-  grep '^SERVER ' "$work/server.out" || echo "SERVER none"
+  grep '^SERVER ' "$out" || echo "SERVER none"
 }
 
 runs=$work/streams.txt
@@ -72,8 +78,10 @@ for rep in $(seq 1 "$REPS"); do
     for s in $STREAMS; do
       for peer in rpc tonic; do
         start_server "$work/$peer"
+        extra=()
+        [[ $peer == rpc && -n ${STREAM_WINDOW:-} ]] && extra=(--stream-window "$STREAM_WINDOW")
         line=$("$work/$peer" --mode client --addr "$addr" --streams "$s" --size "$size" \
-          --duration "$DURATION" --warmup "$WARMUP") || { echo "client $peer failed: $line" >&2; exit 1; }
+          --duration "$DURATION" --warmup "$WARMUP" "${extra[@]}") || { echo "client $peer failed: $line" >&2; exit 1; }
         server=$(stop_server)
         echo "$line" "server_$(echo "$server" | tr ' ' '\n' | grep -E '^(items|cpu_s)=' | paste -sd' ' | sed 's/ / server_/')" | tee -a "$runs" >&2
       done
@@ -81,7 +89,7 @@ for rep in $(seq 1 "$REPS"); do
   done
 done
 
-echo "$(date -u +%Y-%m-%dT%H:%MZ), $(nproc) CPUs, $(uname -r); ${REPS} reps, ${DURATION} s + ${WARMUP} s warm-up"
+echo "$(date -u +%Y-%m-%dT%H:%MZ), $(nproc) CPUs, $(uname -r); ${REPS} reps, ${DURATION} s + ${WARMUP} s warm-up; rpc stream window: ${STREAM_WINDOW:-default}"
 python3 - "$runs" <<'PY'
 import sys, statistics as st
 rows = {}

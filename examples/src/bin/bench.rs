@@ -11,7 +11,7 @@
 //! bench [--mode matrix] [--payloads 32,4096] [--concs 1,16,256] [--conns N]
 //!       [--duration S] [--warmup S] [--governance on|off]
 //! bench --mode client --addr 127.0.0.1:PORT --streams S --size BYTES [--duration S]
-//!       [--warmup S] [--governance on|off] [--peer-name NAME]
+//!       [--warmup S] [--governance on|off] [--stream-window N] [--peer-name NAME]
 //! ```
 //!
 //! - `server` serves `echo.Echo` through `rpc::Server`, prints
@@ -172,6 +172,10 @@ struct Args {
     /// Client with --streams: bytes of each stream item.
     #[arg(long, default_value_t = 32, requires = "streams")]
     size: u32,
+    /// Client with --streams: items the client buffers per stream
+    /// (`ClientBuilder::stream_window`; default: the client's default).
+    #[arg(long, requires = "streams")]
+    stream_window: Option<u32>,
 }
 
 impl Args {
@@ -634,13 +638,14 @@ async fn run_streams(
             ..GovernanceOverrides::NONE
         },
     };
-    let client = ItemsClient::new(
-        Client::builder()
-            .registry(registry)
-            .connections_per_endpoint(1)
-            .override_options(ItemsClient::SERVICE_ID, overrides)
-            .build(),
-    );
+    let mut builder = Client::builder()
+        .registry(registry)
+        .connections_per_endpoint(1)
+        .override_options(ItemsClient::SERVICE_ID, overrides);
+    if let Some(window) = args.stream_window {
+        builder = builder.stream_window(window);
+    }
+    let client = ItemsClient::new(builder.build());
     let size = args.size;
     // One short stream first: an unreachable or wrong server is an error, not a run of zeros.
     let first = client
