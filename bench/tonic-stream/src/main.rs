@@ -102,7 +102,10 @@ fn parse() -> Result<Args, String> {
     if !a.addr.ip().is_loopback() {
         return Err(format!("{}: loopback addresses only", a.addr));
     }
-    if a.streams == 0 || !(a.duration > 0.0) || !(a.warmup >= 0.0) {
+    // (Written so that NaN fails too.)
+    let positive = a.duration.is_finite() && a.duration > 0.0;
+    let non_negative = a.warmup.is_finite() && a.warmup >= 0.0;
+    if a.streams == 0 || !positive || !non_negative {
         return Err(format!(
             "--streams at least 1, --duration above 0, --warmup 0 or more\n{USAGE}"
         ));
