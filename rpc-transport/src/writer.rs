@@ -141,17 +141,26 @@ impl Backlog {
     }
 }
 
+/// Fixed part of a frame's estimate: the message's fields other than its variable parts.
+const FIXED: usize = 64;
+
 /// What a frame is counted as in the backlog: its variable parts plus the rest of the message.
 fn estimate(frame: &Outgoing) -> usize {
-    const FIXED: usize = 64;
+    match frame {
+        Outgoing::Frame(kind) => estimate_kind(kind),
+        Outgoing::Call(_, c) => FIXED + c.parameters.len() + c.service_entry_id.len(),
+    }
+}
+
+/// [`estimate`] of a frame given as its kind.
+fn estimate_kind(kind: &Kind) -> usize {
     FIXED
-        + match frame {
-            Outgoing::Frame(Kind::Result(r)) => r.result.len() + r.exception_message.len(),
-            Outgoing::Frame(Kind::Invoke(i)) => i.parameters.len() + i.service_entry_id.len(),
-            Outgoing::Frame(Kind::GoAway(g)) => g.reason.len(),
-            Outgoing::Frame(Kind::StreamItem(i)) => i.payload.len(),
-            Outgoing::Frame(_) => 0,
-            Outgoing::Call(_, c) => c.parameters.len() + c.service_entry_id.len(),
+        + match kind {
+            Kind::Result(r) => r.result.len() + r.exception_message.len(),
+            Kind::Invoke(i) => i.parameters.len() + i.service_entry_id.len(),
+            Kind::GoAway(g) => g.reason.len(),
+            Kind::StreamItem(i) => i.payload.len(),
+            _ => 0,
         }
 }
 
@@ -165,6 +174,34 @@ impl FrameSender {
     /// connection is closed.
     pub(crate) fn send_call(&self, id: u64, call: Call) -> bool {
         self.push(Outgoing::Call(id, call))
+    }
+
+    /// Queues `frames` in order with one pass of the queue's lock and at most one wake-up of
+    /// the writer (a stream's items of one poll); false when the connection is closed (then
+    /// none is queued).
+    pub(crate) fn send_all(&self, frames: &mut Vec<Kind>) -> bool {
+        if frames.is_empty() {
+            return true;
+        }
+        let n: usize = frames.iter().map(estimate_kind).sum();
+        self.backlog.bytes.fetch_add(n, Ordering::Relaxed);
+        let queue = &self.senders.0;
+        let was_empty = {
+            let mut q = queue.lock();
+            if q.closed {
+                drop(q);
+                frames.clear();
+                self.backlog.bytes.fetch_sub(n, Ordering::Relaxed);
+                return false;
+            }
+            let was_empty = q.frames.is_empty();
+            q.frames.extend(frames.drain(..).map(Outgoing::Frame));
+            was_empty
+        };
+        if was_empty {
+            queue.ready.notify_one();
+        }
+        true
     }
 
     fn push(&self, frame: Outgoing) -> bool {

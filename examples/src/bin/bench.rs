@@ -10,6 +10,8 @@
 //!       [--peer-name NAME]
 //! bench [--mode matrix] [--payloads 32,4096] [--concs 1,16,256] [--conns N]
 //!       [--duration S] [--warmup S] [--governance on|off]
+//! bench --mode client --addr 127.0.0.1:PORT --streams S --size BYTES [--duration S]
+//!       [--warmup S] [--governance on|off] [--stream-window N] [--peer-name NAME]
 //! ```
 //!
 //! - `server` serves `echo.Echo` through `rpc::Server`, prints
@@ -36,6 +38,15 @@
 //! - `matrix` (the default) starts its own server process (this program, `--mode server` on
 //!   port 0), then one client process per case (payloads × concurrencies), and prints each
 //!   case's RESULT line and finally the server's SERVER line.
+//! - Streams: the server also serves `bench.Items`, whose `items(count, size)` answers a server
+//!   stream of `count` strings of `size` bytes (count 0: until the caller cancels). `client`
+//!   with `--streams S` opens S such endless streams on one connection instead of making unary
+//!   calls, reads them for the warm-up and then for the measured window (3 s by default), and
+//!   prints one line `STREAM peer=<name> size=B streams=S items=<n> errors=<n> secs=<s>
+//!   items_per_s=<r> cpu_s=<s> cpu_us_per_item=<u>` (items received in the window, client CPU
+//!   from `getrusage` over it), the line `tonic-stream` (`bench/tonic-stream`) prints for
+//!   tonic. Streams run without a deadline (a deadline covers a whole stream). A server that
+//!   has sent stream items adds `items=<n> cpu_us_per_item=<u>` to its SERVER line.
 //!
 //! Addresses must be on the loopback interface.
 
@@ -49,10 +60,20 @@ use std::time::{Duration, Instant};
 use clap::{Parser, ValueEnum};
 use examples::{Echo, EchoClient, EchoServer};
 use hdrhistogram::Histogram;
-use rpc::{Client, GovernanceOverrides, RpcError, Server, StaticRegistry};
+use rpc::{Client, GovernanceOverrides, RpcError, RpcStream, Server, StaticRegistry};
 
 /// Calls answered by the server of this process.
 static SERVED: AtomicU64 = AtomicU64::new(0);
+
+/// Stream items produced by the server of this process.
+static SENT_ITEMS: AtomicU64 = AtomicU64::new(0);
+
+/// The streaming side of the benchmark: one server stream of equal items.
+#[rpc::service(name = "bench.Items")]
+pub trait Items {
+    /// `count` items of `size` bytes each; 0: until the caller cancels.
+    async fn items(&self, count: u64, size: u32) -> Result<RpcStream<String>, RpcError>;
+}
 
 /// Environment variable that turns governance off when `--governance` is not given.
 const GOVERNANCE_ENV: &str = "RPC_BENCH_GOVERNANCE";
@@ -144,6 +165,17 @@ struct Args {
     /// Matrix: concurrencies, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1,16,256")]
     concs: Vec<usize>,
+    /// Client: open this many server streams on one connection instead of making unary calls
+    /// (prints a STREAM line).
+    #[arg(long, conflicts_with_all = ["requests", "concurrency", "payload", "conns"])]
+    streams: Option<usize>,
+    /// Client with --streams: bytes of each stream item.
+    #[arg(long, default_value_t = 32, requires = "streams")]
+    size: u32,
+    /// Client with --streams: items the client buffers per stream
+    /// (`ClientBuilder::stream_window`; default: the client's default).
+    #[arg(long, requires = "streams")]
+    stream_window: Option<u32>,
 }
 
 impl Args {
@@ -196,6 +228,7 @@ fn main() -> ExitCode {
     }
     let outcome = match args.mode {
         Mode::Server => server_main(&args),
+        Mode::Client if args.streams.is_some() => stream_client_main(&args),
         Mode::Client => client_main(&args),
         Mode::Matrix => matrix_main(&args),
     };
@@ -294,6 +327,20 @@ impl Echo for CountingEcho {
     }
 }
 
+/// The stream implementation: endless (or `count`) copies of one item, counted.
+struct ItemSource;
+
+impl Items for ItemSource {
+    async fn items(&self, count: u64, size: u32) -> Result<RpcStream<String>, RpcError> {
+        let item = "x".repeat(size as usize);
+        let count = if count == 0 { u64::MAX } else { count };
+        Ok(RpcStream::iter((0..count).map(move |_| {
+            SENT_ITEMS.fetch_add(1, Ordering::Relaxed);
+            item.clone()
+        })))
+    }
+}
+
 /// The client-side fallback of governed runs: answers locally.
 struct LocalEcho;
 
@@ -313,6 +360,7 @@ fn server_main(args: &Args) -> Result<(), String> {
             .max_concurrency(args.max_concurrency)
             .inline_first_poll(args.inline_first_poll)
             .add_service(EchoServer::new(CountingEcho))
+            .add_service(ItemsServer::new(ItemSource))
             .serve(args.addr)
             .await
             .map_err(|e| format!("could not serve on {}: {e}", args.addr))?;
@@ -329,8 +377,18 @@ fn server_main(args: &Args) -> Result<(), String> {
     })?;
     let used = process_usage() - at_start;
     let served = SERVED.load(Ordering::Relaxed);
+    let items = SENT_ITEMS.load(Ordering::Relaxed);
+    // The unary line as it always was; stream figures only after a stream run.
+    let stream_fields = if items > 0 {
+        format!(
+            " items={items} cpu_us_per_item={:.3}",
+            used.cpu.as_secs_f64() * 1e6 / items as f64
+        )
+    } else {
+        String::new()
+    };
     println!(
-        "SERVER peer={peer} served={served} cpu_s={:.3} wall_s={:.3} {} maxrss_kb={}",
+        "SERVER peer={peer} served={served} cpu_s={:.3} wall_s={:.3} {} maxrss_kb={}{stream_fields}",
         used.cpu.as_secs_f64(),
         wall0.elapsed().as_secs_f64(),
         used.fields(served),
@@ -535,6 +593,134 @@ async fn run_load(
         secs: (last - begin).as_secs_f64().max(1e-9),
         used: at_end - at_begin,
     })
+}
+
+// ------------------------------------------------------------------------------------- streams
+
+fn stream_client_main(args: &Args) -> Result<(), String> {
+    let streams = args.streams.unwrap_or(1);
+    if args.addr.port() == 0 {
+        return Err("--mode client needs the server's --addr 127.0.0.1:PORT".into());
+    }
+    if streams == 0 {
+        return Err("--streams must be at least 1".into());
+    }
+    let governance = args.governance()?;
+    let warmup = args.warmup(1.0)?;
+    let duration = args.duration(3.0)?;
+    if duration.is_zero() {
+        return Err("--duration must be above 0 for a stream run".into());
+    }
+    let rt = args.runtime()?;
+    rt.block_on(run_streams(args, streams, governance, warmup, duration))
+}
+
+async fn run_streams(
+    args: &Args,
+    streams: usize,
+    governance: Governance,
+    warmup: Duration,
+    duration: Duration,
+) -> Result<(), String> {
+    let registry = StaticRegistry::from_list(&args.addr.to_string())
+        .map_err(|e| format!("endpoint list {}: {e}", args.addr))?;
+    // A deadline covers a whole stream: none here. Governance off also drops retries and the
+    // breaker of the set-up.
+    let overrides = match governance {
+        Governance::On => GovernanceOverrides {
+            timeout_ms: Some(0),
+            ..GovernanceOverrides::NONE
+        },
+        Governance::Off => GovernanceOverrides {
+            timeout_ms: Some(0),
+            retry_times: Some(0),
+            enable_circuit_breaker: Some(false),
+            ..GovernanceOverrides::NONE
+        },
+    };
+    let mut builder = Client::builder()
+        .registry(registry)
+        .connections_per_endpoint(1)
+        .override_options(ItemsClient::SERVICE_ID, overrides);
+    if let Some(window) = args.stream_window {
+        builder = builder.stream_window(window);
+    }
+    let client = ItemsClient::new(builder.build());
+    let size = args.size;
+    // One short stream first: an unreachable or wrong server is an error, not a run of zeros.
+    let first = client
+        .items(3, size)
+        .await
+        .map_err(|e| format!("items to {} failed: {e}", args.addr))?
+        .collect_all()
+        .await
+        .map_err(|e| format!("the first stream from {} failed: {e}", args.addr))?;
+    if first.len() != 3 || first.iter().any(|i| i.len() != size as usize) {
+        return Err(format!(
+            "asked {} for 3 items of {size} bytes, got {:?} bytes",
+            args.addr,
+            first.iter().map(String::len).collect::<Vec<_>>()
+        ));
+    }
+
+    let items = Arc::new(AtomicU64::new(0));
+    let errors = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut readers = Vec::with_capacity(streams);
+    for _ in 0..streams {
+        let (client, items, errors, stop) =
+            (client.clone(), items.clone(), errors.clone(), stop.clone());
+        readers.push(tokio::spawn(async move {
+            let mut s = match client.items(0, size).await {
+                Ok(s) => s,
+                Err(_) => {
+                    errors.fetch_add(1, Ordering::Relaxed);
+                    return;
+                }
+            };
+            while !stop.load(Ordering::Relaxed) {
+                match s.next().await {
+                    Some(Ok(item)) if item.len() == size as usize => {
+                        items.fetch_add(1, Ordering::Relaxed);
+                    }
+                    _ => {
+                        errors.fetch_add(1, Ordering::Relaxed);
+                        return;
+                    }
+                }
+            }
+        }));
+    }
+    // The samples are taken on this (non-worker) thread, so a busy runtime does not delay them.
+    tokio::time::sleep(warmup).await;
+    let (n0, u0, t0) = (
+        items.load(Ordering::Relaxed),
+        process_usage(),
+        Instant::now(),
+    );
+    tokio::time::sleep(duration).await;
+    let (n1, u1, secs) = (
+        items.load(Ordering::Relaxed),
+        process_usage(),
+        t0.elapsed().as_secs_f64(),
+    );
+    stop.store(true, Ordering::Relaxed);
+    let n = n1 - n0;
+    let cpu = (u1 - u0).cpu.as_secs_f64();
+    let errors = errors.load(Ordering::Relaxed);
+    println!(
+        "STREAM peer={} size={size} streams={streams} items={n} errors={errors} secs={secs:.3} \
+         items_per_s={:.1} cpu_s={cpu:.3} cpu_us_per_item={:.3}",
+        args.peer_name,
+        n as f64 / secs,
+        cpu * 1e6 / n.max(1) as f64
+    );
+    let _ = std::io::stdout().flush();
+    if errors > 0 {
+        return Err(format!("{errors} streams failed or carried wrong items"));
+    }
+    // Readers still in a stream are not waited for: the process exits.
+    std::process::exit(0);
 }
 
 // -------------------------------------------------------------------------------------- matrix

@@ -265,6 +265,9 @@ pub(super) struct StreamDriver {
     /// The credit granted to the client's items when the stream is accepted (0: the stream
     /// takes none).
     inbound_window: u32,
+    /// Items of the current poll, queued for the writer together when the poll returns: one
+    /// pass of the writer's lock and one wake-up per poll instead of one per item.
+    batch: Vec<Kind>,
 }
 
 impl StreamDriver {
@@ -294,23 +297,22 @@ impl StreamDriver {
             table: table.clone(),
             sender,
             accepted: false,
+            batch: Vec::new(),
         }
     }
 
     fn accept(&mut self) {
         self.accepted = true;
-        self.sender.send(Kind::StreamCredit(StreamCredit {
+        // In the batch, ahead of the items: the client must see the stream accepted first.
+        self.batch.push(Kind::StreamCredit(StreamCredit {
             message_id: self.id,
             items: self.inbound_window,
         }));
     }
-}
 
-impl Future for StreamDriver {
-    type Output = RemoteResultMessage;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<RemoteResultMessage> {
-        let this = &mut *self;
+    /// One poll's frames and end, before the batch goes to the writer.
+    fn poll_items(&mut self, cx: &mut Context<'_>) -> Poll<RemoteResultMessage> {
+        let this = self;
         let mut sent = 0;
         loop {
             if this.slot.violated.load(Ordering::Acquire) {
@@ -349,7 +351,7 @@ impl Future for StreamDriver {
                         unreachable!("an item")
                     };
                     this.slot.credit.fetch_sub(1, Ordering::AcqRel);
-                    this.sender.send(Kind::StreamItem(StreamItem {
+                    this.batch.push(Kind::StreamItem(StreamItem {
                         message_id: this.id,
                         payload,
                         compression,
@@ -365,6 +367,19 @@ impl Future for StreamDriver {
                 }
             }
         }
+    }
+}
+
+impl Future for StreamDriver {
+    type Output = RemoteResultMessage;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<RemoteResultMessage> {
+        let this = &mut *self;
+        let outcome = this.poll_items(cx);
+        // Whatever the outcome: the items go before the end, which the connection sends once
+        // this returns Ready.
+        this.sender.send_all(&mut this.batch);
+        outcome
     }
 }
 
