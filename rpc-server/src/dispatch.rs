@@ -320,6 +320,51 @@ impl Pack {
 }
 
 impl Dispatcher {
+    /// Admits one call or stream of `route` from `caller` (cap, adaptive limit, rate limits),
+    /// or answers its refusal at once: the refusal event, the span's error, the rejection metric
+    /// and the call observers are told, and the answer carries the entry's load. The refusal
+    /// is returned by value: boxing it would allocate on the overload path, where refusals are
+    /// most of the traffic.
+    #[allow(clippy::result_large_err)]
+    pub(crate) fn admit(
+        &self,
+        route: &Route,
+        caller: &Caller,
+        attachments: &BTreeMap<String, String>,
+        timeout_ms: u32,
+        span: &tracing::Span,
+    ) -> Result<Slot, Dispatch> {
+        let admitted = route.admission.admit(
+            &route.entry,
+            caller.client_id(),
+            attachments.get(CRITICALITY_ATTACHMENT).map(String::as_str),
+            (timeout_ms > 0).then(|| Duration::from_millis(timeout_ms.into())),
+        );
+        admitted.map_err(|e| {
+            span.in_scope(|| {
+                self.events.emit_parts(
+                    refusal_event(&e),
+                    &route.entry,
+                    Some(&caller.peer().to_string()),
+                    0,
+                    Some(e.message().to_string()),
+                )
+            });
+            telemetry::record_error(span, e.code(), e.message());
+            self.metrics.rejected(route.method, e.code());
+            if let Some(started) = self.calls.start() {
+                self.calls.ended(
+                    Side::Server,
+                    route.method.entry_id,
+                    started,
+                    Some(e.code()),
+                    "error",
+                );
+            }
+            Dispatch::Ready(with_load(to_message(Err(e)), route.admission.load()))
+        })
+    }
+
     /// One call of an entry found in the route table: everything after the lookup.
     fn handle_route(
         &self,
@@ -366,37 +411,9 @@ impl Dispatcher {
                 caller,
             );
         }
-        let admitted = route.admission.admit(
-            &route.entry,
-            caller.client_id(),
-            attachments.get(CRITICALITY_ATTACHMENT).map(String::as_str),
-            (invoke.timeout_ms > 0).then(|| Duration::from_millis(invoke.timeout_ms.into())),
-        );
-        let permit = match admitted {
+        let permit = match self.admit(route, caller, &attachments, invoke.timeout_ms, &span) {
             Ok(p) => p,
-            Err(e) => {
-                span.in_scope(|| {
-                    self.events.emit_parts(
-                        refusal_event(&e),
-                        &route.entry,
-                        Some(&peer.to_string()),
-                        0,
-                        Some(e.message().to_string()),
-                    )
-                });
-                telemetry::record_error(&span, e.code(), e.message());
-                self.metrics.rejected(route.method, e.code());
-                if let Some(started) = self.calls.start() {
-                    self.calls.ended(
-                        Side::Server,
-                        route.method.entry_id,
-                        started,
-                        Some(e.code()),
-                        "error",
-                    );
-                }
-                return Dispatch::Ready(with_load(to_message(Err(e)), route.admission.load()));
-            }
+            Err(refused) => return refused,
         };
         let metrics = self.metrics.start(route.method);
         // What only a failing call needs is cloned only when a fallback is registered.

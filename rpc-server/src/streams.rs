@@ -23,15 +23,14 @@ use rpc_core::wire::RemoteResultMessage;
 use rpc_core::{
     ByteStream, Codec, RpcContext, RpcError, RpcStream, StatusCode, StreamFuture, StreamMode,
 };
-use rpc_governance::calls::Side;
 use rpc_governance::events::EventKind;
 use rpc_governance::fallback;
 use rpc_transport::{error_result, Caller, Dispatch, Invoke, StreamEvent};
 use tokio::time::Instant;
 
-use crate::admission::{Admission, Slot, CRITICALITY_ATTACHMENT};
+use crate::admission::{Admission, Slot};
 use crate::dispatch::{
-    refusal_event, settle, to_message, with_load, Dispatcher, FallbackTo, Layered, Outcome, Route,
+    settle, to_message, with_load, Dispatcher, FallbackTo, Layered, Outcome, Route,
 };
 use crate::middleware::{LayerFuture, Next, ServerRequest, StreamEndHooks, StreamSlot};
 use crate::telemetry;
@@ -84,38 +83,9 @@ pub(crate) fn dispatch(
             caller,
         );
     }
-    let peer = caller.peer();
-    let admitted = route.admission.admit(
-        &route.entry,
-        caller.client_id(),
-        attachments.get(CRITICALITY_ATTACHMENT).map(String::as_str),
-        (invoke.timeout_ms > 0).then(|| Duration::from_millis(invoke.timeout_ms.into())),
-    );
-    let permit = match admitted {
+    let permit = match d.admit(route, caller, &attachments, invoke.timeout_ms, &span) {
         Ok(p) => p.for_stream(),
-        Err(e) => {
-            span.in_scope(|| {
-                d.events.emit_parts(
-                    refusal_event(&e),
-                    &route.entry,
-                    Some(&peer.to_string()),
-                    0,
-                    Some(e.message().to_string()),
-                )
-            });
-            telemetry::record_error(&span, e.code(), e.message());
-            d.metrics.rejected(route.method, e.code());
-            if let Some(started) = d.calls.start() {
-                d.calls.ended(
-                    Side::Server,
-                    route.method.entry_id,
-                    started,
-                    Some(e.code()),
-                    "error",
-                );
-            }
-            return Dispatch::Ready(with_load(to_message(Err(e)), route.admission.load()));
-        }
+        Err(refused) => return refused,
     };
     let deadline = (invoke.timeout_ms > 0).then(|| {
         (
