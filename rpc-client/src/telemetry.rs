@@ -679,6 +679,49 @@ mod otel {
         ]
     }
 
+    /// The status and `rpc.outcome` of a call or stream that ended with `result`.
+    fn finished(result: &Result<Bytes, RpcError>) -> (Option<StatusCode>, &'static str) {
+        match result {
+            Ok(_) => (Some(StatusCode::Success), "success"),
+            Err(e) => (Some(e.code()), "error"),
+        }
+    }
+
+    /// The status and `rpc.outcome` of a call or stream whose future was dropped: at its
+    /// deadline (519, "timeout") or by a caller that gave up ("cancelled", no status).
+    fn dropped(timed_out: bool) -> (Option<StatusCode>, &'static str) {
+        if timed_out {
+            (Some(StatusCode::Timeout), "timeout")
+        } else {
+            (None, "cancelled")
+        }
+    }
+
+    /// Records the end of a call or stream of `method` started at `started`: its duration
+    /// and one count, by status and outcome.
+    fn record_end(
+        duration: &Histogram<f64>,
+        calls: &Counter<u64>,
+        method: &'static MethodDescriptor,
+        started: Instant,
+        code: Option<StatusCode>,
+        outcome: &'static str,
+    ) {
+        let [service, method, system] = attributes(method);
+        let mut attrs = vec![
+            service,
+            method,
+            system,
+            KeyValue::new("rpc.outcome", outcome),
+        ];
+        if let Some(code) = code {
+            attrs.push(KeyValue::new("rpc.status_code", i64::from(code.as_u32())));
+        }
+        let ms = started.elapsed().as_secs_f64() * 1000.0;
+        duration.record(ms, &attrs);
+        calls.add(1, &attrs);
+    }
+
     /// One call in flight.
     pub(crate) struct CallGuard<'a> {
         metrics: &'a Metrics,
@@ -689,10 +732,8 @@ mod otel {
     impl CallGuard<'_> {
         /// Records the call's duration and final status (`rpc.outcome` success or error).
         pub(crate) fn finish(&self, result: &Result<Bytes, RpcError>) {
-            match result {
-                Ok(_) => self.record(Some(StatusCode::Success), "success"),
-                Err(e) => self.record(Some(e.code()), "error"),
-            }
+            let (code, outcome) = finished(result);
+            self.record(code, outcome);
         }
 
         /// Records a call a fallback answered for a failure with status `cause`: counted with
@@ -704,27 +745,20 @@ mod otel {
         /// Records a call whose future was dropped: at its deadline (519, `rpc.outcome =
         /// "timeout"`) or by a caller that gave up (`rpc.outcome = "cancelled"`, no status).
         pub(crate) fn dropped(&self, timed_out: bool) {
-            if timed_out {
-                self.record(Some(StatusCode::Timeout), "timeout");
-            } else {
-                self.record(None, "cancelled");
-            }
+            let (code, outcome) = dropped(timed_out);
+            self.record(code, outcome);
         }
 
         fn record(&self, code: Option<StatusCode>, outcome: &'static str) {
-            let [service, method, system] = attributes(self.method);
-            let mut attrs = vec![
-                service,
-                method,
-                system,
-                KeyValue::new("rpc.outcome", outcome),
-            ];
-            if let Some(code) = code {
-                attrs.push(KeyValue::new("rpc.status_code", i64::from(code.as_u32())));
-            }
-            let ms = self.started.elapsed().as_secs_f64() * 1000.0;
-            self.metrics.duration.record(ms, &attrs);
-            self.metrics.calls.add(1, &attrs);
+            let m = &self.metrics;
+            record_end(
+                &m.duration,
+                &m.calls,
+                self.method,
+                self.started,
+                code,
+                outcome,
+            );
         }
     }
 
@@ -758,10 +792,8 @@ mod otel {
     impl StreamGuard {
         /// Records the stream's duration and end status, as [`CallGuard::finish`].
         pub(crate) fn finish(&self, result: &Result<Bytes, RpcError>) {
-            match result {
-                Ok(_) => self.record(Some(StatusCode::Success), "success"),
-                Err(e) => self.record(Some(e.code()), "error"),
-            }
+            let (code, outcome) = finished(result);
+            self.record(code, outcome);
         }
 
         /// Records a fallback's stream that completed, as [`CallGuard::fallback`].
@@ -771,11 +803,8 @@ mod otel {
 
         /// Records a stream dropped before its end, as [`CallGuard::dropped`].
         pub(crate) fn dropped(&self, timed_out: bool) {
-            if timed_out {
-                self.record(Some(StatusCode::Timeout), "timeout");
-            } else {
-                self.record(None, "cancelled");
-            }
+            let (code, outcome) = dropped(timed_out);
+            self.record(code, outcome);
         }
 
         /// Counts the stream's items each way (`rpc.stream.direction` = `sent` / `received`).
@@ -798,19 +827,14 @@ mod otel {
         }
 
         fn record(&self, code: Option<StatusCode>, outcome: &'static str) {
-            let [service, method, system] = attributes(self.method);
-            let mut attrs = vec![
-                service,
-                method,
-                system,
-                KeyValue::new("rpc.outcome", outcome),
-            ];
-            if let Some(code) = code {
-                attrs.push(KeyValue::new("rpc.status_code", i64::from(code.as_u32())));
-            }
-            let ms = self.started.elapsed().as_secs_f64() * 1000.0;
-            self.duration.record(ms, &attrs);
-            self.calls.add(1, &attrs);
+            record_end(
+                &self.duration,
+                &self.calls,
+                self.method,
+                self.started,
+                code,
+                outcome,
+            );
         }
     }
 

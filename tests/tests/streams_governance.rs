@@ -195,6 +195,16 @@ fn traced() -> (Traces, tracing::subscriber::DefaultGuard) {
     Traces::install()
 }
 
+/// A client of the market whose breaker opens after `failures` failures in a row, and its
+/// proxy.
+fn breaker_client(reg: &InProcessRegistry, failures: u32) -> (Client, StocksClient) {
+    let client = Client::builder()
+        .registry(reg.clone())
+        .override_options(StocksClient::SERVICE_ID, options(failures))
+        .build();
+    (client.clone(), StocksClient::new(client))
+}
+
 async fn serve(reg: &InProcessRegistry) -> (ServerHandle, Market) {
     let market = Market::default();
     let server = Server::builder()
@@ -401,11 +411,7 @@ async fn failed_stream_set_ups_open_the_breaker_which_refuses_the_next_without_t
     let _traced = traced();
     let reg = InProcessRegistry::new();
     let (server, market) = serve(&reg).await;
-    let client = Client::builder()
-        .registry(reg.clone())
-        .override_options(StocksClient::SERVICE_ID, options(2))
-        .build();
-    let stocks = StocksClient::new(client.clone());
+    let (client, stocks) = breaker_client(&reg, 2);
     let prices = &StocksClient::methods()[0];
     market.down.store(true, Ordering::SeqCst);
     for n in 0..2 {
@@ -443,11 +449,7 @@ async fn a_failure_after_acceptance_is_not_held_against_the_breaker() {
     let _traced = traced();
     let reg = InProcessRegistry::new();
     let (server, market) = serve(&reg).await;
-    let client = Client::builder()
-        .registry(reg.clone())
-        .override_options(StocksClient::SERVICE_ID, options(1))
-        .build();
-    let stocks = StocksClient::new(client.clone());
+    let (client, stocks) = breaker_client(&reg, 1);
     let break_after = &StocksClient::methods()[1];
     for _ in 0..3 {
         let end = within("break_after", async {
