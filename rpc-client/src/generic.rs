@@ -263,6 +263,7 @@ fn intern_descriptor(
         entry_id: intern_in(&mut table, entry_id),
         hash_key,
         governance: GovernanceOverrides::NONE,
+        api: None,
     }));
     table.descriptors.insert(key, descriptor);
     descriptor

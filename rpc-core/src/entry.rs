@@ -17,6 +17,10 @@ pub struct MethodDescriptor {
     pub hash_key: Option<usize>,
     /// What `#[governance(...)]` on the method sets.
     pub governance: GovernanceOverrides,
+    /// What a gateway and an API document need (parameter names, a declared HTTP route, JSON
+    /// Schemas), built when the server publishes the entry rather than on the hot path; `None`
+    /// for descriptors written by hand.
+    pub api: Option<fn() -> EntryApi>,
 }
 
 /// Owned description of one service entry, as published to a registry.
@@ -33,6 +37,10 @@ pub struct ServiceEntry {
     /// Governance settings the service declares for the entry.
     #[serde(default)]
     pub governance: GovernanceOverrides,
+    /// The entry's web-facing description; absent from servers that publish none (older ones, or
+    /// descriptors written by hand).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api: Option<EntryApi>,
 }
 
 impl From<&MethodDescriptor> for ServiceEntry {
@@ -43,6 +51,62 @@ impl From<&MethodDescriptor> for ServiceEntry {
             method: d.method.to_string(),
             hash_key: d.hash_key,
             governance: d.governance.clone(),
+            api: d.api.map(|api| api()),
         }
     }
+}
+
+/// What an HTTP gateway and an API document need to know of one entry, published by servers
+/// beside the entry: `#[rpc::service]` fills it from the method's signature, its doc comment and
+/// its `#[http(...)]` attribute.
+///
+/// Why it is published rather than compiled into the gateway: a gateway serves whatever services
+/// are registered, including ones built after it, so everything it needs travels in the registry.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EntryApi {
+    /// The parameters' names, in declaration order (the order of the wire's argument tuple).
+    pub params: Vec<String>,
+    /// The method's doc comment, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub doc: Option<String>,
+    /// The route the service declares with `#[http(get = "/orders/{id}")]`, if any; without one
+    /// a gateway serves the entry at `POST /api/{service id}/{method}`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub http: Option<HttpRoute>,
+    /// How the entry streams, if it does (`"server"`, `"client"` or `"bidi"`); a gateway serves
+    /// unary entries only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream: Option<String>,
+    /// JSON Schemas of the parameters, the result and the typed error, for types that implement
+    /// `schemars::JsonSchema`; see [`EntrySchemas`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schemas: Option<EntrySchemas>,
+}
+
+/// A route declared on a method with `#[http(...)]`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HttpRoute {
+    /// The HTTP method, upper case: `GET`, `POST`, `PUT`, `PATCH` or `DELETE`.
+    pub method: String,
+    /// The path template, such as `/orders/{id}`: each `{name}` names a parameter.
+    pub path: String,
+}
+
+/// JSON Schemas (draft 2020-12, as OpenAPI 3.1 uses) of one entry's types.
+///
+/// A type that does not implement `schemars::JsonSchema` has the schema `true` (any value).
+/// Named types are references into [`definitions`](Self::definitions), written as
+/// `#/components/schemas/<name>` so that an OpenAPI document can hold them as they are.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EntrySchemas {
+    /// One schema per parameter, in declaration order.
+    pub params: Vec<serde_json::Value>,
+    /// The schema of the answer (`T` of `Result<T, E>`, or the return type).
+    pub result: serde_json::Value,
+    /// The schema of the typed error `E` of `Result<T, E>`, for methods that declare one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<serde_json::Value>,
+    /// The named schemas the others refer to, by name.
+    #[serde(default, skip_serializing_if = "serde_json::Map::is_empty")]
+    pub definitions: serde_json::Map<String, serde_json::Value>,
 }

@@ -38,7 +38,7 @@ pub mod wire;
 
 pub use codec::{Codec, CodecError, NoArgs};
 pub use context::{RpcContext, CALL_ID_KEY, RETRY_DEPTH_KEY, TRACE_CONTEXT_KEYS};
-pub use entry::{MethodDescriptor, ServiceEntry};
+pub use entry::{EntryApi, EntrySchemas, HttpRoute, MethodDescriptor, ServiceEntry};
 pub use error::{serde_rpc_error, FieldError, RemoteError, RpcError};
 pub use hash::stable_hash;
 pub use ids::{ServiceEntryId, ServiceId};

@@ -276,6 +276,7 @@ mod tests {
             retry_times: Some(2),
             ..GovernanceOverrides::NONE
         },
+        api: None,
     };
 
     #[test]
@@ -403,6 +404,7 @@ mod tests {
             entry_id: "echo.Echo.profile",
             hash_key: Some(0),
             governance: GovernanceOverrides::NONE,
+            api: None,
         };
         let mut layers = Layers {
             file: GovernanceConfig::from_toml(

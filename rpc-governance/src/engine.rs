@@ -325,6 +325,7 @@ mod tests {
                 entry_id: Box::leak(format!("t.T.m{i}").into_boxed_str()),
                 hash_key: None,
                 governance: GovernanceOverrides::NONE,
+                api: None,
             })
             .collect();
         Box::leak(v.into_boxed_slice())
@@ -350,6 +351,7 @@ mod tests {
             entry_id: m5.entry_id,
             hash_key: None,
             governance: GovernanceOverrides::NONE,
+            api: None,
         }));
         assert!(Arc::ptr_eq(&g.policy(twin), &g.policy(&methods[5])));
         // A runtime update reaches the next lookup of each entry, whichever path it takes.

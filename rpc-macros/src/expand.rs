@@ -112,6 +112,7 @@ fn descriptors(service: &Service, names: &Names, service_id_parts: &TokenStream)
                 entry_id: ::core::concat!(#service_id_parts, ".", #name),
                 hash_key: #hash_key,
                 governance: #governance,
+                api: None,
             }
         }
     });

@@ -896,6 +896,7 @@ mod tests {
         entry_id: "t.T.m",
         hash_key: None,
         governance: GovernanceOverrides::NONE,
+        api: None,
     }];
 
     /// Answers every call with its arguments, at once.

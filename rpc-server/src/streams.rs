@@ -483,6 +483,7 @@ mod tests {
         entry_id: "t.S.count",
         hash_key: None,
         governance: GovernanceOverrides::NONE,
+        api: None,
     }];
 
     /// Streams 1, 2, 3 encoded, then fails if asked for a fourth.

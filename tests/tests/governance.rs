@@ -430,6 +430,7 @@ async fn what_servers_publish_is_used_unless_the_client_overrides_it() {
             timeout_ms: Some(1234),
             ..GovernanceOverrides::NONE
         },
+        api: None,
     }];
     rpc::Registry::register(&reg, published.clone())
         .await

@@ -422,6 +422,7 @@ async fn entry_descriptors_round_trip<B: Writable>() {
             method: method.to_string(),
             hash_key,
             governance,
+            api: None,
         };
     let mut published = with_metadata(
         instance("127.0.0.1:4001", "svc-1", &["t.A"]),

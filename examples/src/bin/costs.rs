@@ -120,6 +120,7 @@ impl Wide {
                 entry_id: Box::leak(format!("wide.Wide.m{i}").into_boxed_str()),
                 hash_key: None,
                 governance: rpc::GovernanceOverrides::NONE,
+                api: None,
             })
             .collect();
         Wide(Box::leak(methods.into_boxed_slice()))

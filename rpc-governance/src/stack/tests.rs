@@ -172,6 +172,7 @@ static M: MethodDescriptor = MethodDescriptor {
     entry_id: "t.T.m",
     hash_key: None,
     governance: GovernanceOverrides::NONE,
+    api: None,
 };
 
 fn engine(o: GovernanceOptions) -> Governance {
