@@ -1,0 +1,173 @@
+//! Where each entry is served, and what each status code becomes in HTTP.
+//!
+//! Why one module: the gateway's router, its error answers and the OpenAPI document must agree
+//! on both, so both are written once here.
+
+use axum::http::{Method, StatusCode as HttpStatus};
+use rpc_core::{RpcError, ServiceEntry, StatusCode};
+use serde_json::{json, Value};
+
+/// The HTTP method and path template an entry is served at: the route declared with
+/// `#[http(...)]`, or `POST /api/{service id}/{method}`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Route {
+    /// The HTTP method.
+    pub method: Method,
+    /// The path template; each `{name}` is a parameter of the entry.
+    pub path: String,
+}
+
+/// The route `entry` is served at (see [`Route`]). A declared method that is not a valid HTTP
+/// method falls back to the default route.
+pub fn route_of(entry: &ServiceEntry) -> Route {
+    if let Some(http) = entry.api.as_ref().and_then(|api| api.http.as_ref()) {
+        if let Ok(method) = Method::from_bytes(http.method.to_ascii_uppercase().as_bytes()) {
+            return Route {
+                method,
+                path: http.path.clone(),
+            };
+        }
+    }
+    Route {
+        method: Method::POST,
+        path: default_path(entry.service_id.as_str(), &entry.method),
+    }
+}
+
+/// `/api/{service id}/{method}`.
+pub fn default_path(service_id: &str, method: &str) -> String {
+    format!("/api/{service_id}/{method}")
+}
+
+/// Whether the parameters not in the path come from the query string (`GET`, `DELETE`,
+/// `HEAD`) rather than from a JSON object in the body.
+pub fn params_in_query(method: &Method) -> bool {
+    matches!(*method, Method::GET | Method::DELETE | Method::HEAD)
+}
+
+/// The HTTP status answering a failed call with `code`.
+///
+/// | call status | HTTP |
+/// |---|---|
+/// | 1000 business error (a typed error) | 422 |
+/// | 1001 validation error, or arguments the gateway could not read | 400 |
+/// | 401 / 517 not authenticated | 401 |
+/// | 403 not authorized | 403 |
+/// | 507 / 513 no such entry | 404 |
+/// | 429 rate limited | 429, with `Retry-After` |
+/// | 515 server overflow, 514 client overflow, 522 breaker open | 503, with `Retry-After` |
+/// | 404 / 504 no instance of the service | 503, with `Retry-After` |
+/// | 519 timeout | 504 |
+/// | 506 communication error, 509 fallback failed, 520 server error | 502 |
+/// | 501 not implemented | 501 |
+/// | anything else | 500 |
+pub fn http_status(code: StatusCode) -> HttpStatus {
+    match code.as_u32() {
+        1000 => HttpStatus::UNPROCESSABLE_ENTITY,
+        1001 => HttpStatus::BAD_REQUEST,
+        401 | 517 => HttpStatus::UNAUTHORIZED,
+        403 => HttpStatus::FORBIDDEN,
+        507 | 513 => HttpStatus::NOT_FOUND,
+        429 => HttpStatus::TOO_MANY_REQUESTS,
+        404 | 504 | 514 | 515 | 522 => HttpStatus::SERVICE_UNAVAILABLE,
+        519 => HttpStatus::GATEWAY_TIMEOUT,
+        506 | 509 | 520 => HttpStatus::BAD_GATEWAY,
+        501 => HttpStatus::NOT_IMPLEMENTED,
+        _ => HttpStatus::INTERNAL_SERVER_ERROR,
+    }
+}
+
+/// Whether an answer with this HTTP status carries `Retry-After` (429 and 503).
+pub fn carries_retry_after(status: HttpStatus) -> bool {
+    status == HttpStatus::TOO_MANY_REQUESTS || status == HttpStatus::SERVICE_UNAVAILABLE
+}
+
+/// The JSON body answering a failed call: `{"code": <call status>, "message": "...",
+/// "error": <the typed error's value, when the method declares one>}`.
+pub fn error_body(error: &RpcError) -> Value {
+    let mut body = json!({
+        "code": error.code().as_u32(),
+        "message": error.message(),
+    });
+    if let Some(typed) = rpc_client::error_body(error) {
+        body["error"] = typed;
+    }
+    body
+}
+
+/// The JSON Schema of [`error_body`]'s answers, with `typed` as the schema of `error`.
+pub fn error_body_schema(typed: Option<&Value>) -> Value {
+    let mut properties = json!({
+        "code": {"type": "integer", "description": "The call's status code (1000 a typed error, 519 a timeout, ...)."},
+        "message": {"type": "string", "description": "What went wrong, and what to do next."},
+    });
+    if let Some(typed) = typed {
+        properties["error"] = typed.clone();
+    }
+    json!({"type": "object", "required": ["code", "message"], "properties": properties})
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rpc_core::{EntryApi, HttpRoute};
+
+    fn entry(http: Option<(&str, &str)>) -> ServiceEntry {
+        ServiceEntry {
+            id: "shop.Orders.get".into(),
+            service_id: "shop.Orders".into(),
+            method: "get".into(),
+            hash_key: None,
+            governance: Default::default(),
+            api: Some(EntryApi {
+                params: vec!["id".into()],
+                http: http.map(|(method, path)| HttpRoute {
+                    method: method.into(),
+                    path: path.into(),
+                }),
+                ..Default::default()
+            }),
+        }
+    }
+
+    #[test]
+    fn an_entry_without_a_declared_route_is_posted_under_api() {
+        assert_eq!(
+            route_of(&entry(None)),
+            Route {
+                method: Method::POST,
+                path: "/api/shop.Orders/get".into()
+            }
+        );
+    }
+
+    #[test]
+    fn a_declared_route_is_served_as_declared() {
+        assert_eq!(
+            route_of(&entry(Some(("get", "/orders/{id}")))),
+            Route {
+                method: Method::GET,
+                path: "/orders/{id}".into()
+            }
+        );
+    }
+
+    #[test]
+    fn the_issue_s_status_table_holds() {
+        for (code, http) in [
+            (1000, 422),
+            (515, 503),
+            (522, 503),
+            (519, 504),
+            (517, 401),
+            (403, 403),
+            (507, 404),
+        ] {
+            assert_eq!(
+                http_status(StatusCode::from_u32(code)).as_u16(),
+                http,
+                "{code}"
+            );
+        }
+    }
+}
