@@ -105,6 +105,7 @@ fn descriptors(service: &Service, names: &Names, service_id_parts: &TokenStream)
             None => quote!(::core::option::Option::None),
         };
         let governance = m.governance.to_tokens();
+        let api = api(m);
         quote! {
             ::rpc::__private::MethodDescriptor {
                 service_id: #service_id,
@@ -112,7 +113,7 @@ fn descriptors(service: &Service, names: &Names, service_id_parts: &TokenStream)
                 entry_id: ::core::concat!(#service_id_parts, ".", #name),
                 hash_key: #hash_key,
                 governance: #governance,
-                api: None,
+                api: ::core::option::Option::Some(#api),
             }
         }
     });
@@ -132,6 +133,30 @@ fn descriptors(service: &Service, names: &Names, service_id_parts: &TokenStream)
     }
 }
 
+/// The function a descriptor's `api` points to: it builds the entry's `EntryApi` when the
+/// server publishes the entry, so nothing of it is computed or stored before then.
+fn api(m: &parse::Method) -> TokenStream {
+    let params = m
+        .params()
+        .map(|a| syn::ext::IdentExt::unraw(&a.ident).to_string());
+    let option = |v: Option<TokenStream>| match v {
+        Some(v) => quote!(::core::option::Option::Some(#v)),
+        None => quote!(::core::option::Option::None),
+    };
+    let doc = option(m.doc.as_ref().map(|d| quote!(#d)));
+    let http = option(m.route.as_ref().map(|r| {
+        let (method, path) = (r.method, &r.path);
+        quote!((#method, #path))
+    }));
+    let stream = option(m.stream_shape().map(|s| quote!(#s)));
+    quote! {{
+        fn __rpc_api() -> ::rpc::__private::EntryApi {
+            ::rpc::__private::entry_api(&[#(#params),*], #doc, #http, #stream)
+        }
+        __rpc_api
+    }}
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -147,6 +172,7 @@ mod tests {
                 /// Says it back.
                 #[governance(timeout_ms = 800, retry_times = 2, idempotent)]
                 async fn echo(&self, text: String) -> Result<String, RpcError>;
+                #[http(get = "/profiles/{user_id}")]
                 async fn profile(&self, #[hash_key] user_id: u64, verbose: bool)
                     -> Result<Profile, MyError>;
                 async fn ping(&self) -> Result<(), RpcError>;
@@ -163,7 +189,29 @@ mod tests {
         assert!(!s.contains("compile_error"), "{s}");
         assert!(!s.contains("governance ("), "helper attribute left: {s}");
         assert!(!s.contains("# [hash_key]"), "helper attribute left: {s}");
+        assert!(!s.contains("# [http"), "helper attribute left: {s}");
         assert!(s.contains("# [doc = r\" The echo service.\"]"), "{s}");
+        // Each descriptor points to a function building its `EntryApi`.
+        assert!(
+            s.contains(
+                ":: rpc :: __private :: entry_api (& [\"user_id\" , \"verbose\"] , :: core :: \
+                 option :: Option :: None , :: core :: option :: Option :: Some ((\"GET\" , \
+                 \"/profiles/{user_id}\")) , :: core :: option :: Option :: None)"
+            ),
+            "{s}"
+        );
+        assert!(
+            s.contains(
+                ":: rpc :: __private :: entry_api (& [\"text\"] , :: core :: option :: Option :: \
+                 Some (\"Says it back.\") , :: core :: option :: Option :: None , :: core :: \
+                 option :: Option :: None)"
+            ),
+            "{s}"
+        );
+        assert!(
+            s.contains("api : :: core :: option :: Option :: Some ({ fn __rpc_api"),
+            "{s}"
+        );
         assert!(s.contains("# [doc = r\" Says it back.\"]"), "{s}");
         assert!(
             s.contains(
@@ -250,6 +298,15 @@ mod tests {
         assert!(s.contains("fn call_stream"), "{s}");
         assert!(s.contains(":: rpc :: __private :: encode_stream"), "{s}");
         assert!(s.contains(":: rpc :: __private :: wrong_shape"), "{s}");
+        // The published shape.
+        assert!(
+            s.contains(
+                ":: rpc :: __private :: entry_api (& [\"n\"] , :: core :: option :: Option :: \
+                 None , :: core :: option :: Option :: None , :: core :: option :: Option :: \
+                 Some (\"server\"))"
+            ),
+            "{s}"
+        );
         // A service without streaming methods keeps the trait's defaults.
         let unary = expand(quote!(name = "echo.Echo"), sample()).to_string();
         assert!(!unary.contains("call_stream"), "{unary}");

@@ -64,9 +64,9 @@ pub use rpc_client::{answered_by, Client, ClientBuilder, RingKey};
 /// Endpoint health as [`Client::endpoints`] reports it.
 pub use rpc_client::{EndpointState, EndpointStatus};
 pub use rpc_core::{
-    serde_rpc_error, Codec, Compression, FieldError, GovernanceOptions, GovernanceOverrides,
-    MethodDescriptor, RemoteError, RpcContext, RpcError, RpcStream, ServiceEntry, ServiceEntryId,
-    ServiceId, ShuntStrategy, StatusCode,
+    serde_rpc_error, Codec, Compression, EntryApi, EntrySchemas, FieldError, GovernanceOptions,
+    GovernanceOverrides, HttpRoute, MethodDescriptor, RemoteError, RpcContext, RpcError, RpcStream,
+    ServiceEntry, ServiceEntryId, ServiceId, ShuntStrategy, StatusCode,
 };
 pub use rpc_governance::breaker::BreakerState;
 pub use rpc_governance::events::{EventBus, EventKind, GovernanceEvent};
@@ -132,11 +132,32 @@ pub mod __private {
     pub use bytes::Bytes;
     pub use futures_util::future::BoxFuture;
     pub use rpc_core::{
-        ByteStream, Codec, Compression, GovernanceOverrides, MethodDescriptor, NoArgs, RemoteError,
-        RpcError, RpcStream, ShuntStrategy, StatusCode, StreamFuture, StreamMode,
+        ByteStream, Codec, Compression, EntryApi, GovernanceOverrides, HttpRoute, MethodDescriptor,
+        NoArgs, RemoteError, RpcError, RpcStream, ShuntStrategy, StatusCode, StreamFuture,
+        StreamMode,
     };
     use serde::de::DeserializeOwned;
     use serde::Serialize;
+
+    /// The `EntryApi` of one method, from what the macro read of it: the encoded parameters'
+    /// names in order, the doc comment, the `#[http]` route (method, path) and the stream shape.
+    pub fn entry_api(
+        params: &[&str],
+        doc: Option<&str>,
+        http: Option<(&str, &str)>,
+        stream: Option<&str>,
+    ) -> EntryApi {
+        EntryApi {
+            params: params.iter().map(|p| p.to_string()).collect(),
+            doc: doc.map(str::to_string),
+            http: http.map(|(method, path)| HttpRoute {
+                method: method.to_string(),
+                path: path.to_string(),
+            }),
+            stream: stream.map(str::to_string),
+            schemas: None,
+        }
+    }
 
     /// Client side: encodes the argument list.
     pub fn encode_args<T: Serialize>(
