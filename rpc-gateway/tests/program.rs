@@ -29,7 +29,6 @@ async fn the_program_serves_an_echo_server_published_in_etcd() {
         .serve("127.0.0.1:0")
         .await
         .expect("serve echo");
-    temp_publish_api(&registry, &server).await;
 
     let mut child = Command::new(env!("CARGO_BIN_EXE_rpc-gateway"))
         .args(["--registry", &etcd.url(), "--listen", "127.0.0.1:0"])
@@ -101,19 +100,4 @@ async fn an_unknown_registry_is_refused_with_the_forms_to_use() {
         "{stderr}"
     );
     assert!(output.stdout.is_empty());
-}
-
-/// TEMP-HTTP: until `#[rpc::service]` publishes `EntryApi`, publish it by hand.
-async fn temp_publish_api(registry: &Arc<dyn Registry>, server: &rpc::ServerHandle) {
-    let mut instance = server.status().instance().clone();
-    if instance.entries.iter().all(|e| e.api.is_some()) {
-        return;
-    }
-    for e in &mut instance.entries {
-        e.api = Some(rpc::crates::core::EntryApi {
-            params: vec!["text".into()],
-            ..Default::default()
-        });
-    }
-    registry.register(instance).await.expect("publish");
 }

@@ -46,7 +46,7 @@ impl From<RpcError> for OrderError {
 #[rpc::service(name = "shop.Orders")]
 pub trait Orders {
     /// One order; `NotFound` for id 0.
-    // TEMP-HTTP #[http(get = "/orders/{id}")]
+    #[http(get = "/orders/{id}")]
     async fn get(
         &self,
         id: u64,
@@ -64,7 +64,9 @@ pub trait Orders {
 #[rpc::service(name = "gw.Echo")]
 pub trait Echo {
     async fn echo(&self, text: String) -> Result<String, RpcError>;
-    /// The address of the server that answered.
+    /// The address of the server that answered. Idempotent: a call that may have reached a
+    /// server that died is repeated on another one.
+    #[governance(idempotent)]
     async fn whoami(&self) -> Result<String, RpcError>;
     /// The call's attachment `name`, as the handler sees it.
     async fn attachment(&self, name: String) -> Result<Option<String>, RpcError>;
@@ -190,8 +192,6 @@ impl World {
             .serve("127.0.0.1:0")
             .await
             .expect("serve orders")
-            .published(&self.registry)
-            .await
     }
 
     /// Starts an echo server.
@@ -204,8 +204,6 @@ impl World {
             .serve_listener(listener)
             .await
             .expect("serve echo")
-            .published(&self.registry)
-            .await
     }
 
     /// Waits (on the gateway's route table changes) until every entry of `ids` is served.
@@ -532,39 +530,4 @@ async fn the_request_s_traceparent_continues_into_the_server_s_span() {
             )
         });
     assert_eq!(server.span_context.trace_id().to_string(), trace_id);
-}
-
-// TEMP-HTTP: until `#[rpc::service]` publishes `EntryApi`, publish it by hand.
-trait Published: Sized {
-    async fn published(self, registry: &Arc<dyn Registry>) -> Self;
-}
-
-impl Published for ServerHandle {
-    async fn published(self, registry: &Arc<dyn Registry>) -> Self {
-        let mut instance = self.status().instance().clone();
-        if instance.entries.iter().all(|e| e.api.is_some()) {
-            return self;
-        }
-        for e in &mut instance.entries {
-            let (params, http): (&[&str], _) = match e.id.as_str() {
-                "shop.Orders.get" => (
-                    &["id", "currency", "verbose"],
-                    Some(("GET", "/orders/{id}")),
-                ),
-                "gw.Echo.echo" => (&["text"], None),
-                "gw.Echo.attachment" => (&["name"], None),
-                _ => (&[], None),
-            };
-            e.api = Some(rpc::crates::core::EntryApi {
-                params: params.iter().map(|p| p.to_string()).collect(),
-                http: http.map(|(m, p): (&str, &str)| rpc::crates::core::HttpRoute {
-                    method: m.into(),
-                    path: p.into(),
-                }),
-                ..Default::default()
-            });
-        }
-        registry.register(instance).await.expect("publish");
-        self
-    }
 }
