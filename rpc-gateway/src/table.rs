@@ -114,11 +114,8 @@ impl RouteTable {
 
     /// The entry serving `method` at `path` (HEAD falls back to GET).
     pub(crate) fn find(&self, method: &Method, path: &str) -> Found<'_> {
-        let mut tries = vec![method.as_str()];
-        if method == Method::HEAD {
-            tries.push(Method::GET.as_str());
-        }
-        for m in tries {
+        let get = (method == Method::HEAD).then_some(Method::GET.as_str());
+        for m in std::iter::once(method.as_str()).chain(get) {
             if let Some(Ok(matched)) = self.routers.get(m).map(|r| r.at(path)) {
                 let params = matched
                     .params

@@ -72,6 +72,34 @@ pub trait Echo {
     async fn attachment(&self, name: String) -> Result<Option<String>, RpcError>;
 }
 
+/// Declares the same route as [`BStatus`]: the one first by service id keeps it.
+#[rpc::service(name = "a.Status")]
+pub trait AStatus {
+    #[http(get = "/status")]
+    async fn status(&self) -> Result<String, RpcError>;
+}
+
+/// Declares the same route as [`AStatus`]: served at its default route instead.
+#[rpc::service(name = "b.Status")]
+pub trait BStatus {
+    #[http(get = "/status")]
+    async fn status(&self) -> Result<String, RpcError>;
+}
+
+struct Named(&'static str);
+
+impl AStatus for Arc<Named> {
+    async fn status(&self) -> Result<String, RpcError> {
+        Ok(self.0.to_string())
+    }
+}
+
+impl BStatus for Arc<Named> {
+    async fn status(&self) -> Result<String, RpcError> {
+        Ok(self.0.to_string())
+    }
+}
+
 struct Shop {
     gate: Arc<Semaphore>,
     entered: mpsc::UnboundedSender<String>,
@@ -530,4 +558,45 @@ async fn the_request_s_traceparent_continues_into_the_server_s_span() {
             )
         });
     assert_eq!(server.span_context.trace_id().to_string(), trace_id);
+}
+
+#[tokio::test]
+async fn of_two_services_declaring_one_route_the_first_keeps_it_and_the_other_its_default() {
+    let world = World::in_process(None).await;
+    // b.Status registers first: the order of service ids decides, not the order of arrival.
+    let _b = Server::builder()
+        .shared_registry(world.registry.clone())
+        .add_service(BStatusServer::new(Arc::new(Named("b"))))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve b");
+    let _a = Server::builder()
+        .shared_registry(world.registry.clone())
+        .add_service(AStatusServer::new(Arc::new(Named("a"))))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve a");
+    world.serving(&["a.Status.status", "b.Status.status"]).await;
+
+    let a = world.send("GET", "/status", &[], None).await;
+    assert_eq!((a.status, a.body), (200, json!("a")));
+    let b = world.post("/api/b.Status/status", "{}").await;
+    assert_eq!((b.status, b.body), (200, json!("b")));
+    let taken = world.post("/api/a.Status/status", "{}").await;
+    assert_eq!(
+        taken.status, 404,
+        "a.Status is served at its declared route only"
+    );
+
+    // The document shows each at the route it is served at.
+    let doc = world.gateway.entries();
+    let declared = |id: &str| {
+        doc.iter()
+            .find(|e| e.id.as_str() == id)
+            .and_then(|e| e.api.as_ref())
+            .and_then(|api| api.http.as_ref())
+            .map(|h| h.path.clone())
+    };
+    assert_eq!(declared("a.Status.status").as_deref(), Some("/status"));
+    assert_eq!(declared("b.Status.status"), None);
 }
