@@ -142,11 +142,10 @@ pub mod __private {
     };
     pub use bytes::Bytes;
     pub use futures_util::future::BoxFuture;
-    pub use rpc_core::EntrySchemas;
     pub use rpc_core::{
-        ByteStream, Codec, Compression, EntryApi, GovernanceOverrides, HttpRoute, MethodDescriptor,
-        NoArgs, RemoteError, RpcError, RpcStream, ShuntStrategy, StatusCode, StreamFuture,
-        StreamMode,
+        ByteStream, Codec, Compression, EntryApi, EntrySchemas, GovernanceOverrides, HttpRoute,
+        MethodDescriptor, NoArgs, RemoteError, RpcError, RpcStream, ShuntStrategy, StatusCode,
+        StreamFuture, StreamMode,
     };
     use serde::de::DeserializeOwned;
     use serde::Serialize;
