@@ -201,6 +201,45 @@ mod parse;
 /// assert_eq!((route.method.as_str(), route.path.as_str()), ("GET", "/orders/{id}"));
 /// ```
 ///
+/// # JSON Schemas
+///
+/// Each entry's `rpc::EntryApi` carries JSON Schemas (draft 2020-12, as OpenAPI 3.1 uses) of
+/// the parameters, of the result (`T` of `Result<T, E>`; one item for a server-streaming
+/// method) and of a typed error `E` (none for `RpcError`), with the named types they refer to as
+/// `#/components/schemas/<name>` in `definitions`. A type has a schema when it implements
+/// `schemars::JsonSchema` (schemars 1.x): derive it through the facade's re-export,
+/// `#[derive(rpc::schemars::JsonSchema)]` with `#[schemars(crate = "rpc::schemars")]`, or
+/// depend on `schemars` directly. A type that does not implement it still compiles and is
+/// published as `true` (any value).
+///
+/// ```
+/// use rpc::RpcError;
+/// use serde::{Deserialize, Serialize};
+///
+/// #[derive(Serialize, Deserialize, rpc::schemars::JsonSchema)]
+/// #[schemars(crate = "rpc::schemars")]
+/// pub struct Order {
+///     pub id: u64,
+///     pub item: String,
+/// }
+///
+/// /// No schema: published as `true`.
+/// #[derive(Serialize, Deserialize)]
+/// pub struct Blob(Vec<u8>);
+///
+/// #[rpc::service(name = "doc.Shop")]
+/// pub trait Shop {
+///     async fn place(&self, blob: Blob) -> Result<Order, RpcError>;
+/// }
+///
+/// let api = (ShopClient::methods()[0].api.expect("generated"))();
+/// let schemas = api.schemas.expect("schemas");
+/// assert_eq!(schemas.params[0], true);
+/// assert_eq!(schemas.result["$ref"], "#/components/schemas/Order");
+/// assert_eq!(schemas.definitions["Order"]["type"], "object");
+/// assert!(schemas.error.is_none(), "RpcError is not a typed error");
+/// ```
+///
 /// # What is rejected, with an error on the offending tokens
 ///
 /// A method that is not `async`, that does not take `&self`, that is generic, that has a default
