@@ -298,9 +298,16 @@ async fn core_flow(registry: Arc<dyn Registry>) {
         json!({"id": 42, "currency": "EUR", "verbose": true})
     );
 
-    let a = world
-        .send("GET", "/orders/0?currency=EUR&verbose=false", &[], None)
-        .await;
+    // The published schemas decide: `currency` is a string, so `123` stays text; `verbose` is
+    // an `Option`, so it may be left out.
+    let a = world.send("GET", "/orders/5?currency=123", &[], None).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(
+        a.body,
+        json!({"id": 5, "currency": "123", "verbose": false})
+    );
+
+    let a = world.send("GET", "/orders/0?currency=EUR", &[], None).await;
     assert_eq!(a.status, 422, "{}", a.body);
     assert_eq!(a.body["code"], 1000);
     assert_eq!(a.body["error"], json!({"NotFound": {"id": 0}}));
