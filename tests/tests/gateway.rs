@@ -161,6 +161,11 @@ struct World {
     gate: Arc<Semaphore>,
     entered: mpsc::UnboundedReceiver<String>,
     entered_tx: mpsc::UnboundedSender<String>,
+    /// Spans of this test's thread. Every test installs a span subscriber: `tracing` caches each
+    /// callsite's interest process-wide, and a test thread without one could mark the server
+    /// span's callsite as never wanted while the trace test runs.
+    traces: Traces,
+    _traced: tracing::subscriber::DefaultGuard,
 }
 
 impl Drop for World {
@@ -178,6 +183,7 @@ struct Answer {
 
 impl World {
     async fn new(registry: Arc<dyn Registry>, token: Option<&str>) -> World {
+        let (traces, traced) = Traces::install();
         let client = Client::builder().shared_registry(registry.clone()).build();
         let mut builder = Gateway::builder()
             .client(client)
@@ -200,6 +206,8 @@ impl World {
             gate: Arc::new(Semaphore::new(0)),
             entered,
             entered_tx,
+            traces,
+            _traced: traced,
         }
     }
 
@@ -540,7 +548,6 @@ async fn the_gateway_s_own_refusals_say_what_to_send() {
 
 #[tokio::test]
 async fn the_request_s_traceparent_continues_into_the_server_s_span() {
-    let (traces, _guard) = Traces::install();
     let world = World::in_process(None).await;
     let _echo = world.echo().await;
     world.serving(&["gw.Echo.echo"]).await;
@@ -554,7 +561,7 @@ async fn the_request_s_traceparent_continues_into_the_server_s_span() {
         )
         .await;
     assert_eq!((a.status, a.body), (200, json!("traced")));
-    let spans = traces.spans();
+    let spans = world.traces.spans();
     let server = spans
         .iter()
         .find(|s| s.name == "rpc.server")
