@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The project's test command (README): installs what the tests need (etcd, ZooKeeper, protoc,
 # prometheus, chromium and chromedriver, openapi-spec-validator) when it is missing, then checks
-# formatting, lints and the API docs and runs every test of the workspace with every feature (the etcd and ZooKeeper tests
-# start their own servers on free loopback ports).
+# formatting, lints and the API docs and runs every test of the workspace with every feature (the
+# etcd and ZooKeeper tests start their own servers on free loopback ports).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
