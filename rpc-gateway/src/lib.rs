@@ -31,8 +31,279 @@
 //! as they do to a proxy. It keeps no compiled knowledge of services: everything it serves comes
 //! from what servers publish, and follows the registry as servers come and go.
 
+//! ## Using it
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use rpc_gateway::Gateway;
+//! use rpc_registry::Registry;
+//!
+//! # #[tokio::main] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let registry: Arc<dyn Registry> = <dyn Registry>::from_url("etcd://127.0.0.1:2379").await?;
+//! let client = rpc_client::Client::builder().shared_registry(registry.clone()).build();
+//! let gateway = Gateway::builder()
+//!     .client(client)
+//!     .registry(registry)
+//!     .token("s3cret") // optional: `Authorization: Bearer s3cret`
+//!     .build()
+//!     .await?;
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:8080").await?;
+//! gateway.serve(listener).await?;
+//! # Ok(()) }
+//! ```
+//!
+//! [`Gateway::router`] gives the same routes as an [`axum::Router`] to nest in a larger
+//! application.
+//!
+//! ## Following the registry
+//!
+//! The route table is built from what the registry's instances publish
+//! ([`rpc_core::EntryApi`]: parameter names, declared route, schemas), rebuilt as soon as any
+//! watched service's instances change, and swapped whole, so a request sees one table or the
+//! next, never half of one. Services that appear later are found by listing the registry again
+//! every [`GatewayBuilder::discovery_interval`] (1 s by default). Stream entries are not served
+//! (an HTTP answer is one JSON value). When two services declare the same method and path, the
+//! first in service id order keeps it and the other is served at its default route, with a
+//! warning in the log.
+//!
+//! ## Headers, tokens and traces
+//!
+//! Request headers travel to the service as call attachments (lower-case names), except the
+//! hop-by-hop ones and those named in `Connection`, `host`, `content-*`, `accept*`,
+//! `authorization` (the gateway's own token), `cookie`, `sec-*` (a browser's fetch metadata) and
+//! `rpc-*` (the framework's own keys, which a caller must not set). At most
+//! [`MAX_ATTACHMENTS`] headers of at most [`MAX_ATTACHMENT_BYTES`] bytes in all are forwarded;
+//! more is refused with 431. A W3C `traceparent` (and `tracestate`) continues the caller's trace:
+//! with feature `otel`, the gateway's `rpc.gateway` span is the child of the request's span and
+//! the calls it makes carry the trace on; without it, the header is forwarded as it is and the
+//! server's span joins the caller's trace directly.
+//!
+//! With [`GatewayBuilder::token`], every route but `GET /healthz` and `GET /docs` (a static page)
+//! needs `Authorization: Bearer <token>` (compared in constant time); without it or with another
+//! token the answer is 401 with `WWW-Authenticate: Bearer`.
+//!
+//! The gateway's own refusals (unknown route 404, wrong method 405, unreadable arguments 400,
+//! body over [`GatewayBuilder::max_body_bytes`] 413, too many headers 431, token 401) answer
+//! `{"error": "..."}`, saying what to send instead. `GET /healthz` answers `ok`.
+
 #![warn(missing_docs)]
 
+mod call;
 pub mod docs;
+mod follow;
 pub mod openapi;
 pub mod route;
+mod table;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use rpc_client::Client;
+use rpc_core::ServiceEntry;
+use rpc_registry::Registry;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+
+pub use call::{MAX_ATTACHMENTS, MAX_ATTACHMENT_BYTES};
+
+use follow::{Follower, Shared};
+use table::RouteTable;
+
+/// The gateway could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    /// A required part was not given to the builder.
+    #[error("the gateway needs {0}: call GatewayBuilder::{0}(...) before build()")]
+    Missing(&'static str),
+}
+
+/// Builds a [`Gateway`]: [`client`](Self::client) and [`registry`](Self::registry) are
+/// required.
+pub struct GatewayBuilder {
+    client: Option<Client>,
+    registry: Option<Arc<dyn Registry>>,
+    token: Option<String>,
+    title: String,
+    version: String,
+    discovery_interval: Duration,
+    max_body_bytes: usize,
+}
+
+impl GatewayBuilder {
+    /// The client every call goes through, with its governance (timeouts, retries, breakers,
+    /// fallbacks, routing rules).
+    pub fn client(mut self, client: Client) -> Self {
+        self.client = Some(client);
+        self
+    }
+
+    /// The registry whose published entries become routes (normally the client's own).
+    pub fn registry(mut self, registry: Arc<dyn Registry>) -> Self {
+        self.registry = Some(registry);
+        self
+    }
+
+    /// Requires `Authorization: Bearer <token>` on every route but `/healthz` and `/docs`.
+    pub fn token(mut self, token: impl Into<String>) -> Self {
+        self.token = Some(token.into());
+        self
+    }
+
+    /// The OpenAPI document's `info.title` (`"rpc-gateway"` by default).
+    pub fn title(mut self, title: impl Into<String>) -> Self {
+        self.title = title.into();
+        self
+    }
+
+    /// The OpenAPI document's `info.version` (this crate's version by default).
+    pub fn version(mut self, version: impl Into<String>) -> Self {
+        self.version = version.into();
+        self
+    }
+
+    /// How often the registry is listed again for services that appeared (1 s by default);
+    /// changes of services already known arrive at once through their watches.
+    pub fn discovery_interval(mut self, interval: Duration) -> Self {
+        self.discovery_interval = interval.max(Duration::from_millis(10));
+        self
+    }
+
+    /// The largest request body read (1 MiB by default); a larger one is answered 413.
+    pub fn max_body_bytes(mut self, bytes: usize) -> Self {
+        self.max_body_bytes = bytes;
+        self
+    }
+
+    /// Reads the registry once (a registry that does not answer is logged and asked again
+    /// later, not an error) and starts following it. Must be called within a tokio runtime;
+    /// the following stops when the last clone of the gateway and of its routers is dropped.
+    pub async fn build(self) -> Result<Gateway, GatewayError> {
+        let bearer_token = self.token.is_some();
+        let client = self.client.ok_or(GatewayError::Missing("client"))?;
+        let registry = self.registry.ok_or(GatewayError::Missing("registry"))?;
+        let shared = Arc::new(Shared {
+            table: ArcSwap::from_pointee(RouteTable::default()),
+            version: tokio::sync::watch::channel(0).0,
+        });
+        let mut follower = Follower::new(registry, shared.clone());
+        follower.discover().await;
+        follower.rebuild();
+        let task = tokio::spawn(follower.run(self.discovery_interval));
+        Ok(Gateway {
+            inner: Arc::new(Inner {
+                client,
+                shared,
+                token: self.token,
+                info: openapi::DocumentInfo {
+                    title: self.title,
+                    version: self.version,
+                    description: None,
+                    bearer_token,
+                },
+                max_body_bytes: self.max_body_bytes,
+                task,
+            }),
+        })
+    }
+}
+
+/// The HTTP/JSON gateway: see the crate's documentation. Cheap to clone; clones share the
+/// route table.
+#[derive(Clone)]
+pub struct Gateway {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    client: Client,
+    shared: Arc<Shared>,
+    token: Option<String>,
+    info: openapi::DocumentInfo,
+    max_body_bytes: usize,
+    task: JoinHandle<()>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Gateway {
+    /// A builder with the defaults.
+    pub fn builder() -> GatewayBuilder {
+        GatewayBuilder {
+            client: None,
+            registry: None,
+            token: None,
+            title: "rpc-gateway".into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            discovery_interval: Duration::from_secs(1),
+            max_body_bytes: 1 << 20,
+        }
+    }
+
+    /// The gateway's routes (see the crate's documentation) as an axum router.
+    pub fn router(&self) -> axum::Router {
+        call::router(self.clone())
+    }
+
+    /// Serves [`router`](Self::router) on `listener` until the process ends.
+    pub async fn serve(self, listener: TcpListener) -> std::io::Result<()> {
+        axum::serve(listener, self.router()).await
+    }
+
+    /// Serves [`router`](Self::router) on `listener` until `signal` completes, then lets the
+    /// requests in flight finish.
+    pub async fn serve_with_shutdown(
+        self,
+        listener: TcpListener,
+        signal: impl Future<Output = ()> + Send + 'static,
+    ) -> std::io::Result<()> {
+        axum::serve(listener, self.router())
+            .with_graceful_shutdown(signal)
+            .await
+    }
+
+    /// The entries served now, each as the OpenAPI document shows it (an entry whose declared
+    /// route was taken is shown at its default route).
+    pub fn entries(&self) -> Vec<ServiceEntry> {
+        self.inner
+            .shared
+            .table
+            .load()
+            .served()
+            .iter()
+            .map(call::documented)
+            .collect()
+    }
+
+    /// The OpenAPI document of the entries served now.
+    pub fn openapi(&self) -> serde_json::Value {
+        openapi::document(&self.entries(), &self.inner.info)
+    }
+
+    /// Waits until `ready` holds for the entries served, up to `timeout`: it is checked now and
+    /// after each change of the route table (no polling). Returns whether it held.
+    pub async fn wait_until(
+        &self,
+        timeout: Duration,
+        mut ready: impl FnMut(&[ServiceEntry]) -> bool,
+    ) -> bool {
+        let mut version = self.inner.shared.version.subscribe();
+        let wait = async {
+            loop {
+                version.borrow_and_update();
+                if ready(&self.entries()) {
+                    return true;
+                }
+                if version.changed().await.is_err() {
+                    return false;
+                }
+            }
+        };
+        tokio::time::timeout(timeout, wait).await.unwrap_or(false)
+    }
+}

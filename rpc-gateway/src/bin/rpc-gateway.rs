@@ -1,3 +1,117 @@
-//! `rpc-gateway --registry URL --listen ADDR`: see the crate's documentation.
+//! `rpc-gateway --registry URL --listen ADDR [--token T]`: every entry published in the registry
+//! served over HTTP/JSON (see the crate's documentation for the routes).
+//!
+//! Prints `gateway on <addr>` on standard output once it listens (the address it really bound,
+//! so `--listen 127.0.0.1:0` works for scripts), then serves until Ctrl-C or SIGTERM.
 
-fn main() {}
+use std::io::Write;
+use std::process::ExitCode;
+
+use clap::Parser;
+use rpc_gateway::Gateway;
+use rpc_registry::Registry;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "rpc-gateway",
+    about = "Serves every service entry published in a registry as an HTTP/JSON route"
+)]
+struct Args {
+    /// The registry: embedded, static:FILE, host:port[,host:port...], etcd://host:port or
+    /// zk://host:port[/prefix].
+    #[arg(long, env = "RPC_GATEWAY_REGISTRY")]
+    registry: String,
+    /// Where to listen (port 0 picks a free one; the real address is printed).
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    listen: String,
+    /// Require `Authorization: Bearer <token>` on every route but /healthz and /docs.
+    #[arg(long, env = "RPC_GATEWAY_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// The OpenAPI document's title.
+    #[arg(long, default_value = "rpc-gateway")]
+    title: String,
+    /// The OpenAPI document's version.
+    #[arg(long, default_value = env!("CARGO_PKG_VERSION"))]
+    api_version: String,
+    /// Seconds between two listings of the registry's services (changes of known services
+    /// arrive at once).
+    #[arg(long, default_value_t = 1.0)]
+    discovery_secs: f64,
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .try_init();
+    let args = Args::parse();
+    match run(args).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("rpc-gateway: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: Args) -> Result<(), String> {
+    let registry = <dyn Registry>::from_url(&args.registry)
+        .await
+        .map_err(|e| format!("--registry {}: {e}", args.registry))?;
+    let client = rpc_client::Client::builder()
+        .shared_registry(registry.clone())
+        .build();
+    let mut builder = Gateway::builder()
+        .client(client)
+        .registry(registry)
+        .title(args.title)
+        .version(args.api_version);
+    if args.discovery_secs.is_finite() && args.discovery_secs > 0.0 {
+        builder =
+            builder.discovery_interval(std::time::Duration::from_secs_f64(args.discovery_secs));
+    } else {
+        return Err(format!(
+            "--discovery-secs {}: give a positive number of seconds",
+            args.discovery_secs
+        ));
+    }
+    if let Some(token) = args.token.filter(|t| !t.is_empty()) {
+        builder = builder.token(token);
+    }
+    let gateway = builder.build().await.map_err(|e| e.to_string())?;
+    let listener = tokio::net::TcpListener::bind(&args.listen)
+        .await
+        .map_err(|e| format!("--listen {}: {e}", args.listen))?;
+    let addr = listener
+        .local_addr()
+        .map_err(|e| format!("--listen {}: {e}", args.listen))?;
+    {
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "gateway on {addr}");
+        let _ = out.flush();
+    }
+    gateway
+        .serve_with_shutdown(listener, stop_signal())
+        .await
+        .map_err(|e| format!("serving on {addr}: {e}"))
+}
+
+/// Ctrl-C or SIGTERM.
+async fn stop_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        if let Ok(mut term) = signal(SignalKind::terminate()) {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+            return;
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
+}

@@ -1,0 +1,589 @@
+//! One HTTP request made into one call: the token check, the route lookup, the arguments bound
+//! by name, the headers made attachments, the call through the governed client, and its answer
+//! or error made HTTP.
+//!
+//! Why in one module: each step's refusal is an HTTP answer the next steps never see, and the
+//! order (token first, then route, then arguments) decides what an unauthenticated caller can
+//! learn: nothing but 401.
+
+use std::collections::BTreeMap;
+
+use axum::body::{to_bytes, Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::header::{self, HeaderMap, HeaderValue};
+use axum::http::{Method, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use rpc_core::{RpcContext, RpcError, ServiceEntry};
+use serde_json::{json, Value};
+use subtle::ConstantTimeEq;
+use tracing::Instrument;
+
+use crate::route::{carries_retry_after, error_body, http_status, params_in_query};
+use crate::table::{Found, Served};
+use crate::{docs, Gateway};
+
+/// The most headers forwarded as attachments on one call (the server takes 64 by default).
+pub const MAX_ATTACHMENTS: usize = 32;
+
+/// The most bytes (names and values) of headers forwarded as attachments on one call (the
+/// server takes 16 KiB by default).
+pub const MAX_ATTACHMENT_BYTES: usize = 8 * 1024;
+
+/// Headers that belong to one HTTP hop (RFC 9110 section 7.6.1) or to the gateway itself.
+const NOT_FORWARDED: [&str; 13] = [
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "host",
+    "authorization",
+    "cookie",
+    "expect",
+];
+
+/// Prefixes of headers that are not forwarded (see the crate's documentation).
+const NOT_FORWARDED_PREFIXES: [&str; 4] = ["content-", "accept", "sec-", "rpc-"];
+
+pub(crate) fn router(gateway: Gateway) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/docs", get(docs_page))
+        .route("/openapi.json", get(document))
+        .fallback(call)
+        .with_state(gateway)
+}
+
+/// `{"error": message}` with `status`.
+fn refuse(status: StatusCode, message: impl Into<String>) -> Response {
+    (status, Json(json!({ "error": message.into() }))).into_response()
+}
+
+/// `None` when the request may pass, else the 401 answer.
+fn check_token(gateway: &Gateway, headers: &HeaderMap) -> Option<Response> {
+    let expected = gateway.inner.token.as_deref()?;
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| {
+            v.strip_prefix("Bearer ")
+                .or_else(|| v.strip_prefix("bearer "))
+        });
+    let ok = given.is_some_and(|g| bool::from(g.as_bytes().ct_eq(expected.as_bytes())));
+    if ok {
+        return None;
+    }
+    let message = if given.is_some() {
+        "the bearer token is not the gateway's: send Authorization: Bearer <the gateway's token>"
+    } else {
+        "this gateway needs a token: send Authorization: Bearer <token>"
+    };
+    let mut answer = refuse(StatusCode::UNAUTHORIZED, message);
+    answer
+        .headers_mut()
+        .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    Some(answer)
+}
+
+async fn docs_page() -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/html; charset=utf-8")],
+        docs::page(),
+    )
+        .into_response()
+}
+
+async fn document(State(gateway): State<Gateway>, headers: HeaderMap) -> Response {
+    if let Some(refused) = check_token(&gateway, &headers) {
+        return refused;
+    }
+    Json(gateway.openapi()).into_response()
+}
+
+/// The entry as the OpenAPI document shows it: at the route it is served at.
+pub(crate) fn documented(served: &Served) -> ServiceEntry {
+    let mut entry = served.entry.clone();
+    if crate::route::route_of(&entry) != served.route {
+        if let Some(api) = entry.api.as_mut() {
+            api.http = None;
+        }
+    }
+    entry
+}
+
+async fn call(State(gateway): State<Gateway>, request: Request) -> Response {
+    let (parts, body) = request.into_parts();
+    if let Some(refused) = check_token(&gateway, &parts.headers) {
+        return refused;
+    }
+    let path = parts.uri.path();
+    let table = gateway.inner.shared.table.load();
+    let (served, path_params) = match table.find(&parts.method, path) {
+        Found::Entry(served, params) => (served, params),
+        Found::OtherMethods(methods) => {
+            let allow: Vec<&str> = methods.iter().map(Method::as_str).collect();
+            let mut answer = refuse(
+                StatusCode::METHOD_NOT_ALLOWED,
+                format!(
+                    "{path} is not served with {}: use {}",
+                    parts.method,
+                    allow.join(" or ")
+                ),
+            );
+            if let Ok(v) = HeaderValue::from_str(&allow.join(", ")) {
+                answer.headers_mut().insert(header::ALLOW, v);
+            }
+            return answer;
+        }
+        Found::Nothing => {
+            return refuse(
+                StatusCode::NOT_FOUND,
+                format!(
+                    "no entry is served at {} {path}: entries are served at POST \
+                     /api/{{service id}}/{{method}} or at the routes their services declare; \
+                     GET /openapi.json lists them",
+                    parts.method
+                ),
+            )
+        }
+    };
+    let body = match to_bytes(Body::new(body), gateway.inner.max_body_bytes).await {
+        Ok(body) => body,
+        Err(_) => {
+            return refuse(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!(
+                    "the body is over the gateway's limit of {} bytes, or was cut off: send \
+                     smaller arguments",
+                    gateway.inner.max_body_bytes
+                ),
+            )
+        }
+    };
+    let args = match bind(
+        served,
+        &parts.method,
+        &path_params,
+        parts.uri.query(),
+        &body,
+    ) {
+        Ok(args) => args,
+        Err(message) => return refuse(StatusCode::BAD_REQUEST, message),
+    };
+    let attachments = match attachments(&parts.headers) {
+        Ok(attachments) => attachments,
+        Err(message) => return refuse(StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE, message),
+    };
+    let entry_id = served.entry.id.as_str().to_string();
+    let span = tracing::info_span!(
+        "rpc.gateway",
+        otel.kind = "server",
+        http.request.method = %parts.method,
+        http.route = %served.route.path,
+        rpc.entry_id = %entry_id,
+        http.response.status_code = tracing::field::Empty,
+    );
+    #[cfg(feature = "otel")]
+    otel::set_parent(&span, &parts.headers);
+    drop(table);
+    let client = gateway.inner.client.clone();
+    let result = RpcContext::scope(attachments, client.invoke_json(&entry_id, args))
+        .instrument(span.clone())
+        .await;
+    let answer = match result {
+        Ok(value) => (StatusCode::OK, Json(value)).into_response(),
+        Err(e) => failed(&e),
+    };
+    span.record("http.response.status_code", answer.status().as_u16());
+    answer
+}
+
+/// The HTTP answer of a failed call.
+fn failed(error: &RpcError) -> Response {
+    let status = http_status(error.code());
+    let mut answer = (status, Json(error_body(error))).into_response();
+    if carries_retry_after(status) {
+        let secs = error
+            .retry_after()
+            .map_or(1, |d| d.as_secs() + u64::from(d.subsec_nanos() > 0))
+            .max(1);
+        answer
+            .headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+    }
+    answer
+}
+
+/// The call's arguments as the positional JSON array the entry takes (see the crate's
+/// documentation), or what is wrong with the request.
+fn bind(
+    served: &Served,
+    method: &Method,
+    path_params: &[(String, String)],
+    query: Option<&str>,
+    body: &Bytes,
+) -> Result<Value, String> {
+    let entry = served.entry.id.as_str();
+    let body_value = if params_in_query(method) || body.iter().all(u8::is_ascii_whitespace) {
+        None
+    } else {
+        Some(serde_json::from_slice::<Value>(body).map_err(|e| {
+            format!(
+                "the body is not JSON ({e}): send a JSON object of named arguments, such as \
+                 {{\"text\": \"hi\"}}"
+            )
+        })?)
+    };
+    let Some(params) = &served.params else {
+        // No names published: only positional arguments can be bound.
+        return match body_value {
+            None => Ok(Value::Array(Vec::new())),
+            Some(Value::Array(list)) => Ok(Value::Array(list)),
+            Some(_) => Err(format!(
+                "{entry} publishes no parameter names: send its arguments as a JSON array in \
+                 declaration order"
+            )),
+        };
+    };
+    let expected = || {
+        if params.is_empty() {
+            "it takes no arguments".to_string()
+        } else {
+            format!("it takes {}", params.join(", "))
+        }
+    };
+    let mut named: BTreeMap<String, Value> = BTreeMap::new();
+    let mut take = |name: String, value: Value, from: &str| -> Result<(), String> {
+        if !params.contains(&name) {
+            return Err(format!(
+                "{entry} has no argument {name:?} (from the {from}): {}",
+                expected()
+            ));
+        }
+        if named.insert(name.clone(), value).is_some() {
+            return Err(format!(
+                "argument {name:?} of {entry} is given twice: give it once, in the path, the \
+                 query or the body"
+            ));
+        }
+        Ok(())
+    };
+    for (name, raw) in path_params {
+        let text = percent_encoding::percent_decode_str(raw)
+            .decode_utf8()
+            .map_err(|_| format!("path parameter {name:?} is not UTF-8 once decoded"))?;
+        let value = text_value(served, params, name, &text);
+        take(name.clone(), value, "path")?;
+    }
+    if params_in_query(method) {
+        for (name, text) in form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
+            let value = text_value(served, params, &name, &text);
+            take(name.into_owned(), value, "query")?;
+        }
+    }
+    match body_value {
+        None => {}
+        Some(Value::Object(map)) => {
+            for (name, value) in map {
+                take(name, value, "body")?;
+            }
+        }
+        Some(Value::Array(list)) if path_params.is_empty() => {
+            if list.len() != params.len() {
+                return Err(format!(
+                    "{entry} takes {} arguments ({}), the body's array has {}",
+                    params.len(),
+                    params.join(", "),
+                    list.len()
+                ));
+            }
+            return Ok(Value::Array(list));
+        }
+        Some(other) => {
+            return Err(format!(
+                "the body must be a JSON object of named arguments ({}), not {}",
+                expected(),
+                kind(&other)
+            ))
+        }
+    }
+    let mut args = Vec::with_capacity(params.len());
+    for (i, name) in params.iter().enumerate() {
+        match named.remove(name) {
+            Some(value) => args.push(value),
+            None if served.nullable.get(i).copied().unwrap_or(false) => args.push(Value::Null),
+            None => {
+                return Err(format!(
+                    "argument {name:?} of {entry} is missing: {}",
+                    expected()
+                ))
+            }
+        }
+    }
+    Ok(Value::Array(args))
+}
+
+/// A path or query value: text when the parameter's schema says string, else read as JSON
+/// (`42`, `true`, `[1,2]`), and text when it is not JSON.
+fn text_value(served: &Served, params: &[String], name: &str, text: &str) -> Value {
+    let is_string = params
+        .iter()
+        .position(|p| p == name)
+        .and_then(|i| served.is_string.get(i).copied())
+        .unwrap_or(false);
+    if is_string {
+        return Value::String(text.to_string());
+    }
+    serde_json::from_str(text).unwrap_or_else(|_| Value::String(text.to_string()))
+}
+
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// The request's headers that travel as attachments (see the crate's documentation).
+fn attachments(headers: &HeaderMap) -> Result<BTreeMap<String, String>, String> {
+    let named_by_connection: Vec<String> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|t| t.trim().to_ascii_lowercase())
+        .collect();
+    let mut out = BTreeMap::new();
+    let mut bytes = 0;
+    for (name, value) in headers {
+        let name = name.as_str();
+        if NOT_FORWARDED.contains(&name)
+            || NOT_FORWARDED_PREFIXES.iter().any(|p| name.starts_with(p))
+            || named_by_connection.iter().any(|n| n == name)
+        {
+            continue;
+        }
+        let Ok(value) = value.to_str() else {
+            continue;
+        };
+        bytes += name.len() + value.len();
+        let merged = match out.remove(name) {
+            Some(before) => format!("{before}, {value}"),
+            None => value.to_string(),
+        };
+        out.insert(name.to_string(), merged);
+        if out.len() > MAX_ATTACHMENTS || bytes > MAX_ATTACHMENT_BYTES {
+            return Err(format!(
+                "too many headers to forward: at most {MAX_ATTACHMENTS} headers of \
+                 {MAX_ATTACHMENT_BYTES} bytes in all travel to the service; send fewer"
+            ));
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(feature = "otel")]
+mod otel {
+    use axum::http::HeaderMap;
+    use opentelemetry::propagation::{Extractor, TextMapPropagator};
+    use opentelemetry::trace::TraceContextExt;
+    use opentelemetry_sdk::propagation::TraceContextPropagator;
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+
+    struct Headers<'a>(&'a HeaderMap);
+
+    impl Extractor for Headers<'_> {
+        fn get(&self, key: &str) -> Option<&str> {
+            self.0.get(key).and_then(|v| v.to_str().ok())
+        }
+
+        fn keys(&self) -> Vec<&str> {
+            self.0.keys().map(|k| k.as_str()).collect()
+        }
+    }
+
+    /// Makes the request's span (from `traceparent`/`tracestate`) the parent of `span`.
+    pub(super) fn set_parent(span: &tracing::Span, headers: &HeaderMap) {
+        if span.is_disabled() || !headers.contains_key("traceparent") {
+            return;
+        }
+        let cx = TraceContextPropagator::new().extract(&Headers(headers));
+        if cx.span().span_context().is_valid() {
+            let _ = span.set_parent(cx);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::table::RouteTable;
+    use rpc_core::{EntryApi, HttpRoute};
+
+    fn table(params: &[&str], http: Option<(&str, &str)>) -> RouteTable {
+        RouteTable::build(vec![ServiceEntry {
+            id: "shop.Orders.find".into(),
+            service_id: "shop.Orders".into(),
+            method: "find".into(),
+            hash_key: None,
+            governance: Default::default(),
+            api: Some(EntryApi {
+                params: params.iter().map(|p| p.to_string()).collect(),
+                http: http.map(|(m, p)| HttpRoute {
+                    method: m.into(),
+                    path: p.into(),
+                }),
+                schemas: Some(rpc_core::EntrySchemas {
+                    params: params
+                        .iter()
+                        .map(|p| {
+                            if *p == "name" {
+                                json!({"type": "string"})
+                            } else {
+                                json!(true)
+                            }
+                        })
+                        .collect(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+        }])
+    }
+
+    fn bind_at(
+        t: &RouteTable,
+        method: Method,
+        path: &str,
+        query: Option<&str>,
+        body: &str,
+    ) -> Result<Value, String> {
+        let Found::Entry(served, params) = t.find(&method, path) else {
+            panic!("no route");
+        };
+        bind(
+            served,
+            &method,
+            &params,
+            query,
+            &Bytes::from(body.to_string()),
+        )
+    }
+
+    #[test]
+    fn path_and_query_values_bind_by_name_in_declaration_order() {
+        let t = table(&["id", "name", "full"], Some(("GET", "/orders/{id}")));
+        assert_eq!(
+            bind_at(
+                &t,
+                Method::GET,
+                "/orders/42",
+                Some("full=true&name=007"),
+                ""
+            ),
+            Ok(json!([42, "007", true]))
+        );
+        assert_eq!(
+            bind_at(
+                &t,
+                Method::GET,
+                "/orders/a%20b",
+                Some("full=1&name=x+y"),
+                ""
+            ),
+            Ok(json!(["a b", "x y", 1]))
+        );
+    }
+
+    #[test]
+    fn a_missing_or_unknown_argument_is_named_with_the_expected_ones() {
+        let t = table(&["id", "name"], None);
+        let missing = bind_at(
+            &t,
+            Method::POST,
+            "/api/shop.Orders/find",
+            None,
+            r#"{"id": 1}"#,
+        )
+        .unwrap_err();
+        assert!(
+            missing.contains("\"name\" of shop.Orders.find is missing"),
+            "{missing}"
+        );
+        assert!(missing.contains("it takes id, name"), "{missing}");
+        let unknown = bind_at(
+            &t,
+            Method::POST,
+            "/api/shop.Orders/find",
+            None,
+            r#"{"id": 1, "nme": "x", "name": "y"}"#,
+        )
+        .unwrap_err();
+        assert!(unknown.contains("no argument \"nme\""), "{unknown}");
+    }
+
+    #[test]
+    fn an_array_body_is_positional_and_bad_json_is_refused() {
+        let t = table(&["id", "name"], None);
+        assert_eq!(
+            bind_at(
+                &t,
+                Method::POST,
+                "/api/shop.Orders/find",
+                None,
+                r#"[1, "x"]"#
+            ),
+            Ok(json!([1, "x"]))
+        );
+        let bad = bind_at(&t, Method::POST, "/api/shop.Orders/find", None, "{id: 1").unwrap_err();
+        assert!(bad.starts_with("the body is not JSON"), "{bad}");
+    }
+
+    #[test]
+    fn hop_by_hop_and_private_headers_stay_behind() {
+        let mut h = HeaderMap::new();
+        for (k, v) in [
+            ("x-tenant", "acme"),
+            ("authorization", "Bearer t"),
+            ("cookie", "a=b"),
+            ("content-type", "application/json"),
+            ("accept", "*/*"),
+            ("connection", "x-hop"),
+            ("x-hop", "1"),
+            ("rpc-retry-depth", "9"),
+            (
+                "traceparent",
+                "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            ),
+        ] {
+            h.append(k, HeaderValue::from_static(v));
+        }
+        let a = attachments(&h).unwrap();
+        assert_eq!(
+            a.keys().map(String::as_str).collect::<Vec<_>>(),
+            ["traceparent", "x-tenant"]
+        );
+    }
+
+    #[test]
+    fn more_headers_than_the_bound_are_refused() {
+        let mut h = HeaderMap::new();
+        for i in 0..=MAX_ATTACHMENTS {
+            h.insert(
+                axum::http::HeaderName::from_bytes(format!("x-h{i}").as_bytes()).unwrap(),
+                HeaderValue::from_static("v"),
+            );
+        }
+        assert!(attachments(&h).unwrap_err().contains("at most 32 headers"));
+    }
+}

@@ -1,0 +1,118 @@
+//! Following the registry: the services it knows, each one's instances, and from them the route
+//! table, rebuilt and swapped whenever any of them changes.
+//!
+//! Why polling beside the watches: a [`Registry`] announces the changes of a service it is asked
+//! about (its watch), but has no watch over the list of services itself, so a service that
+//! appears after the gateway started is found by asking [`Registry::services`] again every
+//! discovery interval; from then on its own watch carries every change at once.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use rpc_core::{ServiceEntry, ServiceId};
+use rpc_registry::{Registry, ServiceWatch};
+use tokio::sync::{watch, Notify};
+use tokio::task::JoinSet;
+
+use crate::table::RouteTable;
+
+/// What requests read: the current table, and its version for those waiting on a change.
+pub(crate) struct Shared {
+    pub table: ArcSwap<RouteTable>,
+    pub version: watch::Sender<u64>,
+}
+
+/// The task keeping [`Shared`] up to date.
+pub(crate) struct Follower {
+    registry: Arc<dyn Registry>,
+    shared: Arc<Shared>,
+    watches: BTreeMap<ServiceId, ServiceWatch>,
+    watchers: JoinSet<()>,
+    changed: Arc<Notify>,
+    last: Vec<ServiceEntry>,
+}
+
+impl Follower {
+    pub(crate) fn new(registry: Arc<dyn Registry>, shared: Arc<Shared>) -> Self {
+        Follower {
+            registry,
+            shared,
+            watches: BTreeMap::new(),
+            watchers: JoinSet::new(),
+            changed: Arc::new(Notify::new()),
+            last: Vec::new(),
+        }
+    }
+
+    /// Watches every service the registry lists that is not watched yet.
+    pub(crate) async fn discover(&mut self) {
+        let services = match self.registry.services().await {
+            Ok(services) => services,
+            Err(e) => {
+                tracing::warn!(error = %e, "the gateway cannot list the registry's services; it keeps the routes it has and asks again");
+                return;
+            }
+        };
+        for service in services {
+            if self.watches.contains_key(&service) {
+                continue;
+            }
+            let mut watch = match self.registry.watch(&service).await {
+                Ok(watch) => watch,
+                Err(e) => {
+                    tracing::warn!(service = %service.as_str(), error = %e, "the gateway cannot watch a service; it tries again at the next discovery");
+                    continue;
+                }
+            };
+            self.watches.insert(service, watch.clone());
+            let changed = self.changed.clone();
+            self.watchers.spawn(async move {
+                while watch.changed().await.is_ok() {
+                    changed.notify_one();
+                }
+            });
+        }
+    }
+
+    /// Builds the table from the watches' current snapshots, and swaps it in when its entries
+    /// differ from the last one's.
+    pub(crate) fn rebuild(&mut self) {
+        let mut entries: Vec<ServiceEntry> = Vec::new();
+        for (service, watch) in &self.watches {
+            for instance in watch.current().iter() {
+                for entry in instance.entries.iter().filter(|e| &e.service_id == service) {
+                    if !entries.iter().any(|e| e.id == entry.id) {
+                        entries.push(entry.clone());
+                    }
+                }
+            }
+        }
+        if entries == self.last {
+            return;
+        }
+        tracing::info!(entries = entries.len(), "the gateway's routes changed");
+        self.last = entries.clone();
+        self.shared
+            .table
+            .store(Arc::new(RouteTable::build(entries)));
+        self.shared.version.send_modify(|v| *v += 1);
+    }
+
+    /// Follows the registry until the task is aborted: a change of any watched service
+    /// rebuilds at once; every `interval`, new services are looked for.
+    pub(crate) async fn run(mut self, interval: Duration) {
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await;
+        loop {
+            let changed = self.changed.clone();
+            tokio::select! {
+                _ = tick.tick() => self.discover().await,
+                _ = changed.notified() => {}
+            }
+            self.rebuild();
+        }
+    }
+}

@@ -1,0 +1,289 @@
+//! The route table: which entry answers a method and a path, built from the entries the registry
+//! publishes and replaced whole when they change.
+//!
+//! Why a table of its own rather than an axum `Router` rebuilt per change: declared routes come
+//! from servers the gateway does not control, so two of them may collide, and axum's router
+//! panics on a conflicting route where `matchit` (the matcher axum itself is built on, with the
+//! same `{name}` templates) returns an error the gateway can log and step around (the second
+//! entry stays reachable at its default route). A table is also a plain value: requests read the
+//! current one through an `ArcSwap` with no lock, and a change builds the next one beside it.
+
+use std::collections::BTreeMap;
+
+use axum::http::Method;
+use rpc_core::ServiceEntry;
+use serde_json::Value;
+
+use crate::route::{default_path, route_of, Route};
+
+/// Paths the gateway serves itself; a declared route cannot take them.
+pub(crate) const RESERVED: [&str; 3] = ["/openapi.json", "/docs", "/healthz"];
+
+/// One entry the gateway serves, with what binding its arguments needs.
+#[derive(Debug, Clone)]
+pub(crate) struct Served {
+    /// The published entry.
+    pub entry: ServiceEntry,
+    /// Where it is served (its declared route, or the default one after a conflict).
+    pub route: Route,
+    /// Parameter names in declaration order; `None` when the entry publishes none (then only a
+    /// positional JSON array is accepted).
+    pub params: Option<Vec<String>>,
+    /// Per parameter: its schema says it is a string (query and path values are then taken as
+    /// text, not read as JSON).
+    pub is_string: Vec<bool>,
+    /// Per parameter: its schema accepts `null` (a missing argument is then sent as `null`).
+    pub nullable: Vec<bool>,
+}
+
+/// What a lookup found.
+pub(crate) enum Found<'a> {
+    /// The entry and the path parameters, still percent-encoded.
+    Entry(&'a Served, Vec<(String, String)>),
+    /// The path is served, but with other methods.
+    OtherMethods(Vec<Method>),
+    /// Nothing is served at this path.
+    Nothing,
+}
+
+/// The routes of one set of entries.
+#[derive(Default)]
+pub(crate) struct RouteTable {
+    served: Vec<Served>,
+    routers: BTreeMap<String, matchit::Router<usize>>,
+}
+
+impl RouteTable {
+    /// The table of `entries`, in the order given (the first of two entries declaring the same
+    /// method and path wins). Stream entries are left out: HTTP answers one JSON value.
+    pub(crate) fn build(entries: Vec<ServiceEntry>) -> RouteTable {
+        let mut table = RouteTable::default();
+        for entry in entries {
+            if entry.api.as_ref().is_some_and(|api| api.stream.is_some()) {
+                tracing::debug!(entry = %entry.id, "stream entries are not served over HTTP");
+                continue;
+            }
+            let declared = route_of(&entry);
+            let route = match table.insert(&declared, table.served.len()) {
+                Ok(()) => declared,
+                Err(why) => {
+                    let fallback = Route {
+                        method: Method::POST,
+                        path: default_path(entry.service_id.as_str(), &entry.method),
+                    };
+                    tracing::warn!(
+                        entry = %entry.id,
+                        method = %declared.method,
+                        path = %declared.path,
+                        "the declared route is not served ({why}); the entry is served at \
+                         POST {} instead",
+                        fallback.path
+                    );
+                    if fallback == declared {
+                        continue;
+                    }
+                    if let Err(why) = table.insert(&fallback, table.served.len()) {
+                        tracing::warn!(entry = %entry.id, "the entry is not served: {why}");
+                        continue;
+                    }
+                    fallback
+                }
+            };
+            table.served.push(served(entry, route));
+        }
+        table
+    }
+
+    fn insert(&mut self, route: &Route, index: usize) -> Result<(), String> {
+        if RESERVED.contains(&route.path.as_str()) {
+            return Err(format!("{} is the gateway's own route", route.path));
+        }
+        if !route.path.starts_with('/') {
+            return Err(format!("{:?} does not start with /", route.path));
+        }
+        let router = self.routers.entry(route.method.to_string()).or_default();
+        router
+            .insert(route.path.clone(), index)
+            .map_err(|e| format!("{e}"))
+    }
+
+    /// The entries served, in table order.
+    pub(crate) fn served(&self) -> &[Served] {
+        &self.served
+    }
+
+    /// The entry serving `method` at `path` (HEAD falls back to GET).
+    pub(crate) fn find(&self, method: &Method, path: &str) -> Found<'_> {
+        let mut tries = vec![method.as_str()];
+        if method == Method::HEAD {
+            tries.push(Method::GET.as_str());
+        }
+        for m in tries {
+            if let Some(Ok(matched)) = self.routers.get(m).map(|r| r.at(path)) {
+                let params = matched
+                    .params
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect();
+                return Found::Entry(&self.served[*matched.value], params);
+            }
+        }
+        let others: Vec<Method> = self
+            .routers
+            .iter()
+            .filter(|(_, r)| r.at(path).is_ok())
+            .filter_map(|(m, _)| Method::from_bytes(m.as_bytes()).ok())
+            .collect();
+        if others.is_empty() {
+            Found::Nothing
+        } else {
+            Found::OtherMethods(others)
+        }
+    }
+}
+
+fn served(entry: ServiceEntry, route: Route) -> Served {
+    let api = entry.api.as_ref();
+    let params = api.map(|api| api.params.clone());
+    let count = params.as_ref().map_or(0, Vec::len);
+    let schema = |i: usize| {
+        api.and_then(|a| a.schemas.as_ref())
+            .and_then(|s| s.params.get(i))
+    };
+    let is_string = (0..count)
+        .map(|i| {
+            schema(i)
+                .is_some_and(|s| types(s).iter().all(|t| t == "string") && !types(s).is_empty())
+        })
+        .collect();
+    let nullable = (0..count)
+        .map(|i| schema(i).is_some_and(accepts_null))
+        .collect();
+    Served {
+        entry,
+        route,
+        params,
+        is_string,
+        nullable,
+    }
+}
+
+/// The `type` names a schema lists (`"string"` or `["string", "null"]`).
+fn types(schema: &Value) -> Vec<String> {
+    match schema.get("type") {
+        Some(Value::String(t)) => vec![t.clone()],
+        Some(Value::Array(list)) => list
+            .iter()
+            .filter_map(|t| t.as_str().map(str::to_string))
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// Whether a schema accepts `null`: its type lists `null`, or one branch of its `anyOf` /
+/// `oneOf` does (how schemars writes `Option<T>`).
+fn accepts_null(schema: &Value) -> bool {
+    if types(schema).iter().any(|t| t == "null") {
+        return true;
+    }
+    ["anyOf", "oneOf"].iter().any(|k| {
+        schema
+            .get(*k)
+            .and_then(Value::as_array)
+            .is_some_and(|branches| branches.iter().any(accepts_null))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rpc_core::{EntryApi, HttpRoute};
+    use serde_json::json;
+
+    fn entry(service: &str, method: &str, http: Option<(&str, &str)>) -> ServiceEntry {
+        ServiceEntry {
+            id: format!("{service}.{method}").as_str().into(),
+            service_id: service.into(),
+            method: method.into(),
+            hash_key: None,
+            governance: Default::default(),
+            api: Some(EntryApi {
+                params: vec!["id".into()],
+                http: http.map(|(m, p)| HttpRoute {
+                    method: m.into(),
+                    path: p.into(),
+                }),
+                ..Default::default()
+            }),
+        }
+    }
+
+    fn found(table: &RouteTable, method: Method, path: &str) -> Option<String> {
+        match table.find(&method, path) {
+            Found::Entry(s, _) => Some(s.entry.id.to_string()),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn the_first_of_two_entries_declaring_one_route_wins_and_the_second_keeps_its_default() {
+        let table = RouteTable::build(vec![
+            entry("a.A", "get", Some(("GET", "/orders/{id}"))),
+            entry("b.B", "get", Some(("GET", "/orders/{id}"))),
+        ]);
+        assert_eq!(
+            found(&table, Method::GET, "/orders/7").as_deref(),
+            Some("a.A.get")
+        );
+        assert_eq!(
+            found(&table, Method::POST, "/api/b.B/get").as_deref(),
+            Some("b.B.get")
+        );
+        assert_eq!(found(&table, Method::POST, "/api/a.A/get"), None);
+    }
+
+    #[test]
+    fn stream_entries_and_reserved_paths_are_not_served_as_declared() {
+        let mut stream = entry("s.S", "watch", None);
+        stream.api.as_mut().unwrap().stream = Some("server".into());
+        let table = RouteTable::build(vec![stream, entry("d.D", "docs", Some(("GET", "/docs")))]);
+        assert_eq!(found(&table, Method::POST, "/api/s.S/watch"), None);
+        assert_eq!(found(&table, Method::GET, "/docs"), None);
+        assert_eq!(
+            found(&table, Method::POST, "/api/d.D/docs").as_deref(),
+            Some("d.D.docs")
+        );
+    }
+
+    #[test]
+    fn a_path_served_with_another_method_names_the_methods() {
+        let table = RouteTable::build(vec![entry("a.A", "get", Some(("GET", "/orders/{id}")))]);
+        match table.find(&Method::DELETE, "/orders/1") {
+            Found::OtherMethods(m) => assert_eq!(m, vec![Method::GET]),
+            _ => panic!("expected the other methods"),
+        }
+        assert!(matches!(
+            table.find(&Method::GET, "/nothing"),
+            Found::Nothing
+        ));
+    }
+
+    #[test]
+    fn string_and_nullable_parameters_are_read_from_the_schemas() {
+        let mut e = entry("a.A", "find", None);
+        let api = e.api.as_mut().unwrap();
+        api.params = vec!["name".into(), "limit".into(), "n".into()];
+        api.schemas = Some(rpc_core::EntrySchemas {
+            params: vec![
+                json!({"type": "string"}),
+                json!({"anyOf": [{"type": "integer"}, {"type": "null"}]}),
+                json!({"type": ["integer", "null"]}),
+            ],
+            ..Default::default()
+        });
+        let table = RouteTable::build(vec![e]);
+        let s = &table.served()[0];
+        assert_eq!(s.is_string, vec![true, false, false]);
+        assert_eq!(s.nullable, vec![false, true, true]);
+    }
+}
