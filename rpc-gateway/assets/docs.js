@@ -16,11 +16,18 @@
       if (key === "text") node.textContent = value;
       else node.setAttribute(key, value === true ? "" : value);
     }
-    for (const child of children.flat()) {
+    for (const child of children.flat(Infinity)) {
       if (child === null || child === undefined) continue;
       node.append(typeof child === "string" ? document.createTextNode(child) : child);
     }
     return node;
+  }
+
+  // Replaces the children of the element `id` (arrays of children are flattened).
+  function put(id, ...children) {
+    const target = document.getElementById(id);
+    target.replaceChildren();
+    target.append(...children.flat(Infinity).filter((c) => c !== null && c !== undefined));
   }
 
   // The schema a `$ref` names, or the schema itself.
@@ -225,24 +232,31 @@
     status.textContent = count ? `${count} operation${count === 1 ? "" : "s"} in ${services.length} service${services.length === 1 ? "" : "s"}.`
       : "No operations: no server publishes a unary entry yet. Reload when servers are up.";
 
-    document.getElementById("toc").replaceChildren(services.length ? el("p", {}, "Services: ",
-      services.map((s, i) => [i ? " · " : "", el("a", { href: "#service-" + s, text: s })])) : "");
-    document.getElementById("services").replaceChildren(...services.map((service) => el("section", { class: "service", id: "service-" + service },
+    put("toc", services.length ? el("p", {}, "Services: ",
+      services.map((s, i) => [i ? " · " : "", el("a", { href: "#service-" + s, text: s })])) : null);
+    put("services", services.map((service) => el("section", { class: "service", id: "service-" + service },
       el("h2", { text: service }),
       byService.get(service)
         .sort((a, b) => (a.path + a.method).localeCompare(b.path + b.method))
         .map(({ method, path, op }) => operationView(method, path, op)))));
 
-    document.getElementById("errors").replaceChildren(errors.size ? [el("h2", { text: "Error answers" }),
+    put("errors", errors.size ? [el("h2", { text: "Error answers" }),
       el("p", {}, "A failed call answers with one of these statuses and a JSON body ",
         el("code", { text: '{"code": <call status>, "message": "...", "error": <typed error>}' }), "."),
       el("table", {}, el("tr", {}, el("th", { text: "status" }), el("th", { text: "meaning" })),
         [...errors.entries()].sort().map(([s, r]) => el("tr", {}, el("td", { text: s }), el("td", { text: r.description || "" }))))] : []);
 
     const schemas = Object.entries((doc.components || {}).schemas || {}).sort(([a], [b]) => a.localeCompare(b));
-    document.getElementById("schemas").replaceChildren(schemas.length ? [el("h2", { text: "Schemas" }),
+    put("schemas", schemas.length ? [el("h2", { text: "Schemas" }),
       schemas.map(([name, schema]) => el("div", { id: "schema-" + name },
         el("code", { text: name }), " ", schemaView(schema)))] : []);
+
+    // A link to an operation or a schema (`#op-<entry id>`, `#schema-<name>`) opens it.
+    const target = location.hash && document.getElementById(decodeURIComponent(location.hash.slice(1)));
+    if (target) {
+      if (target.tagName === "DETAILS") target.open = true;
+      target.scrollIntoView();
+    }
   }
 
   document.getElementById("filter").addEventListener("input", (event) => {

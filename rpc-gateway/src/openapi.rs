@@ -50,8 +50,9 @@ impl DocumentInfo {
     }
 }
 
-/// The error answers every operation documents: the HTTP status, what it means, and call statuses
-/// that lead to it (a test checks each against [`http_status`], so the two cannot drift apart).
+/// The error answers every operation documents: the HTTP status, what it means, and the call
+/// statuses that lead to it (a test checks each against [`crate::route::http_status`], so the
+/// two cannot drift apart).
 pub const ERROR_RESPONSES: &[(u16, &str, &[u32])] = &[
     (
         400,
