@@ -17,7 +17,9 @@ use axum::http::{Method, StatusCode as HttpStatus};
 use rpc_core::ServiceEntry;
 use serde_json::{json, Map, Value};
 
-use crate::route::{carries_retry_after, error_body_schema, params_in_query, route_of};
+use crate::route::{
+    carries_retry_after, default_path, error_body_schema, params_in_query, route_of, Route,
+};
 
 /// Where the named schemas live, as the servers' `$ref`s write it.
 const SCHEMA_REF_PREFIX: &str = "#/components/schemas/";
@@ -123,9 +125,9 @@ fn path_item_key(method: &Method) -> Option<&'static str> {
 /// [`crate::route::http_status`] and [`crate::route::error_body_schema`]).
 ///
 /// One operation per unary entry (stream entries are skipped: the gateway serves unary calls
-/// only); an entry listed twice (by two instances) is documented once, and of two entries served
-/// at the same method and path the first by entry id is documented (the other cannot be reached
-/// there either). An entry whose server publishes no [`rpc_core::EntryApi`] is documented at
+/// only); an entry listed twice (by two instances) is documented once, and of two entries that
+/// declare the same method and path (parameter names aside) the first by entry id keeps it and
+/// the other is documented at its default route, as the router serves them. An entry whose server publishes no [`rpc_core::EntryApi`] is documented at
 /// its default route with a body of positional arguments (a JSON array).
 pub fn document(entries: &[ServiceEntry], info: &DocumentInfo) -> Value {
     // Sorted and deduplicated by entry id.
@@ -141,23 +143,32 @@ pub fn document(entries: &[ServiceEntry], info: &DocumentInfo) -> Value {
     let (schemas, renames) = merge_definitions(&served);
 
     let mut paths: BTreeMap<String, BTreeMap<&'static str, Value>> = BTreeMap::new();
+    // Routes taken, by method and template shape (`/orders/{}`): OpenAPI holds two templates
+    // that differ only in their parameters' names as the same path.
+    let mut taken: BTreeSet<(&'static str, String)> = BTreeSet::new();
     let mut tags = BTreeSet::new();
     for entry in served {
-        let route = route_of(entry);
-        let Some(key) = path_item_key(&route.method) else {
+        let declared = route_of(entry);
+        let default = Route {
+            method: Method::POST,
+            path: default_path(entry.service_id.as_str(), &entry.method),
+        };
+        // A declared route another entry took first is served at the default route instead,
+        // as the router does.
+        let Some((route, key, path)) = [declared, default].into_iter().find_map(|route| {
+            let key = path_item_key(&route.method)?;
+            let path = openapi_path(&route.path);
+            taken
+                .insert((key, template_shape(&path)))
+                .then_some((route, key, path))
+        }) else {
             continue;
         };
-        let path = openapi_path(&route.path);
-        let item = paths.entry(path.clone()).or_default();
-        if item.contains_key(key) {
-            continue;
-        }
-        let rename = renames.get(entry.service_id.as_str());
         let mut op = operation(entry, &route.method, &path);
-        if let Some(rename) = rename {
+        if let Some(rename) = renames.get(entry.service_id.as_str()) {
             rewrite_refs(&mut op, rename);
         }
-        item.insert(key, op);
+        paths.entry(path).or_default().insert(key, op);
         tags.insert(entry.service_id.as_str().to_string());
     }
 
@@ -222,6 +233,27 @@ pub fn path_params(template: &str) -> Vec<String> {
         rest = &rest[open + close + 1..];
     }
     names
+}
+
+/// The template with every parameter's name left out: `/orders/{id}` → `/orders/{}`.
+fn template_shape(template: &str) -> String {
+    let mut shape = String::with_capacity(template.len());
+    let mut in_param = false;
+    for c in template.chars() {
+        match c {
+            '{' => {
+                in_param = true;
+                shape.push('{');
+            }
+            '}' => {
+                in_param = false;
+                shape.push('}');
+            }
+            _ if in_param => {}
+            _ => shape.push(c),
+        }
+    }
+    shape
 }
 
 /// The template as OpenAPI writes it: starting with `/`, catch-alls `{*rest}` as `{rest}`.
@@ -849,6 +881,32 @@ mod tests {
         let e = entry("old.Svc", "ping", None);
         let doc = document(&[e.clone(), e], &info());
         assert_eq!(doc["paths"].as_object().unwrap().len(), 1);
+    }
+
+    #[test]
+    fn a_declared_route_taken_first_leaves_the_other_entry_at_its_default_route() {
+        let a = entry(
+            "a.Orders",
+            "get",
+            Some(api(&["id"], Some(("GET", "/orders/{id}")), None)),
+        );
+        let b = entry(
+            "b.Orders",
+            "get",
+            Some(api(&["oid"], Some(("GET", "/orders/{oid}")), None)),
+        );
+        let doc = document(&[b, a], &info());
+        assert_eq!(
+            doc["paths"]["/orders/{id}"]["get"]["operationId"],
+            "a.Orders.get"
+        );
+        assert!(doc["paths"].get("/orders/{oid}").is_none(), "{doc}");
+        let moved = &doc["paths"]["/api/b.Orders/get"]["post"];
+        assert_eq!(moved["operationId"], "b.Orders.get");
+        assert_eq!(
+            moved["requestBody"]["content"]["application/json"]["schema"]["required"],
+            json!(["oid"])
+        );
     }
 
     #[test]

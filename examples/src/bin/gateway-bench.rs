@@ -18,20 +18,24 @@
 //! connection each through hyper; for the client, that many calls in flight on its pooled
 //! connections) for `--warmup-seconds`, then measures until `--requests` calls were made or
 //! `--seconds` passed, whichever comes first. Latency is recorded per call in an HDR histogram
-//! (microseconds, 3 significant digits). Everything listens on 127.0.0.1 on free ports; the
-//! servers run on one tokio runtime and the callers on another.
+//! (microseconds, 3 significant digits). Everything listens on 127.0.0.1 on free ports. Three
+//! tokio runtimes share the machine: `echo` runs the echo server, `http` the axum echo and the
+//! gateway (with the gateway's client), `callers` the callers (and the client of `client`).
 //!
 //! Output (stable for scripts), one line per case and a summary:
 //!
 //! ```text
 //! GATEWAY case=<axum|gateway|client> rps=<n> p50_us=<n> p99_us=<n> requests=<n> secs=<s>
-//!   cpu_us_per_req=<us>
+//!   cpu_us_per_req=<us> own_cpu_us_per_req=<us>
 //! summary: gateway/axum=<ratio>
 //! ```
 //!
-//! (one line per case; `cpu_us_per_req` is the CPU time of the whole process, servers and
-//! callers, over the measurement divided by the calls made: on a machine where the run is
-//! CPU-bound it says where the difference in requests per second comes from.)
+//! (one line per case.) `cpu_us_per_req` is the CPU time of the whole process over the
+//! measurement divided by the calls made; `own_cpu_us_per_req` counts only the part under test:
+//! the `http` runtime for `axum` and `gateway` (so the gateway's figure leaves out the echo
+//! server and the callers, and is what the gateway itself costs a call), the `callers` runtime
+//! for `client`. On a machine where the run is CPU-bound they say where a difference in
+//! requests per second comes from.
 //!
 //! Every answer is checked (status 200, the text echoed); a run with a failed call prints what
 //! failed and exits with status 1, since its figures would not measure the call. The request
@@ -42,7 +46,7 @@
 use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use axum::routing::post;
@@ -88,7 +92,7 @@ struct Args {
     /// The cases to run, in order.
     #[arg(long, value_delimiter = ',', default_value = "axum,gateway,client")]
     cases: Vec<Case>,
-    /// Worker threads of each runtime (servers, callers); default: the CPUs available.
+    /// Worker threads of each runtime (echo, http, callers); default: the CPUs available.
     #[arg(long)]
     threads: Option<usize>,
 }
@@ -119,6 +123,9 @@ struct Figures {
     secs: f64,
     /// CPU seconds the whole process (servers and callers) used over the measurement.
     cpu_secs: f64,
+    /// CPU seconds of the part under test: the axum server, the gateway (its HTTP server and
+    /// its client), or the calling client.
+    own_cpu_secs: f64,
     histogram: Histogram<u64>,
 }
 
@@ -130,6 +137,11 @@ impl Figures {
     /// CPU microseconds per call, callers included.
     fn cpu_us_per_req(&self) -> f64 {
         self.cpu_secs * 1e6 / (self.requests.max(1) as f64)
+    }
+
+    /// CPU microseconds per call of the part under test.
+    fn own_cpu_us_per_req(&self) -> f64 {
+        self.own_cpu_secs * 1e6 / (self.requests.max(1) as f64)
     }
 }
 
@@ -156,13 +168,58 @@ fn main() -> ExitCode {
     }
 }
 
-fn runtime(name: &str, threads: Option<usize>) -> Result<tokio::runtime::Runtime, String> {
+/// The CPU clocks of a runtime's threads, to tell the CPU of one part of the run (the server
+/// under test, the echo server, the callers) from the rest of the process.
+#[derive(Clone, Default)]
+struct ThreadClocks(Arc<Mutex<Vec<libc::clockid_t>>>);
+
+impl ThreadClocks {
+    /// Adds the calling thread's CPU clock.
+    fn register(&self) {
+        let mut clock: libc::clockid_t = 0;
+        // SAFETY: pthread_getcpuclockid(3) on the calling thread's own handle writes the clock id
+        // into `clock` and touches nothing else.
+        let found = unsafe { libc::pthread_getcpuclockid(libc::pthread_self(), &mut clock) };
+        if found == 0 {
+            self.0
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push(clock);
+        }
+    }
+
+    /// CPU seconds the threads used so far (a thread that ended no longer counts).
+    fn secs(&self) -> f64 {
+        let clocks = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        clocks
+            .iter()
+            .filter_map(|clock| {
+                let mut t = libc::timespec {
+                    tv_sec: 0,
+                    tv_nsec: 0,
+                };
+                // SAFETY: clock_gettime(2) writes the clock's time into `t`; an ended thread's
+                // clock answers an error, which is skipped.
+                let read = unsafe { libc::clock_gettime(*clock, &mut t) };
+                (read == 0).then(|| t.tv_sec as f64 + t.tv_nsec as f64 / 1e9)
+            })
+            .sum()
+    }
+}
+
+fn runtime(
+    name: &str,
+    threads: Option<usize>,
+    clocks: &ThreadClocks,
+) -> Result<tokio::runtime::Runtime, String> {
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     if let Some(threads) = threads {
         builder.worker_threads(threads.max(1));
     }
+    let on_start = clocks.clone();
     builder
         .thread_name(name)
+        .on_thread_start(move || on_start.register())
         .enable_all()
         .build()
         .map_err(|e| format!("could not start the {name} runtime: {e}"))
@@ -187,12 +244,21 @@ fn run(args: &Args) -> Result<(), String> {
     if args.requests == 0 {
         return Err("--requests must be at least 1".into());
     }
-    let servers = runtime("servers", args.threads)?;
-    let callers = runtime("callers", args.threads)?;
+    let (http_clocks, echo_clocks, caller_clocks) = Default::default();
+    let echo = runtime("echo", args.threads, &echo_clocks)?;
+    let http = runtime("http", args.threads, &http_clocks)?;
+    let callers = runtime("callers", args.threads, &caller_clocks)?;
 
     let registry: Arc<dyn Registry> = Arc::new(InProcessRegistry::new());
-    let (axum_addr, gateway_addr, body, _keep) =
-        servers.block_on(start_servers(&registry, &args.text))?;
+    let echo_server = echo.block_on(
+        Server::builder()
+            .shared_registry(registry.clone())
+            .max_concurrency(100_000)
+            .add_service(EchoServer::new(EchoService::default()))
+            .serve("127.0.0.1:0"),
+    );
+    let _echo_server = echo_server.map_err(|e| format!("could not start the echo server: {e}"))?;
+    let (axum_addr, gateway_addr, body) = http.block_on(start_http(&registry, &args.text))?;
     println!("body: {}", String::from_utf8_lossy(&body));
 
     let expected = Bytes::from(
@@ -202,13 +268,16 @@ fn run(args: &Args) -> Result<(), String> {
     for case in &args.cases {
         let figures = callers.block_on(async {
             match case {
-                Case::Axum => http_case(args, axum_addr, &body, &expected).await,
-                Case::Gateway => http_case(args, gateway_addr, &body, &expected).await,
-                Case::Client => client_case(args, &registry).await,
+                Case::Axum => http_case(args, axum_addr, &body, &expected, &http_clocks).await,
+                Case::Gateway => {
+                    http_case(args, gateway_addr, &body, &expected, &http_clocks).await
+                }
+                Case::Client => client_case(args, &registry, &caller_clocks).await,
             }
         })?;
         println!(
-            "GATEWAY case={} rps={:.0} p50_us={} p99_us={} requests={} secs={:.3} cpu_us_per_req={:.1}",
+            "GATEWAY case={} rps={:.0} p50_us={} p99_us={} requests={} secs={:.3} \
+             cpu_us_per_req={:.1} own_cpu_us_per_req={:.1}",
             case.name(),
             figures.rps(),
             figures.histogram.value_at_quantile(0.50).max(1),
@@ -216,6 +285,7 @@ fn run(args: &Args) -> Result<(), String> {
             figures.requests,
             figures.secs,
             figures.cpu_us_per_req(),
+            figures.own_cpu_us_per_req(),
         );
         results.push((*case, figures));
     }
@@ -230,29 +300,17 @@ fn run(args: &Args) -> Result<(), String> {
         _ => println!("summary: gateway/axum=n/a (run both cases for the ratio)"),
     }
     callers.shutdown_timeout(Duration::from_secs(1));
-    servers.shutdown_timeout(Duration::from_secs(1));
+    http.shutdown_timeout(Duration::from_secs(1));
+    echo.shutdown_timeout(Duration::from_secs(1));
     Ok(())
 }
 
-/// What keeps the servers up until the run ends.
-struct Keep {
-    _server: rpc::ServerHandle,
-}
-
-/// The echo server (published in `registry`), the plain axum echo and the gateway; returns
-/// the two HTTP addresses and the request body the gateway takes for the echo entry.
-async fn start_servers(
+/// The plain axum echo and the gateway (over the echo server published in `registry`);
+/// returns the two HTTP addresses and the request body the gateway takes for the echo entry.
+async fn start_http(
     registry: &Arc<dyn Registry>,
     text: &str,
-) -> Result<(SocketAddr, SocketAddr, Bytes, Keep), String> {
-    let server = Server::builder()
-        .shared_registry(registry.clone())
-        .max_concurrency(100_000)
-        .add_service(EchoServer::new(EchoService::default()))
-        .serve("127.0.0.1:0")
-        .await
-        .map_err(|e| format!("could not start the echo server: {e}"))?;
-
+) -> Result<(SocketAddr, SocketAddr, Bytes), String> {
     let axum_listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .map_err(|e| format!("could not listen for the axum echo: {e}"))?;
@@ -303,7 +361,7 @@ async fn start_servers(
             eprintln!("gateway-bench: the gateway stopped: {e}");
         }
     });
-    Ok((axum_addr, gateway_addr, body, Keep { _server: server }))
+    Ok((axum_addr, gateway_addr, body))
 }
 
 /// The plain echo: the text of `{"text": ...}` or of `[...]`, answered as JSON.
@@ -410,7 +468,11 @@ impl Caller {
 }
 
 /// Runs the callers at once for the warm-up, then for the measurement.
-async fn measure(args: &Args, mut callers: Vec<Caller>) -> Result<Figures, String> {
+async fn measure(
+    args: &Args,
+    mut callers: Vec<Caller>,
+    own: &ThreadClocks,
+) -> Result<Figures, String> {
     let mut phases = Vec::new();
     if args.warmup_seconds > 0.0 {
         phases.push((false, u64::MAX, args.warmup_seconds));
@@ -420,6 +482,7 @@ async fn measure(args: &Args, mut callers: Vec<Caller>) -> Result<Figures, Strin
     for (measured, limit, seconds) in phases {
         let start = Instant::now();
         let cpu_start = cpu_secs();
+        let own_start = own.secs();
         let plan = Plan::new(limit, seconds);
         let mut tasks = Vec::new();
         for mut caller in callers.drain(..) {
@@ -449,11 +512,13 @@ async fn measure(args: &Args, mut callers: Vec<Caller>) -> Result<Figures, Strin
         }
         let secs = start.elapsed().as_secs_f64();
         let cpu_secs = cpu_secs() - cpu_start;
+        let own_cpu_secs = own.secs() - own_start;
         if measured {
             figures = Some(Figures {
                 requests,
                 secs,
                 cpu_secs,
+                own_cpu_secs,
                 histogram: total,
             });
         }
@@ -468,6 +533,7 @@ async fn http_case(
     addr: SocketAddr,
     body: &Bytes,
     expected: &Bytes,
+    own: &ThreadClocks,
 ) -> Result<Figures, String> {
     let mut callers = Vec::new();
     for _ in 0..args.connections {
@@ -486,11 +552,15 @@ async fn http_case(
             expected: expected.clone(),
         });
     }
-    measure(args, callers).await
+    measure(args, callers, own).await
 }
 
 /// The same call made directly with the framework's client, `connections` calls in flight.
-async fn client_case(args: &Args, registry: &Arc<dyn Registry>) -> Result<Figures, String> {
+async fn client_case(
+    args: &Args,
+    registry: &Arc<dyn Registry>,
+    own: &ThreadClocks,
+) -> Result<Figures, String> {
     let client = EchoClient::new(Client::builder().shared_registry(registry.clone()).build());
     let callers = (0..args.connections)
         .map(|_| Caller::Client {
@@ -498,5 +568,5 @@ async fn client_case(args: &Args, registry: &Arc<dyn Registry>) -> Result<Figure
             text: args.text.clone(),
         })
         .collect();
-    measure(args, callers).await
+    measure(args, callers, own).await
 }
