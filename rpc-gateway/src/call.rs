@@ -123,7 +123,8 @@ async fn call(State(gateway): State<Gateway>, request: Request) -> Response {
         return refused;
     }
     let path = parts.uri.path();
-    let table = gateway.inner.shared.table.load();
+    // An `Arc` of the table rather than a guard: it is held across the body's await.
+    let table = gateway.inner.shared.table.load_full();
     let (served, path_params) = match table.find(&parts.method, path) {
         Found::Entry(served, params) => (served, params),
         Found::OtherMethods(methods) => {

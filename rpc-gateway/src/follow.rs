@@ -13,7 +13,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use rpc_core::{ServiceEntry, ServiceId};
 use rpc_registry::{Registry, ServiceWatch};
-use tokio::sync::{watch, Notify};
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 
 use crate::table::RouteTable;
@@ -30,18 +30,23 @@ pub(crate) struct Follower {
     shared: Arc<Shared>,
     watches: BTreeMap<ServiceId, ServiceWatch>,
     watchers: JoinSet<()>,
-    changed: Arc<Notify>,
+    /// `None`: a watched service changed; `Some(id)`: its watch ended (the registry closed it),
+    /// so it is dropped and watched again at the next discovery.
+    events: mpsc::UnboundedSender<Option<ServiceId>>,
+    received: mpsc::UnboundedReceiver<Option<ServiceId>>,
     last: Vec<ServiceEntry>,
 }
 
 impl Follower {
     pub(crate) fn new(registry: Arc<dyn Registry>, shared: Arc<Shared>) -> Self {
+        let (events, received) = mpsc::unbounded_channel();
         Follower {
             registry,
             shared,
             watches: BTreeMap::new(),
             watchers: JoinSet::new(),
-            changed: Arc::new(Notify::new()),
+            events,
+            received,
             last: Vec::new(),
         }
     }
@@ -66,12 +71,13 @@ impl Follower {
                     continue;
                 }
             };
-            self.watches.insert(service, watch.clone());
-            let changed = self.changed.clone();
+            self.watches.insert(service.clone(), watch.clone());
+            let events = self.events.clone();
             self.watchers.spawn(async move {
                 while watch.changed().await.is_ok() {
-                    changed.notify_one();
+                    let _ = events.send(None);
                 }
+                let _ = events.send(Some(service));
             });
         }
     }
@@ -100,6 +106,13 @@ impl Follower {
         self.shared.version.send_modify(|v| *v += 1);
     }
 
+    fn closed(&mut self, event: Option<ServiceId>) {
+        if let Some(service) = event {
+            tracing::warn!(service = %service.as_str(), "the registry closed a service's watch; the gateway watches it again at the next discovery");
+            self.watches.remove(&service);
+        }
+    }
+
     /// Follows the registry until the task is aborted: a change of any watched service
     /// rebuilds at once; every `interval`, new services are looked for.
     pub(crate) async fn run(mut self, interval: Duration) {
@@ -107,10 +120,13 @@ impl Follower {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         tick.tick().await;
         loop {
-            let changed = self.changed.clone();
             tokio::select! {
                 _ = tick.tick() => self.discover().await,
-                _ = changed.notified() => {}
+                Some(event) = self.received.recv() => self.closed(event),
+            }
+            // Changes that came meanwhile are in this rebuild too.
+            while let Ok(event) = self.received.try_recv() {
+                self.closed(event);
             }
             self.rebuild();
         }

@@ -114,11 +114,8 @@ impl RouteTable {
 
     /// The entry serving `method` at `path` (HEAD falls back to GET).
     pub(crate) fn find(&self, method: &Method, path: &str) -> Found<'_> {
-        let mut tries = vec![method.as_str()];
-        if method == Method::HEAD {
-            tries.push(Method::GET.as_str());
-        }
-        for m in tries {
+        let get = (method == Method::HEAD).then_some(Method::GET.as_str());
+        for m in std::iter::once(method.as_str()).chain(get) {
             if let Some(Ok(matched)) = self.routers.get(m).map(|r| r.at(path)) {
                 let params = matched
                     .params
@@ -146,14 +143,15 @@ fn served(entry: ServiceEntry, route: Route) -> Served {
     let api = entry.api.as_ref();
     let params = api.map(|api| api.params.clone());
     let count = params.as_ref().map_or(0, Vec::len);
-    let schema = |i: usize| {
-        api.and_then(|a| a.schemas.as_ref())
-            .and_then(|s| s.params.get(i))
-    };
+    let schemas = api.and_then(|a| a.schemas.as_ref());
+    let schema =
+        |i: usize| schemas.and_then(|s| s.params.get(i).map(|p| resolve(p, &s.definitions)));
     let is_string = (0..count)
         .map(|i| {
-            schema(i)
-                .is_some_and(|s| types(s).iter().all(|t| t == "string") && !types(s).is_empty())
+            schema(i).is_some_and(|s| {
+                let types = types(s);
+                !types.is_empty() && types.iter().all(|t| t == "string")
+            })
         })
         .collect();
     let nullable = (0..count)
@@ -166,6 +164,28 @@ fn served(entry: ServiceEntry, route: Route) -> Served {
         is_string,
         nullable,
     }
+}
+
+/// The schema a `{"$ref": "#/components/schemas/<name>"}` names among `definitions` (following
+/// a few references at most), or `schema` itself.
+fn resolve<'a>(
+    mut schema: &'a Value,
+    definitions: &'a serde_json::Map<String, Value>,
+) -> &'a Value {
+    for _ in 0..8 {
+        let Some(name) = schema
+            .get("$ref")
+            .and_then(Value::as_str)
+            .and_then(|r| r.rsplit('/').next())
+        else {
+            break;
+        };
+        match definitions.get(name) {
+            Some(next) => schema = next,
+            None => break,
+        }
+    }
+    schema
 }
 
 /// The `type` names a schema lists (`"string"` or `["string", "null"]`).
@@ -272,18 +292,22 @@ mod tests {
     fn string_and_nullable_parameters_are_read_from_the_schemas() {
         let mut e = entry("a.A", "find", None);
         let api = e.api.as_mut().unwrap();
-        api.params = vec!["name".into(), "limit".into(), "n".into()];
+        api.params = vec!["name".into(), "limit".into(), "n".into(), "sku".into()];
         api.schemas = Some(rpc_core::EntrySchemas {
             params: vec![
                 json!({"type": "string"}),
                 json!({"anyOf": [{"type": "integer"}, {"type": "null"}]}),
                 json!({"type": ["integer", "null"]}),
+                json!({"$ref": "#/components/schemas/Sku"}),
             ],
+            definitions: [("Sku".to_string(), json!({"type": "string"}))]
+                .into_iter()
+                .collect(),
             ..Default::default()
         });
         let table = RouteTable::build(vec![e]);
         let s = &table.served()[0];
-        assert_eq!(s.is_string, vec![true, false, false]);
-        assert_eq!(s.nullable, vec![false, true, true]);
+        assert_eq!(s.is_string, vec![true, false, false, true]);
+        assert_eq!(s.nullable, vec![false, true, true, false]);
     }
 }

@@ -105,6 +105,7 @@ fn descriptors(service: &Service, names: &Names, service_id_parts: &TokenStream)
             None => quote!(::core::option::Option::None),
         };
         let governance = m.governance.to_tokens();
+        let api = api(m);
         quote! {
             ::rpc::__private::MethodDescriptor {
                 service_id: #service_id,
@@ -112,7 +113,7 @@ fn descriptors(service: &Service, names: &Names, service_id_parts: &TokenStream)
                 entry_id: ::core::concat!(#service_id_parts, ".", #name),
                 hash_key: #hash_key,
                 governance: #governance,
-                api: None,
+                api: ::core::option::Option::Some(#api),
             }
         }
     });
@@ -132,6 +133,60 @@ fn descriptors(service: &Service, names: &Names, service_id_parts: &TokenStream)
     }
 }
 
+/// The function a descriptor's `api` points to: it builds the entry's `EntryApi` when the
+/// server publishes the entry, so nothing of it is computed or stored before then.
+///
+/// The JSON Schemas come from one generator per entry, through the probes of
+/// `rpc::__private` (autoref specialization: a type that implements `JsonSchema` gets its
+/// schema, any other `true`). That choice is made where the probe is called, on the type as
+/// written there, so it needs concrete types; a service trait's types are (generic traits and
+/// methods are rejected), and the function below names them as the trait writes them.
+fn api(m: &parse::Method) -> TokenStream {
+    let params = m
+        .params()
+        .map(|a| syn::ext::IdentExt::unraw(&a.ident).to_string());
+    let option = |v: Option<TokenStream>| match v {
+        Some(v) => quote!(::core::option::Option::Some(#v)),
+        None => quote!(::core::option::Option::None),
+    };
+    let doc = option(m.doc.as_ref().map(|d| quote!(#d)));
+    let http = option(m.route.as_ref().map(|r| {
+        let (method, path) = (r.method, &r.path);
+        quote!((#method, #path))
+    }));
+    let stream = option(m.stream_shape().map(|s| quote!(#s)));
+    let param_schemas = m.params().map(|a| {
+        let ty = &a.ty;
+        quote!((&&::rpc::__private::Probe::<#ty>::new()).schema(&mut __rpc_gen))
+    });
+    // A server-streaming method answers a stream of items: its result is one item's schema.
+    let result = m.stream_item.as_ref().unwrap_or(&m.ok);
+    let err = &m.err;
+    quote! {{
+        #[allow(clippy::needless_borrow)]
+        fn __rpc_api() -> ::rpc::__private::EntryApi {
+            #[allow(unused_imports)]
+            use ::rpc::__private::{
+                ErrorIsFramework as _, ErrorViaAnyValue as _, ErrorViaJsonSchema as _,
+                SchemaViaAnyValue as _, SchemaViaJsonSchema as _,
+            };
+            let mut __rpc_gen = ::rpc::__private::schema_generator();
+            let __rpc_params: ::std::vec::Vec<_> = ::std::vec![#(#param_schemas),*];
+            let __rpc_result = (&&::rpc::__private::Probe::<#result>::new()).schema(&mut __rpc_gen);
+            let __rpc_error =
+                (&&&::rpc::__private::ErrorProbe::<#err>::new()).error_schema(&mut __rpc_gen);
+            let __rpc_schemas = ::rpc::__private::entry_schemas(
+                __rpc_gen,
+                __rpc_params,
+                __rpc_result,
+                __rpc_error,
+            );
+            ::rpc::__private::entry_api(&[#(#params),*], #doc, #http, #stream, __rpc_schemas)
+        }
+        __rpc_api
+    }}
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -147,6 +202,7 @@ mod tests {
                 /// Says it back.
                 #[governance(timeout_ms = 800, retry_times = 2, idempotent)]
                 async fn echo(&self, text: String) -> Result<String, RpcError>;
+                #[http(get = "/profiles/{user_id}")]
                 async fn profile(&self, #[hash_key] user_id: u64, verbose: bool)
                     -> Result<Profile, MyError>;
                 async fn ping(&self) -> Result<(), RpcError>;
@@ -163,7 +219,40 @@ mod tests {
         assert!(!s.contains("compile_error"), "{s}");
         assert!(!s.contains("governance ("), "helper attribute left: {s}");
         assert!(!s.contains("# [hash_key]"), "helper attribute left: {s}");
+        assert!(!s.contains("# [http"), "helper attribute left: {s}");
         assert!(s.contains("# [doc = r\" The echo service.\"]"), "{s}");
+        // Each descriptor points to a function building its `EntryApi`.
+        assert!(
+            s.contains(
+                ":: rpc :: __private :: entry_api (& [\"user_id\" , \"verbose\"] , :: core :: \
+                 option :: Option :: None , :: core :: option :: Option :: Some ((\"GET\" , \
+                 \"/profiles/{user_id}\")) , :: core :: option :: Option :: None , \
+                 __rpc_schemas)"
+            ),
+            "{s}"
+        );
+        assert!(
+            s.contains(
+                ":: rpc :: __private :: entry_api (& [\"text\"] , :: core :: option :: Option :: \
+                 Some (\"Says it back.\") , :: core :: option :: Option :: None , :: core :: \
+                 option :: Option :: None , __rpc_schemas)"
+            ),
+            "{s}"
+        );
+        assert!(
+            s.contains("api : :: core :: option :: Option :: Some ({"),
+            "{s}"
+        );
+        // Schemas: each parameter, the result and the error through the probes.
+        for probe in [
+            "(&& :: rpc :: __private :: Probe :: < u64 > :: new ()) . schema (& mut __rpc_gen)",
+            "(&& :: rpc :: __private :: Probe :: < bool > :: new ()) . schema",
+            "(&& :: rpc :: __private :: Probe :: < Profile > :: new ()) . schema",
+            "(&& & :: rpc :: __private :: ErrorProbe :: < MyError > :: new ()) . error_schema",
+            "(&& & :: rpc :: __private :: ErrorProbe :: < RpcError > :: new ()) . error_schema",
+        ] {
+            assert!(s.contains(probe), "{probe}\n{s}");
+        }
         assert!(s.contains("# [doc = r\" Says it back.\"]"), "{s}");
         assert!(
             s.contains(
@@ -250,6 +339,20 @@ mod tests {
         assert!(s.contains("fn call_stream"), "{s}");
         assert!(s.contains(":: rpc :: __private :: encode_stream"), "{s}");
         assert!(s.contains(":: rpc :: __private :: wrong_shape"), "{s}");
+        // The published shape.
+        assert!(
+            s.contains(
+                ":: rpc :: __private :: entry_api (& [\"n\"] , :: core :: option :: Option :: \
+                 None , :: core :: option :: Option :: None , :: core :: option :: Option :: \
+                 Some (\"server\") , __rpc_schemas)"
+            ),
+            "{s}"
+        );
+        // A stream's result schema is one item's.
+        assert!(
+            s.contains(":: rpc :: __private :: Probe :: < Tick > :: new ()"),
+            "{s}"
+        );
         // A service without streaming methods keeps the trait's defaults.
         let unary = expand(quote!(name = "echo.Echo"), sample()).to_string();
         assert!(!unary.contains("call_stream"), "{unary}");

@@ -12,7 +12,8 @@
 //!
 //! The modules follow the expansion: `parse` reads and checks the trait,
 //! `governance` reads `#[governance(...)]` with the keys of `keys` (the options' one
-//! declaration, shared with rpc-core), `expand` writes the rewritten trait and the descriptor
+//! declaration, shared with rpc-core), `http` reads `#[http(...)]` routes and doc comments,
+//! `expand` writes the rewritten trait and the descriptor
 //! table and calls `expand_client` and `expand_server` for the two generated types; the names
 //! all three use are in `names`, so that no module imports from one that imports it back.
 //!
@@ -48,6 +49,7 @@ mod expand;
 mod expand_client;
 mod expand_server;
 mod governance;
+mod http;
 mod keys;
 mod names;
 mod parse;
@@ -146,7 +148,10 @@ mod parse;
 /// - **The descriptor table**: a hidden `static __RPC_METHODS_<TRAIT>` (upper snake case) of
 ///   `rpc::MethodDescriptor`, one per method in declaration order, with the service id, method
 ///   name, entry id, the index of the `#[hash_key]` argument (`&self` not counted) and the
-///   governance overrides of `#[governance(...)]`; and a hidden
+///   governance overrides of `#[governance(...)]`, and the function that builds the entry's
+///   `rpc::EntryApi` when a server publishes it (the encoded parameters' names in order, the
+///   doc comment, the `#[http]` route, the stream shape `"server"`, `"client"` or `"bidi"`);
+///   and a hidden
 ///   `const __RPC_SERVICE_ID_<TRAIT>: &str`.
 /// - **`<Trait>Client`** (same visibility as the trait; `Clone`, `Debug`): `new(rpc::Client)`,
 ///   `client()`, `SERVICE_ID`, `methods()`, and an implementation of the trait where each method
@@ -173,14 +178,79 @@ mod parse;
 /// `#[hash_key]` on one argument makes it the key of the hash shunt strategy (which
 /// `shunt_strategy = "hash"` requires).
 ///
+/// `#[http(get = "/orders/{id}")]` (or `post`, `put`, `patch`, `delete`: one of them) declares
+/// the route an HTTP gateway serves the method at; each `{name}` in the path is one of the
+/// method's parameters, named once. Without it a gateway serves the method at
+/// `POST /api/<service id>/<method>`. Streaming methods take no route: the gateway serves unary
+/// methods only. The method's doc comment is published with the route, as its description.
+///
+/// ```
+/// use rpc::RpcError;
+///
+/// #[rpc::service(name = "doc.Orders")]
+/// pub trait Orders {
+///     /// Reads one order.
+///     #[http(get = "/orders/{id}")]
+///     async fn get(&self, id: u64, verbose: bool) -> Result<String, RpcError>;
+/// }
+///
+/// let api = (OrdersClient::methods()[0].api.expect("generated"))();
+/// assert_eq!(api.params, ["id", "verbose"]);
+/// assert_eq!(api.doc.as_deref(), Some("Reads one order."));
+/// let route = api.http.expect("declared");
+/// assert_eq!((route.method.as_str(), route.path.as_str()), ("GET", "/orders/{id}"));
+/// ```
+///
+/// # JSON Schemas
+///
+/// Each entry's `rpc::EntryApi` carries JSON Schemas (draft 2020-12, as OpenAPI 3.1 uses) of
+/// the parameters, of the result (`T` of `Result<T, E>`; one item for a server-streaming
+/// method) and of a typed error `E` (none for `RpcError`), with the named types they refer to as
+/// `#/components/schemas/<name>` in `definitions`. A type has a schema when it implements
+/// `schemars::JsonSchema` (schemars 1.x): derive it through the facade's re-export,
+/// `#[derive(rpc::schemars::JsonSchema)]` with `#[schemars(crate = "rpc::schemars")]`, or
+/// depend on `schemars` directly. A type that does not implement it still compiles and is
+/// published as `true` (any value).
+///
+/// ```
+/// use rpc::RpcError;
+/// use serde::{Deserialize, Serialize};
+///
+/// #[derive(Serialize, Deserialize, rpc::schemars::JsonSchema)]
+/// #[schemars(crate = "rpc::schemars")]
+/// pub struct Order {
+///     pub id: u64,
+///     pub item: String,
+/// }
+///
+/// /// No schema: published as `true`.
+/// #[derive(Serialize, Deserialize)]
+/// pub struct Blob(Vec<u8>);
+///
+/// #[rpc::service(name = "doc.Shop")]
+/// pub trait Shop {
+///     async fn place(&self, blob: Blob) -> Result<Order, RpcError>;
+/// }
+///
+/// let api = (ShopClient::methods()[0].api.expect("generated"))();
+/// let schemas = api.schemas.expect("schemas");
+/// assert_eq!(schemas.params[0], true);
+/// assert_eq!(schemas.result["$ref"], "#/components/schemas/Order");
+/// assert_eq!(schemas.definitions["Order"]["type"], "object");
+/// assert!(schemas.error.is_none(), "RpcError is not a typed error");
+/// ```
+///
 /// # What is rejected, with an error on the offending tokens
 ///
 /// A method that is not `async`, that does not take `&self`, that is generic, that has a default
 /// body (the client implements every method remotely, so a default would never run there), that
 /// does not return `Result<T, E>`, whose arguments are patterns rather than names, or borrowed
 /// (`&str`: the server decodes owned values); two `#[hash_key]` arguments; an unknown
-/// `#[governance]` key or a value of the wrong kind; a generic or `unsafe` trait, and trait items
-/// other than methods.
+/// `#[governance]` key or a value of the wrong kind; an `#[http]` attribute with an unknown key,
+/// two methods, a path not starting with `/`, a `{name}` that names no parameter or names one
+/// twice, on a streaming method, or a route (method and path, whatever its `{names}`) another
+/// method of the trait already has; a generic or `unsafe` trait, and trait items other than
+/// methods.
 ///
 /// `E` is `rpc::RpcError` or a user type with `Serialize + DeserializeOwned + From<RpcError>`
 /// (it then implements `rpc::RemoteError`). Argument types need `Serialize + DeserializeOwned +

@@ -10,6 +10,7 @@ use syn::{
 };
 
 use crate::governance::{self, Governance};
+use crate::http::{self, Route};
 
 /// The arguments of `#[rpc::service(...)]`.
 #[derive(Debug, Default)]
@@ -86,6 +87,10 @@ pub struct Method {
     /// bidirectional one when `stream_item` is set too (the argument is in `args`, and not
     /// among the encoded parameters).
     pub stream_arg: Option<Type>,
+    /// The doc comment, lines trimmed and joined with `'\n'`.
+    pub doc: Option<String>,
+    /// The route of `#[http(...)]`.
+    pub route: Option<Route>,
 }
 
 /// One argument of a method.
@@ -109,6 +114,16 @@ impl Method {
     /// The method name as it appears in the entry id (without `r#`).
     pub fn name(&self) -> String {
         self.ident.unraw().to_string()
+    }
+
+    /// How the method streams: `"server"`, `"client"` or `"bidi"`; `None` for a unary method.
+    pub fn stream_shape(&self) -> Option<&'static str> {
+        match (self.stream_item.is_some(), self.stream_arg.is_some()) {
+            (false, false) => None,
+            (true, false) => Some("server"),
+            (false, true) => Some("client"),
+            (true, true) => Some("bidi"),
+        }
     }
 }
 
@@ -181,7 +196,8 @@ pub fn passthrough(mut item: ItemTrait) -> ItemTrait {
 pub fn strip_helper_attrs(item: &mut ItemTrait) {
     for it in &mut item.items {
         if let TraitItem::Fn(f) = it {
-            f.attrs.retain(|a| !governance::is_governance(a));
+            f.attrs
+                .retain(|a| !governance::is_governance(a) && !http::is_http(a));
             for input in &mut f.sig.inputs {
                 if let FnArg::Typed(t) = input {
                     t.attrs.retain(|a| !is_hash_key(a));
@@ -220,6 +236,26 @@ impl Service {
                     "a service trait holds only `async fn` methods; move associated types, \
                      consts and macros elsewhere",
                 ),
+            }
+        }
+        // Two methods on one route: the second could never be reached.
+        let mut routes: Vec<(&Method, &Route)> = Vec::new();
+        for m in &methods {
+            let Some(route) = &m.route else { continue };
+            if let Some((first, taken)) = routes.iter().find(|(_, r)| r.key() == route.key()) {
+                errors.add(
+                    route.path_span,
+                    format!(
+                        "this route matches the same requests as `{} {}`, the route of `{}`: \
+                         two methods of one service cannot share a route; give this one another \
+                         path or method",
+                        taken.method,
+                        taken.path,
+                        first.name()
+                    ),
+                );
+            } else {
+                routes.push((m, route));
             }
         }
         errors.finish()?;
@@ -402,6 +438,19 @@ fn method(f: &TraitItemFn) -> syn::Result<Method> {
         }
     };
 
+    let params: Vec<String> = args
+        .iter()
+        .filter(|a| a.stream_item.is_none())
+        .map(|a| a.ident.unraw().to_string())
+        .collect();
+    let route = match http::route(&f.attrs, &params) {
+        Ok(route) => route,
+        Err(e) => {
+            errors.push(e);
+            None
+        }
+    };
+
     errors.finish()?;
     let (output, ok, err) =
         result.ok_or_else(|| syn::Error::new_spanned(sig, "expected `-> Result<T, E>`"))?;
@@ -413,6 +462,16 @@ fn method(f: &TraitItemFn) -> syn::Result<Method> {
             "a client-streaming method cannot have a `#[hash_key]` argument yet",
         ));
     }
+    if let Some(route) = &route {
+        if stream_item.is_some() || stream_arg.is_some() {
+            return Err(syn::Error::new_spanned(
+                &route.attr,
+                "`#[http]` cannot go on a streaming method: the HTTP gateway serves unary \
+                 methods only; remove the attribute and call the stream through the generated \
+                 client",
+            ));
+        }
+    }
     Ok(Method {
         ident: sig.ident.clone(),
         args,
@@ -423,6 +482,8 @@ fn method(f: &TraitItemFn) -> syn::Result<Method> {
         err,
         stream_item,
         stream_arg,
+        doc: http::doc(&f.attrs),
+        route,
     })
 }
 
@@ -562,6 +623,72 @@ mod tests {
             m.stream_arg.is_some() && m.stream_item.is_some(),
             "bidirectional"
         );
+        assert_eq!(m.stream_shape(), Some("bidi"));
+        let s = service(quote! {
+            trait Shapes {
+                async fn a(&self) -> Result<RpcStream<u8>, E>;
+                async fn b(&self, c: RpcStream<u8>) -> Result<u8, E>;
+                async fn c(&self) -> Result<u8, E>;
+            }
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        let shapes: Vec<_> = s.methods.iter().map(Method::stream_shape).collect();
+        assert_eq!(shapes, [Some("server"), Some("client"), None]);
+    }
+
+    #[test]
+    fn reads_routes_and_docs() {
+        let s = service(quote! {
+            trait Orders {
+                /// Reads one order.
+                ///
+                ///   Unknown ids are an error.
+                #[http(get = "/orders/{id}")]
+                async fn get(&self, id: u64, r#type: String) -> Result<(), E>;
+                #[http(put = "/orders/{id}")]
+                async fn put(&self, id: u64) -> Result<(), E>;
+                #[http(get = "/orders/{r#type}")]
+                async fn by_type(&self, r#type: String) -> Result<(), E>;
+                async fn plain(&self) -> Result<(), E>;
+            }
+        });
+        // The raw prefix is not part of a parameter's name: a path names `{type}`.
+        let e = s.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("cannot hold '#'"), "{e}");
+        let s = service(quote! {
+            trait Orders {
+                /// Reads one order.
+                ///
+                ///   Unknown ids are an error.
+                #[http(get = "/orders/{id}")]
+                async fn get(&self, id: u64, r#type: String) -> Result<(), E>;
+                #[http(put = "/orders/{id}")]
+                async fn put(&self, id: u64) -> Result<(), E>;
+                #[http(get = "/orders/by-type/{type}")]
+                async fn by_type(&self, r#type: String) -> Result<(), E>;
+                async fn plain(&self) -> Result<(), E>;
+            }
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        let routes: Vec<_> = s
+            .methods
+            .iter()
+            .map(|m| m.route.as_ref().map(|r| (r.method, r.path.clone())))
+            .collect();
+        assert_eq!(
+            routes,
+            [
+                Some(("GET", "/orders/{id}".to_string())),
+                Some(("PUT", "/orders/{id}".to_string())),
+                Some(("GET", "/orders/by-type/{type}".to_string())),
+                None
+            ]
+        );
+        assert_eq!(
+            s.methods[0].doc.as_deref(),
+            Some("Reads one order.\n\nUnknown ids are an error.")
+        );
+        assert_eq!(s.methods[3].doc, None);
     }
 
     #[test]
@@ -670,6 +797,27 @@ mod tests {
                 "trait T { #[governance(shunt_strategy = \"hash\")] \
                  async fn m(&self) -> Result<(), E>; }",
                 "needs an argument marked `#[hash_key]`",
+            ),
+            (
+                "trait T { #[http(get = \"/t/{n}\")] \
+                 async fn m(&self, n: u8) -> Result<RpcStream<u8>, E>; }",
+                "`#[http]` cannot go on a streaming method",
+            ),
+            (
+                "trait T { #[http(post = \"/t\")] \
+                 async fn m(&self, c: RpcStream<u8>) -> Result<u8, E>; }",
+                "`#[http]` cannot go on a streaming method",
+            ),
+            (
+                "trait T { #[http(get = \"/t/{c}\")] \
+                 async fn m(&self, n: u8, c: RpcStream<u8>) -> Result<u8, E>; }",
+                "`{c}` in the route's path names no parameter of the method: its parameters \
+                 are `n`",
+            ),
+            (
+                "trait T { #[http(get = \"/t/{a}\")] async fn m(&self, a: u8) -> Result<(), E>; \
+                 #[http(get = \"/t/{b}\")] async fn n(&self, b: u8) -> Result<(), E>; }",
+                "the same requests as `GET /t/{a}`, the route of `m`",
             ),
             ("trait T<X> {}", "cannot be generic"),
             ("trait T where Self: Sized {}", "cannot be generic"),

@@ -1,0 +1,103 @@
+//! The `rpc-gateway` program as scripts use it: started with `--registry etcd://... --listen
+//! 127.0.0.1:0`, it prints `gateway on <addr>`, and `curl -d '{"text":"hi"}'
+//! http://ADDR/api/echo.Echo/echo` (a form content type, JSON body) answers `"hi"` from an echo
+//! server published in the same etcd.
+
+#[path = "../../tests/tests/common/etcd.rs"]
+mod etcd_harness;
+
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use examples::{EchoServer, EchoService};
+use rpc::{Registry, Server};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::Command;
+
+const LIMIT: Duration = Duration::from_secs(10);
+
+#[tokio::test]
+async fn the_program_serves_an_echo_server_published_in_etcd() {
+    let etcd = etcd_harness::Etcd::start().await;
+    let registry: Arc<dyn Registry> = <dyn Registry>::from_url(&etcd.url())
+        .await
+        .expect("etcd registry");
+    let server = Server::builder()
+        .shared_registry(registry.clone())
+        .add_service(EchoServer::new(EchoService::default()))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve echo");
+
+    let mut child = Command::new(env!("CARGO_BIN_EXE_rpc-gateway"))
+        .args(["--registry", &etcd.url(), "--listen", "127.0.0.1:0"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start rpc-gateway");
+    let stdout = child.stdout.take().expect("stdout");
+    let mut line = String::new();
+    tokio::time::timeout(LIMIT, BufReader::new(stdout).read_line(&mut line))
+        .await
+        .expect("rpc-gateway prints its address in time")
+        .expect("read its output");
+    let addr = line
+        .trim_end()
+        .strip_prefix("gateway on ")
+        .unwrap_or_else(|| panic!("unexpected first line: {line:?}"));
+
+    // What `curl -d '{"text":"hi"}' http://ADDR/api/echo.Echo/echo` sends.
+    let http = reqwest::Client::new();
+    let response = tokio::time::timeout(
+        LIMIT,
+        http.post(format!("http://{addr}/api/echo.Echo/echo"))
+            .header("content-type", "application/x-www-form-urlencoded")
+            .body(r#"{"text":"hi"}"#)
+            .send(),
+    )
+    .await
+    .expect("an answer in time")
+    .expect("the gateway answers");
+    assert_eq!(response.status().as_u16(), 200);
+    assert_eq!(response.text().await.expect("body"), "\"hi\"");
+
+    let document = http
+        .get(format!("http://{addr}/openapi.json"))
+        .send()
+        .await
+        .expect("the document");
+    assert_eq!(document.status().as_u16(), 200);
+    let document: serde_json::Value =
+        serde_json::from_str(&document.text().await.expect("body")).expect("JSON");
+    assert_eq!(document["openapi"], "3.1.0");
+
+    child.start_kill().expect("stop rpc-gateway");
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn an_unknown_registry_is_refused_with_the_forms_to_use() {
+    let output = tokio::time::timeout(
+        LIMIT,
+        Command::new(env!("CARGO_BIN_EXE_rpc-gateway"))
+            .args([
+                "--registry",
+                "consul://127.0.0.1:8500",
+                "--listen",
+                "127.0.0.1:0",
+            ])
+            .output(),
+    )
+    .await
+    .expect("it exits in time")
+    .expect("run rpc-gateway");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("unknown registry scheme") && stderr.contains("etcd://"),
+        "{stderr}"
+    );
+    assert!(output.stdout.is_empty());
+}

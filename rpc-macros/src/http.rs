@@ -1,0 +1,381 @@
+//! `#[http(get = "/orders/{id}")]` on a method, and the method's doc comment: what an HTTP
+//! gateway and an API document publish of the entry besides its signature.
+//!
+//! A gateway serves whatever services are registered, so a route it cannot serve (a path without
+//! its leading `/`, a `{name}` that fills no parameter, two methods on one route) would only show
+//! up as a failed call long after the service was built. Checking the route here turns each of
+//! those mistakes into a compile error on the tokens that made it.
+
+use proc_macro2::{Span, TokenStream};
+use syn::punctuated::Punctuated;
+use syn::{Attribute, Expr, ExprLit, Lit, LitStr, Meta, Token};
+
+/// The HTTP methods a route can declare: the attribute's key and the method's name on the wire.
+const METHODS: [(&str, &str); 5] = [
+    ("get", "GET"),
+    ("post", "POST"),
+    ("put", "PUT"),
+    ("patch", "PATCH"),
+    ("delete", "DELETE"),
+];
+
+/// A route declared with `#[http(...)]`, checked.
+#[derive(Debug, Clone)]
+pub struct Route {
+    /// The HTTP method, upper case (`"GET"`).
+    pub method: &'static str,
+    /// The path template as written (`"/orders/{id}"`).
+    pub path: String,
+    /// The whole attribute, for errors about the route as a whole (an error spanned by these
+    /// tokens covers all of them, not only the `#`).
+    pub attr: TokenStream,
+    /// The path literal, for errors about the path.
+    pub path_span: Span,
+}
+
+impl Route {
+    /// The path with every `{name}` written `{}`: two routes with the same method and the same
+    /// key match the same requests, whatever their parameters are called.
+    pub fn key(&self) -> (&'static str, String) {
+        let mut out = String::with_capacity(self.path.len());
+        let mut in_name = false;
+        for c in self.path.chars() {
+            match c {
+                '{' => {
+                    in_name = true;
+                    out.push('{');
+                }
+                '}' => {
+                    in_name = false;
+                    out.push('}');
+                }
+                _ if in_name => {}
+                c => out.push(c),
+            }
+        }
+        (self.method, out)
+    }
+}
+
+/// True for `#[http(...)]`.
+pub fn is_http(attr: &Attribute) -> bool {
+    attr.path().is_ident("http")
+}
+
+/// Reads the `#[http(...)]` attribute among `attrs`, checking its path against `params` (the
+/// names of the method's encoded parameters, in order). `None` when there is none.
+pub fn route(attrs: &[Attribute], params: &[String]) -> syn::Result<Option<Route>> {
+    let mut found: Option<Route> = None;
+    let mut errors: Option<syn::Error> = None;
+    for attr in attrs.iter().filter(|a| is_http(a)) {
+        if found.is_some() {
+            push(
+                &mut errors,
+                syn::Error::new_spanned(
+                    attr,
+                    "a method has at most one `#[http]` route; remove this one (a gateway also \
+                     serves every entry at `POST /api/<service id>/<method>`)",
+                ),
+            );
+            continue;
+        }
+        match one(attr, params) {
+            Ok(route) => found = Some(route),
+            Err(e) => push(&mut errors, e),
+        }
+    }
+    match errors {
+        Some(e) => Err(e),
+        None => Ok(found),
+    }
+}
+
+fn push(errors: &mut Option<syn::Error>, e: syn::Error) {
+    match errors {
+        Some(all) => all.combine(e),
+        None => *errors = Some(e),
+    }
+}
+
+/// The keys, for error messages: "get, post, put, patch or delete".
+fn keys() -> String {
+    let names: Vec<&str> = METHODS.iter().map(|(k, _)| *k).collect();
+    let (last, rest) = names.split_last().unwrap_or((&"", &[]));
+    format!("{} or {last}", rest.join(", "))
+}
+
+/// One `#[http(method = "path")]`.
+fn one(attr: &Attribute, params: &[String]) -> syn::Result<Route> {
+    let usage = format!(
+        "write `#[http(<method> = \"/path\")]` with one of {}, for example \
+         `#[http(get = \"/orders/{{id}}\")]`",
+        keys()
+    );
+    let list = match &attr.meta {
+        Meta::List(list) => list,
+        other => return Err(syn::Error::new_spanned(other, usage)),
+    };
+    let metas = list.parse_args_with(Punctuated::<Meta, Token![,]>::parse_terminated)?;
+    if metas.is_empty() {
+        return Err(syn::Error::new_spanned(attr, usage));
+    }
+    let mut route: Option<(&'static str, LitStr)> = None;
+    for meta in &metas {
+        let path = meta.path();
+        let method = path.get_ident().and_then(|ident| {
+            METHODS
+                .iter()
+                .find(|(key, _)| ident == key)
+                .map(|(_, method)| *method)
+        });
+        let Some(method) = method else {
+            let name = quote::ToTokens::to_token_stream(path).to_string();
+            return Err(syn::Error::new_spanned(
+                path,
+                format!("unknown `#[http]` key `{name}`: expected {}", keys()),
+            ));
+        };
+        if let Some((first, _)) = &route {
+            return Err(syn::Error::new_spanned(
+                path,
+                format!(
+                    "one `#[http]` attribute declares one route, and this one already says \
+                     {first}: keep one method"
+                ),
+            ));
+        }
+        let lit = match meta {
+            Meta::NameValue(nv) => match &nv.value {
+                Expr::Lit(ExprLit {
+                    lit: Lit::Str(s), ..
+                }) => s.clone(),
+                other => {
+                    return Err(syn::Error::new_spanned(
+                        other,
+                        "the route's path is a string literal, for example \"/orders/{id}\"",
+                    ))
+                }
+            },
+            other => return Err(syn::Error::new_spanned(other, usage)),
+        };
+        route = Some((method, lit));
+    }
+    let (method, lit) = route.ok_or_else(|| syn::Error::new_spanned(attr, &usage))?;
+    check_path(&lit, params)?;
+    Ok(Route {
+        method,
+        path: lit.value(),
+        attr: quote::ToTokens::to_token_stream(attr),
+        path_span: lit.span(),
+    })
+}
+
+/// The path starts with `/`, holds no query or fragment, and each `{name}` is a distinct
+/// parameter of the method.
+fn check_path(lit: &LitStr, params: &[String]) -> syn::Result<()> {
+    let path = lit.value();
+    let err = |message: String| syn::Error::new(lit.span(), message);
+    if !path.starts_with('/') {
+        return Err(err(format!(
+            "the route's path must start with `/`: write \"/{}\"",
+            path.trim_start_matches('/')
+        )));
+    }
+    if let Some(c) = path
+        .chars()
+        .find(|c| matches!(c, '?' | '#') || c.is_whitespace())
+    {
+        return Err(err(format!(
+            "the route's path cannot hold {c:?}: write the path alone, without a query string, \
+             a fragment or spaces"
+        )));
+    }
+    let mut named: Vec<&str> = Vec::new();
+    let mut rest = path.as_str();
+    while let Some(open) = rest.find(['{', '}']) {
+        if rest[open..].starts_with('}') {
+            return Err(err(
+                "a `}` without its `{` in the route's path: write each parameter as `{name}`"
+                    .to_string(),
+            ));
+        }
+        let after = &rest[open + 1..];
+        let Some(close) = after.find('}') else {
+            return Err(err(
+                "a `{` without its `}` in the route's path: write each parameter as `{name}`"
+                    .to_string(),
+            ));
+        };
+        let name = &after[..close];
+        if name.contains('{') {
+            return Err(err(
+                "a `{` inside `{...}` in the route's path: write each parameter as `{name}`"
+                    .to_string(),
+            ));
+        }
+        if !params.iter().any(|p| p == name) {
+            let known = if params.is_empty() {
+                "the method has no parameters".to_string()
+            } else {
+                let list: Vec<String> = params.iter().map(|p| format!("`{p}`")).collect();
+                format!("its parameters are {}", list.join(", "))
+            };
+            return Err(err(format!(
+                "`{{{name}}}` in the route's path names no parameter of the method: {known}"
+            )));
+        }
+        if named.contains(&name) {
+            return Err(err(format!(
+                "`{{{name}}}` appears twice in the route's path: a parameter fills one place"
+            )));
+        }
+        named.push(name);
+        rest = &after[close + 1..];
+    }
+    Ok(())
+}
+
+/// The doc comment among `attrs`: each line trimmed, lines joined with `'\n'`, leading and
+/// trailing blank lines dropped; `None` when there is none (or it is blank).
+pub fn doc(attrs: &[Attribute]) -> Option<String> {
+    let mut lines: Vec<String> = Vec::new();
+    for attr in attrs.iter().filter(|a| a.path().is_ident("doc")) {
+        if let Meta::NameValue(nv) = &attr.meta {
+            if let Expr::Lit(ExprLit {
+                lit: Lit::Str(s), ..
+            }) = &nv.value
+            {
+                lines.extend(s.value().split('\n').map(|l| l.trim().to_string()));
+            }
+        }
+    }
+    let first = lines.iter().position(|l| !l.is_empty())?;
+    let last = lines.iter().rposition(|l| !l.is_empty())?;
+    Some(lines[first..=last].join("\n"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use syn::parse_quote;
+
+    fn params() -> Vec<String> {
+        vec!["id".to_string(), "verbose".to_string()]
+    }
+
+    fn error(attr: Attribute) -> String {
+        match route(&[attr], &params()) {
+            Ok(r) => panic!("expected an error, got {r:?}"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn reads_each_method() {
+        for (attr, method) in [
+            (parse_quote!(#[http(get = "/orders/{id}")]), "GET"),
+            (parse_quote!(#[http(post = "/orders/{id}")]), "POST"),
+            (parse_quote!(#[http(put = "/orders/{id}")]), "PUT"),
+            (parse_quote!(#[http(patch = "/orders/{id}")]), "PATCH"),
+            (parse_quote!(#[http(delete = "/orders/{id}")]), "DELETE"),
+        ] {
+            let attr: Attribute = attr;
+            let r = route(&[attr], &params()).unwrap().unwrap();
+            assert_eq!((r.method, r.path.as_str()), (method, "/orders/{id}"));
+        }
+        assert!(route(&[], &params()).unwrap().is_none());
+    }
+
+    #[test]
+    fn rejects_bad_routes() {
+        let cases: Vec<(Attribute, &str)> = vec![
+            (
+                parse_quote!(#[http(head = "/x")]),
+                "unknown `#[http]` key `head`",
+            ),
+            (
+                parse_quote!(#[http(get = "/a", post = "/b")]),
+                "already says GET",
+            ),
+            (
+                parse_quote!(#[http(get = "x")]),
+                "must start with `/`: write \"/x\"",
+            ),
+            (
+                parse_quote!(#[http(get = "/o/{idd}")]),
+                "`{idd}` in the route's path names no",
+            ),
+            (
+                parse_quote!(#[http(get = "/o/{id}/{id}")]),
+                "`{id}` appears twice",
+            ),
+            (
+                parse_quote!(#[http(get = "/o/{id")]),
+                "a `{` without its `}`",
+            ),
+            (
+                parse_quote!(#[http(get = "/o/id}")]),
+                "a `}` without its `{`",
+            ),
+            (parse_quote!(#[http(get = "/o?x=1")]), "cannot hold '?'"),
+            (parse_quote!(#[http(get = 3)]), "string literal"),
+            (
+                parse_quote!(#[http(get)]),
+                "write `#[http(<method> = \"/path\")]`",
+            ),
+            (
+                parse_quote!(#[http]),
+                "write `#[http(<method> = \"/path\")]`",
+            ),
+            (
+                parse_quote!(#[http()]),
+                "write `#[http(<method> = \"/path\")]`",
+            ),
+        ];
+        for (attr, want) in cases {
+            let e = error(attr);
+            assert!(e.contains(want), "want {want:?} in {e}");
+        }
+        let two: [Attribute; 2] = [
+            parse_quote!(#[http(get = "/a")]),
+            parse_quote!(#[http(get = "/b")]),
+        ];
+        let e = route(&two, &params()).unwrap_err().to_string();
+        assert!(e.contains("at most one `#[http]` route"), "{e}");
+        let e = route(&[parse_quote!(#[http(get = "/o/{x}")])], &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("the method has no parameters"), "{e}");
+    }
+
+    #[test]
+    fn route_keys_ignore_parameter_names() {
+        let r = |path: &str| Route {
+            method: "GET",
+            path: path.to_string(),
+            attr: TokenStream::new(),
+            path_span: Span::call_site(),
+        };
+        assert_eq!(r("/o/{id}").key(), r("/o/{order}").key());
+        assert_eq!(r("/o/{id}").key(), ("GET", "/o/{}".to_string()));
+        assert_ne!(r("/o/{id}").key(), r("/o/{id}/x").key());
+    }
+
+    #[test]
+    fn doc_lines_are_trimmed_and_joined() {
+        let attrs: Vec<Attribute> = vec![
+            parse_quote!(#[doc = " Reads one order."]),
+            parse_quote!(#[doc = ""]),
+            parse_quote!(#[doc = "   Unknown ids answer 404.  "]),
+            parse_quote!(#[governance(timeout_ms = 1)]),
+        ];
+        assert_eq!(
+            doc(&attrs).as_deref(),
+            Some("Reads one order.\n\nUnknown ids answer 404.")
+        );
+        let block: Vec<Attribute> = vec![parse_quote!(#[doc = "\n   First.\n   Second.\n "])];
+        assert_eq!(doc(&block).as_deref(), Some("First.\nSecond."));
+        assert_eq!(doc(&[]), None);
+        assert_eq!(doc(&[parse_quote!(#[doc = "  "])]), None);
+    }
+}
