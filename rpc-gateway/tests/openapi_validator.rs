@@ -242,3 +242,142 @@ fn the_validator_refuses_a_broken_document_and_says_why() {
         "the message names the parameter: {message}"
     );
 }
+
+/// Services as `#[rpc::service]` publishes them: the schemas schemars writes, through the same
+/// descriptors a server registers.
+mod published {
+    use rpc::schemars::JsonSchema;
+    use rpc::{RpcError, RpcStream};
+    use serde::{Deserialize, Serialize};
+
+    /// What a caller sends to place an order.
+    #[derive(Debug, Serialize, Deserialize, JsonSchema)]
+    #[schemars(crate = "rpc::schemars")]
+    pub struct NewOrder {
+        pub item: String,
+        pub qty: u32,
+        pub note: Option<String>,
+    }
+
+    /// A placed order.
+    #[derive(Debug, Serialize, Deserialize, JsonSchema)]
+    #[schemars(crate = "rpc::schemars")]
+    pub struct Order {
+        pub id: u64,
+        pub lines: Vec<Line>,
+    }
+
+    /// One line of an order.
+    #[derive(Debug, Serialize, Deserialize, JsonSchema)]
+    #[schemars(crate = "rpc::schemars")]
+    pub struct Line {
+        pub item: String,
+        pub qty: u32,
+    }
+
+    /// The shop's typed error.
+    #[derive(Debug, Serialize, Deserialize, JsonSchema)]
+    #[schemars(crate = "rpc::schemars")]
+    pub enum OrderError {
+        OutOfStock { item: String },
+        Call(String),
+    }
+
+    impl From<RpcError> for OrderError {
+        fn from(e: RpcError) -> Self {
+            OrderError::Call(e.to_string())
+        }
+    }
+
+    #[rpc::service(name = "pv.Shop")]
+    pub trait Shop {
+        /// Places an order.
+        #[http(post = "/orders")]
+        async fn place(&self, order: NewOrder) -> Result<Order, OrderError>;
+        /// One order.
+        #[http(get = "/orders/{id}")]
+        async fn get(&self, id: u64, verbose: bool) -> Result<Order, OrderError>;
+        async fn list(&self, from: u64, limit: u32) -> Result<Vec<Order>, RpcError>;
+        async fn follow(&self, from: u64) -> Result<RpcStream<Order>, RpcError>;
+    }
+
+    pub mod stock {
+        use super::*;
+
+        /// Another service's `Order`: a different type under the same name.
+        #[derive(Debug, Serialize, Deserialize, JsonSchema)]
+        #[schemars(crate = "rpc::schemars")]
+        pub struct Order {
+            pub supplier: String,
+        }
+
+        #[rpc::service(name = "pv.Stock")]
+        pub trait Stock {
+            async fn reorder(&self, order: Order) -> Result<u32, RpcError>;
+        }
+    }
+
+    pub struct Counter;
+
+    impl Shop for Counter {
+        async fn place(&self, _order: NewOrder) -> Result<Order, OrderError> {
+            Err(OrderError::Call("unused".into()))
+        }
+        async fn get(&self, _id: u64, _verbose: bool) -> Result<Order, OrderError> {
+            Err(OrderError::Call("unused".into()))
+        }
+        async fn list(&self, _from: u64, _limit: u32) -> Result<Vec<Order>, RpcError> {
+            Ok(Vec::new())
+        }
+        async fn follow(&self, _from: u64) -> Result<RpcStream<Order>, RpcError> {
+            Ok(RpcStream::iter(Vec::new()))
+        }
+    }
+
+    pub struct Store;
+
+    impl stock::Stock for Store {
+        async fn reorder(&self, _order: stock::Order) -> Result<u32, RpcError> {
+            Ok(0)
+        }
+    }
+}
+
+#[test]
+fn the_document_of_entries_the_macro_publishes_validates_as_openapi_3_1() {
+    use rpc::Service;
+    let mut entries: Vec<ServiceEntry> = Vec::new();
+    for methods in [
+        published::ShopServer::new(published::Counter).methods(),
+        published::stock::StockServer::new(published::Store).methods(),
+    ] {
+        entries.extend(methods.iter().map(ServiceEntry::from));
+    }
+    // The macro published schemas, and both services name a type `Order`.
+    let defs = |id: &str| {
+        entries
+            .iter()
+            .find(|e| e.id.as_str() == id)
+            .and_then(|e| e.api.as_ref()?.schemas.as_ref())
+            .map(|s| s.definitions.clone())
+            .unwrap_or_default()
+    };
+    assert!(defs("pv.Shop.get").contains_key("Order"), "{entries:?}");
+    assert!(
+        defs("pv.Stock.reorder").contains_key("Order"),
+        "{entries:?}"
+    );
+    let doc = document(&entries, &DocumentInfo::new("shop", "1.0.0"));
+    assert!(doc["paths"]["/orders/{id}"]["get"].is_object(), "{doc}");
+    assert!(doc["paths"].get("/api/pv.Shop/follow").is_none(), "{doc}");
+    assert!(
+        doc["components"]["schemas"]["Order_pv.Stock"].is_object(),
+        "{doc}"
+    );
+    if let Err(message) = validate(&doc) {
+        panic!(
+            "openapi-spec-validator refused the document: {message}\n{}",
+            serde_json::to_string_pretty(&doc).unwrap_or_default()
+        );
+    }
+}
