@@ -381,3 +381,62 @@ fn the_document_of_entries_the_macro_publishes_validates_as_openapi_3_1() {
         );
     }
 }
+
+#[tokio::test]
+async fn the_document_a_running_gateway_serves_validates_as_openapi_3_1() {
+    use rpc::{Client, InProcessRegistry, Registry, Server};
+    use std::sync::Arc;
+    use std::time::Duration;
+    let registry: Arc<dyn Registry> = Arc::new(InProcessRegistry::new());
+    let _server = Server::builder()
+        .shared_registry(registry.clone())
+        .add_service(published::ShopServer::new(published::Counter))
+        .add_service(published::stock::StockServer::new(published::Store))
+        .add_service(examples::EchoServer::new(examples::EchoService::default()))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("the server");
+    let gateway = rpc_gateway::Gateway::builder()
+        .client(Client::builder().shared_registry(registry.clone()).build())
+        .registry(registry)
+        .token("s3cret")
+        .build()
+        .await
+        .expect("the gateway");
+    let wanted = ["pv.Shop.get", "pv.Stock.reorder", "echo.Echo.echo"];
+    assert!(
+        gateway
+            .wait_until(Duration::from_secs(30), |entries| wanted
+                .iter()
+                .all(|id| entries.iter().any(|e| e.id.as_str() == *id)))
+            .await,
+        "the gateway never served {wanted:?}"
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(gateway.serve(listener));
+    // The document as a caller reads it, over HTTP.
+    let answer = reqwest::Client::new()
+        .get(format!("http://{addr}/openapi.json"))
+        .bearer_auth("s3cret")
+        .send()
+        .await
+        .expect("GET /openapi.json");
+    assert_eq!(answer.status(), reqwest::StatusCode::OK);
+    let doc: Value = serde_json::from_str(&answer.text().await.expect("body")).expect("JSON");
+    for id in wanted {
+        assert!(
+            doc.to_string().contains(&format!("\"{id}\"")),
+            "{id}: {doc}"
+        );
+    }
+    assert_eq!(doc["security"], json!([{"bearer": []}]));
+    if let Err(message) = validate(&doc) {
+        panic!(
+            "openapi-spec-validator refused the served document: {message}\n{}",
+            serde_json::to_string_pretty(&doc).unwrap_or_default()
+        );
+    }
+}
