@@ -180,6 +180,7 @@ impl GatewayBuilder {
     /// later, not an error) and starts following it. Must be called within a tokio runtime;
     /// the following stops when the last clone of the gateway and of its routers is dropped.
     pub async fn build(self) -> Result<Gateway, GatewayError> {
+        let bearer_token = self.token.is_some();
         let client = self.client.ok_or(GatewayError::Missing("client"))?;
         let registry = self.registry.ok_or(GatewayError::Missing("registry"))?;
         let shared = Arc::new(Shared {
@@ -198,6 +199,8 @@ impl GatewayBuilder {
                 info: openapi::DocumentInfo {
                     title: self.title,
                     version: self.version,
+                    description: None,
+                    bearer_token,
                 },
                 max_body_bytes: self.max_body_bytes,
                 task,

@@ -1,24 +1,936 @@
 //! The OpenAPI 3.1 document of the entries a gateway serves.
+//!
+//! Why it is generated rather than written: the gateway serves whatever servers publish, so the
+//! only true description of its routes is the one built from the same published entries, with
+//! the same routes ([`crate::route::route_of`]) and the same error answers
+//! ([`crate::route::http_status`], [`crate::route::error_body_schema`]) the router uses. The JSON
+//! Schemas come from the servers too ([`rpc_core::EntrySchemas`]); their named types are merged
+//! into `components.schemas`, and a name two services use for different types is kept twice
+//! (the second renamed `<name>_<service>`), so neither service's schema is lost.
+//!
+//! The output is deterministic: entries, services and schema names are taken in sorted order, so
+//! the same entries give the same document byte for byte whatever order the registry lists them.
 
+use std::collections::{BTreeMap, BTreeSet};
+
+use axum::http::{Method, StatusCode as HttpStatus};
 use rpc_core::ServiceEntry;
-use serde_json::Value;
+use serde_json::{json, Map, Value};
 
-/// What the document says of itself.
-#[derive(Debug, Clone)]
+use crate::route::{
+    carries_retry_after, default_path, error_body_schema, params_in_query, route_of, Route,
+};
+
+/// Where the named schemas live, as the servers' `$ref`s write it.
+const SCHEMA_REF_PREFIX: &str = "#/components/schemas/";
+
+/// The name of the bearer security scheme, when the gateway checks a token.
+pub const BEARER_SCHEME: &str = "bearer";
+
+/// What the document says of itself and of the gateway serving it.
+#[derive(Debug, Clone, Default)]
 pub struct DocumentInfo {
     /// `info.title`.
     pub title: String,
     /// `info.version`.
     pub version: String,
+    /// `info.description`, when given.
+    pub description: Option<String>,
+    /// Whether the gateway asks for a token (`Authorization: Bearer <token>`): the document then
+    /// declares a bearer security scheme and requires it on every operation.
+    pub bearer_token: bool,
+}
+
+impl DocumentInfo {
+    /// A document titled `title` at `version`, with no description and no token.
+    pub fn new(title: impl Into<String>, version: impl Into<String>) -> Self {
+        DocumentInfo {
+            title: title.into(),
+            version: version.into(),
+            ..Default::default()
+        }
+    }
+}
+
+/// The error answers every operation documents: the HTTP status, what it means, and the call
+/// statuses that lead to it (a test checks each against [`crate::route::http_status`], so the
+/// two cannot drift apart).
+pub const ERROR_RESPONSES: &[(u16, &str, &[u32])] = &[
+    (
+        400,
+        "Bad request: the arguments could not be read (not JSON, a parameter missing or of the \
+         wrong type) or the method's validation refused them (call status 1001). Fix the request \
+         as `message` says.",
+        &[1001],
+    ),
+    (
+        401,
+        "Not authenticated (call status 401 or 517): send a valid token.",
+        &[401, 517],
+    ),
+    (
+        404,
+        "No such entry (call status 507 or 513): the service or method is not published by any \
+         server; check the path against this document.",
+        &[507, 513],
+    ),
+    (
+        422,
+        "The method answered its business error (call status 1000); `error` holds the typed error \
+         when the method declares one.",
+        &[1000],
+    ),
+    (
+        429,
+        "Rate limited (call status 429): retry after the number of seconds in `Retry-After`.",
+        &[429],
+    ),
+    (
+        502,
+        "The service failed (call status 506 communication error, 509 fallback failed or 520 \
+         server error); `message` says what failed.",
+        &[506, 509, 520],
+    ),
+    (
+        503,
+        "The service cannot take the call now: overloaded (514, 515), its circuit breaker is open \
+         (522) or no instance is up (404, 504). Retry after the number of seconds in \
+         `Retry-After`.",
+        &[514, 515, 522, 404, 504],
+    ),
+    (
+        504,
+        "The call timed out (call status 519): the service did not answer within the entry's \
+         timeout.",
+        &[519],
+    ),
+];
+
+/// The methods an OpenAPI path item can hold.
+fn path_item_key(method: &Method) -> Option<&'static str> {
+    Some(match *method {
+        Method::GET => "get",
+        Method::PUT => "put",
+        Method::POST => "post",
+        Method::DELETE => "delete",
+        Method::OPTIONS => "options",
+        Method::HEAD => "head",
+        Method::PATCH => "patch",
+        Method::TRACE => "trace",
+        _ => return None,
+    })
 }
 
 /// The OpenAPI 3.1 document of `entries` (routes from [`crate::route::route_of`], errors from
 /// [`crate::route::http_status`] and [`crate::route::error_body_schema`]).
+///
+/// One operation per unary entry (stream entries are skipped: the gateway serves unary calls
+/// only); an entry listed twice (by two instances) is documented once, and of two entries that
+/// declare the same method and path (parameter names aside) the first by entry id keeps it and
+/// the other is documented at its default route, as the router serves them. An entry whose server publishes no [`rpc_core::EntryApi`] is documented at
+/// its default route with a body of positional arguments (a JSON array).
 pub fn document(entries: &[ServiceEntry], info: &DocumentInfo) -> Value {
-    let _ = entries;
-    serde_json::json!({
-        "openapi": "3.1.0",
-        "info": {"title": info.title, "version": info.version},
-        "paths": {},
-    })
+    // Sorted and deduplicated by entry id.
+    let mut by_id: BTreeMap<&str, &ServiceEntry> = BTreeMap::new();
+    for entry in entries {
+        if entry.api.as_ref().is_some_and(|api| api.stream.is_some()) {
+            continue;
+        }
+        by_id.entry(entry.id.as_str()).or_insert(entry);
+    }
+    let served: Vec<&ServiceEntry> = by_id.into_values().collect();
+
+    let (schemas, renames) = merge_definitions(&served);
+
+    let mut paths: BTreeMap<String, BTreeMap<&'static str, Value>> = BTreeMap::new();
+    // Routes taken, by method and template shape (`/orders/{}`): OpenAPI holds two templates
+    // that differ only in their parameters' names as the same path.
+    let mut taken: BTreeSet<(&'static str, String)> = BTreeSet::new();
+    let mut tags = BTreeSet::new();
+    for entry in served {
+        let declared = route_of(entry);
+        let default = Route {
+            method: Method::POST,
+            path: default_path(entry.service_id.as_str(), &entry.method),
+        };
+        // A declared route another entry took first is served at the default route instead,
+        // as the router does.
+        let Some((route, key, path)) = [declared, default].into_iter().find_map(|route| {
+            let key = path_item_key(&route.method)?;
+            let path = openapi_path(&route.path);
+            taken
+                .insert((key, template_shape(&path)))
+                .then_some((route, key, path))
+        }) else {
+            continue;
+        };
+        let mut op = operation(entry, &route.method, &path);
+        if let Some(rename) = renames.get(entry.service_id.as_str()) {
+            rewrite_refs(&mut op, rename);
+        }
+        paths.entry(path).or_default().insert(key, op);
+        tags.insert(entry.service_id.as_str().to_string());
+    }
+
+    let mut components = Map::new();
+    let mut schemas = schemas;
+    add_missing_targets(&paths, &mut schemas);
+    if !schemas.is_empty() {
+        components.insert("schemas".into(), Value::Object(sorted(schemas)));
+    }
+    let mut doc = Map::new();
+    doc.insert("openapi".into(), json!("3.1.0"));
+    let mut info_obj = Map::new();
+    info_obj.insert("title".into(), json!(info.title));
+    info_obj.insert("version".into(), json!(info.version));
+    if let Some(description) = &info.description {
+        info_obj.insert("description".into(), json!(description));
+    }
+    doc.insert("info".into(), Value::Object(info_obj));
+    if info.bearer_token {
+        components.insert(
+            "securitySchemes".into(),
+            json!({BEARER_SCHEME: {
+                "type": "http",
+                "scheme": "bearer",
+                "description": "The gateway's token, sent as `Authorization: Bearer <token>`.",
+            }}),
+        );
+        doc.insert("security".into(), json!([{BEARER_SCHEME: []}]));
+    }
+    doc.insert(
+        "tags".into(),
+        Value::Array(tags.into_iter().map(|t| json!({"name": t})).collect()),
+    );
+    let mut paths_obj = Map::new();
+    for (path, item) in paths {
+        let mut item_obj = Map::new();
+        for (key, op) in item {
+            item_obj.insert(key.into(), op);
+        }
+        paths_obj.insert(path, Value::Object(item_obj));
+    }
+    doc.insert("paths".into(), Value::Object(paths_obj));
+    if !components.is_empty() {
+        doc.insert("components".into(), Value::Object(components));
+    }
+    Value::Object(doc)
+}
+
+/// The names in a path template, in order: `/orders/{id}/items/{item}` → `id`, `item` (a
+/// catch-all `{*rest}` is named `rest`).
+pub fn path_params(template: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    let mut rest = template;
+    while let Some(open) = rest.find('{') {
+        let Some(close) = rest[open..].find('}') else {
+            break;
+        };
+        let name = rest[open + 1..open + close].trim_start_matches('*');
+        if !name.is_empty() && !names.iter().any(|n| n == name) {
+            names.push(name.to_string());
+        }
+        rest = &rest[open + close + 1..];
+    }
+    names
+}
+
+/// The template with every parameter's name left out: `/orders/{id}` → `/orders/{}`.
+fn template_shape(template: &str) -> String {
+    let mut shape = String::with_capacity(template.len());
+    let mut in_param = false;
+    for c in template.chars() {
+        match c {
+            '{' => {
+                in_param = true;
+                shape.push('{');
+            }
+            '}' => {
+                in_param = false;
+                shape.push('}');
+            }
+            _ if in_param => {}
+            _ => shape.push(c),
+        }
+    }
+    shape
+}
+
+/// The template as OpenAPI writes it: starting with `/`, catch-alls `{*rest}` as `{rest}`.
+fn openapi_path(template: &str) -> String {
+    let path = template.replace("{*", "{");
+    if path.starts_with('/') {
+        path
+    } else {
+        format!("/{path}")
+    }
+}
+
+/// A schema as the document holds it: `true` (any value) becomes `{}` and `false` becomes
+/// `{"not": {}}`, which every OpenAPI tool reads.
+fn schema_object(schema: Option<&Value>) -> Value {
+    match schema {
+        None | Some(Value::Bool(true)) | Some(Value::Null) => json!({}),
+        Some(Value::Bool(false)) => json!({"not": {}}),
+        Some(other) => other.clone(),
+    }
+}
+
+/// The operation documenting `entry` at `method` `path`.
+fn operation(entry: &ServiceEntry, method: &Method, path: &str) -> Value {
+    let mut op = Map::new();
+    op.insert("operationId".into(), json!(entry.id.as_str()));
+    op.insert("tags".into(), json!([entry.service_id.as_str()]));
+    let api = entry.api.as_ref();
+    if let Some(doc) = api.and_then(|api| api.doc.as_deref()) {
+        let doc = doc.trim();
+        if let Some(first) = doc.lines().map(str::trim).find(|l| !l.is_empty()) {
+            op.insert("summary".into(), json!(first));
+            if doc != first {
+                op.insert("description".into(), json!(doc));
+            }
+        }
+    }
+    let schemas = api.and_then(|api| api.schemas.as_ref());
+    let param_schema = |name: &str| -> Value {
+        let index = api.and_then(|api| api.params.iter().position(|p| p == name));
+        schema_object(index.and_then(|i| schemas.and_then(|s| s.params.get(i))))
+    };
+
+    let in_path = path_params(path);
+    let mut parameters: Vec<Value> = in_path
+        .iter()
+        .map(|name| {
+            json!({"name": name, "in": "path", "required": true, "schema": param_schema(name)})
+        })
+        .collect();
+    match api {
+        Some(api) => {
+            let others: Vec<&String> = api.params.iter().filter(|p| !in_path.contains(p)).collect();
+            if params_in_query(method) {
+                parameters.extend(others.iter().map(|name| {
+                    let schema = param_schema(name);
+                    let how = if schema.get("type") == Some(&json!("string")) {
+                        "taken as it is"
+                    } else {
+                        "read as JSON"
+                    };
+                    json!({
+                        "name": name,
+                        "in": "query",
+                        "required": true,
+                        "description": format!("The argument `{name}`, {how}."),
+                        "schema": schema,
+                    })
+                }));
+            } else {
+                let mut properties = Map::new();
+                for name in &others {
+                    properties.insert((*name).clone(), param_schema(name));
+                }
+                let body = json!({
+                    "type": "object",
+                    "required": others,
+                    "properties": properties,
+                });
+                op.insert(
+                    "requestBody".into(),
+                    json!({
+                        "required": !others.is_empty(),
+                        "description": "The arguments by name, as a JSON object (a JSON array is \
+                                        taken as the positional arguments).",
+                        "content": {"application/json": {"schema": body}},
+                    }),
+                );
+            }
+        }
+        None => {
+            op.insert(
+                "requestBody".into(),
+                json!({
+                    "required": true,
+                    "description": "The arguments in declaration order, as a JSON array (the \
+                                    server publishes no parameter names).",
+                    "content": {"application/json": {"schema": {"type": "array"}}},
+                }),
+            );
+        }
+    }
+    if !parameters.is_empty() {
+        op.insert("parameters".into(), Value::Array(parameters));
+    }
+
+    let mut responses = Map::new();
+    responses.insert(
+        "200".into(),
+        json!({
+            "description": "The method's result.",
+            "content": {"application/json": {"schema": schema_object(schemas.map(|s| &s.result))}},
+        }),
+    );
+    let typed = schemas
+        .and_then(|s| s.error.as_ref())
+        .map(|e| schema_object(Some(e)));
+    for (status, description, _) in ERROR_RESPONSES {
+        let typed = if *status == 422 { typed.as_ref() } else { None };
+        let mut response = json!({
+            "description": description,
+            "content": {"application/json": {"schema": error_body_schema(typed)}},
+        });
+        let http = HttpStatus::from_u16(*status).unwrap_or(HttpStatus::INTERNAL_SERVER_ERROR);
+        if carries_retry_after(http) {
+            response["headers"] = json!({"Retry-After": {
+                "description": "Seconds to wait before calling again.",
+                "schema": {"type": "integer", "minimum": 0},
+            }});
+        }
+        responses.insert(status.to_string(), response);
+    }
+    op.insert("responses".into(), Value::Object(responses));
+    Value::Object(op)
+}
+
+/// `components.schemas`: the union of every entry's definitions, and per service the renames
+/// its schemas' `$ref`s need.
+///
+/// Services are taken in sorted order; within a service the first entry (by id) that defines a
+/// name gives its schema. A service's definition is renamed `<name>_<service>` when an earlier
+/// service holds a different schema under the name, or when it refers to a definition of its
+/// own that is renamed (its meaning differs from the one already held).
+fn merge_definitions(
+    entries: &[&ServiceEntry],
+) -> (
+    Map<String, Value>,
+    BTreeMap<String, BTreeMap<String, String>>,
+) {
+    let mut per_service: BTreeMap<&str, BTreeMap<String, Value>> = BTreeMap::new();
+    for entry in entries {
+        let defs = per_service.entry(entry.service_id.as_str()).or_default();
+        if let Some(schemas) = entry.api.as_ref().and_then(|api| api.schemas.as_ref()) {
+            for (name, schema) in &schemas.definitions {
+                defs.entry(name.clone()).or_insert_with(|| schema.clone());
+            }
+        }
+    }
+    let mut global: Map<String, Value> = Map::new();
+    let mut renames_by_service = BTreeMap::new();
+    for (service, defs) in per_service {
+        // Which names must be renamed: a different schema already held, or (to a fixpoint,
+        // bounded by the number of names) a reference to a renamed one.
+        let mut renamed: BTreeSet<&String> = defs
+            .iter()
+            .filter(|(name, schema)| {
+                global
+                    .get(name.as_str())
+                    .is_some_and(|held| held != *schema)
+            })
+            .map(|(name, _)| name)
+            .collect();
+        for _ in 0..=defs.len() {
+            let more: Vec<&String> = defs
+                .iter()
+                .filter(|(name, schema)| {
+                    !renamed.contains(name)
+                        && global.contains_key(name.as_str())
+                        && refs_of(schema)
+                            .iter()
+                            .any(|r| renamed.iter().any(|n| *n == r))
+                })
+                .map(|(name, _)| name)
+                .collect();
+            if more.is_empty() {
+                break;
+            }
+            renamed.extend(more);
+        }
+        let mut rename = BTreeMap::new();
+        for name in renamed {
+            let base = format!("{name}_{}", component_safe(service));
+            let mut candidate = base.clone();
+            let mut n = 2;
+            while global.contains_key(&candidate)
+                || defs.contains_key(&candidate)
+                || rename.values().any(|v| v == &candidate)
+            {
+                candidate = format!("{base}_{n}");
+                n += 1;
+            }
+            rename.insert(name.clone(), candidate);
+        }
+        for (name, mut schema) in defs {
+            rewrite_refs(&mut schema, &rename);
+            let target = rename.get(&name).cloned().unwrap_or(name);
+            global.entry(target).or_insert(schema);
+        }
+        if !rename.is_empty() {
+            renames_by_service.insert(service.to_string(), rename);
+        }
+    }
+    (global, renames_by_service)
+}
+
+/// `name` with every character a component name may not hold (`[A-Za-z0-9._-]`) made `_`.
+fn component_safe(name: &str) -> String {
+    name.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+/// The component names `value` refers to with `$ref`.
+fn refs_of(value: &Value) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    collect_refs(value, &mut out);
+    out
+}
+
+fn collect_refs(value: &Value, out: &mut BTreeSet<String>) {
+    match value {
+        Value::Object(map) => {
+            for (key, v) in map {
+                if key == "$ref" {
+                    if let Some(name) = v.as_str().and_then(|r| r.strip_prefix(SCHEMA_REF_PREFIX)) {
+                        out.insert(name.to_string());
+                    }
+                } else {
+                    collect_refs(v, out);
+                }
+            }
+        }
+        Value::Array(items) => items.iter().for_each(|v| collect_refs(v, out)),
+        _ => {}
+    }
+}
+
+/// Rewrites every `$ref` to `#/components/schemas/<old>` in `value` to the name `rename` gives.
+fn rewrite_refs(value: &mut Value, rename: &BTreeMap<String, String>) {
+    if rename.is_empty() {
+        return;
+    }
+    match value {
+        Value::Object(map) => {
+            for (key, v) in map.iter_mut() {
+                if key == "$ref" {
+                    let new = v
+                        .as_str()
+                        .and_then(|r| r.strip_prefix(SCHEMA_REF_PREFIX))
+                        .and_then(|name| rename.get(name));
+                    if let Some(new) = new {
+                        *v = json!(format!("{SCHEMA_REF_PREFIX}{new}"));
+                    }
+                } else {
+                    rewrite_refs(v, rename);
+                }
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(|v| rewrite_refs(v, rename)),
+        _ => {}
+    }
+}
+
+/// A schema referred to but published by no server would leave the document invalid: it gets a
+/// placeholder (any value) that says so.
+fn add_missing_targets(
+    paths: &BTreeMap<String, BTreeMap<&'static str, Value>>,
+    schemas: &mut Map<String, Value>,
+) {
+    let mut wanted = BTreeSet::new();
+    for item in paths.values() {
+        for op in item.values() {
+            collect_refs(op, &mut wanted);
+        }
+    }
+    for schema in schemas.values() {
+        collect_refs(schema, &mut wanted);
+    }
+    for name in wanted {
+        schemas.entry(name).or_insert_with(|| {
+            json!({"description": "Referred to by a published schema, but published by no server."})
+        });
+    }
+}
+
+/// `map` with its keys in sorted order (whatever order `serde_json`'s map keeps).
+fn sorted(map: Map<String, Value>) -> Map<String, Value> {
+    let ordered: BTreeMap<String, Value> = map.into_iter().collect();
+    ordered.into_iter().collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::route::http_status;
+    use rpc_core::{EntryApi, EntrySchemas, HttpRoute, StatusCode};
+
+    fn entry(service: &str, method: &str, api: Option<EntryApi>) -> ServiceEntry {
+        ServiceEntry {
+            id: format!("{service}.{method}").as_str().into(),
+            service_id: service.into(),
+            method: method.into(),
+            hash_key: None,
+            governance: Default::default(),
+            api,
+        }
+    }
+
+    fn api(params: &[&str], http: Option<(&str, &str)>, schemas: Option<EntrySchemas>) -> EntryApi {
+        EntryApi {
+            params: params.iter().map(|p| p.to_string()).collect(),
+            doc: None,
+            http: http.map(|(m, p)| HttpRoute {
+                method: m.into(),
+                path: p.into(),
+            }),
+            stream: None,
+            schemas,
+        }
+    }
+
+    fn schemas(params: Vec<Value>, result: Value, defs: &[(&str, Value)]) -> EntrySchemas {
+        EntrySchemas {
+            params,
+            result,
+            error: None,
+            definitions: defs
+                .iter()
+                .map(|(n, s)| (n.to_string(), s.clone()))
+                .collect(),
+        }
+    }
+
+    fn info() -> DocumentInfo {
+        DocumentInfo::new("test", "1")
+    }
+
+    #[test]
+    fn a_declared_get_route_has_path_and_query_parameters() {
+        let e = entry(
+            "shop.Orders",
+            "list_items",
+            Some(EntryApi {
+                doc: Some("Items of an order.\n\nPaged by `limit`.".into()),
+                ..api(
+                    &["id", "limit", "tag"],
+                    Some(("get", "/orders/{id}/items")),
+                    Some(schemas(
+                        vec![
+                            json!({"type": "integer"}),
+                            json!({"type": "integer", "minimum": 1}),
+                            json!({"type": "string"}),
+                        ],
+                        json!({"type": "array"}),
+                        &[],
+                    )),
+                )
+            }),
+        );
+        let doc = document(&[e], &info());
+        let op = &doc["paths"]["/orders/{id}/items"]["get"];
+        assert_eq!(op["operationId"], "shop.Orders.list_items");
+        assert_eq!(op["tags"], json!(["shop.Orders"]));
+        assert_eq!(op["summary"], "Items of an order.");
+        assert_eq!(op["description"], "Items of an order.\n\nPaged by `limit`.");
+        let params = op["parameters"].as_array().unwrap();
+        let got: Vec<(&str, &str, bool, &Value)> = params
+            .iter()
+            .map(|p| {
+                (
+                    p["name"].as_str().unwrap(),
+                    p["in"].as_str().unwrap(),
+                    p["required"].as_bool().unwrap(),
+                    &p["schema"],
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                ("id", "path", true, &json!({"type": "integer"})),
+                (
+                    "limit",
+                    "query",
+                    true,
+                    &json!({"type": "integer", "minimum": 1})
+                ),
+                ("tag", "query", true, &json!({"type": "string"})),
+            ]
+        );
+        assert!(op.get("requestBody").is_none(), "a GET has no body: {op}");
+        assert_eq!(
+            op["responses"]["200"]["content"]["application/json"]["schema"],
+            json!({"type": "array"})
+        );
+        assert_eq!(doc["tags"], json!([{"name": "shop.Orders"}]));
+    }
+
+    #[test]
+    fn an_entry_without_a_route_is_a_post_with_a_body_of_named_arguments() {
+        let e = entry(
+            "shop.Orders",
+            "create",
+            Some(api(
+                &["customer", "count"],
+                None,
+                Some(schemas(
+                    vec![json!({"type": "string"}), json!(true)],
+                    json!({"type": "integer"}),
+                    &[],
+                )),
+            )),
+        );
+        let doc = document(&[e], &info());
+        let op = &doc["paths"]["/api/shop.Orders/create"]["post"];
+        assert!(op.get("parameters").is_none(), "{op}");
+        assert_eq!(op["requestBody"]["required"], true);
+        assert_eq!(
+            op["requestBody"]["content"]["application/json"]["schema"],
+            json!({
+                "type": "object",
+                "required": ["customer", "count"],
+                "properties": {"customer": {"type": "string"}, "count": {}},
+            })
+        );
+    }
+
+    #[test]
+    fn a_declared_put_route_takes_the_path_parameter_from_the_path_and_the_rest_from_the_body() {
+        let e = entry(
+            "shop.Orders",
+            "rename",
+            Some(api(&["id", "name"], Some(("PUT", "/orders/{id}")), None)),
+        );
+        let doc = document(&[e], &info());
+        let op = &doc["paths"]["/orders/{id}"]["put"];
+        assert_eq!(
+            op["parameters"],
+            json!([{"name": "id", "in": "path", "required": true, "schema": {}}])
+        );
+        assert_eq!(
+            op["requestBody"]["content"]["application/json"]["schema"]["required"],
+            json!(["name"])
+        );
+    }
+
+    #[test]
+    fn the_typed_error_schema_is_the_error_field_of_the_422_answer_only() {
+        let mut s = schemas(vec![], json!({"type": "string"}), &[]);
+        s.error = Some(json!({"$ref": "#/components/schemas/OrderError"}));
+        s.definitions.insert(
+            "OrderError".into(),
+            json!({"type": "string", "enum": ["Empty", "Closed"]}),
+        );
+        let doc = document(
+            &[entry("shop.Orders", "close", Some(api(&[], None, Some(s))))],
+            &info(),
+        );
+        let responses = &doc["paths"]["/api/shop.Orders/close"]["post"]["responses"];
+        let schema_of = |status: &str| &responses[status]["content"]["application/json"]["schema"];
+        assert_eq!(
+            schema_of("422"),
+            &error_body_schema(Some(&json!({"$ref": "#/components/schemas/OrderError"})))
+        );
+        for status in ["400", "401", "404", "429", "502", "503", "504"] {
+            assert_eq!(schema_of(status), &error_body_schema(None), "{status}");
+        }
+        assert!(responses["503"]["headers"]["Retry-After"].is_object());
+        assert!(responses["429"]["headers"]["Retry-After"].is_object());
+        assert!(responses["504"].get("headers").is_none());
+        assert_eq!(
+            doc["components"]["schemas"]["OrderError"],
+            json!({"type": "string", "enum": ["Empty", "Closed"]})
+        );
+    }
+
+    #[test]
+    fn each_error_response_is_the_status_its_call_statuses_map_to() {
+        for (status, _, codes) in ERROR_RESPONSES {
+            for code in *codes {
+                let mapped = http_status(StatusCode::from_u32(*code)).as_u16();
+                assert_eq!(mapped, *status, "call status {code}");
+            }
+        }
+    }
+
+    #[test]
+    fn definitions_are_merged_and_a_colliding_name_is_renamed_with_its_refs() {
+        let item_a = json!({"type": "object", "properties": {"sku": {"type": "string"}}});
+        let item_b = json!({"type": "object", "properties": {"id": {"type": "integer"}}});
+        let money = json!({"type": "integer"});
+        let refs = |name: &str| json!({"$ref": format!("#/components/schemas/{name}")});
+        // `Cart` refers to `Item`: in b.Stock, its `Item` differs, so its `Cart` is renamed too
+        // although it is written the same.
+        let cart = json!({"type": "array", "items": {"$ref": "#/components/schemas/Item"}});
+        let a = entry(
+            "a.Shop",
+            "buy",
+            Some(api(
+                &["item"],
+                None,
+                Some(schemas(
+                    vec![refs("Item")],
+                    refs("Cart"),
+                    &[
+                        ("Item", item_a.clone()),
+                        ("Money", money.clone()),
+                        ("Cart", cart.clone()),
+                    ],
+                )),
+            )),
+        );
+        let b = entry(
+            "b.Stock",
+            "count",
+            Some(api(
+                &["item"],
+                None,
+                Some(schemas(
+                    vec![refs("Item")],
+                    refs("Cart"),
+                    &[
+                        ("Item", item_b.clone()),
+                        ("Money", money.clone()),
+                        ("Cart", cart.clone()),
+                    ],
+                )),
+            )),
+        );
+        // Listed in the opposite order: the result does not depend on it.
+        let doc = document(&[b.clone(), a.clone()], &info());
+        assert_eq!(doc, document(&[a, b], &info()));
+        let components = doc["components"]["schemas"].as_object().unwrap();
+        let names: Vec<&str> = components.keys().map(String::as_str).collect();
+        assert_eq!(
+            names,
+            vec!["Cart", "Cart_b.Stock", "Item", "Item_b.Stock", "Money"]
+        );
+        assert_eq!(components["Item"], item_a);
+        assert_eq!(components["Item_b.Stock"], item_b);
+        assert_eq!(components["Cart"], cart);
+        assert_eq!(components["Cart_b.Stock"]["items"], refs("Item_b.Stock"));
+        let body = |path: &str| {
+            doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+                ["properties"]["item"]
+                .clone()
+        };
+        let result = |path: &str| {
+            doc["paths"][path]["post"]["responses"]["200"]["content"]["application/json"]["schema"]
+                .clone()
+        };
+        assert_eq!(body("/api/a.Shop/buy"), refs("Item"));
+        assert_eq!(body("/api/b.Stock/count"), refs("Item_b.Stock"));
+        assert_eq!(result("/api/a.Shop/buy"), refs("Cart"));
+        assert_eq!(result("/api/b.Stock/count"), refs("Cart_b.Stock"));
+    }
+
+    #[test]
+    fn stream_entries_are_skipped() {
+        let stream = entry(
+            "feed.Feed",
+            "follow",
+            Some(EntryApi {
+                stream: Some("server".into()),
+                ..api(&["topic"], None, None)
+            }),
+        );
+        let unary = entry("feed.Feed", "last", Some(api(&["topic"], None, None)));
+        let doc = document(&[stream, unary], &info());
+        let paths: Vec<&String> = doc["paths"].as_object().unwrap().keys().collect();
+        assert_eq!(paths, vec!["/api/feed.Feed/last"]);
+    }
+
+    #[test]
+    fn an_entry_without_api_takes_a_body_of_positional_arguments() {
+        let doc = document(&[entry("old.Svc", "ping", None)], &info());
+        let op = &doc["paths"]["/api/old.Svc/ping"]["post"];
+        assert_eq!(
+            op["requestBody"]["content"]["application/json"]["schema"],
+            json!({"type": "array"})
+        );
+        assert_eq!(
+            op["responses"]["200"]["content"]["application/json"]["schema"],
+            json!({})
+        );
+    }
+
+    #[test]
+    fn a_token_adds_the_bearer_scheme_and_requires_it() {
+        let entries = [entry("old.Svc", "ping", None)];
+        let open = document(&entries, &info());
+        assert!(open.get("security").is_none());
+        let doc = document(
+            &entries,
+            &DocumentInfo {
+                bearer_token: true,
+                ..info()
+            },
+        );
+        assert_eq!(doc["security"], json!([{"bearer": []}]));
+        assert_eq!(
+            doc["components"]["securitySchemes"]["bearer"]["scheme"],
+            "bearer"
+        );
+    }
+
+    #[test]
+    fn an_entry_listed_twice_is_documented_once() {
+        let e = entry("old.Svc", "ping", None);
+        let doc = document(&[e.clone(), e], &info());
+        assert_eq!(doc["paths"].as_object().unwrap().len(), 1);
+    }
+
+    #[test]
+    fn a_declared_route_taken_first_leaves_the_other_entry_at_its_default_route() {
+        let a = entry(
+            "a.Orders",
+            "get",
+            Some(api(&["id"], Some(("GET", "/orders/{id}")), None)),
+        );
+        let b = entry(
+            "b.Orders",
+            "get",
+            Some(api(&["oid"], Some(("GET", "/orders/{oid}")), None)),
+        );
+        let doc = document(&[b, a], &info());
+        assert_eq!(
+            doc["paths"]["/orders/{id}"]["get"]["operationId"],
+            "a.Orders.get"
+        );
+        assert!(doc["paths"].get("/orders/{oid}").is_none(), "{doc}");
+        let moved = &doc["paths"]["/api/b.Orders/get"]["post"];
+        assert_eq!(moved["operationId"], "b.Orders.get");
+        assert_eq!(
+            moved["requestBody"]["content"]["application/json"]["schema"]["required"],
+            json!(["oid"])
+        );
+    }
+
+    #[test]
+    fn a_reference_nobody_defines_gets_a_placeholder() {
+        let e = entry(
+            "x.Y",
+            "z",
+            Some(api(
+                &[],
+                None,
+                Some(schemas(
+                    vec![],
+                    json!({"$ref": "#/components/schemas/Gone"}),
+                    &[],
+                )),
+            )),
+        );
+        let doc = document(&[e], &info());
+        assert!(doc["components"]["schemas"]["Gone"].is_object());
+    }
+
+    #[test]
+    fn path_parameters_are_read_from_the_template() {
+        assert_eq!(path_params("/a/{id}/b/{*rest}"), vec!["id", "rest"]);
+        assert_eq!(path_params("/a/{unclosed"), Vec::<String>::new());
+    }
 }

@@ -1,0 +1,572 @@
+//! What the HTTP/JSON gateway costs: one small JSON echo call measured three ways in one run.
+//!
+//! ```text
+//! gateway-bench [--connections 32] [--requests N] [--seconds S] [--warmup-seconds W]
+//!               [--text TEXT] [--cases axum,gateway,client] [--threads T]
+//! ```
+//!
+//! - `axum`: a plain axum handler answering the call's route (`POST /api/echo.Echo/echo`,
+//!   reading the same JSON body and answering the text as JSON), the limit of HTTP on this
+//!   machine;
+//! - `gateway`: the same request through `rpc-gateway` to an `echo.Echo` server (both in this
+//!   process, found through the in-process registry), the gateway calling it with the governed
+//!   client and its default options;
+//! - `client`: the same call made directly with the framework's client (`EchoClient`), the
+//!   cost without HTTP.
+//!
+//! Each case runs `--connections` closed-loop callers at once (for HTTP, one keep-alive
+//! connection each through hyper; for the client, that many calls in flight on its pooled
+//! connections) for `--warmup-seconds`, then measures until `--requests` calls were made or
+//! `--seconds` passed, whichever comes first. Latency is recorded per call in an HDR histogram
+//! (microseconds, 3 significant digits). Everything listens on 127.0.0.1 on free ports. Three
+//! tokio runtimes share the machine: `echo` runs the echo server, `http` the axum echo and the
+//! gateway (with the gateway's client), `callers` the callers (and the client of `client`).
+//!
+//! Output (stable for scripts), one line per case and a summary:
+//!
+//! ```text
+//! GATEWAY case=<axum|gateway|client> rps=<n> p50_us=<n> p99_us=<n> requests=<n> secs=<s>
+//!   cpu_us_per_req=<us> own_cpu_us_per_req=<us>
+//! summary: gateway/axum=<ratio>
+//! ```
+//!
+//! (one line per case.) `cpu_us_per_req` is the CPU time of the whole process over the
+//! measurement divided by the calls made; `own_cpu_us_per_req` counts only the part under test:
+//! the `http` runtime for `axum` and `gateway` (so the gateway's figure leaves out the echo
+//! server and the callers, and is what the gateway itself costs a call), the `callers` runtime
+//! for `client`. On a machine where the run is CPU-bound they say where a difference in
+//! requests per second comes from.
+//!
+//! Every answer is checked (status 200, the text echoed); a run with a failed call prints what
+//! failed and exits with status 1, since its figures would not measure the call. The request
+//! body is `{"text": TEXT}` when the echo server publishes its parameter names, else the
+//! positional `[TEXT]` the gateway takes from servers that publish none (the line
+//! `body: ...` says which).
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use axum::routing::post;
+use axum::Json;
+use bytes::Bytes;
+use clap::Parser;
+use examples::{EchoClient, EchoServer, EchoService};
+use hdrhistogram::Histogram;
+use http_body_util::{BodyExt, Full};
+use hyper::client::conn::http1;
+use hyper_util::rt::TokioIo;
+use rpc::{Client, InProcessRegistry, Registry, Server};
+use rpc_gateway::Gateway;
+use serde_json::Value;
+
+/// The route of the echo entry, at the gateway and at the plain axum handler alike.
+const ECHO_PATH: &str = "/api/echo.Echo/echo";
+
+/// The echo entry's id, as the gateway lists it.
+const ECHO_ENTRY: &str = "echo.Echo.echo";
+
+/// Largest latency the histograms hold: one minute, in microseconds.
+const MAX_LATENCY_US: u64 = 60_000_000;
+
+#[derive(Parser, Debug)]
+#[command(about = "Gateway overhead: plain axum vs the gateway vs the direct client")]
+struct Args {
+    /// Callers at once (HTTP: one keep-alive connection each).
+    #[arg(long, default_value_t = 32)]
+    connections: usize,
+    /// Stop a case after this many measured calls...
+    #[arg(long, default_value_t = 1_000_000)]
+    requests: u64,
+    /// ...or after this many seconds, whichever comes first.
+    #[arg(long, default_value_t = 5.0)]
+    seconds: f64,
+    /// Seconds of load before each case is measured.
+    #[arg(long, default_value_t = 1.0)]
+    warmup_seconds: f64,
+    /// The echoed text (the body is 16 to 32 bytes with the default).
+    #[arg(long, default_value = "hello, gateway")]
+    text: String,
+    /// The cases to run, in order.
+    #[arg(long, value_delimiter = ',', default_value = "axum,gateway,client")]
+    cases: Vec<Case>,
+    /// Worker threads of each runtime (echo, http, callers); default: the CPUs available.
+    #[arg(long)]
+    threads: Option<usize>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Case {
+    /// A plain axum echo handler.
+    Axum,
+    /// The same call through the gateway.
+    Gateway,
+    /// The direct Rust client call.
+    Client,
+}
+
+impl Case {
+    fn name(self) -> &'static str {
+        match self {
+            Case::Axum => "axum",
+            Case::Gateway => "gateway",
+            Case::Client => "client",
+        }
+    }
+}
+
+/// What one case measured.
+struct Figures {
+    requests: u64,
+    secs: f64,
+    /// CPU seconds the whole process (servers and callers) used over the measurement.
+    cpu_secs: f64,
+    /// CPU seconds of the part under test: the axum server, the gateway (its HTTP server and
+    /// its client), or the calling client.
+    own_cpu_secs: f64,
+    histogram: Histogram<u64>,
+}
+
+impl Figures {
+    fn rps(&self) -> f64 {
+        self.requests as f64 / self.secs.max(1e-9)
+    }
+
+    /// CPU microseconds per call, callers included.
+    fn cpu_us_per_req(&self) -> f64 {
+        self.cpu_secs * 1e6 / (self.requests.max(1) as f64)
+    }
+
+    /// CPU microseconds per call of the part under test.
+    fn own_cpu_us_per_req(&self) -> f64 {
+        self.own_cpu_secs * 1e6 / (self.requests.max(1) as f64)
+    }
+}
+
+/// CPU seconds (user and system) this process used so far.
+fn cpu_secs() -> f64 {
+    // SAFETY: getrusage(2) fills the zeroed struct it is given; nothing else is touched.
+    let usage = unsafe {
+        let mut usage: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_SELF, &mut usage);
+        usage
+    };
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    secs(usage.ru_utime) + secs(usage.ru_stime)
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("gateway-bench: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The CPU clocks of a runtime's threads, to tell the CPU of one part of the run (the server
+/// under test, the echo server, the callers) from the rest of the process.
+#[derive(Clone, Default)]
+struct ThreadClocks(Arc<Mutex<Vec<libc::clockid_t>>>);
+
+impl ThreadClocks {
+    /// Adds the calling thread's CPU clock.
+    fn register(&self) {
+        let mut clock: libc::clockid_t = 0;
+        // SAFETY: pthread_getcpuclockid(3) on the calling thread's own handle writes the clock id
+        // into `clock` and touches nothing else.
+        let found = unsafe { libc::pthread_getcpuclockid(libc::pthread_self(), &mut clock) };
+        if found == 0 {
+            self.0
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push(clock);
+        }
+    }
+
+    /// CPU seconds the threads used so far (a thread that ended no longer counts).
+    fn secs(&self) -> f64 {
+        let clocks = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        clocks
+            .iter()
+            .filter_map(|clock| {
+                let mut t = libc::timespec {
+                    tv_sec: 0,
+                    tv_nsec: 0,
+                };
+                // SAFETY: clock_gettime(2) writes the clock's time into `t`; an ended thread's
+                // clock answers an error, which is skipped.
+                let read = unsafe { libc::clock_gettime(*clock, &mut t) };
+                (read == 0).then(|| t.tv_sec as f64 + t.tv_nsec as f64 / 1e9)
+            })
+            .sum()
+    }
+}
+
+fn runtime(
+    name: &str,
+    threads: Option<usize>,
+    clocks: &ThreadClocks,
+) -> Result<tokio::runtime::Runtime, String> {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if let Some(threads) = threads {
+        builder.worker_threads(threads.max(1));
+    }
+    let on_start = clocks.clone();
+    builder
+        .thread_name(name)
+        .on_thread_start(move || on_start.register())
+        .enable_all()
+        .build()
+        .map_err(|e| format!("could not start the {name} runtime: {e}"))
+}
+
+fn run(args: &Args) -> Result<(), String> {
+    if args.connections == 0 {
+        return Err("--connections must be at least 1".into());
+    }
+    if !(args.seconds > 0.0 && args.seconds.is_finite()) {
+        return Err(format!(
+            "--seconds {}: give a positive number",
+            args.seconds
+        ));
+    }
+    if !(args.warmup_seconds >= 0.0 && args.warmup_seconds.is_finite()) {
+        return Err(format!(
+            "--warmup-seconds {}: give zero or a positive number",
+            args.warmup_seconds
+        ));
+    }
+    if args.requests == 0 {
+        return Err("--requests must be at least 1".into());
+    }
+    let (http_clocks, echo_clocks, caller_clocks) = Default::default();
+    let echo = runtime("echo", args.threads, &echo_clocks)?;
+    let http = runtime("http", args.threads, &http_clocks)?;
+    let callers = runtime("callers", args.threads, &caller_clocks)?;
+
+    let registry: Arc<dyn Registry> = Arc::new(InProcessRegistry::new());
+    let echo_server = echo.block_on(
+        Server::builder()
+            .shared_registry(registry.clone())
+            .max_concurrency(100_000)
+            .add_service(EchoServer::new(EchoService::default()))
+            .serve("127.0.0.1:0"),
+    );
+    let _echo_server = echo_server.map_err(|e| format!("could not start the echo server: {e}"))?;
+    let (axum_addr, gateway_addr, body) = http.block_on(start_http(&registry, &args.text))?;
+    println!("body: {}", String::from_utf8_lossy(&body));
+
+    let expected = Bytes::from(
+        serde_json::to_vec(&Value::String(args.text.clone())).map_err(|e| e.to_string())?,
+    );
+    let mut results = Vec::new();
+    for case in &args.cases {
+        let figures = callers.block_on(async {
+            match case {
+                Case::Axum => http_case(args, axum_addr, &body, &expected, &http_clocks).await,
+                Case::Gateway => {
+                    http_case(args, gateway_addr, &body, &expected, &http_clocks).await
+                }
+                Case::Client => client_case(args, &registry, &caller_clocks).await,
+            }
+        })?;
+        println!(
+            "GATEWAY case={} rps={:.0} p50_us={} p99_us={} requests={} secs={:.3} \
+             cpu_us_per_req={:.1} own_cpu_us_per_req={:.1}",
+            case.name(),
+            figures.rps(),
+            figures.histogram.value_at_quantile(0.50).max(1),
+            figures.histogram.value_at_quantile(0.99).max(1),
+            figures.requests,
+            figures.secs,
+            figures.cpu_us_per_req(),
+            figures.own_cpu_us_per_req(),
+        );
+        results.push((*case, figures));
+    }
+    let rps = |wanted: Case| {
+        results
+            .iter()
+            .find(|(case, _)| *case == wanted)
+            .map(|(_, f)| f.rps())
+    };
+    match (rps(Case::Gateway), rps(Case::Axum)) {
+        (Some(gateway), Some(axum)) => println!("summary: gateway/axum={:.3}", gateway / axum),
+        _ => println!("summary: gateway/axum=n/a (run both cases for the ratio)"),
+    }
+    callers.shutdown_timeout(Duration::from_secs(1));
+    http.shutdown_timeout(Duration::from_secs(1));
+    echo.shutdown_timeout(Duration::from_secs(1));
+    Ok(())
+}
+
+/// The plain axum echo and the gateway (over the echo server published in `registry`);
+/// returns the two HTTP addresses and the request body the gateway takes for the echo entry.
+async fn start_http(
+    registry: &Arc<dyn Registry>,
+    text: &str,
+) -> Result<(SocketAddr, SocketAddr, Bytes), String> {
+    let axum_listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(|e| format!("could not listen for the axum echo: {e}"))?;
+    let axum_addr = axum_listener.local_addr().map_err(|e| e.to_string())?;
+    let app = axum::Router::new().route(ECHO_PATH, post(axum_echo));
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(axum_listener, app).await {
+            eprintln!("gateway-bench: the axum echo stopped: {e}");
+        }
+    });
+
+    let client = Client::builder().shared_registry(registry.clone()).build();
+    let gateway = Gateway::builder()
+        .client(client)
+        .registry(registry.clone())
+        .build()
+        .await
+        .map_err(|e| format!("could not build the gateway: {e}"))?;
+    let served = gateway
+        .wait_until(Duration::from_secs(10), |entries| {
+            entries.iter().any(|e| e.id.as_str() == ECHO_ENTRY)
+        })
+        .await;
+    if !served {
+        return Err(format!(
+            "the gateway did not serve {ECHO_ENTRY} within 10 s of the echo server starting"
+        ));
+    }
+    let named = gateway
+        .entries()
+        .iter()
+        .find(|e| e.id.as_str() == ECHO_ENTRY)
+        .and_then(|e| e.api.as_ref())
+        .is_some_and(|api| !api.params.is_empty());
+    let body = if named {
+        serde_json::json!({ "text": text })
+    } else {
+        serde_json::json!([text])
+    };
+    let body = Bytes::from(serde_json::to_vec(&body).map_err(|e| e.to_string())?);
+
+    let gateway_listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(|e| format!("could not listen for the gateway: {e}"))?;
+    let gateway_addr = gateway_listener.local_addr().map_err(|e| e.to_string())?;
+    tokio::spawn(async move {
+        if let Err(e) = gateway.serve(gateway_listener).await {
+            eprintln!("gateway-bench: the gateway stopped: {e}");
+        }
+    });
+    Ok((axum_addr, gateway_addr, body))
+}
+
+/// The plain echo: the text of `{"text": ...}` or of `[...]`, answered as JSON.
+async fn axum_echo(Json(body): Json<Value>) -> Result<Json<Value>, axum::http::StatusCode> {
+    let text = match &body {
+        Value::Object(map) => map.get("text"),
+        Value::Array(items) => items.first(),
+        _ => None,
+    };
+    match text {
+        Some(Value::String(text)) => Ok(Json(Value::String(text.clone()))),
+        _ => Err(axum::http::StatusCode::BAD_REQUEST),
+    }
+}
+
+/// The callers' shared count of calls started and the end of the measurement.
+struct Plan {
+    started: AtomicU64,
+    limit: u64,
+    until: Instant,
+}
+
+impl Plan {
+    fn new(limit: u64, seconds: f64) -> Arc<Plan> {
+        Arc::new(Plan {
+            started: AtomicU64::new(0),
+            limit,
+            until: Instant::now() + Duration::from_secs_f64(seconds),
+        })
+    }
+
+    /// Whether one more call may start.
+    fn next(&self) -> bool {
+        Instant::now() < self.until && self.started.fetch_add(1, Ordering::Relaxed) < self.limit
+    }
+}
+
+fn histogram() -> Histogram<u64> {
+    // 3 significant digits over 1 µs .. 60 s: valid bounds, so this cannot fail.
+    Histogram::new_with_bounds(1, MAX_LATENCY_US, 3).unwrap_or_else(|_| unreachable!())
+}
+
+/// One closed-loop caller: an HTTP/1.1 keep-alive connection, or the framework's client.
+enum Caller {
+    /// Posts `body` to the echo route and expects `expected`.
+    Http {
+        sender: http1::SendRequest<Full<Bytes>>,
+        host: String,
+        body: Bytes,
+        expected: Bytes,
+    },
+    /// Calls `echo(text)` and expects `text`.
+    Client { client: EchoClient, text: String },
+}
+
+impl Caller {
+    /// One call, checked.
+    async fn call(&mut self) -> Result<(), String> {
+        match self {
+            Caller::Http {
+                sender,
+                host,
+                body,
+                expected,
+            } => {
+                let request = hyper::Request::post(ECHO_PATH)
+                    .header(hyper::header::HOST, host.as_str())
+                    .header(hyper::header::CONTENT_TYPE, "application/json")
+                    .body(Full::new(body.clone()))
+                    .map_err(|e| e.to_string())?;
+                let answer = sender
+                    .send_request(request)
+                    .await
+                    .map_err(|e| format!("request failed: {e}"))?;
+                let status = answer.status();
+                let got = answer
+                    .into_body()
+                    .collect()
+                    .await
+                    .map_err(|e| format!("reading the answer: {e}"))?
+                    .to_bytes();
+                if status != hyper::StatusCode::OK || got != *expected {
+                    return Err(format!(
+                        "answer {status} {:?}, expected 200 {:?}",
+                        String::from_utf8_lossy(&got),
+                        String::from_utf8_lossy(expected)
+                    ));
+                }
+                Ok(())
+            }
+            Caller::Client { client, text } => {
+                use examples::Echo;
+                let got = client
+                    .echo(text.clone())
+                    .await
+                    .map_err(|e| format!("call failed: {e}"))?;
+                if got != *text {
+                    return Err(format!("answer {got:?}, expected {text:?}"));
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+/// Runs the callers at once for the warm-up, then for the measurement.
+async fn measure(
+    args: &Args,
+    mut callers: Vec<Caller>,
+    own: &ThreadClocks,
+) -> Result<Figures, String> {
+    let mut phases = Vec::new();
+    if args.warmup_seconds > 0.0 {
+        phases.push((false, u64::MAX, args.warmup_seconds));
+    }
+    phases.push((true, args.requests, args.seconds));
+    let mut figures = None;
+    for (measured, limit, seconds) in phases {
+        let start = Instant::now();
+        let cpu_start = cpu_secs();
+        let own_start = own.secs();
+        let plan = Plan::new(limit, seconds);
+        let mut tasks = Vec::new();
+        for mut caller in callers.drain(..) {
+            let plan = plan.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut histogram = histogram();
+                let mut done = 0u64;
+                while plan.next() {
+                    let t = Instant::now();
+                    caller.call().await?;
+                    let us = t.elapsed().as_micros() as u64;
+                    histogram.saturating_record(us.clamp(1, MAX_LATENCY_US));
+                    done += 1;
+                }
+                Ok::<_, String>((caller, histogram, done))
+            }));
+        }
+        let mut total = histogram();
+        let mut requests = 0;
+        for task in tasks {
+            let (caller, histogram, done) = task
+                .await
+                .map_err(|e| format!("a caller panicked: {e}"))??;
+            callers.push(caller);
+            total.add(&histogram).map_err(|e| e.to_string())?;
+            requests += done;
+        }
+        let secs = start.elapsed().as_secs_f64();
+        let cpu_secs = cpu_secs() - cpu_start;
+        let own_cpu_secs = own.secs() - own_start;
+        if measured {
+            figures = Some(Figures {
+                requests,
+                secs,
+                cpu_secs,
+                own_cpu_secs,
+                histogram: total,
+            });
+        }
+    }
+    figures.ok_or_else(|| "no measurement ran".to_string())
+}
+
+/// One keep-alive HTTP/1.1 connection per caller, each posting `body` to the echo route and
+/// checking the answer is `expected`.
+async fn http_case(
+    args: &Args,
+    addr: SocketAddr,
+    body: &Bytes,
+    expected: &Bytes,
+    own: &ThreadClocks,
+) -> Result<Figures, String> {
+    let mut callers = Vec::new();
+    for _ in 0..args.connections {
+        let stream = tokio::net::TcpStream::connect(addr)
+            .await
+            .map_err(|e| format!("could not connect to {addr}: {e}"))?;
+        stream.set_nodelay(true).map_err(|e| e.to_string())?;
+        let (sender, connection) = http1::handshake::<_, Full<Bytes>>(TokioIo::new(stream))
+            .await
+            .map_err(|e| format!("HTTP handshake with {addr}: {e}"))?;
+        tokio::spawn(connection);
+        callers.push(Caller::Http {
+            sender,
+            host: addr.to_string(),
+            body: body.clone(),
+            expected: expected.clone(),
+        });
+    }
+    measure(args, callers, own).await
+}
+
+/// The same call made directly with the framework's client, `connections` calls in flight.
+async fn client_case(
+    args: &Args,
+    registry: &Arc<dyn Registry>,
+    own: &ThreadClocks,
+) -> Result<Figures, String> {
+    let client = EchoClient::new(Client::builder().shared_registry(registry.clone()).build());
+    let callers = (0..args.connections)
+        .map(|_| Caller::Client {
+            client: client.clone(),
+            text: args.text.clone(),
+        })
+        .collect();
+    measure(args, callers, own).await
+}

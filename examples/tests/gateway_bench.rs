@@ -1,0 +1,119 @@
+//! The `gateway-bench` program with tiny counts: its lines are what scripts read for the
+//! gateway's speed figures (`GATEWAY case=... rps=... p50_us=... p99_us=...` and the summary),
+//! so a broken line, a missing case or a failed call must show here rather than as a hole in a
+//! table.
+
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+const BENCH: &str = env!("CARGO_BIN_EXE_gateway-bench");
+
+/// The value of `key=` in a line of `key=value` pairs.
+fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+    line.split_whitespace()
+        .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('='))
+}
+
+/// Runs the program with `args`, killed if it has not ended within a minute; its stdout.
+fn run(args: &[&str]) -> String {
+    let child = Command::new(BENCH)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start gateway-bench");
+    let pid = child.id();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    let out = match rx.recv_timeout(Duration::from_secs(60)) {
+        Ok(out) => out.expect("wait for gateway-bench"),
+        Err(_) => {
+            // SAFETY: a plain syscall on the pid of a child this test started and still owns.
+            unsafe {
+                libc::kill(pid as libc::pid_t, libc::SIGKILL);
+            }
+            panic!("gateway-bench {args:?} did not end within 60 s");
+        }
+    };
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "gateway-bench {args:?} failed ({}): {}\n{stdout}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+#[test]
+fn one_run_prints_a_line_per_case_with_positive_figures_and_the_ratio() {
+    let out = run(&[
+        "--connections",
+        "2",
+        "--requests",
+        "200",
+        "--seconds",
+        "20",
+        "--warmup-seconds",
+        "0",
+        "--threads",
+        "1",
+    ]);
+    let lines: Vec<&str> = out.lines().filter(|l| l.starts_with("GATEWAY ")).collect();
+    let cases: Vec<&str> = lines.iter().filter_map(|l| field(l, "case")).collect();
+    assert_eq!(cases, ["axum", "gateway", "client"], "{out}");
+    let mut rps = Vec::new();
+    for line in &lines {
+        for key in ["rps", "p50_us", "p99_us"] {
+            let value: f64 = field(line, key)
+                .unwrap_or_else(|| panic!("no {key}= in {line:?}"))
+                .parse()
+                .unwrap_or_else(|e| panic!("{key}= in {line:?}: {e}"));
+            assert!(
+                value > 0.0 && value.is_finite(),
+                "{key}={value} in {line:?}"
+            );
+        }
+        let p50: u64 = field(line, "p50_us")
+            .and_then(|v| v.parse().ok())
+            .expect("p50");
+        let p99: u64 = field(line, "p99_us")
+            .and_then(|v| v.parse().ok())
+            .expect("p99");
+        assert!(p50 <= p99, "p50 above p99 in {line:?}");
+        // The run is bounded by --requests (20 s is far off): exactly 200 calls per case.
+        assert_eq!(field(line, "requests"), Some("200"), "{line:?}");
+        rps.push(
+            field(line, "rps")
+                .and_then(|v| v.parse::<f64>().ok())
+                .expect("rps"),
+        );
+    }
+    let summary = out
+        .lines()
+        .find_map(|l| l.strip_prefix("summary: gateway/axum="))
+        .unwrap_or_else(|| panic!("no summary line in {out}"));
+    let ratio: f64 = summary
+        .parse()
+        .unwrap_or_else(|e| panic!("ratio {summary:?}: {e}"));
+    // The printed ratio is the gateway's rps over axum's (rounded to 3 decimals; rps to units).
+    let expected = rps[1] / rps[0];
+    assert!(
+        (ratio - expected).abs() <= 0.0005 + expected * 0.01,
+        "ratio {ratio}, rps lines give {expected}"
+    );
+}
+
+#[test]
+fn bad_flags_are_refused_with_what_to_give() {
+    let out = Command::new(BENCH)
+        .args(["--connections", "0"])
+        .output()
+        .expect("run gateway-bench");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--connections must be at least 1"), "{err}");
+}
