@@ -5,13 +5,17 @@
 //! look), and the writer takes the whole queue at once by swapping it with its own, emptied
 //! one. A channel paid a slot, a permit and a waker check per frame on each side; at 256
 //! calls in flight that was a tenth of a call's cost on each side.
+//!
+//! Once the peer has said in its handshake that it takes `StreamItems`, the writer also
+//! carries each run of queued items of one stream (compressed alike) in one such frame: the
+//! peer then decodes and hands over a run of small items once instead of once per item.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use bytes::BytesMut;
-use rpc_core::wire::frame::Kind;
+use rpc_core::wire::{frame::Kind, StreamItem, StreamItems};
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -24,6 +28,10 @@ use crate::encode::put_invoke_frame;
 /// batch are in flight: with a few calls in flight, waiting a scheduler round costs more
 /// latency than the shared write saves.
 const YIELD_MARGIN: usize = 32;
+
+/// Payload bytes of one `StreamItems` frame at most: far below any frame limit in use, and
+/// large enough that a run of small items takes a frame or two.
+const MAX_ITEMS_BYTES: usize = 64 * 1024;
 
 /// Bytes gathered before a write is issued even if more frames are queued.
 const MAX_BATCH: usize = 256 * 1024;
@@ -58,6 +66,8 @@ struct Queue {
     /// while the writer is busy is kept as a permit, so none is lost.
     ready: Notify,
     senders_gone: AtomicBool,
+    /// The peer takes `StreamItems`: runs of one stream's items go in one frame.
+    batches: AtomicBool,
 }
 
 #[derive(Debug, Default)]
@@ -160,6 +170,7 @@ fn estimate_kind(kind: &Kind) -> usize {
             Kind::Invoke(i) => i.parameters.len() + i.service_entry_id.len(),
             Kind::GoAway(g) => g.reason.len(),
             Kind::StreamItem(i) => i.payload.len(),
+            Kind::StreamItems(i) => i.payloads.iter().map(|p| FIXED + p.len()).sum(),
             _ => 0,
         }
 }
@@ -229,6 +240,12 @@ impl FrameSender {
     /// The bytes queued behind this sender.
     pub(crate) fn backlog(&self) -> &Backlog {
         &self.backlog
+    }
+
+    /// From now on, runs of queued items of one stream are written as one `StreamItems`
+    /// frame (the peer said in its handshake that it takes them).
+    pub(crate) fn batch_stream_items(&self) {
+        self.senders.0.batches.store(true, Ordering::Release);
     }
 }
 
@@ -304,13 +321,19 @@ async fn write_batches<W: AsyncWrite + Unpin>(
         let mut encoded = 0usize;
         let mut yielded = false;
         loop {
+            let batches = queue.batches.load(Ordering::Acquire);
             while buf.len() < MAX_BATCH {
                 let Some(frame) = frames.pop_front() else {
                     break;
                 };
                 counted += estimate(&frame);
-                frame.encode(&mut buf);
                 encoded += 1;
+                match frame {
+                    Outgoing::Frame(Kind::StreamItem(first)) if batches => {
+                        counted += put_items(first, &mut frames, &mut buf);
+                    }
+                    frame => frame.encode(&mut buf),
+                }
             }
             if buf.len() >= MAX_BATCH {
                 break;
@@ -343,6 +366,48 @@ async fn write_batches<W: AsyncWrite + Unpin>(
             buf = BytesMut::with_capacity(BUFFER);
         }
     }
+}
+
+/// Encodes `first` and the items of the same stream and compression right behind it in
+/// `frames` (taken out of it) as one `StreamItems` frame, or `first` alone as a `StreamItem`
+/// when none follows; returns the backlog estimate of the items taken besides `first`.
+fn put_items(first: StreamItem, frames: &mut VecDeque<Outgoing>, buf: &mut BytesMut) -> usize {
+    let (id, compression) = (first.message_id, first.compression);
+    let same = |f: &Outgoing, bytes: usize| match f {
+        Outgoing::Frame(Kind::StreamItem(i)) => {
+            i.message_id == id
+                && i.compression == compression
+                && bytes + i.payload.len() <= MAX_ITEMS_BYTES
+        }
+        _ => false,
+    };
+    if !frames
+        .front()
+        .is_some_and(|f| same(f, first.payload.len()))
+    {
+        FrameCodec::encode_kind(Kind::StreamItem(first), buf);
+        return 0;
+    }
+    let mut bytes = first.payload.len();
+    let mut counted = 0;
+    let mut payloads = vec![first.payload];
+    while frames.front().is_some_and(|f| same(f, bytes)) {
+        let Some(Outgoing::Frame(Kind::StreamItem(item))) = frames.pop_front() else {
+            unreachable!("checked above")
+        };
+        bytes += item.payload.len();
+        counted += FIXED + item.payload.len();
+        payloads.push(item.payload);
+    }
+    FrameCodec::encode_kind(
+        Kind::StreamItems(StreamItems {
+            message_id: id,
+            payloads,
+            compression,
+        }),
+        buf,
+    );
+    counted
 }
 
 #[cfg(test)]
