@@ -14,15 +14,15 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use bytes::BytesMut;
-use rpc_core::wire::{frame::Kind, StreamItem, StreamItems};
+use bytes::{Bytes, BytesMut};
+use rpc_core::wire::{frame::Kind, StreamItem};
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::call::Call;
 use crate::codec::FrameCodec;
-use crate::encode::put_invoke_frame;
+use crate::encode::{put_invoke_frame, put_item_frame, put_items_frame};
 
 /// The writer yields to gather more frames only when more than this many calls beyond the
 /// batch are in flight: with a few calls in flight, waiting a scheduler round costs more
@@ -31,7 +31,7 @@ const YIELD_MARGIN: usize = 32;
 
 /// Payload bytes of one `StreamItems` frame at most: far below any frame limit in use, and
 /// large enough that a run of small items takes a frame or two.
-const MAX_ITEMS_BYTES: usize = 64 * 1024;
+pub(crate) const MAX_ITEMS_BYTES: usize = 64 * 1024;
 
 /// Bytes gathered before a write is issued even if more frames are queued.
 const MAX_BATCH: usize = 256 * 1024;
@@ -108,6 +108,8 @@ impl Queue {
 pub(crate) enum Outgoing {
     Frame(Kind),
     Call(u64, Call),
+    /// Whole frames, encoded by their sender (a stream's items of one poll).
+    Encoded(Bytes),
 }
 
 impl Outgoing {
@@ -115,6 +117,7 @@ impl Outgoing {
         match self {
             Outgoing::Frame(kind) => FrameCodec::encode_kind(kind, dst),
             Outgoing::Call(id, call) => put_invoke_frame(&call.fields(id), dst),
+            Outgoing::Encoded(frames) => dst.extend_from_slice(&frames),
         }
     }
 }
@@ -159,6 +162,7 @@ fn estimate(frame: &Outgoing) -> usize {
     match frame {
         Outgoing::Frame(kind) => estimate_kind(kind),
         Outgoing::Call(_, c) => FIXED + c.parameters.len() + c.service_entry_id.len(),
+        Outgoing::Encoded(frames) => frames.len(),
     }
 }
 
@@ -187,32 +191,10 @@ impl FrameSender {
         self.push(Outgoing::Call(id, call))
     }
 
-    /// Queues `frames` in order with one pass of the queue's lock and at most one wake-up of
-    /// the writer (a stream's items of one poll); false when the connection is closed (then
-    /// none is queued).
-    pub(crate) fn send_all(&self, frames: &mut Vec<Kind>) -> bool {
-        if frames.is_empty() {
-            return true;
-        }
-        let n: usize = frames.iter().map(estimate_kind).sum();
-        self.backlog.bytes.fetch_add(n, Ordering::Relaxed);
-        let queue = &self.senders.0;
-        let was_empty = {
-            let mut q = queue.lock();
-            if q.closed {
-                drop(q);
-                frames.clear();
-                self.backlog.bytes.fetch_sub(n, Ordering::Relaxed);
-                return false;
-            }
-            let was_empty = q.frames.is_empty();
-            q.frames.extend(frames.drain(..).map(Outgoing::Frame));
-            was_empty
-        };
-        if was_empty {
-            queue.ready.notify_one();
-        }
-        true
+    /// Queues whole frames encoded by the caller (length prefixes included) as they are;
+    /// false when the connection is closed.
+    pub(crate) fn send_encoded(&self, frames: Bytes) -> bool {
+        self.push(Outgoing::Encoded(frames))
     }
 
     fn push(&self, frame: Outgoing) -> bool {
@@ -385,7 +367,7 @@ fn put_items(first: StreamItem, frames: &mut VecDeque<Outgoing>, buf: &mut Bytes
         .front()
         .is_some_and(|f| same(f, first.payload.len()))
     {
-        FrameCodec::encode_kind(Kind::StreamItem(first), buf);
+        put_item_frame(id, &first.payload, compression, buf);
         return 0;
     }
     let mut bytes = first.payload.len();
@@ -399,14 +381,7 @@ fn put_items(first: StreamItem, frames: &mut VecDeque<Outgoing>, buf: &mut Bytes
         counted += FIXED + item.payload.len();
         payloads.push(item.payload);
     }
-    FrameCodec::encode_kind(
-        Kind::StreamItems(StreamItems {
-            message_id: id,
-            payloads,
-            compression,
-        }),
-        buf,
-    );
+    put_items_frame(id, &payloads, compression, buf);
     counted
 }
 

@@ -41,6 +41,8 @@ pub(super) struct Conn {
     /// The client's `Hello.stream_window_bytes` when the server keeps byte windows (0: items
     /// only).
     pub(super) client_window_bytes: u64,
+    /// The client takes `StreamItems` frames (`Hello.stream_batches`).
+    pub(super) client_batches: bool,
 }
 
 impl Conn {
@@ -124,7 +126,7 @@ pub(super) fn dispatch(
             let driver = StreamDriver::new(
                 id,
                 events,
-                (window, conn.client_window_bytes),
+                (window, conn.client_window_bytes, conn.client_batches),
                 slot,
                 &conn.streams,
                 conn.sender.clone(),

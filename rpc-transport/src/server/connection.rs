@@ -108,6 +108,7 @@ pub(super) async fn run_connection<R, W>(
         streams: Default::default(),
         client_window: hello.stream_window,
         client_window_bytes: hello.stream_window_bytes,
+        client_batches: hello.stream_batches,
     });
     if hello.stream_batches {
         conn.sender.batch_stream_items();

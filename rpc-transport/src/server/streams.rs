@@ -22,18 +22,20 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll, Waker};
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use futures_util::Stream;
 use rpc_core::RpcError;
 
 use futures_util::stream::{BoxStream, StreamExt};
 use futures_util::task::AtomicWaker;
-use rpc_core::wire::{frame::Kind, RemoteResultMessage, StreamCredit, StreamItem};
+use rpc_core::wire::{frame::Kind, RemoteResultMessage, StreamCredit};
 use rpc_core::StatusCode;
 
 use super::handler::{error_result, StreamEvent};
 use crate::flow::{Credit, Held, Taken};
-use crate::writer::FrameSender;
+use crate::codec::FrameCodec;
+use crate::encode::{put_item_frame, put_items_frame};
+use crate::writer::{FrameSender, MAX_ITEMS_BYTES};
 
 /// Items a stream sends in one poll before it lets other tasks run.
 const ITEMS_PER_POLL: usize = 256;
@@ -309,20 +311,28 @@ pub(super) struct StreamDriver {
     credit: Credit,
     /// The client's grants counted into `credit` so far (of the slot's `granted`).
     acked: u64,
-    /// Items of the current poll, queued for the writer together when the poll returns: one
-    /// pass of the writer's lock and one wake-up per poll instead of one per item.
-    batch: Vec<Kind>,
+    /// The frames of the current poll, encoded here and queued for the writer together when
+    /// the poll returns: one pass of the writer's lock and one wake-up per poll instead of one
+    /// per item, and each item's payload is dropped by the task that made it.
+    frames: BytesMut,
+    /// The client takes `StreamItems`: consecutive items go in `run`, written as one frame.
+    batches: bool,
+    /// Items waiting to be written as one `StreamItems` frame, all compressed with
+    /// `run_compression`, of `run_bytes` payload bytes.
+    run: Vec<Bytes>,
+    run_compression: i32,
+    run_bytes: usize,
 }
 
 impl StreamDriver {
     /// The task of stream `id`, whose client buffers `client_window` items and
-    /// `client_window_bytes` bytes (0: items only), with its state `slot` (already registered
-    /// in `table` when the stream takes the client's items, and registered now otherwise),
-    /// removed from `table` when it ends.
+    /// `client_window_bytes` bytes (0: items only) and takes `StreamItems` when `batches`, with
+    /// its state `slot` (already registered in `table` when the stream takes the client's
+    /// items, and registered now otherwise), removed from `table` when it ends.
     pub(super) fn new(
         id: u64,
         events: BoxStream<'static, StreamEvent>,
-        (client_window, client_window_bytes): (u32, u64),
+        (client_window, client_window_bytes, batches): (u32, u64, bool),
         slot: Option<Arc<StreamSlot>>,
         table: &Arc<StreamTable>,
         sender: FrameSender,
@@ -342,8 +352,50 @@ impl StreamDriver {
             table: table.clone(),
             sender,
             accepted: false,
-            batch: Vec::new(),
+            frames: BytesMut::new(),
+            batches,
+            run: Vec::new(),
+            run_compression: 0,
+            run_bytes: 0,
         }
+    }
+
+    /// Adds an item to this poll's frames.
+    fn put_item(&mut self, payload: Bytes, compression: i32) {
+        if !self.batches {
+            put_item_frame(self.id, &payload, compression, &mut self.frames);
+            return;
+        }
+        if !self.run.is_empty()
+            && (compression != self.run_compression
+                || self.run_bytes + payload.len() > MAX_ITEMS_BYTES)
+        {
+            self.end_run();
+        }
+        self.run_compression = compression;
+        self.run_bytes += payload.len();
+        self.run.push(payload);
+    }
+
+    /// Writes the items of `run` as one frame (one item alone as a `StreamItem`).
+    fn end_run(&mut self) {
+        match self.run.len() {
+            0 => {}
+            1 => put_item_frame(
+                self.id,
+                &self.run[0],
+                self.run_compression,
+                &mut self.frames,
+            ),
+            _ => put_items_frame(
+                self.id,
+                &self.run,
+                self.run_compression,
+                &mut self.frames,
+            ),
+        }
+        self.run.clear();
+        self.run_bytes = 0;
     }
 
     /// Counts the client's grants that arrived since the last look into the credit.
@@ -357,11 +409,16 @@ impl StreamDriver {
 
     fn accept(&mut self) {
         self.accepted = true;
-        // In the batch, ahead of the items: the client must see the stream accepted first.
-        self.batch.push(Kind::StreamCredit(StreamCredit {
-            message_id: self.id,
-            items: self.inbound_window,
-        }));
+        // In this poll's frames, ahead of the items: the client must see the stream accepted
+        // first.
+        self.end_run();
+        FrameCodec::encode_kind(
+            Kind::StreamCredit(StreamCredit {
+                message_id: self.id,
+                items: self.inbound_window,
+            }),
+            &mut self.frames,
+        );
     }
 
     /// One poll's frames and end, before the batch goes to the writer.
@@ -407,11 +464,7 @@ impl StreamDriver {
                         unreachable!("an item")
                     };
                     this.credit.sent(payload.len());
-                    this.batch.push(Kind::StreamItem(StreamItem {
-                        message_id: this.id,
-                        payload,
-                        compression,
-                    }));
+                    this.put_item(payload, compression);
                     sent += 1;
                 }
                 Poll::Ready(Some(StreamEvent::End(end))) => return Poll::Ready(end),
@@ -434,7 +487,10 @@ impl Future for StreamDriver {
         let outcome = this.poll_items(cx);
         // Whatever the outcome: the items go before the end, which the connection sends once
         // this returns Ready.
-        this.sender.send_all(&mut this.batch);
+        this.end_run();
+        if !this.frames.is_empty() {
+            this.sender.send_encoded(this.frames.split().freeze());
+        }
         outcome
     }
 }
@@ -473,7 +529,7 @@ mod tests {
             }))
             .boxed();
         let table = Arc::new(StreamTable::default());
-        let mut driver = Box::pin(StreamDriver::new(7, events, (5, 0), None, &table, sender));
+        let mut driver = Box::pin(StreamDriver::new(7, events, (5, 0, false), None, &table, sender));
         let mut cx = Context::from_waker(std::task::Waker::noop());
         assert!(driver.as_mut().poll(&mut cx).is_pending());
         assert_eq!(polled.load(Ordering::Relaxed), 5, "the window");
