@@ -33,6 +33,10 @@ const YIELD_MARGIN: usize = 32;
 /// large enough that a run of small items takes a frame or two.
 pub(crate) const MAX_ITEMS_BYTES: usize = 64 * 1024;
 
+/// Frames encoded by their sender (a stream's items of one poll) of this many bytes or more
+/// are written from their own buffer rather than copied into the writer's.
+const DIRECT_WRITE: usize = 32 * 1024;
+
 /// Bytes gathered before a write is issued even if more frames are queued.
 const MAX_BATCH: usize = 256 * 1024;
 /// Initial capacity of the write buffer; it grows with the batches it carries and keeps its
@@ -302,6 +306,9 @@ async fn write_batches<W: AsyncWrite + Unpin>(
         let mut counted = 0;
         let mut encoded = 0usize;
         let mut yielded = false;
+        // Frames already encoded by their sender and large enough to be written from where
+        // they are, after `buf`, instead of being copied into it.
+        let mut direct: Option<Bytes> = None;
         loop {
             let batches = queue.batches.load(Ordering::Acquire);
             while buf.len() < MAX_BATCH {
@@ -314,10 +321,14 @@ async fn write_batches<W: AsyncWrite + Unpin>(
                     Outgoing::Frame(Kind::StreamItem(first)) if batches => {
                         counted += put_items(first, &mut frames, &mut buf);
                     }
+                    Outgoing::Encoded(frames) if frames.len() >= DIRECT_WRITE => {
+                        direct = Some(frames);
+                        break;
+                    }
                     frame => frame.encode(&mut buf),
                 }
             }
-            if buf.len() >= MAX_BATCH {
+            if buf.len() >= MAX_BATCH || direct.is_some() {
                 break;
             }
             queue.take(&mut frames);
@@ -334,7 +345,15 @@ async fn write_batches<W: AsyncWrite + Unpin>(
         }
         // `flush` costs nothing on a TCP socket; a TLS stream may still hold the end of the
         // batch after `write_all` when the socket was full.
-        if wr.write_all(&buf).await.is_err() || wr.flush().await.is_err() {
+        if wr.write_all(&buf).await.is_err() {
+            break;
+        }
+        if let Some(frames) = direct.take() {
+            if wr.write_all(&frames).await.is_err() {
+                break;
+            }
+        }
+        if wr.flush().await.is_err() {
             break;
         }
         backlog.bytes.fetch_sub(counted, Ordering::Relaxed);
