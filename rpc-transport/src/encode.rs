@@ -352,12 +352,19 @@ mod tests {
         use rpc_core::wire::{StreamItem, StreamItems};
         let mut rng = StdRng::seed_from_u64(0x17e5);
         for _ in 0..2_000 {
-            let id = if rng.random_bool(0.1) { 0 } else { rng.random() };
+            let id = if rng.random_bool(0.1) {
+                0
+            } else {
+                rng.random()
+            };
             let compression = rng.random_range(0..3);
             let payloads: Vec<Bytes> = (0..rng.random_range(0..6))
                 .map(|_| {
                     let n = rng.random_range(0..300);
-                    (0..n).map(|_| rng.random::<u8>()).collect::<Vec<u8>>().into()
+                    (0..n)
+                        .map(|_| rng.random::<u8>())
+                        .collect::<Vec<u8>>()
+                        .into()
                 })
                 .collect();
             let mut ours = BytesMut::new();

@@ -96,8 +96,7 @@ impl Held {
     /// Takes an item of `len` bytes in; false when the producer had no credit for it (the
     /// window of items was full, or the bytes held already reached the byte window).
     pub(crate) fn admit(&mut self, len: usize) -> bool {
-        if self.items >= self.window || (self.window_bytes > 0 && self.bytes >= self.window_bytes)
-        {
+        if self.items >= self.window || (self.window_bytes > 0 && self.bytes >= self.window_bytes) {
             return false;
         }
         self.items += 1;
@@ -176,7 +175,10 @@ mod tests {
         c.sent(4);
         assert!(c.ready(), "8 of 10 bytes in flight");
         c.sent(7);
-        assert!(!c.ready(), "15 bytes in flight: the last item went past the window");
+        assert!(
+            !c.ready(),
+            "15 bytes in flight: the last item went past the window"
+        );
         // The oldest item freed: 11 bytes in flight, still at the window.
         c.grant(1);
         assert!(!c.ready());
@@ -197,7 +199,10 @@ mod tests {
         assert!(h.admit(1));
         let mut h = Held::new(100, 10);
         assert!(h.admit(6));
-        assert!(h.admit(6), "6 bytes held: below the window, so this one may go past it");
+        assert!(
+            h.admit(6),
+            "6 bytes held: below the window, so this one may go past it"
+        );
         assert!(!h.admit(1), "12 bytes held reach the window of 10");
         h.release(1, 6);
         assert!(h.admit(1));
@@ -215,11 +220,16 @@ mod tests {
         let mut queue = VecDeque::new();
         let mut seed = 7u64;
         for round in 0..10_000 {
-            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             let len = ((seed >> 33) % 600) as usize;
             if c.ready() && round % 3 != 0 {
                 c.sent(len);
-                assert!(h.admit(len), "round {round}: an item within the credit refused");
+                assert!(
+                    h.admit(len),
+                    "round {round}: an item within the credit refused"
+                );
                 queue.push_back(len);
                 let held: usize = queue.iter().sum();
                 assert!(queue.len() <= window as usize);

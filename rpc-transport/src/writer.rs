@@ -382,10 +382,7 @@ fn put_items(first: StreamItem, frames: &mut VecDeque<Outgoing>, buf: &mut Bytes
         }
         _ => false,
     };
-    if !frames
-        .front()
-        .is_some_and(|f| same(f, first.payload.len()))
-    {
+    if !frames.front().is_some_and(|f| same(f, first.payload.len())) {
         put_item_frame(id, &first.payload, compression, buf);
         return 0;
     }

@@ -159,8 +159,16 @@ async fn a_client_without_batches_gets_one_item_per_frame_within_its_item_window
     assert!(items.iter().all(|i| i.len() == 4096));
     grant(&mut raw, 1, 3).await;
     let (items, frames) = items_until_echo(&mut raw, 1, 3).await;
-    assert_eq!((items.len(), frames), (3, 3), "the 3 granted, one per frame");
-    assert_eq!(polls.load(Ordering::SeqCst), 7, "the producer was asked for 7");
+    assert_eq!(
+        (items.len(), frames),
+        (3, 3),
+        "the 3 granted, one per frame"
+    );
+    assert_eq!(
+        polls.load(Ordering::SeqCst),
+        7,
+        "the producer was asked for 7"
+    );
     // The raw client goes: its open stream ends with its connection.
     drop(raw);
     within("shutdown", server.shutdown()).await;
@@ -184,7 +192,10 @@ async fn a_batch_never_carries_more_than_the_item_credit() {
     open_text(&mut raw, 1, 8).await;
     let (items, frames) = items_until_echo(&mut raw, 1, 2).await;
     assert_eq!(items.len(), 5, "the window of 5 items");
-    assert!(frames < 5, "the items came batched: {frames} frames for 5 items");
+    assert!(
+        frames < 5,
+        "the items came batched: {frames} frames for 5 items"
+    );
     assert_eq!(polls.load(Ordering::SeqCst), 5);
     grant(&mut raw, 1, 2).await;
     let (items, _) = items_until_echo(&mut raw, 1, 3).await;
@@ -212,7 +223,10 @@ async fn the_byte_window_holds_the_producer_and_grants_free_the_oldest_items() {
     .await;
     assert!(ack.stream_window_bytes > 0, "the server keeps byte windows");
     // Each item: 40 characters, 42 bytes as MessagePack (a str8 header of 2 bytes).
-    let item = Codec::MsgPack.encode(&"x".repeat(40)).expect("encode").len();
+    let item = Codec::MsgPack
+        .encode(&"x".repeat(40))
+        .expect("encode")
+        .len();
     assert_eq!(item, 42);
     open_text(&mut raw, 1, 40).await;
     // 0, 42, 84 bytes in flight are below 100: three items go, the third to 126.
@@ -278,7 +292,9 @@ async fn a_server_without_batches_gets_the_clients_items_one_per_frame() {
         peer.send(Kind::Result(RemoteResultMessage {
             message_id: id,
             status_code: 200,
-            result: Codec::MsgPack.encode(&got.iter().sum::<u32>()).expect("encode"),
+            result: Codec::MsgPack
+                .encode(&got.iter().sum::<u32>())
+                .expect("encode"),
             ..Default::default()
         }))
         .await
@@ -305,7 +321,9 @@ async fn a_server_without_batches_gets_the_clients_items_one_per_frame() {
             .expect("send");
     }
     // The server's window of 3 is spent: a fourth waits for credit.
-    assert!(s.send(Codec::MsgPack.encode(&8u32).expect("encode")).is_err());
+    assert!(s
+        .send(Codec::MsgPack.encode(&8u32).expect("encode"))
+        .is_err());
     let answer = within("answer", futures_util::StreamExt::next(&mut s))
         .await
         .expect("the answer")

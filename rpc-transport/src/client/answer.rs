@@ -260,11 +260,18 @@ mod tests {
 
     fn random_items(rng: &mut StdRng) -> StreamItems {
         StreamItems {
-            message_id: if rng.random_bool(0.1) { 0 } else { rng.random() },
+            message_id: if rng.random_bool(0.1) {
+                0
+            } else {
+                rng.random()
+            },
             payloads: (0..rng.random_range(0..5))
                 .map(|_| {
                     let n = rng.random_range(0..200);
-                    (0..n).map(|_| rng.random::<u8>()).collect::<Vec<u8>>().into()
+                    (0..n)
+                        .map(|_| rng.random::<u8>())
+                        .collect::<Vec<u8>>()
+                        .into()
                 })
                 .collect(),
             compression: [0, 1, 2, -1][rng.random_range(0..4)],

@@ -154,53 +154,51 @@ impl Connection {
         }));
         let mut frames =
             FramedRead::with_capacity(rd, AnswerCodec::new(options.max_frame_length), READ_BUFFER);
-        let (accepts, server_streams, batches, window_bytes, send_window_bytes) = match frames
-            .next()
-            .await
-        {
-            Some(Ok(Kind::HelloAck(ack))) => {
-                let streams = options.streams && ack.streams;
-                // A server announcing a byte window of its own keeps the client's too.
-                let bytes = streams && ack.stream_window_bytes > 0;
-                (
-                    Accepted::from_wire(&ack.accept_compression),
-                    streams,
-                    streams && ack.stream_batches,
-                    if bytes {
-                        u64::from(options.stream_window_bytes)
-                    } else {
-                        0
-                    },
-                    if bytes {
-                        u64::from(ack.stream_window_bytes)
-                    } else {
-                        0
-                    },
-                )
-            }
-            Some(Ok(Kind::GoAway(g))) => {
-                close.cancel();
-                return Err(RpcError::new(
-                    StatusCode::from_u32(g.status_code),
-                    format!("{addr} refused the connection: {}", g.reason),
-                ));
-            }
-            Some(Ok(other)) => {
-                close.cancel();
-                return Err(comm_error(
-                    addr,
-                    format!("expected HelloAck, got {other:?}"),
-                ));
-            }
-            Some(Err(e)) => {
-                close.cancel();
-                return Err(handshake_failed(addr, e));
-            }
-            None => {
-                close.cancel();
-                return Err(comm_error(addr, "connection closed during the handshake"));
-            }
-        };
+        let (accepts, server_streams, batches, window_bytes, send_window_bytes) =
+            match frames.next().await {
+                Some(Ok(Kind::HelloAck(ack))) => {
+                    let streams = options.streams && ack.streams;
+                    // A server announcing a byte window of its own keeps the client's too.
+                    let bytes = streams && ack.stream_window_bytes > 0;
+                    (
+                        Accepted::from_wire(&ack.accept_compression),
+                        streams,
+                        streams && ack.stream_batches,
+                        if bytes {
+                            u64::from(options.stream_window_bytes)
+                        } else {
+                            0
+                        },
+                        if bytes {
+                            u64::from(ack.stream_window_bytes)
+                        } else {
+                            0
+                        },
+                    )
+                }
+                Some(Ok(Kind::GoAway(g))) => {
+                    close.cancel();
+                    return Err(RpcError::new(
+                        StatusCode::from_u32(g.status_code),
+                        format!("{addr} refused the connection: {}", g.reason),
+                    ));
+                }
+                Some(Ok(other)) => {
+                    close.cancel();
+                    return Err(comm_error(
+                        addr,
+                        format!("expected HelloAck, got {other:?}"),
+                    ));
+                }
+                Some(Err(e)) => {
+                    close.cancel();
+                    return Err(handshake_failed(addr, e));
+                }
+                None => {
+                    close.cancel();
+                    return Err(comm_error(addr, "connection closed during the handshake"));
+                }
+            };
         let shared = Arc::new(Shared {
             id: NEXT_CONNECTION_ID.fetch_add(1, Ordering::Relaxed),
             peer: addr.to_string(),

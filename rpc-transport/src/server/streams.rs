@@ -32,9 +32,9 @@ use rpc_core::wire::{frame::Kind, RemoteResultMessage, StreamCredit};
 use rpc_core::StatusCode;
 
 use super::handler::{error_result, StreamEvent};
-use crate::flow::{Credit, Held, Taken};
 use crate::codec::FrameCodec;
 use crate::encode::{put_item_frame, put_items_frame};
+use crate::flow::{Credit, Held, Taken};
 use crate::writer::{FrameSender, MAX_ITEMS_BYTES};
 
 /// Items a stream sends in one poll before it lets other tasks run.
@@ -387,12 +387,7 @@ impl StreamDriver {
                 self.run_compression,
                 &mut self.frames,
             ),
-            _ => put_items_frame(
-                self.id,
-                &self.run,
-                self.run_compression,
-                &mut self.frames,
-            ),
+            _ => put_items_frame(self.id, &self.run, self.run_compression, &mut self.frames),
         }
         self.run.clear();
         self.run_bytes = 0;
@@ -529,7 +524,14 @@ mod tests {
             }))
             .boxed();
         let table = Arc::new(StreamTable::default());
-        let mut driver = Box::pin(StreamDriver::new(7, events, (5, 0, false), None, &table, sender));
+        let mut driver = Box::pin(StreamDriver::new(
+            7,
+            events,
+            (5, 0, false),
+            None,
+            &table,
+            sender,
+        ));
         let mut cx = Context::from_waker(std::task::Waker::noop());
         assert!(driver.as_mut().poll(&mut cx).is_pending());
         assert_eq!(polled.load(Ordering::Relaxed), 5, "the window");
