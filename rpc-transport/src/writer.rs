@@ -454,6 +454,67 @@ mod tests {
         assert_eq!(count, 2_000);
     }
 
+    /// Once the peer takes batches, each run of queued items of one stream and compression
+    /// goes in one `StreamItems` frame, in order; anything else breaks the run.
+    #[tokio::test]
+    async fn runs_of_one_streams_items_are_written_as_one_frame_once_the_peer_takes_them() {
+        use rpc_core::wire::StreamItems;
+        let (ours, theirs) = tokio::io::duplex(1 << 16);
+        let sender = spawn_writer(
+            ours,
+            Arc::new(AtomicUsize::new(0)),
+            CancellationToken::new(),
+        );
+        let item = |id: u64, text: &'static str, compression: i32| {
+            Kind::StreamItem(StreamItem {
+                message_id: id,
+                payload: Bytes::from_static(text.as_bytes()),
+                compression,
+            })
+        };
+        // (A current-thread runtime: the writer runs only once this test waits, with all of
+        // them queued.)
+        for kind in [
+            item(1, "a", 0),
+            item(1, "b", 0),
+            item(1, "c", 0),
+            item(2, "x", 0),
+            item(1, "d", 1),
+            item(1, "e", 1),
+            ping(9),
+            item(1, "f", 1),
+        ] {
+            assert!(sender.send(kind.clone()));
+        }
+        sender.batch_stream_items();
+        drop(sender);
+        let mut frames = FramedRead::new(theirs, crate::codec::FrameCodec::new(1024));
+        let mut got = Vec::new();
+        while let Some(frame) = frames.next().await {
+            got.push(frame.expect("a whole frame"));
+        }
+        let items = |id: u64, texts: &[&'static str], compression: i32| {
+            Kind::StreamItems(StreamItems {
+                message_id: id,
+                payloads: texts
+                    .iter()
+                    .map(|t| Bytes::from_static(t.as_bytes()))
+                    .collect(),
+                compression,
+            })
+        };
+        assert_eq!(
+            got,
+            [
+                items(1, &["a", "b", "c"], 0),
+                item(2, "x", 0),
+                items(1, &["d", "e"], 1),
+                ping(9),
+                item(1, "f", 1),
+            ]
+        );
+    }
+
     #[tokio::test]
     async fn sends_fail_once_the_writer_has_stopped() {
         let (ours, theirs) = tokio::io::duplex(1 << 16);
