@@ -4,8 +4,8 @@
 //! A stream is held to a window of items and, when the receiver announced one (and the server
 //! said in its `HelloAck` that it keeps byte windows), a window of payload bytes. Credit on the
 //! wire counts items only: a grant of `k` items always frees the oldest `k` items not yet
-//! granted, since a consumer takes items in order, so the producer learns the bytes freed from
-//! the sizes it remembers. Keeping the arithmetic here, apart from the four places that use it
+//! granted, since a consumer takes items in order, so both sides learn the bytes freed from the
+//! sizes they remember. Bytes are counted as they travel (compressed, when an item is). Keeping the arithmetic here, apart from the four places that use it
 //! (the server's producer and inbound queue, the client's stream and its sender), keeps the two
 //! sides of each direction agreeing on what a violation is.
 
@@ -80,6 +80,8 @@ pub(crate) struct Held {
     window_bytes: u64,
     items: u64,
     bytes: u64,
+    /// The size on the wire of each item held, oldest first (kept only with a byte window).
+    sizes: VecDeque<u32>,
 }
 
 impl Held {
@@ -90,24 +92,34 @@ impl Held {
             window_bytes,
             items: 0,
             bytes: 0,
+            sizes: VecDeque::new(),
         }
     }
 
-    /// Takes an item of `len` bytes in; false when the producer had no credit for it (the
+    /// Takes in an item of `len` bytes on the wire; false when the producer had no credit for it (the
     /// window of items was full, or the bytes held already reached the byte window).
     pub(crate) fn admit(&mut self, len: usize) -> bool {
         if self.items >= self.window || (self.window_bytes > 0 && self.bytes >= self.window_bytes) {
             return false;
         }
         self.items += 1;
-        self.bytes += len as u64;
+        if self.window_bytes > 0 {
+            let len = u32::try_from(len).unwrap_or(u32::MAX);
+            self.bytes += u64::from(len);
+            self.sizes.push_back(len);
+        }
         true
     }
 
-    /// The consumer took `items` items of `bytes` bytes, granted back to the producer.
-    pub(crate) fn release(&mut self, items: u64, bytes: u64) {
+    /// `items` items, the oldest held, were granted back to the producer.
+    pub(crate) fn release(&mut self, items: u64) {
         self.items = self.items.saturating_sub(items);
-        self.bytes = self.bytes.saturating_sub(bytes);
+        let freed = usize::try_from(items)
+            .unwrap_or(usize::MAX)
+            .min(self.sizes.len());
+        for len in self.sizes.drain(..freed) {
+            self.bytes -= u64::from(len);
+        }
     }
 }
 
@@ -136,15 +148,14 @@ impl Taken {
         }
     }
 
-    /// Counts an item of `len` bytes taken; the items and bytes to grant back when it is time.
-    pub(crate) fn take(&mut self, len: usize) -> Option<(u64, u64)> {
+    /// Counts an item of `len` bytes taken (as the consumer sees it: at least its size on the
+    /// wire); the items to grant back when it is time.
+    pub(crate) fn take(&mut self, len: usize) -> Option<u64> {
         self.items += 1;
         self.bytes += len as u64;
         if self.items >= self.grant_at || self.bytes >= self.grant_at_bytes {
-            Some((
-                std::mem::take(&mut self.items),
-                std::mem::take(&mut self.bytes),
-            ))
+            self.bytes = 0;
+            Some(std::mem::take(&mut self.items))
         } else {
             None
         }
@@ -195,7 +206,7 @@ mod tests {
         let mut h = Held::new(2, 0);
         assert!(h.admit(1 << 20) && h.admit(1 << 20));
         assert!(!h.admit(1), "a third item in a window of two");
-        h.release(1, 1 << 20);
+        h.release(1);
         assert!(h.admit(1));
         let mut h = Held::new(100, 10);
         assert!(h.admit(6));
@@ -204,7 +215,7 @@ mod tests {
             "6 bytes held: below the window, so this one may go past it"
         );
         assert!(!h.admit(1), "12 bytes held reach the window of 10");
-        h.release(1, 6);
+        h.release(1);
         assert!(h.admit(1));
     }
 
@@ -235,8 +246,8 @@ mod tests {
                 assert!(queue.len() <= window as usize);
                 assert!(held as u64 <= window_bytes + 600, "{held} bytes held");
             } else if let Some(len) = queue.pop_front() {
-                if let Some((items, bytes)) = t.take(len) {
-                    h.release(items, bytes);
+                if let Some(items) = t.take(len) {
+                    h.release(items);
                     c.grant(items);
                 }
             }

@@ -110,13 +110,19 @@ fn deliver(
     };
     let limit = shared.max_frame_length;
     let (within, broken) = if compression == 0 {
-        (stream.push(payloads), None)
+        (
+            stream.push(payloads.map(|p| {
+                let wire = p.len();
+                (p, wire)
+            })),
+            None,
+        )
     } else {
         let mut plain = Vec::with_capacity(payloads.len());
         let mut broken = None;
         for p in payloads {
             match crate::compression::unpack_payload(id, &p, compression, limit) {
-                Ok(p) => plain.push(p),
+                Ok(item) => plain.push((item, p.len())),
                 Err(e) => {
                     broken = Some(e);
                     break;

@@ -105,7 +105,9 @@ impl StreamShared {
     /// Items from the server, in order (one frame's); false when one is beyond the credit
     /// given (the stream must then be ended: the server broke the protocol; the items before
     /// it are kept). One lock and at most one wake-up for all of them.
-    pub(super) fn push(&self, items: impl IntoIterator<Item = Bytes>) -> bool {
+    ///
+    /// Each item comes with its size on the wire, which the byte window counts.
+    pub(super) fn push(&self, items: impl IntoIterator<Item = (Bytes, usize)>) -> bool {
         let waker = {
             let mut s = self.lock();
             if s.ended {
@@ -116,8 +118,8 @@ impl StreamShared {
             }
             let s = &mut *s;
             let mut within = true;
-            for item in items {
-                if !s.held.admit(item.len()) {
+            for (item, wire) in items {
+                if !s.held.admit(wire) {
                     within = false;
                     break;
                 }
@@ -413,10 +415,10 @@ impl Stream for ClientStream {
             }
         };
         if let Some(Ok(item)) = &next {
-            if let Some((items, bytes)) = this.taken.take(item.len()) {
+            if let Some(items) = this.taken.take(item.len()) {
                 let open = {
                     let mut s = this.tx.shared.lock();
-                    s.held.release(items, bytes);
+                    s.held.release(items);
                     !s.ended
                 };
                 if open {
@@ -493,4 +495,27 @@ pub enum Opened {
     /// The server refused it (overflow, unknown entry, the handler's set-up failed, ...):
     /// its answer, as for a unary call. Nothing was streamed.
     Refused(RemoteResultMessage),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The byte window counts each item as it travelled (compressed, when it was), not as
+    /// the consumer gets it: what the server counts too.
+    #[test]
+    fn the_byte_window_counts_items_as_they_travelled() {
+        let s = StreamShared::new(100, 100, 0);
+        // The accepting credit.
+        s.credit(0);
+        // Ten items of 1000 bytes once decompressed, 9 bytes each on the wire: 90 bytes held.
+        let big = Bytes::from(vec![0u8; 1000]);
+        assert!(s.push((0..10).map(|_| (big.clone(), 9))));
+        // 90 is below the window of 100: one more may go, past it.
+        assert!(s.push([(Bytes::from_static(b"x"), 20)]));
+        assert!(
+            !s.push([(Bytes::from_static(b"y"), 1)]),
+            "110 bytes held reach the window"
+        );
+    }
 }

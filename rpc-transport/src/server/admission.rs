@@ -225,7 +225,7 @@ impl FrameCtx<'_> {
                 // sent more than its credit, ends with an error.)
                 if let Some(slot) = conn.streams.get(item.message_id) {
                     match crate::compression::unpack_item(&item, self.options.max_frame_length) {
-                        Ok(payload) => slot.push([payload]),
+                        Ok(payload) => slot.push([(payload, item.payload.len())]),
                         // A corrupt item ends the client's request stream with 500, and so
                         // the stream.
                         Err(why) => slot.finish(rpc_core::wire::StreamEnd {
@@ -252,7 +252,7 @@ impl FrameCtx<'_> {
                             items.compression,
                             limit,
                         ) {
-                            Ok(p) => plain.push(p),
+                            Ok(item) => plain.push((item, p.len())),
                             Err(why) => {
                                 broken = Some(why);
                                 break;

@@ -93,7 +93,9 @@ impl StreamSlot {
     /// Items of the client's request stream (one `StreamItem` or `StreamItems` frame's), in
     /// order, under one lock and with at most one wake-up; an item beyond the client's credit
     /// ends the stream (the items before it stay queued).
-    pub(super) fn push(&self, items: impl IntoIterator<Item = Bytes>) {
+    ///
+    /// Each item comes with its size on the wire, which the byte window counts.
+    pub(super) fn push(&self, items: impl IntoIterator<Item = (Bytes, usize)>) {
         let waker = {
             let mut q = self.inbound();
             if self.inbound_window == 0 || q.end.is_some() {
@@ -102,8 +104,8 @@ impl StreamSlot {
                 return;
             }
             let q = &mut *q;
-            for item in items {
-                if !q.held.admit(item.len()) {
+            for (item, wire) in items {
+                if !q.held.admit(wire) {
                     let waker = q.waker.take();
                     self.violated.store(true, Ordering::Release);
                     self.waker.wake();
@@ -240,12 +242,12 @@ impl Inbound {
     /// Counts an item of `len` bytes taken, granting the client credit when it is time (and
     /// the client's stream goes on).
     fn took(&mut self, len: usize) {
-        let Some((items, bytes)) = self.taken.take(len) else {
+        let Some(items) = self.taken.take(len) else {
             return;
         };
         let open = {
             let mut q = self.slot.inbound();
-            q.held.release(items, bytes);
+            q.held.release(items);
             q.end.is_none()
         };
         if open {
