@@ -28,6 +28,8 @@ pub fn sample_kinds() -> Vec<rpc_core::wire::frame::Kind> {
             accept_compression: vec![1, 2],
             streams: true,
             stream_window: 32,
+            stream_window_bytes: 256 * 1024,
+            stream_batches: true,
         }),
         Kind::HelloAck(HelloAck {
             protocol_version: rpc_core::PROTOCOL_VERSION,
@@ -36,6 +38,8 @@ pub fn sample_kinds() -> Vec<rpc_core::wire::frame::Kind> {
             accept_compression: vec![1, 2],
             streams: true,
             stream_window: 32,
+            stream_window_bytes: 256 * 1024,
+            stream_batches: true,
         }),
         Kind::Invoke(RemoteInvokeMessage {
             message_id: 42,

@@ -379,14 +379,19 @@ impl ServerStream {
         }
     }
 
-    /// Polls the handler's code once, inside the deadline, catching a panic.
+    /// Polls the handler's code once, inside the deadline, catching a panic. Without a
+    /// deadline no scope is entered: the stream's task has none to shadow, and the handler's
+    /// calls then see none either way (this runs once per item).
     fn guarded<T>(
         deadline: Option<(Instant, u32)>,
         poll: impl FnOnce() -> Poll<T>,
     ) -> std::thread::Result<Poll<T>> {
-        rpc_governance::timeout::sync_with_inherited(deadline.map(|(d, _)| d), || {
-            std::panic::catch_unwind(AssertUnwindSafe(poll))
-        })
+        match deadline {
+            Some((d, _)) => rpc_governance::timeout::sync_with_inherited(Some(d), || {
+                std::panic::catch_unwind(AssertUnwindSafe(poll))
+            }),
+            None => std::panic::catch_unwind(AssertUnwindSafe(poll)),
+        }
     }
 }
 

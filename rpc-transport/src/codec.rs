@@ -135,6 +135,7 @@ pub(crate) fn kind_name(kind: &Kind) -> &'static str {
         Kind::StreamItem(_) => "StreamItem",
         Kind::StreamEnd(_) => "StreamEnd",
         Kind::StreamCredit(_) => "StreamCredit",
+        Kind::StreamItems(_) => "StreamItems",
     }
 }
 

@@ -215,11 +215,21 @@ pub(crate) fn unpack_item(
     item: &rpc_core::wire::StreamItem,
     limit: usize,
 ) -> Result<bytes::Bytes, String> {
-    if item.compression == 0 {
-        return Ok(item.payload.clone());
+    unpack_payload(item.message_id, &item.payload, item.compression, limit)
+}
+
+/// The payload of an item of stream `message_id` compressed with `compression` (wire number,
+/// 0: plain), decompressed within `limit` bytes.
+pub(crate) fn unpack_payload(
+    message_id: u64,
+    payload: &bytes::Bytes,
+    compression: i32,
+    limit: usize,
+) -> Result<bytes::Bytes, String> {
+    if compression == 0 {
+        return Ok(payload.clone());
     }
-    decompress(item.compression, &item.payload, limit)
-        .map_err(|e| format!("stream item {}: {e}", item.message_id))
+    decompress(compression, payload, limit).map_err(|e| format!("stream item {message_id}: {e}"))
 }
 
 #[cfg(test)]

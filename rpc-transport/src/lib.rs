@@ -52,6 +52,7 @@ mod codec;
 pub mod compression;
 mod decode;
 mod encode;
+mod flow;
 mod invoke;
 mod peer;
 mod pool;
@@ -71,7 +72,7 @@ pub use peer::{PeerAddr, UNIX_SCHEME};
 pub use pool::ConnectionPool;
 pub use server::{
     error_result, serve, Dispatch, InvokeHandler, ServerOptions, StreamEvent, ABUSE_LIMIT,
-    DEFAULT_STREAM_WINDOW, MAX_HELLO_FRAME, REFUSALS_BEFORE_PAUSE,
+    DEFAULT_STREAM_WINDOW, DEFAULT_STREAM_WINDOW_BYTES, MAX_HELLO_FRAME, REFUSALS_BEFORE_PAUSE,
 };
 pub use transport::{Address, Dialer, Listener, Stream, TcpDialer};
 #[cfg(unix)]

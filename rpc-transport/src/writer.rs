@@ -5,25 +5,37 @@
 //! look), and the writer takes the whole queue at once by swapping it with its own, emptied
 //! one. A channel paid a slot, a permit and a waker check per frame on each side; at 256
 //! calls in flight that was a tenth of a call's cost on each side.
+//!
+//! Once the peer has said in its handshake that it takes `StreamItems`, the writer also
+//! carries each run of queued items of one stream (compressed alike) in one such frame: the
+//! peer then decodes and hands over a run of small items once instead of once per item.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use bytes::BytesMut;
-use rpc_core::wire::frame::Kind;
+use bytes::{Bytes, BytesMut};
+use rpc_core::wire::{frame::Kind, StreamItem};
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::call::Call;
 use crate::codec::FrameCodec;
-use crate::encode::put_invoke_frame;
+use crate::encode::{put_invoke_frame, put_item_frame, put_items_frame};
 
 /// The writer yields to gather more frames only when more than this many calls beyond the
 /// batch are in flight: with a few calls in flight, waiting a scheduler round costs more
 /// latency than the shared write saves.
 const YIELD_MARGIN: usize = 32;
+
+/// Payload bytes of one `StreamItems` frame at most: far below any frame limit in use, and
+/// large enough that a run of small items takes a frame or two.
+pub(crate) const MAX_ITEMS_BYTES: usize = 64 * 1024;
+
+/// Frames encoded by their sender (a stream's items of one poll) of this many bytes or more
+/// are written from their own buffer rather than copied into the writer's.
+const DIRECT_WRITE: usize = 32 * 1024;
 
 /// Bytes gathered before a write is issued even if more frames are queued.
 const MAX_BATCH: usize = 256 * 1024;
@@ -58,6 +70,8 @@ struct Queue {
     /// while the writer is busy is kept as a permit, so none is lost.
     ready: Notify,
     senders_gone: AtomicBool,
+    /// The peer takes `StreamItems`: runs of one stream's items go in one frame.
+    batches: AtomicBool,
 }
 
 #[derive(Debug, Default)]
@@ -98,6 +112,8 @@ impl Queue {
 pub(crate) enum Outgoing {
     Frame(Kind),
     Call(u64, Call),
+    /// Whole frames, encoded by their sender (a stream's items of one poll).
+    Encoded(Bytes),
 }
 
 impl Outgoing {
@@ -105,6 +121,7 @@ impl Outgoing {
         match self {
             Outgoing::Frame(kind) => FrameCodec::encode_kind(kind, dst),
             Outgoing::Call(id, call) => put_invoke_frame(&call.fields(id), dst),
+            Outgoing::Encoded(frames) => dst.extend_from_slice(&frames),
         }
     }
 }
@@ -149,6 +166,7 @@ fn estimate(frame: &Outgoing) -> usize {
     match frame {
         Outgoing::Frame(kind) => estimate_kind(kind),
         Outgoing::Call(_, c) => FIXED + c.parameters.len() + c.service_entry_id.len(),
+        Outgoing::Encoded(frames) => frames.len(),
     }
 }
 
@@ -160,6 +178,7 @@ fn estimate_kind(kind: &Kind) -> usize {
             Kind::Invoke(i) => i.parameters.len() + i.service_entry_id.len(),
             Kind::GoAway(g) => g.reason.len(),
             Kind::StreamItem(i) => i.payload.len(),
+            Kind::StreamItems(i) => i.payloads.iter().map(|p| FIXED + p.len()).sum(),
             _ => 0,
         }
 }
@@ -176,32 +195,10 @@ impl FrameSender {
         self.push(Outgoing::Call(id, call))
     }
 
-    /// Queues `frames` in order with one pass of the queue's lock and at most one wake-up of
-    /// the writer (a stream's items of one poll); false when the connection is closed (then
-    /// none is queued).
-    pub(crate) fn send_all(&self, frames: &mut Vec<Kind>) -> bool {
-        if frames.is_empty() {
-            return true;
-        }
-        let n: usize = frames.iter().map(estimate_kind).sum();
-        self.backlog.bytes.fetch_add(n, Ordering::Relaxed);
-        let queue = &self.senders.0;
-        let was_empty = {
-            let mut q = queue.lock();
-            if q.closed {
-                drop(q);
-                frames.clear();
-                self.backlog.bytes.fetch_sub(n, Ordering::Relaxed);
-                return false;
-            }
-            let was_empty = q.frames.is_empty();
-            q.frames.extend(frames.drain(..).map(Outgoing::Frame));
-            was_empty
-        };
-        if was_empty {
-            queue.ready.notify_one();
-        }
-        true
+    /// Queues whole frames encoded by the caller (length prefixes included) as they are;
+    /// false when the connection is closed.
+    pub(crate) fn send_encoded(&self, frames: Bytes) -> bool {
+        self.push(Outgoing::Encoded(frames))
     }
 
     fn push(&self, frame: Outgoing) -> bool {
@@ -229,6 +226,12 @@ impl FrameSender {
     /// The bytes queued behind this sender.
     pub(crate) fn backlog(&self) -> &Backlog {
         &self.backlog
+    }
+
+    /// From now on, runs of queued items of one stream are written as one `StreamItems`
+    /// frame (the peer said in its handshake that it takes them).
+    pub(crate) fn batch_stream_items(&self) {
+        self.senders.0.batches.store(true, Ordering::Release);
     }
 }
 
@@ -303,16 +306,29 @@ async fn write_batches<W: AsyncWrite + Unpin>(
         let mut counted = 0;
         let mut encoded = 0usize;
         let mut yielded = false;
+        // Frames already encoded by their sender and large enough to be written from where
+        // they are, after `buf`, instead of being copied into it.
+        let mut direct: Option<Bytes> = None;
         loop {
+            let batches = queue.batches.load(Ordering::Acquire);
             while buf.len() < MAX_BATCH {
                 let Some(frame) = frames.pop_front() else {
                     break;
                 };
                 counted += estimate(&frame);
-                frame.encode(&mut buf);
                 encoded += 1;
+                match frame {
+                    Outgoing::Frame(Kind::StreamItem(first)) if batches => {
+                        counted += put_items(first, &mut frames, &mut buf);
+                    }
+                    Outgoing::Encoded(frames) if frames.len() >= DIRECT_WRITE => {
+                        direct = Some(frames);
+                        break;
+                    }
+                    frame => frame.encode(&mut buf),
+                }
             }
-            if buf.len() >= MAX_BATCH {
+            if buf.len() >= MAX_BATCH || direct.is_some() {
                 break;
             }
             queue.take(&mut frames);
@@ -329,7 +345,15 @@ async fn write_batches<W: AsyncWrite + Unpin>(
         }
         // `flush` costs nothing on a TCP socket; a TLS stream may still hold the end of the
         // batch after `write_all` when the socket was full.
-        if wr.write_all(&buf).await.is_err() || wr.flush().await.is_err() {
+        if wr.write_all(&buf).await.is_err() {
+            break;
+        }
+        if let Some(frames) = direct.take() {
+            if wr.write_all(&frames).await.is_err() {
+                break;
+            }
+        }
+        if wr.flush().await.is_err() {
             break;
         }
         backlog.bytes.fetch_sub(counted, Ordering::Relaxed);
@@ -343,6 +367,38 @@ async fn write_batches<W: AsyncWrite + Unpin>(
             buf = BytesMut::with_capacity(BUFFER);
         }
     }
+}
+
+/// Encodes `first` and the items of the same stream and compression right behind it in
+/// `frames` (taken out of it) as one `StreamItems` frame, or `first` alone as a `StreamItem`
+/// when none follows; returns the backlog estimate of the items taken besides `first`.
+fn put_items(first: StreamItem, frames: &mut VecDeque<Outgoing>, buf: &mut BytesMut) -> usize {
+    let (id, compression) = (first.message_id, first.compression);
+    let same = |f: &Outgoing, bytes: usize| match f {
+        Outgoing::Frame(Kind::StreamItem(i)) => {
+            i.message_id == id
+                && i.compression == compression
+                && bytes + i.payload.len() <= MAX_ITEMS_BYTES
+        }
+        _ => false,
+    };
+    if !frames.front().is_some_and(|f| same(f, first.payload.len())) {
+        put_item_frame(id, &first.payload, compression, buf);
+        return 0;
+    }
+    let mut bytes = first.payload.len();
+    let mut counted = 0;
+    let mut payloads = vec![first.payload];
+    while frames.front().is_some_and(|f| same(f, bytes)) {
+        let Some(Outgoing::Frame(Kind::StreamItem(item))) = frames.pop_front() else {
+            unreachable!("checked above")
+        };
+        bytes += item.payload.len();
+        counted += FIXED + item.payload.len();
+        payloads.push(item.payload);
+    }
+    put_items_frame(id, &payloads, compression, buf);
+    counted
 }
 
 #[cfg(test)]
@@ -396,6 +452,67 @@ mod tests {
             count += 1;
         }
         assert_eq!(count, 2_000);
+    }
+
+    /// Once the peer takes batches, each run of queued items of one stream and compression
+    /// goes in one `StreamItems` frame, in order; anything else breaks the run.
+    #[tokio::test]
+    async fn runs_of_one_streams_items_are_written_as_one_frame_once_the_peer_takes_them() {
+        use rpc_core::wire::StreamItems;
+        let (ours, theirs) = tokio::io::duplex(1 << 16);
+        let sender = spawn_writer(
+            ours,
+            Arc::new(AtomicUsize::new(0)),
+            CancellationToken::new(),
+        );
+        let item = |id: u64, text: &'static str, compression: i32| {
+            Kind::StreamItem(StreamItem {
+                message_id: id,
+                payload: Bytes::from_static(text.as_bytes()),
+                compression,
+            })
+        };
+        // (A current-thread runtime: the writer runs only once this test waits, with all of
+        // them queued.)
+        for kind in [
+            item(1, "a", 0),
+            item(1, "b", 0),
+            item(1, "c", 0),
+            item(2, "x", 0),
+            item(1, "d", 1),
+            item(1, "e", 1),
+            ping(9),
+            item(1, "f", 1),
+        ] {
+            assert!(sender.send(kind.clone()));
+        }
+        sender.batch_stream_items();
+        drop(sender);
+        let mut frames = FramedRead::new(theirs, crate::codec::FrameCodec::new(1024));
+        let mut got = Vec::new();
+        while let Some(frame) = frames.next().await {
+            got.push(frame.expect("a whole frame"));
+        }
+        let items = |id: u64, texts: &[&'static str], compression: i32| {
+            Kind::StreamItems(StreamItems {
+                message_id: id,
+                payloads: texts
+                    .iter()
+                    .map(|t| Bytes::from_static(t.as_bytes()))
+                    .collect(),
+                compression,
+            })
+        };
+        assert_eq!(
+            got,
+            [
+                items(1, &["a", "b", "c"], 0),
+                item(2, "x", 0),
+                items(1, &["d", "e"], 1),
+                ping(9),
+                item(1, "f", 1),
+            ]
+        );
     }
 
     #[tokio::test]

@@ -12,7 +12,7 @@
 use bytes::{Bytes, BytesMut};
 use prost::encoding::decode_varint;
 use prost::Message;
-use rpc_core::wire::{frame::Kind, Frame, RemoteResultMessage};
+use rpc_core::wire::{frame::Kind, Frame, RemoteResultMessage, StreamItems};
 use tokio_util::codec::Decoder;
 
 use crate::codec::{FrameCodec, FrameError};
@@ -48,7 +48,44 @@ pub(super) fn decode_answer(payload: Bytes) -> Result<Kind, FrameError> {
     if let Some(result) = result_frame(&payload) {
         return Ok(Kind::Result(result));
     }
+    if let Some(items) = items_frame(&payload) {
+        return Ok(Kind::StreamItems(items));
+    }
     Frame::decode(payload)?.kind.ok_or(FrameError::Empty)
+}
+
+/// `Frame.stream_items`: field 12, length-delimited.
+const FRAME_STREAM_ITEMS_KEY: u64 = (12 << 3) | 2;
+
+/// The items in `payload` if it is a plain `StreamItems` frame (one `stream_items` field;
+/// `message_id`, each payload, `compression`, each with its own wire type), each item a slice of
+/// the frame; `None` for anything else (prost decodes it then).
+fn items_frame(payload: &Bytes) -> Option<StreamItems> {
+    let mut buf = &payload[..];
+    if decode_varint(&mut buf).ok()? != FRAME_STREAM_ITEMS_KEY {
+        return None;
+    }
+    let len = usize::try_from(decode_varint(&mut buf).ok()?).ok()?;
+    if len != buf.len() {
+        return None;
+    }
+    let mut m = StreamItems::default();
+    while let Some((&key, rest)) = buf.split_first() {
+        buf = rest;
+        match key {
+            // message_id: uint64
+            0x08 => m.message_id = varint(&mut buf)?,
+            // payloads: repeated bytes, each a slice of the frame
+            0x12 => {
+                let (from, to) = field(&mut buf, payload.len())?;
+                m.payloads.push(payload.slice(from..to));
+            }
+            // compression: enum (int32), truncated as prost does
+            0x18 => m.compression = varint(&mut buf)? as i32,
+            _ => return None,
+        }
+    }
+    Some(m)
 }
 
 /// The answer in `payload` if it is a plain result frame; `None` for anything else.
@@ -216,6 +253,50 @@ mod tests {
             vec![0x22, 0x04, 0x22, 0x02, 0xff, 0xfe],
             vec![0x22, 0x05, 0x1a, 0x09, b'a'],
         ]);
+        for c in &cases {
+            same_as_prost(c);
+        }
+    }
+
+    fn random_items(rng: &mut StdRng) -> StreamItems {
+        StreamItems {
+            message_id: if rng.random_bool(0.1) {
+                0
+            } else {
+                rng.random()
+            },
+            payloads: (0..rng.random_range(0..5))
+                .map(|_| {
+                    let n = rng.random_range(0..200);
+                    (0..n)
+                        .map(|_| rng.random::<u8>())
+                        .collect::<Vec<u8>>()
+                        .into()
+                })
+                .collect(),
+            compression: [0, 1, 2, -1][rng.random_range(0..4)],
+        }
+    }
+
+    #[test]
+    fn stream_items_frames_decode_as_prost_decodes_them() {
+        let mut rng = StdRng::seed_from_u64(0x1735);
+        for _ in 0..2_000 {
+            let m = random_items(&mut rng);
+            let p = payload(Kind::StreamItems(m.clone()));
+            assert_eq!(
+                items_frame(&Bytes::from(p.clone())).as_ref(),
+                Some(&m),
+                "the plain shape is read by hand"
+            );
+            same_as_prost(&p);
+        }
+        let cases = crate::mutations::cases(
+            0x62,
+            |rng| payload(Kind::StreamItems(random_items(rng))),
+            payload(Kind::Ping(Ping { nonce: 3 })),
+            &mut rng,
+        );
         for c in &cases {
             same_as_prost(c);
         }

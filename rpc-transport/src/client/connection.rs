@@ -149,37 +149,56 @@ impl Connection {
             accept_compression: crate::compression::supported_wire(),
             streams: options.streams,
             stream_window: options.stream_window.max(1),
+            stream_window_bytes: options.stream_window_bytes,
+            stream_batches: options.streams,
         }));
         let mut frames =
             FramedRead::with_capacity(rd, AnswerCodec::new(options.max_frame_length), READ_BUFFER);
-        let (accepts, server_streams) = match frames.next().await {
-            Some(Ok(Kind::HelloAck(ack))) => (
-                Accepted::from_wire(&ack.accept_compression),
-                options.streams && ack.streams,
-            ),
-            Some(Ok(Kind::GoAway(g))) => {
-                close.cancel();
-                return Err(RpcError::new(
-                    StatusCode::from_u32(g.status_code),
-                    format!("{addr} refused the connection: {}", g.reason),
-                ));
-            }
-            Some(Ok(other)) => {
-                close.cancel();
-                return Err(comm_error(
-                    addr,
-                    format!("expected HelloAck, got {other:?}"),
-                ));
-            }
-            Some(Err(e)) => {
-                close.cancel();
-                return Err(handshake_failed(addr, e));
-            }
-            None => {
-                close.cancel();
-                return Err(comm_error(addr, "connection closed during the handshake"));
-            }
-        };
+        let (accepts, server_streams, batches, window_bytes, send_window_bytes) =
+            match frames.next().await {
+                Some(Ok(Kind::HelloAck(ack))) => {
+                    let streams = options.streams && ack.streams;
+                    // A server announcing a byte window of its own keeps the client's too.
+                    let bytes = streams && ack.stream_window_bytes > 0;
+                    (
+                        Accepted::from_wire(&ack.accept_compression),
+                        streams,
+                        streams && ack.stream_batches,
+                        if bytes {
+                            u64::from(options.stream_window_bytes)
+                        } else {
+                            0
+                        },
+                        if bytes {
+                            u64::from(ack.stream_window_bytes)
+                        } else {
+                            0
+                        },
+                    )
+                }
+                Some(Ok(Kind::GoAway(g))) => {
+                    close.cancel();
+                    return Err(RpcError::new(
+                        StatusCode::from_u32(g.status_code),
+                        format!("{addr} refused the connection: {}", g.reason),
+                    ));
+                }
+                Some(Ok(other)) => {
+                    close.cancel();
+                    return Err(comm_error(
+                        addr,
+                        format!("expected HelloAck, got {other:?}"),
+                    ));
+                }
+                Some(Err(e)) => {
+                    close.cancel();
+                    return Err(handshake_failed(addr, e));
+                }
+                None => {
+                    close.cancel();
+                    return Err(comm_error(addr, "connection closed during the handshake"));
+                }
+            };
         let shared = Arc::new(Shared {
             id: NEXT_CONNECTION_ID.fetch_add(1, Ordering::Relaxed),
             peer: addr.to_string(),
@@ -197,7 +216,12 @@ impl Connection {
             close,
             server_streams,
             stream_window: options.stream_window.max(1),
+            stream_window_bytes: window_bytes,
+            send_window_bytes,
         });
+        if batches {
+            shared.sender.batch_stream_items();
+        }
         let received = Arc::new(AtomicU64::new(0));
         tokio::spawn(read_loop(frames, shared.clone(), received.clone()));
         tokio::spawn(sweeper(shared.clone()));
@@ -404,7 +428,11 @@ impl Connection {
         let deadline_ms = deadline.map_or(0, |d| {
             (d.saturating_duration_since(shared.epoch).as_millis() as u64).max(1)
         });
-        let stream = Arc::new(StreamShared::new(shared.stream_window));
+        let stream = Arc::new(StreamShared::new(
+            shared.stream_window,
+            shared.stream_window_bytes,
+            shared.send_window_bytes,
+        ));
         let id = shared.pending.insert_stream(deadline_ms, stream.clone());
         shared.in_flight.fetch_add(1, Ordering::Relaxed);
         // From here the stream owns the slot: dropping it (or this future before the set-up

@@ -29,6 +29,11 @@ pub struct ConnectOptions {
     /// (`Hello.stream_window`): a stream whose consumer stops reading holds at most this many
     /// items, and the server's producer stops. At least 1.
     pub stream_window: u32,
+    /// Payload bytes per stream the client buffers for the server besides `stream_window`
+    /// items (`Hello.stream_window_bytes`; 0: items only): a stream of large items holds at
+    /// most this many bytes plus one item. Kept by servers that announce a byte window of
+    /// their own; an older server is held to the items only.
+    pub stream_window_bytes: u32,
     /// TLS to the server (feature `tls`); `None` connects over plain TCP. The TLS handshake
     /// counts within `connect_timeout`.
     #[cfg(feature = "tls")]
@@ -46,6 +51,7 @@ impl Default for ConnectOptions {
             max_unsent_bytes: 4 * 1024 * 1024,
             streams: true,
             stream_window: crate::DEFAULT_STREAM_WINDOW,
+            stream_window_bytes: crate::DEFAULT_STREAM_WINDOW_BYTES,
             #[cfg(feature = "tls")]
             tls: None,
         }
@@ -62,7 +68,8 @@ impl std::fmt::Debug for ConnectOptions {
             .field("heartbeat_interval", &self.heartbeat_interval)
             .field("max_unsent_bytes", &self.max_unsent_bytes)
             .field("streams", &self.streams)
-            .field("stream_window", &self.stream_window);
+            .field("stream_window", &self.stream_window)
+            .field("stream_window_bytes", &self.stream_window_bytes);
         #[cfg(feature = "tls")]
         d.field("tls", &self.tls);
         d.finish()

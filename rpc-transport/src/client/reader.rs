@@ -3,6 +3,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use bytes::Bytes;
 use futures_util::StreamExt;
 use rpc_core::wire::{frame::Kind, Cancel, Ping, Pong};
 use rpc_core::{RpcError, StatusCode};
@@ -39,48 +40,16 @@ pub(super) async fn read_loop<R: AsyncRead + Unpin>(
                 shared.pending.complete(result.message_id, result);
             }
             Some(Ok(Kind::StreamItem(item))) => {
-                // Items of a stream that ended or was given up are dropped.
-                if let Some(stream) = shared.pending.stream(item.message_id) {
-                    let payload =
-                        match crate::compression::unpack_item(&item, shared.max_frame_length) {
-                            Ok(payload) => payload,
-                            Err(e) => {
-                                // A corrupt item ends its stream (only), the server told to stop.
-                                let e = RpcError::new(
-                                    StatusCode::FrameworkError,
-                                    format!("{}: {e}; the stream was ended", shared.peer),
-                                );
-                                if let Some(w) = stream.end(Err(e)) {
-                                    w.wake();
-                                }
-                                if shared.pending.remove(item.message_id) {
-                                    shared.sender.send(Kind::Cancel(Cancel {
-                                        message_id: item.message_id,
-                                    }));
-                                }
-                                continue;
-                            }
-                        };
-                    if !stream.push(payload) {
-                        // Beyond the credit given: this stream (only) ends.
-                        let violation = RpcError::new(
-                            StatusCode::FrameworkError,
-                            format!(
-                                "{}: protocol violation: the server sent more stream items than \
-                                 it was granted; the stream was ended",
-                                shared.peer
-                            ),
-                        );
-                        if let Some(w) = stream.end(Err(violation)) {
-                            w.wake();
-                        }
-                        if shared.pending.remove(item.message_id) {
-                            shared.sender.send(Kind::Cancel(Cancel {
-                                message_id: item.message_id,
-                            }));
-                        }
-                    }
-                }
+                let payloads = std::iter::once(item.payload);
+                deliver(&shared, item.message_id, item.compression, payloads);
+            }
+            Some(Ok(Kind::StreamItems(items))) => {
+                deliver(
+                    &shared,
+                    items.message_id,
+                    items.compression,
+                    items.payloads.into_iter(),
+                );
             }
             Some(Ok(Kind::StreamCredit(credit))) => {
                 if let Some(stream) = shared.pending.stream(credit.message_id) {
@@ -125,6 +94,58 @@ pub(super) async fn read_loop<R: AsyncRead + Unpin>(
     // drain deadline: calls still pending now never reached it and may safely go elsewhere.
     let maybe_delivered = !(clean_drain && shared.going_away.load(Ordering::Relaxed));
     fail_pending(&shared, &reason, maybe_delivered);
+}
+
+/// Hands one frame's items of stream `id` (compressed with `compression`) to the stream, all
+/// at once. Items of a stream that ended or was given up are dropped; an item that does not
+/// decompress, or beyond the credit given, ends its stream (only), the server told to stop.
+fn deliver(
+    shared: &Shared,
+    id: u64,
+    compression: i32,
+    payloads: impl ExactSizeIterator<Item = Bytes>,
+) {
+    let Some(stream) = shared.pending.stream(id) else {
+        return;
+    };
+    let limit = shared.max_frame_length;
+    let (within, broken) = if compression == 0 {
+        (
+            stream.push(payloads.map(|p| {
+                let wire = p.len();
+                (p, wire)
+            })),
+            None,
+        )
+    } else {
+        let mut plain = Vec::with_capacity(payloads.len());
+        let mut broken = None;
+        for p in payloads {
+            match crate::compression::unpack_payload(id, &p, compression, limit) {
+                Ok(item) => plain.push((item, p.len())),
+                Err(e) => {
+                    broken = Some(e);
+                    break;
+                }
+            }
+        }
+        (stream.push(plain), broken)
+    };
+    let end = match (within, broken) {
+        (false, _) => format!(
+            "{}: protocol violation: the server sent more stream items than it was granted; \
+             the stream was ended",
+            shared.peer
+        ),
+        (true, Some(e)) => format!("{}: {e}; the stream was ended", shared.peer),
+        (true, None) => return,
+    };
+    if let Some(w) = stream.end(Err(RpcError::new(StatusCode::FrameworkError, end))) {
+        w.wake();
+    }
+    if shared.pending.remove(id) {
+        shared.sender.send(Kind::Cancel(Cancel { message_id: id }));
+    }
 }
 
 pub(super) fn fail_pending(shared: &Shared, reason: &str, maybe_delivered: bool) {

@@ -43,6 +43,12 @@ pub(super) struct Shared {
     pub(super) server_streams: bool,
     /// Items per stream this client buffers (`Hello.stream_window`).
     pub(super) stream_window: u32,
+    /// Bytes per stream this client buffers (`Hello.stream_window_bytes`), 0 when the server
+    /// does not keep byte windows (then items only are checked).
+    pub(super) stream_window_bytes: u64,
+    /// The server's byte window for the client's items (`HelloAck.stream_window_bytes`); 0:
+    /// items only.
+    pub(super) send_window_bytes: u64,
 }
 
 pub(super) fn comm_error(peer: &str, what: impl std::fmt::Display) -> RpcError {

@@ -7,6 +7,10 @@
 //! The connection's reader only appends to a stream's buffer: it never waits for a consumer.
 //! A server that sends more than the credit given breaks the protocol, and that stream (only)
 //! ends with an error.
+//!
+//! The reader hands over every item of a frame under one lock and wakes the consumer once; the
+//! consumer moves everything buffered to its own queue under one lock and takes items from
+//! there without locking, so a run of small items costs one hand-over, not one per item.
 
 use std::collections::VecDeque;
 use std::fmt;
@@ -23,6 +27,7 @@ use rpc_core::wire::{
 use rpc_core::{RpcError, StatusCode};
 
 use super::connection::Connection;
+use crate::flow::{Credit, Held, Taken};
 
 /// How a stream ended: the server's answer, or why there is none.
 pub(super) type End = Result<RemoteResultMessage, RpcError>;
@@ -32,9 +37,11 @@ pub(super) struct StreamShared {
     inner: Mutex<Inner>,
     /// Items the client buffers for this stream (its `Hello.stream_window`).
     window: u32,
+    /// Bytes the client buffers for this stream when the server keeps byte windows (0: items
+    /// only).
+    window_bytes: u64,
 }
 
-#[derive(Default)]
 struct Inner {
     /// The server accepted the stream (its `StreamCredit` came).
     accepted: bool,
@@ -44,10 +51,10 @@ struct Inner {
     waker: Option<Waker>,
     /// Items received so far.
     received: u64,
-    /// Items taken by the consumer since credit was last granted.
-    taken: u32,
-    /// Items the server has granted for the client's own items (client and bidi streams).
-    send_credit: u64,
+    /// Items (and bytes) received and not yet granted back.
+    held: Held,
+    /// What the server has granted for the client's own items (client and bidi streams).
+    send: Credit,
     /// The sender of the client's items, waiting for credit or for the end.
     send_waker: Option<Waker>,
     /// The stream ended (its end may have been taken by the consumer since).
@@ -55,10 +62,25 @@ struct Inner {
 }
 
 impl StreamShared {
-    pub(super) fn new(window: u32) -> Self {
+    /// A stream buffering `window` items and `window_bytes` bytes of the server's (0: items
+    /// only), whose own items are held to the server's byte window `send_window_bytes` (0:
+    /// items only).
+    pub(super) fn new(window: u32, window_bytes: u64, send_window_bytes: u64) -> Self {
+        let window = window.max(1);
         StreamShared {
-            inner: Mutex::new(Inner::default()),
-            window: window.max(1),
+            inner: Mutex::new(Inner {
+                accepted: false,
+                items: VecDeque::new(),
+                end: None,
+                waker: None,
+                received: 0,
+                held: Held::new(window, window_bytes),
+                send: Credit::new(0, send_window_bytes),
+                send_waker: None,
+                ended: false,
+            }),
+            window,
+            window_bytes,
         }
     }
 
@@ -71,7 +93,8 @@ impl StreamShared {
         let (waker, sender) = {
             let mut s = self.lock();
             s.accepted = true;
-            s.send_credit += u64::from(items);
+            // (The first, accepting, credit frees nothing: nothing was sent before it.)
+            s.send.grant(u64::from(items));
             (s.waker.take(), s.send_waker.take())
         };
         for w in [waker, sender].into_iter().flatten() {
@@ -79,19 +102,34 @@ impl StreamShared {
         }
     }
 
-    /// An item from the server; false when it is beyond the credit given (the stream must
-    /// then be ended: the server broke the protocol).
-    pub(super) fn push(&self, item: Bytes) -> bool {
+    /// Items from the server, in order (one frame's); false when one is beyond the credit
+    /// given (the stream must then be ended: the server broke the protocol; the items before
+    /// it are kept). One lock and at most one wake-up for all of them.
+    ///
+    /// Each item comes with its size on the wire, which the byte window counts.
+    pub(super) fn push(&self, items: impl IntoIterator<Item = (Bytes, usize)>) -> bool {
         let waker = {
             let mut s = self.lock();
             if s.ended {
                 return true;
             }
-            if !s.accepted || s.items.len() >= self.window as usize {
+            if !s.accepted {
                 return false;
             }
-            s.items.push_back(item);
-            s.received += 1;
+            let s = &mut *s;
+            let mut within = true;
+            for (item, wire) in items {
+                if !s.held.admit(wire) {
+                    within = false;
+                    break;
+                }
+                s.items.push_back(item);
+                s.received += 1;
+            }
+            if !within {
+                // The items before the violation are woken for with the end that follows.
+                return false;
+            }
             s.waker.take()
         };
         if let Some(w) = waker {
@@ -140,7 +178,7 @@ impl StreamShared {
         if s.ended {
             return Poll::Ready(false);
         }
-        if s.send_credit > 0 {
+        if s.send.ready() {
             return Poll::Ready(true);
         }
         store(&mut s.send_waker, cx);
@@ -157,13 +195,14 @@ impl StreamShared {
         Poll::Pending
     }
 
-    /// Takes one item's credit, if there is some and the stream is open.
-    fn take_credit(&self) -> bool {
+    /// Takes one item's credit for an item of `len` bytes, if there is some and the stream is
+    /// open.
+    fn take_credit(&self, len: usize) -> bool {
         let mut s = self.lock();
-        if s.ended || s.send_credit == 0 {
+        if s.ended || !s.send.ready() {
             return false;
         }
-        s.send_credit -= 1;
+        s.send.sent(len);
         true
     }
 
@@ -211,8 +250,10 @@ pub type EndToError = Box<dyn Fn(RemoteResultMessage) -> RpcError + Send + Sync>
 /// `Cancel`: the server drops its producer.
 pub struct ClientStream {
     tx: StreamSender,
-    /// Credit is granted once this many items were taken.
-    grant_at: u32,
+    /// Items moved out of the shared buffer, taken from here without locking.
+    local: VecDeque<Bytes>,
+    /// What the consumer took since it last granted credit.
+    taken: Taken,
     finished: bool,
     to_error: EndToError,
 }
@@ -229,10 +270,11 @@ pub struct StreamSender {
 
 impl ClientStream {
     pub(super) fn new(conn: Connection, id: u64, shared: Arc<StreamShared>) -> Self {
-        let grant_at = (shared.window / 2).max(1);
+        let taken = Taken::new(shared.window, shared.window_bytes);
         ClientStream {
             tx: StreamSender { conn, id, shared },
-            grant_at,
+            local: VecDeque::new(),
+            taken,
             finished: false,
             to_error: Box::new(|r| {
                 RpcError::new(StatusCode::from_u32(r.status_code), r.exception_message)
@@ -307,7 +349,7 @@ impl StreamSender {
     /// `compression` (0: plain), which must be one the server accepts
     /// ([`Connection::accept_compression`](crate::Connection::accept_compression)).
     pub fn send_packed(&self, item: Bytes, compression: i32) -> Result<(), RpcError> {
-        if !self.shared.take_credit() {
+        if !self.shared.take_credit(item.len()) {
             return Err(RpcError::new(
                 StatusCode::FrameworkError,
                 format!(
@@ -356,32 +398,40 @@ impl Stream for ClientStream {
         if this.finished {
             return Poll::Ready(None);
         }
-        let (next, grant) = {
-            let mut s = this.tx.shared.lock();
-            if let Some(item) = s.items.pop_front() {
-                s.taken += 1;
-                let grant = if s.taken >= this.grant_at && !s.ended {
-                    std::mem::take(&mut s.taken)
+        let next = match this.local.pop_front() {
+            Some(item) => Some(Ok(item)),
+            None => {
+                let mut s = this.tx.shared.lock();
+                if !s.items.is_empty() {
+                    // Everything buffered at once; the shared queue keeps the emptied one.
+                    std::mem::swap(&mut s.items, &mut this.local);
+                    this.local.pop_front().map(Ok)
+                } else if let Some(end) = s.end.take() {
+                    Some(Err(end))
                 } else {
-                    0
-                };
-                (Some(Ok(item)), grant)
-            } else if let Some(end) = s.end.take() {
-                (Some(Err(end)), 0)
-            } else {
-                store(&mut s.waker, cx);
-                return Poll::Pending;
+                    store(&mut s.waker, cx);
+                    return Poll::Pending;
+                }
             }
         };
-        if grant > 0 {
-            this.tx
-                .conn
-                .shared
-                .sender
-                .send(Kind::StreamCredit(StreamCredit {
-                    message_id: this.tx.id,
-                    items: grant,
-                }));
+        if let Some(Ok(item)) = &next {
+            if let Some(items) = this.taken.take(item.len()) {
+                let open = {
+                    let mut s = this.tx.shared.lock();
+                    s.held.release(items);
+                    !s.ended
+                };
+                if open {
+                    this.tx
+                        .conn
+                        .shared
+                        .sender
+                        .send(Kind::StreamCredit(StreamCredit {
+                            message_id: this.tx.id,
+                            items: u32::try_from(items).unwrap_or(u32::MAX),
+                        }));
+                }
+            }
         }
         match next {
             Some(Ok(item)) => Poll::Ready(Some(Ok(item))),
@@ -445,4 +495,27 @@ pub enum Opened {
     /// The server refused it (overflow, unknown entry, the handler's set-up failed, ...):
     /// its answer, as for a unary call. Nothing was streamed.
     Refused(RemoteResultMessage),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The byte window counts each item as it travelled (compressed, when it was), not as
+    /// the consumer gets it: what the server counts too.
+    #[test]
+    fn the_byte_window_counts_items_as_they_travelled() {
+        let s = StreamShared::new(100, 100, 0);
+        // The accepting credit.
+        s.credit(0);
+        // Ten items of 1000 bytes once decompressed, 9 bytes each on the wire: 90 bytes held.
+        let big = Bytes::from(vec![0u8; 1000]);
+        assert!(s.push((0..10).map(|_| (big.clone(), 9))));
+        // 90 is below the window of 100: one more may go, past it.
+        assert!(s.push([(Bytes::from_static(b"x"), 20)]));
+        assert!(
+            !s.push([(Bytes::from_static(b"y"), 1)]),
+            "110 bytes held reach the window"
+        );
+    }
 }

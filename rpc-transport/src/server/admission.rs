@@ -179,7 +179,10 @@ impl FrameCtx<'_> {
                     }
                     // The client's items may come before the handler is set up: they wait in
                     // the stream's queue, which exists from now on.
-                    let slot = Arc::new(StreamSlot::new(self.options.stream_window.max(1)));
+                    let slot = Arc::new(StreamSlot::new(
+                        self.options.stream_window.max(1),
+                        u64::from(self.options.stream_window_bytes),
+                    ));
                     conn.streams.open(id, slot.clone());
                     let inbound = Inbound::new(id, slot.clone(), conn.sender.clone());
                     let inbound = rpc_core::RpcStream::try_new(inbound);
@@ -222,7 +225,7 @@ impl FrameCtx<'_> {
                 // sent more than its credit, ends with an error.)
                 if let Some(slot) = conn.streams.get(item.message_id) {
                     match crate::compression::unpack_item(&item, self.options.max_frame_length) {
-                        Ok(payload) => slot.push(payload),
+                        Ok(payload) => slot.push([(payload, item.payload.len())]),
                         // A corrupt item ends the client's request stream with 500, and so
                         // the stream.
                         Err(why) => slot.finish(rpc_core::wire::StreamEnd {
@@ -233,6 +236,39 @@ impl FrameCtx<'_> {
                                  within the server's frame limit"
                             ),
                         }),
+                    }
+                }
+                Ok(())
+            }
+            Some(Ok(Incoming::Other(Kind::StreamItems(items)))) => {
+                if let Some(slot) = conn.streams.get(items.message_id) {
+                    let limit = self.options.max_frame_length;
+                    let mut plain = Vec::with_capacity(items.payloads.len());
+                    let mut broken = None;
+                    for p in &items.payloads {
+                        match crate::compression::unpack_payload(
+                            items.message_id,
+                            p,
+                            items.compression,
+                            limit,
+                        ) {
+                            Ok(item) => plain.push((item, p.len())),
+                            Err(why) => {
+                                broken = Some(why);
+                                break;
+                            }
+                        }
+                    }
+                    slot.push(plain);
+                    if let Some(why) = broken {
+                        slot.finish(rpc_core::wire::StreamEnd {
+                            message_id: items.message_id,
+                            status_code: StatusCode::FrameworkError.as_u32(),
+                            exception_message: format!(
+                                "{why}; the stream was ended: send items that decompress \
+                                 within the server's frame limit"
+                            ),
+                        });
                     }
                 }
                 Ok(())

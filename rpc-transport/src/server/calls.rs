@@ -38,6 +38,11 @@ pub(super) struct Conn {
     /// The client's `Hello.stream_window` when it can stream; `None`: it cannot, and is sent
     /// no stream frame.
     pub(super) client_window: Option<u32>,
+    /// The client's `Hello.stream_window_bytes` when the server keeps byte windows (0: items
+    /// only).
+    pub(super) client_window_bytes: u64,
+    /// The client takes `StreamItems` frames (`Hello.stream_batches`).
+    pub(super) client_batches: bool,
 }
 
 impl Conn {
@@ -118,8 +123,14 @@ pub(super) fn dispatch(
                 return;
             };
             conn.give_way.store(true, Ordering::Relaxed);
-            let driver =
-                StreamDriver::new(id, events, window, slot, &conn.streams, conn.sender.clone());
+            let driver = StreamDriver::new(
+                id,
+                events,
+                (window, conn.client_window_bytes, conn.client_batches),
+                slot,
+                &conn.streams,
+                conn.sender.clone(),
+            );
             spawn(conn, id, Box::pin(driver));
         }
     }

@@ -107,7 +107,12 @@ pub(super) async fn run_connection<R, W>(
         give_way: AtomicBool::new(false),
         streams: Default::default(),
         client_window: hello.stream_window,
+        client_window_bytes: hello.stream_window_bytes,
+        client_batches: hello.stream_batches,
     });
+    if hello.stream_batches {
+        conn.sender.batch_stream_items();
+    }
     // Runs however the connection ends, including when its task is aborted: running handlers
     // are dropped and the socket is closed.
     let _cleanup = ConnCleanup {

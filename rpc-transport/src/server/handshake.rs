@@ -34,6 +34,11 @@ pub(super) struct Hello {
     /// The client's `stream_window` (at least 1) when it can stream; `None` when it cannot:
     /// it is sent no stream frame.
     pub(super) stream_window: Option<u32>,
+    /// The client's `stream_window_bytes` when the server keeps byte windows (its own
+    /// `stream_window_bytes` is above 0); 0: items only.
+    pub(super) stream_window_bytes: u64,
+    /// The client takes `StreamItems` frames.
+    pub(super) stream_batches: bool,
     /// The compression algorithms the client decodes (its `accept_compression`).
     pub(super) accept_compression: Accepted,
 }
@@ -106,9 +111,21 @@ pub(super) async fn handshake<R: AsyncRead + Unpin>(
         } else {
             0
         },
+        stream_window_bytes: if hello.streams {
+            options.stream_window_bytes
+        } else {
+            0
+        },
+        stream_batches: hello.streams && hello.stream_batches,
     }));
     Ok(Hello {
         stream_window: hello.streams.then_some(hello.stream_window.max(1)),
+        stream_window_bytes: if hello.streams && options.stream_window_bytes > 0 {
+            u64::from(hello.stream_window_bytes)
+        } else {
+            0
+        },
+        stream_batches: hello.streams && hello.stream_batches,
         accept_compression: Accepted::from_wire(&hello.accept_compression),
         client_id: hello.client_id,
     })

@@ -24,5 +24,6 @@ pub use accept::serve;
 
 pub use handler::{error_result, Dispatch, InvokeHandler, StreamEvent};
 pub use options::{
-    ServerOptions, ABUSE_LIMIT, DEFAULT_STREAM_WINDOW, MAX_HELLO_FRAME, REFUSALS_BEFORE_PAUSE,
+    ServerOptions, ABUSE_LIMIT, DEFAULT_STREAM_WINDOW, DEFAULT_STREAM_WINDOW_BYTES,
+    MAX_HELLO_FRAME, REFUSALS_BEFORE_PAUSE,
 };

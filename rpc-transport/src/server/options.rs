@@ -54,6 +54,10 @@ pub struct ServerOptions {
     /// Items per stream the server buffers for a client's request stream before it grants
     /// more (`HelloAck.stream_window`): what a client may send ahead on one stream. At least 1.
     pub stream_window: u32,
+    /// Payload bytes per stream the server buffers for a client's request stream besides
+    /// `stream_window` items (`HelloAck.stream_window_bytes`; 0: items only, both ways: a
+    /// server announcing no byte window does not hold its own items to the client's either).
+    pub stream_window_bytes: u32,
     /// TLS on every connection (feature `tls`); `None` serves plain TCP. The TLS handshake
     /// counts within `handshake_timeout`.
     #[cfg(feature = "tls")]
@@ -78,6 +82,7 @@ impl Default for ServerOptions {
             max_read_buffer_bytes: 64 * 1024 * 1024,
             inline_first_poll: false,
             stream_window: DEFAULT_STREAM_WINDOW,
+            stream_window_bytes: DEFAULT_STREAM_WINDOW_BYTES,
             #[cfg(feature = "tls")]
             tls: None,
         }
@@ -107,7 +112,8 @@ impl std::fmt::Debug for ServerOptions {
             )
             .field("max_read_buffer_bytes", &self.max_read_buffer_bytes)
             .field("inline_first_poll", &self.inline_first_poll)
-            .field("stream_window", &self.stream_window);
+            .field("stream_window", &self.stream_window)
+            .field("stream_window_bytes", &self.stream_window_bytes);
         #[cfg(feature = "tls")]
         d.field("tls", &self.tls);
         d.finish()
@@ -115,8 +121,15 @@ impl std::fmt::Debug for ServerOptions {
 }
 
 /// Items per stream a side buffers for its peer before granting more, unless configured
-/// otherwise (`ServerOptions::stream_window`, `ConnectOptions::stream_window`).
-pub const DEFAULT_STREAM_WINDOW: u32 = 32;
+/// otherwise (`ServerOptions::stream_window`, `ConnectOptions::stream_window`). Large enough
+/// that a stream of small items is not held up by the round trip of its credit; the byte
+/// window below bounds the memory of large ones.
+pub const DEFAULT_STREAM_WINDOW: u32 = 512;
+
+/// Payload bytes per stream a side buffers for its peer besides the window of items, unless
+/// configured otherwise (`ServerOptions::stream_window_bytes`,
+/// `ConnectOptions::stream_window_bytes`): 256 KiB, 64 items of 4 KiB.
+pub const DEFAULT_STREAM_WINDOW_BYTES: u32 = 256 * 1024;
 
 /// Largest frame a server reads before it has accepted the client's `Hello` (8 KiB): a `Hello`
 /// is a version, a token and a client id, and a peer that has not authenticated gets no more

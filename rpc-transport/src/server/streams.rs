@@ -12,7 +12,8 @@
 //! A stream that takes the client's items (client streaming) has an inbound queue of the
 //! server's window: the reader appends to it (an item beyond the window is the client's
 //! protocol violation and ends the stream), and the handler's [`Inbound`] stream takes from it,
-//! granting the client credit as it does.
+//! granting the client credit as it does: a frame's items are handed over under one lock with
+//! one wake-up, and the handler's stream moves everything queued to its own buffer at once.
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
@@ -21,31 +22,35 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll, Waker};
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use futures_util::Stream;
 use rpc_core::RpcError;
 
 use futures_util::stream::{BoxStream, StreamExt};
 use futures_util::task::AtomicWaker;
-use rpc_core::wire::{frame::Kind, RemoteResultMessage, StreamCredit, StreamItem};
+use rpc_core::wire::{frame::Kind, RemoteResultMessage, StreamCredit};
 use rpc_core::StatusCode;
 
 use super::handler::{error_result, StreamEvent};
-use crate::writer::FrameSender;
+use crate::codec::FrameCodec;
+use crate::encode::{put_item_frame, put_items_frame};
+use crate::flow::{Credit, Held, Taken};
+use crate::writer::{FrameSender, MAX_ITEMS_BYTES};
 
 /// Items a stream sends in one poll before it lets other tasks run.
-const ITEMS_PER_POLL: usize = 64;
+const ITEMS_PER_POLL: usize = 256;
 
 /// One stream's state shared by its task, its inbound items' consumer and the connection's
 /// reader.
-#[derive(Default)]
 pub(super) struct StreamSlot {
     /// Items of the client's request stream not yet taken by the handler (client streaming).
     inbound: Mutex<InboundQueue>,
     /// Items the server buffers of the client's request stream (0: it takes none).
     inbound_window: u32,
-    /// Items the client has granted and the stream has not sent yet.
-    credit: AtomicU64,
+    /// Bytes the server buffers of the client's request stream (0: items only).
+    inbound_window_bytes: u64,
+    /// Items the client has granted in all since the stream began.
+    granted: AtomicU64,
     /// The stream's task, woken when credit arrives or the client broke the protocol.
     waker: AtomicWaker,
     /// The client sent what this stream does not take: it ends with status 500.
@@ -53,22 +58,31 @@ pub(super) struct StreamSlot {
 }
 
 /// The client's items waiting for the handler.
-#[derive(Default)]
 struct InboundQueue {
     items: VecDeque<Bytes>,
     /// The client's `StreamEnd`: `Ok` when its stream is complete.
     end: Option<Result<(), RpcError>>,
     waker: Option<Waker>,
-    /// Items taken since credit was last granted.
-    taken: u32,
+    /// Items (and bytes) received and not yet granted back.
+    held: Held,
 }
 
 impl StreamSlot {
-    /// The state of a stream that takes up to `inbound_window` of the client's items (0: none).
-    pub(super) fn new(inbound_window: u32) -> Self {
+    /// The state of a stream that takes up to `inbound_window` of the client's items (0: none)
+    /// and `inbound_window_bytes` of their bytes (0: items only).
+    pub(super) fn new(inbound_window: u32, inbound_window_bytes: u64) -> Self {
         StreamSlot {
+            inbound: Mutex::new(InboundQueue {
+                items: VecDeque::new(),
+                end: None,
+                waker: None,
+                held: Held::new(inbound_window, inbound_window_bytes),
+            }),
             inbound_window,
-            ..Default::default()
+            inbound_window_bytes,
+            granted: AtomicU64::new(0),
+            waker: AtomicWaker::new(),
+            violated: AtomicBool::new(false),
         }
     }
 
@@ -76,19 +90,32 @@ impl StreamSlot {
         self.inbound.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// An item of the client's request stream (`StreamItem`).
-    pub(super) fn push(&self, item: Bytes) {
+    /// Items of the client's request stream (one `StreamItem` or `StreamItems` frame's), in
+    /// order, under one lock and with at most one wake-up; an item beyond the client's credit
+    /// ends the stream (the items before it stay queued).
+    ///
+    /// Each item comes with its size on the wire, which the byte window counts.
+    pub(super) fn push(&self, items: impl IntoIterator<Item = (Bytes, usize)>) {
         let waker = {
             let mut q = self.inbound();
-            if self.inbound_window == 0
-                || q.end.is_some()
-                || q.items.len() >= self.inbound_window as usize
-            {
+            if self.inbound_window == 0 || q.end.is_some() {
                 drop(q);
                 self.violate();
                 return;
             }
-            q.items.push_back(item);
+            let q = &mut *q;
+            for (item, wire) in items {
+                if !q.held.admit(wire) {
+                    let waker = q.waker.take();
+                    self.violated.store(true, Ordering::Release);
+                    self.waker.wake();
+                    if let Some(w) = waker {
+                        w.wake();
+                    }
+                    return;
+                }
+                q.items.push_back(item);
+            }
             q.waker.take()
         };
         if let Some(w) = waker {
@@ -127,7 +154,7 @@ impl StreamSlot {
 
     /// Credit from the client (`StreamCredit`).
     pub(super) fn grant(&self, items: u32) {
-        self.credit.fetch_add(u64::from(items), Ordering::AcqRel);
+        self.granted.fetch_add(u64::from(items), Ordering::AcqRel);
         self.waker.wake();
     }
 
@@ -148,18 +175,22 @@ pub(super) struct Inbound {
     id: u64,
     slot: Arc<StreamSlot>,
     sender: FrameSender,
-    grant_at: u32,
+    /// Items moved out of the shared queue, taken from here without locking.
+    local: VecDeque<Bytes>,
+    /// What the handler took since credit was last granted.
+    taken: Taken,
     done: bool,
 }
 
 impl Inbound {
     pub(super) fn new(id: u64, slot: Arc<StreamSlot>, sender: FrameSender) -> Self {
-        let grant_at = (slot.inbound_window / 2).max(1);
+        let taken = Taken::new(slot.inbound_window, slot.inbound_window_bytes);
         Inbound {
             id,
             slot,
             sender,
-            grant_at,
+            local: VecDeque::new(),
+            taken,
             done: false,
         }
     }
@@ -173,27 +204,27 @@ impl Stream for Inbound {
         if this.done {
             return Poll::Ready(None);
         }
-        let (next, grant) = {
+        if let Some(item) = this.local.pop_front() {
+            this.took(item.len());
+            return Poll::Ready(Some(Ok(item)));
+        }
+        let next = {
             let mut q = this.slot.inbound();
-            if let Some(item) = q.items.pop_front() {
-                q.taken += 1;
-                let grant = if q.taken >= this.grant_at && q.end.is_none() {
-                    std::mem::take(&mut q.taken)
-                } else {
-                    0
-                };
-                (Some(Ok(item)), grant)
+            if !q.items.is_empty() {
+                // Everything queued at once; the shared queue keeps the emptied buffer.
+                std::mem::swap(&mut q.items, &mut this.local);
+                drop(q);
+                let item = this.local.pop_front().expect("just moved");
+                this.took(item.len());
+                return Poll::Ready(Some(Ok(item)));
             } else if this.slot.violated.load(Ordering::Acquire) {
-                (
-                    Some(Err(RpcError::new(
-                        StatusCode::FrameworkError,
-                        "protocol violation: the caller sent more stream items than it was \
-                         granted",
-                    ))),
-                    0,
-                )
+                Some(Err(RpcError::new(
+                    StatusCode::FrameworkError,
+                    "protocol violation: the caller sent more stream items than it was \
+                     granted",
+                )))
             } else if let Some(end) = q.end.take() {
-                (end.err().map(Err), 0)
+                end.err().map(Err)
             } else {
                 match &q.waker {
                     Some(w) if w.will_wake(cx.waker()) => {}
@@ -202,16 +233,29 @@ impl Stream for Inbound {
                 return Poll::Pending;
             }
         };
-        if grant > 0 {
-            this.sender.send(Kind::StreamCredit(StreamCredit {
-                message_id: this.id,
-                items: grant,
+        this.done = true;
+        Poll::Ready(next)
+    }
+}
+
+impl Inbound {
+    /// Counts an item of `len` bytes taken, granting the client credit when it is time (and
+    /// the client's stream goes on).
+    fn took(&mut self, len: usize) {
+        let Some(items) = self.taken.take(len) else {
+            return;
+        };
+        let open = {
+            let mut q = self.slot.inbound();
+            q.held.release(items);
+            q.end.is_none()
+        };
+        if open {
+            self.sender.send(Kind::StreamCredit(StreamCredit {
+                message_id: self.id,
+                items: u32::try_from(items).unwrap_or(u32::MAX),
             }));
         }
-        if !matches!(next, Some(Ok(_))) {
-            this.done = true;
-        }
-        Poll::Ready(next)
     }
 }
 
@@ -265,49 +309,113 @@ pub(super) struct StreamDriver {
     /// The credit granted to the client's items when the stream is accepted (0: the stream
     /// takes none).
     inbound_window: u32,
-    /// Items of the current poll, queued for the writer together when the poll returns: one
-    /// pass of the writer's lock and one wake-up per poll instead of one per item.
-    batch: Vec<Kind>,
+    /// What the client's credit allows this stream to send.
+    credit: Credit,
+    /// The client's grants counted into `credit` so far (of the slot's `granted`).
+    acked: u64,
+    /// The frames of the current poll, encoded here and queued for the writer together when
+    /// the poll returns: one pass of the writer's lock and one wake-up per poll instead of one
+    /// per item, and each item's payload is dropped by the task that made it.
+    frames: BytesMut,
+    /// The client takes `StreamItems`: consecutive items go in `run`, written as one frame.
+    batches: bool,
+    /// Items waiting to be written as one `StreamItems` frame, all compressed with
+    /// `run_compression`, of `run_bytes` payload bytes.
+    run: Vec<Bytes>,
+    run_compression: i32,
+    run_bytes: usize,
 }
 
 impl StreamDriver {
-    /// The task of stream `id`, whose client buffers `client_window` items, with its state
-    /// `slot` (already registered in `table` when the stream takes the client's items, and
-    /// registered now otherwise), removed from `table` when it ends.
+    /// The task of stream `id`, whose client buffers `client_window` items and
+    /// `client_window_bytes` bytes (0: items only) and takes `StreamItems` when `batches`, with
+    /// its state `slot` (already registered in `table` when the stream takes the client's
+    /// items, and registered now otherwise), removed from `table` when it ends.
     pub(super) fn new(
         id: u64,
         events: BoxStream<'static, StreamEvent>,
-        client_window: u32,
+        (client_window, client_window_bytes, batches): (u32, u64, bool),
         slot: Option<Arc<StreamSlot>>,
         table: &Arc<StreamTable>,
         sender: FrameSender,
     ) -> Self {
         let slot = slot.unwrap_or_else(|| {
-            let slot = Arc::new(StreamSlot::default());
+            let slot = Arc::new(StreamSlot::new(0, 0));
             table.lock().insert(id, slot.clone());
             slot
         });
-        slot.credit
-            .store(u64::from(client_window.max(1)), Ordering::Release);
         StreamDriver {
             id,
             events,
             inbound_window: slot.inbound_window,
+            credit: Credit::new(u64::from(client_window.max(1)), client_window_bytes),
+            acked: 0,
             slot,
             table: table.clone(),
             sender,
             accepted: false,
-            batch: Vec::new(),
+            frames: BytesMut::new(),
+            batches,
+            run: Vec::new(),
+            run_compression: 0,
+            run_bytes: 0,
+        }
+    }
+
+    /// Adds an item to this poll's frames.
+    fn put_item(&mut self, payload: Bytes, compression: i32) {
+        if !self.batches {
+            put_item_frame(self.id, &payload, compression, &mut self.frames);
+            return;
+        }
+        if !self.run.is_empty()
+            && (compression != self.run_compression
+                || self.run_bytes + payload.len() > MAX_ITEMS_BYTES)
+        {
+            self.end_run();
+        }
+        self.run_compression = compression;
+        self.run_bytes += payload.len();
+        self.run.push(payload);
+    }
+
+    /// Writes the items of `run` as one frame (one item alone as a `StreamItem`).
+    fn end_run(&mut self) {
+        match self.run.len() {
+            0 => {}
+            1 => put_item_frame(
+                self.id,
+                &self.run[0],
+                self.run_compression,
+                &mut self.frames,
+            ),
+            _ => put_items_frame(self.id, &self.run, self.run_compression, &mut self.frames),
+        }
+        self.run.clear();
+        self.run_bytes = 0;
+    }
+
+    /// Counts the client's grants that arrived since the last look into the credit.
+    fn sync_credit(&mut self) {
+        let granted = self.slot.granted.load(Ordering::Acquire);
+        if granted > self.acked {
+            self.credit.grant(granted - self.acked);
+            self.acked = granted;
         }
     }
 
     fn accept(&mut self) {
         self.accepted = true;
-        // In the batch, ahead of the items: the client must see the stream accepted first.
-        self.batch.push(Kind::StreamCredit(StreamCredit {
-            message_id: self.id,
-            items: self.inbound_window,
-        }));
+        // In this poll's frames, ahead of the items: the client must see the stream accepted
+        // first.
+        self.end_run();
+        FrameCodec::encode_kind(
+            Kind::StreamCredit(StreamCredit {
+                message_id: self.id,
+                items: self.inbound_window,
+            }),
+            &mut self.frames,
+        );
     }
 
     /// One poll's frames and end, before the batch goes to the writer.
@@ -323,12 +431,14 @@ impl StreamDriver {
                 ));
             }
             // No credit, no poll: the producer waits until the client grants more.
-            if this.accepted && this.slot.credit.load(Ordering::Acquire) == 0 {
-                this.slot.waker.register(cx.waker());
-                if this.slot.credit.load(Ordering::Acquire) == 0
-                    && !this.slot.violated.load(Ordering::Acquire)
-                {
-                    return Poll::Pending;
+            if this.accepted && !this.credit.ready() {
+                this.sync_credit();
+                if !this.credit.ready() {
+                    this.slot.waker.register(cx.waker());
+                    this.sync_credit();
+                    if !this.credit.ready() && !this.slot.violated.load(Ordering::Acquire) {
+                        return Poll::Pending;
+                    }
                 }
                 continue;
             }
@@ -350,12 +460,8 @@ impl StreamDriver {
                     let Some((payload, compression)) = item.into_item() else {
                         unreachable!("an item")
                     };
-                    this.slot.credit.fetch_sub(1, Ordering::AcqRel);
-                    this.batch.push(Kind::StreamItem(StreamItem {
-                        message_id: this.id,
-                        payload,
-                        compression,
-                    }));
+                    this.credit.sent(payload.len());
+                    this.put_item(payload, compression);
                     sent += 1;
                 }
                 Poll::Ready(Some(StreamEvent::End(end))) => return Poll::Ready(end),
@@ -378,7 +484,10 @@ impl Future for StreamDriver {
         let outcome = this.poll_items(cx);
         // Whatever the outcome: the items go before the end, which the connection sends once
         // this returns Ready.
-        this.sender.send_all(&mut this.batch);
+        this.end_run();
+        if !this.frames.is_empty() {
+            this.sender.send_encoded(this.frames.split().freeze());
+        }
         outcome
     }
 }
@@ -417,7 +526,14 @@ mod tests {
             }))
             .boxed();
         let table = Arc::new(StreamTable::default());
-        let mut driver = Box::pin(StreamDriver::new(7, events, 5, None, &table, sender));
+        let mut driver = Box::pin(StreamDriver::new(
+            7,
+            events,
+            (5, 0, false),
+            None,
+            &table,
+            sender,
+        ));
         let mut cx = Context::from_waker(std::task::Waker::noop());
         assert!(driver.as_mut().poll(&mut cx).is_pending());
         assert_eq!(polled.load(Ordering::Relaxed), 5, "the window");
