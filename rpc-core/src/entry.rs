@@ -101,7 +101,8 @@ pub struct HttpRoute {
 pub struct EntrySchemas {
     /// One schema per parameter, in declaration order.
     pub params: Vec<serde_json::Value>,
-    /// The schema of the answer (`T` of `Result<T, E>`, or the return type).
+    /// The schema of the answer (`T` of `Result<T, E>`, or the return type); for a server stream,
+    /// the schema of one item.
     pub result: serde_json::Value,
     /// The schema of the typed error `E` of `Result<T, E>`, for methods that declare one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
