@@ -638,38 +638,30 @@ mod tests {
 
     #[test]
     fn reads_routes_and_docs() {
-        let s = service(quote! {
-            trait Orders {
-                /// Reads one order.
-                ///
-                ///   Unknown ids are an error.
-                #[http(get = "/orders/{id}")]
-                async fn get(&self, id: u64, r#type: String) -> Result<(), E>;
-                #[http(put = "/orders/{id}")]
-                async fn put(&self, id: u64) -> Result<(), E>;
-                #[http(get = "/orders/{r#type}")]
-                async fn by_type(&self, r#type: String) -> Result<(), E>;
-                async fn plain(&self) -> Result<(), E>;
-            }
-        });
+        // One service, its third route written as `by_type` says.
+        let orders = |by_type: &str| {
+            service(quote! {
+                trait Orders {
+                    /// Reads one order.
+                    ///
+                    ///   Unknown ids are an error.
+                    #[http(get = "/orders/{id}")]
+                    async fn get(&self, id: u64, r#type: String) -> Result<(), E>;
+                    #[http(put = "/orders/{id}")]
+                    async fn put(&self, id: u64) -> Result<(), E>;
+                    #[http(get = #by_type)]
+                    async fn by_type(&self, r#type: String) -> Result<(), E>;
+                    async fn plain(&self) -> Result<(), E>;
+                }
+            })
+        };
         // The raw prefix is not part of a parameter's name: a path names `{type}`.
-        let e = s.err().map(|e| e.to_string()).unwrap_or_default();
+        let e = orders("/orders/{r#type}")
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
         assert!(e.contains("cannot hold '#'"), "{e}");
-        let s = service(quote! {
-            trait Orders {
-                /// Reads one order.
-                ///
-                ///   Unknown ids are an error.
-                #[http(get = "/orders/{id}")]
-                async fn get(&self, id: u64, r#type: String) -> Result<(), E>;
-                #[http(put = "/orders/{id}")]
-                async fn put(&self, id: u64) -> Result<(), E>;
-                #[http(get = "/orders/by-type/{type}")]
-                async fn by_type(&self, r#type: String) -> Result<(), E>;
-                async fn plain(&self) -> Result<(), E>;
-            }
-        })
-        .unwrap_or_else(|e| panic!("{e}"));
+        let s = orders("/orders/by-type/{type}").unwrap_or_else(|e| panic!("{e}"));
         let routes: Vec<_> = s
             .methods
             .iter()
