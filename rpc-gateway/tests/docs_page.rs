@@ -13,185 +13,42 @@
 //! come from what the test set up. Needs `chromium` and `chromedriver` on the PATH
 //! (scripts/test.sh installs Debian's `chromium` and `chromium-driver` when they are missing).
 
-use std::os::unix::fs::PermissionsExt;
-use std::panic::AssertUnwindSafe;
-use std::path::PathBuf;
-use std::process::Stdio;
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+#[path = "../../tests/tests/common/chromedriver.rs"]
+mod chromedriver;
+#[path = "support/entries.rs"]
+mod entries;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
 
 use axum::extract::{Path, RawQuery};
 use axum::routing::get;
 use axum::Json;
-use fantoccini::elements::Element;
-use fantoccini::wd::Capabilities;
-use fantoccini::{Client as Browser, ClientBuilder, Locator};
-use futures_util::FutureExt;
-use hyper_util::client::legacy::connect::HttpConnector;
-use rpc_core::{EntryApi, EntrySchemas, HttpRoute, ServiceEntry};
+use chromedriver::{shows, Chromedriver, WAIT};
+use entries::{api, entry, reference, schemas};
+use fantoccini::{Client as Browser, Locator};
+use rpc_core::{EntryApi, ServiceEntry};
 use rpc_gateway::openapi::{document, DocumentInfo};
 use serde_json::{json, Value};
-use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::{Child, Command};
 
-/// The longest any one wait may take: far above what it takes on a loaded two-core machine, so
-/// a failure means the page never got there.
-const WAIT: Duration = Duration::from_secs(30);
-/// How often a wait looks again.
-const POLL: Duration = Duration::from_millis(50);
-
-const MISSING: &str = "the docs page test drives a real headless chromium through chromedriver: \
-    install Debian's `chromium` and `chromium-driver` (scripts/test.sh does when they are missing)";
-
-/// The executable `name` on the PATH.
-fn on_path(name: &str) -> Option<PathBuf> {
-    let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path)
-        .map(|dir| dir.join(name))
-        .find(|p| {
-            p.metadata()
-                .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-        })
-}
-
-/// The chromium chromedriver starts: the one on the PATH, else Debian's.
-fn chromium() -> PathBuf {
-    on_path("chromium")
-        .or_else(|| Some(PathBuf::from("/usr/bin/chromium")).filter(|p| p.is_file()))
-        .unwrap_or_else(|| panic!("no chromium on the PATH nor at /usr/bin/chromium: {MISSING}"))
-}
-
-/// A chromedriver child on a free loopback port, killed with its process group (the browsers)
-/// when dropped.
-struct Chromedriver {
-    child: Child,
-    port: u16,
-    output: Arc<Mutex<Vec<String>>>,
-}
-
-impl Chromedriver {
-    /// Starts chromedriver with `--port=0` (it prints the port it took) and waits, at most
-    /// [`WAIT`], until it says it listens.
-    async fn start() -> Self {
-        let program = on_path("chromedriver")
-            .unwrap_or_else(|| panic!("no chromedriver on the PATH: {MISSING}"));
-        let mut child = Command::new(&program)
-            .arg("--port=0")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .process_group(0)
-            .kill_on_drop(true)
-            .spawn()
-            .unwrap_or_else(|e| panic!("starting {}: {e}; {MISSING}", program.display()));
-        let mut lines = BufReader::new(child.stdout.take().expect("piped stdout")).lines();
-        let output = Arc::new(Mutex::new(Vec::new()));
-        let started = tokio::time::timeout(WAIT, async {
-            while let Ok(Some(line)) = lines.next_line().await {
-                let port = listening_port(&line);
-                output.lock().unwrap().push(line);
-                if port.is_some() {
-                    return port;
-                }
-            }
-            None
-        })
-        .await;
-        let Ok(Some(port)) = started else {
-            panic!(
-                "chromedriver never said it listens within {WAIT:?}; it printed: {:?}",
-                output.lock().unwrap()
-            );
-        };
-        let sink = output.clone();
-        tokio::spawn(async move {
-            while let Ok(Some(line)) = lines.next_line().await {
-                sink.lock().unwrap().push(line);
-            }
-        });
-        Chromedriver {
-            child,
-            port,
-            output,
-        }
-    }
-
-    /// Runs `check` in a new headless browser session and ends the session whether or not
-    /// `check` panicked; a panic is then passed on.
-    async fn with_browser<F, Fut>(&self, check: F)
-    where
-        F: FnOnce(Browser) -> Fut,
-        Fut: std::future::Future<Output = ()>,
-    {
-        let mut caps = Capabilities::new();
-        caps.insert("browserName".into(), json!("chrome"));
-        caps.insert(
-            "goog:chromeOptions".into(),
-            json!({
-                "binary": chromium(),
-                "args": ["--headless", "--no-sandbox", "--disable-gpu",
-                         "--disable-dev-shm-usage", "--window-size=1400,1100"],
-            }),
-        );
-        let browser = ClientBuilder::new(HttpConnector::new())
-            .capabilities(caps)
-            .connect(&format!("http://127.0.0.1:{}", self.port))
-            .await
-            .unwrap_or_else(|e| {
-                panic!(
-                    "chromedriver could not start {}: {e}; it printed: {:?}",
-                    chromium().display(),
-                    self.output.lock().unwrap()
-                )
-            });
-        let outcome = AssertUnwindSafe(check(browser.clone()))
-            .catch_unwind()
-            .await;
-        let closed = browser.close().await;
-        if let Err(panic) = outcome {
-            std::panic::resume_unwind(panic);
-        }
-        closed.expect("ending the browser session");
-    }
-}
-
-impl Drop for Chromedriver {
-    fn drop(&mut self) {
-        if let Some(pid) = self.child.id() {
-            // SAFETY: kill(2) with a negative pid signals the process group chromedriver leads
-            // (started with `process_group(0)`); it touches no memory of this process.
-            unsafe {
-                libc::kill(-(pid as libc::pid_t), libc::SIGKILL);
-            }
-        }
-        let _ = self.child.start_kill();
-    }
-}
-
-/// The port in chromedriver's `ChromeDriver was started successfully on port N.` line.
-fn listening_port(line: &str) -> Option<u16> {
-    let (_, rest) = line.split_once("started successfully on port ")?;
-    rest.trim_end().trim_end_matches('.').parse().ok()
-}
-
-/// Waits, at most [`WAIT`], until the page has an element `locator` finds.
-async fn shows(browser: &Browser, what: &str, locator: Locator<'_>) -> Element {
-    match browser
-        .wait()
-        .at_most(WAIT)
-        .every(POLL)
-        .for_element(locator)
+/// Opens the page at `addr` and waits until it lists the operation `id` under its service;
+/// returns the text of the operation's line (method, path, summary).
+async fn operation_line(browser: &Browser, addr: SocketAddr, service: &str, id: &str) -> String {
+    browser
+        .goto(&format!("http://{addr}/docs"))
         .await
-    {
-        Ok(element) => element,
-        Err(e) => {
-            let status = match browser.find(Locator::Id("status")).await {
-                Ok(s) => s.text().await.unwrap_or_default(),
-                Err(e) => format!("(no status line: {e})"),
-            };
-            panic!("the page never showed {what} within {WAIT:?}: {e}; its status line: {status:?}")
-        }
-    }
+        .expect("goto");
+    let locator = format!(
+        "#service-{} details.op[id='op-{id}'] summary",
+        service.replace('.', "\\.")
+    );
+    let line = shows(
+        browser,
+        &format!("the line of {id} under {service}"),
+        Locator::Css(&locator),
+    )
+    .await;
+    line.text().await.expect("text")
 }
 
 /// Opens the operation `id`, fills its form (`inputs`: parameter name → value; `body`: the
@@ -253,33 +110,27 @@ async fn try_it(
 }
 
 fn orders_entry() -> ServiceEntry {
-    ServiceEntry {
-        id: "shop.Orders.get".into(),
-        service_id: "shop.Orders".into(),
-        method: "get".into(),
-        hash_key: None,
-        governance: Default::default(),
-        api: Some(EntryApi {
-            params: vec!["id".into(), "verbose".into()],
+    let mut schemas = schemas(
+        vec![json!({"type": "integer"}), json!({"type": "boolean"})],
+        reference("Order"),
+        &[(
+            "Order",
+            json!({"type": "object", "properties": {"id": {"type": "integer"}}}),
+        )],
+    );
+    schemas.error = Some(json!({"type": "string", "enum": ["Missing"]}));
+    entry(
+        "shop.Orders",
+        "get",
+        Some(EntryApi {
             doc: Some("One order by id.".into()),
-            http: Some(HttpRoute {
-                method: "GET".into(),
-                path: "/orders/{id}".into(),
-            }),
-            stream: None,
-            schemas: Some(EntrySchemas {
-                params: vec![json!({"type": "integer"}), json!({"type": "boolean"})],
-                result: json!({"$ref": "#/components/schemas/Order"}),
-                error: Some(json!({"type": "string", "enum": ["Missing"]})),
-                definitions: [(
-                    "Order".to_string(),
-                    json!({"type": "object", "properties": {"id": {"type": "integer"}}}),
-                )]
-                .into_iter()
-                .collect(),
-            }),
+            ..api(
+                &["id", "verbose"],
+                Some(("GET", "/orders/{id}")),
+                Some(schemas),
+            )
         }),
-    }
+    )
 }
 
 #[tokio::test]
@@ -308,18 +159,8 @@ async fn the_page_lists_a_declared_route_and_its_form_fills_path_and_query() {
     let driver = Chromedriver::start().await;
     driver
         .with_browser(|browser| async move {
-            browser
-                .goto(&format!("http://{addr}/docs"))
-                .await
-                .expect("goto");
             // Listed under its service, with its method, path and summary.
-            let summary = shows(
-                &browser,
-                "the operation's line",
-                Locator::Css("#service-shop\\.Orders details.op[id='op-shop.Orders.get'] summary"),
-            )
-            .await;
-            let text = summary.text().await.expect("text");
+            let text = operation_line(&browser, addr, "shop.Orders", "shop.Orders.get").await;
             assert!(
                 text.contains("GET")
                     && text.contains("/orders/{id}")
@@ -394,17 +235,7 @@ async fn through_a_real_gateway_the_page_lists_the_echo_entry_and_calls_it() {
     let driver = Chromedriver::start().await;
     driver
         .with_browser(|browser| async move {
-            browser
-                .goto(&format!("http://{addr}/docs"))
-                .await
-                .expect("goto");
-            let summary = shows(
-                &browser,
-                "the echo entry",
-                Locator::Css("#service-echo\\.Echo details.op[id='op-echo.Echo.echo'] summary"),
-            )
-            .await;
-            let text = summary.text().await.expect("text");
+            let text = operation_line(&browser, addr, "echo.Echo", entry).await;
             assert!(
                 text.contains("POST") && text.contains("/api/echo.Echo/echo"),
                 "{text:?}"
