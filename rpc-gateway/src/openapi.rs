@@ -565,43 +565,8 @@ fn sorted(map: Map<String, Value>) -> Map<String, Value> {
 mod tests {
     use super::*;
     use crate::route::http_status;
-    use rpc_core::{EntryApi, EntrySchemas, HttpRoute, StatusCode};
-
-    fn entry(service: &str, method: &str, api: Option<EntryApi>) -> ServiceEntry {
-        ServiceEntry {
-            id: format!("{service}.{method}").as_str().into(),
-            service_id: service.into(),
-            method: method.into(),
-            hash_key: None,
-            governance: Default::default(),
-            api,
-        }
-    }
-
-    fn api(params: &[&str], http: Option<(&str, &str)>, schemas: Option<EntrySchemas>) -> EntryApi {
-        EntryApi {
-            params: params.iter().map(|p| p.to_string()).collect(),
-            doc: None,
-            http: http.map(|(m, p)| HttpRoute {
-                method: m.into(),
-                path: p.into(),
-            }),
-            stream: None,
-            schemas,
-        }
-    }
-
-    fn schemas(params: Vec<Value>, result: Value, defs: &[(&str, Value)]) -> EntrySchemas {
-        EntrySchemas {
-            params,
-            result,
-            error: None,
-            definitions: defs
-                .iter()
-                .map(|(n, s)| (n.to_string(), s.clone()))
-                .collect(),
-        }
-    }
+    use crate::route::test_entries::{api, entry, reference as refs, schemas};
+    use rpc_core::{EntryApi, StatusCode};
 
     fn info() -> DocumentInfo {
         DocumentInfo::new("test", "1")
@@ -719,7 +684,7 @@ mod tests {
     #[test]
     fn the_typed_error_schema_is_the_error_field_of_the_422_answer_only() {
         let mut s = schemas(vec![], json!({"type": "string"}), &[]);
-        s.error = Some(json!({"$ref": "#/components/schemas/OrderError"}));
+        s.error = Some(refs("OrderError"));
         s.definitions.insert(
             "OrderError".into(),
             json!({"type": "string", "enum": ["Empty", "Closed"]}),
@@ -732,7 +697,7 @@ mod tests {
         let schema_of = |status: &str| &responses[status]["content"]["application/json"]["schema"];
         assert_eq!(
             schema_of("422"),
-            &error_body_schema(Some(&json!({"$ref": "#/components/schemas/OrderError"})))
+            &error_body_schema(Some(&refs("OrderError")))
         );
         for status in ["400", "401", "404", "429", "502", "503", "504"] {
             assert_eq!(schema_of(status), &error_body_schema(None), "{status}");
@@ -761,44 +726,31 @@ mod tests {
         let item_a = json!({"type": "object", "properties": {"sku": {"type": "string"}}});
         let item_b = json!({"type": "object", "properties": {"id": {"type": "integer"}}});
         let money = json!({"type": "integer"});
-        let refs = |name: &str| json!({"$ref": format!("#/components/schemas/{name}")});
         // `Cart` refers to `Item`: in b.Stock, its `Item` differs, so its `Cart` is renamed too
         // although it is written the same.
-        let cart = json!({"type": "array", "items": {"$ref": "#/components/schemas/Item"}});
-        let a = entry(
-            "a.Shop",
-            "buy",
-            Some(api(
-                &["item"],
-                None,
-                Some(schemas(
-                    vec![refs("Item")],
-                    refs("Cart"),
-                    &[
-                        ("Item", item_a.clone()),
-                        ("Money", money.clone()),
-                        ("Cart", cart.clone()),
-                    ],
+        let cart = json!({"type": "array", "items": refs("Item")});
+        // Both take an `Item` and answer a `Cart`, each with its own definition of `Item`.
+        let buyer = |service: &str, method: &str, item: &Value| {
+            entry(
+                service,
+                method,
+                Some(api(
+                    &["item"],
+                    None,
+                    Some(schemas(
+                        vec![refs("Item")],
+                        refs("Cart"),
+                        &[
+                            ("Item", item.clone()),
+                            ("Money", money.clone()),
+                            ("Cart", cart.clone()),
+                        ],
+                    )),
                 )),
-            )),
-        );
-        let b = entry(
-            "b.Stock",
-            "count",
-            Some(api(
-                &["item"],
-                None,
-                Some(schemas(
-                    vec![refs("Item")],
-                    refs("Cart"),
-                    &[
-                        ("Item", item_b.clone()),
-                        ("Money", money.clone()),
-                        ("Cart", cart.clone()),
-                    ],
-                )),
-            )),
-        );
+            )
+        };
+        let a = buyer("a.Shop", "buy", &item_a);
+        let b = buyer("b.Stock", "count", &item_b);
         // Listed in the opposite order: the result does not depend on it.
         let doc = document(&[b.clone(), a.clone()], &info());
         assert_eq!(doc, document(&[a, b], &info()));
@@ -914,15 +866,7 @@ mod tests {
         let e = entry(
             "x.Y",
             "z",
-            Some(api(
-                &[],
-                None,
-                Some(schemas(
-                    vec![],
-                    json!({"$ref": "#/components/schemas/Gone"}),
-                    &[],
-                )),
-            )),
+            Some(api(&[], None, Some(schemas(vec![], refs("Gone"), &[])))),
         );
         let doc = document(&[e], &info());
         assert!(doc["components"]["schemas"]["Gone"].is_object());

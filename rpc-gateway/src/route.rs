@@ -107,27 +107,18 @@ pub fn error_body_schema(typed: Option<&Value>) -> Value {
     json!({"type": "object", "required": ["code", "message"], "properties": properties})
 }
 
+/// Entries written in a line for this crate's tests; the same file serves the integration tests.
+#[cfg(test)]
+#[path = "../tests/support/entries.rs"]
+pub(crate) mod test_entries;
+
 #[cfg(test)]
 mod tests {
+    use super::test_entries::{api, entry as entry_of};
     use super::*;
-    use rpc_core::{EntryApi, HttpRoute};
 
     fn entry(http: Option<(&str, &str)>) -> ServiceEntry {
-        ServiceEntry {
-            id: "shop.Orders.get".into(),
-            service_id: "shop.Orders".into(),
-            method: "get".into(),
-            hash_key: None,
-            governance: Default::default(),
-            api: Some(EntryApi {
-                params: vec!["id".into()],
-                http: http.map(|(method, path)| HttpRoute {
-                    method: method.into(),
-                    path: path.into(),
-                }),
-                ..Default::default()
-            }),
-        }
+        entry_of("shop.Orders", "get", Some(api(&["id"], http, None)))
     }
 
     #[test]

@@ -217,25 +217,12 @@ fn accepts_null(schema: &Value) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rpc_core::{EntryApi, HttpRoute};
+    use crate::route::test_entries::{api, entry as entry_of};
     use serde_json::json;
 
+    /// An entry taking `id`, served at `http` when given.
     fn entry(service: &str, method: &str, http: Option<(&str, &str)>) -> ServiceEntry {
-        ServiceEntry {
-            id: format!("{service}.{method}").as_str().into(),
-            service_id: service.into(),
-            method: method.into(),
-            hash_key: None,
-            governance: Default::default(),
-            api: Some(EntryApi {
-                params: vec!["id".into()],
-                http: http.map(|(m, p)| HttpRoute {
-                    method: m.into(),
-                    path: p.into(),
-                }),
-                ..Default::default()
-            }),
-        }
+        entry_of(service, method, Some(api(&["id"], http, None)))
     }
 
     fn found(table: &RouteTable, method: Method, path: &str) -> Option<String> {

@@ -7,10 +7,14 @@
 //! own message. A broken document is checked to be refused, so a validator that accepts anything
 //! (or a wrapper that reports nothing) cannot pass the test.
 
+#[path = "support/entries.rs"]
+mod entries;
+
 use std::path::Path;
 use std::process::Command;
 
-use rpc_core::{EntryApi, EntrySchemas, HttpRoute, ServiceEntry};
+use entries::{api, entry, reference, schemas};
+use rpc_core::{EntryApi, EntrySchemas, ServiceEntry};
 use rpc_gateway::openapi::{document, DocumentInfo};
 use serde_json::{json, Value};
 
@@ -63,19 +67,15 @@ fn run_validator(file: &Path) -> Result<(), String> {
     }
 }
 
-fn entry(service: &str, method: &str, api: Option<EntryApi>) -> ServiceEntry {
-    ServiceEntry {
-        id: format!("{service}.{method}").as_str().into(),
-        service_id: service.into(),
-        method: method.into(),
-        hash_key: None,
-        governance: Default::default(),
-        api,
+/// Fails the test, with the validator's message and the document, unless `doc` validates;
+/// `what` names the document in the message.
+fn assert_valid(doc: &Value, what: &str) {
+    if let Err(message) = validate(doc) {
+        panic!(
+            "openapi-spec-validator refused {what}: {message}\n{}",
+            serde_json::to_string_pretty(doc).unwrap_or_default()
+        );
     }
-}
-
-fn reference(name: &str) -> Value {
-    json!({"$ref": format!("#/components/schemas/{name}")})
 }
 
 /// Entries as servers publish them: schemars-style schemas with named types, a typed error, a
@@ -98,92 +98,80 @@ fn entries() -> Vec<ServiceEntry> {
         {"type": "object", "required": ["Closed"], "properties": {"Closed": {"type": "string"}}},
     ]});
     let shop_schemas = |params: Vec<Value>, result: Value| EntrySchemas {
-        params,
-        result,
         error: Some(reference("OrderError")),
-        definitions: [
-            ("Order".to_string(), order.clone()),
-            ("Item".to_string(), item_shop.clone()),
-            ("OrderError".to_string(), order_error.clone()),
-        ]
-        .into_iter()
-        .collect(),
+        ..schemas(
+            params,
+            result,
+            &[
+                ("Order", order.clone()),
+                ("Item", item_shop.clone()),
+                ("OrderError", order_error.clone()),
+            ],
+        )
     };
     vec![
         entry(
             "shop.Orders",
             "get",
             Some(EntryApi {
-                params: vec!["id".into(), "verbose".into()],
                 doc: Some("One order.\n\nWith `verbose`, its items too.".into()),
-                http: Some(HttpRoute {
-                    method: "GET".into(),
-                    path: "/orders/{id}".into(),
-                }),
-                stream: None,
-                schemas: Some(shop_schemas(
-                    vec![json!({"type": "integer"}), json!({"type": "boolean"})],
-                    reference("Order"),
-                )),
+                ..api(
+                    &["id", "verbose"],
+                    Some(("GET", "/orders/{id}")),
+                    Some(shop_schemas(
+                        vec![json!({"type": "integer"}), json!({"type": "boolean"})],
+                        reference("Order"),
+                    )),
+                )
             }),
         ),
         entry(
             "shop.Orders",
             "rename",
-            Some(EntryApi {
-                params: vec!["id".into(), "note".into()],
-                doc: None,
-                http: Some(HttpRoute {
-                    method: "PUT".into(),
-                    path: "/orders/{id}".into(),
-                }),
-                stream: None,
-                schemas: Some(shop_schemas(
+            Some(api(
+                &["id", "note"],
+                Some(("PUT", "/orders/{id}")),
+                Some(shop_schemas(
                     vec![json!({"type": "integer"}), json!(true)],
                     json!(true),
                 )),
-            }),
+            )),
         ),
         entry(
             "shop.Orders",
             "place",
             Some(EntryApi {
-                params: vec!["order".into()],
                 doc: Some("Places an order.".into()),
-                http: None,
-                stream: None,
-                schemas: Some(shop_schemas(
-                    vec![reference("Order")],
-                    json!({"type": "integer"}),
-                )),
+                ..api(
+                    &["order"],
+                    None,
+                    Some(shop_schemas(
+                        vec![reference("Order")],
+                        json!({"type": "integer"}),
+                    )),
+                )
             }),
         ),
         entry(
             "shop.Orders",
             "follow",
             Some(EntryApi {
-                params: vec!["id".into()],
                 stream: Some("server".into()),
-                ..Default::default()
+                ..api(&["id"], None, None)
             }),
         ),
         entry(
             "stock.Stock",
             "check",
-            Some(EntryApi {
-                params: vec!["item".into()],
-                doc: None,
-                http: None,
-                stream: None,
-                schemas: Some(EntrySchemas {
-                    params: vec![reference("Item")],
-                    result: json!(false),
-                    error: None,
-                    definitions: [("Item".to_string(), item_stock.clone())]
-                        .into_iter()
-                        .collect(),
-                }),
-            }),
+            Some(api(
+                &["item"],
+                None,
+                Some(schemas(
+                    vec![reference("Item")],
+                    json!(false),
+                    &[("Item", item_stock.clone())],
+                )),
+            )),
         ),
         entry("legacy.Echo", "echo", None),
     ]
@@ -198,12 +186,7 @@ fn the_document_of_published_entries_validates_as_openapi_3_1() {
         doc["components"]["schemas"]["Item_stock.Stock"].is_object(),
         "{doc}"
     );
-    if let Err(message) = validate(&doc) {
-        panic!(
-            "openapi-spec-validator refused the document: {message}\n{}",
-            serde_json::to_string_pretty(&doc).unwrap_or_default()
-        );
-    }
+    assert_valid(&doc, "the document");
 }
 
 #[test]
@@ -215,13 +198,13 @@ fn the_document_with_a_bearer_token_validates_as_openapi_3_1() {
     };
     let doc = document(&entries(), &info);
     assert!(doc["components"]["securitySchemes"]["bearer"].is_object());
-    validate(&doc).unwrap_or_else(|message| panic!("refused: {message}"));
+    assert_valid(&doc, "the document");
 }
 
 #[test]
 fn the_document_of_no_entries_validates_as_openapi_3_1() {
     let doc = document(&[], &DocumentInfo::new("empty", "0"));
-    validate(&doc).unwrap_or_else(|message| panic!("refused: {message}"));
+    assert_valid(&doc, "the document");
 }
 
 #[test]
@@ -374,12 +357,7 @@ fn the_document_of_entries_the_macro_publishes_validates_as_openapi_3_1() {
         doc["components"]["schemas"]["Order_pv.Stock"].is_object(),
         "{doc}"
     );
-    if let Err(message) = validate(&doc) {
-        panic!(
-            "openapi-spec-validator refused the document: {message}\n{}",
-            serde_json::to_string_pretty(&doc).unwrap_or_default()
-        );
-    }
+    assert_valid(&doc, "the document");
 }
 
 #[tokio::test]
@@ -433,10 +411,5 @@ async fn the_document_a_running_gateway_serves_validates_as_openapi_3_1() {
         );
     }
     assert_eq!(doc["security"], json!([{"bearer": []}]));
-    if let Err(message) = validate(&doc) {
-        panic!(
-            "openapi-spec-validator refused the served document: {message}\n{}",
-            serde_json::to_string_pretty(&doc).unwrap_or_default()
-        );
-    }
+    assert_valid(&doc, "the served document");
 }
