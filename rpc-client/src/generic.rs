@@ -62,7 +62,7 @@ impl Client {
             return Err(RpcError::validation(format!(
                 "{entry_id}: the arguments must be a JSON array, one element per parameter in \
                  declaration order (got {}); write [{args}] for a single argument",
-                kind(&args)
+                json_kind(&args)
             ))
             .with_field_error("arguments", "must be a JSON array"));
         };
@@ -197,7 +197,10 @@ fn split_entry_id(entry_id: &str) -> Result<(&str, &str), RpcError> {
     }
 }
 
-fn kind(v: &Value) -> &'static str {
+/// How a refusal names the kind of JSON value a caller sent where another was expected: `null`,
+/// `a boolean`, `a number`, `a string`, `an array` or `an object`. Public so that every refusal
+/// of JSON arguments ([`Client::invoke_json`]'s, a gateway's) words it the same way.
+pub fn json_kind(v: &Value) -> &'static str {
     match v {
         Value::Null => "null",
         Value::Bool(_) => "a boolean",
@@ -272,6 +275,21 @@ fn intern_descriptor(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn json_kind_names_each_kind_of_value_with_its_article() {
+        use serde_json::json;
+        for (value, named) in [
+            (json!(null), "null"),
+            (json!(false), "a boolean"),
+            (json!(1.5), "a number"),
+            (json!("x"), "a string"),
+            (json!([1]), "an array"),
+            (json!({"a": 1}), "an object"),
+        ] {
+            assert_eq!(json_kind(&value), named, "{value}");
+        }
+    }
 
     #[test]
     fn entry_ids_split_at_the_last_dot() {

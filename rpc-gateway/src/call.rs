@@ -310,7 +310,7 @@ fn bind(
             return Err(format!(
                 "the body must be a JSON object of named arguments ({}), not {}",
                 expected(),
-                kind(&other)
+                rpc_client::json_kind(&other)
             ))
         }
     }
@@ -342,17 +342,6 @@ fn text_value(served: &Served, params: &[String], name: &str, text: &str) -> Val
         return Value::String(text.to_string());
     }
     serde_json::from_str(text).unwrap_or_else(|_| Value::String(text.to_string()))
-}
-
-fn kind(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
-    }
 }
 
 /// The request's headers that travel as attachments (see the crate's documentation).
