@@ -242,6 +242,17 @@ impl World {
             .expect("serve echo")
     }
 
+    /// Starts a server of `service` alone.
+    async fn server(&self, service: impl rpc::Service) -> ServerHandle {
+        let id = service.service_id();
+        Server::builder()
+            .shared_registry(self.registry.clone())
+            .add_service(service)
+            .serve("127.0.0.1:0")
+            .await
+            .unwrap_or_else(|e| panic!("serving {id}: {e}"))
+    }
+
     /// Waits (on the gateway's route table changes) until every entry of `ids` is served.
     async fn serving(&self, ids: &[&str]) {
         let ok = self
@@ -578,18 +589,8 @@ async fn the_request_s_traceparent_continues_into_the_server_s_span() {
 async fn of_two_services_declaring_one_route_the_first_keeps_it_and_the_other_its_default() {
     let world = World::in_process(None).await;
     // b.Status registers first: the order of service ids decides, not the order of arrival.
-    let _b = Server::builder()
-        .shared_registry(world.registry.clone())
-        .add_service(BStatusServer::new(Arc::new(Named("b"))))
-        .serve("127.0.0.1:0")
-        .await
-        .expect("serve b");
-    let _a = Server::builder()
-        .shared_registry(world.registry.clone())
-        .add_service(AStatusServer::new(Arc::new(Named("a"))))
-        .serve("127.0.0.1:0")
-        .await
-        .expect("serve a");
+    let _b = world.server(BStatusServer::new(Arc::new(Named("b")))).await;
+    let _a = world.server(AStatusServer::new(Arc::new(Named("a")))).await;
     world.serving(&["a.Status.status", "b.Status.status"]).await;
 
     let a = world.send("GET", "/status", &[], None).await;

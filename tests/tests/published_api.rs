@@ -124,14 +124,34 @@ impl Shop for Counter {
     }
 }
 
-/// The one instance registered for `service`, as a client would read it.
-async fn published(registry: &InProcessRegistry, service: &str) -> Instance {
-    let watch = within("watch", registry.watch(&service.into()))
+/// Starts a server of `service` alone on a fresh in-process registry, and reads back the one
+/// instance it registered under `service_id`, as a client would read it.
+async fn publish(service: impl rpc::Service, service_id: &str) -> (rpc::ServerHandle, Instance) {
+    let registry = InProcessRegistry::new();
+    let server = within(
+        "serve",
+        Server::builder()
+            .registry(registry.clone())
+            .add_service(service)
+            .serve("127.0.0.1:0"),
+    )
+    .await
+    .expect("serve");
+    let watch = within("watch", registry.watch(&service_id.into()))
         .await
         .expect("watch");
     let current = watch.current();
     assert_eq!(current.len(), 1, "one server registered");
-    (*current[0]).clone()
+    (server, (*current[0]).clone())
+}
+
+/// The instance as a remote registry (etcd, ZooKeeper) stores it, as JSON: checks that all of
+/// it comes back, and returns it.
+fn stored_as_json(instance: &Instance) -> Vec<u8> {
+    let json = serde_json::to_vec(instance).expect("encode");
+    let back: Instance = serde_json::from_slice(&json).expect("decode");
+    assert_eq!(back.entries, instance.entries);
+    json
 }
 
 /// The entry `method` of `instance`.
@@ -192,31 +212,9 @@ fn refs(value: &Value, out: &mut Vec<String>) {
     }
 }
 
-async fn serve_shop(registry: &InProcessRegistry) -> rpc::ServerHandle {
-    within(
-        "serve",
-        Server::builder()
-            .registry(registry.clone())
-            .add_service(ShopServer::new(Counter))
-            .serve("127.0.0.1:0"),
-    )
-    .await
-    .expect("serve")
-}
-
 #[tokio::test]
 async fn a_server_publishes_names_docs_routes_and_stream_shapes() {
-    let registry = InProcessRegistry::new();
-    let server = within(
-        "serve",
-        Server::builder()
-            .registry(registry.clone())
-            .add_service(OrdersServer::new(Desk))
-            .serve("127.0.0.1:0"),
-    )
-    .await
-    .expect("serve");
-    let instance = published(&registry, "pa.Orders").await;
+    let (server, instance) = publish(OrdersServer::new(Desk), "pa.Orders").await;
     assert_eq!(instance.entries.len(), 4);
 
     let get = api(&instance, "get");
@@ -260,18 +258,14 @@ async fn a_server_publishes_names_docs_routes_and_stream_shapes() {
     assert_eq!(watch.stream.as_deref(), Some("server"));
 
     // A remote registry (etcd, ZooKeeper) stores the instance as JSON: all of it comes back.
-    let json = serde_json::to_vec(&instance).expect("encode");
-    let back: Instance = serde_json::from_slice(&json).expect("decode");
-    assert_eq!(back.entries, instance.entries);
+    stored_as_json(&instance);
 
     server.shutdown().await;
 }
 
 #[tokio::test]
 async fn schemas_of_types_with_json_schema_are_references_into_the_definitions() {
-    let registry = InProcessRegistry::new();
-    let server = serve_shop(&registry).await;
-    let instance = published(&registry, "pa.Shop").await;
+    let (server, instance) = publish(ShopServer::new(Counter), "pa.Shop").await;
 
     let place = schemas(&instance, "place");
     assert_eq!(
@@ -350,9 +344,7 @@ async fn schemas_of_types_with_json_schema_are_references_into_the_definitions()
 
 #[tokio::test]
 async fn a_type_without_json_schema_publishes_any_value() {
-    let registry = InProcessRegistry::new();
-    let server = serve_shop(&registry).await;
-    let instance = published(&registry, "pa.Shop").await;
+    let (server, instance) = publish(ShopServer::new(Counter), "pa.Shop").await;
     let raw = schemas(&instance, "raw");
     assert_eq!(raw.params, [Value::Bool(true)]);
     assert_eq!(raw.result, Value::Bool(true));
@@ -363,11 +355,9 @@ async fn a_type_without_json_schema_publishes_any_value() {
 
 #[tokio::test]
 async fn the_published_instance_stays_small_enough_for_a_registry_value() {
-    let registry = InProcessRegistry::new();
-    let server = serve_shop(&registry).await;
-    let instance = published(&registry, "pa.Shop").await;
+    let (server, instance) = publish(ShopServer::new(Counter), "pa.Shop").await;
     assert_eq!(instance.entries.len(), 5);
-    let json = serde_json::to_vec(&instance).expect("encode");
+    let json = stored_as_json(&instance);
     // A sanity bound well under etcd's default request limit (1.5 MiB): the schemas are
     // published once per entry, so a service's size grows with its entries and their types.
     println!(
@@ -375,7 +365,5 @@ async fn the_published_instance_stays_small_enough_for_a_registry_value() {
         json.len()
     );
     assert!(json.len() < 64 * 1024, "{} bytes", json.len());
-    let back: Instance = serde_json::from_slice(&json).expect("decode");
-    assert_eq!(back.entries, instance.entries);
     server.shutdown().await;
 }
