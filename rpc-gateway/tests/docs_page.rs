@@ -17,18 +17,20 @@
 mod chromedriver;
 #[path = "support/entries.rs"]
 mod entries;
+#[path = "support/running.rs"]
+mod running;
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 
 use axum::extract::{Path, RawQuery};
 use axum::routing::get;
 use axum::Json;
-use chromedriver::{shows, Chromedriver, WAIT};
+use chromedriver::{shows, Chromedriver};
 use entries::{api, entry, reference, schemas};
 use fantoccini::{Client as Browser, Locator};
 use rpc_core::{EntryApi, ServiceEntry};
 use rpc_gateway::openapi::{document, DocumentInfo};
+use running::running;
 use serde_json::{json, Value};
 
 /// Opens the page at `addr` and waits until it lists the operation `id` under its service;
@@ -193,44 +195,25 @@ async fn the_page_lists_a_declared_route_and_its_form_fills_path_and_query() {
 
 #[tokio::test]
 async fn through_a_real_gateway_the_page_lists_the_echo_entry_and_calls_it() {
-    use rpc::{Client, InProcessRegistry, Registry, Server};
-    let registry: Arc<dyn Registry> = Arc::new(InProcessRegistry::new());
-    let _server = Server::builder()
-        .shared_registry(registry.clone())
-        .add_service(examples::EchoServer::new(examples::EchoService::default()))
-        .serve("127.0.0.1:0")
-        .await
-        .expect("the echo server");
-    let gateway = rpc_gateway::Gateway::builder()
-        .client(Client::builder().shared_registry(registry.clone()).build())
-        .registry(registry)
-        .build()
-        .await
-        .expect("the gateway");
     let entry = "echo.Echo.echo";
-    assert!(
-        gateway
-            .wait_until(WAIT, |entries| entries
-                .iter()
-                .any(|e| e.id.as_str() == entry))
-            .await,
-        "the gateway never served {entry}"
-    );
+    let running = running(
+        rpc::Server::builder()
+            .add_service(examples::EchoServer::new(examples::EchoService::default())),
+        None,
+        &[entry],
+    )
+    .await;
+    let addr = running.addr;
     // The body the gateway takes: by name when the server publishes names, else positional.
-    let named = gateway
-        .entries()
-        .iter()
-        .any(|e| e.id.as_str() == entry && e.api.as_ref().is_some_and(|a| !a.params.is_empty()));
+    let named =
+        running.gateway.entries().iter().any(|e| {
+            e.id.as_str() == entry && e.api.as_ref().is_some_and(|a| !a.params.is_empty())
+        });
     let body = if named {
         r#"{"text": "from the page"}"#
     } else {
         r#"["from the page"]"#
     };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    tokio::spawn(gateway.serve(listener));
 
     let driver = Chromedriver::start().await;
     driver

@@ -9,6 +9,8 @@
 
 #[path = "support/entries.rs"]
 mod entries;
+#[path = "support/running.rs"]
+mod running;
 
 use std::path::Path;
 use std::process::Command;
@@ -16,6 +18,7 @@ use std::process::Command;
 use entries::{api, entry, reference, schemas};
 use rpc_core::{EntryApi, EntrySchemas, ServiceEntry};
 use rpc_gateway::openapi::{document, DocumentInfo};
+use running::running;
 use serde_json::{json, Value};
 
 /// Validates the file as OpenAPI 3.1 and prints the first error's message; exit status 3 when
@@ -362,39 +365,17 @@ fn the_document_of_entries_the_macro_publishes_validates_as_openapi_3_1() {
 
 #[tokio::test]
 async fn the_document_a_running_gateway_serves_validates_as_openapi_3_1() {
-    use rpc::{Client, InProcessRegistry, Registry, Server};
-    use std::sync::Arc;
-    use std::time::Duration;
-    let registry: Arc<dyn Registry> = Arc::new(InProcessRegistry::new());
-    let _server = Server::builder()
-        .shared_registry(registry.clone())
-        .add_service(published::ShopServer::new(published::Counter))
-        .add_service(published::stock::StockServer::new(published::Store))
-        .add_service(examples::EchoServer::new(examples::EchoService::default()))
-        .serve("127.0.0.1:0")
-        .await
-        .expect("the server");
-    let gateway = rpc_gateway::Gateway::builder()
-        .client(Client::builder().shared_registry(registry.clone()).build())
-        .registry(registry)
-        .token("s3cret")
-        .build()
-        .await
-        .expect("the gateway");
     let wanted = ["pv.Shop.get", "pv.Stock.reorder", "echo.Echo.echo"];
-    assert!(
-        gateway
-            .wait_until(Duration::from_secs(30), |entries| wanted
-                .iter()
-                .all(|id| entries.iter().any(|e| e.id.as_str() == *id)))
-            .await,
-        "the gateway never served {wanted:?}"
-    );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    tokio::spawn(gateway.serve(listener));
+    let running = running(
+        rpc::Server::builder()
+            .add_service(published::ShopServer::new(published::Counter))
+            .add_service(published::stock::StockServer::new(published::Store))
+            .add_service(examples::EchoServer::new(examples::EchoService::default())),
+        Some("s3cret"),
+        &wanted,
+    )
+    .await;
+    let addr = running.addr;
     // The document as a caller reads it, over HTTP.
     let answer = reqwest::Client::new()
         .get(format!("http://{addr}/openapi.json"))
