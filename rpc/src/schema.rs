@@ -28,7 +28,7 @@ use serde_json::Value;
 pub const DEFINITIONS_PATH: &str = "#/components/schemas/";
 
 /// The generator of one entry's schemas: JSON Schema draft 2020-12 (as OpenAPI 3.1 uses), named
-/// types as references to [`DEFINITIONS_PATH`].
+/// types as references to `DEFINITIONS_PATH`.
 pub fn schema_generator() -> SchemaGenerator {
     SchemaSettings::draft2020_12()
         .with(|s| s.definitions_path = DEFINITIONS_PATH.into())
