@@ -328,7 +328,14 @@ mod tests {
             name: "ünïcode".into(),
         };
         let values = [
-            (1u32, "a".to_string(), Profile { id: 0, name: String::new() }),
+            (
+                1u32,
+                "a".to_string(),
+                Profile {
+                    id: 0,
+                    name: String::new(),
+                },
+            ),
             (u32::MAX, "x".repeat(300), p),
         ];
         for codec in [Codec::MsgPack, Codec::Json] {

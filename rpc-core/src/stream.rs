@@ -290,8 +290,14 @@ mod tests {
         let items = || RpcStream::iter([1u16, 0x0203, 0, 9]);
         // As a stream: each item its own bytes, then the encoder's error, then the end.
         let mut s = ByteStream::encoding(items(), be);
-        assert_eq!(s.next().await.unwrap().unwrap(), Bytes::from_static(&[0, 1]));
-        assert_eq!(s.next().await.unwrap().unwrap(), Bytes::from_static(&[2, 3]));
+        assert_eq!(
+            s.next().await.unwrap().unwrap(),
+            Bytes::from_static(&[0, 1])
+        );
+        assert_eq!(
+            s.next().await.unwrap().unwrap(),
+            Bytes::from_static(&[2, 3])
+        );
         assert!(matches!(s.next().await, Some(Err(e)) if e.message() == "zero"));
         assert!(s.next().await.is_none());
         // Into a buffer: appended one after the other, the failed item leaving nothing.
