@@ -213,29 +213,38 @@ pub(crate) fn put_items_frame(id: u64, payloads: &[Bytes], compression: i32, dst
 }
 
 /// Starts an item of a run in `run` (the items of a `StreamItems` frame as its field 2
-/// writes them): its key and a one-byte length for [`finish_run_item`] to fix once the item's
-/// bytes follow. Returns where the item starts.
-pub(crate) fn start_run_item(run: &mut BytesMut) -> usize {
+/// writes them): its key and `width` bytes (1 to 10) held for its length, which
+/// [`finish_run_item`] writes once the item's bytes follow. Returns where the item starts.
+/// With `width` the size of the length's varint (as for items of the size of the last one),
+/// the item's bytes stay where they were written.
+pub(crate) fn start_run_item(run: &mut BytesMut, width: usize) -> usize {
     let mark = run.len();
     put_key(2, LEN, run);
-    run.put_u8(0);
+    run.put_bytes(0, width.clamp(1, 10));
     mark
 }
 
-/// Completes the item started at `mark` by [`start_run_item`], whose `len` bytes now follow
-/// its placeholder: writes its length there, moving the bytes up when it takes more than one.
-pub(crate) fn finish_run_item(run: &mut BytesMut, mark: usize, len: usize) {
+/// Completes the item started at `mark` by [`start_run_item`] with `width` bytes held for its
+/// length, whose `len` bytes now follow: writes the length there, moving the bytes when it
+/// takes another number of bytes. Returns the length's size, the width to hold for the next
+/// item.
+pub(crate) fn finish_run_item(run: &mut BytesMut, mark: usize, width: usize, len: usize) -> usize {
+    let width = width.clamp(1, 10);
     let at = mark + 1;
     let need = encoded_len_varint(len as u64);
-    if need > 1 {
-        let from = at + 1;
-        run.resize(run.len() + need - 1, 0);
-        run.copy_within(from..from + len, from + need - 1);
+    if need != width {
+        let from = at + width;
+        if need > width {
+            run.resize(run.len() + need - width, 0);
+        }
+        run.copy_within(from..from + len, at + need);
+        run.truncate(at + need + len);
     }
     let mut prefix = [0u8; 10];
     let mut out = &mut prefix[..];
     encode_varint(len as u64, &mut out);
     run[at..at + need].copy_from_slice(&prefix[..need]);
+    need
 }
 
 /// Appends an item of `payload` to a run, as [`start_run_item`] and [`finish_run_item`] do.
@@ -484,9 +493,12 @@ mod tests {
                 let mut run = BytesMut::new();
                 for p in &payloads {
                     if written_in_place {
-                        let mark = start_run_item(&mut run);
+                        // Any width held for the length: too small, right or too large.
+                        let width = rng.random_range(1..4);
+                        let mark = start_run_item(&mut run, width);
                         run.extend_from_slice(p);
-                        finish_run_item(&mut run, mark, p.len());
+                        let used = finish_run_item(&mut run, mark, width, p.len());
+                        assert_eq!(used, encoded_len_varint(p.len() as u64));
                     } else {
                         put_run_item(&mut run, p);
                     }

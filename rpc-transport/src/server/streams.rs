@@ -340,6 +340,9 @@ pub(super) struct StreamDriver {
     run: BytesMut,
     run_items: usize,
     run_compression: i32,
+    /// Bytes held for the length of the next item encoded in place: the size of the last
+    /// one's, so that items of one size are never moved.
+    length_width: usize,
 }
 
 impl StreamDriver {
@@ -375,6 +378,7 @@ impl StreamDriver {
             run: BytesMut::new(),
             run_items: 0,
             run_compression: 0,
+            length_width: 1,
         }
     }
 
@@ -443,11 +447,12 @@ impl StreamDriver {
             Events::Plain(events) => events.poll_next_unpin(cx),
             Events::Into(events) if !self.accepted => events.as_mut().poll_next(cx),
             Events::Into(events) => {
-                let mark = start_run_item(&mut self.run);
+                let mark = start_run_item(&mut self.run, self.length_width);
                 let next = events.as_mut().poll_event_into(cx, &mut self.run);
                 match next {
                     Poll::Ready(Some(StreamEvent::Appended(len))) => {
-                        finish_run_item(&mut self.run, mark, len);
+                        self.length_width =
+                            finish_run_item(&mut self.run, mark, self.length_width, len);
                         self.added_in_place(mark);
                     }
                     _ => self.run.truncate(mark),
