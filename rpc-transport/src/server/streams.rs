@@ -340,6 +340,9 @@ pub(super) struct StreamDriver {
     run: BytesMut,
     run_items: usize,
     run_compression: i32,
+    /// The payload bytes of the items in `run` (at most [`MAX_ITEMS_BYTES`] with more than
+    /// one item).
+    run_payload: usize,
     /// Bytes held for the length of the next item encoded in place: the size of the last
     /// one's, so that items of one size are never moved.
     length_width: usize,
@@ -378,6 +381,7 @@ impl StreamDriver {
             run: BytesMut::new(),
             run_items: 0,
             run_compression: 0,
+            run_payload: 0,
             length_width: 1,
         }
     }
@@ -386,29 +390,32 @@ impl StreamDriver {
     fn put_item(&mut self, payload: &[u8], compression: i32) {
         if self.run_items > 0
             && (compression != self.run_compression
-                || self.run.len() + payload.len() > MAX_ITEMS_BYTES)
+                || self.run_payload + payload.len() > MAX_ITEMS_BYTES)
         {
             self.end_run();
         }
         put_run_item(&mut self.run, payload);
-        self.added(compression);
+        self.added(compression, payload.len());
     }
 
-    /// Counts the item just added to `run` (compressed with `compression`) and ends the run
-    /// when the client takes one item per frame.
-    fn added(&mut self, compression: i32) {
+    /// Counts the item of `len` bytes just added to `run` (compressed with `compression`) and
+    /// ends the run when the client takes one item per frame.
+    fn added(&mut self, compression: i32, len: usize) {
         self.run_items += 1;
         self.run_compression = compression;
+        self.run_payload += len;
         if !self.batches {
             self.end_run();
         }
     }
 
-    /// Counts an item appended to `run` at `mark` in place, first writing the items before it
-    /// as a frame when it does not belong in their run (another compression, or too many
-    /// bytes).
-    fn added_in_place(&mut self, mark: usize) {
-        if self.run_items > 0 && (self.run_compression != 0 || self.run.len() > MAX_ITEMS_BYTES) {
+    /// Counts an item of `len` bytes appended to `run` at `mark` in place, first writing the
+    /// items before it as a frame when it does not belong in their run (another compression,
+    /// or too many bytes).
+    fn added_in_place(&mut self, mark: usize, len: usize) {
+        if self.run_items > 0
+            && (self.run_compression != 0 || self.run_payload + len > MAX_ITEMS_BYTES)
+        {
             put_run_frame(
                 self.id,
                 self.run_items,
@@ -416,12 +423,13 @@ impl StreamDriver {
                 self.run_compression,
                 &mut self.frames,
             );
-            let len = self.run.len();
-            self.run.copy_within(mark..len, 0);
-            self.run.truncate(len - mark);
+            let end = self.run.len();
+            self.run.copy_within(mark..end, 0);
+            self.run.truncate(end - mark);
             self.run_items = 0;
+            self.run_payload = 0;
         }
-        self.added(0);
+        self.added(0, len);
     }
 
     /// Writes the items of `run` as one frame (one item alone as a `StreamItem`).
@@ -437,6 +445,7 @@ impl StreamDriver {
         }
         self.run.clear();
         self.run_items = 0;
+        self.run_payload = 0;
     }
 
     /// The next event; once the stream is accepted (its credit frame goes first), a plain
@@ -453,7 +462,7 @@ impl StreamDriver {
                     Poll::Ready(Some(StreamEvent::Appended(len))) => {
                         self.length_width =
                             finish_run_item(&mut self.run, mark, self.length_width, len);
-                        self.added_in_place(mark);
+                        self.added_in_place(mark, len);
                     }
                     _ => self.run.truncate(mark),
                 }
