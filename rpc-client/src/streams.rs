@@ -316,8 +316,8 @@ impl OpenStream {
 
     fn into_watched(self) -> Watched {
         let items = match self.stream {
-            Source::Remote(s, _) => RpcStream::try_new(s),
-            Source::Fallback(s) => s,
+            Source::Remote(s, _) => Items::Remote(s),
+            Source::Fallback(s) => Items::Fallback(s),
         };
         Watched {
             items,
@@ -328,15 +328,25 @@ impl OpenStream {
 
 /// A stream's items, counted as they arrive; its end (or its drop) ends the call's watch.
 struct Watched {
-    items: ByteStream,
+    items: Items,
     watch: StreamWatch,
+}
+
+/// Where a watched stream's items come from: the connection's stream polled directly (no
+/// boxed layer between it and the caller's stream, per item), or a fallback's stream.
+enum Items {
+    Remote(ClientStream),
+    Fallback(ByteStream),
 }
 
 impl Stream for Watched {
     type Item = Result<Bytes, RpcError>;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        let next = Pin::new(&mut self.items).poll_next(cx);
+        let next = match &mut self.items {
+            Items::Remote(s) => Pin::new(s).poll_next(cx),
+            Items::Fallback(s) => Pin::new(s).poll_next(cx),
+        };
         match &next {
             Poll::Ready(Some(Ok(_))) => self.watch.received(),
             Poll::Ready(Some(Err(e))) => self.watch.finish(Err(e)),

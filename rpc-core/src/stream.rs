@@ -10,7 +10,7 @@ use std::fmt;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use futures_util::stream::{self, BoxStream, Stream, StreamExt};
 
 use crate::RpcError;
@@ -31,10 +31,72 @@ use crate::RpcError;
 /// # });
 /// ```
 pub struct RpcStream<T> {
-    inner: BoxStream<'static, Result<T, RpcError>>,
+    inner: Inner<T>,
     /// Set once an error item or the end was returned: nothing is polled after.
     done: bool,
 }
+
+/// Where a stream's items come from.
+enum Inner<T> {
+    /// Any stream of items.
+    Items(BoxStream<'static, Result<T, RpcError>>),
+    /// Typed items encoded as they are taken (only ever a [`ByteStream`]): into the caller's
+    /// buffer by [`RpcStream::poll_next_into`], or into `scratch`, cut off as one item, by
+    /// `poll_next`. `wrap` makes the cut-off bytes a `T` (the identity: `T` is `Bytes`).
+    Encoding {
+        source: Box<dyn EncodeItems>,
+        scratch: BytesMut,
+        wrap: fn(Bytes) -> T,
+    },
+}
+
+/// Items that encode themselves onto the end of a buffer: what
+/// [`RpcStream::encoding`] builds from a stream of typed items and an encoder.
+trait EncodeItems: Send {
+    /// The next item appended to `dst` (its length), an error, or the end. On an error
+    /// `dst` is as it was.
+    fn poll_encode(
+        &mut self,
+        cx: &mut Context<'_>,
+        dst: &mut BytesMut,
+    ) -> Poll<Option<Result<usize, RpcError>>>;
+}
+
+/// A stream of `T`s and what encodes one onto a buffer.
+struct Encoder<T, F> {
+    items: RpcStream<T>,
+    encode: F,
+}
+
+impl<T, F> EncodeItems for Encoder<T, F>
+where
+    T: Send + 'static,
+    F: FnMut(&T, &mut BytesMut) -> Result<usize, RpcError> + Send,
+{
+    fn poll_encode(
+        &mut self,
+        cx: &mut Context<'_>,
+        dst: &mut BytesMut,
+    ) -> Poll<Option<Result<usize, RpcError>>> {
+        match self.items.poll_next_unpin(cx) {
+            Poll::Ready(Some(Ok(item))) => {
+                let start = dst.len();
+                let encoded = (self.encode)(&item, dst);
+                if encoded.is_err() {
+                    dst.truncate(start);
+                }
+                Poll::Ready(Some(encoded))
+            }
+            Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(e))),
+            Poll::Ready(None) => Poll::Ready(None),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+/// Size of the buffer an encoding stream's items are cut from when they are taken one by one
+/// (see [`RpcStream::encoding`]).
+const SCRATCH: usize = 16 * 1024;
 
 impl<T: Send + 'static> RpcStream<T> {
     /// The items of any stream of `T`s.
@@ -45,7 +107,7 @@ impl<T: Send + 'static> RpcStream<T> {
     /// The items of a stream that may fail: an `Err` item ends the stream after it.
     pub fn try_new(items: impl Stream<Item = Result<T, RpcError>> + Send + 'static) -> Self {
         RpcStream {
-            inner: items.boxed(),
+            inner: Inner::Items(items.boxed()),
             done: false,
         }
     }
@@ -99,7 +161,27 @@ impl<T> Stream for RpcStream<T> {
         if self.done {
             return Poll::Ready(None);
         }
-        let next = self.inner.as_mut().poll_next(cx);
+        let next = match &mut self.inner {
+            Inner::Items(items) => items.as_mut().poll_next(cx),
+            Inner::Encoding {
+                source,
+                scratch,
+                wrap,
+            } => {
+                if scratch.capacity() - scratch.len() < SCRATCH / 8 {
+                    // Reuses the buffer once every item cut from it is gone.
+                    scratch.reserve(SCRATCH);
+                }
+                match source.poll_encode(cx, scratch) {
+                    Poll::Ready(Some(Ok(_))) => {
+                        Poll::Ready(Some(Ok(wrap(scratch.split().freeze()))))
+                    }
+                    Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(e))),
+                    Poll::Ready(None) => Poll::Ready(None),
+                    Poll::Pending => Poll::Pending,
+                }
+            }
+        };
         match &next {
             Poll::Ready(None) | Poll::Ready(Some(Err(_))) => self.done = true,
             _ => {}
@@ -120,6 +202,61 @@ impl<T> fmt::Debug for RpcStream<T> {
 /// a client's connection delivers, before the items are decoded.
 pub type ByteStream = RpcStream<Bytes>;
 
+impl RpcStream<Bytes> {
+    /// The items of `items`, each encoded by `encode` (which appends one item's bytes to the
+    /// buffer it is given and returns their number) when it is taken: an item that does not
+    /// encode ends the stream with `encode`'s error.
+    ///
+    /// Taken with [`poll_next_into`](Self::poll_next_into), an item is encoded straight into
+    /// the taker's buffer (a frame being assembled), with no buffer of its own; taken as a
+    /// `Stream`, each item's bytes are cut from a buffer the stream keeps.
+    pub fn encoding<T, F>(items: RpcStream<T>, encode: F) -> ByteStream
+    where
+        T: Send + 'static,
+        F: FnMut(&T, &mut BytesMut) -> Result<usize, RpcError> + Send + 'static,
+    {
+        RpcStream {
+            inner: Inner::Encoding {
+                source: Box::new(Encoder { items, encode }),
+                scratch: BytesMut::new(),
+                wrap: std::convert::identity,
+            },
+            done: false,
+        }
+    }
+
+    /// The next item appended to `dst`, with its length; an error item (after which `dst` is
+    /// as it was) or `None` at the end, as [`next`](Self::next) would return them. An item of
+    /// a stream built by [`encoding`](Self::encoding) is encoded right there; any other is
+    /// copied.
+    pub fn poll_next_into(
+        &mut self,
+        cx: &mut Context<'_>,
+        dst: &mut BytesMut,
+    ) -> Poll<Option<Result<usize, RpcError>>> {
+        if self.done {
+            return Poll::Ready(None);
+        }
+        let next = match &mut self.inner {
+            Inner::Items(items) => match items.as_mut().poll_next(cx) {
+                Poll::Ready(Some(Ok(item))) => {
+                    dst.extend_from_slice(&item);
+                    Poll::Ready(Some(Ok(item.len())))
+                }
+                Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(e))),
+                Poll::Ready(None) => Poll::Ready(None),
+                Poll::Pending => Poll::Pending,
+            },
+            Inner::Encoding { source, .. } => source.poll_encode(cx, dst),
+        };
+        match &next {
+            Poll::Ready(None) | Poll::Ready(Some(Err(_))) => self.done = true,
+            _ => {}
+        }
+        next
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -136,6 +273,64 @@ mod tests {
         assert_eq!(s.next().await.map(Result::ok), Some(Some(10)));
         assert!(matches!(s.next().await, Some(Err(e)) if e.code() == StatusCode::ServerError));
         assert!(s.next().await.is_none(), "nothing after the error");
+    }
+
+    /// Encodes a `u16` as its two big-endian bytes, refusing 0.
+    fn be(n: &u16, dst: &mut BytesMut) -> Result<usize, RpcError> {
+        if *n == 0 {
+            dst.extend_from_slice(b"partial");
+            return Err(RpcError::new(StatusCode::ServerError, "zero"));
+        }
+        dst.extend_from_slice(&n.to_be_bytes());
+        Ok(2)
+    }
+
+    #[tokio::test]
+    async fn an_encoding_stream_gives_the_same_items_taken_either_way() {
+        let items = || RpcStream::iter([1u16, 0x0203, 0, 9]);
+        // As a stream: each item its own bytes, then the encoder's error, then the end.
+        let mut s = ByteStream::encoding(items(), be);
+        assert_eq!(
+            s.next().await.unwrap().unwrap(),
+            Bytes::from_static(&[0, 1])
+        );
+        assert_eq!(
+            s.next().await.unwrap().unwrap(),
+            Bytes::from_static(&[2, 3])
+        );
+        assert!(matches!(s.next().await, Some(Err(e)) if e.message() == "zero"));
+        assert!(s.next().await.is_none());
+        // Into a buffer: appended one after the other, the failed item leaving nothing.
+        let mut s = ByteStream::encoding(items(), be);
+        let mut dst = BytesMut::from(&b">"[..]);
+        let mut lens = Vec::new();
+        let end = std::future::poll_fn(|cx| loop {
+            match s.poll_next_into(cx, &mut dst) {
+                Poll::Ready(Some(Ok(n))) => lens.push(n),
+                other => return other.map(|o| o.map(|r| r.map_err(|e| e.message().to_string()))),
+            }
+        })
+        .await;
+        assert_eq!(end, Some(Err("zero".to_string())));
+        assert_eq!(lens, [2, 2]);
+        assert_eq!(&dst[..], b">\x00\x01\x02\x03");
+        assert!(std::future::poll_fn(|cx| s.poll_next_into(cx, &mut dst))
+            .await
+            .is_none());
+    }
+
+    #[tokio::test]
+    async fn any_byte_stream_can_be_taken_into_a_buffer() {
+        let mut s = ByteStream::iter([Bytes::from_static(b"ab"), Bytes::from_static(b"c")]);
+        let mut dst = BytesMut::new();
+        for expected in [2, 1] {
+            let n = std::future::poll_fn(|cx| s.poll_next_into(cx, &mut dst)).await;
+            assert_eq!(n.unwrap().unwrap(), expected);
+        }
+        assert!(std::future::poll_fn(|cx| s.poll_next_into(cx, &mut dst))
+            .await
+            .is_none());
+        assert_eq!(&dst[..], b"abc");
     }
 
     #[tokio::test]

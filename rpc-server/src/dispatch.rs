@@ -279,6 +279,11 @@ impl Pack {
                 events,
                 move |event| self.apply_item(event),
             ))),
+            // (Compressed items are buffers of their own: taken as such.)
+            Dispatch::Events(events) => Dispatch::Stream(Box::pin(futures_util::StreamExt::map(
+                events,
+                move |event| self.apply_item(event),
+            ))),
         }
     }
 

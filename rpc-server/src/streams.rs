@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use futures_util::stream::{Stream, StreamExt};
 use rpc_core::wire::RemoteResultMessage;
 use rpc_core::{
@@ -25,7 +25,7 @@ use rpc_core::{
 };
 use rpc_governance::events::EventKind;
 use rpc_governance::fallback;
-use rpc_transport::{error_result, Caller, Dispatch, Invoke, StreamEvent};
+use rpc_transport::{error_result, Caller, Dispatch, Invoke, StreamEvent, StreamEvents};
 use tokio::time::Instant;
 
 use crate::admission::{Admission, Slot};
@@ -128,27 +128,24 @@ pub(crate) fn dispatch(
         &d.calls,
         route.method.entry_id,
     );
-    Dispatch::Stream(
-        ServerStream {
-            accept_first: route.stream != StreamMode::Server,
-            client_streaming: route.stream == StreamMode::Client,
-            accepted: false,
-            setup: Some(setup),
-            items: None,
-            deadline,
-            timer: None,
-            entry: route.method.entry_id,
-            permit: Some(permit),
-            admission: route.admission.clone(),
-            watch,
-            send_panic_text: d.send_panic_text,
-            sent: 0,
-            received,
-            ended: false,
-            end_hooks: None,
-        }
-        .boxed(),
-    )
+    Dispatch::Events(Box::pin(ServerStream {
+        accept_first: route.stream != StreamMode::Server,
+        client_streaming: route.stream == StreamMode::Client,
+        accepted: false,
+        setup: Some(setup),
+        items: None,
+        deadline,
+        timer: None,
+        entry: route.method.entry_id,
+        permit: Some(permit),
+        admission: route.admission.clone(),
+        watch,
+        send_panic_text: d.send_panic_text,
+        sent: 0,
+        received,
+        ended: false,
+        end_hooks: None,
+    }))
 }
 
 /// A stream on a server with layers: the layers see its set-up as a call (they may refuse it,
@@ -233,28 +230,25 @@ fn layered(
         &d.calls,
         entry,
     );
-    Dispatch::Stream(
-        ServerStream {
-            accept_first: route.stream != StreamMode::Server,
-            client_streaming: route.stream == StreamMode::Client,
-            accepted: false,
-            setup: Some(setup),
-            items: None,
-            deadline,
-            timer: None,
-            entry,
-            // The items hold the entry's slot, taken at the end of the chain.
-            permit: None,
-            admission: route.admission.clone(),
-            watch,
-            send_panic_text: d.send_panic_text,
-            sent: 0,
-            received,
-            ended: false,
-            end_hooks: Some((hooks, Instant::now())),
-        }
-        .boxed(),
-    )
+    Dispatch::Events(Box::pin(ServerStream {
+        accept_first: route.stream != StreamMode::Server,
+        client_streaming: route.stream == StreamMode::Client,
+        accepted: false,
+        setup: Some(setup),
+        items: None,
+        deadline,
+        timer: None,
+        entry,
+        // The items hold the entry's slot, taken at the end of the chain.
+        permit: None,
+        admission: route.admission.clone(),
+        watch,
+        send_panic_text: d.send_panic_text,
+        sent: 0,
+        received,
+        ended: false,
+        end_hooks: Some((hooks, Instant::now())),
+    }))
 }
 
 /// `setup` answered, should it fail with an error a server fallback applies to, by the
@@ -412,7 +406,29 @@ impl Stream for ServerStream {
     type Item = StreamEvent;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<StreamEvent>> {
-        let this = &mut *self;
+        self.poll_event(cx, None)
+    }
+}
+
+impl StreamEvents for ServerStream {
+    fn poll_event_into(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        dst: &mut BytesMut,
+    ) -> Poll<Option<StreamEvent>> {
+        self.poll_event(cx, Some(dst))
+    }
+}
+
+impl ServerStream {
+    /// The next event; with `dst`, an item is encoded (or copied) onto its end and returned
+    /// as [`StreamEvent::Appended`].
+    fn poll_event(
+        &mut self,
+        cx: &mut Context<'_>,
+        dst: Option<&mut BytesMut>,
+    ) -> Poll<Option<StreamEvent>> {
+        let this = self;
         if this.ended {
             return Poll::Ready(None);
         }
@@ -444,7 +460,7 @@ impl Stream for ServerStream {
                     this.setup = None;
                     this.items = Some(items);
                     if this.accepted {
-                        return Pin::new(this).poll_next(cx);
+                        return this.poll_event(cx, dst);
                     }
                     this.accepted = true;
                     return Poll::Ready(Some(StreamEvent::Accepted));
@@ -455,6 +471,37 @@ impl Stream for ServerStream {
             let result = settle(outcome, this.entry, this.send_panic_text);
             return this.end(result);
         }
+        let Some(items) = &mut this.items else {
+            return Poll::Ready(None);
+        };
+        let dst = match dst {
+            // A client stream's answer is its end, not an item.
+            Some(dst) if !this.client_streaming => dst,
+            _ => return this.poll_item(cx),
+        };
+        let mark = dst.len();
+        let outcome: Outcome =
+            match Self::guarded(this.deadline, || items.poll_next_into(cx, &mut *dst)) {
+                Ok(Poll::Pending) => return Poll::Pending,
+                Ok(Poll::Ready(Some(Ok(len)))) => {
+                    this.sent += 1;
+                    return Poll::Ready(Some(StreamEvent::Appended(len)));
+                }
+                Ok(Poll::Ready(Some(Err(e)))) => Ok(Err(e)),
+                Ok(Poll::Ready(None)) => Ok(Ok(Bytes::new())),
+                Err(panic) => {
+                    // Whatever the item wrote before it panicked is not an item.
+                    dst.truncate(mark);
+                    Err(panic)
+                }
+            };
+        let result = settle(outcome, this.entry, this.send_panic_text);
+        this.end(result)
+    }
+
+    /// The next item (or end) of the handler's stream, as its own buffer.
+    fn poll_item(&mut self, cx: &mut Context<'_>) -> Poll<Option<StreamEvent>> {
+        let this = self;
         let Some(items) = &mut this.items else {
             return Poll::Ready(None);
         };
@@ -541,7 +588,7 @@ mod tests {
             }
             _ => panic!("a unary call of a streaming method is refused"),
         }
-        let Dispatch::Stream(mut events) = d.handle(invoke(StreamMode::Server), &caller) else {
+        let Dispatch::Events(mut events) = d.handle(invoke(StreamMode::Server), &caller) else {
             panic!("expected a stream")
         };
         // The cap of 1 is held by the open stream.
@@ -566,7 +613,7 @@ mod tests {
         // The slot is back.
         assert!(matches!(
             d.handle(invoke(StreamMode::Server), &caller),
-            Dispatch::Stream(_)
+            Dispatch::Events(_)
         ));
     }
 }

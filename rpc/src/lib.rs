@@ -374,14 +374,22 @@ pub mod __private {
         Codec::MsgPack.encode(key).ok()
     }
 
-    /// Server side: the items of a streaming method, each encoded by `codec` (an item that
-    /// does not encode ends the stream with that error).
+    /// Server side: the items of a streaming method, each encoded by `codec` as the
+    /// transport takes it, straight into the frame being assembled (an item that does not
+    /// encode ends the stream with that error).
     pub fn encode_stream<T: Serialize + Send + 'static>(
         codec: Codec,
         items: RpcStream<T>,
         method: &'static MethodDescriptor,
     ) -> ByteStream {
-        items.map_items(move |item| encode_result(codec, &item, method))
+        ByteStream::encoding(items, move |item, dst| {
+            codec.encode_to(dst, item).map_err(|e| {
+                RpcError::new(
+                    StatusCode::ServerError,
+                    format!("could not encode the result of {}: {e}", method.entry_id),
+                )
+            })
+        })
     }
 
     /// Client side: the items of a streaming method, each decoded by `codec` (an item that

@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 use super::handler::error_result;
 use super::handler::Dispatch;
 use super::runner::{self, CallFuture, CallSink, Runners, Running};
-use super::streams::{StreamDriver, StreamSlot, StreamTable};
+use super::streams::{Events, StreamDriver, StreamSlot, StreamTable};
 use crate::writer::FrameSender;
 
 pub(super) struct Conn {
@@ -85,7 +85,7 @@ pub(super) fn dispatch(
     inline_first_poll: bool,
     slot: Option<Arc<StreamSlot>>,
 ) {
-    if !matches!(outcome, Dispatch::Stream(_)) {
+    if !matches!(outcome, Dispatch::Stream(_) | Dispatch::Events(_)) {
         // A stream refused (or answered as a call): its client's items go nowhere.
         if let Some(slot) = &slot {
             conn.streams.close(id, slot);
@@ -108,32 +108,36 @@ pub(super) fn dispatch(
             }
             spawn(conn, id, fut);
         }
-        Dispatch::Stream(events) => {
-            let Some(window) = conn.client_window else {
-                // (The reader refuses stream opens from such clients before the handler.)
-                send_result(
-                    conn,
-                    id,
-                    error_result(
-                        rpc_core::StatusCode::FrameworkError,
-                        "the server answered with a stream, but this connection did not \
-                         negotiate streams (Hello.streams)",
-                    ),
-                );
-                return;
-            };
-            conn.give_way.store(true, Ordering::Relaxed);
-            let driver = StreamDriver::new(
-                id,
-                events,
-                (window, conn.client_window_bytes, conn.client_batches),
-                slot,
-                &conn.streams,
-                conn.sender.clone(),
-            );
-            spawn(conn, id, Box::pin(driver));
-        }
+        Dispatch::Stream(events) => stream(conn, id, Events::Plain(events), slot),
+        Dispatch::Events(events) => stream(conn, id, Events::Into(events), slot),
     }
+}
+
+/// Runs stream `id` answering its call with `events` in a task of the connection.
+fn stream(conn: &Arc<Conn>, id: u64, events: Events, slot: Option<Arc<StreamSlot>>) {
+    let Some(window) = conn.client_window else {
+        // (The reader refuses stream opens from such clients before the handler.)
+        send_result(
+            conn,
+            id,
+            error_result(
+                rpc_core::StatusCode::FrameworkError,
+                "the server answered with a stream, but this connection did not \
+                 negotiate streams (Hello.streams)",
+            ),
+        );
+        return;
+    };
+    conn.give_way.store(true, Ordering::Relaxed);
+    let driver = StreamDriver::new(
+        id,
+        events,
+        (window, conn.client_window_bytes, conn.client_batches),
+        slot,
+        &conn.streams,
+        conn.sender.clone(),
+    );
+    spawn(conn, id, Box::pin(driver));
 }
 
 /// Runs call `id` in a task of the connection, counted in flight until it ends.

@@ -1,12 +1,15 @@
 //! The seam to the layer above: what a handler is asked, what it answers, and the error
 //! answers the transport builds itself.
 
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 
 use crate::caller::Caller;
 
+use bytes::BytesMut;
 use futures_util::future::BoxFuture;
-use futures_util::stream::BoxStream;
+use futures_util::stream::{BoxStream, Stream};
 use rpc_core::wire::{frame::Kind, GoAway, RemoteResultMessage};
 use rpc_core::StatusCode;
 
@@ -28,6 +31,25 @@ pub enum Dispatch {
     /// reading stops the producer; `Cancel` drops it. A stream ending without `End` ends with
     /// status 200.
     Stream(BoxStream<'static, StreamEvent>),
+    /// As [`Stream`](Self::Stream), from events that can also append an item straight to the
+    /// frame the transport is assembling ([`StreamEvents::poll_event_into`]): no buffer of its
+    /// own per item.
+    Events(Pin<Box<dyn StreamEvents>>),
+}
+
+/// The events of a stream answering a call ([`Dispatch::Events`]), which can put an item
+/// straight where the transport assembles its frames: a producer of many small items then
+/// costs no allocation, reference count or copy of its own per item.
+pub trait StreamEvents: Stream<Item = StreamEvent> + Send {
+    /// The next event, as `poll_next` would return it, except that a plain item (one
+    /// `poll_next` returns as [`StreamEvent::Item`]) may instead be appended to `dst` and
+    /// returned as [`StreamEvent::Appended`] with its length. Anything else leaves `dst` as it
+    /// was.
+    fn poll_event_into(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        dst: &mut BytesMut,
+    ) -> Poll<Option<StreamEvent>>;
 }
 
 /// What a stream answering a call produces (see [`Dispatch::Stream`]).
@@ -42,6 +64,9 @@ pub enum StreamEvent {
     Packed(bytes::Bytes, i32),
     /// The end of the stream, with its status: a refusal when it comes before `Accepted`.
     End(RemoteResultMessage),
+    /// One plain item of this many bytes, appended to the buffer given to
+    /// [`StreamEvents::poll_event_into`] (only ever returned by that method).
+    Appended(usize),
 }
 
 impl StreamEvent {

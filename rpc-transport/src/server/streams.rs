@@ -31,9 +31,9 @@ use futures_util::task::AtomicWaker;
 use rpc_core::wire::{frame::Kind, RemoteResultMessage, StreamCredit};
 use rpc_core::StatusCode;
 
-use super::handler::{error_result, StreamEvent};
+use super::handler::{error_result, StreamEvent, StreamEvents};
 use crate::codec::FrameCodec;
-use crate::encode::{put_item_frame, put_items_frame};
+use crate::encode::{finish_run_item, put_run_frame, put_run_item, start_run_item};
 use crate::flow::{Credit, Held, Taken};
 use crate::writer::{FrameSender, MAX_ITEMS_BYTES};
 
@@ -296,12 +296,26 @@ impl StreamTable {
     }
 }
 
+/// What a stream's task takes its events from.
+pub(super) enum Events {
+    /// Items as their own buffers.
+    Plain(BoxStream<'static, StreamEvent>),
+    /// Items appended straight into the run being assembled, where the events can.
+    Into(Pin<Box<dyn StreamEvents>>),
+}
+
+impl From<BoxStream<'static, StreamEvent>> for Events {
+    fn from(events: BoxStream<'static, StreamEvent>) -> Self {
+        Events::Plain(events)
+    }
+}
+
 /// The task of one stream: sends `StreamCredit` when the stream is accepted, then its items
 /// within the client's credit; its output is the stream's end, which the connection sends as
 /// the call's answer. Dropping it (on `Cancel`, when the connection ends) drops the producer.
 pub(super) struct StreamDriver {
     id: u64,
-    events: BoxStream<'static, StreamEvent>,
+    events: Events,
     slot: Arc<StreamSlot>,
     table: Arc<StreamTable>,
     sender: FrameSender,
@@ -317,13 +331,21 @@ pub(super) struct StreamDriver {
     /// the poll returns: one pass of the writer's lock and one wake-up per poll instead of one
     /// per item, and each item's payload is dropped by the task that made it.
     frames: BytesMut,
-    /// The client takes `StreamItems`: consecutive items go in `run`, written as one frame.
+    /// The client takes `StreamItems`: consecutive items go in `run`, written as one frame
+    /// (else each item is a frame of its own).
     batches: bool,
-    /// Items waiting to be written as one `StreamItems` frame, all compressed with
-    /// `run_compression`, of `run_bytes` payload bytes.
-    run: Vec<Bytes>,
+    /// `run_items` items waiting to be written as one frame, all compressed with
+    /// `run_compression`, as the frame's field 2 holds them: each item's key, length and
+    /// bytes. Kept across polls, so the items of a stream need no allocation of their own.
+    run: BytesMut,
+    run_items: usize,
     run_compression: i32,
-    run_bytes: usize,
+    /// The payload bytes of the items in `run` (at most [`MAX_ITEMS_BYTES`] with more than
+    /// one item).
+    run_payload: usize,
+    /// Bytes held for the length of the next item encoded in place: the size of the last
+    /// one's, so that items of one size are never moved.
+    length_width: usize,
 }
 
 impl StreamDriver {
@@ -333,7 +355,7 @@ impl StreamDriver {
     /// items, and registered now otherwise), removed from `table` when it ends.
     pub(super) fn new(
         id: u64,
-        events: BoxStream<'static, StreamEvent>,
+        events: impl Into<Events>,
         (client_window, client_window_bytes, batches): (u32, u64, bool),
         slot: Option<Arc<StreamSlot>>,
         table: &Arc<StreamTable>,
@@ -346,7 +368,7 @@ impl StreamDriver {
         });
         StreamDriver {
             id,
-            events,
+            events: events.into(),
             inbound_window: slot.inbound_window,
             credit: Credit::new(u64::from(client_window.max(1)), client_window_bytes),
             acked: 0,
@@ -356,43 +378,97 @@ impl StreamDriver {
             accepted: false,
             frames: BytesMut::new(),
             batches,
-            run: Vec::new(),
+            run: BytesMut::new(),
+            run_items: 0,
             run_compression: 0,
-            run_bytes: 0,
+            run_payload: 0,
+            length_width: 1,
         }
     }
 
     /// Adds an item to this poll's frames.
-    fn put_item(&mut self, payload: Bytes, compression: i32) {
-        if !self.batches {
-            put_item_frame(self.id, &payload, compression, &mut self.frames);
-            return;
-        }
-        if !self.run.is_empty()
+    fn put_item(&mut self, payload: &[u8], compression: i32) {
+        if self.run_items > 0
             && (compression != self.run_compression
-                || self.run_bytes + payload.len() > MAX_ITEMS_BYTES)
+                || self.run_payload + payload.len() > MAX_ITEMS_BYTES)
         {
             self.end_run();
         }
+        put_run_item(&mut self.run, payload);
+        self.added(compression, payload.len());
+    }
+
+    /// Counts the item of `len` bytes just added to `run` (compressed with `compression`) and
+    /// ends the run when the client takes one item per frame.
+    fn added(&mut self, compression: i32, len: usize) {
+        self.run_items += 1;
         self.run_compression = compression;
-        self.run_bytes += payload.len();
-        self.run.push(payload);
+        self.run_payload += len;
+        if !self.batches {
+            self.end_run();
+        }
+    }
+
+    /// Counts an item of `len` bytes appended to `run` at `mark` in place, first writing the
+    /// items before it as a frame when it does not belong in their run (another compression,
+    /// or too many bytes).
+    fn added_in_place(&mut self, mark: usize, len: usize) {
+        if self.run_items > 0
+            && (self.run_compression != 0 || self.run_payload + len > MAX_ITEMS_BYTES)
+        {
+            put_run_frame(
+                self.id,
+                self.run_items,
+                &self.run[..mark],
+                self.run_compression,
+                &mut self.frames,
+            );
+            let end = self.run.len();
+            self.run.copy_within(mark..end, 0);
+            self.run.truncate(end - mark);
+            self.run_items = 0;
+            self.run_payload = 0;
+        }
+        self.added(0, len);
     }
 
     /// Writes the items of `run` as one frame (one item alone as a `StreamItem`).
     fn end_run(&mut self) {
-        match self.run.len() {
-            0 => {}
-            1 => put_item_frame(
+        if self.run_items > 0 {
+            put_run_frame(
                 self.id,
-                &self.run[0],
+                self.run_items,
+                &self.run,
                 self.run_compression,
                 &mut self.frames,
-            ),
-            _ => put_items_frame(self.id, &self.run, self.run_compression, &mut self.frames),
+            );
         }
         self.run.clear();
-        self.run_bytes = 0;
+        self.run_items = 0;
+        self.run_payload = 0;
+    }
+
+    /// The next event; once the stream is accepted (its credit frame goes first), a plain
+    /// item may be appended to `run` in place ([`StreamEvent::Appended`]), its key and length
+    /// written around it.
+    fn next_event(&mut self, cx: &mut Context<'_>) -> Poll<Option<StreamEvent>> {
+        match &mut self.events {
+            Events::Plain(events) => events.poll_next_unpin(cx),
+            Events::Into(events) if !self.accepted => events.as_mut().poll_next(cx),
+            Events::Into(events) => {
+                let mark = start_run_item(&mut self.run, self.length_width);
+                let next = events.as_mut().poll_event_into(cx, &mut self.run);
+                match next {
+                    Poll::Ready(Some(StreamEvent::Appended(len))) => {
+                        self.length_width =
+                            finish_run_item(&mut self.run, mark, self.length_width, len);
+                        self.added_in_place(mark, len);
+                    }
+                    _ => self.run.truncate(mark),
+                }
+                next
+            }
+        }
     }
 
     /// Counts the client's grants that arrived since the last look into the credit.
@@ -446,7 +522,7 @@ impl StreamDriver {
                 cx.waker().wake_by_ref();
                 return Poll::Pending;
             }
-            match this.events.poll_next_unpin(cx) {
+            match this.next_event(cx) {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Some(StreamEvent::Accepted)) => {
                     if !this.accepted {
@@ -461,7 +537,12 @@ impl StreamDriver {
                         unreachable!("an item")
                     };
                     this.credit.sent(payload.len());
-                    this.put_item(payload, compression);
+                    this.put_item(&payload, compression);
+                    sent += 1;
+                }
+                Poll::Ready(Some(StreamEvent::Appended(len))) => {
+                    // (Already in the run: only asked for once the stream is accepted.)
+                    this.credit.sent(len);
                     sent += 1;
                 }
                 Poll::Ready(Some(StreamEvent::End(end))) => return Poll::Ready(end),
