@@ -121,31 +121,15 @@ pub(crate) fn dispatch(
     } else {
         Box::pin(RpcContext::scope(attachments, setup))
     };
-    let watch = telemetry::CallWatch::new(
+    Dispatch::Events(Box::pin(ServerStream::new(
+        d,
+        route,
         span,
-        d.metrics.start(route.method),
-        deadline.map(|(d, _)| d),
-        &d.calls,
-        route.method.entry_id,
-    );
-    Dispatch::Events(Box::pin(ServerStream {
-        accept_first: route.stream != StreamMode::Server,
-        client_streaming: route.stream == StreamMode::Client,
-        accepted: false,
-        setup: Some(setup),
-        items: None,
-        deadline,
-        timer: None,
-        entry: route.method.entry_id,
-        permit: Some(permit),
-        admission: route.admission.clone(),
-        watch,
-        send_panic_text: d.send_panic_text,
-        sent: 0,
+        (setup, deadline),
+        Some(permit),
         received,
-        ended: false,
-        end_hooks: None,
-    }))
+        None,
+    )))
 }
 
 /// A stream on a server with layers: the layers see its set-up as a call (they may refuse it,
@@ -223,32 +207,16 @@ fn layered(
             )
         })
     });
-    let watch = telemetry::CallWatch::new(
+    // The items hold the entry's slot, taken at the end of the chain.
+    Dispatch::Events(Box::pin(ServerStream::new(
+        d,
+        route,
         span,
-        d.metrics.start(route.method),
-        deadline.map(|(d, _)| d),
-        &d.calls,
-        entry,
-    );
-    Dispatch::Events(Box::pin(ServerStream {
-        accept_first: route.stream != StreamMode::Server,
-        client_streaming: route.stream == StreamMode::Client,
-        accepted: false,
-        setup: Some(setup),
-        items: None,
-        deadline,
-        timer: None,
-        entry,
-        // The items hold the entry's slot, taken at the end of the chain.
-        permit: None,
-        admission: route.admission.clone(),
-        watch,
-        send_panic_text: d.send_panic_text,
-        sent: 0,
+        (setup, deadline),
+        None,
         received,
-        ended: false,
-        end_hooks: Some((hooks, Instant::now())),
-    }))
+        Some((hooks, Instant::now())),
+    )))
 }
 
 /// `setup` answered, should it fail with an error a server fallback applies to, by the
@@ -326,6 +294,45 @@ struct ServerStream {
 }
 
 impl ServerStream {
+    /// A stream of `route` whose handler `setup` is to run within `deadline`, holding `permit`
+    /// (its entry's slot, or `None` when the end of a layer chain takes it), with the caller's
+    /// items counted in `received` and the layers' `end_hooks`.
+    fn new(
+        d: &Dispatcher,
+        route: &Route,
+        span: tracing::Span,
+        (setup, deadline): (StreamFuture, Option<(Instant, u32)>),
+        permit: Option<Slot>,
+        received: Arc<AtomicU64>,
+        end_hooks: Option<(StreamEndHooks, Instant)>,
+    ) -> Self {
+        let entry = route.method.entry_id;
+        ServerStream {
+            accept_first: route.stream != StreamMode::Server,
+            client_streaming: route.stream == StreamMode::Client,
+            accepted: false,
+            setup: Some(setup),
+            items: None,
+            deadline,
+            timer: None,
+            entry,
+            permit,
+            admission: route.admission.clone(),
+            watch: telemetry::CallWatch::new(
+                span,
+                d.metrics.start(route.method),
+                deadline.map(|(d, _)| d),
+                &d.calls,
+                entry,
+            ),
+            send_panic_text: d.send_panic_text,
+            sent: 0,
+            received,
+            ended: false,
+            end_hooks,
+        }
+    }
+
     fn end(&mut self, result: Result<Bytes, RpcError>) -> Poll<Option<StreamEvent>> {
         self.ended = true;
         // (Layers hear of the end of a stream whose set-up succeeded only.)

@@ -62,12 +62,7 @@ impl Credit {
     pub(crate) fn grant(&mut self, items: u64) {
         self.items = self.items.saturating_add(items);
         if self.window_bytes > 0 {
-            let freed = usize::try_from(items)
-                .unwrap_or(usize::MAX)
-                .min(self.sizes.len());
-            for len in self.sizes.drain(..freed) {
-                self.bytes -= u64::from(len);
-            }
+            free_oldest(&mut self.sizes, &mut self.bytes, items);
         }
     }
 }
@@ -114,12 +109,7 @@ impl Held {
     /// `items` items, the oldest held, were granted back to the producer.
     pub(crate) fn release(&mut self, items: u64) {
         self.items = self.items.saturating_sub(items);
-        let freed = usize::try_from(items)
-            .unwrap_or(usize::MAX)
-            .min(self.sizes.len());
-        for len in self.sizes.drain(..freed) {
-            self.bytes -= u64::from(len);
-        }
+        free_oldest(&mut self.sizes, &mut self.bytes, items);
     }
 }
 
@@ -159,6 +149,17 @@ impl Taken {
         } else {
             None
         }
+    }
+}
+
+/// Frees the oldest `items` of `sizes` (in flight or held) from `bytes`: a grant of k items frees
+/// the k oldest, the same on both sides, so neither needs to send the byte count.
+fn free_oldest(sizes: &mut VecDeque<u32>, bytes: &mut u64, items: u64) {
+    let freed = usize::try_from(items)
+        .unwrap_or(usize::MAX)
+        .min(sizes.len());
+    for len in sizes.drain(..freed) {
+        *bytes -= u64::from(len);
     }
 }
 
