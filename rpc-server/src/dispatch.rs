@@ -823,16 +823,17 @@ impl Future for Guarded<'_> {
     }
 }
 
-/// The handler's result, or a panic turned into an error (520) that names the entry.
+/// The handler's result (an answer, or a stream's set-up), or a panic turned into an error (520)
+/// that names the entry.
 ///
 /// The panic message may show a service's internals (paths, values, queries), so it is logged
 /// here with the entry and a short panic id, and the caller receives the id to find it by;
 /// the text itself only with `send_panic_text`.
-pub(crate) fn settle(
-    outcome: Outcome,
+pub(crate) fn settle<T>(
+    outcome: std::thread::Result<Result<T, RpcError>>,
     entry: &str,
     send_panic_text: bool,
-) -> Result<Bytes, RpcError> {
+) -> Result<T, RpcError> {
     outcome.unwrap_or_else(|panic| {
         let what = panic
             .downcast_ref::<&str>()

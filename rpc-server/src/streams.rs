@@ -222,7 +222,7 @@ fn layered(
 /// `setup` answered, should it fail with an error a server fallback applies to, by the
 /// fallback's own stream: for a server stream only (a stream taking the caller's items was
 /// accepted before its handler ran, and its items may be spent), and only for the set-up's
-/// error (a panic of the set-up is not answered for).
+/// error or panic.
 pub(crate) fn with_fallback(
     setup: StreamFuture,
     fallback: Option<&Arc<FallbackTo>>,
@@ -235,7 +235,10 @@ pub(crate) fn with_fallback(
     };
     let to = to.clone();
     Box::pin(async move {
-        let e = match setup.await {
+        // A set-up that panics failed as a unary handler that panics does (520), so the
+        // fallback answers for it too.
+        let outcome = futures_util::FutureExt::catch_unwind(AssertUnwindSafe(setup)).await;
+        let e = match settle(outcome, &to.entry_id, to.send_panic_text) {
             Err(e) if fallback::applies(&e, fallback::Side::Server) => e,
             other => return other,
         };

@@ -67,16 +67,21 @@ async fn tally_of(text: String, mut numbers: RpcStream<u64>) -> Result<u64, RpcE
 }
 
 /// The live service: while `down`, every set-up fails with a server error (520, a failure a
-/// fallback answers for and the breaker counts). Counts the set-ups that reached it.
+/// fallback answers for and the breaker counts); while `panics`, every set-up panics. Counts
+/// the set-ups that reached it.
 #[derive(Clone, Default)]
 struct Market {
     down: Arc<AtomicBool>,
+    panics: Arc<AtomicBool>,
     setups: Arc<AtomicU64>,
 }
 
 impl Market {
     fn setup(&self) -> Result<(), RpcError> {
         self.setups.fetch_add(1, Ordering::SeqCst);
+        if self.panics.load(Ordering::SeqCst) {
+            panic!("the market's feed handler panicked");
+        }
         if self.down.load(Ordering::SeqCst) {
             return Err(RpcError::new(StatusCode::ServerError, "the market is down"));
         }
@@ -1399,6 +1404,26 @@ async fn a_server_fallback_answers_a_server_streams_failed_set_up_only() {
             "layered {layered}: the fallback answered the server stream only"
         );
         assert_eq!(market.setups.load(Ordering::SeqCst), 3, "layered {layered}");
+
+        // A set-up that panics is answered for as one that failed.
+        market.down.store(false, Ordering::SeqCst);
+        market.panics.store(true, Ordering::SeqCst);
+        let prices = within("prices", async {
+            stocks
+                .prices(2)
+                .await
+                .expect("accepted")
+                .collect_all()
+                .await
+        })
+        .await
+        .expect("items");
+        assert_eq!(prices, [1000, 1001], "layered {layered}: the fallback's");
+        assert_eq!(
+            market.setups.load(Ordering::SeqCst),
+            4,
+            "layered {layered}: the set-up ran and panicked"
+        );
         within("shutdown", server.shutdown()).await;
     }
 }
