@@ -107,6 +107,29 @@ impl Http1 {
         assert_eq!(status, Http::OK, "{method} {path}: {v}");
         v
     }
+
+    /// `send`, expecting `status` and a JSON `{"error": "..."}`; the error's message.
+    async fn refused(&self, status: Http, method: &str, path: &str, body: Option<&str>) -> String {
+        self.refused_as(Some(TOKEN), status, method, path, body)
+            .await
+    }
+
+    /// `send_as`, expecting `status` and a JSON `{"error": "..."}`; the error's message.
+    async fn refused_as(
+        &self,
+        token: Option<&str>,
+        status: Http,
+        method: &str,
+        path: &str,
+        body: Option<&str>,
+    ) -> String {
+        let (got, e) = self.send_as(token, method, path, body).await;
+        assert_eq!(got, status, "{method} {path}: {e}");
+        e["error"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{method} {path}: no error message: {e}"))
+            .to_string()
+    }
 }
 
 async fn admin_on(store: &RuleStore) -> AdminHandle {
@@ -116,6 +139,16 @@ async fn admin_on(store: &RuleStore) -> AdminHandle {
         .serve("127.0.0.1:0")
         .await
         .expect("admin")
+}
+
+/// A fresh etcd (kept alive by the first item), its rule store, an admin endpoint on that
+/// store, and a client for the endpoint.
+async fn started() -> (Etcd, RuleStore, AdminHandle, Http1) {
+    let etcd = Etcd::start().await;
+    let store = store(&etcd).await;
+    let admin = admin_on(&store).await;
+    let api = Http1::new(&admin);
+    (etcd, store, admin, api)
 }
 
 /// The store's history as the routes answer it.
@@ -138,12 +171,18 @@ async fn in_store(store: &RuleStore, kind: RuleKind) -> (i64, String) {
         .map_or((0, String::new()), |v| (v.version, v.text.to_string()))
 }
 
+/// Checks that the store's governance document is still V1 at `v1` after `what` was refused.
+async fn assert_still_v1(store: &RuleStore, v1: i64, what: &str) {
+    assert_eq!(
+        in_store(store, RuleKind::Governance).await,
+        (v1, V1.into()),
+        "after {what}"
+    );
+}
+
 #[tokio::test]
 async fn the_routes_show_write_list_and_roll_back_what_the_store_holds() {
-    let etcd = Etcd::start().await;
-    let store = store(&etcd).await;
-    let admin = admin_on(&store).await;
-    let api = Http1::new(&admin);
+    let (_etcd, store, _admin, api) = started().await;
 
     // Nothing yet: version 0 and no text, for both kinds.
     let all = api.ok("GET", "/api/rules", None).await;
@@ -249,10 +288,7 @@ async fn the_routes_show_write_list_and_roll_back_what_the_store_holds() {
 
 #[tokio::test]
 async fn an_invalid_document_is_refused_with_400_naming_the_field_and_nothing_is_written() {
-    let etcd = Etcd::start().await;
-    let store = store(&etcd).await;
-    let admin = admin_on(&store).await;
-    let api = Http1::new(&admin);
+    let (_etcd, store, admin, api) = started().await;
     let v1 = store.set(RuleKind::Governance, V1, 0).await.expect("set");
     let before = history_of(&store, RuleKind::Governance).await;
 
@@ -281,24 +317,16 @@ async fn an_invalid_document_is_refused_with_400_naming_the_field_and_nothing_is
     assert_eq!(v["valid"], false, "{v}");
 
     // A write of it: 400 with the line and the field, and the store is as it was.
-    let (status, e) = api
-        .send(
-            "PUT",
-            &format!("/api/rules/governance?expected={v1}"),
-            Some(INVALID),
-        )
+    let path = format!("/api/rules/governance?expected={v1}");
+    let message = api
+        .refused(Http::BAD_REQUEST, "PUT", &path, Some(INVALID))
         .await;
-    assert_eq!(status, Http::BAD_REQUEST, "{e}");
-    let message = e["error"].as_str().expect("error");
     assert!(
         message.contains("line 3") && message.contains("retry_tims"),
         "{message}"
     );
     assert!(message.contains("nothing was written"), "{message}");
-    assert_eq!(
-        in_store(&store, RuleKind::Governance).await,
-        (v1, V1.into())
-    );
+    assert_still_v1(&store, v1, "an invalid write").await;
     assert_eq!(history_of(&store, RuleKind::Governance).await, before);
 
     // Text that is not UTF-8 is refused before it is read.
@@ -315,18 +343,12 @@ async fn an_invalid_document_is_refused_with_400_naming_the_field_and_nothing_is
     assert_eq!(r.status(), Http::BAD_REQUEST);
     let e: Value = serde_json::from_str(&r.text().await.expect("body")).expect("JSON");
     assert!(e["error"].as_str().unwrap().contains("UTF-8"), "{e}");
-    assert_eq!(
-        in_store(&store, RuleKind::Governance).await,
-        (v1, V1.into())
-    );
+    assert_still_v1(&store, v1, "a write that is not UTF-8").await;
 }
 
 #[tokio::test]
 async fn a_stale_or_missing_expected_version_is_refused_and_nothing_is_written() {
-    let etcd = Etcd::start().await;
-    let store = store(&etcd).await;
-    let admin = admin_on(&store).await;
-    let api = Http1::new(&admin);
+    let (_etcd, store, _admin, api) = started().await;
 
     // The console read "none" (0); meanwhile someone else wrote v1 (straight to the store).
     let v1 = store.set(RuleKind::Governance, V1, 0).await.expect("set");
@@ -340,10 +362,7 @@ async fn a_stale_or_missing_expected_version_is_refused_and_nothing_is_written()
     );
     let message = e["error"].as_str().expect("error");
     assert!(message.contains("reload"), "{message}");
-    assert_eq!(
-        in_store(&store, RuleKind::Governance).await,
-        (v1, V1.into())
-    );
+    assert_still_v1(&store, v1, "a stale write").await;
 
     // No expected version, or one that is not a number: 400 saying what to send.
     for path in [
@@ -351,29 +370,19 @@ async fn a_stale_or_missing_expected_version_is_refused_and_nothing_is_written()
         "/api/rules/governance?expected=latest",
         "/api/rules/governance?expected=-1",
     ] {
-        let (status, e) = api.send("PUT", path, Some(V2)).await;
-        assert_eq!(status, Http::BAD_REQUEST, "{path}: {e}");
+        let message = api.refused(Http::BAD_REQUEST, "PUT", path, Some(V2)).await;
         assert!(
-            e["error"]
-                .as_str()
-                .unwrap()
-                .contains("GET /api/rules/governance"),
-            "{path}: {e}"
+            message.contains("GET /api/rules/governance"),
+            "{path}: {message}"
         );
     }
-    assert_eq!(
-        in_store(&store, RuleKind::Governance).await,
-        (v1, V1.into())
-    );
+    assert_still_v1(&store, v1, "writes without a usable expected version").await;
     assert_eq!(store.history(RuleKind::Governance).await.unwrap().len(), 1);
 }
 
 #[tokio::test]
 async fn unknown_kinds_versions_and_methods_get_json_errors_naming_what_exists() {
-    let etcd = Etcd::start().await;
-    let store = store(&etcd).await;
-    let admin = admin_on(&store).await;
-    let api = Http1::new(&admin);
+    let (_etcd, store, _admin, api) = started().await;
     let v1 = store.set(RuleKind::Governance, V1, 0).await.expect("set");
 
     for (method, path) in [
@@ -383,9 +392,7 @@ async fn unknown_kinds_versions_and_methods_get_json_errors_naming_what_exists()
         ("GET", "/api/rules/routes/history"),
         ("POST", "/api/rules/routes/rollback/1"),
     ] {
-        let (status, e) = api.send(method, path, Some(V1)).await;
-        assert_eq!(status, Http::NOT_FOUND, "{method} {path}: {e}");
-        let message = e["error"].as_str().expect("error");
+        let message = api.refused(Http::NOT_FOUND, method, path, Some(V1)).await;
         assert!(
             message.contains("\"routes\"")
                 && message.contains("governance")
@@ -395,36 +402,31 @@ async fn unknown_kinds_versions_and_methods_get_json_errors_naming_what_exists()
     }
 
     // A version the history does not hold: 404 listing the ones it does.
-    let (status, e) = api
-        .send(
+    let path = format!("/api/rules/governance/rollback/{}", v1 + 100);
+    let message = api.refused(Http::NOT_FOUND, "POST", &path, None).await;
+    assert!(message.contains(&format!("[{v1}]")), "{message}");
+    let message = api
+        .refused(
+            Http::BAD_REQUEST,
             "POST",
-            &format!("/api/rules/governance/rollback/{}", v1 + 100),
+            "/api/rules/governance/rollback/first",
             None,
         )
         .await;
-    assert_eq!(status, Http::NOT_FOUND, "{e}");
-    assert!(
-        e["error"].as_str().unwrap().contains(&format!("[{v1}]")),
-        "{e}"
-    );
-    let (status, e) = api
-        .send("POST", "/api/rules/governance/rollback/first", None)
-        .await;
-    assert_eq!(status, Http::BAD_REQUEST, "{e}");
-    assert!(e["error"].as_str().unwrap().contains("history"), "{e}");
-    assert_eq!(
-        in_store(&store, RuleKind::Governance).await,
-        (v1, V1.into())
-    );
+    assert!(message.contains("history"), "{message}");
+    assert_still_v1(&store, v1, "rollbacks to versions not held").await;
 
     // A method a route does not have: a JSON 405.
-    let (status, e) = api.send("DELETE", "/api/rules/governance", None).await;
-    assert_eq!(status, Http::METHOD_NOT_ALLOWED, "{e}");
-    assert!(e["error"].as_str().unwrap().contains("DELETE"), "{e}");
-    assert_eq!(
-        in_store(&store, RuleKind::Governance).await,
-        (v1, V1.into())
-    );
+    let message = api
+        .refused(
+            Http::METHOD_NOT_ALLOWED,
+            "DELETE",
+            "/api/rules/governance",
+            None,
+        )
+        .await;
+    assert!(message.contains("DELETE"), "{message}");
+    assert_still_v1(&store, v1, "a DELETE").await;
 }
 
 #[tokio::test]
@@ -451,11 +453,10 @@ async fn without_a_store_the_routes_say_how_to_attach_one_and_validation_still_w
         ("GET", "/api/rules/governance/history"),
         ("POST", "/api/rules/governance/rollback/1"),
     ] {
-        let (status, e) = api.send(method, path, Some(V1)).await;
-        assert_eq!(status, Http::NOT_FOUND, "{method} {path}: {e}");
+        let message = api.refused(Http::NOT_FOUND, method, path, Some(V1)).await;
         assert!(
-            e["error"].as_str().unwrap().contains("--registry etcd://"),
-            "{method} {path}: {e}"
+            message.contains("--registry etcd://"),
+            "{method} {path}: {message}"
         );
     }
     let v = api
@@ -539,10 +540,7 @@ async fn a_client_and_a_server_following_the_store_apply_a_document_written_thro
 
 #[tokio::test]
 async fn every_rules_route_refuses_a_missing_or_wrong_token_and_writes_nothing() {
-    let etcd = Etcd::start().await;
-    let store = store(&etcd).await;
-    let admin = admin_on(&store).await;
-    let api = Http1::new(&admin);
+    let (_etcd, store, _admin, api) = started().await;
     let v1 = store.set(RuleKind::Governance, V1, 0).await.expect("set");
     let routes = [
         ("GET", "/api/rules".to_string()),
@@ -554,19 +552,16 @@ async fn every_rules_route_refuses_a_missing_or_wrong_token_and_writes_nothing()
     ];
     for (method, path) in &routes {
         for (token, why) in [(None, "missing token"), (Some("wrong"), "wrong token")] {
-            let (status, e) = api.send_as(token, method, path, Some(V2)).await;
-            assert_eq!(status, Http::UNAUTHORIZED, "{method} {path}: {e}");
-            let message = e["error"].as_str().expect("error");
+            let message = api
+                .refused_as(token, Http::UNAUTHORIZED, method, path, Some(V2))
+                .await;
             assert!(
                 message.contains(why) && message.contains("Authorization: Bearer"),
                 "{method} {path}: {message}"
             );
         }
     }
-    assert_eq!(
-        in_store(&store, RuleKind::Governance).await,
-        (v1, V1.into())
-    );
+    assert_still_v1(&store, v1, "requests without the token").await;
     assert_eq!(store.history(RuleKind::Governance).await.unwrap().len(), 1);
 }
 
