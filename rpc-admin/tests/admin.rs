@@ -57,16 +57,21 @@ impl Setup {
         format!("http://{}{path}", self.admin.local_addr())
     }
 
-    async fn get(&self, path: &str) -> (Http, String) {
+    /// Sends `method path` with the token; the status and the body's text.
+    async fn send(&self, method: reqwest::Method, path: &str) -> (Http, String) {
         let r = self
             .http
-            .get(self.url(path))
+            .request(method.clone(), self.url(path))
             .bearer_auth(TOKEN)
             .send()
             .await
-            .expect("GET");
+            .unwrap_or_else(|e| panic!("{method} {path}: {e}"));
         let status = r.status();
         (status, r.text().await.expect("body"))
+    }
+
+    async fn get(&self, path: &str) -> (Http, String) {
+        self.send(reqwest::Method::GET, path).await
     }
 
     async fn get_json(&self, path: &str) -> Value {
@@ -76,15 +81,7 @@ impl Setup {
     }
 
     async fn post(&self, path: &str) -> (Http, Value) {
-        let r = self
-            .http
-            .post(self.url(path))
-            .bearer_auth(TOKEN)
-            .send()
-            .await
-            .expect("POST");
-        let status = r.status();
-        let body = r.text().await.expect("body");
+        let (status, body) = self.send(reqwest::Method::POST, path).await;
         (
             status,
             serde_json::from_str(&body).unwrap_or_else(|e| panic!("{path}: {e}: {body}")),
