@@ -180,6 +180,20 @@ async fn assert_still_v1(store: &RuleStore, v1: i64, what: &str) {
     );
 }
 
+/// Writes `text` through `PUT path` (expecting 200); checks the store holds it under the
+/// version answered, which it returns.
+async fn written(api: &Http1, store: &RuleStore, kind: RuleKind, path: &str, text: &str) -> i64 {
+    let version = api.ok("PUT", path, Some(text)).await["version"]
+        .as_i64()
+        .expect("version");
+    assert_eq!(
+        in_store(store, kind).await,
+        (version, text.into()),
+        "after PUT {path}"
+    );
+    version
+}
+
 #[tokio::test]
 async fn the_routes_show_write_list_and_roll_back_what_the_store_holds() {
     let (_etcd, store, _admin, api) = started().await;
@@ -209,14 +223,9 @@ async fn the_routes_show_write_list_and_roll_back_what_the_store_holds() {
     );
 
     // A write over "none" (expected=0): the store holds it, under the version answered.
-    let w1 = api
-        .ok("PUT", "/api/rules/governance?expected=0", Some(V1))
-        .await;
-    let v1 = w1["version"].as_i64().expect("version");
-    assert_eq!(
-        in_store(&store, RuleKind::Governance).await,
-        (v1, V1.into())
-    );
+    let governance = RuleKind::Governance;
+    let path = "/api/rules/governance?expected=0";
+    let v1 = written(&api, &store, governance, path, V1).await;
     let doc = api.ok("GET", "/api/rules/governance", None).await;
     assert_eq!(doc["kind"], "governance");
     assert_eq!(doc["version"], v1);
@@ -224,14 +233,8 @@ async fn the_routes_show_write_list_and_roll_back_what_the_store_holds() {
 
     // A write over v1.
     let path = format!("/api/rules/governance?expected={v1}");
-    let v2 = api.ok("PUT", &path, Some(V2)).await["version"]
-        .as_i64()
-        .expect("version");
+    let v2 = written(&api, &store, governance, &path, V2).await;
     assert!(v2 > v1, "{v2} after {v1}");
-    assert_eq!(
-        in_store(&store, RuleKind::Governance).await,
-        (v2, V2.into())
-    );
 
     // The overview shows the store's versions, per kind.
     let all = api.ok("GET", "/api/rules", None).await;
@@ -270,14 +273,8 @@ async fn the_routes_show_write_list_and_roll_back_what_the_store_holds() {
     assert_eq!(h["versions"][2], json!({ "version": v3, "text": V1 }));
 
     // Routing documents go through the same routes, to their own key.
-    let w = api
-        .ok("PUT", "/api/rules/routing?expected=0", Some(ROUTING))
-        .await;
-    let r1 = w["version"].as_i64().expect("version");
-    assert_eq!(
-        in_store(&store, RuleKind::Routing).await,
-        (r1, ROUTING.into())
-    );
+    let path = "/api/rules/routing?expected=0";
+    let r1 = written(&api, &store, RuleKind::Routing, path, ROUTING).await;
     assert_eq!(
         in_store(&store, RuleKind::Governance).await,
         (v3, V1.into())
@@ -405,25 +402,15 @@ async fn unknown_kinds_versions_and_methods_get_json_errors_naming_what_exists()
     let path = format!("/api/rules/governance/rollback/{}", v1 + 100);
     let message = api.refused(Http::NOT_FOUND, "POST", &path, None).await;
     assert!(message.contains(&format!("[{v1}]")), "{message}");
-    let message = api
-        .refused(
-            Http::BAD_REQUEST,
-            "POST",
-            "/api/rules/governance/rollback/first",
-            None,
-        )
-        .await;
+    let path = "/api/rules/governance/rollback/first";
+    let message = api.refused(Http::BAD_REQUEST, "POST", path, None).await;
     assert!(message.contains("history"), "{message}");
     assert_still_v1(&store, v1, "rollbacks to versions not held").await;
 
     // A method a route does not have: a JSON 405.
+    let path = "/api/rules/governance";
     let message = api
-        .refused(
-            Http::METHOD_NOT_ALLOWED,
-            "DELETE",
-            "/api/rules/governance",
-            None,
-        )
+        .refused(Http::METHOD_NOT_ALLOWED, "DELETE", path, None)
         .await;
     assert!(message.contains("DELETE"), "{message}");
     assert_still_v1(&store, v1, "a DELETE").await;
