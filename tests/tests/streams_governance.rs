@@ -19,8 +19,8 @@ use common::within;
 use opentelemetry::Value;
 use rpc::crates::governance::calls::{CallObserver, CallRecord};
 use rpc::{
-    BreakerState, Client, GovernanceOverrides, InProcessRegistry, RpcError, RpcStream, Server,
-    ServerHandle, StatusCode,
+    BreakerState, Client, GovernanceOverrides, InProcessRegistry, MethodDescriptor, RpcError,
+    RpcStream, Server, ServerHandle, StatusCode,
 };
 use tokio::sync::mpsc;
 
@@ -211,6 +211,18 @@ async fn accepted_items<T: Send + 'static>(
         call.await.expect("accepted").collect_all().await
     })
     .await
+}
+
+/// Asserts that the client's breaker of `method` is open (`open`) or closed, `why`; a failure
+/// shows the state it is in.
+fn assert_breaker(client: &Client, method: &'static MethodDescriptor, open: bool, why: &str) {
+    let state = client.breaker_state(method);
+    let is = if open {
+        matches!(state, BreakerState::Open { .. })
+    } else {
+        matches!(state, BreakerState::Closed { .. })
+    };
+    assert!(is, "{why}: {state:?}");
 }
 
 /// A client of the market whose breaker opens after `failures` failures in a row, and its
@@ -433,21 +445,18 @@ async fn failed_stream_set_ups_open_the_breaker_which_refuses_the_next_without_t
     let prices = &StocksClient::methods()[0];
     market.down.store(true, Ordering::SeqCst);
     for n in 0..2 {
-        assert!(
-            matches!(client.breaker_state(prices), BreakerState::Closed { .. }),
-            "closed before failure {n}: {:?}",
-            client.breaker_state(prices)
+        assert_breaker(
+            &client,
+            prices,
+            false,
+            &format!("closed before failure {n}"),
         );
         let err = within("prices", stocks.prices(3))
             .await
             .expect_err("the set-up fails");
         assert_eq!(err.code(), StatusCode::ServerError, "{err}");
     }
-    assert!(
-        matches!(client.breaker_state(prices), BreakerState::Open { .. }),
-        "two failed set-ups open it: {:?}",
-        client.breaker_state(prices)
-    );
+    assert_breaker(&client, prices, true, "two failed set-ups open it");
     market.down.store(false, Ordering::SeqCst);
     let err = within("prices", stocks.prices(3))
         .await
@@ -475,13 +484,11 @@ async fn a_failure_after_acceptance_is_not_held_against_the_breaker() {
             .expect_err("each stream ends with the server's error");
         assert_eq!(end.code(), StatusCode::ServerError, "{end}");
     }
-    assert!(
-        matches!(
-            client.breaker_state(break_after),
-            BreakerState::Closed { .. }
-        ),
-        "three failures after acceptance leave it closed: {:?}",
-        client.breaker_state(break_after)
+    assert_breaker(
+        &client,
+        break_after,
+        false,
+        "three failures after acceptance leave it closed",
     );
     // With the same settings, one failed set-up opens it.
     market.down.store(true, Ordering::SeqCst);
@@ -489,11 +496,7 @@ async fn a_failure_after_acceptance_is_not_held_against_the_breaker() {
         .await
         .expect_err("the set-up fails");
     assert_eq!(err.code(), StatusCode::ServerError, "{err}");
-    assert!(
-        matches!(client.breaker_state(break_after), BreakerState::Open { .. }),
-        "one failed set-up opens it: {:?}",
-        client.breaker_state(break_after)
-    );
+    assert_breaker(&client, break_after, true, "one failed set-up opens it");
     within("shutdown", server.shutdown()).await;
 }
 
