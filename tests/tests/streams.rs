@@ -195,6 +195,32 @@ fn timeout_of(ms: u64) -> GovernanceOverrides {
     }
 }
 
+/// What the feed echoes of `text`: a unary call, to show the connection and the server still
+/// answer (a failed call fails the test).
+async fn echoed(f: &FeedClient, text: impl Into<String>) -> String {
+    within("echo", f.echo(text.into())).await.expect("echo")
+}
+
+/// The stream's next item, which must come within the time limit of `what` and be no error.
+async fn next_item<T: Send + 'static>(what: &str, s: &mut RpcStream<T>) -> T {
+    within(what, s.next())
+        .await
+        .unwrap_or_else(|| panic!("{what}: the stream ended instead"))
+        .unwrap_or_else(|e| panic!("{what}: an error item instead: {e}"))
+}
+
+/// The stream's next item, which must come within the time limit of `what` and be an error:
+/// how the stream ended.
+async fn next_error<T: Send + 'static + std::fmt::Debug>(
+    what: &str,
+    s: &mut RpcStream<T>,
+) -> RpcError {
+    match within(what, s.next()).await {
+        Some(Err(e)) => e,
+        other => panic!("{what}: expected an error item, got {other:?}"),
+    }
+}
+
 fn feed(reg: &InProcessRegistry) -> FeedClient {
     FeedClient::new(
         Client::builder()
@@ -247,10 +273,7 @@ async fn a_consumer_that_stops_reading_stops_the_producer_at_the_window() {
     let mut s = within("open", f.endless()).await.expect("endless");
     // Fewer than half the window taken: no credit goes back to the server.
     for want in 0..3u64 {
-        assert_eq!(
-            within("item", s.next()).await.expect("item").expect("ok"),
-            want
-        );
+        assert_eq!(next_item("item", &mut s).await, want);
     }
     // The producer fills the window the client announced, and is not asked for more: wait
     // until it got there, then let the connection carry other traffic (round trips through
@@ -262,12 +285,7 @@ async fn a_consumer_that_stops_reading_stops_the_producer_at_the_window() {
     })
     .await;
     for i in 0..20 {
-        assert_eq!(
-            within("echo", f.echo(format!("ping {i}")))
-                .await
-                .expect("echo"),
-            format!("ping {i}")
-        );
+        assert_eq!(echoed(&f, format!("ping {i}")).await, format!("ping {i}"));
     }
     assert_eq!(
         probe.polls.load(Ordering::SeqCst),
@@ -277,10 +295,7 @@ async fn a_consumer_that_stops_reading_stops_the_producer_at_the_window() {
     // Reading on, the stream continues in order, and the producer stays within the window of
     // what was taken.
     for want in 3..200u64 {
-        assert_eq!(
-            within("item", s.next()).await.expect("item").expect("ok"),
-            want
-        );
+        assert_eq!(next_item("item", &mut s).await, want);
         let polls = probe.polls.load(Ordering::SeqCst);
         assert!(
             polls <= want + 1 + u64::from(WINDOW),
@@ -299,10 +314,7 @@ async fn dropping_the_stream_drops_the_handlers_stream_and_frees_its_slot() {
     let (server, mut probe) = serve(&reg, 1).await;
     let f = feed(&reg);
     let mut s = within("open", f.endless()).await.expect("endless");
-    assert_eq!(
-        within("item", s.next()).await.expect("item").expect("ok"),
-        0
-    );
+    assert_eq!(next_item("item", &mut s).await, 0);
     let over = within("echo at the cap", f.echo("x".into())).await;
     assert_eq!(
         over.expect_err("the open stream counts against the cap")
@@ -319,10 +331,7 @@ async fn dropping_the_stream_drops_the_handlers_stream_and_frees_its_slot() {
         "endless"
     );
     // The cap's slot is free again.
-    assert_eq!(
-        within("echo", f.echo("after".into())).await.expect("echo"),
-        "after"
-    );
+    assert_eq!(echoed(&f, "after").await, "after");
     within("shutdown", server.shutdown()).await;
 }
 
@@ -333,15 +342,9 @@ async fn a_server_error_mid_stream_ends_it_with_that_error_after_the_items_befor
     let f = feed(&reg);
     let mut s = within("open", f.fail_after(5)).await.expect("fail_after");
     for want in 0..5 {
-        assert_eq!(
-            within("item", s.next()).await.expect("item").expect("ok"),
-            want
-        );
+        assert_eq!(next_item("item", &mut s).await, want);
     }
-    let e = within("the error", s.next())
-        .await
-        .expect("an error item")
-        .expect_err("the stream's error");
+    let e = next_error("the error", &mut s).await;
     assert_eq!(e.code(), StatusCode::BusinessError);
     assert!(e.message().contains("ran out after 5"), "{e}");
     assert!(
@@ -370,18 +373,12 @@ async fn the_deadline_ends_the_stream_with_a_timeout_after_the_items_that_arrive
     );
     let mut s = within("open", f.stall_after(3)).await.expect("stall_after");
     for want in 0..3 {
-        assert_eq!(
-            within("item", s.next()).await.expect("item").expect("ok"),
-            want
-        );
+        assert_eq!(next_item("item", &mut s).await, want);
     }
     // The handler waits for ever now; the deadline (on the paused clock) ends the stream.
     assert_eq!(recv_one("stalled", &mut probe.stalled).await, "stalled");
     tokio::time::advance(Duration::from_secs(60)).await;
-    let e = within("the timeout", s.next())
-        .await
-        .expect("an error item")
-        .expect_err("the deadline's error");
+    let e = next_error("the timeout", &mut s).await;
     assert_eq!(e.code(), StatusCode::Timeout, "{e}");
     assert!(s.next().await.is_none(), "nothing after the timeout");
     assert_eq!(
@@ -448,17 +445,11 @@ async fn a_server_that_dies_mid_stream_ends_it_with_an_error_saying_how_many_ite
     let f = feed(&reg);
     let mut s = within("open", f.stall_after(3)).await.expect("stall_after");
     for want in 0..3 {
-        assert_eq!(
-            within("item", s.next()).await.expect("item").expect("ok"),
-            want
-        );
+        assert_eq!(next_item("item", &mut s).await, want);
     }
     assert_eq!(recv_one("stalled", &mut probe.stalled).await, "stalled");
     server.abort();
-    let e = within("the failure", s.next())
-        .await
-        .expect("an error item")
-        .expect_err("the connection's failure");
+    let e = next_error("the failure", &mut s).await;
     assert_eq!(e.code(), StatusCode::CommunicationError, "{e}");
     assert!(e.message().contains("after 3 items arrived"), "{e}");
     assert!(e.is_maybe_delivered(), "{e}");
@@ -487,10 +478,7 @@ async fn a_refused_set_up_fails_over_and_an_accepted_stream_is_never_replayed() 
         // to `free`.
         let mut s = within("open", f.stall_after(2)).await.expect("fails over");
         for want in 0..2 {
-            assert_eq!(
-                within("item", s.next()).await.expect("item").expect("ok"),
-                want
-            );
+            assert_eq!(next_item("item", &mut s).await, want);
         }
         assert_eq!(
             recv_one("stalled", &mut free_probe.stalled).await,
@@ -508,10 +496,7 @@ async fn a_refused_set_up_fails_over_and_an_accepted_stream_is_never_replayed() 
     drop(held);
     free.abort();
     for mut s in open {
-        let e = within("the failure", s.next())
-            .await
-            .expect("an error item")
-            .expect_err("the connection's failure");
+        let e = next_error("the failure", &mut s).await;
         assert_eq!(e.code(), StatusCode::CommunicationError, "{e}");
         assert!(e.message().contains("after 2 items arrived"), "{e}");
     }
@@ -550,42 +535,19 @@ async fn draining_lets_open_streams_finish_until_the_drain_deadline() {
             .build(),
     );
     let mut long = within("open", f.ticks(100)).await.expect("ticks");
-    assert_eq!(
-        within("tick", long.next())
-            .await
-            .expect("item")
-            .expect("ok")
-            .seq,
-        0
-    );
+    assert_eq!(next_item("tick", &mut long).await.seq, 0);
     let mut stuck = within("open", f.stall_after(1)).await.expect("stall_after");
-    assert_eq!(
-        within("item", stuck.next())
-            .await
-            .expect("item")
-            .expect("ok"),
-        0
-    );
+    assert_eq!(next_item("item", &mut stuck).await, 0);
     assert_eq!(recv_one("stalled", &mut stalled).await, "stalled");
     let stopping = tokio::spawn(server.shutdown());
     // The long stream runs to its end while the server drains (its window of 4 means most of
     // it is produced after the shutdown began).
     for want in 1..100 {
-        assert_eq!(
-            within("tick", long.next())
-                .await
-                .expect("item")
-                .expect("ok")
-                .seq,
-            want
-        );
+        assert_eq!(next_item("tick", &mut long).await.seq, want);
     }
     assert!(within("end", long.next()).await.is_none(), "complete");
     // The stuck one is ended at the drain deadline.
-    let e = within("the drain deadline", stuck.next())
-        .await
-        .expect("an error item")
-        .expect_err("ended by the drain");
+    let e = next_error("the drain deadline", &mut stuck).await;
     assert_eq!(e.code(), StatusCode::ServerError, "{e}");
     assert!(e.message().contains("drain deadline"), "{e}");
     assert_eq!(recv_one("dropped", &mut dropped).await, "stall_after");
@@ -649,10 +611,7 @@ async fn a_handler_that_stops_taking_items_stops_the_callers_producer_at_the_win
     })
     .await;
     for i in 0..20 {
-        assert_eq!(
-            within("echo", f.echo(format!("e{i}"))).await.expect("echo"),
-            format!("e{i}")
-        );
+        assert_eq!(echoed(&f, format!("e{i}")).await, format!("e{i}"));
     }
     assert_eq!(
         produced.load(Ordering::SeqCst),
@@ -682,10 +641,7 @@ async fn an_error_in_the_callers_stream_ends_the_call_with_it() {
     assert_eq!(e.code(), StatusCode::BusinessError);
     assert!(e.message().contains("the source broke"), "{e}");
     // The connection and the server are fine.
-    assert_eq!(
-        within("echo", f.echo("ok".into())).await.expect("echo"),
-        "ok"
-    );
+    assert_eq!(echoed(&f, "ok").await, "ok");
     within("shutdown", server.shutdown()).await;
 }
 
@@ -706,10 +662,7 @@ async fn bidirectional_streaming_answers_each_item_as_it_comes() {
         .expect("chat");
     for i in 0..50 {
         lines_tx.send(format!("line {i}")).expect("send");
-        let reply = within("reply", replies.next())
-            .await
-            .expect("a reply")
-            .expect("ok");
+        let reply = next_item("reply", &mut replies).await;
         assert_eq!(reply, format!("> line {i}"));
     }
     drop(lines_tx);
@@ -724,19 +677,10 @@ async fn bidirectional_streaming_answers_each_item_as_it_comes() {
     let mut replies = within("open", f.chat("".into(), endless))
         .await
         .expect("chat");
-    assert_eq!(
-        within("reply", replies.next())
-            .await
-            .expect("a reply")
-            .expect("ok"),
-        "0"
-    );
+    assert_eq!(next_item("reply", &mut replies).await, "0");
     drop(replies);
     assert_eq!(recv_one("dropped", &mut probe.dropped).await, "chat");
-    assert_eq!(
-        within("echo", f.echo("ok".into())).await.expect("echo"),
-        "ok"
-    );
+    assert_eq!(echoed(&f, "ok").await, "ok");
     within("shutdown", server.shutdown()).await;
 }
 
@@ -832,10 +776,7 @@ async fn a_stream_to_a_server_that_does_not_stream_fails_at_once() {
         .expect_err("the server does not stream");
     assert_eq!(e.code(), StatusCode::NotImplemented, "{e}");
     assert!(e.message().contains("does not stream"), "{e}");
-    assert_eq!(
-        within("echo", f.echo("x".into())).await.expect("echo"),
-        "old"
-    );
+    assert_eq!(echoed(&f, "x").await, "old");
     within("the fake server", old_server)
         .await
         .expect("fake server");
@@ -1013,13 +954,7 @@ async fn server_layers_see_a_streams_set_up_and_may_refuse_it() {
     );
     // The stream held the cap's only slot while open, and gave it back at its end.
     let mut open = within("open", f.stall_after(1)).await.expect("stall_after");
-    assert_eq!(
-        within("item", open.next())
-            .await
-            .expect("item")
-            .expect("ok"),
-        0
-    );
+    assert_eq!(next_item("item", &mut open).await, 0);
     let over = within("echo at the cap", f.echo("x".into())).await;
     assert_eq!(
         over.expect_err("the open stream holds the slot").code(),

@@ -19,8 +19,8 @@ use common::within;
 use opentelemetry::Value;
 use rpc::crates::governance::calls::{CallObserver, CallRecord};
 use rpc::{
-    BreakerState, Client, GovernanceOverrides, InProcessRegistry, RpcError, RpcStream, Server,
-    ServerHandle, StatusCode,
+    BreakerState, Client, GovernanceOverrides, InProcessRegistry, MethodDescriptor, RpcError,
+    RpcStream, Server, ServerHandle, StatusCode,
 };
 use tokio::sync::mpsc;
 
@@ -198,6 +198,31 @@ impl Stocks for Cache {
 /// test records them.
 fn traced() -> (Traces, tracing::subscriber::DefaultGuard) {
     Traces::install()
+}
+
+/// What a stream the server must accept ends with: `call` sets it up (a refused set-up fails
+/// the test as not accepted), then all its items are collected, within the time limit of
+/// `what`.
+async fn accepted_items<T: Send + 'static>(
+    what: &str,
+    call: impl std::future::Future<Output = Result<RpcStream<T>, RpcError>>,
+) -> Result<Vec<T>, RpcError> {
+    within(what, async {
+        call.await.expect("accepted").collect_all().await
+    })
+    .await
+}
+
+/// Asserts that the client's breaker of `method` is open (`open`) or closed, `why`; a failure
+/// shows the state it is in.
+fn assert_breaker(client: &Client, method: &'static MethodDescriptor, open: bool, why: &str) {
+    let state = client.breaker_state(method);
+    let is = if open {
+        matches!(state, BreakerState::Open { .. })
+    } else {
+        matches!(state, BreakerState::Closed { .. })
+    };
+    assert!(is, "{why}: {state:?}");
 }
 
 /// A client of the market whose breaker opens after `failures` failures in a row, and its
@@ -420,21 +445,18 @@ async fn failed_stream_set_ups_open_the_breaker_which_refuses_the_next_without_t
     let prices = &StocksClient::methods()[0];
     market.down.store(true, Ordering::SeqCst);
     for n in 0..2 {
-        assert!(
-            matches!(client.breaker_state(prices), BreakerState::Closed { .. }),
-            "closed before failure {n}: {:?}",
-            client.breaker_state(prices)
+        assert_breaker(
+            &client,
+            prices,
+            false,
+            &format!("closed before failure {n}"),
         );
         let err = within("prices", stocks.prices(3))
             .await
             .expect_err("the set-up fails");
         assert_eq!(err.code(), StatusCode::ServerError, "{err}");
     }
-    assert!(
-        matches!(client.breaker_state(prices), BreakerState::Open { .. }),
-        "two failed set-ups open it: {:?}",
-        client.breaker_state(prices)
-    );
+    assert_breaker(&client, prices, true, "two failed set-ups open it");
     market.down.store(false, Ordering::SeqCst);
     let err = within("prices", stocks.prices(3))
         .await
@@ -457,25 +479,16 @@ async fn a_failure_after_acceptance_is_not_held_against_the_breaker() {
     let (client, stocks) = breaker_client(&reg, 1);
     let break_after = &StocksClient::methods()[1];
     for _ in 0..3 {
-        let end = within("break_after", async {
-            stocks
-                .break_after(1)
-                .await
-                .expect("accepted")
-                .collect_all()
-                .await
-        })
-        .await
-        .expect_err("each stream ends with the server's error");
+        let end = accepted_items("break_after", stocks.break_after(1))
+            .await
+            .expect_err("each stream ends with the server's error");
         assert_eq!(end.code(), StatusCode::ServerError, "{end}");
     }
-    assert!(
-        matches!(
-            client.breaker_state(break_after),
-            BreakerState::Closed { .. }
-        ),
-        "three failures after acceptance leave it closed: {:?}",
-        client.breaker_state(break_after)
+    assert_breaker(
+        &client,
+        break_after,
+        false,
+        "three failures after acceptance leave it closed",
     );
     // With the same settings, one failed set-up opens it.
     market.down.store(true, Ordering::SeqCst);
@@ -483,11 +496,7 @@ async fn a_failure_after_acceptance_is_not_held_against_the_breaker() {
         .await
         .expect_err("the set-up fails");
     assert_eq!(err.code(), StatusCode::ServerError, "{err}");
-    assert!(
-        matches!(client.breaker_state(break_after), BreakerState::Open { .. }),
-        "one failed set-up opens it: {:?}",
-        client.breaker_state(break_after)
-    );
+    assert_breaker(&client, break_after, true, "one failed set-up opens it");
     within("shutdown", server.shutdown()).await;
 }
 
@@ -528,16 +537,9 @@ async fn the_clients_span_covers_the_whole_stream_with_its_items_each_way_and_en
         .await
         .expect("total");
     assert_eq!(total, 10);
-    let end = within("break_after", async {
-        stocks
-            .break_after(2)
-            .await
-            .expect("accepted")
-            .collect_all()
-            .await
-    })
-    .await
-    .expect_err("the server's error");
+    let end = accepted_items("break_after", stocks.break_after(2))
+        .await
+        .expect_err("the server's error");
     assert_eq!(end.code(), StatusCode::ServerError);
     within("shutdown", server.shutdown()).await;
 
@@ -659,31 +661,17 @@ async fn stream_items_are_counted_by_entry_and_direction_on_both_sides() {
             .override_options(StocksClient::SERVICE_ID, options(100))
             .build(),
     );
-    let prices = within("prices", async {
-        stocks
-            .prices(5)
-            .await
-            .expect("accepted")
-            .collect_all()
-            .await
-    })
-    .await
-    .expect("items");
+    let prices = accepted_items("prices", stocks.prices(5))
+        .await
+        .expect("items");
     assert_eq!(prices.len(), 5);
     let total = within("total", stocks.total(RpcStream::iter(1..=4u64)))
         .await
         .expect("total");
     assert_eq!(total, 10);
-    let doubled = within("double", async {
-        stocks
-            .double(RpcStream::iter([1u64, 2, 3]))
-            .await
-            .expect("accepted")
-            .collect_all()
-            .await
-    })
-    .await
-    .expect("items");
+    let doubled = accepted_items("double", stocks.double(RpcStream::iter([1u64, 2, 3])))
+        .await
+        .expect("items");
     assert_eq!(doubled, [2, 4, 6]);
     within("shutdown", server.shutdown()).await;
 
@@ -773,16 +761,9 @@ async fn a_streams_set_up_arguments_are_compressed_with_the_entrys_option() {
             .build(),
     );
     let text = haystack(64 * 1024);
-    let found = within("find", async {
-        stocks
-            .find(text.clone(), "needle".into())
-            .await
-            .expect("accepted")
-            .collect_all()
-            .await
-    })
-    .await
-    .expect("items");
+    let found = accepted_items("find", stocks.find(text.clone(), "needle".into()))
+        .await
+        .expect("items");
     let expected = positions(&text, "needle");
     assert!(expected.len() > 10);
     assert_eq!(
@@ -933,16 +914,9 @@ async fn a_client_layer_sees_a_streams_set_up_and_its_end() {
     );
 
     // An error after acceptance: its status at the end.
-    let end = within("break_after", async {
-        stocks
-            .break_after(2)
-            .await
-            .expect("accepted")
-            .collect_all()
-            .await
-    })
-    .await
-    .expect_err("the server's error");
+    let end = accepted_items("break_after", stocks.break_after(2))
+        .await
+        .expect_err("the server's error");
     assert_eq!(end.code(), StatusCode::ServerError);
     assert_eq!(next(&mut seen).map(|s| s.1), Some("set-up"));
     assert_eq!(
@@ -988,14 +962,10 @@ async fn compressed_stream_items_arrive_whole_both_ways_between_client_and_serve
     let (server, _market) = serve(&reg).await;
     let stocks = StocksClient::new(client(&reg, None));
     let lines: Vec<String> = (0..5).map(|i| haystack(8 * 1024 + i)).collect();
-    let back = within("shout", async {
-        stocks
-            .shout("> ".into(), RpcStream::iter(lines.clone()))
-            .await
-            .expect("accepted")
-            .collect_all()
-            .await
-    })
+    let back = accepted_items(
+        "shout",
+        stocks.shout("> ".into(), RpcStream::iter(lines.clone())),
+    )
     .await
     .expect("every item");
     let expected: Vec<String> = lines.iter().map(|l| shouted("> ", l)).collect();
@@ -1292,16 +1262,9 @@ async fn server_layers_pass_client_and_bidi_streams_hear_of_their_end_and_may_re
         Some("end g.Stocks.total Some(200) sent 0 received 100"),
         "the layer heard of the end before the caller had its answer"
     );
-    let doubled = within("double", async {
-        stocks
-            .double(RpcStream::iter(1..=50u64))
-            .await
-            .expect("accepted")
-            .collect_all()
-            .await
-    })
-    .await
-    .expect("items");
+    let doubled = accepted_items("double", stocks.double(RpcStream::iter(1..=50u64)))
+        .await
+        .expect("items");
     assert_eq!(doubled, (1..=50u64).map(|n| n * 2).collect::<Vec<_>>());
     assert_eq!(seen.try_recv().ok().as_deref(), Some("g.Stocks.double"));
     assert_eq!(
@@ -1365,16 +1328,9 @@ async fn a_server_fallback_answers_a_server_streams_failed_set_up_only() {
         let stocks = StocksClient::new(client(&reg, None));
         market.down.store(true, Ordering::SeqCst);
 
-        let prices = within("prices", async {
-            stocks
-                .prices(3)
-                .await
-                .expect("accepted")
-                .collect_all()
-                .await
-        })
-        .await
-        .expect("items");
+        let prices = accepted_items("prices", stocks.prices(3))
+            .await
+            .expect("items");
         assert_eq!(
             prices,
             [1000, 1001, 1002],
@@ -1408,16 +1364,9 @@ async fn a_server_fallback_answers_a_server_streams_failed_set_up_only() {
         // A set-up that panics is answered for as one that failed.
         market.down.store(false, Ordering::SeqCst);
         market.panics.store(true, Ordering::SeqCst);
-        let prices = within("prices", async {
-            stocks
-                .prices(2)
-                .await
-                .expect("accepted")
-                .collect_all()
-                .await
-        })
-        .await
-        .expect("items");
+        let prices = accepted_items("prices", stocks.prices(2))
+            .await
+            .expect("items");
         assert_eq!(prices, [1000, 1001], "layered {layered}: the fallback's");
         assert_eq!(
             market.setups.load(Ordering::SeqCst),
