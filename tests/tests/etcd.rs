@@ -11,6 +11,8 @@
 mod common;
 #[path = "common/etcd.rs"]
 mod etcd_harness;
+#[path = "common/registry_watch.rs"]
+mod registry_watch;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -18,10 +20,11 @@ use std::time::{Duration, Instant};
 
 use common::{within, LIMIT};
 use etcd_harness::Etcd;
+use registry_watch::{addresses, has, lacks, serve, wait_until, watch};
 use rpc::crates::registry::ServiceWatch;
-use rpc::{Client, Instance, Registry, Server, ServerHandle};
+use rpc::{Client, Instance, Registry};
 use rpc::{EtcdOptions, EtcdRegistry};
-use tests::who::{Node, Who, WhoClient, WhoServer};
+use tests::who::{Who, WhoClient};
 
 /// The lease of the tests' instances.
 const TTL: Duration = Duration::from_secs(2);
@@ -42,49 +45,6 @@ async fn registry(etcd: &Etcd, ttl: Duration) -> EtcdRegistry {
     EtcdRegistry::connect(&[etcd.endpoint()], options(ttl))
         .await
         .expect("etcd registry")
-}
-
-async fn serve(name: &str, registry: &EtcdRegistry) -> ServerHandle {
-    Server::builder()
-        .registry(registry.clone())
-        .add_service(WhoServer::new(Node(name.to_string())))
-        .serve("127.0.0.1:0")
-        .await
-        .expect("serve")
-}
-
-async fn watch(registry: &EtcdRegistry, service: &str) -> ServiceWatch {
-    within("watch", registry.watch(&service.into()))
-        .await
-        .expect("watch")
-}
-
-fn addresses(w: &ServiceWatch) -> Vec<String> {
-    w.current().iter().map(|i| i.address.clone()).collect()
-}
-
-/// Waits until the watch's addresses satisfy `pred`, at most `limit`; returns how long it took.
-async fn wait_until(
-    w: &mut ServiceWatch,
-    limit: Duration,
-    what: &str,
-    pred: impl Fn(&[String]) -> bool,
-) -> Duration {
-    let start = Instant::now();
-    loop {
-        if pred(&addresses(w)) {
-            return start.elapsed();
-        }
-        let left = limit.saturating_sub(start.elapsed());
-        match tokio::time::timeout(left, w.changed()).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => panic!("{what}: the watch closed: {e}"),
-            Err(_) => panic!(
-                "{what}: not within {limit:?}; the watch shows {:?}",
-                addresses(w)
-            ),
-        }
-    }
 }
 
 /// Starts server "b" on `etcd`, waits until the watch `w` lists it (next to `with`, when
@@ -108,16 +68,6 @@ async fn a_new_server_gets_calls(
     }
     assert!(answers.iter().any(|a| a == "b"), "{answers:?}");
     within("shutdown", b.shutdown()).await;
-}
-
-fn has(addr: impl ToString) -> impl Fn(&[String]) -> bool {
-    let addr = addr.to_string();
-    move |list| list.contains(&addr)
-}
-
-fn lacks(addr: impl ToString) -> impl Fn(&[String]) -> bool {
-    let addr = addr.to_string();
-    move |list| !list.contains(&addr)
 }
 
 /// The lease of `key`, or `None` when the key does not exist.

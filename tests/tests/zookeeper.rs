@@ -11,6 +11,8 @@
 //! restart share one ZooKeeper, each under its own prefix.
 
 mod common;
+#[path = "common/registry_watch.rs"]
+mod registry_watch;
 #[path = "common/zookeeper.rs"]
 mod zookeeper_harness;
 
@@ -19,10 +21,11 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{within, LIMIT};
+use registry_watch::{addresses, has, lacks, serve, wait_until, watch};
 use rpc::crates::registry::ServiceWatch;
-use rpc::{Client, Instance, Registry, Server, ServerHandle};
+use rpc::{Client, Instance, Registry};
 use rpc::{ZooKeeperOptions, ZooKeeperRegistry};
-use tests::who::{Node, Who, WhoClient, WhoServer};
+use tests::who::{Who, WhoClient};
 use zookeeper_harness::ZooKeeper;
 
 /// The session timeout of the tests' registries.
@@ -47,59 +50,6 @@ async fn fresh_url() -> String {
     ZooKeeper::shared()
         .await
         .url_with_prefix(&ZooKeeper::prefix())
-}
-
-async fn serve(name: &str, registry: &ZooKeeperRegistry) -> ServerHandle {
-    Server::builder()
-        .registry(registry.clone())
-        .add_service(WhoServer::new(Node(name.to_string())))
-        .serve("127.0.0.1:0")
-        .await
-        .expect("serve")
-}
-
-async fn watch(registry: &ZooKeeperRegistry, service: &str) -> ServiceWatch {
-    within("watch", registry.watch(&service.into()))
-        .await
-        .expect("watch")
-}
-
-fn addresses(w: &ServiceWatch) -> Vec<String> {
-    w.current().iter().map(|i| i.address.clone()).collect()
-}
-
-/// Waits until the watch's addresses satisfy `pred`, at most `limit`; returns how long it took.
-async fn wait_until(
-    w: &mut ServiceWatch,
-    limit: Duration,
-    what: &str,
-    pred: impl Fn(&[String]) -> bool,
-) -> Duration {
-    let start = Instant::now();
-    loop {
-        if pred(&addresses(w)) {
-            return start.elapsed();
-        }
-        let left = limit.saturating_sub(start.elapsed());
-        match tokio::time::timeout(left, w.changed()).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => panic!("{what}: the watch closed: {e}"),
-            Err(_) => panic!(
-                "{what}: not within {limit:?}; the watch shows {:?}",
-                addresses(w)
-            ),
-        }
-    }
-}
-
-fn has(addr: impl ToString) -> impl Fn(&[String]) -> bool {
-    let addr = addr.to_string();
-    move |list| list.contains(&addr)
-}
-
-fn lacks(addr: impl ToString) -> impl Fn(&[String]) -> bool {
-    let addr = addr.to_string();
-    move |list| !list.contains(&addr)
 }
 
 /// Starts server "b" on `url`, waits until the watch `w` lists it (next to `with`, when given),
