@@ -14,13 +14,11 @@ mod etcd_harness;
 #[path = "common/registry_watch.rs"]
 mod registry_watch;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{within, LIMIT};
 use etcd_harness::Etcd;
-use registry_watch::{addresses, has, lacks, serve, wait_until, watch};
+use registry_watch::{addresses, has, lacks, serve, wait_until, watch, ChildProcess};
 use rpc::crates::registry::ServiceWatch;
 use rpc::{Client, Instance, Registry};
 use rpc::{EtcdOptions, EtcdRegistry};
@@ -138,47 +136,16 @@ async fn a_graceful_shutdown_deregisters_at_once() {
     wait_until(&mut w, SEEN_WITHIN, "gone after shutdown", lacks(addr)).await;
 }
 
-/// A child process, killed on drop.
-struct ChildProcess(Child);
-
-impl Drop for ChildProcess {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// Starts an `etcd-server` process (`tests/src/bin/etcd-server.rs`) registered in `etcd` with a
 /// lease of [`TTL`]; returns it and the address it serves.
 async fn spawn_child_server(etcd: &Etcd) -> (ChildProcess, String) {
-    let mut child = ChildProcess(
-        Command::new(env!("CARGO_BIN_EXE_etcd-server"))
-            .args([etcd.url(), TTL.as_secs().to_string()])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start etcd-server"),
-    );
-    let stdout = child.0.stdout.take().expect("child stdout");
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    // Reads until the child's stdout closes, so the child never writes to a closed pipe.
-    std::thread::spawn(move || {
-        let mut tx = Some(tx);
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { break };
-            if let Some(addr) = line.strip_prefix("listening on ") {
-                if let Some(tx) = tx.take() {
-                    let _ = tx.send(addr.trim().to_string());
-                }
-            }
-        }
-    });
-    let addr = match tokio::time::timeout(Duration::from_secs(20), rx).await {
-        Ok(Ok(addr)) => addr,
-        _ => panic!("the child server did not print its address within 20 s"),
-    };
-    (child, addr)
+    let ttl = TTL.as_secs().to_string();
+    registry_watch::spawn_child_server(
+        "etcd-server",
+        env!("CARGO_BIN_EXE_etcd-server"),
+        &[&etcd.url(), &ttl],
+    )
+    .await
 }
 
 #[tokio::test]

@@ -16,12 +16,11 @@ mod registry_watch;
 #[path = "common/zookeeper.rs"]
 mod zookeeper_harness;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{within, LIMIT};
-use registry_watch::{addresses, has, lacks, serve, wait_until, watch};
+use registry_watch::{addresses, has, lacks, serve, wait_until, watch, ChildProcess};
 use rpc::crates::registry::ServiceWatch;
 use rpc::{Client, Instance, Registry};
 use rpc::{ZooKeeperOptions, ZooKeeperRegistry};
@@ -135,47 +134,16 @@ async fn an_instance_is_one_ephemeral_node_per_service_holding_its_json() {
     assert!(stat(&raw, &node_b).await.is_none(), "t.B's node is gone");
 }
 
-/// A child process, killed on drop.
-struct ChildProcess(Child);
-
-impl Drop for ChildProcess {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// Starts a `registry-server` process (`tests/src/bin/registry-server.rs`) registered at `url`
 /// with a session timeout of [`TTL`]; returns it and the address it serves.
 async fn spawn_child_server(url: &str) -> (ChildProcess, String) {
-    let mut child = ChildProcess(
-        Command::new(env!("CARGO_BIN_EXE_registry-server"))
-            .args([url, &TTL.as_secs().to_string()])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start registry-server"),
-    );
-    let stdout = child.0.stdout.take().expect("child stdout");
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    // Reads until the child's stdout closes, so the child never writes to a closed pipe.
-    std::thread::spawn(move || {
-        let mut tx = Some(tx);
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { break };
-            if let Some(addr) = line.strip_prefix("listening on ") {
-                if let Some(tx) = tx.take() {
-                    let _ = tx.send(addr.trim().to_string());
-                }
-            }
-        }
-    });
-    let addr = match tokio::time::timeout(Duration::from_secs(20), rx).await {
-        Ok(Ok(addr)) => addr,
-        _ => panic!("the child server did not print its address within 20 s"),
-    };
-    (child, addr)
+    let ttl = TTL.as_secs().to_string();
+    registry_watch::spawn_child_server(
+        "registry-server",
+        env!("CARGO_BIN_EXE_registry-server"),
+        &[url, &ttl],
+    )
+    .await
 }
 
 #[tokio::test]
