@@ -32,7 +32,7 @@ use conn::Conn;
 use tasks::{keep_registered, KeepRegistered, WatchTask};
 
 use crate::instance::snapshot;
-use crate::remote::{encode, shared_watch, Backoff, Watches};
+use crate::remote::{encode, non_blank, places, shared_watch, Backoff, Watches};
 use crate::{Instance, Registry, RegistryError, ServiceWatch};
 
 /// Settings of an [`EtcdRegistry`]. Start from `EtcdOptions::default()` and change what you
@@ -166,11 +166,7 @@ impl EtcdRegistry {
         endpoints: &[impl AsRef<str>],
         options: EtcdOptions,
     ) -> Result<Self, RegistryError> {
-        let endpoints: Vec<String> = endpoints
-            .iter()
-            .map(|e| e.as_ref().trim().to_string())
-            .filter(|e| !e.is_empty())
-            .collect();
+        let endpoints = non_blank(endpoints);
         if endpoints.is_empty() {
             return Err(RegistryError::Config(
                 "no etcd endpoint given: expected host:port[,host:port...]".into(),
@@ -245,13 +241,7 @@ impl EtcdRegistry {
     async fn register_instance(&self, instance: Instance) -> Result<(), RegistryError> {
         let conn = &self.inner.conn;
         let value = encode(&instance)?;
-        let mut keys: Vec<String> = instance
-            .services
-            .iter()
-            .map(|s| conn.key(s, &instance.id))
-            .collect();
-        keys.sort();
-        keys.dedup();
+        let keys = places(&instance, |s, id| conn.key(s, id));
 
         let mut registrations = self.inner.registrations.lock().await;
         if keys.is_empty() {

@@ -38,6 +38,27 @@ pub(crate) fn decode(key: &[u8], value: &[u8]) -> Option<Arc<Instance>> {
     }
 }
 
+/// Where `instance` is stored, one place per service it serves (`at(service, instance id)`),
+/// sorted and without repeats.
+pub(crate) fn places(instance: &Instance, at: impl Fn(&ServiceId, &str) -> String) -> Vec<String> {
+    let mut places: Vec<String> = instance
+        .services
+        .iter()
+        .map(|s| at(s, &instance.id))
+        .collect();
+    places.sort();
+    places.dedup();
+    places
+}
+
+/// The configured servers (or endpoints), trimmed, blank ones left out.
+pub(crate) fn non_blank(list: &[impl AsRef<str>]) -> Vec<String> {
+    list.iter()
+        .map(|e| e.as_ref().trim().to_string())
+        .filter(|e| !e.is_empty())
+        .collect()
+}
+
 /// Makes an id usable as one key or path segment: `%` → `%25`, `/` → `%2F`, and a segment that
 /// is all dots (`.`, `..`, which paths give a meaning) has each written `%2E`.
 pub(crate) fn escape(segment: &str) -> std::borrow::Cow<'_, str> {

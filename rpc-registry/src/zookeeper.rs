@@ -29,7 +29,7 @@ use conn::Conn;
 use tasks::{keep_registered, KeepRegistered, WatchTask};
 
 use crate::instance::snapshot;
-use crate::remote::{encode, pause, shared_watch, Backoff, Watches};
+use crate::remote::{encode, non_blank, pause, places, shared_watch, Backoff, Watches};
 use crate::{Instance, Registry, RegistryError, ServiceWatch};
 
 /// Settings of a [`ZooKeeperRegistry`]. Start from `ZooKeeperOptions::default()` and change
@@ -175,11 +175,7 @@ impl ZooKeeperRegistry {
         servers: &[impl AsRef<str>],
         options: ZooKeeperOptions,
     ) -> Result<Self, RegistryError> {
-        let servers: Vec<String> = servers
-            .iter()
-            .map(|s| s.as_ref().trim().to_string())
-            .filter(|s| !s.is_empty())
-            .collect();
+        let servers = non_blank(servers);
         if servers.is_empty() {
             return Err(RegistryError::Config(
                 "no ZooKeeper server given: expected host:port[,host:port...]".into(),
@@ -250,13 +246,7 @@ impl ZooKeeperRegistry {
     async fn register_instance(&self, instance: Instance) -> Result<(), RegistryError> {
         let conn = &self.inner.conn;
         let value = encode(&instance)?;
-        let mut paths: Vec<String> = instance
-            .services
-            .iter()
-            .map(|s| conn.path(s, &instance.id))
-            .collect();
-        paths.sort();
-        paths.dedup();
+        let paths = places(&instance, |s, id| conn.path(s, id));
 
         let mut registrations = self.inner.registrations.lock().await;
         let obsolete: Vec<String> = registrations
