@@ -32,7 +32,7 @@ use conn::Conn;
 use tasks::{keep_registered, KeepRegistered, WatchTask};
 
 use crate::instance::snapshot;
-use crate::remote::{encode, lock, Backoff, Signals, Watches};
+use crate::remote::{encode, non_blank, places, shared_watch, Backoff, Watches};
 use crate::{Instance, Registry, RegistryError, ServiceWatch};
 
 /// Settings of an [`EtcdRegistry`]. Start from `EtcdOptions::default()` and change what you
@@ -166,11 +166,7 @@ impl EtcdRegistry {
         endpoints: &[impl AsRef<str>],
         options: EtcdOptions,
     ) -> Result<Self, RegistryError> {
-        let endpoints: Vec<String> = endpoints
-            .iter()
-            .map(|e| e.as_ref().trim().to_string())
-            .filter(|e| !e.is_empty())
-            .collect();
+        let endpoints = non_blank(endpoints);
         if endpoints.is_empty() {
             return Err(RegistryError::Config(
                 "no etcd endpoint given: expected host:port[,host:port...]".into(),
@@ -245,13 +241,7 @@ impl EtcdRegistry {
     async fn register_instance(&self, instance: Instance) -> Result<(), RegistryError> {
         let conn = &self.inner.conn;
         let value = encode(&instance)?;
-        let mut keys: Vec<String> = instance
-            .services
-            .iter()
-            .map(|s| conn.key(s, &instance.id))
-            .collect();
-        keys.sort();
-        keys.dedup();
+        let keys = places(&instance, |s, id| conn.key(s, id));
 
         let mut registrations = self.inner.registrations.lock().await;
         if keys.is_empty() {
@@ -309,36 +299,28 @@ impl EtcdRegistry {
     }
 
     async fn watch_service(&self, service: &ServiceId) -> Result<ServiceWatch, RegistryError> {
-        if let Some(tx) = lock(&self.inner.watches).get(service) {
-            return Ok(ServiceWatch::new(tx.subscribe()));
-        }
         let conn = &self.inner.conn;
-        let (instances, revision) = conn.read(service).await?;
-        let mut watches = lock(&self.inner.watches);
-        if let Some(tx) = watches.get(service) {
-            // Another watcher started the task meanwhile.
-            return Ok(ServiceWatch::new(tx.subscribe()));
-        }
-        let tx = Arc::new(watch::Sender::new(snapshot(service, instances.values())));
-        let rx = tx.subscribe();
-        watches.insert(service.clone(), tx.clone());
-        tokio::spawn(
-            WatchTask {
-                conn: conn.clone(),
-                service: service.clone(),
-                prefix: conn.service_prefix(service),
-                signals: Signals {
-                    service: service.clone(),
-                    tx,
-                    watches: self.inner.watches.clone(),
-                    alive: self.inner.alive.clone(),
-                },
-                instances,
-                backoff: Backoff::default(),
-            }
-            .run(revision),
-        );
-        Ok(ServiceWatch::new(rx))
+        shared_watch(
+            &self.inner.watches,
+            &self.inner.alive,
+            service,
+            conn.read(service),
+            |(instances, _)| snapshot(service, instances.values()),
+            |(instances, revision), signals| {
+                tokio::spawn(
+                    WatchTask {
+                        conn: conn.clone(),
+                        service: service.clone(),
+                        prefix: conn.service_prefix(service),
+                        signals,
+                        instances,
+                        backoff: Backoff::default(),
+                    }
+                    .run(revision),
+                );
+            },
+        )
+        .await
     }
 }
 

@@ -7,13 +7,14 @@
 //! made once.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use rpc_core::ServiceId;
 use tokio::sync::watch;
 
-use crate::{Endpoints, Instance, RegistryError};
+use crate::{Endpoints, Instance, RegistryError, ServiceWatch};
 
 /// The stored form of `instance`: its JSON, as every distributed backend writes it.
 pub(crate) fn encode(instance: &Instance) -> Result<Vec<u8>, RegistryError> {
@@ -35,6 +36,27 @@ pub(crate) fn decode(key: &[u8], value: &[u8]) -> Option<Arc<Instance>> {
             None
         }
     }
+}
+
+/// Where `instance` is stored, one place per service it serves (`at(service, instance id)`),
+/// sorted and without repeats.
+pub(crate) fn places(instance: &Instance, at: impl Fn(&ServiceId, &str) -> String) -> Vec<String> {
+    let mut places: Vec<String> = instance
+        .services
+        .iter()
+        .map(|s| at(s, &instance.id))
+        .collect();
+    places.sort();
+    places.dedup();
+    places
+}
+
+/// The configured servers (or endpoints), trimmed, blank ones left out.
+pub(crate) fn non_blank(list: &[impl AsRef<str>]) -> Vec<String> {
+    list.iter()
+        .map(|e| e.as_ref().trim().to_string())
+        .filter(|e| !e.is_empty())
+        .collect()
 }
 
 /// Makes an id usable as one key or path segment: `%` → `%25`, `/` → `%2F`, and a segment that
@@ -125,6 +147,42 @@ pub(crate) type Watches = Arc<Mutex<HashMap<ServiceId, Arc<watch::Sender<Endpoin
 pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     // Every critical section is a lookup, an insert or a remove: nothing to leave half-done.
     m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The watch of `service`, shared by all its watchers: a subscription to its running watch task
+/// if there is one; else `open` reads the service from the store (`first` is its first
+/// snapshot) and `start` spawns the task that follows it from there, ended by the given
+/// [`Signals`]. Fails if `open` fails (the store does not answer); then nothing is started.
+pub(crate) async fn shared_watch<T>(
+    watches: &Watches,
+    alive: &watch::Receiver<()>,
+    service: &ServiceId,
+    open: impl Future<Output = Result<T, RegistryError>>,
+    first: impl FnOnce(&T) -> Endpoints,
+    start: impl FnOnce(T, Signals),
+) -> Result<ServiceWatch, RegistryError> {
+    if let Some(tx) = lock(watches).get(service) {
+        return Ok(ServiceWatch::new(tx.subscribe()));
+    }
+    let opened = open.await?;
+    let mut map = lock(watches);
+    if let Some(tx) = map.get(service) {
+        // Another watcher started the task meanwhile.
+        return Ok(ServiceWatch::new(tx.subscribe()));
+    }
+    let tx = Arc::new(watch::Sender::new(first(&opened)));
+    let rx = tx.subscribe();
+    map.insert(service.clone(), tx.clone());
+    start(
+        opened,
+        Signals {
+            service: service.clone(),
+            tx,
+            watches: watches.clone(),
+            alive: alive.clone(),
+        },
+    );
+    Ok(ServiceWatch::new(rx))
 }
 
 /// What ends a watch task: the registry dropped, or nobody watching anymore.

@@ -29,7 +29,7 @@ use conn::Conn;
 use tasks::{keep_registered, KeepRegistered, WatchTask};
 
 use crate::instance::snapshot;
-use crate::remote::{encode, lock, pause, Backoff, Signals, Watches};
+use crate::remote::{encode, non_blank, pause, places, shared_watch, Backoff, Watches};
 use crate::{Instance, Registry, RegistryError, ServiceWatch};
 
 /// Settings of a [`ZooKeeperRegistry`]. Start from `ZooKeeperOptions::default()` and change
@@ -175,11 +175,7 @@ impl ZooKeeperRegistry {
         servers: &[impl AsRef<str>],
         options: ZooKeeperOptions,
     ) -> Result<Self, RegistryError> {
-        let servers: Vec<String> = servers
-            .iter()
-            .map(|s| s.as_ref().trim().to_string())
-            .filter(|s| !s.is_empty())
-            .collect();
+        let servers = non_blank(servers);
         if servers.is_empty() {
             return Err(RegistryError::Config(
                 "no ZooKeeper server given: expected host:port[,host:port...]".into(),
@@ -250,13 +246,7 @@ impl ZooKeeperRegistry {
     async fn register_instance(&self, instance: Instance) -> Result<(), RegistryError> {
         let conn = &self.inner.conn;
         let value = encode(&instance)?;
-        let mut paths: Vec<String> = instance
-            .services
-            .iter()
-            .map(|s| conn.path(s, &instance.id))
-            .collect();
-        paths.sort();
-        paths.dedup();
+        let paths = places(&instance, |s, id| conn.path(s, id));
 
         let mut registrations = self.inner.registrations.lock().await;
         let obsolete: Vec<String> = registrations
@@ -330,37 +320,33 @@ impl ZooKeeperRegistry {
     }
 
     async fn watch_service(&self, service: &ServiceId) -> Result<ServiceWatch, RegistryError> {
-        if let Some(tx) = lock(&self.inner.watches).get(service) {
-            return Ok(ServiceWatch::new(tx.subscribe()));
-        }
         let conn = &self.inner.conn;
-        let dir = conn.service_dir(service);
-        let (client, watcher, instances) = tasks::open(conn, service, &dir).await?;
-        let mut watches = lock(&self.inner.watches);
-        if let Some(tx) = watches.get(service) {
-            // Another watcher started the task meanwhile.
-            return Ok(ServiceWatch::new(tx.subscribe()));
-        }
-        let tx = Arc::new(watch::Sender::new(snapshot(service, instances.values())));
-        let rx = tx.subscribe();
-        watches.insert(service.clone(), tx.clone());
-        tokio::spawn(
-            WatchTask {
-                conn: conn.clone(),
-                service: service.clone(),
-                dir,
-                signals: Signals {
-                    service: service.clone(),
-                    tx,
-                    watches: self.inner.watches.clone(),
-                    alive: self.inner.alive.clone(),
-                },
-                instances,
-                backoff: Backoff::up_to(conn.retry_max()),
-            }
-            .run(client, watcher),
-        );
-        Ok(ServiceWatch::new(rx))
+        let open = async {
+            let dir = conn.service_dir(service);
+            let (client, watcher, instances) = tasks::open(conn, service, &dir).await?;
+            Ok((dir, client, watcher, instances))
+        };
+        shared_watch(
+            &self.inner.watches,
+            &self.inner.alive,
+            service,
+            open,
+            |(_, _, _, instances)| snapshot(service, instances.values()),
+            |(dir, client, watcher, instances), signals| {
+                tokio::spawn(
+                    WatchTask {
+                        conn: conn.clone(),
+                        service: service.clone(),
+                        dir,
+                        signals,
+                        instances,
+                        backoff: Backoff::up_to(conn.retry_max()),
+                    }
+                    .run(client, watcher),
+                );
+            },
+        )
+        .await
     }
 }
 

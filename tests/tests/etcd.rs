@@ -11,17 +11,18 @@
 mod common;
 #[path = "common/etcd.rs"]
 mod etcd_harness;
+#[path = "common/registry_watch.rs"]
+mod registry_watch;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{within, LIMIT};
 use etcd_harness::Etcd;
+use registry_watch::{addresses, has, lacks, serve, wait_until, watch, ChildProcess};
 use rpc::crates::registry::ServiceWatch;
-use rpc::{Client, Instance, Registry, Server, ServerHandle};
+use rpc::{Client, Instance, Registry};
 use rpc::{EtcdOptions, EtcdRegistry};
-use tests::who::{Node, Who, WhoClient, WhoServer};
+use tests::who::{Who, WhoClient};
 
 /// The lease of the tests' instances.
 const TTL: Duration = Duration::from_secs(2);
@@ -42,49 +43,6 @@ async fn registry(etcd: &Etcd, ttl: Duration) -> EtcdRegistry {
     EtcdRegistry::connect(&[etcd.endpoint()], options(ttl))
         .await
         .expect("etcd registry")
-}
-
-async fn serve(name: &str, registry: &EtcdRegistry) -> ServerHandle {
-    Server::builder()
-        .registry(registry.clone())
-        .add_service(WhoServer::new(Node(name.to_string())))
-        .serve("127.0.0.1:0")
-        .await
-        .expect("serve")
-}
-
-async fn watch(registry: &EtcdRegistry, service: &str) -> ServiceWatch {
-    within("watch", registry.watch(&service.into()))
-        .await
-        .expect("watch")
-}
-
-fn addresses(w: &ServiceWatch) -> Vec<String> {
-    w.current().iter().map(|i| i.address.clone()).collect()
-}
-
-/// Waits until the watch's addresses satisfy `pred`, at most `limit`; returns how long it took.
-async fn wait_until(
-    w: &mut ServiceWatch,
-    limit: Duration,
-    what: &str,
-    pred: impl Fn(&[String]) -> bool,
-) -> Duration {
-    let start = Instant::now();
-    loop {
-        if pred(&addresses(w)) {
-            return start.elapsed();
-        }
-        let left = limit.saturating_sub(start.elapsed());
-        match tokio::time::timeout(left, w.changed()).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => panic!("{what}: the watch closed: {e}"),
-            Err(_) => panic!(
-                "{what}: not within {limit:?}; the watch shows {:?}",
-                addresses(w)
-            ),
-        }
-    }
 }
 
 /// Starts server "b" on `etcd`, waits until the watch `w` lists it (next to `with`, when
@@ -108,16 +66,6 @@ async fn a_new_server_gets_calls(
     }
     assert!(answers.iter().any(|a| a == "b"), "{answers:?}");
     within("shutdown", b.shutdown()).await;
-}
-
-fn has(addr: impl ToString) -> impl Fn(&[String]) -> bool {
-    let addr = addr.to_string();
-    move |list| list.contains(&addr)
-}
-
-fn lacks(addr: impl ToString) -> impl Fn(&[String]) -> bool {
-    let addr = addr.to_string();
-    move |list| !list.contains(&addr)
 }
 
 /// The lease of `key`, or `None` when the key does not exist.
@@ -188,47 +136,16 @@ async fn a_graceful_shutdown_deregisters_at_once() {
     wait_until(&mut w, SEEN_WITHIN, "gone after shutdown", lacks(addr)).await;
 }
 
-/// A child process, killed on drop.
-struct ChildProcess(Child);
-
-impl Drop for ChildProcess {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// Starts an `etcd-server` process (`tests/src/bin/etcd-server.rs`) registered in `etcd` with a
 /// lease of [`TTL`]; returns it and the address it serves.
 async fn spawn_child_server(etcd: &Etcd) -> (ChildProcess, String) {
-    let mut child = ChildProcess(
-        Command::new(env!("CARGO_BIN_EXE_etcd-server"))
-            .args([etcd.url(), TTL.as_secs().to_string()])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start etcd-server"),
-    );
-    let stdout = child.0.stdout.take().expect("child stdout");
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    // Reads until the child's stdout closes, so the child never writes to a closed pipe.
-    std::thread::spawn(move || {
-        let mut tx = Some(tx);
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { break };
-            if let Some(addr) = line.strip_prefix("listening on ") {
-                if let Some(tx) = tx.take() {
-                    let _ = tx.send(addr.trim().to_string());
-                }
-            }
-        }
-    });
-    let addr = match tokio::time::timeout(Duration::from_secs(20), rx).await {
-        Ok(Ok(addr)) => addr,
-        _ => panic!("the child server did not print its address within 20 s"),
-    };
-    (child, addr)
+    let ttl = TTL.as_secs().to_string();
+    registry_watch::spawn_child_server(
+        "etcd-server",
+        env!("CARGO_BIN_EXE_etcd-server"),
+        &[&etcd.url(), &ttl],
+    )
+    .await
 }
 
 #[tokio::test]

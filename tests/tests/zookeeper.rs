@@ -11,18 +11,20 @@
 //! restart share one ZooKeeper, each under its own prefix.
 
 mod common;
+#[path = "common/registry_watch.rs"]
+mod registry_watch;
 #[path = "common/zookeeper.rs"]
 mod zookeeper_harness;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{within, LIMIT};
+use registry_watch::{addresses, has, lacks, serve, wait_until, watch, ChildProcess};
 use rpc::crates::registry::ServiceWatch;
-use rpc::{Client, Instance, Registry, Server, ServerHandle};
+use rpc::{Client, Instance, Registry};
 use rpc::{ZooKeeperOptions, ZooKeeperRegistry};
-use tests::who::{Node, Who, WhoClient, WhoServer};
+use tests::who::{Who, WhoClient};
 use zookeeper_harness::ZooKeeper;
 
 /// The session timeout of the tests' registries.
@@ -47,59 +49,6 @@ async fn fresh_url() -> String {
     ZooKeeper::shared()
         .await
         .url_with_prefix(&ZooKeeper::prefix())
-}
-
-async fn serve(name: &str, registry: &ZooKeeperRegistry) -> ServerHandle {
-    Server::builder()
-        .registry(registry.clone())
-        .add_service(WhoServer::new(Node(name.to_string())))
-        .serve("127.0.0.1:0")
-        .await
-        .expect("serve")
-}
-
-async fn watch(registry: &ZooKeeperRegistry, service: &str) -> ServiceWatch {
-    within("watch", registry.watch(&service.into()))
-        .await
-        .expect("watch")
-}
-
-fn addresses(w: &ServiceWatch) -> Vec<String> {
-    w.current().iter().map(|i| i.address.clone()).collect()
-}
-
-/// Waits until the watch's addresses satisfy `pred`, at most `limit`; returns how long it took.
-async fn wait_until(
-    w: &mut ServiceWatch,
-    limit: Duration,
-    what: &str,
-    pred: impl Fn(&[String]) -> bool,
-) -> Duration {
-    let start = Instant::now();
-    loop {
-        if pred(&addresses(w)) {
-            return start.elapsed();
-        }
-        let left = limit.saturating_sub(start.elapsed());
-        match tokio::time::timeout(left, w.changed()).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => panic!("{what}: the watch closed: {e}"),
-            Err(_) => panic!(
-                "{what}: not within {limit:?}; the watch shows {:?}",
-                addresses(w)
-            ),
-        }
-    }
-}
-
-fn has(addr: impl ToString) -> impl Fn(&[String]) -> bool {
-    let addr = addr.to_string();
-    move |list| list.contains(&addr)
-}
-
-fn lacks(addr: impl ToString) -> impl Fn(&[String]) -> bool {
-    let addr = addr.to_string();
-    move |list| !list.contains(&addr)
 }
 
 /// Starts server "b" on `url`, waits until the watch `w` lists it (next to `with`, when given),
@@ -185,47 +134,16 @@ async fn an_instance_is_one_ephemeral_node_per_service_holding_its_json() {
     assert!(stat(&raw, &node_b).await.is_none(), "t.B's node is gone");
 }
 
-/// A child process, killed on drop.
-struct ChildProcess(Child);
-
-impl Drop for ChildProcess {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// Starts a `registry-server` process (`tests/src/bin/registry-server.rs`) registered at `url`
 /// with a session timeout of [`TTL`]; returns it and the address it serves.
 async fn spawn_child_server(url: &str) -> (ChildProcess, String) {
-    let mut child = ChildProcess(
-        Command::new(env!("CARGO_BIN_EXE_registry-server"))
-            .args([url, &TTL.as_secs().to_string()])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start registry-server"),
-    );
-    let stdout = child.0.stdout.take().expect("child stdout");
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    // Reads until the child's stdout closes, so the child never writes to a closed pipe.
-    std::thread::spawn(move || {
-        let mut tx = Some(tx);
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { break };
-            if let Some(addr) = line.strip_prefix("listening on ") {
-                if let Some(tx) = tx.take() {
-                    let _ = tx.send(addr.trim().to_string());
-                }
-            }
-        }
-    });
-    let addr = match tokio::time::timeout(Duration::from_secs(20), rx).await {
-        Ok(Ok(addr)) => addr,
-        _ => panic!("the child server did not print its address within 20 s"),
-    };
-    (child, addr)
+    let ttl = TTL.as_secs().to_string();
+    registry_watch::spawn_child_server(
+        "registry-server",
+        env!("CARGO_BIN_EXE_registry-server"),
+        &[url, &ttl],
+    )
+    .await
 }
 
 #[tokio::test]

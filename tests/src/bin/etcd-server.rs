@@ -9,11 +9,12 @@
 //! a lease of the given length, prints `listening on <addr>`, and exits when its standard input
 //! closes, so that it never outlives the test that started it.
 
-use std::io::{Read, Write};
+use std::sync::Arc;
 use std::time::Duration;
 
-use rpc::{EtcdOptions, EtcdRegistry, Server};
-use tests::who::{Node, WhoServer};
+use rpc::{EtcdOptions, EtcdRegistry};
+
+mod child;
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -31,25 +32,5 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         },
     )
     .await?;
-    let server = Server::builder()
-        .registry(registry)
-        .add_service(WhoServer::new(Node("child".into())))
-        .serve("127.0.0.1:0")
-        .await?;
-    {
-        let mut out = std::io::stdout().lock();
-        writeln!(out, "listening on {}", server.local_addr())?;
-        out.flush()?;
-    }
-    // Standard input closes when the test ends, however it ends.
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    std::thread::spawn(move || {
-        let mut sink = [0u8; 64];
-        let mut stdin = std::io::stdin();
-        while matches!(stdin.read(&mut sink), Ok(n) if n > 0) {}
-        let _ = tx.send(());
-    });
-    let _ = rx.await;
-    server.abort();
-    Ok(())
+    child::serve_until_stdin_closes(Arc::new(registry)).await
 }

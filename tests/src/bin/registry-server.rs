@@ -10,11 +10,11 @@
 //! prints `listening on <addr>`, and exits when its standard input closes, so that it never
 //! outlives the test that started it.
 
-use std::io::{Read, Write};
 use std::time::Duration;
 
-use rpc::{Registry, Server};
-use tests::who::{Node, WhoServer};
+use rpc::Registry;
+
+mod child;
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -24,25 +24,5 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let lease: u64 = args.next().ok_or(usage)?.parse()?;
     let registry =
         <dyn Registry>::from_url_with_lease(&url, Some(Duration::from_secs(lease))).await?;
-    let server = Server::builder()
-        .shared_registry(registry)
-        .add_service(WhoServer::new(Node("child".into())))
-        .serve("127.0.0.1:0")
-        .await?;
-    {
-        let mut out = std::io::stdout().lock();
-        writeln!(out, "listening on {}", server.local_addr())?;
-        out.flush()?;
-    }
-    // Standard input closes when the test ends, however it ends.
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    std::thread::spawn(move || {
-        let mut sink = [0u8; 64];
-        let mut stdin = std::io::stdin();
-        while matches!(stdin.read(&mut sink), Ok(n) if n > 0) {}
-        let _ = tx.send(());
-    });
-    let _ = rx.await;
-    server.abort();
-    Ok(())
+    child::serve_until_stdin_closes(registry).await
 }
