@@ -20,47 +20,55 @@ use tokio::time::Instant;
 use tracing::field::{display, Empty};
 use tracing::Span;
 
+/// A span named `$name` for one call of `$method`: the method's attributes every client span
+/// carries, then `$fields` (spans' fields are fixed where the span is declared, so the
+/// shared ones are spliced in here rather than added later).
+macro_rules! method_span {
+    ($name:literal, $method:ident, $($fields:tt)*) => {
+        tracing::info_span!(
+            $name,
+            otel.kind = "client",
+            rpc.system = "rpc",
+            rpc.service = $method.service_id,
+            rpc.method = $method.method,
+            rpc.entry_id = $method.entry_id,
+            $($fields)*
+        )
+    };
+}
+
+/// An `rpc.client` span for one call of `$method`: the fields a call records as it ends,
+/// then `$fields`.
+macro_rules! call_span_with {
+    ($method:ident, $($fields:tt)*) => {
+        method_span!(
+            "rpc.client",
+            $method,
+            call_id = Empty,
+            rpc.status_code = Empty,
+            outcome = Empty,
+            rpc.fallback.cause = Empty,
+            rpc.route = Empty,
+            rpc.route.group = Empty,
+            rpc.route.fallback = Empty,
+            otel.status_code = Empty,
+            otel.status_description = Empty,
+            $($fields)*
+        )
+    };
+}
+
 /// The span of one call, retries and fallback included.
 pub(crate) fn call_span(method: &'static MethodDescriptor) -> Span {
-    tracing::info_span!(
-        "rpc.client",
-        otel.kind = "client",
-        rpc.system = "rpc",
-        rpc.service = method.service_id,
-        rpc.method = method.method,
-        rpc.entry_id = method.entry_id,
-        call_id = Empty,
-        rpc.status_code = Empty,
-        outcome = Empty,
-        rpc.fallback.cause = Empty,
-        rpc.route = Empty,
-        rpc.route.group = Empty,
-        rpc.route.fallback = Empty,
-        otel.status_code = Empty,
-        otel.status_description = Empty,
-    )
+    call_span_with!(method,)
 }
 
 /// The span of one stream, from its set-up (retries and fallback included) to its end: the
 /// call span's fields plus the items each way (`rpc.stream.items_sent`,
 /// `rpc.stream.items_received`), recorded as the stream ends.
 pub(crate) fn stream_span(method: &'static MethodDescriptor) -> Span {
-    tracing::info_span!(
-        "rpc.client",
-        otel.kind = "client",
-        rpc.system = "rpc",
-        rpc.service = method.service_id,
-        rpc.method = method.method,
-        rpc.entry_id = method.entry_id,
-        call_id = Empty,
-        rpc.status_code = Empty,
-        outcome = Empty,
-        rpc.fallback.cause = Empty,
-        rpc.route = Empty,
-        rpc.route.group = Empty,
-        rpc.route.fallback = Empty,
-        otel.status_code = Empty,
-        otel.status_description = Empty,
+    call_span_with!(
+        method,
         rpc.stream.items_sent = Empty,
         rpc.stream.items_received = Empty,
     )
@@ -80,13 +88,9 @@ pub(crate) fn call_id(span: &Span) -> Option<String> {
 
 /// The span of one attempt on `addr` (a child of the current call span).
 pub(crate) fn attempt_span(method: &'static MethodDescriptor, attempt: u32, addr: &str) -> Span {
-    let span = tracing::info_span!(
+    let span = method_span!(
         "rpc.client.attempt",
-        otel.kind = "client",
-        rpc.system = "rpc",
-        rpc.service = method.service_id,
-        rpc.method = method.method,
-        rpc.entry_id = method.entry_id,
+        method,
         rpc.attempt = i64::from(attempt),
         server.address = Empty,
         server.port = Empty,

@@ -103,150 +103,64 @@ fn method(index: usize, m: &Method, table: &syn::Ident) -> TokenStream {
         }
         None => quote!(::core::option::Option::None::<fn() -> u64>),
     };
-    if let (Some(_), Some(last), Some(item)) = (&m.stream_arg, m.args.last(), &m.stream_item) {
-        // Both ways: the set-up under the entry's governance, the caller's items sent from a
-        // task of their own as the server grants credit, the answer's items decoded.
-        let stream_ident = &last.ident;
-        return quote! {
-            fn #ident(&self, #(#arg_idents: #arg_tys),*)
-                -> impl ::core::future::Future<Output = #output> + ::core::marker::Send
-            {
-                async move {
-                    let __rpc_method: &'static ::rpc::__private::MethodDescriptor =
-                        &#table[#index];
-                    let __rpc_codec: ::rpc::__private::Codec = ::rpc::Client::codec(&self.client);
-                    let __rpc_result: ::core::result::Result<#ok, ::rpc::__private::RpcError> =
-                        match ::rpc::__private::encode_args(__rpc_codec, #params, __rpc_method) {
-                            ::core::result::Result::Ok(__rpc_params) => {
-                                match ::rpc::Client::invoke_bidi(
-                                    &self.client,
-                                    __rpc_method,
-                                    __rpc_params,
-                                    ::rpc::__private::encode_stream(
-                                        __rpc_codec,
-                                        #stream_ident,
-                                        __rpc_method,
-                                    ),
-                                    #hash,
-                                )
-                                .await
-                                {
-                                    ::core::result::Result::Ok(__rpc_items) => {
-                                        ::core::result::Result::Ok(
-                                            ::rpc::__private::decode_stream::<#item>(
-                                                __rpc_codec,
-                                                __rpc_items,
-                                                __rpc_method,
-                                            ),
-                                        )
-                                    }
-                                    ::core::result::Result::Err(__rpc_e) => {
-                                        ::core::result::Result::Err(__rpc_e)
-                                    }
-                                }
-                            }
-                            ::core::result::Result::Err(__rpc_e) => {
-                                ::core::result::Result::Err(__rpc_e)
-                            }
-                        };
-                    __rpc_result.map_err(<#err as ::rpc::__private::RemoteError>::from_rpc_error)
-                }
+    // The four call shapes differ only in the client call that reaches the server (with the
+    // caller's items encoded when it sends a stream) and in how its answer is decoded (a stream
+    // of items or one result); everything around them is this one body.
+    let encode_stream = |stream_ident: &syn::Ident| {
+        quote! {
+            ::rpc::__private::encode_stream(
+                __rpc_codec,
+                #stream_ident,
+                __rpc_method,
+            ),
+        }
+    };
+    let decode_items = |item: &syn::Type| {
+        quote! {
+            ::core::result::Result::Ok(__rpc_items) => {
+                ::core::result::Result::Ok(
+                    ::rpc::__private::decode_stream::<#item>(
+                        __rpc_codec,
+                        __rpc_items,
+                        __rpc_method,
+                    ),
+                )
             }
-        };
-    }
-    if let (Some(_), Some(last)) = (&m.stream_arg, m.args.last()) {
+        }
+    };
+    let decode_result = quote! {
+        ::core::result::Result::Ok(__rpc_bytes) => {
+            ::rpc::__private::decode_result::<#ok>(
+                __rpc_codec,
+                &__rpc_bytes,
+                __rpc_method,
+            )
+        }
+    };
+    let (invoke, items, decode) = match (&m.stream_arg, m.args.last(), &m.stream_item) {
+        // Both ways: the set-up under the entry's governance, the caller's items sent from
+        // a task of their own as the server grants credit, the answer's items decoded.
+        (Some(_), Some(last), Some(item)) => (
+            quote!(invoke_bidi),
+            encode_stream(&last.ident),
+            decode_items(item),
+        ),
         // A client stream: the set-up under the entry's governance, the items sent as the
         // server grants credit, then the answer.
-        let stream_ident = &last.ident;
-        return quote! {
-            fn #ident(&self, #(#arg_idents: #arg_tys),*)
-                -> impl ::core::future::Future<Output = #output> + ::core::marker::Send
-            {
-                async move {
-                    let __rpc_method: &'static ::rpc::__private::MethodDescriptor =
-                        &#table[#index];
-                    let __rpc_codec: ::rpc::__private::Codec = ::rpc::Client::codec(&self.client);
-                    let __rpc_result: ::core::result::Result<#ok, ::rpc::__private::RpcError> =
-                        match ::rpc::__private::encode_args(__rpc_codec, #params, __rpc_method) {
-                            ::core::result::Result::Ok(__rpc_params) => {
-                                match ::rpc::Client::invoke_client_stream(
-                                    &self.client,
-                                    __rpc_method,
-                                    __rpc_params,
-                                    ::rpc::__private::encode_stream(
-                                        __rpc_codec,
-                                        #stream_ident,
-                                        __rpc_method,
-                                    ),
-                                    #hash,
-                                )
-                                .await
-                                {
-                                    ::core::result::Result::Ok(__rpc_bytes) => {
-                                        ::rpc::__private::decode_result::<#ok>(
-                                            __rpc_codec,
-                                            &__rpc_bytes,
-                                            __rpc_method,
-                                        )
-                                    }
-                                    ::core::result::Result::Err(__rpc_e) => {
-                                        ::core::result::Result::Err(__rpc_e)
-                                    }
-                                }
-                            }
-                            ::core::result::Result::Err(__rpc_e) => {
-                                ::core::result::Result::Err(__rpc_e)
-                            }
-                        };
-                    __rpc_result.map_err(<#err as ::rpc::__private::RemoteError>::from_rpc_error)
-                }
-            }
-        };
-    }
-    if let Some(item) = &m.stream_item {
+        (Some(_), Some(last), None) => (
+            quote!(invoke_client_stream),
+            encode_stream(&last.ident),
+            decode_result,
+        ),
         // A server stream: the set-up under the entry's governance, then its items decoded.
-        return quote! {
-            fn #ident(&self, #(#arg_idents: #arg_tys),*)
-                -> impl ::core::future::Future<Output = #output> + ::core::marker::Send
-            {
-                async move {
-                    let __rpc_method: &'static ::rpc::__private::MethodDescriptor =
-                        &#table[#index];
-                    let __rpc_codec: ::rpc::__private::Codec = ::rpc::Client::codec(&self.client);
-                    let __rpc_result: ::core::result::Result<#ok, ::rpc::__private::RpcError> =
-                        match ::rpc::__private::encode_args(__rpc_codec, #params, __rpc_method) {
-                            ::core::result::Result::Ok(__rpc_params) => {
-                                match ::rpc::Client::invoke_stream(
-                                    &self.client,
-                                    __rpc_method,
-                                    __rpc_params,
-                                    #hash,
-                                )
-                                .await
-                                {
-                                    ::core::result::Result::Ok(__rpc_items) => {
-                                        ::core::result::Result::Ok(
-                                            ::rpc::__private::decode_stream::<#item>(
-                                                __rpc_codec,
-                                                __rpc_items,
-                                                __rpc_method,
-                                            ),
-                                        )
-                                    }
-                                    ::core::result::Result::Err(__rpc_e) => {
-                                        ::core::result::Result::Err(__rpc_e)
-                                    }
-                                }
-                            }
-                            ::core::result::Result::Err(__rpc_e) => {
-                                ::core::result::Result::Err(__rpc_e)
-                            }
-                        };
-                    __rpc_result.map_err(<#err as ::rpc::__private::RemoteError>::from_rpc_error)
-                }
-            }
-        };
-    }
+        (_, _, Some(item)) => (
+            quote!(invoke_stream),
+            TokenStream::new(),
+            decode_items(item),
+        ),
+        // A unary call.
+        _ => (quote!(invoke), TokenStream::new(), decode_result),
+    };
     // One state machine (no nested `async` block), built where it is returned: a future
     // whose construction did work first would be moved (copied) by every caller.
     quote! {
@@ -259,21 +173,16 @@ fn method(index: usize, m: &Method, table: &syn::Ident) -> TokenStream {
                 let __rpc_result: ::core::result::Result<#ok, ::rpc::__private::RpcError> =
                     match ::rpc::__private::encode_args(__rpc_codec, #params, __rpc_method) {
                         ::core::result::Result::Ok(__rpc_params) => {
-                            match ::rpc::Client::invoke(
+                            match ::rpc::Client::#invoke(
                                 &self.client,
                                 __rpc_method,
                                 __rpc_params,
+                                #items
                                 #hash,
                             )
                             .await
                             {
-                                ::core::result::Result::Ok(__rpc_bytes) => {
-                                    ::rpc::__private::decode_result::<#ok>(
-                                        __rpc_codec,
-                                        &__rpc_bytes,
-                                        __rpc_method,
-                                    )
-                                }
+                                #decode
                                 ::core::result::Result::Err(__rpc_e) => {
                                     ::core::result::Result::Err(__rpc_e)
                                 }
