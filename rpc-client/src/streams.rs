@@ -35,8 +35,8 @@ use bytes::Bytes;
 use futures_util::future::Either;
 use futures_util::Stream;
 use rpc_core::{
-    ByteStream, Compression, GovernanceOptions, MethodDescriptor, RpcError, RpcStream,
-    ShuntStrategy, StatusCode, StreamMode,
+    ByteStream, Compression, GovernanceOptions, ItemSource, LentItem, MethodDescriptor, RpcError,
+    RpcStream, ShuntStrategy, StatusCode, StreamMode,
 };
 use rpc_governance::events::EventKind;
 use rpc_governance::fallback::{self, Side};
@@ -309,9 +309,10 @@ impl OpenStream {
         }
     }
 
-    /// The stream's items, watched until it ends.
+    /// The stream's items, watched until it ends; lent from the frames they came in, so the
+    /// caller's stream decodes them in place.
     fn into_items(self) -> ByteStream {
-        RpcStream::try_new(self.into_watched())
+        RpcStream::lending(self.into_watched())
     }
 
     fn into_watched(self) -> Watched {
@@ -322,6 +323,7 @@ impl OpenStream {
         Watched {
             items,
             watch: self.watch,
+            fallback_item: Bytes::new(),
         }
     }
 }
@@ -330,6 +332,8 @@ impl OpenStream {
 struct Watched {
     items: Items,
     watch: StreamWatch,
+    /// A fallback's stream's item, lent.
+    fallback_item: Bytes,
 }
 
 /// Where a watched stream's items come from: the connection's stream polled directly (no
@@ -339,13 +343,19 @@ enum Items {
     Fallback(ByteStream),
 }
 
-impl Stream for Watched {
-    type Item = Result<Bytes, RpcError>;
-
-    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+impl ItemSource for Watched {
+    fn poll_lend(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<LentItem<'_>, RpcError>>> {
         let next = match &mut self.items {
-            Items::Remote(s) => Pin::new(s).poll_next(cx),
-            Items::Fallback(s) => Pin::new(s).poll_next(cx),
+            Items::Remote(s) => s.poll_lend(cx),
+            Items::Fallback(s) => match Pin::new(s).poll_next(cx) {
+                Poll::Ready(Some(Ok(item))) => {
+                    self.fallback_item = item;
+                    Poll::Ready(Some(Ok(LentItem::whole(&self.fallback_item))))
+                }
+                Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(e))),
+                Poll::Ready(None) => Poll::Ready(None),
+                Poll::Pending => Poll::Pending,
+            },
         };
         match &next {
             Poll::Ready(Some(Ok(_))) => self.watch.received(),
@@ -354,6 +364,16 @@ impl Stream for Watched {
             Poll::Pending => {}
         }
         next
+    }
+}
+
+impl Stream for Watched {
+    type Item = Result<Bytes, RpcError>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        self.get_mut()
+            .poll_lend(cx)
+            .map(|next| next.map(|item| item.map(|i| i.to_bytes())))
     }
 }
 

@@ -7,6 +7,7 @@
 //! the trait a service declares independent of how a handler produces its items.
 
 use std::fmt;
+use std::ops::Range;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
@@ -48,6 +49,74 @@ enum Inner<T> {
         scratch: BytesMut,
         wrap: fn(Bytes) -> T,
     },
+    /// Encoded items lent one at a time from buffers the source keeps (only ever from a
+    /// [`ByteStream::lending`]): decoded straight from there, or cut off as one item.
+    Lending {
+        source: Box<dyn ItemSource>,
+        decode: Decode<T>,
+    },
+}
+
+/// How a lending stream turns the item lent into a `T`.
+enum Decode<T> {
+    /// The item's bytes, as a handle on the source's buffer (the identity: `T` is `Bytes`).
+    Wrap(fn(Bytes) -> T),
+    /// Decoded from the lent bytes ([`ByteStream::decode_items`]).
+    With(DecodeFn<T>),
+}
+
+/// Decodes one item from its bytes.
+type DecodeFn<T> = Box<dyn FnMut(&[u8]) -> Result<T, RpcError> + Send>;
+
+/// One encoded item lent by an [`ItemSource`]: its bytes within a buffer that may hold other
+/// items too (the frame it arrived in).
+#[derive(Debug)]
+pub struct LentItem<'a> {
+    buf: &'a Bytes,
+    range: Range<usize>,
+}
+
+impl<'a> LentItem<'a> {
+    /// The item at `range` of `buf`.
+    ///
+    /// # Panics
+    /// When `range` is not within `buf`.
+    pub fn new(buf: &'a Bytes, range: Range<usize>) -> Self {
+        assert!(
+            range.start <= range.end && range.end <= buf.len(),
+            "a lent item lies within its buffer"
+        );
+        LentItem { buf, range }
+    }
+
+    /// The whole of `buf` as one item.
+    pub fn whole(buf: &'a Bytes) -> Self {
+        LentItem {
+            buf,
+            range: 0..buf.len(),
+        }
+    }
+
+    /// The item's bytes.
+    pub fn bytes(&self) -> &'a [u8] {
+        &self.buf[self.range.clone()]
+    }
+
+    /// The item's bytes as a handle of their own (sharing the buffer, not copying it).
+    pub fn to_bytes(&self) -> Bytes {
+        self.buf.slice(self.range.clone())
+    }
+}
+
+/// Encoded items handed out one at a time as loans from buffers the source keeps: how a
+/// client connection's stream gives the items of a frame without making each its own
+/// [`Bytes`] (a reference count taken and dropped per item, on a count the connection's
+/// reader touches too). [`ByteStream::lending`] makes one a stream; typed items are then
+/// decoded straight from the loan ([`ByteStream::decode_items`]).
+pub trait ItemSource: Send {
+    /// The next item (valid until the next call), an error item, or the end (`None`); as
+    /// `Stream::poll_next` otherwise, and like it not polled again after an error or the end.
+    fn poll_lend(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<LentItem<'_>, RpcError>>>;
 }
 
 /// Items that encode themselves onto the end of a buffer: what
@@ -163,6 +232,15 @@ impl<T> Stream for RpcStream<T> {
         }
         let next = match &mut self.inner {
             Inner::Items(items) => items.as_mut().poll_next(cx),
+            Inner::Lending { source, decode } => match source.poll_lend(cx) {
+                Poll::Ready(Some(Ok(item))) => Poll::Ready(Some(match decode {
+                    Decode::Wrap(wrap) => Ok(wrap(item.to_bytes())),
+                    Decode::With(decode) => decode(item.bytes()),
+                })),
+                Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(e))),
+                Poll::Ready(None) => Poll::Ready(None),
+                Poll::Pending => Poll::Pending,
+            },
             Inner::Encoding {
                 source,
                 scratch,
@@ -225,6 +303,46 @@ impl RpcStream<Bytes> {
         }
     }
 
+    /// The items `source` lends, each taken as it is polled: as a `Stream`, each item a
+    /// handle on the source's buffer; through [`decode_items`](Self::decode_items), decoded
+    /// straight from the loan.
+    pub fn lending(source: impl ItemSource + 'static) -> ByteStream {
+        RpcStream {
+            inner: Inner::Lending {
+                source: Box::new(source),
+                decode: Decode::Wrap(std::convert::identity),
+            },
+            done: false,
+        }
+    }
+
+    /// A stream of each item decoded by `decode` (an item that does not decode ends the
+    /// stream with `decode`'s error): from the bytes lent by the source of a stream built by
+    /// [`lending`](Self::lending), with no handle per item; from each item's `Bytes`
+    /// otherwise.
+    pub fn decode_items<U: Send + 'static>(
+        self,
+        mut decode: impl FnMut(&[u8]) -> Result<U, RpcError> + Send + 'static,
+    ) -> RpcStream<U> {
+        match self.inner {
+            Inner::Lending {
+                source,
+                decode: Decode::Wrap(_),
+            } => RpcStream {
+                inner: Inner::Lending {
+                    source,
+                    decode: Decode::With(Box::new(decode)),
+                },
+                done: self.done,
+            },
+            inner => RpcStream {
+                inner,
+                done: self.done,
+            }
+            .map_items(move |bytes| decode(&bytes)),
+        }
+    }
+
     /// The next item appended to `dst`, with its length; an error item (after which `dst` is
     /// as it was) or `None` at the end, as [`next`](Self::next) would return them. An item of
     /// a stream built by [`encoding`](Self::encoding) is encoded right there; any other is
@@ -248,6 +366,13 @@ impl RpcStream<Bytes> {
                 Poll::Pending => Poll::Pending,
             },
             Inner::Encoding { source, .. } => source.poll_encode(cx, dst),
+            Inner::Lending { .. } => match Pin::new(&mut *self).poll_next(cx) {
+                Poll::Ready(Some(Ok(item))) => {
+                    dst.extend_from_slice(&item);
+                    Poll::Ready(Some(Ok(item.len())))
+                }
+                other => return other.map(|o| o.map(|r| r.map(|_| 0))),
+            },
         };
         match &next {
             Poll::Ready(None) | Poll::Ready(Some(Err(_))) => self.done = true,
@@ -331,6 +456,73 @@ mod tests {
             .await
             .is_none());
         assert_eq!(&dst[..], b"abc");
+    }
+
+    /// Lends the items of one buffer, split at `cuts`, then ends with `end`.
+    struct Frame {
+        buf: Bytes,
+        cuts: Vec<Range<usize>>,
+        next: usize,
+        end: Option<RpcError>,
+    }
+
+    impl ItemSource for Frame {
+        fn poll_lend(
+            &mut self,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<LentItem<'_>, RpcError>>> {
+            let next = self.cuts.get(self.next).cloned();
+            self.next += 1;
+            Poll::Ready(match next {
+                Some(range) => Some(Ok(LentItem::new(&self.buf, range))),
+                None => self.end.take().map(Err),
+            })
+        }
+    }
+
+    fn frame(end: Option<RpcError>) -> Frame {
+        Frame {
+            buf: Bytes::from_static(b"<ab|cd|!!>"),
+            cuts: vec![1..3, 4..6, 7..9],
+            next: 0,
+            end,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_lending_stream_decodes_from_the_loan_or_hands_out_shared_bytes() {
+        // As bytes: each item a handle on the lender's buffer, not a copy.
+        let source = frame(None);
+        let whole = source.buf.as_ptr_range();
+        let mut s = ByteStream::lending(source);
+        let first = s.next().await.unwrap().unwrap();
+        assert_eq!(&first[..], b"ab");
+        assert!(whole.contains(&first.as_ptr()), "shares the buffer");
+        assert_eq!(&s.next().await.unwrap().unwrap()[..], b"cd");
+        // Decoded: each item from the loan; an item that does not decode ends the stream.
+        let mut s = ByteStream::lending(frame(None)).decode_items(|b| {
+            if b == b"!!" {
+                return Err(RpcError::new(StatusCode::ServerError, "bang"));
+            }
+            Ok(String::from_utf8(b.to_vec()).unwrap())
+        });
+        assert_eq!(s.next().await.unwrap().unwrap(), "ab");
+        assert_eq!(s.next().await.unwrap().unwrap(), "cd");
+        assert!(matches!(s.next().await, Some(Err(e)) if e.message() == "bang"));
+        assert!(s.next().await.is_none(), "nothing after the error");
+        // The source's error item passes through and ends the stream.
+        let late = RpcError::new(StatusCode::Timeout, "late");
+        let items = ByteStream::lending(frame(Some(late)))
+            .decode_items(|b| Ok(b.len()))
+            .collect_all()
+            .await;
+        assert!(matches!(items, Err(e) if e.code() == StatusCode::Timeout));
+        // Any other byte stream is decoded from its items.
+        let n = ByteStream::iter([Bytes::from_static(b"xyz")])
+            .decode_items(|b| Ok(b.len()))
+            .collect_all()
+            .await;
+        assert_eq!(n.unwrap(), [3]);
     }
 
     #[tokio::test]

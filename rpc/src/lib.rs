@@ -399,7 +399,7 @@ pub mod __private {
         items: ByteStream,
         method: &'static MethodDescriptor,
     ) -> RpcStream<T> {
-        items.map_items(move |bytes| decode_result(codec, &bytes, method))
+        items.decode_items(move |bytes| decode_result(codec, bytes, method))
     }
 
     /// Server side: the caller's request stream of a client-streaming method, decoded.

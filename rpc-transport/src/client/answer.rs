@@ -12,7 +12,7 @@
 use bytes::{Bytes, BytesMut};
 use prost::encoding::decode_varint;
 use prost::Message;
-use rpc_core::wire::{frame::Kind, Frame, RemoteResultMessage, StreamItems};
+use rpc_core::wire::{frame::Kind, Frame, RemoteResultMessage};
 use tokio_util::codec::Decoder;
 
 use crate::codec::{FrameCodec, FrameError};
@@ -32,10 +32,10 @@ impl AnswerCodec {
 }
 
 impl Decoder for AnswerCodec {
-    type Item = Kind;
+    type Item = Answer;
     type Error = FrameError;
 
-    fn decode(&mut self, src: &mut BytesMut) -> Result<Option<Kind>, FrameError> {
+    fn decode(&mut self, src: &mut BytesMut) -> Result<Option<Answer>, FrameError> {
         match self.0.split_frame(src)? {
             Some(payload) => decode_answer(payload).map(Some),
             None => Ok(None),
@@ -43,49 +43,80 @@ impl Decoder for AnswerCodec {
     }
 }
 
+/// One decoded frame from the server.
+#[derive(Debug)]
+pub(super) enum Answer {
+    /// A `StreamItems` frame of the plain shape, its items left in the frame's buffer.
+    Items(ItemRun),
+    /// Any other frame (a `StreamItems` of another shape too, decoded by prost).
+    Frame(Kind),
+}
+
 /// Decodes a frame's payload (without its length prefix).
-pub(super) fn decode_answer(payload: Bytes) -> Result<Kind, FrameError> {
+pub(super) fn decode_answer(payload: Bytes) -> Result<Answer, FrameError> {
     if let Some(result) = result_frame(&payload) {
-        return Ok(Kind::Result(result));
+        return Ok(Answer::Frame(Kind::Result(result)));
     }
     if let Some(items) = items_frame(&payload) {
-        return Ok(Kind::StreamItems(items));
+        return Ok(Answer::Items(items));
     }
-    Frame::decode(payload)?.kind.ok_or(FrameError::Empty)
+    Ok(Answer::Frame(
+        Frame::decode(payload)?.kind.ok_or(FrameError::Empty)?,
+    ))
 }
 
 /// `Frame.stream_items`: field 12, length-delimited.
 const FRAME_STREAM_ITEMS_KEY: u64 = (12 << 3) | 2;
 
+/// The items of one `StreamItems` frame, still in the frame: `body` is the message's
+/// encoding, checked to be the plain shape, and `places` where each item lies in it (so the
+/// consumer decodes each straight from the frame, with no handle per item).
+#[derive(Debug)]
+pub(super) struct ItemRun {
+    pub(super) message_id: u64,
+    pub(super) compression: i32,
+    /// The `StreamItems` message's fields.
+    pub(super) body: Bytes,
+    /// Each item's start and end in `body`, in order.
+    pub(super) places: Vec<(u32, u32)>,
+}
+
 /// The items in `payload` if it is a plain `StreamItems` frame (one `stream_items` field;
-/// `message_id`, each payload, `compression`, each with its own wire type), each item a slice of
-/// the frame; `None` for anything else (prost decodes it then).
-fn items_frame(payload: &Bytes) -> Option<StreamItems> {
+/// `message_id`, each payload, `compression`, each with its own wire type), left in the frame;
+/// `None` for anything else (prost decodes it then).
+fn items_frame(payload: &Bytes) -> Option<ItemRun> {
     let mut buf = &payload[..];
     if decode_varint(&mut buf).ok()? != FRAME_STREAM_ITEMS_KEY {
         return None;
     }
     let len = usize::try_from(decode_varint(&mut buf).ok()?).ok()?;
-    if len != buf.len() {
+    // (A frame is far below 4 GiB: its places fit in u32.)
+    if len != buf.len() || u32::try_from(len).is_err() {
         return None;
     }
-    let mut m = StreamItems::default();
+    let mut run = ItemRun {
+        message_id: 0,
+        compression: 0,
+        body: Bytes::new(),
+        places: Vec::new(),
+    };
     while let Some((&key, rest)) = buf.split_first() {
         buf = rest;
         match key {
             // message_id: uint64
-            0x08 => m.message_id = varint(&mut buf)?,
-            // payloads: repeated bytes, each a slice of the frame
+            0x08 => run.message_id = varint(&mut buf)?,
+            // payloads: repeated bytes, left in the frame
             0x12 => {
-                let (from, to) = field(&mut buf, payload.len())?;
-                m.payloads.push(payload.slice(from..to));
+                let (from, to) = field(&mut buf, len)?;
+                run.places.push((from as u32, to as u32));
             }
             // compression: enum (int32), truncated as prost does
-            0x18 => m.compression = varint(&mut buf)? as i32,
+            0x18 => run.compression = varint(&mut buf)? as i32,
             _ => return None,
         }
     }
-    Some(m)
+    run.body = payload.slice(payload.len() - len..);
+    Some(run)
 }
 
 /// The answer in `payload` if it is a plain result frame; `None` for anything else.
@@ -158,14 +189,30 @@ fn field(buf: &mut &[u8], whole: usize) -> Option<(usize, usize)> {
 mod tests {
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
-    use rpc_core::wire::{Ping, RemoteInvokeMessage, ValidateError};
+    use rpc_core::wire::{Ping, RemoteInvokeMessage, StreamItems, ValidateError};
 
     use super::*;
     use crate::mutations::payload;
 
+    /// A run's items as prost gives them.
+    fn as_message(run: &ItemRun) -> StreamItems {
+        StreamItems {
+            message_id: run.message_id,
+            payloads: run
+                .places
+                .iter()
+                .map(|&(from, to)| run.body.slice(from as usize..to as usize))
+                .collect(),
+            compression: run.compression,
+        }
+    }
+
     /// Both decoders on one payload: the same frame, or both an error.
     fn same_as_prost(payload: &[u8]) {
-        let ours = decode_answer(Bytes::copy_from_slice(payload));
+        let ours = decode_answer(Bytes::copy_from_slice(payload)).map(|a| match a {
+            Answer::Items(run) => Kind::StreamItems(as_message(&run)),
+            Answer::Frame(kind) => kind,
+        });
         let prost = Frame::decode(payload)
             .map_err(FrameError::from)
             .and_then(|f| f.kind.ok_or(FrameError::Empty));
@@ -285,8 +332,8 @@ mod tests {
             let m = random_items(&mut rng);
             let p = payload(Kind::StreamItems(m.clone()));
             assert_eq!(
-                items_frame(&Bytes::from(p.clone())).as_ref(),
-                Some(&m),
+                items_frame(&Bytes::from(p.clone())).map(|r| as_message(&r)),
+                Some(m.clone()),
                 "the plain shape is read by hand"
             );
             same_as_prost(&p);
@@ -320,7 +367,7 @@ mod tests {
         let before = crate::alloc_count::this_thread();
         let decoded = decode_answer(p.clone());
         assert_eq!(crate::alloc_count::this_thread() - before, 0);
-        let Ok(Kind::Result(r)) = decoded else {
+        let Ok(Answer::Frame(Kind::Result(r))) = decoded else {
             panic!("expected a result, got {decoded:?}")
         };
         assert_eq!(r, m);

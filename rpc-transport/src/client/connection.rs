@@ -13,7 +13,7 @@ use tokio::time::Instant;
 use tokio_util::codec::FramedRead;
 use tokio_util::sync::CancellationToken;
 
-use super::answer::AnswerCodec;
+use super::answer::{Answer, AnswerCodec};
 use super::heartbeat::{heartbeat, sweeper};
 use super::options::ConnectOptions;
 use super::pending::{PendingTable, NO_SWEEP};
@@ -156,7 +156,7 @@ impl Connection {
             FramedRead::with_capacity(rd, AnswerCodec::new(options.max_frame_length), READ_BUFFER);
         let (accepts, server_streams, batches, window_bytes, send_window_bytes) =
             match frames.next().await {
-                Some(Ok(Kind::HelloAck(ack))) => {
+                Some(Ok(Answer::Frame(Kind::HelloAck(ack)))) => {
                     let streams = options.streams && ack.streams;
                     // A server announcing a byte window of its own keeps the client's too.
                     let bytes = streams && ack.stream_window_bytes > 0;
@@ -176,7 +176,7 @@ impl Connection {
                         },
                     )
                 }
-                Some(Ok(Kind::GoAway(g))) => {
+                Some(Ok(Answer::Frame(Kind::GoAway(g)))) => {
                     close.cancel();
                     return Err(RpcError::new(
                         StatusCode::from_u32(g.status_code),

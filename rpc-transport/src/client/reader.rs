@@ -10,8 +10,9 @@ use rpc_core::{RpcError, StatusCode};
 use tokio::io::AsyncRead;
 use tokio_util::codec::{Decoder, FramedRead};
 
-use super::answer::AnswerCodec;
+use super::answer::{Answer, AnswerCodec, ItemRun};
 use super::shared::{comm_error, Shared};
+use super::stream::{Chunk, StreamShared};
 use crate::codec::{kind_name, FrameError};
 
 pub(super) async fn read_loop<R: AsyncRead + Unpin>(
@@ -33,6 +34,15 @@ pub(super) async fn read_loop<R: AsyncRead + Unpin>(
             },
         };
         received.fetch_add(1, Ordering::Relaxed);
+        let next = match next {
+            Some(Ok(Answer::Items(run))) => {
+                deliver_run(&shared, run);
+                continue;
+            }
+            Some(Ok(Answer::Frame(kind))) => Some(Ok(kind)),
+            Some(Err(e)) => Some(Err(e)),
+            None => None,
+        };
         match next {
             Some(Ok(Kind::Result(result))) => {
                 // An answer to a cancelled call matches no waiting call: ignored, as the
@@ -96,6 +106,30 @@ pub(super) async fn read_loop<R: AsyncRead + Unpin>(
     fail_pending(&shared, &reason, maybe_delivered);
 }
 
+/// Hands the items of a plain `StreamItems` frame to their stream: left in the frame when
+/// plain, else as [`deliver`] does.
+fn deliver_run(shared: &Shared, run: ItemRun) {
+    if run.compression != 0 {
+        let payloads: Vec<Bytes> = (run.places.iter())
+            .map(|&(from, to)| run.body.slice(from as usize..to as usize))
+            .collect();
+        deliver(
+            shared,
+            run.message_id,
+            run.compression,
+            payloads.into_iter(),
+        );
+        return;
+    }
+    let Some(stream) = shared.pending.stream(run.message_id) else {
+        return;
+    };
+    let id = run.message_id;
+    if !stream.push([Chunk::run(run)]) {
+        end_broken(shared, id, &stream, None::<RpcError>);
+    }
+}
+
 /// Hands one frame's items of stream `id` (compressed with `compression`) to the stream, all
 /// at once. Items of a stream that ended or was given up are dropped; an item that does not
 /// decompress, or beyond the credit given, ends its stream (only), the server told to stop.
@@ -113,7 +147,7 @@ fn deliver(
         (
             stream.push(payloads.map(|p| {
                 let wire = p.len();
-                (p, wire)
+                Chunk::one(p, wire)
             })),
             None,
         )
@@ -122,7 +156,7 @@ fn deliver(
         let mut broken = None;
         for p in payloads {
             match crate::compression::unpack_payload(id, &p, compression, limit) {
-                Ok(item) => plain.push((item, p.len())),
+                Ok(item) => plain.push(Chunk::one(item, p.len())),
                 Err(e) => {
                     broken = Some(e);
                     break;
@@ -131,14 +165,26 @@ fn deliver(
         }
         (stream.push(plain), broken)
     };
-    let end = match (within, broken) {
-        (false, _) => format!(
+    if !within || broken.is_some() {
+        end_broken(shared, id, &stream, broken.filter(|_| within));
+    }
+}
+
+/// Ends stream `id`, which broke the protocol (`None`: more items than it was granted) or
+/// brought an item that does not decompress, and tells the server to stop it.
+fn end_broken(
+    shared: &Shared,
+    id: u64,
+    stream: &StreamShared,
+    broken: Option<impl std::fmt::Display>,
+) {
+    let end = match broken {
+        None => format!(
             "{}: protocol violation: the server sent more stream items than it was granted; \
              the stream was ended",
             shared.peer
         ),
-        (true, Some(e)) => format!("{}: {e}; the stream was ended", shared.peer),
-        (true, None) => return,
+        Some(e) => format!("{}: {e}; the stream was ended", shared.peer),
     };
     if let Some(w) = stream.end(Err(RpcError::new(StatusCode::FrameworkError, end))) {
         w.wake();
@@ -156,7 +202,7 @@ pub(super) fn fail_pending(shared: &Shared, reason: &str, maybe_delivered: bool)
 
 /// The next complete frame already in `frames`' read buffer, decoded without reading from the
 /// socket; `None` when the buffer holds no complete frame.
-fn buffered<R>(frames: &mut FramedRead<R, AnswerCodec>) -> Option<Result<Kind, FrameError>> {
+fn buffered<R>(frames: &mut FramedRead<R, AnswerCodec>) -> Option<Result<Answer, FrameError>> {
     // The codec is stateless (its limit only), so a copy decodes as well as the original.
     let mut codec = frames.decoder().clone();
     codec.decode(frames.read_buffer_mut()).transpose()

@@ -10,10 +10,14 @@
 //!
 //! The reader hands over every item of a frame under one lock and wakes the consumer once; the
 //! consumer moves everything buffered to its own queue under one lock and takes items from
-//! there without locking, so a run of small items costs one hand-over, not one per item.
+//! there without locking, so a run of small items costs one hand-over, not one per item. The
+//! items of a frame stay in the frame's buffer, found one by one as they are taken and lent to
+//! the decoder ([`ItemSource`]): no handle per item, whose reference count the reader, taking
+//! in the next frames, would share with the consumer.
 
 use std::collections::VecDeque;
 use std::fmt;
+use std::ops::Range;
 use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -24,8 +28,9 @@ use futures_util::Stream;
 use rpc_core::wire::{
     frame::Kind, Cancel, RemoteResultMessage, StreamCredit, StreamEnd, StreamItem,
 };
-use rpc_core::{RpcError, StatusCode};
+use rpc_core::{ItemSource, LentItem, RpcError, StatusCode};
 
+use super::answer::ItemRun;
 use super::connection::Connection;
 use crate::flow::{Credit, Held, Taken};
 
@@ -42,10 +47,67 @@ pub(super) struct StreamShared {
     window_bytes: u64,
 }
 
+/// Items of one frame waiting for the consumer, lent from the frame's buffer as they are taken.
+pub(super) struct Chunk {
+    buf: Bytes,
+    /// Where each item of a run lies in `buf`; empty for a lone item (all of `buf`).
+    places: Vec<(u32, u32)>,
+    /// The next item's index.
+    next: usize,
+    /// Items in the chunk (those within the credit).
+    count: usize,
+    /// A lone item's size on the wire (compressed, when it was).
+    lone_wire: usize,
+}
+
+impl Chunk {
+    /// One item, `wire` bytes on the wire.
+    pub(super) fn one(item: Bytes, wire: usize) -> Self {
+        Chunk {
+            buf: item,
+            places: Vec::new(),
+            next: 0,
+            count: 1,
+            lone_wire: wire,
+        }
+    }
+
+    /// The items of a plain `StreamItems` frame.
+    pub(super) fn run(run: ItemRun) -> Self {
+        Chunk {
+            buf: run.body,
+            count: run.places.len(),
+            places: run.places,
+            next: 0,
+            lone_wire: 0,
+        }
+    }
+
+    /// The place of the next item in `buf`.
+    fn next(&mut self) -> Option<Range<usize>> {
+        if self.next == self.count {
+            return None;
+        }
+        let range = match self.places.get(self.next) {
+            Some(&(from, to)) => from as usize..to as usize,
+            None => 0..self.buf.len(),
+        };
+        self.next += 1;
+        Some(range)
+    }
+
+    /// The size on the wire of each item, in order.
+    fn wire_sizes(&self) -> impl Iterator<Item = usize> + '_ {
+        let lone = self.places.is_empty().then_some(self.lone_wire);
+        let run = self.places.iter().map(|&(from, to)| (to - from) as usize);
+        lone.into_iter().chain(run)
+    }
+}
+
 struct Inner {
     /// The server accepted the stream (its `StreamCredit` came).
     accepted: bool,
-    items: VecDeque<Bytes>,
+    items: VecDeque<Chunk>,
     /// Set once the stream ended; the consumer gets it after the items before it.
     end: Option<End>,
     waker: Option<Waker>,
@@ -106,8 +168,8 @@ impl StreamShared {
     /// given (the stream must then be ended: the server broke the protocol; the items before
     /// it are kept). One lock and at most one wake-up for all of them.
     ///
-    /// Each item comes with its size on the wire, which the byte window counts.
-    pub(super) fn push(&self, items: impl IntoIterator<Item = (Bytes, usize)>) -> bool {
+    /// The byte window counts each item by its size on the wire.
+    pub(super) fn push(&self, chunks: impl IntoIterator<Item = Chunk>) -> bool {
         let waker = {
             let mut s = self.lock();
             if s.ended {
@@ -118,13 +180,23 @@ impl StreamShared {
             }
             let s = &mut *s;
             let mut within = true;
-            for (item, wire) in items {
-                if !s.held.admit(wire) {
-                    within = false;
+            for mut chunk in chunks {
+                let mut admitted = 0;
+                for wire in chunk.wire_sizes() {
+                    if !s.held.admit(wire) {
+                        within = false;
+                        break;
+                    }
+                    admitted += 1;
+                }
+                chunk.count = admitted;
+                s.received += admitted as u64;
+                if admitted > 0 {
+                    s.items.push_back(chunk);
+                }
+                if !within {
                     break;
                 }
-                s.items.push_back(item);
-                s.received += 1;
             }
             if !within {
                 // The items before the violation are woken for with the end that follows.
@@ -250,8 +322,11 @@ pub type EndToError = Box<dyn Fn(RemoteResultMessage) -> RpcError + Send + Sync>
 /// `Cancel`: the server drops its producer.
 pub struct ClientStream {
     tx: StreamSender,
-    /// Items moved out of the shared buffer, taken from here without locking.
-    local: VecDeque<Bytes>,
+    /// Items moved out of the shared buffer, taken from here without locking; the first
+    /// holds the item lent last.
+    local: VecDeque<Chunk>,
+    /// A client stream's answer, lent as its last item.
+    answer: Bytes,
     /// What the consumer took since it last granted credit.
     taken: Taken,
     finished: bool,
@@ -274,6 +349,7 @@ impl ClientStream {
         ClientStream {
             tx: StreamSender { conn, id, shared },
             local: VecDeque::new(),
+            answer: Bytes::new(),
             taken,
             finished: false,
             to_error: Box::new(|r| {
@@ -390,70 +466,78 @@ impl fmt::Debug for StreamSender {
     }
 }
 
-impl Stream for ClientStream {
-    type Item = Result<Bytes, RpcError>;
-
-    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        let this = &mut *self;
-        if this.finished {
+impl ItemSource for ClientStream {
+    fn poll_lend(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<LentItem<'_>, RpcError>>> {
+        if self.finished {
             return Poll::Ready(None);
         }
-        let next = match this.local.pop_front() {
-            Some(item) => Some(Ok(item)),
-            None => {
-                let mut s = this.tx.shared.lock();
-                if !s.items.is_empty() {
-                    // Everything buffered at once; the shared queue keeps the emptied one.
-                    std::mem::swap(&mut s.items, &mut this.local);
-                    this.local.pop_front().map(Ok)
-                } else if let Some(end) = s.end.take() {
-                    Some(Err(end))
-                } else {
-                    store(&mut s.waker, cx);
-                    return Poll::Pending;
+        let next = loop {
+            if let Some(chunk) = self.local.front_mut() {
+                if let Some(range) = chunk.next() {
+                    break Ok(range);
                 }
+                self.local.pop_front();
+                continue;
+            }
+            let mut s = self.tx.shared.lock();
+            if !s.items.is_empty() {
+                // Everything buffered at once; the shared queue keeps the emptied one.
+                std::mem::swap(&mut s.items, &mut self.local);
+            } else if let Some(end) = s.end.take() {
+                break Err(end);
+            } else {
+                store(&mut s.waker, cx);
+                return Poll::Pending;
             }
         };
-        if let Some(Ok(item)) = &next {
-            if let Some(items) = this.taken.take(item.len()) {
-                let open = {
-                    let mut s = this.tx.shared.lock();
-                    s.held.release(items);
-                    !s.ended
-                };
-                if open {
-                    this.tx
-                        .conn
-                        .shared
-                        .sender
-                        .send(Kind::StreamCredit(StreamCredit {
-                            message_id: this.tx.id,
-                            items: u32::try_from(items).unwrap_or(u32::MAX),
-                        }));
-                }
-            }
-        }
-        match next {
-            Some(Ok(item)) => Poll::Ready(Some(Ok(item))),
-            Some(Err(end)) => {
-                this.finished = true;
-                match end {
+        let range = match next {
+            Ok(range) => range,
+            Err(end) => {
+                self.finished = true;
+                return Poll::Ready(match end {
                     // A client stream's answer comes with its end.
                     Ok(answer)
                         if answer.status_code == StatusCode::Success.as_u32()
                             && !answer.result.is_empty() =>
                     {
-                        Poll::Ready(Some(Ok(answer.result)))
+                        self.answer = answer.result;
+                        Some(Ok(LentItem::whole(&self.answer)))
                     }
-                    Ok(answer) if answer.status_code == StatusCode::Success.as_u32() => {
-                        Poll::Ready(None)
-                    }
-                    Ok(answer) => Poll::Ready(Some(Err((this.to_error)(answer)))),
-                    Err(e) => Poll::Ready(Some(Err(e))),
-                }
+                    Ok(answer) if answer.status_code == StatusCode::Success.as_u32() => None,
+                    Ok(answer) => Some(Err((self.to_error)(answer))),
+                    Err(e) => Some(Err(e)),
+                });
             }
-            None => Poll::Ready(None),
+        };
+        if let Some(items) = self.taken.take(range.len()) {
+            let open = {
+                let mut s = self.tx.shared.lock();
+                s.held.release(items);
+                !s.ended
+            };
+            if open {
+                self.tx
+                    .conn
+                    .shared
+                    .sender
+                    .send(Kind::StreamCredit(StreamCredit {
+                        message_id: self.tx.id,
+                        items: u32::try_from(items).unwrap_or(u32::MAX),
+                    }));
+            }
         }
+        let chunk = self.local.front().expect("the item's chunk");
+        Poll::Ready(Some(Ok(LentItem::new(&chunk.buf, range))))
+    }
+}
+
+impl Stream for ClientStream {
+    type Item = Result<Bytes, RpcError>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        self.get_mut()
+            .poll_lend(cx)
+            .map(|next| next.map(|item| item.map(|i| i.to_bytes())))
     }
 }
 
@@ -510,11 +594,11 @@ mod tests {
         s.credit(0);
         // Ten items of 1000 bytes once decompressed, 9 bytes each on the wire: 90 bytes held.
         let big = Bytes::from(vec![0u8; 1000]);
-        assert!(s.push((0..10).map(|_| (big.clone(), 9))));
+        assert!(s.push((0..10).map(|_| Chunk::one(big.clone(), 9))));
         // 90 is below the window of 100: one more may go, past it.
-        assert!(s.push([(Bytes::from_static(b"x"), 20)]));
+        assert!(s.push([Chunk::one(Bytes::from_static(b"x"), 20)]));
         assert!(
-            !s.push([(Bytes::from_static(b"y"), 1)]),
+            !s.push([Chunk::one(Bytes::from_static(b"y"), 1)]),
             "110 bytes held reach the window"
         );
     }
