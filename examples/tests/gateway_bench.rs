@@ -117,3 +117,50 @@ fn bad_flags_are_refused_with_what_to_give() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--connections must be at least 1"), "{err}");
 }
+
+#[test]
+fn rounds_sum_into_one_line_per_case_and_each_round_prints_its_ratio() {
+    let out = run(&[
+        "--connections",
+        "2",
+        "--requests",
+        "100",
+        "--seconds",
+        "20",
+        "--warmup-seconds",
+        "0",
+        "--threads",
+        "1",
+        "--cases",
+        "axum,gateway",
+        "--rounds",
+        "3",
+    ]);
+    let rounds: Vec<&str> = out
+        .lines()
+        .filter_map(|l| l.strip_prefix("round "))
+        .collect();
+    assert_eq!(rounds.len(), 3, "{out}");
+    for (k, line) in rounds.iter().enumerate() {
+        let (number, ratio) = line.split_once(": gateway/axum=").expect(line);
+        assert_eq!(number, (k + 1).to_string(), "{out}");
+        let ratio: f64 = ratio.parse().expect(line);
+        assert!(ratio > 0.0 && ratio.is_finite(), "{line}");
+    }
+    let lines: Vec<&str> = out.lines().filter(|l| l.starts_with("GATEWAY ")).collect();
+    let cases: Vec<&str> = lines.iter().filter_map(|l| field(l, "case")).collect();
+    assert_eq!(cases, ["axum", "gateway"], "one line per case: {out}");
+    for line in &lines {
+        // Three rounds of exactly 100 calls each.
+        assert_eq!(field(line, "requests"), Some("300"), "{line:?}");
+    }
+    let bad = Command::new(BENCH)
+        .args(["--rounds", "0"])
+        .output()
+        .expect("run gateway-bench");
+    assert!(!bad.status.success());
+    assert!(
+        String::from_utf8_lossy(&bad.stderr).contains("--rounds must be at least 1"),
+        "{bad:?}"
+    );
+}

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! gateway-bench [--connections 32] [--requests N] [--seconds S] [--warmup-seconds W]
-//!               [--text TEXT] [--cases axum,gateway,client] [--threads T]
+//!               [--text TEXT] [--cases axum,gateway,client] [--threads T] [--rounds R]
 //! ```
 //!
 //! - `axum`: a plain axum handler answering the call's route (`POST /api/echo.Echo/echo`,
@@ -21,6 +21,11 @@
 //! (microseconds, 3 significant digits). Everything listens on 127.0.0.1 on free ports. Three
 //! tokio runtimes share the machine: `echo` runs the echo server, `http` the axum echo and the
 //! gateway (with the gateway's client), `callers` the callers (and the client of `client`).
+//!
+//! With `--rounds R` the cases run R times, one after the other in each round (axum, gateway,
+//! client, axum, gateway, ...), and each case's line sums its rounds (calls, seconds, CPU, one
+//! histogram): a machine whose speed drifts during the run then weighs on every case alike.
+//! Each round's ratio is printed too (`round <k>: gateway/axum=<ratio>`).
 //!
 //! Output (stable for scripts), one line per case and a summary:
 //!
@@ -95,6 +100,9 @@ struct Args {
     /// Worker threads of each runtime (echo, http, callers); default: the CPUs available.
     #[arg(long)]
     threads: Option<usize>,
+    /// Times every case runs, the cases taking turns; each case's figures sum its rounds.
+    #[arg(long, default_value_t = 1)]
+    rounds: u32,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -130,6 +138,17 @@ struct Figures {
 }
 
 impl Figures {
+    /// Adds the figures of another round of the same case.
+    fn add(&mut self, other: &Figures) -> Result<(), String> {
+        self.requests += other.requests;
+        self.secs += other.secs;
+        self.cpu_secs += other.cpu_secs;
+        self.own_cpu_secs += other.own_cpu_secs;
+        self.histogram
+            .add(&other.histogram)
+            .map_err(|e| format!("could not merge the rounds' histograms: {e}"))
+    }
+
     fn rps(&self) -> f64 {
         self.requests as f64 / self.secs.max(1e-9)
     }
@@ -241,6 +260,9 @@ fn run(args: &Args) -> Result<(), String> {
             args.warmup_seconds
         ));
     }
+    if args.rounds == 0 {
+        return Err("--rounds must be at least 1".into());
+    }
     if args.requests == 0 {
         return Err("--requests must be at least 1".into());
     }
@@ -264,17 +286,32 @@ fn run(args: &Args) -> Result<(), String> {
     let expected = Bytes::from(
         serde_json::to_vec(&Value::String(args.text.clone())).map_err(|e| e.to_string())?,
     );
-    let mut results = Vec::new();
-    for case in &args.cases {
-        let figures = callers.block_on(async {
-            match case {
-                Case::Axum => http_case(args, axum_addr, &body, &expected, &http_clocks).await,
-                Case::Gateway => {
-                    http_case(args, gateway_addr, &body, &expected, &http_clocks).await
+    let mut results: Vec<(Case, Figures)> = Vec::new();
+    for round in 1..=args.rounds {
+        let mut this_round = Vec::new();
+        for case in &args.cases {
+            let figures = callers.block_on(async {
+                match case {
+                    Case::Axum => http_case(args, axum_addr, &body, &expected, &http_clocks).await,
+                    Case::Gateway => {
+                        http_case(args, gateway_addr, &body, &expected, &http_clocks).await
+                    }
+                    Case::Client => client_case(args, &registry, &caller_clocks).await,
                 }
-                Case::Client => client_case(args, &registry, &caller_clocks).await,
+            })?;
+            this_round.push((*case, figures.rps()));
+            match results.iter_mut().find(|(c, _)| c == case) {
+                Some((_, sum)) => sum.add(&figures)?,
+                None => results.push((*case, figures)),
             }
-        })?;
+        }
+        if args.rounds > 1 {
+            if let Some(ratio) = ratio(&this_round) {
+                println!("round {round}: gateway/axum={ratio:.3}");
+            }
+        }
+    }
+    for (case, figures) in &results {
         println!(
             "GATEWAY case={} rps={:.0} p50_us={} p99_us={} requests={} secs={:.3} \
              cpu_us_per_req={:.1} own_cpu_us_per_req={:.1}",
@@ -287,22 +324,22 @@ fn run(args: &Args) -> Result<(), String> {
             figures.cpu_us_per_req(),
             figures.own_cpu_us_per_req(),
         );
-        results.push((*case, figures));
     }
-    let rps = |wanted: Case| {
-        results
-            .iter()
-            .find(|(case, _)| *case == wanted)
-            .map(|(_, f)| f.rps())
-    };
-    match (rps(Case::Gateway), rps(Case::Axum)) {
-        (Some(gateway), Some(axum)) => println!("summary: gateway/axum={:.3}", gateway / axum),
-        _ => println!("summary: gateway/axum=n/a (run both cases for the ratio)"),
+    let rps: Vec<(Case, f64)> = results.iter().map(|(c, f)| (*c, f.rps())).collect();
+    match ratio(&rps) {
+        Some(ratio) => println!("summary: gateway/axum={ratio:.3}"),
+        None => println!("summary: gateway/axum=n/a (run both cases for the ratio)"),
     }
     callers.shutdown_timeout(Duration::from_secs(1));
     http.shutdown_timeout(Duration::from_secs(1));
     echo.shutdown_timeout(Duration::from_secs(1));
     Ok(())
+}
+
+/// The gateway's requests per second over axum's, when both cases ran.
+fn ratio(rps: &[(Case, f64)]) -> Option<f64> {
+    let of = |wanted: Case| rps.iter().find(|(c, _)| *c == wanted).map(|(_, r)| *r);
+    Some(of(Case::Gateway)? / of(Case::Axum)?)
 }
 
 /// The plain axum echo and the gateway (over the echo server published in `registry`);
