@@ -107,18 +107,21 @@ impl Terminal {
                 .service
                 .call_stream(self.index, parameters, inbound, req.codec);
             let mode = self.service.stream_mode(self.index);
+            let cause = crate::streams::FallbackCause::default();
             let setup = crate::streams::with_fallback(
                 setup,
                 self.fallback.as_ref(),
                 mode,
-                for_fallback,
-                req.codec,
+                (for_fallback, req.codec),
+                &cause,
             );
             let items = if attachments.is_empty() {
                 setup.await
             } else {
                 RpcContext::scope(attachments, setup).await
-            }?;
+            };
+            req.fallback_cause = cause.get();
+            let items = items?;
             *opened
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner) =

@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -57,6 +57,25 @@ fn describe(mode: StreamMode) -> String {
         StreamMode::Bidi => "a bidirectional streaming method",
     }
     .to_string()
+}
+
+/// The status of the failure a server fallback answered a stream's set-up for, once it did:
+/// told by the set-up, read by the stream's watch at the end (its span's
+/// `rpc.fallback.cause`, its outcome `fallback`).
+#[derive(Clone, Default)]
+pub(crate) struct FallbackCause(Arc<AtomicU32>);
+
+impl FallbackCause {
+    pub(crate) fn set(&self, cause: StatusCode) {
+        self.0.store(cause.as_u32(), Ordering::Relaxed);
+    }
+
+    pub(crate) fn get(&self) -> Option<StatusCode> {
+        match self.0.load(Ordering::Relaxed) {
+            0 => None,
+            code => Some(StatusCode::from_u32(code)),
+        }
+    }
 }
 
 /// Admits a streaming call and hands the transport its events; see the module documentation.
@@ -108,12 +127,13 @@ pub(crate) fn dispatch(
     let setup = route
         .service
         .call_stream(route.index, invoke.parameters, inbound, codec);
+    let cause = FallbackCause::default();
     let setup = with_fallback(
         setup,
         route.fallback.as_ref(),
         route.stream,
-        parameters,
-        codec,
+        (parameters, codec),
+        &cause,
     );
     // The set-up runs in the caller's context, so the calls it makes carry its attachments on.
     let setup: StreamFuture = if attachments.is_empty() {
@@ -125,7 +145,7 @@ pub(crate) fn dispatch(
         d,
         route,
         span,
-        (setup, deadline),
+        (setup, deadline, cause),
         Some(permit),
         received,
         None,
@@ -181,6 +201,8 @@ fn layered(
         inbound: inbound.map(|items| Arc::new(std::sync::Mutex::new(Some(items)))),
         stream_end: Some(hooks.clone()),
     };
+    let cause = FallbackCause::default();
+    let told = cause.clone();
     let setup: StreamFuture = Box::pin(async move {
         let first: LayerFuture<'_> = match chain.layers.first() {
             Some(layer) => layer.call(
@@ -193,6 +215,9 @@ fn layered(
             None => Box::pin(chain.end.run(&mut req)),
         };
         first.await?;
+        if let Some(c) = req.fallback_cause {
+            told.set(c);
+        }
         let items = opened
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -212,7 +237,7 @@ fn layered(
         d,
         route,
         span,
-        (setup, deadline),
+        (setup, deadline, cause),
         None,
         received,
         Some((hooks, Instant::now())),
@@ -220,20 +245,22 @@ fn layered(
 }
 
 /// `setup` answered, should it fail with an error a server fallback applies to, by the
-/// fallback's own stream: for a server stream only (a stream taking the caller's items was
-/// accepted before its handler ran, and its items may be spent), and only for the set-up's
-/// error or panic.
+/// fallback's own stream (given the call's `parameters` in `codec`): for a server stream only
+/// (a stream taking the caller's items was accepted before its handler ran, and its items may
+/// be spent), and only for the set-up's error or panic. The failure's status is told to
+/// `cause` when the fallback runs.
 pub(crate) fn with_fallback(
     setup: StreamFuture,
     fallback: Option<&Arc<FallbackTo>>,
     mode: StreamMode,
-    parameters: Option<Bytes>,
-    codec: Codec,
+    (parameters, codec): (Option<Bytes>, Codec),
+    cause: &FallbackCause,
 ) -> StreamFuture {
     let (Some(to), StreamMode::Server, Some(parameters)) = (fallback, mode, parameters) else {
         return setup;
     };
     let to = to.clone();
+    let cause = cause.clone();
     Box::pin(async move {
         // A set-up that panics failed as a unary handler that panics does (520), so the
         // fallback answers for it too.
@@ -242,6 +269,7 @@ pub(crate) fn with_fallback(
             Err(e) if fallback::applies(&e, fallback::Side::Server) => e,
             other => return other,
         };
+        cause.set(e.code());
         to.events.emit_parts(
             EventKind::Fallback,
             &to.entry_id,
@@ -286,6 +314,8 @@ struct ServerStream {
     permit: Option<Slot>,
     admission: Arc<Admission>,
     watch: telemetry::CallWatch,
+    /// The failure a server fallback answered the set-up for, once it did.
+    fallback_cause: FallbackCause,
     send_panic_text: bool,
     /// Items produced so far.
     sent: u64,
@@ -304,7 +334,7 @@ impl ServerStream {
         d: &Dispatcher,
         route: &Route,
         span: tracing::Span,
-        (setup, deadline): (StreamFuture, Option<(Instant, u32)>),
+        (setup, deadline, fallback_cause): (StreamFuture, Option<(Instant, u32)>, FallbackCause),
         permit: Option<Slot>,
         received: Arc<AtomicU64>,
         end_hooks: Option<(StreamEndHooks, Instant)>,
@@ -328,6 +358,7 @@ impl ServerStream {
                 &d.calls,
                 entry,
             ),
+            fallback_cause,
             send_panic_text: d.send_panic_text,
             sent: 0,
             received,
@@ -347,7 +378,7 @@ impl ServerStream {
         self.permit = None;
         self.watch
             .stream_items(self.sent, self.received.load(Ordering::Relaxed));
-        self.watch.finish(&result, None);
+        self.watch.finish(&result, self.fallback_cause.get());
         if set_up {
             self.run_end_hooks(Some(&result));
         }

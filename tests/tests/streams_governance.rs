@@ -1309,8 +1309,8 @@ async fn server_layers_pass_client_and_bidi_streams_hear_of_their_end_and_may_re
 
 #[tokio::test]
 async fn a_server_fallback_answers_a_server_streams_failed_set_up_only() {
-    let _traced = traced();
-    for layered in [false, true] {
+    let (traces, _guard) = traced();
+    for (round, layered) in [false, true].into_iter().enumerate() {
         let reg = InProcessRegistry::new();
         let market = Market::default();
         let cache = Cache::default();
@@ -1374,5 +1374,26 @@ async fn a_server_fallback_answers_a_server_streams_failed_set_up_only() {
             "layered {layered}: the set-up ran and panicked"
         );
         within("shutdown", server.shutdown()).await;
+
+        // The server's spans of the two streams the fallback answered (the drain ended every
+        // stream, so their spans are closed): outcome `fallback`, and the failure's status,
+        // 520 for the failed set-up and for the panic alike. The test's market answers 520.
+        let spans = traces.spans();
+        let answered: Vec<_> = spans
+            .iter()
+            .filter(|s| {
+                s.name == "rpc.server"
+                    && attr(s, "rpc.entry_id") == Some(Value::from("g.Stocks.prices".to_string()))
+                    && attr(s, "outcome") == Some(Value::from("fallback".to_string()))
+            })
+            .collect();
+        assert_eq!(answered.len(), 2 * (round + 1), "layered {layered}");
+        for span in answered {
+            assert_eq!(
+                attr(span, "rpc.fallback.cause"),
+                Some(Value::I64(i64::from(StatusCode::ServerError.as_u32()))),
+                "layered {layered}"
+            );
+        }
     }
 }
