@@ -382,7 +382,10 @@ impl ServerStream {
         if set_up {
             self.run_end_hooks(Some(&result));
         }
-        Poll::Ready(Some(StreamEvent::End(with_load(to_message(result), load))))
+        Poll::Ready(Some(StreamEvent::End(Box::new(with_load(
+            to_message(result),
+            load,
+        )))))
     }
 
     /// Tells the layers' hooks how the stream ended (`None`: stopped before its end).

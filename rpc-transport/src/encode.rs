@@ -220,7 +220,11 @@ pub(crate) fn put_items_frame(id: u64, payloads: &[Bytes], compression: i32, dst
 pub(crate) fn start_run_item(run: &mut BytesMut, width: usize) -> usize {
     let mark = run.len();
     put_key(2, LEN, run);
-    run.put_bytes(0, width.clamp(1, 10));
+    match width {
+        // (The common case, items under 128 bytes, without a call to memset.)
+        0 | 1 => run.put_u8(0),
+        _ => run.put_bytes(0, width.min(10)),
+    }
     mark
 }
 
@@ -239,6 +243,11 @@ pub(crate) fn finish_run_item(run: &mut BytesMut, mark: usize, width: usize, len
         }
         run.copy_within(from..from + len, at + need);
         run.truncate(at + need + len);
+    }
+    if need == 1 {
+        // (Items under 128 bytes: one byte, without a call to memcpy.)
+        run[at] = len as u8;
+        return need;
     }
     let mut prefix = [0u8; 10];
     let mut out = &mut prefix[..];

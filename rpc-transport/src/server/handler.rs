@@ -63,7 +63,9 @@ pub enum StreamEvent {
     /// accepts), sent as it is.
     Packed(bytes::Bytes, i32),
     /// The end of the stream, with its status: a refusal when it comes before `Accepted`.
-    End(RemoteResultMessage),
+    /// (Boxed: an event passes by value through every layer of a stream's poll, once per
+    /// item, and the answer would make each of them a copy of some 200 bytes.)
+    End(Box<RemoteResultMessage>),
     /// One plain item of this many bytes, appended to the buffer given to
     /// [`StreamEvents::poll_event_into`] (only ever returned by that method).
     Appended(usize),

@@ -545,7 +545,7 @@ impl StreamDriver {
                     this.credit.sent(len);
                     sent += 1;
                 }
-                Poll::Ready(Some(StreamEvent::End(end))) => return Poll::Ready(end),
+                Poll::Ready(Some(StreamEvent::End(end))) => return Poll::Ready(*end),
                 Poll::Ready(None) => {
                     return Poll::Ready(RemoteResultMessage {
                         status_code: StatusCode::Success.as_u32(),
