@@ -90,28 +90,24 @@ impl Client {
         if instances.is_empty() {
             return Err(no_instance());
         }
-        let mut published: Vec<&str> = Vec::new();
-        let mut found = None;
-        for instance in instances.iter() {
-            for e in instance
-                .entries
-                .iter()
-                .filter(|e| e.service_id.as_str() == service_id)
-            {
-                if e.id.as_str() == entry_id {
-                    found.get_or_insert(e);
-                }
-                if !published.contains(&e.id.as_str()) {
-                    published.push(e.id.as_str());
-                }
-            }
-        }
-        let hash_key = match (found, published.is_empty()) {
+        // The service's entries as its instances publish them.
+        let entries = || {
+            instances.iter().flat_map(|instance| {
+                instance
+                    .entries
+                    .iter()
+                    .filter(|e| e.service_id.as_str() == service_id)
+            })
+        };
+        let found = entries().find(|e| e.id.as_str() == entry_id);
+        let hash_key = match (found, entries().next().is_none()) {
             (Some(e), _) => e.hash_key,
             // Nothing published (a static list): the server has the last word.
             (None, true) => None,
             (None, false) => {
+                let mut published: Vec<&str> = entries().map(|e| e.id.as_str()).collect();
                 published.sort_unstable();
+                published.dedup();
                 return Err(RpcError::new(
                     StatusCode::NotFindServiceEntry,
                     format!(
@@ -215,7 +211,8 @@ pub fn json_kind(v: &Value) -> &'static str {
 #[derive(Default)]
 struct Interned {
     strings: HashMap<String, &'static str>,
-    descriptors: HashMap<(String, Option<usize>), &'static MethodDescriptor>,
+    /// By entry id (looked up without allocating), then hash-key position.
+    descriptors: HashMap<String, Vec<(Option<usize>, &'static MethodDescriptor)>>,
 }
 
 fn interned() -> std::sync::MutexGuard<'static, Interned> {
@@ -256,8 +253,12 @@ fn intern_descriptor(
     hash_key: Option<usize>,
 ) -> &'static MethodDescriptor {
     let mut table = interned();
-    let key = (entry_id.to_string(), hash_key);
-    if let Some(d) = table.descriptors.get(&key) {
+    let known = table.descriptors.get(entry_id).and_then(|made| {
+        made.iter()
+            .find(|(key, _)| *key == hash_key)
+            .map(|(_, d)| *d)
+    });
+    if let Some(d) = known {
         return d;
     }
     let descriptor: &'static MethodDescriptor = Box::leak(Box::new(MethodDescriptor {
@@ -268,7 +269,11 @@ fn intern_descriptor(
         governance: GovernanceOverrides::NONE,
         api: None,
     }));
-    table.descriptors.insert(key, descriptor);
+    table
+        .descriptors
+        .entry(entry_id.to_string())
+        .or_default()
+        .push((hash_key, descriptor));
     descriptor
 }
 
