@@ -39,9 +39,9 @@
 //!   port 0), then one client process per case (payloads × concurrencies), and prints each
 //!   case's RESULT line and finally the server's SERVER line.
 //! - Streams: the server also serves `bench.Items`, whose `items(count, size)` answers a server
-//!   stream of `count` strings of `size` bytes (count 0: until the caller cancels). `client`
-//!   with `--streams S` opens S such endless streams on one connection instead of making unary
-//!   calls, reads them for the warm-up and then for the measured window (3 s by default), and
+//!   stream of `count` byte strings of `size` bytes (`Payload`, a `Vec<u8>` each, as tonic's
+//!   peer sends; count 0: until the caller cancels). `client` with `--streams S` opens S
+//!   such endless streams on one connection instead of making unary calls, reads them for the warm-up and then for the measured window (3 s by default), and
 //!   prints one line `STREAM peer=<name> size=B streams=S items=<n> errors=<n> secs=<s>
 //!   items_per_s=<r> cpu_s=<s> cpu_us_per_item=<u>` (items received in the window, client CPU
 //!   from `getrusage` over it), the line `tonic-stream` (`bench/tonic-stream`) prints for
@@ -72,7 +72,38 @@ static SENT_ITEMS: AtomicU64 = AtomicU64::new(0);
 #[rpc::service(name = "bench.Items")]
 pub trait Items {
     /// `count` items of `size` bytes each; 0: until the caller cancels.
-    async fn items(&self, count: u64, size: u32) -> Result<RpcStream<String>, RpcError>;
+    async fn items(&self, count: u64, size: u32) -> Result<RpcStream<Payload>, RpcError>;
+}
+
+/// A stream item: opaque bytes in a `Vec<u8>` of their own, carried as a MessagePack `bin`.
+/// What tonic's peer streams (a protobuf `bytes` field, a `Vec<u8>` in prost), so both peers
+/// copy each item into an allocation of its own on each side and neither checks UTF-8.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Payload(Vec<u8>);
+
+impl serde::Serialize for Payload {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_bytes(&self.0)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Payload {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = Payload;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("bytes")
+            }
+            fn visit_bytes<E: serde::de::Error>(self, v: &[u8]) -> Result<Payload, E> {
+                Ok(Payload(v.to_vec()))
+            }
+            fn visit_byte_buf<E: serde::de::Error>(self, v: Vec<u8>) -> Result<Payload, E> {
+                Ok(Payload(v))
+            }
+        }
+        d.deserialize_bytes(Visitor)
+    }
 }
 
 /// Environment variable that turns governance off when `--governance` is not given.
@@ -331,8 +362,8 @@ impl Echo for CountingEcho {
 struct ItemSource;
 
 impl Items for ItemSource {
-    async fn items(&self, count: u64, size: u32) -> Result<RpcStream<String>, RpcError> {
-        let item = "x".repeat(size as usize);
+    async fn items(&self, count: u64, size: u32) -> Result<RpcStream<Payload>, RpcError> {
+        let item = Payload(vec![b'x'; size as usize]);
         let count = if count == 0 { u64::MAX } else { count };
         Ok(RpcStream::iter((0..count).map(move |_| {
             SENT_ITEMS.fetch_add(1, Ordering::Relaxed);
@@ -655,11 +686,11 @@ async fn run_streams(
         .collect_all()
         .await
         .map_err(|e| format!("the first stream from {} failed: {e}", args.addr))?;
-    if first.len() != 3 || first.iter().any(|i| i.len() != size as usize) {
+    if first.len() != 3 || first.iter().any(|i| i.0.len() != size as usize) {
         return Err(format!(
             "asked {} for 3 items of {size} bytes, got {:?} bytes",
             args.addr,
-            first.iter().map(String::len).collect::<Vec<_>>()
+            first.iter().map(|i| i.0.len()).collect::<Vec<_>>()
         ));
     }
 
@@ -680,7 +711,7 @@ async fn run_streams(
             };
             while !stop.load(Ordering::Relaxed) {
                 match s.next().await {
-                    Some(Ok(item)) if item.len() == size as usize => {
+                    Some(Ok(item)) if item.0.len() == size as usize => {
                         items.fetch_add(1, Ordering::Relaxed);
                     }
                     _ => {
