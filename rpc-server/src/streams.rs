@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use futures_util::stream::{Stream, StreamExt};
 use rpc_core::wire::RemoteResultMessage;
 use rpc_core::{
@@ -25,7 +25,7 @@ use rpc_core::{
 };
 use rpc_governance::events::EventKind;
 use rpc_governance::fallback;
-use rpc_transport::{error_result, Caller, Dispatch, Invoke, StreamEvent, StreamEvents};
+use rpc_transport::{error_result, Caller, Dispatch, Invoke, ItemSink, StreamEvent, StreamEvents};
 use tokio::time::Instant;
 
 use crate::admission::{Admission, Slot};
@@ -455,22 +455,30 @@ impl Stream for ServerStream {
 }
 
 impl StreamEvents for ServerStream {
-    fn poll_event_into(
+    fn poll_items_into(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-        dst: &mut BytesMut,
+        sink: &mut ItemSink<'_>,
     ) -> Poll<Option<StreamEvent>> {
-        self.poll_event(cx, Some(dst))
+        self.poll_event(cx, Some(sink))
     }
 }
 
+/// Why a run of items stopped.
+enum Stop {
+    /// The sink has no more room.
+    Full,
+    /// The handler's stream ended, or failed with this error.
+    End(Result<Bytes, RpcError>),
+}
+
 impl ServerStream {
-    /// The next event; with `dst`, an item is encoded (or copied) onto its end and returned
-    /// as [`StreamEvent::Appended`].
+    /// The next event; with `sink`, items are encoded (or copied) into it, as many as it has
+    /// room for, and [`StreamEvent::Appended`] returned once it is full.
     fn poll_event(
         &mut self,
         cx: &mut Context<'_>,
-        dst: Option<&mut BytesMut>,
+        sink: Option<&mut ItemSink<'_>>,
     ) -> Poll<Option<StreamEvent>> {
         let this = self;
         if this.ended {
@@ -504,7 +512,7 @@ impl ServerStream {
                     this.setup = None;
                     this.items = Some(items);
                     if this.accepted {
-                        return this.poll_event(cx, dst);
+                        return this.poll_event(cx, sink);
                     }
                     this.accepted = true;
                     return Poll::Ready(Some(StreamEvent::Accepted));
@@ -518,27 +526,38 @@ impl ServerStream {
         let Some(items) = &mut this.items else {
             return Poll::Ready(None);
         };
-        let dst = match dst {
+        let sink = match sink {
             // A client stream's answer is its end, not an item.
-            Some(dst) if !this.client_streaming => dst,
+            Some(sink) if !this.client_streaming => sink,
             _ => return this.poll_item(cx),
         };
-        let mark = dst.len();
-        let outcome: Outcome =
-            match Self::guarded(this.deadline, || items.poll_next_into(cx, &mut *dst)) {
-                Ok(Poll::Pending) => return Poll::Pending,
-                Ok(Poll::Ready(Some(Ok(len)))) => {
-                    this.sent += 1;
-                    return Poll::Ready(Some(StreamEvent::Appended(len)));
+        // One catch of a panic and one deadline scope for the whole run.
+        let (sent_before, sent) = (this.sent, &mut this.sent);
+        let run = Self::guarded(this.deadline, || loop {
+            if !sink.has_room() {
+                return Poll::Ready(Stop::Full);
+            }
+            match items.poll_next_into(cx, sink.begin()) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Some(Ok(len))) => {
+                    sink.commit(len);
+                    *sent += 1;
                 }
-                Ok(Poll::Ready(Some(Err(e)))) => Ok(Err(e)),
-                Ok(Poll::Ready(None)) => Ok(Ok(Bytes::new())),
-                Err(panic) => {
-                    // Whatever the item wrote before it panicked is not an item.
-                    dst.truncate(mark);
-                    Err(panic)
-                }
-            };
+                Poll::Ready(Some(Err(e))) => return Poll::Ready(Stop::End(Err(e))),
+                Poll::Ready(None) => return Poll::Ready(Stop::End(Ok(Bytes::new()))),
+            }
+        });
+        // Whatever an item wrote before it failed, ended or panicked is not an item.
+        sink.abandon();
+        let outcome: Outcome = match run {
+            Ok(Poll::Pending) => return Poll::Pending,
+            Ok(Poll::Ready(Stop::Full)) => {
+                let appended = usize::try_from(this.sent - sent_before).unwrap_or(usize::MAX);
+                return Poll::Ready(Some(StreamEvent::Appended(appended)));
+            }
+            Ok(Poll::Ready(Stop::End(end))) => Ok(end),
+            Err(panic) => Err(panic),
+        };
         let result = settle(outcome, this.entry, this.send_panic_text);
         this.end(result)
     }

@@ -71,8 +71,8 @@ pub use invoke::{Invoke, WireStr};
 pub use peer::{PeerAddr, UNIX_SCHEME};
 pub use pool::ConnectionPool;
 pub use server::{
-    error_result, serve, Dispatch, InvokeHandler, ServerOptions, StreamEvent, StreamEvents,
-    ABUSE_LIMIT, DEFAULT_STREAM_WINDOW, DEFAULT_STREAM_WINDOW_BYTES, MAX_HELLO_FRAME,
+    error_result, serve, Dispatch, InvokeHandler, ItemSink, ServerOptions, StreamEvent,
+    StreamEvents, ABUSE_LIMIT, DEFAULT_STREAM_WINDOW, DEFAULT_STREAM_WINDOW_BYTES, MAX_HELLO_FRAME,
     REFUSALS_BEFORE_PAUSE,
 };
 pub use transport::{Address, Dialer, Listener, Stream, TcpDialer};

@@ -44,6 +44,8 @@ pub trait Feed {
     async fn stall_after(&self, n: u32) -> Result<RpcStream<u32>, RpcError>;
     /// Refuses at its set-up with a business error: nothing is streamed.
     async fn refuse(&self) -> Result<RpcStream<u32>, RpcError>;
+    /// `n` numbers, then its producer panics.
+    async fn panic_after(&self, n: u32) -> Result<RpcStream<u32>, RpcError>;
     /// A unary method beside the streams.
     async fn echo(&self, text: String) -> Result<String, RpcError>;
     /// Client streaming: the sum of the caller's numbers, labelled.
@@ -114,6 +116,12 @@ impl Feed for Feeds {
 
     async fn refuse(&self) -> Result<RpcStream<u32>, RpcError> {
         Err(RpcError::business("no stream for you"))
+    }
+
+    async fn panic_after(&self, n: u32) -> Result<RpcStream<u32>, RpcError> {
+        Ok(RpcStream::iter((0..=n).inspect(move |&i| {
+            assert!(i < n, "the feed broke after {n} items");
+        })))
     }
 
     async fn echo(&self, text: String) -> Result<String, RpcError> {
@@ -358,6 +366,35 @@ async fn a_server_error_mid_stream_ends_it_with_that_error_after_the_items_befor
         .expect_err("refused at its set-up");
     assert_eq!(e.code(), StatusCode::BusinessError);
     assert!(e.message().contains("no stream for you"), "{e}");
+    within("shutdown", server.shutdown()).await;
+}
+
+/// The panic comes in the middle of a run of items the server assembles into one frame (700
+/// items: more than one poll's turn of 256), after the panicking item's key was written.
+#[tokio::test]
+async fn a_producer_panicking_mid_stream_ends_it_with_520_after_every_item_before_it() {
+    let reg = InProcessRegistry::new();
+    let (server, _probe) = serve(&reg, 50).await;
+    let f = feed(&reg);
+    let mut s = within("open", f.panic_after(700))
+        .await
+        .expect("panic_after");
+    for want in 0..700 {
+        assert_eq!(next_item("item", &mut s).await, want);
+    }
+    let e = next_error("the panic", &mut s).await;
+    assert_eq!(e.code(), StatusCode::ServerError, "{e}");
+    assert!(
+        within("end", s.next()).await.is_none(),
+        "nothing after the error"
+    );
+    // The connection and the server carry on.
+    assert_eq!(echoed(&f, "still here").await, "still here");
+    let items = within("again", f.ticks(3))
+        .await
+        .expect("ticks")
+        .collect_all();
+    assert_eq!(within("ticks", items).await.expect("items").len(), 3);
     within("shutdown", server.shutdown()).await;
 }
 

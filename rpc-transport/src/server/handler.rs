@@ -7,12 +7,12 @@ use std::task::{Context, Poll};
 
 use crate::caller::Caller;
 
-use bytes::BytesMut;
 use futures_util::future::BoxFuture;
 use futures_util::stream::{BoxStream, Stream};
 use rpc_core::wire::{frame::Kind, GoAway, RemoteResultMessage};
 use rpc_core::StatusCode;
 
+use super::streams::ItemSink;
 use crate::invoke::Invoke;
 
 /// What the server does with one call.
@@ -31,24 +31,26 @@ pub enum Dispatch {
     /// reading stops the producer; `Cancel` drops it. A stream ending without `End` ends with
     /// status 200.
     Stream(BoxStream<'static, StreamEvent>),
-    /// As [`Stream`](Self::Stream), from events that can also append an item straight to the
-    /// frame the transport is assembling ([`StreamEvents::poll_event_into`]): no buffer of its
+    /// As [`Stream`](Self::Stream), from events that can also append items straight to the
+    /// frame the transport is assembling ([`StreamEvents::poll_items_into`]): no buffer of its
     /// own per item.
     Events(Pin<Box<dyn StreamEvents>>),
 }
 
-/// The events of a stream answering a call ([`Dispatch::Events`]), which can put an item
+/// The events of a stream answering a call ([`Dispatch::Events`]), which can put items
 /// straight where the transport assembles its frames: a producer of many small items then
-/// costs no allocation, reference count or copy of its own per item.
+/// costs no allocation, reference count or copy of its own per item, and no call through this
+/// trait per item either.
 pub trait StreamEvents: Stream<Item = StreamEvent> + Send {
-    /// The next event, as `poll_next` would return it, except that a plain item (one
-    /// `poll_next` returns as [`StreamEvent::Item`]) may instead be appended to `dst` and
-    /// returned as [`StreamEvent::Appended`] with its length. Anything else leaves `dst` as it
-    /// was.
-    fn poll_event_into(
+    /// The next event, as `poll_next` would return it, except that plain items (those
+    /// `poll_next` returns as [`StreamEvent::Item`]) are instead appended through `sink`, as
+    /// many as it has room for: then [`StreamEvent::Appended`] with their number once the
+    /// sink is full, or `Pending` when the producer is (the items appended before stay
+    /// appended). An end after appended items comes as it would from `poll_next`.
+    fn poll_items_into(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-        dst: &mut BytesMut,
+        sink: &mut ItemSink<'_>,
     ) -> Poll<Option<StreamEvent>>;
 }
 
@@ -66,8 +68,8 @@ pub enum StreamEvent {
     /// (Boxed: an event passes by value through every layer of a stream's poll, once per
     /// item, and the answer would make each of them a copy of some 200 bytes.)
     End(Box<RemoteResultMessage>),
-    /// One plain item of this many bytes, appended to the buffer given to
-    /// [`StreamEvents::poll_event_into`] (only ever returned by that method).
+    /// This many plain items were appended through the [`ItemSink`] given to
+    /// [`StreamEvents::poll_items_into`] (only ever returned by that method), which is full.
     Appended(usize),
 }
 

@@ -27,3 +27,4 @@ pub use options::{
     ServerOptions, ABUSE_LIMIT, DEFAULT_STREAM_WINDOW, DEFAULT_STREAM_WINDOW_BYTES,
     MAX_HELLO_FRAME, REFUSALS_BEFORE_PAUSE,
 };
+pub use streams::ItemSink;

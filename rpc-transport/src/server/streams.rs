@@ -327,6 +327,13 @@ pub(super) struct StreamDriver {
     credit: Credit,
     /// The client's grants counted into `credit` so far (of the slot's `granted`).
     acked: u64,
+    out: Out,
+}
+
+/// The frames a stream's task assembles in one poll, and the run of items the next frame will
+/// carry.
+struct Out {
+    id: u64,
     /// The frames of the current poll, encoded here and queued for the writer together when
     /// the poll returns: one pass of the writer's lock and one wake-up per poll instead of one
     /// per item, and each item's payload is dropped by the task that made it.
@@ -348,44 +355,7 @@ pub(super) struct StreamDriver {
     length_width: usize,
 }
 
-impl StreamDriver {
-    /// The task of stream `id`, whose client buffers `client_window` items and
-    /// `client_window_bytes` bytes (0: items only) and takes `StreamItems` when `batches`, with
-    /// its state `slot` (already registered in `table` when the stream takes the client's
-    /// items, and registered now otherwise), removed from `table` when it ends.
-    pub(super) fn new(
-        id: u64,
-        events: impl Into<Events>,
-        (client_window, client_window_bytes, batches): (u32, u64, bool),
-        slot: Option<Arc<StreamSlot>>,
-        table: &Arc<StreamTable>,
-        sender: FrameSender,
-    ) -> Self {
-        let slot = slot.unwrap_or_else(|| {
-            let slot = Arc::new(StreamSlot::new(0, 0));
-            table.lock().insert(id, slot.clone());
-            slot
-        });
-        StreamDriver {
-            id,
-            events: events.into(),
-            inbound_window: slot.inbound_window,
-            credit: Credit::new(u64::from(client_window.max(1)), client_window_bytes),
-            acked: 0,
-            slot,
-            table: table.clone(),
-            sender,
-            accepted: false,
-            frames: BytesMut::new(),
-            batches,
-            run: BytesMut::new(),
-            run_items: 0,
-            run_compression: 0,
-            run_payload: 0,
-            length_width: 1,
-        }
-    }
-
+impl Out {
     /// Adds an item to this poll's frames.
     fn put_item(&mut self, payload: &[u8], compression: i32) {
         if self.run_items > 0
@@ -447,26 +417,121 @@ impl StreamDriver {
         self.run_items = 0;
         self.run_payload = 0;
     }
+}
 
-    /// The next event; once the stream is accepted (its credit frame goes first), a plain
-    /// item may be appended to `run` in place ([`StreamEvent::Appended`]), its key and length
-    /// written around it.
-    fn next_event(&mut self, cx: &mut Context<'_>) -> Poll<Option<StreamEvent>> {
+/// Where a stream's plain items go, one after the other, while the client's credit and the
+/// task's turn last: straight into the run of items its next frame carries
+/// ([`StreamEvents::poll_items_into`]). Each item is begun ([`begin`](Self::begin): its key
+/// and room for its length are written), its bytes appended to the buffer it returns, then
+/// committed with its length or abandoned.
+pub struct ItemSink<'a> {
+    out: &'a mut Out,
+    credit: &'a mut Credit,
+    violated: &'a AtomicBool,
+    /// Items the task sent in this poll.
+    sent: &'a mut usize,
+    /// Where the item begun last starts in the run, while it is not committed.
+    begun: Option<usize>,
+}
+
+impl ItemSink<'_> {
+    /// Whether one more item may be added now: the client has credit for it, the task has
+    /// not used its turn, and the stream was not broken.
+    pub fn has_room(&self) -> bool {
+        self.credit.ready() && *self.sent < ITEMS_PER_POLL && !self.violated.load(Ordering::Relaxed)
+    }
+
+    /// Begins an item: the buffer to append its bytes to (and nothing else).
+    pub fn begin(&mut self) -> &mut BytesMut {
+        self.abandon();
+        self.begun = Some(start_run_item(&mut self.out.run, self.out.length_width));
+        &mut self.out.run
+    }
+
+    /// The item begun last is complete: its `len` bytes follow what [`begin`](Self::begin)
+    /// wrote.
+    pub fn commit(&mut self, len: usize) {
+        let Some(mark) = self.begun.take() else {
+            return;
+        };
+        let out = &mut *self.out;
+        out.length_width = finish_run_item(&mut out.run, mark, out.length_width, len);
+        out.added_in_place(mark, len);
+        self.credit.sent(len);
+        *self.sent += 1;
+    }
+
+    /// Drops the item begun last and whatever was appended for it (when it was not
+    /// committed).
+    pub fn abandon(&mut self) {
+        if let Some(mark) = self.begun.take() {
+            self.out.run.truncate(mark);
+        }
+    }
+}
+
+impl Drop for ItemSink<'_> {
+    fn drop(&mut self) {
+        self.abandon();
+    }
+}
+
+impl StreamDriver {
+    /// The task of stream `id`, whose client buffers `client_window` items and
+    /// `client_window_bytes` bytes (0: items only) and takes `StreamItems` when `batches`, with
+    /// its state `slot` (already registered in `table` when the stream takes the client's
+    /// items, and registered now otherwise), removed from `table` when it ends.
+    pub(super) fn new(
+        id: u64,
+        events: impl Into<Events>,
+        (client_window, client_window_bytes, batches): (u32, u64, bool),
+        slot: Option<Arc<StreamSlot>>,
+        table: &Arc<StreamTable>,
+        sender: FrameSender,
+    ) -> Self {
+        let slot = slot.unwrap_or_else(|| {
+            let slot = Arc::new(StreamSlot::new(0, 0));
+            table.lock().insert(id, slot.clone());
+            slot
+        });
+        StreamDriver {
+            id,
+            events: events.into(),
+            inbound_window: slot.inbound_window,
+            credit: Credit::new(u64::from(client_window.max(1)), client_window_bytes),
+            acked: 0,
+            slot,
+            table: table.clone(),
+            sender,
+            accepted: false,
+            out: Out {
+                id,
+                frames: BytesMut::new(),
+                batches,
+                run: BytesMut::new(),
+                run_items: 0,
+                run_compression: 0,
+                run_payload: 0,
+                length_width: 1,
+            },
+        }
+    }
+
+    /// The next event; once the stream is accepted (its credit frame goes first), plain items
+    /// are appended to the run in place, as many as fit ([`StreamEvent::Appended`]).
+    fn next_event(&mut self, cx: &mut Context<'_>, sent: &mut usize) -> Poll<Option<StreamEvent>> {
         match &mut self.events {
             Events::Plain(events) => events.poll_next_unpin(cx),
             Events::Into(events) if !self.accepted => events.as_mut().poll_next(cx),
             Events::Into(events) => {
-                let mark = start_run_item(&mut self.run, self.length_width);
-                let next = events.as_mut().poll_event_into(cx, &mut self.run);
-                match next {
-                    Poll::Ready(Some(StreamEvent::Appended(len))) => {
-                        self.length_width =
-                            finish_run_item(&mut self.run, mark, self.length_width, len);
-                        self.added_in_place(mark, len);
-                    }
-                    _ => self.run.truncate(mark),
-                }
-                next
+                let mut sink = ItemSink {
+                    out: &mut self.out,
+                    credit: &mut self.credit,
+                    violated: &self.slot.violated,
+                    sent,
+                    begun: None,
+                };
+                events.as_mut().poll_items_into(cx, &mut sink)
             }
         }
     }
@@ -484,13 +549,13 @@ impl StreamDriver {
         self.accepted = true;
         // In this poll's frames, ahead of the items: the client must see the stream accepted
         // first.
-        self.end_run();
+        self.out.end_run();
         FrameCodec::encode_kind(
             Kind::StreamCredit(StreamCredit {
                 message_id: self.id,
                 items: self.inbound_window,
             }),
-            &mut self.frames,
+            &mut self.out.frames,
         );
     }
 
@@ -518,11 +583,11 @@ impl StreamDriver {
                 }
                 continue;
             }
-            if sent == ITEMS_PER_POLL {
+            if sent >= ITEMS_PER_POLL {
                 cx.waker().wake_by_ref();
                 return Poll::Pending;
             }
-            match this.next_event(cx) {
+            match this.next_event(cx, &mut sent) {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Some(StreamEvent::Accepted)) => {
                     if !this.accepted {
@@ -537,14 +602,11 @@ impl StreamDriver {
                         unreachable!("an item")
                     };
                     this.credit.sent(payload.len());
-                    this.put_item(&payload, compression);
+                    this.out.put_item(&payload, compression);
                     sent += 1;
                 }
-                Poll::Ready(Some(StreamEvent::Appended(len))) => {
-                    // (Already in the run: only asked for once the stream is accepted.)
-                    this.credit.sent(len);
-                    sent += 1;
-                }
+                // (Counted as they were appended, through the sink.)
+                Poll::Ready(Some(StreamEvent::Appended(_))) => {}
                 Poll::Ready(Some(StreamEvent::End(end))) => return Poll::Ready(*end),
                 Poll::Ready(None) => {
                     return Poll::Ready(RemoteResultMessage {
@@ -554,6 +616,10 @@ impl StreamDriver {
                 }
             }
         }
+    }
+
+    fn end_run(&mut self) {
+        self.out.end_run();
     }
 }
 
@@ -566,8 +632,8 @@ impl Future for StreamDriver {
         // Whatever the outcome: the items go before the end, which the connection sends once
         // this returns Ready.
         this.end_run();
-        if !this.frames.is_empty() {
-            this.sender.send_encoded(this.frames.split().freeze());
+        if !this.out.frames.is_empty() {
+            this.sender.send_encoded(this.out.frames.split().freeze());
         }
         outcome
     }
