@@ -106,6 +106,14 @@ impl<'a> LentItem<'a> {
     pub fn to_bytes(&self) -> Bytes {
         self.buf.slice(self.range.clone())
     }
+
+    /// A lender's poll with the item as a handle of its own: how an [`ItemSource`] is also a
+    /// `Stream` of `Bytes` (`LentItem::owned(self.poll_lend(cx))`).
+    pub fn owned(
+        poll: Poll<Option<Result<LentItem<'_>, RpcError>>>,
+    ) -> Poll<Option<Result<Bytes, RpcError>>> {
+        poll.map(|next| next.map(|item| item.map(|i| i.to_bytes())))
+    }
 }
 
 /// Encoded items handed out one at a time as loans from buffers the source keeps: how a

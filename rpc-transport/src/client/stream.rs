@@ -535,9 +535,7 @@ impl Stream for ClientStream {
     type Item = Result<Bytes, RpcError>;
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        self.get_mut()
-            .poll_lend(cx)
-            .map(|next| next.map(|item| item.map(|i| i.to_bytes())))
+        LentItem::owned(self.get_mut().poll_lend(cx))
     }
 }
 
