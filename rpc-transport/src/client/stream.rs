@@ -50,14 +50,15 @@ pub(super) struct StreamShared {
 /// Items of one frame waiting for the consumer, lent from the frame's buffer as they are taken.
 pub(super) struct Chunk {
     buf: Bytes,
-    /// Where each item of a run lies in `buf`; empty for a lone item (all of `buf`).
+    /// Where each item of a run lies in `buf` (unused for a lone item).
     places: Vec<(u32, u32)>,
+    /// A lone item (all of `buf`) and its size on the wire (compressed, when it was); `None`:
+    /// the items of a run, each its own size.
+    lone_wire: Option<usize>,
     /// The next item's index.
     next: usize,
     /// Items in the chunk (those within the credit).
     count: usize,
-    /// A lone item's size on the wire (compressed, when it was).
-    lone_wire: usize,
 }
 
 impl Chunk {
@@ -66,31 +67,34 @@ impl Chunk {
         Chunk {
             buf: item,
             places: Vec::new(),
+            lone_wire: Some(wire),
             next: 0,
             count: 1,
-            lone_wire: wire,
         }
     }
 
-    /// The items of a plain `StreamItems` frame.
+    /// The items of a plain `StreamItems` frame (none, for a frame that carries none).
     pub(super) fn run(run: ItemRun) -> Self {
         Chunk {
             buf: run.body,
             count: run.places.len(),
             places: run.places,
+            lone_wire: None,
             next: 0,
-            lone_wire: 0,
         }
     }
 
     /// The place of the next item in `buf`.
     fn next(&mut self) -> Option<Range<usize>> {
-        if self.next == self.count {
+        if self.next >= self.count {
             return None;
         }
-        let range = match self.places.get(self.next) {
-            Some(&(from, to)) => from as usize..to as usize,
-            None => 0..self.buf.len(),
+        let range = match self.lone_wire {
+            Some(_) => 0..self.buf.len(),
+            None => {
+                let (from, to) = self.places[self.next];
+                from as usize..to as usize
+            }
         };
         self.next += 1;
         Some(range)
@@ -98,9 +102,13 @@ impl Chunk {
 
     /// The size on the wire of each item, in order.
     fn wire_sizes(&self) -> impl Iterator<Item = usize> + '_ {
-        let lone = self.places.is_empty().then_some(self.lone_wire);
-        let run = self.places.iter().map(|&(from, to)| (to - from) as usize);
-        lone.into_iter().chain(run)
+        let run = match self.lone_wire {
+            Some(_) => &[][..],
+            None => &self.places[..],
+        };
+        self.lone_wire
+            .into_iter()
+            .chain(run.iter().map(|&(from, to)| (to - from) as usize))
     }
 }
 
@@ -582,6 +590,36 @@ pub enum Opened {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A frame of no items hands over none; a run hands over each of its items, from the
+    /// frame's buffer.
+    #[test]
+    fn a_run_lends_each_of_its_items_and_an_empty_one_none() {
+        let s = StreamShared::new(100, 0, 0);
+        s.credit(0);
+        let run = |body: &'static [u8], places: Vec<(u32, u32)>| {
+            Chunk::run(ItemRun {
+                message_id: 1,
+                compression: 0,
+                body: Bytes::from_static(body),
+                places,
+            })
+        };
+        assert!(s.push([run(b"\x08\x01", vec![])]));
+        assert!(s.push([run(b"\x12\x02ab\x12\x01c", vec![(2, 4), (6, 7)])]));
+        let mut inner = s.lock();
+        assert_eq!(
+            inner.received, 2,
+            "the empty frame's none and the run's two"
+        );
+        let mut items = Vec::new();
+        for chunk in inner.items.iter_mut() {
+            while let Some(range) = chunk.next() {
+                items.push(chunk.buf.slice(range));
+            }
+        }
+        assert_eq!(items, [Bytes::from_static(b"ab"), Bytes::from_static(b"c")]);
+    }
 
     /// The byte window counts each item as it travelled (compressed, when it was), not as
     /// the consumer gets it: what the server counts too.
