@@ -48,20 +48,29 @@ fn run(args: &[&str]) -> String {
     stdout
 }
 
-#[test]
-fn one_run_prints_a_line_per_case_with_positive_figures_and_the_ratio() {
-    let out = run(&[
+/// A small run: two callers, one worker per runtime, no warm-up, `requests` calls per case
+/// (20 s is far off), with `more` flags.
+fn run_small(requests: u32, more: &[&str]) -> String {
+    let requests = requests.to_string();
+    let mut args = vec![
         "--connections",
         "2",
         "--requests",
-        "200",
+        &requests,
         "--seconds",
         "20",
         "--warmup-seconds",
         "0",
         "--threads",
         "1",
-    ]);
+    ];
+    args.extend_from_slice(more);
+    run(&args)
+}
+
+#[test]
+fn one_run_prints_a_line_per_case_with_positive_figures_and_the_ratio() {
+    let out = run_small(200, &[]);
     let lines: Vec<&str> = out.lines().filter(|l| l.starts_with("GATEWAY ")).collect();
     let cases: Vec<&str> = lines.iter().filter_map(|l| field(l, "case")).collect();
     assert_eq!(cases, ["axum", "gateway", "client"], "{out}");
@@ -120,22 +129,7 @@ fn bad_flags_are_refused_with_what_to_give() {
 
 #[test]
 fn rounds_sum_into_one_line_per_case_and_each_round_prints_its_ratio() {
-    let out = run(&[
-        "--connections",
-        "2",
-        "--requests",
-        "100",
-        "--seconds",
-        "20",
-        "--warmup-seconds",
-        "0",
-        "--threads",
-        "1",
-        "--cases",
-        "axum,gateway",
-        "--rounds",
-        "3",
-    ]);
+    let out = run_small(100, &["--cases", "axum,gateway", "--rounds", "3"]);
     let rounds: Vec<&str> = out
         .lines()
         .filter_map(|l| l.strip_prefix("round "))

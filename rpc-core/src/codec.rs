@@ -74,13 +74,7 @@ impl Codec {
         value: &T,
     ) -> Result<usize, CodecError> {
         let start = dst.len();
-        let mut out = dst.writer();
-        let written = match self {
-            Codec::MsgPack => {
-                rmp_serde::encode::write_named(&mut out, value).map_err(|e| e.to_string())
-            }
-            Codec::Json => serde_json::to_writer(&mut out, value).map_err(|e| e.to_string()),
-        };
+        let written = self.write(&mut dst.writer(), value);
         match written {
             Ok(()) => Ok(dst.len() - start),
             Err(reason) => {
@@ -94,6 +88,18 @@ impl Codec {
         }
     }
 
+    /// Writes `value` in this codec to `out`.
+    fn write<T: Serialize + ?Sized>(
+        self,
+        out: &mut impl std::io::Write,
+        value: &T,
+    ) -> Result<(), String> {
+        match self {
+            Codec::MsgPack => rmp_serde::encode::write_named(out, value).map_err(|e| e.to_string()),
+            Codec::Json => serde_json::to_writer(out, value).map_err(|e| e.to_string()),
+        }
+    }
+
     fn encode_into<T: Serialize + ?Sized>(
         self,
         buf: &mut BytesMut,
@@ -103,13 +109,7 @@ impl Codec {
             // Reuses the buffer when every value cut from it is gone, else starts a new one.
             buf.reserve(ARENA);
         }
-        let mut out = buf.writer();
-        let written = match self {
-            Codec::MsgPack => {
-                rmp_serde::encode::write_named(&mut out, value).map_err(|e| e.to_string())
-            }
-            Codec::Json => serde_json::to_writer(&mut out, value).map_err(|e| e.to_string()),
-        };
+        let written = self.write(&mut buf.writer(), value);
         match written {
             Ok(()) => Ok(buf.split().freeze()),
             Err(e) => {

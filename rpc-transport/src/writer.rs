@@ -265,6 +265,19 @@ pub(crate) fn spawn_writer<W: AsyncWrite + Unpin + Send + 'static>(
     }
 }
 
+/// A writer over one end of an in-memory pipe of `capacity` bytes, for tests: its sender and
+/// the pipe's other end.
+#[cfg(test)]
+pub(crate) fn duplex_writer(capacity: usize) -> (FrameSender, tokio::io::DuplexStream) {
+    let (ours, theirs) = tokio::io::duplex(capacity);
+    let sender = spawn_writer(
+        ours,
+        Arc::new(AtomicUsize::new(0)),
+        CancellationToken::new(),
+    );
+    (sender, theirs)
+}
+
 async fn write_loop<W: AsyncWrite + Unpin>(
     queue: Arc<Queue>,
     wr: W,
@@ -420,12 +433,7 @@ mod tests {
 
     #[tokio::test]
     async fn frames_from_many_senders_arrive_whole_and_in_each_senders_order() {
-        let (ours, theirs) = tokio::io::duplex(1 << 16);
-        let sender = spawn_writer(
-            ours,
-            Arc::new(AtomicUsize::new(0)),
-            CancellationToken::new(),
-        );
+        let (sender, theirs) = duplex_writer(1 << 16);
         let tasks: Vec<_> = (0..4u64)
             .map(|t| {
                 let sender = sender.clone();
@@ -464,12 +472,7 @@ mod tests {
     #[tokio::test]
     async fn runs_of_one_streams_items_are_written_as_one_frame_once_the_peer_takes_them() {
         use rpc_core::wire::StreamItems;
-        let (ours, theirs) = tokio::io::duplex(1 << 16);
-        let sender = spawn_writer(
-            ours,
-            Arc::new(AtomicUsize::new(0)),
-            CancellationToken::new(),
-        );
+        let (sender, theirs) = duplex_writer(1 << 16);
         let item = |id: u64, text: &'static str, compression: i32| {
             Kind::StreamItem(StreamItem {
                 message_id: id,

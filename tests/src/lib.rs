@@ -4,6 +4,7 @@
 //! (`src/bin/`), which the tests start as separate processes.
 
 pub mod chaos;
+pub mod parent;
 pub mod shunt;
 pub mod signals;
 pub mod who;

@@ -651,19 +651,13 @@ mod tests {
 
     use bytes::Bytes;
     use futures_util::stream;
-    use tokio_util::sync::CancellationToken;
 
     use super::*;
-    use crate::writer::spawn_writer;
+    use crate::writer::duplex_writer;
 
     #[tokio::test]
     async fn the_producer_is_polled_only_within_the_credit_and_the_slot_goes_with_the_task() {
-        let (ours, _theirs) = tokio::io::duplex(1 << 20);
-        let sender = spawn_writer(
-            ours,
-            Arc::new(AtomicUsize::new(0)),
-            CancellationToken::new(),
-        );
+        let (sender, _theirs) = duplex_writer(1 << 20);
         let polled = Arc::new(AtomicUsize::new(0));
         let p = polled.clone();
         let events = stream::iter(std::iter::once(StreamEvent::Accepted))

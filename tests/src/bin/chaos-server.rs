@@ -8,7 +8,7 @@
 //! (see `tests::chaos`); prints `parked` each time a `park` call enters its handler. Exits when
 //! its standard input closes, so that it never outlives the test that started it.
 
-use std::io::{Read, Write};
+use std::io::Write;
 
 use rpc::{RpcError, Server};
 use tests::chaos::{Chaos, ChaosServer};
@@ -52,15 +52,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .await?;
     say(&format!("listening on {}", server.local_addr()));
 
-    // Standard input closes when the test ends, however it ends.
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    std::thread::spawn(move || {
-        let mut sink = [0u8; 64];
-        let mut stdin = std::io::stdin();
-        while matches!(stdin.read(&mut sink), Ok(n) if n > 0) {}
-        let _ = tx.send(());
-    });
-    let _ = rx.await;
+    tests::parent::stdin_closed().await;
     server.abort();
     Ok(())
 }

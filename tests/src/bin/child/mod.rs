@@ -3,7 +3,7 @@
 //! exactly as long as the test that started them. Kept in one place so that the tests read the
 //! same announcement, and see the same lifetime, from every child.
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::sync::Arc;
 
 use rpc::{Registry, Server};
@@ -24,15 +24,7 @@ pub async fn serve_until_stdin_closes(
         writeln!(out, "listening on {}", server.local_addr())?;
         out.flush()?;
     }
-    // Standard input closes when the test ends, however it ends.
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    std::thread::spawn(move || {
-        let mut sink = [0u8; 64];
-        let mut stdin = std::io::stdin();
-        while matches!(stdin.read(&mut sink), Ok(n) if n > 0) {}
-        let _ = tx.send(());
-    });
-    let _ = rx.await;
+    tests::parent::stdin_closed().await;
     server.abort();
     Ok(())
 }
