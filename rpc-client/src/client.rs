@@ -1015,6 +1015,7 @@ impl Client {
     ) -> Result<Bytes, RpcError> {
         let method = cx.method();
         let (timeout_ms, deadline) = (cx.budget_ms(), cx.attempt_deadline());
+        let retry_depth = cx.retry_depth();
         // The entry's compression, when on: the parameters are compressed for the connection
         // they go on (only with an algorithm its server accepts).
         let packing = match cx.options().compression {
@@ -1033,6 +1034,7 @@ impl Client {
                 codec: self.inner.codec.to_wire(),
                 parameters,
                 attachments,
+                retry_depth,
                 timeout_ms,
                 compression,
                 stream_mode: 0,

@@ -562,6 +562,7 @@ impl stack::Service for OpenAttempt<'_> {
                 codec: codec.to_wire(),
                 parameters,
                 attachments: telemetry::outgoing_attachments(cx.call_id(), cx.attachments()),
+                retry_depth: cx.retry_depth(),
                 timeout_ms: rpc_governance::timeout::remaining_ms_at(
                     tokio::time::Instant::now(),
                     deadline,

@@ -22,6 +22,10 @@ pub struct Call {
     pub parameters: Bytes,
     /// Context carried with the call.
     pub attachments: BTreeMap<String, String>,
+    /// The call's retry depth ([`RETRY_DEPTH_KEY`](rpc_core::RETRY_DEPTH_KEY)), sent as that
+    /// attachment when not 0, over any entry of that key in `attachments`: a field of its own,
+    /// so that a client marking every call it may retry allocates nothing for it.
+    pub retry_depth: u32,
     /// The caller's remaining budget in milliseconds; 0 means no deadline.
     pub timeout_ms: u32,
     /// The algorithm `parameters` is already compressed with, as a wire number
@@ -42,6 +46,7 @@ impl Call {
             codec: self.codec,
             parameters: &self.parameters,
             attachments: &self.attachments,
+            retry_depth: self.retry_depth,
             timeout_ms: self.timeout_ms,
             compression: self.compression,
             stream_mode: self.stream_mode,
@@ -57,6 +62,7 @@ impl From<RemoteInvokeMessage> for Call {
             codec: m.codec,
             parameters: m.parameters,
             attachments: m.attachments,
+            retry_depth: 0,
             timeout_ms: m.timeout_ms,
             compression: m.compression,
             stream_mode: m.stream_mode,

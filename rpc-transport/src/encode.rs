@@ -15,6 +15,7 @@ use bytes::{BufMut, Bytes, BytesMut};
 // prost's varint helpers, the ones its derived code calls.
 use prost::encoding::{encode_varint, encoded_len_varint};
 use rpc_core::wire::{frame::Kind, RemoteInvokeMessage, RemoteResultMessage, ValidateError};
+use rpc_core::RETRY_DEPTH_KEY;
 
 /// Bytes of a frame's length prefix (a big-endian `u32`).
 pub(crate) const PREFIX: usize = 4;
@@ -89,6 +90,67 @@ fn map_len(map: &BTreeMap<String, String>) -> usize {
     map.iter().map(|(k, v)| nested_len(pair_len(k, v))).sum()
 }
 
+/// `n` in decimal, written into `buf`: the value of a number sent as an attachment, with no
+/// `String` of its own.
+fn decimal(mut n: u32, buf: &mut [u8; 10]) -> &str {
+    let mut at = buf.len();
+    loop {
+        at -= 1;
+        buf[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    std::str::from_utf8(&buf[at..]).unwrap_or("0")
+}
+
+/// The attachments of a call: its map, and its retry depth (when not 0) as the
+/// [`RETRY_DEPTH_KEY`] entry, which wins over one of that key in the map.
+struct Attachments<'a> {
+    map: &'a BTreeMap<String, String>,
+    retry_depth: u32,
+}
+
+impl Attachments<'_> {
+    /// The map's entries that are sent.
+    fn sent(&self) -> impl Iterator<Item = (&String, &String)> {
+        let depth = self.retry_depth;
+        self.map
+            .iter()
+            .filter(move |(k, _)| depth == 0 || k.as_str() != RETRY_DEPTH_KEY)
+    }
+
+    fn len(&self) -> usize {
+        let mut buf = [0; 10];
+        let depth = (self.retry_depth > 0).then(|| {
+            nested_len(pair_len(
+                RETRY_DEPTH_KEY,
+                decimal(self.retry_depth, &mut buf),
+            ))
+        });
+        self.sent()
+            .map(|(k, v)| nested_len(pair_len(k, v)))
+            .sum::<usize>()
+            + depth.unwrap_or(0)
+    }
+
+    fn put(&self, tag: u32, dst: &mut impl BufMut) {
+        for (k, v) in self.sent() {
+            put_pair(tag, k, v, dst);
+        }
+        if self.retry_depth > 0 {
+            let mut buf = [0; 10];
+            put_pair(
+                tag,
+                RETRY_DEPTH_KEY,
+                decimal(self.retry_depth, &mut buf),
+                dst,
+            );
+        }
+    }
+}
+
 fn put_map(tag: u32, map: &BTreeMap<String, String>, dst: &mut impl BufMut) {
     for (k, v) in map {
         put_pair(tag, k, v, dst);
@@ -107,6 +169,8 @@ pub(crate) struct InvokeFields<'a> {
     pub(crate) codec: i32,
     pub(crate) parameters: &'a [u8],
     pub(crate) attachments: &'a BTreeMap<String, String>,
+    /// Sent as the [`RETRY_DEPTH_KEY`] attachment when not 0 (see [`Call::retry_depth`](crate::Call::retry_depth)).
+    pub(crate) retry_depth: u32,
     pub(crate) timeout_ms: u32,
     pub(crate) compression: i32,
     pub(crate) stream_mode: i32,
@@ -120,9 +184,19 @@ impl<'a> From<&'a RemoteInvokeMessage> for InvokeFields<'a> {
             codec: m.codec,
             parameters: &m.parameters,
             attachments: &m.attachments,
+            retry_depth: 0,
             timeout_ms: m.timeout_ms,
             compression: m.compression,
             stream_mode: m.stream_mode,
+        }
+    }
+}
+
+impl InvokeFields<'_> {
+    fn attachments(&self) -> Attachments<'_> {
+        Attachments {
+            map: self.attachments,
+            retry_depth: self.retry_depth,
         }
     }
 }
@@ -133,7 +207,7 @@ fn invoke_len(m: &InvokeFields<'_>) -> usize {
         + bytes_len(m.service_entry_id.len())
         + varint_len(int32(m.codec))
         + bytes_len(m.parameters.len())
-        + map_len(m.attachments)
+        + m.attachments().len()
         + varint_len(u64::from(m.timeout_ms))
         + varint_len(int32(m.compression))
         + varint_len(int32(m.stream_mode))
@@ -299,7 +373,7 @@ fn put_invoke(m: &InvokeFields<'_>, dst: &mut impl BufMut) {
     put_bytes(2, m.service_entry_id.as_bytes(), dst);
     put_varint(3, int32(m.codec), dst);
     put_bytes(4, m.parameters, dst);
-    put_map(5, m.attachments, dst);
+    m.attachments().put(5, dst);
     put_varint(6, u64::from(m.timeout_ms), dst);
     put_varint(10, int32(m.compression), dst);
     put_varint(11, int32(m.stream_mode), dst);
@@ -424,6 +498,35 @@ mod tests {
                 let call = crate::Call::from(m.clone());
                 put_invoke_frame(&call.fields(m.message_id), &mut from_call);
                 assert_eq!(from_call, ours, "{m:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_calls_retry_depth_is_sent_as_its_attachment_over_one_of_that_key() {
+        let mut rng = StdRng::seed_from_u64(0xdee9);
+        for depth in [0, 1, 9, 10, 99, 12_345, u32::MAX] {
+            for _ in 0..200 {
+                let mut m = invoke(&mut rng);
+                if rng.random_bool(0.5) {
+                    m.attachments.insert(RETRY_DEPTH_KEY.into(), text(&mut rng));
+                }
+                let mut call = crate::Call::from(m.clone());
+                call.retry_depth = depth;
+                let mut ours = BytesMut::new();
+                put_invoke_frame(&call.fields(m.message_id), &mut ours);
+                // The oracle: prost reads the frame (its length prefix included) as the
+                // message whose map holds the depth in decimal.
+                let len = u32::from_be_bytes([ours[0], ours[1], ours[2], ours[3]]) as usize;
+                assert_eq!(len, ours.len() - 4, "{m:?}");
+                let read = Frame::decode(&ours[4..]).expect("prost reads the frame");
+                let mut expected = m.clone();
+                if depth > 0 {
+                    expected
+                        .attachments
+                        .insert(RETRY_DEPTH_KEY.into(), format!("{depth}"));
+                }
+                assert_eq!(read.kind, Some(Kind::Invoke(expected)), "depth {depth}");
             }
         }
     }

@@ -5,7 +5,7 @@
 //! cargo run --release -p examples --bin costs -- [--calls N] [--concurrency C] [--idle K] [--layers L] [--scale-only]
 //! cargo run --release -p examples --features tower --bin costs -- --tower-layers L
 //! ```
-//! Prints `allocs_per_call=… bytes_per_call=…`, `idle_connection_kib=…`, the resident memory
+//! Prints `call_future_bytes=…` (the state of one proxy call), `allocs_per_call=… bytes_per_call=…`, `idle_connection_kib=…`, the resident memory
 //! after each tenth of the calls, so that growth shows, and `scale:` — calls per second and
 //! allocations per call before and after the client and server hold 10 000 entries and the
 //! service has 1 000 endpoints. Figures, not assertions.
@@ -185,6 +185,12 @@ async fn memory_figures(
     addr: &str,
     payload: &str,
 ) -> Result<(), Box<dyn std::error::Error>> {
+    // The state one call keeps while it waits for its answer: what a caller's task holds
+    // (and moves) per call, and what a caller that boxes its calls allocates.
+    let call = echo.echo(payload.to_string());
+    println!("call_future_bytes={}", std::mem::size_of_val(&call));
+    drop(call);
+
     // Allocations per call (client and server sides together), after a warm-up.
     run(echo, 20_000, args.concurrency, payload).await;
     let sample = 200_000.min(args.calls.max(1));

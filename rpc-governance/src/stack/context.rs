@@ -49,6 +49,8 @@ pub struct CallCx<'g> {
     pub(crate) fallback_cause: Option<RpcError>,
     /// Only when a layer adds one: most calls carry none, and an empty map still costs its drop.
     attachments: Option<BTreeMap<String, String>>,
+    /// The retry depth the call is sent with (0: none); see [`CallCx::retry_depth`].
+    pub(crate) retry_depth: u32,
     call_id: Option<String>,
     /// What layers asked to be told when the stream this call opens ends (empty for most
     /// calls: an empty list allocates nothing).
@@ -119,6 +121,7 @@ impl<'g> CallCx<'g> {
             last_failed: None,
             fallback_cause: None,
             attachments: None,
+            retry_depth: 0,
             call_id: None,
             stream_end: Vec::new(),
         }
@@ -149,6 +152,7 @@ impl<'g> CallCx<'g> {
         cx.started = self.started;
         cx.deadline = self.deadline;
         cx.attachments = self.attachments.clone();
+        cx.retry_depth = self.retry_depth;
         cx.call_id = self.call_id.clone();
         cx.hedge = true;
         cx.attempt = 1;
@@ -238,6 +242,15 @@ impl<'g> CallCx<'g> {
     /// current [`RpcContext`](rpc_core::RpcContext).
     pub fn attachments(&self) -> &BTreeMap<String, String> {
         self.attachments.as_ref().unwrap_or(&NO_ATTACHMENTS)
+    }
+
+    /// The retry depth this call is sent with, as attachment
+    /// [`RETRY_DEPTH_KEY`](rpc_core::RETRY_DEPTH_KEY): set by the retry layer on a call its
+    /// client may retry (one more than the depth of the call being served); 0 when the call is
+    /// not marked. Kept beside [`attachments`](Self::attachments) rather than in them, so that
+    /// marking a call allocates nothing; the transport sends it over any attachment of that key.
+    pub fn retry_depth(&self) -> u32 {
+        self.retry_depth
     }
 
     /// Adds an attachment to this call (it wins over an attachment of the same key in the

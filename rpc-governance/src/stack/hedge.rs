@@ -23,7 +23,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
-use rpc_core::{GovernanceOptions, RpcError, RETRY_DEPTH_KEY};
+use rpc_core::{GovernanceOptions, RpcError};
 
 use tokio::time::Instant;
 
@@ -90,6 +90,21 @@ impl<S: Service> Service for HedgeLayer<S> {
         if !o.idempotent || (o.hedge_delay_ms == 0 && o.hedge_percentile == 0) {
             return self.inner.call(cx, req).await;
         }
+        // Boxed: a hedged call holds two attempts at once (and its state around them), and
+        // in line that would triple the size of every call's future, hedged or not, which
+        // every call then allocates or moves. Only calls that may hedge pay the allocation.
+        Box::pin(self.hedged(cx, req)).await
+    }
+
+    fn enforces_attempt_deadline(&self) -> bool {
+        self.inner.enforces_attempt_deadline()
+    }
+}
+
+impl<S: Service> HedgeLayer<S> {
+    /// A call of an entry that hedges: the first attempt, and the hedge after the delay.
+    async fn hedged(&self, cx: &mut CallCx<'_>, req: Bytes) -> Result<Bytes, RpcError> {
+        let o = &cx.options;
         let policy = cx.policy.clone();
         let window =
             (o.hedge_percentile > 0).then(|| policy.latency.get_or_init(LatencyWindow::new));
@@ -118,7 +133,7 @@ impl<S: Service> Service for HedgeLayer<S> {
         // The hedge is an attempt of the same call: it carries the call's retry depth (its own
         // options, one attempt, would not).
         if let (_, Some(depth)) = retry_depth_mark(&cx.options) {
-            hedge_cx.insert_attachment(RETRY_DEPTH_KEY, depth.to_string());
+            hedge_cx.retry_depth = depth;
         }
         let primary_options = cx.options.clone();
         let sent = AtomicBool::new(false);
@@ -166,9 +181,5 @@ impl<S: Service> Service for HedgeLayer<S> {
                 _ => primary.await,
             },
         }
-    }
-
-    fn enforces_attempt_deadline(&self) -> bool {
-        self.inner.enforces_attempt_deadline()
     }
 }

@@ -9,7 +9,7 @@
 //!
 //! Retries across hops multiply: three levels that each try four times hit a failing leaf 64
 //! times per call. So a call this layer may retry says so to the server (attachment
-//! [`RETRY_DEPTH_KEY`], the number of retrying callers up the chain), the server hands it to
+//! [`RETRY_DEPTH_KEY`](rpc_core::RETRY_DEPTH_KEY), the number of retrying callers up the chain), the server hands it to
 //! its handler's context, and a call made there is not retried again (`retry_chain_stop`,
 //! on by default): the outermost caller that retries owns the retries of the whole chain.
 
@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use rpc_core::{GovernanceOptions, RpcContext, RpcError, StatusCode, RETRY_DEPTH_KEY};
+use rpc_core::{GovernanceOptions, RpcContext, RpcError, StatusCode};
 use tokio::time::Instant;
 
 use super::{Balance, CallCx, Pick, Service};
@@ -249,12 +249,12 @@ impl<B: Balance, S> RetryLayer<B, S> {
     }
 }
 
-/// Marks a call its client may retry with [`RETRY_DEPTH_KEY`] (one more than the depth of
+/// Marks a call its client may retry with [`RETRY_DEPTH_KEY`](rpc_core::RETRY_DEPTH_KEY) (one more than the depth of
 /// the call being served); returns whether the chain stop forbids this call's retries.
 pub(crate) fn mark_retry_depth(cx: &mut CallCx<'_>) -> bool {
     let (chain_stopped, mark) = retry_depth_mark(&cx.options);
     if let Some(depth) = mark {
-        cx.insert_attachment(RETRY_DEPTH_KEY, depth.to_string());
+        cx.retry_depth = depth;
     }
     chain_stopped
 }
