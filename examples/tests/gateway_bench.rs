@@ -71,7 +71,11 @@ fn run_small(requests: u32, more: &[&str]) -> String {
 #[test]
 fn one_run_prints_a_line_per_case_with_positive_figures_and_the_ratio() {
     let out = run_small(200, &[]);
-    assert!(out.lines().any(|l| l == "echo: inline_first_poll"), "{out}");
+    assert!(
+        out.lines()
+            .any(|l| l == "echo: server defaults (a task per call)"),
+        "{out}"
+    );
     let lines: Vec<&str> = out.lines().filter(|l| l.starts_with("GATEWAY ")).collect();
     let cases: Vec<&str> = lines.iter().filter_map(|l| field(l, "case")).collect();
     assert_eq!(cases, ["axum", "gateway", "client"], "{out}");
@@ -137,14 +141,10 @@ fn rounds_sum_into_one_line_per_case_and_each_round_prints_its_ratio() {
             "axum,gateway",
             "--rounds",
             "3",
-            "--echo-server-defaults",
+            "--echo-inline-first-poll",
         ],
     );
-    assert!(
-        out.lines()
-            .any(|l| l == "echo: server defaults (a task per call)"),
-        "{out}"
-    );
+    assert!(out.lines().any(|l| l == "echo: inline_first_poll"), "{out}");
     let rounds: Vec<&str> = out
         .lines()
         .filter_map(|l| l.strip_prefix("round "))

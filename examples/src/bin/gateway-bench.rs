@@ -3,7 +3,7 @@
 //! ```text
 //! gateway-bench [--connections 32] [--requests N] [--seconds S] [--warmup-seconds W]
 //!               [--text TEXT] [--cases axum,gateway,client] [--threads T] [--rounds R]
-//!               [--echo-server-defaults]
+//!               [--echo-inline-first-poll]
 //! ```
 //!
 //! - `axum`: a plain axum handler answering the call's route (`POST /api/echo.Echo/echo`,
@@ -23,12 +23,12 @@
 //! tokio runtimes share the machine: `echo` runs the echo server, `http` the axum echo and the
 //! gateway (with the gateway's client), `callers` the callers (and the client of `client`).
 //!
-//! The echo server answers in the first poll of its handler, on its connection's reader
-//! ([`inline_first_poll`](rpc::ServerBuilder::inline_first_poll), meant for handlers that
-//! never block, as an echo's): it is the service behind the gateway, not the part under test,
-//! yet on a machine where everything shares the CPUs each microsecond it spends is taken from
-//! the gateway's requests per second. `--echo-server-defaults` runs it with the server's
-//! defaults instead (each call in a task of its own); the line `echo: ...` says which.
+//! The echo server runs with the server's defaults (each call in a task of its own). It is the
+//! service behind the gateway, not the part under test, yet on a machine where everything
+//! shares the CPUs each microsecond it spends is taken from the gateway's requests per second:
+//! `--echo-inline-first-poll` makes it answer in its handler's first poll, on its
+//! connection's reader ([`inline_first_poll`](rpc::ServerBuilder::inline_first_poll), meant
+//! for handlers that never block, as an echo's). The line `echo: ...` says which ran.
 //!
 //! With `--rounds R` the cases run R times, one after the other in each round (axum, gateway,
 //! client, axum, gateway, ...), and each case's line sums its rounds (calls, seconds, CPU, one
@@ -111,10 +111,9 @@ struct Args {
     /// Times every case runs, the cases taking turns; each case's figures sum its rounds.
     #[arg(long, default_value_t = 1)]
     rounds: u32,
-    /// Run the echo server with the server's defaults (a task per call) instead of answering
-    /// in its handler's first poll.
+    /// Let the echo server answer in its handler's first poll instead of a task per call.
     #[arg(long)]
-    echo_server_defaults: bool,
+    echo_inline_first_poll: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -288,7 +287,7 @@ fn run(args: &Args) -> Result<(), String> {
         Server::builder()
             .shared_registry(registry.clone())
             .max_concurrency(100_000)
-            .inline_first_poll(!args.echo_server_defaults)
+            .inline_first_poll(args.echo_inline_first_poll)
             .add_service(EchoServer::new(EchoService::default()))
             .serve("127.0.0.1:0"),
     );
@@ -297,10 +296,10 @@ fn run(args: &Args) -> Result<(), String> {
     println!("body: {}", String::from_utf8_lossy(&body));
     println!(
         "echo: {}",
-        if args.echo_server_defaults {
-            "server defaults (a task per call)"
-        } else {
+        if args.echo_inline_first_poll {
             "inline_first_poll"
+        } else {
+            "server defaults (a task per call)"
         }
     );
 
