@@ -503,8 +503,10 @@ pub(crate) fn outgoing_attachments(
     call_id: Option<&str>,
     added: &BTreeMap<String, String>,
 ) -> BTreeMap<String, String> {
+    // The served call's retry depth is not copied: the call carries its own
+    // (`CallCx::retry_depth`), which the transport sends over any entry of its key.
     #[allow(unused_mut)]
-    let mut attachments = RpcContext::current_attachments();
+    let mut attachments = RpcContext::with_current(Clone::clone);
     for (k, v) in added {
         attachments.insert(k.clone(), v.clone());
     }

@@ -13,7 +13,15 @@ use std::collections::BTreeMap;
 use std::future::Future;
 
 tokio::task_local! {
-    static CONTEXT: BTreeMap<String, String>;
+    static CONTEXT: Current;
+}
+
+/// What a scope holds: the attachments, and the retry depth a server received beside them.
+struct Current {
+    attachments: BTreeMap<String, String>,
+    /// [`RETRY_DEPTH_KEY`] as a server received it (0: look in `attachments`). A field rather
+    /// than a map entry: nearly every call carries it, and an entry costs three allocations.
+    retry_depth: u32,
 }
 
 /// Attachment keys reserved for the W3C trace context; they are never user attachments.
@@ -26,8 +34,9 @@ pub const CALL_ID_KEY: &str = "rpc-call-id";
 
 /// Attachment key of a call's retry depth: how many callers up the chain retry the call on
 /// failure (`1`: the caller retries it). A client sets it on every attempt of a call it may
-/// retry; the server hands it to the handler with the other attachments, so the calls the
-/// handler makes carry it too, and (under `retry_chain_stop`, the default) do not retry again:
+/// retry; the server hands it to the handler's context ([`RpcContext::retry_depth`], and
+/// [`RpcContext::get`] and [`RpcContext::current_attachments`] with the other attachments), so
+/// the calls the handler makes carry it too, and (under `retry_chain_stop`, the default) do not retry again:
 /// the outermost caller that retries owns the retries of the whole chain, and a failing leaf
 /// three hops down sees each top-level call about once instead of `(1 + retries)³` times.
 pub const RETRY_DEPTH_KEY: &str = "rpc-retry-depth";
@@ -60,13 +69,45 @@ impl RpcContext {
         attachments: BTreeMap<String, String>,
         fut: F,
     ) -> impl Future<Output = F::Output> {
-        CONTEXT.scope(attachments, fut)
+        Self::scope_served(attachments, 0, fut)
     }
 
     /// Runs `f` with `attachments` as the call context: the synchronous form of
     /// [`scope`](Self::scope), for polling a future once in place.
     pub fn sync_scope<R>(attachments: BTreeMap<String, String>, f: impl FnOnce() -> R) -> R {
-        CONTEXT.sync_scope(attachments, f)
+        Self::sync_scope_served(attachments, 0, f)
+    }
+
+    /// As [`scope`](Self::scope), for a server running a handler: `attachments` as received
+    /// and `retry_depth`, the call's [`RETRY_DEPTH_KEY`] (0: none), which the transport decodes
+    /// apart from the map. The context answers for it as if it were one of the attachments.
+    pub fn scope_served<F: Future>(
+        attachments: BTreeMap<String, String>,
+        retry_depth: u32,
+        fut: F,
+    ) -> impl Future<Output = F::Output> {
+        CONTEXT.scope(
+            Current {
+                attachments,
+                retry_depth,
+            },
+            fut,
+        )
+    }
+
+    /// The synchronous form of [`scope_served`](Self::scope_served).
+    pub fn sync_scope_served<R>(
+        attachments: BTreeMap<String, String>,
+        retry_depth: u32,
+        f: impl FnOnce() -> R,
+    ) -> R {
+        CONTEXT.sync_scope(
+            Current {
+                attachments,
+                retry_depth,
+            },
+            f,
+        )
     }
 
     /// Runs `fut` with the current attachments plus `key = value`.
@@ -80,31 +121,49 @@ impl RpcContext {
         Self::scope(attachments, fut)
     }
 
-    /// A copy of the current attachments (empty outside any scope; no allocation then).
+    /// A copy of the current attachments, the retry depth a server received among them
+    /// (empty outside any scope; no allocation then).
     pub fn current_attachments() -> BTreeMap<String, String> {
-        Self::with_current(Clone::clone)
+        let depth = Self::served_retry_depth();
+        let mut attachments = Self::with_current(Clone::clone);
+        if depth > 0 {
+            attachments.insert(RETRY_DEPTH_KEY.to_string(), depth.to_string());
+        }
+        attachments
     }
 
     /// One attachment of the current context.
     pub fn get(key: &str) -> Option<String> {
-        Self::with_current(|a| a.get(key).cloned())
+        match Self::served_retry_depth() {
+            depth if depth > 0 && key == RETRY_DEPTH_KEY => Some(depth.to_string()),
+            _ => Self::with_current(|a| a.get(key).cloned()),
+        }
     }
 
     /// The retry depth of the call being served ([`RETRY_DEPTH_KEY`]; 0 outside a handler, or
     /// when no caller up the chain retries, or when the attachment is not a number).
     pub fn retry_depth() -> u32 {
-        Self::with_current(|a| {
-            a.get(RETRY_DEPTH_KEY)
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(0)
-        })
+        match Self::served_retry_depth() {
+            0 => Self::with_current(|a| {
+                a.get(RETRY_DEPTH_KEY)
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(0)
+            }),
+            depth => depth,
+        }
+    }
+
+    /// The retry depth a server set beside the attachments ([`scope_served`](Self::scope_served)).
+    fn served_retry_depth() -> u32 {
+        CONTEXT.try_with(|c| c.retry_depth).unwrap_or(0)
     }
 
     /// Calls `f` with the current attachments (an empty map outside any scope), without
-    /// copying them.
+    /// copying them. The retry depth a server received is not among them: see
+    /// [`retry_depth`](Self::retry_depth).
     pub fn with_current<R>(f: impl FnOnce(&BTreeMap<String, String>) -> R) -> R {
         let mut f = Some(f);
-        match CONTEXT.try_with(|a| (f.take().expect("called once"))(a)) {
+        match CONTEXT.try_with(|c| (f.take().expect("called once"))(&c.attachments)) {
             Ok(r) => r,
             Err(_) => (f.take().expect("not called"))(&BTreeMap::new()),
         }
@@ -138,5 +197,27 @@ mod tests {
             assert_eq!(RpcContext::get("b"), None);
         }));
         assert_eq!(RpcContext::get("a"), None);
+    }
+
+    #[test]
+    fn a_served_retry_depth_reads_as_an_attachment_and_yields_to_none_outside() {
+        let attachments = BTreeMap::from([("a".to_string(), "1".to_string())]);
+        poll_now(RpcContext::scope_served(attachments, 3, async {
+            assert_eq!(RpcContext::retry_depth(), 3);
+            assert_eq!(RpcContext::get(RETRY_DEPTH_KEY).as_deref(), Some("3"));
+            let all = RpcContext::current_attachments();
+            assert_eq!(all.get(RETRY_DEPTH_KEY).map(String::as_str), Some("3"));
+            assert_eq!(all.get("a").map(String::as_str), Some("1"));
+            // A nested scope made from the copy keeps the depth, as a map entry.
+            poll_now(RpcContext::with_attachment("b", "2", async {
+                assert_eq!(RpcContext::retry_depth(), 3);
+            }));
+        }));
+        // A depth given as a map entry (`scope`) reads the same.
+        let entry = BTreeMap::from([(RETRY_DEPTH_KEY.to_string(), "2".to_string())]);
+        poll_now(RpcContext::scope(entry, async {
+            assert_eq!(RpcContext::retry_depth(), 2);
+        }));
+        assert_eq!(RpcContext::retry_depth(), 0);
     }
 }

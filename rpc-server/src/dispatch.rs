@@ -97,6 +97,7 @@ impl Terminal {
             // stream taking them); its items, holding the entry's slot until they end, are
             // left for the dispatcher.
             let attachments = std::mem::take(&mut req.attachments);
+            let retry_depth = req.retry_depth;
             let inbound = req.inbound.as_ref().and_then(|slot| {
                 slot.lock()
                     .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -115,10 +116,10 @@ impl Terminal {
                 (for_fallback, req.codec),
                 &cause,
             );
-            let items = if attachments.is_empty() {
+            let items = if attachments.is_empty() && retry_depth == 0 {
                 setup.await
             } else {
-                RpcContext::scope(attachments, setup).await
+                RpcContext::scope_served(attachments, retry_depth, setup).await
             };
             req.fallback_cause = cause.get();
             let items = items?;
@@ -137,6 +138,7 @@ impl Terminal {
         let (codec, deadline) = (req.codec, req.deadline);
         let handler = self.service.call(self.index, parameters, codec);
         let attachments = std::mem::take(&mut req.attachments);
+        let retry_depth = req.retry_depth;
         let entry: &str = &self.entry;
         let run = async move {
             match (
@@ -153,10 +155,10 @@ impl Terminal {
                 (result, _) => (result, None),
             }
         };
-        let (result, cause) = if attachments.is_empty() {
+        let (result, cause) = if attachments.is_empty() && retry_depth == 0 {
             run.await
         } else {
-            RpcContext::scope(attachments, run).await
+            RpcContext::scope_served(attachments, retry_depth, run).await
         };
         req.fallback_cause = cause;
         req.load = Some(self.admission.load());
@@ -452,7 +454,12 @@ impl Dispatcher {
         // one. Otherwise the whole call runs in its own task: a handler blocking before its
         // first `.await` must not stall the reader and every other call on the connection.
         let first = if self.inline_first_poll {
-            poll_first(&mut handler, deadline, &attachments, &span)
+            poll_first(
+                &mut handler,
+                deadline,
+                (&attachments, invoke.retry_depth),
+                &span,
+            )
         } else {
             Poll::Pending
         };
@@ -473,10 +480,14 @@ impl Dispatcher {
         }
         // Each wrapper moves the whole call future once more: add only the ones in use (with
         // no attachments the handler's own calls find an empty context either way).
-        Dispatch::Spawn(match (span.is_disabled(), attachments.is_empty()) {
+        let depth = invoke.retry_depth;
+        let no_context = attachments.is_empty() && depth == 0;
+        Dispatch::Spawn(match (span.is_disabled(), no_context) {
             (true, true) => Box::pin(call),
-            (true, false) => Box::pin(RpcContext::scope(attachments, call)),
-            (false, _) => Box::pin(RpcContext::scope(attachments, call).instrument(span)),
+            (true, false) => Box::pin(RpcContext::scope_served(attachments, depth, call)),
+            (false, _) => {
+                Box::pin(RpcContext::scope_served(attachments, depth, call).instrument(span))
+            }
         })
     }
 }
@@ -514,6 +525,7 @@ impl Dispatcher {
             method,
             caller: caller.clone(),
             attachments: telemetry::user_attachments(attachments),
+            retry_depth: invoke.retry_depth,
             deadline,
             parameters: invoke.parameters,
             codec,
@@ -658,7 +670,7 @@ pub(crate) type Outcome = std::thread::Result<Result<Bytes, RpcError>>;
 fn poll_first(
     handler: &mut HandlerFuture,
     deadline: Option<(Instant, u32)>,
-    attachments: &BTreeMap<String, String>,
+    (attachments, retry_depth): (&BTreeMap<String, String>, u32),
     span: &tracing::Span,
 ) -> Poll<Outcome> {
     let mut poll = || {
@@ -670,10 +682,10 @@ fn poll_first(
         }
     };
     let mut in_context = || {
-        if attachments.is_empty() {
+        if attachments.is_empty() && retry_depth == 0 {
             poll()
         } else {
-            RpcContext::sync_scope(attachments.clone(), &mut poll)
+            RpcContext::sync_scope_served(attachments.clone(), retry_depth, &mut poll)
         }
     };
     let mut in_deadline = || match deadline {

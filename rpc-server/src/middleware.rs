@@ -73,6 +73,8 @@ pub struct ServerRequest {
     pub(crate) method: &'static MethodDescriptor,
     pub(crate) caller: Arc<Caller>,
     pub(crate) attachments: BTreeMap<String, String>,
+    /// The caller's retry depth, kept apart from `attachments` by the transport.
+    pub(crate) retry_depth: u32,
     pub(crate) deadline: Option<(Instant, u32)>,
     pub(crate) parameters: Bytes,
     pub(crate) codec: Codec,
@@ -139,6 +141,14 @@ impl ServerRequest {
         &self.attachments
     }
 
+    /// The caller's retry depth (attachment
+    /// [`RETRY_DEPTH_KEY`](rpc_core::RETRY_DEPTH_KEY), not among
+    /// [`attachments`](Self::attachments)): how many callers up the chain retry this call; 0
+    /// when none does. The handler's `RpcContext` answers for it as for an attachment.
+    pub fn retry_depth(&self) -> u32 {
+        self.retry_depth
+    }
+
     /// The attachments, to change what the layers after this one and the handler see.
     pub fn attachments_mut(&mut self) -> &mut BTreeMap<String, String> {
         &mut self.attachments
@@ -196,6 +206,7 @@ impl ServerRequest {
             method: self.method,
             caller: self.caller.clone(),
             attachments: std::mem::take(&mut self.attachments),
+            retry_depth: self.retry_depth,
             deadline: self.deadline,
             parameters: std::mem::take(&mut self.parameters),
             codec: self.codec,

@@ -113,6 +113,7 @@ pub(crate) fn dispatch(
         )
     });
     let attachments = telemetry::user_attachments(attachments);
+    let invoke_depth = invoke.retry_depth;
     // The caller's items, counted as the handler takes them (for the span).
     let received = Arc::new(AtomicU64::new(0));
     let inbound = inbound.map(|items| {
@@ -136,10 +137,10 @@ pub(crate) fn dispatch(
         &cause,
     );
     // The set-up runs in the caller's context, so the calls it makes carry its attachments on.
-    let setup: StreamFuture = if attachments.is_empty() {
+    let setup: StreamFuture = if attachments.is_empty() && invoke_depth == 0 {
         setup
     } else {
-        Box::pin(RpcContext::scope(attachments, setup))
+        Box::pin(RpcContext::scope_served(attachments, invoke_depth, setup))
     };
     Dispatch::Events(Box::pin(ServerStream::new(
         d,
@@ -192,6 +193,7 @@ fn layered(
         method: route.method,
         caller: caller.clone(),
         attachments: telemetry::user_attachments(attachments),
+        retry_depth: invoke.retry_depth,
         deadline,
         parameters: invoke.parameters,
         codec,

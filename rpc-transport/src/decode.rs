@@ -15,7 +15,8 @@ use prost::encoding::decode_varint;
 use prost::{DecodeError, Message};
 use rpc_core::wire::Frame;
 
-use crate::invoke::{Incoming, Invoke, WireStr};
+use crate::invoke::{retry_depth_of, Incoming, Invoke, WireStr};
+use rpc_core::RETRY_DEPTH_KEY;
 
 /// `Frame.invoke`: field 3, length-delimited.
 const FRAME_INVOKE_KEY: u64 = (3 << 3) | 2;
@@ -51,6 +52,7 @@ fn invoke_body(whole: &Bytes, mut buf: &[u8]) -> Option<Invoke> {
         (0, 0, 0, 0, 0);
     let (mut entry, mut parameters) = (0..0, 0..0);
     let mut attachments = BTreeMap::new();
+    let mut retry_depth = 0;
     while buf.has_remaining() {
         let key = decode_varint(&mut buf).ok()?;
         match key {
@@ -73,7 +75,16 @@ fn invoke_body(whole: &Bytes, mut buf: &[u8]) -> Option<Invoke> {
             0x2a => {
                 let entry = field(whole, &mut buf)?;
                 let (k, v) = map_entry(&whole[entry])?;
-                attachments.insert(k, v);
+                // The retry depth is kept apart, as `Invoke::from` keeps it from what prost
+                // decodes: the last entry of the key decides (as in prost's map).
+                if k == RETRY_DEPTH_KEY {
+                    attachments.remove(RETRY_DEPTH_KEY);
+                    retry_depth = retry_depth_of(v).unwrap_or(0);
+                    if retry_depth > 0 {
+                        continue;
+                    }
+                }
+                attachments.insert(k.to_string(), v.to_string());
             }
             // timeout_ms: uint32, truncated as prost does
             0x30 => timeout_ms = decode_varint(&mut buf).ok()? as u32,
@@ -90,6 +101,7 @@ fn invoke_body(whole: &Bytes, mut buf: &[u8]) -> Option<Invoke> {
         codec,
         parameters: slice_of(whole, parameters),
         attachments,
+        retry_depth,
         timeout_ms,
         compression,
         stream_mode,
@@ -117,7 +129,7 @@ fn slice_of(whole: &Bytes, range: std::ops::Range<usize>) -> Bytes {
 }
 
 /// One `map<string, string>` entry: key (field 1) and value (field 2), each at most once.
-fn map_entry(entry: &[u8]) -> Option<(String, String)> {
+fn map_entry(entry: &[u8]) -> Option<(&str, &str)> {
     let mut buf = entry;
     let (mut k, mut v) = (None, None);
     while buf.has_remaining() {
@@ -130,7 +142,7 @@ fn map_entry(entry: &[u8]) -> Option<(String, String)> {
         if len > buf.len() {
             return None;
         }
-        *field = Some(std::str::from_utf8(&buf[..len]).ok()?.to_string());
+        *field = Some(std::str::from_utf8(&buf[..len]).ok()?);
         buf.advance(len);
     }
     Some((k.unwrap_or_default(), v.unwrap_or_default()))
@@ -224,6 +236,74 @@ mod tests {
         for c in &cases {
             same_as_prost(c);
         }
+    }
+
+    /// An invoke frame's payload with the attachment entries `entries`, in this order (which
+    /// a map would not keep, nor a key twice).
+    fn with_entries(entries: &[(&str, &str)]) -> Vec<u8> {
+        let pair = |tag: u8, s: &str| {
+            let mut out = vec![tag, s.len() as u8];
+            out.extend_from_slice(s.as_bytes());
+            out
+        };
+        let mut body = Vec::new();
+        for (k, v) in entries {
+            let entry = [pair(0x0a, k), pair(0x12, v)].concat();
+            body.extend([0x2a, entry.len() as u8]);
+            body.extend(entry);
+        }
+        [vec![0x1a, body.len() as u8], body].concat()
+    }
+
+    /// Attachment entries in frame order, the retry depth they give, and what stays in the map
+    /// under its key.
+    type Case<'a> = (&'a [(&'a str, &'a str)], u32, Option<&'a str>);
+
+    #[test]
+    fn the_retry_depth_is_read_apart_from_the_attachments_as_prost_would_read_it() {
+        let key = RETRY_DEPTH_KEY;
+        let cases: [Case; 9] = [
+            (&[(key, "1")], 1, None),
+            (&[(key, "4294967295"), ("a", "b")], u32::MAX, None),
+            (&[(key, "0")], 0, Some("0")),
+            (&[(key, "x")], 0, Some("x")),
+            (&[(key, "4294967296")], 0, Some("4294967296")),
+            (&[(key, "")], 0, Some("")),
+            // A key twice: the last one decides, as in prost's map.
+            (&[(key, "3"), (key, "x")], 0, Some("x")),
+            (&[(key, "x"), (key, "3")], 3, None),
+            (&[(key, "3"), (key, "5")], 5, None),
+        ];
+        for (entries, depth, left) in cases {
+            let p = with_entries(entries);
+            same_as_prost(&p);
+            let Ok(Some(Incoming::Invoke(i))) = decode_incoming(Bytes::from(p)) else {
+                panic!("{entries:?}: expected an invoke")
+            };
+            assert_eq!(i.retry_depth, depth, "{entries:?}");
+            assert_eq!(
+                i.attachments.get(key).map(String::as_str),
+                left,
+                "{entries:?}"
+            );
+            assert_eq!(
+                i.attachments.get("a").map(String::as_str),
+                entries.iter().find(|(k, _)| *k == "a").map(|(_, v)| *v),
+                "{entries:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_call_carrying_only_its_retry_depth_decodes_with_no_allocation() {
+        let p = Bytes::from(with_entries(&[(RETRY_DEPTH_KEY, "2")]));
+        let before = crate::alloc_count::this_thread();
+        let decoded = decode_incoming(p);
+        assert_eq!(crate::alloc_count::this_thread() - before, 0);
+        let Ok(Some(Incoming::Invoke(i))) = decoded else {
+            panic!("expected an invoke")
+        };
+        assert_eq!((i.retry_depth, i.attachments.len()), (2, 0));
     }
 
     #[test]

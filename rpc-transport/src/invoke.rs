@@ -12,6 +12,7 @@ use std::ops::Deref;
 
 use bytes::Bytes;
 use rpc_core::wire::{frame::Kind, RemoteInvokeMessage};
+use rpc_core::RETRY_DEPTH_KEY;
 
 /// A UTF-8 string sharing the buffer of the frame it was read from. Cheap to clone.
 #[derive(Clone, Default, PartialEq, Eq, Hash)]
@@ -92,8 +93,13 @@ pub struct Invoke {
     pub codec: i32,
     /// The encoded argument list.
     pub parameters: Bytes,
-    /// Context carried with the call.
+    /// Context carried with the call, but for the retry depth.
     pub attachments: BTreeMap<String, String>,
+    /// The call's retry depth, the attachment
+    /// [`RETRY_DEPTH_KEY`](rpc_core::RETRY_DEPTH_KEY) as a number when it is one above 0 (it
+    /// is then not in `attachments`): nearly every call carries it, and a map entry would cost
+    /// each of them three allocations. 0: none.
+    pub retry_depth: u32,
     /// The caller's remaining budget in milliseconds; 0 means no deadline.
     pub timeout_ms: u32,
     /// The algorithm `parameters` crossed the wire compressed with, as a wire number (0:
@@ -112,15 +118,30 @@ impl Invoke {
     }
 }
 
+/// The retry depth an attachment value gives: a number above 0, or `None` (the entry then
+/// stays an attachment as it came).
+pub(crate) fn retry_depth_of(value: &str) -> Option<u32> {
+    value.parse().ok().filter(|depth| *depth > 0)
+}
+
 impl From<RemoteInvokeMessage> for Invoke {
     /// Keeps the id's bytes (no copy).
-    fn from(m: RemoteInvokeMessage) -> Self {
+    fn from(mut m: RemoteInvokeMessage) -> Self {
+        let retry_depth = m
+            .attachments
+            .get(RETRY_DEPTH_KEY)
+            .and_then(|v| retry_depth_of(v))
+            .unwrap_or(0);
+        if retry_depth > 0 {
+            m.attachments.remove(RETRY_DEPTH_KEY);
+        }
         Invoke {
             message_id: m.message_id,
             service_entry_id: m.service_entry_id.into(),
             codec: m.codec,
             parameters: m.parameters,
             attachments: m.attachments,
+            retry_depth,
             timeout_ms: m.timeout_ms,
             compression: m.compression,
             stream_mode: m.stream_mode,
@@ -129,7 +150,11 @@ impl From<RemoteInvokeMessage> for Invoke {
 }
 
 impl From<Invoke> for RemoteInvokeMessage {
-    fn from(i: Invoke) -> Self {
+    fn from(mut i: Invoke) -> Self {
+        if i.retry_depth > 0 {
+            i.attachments
+                .insert(RETRY_DEPTH_KEY.to_string(), i.retry_depth.to_string());
+        }
         RemoteInvokeMessage {
             message_id: i.message_id,
             service_entry_id: i.service_entry_id.as_str().to_string(),

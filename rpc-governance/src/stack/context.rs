@@ -245,9 +245,9 @@ impl<'g> CallCx<'g> {
     }
 
     /// The retry depth this call is sent with, as attachment
-    /// [`RETRY_DEPTH_KEY`](rpc_core::RETRY_DEPTH_KEY): set by the retry layer on a call its
-    /// client may retry (one more than the depth of the call being served); 0 when the call is
-    /// not marked. Kept beside [`attachments`](Self::attachments) rather than in them, so that
+    /// [`RETRY_DEPTH_KEY`](rpc_core::RETRY_DEPTH_KEY), set by the retry layer: one more than
+    /// the depth of the call being served on a call its client may retry, else the served
+    /// call's depth as it came (0 outside a handler). Kept beside [`attachments`](Self::attachments) rather than in them, so that
     /// marking a call allocates nothing; the transport sends it over any attachment of that key.
     pub fn retry_depth(&self) -> u32 {
         self.retry_depth

@@ -249,13 +249,12 @@ impl<B: Balance, S> RetryLayer<B, S> {
     }
 }
 
-/// Marks a call its client may retry with [`RETRY_DEPTH_KEY`](rpc_core::RETRY_DEPTH_KEY) (one more than the depth of
-/// the call being served); returns whether the chain stop forbids this call's retries.
+/// Sets the retry depth the call carries ([`RETRY_DEPTH_KEY`](rpc_core::RETRY_DEPTH_KEY)):
+/// one more than the depth of the call being served when its client may retry it, else that
+/// depth as it came; returns whether the chain stop forbids this call's retries.
 pub(crate) fn mark_retry_depth(cx: &mut CallCx<'_>) -> bool {
     let (chain_stopped, mark) = retry_depth_mark(&cx.options);
-    if let Some(depth) = mark {
-        cx.retry_depth = depth;
-    }
+    cx.retry_depth = mark.unwrap_or_else(RpcContext::retry_depth);
     chain_stopped
 }
 
