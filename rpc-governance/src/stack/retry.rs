@@ -250,11 +250,17 @@ impl<B: Balance, S> RetryLayer<B, S> {
 }
 
 /// Sets the retry depth the call carries ([`RETRY_DEPTH_KEY`](rpc_core::RETRY_DEPTH_KEY)):
-/// one more than the depth of the call being served when its client may retry it, else that
-/// depth as it came; returns whether the chain stop forbids this call's retries.
+/// one more than the depth of the call being served when its client may retry it, else the
+/// depth already set (a hedge's, marked by the hedge layer for the call it belongs to), else
+/// the served call's depth as it came; returns whether the chain stop forbids this call's
+/// retries.
 pub(crate) fn mark_retry_depth(cx: &mut CallCx<'_>) -> bool {
     let (chain_stopped, mark) = retry_depth_mark(&cx.options);
-    cx.retry_depth = mark.unwrap_or_else(RpcContext::retry_depth);
+    if let Some(depth) = mark {
+        cx.retry_depth = depth;
+    } else if cx.retry_depth == 0 {
+        cx.retry_depth = RpcContext::retry_depth();
+    }
     chain_stopped
 }
 

@@ -1118,6 +1118,56 @@ async fn a_hedge_goes_elsewhere_after_the_delay_and_the_first_answer_wins() {
     );
 }
 
+/// The bottom of the stack, recording the retry depth each attempt is sent with.
+struct DepthsSeen<'e> {
+    endpoints: &'e Endpoints,
+    seen: Mutex<Vec<(String, u32)>>,
+}
+
+impl Service for DepthsSeen<'_> {
+    async fn call(&self, cx: &mut CallCx<'_>, req: Bytes) -> Result<Bytes, RpcError> {
+        let addr = cx.endpoint().unwrap_or_default().to_string();
+        self.seen.lock().unwrap().push((addr, cx.retry_depth()));
+        Scripted(self.endpoints).call(cx, req).await
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_hedge_carries_the_retry_depth_of_the_call_it_belongs_to() {
+    use rpc_core::{RpcContext, RETRY_DEPTH_KEY};
+    // A client that may retry marks its call 1 (outside a handler), hedge included. Serving a
+    // call of depth 1 under the chain stop, it marks nothing and passes 1 on, hedge included.
+    let retrying = GovernanceOptions {
+        retry_times: 2,
+        ..hedged(50, true)
+    };
+    let served = std::collections::BTreeMap::from([(RETRY_DEPTH_KEY.to_string(), "1".into())]);
+    for (served, expected) in [(None, 1), (Some(served), 1)] {
+        let g = engine(retrying.clone());
+        let e = Endpoints::new(&[("slow:1", 1000), ("fast:1", 10)]);
+        let bottom = DepthsSeen {
+            endpoints: &e,
+            seen: Mutex::new(Vec::new()),
+        };
+        let policy = g.policy(&M);
+        let mut cx = CallCx::new(&g, policy.clone(), policy.options());
+        let stack = governed(Scripted(&e), &bottom);
+        let call = stack.call(&mut cx, Bytes::new());
+        let answer = match served {
+            Some(served) => RpcContext::scope(served, call).await,
+            None => call.await,
+        };
+        assert_eq!(&answer.expect("the hedge answers")[..], b"fast:1");
+        assert_eq!(
+            *bottom.seen.lock().unwrap(),
+            [
+                ("slow:1".to_string(), expected),
+                ("fast:1".to_string(), expected)
+            ]
+        );
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn no_hedge_when_the_first_attempt_answers_before_the_delay() {
     let g = engine(hedged(50, true));
