@@ -1043,21 +1043,13 @@ async fn the_servers_span_of_a_stream_counts_its_items_each_way() {
     let is_server_span_of = |s: &opentelemetry_sdk::trace::SpanData, entry: &str| {
         s.name == "rpc.server" && attr(s, "rpc.entry_id") == Some(Value::from(entry.to_string()))
     };
-    // A stream's span ends as its task drops it, which may come after the shutdown returns:
-    // the spans are read once both have ended.
-    let spans = within("both server spans end", async {
-        loop {
-            let spans = traces.spans();
-            let ended = ["t.Feed.ticks", "t.Feed.sum"]
+    let spans = traces
+        .spans_once("both server spans end", |spans| {
+            ["t.Feed.ticks", "t.Feed.sum"]
                 .iter()
-                .all(|entry| spans.iter().any(|s| is_server_span_of(s, entry)));
-            if ended {
-                break spans;
-            }
-            tokio::task::yield_now().await;
-        }
-    })
-    .await;
+                .all(|entry| spans.iter().any(|s| is_server_span_of(s, entry)))
+        })
+        .await;
     let server_span = |entry: &str| {
         spans
             .iter()

@@ -1376,18 +1376,22 @@ async fn a_server_fallback_answers_a_server_streams_failed_set_up_only() {
         within("shutdown", server.shutdown()).await;
 
         // The server's spans of the two streams the fallback answered (the drain ended every
-        // stream, so their spans are closed): outcome `fallback`, and the failure's status,
-        // 520 for the failed set-up and for the panic alike. The test's market answers 520.
-        let spans = traces.spans();
-        let answered: Vec<_> = spans
-            .iter()
-            .filter(|s| {
-                s.name == "rpc.server"
-                    && attr(s, "rpc.entry_id") == Some(Value::from("g.Stocks.prices".to_string()))
-                    && attr(s, "outcome") == Some(Value::from("fallback".to_string()))
+        // stream; each span ends as its task drops it): outcome `fallback`, and the failure's
+        // status, 520 for the failed set-up and for the panic alike. The test's market answers
+        // 520.
+        let answered_by_fallback = |s: &&opentelemetry_sdk::trace::SpanData| {
+            s.name == "rpc.server"
+                && attr(s, "rpc.entry_id") == Some(Value::from("g.Stocks.prices".to_string()))
+                && attr(s, "outcome") == Some(Value::from("fallback".to_string()))
+        };
+        let expected = 2 * (round + 1);
+        let spans = traces
+            .spans_once("the fallback's server spans end", |spans| {
+                spans.iter().filter(answered_by_fallback).count() >= expected
             })
-            .collect();
-        assert_eq!(answered.len(), 2 * (round + 1), "layered {layered}");
+            .await;
+        let answered: Vec<_> = spans.iter().filter(answered_by_fallback).collect();
+        assert_eq!(answered.len(), expected, "layered {layered}");
         for span in answered {
             assert_eq!(
                 attr(span, "rpc.fallback.cause"),

@@ -31,6 +31,26 @@ impl Traces {
         self.provider.force_flush().expect("flush spans");
         self.exporter.get_finished_spans().expect("spans")
     }
+
+    /// The spans ended so far, once `ended` holds of them (within the tests' limit). A
+    /// server's span of a call ends as its task drops it, which may come after what the test
+    /// awaited (the answer, even the server's shutdown).
+    pub async fn spans_once(
+        &self,
+        what: &str,
+        ended: impl Fn(&[SpanData]) -> bool,
+    ) -> Vec<SpanData> {
+        super::within(what, async {
+            loop {
+                let spans = self.spans();
+                if ended(&spans) {
+                    break spans;
+                }
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+    }
 }
 
 /// The value of attribute `key` on `span`.
