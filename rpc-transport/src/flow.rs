@@ -197,16 +197,23 @@ impl Sizes {
 mod tests {
     use super::*;
 
+    /// The next value of a linear congruential generator (Knuth's MMIX constants): the tests'
+    /// reproducible sequence of sizes and steps.
+    fn next(state: &mut u64) -> u64 {
+        *state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        *state
+    }
+
     /// Against a queue of every size: the same bytes freed, whatever the runs.
     #[test]
     fn sizes_kept_as_runs_free_what_a_queue_of_every_size_frees() {
         let mut runs = Sizes::default();
         let mut every = VecDeque::new();
-        let mut seed = 11u64;
+        let mut state = 11u64;
         for _ in 0..20_000 {
-            seed = seed
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
+            let seed = next(&mut state);
             if (seed >> 60) < 10 {
                 // Few distinct sizes, so runs form and break.
                 let len = ((seed >> 40) % 3) as u32 * 100;
@@ -287,11 +294,9 @@ mod tests {
         let mut h = Held::new(window, window_bytes);
         let mut t = Taken::new(window, window_bytes);
         let mut queue = VecDeque::new();
-        let mut seed = 7u64;
+        let mut state = 7u64;
         for round in 0..10_000 {
-            seed = seed
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
+            let seed = next(&mut state);
             let len = ((seed >> 33) % 600) as usize;
             if c.ready() && round % 3 != 0 {
                 c.sent(len);
