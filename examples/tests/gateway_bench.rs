@@ -71,9 +71,12 @@ fn run_small(requests: u32, more: &[&str]) -> String {
 #[test]
 fn one_run_prints_a_line_per_case_with_positive_figures_and_the_ratio() {
     let out = run_small(200, &[]);
+    // By default the echo server answers inline, as the axum handler does.
+    assert!(out.lines().any(|l| l == "echo: inline_first_poll"), "{out}");
+    // `--threads 1` (run_small) is what the runtimes got.
     assert!(
         out.lines()
-            .any(|l| l == "echo: server defaults (a task per call)"),
+            .any(|l| l == "runtimes: 1 worker thread(s) each (echo, http, callers)"),
         "{out}"
     );
     let lines: Vec<&str> = out.lines().filter(|l| l.starts_with("GATEWAY ")).collect();
@@ -121,15 +124,25 @@ fn one_run_prints_a_line_per_case_with_positive_figures_and_the_ratio() {
     );
 }
 
-#[test]
-fn bad_flags_are_refused_with_what_to_give() {
+/// Runs the program with `args` and checks it fails, saying `expected` on standard error.
+fn refused(args: &[&str], expected: &str) {
     let out = Command::new(BENCH)
-        .args(["--connections", "0"])
+        .args(args)
         .output()
         .expect("run gateway-bench");
-    assert!(!out.status.success());
+    assert!(!out.status.success(), "{args:?} was taken");
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("--connections must be at least 1"), "{err}");
+    assert!(err.contains(expected), "{args:?}: {err}");
+}
+
+#[test]
+fn bad_flags_are_refused_with_what_to_give() {
+    refused(&["--connections", "0"], "--connections must be at least 1");
+    // The two echo modes exclude each other.
+    refused(
+        &["--echo-inline-first-poll", "--echo-task-per-call"],
+        "cannot be used with",
+    );
 }
 
 #[test]
@@ -141,10 +154,14 @@ fn rounds_sum_into_one_line_per_case_and_each_round_prints_its_ratio() {
             "axum,gateway",
             "--rounds",
             "3",
-            "--echo-inline-first-poll",
+            "--echo-task-per-call",
         ],
     );
-    assert!(out.lines().any(|l| l == "echo: inline_first_poll"), "{out}");
+    assert!(
+        out.lines()
+            .any(|l| l == "echo: server defaults (a task per call)"),
+        "{out}"
+    );
     let rounds: Vec<&str> = out
         .lines()
         .filter_map(|l| l.strip_prefix("round "))
@@ -163,13 +180,5 @@ fn rounds_sum_into_one_line_per_case_and_each_round_prints_its_ratio() {
         // Three rounds of exactly 100 calls each.
         assert_eq!(field(line, "requests"), Some("300"), "{line:?}");
     }
-    let bad = Command::new(BENCH)
-        .args(["--rounds", "0"])
-        .output()
-        .expect("run gateway-bench");
-    assert!(!bad.status.success());
-    assert!(
-        String::from_utf8_lossy(&bad.stderr).contains("--rounds must be at least 1"),
-        "{bad:?}"
-    );
+    refused(&["--rounds", "0"], "--rounds must be at least 1");
 }

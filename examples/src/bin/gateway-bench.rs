@@ -3,7 +3,7 @@
 //! ```text
 //! gateway-bench [--connections 32] [--requests N] [--seconds S] [--warmup-seconds W]
 //!               [--text TEXT] [--cases axum,gateway,client] [--threads T] [--rounds R]
-//!               [--echo-inline-first-poll]
+//!               [--echo-inline-first-poll | --echo-task-per-call]
 //! ```
 //!
 //! - `axum`: a plain axum handler answering the call's route (`POST /api/echo.Echo/echo`,
@@ -22,13 +22,19 @@
 //! (microseconds, 3 significant digits). Everything listens on 127.0.0.1 on free ports. Three
 //! tokio runtimes share the machine: `echo` runs the echo server, `http` the axum echo and the
 //! gateway (with the gateway's client), `callers` the callers (and the client of `client`).
+//! Since they share it, each gets a third of the CPUs available (at least one worker thread)
+//! unless `--threads` says otherwise: with a worker per CPU in each, two CPUs would carry six
+//! busy workers, and the figures would measure the operating system's scheduler more than
+//! either server (plain axum too is faster with one worker per runtime on two CPUs). The line
+//! `runtimes: ...` says how many workers each had.
 //!
-//! The echo server runs with the server's defaults (each call in a task of its own). It is the
+//! The echo server answers in its handler's first poll, on its connection's reader
+//! ([`inline_first_poll`](rpc::ServerBuilder::inline_first_poll), meant for handlers that never
+//! block, as an echo's), as the plain axum handler answers in its connection's task. It is the
 //! service behind the gateway, not the part under test, yet on a machine where everything
-//! shares the CPUs each microsecond it spends is taken from the gateway's requests per second:
-//! `--echo-inline-first-poll` makes it answer in its handler's first poll, on its
-//! connection's reader ([`inline_first_poll`](rpc::ServerBuilder::inline_first_poll), meant
-//! for handlers that never block, as an echo's). The line `echo: ...` says which ran.
+//! shares the CPUs each microsecond it spends is taken from the gateway's requests per second.
+//! `--echo-task-per-call` runs it with the server's defaults instead (each call in a task of
+//! its own); `--echo-inline-first-poll` names the default. The line `echo: ...` says which ran.
 //!
 //! With `--rounds R` the cases run R times, one after the other in each round (axum, gateway,
 //! client, axum, gateway, ...), and each case's line sums its rounds (calls, seconds, CPU, one
@@ -105,15 +111,19 @@ struct Args {
     /// The cases to run, in order.
     #[arg(long, value_delimiter = ',', default_value = "axum,gateway,client")]
     cases: Vec<Case>,
-    /// Worker threads of each runtime (echo, http, callers); default: the CPUs available.
+    /// Worker threads of each runtime (echo, http, callers); default: a third of the CPUs
+    /// available, at least one.
     #[arg(long)]
     threads: Option<usize>,
     /// Times every case runs, the cases taking turns; each case's figures sum its rounds.
     #[arg(long, default_value_t = 1)]
     rounds: u32,
-    /// Let the echo server answer in its handler's first poll instead of a task per call.
-    #[arg(long)]
+    /// Let the echo server answer in its handler's first poll (the default).
+    #[arg(long, conflicts_with = "echo_task_per_call")]
     echo_inline_first_poll: bool,
+    /// Run the echo server with the server's defaults: each call in a task of its own.
+    #[arg(long)]
+    echo_task_per_call: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -237,15 +247,23 @@ impl ThreadClocks {
     }
 }
 
+/// Worker threads per runtime: `--threads`, else a third of the CPUs available (at least one),
+/// since the three runtimes share them.
+fn workers(threads: Option<usize>) -> usize {
+    threads
+        .unwrap_or_else(|| {
+            std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get) / 3
+        })
+        .max(1)
+}
+
 fn runtime(
     name: &str,
-    threads: Option<usize>,
+    workers: usize,
     clocks: &ThreadClocks,
 ) -> Result<tokio::runtime::Runtime, String> {
     let mut builder = tokio::runtime::Builder::new_multi_thread();
-    if let Some(threads) = threads {
-        builder.worker_threads(threads.max(1));
-    }
+    builder.worker_threads(workers);
     let on_start = clocks.clone();
     builder
         .thread_name(name)
@@ -278,25 +296,29 @@ fn run(args: &Args) -> Result<(), String> {
         return Err("--requests must be at least 1".into());
     }
     let (http_clocks, echo_clocks, caller_clocks) = Default::default();
-    let echo = runtime("echo", args.threads, &echo_clocks)?;
-    let http = runtime("http", args.threads, &http_clocks)?;
-    let callers = runtime("callers", args.threads, &caller_clocks)?;
+    let workers = workers(args.threads);
+    let echo = runtime("echo", workers, &echo_clocks)?;
+    let http = runtime("http", workers, &http_clocks)?;
+    let callers = runtime("callers", workers, &caller_clocks)?;
+    // `--echo-inline-first-poll` names the default; clap refuses it beside `--echo-task-per-call`.
+    let echo_inline = args.echo_inline_first_poll || !args.echo_task_per_call;
 
     let registry: Arc<dyn Registry> = Arc::new(InProcessRegistry::new());
     let echo_server = echo.block_on(
         Server::builder()
             .shared_registry(registry.clone())
             .max_concurrency(100_000)
-            .inline_first_poll(args.echo_inline_first_poll)
+            .inline_first_poll(echo_inline)
             .add_service(EchoServer::new(EchoService::default()))
             .serve("127.0.0.1:0"),
     );
     let _echo_server = echo_server.map_err(|e| format!("could not start the echo server: {e}"))?;
     let (axum_addr, gateway_addr, body) = http.block_on(start_http(&registry, &args.text))?;
     println!("body: {}", String::from_utf8_lossy(&body));
+    println!("runtimes: {workers} worker thread(s) each (echo, http, callers)");
     println!(
         "echo: {}",
-        if args.echo_inline_first_poll {
+        if echo_inline {
             "inline_first_poll"
         } else {
             "server defaults (a task per call)"
