@@ -71,6 +71,10 @@ fn run_small(requests: u32, more: &[&str]) -> String {
 #[test]
 fn one_run_prints_a_line_per_case_with_positive_figures_and_the_ratio() {
     let out = run_small(200, &[]);
+    assert!(
+        !out.lines().any(|l| l.starts_with("rounds:")),
+        "one round has no spread: {out}"
+    );
     // By default the echo server answers inline, as the axum handler does.
     assert!(out.lines().any(|l| l == "echo: inline_first_poll"), "{out}");
     // `--threads 1` (run_small) is what the runtimes got.
@@ -167,11 +171,32 @@ fn rounds_sum_into_one_line_per_case_and_each_round_prints_its_ratio() {
         .filter_map(|l| l.strip_prefix("round "))
         .collect();
     assert_eq!(rounds.len(), 3, "{out}");
+    let mut ratios = Vec::new();
     for (k, line) in rounds.iter().enumerate() {
         let (number, ratio) = line.split_once(": gateway/axum=").expect(line);
         assert_eq!(number, (k + 1).to_string(), "{out}");
         let ratio: f64 = ratio.parse().expect(line);
         assert!(ratio > 0.0 && ratio.is_finite(), "{line}");
+        ratios.push(ratio);
+    }
+    // The spread line: with three rounds the median is the middle one of the round lines.
+    ratios.sort_by(f64::total_cmp);
+    let spread = out
+        .lines()
+        .find_map(|l| l.strip_prefix("rounds: gateway/axum "))
+        .unwrap_or_else(|| panic!("no rounds: line in {out}"));
+    for (key, expected) in [
+        ("median", ratios[1]),
+        ("min", ratios[0]),
+        ("max", ratios[2]),
+    ] {
+        let got: f64 = field(spread, key)
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no {key}= in {spread:?}"));
+        assert!(
+            (got - expected).abs() < 1e-9,
+            "{key}={got}, the round lines give {expected}: {out}"
+        );
     }
     let lines: Vec<&str> = out.lines().filter(|l| l.starts_with("GATEWAY ")).collect();
     let cases: Vec<&str> = lines.iter().filter_map(|l| field(l, "case")).collect();

@@ -39,7 +39,9 @@
 //! With `--rounds R` the cases run R times, one after the other in each round (axum, gateway,
 //! client, axum, gateway, ...), and each case's line sums its rounds (calls, seconds, CPU, one
 //! histogram): a machine whose speed drifts during the run then weighs on every case alike.
-//! Each round's ratio is printed too (`round <k>: gateway/axum=<ratio>`).
+//! Each round's ratio is printed too (`round <k>: gateway/axum=<ratio>`), then the rounds'
+//! median, lowest and highest (`rounds: gateway/axum median=<r> min=<r> max=<r>`): on a machine
+//! whose speed drifts, single rounds spread widely, and the median says more than any of them.
 //!
 //! Output (stable for scripts), one line per case and a summary:
 //!
@@ -329,6 +331,7 @@ fn run(args: &Args) -> Result<(), String> {
         serde_json::to_vec(&Value::String(args.text.clone())).map_err(|e| e.to_string())?,
     );
     let mut results: Vec<(Case, Figures)> = Vec::new();
+    let mut round_ratios = Vec::new();
     for round in 1..=args.rounds {
         let mut this_round = Vec::new();
         for case in &args.cases {
@@ -350,8 +353,12 @@ fn run(args: &Args) -> Result<(), String> {
         if args.rounds > 1 {
             if let Some(ratio) = ratio(&this_round) {
                 println!("round {round}: gateway/axum={ratio:.3}");
+                round_ratios.push(ratio);
             }
         }
+    }
+    if let Some((median, min, max)) = spread(&mut round_ratios) {
+        println!("rounds: gateway/axum median={median:.3} min={min:.3} max={max:.3}");
     }
     for (case, figures) in &results {
         println!(
@@ -376,6 +383,19 @@ fn run(args: &Args) -> Result<(), String> {
     http.shutdown_timeout(Duration::from_secs(1));
     echo.shutdown_timeout(Duration::from_secs(1));
     Ok(())
+}
+
+/// The median, lowest and highest of the rounds' ratios (sorted in place), when there are any.
+fn spread(ratios: &mut [f64]) -> Option<(f64, f64, f64)> {
+    ratios.sort_by(f64::total_cmp);
+    let (&min, &max) = (ratios.first()?, ratios.last()?);
+    let mid = ratios.len() / 2;
+    let median = if ratios.len().is_multiple_of(2) {
+        (ratios[mid - 1] + ratios[mid]) / 2.0
+    } else {
+        ratios[mid]
+    };
+    Some((median, min, max))
 }
 
 /// The gateway's requests per second over axum's, when both cases ran.
