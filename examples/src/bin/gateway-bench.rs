@@ -25,7 +25,8 @@
 //! Since they share it, each gets a third of the CPUs available (at least one worker thread)
 //! unless `--threads` says otherwise: with a worker per CPU in each, two CPUs would carry six
 //! busy workers, and the figures would measure the operating system's scheduler more than
-//! either server (plain axum is no slower with one worker per runtime on two CPUs). The line
+//! either server. This favours the gateway: on two CPUs plain axum is somewhat faster with two
+//! workers per runtime, and the gateway slower (the README gives the figures). The line
 //! `runtimes: ...` says how many workers each had.
 //!
 //! The echo server answers in its handler's first poll, on its connection's reader
