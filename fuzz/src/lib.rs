@@ -1,7 +1,7 @@
 //! The checks behind the fuzz targets, one module per target, and the seed inputs of each.
 //!
 //! The targets in `fuzz_targets/` only hand libFuzzer's bytes to `check`; the same file is
-//! compiled into `tests/tests/fuzz_regressions.rs`, which replays the committed corpus through
+//! compiled into `tests/tests/integration/fuzz_regressions.rs`, which replays the committed corpus through
 //! the same checks on every test run.
 
 /// Frames every seed is built from: one of each kind, with maps, bytes and unicode filled in.

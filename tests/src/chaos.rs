@@ -1,4 +1,4 @@
-//! The service of the chaos test (`tests/tests/chaos.rs`) and of its server program
+//! The service of the chaos test (`tests/tests/integration/chaos.rs`) and of its server program
 //! (`src/bin/chaos-server.rs`): one idempotent entry, one that is not, and one that never
 //! answers, so that a test can be sure a call is inside a server when it kills it.
 

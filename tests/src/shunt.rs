@@ -1,4 +1,4 @@
-//! The service of the shunting tests (`tests/tests/shunting.rs`) and of the `hash-client`
+//! The service of the shunting tests (`tests/tests/integration/shunting.rs`) and of the `hash-client`
 //! program (`src/bin/hash-client.rs`), which calls it from a process of its own so that the test
 //! can compare where separate processes send the same key.
 

@@ -1,4 +1,4 @@
-//! The service of `signal-server` (`tests/tests/ergonomics.rs`): a call that holds until the
+//! The service of `signal-server` (`tests/tests/integration/ergonomics.rs`): a call that holds until the
 //! test releases it, to show that a server stopped by a signal lets it finish.
 
 use rpc::RpcError;

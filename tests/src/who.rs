@@ -1,4 +1,4 @@
-//! The service of the etcd tests (`tests/tests/etcd.rs`) and of the `etcd-server` program
+//! The service of the etcd tests (`tests/tests/integration/etcd.rs`) and of the `etcd-server` program
 //! (`src/bin/etcd-server.rs`): it answers with the name of the server, so that a test sees which
 //! instance a call reached.
 

@@ -1,6 +1,6 @@
 //! Hardening figures: a server at ten times its cap, and well-behaved clients while misbehaving
 //! raw TCP clients attack. Figures, not assertions; the functional side is tested in
-//! `tests/tests/overload.rs`, `limits.rs` and `wire_faults.rs`.
+//! `tests/tests/integration/overload.rs`, `limits.rs` and `wire_faults.rs`.
 //!
 //! ```text
 //! hardening overload [--cap 32] [--factor 10] [--work-us 1000] [--seconds 3]

@@ -1,4 +1,4 @@
-//! The server of the chaos test (`tests/tests/chaos.rs`), run as a separate process so that the
+//! The server of the chaos test (`tests/tests/integration/chaos.rs`), run as a separate process so that the
 //! test can kill it with SIGKILL.
 //!
 //! ```text

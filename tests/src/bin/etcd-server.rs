@@ -1,5 +1,5 @@
 //! A server registered in etcd, run as a separate process by the etcd test
-//! (`tests/tests/etcd.rs`) so that the test can kill it with SIGKILL and watch its entry expire
+//! (`tests/tests/integration/etcd.rs`) so that the test can kill it with SIGKILL and watch its entry expire
 //! with its lease.
 //!
 //! ```text

@@ -1,5 +1,5 @@
 //! Prints the governance options a client resolves from a real process environment, for the
-//! configuration test (`tests/tests/governance_env.rs`): the test starts this program with
+//! configuration test (`tests/tests/integration/governance_env.rs`): the test starts this program with
 //! `RPC_GOVERNANCE` set and reads what it resolved.
 //!
 //! ```text

@@ -1,5 +1,5 @@
 //! A client of `t.Shunt` in a process of its own, for the hash-routing test
-//! (`tests/tests/shunting.rs`): the test compares which server answered each key in separate
+//! (`tests/tests/integration/shunting.rs`): the test compares which server answered each key in separate
 //! processes, so that stability does not rest on state shared inside one process.
 //!
 //! ```text

@@ -1,5 +1,5 @@
 //! A server registered in any registry a URL names, run as a separate process by the registry
-//! tests (`tests/tests/zookeeper.rs`) so that a test can kill it with SIGKILL, or stop it with
+//! tests (`tests/tests/integration/zookeeper.rs`) so that a test can kill it with SIGKILL, or stop it with
 //! SIGSTOP, and watch what becomes of its registration.
 //!
 //! ```text

@@ -1,4 +1,4 @@
-//! The server of the signal test (`tests/tests/ergonomics.rs`), run as a separate process so
+//! The server of the signal test (`tests/tests/integration/ergonomics.rs`), run as a separate process so
 //! that the test can send it SIGTERM.
 //!
 //! ```text

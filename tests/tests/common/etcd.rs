@@ -2,7 +2,8 @@
 //! with its data in a temporary directory. It is killed (and the directory removed) on drop; it
 //! can be stopped and started again on the same ports, with or without its data.
 //!
-//! Include it with `#[path = "common/etcd.rs"] mod etcd_harness;`.
+//! The integration binary declares it once, as `crate::etcd_harness` (see `integration/main.rs`);
+//! other crates' tests include it with `#[path = ".../tests/tests/common/etcd.rs"] mod ...;`.
 #![allow(dead_code)]
 
 use std::fs::File;

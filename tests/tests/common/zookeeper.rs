@@ -9,7 +9,8 @@
 //! no ZooKeeper outlives its test. That is what lets one [`shared`](ZooKeeper::shared) server
 //! (never dropped) serve the checks of the registry suite, each under a prefix of its own.
 //!
-//! Include it with `#[path = "common/zookeeper.rs"] mod zookeeper_harness;`.
+//! The integration binary declares it once, as `crate::zookeeper_harness` (see
+//! `integration/main.rs`).
 #![allow(dead_code)]
 
 use std::net::TcpListener;

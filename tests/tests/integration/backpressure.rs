@@ -1,0 +1,191 @@
+//! A client facing a server that stalls: its send queue is bounded (a call waits for room,
+//! within its deadline, instead of growing the client's memory), and callers needing a
+//! connection to an endpoint that never completes the handshake share one connect attempt, so
+//! they all get its error after one connect timeout rather than one behind another.
+//!
+//! The servers are raw TCP listeners: one accepts and answers `Hello` but never reads again,
+//! one accepts and never answers at all.
+
+use crate::common;
+
+use std::time::Duration;
+
+use common::{recv_one, within};
+use rpc::crates::transport::{Call, ConnectOptions, Connection, ConnectionPool};
+use rpc::StatusCode;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+
+const KIB: usize = 1024;
+
+/// A server that accepts one connection, answers its `Hello`, and then never reads: what a
+/// stalled server looks like to its client. Keeps the socket open until `stop` is dropped.
+async fn stalled_server() -> (std::net::SocketAddr, tokio::sync::oneshot::Sender<()>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(async move {
+        let (stream, _) = listener.accept().await.expect("accept");
+        let raw = common::accept_hello(stream, "stalled", 1 << 24).await;
+        let _ = stopped.await;
+        drop(raw);
+    });
+    (addr, stop)
+}
+
+fn call(size: usize) -> Call {
+    Call {
+        service_entry_id: "t.Stalled.put".into(),
+        parameters: vec![0u8; size].into(),
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn a_stalled_server_bounds_the_clients_send_queue_and_calls_wait_within_their_deadline() {
+    let (tx, mut lines) = mpsc::unbounded_channel();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::DEBUG)
+        .with_writer(common::LogLines::new(tx))
+        .with_ansi(false)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    let (addr, stop) = stalled_server().await;
+    let max = 256 * KIB;
+    let options = ConnectOptions {
+        max_unsent_bytes: max,
+        ..ConnectOptions::default()
+    };
+    let conn = within("connect", Connection::connect(&addr.to_string(), &options))
+        .await
+        .expect("connect");
+
+    // Far more than the kernel's socket buffers and the queue hold together (the socket
+    // buffers of loopback grow to a few MiB): 400 calls of 64 KiB, 25 MiB.
+    let size = 64 * KIB;
+    let calls = 400;
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..calls {
+        let conn = conn.clone();
+        tasks.spawn(async move { conn.call(call(size), None).await });
+    }
+    // A call finds the queue full and waits...
+    let full = within("a call waits for room", async {
+        loop {
+            let line = recv_one("a log line", &mut lines).await;
+            if line.contains("send queue full") {
+                return line;
+            }
+        }
+    })
+    .await;
+    assert!(full.contains(&format!("max={max}")), "{full}");
+    // ...so what the client holds queued stays within the limit and one call.
+    assert!(
+        conn.unsent_bytes() <= max + size + 64 + 64,
+        "{} bytes queued",
+        conn.unsent_bytes()
+    );
+    assert!(
+        conn.in_flight() < calls,
+        "all {calls} calls were queued: {} in flight",
+        conn.in_flight()
+    );
+
+    // A call with a deadline gives up at its deadline, without being sent. (Until the kernel's
+    // socket buffers are full, waiting calls may still get in: a call that got in times out
+    // waiting for its answer instead; a few tries reach the steady state.)
+    let err = within("a call with a deadline finds the queue full", async {
+        for _ in 0..40 {
+            let deadline = tokio::time::Instant::now() + Duration::from_millis(100);
+            let err = conn
+                .call(call(16), Some(deadline))
+                .await
+                .expect_err("the server never answers");
+            assert_eq!(err.code(), StatusCode::Timeout, "{err}");
+            if err.message().contains("send queue") {
+                return err;
+            }
+        }
+        panic!("no call found the send queue full");
+    })
+    .await;
+    assert!(err.message().contains("was not sent"), "{err}");
+    assert!(
+        conn.unsent_bytes() <= max + size + 64 + 64,
+        "{} bytes queued",
+        conn.unsent_bytes()
+    );
+
+    // The server goes away: every call, sent or waiting, ends with an error.
+    drop(stop);
+    let mut failed = 0;
+    while let Some(r) = within("the calls end", tasks.join_next()).await {
+        assert!(r.expect("join").is_err());
+        failed += 1;
+    }
+    assert_eq!(failed, calls);
+}
+
+/// A listener that accepts connections and never says a word: each connect attempt to it ends
+/// at the client's connect timeout. Reports the peer port of each accepted connection.
+async fn silent_listener() -> (std::net::SocketAddr, mpsc::UnboundedReceiver<u16>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (tx, rx) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((stream, peer)) = listener.accept().await {
+            let _ = tx.send(peer.port());
+            held.push(stream);
+        }
+    });
+    (addr, rx)
+}
+
+#[tokio::test]
+async fn callers_to_an_endpoint_that_never_answers_share_one_connect_attempt() {
+    let (addr, mut accepted) = silent_listener().await;
+    let timeout = Duration::from_millis(300);
+    let pool = ConnectionPool::new(
+        ConnectOptions {
+            connect_timeout: timeout,
+            ..ConnectOptions::default()
+        },
+        1,
+    );
+    let callers = 8;
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..callers {
+        let pool = pool.clone();
+        let addr = addr.to_string();
+        tasks.spawn(async move { pool.get(&addr).await.map(|_| ()) });
+    }
+    let mut errors = Vec::new();
+    while let Some(r) = within("every caller gets an answer", tasks.join_next()).await {
+        errors.push(r.expect("join").expect_err("the endpoint never answers"));
+    }
+    assert_eq!(errors.len(), callers);
+    for e in &errors {
+        assert_eq!(e.code(), StatusCode::CommunicationError, "{e}");
+        assert!(e.message().contains("no connection within 300 ms"), "{e}");
+    }
+    // The connections the listener accepted, counted up to a marker connection of the test's
+    // own (the kernel hands them over in order): one attempt, not one per caller.
+    let marker = TcpStream::connect(addr).await.expect("marker");
+    let marker_port = marker.local_addr().expect("addr").port();
+    let mut attempts = 0;
+    while recv_one("an accepted connection", &mut accepted).await != marker_port {
+        attempts += 1;
+    }
+    assert_eq!(
+        attempts, 1,
+        "{callers} callers made {attempts} connect attempts"
+    );
+
+    // The failed attempt is not kept: the next caller tries again.
+    let again = within("a later caller", pool.get(&addr.to_string())).await;
+    assert!(again.is_err());
+    assert_ne!(recv_one("a new attempt", &mut accepted).await, marker_port);
+}

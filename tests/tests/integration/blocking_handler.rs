@@ -1,0 +1,193 @@
+//! A handler that blocks in synchronous code before its first `.await` stalls only itself: the
+//! connection's reader goes on, so another call, a `Ping` and a `Cancel` on the same connection
+//! are served meanwhile. (Polling handlers first on the reader is an opt-in for services whose
+//! handlers never block: `ServerBuilder::inline_first_poll`.)
+//!
+//! The blocked handler waits on a std channel that the test releases only after the other call
+//! was answered: with the handler on the reader, that answer could never come, and the test
+//! fails at its bound instead of hanging.
+
+use crate::common;
+
+use std::collections::BTreeMap;
+use std::sync::mpsc as std_mpsc;
+use std::sync::{Arc, Mutex};
+
+use common::{recv_one, within, RawConn};
+use rpc::crates::core::wire::{frame::Kind, Cancel, Ping, RemoteInvokeMessage};
+use rpc::{Codec, RpcError, Server};
+use tokio::sync::mpsc;
+
+#[rpc::service(name = "t.Blocking")]
+trait Blocking {
+    /// Blocks its thread until released (or the release side is dropped).
+    async fn block(&self) -> Result<String, RpcError>;
+    async fn quick(&self, text: String) -> Result<String, RpcError>;
+    /// Waits (asynchronously) for ever; reports when its future is dropped.
+    async fn forever(&self) -> Result<String, RpcError>;
+}
+
+struct Service {
+    entered: mpsc::UnboundedSender<&'static str>,
+    release: Mutex<std_mpsc::Receiver<()>>,
+}
+
+/// Reports `dropped` when the future holding it is dropped.
+struct OnDrop(mpsc::UnboundedSender<&'static str>);
+
+impl Drop for OnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.send("dropped");
+    }
+}
+
+impl Blocking for Service {
+    async fn block(&self) -> Result<String, RpcError> {
+        let _ = self.entered.send("block");
+        // Synchronous, before any `.await`: this thread is held until the test says so. The
+        // bound only keeps a broken run from holding it for ever; the test's own bound is
+        // shorter.
+        let released = self
+            .release
+            .lock()
+            .expect("lock")
+            .recv_timeout(common::LIMIT * 2);
+        Ok(format!("released: {}", released.is_ok()))
+    }
+    async fn quick(&self, text: String) -> Result<String, RpcError> {
+        Ok(text)
+    }
+    async fn forever(&self) -> Result<String, RpcError> {
+        let _signal = OnDrop(self.entered.clone());
+        let _ = self.entered.send("forever");
+        std::future::pending().await
+    }
+}
+
+fn invoke(id: u64, method: &str, params: Vec<u8>) -> Kind {
+    Kind::Invoke(RemoteInvokeMessage {
+        message_id: id,
+        service_entry_id: format!("t.Blocking.{method}"),
+        codec: Codec::MsgPack.to_wire(),
+        parameters: params.into(),
+        attachments: BTreeMap::new(),
+        ..Default::default()
+    })
+}
+
+fn no_args() -> Vec<u8> {
+    Codec::MsgPack.encode(&()).expect("encode").to_vec()
+}
+
+// Several worker threads: the blocked handler holds one of them, as it would in a server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 3)]
+async fn a_handler_blocked_in_sync_code_does_not_stall_other_calls_on_its_connection() {
+    let (entered_tx, mut entered) = mpsc::unbounded_channel();
+    let (release, release_rx) = std_mpsc::channel();
+    let server = Server::builder()
+        .add_service(BlockingServer::from_arc(Arc::new(Service {
+            entered: entered_tx,
+            release: Mutex::new(release_rx),
+        })))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.handshake().await;
+
+    raw.send(invoke(1, "block", no_args())).await.expect("send");
+    assert_eq!(recv_one("the handler starts", &mut entered).await, "block");
+
+    // The same connection, while that handler holds its thread.
+    let quick = Codec::MsgPack.encode(&("other",)).expect("encode").to_vec();
+    raw.send(invoke(2, "quick", quick)).await.expect("send");
+    match within("the other call's answer", raw.recv()).await {
+        Some(Kind::Result(r)) => {
+            assert_eq!((r.message_id, r.status_code), (2, 200), "{r:?}");
+            let text: String = Codec::MsgPack.decode(&r.result).expect("decode");
+            assert_eq!(text, "other");
+        }
+        other => panic!("expected the answer to call 2, got {other:?}"),
+    }
+    raw.send(Kind::Ping(Ping { nonce: 7 })).await.expect("send");
+    match within("the Pong", raw.recv()).await {
+        Some(Kind::Pong(p)) => assert_eq!(p.nonce, 7),
+        other => panic!("expected Pong, got {other:?}"),
+    }
+    // A Cancel is acted on too: the cancelled handler's future is dropped.
+    raw.send(invoke(3, "forever", no_args()))
+        .await
+        .expect("send");
+    assert_eq!(
+        recv_one("the third handler starts", &mut entered).await,
+        "forever"
+    );
+    raw.send(Kind::Cancel(Cancel { message_id: 3 }))
+        .await
+        .expect("send");
+    assert_eq!(
+        recv_one("the cancelled handler is dropped", &mut entered).await,
+        "dropped"
+    );
+
+    // Only now is the blocked handler released; its own call then completes.
+    release.send(()).expect("release");
+    match within("the blocked call's answer", raw.recv()).await {
+        Some(Kind::Result(r)) => {
+            assert_eq!((r.message_id, r.status_code), (1, 200), "{r:?}");
+            let text: String = Codec::MsgPack.decode(&r.result).expect("decode");
+            assert_eq!(text, "released: true");
+        }
+        other => panic!("expected the answer to call 1, got {other:?}"),
+    }
+    within("shutdown", server.shutdown()).await;
+}
+
+/// The opt-in keeps the first poll on the reader: calls are answered as before.
+#[tokio::test]
+async fn with_inline_first_poll_calls_are_answered_as_before() {
+    let (entered_tx, mut entered) = mpsc::unbounded_channel();
+    let (_release, release_rx) = std_mpsc::channel();
+    let server = Server::builder()
+        .inline_first_poll(true)
+        .add_service(BlockingServer::from_arc(Arc::new(Service {
+            entered: entered_tx,
+            release: Mutex::new(release_rx),
+        })))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.handshake().await;
+    for id in 1..=3u64 {
+        let text = format!("call {id}");
+        let params = Codec::MsgPack.encode(&(text.as_str(),)).expect("encode");
+        raw.send(invoke(id, "quick", params.to_vec()))
+            .await
+            .expect("send");
+        match within("an answer", raw.recv()).await {
+            Some(Kind::Result(r)) => {
+                assert_eq!((r.message_id, r.status_code), (id, 200), "{r:?}");
+                let answer: String = Codec::MsgPack.decode(&r.result).expect("decode");
+                assert_eq!(answer, text);
+            }
+            other => panic!("expected an answer, got {other:?}"),
+        }
+    }
+    // A handler that waits is still spawned, and Cancel still drops it.
+    raw.send(invoke(9, "forever", no_args()))
+        .await
+        .expect("send");
+    assert_eq!(
+        recv_one("the handler starts", &mut entered).await,
+        "forever"
+    );
+    raw.send(Kind::Cancel(Cancel { message_id: 9 }))
+        .await
+        .expect("send");
+    assert_eq!(
+        recv_one("the cancelled handler is dropped", &mut entered).await,
+        "dropped"
+    );
+    within("shutdown", server.shutdown()).await;
+}

@@ -1,0 +1,447 @@
+//! Cancelled work is visible: a call dropped by its caller or at its deadline ends its client
+//! and server spans with a status, is counted in the call and duration metrics and leaves a
+//! debug line with its elapsed time and budget; timeout events name the endpoint; a fallback's
+//! answer is counted apart from real successes, `answered_by` says "fallback", and the fallback
+//! can read why it runs; the gauges reach the final flush after the client is gone.
+//!
+//! Each test installs its own subscriber (spans to an in-memory OpenTelemetry exporter, log
+//! lines to a buffer) for its own current-thread runtime, and hands its own meter to the
+//! clients and servers.
+
+use crate::common;
+
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+
+use common::otel::{attr, counter, gauge, histogram_count};
+use common::{recv_one, within, DropSignal};
+use opentelemetry::metrics::MeterProvider as _;
+use opentelemetry::trace::{Status, TracerProvider as _};
+use opentelemetry::Value;
+use opentelemetry_sdk::metrics::data::ResourceMetrics;
+use opentelemetry_sdk::metrics::{InMemoryMetricExporter, PeriodicReader, SdkMeterProvider};
+use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
+use rpc::{
+    Client, EventKind, GovernanceOverrides, RpcError, Server, ServerHandle, StaticRegistry,
+    StatusCode,
+};
+use tokio::sync::mpsc;
+use tracing_subscriber::layer::SubscriberExt;
+
+#[rpc::service(name = "cancel.Slow")]
+pub trait Slow {
+    /// Never answers; reports when it starts and when its future is dropped.
+    #[governance(retry_times = 0)]
+    async fn forever(&self) -> Result<(), RpcError>;
+    /// Fails with a server error.
+    #[governance(retry_times = 0)]
+    async fn broken(&self) -> Result<u32, RpcError>;
+}
+
+struct Hang {
+    entered: mpsc::UnboundedSender<String>,
+    dropped: mpsc::UnboundedSender<String>,
+}
+
+impl Slow for Hang {
+    async fn forever(&self) -> Result<(), RpcError> {
+        let _guard = DropSignal::new("forever", self.dropped.clone());
+        let _ = self.entered.send("forever".into());
+        std::future::pending::<()>().await;
+        Ok(())
+    }
+    async fn broken(&self) -> Result<u32, RpcError> {
+        Err(RpcError::new(StatusCode::ServerError, "database down"))
+    }
+}
+
+/// A fallback that answers with the status code of the failure it answers for.
+struct Cause;
+
+impl Slow for Cause {
+    async fn forever(&self) -> Result<(), RpcError> {
+        Ok(())
+    }
+    async fn broken(&self) -> Result<u32, RpcError> {
+        Ok(rpc::fallback_cause().map_or(0, |e| e.code().as_u32()))
+    }
+}
+
+/// A writer for the log lines, shared with the test.
+#[derive(Clone, Default)]
+struct Lines(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Lines {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Lines {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+/// What this test's subscriber and meter collect.
+struct Seen {
+    spans: SdkTracerProvider,
+    span_exporter: InMemorySpanExporter,
+    meters: SdkMeterProvider,
+    metric_exporter: InMemoryMetricExporter,
+    meter: opentelemetry::metrics::Meter,
+    lines: Lines,
+}
+
+impl Seen {
+    fn install() -> (Seen, tracing::subscriber::DefaultGuard) {
+        let span_exporter = InMemorySpanExporter::default();
+        let spans = SdkTracerProvider::builder()
+            .with_simple_exporter(span_exporter.clone())
+            .build();
+        let lines = Lines::default();
+        let writer = lines.clone();
+        let subscriber = tracing_subscriber::registry()
+            .with(tracing_opentelemetry::layer().with_tracer(spans.tracer("test")))
+            .with(
+                tracing_subscriber::fmt::layer()
+                    .with_ansi(false)
+                    .with_writer(move || writer.clone())
+                    .with_filter(tracing_subscriber::filter::LevelFilter::DEBUG),
+            );
+        let guard = tracing::subscriber::set_default(subscriber);
+        let metric_exporter = InMemoryMetricExporter::default();
+        let meters = SdkMeterProvider::builder()
+            .with_reader(PeriodicReader::builder(metric_exporter.clone()).build())
+            .build();
+        let meter = meters.meter("rpc");
+        (
+            Seen {
+                spans,
+                span_exporter,
+                meters,
+                metric_exporter,
+                meter,
+                lines,
+            },
+            guard,
+        )
+    }
+
+    fn spans(&self) -> Vec<SpanData> {
+        self.spans.force_flush().unwrap();
+        self.span_exporter.get_finished_spans().unwrap()
+    }
+
+    fn metrics(&self) -> Vec<ResourceMetrics> {
+        self.meters.force_flush().unwrap();
+        self.metric_exporter.get_finished_metrics().unwrap()
+    }
+}
+
+use tracing_subscriber::Layer as _;
+
+fn one<'a>(spans: &'a [SpanData], name: &str) -> &'a SpanData {
+    let found: Vec<&SpanData> = spans.iter().filter(|s| s.name == name).collect();
+    assert_eq!(found.len(), 1, "{name}: {found:#?}");
+    found[0]
+}
+
+fn error_description(span: &SpanData) -> String {
+    match &span.status {
+        Status::Error { description } => description.to_string(),
+        other => panic!("{} ended with {other:?}, not an error", span.name),
+    }
+}
+
+struct Probe {
+    entered: mpsc::UnboundedReceiver<String>,
+    dropped: mpsc::UnboundedReceiver<String>,
+}
+
+async fn serve(meter: &opentelemetry::metrics::Meter) -> (ServerHandle, Probe) {
+    let (entered_tx, entered) = mpsc::unbounded_channel();
+    let (dropped_tx, dropped) = mpsc::unbounded_channel();
+    let server = Server::builder()
+        .meter(meter.clone())
+        .add_service(SlowServer::new(Hang {
+            entered: entered_tx,
+            dropped: dropped_tx,
+        }))
+        .serve("127.0.0.1:0")
+        .await
+        .unwrap();
+    (server, Probe { entered, dropped })
+}
+
+fn client_of(
+    server: &ServerHandle,
+    meter: &opentelemetry::metrics::Meter,
+    timeout_ms: u64,
+) -> Client {
+    Client::builder()
+        .meter(meter.clone())
+        .registry(StaticRegistry::from_list(&server.local_addr().to_string()).unwrap())
+        .override_options(
+            SlowClient::SERVICE_ID,
+            GovernanceOverrides {
+                timeout_ms: Some(timeout_ms),
+                ..GovernanceOverrides::NONE
+            },
+        )
+        .build()
+}
+
+#[tokio::test]
+async fn a_call_its_caller_drops_ends_both_spans_cancelled_and_is_counted() {
+    let (seen, _guard) = Seen::install();
+    let (server, mut probe) = serve(&seen.meter).await;
+    let slow = SlowClient::new(client_of(&server, &seen.meter, 60_000));
+
+    // The caller gives up once the handler runs: its future is dropped.
+    let call = tokio::spawn(async move { slow.forever().await });
+    recv_one("the handler started", &mut probe.entered).await;
+    call.abort();
+    assert!(call.await.unwrap_err().is_cancelled());
+    // The server got Cancel and dropped the handler.
+    recv_one("the handler dropped", &mut probe.dropped).await;
+    // The server's span ends when the call's future is dropped, just after the handler's.
+    let spans = within("the server span ended", async {
+        loop {
+            let spans = seen.spans();
+            if spans.iter().any(|s| s.name == "rpc.server") {
+                return spans;
+            }
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+
+    for name in ["rpc.client", "rpc.client.attempt", "rpc.server"] {
+        let span = one(&spans, name);
+        let description = error_description(span);
+        assert!(
+            description.contains("cancelled by"),
+            "{name}: {description}"
+        );
+        // The call's budget, or what was left of it when the attempt started.
+        let budget: u64 = description
+            .rsplit_once(" ms budget")
+            .and_then(|(before, _)| before.rsplit_once('(')?.1.parse().ok())
+            .unwrap_or_else(|| panic!("{name}: no budget in {description:?}"));
+        assert!((59_000..=60_000).contains(&budget), "{name}: {description}");
+        assert_eq!(attr(span, "outcome"), Some("cancelled".into()), "{name}");
+    }
+
+    let m = seen.metrics();
+    let cancelled = [("rpc.outcome", Value::from("cancelled"))];
+    assert_eq!(counter(&m, "rpc.client.calls", &cancelled), 1);
+    assert_eq!(histogram_count(&m, "rpc.client.duration", &cancelled), 1);
+    assert_eq!(counter(&m, "rpc.server.calls", &cancelled), 1);
+    assert_eq!(histogram_count(&m, "rpc.server.duration", &cancelled), 1);
+
+    // A debug line on each side with the time the call ran and its budget.
+    let lines = seen.lines.text();
+    for what in [
+        "call cancelled by its caller",
+        "handler cancelled by the caller",
+    ] {
+        let line = lines
+            .lines()
+            .find(|l| l.contains(what))
+            .unwrap_or_else(|| panic!("no debug line {what:?} in:\n{lines}"));
+        assert!(line.contains("DEBUG"), "{line}");
+        assert!(
+            line.contains("elapsed_ms=") && line.contains("budget_ms=60000"),
+            "{line}"
+        );
+        assert!(
+            line.contains("cancel.Slow.forever"),
+            "the line names the entry: {line}"
+        );
+    }
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_call_dropped_at_its_deadline_ends_its_spans_with_519_and_the_event_names_the_endpoint() {
+    let (seen, _guard) = Seen::install();
+    let (server, mut probe) = serve(&seen.meter).await;
+    let client = client_of(&server, &seen.meter, 100);
+    let mut events = client.events().subscribe();
+    let slow = SlowClient::new(client);
+
+    let err = within("the call", slow.forever()).await.unwrap_err();
+    assert_eq!(err.code(), StatusCode::Timeout);
+    recv_one("the handler dropped", &mut probe.dropped).await;
+    let timeout = std::iter::from_fn(|| events.try_recv().ok())
+        .find(|e| e.kind == EventKind::Timeout)
+        .expect("a timeout event");
+    assert_eq!(
+        timeout.endpoint.as_deref(),
+        Some(server.local_addr().to_string().as_str())
+    );
+
+    let spans = within("the server span ended", async {
+        loop {
+            let spans = seen.spans();
+            if spans.iter().any(|s| s.name == "rpc.server") {
+                return spans;
+            }
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    for name in ["rpc.client", "rpc.client.attempt"] {
+        let span = one(&spans, name);
+        assert_eq!(
+            attr(span, "rpc.status_code"),
+            Some(Value::I64(519)),
+            "{name}"
+        );
+        error_description(span);
+    }
+    // The server's handler ends by its own deadline (519) or by the Cancel the client sends
+    // at the same moment, which reaches it a little before its deadline (cancelled): either
+    // way the span ends with an error status and the call is counted once.
+    let span = one(&spans, "rpc.server");
+    let description = error_description(span);
+    let (code, outcome) = (attr(span, "rpc.status_code"), attr(span, "outcome"));
+    assert!(
+        code == Some(Value::I64(519)) || outcome == Some("cancelled".into()),
+        "{code:?} {outcome:?}: {description}"
+    );
+    let m = seen.metrics();
+    let timed_out = [("rpc.status_code", Value::I64(519))];
+    assert_eq!(counter(&m, "rpc.client.calls", &timed_out), 1);
+    assert_eq!(counter(&m, "rpc.server.calls", &[]), 1);
+    assert_eq!(histogram_count(&m, "rpc.server.duration", &[]), 1);
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_fallback_answer_is_counted_apart_says_fallback_and_reads_its_cause() {
+    let (seen, _guard) = Seen::install();
+    let (server, _probe) = serve(&seen.meter).await;
+    let client = Client::builder()
+        .meter(seen.meter.clone())
+        .registry(StaticRegistry::from_list(&server.local_addr().to_string()).unwrap())
+        .fallback(SlowServer::new(Cause))
+        .build();
+    let slow = SlowClient::new(client);
+
+    let (answer, by) = rpc::answered_by(slow.broken()).await;
+    // The fallback saw the server's error (520) as its cause.
+    assert_eq!(answer.unwrap(), StatusCode::ServerError.as_u32());
+    assert_eq!(by.as_deref(), Some("fallback"));
+
+    let m = seen.metrics();
+    let broken = ("rpc.method", Value::from("broken"));
+    assert_eq!(
+        counter(
+            &m,
+            "rpc.client.calls",
+            &[broken.clone(), ("rpc.status_code", Value::I64(200))]
+        ),
+        0,
+        "not a real success"
+    );
+    assert_eq!(
+        counter(
+            &m,
+            "rpc.client.calls",
+            &[
+                broken,
+                ("rpc.outcome", "fallback".into()),
+                ("rpc.status_code", Value::I64(520)),
+            ]
+        ),
+        1
+    );
+    let spans = seen.spans();
+    let call = one(&spans, "rpc.client");
+    assert_eq!(attr(call, "outcome"), Some("fallback".into()));
+    assert_eq!(attr(call, "rpc.fallback.cause"), Some(Value::I64(520)));
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_server_fallback_reads_its_cause_and_is_counted_apart() {
+    let (seen, _guard) = Seen::install();
+    let (entered, _) = mpsc::unbounded_channel();
+    let (dropped, _) = mpsc::unbounded_channel();
+    let server = Server::builder()
+        .meter(seen.meter.clone())
+        .add_service(SlowServer::new(Hang { entered, dropped }))
+        .fallback(SlowServer::new(Cause))
+        .serve("127.0.0.1:0")
+        .await
+        .unwrap();
+    let slow = SlowClient::new(
+        Client::builder()
+            .registry(StaticRegistry::from_list(&server.local_addr().to_string()).unwrap())
+            .build(),
+    );
+    assert_eq!(
+        slow.broken().await.unwrap(),
+        StatusCode::ServerError.as_u32()
+    );
+    let m = seen.metrics();
+    assert_eq!(
+        counter(
+            &m,
+            "rpc.server.calls",
+            &[
+                ("rpc.outcome", "fallback".into()),
+                ("rpc.status_code", Value::I64(520))
+            ]
+        ),
+        1
+    );
+    assert_eq!(
+        counter(
+            &m,
+            "rpc.server.calls",
+            &[("rpc.status_code", Value::I64(200))]
+        ),
+        0
+    );
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn the_gauges_reach_the_final_flush_after_the_client_is_dropped() {
+    let (seen, _guard) = Seen::install();
+    let (server, _probe) = serve(&seen.meter).await;
+    let client = client_of(&server, &seen.meter, 1000);
+    let slow = SlowClient::new(client.clone());
+    assert!(slow.broken().await.is_err());
+    client.isolate(&SlowClient::methods()[1]);
+    // A program's end: the client goes first, then the telemetry flushes.
+    drop((slow, client));
+    let m = seen.metrics();
+    assert_eq!(
+        gauge(
+            &m,
+            "rpc.client.breaker_state",
+            "rpc.entry_id",
+            "cancel.Slow.broken"
+        ),
+        Some(2),
+        "the open breaker is in the final flush"
+    );
+    assert_eq!(
+        gauge(
+            &m,
+            "rpc.client.endpoint_health",
+            "server.address",
+            &server.local_addr().to_string()
+        ),
+        Some(0)
+    );
+    server.shutdown().await;
+}

@@ -1,0 +1,588 @@
+//! Payload compression over real TCP: what crosses the wire is counted by a proxy between the
+//! client and the server (the oracle is the byte count: a 64 KiB repetitive payload crosses in
+//! far fewer bytes when compressed), peers that do not negotiate get plain frames, and payloads
+//! that do not decompress, or decompress beyond the frame limit, get a clear error while the
+//! connection's other calls go on.
+
+use crate::common;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use common::{within, RawConn};
+use rpc::crates::core::wire::{frame::Kind, Hello, HelloAck, RemoteInvokeMessage};
+use rpc::crates::transport::compression::{compress, SUPPORTED};
+use rpc::crates::transport::{Call, ConnectOptions, Connection};
+use rpc::{
+    Client, Codec, Compression, GovernanceOverrides, RpcError, Server, ServerHandle,
+    StaticRegistry, StatusCode,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+#[rpc::service(name = "t.Zip")]
+trait Zip {
+    /// Declared with zstd: the client compresses the parameters, the server the result.
+    #[governance(compression = "zstd")]
+    async fn zstd_echo(&self, text: String) -> Result<String, RpcError>;
+    /// Declared with lz4.
+    #[governance(compression = "lz4")]
+    async fn lz4_echo(&self, text: String) -> Result<String, RpcError>;
+    /// Nothing declared: compression is off unless a layer above turns it on.
+    async fn plain_echo(&self, text: String) -> Result<String, RpcError>;
+}
+
+struct Impl;
+
+impl Zip for Impl {
+    async fn zstd_echo(&self, text: String) -> Result<String, RpcError> {
+        Ok(text)
+    }
+    async fn lz4_echo(&self, text: String) -> Result<String, RpcError> {
+        Ok(text)
+    }
+    async fn plain_echo(&self, text: String) -> Result<String, RpcError> {
+        Ok(text)
+    }
+}
+
+/// JSON-like repetitive text of exactly `n` bytes: compresses well with either algorithm.
+fn text(n: usize) -> String {
+    let mut out = String::with_capacity(n + 64);
+    let mut i = 0u64;
+    while out.len() < n {
+        out.push_str(&format!(
+            "{{\"id\":{i},\"name\":\"item\",\"tags\":[\"a\",\"b\"]}},"
+        ));
+        i += 1;
+    }
+    out.truncate(n);
+    out
+}
+
+/// Bytes that crossed a [`Proxy`] in each direction.
+#[derive(Default)]
+struct Counts {
+    to_server: AtomicU64,
+    to_client: AtomicU64,
+}
+
+impl Counts {
+    fn take(&self) -> (u64, u64) {
+        (
+            self.to_server.swap(0, Ordering::SeqCst),
+            self.to_client.swap(0, Ordering::SeqCst),
+        )
+    }
+}
+
+/// A TCP proxy on 127.0.0.1 that forwards every connection to `target` and counts the bytes
+/// of each direction.
+struct Proxy {
+    addr: SocketAddr,
+    counts: Arc<Counts>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Proxy {
+    async fn start(target: SocketAddr) -> Proxy {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
+        let addr = listener.local_addr().expect("proxy address");
+        let counts = Arc::new(Counts::default());
+        let c = counts.clone();
+        let task = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = TcpStream::connect(target).await else {
+                    continue;
+                };
+                let _ = (client.set_nodelay(true), server.set_nodelay(true));
+                let (cr, cw) = client.into_split();
+                let (sr, sw) = server.into_split();
+                tokio::spawn(pipe(cr, sw, c.clone(), true));
+                tokio::spawn(pipe(sr, cw, c.clone(), false));
+            }
+        });
+        Proxy { addr, counts, task }
+    }
+}
+
+/// Copies `from` to `to` until either end closes, counting what passed.
+async fn pipe(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    counts: Arc<Counts>,
+    to_server: bool,
+) {
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        // Counted before it is written: once the answer reaches the client, every byte of the
+        // exchange is counted.
+        let counter = if to_server {
+            &counts.to_server
+        } else {
+            &counts.to_client
+        };
+        counter.fetch_add(n as u64, Ordering::SeqCst);
+        if to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+    }
+}
+
+async fn server() -> ServerHandle {
+    Server::builder()
+        .add_service(ZipServer::new(Impl))
+        .max_frame_length(256 * 1024)
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve")
+}
+
+/// A client whose only endpoint is `addr`, on one connection.
+fn client_to(addr: SocketAddr) -> ZipClient {
+    ZipClient::new(
+        Client::builder()
+            .registry(StaticRegistry::new([addr.to_string()]))
+            .connections_per_endpoint(1)
+            .build(),
+    )
+}
+
+/// Makes the connection (handshake) and resets the counts, so that what is counted next is
+/// one call's frames.
+async fn warm_up(client: &ZipClient, proxy: &Proxy) {
+    within("warm-up", client.plain_echo("hi".into()))
+        .await
+        .expect("warm-up call");
+    proxy.counts.take();
+}
+
+/// A span subscriber on this test's thread until dropped. Every test installs one: `tracing`
+/// caches each callsite's interest process-wide, and a thread without a subscriber could
+/// register the attempt span's callsite as never wanted while the span test runs.
+fn traced() -> (common::otel::Traces, tracing::subscriber::DefaultGuard) {
+    common::otel::Traces::install()
+}
+
+#[tokio::test]
+async fn zstd_and_lz4_payloads_cross_the_wire_compressed_and_come_back_whole() {
+    let _traced = traced();
+    let server = server().await;
+    let proxy = Proxy::start(server.local_addr()).await;
+    let client = client_to(proxy.addr);
+    warm_up(&client, &proxy).await;
+    let payload = text(64 * 1024);
+
+    // The reference: the same payload with compression off crosses whole both ways.
+    let back = within("plain", client.plain_echo(payload.clone()))
+        .await
+        .expect("plain");
+    assert_eq!(back, payload);
+    let (up, down) = proxy.counts.take();
+    assert!(
+        up > 64 * 1024 && down > 64 * 1024,
+        "plain: {up} up, {down} down"
+    );
+
+    for (name, back) in [
+        (
+            "zstd",
+            within("zstd", client.zstd_echo(payload.clone())).await,
+        ),
+        ("lz4", within("lz4", client.lz4_echo(payload.clone())).await),
+    ] {
+        assert_eq!(back.expect(name), payload, "{name}");
+        let (up, down) = proxy.counts.take();
+        // Both the parameters (client) and the result (server) crossed compressed, each at
+        // least four times smaller than the payload.
+        assert!(
+            up < 16 * 1024 && down < 16 * 1024,
+            "{name}: {up} bytes up, {down} bytes down for a {} byte payload",
+            payload.len()
+        );
+    }
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn payloads_below_the_threshold_go_plain_and_from_the_threshold_on_compressed() {
+    let _traced = traced();
+    let server = server().await;
+    let proxy = Proxy::start(server.local_addr()).await;
+    let client = client_to(proxy.addr);
+    warm_up(&client, &proxy).await;
+    // The parameters are a MessagePack array holding the string (1 + 3 header bytes), the
+    // result the string alone (3 header bytes): 1019 bytes of text are 1023 bytes of
+    // parameters and 1022 of result, below the default threshold of 1024; 1021 bytes of text
+    // are 1025 and 1024, at or above it.
+    let below = text(1019);
+    assert_eq!(
+        within("below", client.zstd_echo(below.clone()))
+            .await
+            .expect("below"),
+        below
+    );
+    let (up, down) = proxy.counts.take();
+    assert!(up > 1023 && down > 1022, "below: {up} up, {down} down");
+
+    let at = text(1021);
+    assert_eq!(
+        within("at", client.zstd_echo(at.clone()))
+            .await
+            .expect("at"),
+        at
+    );
+    let (up, down) = proxy.counts.take();
+    assert!(
+        up < 800 && down < 800,
+        "at the threshold: {up} up, {down} down"
+    );
+
+    // The threshold is an option like any other: raised at runtime for this handle, the
+    // parameters go plain (the server's own threshold still compresses the answer).
+    let high = client.with_options(GovernanceOverrides {
+        compression_threshold: Some(4096),
+        ..GovernanceOverrides::NONE
+    });
+    assert_eq!(
+        within("raised", high.zstd_echo(at.clone()))
+            .await
+            .expect("raised"),
+        at
+    );
+    let (up, down) = proxy.counts.take();
+    assert!(
+        up > 1025 && down < 800,
+        "raised threshold: {up} up, {down} down"
+    );
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn compression_turned_on_by_the_client_is_followed_by_the_server() {
+    let _traced = traced();
+    let server = server().await;
+    let proxy = Proxy::start(server.local_addr()).await;
+    let client = client_to(proxy.addr);
+    warm_up(&client, &proxy).await;
+    let payload = text(64 * 1024);
+    // The entry declares nothing; this handle turns lz4 on. The server's option for the entry
+    // is off, so it answers with the algorithm the call came with.
+    let lz4 = client.with_options(GovernanceOverrides {
+        compression: Some(Compression::Lz4),
+        ..GovernanceOverrides::NONE
+    });
+    assert_eq!(
+        within("lz4", lz4.plain_echo(payload.clone()))
+            .await
+            .expect("lz4"),
+        payload
+    );
+    let (up, down) = proxy.counts.take();
+    assert!(up < 16 * 1024 && down < 16 * 1024, "{up} up, {down} down");
+    within("shutdown", server.shutdown()).await;
+}
+
+/// A raw call of `t.Zip.<method>` with `text` as its MessagePack argument list.
+fn raw_call(id: u64, method: &str, text: &str) -> RemoteInvokeMessage {
+    RemoteInvokeMessage {
+        message_id: id,
+        service_entry_id: format!("t.Zip.{method}"),
+        codec: Codec::MsgPack.to_wire(),
+        parameters: Codec::MsgPack.encode(&(text,)).expect("encode"),
+        ..Default::default()
+    }
+}
+
+/// The next frame must be a result; returns it.
+async fn raw_result(raw: &mut RawConn) -> rpc::crates::core::wire::RemoteResultMessage {
+    match raw.recv().await {
+        Some(Kind::Result(r)) => r,
+        other => panic!("expected a result, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_peer_that_does_not_negotiate_gets_plain_answers_even_from_a_compressing_entry() {
+    let _traced = traced();
+    let server = server().await;
+    let payload = text(64 * 1024);
+
+    // A client that predates compression: its Hello lists nothing.
+    let mut old = RawConn::connect(server.local_addr()).await;
+    let ack = old.handshake().await;
+    assert_eq!(
+        ack.accept_compression,
+        [1, 2],
+        "the server lists zstd and lz4"
+    );
+    old.send(Kind::Invoke(raw_call(1, "zstd_echo", &payload)))
+        .await
+        .expect("send");
+    let r = raw_result(&mut old).await;
+    assert_eq!(
+        (r.status_code, r.compression),
+        (200, 0),
+        "{}",
+        r.exception_message
+    );
+    let back: String = Codec::MsgPack.decode(&r.result).expect("plain MessagePack");
+    assert_eq!(back, payload);
+
+    // The same call from a client that lists zstd: the answer comes compressed.
+    let mut new = RawConn::connect(server.local_addr()).await;
+    new.send(Kind::Hello(Hello {
+        protocol_version: 1,
+        accept_compression: vec![Compression::Zstd.to_wire()],
+        ..Default::default()
+    }))
+    .await
+    .expect("hello");
+    assert!(matches!(new.recv().await, Some(Kind::HelloAck(_))));
+    new.send(Kind::Invoke(raw_call(1, "zstd_echo", &payload)))
+        .await
+        .expect("send");
+    let r = raw_result(&mut new).await;
+    assert_eq!((r.status_code, r.compression), (200, 1));
+    assert!(r.result.len() < 16 * 1024, "{} bytes", r.result.len());
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn corrupt_or_oversized_compressed_parameters_get_a_clear_500_and_the_connection_goes_on() {
+    let _traced = traced();
+    let server = server().await;
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.handshake().await;
+    let good = Codec::MsgPack.encode(&("fine",)).expect("encode");
+    // 300 KiB of one byte, compressed to a few hundred bytes: beyond the 256 KiB frame limit
+    // once decompressed.
+    let bomb = Codec::MsgPack
+        .encode(&(String::from_utf8(vec![b'x'; 300 * 1024]).expect("ascii"),))
+        .expect("encode");
+    let mut id = 0;
+    for alg in SUPPORTED {
+        let mut cut = compress(alg, &good).to_vec();
+        cut.truncate(cut.len() / 2);
+        let packed_bomb = compress(alg, &bomb);
+        assert!(
+            packed_bomb.len() < 4096,
+            "{alg}: {} bytes",
+            packed_bomb.len()
+        );
+        for (what, parameters, want) in [
+            (
+                "corrupt",
+                Bytes::from(cut),
+                format!("does not decompress as {alg}"),
+            ),
+            (
+                "oversized",
+                packed_bomb,
+                "above the limit of 262144 bytes".to_string(),
+            ),
+        ] {
+            id += 1;
+            raw.send(Kind::Invoke(RemoteInvokeMessage {
+                parameters,
+                compression: alg.to_wire(),
+                ..raw_call(id, "plain_echo", "")
+            }))
+            .await
+            .expect("send");
+            let r = raw_result(&mut raw).await;
+            assert_eq!(r.message_id, id);
+            assert_eq!(r.status_code, 500, "{alg} {what}: {r:?}");
+            assert!(
+                r.exception_message.contains(&want) && r.exception_message.contains("t.Zip"),
+                "{alg} {what}: {}",
+                r.exception_message
+            );
+            // The connection goes on: the next call on it, compressed properly, is answered.
+            id += 1;
+            raw.send(Kind::Invoke(RemoteInvokeMessage {
+                parameters: compress(alg, &good),
+                compression: alg.to_wire(),
+                ..raw_call(id, "plain_echo", "")
+            }))
+            .await
+            .expect("send");
+            let r = raw_result(&mut raw).await;
+            assert_eq!((r.message_id, r.status_code), (id, 200), "{r:?}");
+            let back: String = Codec::MsgPack.decode(&r.result).expect("decode");
+            assert_eq!(back, "fine");
+        }
+    }
+    // An algorithm the server does not know is refused the same way.
+    id += 1;
+    raw.send(Kind::Invoke(RemoteInvokeMessage {
+        compression: 7,
+        ..raw_call(id, "plain_echo", "x")
+    }))
+    .await
+    .expect("send");
+    let r = raw_result(&mut raw).await;
+    assert_eq!(r.status_code, 500);
+    assert!(
+        r.exception_message.contains("algorithm 7"),
+        "{}",
+        r.exception_message
+    );
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn a_client_refuses_a_corrupt_or_oversized_answer_and_its_other_calls_go_on() {
+    let _traced = traced();
+    // A server played by hand: it answers the first calls with bad compressed results, then
+    // properly.
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("address");
+    let fake = tokio::spawn(async move {
+        let (stream, _) = listener.accept().await.expect("accept");
+        let mut raw = RawConn::from_stream(stream);
+        assert!(matches!(raw.recv().await, Some(Kind::Hello(h)) if h.accept_compression == [1, 2]));
+        raw.send(Kind::HelloAck(HelloAck {
+            protocol_version: 1,
+            max_frame_length: 1 << 20,
+            ..Default::default()
+        }))
+        .await
+        .expect("ack");
+        let fine = Codec::MsgPack.encode("fine").expect("encode");
+        let bomb = vec![0u8; 200 * 1024];
+        let mut cut = compress(Compression::Zstd, &fine).to_vec();
+        cut.truncate(cut.len() / 2);
+        for (result, compression) in [
+            (Bytes::from(cut), 1),
+            (compress(Compression::Lz4, &bomb), 2),
+            (compress(Compression::Lz4, &fine), 2),
+        ] {
+            let Some(Kind::Invoke(call)) = raw.recv().await else {
+                panic!("expected a call")
+            };
+            raw.send(Kind::Result(rpc::crates::core::wire::RemoteResultMessage {
+                message_id: call.message_id,
+                status_code: 200,
+                result,
+                compression,
+                ..Default::default()
+            }))
+            .await
+            .expect("answer");
+        }
+    });
+    let conn = Connection::connect(
+        &addr.to_string(),
+        &ConnectOptions {
+            max_frame_length: 100 * 1024,
+            ..Default::default()
+        },
+    )
+    .await
+    .expect("connect");
+    let call = || Call {
+        service_entry_id: "t.Zip.plain_echo".into(),
+        ..Default::default()
+    };
+    let e = within("corrupt", conn.call(call(), None))
+        .await
+        .expect_err("a corrupt answer");
+    assert_eq!(e.code(), StatusCode::FrameworkError);
+    assert!(e.message().contains("does not decompress as zstd"), "{e}");
+    let e = within("oversized", conn.call(call(), None))
+        .await
+        .expect_err("an oversized answer");
+    assert!(
+        e.message()
+            .contains("204800 bytes or more, above the limit of 102400 bytes"),
+        "{e}"
+    );
+    let answer = within("good", conn.call(call(), None)).await.expect("good");
+    assert_eq!(answer.compression, 0, "handed over decompressed");
+    let back: String = Codec::MsgPack.decode(&answer.result).expect("decode");
+    assert_eq!(back, "fine");
+    within("fake server", fake).await.expect("fake server");
+}
+
+#[tokio::test]
+async fn the_attempt_span_records_the_algorithm_and_the_sizes_before_and_after() {
+    let (traces, _guard) = traced();
+    let server = server().await;
+    let client = client_to(server.local_addr());
+    let payload = text(64 * 1024);
+    within("zstd", client.zstd_echo(payload.clone()))
+        .await
+        .expect("zstd");
+    within("plain", client.plain_echo(payload.clone()))
+        .await
+        .expect("plain");
+    let spans = traces.spans();
+    let attempts: Vec<_> = spans
+        .iter()
+        .filter(|s| s.name == "rpc.client.attempt")
+        .collect();
+    let of = |method: &str| {
+        attempts
+            .iter()
+            .find(|s| {
+                common::otel::attr(s, "rpc.method").map(|v| v.to_string()) == Some(method.into())
+            })
+            .unwrap_or_else(|| panic!("no attempt span of {method}"))
+    };
+    // The oracle: the parameters as the codec encodes them, and what zstd makes of them.
+    let encoded = Codec::MsgPack.encode(&(payload.as_str(),)).expect("encode");
+    let packed = compress(Compression::Zstd, &encoded);
+    let zstd = of("zstd_echo");
+    let attr = |key| common::otel::attr(zstd, key).map(|v| v.to_string());
+    assert_eq!(attr("rpc.compression"), Some("zstd".into()));
+    assert_eq!(attr("rpc.request.size"), Some(encoded.len().to_string()));
+    assert_eq!(
+        attr("rpc.request.compressed_size"),
+        Some(packed.len().to_string())
+    );
+    assert_eq!(
+        common::otel::attr(of("plain_echo"), "rpc.compression"),
+        None,
+        "nothing recorded for an uncompressed call"
+    );
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn the_server_compresses_answers_with_its_own_option_even_for_plain_calls() {
+    let _traced = traced();
+    let server = server().await;
+    let proxy = Proxy::start(server.local_addr()).await;
+    let client = client_to(proxy.addr);
+    warm_up(&client, &proxy).await;
+    let payload = text(64 * 1024);
+    // This handle turns compression off for its calls: the parameters go plain, but the
+    // server's option for the entry (the attribute: zstd) still compresses the answer for a
+    // client that decodes zstd.
+    let off = client.with_options(GovernanceOverrides {
+        compression: Some(Compression::Off),
+        ..GovernanceOverrides::NONE
+    });
+    assert_eq!(
+        within("off", off.zstd_echo(payload.clone()))
+            .await
+            .expect("off"),
+        payload
+    );
+    let (up, down) = proxy.counts.take();
+    assert!(up > 64 * 1024 && down < 16 * 1024, "{up} up, {down} down");
+    within("shutdown", server.shutdown()).await;
+}

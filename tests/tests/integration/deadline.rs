@@ -1,0 +1,482 @@
+//! Deadlines and cancellation: the caller's budget travels with the call, and when it runs out
+//! (or the caller gives up) the server drops the handler's future.
+
+use crate::common;
+
+use std::time::{Duration, Instant};
+
+use common::{no_retry, recv_one, until_entered, within, DropSignal, RawConn};
+use rpc::crates::core::wire::{frame::Kind, HelloAck, RemoteInvokeMessage};
+use rpc::crates::core::NoArgs;
+use rpc::crates::transport::{ConnectOptions, Connection};
+use rpc::{
+    Client, Codec, GovernanceOverrides, InProcessRegistry, RpcError, Server, ServerHandle,
+    StaticRegistry, StatusCode,
+};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+
+#[rpc::service(name = "t.Deadline")]
+trait Deadline {
+    /// Never answers; holds a guard that reports when the future is dropped.
+    async fn forever(&self) -> Result<(), RpcError>;
+    /// The same, under the method's own deadline.
+    #[governance(timeout_ms = 100, retry_times = 0)]
+    async fn forever_short(&self) -> Result<(), RpcError>;
+    async fn quick(&self) -> Result<u8, RpcError>;
+}
+
+struct Sleeper {
+    entered: mpsc::UnboundedSender<String>,
+    dropped: mpsc::UnboundedSender<String>,
+}
+
+impl Sleeper {
+    async fn hang(&self, tag: &str) -> Result<(), RpcError> {
+        let _guard = DropSignal::new(tag, self.dropped.clone());
+        let _ = self.entered.send(tag.to_string());
+        std::future::pending::<()>().await;
+        Ok(())
+    }
+}
+
+impl Deadline for Sleeper {
+    async fn forever(&self) -> Result<(), RpcError> {
+        self.hang("forever").await
+    }
+    async fn forever_short(&self) -> Result<(), RpcError> {
+        self.hang("forever_short").await
+    }
+    async fn quick(&self) -> Result<u8, RpcError> {
+        Ok(7)
+    }
+}
+
+struct Probe {
+    entered: mpsc::UnboundedReceiver<String>,
+    dropped: mpsc::UnboundedReceiver<String>,
+}
+
+async fn serve(reg: &InProcessRegistry, cap: usize) -> (ServerHandle, Probe) {
+    let (entered_tx, entered) = mpsc::unbounded_channel();
+    let (dropped_tx, dropped) = mpsc::unbounded_channel();
+    let server = Server::builder()
+        .registry(reg.clone())
+        .max_concurrency(cap)
+        .add_service(DeadlineServer::new(Sleeper {
+            entered: entered_tx,
+            dropped: dropped_tx,
+        }))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    (server, Probe { entered, dropped })
+}
+
+fn timeout_of(ms: u64) -> GovernanceOverrides {
+    GovernanceOverrides {
+        timeout_ms: Some(ms),
+        retry_times: Some(0),
+        ..GovernanceOverrides::NONE
+    }
+}
+
+#[tokio::test]
+async fn the_client_deadline_times_out_and_the_server_handler_is_dropped() {
+    let reg = InProcessRegistry::new();
+    let (server, mut probe) = serve(&reg, 1).await;
+    let d = DeadlineClient::new(
+        Client::builder()
+            .registry(reg.clone())
+            .override_options("t.Deadline.forever", timeout_of(100))
+            .override_options("t.Deadline.quick", no_retry())
+            .build(),
+    );
+    let started = Instant::now();
+    let err = within("call under a 100 ms deadline", d.forever())
+        .await
+        .expect_err("the handler never answers");
+    assert_eq!(err.code(), StatusCode::Timeout, "{err}");
+    assert_eq!(err.code().as_u32(), 519);
+    assert!(err.message().contains("t.Deadline.forever"), "{err}");
+    assert!(
+        started.elapsed() >= Duration::from_millis(90),
+        "timed out early: {:?}",
+        started.elapsed()
+    );
+    assert_eq!(
+        recv_one("handler entered", &mut probe.entered).await,
+        "forever"
+    );
+    assert_eq!(
+        recv_one("the handler's future was dropped", &mut probe.dropped).await,
+        "forever"
+    );
+    // Its slot under the cap of 1 is free again.
+    assert_eq!(d.quick().await.expect("quick after the timeout"), 7);
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn a_governance_attribute_timeout_applies_without_any_override() {
+    let reg = InProcessRegistry::new();
+    let (server, mut probe) = serve(&reg, 10).await;
+    let d = DeadlineClient::new(Client::builder().registry(reg.clone()).build());
+    let err = within("call under the attribute's deadline", d.forever_short())
+        .await
+        .expect_err("the handler never answers");
+    assert_eq!(err.code(), StatusCode::Timeout, "{err}");
+    // Whichever side's timer fired first, the error names the entry.
+    assert!(err.message().contains("t.Deadline.forever_short"), "{err}");
+    assert_eq!(
+        recv_one("the handler's future was dropped", &mut probe.dropped).await,
+        "forever_short"
+    );
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn the_server_deadline_alone_stops_the_handler_and_answers_519() {
+    let reg = InProcessRegistry::new();
+    let (server, mut probe) = serve(&reg, 10).await;
+    // A raw connection that never cancels: only the budget in the message can stop the work.
+    let conn = Connection::connect(&server.local_addr().to_string(), &ConnectOptions::default())
+        .await
+        .expect("connect");
+    let answer = within(
+        "answer from the server's deadline",
+        conn.call(
+            RemoteInvokeMessage {
+                service_entry_id: "t.Deadline.forever".into(),
+                codec: Codec::MsgPack.to_wire(),
+                parameters: Codec::MsgPack.encode(&NoArgs).expect("encode []"),
+                timeout_ms: 100,
+                ..Default::default()
+            },
+            None,
+        ),
+    )
+    .await
+    .expect("the server answers");
+    assert_eq!(answer.status_code, 519, "{answer:?}");
+    assert!(answer.exception_message.contains("100 ms"), "{answer:?}");
+    assert_eq!(
+        recv_one("the handler's future was dropped", &mut probe.dropped).await,
+        "forever"
+    );
+    assert!(conn.is_usable(), "the connection outlives a timed-out call");
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn dropping_the_call_future_cancels_the_handler_and_frees_its_slot() {
+    let reg = InProcessRegistry::new();
+    let (server, mut probe) = serve(&reg, 1).await;
+    // No deadline at all: neither side has a timer that could stop the handler.
+    let d = DeadlineClient::new(
+        Client::builder()
+            .registry(reg.clone())
+            .override_options(DeadlineClient::SERVICE_ID, timeout_of(0))
+            .build(),
+    );
+    let call = until_entered(Box::pin(d.forever()), "forever", &mut probe.entered).await;
+    // The caller gives up: dropping its future sends Cancel.
+    drop(call);
+    assert_eq!(
+        recv_one("the Cancel dropped the handler", &mut probe.dropped).await,
+        "forever"
+    );
+    // The cap of 1 is free again, and the connection is still good.
+    assert_eq!(d.quick().await.expect("quick after the cancel"), 7);
+
+    // The same through a caller-side timeout around the call, which expires (on the paused
+    // clock) only once the handler is known to run: no race between the timeout and the call.
+    let call = until_entered(
+        Box::pin(tokio::time::timeout(Duration::from_secs(60), d.forever())),
+        "forever",
+        &mut probe.entered,
+    )
+    .await;
+    tokio::time::advance(Duration::from_secs(60)).await;
+    let gave_up = call.await;
+    assert!(gave_up.is_err(), "forever answered: {gave_up:?}");
+    assert_eq!(
+        recv_one("the Cancel dropped the handler", &mut probe.dropped).await,
+        "forever"
+    );
+    assert_eq!(d.quick().await.expect("quick after the cancel"), 7);
+    within("shutdown", server.shutdown()).await;
+}
+
+/// The client side of the protocol, seen by a server played by the test: the handshake, the
+/// remaining budget in `timeout_ms`, and `Cancel` with the call's id when the deadline passes.
+#[tokio::test]
+async fn the_client_sends_its_budget_and_cancels_at_the_deadline() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let d = DeadlineClient::new(
+        Client::builder()
+            .registry(StaticRegistry::new([addr.to_string()]))
+            .token("tok")
+            .client_id("deadline-test")
+            .override_options(DeadlineClient::SERVICE_ID, timeout_of(300))
+            .build(),
+    );
+    let call = tokio::spawn(async move { d.forever().await });
+
+    let (stream, _) = within("accept", listener.accept()).await.expect("accept");
+    let mut peer = RawConn::from_stream(stream);
+    match peer.recv().await {
+        Some(Kind::Hello(h)) => {
+            assert_eq!(h.protocol_version, 1);
+            assert_eq!(h.token, "tok");
+            assert_eq!(h.client_id, "deadline-test");
+        }
+        other => panic!("expected Hello, got {other:?}"),
+    }
+    peer.send(Kind::HelloAck(HelloAck {
+        protocol_version: 1,
+        server_id: "fake".into(),
+        max_frame_length: 1 << 20,
+        ..Default::default()
+    }))
+    .await
+    .expect("send HelloAck");
+    let invoke = match peer.recv().await {
+        Some(Kind::Invoke(i)) => i,
+        other => panic!("expected an invoke, got {other:?}"),
+    };
+    assert_eq!(invoke.service_entry_id, "t.Deadline.forever");
+    assert_eq!(invoke.codec, 0, "MessagePack");
+    assert_eq!(
+        &invoke.parameters[..],
+        &[0x90],
+        "no arguments: an empty array"
+    );
+    assert!(
+        invoke.timeout_ms > 0 && invoke.timeout_ms <= 300,
+        "the remaining budget: {}",
+        invoke.timeout_ms
+    );
+    // No answer: at the deadline the client must cancel exactly this call.
+    match peer.recv().await {
+        Some(Kind::Cancel(c)) => assert_eq!(c.message_id, invoke.message_id),
+        other => panic!("expected Cancel, got {other:?}"),
+    }
+    let err = within("the timed-out call", call)
+        .await
+        .expect("join")
+        .expect_err("no answer was sent");
+    assert_eq!(err.code(), StatusCode::Timeout, "{err}");
+}
+
+// A → B → C, B holding a fallback: B's own calls inherit A's budget less a slack, so that B can
+// still answer A in time; a fallback does not start once its caller's deadline has passed.
+
+#[rpc::service(name = "t.TierC")]
+trait TierC {
+    /// Never answers.
+    async fn hang(&self) -> Result<u32, RpcError>;
+}
+
+#[rpc::service(name = "t.TierB")]
+trait TierB {
+    /// Asks C.
+    async fn ask(&self) -> Result<u32, RpcError>;
+}
+
+struct Hanging;
+
+impl TierC for Hanging {
+    async fn hang(&self) -> Result<u32, RpcError> {
+        std::future::pending::<()>().await;
+        Ok(0)
+    }
+}
+
+/// B's (client-side) fallback for C: answers 7 and reports that it ran.
+struct CFallback(mpsc::UnboundedSender<&'static str>);
+
+impl TierC for CFallback {
+    async fn hang(&self) -> Result<u32, RpcError> {
+        let _ = self.0.send("c-fallback");
+        Ok(7)
+    }
+}
+
+struct Middle(TierCClient);
+
+impl TierB for Middle {
+    async fn ask(&self) -> Result<u32, RpcError> {
+        self.0.hang().await
+    }
+}
+
+/// B's server-side fallback: answers 8 and reports that it ran.
+struct BFallback(mpsc::UnboundedSender<&'static str>);
+
+impl TierB for BFallback {
+    async fn ask(&self) -> Result<u32, RpcError> {
+        let _ = self.0.send("b-fallback");
+        Ok(8)
+    }
+}
+
+/// Receives events from `rx` until one of `kind` arrives (bounded by the suite's limit).
+async fn next_event(
+    rx: &mut tokio::sync::broadcast::Receiver<rpc::crates::governance::events::GovernanceEvent>,
+    kind: rpc::crates::governance::events::EventKind,
+) -> rpc::crates::governance::events::GovernanceEvent {
+    within("governance event", async {
+        loop {
+            match rx.recv().await {
+                Ok(e) if e.kind == kind => return e,
+                Ok(_) => continue,
+                Err(e) => panic!("event stream ended: {e}"),
+            }
+        }
+    })
+    .await
+}
+
+#[tokio::test]
+async fn the_middle_tier_fallback_answers_before_the_callers_deadline() {
+    use rpc::crates::governance::events::EventKind;
+    let reg = InProcessRegistry::new();
+    let c = Server::builder()
+        .registry(reg.clone())
+        .add_service(TierCServer::new(Hanging))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve C");
+    let (ran_tx, mut ran) = mpsc::unbounded_channel();
+    // B's calls to C have no timeout of their own: A's budget, inherited, bounds them.
+    let b_client = Client::builder()
+        .registry(reg.clone())
+        .override_options(
+            TierCClient::SERVICE_ID,
+            GovernanceOverrides {
+                deadline_slack_ms: Some(500),
+                ..timeout_of(0)
+            },
+        )
+        .fallback(TierCServer::new(CFallback(ran_tx)))
+        .build();
+    let mut b_events = b_client.events().subscribe();
+    let b = Server::builder()
+        .registry(reg.clone())
+        .add_service(TierBServer::new(Middle(TierCClient::new(b_client))))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve B");
+    let a = TierBClient::new(
+        Client::builder()
+            .registry(reg.clone())
+            .override_options(TierBClient::SERVICE_ID, timeout_of(2000))
+            .build(),
+    );
+
+    // C never answers; B's call to C ends 500 ms before A's deadline (a quarter of the
+    // budget, so the slack is not capped), B's fallback answers, and A receives that answer
+    // instead of its own timeout.
+    assert_eq!(within("A's call", a.ask()).await, Ok(7));
+    assert_eq!(recv_one("B's fallback ran", &mut ran).await, "c-fallback");
+    let timeout = next_event(&mut b_events, EventKind::Timeout).await;
+    let cause = timeout.cause.unwrap_or_default();
+    assert!(
+        cause.contains("t.TierC.hang") && cause.contains("inherited from the caller's deadline"),
+        "{cause}"
+    );
+    within("shutdown B", b.shutdown()).await;
+    within("shutdown C", c.shutdown()).await;
+}
+
+#[tokio::test]
+async fn a_server_fallback_does_not_start_after_the_callers_deadline() {
+    use rpc::crates::governance::events::EventKind;
+    let reg = InProcessRegistry::new();
+    let (ran_tx, mut ran) = mpsc::unbounded_channel();
+    // B's handler waits on a C that never answers, with no slack: it runs until A's deadline.
+    let c = Server::builder()
+        .registry(reg.clone())
+        .add_service(TierCServer::new(Hanging))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve C");
+    let b_client = Client::builder()
+        .registry(reg.clone())
+        .override_options(
+            TierCClient::SERVICE_ID,
+            GovernanceOverrides {
+                deadline_slack_ms: Some(0),
+                ..timeout_of(0)
+            },
+        )
+        .build();
+    let b = Server::builder()
+        .registry(reg.clone())
+        .add_service(TierBServer::new(Middle(TierCClient::new(b_client))))
+        .fallback(TierBServer::new(BFallback(ran_tx)))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve B");
+    let mut b_events = b.events().subscribe();
+    // A speaks the wire by hand and does not cancel: B alone decides at the deadline.
+    let mut a = RawConn::connect(b.local_addr()).await;
+    a.handshake().await;
+    a.send(Kind::Invoke(RemoteInvokeMessage {
+        message_id: 1,
+        service_entry_id: "t.TierB.ask".into(),
+        codec: Codec::MsgPack.to_wire(),
+        parameters: Codec::MsgPack.encode(&NoArgs).expect("encode"),
+        timeout_ms: 100,
+        ..Default::default()
+    }))
+    .await
+    .expect("send the call");
+    match within("B's answer", a.recv()).await {
+        Some(Kind::Result(r)) => assert_eq!(r.status_code, 519, "{r:?}"),
+        other => panic!("expected B's answer, got {other:?}"),
+    }
+    let skipped = next_event(&mut b_events, EventKind::FallbackSkipped).await;
+    assert_eq!(&*skipped.entry, "t.TierB.ask");
+    // The skip is decided where the fallback would have been called: it never ran.
+    assert!(
+        ran.try_recv().is_err(),
+        "B's fallback ran after A's deadline"
+    );
+    within("shutdown B", b.shutdown()).await;
+    within("shutdown C", c.shutdown()).await;
+}
+
+/// Inside a handler whose caller's deadline has passed, a client fallback does not start: the
+/// call fails with a timeout saying so, and a `fallback_skipped` event is emitted.
+#[tokio::test(start_paused = true)]
+async fn a_client_fallback_does_not_start_once_the_inherited_deadline_passed() {
+    use rpc::crates::governance::events::EventKind;
+    use rpc::crates::governance::timeout::with_inherited;
+    let down = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        l.local_addr().expect("addr").to_string()
+    };
+    let (ran_tx, mut ran) = mpsc::unbounded_channel();
+    let client = Client::builder()
+        .registry(StaticRegistry::new([down]))
+        .override_options(TierCClient::SERVICE_ID, no_retry())
+        .fallback(TierCServer::new(CFallback(ran_tx)))
+        .build();
+    let mut events = client.events().subscribe();
+    let c = TierCClient::new(client);
+    let passed = tokio::time::Instant::now();
+    let err = with_inherited(Some(passed), c.hang())
+        .await
+        .expect_err("the fallback must not answer");
+    assert_eq!(err.code(), StatusCode::Timeout, "{err}");
+    assert!(err.message().contains("fallback was not started"), "{err}");
+    let skipped = next_event(&mut events, EventKind::FallbackSkipped).await;
+    assert_eq!(&*skipped.entry, "t.TierC.hang");
+    assert!(ran.try_recv().is_err(), "the fallback ran");
+
+    // Outside any handler the same failure is answered by the fallback.
+    assert_eq!(c.hang().await, Ok(7));
+}

@@ -1,0 +1,444 @@
+//! What a service's `main` no longer writes: a registry from one string, waiting for the first
+//! endpoint, stopping on a signal, governance types from the facade, and a hash ring that keeps
+//! a shard's keys when it restarts on another port.
+
+use crate::common;
+use crate::etcd_harness;
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{within, LIMIT};
+use rpc::{Client, InProcessRegistry, Registry, RpcError, Server, StatusCode};
+use tests::signals::{Hold, HoldClient};
+
+#[rpc::service(name = "ergo.Echo")]
+pub trait Echo {
+    async fn echo(&self, text: String) -> Result<String, RpcError>;
+}
+
+struct Plain;
+
+impl Echo for Plain {
+    async fn echo(&self, text: String) -> Result<String, RpcError> {
+        Ok(text)
+    }
+}
+
+#[tokio::test]
+async fn a_registry_from_a_url_reaches_a_real_server() {
+    let server = Server::builder()
+        .add_service(EchoServer::new(Plain))
+        .serve("127.0.0.1:0")
+        .await
+        .unwrap();
+    let url = server.local_addr().to_string();
+    let registry = <dyn Registry>::from_url(&url).await.unwrap();
+    let echo = EchoClient::new(Client::builder().shared_registry(registry).build());
+    assert_eq!(
+        within("a call", echo.echo("hi".into())).await.unwrap(),
+        "hi"
+    );
+
+    let err = <dyn Registry>::from_url("consul://127.0.0.1:8500")
+        .await
+        .err()
+        .expect("an unknown scheme is refused");
+    assert!(
+        err.to_string()
+            .contains("unknown registry scheme \"consul\""),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn waiting_for_endpoints_ends_when_a_server_registers() {
+    let registry = InProcessRegistry::new();
+    let client = Client::builder().registry(registry.clone()).build();
+    let waiting = {
+        let client = client.clone();
+        tokio::spawn(async move {
+            client
+                .wait_for_endpoints(EchoClient::SERVICE_ID, Duration::from_secs(60))
+                .await
+        })
+    };
+    // The wait is on the watch: it has not ended with nothing registered.
+    tokio::task::yield_now().await;
+    assert!(!waiting.is_finished());
+    let server = Server::builder()
+        .registry(registry)
+        .add_service(EchoServer::new(Plain))
+        .serve("127.0.0.1:0")
+        .await
+        .unwrap();
+    let endpoints = within("the wait", waiting).await.unwrap().unwrap();
+    let addresses: Vec<String> = endpoints.iter().map(|i| i.address.clone()).collect();
+    assert_eq!(addresses, [server.local_addr().to_string()]);
+    let echo = EchoClient::new(client);
+    assert_eq!(echo.echo("up".into()).await.unwrap(), "up");
+}
+
+#[tokio::test(start_paused = true)]
+async fn waiting_for_endpoints_gives_up_at_its_timeout() {
+    let client = Client::builder().registry(InProcessRegistry::new()).build();
+    let started = tokio::time::Instant::now();
+    let err = client
+        .wait_for_endpoints(EchoClient::SERVICE_ID, Duration::from_secs(2))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), StatusCode::NotFindServiceRoute);
+    assert!(err.message().contains("after waiting 2000 ms"), "{err}");
+    assert_eq!(started.elapsed(), Duration::from_secs(2));
+}
+
+#[tokio::test(start_paused = true)]
+async fn waiting_on_a_static_list_without_the_service_fails_at_once() {
+    let registry = rpc::StaticRegistry::from_toml(
+        "[[endpoint]]\naddress = \"127.0.0.1:1\"\nservices = [\"other.Service\"]\n",
+    )
+    .unwrap();
+    let client = Client::builder().registry(registry).build();
+    let started = tokio::time::Instant::now();
+    let err = client
+        .wait_for_endpoints(EchoClient::SERVICE_ID, Duration::from_secs(30))
+        .await
+        .unwrap_err();
+    assert!(err.message().contains("will announce none"), "{err}");
+    assert_eq!(started.elapsed(), Duration::ZERO);
+}
+
+/// The governance types are reachable from the facade, by the names its docs link to.
+#[tokio::test]
+async fn governance_events_and_breaker_states_come_from_the_facade() {
+    let client = Client::builder().registry(InProcessRegistry::new()).build();
+    let bus: &rpc::EventBus = client.events();
+    let mut events = bus.subscribe();
+    let echo = EchoClient::new(client.clone());
+    // No endpoint: the call fails, and no policy decides anything about it...
+    assert!(echo.echo("x".into()).await.is_err());
+    // ...but isolating the entry is a state the facade's types describe.
+    client.isolate(&EchoClient::methods()[0]);
+    let states: Vec<(rpc::ServiceEntryId, rpc::BreakerState)> = client.breakers();
+    assert!(
+        matches!(states[0].1, rpc::BreakerState::Open { .. }),
+        "{states:?}"
+    );
+    while let Ok(event) = events.try_recv() {
+        let event: rpc::GovernanceEvent = event;
+        assert_ne!(event.kind, rpc::EventKind::Fallback);
+    }
+}
+
+/// A `signal-server` process; killed and reaped on drop if the test did not end it.
+struct SignalServer {
+    child: Child,
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+impl SignalServer {
+    fn start(registry_url: &str) -> (SignalServer, String) {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_signal-server"))
+            .arg(registry_url)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start signal-server");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let mut server = SignalServer { child, lines };
+        let first = server.line();
+        let addr = first
+            .strip_prefix("listening on ")
+            .unwrap_or_else(|| panic!("unexpected first line of signal-server: {first:?}"))
+            .to_string();
+        (server, addr)
+    }
+
+    /// The next line the server prints, within [`LIMIT`].
+    fn line(&mut self) -> String {
+        self.lines
+            .recv_timeout(LIMIT)
+            .unwrap_or_else(|_| panic!("signal-server printed nothing within {LIMIT:?}"))
+    }
+}
+
+impl Drop for SignalServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_deregisters_lets_the_call_in_flight_finish_and_exits_cleanly() {
+    let etcd = etcd_harness::Etcd::start().await;
+    let (mut server, addr) = SignalServer::start(&etcd.url());
+    let registry: Arc<dyn Registry> = <dyn Registry>::from_url(&etcd.url()).await.unwrap();
+    let client = Client::builder().shared_registry(registry).build();
+    let endpoints = client
+        .wait_for_endpoints(HoldClient::SERVICE_ID, LIMIT)
+        .await
+        .unwrap();
+    assert_eq!(endpoints[0].address, addr);
+    let mut watch = client.watch(HoldClient::SERVICE_ID).await.unwrap();
+
+    let hold = HoldClient::new(client.clone());
+    let call = tokio::spawn(async move { hold.hold(7).await });
+    assert_eq!(server.line(), "held");
+
+    let status = Command::new("kill")
+        .args(["-TERM", &server.child.id().to_string()])
+        .status()
+        .expect("run kill");
+    assert!(status.success());
+
+    // Deregistered first: the registry no longer announces it, while the call still runs.
+    within("deregistration", async {
+        while !watch.current().is_empty() {
+            watch.changed().await.unwrap();
+        }
+    })
+    .await;
+    assert!(
+        !call.is_finished(),
+        "the held call ended before it was released"
+    );
+
+    // Released, the call in flight finishes with its answer, and the process exits cleanly.
+    let stdin = server.child.stdin.as_mut().expect("piped stdin");
+    stdin.write_all(b"release\n").unwrap();
+    stdin.flush().unwrap();
+    assert_eq!(within("the held call", call).await.unwrap().unwrap(), 7);
+    assert_eq!(server.line(), "stopped");
+    let exit = server.child.wait().unwrap();
+    assert!(exit.success(), "signal-server exited with {exit}");
+}
+
+#[rpc::service(name = "ergo.Shard")]
+pub trait Shard {
+    /// The name of the shard that owns `key`.
+    async fn owner(&self, #[hash_key] key: u64) -> Result<String, RpcError>;
+}
+
+struct Named(&'static str);
+
+impl Shard for Named {
+    async fn owner(&self, _key: u64) -> Result<String, RpcError> {
+        Ok(self.0.to_string())
+    }
+}
+
+async fn shard(registry: &InProcessRegistry, name: &'static str) -> rpc::ServerHandle {
+    Server::builder()
+        .registry(registry.clone())
+        .instance_id(name)
+        .metadata("shard", name)
+        .add_service(ShardServer::new(Named(name)))
+        .serve("127.0.0.1:0")
+        .await
+        .unwrap()
+}
+
+fn hash_client(registry: &InProcessRegistry, key: rpc::RingKey) -> ShardClient {
+    ShardClient::new(
+        Client::builder()
+            .registry(registry.clone())
+            .shunt_strategy(rpc::ShuntStrategy::Hash)
+            .service_ring_key(ShardClient::SERVICE_ID, key)
+            .build(),
+    )
+}
+
+/// Who owns each of 200 keys, as the servers themselves answer.
+async fn owners(client: &ShardClient) -> Vec<String> {
+    let mut out = Vec::new();
+    for key in 0..200u64 {
+        out.push(
+            within("a hash-routed call", client.owner(key))
+                .await
+                .unwrap(),
+        );
+    }
+    out
+}
+
+#[tokio::test]
+async fn a_shard_restarting_on_a_new_port_keeps_its_keys_when_the_ring_is_keyed_by_id() {
+    let registry = InProcessRegistry::new();
+    let a = shard(&registry, "shard-a").await;
+    let b = shard(&registry, "shard-b").await;
+    let by_id = hash_client(&registry, rpc::RingKey::InstanceId);
+    let by_meta = hash_client(&registry, rpc::RingKey::Metadata("shard".into()));
+    let by_address = hash_client(&registry, rpc::RingKey::Address);
+    let mut watch = by_id.client().watch(ShardClient::SERVICE_ID).await.unwrap();
+    let before = (
+        owners(&by_id).await,
+        owners(&by_meta).await,
+        owners(&by_address).await,
+    );
+    for owners in [&before.0, &before.1] {
+        assert!(owners.iter().any(|o| o == "shard-a") && owners.iter().any(|o| o == "shard-b"));
+    }
+
+    // shard-b stops and comes back on another port, under the same id and shard name.
+    let old_port = b.local_addr().port();
+    b.shutdown().await;
+    let b = shard(&registry, "shard-b").await;
+    assert_ne!(b.local_addr().port(), old_port);
+    let new_addr = b.local_addr().to_string();
+    within("the new shard-b announced", async {
+        while !watch.current().iter().any(|i| i.address == new_addr) {
+            watch.changed().await.unwrap();
+        }
+    })
+    .await;
+
+    assert_eq!(owners(&by_id).await, before.0, "keyed by instance id");
+    assert_eq!(owners(&by_meta).await, before.1, "keyed by metadata");
+    // Keyed by address, the new port is another place on the ring: some keys moved.
+    let after = owners(&by_address).await;
+    assert!(
+        after.iter().zip(&before.2).any(|(x, y)| x != y),
+        "no key moved although shard-b's address changed"
+    );
+    drop(a);
+}
+
+#[rpc::service(name = "ergo.Logged")]
+pub trait Logged {
+    #[governance(retry_times = 0)]
+    async fn work(&self, n: u32) -> Result<u32, RpcError>;
+}
+
+struct Worker;
+
+impl Logged for Worker {
+    async fn work(&self, n: u32) -> Result<u32, RpcError> {
+        tracing::info!(n, "in the handler");
+        Err(RpcError::new(StatusCode::ServerError, "broken on purpose"))
+    }
+}
+
+/// The fallback: its answer makes the client log a `fallback` event on the call's span.
+struct Spare;
+
+impl Logged for Spare {
+    async fn work(&self, n: u32) -> Result<u32, RpcError> {
+        Ok(n)
+    }
+}
+
+/// Log output, shared with the test.
+#[derive(Clone, Default)]
+struct Lines(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl Write for Lines {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Lines {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+/// The word that follows `span{` on `line`: the call id.
+fn id_after<'a>(line: &'a str, span: &str) -> &'a str {
+    let rest = line
+        .split_once(&format!("{span}{{"))
+        .unwrap_or_else(|| panic!("no {span} span on {line:?}"))
+        .1;
+    rest.split([' ', '}']).next().unwrap_or_default()
+}
+
+async fn logged_call(terminal: bool) -> String {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::Layer;
+    let lines = Lines::default();
+    let writer = lines.clone();
+    let subscriber = tracing_subscriber::registry().with(
+        rpc::logging::layer_with_writer(move || writer.clone(), terminal)
+            .with_filter(tracing_subscriber::filter::LevelFilter::INFO),
+    );
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let server = Server::builder()
+        .add_service(LoggedServer::new(Worker))
+        .serve("127.0.0.1:0")
+        .await
+        .unwrap();
+    let client = Client::builder()
+        .registry(rpc::StaticRegistry::from_list(&server.local_addr().to_string()).unwrap())
+        .fallback(LoggedServer::new(Spare))
+        .build();
+    let logged = LoggedClient::new(client);
+    for n in [1, 2] {
+        assert_eq!(within("a call", logged.work(n)).await.unwrap(), n);
+    }
+    server.shutdown().await;
+    lines.text()
+}
+
+#[tokio::test]
+async fn one_call_shows_the_same_short_id_on_client_and_server_lines() {
+    let text = logged_call(false).await;
+    let server_lines: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("in the handler"))
+        .collect();
+    let client_lines: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("event=fallback"))
+        .collect();
+    assert_eq!((server_lines.len(), client_lines.len()), (2, 2), "{text}");
+    let mut ids = Vec::new();
+    for (server, client) in server_lines.iter().zip(&client_lines) {
+        let id = id_after(server, "rpc.server");
+        assert_eq!(id.len(), 8, "{server}");
+        assert!(id.chars().all(|c| c.is_ascii_hexdigit()), "{server}");
+        assert_eq!(id_after(client, "rpc.client"), id, "{client}\n{server}");
+        ids.push(id);
+    }
+    assert_ne!(ids[0], ids[1], "each call has its own id");
+    for line in text.lines() {
+        // Short: no attribute that only repeats the entry id, no escape codes off a terminal.
+        for noise in [
+            "rpc.system",
+            "otel.kind",
+            "rpc.service",
+            "client.port",
+            "\u{1b}[",
+        ] {
+            assert!(!line.contains(noise), "{noise:?} in {line:?}");
+        }
+    }
+    assert!(
+        server_lines[0].contains("ergo.Logged.work"),
+        "{}",
+        server_lines[0]
+    );
+}
+
+#[tokio::test]
+async fn on_a_terminal_the_lines_are_coloured() {
+    let text = logged_call(true).await;
+    let line = text
+        .lines()
+        .find(|l| l.contains("in the handler"))
+        .unwrap_or_else(|| panic!("{text}"));
+    assert!(line.contains("\u{1b}["), "{line:?}");
+}

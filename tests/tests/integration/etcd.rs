@@ -1,0 +1,528 @@
+//! The etcd registry against a real etcd, started by each test on free loopback ports
+//! (`common/etcd.rs`): its key layout and leases, graceful deregistration, a killed server
+//! process expiring with its lease, calls surviving an etcd restart, re-registration after a
+//! lost lease, several clients, a server joining, malformed values. What every registry backend
+//! must do (registration, removal, replacement, order) runs for etcd in `registry_suite.rs`.
+//!
+//! Leases are 2 s here (etcd's minimum is about that), so the tests that wait for an expiry
+//! wait a few seconds of real time (etcd's clock cannot be paused); every other wait ends as
+//! soon as the watch reports, bounded by `common::LIMIT` only so that a hang fails.
+
+use crate::common;
+use crate::etcd_harness;
+use crate::registry_watch;
+
+use std::time::{Duration, Instant};
+
+use common::{within, LIMIT};
+use etcd_harness::Etcd;
+use registry_watch::{addresses, has, lacks, serve, wait_until, watch, ChildProcess};
+use rpc::crates::registry::ServiceWatch;
+use rpc::{Client, Instance, Registry};
+use rpc::{EtcdOptions, EtcdRegistry};
+use tests::who::{Who, WhoClient};
+
+/// The lease of the tests' instances.
+const TTL: Duration = Duration::from_secs(2);
+/// How long a watcher may take to see an addition or a removal: no timing claim, only a bound
+/// so that a change that never comes fails the test instead of hanging it.
+const SEEN_WITHIN: Duration = LIMIT;
+
+fn options(ttl: Duration) -> EtcdOptions {
+    EtcdOptions {
+        lease_ttl: ttl,
+        connect_timeout: Duration::from_secs(1),
+        request_timeout: Duration::from_secs(1),
+        ..EtcdOptions::default()
+    }
+}
+
+async fn registry(etcd: &Etcd, ttl: Duration) -> EtcdRegistry {
+    EtcdRegistry::connect(&[etcd.endpoint()], options(ttl))
+        .await
+        .expect("etcd registry")
+}
+
+/// Starts server "b" on `etcd`, waits until the watch `w` lists it (next to `with`, when
+/// given), checks that some of four calls reach it, and stops it.
+async fn a_new_server_gets_calls(
+    etcd: &Etcd,
+    w: &mut ServiceWatch,
+    who: &WhoClient,
+    with: Option<&str>,
+) {
+    let b_reg = registry(etcd, TTL).await;
+    let b = serve("b", &b_reg).await;
+    let b_addr = b.local_addr().to_string();
+    wait_until(w, Duration::from_secs(5), "new server", |l| {
+        l.contains(&b_addr) && with.is_none_or(|a| l.iter().any(|x| x == a))
+    })
+    .await;
+    let mut answers = Vec::new();
+    for _ in 0..4 {
+        answers.push(within("call", who.whoami()).await.expect("call"));
+    }
+    assert!(answers.iter().any(|a| a == "b"), "{answers:?}");
+    within("shutdown", b.shutdown()).await;
+}
+
+/// The lease of `key`, or `None` when the key does not exist.
+async fn lease_of(etcd: &etcd_client::Client, key: &str) -> Option<i64> {
+    let resp = within("etcd get", etcd.kv_client().get(key, None))
+        .await
+        .expect("etcd get");
+    resp.kvs().first().map(|kv| kv.lease())
+}
+
+/// etcd's layout: one key per (service, instance), the instance as JSON, all keys of an
+/// instance under one lease; a new version gets its own lease, and the keys it no longer has go
+/// before `register` returns. (What every backend must show through its watches, this one
+/// included, is checked in `registry_suite.rs`.)
+#[tokio::test]
+async fn an_instance_is_one_key_per_service_under_one_lease() {
+    let etcd = Etcd::start().await;
+    let reg = registry(&etcd, TTL).await;
+    reg.register(Instance::new("127.0.0.1:1001", ["t.A", "t.B"]))
+        .await
+        .expect("register");
+
+    let raw = etcd.client().await;
+    let key_a = "/rpc/services/t.A/127.0.0.1:1001";
+    let key_b = "/rpc/services/t.B/127.0.0.1:1001";
+    assert_eq!(reg.key(&"t.A".into(), "127.0.0.1:1001"), key_a);
+    let resp = raw.kv_client().get(key_a, None).await.expect("get");
+    let stored: Instance = serde_json::from_slice(resp.kvs()[0].value()).expect("JSON instance");
+    assert_eq!(stored, Instance::new("127.0.0.1:1001", ["t.A", "t.B"]));
+    let lease = lease_of(&raw, key_a).await.expect("key under t.A");
+    assert_ne!(lease, 0, "the key is bound to a lease");
+    assert_eq!(
+        lease_of(&raw, key_b).await,
+        Some(lease),
+        "one lease per instance"
+    );
+
+    // Registering the id again, now serving t.B only: t.A's key is gone at once (the old lease
+    // is revoked), and t.B's is under the new version's own lease.
+    reg.register(Instance::new("127.0.0.1:1001", ["t.B"]))
+        .await
+        .expect("register again");
+    assert_eq!(lease_of(&raw, key_a).await, None);
+    let new_lease = lease_of(&raw, key_b).await.expect("still under t.B");
+    assert_ne!(new_lease, lease, "the new version has its own lease");
+
+    // Deregistering revokes that lease: the key is gone when it returns.
+    reg.deregister("127.0.0.1:1001").await.expect("deregister");
+    assert_eq!(lease_of(&raw, key_b).await, None);
+}
+
+#[tokio::test]
+async fn a_graceful_shutdown_deregisters_at_once() {
+    let etcd = Etcd::start().await;
+    // The default lease (10 s): the entry must go long before it would expire.
+    let server_reg = registry(&etcd, Duration::from_secs(10)).await;
+    let server = serve("a", &server_reg).await;
+    let addr = server.local_addr();
+    let client_reg = registry(&etcd, TTL).await;
+    let mut w = watch(&client_reg, WhoClient::SERVICE_ID).await;
+    assert_eq!(addresses(&w), [addr.to_string()]);
+
+    // When shutdown returns, the key is already gone from etcd: deleted by the shutdown, not
+    // expired (its lease has 10 s to run).
+    within("shutdown", server.shutdown()).await;
+    let key = server_reg.key(&WhoClient::SERVICE_ID.into(), &addr.to_string());
+    assert_eq!(lease_of(&etcd.client().await, &key).await, None);
+    wait_until(&mut w, SEEN_WITHIN, "gone after shutdown", lacks(addr)).await;
+}
+
+/// Starts an `etcd-server` process (`tests/src/bin/etcd-server.rs`) registered in `etcd` with a
+/// lease of [`TTL`]; returns it and the address it serves.
+async fn spawn_child_server(etcd: &Etcd) -> (ChildProcess, String) {
+    let ttl = TTL.as_secs().to_string();
+    registry_watch::spawn_child_server(
+        "etcd-server",
+        env!("CARGO_BIN_EXE_etcd-server"),
+        &[&etcd.url(), &ttl],
+    )
+    .await
+}
+
+#[tokio::test]
+async fn a_killed_server_process_disappears_within_its_lease() {
+    let etcd = Etcd::start().await;
+    // A real process, so that `kill -9` leaves nothing behind that could still talk to etcd.
+    let (mut child, addr) = spawn_child_server(&etcd).await;
+    let client_reg = registry(&etcd, TTL).await;
+    let mut w = watch(&client_reg, WhoClient::SERVICE_ID).await;
+    wait_until(
+        &mut w,
+        Duration::from_secs(5),
+        "child registered",
+        has(&addr),
+    )
+    .await;
+    let who = WhoClient::new(Client::builder().registry(client_reg.clone()).build());
+    assert_eq!(within("call", who.whoami()).await.expect("call"), "child");
+
+    child.0.kill().expect("kill -9 the child server"); // SIGKILL on Unix
+    let killed = Instant::now();
+    let _ = child.0.wait();
+    // Gone within the TTL (plus etcd's expiry check, every 500 ms, and a margin).
+    let limit = TTL + Duration::from_millis(1500);
+    wait_until(&mut w, limit, "killed server expired", lacks(&addr)).await;
+    let took = killed.elapsed();
+    eprintln!("killed server gone after {took:?} (lease {TTL:?})");
+    // The lease was renewed at most TTL/3 before the kill: the entry cannot go much earlier,
+    // which shows it went by expiry.
+    assert!(
+        took >= TTL / 2,
+        "gone after {took:?}: too early for a lease expiry"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_keep_working_while_etcd_restarts_and_the_registration_survives() {
+    let mut etcd = Etcd::start().await;
+    let server_reg = registry(&etcd, TTL).await;
+    let server = serve("a", &server_reg).await;
+    let addr = server.local_addr().to_string();
+    let client_reg = registry(&etcd, TTL).await;
+    let mut w = watch(&client_reg, WhoClient::SERVICE_ID).await;
+    let who = WhoClient::new(Client::builder().registry(client_reg.clone()).build());
+    assert_eq!(within("call", who.whoami()).await.expect("call"), "a");
+
+    // Calls run all along, from another task: through etcd's outage and its restart.
+    let (stop_calls, mut stop_rx) = tokio::sync::watch::channel(false);
+    let caller = tokio::spawn({
+        let who = who.clone();
+        async move {
+            let (mut ok, mut failed) = (0u32, Vec::new());
+            // Bounded: the test stops it after ~10 s; 60 s or 2000 calls at most regardless.
+            let started = Instant::now();
+            while !*stop_rx.borrow_and_update() && started.elapsed() < Duration::from_secs(60) {
+                match tokio::time::timeout(Duration::from_secs(5), who.whoami()).await {
+                    Ok(Ok(answer)) if answer == "a" => ok += 1,
+                    other => failed.push(format!("{other:?}")),
+                }
+                if ok as usize + failed.len() >= 2000 {
+                    break;
+                }
+                let _ = tokio::time::timeout(Duration::from_millis(50), stop_rx.changed()).await;
+            }
+            (ok, failed)
+        }
+    });
+
+    // etcd goes away for longer than the lease: the client keeps the last known endpoints.
+    etcd.stop();
+    let outage = TTL + Duration::from_secs(1);
+    let gone = tokio::time::timeout(
+        outage,
+        wait_until(&mut w, Duration::from_secs(30), "emptied", |l| l.is_empty()),
+    )
+    .await;
+    assert!(
+        gone.is_err(),
+        "the client dropped its endpoints while etcd was away"
+    );
+    assert_eq!(
+        addresses(&w),
+        vec![addr.clone()],
+        "the last known endpoints"
+    );
+
+    // etcd is back (same data): the registration is still there and its keep-alive resumed:
+    // it outlives another full lease. (etcd gives restored leases a fresh TTL plus about a
+    // second: without keep-alive the entry would be gone well within two TTLs.)
+    etcd.restart().await;
+    let outlived = tokio::time::timeout(
+        TTL * 2 + Duration::from_millis(500),
+        wait_until(&mut w, Duration::from_secs(30), "expired", lacks(&addr)),
+    )
+    .await;
+    assert!(
+        outlived.is_err(),
+        "the registration expired after etcd restarted"
+    );
+    let key = server_reg.key(&WhoClient::SERVICE_ID.into(), &addr);
+    assert!(lease_of(&etcd.client().await, &key).await.is_some());
+
+    let _ = stop_calls.send(true);
+    let (ok, failed) = within("the caller stops", caller)
+        .await
+        .expect("caller task");
+    assert!(
+        failed.is_empty(),
+        "calls failed around the etcd restart: {failed:?}"
+    );
+    assert!(ok >= 20, "only {ok} calls ran");
+    eprintln!("{ok} calls succeeded through etcd's outage and restart");
+
+    // The client's watch follows etcd again: a server started now gets calls.
+    a_new_server_gets_calls(&etcd, &mut w, &who, None).await;
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_registers_again_when_etcd_comes_back_empty() {
+    let mut etcd = Etcd::start().await;
+    let server_reg = registry(&etcd, TTL).await;
+    let server = serve("a", &server_reg).await;
+    let addr = server.local_addr().to_string();
+    let client_reg = registry(&etcd, TTL).await;
+    let w = watch(&client_reg, WhoClient::SERVICE_ID).await;
+    let who = WhoClient::new(Client::builder().registry(client_reg.clone()).build());
+    assert_eq!(within("call", who.whoami()).await.expect("call"), "a");
+
+    // A new, empty etcd on the same address: every lease and key is gone and revisions start
+    // over. The server notices its lease is gone and writes its keys again.
+    etcd.restart_empty().await;
+    let started = Instant::now();
+    // A watch on the new etcd reports the server's keys when they are written again.
+    let fresh = registry(&etcd, TTL).await;
+    let mut seen = watch(&fresh, WhoClient::SERVICE_ID).await;
+    wait_until(
+        &mut seen,
+        Duration::from_secs(10),
+        "registered again",
+        has(&addr),
+    )
+    .await;
+    let key = server_reg.key(&WhoClient::SERVICE_ID.into(), &addr);
+    assert!(lease_of(&etcd.client().await, &key).await.is_some());
+    eprintln!(
+        "registered again {:?} after etcd came back",
+        started.elapsed()
+    );
+
+    // The client's watch follows the new etcd (whose revisions started over): another server
+    // appears, and calls reach it.
+    let mut w = w;
+    a_new_server_gets_calls(&etcd, &mut w, &who, Some(&addr)).await;
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn a_lost_lease_is_replaced_and_the_instance_reappears() {
+    let etcd = Etcd::start().await;
+    let reg = registry(&etcd, TTL).await;
+    reg.register(Instance::new("127.0.0.1:1001", ["t.A"]))
+        .await
+        .expect("register");
+    let mut w = watch(&reg, "t.A").await;
+    let raw = etcd.client().await;
+    let key = reg.key(&"t.A".into(), "127.0.0.1:1001");
+    let lease = lease_of(&raw, &key).await.expect("registered");
+
+    // Someone (an operator, etcd itself) drops the lease: the key goes with it.
+    raw.lease_client().revoke(lease).await.expect("revoke");
+    wait_until(&mut w, SEEN_WITHIN, "revoked", lacks("127.0.0.1:1001")).await;
+    // The keep-alive notices (within TTL/3) and registers again under a new lease.
+    let took = wait_until(&mut w, TTL, "registered again", has("127.0.0.1:1001")).await;
+    eprintln!("registered again after {took:?}");
+    let new_lease = lease_of(&raw, &key).await.expect("registered again");
+    assert_ne!(new_lease, lease);
+
+    // Deregistration revokes the new lease.
+    reg.deregister("127.0.0.1:1001").await.expect("deregister");
+    wait_until(&mut w, SEEN_WITHIN, "deregistered", |l| l.is_empty()).await;
+}
+
+#[tokio::test]
+async fn two_clients_see_the_same_endpoints() {
+    let etcd = Etcd::start().await;
+    let server_reg = registry(&etcd, TTL).await;
+    let mut servers = Vec::new();
+    for name in ["a", "b", "c"] {
+        servers.push(serve(name, &server_reg).await);
+    }
+    let one = registry(&etcd, TTL).await;
+    let two = registry(&etcd, TTL).await;
+    let mut w1 = watch(&one, WhoClient::SERVICE_ID).await;
+    let mut w2 = watch(&two, WhoClient::SERVICE_ID).await;
+    for w in [&mut w1, &mut w2] {
+        wait_until(w, SEEN_WITHIN, "three servers", |l| l.len() == 3).await;
+    }
+    assert_eq!(addresses(&w1), addresses(&w2));
+    assert_eq!(w1.current(), w2.current(), "same instances, same order");
+
+    // Both clients call through their own registry connection.
+    for reg in [&one, &two] {
+        let who = WhoClient::new(Client::builder().registry(reg.clone()).build());
+        let mut answers = Vec::new();
+        for _ in 0..3 {
+            answers.push(within("call", who.whoami()).await.expect("call"));
+        }
+        answers.sort();
+        assert_eq!(answers, ["a", "b", "c"], "round robin over the same three");
+    }
+
+    // A removal reaches both.
+    let gone = servers.remove(0);
+    let gone_addr = gone.local_addr();
+    within("shutdown", gone.shutdown()).await;
+    for w in [&mut w1, &mut w2] {
+        wait_until(w, SEEN_WITHIN, "removal", lacks(gone_addr)).await;
+    }
+    assert_eq!(addresses(&w1), addresses(&w2));
+    for s in servers {
+        within("shutdown", s.shutdown()).await;
+    }
+}
+
+#[tokio::test]
+async fn a_new_server_gets_traffic_without_restarting_clients() {
+    let etcd = Etcd::start().await;
+    let server_reg = registry(&etcd, TTL).await;
+    let a = serve("a", &server_reg).await;
+    let client_reg = registry(&etcd, TTL).await;
+    let who = WhoClient::new(Client::builder().registry(client_reg.clone()).build());
+    assert_eq!(within("call", who.whoami()).await.expect("call"), "a");
+
+    let b = serve("b", &server_reg).await;
+    // The client's own view of the service (the registry's watch, which its calls read): once it
+    // lists b, the next two calls (round robin over a and b) reach b.
+    let mut w = within("watch", who.client().watch(WhoClient::SERVICE_ID))
+        .await
+        .expect("watch");
+    wait_until(&mut w, SEEN_WITHIN, "b joined", has(b.local_addr())).await;
+    let mut answers = Vec::new();
+    for _ in 0..2 {
+        answers.push(within("call", who.whoami()).await.expect("call"));
+    }
+    assert!(
+        answers.iter().any(|a| a == "b"),
+        "no call reached the new server: {answers:?}"
+    );
+    within("shutdown", b.shutdown()).await;
+    within("shutdown", a.shutdown()).await;
+}
+
+#[tokio::test]
+async fn malformed_values_are_skipped() {
+    let etcd = Etcd::start().await;
+    let raw = etcd.client().await;
+    let mut kv = raw.kv_client();
+    kv.put("/rpc/services/t.A/garbage", "not json", None)
+        .await
+        .expect("put");
+    let reg = registry(&etcd, TTL).await;
+    reg.register(Instance::new("127.0.0.1:1001", ["t.A"]))
+        .await
+        .expect("register");
+    let mut w = watch(&reg, "t.A").await;
+    assert_eq!(addresses(&w), ["127.0.0.1:1001"], "the garbage is skipped");
+
+    // Garbage arriving while watching is skipped too; a valid value after it is seen.
+    kv.put("/rpc/services/t.A/partial", r#"{"id":"x"}"#, None)
+        .await
+        .expect("put");
+    // A valid instance that does not serve t.A, under t.A's prefix: not an endpoint of t.A.
+    let stray = serde_json::to_vec(&Instance::new("127.0.0.1:7", ["t.Other"])).expect("json");
+    kv.put("/rpc/services/t.A/stray", stray, None)
+        .await
+        .expect("put");
+    reg.register(Instance::new("127.0.0.1:1000", ["t.A"]))
+        .await
+        .expect("register");
+    wait_until(&mut w, SEEN_WITHIN, "valid addition", has("127.0.0.1:1000")).await;
+    assert_eq!(addresses(&w), ["127.0.0.1:1000", "127.0.0.1:1001"]);
+
+    // A valid key overwritten with garbage stops being an endpoint.
+    kv.put("/rpc/services/t.A/127.0.0.1:1000", "{", None)
+        .await
+        .expect("put");
+    wait_until(&mut w, SEEN_WITHIN, "overwritten", lacks("127.0.0.1:1000")).await;
+}
+
+#[tokio::test]
+async fn watches_end_with_their_last_watcher_and_everything_with_the_registry() {
+    let etcd = Etcd::start().await;
+    let reg = registry(&etcd, TTL).await;
+    // Watchers of one service share one etcd watch.
+    let a1 = watch(&reg, "t.A").await;
+    let a2 = watch(&reg, "t.A").await;
+    let a3 = a1.clone();
+    let mut b = watch(&reg, "t.B").await;
+    etcd.wait_for_watchers(2).await;
+
+    // The last watcher of t.A gone, its etcd watch ends; t.B's stays.
+    drop((a1, a2));
+    etcd.wait_for_watchers(2).await;
+    drop(a3);
+    etcd.wait_for_watchers(1).await;
+    // Watching t.A again starts a new one, which works.
+    let mut a = watch(&reg, "t.A").await;
+    etcd.wait_for_watchers(2).await;
+    reg.register(Instance::new("127.0.0.1:1001", ["t.A", "t.B"]))
+        .await
+        .expect("register");
+    wait_until(&mut a, SEEN_WITHIN, "addition", has("127.0.0.1:1001")).await;
+    wait_until(&mut b, SEEN_WITHIN, "addition", has("127.0.0.1:1001")).await;
+
+    // Dropping the registry (every clone) ends its watches, which report it, and stops the
+    // keep-alive without revoking: the instance goes when its lease expires, as after a crash.
+    let key = reg.key(&"t.A".into(), "127.0.0.1:1001");
+    let other = registry(&etcd, TTL).await;
+    let mut seen_by_other = watch(&other, "t.A").await;
+    etcd.wait_for_watchers(3).await;
+    drop(reg);
+    let dropped = Instant::now();
+    etcd.wait_for_watchers(1).await;
+    // (`changed` first reports a snapshot this watch has not been through `changed` for.)
+    let mut ended = false;
+    for _ in 0..3 {
+        if within("the watch ends", a.changed()).await.is_err() {
+            ended = true;
+            break;
+        }
+    }
+    assert!(ended, "the watch reports that it ended");
+    assert_eq!(addresses(&b), ["127.0.0.1:1001"], "the last snapshot stays");
+    let raw = etcd.client().await;
+    assert!(lease_of(&raw, &key).await.is_some(), "not revoked");
+    wait_until(
+        &mut seen_by_other,
+        TTL + Duration::from_millis(1500),
+        "expired",
+        lacks("127.0.0.1:1001"),
+    )
+    .await;
+    let took = dropped.elapsed();
+    assert!(
+        took >= TTL / 2,
+        "gone after {took:?}: too early for an expiry"
+    );
+}
+
+#[tokio::test]
+async fn an_unreachable_etcd_is_a_clear_error_not_a_construction_failure() {
+    // A port nothing listens on.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port();
+    let reg =
+        EtcdRegistry::from_url_with_options(&format!("etcd://127.0.0.1:{port}"), options(TTL))
+            .await
+            .expect("constructing does not need etcd");
+    let e = within("watch", reg.watch(&"t.A".into()))
+        .await
+        .expect_err("nothing to watch");
+    let text = e.to_string();
+    assert!(
+        text.contains(&format!("etcd at 127.0.0.1:{port} unreachable")),
+        "{text}"
+    );
+    let e = within(
+        "register",
+        reg.register(Instance::new("127.0.0.1:1", ["t.A"])),
+    )
+    .await
+    .expect_err("nowhere to register");
+    assert!(e.to_string().contains("unreachable"), "{e}");
+
+    let e = EtcdRegistry::from_url("http://127.0.0.1:2379")
+        .await
+        .expect_err("not an etcd:// URL");
+    assert!(e.to_string().contains("etcd://host:port"), "{e}");
+}

@@ -1,0 +1,254 @@
+//! Failover across endpoints: dead servers are skipped, a total outage names every endpoint
+//! tried, and a call that may have run is repeated only for idempotent entries.
+
+use crate::common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use common::{recv_one, within};
+use rpc::crates::client::shunt::HashRing;
+use rpc::crates::core::stable_hash;
+use rpc::{
+    answered_by, Client, Codec, InProcessRegistry, RpcError, Server, ServerHandle, StatusCode,
+};
+use tokio::sync::mpsc;
+
+#[rpc::service(name = "t.Fail")]
+trait Fail {
+    #[governance(idempotent)]
+    async fn read(&self) -> Result<String, RpcError>;
+    /// Not idempotent.
+    async fn write(&self) -> Result<String, RpcError>;
+    /// Not idempotent; reports entry and never answers.
+    async fn stuck_write(&self) -> Result<String, RpcError>;
+    #[governance(idempotent, shunt_strategy = "hash")]
+    async fn lookup(&self, #[hash_key] key: String) -> Result<String, RpcError>;
+}
+
+struct Node {
+    name: String,
+    writes: AtomicUsize,
+    stuck: AtomicUsize,
+    entered: mpsc::UnboundedSender<String>,
+}
+
+impl Fail for Node {
+    async fn read(&self) -> Result<String, RpcError> {
+        Ok(self.name.clone())
+    }
+    async fn write(&self) -> Result<String, RpcError> {
+        self.writes.fetch_add(1, Ordering::SeqCst);
+        Ok(self.name.clone())
+    }
+    async fn stuck_write(&self) -> Result<String, RpcError> {
+        self.stuck.fetch_add(1, Ordering::SeqCst);
+        let _ = self.entered.send(self.name.clone());
+        std::future::pending::<()>().await;
+        Ok(self.name.clone())
+    }
+    async fn lookup(&self, _key: String) -> Result<String, RpcError> {
+        Ok(self.name.clone())
+    }
+}
+
+struct Cluster {
+    servers: BTreeMap<String, ServerHandle>,
+    nodes: BTreeMap<String, Arc<Node>>,
+    addr: BTreeMap<String, String>,
+    entered: mpsc::UnboundedReceiver<String>,
+}
+
+impl Cluster {
+    async fn start(reg: &InProcessRegistry) -> Cluster {
+        let (tx, entered) = mpsc::unbounded_channel();
+        let mut c = Cluster {
+            servers: BTreeMap::new(),
+            nodes: BTreeMap::new(),
+            addr: BTreeMap::new(),
+            entered,
+        };
+        for name in ["a", "b", "c"] {
+            let node = Arc::new(Node {
+                name: name.into(),
+                writes: AtomicUsize::new(0),
+                stuck: AtomicUsize::new(0),
+                entered: tx.clone(),
+            });
+            let s = Server::builder()
+                .registry(reg.clone())
+                .add_service(FailServer::from_arc(node.clone()))
+                .serve("127.0.0.1:0")
+                .await
+                .expect("serve");
+            c.addr.insert(name.into(), s.local_addr().to_string());
+            c.servers.insert(name.into(), s);
+            c.nodes.insert(name.into(), node);
+        }
+        c
+    }
+
+    /// Kills a server as a crash would: connections drop, the registry entry stays.
+    fn abort(&mut self, name: &str) {
+        self.servers.remove(name).expect("running").abort();
+    }
+
+    async fn stop(self) {
+        for (_, s) in self.servers {
+            within("shutdown", s.shutdown()).await;
+        }
+    }
+}
+
+#[tokio::test]
+async fn idempotent_calls_fail_over_to_the_survivor() {
+    let reg = InProcessRegistry::new();
+    let mut cluster = Cluster::start(&reg).await;
+    let fail = FailClient::new(Client::builder().registry(reg.clone()).build());
+    // Connections to all three are open and pooled.
+    let warm: BTreeSet<String> = [
+        fail.read().await.expect("read"),
+        fail.read().await.expect("read"),
+        fail.read().await.expect("read"),
+    ]
+    .into();
+    assert_eq!(warm.len(), 3, "{warm:?}");
+
+    cluster.abort("a");
+    cluster.abort("b");
+    for i in 0..20 {
+        let (r, by) = answered_by(within("read after the crash", fail.read())).await;
+        assert_eq!(r.expect("failover to c"), "c", "call {i}");
+        assert_eq!(by.as_deref(), Some(cluster.addr["c"].as_str()));
+    }
+    cluster.stop().await;
+}
+
+#[tokio::test]
+async fn a_total_outage_is_a_communication_error_naming_every_endpoint() {
+    let reg = InProcessRegistry::new();
+    let mut cluster = Cluster::start(&reg).await;
+    let fail = FailClient::new(Client::builder().registry(reg.clone()).build());
+    fail.read().await.expect("read while up");
+    for name in ["a", "b", "c"] {
+        cluster.abort(name);
+    }
+    let err = within("read with every server down", fail.read())
+        .await
+        .expect_err("nothing is up");
+    assert_eq!(err.code(), StatusCode::CommunicationError, "{err}");
+    let tried: BTreeSet<&str> = err.tried().iter().map(String::as_str).collect();
+    let all: BTreeSet<&str> = cluster.addr.values().map(String::as_str).collect();
+    assert_eq!(tried, all, "every endpoint was tried: {err}");
+    let shown = err.to_string();
+    for addr in cluster.addr.values() {
+        assert!(
+            shown.contains(addr.as_str()),
+            "{addr} missing from: {shown}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_non_idempotent_call_whose_server_dies_mid_call_is_not_repeated() {
+    let reg = InProcessRegistry::new();
+    let mut cluster = Cluster::start(&reg).await;
+    let fail = FailClient::new(Client::builder().registry(reg.clone()).build());
+    let call = tokio::spawn({
+        let fail = fail.clone();
+        async move { fail.stuck_write().await }
+    });
+    let victim = recv_one("the call reached a server", &mut cluster.entered).await;
+    cluster.abort(&victim);
+
+    let err = within("the interrupted call", call)
+        .await
+        .expect("join")
+        .expect_err("its server died");
+    assert_eq!(err.code(), StatusCode::CommunicationError, "{err}");
+    assert!(
+        err.is_maybe_delivered(),
+        "the request had reached {victim}: {err}"
+    );
+    assert_eq!(
+        err.tried(),
+        &[cluster.addr[&victim].clone()][..],
+        "tried only where it ran: {err}"
+    );
+    for (name, node) in &cluster.nodes {
+        let expected = usize::from(*name == victim);
+        assert_eq!(
+            node.stuck.load(Ordering::SeqCst),
+            expected,
+            "{name}: the call ran only on {victim}"
+        );
+    }
+    assert!(
+        cluster.entered.try_recv().is_err(),
+        "no second run anywhere"
+    );
+    cluster.stop().await;
+}
+
+#[tokio::test]
+async fn a_non_idempotent_call_that_never_reached_a_dead_server_moves_on() {
+    let reg = InProcessRegistry::new();
+    let mut cluster = Cluster::start(&reg).await;
+    // Dead before the client ever connects: connecting fails, so nothing was delivered.
+    cluster.abort("a");
+    let fail = FailClient::new(Client::builder().registry(reg.clone()).build());
+    let mut answered = BTreeMap::new();
+    for i in 0..9 {
+        let name = within("write", fail.write())
+            .await
+            .unwrap_or_else(|e| panic!("write {i} should move past the dead server: {e}"));
+        *answered.entry(name).or_insert(0) += 1;
+    }
+    assert!(!answered.contains_key("a"), "{answered:?}");
+    let runs: usize = cluster
+        .nodes
+        .values()
+        .map(|n| n.writes.load(Ordering::SeqCst))
+        .sum();
+    assert_eq!(runs, 9, "each write ran exactly once");
+    cluster.stop().await;
+}
+
+#[tokio::test]
+async fn a_hash_key_whose_owner_died_goes_to_the_next_server_on_the_ring() {
+    let reg = InProcessRegistry::new();
+    let mut cluster = Cluster::start(&reg).await;
+    let fail = FailClient::new(Client::builder().registry(reg.clone()).build());
+    let addrs: Vec<String> = cluster.addr.values().cloned().collect();
+    let name_at = |addr: &str| {
+        cluster
+            .addr
+            .iter()
+            .find(|(_, a)| a.as_str() == addr)
+            .map(|(n, _)| n.clone())
+            .expect("known address")
+    };
+    let ring = HashRing::new(addrs.iter().map(String::as_str));
+    // A key owned by server "a".
+    let (key, successor) = (0..10_000)
+        .map(|i| format!("key-{i}"))
+        .find_map(|key| {
+            let hash = stable_hash(&Codec::MsgPack.encode(&key).expect("encode"));
+            let walk: Vec<usize> = ring.walk(hash).collect();
+            (name_at(&addrs[walk[0]]) == "a").then(|| (key, name_at(&addrs[walk[1]])))
+        })
+        .expect("some key is owned by a");
+    assert_eq!(fail.lookup(key.clone()).await.expect("lookup"), "a");
+    cluster.abort("a");
+    for _ in 0..5 {
+        assert_eq!(
+            within("lookup after the owner died", fail.lookup(key.clone()))
+                .await
+                .expect("lookup fails over"),
+            successor,
+            "the next server clockwise takes the key"
+        );
+    }
+    cluster.stop().await;
+}

@@ -1,0 +1,615 @@
+//! The HTTP/JSON gateway as its users use it: real servers over TCP publishing to a registry, a
+//! gateway following that registry, and an HTTP client calling through it: named arguments,
+//! a route declared on the trait with path and query parameters, typed errors as 422, a timeout
+//! as 504, overflow as 503 with `Retry-After`, failover when an instance dies, entries that come
+//! and go with their servers, headers as attachments, the W3C trace context continued, the
+//! bearer token, and the gateway's own refusals. The core flow runs against each registry:
+//! in-process, etcd and ZooKeeper.
+
+use crate::common;
+use crate::etcd_harness;
+use crate::zookeeper_harness;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::otel::Traces;
+use common::{let_through, within, LIMIT};
+use rpc::{Client, InProcessRegistry, Registry, RpcContext, RpcError, Server, ServerHandle};
+use rpc_gateway::Gateway;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, Semaphore};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Order {
+    id: u64,
+    currency: String,
+    verbose: bool,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub enum OrderError {
+    NotFound { id: u64 },
+    Rpc(#[serde(with = "rpc::serde_rpc_error")] RpcError),
+}
+
+impl From<RpcError> for OrderError {
+    fn from(e: RpcError) -> Self {
+        OrderError::Rpc(e)
+    }
+}
+
+#[rpc::service(name = "shop.Orders")]
+pub trait Orders {
+    /// One order; `NotFound` for id 0.
+    #[http(get = "/orders/{id}")]
+    async fn get(
+        &self,
+        id: u64,
+        currency: String,
+        verbose: Option<bool>,
+    ) -> Result<Order, OrderError>;
+    /// Never answers: the entry's timeout ends the call.
+    #[governance(timeout_ms = 300, retry_times = 0)]
+    async fn stall(&self) -> Result<(), RpcError>;
+    /// Answers when the test lets it through.
+    #[governance(retry_times = 0)]
+    async fn hold(&self) -> Result<String, RpcError>;
+}
+
+#[rpc::service(name = "gw.Echo")]
+pub trait Echo {
+    async fn echo(&self, text: String) -> Result<String, RpcError>;
+    /// The address of the server that answered. Idempotent: a call that may have reached a
+    /// server that died is repeated on another one.
+    #[governance(idempotent)]
+    async fn whoami(&self) -> Result<String, RpcError>;
+    /// The call's attachment `name`, as the handler sees it.
+    async fn attachment(&self, name: String) -> Result<Option<String>, RpcError>;
+}
+
+/// Declares the same route as [`BStatus`]: the one first by service id keeps it.
+#[rpc::service(name = "a.Status")]
+pub trait AStatus {
+    #[http(get = "/status")]
+    async fn status(&self) -> Result<String, RpcError>;
+}
+
+/// Declares the same route as [`AStatus`]: served at its default route instead.
+#[rpc::service(name = "b.Status")]
+pub trait BStatus {
+    #[http(get = "/status")]
+    async fn status(&self) -> Result<String, RpcError>;
+}
+
+struct Named(&'static str);
+
+impl AStatus for Arc<Named> {
+    async fn status(&self) -> Result<String, RpcError> {
+        Ok(self.0.to_string())
+    }
+}
+
+impl BStatus for Arc<Named> {
+    async fn status(&self) -> Result<String, RpcError> {
+        Ok(self.0.to_string())
+    }
+}
+
+struct Shop {
+    gate: Arc<Semaphore>,
+    entered: mpsc::UnboundedSender<String>,
+}
+
+impl Orders for Arc<Shop> {
+    async fn get(
+        &self,
+        id: u64,
+        currency: String,
+        verbose: Option<bool>,
+    ) -> Result<Order, OrderError> {
+        if id == 0 {
+            return Err(OrderError::NotFound { id });
+        }
+        Ok(Order {
+            id,
+            currency,
+            verbose: verbose.unwrap_or(false),
+        })
+    }
+
+    async fn stall(&self) -> Result<(), RpcError> {
+        std::future::pending().await
+    }
+
+    async fn hold(&self) -> Result<String, RpcError> {
+        let _ = self.entered.send("hold".into());
+        let_through(&self.gate).await?;
+        Ok("released".into())
+    }
+}
+
+struct Voice {
+    address: String,
+}
+
+impl Echo for Arc<Voice> {
+    async fn echo(&self, text: String) -> Result<String, RpcError> {
+        Ok(text)
+    }
+
+    async fn whoami(&self) -> Result<String, RpcError> {
+        Ok(self.address.clone())
+    }
+
+    async fn attachment(&self, name: String) -> Result<Option<String>, RpcError> {
+        Ok(RpcContext::get(&name))
+    }
+}
+
+/// A gateway over `registry`, served on a free loopback port, with the servers a test starts.
+struct World {
+    registry: Arc<dyn Registry>,
+    gateway: Gateway,
+    base: String,
+    http: reqwest::Client,
+    serving: tokio::task::JoinHandle<std::io::Result<()>>,
+    gate: Arc<Semaphore>,
+    entered: mpsc::UnboundedReceiver<String>,
+    entered_tx: mpsc::UnboundedSender<String>,
+    /// Spans of this test's thread. Every test installs a span subscriber: `tracing` caches each
+    /// callsite's interest process-wide, and a test thread without one could mark the server
+    /// span's callsite as never wanted while the trace test runs.
+    traces: Traces,
+    _traced: tracing::subscriber::DefaultGuard,
+}
+
+impl Drop for World {
+    fn drop(&mut self) {
+        self.serving.abort();
+    }
+}
+
+/// An answer: status, headers, body (JSON, or the text as a JSON string when it is not JSON).
+struct Answer {
+    status: u16,
+    headers: reqwest::header::HeaderMap,
+    body: Value,
+}
+
+impl World {
+    async fn new(registry: Arc<dyn Registry>, token: Option<&str>) -> World {
+        let (traces, traced) = Traces::install();
+        let client = Client::builder().shared_registry(registry.clone()).build();
+        let mut builder = Gateway::builder()
+            .client(client)
+            .registry(registry.clone())
+            .discovery_interval(Duration::from_millis(100));
+        if let Some(token) = token {
+            builder = builder.token(token);
+        }
+        let gateway = builder.build().await.expect("build the gateway");
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let base = format!("http://{}", listener.local_addr().expect("addr"));
+        let serving = tokio::spawn(gateway.clone().serve(listener));
+        let (entered_tx, entered) = mpsc::unbounded_channel();
+        World {
+            registry,
+            gateway,
+            base,
+            http: reqwest::Client::new(),
+            serving,
+            gate: Arc::new(Semaphore::new(0)),
+            entered,
+            entered_tx,
+            traces,
+            _traced: traced,
+        }
+    }
+
+    async fn in_process(token: Option<&str>) -> World {
+        World::new(Arc::new(InProcessRegistry::new()), token).await
+    }
+
+    /// Starts an orders server taking at most `max_concurrency` calls at once.
+    async fn orders(&self, max_concurrency: usize) -> ServerHandle {
+        let shop = Arc::new(Shop {
+            gate: self.gate.clone(),
+            entered: self.entered_tx.clone(),
+        });
+        Server::builder()
+            .shared_registry(self.registry.clone())
+            .max_concurrency(max_concurrency)
+            .add_service(OrdersServer::new(shop))
+            .serve("127.0.0.1:0")
+            .await
+            .expect("serve orders")
+    }
+
+    /// Starts an echo server.
+    async fn echo(&self) -> ServerHandle {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let address = listener.local_addr().expect("addr").to_string();
+        Server::builder()
+            .shared_registry(self.registry.clone())
+            .add_service(EchoServer::new(Arc::new(Voice { address })))
+            .serve_listener(listener)
+            .await
+            .expect("serve echo")
+    }
+
+    /// Starts a server of `service` alone.
+    async fn server(&self, service: impl rpc::Service) -> ServerHandle {
+        let id = service.service_id();
+        Server::builder()
+            .shared_registry(self.registry.clone())
+            .add_service(service)
+            .serve("127.0.0.1:0")
+            .await
+            .unwrap_or_else(|e| panic!("serving {id}: {e}"))
+    }
+
+    /// Waits (on the gateway's route table changes) until every entry of `ids` is served.
+    async fn serving(&self, ids: &[&str]) {
+        let ok = self
+            .gateway
+            .wait_until(LIMIT, |entries| {
+                ids.iter()
+                    .all(|id| entries.iter().any(|e| e.id.as_str() == *id))
+            })
+            .await;
+        assert!(ok, "the gateway does not serve {ids:?} within {LIMIT:?}");
+    }
+
+    async fn send(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Option<&str>,
+    ) -> Answer {
+        let method = reqwest::Method::from_bytes(method.as_bytes()).expect("method");
+        let mut request = self.http.request(method, format!("{}{path}", self.base));
+        for (k, v) in headers {
+            request = request.header(*k, *v);
+        }
+        if let Some(body) = body {
+            request = request.body(body.to_string());
+        }
+        let response = within("the HTTP request", request.send())
+            .await
+            .expect("the gateway answers");
+        let status = response.status().as_u16();
+        let headers = response.headers().clone();
+        let text = within("the HTTP body", response.text())
+            .await
+            .expect("body");
+        let body = serde_json::from_str(&text).unwrap_or(Value::String(text));
+        Answer {
+            status,
+            headers,
+            body,
+        }
+    }
+
+    async fn post(&self, path: &str, body: &str) -> Answer {
+        self.send("POST", path, &[], Some(body)).await
+    }
+}
+
+/// The flow every registry must carry: a call by name, a typed error, a declared route with
+/// path and query parameters, and an entry that appears with its server and goes with it.
+async fn core_flow(registry: Arc<dyn Registry>) {
+    let world = World::new(registry, None).await;
+    let _orders = world.orders(50).await;
+    world.serving(&["shop.Orders.get"]).await;
+
+    let a = world
+        .send("GET", "/orders/42?currency=EUR&verbose=true", &[], None)
+        .await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(
+        a.body,
+        json!({"id": 42, "currency": "EUR", "verbose": true})
+    );
+
+    // The published schemas decide: `currency` is a string, so `123` stays text; `verbose` is
+    // an `Option`, so it may be left out.
+    let a = world.send("GET", "/orders/5?currency=123", &[], None).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(
+        a.body,
+        json!({"id": 5, "currency": "123", "verbose": false})
+    );
+
+    let a = world.send("GET", "/orders/0?currency=EUR", &[], None).await;
+    assert_eq!(a.status, 422, "{}", a.body);
+    assert_eq!(a.body["code"], 1000);
+    assert_eq!(a.body["error"], json!({"NotFound": {"id": 0}}));
+
+    // An entry appears when its server starts, with no restart of the gateway.
+    let echo = world.echo().await;
+    world.serving(&["gw.Echo.echo"]).await;
+    let a = world.post("/api/gw.Echo/echo", r#"{"text": "hi"}"#).await;
+    assert_eq!((a.status, a.body), (200, json!("hi")));
+
+    // ... and disappears when it stops.
+    echo.shutdown().await;
+    let gone = world
+        .gateway
+        .wait_until(LIMIT, |entries| {
+            !entries.iter().any(|e| e.service_id.as_str() == "gw.Echo")
+        })
+        .await;
+    assert!(
+        gone,
+        "gw.Echo is still served after its only server stopped"
+    );
+    let a = world.post("/api/gw.Echo/echo", r#"{"text": "hi"}"#).await;
+    assert_eq!(a.status, 404, "{}", a.body);
+    assert!(a.body["error"].as_str().is_some(), "{}", a.body);
+}
+
+#[tokio::test]
+async fn core_flow_over_the_in_process_registry() {
+    core_flow(Arc::new(InProcessRegistry::new())).await;
+}
+
+#[tokio::test]
+async fn core_flow_over_etcd() {
+    let etcd = etcd_harness::Etcd::start().await;
+    let registry = <dyn Registry>::from_url(&etcd.url())
+        .await
+        .expect("etcd registry");
+    core_flow(registry).await;
+}
+
+#[tokio::test]
+async fn core_flow_over_zookeeper() {
+    let zk = zookeeper_harness::ZooKeeper::shared().await;
+    let url = zk.url_with_prefix(&zookeeper_harness::ZooKeeper::prefix());
+    let registry = <dyn Registry>::from_url(&url).await.expect("zk registry");
+    core_flow(registry).await;
+}
+
+#[tokio::test]
+async fn a_call_past_its_timeout_is_answered_504() {
+    let world = World::in_process(None).await;
+    let _orders = world.orders(50).await;
+    world.serving(&["shop.Orders.stall"]).await;
+    let a = world.post("/api/shop.Orders/stall", "{}").await;
+    assert_eq!(a.status, 504, "{}", a.body);
+    assert_eq!(a.body["code"], 519);
+}
+
+#[tokio::test]
+async fn overflow_is_answered_503_with_retry_after() {
+    let mut world = World::in_process(None).await;
+    let _orders = world.orders(1).await;
+    world.serving(&["shop.Orders.hold"]).await;
+    let first = {
+        let http = world.http.clone();
+        let url = format!("{}/api/shop.Orders/hold", world.base);
+        tokio::spawn(async move { http.post(url).body("{}").send().await })
+    };
+    let tag = common::recv_one("the first call's handler", &mut world.entered).await;
+    assert_eq!(tag, "hold");
+
+    let a = world.post("/api/shop.Orders/hold", "{}").await;
+    assert_eq!(a.status, 503, "{}", a.body);
+    assert_eq!(a.body["code"], 515, "{}", a.body);
+    let retry_after: u64 = a
+        .headers
+        .get("retry-after")
+        .expect("Retry-After")
+        .to_str()
+        .expect("ascii")
+        .parse()
+        .expect("seconds");
+    assert!(retry_after >= 1);
+
+    world.gate.add_permits(1);
+    let first = within("the first call", first)
+        .await
+        .expect("task")
+        .expect("answer");
+    assert_eq!(first.status().as_u16(), 200);
+    assert_eq!(first.text().await.expect("body"), "\"released\"");
+}
+
+#[tokio::test]
+async fn calls_fail_over_when_one_of_two_instances_dies() {
+    let world = World::in_process(None).await;
+    let a = world.echo().await;
+    let b = world.echo().await;
+    let (addr_a, addr_b) = (a.local_addr().to_string(), b.local_addr().to_string());
+    world.serving(&["gw.Echo.whoami"]).await;
+    // Both instances answer before one dies (round robin).
+    let mut seen = std::collections::BTreeSet::new();
+    for _ in 0..4 {
+        let r = world.post("/api/gw.Echo/whoami", "{}").await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        seen.insert(r.body.as_str().expect("address").to_string());
+    }
+    assert_eq!(seen, [addr_a.clone(), addr_b.clone()].into());
+
+    // Killed: connections closed, its registration left behind as after a crash.
+    a.abort();
+    for _ in 0..6 {
+        let r = world.post("/api/gw.Echo/whoami", "{}").await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(r.body, json!(addr_b));
+    }
+}
+
+#[tokio::test]
+async fn headers_travel_as_attachments_but_the_gateway_s_own_do_not() {
+    let world = World::in_process(Some("s3cret")).await;
+    let _echo = world.echo().await;
+    world.serving(&["gw.Echo.attachment"]).await;
+    let auth = ("authorization", "Bearer s3cret");
+    for (name, expected) in [
+        ("x-tenant", json!("acme")),
+        ("authorization", Value::Null),
+        ("cookie", Value::Null),
+        ("host", Value::Null),
+    ] {
+        let a = world
+            .send(
+                "POST",
+                "/api/gw.Echo/attachment",
+                &[auth, ("X-Tenant", "acme"), ("cookie", "session=1")],
+                Some(&json!({ "name": name }).to_string()),
+            )
+            .await;
+        assert_eq!((a.status, &a.body), (200, &expected), "{name}");
+    }
+}
+
+#[tokio::test]
+async fn the_bearer_token_is_checked() {
+    let world = World::in_process(Some("s3cret")).await;
+    let _echo = world.echo().await;
+    world.serving(&["gw.Echo.echo"]).await;
+    let body = Some(r#"{"text": "hi"}"#);
+    for headers in [vec![], vec![("authorization", "Bearer wrong")]] {
+        let a = world
+            .send("POST", "/api/gw.Echo/echo", &headers, body)
+            .await;
+        assert_eq!(a.status, 401, "{headers:?}");
+        assert_eq!(
+            a.headers.get("www-authenticate").expect("challenge"),
+            "Bearer"
+        );
+        assert!(a.body["error"].as_str().expect("error").contains("Bearer"));
+    }
+    let a = world.send("GET", "/openapi.json", &[], None).await;
+    assert_eq!(a.status, 401);
+    let a = world
+        .send(
+            "POST",
+            "/api/gw.Echo/echo",
+            &[("authorization", "Bearer s3cret")],
+            body,
+        )
+        .await;
+    assert_eq!((a.status, a.body), (200, json!("hi")));
+    let a = world.send("GET", "/healthz", &[], None).await;
+    assert_eq!((a.status, a.body), (200, json!("ok")));
+}
+
+#[tokio::test]
+async fn the_gateway_s_own_refusals_say_what_to_send() {
+    let world = World::in_process(None).await;
+    let _echo = world.echo().await;
+    let _orders = world.orders(50).await;
+    world.serving(&["gw.Echo.echo", "shop.Orders.get"]).await;
+
+    let a = world.post("/api/nobody.Nothing/x", "{}").await;
+    assert_eq!(a.status, 404);
+    let message = a.body["error"].as_str().expect("error");
+    assert!(message.contains("/openapi.json"), "{message}");
+    assert!(
+        !message.contains("gw.Echo"),
+        "a 404 lists nothing: {message}"
+    );
+
+    let a = world.post("/api/gw.Echo/echo", "{text: hi").await;
+    assert_eq!(a.status, 400);
+    assert!(a.body["error"]
+        .as_str()
+        .expect("error")
+        .starts_with("the body is not JSON"));
+
+    let a = world.post("/api/gw.Echo/echo", "{}").await;
+    assert_eq!(a.status, 400);
+    let message = a.body["error"].as_str().expect("error");
+    assert!(
+        message.contains("\"text\"") && message.contains("missing"),
+        "{message}"
+    );
+
+    let a = world
+        .post("/api/gw.Echo/echo", r#"{"text": "a", "txt": "b"}"#)
+        .await;
+    assert_eq!(a.status, 400);
+    assert!(a.body["error"]
+        .as_str()
+        .expect("error")
+        .contains("no argument \"txt\""));
+
+    let a = world.send("GET", "/orders/7", &[], None).await;
+    assert_eq!(a.status, 400, "currency is required: {}", a.body);
+
+    let a = world.send("DELETE", "/orders/7", &[], None).await;
+    assert_eq!(a.status, 405);
+    assert_eq!(a.headers.get("allow").expect("Allow"), "GET");
+
+    // The document lists what is served, at the routes it is served at.
+    let a = world.send("GET", "/openapi.json", &[], None).await;
+    assert_eq!(a.status, 200);
+    assert_eq!(a.body["openapi"], "3.1.0");
+    let a = world.send("GET", "/docs", &[], None).await;
+    assert_eq!(a.status, 200);
+}
+
+#[tokio::test]
+async fn the_request_s_traceparent_continues_into_the_server_s_span() {
+    let world = World::in_process(None).await;
+    let _echo = world.echo().await;
+    world.serving(&["gw.Echo.echo"]).await;
+    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let a = world
+        .send(
+            "POST",
+            "/api/gw.Echo/echo",
+            &[("traceparent", &format!("00-{trace_id}-00f067aa0ba902b7-01"))],
+            Some(r#"{"text": "traced"}"#),
+        )
+        .await;
+    assert_eq!((a.status, a.body), (200, json!("traced")));
+    let spans = world.traces.spans();
+    let server = spans
+        .iter()
+        .find(|s| s.name == "rpc.server")
+        .unwrap_or_else(|| {
+            panic!(
+                "no rpc.server span among {:?}",
+                spans.iter().map(|s| &s.name).collect::<Vec<_>>()
+            )
+        });
+    assert_eq!(server.span_context.trace_id().to_string(), trace_id);
+}
+
+#[tokio::test]
+async fn of_two_services_declaring_one_route_the_first_keeps_it_and_the_other_its_default() {
+    let world = World::in_process(None).await;
+    // b.Status registers first: the order of service ids decides, not the order of arrival.
+    let _b = world.server(BStatusServer::new(Arc::new(Named("b")))).await;
+    let _a = world.server(AStatusServer::new(Arc::new(Named("a")))).await;
+    world.serving(&["a.Status.status", "b.Status.status"]).await;
+
+    let a = world.send("GET", "/status", &[], None).await;
+    assert_eq!((a.status, a.body), (200, json!("a")));
+    let b = world.post("/api/b.Status/status", "{}").await;
+    assert_eq!((b.status, b.body), (200, json!("b")));
+    let taken = world.post("/api/a.Status/status", "{}").await;
+    assert_eq!(
+        taken.status, 404,
+        "a.Status is served at its declared route only"
+    );
+
+    // The document shows each at the route it is served at.
+    let doc = world.gateway.entries();
+    let declared = |id: &str| {
+        doc.iter()
+            .find(|e| e.id.as_str() == id)
+            .and_then(|e| e.api.as_ref())
+            .and_then(|api| api.http.as_ref())
+            .map(|h| h.path.clone())
+    };
+    assert_eq!(declared("a.Status.status").as_deref(), Some("/status"));
+    assert_eq!(declared("b.Status.status"), None);
+}

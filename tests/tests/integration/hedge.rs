@@ -1,0 +1,203 @@
+//! Hedging over TCP: an idempotent call whose first endpoint does not answer gets a second
+//! attempt on the other endpoint after `hedge_delay_ms` (or, under `hedge_percentile`, the
+//! entry's recent latency at that percentile); that answer wins, and the first server is told
+//! to stop (Cancel frame): its handler's future is dropped while the client is still
+//! connected.
+
+use crate::common;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use common::{recv_one, within, DropSignal};
+use rpc::{
+    Client, EventKind, GovernanceOverrides, InProcessRegistry, RpcError, Server, StaticRegistry,
+};
+use tokio::sync::mpsc;
+
+#[rpc::service(name = "t.Hedge")]
+trait Hedged {
+    /// Answers the server's name, or (the stuck server) never answers.
+    async fn who(&self) -> Result<String, RpcError>;
+}
+
+struct Node {
+    name: &'static str,
+    stuck: bool,
+    calls: Arc<AtomicU64>,
+    dropped: mpsc::UnboundedSender<String>,
+}
+
+impl Hedged for Node {
+    async fn who(&self) -> Result<String, RpcError> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        if self.stuck {
+            let _signal = DropSignal::new(self.name, self.dropped.clone());
+            std::future::pending::<()>().await;
+        }
+        Ok(self.name.to_string())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hedge_answers_for_a_stuck_server_and_the_stuck_server_is_cancelled() {
+    let (dropped_tx, mut dropped) = mpsc::unbounded_channel();
+    let mut servers = Vec::new();
+    let mut calls = Vec::new();
+    for (name, stuck) in [("stuck", true), ("quick", false)] {
+        let n = Arc::new(AtomicU64::new(0));
+        calls.push(n.clone());
+        servers.push(
+            Server::builder()
+                .add_service(HedgedServer::new(Node {
+                    name,
+                    stuck,
+                    calls: n,
+                    dropped: dropped_tx.clone(),
+                }))
+                .serve("127.0.0.1:0")
+                .await
+                .expect("serve"),
+        );
+    }
+    let client = HedgedClient::new(
+        Client::builder()
+            .registry(StaticRegistry::new(
+                servers.iter().map(|s| s.local_addr().to_string()),
+            ))
+            .override_options(
+                HedgedClient::SERVICE_ID,
+                GovernanceOverrides {
+                    hedge_delay_ms: Some(50),
+                    idempotent: Some(true),
+                    ..GovernanceOverrides::NONE
+                },
+            )
+            .build(),
+    );
+    // Every call answers from the quick server: directly, or by the hedge of a first attempt
+    // on the stuck one (which never answers).
+    for _ in 0..4 {
+        let who = within("a hedged call", client.who())
+            .await
+            .expect("answered");
+        assert_eq!(who, "quick");
+    }
+    let stuck = calls[0].load(Ordering::SeqCst);
+    assert!(
+        stuck >= 1,
+        "the balancer started some call on the stuck server"
+    );
+    assert_eq!(
+        calls[1].load(Ordering::SeqCst),
+        4,
+        "each call answered once by the quick one"
+    );
+    // Each losing attempt was cancelled: the stuck server dropped its handler, with the
+    // client still alive and connected.
+    for _ in 0..stuck {
+        assert_eq!(
+            recv_one("a stuck handler dropped", &mut dropped).await,
+            "stuck"
+        );
+    }
+    drop(client);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_hedge_percentile_calls_are_hedged_once_the_entry_has_a_latency_record() {
+    // hedge_percentile = 50 and no floor: no hedge until the entry's window holds 20 calls;
+    // after that, a call whose first attempt lands on the stuck server is hedged after the
+    // entry's median latency (well under a millisecond here) and answered by the quick one.
+    let (dropped_tx, mut dropped) = mpsc::unbounded_channel();
+    let reg = InProcessRegistry::new();
+    let calls: Vec<Arc<AtomicU64>> = (0..2).map(|_| Arc::new(AtomicU64::new(0))).collect();
+    let node = |name, stuck, calls: &Arc<AtomicU64>| {
+        HedgedServer::new(Node {
+            name,
+            stuck,
+            calls: calls.clone(),
+            dropped: dropped_tx.clone(),
+        })
+    };
+    let quick = Server::builder()
+        .registry(reg.clone())
+        .add_service(node("quick", false, &calls[1]))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let client = Client::builder()
+        .registry(reg.clone())
+        .override_options(
+            HedgedClient::SERVICE_ID,
+            GovernanceOverrides {
+                hedge_percentile: Some(50),
+                idempotent: Some(true),
+                // Far beyond the test's limit: a call left waiting on the stuck server fails
+                // the test (`within`) rather than time out.
+                timeout_ms: Some(60_000),
+                ..GovernanceOverrides::NONE
+            },
+        )
+        .build();
+    let mut events = client.events().subscribe();
+    let proxy = HedgedClient::new(client.clone());
+    // The quick server alone teaches the entry its latency.
+    for _ in 0..25 {
+        assert_eq!(
+            within("a call", proxy.who()).await.expect("answered"),
+            "quick"
+        );
+    }
+    // Now the stuck server joins; round robin sends every other first attempt there.
+    let stuck = Server::builder()
+        .registry(reg.clone())
+        .add_service(node("stuck", true, &calls[0]))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let stuck_addr = stuck.local_addr().to_string();
+    within("the client sees the stuck server", async {
+        while !client.endpoints().iter().any(|e| e.address == stuck_addr) {
+            let _ = proxy.who().await;
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    calls[1].store(0, Ordering::SeqCst);
+    let before = calls[0].load(Ordering::SeqCst);
+    for _ in 0..4 {
+        let who = within("a call hedged by percentile", proxy.who())
+            .await
+            .expect("answered");
+        assert_eq!(who, "quick");
+    }
+    let stuck_calls = calls[0].load(Ordering::SeqCst) - before;
+    assert!(
+        stuck_calls >= 1,
+        "no first attempt went to the stuck server"
+    );
+    assert_eq!(calls[1].load(Ordering::SeqCst), 4);
+    // Each hedge says it followed the percentile, and each stuck attempt was cancelled.
+    let mut hedges = 0;
+    while let Ok(e) = events.try_recv() {
+        if e.kind == EventKind::Hedge {
+            let cause = e.cause.unwrap_or_default();
+            assert!(cause.contains("p50 latency"), "{cause}");
+            hedges += 1;
+        }
+    }
+    assert!(
+        hedges >= stuck_calls,
+        "{hedges} hedges for {stuck_calls} stuck attempts"
+    );
+    for _ in 0..calls[0].load(Ordering::SeqCst) {
+        assert_eq!(
+            recv_one("a stuck handler dropped", &mut dropped).await,
+            "stuck"
+        );
+    }
+    drop(client);
+    within("shutdown", quick.shutdown()).await;
+    within("shutdown", stuck.shutdown()).await;
+}

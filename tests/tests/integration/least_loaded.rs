@@ -1,0 +1,239 @@
+//! Load-aware balancing over real servers: under `shunt_strategy = least_loaded` a slow server
+//! gets few calls and an instance's `weight` metadata shares the calls out; under `hash` with
+//! `hash_balance_factor` a key moves past its owner while that holds too many calls.
+
+use crate::common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::within;
+use rpc::{Client, InProcessRegistry, RpcError, Server, ServerHandle, ShuntStrategy};
+
+#[rpc::service(name = "t.Paced")]
+trait Paced {
+    /// Answers after the server's configured delay.
+    async fn work(&self) -> Result<(), RpcError>;
+}
+
+/// A server that answers after `delay` and counts the calls it served.
+struct Pace {
+    delay: Duration,
+    served: Arc<AtomicUsize>,
+}
+
+impl Paced for Pace {
+    async fn work(&self) -> Result<(), RpcError> {
+        self.served.fetch_add(1, Ordering::Relaxed);
+        if !self.delay.is_zero() {
+            tokio::time::sleep(self.delay).await;
+        }
+        Ok(())
+    }
+}
+
+/// A server answering after `delay`, with `weight` metadata when given, and its call counter.
+async fn server(
+    reg: &InProcessRegistry,
+    delay: Duration,
+    weight: Option<&str>,
+) -> (ServerHandle, Arc<AtomicUsize>) {
+    let served = Arc::new(AtomicUsize::new(0));
+    let mut b = Server::builder().registry(reg.clone());
+    if let Some(w) = weight {
+        b = b.metadata("weight", w);
+    }
+    let s = b
+        .add_service(PacedServer::new(Pace {
+            delay,
+            served: served.clone(),
+        }))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    (s, served)
+}
+
+/// `calls` calls from `callers` concurrent callers through one client of `strategy`.
+async fn load(reg: &InProcessRegistry, strategy: ShuntStrategy, callers: usize, calls: usize) {
+    let client = PacedClient::new(
+        Client::builder()
+            .registry(reg.clone())
+            .shunt_strategy(strategy)
+            .build(),
+    );
+    let tasks: Vec<_> = (0..callers)
+        .map(|_| {
+            let client = client.clone();
+            tokio::spawn(async move {
+                for _ in 0..calls / callers {
+                    client.work().await.expect("work");
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        within("callers", t).await.expect("caller task");
+    }
+}
+
+#[tokio::test]
+async fn most_calls_go_to_the_fast_server_under_least_loaded() {
+    // Two servers, one answering after 100 ms, the other at once; 8 callers, 200 calls.
+    // Round robin sends the slow one exactly half (the control below). Least loaded sends it
+    // calls only until its first answer shows its latency (100 ms against the fast one's
+    // ~1 ms: its score stays above the fast one's while that has fewer than ~10 000 calls
+    // outstanding, and only 8 ever are): at most a few per caller at the start.
+    let reg = InProcessRegistry::new();
+    let (fast, fast_served) = server(&reg, Duration::ZERO, None).await;
+    let (slow, slow_served) = server(&reg, Duration::from_millis(100), None).await;
+    load(&reg, ShuntStrategy::LeastLoaded, 8, 200).await;
+    let (f, s) = (
+        fast_served.load(Ordering::Relaxed),
+        slow_served.load(Ordering::Relaxed),
+    );
+    assert_eq!(f + s, 200);
+    assert!(s <= 20, "the slow server served {s} of 200 (fast {f})");
+
+    // The control: round robin over the same servers gives the slow one half.
+    fast_served.store(0, Ordering::Relaxed);
+    slow_served.store(0, Ordering::Relaxed);
+    load(&reg, ShuntStrategy::RoundRobin, 8, 48).await;
+    assert_eq!(slow_served.load(Ordering::Relaxed), 24);
+    within("shutdown", fast.shutdown()).await;
+    within("shutdown", slow.shutdown()).await;
+}
+
+#[tokio::test]
+async fn a_weight_3_instance_gets_about_three_times_the_calls_of_a_weight_1_one() {
+    // Both answer after 10 ms, so their latencies are alike and the weight decides: with 32
+    // callers, least loaded balances (outstanding + 1) / weight, which puts about three times
+    // the calls in flight, hence three times the calls, on the weight-3 instance.
+    let reg = InProcessRegistry::new();
+    let (heavy, heavy_served) = server(&reg, Duration::from_millis(10), Some("3")).await;
+    let (light, light_served) = server(&reg, Duration::from_millis(10), None).await;
+    load(&reg, ShuntStrategy::LeastLoaded, 32, 960).await;
+    let (h, l) = (
+        heavy_served.load(Ordering::Relaxed),
+        light_served.load(Ordering::Relaxed),
+    );
+    assert_eq!(h + l, 960);
+    let ratio = h as f64 / l.max(1) as f64;
+    assert!(
+        (2.2..=4.5).contains(&ratio),
+        "weight 3 served {h}, weight 1 served {l}: ratio {ratio:.2}"
+    );
+    within("shutdown", heavy.shutdown()).await;
+    within("shutdown", light.shutdown()).await;
+}
+
+#[rpc::service(name = "t.Bounded")]
+trait Bounded {
+    /// Reports entry, waits for a permit the test hands out; returns the server's name.
+    #[governance(shunt_strategy = "hash")]
+    async fn hold(&self, #[hash_key] key: String) -> Result<String, RpcError>;
+}
+
+/// A server whose handlers report entry on a channel shared by all servers and wait for a
+/// permit of their own server.
+struct Gate {
+    name: String,
+    entered: tokio::sync::mpsc::UnboundedSender<String>,
+    release: Arc<tokio::sync::Semaphore>,
+}
+
+impl Bounded for Gate {
+    async fn hold(&self, _key: String) -> Result<String, RpcError> {
+        let _ = self.entered.send(self.name.clone());
+        common::let_through(&self.release).await?;
+        Ok(self.name.clone())
+    }
+}
+
+#[tokio::test]
+async fn bounded_load_hashing_sends_a_key_past_its_busy_owner() {
+    use std::collections::BTreeMap;
+    use tokio::sync::{mpsc, Semaphore};
+
+    let reg = InProcessRegistry::new();
+    let (entered_tx, mut entered) = mpsc::unbounded_channel();
+    let mut gates: BTreeMap<String, Arc<Semaphore>> = BTreeMap::new();
+    let mut servers = Vec::new();
+    for i in 0..3 {
+        let name = format!("s{i}");
+        let release = Arc::new(Semaphore::new(0));
+        gates.insert(name.clone(), release.clone());
+        servers.push(
+            Server::builder()
+                .registry(reg.clone())
+                .add_service(BoundedServer::new(Gate {
+                    name,
+                    entered: entered_tx.clone(),
+                    release,
+                }))
+                .serve("127.0.0.1:0")
+                .await
+                .expect("serve"),
+        );
+    }
+    let client = Client::builder()
+        .registry(reg.clone())
+        .override_options(
+            BoundedClient::SERVICE_ID,
+            rpc::GovernanceOverrides {
+                hash_balance_factor: Some(125),
+                ..rpc::GovernanceOverrides::NONE
+            },
+        )
+        .build();
+    let bounded = BoundedClient::new(client.clone());
+    let key = || "the-key".to_string();
+    async fn next_entry(rx: &mut mpsc::UnboundedReceiver<String>) -> String {
+        within("a handler entered", rx.recv())
+            .await
+            .expect("entered")
+    }
+
+    // Calls of one key, held in their handlers, placed one at a time so that each entry shows
+    // where it went. The first, with nothing outstanding (bound ⌈1.25 × 1 / 3⌉ = 1, and
+    // 0 + 1 fits), goes to the key's owner.
+    let mut calls = Vec::new();
+    let first = {
+        let b = bounded.clone();
+        tokio::spawn(async move { b.hold(key()).await })
+    };
+    calls.push(first);
+    let owner = next_entry(&mut entered).await;
+    // With the owner holding 1 of 1 outstanding calls, the bound at 125 % is
+    // ⌈1.25 × 2 / 3⌉ = 1: 1 + 1 is over, so the next call of the same key goes past the owner.
+    let second = {
+        let b = bounded.clone();
+        tokio::spawn(async move { b.hold(key()).await })
+    };
+    calls.push(second);
+    let moved = next_entry(&mut entered).await;
+    assert_ne!(moved, owner, "the busy owner kept the key");
+
+    // The control: with the bound off for one call, the key goes to its owner, busy or not.
+    let unbounded = BoundedClient::new(client.with_options(rpc::GovernanceOverrides {
+        hash_balance_factor: Some(0),
+        ..rpc::GovernanceOverrides::NONE
+    }));
+    let third = tokio::spawn(async move { unbounded.hold(key()).await });
+    calls.push(third);
+    assert_eq!(next_entry(&mut entered).await, owner);
+
+    for release in gates.values() {
+        release.add_permits(calls.len());
+    }
+    for c in calls {
+        within("a held call", c)
+            .await
+            .expect("task")
+            .expect("the held call answers once released");
+    }
+    for s in servers {
+        within("shutdown", s.shutdown()).await;
+    }
+}

@@ -1,0 +1,487 @@
+//! Per-connection limits, each tested with a misbehaving raw TCP client: calls running at once
+//! on one connection, attachments per call (count and bytes), slow loris (a frame dribbled a
+//! byte at a time, before and after the handshake). Refused calls are answered at once
+//! and never run; other connections are served as before.
+
+use crate::common;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+
+use common::{within, RawConn};
+use rpc::crates::core::wire::{
+    frame::Kind, Frame, GoAway, Hello, RemoteInvokeMessage, RemoteResultMessage,
+};
+use rpc::crates::transport::FrameCodec;
+use rpc::{Client, Codec, InProcessRegistry, RpcError, Server, ServerHandle, StatusCode};
+
+#[rpc::service(name = "t.Limits")]
+trait Limits {
+    async fn hold(&self, text: String) -> Result<String, RpcError>;
+}
+
+/// Holds every call until the gate opens; counts the calls that ran.
+struct Gate {
+    open: tokio::sync::Semaphore,
+    ran: AtomicU32,
+}
+
+impl Limits for Gate {
+    async fn hold(&self, text: String) -> Result<String, RpcError> {
+        self.ran.fetch_add(1, Ordering::SeqCst);
+        let _pass = self.open.acquire().await;
+        Ok(text)
+    }
+}
+
+/// A gate with `permits` passes open.
+fn gate(permits: usize) -> Arc<Gate> {
+    Arc::new(Gate {
+        open: tokio::sync::Semaphore::new(permits),
+        ran: AtomicU32::new(0),
+    })
+}
+
+/// A server from [`setup`] and a raw connection to it past the handshake.
+async fn connected(gate: Arc<Gate>) -> (ServerHandle, InProcessRegistry, RawConn) {
+    let (server, reg) = setup(gate).await;
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.handshake().await;
+    (server, reg, raw)
+}
+
+/// One attachment more than [`setup`] allows.
+fn five_attachments() -> BTreeMap<String, String> {
+    (0..5).map(|i| (format!("k{i}"), "v".into())).collect()
+}
+
+/// A well-behaved client of the registry's server is served.
+async fn still_served(reg: InProcessRegistry) {
+    let client = LimitsClient::new(Client::builder().registry(reg).build());
+    assert_eq!(
+        within("a well-behaved call", client.hold("ok".into()))
+            .await
+            .expect("served"),
+        "ok"
+    );
+}
+
+async fn setup(gate: Arc<Gate>) -> (ServerHandle, InProcessRegistry) {
+    let reg = InProcessRegistry::new();
+    let server = Server::builder()
+        .registry(reg.clone())
+        .max_concurrency(1000)
+        .max_in_flight_per_connection(3)
+        .max_attachments(4, 64)
+        .add_service(LimitsServer::from_arc(gate))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    (server, reg)
+}
+
+fn invoke(id: u64, attachments: BTreeMap<String, String>) -> Kind {
+    Kind::Invoke(RemoteInvokeMessage {
+        message_id: id,
+        service_entry_id: "t.Limits.hold".into(),
+        codec: Codec::MsgPack.to_wire(),
+        parameters: Codec::MsgPack.encode(&("x",)).expect("encode"),
+        attachments,
+        ..Default::default()
+    })
+}
+
+async fn answer(raw: &mut RawConn) -> RemoteResultMessage {
+    match within("an answer", raw.recv()).await {
+        Some(Kind::Result(r)) => r,
+        other => panic!("expected a result, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn calls_over_the_connections_limit_are_refused_at_once_and_others_are_served() {
+    let gate = gate(0);
+    let (server, reg, mut raw) = connected(gate.clone()).await;
+    for id in 1..=5 {
+        raw.send(invoke(id, BTreeMap::new())).await.expect("send");
+    }
+    // Ids 4 and 5 are refused while 1..3 are held.
+    let mut refused = Vec::new();
+    for _ in 0..2 {
+        let r = answer(&mut raw).await;
+        assert_eq!(r.status_code, 515, "{r:?}");
+        assert!(r.exception_message.contains("per connection"), "{r:?}");
+        refused.push(r.message_id);
+    }
+    refused.sort_unstable();
+    assert_eq!(refused, [4, 5]);
+    assert_eq!(
+        gate.ran.load(Ordering::SeqCst),
+        3,
+        "refused calls never ran"
+    );
+
+    // Another connection is not affected by this one's limit.
+    let other = LimitsClient::new(Client::builder().registry(reg).build());
+    let call = tokio::spawn(async move { other.hold("other".into()).await });
+    gate.open.add_permits(100);
+    assert_eq!(
+        within("other client", call)
+            .await
+            .expect("join")
+            .expect("served"),
+        "other"
+    );
+    let mut ok = Vec::new();
+    for _ in 0..3 {
+        let r = answer(&mut raw).await;
+        assert_eq!(r.status_code, 200, "{r:?}");
+        ok.push(r.message_id);
+    }
+    ok.sort_unstable();
+    assert_eq!(ok, [1, 2, 3]);
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn too_many_or_too_large_attachments_are_refused_and_not_run() {
+    let gate = gate(1000);
+    let (server, _reg, mut raw) = connected(gate.clone()).await;
+
+    let many = five_attachments();
+    raw.send(invoke(1, many)).await.expect("send");
+    let r = answer(&mut raw).await;
+    assert_eq!((r.message_id, r.status_code), (1, 500), "{r:?}");
+    assert!(
+        r.exception_message
+            .contains("5 attachments exceed the limit of 4"),
+        "{r:?}"
+    );
+
+    let large = BTreeMap::from([("k".to_string(), "v".repeat(64))]);
+    raw.send(invoke(2, large)).await.expect("send");
+    let r = answer(&mut raw).await;
+    assert_eq!((r.message_id, r.status_code), (2, 500), "{r:?}");
+    assert!(
+        r.exception_message
+            .contains("65 bytes exceed the limit of 64"),
+        "{r:?}"
+    );
+    assert_eq!(
+        gate.ran.load(Ordering::SeqCst),
+        0,
+        "refused calls never ran"
+    );
+
+    // Within the limits the same connection is served.
+    let fine = BTreeMap::from([("tenant".to_string(), "acme".to_string())]);
+    raw.send(invoke(3, fine)).await.expect("send");
+    let r = answer(&mut raw).await;
+    assert_eq!(
+        (r.message_id, r.status_code),
+        (3, StatusCode::Success.as_u32()),
+        "{r:?}"
+    );
+    assert_eq!(gate.ran.load(Ordering::SeqCst), 1);
+    server.shutdown().await;
+}
+
+/// Slow loris: a client that keeps a connection busy by sending one byte of a frame at a time,
+/// never completing it. Only complete frames count as traffic, so the dribbler is closed at the
+/// idle timeout (or at the handshake timeout, before `Hello` is complete) however steadily its
+/// bytes arrive, and the server serves everyone else meanwhile.
+/// Returns the bytes dribbled before the server closed, the bytes the whole frame would have
+/// needed, and the server's `GoAway`.
+async fn dribble_until_closed(
+    addr: std::net::SocketAddr,
+    handshake: bool,
+) -> (usize, usize, GoAway) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let stream = within("connect", tokio::net::TcpStream::connect(addr))
+        .await
+        .expect("connect");
+    let (mut rd, mut wr) = stream.into_split();
+    let mut hello = bytes::BytesMut::new();
+    FrameCodec::encode_kind(
+        Kind::Hello(Hello {
+            protocol_version: 1,
+            token: String::new(),
+            client_id: "slow-loris".into(),
+            ..Default::default()
+        }),
+        &mut hello,
+    );
+    let mut call = bytes::BytesMut::new();
+    FrameCodec::encode_kind(invoke(1, BTreeMap::new()), &mut call);
+    let mut sent = 0usize;
+    if handshake {
+        wr.write_all(&hello).await.expect("hello");
+    }
+    let partial = if handshake { call } else { hello };
+    let whole = partial.len();
+    // The attack: one byte every 20 ms, never the last one. Bounded: the frame has at most a
+    // few dozen bytes, the loop stops when the server closes.
+    let dribbler = tokio::spawn(async move {
+        for byte in &partial[..partial.len() - 1] {
+            if wr.write_all(&[*byte]).await.is_err() {
+                break;
+            }
+            sent += 1;
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        (sent, wr)
+    });
+    let mut received = Vec::new();
+    within(
+        "the server closes the dribbling connection",
+        rd.read_to_end(&mut received),
+    )
+    .await
+    .expect("read until closed");
+    let (sent, _wr) = dribbler.await.expect("dribbler");
+    // Everything the server sent: HelloAck (after a complete Hello), then its GoAway.
+    let mut frames = Vec::new();
+    let mut rest = &received[..];
+    while rest.len() >= 4 {
+        let len = u32::from_be_bytes([rest[0], rest[1], rest[2], rest[3]]) as usize;
+        let frame = <Frame as prost::Message>::decode(&rest[4..4 + len]).expect("a Frame");
+        frames.push(frame.kind.expect("a kind"));
+        rest = &rest[4 + len..];
+    }
+    match frames.pop() {
+        Some(Kind::GoAway(g)) => (sent, whole, g),
+        other => panic!("expected a GoAway last, got {other:?} after {frames:?}"),
+    }
+}
+
+// The paused clock: the dribble and the timeout run in virtual time.
+#[tokio::test(start_paused = true)]
+async fn a_slow_loris_is_closed_at_the_idle_timeout_and_others_are_served() {
+    let gate = gate(1000);
+    let reg = InProcessRegistry::new();
+    let server = Server::builder()
+        .registry(reg.clone())
+        .idle_timeout(std::time::Duration::from_millis(150))
+        .add_service(LimitsServer::from_arc(gate.clone()))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let (sent, whole, g) = dribble_until_closed(server.local_addr(), true).await;
+    assert!(g.reason.contains("idle for 150 ms"), "{g:?}");
+    // Bytes kept arriving, more often than the idle timeout, and did not keep the connection:
+    // it was closed before the frame could have been complete.
+    assert!(
+        sent >= 2 && sent < whole - 1,
+        "dribbled {sent} of {whole} bytes"
+    );
+    assert_eq!(
+        gate.ran.load(Ordering::SeqCst),
+        0,
+        "the partial call never ran"
+    );
+    still_served(reg).await;
+    server.shutdown().await;
+}
+
+// The paused clock: the dribble and the timeout run in virtual time.
+#[tokio::test(start_paused = true)]
+async fn a_slow_hello_is_closed_at_the_handshake_timeout() {
+    let gate = gate(1000);
+    let server = Server::builder()
+        .handshake_timeout(std::time::Duration::from_millis(150))
+        .add_service(LimitsServer::from_arc(gate))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let (sent, whole, g) = dribble_until_closed(server.local_addr(), false).await;
+    assert_eq!(g.status_code, StatusCode::Timeout.as_u32(), "{g:?}");
+    assert!(g.reason.contains("150 ms"), "{g:?}");
+    assert!(
+        sent >= 2 && sent < whole - 1,
+        "dribbled {sent} of {whole} bytes"
+    );
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_connection_that_keeps_breaking_the_attachment_limits_is_closed() {
+    let gate = gate(1000);
+    let (server, reg, mut raw) = connected(gate.clone()).await;
+    let many = five_attachments();
+    let limit = rpc::crates::transport::ABUSE_LIMIT as u64;
+    for id in 1..=limit + 5 {
+        raw.send(invoke(id, many.clone())).await.expect("send");
+    }
+    // Each is answered 500 until the limit is passed; then the connection is closed.
+    for id in 1..=limit + 1 {
+        let r = answer(&mut raw).await;
+        assert_eq!((r.message_id, r.status_code), (id, 500), "{r:?}");
+    }
+    let g = raw.expect_go_away().await;
+    assert!(g.reason.contains("broke the attachment limits"), "{g:?}");
+    raw.expect_closed().await;
+    assert_eq!(gate.ran.load(Ordering::SeqCst), 0, "none of them ran");
+    still_served(reg).await;
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn after_many_refusals_at_the_in_flight_limit_the_server_waits_for_a_call_to_finish() {
+    let gate = gate(0);
+    let (server, _reg, mut raw) = connected(gate.clone()).await;
+    // The limit is 3: three calls are held, then a hundred more arrive.
+    let pause = u64::from(rpc::crates::transport::REFUSALS_BEFORE_PAUSE);
+    let extra = pause + 36;
+    for id in 1..=3 + extra {
+        raw.send(invoke(id, BTreeMap::new())).await.expect("send");
+    }
+    // The first `pause` of them are refused at once...
+    for _ in 0..pause {
+        let r = answer(&mut raw).await;
+        assert_eq!(r.status_code, 515, "{r:?}");
+    }
+    assert_eq!(gate.ran.load(Ordering::SeqCst), 3);
+    // ...and the rest wait unread until the held calls finish; then they are served.
+    gate.open.add_permits(1000);
+    let (mut ok, mut refused) = (0, 0);
+    for _ in 0..3 + (extra - pause) {
+        match answer(&mut raw).await.status_code {
+            200 => ok += 1,
+            515 => refused += 1,
+            other => panic!("unexpected status {other}"),
+        }
+    }
+    assert_eq!((ok, refused), (3 + extra - pause, 0));
+    server.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_client_that_never_reads_its_answers_is_no_longer_read() {
+    use tokio::io::AsyncWriteExt;
+    let gate = gate(1 << 20);
+    let server = Server::builder()
+        .max_unsent_bytes(16 * 1024)
+        .add_service(LimitsServer::from_arc(gate.clone()))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket.set_recv_buffer_size(4096).expect("SO_RCVBUF");
+    let mut stream = within("connect", socket.connect(server.local_addr()))
+        .await
+        .expect("connect");
+    let mut hello = bytes::BytesMut::new();
+    FrameCodec::encode_kind(
+        Kind::Hello(Hello {
+            protocol_version: 1,
+            token: String::new(),
+            client_id: "never-reads".into(),
+            ..Default::default()
+        }),
+        &mut hello,
+    );
+    stream.write_all(&hello).await.expect("hello");
+    let mut chunk = bytes::BytesMut::new();
+    for id in 0..1000 {
+        FrameCodec::encode_kind(invoke(id, BTreeMap::new()), &mut chunk);
+    }
+    // Bounded: at most 2 000 chunks (2 million calls, about 90 MB). A server that kept reading
+    // would take them all; this one stops once the unread answers pass its limit, the socket
+    // buffers fill, and a write no longer completes.
+    let mut sent = 0u64;
+    let mut blocked = false;
+    for _ in 0..2000 {
+        match tokio::time::timeout(std::time::Duration::from_secs(1), stream.write_all(&chunk))
+            .await
+        {
+            Ok(r) => r.expect("write"),
+            Err(_) => {
+                blocked = true;
+                break;
+            }
+        }
+        sent += 1000;
+    }
+    let ran = u64::from(gate.ran.load(Ordering::SeqCst));
+    assert!(
+        blocked,
+        "the server read all {sent} calls of a client reading nothing"
+    );
+    assert!(ran < sent, "{ran} calls ran of {sent} sent");
+    eprintln!("the server stopped reading after {ran} of {sent}+ calls");
+    drop(stream);
+    within("shutdown", server.shutdown()).await;
+}
+
+/// After refusing a connection at `max_connections`, the server stops accepting for a moment
+/// (connects wait in the kernel's queue instead of costing a refusal each), and accepts again
+/// as soon as a connection slot frees.
+#[tokio::test]
+async fn after_a_refusal_at_the_connection_limit_a_freed_slot_is_taken_at_once() {
+    let gate = gate(1000);
+    let server = Server::builder()
+        .max_connections(1)
+        .add_service(LimitsServer::from_arc(gate))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let mut first = RawConn::connect(server.local_addr()).await;
+    first.handshake().await;
+    let mut refused = RawConn::connect(server.local_addr()).await;
+    let g = refused.expect_go_away().await;
+    assert_eq!(g.status_code, 515, "{g:?}");
+    refused.expect_closed().await;
+    // Connected at the TCP level (the kernel's accept queue), waiting for the server.
+    let mut waiting = RawConn::connect(server.local_addr()).await;
+    drop(first);
+    // The freed slot ends the pause: the waiting connection is accepted and served.
+    let ack = waiting.handshake().await;
+    assert_eq!(ack.protocol_version, 1);
+    server.shutdown().await;
+}
+
+// The paused clock: the server's waits for the rate pass in virtual time, measured exactly.
+#[tokio::test(start_paused = true)]
+async fn a_connection_over_its_call_rate_is_read_no_faster_and_loses_nothing() {
+    const RATE: u32 = 200;
+    const CALLS: u64 = 100;
+    let gate = gate(1000);
+    let reg = InProcessRegistry::new();
+    let server = Server::builder()
+        .registry(reg.clone())
+        .max_calls_per_second_per_connection(RATE)
+        .add_service(LimitsServer::from_arc(gate.clone()))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.handshake().await;
+    let started = tokio::time::Instant::now();
+    for id in 1..=CALLS {
+        raw.send(invoke(id, BTreeMap::new())).await.expect("send");
+    }
+    // Another connection has a rate of its own: served while this one waits.
+    still_served(reg).await;
+    let mut answered = Vec::new();
+    for _ in 0..CALLS {
+        let r = answer(&mut raw).await;
+        assert_eq!(r.status_code, StatusCode::Success.as_u32(), "{r:?}");
+        answered.push(r.message_id);
+    }
+    let elapsed = started.elapsed();
+    answered.sort_unstable();
+    assert_eq!(
+        answered,
+        (1..=CALLS).collect::<Vec<_>>(),
+        "every call answered"
+    );
+    // A burst of a tenth of a second's calls, then one call per 1/RATE s.
+    let burst = u64::from(RATE / 10);
+    let least = std::time::Duration::from_secs_f64((CALLS - burst) as f64 / f64::from(RATE));
+    assert!(
+        elapsed >= least,
+        "{CALLS} calls at {RATE}/s were all read in {elapsed:?}, less than {least:?}"
+    );
+    server.shutdown().await;
+}

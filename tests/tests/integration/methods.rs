@@ -1,0 +1,524 @@
+//! Methods end to end: argument lists of every size, typed and business errors, two services on
+//! one server, the JSON codec, panics, unknown entries and bad arguments on the wire, server
+//! fallback.
+
+use crate::common;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use common::within;
+use rpc::crates::core::wire::RemoteInvokeMessage;
+use rpc::crates::core::NoArgs;
+use rpc::crates::transport::{ConnectOptions, Connection};
+use rpc::{Client, Codec, InProcessRegistry, RpcError, Server, ServerHandle, StatusCode};
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct Point {
+    x: i32,
+    y: i32,
+}
+
+/// A typed error: travels as a business error (1000) with its value, comes back as itself.
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
+enum CalcError {
+    DivideByZero { dividend: i64 },
+    Negative(i64),
+    Unlucky,
+    Rpc { code: u32, message: String },
+}
+
+impl From<RpcError> for CalcError {
+    fn from(e: RpcError) -> Self {
+        CalcError::Rpc {
+            code: e.code().as_u32(),
+            message: e.to_string(),
+        }
+    }
+}
+
+#[rpc::service(name = "t.Calc")]
+trait Calc {
+    async fn answer(&self) -> Result<u64, RpcError>;
+    async fn describe(&self, name: String, times: u32, at: Point) -> Result<String, RpcError>;
+    async fn nothing(&self) -> Result<(), RpcError>;
+    async fn index(
+        &self,
+        points: Vec<Point>,
+        label: Option<String>,
+    ) -> Result<BTreeMap<String, Point>, RpcError>;
+    async fn divide(&self, a: i64, b: i64) -> Result<i64, CalcError>;
+    async fn refuse(&self, why: String) -> Result<u32, RpcError>;
+    async fn boom(&self, what: String) -> Result<u32, RpcError>;
+}
+
+#[rpc::service(name = "t.Names")]
+trait Names {
+    async fn name(&self) -> Result<String, RpcError>;
+}
+
+/// No `name = "..."`: the service id is `"<module path>.<Trait>"`.
+#[rpc::service]
+trait Unnamed {
+    async fn hello(&self, who: String) -> Result<String, RpcError>;
+}
+
+struct Hi;
+
+impl Unnamed for Hi {
+    async fn hello(&self, who: String) -> Result<String, RpcError> {
+        Ok(format!("hi {who}"))
+    }
+}
+
+#[derive(Default)]
+struct Counts {
+    divide: AtomicUsize,
+    refuse: AtomicUsize,
+    boom: AtomicUsize,
+}
+
+struct Calculator {
+    counts: Arc<Counts>,
+}
+
+impl Calc for Calculator {
+    async fn answer(&self) -> Result<u64, RpcError> {
+        Ok(42)
+    }
+    async fn describe(&self, name: String, times: u32, at: Point) -> Result<String, RpcError> {
+        Ok(format!("{name}x{times}@({},{})", at.x, at.y))
+    }
+    async fn nothing(&self) -> Result<(), RpcError> {
+        Ok(())
+    }
+    async fn index(
+        &self,
+        points: Vec<Point>,
+        label: Option<String>,
+    ) -> Result<BTreeMap<String, Point>, RpcError> {
+        let label = label.unwrap_or_else(|| "p".into());
+        Ok(points
+            .into_iter()
+            .enumerate()
+            .map(|(i, p)| (format!("{label}{i}"), p))
+            .collect())
+    }
+    async fn divide(&self, a: i64, b: i64) -> Result<i64, CalcError> {
+        self.counts.divide.fetch_add(1, Ordering::SeqCst);
+        match (a, b) {
+            (_, 0) => Err(CalcError::DivideByZero { dividend: a }),
+            (a, _) if a < 0 => Err(CalcError::Negative(a)),
+            (13, _) => Err(CalcError::Unlucky),
+            (a, b) => Ok(a / b),
+        }
+    }
+    async fn refuse(&self, why: String) -> Result<u32, RpcError> {
+        self.counts.refuse.fetch_add(1, Ordering::SeqCst);
+        Err(RpcError::business(why))
+    }
+    async fn boom(&self, what: String) -> Result<u32, RpcError> {
+        self.counts.boom.fetch_add(1, Ordering::SeqCst);
+        panic!("boom: {what}");
+    }
+}
+
+struct Named(&'static str);
+
+impl Names for Named {
+    async fn name(&self) -> Result<String, RpcError> {
+        Ok(self.0.to_string())
+    }
+}
+
+async fn serve(reg: &InProcessRegistry) -> (ServerHandle, Arc<Counts>) {
+    let counts = Arc::new(Counts::default());
+    let server = Server::builder()
+        .registry(reg.clone())
+        .add_service(CalcServer::new(Calculator {
+            counts: counts.clone(),
+        }))
+        .add_service(NamesServer::new(Named("names-on-calc")))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    (server, counts)
+}
+
+fn calc(reg: &InProcessRegistry, codec: Codec) -> CalcClient {
+    CalcClient::new(Client::builder().registry(reg.clone()).codec(codec).build())
+}
+
+#[tokio::test]
+async fn methods_with_zero_to_three_arguments_and_rich_types_in_both_codecs() {
+    let reg = InProcessRegistry::new();
+    let (server, _) = serve(&reg).await;
+    for codec in [Codec::MsgPack, Codec::Json] {
+        let c = calc(&reg, codec);
+        assert_eq!(c.client().codec(), codec);
+        assert_eq!(c.answer().await.expect("0 args"), 42, "{codec:?}");
+        assert_eq!(
+            c.describe("ann".into(), 3, Point { x: -1, y: 2 })
+                .await
+                .expect("3 args"),
+            "annx3@(-1,2)",
+            "{codec:?}"
+        );
+        c.nothing().await.expect("unit result");
+        let points = vec![Point { x: 1, y: 1 }, Point { x: 2, y: 3 }];
+        let by_label = c
+            .index(points.clone(), Some("q".into()))
+            .await
+            .expect("vec and option");
+        assert_eq!(
+            by_label,
+            BTreeMap::from([
+                ("q0".to_string(), points[0].clone()),
+                ("q1".into(), points[1].clone())
+            ]),
+            "{codec:?}"
+        );
+        let default_label = c.index(points, None).await.expect("None argument");
+        assert!(
+            default_label.contains_key("p1"),
+            "{codec:?}: {default_label:?}"
+        );
+    }
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn typed_errors_come_back_as_the_same_variant_and_are_not_retried() {
+    let reg = InProcessRegistry::new();
+    let (server, counts) = serve(&reg).await;
+    for codec in [Codec::MsgPack, Codec::Json] {
+        let c = calc(&reg, codec);
+        assert_eq!(c.divide(9, 3).await, Ok(3));
+        assert_eq!(
+            c.divide(7, 0).await,
+            Err(CalcError::DivideByZero { dividend: 7 }),
+            "{codec:?}"
+        );
+        assert_eq!(
+            c.divide(-4, 2).await,
+            Err(CalcError::Negative(-4)),
+            "{codec:?}"
+        );
+        assert_eq!(c.divide(13, 1).await, Err(CalcError::Unlucky), "{codec:?}");
+    }
+    assert_eq!(
+        counts.divide.load(Ordering::SeqCst),
+        8,
+        "one run per call: typed errors are answers, not retried"
+    );
+    within("shutdown", server.shutdown()).await;
+
+    // A failure of the call itself reaches the typed error through From<RpcError>.
+    let err = calc(&reg, Codec::MsgPack)
+        .divide(1, 1)
+        .await
+        .expect_err("no server");
+    assert!(
+        matches!(err, CalcError::Rpc { code: 404, .. }),
+        "unserved service: {err:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_business_error_reaches_the_caller_unchanged_and_runs_once() {
+    let reg = InProcessRegistry::new();
+    // Two servers: a retry or failover would show as a second run on either.
+    let (a, counts_a) = serve(&reg).await;
+    let (b, counts_b) = serve(&reg).await;
+    let c = calc(&reg, Codec::MsgPack);
+    let why = "no: the account is frozen (ticket #12)";
+    let err = c.refuse(why.into()).await.expect_err("refused");
+    assert_eq!(err.code(), StatusCode::BusinessError, "{err}");
+    assert_eq!(err.code().as_u32(), 1000);
+    assert_eq!(err.message(), why, "the server's message, unchanged");
+    assert!(err.tried().is_empty(), "not a failover error: {err:?}");
+    let runs = counts_a.refuse.load(Ordering::SeqCst) + counts_b.refuse.load(Ordering::SeqCst);
+    assert_eq!(runs, 1, "a business error is never retried");
+    within("shutdown", a.shutdown()).await;
+    within("shutdown", b.shutdown()).await;
+}
+
+#[tokio::test]
+async fn two_services_share_one_server() {
+    let reg = InProcessRegistry::new();
+    let (server, _) = serve(&reg).await;
+    let client = Client::builder().registry(reg.clone()).build();
+    let names = NamesClient::new(client.clone());
+    let c = CalcClient::new(client);
+    assert_eq!(names.name().await.expect("names"), "names-on-calc");
+    assert_eq!(c.answer().await.expect("calc"), 42);
+    assert_eq!(names.name().await.expect("names"), "names-on-calc");
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn a_json_client_and_a_msgpack_client_share_a_server() {
+    let reg = InProcessRegistry::new();
+    let (server, _) = serve(&reg).await;
+    let json = calc(&reg, Codec::Json);
+    let msgpack = calc(&reg, Codec::MsgPack);
+    for i in 0..5 {
+        let at = Point { x: i, y: -i };
+        assert_eq!(
+            json.describe("j".into(), i as u32, at.clone())
+                .await
+                .expect("json"),
+            format!("jx{i}@({i},{})", -i)
+        );
+        assert_eq!(
+            msgpack
+                .describe("m".into(), i as u32, at)
+                .await
+                .expect("msgpack"),
+            format!("mx{i}@({i},{})", -i)
+        );
+    }
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn a_handler_panic_is_a_server_error_and_the_server_keeps_answering() {
+    let reg = InProcessRegistry::new();
+    let (server, counts) = serve(&reg).await;
+    let c = calc(&reg, Codec::MsgPack);
+    let err = c.boom("kaput".into()).await.expect_err("panicked");
+    assert_eq!(err.code(), StatusCode::ServerError, "{err}");
+    assert_eq!(err.code().as_u32(), 520);
+    // The text stays on the server (see misconfig::a_panic_text_stays_in_the_servers_log).
+    assert!(
+        err.message().contains("t.Calc.boom") && err.message().contains("panic id"),
+        "{err}"
+    );
+    assert_eq!(
+        counts.boom.load(Ordering::SeqCst),
+        1,
+        "a server error is not retried"
+    );
+    for _ in 0..3 {
+        assert_eq!(c.answer().await.expect("after the panic"), 42);
+    }
+    within("shutdown", server.shutdown()).await;
+}
+
+async fn raw_call(server: &ServerHandle, invoke: RemoteInvokeMessage) -> (u32, String) {
+    let conn = Connection::connect(&server.local_addr().to_string(), &ConnectOptions::default())
+        .await
+        .expect("connect");
+    let r = within("raw call", conn.call(invoke, None))
+        .await
+        .expect("answer");
+    (r.status_code, r.exception_message)
+}
+
+#[tokio::test]
+async fn an_unknown_entry_is_507_naming_it() {
+    let reg = InProcessRegistry::new();
+    let (server, _) = serve(&reg).await;
+    for entry in ["nope.Nope.x", "t.Calc.nope", "t.Calc"] {
+        let (code, message) = raw_call(
+            &server,
+            RemoteInvokeMessage {
+                service_entry_id: entry.into(),
+                codec: Codec::MsgPack.to_wire(),
+                parameters: Codec::MsgPack.encode(&NoArgs).expect("encode"),
+                ..Default::default()
+            },
+        )
+        .await;
+        assert_eq!(
+            code,
+            StatusCode::NotFindLocalServiceEntry.as_u32(),
+            "{entry}"
+        );
+        assert_eq!(code, 507);
+        assert!(message.contains(entry), "{entry}: {message}");
+    }
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn bad_arguments_and_an_unknown_codec_are_refused_clearly() {
+    let reg = InProcessRegistry::new();
+    let (server, counts) = serve(&reg).await;
+    let divide = |codec: i32, parameters: bytes::Bytes| RemoteInvokeMessage {
+        service_entry_id: "t.Calc.divide".into(),
+        codec,
+        parameters,
+        ..Default::default()
+    };
+    // Strings where integers belong.
+    let wrong_types = Codec::MsgPack.encode(&("a", "b")).expect("encode");
+    let (code, message) = raw_call(&server, divide(Codec::MsgPack.to_wire(), wrong_types)).await;
+    assert_eq!(code, StatusCode::ValidateError.as_u32(), "{message}");
+    assert!(message.contains("t.Calc.divide"), "{message}");
+    // Not MessagePack at all.
+    let (code, message) = raw_call(
+        &server,
+        divide(Codec::MsgPack.to_wire(), bytes::Bytes::from_static(&[0xc1])),
+    )
+    .await;
+    assert_eq!(code, StatusCode::ValidateError.as_u32(), "{message}");
+    // JSON bytes announced as JSON are fine.
+    let json = Codec::Json.encode(&(10, 5)).expect("encode");
+    let (code, message) = raw_call(&server, divide(Codec::Json.to_wire(), json.clone())).await;
+    assert_eq!(code, 200, "{message}");
+    // A codec number nobody knows.
+    let (code, message) = raw_call(&server, divide(7, json)).await;
+    assert_eq!(code, StatusCode::FrameworkError.as_u32(), "{message}");
+    assert!(message.contains('7'), "{message}");
+    assert_eq!(
+        counts.divide.load(Ordering::SeqCst),
+        1,
+        "only the good call ran"
+    );
+    within("shutdown", server.shutdown()).await;
+}
+
+/// Answers in place of the real implementation when its handler fails.
+struct Spare;
+
+impl Calc for Spare {
+    async fn answer(&self) -> Result<u64, RpcError> {
+        Ok(0)
+    }
+    async fn describe(&self, name: String, _: u32, _: Point) -> Result<String, RpcError> {
+        Ok(format!("spare for {name}"))
+    }
+    async fn nothing(&self) -> Result<(), RpcError> {
+        Ok(())
+    }
+    async fn index(
+        &self,
+        _: Vec<Point>,
+        _: Option<String>,
+    ) -> Result<BTreeMap<String, Point>, RpcError> {
+        Ok(BTreeMap::new())
+    }
+    async fn divide(&self, _: i64, _: i64) -> Result<i64, CalcError> {
+        Ok(-1)
+    }
+    async fn refuse(&self, _: String) -> Result<u32, RpcError> {
+        Ok(0)
+    }
+    async fn boom(&self, what: String) -> Result<u32, RpcError> {
+        Ok(what.len() as u32)
+    }
+}
+
+#[tokio::test]
+async fn a_server_fallback_answers_for_a_panic_but_not_for_the_callees_answers() {
+    let reg = InProcessRegistry::new();
+    let counts = Arc::new(Counts::default());
+    let server = Server::builder()
+        .registry(reg.clone())
+        .add_service(CalcServer::new(Calculator {
+            counts: counts.clone(),
+        }))
+        .fallback(CalcServer::new(Spare))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let c = calc(&reg, Codec::MsgPack);
+    assert_eq!(c.boom("four".into()).await.expect("fallback answered"), 4);
+    assert_eq!(
+        counts.boom.load(Ordering::SeqCst),
+        1,
+        "the handler ran first"
+    );
+    // Business and typed errors are the callee's answer: the fallback stays out.
+    let err = c.refuse("because".into()).await.expect_err("business");
+    assert_eq!(err.code(), StatusCode::BusinessError, "{err}");
+    assert_eq!(
+        c.divide(1, 0).await,
+        Err(CalcError::DivideByZero { dividend: 1 })
+    );
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn a_service_without_a_name_is_served_under_its_module_path() {
+    assert_eq!(
+        UnnamedClient::SERVICE_ID,
+        concat!(module_path!(), ".Unnamed")
+    );
+    assert_eq!(
+        UnnamedClient::methods()[0].entry_id,
+        concat!(module_path!(), ".Unnamed.hello")
+    );
+    let reg = InProcessRegistry::new();
+    let server = Server::builder()
+        .registry(reg.clone())
+        .add_service(UnnamedServer::new(Hi))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let c = UnnamedClient::new(Client::builder().registry(reg.clone()).build());
+    assert_eq!(c.hello("bo".into()).await.expect("hello"), "hi bo");
+    within("shutdown", server.shutdown()).await;
+}
+
+/// An argument that does not decode is named: position, name and expected type, in both
+/// codecs, and the caller's error names the endpoint that answered.
+#[tokio::test]
+async fn an_argument_decode_error_names_the_argument_and_the_endpoint() {
+    let reg = InProcessRegistry::new();
+    let (server, _) = serve(&reg).await;
+    let endpoint = server.local_addr().to_string();
+    let describe = CalcClient::methods()
+        .iter()
+        .find(|m| m.method == "describe")
+        .expect("describe");
+    for codec in [Codec::MsgPack, Codec::Json] {
+        let client = Client::builder().registry(reg.clone()).codec(codec).build();
+        // describe(name: String, times: u32, at: Point): a string where `times` belongs.
+        let wrong = codec
+            .encode(&("ann", "three", Point { x: 1, y: 2 }))
+            .expect("encode");
+        let e = within(
+            "wrong type",
+            client.invoke(describe, wrong, None::<fn() -> u64>),
+        )
+        .await
+        .expect_err("times is not a u32");
+        assert_eq!(e.code(), StatusCode::ValidateError, "{e}");
+        let m = e.message();
+        assert!(
+            m.contains("t.Calc.describe")
+                && m.contains("argument 2 `times`: expected u32")
+                && m.contains(&endpoint),
+            "{codec:?}: {m}"
+        );
+        // A list one argument short.
+        let short = codec.encode(&("ann", 3u32)).expect("encode");
+        let e = within(
+            "missing",
+            client.invoke(describe, short, None::<fn() -> u64>),
+        )
+        .await
+        .expect_err("at is missing");
+        assert!(
+            e.message().contains("argument 3 `at` (Point) is missing"),
+            "{codec:?}: {e}"
+        );
+        // A nested field of the wrong type names the argument that holds it.
+        let nested = codec.encode(&("ann", 3u32, ("x", "y"))).expect("encode");
+        let e = within(
+            "nested",
+            client.invoke(describe, nested, None::<fn() -> u64>),
+        )
+        .await
+        .expect_err("at is not a Point");
+        assert!(
+            e.message().contains("argument 3 `at`: expected Point"),
+            "{codec:?}: {e}"
+        );
+    }
+    within("shutdown", server.shutdown()).await;
+}

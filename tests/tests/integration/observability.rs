@@ -1,0 +1,483 @@
+//! Observability end to end: `rpc.client` / `rpc.client.attempt` / `rpc.server` spans and their
+//! attributes, one trace across services through the W3C `traceparent` attachment, user
+//! attachments carried A → B → C, governance events on the spans, and the OpenTelemetry
+//! metrics after a scripted run (retry, open breaker, fallback).
+//!
+//! Each test installs its own subscriber for its own (current-thread) runtime with
+//! `tracing::subscriber::set_default`, and hands its own meter to the clients and servers, so
+//! tests running in parallel do not see each other's data.
+
+use crate::common;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+
+use common::otel::{counter, gauge, histogram_count, metric_data, Traces};
+use opentelemetry::trace::{SpanId, Status};
+use opentelemetry::{KeyValue, Value};
+use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData, ResourceMetrics};
+use opentelemetry_sdk::metrics::{InMemoryMetricExporter, PeriodicReader, SdkMeterProvider};
+use opentelemetry_sdk::trace::SpanData;
+use rpc::crates::governance::breaker::BreakerState;
+use rpc::{
+    Client, GovernanceOverrides, RpcContext, RpcError, Server, ServerHandle, StaticRegistry,
+    StatusCode,
+};
+
+#[rpc::service(name = "obs.Hop")]
+pub trait Hop {
+    /// `depth` more hops, then the `tenant` attachment the last server sees.
+    #[governance(retry_times = 0)]
+    async fn hop(&self, depth: u32) -> Result<String, RpcError>;
+}
+
+/// Forwards to the next server while `depth > 0`.
+struct Relay {
+    next: Option<HopClient>,
+}
+
+impl Hop for Relay {
+    async fn hop(&self, depth: u32) -> Result<String, RpcError> {
+        match (&self.next, depth) {
+            (Some(next), d) if d > 0 => next.hop(d - 1).await,
+            _ => Ok(RpcContext::get("tenant").unwrap_or_else(|| "none".into())),
+        }
+    }
+}
+
+#[rpc::service(name = "obs.Flaky")]
+pub trait Flaky {
+    #[governance(retry_times = 2, idempotent)]
+    async fn ping(&self) -> Result<u32, RpcError>;
+    #[governance(retry_times = 0)]
+    async fn fail(&self) -> Result<u32, RpcError>;
+}
+
+struct Db {
+    calls: AtomicU32,
+}
+
+impl Flaky for Db {
+    async fn ping(&self) -> Result<u32, RpcError> {
+        Ok(1)
+    }
+    async fn fail(&self) -> Result<u32, RpcError> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        Err(RpcError::new(StatusCode::ServerError, "database down"))
+    }
+}
+
+/// A fallback answering 0.
+struct Zero;
+
+impl Flaky for Zero {
+    async fn ping(&self) -> Result<u32, RpcError> {
+        Ok(0)
+    }
+    async fn fail(&self) -> Result<u32, RpcError> {
+        Ok(0)
+    }
+}
+
+/// Spans recorded by this test's own subscriber.
+fn attr<'a>(span: &'a SpanData, key: &str) -> Option<&'a Value> {
+    span.attributes
+        .iter()
+        .find(|kv| kv.key.as_str() == key)
+        .map(|kv| &kv.value)
+}
+
+fn attr_i64(span: &SpanData, key: &str) -> Option<i64> {
+    match attr(span, key)? {
+        Value::I64(v) => Some(*v),
+        other => panic!("{key} is {other:?}"),
+    }
+}
+
+fn attr_str(span: &SpanData, key: &str) -> Option<String> {
+    attr(span, key).map(|v| v.as_str().into_owned())
+}
+
+fn named<'a>(spans: &'a [SpanData], name: &str) -> Vec<&'a SpanData> {
+    spans.iter().filter(|s| s.name == name).collect()
+}
+
+fn by_port<'a>(spans: &[&'a SpanData], key: &str, port: u16) -> &'a SpanData {
+    spans
+        .iter()
+        .copied()
+        .find(|s| attr_i64(s, key) == Some(i64::from(port)))
+        .unwrap_or_else(|| panic!("no span with {key} = {port}"))
+}
+
+async fn hop_server(next: Option<&ServerHandle>) -> ServerHandle {
+    let next = next.map(|n| {
+        HopClient::new(
+            Client::builder()
+                .registry(StaticRegistry::from_list(&n.local_addr().to_string()).unwrap())
+                .build(),
+        )
+    });
+    Server::builder()
+        .add_service(HopServer::new(Relay { next }))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve")
+}
+
+fn client_of(servers: &[&ServerHandle]) -> Client {
+    let list: Vec<String> = servers.iter().map(|s| s.local_addr().to_string()).collect();
+    Client::builder()
+        .registry(StaticRegistry::from_list(&list.join(",")).unwrap())
+        .build()
+}
+
+#[tokio::test]
+async fn one_trace_across_three_services_and_attachments_follow() {
+    let (traces, _guard) = Traces::install();
+    let c = hop_server(None).await;
+    let b = hop_server(Some(&c)).await;
+    let a = hop_server(Some(&b)).await;
+    let client = HopClient::new(client_of(&[&a]));
+
+    let attachments = BTreeMap::from([("tenant".to_string(), "acme".to_string())]);
+    let tenant = RpcContext::scope(attachments, client.hop(2)).await.unwrap();
+    assert_eq!(tenant, "acme", "the attachment travelled A → B → C");
+    // Outside the scope there is nothing to carry.
+    assert_eq!(client.hop(2).await.unwrap(), "none");
+
+    let spans = traces.spans();
+    let calls = named(&spans, "rpc.client");
+    let attempts = named(&spans, "rpc.client.attempt");
+    let servers = named(&spans, "rpc.server");
+    assert_eq!(
+        (calls.len(), attempts.len(), servers.len()),
+        (6, 6, 6),
+        "two calls of three hops each"
+    );
+
+    // The first call's spans: the trace of the B server span.
+    let b_port = b.local_addr().port();
+    let b_server = by_port(&servers, "server.port", b_port);
+    let trace_id = b_server.span_context.trace_id();
+    let first: Vec<&SpanData> = spans
+        .iter()
+        .filter(|s| s.span_context.trace_id() == trace_id)
+        .collect();
+    assert_eq!(first.len(), 9, "one trace holds the whole first call");
+
+    // B's server span is a child of A's attempt span (the attempt that went to B's port).
+    let first_attempts: Vec<&SpanData> = attempts
+        .iter()
+        .copied()
+        .filter(|s| s.span_context.trace_id() == trace_id)
+        .collect();
+    let a_attempt = by_port(&first_attempts, "server.port", b_port);
+    assert_eq!(b_server.parent_span_id, a_attempt.span_context.span_id());
+    assert!(
+        b_server.parent_span_is_remote,
+        "the parent came over the wire"
+    );
+    // ... whose call span is a child of A's server span.
+    let a_call = first
+        .iter()
+        .find(|s| s.span_context.span_id() == a_attempt.parent_span_id)
+        .expect("the attempt's parent is in the trace");
+    assert_eq!(a_call.name, "rpc.client");
+    let a_server = by_port(&first, "server.port", a.local_addr().port());
+    assert_eq!(a_server.name, "rpc.server");
+    assert_eq!(a_call.parent_span_id, a_server.span_context.span_id());
+    // The outermost call has no parent.
+    let roots: Vec<&&SpanData> = first
+        .iter()
+        .filter(|s| s.parent_span_id == SpanId::INVALID)
+        .collect();
+    assert_eq!(roots.len(), 1);
+    assert_eq!(roots[0].name, "rpc.client");
+
+    // Attributes follow the OpenTelemetry RPC conventions.
+    for s in &first {
+        assert_eq!(attr_str(s, "rpc.system").as_deref(), Some("rpc"), "{s:?}");
+        assert_eq!(attr_str(s, "rpc.service").as_deref(), Some("obs.Hop"));
+        assert_eq!(attr_str(s, "rpc.method").as_deref(), Some("hop"));
+        assert_eq!(attr_str(s, "rpc.entry_id").as_deref(), Some("obs.Hop.hop"));
+        assert_eq!(attr_i64(s, "rpc.status_code"), Some(200), "{}", s.name);
+        assert!(!matches!(s.status, Status::Error { .. }));
+    }
+    assert_eq!(
+        attr_str(a_attempt, "server.address").as_deref(),
+        Some("127.0.0.1")
+    );
+    assert_eq!(attr_i64(a_attempt, "rpc.attempt"), Some(0));
+    assert_eq!(attr_str(a_attempt, "outcome").as_deref(), Some("success"));
+    assert_eq!(
+        attr_str(b_server, "client.address").as_deref(),
+        Some("127.0.0.1")
+    );
+    assert_eq!(
+        a_attempt.span_kind,
+        opentelemetry::trace::SpanKind::Client,
+        "otel.kind"
+    );
+    assert_eq!(b_server.span_kind, opentelemetry::trace::SpanKind::Server);
+
+    for s in [a, b, c] {
+        s.shutdown().await;
+    }
+}
+
+fn event_fields(span: &SpanData, kind: &str) -> Option<BTreeMap<String, String>> {
+    span.events.iter().find_map(|e| {
+        let fields: BTreeMap<String, String> = e
+            .attributes
+            .iter()
+            .map(|kv: &KeyValue| (kv.key.to_string(), kv.value.as_str().into_owned()))
+            .collect();
+        (fields.get("event").map(String::as_str) == Some(kind)).then_some(fields)
+    })
+}
+
+#[tokio::test]
+async fn fallback_events_land_on_the_spans_of_both_sides() {
+    let (traces, _guard) = Traces::install();
+    // The server answers `fail` from its own fallback.
+    let server = Server::builder()
+        .add_service(FlakyServer::new(Db {
+            calls: AtomicU32::new(0),
+        }))
+        .fallback(FlakyServer::new(Zero))
+        .serve("127.0.0.1:0")
+        .await
+        .unwrap();
+    let addr = server.local_addr().to_string();
+    let flaky = FlakyClient::new(client_of(&[&server]));
+    assert_eq!(flaky.fail().await.unwrap(), 0);
+    server.shutdown().await;
+
+    // A client fallback answers when the server is gone.
+    let client = Client::builder()
+        .registry(StaticRegistry::from_list(&addr).unwrap())
+        .fallback(FlakyServer::new(Zero))
+        .build();
+    assert_eq!(FlakyClient::new(client).fail().await.unwrap(), 0);
+
+    let spans = traces.spans();
+    let names: Vec<&str> = spans.iter().map(|s| s.name.as_ref()).collect();
+    let server_span = *named(&spans, "rpc.server")
+        .first()
+        .unwrap_or_else(|| panic!("{names:?}"));
+    let event = event_fields(server_span, "fallback").expect("fallback event on rpc.server");
+    assert!(event["cause"].contains("database down"), "{event:?}");
+    assert_eq!(event["entry"], "obs.Flaky.fail");
+    assert_eq!(event["endpoint"], addr);
+    assert_eq!(event["attempt"], "0");
+    assert_eq!(attr_i64(server_span, "rpc.status_code"), Some(200));
+
+    let calls = named(&spans, "rpc.client");
+    assert_eq!(calls.len(), 2);
+    let failed_call = calls
+        .iter()
+        .find(|s| event_fields(s, "fallback").is_some())
+        .expect("a client fallback event");
+    let event = event_fields(failed_call, "fallback").unwrap();
+    assert_eq!(event["entry"], "obs.Flaky.fail");
+    assert_eq!(event["endpoint"], addr, "{event:?}");
+    assert_eq!(event["attempt"], "0");
+    assert!(!event["cause"].is_empty());
+    // The attempt failed: its span says so; the call itself was answered by the fallback.
+    let attempt = named(&spans, "rpc.client.attempt")
+        .into_iter()
+        .find(|s| s.parent_span_id == failed_call.span_context.span_id())
+        .expect("the failed attempt");
+    assert!(
+        matches!(attempt.status, Status::Error { .. }),
+        "{attempt:?}"
+    );
+    assert_eq!(
+        attr_i64(attempt, "rpc.status_code"),
+        Some(i64::from(StatusCode::CommunicationError.as_u32()))
+    );
+    assert_eq!(attr_i64(failed_call, "rpc.status_code"), Some(200));
+}
+
+fn in_flight(metrics: &[ResourceMetrics], name: &str) -> i64 {
+    metric_data(metrics, name)
+        .map(|data| {
+            let AggregatedMetrics::I64(MetricData::Sum(sum)) = data else {
+                panic!("{name} is not an i64 up-down counter");
+            };
+            sum.data_points().map(|dp| dp.value()).sum::<i64>()
+        })
+        .sum()
+}
+
+#[tokio::test]
+async fn metrics_after_a_retry_an_open_breaker_and_a_fallback() {
+    // A subscriber here too: `tracing` caches each callsite's interest process-wide, and a
+    // thread without one could register the spans' callsites as never wanted while the other
+    // tests start.
+    let (_traces, _guard) = Traces::install();
+    let exporter = InMemoryMetricExporter::default();
+    let provider = SdkMeterProvider::builder()
+        .with_reader(PeriodicReader::builder(exporter.clone()).build())
+        .build();
+    use opentelemetry::metrics::MeterProvider as _;
+    let meter = provider.meter("rpc");
+
+    let db = Arc::new(Db {
+        calls: AtomicU32::new(0),
+    });
+    let good = Server::builder()
+        .meter(meter.clone())
+        .add_service(FlakyServer::from_arc(db.clone()))
+        .serve("127.0.0.1:0")
+        .await
+        .unwrap();
+    // Every call to this one overflows at once.
+    let full = Server::builder()
+        .meter(meter.clone())
+        .max_concurrency(0)
+        .add_service(FlakyServer::from_arc(db.clone()))
+        .serve("127.0.0.1:0")
+        .await
+        .unwrap();
+
+    // Retries: round robin over both; calls starting on `full` are retried on `good`.
+    let both = Client::builder()
+        .meter(meter.clone())
+        .registry(
+            StaticRegistry::from_list(&format!("{},{}", good.local_addr(), full.local_addr()))
+                .unwrap(),
+        )
+        .build();
+    let flaky = FlakyClient::new(both);
+    for _ in 0..4 {
+        assert_eq!(flaky.ping().await.unwrap(), 1);
+    }
+
+    // The breaker: `fail` breaks after 2 failures; the fallback answers every call.
+    let single = Client::builder()
+        .meter(meter.clone())
+        .registry(StaticRegistry::from_list(&good.local_addr().to_string()).unwrap())
+        .override_options(
+            "obs.Flaky.fail",
+            GovernanceOverrides {
+                exceptions_allowed_before_breaking: Some(2),
+                ..GovernanceOverrides::NONE
+            },
+        )
+        .fallback(FlakyServer::new(Zero))
+        .build();
+    let breaking = FlakyClient::new(single.clone());
+    let mut fail_calls = 0;
+    while !matches!(
+        single.breaker_state(&FlakyClient::methods()[1]),
+        BreakerState::Open { .. }
+    ) {
+        assert_eq!(breaking.fail().await.unwrap(), 0);
+        fail_calls += 1;
+        assert!(fail_calls < 10, "the breaker never opened");
+    }
+    let reached = db.calls.load(Ordering::SeqCst);
+    assert_eq!(breaking.fail().await.unwrap(), 0, "open breaker → fallback");
+    fail_calls += 1;
+    assert_eq!(db.calls.load(Ordering::SeqCst), reached, "not sent");
+
+    provider.force_flush().unwrap();
+    let m = exporter.get_finished_metrics().unwrap();
+    let ev = |kind: &'static str, side: &'static str| {
+        counter(
+            &m,
+            "rpc.governance.events",
+            &[("event", kind.into()), ("rpc.side", side.into())],
+        )
+    };
+    let retries = ev("retry", "client");
+    let overflows = ev("overflow", "server");
+    assert!(retries >= 1, "round robin started on `full` at least once");
+    assert_eq!(overflows, retries, "each overflow was retried");
+    assert_eq!(ev("break", "client"), 1);
+    assert_eq!(ev("fallback", "client"), fail_calls);
+    let ok = |method: &'static str| {
+        counter(
+            &m,
+            "rpc.client.calls",
+            &[
+                ("rpc.method", method.into()),
+                ("rpc.status_code", 200i64.into()),
+            ],
+        )
+    };
+    assert_eq!(ok("ping"), 4);
+    // A fallback's answers are counted apart from real successes, under the status of the
+    // failure each answered for.
+    assert_eq!(ok("fail"), 0, "no real success");
+    let fallback_answers = counter(
+        &m,
+        "rpc.client.calls",
+        &[
+            ("rpc.method", "fail".into()),
+            ("rpc.outcome", "fallback".into()),
+        ],
+    );
+    assert_eq!(fallback_answers, fail_calls, "the fallback answered");
+    let server_calls = |code: StatusCode| {
+        counter(
+            &m,
+            "rpc.server.calls",
+            &[("rpc.status_code", i64::from(code.as_u32()).into())],
+        )
+    };
+    assert_eq!(server_calls(StatusCode::Success), 4);
+    assert_eq!(server_calls(StatusCode::OverflowMaxServerHandle), overflows);
+    assert_eq!(
+        server_calls(StatusCode::ServerError),
+        u64::from(reached),
+        "the open breaker sent nothing"
+    );
+    assert_eq!(
+        histogram_count(&m, "rpc.client.duration", &[]),
+        4 + fail_calls
+    );
+    assert_eq!(
+        histogram_count(&m, "rpc.server.duration", &[]),
+        4 + u64::from(reached)
+    );
+    assert_eq!(in_flight(&m, "rpc.client.in_flight"), 0);
+    assert_eq!(in_flight(&m, "rpc.server.in_flight"), 0);
+    // Breaker state and endpoint health, read at collection.
+    assert_eq!(
+        gauge(
+            &m,
+            "rpc.client.breaker_state",
+            "rpc.entry_id",
+            "obs.Flaky.fail"
+        ),
+        Some(2),
+        "open"
+    );
+    assert_eq!(
+        gauge(
+            &m,
+            "rpc.client.breaker_state",
+            "rpc.entry_id",
+            "obs.Flaky.ping"
+        ),
+        Some(0),
+        "closed"
+    );
+    assert_eq!(
+        gauge(
+            &m,
+            "rpc.client.endpoint_health",
+            "server.address",
+            &good.local_addr().to_string()
+        ),
+        Some(1),
+        "unhealthy: its server errors to `fail` are held against it too"
+    );
+
+    good.shutdown().await;
+    full.shutdown().await;
+}

@@ -1,0 +1,145 @@
+//! The server-wide read budget: frames larger than a connection's own 64 KiB buffer share one
+//! budget of bytes. A frame that would need more than is left is not read (its connection
+//! waits, TCP pushes back) until another large frame is complete; frames that fit in a
+//! connection's buffer are not held back; a frame within the frame limit never waits for ever,
+//! even when it is larger than what is left. Raw TCP peers send the frames by hand.
+//!
+//! The server reports, at debug level, each frame that waits for the budget: the test waits for
+//! that event rather than for time to pass.
+
+use crate::common;
+
+use bytes::BytesMut;
+use common::{recv_one, within, RawConn};
+use rpc::crates::core::wire::{frame::Kind, RemoteInvokeMessage, RemoteResultMessage};
+use rpc::crates::transport::FrameCodec;
+use rpc::{Client, Codec, InProcessRegistry, RpcError, Server};
+use tokio::sync::mpsc;
+
+#[rpc::service(name = "t.Budget")]
+trait Budget {
+    async fn len(&self, text: String) -> Result<u64, RpcError>;
+}
+
+struct Len;
+
+impl Budget for Len {
+    async fn len(&self, text: String) -> Result<u64, RpcError> {
+        Ok(text.len() as u64)
+    }
+}
+
+/// The next logged line that contains `what`.
+async fn logged(lines: &mut mpsc::UnboundedReceiver<String>, what: &str) -> String {
+    within(what, async {
+        loop {
+            let line = recv_one(what, lines).await;
+            if line.contains(what) {
+                return line;
+            }
+        }
+    })
+    .await
+}
+
+/// One call to `len` with a text of `n` bytes, as a complete frame.
+fn frame(id: u64, n: usize) -> Vec<u8> {
+    let mut buf = BytesMut::new();
+    FrameCodec::encode_kind(
+        Kind::Invoke(RemoteInvokeMessage {
+            message_id: id,
+            service_entry_id: "t.Budget.len".into(),
+            codec: Codec::MsgPack.to_wire(),
+            parameters: Codec::MsgPack.encode(&("x".repeat(n),)).expect("encode"),
+            ..Default::default()
+        }),
+        &mut buf,
+    );
+    buf.to_vec()
+}
+
+async fn answer(raw: &mut RawConn) -> RemoteResultMessage {
+    match raw.recv().await {
+        Some(Kind::Result(r)) => r,
+        other => panic!("expected a result, got {other:?}"),
+    }
+}
+
+fn length(r: &RemoteResultMessage) -> u64 {
+    assert_eq!(r.status_code, 200, "{r:?}");
+    Codec::MsgPack.decode(&r.result).expect("decode")
+}
+
+const KIB: usize = 1024;
+
+#[tokio::test]
+async fn a_large_frame_over_the_budget_left_waits_unread_and_is_served_once_budget_frees() {
+    let (tx, mut lines) = mpsc::unbounded_channel();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::TRACE)
+        .with_writer(common::LogLines::new(tx))
+        .with_ansi(false)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    // Frames up to 256 KiB; 300 KiB of budget: one large frame of 200 KiB fits, two do not.
+    let reg = InProcessRegistry::new();
+    let server = Server::builder()
+        .registry(reg.clone())
+        .max_frame_length(256 * KIB)
+        .max_read_buffer_bytes(300 * KIB)
+        .add_service(BudgetServer::new(Len))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+
+    // A: a 200 KiB frame, half of it sent. It holds its share while the rest is missing.
+    let a = frame(1, 200 * KIB);
+    let mut raw_a = RawConn::connect(server.local_addr()).await;
+    raw_a.handshake().await;
+    raw_a.send_bytes(&a[..a.len() / 2]).await.expect("send");
+    let granted = logged(&mut lines, "read budget: frame granted").await;
+    assert!(granted.contains(&format!("bytes={}", a.len())), "{granted}");
+
+    // B: a complete 200 KiB frame, more than the 100 KiB left: it waits, unread.
+    let b = frame(2, 200 * KIB);
+    let mut raw_b = RawConn::connect(server.local_addr()).await;
+    raw_b.handshake().await;
+    raw_b.send_bytes(&b).await.expect("send");
+    let waits = logged(&mut lines, "read budget exhausted").await;
+    assert!(waits.contains(&format!("bytes={}", b.len())), "{waits}");
+
+    // Frames that fit in a connection's own buffer are not held back meanwhile, on a new
+    // connection nor on A's: a small call is served.
+    let client = BudgetClient::new(Client::builder().registry(reg).build());
+    assert_eq!(
+        within("a small call", client.len("hi".into()))
+            .await
+            .expect("served"),
+        2
+    );
+
+    // The rest of A: A is served, its share comes back, and B's frame is read and served.
+    raw_a.send_bytes(&a[a.len() / 2..]).await.expect("send");
+    let r = answer(&mut raw_a).await;
+    assert_eq!((r.message_id, length(&r)), (1, 200 * KIB as u64));
+    let granted = logged(&mut lines, "read budget: frame granted").await;
+    assert!(granted.contains(&format!("bytes={}", b.len())), "{granted}");
+    let r = answer(&mut raw_b).await;
+    assert_eq!((r.message_id, length(&r)), (2, 200 * KIB as u64));
+
+    // A frame of the maximum size (more than what is left while another frame holds a share)
+    // is read too once that share is back: no frame within the limit waits for ever.
+    let max_text = 256 * KIB - 64;
+    let c = frame(3, max_text);
+    assert!(c.len() <= 256 * KIB + 4, "{}", c.len());
+    raw_a.send_bytes(&a[..a.len() / 2]).await.expect("send");
+    raw_b.send_bytes(&c).await.expect("send");
+    logged(&mut lines, "read budget exhausted").await;
+    raw_a.send_bytes(&a[a.len() / 2..]).await.expect("send");
+    let r = answer(&mut raw_a).await;
+    assert_eq!((r.message_id, length(&r)), (1, 200 * KIB as u64));
+    let r = answer(&mut raw_b).await;
+    assert_eq!((r.message_id, length(&r)), (3, max_text as u64));
+    within("shutdown", server.shutdown()).await;
+}

@@ -1,0 +1,414 @@
+//! Rules from etcd: the rule store (validation before writing, versions, history, rollback,
+//! two writers at once) and clients and servers that follow it, against a real etcd started on
+//! free loopback ports (`common/etcd.rs`).
+
+use crate::common;
+use crate::etcd_harness;
+
+use std::time::Duration;
+
+use common::within;
+use etcd_harness::Etcd;
+use rpc::{EtcdOptions, EtcdRegistry, RuleError, RuleKind, RuleStore};
+
+async fn store(etcd: &Etcd) -> RuleStore {
+    let options = EtcdOptions {
+        connect_timeout: Duration::from_secs(1),
+        request_timeout: Duration::from_secs(1),
+        ..EtcdOptions::default()
+    };
+    EtcdRegistry::connect(&[etcd.endpoint()], options)
+        .await
+        .expect("etcd registry")
+        .rules()
+}
+
+const V1: &str = "[defaults]\ntimeout_ms = 1000\n";
+const V2: &str = "[defaults]\ntimeout_ms = 2000\n";
+
+#[tokio::test]
+async fn writes_are_validated_versioned_kept_in_history_and_rolled_back() {
+    let etcd = Etcd::start().await;
+    let rules = store(&etcd).await;
+    assert_eq!(rules.key(RuleKind::Governance), "/rpc/rules/governance");
+    // Invalid: refused naming the line and the field, and nothing is written.
+    let e = rules
+        .set(
+            RuleKind::Governance,
+            "[defaults]\ntimeout_ms = 1\nretry_tims = 2\n",
+            0,
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(e, RuleError::Invalid { .. }), "{e}");
+    assert!(
+        e.to_string().contains("line 3") && e.to_string().contains("retry_tims"),
+        "{e}"
+    );
+    let mut raw = etcd.client().await;
+    let all = raw
+        .get(
+            "/rpc/rules/",
+            Some(etcd_client::GetOptions::new().with_prefix()),
+        )
+        .await
+        .unwrap();
+    assert!(all.kvs().is_empty(), "nothing written");
+    assert_eq!(rules.get(RuleKind::Governance).await.unwrap(), None);
+
+    let v1 = rules.set(RuleKind::Governance, V1, 0).await.unwrap();
+    let v2 = rules.set(RuleKind::Governance, V2, v1).await.unwrap();
+    assert!(v2 > v1, "{v1} then {v2}");
+    let now = rules.get(RuleKind::Governance).await.unwrap().unwrap();
+    assert_eq!((now.version, &*now.text), (v2, V2));
+    // The version is the etcd revision of the key.
+    let kv = raw.get("/rpc/rules/governance", None).await.unwrap();
+    assert_eq!(kv.kvs()[0].mod_revision(), v2);
+
+    let history = rules.history(RuleKind::Governance).await.unwrap();
+    let seen: Vec<(i64, &str)> = history.iter().map(|v| (v.version, &*v.text)).collect();
+    assert_eq!(seen, vec![(v1, V1), (v2, V2)]);
+
+    // Rollback writes v1's text again, as a new version.
+    let v3 = rules.rollback(RuleKind::Governance, v1).await.unwrap();
+    assert!(v3 > v2);
+    let now = rules.get(RuleKind::Governance).await.unwrap().unwrap();
+    assert_eq!((now.version, &*now.text), (v3, V1));
+    assert_eq!(rules.history(RuleKind::Governance).await.unwrap().len(), 3);
+    let e = rules.rollback(RuleKind::Governance, 1).await.unwrap_err();
+    assert!(matches!(e, RuleError::UnknownVersion { .. }), "{e}");
+    // The kinds are apart.
+    assert_eq!(rules.get(RuleKind::Routing).await.unwrap(), None);
+}
+
+#[tokio::test]
+async fn of_two_writers_on_the_same_version_one_wins_and_the_other_is_told() {
+    let etcd = Etcd::start().await;
+    let rules = store(&etcd).await;
+    let v1 = rules.set(RuleKind::Governance, V1, 0).await.unwrap();
+    let (a, b) = tokio::join!(
+        rules.set(RuleKind::Governance, V2, v1),
+        rules.set(RuleKind::Governance, "[defaults]\nretry_times = 0\n", v1),
+    );
+    let (won, lost) = match (a, b) {
+        (Ok(v), Err(e)) | (Err(e), Ok(v)) => (v, e),
+        other => panic!("exactly one write must win: {other:?}"),
+    };
+    match lost {
+        RuleError::Conflict {
+            expected, found, ..
+        } => assert_eq!((expected, found), (v1, won)),
+        e => panic!("{e}"),
+    }
+    assert_eq!(rules.history(RuleKind::Governance).await.unwrap().len(), 2);
+}
+
+#[tokio::test]
+async fn the_history_keeps_the_last_versions_only() {
+    let etcd = Etcd::start().await;
+    let rules = store(&etcd).await.with_history_limit(3);
+    let mut versions = Vec::new();
+    for i in 0..5 {
+        let text = format!("[defaults]\ntimeout_ms = {}\n", 100 + i);
+        versions.push(
+            within("put", rules.put(RuleKind::Governance, &text))
+                .await
+                .unwrap(),
+        );
+    }
+    let kept: Vec<i64> = rules
+        .history(RuleKind::Governance)
+        .await
+        .unwrap()
+        .iter()
+        .map(|v| v.version)
+        .collect();
+    assert_eq!(kept, versions[2..].to_vec());
+}
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use rpc::crates::governance::breaker::BreakerState;
+use rpc::crates::governance::events::{EventKind, GovernanceEvent};
+use rpc::{Client, GovernanceOptions, InProcessRegistry, RpcError, Server, StatusCode};
+use tokio::sync::{broadcast, mpsc, Semaphore};
+
+#[rpc::service(name = "t.Ruled")]
+trait Ruled {
+    /// Reports entry, then waits for a permit the test hands out.
+    async fn hold(&self) -> Result<String, RpcError>;
+    /// Fails with a server error, a failure the breaker counts.
+    async fn fail(&self) -> Result<String, RpcError>;
+}
+
+struct Handler {
+    entered: mpsc::UnboundedSender<String>,
+    release: Semaphore,
+    failed: AtomicUsize,
+}
+
+impl Ruled for Arc<Handler> {
+    async fn hold(&self) -> Result<String, RpcError> {
+        let _ = self.entered.send("hold".into());
+        common::let_through(&self.release).await?;
+        Ok("held".into())
+    }
+    async fn fail(&self) -> Result<String, RpcError> {
+        self.failed.fetch_add(1, Ordering::SeqCst);
+        Err(RpcError::new(StatusCode::ServerError, "down"))
+    }
+}
+
+/// Waits for the event of `kind` about the rule `version`, skipping the others.
+async fn rule_event(
+    events: &mut broadcast::Receiver<GovernanceEvent>,
+    kind: EventKind,
+    version: i64,
+) -> GovernanceEvent {
+    within("the rule's event", async {
+        loop {
+            let e = events.recv().await.expect("events");
+            if e.kind == kind && e.rule_version == Some(version) {
+                return e;
+            }
+        }
+    })
+    .await
+}
+
+struct Fleet {
+    _etcd: Etcd,
+    rules: RuleStore,
+    handler: Arc<Handler>,
+    entered: mpsc::UnboundedReceiver<String>,
+    server: rpc::ServerHandle,
+    client: Client,
+    ruled: RuledClient,
+}
+
+async fn fleet() -> Fleet {
+    let etcd = Etcd::start().await;
+    let rules = store(&etcd).await;
+    let (tx, entered) = mpsc::unbounded_channel();
+    let handler = Arc::new(Handler {
+        entered: tx,
+        release: Semaphore::new(0),
+        failed: AtomicUsize::new(0),
+    });
+    let reg = InProcessRegistry::new();
+    let server = Server::builder()
+        .registry(reg.clone())
+        .rules(rules.clone())
+        .add_service(RuledServer::new(handler.clone()))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let client = Client::builder()
+        .registry(reg)
+        .default_options(GovernanceOptions {
+            retry_times: 0,
+            timeout_ms: 0,
+            breaker_seconds: 3600,
+            ..GovernanceOptions::default()
+        })
+        .rules(rules.clone())
+        .build();
+    let ruled = RuledClient::new(client.clone());
+    Fleet {
+        _etcd: etcd,
+        rules,
+        handler,
+        entered,
+        server,
+        client,
+        ruled,
+    }
+}
+
+#[tokio::test]
+async fn a_rule_in_etcd_switches_the_breaker_to_observe_and_back_and_a_bad_one_is_refused() {
+    let f = fleet().await;
+    let mut events = f.client.events().subscribe();
+    let fail = &RuledClient::methods()[1];
+    let observe = "[entries.\"t.Ruled.fail\"]\nexceptions_allowed_before_breaking = 2\nbreaker_observe = true\n";
+    let v1 = f.rules.put(RuleKind::Governance, observe).await.unwrap();
+    rule_event(&mut events, EventKind::RuleApplied, v1).await;
+    assert_eq!(f.client.rules_version(RuleKind::Governance), Some(v1));
+    assert!(f.client.options(fail).breaker_observe);
+
+    // Observing: the breaker opens after 2 failures, and all 4 calls still reach the server.
+    for _ in 0..4 {
+        let e = within("call", f.ruled.fail()).await.unwrap_err();
+        assert_eq!(e.code(), StatusCode::ServerError, "{e}");
+    }
+    assert_eq!(f.handler.failed.load(Ordering::SeqCst), 4);
+    assert!(matches!(
+        f.client.breaker_state(fail),
+        BreakerState::Open { .. }
+    ));
+    let breaks: Vec<GovernanceEvent> = std::iter::from_fn(|| events.try_recv().ok())
+        .filter(|e| e.kind == EventKind::Break)
+        .collect();
+    assert!(breaks.len() == 1 && breaks[0].observed, "{breaks:?}");
+
+    // Enforcing again, from the next call, with the breaker's state kept: it is open.
+    let enforce = observe.replace("breaker_observe = true", "breaker_observe = false");
+    let v2 = f.rules.put(RuleKind::Governance, &enforce).await.unwrap();
+    rule_event(&mut events, EventKind::RuleApplied, v2).await;
+    let e = within("call", f.ruled.fail()).await.unwrap_err();
+    assert_eq!(e.code(), StatusCode::CircuitOpen, "{e}");
+    assert_eq!(f.handler.failed.load(Ordering::SeqCst), 4, "not sent");
+
+    // A bad document written past the store's check is refused; v2 stays in force.
+    let mut raw = f._etcd.client().await;
+    let put = raw
+        .put(
+            f.rules.key(RuleKind::Governance),
+            "[entries.\"t.Ruled.fail\"]\nbreaker_observe = \"yes\"\n",
+            None,
+        )
+        .await
+        .unwrap();
+    let bad = put.header().unwrap().revision();
+    let rejected = rule_event(&mut events, EventKind::RuleRejected, bad).await;
+    let cause = rejected.cause.unwrap_or_default();
+    assert!(
+        cause.contains("breaker_observe") && cause.contains(&format!("version {v2} stays")),
+        "{cause}"
+    );
+    assert_eq!(f.client.rules_version(RuleKind::Governance), Some(v2));
+    let e = within("call", f.ruled.fail()).await.unwrap_err();
+    assert_eq!(e.code(), StatusCode::CircuitOpen, "{e}");
+
+    // Rolling back to v1 observes again.
+    let v4 = f.rules.rollback(RuleKind::Governance, v1).await.unwrap();
+    rule_event(&mut events, EventKind::RuleApplied, v4).await;
+    let e = within("call", f.ruled.fail()).await.unwrap_err();
+    assert_eq!(e.code(), StatusCode::ServerError, "{e}");
+    assert_eq!(f.handler.failed.load(Ordering::SeqCst), 5);
+}
+
+#[tokio::test]
+async fn a_running_servers_entry_cap_follows_the_rules_and_can_observe() {
+    let mut f = fleet().await;
+    let mut events = f.server.events().subscribe();
+    let v1 = f
+        .rules
+        .put(
+            RuleKind::Governance,
+            "[entries.\"t.Ruled.hold\"]\nmax_concurrent_handling_count = 1\n",
+        )
+        .await
+        .unwrap();
+    rule_event(&mut events, EventKind::RuleApplied, v1).await;
+    assert_eq!(f.server.rules_version(RuleKind::Governance), Some(v1));
+    // The cap is 1 now (50 before): a second call at once is refused.
+    let first = common::until_entered(Box::pin(f.ruled.hold()), "hold", &mut f.entered).await;
+    let e = within("call", f.ruled.hold()).await.unwrap_err();
+    assert_eq!(e.code(), StatusCode::OverflowMaxServerHandle, "{e}");
+    f.handler.release.add_permits(1);
+    assert_eq!(within("first", first).await.unwrap(), "held");
+
+    // Observe mode: the call over the cap is admitted, and reported.
+    let v2 = f
+        .rules
+        .put(
+            RuleKind::Governance,
+            "[entries.\"t.Ruled.hold\"]\nmax_concurrent_handling_count = 1\nadmission_observe = true\n",
+        )
+        .await
+        .unwrap();
+    rule_event(&mut events, EventKind::RuleApplied, v2).await;
+    let first = common::until_entered(Box::pin(f.ruled.hold()), "hold", &mut f.entered).await;
+    let second = common::until_entered(Box::pin(f.ruled.hold()), "hold", &mut f.entered).await;
+    let overflow = within("the observed overflow", async {
+        loop {
+            let e = events.recv().await.expect("events");
+            if e.kind == EventKind::Overflow {
+                return e;
+            }
+        }
+    })
+    .await;
+    assert!(overflow.observed, "{overflow:?}");
+    f.handler.release.add_permits(2);
+    assert_eq!(within("first", first).await.unwrap(), "held");
+    assert_eq!(within("second", second).await.unwrap(), "held");
+}
+
+#[rpc::service(name = "t.Who")]
+trait Who {
+    /// Answers the serving instance's name.
+    async fn who(&self) -> Result<String, RpcError>;
+}
+
+struct Named(&'static str);
+
+impl Who for Named {
+    async fn who(&self) -> Result<String, RpcError> {
+        Ok(self.0.to_string())
+    }
+}
+
+#[tokio::test]
+async fn a_routing_document_in_etcd_steers_a_running_clients_calls_and_a_bad_one_is_refused() {
+    let etcd = Etcd::start().await;
+    let rules = store(&etcd).await;
+    let reg = InProcessRegistry::new();
+    let mut servers = Vec::new();
+    for (name, version) in [("canary", "canary"), ("stable", "stable")] {
+        servers.push(
+            Server::builder()
+                .registry(reg.clone())
+                .metadata("version", version)
+                .add_service(WhoServer::new(Named(name)))
+                .serve("127.0.0.1:0")
+                .await
+                .expect("serve"),
+        );
+    }
+    let client = Client::builder().registry(reg).rules(rules.clone()).build();
+    let who = WhoClient::new(client.clone());
+    let mut events = client.events().subscribe();
+    async fn served(who: &WhoClient, n: usize) -> Vec<String> {
+        let mut names = Vec::new();
+        for _ in 0..n {
+            names.push(within("call", who.who()).await.expect("call"));
+        }
+        names
+    }
+    // Without rules, round robin reaches both instances.
+    let mut before = served(&who, 4).await;
+    before.sort();
+    before.dedup();
+    assert_eq!(before, ["canary", "stable"]);
+
+    // A valid routing document: every call goes to the canary from the next call.
+    let doc = "[[routes]]\nname = \"all-canary\"\nservice = \"t.Who\"\n\
+               to = [ { tags = { version = \"canary\" } } ]\n";
+    let v1 = rules.set(RuleKind::Routing, doc, 0).await.unwrap();
+    rule_event(&mut events, EventKind::RuleApplied, v1).await;
+    assert_eq!(client.rules_version(RuleKind::Routing), Some(v1));
+    assert_eq!(client.routing_rules().routes.len(), 1);
+    assert!(served(&who, 6).await.iter().all(|n| n == "canary"));
+
+    // The store refuses a document the routing parser refuses (a weight of 0)...
+    let bad = doc.replace("} } ]", "}, weight = 0 } ]");
+    let e = rules.set(RuleKind::Routing, &bad, v1).await.unwrap_err();
+    assert!(matches!(e, RuleError::Invalid { .. }), "{e}");
+    assert!(e.to_string().contains("weight"), "{e}");
+    // ...and a client refuses it when written past the store: the last good version stays.
+    let mut raw = etcd.client().await;
+    let put = raw
+        .put(rules.key(RuleKind::Routing), bad.as_str(), None)
+        .await
+        .unwrap();
+    let bad_version = put.header().unwrap().revision();
+    rule_event(&mut events, EventKind::RuleRejected, bad_version).await;
+    assert_eq!(client.rules_version(RuleKind::Routing), Some(v1));
+    assert!(served(&who, 4).await.iter().all(|n| n == "canary"));
+    for s in servers {
+        s.shutdown().await;
+    }
+}

@@ -1,0 +1,1069 @@
+//! Streams over real TCP. Server streaming: items in order then the end, flow control that
+//! stops a producer whose consumer stops reading, cancellation by dropping the stream, errors
+//! and the deadline mid-stream, many streams beside unary calls on one connection, a server
+//! that dies mid-stream, failover before acceptance and no replay after, draining, the cap
+//! counting open streams, and peers that do not stream. Client streaming: every item sent and
+//! the answer back, flow control that stops the caller's producer when the handler stops
+//! taking items, and an error in the caller's stream. Both ways: each item answered as it
+//! comes, and dropping the answer stopping both directions.
+
+use crate::common;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{no_retry, recv_one, within, DropSignal, RawConn};
+use futures_util::future::join_all;
+use rpc::crates::core::wire::{frame::Kind, RemoteInvokeMessage, StreamMode};
+use rpc::crates::transport::DEFAULT_STREAM_WINDOW;
+use rpc::{
+    Client, Codec, GovernanceOverrides, InProcessRegistry, RpcError, RpcStream, Server,
+    ServerHandle, StaticRegistry, StatusCode,
+};
+use serde::{Deserialize, Serialize};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Tick {
+    pub seq: u32,
+    pub label: String,
+}
+
+#[rpc::service(name = "t.Feed")]
+pub trait Feed {
+    /// `n` ticks, numbered from 0.
+    async fn ticks(&self, n: u32) -> Result<RpcStream<Tick>, RpcError>;
+    /// Numbers from 0 without end; counts how often its producer is asked for an item and
+    /// reports when it is dropped.
+    async fn endless(&self) -> Result<RpcStream<u64>, RpcError>;
+    /// `n` numbers, then a business error.
+    async fn fail_after(&self, n: u32) -> Result<RpcStream<u32>, RpcError>;
+    /// `n` numbers, then waits for ever (reports that it got there).
+    async fn stall_after(&self, n: u32) -> Result<RpcStream<u32>, RpcError>;
+    /// Refuses at its set-up with a business error: nothing is streamed.
+    async fn refuse(&self) -> Result<RpcStream<u32>, RpcError>;
+    /// `n` numbers, then its producer panics.
+    async fn panic_after(&self, n: u32) -> Result<RpcStream<u32>, RpcError>;
+    /// A unary method beside the streams.
+    async fn echo(&self, text: String) -> Result<String, RpcError>;
+    /// Client streaming: the sum of the caller's numbers, labelled.
+    async fn sum(&self, label: String, numbers: RpcStream<u64>) -> Result<String, RpcError>;
+    /// Client streaming: takes `n` numbers, reports it, then waits for ever.
+    async fn take_then_wait(&self, n: u32, numbers: RpcStream<u64>) -> Result<u64, RpcError>;
+    /// Both ways: each line back with `prefix`, as it comes; reports when it is dropped.
+    async fn chat(
+        &self,
+        prefix: String,
+        lines: RpcStream<String>,
+    ) -> Result<RpcStream<String>, RpcError>;
+}
+
+#[derive(Clone)]
+struct Feeds {
+    /// Items the `endless` producer was asked for.
+    polls: Arc<AtomicU64>,
+    /// Streams of `stall_after` set up.
+    setups: Arc<AtomicU64>,
+    dropped: mpsc::UnboundedSender<String>,
+    stalled: mpsc::UnboundedSender<String>,
+}
+
+impl Feed for Feeds {
+    async fn ticks(&self, n: u32) -> Result<RpcStream<Tick>, RpcError> {
+        Ok(RpcStream::iter((0..n).map(|seq| Tick {
+            seq,
+            label: format!("tick-{seq}"),
+        })))
+    }
+
+    async fn endless(&self) -> Result<RpcStream<u64>, RpcError> {
+        let polls = self.polls.clone();
+        let guard = DropSignal::new("endless", self.dropped.clone());
+        Ok(RpcStream::new(futures_util::stream::unfold(
+            (0u64, guard),
+            move |(n, guard)| {
+                polls.fetch_add(1, Ordering::SeqCst);
+                std::future::ready(Some((n, (n + 1, guard))))
+            },
+        )))
+    }
+
+    async fn fail_after(&self, n: u32) -> Result<RpcStream<u32>, RpcError> {
+        let items = (0..n)
+            .map(Ok)
+            .chain(std::iter::once(Err(RpcError::business(format!(
+                "ran out after {n}"
+            )))));
+        Ok(RpcStream::try_new(futures_util::stream::iter(items)))
+    }
+
+    async fn stall_after(&self, n: u32) -> Result<RpcStream<u32>, RpcError> {
+        self.setups.fetch_add(1, Ordering::SeqCst);
+        let stalled = self.stalled.clone();
+        let guard = DropSignal::new("stall_after", self.dropped.clone());
+        let rest = futures_util::stream::once(async move {
+            let _guard = guard;
+            let _ = stalled.send("stalled".into());
+            std::future::pending::<u32>().await
+        });
+        Ok(RpcStream::new(futures_util::StreamExt::chain(
+            futures_util::stream::iter(0..n),
+            rest,
+        )))
+    }
+
+    async fn refuse(&self) -> Result<RpcStream<u32>, RpcError> {
+        Err(RpcError::business("no stream for you"))
+    }
+
+    async fn panic_after(&self, n: u32) -> Result<RpcStream<u32>, RpcError> {
+        Ok(RpcStream::iter((0..=n).inspect(move |&i| {
+            assert!(i < n, "the feed broke after {n} items");
+        })))
+    }
+
+    async fn echo(&self, text: String) -> Result<String, RpcError> {
+        Ok(text)
+    }
+
+    async fn sum(&self, label: String, mut numbers: RpcStream<u64>) -> Result<String, RpcError> {
+        let (mut total, mut count) = (0u64, 0u64);
+        while let Some(n) = numbers.next().await {
+            total += n?;
+            count += 1;
+        }
+        Ok(format!("{label}={total} from {count} items"))
+    }
+
+    async fn chat(
+        &self,
+        prefix: String,
+        lines: RpcStream<String>,
+    ) -> Result<RpcStream<String>, RpcError> {
+        let guard = DropSignal::new("chat", self.dropped.clone());
+        Ok(lines.map_items(move |line| {
+            let _ = &guard;
+            Ok(format!("{prefix}{line}"))
+        }))
+    }
+
+    async fn take_then_wait(&self, n: u32, mut numbers: RpcStream<u64>) -> Result<u64, RpcError> {
+        let _guard = DropSignal::new("take_then_wait", self.dropped.clone());
+        for _ in 0..n {
+            numbers.next().await.expect("an item")?;
+        }
+        let _ = self.stalled.send(format!("took {n}"));
+        std::future::pending::<()>().await;
+        Ok(0)
+    }
+}
+
+struct Probe {
+    polls: Arc<AtomicU64>,
+    setups: Arc<AtomicU64>,
+    dropped: mpsc::UnboundedReceiver<String>,
+    stalled: mpsc::UnboundedReceiver<String>,
+}
+
+async fn serve(reg: &InProcessRegistry, cap: usize) -> (ServerHandle, Probe) {
+    let (dropped_tx, dropped) = mpsc::unbounded_channel();
+    let (stalled_tx, stalled) = mpsc::unbounded_channel();
+    let polls = Arc::new(AtomicU64::new(0));
+    let setups = Arc::new(AtomicU64::new(0));
+    let server = Server::builder()
+        .registry(reg.clone())
+        .max_concurrency(cap)
+        .add_service(FeedServer::new(Feeds {
+            polls: polls.clone(),
+            setups: setups.clone(),
+            dropped: dropped_tx,
+            stalled: stalled_tx,
+        }))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    (
+        server,
+        Probe {
+            polls,
+            setups,
+            dropped,
+            stalled,
+        },
+    )
+}
+
+fn timeout_of(ms: u64) -> GovernanceOverrides {
+    GovernanceOverrides {
+        timeout_ms: Some(ms),
+        retry_times: Some(0),
+        ..GovernanceOverrides::NONE
+    }
+}
+
+/// What the feed echoes of `text`: a unary call, to show the connection and the server still
+/// answer (a failed call fails the test).
+async fn echoed(f: &FeedClient, text: impl Into<String>) -> String {
+    within("echo", f.echo(text.into())).await.expect("echo")
+}
+
+/// The stream's next item, which must come within the time limit of `what` and be no error.
+async fn next_item<T: Send + 'static>(what: &str, s: &mut RpcStream<T>) -> T {
+    within(what, s.next())
+        .await
+        .unwrap_or_else(|| panic!("{what}: the stream ended instead"))
+        .unwrap_or_else(|e| panic!("{what}: an error item instead: {e}"))
+}
+
+/// The stream's next item, which must come within the time limit of `what` and be an error:
+/// how the stream ended.
+async fn next_error<T: Send + 'static + std::fmt::Debug>(
+    what: &str,
+    s: &mut RpcStream<T>,
+) -> RpcError {
+    match within(what, s.next()).await {
+        Some(Err(e)) => e,
+        other => panic!("{what}: expected an error item, got {other:?}"),
+    }
+}
+
+fn feed(reg: &InProcessRegistry) -> FeedClient {
+    FeedClient::new(
+        Client::builder()
+            .registry(reg.clone())
+            .override_options(FeedClient::SERVICE_ID, no_retry())
+            .build(),
+    )
+}
+
+#[tokio::test]
+async fn server_streaming_delivers_n_items_in_order_then_ends() {
+    let reg = InProcessRegistry::new();
+    let (server, _probe) = serve(&reg, 50).await;
+    for codec in [Codec::MsgPack, Codec::Json] {
+        let f = FeedClient::new(Client::builder().registry(reg.clone()).codec(codec).build());
+        let n = 3 * DEFAULT_STREAM_WINDOW + 7;
+        let mut s = within("open", f.ticks(n)).await.expect("ticks");
+        let mut seen = Vec::new();
+        while let Some(item) = within("next tick", s.next()).await {
+            seen.push(item.expect("a tick"));
+        }
+        let expected: Vec<Tick> = (0..n)
+            .map(|seq| Tick {
+                seq,
+                label: format!("tick-{seq}"),
+            })
+            .collect();
+        assert_eq!(seen, expected, "{codec:?}");
+        assert!(s.next().await.is_none(), "nothing after the end");
+        // An empty stream ends at once.
+        let empty = within("open", f.ticks(0)).await.expect("ticks(0)");
+        assert!(within("collect", empty.collect_all())
+            .await
+            .expect("ok")
+            .is_empty());
+    }
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn a_consumer_that_stops_reading_stops_the_producer_at_the_window() {
+    const WINDOW: u32 = 8;
+    let reg = InProcessRegistry::new();
+    let (server, probe) = serve(&reg, 50).await;
+    let client = Client::builder()
+        .registry(reg.clone())
+        .stream_window(WINDOW)
+        .build();
+    let f = FeedClient::new(client);
+    let mut s = within("open", f.endless()).await.expect("endless");
+    // Fewer than half the window taken: no credit goes back to the server.
+    for want in 0..3u64 {
+        assert_eq!(next_item("item", &mut s).await, want);
+    }
+    // The producer fills the window the client announced, and is not asked for more: wait
+    // until it got there, then let the connection carry other traffic (round trips through
+    // both sides' tasks) before looking again.
+    within("the producer reaches the window", async {
+        while probe.polls.load(Ordering::SeqCst) < u64::from(WINDOW) {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    for i in 0..20 {
+        assert_eq!(echoed(&f, format!("ping {i}")).await, format!("ping {i}"));
+    }
+    assert_eq!(
+        probe.polls.load(Ordering::SeqCst),
+        u64::from(WINDOW),
+        "a stopped consumer holds the producer at the window"
+    );
+    // Reading on, the stream continues in order, and the producer stays within the window of
+    // what was taken.
+    for want in 3..200u64 {
+        assert_eq!(next_item("item", &mut s).await, want);
+        let polls = probe.polls.load(Ordering::SeqCst);
+        assert!(
+            polls <= want + 1 + u64::from(WINDOW),
+            "{polls} items produced when {} were taken",
+            want + 1
+        );
+    }
+    drop(s);
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn dropping_the_stream_drops_the_handlers_stream_and_frees_its_slot() {
+    let reg = InProcessRegistry::new();
+    // A cap of 1: the open stream holds it until it ends.
+    let (server, mut probe) = serve(&reg, 1).await;
+    let f = feed(&reg);
+    let mut s = within("open", f.endless()).await.expect("endless");
+    assert_eq!(next_item("item", &mut s).await, 0);
+    let over = within("echo at the cap", f.echo("x".into())).await;
+    assert_eq!(
+        over.expect_err("the open stream counts against the cap")
+            .code(),
+        StatusCode::OverflowMaxServerHandle
+    );
+    drop(s);
+    assert_eq!(
+        recv_one(
+            "the Cancel dropped the handler's stream",
+            &mut probe.dropped
+        )
+        .await,
+        "endless"
+    );
+    // The cap's slot is free again.
+    assert_eq!(echoed(&f, "after").await, "after");
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn a_server_error_mid_stream_ends_it_with_that_error_after_the_items_before_it() {
+    let reg = InProcessRegistry::new();
+    let (server, _probe) = serve(&reg, 50).await;
+    let f = feed(&reg);
+    let mut s = within("open", f.fail_after(5)).await.expect("fail_after");
+    for want in 0..5 {
+        assert_eq!(next_item("item", &mut s).await, want);
+    }
+    let e = next_error("the error", &mut s).await;
+    assert_eq!(e.code(), StatusCode::BusinessError);
+    assert!(e.message().contains("ran out after 5"), "{e}");
+    assert!(
+        within("end", s.next()).await.is_none(),
+        "nothing after the error"
+    );
+
+    // A set-up that fails is a refusal: the call's error, no stream.
+    let e = within("refuse", f.refuse())
+        .await
+        .expect_err("refused at its set-up");
+    assert_eq!(e.code(), StatusCode::BusinessError);
+    assert!(e.message().contains("no stream for you"), "{e}");
+    within("shutdown", server.shutdown()).await;
+}
+
+/// The panic comes in the middle of a run of items the server assembles into one frame (700
+/// items: more than one poll's turn of 256), after the panicking item's key was written.
+#[tokio::test]
+async fn a_producer_panicking_mid_stream_ends_it_with_520_after_every_item_before_it() {
+    let reg = InProcessRegistry::new();
+    let (server, _probe) = serve(&reg, 50).await;
+    let f = feed(&reg);
+    let mut s = within("open", f.panic_after(700))
+        .await
+        .expect("panic_after");
+    for want in 0..700 {
+        assert_eq!(next_item("item", &mut s).await, want);
+    }
+    let e = next_error("the panic", &mut s).await;
+    assert_eq!(e.code(), StatusCode::ServerError, "{e}");
+    assert!(
+        within("end", s.next()).await.is_none(),
+        "nothing after the error"
+    );
+    // The connection and the server carry on.
+    assert_eq!(echoed(&f, "still here").await, "still here");
+    let items = within("again", f.ticks(3))
+        .await
+        .expect("ticks")
+        .collect_all();
+    assert_eq!(within("ticks", items).await.expect("items").len(), 3);
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_deadline_ends_the_stream_with_a_timeout_after_the_items_that_arrived() {
+    let reg = InProcessRegistry::new();
+    let (server, mut probe) = serve(&reg, 50).await;
+    let f = FeedClient::new(
+        Client::builder()
+            .registry(reg.clone())
+            .override_options(FeedClient::SERVICE_ID, timeout_of(60_000))
+            .build(),
+    );
+    let mut s = within("open", f.stall_after(3)).await.expect("stall_after");
+    for want in 0..3 {
+        assert_eq!(next_item("item", &mut s).await, want);
+    }
+    // The handler waits for ever now; the deadline (on the paused clock) ends the stream.
+    assert_eq!(recv_one("stalled", &mut probe.stalled).await, "stalled");
+    tokio::time::advance(Duration::from_secs(60)).await;
+    let e = next_error("the timeout", &mut s).await;
+    assert_eq!(e.code(), StatusCode::Timeout, "{e}");
+    assert!(s.next().await.is_none(), "nothing after the timeout");
+    assert_eq!(
+        recv_one(
+            "the server dropped the handler's stream",
+            &mut probe.dropped
+        )
+        .await,
+        "stall_after"
+    );
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn many_streams_share_one_connection_with_unary_calls_and_a_stalled_one() {
+    let reg = InProcessRegistry::new();
+    let (server, probe) = serve(&reg, 200).await;
+    // One connection per endpoint (the default): every stream and call below shares it.
+    let client = Client::builder()
+        .registry(reg.clone())
+        .connections_per_endpoint(1)
+        .stream_window(4)
+        .override_options(FeedClient::SERVICE_ID, no_retry())
+        .build();
+    let f = FeedClient::new(client);
+    // A stream nobody reads: it stalls at its window and must stall nothing else.
+    let stalled = within("open", f.endless()).await.expect("endless");
+    let streams = (0..64u32).map(|k| {
+        let f = f.clone();
+        async move {
+            let n = 50 + k;
+            let items = within("collect", f.ticks(n).await.expect("ticks").collect_all())
+                .await
+                .expect("complete");
+            let seqs: Vec<u32> = items.iter().map(|t| t.seq).collect();
+            assert_eq!(seqs, (0..n).collect::<Vec<_>>(), "stream {k} in order");
+        }
+    });
+    let unary = (0..64u32).map(|k| {
+        let f = f.clone();
+        async move {
+            assert_eq!(
+                f.echo(format!("u{k}")).await.expect("echo"),
+                format!("u{k}")
+            );
+        }
+    });
+    within("everything", async {
+        tokio::join!(join_all(streams), join_all(unary));
+    })
+    .await;
+    assert!(
+        probe.polls.load(Ordering::SeqCst) <= 4,
+        "the unread stream stayed within its window"
+    );
+    drop(stalled);
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn a_server_that_dies_mid_stream_ends_it_with_an_error_saying_how_many_items_arrived() {
+    let reg = InProcessRegistry::new();
+    let (server, mut probe) = serve(&reg, 50).await;
+    let f = feed(&reg);
+    let mut s = within("open", f.stall_after(3)).await.expect("stall_after");
+    for want in 0..3 {
+        assert_eq!(next_item("item", &mut s).await, want);
+    }
+    assert_eq!(recv_one("stalled", &mut probe.stalled).await, "stalled");
+    server.abort();
+    let e = next_error("the failure", &mut s).await;
+    assert_eq!(e.code(), StatusCode::CommunicationError, "{e}");
+    assert!(e.message().contains("after 3 items arrived"), "{e}");
+    assert!(e.is_maybe_delivered(), "{e}");
+    assert!(s.next().await.is_none());
+}
+
+/// The set-up passes the entry's governance: a refusal (515 at a full cap) fails over to the
+/// other endpoint; once a stream was accepted it is never opened again, not even when its
+/// server dies mid-stream.
+#[tokio::test]
+async fn a_refused_set_up_fails_over_and_an_accepted_stream_is_never_replayed() {
+    let reg = InProcessRegistry::new();
+    let (full, full_probe) = serve(&reg, 1).await;
+    let (free, mut free_probe) = serve(&reg, 50).await;
+    // Another client holds the only slot of `full` with a stream.
+    let holder = FeedClient::new(
+        Client::builder()
+            .registry(StaticRegistry::new([full.local_addr().to_string()]))
+            .build(),
+    );
+    let held = within("hold", holder.endless()).await.expect("endless");
+    let f = FeedClient::new(Client::builder().registry(reg.clone()).build());
+    let mut open = Vec::new();
+    for _ in 0..4 {
+        // Round robin: at least every other set-up tries `full` first, is refused, and goes
+        // to `free`.
+        let mut s = within("open", f.stall_after(2)).await.expect("fails over");
+        for want in 0..2 {
+            assert_eq!(next_item("item", &mut s).await, want);
+        }
+        assert_eq!(
+            recv_one("stalled", &mut free_probe.stalled).await,
+            "stalled"
+        );
+        open.push(s);
+    }
+    assert_eq!(free_probe.setups.load(Ordering::SeqCst), 4);
+    assert_eq!(
+        full_probe.setups.load(Ordering::SeqCst),
+        0,
+        "refused before its handler"
+    );
+    // `full` has room now; `free` dies: the streams end with the failure, none is repeated.
+    drop(held);
+    free.abort();
+    for mut s in open {
+        let e = next_error("the failure", &mut s).await;
+        assert_eq!(e.code(), StatusCode::CommunicationError, "{e}");
+        assert!(e.message().contains("after 2 items arrived"), "{e}");
+    }
+    assert_eq!(
+        full_probe.setups.load(Ordering::SeqCst),
+        0,
+        "no stream was opened again"
+    );
+    within("shutdown", full.shutdown()).await;
+}
+
+/// A graceful shutdown lets open streams run on until the drain deadline, then ends those
+/// still open with a status saying so.
+#[tokio::test(start_paused = true)]
+async fn draining_lets_open_streams_finish_until_the_drain_deadline() {
+    let reg = InProcessRegistry::new();
+    let (dropped_tx, mut dropped) = mpsc::unbounded_channel();
+    let (stalled_tx, mut stalled) = mpsc::unbounded_channel();
+    let server = Server::builder()
+        .registry(reg.clone())
+        .drain_timeout(Duration::from_secs(2))
+        .add_service(FeedServer::new(Feeds {
+            polls: Default::default(),
+            setups: Default::default(),
+            dropped: dropped_tx,
+            stalled: stalled_tx,
+        }))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let f = FeedClient::new(
+        Client::builder()
+            .registry(reg.clone())
+            .stream_window(4)
+            .override_options(FeedClient::SERVICE_ID, timeout_of(0))
+            .build(),
+    );
+    let mut long = within("open", f.ticks(100)).await.expect("ticks");
+    assert_eq!(next_item("tick", &mut long).await.seq, 0);
+    let mut stuck = within("open", f.stall_after(1)).await.expect("stall_after");
+    assert_eq!(next_item("item", &mut stuck).await, 0);
+    assert_eq!(recv_one("stalled", &mut stalled).await, "stalled");
+    let stopping = tokio::spawn(server.shutdown());
+    // The long stream runs to its end while the server drains (its window of 4 means most of
+    // it is produced after the shutdown began).
+    for want in 1..100 {
+        assert_eq!(next_item("tick", &mut long).await.seq, want);
+    }
+    assert!(within("end", long.next()).await.is_none(), "complete");
+    // The stuck one is ended at the drain deadline.
+    let e = next_error("the drain deadline", &mut stuck).await;
+    assert_eq!(e.code(), StatusCode::ServerError, "{e}");
+    assert!(e.message().contains("drain deadline"), "{e}");
+    assert_eq!(recv_one("dropped", &mut dropped).await, "stall_after");
+    within("shutdown", stopping).await.expect("shutdown");
+}
+
+#[tokio::test]
+async fn client_streaming_sends_every_item_and_gets_the_answer() {
+    let reg = InProcessRegistry::new();
+    let (server, _probe) = serve(&reg, 50).await;
+    for codec in [Codec::MsgPack, Codec::Json] {
+        let f = FeedClient::new(Client::builder().registry(reg.clone()).codec(codec).build());
+        let answer = within("sum", f.sum("total".into(), RpcStream::iter(1..=1000u64)))
+            .await
+            .expect("sum");
+        assert_eq!(answer, "total=500500 from 1000 items", "{codec:?}");
+        let none = within("sum", f.sum("none".into(), RpcStream::empty()))
+            .await
+            .expect("sum of nothing");
+        assert_eq!(none, "none=0 from 0 items");
+    }
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn a_handler_that_stops_taking_items_stops_the_callers_producer_at_the_window() {
+    const WINDOW: u32 = 8;
+    let reg = InProcessRegistry::new();
+    let (dropped_tx, mut dropped) = mpsc::unbounded_channel();
+    let (stalled_tx, mut stalled) = mpsc::unbounded_channel();
+    let server = Server::builder()
+        .registry(reg.clone())
+        .stream_window(WINDOW)
+        .add_service(FeedServer::new(Feeds {
+            polls: Default::default(),
+            setups: Default::default(),
+            dropped: dropped_tx,
+            stalled: stalled_tx,
+        }))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let f = feed(&reg);
+    // The caller's producer: endless, counting the items it is asked for.
+    let produced = Arc::new(AtomicU64::new(0));
+    let counter = produced.clone();
+    let numbers = RpcStream::new(futures_util::stream::unfold(0u64, move |n| {
+        counter.fetch_add(1, Ordering::SeqCst);
+        std::future::ready(Some((n, n + 1)))
+    }));
+    let call = tokio::spawn({
+        let f = f.clone();
+        async move { f.take_then_wait(3, numbers).await }
+    });
+    // The handler took 3 (fewer than half the server's window: no credit went back).
+    assert_eq!(recv_one("took", &mut stalled).await, "took 3");
+    within("the producer reaches the window", async {
+        while produced.load(Ordering::SeqCst) < u64::from(WINDOW) {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    for i in 0..20 {
+        assert_eq!(echoed(&f, format!("e{i}")).await, format!("e{i}"));
+    }
+    assert_eq!(
+        produced.load(Ordering::SeqCst),
+        u64::from(WINDOW),
+        "a handler that stops taking items holds the caller's producer at the window"
+    );
+    // Giving up on the call drops the handler.
+    call.abort();
+    assert_eq!(recv_one("dropped", &mut dropped).await, "take_then_wait");
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn an_error_in_the_callers_stream_ends_the_call_with_it() {
+    let reg = InProcessRegistry::new();
+    let (server, _probe) = serve(&reg, 50).await;
+    let f = feed(&reg);
+    let numbers = RpcStream::try_new(futures_util::stream::iter(vec![
+        Ok(1u64),
+        Ok(2),
+        Err(RpcError::business("the source broke")),
+        Ok(3),
+    ]));
+    let e = within("sum", f.sum("broken".into(), numbers))
+        .await
+        .expect_err("the caller's error");
+    assert_eq!(e.code(), StatusCode::BusinessError);
+    assert!(e.message().contains("the source broke"), "{e}");
+    // The connection and the server are fine.
+    assert_eq!(echoed(&f, "ok").await, "ok");
+    within("shutdown", server.shutdown()).await;
+}
+
+/// Both ways at once: each line is answered before the next is sent (the caller's stream
+/// waits for the answer), so neither side batches; the caller's end ends the answer.
+#[tokio::test]
+async fn bidirectional_streaming_answers_each_item_as_it_comes() {
+    let reg = InProcessRegistry::new();
+    let (server, mut probe) = serve(&reg, 50).await;
+    let f = feed(&reg);
+    let (lines_tx, lines_rx) = mpsc::unbounded_channel::<String>();
+    let lines = RpcStream::new(futures_util::stream::unfold(
+        lines_rx,
+        |mut rx| async move { rx.recv().await.map(|line| (line, rx)) },
+    ));
+    let mut replies = within("open", f.chat("> ".into(), lines))
+        .await
+        .expect("chat");
+    for i in 0..50 {
+        lines_tx.send(format!("line {i}")).expect("send");
+        let reply = next_item("reply", &mut replies).await;
+        assert_eq!(reply, format!("> line {i}"));
+    }
+    drop(lines_tx);
+    assert!(
+        within("the end", replies.next()).await.is_none(),
+        "the caller's end ends the answer"
+    );
+    assert_eq!(recv_one("dropped", &mut probe.dropped).await, "chat");
+
+    // Dropping the answer stops both directions: the handler's stream is dropped.
+    let endless = RpcStream::iter((0u64..).map(|n| n.to_string()));
+    let mut replies = within("open", f.chat("".into(), endless))
+        .await
+        .expect("chat");
+    assert_eq!(next_item("reply", &mut replies).await, "0");
+    drop(replies);
+    assert_eq!(recv_one("dropped", &mut probe.dropped).await, "chat");
+    assert_eq!(echoed(&f, "ok").await, "ok");
+    within("shutdown", server.shutdown()).await;
+}
+
+/// A client that did not offer streams in its Hello (an older client) keeps working for unary
+/// calls, and a stream it opens anyway is refused without running.
+#[tokio::test]
+async fn a_client_without_streams_keeps_working_for_unary_calls() {
+    let reg = InProcessRegistry::new();
+    let (server, probe) = serve(&reg, 50).await;
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    let ack = raw.handshake().await;
+    assert!(!ack.streams, "no streams offered, none accepted");
+    let invoke = |id: u64, entry: &str, params: bytes::Bytes, mode: StreamMode| {
+        Kind::Invoke(RemoteInvokeMessage {
+            message_id: id,
+            service_entry_id: entry.into(),
+            parameters: params,
+            stream_mode: mode as i32,
+            ..Default::default()
+        })
+    };
+    let hi = Codec::MsgPack.encode(&("hi",)).expect("encode");
+    raw.send(invoke(1, "t.Feed.echo", hi, StreamMode::Unary))
+        .await
+        .expect("send");
+    match raw.recv().await {
+        Some(Kind::Result(r)) => {
+            assert_eq!((r.message_id, r.status_code), (1, 200));
+            let text: String = Codec::MsgPack.decode(&r.result).expect("decode");
+            assert_eq!(text, "hi");
+        }
+        other => panic!("expected the answer, got {other:?}"),
+    }
+    let none = Codec::MsgPack.encode(&()).expect("encode");
+    raw.send(invoke(2, "t.Feed.endless", none, StreamMode::Server))
+        .await
+        .expect("send");
+    match raw.recv().await {
+        Some(Kind::Result(r)) => {
+            assert_eq!((r.message_id, r.status_code), (2, 500));
+            assert!(r.exception_message.contains("Hello.streams"), "{r:?}");
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    assert_eq!(probe.polls.load(Ordering::SeqCst), 0, "nothing ran");
+    within("shutdown", server.shutdown()).await;
+}
+
+/// A server that does not stream (an older one: its HelloAck does not set `streams`): a stream
+/// fails at once with a typed error and nothing is sent; unary calls go on.
+#[tokio::test]
+async fn a_stream_to_a_server_that_does_not_stream_fails_at_once() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let f = FeedClient::new(
+        Client::builder()
+            .registry(StaticRegistry::new([addr.to_string()]))
+            .override_options(FeedClient::SERVICE_ID, no_retry())
+            .build(),
+    );
+    let old_server = tokio::spawn(async move {
+        let (stream, _) = within("accept", listener.accept()).await.expect("accept");
+        let mut peer = RawConn::from_stream(stream);
+        match peer.recv().await {
+            Some(Kind::Hello(h)) => {
+                assert!(h.streams, "the client offers streams");
+                assert_eq!(h.stream_window, DEFAULT_STREAM_WINDOW);
+            }
+            other => panic!("expected Hello, got {other:?}"),
+        }
+        peer.send(Kind::HelloAck(Default::default()))
+            .await
+            .expect("ack");
+        // The next frame is the unary call: the stream was never sent.
+        let call = match peer.recv().await {
+            Some(Kind::Invoke(i)) => i,
+            other => panic!("expected the unary call, got {other:?}"),
+        };
+        assert_eq!(call.service_entry_id, "t.Feed.echo");
+        assert_eq!(call.stream_mode, 0);
+        peer.send(Kind::Result(rpc::crates::core::wire::RemoteResultMessage {
+            message_id: call.message_id,
+            status_code: 200,
+            result: Codec::MsgPack.encode(&"old").expect("encode"),
+            ..Default::default()
+        }))
+        .await
+        .expect("answer");
+    });
+    // (The handshake completes on the first call.)
+    let e = within("ticks", f.ticks(3))
+        .await
+        .expect_err("the server does not stream");
+    assert_eq!(e.code(), StatusCode::NotImplemented, "{e}");
+    assert!(e.message().contains("does not stream"), "{e}");
+    assert_eq!(echoed(&f, "x").await, "old");
+    within("the fake server", old_server)
+        .await
+        .expect("fake server");
+}
+
+/// A server that sends more items than the client granted breaks the protocol: that stream
+/// (only) ends with an error after the items within the window, the server is told to stop it,
+/// and the connection carries on. The client's reader never waits for the stream's consumer.
+#[tokio::test]
+async fn items_beyond_the_window_end_only_that_stream() {
+    use rpc::crates::core::wire::{RemoteResultMessage, StreamCredit, StreamItem};
+    use rpc::crates::transport::{ConnectOptions, Connection, Opened};
+    const WINDOW: u32 = 4;
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (cancelled_tx, cancelled) = tokio::sync::oneshot::channel();
+    let rogue = tokio::spawn(async move {
+        let (stream, _) = within("accept", listener.accept()).await.expect("accept");
+        let mut peer = RawConn::from_stream(stream);
+        let window = match peer.recv().await {
+            Some(Kind::Hello(h)) => h.stream_window,
+            other => panic!("expected Hello, got {other:?}"),
+        };
+        peer.send(Kind::HelloAck(rpc::crates::core::wire::HelloAck {
+            protocol_version: 1,
+            streams: true,
+            stream_window: 8,
+            ..Default::default()
+        }))
+        .await
+        .expect("ack");
+        let open = match peer.recv().await {
+            Some(Kind::Invoke(i)) => i,
+            other => panic!("expected the stream's opening, got {other:?}"),
+        };
+        assert_eq!(open.stream_mode, StreamMode::Server as i32);
+        let id = open.message_id;
+        peer.send(Kind::StreamCredit(StreamCredit {
+            message_id: id,
+            items: 0,
+        }))
+        .await
+        .expect("accept");
+        // One item more than the window, nothing granted back.
+        for n in 0..=window {
+            peer.send(Kind::StreamItem(StreamItem {
+                message_id: id,
+                payload: Codec::MsgPack.encode(&n).expect("encode"),
+                compression: 0,
+            }))
+            .await
+            .expect("item");
+        }
+        match peer.recv().await {
+            Some(Kind::Cancel(c)) => assert_eq!(c.message_id, id),
+            other => panic!("expected Cancel for the broken stream, got {other:?}"),
+        }
+        let _ = cancelled_tx.send(());
+        // The connection carries on: a unary call is answered.
+        let call = match peer.recv().await {
+            Some(Kind::Invoke(i)) => i,
+            other => panic!("expected a call, got {other:?}"),
+        };
+        peer.send(Kind::Result(RemoteResultMessage {
+            message_id: call.message_id,
+            status_code: 200,
+            ..Default::default()
+        }))
+        .await
+        .expect("answer");
+        window
+    });
+    let conn = Connection::connect(
+        &addr.to_string(),
+        &ConnectOptions {
+            stream_window: WINDOW,
+            ..Default::default()
+        },
+    )
+    .await
+    .expect("connect");
+    assert!(conn.supports_streams());
+    let call = || rpc::crates::transport::Call {
+        service_entry_id: "t.Feed.endless".into(),
+        ..Default::default()
+    };
+    let mut s = match within("open", conn.open_stream(call(), StreamMode::Server, None))
+        .await
+        .expect("open")
+    {
+        Opened::Accepted(s) => s,
+        Opened::Refused(r) => panic!("refused: {r:?}"),
+    };
+    // Nothing is read before the client told the server to stop: its reader buffered the
+    // window and ended the stream at the item beyond it without waiting for this consumer.
+    within("the Cancel", cancelled)
+        .await
+        .expect("the rogue got its Cancel");
+    let mut items = Vec::new();
+    let end = loop {
+        match within("next", futures_util::StreamExt::next(&mut s)).await {
+            Some(Ok(item)) => items.push(Codec::MsgPack.decode::<u32>(&item).expect("decode")),
+            Some(Err(e)) => break e,
+            None => panic!("the stream ended without its error"),
+        }
+    };
+    assert_eq!(
+        items,
+        (0..WINDOW).collect::<Vec<_>>(),
+        "the items within the window"
+    );
+    assert_eq!(end.code(), StatusCode::FrameworkError);
+    assert!(end.message().contains("protocol violation"), "{end}");
+    let answer = within("unary call", conn.call(call(), None))
+        .await
+        .expect("the connection carries on");
+    assert_eq!(answer.status_code, 200);
+    assert_eq!(within("rogue", rogue).await.expect("rogue server"), WINDOW);
+}
+
+/// Refuses the client `intruder`; counts the calls it sees.
+struct Gate(Arc<AtomicU64>);
+
+impl rpc::ServerLayer for Gate {
+    fn call<'a>(
+        &'a self,
+        req: &'a mut rpc::ServerRequest,
+        next: rpc::ServerNext<'a>,
+    ) -> rpc::LayerFuture<'a> {
+        Box::pin(async move {
+            self.0.fetch_add(1, Ordering::SeqCst);
+            if req.caller().client_id() == "intruder" {
+                return Err(RpcError::new(
+                    StatusCode::UnAuthorization,
+                    "intruders may not stream",
+                ));
+            }
+            next.run(req).await
+        })
+    }
+}
+
+/// Server layers see a server stream's set-up as a call: they may refuse it before the
+/// handler runs; a stream they hand on streams as without layers. (Client and bidirectional
+/// streams pass them too: tests/streams_governance.rs.)
+#[tokio::test]
+async fn server_layers_see_a_streams_set_up_and_may_refuse_it() {
+    let reg = InProcessRegistry::new();
+    let seen = Arc::new(AtomicU64::new(0));
+    let (dropped_tx, _dropped) = mpsc::unbounded_channel();
+    let (stalled_tx, _stalled) = mpsc::unbounded_channel();
+    let setups = Arc::new(AtomicU64::new(0));
+    let server = Server::builder()
+        .registry(reg.clone())
+        .max_concurrency(1)
+        .layer(Gate(seen.clone()))
+        .add_service(FeedServer::new(Feeds {
+            polls: Default::default(),
+            setups: setups.clone(),
+            dropped: dropped_tx,
+            stalled: stalled_tx,
+        }))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let f = feed(&reg);
+    let ticks = within("ticks", f.ticks(40).await.expect("ticks").collect_all())
+        .await
+        .expect("complete");
+    assert_eq!(ticks.len(), 40);
+    assert_eq!(
+        seen.load(Ordering::SeqCst),
+        1,
+        "the layer saw the set-up once"
+    );
+    // The stream held the cap's only slot while open, and gave it back at its end.
+    let mut open = within("open", f.stall_after(1)).await.expect("stall_after");
+    assert_eq!(next_item("item", &mut open).await, 0);
+    let over = within("echo at the cap", f.echo("x".into())).await;
+    assert_eq!(
+        over.expect_err("the open stream holds the slot").code(),
+        StatusCode::OverflowMaxServerHandle
+    );
+    drop(open);
+
+    let intruder = FeedClient::new(
+        Client::builder()
+            .registry(reg.clone())
+            .client_id("intruder")
+            .override_options(FeedClient::SERVICE_ID, no_retry())
+            .build(),
+    );
+    let e = within("refused", intruder.stall_after(1))
+        .await
+        .expect_err("the layer refuses the stream");
+    assert_eq!(e.code(), StatusCode::UnAuthorization, "{e}");
+    assert_eq!(
+        setups.load(Ordering::SeqCst),
+        1,
+        "the refused set-up never ran"
+    );
+    let e = within("sum", intruder.sum("x".into(), RpcStream::iter([1u64])))
+        .await
+        .expect_err("the layer refuses client streams too");
+    assert_eq!(e.code(), StatusCode::UnAuthorization, "{e}");
+    within("shutdown", server.shutdown()).await;
+}
+
+/// The server's span of a stream covers it to its end and says how many items went each way.
+#[tokio::test]
+async fn the_servers_span_of_a_stream_counts_its_items_each_way() {
+    use common::otel::{attr, Traces};
+    use opentelemetry::Value;
+    let (traces, _guard) = Traces::install();
+    let reg = InProcessRegistry::new();
+    let (server, _probe) = serve(&reg, 50).await;
+    let f = feed(&reg);
+    let ticks = within("ticks", f.ticks(7).await.expect("ticks").collect_all())
+        .await
+        .expect("complete");
+    assert_eq!(ticks.len(), 7);
+    let sum = within("sum", f.sum("s".into(), RpcStream::iter(1..=5u64)))
+        .await
+        .expect("sum");
+    assert_eq!(sum, "s=15 from 5 items");
+    within("shutdown", server.shutdown()).await;
+    let is_server_span_of = |s: &opentelemetry_sdk::trace::SpanData, entry: &str| {
+        s.name == "rpc.server" && attr(s, "rpc.entry_id") == Some(Value::from(entry.to_string()))
+    };
+    let spans = traces
+        .spans_once("both server spans end", |spans| {
+            ["t.Feed.ticks", "t.Feed.sum"]
+                .iter()
+                .all(|entry| spans.iter().any(|s| is_server_span_of(s, entry)))
+        })
+        .await;
+    let server_span = |entry: &str| {
+        spans
+            .iter()
+            .find(|s| is_server_span_of(s, entry))
+            .unwrap_or_else(|| panic!("no server span for {entry}"))
+    };
+    let ticks = server_span("t.Feed.ticks");
+    assert_eq!(attr(ticks, "rpc.stream.items_sent"), Some(Value::I64(7)));
+    assert_eq!(
+        attr(ticks, "rpc.stream.items_received"),
+        Some(Value::I64(0))
+    );
+    assert_eq!(attr(ticks, "rpc.status_code"), Some(Value::I64(200)));
+    let sum = server_span("t.Feed.sum");
+    assert_eq!(attr(sum, "rpc.stream.items_sent"), Some(Value::I64(0)));
+    assert_eq!(attr(sum, "rpc.stream.items_received"), Some(Value::I64(5)));
+}

@@ -1,0 +1,336 @@
+//! Stream flow control and batching on the wire, seen by a peer speaking frames by hand over
+//! real TCP: a client that knows neither batches nor byte windows is sent one item per frame
+//! within its item window; a client that takes batches gets several items per frame, yet never
+//! more than its item credit nor past its byte window; and a server that knows neither is sent
+//! the client's items one per frame.
+
+use crate::common;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use common::{within, RawConn};
+use rpc::crates::core::wire::{
+    frame::Kind, Hello, HelloAck, RemoteInvokeMessage, RemoteResultMessage, StreamCredit,
+    StreamMode,
+};
+use rpc::crates::transport::{
+    Call, ConnectOptions, Connection, Opened, DEFAULT_STREAM_WINDOW, DEFAULT_STREAM_WINDOW_BYTES,
+};
+use rpc::{Codec, RpcError, RpcStream, Server, ServerHandle};
+use tokio::net::TcpListener;
+
+#[rpc::service(name = "t.Flow")]
+pub trait Flow {
+    /// Strings of `size` bytes without end; counts how often its producer is asked.
+    async fn text(&self, size: u32) -> Result<RpcStream<String>, RpcError>;
+    /// A unary method beside the streams.
+    async fn echo(&self, text: String) -> Result<String, RpcError>;
+}
+
+struct Texts(Arc<AtomicU64>);
+
+impl Flow for Texts {
+    async fn text(&self, size: u32) -> Result<RpcStream<String>, RpcError> {
+        let polls = self.0.clone();
+        let item = "x".repeat(size as usize);
+        Ok(RpcStream::iter(std::iter::repeat_with(move || {
+            polls.fetch_add(1, Ordering::SeqCst);
+            item.clone()
+        })))
+    }
+
+    async fn echo(&self, text: String) -> Result<String, RpcError> {
+        Ok(text)
+    }
+}
+
+async fn serve() -> (ServerHandle, Arc<AtomicU64>) {
+    let polls = Arc::new(AtomicU64::new(0));
+    let server = Server::builder()
+        .add_service(FlowServer::new(Texts(polls.clone())))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    (server, polls)
+}
+
+/// Connects by hand with `hello`'s stream settings; returns the connection and the ack.
+async fn raw_client(server: &ServerHandle, hello: Hello) -> (RawConn, HelloAck) {
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.send(Kind::Hello(Hello {
+        protocol_version: 1,
+        client_id: "raw-flow".into(),
+        streams: true,
+        ..hello
+    }))
+    .await
+    .expect("hello");
+    match raw.recv().await {
+        Some(Kind::HelloAck(ack)) => (raw, ack),
+        other => panic!("expected HelloAck, got {other:?}"),
+    }
+}
+
+/// Opens `text(size)` as stream `id` and reads its accepting credit.
+async fn open_text(raw: &mut RawConn, id: u64, size: u32) {
+    raw.send(Kind::Invoke(RemoteInvokeMessage {
+        message_id: id,
+        service_entry_id: "t.Flow.text".into(),
+        parameters: Codec::MsgPack.encode(&(size,)).expect("encode"),
+        stream_mode: StreamMode::Server as i32,
+        ..Default::default()
+    }))
+    .await
+    .expect("open");
+    match raw.recv().await {
+        Some(Kind::StreamCredit(c)) => assert_eq!((c.message_id, c.items), (id, 0)),
+        other => panic!("expected the stream's acceptance, got {other:?}"),
+    }
+}
+
+/// What arrived of stream `id` until the answer to an echo call sent now (a round trip through
+/// the server's reader, dispatcher and writer): its items and the frames that carried them.
+/// The echo goes out after the frames the server had already queued; a producer held by its
+/// credit queues nothing more however long one waits, so the count is what it sent.
+async fn items_until_echo(raw: &mut RawConn, id: u64, echo_id: u64) -> (Vec<String>, usize) {
+    raw.send(Kind::Invoke(RemoteInvokeMessage {
+        message_id: echo_id,
+        service_entry_id: "t.Flow.echo".into(),
+        parameters: Codec::MsgPack.encode(&("ping",)).expect("encode"),
+        ..Default::default()
+    }))
+    .await
+    .expect("echo");
+    let (mut items, mut frames) = (Vec::new(), 0);
+    for _ in 0..10_000 {
+        match raw.recv().await {
+            Some(Kind::StreamItem(i)) => {
+                assert_eq!(i.message_id, id);
+                frames += 1;
+                items.push(Codec::MsgPack.decode(&i.payload).expect("an item"));
+            }
+            Some(Kind::StreamItems(i)) => {
+                assert_eq!(i.message_id, id);
+                frames += 1;
+                for p in &i.payloads {
+                    items.push(Codec::MsgPack.decode(p).expect("an item"));
+                }
+            }
+            Some(Kind::Result(r)) if r.message_id == echo_id => {
+                assert_eq!(r.status_code, 200, "{r:?}");
+                return (items, frames);
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    panic!("no answer to the echo among 10000 frames")
+}
+
+async fn grant(raw: &mut RawConn, id: u64, items: u32) {
+    raw.send(Kind::StreamCredit(StreamCredit {
+        message_id: id,
+        items,
+    }))
+    .await
+    .expect("credit");
+}
+
+/// A client that does not know batches nor byte windows (its Hello leaves both unset): one item
+/// per `StreamItem` frame, never a `StreamItems`, and its window of items only.
+#[tokio::test]
+async fn a_client_without_batches_gets_one_item_per_frame_within_its_item_window() {
+    let (server, polls) = serve().await;
+    let (mut raw, ack) = raw_client(
+        &server,
+        Hello {
+            stream_window: 4,
+            ..Default::default()
+        },
+    )
+    .await;
+    assert!(ack.streams);
+    assert!(!ack.stream_batches, "batches are not offered to it");
+    // Items of 4 KiB: a byte window would stop the producer long before 4 items.
+    open_text(&mut raw, 1, 4096).await;
+    let (items, frames) = items_until_echo(&mut raw, 1, 2).await;
+    assert_eq!(items.len(), 4, "its window of 4 items");
+    assert_eq!(frames, 4, "one frame per item");
+    assert!(items.iter().all(|i| i.len() == 4096));
+    grant(&mut raw, 1, 3).await;
+    let (items, frames) = items_until_echo(&mut raw, 1, 3).await;
+    assert_eq!(
+        (items.len(), frames),
+        (3, 3),
+        "the 3 granted, one per frame"
+    );
+    assert_eq!(
+        polls.load(Ordering::SeqCst),
+        7,
+        "the producer was asked for 7"
+    );
+    // The raw client goes: its open stream ends with its connection.
+    drop(raw);
+    within("shutdown", server.shutdown()).await;
+}
+
+/// A client that takes batches gets runs of items in `StreamItems` frames, yet no more than
+/// its item credit, however many items the producer has ready.
+#[tokio::test]
+async fn a_batch_never_carries_more_than_the_item_credit() {
+    let (server, polls) = serve().await;
+    let (mut raw, ack) = raw_client(
+        &server,
+        Hello {
+            stream_window: 5,
+            stream_batches: true,
+            ..Default::default()
+        },
+    )
+    .await;
+    assert!(ack.stream_batches);
+    open_text(&mut raw, 1, 8).await;
+    let (items, frames) = items_until_echo(&mut raw, 1, 2).await;
+    assert_eq!(items.len(), 5, "the window of 5 items");
+    assert!(
+        frames < 5,
+        "the items came batched: {frames} frames for 5 items"
+    );
+    assert_eq!(polls.load(Ordering::SeqCst), 5);
+    grant(&mut raw, 1, 2).await;
+    let (items, _) = items_until_echo(&mut raw, 1, 3).await;
+    assert_eq!(items.len(), 2, "the 2 granted");
+    assert_eq!(polls.load(Ordering::SeqCst), 7);
+    // The raw client goes: its open stream ends with its connection.
+    drop(raw);
+    within("shutdown", server.shutdown()).await;
+}
+
+/// A client announcing a byte window is sent items while the bytes in flight are below it (the
+/// last may go past it), and each grant of items frees the bytes of the oldest ones.
+#[tokio::test]
+async fn the_byte_window_holds_the_producer_and_grants_free_the_oldest_items() {
+    let (server, polls) = serve().await;
+    let (mut raw, ack) = raw_client(
+        &server,
+        Hello {
+            stream_window: 100,
+            stream_window_bytes: 100,
+            stream_batches: true,
+            ..Default::default()
+        },
+    )
+    .await;
+    assert!(ack.stream_window_bytes > 0, "the server keeps byte windows");
+    // Each item: 40 characters, 42 bytes as MessagePack (a str8 header of 2 bytes).
+    let item = Codec::MsgPack
+        .encode(&"x".repeat(40))
+        .expect("encode")
+        .len();
+    assert_eq!(item, 42);
+    open_text(&mut raw, 1, 40).await;
+    // 0, 42, 84 bytes in flight are below 100: three items go, the third to 126.
+    let (items, _) = items_until_echo(&mut raw, 1, 2).await;
+    assert_eq!(items.len(), 3, "42 + 42 < 100, the third goes past it");
+    // One granted frees the oldest: 84 in flight, one more goes (to 126).
+    grant(&mut raw, 1, 1).await;
+    let (items, _) = items_until_echo(&mut raw, 1, 3).await;
+    assert_eq!(items.len(), 1);
+    // Five granted free the three in flight (and leave item credit to spare): three go again.
+    grant(&mut raw, 1, 5).await;
+    let (items, _) = items_until_echo(&mut raw, 1, 4).await;
+    assert_eq!(items.len(), 3);
+    assert_eq!(polls.load(Ordering::SeqCst), 7);
+    // The raw client goes: its open stream ends with its connection.
+    drop(raw);
+    within("shutdown", server.shutdown()).await;
+}
+
+/// A server that knows neither batches nor byte windows (its HelloAck leaves them unset): the
+/// client's own items go one per `StreamItem` frame, within the server's window of items.
+#[tokio::test]
+async fn a_server_without_batches_gets_the_clients_items_one_per_frame() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let old_server = tokio::spawn(async move {
+        let (stream, _) = within("accept", listener.accept()).await.expect("accept");
+        let mut peer = RawConn::from_stream(stream);
+        match peer.recv().await {
+            Some(Kind::Hello(h)) => {
+                assert!(h.streams && h.stream_batches, "the client offers both");
+                assert_eq!(h.stream_window, DEFAULT_STREAM_WINDOW);
+                assert_eq!(h.stream_window_bytes, DEFAULT_STREAM_WINDOW_BYTES);
+            }
+            other => panic!("expected Hello, got {other:?}"),
+        }
+        peer.send(Kind::HelloAck(HelloAck {
+            protocol_version: 1,
+            streams: true,
+            stream_window: 3,
+            ..Default::default()
+        }))
+        .await
+        .expect("ack");
+        let id = match peer.recv().await {
+            Some(Kind::Invoke(i)) => {
+                assert_eq!(i.stream_mode, StreamMode::Client as i32);
+                i.message_id
+            }
+            other => panic!("expected the stream's opening, got {other:?}"),
+        };
+        grant(&mut peer, id, 3).await;
+        let mut got = Vec::new();
+        for _ in 0..3 {
+            match peer.recv().await {
+                Some(Kind::StreamItem(i)) => {
+                    assert_eq!(i.message_id, id);
+                    got.push(Codec::MsgPack.decode::<u32>(&i.payload).expect("item"));
+                }
+                other => panic!("expected one StreamItem, got {other:?}"),
+            }
+        }
+        peer.send(Kind::Result(RemoteResultMessage {
+            message_id: id,
+            status_code: 200,
+            result: Codec::MsgPack
+                .encode(&got.iter().sum::<u32>())
+                .expect("encode"),
+            ..Default::default()
+        }))
+        .await
+        .expect("answer");
+        got
+    });
+    let conn = Connection::connect(&addr.to_string(), &ConnectOptions::default())
+        .await
+        .expect("connect");
+    let call = Call {
+        service_entry_id: "t.Flow.sum".into(),
+        ..Default::default()
+    };
+    let mut s = match within("open", conn.open_stream(call, StreamMode::Client, None))
+        .await
+        .expect("open")
+    {
+        Opened::Accepted(s) => s,
+        Opened::Refused(r) => panic!("refused: {r:?}"),
+    };
+    for n in [5u32, 6, 7] {
+        assert!(within("credit", s.ready()).await, "credit for item {n}");
+        s.send(Codec::MsgPack.encode(&n).expect("encode"))
+            .expect("send");
+    }
+    // The server's window of 3 is spent: a fourth waits for credit.
+    assert!(s
+        .send(Codec::MsgPack.encode(&8u32).expect("encode"))
+        .is_err());
+    let answer = within("answer", futures_util::StreamExt::next(&mut s))
+        .await
+        .expect("the answer")
+        .expect("ok");
+    assert_eq!(Codec::MsgPack.decode::<u32>(&answer).expect("sum"), 18);
+    assert_eq!(
+        within("old server", old_server).await.expect("old server"),
+        [5, 6, 7]
+    );
+}

@@ -1,0 +1,1403 @@
+//! Streams under the client's governance, over real TCP: a fallback answers a stream whose
+//! set-up failed (with its own items, taking the caller's), never a business refusal and never
+//! once the server accepted the stream; failed set-ups count in the entry's circuit breaker and
+//! an open breaker refuses the next set-up without reaching the server, while a failure after
+//! acceptance does not count; the client's span, metrics, call observers and layers cover the
+//! whole stream (its end status, the items each way, its duration); a stream's set-up arguments
+//! and its items both ways are compressed with the entry's option, and a corrupt item ends that
+//! stream with 500. On the server: layers pass client and bidirectional streams and hear of
+//! every stream's end, and a server fallback answers a server stream's failed set-up.
+
+use crate::common;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::SystemTime;
+
+use common::otel::{attr, counter, Traces};
+use common::within;
+use opentelemetry::Value;
+use rpc::crates::governance::calls::{CallObserver, CallRecord};
+use rpc::{
+    BreakerState, Client, GovernanceOverrides, InProcessRegistry, MethodDescriptor, RpcError,
+    RpcStream, Server, ServerHandle, StatusCode,
+};
+use tokio::sync::mpsc;
+
+#[rpc::service(name = "g.Stocks")]
+pub trait Stocks {
+    /// Prices `0..n`, then the end.
+    async fn prices(&self, n: u32) -> Result<RpcStream<u32>, RpcError>;
+    /// Prices `0..n`, then a server error item: a failure after the stream was accepted.
+    async fn break_after(&self, n: u32) -> Result<RpcStream<u32>, RpcError>;
+    /// Refuses its set-up with a business error.
+    async fn closed(&self) -> Result<RpcStream<u32>, RpcError>;
+    /// Client streaming: the sum of the caller's numbers.
+    async fn total(&self, numbers: RpcStream<u64>) -> Result<u64, RpcError>;
+    /// Both ways: each of the caller's numbers, doubled.
+    async fn double(&self, numbers: RpcStream<u64>) -> Result<RpcStream<u64>, RpcError>;
+    /// Where `word` starts in `text`, one position per item (a set-up with a large argument).
+    async fn find(&self, text: String, word: String) -> Result<RpcStream<u32>, RpcError>;
+    /// Client streaming: the length of `text` plus the caller's numbers.
+    async fn tally(&self, text: String, numbers: RpcStream<u64>) -> Result<u64, RpcError>;
+    /// Both ways, compressed: each line back upper-cased after `prefix`.
+    #[governance(compression = "zstd")]
+    async fn shout(
+        &self,
+        prefix: String,
+        lines: RpcStream<String>,
+    ) -> Result<RpcStream<String>, RpcError>;
+}
+
+fn shouted(prefix: &str, line: &str) -> String {
+    format!("{prefix}{}", line.to_uppercase())
+}
+
+/// The positions of `word` in `text`: the oracle of `find`.
+fn positions(text: &str, word: &str) -> Vec<u32> {
+    text.match_indices(word).map(|(i, _)| i as u32).collect()
+}
+
+async fn tally_of(text: String, mut numbers: RpcStream<u64>) -> Result<u64, RpcError> {
+    let mut total = text.len() as u64;
+    while let Some(n) = numbers.next().await {
+        total += n?;
+    }
+    Ok(total)
+}
+
+/// The live service: while `down`, every set-up fails with a server error (520, a failure a
+/// fallback answers for and the breaker counts); while `panics`, every set-up panics. Counts
+/// the set-ups that reached it.
+#[derive(Clone, Default)]
+struct Market {
+    down: Arc<AtomicBool>,
+    panics: Arc<AtomicBool>,
+    setups: Arc<AtomicU64>,
+}
+
+impl Market {
+    fn setup(&self) -> Result<(), RpcError> {
+        self.setups.fetch_add(1, Ordering::SeqCst);
+        if self.panics.load(Ordering::SeqCst) {
+            panic!("the market's feed handler panicked");
+        }
+        if self.down.load(Ordering::SeqCst) {
+            return Err(RpcError::new(StatusCode::ServerError, "the market is down"));
+        }
+        Ok(())
+    }
+}
+
+impl Stocks for Market {
+    async fn prices(&self, n: u32) -> Result<RpcStream<u32>, RpcError> {
+        self.setup()?;
+        Ok(RpcStream::iter(0..n))
+    }
+
+    async fn break_after(&self, n: u32) -> Result<RpcStream<u32>, RpcError> {
+        self.setup()?;
+        let items = (0..n).map(Ok).chain(std::iter::once(Err(RpcError::new(
+            StatusCode::ServerError,
+            "the feed broke",
+        ))));
+        Ok(RpcStream::try_new(futures_util::stream::iter(items)))
+    }
+
+    async fn closed(&self) -> Result<RpcStream<u32>, RpcError> {
+        self.setup()?;
+        Err(RpcError::business("the market is closed today"))
+    }
+
+    async fn total(&self, mut numbers: RpcStream<u64>) -> Result<u64, RpcError> {
+        self.setup()?;
+        let mut total = 0;
+        while let Some(n) = numbers.next().await {
+            total += n?;
+        }
+        Ok(total)
+    }
+
+    async fn double(&self, numbers: RpcStream<u64>) -> Result<RpcStream<u64>, RpcError> {
+        self.setup()?;
+        Ok(numbers.map_items(|n| Ok(n * 2)))
+    }
+
+    async fn find(&self, text: String, word: String) -> Result<RpcStream<u32>, RpcError> {
+        self.setup()?;
+        Ok(RpcStream::iter(positions(&text, &word)))
+    }
+
+    async fn tally(&self, text: String, numbers: RpcStream<u64>) -> Result<u64, RpcError> {
+        self.setup()?;
+        tally_of(text, numbers).await
+    }
+
+    async fn shout(
+        &self,
+        prefix: String,
+        lines: RpcStream<String>,
+    ) -> Result<RpcStream<String>, RpcError> {
+        self.setup()?;
+        Ok(lines.map_items(move |line| Ok(shouted(&prefix, &line))))
+    }
+}
+
+/// The fallback: answers that cannot be mistaken for the market's (prices from 1000, totals
+/// plus a million, numbers times ten); counts the set-ups it answered.
+#[derive(Clone, Default)]
+struct Cache {
+    used: Arc<AtomicU64>,
+}
+
+impl Stocks for Cache {
+    async fn prices(&self, n: u32) -> Result<RpcStream<u32>, RpcError> {
+        self.used.fetch_add(1, Ordering::SeqCst);
+        Ok(RpcStream::iter(1000..1000 + n))
+    }
+
+    async fn break_after(&self, n: u32) -> Result<RpcStream<u32>, RpcError> {
+        self.prices(n).await
+    }
+
+    async fn closed(&self) -> Result<RpcStream<u32>, RpcError> {
+        self.prices(1).await
+    }
+
+    async fn total(&self, mut numbers: RpcStream<u64>) -> Result<u64, RpcError> {
+        self.used.fetch_add(1, Ordering::SeqCst);
+        let mut total = 1_000_000;
+        while let Some(n) = numbers.next().await {
+            total += n?;
+        }
+        Ok(total)
+    }
+
+    async fn double(&self, numbers: RpcStream<u64>) -> Result<RpcStream<u64>, RpcError> {
+        self.used.fetch_add(1, Ordering::SeqCst);
+        Ok(numbers.map_items(|n| Ok(n * 10)))
+    }
+
+    async fn find(&self, _: String, _: String) -> Result<RpcStream<u32>, RpcError> {
+        self.prices(1).await
+    }
+
+    async fn tally(&self, text: String, numbers: RpcStream<u64>) -> Result<u64, RpcError> {
+        self.used.fetch_add(1, Ordering::SeqCst);
+        tally_of(text, numbers).await
+    }
+
+    async fn shout(&self, _: String, _: RpcStream<String>) -> Result<RpcStream<String>, RpcError> {
+        self.used.fetch_add(1, Ordering::SeqCst);
+        Ok(RpcStream::empty())
+    }
+}
+
+/// A subscriber for a test that reads no span: `tracing` caches a callsite's interest
+/// process-wide, and a thread without one could mark the spans as never wanted while another
+/// test records them.
+fn traced() -> (Traces, tracing::subscriber::DefaultGuard) {
+    Traces::install()
+}
+
+/// What a stream the server must accept ends with: `call` sets it up (a refused set-up fails
+/// the test as not accepted), then all its items are collected, within the time limit of
+/// `what`.
+async fn accepted_items<T: Send + 'static>(
+    what: &str,
+    call: impl std::future::Future<Output = Result<RpcStream<T>, RpcError>>,
+) -> Result<Vec<T>, RpcError> {
+    within(what, async {
+        call.await.expect("accepted").collect_all().await
+    })
+    .await
+}
+
+/// Asserts that the client's breaker of `method` is open (`open`) or closed, `why`; a failure
+/// shows the state it is in.
+fn assert_breaker(client: &Client, method: &'static MethodDescriptor, open: bool, why: &str) {
+    let state = client.breaker_state(method);
+    let is = if open {
+        matches!(state, BreakerState::Open { .. })
+    } else {
+        matches!(state, BreakerState::Closed { .. })
+    };
+    assert!(is, "{why}: {state:?}");
+}
+
+/// A client of the market whose breaker opens after `failures` failures in a row, and its
+/// proxy.
+fn breaker_client(reg: &InProcessRegistry, failures: u32) -> (Client, StocksClient) {
+    let client = Client::builder()
+        .registry(reg.clone())
+        .override_options(StocksClient::SERVICE_ID, options(failures))
+        .build();
+    (client.clone(), StocksClient::new(client))
+}
+
+async fn serve(reg: &InProcessRegistry) -> (ServerHandle, Market) {
+    let market = Market::default();
+    let server = Server::builder()
+        .registry(reg.clone())
+        .add_service(StocksServer::new(market.clone()))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    (server, market)
+}
+
+/// No retry (each set-up is one attempt), no deadline, and a breaker that opens after
+/// `breaks_after` counted failures and stays open for an hour.
+fn options(breaks_after: u32) -> GovernanceOverrides {
+    GovernanceOverrides {
+        retry_times: Some(0),
+        timeout_ms: Some(0),
+        exceptions_allowed_before_breaking: Some(breaks_after),
+        breaker_seconds: Some(3600),
+        ..GovernanceOverrides::NONE
+    }
+}
+
+fn client(reg: &InProcessRegistry, fallback: Option<&Cache>) -> Client {
+    let builder = Client::builder()
+        .registry(reg.clone())
+        .override_options(StocksClient::SERVICE_ID, options(100));
+    match fallback {
+        Some(cache) => builder.fallback(StocksServer::new(cache.clone())),
+        None => builder,
+    }
+    .build()
+}
+
+#[tokio::test]
+async fn a_fallback_answers_a_server_stream_whose_set_up_failed_with_its_own_items() {
+    let _traced = traced();
+    let reg = InProcessRegistry::new();
+    let (server, market) = serve(&reg).await;
+    let cache = Cache::default();
+    let stocks = StocksClient::new(client(&reg, Some(&cache)));
+
+    market.down.store(true, Ordering::SeqCst);
+    let prices = within("prices", async {
+        stocks
+            .prices(3)
+            .await
+            .expect("the fallback's stream")
+            .collect_all()
+            .await
+    })
+    .await
+    .expect("every item");
+    assert_eq!(prices, [1000, 1001, 1002], "the fallback's items");
+    assert_eq!(
+        market.setups.load(Ordering::SeqCst),
+        1,
+        "the set-up was tried"
+    );
+    assert_eq!(cache.used.load(Ordering::SeqCst), 1);
+
+    // The market is back: its own stream, the fallback not asked.
+    market.down.store(false, Ordering::SeqCst);
+    let prices = within("prices", async {
+        stocks
+            .prices(3)
+            .await
+            .expect("the market's stream")
+            .collect_all()
+            .await
+    })
+    .await
+    .expect("every item");
+    assert_eq!(prices, [0, 1, 2]);
+    assert_eq!(
+        cache.used.load(Ordering::SeqCst),
+        1,
+        "no fallback this time"
+    );
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn a_fallback_of_a_refused_client_or_bidi_stream_takes_all_the_callers_items() {
+    let _traced = traced();
+    // A server whose every call overflows (the cap is 0): the set-up is refused before the
+    // server accepts the stream, with nothing of the caller's taken.
+    let reg = InProcessRegistry::new();
+    let market = Market::default();
+    let full = Server::builder()
+        .registry(reg.clone())
+        .max_concurrency(0)
+        .add_service(StocksServer::new(market.clone()))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let cache = Cache::default();
+    let stocks = StocksClient::new(client(&reg, Some(&cache)));
+
+    let total = within("total", stocks.total(RpcStream::iter(1..=4u64)))
+        .await
+        .expect("the fallback's answer");
+    assert_eq!(total, 1_000_000 + 10, "the fallback summed every item");
+    let doubled = within("double", async {
+        stocks
+            .double(RpcStream::iter([1u64, 2, 3]))
+            .await
+            .expect("the fallback's stream")
+            .collect_all()
+            .await
+    })
+    .await
+    .expect("every item");
+    assert_eq!(
+        doubled,
+        [10, 20, 30],
+        "the fallback's items, from every item"
+    );
+    assert_eq!(market.setups.load(Ordering::SeqCst), 0, "no handler ran");
+    assert_eq!(cache.used.load(Ordering::SeqCst), 2);
+    within("shutdown", full.shutdown()).await;
+}
+
+#[tokio::test]
+async fn a_client_stream_the_server_accepted_is_never_answered_by_the_fallback() {
+    let _traced = traced();
+    // A client stream is accepted as soon as it is admitted, before its handler runs: the
+    // handler's failure ends the accepted stream, and the caller's items already went to it.
+    let reg = InProcessRegistry::new();
+    let (server, market) = serve(&reg).await;
+    let cache = Cache::default();
+    let stocks = StocksClient::new(client(&reg, Some(&cache)));
+    market.down.store(true, Ordering::SeqCst);
+    let err = within("total", stocks.total(RpcStream::iter(1..=4u64)))
+        .await
+        .expect_err("the handler's failure");
+    assert_eq!(err.code(), StatusCode::ServerError, "{err}");
+    assert_eq!(market.setups.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        cache.used.load(Ordering::SeqCst),
+        0,
+        "no fallback after acceptance"
+    );
+
+    market.down.store(false, Ordering::SeqCst);
+    let total = within("total", stocks.total(RpcStream::iter(1..=4u64)))
+        .await
+        .expect("the market's answer");
+    assert_eq!(total, 10);
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn a_business_refusal_of_a_stream_reaches_the_caller_and_not_the_fallback() {
+    let _traced = traced();
+    let reg = InProcessRegistry::new();
+    let (server, market) = serve(&reg).await;
+    let cache = Cache::default();
+    let stocks = StocksClient::new(client(&reg, Some(&cache)));
+    let err = within("closed", stocks.closed())
+        .await
+        .expect_err("the market refuses");
+    assert_eq!(err.code(), StatusCode::BusinessError, "{err}");
+    assert_eq!(market.setups.load(Ordering::SeqCst), 1);
+    assert_eq!(cache.used.load(Ordering::SeqCst), 0, "no fallback");
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn no_fallback_runs_once_the_server_accepted_the_stream() {
+    let _traced = traced();
+    let reg = InProcessRegistry::new();
+    let (server, _market) = serve(&reg).await;
+    let cache = Cache::default();
+    let stocks = StocksClient::new(client(&reg, Some(&cache)));
+    let mut items = within("break_after", stocks.break_after(2))
+        .await
+        .expect("accepted");
+    let mut seen = Vec::new();
+    let end = within("the stream's end", async {
+        loop {
+            match items.next().await {
+                Some(Ok(n)) => seen.push(n),
+                Some(Err(e)) => break Some(e),
+                None => break None,
+            }
+        }
+    })
+    .await;
+    assert_eq!(seen, [0, 1], "the market's items, not the fallback's");
+    let end = end.expect("the stream ends with the market's error");
+    assert_eq!(end.code(), StatusCode::ServerError, "{end}");
+    assert!(items.next().await.is_none(), "nothing after the error");
+    assert_eq!(
+        cache.used.load(Ordering::SeqCst),
+        0,
+        "no fallback after acceptance"
+    );
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn failed_stream_set_ups_open_the_breaker_which_refuses_the_next_without_the_server() {
+    let _traced = traced();
+    let reg = InProcessRegistry::new();
+    let (server, market) = serve(&reg).await;
+    let (client, stocks) = breaker_client(&reg, 2);
+    let prices = &StocksClient::methods()[0];
+    market.down.store(true, Ordering::SeqCst);
+    for n in 0..2 {
+        assert_breaker(
+            &client,
+            prices,
+            false,
+            &format!("closed before failure {n}"),
+        );
+        let err = within("prices", stocks.prices(3))
+            .await
+            .expect_err("the set-up fails");
+        assert_eq!(err.code(), StatusCode::ServerError, "{err}");
+    }
+    assert_breaker(&client, prices, true, "two failed set-ups open it");
+    market.down.store(false, Ordering::SeqCst);
+    let err = within("prices", stocks.prices(3))
+        .await
+        .expect_err("the open breaker refuses");
+    assert_eq!(err.code(), StatusCode::CircuitOpen, "{err}");
+    assert_eq!(err.code().as_u32(), 522);
+    assert_eq!(
+        market.setups.load(Ordering::SeqCst),
+        2,
+        "the refused set-up never reached the server"
+    );
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn a_failure_after_acceptance_is_not_held_against_the_breaker() {
+    let _traced = traced();
+    let reg = InProcessRegistry::new();
+    let (server, market) = serve(&reg).await;
+    let (client, stocks) = breaker_client(&reg, 1);
+    let break_after = &StocksClient::methods()[1];
+    for _ in 0..3 {
+        let end = accepted_items("break_after", stocks.break_after(1))
+            .await
+            .expect_err("each stream ends with the server's error");
+        assert_eq!(end.code(), StatusCode::ServerError, "{end}");
+    }
+    assert_breaker(
+        &client,
+        break_after,
+        false,
+        "three failures after acceptance leave it closed",
+    );
+    // With the same settings, one failed set-up opens it.
+    market.down.store(true, Ordering::SeqCst);
+    let err = within("break_after", stocks.break_after(1))
+        .await
+        .expect_err("the set-up fails");
+    assert_eq!(err.code(), StatusCode::ServerError, "{err}");
+    assert_breaker(&client, break_after, true, "one failed set-up opens it");
+    within("shutdown", server.shutdown()).await;
+}
+
+/// The client's `rpc.client` span of `entry` (the only one).
+fn client_span(
+    spans: &[opentelemetry_sdk::trace::SpanData],
+    entry: &str,
+) -> opentelemetry_sdk::trace::SpanData {
+    let mut found = spans.iter().filter(|s| {
+        s.name == "rpc.client" && attr(s, "rpc.entry_id") == Some(Value::from(entry.to_string()))
+    });
+    let span = found
+        .next()
+        .unwrap_or_else(|| panic!("no client span for {entry}"))
+        .clone();
+    assert!(found.next().is_none(), "one client span for {entry}");
+    span
+}
+
+#[tokio::test]
+async fn the_clients_span_covers_the_whole_stream_with_its_items_each_way_and_end_status() {
+    let (traces, _guard) = Traces::install();
+    let reg = InProcessRegistry::new();
+    let (server, _market) = serve(&reg).await;
+    let stocks = StocksClient::new(client(&reg, None));
+
+    let mut prices = within("prices", stocks.prices(5)).await.expect("accepted");
+    let first = within("first", prices.next()).await;
+    assert_eq!(first.map(Result::ok), Some(Some(0)));
+    // After the set-up and the first item: the span must still be open.
+    let mid_stream = SystemTime::now();
+    let rest = within("the rest", prices.collect_all())
+        .await
+        .expect("the rest");
+    assert_eq!(rest, [1, 2, 3, 4]);
+
+    let total = within("total", stocks.total(RpcStream::iter(1..=4u64)))
+        .await
+        .expect("total");
+    assert_eq!(total, 10);
+    let end = accepted_items("break_after", stocks.break_after(2))
+        .await
+        .expect_err("the server's error");
+    assert_eq!(end.code(), StatusCode::ServerError);
+    within("shutdown", server.shutdown()).await;
+
+    let spans = traces.spans();
+    let span = client_span(&spans, "g.Stocks.prices");
+    assert!(
+        span.end_time >= mid_stream,
+        "the span ends with the stream, not at its set-up"
+    );
+    assert_eq!(
+        attr(&span, "rpc.stream.items_received"),
+        Some(Value::I64(5))
+    );
+    assert_eq!(attr(&span, "rpc.stream.items_sent"), Some(Value::I64(0)));
+    assert_eq!(attr(&span, "rpc.status_code"), Some(Value::I64(200)));
+    let span = client_span(&spans, "g.Stocks.total");
+    assert_eq!(attr(&span, "rpc.stream.items_sent"), Some(Value::I64(4)));
+    assert_eq!(
+        attr(&span, "rpc.stream.items_received"),
+        Some(Value::I64(1)),
+        "the answer"
+    );
+    assert_eq!(attr(&span, "rpc.status_code"), Some(Value::I64(200)));
+    let span = client_span(&spans, "g.Stocks.break_after");
+    assert_eq!(
+        attr(&span, "rpc.stream.items_received"),
+        Some(Value::I64(2))
+    );
+    assert_eq!(
+        attr(&span, "rpc.status_code"),
+        Some(Value::I64(i64::from(StatusCode::ServerError.as_u32())))
+    );
+    assert!(
+        matches!(span.status, opentelemetry::trace::Status::Error { .. }),
+        "{:?}",
+        span.status
+    );
+}
+
+/// Sends every call record to the test.
+struct Records(Mutex<mpsc::UnboundedSender<(String, Option<StatusCode>, String)>>);
+
+impl CallObserver for Records {
+    fn call_ended(&self, call: &CallRecord) {
+        let _ = self.0.lock().unwrap().send((
+            call.entry.to_string(),
+            call.status,
+            call.outcome.to_string(),
+        ));
+    }
+}
+
+#[tokio::test]
+async fn call_observers_hear_of_a_stream_at_its_end_with_its_end_status() {
+    let _traced = traced();
+    let reg = InProcessRegistry::new();
+    let (server, _market) = serve(&reg).await;
+    let client = client(&reg, None);
+    let (tx, mut records) = mpsc::unbounded_channel();
+    client.observe_calls(Arc::new(Records(Mutex::new(tx))));
+    let stocks = StocksClient::new(client);
+
+    let mut items = within("break_after", stocks.break_after(2))
+        .await
+        .expect("accepted");
+    assert_eq!(
+        within("an item", items.next()).await.map(Result::ok),
+        Some(Some(0))
+    );
+    assert!(records.try_recv().is_err(), "nothing told before the end");
+    let end = within("the end", async {
+        while let Some(Ok(_)) = items.next().await {}
+    });
+    end.await;
+    assert_eq!(
+        records.try_recv().ok(),
+        Some((
+            "g.Stocks.break_after".to_string(),
+            Some(StatusCode::ServerError),
+            "error".to_string()
+        ))
+    );
+
+    // A stream its caller drops is a cancelled call, told as it is dropped.
+    let mut prices = within("prices", stocks.prices(100))
+        .await
+        .expect("accepted");
+    assert!(within("an item", prices.next()).await.is_some());
+    assert!(records.try_recv().is_err(), "still open");
+    drop(prices);
+    assert_eq!(
+        records.try_recv().ok(),
+        Some(("g.Stocks.prices".to_string(), None, "cancelled".to_string()))
+    );
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn stream_items_are_counted_by_entry_and_direction_on_both_sides() {
+    let _traced = traced();
+    use opentelemetry::metrics::MeterProvider as _;
+    use opentelemetry_sdk::metrics::{InMemoryMetricExporter, PeriodicReader, SdkMeterProvider};
+    let exporter = InMemoryMetricExporter::default();
+    let provider = SdkMeterProvider::builder()
+        .with_reader(PeriodicReader::builder(exporter.clone()).build())
+        .build();
+    let reg = InProcessRegistry::new();
+    let server = Server::builder()
+        .registry(reg.clone())
+        .meter(provider.meter("rpc"))
+        .add_service(StocksServer::new(Market::default()))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let stocks = StocksClient::new(
+        Client::builder()
+            .registry(reg.clone())
+            .meter(provider.meter("rpc"))
+            .override_options(StocksClient::SERVICE_ID, options(100))
+            .build(),
+    );
+    let prices = accepted_items("prices", stocks.prices(5))
+        .await
+        .expect("items");
+    assert_eq!(prices.len(), 5);
+    let total = within("total", stocks.total(RpcStream::iter(1..=4u64)))
+        .await
+        .expect("total");
+    assert_eq!(total, 10);
+    let doubled = accepted_items("double", stocks.double(RpcStream::iter([1u64, 2, 3])))
+        .await
+        .expect("items");
+    assert_eq!(doubled, [2, 4, 6]);
+    within("shutdown", server.shutdown()).await;
+
+    provider.force_flush().expect("flush");
+    let metrics = exporter.get_finished_metrics().expect("metrics");
+    let items = |entry: &str, direction: &str| {
+        counter(
+            &metrics,
+            "rpc.client.stream.items",
+            &[
+                ("rpc.entry_id", Value::from(entry.to_string())),
+                ("rpc.stream.direction", Value::from(direction.to_string())),
+            ],
+        )
+    };
+    assert_eq!(items("g.Stocks.prices", "received"), 5);
+    assert_eq!(items("g.Stocks.prices", "sent"), 0);
+    assert_eq!(items("g.Stocks.total", "sent"), 4);
+    assert_eq!(items("g.Stocks.total", "received"), 1);
+    assert_eq!(items("g.Stocks.double", "sent"), 3);
+    assert_eq!(items("g.Stocks.double", "received"), 3);
+    // The server's side: what it sent, and the caller's items its handler took.
+    let served = |entry: &str, direction: &str| {
+        counter(
+            &metrics,
+            "rpc.server.stream.items",
+            &[
+                ("rpc.entry_id", Value::from(entry.to_string())),
+                ("rpc.stream.direction", Value::from(direction.to_string())),
+            ],
+        )
+    };
+    assert_eq!(served("g.Stocks.prices", "sent"), 5);
+    assert_eq!(served("g.Stocks.total", "received"), 4);
+    assert_eq!(served("g.Stocks.double", "sent"), 3);
+    assert_eq!(served("g.Stocks.double", "received"), 3);
+    // One call each, counted at the stream's end with its status.
+    let calls = |method: &str| {
+        counter(
+            &metrics,
+            "rpc.client.calls",
+            &[
+                ("rpc.method", Value::from(method.to_string())),
+                ("rpc.status_code", Value::I64(200)),
+            ],
+        )
+    };
+    assert_eq!(
+        (calls("prices"), calls("total"), calls("double")),
+        (1, 1, 1)
+    );
+}
+
+/// A compressible text of about `n` bytes, with "needle" in it now and then.
+fn haystack(n: usize) -> String {
+    let mut out = String::with_capacity(n + 64);
+    let mut i = 0;
+    while out.len() < n {
+        if i % 97 == 0 {
+            out.push_str("needle ");
+        }
+        out.push_str(&format!("hay {i} "));
+        i += 1;
+    }
+    out
+}
+
+#[tokio::test]
+async fn a_streams_set_up_arguments_are_compressed_with_the_entrys_option() {
+    use rpc::crates::core::Compression;
+    use rpc::crates::transport::compression::compress;
+    use rpc::Codec;
+    let (traces, _guard) = Traces::install();
+    let reg = InProcessRegistry::new();
+    let (server, _market) = serve(&reg).await;
+    let stocks = StocksClient::new(
+        Client::builder()
+            .registry(reg.clone())
+            .override_options(
+                StocksClient::SERVICE_ID,
+                GovernanceOverrides {
+                    compression: Some(Compression::Zstd),
+                    compression_threshold: Some(1024),
+                    ..options(100)
+                },
+            )
+            .build(),
+    );
+    let text = haystack(64 * 1024);
+    let found = accepted_items("find", stocks.find(text.clone(), "needle".into()))
+        .await
+        .expect("items");
+    let expected = positions(&text, "needle");
+    assert!(expected.len() > 10);
+    assert_eq!(
+        found, expected,
+        "the server decoded the compressed arguments"
+    );
+    let tally = within(
+        "tally",
+        stocks.tally(text.clone(), RpcStream::iter([1u64, 2])),
+    )
+    .await
+    .expect("the answer");
+    assert_eq!(tally, text.len() as u64 + 3, "a client stream's too");
+    within("shutdown", server.shutdown()).await;
+
+    // The oracle: the arguments as the codec encodes them, and what zstd makes of them.
+    let encoded = Codec::MsgPack
+        .encode(&(text.as_str(), "needle"))
+        .expect("encode");
+    let packed = compress(Compression::Zstd, &encoded);
+    let spans = traces.spans();
+    let attempt = spans
+        .iter()
+        .find(|s| {
+            s.name == "rpc.client.attempt"
+                && attr(s, "rpc.method") == Some(Value::from("find".to_string()))
+        })
+        .expect("the set-up's attempt span");
+    assert_eq!(
+        attr(attempt, "rpc.compression"),
+        Some(Value::from("zstd".to_string()))
+    );
+    assert_eq!(
+        attr(attempt, "rpc.request.size"),
+        Some(Value::I64(encoded.len() as i64))
+    );
+    assert_eq!(
+        attr(attempt, "rpc.request.compressed_size"),
+        Some(Value::I64(packed.len() as i64))
+    );
+}
+
+/// What a user's layer saw of one call: its entry, the set-up's status, and how the stream
+/// ended (status, items sent, items received), once it did.
+type Seen = (String, &'static str, Option<StatusCode>, u64, u64);
+
+/// A user's client layer: records each call's set-up and asks to be told of its stream's end.
+struct Watcher(mpsc::UnboundedSender<Seen>);
+
+impl rpc::Middleware for Watcher {
+    fn call<'a>(
+        &'a self,
+        cx: &'a mut rpc::CallCx<'_>,
+        req: rpc::Bytes,
+        next: rpc::Next<'a>,
+    ) -> rpc::BoxFuture<'a, Result<rpc::Bytes, RpcError>> {
+        Box::pin(async move {
+            let entry = cx.entry_id().to_string();
+            let tx = self.0.clone();
+            let at_end = entry.clone();
+            cx.on_stream_end(move |end| {
+                let _ = tx.send((
+                    at_end,
+                    "end",
+                    end.status,
+                    end.items_sent,
+                    end.items_received,
+                ));
+            });
+            let result = next.run(cx, req).await;
+            let status = match &result {
+                Ok(_) => StatusCode::Success,
+                Err(e) => e.code(),
+            };
+            let _ = self.0.send((entry, "set-up", Some(status), 0, 0));
+            result
+        })
+    }
+}
+
+#[tokio::test]
+async fn a_client_layer_sees_a_streams_set_up_and_its_end() {
+    let _traced = traced();
+    let reg = InProcessRegistry::new();
+    let (server, market) = serve(&reg).await;
+    let (tx, mut seen) = mpsc::unbounded_channel();
+    let stocks = StocksClient::new(
+        Client::builder()
+            .registry(reg.clone())
+            .override_options(StocksClient::SERVICE_ID, options(100))
+            .layer(Watcher(tx))
+            .build(),
+    );
+    let next = |seen: &mut mpsc::UnboundedReceiver<Seen>| seen.try_recv().ok();
+
+    // A server stream: the set-up when it is accepted, the end once read to its end.
+    let mut prices = within("prices", stocks.prices(3)).await.expect("accepted");
+    assert_eq!(
+        next(&mut seen),
+        Some((
+            "g.Stocks.prices".into(),
+            "set-up",
+            Some(StatusCode::Success),
+            0,
+            0
+        ))
+    );
+    assert!(within("an item", prices.next()).await.is_some());
+    assert_eq!(next(&mut seen), None, "not ended yet");
+    while let Some(item) = within("an item", prices.next()).await {
+        item.expect("an item");
+    }
+    assert_eq!(
+        next(&mut seen),
+        Some((
+            "g.Stocks.prices".into(),
+            "end",
+            Some(StatusCode::Success),
+            0,
+            3
+        ))
+    );
+
+    // A client stream: the items sent and the answer.
+    let total = within("total", stocks.total(RpcStream::iter(1..=4u64)))
+        .await
+        .expect("total");
+    assert_eq!(total, 10);
+    assert_eq!(
+        next(&mut seen),
+        Some((
+            "g.Stocks.total".into(),
+            "set-up",
+            Some(StatusCode::Success),
+            0,
+            0
+        ))
+    );
+    assert_eq!(
+        next(&mut seen),
+        Some((
+            "g.Stocks.total".into(),
+            "end",
+            Some(StatusCode::Success),
+            4,
+            1
+        ))
+    );
+
+    // An error after acceptance: its status at the end.
+    let end = accepted_items("break_after", stocks.break_after(2))
+        .await
+        .expect_err("the server's error");
+    assert_eq!(end.code(), StatusCode::ServerError);
+    assert_eq!(next(&mut seen).map(|s| s.1), Some("set-up"));
+    assert_eq!(
+        next(&mut seen),
+        Some((
+            "g.Stocks.break_after".into(),
+            "end",
+            Some(StatusCode::ServerError),
+            0,
+            2
+        ))
+    );
+
+    // A stream its caller drops: ended without a status.
+    let mut prices = within("prices", stocks.prices(100))
+        .await
+        .expect("accepted");
+    assert!(within("an item", prices.next()).await.is_some());
+    assert_eq!(next(&mut seen).map(|s| s.1), Some("set-up"));
+    drop(prices);
+    assert_eq!(
+        next(&mut seen),
+        Some(("g.Stocks.prices".into(), "end", None, 0, 1))
+    );
+
+    // A set-up that fails: the layer sees the failure, and no end.
+    market.down.store(true, Ordering::SeqCst);
+    let err = within("prices", stocks.prices(3))
+        .await
+        .expect_err("the set-up fails");
+    assert_eq!(
+        next(&mut seen),
+        Some(("g.Stocks.prices".into(), "set-up", Some(err.code()), 0, 0))
+    );
+    assert_eq!(next(&mut seen), None, "no end for a stream never opened");
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn compressed_stream_items_arrive_whole_both_ways_between_client_and_server() {
+    let _traced = traced();
+    let reg = InProcessRegistry::new();
+    let (server, _market) = serve(&reg).await;
+    let stocks = StocksClient::new(client(&reg, None));
+    let lines: Vec<String> = (0..5).map(|i| haystack(8 * 1024 + i)).collect();
+    let back = accepted_items(
+        "shout",
+        stocks.shout("> ".into(), RpcStream::iter(lines.clone())),
+    )
+    .await
+    .expect("every item");
+    let expected: Vec<String> = lines.iter().map(|l| shouted("> ", l)).collect();
+    assert_eq!(back, expected);
+    within("shutdown", server.shutdown()).await;
+}
+
+/// A raw client that accepts zstd and streams, against the real server: the server
+/// decompresses a compressed item, compresses its own items of the entry (declared zstd), and
+/// ends a stream whose item does not decompress with 500, the connection going on.
+#[tokio::test]
+async fn on_the_wire_the_server_takes_and_sends_compressed_items_and_ends_a_stream_on_a_corrupt_one(
+) {
+    let _traced = traced();
+    use common::RawConn;
+    use rpc::crates::core::wire::{
+        frame::Kind, Hello, RemoteInvokeMessage, StreamEnd, StreamItem, StreamMode,
+    };
+    use rpc::crates::core::Compression;
+    use rpc::crates::transport::compression::{compress, decompress};
+    use rpc::Codec;
+    let reg = InProcessRegistry::new();
+    let (server, _market) = serve(&reg).await;
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.send(Kind::Hello(Hello {
+        protocol_version: 1,
+        client_id: "raw-zstd".into(),
+        streams: true,
+        stream_window: 8,
+        accept_compression: vec![Compression::Zstd.to_wire()],
+        ..Default::default()
+    }))
+    .await
+    .expect("hello");
+    assert!(matches!(raw.recv().await, Some(Kind::HelloAck(a)) if a.streams));
+    let open = |id: u64| {
+        Kind::Invoke(RemoteInvokeMessage {
+            message_id: id,
+            service_entry_id: "g.Stocks.shout".into(),
+            parameters: Codec::MsgPack.encode(&(">",)).expect("encode"),
+            stream_mode: StreamMode::Bidi as i32,
+            ..Default::default()
+        })
+    };
+    let line = haystack(16 * 1024);
+    let encoded = Codec::MsgPack.encode(&line).expect("encode");
+    let packed = compress(Compression::Zstd, &encoded);
+    assert!(packed.len() < encoded.len() / 4);
+
+    raw.send(open(1)).await.expect("open");
+    assert!(
+        matches!(within("accepted", raw.recv()).await, Some(Kind::StreamCredit(c)) if c.message_id == 1)
+    );
+    raw.send(Kind::StreamItem(StreamItem {
+        message_id: 1,
+        payload: packed,
+        compression: Compression::Zstd.to_wire(),
+    }))
+    .await
+    .expect("item");
+    let item = loop {
+        match within("the answer's item", raw.recv()).await {
+            Some(Kind::StreamItem(item)) => break item,
+            Some(Kind::StreamCredit(_)) => continue,
+            other => panic!("expected an item, got {other:?}"),
+        }
+    };
+    assert_eq!(
+        item.compression,
+        Compression::Zstd.to_wire(),
+        "sent compressed"
+    );
+    let plain = decompress(item.compression, &item.payload, 1 << 20).expect("decompresses");
+    let answer: String = Codec::MsgPack.decode(&plain).expect("decode");
+    assert_eq!(
+        answer,
+        shouted(">", &line),
+        "the server read the compressed item"
+    );
+    raw.send(Kind::StreamEnd(StreamEnd {
+        message_id: 1,
+        status_code: 200,
+        exception_message: String::new(),
+    }))
+    .await
+    .expect("end");
+    let end = loop {
+        match within("the end", raw.recv()).await {
+            Some(Kind::Result(r)) => break r,
+            Some(Kind::StreamCredit(_)) => continue,
+            other => panic!("expected the end, got {other:?}"),
+        }
+    };
+    assert_eq!((end.message_id, end.status_code), (1, 200));
+
+    // A corrupt item: that stream ends with 500, saying why.
+    raw.send(open(2)).await.expect("open");
+    assert!(
+        matches!(within("accepted", raw.recv()).await, Some(Kind::StreamCredit(c)) if c.message_id == 2)
+    );
+    raw.send(Kind::StreamItem(StreamItem {
+        message_id: 2,
+        payload: rpc::Bytes::from_static(b"not zstd at all"),
+        compression: Compression::Zstd.to_wire(),
+    }))
+    .await
+    .expect("item");
+    let end = loop {
+        match within("the end", raw.recv()).await {
+            Some(Kind::Result(r)) => break r,
+            Some(Kind::StreamCredit(_)) => continue,
+            other => panic!("expected the end, got {other:?}"),
+        }
+    };
+    assert_eq!((end.message_id, end.status_code), (2, 500), "{end:?}");
+    assert!(end.exception_message.contains("stream item"), "{end:?}");
+
+    // The connection goes on: a third stream works.
+    raw.send(open(3)).await.expect("open");
+    assert!(
+        matches!(within("accepted", raw.recv()).await, Some(Kind::StreamCredit(c)) if c.message_id == 3)
+    );
+    // (Closing the connection ends that open stream, which would otherwise hold the drain.)
+    drop(raw);
+    within("shutdown", server.shutdown()).await;
+}
+
+/// A raw server that accepts zstd and streams, against the real client: the client compresses
+/// its items of the entry (declared zstd), decompresses the server's, and ends the stream (only)
+/// with 500 on an item that does not decompress, telling the server to stop.
+#[tokio::test]
+async fn on_the_wire_the_client_sends_compressed_items_and_ends_a_stream_on_a_corrupt_one() {
+    let _traced = traced();
+    use common::RawConn;
+    use rpc::crates::core::wire::{frame::Kind, HelloAck, StreamCredit, StreamItem};
+    use rpc::crates::core::Compression;
+    use rpc::crates::transport::compression::{compress, decompress};
+    use rpc::{Codec, StaticRegistry};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let line = haystack(16 * 1024);
+    let expected_line = line.clone();
+    let raw_server = tokio::spawn(async move {
+        let (stream, _) = within("accept", listener.accept()).await.expect("accept");
+        let mut peer = RawConn::from_stream(stream);
+        match peer.recv().await {
+            Some(Kind::Hello(h)) => assert!(h.accept_compression.contains(&1), "{h:?}"),
+            other => panic!("expected Hello, got {other:?}"),
+        }
+        peer.send(Kind::HelloAck(HelloAck {
+            protocol_version: 1,
+            streams: true,
+            stream_window: 8,
+            accept_compression: vec![Compression::Zstd.to_wire()],
+            ..Default::default()
+        }))
+        .await
+        .expect("ack");
+        let open = match peer.recv().await {
+            Some(Kind::Invoke(i)) => i,
+            other => panic!("expected the stream's opening, got {other:?}"),
+        };
+        let id = open.message_id;
+        peer.send(Kind::StreamCredit(StreamCredit {
+            message_id: id,
+            items: 8,
+        }))
+        .await
+        .expect("accept");
+        let item = match within("the caller's item", peer.recv()).await {
+            Some(Kind::StreamItem(item)) => item,
+            other => panic!("expected an item, got {other:?}"),
+        };
+        assert_eq!(
+            item.compression,
+            Compression::Zstd.to_wire(),
+            "sent compressed"
+        );
+        let plain = decompress(item.compression, &item.payload, 1 << 20).expect("decompresses");
+        let got: String = Codec::MsgPack.decode(&plain).expect("decode");
+        assert_eq!(got, expected_line);
+        // One good compressed item back, then a corrupt one.
+        let answer = Codec::MsgPack.encode(&shouted(">", &got)).expect("encode");
+        for (payload, compression) in [
+            (
+                compress(Compression::Zstd, &answer),
+                Compression::Zstd.to_wire(),
+            ),
+            (
+                rpc::Bytes::from_static(b"not zstd at all"),
+                Compression::Zstd.to_wire(),
+            ),
+        ] {
+            peer.send(Kind::StreamItem(StreamItem {
+                message_id: id,
+                payload,
+                compression,
+            }))
+            .await
+            .expect("item");
+        }
+        // The client tells this server to stop the stream.
+        loop {
+            match within("the Cancel", peer.recv()).await {
+                Some(Kind::Cancel(c)) => break assert_eq!(c.message_id, id),
+                Some(Kind::StreamItem(_) | Kind::StreamEnd(_)) => continue,
+                other => panic!("expected Cancel, got {other:?}"),
+            }
+        }
+    });
+    let stocks = StocksClient::new(
+        Client::builder()
+            .registry(StaticRegistry::from_list(&addr.to_string()).expect("registry"))
+            .override_options(StocksClient::SERVICE_ID, options(100))
+            .build(),
+    );
+    let mut back = within(
+        "shout",
+        stocks.shout(">".into(), RpcStream::iter([line.clone()])),
+    )
+    .await
+    .expect("accepted");
+    let first = within("first", back.next()).await.expect("an item");
+    assert_eq!(first.expect("decompressed"), shouted(">", &line));
+    let end = within("the end", back.next())
+        .await
+        .expect("an error item")
+        .expect_err("the corrupt item ends the stream");
+    assert_eq!(end.code(), StatusCode::FrameworkError, "{end}");
+    assert_eq!(end.code().as_u32(), 500);
+    assert!(end.message().contains("stream item"), "{end}");
+    assert!(back.next().await.is_none(), "nothing after the error");
+    within("the raw server", raw_server)
+        .await
+        .expect("raw server");
+}
+
+/// A server layer that records each set-up it sees and each stream's end, and refuses the
+/// caller `intruder`.
+struct ServerGate(mpsc::UnboundedSender<String>);
+
+impl rpc::ServerLayer for ServerGate {
+    fn call<'a>(
+        &'a self,
+        req: &'a mut rpc::ServerRequest,
+        next: rpc::ServerNext<'a>,
+    ) -> rpc::LayerFuture<'a> {
+        Box::pin(async move {
+            let entry = req.entry_id();
+            let _ = self.0.send(entry.to_string());
+            let tx = self.0.clone();
+            req.on_stream_end(move |end| {
+                let _ = tx.send(format!(
+                    "end {entry} {:?} sent {} received {}",
+                    end.status.map(StatusCode::as_u32),
+                    end.items_sent,
+                    end.items_received
+                ));
+            });
+            if req.caller().client_id() == "intruder" {
+                return Err(RpcError::new(
+                    StatusCode::UnAuthorization,
+                    "intruders stream nothing",
+                ));
+            }
+            next.run(req).await
+        })
+    }
+}
+
+#[tokio::test]
+async fn server_layers_pass_client_and_bidi_streams_hear_of_their_end_and_may_refuse_them() {
+    let _traced = traced();
+    let reg = InProcessRegistry::new();
+    let (seen_tx, mut seen) = mpsc::unbounded_channel();
+    let market = Market::default();
+    let server = Server::builder()
+        .registry(reg.clone())
+        .layer(ServerGate(seen_tx))
+        .add_service(StocksServer::new(market.clone()))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let stocks = StocksClient::new(client(&reg, None));
+    let total = within("total", stocks.total(RpcStream::iter(1..=100u64)))
+        .await
+        .expect("total through the layer");
+    assert_eq!(total, 5050);
+    assert_eq!(seen.try_recv().ok().as_deref(), Some("g.Stocks.total"));
+    assert_eq!(
+        seen.try_recv().ok().as_deref(),
+        Some("end g.Stocks.total Some(200) sent 0 received 100"),
+        "the layer heard of the end before the caller had its answer"
+    );
+    let doubled = accepted_items("double", stocks.double(RpcStream::iter(1..=50u64)))
+        .await
+        .expect("items");
+    assert_eq!(doubled, (1..=50u64).map(|n| n * 2).collect::<Vec<_>>());
+    assert_eq!(seen.try_recv().ok().as_deref(), Some("g.Stocks.double"));
+    assert_eq!(
+        seen.try_recv().ok().as_deref(),
+        Some("end g.Stocks.double Some(200) sent 50 received 50")
+    );
+
+    let intruder = StocksClient::new(
+        Client::builder()
+            .registry(reg.clone())
+            .client_id("intruder")
+            .override_options(StocksClient::SERVICE_ID, options(100))
+            .build(),
+    );
+    let e = within("total", intruder.total(RpcStream::iter(1..=4u64)))
+        .await
+        .expect_err("the layer refuses");
+    assert_eq!(e.code(), StatusCode::UnAuthorization, "{e}");
+    let e = within("double", async {
+        intruder
+            .double(RpcStream::iter([1u64]))
+            .await?
+            .collect_all()
+            .await
+    })
+    .await
+    .expect_err("the layer refuses");
+    assert_eq!(e.code(), StatusCode::UnAuthorization, "{e}");
+    assert_eq!(
+        market.setups.load(Ordering::SeqCst),
+        2,
+        "the refused streams' handlers never ran"
+    );
+    let told: Vec<String> = std::iter::from_fn(|| seen.try_recv().ok()).collect();
+    assert_eq!(
+        told,
+        ["g.Stocks.total", "g.Stocks.double"],
+        "the refused set-ups seen, and no end for them"
+    );
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn a_server_fallback_answers_a_server_streams_failed_set_up_only() {
+    let (traces, _guard) = traced();
+    for (round, layered) in [false, true].into_iter().enumerate() {
+        let reg = InProcessRegistry::new();
+        let market = Market::default();
+        let cache = Cache::default();
+        let (seen_tx, _seen) = mpsc::unbounded_channel();
+        let builder = Server::builder()
+            .registry(reg.clone())
+            .add_service(StocksServer::new(market.clone()))
+            .fallback(StocksServer::new(cache.clone()));
+        let builder = if layered {
+            builder.layer(ServerGate(seen_tx))
+        } else {
+            builder
+        };
+        let server = builder.serve("127.0.0.1:0").await.expect("serve");
+        let stocks = StocksClient::new(client(&reg, None));
+        market.down.store(true, Ordering::SeqCst);
+
+        let prices = accepted_items("prices", stocks.prices(3))
+            .await
+            .expect("items");
+        assert_eq!(
+            prices,
+            [1000, 1001, 1002],
+            "layered {layered}: the fallback's"
+        );
+        assert_eq!(cache.used.load(Ordering::SeqCst), 1, "layered {layered}");
+
+        // A business refusal is the handler's answer.
+        market.down.store(false, Ordering::SeqCst);
+        let e = within("closed", stocks.closed())
+            .await
+            .expect_err("refused");
+        assert_eq!(
+            e.code(),
+            StatusCode::BusinessError,
+            "layered {layered}: {e}"
+        );
+        market.down.store(true, Ordering::SeqCst);
+        // A client stream was accepted before its handler failed: not answered for.
+        let e = within("total", stocks.total(RpcStream::iter([1u64, 2])))
+            .await
+            .expect_err("the handler's failure");
+        assert_eq!(e.code(), StatusCode::ServerError, "layered {layered}: {e}");
+        assert_eq!(
+            cache.used.load(Ordering::SeqCst),
+            1,
+            "layered {layered}: the fallback answered the server stream only"
+        );
+        assert_eq!(market.setups.load(Ordering::SeqCst), 3, "layered {layered}");
+
+        // A set-up that panics is answered for as one that failed.
+        market.down.store(false, Ordering::SeqCst);
+        market.panics.store(true, Ordering::SeqCst);
+        let prices = accepted_items("prices", stocks.prices(2))
+            .await
+            .expect("items");
+        assert_eq!(prices, [1000, 1001], "layered {layered}: the fallback's");
+        assert_eq!(
+            market.setups.load(Ordering::SeqCst),
+            4,
+            "layered {layered}: the set-up ran and panicked"
+        );
+        within("shutdown", server.shutdown()).await;
+
+        // The server's spans of the two streams the fallback answered (the drain ended every
+        // stream; each span ends as its task drops it): outcome `fallback`, and the failure's
+        // status, 520 for the failed set-up and for the panic alike. The test's market answers
+        // 520.
+        let answered_by_fallback = |s: &&opentelemetry_sdk::trace::SpanData| {
+            s.name == "rpc.server"
+                && attr(s, "rpc.entry_id") == Some(Value::from("g.Stocks.prices".to_string()))
+                && attr(s, "outcome") == Some(Value::from("fallback".to_string()))
+        };
+        let expected = 2 * (round + 1);
+        let spans = traces
+            .spans_once("the fallback's server spans end", |spans| {
+                spans.iter().filter(answered_by_fallback).count() >= expected
+            })
+            .await;
+        let answered: Vec<_> = spans.iter().filter(answered_by_fallback).collect();
+        assert_eq!(answered.len(), expected, "layered {layered}");
+        for span in answered {
+            assert_eq!(
+                attr(span, "rpc.fallback.cause"),
+                Some(Value::I64(i64::from(StatusCode::ServerError.as_u32()))),
+                "layered {layered}"
+            );
+        }
+    }
+}

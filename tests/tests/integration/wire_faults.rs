@@ -1,0 +1,486 @@
+//! Bad input on the wire: oversized frames, garbage, a wrong first frame, a wrong version, no
+//! `Hello` at all. The offending connection gets a `GoAway` with the reason and is closed; the
+//! server keeps serving everyone else.
+
+use crate::common;
+
+use std::time::Duration;
+
+use common::{within, RawConn};
+use prost::Message;
+use rpc::crates::core::wire::{frame::Kind, Frame, Hello, Ping, RemoteInvokeMessage};
+use rpc::{Client, Codec, InProcessRegistry, RpcError, Server, ServerHandle, StatusCode};
+
+#[rpc::service(name = "t.Wire")]
+trait Wire {
+    async fn echo(&self, text: String) -> Result<String, RpcError>;
+}
+
+struct Echo;
+
+impl Wire for Echo {
+    async fn echo(&self, text: String) -> Result<String, RpcError> {
+        Ok(text)
+    }
+}
+
+const MAX: usize = 1024;
+
+/// A server accepting frames up to [`MAX`] bytes, and a normal client of it.
+async fn setup() -> (ServerHandle, WireClient) {
+    let reg = InProcessRegistry::new();
+    let server = Server::builder()
+        .registry(reg.clone())
+        .max_frame_length(MAX)
+        .add_service(WireServer::new(Echo))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let client = WireClient::new(Client::builder().registry(reg).build());
+    assert_eq!(client.echo("before".into()).await.expect("echo"), "before");
+    (server, client)
+}
+
+/// The normal client still gets answers (on its existing connection).
+async fn still_serving(client: &WireClient) {
+    assert_eq!(
+        within("echo after the fault", client.echo("after".into()))
+            .await
+            .expect("the server keeps serving other connections"),
+        "after"
+    );
+}
+
+fn echo_invoke(id: u64, text: &str) -> RemoteInvokeMessage {
+    RemoteInvokeMessage {
+        message_id: id,
+        service_entry_id: "t.Wire.echo".into(),
+        codec: Codec::MsgPack.to_wire(),
+        parameters: Codec::MsgPack.encode(&(text,)).expect("encode"),
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn oversized_prefix_after_hello_gets_go_away_naming_the_size_and_is_closed() {
+    let (server, client) = setup().await;
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    let ack = raw.handshake().await;
+    assert_eq!(ack.protocol_version, 1);
+    assert_eq!(
+        ack.max_frame_length as usize, MAX,
+        "HelloAck tells the limit"
+    );
+
+    // Only the prefix: the server must refuse before any payload arrives.
+    raw.send_bytes(&1_000_000u32.to_be_bytes())
+        .await
+        .expect("send prefix");
+    let g = raw.expect_go_away().await;
+    assert!(
+        g.reason.contains("1000000") && g.reason.contains(&MAX.to_string()),
+        "the reason names the size and the limit: {g:?}"
+    );
+    assert_ne!(g.status_code, StatusCode::Success.as_u32(), "{g:?}");
+    raw.expect_closed().await;
+    still_serving(&client).await;
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn a_frame_of_exactly_the_maximum_is_accepted_and_one_byte_more_is_not() {
+    let (server, client) = setup().await;
+    // Find a text whose invoke frame is exactly MAX bytes long.
+    let text = (0..MAX)
+        .map(|n| "x".repeat(n))
+        .find(|t| {
+            Frame {
+                kind: Some(Kind::Invoke(echo_invoke(1, t))),
+            }
+            .encoded_len()
+                == MAX
+        })
+        .expect("some text length gives a frame of exactly MAX bytes");
+
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.handshake().await;
+    raw.send(Kind::Invoke(echo_invoke(1, &text)))
+        .await
+        .expect("send");
+    match raw.recv().await {
+        Some(Kind::Result(r)) => {
+            assert_eq!(r.status_code, 200, "{r:?}");
+            assert_eq!(r.message_id, 1);
+            let back: String = Codec::MsgPack.decode(&r.result).expect("decode");
+            assert_eq!(back, text);
+        }
+        other => panic!("a frame of exactly {MAX} bytes must be served, got {other:?}"),
+    }
+
+    raw.send(Kind::Invoke(echo_invoke(2, &format!("{text}y"))))
+        .await
+        .expect("send");
+    let g = raw.expect_go_away().await;
+    assert!(g.reason.contains(&(MAX + 1).to_string()), "{g:?}");
+    raw.expect_closed().await;
+    still_serving(&client).await;
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn garbage_after_hello_closes_only_that_connection() {
+    let (server, client) = setup().await;
+    for garbage in [
+        &[0u8, 0, 0, 5, 0xff, 0xff, 0xff, 0xff, 0xff][..],
+        // A valid length and an empty `Frame`: no message inside.
+        &[0u8, 0, 0, 0][..],
+    ] {
+        let mut raw = RawConn::connect(server.local_addr()).await;
+        raw.handshake().await;
+        raw.send_bytes(garbage).await.expect("send garbage");
+        let g = raw.expect_go_away().await;
+        assert!(g.reason.contains("malformed"), "{garbage:?}: {g:?}");
+        raw.expect_closed().await;
+        still_serving(&client).await;
+    }
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn garbage_instead_of_hello_closes_only_that_connection() {
+    let (server, client) = setup().await;
+    // An HTTP request: its first four bytes read as a length of about 1.2 GB.
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.send_bytes(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .expect("send");
+    let g = raw.expect_go_away().await;
+    assert!(g.reason.contains("exceeds"), "{g:?}");
+    raw.expect_closed().await;
+    still_serving(&client).await;
+
+    // A short frame that is not protobuf.
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.send_bytes(&[0, 0, 0, 4, 0xde, 0xad, 0xbe, 0xef])
+        .await
+        .expect("send");
+    let g = raw.expect_go_away().await;
+    assert!(g.reason.contains("malformed"), "{g:?}");
+    raw.expect_closed().await;
+    still_serving(&client).await;
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn a_first_frame_other_than_hello_is_refused() {
+    let (server, client) = setup().await;
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.send(Kind::Ping(Ping { nonce: 1 })).await.expect("send");
+    let g = raw.expect_go_away().await;
+    assert!(
+        g.reason.contains("Hello") && g.reason.contains("Ping"),
+        "{g:?}"
+    );
+    raw.expect_closed().await;
+
+    // An invoke before the handshake is not run either.
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.send(Kind::Invoke(echo_invoke(1, "sneaky")))
+        .await
+        .expect("send");
+    let g = raw.expect_go_away().await;
+    assert!(g.reason.contains("Hello"), "{g:?}");
+    raw.expect_closed().await;
+    still_serving(&client).await;
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn an_unsupported_protocol_version_is_refused_with_the_reason() {
+    let (server, client) = setup().await;
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.send(Kind::Hello(Hello {
+        protocol_version: 2,
+        token: String::new(),
+        client_id: "future".into(),
+        ..Default::default()
+    }))
+    .await
+    .expect("send");
+    let g = raw.expect_go_away().await;
+    assert_eq!(g.status_code, StatusCode::FrameworkError.as_u32(), "{g:?}");
+    assert!(g.reason.contains("version 2"), "{g:?}");
+    raw.expect_closed().await;
+    still_serving(&client).await;
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn a_protocol_violation_after_the_handshake_closes_the_connection() {
+    let (server, client) = setup().await;
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.handshake().await;
+    // A second Hello is not something a client sends after the handshake.
+    raw.send(Kind::Hello(Hello {
+        protocol_version: 1,
+        ..Default::default()
+    }))
+    .await
+    .expect("send");
+    let g = raw.expect_go_away().await;
+    assert!(g.reason.contains("protocol violation"), "{g:?}");
+    raw.expect_closed().await;
+    still_serving(&client).await;
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn a_silent_connection_is_closed_after_the_handshake_timeout() {
+    let reg = InProcessRegistry::new();
+    let server = Server::builder()
+        .registry(reg.clone())
+        .handshake_timeout(Duration::from_millis(150))
+        .add_service(WireServer::new(Echo))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let client = WireClient::new(Client::builder().registry(reg).build());
+    // A real socket that says nothing: observed until the server gives up on it.
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    let g = raw.expect_go_away().await;
+    assert_eq!(g.status_code, StatusCode::Timeout.as_u32(), "{g:?}");
+    assert!(g.reason.contains("150 ms"), "{g:?}");
+    raw.expect_closed().await;
+    still_serving(&client).await;
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn an_answer_above_the_clients_limit_fails_the_call_clearly_and_the_client_recovers() {
+    let reg = InProcessRegistry::new();
+    let server = Server::builder()
+        .registry(reg.clone())
+        .add_service(WireServer::new(Echo))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let client = WireClient::new(
+        Client::builder()
+            .registry(reg)
+            .max_frame_length(256)
+            .override_options(WireClient::SERVICE_ID, common::no_retry())
+            .build(),
+    );
+    let fits = within("answer below the limit", client.echo("z".repeat(200))).await;
+    assert!(fits.is_ok(), "a 200-byte answer fits: {fits:?}");
+    let err = within("oversized answer", client.echo("z".repeat(1000)))
+        .await
+        .expect_err("a 1000-byte answer exceeds the client's 256-byte limit");
+    assert_eq!(err.code(), StatusCode::CommunicationError, "{err}");
+    assert!(
+        err.message().contains("exceeds") && err.message().contains("256"),
+        "{err}"
+    );
+    // The broken connection is replaced on the next call.
+    assert_eq!(
+        within("echo after", client.echo("small".into()))
+            .await
+            .expect("next call reconnects"),
+        "small"
+    );
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn one_connection_over_the_limit_is_refused_with_the_reason() {
+    let reg = InProcessRegistry::new();
+    let server = Server::builder()
+        .registry(reg.clone())
+        .max_connections(1)
+        .add_service(WireServer::new(Echo))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let first = WireClient::new(Client::builder().registry(reg.clone()).build());
+    assert_eq!(first.echo("one".into()).await.expect("first"), "one");
+
+    // A raw second connection is told why before it is closed.
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    let g = raw.expect_go_away().await;
+    assert_eq!(
+        g.status_code,
+        StatusCode::OverflowMaxServerHandle.as_u32(),
+        "{g:?}"
+    );
+    assert!(g.reason.contains("maximum of 1"), "{g:?}");
+    raw.expect_closed().await;
+
+    // A second client gets the refusal as its error.
+    let second = WireClient::new(
+        Client::builder()
+            .registry(reg.clone())
+            .override_options(WireClient::SERVICE_ID, common::no_retry())
+            .build(),
+    );
+    let err = within("refused client", second.echo("two".into()))
+        .await
+        .expect_err("over the connection limit");
+    assert_eq!(err.code(), StatusCode::OverflowMaxServerHandle, "{err}");
+    assert!(err.message().contains("maximum of 1"), "{err}");
+
+    // The first client is unaffected.
+    assert_eq!(first.echo("still".into()).await.expect("first"), "still");
+    within("shutdown", server.shutdown()).await;
+}
+
+/// A client that reuses a `message_id` while the first call still runs gets a 500 for the second
+/// and loses nothing: the first call is answered, and a later graceful shutdown does not wait the
+/// whole drain timeout for a call that is not running (the server once overwrote the first
+/// call's entry, lost its answer and leaked its in-flight count).
+///
+/// The first call is held inside its handler (it waits on a channel the test controls) when the
+/// duplicate arrives, so the duplicate meets a call that really is in flight.
+#[tokio::test]
+async fn a_reused_message_id_does_not_stall_a_later_graceful_shutdown() {
+    #[rpc::service(name = "t.Held")]
+    trait Held {
+        async fn hold(&self, text: String) -> Result<String, RpcError>;
+    }
+    /// Says when a call entered its handler, then waits for the test's go.
+    struct Gate {
+        entered: tokio::sync::mpsc::UnboundedSender<String>,
+        go: tokio::sync::Mutex<tokio::sync::mpsc::UnboundedReceiver<()>>,
+    }
+    impl Held for Gate {
+        async fn hold(&self, text: String) -> Result<String, RpcError> {
+            let _ = self.entered.send(text.clone());
+            self.go.lock().await.recv().await;
+            Ok(text)
+        }
+    }
+    let (entered_tx, mut entered) = tokio::sync::mpsc::unbounded_channel();
+    let (go, go_rx) = tokio::sync::mpsc::unbounded_channel();
+    let reg = InProcessRegistry::new();
+    let server = Server::builder()
+        .registry(reg.clone())
+        .drain_timeout(Duration::from_secs(30))
+        .add_service(HeldServer::new(Gate {
+            entered: entered_tx,
+            go: tokio::sync::Mutex::new(go_rx),
+        }))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let hold_invoke = |id: u64, text: &str| RemoteInvokeMessage {
+        message_id: id,
+        service_entry_id: "t.Held.hold".into(),
+        codec: Codec::MsgPack.to_wire(),
+        parameters: Codec::MsgPack.encode(&(text,)).expect("encode"),
+        ..Default::default()
+    };
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.handshake().await;
+    raw.send(Kind::Invoke(hold_invoke(5, "first")))
+        .await
+        .expect("send");
+    assert_eq!(
+        common::recv_one("the first call entered its handler", &mut entered).await,
+        "first"
+    );
+    // A protocol violation: the same id again while the first call is held in its handler.
+    raw.send(Kind::Invoke(hold_invoke(5, "second")))
+        .await
+        .expect("send");
+    match raw.recv().await {
+        Some(Kind::Result(r)) => {
+            assert_eq!(r.message_id, 5);
+            assert_eq!(r.status_code, StatusCode::FrameworkError.as_u32(), "{r:?}");
+            assert!(
+                r.exception_message
+                    .contains("message_id 5 is already in flight"),
+                "{r:?}"
+            );
+        }
+        other => panic!("expected the duplicate's refusal, got {other:?}"),
+    }
+    // The duplicate never ran.
+    assert!(entered.try_recv().is_err(), "the duplicate ran its handler");
+    // The first call is still there: released, it answers with its own result.
+    go.send(()).expect("release the first call");
+    match raw.recv().await {
+        Some(Kind::Result(r)) => {
+            assert_eq!(r.message_id, 5);
+            assert_eq!(r.status_code, StatusCode::Success.as_u32(), "{r:?}");
+            let text: String = Codec::MsgPack.decode(&r.result).expect("decode");
+            assert_eq!(text, "first", "the first call's answer");
+        }
+        other => panic!("expected the first call's answer, got {other:?}"),
+    }
+    // Nothing else follows: the connection answers a ping next.
+    raw.send(Kind::Ping(Ping { nonce: 1 })).await.expect("send");
+    match raw.recv().await {
+        Some(Kind::Pong(p)) => assert_eq!(p.nonce, 1),
+        other => panic!("expected a pong, got {other:?}"),
+    }
+    // Nothing runs, so draining must not wait for the 30 s drain limit.
+    let drained = tokio::time::timeout(Duration::from_secs(2), server.shutdown()).await;
+    assert!(
+        drained.is_ok(),
+        "shutdown waited for a call that is not running: the server's in-flight count leaked"
+    );
+}
+
+/// Before its `Hello` is accepted a peer gets a few KiB of the server's memory, not a frame of
+/// the full limit: a length prefix above `MAX_HELLO_FRAME` is refused at once, with nothing of
+/// the payload read, while a `Hello` carrying a token of several KiB is still accepted.
+#[tokio::test]
+async fn a_frame_larger_than_a_few_kib_before_hello_is_refused_at_its_prefix() {
+    let limit = rpc::crates::transport::MAX_HELLO_FRAME;
+    assert_eq!(limit, 8 * 1024);
+    let reg = InProcessRegistry::new();
+    // The default frame limit, 16 MiB: far above what a peer may send before its Hello.
+    let server = Server::builder()
+        .registry(reg.clone())
+        .add_service(WireServer::new(Echo))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let client = WireClient::new(Client::builder().registry(reg).build());
+
+    // Only the prefix, announcing 1 MiB: the server answers without waiting for the payload.
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.send_bytes(&(1u32 << 20).to_be_bytes())
+        .await
+        .expect("send");
+    let g = raw.expect_go_away().await;
+    assert!(
+        g.reason
+            .contains("a frame of 1048576 bytes before the handshake exceeds the limit of 8192"),
+        "{g:?}"
+    );
+    raw.expect_closed().await;
+
+    // One byte over the limit is refused as well; a Hello of about 6 KiB is accepted.
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.send_bytes(&((limit + 1) as u32).to_be_bytes())
+        .await
+        .expect("send");
+    let g = raw.expect_go_away().await;
+    assert!(g.reason.contains("exceeds the limit of 8192"), "{g:?}");
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    match raw.hello(&"t".repeat(6 * 1024)).await {
+        Some(Kind::HelloAck(_)) => {}
+        other => panic!("expected HelloAck, got {other:?}"),
+    }
+    // After the handshake the full limit applies again.
+    let big = "x".repeat(64 * 1024);
+    raw.send(Kind::Invoke(echo_invoke(1, &big)))
+        .await
+        .expect("send");
+    match raw.recv().await {
+        Some(Kind::Result(r)) => assert_eq!((r.message_id, r.status_code), (1, 200), "{r:?}"),
+        other => panic!("expected a result, got {other:?}"),
+    }
+    still_serving(&client).await;
+    within("shutdown", server.shutdown()).await;
+}

@@ -1,0 +1,422 @@
+//! The ZooKeeper registry against a real ZooKeeper, started by the tests on free loopback ports
+//! (`common/zookeeper.rs`): its node layout, a killed server process expiring with its session,
+//! a server whose session expired registering again, calls surviving a ZooKeeper restart (the
+//! sessions resumed), re-registration when ZooKeeper comes back empty, malformed values. What
+//! every registry backend must do (registration, removal, replacement, order) runs for
+//! ZooKeeper in `registry_suite.rs`.
+//!
+//! Sessions time out after 2 s here, so the tests that wait for an expiry wait a few seconds of
+//! real time (ZooKeeper's clock cannot be paused); every other wait ends as soon as the watch
+//! reports, bounded by `common::LIMIT` only so that a hang fails. The tests that need no
+//! restart share one ZooKeeper, each under its own prefix.
+
+use crate::common;
+use crate::registry_watch;
+use crate::zookeeper_harness;
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::{within, LIMIT};
+use registry_watch::{addresses, has, lacks, serve, wait_until, watch, ChildProcess};
+use rpc::crates::registry::ServiceWatch;
+use rpc::{Client, Instance, Registry};
+use rpc::{ZooKeeperOptions, ZooKeeperRegistry};
+use tests::who::{Who, WhoClient};
+use zookeeper_harness::ZooKeeper;
+
+/// The session timeout of the tests' registries.
+const TTL: Duration = Duration::from_secs(2);
+/// How long a watcher may take to see an addition or a removal: no timing claim, only a bound
+/// so that a change that never comes fails the test instead of hanging it.
+const SEEN_WITHIN: Duration = LIMIT;
+
+/// A registry on `url` with a session timeout of [`TTL`].
+fn registry(url: &str) -> ZooKeeperRegistry {
+    let options = ZooKeeperOptions {
+        session_timeout: TTL,
+        connect_timeout: Duration::from_secs(2),
+        request_timeout: Duration::from_secs(2),
+        ..ZooKeeperOptions::default()
+    };
+    ZooKeeperRegistry::from_url_with_options(url, options).expect("ZooKeeper registry")
+}
+
+/// The shared ZooKeeper's URL under a fresh prefix.
+async fn fresh_url() -> String {
+    ZooKeeper::shared()
+        .await
+        .url_with_prefix(&ZooKeeper::prefix())
+}
+
+/// Starts server "b" on `url`, waits until the watch `w` lists it (next to `with`, when given),
+/// checks that some of four calls reach it, and stops it.
+async fn a_new_server_gets_calls(
+    url: &str,
+    w: &mut ServiceWatch,
+    who: &WhoClient,
+    with: Option<&str>,
+) {
+    let b_reg = registry(url);
+    let b = serve("b", &b_reg).await;
+    let b_addr = b.local_addr().to_string();
+    wait_until(w, SEEN_WITHIN, "new server", |l| {
+        l.contains(&b_addr) && with.is_none_or(|a| l.iter().any(|x| x == a))
+    })
+    .await;
+    let mut answers = Vec::new();
+    for _ in 0..4 {
+        answers.push(within("call", who.whoami()).await.expect("call"));
+    }
+    assert!(answers.iter().any(|a| a == "b"), "{answers:?}");
+    within("shutdown", b.shutdown()).await;
+}
+
+/// The stat of `path`, or `None` when there is no such node.
+async fn stat(raw: &zookeeper_client::Client, path: &str) -> Option<zookeeper_client::Stat> {
+    within("ZooKeeper stat", raw.check_stat(path))
+        .await
+        .expect("ZooKeeper stat")
+}
+
+/// ZooKeeper's layout: one ephemeral node per (service, instance) holding the instance's JSON,
+/// all of one session, under a service node of no session. A new version replaces the nodes in place
+/// and those it no longer has go before `register` returns; deregistering removes the rest.
+/// (What every backend must show through its watches is checked in `registry_suite.rs`.)
+#[tokio::test]
+async fn an_instance_is_one_ephemeral_node_per_service_holding_its_json() {
+    let zk = ZooKeeper::shared().await;
+    let prefix = ZooKeeper::prefix();
+    let reg = registry(&zk.url_with_prefix(&prefix));
+    let published = Instance::new("127.0.0.1:1001", ["t.A", "t.B"]);
+    within("register", reg.register(published.clone()))
+        .await
+        .expect("register");
+
+    let raw = zk.client().await;
+    let node_a = format!("{prefix}/services/t.A/127.0.0.1:1001");
+    let node_b = format!("{prefix}/services/t.B/127.0.0.1:1001");
+    assert_eq!(reg.path(&"t.A".into(), "127.0.0.1:1001"), node_a);
+    let (data, stat_a) = within("get", raw.get_data(&node_a))
+        .await
+        .expect("the node under t.A");
+    let stored: Instance = serde_json::from_slice(&data).expect("JSON instance");
+    assert_eq!(stored, published);
+    assert_ne!(stat_a.ephemeral_owner, 0, "an ephemeral node");
+    let stat_b = stat(&raw, &node_b).await.expect("the node under t.B");
+    assert_eq!(
+        stat_b.ephemeral_owner, stat_a.ephemeral_owner,
+        "one session for every node of the registry"
+    );
+    // The service node belongs to no session (it is a container, which ZooKeeper shows to
+    // clients as a node without owner).
+    let dir = stat(&raw, &format!("{prefix}/services/t.A")).await;
+    assert_eq!(dir.map(|s| s.ephemeral_owner), Some(0), "the service node");
+
+    // Registering the id again, now serving t.B only: t.A's node is gone when it returns, and
+    // t.B's holds the new version.
+    let v2 = Instance::new("127.0.0.1:1001", ["t.B"]);
+    within("register again", reg.register(v2.clone()))
+        .await
+        .expect("register again");
+    assert!(stat(&raw, &node_a).await.is_none(), "t.A's node is gone");
+    let (data, _) = within("get", raw.get_data(&node_b))
+        .await
+        .expect("still under t.B");
+    assert_eq!(serde_json::from_slice::<Instance>(&data).expect("JSON"), v2);
+
+    // Deregistering removes the node when it returns.
+    within("deregister", reg.deregister("127.0.0.1:1001"))
+        .await
+        .expect("deregister");
+    assert!(stat(&raw, &node_b).await.is_none(), "t.B's node is gone");
+}
+
+/// Starts a `registry-server` process (`tests/src/bin/registry-server.rs`) registered at `url`
+/// with a session timeout of [`TTL`]; returns it and the address it serves.
+async fn spawn_child_server(url: &str) -> (ChildProcess, String) {
+    let ttl = TTL.as_secs().to_string();
+    registry_watch::spawn_child_server(
+        "registry-server",
+        env!("CARGO_BIN_EXE_registry-server"),
+        &[url, &ttl],
+    )
+    .await
+}
+
+#[tokio::test]
+async fn a_killed_server_process_disappears_within_its_session_timeout() {
+    let url = fresh_url().await;
+    // A real process, so that `kill -9` leaves nothing behind that could still talk to
+    // ZooKeeper.
+    let (mut child, addr) = spawn_child_server(&url).await;
+    let client_reg = registry(&url);
+    let mut w = watch(&client_reg, WhoClient::SERVICE_ID).await;
+    wait_until(&mut w, SEEN_WITHIN, "child registered", has(&addr)).await;
+    let who = WhoClient::new(Client::builder().registry(client_reg.clone()).build());
+    assert_eq!(within("call", who.whoami()).await.expect("call"), "child");
+
+    child.0.kill().expect("kill -9 the child server"); // SIGKILL on Unix
+    let killed = Instant::now();
+    let _ = child.0.wait();
+    // Gone within the session timeout (plus ZooKeeper's expiry tick, 100 ms here, and a margin).
+    let limit = TTL + Duration::from_millis(1500);
+    wait_until(&mut w, limit, "killed server expired", lacks(&addr)).await;
+    let took = killed.elapsed();
+    eprintln!("killed server gone after {took:?} (session timeout {TTL:?})");
+    // The session was last heard of at most a few hundred milliseconds before the kill (the
+    // client pings every 3/20 of the timeout): it cannot expire much earlier, which shows the
+    // node went with the session's expiry.
+    assert!(
+        took >= TTL / 2,
+        "gone after {took:?}: too early for a session expiry"
+    );
+}
+
+/// Sends `signal` (`STOP`, `CONT`) to `child`.
+fn signal(child: &ChildProcess, signal: &str) {
+    let status = Command::new("kill")
+        .args([&format!("-{signal}"), &child.0.id().to_string()])
+        .status()
+        .expect("run kill");
+    assert!(status.success(), "kill -{signal} failed: {status}");
+}
+
+/// A server frozen (SIGSTOP) for longer than its session timeout loses its session, and with it
+/// its node; once it runs again it finds its session expired and registers on a new one.
+#[tokio::test]
+async fn a_server_whose_session_expired_registers_again() {
+    let url = fresh_url().await;
+    let (child, addr) = spawn_child_server(&url).await;
+    let client_reg = registry(&url);
+    let mut w = watch(&client_reg, WhoClient::SERVICE_ID).await;
+    wait_until(&mut w, SEEN_WITHIN, "child registered", has(&addr)).await;
+
+    signal(&child, "STOP");
+    let stopped = Instant::now();
+    let limit = TTL + Duration::from_millis(1500);
+    wait_until(&mut w, limit, "frozen server expired", lacks(&addr)).await;
+    let took = stopped.elapsed();
+    assert!(
+        took >= TTL / 2,
+        "gone after {took:?}: too early for an expiry"
+    );
+
+    signal(&child, "CONT");
+    let resumed = Instant::now();
+    wait_until(&mut w, SEEN_WITHIN, "registered again", has(&addr)).await;
+    eprintln!(
+        "frozen server's session expired after {took:?}; registered again {:?} after it resumed",
+        resumed.elapsed()
+    );
+    let who = WhoClient::new(Client::builder().registry(client_reg.clone()).build());
+    assert_eq!(within("call", who.whoami()).await.expect("call"), "child");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_keep_working_while_zookeeper_restarts_and_the_sessions_resume() {
+    let mut zk = ZooKeeper::start().await;
+    let url = zk.url();
+    let server_reg = registry(&url);
+    let server = serve("a", &server_reg).await;
+    let addr = server.local_addr().to_string();
+    let client_reg = registry(&url);
+    let mut w = watch(&client_reg, WhoClient::SERVICE_ID).await;
+    let who = WhoClient::new(Client::builder().registry(client_reg.clone()).build());
+    assert_eq!(within("call", who.whoami()).await.expect("call"), "a");
+    let node = server_reg.path(&WhoClient::SERVICE_ID.into(), &addr);
+    let owner = stat(&zk.client().await, &node)
+        .await
+        .expect("registered")
+        .ephemeral_owner;
+
+    // Calls run all along, from another task: through ZooKeeper's outage and its restart.
+    let (stop_calls, mut stop_rx) = tokio::sync::watch::channel(false);
+    let caller = tokio::spawn({
+        let who = who.clone();
+        async move {
+            let (mut ok, mut failed) = (0u32, Vec::new());
+            // Bounded: the test stops it after ~10 s; 60 s or 2000 calls at most regardless.
+            let started = Instant::now();
+            while !*stop_rx.borrow_and_update() && started.elapsed() < Duration::from_secs(60) {
+                match tokio::time::timeout(Duration::from_secs(5), who.whoami()).await {
+                    Ok(Ok(answer)) if answer == "a" => ok += 1,
+                    other => failed.push(format!("{other:?}")),
+                }
+                if ok as usize + failed.len() >= 2000 {
+                    break;
+                }
+                let _ = tokio::time::timeout(Duration::from_millis(50), stop_rx.changed()).await;
+            }
+            (ok, failed)
+        }
+    });
+
+    // A short outage (ZooKeeper killed and started again at once, within the session timeout):
+    // both registries reconnect within their sessions, and the client's watch, which reads the
+    // service again after a reconnection, goes on following it: an instance registered now is
+    // seen.
+    zk.restart().await;
+    let other_reg = registry(&url);
+    within(
+        "register",
+        other_reg.register(Instance::new("127.0.0.1:1", [WhoClient::SERVICE_ID])),
+    )
+    .await
+    .expect("register after the short outage");
+    wait_until(
+        &mut w,
+        SEEN_WITHIN,
+        "seen after reconnecting",
+        has("127.0.0.1:1"),
+    )
+    .await;
+    within("deregister", other_reg.deregister("127.0.0.1:1"))
+        .await
+        .expect("deregister");
+    wait_until(&mut w, SEEN_WITHIN, "gone again", lacks("127.0.0.1:1")).await;
+    let kept = stat(&zk.client().await, &node).await.expect("registered");
+    assert_eq!(kept.ephemeral_owner, owner, "the same session, kept");
+
+    // ZooKeeper goes away for twice the session timeout: long enough for both registries to
+    // give their sessions up (after 7/5 of the timeout without an answer). The client keeps the
+    // last known endpoints.
+    zk.stop();
+    let gone = tokio::time::timeout(
+        TTL * 2,
+        wait_until(&mut w, Duration::from_secs(30), "emptied", |l| l.is_empty()),
+    )
+    .await;
+    assert!(
+        gone.is_err(),
+        "the client dropped its endpoints while ZooKeeper was away"
+    );
+    assert_eq!(
+        addresses(&w),
+        vec![addr.clone()],
+        "the last known endpoints"
+    );
+
+    // ZooKeeper is back with its data, and its sessions with a fresh timeout: both registries
+    // resume theirs, so the node is the one written before the outage (same session), and it
+    // outlives another session timeout (a session nobody resumed would expire within it, and
+    // one replaced would give the node another owner).
+    zk.restart().await;
+    let outlived = tokio::time::timeout(
+        TTL + Duration::from_secs(1),
+        wait_until(&mut w, Duration::from_secs(30), "expired", lacks(&addr)),
+    )
+    .await;
+    assert!(
+        outlived.is_err(),
+        "the registration went after ZooKeeper restarted"
+    );
+    let after = stat(&zk.client().await, &node).await.expect("registered");
+    assert_eq!(after.ephemeral_owner, owner, "the same session, resumed");
+
+    let _ = stop_calls.send(true);
+    let (ok, failed) = within("the caller stops", caller)
+        .await
+        .expect("caller task");
+    assert!(
+        failed.is_empty(),
+        "calls failed around the ZooKeeper restart: {failed:?}"
+    );
+    assert!(ok >= 20, "only {ok} calls ran");
+    eprintln!("{ok} calls succeeded through ZooKeeper's outage and restart");
+
+    // The client's watch follows ZooKeeper again: a server started now gets calls.
+    a_new_server_gets_calls(&url, &mut w, &who, None).await;
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_registers_again_when_zookeeper_comes_back_empty() {
+    let mut zk = ZooKeeper::start().await;
+    let url = zk.url();
+    let server_reg = registry(&url);
+    let server = serve("a", &server_reg).await;
+    let addr = server.local_addr().to_string();
+    let client_reg = registry(&url);
+    let w = watch(&client_reg, WhoClient::SERVICE_ID).await;
+    let who = WhoClient::new(Client::builder().registry(client_reg.clone()).build());
+    assert_eq!(within("call", who.whoami()).await.expect("call"), "a");
+
+    // A new, empty ZooKeeper on the same address: every node and session is gone. The server
+    // finds its session expired and writes its node again on a new one.
+    zk.restart_empty().await;
+    let started = Instant::now();
+    let fresh = registry(&url);
+    let mut seen = watch(&fresh, WhoClient::SERVICE_ID).await;
+    wait_until(
+        &mut seen,
+        Duration::from_secs(10),
+        "registered again",
+        has(&addr),
+    )
+    .await;
+    eprintln!(
+        "registered again {:?} after ZooKeeper came back",
+        started.elapsed()
+    );
+
+    // The client's watch follows the new ZooKeeper (on a new session of its own): another
+    // server appears, and calls reach it.
+    let mut w = w;
+    a_new_server_gets_calls(&url, &mut w, &who, Some(&addr)).await;
+    within("shutdown", server.shutdown()).await;
+}
+
+#[tokio::test]
+async fn malformed_values_are_skipped() {
+    let zk = ZooKeeper::shared().await;
+    let prefix = ZooKeeper::prefix();
+    let raw = zk.client().await;
+    let persistent =
+        zookeeper_client::CreateMode::Persistent.with_acls(zookeeper_client::Acls::anyone_all());
+    let dir = format!("{prefix}/services/t.A");
+    within("mkdir", raw.mkdir(&dir, &persistent))
+        .await
+        .expect("mkdir");
+    let put = |name: &str, value: Vec<u8>| {
+        let path = format!("{dir}/{name}");
+        let raw = &raw;
+        let persistent = &persistent;
+        async move {
+            within("create", raw.create(&path, &value, persistent))
+                .await
+                .expect("create");
+        }
+    };
+    put("garbage", b"not json".to_vec()).await;
+    let reg = registry(&zk.url_with_prefix(&prefix));
+    within(
+        "register",
+        reg.register(Instance::new("127.0.0.1:1001", ["t.A"])),
+    )
+    .await
+    .expect("register");
+    let mut w = watch(&reg, "t.A").await;
+    assert_eq!(addresses(&w), ["127.0.0.1:1001"], "the garbage is skipped");
+
+    // Garbage arriving while watching is skipped too; a valid value after it is seen.
+    put("partial", br#"{"id":"x"}"#.to_vec()).await;
+    // A valid instance that does not serve t.A, under t.A's node: not an endpoint of t.A.
+    let stray = serde_json::to_vec(&Instance::new("127.0.0.1:7", ["t.Other"])).expect("json");
+    put("stray", stray).await;
+    within(
+        "register",
+        reg.register(Instance::new("127.0.0.1:1000", ["t.A"])),
+    )
+    .await
+    .expect("register");
+    wait_until(&mut w, SEEN_WITHIN, "valid addition", has("127.0.0.1:1000")).await;
+    assert_eq!(addresses(&w), ["127.0.0.1:1000", "127.0.0.1:1001"]);
+
+    // A valid node overwritten with garbage stops being an endpoint.
+    let node = format!("{dir}/127.0.0.1:1000");
+    within("set", raw.set_data(&node, b"{", None))
+        .await
+        .expect("set");
+    wait_until(&mut w, SEEN_WITHIN, "overwritten", lacks("127.0.0.1:1000")).await;
+}
