@@ -1,6 +1,6 @@
-//! The service of the etcd tests (`tests/tests/integration/etcd.rs`) and of the `etcd-server` program
-//! (`src/bin/etcd-server.rs`): it answers with the name of the server, so that a test sees which
-//! instance a call reached.
+//! The service of the registry tests (`tests/tests/integration/etcd.rs`, `zookeeper.rs`,
+//! `registry_suite.rs`) and of the `registry-server` program (`src/bin/registry-server.rs`): it
+//! answers with the name of the server, so that a test sees which instance a call reached.
 
 use rpc::RpcError;
 

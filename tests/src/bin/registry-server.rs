@@ -1,6 +1,6 @@
 //! A server registered in any registry a URL names, run as a separate process by the registry
-//! tests (`tests/tests/integration/zookeeper.rs`) so that a test can kill it with SIGKILL, or stop it with
-//! SIGSTOP, and watch what becomes of its registration.
+//! tests (`tests/tests/integration/registry_suite.rs`, `zookeeper.rs`) so that a test can kill it
+//! with SIGKILL, or stop it with SIGSTOP, and watch what becomes of its registration.
 //!
 //! ```text
 //! registry-server <registry URL> <lease seconds>
@@ -10,11 +10,11 @@
 //! prints `listening on <addr>`, and exits when its standard input closes, so that it never
 //! outlives the test that started it.
 
+use std::io::Write;
 use std::time::Duration;
 
-use rpc::Registry;
-
-mod child;
+use rpc::{Registry, Server};
+use tests::who::{Node, WhoServer};
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -24,5 +24,17 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let lease: u64 = args.next().ok_or(usage)?.parse()?;
     let registry =
         <dyn Registry>::from_url_with_lease(&url, Some(Duration::from_secs(lease))).await?;
-    child::serve_until_stdin_closes(registry).await
+    let server = Server::builder()
+        .shared_registry(registry)
+        .add_service(WhoServer::new(Node("child".into())))
+        .serve("127.0.0.1:0")
+        .await?;
+    {
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "listening on {}", server.local_addr())?;
+        out.flush()?;
+    }
+    tests::parent::stdin_closed().await;
+    server.abort();
+    Ok(())
 }

@@ -1,8 +1,9 @@
 //! The etcd registry against a real etcd, started by each test on free loopback ports
-//! (`common/etcd.rs`): its key layout and leases, graceful deregistration, a killed server
-//! process expiring with its lease, calls surviving an etcd restart, re-registration after a
-//! lost lease, several clients, a server joining, malformed values. What every registry backend
-//! must do (registration, removal, replacement, order) runs for etcd in `registry_suite.rs`.
+//! (`common/etcd.rs`): its key layout and leases, graceful deregistration, calls surviving an
+//! etcd restart, re-registration after a lost lease, several clients, a server joining,
+//! malformed values. What every registry backend must do (registration, removal, replacement,
+//! order, a killed server process expiring with its lease) runs for etcd in
+//! `registry_suite.rs`.
 //!
 //! Leases are 2 s here (etcd's minimum is about that), so the tests that wait for an expiry
 //! wait a few seconds of real time (etcd's clock cannot be paused); every other wait ends as
@@ -16,8 +17,10 @@ use std::time::{Duration, Instant};
 
 use common::{within, LIMIT};
 use etcd_harness::Etcd;
-use registry_watch::{addresses, has, lacks, serve, wait_until, watch, ChildProcess};
-use rpc::crates::registry::ServiceWatch;
+use registry_watch::{
+    a_new_server_gets_calls, addresses, has, lacks, never_within, serve, wait_until, watch,
+    CallsThroughout,
+};
 use rpc::{Client, Instance, Registry};
 use rpc::{EtcdOptions, EtcdRegistry};
 use tests::who::{Who, WhoClient};
@@ -41,29 +44,6 @@ async fn registry(etcd: &Etcd, ttl: Duration) -> EtcdRegistry {
     EtcdRegistry::connect(&[etcd.endpoint()], options(ttl))
         .await
         .expect("etcd registry")
-}
-
-/// Starts server "b" on `etcd`, waits until the watch `w` lists it (next to `with`, when
-/// given), checks that some of four calls reach it, and stops it.
-async fn a_new_server_gets_calls(
-    etcd: &Etcd,
-    w: &mut ServiceWatch,
-    who: &WhoClient,
-    with: Option<&str>,
-) {
-    let b_reg = registry(etcd, TTL).await;
-    let b = serve("b", &b_reg).await;
-    let b_addr = b.local_addr().to_string();
-    wait_until(w, Duration::from_secs(5), "new server", |l| {
-        l.contains(&b_addr) && with.is_none_or(|a| l.iter().any(|x| x == a))
-    })
-    .await;
-    let mut answers = Vec::new();
-    for _ in 0..4 {
-        answers.push(within("call", who.whoami()).await.expect("call"));
-    }
-    assert!(answers.iter().any(|a| a == "b"), "{answers:?}");
-    within("shutdown", b.shutdown()).await;
 }
 
 /// The lease of `key`, or `None` when the key does not exist.
@@ -134,51 +114,6 @@ async fn a_graceful_shutdown_deregisters_at_once() {
     wait_until(&mut w, SEEN_WITHIN, "gone after shutdown", lacks(addr)).await;
 }
 
-/// Starts an `etcd-server` process (`tests/src/bin/etcd-server.rs`) registered in `etcd` with a
-/// lease of [`TTL`]; returns it and the address it serves.
-async fn spawn_child_server(etcd: &Etcd) -> (ChildProcess, String) {
-    let ttl = TTL.as_secs().to_string();
-    registry_watch::spawn_child_server(
-        "etcd-server",
-        env!("CARGO_BIN_EXE_etcd-server"),
-        &[&etcd.url(), &ttl],
-    )
-    .await
-}
-
-#[tokio::test]
-async fn a_killed_server_process_disappears_within_its_lease() {
-    let etcd = Etcd::start().await;
-    // A real process, so that `kill -9` leaves nothing behind that could still talk to etcd.
-    let (mut child, addr) = spawn_child_server(&etcd).await;
-    let client_reg = registry(&etcd, TTL).await;
-    let mut w = watch(&client_reg, WhoClient::SERVICE_ID).await;
-    wait_until(
-        &mut w,
-        Duration::from_secs(5),
-        "child registered",
-        has(&addr),
-    )
-    .await;
-    let who = WhoClient::new(Client::builder().registry(client_reg.clone()).build());
-    assert_eq!(within("call", who.whoami()).await.expect("call"), "child");
-
-    child.0.kill().expect("kill -9 the child server"); // SIGKILL on Unix
-    let killed = Instant::now();
-    let _ = child.0.wait();
-    // Gone within the TTL (plus etcd's expiry check, every 500 ms, and a margin).
-    let limit = TTL + Duration::from_millis(1500);
-    wait_until(&mut w, limit, "killed server expired", lacks(&addr)).await;
-    let took = killed.elapsed();
-    eprintln!("killed server gone after {took:?} (lease {TTL:?})");
-    // The lease was renewed at most TTL/3 before the kill: the entry cannot go much earlier,
-    // which shows it went by expiry.
-    assert!(
-        took >= TTL / 2,
-        "gone after {took:?}: too early for a lease expiry"
-    );
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_keep_working_while_etcd_restarts_and_the_registration_survives() {
     let mut etcd = Etcd::start().await;
@@ -191,39 +126,18 @@ async fn calls_keep_working_while_etcd_restarts_and_the_registration_survives() 
     assert_eq!(within("call", who.whoami()).await.expect("call"), "a");
 
     // Calls run all along, from another task: through etcd's outage and its restart.
-    let (stop_calls, mut stop_rx) = tokio::sync::watch::channel(false);
-    let caller = tokio::spawn({
-        let who = who.clone();
-        async move {
-            let (mut ok, mut failed) = (0u32, Vec::new());
-            // Bounded: the test stops it after ~10 s; 60 s or 2000 calls at most regardless.
-            let started = Instant::now();
-            while !*stop_rx.borrow_and_update() && started.elapsed() < Duration::from_secs(60) {
-                match tokio::time::timeout(Duration::from_secs(5), who.whoami()).await {
-                    Ok(Ok(answer)) if answer == "a" => ok += 1,
-                    other => failed.push(format!("{other:?}")),
-                }
-                if ok as usize + failed.len() >= 2000 {
-                    break;
-                }
-                let _ = tokio::time::timeout(Duration::from_millis(50), stop_rx.changed()).await;
-            }
-            (ok, failed)
-        }
-    });
+    let calls = CallsThroughout::start(&who, "a");
 
     // etcd goes away for longer than the lease: the client keeps the last known endpoints.
     etcd.stop();
     let outage = TTL + Duration::from_secs(1);
-    let gone = tokio::time::timeout(
+    never_within(
+        &mut w,
         outage,
-        wait_until(&mut w, Duration::from_secs(30), "emptied", |l| l.is_empty()),
+        "the client dropped its endpoints while etcd was away",
+        |l| l.is_empty(),
     )
     .await;
-    assert!(
-        gone.is_err(),
-        "the client dropped its endpoints while etcd was away"
-    );
     assert_eq!(
         addresses(&w),
         vec![addr.clone()],
@@ -234,31 +148,22 @@ async fn calls_keep_working_while_etcd_restarts_and_the_registration_survives() 
     // it outlives another full lease. (etcd gives restored leases a fresh TTL plus about a
     // second: without keep-alive the entry would be gone well within two TTLs.)
     etcd.restart().await;
-    let outlived = tokio::time::timeout(
+    never_within(
+        &mut w,
         TTL * 2 + Duration::from_millis(500),
-        wait_until(&mut w, Duration::from_secs(30), "expired", lacks(&addr)),
+        "the registration expired after etcd restarted",
+        lacks(&addr),
     )
     .await;
-    assert!(
-        outlived.is_err(),
-        "the registration expired after etcd restarted"
-    );
     let key = server_reg.key(&WhoClient::SERVICE_ID.into(), &addr);
     assert!(lease_of(&etcd.client().await, &key).await.is_some());
 
-    let _ = stop_calls.send(true);
-    let (ok, failed) = within("the caller stops", caller)
-        .await
-        .expect("caller task");
-    assert!(
-        failed.is_empty(),
-        "calls failed around the etcd restart: {failed:?}"
-    );
-    assert!(ok >= 20, "only {ok} calls ran");
-    eprintln!("{ok} calls succeeded through etcd's outage and restart");
+    calls
+        .stop_and_check("through etcd's outage and restart")
+        .await;
 
     // The client's watch follows etcd again: a server started now gets calls.
-    a_new_server_gets_calls(&etcd, &mut w, &who, None).await;
+    a_new_server_gets_calls(&registry(&etcd, TTL).await, &mut w, &who, None).await;
     within("shutdown", server.shutdown()).await;
 }
 
@@ -297,7 +202,7 @@ async fn a_server_registers_again_when_etcd_comes_back_empty() {
     // The client's watch follows the new etcd (whose revisions started over): another server
     // appears, and calls reach it.
     let mut w = w;
-    a_new_server_gets_calls(&etcd, &mut w, &who, Some(&addr)).await;
+    a_new_server_gets_calls(&registry(&etcd, TTL).await, &mut w, &who, Some(&addr)).await;
     within("shutdown", server.shutdown()).await;
 }
 

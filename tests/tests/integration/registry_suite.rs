@@ -11,11 +11,13 @@
 //! [`Expiring`] when they apply) and adds its `mod`.
 //!
 //! Every wait is on the watch's `changed()`, bounded by `common::LIMIT` only so that a change
-//! that never comes fails instead of hanging. The expiry check waits for etcd's own lease
-//! clock (or ZooKeeper's session clock), which cannot be paused.
+//! that never comes fails instead of hanging. The expiry checks wait for etcd's own lease
+//! clock (or ZooKeeper's session clock), which cannot be paused; one of them kills a real server
+//! process (`registry-server`) with SIGKILL.
 
 use crate::common;
 use crate::etcd_harness;
+use crate::registry_watch;
 use crate::zookeeper_harness;
 
 use std::path::PathBuf;
@@ -25,7 +27,8 @@ use std::time::{Duration, Instant};
 use common::{within, LIMIT};
 use rpc::crates::core::{GovernanceOverrides, ServiceEntry, ServiceId};
 use rpc::crates::registry::{Endpoints, ServiceWatch};
-use rpc::{Instance, Registry};
+use rpc::{Client, Instance, Registry};
+use tests::who::{Who, WhoClient};
 
 /// A registry backend under test: a factory of fresh stores, one per check.
 trait Backend {
@@ -61,6 +64,9 @@ trait Expiring: Writable {
     /// Another handle on the store whose end is a crash: when the returned handle is dropped,
     /// what it registered is no longer kept alive, and not removed either.
     async fn crashable(store: &Self::Store) -> Arc<dyn Registry>;
+
+    /// The URL another process opens the store with (`<dyn Registry>::from_url_with_lease`).
+    fn url(store: &Self::Store) -> String;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -495,6 +501,35 @@ async fn a_crashed_registration_disappears_within_its_ttl<B: Expiring>() {
     );
 }
 
+/// A server process killed with SIGKILL (nothing left that could still talk to the store) is
+/// listed until then, gets calls, and disappears by itself within its TTL, and not at once.
+async fn a_killed_server_process_disappears_within_its_ttl<B: Expiring>() {
+    let store = B::store(&[]).await;
+    let (mut child, addr) = registry_watch::spawn_registered_child(&B::url(&store), B::TTL).await;
+    let mut w = watch(&store.registry(), WhoClient::SERVICE_ID).await;
+    wait_for(&mut w, "child registered", has(&addr)).await;
+    let who = WhoClient::new(Client::builder().shared_registry(store.registry()).build());
+    assert_eq!(within("call", who.whoami()).await.expect("call"), "child");
+
+    child.0.kill().expect("kill -9 the child server"); // SIGKILL on Unix
+    let killed = Instant::now();
+    let _ = child.0.wait();
+    // The TTL, plus the store's expiry sweep and a margin.
+    let limit = B::TTL + Duration::from_millis(1500);
+    wait_for_within(&mut w, limit, "killed server expired", |eps| {
+        !has(&addr)(eps)
+    })
+    .await;
+    let took = killed.elapsed();
+    eprintln!("a killed server was gone after {took:?} (TTL {:?})", B::TTL);
+    // Its lease was renewed (its session heard of) a fraction of the TTL before the kill: it
+    // cannot go much earlier, which shows it went by expiry.
+    assert!(
+        took >= B::TTL / 2,
+        "gone after {took:?}: too early for an expiry"
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 // The groups of checks, and the backends.
 // ---------------------------------------------------------------------------------------------
@@ -540,7 +575,10 @@ macro_rules! write_checks {
 /// The checks of backends whose registrations expire ([`Expiring`]).
 macro_rules! expiry_checks {
     ($backend:ty) => {
-        checks!($backend: a_crashed_registration_disappears_within_its_ttl);
+        checks!($backend:
+            a_crashed_registration_disappears_within_its_ttl,
+            a_killed_server_process_disappears_within_its_ttl,
+        );
     };
 }
 
@@ -718,6 +756,10 @@ impl Expiring for Etcd {
     async fn crashable(store: &EtcdStore) -> Arc<dyn Registry> {
         Etcd::open(&store.etcd).await
     }
+
+    fn url(store: &EtcdStore) -> String {
+        store.etcd.url()
+    }
 }
 
 mod etcd {
@@ -780,6 +822,10 @@ impl Expiring for ZooKeeper {
     /// nodes, expire.
     async fn crashable(store: &ZooKeeperStore) -> Arc<dyn Registry> {
         ZooKeeper::open(&store.url).await
+    }
+
+    fn url(store: &ZooKeeperStore) -> String {
+        store.url.clone()
     }
 }
 

@@ -1,8 +1,8 @@
 //! The ZooKeeper registry against a real ZooKeeper, started by the tests on free loopback ports
-//! (`common/zookeeper.rs`): its node layout, a killed server process expiring with its session,
-//! a server whose session expired registering again, calls surviving a ZooKeeper restart (the
-//! sessions resumed), re-registration when ZooKeeper comes back empty, malformed values. What
-//! every registry backend must do (registration, removal, replacement, order) runs for
+//! (`common/zookeeper.rs`): its node layout, a server whose session expired registering again,
+//! calls surviving a ZooKeeper restart (the sessions resumed), re-registration when ZooKeeper
+//! comes back empty, malformed values. What every registry backend must do (registration,
+//! removal, replacement, order, a killed server process expiring with its session) runs for
 //! ZooKeeper in `registry_suite.rs`.
 //!
 //! Sessions time out after 2 s here, so the tests that wait for an expiry wait a few seconds of
@@ -18,8 +18,10 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{within, LIMIT};
-use registry_watch::{addresses, has, lacks, serve, wait_until, watch, ChildProcess};
-use rpc::crates::registry::ServiceWatch;
+use registry_watch::{
+    a_new_server_gets_calls, addresses, has, lacks, never_within, serve, spawn_registered_child,
+    wait_until, watch, CallsThroughout, ChildProcess,
+};
 use rpc::{Client, Instance, Registry};
 use rpc::{ZooKeeperOptions, ZooKeeperRegistry};
 use tests::who::{Who, WhoClient};
@@ -47,29 +49,6 @@ async fn fresh_url() -> String {
     ZooKeeper::shared()
         .await
         .url_with_prefix(&ZooKeeper::prefix())
-}
-
-/// Starts server "b" on `url`, waits until the watch `w` lists it (next to `with`, when given),
-/// checks that some of four calls reach it, and stops it.
-async fn a_new_server_gets_calls(
-    url: &str,
-    w: &mut ServiceWatch,
-    who: &WhoClient,
-    with: Option<&str>,
-) {
-    let b_reg = registry(url);
-    let b = serve("b", &b_reg).await;
-    let b_addr = b.local_addr().to_string();
-    wait_until(w, SEEN_WITHIN, "new server", |l| {
-        l.contains(&b_addr) && with.is_none_or(|a| l.iter().any(|x| x == a))
-    })
-    .await;
-    let mut answers = Vec::new();
-    for _ in 0..4 {
-        answers.push(within("call", who.whoami()).await.expect("call"));
-    }
-    assert!(answers.iter().any(|a| a == "b"), "{answers:?}");
-    within("shutdown", b.shutdown()).await;
 }
 
 /// The stat of `path`, or `None` when there is no such node.
@@ -132,47 +111,6 @@ async fn an_instance_is_one_ephemeral_node_per_service_holding_its_json() {
     assert!(stat(&raw, &node_b).await.is_none(), "t.B's node is gone");
 }
 
-/// Starts a `registry-server` process (`tests/src/bin/registry-server.rs`) registered at `url`
-/// with a session timeout of [`TTL`]; returns it and the address it serves.
-async fn spawn_child_server(url: &str) -> (ChildProcess, String) {
-    let ttl = TTL.as_secs().to_string();
-    registry_watch::spawn_child_server(
-        "registry-server",
-        env!("CARGO_BIN_EXE_registry-server"),
-        &[url, &ttl],
-    )
-    .await
-}
-
-#[tokio::test]
-async fn a_killed_server_process_disappears_within_its_session_timeout() {
-    let url = fresh_url().await;
-    // A real process, so that `kill -9` leaves nothing behind that could still talk to
-    // ZooKeeper.
-    let (mut child, addr) = spawn_child_server(&url).await;
-    let client_reg = registry(&url);
-    let mut w = watch(&client_reg, WhoClient::SERVICE_ID).await;
-    wait_until(&mut w, SEEN_WITHIN, "child registered", has(&addr)).await;
-    let who = WhoClient::new(Client::builder().registry(client_reg.clone()).build());
-    assert_eq!(within("call", who.whoami()).await.expect("call"), "child");
-
-    child.0.kill().expect("kill -9 the child server"); // SIGKILL on Unix
-    let killed = Instant::now();
-    let _ = child.0.wait();
-    // Gone within the session timeout (plus ZooKeeper's expiry tick, 100 ms here, and a margin).
-    let limit = TTL + Duration::from_millis(1500);
-    wait_until(&mut w, limit, "killed server expired", lacks(&addr)).await;
-    let took = killed.elapsed();
-    eprintln!("killed server gone after {took:?} (session timeout {TTL:?})");
-    // The session was last heard of at most a few hundred milliseconds before the kill (the
-    // client pings every 3/20 of the timeout): it cannot expire much earlier, which shows the
-    // node went with the session's expiry.
-    assert!(
-        took >= TTL / 2,
-        "gone after {took:?}: too early for a session expiry"
-    );
-}
-
 /// Sends `signal` (`STOP`, `CONT`) to `child`.
 fn signal(child: &ChildProcess, signal: &str) {
     let status = Command::new("kill")
@@ -187,7 +125,7 @@ fn signal(child: &ChildProcess, signal: &str) {
 #[tokio::test]
 async fn a_server_whose_session_expired_registers_again() {
     let url = fresh_url().await;
-    let (child, addr) = spawn_child_server(&url).await;
+    let (child, addr) = spawn_registered_child(&url, TTL).await;
     let client_reg = registry(&url);
     let mut w = watch(&client_reg, WhoClient::SERVICE_ID).await;
     wait_until(&mut w, SEEN_WITHIN, "child registered", has(&addr)).await;
@@ -231,26 +169,7 @@ async fn calls_keep_working_while_zookeeper_restarts_and_the_sessions_resume() {
         .ephemeral_owner;
 
     // Calls run all along, from another task: through ZooKeeper's outage and its restart.
-    let (stop_calls, mut stop_rx) = tokio::sync::watch::channel(false);
-    let caller = tokio::spawn({
-        let who = who.clone();
-        async move {
-            let (mut ok, mut failed) = (0u32, Vec::new());
-            // Bounded: the test stops it after ~10 s; 60 s or 2000 calls at most regardless.
-            let started = Instant::now();
-            while !*stop_rx.borrow_and_update() && started.elapsed() < Duration::from_secs(60) {
-                match tokio::time::timeout(Duration::from_secs(5), who.whoami()).await {
-                    Ok(Ok(answer)) if answer == "a" => ok += 1,
-                    other => failed.push(format!("{other:?}")),
-                }
-                if ok as usize + failed.len() >= 2000 {
-                    break;
-                }
-                let _ = tokio::time::timeout(Duration::from_millis(50), stop_rx.changed()).await;
-            }
-            (ok, failed)
-        }
-    });
+    let calls = CallsThroughout::start(&who, "a");
 
     // A short outage (ZooKeeper killed and started again at once, within the session timeout):
     // both registries reconnect within their sessions, and the client's watch, which reads the
@@ -282,15 +201,13 @@ async fn calls_keep_working_while_zookeeper_restarts_and_the_sessions_resume() {
     // give their sessions up (after 7/5 of the timeout without an answer). The client keeps the
     // last known endpoints.
     zk.stop();
-    let gone = tokio::time::timeout(
+    never_within(
+        &mut w,
         TTL * 2,
-        wait_until(&mut w, Duration::from_secs(30), "emptied", |l| l.is_empty()),
+        "the client dropped its endpoints while ZooKeeper was away",
+        |l| l.is_empty(),
     )
     .await;
-    assert!(
-        gone.is_err(),
-        "the client dropped its endpoints while ZooKeeper was away"
-    );
     assert_eq!(
         addresses(&w),
         vec![addr.clone()],
@@ -302,31 +219,22 @@ async fn calls_keep_working_while_zookeeper_restarts_and_the_sessions_resume() {
     // outlives another session timeout (a session nobody resumed would expire within it, and
     // one replaced would give the node another owner).
     zk.restart().await;
-    let outlived = tokio::time::timeout(
+    never_within(
+        &mut w,
         TTL + Duration::from_secs(1),
-        wait_until(&mut w, Duration::from_secs(30), "expired", lacks(&addr)),
+        "the registration went after ZooKeeper restarted",
+        lacks(&addr),
     )
     .await;
-    assert!(
-        outlived.is_err(),
-        "the registration went after ZooKeeper restarted"
-    );
     let after = stat(&zk.client().await, &node).await.expect("registered");
     assert_eq!(after.ephemeral_owner, owner, "the same session, resumed");
 
-    let _ = stop_calls.send(true);
-    let (ok, failed) = within("the caller stops", caller)
-        .await
-        .expect("caller task");
-    assert!(
-        failed.is_empty(),
-        "calls failed around the ZooKeeper restart: {failed:?}"
-    );
-    assert!(ok >= 20, "only {ok} calls ran");
-    eprintln!("{ok} calls succeeded through ZooKeeper's outage and restart");
+    calls
+        .stop_and_check("through ZooKeeper's outage and restart")
+        .await;
 
     // The client's watch follows ZooKeeper again: a server started now gets calls.
-    a_new_server_gets_calls(&url, &mut w, &who, None).await;
+    a_new_server_gets_calls(&registry(&url), &mut w, &who, None).await;
     within("shutdown", server.shutdown()).await;
 }
 
@@ -363,7 +271,7 @@ async fn a_server_registers_again_when_zookeeper_comes_back_empty() {
     // The client's watch follows the new ZooKeeper (on a new session of its own): another
     // server appears, and calls reach it.
     let mut w = w;
-    a_new_server_gets_calls(&url, &mut w, &who, Some(&addr)).await;
+    a_new_server_gets_calls(&registry(&url), &mut w, &who, Some(&addr)).await;
     within("shutdown", server.shutdown()).await;
 }
 
