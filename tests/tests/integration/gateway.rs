@@ -3,8 +3,8 @@
 //! a route declared on the trait with path and query parameters, typed errors as 422, a timeout
 //! as 504, overflow as 503 with `Retry-After`, failover when an instance dies, entries that come
 //! and go with their servers, headers as attachments, the W3C trace context continued, the
-//! bearer token, and the gateway's own refusals. The core flow runs against each registry:
-//! in-process, etcd and ZooKeeper.
+//! bearer token, and the gateway's own refusals. The core flow, the timeout and the failover run
+//! against each registry: in-process, etcd and ZooKeeper.
 
 use crate::common;
 use crate::etcd_harness;
@@ -152,6 +152,8 @@ impl Echo for Arc<Voice> {
 /// A gateway over `registry`, served on a free loopback port, with the servers a test starts.
 struct World {
     registry: Arc<dyn Registry>,
+    /// The etcd the registry is kept in, when it is etcd: stopped when the test ends.
+    _etcd: Option<etcd_harness::Etcd>,
     gateway: Gateway,
     base: String,
     http: reqwest::Client,
@@ -180,7 +182,32 @@ struct Answer {
 }
 
 impl World {
-    async fn new(registry: Arc<dyn Registry>, token: Option<&str>) -> World {
+    /// A gateway over a fresh registry of `kind`.
+    async fn of(kind: Kind) -> World {
+        match kind {
+            Kind::InProcess => World::in_process(None).await,
+            Kind::Etcd => {
+                let etcd = etcd_harness::Etcd::start().await;
+                let registry = <dyn Registry>::from_url(&etcd.url())
+                    .await
+                    .expect("etcd registry");
+                World::over(registry, Some(etcd), None).await
+            }
+            Kind::ZooKeeper => {
+                let zk = zookeeper_harness::ZooKeeper::shared().await;
+                let url = zk.url_with_prefix(&zookeeper_harness::ZooKeeper::prefix());
+                let registry = <dyn Registry>::from_url(&url).await.expect("zk registry");
+                World::over(registry, None, None).await
+            }
+        }
+    }
+
+    /// A gateway over `registry` (kept in `etcd`, when given), asking for `token` when given.
+    async fn over(
+        registry: Arc<dyn Registry>,
+        etcd: Option<etcd_harness::Etcd>,
+        token: Option<&str>,
+    ) -> World {
         let (traces, traced) = Traces::install();
         let client = Client::builder().shared_registry(registry.clone()).build();
         let mut builder = Gateway::builder()
@@ -197,6 +224,7 @@ impl World {
         let (entered_tx, entered) = mpsc::unbounded_channel();
         World {
             registry,
+            _etcd: etcd,
             gateway,
             base,
             http: reqwest::Client::new(),
@@ -210,7 +238,7 @@ impl World {
     }
 
     async fn in_process(token: Option<&str>) -> World {
-        World::new(Arc::new(InProcessRegistry::new()), token).await
+        World::over(Arc::new(InProcessRegistry::new()), None, token).await
     }
 
     /// Starts an orders server taking at most `max_concurrency` calls at once.
@@ -299,10 +327,49 @@ impl World {
     }
 }
 
+/// The registries the gateway is tested over, as users run it: the flows below run over each.
+#[derive(Clone, Copy)]
+enum Kind {
+    InProcess,
+    Etcd,
+    ZooKeeper,
+}
+
+/// One test per registry of `$flow` (a function taking a [`Kind`]), in a module of its name:
+/// `$flow::in_process`, `$flow::etcd`, `$flow::zookeeper`.
+macro_rules! over_each_registry {
+    ($($flow:ident),* $(,)?) => {$(
+        mod $flow {
+            use super::Kind;
+
+            #[tokio::test]
+            async fn in_process() {
+                super::$flow(Kind::InProcess).await;
+            }
+
+            #[tokio::test]
+            async fn etcd() {
+                super::$flow(Kind::Etcd).await;
+            }
+
+            #[tokio::test]
+            async fn zookeeper() {
+                super::$flow(Kind::ZooKeeper).await;
+            }
+        }
+    )*};
+}
+
+over_each_registry!(
+    core_flow,
+    a_call_past_its_timeout_is_answered_504,
+    calls_fail_over_when_one_of_two_instances_dies,
+);
+
 /// The flow every registry must carry: a call by name, a typed error, a declared route with
 /// path and query parameters, and an entry that appears with its server and goes with it.
-async fn core_flow(registry: Arc<dyn Registry>) {
-    let world = World::new(registry, None).await;
+async fn core_flow(kind: Kind) {
+    let world = World::of(kind).await;
     let _orders = world.orders(50).await;
     world.serving(&["shop.Orders.get"]).await;
 
@@ -352,31 +419,9 @@ async fn core_flow(registry: Arc<dyn Registry>) {
     assert!(a.body["error"].as_str().is_some(), "{}", a.body);
 }
 
-#[tokio::test]
-async fn core_flow_over_the_in_process_registry() {
-    core_flow(Arc::new(InProcessRegistry::new())).await;
-}
-
-#[tokio::test]
-async fn core_flow_over_etcd() {
-    let etcd = etcd_harness::Etcd::start().await;
-    let registry = <dyn Registry>::from_url(&etcd.url())
-        .await
-        .expect("etcd registry");
-    core_flow(registry).await;
-}
-
-#[tokio::test]
-async fn core_flow_over_zookeeper() {
-    let zk = zookeeper_harness::ZooKeeper::shared().await;
-    let url = zk.url_with_prefix(&zookeeper_harness::ZooKeeper::prefix());
-    let registry = <dyn Registry>::from_url(&url).await.expect("zk registry");
-    core_flow(registry).await;
-}
-
-#[tokio::test]
-async fn a_call_past_its_timeout_is_answered_504() {
-    let world = World::in_process(None).await;
+/// The entry's timeout (300 ms) ends a call its server never answers: 504, code 519.
+async fn a_call_past_its_timeout_is_answered_504(kind: Kind) {
+    let world = World::of(kind).await;
     let _orders = world.orders(50).await;
     world.serving(&["shop.Orders.stall"]).await;
     let a = world.post("/api/shop.Orders/stall", "{}").await;
@@ -419,9 +464,10 @@ async fn overflow_is_answered_503_with_retry_after() {
     assert_eq!(first.text().await.expect("body"), "\"released\"");
 }
 
-#[tokio::test]
-async fn calls_fail_over_when_one_of_two_instances_dies() {
-    let world = World::in_process(None).await;
+/// One of two instances dies (its registration left behind, as after a crash): every call
+/// still answers, from the other.
+async fn calls_fail_over_when_one_of_two_instances_dies(kind: Kind) {
+    let world = World::of(kind).await;
     let a = world.echo().await;
     let b = world.echo().await;
     let (addr_a, addr_b) = (a.local_addr().to_string(), b.local_addr().to_string());
