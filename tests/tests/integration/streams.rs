@@ -1,8 +1,8 @@
 //! Streams over real TCP. Server streaming: items in order then the end, flow control that
 //! stops a producer whose consumer stops reading, cancellation by dropping the stream, errors
 //! and the deadline mid-stream, many streams beside unary calls on one connection, a server
-//! that dies mid-stream, failover before acceptance and no replay after, draining, the cap
-//! counting open streams, and peers that do not stream. Client streaming: every item sent and
+//! that dies mid-stream, failover before acceptance and no replay after, draining, the cap and
+//! the adaptive limit counting open streams, and peers that do not stream. Client streaming: every item sent and
 //! the answer back, flow control that stops the caller's producer when the handler stops
 //! taking items, and an error in the caller's stream. Both ways: each item answered as it
 //! comes, and dropping the answer stopping both directions.
@@ -167,7 +167,21 @@ struct Probe {
     stalled: mpsc::UnboundedReceiver<String>,
 }
 
+impl Probe {
+    /// Waits until the server dropped the handler's stream of `method` (its caller went, or
+    /// its deadline passed).
+    async fn dropped(&mut self, method: &str) {
+        let dropped = recv_one("the server dropped the handler's stream", &mut self.dropped);
+        assert_eq!(dropped.await, method);
+    }
+}
+
 async fn serve(reg: &InProcessRegistry, cap: usize) -> (ServerHandle, Probe) {
+    serve_with(reg, cap, false).await
+}
+
+/// [`serve`], with every entry's cap an adaptive limit when `adaptive`.
+async fn serve_with(reg: &InProcessRegistry, cap: usize, adaptive: bool) -> (ServerHandle, Probe) {
     let (dropped_tx, dropped) = mpsc::unbounded_channel();
     let (stalled_tx, stalled) = mpsc::unbounded_channel();
     let polls = Arc::new(AtomicU64::new(0));
@@ -175,6 +189,7 @@ async fn serve(reg: &InProcessRegistry, cap: usize) -> (ServerHandle, Probe) {
     let server = Server::builder()
         .registry(reg.clone())
         .max_concurrency(cap)
+        .adaptive_concurrency(adaptive)
         .add_service(FeedServer::new(Feeds {
             polls: polls.clone(),
             setups: setups.clone(),
@@ -330,16 +345,34 @@ async fn dropping_the_stream_drops_the_handlers_stream_and_frees_its_slot() {
         StatusCode::OverflowMaxServerHandle
     );
     drop(s);
-    assert_eq!(
-        recv_one(
-            "the Cancel dropped the handler's stream",
-            &mut probe.dropped
-        )
-        .await,
-        "endless"
-    );
+    probe.dropped("endless").await;
     // The cap's slot is free again.
     assert_eq!(echoed(&f, "after").await, "after");
+    within("shutdown", server.shutdown()).await;
+}
+
+/// With adaptive concurrency (every entry's cap an adaptive limit), an open stream holds a
+/// slot of its entry's limit until it ends, as it holds the cap's without.
+#[tokio::test]
+async fn an_open_stream_holds_a_slot_of_its_entrys_adaptive_limit() {
+    let reg = InProcessRegistry::new();
+    // A cap of 1: the adaptive limit starts at it and never passes it.
+    let (server, mut probe) = serve_with(&reg, 1, true).await;
+    let f = feed(&reg);
+    let mut s = within("open", f.endless()).await.expect("endless");
+    assert_eq!(next_item("item", &mut s).await, 0);
+    let over = within("a second stream at the limit", f.endless()).await;
+    assert_eq!(
+        over.expect_err("the open stream holds the entry's only slot")
+            .code(),
+        StatusCode::OverflowMaxServerHandle
+    );
+    drop(s);
+    probe.dropped("endless").await;
+    // The slot is free again: another stream opens.
+    let mut again = within("open again", f.endless()).await.expect("endless");
+    assert_eq!(next_item("item", &mut again).await, 0);
+    drop(again);
     within("shutdown", server.shutdown()).await;
 }
 
@@ -418,14 +451,7 @@ async fn the_deadline_ends_the_stream_with_a_timeout_after_the_items_that_arrive
     let e = next_error("the timeout", &mut s).await;
     assert_eq!(e.code(), StatusCode::Timeout, "{e}");
     assert!(s.next().await.is_none(), "nothing after the timeout");
-    assert_eq!(
-        recv_one(
-            "the server dropped the handler's stream",
-            &mut probe.dropped
-        )
-        .await,
-        "stall_after"
-    );
+    probe.dropped("stall_after").await;
     within("shutdown", server.shutdown()).await;
 }
 
@@ -707,7 +733,7 @@ async fn bidirectional_streaming_answers_each_item_as_it_comes() {
         within("the end", replies.next()).await.is_none(),
         "the caller's end ends the answer"
     );
-    assert_eq!(recv_one("dropped", &mut probe.dropped).await, "chat");
+    probe.dropped("chat").await;
 
     // Dropping the answer stops both directions: the handler's stream is dropped.
     let endless = RpcStream::iter((0u64..).map(|n| n.to_string()));
@@ -716,7 +742,7 @@ async fn bidirectional_streaming_answers_each_item_as_it_comes() {
         .expect("chat");
     assert_eq!(next_item("reply", &mut replies).await, "0");
     drop(replies);
-    assert_eq!(recv_one("dropped", &mut probe.dropped).await, "chat");
+    probe.dropped("chat").await;
     assert_eq!(echoed(&f, "ok").await, "ok");
     within("shutdown", server.shutdown()).await;
 }
