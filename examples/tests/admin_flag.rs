@@ -2,58 +2,11 @@
 //! `admin on <addr>` with the real port once the admin endpoint listens, and the endpoint answers
 //! there with the token of `--admin-token` (the programs run as real processes; the endpoint is reached over TCP).
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, ChildStdout, Command, Stdio};
-use std::sync::mpsc;
+mod support;
+
 use std::time::Duration;
 
-/// Reads a child's standard output line by line on a thread of its own.
-fn lines(stdout: ChildStdout) -> mpsc::Receiver<String> {
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { return };
-            if tx.send(line).is_err() {
-                return;
-            }
-        }
-    });
-    rx
-}
-
-/// The first line starting with `prefix`, within `within`.
-fn wait_for(rx: &mpsc::Receiver<String>, prefix: &str, within: Duration) -> String {
-    let deadline = std::time::Instant::now() + within;
-    loop {
-        let left = deadline.saturating_duration_since(std::time::Instant::now());
-        match rx.recv_timeout(left) {
-            Ok(line) if line.starts_with(prefix) => return line,
-            Ok(_) => continue,
-            Err(e) => panic!("no line starting with {prefix:?} within {within:?}: {e}"),
-        }
-    }
-}
-
-/// Kills the child when the test ends, however it ends.
-struct Running(Child);
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn spawn(program: &str, args: &[&str]) -> (Running, mpsc::Receiver<String>) {
-    let mut child = Command::new(program)
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap_or_else(|e| panic!("start {program}: {e}"));
-    let out = lines(child.stdout.take().expect("stdout"));
-    (Running(child), out)
-}
+use support::{spawn, wait_for};
 
 async fn get(addr: &str, path: &str, token: Option<&str>) -> (u16, String) {
     let mut req = reqwest::Client::new().get(format!("http://{addr}{path}"));

@@ -12,10 +12,12 @@
 #[path = "../../tests/tests/common/etcd.rs"]
 mod etcd_harness;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+mod support;
+
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
+
+use support::spawn;
 
 /// How long the whole demo may take (it needs about 3 s; a debug build on a busy machine more).
 const DEMO_WITHIN: Duration = Duration::from_secs(120);
@@ -23,22 +25,7 @@ const DEMO_WITHIN: Duration = Duration::from_secs(120);
 /// Runs the demo with `args` to its end; its standard output, line by line. Panics with what it
 /// printed if it does not end within [`DEMO_WITHIN`] or ends with a failure.
 fn run_demo(args: &[&str]) -> Vec<String> {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_demo"))
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("start the demo");
-    let stdout = child.stdout.take().expect("stdout");
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { return };
-            if tx.send(line).is_err() {
-                return;
-            }
-        }
-    });
+    let (mut child, rx) = spawn(env!("CARGO_BIN_EXE_demo"), args);
     let deadline = Instant::now() + DEMO_WITHIN;
     let mut lines = Vec::new();
     // Until standard output closes (the demo ended), bounded in time.
@@ -47,8 +34,6 @@ fn run_demo(args: &[&str]) -> Vec<String> {
             Ok(line) => lines.push(line),
             Err(mpsc::RecvTimeoutError::Disconnected) => break,
             Err(mpsc::RecvTimeoutError::Timeout) => {
-                let _ = child.kill();
-                let _ = child.wait();
                 panic!(
                     "the demo did not end within {DEMO_WITHIN:?}; it printed:\n{}",
                     lines.join("\n")
@@ -56,7 +41,7 @@ fn run_demo(args: &[&str]) -> Vec<String> {
             }
         }
     }
-    let status = child.wait().expect("wait for the demo");
+    let status = child.0.wait().expect("wait for the demo");
     assert!(status.success(), "demo: {status}:\n{}", lines.join("\n"));
     lines
 }

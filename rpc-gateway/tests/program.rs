@@ -1,10 +1,12 @@
 //! The `rpc-gateway` program as scripts use it: started with `--registry etcd://... --listen
-//! 127.0.0.1:0`, it prints `gateway on <addr>`, and `curl -d '{"text":"hi"}'
+//! 127.0.0.1:0` (or `zk://...`), it prints `gateway on <addr>`, and `curl -d '{"text":"hi"}'
 //! http://ADDR/api/echo.Echo/echo` (a form content type, JSON body) answers `"hi"` from an echo
-//! server published in the same etcd.
+//! server published in the same etcd (or ZooKeeper).
 
 #[path = "../../tests/tests/common/etcd.rs"]
 mod etcd_harness;
+#[path = "../../tests/tests/common/zookeeper.rs"]
+mod zookeeper_harness;
 
 use std::process::Stdio;
 use std::sync::Arc;
@@ -20,9 +22,18 @@ const LIMIT: Duration = Duration::from_secs(10);
 #[tokio::test]
 async fn the_program_serves_an_echo_server_published_in_etcd() {
     let etcd = etcd_harness::Etcd::start().await;
-    let registry: Arc<dyn Registry> = <dyn Registry>::from_url(&etcd.url())
-        .await
-        .expect("etcd registry");
+    the_program_serves_an_echo_server_published_at(&etcd.url()).await;
+}
+
+#[tokio::test]
+async fn the_program_serves_an_echo_server_published_in_zookeeper() {
+    let zookeeper = zookeeper_harness::ZooKeeper::start().await;
+    the_program_serves_an_echo_server_published_at(&zookeeper.url()).await;
+}
+
+/// An echo server published in the registry `url` names, and `rpc-gateway --registry url`.
+async fn the_program_serves_an_echo_server_published_at(url: &str) {
+    let registry: Arc<dyn Registry> = <dyn Registry>::from_url(url).await.expect("registry");
     let server = Server::builder()
         .shared_registry(registry.clone())
         .add_service(EchoServer::new(EchoService::default()))
@@ -31,7 +42,7 @@ async fn the_program_serves_an_echo_server_published_in_etcd() {
         .expect("serve echo");
 
     let mut child = Command::new(env!("CARGO_BIN_EXE_rpc-gateway"))
-        .args(["--registry", &etcd.url(), "--listen", "127.0.0.1:0"])
+        .args(["--registry", url, "--listen", "127.0.0.1:0"])
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .kill_on_drop(true)

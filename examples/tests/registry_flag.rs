@@ -1,89 +1,95 @@
-//! `echo-server --registry etcd://... --admin ADDR`: the admin endpoint of the running program
-//! reads and writes the rules of that etcd, and the server follows them (a real etcd on free
-//! loopback ports, the program as a real process, reached over TCP).
+//! The programs with `--registry`, run as real processes against a real registry on free
+//! loopback ports: `echo-server` and `echo-client` find each other in etcd and in ZooKeeper;
+//! with etcd, the admin endpoint of the running `echo-server` reads and writes the rules of that
+//! etcd, and the server follows them (reached over TCP).
 
 #[path = "../../tests/tests/common/etcd.rs"]
 mod etcd_harness;
+mod support;
+#[cfg(feature = "zookeeper")]
+#[path = "../../tests/tests/common/zookeeper.rs"]
+mod zookeeper_harness;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
 use std::time::Duration;
 
 use serde_json::Value;
+use support::{spawn, wait_for};
 
-/// Kills the child when the test ends, however it ends.
-struct Running(Child);
+/// How long a program may take to print the line a test waits for.
+const LIMIT: Duration = Duration::from_secs(20);
 
-impl Drop for Running {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
+/// `echo-server --registry URL` registers where `echo-client --registry URL` finds it: the
+/// client's three calls all answer.
+fn the_echo_programs_find_each_other_at(url: &str) {
+    let (_server, out) = spawn(
+        env!("CARGO_BIN_EXE_echo-server"),
+        &["--registry", url, "--port", "0"],
+    );
+    wait_for(&out, "listening on ", LIMIT);
+    let (_client, out) = spawn(
+        env!("CARGO_BIN_EXE_echo-client"),
+        &["--registry", url, "--calls", "3"],
+    );
+    assert_eq!(
+        wait_for(&out, "summary: ", LIMIT),
+        "summary: 3 ok, 0 business errors, 0 failed"
+    );
 }
 
-/// The first line of `rx` starting with `prefix`, within 20 s.
-fn wait_for(rx: &mpsc::Receiver<String>, prefix: &str) -> String {
-    let within = Duration::from_secs(20);
-    let deadline = std::time::Instant::now() + within;
-    loop {
-        let left = deadline.saturating_duration_since(std::time::Instant::now());
-        match rx.recv_timeout(left) {
-            Ok(line) if line.starts_with(prefix) => return line,
-            Ok(_) => continue,
-            Err(e) => panic!("no line starting with {prefix:?} within {within:?}: {e}"),
-        }
-    }
+#[tokio::test]
+async fn the_echo_programs_find_each_other_in_etcd() {
+    let etcd = etcd_harness::Etcd::start().await;
+    let url = etcd.url();
+    tokio::task::spawn_blocking(move || the_echo_programs_find_each_other_at(&url))
+        .await
+        .expect("the check");
+}
+
+#[cfg(feature = "zookeeper")]
+#[tokio::test]
+async fn the_echo_programs_find_each_other_in_zookeeper() {
+    let zookeeper = zookeeper_harness::ZooKeeper::start().await;
+    let url = zookeeper.url();
+    tokio::task::spawn_blocking(move || the_echo_programs_find_each_other_at(&url))
+        .await
+        .expect("the check");
+}
+
+/// What `GET /api/rules` of the admin endpoint at `admin` answers.
+async fn rules(http: &reqwest::Client, admin: &str) -> Value {
+    let answer = http
+        .get(format!("http://{admin}/api/rules"))
+        .bearer_auth("T")
+        .send()
+        .await
+        .expect("GET /api/rules");
+    serde_json::from_str(&answer.text().await.expect("body")).expect("JSON")
 }
 
 #[tokio::test]
 async fn echo_server_on_etcd_edits_its_rules_through_the_admin_endpoint_and_follows_them() {
     let etcd = etcd_harness::Etcd::start().await;
     let url = etcd.url();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_echo-server"))
-        .args([
+    let (_running, rx) = spawn(
+        env!("CARGO_BIN_EXE_echo-server"),
+        &[
             "--registry",
             &url,
             "--admin",
             "127.0.0.1:0",
             "--admin-token",
             "T",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("start echo-server");
-    let stdout = child.stdout.take().expect("stdout");
-    let _running = Running(child);
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { return };
-            if tx.send(line).is_err() {
-                return;
-            }
-        }
-    });
-    let admin = wait_for(&rx, "admin on ")
+        ],
+    );
+    let admin = wait_for(&rx, "admin on ", LIMIT)
         .strip_prefix("admin on ")
         .expect("address")
         .to_string();
-    wait_for(&rx, "listening on ");
+    wait_for(&rx, "listening on ", LIMIT);
     let http = reqwest::Client::new();
 
     // The endpoint has the store: the kinds' versions are numbers (0: none yet).
-    let all: Value = serde_json::from_str(
-        &http
-            .get(format!("http://{admin}/api/rules"))
-            .bearer_auth("T")
-            .send()
-            .await
-            .expect("GET /api/rules")
-            .text()
-            .await
-            .expect("body"),
-    )
-    .expect("JSON");
+    let all = rules(&http, &admin).await;
     assert_eq!(all["store"], true, "{all}");
     assert_eq!(all["kinds"][0]["version"], 0, "{all}");
 
@@ -138,18 +144,7 @@ async fn echo_server_on_etcd_edits_its_rules_through_the_admin_endpoint_and_foll
         seen.is_ok(),
         "no rule_applied event of version {version} within 10 s"
     );
-    let all: Value = serde_json::from_str(
-        &http
-            .get(format!("http://{admin}/api/rules"))
-            .bearer_auth("T")
-            .send()
-            .await
-            .expect("GET /api/rules")
-            .text()
-            .await
-            .expect("body"),
-    )
-    .expect("JSON");
+    let all = rules(&http, &admin).await;
     assert_eq!(all["kinds"][0]["version"], version, "{all}");
     assert_eq!(all["kinds"][0]["applied"]["server"], version, "{all}");
 }
