@@ -56,8 +56,25 @@ pub(crate) fn router(gateway: Gateway) -> Router {
         .route("/healthz", get(|| async { "ok" }))
         .route("/docs", get(docs_page))
         .route("/openapi.json", get(document))
+        .method_not_allowed_fallback(get_only)
         .fallback(call)
         .with_state(gateway)
+}
+
+/// The answer to another method than GET (or HEAD) on one of the gateway's own routes.
+async fn get_only(request: Request) -> Response {
+    let mut answer = refuse(
+        StatusCode::METHOD_NOT_ALLOWED,
+        format!(
+            "{} is served with GET only, not {}",
+            request.uri().path(),
+            request.method()
+        ),
+    );
+    answer
+        .headers_mut()
+        .insert(header::ALLOW, HeaderValue::from_static("GET, HEAD"));
+    answer
 }
 
 /// `{"error": message}` with `status`.
@@ -68,13 +85,13 @@ fn refuse(status: StatusCode, message: impl Into<String>) -> Response {
 /// `None` when the request may pass, else the 401 answer.
 fn check_token(gateway: &Gateway, headers: &HeaderMap) -> Option<Response> {
     let expected = gateway.inner.token.as_deref()?;
+    // The scheme's name is case-insensitive (RFC 9110 section 11.1).
     let given = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| {
-            v.strip_prefix("Bearer ")
-                .or_else(|| v.strip_prefix("bearer "))
-        });
+        .and_then(|v| v.split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, token)| token.trim_start());
     let ok = given.is_some_and(|g| bool::from(g.as_bytes().ct_eq(expected.as_bytes())));
     if ok {
         return None;
@@ -128,7 +145,11 @@ async fn call(State(gateway): State<Gateway>, request: Request) -> Response {
     let (served, path_params) = match table.find(&parts.method, path) {
         Found::Entry(served, params) => (served, params),
         Found::OtherMethods(methods) => {
-            let allow: Vec<&str> = methods.iter().map(Method::as_str).collect();
+            let mut allow: Vec<&str> = methods.iter().map(Method::as_str).collect();
+            // A route served with GET answers HEAD as well.
+            if methods.contains(&Method::GET) && !methods.contains(&Method::HEAD) {
+                allow.push(Method::HEAD.as_str());
+            }
             let mut answer = refuse(
                 StatusCode::METHOD_NOT_ALLOWED,
                 format!(
@@ -156,14 +177,19 @@ async fn call(State(gateway): State<Gateway>, request: Request) -> Response {
     };
     let body = match to_bytes(Body::new(body), gateway.inner.max_body_bytes).await {
         Ok(body) => body,
-        Err(_) => {
+        Err(e) if over_the_limit(&e) => {
             return refuse(
                 StatusCode::PAYLOAD_TOO_LARGE,
                 format!(
-                    "the body is over the gateway's limit of {} bytes, or was cut off: send \
-                     smaller arguments",
+                    "the body is over the gateway's limit of {} bytes: send smaller arguments",
                     gateway.inner.max_body_bytes
                 ),
+            )
+        }
+        Err(e) => {
+            return refuse(
+                StatusCode::BAD_REQUEST,
+                format!("the body could not be read ({e}): send it whole"),
             )
         }
     };
@@ -205,10 +231,28 @@ async fn call(State(gateway): State<Gateway>, request: Request) -> Response {
     answer
 }
 
+/// Whether reading a body failed because it was over the limit (not cut off or malformed).
+fn over_the_limit(error: &axum::Error) -> bool {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(e) = cause {
+        if e.is::<http_body_util::LengthLimitError>() {
+            return true;
+        }
+        cause = e.source();
+    }
+    false
+}
+
 /// The HTTP answer of a failed call.
 fn failed(error: &RpcError) -> Response {
     let status = http_status(error.code());
     let mut answer = (status, Json(error_body(error))).into_response();
+    if status == StatusCode::UNAUTHORIZED {
+        // Every 401 names the scheme to authenticate with (RFC 9110 section 15.5.2).
+        answer
+            .headers_mut()
+            .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    }
     if carries_retry_after(status) {
         let secs = error
             .retry_after()
@@ -330,16 +374,17 @@ fn bind(
     Ok(Value::Array(args))
 }
 
-/// A path or query value: text when the parameter's schema says string, else read as JSON
-/// (`42`, `true`, `[1,2]`), and text when it is not JSON.
+/// A path or query value: text when the parameter's schema says string (or string or null);
+/// `null` when it is empty and the schema accepts null; else read as JSON (`42`, `true`,
+/// `[1,2]`), and text when it is not JSON.
 fn text_value(served: &Served, params: &[String], name: &str, text: &str) -> Value {
-    let is_string = params
-        .iter()
-        .position(|p| p == name)
-        .and_then(|i| served.is_string.get(i).copied())
-        .unwrap_or(false);
-    if is_string {
+    let index = params.iter().position(|p| p == name);
+    let says = |per_param: &[bool]| index.and_then(|i| per_param.get(i).copied()) == Some(true);
+    if says(&served.is_string) {
         return Value::String(text.to_string());
+    }
+    if text.is_empty() && says(&served.nullable) {
+        return Value::Null;
     }
     serde_json::from_str(text).unwrap_or_else(|_| Value::String(text.to_string()))
 }

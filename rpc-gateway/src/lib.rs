@@ -14,15 +14,16 @@
 //!
 //! Arguments: a parameter named in the path template comes from the path; with `GET`, `DELETE`
 //! and `HEAD` the others come from the query string (a value is read as JSON unless the
-//! parameter's schema is a string, then taken as it is); with other methods they come from a JSON
+//! parameter's schema is a string, or a string or null, then taken as it is; an empty value of a
+//! parameter that accepts null is null); with other methods they come from a JSON
 //! object in the body, whatever its content type (so `curl -d '{"text":"hi"}'` works). A body
 //! that is a JSON array is taken as positional arguments. The answer is the method's result as
 //! JSON, with status 200.
 //!
 //! A failed call answers with the status [`route::http_status`] maps (business error 422,
-//! overflow and open breaker 503 with `Retry-After`, timeout 504, not authenticated 401, unknown
-//! entry 404, ...) and the body [`route::error_body`] writes:
-//! `{"code": 1000, "message": "...", "error": <typed error>}`.
+//! overflow and open breaker 503 with `Retry-After`, timeout 504, not authenticated 401 with
+//! `WWW-Authenticate: Bearer` as every 401, unknown entry 404, ...) and the body
+//! [`route::error_body`] writes: `{"code": 1000, "message": "...", "error": <typed error>}`.
 //!
 //! ## What this crate must not do
 //!

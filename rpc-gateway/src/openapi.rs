@@ -20,6 +20,7 @@ use serde_json::{json, Map, Value};
 use crate::route::{
     carries_retry_after, default_path, error_body_schema, params_in_query, route_of, Route,
 };
+use crate::table::{accepts_null, is_structured, is_text, Definitions};
 
 /// Where the named schemas live, as the servers' `$ref`s write it.
 const SCHEMA_REF_PREFIX: &str = "#/components/schemas/";
@@ -104,7 +105,42 @@ pub const ERROR_RESPONSES: &[(u16, &str, &[u32])] = &[
          timeout.",
         &[519],
     ),
+    (
+        403,
+        "Not authorized (call status 403): the service refused the caller.",
+        &[403],
+    ),
+    (
+        501,
+        "Not implemented (call status 501): the server has no handler for this method.",
+        &[501],
+    ),
+    (
+        500,
+        "Another failure of the call (any other call status); `message` says what failed.",
+        &[],
+    ),
 ];
+
+/// The answers the gateway gives itself, before any call, with `{"error": "..."}` saying what
+/// to send instead ([`refusal_schema`]): the HTTP status and when.
+pub const GATEWAY_REFUSALS: &[(u16, &str)] = &[
+    (400, "Bad request: the arguments could not be read (a body that is not JSON, an unknown, missing or repeated argument)."),
+    (401, "Not authenticated: the gateway's bearer token is missing or wrong (`WWW-Authenticate: Bearer`)."),
+    (404, "No entry is served at this method and path."),
+    (405, "The path is served with other methods, named in `Allow`."),
+    (413, "The body is over the gateway's limit."),
+    (431, "Too many headers to forward as attachments."),
+];
+
+/// The JSON Schema of the gateway's own refusals: `{"error": "..."}`.
+pub fn refusal_schema() -> Value {
+    json!({
+        "type": "object",
+        "required": ["error"],
+        "properties": {"error": {"type": "string", "description": "What to send instead."}},
+    })
+}
 
 /// The methods an OpenAPI path item can hold.
 fn path_item_key(method: &Method) -> Option<&'static str> {
@@ -292,9 +328,18 @@ fn operation(entry: &ServiceEntry, method: &Method, path: &str) -> Value {
         }
     }
     let schemas = api.and_then(|api| api.schemas.as_ref());
-    let param_schema = |name: &str| -> Value {
-        let index = api.and_then(|api| api.params.iter().position(|p| p == name));
-        schema_object(index.and_then(|i| schemas.and_then(|s| s.params.get(i))))
+    let published = |name: &str| -> Option<&Value> {
+        let index = api.and_then(|api| api.params.iter().position(|p| p == name))?;
+        schemas.and_then(|s| s.params.get(index))
+    };
+    let param_schema = |name: &str| -> Value { schema_object(published(name)) };
+    // What the router does with an argument, read from its published schema as the router
+    // reads it (`table.rs`).
+    let says = |name: &str, of: fn(&Value, &Definitions) -> bool| -> bool {
+        let definitions = schemas.map(|s| &s.definitions);
+        published(name)
+            .zip(definitions)
+            .is_some_and(|(schema, definitions)| of(schema, definitions))
     };
 
     let in_path = path_params(path);
@@ -309,28 +354,40 @@ fn operation(entry: &ServiceEntry, method: &Method, path: &str) -> Value {
             let others: Vec<&String> = api.params.iter().filter(|p| !in_path.contains(p)).collect();
             if params_in_query(method) {
                 parameters.extend(others.iter().map(|name| {
-                    let schema = param_schema(name);
-                    let how = if schema.get("type") == Some(&json!("string")) {
+                    let how = if says(name, is_text) {
                         "taken as it is"
                     } else {
                         "read as JSON"
                     };
-                    json!({
+                    let mut parameter = json!({
                         "name": name,
                         "in": "query",
-                        "required": true,
+                        // The router sends `null` for a missing argument that accepts it.
+                        "required": !says(name, accepts_null),
                         "description": format!("The argument `{name}`, {how}."),
-                        "schema": schema,
-                    })
+                    });
+                    // An array or object is one JSON text (`?ids=[1,2]`), not a form's
+                    // repeated or exploded fields, which OpenAPI says with `content`.
+                    if says(name, is_structured) {
+                        parameter["content"] =
+                            json!({"application/json": {"schema": param_schema(name)}});
+                    } else {
+                        parameter["schema"] = param_schema(name);
+                    }
+                    parameter
                 }));
             } else {
                 let mut properties = Map::new();
                 for name in &others {
                     properties.insert((*name).clone(), param_schema(name));
                 }
+                let required: Vec<&&String> = others
+                    .iter()
+                    .filter(|name| !says(name, accepts_null))
+                    .collect();
                 let body = json!({
                     "type": "object",
-                    "required": others,
+                    "required": required,
                     "properties": properties,
                 });
                 op.insert(
@@ -371,11 +428,20 @@ fn operation(entry: &ServiceEntry, method: &Method, path: &str) -> Value {
     let typed = schemas
         .and_then(|s| s.error.as_ref())
         .map(|e| schema_object(Some(e)));
+    let refusal = |status: u16| GATEWAY_REFUSALS.iter().find(|(s, _)| *s == status);
     for (status, description, _) in ERROR_RESPONSES {
         let typed = if *status == 422 { typed.as_ref() } else { None };
+        // A status the gateway answers itself as well: either body.
+        let (schema, description) = match refusal(*status) {
+            Some((_, own)) => (
+                json!({"anyOf": [error_body_schema(typed), refusal_schema()]}),
+                format!("{description} Or, from the gateway itself: {own}"),
+            ),
+            None => (error_body_schema(typed), description.to_string()),
+        };
         let mut response = json!({
             "description": description,
-            "content": {"application/json": {"schema": error_body_schema(typed)}},
+            "content": {"application/json": {"schema": schema}},
         });
         let http = HttpStatus::from_u16(*status).unwrap_or(HttpStatus::INTERNAL_SERVER_ERROR);
         if carries_retry_after(http) {
@@ -385,6 +451,14 @@ fn operation(entry: &ServiceEntry, method: &Method, path: &str) -> Value {
             }});
         }
         responses.insert(status.to_string(), response);
+    }
+    for (status, description) in GATEWAY_REFUSALS {
+        responses.entry(status.to_string()).or_insert_with(|| {
+            json!({
+                "description": description,
+                "content": {"application/json": {"schema": refusal_schema()}},
+            })
+        });
     }
     op.insert("responses".into(), Value::Object(responses));
     Value::Object(op)
@@ -633,6 +707,85 @@ mod tests {
         assert_eq!(doc["tags"], json!([{"name": "shop.Orders"}]));
     }
 
+    /// As schemars 1 writes `u64`, `Option<String>`, `Option<bool>`, `Vec<u64>` and
+    /// `Option<Filter>` (a struct).
+    fn optional_and_structured() -> rpc_core::EntrySchemas {
+        schemas(
+            vec![
+                json!({"type": "integer"}),
+                json!({"type": ["string", "null"]}),
+                json!({"anyOf": [{"type": "boolean"}, {"type": "null"}]}),
+                json!({"type": "array", "items": {"type": "integer"}}),
+                json!({"anyOf": [refs("Filter"), {"type": "null"}]}),
+            ],
+            json!({"type": "string"}),
+            &[(
+                "Filter",
+                json!({"type": "object", "properties": {"min": {"type": "integer"}}}),
+            )],
+        )
+    }
+
+    const OPTIONAL_AND_STRUCTURED: &[&str] = &["id", "note", "verbose", "ids", "filter"];
+
+    #[test]
+    fn optional_query_arguments_are_not_required_and_arrays_or_objects_are_json_text() {
+        let e = entry(
+            "shop.Orders",
+            "find",
+            Some(api(
+                OPTIONAL_AND_STRUCTURED,
+                Some(("GET", "/orders/{id}/find")),
+                Some(optional_and_structured()),
+            )),
+        );
+        let doc = document(&[e], &info());
+        let params = doc["paths"]["/orders/{id}/find"]["get"]["parameters"]
+            .as_array()
+            .unwrap()
+            .clone();
+        let by_name = |name: &str| params.iter().find(|p| p["name"] == name).unwrap().clone();
+        // (required, described as taken as text, a JSON `content` rather than a `schema`)
+        let shape = |name: &str| {
+            let p = by_name(name);
+            (
+                p["required"].as_bool().unwrap(),
+                p["description"]
+                    .as_str()
+                    .is_some_and(|d| d.contains("taken as it is")),
+                p.get("content").is_some() && p.get("schema").is_none(),
+            )
+        };
+        assert_eq!(shape("id"), (true, false, false));
+        assert_eq!(shape("note"), (false, true, false));
+        assert_eq!(shape("verbose"), (false, false, false));
+        assert_eq!(shape("ids"), (true, false, true));
+        assert_eq!(shape("filter"), (false, false, true));
+        assert_eq!(
+            by_name("ids")["content"]["application/json"]["schema"],
+            json!({"type": "array", "items": {"type": "integer"}})
+        );
+    }
+
+    #[test]
+    fn optional_body_arguments_are_not_required() {
+        let e = entry(
+            "shop.Orders",
+            "find",
+            Some(api(
+                OPTIONAL_AND_STRUCTURED,
+                None,
+                Some(optional_and_structured()),
+            )),
+        );
+        let doc = document(&[e], &info());
+        let body = &doc["paths"]["/api/shop.Orders/find"]["post"]["requestBody"];
+        assert_eq!(
+            body["content"]["application/json"]["schema"]["required"],
+            json!(["id", "ids"])
+        );
+    }
+
     #[test]
     fn an_entry_without_a_route_is_a_post_with_a_body_of_named_arguments() {
         let e = entry(
@@ -699,8 +852,16 @@ mod tests {
             schema_of("422"),
             &error_body_schema(Some(&refs("OrderError")))
         );
-        for status in ["400", "401", "404", "429", "502", "503", "504"] {
+        // Statuses the gateway also answers itself take either body; its own refusals only one.
+        for status in ["400", "401", "404"] {
+            let either = json!({"anyOf": [error_body_schema(None), refusal_schema()]});
+            assert_eq!(schema_of(status), &either, "{status}");
+        }
+        for status in ["403", "429", "500", "501", "502", "503", "504"] {
             assert_eq!(schema_of(status), &error_body_schema(None), "{status}");
+        }
+        for status in ["405", "413", "431"] {
+            assert_eq!(schema_of(status), &refusal_schema(), "{status}");
         }
         assert!(responses["503"]["headers"]["Retry-After"].is_object());
         assert!(responses["429"]["headers"]["Retry-After"].is_object());

@@ -51,7 +51,7 @@ pub fn params_in_query(method: &Method) -> bool {
 /// |---|---|
 /// | 1000 business error (a typed error) | 422 |
 /// | 1001 validation error, or arguments the gateway could not read | 400 |
-/// | 401 / 517 not authenticated | 401 |
+/// | 401 / 517 not authenticated | 401, with `WWW-Authenticate: Bearer` |
 /// | 403 not authorized | 403 |
 /// | 507 / 513 no such entry | 404 |
 /// | 429 rate limited | 429, with `Retry-After` |

@@ -29,8 +29,8 @@ pub(crate) struct Served {
     /// Parameter names in declaration order; `None` when the entry publishes none (then only a
     /// positional JSON array is accepted).
     pub params: Option<Vec<String>>,
-    /// Per parameter: its schema says it is a string (query and path values are then taken as
-    /// text, not read as JSON).
+    /// Per parameter: its schema says it is a string, or a string or null (query and path
+    /// values are then taken as text, not read as JSON).
     pub is_string: Vec<bool>,
     /// Per parameter: its schema accepts `null` (a missing argument is then sent as `null`).
     pub nullable: Vec<bool>,
@@ -144,19 +144,11 @@ fn served(entry: ServiceEntry, route: Route) -> Served {
     let params = api.map(|api| api.params.clone());
     let count = params.as_ref().map_or(0, Vec::len);
     let schemas = api.and_then(|a| a.schemas.as_ref());
-    let schema =
-        |i: usize| schemas.and_then(|s| s.params.get(i).map(|p| resolve(p, &s.definitions)));
-    let is_string = (0..count)
-        .map(|i| {
-            schema(i).is_some_and(|s| {
-                let types = types(s);
-                !types.is_empty() && types.iter().all(|t| t == "string")
-            })
-        })
-        .collect();
-    let nullable = (0..count)
-        .map(|i| schema(i).is_some_and(accepts_null))
-        .collect();
+    let shape = |i: usize, of: fn(&Value, &Definitions) -> bool| {
+        schemas.is_some_and(|s| s.params.get(i).is_some_and(|p| of(p, &s.definitions)))
+    };
+    let is_string = (0..count).map(|i| shape(i, is_text)).collect();
+    let nullable = (0..count).map(|i| shape(i, accepts_null)).collect();
     Served {
         entry,
         route,
@@ -166,12 +158,12 @@ fn served(entry: ServiceEntry, route: Route) -> Served {
     }
 }
 
+/// The named schemas an entry's schemas refer to (`#/components/schemas/<name>`).
+pub(crate) type Definitions = serde_json::Map<String, Value>;
+
 /// The schema a `{"$ref": "#/components/schemas/<name>"}` names among `definitions` (following
 /// a few references at most), or `schema` itself.
-fn resolve<'a>(
-    mut schema: &'a Value,
-    definitions: &'a serde_json::Map<String, Value>,
-) -> &'a Value {
+fn resolve<'a>(mut schema: &'a Value, definitions: &'a Definitions) -> &'a Value {
     for _ in 0..8 {
         let Some(name) = schema
             .get("$ref")
@@ -200,18 +192,51 @@ fn types(schema: &Value) -> Vec<String> {
     }
 }
 
+/// The branches of a schema's `anyOf` or `oneOf` (how schemars writes `Option<T>` of a named
+/// type: the type's reference, and `null`).
+fn branches(schema: &Value) -> impl Iterator<Item = &Value> {
+    ["anyOf", "oneOf"]
+        .into_iter()
+        .filter_map(|k| schema.get(k).and_then(Value::as_array))
+        .flatten()
+}
+
 /// Whether a schema accepts `null`: its type lists `null`, or one branch of its `anyOf` /
-/// `oneOf` does (how schemars writes `Option<T>`).
-fn accepts_null(schema: &Value) -> bool {
-    if types(schema).iter().any(|t| t == "null") {
-        return true;
+/// `oneOf` does.
+pub(crate) fn accepts_null(schema: &Value, definitions: &Definitions) -> bool {
+    let schema = resolve(schema, definitions);
+    types(schema).iter().any(|t| t == "null")
+        || branches(schema).any(|b| accepts_null(b, definitions))
+}
+
+/// Whether a schema takes only text, or text or `null` (`String`, `Option<String>`, a string
+/// enum, or a reference to one): a query or path value is then the text itself.
+pub(crate) fn is_text(schema: &Value, definitions: &Definitions) -> bool {
+    let schema = resolve(schema, definitions);
+    let types = types(schema);
+    let mut others = types.iter().filter(|t| *t != "null").peekable();
+    if others.peek().is_some() {
+        return others.all(|t| t == "string");
     }
-    ["anyOf", "oneOf"].iter().any(|k| {
-        schema
-            .get(*k)
-            .and_then(Value::as_array)
-            .is_some_and(|branches| branches.iter().any(accepts_null))
-    })
+    // No type of its own: text when every branch that is not `null` is text.
+    let mut branches = branches(schema)
+        .filter(|b| types_of(b, definitions) != ["null"])
+        .peekable();
+    branches.peek().is_some() && branches.all(|b| is_text(b, definitions))
+}
+
+/// Whether a schema takes arrays or objects (or a branch of it does): such a query value is
+/// JSON text, which an OpenAPI parameter says with `content`, not with a form `style`.
+pub(crate) fn is_structured(schema: &Value, definitions: &Definitions) -> bool {
+    let schema = resolve(schema, definitions);
+    types(schema).iter().any(|t| t == "array" || t == "object")
+        || schema.get("properties").is_some()
+        || schema.get("items").is_some()
+        || branches(schema).any(|b| is_structured(b, definitions))
+}
+
+fn types_of(schema: &Value, definitions: &Definitions) -> Vec<String> {
+    types(resolve(schema, definitions))
 }
 
 #[cfg(test)]
@@ -279,13 +304,30 @@ mod tests {
     fn string_and_nullable_parameters_are_read_from_the_schemas() {
         let mut e = entry("a.A", "find", None);
         let api = e.api.as_mut().unwrap();
-        api.params = vec!["name".into(), "limit".into(), "n".into(), "sku".into()];
+        api.params = [
+            "name",
+            "limit",
+            "n",
+            "sku",
+            "note",
+            "maybe_sku",
+            "ids",
+            "either",
+        ]
+        .map(String::from)
+        .to_vec();
+        // As schemars 1 writes `String`, `Option<u32>` (two ways), a string newtype,
+        // `Option<String>`, `Option<Sku>`, `Vec<u64>`, and an untagged text-or-number.
         api.schemas = Some(rpc_core::EntrySchemas {
             params: vec![
                 json!({"type": "string"}),
                 json!({"anyOf": [{"type": "integer"}, {"type": "null"}]}),
                 json!({"type": ["integer", "null"]}),
                 json!({"$ref": "#/components/schemas/Sku"}),
+                json!({"type": ["string", "null"]}),
+                json!({"anyOf": [{"$ref": "#/components/schemas/Sku"}, {"type": "null"}]}),
+                json!({"type": "array", "items": {"type": "integer"}}),
+                json!({"anyOf": [{"type": "string"}, {"type": "integer"}]}),
             ],
             definitions: [("Sku".to_string(), json!({"type": "string"}))]
                 .into_iter()
@@ -294,7 +336,13 @@ mod tests {
         });
         let table = RouteTable::build(vec![e]);
         let s = &table.served()[0];
-        assert_eq!(s.is_string, vec![true, false, false, true]);
-        assert_eq!(s.nullable, vec![false, true, true, false]);
+        assert_eq!(
+            s.is_string,
+            vec![true, false, false, true, true, true, false, false]
+        );
+        assert_eq!(
+            s.nullable,
+            vec![false, true, true, false, true, true, false, false]
+        );
     }
 }

@@ -57,6 +57,15 @@ pub trait Orders {
     /// Answers when the test lets it through.
     #[governance(retry_times = 0)]
     async fn hold(&self) -> Result<String, RpcError>;
+    /// Its optional arguments as it got them.
+    #[http(get = "/notes")]
+    async fn note(
+        &self,
+        text: Option<String>,
+        count: Option<u32>,
+    ) -> Result<(Option<String>, Option<u32>), RpcError>;
+    /// Always refuses the caller as not authenticated (401).
+    async fn locked(&self) -> Result<(), RpcError>;
 }
 
 #[rpc::service(name = "gw.Echo")]
@@ -128,6 +137,21 @@ impl Orders for Arc<Shop> {
         let _ = self.entered.send("hold".into());
         let_through(&self.gate).await?;
         Ok("released".into())
+    }
+
+    async fn note(
+        &self,
+        text: Option<String>,
+        count: Option<u32>,
+    ) -> Result<(Option<String>, Option<u32>), RpcError> {
+        Ok((text, count))
+    }
+
+    async fn locked(&self) -> Result<(), RpcError> {
+        Err(RpcError::new(
+            rpc::StatusCode::UnAuthentication,
+            "sign in first",
+        ))
     }
 }
 
@@ -533,15 +557,27 @@ async fn the_bearer_token_is_checked() {
     }
     let a = world.send("GET", "/openapi.json", &[], None).await;
     assert_eq!(a.status, 401);
+    // The scheme's name in any case (RFC 9110), the token exactly.
+    for given in ["Bearer s3cret", "bearer s3cret", "BEARER s3cret"] {
+        let a = world
+            .send(
+                "POST",
+                "/api/gw.Echo/echo",
+                &[("authorization", given)],
+                body,
+            )
+            .await;
+        assert_eq!((a.status, a.body), (200, json!("hi")), "{given}");
+    }
     let a = world
         .send(
             "POST",
             "/api/gw.Echo/echo",
-            &[("authorization", "Bearer s3cret")],
+            &[("authorization", "Bearer S3CRET")],
             body,
         )
         .await;
-    assert_eq!((a.status, a.body), (200, json!("hi")));
+    assert_eq!(a.status, 401);
     let a = world.send("GET", "/healthz", &[], None).await;
     assert_eq!((a.status, a.body), (200, json!("ok")));
 }
@@ -591,7 +627,17 @@ async fn the_gateway_s_own_refusals_say_what_to_send() {
 
     let a = world.send("DELETE", "/orders/7", &[], None).await;
     assert_eq!(a.status, 405);
-    assert_eq!(a.headers.get("allow").expect("Allow"), "GET");
+    assert_eq!(a.headers.get("allow").expect("Allow"), "GET, HEAD");
+    assert!(a.body["error"].as_str().is_some(), "{}", a.body);
+
+    // The gateway's own routes refuse other methods the same way.
+    for path in ["/healthz", "/docs", "/openapi.json"] {
+        let a = world.send("POST", path, &[], Some("{}")).await;
+        assert_eq!(a.status, 405, "{path}");
+        assert_eq!(a.headers.get("allow").expect("Allow"), "GET, HEAD");
+        let message = a.body["error"].as_str().expect("error");
+        assert!(message.contains("GET"), "{path}: {message}");
+    }
 
     // The document lists what is served, at the routes it is served at.
     let a = world.send("GET", "/openapi.json", &[], None).await;
@@ -599,6 +645,45 @@ async fn the_gateway_s_own_refusals_say_what_to_send() {
     assert_eq!(a.body["openapi"], "3.1.0");
     let a = world.send("GET", "/docs", &[], None).await;
     assert_eq!(a.status, 200);
+}
+
+/// Query values of optional arguments: text for `Option<String>` whatever it looks like, an
+/// empty value or none at all is `null`.
+#[tokio::test]
+async fn optional_query_arguments_are_text_or_null_as_their_schemas_say() {
+    let world = World::in_process(None).await;
+    let _orders = world.orders(50).await;
+    world.serving(&["shop.Orders.note"]).await;
+    for (query, expected) in [
+        ("?text=42&count=7", json!(["42", 7])),
+        ("?text=true", json!(["true", null])),
+        ("?text=&count=", json!(["", null])),
+        ("", json!([null, null])),
+    ] {
+        let a = world
+            .send("GET", &format!("/notes{query}"), &[], None)
+            .await;
+        assert_eq!((a.status, &a.body), (200, &expected), "{query}: {}", a.body);
+    }
+}
+
+/// A call its service refuses as not authenticated is a 401 with its challenge, as every 401.
+#[tokio::test]
+async fn a_401_from_the_service_carries_a_challenge() {
+    let world = World::in_process(None).await;
+    let _orders = world.orders(50).await;
+    world.serving(&["shop.Orders.locked"]).await;
+    let a = world.post("/api/shop.Orders/locked", "{}").await;
+    assert_eq!(
+        (a.status, &a.body["code"]),
+        (401, &json!(401)),
+        "{}",
+        a.body
+    );
+    assert_eq!(
+        a.headers.get("www-authenticate").expect("challenge"),
+        "Bearer"
+    );
 }
 
 #[tokio::test]
