@@ -108,6 +108,12 @@
     }
   }
 
+  // A parameter's schema: its own, or that of its JSON content (an array or object argument,
+  // sent as JSON text).
+  function paramSchema(p) {
+    return p.schema || (((p.content || {})["application/json"]) || {}).schema;
+  }
+
   function bodySchema(op) {
     const content = ((op.requestBody || {}).content || {})["application/json"];
     return content ? content.schema : undefined;
@@ -117,7 +123,7 @@
   function tryIt(method, path, op) {
     const params = op.parameters || [];
     const inputs = params.map((p) => {
-      const input = el("input", { name: p.name, placeholder: typeLabel(p.schema) });
+      const input = el("input", { name: p.name, placeholder: typeLabel(paramSchema(p)) });
       return { param: p, input, label: el("label", {}, el("span", { text: `${p.name} (${p.in})` }), input) };
     });
     const schema = bodySchema(op);
@@ -187,7 +193,7 @@
           el("tr", {}, ["name", "in", "required", "schema"].map((h) => el("th", { text: h }))),
           params.map((p) => el("tr", {},
             el("td", {}, el("code", { text: p.name })), el("td", { text: p.in }),
-            el("td", { text: p.required ? "yes" : "no" }), el("td", {}, schemaView(p.schema)))))] : null,
+            el("td", { text: p.required ? "yes" : "no" }), el("td", {}, schemaView(paramSchema(p))))))] : null,
         schema !== undefined ? [el("h3", { text: "Body (application/json)" }),
           op.requestBody.description ? el("p", { text: op.requestBody.description }) : null,
           schemaView(schema)] : null,
@@ -242,7 +248,9 @@
 
     put("errors", errors.size ? [el("h2", { text: "Error answers" }),
       el("p", {}, "A failed call answers with one of these statuses and a JSON body ",
-        el("code", { text: '{"code": <call status>, "message": "...", "error": <typed error>}' }), "."),
+        el("code", { text: '{"code": <call status>, "message": "...", "error": <typed error>}' }),
+        "; what the gateway refuses itself, before any call, with ",
+        el("code", { text: '{"error": "..."}' }), " saying what to send instead."),
       el("table", {}, el("tr", {}, el("th", { text: "status" }), el("th", { text: "meaning" })),
         [...errors.entries()].sort().map(([s, r]) => el("tr", {}, el("td", { text: s }), el("td", { text: r.description || "" }))))] : []);
 
@@ -267,10 +275,24 @@
     }
   });
 
-  (async function load() {
+  // Loads the document (with the token, when one is entered) and shows it. A gateway with a
+  // token refuses the document without it (401): the token box is shown, and Enter in it loads
+  // the document again with the token.
+  async function load() {
     const status = document.getElementById("status");
+    const token = document.getElementById("token").value;
+    const headers = { accept: "application/json" };
+    if (token) headers.authorization = "Bearer " + token;
     try {
-      const res = await fetch("openapi.json", { headers: { accept: "application/json" } });
+      const res = await fetch("openapi.json", { headers });
+      if (res.status === 401) {
+        document.getElementById("token-box").classList.remove("hidden");
+        status.className = "error";
+        status.textContent = token
+          ? "The gateway refused this token: enter its bearer token and press Enter."
+          : "This gateway needs a token: enter its bearer token and press Enter.";
+        return;
+      }
       if (!res.ok) throw new Error(`openapi.json answered ${res.status} ${res.statusText}`);
       doc = await res.json();
     } catch (e) {
@@ -278,6 +300,12 @@
       status.textContent = `Could not load openapi.json (${e.message}); reload when the gateway is up.`;
       return;
     }
+    status.className = "";
     render();
-  })();
+  }
+
+  document.getElementById("token").addEventListener("keydown", (event) => {
+    if (event.key === "Enter") load();
+  });
+  load();
 })();

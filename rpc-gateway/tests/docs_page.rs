@@ -40,6 +40,12 @@ async fn operation_line(browser: &Browser, addr: SocketAddr, service: &str, id: 
         .goto(&format!("http://{addr}/docs"))
         .await
         .expect("goto");
+    listed(browser, service, id).await
+}
+
+/// Waits until the page lists the operation `id` under its service; returns the text of the
+/// operation's line.
+async fn listed(browser: &Browser, service: &str, id: &str) -> String {
     let locator = format!(
         "#service-{} details.op[id='op-{id}'] summary",
         service.replace('.', "\\.")
@@ -189,6 +195,54 @@ async fn the_page_lists_a_declared_route_and_its_form_fills_path_and_query() {
             assert!(status.starts_with("200"), "{status:?}");
             let answer: Value = serde_json::from_str(&body).expect("the page shows JSON");
             assert_eq!(answer, json!({"id": "42", "query": "verbose=true"}));
+        })
+        .await;
+}
+
+/// With a token, the gateway serves `/docs` without it but not the document: the page asks for
+/// the token, loads the document with it, and its "try it" calls carry it.
+#[tokio::test]
+async fn with_a_token_the_page_asks_for_it_then_lists_and_calls_through_it() {
+    let entry = "echo.Echo.echo";
+    let running = running(
+        rpc::Server::builder()
+            .add_service(examples::EchoServer::new(examples::EchoService::default())),
+        Some("s3cret"),
+        &[entry],
+    )
+    .await;
+    let addr = running.addr;
+    let driver = Chromedriver::start().await;
+    driver
+        .with_browser(|browser| async move {
+            browser
+                .goto(&format!("http://{addr}/docs"))
+                .await
+                .expect("goto");
+            let asks = shows(
+                &browser,
+                "the page asking for the token",
+                Locator::XPath("//p[@id='status' and contains(., 'needs a token')]"),
+            )
+            .await;
+            assert!(asks.text().await.expect("text").contains("Enter"));
+            let token = shows(
+                &browser,
+                "the token box",
+                Locator::Css("#token-box:not(.hidden) input#token"),
+            )
+            .await;
+            // `\u{E007}` is WebDriver's Enter key.
+            token.send_keys("s3cret\u{E007}").await.expect("type");
+            let text = listed(&browser, "echo.Echo", entry).await;
+            assert!(text.contains("/api/echo.Echo/echo"), "{text:?}");
+            let (status, answer) =
+                try_it(&browser, entry, &[], Some(r#"{"text": "with a token"}"#)).await;
+            assert!(status.starts_with("200"), "{status:?}: {answer}");
+            assert_eq!(
+                serde_json::from_str::<Value>(&answer).expect("JSON"),
+                json!("with a token")
+            );
         })
         .await;
 }
