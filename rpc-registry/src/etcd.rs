@@ -155,6 +155,10 @@ struct Registration {
     /// registers again under a new lease.
     lease: Arc<AtomicI64>,
     task: JoinHandle<()>,
+    /// What the task writes, to put this version back when its replacement fails.
+    keys: Vec<String>,
+    value: Vec<u8>,
+    ttl: i64,
 }
 
 impl EtcdRegistry {
@@ -253,19 +257,23 @@ impl EtcdRegistry {
         }
         let (lease, ttl) = conn.grant().await?;
         // The previous version's task must not write its keys again once the new ones are in.
-        let old = registrations.remove(&instance.id);
-        let old_lease = match old {
-            Some(old) => {
-                old.task.abort();
-                let _ = old.task.await;
-                Some(old.lease.load(Ordering::SeqCst))
-            }
-            None => None,
-        };
+        let mut old = registrations.remove(&instance.id);
+        if let Some(old) = old.as_mut() {
+            old.task.abort();
+            let _ = (&mut old.task).await;
+        }
         if let Err(e) = conn.put(&keys, &value, lease).await {
             let _ = conn.revoke(lease).await;
+            // The previous version stays registered: written again under a lease of its own,
+            // since a write that failed late may have moved its keys to the revoked lease.
+            if let Some(old) = old {
+                let restored =
+                    self.keep(&instance.id, old.keys, old.value, old.lease, old.ttl, true);
+                registrations.insert(instance.id, restored);
+            }
             return Err(e);
         }
+        let old_lease = old.map(|old| old.lease.load(Ordering::SeqCst));
         if let Some(old_lease) = old_lease {
             // Removes at once the keys of services the new version no longer serves.
             if let Err(e) = conn.revoke(old_lease).await {
@@ -277,17 +285,39 @@ impl EtcdRegistry {
             }
         }
         let lease = Arc::new(AtomicI64::new(lease));
+        let registration = self.keep(&instance.id, keys, value, lease, ttl, false);
+        registrations.insert(instance.id, registration);
+        Ok(())
+    }
+
+    /// Starts keeping `instance_id` registered with `keys` holding `value` under `lease` (of
+    /// `ttl` seconds), after writing them under a new lease when `write_first`.
+    fn keep(
+        &self,
+        instance_id: &str,
+        keys: Vec<String>,
+        value: Vec<u8>,
+        lease: Arc<AtomicI64>,
+        ttl: i64,
+        write_first: bool,
+    ) -> Registration {
         let task = tokio::spawn(keep_registered(KeepRegistered {
-            conn: conn.clone(),
-            instance_id: instance.id.clone(),
-            keys,
-            value,
+            conn: self.inner.conn.clone(),
+            instance_id: instance_id.to_string(),
+            keys: keys.clone(),
+            value: value.clone(),
             lease: lease.clone(),
             ttl,
             alive: self.inner.alive.clone(),
+            write_first,
         }));
-        registrations.insert(instance.id, Registration { lease, task });
-        Ok(())
+        Registration {
+            lease,
+            task,
+            keys,
+            value,
+            ttl,
+        }
     }
 
     async fn deregister_instance(&self, instance_id: &str) -> Result<(), RegistryError> {
@@ -340,7 +370,9 @@ async fn stop(registration: Registration, conn: &Conn) -> Result<(), RegistryErr
 impl Registry for EtcdRegistry {
     /// Grants a lease, writes one key per service under it and keeps the lease alive in the
     /// background (re-registering if the lease is lost). Registering an id again replaces the
-    /// previous version. Fails if etcd does not answer within the request timeout.
+    /// previous version; when the new one cannot be written, the previous one stays registered.
+    /// Fails if etcd does not answer within the request timeout, or refuses the write (one
+    /// transaction holds every key of the instance: etcd takes 128 by default).
     fn register(&self, instance: Instance) -> BoxFuture<'_, Result<(), RegistryError>> {
         Box::pin(self.register_instance(instance))
     }

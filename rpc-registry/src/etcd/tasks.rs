@@ -21,6 +21,9 @@ pub(super) struct KeepRegistered {
     pub(super) lease: Arc<AtomicI64>,
     pub(super) ttl: i64,
     pub(super) alive: watch::Receiver<()>,
+    /// Whether to write the keys under a new lease before keeping it alive: for a version put
+    /// back after its replacement failed, whose keys the failed write may have taken.
+    pub(super) write_first: bool,
 }
 
 /// Keeps an instance registered until aborted (deregistration) or the registry is dropped.
@@ -29,6 +32,9 @@ pub(super) async fn keep_registered(mut r: KeepRegistered) {
     // Whether the last attempt failed: the first failure of a streak is a warning, the rest
     // are debug messages, and the recovery is logged.
     let mut failing = false;
+    if r.write_first && !register_again(&mut r, &mut backoff, &mut failing).await {
+        return;
+    }
     loop {
         let lease = r.lease.load(Ordering::SeqCst);
         let end = tokio::select! {
@@ -59,26 +65,33 @@ pub(super) async fn keep_registered(mut r: KeepRegistered) {
                     instance = %r.instance_id,
                     "etcd lost the instance's lease; registering it again"
                 );
-                // Registers again until it works.
-                loop {
-                    match reregister(&r).await {
-                        Ok(ttl) => {
-                            r.ttl = ttl;
-                            backoff.reset();
-                            failing = false;
-                            tracing::info!(instance = %r.instance_id, "registered again");
-                            break;
-                        }
-                        Err(e) => {
-                            tracing::debug!(
-                                instance = %r.instance_id, error = %e,
-                                "registering again failed; retrying"
-                            );
-                            if !pause(backoff.next(), &mut r.alive).await {
-                                return;
-                            }
-                        }
-                    }
+                if !register_again(&mut r, &mut backoff, &mut failing).await {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// Writes the keys under a new lease until it works; false when the registry was dropped
+/// meanwhile.
+async fn register_again(r: &mut KeepRegistered, backoff: &mut Backoff, failing: &mut bool) -> bool {
+    loop {
+        match reregister(r).await {
+            Ok(ttl) => {
+                r.ttl = ttl;
+                backoff.reset();
+                *failing = false;
+                tracing::info!(instance = %r.instance_id, "registered again");
+                return true;
+            }
+            Err(e) => {
+                tracing::debug!(
+                    instance = %r.instance_id, error = %e,
+                    "registering again failed; retrying"
+                );
+                if !pause(backoff.next(), &mut r.alive).await {
+                    return false;
                 }
             }
         }

@@ -21,6 +21,7 @@ use registry_watch::{
     a_new_server_gets_calls, addresses, has, lacks, never_within, serve, wait_until, watch,
     CallsThroughout,
 };
+use rpc::crates::registry::ServiceWatch;
 use rpc::{Client, Instance, Registry};
 use rpc::{EtcdOptions, EtcdRegistry};
 use tests::who::{Who, WhoClient};
@@ -206,14 +207,48 @@ async fn a_server_registers_again_when_etcd_comes_back_empty() {
     within("shutdown", server.shutdown()).await;
 }
 
-#[tokio::test]
-async fn a_lost_lease_is_replaced_and_the_instance_reappears() {
+/// A fresh etcd, a registry on it with instance 127.0.0.1:1001 of `t.A` registered, and a
+/// watch of `t.A` that lists it.
+async fn one_instance_of_t_a() -> (Etcd, EtcdRegistry, ServiceWatch) {
     let etcd = Etcd::start().await;
     let reg = registry(&etcd, TTL).await;
     reg.register(Instance::new("127.0.0.1:1001", ["t.A"]))
         .await
         .expect("register");
-    let mut w = watch(&reg, "t.A").await;
+    let w = watch(&reg, "t.A").await;
+    assert_eq!(addresses(&w), ["127.0.0.1:1001"]);
+    (etcd, reg, w)
+}
+
+/// A new version etcd refuses to write (more keys than one etcd transaction takes: 128 by
+/// default) fails to register, and the version before it stays registered, kept alive past
+/// its lease, and can still be deregistered.
+#[tokio::test]
+async fn a_version_that_fails_to_register_leaves_the_one_before_it_registered() {
+    let (_etcd, reg, mut w) = one_instance_of_t_a().await;
+
+    let services: Vec<String> = std::iter::once("t.A".to_string())
+        .chain((0..200).map(|i| format!("t.S{i}")))
+        .collect();
+    let refused = reg
+        .register(Instance::new("127.0.0.1:1001", services))
+        .await;
+    assert!(refused.is_err(), "etcd took 201 keys in one transaction");
+    never_within(
+        &mut w,
+        TTL * 3,
+        "the version before the refused one went",
+        lacks("127.0.0.1:1001"),
+    )
+    .await;
+
+    reg.deregister("127.0.0.1:1001").await.expect("deregister");
+    wait_until(&mut w, SEEN_WITHIN, "deregistered", |l| l.is_empty()).await;
+}
+
+#[tokio::test]
+async fn a_lost_lease_is_replaced_and_the_instance_reappears() {
+    let (etcd, reg, mut w) = one_instance_of_t_a().await;
     let raw = etcd.client().await;
     let key = reg.key(&"t.A".into(), "127.0.0.1:1001");
     let lease = lease_of(&raw, &key).await.expect("registered");
