@@ -260,12 +260,9 @@ impl ZooKeeperRegistry {
             })
             .unwrap_or_default();
         if paths.is_empty() {
-            // Nothing to publish; a previous version of the instance goes away.
-            if let Some(old) = registrations.remove(&instance.id) {
-                old.task.abort();
-                conn.remove(&old.paths).await?;
-            }
-            return Ok(());
+            // Nothing to publish; a previous version of the instance goes away, as when it is
+            // deregistered.
+            return self.remove_registered(registrations, &instance.id).await;
         }
         // One transaction: on failure the previous version stays as it was, still kept.
         let client = conn.write(&paths, &value, &obsolete).await?;
@@ -289,7 +286,18 @@ impl ZooKeeperRegistry {
     }
 
     async fn deregister_instance(&self, instance_id: &str) -> Result<(), RegistryError> {
-        let mut registrations = self.inner.registrations.lock().await;
+        let registrations = self.inner.registrations.lock().await;
+        self.remove_registered(registrations, instance_id).await
+    }
+
+    /// Stops keeping `instance_id` registered and removes its nodes, under the lock of the
+    /// registrations (`registrations`); when ZooKeeper does not answer, the nodes are removed
+    /// in the background as soon as it does.
+    async fn remove_registered(
+        &self,
+        mut registrations: tokio::sync::MutexGuard<'_, HashMap<String, Registration>>,
+        instance_id: &str,
+    ) -> Result<(), RegistryError> {
         let Some(registration) = registrations.remove(instance_id) else {
             return Ok(());
         };

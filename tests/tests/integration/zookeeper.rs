@@ -238,6 +238,58 @@ async fn calls_keep_working_while_zookeeper_restarts_and_the_sessions_resume() {
     within("shutdown", server.shutdown()).await;
 }
 
+/// Registering an id again with no services takes the instance away, as deregistering does:
+/// when ZooKeeper does not answer, the call fails and the nodes go as soon as it answers again
+/// (the session lives on across the outage, so they would not go by themselves).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_registered_again_without_services_goes_once_zookeeper_answers() {
+    let mut zk = ZooKeeper::start().await;
+    let url = zk.url();
+    let quick = ZooKeeperOptions {
+        session_timeout: TTL,
+        connect_timeout: Duration::from_millis(300),
+        request_timeout: Duration::from_millis(300),
+        ..ZooKeeperOptions::default()
+    };
+    let reg = ZooKeeperRegistry::from_url_with_options(&url, quick).expect("ZooKeeper registry");
+    within(
+        "register",
+        reg.register(Instance::new("127.0.0.1:1001", ["t.A"])),
+    )
+    .await
+    .expect("register");
+    let node = reg.path(&"t.A".into(), "127.0.0.1:1001");
+    let owner = stat(&zk.client().await, &node)
+        .await
+        .expect("registered")
+        .ephemeral_owner;
+
+    zk.stop();
+    let no_services: [&str; 0] = [];
+    let refused = within(
+        "register without services",
+        reg.register(Instance::new("127.0.0.1:1001", no_services)),
+    )
+    .await;
+    assert!(refused.is_err(), "ZooKeeper is down, yet the nodes went");
+    zk.restart().await;
+
+    // Another process's view, from after the outage.
+    let other = registry(&url);
+    let mut w = watch(&other, "t.A").await;
+    wait_until(
+        &mut w,
+        SEEN_WITHIN,
+        "the instance gone",
+        lacks("127.0.0.1:1001"),
+    )
+    .await;
+    assert!(
+        stat(&zk.client().await, &node).await.is_none(),
+        "the node of session {owner:#x} outlived the outage"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_registers_again_when_zookeeper_comes_back_empty() {
     let mut zk = ZooKeeper::start().await;
