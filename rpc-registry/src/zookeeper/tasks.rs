@@ -195,15 +195,18 @@ impl WatchTask {
         // Whether the instances may miss changes, whether the watch must be added again, and
         // whether the session is disconnected.
         let (mut stale, mut rewatch, mut disconnected) = (false, false, false);
+        // When to read the whole service again while it is stale. A deadline, set once per
+        // attempt: events of other nodes coming faster than the backoff must not put it off.
+        let mut retry_at: Option<tokio::time::Instant> = None;
         loop {
-            let retry_in = if stale && !disconnected {
-                Some(self.backoff.next())
+            if stale && !disconnected {
+                retry_at.get_or_insert_with(|| tokio::time::Instant::now() + self.backoff.next());
             } else {
-                None
-            };
+                retry_at = None;
+            }
             let retry = async {
-                match retry_in {
-                    Some(d) => tokio::time::sleep(d).await,
+                match retry_at {
+                    Some(at) => tokio::time::sleep_until(at).await,
                     None => std::future::pending().await,
                 }
             };
@@ -213,6 +216,7 @@ impl WatchTask {
                 _ = self.signals.stopped() => return End::Stop,
             };
             let Some(first) = first else {
+                retry_at = None;
                 stale = !self.refresh(client, watcher, &mut rewatch, failing).await;
                 continue;
             };
