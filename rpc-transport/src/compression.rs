@@ -210,14 +210,6 @@ pub fn pack(
     (packed.len() < data.len()).then_some(packed)
 }
 
-/// A stream item's payload, decompressed within `limit` bytes when it came compressed.
-pub(crate) fn unpack_item(
-    item: &rpc_core::wire::StreamItem,
-    limit: usize,
-) -> Result<bytes::Bytes, String> {
-    unpack_payload(item.message_id, &item.payload, item.compression, limit)
-}
-
 /// The payload of an item of stream `message_id` compressed with `compression` (wire number,
 /// 0: plain), decompressed within `limit` bytes.
 pub(crate) fn unpack_payload(

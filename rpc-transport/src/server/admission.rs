@@ -14,7 +14,7 @@ use tokio::time::Instant;
 use super::calls::{dispatch, Conn};
 use super::handler::{error_result, InvokeHandler};
 use super::options::{ServerOptions, ABUSE_LIMIT};
-use super::streams::{Inbound, StreamSlot};
+use super::streams::{Inbound, Queued, StreamSlot};
 use crate::codec::kind_name;
 use crate::invoke::{Incoming, Invoke};
 
@@ -182,6 +182,7 @@ impl FrameCtx<'_> {
                     let slot = Arc::new(StreamSlot::new(
                         self.options.stream_window.max(1),
                         u64::from(self.options.stream_window_bytes),
+                        self.options.max_frame_length,
                     ));
                     conn.streams.open(id, slot.clone());
                     let inbound = Inbound::new(id, slot.clone(), conn.sender.clone());
@@ -222,54 +223,23 @@ impl FrameCtx<'_> {
             }
             Some(Ok(Incoming::Other(Kind::StreamItem(item)))) => {
                 // (Items of a stream that ended are dropped; a stream that takes none, or is
-                // sent more than its credit, ends with an error.)
+                // sent more than its credit, ends with an error. Compressed items stay so until
+                // the handler takes them.)
                 if let Some(slot) = conn.streams.get(item.message_id) {
-                    match crate::compression::unpack_item(&item, self.options.max_frame_length) {
-                        Ok(payload) => slot.push([(payload, item.payload.len())]),
-                        // A corrupt item ends the client's request stream with 500, and so
-                        // the stream.
-                        Err(why) => slot.finish(rpc_core::wire::StreamEnd {
-                            message_id: item.message_id,
-                            status_code: StatusCode::FrameworkError.as_u32(),
-                            exception_message: format!(
-                                "{why}; the stream was ended: send items that decompress \
-                                 within the server's frame limit"
-                            ),
-                        }),
-                    }
+                    slot.push([Queued {
+                        payload: item.payload,
+                        compression: item.compression,
+                    }]);
                 }
                 Ok(())
             }
             Some(Ok(Incoming::Other(Kind::StreamItems(items)))) => {
                 if let Some(slot) = conn.streams.get(items.message_id) {
-                    let limit = self.options.max_frame_length;
-                    let mut plain = Vec::with_capacity(items.payloads.len());
-                    let mut broken = None;
-                    for p in &items.payloads {
-                        match crate::compression::unpack_payload(
-                            items.message_id,
-                            p,
-                            items.compression,
-                            limit,
-                        ) {
-                            Ok(item) => plain.push((item, p.len())),
-                            Err(why) => {
-                                broken = Some(why);
-                                break;
-                            }
-                        }
-                    }
-                    slot.push(plain);
-                    if let Some(why) = broken {
-                        slot.finish(rpc_core::wire::StreamEnd {
-                            message_id: items.message_id,
-                            status_code: StatusCode::FrameworkError.as_u32(),
-                            exception_message: format!(
-                                "{why}; the stream was ended: send items that decompress \
-                                 within the server's frame limit"
-                            ),
-                        });
-                    }
+                    let compression = items.compression;
+                    slot.push(items.payloads.into_iter().map(|payload| Queued {
+                        payload,
+                        compression,
+                    }));
                 }
                 Ok(())
             }

@@ -55,11 +55,21 @@ pub(super) struct StreamSlot {
     waker: AtomicWaker,
     /// The client sent what this stream does not take: it ends with status 500.
     violated: AtomicBool,
+    /// The most bytes one of the client's items may decompress to.
+    max_item_bytes: usize,
+}
+
+/// One of the client's items as it came: compressed (`compression`, its wire number) or plain
+/// (0). It is decompressed when the handler takes it, so what waits is bounded by the window
+/// as it travels, never by what a small compressed item may expand to.
+pub(super) struct Queued {
+    pub(super) payload: Bytes,
+    pub(super) compression: i32,
 }
 
 /// The client's items waiting for the handler.
 struct InboundQueue {
-    items: VecDeque<Bytes>,
+    items: VecDeque<Queued>,
     /// The client's `StreamEnd`: `Ok` when its stream is complete.
     end: Option<Result<(), RpcError>>,
     waker: Option<Waker>,
@@ -69,8 +79,13 @@ struct InboundQueue {
 
 impl StreamSlot {
     /// The state of a stream that takes up to `inbound_window` of the client's items (0: none)
-    /// and `inbound_window_bytes` of their bytes (0: items only).
-    pub(super) fn new(inbound_window: u32, inbound_window_bytes: u64) -> Self {
+    /// and `inbound_window_bytes` of their bytes (0: items only), each decompressing to at most
+    /// `max_item_bytes`.
+    pub(super) fn new(
+        inbound_window: u32,
+        inbound_window_bytes: u64,
+        max_item_bytes: usize,
+    ) -> Self {
         StreamSlot {
             inbound: Mutex::new(InboundQueue {
                 items: VecDeque::new(),
@@ -83,6 +98,7 @@ impl StreamSlot {
             granted: AtomicU64::new(0),
             waker: AtomicWaker::new(),
             violated: AtomicBool::new(false),
+            max_item_bytes,
         }
     }
 
@@ -94,8 +110,9 @@ impl StreamSlot {
     /// order, under one lock and with at most one wake-up; an item beyond the client's credit
     /// ends the stream (the items before it stay queued).
     ///
-    /// Each item comes with its size on the wire, which the byte window counts.
-    pub(super) fn push(&self, items: impl IntoIterator<Item = (Bytes, usize)>) {
+    /// Items are queued as they travel (the byte window counts that size), and decompressed
+    /// when the handler takes them.
+    pub(super) fn push(&self, items: impl IntoIterator<Item = Queued>) {
         let waker = {
             let mut q = self.inbound();
             if self.inbound_window == 0 || q.end.is_some() {
@@ -104,8 +121,8 @@ impl StreamSlot {
                 return;
             }
             let q = &mut *q;
-            for (item, wire) in items {
-                if !q.held.admit(wire) {
+            for item in items {
+                if !q.held.admit(item.payload.len()) {
                     let waker = q.waker.take();
                     self.violated.store(true, Ordering::Release);
                     self.waker.wake();
@@ -176,7 +193,7 @@ pub(super) struct Inbound {
     slot: Arc<StreamSlot>,
     sender: FrameSender,
     /// Items moved out of the shared queue, taken from here without locking.
-    local: VecDeque<Bytes>,
+    local: VecDeque<Queued>,
     /// What the handler took since credit was last granted.
     taken: Taken,
     done: bool,
@@ -205,8 +222,7 @@ impl Stream for Inbound {
             return Poll::Ready(None);
         }
         if let Some(item) = this.local.pop_front() {
-            this.took(item.len());
-            return Poll::Ready(Some(Ok(item)));
+            return Poll::Ready(Some(this.take(item)));
         }
         let next = {
             let mut q = this.slot.inbound();
@@ -215,8 +231,7 @@ impl Stream for Inbound {
                 std::mem::swap(&mut q.items, &mut this.local);
                 drop(q);
                 let item = this.local.pop_front().expect("just moved");
-                this.took(item.len());
-                return Poll::Ready(Some(Ok(item)));
+                return Poll::Ready(Some(this.take(item)));
             } else if this.slot.violated.load(Ordering::Acquire) {
                 Some(Err(RpcError::new(
                     StatusCode::FrameworkError,
@@ -239,6 +254,25 @@ impl Stream for Inbound {
 }
 
 impl Inbound {
+    /// The handler takes `item`: counted as taken, and decompressed. One that does not
+    /// decompress (within the item limit) ends the client's request stream with 500.
+    fn take(&mut self, item: Queued) -> Result<Bytes, RpcError> {
+        self.took(item.payload.len());
+        let limit = self.slot.max_item_bytes;
+        crate::compression::unpack_payload(self.id, &item.payload, item.compression, limit).map_err(
+            |why| {
+                self.done = true;
+                RpcError::new(
+                    StatusCode::FrameworkError,
+                    format!(
+                        "the caller's request stream failed: {why}; the stream was ended: send \
+                         items that decompress within the server's frame limit"
+                    ),
+                )
+            },
+        )
+    }
+
     /// Counts an item of `len` bytes taken, granting the client credit when it is time (and
     /// the client's stream goes on).
     fn took(&mut self, len: usize) {
@@ -490,7 +524,7 @@ impl StreamDriver {
         sender: FrameSender,
     ) -> Self {
         let slot = slot.unwrap_or_else(|| {
-            let slot = Arc::new(StreamSlot::new(0, 0));
+            let slot = Arc::new(StreamSlot::new(0, 0, 0));
             table.lock().insert(id, slot.clone());
             slot
         });

@@ -1093,6 +1093,86 @@ async fn on_the_wire_the_server_takes_and_sends_compressed_items_and_ends_a_stre
     within("shutdown", server.shutdown()).await;
 }
 
+/// The peak resident memory of this process so far (`VmHWM`), in bytes.
+fn peak_resident_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmHWM");
+    kb * 1024
+}
+
+/// Compressed items wait compressed until the handler takes them: a frame of small zstd items
+/// that each expand to 8 MiB (512 MiB in all) costs the server one item's expansion at a time,
+/// not the frame's. Here the handler cannot read the first (zeros are not its text): that
+/// stream ends with an error, the rest never expanded.
+#[tokio::test]
+async fn compressed_items_are_expanded_one_at_a_time_as_the_handler_takes_them() {
+    use common::RawConn;
+    use rpc::crates::core::wire::{
+        frame::Kind, Hello, RemoteInvokeMessage, StreamItems, StreamMode,
+    };
+    use rpc::crates::core::Compression;
+    use rpc::crates::transport::compression::compress;
+    use rpc::Codec;
+    let reg = InProcessRegistry::new();
+    let (server, _market) = serve(&reg).await;
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.send(Kind::Hello(Hello {
+        protocol_version: 1,
+        client_id: "raw-bomb".into(),
+        streams: true,
+        stream_window: 8,
+        stream_batches: true,
+        accept_compression: vec![Compression::Zstd.to_wire()],
+        ..Default::default()
+    }))
+    .await
+    .expect("hello");
+    assert!(matches!(raw.recv().await, Some(Kind::HelloAck(a)) if a.streams));
+    raw.send(Kind::Invoke(RemoteInvokeMessage {
+        message_id: 1,
+        service_entry_id: "g.Stocks.shout".into(),
+        parameters: Codec::MsgPack.encode(&(">",)).expect("encode"),
+        stream_mode: StreamMode::Bidi as i32,
+        ..Default::default()
+    }))
+    .await
+    .expect("open");
+    assert!(
+        matches!(within("accepted", raw.recv()).await, Some(Kind::StreamCredit(c)) if c.message_id == 1)
+    );
+    let expands = compress(Compression::Zstd, &vec![0u8; 8 << 20]);
+    assert!(expands.len() < 4096, "{} bytes", expands.len());
+    let before = peak_resident_bytes();
+    raw.send(Kind::StreamItems(StreamItems {
+        message_id: 1,
+        payloads: vec![expands; 64],
+        compression: Compression::Zstd.to_wire(),
+    }))
+    .await
+    .expect("items");
+    let end = loop {
+        match within("the end", raw.recv()).await {
+            Some(Kind::Result(r)) => break r,
+            Some(Kind::StreamCredit(_)) => continue,
+            other => panic!("expected the end, got {other:?}"),
+        }
+    };
+    assert_eq!(end.message_id, 1);
+    assert_ne!(end.status_code, 200, "{end:?}");
+    let grew = peak_resident_bytes().saturating_sub(before);
+    assert!(
+        grew < 128 << 20,
+        "the server's peak memory grew by {} MiB for 64 items of 8 MiB",
+        grew >> 20
+    );
+    drop(raw);
+    within("shutdown", server.shutdown()).await;
+}
+
 /// A raw server that accepts zstd and streams, against the real client: the client compresses
 /// its items of the entry (declared zstd), decompresses the server's, and ends the stream (only)
 /// with 500 on an item that does not decompress, telling the server to stop.
