@@ -131,8 +131,9 @@ fn deliver_run(shared: &Shared, run: ItemRun) {
 }
 
 /// Hands one frame's items of stream `id` (compressed with `compression`) to the stream, all
-/// at once. Items of a stream that ended or was given up are dropped; an item that does not
-/// decompress, or beyond the credit given, ends its stream (only), the server told to stop.
+/// at once, as they came: a compressed item is decompressed when it is lent. Items of a stream
+/// that ended or was given up are dropped; items beyond the credit given end their stream
+/// (only), the server told to stop.
 fn deliver(
     shared: &Shared,
     id: u64,
@@ -142,31 +143,8 @@ fn deliver(
     let Some(stream) = shared.pending.stream(id) else {
         return;
     };
-    let limit = shared.max_frame_length;
-    let (within, broken) = if compression == 0 {
-        (
-            stream.push(payloads.map(|p| {
-                let wire = p.len();
-                Chunk::one(p, wire)
-            })),
-            None,
-        )
-    } else {
-        let mut plain = Vec::with_capacity(payloads.len());
-        let mut broken = None;
-        for p in payloads {
-            match crate::compression::unpack_payload(id, &p, compression, limit) {
-                Ok(item) => plain.push(Chunk::one(item, p.len())),
-                Err(e) => {
-                    broken = Some(e);
-                    break;
-                }
-            }
-        }
-        (stream.push(plain), broken)
-    };
-    if !within || broken.is_some() {
-        end_broken(shared, id, &stream, broken.filter(|_| within));
+    if !stream.push(payloads.map(|p| Chunk::compressed(p, compression))) {
+        end_broken(shared, id, &stream, None::<RpcError>);
     }
 }
 

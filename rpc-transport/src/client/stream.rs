@@ -59,18 +59,38 @@ pub(super) struct Chunk {
     next: usize,
     /// Items in the chunk (those within the credit).
     count: usize,
+    /// How a lone item is compressed (its wire number; 0: plain). It is decompressed when it is
+    /// lent, so what a stream holds is bounded by its window as items travel, never by what a
+    /// small compressed item may expand to.
+    compression: i32,
 }
 
 impl Chunk {
-    /// One item, `wire` bytes on the wire.
-    pub(super) fn one(item: Bytes, wire: usize) -> Self {
+    /// One plain item.
+    #[cfg(test)]
+    fn one(item: Bytes) -> Self {
+        Chunk::compressed(item, 0)
+    }
+
+    /// One item as it came, compressed with `compression` (0: plain).
+    pub(super) fn compressed(payload: Bytes, compression: i32) -> Self {
         Chunk {
-            buf: item,
+            lone_wire: Some(payload.len()),
+            buf: payload,
             places: Vec::new(),
-            lone_wire: Some(wire),
             next: 0,
             count: 1,
+            compression,
         }
+    }
+
+    /// Decompresses a compressed lone item in place, within `limit` bytes.
+    fn expand(&mut self, id: u64, limit: usize) -> Result<(), String> {
+        if self.compression != 0 {
+            self.buf = crate::compression::unpack_payload(id, &self.buf, self.compression, limit)?;
+            self.compression = 0;
+        }
+        Ok(())
     }
 
     /// The items of a plain `StreamItems` frame (none, for a frame that carries none).
@@ -81,6 +101,7 @@ impl Chunk {
             places: run.places,
             lone_wire: None,
             next: 0,
+            compression: 0,
         }
     }
 
@@ -352,6 +373,22 @@ pub struct StreamSender {
 }
 
 impl ClientStream {
+    /// Ends the stream on an item that does not decompress, telling the server to stop it;
+    /// the error to hand the consumer.
+    fn broken(&mut self, why: &str) -> RpcError {
+        self.finished = true;
+        let shared = &self.tx.conn.shared;
+        if shared.pending.remove(self.tx.id) {
+            shared.sender.send(Kind::Cancel(Cancel {
+                message_id: self.tx.id,
+            }));
+        }
+        RpcError::new(
+            StatusCode::FrameworkError,
+            format!("{}: {why}; the stream was ended", shared.peer),
+        )
+    }
+
     pub(super) fn new(conn: Connection, id: u64, shared: Arc<StreamShared>) -> Self {
         let taken = Taken::new(shared.window, shared.window_bytes);
         ClientStream {
@@ -479,8 +516,12 @@ impl ItemSource for ClientStream {
         if self.finished {
             return Poll::Ready(None);
         }
+        let limit = self.tx.conn.shared.max_frame_length;
         let next = loop {
             if let Some(chunk) = self.local.front_mut() {
+                if let Err(why) = chunk.expand(self.tx.id, limit) {
+                    return Poll::Ready(Some(Err(self.broken(&why))));
+                }
                 if let Some(range) = chunk.next() {
                     break Ok(range);
                 }
@@ -628,14 +669,21 @@ mod tests {
         let s = StreamShared::new(100, 100, 0);
         // The accepting credit.
         s.credit(0);
-        // Ten items of 1000 bytes once decompressed, 9 bytes each on the wire: 90 bytes held.
-        let big = Bytes::from(vec![0u8; 1000]);
-        assert!(s.push((0..10).map(|_| Chunk::one(big.clone(), 9))));
-        // 90 is below the window of 100: one more may go, past it.
-        assert!(s.push([Chunk::one(Bytes::from_static(b"x"), 20)]));
+        // Four items of 1000 bytes once decompressed, a few bytes each on the wire.
+        let packed = crate::compression::compress(
+            rpc_core::Compression::Zstd,
+            &Bytes::from(vec![0u8; 1000]),
+        );
+        let wire = packed.len();
+        assert!(wire < 25, "{wire} bytes");
+        let zstd = rpc_core::Compression::Zstd.to_wire();
+        assert!(s.push((0..4).map(|_| Chunk::compressed(packed.clone(), zstd))));
+        // 4 * wire is below the window of 100: one more may go, up to it.
+        let rest = Bytes::from(vec![b'x'; 100 - 4 * wire]);
+        assert!(s.push([Chunk::one(rest)]));
         assert!(
-            !s.push([Chunk::one(Bytes::from_static(b"y"), 1)]),
-            "110 bytes held reach the window"
+            !s.push([Chunk::one(Bytes::from_static(b"y"))]),
+            "100 bytes held reach the window"
         );
     }
 }

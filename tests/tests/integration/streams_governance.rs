@@ -1104,6 +1104,26 @@ fn peak_resident_bytes() -> u64 {
     kb * 1024
 }
 
+/// A zstd item under 4 KiB that expands to 8 MiB (of zeros).
+fn expanding_item() -> rpc::Bytes {
+    use rpc::crates::core::Compression;
+    let item =
+        rpc::crates::transport::compression::compress(Compression::Zstd, &vec![0u8; 8 << 20]);
+    assert!(item.len() < 4096, "{} bytes", item.len());
+    item
+}
+
+/// Checks that the peak memory of this process grew by less than 128 MiB since `before` while
+/// `who` was sent 64 items of 8 MiB.
+fn assert_expanded_one_at_a_time(before: u64, who: &str) {
+    let grew = peak_resident_bytes().saturating_sub(before);
+    assert!(
+        grew < 128 << 20,
+        "the {who}'s peak memory grew by {} MiB for 64 items of 8 MiB",
+        grew >> 20
+    );
+}
+
 /// Compressed items wait compressed until the handler takes them: a frame of small zstd items
 /// that each expand to 8 MiB (512 MiB in all) costs the server one item's expansion at a time,
 /// not the frame's. Here the handler cannot read the first (zeros are not its text): that
@@ -1115,7 +1135,6 @@ async fn compressed_items_are_expanded_one_at_a_time_as_the_handler_takes_them()
         frame::Kind, Hello, RemoteInvokeMessage, StreamItems, StreamMode,
     };
     use rpc::crates::core::Compression;
-    use rpc::crates::transport::compression::compress;
     use rpc::Codec;
     let reg = InProcessRegistry::new();
     let (server, _market) = serve(&reg).await;
@@ -1144,8 +1163,7 @@ async fn compressed_items_are_expanded_one_at_a_time_as_the_handler_takes_them()
     assert!(
         matches!(within("accepted", raw.recv()).await, Some(Kind::StreamCredit(c)) if c.message_id == 1)
     );
-    let expands = compress(Compression::Zstd, &vec![0u8; 8 << 20]);
-    assert!(expands.len() < 4096, "{} bytes", expands.len());
+    let expands = expanding_item();
     let before = peak_resident_bytes();
     raw.send(Kind::StreamItems(StreamItems {
         message_id: 1,
@@ -1163,12 +1181,7 @@ async fn compressed_items_are_expanded_one_at_a_time_as_the_handler_takes_them()
     };
     assert_eq!(end.message_id, 1);
     assert_ne!(end.status_code, 200, "{end:?}");
-    let grew = peak_resident_bytes().saturating_sub(before);
-    assert!(
-        grew < 128 << 20,
-        "the server's peak memory grew by {} MiB for 64 items of 8 MiB",
-        grew >> 20
-    );
+    assert_expanded_one_at_a_time(before, "server");
     drop(raw);
     within("shutdown", server.shutdown()).await;
 }
@@ -1283,6 +1296,82 @@ async fn on_the_wire_the_client_sends_compressed_items_and_ends_a_stream_on_a_co
     within("the raw server", raw_server)
         .await
         .expect("raw server");
+}
+
+/// The client holds a server's compressed items as they came and expands each when the consumer
+/// takes it: a frame of small zstd items that each expand to 8 MiB (512 MiB in all) never
+/// costs it the frame's expansion.
+#[tokio::test]
+async fn a_clients_compressed_items_are_expanded_one_at_a_time_as_they_are_taken() {
+    use common::RawConn;
+    use rpc::crates::core::wire::{frame::Kind, HelloAck, StreamCredit, StreamItems};
+    use rpc::crates::core::Compression;
+    use rpc::StaticRegistry;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let expands = expanding_item();
+    let before = peak_resident_bytes();
+    let raw_server = tokio::spawn(async move {
+        let (stream, _) = within("accept", listener.accept()).await.expect("accept");
+        let mut peer = RawConn::from_stream(stream);
+        assert!(matches!(peer.recv().await, Some(Kind::Hello(_))));
+        peer.send(Kind::HelloAck(HelloAck {
+            protocol_version: 1,
+            streams: true,
+            stream_window: 8,
+            stream_batches: true,
+            accept_compression: vec![Compression::Zstd.to_wire()],
+            ..Default::default()
+        }))
+        .await
+        .expect("ack");
+        let id = match peer.recv().await {
+            Some(Kind::Invoke(i)) => i.message_id,
+            other => panic!("expected the stream's opening, got {other:?}"),
+        };
+        peer.send(Kind::StreamCredit(StreamCredit {
+            message_id: id,
+            items: 8,
+        }))
+        .await
+        .expect("accept");
+        peer.send(Kind::StreamItems(StreamItems {
+            message_id: id,
+            payloads: vec![expands; 64],
+            compression: Compression::Zstd.to_wire(),
+        }))
+        .await
+        .expect("items");
+        // Until the client gives the stream up (or goes).
+        loop {
+            match within("the Cancel", peer.recv()).await {
+                Some(Kind::Cancel(_)) | None => break,
+                Some(_) => continue,
+            }
+        }
+    });
+    let stocks = StocksClient::new(
+        Client::builder()
+            .registry(StaticRegistry::from_list(&addr.to_string()).expect("registry"))
+            .override_options(StocksClient::SERVICE_ID, options(100))
+            .build(),
+    );
+    let mut back = within(
+        "shout",
+        stocks.shout(">".into(), RpcStream::iter(Vec::<String>::new())),
+    )
+    .await
+    .expect("accepted");
+    // Zeros are not the method's text: the first item taken ends the stream.
+    let first = within("first", back.next()).await.expect("an item");
+    assert!(first.is_err(), "{first:?}");
+    drop(back);
+    within("the raw server", raw_server)
+        .await
+        .expect("raw server");
+    assert_expanded_one_at_a_time(before, "client");
 }
 
 /// A server layer that records each set-up it sees and each stream's end, and refuses the
