@@ -245,6 +245,46 @@ impl Dispatcher {
     }
 }
 
+/// A stream's events with their items compressed one by one ([`Pack::apply_item`]): items
+/// come as buffers of their own, never through the sink; its end, and an end while it waits
+/// for credit (its deadline), as the events give them.
+struct PackedEvents {
+    events: std::pin::Pin<Box<dyn rpc_transport::StreamEvents>>,
+    pack: Pack,
+}
+
+impl futures_util::Stream for PackedEvents {
+    type Item = StreamEvent;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<StreamEvent>> {
+        let pack = self.pack;
+        self.events
+            .as_mut()
+            .poll_next(cx)
+            .map(|event| event.map(|e| pack.apply_item(e)))
+    }
+}
+
+impl rpc_transport::StreamEvents for PackedEvents {
+    fn poll_items_into(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        _sink: &mut rpc_transport::ItemSink<'_>,
+    ) -> Poll<Option<StreamEvent>> {
+        futures_util::Stream::poll_next(self, cx)
+    }
+
+    fn poll_ended(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<RemoteResultMessage> {
+        self.events.as_mut().poll_ended(cx)
+    }
+}
+
 /// How one call's answer is compressed: with `algorithm` (one the caller accepts) when its
 /// result is at least `threshold` bytes and shrinks.
 #[derive(Debug, Clone, Copy)]
@@ -284,11 +324,11 @@ impl Pack {
                 events,
                 move |event| self.apply_item(event),
             ))),
-            // (Compressed items are buffers of their own: taken as such.)
-            Dispatch::Events(events) => Dispatch::Stream(Box::pin(futures_util::StreamExt::map(
-                events,
-                move |event| self.apply_item(event),
-            ))),
+            // (Compressed items are buffers of their own: taken as such, the events' other
+            // abilities kept.)
+            Dispatch::Events(events) => {
+                Dispatch::Events(Box::pin(PackedEvents { events, pack: self }))
+            }
         }
     }
 

@@ -369,6 +369,28 @@ impl ServerStream {
         }
     }
 
+    /// The stream's end once the caller's deadline passed (`cx` woken then).
+    fn poll_deadline(&mut self, cx: &mut Context<'_>) -> Poll<Poll<Option<StreamEvent>>> {
+        let Some((deadline, budget_ms)) = self.deadline else {
+            return Poll::Pending;
+        };
+        let timer = self
+            .timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+        if timer.as_mut().poll(cx).is_pending() {
+            return Poll::Pending;
+        }
+        let e = RpcError::new(
+            StatusCode::Timeout,
+            format!(
+                "{} ran out of the caller's {budget_ms} ms budget after {} stream items; the \
+                 stream was stopped",
+                self.entry, self.sent
+            ),
+        );
+        Poll::Ready(self.end(Err(e)))
+    }
+
     fn end(&mut self, result: Result<Bytes, RpcError>) -> Poll<Option<StreamEvent>> {
         self.ended = true;
         // (Layers hear of the end of a stream whose set-up succeeded only.)
@@ -464,6 +486,17 @@ impl StreamEvents for ServerStream {
     ) -> Poll<Option<StreamEvent>> {
         self.poll_event(cx, Some(sink))
     }
+
+    /// The deadline covers the time a stream waits for the caller's credit too.
+    fn poll_ended(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<RemoteResultMessage> {
+        if self.ended {
+            return Poll::Pending;
+        }
+        match self.poll_deadline(cx) {
+            Poll::Ready(Poll::Ready(Some(StreamEvent::End(end)))) => Poll::Ready(*end),
+            _ => Poll::Pending,
+        }
+    }
 }
 
 /// Why a run of items stopped.
@@ -486,21 +519,8 @@ impl ServerStream {
         if this.ended {
             return Poll::Ready(None);
         }
-        if let Some((deadline, budget_ms)) = this.deadline {
-            let timer = this
-                .timer
-                .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
-            if timer.as_mut().poll(cx).is_ready() {
-                let e = RpcError::new(
-                    StatusCode::Timeout,
-                    format!(
-                        "{} ran out of the caller's {budget_ms} ms budget after {} stream \
-                         items; the stream was stopped",
-                        this.entry, this.sent
-                    ),
-                );
-                return this.end(Err(e));
-            }
+        if let Poll::Ready(end) = this.poll_deadline(cx) {
+            return end;
         }
         if this.accept_first && !this.accepted {
             // Admitted: the caller may send its items, which the handler takes.

@@ -52,6 +52,14 @@ pub trait StreamEvents: Stream<Item = StreamEvent> + Send {
         cx: &mut Context<'_>,
         sink: &mut ItemSink<'_>,
     ) -> Poll<Option<StreamEvent>>;
+
+    /// While the stream waits for the client's credit (and so is not polled for items): its
+    /// end if it ended meanwhile without producing anything, such as its deadline passing (the
+    /// answer [`StreamEvent::End`] would carry); `Pending` while it goes on, `cx` woken when
+    /// that may change. The default never ends a waiting stream.
+    fn poll_ended(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<RemoteResultMessage> {
+        Poll::Pending
+    }
 }
 
 /// What a stream answering a call produces (see [`Dispatch::Stream`]).

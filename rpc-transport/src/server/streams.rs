@@ -605,13 +605,19 @@ impl StreamDriver {
                      take; the stream was ended",
                 ));
             }
-            // No credit, no poll: the producer waits until the client grants more.
+            // No credit, no poll: the producer waits until the client grants more, or its
+            // deadline passes.
             if this.accepted && !this.credit.ready() {
                 this.sync_credit();
                 if !this.credit.ready() {
                     this.slot.waker.register(cx.waker());
                     this.sync_credit();
                     if !this.credit.ready() && !this.slot.violated.load(Ordering::Acquire) {
+                        if let Events::Into(events) = &mut this.events {
+                            if let Poll::Ready(end) = events.as_mut().poll_ended(cx) {
+                                return Poll::Ready(end);
+                            }
+                        }
                         return Poll::Pending;
                     }
                 }

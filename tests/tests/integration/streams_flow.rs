@@ -1,8 +1,9 @@
 //! Stream flow control and batching on the wire, seen by a peer speaking frames by hand over
 //! real TCP: a client that knows neither batches nor byte windows is sent one item per frame
 //! within its item window; a client that takes batches gets several items per frame, yet never
-//! more than its item credit nor past its byte window; and a server that knows neither is sent
-//! the client's items one per frame.
+//! more than its item credit nor past its byte window; a stream whose client grants no more
+//! credit still ends at its deadline; and a server that knows neither is sent the client's
+//! items one per frame.
 
 use crate::common;
 
@@ -333,4 +334,44 @@ async fn a_server_without_batches_gets_the_clients_items_one_per_frame() {
         within("old server", old_server).await.expect("old server"),
         [5, 6, 7]
     );
+}
+
+/// The deadline covers the whole stream, the time it waits for credit included: a client that
+/// takes one item and grants no more (nor cancels) gets the stream's end, a timeout (519), once
+/// the 200 ms it gave have passed, and the server lets the stream go.
+#[tokio::test]
+async fn a_stream_waiting_for_credit_ends_at_its_deadline() {
+    let (server, _polls) = serve().await;
+    let (mut raw, _ack) = raw_client(
+        &server,
+        Hello {
+            stream_window: 1,
+            ..Default::default()
+        },
+    )
+    .await;
+    raw.send(Kind::Invoke(RemoteInvokeMessage {
+        message_id: 1,
+        service_entry_id: "t.Flow.text".into(),
+        parameters: Codec::MsgPack.encode(&(8u32,)).expect("encode"),
+        stream_mode: StreamMode::Server as i32,
+        timeout_ms: 200,
+        ..Default::default()
+    }))
+    .await
+    .expect("open");
+    let mut items = 0;
+    let end: RemoteResultMessage = loop {
+        match within("the stream's end", raw.recv()).await {
+            Some(Kind::StreamCredit(_)) => continue,
+            Some(Kind::StreamItem(_)) => items += 1,
+            Some(Kind::StreamItems(run)) => items += run.payloads.len(),
+            Some(Kind::Result(end)) => break end,
+            other => panic!("expected the stream's items or end, got {other:?}"),
+        }
+    };
+    assert_eq!(items, 1, "the client's window of one item");
+    assert_eq!((end.message_id, end.status_code), (1, 519), "{end:?}");
+    drop(raw);
+    within("shutdown", server.shutdown()).await;
 }
