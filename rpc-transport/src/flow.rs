@@ -43,7 +43,6 @@ impl Credit {
     }
 
     /// Items of credit left, whatever the bytes.
-    #[cfg(test)]
     pub(crate) fn items(&self) -> u64 {
         self.items
     }

@@ -359,8 +359,12 @@ pub(super) struct StreamDriver {
     inbound_window: u32,
     /// What the client's credit allows this stream to send.
     credit: Credit,
+    /// The client's window of items: its credit never goes above it.
+    client_window: u64,
     /// The client's grants counted into `credit` so far (of the slot's `granted`).
     acked: u64,
+    /// The client granted back more items than it was sent: the stream ends with 500.
+    over_granted: bool,
     out: Out,
 }
 
@@ -533,7 +537,9 @@ impl StreamDriver {
             events: events.into(),
             inbound_window: slot.inbound_window,
             credit: Credit::new(u64::from(client_window.max(1)), client_window_bytes),
+            client_window: u64::from(client_window.max(1)),
             acked: 0,
+            over_granted: false,
             slot,
             table: table.clone(),
             sender,
@@ -574,8 +580,14 @@ impl StreamDriver {
     fn sync_credit(&mut self) {
         let granted = self.slot.granted.load(Ordering::Acquire);
         if granted > self.acked {
-            self.credit.grant(granted - self.acked);
+            let items = granted - self.acked;
             self.acked = granted;
+            // A grant gives back items the client was sent: never past its window.
+            if self.credit.items().saturating_add(items) > self.client_window {
+                self.over_granted = true;
+                return;
+            }
+            self.credit.grant(items);
         }
     }
 
@@ -605,6 +617,13 @@ impl StreamDriver {
                      take; the stream was ended",
                 ));
             }
+            if this.over_granted {
+                return Poll::Ready(error_result(
+                    StatusCode::FrameworkError,
+                    "protocol violation: the client granted credit for more items than it was \
+                     sent; the stream was ended",
+                ));
+            }
             // No credit, no poll: the producer waits until the client grants more, or its
             // deadline passes.
             if this.accepted && !this.credit.ready() {
@@ -612,7 +631,10 @@ impl StreamDriver {
                 if !this.credit.ready() {
                     this.slot.waker.register(cx.waker());
                     this.sync_credit();
-                    if !this.credit.ready() && !this.slot.violated.load(Ordering::Acquire) {
+                    if !this.credit.ready()
+                        && !this.over_granted
+                        && !this.slot.violated.load(Ordering::Acquire)
+                    {
                         if let Events::Into(events) = &mut this.events {
                             if let Poll::Ready(end) = events.as_mut().poll_ended(cx) {
                                 return Poll::Ready(end);

@@ -237,8 +237,8 @@ async fn the_byte_window_holds_the_producer_and_grants_free_the_oldest_items() {
     grant(&mut raw, 1, 1).await;
     let (items, _) = items_until_echo(&mut raw, 1, 3).await;
     assert_eq!(items.len(), 1);
-    // Five granted free the three in flight (and leave item credit to spare): three go again.
-    grant(&mut raw, 1, 5).await;
+    // Three granted free the three in flight: three go again.
+    grant(&mut raw, 1, 3).await;
     let (items, _) = items_until_echo(&mut raw, 1, 4).await;
     assert_eq!(items.len(), 3);
     assert_eq!(polls.load(Ordering::SeqCst), 7);
@@ -372,6 +372,44 @@ async fn a_stream_waiting_for_credit_ends_at_its_deadline() {
     };
     assert_eq!(items, 1, "the client's window of one item");
     assert_eq!((end.message_id, end.status_code), (1, 519), "{end:?}");
+    drop(raw);
+    within("shutdown", server.shutdown()).await;
+}
+
+/// A grant gives back items the client was sent: one for more than that (here `u32::MAX`
+/// after its window of two) ends the stream with 500, instead of letting the producer run
+/// ahead of what the client can hold.
+#[tokio::test]
+async fn a_grant_for_more_items_than_were_sent_ends_the_stream() {
+    let (server, polls) = serve().await;
+    let (mut raw, _ack) = raw_client(
+        &server,
+        Hello {
+            stream_window: 2,
+            ..Default::default()
+        },
+    )
+    .await;
+    open_text(&mut raw, 1, 8).await;
+    let (items, _) = items_until_echo(&mut raw, 1, 2).await;
+    assert_eq!(items.len(), 2, "the client's window");
+    grant(&mut raw, 1, u32::MAX).await;
+    // Bounded: a producer let run ahead would send frames without end.
+    let mut frames = 0;
+    let end: RemoteResultMessage = loop {
+        match within("the stream's end", raw.recv()).await {
+            Some(Kind::Result(end)) => break end,
+            Some(_) if frames < 1000 => frames += 1,
+            other => panic!("expected the stream's end, got {other:?} after {frames} frames"),
+        }
+    };
+    assert_eq!((end.message_id, end.status_code), (1, 500), "{end:?}");
+    assert!(
+        end.exception_message
+            .contains("more items than it was sent"),
+        "{end:?}"
+    );
+    assert!(polls.load(Ordering::SeqCst) <= 3, "the producer ran ahead");
     drop(raw);
     within("shutdown", server.shutdown()).await;
 }
