@@ -71,7 +71,32 @@ fn refuse(status: StatusCode, message: impl Into<String>) -> Response {
 
 #[cfg(test)]
 mod tests {
-    use super::same_token;
+    use super::{is_loopback_authority, same_token};
+
+    #[test]
+    fn only_loopback_names_are_this_host() {
+        for this in [
+            "127.0.0.1:9901",
+            "127.0.0.1",
+            "127.1.2.3:80",
+            "localhost:9901",
+            "LOCALHOST",
+            "[::1]:9901",
+            "[::1]",
+        ] {
+            assert!(is_loopback_authority(this), "{this}");
+        }
+        for other in [
+            "evil.example:9901",
+            "evil.example",
+            "10.0.0.1:9901",
+            "localhost.evil.example",
+            "[::2]:9901",
+            "",
+        ] {
+            assert!(!is_loopback_authority(other), "{other}");
+        }
+    }
 
     #[test]
     fn only_the_same_token_matches_whatever_its_length() {
@@ -117,10 +142,21 @@ fn same_token(given: &str, token: &str) -> bool {
     )
 }
 
-/// Lets a request through with the right bearer token ([`same_token`]).
+/// Lets a request through with the right bearer token ([`same_token`]); without a token, a
+/// request from this host only ([`from_this_host`]).
 async fn authorize(Shared(state): St, headers: HeaderMap, req: Request, next: Next) -> Response {
     let Some(token) = &state.token else {
-        return next.run(req).await;
+        return match from_this_host(&headers) {
+            Ok(()) => next.run(req).await,
+            Err(why) => refuse(
+                StatusCode::FORBIDDEN,
+                format!(
+                    "{why}: this admin endpoint has no token, so it answers only requests \
+                     addressed to 127.0.0.1, [::1] or localhost that no other site's page made; \
+                     reach it at its loopback address, or give it a token (--admin-token)"
+                ),
+            ),
+        };
     };
     let given = headers
         .get(header::AUTHORIZATION)
@@ -143,6 +179,45 @@ async fn authorize(Shared(state): St, headers: HeaderMap, req: Request, next: Ne
         header::HeaderValue::from_static("Bearer"),
     );
     response
+}
+
+/// Without a token, what keeps other sites' pages away from an endpoint on loopback: a page on
+/// another site can make the browser send simple requests (a form's POST) to 127.0.0.1, or,
+/// by re-pointing its own host name there (DNS rebinding), read the answers. So the request
+/// must be addressed to a loopback name (`Host`), and one a browser made must come from a page
+/// of this endpoint (`Origin`, when there is one, naming the same host).
+fn from_this_host(headers: &HeaderMap) -> Result<(), String> {
+    let host = headers
+        .get(header::HOST)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    if !is_loopback_authority(host) {
+        return Err(format!("the request is addressed to {host:?}"));
+    }
+    if let Some(origin) = headers.get(header::ORIGIN) {
+        let origin = origin.to_str().unwrap_or("");
+        let same = origin
+            .strip_prefix("http://")
+            .or_else(|| origin.strip_prefix("https://"))
+            .is_some_and(|authority| authority.eq_ignore_ascii_case(host));
+        if !same {
+            return Err(format!("the request comes from a page of {origin:?}"));
+        }
+    }
+    Ok(())
+}
+
+/// Whether `authority` (`host[:port]`) names this host's loopback: `localhost`, `127.x.x.x` or
+/// `[::1]`.
+fn is_loopback_authority(authority: &str) -> bool {
+    let host = match authority.strip_prefix('[') {
+        Some(rest) => rest.split(']').next().unwrap_or(""),
+        None => authority.rsplit_once(':').map_or(authority, |(h, _)| h),
+    };
+    host.eq_ignore_ascii_case("localhost")
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
 }
 
 /// Whether the server is ready, and why not.

@@ -33,7 +33,9 @@
 //! Every route but `/healthz` needs `Authorization: Bearer <token>` when a token is set; a
 //! missing or wrong token gets 401 with a JSON `{"error": ...}` saying what to send. An unknown
 //! entry or endpoint is 404 with a JSON error. Without a token the endpoint serves loopback
-//! only; a non-loopback address needs both a token and [`AdminBuilder::allow_remote`].
+//! only, and its guarded routes answer only requests addressed to a loopback name that no other
+//! site's page made (403 otherwise), so a web page cannot steer it; a non-loopback address
+//! needs both a token and [`AdminBuilder::allow_remote`].
 //!
 //! ```no_run
 //! # async fn f(client: rpc_client::Client, server: rpc_server::ServerHandle) -> Result<(), rpc_admin::AdminError> {
@@ -233,7 +235,7 @@ impl AdminBuilder {
         if self.token.is_none() {
             tracing::warn!(
                 address = %local_addr,
-                "admin endpoint without a token: anyone on this host can isolate breakers"
+                "admin endpoint without a token: any process on this host can isolate breakers"
             );
         }
         let stop = CancellationToken::new();

@@ -17,7 +17,7 @@
 //! - `rpc_breaker_state{entry}`: 0 closed, 1 half-open, 2 open (an isolated breaker is open);
 //! - `rpc_endpoint_health{address}`: 0 healthy, 1 unhealthy for now, 2 removed;
 //! - `rpc_server_ready`: 1 when the server is registered (or has no registry) and not
-//!   draining;
+//!   draining, or when the endpoint has no server (a client's), as `/readyz` answers;
 //! - `rpc_admin_events_lost_total`: events the admin endpoint fell too far behind to read.
 
 use std::sync::Mutex;
@@ -195,7 +195,8 @@ impl Metrics {
                 .get_or_create(&AddressLabels { address })
                 .set(v);
         }
-        self.ready.set(ready.map_or(0, i64::from));
+        // No server attached: ready, as `/readyz` answers.
+        self.ready.set(ready.map_or(1, i64::from));
         let mut text = String::new();
         // Writing to a String cannot fail.
         let _ = encode(&mut text, &self.registry);

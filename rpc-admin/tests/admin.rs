@@ -560,6 +560,96 @@ async fn a_non_loopback_address_needs_allow_remote_and_a_token() {
     assert!(matches!(e, Some(AdminError::BadAddress { .. })), "{e:?}");
 }
 
+/// An endpoint with a client and no server (a client process's) is ready, and its metrics say
+/// so as `/readyz` does: an alert on `rpc_server_ready == 0` must not fire for it.
+#[tokio::test]
+async fn a_client_only_endpoint_is_ready_in_readyz_and_in_its_metrics() {
+    let client = Client::builder().build();
+    let admin = Admin::builder()
+        .client(&client)
+        .token(TOKEN)
+        .serve("127.0.0.1:0")
+        .await
+        .expect("admin");
+    let http = reqwest::Client::new();
+    let get = |path: &str| {
+        http.get(format!("http://{}{path}", admin.local_addr()))
+            .bearer_auth(TOKEN)
+            .send()
+    };
+    let readyz = get("/readyz").await.expect("GET /readyz");
+    assert_eq!(readyz.status(), Http::OK);
+    let metrics = get("/metrics").await.expect("GET /metrics");
+    let text = metrics.text().await.expect("body");
+    assert!(text.contains("\nrpc_server_ready 1\n"), "{text}");
+    admin.shutdown().await;
+}
+
+/// Without a token, other sites' pages cannot steer the endpoint: a request addressed to
+/// another host name (DNS rebinding) or made by a page of another site (`Origin`) is refused
+/// with 403 saying why; the same requests addressed to the loopback address, or from the
+/// endpoint's own page, pass.
+#[tokio::test]
+async fn without_a_token_only_requests_to_the_loopback_address_from_no_other_site_pass() {
+    let server = Server::builder()
+        .add_service(EchoServer::new(Plain))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let admin = Admin::builder()
+        .server(&server)
+        .serve("127.0.0.1:0")
+        .await
+        .expect("admin");
+    let addr = admin.local_addr();
+    let http = reqwest::Client::new();
+    let send = |path: &str, headers: &[(&str, String)]| {
+        let mut request = http.post(format!("http://{addr}{path}"));
+        for (name, value) in headers {
+            request = request.header(*name, value);
+        }
+        request.send()
+    };
+    let isolate = "/api/breakers/adm.Echo.echo/isolate";
+    for (headers, why) in [
+        (vec![("host", "evil.example".to_string())], "addressed to"),
+        (
+            vec![("host", format!("evil.example:{}", addr.port()))],
+            "addressed to",
+        ),
+        (
+            vec![("origin", "http://evil.example".to_string())],
+            "comes from a page",
+        ),
+    ] {
+        let r = send(isolate, &headers).await.expect("POST");
+        assert_eq!(r.status(), Http::FORBIDDEN, "{headers:?}");
+        let body: Value = serde_json::from_str(&r.text().await.expect("body")).expect("JSON");
+        let message = body["error"].as_str().expect("error");
+        assert!(
+            message.contains(why) && message.contains("token"),
+            "{message}"
+        );
+    }
+    // Addressed to the loopback address (reqwest's own Host), or from the endpoint's own page.
+    for headers in [vec![], vec![("origin", format!("http://{addr}"))]] {
+        let r = send("/api/events", &headers).await.expect("POST");
+        assert_eq!(
+            r.status(),
+            Http::METHOD_NOT_ALLOWED,
+            "{headers:?}: past the guard"
+        );
+        let r = http
+            .get(format!("http://{addr}/api/services"))
+            .send()
+            .await
+            .expect("GET");
+        assert_eq!(r.status(), Http::OK);
+    }
+    admin.shutdown().await;
+    server.shutdown().await;
+}
+
 #[tokio::test]
 async fn the_console_page_is_served_without_the_token_and_polls_only_guarded_routes() {
     let s = setup().await;

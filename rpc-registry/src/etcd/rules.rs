@@ -148,7 +148,14 @@ impl RuleStore {
             });
         }
         let version = resp.header().map(|h| h.revision()).unwrap_or(0);
-        self.trim(kind).await?;
+        // The write is done and in force: history kept too long is housekeeping, which the
+        // next write does again, never a reason to report the write failed.
+        if let Err(e) = self.trim(kind).await {
+            tracing::warn!(
+                kind = kind.as_str(), version, error = %e,
+                "rules written; trimming their history failed, the next write tries again"
+            );
+        }
         Ok(version)
     }
 
