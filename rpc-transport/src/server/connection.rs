@@ -157,10 +157,14 @@ pub(super) async fn run_connection<R, W>(
         }
         // No more calls are taken while the client leaves its answers unread, nor after many
         // calls in a row were refused at the in-flight limit, until a running call finishes,
-        // nor above the call rate: the frames wait in the read buffer and in TCP.
+        // nor above the call rate: the frames wait in the read buffer and in TCP. (Not at the
+        // limit when every call running is a stream: a stream may finish only through the
+        // client's frames, credit, Cancel or its end, which must then be read.)
         let backlogged = conn.sender.backlog().bytes() > options.max_unsent_bytes;
-        let at_limit = conn.refused_in_a_row.load(Ordering::Relaxed) >= REFUSALS_BEFORE_PAUSE
-            && conn.in_flight.load(Ordering::Acquire) >= options.max_in_flight_per_connection;
+        let at_limit = conn.refused_in_a_row.load(Ordering::Relaxed) >= REFUSALS_BEFORE_PAUSE && {
+            let running = conn.in_flight.load(Ordering::Acquire);
+            running >= options.max_in_flight_per_connection && running > conn.streams.len()
+        };
         let paused = backlogged || at_limit || throttled;
         // Frames already read are handled before anything else is polled: the shutdown and
         // idle checks run once per read from the socket, not once per frame. Each counts

@@ -305,6 +305,11 @@ impl StreamTable {
     }
 
     /// The open stream `id`, if there is one.
+    /// Streams open now.
+    pub(super) fn len(&self) -> usize {
+        self.lock().len()
+    }
+
     pub(super) fn get(&self, id: u64) -> Option<Arc<StreamSlot>> {
         self.lock().get(&id).cloned()
     }
@@ -321,12 +326,6 @@ impl StreamTable {
         if slots.get(&id).is_some_and(|s| Arc::ptr_eq(s, slot)) {
             slots.remove(&id);
         }
-    }
-
-    /// Streams open now.
-    #[cfg(test)]
-    pub(super) fn len(&self) -> usize {
-        self.lock().len()
     }
 }
 

@@ -2,8 +2,9 @@
 //! real TCP: a client that knows neither batches nor byte windows is sent one item per frame
 //! within its item window; a client that takes batches gets several items per frame, yet never
 //! more than its item credit nor past its byte window; a stream whose client grants no more
-//! credit still ends at its deadline; and a server that knows neither is sent the client's
-//! items one per frame.
+//! credit still ends at its deadline; a connection whose in-flight limit its streams fill
+//! still reads their credit; and a server that knows neither is sent the client's items one
+//! per frame.
 
 use crate::common;
 
@@ -410,6 +411,85 @@ async fn a_grant_for_more_items_than_were_sent_ends_the_stream() {
         "{end:?}"
     );
     assert!(polls.load(Ordering::SeqCst) <= 3, "the producer ran ahead");
+    drop(raw);
+    within("shutdown", server.shutdown()).await;
+}
+
+/// Streams fill the connection's in-flight limit (2) and wait for credit; the client's calls
+/// beyond it are refused (515), many in a row. The server must still read the client's
+/// frames: a stream finishes only through them (here: the credit that lets stream 1 go on).
+#[tokio::test]
+async fn streams_at_the_in_flight_limit_still_get_their_credit_read() {
+    let server = Server::builder()
+        .max_in_flight_per_connection(2)
+        .add_service(FlowServer::new(Texts(Arc::new(AtomicU64::new(0)))))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let (mut raw, _ack) = raw_client(
+        &server,
+        Hello {
+            stream_window: 1,
+            ..Default::default()
+        },
+    )
+    .await;
+    for id in [1, 3] {
+        raw.send(Kind::Invoke(RemoteInvokeMessage {
+            message_id: id,
+            service_entry_id: "t.Flow.text".into(),
+            parameters: Codec::MsgPack.encode(&(8u32,)).expect("encode"),
+            stream_mode: StreamMode::Server as i32,
+            ..Default::default()
+        }))
+        .await
+        .expect("open");
+    }
+    // Items of stream 1 and of stream 3 so far.
+    let (mut accepted, mut items) = (0, [0u32; 2]);
+    let of = |id: u64| usize::from(id == 3);
+    while accepted < 2 {
+        match within("the streams' acceptance", raw.recv()).await {
+            Some(Kind::StreamCredit(_)) => accepted += 1,
+            Some(Kind::StreamItem(item)) => items[of(item.message_id)] += 1,
+            other => panic!("expected the streams' acceptance, got {other:?}"),
+        }
+    }
+    let calls = 20u64;
+    for id in 0..calls {
+        raw.send(Kind::Invoke(RemoteInvokeMessage {
+            message_id: 100 + id,
+            service_entry_id: "t.Flow.echo".into(),
+            parameters: Codec::MsgPack.encode(&("ping",)).expect("encode"),
+            ..Default::default()
+        }))
+        .await
+        .expect("call");
+    }
+    let mut refused = 0;
+    while refused < calls {
+        match within("the refusals", raw.recv()).await {
+            Some(Kind::Result(r)) => {
+                assert_eq!(r.status_code, 515, "{r:?}");
+                refused += 1;
+            }
+            Some(Kind::StreamItem(item)) => items[of(item.message_id)] += 1,
+            other => panic!("expected refusals and items, got {other:?}"),
+        }
+    }
+    assert!(
+        items[0] <= 1 && items[1] <= 1,
+        "windows of one item: {items:?}"
+    );
+    grant(&mut raw, 1, 1).await;
+    // Stream 1's second item, after its credit (bounded: the windows' items and this one).
+    while items[0] < 2 {
+        assert!(items[1] <= 1, "stream 3 went past its window");
+        match within("stream 1's next item", raw.recv()).await {
+            Some(Kind::StreamItem(item)) => items[of(item.message_id)] += 1,
+            other => panic!("expected stream items, got {other:?}"),
+        }
+    }
     drop(raw);
     within("shutdown", server.shutdown()).await;
 }
