@@ -74,6 +74,15 @@ async fn raw_client(server: &ServerHandle, hello: Hello) -> (RawConn, HelloAck) 
     }
 }
 
+/// [`raw_client`] with a window of `items` items (and neither batches nor byte windows).
+async fn raw_client_with_window(server: &ServerHandle, items: u32) -> (RawConn, HelloAck) {
+    let hello = Hello {
+        stream_window: items,
+        ..Default::default()
+    };
+    raw_client(server, hello).await
+}
+
 /// Opens `text(size)` as stream `id` and reads its accepting credit.
 async fn open_text(raw: &mut RawConn, id: u64, size: u32) {
     raw.send(Kind::Invoke(RemoteInvokeMessage {
@@ -143,14 +152,7 @@ async fn grant(raw: &mut RawConn, id: u64, items: u32) {
 #[tokio::test]
 async fn a_client_without_batches_gets_one_item_per_frame_within_its_item_window() {
     let (server, polls) = serve().await;
-    let (mut raw, ack) = raw_client(
-        &server,
-        Hello {
-            stream_window: 4,
-            ..Default::default()
-        },
-    )
-    .await;
+    let (mut raw, ack) = raw_client_with_window(&server, 4).await;
     assert!(ack.streams);
     assert!(!ack.stream_batches, "batches are not offered to it");
     // Items of 4 KiB: a byte window would stop the producer long before 4 items.
@@ -343,14 +345,7 @@ async fn a_server_without_batches_gets_the_clients_items_one_per_frame() {
 #[tokio::test]
 async fn a_stream_waiting_for_credit_ends_at_its_deadline() {
     let (server, _polls) = serve().await;
-    let (mut raw, _ack) = raw_client(
-        &server,
-        Hello {
-            stream_window: 1,
-            ..Default::default()
-        },
-    )
-    .await;
+    let (mut raw, _ack) = raw_client_with_window(&server, 1).await;
     raw.send(Kind::Invoke(RemoteInvokeMessage {
         message_id: 1,
         service_entry_id: "t.Flow.text".into(),
@@ -383,14 +378,7 @@ async fn a_stream_waiting_for_credit_ends_at_its_deadline() {
 #[tokio::test]
 async fn a_grant_for_more_items_than_were_sent_ends_the_stream() {
     let (server, polls) = serve().await;
-    let (mut raw, _ack) = raw_client(
-        &server,
-        Hello {
-            stream_window: 2,
-            ..Default::default()
-        },
-    )
-    .await;
+    let (mut raw, _ack) = raw_client_with_window(&server, 2).await;
     open_text(&mut raw, 1, 8).await;
     let (items, _) = items_until_echo(&mut raw, 1, 2).await;
     assert_eq!(items.len(), 2, "the client's window");
@@ -426,14 +414,7 @@ async fn streams_at_the_in_flight_limit_still_get_their_credit_read() {
         .serve("127.0.0.1:0")
         .await
         .expect("serve");
-    let (mut raw, _ack) = raw_client(
-        &server,
-        Hello {
-            stream_window: 1,
-            ..Default::default()
-        },
-    )
-    .await;
+    let (mut raw, _ack) = raw_client_with_window(&server, 1).await;
     for id in [1, 3] {
         raw.send(Kind::Invoke(RemoteInvokeMessage {
             message_id: id,
