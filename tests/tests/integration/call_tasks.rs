@@ -62,6 +62,10 @@ async fn calls_at_once(
 
 #[tokio::test]
 async fn a_connections_call_tasks_are_reused_and_end_with_it() {
+    // A span subscriber on this thread too, as the trace tests of this binary have: `tracing`
+    // caches each callsite's interest process-wide, and this test's calls, made without one,
+    // left `cancelled`'s server span unrecorded when the two ran at once.
+    let (_traces, _traced) = common::otel::Traces::install();
     let (entered_tx, mut entered) = mpsc::unbounded_channel();
     let (gate, open) = watch::channel(false);
     let server = Server::builder()
