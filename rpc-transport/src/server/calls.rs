@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::handler::error_result;
 use super::handler::Dispatch;
-use super::runner::{self, CallFuture, CallSink, Runners, Running};
+use super::runner::{self, CallFuture, CallSink, CallTag, Runners, Running};
 use super::streams::{Events, StreamDriver, StreamSlot, StreamTable};
 use crate::writer::FrameSender;
 
@@ -151,8 +151,8 @@ fn spawn(conn: &Arc<Conn>, id: u64, fut: CallFuture) {
 }
 
 impl CallSink for Conn {
-    fn finish(&self, id: u64, r: RemoteResultMessage) {
-        Conn::finish(self, id, r)
+    fn finish(&self, id: u64, tag: CallTag, r: RemoteResultMessage) {
+        Conn::finish(self, id, tag, r)
     }
 
     fn runners(&self) -> &Runners {
@@ -161,10 +161,16 @@ impl CallSink for Conn {
 }
 
 impl Conn {
-    /// Answers a call whose task ended with `r`, unless a `Cancel` got there first (it aborted
-    /// the call, which then ends at its task's next poll, and already counted the call out).
-    pub(super) fn finish(&self, id: u64, r: RemoteResultMessage) {
-        if self.tasks().remove(&id).is_some() {
+    /// Answers the call of `tag` whose task ended with `r`, unless a `Cancel` got there first
+    /// (it aborted the call, which then ends at its task's next poll, and already counted the
+    /// call out) and the id may now name another call, which keeps its place.
+    pub(super) fn finish(&self, id: u64, tag: CallTag, r: RemoteResultMessage) {
+        let finished = {
+            let mut tasks = self.tasks();
+            let ours = tasks.get(&id).is_some_and(|running| running.tag() == tag);
+            ours && tasks.remove(&id).is_some()
+        };
+        if finished {
             send_result(self, id, r);
             if self.in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
                 self.idle.notify_one();

@@ -20,8 +20,9 @@ pub(super) type CallFuture = Pin<Box<dyn Future<Output = RemoteResultMessage> + 
 
 /// What owns call tasks (a connection): where their answers go, and where they wait idle.
 pub(super) trait CallSink: Send + Sync + 'static {
-    /// Answers call `id` with `answer` (unless `Cancel` got there first).
-    fn finish(&self, id: u64, answer: RemoteResultMessage);
+    /// Answers call `id`, the call of `tag`, with `answer` (unless `Cancel` got there first,
+    /// or the id now names another call).
+    fn finish(&self, id: u64, tag: CallTag, answer: RemoteResultMessage);
     /// The idle call tasks.
     fn runners(&self) -> &Runners;
 }
@@ -93,6 +94,24 @@ impl Runner {
     }
 }
 
+/// Which call a task ran: its task and the call's generation there. A client may send a new
+/// call under the id of one it cancelled while that call's task is still finishing: the tag
+/// tells the two apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct CallTag {
+    runner: usize,
+    generation: u64,
+}
+
+impl CallTag {
+    fn of(runner: &Arc<Runner>, generation: u64) -> Self {
+        CallTag {
+            runner: Arc::as_ptr(runner) as usize,
+            generation,
+        }
+    }
+}
+
 /// A call running in a reused task: what `Cancel` aborts it with.
 pub(super) struct Running {
     runner: Arc<Runner>,
@@ -100,6 +119,11 @@ pub(super) struct Running {
 }
 
 impl Running {
+    /// Which call this is.
+    pub(super) fn tag(&self) -> CallTag {
+        CallTag::of(&self.runner, self.generation)
+    }
+
     /// Drops the call's future (and with it the handler) at its task's next poll.
     pub(super) fn abort(&self) {
         self.runner.cancel(self.generation);
@@ -203,16 +227,16 @@ impl<C: CallSink> Future for RunnerTask<C> {
             if now_idle {
                 this.conn.runners().put_back(this.runner.clone());
             }
-            let Some((id, _, call)) = &mut this.current else {
+            let Some((id, generation, call)) = &mut this.current else {
                 return Poll::Pending;
             };
             let answer = match call.as_mut().poll(cx) {
                 Poll::Ready(answer) => answer,
                 Poll::Pending => return Poll::Pending,
             };
-            let id = *id;
+            let (id, tag) = (*id, CallTag::of(&this.runner, *generation));
             this.current = None;
-            this.conn.finish(id, answer);
+            this.conn.finish(id, tag, answer);
         }
     }
 }
