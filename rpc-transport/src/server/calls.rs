@@ -1,6 +1,7 @@
 //! The calls running on one connection: their tasks, matched by `message_id` for `Cancel`,
 //! and their answers.
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -165,10 +166,12 @@ impl Conn {
     /// (it aborted the call, which then ends at its task's next poll, and already counted the
     /// call out) and the id may now name another call, which keeps its place.
     pub(super) fn finish(&self, id: u64, tag: CallTag, r: RemoteResultMessage) {
-        let finished = {
-            let mut tasks = self.tasks();
-            let ours = tasks.get(&id).is_some_and(|running| running.tag() == tag);
-            ours && tasks.remove(&id).is_some()
+        let finished = match self.tasks().entry(id) {
+            Entry::Occupied(running) if running.get().tag() == tag => {
+                running.remove();
+                true
+            }
+            _ => false,
         };
         if finished {
             send_result(self, id, r);

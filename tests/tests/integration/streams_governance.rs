@@ -980,27 +980,15 @@ async fn compressed_stream_items_arrive_whole_both_ways_between_client_and_serve
 async fn on_the_wire_the_server_takes_and_sends_compressed_items_and_ends_a_stream_on_a_corrupt_one(
 ) {
     let _traced = traced();
-    use common::RawConn;
     use rpc::crates::core::wire::{
-        frame::Kind, Hello, RemoteInvokeMessage, StreamEnd, StreamItem, StreamMode,
+        frame::Kind, RemoteInvokeMessage, StreamEnd, StreamItem, StreamMode,
     };
     use rpc::crates::core::Compression;
     use rpc::crates::transport::compression::{compress, decompress};
     use rpc::Codec;
     let reg = InProcessRegistry::new();
     let (server, _market) = serve(&reg).await;
-    let mut raw = RawConn::connect(server.local_addr()).await;
-    raw.send(Kind::Hello(Hello {
-        protocol_version: 1,
-        client_id: "raw-zstd".into(),
-        streams: true,
-        stream_window: 8,
-        accept_compression: vec![Compression::Zstd.to_wire()],
-        ..Default::default()
-    }))
-    .await
-    .expect("hello");
-    assert!(matches!(raw.recv().await, Some(Kind::HelloAck(a)) if a.streams));
+    let mut raw = raw_zstd_client(&server, false).await;
     let open = |id: u64| {
         Kind::Invoke(RemoteInvokeMessage {
             message_id: id,
@@ -1052,13 +1040,7 @@ async fn on_the_wire_the_server_takes_and_sends_compressed_items_and_ends_a_stre
     }))
     .await
     .expect("end");
-    let end = loop {
-        match within("the end", raw.recv()).await {
-            Some(Kind::Result(r)) => break r,
-            Some(Kind::StreamCredit(_)) => continue,
-            other => panic!("expected the end, got {other:?}"),
-        }
-    };
+    let end = stream_end(&mut raw).await;
     assert_eq!((end.message_id, end.status_code), (1, 200));
 
     // A corrupt item: that stream ends with 500, saying why.
@@ -1073,13 +1055,7 @@ async fn on_the_wire_the_server_takes_and_sends_compressed_items_and_ends_a_stre
     }))
     .await
     .expect("item");
-    let end = loop {
-        match within("the end", raw.recv()).await {
-            Some(Kind::Result(r)) => break r,
-            Some(Kind::StreamCredit(_)) => continue,
-            other => panic!("expected the end, got {other:?}"),
-        }
-    };
+    let end = stream_end(&mut raw).await;
     assert_eq!((end.message_id, end.status_code), (2, 500), "{end:?}");
     assert!(end.exception_message.contains("stream item"), "{end:?}");
 
@@ -1091,6 +1067,39 @@ async fn on_the_wire_the_server_takes_and_sends_compressed_items_and_ends_a_stre
     // (Closing the connection ends that open stream, which would otherwise hold the drain.)
     drop(raw);
     within("shutdown", server.shutdown()).await;
+}
+
+/// A client speaking frames by hand to `server`: it streams, with a window of 8 items, in
+/// batches when `batches`, and accepts zstd.
+async fn raw_zstd_client(server: &rpc::ServerHandle, batches: bool) -> common::RawConn {
+    use rpc::crates::core::wire::{frame::Kind, Hello};
+    use rpc::crates::core::Compression;
+    let mut raw = common::RawConn::connect(server.local_addr()).await;
+    raw.send(Kind::Hello(Hello {
+        protocol_version: 1,
+        client_id: "raw-zstd".into(),
+        streams: true,
+        stream_window: 8,
+        stream_batches: batches,
+        accept_compression: vec![Compression::Zstd.to_wire()],
+        ..Default::default()
+    }))
+    .await
+    .expect("hello");
+    assert!(matches!(raw.recv().await, Some(Kind::HelloAck(a)) if a.streams));
+    raw
+}
+
+/// The end (`RemoteResultMessage`) of the stream `raw` reads, past the credit granted meanwhile.
+async fn stream_end(raw: &mut common::RawConn) -> rpc::crates::core::wire::RemoteResultMessage {
+    use rpc::crates::core::wire::frame::Kind;
+    loop {
+        match within("the end", raw.recv()).await {
+            Some(Kind::Result(r)) => return r,
+            Some(Kind::StreamCredit(_)) => continue,
+            other => panic!("expected the end, got {other:?}"),
+        }
+    }
 }
 
 /// The peak resident memory of this process so far (`VmHWM`), in bytes.
@@ -1130,27 +1139,12 @@ fn assert_expanded_one_at_a_time(before: u64, who: &str) {
 /// stream ends with an error, the rest never expanded.
 #[tokio::test]
 async fn compressed_items_are_expanded_one_at_a_time_as_the_handler_takes_them() {
-    use common::RawConn;
-    use rpc::crates::core::wire::{
-        frame::Kind, Hello, RemoteInvokeMessage, StreamItems, StreamMode,
-    };
+    use rpc::crates::core::wire::{frame::Kind, RemoteInvokeMessage, StreamItems, StreamMode};
     use rpc::crates::core::Compression;
     use rpc::Codec;
     let reg = InProcessRegistry::new();
     let (server, _market) = serve(&reg).await;
-    let mut raw = RawConn::connect(server.local_addr()).await;
-    raw.send(Kind::Hello(Hello {
-        protocol_version: 1,
-        client_id: "raw-bomb".into(),
-        streams: true,
-        stream_window: 8,
-        stream_batches: true,
-        accept_compression: vec![Compression::Zstd.to_wire()],
-        ..Default::default()
-    }))
-    .await
-    .expect("hello");
-    assert!(matches!(raw.recv().await, Some(Kind::HelloAck(a)) if a.streams));
+    let mut raw = raw_zstd_client(&server, true).await;
     raw.send(Kind::Invoke(RemoteInvokeMessage {
         message_id: 1,
         service_entry_id: "g.Stocks.shout".into(),
@@ -1172,13 +1166,7 @@ async fn compressed_items_are_expanded_one_at_a_time_as_the_handler_takes_them()
     }))
     .await
     .expect("items");
-    let end = loop {
-        match within("the end", raw.recv()).await {
-            Some(Kind::Result(r)) => break r,
-            Some(Kind::StreamCredit(_)) => continue,
-            other => panic!("expected the end, got {other:?}"),
-        }
-    };
+    let end = stream_end(&mut raw).await;
     assert_eq!(end.message_id, 1);
     assert_ne!(end.status_code, 200, "{end:?}");
     assert_expanded_one_at_a_time(before, "server");
