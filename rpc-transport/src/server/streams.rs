@@ -608,6 +608,9 @@ impl StreamDriver {
     fn poll_items(&mut self, cx: &mut Context<'_>) -> Poll<RemoteResultMessage> {
         let this = self;
         let mut sent = 0;
+        // Woken by the client's frames whatever the stream waits on (credit or its producer):
+        // a violation ends it at once, not when the producer next yields.
+        this.slot.waker.register(cx.waker());
         loop {
             if this.slot.violated.load(Ordering::Acquire) {
                 return Poll::Ready(error_result(

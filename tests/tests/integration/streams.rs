@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use common::{no_retry, recv_one, within, DropSignal, RawConn};
 use futures_util::future::join_all;
-use rpc::crates::core::wire::{frame::Kind, RemoteInvokeMessage, StreamMode};
+use rpc::crates::core::wire::{frame::Kind, Hello, RemoteInvokeMessage, StreamItem, StreamMode};
 use rpc::crates::transport::DEFAULT_STREAM_WINDOW;
 use rpc::{
     Client, Codec, GovernanceOverrides, InProcessRegistry, RpcError, RpcStream, Server,
@@ -744,6 +744,61 @@ async fn bidirectional_streaming_answers_each_item_as_it_comes() {
     drop(replies);
     probe.dropped("chat").await;
     assert_eq!(echoed(&f, "ok").await, "ok");
+    within("shutdown", server.shutdown()).await;
+}
+
+/// An item sent to a server stream (which takes none) ends it with 500 at once, even while
+/// its producer is waiting (here: after its last item), not when the producer next yields.
+#[tokio::test]
+async fn an_item_sent_to_a_waiting_server_stream_ends_it_at_once() {
+    let reg = InProcessRegistry::new();
+    let (server, mut probe) = serve(&reg, 50).await;
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.send(Kind::Hello(Hello {
+        protocol_version: 1,
+        client_id: "raw-feed".into(),
+        streams: true,
+        stream_window: 64,
+        ..Default::default()
+    }))
+    .await
+    .expect("hello");
+    assert!(matches!(raw.recv().await, Some(Kind::HelloAck(a)) if a.streams));
+    raw.send(Kind::Invoke(RemoteInvokeMessage {
+        message_id: 1,
+        service_entry_id: "t.Feed.stall_after".into(),
+        parameters: Codec::MsgPack.encode(&(2u32,)).expect("encode"),
+        stream_mode: StreamMode::Server as i32,
+        ..Default::default()
+    }))
+    .await
+    .expect("open");
+    let mut items = 0;
+    while items < 2 {
+        match within("the stream's items", raw.recv()).await {
+            Some(Kind::StreamCredit(_)) => {}
+            Some(Kind::StreamItem(_)) => items += 1,
+            other => panic!("expected the stream's items, got {other:?}"),
+        }
+    }
+    // The producer now waits for ever: only the violation can end the stream.
+    raw.send(Kind::StreamItem(StreamItem {
+        message_id: 1,
+        payload: bytes::Bytes::from_static(b"\x01"),
+        compression: 0,
+    }))
+    .await
+    .expect("item");
+    let end = match within("the stream's end", raw.recv()).await {
+        Some(Kind::Result(end)) => end,
+        other => panic!("expected the stream's end, got {other:?}"),
+    };
+    assert_eq!((end.message_id, end.status_code), (1, 500), "{end:?}");
+    assert!(
+        end.exception_message.contains("protocol violation"),
+        "{end:?}"
+    );
+    probe.dropped("stall_after").await;
     within("shutdown", server.shutdown()).await;
 }
 
