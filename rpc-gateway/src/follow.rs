@@ -6,7 +6,7 @@
 //! appears after the gateway started is found by asking [`Registry::services`] again every
 //! discovery interval; from then on its own watch carries every change at once.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -35,6 +35,9 @@ pub(crate) struct Follower {
     events: mpsc::UnboundedSender<Option<ServiceId>>,
     received: mpsc::UnboundedReceiver<Option<ServiceId>>,
     last: Vec<ServiceEntry>,
+    /// Services whose watch the registry closed at least once: said once as a warning, then
+    /// at debug level (a static list closes every watch at once, at every discovery).
+    closed_before: BTreeSet<ServiceId>,
 }
 
 impl Follower {
@@ -48,6 +51,7 @@ impl Follower {
             events,
             received,
             last: Vec::new(),
+            closed_before: BTreeSet::new(),
         }
     }
 
@@ -108,7 +112,11 @@ impl Follower {
 
     fn closed(&mut self, event: Option<ServiceId>) {
         if let Some(service) = event {
-            tracing::warn!(service = %service.as_str(), "the registry closed a service's watch; the gateway watches it again at the next discovery");
+            if self.closed_before.insert(service.clone()) {
+                tracing::warn!(service = %service.as_str(), "the registry closed a service's watch; the gateway watches it again at the next discovery");
+            } else {
+                tracing::debug!(service = %service.as_str(), "the registry closed a service's watch again");
+            }
             self.watches.remove(&service);
         }
     }
