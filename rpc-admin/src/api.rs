@@ -8,6 +8,7 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::extract::rejection::QueryRejection;
 use axum::extract::{Path, Query, Request, State as Shared};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware::{self, Next};
@@ -451,7 +452,13 @@ struct Limit {
     limit: Option<usize>,
 }
 
-async fn events(Shared(state): St, Query(q): Query<Limit>) -> Response {
+async fn events(Shared(state): St, q: Result<Query<Limit>, QueryRejection>) -> Response {
+    let Ok(Query(q)) = q else {
+        return refuse(
+            StatusCode::BAD_REQUEST,
+            "limit must be a whole number of events, e.g. /api/events?limit=50",
+        );
+    };
     let limit = q.limit.unwrap_or(100).min(state.events.capacity());
     let events = state.events.recent(limit);
     Json(json!({ "events": events })).into_response()

@@ -16,6 +16,7 @@
 use std::sync::Arc;
 
 use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, RawQuery, State as Shared};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -210,8 +211,15 @@ async fn document(Shared(state): St, Path(kind): Path<String>) -> Answer {
     })))
 }
 
-/// The body as the document's text, or a 400 saying what to send.
-fn text_of(body: &Bytes) -> Result<&str, Refusal> {
+/// The body as the document's text, or a refusal saying what to send (over axum's body limit
+/// of 2 MiB: 413).
+fn text_of(body: &Result<Bytes, BytesRejection>) -> Result<&str, Refusal> {
+    let body = body.as_ref().map_err(|e| {
+        Refusal::new(
+            e.status(),
+            format!("the body could not be read ({e}): send the rules document, at most 2 MiB"),
+        )
+    })?;
     std::str::from_utf8(body).map_err(|e| {
         Refusal::new(
             StatusCode::BAD_REQUEST,
@@ -222,7 +230,7 @@ fn text_of(body: &Bytes) -> Result<&str, Refusal> {
 
 /// `POST /api/rules/{kind}/validate`: whether the body is a valid document of `kind`, and why
 /// not. Needs no store; writes nothing.
-async fn validate(Path(kind): Path<String>, body: Bytes) -> Answer {
+async fn validate(Path(kind): Path<String>, body: Result<Bytes, BytesRejection>) -> Answer {
     let kind = kind_of(&kind)?;
     let text = text_of(&body)?;
     Ok(Json(match kind.validate(text) {
@@ -267,7 +275,7 @@ async fn write(
     Shared(state): St,
     Path(kind): Path<String>,
     RawQuery(query): RawQuery,
-    body: Bytes,
+    body: Result<Bytes, BytesRejection>,
 ) -> Answer {
     let kind = kind_of(&kind)?;
     let expected = expected_of(query.as_deref(), kind)?;

@@ -560,6 +560,36 @@ async fn a_non_loopback_address_needs_allow_remote_and_a_token() {
     assert!(matches!(e, Some(AdminError::BadAddress { .. })), "{e:?}");
 }
 
+/// A query or a body the endpoint cannot read is refused in JSON saying what to send, as every
+/// other refusal: a limit that is not a number (400), a rules document over 2 MiB (413).
+#[tokio::test]
+async fn unreadable_queries_and_bodies_are_refused_in_json() {
+    let s = setup().await;
+    let (status, body) = s.get("/api/events?limit=abc").await;
+    assert_eq!(status, Http::BAD_REQUEST, "{body}");
+    let body: Value = serde_json::from_str(&body).expect("JSON");
+    assert!(
+        body["error"].as_str().expect("error").contains("limit"),
+        "{body}"
+    );
+
+    let r = s
+        .http
+        .post(s.url("/api/rules/governance/validate"))
+        .bearer_auth(TOKEN)
+        .body(vec![b'#'; 3 << 20])
+        .send()
+        .await
+        .expect("POST");
+    assert_eq!(r.status(), Http::PAYLOAD_TOO_LARGE);
+    let body: Value = serde_json::from_str(&r.text().await.expect("body")).expect("JSON");
+    assert!(
+        body["error"].as_str().expect("error").contains("2 MiB"),
+        "{body}"
+    );
+    s.admin.shutdown().await;
+}
+
 /// An endpoint with a client and no server (a client process's) is ready, and its metrics say
 /// so as `/readyz` does: an alert on `rpc_server_ready == 0` must not fire for it.
 #[tokio::test]
