@@ -63,8 +63,14 @@ pub(crate) trait Store: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<i64, RuleError>>;
     /// The versions the history keeps, oldest first.
     fn history(&self, kind: RuleKind) -> BoxFuture<'_, Result<Vec<RuleVersion>, RuleError>>;
-    /// Writes the text of `version` again; the new version.
-    fn rollback(&self, kind: RuleKind, version: i64) -> BoxFuture<'_, Result<i64, RuleError>>;
+    /// Writes the text of `version` again, over version `expected` when given (else over the
+    /// one in force); the new version.
+    fn rollback(
+        &self,
+        kind: RuleKind,
+        version: i64,
+        expected: Option<i64>,
+    ) -> BoxFuture<'_, Result<i64, RuleError>>;
 }
 
 #[cfg(feature = "etcd")]
@@ -86,8 +92,15 @@ impl Store for rpc_registry::RuleStore {
         Box::pin(rpc_registry::RuleStore::history(self, kind))
     }
 
-    fn rollback(&self, kind: RuleKind, version: i64) -> BoxFuture<'_, Result<i64, RuleError>> {
-        Box::pin(rpc_registry::RuleStore::rollback(self, kind, version))
+    fn rollback(
+        &self,
+        kind: RuleKind,
+        version: i64,
+        expected: Option<i64>,
+    ) -> BoxFuture<'_, Result<i64, RuleError>> {
+        Box::pin(rpc_registry::RuleStore::rollback_over(
+            self, kind, version, expected,
+        ))
     }
 }
 
@@ -305,10 +318,20 @@ async fn history(Shared(state): St, Path(kind): Path<String>) -> Answer {
     Ok(Json(json!({ "kind": kind.as_str(), "versions": versions })))
 }
 
-/// `POST /api/rules/{kind}/rollback/{version}`: writes the text of `version` again, as a new
-/// version.
-async fn rollback(Shared(state): St, Path((kind, version)): Path<(String, String)>) -> Answer {
+/// `POST /api/rules/{kind}/rollback/{version}[?expected=V]`: writes the text of `version`
+/// again, as a new version; over version `V` only, when given (409 when another is in force).
+async fn rollback(
+    Shared(state): St,
+    Path((kind, version)): Path<(String, String)>,
+    RawQuery(query): RawQuery,
+) -> Answer {
     let kind = kind_of(&kind)?;
+    let expected = match query.as_deref() {
+        Some(q) if q.split('&').any(|pair| pair.starts_with("expected=")) => {
+            Some(expected_of(Some(q), kind)?)
+        }
+        _ => None,
+    };
     let Ok(version) = version.parse::<i64>() else {
         return Err(Refusal::new(
             StatusCode::BAD_REQUEST,
@@ -319,7 +342,7 @@ async fn rollback(Shared(state): St, Path((kind, version)): Path<(String, String
         ));
     };
     let now = store(&state)?
-        .rollback(kind, version)
+        .rollback(kind, version, expected)
         .await
         .map_err(failed)?;
     tracing::info!(

@@ -377,6 +377,39 @@ async fn a_stale_or_missing_expected_version_is_refused_and_nothing_is_written()
     assert_eq!(store.history(RuleKind::Governance).await.unwrap().len(), 1);
 }
 
+/// A rollback made over the version the operator saw (`?expected=V`) is refused with 409 when
+/// someone wrote meanwhile, and nothing is written; over the version in force it goes through.
+#[tokio::test]
+async fn a_rollback_over_a_stale_version_is_refused_and_nothing_is_written() {
+    let (_etcd, store, _admin, api) = started().await;
+    let v1 = store.set(RuleKind::Governance, V1, 0).await.expect("set");
+    // The operator sees v1 in force; someone writes v2; the operator's rollback to v1, made
+    // over the v1 they saw, would silently replace v2.
+    let v2 = store.set(RuleKind::Governance, V2, v1).await.expect("set");
+    let path = format!("/api/rules/governance/rollback/{v1}?expected={v1}");
+    let (status, e) = api.send("POST", &path, None).await;
+    assert_eq!(status, Http::CONFLICT, "{e}");
+    assert_eq!(
+        (e["expected"].clone(), e["found"].clone()),
+        (json!(v1), json!(v2))
+    );
+    assert_eq!(
+        in_store(&store, RuleKind::Governance).await,
+        (v2, V2.into()),
+        "after a stale rollback"
+    );
+    // Over the version in force: v1's text comes back as a new version.
+    let path = format!("/api/rules/governance/rollback/{v1}?expected={v2}");
+    let now = api.ok("POST", &path, None).await["version"]
+        .as_i64()
+        .expect("version");
+    assert!(now > v2);
+    assert_eq!(
+        in_store(&store, RuleKind::Governance).await,
+        (now, V1.into())
+    );
+}
+
 #[tokio::test]
 async fn unknown_kinds_versions_and_methods_get_json_errors_naming_what_exists() {
     let (_etcd, store, _admin, api) = started().await;

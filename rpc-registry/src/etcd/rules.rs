@@ -182,6 +182,18 @@ impl RuleStore {
     /// Writes the text of `version` again, as a new version (validated again, over the
     /// version in force now); returns the new version.
     pub async fn rollback(&self, kind: RuleKind, version: i64) -> Result<i64, RuleError> {
+        self.rollback_over(kind, version, None).await
+    }
+
+    /// Like [`rollback`](Self::rollback), over version `expected` when given: a
+    /// [`RuleError::Conflict`] when another version is in force by then (someone wrote
+    /// meanwhile), as [`set`](Self::set) answers.
+    pub async fn rollback_over(
+        &self,
+        kind: RuleKind,
+        version: i64,
+        expected: Option<i64>,
+    ) -> Result<i64, RuleError> {
         let history = self.history(kind).await?;
         let Some(old) = history.iter().find(|v| v.version == version) else {
             return Err(RuleError::UnknownVersion {
@@ -190,7 +202,10 @@ impl RuleStore {
                 kept: history.iter().map(|v| v.version).collect(),
             });
         };
-        let expected = self.get(kind).await?.map_or(0, |v| v.version);
+        let expected = match expected {
+            Some(expected) => expected,
+            None => self.get(kind).await?.map_or(0, |v| v.version),
+        };
         self.set(kind, &old.text, expected).await
     }
 
