@@ -315,9 +315,7 @@ impl Connection {
         if shared.sender.backlog().bytes() > shared.max_unsent_bytes {
             self.wait_for_room(deadline).await?;
         }
-        let deadline_ms = deadline.map_or(0, |d| {
-            (d.saturating_duration_since(shared.epoch).as_millis() as u64).max(1)
-        });
+        let deadline_ms = deadline.map_or(0, |d| deadline_ms(shared.epoch, d));
         let mut guard = PendingGuard {
             shared,
             id: 0,
@@ -425,9 +423,7 @@ impl Connection {
             self.wait_for_room(deadline).await?;
         }
         call.stream_mode = mode as i32;
-        let deadline_ms = deadline.map_or(0, |d| {
-            (d.saturating_duration_since(shared.epoch).as_millis() as u64).max(1)
-        });
+        let deadline_ms = deadline.map_or(0, |d| deadline_ms(shared.epoch, d));
         let stream = Arc::new(StreamShared::new(
             shared.stream_window,
             shared.stream_window_bytes,
@@ -565,5 +561,43 @@ impl Drop for PendingGuard<'_> {
                 }));
             }
         }
+    }
+}
+
+/// Deadline `d` in whole milliseconds after the connection's epoch, rounded up (at least 1):
+/// the sweeper expires a call once the millisecond it is in reaches this, so never before its
+/// deadline. (Rounded down, a call could time out up to a millisecond early: a middle tier
+/// whose nested call ended so, just before its own caller's deadline, would start a fallback
+/// its caller no longer waits for.)
+fn deadline_ms(epoch: Instant, d: Instant) -> u64 {
+    let nanos = d.saturating_duration_since(epoch).as_nanos();
+    u64::try_from(nanos.div_ceil(1_000_000))
+        .unwrap_or(u64::MAX)
+        .max(1)
+}
+
+#[cfg(test)]
+mod deadline_tests {
+    use super::deadline_ms;
+    use std::time::Duration;
+    use tokio::time::Instant;
+
+    /// The sweeper expires a call once `now_ms` (the whole milliseconds elapsed, rounded
+    /// down) reaches its `deadline_ms`: rounded up, that is never before the deadline.
+    #[test]
+    fn a_deadline_is_rounded_up_to_the_millisecond_so_no_call_expires_before_it() {
+        let epoch = Instant::now();
+        for micros in [1u64, 999, 1000, 1001, 100_300, 100_999, 101_000] {
+            let deadline = epoch + Duration::from_micros(micros);
+            let ms = deadline_ms(epoch, deadline);
+            assert_eq!(ms, micros.div_ceil(1000), "{micros} us");
+            // The earliest moment the sweeper expires it: when floor(elapsed) reaches `ms`.
+            assert!(epoch + Duration::from_millis(ms) >= deadline, "{micros} us");
+        }
+        assert_eq!(
+            deadline_ms(epoch, epoch),
+            1,
+            "never 0, which means no deadline"
+        );
     }
 }
