@@ -193,11 +193,11 @@ pub async fn events(
     if count == Some(0) {
         return Ok(());
     }
-    let mut buffer = String::new();
+    // Bytes, not text, until a whole message is in: a chunk may end inside a character.
+    let mut buffer: Vec<u8> = Vec::new();
     let stdout = std::io::stdout();
     loop {
-        while let Some(end) = buffer.find("\n\n") {
-            let message: String = buffer.drain(..end + 2).collect();
+        while let Some(message) = next_message(&mut buffer) {
             let data: String = message
                 .lines()
                 .filter_map(|l| l.strip_prefix("data:"))
@@ -226,7 +226,7 @@ pub async fn events(
             }
         }
         match stream.chunk().await {
-            Ok(Some(chunk)) => buffer.push_str(&String::from_utf8_lossy(&chunk)),
+            Ok(Some(chunk)) => buffer.extend_from_slice(&chunk),
             Ok(None) => {
                 return Err(Failure::failed(format!(
                     "{} closed the event stream (the process stopped, or its admin endpoint did)",
@@ -241,6 +241,14 @@ pub async fn events(
             }
         }
     }
+}
+
+/// The first whole server-sent-events message in `buffer` (up to its blank line), taken out of
+/// it as text; `None` while the message is still coming.
+fn next_message(buffer: &mut Vec<u8>) -> Option<String> {
+    let end = buffer.windows(2).position(|w| w == b"\n\n")?;
+    let message: Vec<u8> = buffer.drain(..end + 2).collect();
+    Some(String::from_utf8_lossy(&message).into_owned())
 }
 
 /// One event as a line for people: `seq side kind entry [endpoint] [attempt N]: cause`.
@@ -309,6 +317,23 @@ fn table(header: &[&str], rows: &[Vec<String>]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_message_whose_chunks_split_a_character_comes_out_whole() {
+        let event = "data: {\"cause\": \"délai dépassé\"}\n\n".as_bytes();
+        // Cut inside the two bytes of 'é'.
+        let cut = event
+            .iter()
+            .position(|&b| b >= 0x80)
+            .expect("a multibyte character")
+            + 1;
+        let mut buffer = event[..cut].to_vec();
+        assert_eq!(next_message(&mut buffer), None, "not whole yet");
+        buffer.extend_from_slice(&event[cut..]);
+        let message = next_message(&mut buffer).expect("whole now");
+        assert_eq!(message.as_bytes(), event);
+        assert!(buffer.is_empty());
+    }
 
     #[test]
     fn tables_align_columns_and_say_when_empty() {
