@@ -8,8 +8,10 @@ use std::time::Duration;
 
 use common::{within, RawConn};
 use prost::Message;
-use rpc::crates::core::wire::{frame::Kind, Frame, Hello, Ping, RemoteInvokeMessage};
-use rpc::{Client, Codec, InProcessRegistry, RpcError, Server, ServerHandle, StatusCode};
+use rpc::crates::core::wire::{frame::Kind, Frame, GoAway, Hello, Ping, RemoteInvokeMessage};
+use rpc::{
+    Client, Codec, InProcessRegistry, RpcError, Server, ServerBuilder, ServerHandle, StatusCode,
+};
 
 #[rpc::service(name = "t.Wire")]
 trait Wire {
@@ -28,15 +30,7 @@ const MAX: usize = 1024;
 
 /// A server accepting frames up to [`MAX`] bytes, and a normal client of it.
 async fn setup() -> (ServerHandle, WireClient) {
-    let reg = InProcessRegistry::new();
-    let server = Server::builder()
-        .registry(reg.clone())
-        .max_frame_length(MAX)
-        .add_service(WireServer::new(Echo))
-        .serve("127.0.0.1:0")
-        .await
-        .expect("serve");
-    let client = WireClient::new(Client::builder().registry(reg).build());
+    let (server, client, _) = serving(|b| b.max_frame_length(MAX)).await;
     assert_eq!(client.echo("before".into()).await.expect("echo"), "before");
     (server, client)
 }
@@ -49,6 +43,41 @@ async fn still_serving(client: &WireClient) {
             .expect("the server keeps serving other connections"),
         "after"
     );
+}
+
+/// A fresh raw connection to `server`, its handshake done when `hello`.
+async fn raw_to(server: &ServerHandle, hello: bool) -> RawConn {
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    if hello {
+        raw.handshake().await;
+    }
+    raw
+}
+
+/// The `GoAway` `raw` gets, its reason naming each of `names`, once the server has closed the
+/// connection.
+async fn goes_away(raw: &mut RawConn, names: &[&str]) -> GoAway {
+    let g = raw.expect_go_away().await;
+    for name in names {
+        assert!(g.reason.contains(name), "{name:?}: {g:?}");
+    }
+    raw.expect_closed().await;
+    g
+}
+
+/// An echo server configured by `configure` on a fresh in-process registry, and a client of
+/// it.
+async fn serving(
+    configure: impl FnOnce(ServerBuilder) -> ServerBuilder,
+) -> (ServerHandle, WireClient, InProcessRegistry) {
+    let reg = InProcessRegistry::new();
+    let server = configure(Server::builder().registry(reg.clone()))
+        .add_service(WireServer::new(Echo))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let client = WireClient::new(Client::builder().registry(reg.clone()).build());
+    (server, client, reg)
 }
 
 fn echo_invoke(id: u64, text: &str) -> RemoteInvokeMessage {
@@ -76,13 +105,9 @@ async fn oversized_prefix_after_hello_gets_go_away_naming_the_size_and_is_closed
     raw.send_bytes(&1_000_000u32.to_be_bytes())
         .await
         .expect("send prefix");
-    let g = raw.expect_go_away().await;
-    assert!(
-        g.reason.contains("1000000") && g.reason.contains(&MAX.to_string()),
-        "the reason names the size and the limit: {g:?}"
-    );
+    // The reason names the size and the limit.
+    let g = goes_away(&mut raw, &["1000000", &MAX.to_string()]).await;
     assert_ne!(g.status_code, StatusCode::Success.as_u32(), "{g:?}");
-    raw.expect_closed().await;
     still_serving(&client).await;
     within("shutdown", server.shutdown()).await;
 }
@@ -102,8 +127,7 @@ async fn a_frame_of_exactly_the_maximum_is_accepted_and_one_byte_more_is_not() {
         })
         .expect("some text length gives a frame of exactly MAX bytes");
 
-    let mut raw = RawConn::connect(server.local_addr()).await;
-    raw.handshake().await;
+    let mut raw = raw_to(&server, true).await;
     raw.send(Kind::Invoke(echo_invoke(1, &text)))
         .await
         .expect("send");
@@ -120,9 +144,7 @@ async fn a_frame_of_exactly_the_maximum_is_accepted_and_one_byte_more_is_not() {
     raw.send(Kind::Invoke(echo_invoke(2, &format!("{text}y"))))
         .await
         .expect("send");
-    let g = raw.expect_go_away().await;
-    assert!(g.reason.contains(&(MAX + 1).to_string()), "{g:?}");
-    raw.expect_closed().await;
+    goes_away(&mut raw, &[&(MAX + 1).to_string()]).await;
     still_serving(&client).await;
     within("shutdown", server.shutdown()).await;
 }
@@ -135,12 +157,9 @@ async fn garbage_after_hello_closes_only_that_connection() {
         // A valid length and an empty `Frame`: no message inside.
         &[0u8, 0, 0, 0][..],
     ] {
-        let mut raw = RawConn::connect(server.local_addr()).await;
-        raw.handshake().await;
+        let mut raw = raw_to(&server, true).await;
         raw.send_bytes(garbage).await.expect("send garbage");
-        let g = raw.expect_go_away().await;
-        assert!(g.reason.contains("malformed"), "{garbage:?}: {g:?}");
-        raw.expect_closed().await;
+        goes_away(&mut raw, &["malformed"]).await;
         still_serving(&client).await;
     }
     within("shutdown", server.shutdown()).await;
@@ -150,23 +169,19 @@ async fn garbage_after_hello_closes_only_that_connection() {
 async fn garbage_instead_of_hello_closes_only_that_connection() {
     let (server, client) = setup().await;
     // An HTTP request: its first four bytes read as a length of about 1.2 GB.
-    let mut raw = RawConn::connect(server.local_addr()).await;
+    let mut raw = raw_to(&server, false).await;
     raw.send_bytes(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         .await
         .expect("send");
-    let g = raw.expect_go_away().await;
-    assert!(g.reason.contains("exceeds"), "{g:?}");
-    raw.expect_closed().await;
+    goes_away(&mut raw, &["exceeds"]).await;
     still_serving(&client).await;
 
     // A short frame that is not protobuf.
-    let mut raw = RawConn::connect(server.local_addr()).await;
+    let mut raw = raw_to(&server, false).await;
     raw.send_bytes(&[0, 0, 0, 4, 0xde, 0xad, 0xbe, 0xef])
         .await
         .expect("send");
-    let g = raw.expect_go_away().await;
-    assert!(g.reason.contains("malformed"), "{g:?}");
-    raw.expect_closed().await;
+    goes_away(&mut raw, &["malformed"]).await;
     still_serving(&client).await;
     within("shutdown", server.shutdown()).await;
 }
@@ -174,23 +189,16 @@ async fn garbage_instead_of_hello_closes_only_that_connection() {
 #[tokio::test]
 async fn a_first_frame_other_than_hello_is_refused() {
     let (server, client) = setup().await;
-    let mut raw = RawConn::connect(server.local_addr()).await;
+    let mut raw = raw_to(&server, false).await;
     raw.send(Kind::Ping(Ping { nonce: 1 })).await.expect("send");
-    let g = raw.expect_go_away().await;
-    assert!(
-        g.reason.contains("Hello") && g.reason.contains("Ping"),
-        "{g:?}"
-    );
-    raw.expect_closed().await;
+    goes_away(&mut raw, &["Hello", "Ping"]).await;
 
     // An invoke before the handshake is not run either.
-    let mut raw = RawConn::connect(server.local_addr()).await;
+    let mut raw = raw_to(&server, false).await;
     raw.send(Kind::Invoke(echo_invoke(1, "sneaky")))
         .await
         .expect("send");
-    let g = raw.expect_go_away().await;
-    assert!(g.reason.contains("Hello"), "{g:?}");
-    raw.expect_closed().await;
+    goes_away(&mut raw, &["Hello"]).await;
     still_serving(&client).await;
     within("shutdown", server.shutdown()).await;
 }
@@ -198,7 +206,7 @@ async fn a_first_frame_other_than_hello_is_refused() {
 #[tokio::test]
 async fn an_unsupported_protocol_version_is_refused_with_the_reason() {
     let (server, client) = setup().await;
-    let mut raw = RawConn::connect(server.local_addr()).await;
+    let mut raw = raw_to(&server, false).await;
     raw.send(Kind::Hello(Hello {
         protocol_version: 2,
         token: String::new(),
@@ -207,10 +215,8 @@ async fn an_unsupported_protocol_version_is_refused_with_the_reason() {
     }))
     .await
     .expect("send");
-    let g = raw.expect_go_away().await;
+    let g = goes_away(&mut raw, &["version 2"]).await;
     assert_eq!(g.status_code, StatusCode::FrameworkError.as_u32(), "{g:?}");
-    assert!(g.reason.contains("version 2"), "{g:?}");
-    raw.expect_closed().await;
     still_serving(&client).await;
     within("shutdown", server.shutdown()).await;
 }
@@ -218,8 +224,7 @@ async fn an_unsupported_protocol_version_is_refused_with_the_reason() {
 #[tokio::test]
 async fn a_protocol_violation_after_the_handshake_closes_the_connection() {
     let (server, client) = setup().await;
-    let mut raw = RawConn::connect(server.local_addr()).await;
-    raw.handshake().await;
+    let mut raw = raw_to(&server, true).await;
     // A second Hello is not something a client sends after the handshake.
     raw.send(Kind::Hello(Hello {
         protocol_version: 1,
@@ -227,43 +232,25 @@ async fn a_protocol_violation_after_the_handshake_closes_the_connection() {
     }))
     .await
     .expect("send");
-    let g = raw.expect_go_away().await;
-    assert!(g.reason.contains("protocol violation"), "{g:?}");
-    raw.expect_closed().await;
+    goes_away(&mut raw, &["protocol violation"]).await;
     still_serving(&client).await;
     within("shutdown", server.shutdown()).await;
 }
 
 #[tokio::test]
 async fn a_silent_connection_is_closed_after_the_handshake_timeout() {
-    let reg = InProcessRegistry::new();
-    let server = Server::builder()
-        .registry(reg.clone())
-        .handshake_timeout(Duration::from_millis(150))
-        .add_service(WireServer::new(Echo))
-        .serve("127.0.0.1:0")
-        .await
-        .expect("serve");
-    let client = WireClient::new(Client::builder().registry(reg).build());
+    let (server, client, _) = serving(|b| b.handshake_timeout(Duration::from_millis(150))).await;
     // A real socket that says nothing: observed until the server gives up on it.
-    let mut raw = RawConn::connect(server.local_addr()).await;
-    let g = raw.expect_go_away().await;
+    let mut raw = raw_to(&server, false).await;
+    let g = goes_away(&mut raw, &["150 ms"]).await;
     assert_eq!(g.status_code, StatusCode::Timeout.as_u32(), "{g:?}");
-    assert!(g.reason.contains("150 ms"), "{g:?}");
-    raw.expect_closed().await;
     still_serving(&client).await;
     within("shutdown", server.shutdown()).await;
 }
 
 #[tokio::test]
 async fn an_answer_above_the_clients_limit_fails_the_call_clearly_and_the_client_recovers() {
-    let reg = InProcessRegistry::new();
-    let server = Server::builder()
-        .registry(reg.clone())
-        .add_service(WireServer::new(Echo))
-        .serve("127.0.0.1:0")
-        .await
-        .expect("serve");
+    let (server, _, reg) = serving(|b| b).await;
     let client = WireClient::new(
         Client::builder()
             .registry(reg)
@@ -293,27 +280,17 @@ async fn an_answer_above_the_clients_limit_fails_the_call_clearly_and_the_client
 
 #[tokio::test]
 async fn one_connection_over_the_limit_is_refused_with_the_reason() {
-    let reg = InProcessRegistry::new();
-    let server = Server::builder()
-        .registry(reg.clone())
-        .max_connections(1)
-        .add_service(WireServer::new(Echo))
-        .serve("127.0.0.1:0")
-        .await
-        .expect("serve");
-    let first = WireClient::new(Client::builder().registry(reg.clone()).build());
+    let (server, first, reg) = serving(|b| b.max_connections(1)).await;
     assert_eq!(first.echo("one".into()).await.expect("first"), "one");
 
     // A raw second connection is told why before it is closed.
-    let mut raw = RawConn::connect(server.local_addr()).await;
-    let g = raw.expect_go_away().await;
+    let mut raw = raw_to(&server, false).await;
+    let g = goes_away(&mut raw, &["maximum of 1"]).await;
     assert_eq!(
         g.status_code,
         StatusCode::OverflowMaxServerHandle.as_u32(),
         "{g:?}"
     );
-    assert!(g.reason.contains("maximum of 1"), "{g:?}");
-    raw.expect_closed().await;
 
     // A second client gets the refusal as its error.
     let second = WireClient::new(
@@ -437,28 +414,16 @@ async fn a_reused_message_id_does_not_stall_a_later_graceful_shutdown() {
 async fn a_frame_larger_than_a_few_kib_before_hello_is_refused_at_its_prefix() {
     let limit = rpc::crates::transport::MAX_HELLO_FRAME;
     assert_eq!(limit, 8 * 1024);
-    let reg = InProcessRegistry::new();
     // The default frame limit, 16 MiB: far above what a peer may send before its Hello.
-    let server = Server::builder()
-        .registry(reg.clone())
-        .add_service(WireServer::new(Echo))
-        .serve("127.0.0.1:0")
-        .await
-        .expect("serve");
-    let client = WireClient::new(Client::builder().registry(reg).build());
+    let (server, client, _) = serving(|b| b).await;
 
     // Only the prefix, announcing 1 MiB: the server answers without waiting for the payload.
-    let mut raw = RawConn::connect(server.local_addr()).await;
+    let mut raw = raw_to(&server, false).await;
     raw.send_bytes(&(1u32 << 20).to_be_bytes())
         .await
         .expect("send");
-    let g = raw.expect_go_away().await;
-    assert!(
-        g.reason
-            .contains("a frame of 1048576 bytes before the handshake exceeds the limit of 8192"),
-        "{g:?}"
-    );
-    raw.expect_closed().await;
+    let names = ["a frame of 1048576 bytes before the handshake exceeds the limit of 8192"];
+    goes_away(&mut raw, &names).await;
 
     // One byte over the limit is refused as well; a Hello of about 6 KiB is accepted.
     let mut raw = RawConn::connect(server.local_addr()).await;
