@@ -58,12 +58,17 @@ fn positions(text: &str, word: &str) -> Vec<u32> {
     text.match_indices(word).map(|(i, _)| i as u32).collect()
 }
 
-async fn tally_of(text: String, mut numbers: RpcStream<u64>) -> Result<u64, RpcError> {
-    let mut total = text.len() as u64;
+/// `start` plus every number of `numbers`, or the first error among them.
+async fn sum_from(start: u64, mut numbers: RpcStream<u64>) -> Result<u64, RpcError> {
+    let mut total = start;
     while let Some(n) = numbers.next().await {
         total += n?;
     }
     Ok(total)
+}
+
+async fn tally_of(text: String, numbers: RpcStream<u64>) -> Result<u64, RpcError> {
+    sum_from(text.len() as u64, numbers).await
 }
 
 /// The live service: while `down`, every set-up fails with a server error (520, a failure a
@@ -109,13 +114,9 @@ impl Stocks for Market {
         Err(RpcError::business("the market is closed today"))
     }
 
-    async fn total(&self, mut numbers: RpcStream<u64>) -> Result<u64, RpcError> {
+    async fn total(&self, numbers: RpcStream<u64>) -> Result<u64, RpcError> {
         self.setup()?;
-        let mut total = 0;
-        while let Some(n) = numbers.next().await {
-            total += n?;
-        }
-        Ok(total)
+        sum_from(0, numbers).await
     }
 
     async fn double(&self, numbers: RpcStream<u64>) -> Result<RpcStream<u64>, RpcError> {
@@ -164,13 +165,9 @@ impl Stocks for Cache {
         self.prices(1).await
     }
 
-    async fn total(&self, mut numbers: RpcStream<u64>) -> Result<u64, RpcError> {
+    async fn total(&self, numbers: RpcStream<u64>) -> Result<u64, RpcError> {
         self.used.fetch_add(1, Ordering::SeqCst);
-        let mut total = 1_000_000;
-        while let Some(n) = numbers.next().await {
-            total += n?;
-        }
-        Ok(total)
+        sum_from(1_000_000, numbers).await
     }
 
     async fn double(&self, numbers: RpcStream<u64>) -> Result<RpcStream<u64>, RpcError> {
@@ -269,13 +266,19 @@ fn client(reg: &InProcessRegistry, fallback: Option<&Cache>) -> Client {
     .build()
 }
 
-#[tokio::test]
-async fn a_fallback_answers_a_server_stream_whose_set_up_failed_with_its_own_items() {
-    let _traced = traced();
+/// The live service on a fresh registry, and a client of it whose fallback is a [`Cache`].
+async fn with_fallback() -> (ServerHandle, Market, Cache, StocksClient) {
     let reg = InProcessRegistry::new();
     let (server, market) = serve(&reg).await;
     let cache = Cache::default();
     let stocks = StocksClient::new(client(&reg, Some(&cache)));
+    (server, market, cache, stocks)
+}
+
+#[tokio::test]
+async fn a_fallback_answers_a_server_stream_whose_set_up_failed_with_its_own_items() {
+    let _traced = traced();
+    let (server, market, cache, stocks) = with_fallback().await;
 
     market.down.store(true, Ordering::SeqCst);
     let prices = within("prices", async {
@@ -363,10 +366,7 @@ async fn a_client_stream_the_server_accepted_is_never_answered_by_the_fallback()
     let _traced = traced();
     // A client stream is accepted as soon as it is admitted, before its handler runs: the
     // handler's failure ends the accepted stream, and the caller's items already went to it.
-    let reg = InProcessRegistry::new();
-    let (server, market) = serve(&reg).await;
-    let cache = Cache::default();
-    let stocks = StocksClient::new(client(&reg, Some(&cache)));
+    let (server, market, cache, stocks) = with_fallback().await;
     market.down.store(true, Ordering::SeqCst);
     let err = within("total", stocks.total(RpcStream::iter(1..=4u64)))
         .await
@@ -390,10 +390,7 @@ async fn a_client_stream_the_server_accepted_is_never_answered_by_the_fallback()
 #[tokio::test]
 async fn a_business_refusal_of_a_stream_reaches_the_caller_and_not_the_fallback() {
     let _traced = traced();
-    let reg = InProcessRegistry::new();
-    let (server, market) = serve(&reg).await;
-    let cache = Cache::default();
-    let stocks = StocksClient::new(client(&reg, Some(&cache)));
+    let (server, market, cache, stocks) = with_fallback().await;
     let err = within("closed", stocks.closed())
         .await
         .expect_err("the market refuses");
@@ -406,10 +403,7 @@ async fn a_business_refusal_of_a_stream_reaches_the_caller_and_not_the_fallback(
 #[tokio::test]
 async fn no_fallback_runs_once_the_server_accepted_the_stream() {
     let _traced = traced();
-    let reg = InProcessRegistry::new();
-    let (server, _market) = serve(&reg).await;
-    let cache = Cache::default();
-    let stocks = StocksClient::new(client(&reg, Some(&cache)));
+    let (server, _market, cache, stocks) = with_fallback().await;
     let mut items = within("break_after", stocks.break_after(2))
         .await
         .expect("accepted");
