@@ -19,7 +19,7 @@ use rpc::crates::core::wire::{frame::Kind, Hello, RemoteInvokeMessage, StreamIte
 use rpc::crates::transport::DEFAULT_STREAM_WINDOW;
 use rpc::{
     Client, Codec, GovernanceOverrides, InProcessRegistry, RpcError, RpcStream, Server,
-    ServerHandle, StaticRegistry, StatusCode,
+    ServerBuilder, ServerHandle, StaticRegistry, StatusCode,
 };
 use serde::{Deserialize, Serialize};
 use tokio::net::TcpListener;
@@ -182,14 +182,22 @@ async fn serve(reg: &InProcessRegistry, cap: usize) -> (ServerHandle, Probe) {
 
 /// [`serve`], with every entry's cap an adaptive limit when `adaptive`.
 async fn serve_with(reg: &InProcessRegistry, cap: usize, adaptive: bool) -> (ServerHandle, Probe) {
+    serve_configured(reg, |b| {
+        b.max_concurrency(cap).adaptive_concurrency(adaptive)
+    })
+    .await
+}
+
+/// The feed server on `reg`, its builder's options set by `configure`, and its probe.
+async fn serve_configured(
+    reg: &InProcessRegistry,
+    configure: impl FnOnce(ServerBuilder) -> ServerBuilder,
+) -> (ServerHandle, Probe) {
     let (dropped_tx, dropped) = mpsc::unbounded_channel();
     let (stalled_tx, stalled) = mpsc::unbounded_channel();
     let polls = Arc::new(AtomicU64::new(0));
     let setups = Arc::new(AtomicU64::new(0));
-    let server = Server::builder()
-        .registry(reg.clone())
-        .max_concurrency(cap)
-        .adaptive_concurrency(adaptive)
+    let server = configure(Server::builder().registry(reg.clone()))
         .add_service(FeedServer::new(Feeds {
             polls: polls.clone(),
             setups: setups.clone(),
@@ -576,20 +584,8 @@ async fn a_refused_set_up_fails_over_and_an_accepted_stream_is_never_replayed() 
 #[tokio::test(start_paused = true)]
 async fn draining_lets_open_streams_finish_until_the_drain_deadline() {
     let reg = InProcessRegistry::new();
-    let (dropped_tx, mut dropped) = mpsc::unbounded_channel();
-    let (stalled_tx, mut stalled) = mpsc::unbounded_channel();
-    let server = Server::builder()
-        .registry(reg.clone())
-        .drain_timeout(Duration::from_secs(2))
-        .add_service(FeedServer::new(Feeds {
-            polls: Default::default(),
-            setups: Default::default(),
-            dropped: dropped_tx,
-            stalled: stalled_tx,
-        }))
-        .serve("127.0.0.1:0")
-        .await
-        .expect("serve");
+    let (server, probe) = serve_configured(&reg, |b| b.drain_timeout(Duration::from_secs(2))).await;
+    let (mut dropped, mut stalled) = (probe.dropped, probe.stalled);
     let f = FeedClient::new(
         Client::builder()
             .registry(reg.clone())
@@ -639,20 +635,8 @@ async fn client_streaming_sends_every_item_and_gets_the_answer() {
 async fn a_handler_that_stops_taking_items_stops_the_callers_producer_at_the_window() {
     const WINDOW: u32 = 8;
     let reg = InProcessRegistry::new();
-    let (dropped_tx, mut dropped) = mpsc::unbounded_channel();
-    let (stalled_tx, mut stalled) = mpsc::unbounded_channel();
-    let server = Server::builder()
-        .registry(reg.clone())
-        .stream_window(WINDOW)
-        .add_service(FeedServer::new(Feeds {
-            polls: Default::default(),
-            setups: Default::default(),
-            dropped: dropped_tx,
-            stalled: stalled_tx,
-        }))
-        .serve("127.0.0.1:0")
-        .await
-        .expect("serve");
+    let (server, probe) = serve_configured(&reg, |b| b.stream_window(WINDOW)).await;
+    let (mut dropped, mut stalled) = (probe.dropped, probe.stalled);
     let f = feed(&reg);
     // The caller's producer: endless, counting the items it is asked for.
     let produced = Arc::new(AtomicU64::new(0));
@@ -1044,22 +1028,9 @@ impl rpc::ServerLayer for Gate {
 async fn server_layers_see_a_streams_set_up_and_may_refuse_it() {
     let reg = InProcessRegistry::new();
     let seen = Arc::new(AtomicU64::new(0));
-    let (dropped_tx, _dropped) = mpsc::unbounded_channel();
-    let (stalled_tx, _stalled) = mpsc::unbounded_channel();
-    let setups = Arc::new(AtomicU64::new(0));
-    let server = Server::builder()
-        .registry(reg.clone())
-        .max_concurrency(1)
-        .layer(Gate(seen.clone()))
-        .add_service(FeedServer::new(Feeds {
-            polls: Default::default(),
-            setups: setups.clone(),
-            dropped: dropped_tx,
-            stalled: stalled_tx,
-        }))
-        .serve("127.0.0.1:0")
-        .await
-        .expect("serve");
+    let (server, probe) =
+        serve_configured(&reg, |b| b.max_concurrency(1).layer(Gate(seen.clone()))).await;
+    let setups = probe.setups;
     let f = feed(&reg);
     let ticks = within("ticks", f.ticks(40).await.expect("ticks").collect_all())
         .await
