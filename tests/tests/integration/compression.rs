@@ -169,6 +169,35 @@ async fn warm_up(client: &ZipClient, proxy: &Proxy) {
     proxy.counts.take();
 }
 
+/// What the tests of compression on the wire share: a span subscriber, the server, the
+/// counting proxy in front of it, and a client through the proxy, warmed up.
+async fn measured() -> (
+    (common::otel::Traces, tracing::subscriber::DefaultGuard),
+    ServerHandle,
+    Proxy,
+    ZipClient,
+) {
+    let traced = traced();
+    let server = server().await;
+    let proxy = Proxy::start(server.local_addr()).await;
+    let client = client_to(proxy.addr);
+    warm_up(&client, &proxy).await;
+    (traced, server, proxy, client)
+}
+
+/// Awaits the echo `call` (named `what`), checks it answered `expected`, and returns the bytes
+/// the proxy counted up and down for it.
+async fn counted(
+    proxy: &Proxy,
+    what: &str,
+    call: impl std::future::Future<Output = Result<String, RpcError>>,
+    expected: &str,
+) -> (u64, u64) {
+    let back = within(what, call).await.expect(what);
+    assert_eq!(back, expected, "{what}");
+    proxy.counts.take()
+}
+
 /// A span subscriber on this test's thread until dropped. Every test installs one: `tracing`
 /// caches each callsite's interest process-wide, and a thread without a subscriber could
 /// register the attempt span's callsite as never wanted while the span test runs.
@@ -178,11 +207,7 @@ fn traced() -> (common::otel::Traces, tracing::subscriber::DefaultGuard) {
 
 #[tokio::test]
 async fn zstd_and_lz4_payloads_cross_the_wire_compressed_and_come_back_whole() {
-    let _traced = traced();
-    let server = server().await;
-    let proxy = Proxy::start(server.local_addr()).await;
-    let client = client_to(proxy.addr);
-    warm_up(&client, &proxy).await;
+    let (_traced, server, proxy, client) = measured().await;
     let payload = text(64 * 1024);
 
     // The reference: the same payload with compression off crosses whole both ways.
@@ -218,33 +243,17 @@ async fn zstd_and_lz4_payloads_cross_the_wire_compressed_and_come_back_whole() {
 
 #[tokio::test]
 async fn payloads_below_the_threshold_go_plain_and_from_the_threshold_on_compressed() {
-    let _traced = traced();
-    let server = server().await;
-    let proxy = Proxy::start(server.local_addr()).await;
-    let client = client_to(proxy.addr);
-    warm_up(&client, &proxy).await;
+    let (_traced, server, proxy, client) = measured().await;
     // The parameters are a MessagePack array holding the string (1 + 3 header bytes), the
     // result the string alone (3 header bytes): 1019 bytes of text are 1023 bytes of
     // parameters and 1022 of result, below the default threshold of 1024; 1021 bytes of text
     // are 1025 and 1024, at or above it.
     let below = text(1019);
-    assert_eq!(
-        within("below", client.zstd_echo(below.clone()))
-            .await
-            .expect("below"),
-        below
-    );
-    let (up, down) = proxy.counts.take();
+    let (up, down) = counted(&proxy, "below", client.zstd_echo(below.clone()), &below).await;
     assert!(up > 1023 && down > 1022, "below: {up} up, {down} down");
 
     let at = text(1021);
-    assert_eq!(
-        within("at", client.zstd_echo(at.clone()))
-            .await
-            .expect("at"),
-        at
-    );
-    let (up, down) = proxy.counts.take();
+    let (up, down) = counted(&proxy, "at", client.zstd_echo(at.clone()), &at).await;
     assert!(
         up < 800 && down < 800,
         "at the threshold: {up} up, {down} down"
@@ -256,13 +265,7 @@ async fn payloads_below_the_threshold_go_plain_and_from_the_threshold_on_compres
         compression_threshold: Some(4096),
         ..GovernanceOverrides::NONE
     });
-    assert_eq!(
-        within("raised", high.zstd_echo(at.clone()))
-            .await
-            .expect("raised"),
-        at
-    );
-    let (up, down) = proxy.counts.take();
+    let (up, down) = counted(&proxy, "raised", high.zstd_echo(at.clone()), &at).await;
     assert!(
         up > 1025 && down < 800,
         "raised threshold: {up} up, {down} down"
@@ -272,11 +275,7 @@ async fn payloads_below_the_threshold_go_plain_and_from_the_threshold_on_compres
 
 #[tokio::test]
 async fn compression_turned_on_by_the_client_is_followed_by_the_server() {
-    let _traced = traced();
-    let server = server().await;
-    let proxy = Proxy::start(server.local_addr()).await;
-    let client = client_to(proxy.addr);
-    warm_up(&client, &proxy).await;
+    let (_traced, server, proxy, client) = measured().await;
     let payload = text(64 * 1024);
     // The entry declares nothing; this handle turns lz4 on. The server's option for the entry
     // is off, so it answers with the algorithm the call came with.
@@ -284,13 +283,7 @@ async fn compression_turned_on_by_the_client_is_followed_by_the_server() {
         compression: Some(Compression::Lz4),
         ..GovernanceOverrides::NONE
     });
-    assert_eq!(
-        within("lz4", lz4.plain_echo(payload.clone()))
-            .await
-            .expect("lz4"),
-        payload
-    );
-    let (up, down) = proxy.counts.take();
+    let (up, down) = counted(&proxy, "lz4", lz4.plain_echo(payload.clone()), &payload).await;
     assert!(up < 16 * 1024 && down < 16 * 1024, "{up} up, {down} down");
     within("shutdown", server.shutdown()).await;
 }
@@ -563,11 +556,7 @@ async fn the_attempt_span_records_the_algorithm_and_the_sizes_before_and_after()
 
 #[tokio::test]
 async fn the_server_compresses_answers_with_its_own_option_even_for_plain_calls() {
-    let _traced = traced();
-    let server = server().await;
-    let proxy = Proxy::start(server.local_addr()).await;
-    let client = client_to(proxy.addr);
-    warm_up(&client, &proxy).await;
+    let (_traced, server, proxy, client) = measured().await;
     let payload = text(64 * 1024);
     // This handle turns compression off for its calls: the parameters go plain, but the
     // server's option for the entry (the attribute: zstd) still compresses the answer for a
@@ -576,13 +565,7 @@ async fn the_server_compresses_answers_with_its_own_option_even_for_plain_calls(
         compression: Some(Compression::Off),
         ..GovernanceOverrides::NONE
     });
-    assert_eq!(
-        within("off", off.zstd_echo(payload.clone()))
-            .await
-            .expect("off"),
-        payload
-    );
-    let (up, down) = proxy.counts.take();
+    let (up, down) = counted(&proxy, "off", off.zstd_echo(payload.clone()), &payload).await;
     assert!(up > 64 * 1024 && down < 16 * 1024, "{up} up, {down} down");
     within("shutdown", server.shutdown()).await;
 }
