@@ -39,9 +39,10 @@ impl Other for Named {
     }
 }
 
-/// One canary (`canary-1`) and two stable instances (`stable-1`, `stable-2`) of `rt.Who`
-/// (and `rt.Other`), by their `version` metadata.
-async fn fleet(registry: &InProcessRegistry) -> Vec<ServerHandle> {
+/// A fresh registry with one canary (`canary-1`) and two stable instances (`stable-1`,
+/// `stable-2`) of `rt.Who` (and `rt.Other`), by their `version` metadata.
+async fn fleet() -> (InProcessRegistry, Vec<ServerHandle>) {
+    let registry = InProcessRegistry::new();
     let mut servers = Vec::new();
     for (name, version) in [
         ("canary-1", "canary"),
@@ -59,7 +60,14 @@ async fn fleet(registry: &InProcessRegistry) -> Vec<ServerHandle> {
                 .expect("serve"),
         );
     }
-    servers
+    (registry, servers)
+}
+
+/// Stops every server of `servers`.
+async fn stop(servers: Vec<ServerHandle>) {
+    for s in servers {
+        s.shutdown().await;
+    }
 }
 
 fn client(registry: &InProcessRegistry, rules: &str) -> Client {
@@ -98,8 +106,7 @@ to = [ { tags = { version = "canary" } } ]
 #[tokio::test]
 async fn tag_routing_sends_every_call_to_the_tagged_instances() {
     let _traced = traced();
-    let registry = InProcessRegistry::new();
-    let servers = fleet(&registry).await;
+    let (registry, servers) = fleet().await;
     let client = client(&registry, CANARY_ONLY);
     let who = WhoClient::new(client.clone());
     assert_eq!(
@@ -137,9 +144,7 @@ async fn tag_routing_sends_every_call_to_the_tagged_instances() {
         names.insert(within("other", other.who()).await.expect("call"));
     }
     assert_eq!(names.len(), 3, "{names:?}");
-    for s in servers {
-        s.shutdown().await;
-    }
+    stop(servers).await;
 }
 
 #[tokio::test]
@@ -166,8 +171,7 @@ async fn invalid_rules_are_refused_and_the_rules_in_force_stay() {
 #[tokio::test]
 async fn a_95_5_split_sends_the_canary_its_share_within_a_binomial_bound() {
     let _traced = traced();
-    let registry = InProcessRegistry::new();
-    let servers = fleet(&registry).await;
+    let (registry, servers) = fleet().await;
     let client = client(
         &registry,
         r#"
@@ -196,16 +200,13 @@ to = [
     assert!(counts.get("stable-1").is_some_and(|c| *c > 0), "{counts:?}");
     assert!(counts.get("stable-2").is_some_and(|c| *c > 0), "{counts:?}");
     eprintln!("95/5 split over {n} calls: {counts:?}");
-    for s in servers {
-        s.shutdown().await;
-    }
+    stop(servers).await;
 }
 
 #[tokio::test]
 async fn a_tenant_attachment_routes_its_calls_to_its_group() {
     let _traced = traced();
-    let registry = InProcessRegistry::new();
-    let servers = fleet(&registry).await;
+    let (registry, servers) = fleet().await;
     let client = client(
         &registry,
         r#"
@@ -235,16 +236,13 @@ to = [ { tags = { version = "stable" } } ]
             .expect("call")
             .starts_with("stable-"));
     }
-    for s in servers {
-        s.shutdown().await;
-    }
+    stop(servers).await;
 }
 
 #[tokio::test]
 async fn a_group_with_no_live_instance_falls_back_to_any_or_fails_naming_the_rule() {
     let _traced = traced();
-    let registry = InProcessRegistry::new();
-    let mut servers = fleet(&registry).await;
+    let (registry, mut servers) = fleet().await;
     let rules = |fallback: &str| {
         format!(
             "[[routes]]\nname = \"canary-or-{fallback}\"\nservice = \"rt.Who\"\n\
@@ -273,16 +271,13 @@ async fn a_group_with_no_live_instance_falls_back_to_any_or_fails_naming_the_rul
          so); the rule's fallback is \"fail\": start an instance with those tags, or set \
          fallback = \"any\""
     );
-    for s in servers {
-        s.shutdown().await;
-    }
+    stop(servers).await;
 }
 
 #[tokio::test]
 async fn the_call_span_names_the_rule_that_chose_and_the_fallback() {
     let (traces, _guard) = Traces::install();
-    let registry = InProcessRegistry::new();
-    let servers = fleet(&registry).await;
+    let (registry, servers) = fleet().await;
     let client = client(
         &registry,
         r#"
@@ -321,16 +316,13 @@ to = [ { tags = { version = "canary" } } ]
     assert_eq!(field(1, "rpc.route.fallback").as_deref(), Some("any"));
     assert_eq!(field(2, "rpc.entry_id").as_deref(), Some("rt.Other.who"));
     assert_eq!(field(2, "rpc.route"), None, "no rule routes rt.Other");
-    for s in servers {
-        s.shutdown().await;
-    }
+    stop(servers).await;
 }
 
 #[tokio::test]
 async fn a_group_whose_instances_this_client_marked_unhealthy_has_no_live_instance() {
     let _traced = traced();
-    let registry = InProcessRegistry::new();
-    let servers = fleet(&registry).await;
+    let (registry, servers) = fleet().await;
     // A canary instance is registered, but nobody listens at its address.
     let dead = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -382,7 +374,5 @@ async fn a_group_whose_instances_this_client_marked_unhealthy_has_no_live_instan
             }
         }
     }
-    for s in servers {
-        s.shutdown().await;
-    }
+    stop(servers).await;
 }
