@@ -82,18 +82,7 @@ fn no_args() -> Vec<u8> {
 // Several worker threads: the blocked handler holds one of them, as it would in a server.
 #[tokio::test(flavor = "multi_thread", worker_threads = 3)]
 async fn a_handler_blocked_in_sync_code_does_not_stall_other_calls_on_its_connection() {
-    let (entered_tx, mut entered) = mpsc::unbounded_channel();
-    let (release, release_rx) = std_mpsc::channel();
-    let server = Server::builder()
-        .add_service(BlockingServer::from_arc(Arc::new(Service {
-            entered: entered_tx,
-            release: Mutex::new(release_rx),
-        })))
-        .serve("127.0.0.1:0")
-        .await
-        .expect("serve");
-    let mut raw = RawConn::connect(server.local_addr()).await;
-    raw.handshake().await;
+    let (server, mut raw, mut entered, release) = connected(false).await;
 
     raw.send(invoke(1, "block", no_args())).await.expect("send");
     assert_eq!(recv_one("the handler starts", &mut entered).await, "block");
@@ -115,20 +104,7 @@ async fn a_handler_blocked_in_sync_code_does_not_stall_other_calls_on_its_connec
         other => panic!("expected Pong, got {other:?}"),
     }
     // A Cancel is acted on too: the cancelled handler's future is dropped.
-    raw.send(invoke(3, "forever", no_args()))
-        .await
-        .expect("send");
-    assert_eq!(
-        recv_one("the third handler starts", &mut entered).await,
-        "forever"
-    );
-    raw.send(Kind::Cancel(Cancel { message_id: 3 }))
-        .await
-        .expect("send");
-    assert_eq!(
-        recv_one("the cancelled handler is dropped", &mut entered).await,
-        "dropped"
-    );
+    cancel_forever(&mut raw, &mut entered, 3).await;
 
     // Only now is the blocked handler released; its own call then completes.
     release.send(()).expect("release");
@@ -144,12 +120,20 @@ async fn a_handler_blocked_in_sync_code_does_not_stall_other_calls_on_its_connec
 }
 
 /// The opt-in keeps the first poll on the reader: calls are answered as before.
-#[tokio::test]
-async fn with_inline_first_poll_calls_are_answered_as_before() {
-    let (entered_tx, mut entered) = mpsc::unbounded_channel();
-    let (_release, release_rx) = std_mpsc::channel();
+/// The blocking service (its first poll inline when `inline_first_poll`), a raw connection to
+/// it past its handshake, what its handlers report, and the sender that releases `block`.
+async fn connected(
+    inline_first_poll: bool,
+) -> (
+    rpc::ServerHandle,
+    RawConn,
+    mpsc::UnboundedReceiver<&'static str>,
+    std_mpsc::Sender<()>,
+) {
+    let (entered_tx, entered) = mpsc::unbounded_channel();
+    let (release, release_rx) = std_mpsc::channel();
     let server = Server::builder()
-        .inline_first_poll(true)
+        .inline_first_poll(inline_first_poll)
         .add_service(BlockingServer::from_arc(Arc::new(Service {
             entered: entered_tx,
             release: Mutex::new(release_rx),
@@ -159,6 +143,32 @@ async fn with_inline_first_poll_calls_are_answered_as_before() {
         .expect("serve");
     let mut raw = RawConn::connect(server.local_addr()).await;
     raw.handshake().await;
+    (server, raw, entered, release)
+}
+
+/// Calls `forever` as call `id` on `raw`, waits until its handler started (`entered`), cancels
+/// it, and waits until the server dropped the handler's future.
+async fn cancel_forever(
+    raw: &mut RawConn,
+    entered: &mut mpsc::UnboundedReceiver<&'static str>,
+    id: u64,
+) {
+    raw.send(invoke(id, "forever", no_args()))
+        .await
+        .expect("send");
+    assert_eq!(recv_one("the handler starts", entered).await, "forever");
+    raw.send(Kind::Cancel(Cancel { message_id: id }))
+        .await
+        .expect("send");
+    assert_eq!(
+        recv_one("the cancelled handler is dropped", entered).await,
+        "dropped"
+    );
+}
+
+#[tokio::test]
+async fn with_inline_first_poll_calls_are_answered_as_before() {
+    let (server, mut raw, mut entered, _release) = connected(true).await;
     for id in 1..=3u64 {
         let text = format!("call {id}");
         let params = Codec::MsgPack.encode(&(text.as_str(),)).expect("encode");
@@ -175,19 +185,6 @@ async fn with_inline_first_poll_calls_are_answered_as_before() {
         }
     }
     // A handler that waits is still spawned, and Cancel still drops it.
-    raw.send(invoke(9, "forever", no_args()))
-        .await
-        .expect("send");
-    assert_eq!(
-        recv_one("the handler starts", &mut entered).await,
-        "forever"
-    );
-    raw.send(Kind::Cancel(Cancel { message_id: 9 }))
-        .await
-        .expect("send");
-    assert_eq!(
-        recv_one("the cancelled handler is dropped", &mut entered).await,
-        "dropped"
-    );
+    cancel_forever(&mut raw, &mut entered, 9).await;
     within("shutdown", server.shutdown()).await;
 }
