@@ -66,6 +66,24 @@ fn builder(node: &Arc<Node>) -> rpc::ServerBuilder {
     Server::builder().add_service(LifeServer::from_arc(node.clone()))
 }
 
+/// A client of `reg`, and its call of `hold` running in a task of its own once the handler
+/// entered (`probe` tells).
+async fn holding(
+    reg: &InProcessRegistry,
+    probe: &mut Probe,
+) -> (
+    LifeClient,
+    tokio::task::JoinHandle<Result<String, RpcError>>,
+) {
+    let life = LifeClient::new(Client::builder().registry(reg.clone()).build());
+    let call = tokio::spawn({
+        let life = life.clone();
+        async move { life.hold().await }
+    });
+    recv_one("the call entered its handler", &mut probe.entered).await;
+    (life, call)
+}
+
 /// Binds `addr` again, retrying while the old listener is still going away.
 async fn serve_again(addr: SocketAddr, node: &Arc<Node>) -> ServerHandle {
     for _ in 0..100 {
@@ -158,12 +176,7 @@ async fn a_graceful_shutdown_lets_the_call_in_flight_finish() {
         .serve("127.0.0.1:0")
         .await
         .expect("serve");
-    let life = LifeClient::new(Client::builder().registry(reg.clone()).build());
-    let call = tokio::spawn({
-        let life = life.clone();
-        async move { life.hold().await }
-    });
-    recv_one("the call entered its handler", &mut probe.entered).await;
+    let (life, call) = holding(&reg, &mut probe).await;
 
     let mut watch = reg
         .watch(&LifeClient::SERVICE_ID.into())
@@ -208,12 +221,7 @@ async fn the_drain_has_a_limit_after_which_the_call_is_dropped() {
         .serve("127.0.0.1:0")
         .await
         .expect("serve");
-    let life = LifeClient::new(Client::builder().registry(reg.clone()).build());
-    let call = tokio::spawn({
-        let life = life.clone();
-        async move { life.hold().await }
-    });
-    recv_one("the call entered its handler", &mut probe.entered).await;
+    let (_life, call) = holding(&reg, &mut probe).await;
     // The handler is never released: the drain limit ends it.
     within("shutdown past the drain limit", server.shutdown()).await;
     assert_eq!(
