@@ -34,9 +34,12 @@ pub const DEFAULT_HISTORY: usize = 50;
 /// - `<prefix><kind>` (`governance` or `routing`): the document in force, as TOML text. Its
 ///   version is the etcd revision that wrote it (its `mod_revision`): versions increase with
 ///   every write.
-/// - `<prefix>history/<kind>/<previous version, 20 digits>`: each document written through the
-///   store, written in the same transaction as the document itself (so its revision is the
-///   version); the oldest are deleted beyond the history limit (50 by default).
+/// - `<prefix>history/<kind>/<20 digits>`: each document written through the store, written in
+///   the same transaction as the document itself (so its revision is the version); the oldest
+///   are deleted beyond the history limit (50 by default). The digits are a revision between
+///   the write before and this one, so keys sort as the writes were made: the version the write
+///   replaced or, when it replaced none (the first write, or one after the document was deleted
+///   by other means), the store's revision read just before.
 ///
 /// A value written at `<prefix><kind>` by other means (`etcdctl put`) has a version too, is
 /// not in the history, and is validated by every process that follows the rules, which refuses
@@ -123,7 +126,19 @@ impl RuleStore {
             reason: e.message().to_string(),
         })?;
         let key = self.key(kind);
-        let history = format!("{}{expected:020}", self.history_prefix(kind));
+        let mut kv = self.conn.client.kv_client();
+        // Every successful write replaces a distinct version, except that 0 (no document)
+        // comes back after a deletion: then the revision now orders it after every earlier one.
+        let after = if expected == 0 {
+            let resp = self
+                .conn
+                .call(&format!("reading {key}"), kv.get(key.as_bytes(), None))
+                .await?;
+            resp.header().map_or(0, |h| h.revision())
+        } else {
+            expected
+        };
+        let history = format!("{}{after:020}", self.history_prefix(kind));
         let txn = Txn::new()
             .when([Compare::mod_revision(
                 key.as_bytes(),
@@ -134,7 +149,6 @@ impl RuleStore {
                 TxnOp::put(key.as_bytes(), text, None),
                 TxnOp::put(history.as_bytes(), text, None),
             ]);
-        let mut kv = self.conn.client.kv_client();
         let resp = self
             .conn
             .call(&format!("writing {key}"), kv.txn(txn))

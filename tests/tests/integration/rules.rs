@@ -126,6 +126,38 @@ async fn the_history_keeps_the_last_versions_only() {
     assert_eq!(kept, versions[2..].to_vec());
 }
 
+#[tokio::test]
+async fn a_document_written_again_after_it_was_deleted_is_kept_as_the_newest() {
+    let etcd = Etcd::start().await;
+    let rules = store(&etcd).await;
+    let v1 = rules.set(RuleKind::Governance, V1, 0).await.unwrap();
+    // An operator deletes the document by hand; the next write replaces no version again.
+    let mut raw = etcd.client().await;
+    raw.delete(rules.key(RuleKind::Governance), None)
+        .await
+        .unwrap();
+    let v2 = rules.set(RuleKind::Governance, V2, 0).await.unwrap();
+    let seen: Vec<(i64, String)> = rules
+        .history(RuleKind::Governance)
+        .await
+        .unwrap()
+        .iter()
+        .map(|v| (v.version, v.text.to_string()))
+        .collect();
+    assert_eq!(seen, vec![(v1, V1.to_string()), (v2, V2.to_string())]);
+    // The newest is the one a history of one keeps.
+    let one = rules.clone().with_history_limit(1);
+    let v3 = one.set(RuleKind::Governance, V1, v2).await.unwrap();
+    let kept: Vec<i64> = one
+        .history(RuleKind::Governance)
+        .await
+        .unwrap()
+        .iter()
+        .map(|v| v.version)
+        .collect();
+    assert_eq!(kept, vec![v3]);
+}
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
