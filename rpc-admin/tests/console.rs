@@ -1,7 +1,9 @@
 //! The web console in a real headless chromium, driven through chromedriver (WebDriver), against a
 //! real server, client and admin endpoint over TCP: the page takes the token from its fragment
 //! and shows the running service, its isolate button isolates the breaker (as the JSON API and
-//! the client's next call confirm), and a wrong token shows the refusal and no data.
+//! the client's next call confirm), a wrong token shows the refusal and no data, and (with
+//! feature `etcd`, against a real etcd) choosing "enforce" for a policy in the rules editor
+//! enforces it in the client even where a lower level of configuration observes it.
 //!
 //! The page is what an operator uses, so it is tested the way an operator uses it: in a browser,
 //! clicking. Every wait is a bounded poll on a WebDriver condition (an element, or a script's
@@ -14,6 +16,9 @@
 
 #[path = "../../tests/tests/common/chromedriver.rs"]
 mod chromedriver;
+#[cfg(feature = "etcd")]
+#[path = "../../tests/tests/common/etcd.rs"]
+mod etcd_harness;
 
 use std::time::Duration;
 
@@ -292,4 +297,134 @@ async fn a_wrong_token_shows_the_refusal_and_no_data() {
             );
         })
         .await;
+}
+
+/// The console's observe/enforce control for the breaker, over a client whose config file
+/// observes the breaker and which follows the etcd rule store: choosing "enforce" and saving
+/// must leave the client enforcing it. The config file sits below the rule store, so the
+/// document has to say `breaker_observe = false`; without the line the file's `true` would
+/// stand while the page said "enforce".
+#[cfg(feature = "etcd")]
+#[tokio::test]
+async fn choosing_enforce_in_the_rules_editor_enforces_a_policy_a_lower_level_observes() {
+    use rpc_governance::config::GovernanceConfig;
+    use rpc_registry::{EtcdOptions, EtcdRegistry, RuleKind};
+
+    let etcd = etcd_harness::Etcd::start().await;
+    let store = EtcdRegistry::connect(
+        &[etcd.endpoint()],
+        EtcdOptions {
+            connect_timeout: Duration::from_secs(1),
+            request_timeout: Duration::from_secs(1),
+            ..EtcdOptions::default()
+        },
+    )
+    .await
+    .expect("etcd registry")
+    .rules();
+    let first = "[defaults]\ntimeout_ms = 1000\nbreaker_observe = true\n";
+    let v1 = store
+        .set(RuleKind::Governance, first, 0)
+        .await
+        .expect("set");
+
+    let registry = InProcessRegistry::new();
+    let server = Server::builder()
+        .registry(registry.clone())
+        .add_service(EchoServer::new(Plain))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let file = GovernanceConfig::from_toml("[defaults]\nbreaker_observe = true\n").unwrap();
+    let client = Client::builder()
+        .registry(registry)
+        .config_layers(file, GovernanceConfig::default())
+        .rules(store.clone())
+        .build();
+    let admin = Admin::builder()
+        .client(&client)
+        .rules(store.clone())
+        .token(TOKEN)
+        .serve("127.0.0.1:0")
+        .await
+        .expect("admin");
+    let echo = EchoClient::new(client.clone());
+    assert_eq!(echo.echo("a".into()).await.expect("call"), "a");
+    // The client observes the breaker before: the document and the file both say so.
+    let breaker_observe = |client: &Client| {
+        let entries = client.entry_options();
+        let e = entries
+            .iter()
+            .find(|e| e.entry.as_str() == ENTRY)
+            .expect("the entry's options");
+        e.options.breaker_observe
+    };
+    until(|| client.rules_version(RuleKind::Governance) == Some(v1)).await;
+    assert!(breaker_observe(&client));
+
+    let driver = Chromedriver::start().await;
+    let page = format!("http://{}/#token={TOKEN}", admin.local_addr());
+    driver
+        .with_browser(|browser| async move {
+            browser.goto(&page).await.expect("goto");
+            // The editor has the document, and the control reads it as observing.
+            until_script(
+                &browser,
+                "the document in the editor, the breaker observed",
+                "return document.getElementById('rules-text').value.includes('timeout_ms = 1000') \
+                   && document.getElementById('rules-observe-breaker').value === 'observe';",
+            )
+            .await;
+            let select = shows(
+                &browser,
+                "the breaker's control",
+                Locator::Id("rules-observe-breaker"),
+            )
+            .await;
+            select
+                .select_by_value("enforce")
+                .await
+                .expect("choose enforce");
+            browser
+                .find(Locator::Id("rules-save"))
+                .await
+                .expect("save button")
+                .click()
+                .await
+                .expect("click save");
+            shows(
+                &browser,
+                "the saved message",
+                Locator::XPath("//*[@id='rules-message'][starts-with(., 'saved as version')]"),
+            )
+            .await;
+        })
+        .await;
+    let now = store
+        .get(RuleKind::Governance)
+        .await
+        .expect("get")
+        .expect("a document");
+    assert!(now.version > v1, "saved as a new version");
+    until(|| client.rules_version(RuleKind::Governance) == Some(now.version)).await;
+    assert!(
+        !breaker_observe(&client),
+        "the page said enforce, the client still observes; the document saved: {:?}",
+        now.text
+    );
+    assert!(now.text.contains("timeout_ms = 1000"), "{:?}", now.text);
+    drop(server);
+}
+
+/// Waits, at most [`WAIT`], until `done` holds.
+#[cfg(feature = "etcd")]
+async fn until(done: impl Fn() -> bool) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !done() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not done within {WAIT:?}"
+        );
+        tokio::time::sleep(POLL).await;
+    }
 }
