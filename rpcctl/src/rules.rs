@@ -23,6 +23,11 @@ pub enum RulesCommand {
         kind: String,
         /// The TOML document.
         file: String,
+        /// Write only over this version (0: only when none is in force), as `get` printed
+        /// it: exit 1 and nothing written when another is in force by then. Without it, over
+        /// the version in force when the command runs.
+        #[arg(long, value_name = "VERSION")]
+        expected: Option<i64>,
     },
     /// Shows the line diff between the document in force and FILE.
     Diff {
@@ -42,6 +47,9 @@ pub enum RulesCommand {
         kind: String,
         /// The version to bring back (see `history`).
         version: i64,
+        /// Write only over this version, as for `set`.
+        #[arg(long, value_name = "VERSION")]
+        expected: Option<i64>,
     },
 }
 
@@ -60,10 +68,18 @@ pub async fn run(registry: Option<&str>, json: bool, command: RulesCommand) -> R
         .rules();
     match command {
         RulesCommand::Get { kind } => get(&store, kind_of(&kind)?, json).await,
-        RulesCommand::Set { kind, file } => {
+        RulesCommand::Set {
+            kind,
+            file,
+            expected,
+        } => {
             let kind = kind_of(&kind)?;
             let text = read(&file)?;
-            let version = store.put(kind, &text).await.map_err(failure)?;
+            let version = match expected {
+                Some(expected) => store.set(kind, &text, expected).await,
+                None => store.put(kind, &text).await,
+            }
+            .map_err(failure)?;
             print_version(json, kind, version, "written");
             Ok(())
         }
@@ -109,9 +125,16 @@ pub async fn run(registry: Option<&str>, json: bool, command: RulesCommand) -> R
             }
             Ok(())
         }
-        RulesCommand::Rollback { kind, version } => {
+        RulesCommand::Rollback {
+            kind,
+            version,
+            expected,
+        } => {
             let kind = kind_of(&kind)?;
-            let new = store.rollback(kind, version).await.map_err(failure)?;
+            let new = store
+                .rollback_over(kind, version, expected)
+                .await
+                .map_err(failure)?;
             print_version(
                 json,
                 kind,

@@ -1,6 +1,7 @@
 //! `rpcctl rules ...` run as a program against a real etcd (started on free loopback ports by
 //! the workspace's harness): set validates before writing (exit 1, nothing written), get, diff,
-//! history (--json) and rollback.
+//! history (--json) and rollback, and `--expected` refusing to write over a version changed
+//! meanwhile.
 
 #[path = "../../tests/tests/common/etcd.rs"]
 mod etcd_harness;
@@ -145,4 +146,108 @@ async fn set_get_diff_history_and_rollback_through_the_program() {
         .output()
         .unwrap();
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+}
+
+#[tokio::test]
+async fn set_and_rollback_with_expected_write_only_over_that_version() {
+    let etcd = Etcd::start().await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let a = file(&dir, "a.toml", "[defaults]\ntimeout_ms = 1000\n");
+    let b = file(&dir, "b.toml", "[defaults]\ntimeout_ms = 2000\n");
+    let c = file(&dir, "c.toml", "[defaults]\ntimeout_ms = 3000\n");
+    let in_force = || async {
+        let mut raw = etcd.client().await;
+        let kv = raw.get("/rpc/rules/governance", None).await.unwrap();
+        kv.kvs().first().map(|kv| {
+            (
+                kv.mod_revision(),
+                String::from_utf8_lossy(kv.value()).into_owned(),
+            )
+        })
+    };
+
+    let o = rpcctl(
+        &etcd,
+        &[
+            "--json",
+            "rules",
+            "set",
+            "governance",
+            &a,
+            "--expected",
+            "0",
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let va = version_of(&o);
+    // Only when none is in force: a second `--expected 0` is refused and writes nothing.
+    let o = rpcctl(
+        &etcd,
+        &["rules", "set", "governance", &b, "--expected", "0"],
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(&va.to_string()),
+        "names the version in force: {}",
+        stderr(&o)
+    );
+    assert_eq!(in_force().await.unwrap().0, va);
+
+    let expected = va.to_string();
+    let o = rpcctl(
+        &etcd,
+        &[
+            "--json",
+            "rules",
+            "set",
+            "governance",
+            &b,
+            "--expected",
+            &expected,
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let vb = version_of(&o);
+    // Over the version read before another operator wrote: refused, b stays.
+    let o = rpcctl(
+        &etcd,
+        &["rules", "set", "governance", &c, "--expected", &expected],
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert_eq!(
+        in_force().await,
+        Some((vb, "[defaults]\ntimeout_ms = 2000\n".into()))
+    );
+
+    // Rollback likewise: over a stale version refused, over the one in force written.
+    let target = va.to_string();
+    let o = rpcctl(
+        &etcd,
+        &[
+            "rules",
+            "rollback",
+            "governance",
+            &target,
+            "--expected",
+            &expected,
+        ],
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert_eq!(in_force().await.unwrap().0, vb);
+    let current = vb.to_string();
+    let o = rpcctl(
+        &etcd,
+        &[
+            "rules",
+            "rollback",
+            "governance",
+            &target,
+            "--expected",
+            &current,
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (v, text) = in_force().await.unwrap();
+    assert!(v > vb);
+    assert_eq!(text, "[defaults]\ntimeout_ms = 1000\n");
 }
