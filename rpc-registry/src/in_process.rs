@@ -25,10 +25,17 @@ struct State {
 }
 
 impl State {
+    /// Sends each service's endpoints to its watchers; a service nobody watches any more loses
+    /// its entry (a later watch starts from the instances then), so the map holds only the
+    /// services watched now, not every one ever watched.
     fn publish(&mut self, services: &[ServiceId]) {
         for service in services {
             if let Some(tx) = self.watchers.get(service) {
-                tx.send_replace(snapshot(service, self.instances.values()));
+                if tx.receiver_count() == 0 {
+                    self.watchers.remove(service);
+                } else {
+                    tx.send_replace(snapshot(service, self.instances.values()));
+                }
             }
         }
     }
@@ -81,6 +88,7 @@ impl Registry for InProcessRegistry {
                 instances,
                 watchers,
             } = state;
+            watchers.retain(|_, tx| tx.receiver_count() > 0);
             watchers
                 .entry(service.clone())
                 .or_insert_with(|| watch::Sender::new(snapshot(service, instances.values())))
@@ -93,5 +101,33 @@ impl Registry for InProcessRegistry {
         let ids =
             self.with_state(|state| crate::service_ids(state.instances.values().map(|i| &**i)));
         Box::pin(future::ready(Ok(ids)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn instance(i: usize, service: &ServiceId) -> Instance {
+        Instance::new(format!("127.0.0.1:{}", 9000 + i), [service.clone()])
+    }
+
+    #[tokio::test]
+    async fn a_service_nobody_watches_any_more_keeps_no_watcher() {
+        let registry = InProcessRegistry::new();
+        let services: Vec<ServiceId> = (0..3).map(|i| ServiceId::from(format!("s{i}"))).collect();
+        let kept = registry.watch(&services[0]).await.unwrap();
+        for service in &services[1..] {
+            drop(registry.watch(service).await.unwrap());
+        }
+        for (i, service) in services.iter().enumerate() {
+            registry.register(instance(i, service)).await.unwrap();
+        }
+        let watched: Vec<ServiceId> = registry.with_state(|s| s.watchers.keys().cloned().collect());
+        assert_eq!(watched, vec![services[0].clone()]);
+        // The watch still kept sees its instance, and a new watch of a dropped one sees its own.
+        assert_eq!(kept.current().len(), 1);
+        let again = registry.watch(&services[2]).await.unwrap();
+        assert_eq!(again.current().len(), 1);
     }
 }
