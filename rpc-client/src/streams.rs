@@ -22,7 +22,7 @@
 //! as the call and its end through [`CallCx::on_stream_end`].
 //!
 //! The entry's compression applies to the set-up's arguments and to each of the caller's
-//! items (above the entry's threshold, with an algorithm the connection's server accepts).
+//! items (of at least the entry's threshold, with an algorithm the connection's server accepts).
 //!
 //! [`ClientBuilder::fallback`]: crate::ClientBuilder::fallback
 
@@ -284,7 +284,7 @@ fn take<T>(cell: &Mutex<Option<T>>) -> Option<T> {
 /// Where a stream's items come from once its set-up succeeded.
 enum Source {
     /// The server accepted it; the caller's items are compressed with the algorithm and
-    /// above the threshold given, when there are (the server accepts the algorithm).
+    /// of at least the threshold given, when there are (the server accepts the algorithm).
     Remote(ClientStream, Option<ItemPack>),
     /// A fallback answered its failed set-up.
     Fallback(ByteStream),
@@ -539,7 +539,7 @@ impl stack::Service for OpenAttempt<'_> {
             let conn = self.client.connection(&addr, cx.attempt_deadline()).await?;
             cx.set_connection(conn.id());
             // The set-up's arguments are compressed as a unary call's are: with the entry's
-            // algorithm, above its threshold, when this connection's server accepts it.
+            // algorithm, at or above its threshold, when this connection's server accepts it.
             let options = cx.options();
             let item_pack = ItemPack::of(options, conn.accept_compression());
             let (parameters, compression) = match options.compression {

@@ -83,11 +83,12 @@ pub fn compress(algorithm: Compression, data: &[u8]) -> Bytes {
                     out
                 }),
             };
-            // zstd fails only when it cannot allocate its context or output: fall back to the
-            // one-shot function, which reports the same condition by panicking as any
-            // allocation failure would.
+            // zstd fails only when it cannot allocate its context or output: try the one-shot
+            // function, and when that fails too, panic as any allocation failure would (an
+            // empty payload marked zstd would reach the peer as a silently empty value).
             compressed
-                .unwrap_or_else(|_| zstd::bulk::compress(data, ZSTD_LEVEL).unwrap_or_default())
+                .or_else(|_| zstd::bulk::compress(data, ZSTD_LEVEL))
+                .unwrap_or_else(|e| panic!("zstd could not compress {} bytes: {e}", data.len()))
                 .into()
         }),
     }

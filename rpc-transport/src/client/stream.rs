@@ -373,20 +373,23 @@ pub struct StreamSender {
 }
 
 impl ClientStream {
-    /// Ends the stream on an item that does not decompress, telling the server to stop it;
-    /// the error to hand the consumer.
+    /// Ends the stream on an item that does not decompress, telling the server to stop it
+    /// and a sender elsewhere (the caller's items) to stop too; the error to hand the consumer.
     fn broken(&mut self, why: &str) -> RpcError {
         self.finished = true;
         let shared = &self.tx.conn.shared;
+        let error = RpcError::new(
+            StatusCode::FrameworkError,
+            format!("{}: {why}; the stream was ended", shared.peer),
+        );
+        // (The waker given back is this consumer's, which is being answered now.)
+        let _ = self.tx.shared.end(Err(error.clone()));
         if shared.pending.remove(self.tx.id) {
             shared.sender.send(Kind::Cancel(Cancel {
                 message_id: self.tx.id,
             }));
         }
-        RpcError::new(
-            StatusCode::FrameworkError,
-            format!("{}: {why}; the stream was ended", shared.peer),
-        )
+        error
     }
 
     pub(super) fn new(conn: Connection, id: u64, shared: Arc<StreamShared>) -> Self {

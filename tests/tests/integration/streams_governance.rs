@@ -1259,12 +1259,15 @@ async fn on_the_wire_the_client_sends_compressed_items_and_ends_a_stream_on_a_co
             .override_options(StocksClient::SERVICE_ID, options(100))
             .build(),
     );
-    let mut back = within(
-        "shout",
-        stocks.shout(">".into(), RpcStream::iter([line.clone()])),
-    )
-    .await
-    .expect("accepted");
+    // The caller's items: one line, then none yet, the stream left open.
+    let (more, rx) = mpsc::channel::<String>(1);
+    more.send(line.clone()).await.expect("the first line");
+    let items = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|item| (item, rx))
+    });
+    let mut back = within("shout", stocks.shout(">".into(), RpcStream::new(items)))
+        .await
+        .expect("accepted");
     let first = within("first", back.next()).await.expect("an item");
     assert_eq!(first.expect("decompressed"), shouted(">", &line));
     let end = within("the end", back.next())
@@ -1275,6 +1278,10 @@ async fn on_the_wire_the_client_sends_compressed_items_and_ends_a_stream_on_a_co
     assert_eq!(end.code().as_u32(), 500);
     assert!(end.message().contains("stream item"), "{end}");
     assert!(back.next().await.is_none(), "nothing after the error");
+    // The ended stream stops asking for the caller's items and lets them go, while the
+    // answer stream is still held.
+    within("the caller's items let go", more.closed()).await;
+    drop(back);
     within("the raw server", raw_server)
         .await
         .expect("raw server");
