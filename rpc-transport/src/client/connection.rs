@@ -361,7 +361,10 @@ impl Connection {
     }
 
     /// A compressed answer's result, decompressed within the client's frame limit.
-    fn unpack(&self, mut answer: RemoteResultMessage) -> Result<RemoteResultMessage, RpcError> {
+    pub(super) fn unpack(
+        &self,
+        mut answer: RemoteResultMessage,
+    ) -> Result<RemoteResultMessage, RpcError> {
         let limit = self.shared.max_frame_length;
         match crate::compression::decompress(answer.compression, &answer.result, limit) {
             Ok(plain) => {
@@ -453,6 +456,10 @@ impl Connection {
                         shared.peer
                     ),
                 ))
+            }
+            // (A refusal's result may carry a typed error, compressed as any answer may be.)
+            Ok(Some(refusal)) if refusal.compression != 0 => {
+                self.unpack(refusal).map(Opened::Refused)
             }
             Ok(Some(refusal)) => Ok(Opened::Refused(refusal)),
             Err(e) => Err(e),

@@ -546,6 +546,11 @@ impl ItemSource for ClientStream {
             Ok(range) => range,
             Err(end) => {
                 self.finished = true;
+                let end = match end {
+                    // The answer ending the stream may be compressed, as any answer may.
+                    Ok(answer) if answer.compression != 0 => self.tx.conn.unpack(answer),
+                    end => end,
+                };
                 return Poll::Ready(match end {
                     // A client stream's answer comes with its end.
                     Ok(answer)

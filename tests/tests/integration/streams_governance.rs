@@ -1287,6 +1287,111 @@ async fn on_the_wire_the_client_sends_compressed_items_and_ends_a_stream_on_a_co
         .expect("raw server");
 }
 
+/// A server may compress the answer that ends a client stream, or a refusal's typed error
+/// (`proto/rpc.proto` allows any result to be): the client reads both decompressed, as it
+/// reads a unary answer.
+#[tokio::test]
+async fn a_client_streams_compressed_answer_and_a_compressed_refusal_are_read_decompressed() {
+    use common::RawConn;
+    use rpc::crates::core::wire::{frame::Kind, HelloAck, RemoteResultMessage, StreamCredit};
+    use rpc::crates::core::Compression;
+    use rpc::crates::transport::compression::compress;
+    use rpc::{Codec, StaticRegistry};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let raw_server = tokio::spawn(async move {
+        let (stream, _) = within("accept", listener.accept()).await.expect("accept");
+        let mut peer = RawConn::from_stream(stream);
+        match peer.recv().await {
+            Some(Kind::Hello(h)) => assert!(h.accept_compression.contains(&1), "{h:?}"),
+            other => panic!("expected Hello, got {other:?}"),
+        }
+        peer.send(Kind::HelloAck(HelloAck {
+            protocol_version: 1,
+            streams: true,
+            stream_window: 8,
+            ..Default::default()
+        }))
+        .await
+        .expect("ack");
+        let id = match peer.recv().await {
+            Some(Kind::Invoke(i)) => i.message_id,
+            other => panic!("expected the stream's opening, got {other:?}"),
+        };
+        peer.send(Kind::StreamCredit(StreamCredit {
+            message_id: id,
+            items: 8,
+        }))
+        .await
+        .expect("accept");
+        // The caller's numbers, summed here, up to their end.
+        let mut sum = 0u64;
+        loop {
+            match within("the caller's items", peer.recv()).await {
+                Some(Kind::StreamItem(item)) => {
+                    sum += Codec::MsgPack
+                        .decode::<u64>(&item.payload)
+                        .expect("a number")
+                }
+                Some(Kind::StreamEnd(end)) => break assert_eq!(end.status_code, 200),
+                other => panic!("expected an item or the end, got {other:?}"),
+            }
+        }
+        let answer = Codec::MsgPack.encode(&sum).expect("encode");
+        peer.send(Kind::Result(RemoteResultMessage {
+            message_id: id,
+            status_code: 200,
+            result: compress(Compression::Zstd, &answer),
+            compression: Compression::Zstd.to_wire(),
+            ..Default::default()
+        }))
+        .await
+        .expect("answer");
+        // The next stream is refused with a business error carrying a typed value.
+        let id = match within("the second opening", peer.recv()).await {
+            Some(Kind::Invoke(i)) => i.message_id,
+            other => panic!("expected the second stream's opening, got {other:?}"),
+        };
+        let detail = Codec::MsgPack.encode(&"market closed").expect("encode");
+        peer.send(Kind::Result(RemoteResultMessage {
+            message_id: id,
+            status_code: 1000,
+            exception_message: "closed".into(),
+            result: compress(Compression::Zstd, &detail),
+            compression: Compression::Zstd.to_wire(),
+            ..Default::default()
+        }))
+        .await
+        .expect("refusal");
+        sum
+    });
+    let stocks = StocksClient::new(
+        Client::builder()
+            .registry(StaticRegistry::from_list(&addr.to_string()).expect("registry"))
+            .override_options(StocksClient::SERVICE_ID, options(100))
+            .build(),
+    );
+    let numbers = [1u64 << 40, 7, 1 << 20];
+    let total = within("total", stocks.total(RpcStream::iter(numbers)))
+        .await
+        .expect("the answer, decompressed");
+    let refused = match within("prices", stocks.prices(3)).await {
+        Ok(_) => panic!("the raw server refuses the second stream"),
+        Err(e) => e,
+    };
+    let summed = within("the raw server", raw_server)
+        .await
+        .expect("raw server");
+    assert_eq!(summed, numbers.iter().sum::<u64>());
+    assert_eq!(total, summed);
+    assert_eq!(refused.code(), StatusCode::BusinessError, "{refused}");
+    let (codec, payload) = refused.payload().expect("the typed error's value");
+    let detail: String = codec.decode(payload).expect("decompressed");
+    assert_eq!(detail, "market closed");
+}
+
 /// The client holds a server's compressed items as they came and expands each when the consumer
 /// takes it: a frame of small zstd items that each expand to 8 MiB (512 MiB in all) never
 /// costs it the frame's expansion.
