@@ -16,7 +16,8 @@ use serde_json::Value;
 
 use crate::route::{default_path, route_of, Route};
 
-/// Paths the gateway serves itself; a declared route cannot take them.
+/// Paths the gateway serves itself; a declared route cannot take them (`#[http]` refuses them
+/// at compile time: its list in `rpc-macros/src/http.rs` must stay the same).
 pub(crate) const RESERVED: [&str; 3] = ["/openapi.json", "/docs", "/healthz"];
 
 /// One entry the gateway serves, with what binding its arguments needs.

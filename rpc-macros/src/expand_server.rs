@@ -2,6 +2,7 @@
 
 use proc_macro2::TokenStream;
 use quote::{format_ident, quote};
+use syn::ext::IdentExt;
 
 use crate::names::Names;
 use crate::parse::{Method, Service};
@@ -313,9 +314,11 @@ fn decode_args(m: &Method) -> TokenStream {
                 __rpc_method,
             )?;
         }
-    } else if arg_idents.len() <= MAX_NAMED_ARGS {
-        // Each argument's name and type, for an error that says which one did not decode.
-        let names = m.params().map(|a| a.ident.to_string());
+    } else {
+        // Each argument's name (as the descriptor publishes it) and type, for an error that
+        // says which one did not decode. (The parser allows at most `MAX_PARAMS` of them, what
+        // `rpc::__private::ArgList` decodes element by element.)
+        let names = m.params().map(|a| a.ident.unraw().to_string());
         let types = m.params().map(|a| type_name(&a.ty));
         quote! {
             let (#(#arg_idents,)*) = ::rpc::__private::decode_named_args::<(#(#arg_tys,)*)>(
@@ -325,20 +328,8 @@ fn decode_args(m: &Method) -> TokenStream {
                 &[#((#names, #types)),*],
             )?;
         }
-    } else {
-        quote! {
-            let (#(#arg_idents,)*) = ::rpc::__private::decode_args::<(#(#arg_tys,)*)>(
-                __rpc_codec,
-                &__rpc_params,
-                __rpc_method,
-            )?;
-        }
     }
 }
-
-/// Argument lists up to this length decode element by element (`rpc::__private::ArgList`), so
-/// that an error names the argument.
-const MAX_NAMED_ARGS: usize = 16;
 
 /// A type as the user wrote it, for error messages: `Vec<Point>`, `(u32, String)`.
 fn type_name(ty: &syn::Type) -> String {

@@ -73,8 +73,8 @@ pub fn route(attrs: &[Attribute], params: &[String]) -> syn::Result<Option<Route
                 &mut errors,
                 syn::Error::new_spanned(
                     attr,
-                    "a method has at most one `#[http]` route; remove this one (a gateway also \
-                     serves every entry at `POST /api/<service id>/<method>`)",
+                    "a method has at most one `#[http]` route; remove this one (without any, \
+                     a gateway serves the entry at `POST /api/<service id>/<method>`)",
                 ),
             );
             continue;
@@ -170,8 +170,13 @@ fn one(attr: &Attribute, params: &[String]) -> syn::Result<Route> {
     })
 }
 
-/// The path starts with `/`, holds no query or fragment, and each `{name}` is a distinct
-/// parameter of the method.
+/// Paths a gateway serves itself (`rpc-gateway`'s `RESERVED`, which a declared route cannot
+/// take).
+const RESERVED: [&str; 3] = ["/openapi.json", "/docs", "/healthz"];
+
+/// The path starts with `/`, holds no query or fragment, is not one of the gateway's own, and
+/// each `{name}` is a distinct parameter of the method that ends its path segment (what the
+/// gateway's matcher accepts).
 fn check_path(lit: &LitStr, params: &[String]) -> syn::Result<()> {
     let path = lit.value();
     let err = |message: String| syn::Error::new(lit.span(), message);
@@ -179,6 +184,12 @@ fn check_path(lit: &LitStr, params: &[String]) -> syn::Result<()> {
         return Err(err(format!(
             "the route's path must start with `/`: write \"/{}\"",
             path.trim_start_matches('/')
+        )));
+    }
+    if RESERVED.contains(&path.as_str()) {
+        return Err(err(format!(
+            "`{path}` is a route the gateway serves itself ({}): choose another path",
+            RESERVED.join(", ")
         )));
     }
     if let Some(c) = path
@@ -231,6 +242,14 @@ fn check_path(lit: &LitStr, params: &[String]) -> syn::Result<()> {
         }
         named.push(name);
         rest = &after[close + 1..];
+        if !rest.is_empty() && !rest.starts_with('/') {
+            return Err(err(format!(
+                "`{{{name}}}` in the route's path must end its segment (be followed by `/` or \
+                 the end of the path): a parameter takes everything up to the next `/`; write \
+                 it as a segment of its own, e.g. \"/orders/{{id}}\" rather than \
+                 \"/orders/{{id}}.json\""
+            )));
+        }
     }
     Ok(())
 }

@@ -245,12 +245,15 @@ mod parse;
 /// A method that is not `async`, that does not take `&self`, that is generic, that has a default
 /// body (the client implements every method remotely, so a default would never run there), that
 /// does not return `Result<T, E>`, whose arguments are patterns rather than names, or borrowed
-/// (`&str`: the server decodes owned values); two `#[hash_key]` arguments; an unknown
-/// `#[governance]` key or a value of the wrong kind; an `#[http]` attribute with an unknown key,
-/// two methods, a path not starting with `/`, a `{name}` that names no parameter or names one
-/// twice, on a streaming method, or a route (method and path, whatever its `{names}`) another
-/// method of the trait already has; a generic or `unsafe` trait, and trait items other than
-/// methods.
+/// (`&str`: the server decodes owned values), or more than 16 besides a stream (they travel as
+/// one tuple, which serde encodes up to 16 elements); a stream argument that is not the last;
+/// two `#[hash_key]` arguments, or one on a client-streaming method; an unknown `#[governance]`
+/// key or a value of the wrong kind; an `#[http]` attribute with an unknown key, two methods, a
+/// path not starting with `/`, one the gateway serves itself (`/openapi.json`, `/docs`,
+/// `/healthz`), a `{name}` that names no parameter, names one twice or does not end its path
+/// segment (`/orders/{id}.json`), on a streaming method, or a route (method and path, whatever
+/// its `{names}`) another method of the trait already has; a generic or `unsafe` trait, and
+/// trait items other than methods.
 ///
 /// `E` is `rpc::RpcError` or a user type with `Serialize + DeserializeOwned + From<RpcError>`
 /// (it then implements `rpc::RemoteError`). Argument types need `Serialize + DeserializeOwned +

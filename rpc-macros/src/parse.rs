@@ -163,6 +163,10 @@ fn generics_tokens(g: &syn::Generics) -> proc_macro2::TokenStream {
     tokens
 }
 
+/// The most arguments a method's call carries (besides a stream): they travel as one tuple,
+/// and serde encodes tuples of up to 16 elements.
+pub const MAX_PARAMS: usize = 16;
+
 fn is_hash_key(attr: &Attribute) -> bool {
     attr.path().is_ident("hash_key")
 }
@@ -336,6 +340,7 @@ fn method(f: &TraitItemFn) -> syn::Result<Method> {
 
     let mut args = Vec::new();
     let mut hash_key: Option<usize> = None;
+    let mut encoded = 0;
     for (index, input) in inputs.enumerate() {
         let FnArg::Typed(pt) = input else {
             // A second receiver is rejected by the parser already.
@@ -374,6 +379,19 @@ fn method(f: &TraitItemFn) -> syn::Result<Method> {
             }
         };
         let arg_stream = stream_item(&pt.ty);
+        if arg_stream.is_none() {
+            encoded += 1;
+            if encoded == MAX_PARAMS + 1 {
+                errors.spanned(
+                    &pt,
+                    format!(
+                        "a service method takes at most {MAX_PARAMS} arguments (besides a \
+                         stream): they travel as one tuple, which serde encodes up to \
+                         {MAX_PARAMS} elements; group some of them in a struct"
+                    ),
+                );
+            }
+        }
         if arg_stream.is_some() && index + 2 != sig.inputs.len() {
             errors.spanned(
                 &pt.ty,

@@ -63,6 +63,8 @@ trait Names {
 #[rpc::service]
 trait Unnamed {
     async fn hello(&self, who: String) -> Result<String, RpcError>;
+    /// An argument named with a raw identifier: it is `type` on the wire and in errors.
+    async fn kind(&self, r#type: u32) -> Result<u32, RpcError>;
 }
 
 struct Hi;
@@ -70,6 +72,9 @@ struct Hi;
 impl Unnamed for Hi {
     async fn hello(&self, who: String) -> Result<String, RpcError> {
         Ok(format!("hi {who}"))
+    }
+    async fn kind(&self, r#type: u32) -> Result<u32, RpcError> {
+        Ok(r#type)
     }
 }
 
@@ -520,5 +525,37 @@ async fn an_argument_decode_error_names_the_argument_and_the_endpoint() {
             "{codec:?}: {e}"
         );
     }
+    within("shutdown", server.shutdown()).await;
+}
+
+/// An argument with a raw identifier (`r#type`) is named as the entry publishes it (`type`)
+/// when it does not decode.
+#[tokio::test]
+async fn a_raw_identifier_argument_is_named_without_its_prefix() {
+    let reg = InProcessRegistry::new();
+    let server = Server::builder()
+        .registry(reg.clone())
+        .add_service(UnnamedServer::new(Hi))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let kind = UnnamedClient::methods()
+        .iter()
+        .find(|m| m.method == "kind")
+        .expect("kind");
+    let api = kind.api.expect("the published API")();
+    assert_eq!(api.params, ["type"]);
+    let client = Client::builder().registry(reg).build();
+    let wrong = Codec::MsgPack.encode(&("three",)).expect("encode");
+    let e = within(
+        "wrong type",
+        client.invoke(kind, wrong, None::<fn() -> u64>),
+    )
+    .await
+    .expect_err("type is not a u32");
+    assert!(
+        e.message().contains("argument 1 `type`: expected u32"),
+        "{e}"
+    );
     within("shutdown", server.shutdown()).await;
 }
