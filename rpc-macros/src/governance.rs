@@ -57,6 +57,14 @@ impl Governance {
             .map(|(_, v, _)| v.clone())
     }
 
+    /// The span of `key`'s name where it is set.
+    pub fn span_of(&self, key: &str) -> Option<Span> {
+        self.values
+            .iter()
+            .find(|(k, _, _)| *k == key)
+            .map(|(_, _, span)| *span)
+    }
+
     /// The shunt strategy set, with the span of its key.
     pub fn shunt_strategy(&self) -> Option<(Shunt, Span)> {
         self.values.iter().find_map(|(_, v, span)| match v {

@@ -245,15 +245,24 @@ mod parse;
 /// A method that is not `async`, that does not take `&self`, that is generic, that has a default
 /// body (the client implements every method remotely, so a default would never run there), that
 /// does not return `Result<T, E>`, whose arguments are patterns rather than names, or borrowed
-/// (`&str`: the server decodes owned values), or more than 16 besides a stream (they travel as
-/// one tuple, which serde encodes up to 16 elements); a stream argument that is not the last;
-/// two `#[hash_key]` arguments, or one on a client-streaming method; an unknown `#[governance]`
+/// (`&str`, also inside a type such as `Option<&str>`: the server decodes owned values), or more
+/// than 16 besides a stream (they travel as one tuple, which serde encodes up to 16 elements);
+/// a borrowed or `impl Trait` result or error type; a stream argument that is not the last, or
+/// an `RpcStream` inside another type (`Option<RpcStream<T>>`); two `#[hash_key]` arguments, or
+/// one (or `shunt_strategy = "hash"`) on a client-streaming method; `hedge_delay_ms` or
+/// `hedge_percentile` on a streaming method (streams are never hedged); a service name with
+/// whitespace or any of `/ { } ? # %`; an unknown `#[governance]`
 /// key or a value of the wrong kind; an `#[http]` attribute with an unknown key, two methods, a
 /// path not starting with `/`, one the gateway serves itself (`/openapi.json`, `/docs`,
 /// `/healthz`), a `{name}` that names no parameter, names one twice or does not end its path
 /// segment (`/orders/{id}.json`), on a streaming method, or a route (method and path, whatever
 /// its `{names}`) another method of the trait already has; a generic or `unsafe` trait, and
 /// trait items other than methods.
+///
+/// A stream is recognised by its name: an argument or `T` written `RpcStream<X>` (through any
+/// path ending in `RpcStream`). A type alias of it, or an import of it under another name, is
+/// not seen as a stream, and the method is then taken as unary (and fails to compile, as
+/// `RpcStream` is not `Serialize`).
 ///
 /// `E` is `rpc::RpcError` or a user type with `Serialize + DeserializeOwned + From<RpcError>`
 /// (it then implements `rpc::RemoteError`). Argument types need `Serialize + DeserializeOwned +

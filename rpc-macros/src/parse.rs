@@ -39,11 +39,17 @@ impl Parse for ServiceArgs {
             input.parse::<Token![=]>()?;
             let lit: LitStr = input.parse()?;
             let value = lit.value();
-            if value.is_empty() || value.chars().any(char::is_whitespace) {
+            // The name is a path segment of registry keys and of the gateway's default routes.
+            if value.is_empty()
+                || value
+                    .chars()
+                    .any(|c| c.is_whitespace() || c.is_control() || "/{}?#%".contains(c))
+            {
                 return Err(syn::Error::new(
                     lit.span(),
-                    "the service name must be non-empty and without whitespace, for example \
-                     \"echo.Echo\"",
+                    "the service name must be non-empty, without whitespace and without any of \
+                     `/ { } ? # %` (it is a path segment of registry keys and HTTP routes), for \
+                     example \"echo.Echo\"",
                 ));
             }
             args.name = Some(lit);
@@ -340,6 +346,7 @@ fn method(f: &TraitItemFn) -> syn::Result<Method> {
 
     let mut args = Vec::new();
     let mut hash_key: Option<usize> = None;
+    let mut hash_key_attr: Option<&Attribute> = None;
     let mut encoded = 0;
     for (index, input) in inputs.enumerate() {
         let FnArg::Typed(pt) = input else {
@@ -358,6 +365,7 @@ fn method(f: &TraitItemFn) -> syn::Result<Method> {
                     );
                 } else {
                     hash_key = Some(index);
+                    hash_key_attr = Some(attr);
                 }
             } else {
                 errors.spanned(
@@ -399,18 +407,19 @@ fn method(f: &TraitItemFn) -> syn::Result<Method> {
                  there can be only one",
             );
         }
-        match &*pt.ty {
-            Type::Reference(r) => errors.spanned(
+        match not_owned(&pt.ty) {
+            Some(Type::Reference(r)) => errors.spanned(
                 &r,
                 "service method arguments are decoded into owned values on the server: take \
                  an owned type (`String` rather than `&str`, `Vec<T>` rather than `&[T]`)",
             ),
-            Type::ImplTrait(t) => errors.spanned(
+            Some(t) => errors.spanned(
                 &t,
                 "service method arguments need a concrete type, not `impl Trait`",
             ),
-            _ => {}
+            None => {}
         }
+        check_stream_place(&pt.ty, "an argument", &mut errors);
         args.push(Arg {
             ident,
             ty: (*pt.ty).clone(),
@@ -426,7 +435,14 @@ fn method(f: &TraitItemFn) -> syn::Result<Method> {
         }
     };
     if let Some((shunt, span)) = governance.shunt_strategy() {
-        if shunt.is_hash() && hash_key.is_none() {
+        let client_streaming = args.iter().any(|a| a.stream_item.is_some());
+        if shunt.is_hash() && client_streaming {
+            errors.add(
+                span,
+                "shunt_strategy = \"hash\" cannot be used by a client-streaming method yet: \
+                 its key would have to be known before its items",
+            );
+        } else if shunt.is_hash() && hash_key.is_none() {
             errors.add(
                 span,
                 "shunt_strategy = \"hash\" needs an argument marked `#[hash_key]`",
@@ -436,7 +452,29 @@ fn method(f: &TraitItemFn) -> syn::Result<Method> {
 
     let result = match &sig.output {
         ReturnType::Type(_, ty) => match result_types(ty) {
-            Some((ok, err)) => Some(((**ty).clone(), ok, err)),
+            Some((ok, err)) => {
+                for t in [&ok, &err] {
+                    match not_owned(t) {
+                        Some(Type::Reference(r)) => errors.spanned(
+                            &r,
+                            "a service method's result is decoded into an owned value on the \
+                             client: return an owned type (`String` rather than `&str`)",
+                        ),
+                        Some(t) => errors.spanned(
+                            &t,
+                            "a service method's result needs a concrete type, not `impl Trait`: \
+                             the client decodes it",
+                        ),
+                        None => {}
+                    }
+                }
+                check_stream_place(&ok, "the result", &mut errors);
+                check_stream_place(&err, "the error", &mut errors);
+                if stream_item(&err).is_some() {
+                    errors.spanned(&err, "the error type cannot be a stream");
+                }
+                Some(((**ty).clone(), ok, err))
+            }
             None => {
                 errors.spanned(
                     &ty,
@@ -469,17 +507,38 @@ fn method(f: &TraitItemFn) -> syn::Result<Method> {
         }
     };
 
+    let streams_in = args.iter().any(|a| a.stream_item.is_some());
+    let streams_out = result
+        .as_ref()
+        .is_some_and(|(_, ok, _)| stream_item(ok).is_some());
+    if streams_in {
+        if let Some(attr) = hash_key_attr {
+            errors.spanned(
+                attr,
+                "a client-streaming method cannot have a `#[hash_key]` argument yet: the \
+                 hash shunt strategy is for unary and server-streaming methods",
+            );
+        }
+    }
+    if streams_in || streams_out {
+        for key in ["hedge_delay_ms", "hedge_percentile"] {
+            if let Some(span) = governance.span_of(key) {
+                errors.add(
+                    span,
+                    format!(
+                        "`{key}` cannot be set on a streaming method: a hedge would open the \
+                         stream twice, so streams are never hedged"
+                    ),
+                );
+            }
+        }
+    }
+
     errors.finish()?;
     let (output, ok, err) =
         result.ok_or_else(|| syn::Error::new_spanned(sig, "expected `-> Result<T, E>`"))?;
     let stream_item = stream_item(&ok);
     let stream_arg = args.iter().find_map(|a| a.stream_item.clone());
-    if stream_arg.is_some() && hash_key.is_some() {
-        return Err(syn::Error::new_spanned(
-            &sig.ident,
-            "a client-streaming method cannot have a `#[hash_key]` argument yet",
-        ));
-    }
     if let Some(route) = &route {
         if stream_item.is_some() || stream_arg.is_some() {
             return Err(syn::Error::new_spanned(
@@ -507,7 +566,9 @@ fn method(f: &TraitItemFn) -> syn::Result<Method> {
 
 /// `I` of an `RpcStream<I>` (any path ending in `RpcStream` with one type argument).
 fn stream_item(ty: &Type) -> Option<Type> {
-    let Type::Path(tp) = ty else { return None };
+    let Type::Path(tp) = ungrouped(ty) else {
+        return None;
+    };
     if tp.qself.is_some() {
         return None;
     }
@@ -526,7 +587,9 @@ fn stream_item(ty: &Type) -> Option<Type> {
 
 /// `T` and `E` of a `Result<T, E>` (any path ending in `Result` with two type arguments).
 fn result_types(ty: &Type) -> Option<(Type, Type)> {
-    let Type::Path(tp) = ty else { return None };
+    let Type::Path(tp) = ungrouped(ty) else {
+        return None;
+    };
     if tp.qself.is_some() {
         return None;
     }
@@ -549,6 +612,75 @@ fn result_types(ty: &Type) -> Option<(Type, Type)> {
     Some((ok, err))
 }
 
+/// `ty` without the invisible group a `macro_rules!` `$t:ty` puts around it, or parentheses.
+fn ungrouped(ty: &Type) -> &Type {
+    match ty {
+        Type::Group(g) => ungrouped(&g.elem),
+        Type::Paren(p) => ungrouped(&p.elem),
+        other => other,
+    }
+}
+
+/// The types `ty` is built from, one level down: type arguments, tuple, array and slice
+/// elements.
+fn inner_types(ty: &Type) -> Vec<&Type> {
+    match ungrouped(ty) {
+        Type::Path(tp) => tp
+            .path
+            .segments
+            .iter()
+            .flat_map(|s| match &s.arguments {
+                PathArguments::AngleBracketed(ab) => ab
+                    .args
+                    .iter()
+                    .filter_map(|a| match a {
+                        GenericArgument::Type(t) => Some(t),
+                        _ => None,
+                    })
+                    .collect(),
+                _ => Vec::new(),
+            })
+            .collect(),
+        Type::Tuple(t) => t.elems.iter().collect(),
+        Type::Array(a) => vec![&*a.elem],
+        Type::Slice(s) => vec![&*s.elem],
+        _ => Vec::new(),
+    }
+}
+
+/// The first reference or `impl Trait` in `ty`, at any depth (`Option<&str>` too): a value
+/// decoded on the other side must own its data and have a concrete type.
+fn not_owned(ty: &Type) -> Option<&Type> {
+    match ungrouped(ty) {
+        t @ (Type::Reference(_) | Type::ImplTrait(_)) => Some(t),
+        t => inner_types(t).into_iter().find_map(not_owned),
+    }
+}
+
+/// Reports an `RpcStream` inside `ty` other than as the whole of it (`Option<RpcStream<T>>`,
+/// `RpcStream<RpcStream<T>>`): a stream is an argument or a result of its own, so the macro
+/// would otherwise take the method as unary and fail in generated code.
+fn check_stream_place(ty: &Type, what: &str, errors: &mut Errors) {
+    fn nested(ty: &Type) -> Option<&Type> {
+        inner_types(ty).into_iter().find_map(|t| {
+            if stream_item(t).is_some() {
+                Some(t)
+            } else {
+                nested(t)
+            }
+        })
+    }
+    if let Some(inner) = nested(ty) {
+        errors.spanned(
+            inner,
+            format!(
+                "`RpcStream` can only be {what}'s whole type (`RpcStream<T>`), not part of \
+                 another type"
+            ),
+        );
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -567,6 +699,21 @@ mod tests {
                 .collect::<Vec<_>>()
                 .join("\n"),
         }
+    }
+
+    /// A type a `macro_rules!` passes as `$t:ty` arrives in an invisible group: it is read
+    /// through, as a result and as a stream.
+    #[test]
+    fn a_grouped_type_is_read_through() {
+        let grouped = |ty: Type| {
+            Type::Group(syn::TypeGroup {
+                group_token: Default::default(),
+                elem: Box::new(ty),
+            })
+        };
+        let result = grouped(syn::parse_quote!(Result<RpcStream<u8>, RpcError>));
+        let (ok, _) = result_types(&result).expect("a Result");
+        assert!(stream_item(&grouped(ok)).is_some());
     }
 
     #[test]
