@@ -42,7 +42,11 @@ impl Client {
     /// call is sent, and the server answers 507 for an entry it does not have. The entry's
     /// published governance applies (below the client's config file, environment and runtime
     /// levels, as for a proxy), as do the routing rules, and under `shunt_strategy = hash` the
-    /// published `#[hash_key]` argument is hashed as a proxy hashes it.
+    /// published `#[hash_key]` argument is hashed as a proxy hashes it (the MessagePack
+    /// encoding of its value). A key that is an integer, a string, a bool or a list of those
+    /// hashes as the typed value does, so a JSON call and a proxy call with the same key go to
+    /// the same server; a struct (a JSON object's fields in another order, where the typed
+    /// value is encoded as a list) or an `f32` (read from JSON as a 64-bit float) may not.
     ///
     /// `args` other than an array is refused with [`StatusCode::ValidateError`] (1001) before
     /// anything is sent. A failed call returns the call's error; a typed error's value
@@ -369,5 +373,24 @@ mod tests {
         );
         let c = intern_descriptor(s, "m", "t.Generic.m", Some(0));
         assert!(!std::ptr::eq(a, c));
+    }
+
+    /// The gateway's JSON key and a proxy's typed key hash alike for integers (both signs),
+    /// strings, bools and lists of them: a JSON call lands where a typed call with the same key
+    /// does.
+    #[test]
+    fn json_keys_hash_as_typed_keys_do() {
+        fn hash<T: serde::Serialize>(v: &T) -> u64 {
+            rpc_core::stable_hash(&Codec::MsgPack.encode(v).expect("encode"))
+        }
+        let json = |text: &str| serde_json::from_str::<serde_json::Value>(text).unwrap();
+        assert_eq!(hash(&json("42")), hash(&42u64));
+        assert_eq!(hash(&json("42")), hash(&42u8));
+        assert_eq!(hash(&json("-7")), hash(&-7i32));
+        assert_eq!(hash(&json("4000000000")), hash(&4_000_000_000u32));
+        assert_eq!(hash(&json("\"ann\"")), hash(&"ann".to_string()));
+        assert_eq!(hash(&json("true")), hash(&true));
+        assert_eq!(hash(&json("[1, 2]")), hash(&vec![1u16, 2]));
+        assert_eq!(hash(&json("[\"a\", 3]")), hash(&("a", 3u64)));
     }
 }
