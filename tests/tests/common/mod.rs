@@ -10,11 +10,13 @@ use std::time::Duration;
 
 use bytes::BytesMut;
 use prost::Message;
-use rpc::crates::core::wire::{frame::Kind, Frame, GoAway, Hello, HelloAck};
+use rpc::crates::core::wire::{
+    frame::Kind, Frame, GoAway, Hello, HelloAck, RemoteInvokeMessage, StreamCredit,
+};
 use rpc::crates::transport::FrameCodec;
 use rpc::GovernanceOverrides;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 
 pub mod certs;
@@ -117,6 +119,37 @@ impl RawConn {
     pub fn from_stream(stream: TcpStream) -> Self {
         stream.set_nodelay(true).expect("nodelay");
         RawConn { stream }
+    }
+
+    /// Plays a server: accepts one connection on `listener`, reads the client's `Hello`
+    /// (returned, for the test to check) and answers `ack`.
+    pub async fn accept_with(listener: &TcpListener, ack: HelloAck) -> (Self, Hello) {
+        let (stream, _) = within("accept", listener.accept()).await.expect("accept");
+        let mut peer = RawConn::from_stream(stream);
+        let hello = match peer.recv().await {
+            Some(Kind::Hello(h)) => h,
+            other => panic!("expected Hello, got {other:?}"),
+        };
+        peer.send(Kind::HelloAck(ack)).await.expect("send HelloAck");
+        (peer, hello)
+    }
+
+    /// The next frame, which must be a call or a stream's opening (`what` names it).
+    pub async fn recv_invoke(&mut self, what: &str) -> RemoteInvokeMessage {
+        match self.recv().await {
+            Some(Kind::Invoke(i)) => i,
+            other => panic!("expected {what}, got {other:?}"),
+        }
+    }
+
+    /// Grants stream `id` credit for `items` more items (0 with the first: accepts it).
+    pub async fn grant(&mut self, id: u64, items: u32) {
+        self.send(Kind::StreamCredit(StreamCredit {
+            message_id: id,
+            items,
+        }))
+        .await
+        .expect("send StreamCredit");
     }
 
     /// Sends one frame encoded by the framework's codec.

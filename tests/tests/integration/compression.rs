@@ -444,16 +444,13 @@ async fn a_client_refuses_a_corrupt_or_oversized_answer_and_its_other_calls_go_o
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("address");
     let fake = tokio::spawn(async move {
-        let (stream, _) = listener.accept().await.expect("accept");
-        let mut raw = RawConn::from_stream(stream);
-        assert!(matches!(raw.recv().await, Some(Kind::Hello(h)) if h.accept_compression == [1, 2]));
-        raw.send(Kind::HelloAck(HelloAck {
+        let ack = HelloAck {
             protocol_version: 1,
             max_frame_length: 1 << 20,
             ..Default::default()
-        }))
-        .await
-        .expect("ack");
+        };
+        let (mut raw, hello) = RawConn::accept_with(&listener, ack).await;
+        assert_eq!(hello.accept_compression, [1, 2]);
         let fine = Codec::MsgPack.encode("fine").expect("encode");
         let bomb = vec![0u8; 200 * 1024];
         let mut cut = compress(Compression::Zstd, &fine).to_vec();

@@ -224,28 +224,17 @@ async fn the_client_sends_its_budget_and_cancels_at_the_deadline() {
     );
     let call = tokio::spawn(async move { d.forever().await });
 
-    let (stream, _) = within("accept", listener.accept()).await.expect("accept");
-    let mut peer = RawConn::from_stream(stream);
-    match peer.recv().await {
-        Some(Kind::Hello(h)) => {
-            assert_eq!(h.protocol_version, 1);
-            assert_eq!(h.token, "tok");
-            assert_eq!(h.client_id, "deadline-test");
-        }
-        other => panic!("expected Hello, got {other:?}"),
-    }
-    peer.send(Kind::HelloAck(HelloAck {
+    let ack = HelloAck {
         protocol_version: 1,
         server_id: "fake".into(),
         max_frame_length: 1 << 20,
         ..Default::default()
-    }))
-    .await
-    .expect("send HelloAck");
-    let invoke = match peer.recv().await {
-        Some(Kind::Invoke(i)) => i,
-        other => panic!("expected an invoke, got {other:?}"),
     };
+    let (mut peer, h) = RawConn::accept_with(&listener, ack).await;
+    assert_eq!(h.protocol_version, 1);
+    assert_eq!(h.token, "tok");
+    assert_eq!(h.client_id, "deadline-test");
+    let invoke = peer.recv_invoke("the call").await;
     assert_eq!(invoke.service_entry_id, "t.Deadline.forever");
     assert_eq!(invoke.codec, 0, "MessagePack");
     assert_eq!(

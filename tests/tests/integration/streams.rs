@@ -844,23 +844,11 @@ async fn a_stream_to_a_server_that_does_not_stream_fails_at_once() {
             .build(),
     );
     let old_server = tokio::spawn(async move {
-        let (stream, _) = within("accept", listener.accept()).await.expect("accept");
-        let mut peer = RawConn::from_stream(stream);
-        match peer.recv().await {
-            Some(Kind::Hello(h)) => {
-                assert!(h.streams, "the client offers streams");
-                assert_eq!(h.stream_window, DEFAULT_STREAM_WINDOW);
-            }
-            other => panic!("expected Hello, got {other:?}"),
-        }
-        peer.send(Kind::HelloAck(Default::default()))
-            .await
-            .expect("ack");
+        let (mut peer, h) = RawConn::accept_with(&listener, Default::default()).await;
+        assert!(h.streams, "the client offers streams");
+        assert_eq!(h.stream_window, DEFAULT_STREAM_WINDOW);
         // The next frame is the unary call: the stream was never sent.
-        let call = match peer.recv().await {
-            Some(Kind::Invoke(i)) => i,
-            other => panic!("expected the unary call, got {other:?}"),
-        };
+        let call = peer.recv_invoke("the unary call").await;
         assert_eq!(call.service_entry_id, "t.Feed.echo");
         assert_eq!(call.stream_mode, 0);
         peer.send(Kind::Result(rpc::crates::core::wire::RemoteResultMessage {
@@ -889,39 +877,25 @@ async fn a_stream_to_a_server_that_does_not_stream_fails_at_once() {
 /// and the connection carries on. The client's reader never waits for the stream's consumer.
 #[tokio::test]
 async fn items_beyond_the_window_end_only_that_stream() {
-    use rpc::crates::core::wire::{RemoteResultMessage, StreamCredit, StreamItem};
+    use rpc::crates::core::wire::{RemoteResultMessage, StreamItem};
     use rpc::crates::transport::{ConnectOptions, Connection, Opened};
     const WINDOW: u32 = 4;
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
     let (cancelled_tx, cancelled) = tokio::sync::oneshot::channel();
     let rogue = tokio::spawn(async move {
-        let (stream, _) = within("accept", listener.accept()).await.expect("accept");
-        let mut peer = RawConn::from_stream(stream);
-        let window = match peer.recv().await {
-            Some(Kind::Hello(h)) => h.stream_window,
-            other => panic!("expected Hello, got {other:?}"),
-        };
-        peer.send(Kind::HelloAck(rpc::crates::core::wire::HelloAck {
+        let ack = rpc::crates::core::wire::HelloAck {
             protocol_version: 1,
             streams: true,
             stream_window: 8,
             ..Default::default()
-        }))
-        .await
-        .expect("ack");
-        let open = match peer.recv().await {
-            Some(Kind::Invoke(i)) => i,
-            other => panic!("expected the stream's opening, got {other:?}"),
         };
+        let (mut peer, hello) = RawConn::accept_with(&listener, ack).await;
+        let window = hello.stream_window;
+        let open = peer.recv_invoke("the stream's opening").await;
         assert_eq!(open.stream_mode, StreamMode::Server as i32);
         let id = open.message_id;
-        peer.send(Kind::StreamCredit(StreamCredit {
-            message_id: id,
-            items: 0,
-        }))
-        .await
-        .expect("accept");
+        peer.grant(id, 0).await;
         // One item more than the window, nothing granted back.
         for n in 0..=window {
             peer.send(Kind::StreamItem(StreamItem {

@@ -13,8 +13,7 @@ use std::sync::Arc;
 
 use common::{within, RawConn};
 use rpc::crates::core::wire::{
-    frame::Kind, Hello, HelloAck, RemoteInvokeMessage, RemoteResultMessage, StreamCredit,
-    StreamMode,
+    frame::Kind, Hello, HelloAck, RemoteInvokeMessage, RemoteResultMessage, StreamMode,
 };
 use rpc::crates::transport::{
     Call, ConnectOptions, Connection, Opened, DEFAULT_STREAM_WINDOW, DEFAULT_STREAM_WINDOW_BYTES,
@@ -138,15 +137,6 @@ async fn items_until_echo(raw: &mut RawConn, id: u64, echo_id: u64) -> (Vec<Stri
     panic!("no answer to the echo among 10000 frames")
 }
 
-async fn grant(raw: &mut RawConn, id: u64, items: u32) {
-    raw.send(Kind::StreamCredit(StreamCredit {
-        message_id: id,
-        items,
-    }))
-    .await
-    .expect("credit");
-}
-
 /// A client that does not know batches nor byte windows (its Hello leaves both unset): one item
 /// per `StreamItem` frame, never a `StreamItems`, and its window of items only.
 #[tokio::test]
@@ -161,7 +151,7 @@ async fn a_client_without_batches_gets_one_item_per_frame_within_its_item_window
     assert_eq!(items.len(), 4, "its window of 4 items");
     assert_eq!(frames, 4, "one frame per item");
     assert!(items.iter().all(|i| i.len() == 4096));
-    grant(&mut raw, 1, 3).await;
+    raw.grant(1, 3).await;
     let (items, frames) = items_until_echo(&mut raw, 1, 3).await;
     assert_eq!(
         (items.len(), frames),
@@ -201,7 +191,7 @@ async fn a_batch_never_carries_more_than_the_item_credit() {
         "the items came batched: {frames} frames for 5 items"
     );
     assert_eq!(polls.load(Ordering::SeqCst), 5);
-    grant(&mut raw, 1, 2).await;
+    raw.grant(1, 2).await;
     let (items, _) = items_until_echo(&mut raw, 1, 3).await;
     assert_eq!(items.len(), 2, "the 2 granted");
     assert_eq!(polls.load(Ordering::SeqCst), 7);
@@ -237,11 +227,11 @@ async fn the_byte_window_holds_the_producer_and_grants_free_the_oldest_items() {
     let (items, _) = items_until_echo(&mut raw, 1, 2).await;
     assert_eq!(items.len(), 3, "42 + 42 < 100, the third goes past it");
     // One granted frees the oldest: 84 in flight, one more goes (to 126).
-    grant(&mut raw, 1, 1).await;
+    raw.grant(1, 1).await;
     let (items, _) = items_until_echo(&mut raw, 1, 3).await;
     assert_eq!(items.len(), 1);
     // Three granted free the three in flight: three go again.
-    grant(&mut raw, 1, 3).await;
+    raw.grant(1, 3).await;
     let (items, _) = items_until_echo(&mut raw, 1, 4).await;
     assert_eq!(items.len(), 3);
     assert_eq!(polls.load(Ordering::SeqCst), 7);
@@ -257,32 +247,20 @@ async fn a_server_without_batches_gets_the_clients_items_one_per_frame() {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
     let old_server = tokio::spawn(async move {
-        let (stream, _) = within("accept", listener.accept()).await.expect("accept");
-        let mut peer = RawConn::from_stream(stream);
-        match peer.recv().await {
-            Some(Kind::Hello(h)) => {
-                assert!(h.streams && h.stream_batches, "the client offers both");
-                assert_eq!(h.stream_window, DEFAULT_STREAM_WINDOW);
-                assert_eq!(h.stream_window_bytes, DEFAULT_STREAM_WINDOW_BYTES);
-            }
-            other => panic!("expected Hello, got {other:?}"),
-        }
-        peer.send(Kind::HelloAck(HelloAck {
+        let ack = HelloAck {
             protocol_version: 1,
             streams: true,
             stream_window: 3,
             ..Default::default()
-        }))
-        .await
-        .expect("ack");
-        let id = match peer.recv().await {
-            Some(Kind::Invoke(i)) => {
-                assert_eq!(i.stream_mode, StreamMode::Client as i32);
-                i.message_id
-            }
-            other => panic!("expected the stream's opening, got {other:?}"),
         };
-        grant(&mut peer, id, 3).await;
+        let (mut peer, h) = RawConn::accept_with(&listener, ack).await;
+        assert!(h.streams && h.stream_batches, "the client offers both");
+        assert_eq!(h.stream_window, DEFAULT_STREAM_WINDOW);
+        assert_eq!(h.stream_window_bytes, DEFAULT_STREAM_WINDOW_BYTES);
+        let open = peer.recv_invoke("the stream's opening").await;
+        assert_eq!(open.stream_mode, StreamMode::Client as i32);
+        let id = open.message_id;
+        peer.grant(id, 3).await;
         let mut got = Vec::new();
         for _ in 0..3 {
             match peer.recv().await {
@@ -382,7 +360,7 @@ async fn a_grant_for_more_items_than_were_sent_ends_the_stream() {
     open_text(&mut raw, 1, 8).await;
     let (items, _) = items_until_echo(&mut raw, 1, 2).await;
     assert_eq!(items.len(), 2, "the client's window");
-    grant(&mut raw, 1, u32::MAX).await;
+    raw.grant(1, u32::MAX).await;
     // Bounded: a producer let run ahead would send frames without end.
     let mut frames = 0;
     let end: RemoteResultMessage = loop {
@@ -462,7 +440,7 @@ async fn streams_at_the_in_flight_limit_still_get_their_credit_read() {
         items[0] <= 1 && items[1] <= 1,
         "windows of one item: {items:?}"
     );
-    grant(&mut raw, 1, 1).await;
+    raw.grant(1, 1).await;
     // Stream 1's second item, after its credit (bounded: the windows' items and this one).
     while items[0] < 2 {
         assert!(items[1] <= 1, "stream 3 went past its window");

@@ -193,6 +193,16 @@ impl Stocks for Cache {
 /// A subscriber for a test that reads no span: `tracing` caches a callsite's interest
 /// process-wide, and a thread without one could mark the spans as never wanted while another
 /// test records them.
+/// A raw server's handshake answer: version 1, streams, a window of 8 items.
+fn streaming_ack() -> rpc::crates::core::wire::HelloAck {
+    rpc::crates::core::wire::HelloAck {
+        protocol_version: 1,
+        streams: true,
+        stream_window: 8,
+        ..Default::default()
+    }
+}
+
 fn traced() -> (Traces, tracing::subscriber::DefaultGuard) {
     Traces::install()
 }
@@ -1175,7 +1185,7 @@ async fn compressed_items_are_expanded_one_at_a_time_as_the_handler_takes_them()
 async fn on_the_wire_the_client_sends_compressed_items_and_ends_a_stream_on_a_corrupt_one() {
     let _traced = traced();
     use common::RawConn;
-    use rpc::crates::core::wire::{frame::Kind, HelloAck, StreamCredit, StreamItem};
+    use rpc::crates::core::wire::{frame::Kind, HelloAck, StreamItem};
     use rpc::crates::core::Compression;
     use rpc::crates::transport::compression::{compress, decompress};
     use rpc::{Codec, StaticRegistry};
@@ -1186,32 +1196,14 @@ async fn on_the_wire_the_client_sends_compressed_items_and_ends_a_stream_on_a_co
     let line = haystack(16 * 1024);
     let expected_line = line.clone();
     let raw_server = tokio::spawn(async move {
-        let (stream, _) = within("accept", listener.accept()).await.expect("accept");
-        let mut peer = RawConn::from_stream(stream);
-        match peer.recv().await {
-            Some(Kind::Hello(h)) => assert!(h.accept_compression.contains(&1), "{h:?}"),
-            other => panic!("expected Hello, got {other:?}"),
-        }
-        peer.send(Kind::HelloAck(HelloAck {
-            protocol_version: 1,
-            streams: true,
-            stream_window: 8,
+        let ack = HelloAck {
             accept_compression: vec![Compression::Zstd.to_wire()],
-            ..Default::default()
-        }))
-        .await
-        .expect("ack");
-        let open = match peer.recv().await {
-            Some(Kind::Invoke(i)) => i,
-            other => panic!("expected the stream's opening, got {other:?}"),
+            ..streaming_ack()
         };
-        let id = open.message_id;
-        peer.send(Kind::StreamCredit(StreamCredit {
-            message_id: id,
-            items: 8,
-        }))
-        .await
-        .expect("accept");
+        let (mut peer, hello) = RawConn::accept_with(&listener, ack).await;
+        assert!(hello.accept_compression.contains(&1), "{hello:?}");
+        let id = peer.recv_invoke("the stream's opening").await.message_id;
+        peer.grant(id, 8).await;
         let item = match within("the caller's item", peer.recv()).await {
             Some(Kind::StreamItem(item)) => item,
             other => panic!("expected an item, got {other:?}"),
@@ -1293,7 +1285,7 @@ async fn on_the_wire_the_client_sends_compressed_items_and_ends_a_stream_on_a_co
 #[tokio::test]
 async fn a_client_streams_compressed_answer_and_a_compressed_refusal_are_read_decompressed() {
     use common::RawConn;
-    use rpc::crates::core::wire::{frame::Kind, HelloAck, RemoteResultMessage, StreamCredit};
+    use rpc::crates::core::wire::{frame::Kind, RemoteResultMessage};
     use rpc::crates::core::Compression;
     use rpc::crates::transport::compression::compress;
     use rpc::{Codec, StaticRegistry};
@@ -1302,30 +1294,10 @@ async fn a_client_streams_compressed_answer_and_a_compressed_refusal_are_read_de
         .expect("bind");
     let addr = listener.local_addr().expect("addr");
     let raw_server = tokio::spawn(async move {
-        let (stream, _) = within("accept", listener.accept()).await.expect("accept");
-        let mut peer = RawConn::from_stream(stream);
-        match peer.recv().await {
-            Some(Kind::Hello(h)) => assert!(h.accept_compression.contains(&1), "{h:?}"),
-            other => panic!("expected Hello, got {other:?}"),
-        }
-        peer.send(Kind::HelloAck(HelloAck {
-            protocol_version: 1,
-            streams: true,
-            stream_window: 8,
-            ..Default::default()
-        }))
-        .await
-        .expect("ack");
-        let id = match peer.recv().await {
-            Some(Kind::Invoke(i)) => i.message_id,
-            other => panic!("expected the stream's opening, got {other:?}"),
-        };
-        peer.send(Kind::StreamCredit(StreamCredit {
-            message_id: id,
-            items: 8,
-        }))
-        .await
-        .expect("accept");
+        let (mut peer, hello) = RawConn::accept_with(&listener, streaming_ack()).await;
+        assert!(hello.accept_compression.contains(&1), "{hello:?}");
+        let id = peer.recv_invoke("the stream's opening").await.message_id;
+        peer.grant(id, 8).await;
         // The caller's numbers, summed here, up to their end.
         let mut sum = 0u64;
         loop {
@@ -1350,10 +1322,10 @@ async fn a_client_streams_compressed_answer_and_a_compressed_refusal_are_read_de
         .await
         .expect("answer");
         // The next stream is refused with a business error carrying a typed value.
-        let id = match within("the second opening", peer.recv()).await {
-            Some(Kind::Invoke(i)) => i.message_id,
-            other => panic!("expected the second stream's opening, got {other:?}"),
-        };
+        let id = peer
+            .recv_invoke("the second stream's opening")
+            .await
+            .message_id;
         let detail = Codec::MsgPack.encode(&"market closed").expect("encode");
         peer.send(Kind::Result(RemoteResultMessage {
             message_id: id,
@@ -1398,7 +1370,7 @@ async fn a_client_streams_compressed_answer_and_a_compressed_refusal_are_read_de
 #[tokio::test]
 async fn a_clients_compressed_items_are_expanded_one_at_a_time_as_they_are_taken() {
     use common::RawConn;
-    use rpc::crates::core::wire::{frame::Kind, HelloAck, StreamCredit, StreamItems};
+    use rpc::crates::core::wire::{frame::Kind, HelloAck, StreamItems};
     use rpc::crates::core::Compression;
     use rpc::StaticRegistry;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
@@ -1408,29 +1380,14 @@ async fn a_clients_compressed_items_are_expanded_one_at_a_time_as_they_are_taken
     let expands = expanding_item();
     let before = peak_resident_bytes();
     let raw_server = tokio::spawn(async move {
-        let (stream, _) = within("accept", listener.accept()).await.expect("accept");
-        let mut peer = RawConn::from_stream(stream);
-        assert!(matches!(peer.recv().await, Some(Kind::Hello(_))));
-        peer.send(Kind::HelloAck(HelloAck {
-            protocol_version: 1,
-            streams: true,
-            stream_window: 8,
+        let ack = HelloAck {
             stream_batches: true,
             accept_compression: vec![Compression::Zstd.to_wire()],
-            ..Default::default()
-        }))
-        .await
-        .expect("ack");
-        let id = match peer.recv().await {
-            Some(Kind::Invoke(i)) => i.message_id,
-            other => panic!("expected the stream's opening, got {other:?}"),
+            ..streaming_ack()
         };
-        peer.send(Kind::StreamCredit(StreamCredit {
-            message_id: id,
-            items: 8,
-        }))
-        .await
-        .expect("accept");
+        let (mut peer, _) = RawConn::accept_with(&listener, ack).await;
+        let id = peer.recv_invoke("the stream's opening").await.message_id;
+        peer.grant(id, 8).await;
         peer.send(Kind::StreamItems(StreamItems {
             message_id: id,
             payloads: vec![expands; 64],
