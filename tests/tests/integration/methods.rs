@@ -69,6 +69,16 @@ trait Unnamed {
 
 struct Hi;
 
+/// A server of `Unnamed` on `reg`.
+async fn serve_unnamed(reg: &InProcessRegistry) -> ServerHandle {
+    Server::builder()
+        .registry(reg.clone())
+        .add_service(UnnamedServer::new(Hi))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve")
+}
+
 impl Unnamed for Hi {
     async fn hello(&self, who: String) -> Result<String, RpcError> {
         Ok(format!("hi {who}"))
@@ -458,12 +468,7 @@ async fn a_service_without_a_name_is_served_under_its_module_path() {
         concat!(module_path!(), ".Unnamed.hello")
     );
     let reg = InProcessRegistry::new();
-    let server = Server::builder()
-        .registry(reg.clone())
-        .add_service(UnnamedServer::new(Hi))
-        .serve("127.0.0.1:0")
-        .await
-        .expect("serve");
+    let server = serve_unnamed(&reg).await;
     let c = UnnamedClient::new(Client::builder().registry(reg.clone()).build());
     assert_eq!(c.hello("bo".into()).await.expect("hello"), "hi bo");
     within("shutdown", server.shutdown()).await;
@@ -533,12 +538,7 @@ async fn an_argument_decode_error_names_the_argument_and_the_endpoint() {
 #[tokio::test]
 async fn a_raw_identifier_argument_is_named_without_its_prefix() {
     let reg = InProcessRegistry::new();
-    let server = Server::builder()
-        .registry(reg.clone())
-        .add_service(UnnamedServer::new(Hi))
-        .serve("127.0.0.1:0")
-        .await
-        .expect("serve");
+    let server = serve_unnamed(&reg).await;
     let kind = UnnamedClient::methods()
         .iter()
         .find(|m| m.method == "kind")

@@ -23,6 +23,12 @@ async fn store(etcd: &Etcd) -> RuleStore {
         .rules()
 }
 
+/// The governance versions the history keeps, oldest first.
+async fn kept_versions(rules: &RuleStore) -> Vec<i64> {
+    let history = rules.history(RuleKind::Governance).await.expect("history");
+    history.iter().map(|v| v.version).collect()
+}
+
 const V1: &str = "[defaults]\ntimeout_ms = 1000\n";
 const V2: &str = "[defaults]\ntimeout_ms = 2000\n";
 
@@ -116,14 +122,7 @@ async fn the_history_keeps_the_last_versions_only() {
                 .unwrap(),
         );
     }
-    let kept: Vec<i64> = rules
-        .history(RuleKind::Governance)
-        .await
-        .unwrap()
-        .iter()
-        .map(|v| v.version)
-        .collect();
-    assert_eq!(kept, versions[2..].to_vec());
+    assert_eq!(kept_versions(&rules).await, versions[2..].to_vec());
 }
 
 #[tokio::test]
@@ -148,14 +147,7 @@ async fn a_document_written_again_after_it_was_deleted_is_kept_as_the_newest() {
     // The newest is the one a history of one keeps.
     let one = rules.clone().with_history_limit(1);
     let v3 = one.set(RuleKind::Governance, V1, v2).await.unwrap();
-    let kept: Vec<i64> = one
-        .history(RuleKind::Governance)
-        .await
-        .unwrap()
-        .iter()
-        .map(|v| v.version)
-        .collect();
-    assert_eq!(kept, vec![v3]);
+    assert_eq!(kept_versions(&one).await, vec![v3]);
 }
 
 use std::sync::atomic::{AtomicUsize, Ordering};
