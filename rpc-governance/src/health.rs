@@ -105,6 +105,10 @@ pub struct EndpointHealth {
 #[derive(Debug, Clone)]
 struct Mark {
     until: Instant,
+    /// Until when an outlier ejection ([`EndpointHealth::eject`]) keeps the endpoint out: a
+    /// success does not end it (calls still in flight to the outlier mostly succeed), nor does
+    /// a failure's shorter backoff.
+    ejected_until: Option<Instant>,
     consecutive: u32,
     removed: bool,
     /// The connection whose breaking was last counted.
@@ -184,7 +188,8 @@ impl EndpointHealth {
             }
         };
         if let Some(b) = ejected_for {
-            mark.until = now + b;
+            // (Never shorter than a mark already set: an outlier's ejection stands.)
+            mark.until = mark.until.max(now + b);
             tracing::debug!(
                 target: "rpc::governance",
                 endpoint = addr,
@@ -207,6 +212,7 @@ impl EndpointHealth {
             self.marked.fetch_add(1, Ordering::Release);
             Mark {
                 until: now,
+                ejected_until: None,
                 consecutive: 0,
                 removed: false,
                 connection: None,
@@ -222,6 +228,7 @@ impl EndpointHealth {
         let now = Instant::now();
         let mut mark = self.mark_of(addr, now);
         mark.until = mark.until.max(now + for_);
+        mark.ejected_until = mark.ejected_until.max(Some(now + for_));
         mark.reason = reason.to_string();
         tracing::debug!(
             target: "rpc::governance",
@@ -231,9 +238,26 @@ impl EndpointHealth {
         );
     }
 
-    /// Records a success of `addr`: its mark is cleared.
+    /// Records a success of `addr`: its failures are forgotten and its mark cleared, except an
+    /// outlier ejection, which stands until it expires.
     pub fn success(&self, addr: &str) {
-        if !self.is_clear() && self.marks.remove(addr).is_some() {
+        if self.is_clear() {
+            return;
+        }
+        let now = Instant::now();
+        let removed =
+            self.marks
+                .remove_if_mut(addr, |_, m| match m.ejected_until.filter(|&t| t > now) {
+                    Some(ejected) => {
+                        m.until = ejected;
+                        m.consecutive = 0;
+                        m.removed = false;
+                        m.connection = None;
+                        false
+                    }
+                    None => true,
+                });
+        if removed.is_some() {
             self.marked.fetch_sub(1, Ordering::Release);
         }
     }
@@ -341,6 +365,29 @@ mod tests {
         h.failure("a", 0);
         tokio::time::advance(Duration::from_millis(1001)).await;
         assert!(h.is_healthy("a"), "success reset the count");
+    }
+
+    /// An outlier's ejection outlasts the successes of calls still in flight to it and the
+    /// shorter backoff of a failure; it ends when it expires.
+    #[tokio::test(start_paused = true)]
+    async fn an_ejection_stands_through_successes_and_failures_until_it_expires() {
+        let h = EndpointHealth::new(Duration::from_secs(60));
+        h.eject("a", Duration::from_secs(10), "success rate 40 %");
+        h.success("a");
+        assert!(!h.is_healthy("a"), "a success does not end the ejection");
+        h.failure("a", 0); // a backoff of 1 s
+        tokio::time::advance(Duration::from_secs(2)).await;
+        assert!(!h.is_usable("a"), "a failure does not shorten it");
+        h.success("a");
+        assert_eq!(
+            h.view("a").consecutive_failures,
+            0,
+            "the failure is forgotten"
+        );
+        tokio::time::advance(Duration::from_millis(8001)).await;
+        assert!(h.is_healthy("a"));
+        h.success("a");
+        assert!(h.is_clear(), "an expired ejection leaves no mark");
     }
 
     #[tokio::test(start_paused = true)]
