@@ -7,9 +7,10 @@
 //! call then reports the entry's load (calls in flight, the limit in force) for the clients'
 //! pickers.
 //!
-//! An entry's admission is replaced whole when the governance rules change its options (see
-//! `rules.rs`): calls admitted before keep their slot in the old gate, the next call meets the
-//! new one. In observe mode (`rate_limit_observe`, `admission_observe`) a call a limit would
+//! An entry's admission is replaced when the governance rules change its server options (see
+//! `rules.rs`), keeping the parts whose options did not change (the rate limiter and its
+//! buckets, the gate with its slots and measured latency); a new gate starts empty: calls and
+//! streams admitted before keep their slot in the old one, the next call meets the new one. In observe mode (`rate_limit_observe`, `admission_observe`) a call a limit would
 //! refuse is reported (the same event, `observed`) and admitted.
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -61,7 +62,9 @@ impl Slot {
 /// observe.
 #[derive(Debug)]
 pub(crate) struct Policy {
-    pub(crate) limiter: Option<RateLimiter>,
+    /// Shared with the next policy when the rules change neither the limits nor the gate's
+    /// options (its buckets carry on).
+    pub(crate) limiter: Option<Arc<RateLimiter>>,
     pub(crate) gate: Gate,
     /// `rate_limit_observe`: over a rate limit, report and admit.
     pub(crate) observe_rate: bool,
@@ -123,6 +126,11 @@ impl Admission {
     /// Puts `policy` in force from the next call.
     pub(crate) fn replace(&self, policy: Policy) {
         self.now.store(Arc::new(policy));
+    }
+
+    /// The policy in force.
+    pub(crate) fn policy(&self) -> Arc<Policy> {
+        self.now.load_full()
     }
 
     /// The cap in force (the adaptive limit's maximum when adaptive).
@@ -236,10 +244,10 @@ mod tests {
         let rx = events.subscribe();
         let policy = Policy {
             limiter: rate.map(|entry| {
-                RateLimiter::new(RateLimits {
+                Arc::new(RateLimiter::new(RateLimits {
                     entry: Some(entry),
                     per_caller: None,
-                })
+                }))
             }),
             gate,
             observe_rate: observe,

@@ -3,9 +3,12 @@
 //! restart.
 //!
 //! The governance document is a level above the methods' `#[governance]` attributes (and the
-//! builder's server-wide settings, which apply to entries that set nothing). An entry whose
-//! options the new document changes gets a new admission from its next call; the others keep
-//! theirs, with their buckets and measured latency.
+//! builder's server-wide settings, which apply to entries that set nothing). Only the server's
+//! options count (a change of a client option such as `timeout_ms` or `throttle_observe`
+//! leaves every admission as it is), and an entry whose server options change keeps what they
+//! did not touch: its rate limiter and buckets when only the gate's options change, its gate
+//! (with the slots of open calls and streams, and the adaptive limit's measurements) when only
+//! the limits, observe modes or compression change.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -18,7 +21,9 @@ use rpc_registry::rules::{RuleKind, RuleSource, RuleTarget, RuleVersion, RulesIn
 
 use crate::admission::Admission;
 use crate::dispatch::Dispatcher;
-use crate::server::{admission, compression, ServerDefaults};
+use crate::server::{
+    admission, compression, gate_inputs, limiter_inputs, server_options_differ, ServerDefaults,
+};
 
 /// The server's side of the rules: each entry's admission and the overrides it was built from.
 struct Target {
@@ -105,10 +110,22 @@ impl RuleTarget for Target {
         let mut applied = self.applied.lock().unwrap_or_else(PoisonError::into_inner);
         for (m, admission_of_entry) in &self.entries {
             let o = overrides(m, &centre);
-            if applied.get(m.entry_id) == Some(&o) {
+            let before = applied.get(m.entry_id);
+            if before.is_some_and(|before| !server_options_differ(before, &o)) {
+                applied.insert(m.entry_id, o);
                 continue;
             }
-            admission_of_entry.replace(admission(&o, &self.shared, &self.defaults));
+            let mut policy = admission(&o, &self.shared, &self.defaults);
+            if let Some(before) = before {
+                let now = admission_of_entry.policy();
+                if limiter_inputs(before) == limiter_inputs(&o) {
+                    policy.limiter = now.limiter.clone();
+                }
+                if gate_inputs(before) == gate_inputs(&o) {
+                    policy.gate = now.gate.clone();
+                }
+            }
+            admission_of_entry.replace(policy);
             let (algorithm, threshold) = compression(&o);
             admission_of_entry.set_compression(algorithm, threshold);
             self.events.emit_parts(
@@ -125,5 +142,98 @@ impl RuleTarget for Target {
 
     fn events(&self) -> &EventBus {
         &self.events
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    static METHOD: MethodDescriptor = MethodDescriptor {
+        service_id: "t.T",
+        method: "m",
+        entry_id: "t.T.m",
+        hash_key: None,
+        governance: GovernanceOverrides::NONE,
+        api: None,
+    };
+
+    /// A server's rules target for the one entry `t.T.m`, and the entry's admission.
+    fn target() -> (Target, Arc<Admission>) {
+        let shared = Bulkhead::new(50);
+        let defaults = ServerDefaults {
+            adaptive: false,
+            rate_limit: None,
+            caller_rate_limit: None,
+        };
+        let events = EventBus::new();
+        let policy = admission(&METHOD.governance, &shared, &defaults);
+        let entry = Arc::new(Admission::new(policy, events.clone()));
+        let target = Target {
+            entries: vec![(&METHOD, entry.clone())],
+            applied: Mutex::new(HashMap::from([("t.T.m", METHOD.governance.clone())])),
+            shared,
+            defaults,
+            events,
+        };
+        (target, entry)
+    }
+
+    fn apply(target: &Target, version: i64, text: &str) {
+        let rules = RuleVersion {
+            version,
+            text: Arc::from(text),
+        };
+        target
+            .apply(RuleKind::Governance, &rules)
+            .expect("valid rules");
+    }
+
+    fn admit(a: &Admission) -> Result<crate::admission::Slot, RpcError> {
+        a.admit("t.T.m", "caller", None, None)
+    }
+
+    /// A rules change keeps what it does not touch: a client option changes nothing, a rate
+    /// limit change keeps the cap's slots, a compression change keeps the buckets; a new cap
+    /// starts a new gate.
+    #[tokio::test(start_paused = true)]
+    async fn a_rules_change_keeps_the_slots_and_buckets_it_does_not_touch() {
+        let (target, entry) = target();
+        apply(
+            &target,
+            1,
+            "[entries.\"t.T.m\"]\nmax_concurrent_handling_count = 2\n",
+        );
+        let held = admit(&entry).expect("a slot");
+        assert_eq!(entry.load(), (1, 2));
+        // A client option: the same policy, the call still in its slot.
+        let before = entry.policy();
+        apply(
+            &target,
+            2,
+            "[defaults]\ntimeout_ms = 700\nthrottle_observe = true\n\
+             [entries.\"t.T.m\"]\nmax_concurrent_handling_count = 2\n",
+        );
+        assert!(Arc::ptr_eq(&before, &entry.policy()), "nothing rebuilt");
+        // A rate limit (1 a second, no burst): the cap keeps its slot.
+        let limited = "[entries.\"t.T.m\"]\nmax_concurrent_handling_count = 2\n\
+                       rate_limit_per_second = 1\nrate_limit_burst = 1\n";
+        apply(&target, 3, limited);
+        assert_eq!(entry.load(), (1, 2), "the gate and its slot are kept");
+        let second = admit(&entry).expect("the bucket's one token");
+        drop(second);
+        // Compression: the bucket, now empty, is kept (a new one would admit at once).
+        apply(&target, 4, &format!("{limited}compression = \"zstd\"\n"));
+        let e = admit(&entry).expect_err("the bucket is still empty");
+        assert_eq!(e.code(), rpc_core::StatusCode::RateLimited, "{e}");
+        assert_eq!(entry.load(), (1, 2));
+        // A new cap: a new gate, which the call admitted before does not hold.
+        apply(
+            &target,
+            5,
+            "[entries.\"t.T.m\"]\nmax_concurrent_handling_count = 3\n",
+        );
+        assert_eq!(entry.load(), (0, 3));
+        drop(held);
     }
 }

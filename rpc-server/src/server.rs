@@ -56,8 +56,8 @@ pub(crate) fn admission(
             d.caller_rate_limit_burst,
         ),
     };
-    let limiter =
-        (limits.entry.is_some() || limits.per_caller.is_some()).then(|| RateLimiter::new(limits));
+    let limiter = (limits.entry.is_some() || limits.per_caller.is_some())
+        .then(|| Arc::new(RateLimiter::new(limits)));
     let cap = match o.max_concurrent_handling_count {
         Some(n) => Bulkhead::new(n as usize),
         None => shared.clone(),
@@ -76,6 +76,40 @@ pub(crate) fn admission(
         observe_rate: o.rate_limit_observe.unwrap_or(false),
         observe_gate: o.admission_observe.unwrap_or(false),
     }
+}
+
+/// What an entry's rate limiter is built from (with the server's defaults, which do not
+/// change): a rules change that leaves these alone keeps the limiter and its buckets.
+pub(crate) fn limiter_inputs(o: &rpc_core::GovernanceOverrides) -> impl PartialEq {
+    (
+        o.rate_limit_per_second,
+        o.rate_limit_burst,
+        o.caller_rate_limit_per_second,
+        o.caller_rate_limit_burst,
+    )
+}
+
+/// What an entry's gate is built from: a rules change that leaves these alone keeps the gate,
+/// with the slots of the calls and streams in it and the adaptive limit's measurements.
+pub(crate) fn gate_inputs(o: &rpc_core::GovernanceOverrides) -> impl PartialEq {
+    (
+        o.max_concurrent_handling_count,
+        o.adaptive_concurrency,
+        o.adaptive_min_limit,
+    )
+}
+
+/// Whether the server options of an entry (what [`admission`] and [`compression`] read)
+/// differ between `a` and `b`: the rest of the overrides are the clients' business.
+pub(crate) fn server_options_differ(
+    a: &rpc_core::GovernanceOverrides,
+    b: &rpc_core::GovernanceOverrides,
+) -> bool {
+    limiter_inputs(a) != limiter_inputs(b)
+        || gate_inputs(a) != gate_inputs(b)
+        || (a.rate_limit_observe, a.admission_observe)
+            != (b.rate_limit_observe, b.admission_observe)
+        || compression(a) != compression(b)
 }
 
 /// How an entry's answers are compressed under its overrides: its `compression` (default
