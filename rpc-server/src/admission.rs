@@ -34,15 +34,19 @@ pub const CRITICALITY_ATTACHMENT: &str = "rpc-criticality";
 pub(crate) enum Gate {
     /// The fixed cap.
     Cap(Bulkhead),
-    /// The adaptive limit, at most the cap.
-    Adaptive(AdaptiveLimit),
+    /// The adaptive limit, at most the cap, which still counts every call: the server's
+    /// shared cap holds across entries whatever their adaptive limits.
+    Adaptive(AdaptiveLimit, Bulkhead),
 }
 
 /// A slot taken at an entry's gate, returned when dropped.
 #[derive(Debug)]
 pub(crate) enum Slot {
     Cap(#[allow(dead_code)] Permit),
-    Adaptive(#[allow(dead_code)] AdaptivePermit),
+    Adaptive(
+        #[allow(dead_code)] AdaptivePermit,
+        #[allow(dead_code)] Permit,
+    ),
     /// Admitted over the gate's limit, in observe mode: holds no slot.
     Observed,
 }
@@ -52,7 +56,7 @@ impl Slot {
     /// adaptive limit (a stream's duration is the caller's choice, not the server's latency).
     pub(crate) fn for_stream(self) -> Slot {
         match self {
-            Slot::Adaptive(p) => Slot::Adaptive(p.unmeasured()),
+            Slot::Adaptive(p, cap) => Slot::Adaptive(p.unmeasured(), cap),
             other => other,
         }
     }
@@ -85,17 +89,18 @@ pub(crate) struct Admission {
 }
 
 impl Gate {
-    /// The adaptive limit of an entry whose cap is `cap`, starting at the lesser of 20 and the
-    /// cap, never below `min`.
-    pub(crate) fn adaptive(cap: usize, min: usize) -> Gate {
-        let max = cap.max(1);
+    /// The adaptive limit of an entry under `cap` (its own, or the server's shared one),
+    /// starting at the lesser of 20 and the cap's size, never below `min`.
+    pub(crate) fn adaptive(cap: Bulkhead, min: usize) -> Gate {
+        let max = cap.size().max(1);
         let min = min.clamp(1, max);
-        Gate::Adaptive(AdaptiveLimit::new(AdaptiveOptions {
+        let limit = AdaptiveLimit::new(AdaptiveOptions {
             initial: AdaptiveOptions::default().initial.clamp(min, max),
             min,
             max,
             ..AdaptiveOptions::default()
-        }))
+        });
+        Gate::Adaptive(limit, cap)
     }
 }
 
@@ -138,7 +143,7 @@ impl Admission {
     pub(crate) fn cap(&self) -> usize {
         match &self.now.load().gate {
             Gate::Cap(cap) => cap.size(),
-            Gate::Adaptive(a) => a.limit(),
+            Gate::Adaptive(a, _) => a.limit(),
         }
     }
 
@@ -173,12 +178,13 @@ impl Admission {
         }
         let slot = match &p.gate {
             Gate::Cap(cap) => cap.try_enter(entry).map(Slot::Cap),
-            Gate::Adaptive(limit) => {
+            Gate::Adaptive(limit, cap) => cap.try_enter(entry).and_then(|held| {
+                // (The cap first: a call refused there is never measured by the limit.)
                 let criticality = criticality.and_then(Criticality::parse).unwrap_or_default();
                 limit
                     .try_enter(entry, criticality, remaining)
-                    .map(Slot::Adaptive)
-            }
+                    .map(|permit| Slot::Adaptive(permit, held))
+            }),
         };
         match slot {
             Err(e) if p.observe_gate => {
@@ -194,7 +200,7 @@ impl Admission {
         let p = self.now.load();
         let (n, limit) = match &p.gate {
             Gate::Cap(cap) => (cap.in_use(), cap.size()),
-            Gate::Adaptive(a) => (a.in_flight(), a.limit()),
+            Gate::Adaptive(a, _) => (a.in_flight(), a.limit()),
         };
         (saturate(n), saturate(limit))
     }
@@ -293,7 +299,10 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn over_the_cap_or_the_adaptive_limit_observe_mode_admits_and_reports() {
-        for gate in [|| Gate::Cap(Bulkhead::new(1)), || Gate::adaptive(1, 1)] {
+        for gate in [
+            || Gate::Cap(Bulkhead::new(1)),
+            || Gate::adaptive(Bulkhead::new(1), 1),
+        ] {
             for observe in [false, true] {
                 let (a, mut events) = admission(gate(), None, observe);
                 let held = admit(&a).unwrap();
@@ -312,6 +321,27 @@ mod tests {
                 assert!(admit(&a).is_ok());
             }
         }
+    }
+
+    /// Entries with adaptive limits under the server's shared cap: the cap holds across them
+    /// (each limit alone would let each entry run up to the cap).
+    #[tokio::test(start_paused = true)]
+    async fn adaptive_entries_under_the_shared_cap_never_exceed_it_together() {
+        let shared = Bulkhead::new(2);
+        let (a, _) = admission(Gate::adaptive(shared.clone(), 1), None, false);
+        let (b, _) = admission(Gate::adaptive(shared.clone(), 1), None, false);
+        let held = [admit(&a).unwrap(), admit(&b).unwrap()];
+        let e = admit(&b).expect_err("the shared cap of 2 is full");
+        assert_eq!(e.code(), StatusCode::OverflowMaxServerHandle, "{e}");
+        // Critical calls may go over an adaptive limit, never over the cap.
+        let e = a
+            .admit("t.T.m", "caller", Some("critical"), None)
+            .expect_err("the cap is full");
+        assert_eq!(e.code(), StatusCode::OverflowMaxServerHandle, "{e}");
+        assert_eq!(shared.in_use(), 2);
+        drop(held);
+        assert_eq!(shared.in_use(), 0);
+        assert!(admit(&b).is_ok());
     }
 
     #[tokio::test(start_paused = true)]

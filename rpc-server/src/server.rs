@@ -64,7 +64,7 @@ pub(crate) fn admission(
     };
     let gate = if o.adaptive_concurrency.unwrap_or(server.adaptive) {
         Gate::adaptive(
-            cap.size(),
+            cap,
             o.adaptive_min_limit.unwrap_or(d.adaptive_min_limit) as usize,
         )
     } else {
