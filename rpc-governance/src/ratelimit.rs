@@ -69,6 +69,13 @@ impl TokenBucket {
             Err(Duration::from_secs_f64((1.0 - s.tokens) / self.per_second))
         }
     }
+
+    /// Returns a token taken for a call that was then refused elsewhere (never above the
+    /// burst).
+    pub fn give_back(&self) {
+        let mut s = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        s.tokens = (s.tokens + 1.0).min(self.burst);
+    }
 }
 
 /// What an entry's limits are: calls per second for all callers and for each caller, each with
@@ -145,18 +152,27 @@ impl RateLimiter {
 
     /// Admits one call of `caller` at `now`, or says which limit refused it and when a token
     /// will be there. The caller's quota is checked first, so a caller over its own quota does
-    /// not spend the entry's tokens that other callers need.
+    /// not spend the entry's tokens that other callers need; a call the entry's limit refuses
+    /// then gets the caller's token back, so the entry's refusals do not spend the caller's
+    /// quota either.
     pub fn try_admit_at(&self, caller: &str, now: Instant) -> Result<(), (Refused, Duration)> {
-        if let Some(callers) = &self.callers {
-            callers
-                .bucket(caller)
-                .try_take_at(now)
-                .map_err(|after| (Refused::Caller, after))?;
-        }
+        let own = match &self.callers {
+            Some(callers) => {
+                let bucket = callers.bucket(caller);
+                bucket
+                    .try_take_at(now)
+                    .map_err(|after| (Refused::Caller, after))?;
+                Some(bucket)
+            }
+            None => None,
+        };
         if let Some(entry) = &self.entry {
-            entry
-                .try_take_at(now)
-                .map_err(|after| (Refused::Entry, after))?;
+            if let Err(after) = entry.try_take_at(now) {
+                if let Some(own) = own {
+                    own.give_back();
+                }
+                return Err((Refused::Entry, after));
+            }
         }
         Ok(())
     }
@@ -191,6 +207,28 @@ mod tests {
         tokio::time::advance(Duration::from_secs(60)).await;
         let taken = (0..10).filter(|_| b.try_take().is_ok()).count();
         assert_eq!(taken, 3);
+    }
+
+    /// While the entry's bucket is empty, a caller's refused calls leave its own quota whole:
+    /// when the entry has tokens again the caller gets its full burst.
+    #[tokio::test(start_paused = true)]
+    async fn a_call_the_entry_refuses_does_not_spend_the_callers_quota() {
+        // The caller's quota: a burst of 3, refilled too slowly to matter here.
+        let limiter = RateLimiter::new(RateLimits {
+            entry: Some((1.0, 1)),
+            per_caller: Some((0.001, 3)),
+        });
+        assert_eq!(limiter.try_admit("a"), Ok(()));
+        for _ in 0..5 {
+            let (which, _) = limiter.try_admit("a").unwrap_err();
+            assert_eq!(which, Refused::Entry, "the caller has 2 tokens left");
+        }
+        // The entry's next token: the caller spends its second, and has its third.
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert_eq!(limiter.try_admit("a"), Ok(()));
+        let caller = limiter.callers.as_ref().unwrap().bucket("a");
+        assert_eq!(caller.try_take(), Ok(()), "the third of the caller's burst");
+        assert!(caller.try_take().is_err(), "no fourth");
     }
 
     #[tokio::test(start_paused = true)]
