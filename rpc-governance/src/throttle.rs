@@ -98,10 +98,16 @@ impl Throttle {
 
     /// The probability with which a call made at `now` is dropped.
     pub fn drop_probability_at(&self, now: Instant) -> f64 {
+        self.drop_probability_with_k_at(now, self.k)
+    }
+
+    /// [`drop_probability_at`](Self::drop_probability_at) with multiplier `k` (at least 1), as
+    /// [`admit_with_k_at`](Self::admit_with_k_at) decides with it.
+    pub fn drop_probability_with_k_at(&self, now: Instant, k: f64) -> f64 {
         let mut w = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         w.advance(now, self.slice);
         let (requests, accepts) = w.totals();
-        probability(requests, accepts, self.k)
+        probability(requests, accepts, k.max(1.0))
     }
 
     /// Counts a call the application wants to make at `now` and decides whether to drop it:

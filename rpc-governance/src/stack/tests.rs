@@ -973,6 +973,39 @@ async fn a_dropped_attempt_fails_the_call_at_once_and_is_not_retried() {
     assert!(events.try_recv().is_err(), "no retry event after the drop");
 }
 
+/// After a runtime change of K, the drop's message states the probability the drop was decided
+/// with (the new K), not the one of the K the throttle was made with.
+#[tokio::test(start_paused = true)]
+async fn a_drop_states_the_probability_of_the_k_in_force() {
+    let g = throttled(100, 0);
+    let policy = g.policy(&M);
+    // Made when K was 2; 1000 requests, 400 accepted: p = (1000 - 400) / 1001 = 60 % with
+    // K = 1, and (1000 - 800) / 1001 = 20 % with K = 2.
+    let t = policy
+        .throttle
+        .get_or_init(|| Throttle::new(2.0, Duration::from_secs(10)));
+    for i in 0..1000 {
+        t.admit_at(Instant::now(), 1.0);
+        if i < 400 {
+            t.accepted_at(Instant::now());
+        }
+    }
+    let s = Script::new(vec![overflow()], Duration::ZERO);
+    let mut dropped = None;
+    for _ in 0..50 {
+        let err = g.execute(&policy, &s).await.unwrap_err();
+        if err.code() == StatusCode::OverflowMaxRequest {
+            dropped = Some(err);
+            break;
+        }
+    }
+    let err = dropped.expect("a drop within 50 calls at p = 60 %");
+    assert!(
+        err.message().contains("probability 60 %"),
+        "the K in force is 1: {err}"
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn calls_go_out_again_once_the_refusals_leave_the_window() {
     let g = throttled(200, 0);

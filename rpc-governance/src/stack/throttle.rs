@@ -66,7 +66,7 @@ impl<S: Service> Service for ThrottleLayer<S> {
         let now = Instant::now();
         let admitted = throttle.admit_with_k_at(now, throttle.draw(), k);
         if !admitted && cx.options.throttle_observe {
-            let p = throttle.drop_probability_at(now);
+            let p = throttle.drop_probability_with_k_at(now, k);
             cx.emit_observed(
                 EventKind::Throttled,
                 cx.endpoint(),
@@ -80,7 +80,7 @@ impl<S: Service> Service for ThrottleLayer<S> {
             );
         } else if !admitted {
             cx.throttled = true;
-            let p = throttle.drop_probability_at(now);
+            let p = throttle.drop_probability_with_k_at(now, k);
             let err = RpcError::new(
                 StatusCode::OverflowMaxRequest,
                 format!(
