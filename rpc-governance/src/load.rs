@@ -190,12 +190,25 @@ impl EndpointLoad {
         self.weight * (0.1 + 0.9 * ramp)
     }
 
-    /// The peak-EWMA latency in seconds ([`DEFAULT_RTT`] before the first answer).
+    /// The peak-EWMA latency in seconds now; see [`cost_at`](Self::cost_at).
     pub fn cost(&self) -> f64 {
-        self.ewma
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .map_or(DEFAULT_RTT.as_secs_f64(), |(c, _)| c)
+        self.cost_at(Instant::now())
+    }
+
+    /// The peak-EWMA latency in seconds at `now` ([`DEFAULT_RTT`] before the first answer). A
+    /// peak above [`DEFAULT_RTT`] fades towards it with time even while no answer comes (by
+    /// [`DECAY`]): an endpoint that lost every choice after one slow answer gets no answers to
+    /// lower it with, and would otherwise be shunned for good.
+    pub fn cost_at(&self, now: Instant) -> f64 {
+        let default = DEFAULT_RTT.as_secs_f64();
+        match *self.ewma.lock().unwrap_or_else(PoisonError::into_inner) {
+            None => default,
+            Some((cost, at)) if cost > default => {
+                let elapsed = now.saturating_duration_since(at).as_secs_f64();
+                default + (cost - default) * (-elapsed / DECAY.as_secs_f64()).exp()
+            }
+            Some((cost, _)) => cost,
+        }
     }
 
     /// The score at `now`, lower is better: cost × √((outstanding + 1) / weight in force),
@@ -203,7 +216,7 @@ impl EndpointLoad {
     pub fn score_at(&self, now: Instant) -> f64 {
         let busy = 1.0 + self.reported().utilization();
         let load = (self.outstanding() as f64 + 1.0) / self.weight_at(now);
-        self.cost() * load.sqrt() * busy
+        self.cost_at(now) * load.sqrt() * busy
     }
 }
 
@@ -252,6 +265,35 @@ mod tests {
         let w = (-1.0f64).exp();
         let expected = 0.5 * w + 0.010 * (1.0 - w);
         assert!((e.score_at(t1) - expected).abs() < 1e-12);
+    }
+
+    /// An endpoint that lost every choice after one slow answer gets no answers: its peak
+    /// fades with time alone towards the default latency (after six decay periods less than
+    /// 1 % of the excess is left: e⁻⁶ ≈ 0.25 %), and it is chosen again. A cost below the
+    /// default does not rise to it.
+    #[tokio::test(start_paused = true)]
+    async fn a_peak_fades_with_time_while_no_answer_comes() {
+        let (slow, fast) = (
+            EndpointLoad::new(1.0, Duration::ZERO),
+            EndpointLoad::new(1.0, Duration::ZERO),
+        );
+        let t0 = Instant::now();
+        slow.observe(Duration::from_secs(5), t0);
+        fast.observe(ms(5), t0);
+        assert_eq!(slow.cost_at(t0), 5.0);
+        let default = DEFAULT_RTT.as_secs_f64();
+        let later = slow.cost_at(t0 + DECAY * 6);
+        assert!(
+            later > default && later - default < 0.01 * (5.0 - default),
+            "{later}"
+        );
+        assert_eq!(fast.cost_at(t0 + DECAY * 6), 0.005);
+        // 99 calls outstanding on the fast endpoint score it 5 ms × √100 = 50 ms, the faded
+        // one 30 ms + 4970 ms · e⁻⁶ ≈ 42 ms: the faded one wins the choice.
+        let busy: Vec<_> = (0..99).map(|_| fast.start()).collect();
+        let scores = [slow.score_at(t0 + DECAY * 6), fast.score_at(t0 + DECAY * 6)];
+        assert_eq!(two_choices(2, |_| 0, |i| scores[i]), Some(0), "{scores:?}");
+        drop(busy);
     }
 
     #[tokio::test(start_paused = true)]
