@@ -23,7 +23,9 @@
 //! Admission is like the fixed cap's: a call takes a slot at once or is refused with Overflow
 //! (515) at once, never queued. Two refinements:
 //! - **Deadline-aware:** a call whose remaining budget is below what the entry's calls take
-//!   recently would time out anyway; it is refused at once instead of run for nothing.
+//!   recently would time out anyway; it is refused at once instead of run for nothing, while
+//!   other calls run. With none running it is let through: only admitted calls are measured,
+//!   so refusing it too would keep the old figure, and every shorter deadline refused, for good.
 //! - **Criticality:** callers may mark a call critical, default or sheddable. Sheddable calls
 //!   get 80 % of the limit, default ones all of it, critical ones a tenth more: as load rises,
 //!   sheddable work is refused first.
@@ -212,7 +214,8 @@ impl AdaptiveLimit {
         remaining: Option<Duration>,
     ) -> Result<AdaptivePermit, RpcError> {
         if let (Some(left), Some(needs)) = (remaining, self.recent_latency()) {
-            if left < needs {
+            // (With nothing running, nothing would measure the entry anew: let it through.)
+            if left < needs && self.in_flight() > 0 {
                 return Err(RpcError::new(
                     StatusCode::OverflowMaxServerHandle,
                     format!(
@@ -445,6 +448,7 @@ mod tests {
         load(&l, 100, 1, Duration::from_millis(50)).await;
         let needs = l.recent_latency().expect("measured");
         assert_eq!(needs, Duration::from_millis(50));
+        let running = l.try_enter("e", Criticality::Default, None).unwrap();
         let e = l
             .try_enter("e", Criticality::Default, Some(Duration::from_millis(20)))
             .unwrap_err();
@@ -453,6 +457,44 @@ mod tests {
         assert!(l
             .try_enter("e", Criticality::Default, Some(Duration::from_millis(80)))
             .is_ok());
+        drop(running);
+    }
+
+    /// After a stall every call took 5 s; callers now send 4 s deadlines. With no call
+    /// running one is let through (else nothing would ever be measured again and every such
+    /// call refused for good); its quick answer brings the figure down, and calls with 4 s
+    /// left are admitted again.
+    #[tokio::test(start_paused = true)]
+    async fn with_nothing_running_a_short_deadline_is_let_through_and_measures_anew() {
+        let l = AdaptiveLimit::new(AdaptiveOptions::default());
+        load(&l, 20, 1, Duration::from_secs(5)).await;
+        let four = Some(Duration::from_secs(4));
+        let first = l
+            .try_enter("e", Criticality::Default, four)
+            .expect("nothing runs: let through");
+        assert!(
+            l.try_enter("e", Criticality::Default, four).is_err(),
+            "one runs: the deadline rule holds"
+        );
+        tokio::time::advance(Duration::from_millis(10)).await;
+        drop(first);
+        // 5 s + (10 ms - 5 s) / 10 ≈ 4.5 s: still more than 4 s, so one at a time again.
+        assert!(l.recent_latency().unwrap() > Duration::from_secs(4));
+        for _ in 0..3 {
+            let p = l
+                .try_enter("e", Criticality::Default, four)
+                .expect("let through");
+            tokio::time::advance(Duration::from_millis(10)).await;
+            drop(p);
+        }
+        assert!(l.recent_latency().unwrap() < Duration::from_secs(4));
+        let held: Vec<_> = (0..3)
+            .map(|_| {
+                l.try_enter("e", Criticality::Default, four)
+                    .expect("admitted")
+            })
+            .collect();
+        drop(held);
     }
 
     #[tokio::test(start_paused = true)]

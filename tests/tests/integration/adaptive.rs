@@ -133,6 +133,8 @@ async fn a_sheddable_call_is_refused_where_a_default_one_is_admitted() {
     server.shutdown().await;
 }
 
+/// While calls run (they will measure the entry anew), a call with less budget than the
+/// entry's calls take now is refused at once.
 #[tokio::test(start_paused = true)]
 async fn a_call_with_less_budget_than_the_entry_needs_is_refused_at_once() {
     let reg = InProcessRegistry::new();
@@ -140,6 +142,22 @@ async fn a_call_with_less_budget_than_the_entry_needs_is_refused_at_once() {
     let patient = client(&reg, no_retry());
     // One measured call: the entry's calls take SLOW now.
     assert_eq!(within("a slow call", patient.slow()).await.expect("ok"), 3);
+    // Another running (in its handler, for SLOW).
+    let running = {
+        let patient = patient.clone();
+        tokio::spawn(async move { patient.slow().await })
+    };
+    for _ in 0..10_000 {
+        if gate.slow_ran.load(Ordering::SeqCst) == 2 {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(
+        gate.slow_ran.load(Ordering::SeqCst),
+        2,
+        "the second call runs"
+    );
     let budget = SLOW / 4;
     let hurried = client(
         &reg,
@@ -161,9 +179,13 @@ async fn a_call_with_less_budget_than_the_entry_needs_is_refused_at_once() {
     );
     assert_eq!(
         gate.slow_ran.load(Ordering::SeqCst),
-        1,
+        2,
         "the handler never ran"
     );
+    within("the running call", running)
+        .await
+        .expect("join")
+        .expect("ok");
     server.shutdown().await;
 }
 
