@@ -150,6 +150,13 @@ impl AdaptivePermit {
         self.measured = false;
         self
     }
+
+    /// Measures the call when the slot is dropped after all: for a slot taken
+    /// [`unmeasured`](Self::unmeasured) until its call is known to have run to its end (a call
+    /// cancelled half-way says nothing of the server's latency).
+    pub fn measure(&mut self) {
+        self.measured = true;
+    }
 }
 
 impl Drop for AdaptivePermit {

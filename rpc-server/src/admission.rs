@@ -60,6 +60,15 @@ impl Slot {
             other => other,
         }
     }
+
+    /// Returns the slot of a call that ran to its end (answered, failed or timed out): an
+    /// adaptive limit measures it. A slot dropped otherwise (the call cancelled by its caller,
+    /// or dropped with its connection) is returned unmeasured.
+    pub(crate) fn completed(mut self) {
+        if let Slot::Adaptive(p, _) = &mut self {
+            p.measure();
+        }
+    }
 }
 
 /// An entry's admission policy: its rate limits, if any, its gate, and which of them only
@@ -181,9 +190,10 @@ impl Admission {
             Gate::Adaptive(limit, cap) => cap.try_enter(entry).and_then(|held| {
                 // (The cap first: a call refused there is never measured by the limit.)
                 let criticality = criticality.and_then(Criticality::parse).unwrap_or_default();
+                // (Measured only once the call is known to have run to its end: `completed`.)
                 limit
                     .try_enter(entry, criticality, remaining)
-                    .map(|permit| Slot::Adaptive(permit, held))
+                    .map(|permit| Slot::Adaptive(permit.unmeasured(), held))
             }),
         };
         match slot {
@@ -321,6 +331,31 @@ mod tests {
                 assert!(admit(&a).is_ok());
             }
         }
+    }
+
+    /// A call that ran to its end is measured by the adaptive limit; one dropped half-way (its
+    /// caller cancelled it) is not.
+    #[tokio::test(start_paused = true)]
+    async fn only_a_call_that_ran_to_its_end_is_measured() {
+        let gate = Gate::adaptive(Bulkhead::new(10), 1);
+        let Gate::Adaptive(limit, _) = &gate else {
+            unreachable!()
+        };
+        let limit = limit.clone();
+        let (a, _) = admission(gate, None, false);
+        let cancelled = admit(&a).unwrap();
+        tokio::time::advance(Duration::from_millis(3)).await;
+        drop(cancelled);
+        assert_eq!(
+            limit.recent_latency(),
+            None,
+            "a cancelled call says nothing"
+        );
+        assert_eq!(limit.in_flight(), 0, "its slot is back");
+        let done = admit(&a).unwrap();
+        tokio::time::advance(Duration::from_millis(40)).await;
+        done.completed();
+        assert_eq!(limit.recent_latency(), Some(Duration::from_millis(40)));
     }
 
     /// Entries with adaptive limits under the server's shared cap: the cap holds across them

@@ -130,7 +130,6 @@ impl Terminal {
             req.load = Some(self.admission.load());
             return Ok(Bytes::new());
         }
-        let _permit = permit;
         let fallback = self.fallback.as_ref().map(|to| ServerFallback {
             to: to.clone(),
             parameters: parameters.clone(),
@@ -162,6 +161,7 @@ impl Terminal {
         };
         req.fallback_cause = cause;
         req.load = Some(self.admission.load());
+        permit.completed();
         result
     }
 }
@@ -662,7 +662,9 @@ impl CallFuture {
             }
             (result, _) => {
                 let load = self.admission.load();
-                self.permit = None;
+                if let Some(permit) = self.permit.take() {
+                    permit.completed();
+                }
                 Some(with_load(finish(&mut self.watch, result, None), load))
             }
         }
@@ -693,7 +695,9 @@ impl Future for CallFuture {
         let cause = *cause;
         this.running_fallback = None;
         let load = this.admission.load();
-        this.permit = None;
+        if let Some(permit) = this.permit.take() {
+            permit.completed();
+        }
         Poll::Ready(with_load(
             finish(&mut this.watch, result, Some(cause)),
             load,
