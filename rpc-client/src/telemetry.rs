@@ -378,7 +378,14 @@ impl StreamWatch {
 
     fn record_items(&self) {
         let sent = self.sent.load(Ordering::Relaxed);
-        self.metrics.items(sent, self.received);
+        // The metric counts items to and from the server: a fallback's stream's items came
+        // from the fallback (the span still records what the caller received).
+        let from_server = if self.fallback.is_some() {
+            0
+        } else {
+            self.received
+        };
+        self.metrics.items(sent, from_server);
         if !self.span.is_disabled() {
             self.span.record("rpc.stream.items_sent", sent as i64);
             self.span

@@ -651,10 +651,11 @@ async fn stream_items_are_counted_by_entry_and_direction_on_both_sides() {
         .with_reader(PeriodicReader::builder(exporter.clone()).build())
         .build();
     let reg = InProcessRegistry::new();
+    let market = Market::default();
     let server = Server::builder()
         .registry(reg.clone())
         .meter(provider.meter("rpc"))
-        .add_service(StocksServer::new(Market::default()))
+        .add_service(StocksServer::new(market.clone()))
         .serve("127.0.0.1:0")
         .await
         .expect("serve");
@@ -663,12 +664,27 @@ async fn stream_items_are_counted_by_entry_and_direction_on_both_sides() {
             .registry(reg.clone())
             .meter(provider.meter("rpc"))
             .override_options(StocksClient::SERVICE_ID, options(100))
+            .fallback(StocksServer::new(Cache::default()))
             .build(),
     );
     let prices = accepted_items("prices", stocks.prices(5))
         .await
         .expect("items");
     assert_eq!(prices.len(), 5);
+    // A fallback's stream: its items did not come from the server, and are not counted.
+    market.down.store(true, Ordering::SeqCst);
+    let cached = within("prices", async {
+        stocks
+            .prices(3)
+            .await
+            .expect("the fallback's stream")
+            .collect_all()
+            .await
+    })
+    .await
+    .expect("the fallback's items");
+    assert_eq!(cached, [1000, 1001, 1002]);
+    market.down.store(false, Ordering::SeqCst);
     let total = within("total", stocks.total(RpcStream::iter(1..=4u64)))
         .await
         .expect("total");
@@ -691,7 +707,11 @@ async fn stream_items_are_counted_by_entry_and_direction_on_both_sides() {
             ],
         )
     };
-    assert_eq!(items("g.Stocks.prices", "received"), 5);
+    assert_eq!(
+        items("g.Stocks.prices", "received"),
+        5,
+        "the server's, not the fallback's"
+    );
     assert_eq!(items("g.Stocks.prices", "sent"), 0);
     assert_eq!(items("g.Stocks.total", "sent"), 4);
     assert_eq!(items("g.Stocks.total", "received"), 1);
