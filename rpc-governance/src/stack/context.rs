@@ -267,9 +267,20 @@ impl<'g> CallCx<'g> {
     /// set-up as a call (its result is the set-up's), and the stream's end through this hook.
     /// For a unary call, or a set-up that fails (the layer sees that error itself), the hook
     /// never runs. A hook registered by a per-attempt layer runs at the end of the stream the
-    /// call opened, whichever attempt opened it.
+    /// call opened if its attempt opened it; a failed attempt's hooks are dropped.
     pub fn on_stream_end(&mut self, hook: impl FnOnce(&StreamEnd) + Send + Sync + 'static) {
         self.stream_end.push(Box::new(hook));
+    }
+
+    /// How many stream-end hooks are registered: where an attempt's own begin.
+    pub(crate) fn stream_end_hooks(&self) -> usize {
+        self.stream_end.len()
+    }
+
+    /// Drops the hooks registered since there were `n`: those of an attempt that failed,
+    /// whose set-up opened no stream.
+    pub(crate) fn drop_stream_end_hooks_from(&mut self, n: usize) {
+        self.stream_end.truncate(n);
     }
 
     /// The hooks registered with [`on_stream_end`](Self::on_stream_end), taken out: the

@@ -75,6 +75,7 @@ impl<B: Balance, S: Service> Service for RetryLayer<B, S> {
             cx.budget_ms = timeout::remaining_ms_at(now, attempt_deadline);
             cx.endpoint = Some(addr.clone());
             cx.connection = None;
+            let hooks = cx.stream_end_hooks();
             let call = self.inner.call(cx, req.clone());
             // Enforced here too, so no attempt outlives its deadline whatever it does with it,
             // unless the attempt itself promises to end at the deadline (a connection's
@@ -98,6 +99,8 @@ impl<B: Balance, S: Service> Service for RetryLayer<B, S> {
                 }
                 Err(e) => e,
             };
+            // This attempt opened no stream: what its layers asked to be told of its end goes.
+            cx.drop_stream_end_hooks_from(hooks);
             match self.after_failure(cx, &picker, addr, err, own.is_some(), chain_stopped) {
                 Ok(after) => {
                     cx.attempt += 1;

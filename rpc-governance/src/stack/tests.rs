@@ -808,6 +808,37 @@ async fn an_attempt_that_ends_at_its_deadline_itself_gets_no_second_timer() {
 /// A user layer that passes every call on.
 struct PassOn;
 
+/// A per-attempt layer asking, on every attempt, to be told of the stream's end.
+struct HooksEachAttempt<S>(S);
+
+impl<S: Service> Service for HooksEachAttempt<S> {
+    async fn call(&self, cx: &mut CallCx<'_>, req: Bytes) -> Result<Bytes, RpcError> {
+        cx.on_stream_end(|_| ());
+        self.0.call(cx, req).await
+    }
+}
+
+/// Of three attempts at a stream's set-up (two refused for overload, the third accepted), only
+/// the third's end hook is kept for the stream's end.
+#[tokio::test(start_paused = true)]
+async fn a_failed_attempts_stream_end_hooks_are_dropped() {
+    let g = engine(GovernanceOptions {
+        retry_times: 2,
+        retry_interval_ms: 0,
+        timeout_ms: 0,
+        ..Default::default()
+    });
+    let s = Script::new(vec![overflow(), overflow(), ok()], Duration::ZERO);
+    let policy = g.policy(&M);
+    let mut cx = CallCx::new(&g, policy.clone(), policy.options());
+    governed(Scripted(&s), HooksEachAttempt(Scripted(&s)))
+        .call(&mut cx, Bytes::new())
+        .await
+        .expect("the third attempt");
+    assert_eq!(s.starts().len(), 3);
+    assert_eq!(cx.take_stream_end_hooks().len(), 1);
+}
+
 impl super::Middleware for PassOn {
     fn call<'a>(
         &'a self,
