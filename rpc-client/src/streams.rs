@@ -107,17 +107,11 @@ impl Client {
             }
         }
         let mut answer = open.into_watched();
+        answer.needs_answer = Some(method.entry_id);
         let result = match answer.next().await {
             Some(Ok(answer)) => Ok(answer),
             Some(Err(e)) => Err(e),
-            None => Err(RpcError::new(
-                StatusCode::FrameworkError,
-                format!(
-                    "{}: the server completed the stream without an answer; is the method \
-                     client-streaming on the server too?",
-                    method.entry_id
-                ),
-            )),
+            None => unreachable!("a stream that needs an answer ends with one or an error"),
         };
         // The answer is the stream's last item: its arrival ends the call.
         if result.is_ok() {
@@ -324,6 +318,8 @@ impl OpenStream {
             items,
             watch: self.watch,
             fallback_item: Bytes::new(),
+            needs_answer: None,
+            answered: false,
         }
     }
 }
@@ -334,6 +330,11 @@ struct Watched {
     watch: StreamWatch,
     /// A fallback's stream's item, lent.
     fallback_item: Bytes,
+    /// A client stream's entry: its stream must end with an answer (an item); completed
+    /// without one, it ends with an error instead, recorded as such.
+    needs_answer: Option<&'static str>,
+    /// An item arrived.
+    answered: bool,
 }
 
 /// Where a watched stream's items come from: the connection's stream polled directly (no
@@ -357,8 +358,24 @@ impl ItemSource for Watched {
                 Poll::Pending => Poll::Pending,
             },
         };
+        let next = match next {
+            Poll::Ready(None) if !self.answered => match self.needs_answer.take() {
+                Some(entry) => Poll::Ready(Some(Err(RpcError::new(
+                    StatusCode::FrameworkError,
+                    format!(
+                        "{entry}: the server completed the stream without an answer; is the \
+                         method client-streaming on the server too?"
+                    ),
+                )))),
+                None => Poll::Ready(None),
+            },
+            other => other,
+        };
         match &next {
-            Poll::Ready(Some(Ok(_))) => self.watch.received(),
+            Poll::Ready(Some(Ok(_))) => {
+                self.answered = true;
+                self.watch.received();
+            }
             Poll::Ready(Some(Err(e))) => self.watch.finish(Err(e)),
             Poll::Ready(None) => self.watch.finish(Ok(())),
             Poll::Pending => {}

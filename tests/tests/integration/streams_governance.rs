@@ -1384,6 +1384,61 @@ async fn a_client_streams_compressed_answer_and_a_compressed_refusal_are_read_de
     assert_eq!(detail, "market closed");
 }
 
+/// A server that completes a client stream (status 200) without its answer: the caller gets a
+/// 500 saying so, and the call is recorded with that error, not as a success.
+#[tokio::test]
+async fn a_client_stream_completed_without_an_answer_is_recorded_as_the_error_it_returns() {
+    use common::RawConn;
+    use rpc::crates::core::wire::{frame::Kind, RemoteResultMessage};
+    use rpc::StaticRegistry;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let raw_server = tokio::spawn(async move {
+        let (mut peer, _) = RawConn::accept_with(&listener, streaming_ack()).await;
+        let id = peer.recv_invoke("the stream's opening").await.message_id;
+        peer.grant(id, 8).await;
+        loop {
+            match within("the caller's items", peer.recv()).await {
+                Some(Kind::StreamItem(_)) => continue,
+                Some(Kind::StreamEnd(_)) => break,
+                other => panic!("expected an item or the end, got {other:?}"),
+            }
+        }
+        peer.send(Kind::Result(RemoteResultMessage {
+            message_id: id,
+            status_code: 200,
+            ..Default::default()
+        }))
+        .await
+        .expect("the end, without an answer");
+    });
+    let client = Client::builder()
+        .registry(StaticRegistry::from_list(&addr.to_string()).expect("registry"))
+        .override_options(StocksClient::SERVICE_ID, options(100))
+        .build();
+    let (tx, mut records) = mpsc::unbounded_channel();
+    client.observe_calls(Arc::new(Records(Mutex::new(tx))));
+    let stocks = StocksClient::new(client);
+    let e = within("total", stocks.total(RpcStream::iter([1u64, 2])))
+        .await
+        .expect_err("no answer");
+    assert_eq!(e.code(), StatusCode::FrameworkError, "{e}");
+    assert!(e.message().contains("without an answer"), "{e}");
+    within("the raw server", raw_server)
+        .await
+        .expect("raw server");
+    assert_eq!(
+        records.try_recv().ok(),
+        Some((
+            "g.Stocks.total".to_string(),
+            Some(StatusCode::FrameworkError),
+            "error".to_string()
+        ))
+    );
+}
+
 /// The client holds a server's compressed items as they came and expands each when the consumer
 /// takes it: a frame of small zstd items that each expand to 8 MiB (512 MiB in all) never
 /// costs it the frame's expansion.
