@@ -251,16 +251,20 @@ impl Client {
             Either::Right(call.instrument(span))
         }
         .await?;
-        let stream = take(&opened).ok_or_else(|| {
-            RpcError::new(
+        let Some(stream) = take(&opened) else {
+            let e = RpcError::new(
                 StatusCode::FrameworkError,
                 format!(
                     "{}: the stream's set-up succeeded without a stream (a client layer \
                      answered it?); streams must reach the server",
                     method.entry_id
                 ),
-            )
-        })?;
+            );
+            // Recorded as the error the caller gets, not as a stream its caller dropped.
+            let mut watch = watch;
+            watch.finish(Err(&e));
+            return Err(e);
+        };
         Ok(OpenStream {
             stream,
             inbound: take(&inbound),

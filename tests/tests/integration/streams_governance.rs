@@ -868,6 +868,51 @@ impl rpc::Middleware for Watcher {
     }
 }
 
+/// A client layer that answers every call itself, never reaching the server.
+struct AnswersItself;
+
+impl rpc::Middleware for AnswersItself {
+    fn call<'a>(
+        &'a self,
+        _cx: &'a mut rpc::CallCx<'_>,
+        _req: rpc::Bytes,
+        _next: rpc::Next<'a>,
+    ) -> rpc::BoxFuture<'a, Result<rpc::Bytes, RpcError>> {
+        Box::pin(async { Ok(rpc::Bytes::new()) })
+    }
+}
+
+/// A stream's set-up that a client layer answered itself opened no stream: the caller gets a
+/// 500 saying so, and the call is recorded with it (not as a stream its caller dropped).
+#[tokio::test]
+async fn a_stream_set_up_a_layer_answered_is_recorded_as_the_error_it_returns() {
+    let reg = InProcessRegistry::new();
+    let (server, _market) = serve(&reg).await;
+    let client = Client::builder()
+        .registry(reg.clone())
+        .override_options(StocksClient::SERVICE_ID, options(100))
+        .layer(AnswersItself)
+        .build();
+    let (tx, mut records) = mpsc::unbounded_channel();
+    client.observe_calls(Arc::new(Records(Mutex::new(tx))));
+    let stocks = StocksClient::new(client);
+    let e = match within("prices", stocks.prices(3)).await {
+        Ok(_) => panic!("no stream was opened"),
+        Err(e) => e,
+    };
+    assert_eq!(e.code(), StatusCode::FrameworkError, "{e}");
+    assert!(e.message().contains("without a stream"), "{e}");
+    assert_eq!(
+        records.try_recv().ok(),
+        Some((
+            "g.Stocks.prices".to_string(),
+            Some(StatusCode::FrameworkError),
+            "error".to_string()
+        ))
+    );
+    within("shutdown", server.shutdown()).await;
+}
+
 #[tokio::test]
 async fn a_client_layer_sees_a_streams_set_up_and_its_end() {
     let _traced = traced();
