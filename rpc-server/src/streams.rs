@@ -519,6 +519,10 @@ impl ServerStream {
         if this.ended {
             return Poll::Ready(None);
         }
+        // The layers, the set-up and the producer run in the call's span, as a unary handler
+        // does: their events are the call's, and the calls they make continue its trace.
+        let span = this.watch.span().clone();
+        let _in_span = span.enter();
         if let Poll::Ready(end) = this.poll_deadline(cx) {
             return end;
         }
@@ -584,12 +588,14 @@ impl ServerStream {
         this.end(result)
     }
 
-    /// The next item (or end) of the handler's stream, as its own buffer.
+    /// The next item (or end) of the handler's stream, as its own buffer (called by
+    /// `poll_event`, in the call's span).
     fn poll_item(&mut self, cx: &mut Context<'_>) -> Poll<Option<StreamEvent>> {
         let this = self;
         let Some(items) = &mut this.items else {
             return Poll::Ready(None);
         };
+
         let outcome: Outcome = match Self::guarded(this.deadline, || items.poll_next_unpin(cx)) {
             Ok(Poll::Pending) => return Poll::Pending,
             // A client stream's answer: its end.

@@ -96,6 +96,11 @@ pub(crate) struct CallWatch {
 }
 
 impl CallWatch {
+    /// The call's span.
+    pub(crate) fn span(&self) -> &Span {
+        &self.span
+    }
+
     /// Records on the call's span the items a stream sent and received, as it ends.
     pub(crate) fn stream_items(&self, sent: u64, received: u64) {
         if !self.span.is_disabled() {

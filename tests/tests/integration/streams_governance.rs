@@ -868,6 +868,50 @@ impl rpc::Middleware for Watcher {
     }
 }
 
+#[rpc::service(name = "g.Spans")]
+trait Spans {
+    /// The name of the span current at the set-up, then `n` items each naming the span
+    /// current as it was produced.
+    async fn current(&self, n: u32) -> Result<RpcStream<String>, RpcError>;
+}
+
+struct SpanNames;
+
+fn current_span_name() -> String {
+    tracing::Span::current()
+        .metadata()
+        .map_or("(none)", |m| m.name())
+        .to_string()
+}
+
+impl Spans for SpanNames {
+    async fn current(&self, n: u32) -> Result<RpcStream<String>, RpcError> {
+        let at_set_up = current_span_name();
+        let items = std::iter::once(at_set_up).chain((0..n).map(|_| current_span_name()));
+        Ok(RpcStream::iter(items))
+    }
+}
+
+/// A stream's set-up and its producer run in the call's `rpc.server` span, as a unary
+/// handler does (their events are the call's, and the calls they make continue its trace).
+#[tokio::test]
+async fn a_streams_set_up_and_producer_run_in_the_server_span() {
+    let _traced = traced();
+    let reg = InProcessRegistry::new();
+    let server = Server::builder()
+        .registry(reg.clone())
+        .add_service(SpansServer::new(SpanNames))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let spans = SpansClient::new(Client::builder().registry(reg).build());
+    let names = accepted_items("current", spans.current(2))
+        .await
+        .expect("items");
+    assert_eq!(names, ["rpc.server", "rpc.server", "rpc.server"]);
+    within("shutdown", server.shutdown()).await;
+}
+
 /// A client layer that answers every call itself, never reaching the server.
 struct AnswersItself;
 
