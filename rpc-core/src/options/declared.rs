@@ -111,7 +111,7 @@ governance_options! {
         /// last 10 s, where accepts are the server's answers other than an overload refusal.
         /// 0 turns it off; 200 is K = 2.
         throttle_k_percent: u32 = 0, Client,
-            "adaptive throttling, K × 100 (200 = K of 2; 0 = off): an attempt is dropped locally (514, event `throttled`, not retried) with probability max(0, (requests − K·accepts) / (requests + 1)) over 10 s; accepts are answers other than an overload refusal (515, 429)";
+            "adaptive throttling, K × 100 (200 = K of 2; 0 = off): an attempt is dropped locally (514, event `throttled`, not retried) with probability max(0, (requests − K·accepts) / (requests + 1)) over 10 s; accepts are answers other than an overload refusal (515, 429), and an attempt without an answer (timeout, broken connection) is no accept";
         /// Adaptive throttling in observe mode: an attempt the rule would drop is reported
         /// (event `throttled` with `observed = true`) and sent.
         throttle_observe: flag = false, Client,
@@ -191,7 +191,7 @@ governance_options! {
         /// Server side: the entry's admission uses an adaptive limit (gradient controller on
         /// measured latency) instead of the fixed cap, which becomes the limit's maximum.
         adaptive_concurrency: bare_flag = false, Server,
-            "the cap adapts to measured latency (gradient rule), between `adaptive_min_limit` and the cap; over it 515 at once. Deadline-aware (a call with less budget than calls take now: 515 at once) and criticality-aware (attachment `rpc-criticality`: `critical`, `default`, `sheddable`; sheddable refused first)";
+            "the cap adapts to measured latency (gradient rule), between `adaptive_min_limit` and the cap; over it 515 at once. Deadline-aware (a call with less budget than calls take now: 515 at once, while other calls of the entry run; with none running it is let through, to measure anew) and criticality-aware (attachment `rpc-criticality`: `critical`, `default`, `sheddable`; sheddable refused first)";
         /// Server side: the least the adaptive limit goes down to.
         adaptive_min_limit: u32 = 4, Server,
             "the least the adaptive limit goes down to (its maximum is the cap)";
