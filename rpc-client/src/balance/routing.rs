@@ -53,7 +53,9 @@ impl Router {
         cx: &CallCx<'_>,
         service: &ServiceState,
     ) -> Result<Option<Choice>, RpcError> {
-        let rules = self.rules.load();
+        // One copy for the whole choice: the indexes the choice keeps point into it, whatever
+        // document a concurrent update puts in force meanwhile.
+        let rules = self.rules.load_full();
         if rules.is_empty() {
             return Ok(None);
         }
@@ -89,7 +91,7 @@ impl Router {
         };
         record(route, target, fell_back.then_some("any"));
         Ok(Some(Choice {
-            rules: self.rules(),
+            rules: rules.clone(),
             route: index,
             target,
             fell_back,
