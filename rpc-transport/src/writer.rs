@@ -13,6 +13,7 @@
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use rpc_core::wire::{frame::Kind, StreamItem};
@@ -292,7 +293,20 @@ async fn write_loop<W: AsyncWrite + Unpin>(
     backlog.room.notify_waiters();
     // The reader is not stopped here: after a failed write it still reads what the peer sent
     // before closing (a GoAway saying which calls it never read), then sees the close itself.
-    let _ = wr.shutdown().await;
+    // (Bounded: a TLS stream's shutdown writes, to a peer that may not read.)
+    let _ = tokio::time::timeout(CLOSE_GRACE, wr.shutdown()).await;
+}
+
+/// How long a write may still take once the connection is closed: the frames queued before
+/// the close (a GoAway, the drain's last answers) go out to a peer that reads, and a peer
+/// that stopped reading (its window shut for good) cannot hold the writer, its socket and its
+/// queue after the connection ended.
+const CLOSE_GRACE: Duration = Duration::from_secs(1);
+
+/// Resolves [`CLOSE_GRACE`] after `close` is cancelled.
+async fn closed_for_good(close: &CancellationToken) {
+    close.cancelled().await;
+    tokio::time::sleep(CLOSE_GRACE).await;
 }
 
 async fn write_batches<W: AsyncWrite + Unpin>(
@@ -363,15 +377,19 @@ async fn write_batches<W: AsyncWrite + Unpin>(
         }
         // `flush` costs nothing on a TCP socket; a TLS stream may still hold the end of the
         // batch after `write_all` when the socket was full.
-        if wr.write_all(&buf).await.is_err() {
-            break;
-        }
-        if let Some(frames) = direct.take() {
-            if wr.write_all(&frames).await.is_err() {
-                break;
+        let write = async {
+            wr.write_all(&buf).await?;
+            if let Some(frames) = direct.take() {
+                wr.write_all(&frames).await?;
             }
-        }
-        if wr.flush().await.is_err() {
+            wr.flush().await
+        };
+        let written = tokio::select! {
+            biased;
+            written = write => written.is_ok(),
+            () = closed_for_good(&close) => false,
+        };
+        if !written {
             break;
         }
         backlog.bytes.fetch_sub(counted, Ordering::Relaxed);
@@ -429,6 +447,45 @@ mod tests {
 
     fn ping(nonce: u64) -> Kind {
         Kind::Ping(Ping { nonce })
+    }
+
+    /// A peer that stops reading cannot hold the writer once the connection is closed: after
+    /// the close and its grace, the blocked write is given up and the writer ends (its
+    /// queue closed: later sends fail), though the peer still reads nothing.
+    #[tokio::test(start_paused = true)]
+    async fn a_write_the_peer_never_takes_is_given_up_after_the_close() {
+        let (ours, _theirs) = tokio::io::duplex(64);
+        let close = CancellationToken::new();
+        let queue = Arc::new(Queue::default());
+        let backlog = Arc::new(Backlog::default());
+        let writer = tokio::spawn(write_loop(
+            queue.clone(),
+            ours,
+            Arc::new(AtomicUsize::new(0)),
+            backlog.clone(),
+            close.clone(),
+        ));
+        let sender = FrameSender {
+            senders: Arc::new(Senders(queue)),
+            backlog,
+        };
+        assert!(sender.send(Kind::GoAway(rpc_core::wire::GoAway {
+            status_code: 520,
+            reason: "x".repeat(4096),
+        })));
+        // Blocked on the full pipe: still there long after.
+        tokio::time::sleep(Duration::from_secs(600)).await;
+        assert!(
+            !writer.is_finished(),
+            "nothing ends an open connection's write"
+        );
+        close.cancel();
+        tokio::time::sleep(CLOSE_GRACE + Duration::from_millis(1)).await;
+        tokio::time::timeout(Duration::from_secs(1), writer)
+            .await
+            .expect("the writer ended")
+            .expect("without a panic");
+        assert!(!sender.send(ping(1)), "later sends fail");
     }
 
     #[tokio::test]
