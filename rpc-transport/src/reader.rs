@@ -13,7 +13,7 @@
 //! fair, first come first served): a frame never waits for a share held by a connection that
 //! itself waits, so every frame within the limit is read in turn. A peer that takes a share
 //! and then stops sending keeps it until the idle timeout closes its connection (only complete
-//! frames count as traffic).
+//! frames count as traffic), calls of its connection in flight or not.
 
 use std::sync::Arc;
 
@@ -85,6 +85,11 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             peer,
             eof: false,
         }
+    }
+
+    /// Whether a share of the budget is held for a large frame not read whole yet.
+    pub(crate) fn holds_share(&self) -> bool {
+        self.share.is_some()
     }
 
     /// The next complete frame already in the buffer, without reading from the socket.

@@ -16,6 +16,7 @@ use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
@@ -98,13 +99,28 @@ impl Dialer for TcpDialer {
     }
 }
 
+/// TCP keepalive of an accepted socket: probes after 30 s without traffic, every 10 s, and
+/// the connection fails after 3 unanswered. A client that vanished (power lost, its NAT
+/// mapping gone) while a call or a stream was open sends nothing and reads nothing, so
+/// without it the connection, its task and the calls' slots would be held for ever (the idle
+/// timer runs only while nothing is in flight); with it they go within about a minute.
+pub const SERVER_KEEPALIVE: (Duration, Duration, u32) =
+    (Duration::from_secs(30), Duration::from_secs(10), 3);
+
 impl Listener for TcpListener {
     type Stream = TcpStream;
 
     async fn accept(&self) -> io::Result<(TcpStream, PeerAddr)> {
         let (stream, peer) = TcpListener::accept(self).await?;
-        // Best effort: a socket that refuses it still works, only with more latency.
+        // Best effort: a socket that refuses either still works, with more latency or
+        // without the dead-peer detection.
         let _ = stream.set_nodelay(true);
+        let (time, interval, retries) = SERVER_KEEPALIVE;
+        let keepalive = socket2::TcpKeepalive::new()
+            .with_time(time)
+            .with_interval(interval)
+            .with_retries(retries);
+        let _ = socket2::SockRef::from(&stream).set_tcp_keepalive(&keepalive);
         Ok((stream, PeerAddr::Tcp(peer)))
     }
 
@@ -229,6 +245,27 @@ mod tests {
         assert_eq!(
             Address::parse("unix:rel.sock"),
             Address::Unix(Path::new("rel.sock"))
+        );
+    }
+
+    /// An accepted TCP socket probes a silent peer: keepalive on, with the server's timings.
+    #[tokio::test]
+    async fn an_accepted_socket_has_keepalive_on() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = TcpListener::local_addr(&listener).expect("address");
+        let _client = TcpStream::connect(addr).await.expect("connect");
+        let (accepted, _) = Listener::accept(&listener).await.expect("accept");
+        let socket = socket2::SockRef::from(&accepted);
+        assert!(socket.keepalive().expect("SO_KEEPALIVE"));
+        let (time, interval, retries) = SERVER_KEEPALIVE;
+        assert_eq!(socket.tcp_keepalive_time().expect("TCP_KEEPIDLE"), time);
+        assert_eq!(
+            socket.tcp_keepalive_interval().expect("TCP_KEEPINTVL"),
+            interval
+        );
+        assert_eq!(
+            socket.tcp_keepalive_retries().expect("TCP_KEEPCNT"),
+            retries
         );
     }
 }

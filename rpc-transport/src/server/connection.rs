@@ -189,8 +189,11 @@ pub(super) async fn run_connection<R, W>(
             biased;
             _ = &mut shutdown_signal => break None,
             _ = &mut idle => {
-                // A connection with calls in flight is not idle, however quiet the client is.
-                if frames_seen != frames_at_check || conn.in_flight.load(Ordering::Acquire) > 0 {
+                // A connection with calls in flight is not idle, however quiet the client is;
+                // but a large frame begun and not finished for as long holds a share of the
+                // server's read budget that others wait for, calls in flight or not.
+                let busy = conn.in_flight.load(Ordering::Acquire) > 0 && !frames.holds_share();
+                if frames_seen != frames_at_check || busy {
                     frames_at_check = frames_seen;
                     idle.as_mut().reset(Instant::now() + options.idle_timeout);
                     continue;

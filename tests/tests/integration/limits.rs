@@ -284,6 +284,60 @@ async fn a_slow_loris_is_closed_at_the_idle_timeout_and_others_are_served() {
     server.shutdown().await;
 }
 
+/// A peer with a call in flight that starts a large frame (one taking a share of the server's
+/// read budget) and stops sending is closed at the idle timeout all the same: the share it
+/// holds is one others wait for.
+#[tokio::test(start_paused = true)]
+async fn a_large_frame_left_unfinished_is_closed_at_the_idle_timeout_even_with_a_call_running() {
+    let gate = gate(0);
+    let server = Server::builder()
+        .idle_timeout(std::time::Duration::from_millis(150))
+        .add_service(LimitsServer::from_arc(gate.clone()))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.handshake().await;
+    raw.send(invoke(1, BTreeMap::new()))
+        .await
+        .expect("a held call");
+    // Wait until the call runs (it holds until the gate opens, which it never does here).
+    for _ in 0..10_000 {
+        if gate.ran.load(Ordering::SeqCst) == 1 {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(gate.ran.load(Ordering::SeqCst), 1, "the call is running");
+    // Half of a 256 KiB frame, announced whole; the rest never comes.
+    let mut large = bytes::BytesMut::new();
+    FrameCodec::encode_kind(
+        Kind::Invoke(RemoteInvokeMessage {
+            message_id: 2,
+            service_entry_id: "t.Limits.hold".into(),
+            codec: Codec::MsgPack.to_wire(),
+            parameters: Codec::MsgPack
+                .encode(&("x".repeat(256 * 1024),))
+                .expect("encode"),
+            ..Default::default()
+        }),
+        &mut large,
+    );
+    raw.send_bytes(&large[..large.len() / 2])
+        .await
+        .expect("half a frame");
+    let g = loop {
+        match within("the GoAway", raw.recv()).await {
+            Some(Kind::GoAway(g)) => break g,
+            Some(_) => continue,
+            None => panic!("closed without a GoAway"),
+        }
+    };
+    assert!(g.reason.contains("idle for 150 ms"), "{g:?}");
+    gate.open.add_permits(1);
+    server.shutdown().await;
+}
+
 // The paused clock: the dribble and the timeout run in virtual time.
 #[tokio::test(start_paused = true)]
 async fn a_slow_hello_is_closed_at_the_handshake_timeout() {
