@@ -624,7 +624,9 @@ impl ServerBuilder {
     }
 }
 
-/// A running server. Dropping it starts a graceful shutdown without waiting for it.
+/// A running server. Dropping it starts a graceful shutdown without waiting for it: the
+/// instance is deregistered (in a task of its own, within a tokio runtime), then the server
+/// stops accepting and drains its connections.
 pub struct ServerHandle {
     events: EventBus,
     local_addr: SocketAddr,
@@ -756,7 +758,7 @@ impl ServerHandle {
     /// the drain timeout.
     pub async fn shutdown(mut self) {
         self.status.draining();
-        if let Some(registry) = &self.registry {
+        if let Some(registry) = self.registry.take() {
             if let Err(e) = registry.deregister(&self.instance_id).await {
                 tracing::warn!(error = %e, "could not deregister before shutdown");
             }
@@ -798,6 +800,8 @@ impl ServerHandle {
     /// Stops at once: connections are closed and calls in flight are dropped, as if the process
     /// died (the registry entry stays, as it would after a crash). For failure tests.
     pub fn abort(mut self) {
+        // (Not deregistered, not even by the drop that follows.)
+        self.registry = None;
         self.status.draining();
         if let Some(task) = self.task.take() {
             task.abort();
@@ -809,6 +813,22 @@ impl ServerHandle {
 impl Drop for ServerHandle {
     fn drop(&mut self) {
         self.status.draining();
+        // Dropped without `shutdown` (an early return, a test's end): deregister first, as
+        // `shutdown` does, so clients stop choosing the instance before it stops accepting.
+        if let (Some(registry), Ok(runtime)) =
+            (self.registry.take(), tokio::runtime::Handle::try_current())
+        {
+            let (id, status) = (self.instance_id.clone(), self.status.clone());
+            let shutdown = self.shutdown.clone();
+            runtime.spawn(async move {
+                if let Err(e) = registry.deregister(&id).await {
+                    tracing::warn!(error = %e, "could not deregister the dropped server");
+                }
+                status.0.registered.store(false, Ordering::Release);
+                shutdown.cancel();
+            });
+            return;
+        }
         self.shutdown.cancel();
     }
 }

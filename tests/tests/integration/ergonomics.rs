@@ -81,6 +81,34 @@ async fn waiting_for_endpoints_ends_when_a_server_registers() {
     assert_eq!(echo.echo("up".into()).await.unwrap(), "up");
 }
 
+/// A server handle dropped without `shutdown` deregisters its instance, as a graceful
+/// shutdown does (clients stop choosing it); one aborted leaves it, as a crash would.
+#[tokio::test]
+async fn a_dropped_server_deregisters_and_an_aborted_one_does_not() {
+    use crate::registry_watch::{has, lacks, wait_until, watch};
+    let registry = InProcessRegistry::new();
+    let serve = || {
+        Server::builder()
+            .registry(registry.clone())
+            .add_service(EchoServer::new(Plain))
+            .serve("127.0.0.1:0")
+    };
+    let (dropped, aborted) = (serve().await.unwrap(), serve().await.unwrap());
+    let (gone, kept) = (dropped.local_addr(), aborted.local_addr());
+    let mut w = watch(&registry, EchoClient::SERVICE_ID).await;
+    wait_until(&mut w, LIMIT, "both registered", |list| {
+        has(gone)(list) && has(kept)(list)
+    })
+    .await;
+    aborted.abort();
+    drop(dropped);
+    wait_until(&mut w, LIMIT, "the dropped one deregistered", lacks(gone)).await;
+    assert!(
+        has(kept)(&crate::registry_watch::addresses(&w)),
+        "the aborted one stays"
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn waiting_for_endpoints_gives_up_at_its_timeout() {
     let client = Client::builder().registry(InProcessRegistry::new()).build();
