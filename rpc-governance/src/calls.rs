@@ -124,7 +124,18 @@ impl CallObservers {
         };
         let list = self.0.list.read().unwrap_or_else(|p| p.into_inner());
         for observer in list.iter() {
-            observer.call_ended(&record);
+            // An observer is told from inside the call's machinery (a server's call task, a
+            // stream's end, a drop): its panic is contained here, and the others are told.
+            let told = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                observer.call_ended(&record)
+            }));
+            if told.is_err() {
+                tracing::warn!(
+                    target: "rpc::governance",
+                    entry = record.entry,
+                    "a call observer panicked; the call went on"
+                );
+            }
         }
     }
 }
@@ -166,6 +177,27 @@ mod tests {
             *seen.0.lock().unwrap(),
             [("a.A.m".to_string(), Some(StatusCode::Success), "success")]
         );
+    }
+
+    struct Panics;
+
+    impl CallObserver for Panics {
+        fn call_ended(&self, _: &CallRecord) {
+            panic!("an observer's bug");
+        }
+    }
+
+    /// An observer that panics does not unwind into the call that tells it, and the observers
+    /// after it are still told.
+    #[tokio::test(start_paused = true)]
+    async fn a_panicking_observer_is_contained_and_the_others_are_told() {
+        let observers = CallObservers::new();
+        let seen = Arc::new(Seen::default());
+        observers.add(Arc::new(Panics));
+        observers.add(seen.clone());
+        let started = observers.start().expect("observed");
+        observers.ended(Side::Server, "a.A.m", started, None, "cancelled");
+        assert_eq!(seen.0.lock().unwrap().len(), 1);
     }
 
     #[tokio::test(start_paused = true)]
