@@ -82,23 +82,26 @@ struct Addresses {
 }
 
 /// How acceptable an endpoint is for the next attempt; lower is better. Removed endpoints
-/// (repeated transport failures) come last: used only when nothing else is left.
+/// (repeated transport failures) come after every other one not tried yet in this call:
+/// used only when nothing else untried is left, and before the call tries an endpoint again
+/// (a call's failover tries every endpoint once before any twice, as `untried_left` counts
+/// them).
 fn rank(addr: &str, tried: &[Arc<str>], health: &EndpointHealth) -> u8 {
     if health.is_clear() {
         return if tried.iter().any(|t| **t == *addr) {
-            2
+            3
         } else {
             0
         };
     }
     let fresh = !tried.iter().any(|t| **t == *addr);
     match (health.is_removed(addr), fresh, health.is_healthy(addr)) {
-        (true, true, _) => 4,
-        (true, false, _) => 5,
         (false, true, true) => 0,
         (false, true, false) => 1,
-        (false, false, true) => 2,
-        (false, false, false) => 3,
+        (true, true, _) => 2,
+        (false, false, true) => 3,
+        (false, false, false) => 4,
+        (true, false, _) => 5,
     }
 }
 
@@ -469,6 +472,27 @@ mod tests {
             ServiceState::new(ServiceWatch::new(rx), RingKey::Address),
             tx,
         )
+    }
+
+    /// A call's failover tries a removed endpoint it has not tried before trying another
+    /// endpoint again: A and B failed, C (removed) is next, then A.
+    #[test]
+    fn a_removed_endpoint_is_tried_before_an_endpoint_is_tried_again() {
+        let (s, _tx) = state(vec![
+            instance("a:1", None),
+            instance("b:1", None),
+            instance("c:1", None),
+        ]);
+        let health = EndpointHealth::new(Duration::from_secs(60));
+        for _ in 0..3 {
+            health.failure("c:1", 3);
+        }
+        assert!(health.is_removed("c:1"));
+        let o = GovernanceOptions::default();
+        let tried: Vec<Arc<str>> = vec![Arc::from("a:1"), Arc::from("b:1")];
+        assert_eq!(&*s.select("s.S", &o, None, &tried, &health).unwrap(), "c:1");
+        let all: Vec<Arc<str>> = vec![Arc::from("a:1"), Arc::from("b:1"), Arc::from("c:1")];
+        assert_ne!(&*s.select("s.S", &o, None, &all, &health).unwrap(), "c:1");
     }
 
     fn least_loaded() -> GovernanceOptions {
