@@ -41,11 +41,15 @@ pub(super) async fn drain<R: AsyncRead + Unpin>(
                 .as_mut()
                 .reset(hard.min(Instant::now() + DRAIN_LINGER));
         }
+        // Each call read now is answered "not run": from a client that leaves its answers
+        // unread, no more is read until the queue is back within its limit, as before the drain.
+        let backlogged = conn.sender.backlog().bytes() > options.max_unsent_bytes;
         let next = tokio::select! {
             biased;
             _ = conn.idle.notified() => continue,
             _ = &mut deadline => break,
-            f = frames.next() => f,
+            _ = conn.sender.backlog().written(), if backlogged => continue,
+            f = frames.next(), if !backlogged => f,
         };
         if let Err(end) = ctx.on_frame(next, true) {
             return end;

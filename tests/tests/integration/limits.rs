@@ -412,7 +412,6 @@ async fn after_many_refusals_at_the_in_flight_limit_the_server_waits_for_a_call_
 
 #[tokio::test]
 async fn a_client_that_never_reads_its_answers_is_no_longer_read() {
-    use tokio::io::AsyncWriteExt;
     let gate = gate(1 << 20);
     let server = Server::builder()
         .max_unsent_bytes(16 * 1024)
@@ -420,9 +419,70 @@ async fn a_client_that_never_reads_its_answers_is_no_longer_read() {
         .serve("127.0.0.1:0")
         .await
         .expect("serve");
+    let mut stream = never_reading(server.local_addr()).await;
+    let (sent, blocked) = flood(&mut stream).await;
+    let ran = u64::from(gate.ran.load(Ordering::SeqCst));
+    assert!(
+        blocked,
+        "the server read all {sent} calls of a client reading nothing"
+    );
+    assert!(ran < sent, "{ran} calls ran of {sent} sent");
+    eprintln!("the server stopped reading after {ran} of {sent}+ calls");
+    drop(stream);
+    within("shutdown", server.shutdown()).await;
+}
+
+/// The same while the server drains: each call it reads then is answered "not run", and a
+/// client reading none of those answers is no longer read either.
+#[tokio::test]
+async fn a_client_that_never_reads_is_no_longer_read_while_the_server_drains() {
+    let gate = gate(0);
+    let server = Server::builder()
+        .max_unsent_bytes(16 * 1024)
+        .drain_timeout(std::time::Duration::from_secs(600))
+        .add_service(LimitsServer::from_arc(gate.clone()))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let mut stream = never_reading(server.local_addr()).await;
+    // One call held: the drain lasts while it runs.
+    let mut held = bytes::BytesMut::new();
+    FrameCodec::encode_kind(invoke(u64::MAX, BTreeMap::new()), &mut held);
+    tokio::io::AsyncWriteExt::write_all(&mut stream, &held)
+        .await
+        .expect("the held call");
+    for _ in 0..10_000 {
+        if gate.ran.load(Ordering::SeqCst) == 1 {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(gate.ran.load(Ordering::SeqCst), 1, "the held call runs");
+    let status = server.status();
+    let shutdown = tokio::spawn(server.shutdown());
+    for _ in 0..10_000 {
+        if status.is_draining() {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    let (sent, blocked) = flood(&mut stream).await;
+    assert!(
+        blocked,
+        "the draining server read all {sent} calls of a client reading nothing"
+    );
+    gate.open.add_permits(1);
+    drop(stream);
+    within("shutdown", shutdown).await.expect("shutdown");
+}
+
+/// A connection to `addr` past a `Hello` (no answer read), with a small receive buffer: a
+/// client that reads nothing.
+async fn never_reading(addr: std::net::SocketAddr) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt;
     let socket = tokio::net::TcpSocket::new_v4().expect("socket");
     socket.set_recv_buffer_size(4096).expect("SO_RCVBUF");
-    let mut stream = within("connect", socket.connect(server.local_addr()))
+    let mut stream = within("connect", socket.connect(addr))
         .await
         .expect("connect");
     let mut hello = bytes::BytesMut::new();
@@ -436,36 +496,29 @@ async fn a_client_that_never_reads_its_answers_is_no_longer_read() {
         &mut hello,
     );
     stream.write_all(&hello).await.expect("hello");
+    stream
+}
+
+/// Writes calls in chunks of 1 000 until a write no longer completes within a second: the
+/// calls sent, and whether the writes stopped completing. Bounded: at most 2 000 chunks (2
+/// million calls, about 90 MB); a server that kept reading would take them all.
+async fn flood(stream: &mut tokio::net::TcpStream) -> (u64, bool) {
+    use tokio::io::AsyncWriteExt;
     let mut chunk = bytes::BytesMut::new();
     for id in 0..1000 {
         FrameCodec::encode_kind(invoke(id, BTreeMap::new()), &mut chunk);
     }
-    // Bounded: at most 2 000 chunks (2 million calls, about 90 MB). A server that kept reading
-    // would take them all; this one stops once the unread answers pass its limit, the socket
-    // buffers fill, and a write no longer completes.
     let mut sent = 0u64;
-    let mut blocked = false;
     for _ in 0..2000 {
         match tokio::time::timeout(std::time::Duration::from_secs(1), stream.write_all(&chunk))
             .await
         {
             Ok(r) => r.expect("write"),
-            Err(_) => {
-                blocked = true;
-                break;
-            }
+            Err(_) => return (sent, true),
         }
         sent += 1000;
     }
-    let ran = u64::from(gate.ran.load(Ordering::SeqCst));
-    assert!(
-        blocked,
-        "the server read all {sent} calls of a client reading nothing"
-    );
-    assert!(ran < sent, "{ran} calls ran of {sent} sent");
-    eprintln!("the server stopped reading after {ran} of {sent}+ calls");
-    drop(stream);
-    within("shutdown", server.shutdown()).await;
+    (sent, false)
 }
 
 /// After refusing a connection at `max_connections`, the server stops accepting for a moment
