@@ -319,15 +319,25 @@ impl ServiceState {
             let ring = self.ring(&eps);
             // Bounded load: an endpoint over the bound ranks after every one under it of the
             // same health.
-            let over: Vec<bool> = if options.hash_balance_factor > 0 {
-                let outstanding: Vec<usize> = eps
+            let mut over = vec![false; eps.len()];
+            if options.hash_balance_factor > 0 {
+                // The mean is the candidates': the routing group's usable endpoints (all the
+                // group's when none is usable), not the whole service's, whose others hold
+                // none of these calls and would pull every member over the bound.
+                let usable = |&i: &usize| inside(i) && health.is_usable(&eps[i].address);
+                let mut members: Vec<usize> = (0..eps.len()).filter(usable).collect();
+                if members.is_empty() {
+                    members = (0..eps.len()).filter(|&i| inside(i)).collect();
+                }
+                let outstanding: Vec<usize> = members
                     .iter()
-                    .map(|i| self.load_of(&i.address).outstanding())
+                    .map(|&i| self.load_of(&eps[i].address).outstanding())
                     .collect();
-                ring::over_bound(&outstanding, options.hash_balance_factor)
-            } else {
-                vec![false; eps.len()]
-            };
+                let bounded = ring::over_bound(&outstanding, options.hash_balance_factor);
+                for (&i, is_over) in members.iter().zip(bounded) {
+                    over[i] = is_over;
+                }
+            }
             let mut best: Option<((u8, bool), usize)> = None;
             for idx in ring.ring.walk(key).filter(|&i| inside(i)) {
                 let r = (rank(&eps[idx].address, tried, health), over[idx]);
@@ -493,6 +503,47 @@ mod tests {
         assert_eq!(&*s.select("s.S", &o, None, &tried, &health).unwrap(), "c:1");
         let all: Vec<Arc<str>> = vec![Arc::from("a:1"), Arc::from("b:1"), Arc::from("c:1")];
         assert_ne!(&*s.select("s.S", &o, None, &all, &health).unwrap(), "c:1");
+    }
+
+    /// Under a routing group, the bounded-load mean is the group's: with 4 calls on the key's
+    /// owner and 1 on the group's other member, the owner is over the bound (⌈1.25 × 6 / 2⌉ =
+    /// 4 < 5) and the other is not; the other 8 endpoints of the service, holding none of
+    /// these calls, would have put both over it (⌈1.25 × 6 / 10⌉ = 1).
+    #[test]
+    fn the_hash_load_bound_is_the_routing_groups() {
+        let all: Vec<Arc<Instance>> = (0..10)
+            .map(|i| instance(&format!("e{i}:1"), None))
+            .collect();
+        let (s, _tx) = state(all);
+        let health = EndpointHealth::new(Duration::from_secs(60));
+        let group = [0usize, 1];
+        let hashed = |factor: u32| GovernanceOptions {
+            shunt_strategy: ShuntStrategy::Hash,
+            hash_balance_factor: factor,
+            ..GovernanceOptions::default()
+        };
+        let pick = |key: u64, factor: u32| {
+            s.select_from(
+                s.endpoints(),
+                Some(&group),
+                "s.S",
+                &hashed(factor),
+                Some(key),
+                &[],
+                &health,
+            )
+            .unwrap()
+        };
+        // Keys spread over the ring (small numbers all sit before its first point).
+        let key = (1..1000u64)
+            .map(|k| k.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+            .find(|&k| &*pick(k, 0) == "e0:1")
+            .expect("a key e0 owns within the group");
+        let (owner, other) = (s.load_of("e0:1"), s.load_of("e1:1"));
+        let on_owner: Vec<_> = (0..4).map(|_| owner.start()).collect();
+        let on_other = other.start();
+        assert_eq!(&*pick(key, 125), "e1:1");
+        drop((on_owner, on_other));
     }
 
     fn least_loaded() -> GovernanceOptions {
