@@ -302,13 +302,7 @@ async fn a_large_frame_left_unfinished_is_closed_at_the_idle_timeout_even_with_a
         .await
         .expect("a held call");
     // Wait until the call runs (it holds until the gate opens, which it never does here).
-    for _ in 0..10_000 {
-        if gate.ran.load(Ordering::SeqCst) == 1 {
-            break;
-        }
-        tokio::task::yield_now().await;
-    }
-    assert_eq!(gate.ran.load(Ordering::SeqCst), 1, "the call is running");
+    yield_until("the call runs", || gate.ran.load(Ordering::SeqCst) == 1).await;
     // Half of a 256 KiB frame, announced whole; the rest never comes.
     let mut large = bytes::BytesMut::new();
     FrameCodec::encode_kind(
@@ -451,21 +445,13 @@ async fn a_client_that_never_reads_is_no_longer_read_while_the_server_drains() {
     tokio::io::AsyncWriteExt::write_all(&mut stream, &held)
         .await
         .expect("the held call");
-    for _ in 0..10_000 {
-        if gate.ran.load(Ordering::SeqCst) == 1 {
-            break;
-        }
-        tokio::task::yield_now().await;
-    }
-    assert_eq!(gate.ran.load(Ordering::SeqCst), 1, "the held call runs");
+    yield_until("the held call runs", || {
+        gate.ran.load(Ordering::SeqCst) == 1
+    })
+    .await;
     let status = server.status();
     let shutdown = tokio::spawn(server.shutdown());
-    for _ in 0..10_000 {
-        if status.is_draining() {
-            break;
-        }
-        tokio::task::yield_now().await;
-    }
+    yield_until("the server drains", || status.is_draining()).await;
     let (sent, blocked) = flood(&mut stream).await;
     assert!(
         blocked,
@@ -474,6 +460,17 @@ async fn a_client_that_never_reads_is_no_longer_read_while_the_server_drains() {
     gate.open.add_permits(1);
     drop(stream);
     within("shutdown", shutdown).await.expect("shutdown");
+}
+
+/// Lets the other tasks run (at most 10 000 turns, no time passing) until `done` holds.
+async fn yield_until(what: &str, done: impl Fn() -> bool) {
+    for _ in 0..10_000 {
+        if done() {
+            return;
+        }
+        tokio::task::yield_now().await;
+    }
+    panic!("{what}: not within 10 000 turns");
 }
 
 /// A connection to `addr` past a `Hello` (no answer read), with a small receive buffer: a

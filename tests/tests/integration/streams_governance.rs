@@ -193,6 +193,23 @@ impl Stocks for Cache {
 /// A subscriber for a test that reads no span: `tracing` caches a callsite's interest
 /// process-wide, and a thread without one could mark the spans as never wanted while another
 /// test records them.
+/// A listener for a raw server on a free loopback port, and its address.
+async fn raw_listener() -> (tokio::net::TcpListener, std::net::SocketAddr) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    (listener, addr)
+}
+
+/// A client of the server at `addr` alone (a static list), with the tests' options.
+fn client_of(addr: std::net::SocketAddr) -> Client {
+    Client::builder()
+        .registry(rpc::StaticRegistry::from_list(&addr.to_string()).expect("registry"))
+        .override_options(StocksClient::SERVICE_ID, options(100))
+        .build()
+}
+
 /// A raw server's handshake answer: version 1, streams, a window of 8 items.
 fn streaming_ack() -> rpc::crates::core::wire::HelloAck {
     rpc::crates::core::wire::HelloAck {
@@ -1297,11 +1314,8 @@ async fn on_the_wire_the_client_sends_compressed_items_and_ends_a_stream_on_a_co
     use rpc::crates::core::wire::{frame::Kind, HelloAck, StreamItem};
     use rpc::crates::core::Compression;
     use rpc::crates::transport::compression::{compress, decompress};
-    use rpc::{Codec, StaticRegistry};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
+    use rpc::Codec;
+    let (listener, addr) = raw_listener().await;
     let line = haystack(16 * 1024);
     let expected_line = line.clone();
     let raw_server = tokio::spawn(async move {
@@ -1354,12 +1368,7 @@ async fn on_the_wire_the_client_sends_compressed_items_and_ends_a_stream_on_a_co
             }
         }
     });
-    let stocks = StocksClient::new(
-        Client::builder()
-            .registry(StaticRegistry::from_list(&addr.to_string()).expect("registry"))
-            .override_options(StocksClient::SERVICE_ID, options(100))
-            .build(),
-    );
+    let stocks = StocksClient::new(client_of(addr));
     // The caller's items: one line, then none yet, the stream left open.
     let (more, rx) = mpsc::channel::<String>(1);
     more.send(line.clone()).await.expect("the first line");
@@ -1397,11 +1406,8 @@ async fn a_client_streams_compressed_answer_and_a_compressed_refusal_are_read_de
     use rpc::crates::core::wire::{frame::Kind, RemoteResultMessage};
     use rpc::crates::core::Compression;
     use rpc::crates::transport::compression::compress;
-    use rpc::{Codec, StaticRegistry};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
+    use rpc::Codec;
+    let (listener, addr) = raw_listener().await;
     let raw_server = tokio::spawn(async move {
         let (mut peer, hello) = RawConn::accept_with(&listener, streaming_ack()).await;
         assert!(hello.accept_compression.contains(&1), "{hello:?}");
@@ -1448,12 +1454,7 @@ async fn a_client_streams_compressed_answer_and_a_compressed_refusal_are_read_de
         .expect("refusal");
         sum
     });
-    let stocks = StocksClient::new(
-        Client::builder()
-            .registry(StaticRegistry::from_list(&addr.to_string()).expect("registry"))
-            .override_options(StocksClient::SERVICE_ID, options(100))
-            .build(),
-    );
+    let stocks = StocksClient::new(client_of(addr));
     let numbers = [1u64 << 40, 7, 1 << 20];
     let total = within("total", stocks.total(RpcStream::iter(numbers)))
         .await
@@ -1479,11 +1480,7 @@ async fn a_client_streams_compressed_answer_and_a_compressed_refusal_are_read_de
 async fn a_client_stream_completed_without_an_answer_is_recorded_as_the_error_it_returns() {
     use common::RawConn;
     use rpc::crates::core::wire::{frame::Kind, RemoteResultMessage};
-    use rpc::StaticRegistry;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
+    let (listener, addr) = raw_listener().await;
     let raw_server = tokio::spawn(async move {
         let (mut peer, _) = RawConn::accept_with(&listener, streaming_ack()).await;
         let id = peer.recv_invoke("the stream's opening").await.message_id;
@@ -1503,10 +1500,7 @@ async fn a_client_stream_completed_without_an_answer_is_recorded_as_the_error_it
         .await
         .expect("the end, without an answer");
     });
-    let client = Client::builder()
-        .registry(StaticRegistry::from_list(&addr.to_string()).expect("registry"))
-        .override_options(StocksClient::SERVICE_ID, options(100))
-        .build();
+    let client = client_of(addr);
     let (tx, mut records) = mpsc::unbounded_channel();
     client.observe_calls(Arc::new(Records(Mutex::new(tx))));
     let stocks = StocksClient::new(client);
@@ -1536,11 +1530,7 @@ async fn a_clients_compressed_items_are_expanded_one_at_a_time_as_they_are_taken
     use common::RawConn;
     use rpc::crates::core::wire::{frame::Kind, HelloAck, StreamItems};
     use rpc::crates::core::Compression;
-    use rpc::StaticRegistry;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
+    let (listener, addr) = raw_listener().await;
     let expands = expanding_item();
     let before = peak_resident_bytes();
     let raw_server = tokio::spawn(async move {
@@ -1567,12 +1557,7 @@ async fn a_clients_compressed_items_are_expanded_one_at_a_time_as_they_are_taken
             }
         }
     });
-    let stocks = StocksClient::new(
-        Client::builder()
-            .registry(StaticRegistry::from_list(&addr.to_string()).expect("registry"))
-            .override_options(StocksClient::SERVICE_ID, options(100))
-            .build(),
-    );
+    let stocks = StocksClient::new(client_of(addr));
     let mut back = within(
         "shout",
         stocks.shout(">".into(), RpcStream::iter(Vec::<String>::new())),
