@@ -426,6 +426,14 @@ impl Picker {
     }
 }
 
+/// The address every call of `cx` goes to under `shunt_strategy = appoint`.
+fn appointed<'a>(cx: &'a CallCx<'_>) -> Option<&'a str> {
+    let o = cx.options();
+    (o.shunt_strategy == ShuntStrategy::Appoint)
+        .then_some(o.appoint_address.as_deref())
+        .flatten()
+}
+
 impl Pick for Picker {
     fn next(&mut self, cx: &CallCx<'_>) -> Result<Arc<str>, RpcError> {
         let eps = self.service.endpoints();
@@ -443,6 +451,10 @@ impl Pick for Picker {
 
     fn untried_left(&self, cx: &CallCx<'_>) -> bool {
         let tried = cx.tried();
+        // Appointed: that address is the only candidate, whatever the registry lists.
+        if let Some(appointed) = appointed(cx) {
+            return !tried.iter().any(|t| **t == *appointed);
+        }
         let eps = self.service.endpoints();
         let among = self.among(&eps, cx).ok().flatten();
         eps.iter().enumerate().any(|(idx, i)| {
@@ -452,6 +464,11 @@ impl Pick for Picker {
     }
 
     fn any_other_usable(&self, addr: &str, cx: &CallCx<'_>) -> bool {
+        // Appointed: no other candidate, so a failure there is the entry's (its breaker
+        // counts it), not one endpoint's among others.
+        if appointed(cx).is_some() {
+            return false;
+        }
         let health = cx.health();
         let eps = self.service.endpoints();
         let among = self.among(&eps, cx).ok().flatten();

@@ -8,7 +8,7 @@ use std::process::Command;
 use common::within;
 use rpc::{
     answered_by, Client, GovernanceOverrides, InProcessRegistry, Server, ServerHandle,
-    ShuntStrategy,
+    ShuntStrategy, StatusCode,
 };
 use tests::shunt::{Named, Shunt, ShuntClient, ShuntServer};
 
@@ -184,6 +184,52 @@ async fn random_reaches_every_server_and_is_not_round_robin() {
         "random picks look like round robin: {:?}",
         &seq[..12]
     );
+    stop(servers).await;
+}
+
+/// An appointed address is a call's only candidate: when it is dead the call fails after one
+/// attempt (no failover to the registry's other servers, and no repeating it), and the
+/// entry's breaker counts the failures and opens.
+#[tokio::test]
+async fn a_dead_appointed_address_fails_at_once_and_opens_the_breaker() {
+    let reg = InProcessRegistry::new();
+    let (servers, _addr_of) = three(&reg).await;
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        l.local_addr().expect("addr").to_string()
+    };
+    let shunt = ShuntClient::new(
+        Client::builder()
+            .registry(reg.clone())
+            .override_options(
+                ShuntClient::SERVICE_ID,
+                GovernanceOverrides {
+                    shunt_strategy: Some(ShuntStrategy::Appoint),
+                    appoint_address: Some(dead.clone().into()),
+                    retry_times: Some(3),
+                    retry_interval_ms: Some(0),
+                    exceptions_allowed_before_breaking: Some(2),
+                    breaker_seconds: Some(3600),
+                    ..GovernanceOverrides::NONE
+                },
+            )
+            .build(),
+    );
+    for i in 0..2 {
+        let e = within("a call", shunt.whoami())
+            .await
+            .expect_err("the appointed address is dead");
+        assert_eq!(e.code(), StatusCode::CommunicationError, "call {i}: {e}");
+        assert_eq!(
+            e.message().matches(dead.as_str()).count(),
+            1,
+            "call {i}: one attempt, on the appointed address: {e}"
+        );
+    }
+    let e = within("a call", shunt.whoami())
+        .await
+        .expect_err("the breaker is open");
+    assert_eq!(e.code(), StatusCode::CircuitOpen, "{e}");
     stop(servers).await;
 }
 
