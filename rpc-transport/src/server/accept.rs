@@ -32,6 +32,7 @@ pub async fn serve<L: Listener>(
         budget: ReadBudget::new(options.max_read_buffer_bytes, options.max_frame_length),
         options,
         shutdown: shutdown.clone(),
+        drain_deadline: std::sync::OnceLock::new(),
     });
     let slots = Arc::new(Semaphore::new(max_connections));
     let mut conns = tokio::task::JoinSet::new();
@@ -79,6 +80,8 @@ pub async fn serve<L: Listener>(
         }
     }
     drop(listener);
+    // The drain's deadline runs from now, for every connection.
+    server.drain_deadline();
     while conns.join_next().await.is_some() {}
 }
 
@@ -108,7 +111,12 @@ pub(super) async fn serve_connection<S: Stream>(
     #[cfg(feature = "tls")]
     if let Some(tls) = &server.options.tls {
         let timeout = server.options.handshake_timeout;
-        if let Some(stream) = tls.accept(stream, &peer, hello_by, timeout).await {
+        // (A TLS handshake under way when the server shuts down is dropped, as a Hello is.)
+        let accepted = tokio::select! {
+            accepted = tls.accept(stream, &peer, hello_by, timeout) => accepted,
+            () = server.shutdown.cancelled() => None,
+        };
+        if let Some(stream) = accepted {
             let cert = crate::tls::peer_certificate(&stream);
             let (rd, wr) = tokio::io::split(stream);
             run_connection(rd, wr, peer, cert, &server, hello_by, admitted).await;

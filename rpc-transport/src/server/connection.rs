@@ -35,6 +35,19 @@ pub(super) struct Served {
     pub(super) budget: ReadBudget,
     pub(super) options: ServerOptions,
     pub(super) shutdown: CancellationToken,
+    /// When every connection's drain ends: `drain_timeout` after the shutdown, fixed by the
+    /// first to ask (the accept loop as it stops), so a connection that starts draining later
+    /// gets what is left of it, not a fresh `drain_timeout`.
+    pub(super) drain_deadline: std::sync::OnceLock<Instant>,
+}
+
+impl Served {
+    /// The instant the shutdown's drain ends.
+    pub(super) fn drain_deadline(&self) -> Instant {
+        *self
+            .drain_deadline
+            .get_or_init(|| Instant::now() + self.options.drain_timeout)
+    }
 }
 
 pub(super) async fn run_connection<R, W>(
@@ -54,6 +67,7 @@ pub(super) async fn run_connection<R, W>(
         budget,
         options,
         shutdown,
+        ..
     } = server;
     if !admitted {
         refuse(wr, options.max_connections).await;
@@ -68,7 +82,14 @@ pub(super) async fn run_connection<R, W>(
     let hello_limit = options.max_frame_length.min(MAX_HELLO_FRAME);
     let mut frames = FramedRead::with_capacity(rd, FrameCodec::new(hello_limit), HELLO_BUFFER);
 
-    let hello = match handshake(&mut frames, &sender, options, hello_by).await {
+    // A connection still saying Hello when the server shuts down is closed: it has no call
+    // to finish, and waiting for its Hello would stretch the shutdown by up to the handshake
+    // timeout.
+    let hello = tokio::select! {
+        hello = handshake(&mut frames, &sender, options, hello_by) => hello,
+        () = shutdown.cancelled() => Err((StatusCode::Success, "server shutting down".into())),
+    };
+    let hello = match hello {
         Ok(hello) => hello,
         Err((code, reason)) => {
             tracing::info!(%peer, %reason, "handshake refused");
@@ -218,7 +239,9 @@ pub(super) async fn run_connection<R, W>(
 
     let reason = match ended {
         Some(reason) => Some(reason),
-        None if shutdown.is_cancelled() => drain(&ctx, &mut frames, options).await,
+        None if shutdown.is_cancelled() => {
+            drain(&ctx, &mut frames, options, server.drain_deadline()).await
+        }
         None => None,
     };
     if let Some(reason) = reason {

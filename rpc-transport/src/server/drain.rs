@@ -18,16 +18,16 @@ use crate::reader::FrameReader;
 pub(super) const DRAIN_LINGER: Duration = Duration::from_millis(500);
 
 /// Shutdown: `GoAway`, then wait for the calls in flight (reading on, for `Cancel`) until the
-/// drain deadline; calls still running then are answered 520 and dropped.
+/// server's drain deadline `hard`; calls still running then are answered 520 and dropped.
 pub(super) async fn drain<R: AsyncRead + Unpin>(
     ctx: &FrameCtx<'_>,
     frames: &mut FrameReader<R>,
     options: &ServerOptions,
+    hard: Instant,
 ) -> Option<String> {
     let conn = ctx.conn;
     conn.sender
         .send(go_away(StatusCode::Success, "server shutting down"));
-    let hard = Instant::now() + options.drain_timeout;
     let deadline = tokio::time::sleep_until(hard);
     tokio::pin!(deadline);
     let mut lingering = false;

@@ -248,6 +248,28 @@ async fn a_silent_connection_is_closed_after_the_handshake_timeout() {
     within("shutdown", server.shutdown()).await;
 }
 
+/// A connection still in its handshake when the server shuts down is closed at once (it has
+/// no call to finish): the shutdown does not wait out its handshake timeout.
+#[tokio::test(start_paused = true)]
+async fn a_connection_in_its_handshake_does_not_hold_up_the_shutdown() {
+    let (server, _, _) = serving(|b| {
+        b.handshake_timeout(Duration::from_secs(30))
+            .drain_timeout(Duration::from_secs(2))
+    })
+    .await;
+    let mut raw = raw_to(&server, false).await;
+    let started = tokio::time::Instant::now();
+    let stopping = tokio::spawn(server.shutdown());
+    let g = goes_away(&mut raw, &["shutting down"]).await;
+    assert_eq!(g.status_code, StatusCode::Success.as_u32(), "{g:?}");
+    within("shutdown", stopping).await.expect("shutdown");
+    assert!(
+        started.elapsed() <= Duration::from_secs(2),
+        "the shutdown took {:?}, past its drain of 2 s",
+        started.elapsed()
+    );
+}
+
 #[tokio::test]
 async fn an_answer_above_the_clients_limit_fails_the_call_clearly_and_the_client_recovers() {
     let (server, _, reg) = serving(|b| b).await;
