@@ -92,7 +92,8 @@ pub struct EndpointLoad {
     ewma: Mutex<Option<(f64, Instant)>>,
     outstanding: AtomicUsize,
     reported: AtomicU64,
-    weight: f64,
+    /// The registry's weight, as `f64` bits: it may change while calls are outstanding.
+    weight: AtomicU64,
     since: Instant,
     slow_start: Duration,
 }
@@ -127,14 +128,32 @@ impl EndpointLoad {
     /// An endpoint of `weight` (1.0 when the registry says nothing; at least 0.01), first seen
     /// now, whose weight ramps up over `slow_start` (zero: at once).
     pub fn new(weight: f64, slow_start: Duration) -> Self {
+        Self::ramping_since(weight, slow_start, Instant::now())
+    }
+
+    /// [`new`](Self::new), for an endpoint announced at `since` (its slow start runs from
+    /// then, not from now).
+    pub fn ramping_since(weight: f64, slow_start: Duration, since: Instant) -> Self {
         EndpointLoad {
             ewma: Mutex::new(None),
             outstanding: AtomicUsize::new(0),
             reported: AtomicU64::new(0),
-            weight: weight.max(0.01),
-            since: Instant::now(),
+            weight: AtomicU64::new(weight.max(0.01).to_bits()),
+            since,
             slow_start,
         }
+    }
+
+    /// The registry's weight, now `weight` (at least 0.01), for the next choices; the calls
+    /// outstanding, the latency and the slow start carry on.
+    pub fn set_weight(&self, weight: f64) {
+        self.weight
+            .store(weight.max(0.01).to_bits(), Ordering::Relaxed);
+    }
+
+    /// The registry's weight (without the slow start's ramp).
+    pub fn weight(&self) -> f64 {
+        f64::from_bits(self.weight.load(Ordering::Relaxed))
     }
 
     /// Counts a call as outstanding until the returned guard is finished or dropped.
@@ -182,12 +201,13 @@ impl EndpointLoad {
 
     /// The weight in force at `now`: the registry's, ramped from a tenth during slow start.
     pub fn weight_at(&self, now: Instant) -> f64 {
+        let weight = self.weight();
         let age = now.saturating_duration_since(self.since);
         if self.slow_start.is_zero() || age >= self.slow_start {
-            return self.weight;
+            return weight;
         }
         let ramp = age.as_secs_f64() / self.slow_start.as_secs_f64();
-        self.weight * (0.1 + 0.9 * ramp)
+        weight * (0.1 + 0.9 * ramp)
     }
 
     /// The peak-EWMA latency in seconds now; see [`cost_at`](Self::cost_at).

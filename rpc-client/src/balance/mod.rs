@@ -42,10 +42,16 @@ pub(crate) struct ServiceState {
     /// The addresses of the current snapshot as shared strings, so that naming the chosen
     /// endpoint for an attempt copies no string.
     addresses: ArcSwapOption<Addresses>,
-    /// Each endpoint's load as this client sees it, with the weight it was made with.
-    loads: DashMap<String, (f64, Arc<EndpointLoad>)>,
+    /// Each endpoint's load as this client sees it, made on its first load-aware choice.
+    loads: DashMap<String, Arc<EndpointLoad>>,
     /// The `slow_start_ms` of the last load-aware call, for instances announced later.
     slow_start_ms: AtomicU64,
+    /// The addresses of the last snapshot the loads were brought in line with (at first, the
+    /// snapshot this client first saw): an address outside it is newly announced.
+    known: Mutex<std::collections::HashSet<String>>,
+    /// When each endpoint announced after this client first looked was first seen: its slow
+    /// start runs from then, whenever its load is made.
+    announced: DashMap<String, Instant>,
     /// Calls and successes per endpoint over the current interval, for outlier ejection.
     outcomes: SuccessRateTracker,
 }
@@ -108,6 +114,7 @@ fn rank(addr: &str, tried: &[Arc<str>], health: &EndpointHealth) -> u8 {
 impl ServiceState {
     pub(crate) fn new(watch: ServiceWatch, ring_key: RingKey) -> Self {
         let seen = Mutex::new(watch.current());
+        let known = watch.current().iter().map(|i| i.address.clone()).collect();
         ServiceState {
             watch,
             counter: AtomicUsize::new(0),
@@ -116,6 +123,8 @@ impl ServiceState {
             addresses: ArcSwapOption::empty(),
             loads: DashMap::new(),
             slow_start_ms: AtomicU64::new(0),
+            known: Mutex::new(known),
+            announced: DashMap::new(),
             outcomes: SuccessRateTracker::new(),
         }
     }
@@ -143,49 +152,72 @@ impl ServiceState {
         outliers
     }
 
-    /// The load of endpoint `addr`, made on first use (weight from the current snapshot, no
-    /// slow start: the endpoint was there when this client first looked).
+    /// The load of endpoint `addr`, made on first use with its weight from the current
+    /// snapshot; an endpoint announced after this client first looked ramps up over
+    /// `slow_start_ms` from when it was first seen (a call may see it before the watch's
+    /// refresh does: it is then seen now).
     pub(crate) fn load_of(&self, addr: &str) -> Arc<EndpointLoad> {
         if let Some(l) = self.loads.get(addr) {
-            return l.1.clone();
+            return l.clone();
         }
         let weight = self
             .endpoints()
             .iter()
             .find(|i| i.address == addr)
             .map_or(1.0, |i| weight_of(i));
+        let known = self
+            .known
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains(addr);
+        let since = match self.announced.get(addr) {
+            Some(at) => Some(*at),
+            None if known => None,
+            None => Some(
+                *self
+                    .announced
+                    .entry(addr.to_string())
+                    .or_insert_with(Instant::now),
+            ),
+        };
         self.loads
             .entry(addr.to_string())
-            .or_insert_with(|| (weight, Arc::new(EndpointLoad::new(weight, Duration::ZERO))))
-            .1
+            .or_insert_with(|| {
+                Arc::new(match since {
+                    Some(since) => {
+                        let ramp =
+                            Duration::from_millis(self.slow_start_ms.load(Ordering::Relaxed));
+                        EndpointLoad::ramping_since(weight, ramp, since)
+                    }
+                    None => EndpointLoad::new(weight, Duration::ZERO),
+                })
+            })
             .clone()
     }
 
     /// Brings the loads in line with a new snapshot: endpoints announced since the last one
-    /// start their slow start now, a changed weight is taken, departed endpoints are dropped.
+    /// are marked (their slow start runs from now), a changed weight is taken in place (the
+    /// calls outstanding and the slow start carry on), departed endpoints are dropped.
     fn refresh_loads(&self, eps: &Endpoints) {
-        if self.loads.is_empty() {
-            // No load-aware call yet: nothing to keep in line.
-            return;
-        }
-        let slow_start = Duration::from_millis(self.slow_start_ms.load(Ordering::Relaxed));
+        let now = Instant::now();
+        let mut known = self.known.lock().unwrap_or_else(PoisonError::into_inner);
         for i in eps.iter() {
-            let weight = weight_of(i);
-            let fresh = !self.loads.contains_key(i.address.as_str());
-            let changed = self
-                .loads
-                .get(i.address.as_str())
-                .is_some_and(|l| l.0 != weight);
-            if fresh || changed {
-                let ramp = if fresh { slow_start } else { Duration::ZERO };
-                self.loads.insert(
-                    i.address.clone(),
-                    (weight, Arc::new(EndpointLoad::new(weight, ramp))),
-                );
+            if !known.contains(i.address.as_str()) {
+                self.announced.entry(i.address.clone()).or_insert(now);
             }
         }
-        self.loads
-            .retain(|addr, _| eps.iter().any(|i| i.address == *addr));
+        *known = eps.iter().map(|i| i.address.clone()).collect();
+        self.announced.retain(|addr, _| known.contains(addr));
+        self.loads.retain(|addr, _| known.contains(addr));
+        drop(known);
+        for i in eps.iter() {
+            if let Some(load) = self.loads.get(i.address.as_str()) {
+                let weight = weight_of(i);
+                if load.weight() != weight.max(0.01) {
+                    load.set_weight(weight);
+                }
+            }
+        }
     }
 
     pub(crate) fn endpoints(&self) -> Endpoints {
@@ -653,6 +685,76 @@ mod tests {
         tokio::time::advance(Duration::from_secs(10)).await;
         let counts = picks(&s, &o, &[], &health, 40);
         assert_eq!(counts.get("b:1"), Some(&40), "{counts:?}");
+    }
+
+    /// A call may see a new snapshot before the watch's refresh does: an instance it meets
+    /// then still ramps up from a tenth of its weight.
+    #[tokio::test(start_paused = true)]
+    async fn an_instance_a_call_meets_before_the_refresh_ramps_up_too() {
+        let (s, tx) = state(vec![instance("a:1", None)]);
+        let o = GovernanceOptions {
+            slow_start_ms: 10_000,
+            ..least_loaded()
+        };
+        let health = EndpointHealth::new(Duration::from_secs(60));
+        assert_eq!(picks(&s, &o, &[], &health, 1).get("a:1"), Some(&1));
+        tx.send(Endpoints::new([
+            instance("a:1", None),
+            instance("b:1", None),
+        ]))
+        .unwrap();
+        // No refresh yet.
+        let now = Instant::now();
+        assert!((s.load_of("b:1").weight_at(now) - 0.1).abs() < 1e-9);
+        s.refresh();
+        assert!(
+            (s.load_of("b:1").weight_at(now) - 0.1).abs() < 1e-9,
+            "still ramping"
+        );
+        assert_eq!(s.load_of("a:1").weight_at(now), 1.0);
+    }
+
+    /// An instance that was there when the client first looked never ramps, even if its load
+    /// is made only later (it was outside the first calls' group, or unhealthy then).
+    #[tokio::test(start_paused = true)]
+    async fn an_instance_there_from_the_start_never_ramps() {
+        let (s, tx) = state(vec![instance("a:1", None), instance("b:1", None)]);
+        let o = GovernanceOptions {
+            slow_start_ms: 10_000,
+            ..least_loaded()
+        };
+        // Only a's load is made (b is outside the first call's candidates).
+        let _ = s.load_of("a:1");
+        s.slow_start_ms.store(o.slow_start_ms, Ordering::Relaxed);
+        tx.send(Endpoints::new([
+            instance("a:1", None),
+            instance("b:1", None),
+            instance("c:1", None),
+        ]))
+        .unwrap();
+        s.refresh();
+        let now = Instant::now();
+        assert_eq!(s.load_of("b:1").weight_at(now), 1.0, "b was there at first");
+        assert!(
+            (s.load_of("c:1").weight_at(now) - 0.1).abs() < 1e-9,
+            "c is new"
+        );
+    }
+
+    /// A weight the registry changes is taken in place: the calls outstanding still count.
+    #[tokio::test(start_paused = true)]
+    async fn a_changed_weight_keeps_the_calls_outstanding() {
+        let (s, tx) = state(vec![instance("a:1", None)]);
+        let a = s.load_of("a:1");
+        let held = (a.start(), a.start());
+        tx.send(Endpoints::new([instance("a:1", Some("3"))]))
+            .unwrap();
+        s.refresh();
+        let now_a = s.load_of("a:1");
+        assert_eq!(now_a.outstanding(), 2);
+        assert_eq!(now_a.weight_at(Instant::now()), 3.0);
+        drop(held);
+        assert_eq!(now_a.outstanding(), 0);
     }
 
     #[tokio::test(start_paused = true)]
