@@ -178,6 +178,14 @@ impl Connection {
                 }
                 Some(Ok(Answer::Frame(Kind::GoAway(g)))) => {
                     close.cancel();
+                    // 200 is a server shutting down (it takes no new connection): nothing
+                    // was sent, so another endpoint may take the call.
+                    if g.status_code == StatusCode::Success.as_u32() {
+                        return Err(comm_error(
+                            addr,
+                            format!("the server is shutting down: {}", g.reason),
+                        ));
+                    }
                     return Err(RpcError::new(
                         StatusCode::from_u32(g.status_code),
                         format!("{addr} refused the connection: {}", g.reason),

@@ -248,6 +248,49 @@ async fn a_silent_connection_is_closed_after_the_handshake_timeout() {
     within("shutdown", server.shutdown()).await;
 }
 
+/// A server that answers the client's Hello with GoAway 200 is shutting down and took nothing:
+/// the call fails over to another endpoint, and never comes back as an error of status 200.
+#[tokio::test]
+async fn a_hello_answered_by_a_shutdown_goaway_fails_over() {
+    let (server, _, _) = serving(|b| b).await;
+    let closing = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let closing_addr = closing.local_addr().expect("addr");
+    let shutting_down = tokio::spawn(async move {
+        // Every connection: its Hello answered GoAway 200, as a server shutting down does.
+        for _ in 0..20 {
+            let Ok(Ok((stream, _))) = tokio::time::timeout(common::LIMIT, closing.accept()).await
+            else {
+                return;
+            };
+            let mut peer = RawConn::from_stream(stream);
+            if let Some(Kind::Hello(_)) = peer.recv().await {
+                let _ = peer
+                    .send(Kind::GoAway(GoAway {
+                        status_code: 200,
+                        reason: "server shutting down".into(),
+                    }))
+                    .await;
+            }
+        }
+    });
+    let list = format!("{closing_addr},{}", server.local_addr());
+    let client = WireClient::new(
+        Client::builder()
+            .registry(rpc::StaticRegistry::from_list(&list).expect("list"))
+            .build(),
+    );
+    for i in 0..4 {
+        let echoed = within("a call", client.echo(format!("x{i}")))
+            .await
+            .unwrap_or_else(|e| panic!("call {i}: {e} ({:?})", e.code()));
+        assert_eq!(echoed, format!("x{i}"));
+    }
+    shutting_down.abort();
+    within("shutdown", server.shutdown()).await;
+}
+
 /// A connection still in its handshake when the server shuts down is closed at once (it has
 /// no call to finish): the shutdown does not wait out its handshake timeout.
 #[tokio::test(start_paused = true)]
