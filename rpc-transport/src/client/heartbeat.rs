@@ -22,7 +22,7 @@ pub(super) async fn sweeper(s: Arc<Shared>) {
     let mut expired = Vec::new();
     loop {
         let next = s.next_sweep.load(Ordering::Acquire);
-        let wake = s.epoch + Duration::from_millis(next.min(u32::MAX as u64));
+        let wake = wake_at(s.epoch, next);
         tokio::select! {
             _ = &mut closing => return,
             _ = s.sweep.notified() => continue,
@@ -52,6 +52,17 @@ pub(super) async fn sweeper(s: Arc<Shared>) {
             s.sender.send(Kind::Cancel(Cancel { message_id: id }));
         }
     }
+}
+
+/// When the sweeper wakes for the earliest deadline `next` (ms since the connection's
+/// `epoch`). Any deadline is taken as it is: a connection lives longer than `u32::MAX` ms
+/// (49.7 days), and a wake capped below a later deadline would return at once, again and
+/// again, spinning until that deadline. Only [`NO_SWEEP`] (no deadline; its branch is not
+/// polled then) is capped, to a time `Instant` can still hold.
+fn wake_at(epoch: tokio::time::Instant, next: u64) -> tokio::time::Instant {
+    /// About 285 000 years.
+    const FAR: u64 = 1 << 53;
+    epoch + Duration::from_millis(next.min(FAR))
 }
 
 /// Pings every `interval`; closes the connection when no frame at all arrived during three
@@ -89,5 +100,23 @@ pub(super) async fn heartbeat(
         }
         nonce += 1;
         s.sender.send(Kind::Ping(Ping { nonce }));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A deadline more than `u32::MAX` ms after the connection started (a connection older
+    /// than 49.7 days) is waited for as it is.
+    #[test]
+    fn a_deadline_past_49_7_days_is_waited_for_as_it_is() {
+        let epoch = tokio::time::Instant::now();
+        let fifty_days = 50 * 24 * 3600 * 1000;
+        assert_eq!(
+            wake_at(epoch, fifty_days) - epoch,
+            Duration::from_millis(fifty_days)
+        );
+        assert!(wake_at(epoch, NO_SWEEP) > wake_at(epoch, fifty_days));
     }
 }
