@@ -261,8 +261,9 @@ impl Connection {
             && !self.shared.going_away.load(Ordering::Relaxed)
     }
 
-    /// Whether the server said it is draining (`GoAway` with status 200): calls that then fail
-    /// without an answer never reached it.
+    /// Whether the server said it is draining (`GoAway` with status 200): it answers every
+    /// call it read, so calls that fail without an answer when it closes the connection never
+    /// reached it (a connection this client closes itself makes no such promise).
     pub fn is_draining(&self) -> bool {
         self.shared.going_away.load(Ordering::Relaxed)
     }

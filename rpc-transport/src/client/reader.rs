@@ -29,7 +29,12 @@ pub(super) async fn read_loop<R: AsyncRead + Unpin>(
             Some(frame) => Some(frame),
             None => tokio::select! {
                 biased;
-                _ = &mut closing => break "connection closed".to_string(),
+                _ = &mut closing => {
+                    // Closed by this client (its heartbeat, the pool, `close`), not by the
+                    // server's drain: a pending call may have been read and be running.
+                    clean_drain = false;
+                    break "connection closed".to_string();
+                }
                 f = frames.next() => f,
             },
         };

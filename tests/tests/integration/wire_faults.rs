@@ -248,6 +248,69 @@ async fn a_silent_connection_is_closed_after_the_handshake_timeout() {
     within("shutdown", server.shutdown()).await;
 }
 
+/// A call pending on a connection whose server said GoAway 200 (draining, it answers every
+/// call it read) is "maybe delivered" when the client closes the connection itself: the server
+/// read it and may be running it, so it must not be sent elsewhere as if it never arrived.
+#[tokio::test]
+async fn a_call_pending_when_the_client_closes_a_draining_connection_may_have_been_delivered() {
+    use rpc::crates::transport::{Call, ConnectOptions, Connection};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (read_tx, read_rx) = tokio::sync::oneshot::channel();
+    let server = tokio::spawn(async move {
+        let (mut peer, _) = RawConn::accept_with(&listener, Default::default()).await;
+        let call = peer.recv_invoke("the call").await;
+        // Read, running, and now draining: GoAway 200, the answer still to come.
+        peer.send(Kind::GoAway(GoAway {
+            status_code: 200,
+            reason: "server shutting down".into(),
+        }))
+        .await
+        .expect("GoAway");
+        let _ = read_tx.send(call.message_id);
+        // Held open until the client closes.
+        while peer.recv().await.is_some() {}
+    });
+    let conn = Connection::connect(&addr.to_string(), &ConnectOptions::default())
+        .await
+        .expect("connect");
+    let pending = {
+        let conn = conn.clone();
+        tokio::spawn(async move {
+            conn.call(
+                Call {
+                    service_entry_id: "t.Wire.echo".into(),
+                    codec: Codec::MsgPack.to_wire(),
+                    parameters: Codec::MsgPack.encode(&("x",)).expect("encode"),
+                    ..Default::default()
+                },
+                None,
+            )
+            .await
+        })
+    };
+    within("the server read the call", read_rx)
+        .await
+        .expect("read");
+    // Once the client has read the GoAway, it closes the connection itself.
+    for _ in 0..10_000 {
+        if conn.is_draining() {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    assert!(conn.is_draining(), "the client saw the GoAway");
+    conn.close();
+    let e = within("the pending call", pending)
+        .await
+        .expect("join")
+        .expect_err("the connection closed");
+    assert!(e.is_maybe_delivered(), "the server read it: {e}");
+    server.abort();
+}
+
 /// A server that answers the client's Hello with GoAway 200 is shutting down and took nothing:
 /// the call fails over to another endpoint, and never comes back as an error of status 200.
 #[tokio::test]
