@@ -146,8 +146,11 @@ struct Inner {
     held: Held,
     /// What the server has granted for the client's own items (client and bidi streams).
     send: Credit,
-    /// The sender of the client's items, waiting for credit or for the end.
+    /// The sender of the client's items, waiting for credit (or for the end, in `ready`).
     send_waker: Option<Waker>,
+    /// A task waiting for the end ([`StreamSender::ended`]), perhaps another than the one
+    /// waiting for credit: each has a slot of its own, so neither takes the other's.
+    end_waker: Option<Waker>,
     /// The stream ended (its end may have been taken by the consumer since).
     ended: bool,
 }
@@ -168,6 +171,7 @@ impl StreamShared {
                 held: Held::new(window, window_bytes),
                 send: Credit::new(0, send_window_bytes),
                 send_waker: None,
+                end_waker: None,
                 ended: false,
             }),
             window,
@@ -248,7 +252,10 @@ impl StreamShared {
             return None;
         }
         s.ended = true;
-        if let Some(w) = s.send_waker.take() {
+        for w in [s.send_waker.take(), s.end_waker.take()]
+            .into_iter()
+            .flatten()
+        {
             // (Waking under the lock is fine for a sender: it takes this lock only when polled.)
             w.wake();
         }
@@ -292,7 +299,7 @@ impl StreamShared {
         if s.ended {
             return Poll::Ready(());
         }
-        store(&mut s.send_waker, cx);
+        store(&mut s.end_waker, cx);
         Poll::Pending
     }
 
@@ -668,6 +675,37 @@ mod tests {
             }
         }
         assert_eq!(items, [Bytes::from_static(b"ab"), Bytes::from_static(b"c")]);
+    }
+
+    /// One task waiting for credit and another for the end, as a cloned sender allows: the
+    /// end wakes both (neither took the other's waker).
+    #[tokio::test]
+    async fn the_end_wakes_a_task_waiting_for_credit_and_one_waiting_for_the_end() {
+        let s = std::sync::Arc::new(StreamShared::new(8, 0, 0));
+        let ready = {
+            let s = s.clone();
+            tokio::spawn(async move { std::future::poll_fn(|cx| s.poll_ready(cx)).await })
+        };
+        let ended = {
+            let s = s.clone();
+            tokio::spawn(async move { std::future::poll_fn(|cx| s.poll_ended(cx)).await })
+        };
+        // Both are waiting (the spawned tasks ran once each).
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        if let Some(w) = s.end(Err(RpcError::new(StatusCode::FrameworkError, "x"))) {
+            w.wake();
+        }
+        let got = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+            (
+                ready.await.expect("ready task"),
+                ended.await.expect("ended task"),
+            )
+        })
+        .await
+        .expect("both woken");
+        assert_eq!(got, (false, ()));
     }
 
     /// The byte window counts each item as it travelled (compressed, when it was), not as
