@@ -118,7 +118,9 @@ impl<'w> FormatFields<'w> for ShortFields {
         if visitor.out.is_empty() {
             return Ok(());
         }
-        if !current.fields.is_empty() {
+        // A field glued to the previous one (`server.port` recorded after `server.address`)
+        // takes no space.
+        if !current.fields.is_empty() && !visitor.glued_start {
             current.fields.push(' ');
         }
         current.fields.push_str(&visitor.out);
@@ -131,6 +133,8 @@ struct ShortVisitor {
     out: String,
     /// The call id, printed first.
     call_id: Option<String>,
+    /// The first field written was glued to the previous one ([`Shown::Suffix`]).
+    glued_start: bool,
 }
 
 /// How a field is printed.
@@ -187,6 +191,9 @@ impl ShortVisitor {
                 self.out.write_fmt(value)
             }
             Shown::Suffix(glue) => {
+                if self.out.is_empty() {
+                    self.glued_start = true;
+                }
                 self.out.push_str(glue);
                 self.out.write_fmt(value)
             }
@@ -210,5 +217,49 @@ impl Visit for ShortVisitor {
 
     fn record_debug(&mut self, field: &Field, value: &dyn fmt::Debug) {
         self.write(field, format_args!("{value:?}"));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use tracing_subscriber::layer::SubscriberExt;
+
+    /// The lines a test's subscriber wrote.
+    #[derive(Clone, Default)]
+    struct Lines(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Lines {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// An attempt span records the address and the port one after the other, as the client
+    /// does once it knows the endpoint: the line still reads `to=host:port`.
+    #[test]
+    fn an_endpoint_recorded_in_two_steps_reads_host_colon_port() {
+        let lines = Lines::default();
+        let writer = lines.clone();
+        let subscriber = tracing_subscriber::registry()
+            .with(super::layer_with_writer(move || writer.clone(), false));
+        tracing::subscriber::with_default(subscriber, || {
+            let span = tracing::info_span!(
+                "rpc.client.attempt",
+                rpc.attempt = 0,
+                server.address = tracing::field::Empty,
+                server.port = tracing::field::Empty,
+            );
+            span.record("server.address", "127.0.0.1");
+            span.record("server.port", 7001);
+            span.in_scope(|| tracing::info!("sent"));
+        });
+        let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
+        assert!(text.contains("attempt=0 to=127.0.0.1:7001"), "{text}");
     }
 }
