@@ -46,7 +46,7 @@ pub(crate) fn server_span(
         otel.status_code = Empty,
         otel.status_description = Empty,
     );
-    if let Some(id) = attachments.get(CALL_ID_KEY) {
+    if let Some(id) = attachments.get(CALL_ID_KEY).filter(|id| is_call_id(id)) {
         span.record("call_id", id.as_str());
     }
     #[cfg(feature = "otel")]
@@ -54,6 +54,13 @@ pub(crate) fn server_span(
     #[cfg(not(feature = "otel"))]
     let _ = attachments;
     span
+}
+
+/// Whether `id` is a call id as clients send one: 1 to 16 hex digits (8 from this framework's
+/// client). Anything else, from a peer, is not recorded: the id is printed bare on log lines,
+/// where a newline or an escape code could forge lines or drive a terminal.
+fn is_call_id(id: &str) -> bool {
+    (1..=16).contains(&id.len()) && id.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
 /// Records how the call ended: `rpc.status_code` and, on failure, `otel.status_code = "ERROR"`
@@ -439,5 +446,19 @@ mod noop {
         pub(crate) fn finish(&self, _: StatusCode, _: &'static str) {}
         pub(crate) fn dropped(&self, _: Option<StatusCode>, _: &'static str) {}
         pub(crate) fn items(&self, _: u64, _: u64) {}
+    }
+}
+
+#[cfg(test)]
+mod call_id_tests {
+    use super::is_call_id;
+
+    #[test]
+    fn only_hex_digits_are_a_call_id() {
+        assert!(is_call_id("3fa9c1d2"));
+        assert!(!is_call_id(""));
+        assert!(!is_call_id("3fa9c1d2\n12:00:01 INFO forged"));
+        assert!(!is_call_id("\u{1b}[31mred"));
+        assert!(!is_call_id(&"a".repeat(17)));
     }
 }
