@@ -963,9 +963,6 @@ impl Client {
         let call_id = telemetry::call_id(&span);
         let call_span = span.clone();
         let call = async move {
-            if let Some(e) = misconfigured {
-                return Err(e);
-            }
             let deadline = || rpc_governance::timeout::deadline(&options);
             let watch = telemetry::CallWatch::new(
                 call_span,
@@ -974,6 +971,13 @@ impl Client {
                 &self.inner.calls,
                 method.entry_id,
             );
+            // Refused before any attempt, and counted as a call all the same: a dashboard of an
+            // entry whose every call fails so must not show no traffic.
+            if let Some(e) = misconfigured {
+                let refused = Err(e);
+                watch.finish(&refused, None);
+                return refused;
+            }
             // The watch has read the options already: the context takes them over.
             let mut cx = CallCx::new(governance, policy, options)
                 .with_hash_key(hash_key)

@@ -175,9 +175,9 @@ impl Client {
                 ..(*options).clone()
             });
         }
-        let hash_key = match options.shunt_strategy {
+        let (hash_key, misconfigured) = match options.shunt_strategy {
             ShuntStrategy::Hash if method.hash_key.is_none() => {
-                return Err(governance.check(method).err().unwrap_or_else(|| {
+                let e = governance.check(method).err().unwrap_or_else(|| {
                     RpcError::new(
                         StatusCode::FrameworkError,
                         format!(
@@ -185,10 +185,11 @@ impl Client {
                             method.entry_id
                         ),
                     )
-                }));
+                });
+                (None, Some(e))
             }
-            ShuntStrategy::Hash => hash_key.map(|h| h()),
-            _ => None,
+            ShuntStrategy::Hash => (hash_key.map(|h| h()), None),
+            _ => (None, None),
         };
         let span = telemetry::stream_span(method);
         let call_id = telemetry::call_id(&span);
@@ -207,6 +208,11 @@ impl Client {
                 &self.inner.calls,
                 method.entry_id,
             );
+            // Refused before any attempt, and counted as a call all the same.
+            if let Some(e) = misconfigured {
+                watch.finish(&Err(e.clone()), None);
+                return Err(e);
+            }
             let mut cx = CallCx::new(governance, policy, options.clone())
                 .with_hash_key(hash_key)
                 .with_call_id(call_id);

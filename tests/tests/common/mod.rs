@@ -280,3 +280,27 @@ pub async fn accept_hello(stream: TcpStream, server_id: &str, max_frame_length: 
     .expect("send HelloAck");
     raw
 }
+
+/// Sends every call record of an observer to the test: entry, status, outcome.
+struct CallRecords(
+    std::sync::Mutex<mpsc::UnboundedSender<(String, Option<rpc::StatusCode>, String)>>,
+);
+
+impl rpc::crates::governance::calls::CallObserver for CallRecords {
+    fn call_ended(&self, call: &rpc::crates::governance::calls::CallRecord) {
+        let _ = self.0.lock().unwrap().send((
+            call.entry.to_string(),
+            call.status,
+            call.outcome.to_string(),
+        ));
+    }
+}
+
+/// The calls `client` makes from now on, as each ends: entry, status, outcome.
+pub fn observe_calls(
+    client: &rpc::Client,
+) -> mpsc::UnboundedReceiver<(String, Option<rpc::StatusCode>, String)> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    client.observe_calls(std::sync::Arc::new(CallRecords(std::sync::Mutex::new(tx))));
+    rx
+}

@@ -276,6 +276,37 @@ async fn shard(registry: &InProcessRegistry, name: &'static str) -> rpc::ServerH
         .unwrap()
 }
 
+/// A call refused before any attempt (its options ask for hashing and its method has no
+/// `#[hash_key]`) is still a call that failed: observers hear of it with its error.
+#[tokio::test]
+async fn a_call_refused_for_its_options_is_counted_with_its_error() {
+    let registry = InProcessRegistry::new();
+    let server = Server::builder()
+        .registry(registry.clone())
+        .add_service(EchoServer::new(Plain))
+        .serve("127.0.0.1:0")
+        .await
+        .unwrap();
+    let client = Client::builder()
+        .registry(registry)
+        .shunt_strategy(rpc::ShuntStrategy::Hash)
+        .build();
+    let mut records = common::observe_calls(&client);
+    let e = within("echo", EchoClient::new(client).echo("x".into()))
+        .await
+        .expect_err("hashing without a #[hash_key] is refused");
+    assert!(e.message().contains("hash_key"), "{e}");
+    assert_eq!(
+        records.try_recv().ok(),
+        Some((
+            EchoClient::methods()[0].entry_id.to_string(),
+            Some(e.code()),
+            "error".to_string()
+        ))
+    );
+    server.shutdown().await;
+}
+
 fn hash_client(registry: &InProcessRegistry, key: rpc::RingKey) -> ShardClient {
     ShardClient::new(
         Client::builder()

@@ -11,13 +11,12 @@
 use crate::common;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::SystemTime;
 
 use common::otel::{attr, counter, Traces};
 use common::within;
 use opentelemetry::Value;
-use rpc::crates::governance::calls::{CallObserver, CallRecord};
 use rpc::{
     BreakerState, Client, GovernanceOverrides, InProcessRegistry, MethodDescriptor, RpcError,
     RpcStream, Server, ServerHandle, StatusCode,
@@ -600,17 +599,32 @@ async fn the_clients_span_covers_the_whole_stream_with_its_items_each_way_and_en
     );
 }
 
-/// Sends every call record to the test.
-struct Records(Mutex<mpsc::UnboundedSender<(String, Option<StatusCode>, String)>>);
-
-impl CallObserver for Records {
-    fn call_ended(&self, call: &CallRecord) {
-        let _ = self.0.lock().unwrap().send((
-            call.entry.to_string(),
-            call.status,
-            call.outcome.to_string(),
-        ));
-    }
+/// A stream refused before any attempt (its options ask for hashing and it has no
+/// `#[hash_key]`) is still a call that failed: observers hear of it with its error.
+#[tokio::test]
+async fn a_stream_refused_for_its_options_is_counted_with_its_error() {
+    let reg = InProcessRegistry::new();
+    let (server, _market) = serve(&reg).await;
+    let client = Client::builder()
+        .registry(reg.clone())
+        .shunt_strategy(rpc::ShuntStrategy::Hash)
+        .build();
+    let mut records = common::observe_calls(&client);
+    let stocks = StocksClient::new(client);
+    let e = match within("prices", stocks.prices(3)).await {
+        Ok(_) => panic!("hashing without a #[hash_key] is refused"),
+        Err(e) => e,
+    };
+    assert!(e.message().contains("hash_key"), "{e}");
+    assert_eq!(
+        records.try_recv().ok(),
+        Some((
+            "g.Stocks.prices".to_string(),
+            Some(e.code()),
+            "error".to_string()
+        ))
+    );
+    within("shutdown", server.shutdown()).await;
 }
 
 #[tokio::test]
@@ -619,8 +633,7 @@ async fn call_observers_hear_of_a_stream_at_its_end_with_its_end_status() {
     let reg = InProcessRegistry::new();
     let (server, _market) = serve(&reg).await;
     let client = client(&reg, None);
-    let (tx, mut records) = mpsc::unbounded_channel();
-    client.observe_calls(Arc::new(Records(Mutex::new(tx))));
+    let mut records = common::observe_calls(&client);
     let stocks = StocksClient::new(client);
 
     let mut items = within("break_after", stocks.break_after(2))
@@ -954,8 +967,7 @@ async fn a_stream_set_up_a_layer_answered_is_recorded_as_the_error_it_returns() 
         .override_options(StocksClient::SERVICE_ID, options(100))
         .layer(AnswersItself)
         .build();
-    let (tx, mut records) = mpsc::unbounded_channel();
-    client.observe_calls(Arc::new(Records(Mutex::new(tx))));
+    let mut records = common::observe_calls(&client);
     let stocks = StocksClient::new(client);
     let e = match within("prices", stocks.prices(3)).await {
         Ok(_) => panic!("no stream was opened"),
@@ -1501,8 +1513,7 @@ async fn a_client_stream_completed_without_an_answer_is_recorded_as_the_error_it
         .expect("the end, without an answer");
     });
     let client = client_of(addr);
-    let (tx, mut records) = mpsc::unbounded_channel();
-    client.observe_calls(Arc::new(Records(Mutex::new(tx))));
+    let mut records = common::observe_calls(&client);
     let stocks = StocksClient::new(client);
     let e = within("total", stocks.total(RpcStream::iter([1u64, 2])))
         .await
