@@ -364,7 +364,7 @@ impl State {
                 let Some(state) = state.upgrade() else { return };
                 match next {
                     Ok(e) => {
-                        state.metrics.event(side, e.kind.as_str());
+                        state.metrics.event(side, e.kind.as_str(), e.observed);
                         state.events.push(side, &e);
                     }
                     Err(RecvError::Lagged(n)) => state.metrics.lost(n),

@@ -69,6 +69,8 @@ struct EntryLabels {
 struct EventLabels {
     side: String,
     kind: String,
+    /// `"true"` for what a policy in observe mode would have done (nothing was refused).
+    observed: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -161,12 +163,14 @@ impl Metrics {
         }
     }
 
-    /// Counts a governance event.
-    pub(crate) fn event(&self, side: &str, kind: &str) {
+    /// Counts a governance event; `observed`: a policy in observe mode reporting what it would
+    /// have done, counted apart so that an alert on refusals sees only real ones.
+    pub(crate) fn event(&self, side: &str, kind: &str, observed: bool) {
         self.events
             .get_or_create(&EventLabels {
                 side: side.to_string(),
                 kind: kind.to_string(),
+                observed: observed.to_string(),
             })
             .inc();
     }
@@ -218,5 +222,27 @@ impl CallObserver for Metrics {
         self.latency
             .get_or_create(&EntryLabels { side, entry })
             .observe(call.elapsed.as_secs_f64());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An observe-mode event is counted apart from a real one of the same kind.
+    #[test]
+    fn observed_events_are_a_series_of_their_own() {
+        let m = Metrics::new();
+        m.event("server", "overflow", false);
+        m.event("server", "overflow", true);
+        m.event("server", "overflow", true);
+        let text = m.render(Vec::new(), Vec::new(), None);
+        let line = |observed: &str| {
+            format!(
+                "rpc_governance_events_total{{side=\"server\",kind=\"overflow\",observed=\"{observed}\"}} "
+            )
+        };
+        assert!(text.contains(&format!("{}1\n", line("false"))), "{text}");
+        assert!(text.contains(&format!("{}2\n", line("true"))), "{text}");
     }
 }

@@ -352,7 +352,11 @@ async fn metrics_count_the_calls_made_per_entry_status_and_side_with_latency_and
         sample(
             &text,
             "rpc_governance_events_total",
-            &[("side", "client"), ("kind", "isolate")]
+            &[
+                ("side", "client"),
+                ("kind", "isolate"),
+                ("observed", "false")
+            ]
         ),
         Some(1.0),
         "{text}"
