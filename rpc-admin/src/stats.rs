@@ -45,7 +45,9 @@ pub(crate) struct EntryStats {
     pub calls: u64,
     /// Of those, the ones that did not succeed (a fallback's answer counts as a failure).
     pub errors: u64,
-    /// `calls` divided by the window's length.
+    /// `calls` divided by the time the window covers: its length, less what the current
+    /// second has still to run (and, in the statistics' first window, the time since they
+    /// started); at least a second.
     pub calls_per_second: f64,
     /// `errors / calls`, 0 without calls.
     pub error_rate: f64,
@@ -115,6 +117,14 @@ impl Stats {
     /// included, with zeros, so a chart's line does not vanish when traffic stops).
     pub(crate) fn snapshot(&self, now: Instant) -> Vec<EntryStats> {
         let second = self.second(now);
+        // The buckets in the window are its whole seconds but the last, plus the current
+        // second so far: dividing by the whole window would under-report a steady rate by up
+        // to a second's worth, a saw-tooth on the console's chart.
+        let since_start = now.saturating_duration_since(self.start).as_secs_f64();
+        let into_second = since_start - second as f64;
+        let covered = ((self.window - 1) as f64 + into_second)
+            .min(since_start)
+            .max(1.0);
         let entries = self.entries.lock().unwrap_or_else(|p| p.into_inner());
         entries
             .iter()
@@ -143,7 +153,7 @@ impl Stats {
                     entry: entry.to_string(),
                     calls,
                     errors,
-                    calls_per_second: calls as f64 / self.window as f64,
+                    calls_per_second: calls as f64 / covered,
                     error_rate: if calls == 0 {
                         0.0
                     } else {
@@ -173,6 +183,23 @@ impl CallObserver for Stats {
 mod tests {
     use super::*;
 
+    /// A steady 100 calls a second reads 100 a second wherever in the current second the
+    /// snapshot is taken (the window holds nine whole seconds and a part of the tenth).
+    #[tokio::test(start_paused = true)]
+    async fn a_steady_rate_reads_the_same_at_any_point_of_a_second() {
+        let t0 = Instant::now();
+        // 100 calls a second, one every 10 ms, up to a snapshot at 20.05 s or at 20.95 s.
+        for at_ms in [20_050u64, 20_950] {
+            let partial = Stats::new(Duration::from_secs(10));
+            for i in 0..=(at_ms / 10) {
+                let at = t0 + Duration::from_millis(10 * i);
+                partial.record(Side::Server, "a.A.m", at, Duration::from_millis(1), true);
+            }
+            let rate = partial.snapshot(t0 + Duration::from_millis(at_ms))[0].calls_per_second;
+            assert!((rate - 100.0).abs() <= 1.5, "at {at_ms} ms: {rate}");
+        }
+    }
+
     #[tokio::test(start_paused = true)]
     async fn figures_cover_the_window_and_percentiles_follow_the_recorded_latencies() {
         let stats = Stats::new(Duration::from_secs(10));
@@ -191,7 +218,8 @@ mod tests {
         let s = &stats.snapshot(now)[0];
         assert_eq!((s.side, s.entry.as_str()), ("client", "a.A.m"));
         assert_eq!((s.calls, s.errors), (100, 10));
-        assert!((s.calls_per_second - 10.0).abs() < 1e-9, "{s:?}");
+        // The statistics have run 3 s: 100 calls over 3 s.
+        assert!((s.calls_per_second - 100.0 / 3.0).abs() < 1e-9, "{s:?}");
         assert!((s.error_rate - 0.1).abs() < 1e-9, "{s:?}");
         // The 50th of 1..=100 ms is 50 ms, the 99th 99 ms; within the histogram's 1 %.
         assert!((s.p50_ms - 50.0).abs() <= 0.5, "{s:?}");
