@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, RwLock, Weak};
 
 use dashmap::DashMap;
 use futures_util::future::{BoxFuture, FutureExt, Shared};
-use rpc_core::RpcError;
+use rpc_core::{RpcError, StatusCode};
 
 use crate::client::{ConnectOptions, Connection};
 
@@ -38,7 +38,12 @@ struct Endpoint {
 }
 
 /// One connect attempt, awaited by every caller that needs it.
-type Connecting = Shared<BoxFuture<'static, Result<Connection, RpcError>>>;
+/// A connect attempt under way, shared by its callers, and whether its task has ended (its
+/// outcome is then for the callers already waiting on it, not for a later one).
+type Connecting = (
+    Shared<BoxFuture<'static, Result<Connection, RpcError>>>,
+    Arc<std::sync::atomic::AtomicBool>,
+);
 
 impl ConnectionPool {
     /// A pool that opens `connections_per_endpoint` (at least 1) connections per address.
@@ -111,7 +116,11 @@ impl ConnectionPool {
                 return Ok(c);
             }
             match connecting.as_ref() {
-                Some(attempt) if attempt.peek().is_none() => attempt.clone(),
+                Some((attempt, ended))
+                    if attempt.peek().is_none() && !ended.load(Ordering::Acquire) =>
+                {
+                    attempt.clone()
+                }
                 _ => {
                     let attempt = connect(
                         addr.to_string(),
@@ -119,8 +128,9 @@ impl ConnectionPool {
                         Arc::downgrade(&endpoint),
                         i,
                     );
-                    *connecting = Some(attempt.clone());
-                    attempt
+                    let shared = attempt.0.clone();
+                    *connecting = Some(attempt);
+                    shared
                 }
             }
         };
@@ -149,21 +159,38 @@ impl ConnectionPool {
 
 /// A connect attempt that puts its connection in slot `i` of `endpoint`. (Weak: the attempt is
 /// stored in the endpoint, and an attempt every caller gave up on must not keep it alive.)
+/// A connect attempt to `addr` for slot `i`, running in a task of its own: it goes on (and
+/// its connect timeout with it) when every caller waiting for it has gone, so a later caller
+/// finds it finished (its connection in the slot, or its error) instead of resuming a stale
+/// one whose timeout already passed.
 fn connect(
     addr: String,
     options: ConnectOptions,
     endpoint: Weak<Endpoint>,
     i: usize,
 ) -> Connecting {
-    async move {
-        let conn = Connection::connect(&addr, &options).await?;
-        if let Some(endpoint) = endpoint.upgrade() {
+    let peer = addr.clone();
+    let ended = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let marks = ended.clone();
+    let task = tokio::spawn(async move {
+        let conn = Connection::connect(&addr, &options).await;
+        if let (Ok(conn), Some(endpoint)) = (&conn, endpoint.upgrade()) {
             *endpoint.conns[i].write().unwrap_or_else(|p| p.into_inner()) = Some(conn.clone());
         }
-        Ok(conn)
+        marks.store(true, Ordering::Release);
+        conn
+    });
+    let shared = async move {
+        task.await.unwrap_or_else(|e| {
+            Err(RpcError::new(
+                StatusCode::CommunicationError,
+                format!("{peer}: the connect attempt failed: {e}"),
+            ))
+        })
     }
     .boxed()
-    .shared()
+    .shared();
+    (shared, ended)
 }
 
 fn usable(slot: &RwLock<Option<Connection>>) -> Option<Connection> {

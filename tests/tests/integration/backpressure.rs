@@ -10,7 +10,7 @@ use crate::common;
 
 use std::time::Duration;
 
-use common::{recv_one, within};
+use common::{recv_one, within, RawConn};
 use rpc::crates::transport::{Call, ConnectOptions, Connection, ConnectionPool};
 use rpc::StatusCode;
 use tokio::net::{TcpListener, TcpStream};
@@ -142,6 +142,46 @@ async fn silent_listener() -> (std::net::SocketAddr, mpsc::UnboundedReceiver<u16
         }
     });
     (addr, rx)
+}
+
+/// A connect attempt every caller gave up on goes on by itself: a caller long after finds it
+/// ended (here at its connect timeout, the first connection never answered) and makes a fresh
+/// one, which the server answers, instead of resuming the stale attempt and failing at once.
+#[tokio::test(start_paused = true)]
+async fn a_connect_attempt_its_callers_left_ends_by_itself_and_the_next_caller_connects() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        // The first connection: accepted and never answered.
+        let (_silent, _) = listener.accept().await.expect("accept");
+        // The next ones: a handshake as a server makes it, the connections kept open.
+        let mut answered = Vec::new();
+        for _ in 0..4 {
+            let ack = rpc::crates::core::wire::HelloAck {
+                protocol_version: 1,
+                ..Default::default()
+            };
+            answered.push(RawConn::accept_with(&listener, ack).await.0);
+        }
+        std::future::pending::<()>().await;
+    });
+    let pool = ConnectionPool::new(
+        ConnectOptions {
+            connect_timeout: Duration::from_millis(300),
+            ..ConnectOptions::default()
+        },
+        1,
+    );
+    let gave_up =
+        tokio::time::timeout(Duration::from_millis(10), pool.get(&addr.to_string())).await;
+    assert!(
+        gave_up.is_err(),
+        "the first caller gave up while connecting"
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    within("a later caller", pool.get(&addr.to_string()))
+        .await
+        .expect("a fresh attempt, answered");
 }
 
 #[tokio::test]
