@@ -22,12 +22,27 @@ const FRAME_RESULT_KEY: u64 = (4 << 3) | 2;
 
 /// The client's frame decoder: [`FrameCodec`]'s framing, answers decoded by hand.
 #[derive(Debug, Clone)]
-pub(super) struct AnswerCodec(FrameCodec);
+pub(super) struct AnswerCodec {
+    codec: FrameCodec,
+    /// Bumped whenever bytes arrive (a frame whole or in part): the heartbeat's sign of life,
+    /// so a large answer still arriving on a slow link is not taken for silence.
+    progress: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    /// The buffer's length after the last decode.
+    seen: usize,
+}
 
 impl AnswerCodec {
-    /// A decoder accepting frames up to `max_frame_length` bytes (the N of the prefix).
-    pub(super) fn new(max_frame_length: usize) -> Self {
-        AnswerCodec(FrameCodec::new(max_frame_length))
+    /// A decoder accepting frames up to `max_frame_length` bytes (the N of the prefix),
+    /// counting arrivals in `progress`.
+    pub(super) fn new(
+        max_frame_length: usize,
+        progress: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    ) -> Self {
+        AnswerCodec {
+            codec: FrameCodec::new(max_frame_length),
+            progress,
+            seen: 0,
+        }
     }
 }
 
@@ -36,10 +51,16 @@ impl Decoder for AnswerCodec {
     type Error = FrameError;
 
     fn decode(&mut self, src: &mut BytesMut) -> Result<Option<Answer>, FrameError> {
-        match self.0.split_frame(src)? {
+        if src.len() > self.seen {
+            self.progress
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        let answer = match self.codec.split_frame(src)? {
             Some(payload) => decode_answer(payload).map(Some),
             None => Ok(None),
-        }
+        };
+        self.seen = src.len();
+        answer
     }
 }
 

@@ -152,8 +152,10 @@ impl Connection {
             stream_window_bytes: options.stream_window_bytes,
             stream_batches: options.streams,
         }));
-        let mut frames =
-            FramedRead::with_capacity(rd, AnswerCodec::new(options.max_frame_length), READ_BUFFER);
+        // Whatever arrives counts as a sign of life for the heartbeat (see `AnswerCodec`).
+        let received = Arc::new(AtomicU64::new(0));
+        let codec = AnswerCodec::new(options.max_frame_length, received.clone());
+        let mut frames = FramedRead::with_capacity(rd, codec, READ_BUFFER);
         let (accepts, server_streams, batches, window_bytes, send_window_bytes) =
             match frames.next().await {
                 Some(Ok(Answer::Frame(Kind::HelloAck(ack)))) => {
@@ -230,7 +232,6 @@ impl Connection {
         if batches {
             shared.sender.batch_stream_items();
         }
-        let received = Arc::new(AtomicU64::new(0));
         tokio::spawn(read_loop(frames, shared.clone(), received.clone()));
         tokio::spawn(sweeper(shared.clone()));
         tokio::spawn(heartbeat(

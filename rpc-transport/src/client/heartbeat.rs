@@ -65,8 +65,9 @@ fn wake_at(epoch: tokio::time::Instant, next: u64) -> tokio::time::Instant {
     epoch + Duration::from_millis(next.min(FAR))
 }
 
-/// Pings every `interval`; closes the connection when no frame at all arrived during three
-/// intervals in a row (a frame counter is compared, so the reader never reads the clock).
+/// Pings every `interval`; closes the connection when nothing at all arrived during three
+/// intervals in a row (a counter the decoder bumps for every arrival, a frame whole or in
+/// part, is compared, so the reader never reads the clock).
 pub(super) async fn heartbeat(
     shared: std::sync::Weak<Shared>,
     interval: Duration,

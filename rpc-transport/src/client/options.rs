@@ -13,8 +13,8 @@ pub struct ConnectOptions {
     pub max_frame_length: usize,
     /// Limit on TCP connect plus handshake.
     pub connect_timeout: Duration,
-    /// A `Ping` is sent after this long without traffic; the connection is closed when nothing
-    /// at all arrived for three intervals.
+    /// A `Ping` is sent every interval; the connection is closed when nothing at all (not a
+    /// byte of a frame) arrived for three intervals in a row.
     pub heartbeat_interval: Duration,
     /// Bytes of calls queued on one connection and not yet written (about: parameters and
     /// entry id of each call plus 64), 4 MiB by default. Above it, as when the server stalls

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use common::{recv_one, within, RawConn};
 use rpc::crates::transport::{Call, ConnectOptions, Connection, ConnectionPool};
-use rpc::StatusCode;
+use rpc::{Codec, StatusCode};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 
@@ -142,6 +142,63 @@ async fn silent_listener() -> (std::net::SocketAddr, mpsc::UnboundedReceiver<u16
         }
     });
     (addr, rx)
+}
+
+/// A large answer arriving slowly (no frame completes for several heartbeats) is traffic all
+/// the same: the heartbeat does not close the connection under it, and the call gets its
+/// answer.
+#[tokio::test(start_paused = true)]
+async fn a_large_answer_arriving_slowly_keeps_the_connection_alive() {
+    use rpc::crates::core::wire::{frame::Kind, RemoteResultMessage};
+    use rpc::crates::transport::FrameCodec;
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let text = "y".repeat(512 * 1024);
+    let answer = Codec::MsgPack.encode(&text).expect("encode");
+    tokio::spawn(async move {
+        let ack = rpc::crates::core::wire::HelloAck {
+            protocol_version: 1,
+            ..Default::default()
+        };
+        let (mut peer, _) = RawConn::accept_with(&listener, ack).await;
+        let id = peer.recv_invoke("the call").await.message_id;
+        let mut frame = bytes::BytesMut::new();
+        FrameCodec::encode_kind(
+            Kind::Result(RemoteResultMessage {
+                message_id: id,
+                status_code: 200,
+                result: answer,
+                ..Default::default()
+            }),
+            &mut frame,
+        );
+        // 20 pieces, 150 ms apart: 3 s for the frame, 30 heartbeats of 100 ms.
+        for piece in frame.chunks(frame.len() / 20 + 1) {
+            peer.send_bytes(piece).await.expect("a piece");
+            tokio::time::sleep(Duration::from_millis(150)).await;
+        }
+        std::future::pending::<()>().await;
+    });
+    let conn = Connection::connect(
+        &addr.to_string(),
+        &ConnectOptions {
+            heartbeat_interval: Duration::from_millis(100),
+            ..ConnectOptions::default()
+        },
+    )
+    .await
+    .expect("connect");
+    let call = Call {
+        service_entry_id: "t.Slow.answer".into(),
+        codec: Codec::MsgPack.to_wire(),
+        parameters: Codec::MsgPack.encode(&()).expect("encode"),
+        ..Default::default()
+    };
+    let r = within("the slow answer", conn.call(call, None))
+        .await
+        .expect("answered, the connection kept");
+    let got: String = Codec::MsgPack.decode(&r.result).expect("decode");
+    assert_eq!(got.len(), text.len());
 }
 
 /// A connect attempt every caller gave up on goes on by itself: a caller long after finds it
