@@ -159,6 +159,9 @@ impl CallWatch {
                     self.span.record("outcome", "fallback");
                     self.span
                         .record("rpc.fallback.cause", i64::from(cause.as_u32()));
+                    // Answered: not a failed call, whatever the failure logged inside the span
+                    // (a panic's error-level line would otherwise mark it ERROR).
+                    self.span.record("otel.status_code", "OK");
                 }
                 self.metrics.finish(cause, "fallback");
                 self.tell(Some(cause), "fallback");

@@ -1778,6 +1778,13 @@ async fn a_server_fallback_answers_a_server_streams_failed_set_up_only() {
                 Some(Value::I64(i64::from(StatusCode::ServerError.as_u32()))),
                 "layered {layered}"
             );
+            // The fallback answered: the call did not fail (the panic's error-level log line
+            // inside the span does not make it one).
+            assert!(
+                !matches!(span.status, opentelemetry::trace::Status::Error { .. }),
+                "layered {layered}: {:?}",
+                span.status
+            );
         }
     }
 }
