@@ -74,17 +74,25 @@ impl Setup {
     }
 }
 
+/// The echo service served by `builder` on a free port.
+async fn serve_echo(builder: rpc::ServerBuilder) -> ServerHandle {
+    builder
+        .add_service(EchoServer::new(Plain))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve")
+}
+
 /// A server and a client on one registry, one call made (so the client knows the service and
 /// the entry's breaker exists), and the admin endpoint of both behind [`TOKEN`].
 async fn setup() -> Setup {
     let registry = InProcessRegistry::new();
-    let server = Server::builder()
-        .registry(registry.clone())
-        .metadata("version", "canary")
-        .add_service(EchoServer::new(Plain))
-        .serve("127.0.0.1:0")
-        .await
-        .expect("serve");
+    let server = serve_echo(
+        Server::builder()
+            .registry(registry.clone())
+            .metadata("version", "canary"),
+    )
+    .await;
     let client = Client::builder().registry(registry).build();
     let admin = Admin::builder()
         .client(&client)
@@ -329,12 +337,7 @@ async fn choosing_enforce_in_the_rules_editor_enforces_a_policy_a_lower_level_ob
         .expect("set");
 
     let registry = InProcessRegistry::new();
-    let server = Server::builder()
-        .registry(registry.clone())
-        .add_service(EchoServer::new(Plain))
-        .serve("127.0.0.1:0")
-        .await
-        .expect("serve");
+    let server = serve_echo(Server::builder().registry(registry.clone())).await;
     let file = GovernanceConfig::from_toml("[defaults]\nbreaker_observe = true\n").unwrap();
     let client = Client::builder()
         .registry(registry)

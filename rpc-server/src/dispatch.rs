@@ -951,11 +951,12 @@ pub(crate) fn to_message(result: Result<Bytes, RpcError>) -> RemoteResultMessage
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use rpc_core::{GovernanceOverrides, Service, ServiceFuture};
 
-    static METHODS: [MethodDescriptor; 1] = [MethodDescriptor {
+    /// One entry, `t.T.m`, with no overrides (shared by the crate's unit tests).
+    pub(crate) static METHODS: [MethodDescriptor; 1] = [MethodDescriptor {
         service_id: "t.T",
         method: "m",
         entry_id: "t.T.m",

@@ -149,14 +149,8 @@ impl RuleTarget for Target {
 mod tests {
     use super::*;
 
-    static METHOD: MethodDescriptor = MethodDescriptor {
-        service_id: "t.T",
-        method: "m",
-        entry_id: "t.T.m",
-        hash_key: None,
-        governance: GovernanceOverrides::NONE,
-        api: None,
-    };
+    /// `t.T.m`, with no overrides.
+    static METHOD: &MethodDescriptor = &crate::dispatch::tests::METHODS[0];
 
     /// A server's rules target for the one entry `t.T.m`, and the entry's admission.
     fn target() -> (Target, Arc<Admission>) {
@@ -170,7 +164,7 @@ mod tests {
         let policy = admission(&METHOD.governance, &shared, &defaults);
         let entry = Arc::new(Admission::new(policy, events.clone()));
         let target = Target {
-            entries: vec![(&METHOD, entry.clone())],
+            entries: vec![(METHOD, entry.clone())],
             applied: Mutex::new(HashMap::from([("t.T.m", METHOD.governance.clone())])),
             shared,
             defaults,

@@ -166,26 +166,30 @@ async fn set_and_rollback_with_expected_write_only_over_that_version() {
         })
     };
 
-    let o = rpcctl(
-        &etcd,
-        &[
-            "--json",
-            "rules",
-            "set",
-            "governance",
-            &a,
-            "--expected",
-            "0",
-        ],
-    );
+    // `rpcctl --json rules <verb> governance <what> --expected <over>`.
+    let over = |verb: &str, what: &str, expected: i64| {
+        let expected = expected.to_string();
+        rpcctl(
+            &etcd,
+            &[
+                "--json",
+                "rules",
+                verb,
+                "governance",
+                what,
+                "--expected",
+                &expected,
+            ],
+        )
+    };
+    let refused = |o: &Output| assert_eq!(o.status.code(), Some(1), "{}", stderr(o));
+
+    let o = over("set", &a, 0);
     assert!(o.status.success(), "{}", stderr(&o));
     let va = version_of(&o);
     // Only when none is in force: a second `--expected 0` is refused and writes nothing.
-    let o = rpcctl(
-        &etcd,
-        &["rules", "set", "governance", &b, "--expected", "0"],
-    );
-    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let o = over("set", &b, 0);
+    refused(&o);
     assert!(
         stderr(&o).contains(&va.to_string()),
         "names the version in force: {}",
@@ -193,27 +197,11 @@ async fn set_and_rollback_with_expected_write_only_over_that_version() {
     );
     assert_eq!(in_force().await.unwrap().0, va);
 
-    let expected = va.to_string();
-    let o = rpcctl(
-        &etcd,
-        &[
-            "--json",
-            "rules",
-            "set",
-            "governance",
-            &b,
-            "--expected",
-            &expected,
-        ],
-    );
+    let o = over("set", &b, va);
     assert!(o.status.success(), "{}", stderr(&o));
     let vb = version_of(&o);
     // Over the version read before another operator wrote: refused, b stays.
-    let o = rpcctl(
-        &etcd,
-        &["rules", "set", "governance", &c, "--expected", &expected],
-    );
-    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    refused(&over("set", &c, va));
     assert_eq!(
         in_force().await,
         Some((vb, "[defaults]\ntimeout_ms = 2000\n".into()))
@@ -221,31 +209,9 @@ async fn set_and_rollback_with_expected_write_only_over_that_version() {
 
     // Rollback likewise: over a stale version refused, over the one in force written.
     let target = va.to_string();
-    let o = rpcctl(
-        &etcd,
-        &[
-            "rules",
-            "rollback",
-            "governance",
-            &target,
-            "--expected",
-            &expected,
-        ],
-    );
-    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    refused(&over("rollback", &target, va));
     assert_eq!(in_force().await.unwrap().0, vb);
-    let current = vb.to_string();
-    let o = rpcctl(
-        &etcd,
-        &[
-            "rules",
-            "rollback",
-            "governance",
-            &target,
-            "--expected",
-            &current,
-        ],
-    );
+    let o = over("rollback", &target, vb);
     assert!(o.status.success(), "{}", stderr(&o));
     let (v, text) = in_force().await.unwrap();
     assert!(v > vb);

@@ -27,6 +27,16 @@ impl Echo for Plain {
     }
 }
 
+/// An echo server registered in `registry`.
+async fn serve_echo(registry: &InProcessRegistry) -> rpc::ServerHandle {
+    Server::builder()
+        .registry(registry.clone())
+        .add_service(EchoServer::new(Plain))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve")
+}
+
 #[tokio::test]
 async fn a_registry_from_a_url_reaches_a_real_server() {
     let server = Server::builder()
@@ -68,12 +78,7 @@ async fn waiting_for_endpoints_ends_when_a_server_registers() {
     // The wait is on the watch: it has not ended with nothing registered.
     tokio::task::yield_now().await;
     assert!(!waiting.is_finished());
-    let server = Server::builder()
-        .registry(registry)
-        .add_service(EchoServer::new(Plain))
-        .serve("127.0.0.1:0")
-        .await
-        .unwrap();
+    let server = serve_echo(&registry).await;
     let endpoints = within("the wait", waiting).await.unwrap().unwrap();
     let addresses: Vec<String> = endpoints.iter().map(|i| i.address.clone()).collect();
     assert_eq!(addresses, [server.local_addr().to_string()]);
@@ -87,13 +92,7 @@ async fn waiting_for_endpoints_ends_when_a_server_registers() {
 async fn a_dropped_server_deregisters_and_an_aborted_one_does_not() {
     use crate::registry_watch::{has, lacks, wait_until, watch};
     let registry = InProcessRegistry::new();
-    let serve = || {
-        Server::builder()
-            .registry(registry.clone())
-            .add_service(EchoServer::new(Plain))
-            .serve("127.0.0.1:0")
-    };
-    let (dropped, aborted) = (serve().await.unwrap(), serve().await.unwrap());
+    let (dropped, aborted) = (serve_echo(&registry).await, serve_echo(&registry).await);
     let (gone, kept) = (dropped.local_addr(), aborted.local_addr());
     let mut w = watch(&registry, EchoClient::SERVICE_ID).await;
     wait_until(&mut w, LIMIT, "both registered", |list| {
@@ -281,12 +280,7 @@ async fn shard(registry: &InProcessRegistry, name: &'static str) -> rpc::ServerH
 #[tokio::test]
 async fn a_call_refused_for_its_options_is_counted_with_its_error() {
     let registry = InProcessRegistry::new();
-    let server = Server::builder()
-        .registry(registry.clone())
-        .add_service(EchoServer::new(Plain))
-        .serve("127.0.0.1:0")
-        .await
-        .unwrap();
+    let server = serve_echo(&registry).await;
     let client = Client::builder()
         .registry(registry)
         .shunt_strategy(rpc::ShuntStrategy::Hash)

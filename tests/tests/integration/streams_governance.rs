@@ -307,16 +307,9 @@ async fn a_fallback_answers_a_server_stream_whose_set_up_failed_with_its_own_ite
     let (server, market, cache, stocks) = with_fallback().await;
 
     market.down.store(true, Ordering::SeqCst);
-    let prices = within("prices", async {
-        stocks
-            .prices(3)
-            .await
-            .expect("the fallback's stream")
-            .collect_all()
-            .await
-    })
-    .await
-    .expect("every item");
+    let prices = accepted_items("prices", stocks.prices(3))
+        .await
+        .expect("every item");
     assert_eq!(prices, [1000, 1001, 1002], "the fallback's items");
     assert_eq!(
         market.setups.load(Ordering::SeqCst),
@@ -327,16 +320,9 @@ async fn a_fallback_answers_a_server_stream_whose_set_up_failed_with_its_own_ite
 
     // The market is back: its own stream, the fallback not asked.
     market.down.store(false, Ordering::SeqCst);
-    let prices = within("prices", async {
-        stocks
-            .prices(3)
-            .await
-            .expect("the market's stream")
-            .collect_all()
-            .await
-    })
-    .await
-    .expect("every item");
+    let prices = accepted_items("prices", stocks.prices(3))
+        .await
+        .expect("every item");
     assert_eq!(prices, [0, 1, 2]);
     assert_eq!(
         cache.used.load(Ordering::SeqCst),
@@ -367,16 +353,9 @@ async fn a_fallback_of_a_refused_client_or_bidi_stream_takes_all_the_callers_ite
         .await
         .expect("the fallback's answer");
     assert_eq!(total, 1_000_000 + 10, "the fallback summed every item");
-    let doubled = within("double", async {
-        stocks
-            .double(RpcStream::iter([1u64, 2, 3]))
-            .await
-            .expect("the fallback's stream")
-            .collect_all()
-            .await
-    })
-    .await
-    .expect("every item");
+    let doubled = accepted_items("double", stocks.double(RpcStream::iter([1u64, 2, 3])))
+        .await
+        .expect("every item");
     assert_eq!(
         doubled,
         [10, 20, 30],
@@ -703,16 +682,9 @@ async fn stream_items_are_counted_by_entry_and_direction_on_both_sides() {
     assert_eq!(prices.len(), 5);
     // A fallback's stream: its items did not come from the server, and are not counted.
     market.down.store(true, Ordering::SeqCst);
-    let cached = within("prices", async {
-        stocks
-            .prices(3)
-            .await
-            .expect("the fallback's stream")
-            .collect_all()
-            .await
-    })
-    .await
-    .expect("the fallback's items");
+    let cached = accepted_items("prices", stocks.prices(3))
+        .await
+        .expect("the fallback's items");
     assert_eq!(cached, [1000, 1001, 1002]);
     market.down.store(false, Ordering::SeqCst);
     let total = within("total", stocks.total(RpcStream::iter(1..=4u64)))
