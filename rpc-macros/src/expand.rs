@@ -122,13 +122,14 @@ fn descriptors(service: &Service, names: &Names, service_id_parts: &TokenStream)
     quote! {
         #[doc = #doc_id]
         #[doc(hidden)]
+        #[allow(non_upper_case_globals)]
         const #service_id: &str = ::core::concat!(#service_id_parts);
 
         #[doc = #doc_table]
         #[doc(hidden)]
         // `..GovernanceOverrides::NONE` stays even when every field is set, so that fields added
         // to the type later need no change in the generator.
-        #[allow(clippy::needless_update)]
+        #[allow(clippy::needless_update, non_upper_case_globals)]
         static #table: [::rpc::__private::MethodDescriptor; #n] = [#(#entries),*];
     }
 }
@@ -268,12 +269,12 @@ mod tests {
             "{s}"
         );
         assert!(
-            s.contains("const __RPC_SERVICE_ID_ECHO : & str = :: core :: concat ! (\"echo.Echo\")"),
+            s.contains("const __RPC_SERVICE_ID_Echo : & str = :: core :: concat ! (\"echo.Echo\")"),
             "{s}"
         );
         assert!(
             s.contains(
-                "static __RPC_METHODS_ECHO : [:: rpc :: __private :: MethodDescriptor ; 3usize]"
+                "static __RPC_METHODS_Echo : [:: rpc :: __private :: MethodDescriptor ; 3usize]"
             ),
             "{s}"
         );
@@ -363,7 +364,7 @@ mod tests {
         let s = expand_str(quote!(), sample());
         assert!(
             s.contains(
-                "const __RPC_SERVICE_ID_ECHO : & str = :: core :: concat ! (:: core :: \
+                "const __RPC_SERVICE_ID_Echo : & str = :: core :: concat ! (:: core :: \
                  module_path ! () , \".\" , \"Echo\")"
             ),
             "{s}"

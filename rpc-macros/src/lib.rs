@@ -145,14 +145,14 @@ mod parse;
 ///   `fn m(&self, a: A) -> impl Future<Output = R> + Send;`. Implementations still write
 ///   `async fn m(&self, a: A) -> R { ... }`; the compiler then checks that their futures are
 ///   `Send`. Doc comments, other attributes and the visibility are kept.
-/// - **The descriptor table**: a hidden `static __RPC_METHODS_<TRAIT>` (upper snake case) of
+/// - **The descriptor table**: a hidden `static __RPC_METHODS_<Trait>` (the trait's name as written) of
 ///   `rpc::MethodDescriptor`, one per method in declaration order, with the service id, method
 ///   name, entry id, the index of the `#[hash_key]` argument (`&self` not counted) and the
 ///   governance overrides of `#[governance(...)]`, and the function that builds the entry's
 ///   `rpc::EntryApi` when a server publishes it (the encoded parameters' names in order, the
 ///   doc comment, the `#[http]` route, the stream shape `"server"`, `"client"` or `"bidi"`);
 ///   and a hidden
-///   `const __RPC_SERVICE_ID_<TRAIT>: &str`.
+///   `const __RPC_SERVICE_ID_<Trait>: &str`.
 /// - **`<Trait>Client`** (same visibility as the trait; `Clone`, `Debug`): `new(rpc::Client)`,
 ///   `client()`, `SERVICE_ID`, `methods()`, and an implementation of the trait where each method
 ///   encodes its arguments as one tuple (`NoArgs` when there are none), hashes the

@@ -13,54 +13,47 @@ pub struct Names {
     pub client: Ident,
     /// `<Trait>Server`.
     pub server: Ident,
-    /// The descriptor table, `__RPC_METHODS_<TRAIT>`.
+    /// The descriptor table, `__RPC_METHODS_<Trait>`.
     pub methods: Ident,
-    /// The service id constant, `__RPC_SERVICE_ID_<TRAIT>`.
+    /// The service id constant, `__RPC_SERVICE_ID_<Trait>`.
     pub service_id: Ident,
 }
 
 impl Names {
     /// The names for the trait `trait_ident`.
     pub fn new(trait_ident: &Ident) -> Self {
-        let upper = upper_snake(&syn::ext::IdentExt::unraw(trait_ident).to_string());
+        // The trait's own spelling, not a case conversion of it: two traits of one module
+        // have different names, but `HttpApi` and `HTTPApi` share an upper snake case.
+        let name = syn::ext::IdentExt::unraw(trait_ident).to_string();
         let span = trait_ident.span();
         Names {
             trait_ident: trait_ident.clone(),
             client: format_ident!("{}Client", trait_ident, span = span),
             server: format_ident!("{}Server", trait_ident, span = span),
-            methods: format_ident!("__RPC_METHODS_{}", upper),
-            service_id: format_ident!("__RPC_SERVICE_ID_{}", upper),
+            methods: format_ident!("__RPC_METHODS_{}", name),
+            service_id: format_ident!("__RPC_SERVICE_ID_{}", name),
         }
     }
-}
-
-/// `EchoService` → `ECHO_SERVICE`, `HTTPApi` → `HTTP_API`.
-pub fn upper_snake(name: &str) -> String {
-    let chars: Vec<char> = name.chars().collect();
-    let mut out = String::with_capacity(name.len() + 4);
-    for (i, &c) in chars.iter().enumerate() {
-        if c.is_uppercase() && i > 0 {
-            let prev = chars[i - 1];
-            let next_lower = chars.get(i + 1).is_some_and(|n| n.is_lowercase());
-            if prev.is_lowercase() || prev.is_ascii_digit() || (prev.is_uppercase() && next_lower) {
-                out.push('_');
-            }
-        }
-        out.extend(c.to_uppercase());
-    }
-    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use syn::parse_quote;
 
     #[test]
-    fn upper_snake_names() {
-        assert_eq!(upper_snake("Echo"), "ECHO");
-        assert_eq!(upper_snake("EchoService"), "ECHO_SERVICE");
-        assert_eq!(upper_snake("HTTPApi"), "HTTP_API");
-        assert_eq!(upper_snake("V2Thing"), "V2_THING");
-        assert_eq!(upper_snake("snake_case"), "SNAKE_CASE");
+    fn traits_whose_upper_snake_case_agrees_get_different_hidden_names() {
+        let a = Names::new(&parse_quote!(HttpApi));
+        let b = Names::new(&parse_quote!(HTTPApi));
+        assert_ne!(a.methods, b.methods);
+        assert_ne!(a.service_id, b.service_id);
+        assert_eq!(a.methods.to_string(), "__RPC_METHODS_HttpApi");
+        assert_eq!(b.service_id.to_string(), "__RPC_SERVICE_ID_HTTPApi");
+    }
+
+    #[test]
+    fn a_raw_identifier_trait_is_named_without_its_prefix() {
+        let names = Names::new(&parse_quote!(r#Match));
+        assert_eq!(names.methods.to_string(), "__RPC_METHODS_Match");
     }
 }

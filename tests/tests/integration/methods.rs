@@ -559,3 +559,54 @@ async fn a_raw_identifier_argument_is_named_without_its_prefix() {
     );
     within("shutdown", server.shutdown()).await;
 }
+
+/// Two services whose trait names differ only in case (`HttpApi`, `HTTPApi`) live in one
+/// module: each trait's hidden items are named after it as written.
+mod names_that_differ_in_case {
+    use super::within;
+    use rpc::{Client, InProcessRegistry, RpcError, Server};
+
+    #[rpc::service(name = "t.HttpApi")]
+    pub trait HttpApi {
+        async fn which(&self) -> Result<String, RpcError>;
+    }
+
+    #[rpc::service(name = "t.HTTPApi")]
+    pub trait HTTPApi {
+        async fn which(&self) -> Result<String, RpcError>;
+    }
+
+    struct Both;
+
+    impl HttpApi for Both {
+        async fn which(&self) -> Result<String, RpcError> {
+            Ok("HttpApi".into())
+        }
+    }
+
+    impl HTTPApi for Both {
+        async fn which(&self) -> Result<String, RpcError> {
+            Ok("HTTPApi".into())
+        }
+    }
+
+    #[tokio::test]
+    async fn both_are_served_and_called_each_under_its_own_id() {
+        let reg = InProcessRegistry::new();
+        let server = Server::builder()
+            .registry(reg.clone())
+            .add_service(HttpApiServer::new(Both))
+            .add_service(HTTPApiServer::new(Both))
+            .serve("127.0.0.1:0")
+            .await
+            .expect("serve");
+        let client = Client::builder().registry(reg).build();
+        let a = HttpApiClient::new(client.clone());
+        let b = HTTPApiClient::new(client);
+        assert_eq!(HttpApiClient::SERVICE_ID, "t.HttpApi");
+        assert_eq!(HTTPApiClient::SERVICE_ID, "t.HTTPApi");
+        assert_eq!(within("HttpApi", a.which()).await.expect("a"), "HttpApi");
+        assert_eq!(within("HTTPApi", b.which()).await.expect("b"), "HTTPApi");
+        within("shutdown", server.shutdown()).await;
+    }
+}
