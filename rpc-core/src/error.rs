@@ -331,12 +331,43 @@ pub trait RemoteError: Sized + Send + 'static {
     fn into_rpc_error(self, codec: Codec) -> RpcError;
 }
 
+/// A handler's own [`RpcError`] travels as a typed value holding it would: a callee answer
+/// (business, validation, application auth) unchanged; any other status (typically a failed
+/// downstream call passed on with `?`: 506, 515, 519, ...) mapped by [`StatusCode::carried`] and
+/// with the error in its serialised form ([`serde_rpc_error`]) as the payload. The payload is
+/// what tells the caller that the handler ran, so the call is not repeated elsewhere unless its
+/// entry is idempotent: a downstream's 506 must not read as "this server was never reached".
 impl RemoteError for RpcError {
     fn from_rpc_error(err: RpcError) -> Self {
         err
     }
-    fn into_rpc_error(self, _codec: Codec) -> RpcError {
-        self
+    fn into_rpc_error(self, codec: Codec) -> RpcError {
+        if self.code().is_callee_answer() || self.payload().is_some() {
+            return self;
+        }
+        /// The error in the form `serde_rpc_error` writes.
+        struct Serialised<'a>(&'a RpcError);
+        impl Serialize for Serialised<'_> {
+            fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                serde_rpc_error::serialize(self.0, s)
+            }
+        }
+        match codec.encode(&Serialised(&self)) {
+            Ok(payload) => {
+                let mut e = RpcError::new(self.code().carried(), self.message().to_string())
+                    .with_payload(codec, payload)
+                    .maybe_delivered(self.is_maybe_delivered())
+                    .with_tried(self.tried().to_vec());
+                if let Some(after) = self.retry_after() {
+                    e = e.with_retry_after(after);
+                }
+                e
+            }
+            Err(e) => RpcError::new(
+                StatusCode::ServerError,
+                format!("could not encode the service's error: {e}"),
+            ),
+        }
     }
 }
 
@@ -437,6 +468,39 @@ mod tests {
             assert_eq!(business.code().as_u32(), 1000);
             let wrapped = OrderError::Rpc(RpcError::validation("bad qty")).into_rpc_error(codec);
             assert_eq!(wrapped.code().as_u32(), 1000, "a callee answer stays one");
+        }
+    }
+
+    #[test]
+    fn a_handlers_own_infrastructure_error_travels_carried_with_a_payload() {
+        for codec in [Codec::MsgPack, Codec::Json] {
+            let down = RpcError::new(StatusCode::CommunicationError, "stock: connection refused")
+                .with_tried(vec!["127.0.0.1:1".into()])
+                .with_retry_after(Duration::from_millis(1500));
+            let wire = down.into_rpc_error(codec);
+            // As a typed value holding it would travel: 506 becomes 504, with a payload.
+            assert_eq!(wire.code().as_u32(), 504, "{wire}");
+            assert!(wire.payload().is_some(), "the payload says the handler ran");
+            assert_eq!(wire.message(), "stock: connection refused");
+            assert_eq!(wire.tried(), ["127.0.0.1:1"]);
+            assert_eq!(wire.retry_after(), Some(Duration::from_millis(1500)));
+            let overflow = RpcError::new(StatusCode::OverflowMaxServerHandle, "full");
+            let wire = overflow.into_rpc_error(codec);
+            assert_eq!(wire.code().as_u32(), 515);
+            assert!(wire.payload().is_some());
+        }
+    }
+
+    #[test]
+    fn a_handlers_own_callee_answer_travels_unchanged() {
+        for e in [
+            RpcError::validation("bad qty").with_field_error("qty", "must be positive"),
+            RpcError::business("no such order"),
+        ] {
+            let wire = e.clone().into_rpc_error(Codec::MsgPack);
+            assert_eq!(wire.code(), e.code());
+            assert!(wire.payload().is_none());
+            assert_eq!(wire.field_errors(), e.field_errors());
         }
     }
 

@@ -47,6 +47,9 @@ impl Chain for Tier {
 fn options(chain_stop: bool, budget_percent: Option<u32>) -> GovernanceOverrides {
     GovernanceOverrides {
         retry_times: Some(3),
+        // A tier passes the leaf's Overflow on with `?` after its handler ran: only an
+        // idempotent entry is tried again for it.
+        idempotent: Some(true),
         retry_interval_ms: Some(0),
         enable_circuit_breaker: Some(false),
         retry_chain_stop: Some(chain_stop),

@@ -152,3 +152,102 @@ async fn a_typed_error_carrying_a_downstream_outage_is_an_outage_for_the_caller(
     );
     within("shutdown", b.shutdown()).await;
 }
+
+/// B′: the same order desk with the plain `RpcError` as its error type, counting its runs.
+#[rpc::service(name = "te.PlainOrders")]
+trait PlainOrders {
+    async fn place(&self, item: String) -> Result<u32, RpcError>;
+}
+
+struct PlainDesk {
+    stock: StockClient,
+    runs: std::sync::Arc<std::sync::atomic::AtomicU32>,
+}
+
+impl PlainOrders for PlainDesk {
+    async fn place(&self, item: String) -> Result<u32, RpcError> {
+        self.runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        // C is down: its 506 is passed on with `?`, after the order may have been written.
+        self.stock.reserve(item).await
+    }
+}
+
+/// Two instances of B′ whose handlers pass C's connection failure on with `?`, and A calling
+/// them with two retries: the handler ran, so A must not run a non-idempotent `place` again
+/// on the other instance (before, C's 506 read as "B was never reached" and was retried).
+#[tokio::test]
+async fn a_downstream_failure_passed_on_as_a_plain_rpc_error_is_not_replayed() {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    let c_addr = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        l.local_addr().expect("addr").to_string()
+    };
+    let runs = std::sync::Arc::new(AtomicU32::new(0));
+    let reg = InProcessRegistry::new();
+    let mut servers = Vec::new();
+    for _ in 0..2 {
+        let stock = StockClient::new(
+            Client::builder()
+                .registry(StaticRegistry::new([c_addr.clone()]))
+                .override_options(StockClient::SERVICE_ID, no_retry_breaker_at(100))
+                .build(),
+        );
+        servers.push(
+            Server::builder()
+                .registry(reg.clone())
+                .add_service(PlainOrdersServer::new(PlainDesk {
+                    stock,
+                    runs: runs.clone(),
+                }))
+                .serve("127.0.0.1:0")
+                .await
+                .expect("serve B′"),
+        );
+    }
+    let retrying = |idempotent: bool| {
+        PlainOrdersClient::new(
+            Client::builder()
+                .registry(reg.clone())
+                .override_options(
+                    PlainOrdersClient::SERVICE_ID,
+                    GovernanceOverrides {
+                        retry_times: Some(2),
+                        retry_interval_ms: Some(0),
+                        exceptions_allowed_before_breaking: Some(100),
+                        idempotent: Some(idempotent),
+                        ..GovernanceOverrides::NONE
+                    },
+                )
+                .build(),
+        )
+    };
+
+    let e = within("non-idempotent", retrying(false).place("nut".into()))
+        .await
+        .expect_err("C is down");
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "run once, not replayed: {e}"
+    );
+    assert_eq!(
+        e.code().as_u32(),
+        504,
+        "B was reached; its dependency was not: {e}"
+    );
+    assert!(e.is_maybe_delivered(), "{e:?}");
+    assert!(
+        e.message().contains("connect failed"),
+        "C's failure, told: {e}"
+    );
+
+    // An idempotent entry may run again: once per attempt, 1 + 2 retries.
+    runs.store(0, Ordering::SeqCst);
+    within("idempotent", retrying(true).place("nut".into()))
+        .await
+        .expect_err("C is down");
+    assert_eq!(runs.load(Ordering::SeqCst), 3);
+    for s in servers {
+        within("shutdown", s.shutdown()).await;
+    }
+}
