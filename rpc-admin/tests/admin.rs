@@ -20,7 +20,8 @@ trait Echo {
     #[governance(timeout_ms = 800)]
     async fn echo(&self, text: String) -> Result<String, RpcError>;
     /// Fails as asked: "business" with a business error, "overflow" with Overflow (which the
-    /// client retries), anything else succeeds.
+    /// client retries, the entry being idempotent: the handler ran), anything else succeeds.
+    #[governance(idempotent = true)]
     async fn fail(&self, how: String) -> Result<String, RpcError>;
 }
 

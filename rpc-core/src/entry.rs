@@ -1,6 +1,6 @@
 //! Descriptors of service entries (one per method).
 
-use serde::{Deserialize, Serialize};
+use serde::{Deserialize, Deserializer, Serialize};
 
 use crate::{GovernanceOverrides, ServiceEntryId, ServiceId};
 
@@ -34,8 +34,9 @@ pub struct ServiceEntry {
     pub method: String,
     /// Index of the `#[hash_key]` argument, if any.
     pub hash_key: Option<usize>,
-    /// Governance settings the service declares for the entry.
-    #[serde(default)]
+    /// Governance settings the service declares for the entry. Read leniently (see
+    /// [`published_governance`]): servers of a newer build may publish options this one lacks.
+    #[serde(default, deserialize_with = "published_governance")]
     pub governance: GovernanceOverrides,
     /// The entry's web-facing description; absent from servers that publish none (older ones, or
     /// descriptors written by hand).
@@ -54,6 +55,26 @@ impl From<&MethodDescriptor> for ServiceEntry {
             api: d.api.map(|api| api()),
         }
     }
+}
+
+/// The governance settings a server published for an entry, as far as this build can read
+/// them: an option it does not know (added by a newer build) or a value it cannot read (a
+/// strategy added later) is left out, and the rest applies. A configuration file is read
+/// strictly instead, since there an unknown name is a typo; here it is a rolling upgrade, and
+/// refusing it would make the whole instance unreadable, so that clients of the older build
+/// would see none of the newer servers.
+pub fn published_governance<'de, D: Deserializer<'de>>(
+    deserializer: D,
+) -> Result<GovernanceOverrides, D::Error> {
+    let fields = Option::<serde_json::Map<String, serde_json::Value>>::deserialize(deserializer)?;
+    let mut out = GovernanceOverrides::NONE;
+    for (name, value) in fields.unwrap_or_default() {
+        let one = serde_json::Value::Object(std::iter::once((name, value)).collect());
+        if let Ok(known) = serde_json::from_value::<GovernanceOverrides>(one) {
+            out.merge(&known);
+        }
+    }
+    Ok(out)
 }
 
 /// What an HTTP gateway and an API document need to know of one entry, published by servers
@@ -110,4 +131,67 @@ pub struct EntrySchemas {
     /// The named schemas the others refer to, by name.
     #[serde(default, skip_serializing_if = "serde_json::Map::is_empty")]
     pub definitions: serde_json::Map<String, serde_json::Value>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry_with(governance: serde_json::Value) -> serde_json::Value {
+        serde_json::json!({
+            "id": "shop.Greeter.greet",
+            "service_id": "shop.Greeter",
+            "method": "greet",
+            "hash_key": null,
+            "governance": governance,
+        })
+    }
+
+    #[test]
+    fn an_entry_published_by_a_newer_build_is_read_with_what_this_build_knows() {
+        let published = entry_with(serde_json::json!({
+            "timeout_ms": 800,
+            "an_option_added_later_ms": 5,
+            "shunt_strategy": "a strategy added later",
+            "retry_times": null,
+        }));
+        let entry: ServiceEntry = serde_json::from_value(published).expect("readable");
+        assert_eq!(
+            entry.governance,
+            GovernanceOverrides {
+                timeout_ms: Some(800),
+                ..GovernanceOverrides::NONE
+            }
+        );
+    }
+
+    #[test]
+    fn a_published_entry_names_only_the_options_it_sets() {
+        let entry = ServiceEntry {
+            id: "shop.Greeter.greet".into(),
+            service_id: "shop.Greeter".into(),
+            method: "greet".into(),
+            hash_key: None,
+            governance: GovernanceOverrides {
+                timeout_ms: Some(800),
+                ..GovernanceOverrides::NONE
+            },
+            api: None,
+        };
+        let json = serde_json::to_value(&entry).expect("encode");
+        assert_eq!(json["governance"], serde_json::json!({ "timeout_ms": 800 }));
+        let back: ServiceEntry = serde_json::from_value(json).expect("decode");
+        assert_eq!(back, entry);
+        // An entry without the field at all (a descriptor written by hand) sets nothing.
+        let mut bare = entry_with(serde_json::Value::Null);
+        bare.as_object_mut().expect("object").remove("governance");
+        let bare: ServiceEntry = serde_json::from_value(bare).expect("decode");
+        assert_eq!(bare.governance, GovernanceOverrides::NONE);
+    }
+
+    #[test]
+    fn a_config_file_still_refuses_an_unknown_option() {
+        let typo = serde_json::json!({ "retry_tims": 2 });
+        assert!(serde_json::from_value::<GovernanceOverrides>(typo).is_err());
+    }
 }

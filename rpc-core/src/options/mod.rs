@@ -189,6 +189,8 @@ macro_rules! governance_options {
         #[serde(default, deny_unknown_fields)]
         pub struct GovernanceOverrides {$($(
             #[doc = concat!("See [`GovernanceOptions::", stringify!($name), "`].")]
+            // Unset options are left out: a published entry names only what it sets.
+            #[serde(skip_serializing_if = "Option::is_none")]
             pub $name: Option<override_type!($kind)>,
         )*)*}
 
