@@ -269,7 +269,8 @@ impl ServerBuilder {
         self
     }
 
-    /// Requires this token in every client's `Hello`.
+    /// Requires this token in every client's `Hello`. An empty token is refused when the
+    /// server starts (every client without a token would match it, and pass as verified).
     pub fn token(mut self, token: impl Into<String>) -> Self {
         self.options.token = Some(token.into());
         self
@@ -555,6 +556,13 @@ impl ServerBuilder {
     /// Serves on an already bound listener of any transport (TCP, a Unix domain socket, or
     /// another [`Listener`]).
     pub async fn serve_on<L: Listener>(self, listener: L) -> std::io::Result<ServerHandle> {
+        if self.options.token.as_deref() == Some("") {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "the server's token is empty, and a client that sends no token sends the empty \
+                 one: give a non-empty token, or none to admit clients without one",
+            ));
+        }
         let bound = listener.local_addr()?;
         // Layers that take a socket address get the unspecified one for a Unix socket.
         let local_addr = bound

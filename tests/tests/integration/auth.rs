@@ -96,6 +96,23 @@ async fn a_wrong_or_missing_token_fails_with_517_and_runs_nothing() {
     within("shutdown", server.shutdown()).await;
 }
 
+/// An empty token (an unset variable passed on, say) would admit every client without a token
+/// as verified: the server refuses to start with it.
+#[tokio::test]
+async fn an_empty_server_token_is_refused_at_start() {
+    let e = Server::builder()
+        .add_service(GuardedServer::new(Vault {
+            calls: AtomicUsize::new(0),
+        }))
+        .token("")
+        .serve("127.0.0.1:0")
+        .await
+        .err()
+        .expect("an empty token is refused");
+    assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput, "{e}");
+    assert!(e.to_string().contains("token is empty"), "{e}");
+}
+
 #[tokio::test]
 async fn a_server_without_a_token_accepts_any() {
     let reg = InProcessRegistry::new();
