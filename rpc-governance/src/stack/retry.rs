@@ -13,7 +13,9 @@
 //! its handler's context, and a call made there is not retried again (`retry_chain_stop`,
 //! on by default): the outermost caller that retries owns the retries of the whole chain.
 
+use std::future::Future;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -43,12 +45,31 @@ impl<B, S> RetryLayer<B, S> {
 
 impl<B: Balance, S: Service> Service for RetryLayer<B, S> {
     async fn call(&self, cx: &mut CallCx<'_>, req: Bytes) -> Result<Bytes, RpcError> {
-        let mut picker = self.balance.picker(cx).await?;
         let started = cx.started();
+        let deadline = cx.deadline;
+        // The candidates, under the call's deadline too: finding them may wait (a registry's
+        // first answer). The clock is read again, and a timer armed, only when it does.
+        let (mut picker, waited) = {
+            let mut picking = std::pin::pin!(self.balance.picker(cx));
+            match std::future::poll_fn(|c| Poll::Ready(picking.as_mut().poll(c))).await {
+                Poll::Ready(picked) => (picked?, false),
+                Poll::Pending => {
+                    let picked = match deadline {
+                        Some(d) => tokio::time::timeout_at(d, picking).await.map_err(|_| {
+                            RpcError::new(
+                                StatusCode::Timeout,
+                                "no endpoint was known before the deadline",
+                            )
+                        })?,
+                        None => picking.await,
+                    };
+                    (picked?, true)
+                }
+            }
+        };
         if !cx.hedge {
             cx.policy.budget.deposit_at(started);
         }
-        let deadline = cx.deadline;
         let enforced = self.inner.enforces_attempt_deadline();
         let chain_stopped = mark_retry_depth(cx);
         loop {
@@ -56,7 +77,7 @@ impl<B: Balance, S: Service> Service for RetryLayer<B, S> {
             if let Some(slot) = &cx.first_endpoint {
                 let _ = slot.set(addr.clone());
             }
-            let now = if cx.attempt == 0 {
+            let now = if cx.attempt == 0 && !waited {
                 started
             } else {
                 let now = Instant::now();

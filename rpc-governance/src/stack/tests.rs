@@ -1443,3 +1443,81 @@ async fn old_latencies_stop_setting_the_hedge_delay() {
     g.execute(&g.policy(&M), &e).await.expect("answered");
     assert_eq!(e.log()[1].1, 21, "{:?}", e.log());
 }
+
+/// A balancer that takes `.1` to know the candidates (a registry's first answer).
+#[derive(Clone, Copy)]
+struct SlowToPick<A>(A, Duration);
+
+impl<A: Attempts + Copy + Send> Balance for SlowToPick<A> {
+    type Picker = Scripted<A>;
+    async fn picker(&self, _: &CallCx<'_>) -> Result<Self::Picker, RpcError> {
+        tokio::time::sleep(self.1).await;
+        Ok(Scripted(self.0))
+    }
+}
+
+/// Attempts that answer at once, recording the budget each was given.
+#[derive(Default)]
+struct Budgets(Mutex<Vec<u32>>);
+
+impl Attempts for &Budgets {
+    fn select(&self, _: &AttemptCtx<'_>) -> Result<String, RpcError> {
+        Ok("a:1".into())
+    }
+    async fn call(&self, _: &str, timeout_ms: u32, _: Option<Instant>) -> Result<Bytes, RpcError> {
+        self.0.lock().unwrap().push(timeout_ms);
+        ok()
+    }
+    fn untried_left(&self, _: &[String]) -> bool {
+        false
+    }
+}
+
+async fn execute_slow_to_pick(
+    g: &Governance,
+    b: &Budgets,
+    wait: Duration,
+) -> Result<Bytes, RpcError> {
+    let policy = g.policy(&M);
+    let mut cx = CallCx::new(g, policy.clone(), policy.options());
+    governed(SlowToPick(b, wait), Scripted(b))
+        .call(&mut cx, Bytes::new())
+        .await
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_deadline_covers_finding_the_endpoints() {
+    let g = engine(GovernanceOptions {
+        timeout_ms: 200,
+        ..Default::default()
+    });
+    let b = Budgets::default();
+    let t0 = Instant::now();
+    let err = execute_slow_to_pick(&g, &b, Duration::from_secs(1))
+        .await
+        .unwrap_err();
+    assert_eq!(t0.elapsed(), Duration::from_millis(200), "{err}");
+    assert_eq!(err.code(), StatusCode::Timeout, "{err}");
+    assert!(
+        err.message().contains("200 ms"),
+        "the budget is named: {err}"
+    );
+    assert!(b.0.lock().unwrap().is_empty(), "no attempt was made");
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_first_attempts_budget_leaves_out_the_time_spent_finding_endpoints() {
+    let g = engine(GovernanceOptions {
+        timeout_ms: 200,
+        ..Default::default()
+    });
+    let b = Budgets::default();
+    execute_slow_to_pick(&g, &b, Duration::from_millis(50))
+        .await
+        .expect("answered");
+    assert_eq!(
+        *b.0.lock().unwrap(),
+        [150],
+        "200 ms less the 50 spent picking"
+    );
+}

@@ -1,8 +1,8 @@
 //! The whole call's deadline as a layer: retries and pauses included, so a caller waits at most
 //! `timeout_ms` (or what is left of the deadline it inherited from the call it serves).
 //!
-//! The deadline itself is computed in [`crate::timeout`]; the retry layer enforces it on every
-//! attempt. This layer sets it in the context and turns a timeout into the error that names the
+//! The deadline itself is computed in [`crate::timeout`]; the retry layer enforces it while it
+//! finds the endpoints and on every attempt. This layer sets it in the context and turns a timeout into the error that names the
 //! budget.
 
 use bytes::Bytes;
