@@ -219,9 +219,27 @@ impl Layers {
 
     /// Checks that the options these layers give `method` can be carried out: consistent
     /// hashing needs a `#[hash_key]` argument to hash (without one, every call would quietly
-    /// go round robin). The error names the entry and the layer that asked for hashing.
+    /// go round robin), and an appointed endpoint needs its address (without one, every call
+    /// would fail). The error names the entry and, for hashing, the layer that asked for it.
     pub fn check(&self, method: &MethodDescriptor) -> Result<(), RpcError> {
-        if method.hash_key.is_some() || self.resolve(method).shunt_strategy != ShuntStrategy::Hash {
+        let resolved = self.resolve(method);
+        if resolved.shunt_strategy == ShuntStrategy::Appoint
+            && resolved
+                .appoint_address
+                .as_deref()
+                .is_none_or(str::is_empty)
+        {
+            return Err(RpcError::new(
+                StatusCode::FrameworkError,
+                format!(
+                    "{}: shunt_strategy = appoint needs appoint_address = \"host:port\", the \
+                     address every call goes to; set it beside the strategy, or choose another \
+                     strategy for this entry",
+                    method.entry_id
+                ),
+            ));
+        }
+        if method.hash_key.is_some() || resolved.shunt_strategy != ShuntStrategy::Hash {
             return Ok(());
         }
         // The highest layer that sets the strategy for this entry is the one to change.
@@ -255,7 +273,9 @@ impl Layers {
         Err(RpcError::new(
             StatusCode::FrameworkError,
             format!(
-                "{}: shunt_strategy = hash (set by {source}) needs an argument marked                  #[hash_key], and {} has none; mark the argument to hash on, or choose another                  strategy for this entry",
+                "{}: shunt_strategy = hash (set by {source}) needs an argument marked \
+                 #[hash_key], and {} has none; mark the argument to hash on, or choose another \
+                 strategy for this entry",
                 method.entry_id, method.method
             ),
         ))
@@ -421,6 +441,7 @@ mod tests {
                 && e.message().contains("config file"),
             "{e}"
         );
+        assert!(!e.message().contains("  "), "one space between words: {e}");
         layers.runtime.set(
             "echo.Echo.echo",
             GovernanceOverrides {
@@ -428,6 +449,31 @@ mod tests {
                 ..GovernanceOverrides::NONE
             },
             false,
+        );
+        assert!(layers.check(&M).is_ok());
+    }
+
+    #[test]
+    fn appointing_without_an_address_is_refused_naming_the_entry() {
+        let mut layers = Layers {
+            file: GovernanceConfig::from_toml(
+                "[services.\"echo.Echo\"]\nshunt_strategy = \"appoint\"\n",
+            )
+            .unwrap(),
+            ..Layers::default()
+        };
+        let e = layers.check(&M).unwrap_err();
+        assert!(
+            e.message().contains("echo.Echo.echo") && e.message().contains("appoint_address"),
+            "{e}"
+        );
+        layers.runtime.set(
+            "echo.Echo",
+            GovernanceOverrides {
+                appoint_address: Some("127.0.0.1:9000".into()),
+                ..GovernanceOverrides::NONE
+            },
+            true,
         );
         assert!(layers.check(&M).is_ok());
     }

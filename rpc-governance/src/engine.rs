@@ -136,11 +136,10 @@ impl Governance {
         if let Some(p) = self.cache.get(method.entry_id) {
             return p.clone();
         }
-        let options = self
-            .layers
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .resolve(method);
+        // The layers stay read-locked until the entry is in the cache: an update waits, then
+        // refreshes it too, rather than missing an entry built from the layers it replaced.
+        let layers = self.layers.read().unwrap_or_else(|p| p.into_inner());
+        let options = layers.resolve(method);
         self.cache
             .entry(ServiceEntryId::from(method.entry_id))
             .or_insert_with(|| {
