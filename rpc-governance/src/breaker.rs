@@ -227,8 +227,12 @@ impl Default for CircuitBreaker {
     }
 }
 
+/// The longest a breaker stays open: a century, forever in practice. Without a bound,
+/// `breaker_seconds = u64::MAX` (meant as "until reset by hand") would overflow the clock.
+const LONGEST_BREAK: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
 fn break_duration(o: &GovernanceOptions) -> Duration {
-    Duration::from_secs(o.breaker_seconds)
+    Duration::from_secs(o.breaker_seconds).min(LONGEST_BREAK)
 }
 
 fn open_error(entry: &str, retry_after: Duration, cause: Option<&str>) -> RpcError {
@@ -360,7 +364,11 @@ impl CircuitBreaker {
     ) -> Option<Transition> {
         // Settled here, whatever the outcome: the permit's drop has nothing left to free.
         let probe = std::mem::replace(&mut permit.probe, false);
-        if (!probe && matches!(outcome, Outcome::Answered | Outcome::Ignored))
+        // The callee's answers are calls the remote side served: counted as such in
+        // failure-ratio mode, never counted in consecutive mode.
+        if (!probe
+            && (outcome == Outcome::Ignored
+                || (outcome == Outcome::Answered && o.failure_ratio_percent == 0)))
             || (outcome == Outcome::Success
                 && o.failure_ratio_percent == 0
                 && self.clean.load(Ordering::Acquire)
@@ -501,6 +509,41 @@ mod tests {
         assert_eq!(fail(&b, &o), Some(Transition::Break));
         let err = b.try_acquire("e", &o).unwrap_err();
         assert_eq!(err.code(), StatusCode::CircuitOpen);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_break_of_u64_max_seconds_opens_without_overflowing_the_clock() {
+        let (b, mut o) = (CircuitBreaker::new(), opts());
+        o.breaker_seconds = u64::MAX;
+        for _ in 0..3 {
+            fail(&b, &o);
+        }
+        let e = b.try_acquire("e", &o).unwrap_err();
+        assert_eq!(e.code(), StatusCode::CircuitOpen);
+        tokio::time::advance(Duration::from_secs(365 * 24 * 3600)).await;
+        assert!(b.try_acquire("e", &o).is_err(), "still open a year later");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn in_ratio_mode_the_callees_answers_are_calls_of_the_window() {
+        let (b, o) = (
+            CircuitBreaker::new(),
+            GovernanceOptions {
+                failure_ratio_percent: 50,
+                minimum_throughput: 2,
+                sampling_window_seconds: 10,
+                ..opts()
+            },
+        );
+        // 8 not-found answers, 1 success, 1 failure: 10 % of the window's calls failed.
+        for _ in 0..8 {
+            let (p, _) = b.try_acquire("e", &o).unwrap();
+            assert_eq!(b.record_outcome(p, Outcome::Answered, &o, None), None);
+        }
+        let (p, _) = b.try_acquire("e", &o).unwrap();
+        assert_eq!(b.record_outcome(p, Outcome::Success, &o, None), None);
+        assert_eq!(fail(&b, &o), None, "1 failure in 10 calls is under 50 %");
+        assert!(matches!(b.state(), BreakerState::Closed { .. }));
     }
 
     #[tokio::test(start_paused = true)]

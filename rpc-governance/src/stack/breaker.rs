@@ -62,12 +62,15 @@ impl<S: Service> Service for CircuitBreakerLayer<S> {
             event(cx, t, None);
         }
         let result = self.inner.call(cx, req).await;
-        // A call dropped by adaptive throttling says nothing new about the remote side.
-        let outcome = if (cx.endpoint_held || cx.throttled) && result.is_err() {
-            Outcome::Ignored
-        } else {
-            Outcome::of(&result)
-        };
+        // A call dropped by adaptive throttling, or one that never had an endpoint to go to
+        // (none known, or the deadline passed while finding them), says nothing new about the
+        // remote side: a local "no endpoint" must not close a half-open breaker.
+        let outcome =
+            if (cx.endpoint_held || cx.throttled || cx.endpoint.is_none()) && result.is_err() {
+                Outcome::Ignored
+            } else {
+                Outcome::of(&result)
+            };
         if let Some(t) =
             policy
                 .breaker()

@@ -1521,3 +1521,37 @@ async fn the_first_attempts_budget_leaves_out_the_time_spent_finding_endpoints()
         "200 ms less the 50 spent picking"
     );
 }
+
+/// No endpoint at all: the balancer's own 404, before any attempt.
+#[derive(Clone, Copy)]
+struct NoEndpoint;
+
+impl Attempts for NoEndpoint {
+    fn select(&self, _: &AttemptCtx<'_>) -> Result<String, RpcError> {
+        Err(RpcError::new(
+            StatusCode::NotFindServiceRoute,
+            "no instance of t.T is registered",
+        ))
+    }
+    async fn call(&self, _: &str, _: u32, _: Option<Instant>) -> Result<Bytes, RpcError> {
+        unreachable!("nothing to call")
+    }
+    fn untried_left(&self, _: &[String]) -> bool {
+        false
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_probe_that_found_no_endpoint_leaves_the_breaker_half_open_and_frees_its_slot() {
+    let (g, p, mut events) = probing().await;
+    let err = g.execute(&p, NoEndpoint).await.unwrap_err();
+    assert_eq!(err.code(), StatusCode::NotFindServiceRoute);
+    assert!(
+        matches!(p.breaker().state(), BreakerState::HalfOpen { .. }),
+        "no remote side answered: {:?}",
+        p.breaker().state()
+    );
+    assert_eq!(kinds(&mut events), [EventKind::HalfOpen]);
+    // The slot is free: the next call is the probe, and its success closes the breaker.
+    next_call_goes_through(&g, &p).await;
+}
