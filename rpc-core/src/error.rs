@@ -60,6 +60,14 @@ impl RpcError {
         Self::new(StatusCode::BusinessError, message)
     }
 
+    /// The same error told with another message (the status, payload, details and field
+    /// errors kept): a layer that explains why it gives up says so without losing what the
+    /// caller needs, such as [`retry_after`](Self::retry_after) or a typed error's value.
+    pub fn with_message(mut self, message: impl Into<String>) -> Self {
+        self.inner.message = message.into();
+        self
+    }
+
     /// A validation error (1001): the service rejected the arguments.
     pub fn validation(message: impl Into<String>) -> Self {
         Self::new(StatusCode::ValidateError, message)

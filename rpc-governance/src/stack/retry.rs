@@ -200,7 +200,7 @@ impl<B: Balance, S> RetryLayer<B, S> {
                  chain retries (retry_chain_stop), so that retries do not multiply across hops",
                 err.message()
             );
-            let stopped = RpcError::new(err.code(), msg).maybe_delivered(err.is_maybe_delivered());
+            let stopped = err.with_message(msg);
             cx.endpoint_held = fault.is_some() && picker.any_other_usable(&last, cx);
             cx.attempt_timed_out = attempt_timed_out;
             return Err(failover::final_error(stopped, tried(cx)));
@@ -231,7 +231,7 @@ impl<B: Balance, S> RetryLayer<B, S> {
                 cx.options.retry_budget_percent,
                 cx.options.retry_budget_min_per_second
             );
-            let spent = RpcError::new(err.code(), msg).maybe_delivered(err.is_maybe_delivered());
+            let spent = err.with_message(msg);
             cx.endpoint_held = fault.is_some() && picker.any_other_usable(&last, cx);
             cx.attempt_timed_out = attempt_timed_out;
             return Err(failover::final_error(spent, tried(cx)));

@@ -1555,3 +1555,26 @@ async fn a_probe_that_found_no_endpoint_leaves_the_breaker_half_open_and_frees_i
     // The slot is free: the next call is the probe, and its success closes the breaker.
     next_call_goes_through(&g, &p).await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn an_error_not_retried_for_the_budget_keeps_its_retry_after_and_payload() {
+    let g = engine(GovernanceOptions {
+        retry_times: 3,
+        retry_interval_ms: 0,
+        retry_budget_percent: 0,
+        retry_budget_min_per_second: 0, // no retry at all
+        enable_circuit_breaker: false,
+        timeout_ms: 0,
+        ..Default::default()
+    });
+    let limited = RpcError::new(StatusCode::RateLimited, "over the quota")
+        .with_retry_after(Duration::from_millis(300))
+        .with_payload(rpc_core::Codec::MsgPack, Bytes::from_static(b"\x01"));
+    let s = Script::new(vec![Err(limited)], Duration::ZERO);
+    let err = g.execute(&g.policy(&M), &s).await.unwrap_err();
+    assert!(err.message().contains("retry budget"), "{err}");
+    assert_eq!(err.code(), StatusCode::RateLimited);
+    assert_eq!(err.retry_after(), Some(Duration::from_millis(300)), "{err}");
+    assert!(err.payload().is_some(), "{err:?}");
+    assert_eq!(s.starts().len(), 1);
+}
