@@ -181,6 +181,18 @@ impl RateLimiter {
     pub fn try_admit(&self, caller: &str) -> Result<(), (Refused, Duration)> {
         self.try_admit_at(caller, Instant::now())
     }
+
+    /// Gives back the tokens a call of `caller` took when it was admitted, because it was
+    /// refused further on (at the entry's cap) and never ran: the limits count calls that
+    /// run, so a refused call must not spend a quota.
+    pub fn give_back(&self, caller: &str) {
+        if let Some(callers) = &self.callers {
+            callers.bucket(caller).give_back();
+        }
+        if let Some(entry) = &self.entry {
+            entry.give_back();
+        }
+    }
 }
 
 #[cfg(test)]

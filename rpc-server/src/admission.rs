@@ -176,13 +176,18 @@ impl Admission {
         remaining: Option<Duration>,
     ) -> Result<Slot, RpcError> {
         let p = self.now.load();
+        // Whether the call took rate-limit tokens (given back if the gate refuses it).
+        let mut took_tokens = false;
         if let Some(limiter) = &p.limiter {
-            if let Err((which, after)) = limiter.try_admit(client_id) {
-                let e = rate_limited(entry, client_id, limiter.limits(), which, after);
-                if !p.observe_rate {
-                    return Err(e);
+            match limiter.try_admit(client_id) {
+                Ok(()) => took_tokens = true,
+                Err((which, after)) => {
+                    let e = rate_limited(entry, client_id, limiter.limits(), which, after);
+                    if !p.observe_rate {
+                        return Err(e);
+                    }
+                    self.observed(EventKind::RateLimited, entry, &e);
                 }
-                self.observed(EventKind::RateLimited, entry, &e);
             }
         }
         let slot = match &p.gate {
@@ -201,7 +206,13 @@ impl Admission {
                 self.observed(EventKind::Overflow, entry, &e);
                 Ok(Slot::Observed)
             }
-            other => other,
+            Err(e) => {
+                if let (true, Some(limiter)) = (took_tokens, &p.limiter) {
+                    limiter.give_back(client_id);
+                }
+                Err(e)
+            }
+            ok => ok,
         }
     }
 
@@ -304,6 +315,23 @@ mod tests {
             // A second later the bucket has a token again.
             tokio::time::advance(Duration::from_secs(1)).await;
             assert!(admit(&a).is_ok());
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_call_refused_at_the_cap_gives_its_rate_limit_token_back() {
+        for gate in [
+            || Gate::Cap(Bulkhead::new(1)),
+            || Gate::adaptive(Bulkhead::new(1), 1),
+        ] {
+            // Two calls a second, burst 2, one at a time.
+            let (a, _events) = admission(gate(), Some((2.0, 2)), false);
+            let held = admit(&a).unwrap();
+            let e = admit(&a).unwrap_err();
+            assert_eq!(e.code(), StatusCode::OverflowMaxServerHandle, "{e}");
+            drop(held);
+            // Only one call ran within the second: the second token is still there.
+            assert!(admit(&a).is_ok(), "refused at the cap, it spent no token");
         }
     }
 
