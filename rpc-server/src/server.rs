@@ -325,9 +325,10 @@ impl ServerBuilder {
     }
 
     /// Calls one connection may start per second (bursts of a tenth of that); above it the
-    /// server stops reading the connection until the rate allows the next call. Off by default.
+    /// server stops reading the connection until the rate allows the next call. Off by default;
+    /// 0 turns it off, as it does the other rate limits.
     pub fn max_calls_per_second_per_connection(mut self, n: u32) -> Self {
-        self.options.max_calls_per_second_per_connection = Some(n);
+        self.options.max_calls_per_second_per_connection = (n > 0).then_some(n);
         self
     }
 
@@ -982,5 +983,18 @@ impl StopSignals {
             let _ = tokio::signal::ctrl_c().await;
             "Ctrl-C"
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_per_connection_call_rate_of_0_is_off() {
+        let b = Server::builder().max_calls_per_second_per_connection(0);
+        assert_eq!(b.options.max_calls_per_second_per_connection, None);
+        let b = b.max_calls_per_second_per_connection(5);
+        assert_eq!(b.options.max_calls_per_second_per_connection, Some(5));
     }
 }
