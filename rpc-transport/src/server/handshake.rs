@@ -76,7 +76,8 @@ pub(super) async fn handshake<R: AsyncRead + Unpin>(
                 StatusCode::FrameworkError,
                 format!(
                     "a frame of {len} bytes before the handshake exceeds the limit of {max} bytes \
-                     for frames before Hello is accepted; send Hello first"
+                     for the first frame, which must be Hello: send Hello first, with a token and \
+                     client id that fit"
                 ),
             ))
         }

@@ -126,6 +126,23 @@ async fn a_server_without_a_token_accepts_any() {
     within("shutdown", server.shutdown()).await;
 }
 
+/// A Hello over the handshake's frame limit (a 9 KiB token, say) is told that the token must
+/// fit, not to "send Hello first", which it did.
+#[tokio::test]
+async fn a_hello_too_large_for_the_handshake_is_told_to_shorten_its_token() {
+    let reg = InProcessRegistry::new();
+    let (server, _) = serve(&reg, Some(TOKEN)).await;
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    let large = "t".repeat(rpc::crates::transport::MAX_HELLO_FRAME + 1);
+    match raw.hello(&large).await {
+        Some(Kind::GoAway(g)) => {
+            assert!(g.reason.contains("a token and client id that fit"), "{g:?}");
+        }
+        other => panic!("expected GoAway, got {other:?}"),
+    }
+    within("shutdown", server.shutdown()).await;
+}
+
 #[tokio::test]
 async fn a_bad_token_on_the_wire_gets_go_away_517_and_the_connection_closes() {
     let reg = InProcessRegistry::new();
