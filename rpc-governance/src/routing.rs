@@ -135,6 +135,23 @@ fn invalid(what: impl fmt::Display) -> RpcError {
     RpcError::new(StatusCode::FrameworkError, format!("routing rules: {what}"))
 }
 
+/// A TOML error with where it is: the line, and the rule (`routes[i]`) it falls in.
+fn where_in(text: &str, e: &toml::de::Error) -> String {
+    let Some(at) = e.span().map(|s| s.start.min(text.len())) else {
+        return e.message().to_string();
+    };
+    let before = &text[..at];
+    let line = before.matches('\n').count() + 1;
+    let rule = before
+        .lines()
+        .filter(|l| l.trim_start().starts_with("[[routes]]"))
+        .count();
+    match rule {
+        0 => format!("line {line}: {}", e.message()),
+        n => format!("line {line} (routes[{}]): {}", n - 1, e.message()),
+    }
+}
+
 impl RoutingRules {
     /// No rules: every call may go to every instance.
     pub fn new() -> Self {
@@ -145,7 +162,7 @@ impl RoutingRules {
     /// error, an unknown field or a wrong value is an error naming the rule and the field; the
     /// document is then not used at all.
     pub fn from_toml(text: &str) -> Result<Self, RpcError> {
-        let rules: RoutingRules = toml::from_str(text).map_err(|e| invalid(e.message()))?;
+        let rules: RoutingRules = toml::from_str(text).map_err(|e| invalid(where_in(text, &e)))?;
         rules.validate()?;
         Ok(rules)
     }
@@ -579,6 +596,19 @@ to = [
             assert!(e.message().contains(expected), "{text}\n→ {e}");
             assert!(e.message().starts_with("routing rules: "), "{e}");
         }
+        // A syntax or field error names its line and its rule.
+        let e = RoutingRules::from_toml(
+            "[[routes]]\nname = \"a\"\nservice = \"s.S\"\nto = [ {} ]\n\
+             [[routes]]\nname = \"b\"\nservice = \"s.T\"\nto = [ { wieght = 5 } ]\n",
+        )
+        .unwrap_err();
+        assert!(
+            e.message()
+                .contains("line 8 (routes[1]): unknown field `wieght`"),
+            "{e}"
+        );
+        let e = RoutingRules::from_toml("[[routes]]\nname = \"a\nservice = 1\n").unwrap_err();
+        assert!(e.message().contains("line 2 (routes[0])"), "{e}");
         // A conditional rule first does not shadow the rule after it.
         RoutingRules::from_toml(
             "[[routes]]\nname = \"a\"\nservice = \"s.S\"\n\
