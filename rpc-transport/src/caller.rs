@@ -91,7 +91,7 @@ impl Caller {
     }
 
     /// The client id of the caller's `Hello` (`ConnectOptions::client_id`, by default
-    /// `rpc-client/<pid>`): a name the client chose, verified by nothing; trust it only on
+    /// `rpc-client/<pid>-<random>`, one per process): a name the client chose, verified by nothing; trust it only on
     /// connections that passed the token check or mutual TLS.
     pub fn client_id(&self) -> &str {
         &self.client_id

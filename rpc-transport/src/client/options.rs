@@ -40,11 +40,26 @@ pub struct ConnectOptions {
     pub tls: Option<crate::tls::ClientTls>,
 }
 
+/// This process's default client id, `rpc-client/<pid>-<8 random hex digits>`: the pid alone
+/// repeats across hosts and containers (every containerised replica may be pid 1), and a
+/// server's per-caller quotas are keyed by it. Drawn once, so every client of the process
+/// shares it.
+fn default_client_id() -> &'static str {
+    static ID: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    ID.get_or_init(|| {
+        format!(
+            "rpc-client/{}-{:08x}",
+            std::process::id(),
+            rand::random::<u32>()
+        )
+    })
+}
+
 impl Default for ConnectOptions {
     fn default() -> Self {
         ConnectOptions {
             token: None,
-            client_id: format!("rpc-client/{}", std::process::id()),
+            client_id: default_client_id().to_string(),
             max_frame_length: rpc_core::DEFAULT_MAX_FRAME_LENGTH,
             connect_timeout: Duration::from_secs(3),
             heartbeat_interval: Duration::from_secs(10),
@@ -73,5 +88,21 @@ impl std::fmt::Debug for ConnectOptions {
         #[cfg(feature = "tls")]
         d.field("tls", &self.tls);
         d.finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_client_id_is_the_process_s_and_not_its_pid_alone() {
+        let id = ConnectOptions::default().client_id;
+        assert_eq!(id, ConnectOptions::default().client_id, "one per process");
+        let rest = id
+            .strip_prefix(&format!("rpc-client/{}-", std::process::id()))
+            .unwrap_or_else(|| panic!("{id}"));
+        assert_eq!(rest.len(), 8, "{id}");
+        assert!(rest.chars().all(|c| c.is_ascii_hexdigit()), "{id}");
     }
 }
