@@ -203,13 +203,16 @@ impl Governance {
     /// entry descriptors); cached entries pick the change up on their next call.
     pub fn publish(&self, service_id: &str, entries: Vec<(String, GovernanceOverrides)>) {
         let prefix = format!("{service_id}.");
+        // An entry id is `<service id>.<method>`, and a method name has no dot: the entries of
+        // `shop.Greeter.v2` are not those of `shop.Greeter`.
+        let of_service = |id: &str| id.strip_prefix(&prefix).is_some_and(|m| !m.contains('.'));
         let unchanged = {
             let layers = self.layers.read().unwrap_or_else(|p| p.into_inner());
             let current: Vec<_> = layers
                 .published
                 .entries
                 .iter()
-                .filter(|(id, _)| id.starts_with(&prefix))
+                .filter(|(id, _)| of_service(id))
                 .collect();
             current.len() == entries.len()
                 && entries
@@ -220,7 +223,7 @@ impl Governance {
             return;
         }
         self.update_layers(|l| {
-            l.published.entries.retain(|id, _| !id.starts_with(&prefix));
+            l.published.entries.retain(|id, _| !of_service(id));
             l.published.entries.extend(entries);
         });
     }
@@ -328,6 +331,31 @@ mod tests {
             })
             .collect();
         Box::leak(v.into_boxed_slice())
+    }
+
+    #[test]
+    fn publishing_a_service_leaves_a_service_whose_id_extends_it_alone() {
+        static V2: MethodDescriptor = MethodDescriptor {
+            service_id: "shop.Greeter.v2",
+            method: "greet",
+            entry_id: "shop.Greeter.v2.greet",
+            hash_key: None,
+            governance: GovernanceOverrides::NONE,
+            api: None,
+        };
+        let g = Governance::new(Layers::default());
+        let slow = GovernanceOverrides {
+            timeout_ms: Some(9000),
+            ..GovernanceOverrides::NONE
+        };
+        g.publish("shop.Greeter.v2", vec![(V2.entry_id.into(), slow.clone())]);
+        assert_eq!(g.policy(&V2).options().timeout_ms, 9000);
+        g.publish("shop.Greeter", vec![("shop.Greeter.greet".into(), slow)]);
+        assert_eq!(
+            g.policy(&V2).options().timeout_ms,
+            9000,
+            "shop.Greeter's snapshot did not erase shop.Greeter.v2's"
+        );
     }
 
     #[test]
