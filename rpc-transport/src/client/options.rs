@@ -47,11 +47,10 @@ pub struct ConnectOptions {
 fn default_client_id() -> &'static str {
     static ID: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     ID.get_or_init(|| {
-        format!(
-            "rpc-client/{}-{:08x}",
-            std::process::id(),
-            rand::random::<u32>()
-        )
+        // std's hasher keys are drawn from the operating system's randomness.
+        use std::hash::BuildHasher;
+        let random = std::collections::hash_map::RandomState::new().hash_one(0u8) as u32;
+        format!("rpc-client/{}-{random:08x}", std::process::id())
     })
 }
 
