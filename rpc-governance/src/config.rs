@@ -102,12 +102,20 @@ impl GovernanceConfig {
             .map_err(|e| config_error(format!("{}: {}", path.display(), e.message())))
     }
 
-    /// Parses `RPC_GOVERNANCE`; an unset variable is an empty layer.
+    /// Parses `RPC_GOVERNANCE`; an unset variable is an empty layer, one that is not UTF-8 an
+    /// error.
     pub fn from_env() -> Result<Self, RpcError> {
         match std::env::var(ENV_VAR) {
-            Ok(v) => Self::from_toml(&v.replace(';', "\n"))
-                .map_err(|e| config_error(format!("{ENV_VAR}: {}", e.message()))),
-            Err(_) => Ok(Self::default()),
+            Ok(v) => Self::from_toml(&v.replace(';', "\n")).map_err(|e| {
+                config_error(format!(
+                    "{ENV_VAR} (where each ';' starts a line): {}",
+                    e.message()
+                ))
+            }),
+            Err(std::env::VarError::NotPresent) => Ok(Self::default()),
+            Err(std::env::VarError::NotUnicode(_)) => Err(config_error(format!(
+                "{ENV_VAR} is not UTF-8 text: write the governance document in UTF-8, or unset it"
+            ))),
         }
     }
 

@@ -79,3 +79,21 @@ fn a_broken_variable_is_a_clear_error_naming_the_variable_and_the_field() {
         );
     }
 }
+
+/// A variable that is not UTF-8 is an error too, not an empty layer.
+#[cfg(unix)]
+#[test]
+fn a_variable_that_is_not_utf8_is_a_clear_error() {
+    use std::os::unix::ffi::OsStrExt;
+    let out = Command::new(env!("CARGO_BIN_EXE_governance-env"))
+        .env(
+            "RPC_GOVERNANCE",
+            std::ffi::OsStr::from_bytes(b"defaults.timeout_ms = 8\xff00"),
+        )
+        .output()
+        .expect("run governance-env");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(out.stdout.is_empty(), "printed options anyway");
+    assert!(err.contains("RPC_GOVERNANCE is not UTF-8"), "{err}");
+}
