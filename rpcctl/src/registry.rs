@@ -82,11 +82,12 @@ pub async fn instances(registry: &dyn Registry, service: &str, json: bool) -> Re
 struct Published {
     method: String,
     hash_key: Option<usize>,
-    /// The first instance's (by address) settings: the ones clients apply.
+    /// The settings of the first instance (by address) that publishes any: the ones clients
+    /// apply (they pass over instances that publish none, such as older builds).
     governance: GovernanceOverrides,
     /// The instances publishing it.
     instances: Vec<String>,
-    /// Whether some instance publishes other settings than the first.
+    /// Whether instances that publish settings publish different ones.
     disagree: bool,
 }
 
@@ -123,7 +124,13 @@ pub async fn entries(registry: &dyn Registry, service: &str, json: bool) -> Resu
                     instances: Vec::new(),
                     disagree: false,
                 });
-            p.disagree |= p.governance != e.governance;
+            if e.governance != GovernanceOverrides::NONE {
+                if p.governance == GovernanceOverrides::NONE {
+                    p.governance = e.governance.clone();
+                } else {
+                    p.disagree |= p.governance != e.governance;
+                }
+            }
             p.instances.push(instance.address.clone());
         }
     }
@@ -172,7 +179,9 @@ pub async fn entries(registry: &dyn Registry, service: &str, json: bool) -> Resu
         }
         if p.disagree {
             text.push(
-                "(instances publish different settings; the first by address applies)".into(),
+                "(instances publish different settings; the first by address that publishes any \
+                 applies)"
+                    .into(),
             );
         }
         println!("{id:width$}  {:>9}  {}", p.instances.len(), text.join(" "));

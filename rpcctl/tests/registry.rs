@@ -188,3 +188,76 @@ async fn what_a_server_publishes_at(url: &str) {
     let run = rpcctl(&["--registry", &url, "services"]).await;
     assert_eq!((run.code, run.stdout.as_str()), (0, ""), "{run:?}");
 }
+
+/// An older build of a service, publishing no settings for its entry.
+mod older {
+    #[rpc::service(name = "t.Mixed")]
+    pub trait Mixed {
+        async fn go(&self) -> Result<u32, rpc::RpcError>;
+    }
+    pub struct Impl;
+    impl Mixed for Impl {
+        async fn go(&self) -> Result<u32, rpc::RpcError> {
+            Ok(1)
+        }
+    }
+}
+
+/// A newer build of it, declaring a timeout for the entry.
+mod newer {
+    #[rpc::service(name = "t.Mixed")]
+    pub trait Mixed {
+        #[governance(timeout_ms = 800)]
+        async fn go(&self) -> Result<u32, rpc::RpcError>;
+    }
+    pub struct Impl;
+    impl Mixed for Impl {
+        async fn go(&self) -> Result<u32, rpc::RpcError> {
+            Ok(2)
+        }
+    }
+}
+
+/// During a rolling upgrade the first instance by address may be an older build that
+/// publishes nothing: clients pass over it and apply the newer build's settings, and
+/// `entries` shows those, with no disagreement.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn entries_shows_the_settings_clients_apply_when_an_older_instance_publishes_none() {
+    let etcd = etcd_harness::Etcd::start().await;
+    let url = etcd.url();
+    let registry = || async {
+        <dyn Registry>::from_url_with_lease(&url, Some(Duration::from_secs(5)))
+            .await
+            .expect("registry")
+    };
+    // Addresses advertised in order: the older build's first.
+    let old = Server::builder()
+        .shared_registry(registry().await)
+        .advertise("127.0.0.1:1")
+        .add_service(older::MixedServer::new(older::Impl))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve the older build");
+    let new = Server::builder()
+        .shared_registry(registry().await)
+        .advertise("127.0.0.1:2")
+        .add_service(newer::MixedServer::new(newer::Impl))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve the newer build");
+    let run = rpcctl(&["--registry", &url, "--json", "entries", "t.Mixed"]).await;
+    assert_eq!(run.code, 0, "{run:?}");
+    let listed: Value = serde_json::from_str(&run.stdout).expect("JSON");
+    assert_eq!(
+        listed,
+        json!([{
+            "id": "t.Mixed.go", "method": "go", "hash_key": null,
+            "governance": { "timeout_ms": 800 },
+            "instances": ["127.0.0.1:1", "127.0.0.1:2"],
+            "instances_disagree": false,
+        }]),
+        "{run:?}"
+    );
+    old.shutdown().await;
+    new.shutdown().await;
+}
