@@ -1,6 +1,7 @@
 //! Where an entry's options come from, lowest first: code defaults < `#[governance(...)]` on the
-//! method < config file < environment (`RPC_GOVERNANCE`) < the config centre (the governance
-//! document of the rule store in etcd) < runtime updates.
+//! method < what the serving instances publish < config file < environment (`RPC_GOVERNANCE`)
+//! < the config centre (the governance document of the rule store in etcd) < runtime updates
+//! (< a call's own options, applied by the client over these).
 
 use std::collections::HashMap;
 use std::path::Path;
