@@ -302,13 +302,33 @@ pub(crate) fn handshake_error(addr: &str, e: &std::io::Error) -> Option<RpcError
             | AlertDescription::CertificateRevoked
             | AlertDescription::UnsupportedCertificate
             | AlertDescription::AccessDenied),
-        ) => RpcError::new(
-            StatusCode::RpcUnAuthentication,
-            format!(
-                "{addr} refused the TLS connection ({alert:?}): it requires a client \
-                 certificate signed by a CA it trusts (ClientTls::identity)"
-            ),
-        ),
+        ) => {
+            let what_to_do = match alert {
+                AlertDescription::CertificateRequired => {
+                    "it requires a client certificate signed by a CA it trusts \
+                     (ClientTls::identity)"
+                }
+                AlertDescription::UnsupportedCertificate => {
+                    "it does not take this certificate for client authentication: a client \
+                     certificate needs the clientAuth extended key usage (a server's \
+                     certificate will not do)"
+                }
+                AlertDescription::CertificateExpired => {
+                    "the client certificate has expired or is not valid yet: renew it"
+                }
+                AlertDescription::CertificateRevoked => {
+                    "the client certificate was revoked: present another"
+                }
+                _ => {
+                    "it does not accept the client certificate: present one signed by a CA \
+                     it trusts (ClientTls::identity)"
+                }
+            };
+            RpcError::new(
+                StatusCode::RpcUnAuthentication,
+                format!("{addr} refused the TLS connection ({alert:?}): {what_to_do}"),
+            )
+        }
         rustls::Error::InvalidMessage(_) => RpcError::new(
             StatusCode::CommunicationError,
             format!("{addr}: TLS handshake failed: the server did not answer with TLS ({tls}); is it serving plain TCP?"),
@@ -331,7 +351,8 @@ fn refusal_reason(e: &std::io::Error) -> String {
         }
         Some(rustls::Error::AlertReceived(alert)) => format!(
             "the client ended the TLS handshake ({alert:?}); if it does not trust the server's \
-             certificate, give it the CA that signed it"
+             certificate, give it the CA that signed it, and check that the name it connects to \
+             is one the certificate names (ClientTls::server_name)"
         ),
         Some(rustls::Error::InvalidMessage(why)) => {
             format!("not a TLS client hello ({why:?}); is the client connecting without TLS?")

@@ -291,6 +291,22 @@ async fn mutual_tls_refuses_clients_without_a_good_certificate() {
         .await;
     assert_eq!(s.calls(), 0, "no handler ran for a refused client");
 
+    // A certificate from the client CA, but for servers only (no clientAuth usage).
+    let server_only = client_ca.issue(&["ann"], rcgen::ExtendedKeyUsagePurpose::ServerAuth);
+    let err = within(
+        "call with a server's certificate",
+        s.client(Some(presenting(&server_ca, &server_only)), None)
+            .secret("ann".into()),
+    )
+    .await
+    .expect_err("a certificate without clientAuth must be refused");
+    assert_eq!(err.code(), StatusCode::RpcUnAuthentication, "{err}");
+    assert!(
+        err.message().contains("clientAuth"),
+        "says what is wrong: {err}"
+    );
+    logs.expect(&["TLS handshake failed"]).await;
+
     // A certificate signed by the client CA.
     let good = client_ca.client("ann");
     let with_good = presenting(&server_ca, &good);
