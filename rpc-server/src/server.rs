@@ -37,7 +37,8 @@ pub(crate) fn admission(
         |rate: Option<u32>, burst: Option<u32>, server: Option<(u32, u32)>, default_burst| {
             let (rate, burst) = match (rate, server) {
                 (Some(r), _) => (r, burst.unwrap_or(default_burst)),
-                (None, Some((r, b))) => (r, b),
+                // The server's rate, with the entry's own burst when it sets one.
+                (None, Some((r, b))) => (r, burst.unwrap_or(b)),
                 (None, None) => (0, default_burst),
             };
             (rate > 0).then(|| (f64::from(rate), burst.max(1)))
@@ -253,8 +254,9 @@ impl ServerBuilder {
     }
 
     /// Gives every entry that sets no `rate_limit_per_second` of its own a token bucket of
-    /// `per_second` calls a second holding `burst` (each entry its own): calls over it are
-    /// answered 429 at once, with the time until the next token. 0 turns it off.
+    /// `per_second` calls a second holding `burst` (each entry its own; an entry's own
+    /// `rate_limit_burst` replaces `burst`): calls over it are answered 429 at once, with the
+    /// time until the next token. 0 turns it off.
     pub fn rate_limit(mut self, per_second: u32, burst: u32) -> Self {
         self.rate_limit = Some((per_second, burst));
         self
@@ -989,6 +991,35 @@ impl StopSignals {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_entrys_own_burst_applies_under_the_servers_rate() {
+        let server = ServerDefaults {
+            adaptive: false,
+            rate_limit: Some((50, 10)),
+            caller_rate_limit: Some((5, 2)),
+        };
+        let own_bursts = rpc_core::GovernanceOverrides {
+            rate_limit_burst: Some(100),
+            caller_rate_limit_burst: Some(7),
+            ..rpc_core::GovernanceOverrides::NONE
+        };
+        let policy = admission(&own_bursts, &Bulkhead::new(10), &server);
+        let limits = policy.limiter.expect("limited").limits();
+        assert_eq!(limits.entry, Some((50.0, 100)));
+        assert_eq!(limits.per_caller, Some((5.0, 7)));
+        let policy = admission(
+            &rpc_core::GovernanceOverrides::NONE,
+            &Bulkhead::new(10),
+            &server,
+        );
+        let limits = policy.limiter.expect("limited").limits();
+        assert_eq!(
+            limits.entry,
+            Some((50.0, 10)),
+            "the server's burst otherwise"
+        );
+    }
 
     #[test]
     fn a_per_connection_call_rate_of_0_is_off() {
