@@ -120,9 +120,10 @@ impl GovernanceConfig {
         }
     }
 
-    /// Sets (merging into what is there) the overrides for an entry id, or a service id when
-    /// `id` names a service (no method part known to the caller: both maps are consulted by
-    /// [`apply`](Self::apply), so either works).
+    /// Sets (merging into what is there) the overrides for a service id when `is_service`,
+    /// else for an entry id. [`apply`](Self::apply) looks a method up by its service id among
+    /// the services and by its entry id among the entries, so an id set in the other map
+    /// matches nothing.
     pub fn set(&mut self, id: &str, overrides: GovernanceOverrides, is_service: bool) {
         let map = if is_service {
             &mut self.services
