@@ -11,9 +11,11 @@
 //! max(0, (requests − K · accepts) / (requests + 1))
 //! ```
 //!
-//! While the server accepts everything, `requests ≈ accepts` and nothing is dropped; K (2 by
-//! default) lets a client send up to K times what gets accepted before it starts dropping, so
-//! a recovering server sees traffic growing back. The window is kept in ten slices, so old
+//! While the server accepts everything, `requests ≈ accepts` and, with K above 1, nothing is
+//! dropped; K (2 by default) lets a client send up to K times what gets accepted before it
+//! starts dropping, so a recovering server sees traffic growing back. An attempt that ends with
+//! no answer (a hedge's cancelled loser, a timeout) is a request and not an accept, so with K at
+//! 1 even a healthy server's client drops about as many calls as it has such attempts. The window is kept in ten slices, so old
 //! counts leave it a slice at a time. Time is tokio's clock, so the paused clock drives it.
 
 use std::sync::atomic::{AtomicU64, Ordering};
