@@ -935,8 +935,32 @@ impl Client {
         params: Bytes,
         hash_key: Option<H>,
     ) -> impl std::future::Future<Output = Result<Bytes, RpcError>> + Send + '_ {
+        let policy = self.inner.governance.policy(method);
+        if policy.service_known() {
+            return Either::Left(self.invoke_entry(method, policy, params, hash_key));
+        }
+        // An entry's first call: its service is looked up first, so that what the service's
+        // instances publish for the entry is a level of this call's options too. (The key is
+        // hashed now, whatever the strategy turns out to be: once per entry.)
+        let hash = hash_key.map(|h| h());
+        Either::Right(Box::pin(async move {
+            if self.service(method.service_id).await.is_ok() {
+                policy.set_service_known();
+            }
+            let hash_key = hash.map(|h| move || h);
+            self.invoke_entry(method, policy, params, hash_key).await
+        }))
+    }
+
+    /// [`invoke`](Self::invoke) with the entry's policy.
+    fn invoke_entry<H: FnOnce() -> u64>(
+        &self,
+        method: &'static MethodDescriptor,
+        policy: Arc<rpc_governance::engine::EntryPolicy>,
+        params: Bytes,
+        hash_key: Option<H>,
+    ) -> impl std::future::Future<Output = Result<Bytes, RpcError>> + Send + '_ {
         let governance = &self.inner.governance;
-        let policy = governance.policy(method);
         let options = match &self.call_options {
             None => policy.options(),
             Some(o) => Arc::new(o.applied(&policy.options())),

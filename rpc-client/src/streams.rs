@@ -163,6 +163,11 @@ impl Client {
     ) -> Result<OpenStream, RpcError> {
         let governance = &self.inner.governance;
         let policy = governance.policy(method);
+        if !policy.service_known() && self.service(method.service_id).await.is_ok() {
+            // As for a unary call: what the service's instances publish is a level of the
+            // first stream's options too.
+            policy.set_service_known();
+        }
         let mut options = match &self.call_options {
             None => policy.options(),
             Some(o) => Arc::new(o.applied(&policy.options())),

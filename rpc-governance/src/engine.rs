@@ -37,9 +37,26 @@ pub struct EntryPolicy {
     /// The entry's recent call latencies, made when the entry first has `hedge_percentile`
     /// set.
     pub(crate) latency: std::sync::OnceLock<crate::latency::LatencyWindow>,
+    /// Whether the caller has looked up the entry's service, so that what its instances
+    /// publish is a level of the entry's options (see [`EntryPolicy::service_known`]).
+    service_known: std::sync::atomic::AtomicBool,
 }
 
 impl EntryPolicy {
+    /// Whether [`set_service_known`](Self::set_service_known) was called: a client looks up
+    /// an entry's service (whose instances publish settings for it) before it reads the
+    /// options of the entry's first call, and says so here, so later calls skip the lookup.
+    pub fn service_known(&self) -> bool {
+        self.service_known
+            .load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Records that the entry's service was looked up.
+    pub fn set_service_known(&self) {
+        self.service_known
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+
     /// The entry's options now.
     pub fn options(&self) -> Arc<GovernanceOptions> {
         self.options.load_full()
@@ -151,6 +168,7 @@ impl Governance {
                     budget: RetryBudget::new(),
                     throttle: std::sync::OnceLock::new(),
                     latency: std::sync::OnceLock::new(),
+                    service_known: std::sync::atomic::AtomicBool::new(false),
                 })
             })
             .clone()

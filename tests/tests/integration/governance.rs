@@ -412,6 +412,36 @@ async fn overflow_is_an_event_on_the_server_and_a_retry_event_on_the_client() {
     server.shutdown().await;
 }
 
+/// The first call of an entry already runs with what its servers publish: the client looks the
+/// service up before it reads the call's options (before, only calls after the first did).
+#[tokio::test]
+async fn the_first_call_of_an_entry_applies_what_servers_publish() {
+    let reg = InProcessRegistry::new();
+    let (server, _w) = warehouse(&reg).await;
+    // The server publishes 300 ms for `budget_left_ms`, whose attribute says 800.
+    let mut published = rpc::Instance::new(server.local_addr().to_string(), ["g.Stock"]);
+    published.id = server.instance_id().to_string();
+    published.entries = vec![rpc::ServiceEntry {
+        id: "g.Stock.budget_left_ms".into(),
+        service_id: "g.Stock".into(),
+        method: "budget_left_ms".into(),
+        hash_key: None,
+        governance: GovernanceOverrides {
+            timeout_ms: Some(300),
+            ..GovernanceOverrides::NONE
+        },
+        api: None,
+    }];
+    rpc::Registry::register(&reg, published).await.unwrap();
+    let stock = StockClient::new(Client::builder().registry(reg.clone()).build());
+    let left = within("first call", stock.budget_left_ms()).await.unwrap();
+    assert!(
+        left <= 300,
+        "the first call's budget was the attribute's, not the published 300 ms: {left} ms"
+    );
+    server.shutdown().await;
+}
+
 #[tokio::test]
 async fn what_servers_publish_is_used_unless_the_client_overrides_it() {
     let reg = InProcessRegistry::new();
