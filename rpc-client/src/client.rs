@@ -1072,7 +1072,7 @@ impl Client {
             // A pooled connection is taken at once, without the future that connects.
             let conn = match self.inner.pool.try_get(addr) {
                 Some(conn) => conn,
-                None => match self.connection(addr, deadline).await {
+                None => match self.connection(addr, cx).await {
                     Ok(conn) => conn,
                     Err(e) => break 'attempt Err(e),
                 },
@@ -1090,7 +1090,7 @@ impl Client {
                 // may well be back (a restart), so the call goes once more on a fresh
                 // connection.
                 Err(e) if conn.is_draining() && !e.is_maybe_delivered() => {
-                    let fresh = match self.connection(addr, deadline).await {
+                    let fresh = match self.connection(addr, cx).await {
                         Ok(conn) => conn,
                         Err(e) => break 'attempt Err(e),
                     };
@@ -1188,25 +1188,41 @@ impl Client {
         self.inner.services.get(service_id).map(|s| s.clone())
     }
 
-    /// A pooled connection to `addr`; connecting counts against the call's deadline. (When the
-    /// connection exists it is returned at once, before any timer is armed.)
+    /// A pooled connection to `addr`; connecting counts against the attempt's deadline
+    /// (`cx`'s). (When the connection exists it is returned at once, before any timer is
+    /// armed.)
+    ///
+    /// Not connected by an attempt's own deadline (`attempt_timeout_ms`, before the call's):
+    /// nothing was sent, so the error is a communication error, not delivered, which moves
+    /// the call on to another endpoint whatever the entry, and marks this one at once. By the
+    /// call's deadline: the call timed out.
     pub(crate) async fn connection(
         &self,
         addr: &str,
-        deadline: Option<Instant>,
+        cx: &CallCx<'_>,
     ) -> Result<rpc_transport::Connection, RpcError> {
         if let Some(conn) = self.inner.pool.try_get(addr) {
             return Ok(conn);
         }
-        match deadline {
+        match cx.attempt_deadline() {
             None => self.inner.pool.get(addr).await,
             Some(d) => tokio::time::timeout_at(d, self.inner.pool.get(addr))
                 .await
                 .unwrap_or_else(|_| {
-                    Err(RpcError::new(
-                        StatusCode::Timeout,
-                        format!("{addr}: not connected before the call's deadline"),
-                    ))
+                    Err(if cx.deadline() == Some(d) {
+                        RpcError::new(
+                            StatusCode::Timeout,
+                            format!("{addr}: not connected before the call's deadline"),
+                        )
+                    } else {
+                        RpcError::new(
+                            StatusCode::CommunicationError,
+                            format!(
+                                "{addr}: not connected within the attempt's timeout \
+                                 (attempt_timeout_ms); nothing was sent"
+                            ),
+                        )
+                    })
                 }),
         }
     }

@@ -568,7 +568,7 @@ impl stack::Service for OpenAttempt<'_> {
             // The set-up within the attempt's deadline (the retry layer's timer), the stream
             // within the call's.
             let deadline = cx.deadline();
-            let conn = self.client.connection(&addr, cx.attempt_deadline()).await?;
+            let conn = self.client.connection(&addr, cx).await?;
             cx.set_connection(conn.id());
             // The set-up's arguments are compressed as a unary call's are: with the entry's
             // algorithm, at or above its threshold, when this connection's server accepts it.

@@ -215,6 +215,56 @@ async fn a_non_idempotent_call_that_never_reached_a_dead_server_moves_on() {
     cluster.stop().await;
 }
 
+/// An endpoint that accepts connections and never answers the handshake, with
+/// `attempt_timeout_ms` set: an attempt not connected by its own deadline sent nothing, so a
+/// non-idempotent call moves on to a live server (before, it failed as a timeout that "may
+/// have been delivered"), and the silent endpoint is marked at once.
+#[tokio::test]
+async fn a_non_idempotent_call_not_connected_by_its_attempt_timeout_moves_on() {
+    let reg = InProcessRegistry::new();
+    let cluster = Cluster::start(&reg).await;
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let silent_addr = silent.local_addr().expect("addr").to_string();
+    let held = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((stream, _)) = silent.accept().await {
+            held.push(stream);
+        }
+    });
+    rpc::Registry::register(&reg, rpc::Instance::new(silent_addr.clone(), ["t.Fail"]))
+        .await
+        .expect("register the silent endpoint");
+    let fail = FailClient::new(
+        Client::builder()
+            .registry(reg.clone())
+            .override_options(
+                FailClient::SERVICE_ID,
+                rpc::GovernanceOverrides {
+                    // Long beside a loopback handshake, even on a busy machine.
+                    attempt_timeout_ms: Some(500),
+                    retry_times: Some(3),
+                    ..rpc::GovernanceOverrides::NONE
+                },
+            )
+            .build(),
+    );
+    for i in 0..8 {
+        within("write", fail.write())
+            .await
+            .unwrap_or_else(|e| panic!("write {i} should move past the silent endpoint: {e}"));
+    }
+    let runs: usize = cluster
+        .nodes
+        .values()
+        .map(|n| n.writes.load(Ordering::SeqCst))
+        .sum();
+    assert_eq!(runs, 8, "each write ran exactly once");
+    held.abort();
+    cluster.stop().await;
+}
+
 #[tokio::test]
 async fn a_hash_key_whose_owner_died_goes_to_the_next_server_on_the_ring() {
     let reg = InProcessRegistry::new();
