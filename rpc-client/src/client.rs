@@ -1050,7 +1050,7 @@ impl Client {
             Compression::Off => None,
             algorithm => Some((algorithm, cx.options().compression_threshold as usize)),
         };
-        let message = |params: Bytes, attachments, accepts: Accepted| {
+        let message = |params: Bytes, attachments, accepts: Accepted, timeout_ms: u32| {
             let packed = packing.and_then(|(algorithm, threshold)| {
                 let packed = compression::pack(algorithm, threshold, accepts, &params)?;
                 telemetry::record_compression(algorithm, params.len(), packed.len());
@@ -1070,10 +1070,16 @@ impl Client {
         };
         'attempt: {
             // A pooled connection is taken at once, without the future that connects.
+            let mut timeout_ms = timeout_ms;
             let conn = match self.inner.pool.try_get(addr) {
                 Some(conn) => conn,
                 None => match self.connection(addr, cx).await {
-                    Ok(conn) => conn,
+                    Ok(conn) => {
+                        // The server is told what is left after connecting.
+                        timeout_ms =
+                            rpc_governance::timeout::remaining_ms_at(Instant::now(), deadline);
+                        conn
+                    }
                     Err(e) => break 'attempt Err(e),
                 },
             };
@@ -1081,7 +1087,12 @@ impl Client {
             let attachments = telemetry::outgoing_attachments(cx.call_id(), cx.attachments());
             let answer = match conn
                 .call(
-                    message(params.clone(), attachments, conn.accept_compression()),
+                    message(
+                        params.clone(),
+                        attachments,
+                        conn.accept_compression(),
+                        timeout_ms,
+                    ),
                     deadline,
                 )
                 .await
@@ -1094,6 +1105,8 @@ impl Client {
                         Ok(conn) => conn,
                         Err(e) => break 'attempt Err(e),
                     };
+                    let timeout_ms =
+                        rpc_governance::timeout::remaining_ms_at(Instant::now(), deadline);
                     cx.set_connection(fresh.id());
                     // Rare: the attachments are gathered again rather than copied for every
                     // call.
@@ -1101,7 +1114,7 @@ impl Client {
                         telemetry::outgoing_attachments(cx.call_id(), cx.attachments());
                     let accepts = fresh.accept_compression();
                     fresh
-                        .call(message(params, attachments, accepts), deadline)
+                        .call(message(params, attachments, accepts, timeout_ms), deadline)
                         .await
                 }
                 other => other,

@@ -412,6 +412,42 @@ async fn overflow_is_an_event_on_the_server_and_a_retry_event_on_the_client() {
     server.shutdown().await;
 }
 
+/// A call that first had to connect tells the server the budget left after connecting, not
+/// the one it had before: here the server starts answering handshakes 300 ms after the call
+/// began, so at most 800 − 300 ms are left when the call is sent.
+#[tokio::test]
+async fn the_budget_sent_leaves_out_the_time_spent_connecting() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let reg = InProcessRegistry::new();
+    rpc::Registry::register(&reg, rpc::Instance::new(addr.to_string(), ["g.Stock"]))
+        .await
+        .expect("register");
+    let stock = StockClient::new(Client::builder().registry(reg.clone()).build());
+    let call = tokio::spawn(async move { stock.budget_left_ms().await });
+    // The client connects (the kernel accepts) and waits for the handshake's answer.
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let server = Server::builder()
+        .add_service(StockServer::from_arc(Arc::new(Warehouse {
+            failing: AtomicU32::new(0),
+            calls: AtomicU32::new(0),
+        })))
+        .serve_listener(listener)
+        .await
+        .expect("serve");
+    let left = within("the call", call)
+        .await
+        .expect("joined")
+        .expect("answered");
+    assert!(
+        left <= 500,
+        "the server was told {left} ms of the 800 were left"
+    );
+    server.shutdown().await;
+}
+
 /// The first call of an entry already runs with what its servers publish: the client looks the
 /// service up before it reads the call's options (before, only calls after the first did).
 #[tokio::test]
