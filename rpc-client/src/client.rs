@@ -852,7 +852,7 @@ impl Client {
             publish(&self.inner.governance, service_id, &watch.current());
             let inner = Arc::downgrade(&self.inner);
             let mut watch = watch;
-            tokio::spawn(async move {
+            let follower = tokio::spawn(async move {
                 while watch.changed().await.is_ok() {
                     let Some(inner) = inner.upgrade() else { return };
                     publish(&inner.governance, service_id, &watch.current());
@@ -862,6 +862,7 @@ impl Client {
                     }
                 }
             });
+            state.follow(&follower);
         }
         Ok(state)
     }

@@ -16,6 +16,13 @@ use crate::balance::routing::Router;
 /// Aborts a task when dropped (with the client).
 pub(crate) struct AbortOnDrop(tokio::task::AbortHandle);
 
+impl AbortOnDrop {
+    /// Aborts the task of `handle` when dropped.
+    pub(crate) fn new(handle: tokio::task::AbortHandle) -> Self {
+        AbortOnDrop(handle)
+    }
+}
+
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
         self.0.abort();

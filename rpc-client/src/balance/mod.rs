@@ -34,6 +34,10 @@ use ring::{RingCache, RingKey, RingSnapshot};
 
 pub(crate) struct ServiceState {
     watch: ServiceWatch,
+    /// The task that follows the registry's changes for the client, ended with the state
+    /// (that is, with the client): it holds a watch of its own, which would otherwise keep
+    /// the registry's watch (an etcd or ZooKeeper watch) until the service next changes.
+    follower: std::sync::OnceLock<crate::rules::AbortOnDrop>,
     counter: AtomicUsize,
     /// The hash ring of the current snapshot, rebuilt by the watch (see [`RingCache`]).
     ring: RingCache,
@@ -117,6 +121,7 @@ impl ServiceState {
         let known = watch.current().iter().map(|i| i.address.clone()).collect();
         ServiceState {
             watch,
+            follower: std::sync::OnceLock::new(),
             counter: AtomicUsize::new(0),
             ring: RingCache::new(ring_key),
             seen,
@@ -127,6 +132,13 @@ impl ServiceState {
             announced: DashMap::new(),
             outcomes: SuccessRateTracker::new(),
         }
+    }
+
+    /// Hands over the task following the service's changes, aborted when this state drops.
+    pub(crate) fn follow(&self, task: &tokio::task::JoinHandle<()>) {
+        let _ = self
+            .follower
+            .set(crate::rules::AbortOnDrop::new(task.abort_handle()));
     }
 
     /// Counts an attempt's outcome on `addr` for outlier ejection by success rate (when
