@@ -47,6 +47,9 @@ pub struct Client {
 }
 
 pub(crate) struct Inner {
+    /// What is wrong with the options the builder was given in code, if anything: every call
+    /// fails with it (`build` cannot fail).
+    misconfigured: Option<RpcError>,
     registry: Arc<dyn Registry>,
     pool: ConnectionPool,
     pub(crate) codec: Codec,
@@ -224,7 +227,9 @@ impl ClientBuilder {
 
     /// Overrides for one entry (`"<service id>.<method>"`) or a whole service (`"<service id>"`),
     /// at the runtime level (above every other layer); entry overrides apply after service
-    /// ones. [`Client::update_options`] changes them later.
+    /// ones. [`Client::update_options`] changes them later. Values a config file would refuse
+    /// (a percentage above 100, an address that is not `host:port`) make every call of the
+    /// client fail with an error naming them.
     pub fn override_options(mut self, id: impl Into<String>, o: GovernanceOverrides) -> Self {
         set_runtime(&mut self.layers.runtime, id.into(), o);
         self
@@ -312,6 +317,7 @@ impl ClientBuilder {
 
     /// The client.
     pub fn build(self) -> Client {
+        let misconfigured = given_options_problem(&self.layers);
         let governance = Governance::new(self.layers);
         let registry = self
             .registry
@@ -335,6 +341,7 @@ impl ClientBuilder {
             #[cfg(not(feature = "otel"))]
             let (metrics, _) = (telemetry::Metrics, this);
             Inner {
+                misconfigured,
                 registry,
                 pool,
                 codec: self.codec,
@@ -366,6 +373,53 @@ impl ClientBuilder {
     }
 }
 
+/// What is wrong with the options a builder was given in code (`override_options`,
+/// `config_layers`), checked as a config file is: a percentage above 100, an address that is
+/// not `host:port`. `None` when nothing is.
+fn given_options_problem(layers: &Layers) -> Option<RpcError> {
+    let mut problems = Vec::new();
+    for (given, layer) in [
+        ("override_options", &layers.runtime),
+        ("config_layers", &layers.file),
+        ("config_layers", &layers.env),
+    ] {
+        let sections = std::iter::once(("defaults", &layer.defaults))
+            .chain(layer.services.iter().map(|(id, o)| (id.as_str(), o)))
+            .chain(layer.entries.iter().map(|(id, o)| (id.as_str(), o)));
+        for (id, o) in sections {
+            if let Err(e) = o.validate() {
+                problems.push(format!("{given} for {id}: {}", e.message()));
+            }
+        }
+    }
+    problems.sort();
+    problems.dedup();
+    (!problems.is_empty()).then(|| {
+        RpcError::new(
+            StatusCode::FrameworkError,
+            format!(
+                "the client was built with options it cannot carry out ({}); every call fails \
+                 until it is built with valid ones",
+                problems.join("; ")
+            ),
+        )
+    })
+}
+
+/// What is wrong with a handle's own options ([`Client::with_options`]), if anything.
+pub(crate) fn call_options_problem(o: &GovernanceOverrides) -> Option<RpcError> {
+    o.validate().err().map(|e| {
+        RpcError::new(
+            StatusCode::FrameworkError,
+            format!(
+                "this handle's options (Client::with_options) cannot be carried out: {}; its \
+                 calls fail until it is made with valid ones",
+                e.message()
+            ),
+        )
+    })
+}
+
 /// The gauges' last values stay for the next collection: a program's final metrics flush
 /// often comes after its client is dropped.
 #[cfg(feature = "otel")]
@@ -373,6 +427,13 @@ impl Drop for Inner {
     fn drop(&mut self) {
         self.metrics
             .freeze(self.breaker_gauge(), self.health_gauge());
+    }
+}
+
+impl Inner {
+    /// What is wrong with the options the builder was given, if anything.
+    pub(crate) fn misconfigured(&self) -> Option<RpcError> {
+        self.misconfigured.clone()
     }
 }
 
@@ -884,7 +945,9 @@ impl Client {
     /// ```
     ///
     /// A proxy made from the handle (`GreeterClient::new(hurried)`, or
-    /// `greeter.with_options(..)`) calls with them.
+    /// `greeter.with_options(..)`) calls with them. Values a config file would refuse (a
+    /// percentage above 100, an address that is not `host:port`) fail the handle's calls with
+    /// an error naming them.
     pub fn with_options(&self, overrides: GovernanceOverrides) -> Client {
         let mut merged = self.call_options.as_deref().cloned().unwrap_or_default();
         merged.merge(&overrides);
@@ -984,6 +1047,11 @@ impl Client {
             ShuntStrategy::Hash => (hash_key.map(|h| h()), None),
             _ => (None, None),
         };
+        let misconfigured = self
+            .inner
+            .misconfigured()
+            .or_else(|| self.call_options.as_deref().and_then(call_options_problem))
+            .or(misconfigured);
         let span = telemetry::call_span(method);
         let call_id = telemetry::call_id(&span);
         let call_span = span.clone();

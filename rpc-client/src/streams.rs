@@ -196,6 +196,15 @@ impl Client {
             ShuntStrategy::Hash => (hash_key.map(|h| h()), None),
             _ => (None, None),
         };
+        let misconfigured = self
+            .inner
+            .misconfigured()
+            .or_else(|| {
+                self.call_options
+                    .as_deref()
+                    .and_then(crate::client::call_options_problem)
+            })
+            .or(misconfigured);
         let span = telemetry::stream_span(method);
         let call_id = telemetry::call_id(&span);
         let call_span = span.clone();

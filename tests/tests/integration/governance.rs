@@ -412,6 +412,54 @@ async fn overflow_is_an_event_on_the_server_and_a_retry_event_on_the_client() {
     server.shutdown().await;
 }
 
+/// Options given in code are checked as a config file is: out of range, the calls fail with
+/// an error naming the value, and nothing is sent (before, a `failure_ratio_percent` of 150 was
+/// taken, and the breaker could never open).
+#[tokio::test]
+async fn options_given_in_code_out_of_range_fail_the_calls_naming_the_value() {
+    let reg = InProcessRegistry::new();
+    let (server, w) = warehouse(&reg).await;
+    let impossible = GovernanceOverrides {
+        failure_ratio_percent: Some(150),
+        ..GovernanceOverrides::NONE
+    };
+    let built = StockClient::new(
+        Client::builder()
+            .registry(reg.clone())
+            .override_options("g.Stock", impossible.clone())
+            .build(),
+    );
+    let e = within("built with them", built.level("apple".into()))
+        .await
+        .expect_err("refused");
+    assert_eq!(e.code(), StatusCode::FrameworkError, "{e}");
+    assert!(
+        e.message().contains("override_options for g.Stock")
+            && e.message().contains("failure_ratio_percent = 150"),
+        "{e}"
+    );
+    let client = Client::builder().registry(reg.clone()).build();
+    let handle = StockClient::new(client.with_options(impossible));
+    let e = within("a handle with them", handle.level("apple".into()))
+        .await
+        .expect_err("refused");
+    assert!(
+        e.message().contains("Client::with_options")
+            && e.message().contains("failure_ratio_percent = 150"),
+        "{e}"
+    );
+    assert_eq!(w.calls.load(Ordering::SeqCst), 0, "nothing was sent");
+    // The client itself is fine.
+    assert_eq!(
+        StockClient::new(client)
+            .level("apple".into())
+            .await
+            .unwrap(),
+        7
+    );
+    server.shutdown().await;
+}
+
 /// A call that first had to connect tells the server the budget left after connecting, not
 /// the one it had before: here the server starts answering handshakes 300 ms after the call
 /// began, so at most 800 − 300 ms are left when the call is sent.
