@@ -37,6 +37,8 @@ pub struct EntryPolicy {
     /// The entry's recent call latencies, made when the entry first has `hedge_percentile`
     /// set.
     pub(crate) latency: std::sync::OnceLock<crate::latency::LatencyWindow>,
+    /// A descriptor with the method's attribute, when the first one seen had none.
+    attributed: std::sync::OnceLock<&'static MethodDescriptor>,
     /// Whether the caller has looked up the entry's service, so that what its instances
     /// publish is a level of the entry's options (see [`EntryPolicy::service_known`]).
     service_known: std::sync::atomic::AtomicBool,
@@ -67,9 +69,11 @@ impl EntryPolicy {
         &self.breaker
     }
 
-    /// The entry's method.
+    /// The entry's method: the first descriptor seen for the entry id, or a later one that
+    /// carries the method's `#[governance(...)]` attribute where the first (a generic call's,
+    /// made from the id alone) had none.
     pub fn method(&self) -> &'static MethodDescriptor {
-        self.method
+        self.attributed.get().copied().unwrap_or(self.method)
     }
 }
 
@@ -150,8 +154,18 @@ impl Governance {
     }
 
     fn policy_by_id(&self, method: &'static MethodDescriptor) -> Arc<EntryPolicy> {
-        if let Some(p) = self.cache.get(method.entry_id) {
-            return p.clone();
+        if let Some(p) = self.cache.get(method.entry_id).map(|p| p.clone()) {
+            // The entry was first used through a descriptor without the method's attribute (a
+            // generic call, made from the id alone): this one has it, and its options from now
+            // on include it.
+            if p.method.governance == GovernanceOverrides::NONE
+                && method.governance != GovernanceOverrides::NONE
+                && p.attributed.set(method).is_ok()
+            {
+                let layers = self.layers.read().unwrap_or_else(|p| p.into_inner());
+                p.options.store(Arc::new(layers.resolve(method)));
+            }
+            return p;
         }
         // The layers stay read-locked until the entry is in the cache: an update waits, then
         // refreshes it too, rather than missing an entry built from the layers it replaced.
@@ -169,6 +183,7 @@ impl Governance {
                     throttle: std::sync::OnceLock::new(),
                     latency: std::sync::OnceLock::new(),
                     service_known: std::sync::atomic::AtomicBool::new(false),
+                    attributed: std::sync::OnceLock::new(),
                 })
             })
             .clone()
@@ -182,7 +197,7 @@ impl Governance {
         let mut next = layers.clone();
         change(&mut next);
         for p in self.cache.iter() {
-            next.check(p.method)?;
+            next.check(p.method())?;
         }
         *layers = next;
         self.refresh(&layers);
@@ -208,7 +223,7 @@ impl Governance {
     /// Gives every cached entry the options `layers` resolve for it.
     fn refresh(&self, layers: &Layers) {
         for p in self.cache.iter() {
-            let new = layers.resolve(p.method);
+            let new = layers.resolve(p.method());
             if *p.options.load_full() != new {
                 p.options.store(Arc::new(new));
                 self.events
@@ -264,7 +279,7 @@ impl Governance {
             .map(|p| EntryOptions {
                 entry: p.key().clone(),
                 options: p.options(),
-                levels: layers.levels(p.method),
+                levels: layers.levels(p.method()),
             })
             .collect();
         out.sort_by(|a, b| a.entry.as_str().cmp(b.entry.as_str()));
@@ -273,7 +288,7 @@ impl Governance {
 
     /// The descriptor of an entry this engine has used, by its id.
     pub fn method_of(&self, entry_id: &str) -> Option<&'static MethodDescriptor> {
-        self.cache.get(entry_id).map(|p| p.method)
+        self.cache.get(entry_id).map(|p| p.method())
     }
 
     /// [`isolate`](Self::isolate) by entry id, for an operator who has no descriptor at hand
@@ -349,6 +364,40 @@ mod tests {
             })
             .collect();
         Box::leak(v.into_boxed_slice())
+    }
+
+    #[test]
+    fn an_entry_first_called_generically_takes_the_attribute_of_a_later_proxy() {
+        // A generic call's descriptor (made from the id alone), then a proxy's.
+        static GENERIC: MethodDescriptor = MethodDescriptor {
+            service_id: "shop.Greeter",
+            method: "greet",
+            entry_id: "shop.Greeter.greet",
+            hash_key: None,
+            governance: GovernanceOverrides::NONE,
+            api: None,
+        };
+        static PROXY: MethodDescriptor = MethodDescriptor {
+            service_id: "shop.Greeter",
+            method: "greet",
+            entry_id: "shop.Greeter.greet",
+            hash_key: None,
+            governance: GovernanceOverrides {
+                timeout_ms: Some(800),
+                ..GovernanceOverrides::NONE
+            },
+            api: None,
+        };
+        let g = Governance::new(Layers::default());
+        let first = g.policy(&GENERIC);
+        assert_eq!(first.options().timeout_ms, 5000, "no attribute seen yet");
+        let later = g.policy(&PROXY);
+        assert!(Arc::ptr_eq(&first, &later), "one entry, one state");
+        assert_eq!(later.options().timeout_ms, 800, "the attribute applies");
+        assert_eq!(g.policy(&GENERIC).options().timeout_ms, 800);
+        // And stays through a refresh.
+        g.update_layers(|_| {});
+        assert_eq!(g.policy(&GENERIC).options().timeout_ms, 800);
     }
 
     #[test]
