@@ -34,8 +34,10 @@ pub struct ServiceEntry {
     pub method: String,
     /// Index of the `#[hash_key]` argument, if any.
     pub hash_key: Option<usize>,
-    /// Governance settings the service declares for the entry. Read leniently (see
-    /// [`published_governance`]): servers of a newer build may publish options this one lacks.
+    /// Governance settings the service declares for the entry. Only the options set are
+    /// written, and reading is lenient: options this build does not know (published by a newer
+    /// build) and values it cannot read are left out, so an instance stays readable during a
+    /// rolling upgrade.
     #[serde(default, deserialize_with = "published_governance")]
     pub governance: GovernanceOverrides,
     /// The entry's web-facing description; absent from servers that publish none (older ones, or
@@ -63,7 +65,7 @@ impl From<&MethodDescriptor> for ServiceEntry {
 /// strictly instead, since there an unknown name is a typo; here it is a rolling upgrade, and
 /// refusing it would make the whole instance unreadable, so that clients of the older build
 /// would see none of the newer servers.
-pub fn published_governance<'de, D: Deserializer<'de>>(
+fn published_governance<'de, D: Deserializer<'de>>(
     deserializer: D,
 ) -> Result<GovernanceOverrides, D::Error> {
     let fields = Option::<serde_json::Map<String, serde_json::Value>>::deserialize(deserializer)?;
