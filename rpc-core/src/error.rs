@@ -303,6 +303,22 @@ impl StatusCode {
     }
 }
 
+impl RpcError {
+    /// What travels for this error when a value holding it (`payload`, encoded by `codec`) is
+    /// a handler's answer: its status mapped by [`StatusCode::carried`], its message and
+    /// details, and the payload.
+    fn carried_by(&self, codec: Codec, payload: Bytes) -> RpcError {
+        let mut e = RpcError::new(self.code().carried(), self.message().to_string())
+            .with_payload(codec, payload)
+            .maybe_delivered(self.is_maybe_delivered())
+            .with_tried(self.tried().to_vec());
+        if let Some(after) = self.retry_after() {
+            e = e.with_retry_after(after);
+        }
+        e
+    }
+}
+
 /// Encodes `value`, returning the first [`RpcError`] it holds, if any.
 fn encode_capturing<E: Serialize>(
     value: &E,
@@ -361,16 +377,7 @@ impl RemoteError for RpcError {
             }
         }
         match codec.encode(&Serialised(&self)) {
-            Ok(payload) => {
-                let mut e = RpcError::new(self.code().carried(), self.message().to_string())
-                    .with_payload(codec, payload)
-                    .maybe_delivered(self.is_maybe_delivered())
-                    .with_tried(self.tried().to_vec());
-                if let Some(after) = self.retry_after() {
-                    e = e.with_retry_after(after);
-                }
-                e
-            }
+            Ok(payload) => self.carried_by(codec, payload),
             Err(e) => RpcError::new(
                 StatusCode::ServerError,
                 format!("could not encode the service's error: {e}"),
@@ -397,16 +404,7 @@ where
         match encode_capturing(&self, codec) {
             (Ok(payload), None) => RpcError::business(std::any::type_name::<E>().to_string())
                 .with_payload(codec, payload),
-            (Ok(payload), Some(held)) => {
-                let mut e = RpcError::new(held.code().carried(), held.message().to_string())
-                    .with_payload(codec, payload)
-                    .maybe_delivered(held.is_maybe_delivered())
-                    .with_tried(held.tried().to_vec());
-                if let Some(after) = held.retry_after() {
-                    e = e.with_retry_after(after);
-                }
-                e
-            }
+            (Ok(payload), Some(held)) => held.carried_by(codec, payload),
             (Err(e), _) => RpcError::new(
                 StatusCode::ServerError,
                 format!("could not encode the service's error value: {e}"),
