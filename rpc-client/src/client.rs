@@ -1196,7 +1196,16 @@ impl Client {
                             limit: answer.server_limit,
                         });
                     }
-                    into_result(answer, self.inner.codec, addr)
+                    let result = into_result(answer, self.inner.codec, addr);
+                    // The server answered (success, or its own verdict rather than a failure
+                    // to reach it, which moves the call on): it gave the call's answer so far.
+                    if result
+                        .as_ref()
+                        .map_or_else(|e| !e.code().is_retryable(), |_| true)
+                    {
+                        crate::answered_by::record(addr);
+                    }
+                    result
                 }
                 Err(e) => Err(e),
             }
@@ -1405,14 +1414,6 @@ impl stack::Service for Attempt<'_> {
             }
         }
         watch.finish(&result);
-        // An answer from the server (success, or its own verdict rather than a failure to reach
-        // it) records who gave it.
-        if result
-            .as_ref()
-            .map_or_else(|e| !e.code().is_retryable(), |_| true)
-        {
-            crate::answered_by::record(&addr);
-        }
         result
     }
 
