@@ -265,6 +265,40 @@ async fn a_non_idempotent_call_not_connected_by_its_attempt_timeout_moves_on() {
     cluster.stop().await;
 }
 
+/// A call that ran out of time with no answer names no endpoint: its only endpoint accepts
+/// TCP and never answers the handshake (a server, which enforces the deadline too, might
+/// answer 519 first and would then rightly be named).
+#[tokio::test]
+async fn a_call_that_got_no_answer_names_no_endpoint() {
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let silent_addr = silent.local_addr().expect("addr").to_string();
+    let held = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((stream, _)) = silent.accept().await {
+            held.push(stream);
+        }
+    });
+    let fail = FailClient::new(
+        Client::builder()
+            .registry(rpc::StaticRegistry::from_list(&silent_addr).expect("list"))
+            .override_options(
+                FailClient::SERVICE_ID,
+                rpc::GovernanceOverrides {
+                    timeout_ms: Some(200),
+                    ..rpc::GovernanceOverrides::NONE
+                },
+            )
+            .build(),
+    );
+    let (result, by) = answered_by(within("read", fail.read())).await;
+    let e = result.expect_err("nothing answers");
+    assert_eq!(e.code(), StatusCode::Timeout, "{e}");
+    assert_eq!(by, None, "no endpoint answered: {e}");
+    held.abort();
+}
+
 #[tokio::test]
 async fn a_hash_key_whose_owner_died_goes_to_the_next_server_on_the_ring() {
     let reg = InProcessRegistry::new();
