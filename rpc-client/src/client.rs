@@ -407,7 +407,7 @@ fn given_options_problem(layers: &Layers) -> Option<RpcError> {
 }
 
 /// What is wrong with a handle's own options ([`Client::with_options`]), if anything.
-pub(crate) fn call_options_problem(o: &GovernanceOverrides) -> Option<RpcError> {
+fn call_options_problem(o: &GovernanceOverrides) -> Option<RpcError> {
     o.validate().err().map(|e| {
         RpcError::new(
             StatusCode::FrameworkError,
@@ -1029,29 +1029,7 @@ impl Client {
             None => policy.options(),
             Some(o) => Arc::new(o.applied(&policy.options())),
         };
-        let (hash_key, misconfigured) = match options.shunt_strategy {
-            // Hashing asked for an entry with nothing to hash: refused, not round robin.
-            ShuntStrategy::Hash if method.hash_key.is_none() => {
-                let e = governance.check(method).err().unwrap_or_else(|| {
-                    RpcError::new(
-                        StatusCode::FrameworkError,
-                        format!(
-                            "{}: shunt_strategy = hash needs a #[hash_key] argument; this \
-                             call's options ask for it",
-                            method.entry_id
-                        ),
-                    )
-                });
-                (None, Some(e))
-            }
-            ShuntStrategy::Hash => (hash_key.map(|h| h()), None),
-            _ => (None, None),
-        };
-        let misconfigured = self
-            .inner
-            .misconfigured()
-            .or_else(|| self.call_options.as_deref().and_then(call_options_problem))
-            .or(misconfigured);
+        let (hash_key, misconfigured) = self.hash_or_refusal(method, &options, hash_key);
         let span = telemetry::call_span(method);
         let call_id = telemetry::call_id(&span);
         let call_span = span.clone();
@@ -1096,6 +1074,47 @@ impl Client {
             Either::Left(call)
         } else {
             Either::Right(call.instrument(span))
+        }
+    }
+
+    /// Before a call or stream's first attempt: its hash key (computed only under consistent
+    /// hashing), or why it is refused without one. Refused: options the builder or this handle
+    /// was given out of range, or hashing asked for a method with no `#[hash_key]` argument
+    /// (refused, not sent round robin).
+    pub(crate) fn hash_or_refusal<H: FnOnce() -> u64>(
+        &self,
+        method: &'static MethodDescriptor,
+        options: &GovernanceOptions,
+        hash_key: Option<H>,
+    ) -> (Option<u64>, Option<RpcError>) {
+        let misconfigured = self
+            .inner
+            .misconfigured()
+            .or_else(|| self.call_options.as_deref().and_then(call_options_problem));
+        if misconfigured.is_some() {
+            return (None, misconfigured);
+        }
+        match options.shunt_strategy {
+            ShuntStrategy::Hash if method.hash_key.is_none() => {
+                let e = self
+                    .inner
+                    .governance
+                    .check(method)
+                    .err()
+                    .unwrap_or_else(|| {
+                        RpcError::new(
+                            StatusCode::FrameworkError,
+                            format!(
+                                "{}: shunt_strategy = hash needs a #[hash_key] argument; this \
+                             call's options ask for it",
+                                method.entry_id
+                            ),
+                        )
+                    });
+                (None, Some(e))
+            }
+            ShuntStrategy::Hash => (hash_key.map(|h| h()), None),
+            _ => (None, None),
         }
     }
 

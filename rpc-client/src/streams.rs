@@ -36,7 +36,7 @@ use futures_util::future::Either;
 use futures_util::Stream;
 use rpc_core::{
     ByteStream, Compression, GovernanceOptions, ItemSource, LentItem, MethodDescriptor, RpcError,
-    RpcStream, ShuntStrategy, StatusCode, StreamMode,
+    RpcStream, StatusCode, StreamMode,
 };
 use rpc_governance::events::EventKind;
 use rpc_governance::fallback::{self, Side};
@@ -180,31 +180,7 @@ impl Client {
                 ..(*options).clone()
             });
         }
-        let (hash_key, misconfigured) = match options.shunt_strategy {
-            ShuntStrategy::Hash if method.hash_key.is_none() => {
-                let e = governance.check(method).err().unwrap_or_else(|| {
-                    RpcError::new(
-                        StatusCode::FrameworkError,
-                        format!(
-                            "{}: shunt_strategy = hash needs a #[hash_key] argument",
-                            method.entry_id
-                        ),
-                    )
-                });
-                (None, Some(e))
-            }
-            ShuntStrategy::Hash => (hash_key.map(|h| h()), None),
-            _ => (None, None),
-        };
-        let misconfigured = self
-            .inner
-            .misconfigured()
-            .or_else(|| {
-                self.call_options
-                    .as_deref()
-                    .and_then(crate::client::call_options_problem)
-            })
-            .or(misconfigured);
+        let (hash_key, misconfigured) = self.hash_or_refusal(method, &options, hash_key);
         let span = telemetry::stream_span(method);
         let call_id = telemetry::call_id(&span);
         let call_span = span.clone();

@@ -215,6 +215,22 @@ async fn a_non_idempotent_call_that_never_reached_a_dead_server_moves_on() {
     cluster.stop().await;
 }
 
+/// An endpoint that accepts TCP connections, holds them and never answers the handshake: its
+/// address, and the task holding them (abort it to let them go).
+async fn silent_endpoint() -> (String, tokio::task::JoinHandle<()>) {
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = silent.local_addr().expect("addr").to_string();
+    let held = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((stream, _)) = silent.accept().await {
+            held.push(stream);
+        }
+    });
+    (addr, held)
+}
+
 /// An endpoint that accepts connections and never answers the handshake, with
 /// `attempt_timeout_ms` set: an attempt not connected by its own deadline sent nothing, so a
 /// non-idempotent call moves on to a live server (before, it failed as a timeout that "may
@@ -223,16 +239,7 @@ async fn a_non_idempotent_call_that_never_reached_a_dead_server_moves_on() {
 async fn a_non_idempotent_call_not_connected_by_its_attempt_timeout_moves_on() {
     let reg = InProcessRegistry::new();
     let cluster = Cluster::start(&reg).await;
-    let silent = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let silent_addr = silent.local_addr().expect("addr").to_string();
-    let held = tokio::spawn(async move {
-        let mut held = Vec::new();
-        while let Ok((stream, _)) = silent.accept().await {
-            held.push(stream);
-        }
-    });
+    let (silent_addr, held) = silent_endpoint().await;
     rpc::Registry::register(&reg, rpc::Instance::new(silent_addr.clone(), ["t.Fail"]))
         .await
         .expect("register the silent endpoint");
@@ -270,16 +277,7 @@ async fn a_non_idempotent_call_not_connected_by_its_attempt_timeout_moves_on() {
 /// answer 519 first and would then rightly be named).
 #[tokio::test]
 async fn a_call_that_got_no_answer_names_no_endpoint() {
-    let silent = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let silent_addr = silent.local_addr().expect("addr").to_string();
-    let held = tokio::spawn(async move {
-        let mut held = Vec::new();
-        while let Ok((stream, _)) = silent.accept().await {
-            held.push(stream);
-        }
-    });
+    let (silent_addr, held) = silent_endpoint().await;
     let fail = FailClient::new(
         Client::builder()
             .registry(rpc::StaticRegistry::from_list(&silent_addr).expect("list"))
