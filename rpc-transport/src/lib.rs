@@ -73,7 +73,7 @@ pub use pool::ConnectionPool;
 pub use server::{
     error_result, serve, Dispatch, InvokeHandler, ItemSink, ServerOptions, StreamEvent,
     StreamEvents, ABUSE_LIMIT, DEFAULT_STREAM_WINDOW, DEFAULT_STREAM_WINDOW_BYTES, MAX_HELLO_FRAME,
-    REFUSALS_BEFORE_PAUSE,
+    PAUSED_KEEPALIVE, REFUSALS_BEFORE_PAUSE,
 };
 pub use transport::{Address, Dialer, Listener, Stream, TcpDialer};
 #[cfg(unix)]

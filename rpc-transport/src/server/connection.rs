@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use rpc_core::wire::{frame::Kind, Ping};
 use rpc_core::StatusCode;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::Notify;
@@ -17,7 +18,7 @@ use super::calls::{Conn, ConnCleanup, Handoff};
 use super::drain::drain;
 use super::handler::{go_away, InvokeHandler};
 use super::handshake::handshake;
-use super::options::{ServerOptions, MAX_HELLO_FRAME, REFUSALS_BEFORE_PAUSE};
+use super::options::{ServerOptions, MAX_HELLO_FRAME, PAUSED_KEEPALIVE, REFUSALS_BEFORE_PAUSE};
 use super::runner::Runners;
 use crate::caller::Caller;
 use crate::codec::FrameCodec;
@@ -163,6 +164,11 @@ pub(super) async fn run_connection<R, W>(
 
     // Whether the reader gave way once since the connection reached its in-flight limit.
     let mut gave_way = false;
+    // While the connection is paused at its in-flight limit: when the server's next `Ping`
+    // is due (see `PAUSED_KEEPALIVE`). Armed when the pause begins.
+    let keepalive = tokio::time::sleep(Duration::ZERO);
+    tokio::pin!(keepalive);
+    let mut was_at_limit = false;
     let ended: Option<String> = loop {
         // Calls just read run in tasks of their own: at the in-flight limit, let them run once
         // before refusing more, so that a client pipelining calls that finish at once is not
@@ -186,6 +192,10 @@ pub(super) async fn run_connection<R, W>(
             let running = conn.in_flight.load(Ordering::Acquire);
             running >= options.max_in_flight_per_connection && running > conn.streams.len()
         };
+        if at_limit && !was_at_limit {
+            keepalive.as_mut().reset(Instant::now() + PAUSED_KEEPALIVE);
+        }
+        was_at_limit = at_limit;
         let paused = backlogged || at_limit || throttled;
         // Frames already read are handled before anything else is polled: the shutdown and
         // idle checks run once per read from the socket, not once per frame. Each counts
@@ -223,6 +233,13 @@ pub(super) async fn run_connection<R, W>(
             }
             _ = conn.sender.backlog().written(), if backlogged => continue,
             _ = conn.finished.notified(), if at_limit && !backlogged => continue,
+            // The client's `Ping`s are not read meanwhile: this keeps it from taking the
+            // connection for dead under calls that run for long.
+            _ = &mut keepalive, if at_limit && !backlogged => {
+                conn.sender.send(Kind::Ping(Ping { nonce: 0 }));
+                keepalive.as_mut().reset(Instant::now() + PAUSED_KEEPALIVE);
+                continue;
+            }
             _ = &mut throttle, if throttled => {
                 throttled = false;
                 continue;

@@ -25,6 +25,6 @@ pub use accept::serve;
 pub use handler::{error_result, Dispatch, InvokeHandler, StreamEvent, StreamEvents};
 pub use options::{
     ServerOptions, ABUSE_LIMIT, DEFAULT_STREAM_WINDOW, DEFAULT_STREAM_WINDOW_BYTES,
-    MAX_HELLO_FRAME, REFUSALS_BEFORE_PAUSE,
+    MAX_HELLO_FRAME, PAUSED_KEEPALIVE, REFUSALS_BEFORE_PAUSE,
 };
 pub use streams::ItemSink;

@@ -92,10 +92,14 @@ fn invoke(id: u64, attachments: BTreeMap<String, String>) -> Kind {
     })
 }
 
+/// The next answer; the server's `Ping`s before it (sent while it does not read) are passed.
 async fn answer(raw: &mut RawConn) -> RemoteResultMessage {
-    match within("an answer", raw.recv()).await {
-        Some(Kind::Result(r)) => r,
-        other => panic!("expected a result, got {other:?}"),
+    loop {
+        match within("an answer", raw.recv()).await {
+            Some(Kind::Result(r)) => return r,
+            Some(Kind::Ping(_)) => continue,
+            other => panic!("expected a result, got {other:?}"),
+        }
     }
 }
 
@@ -401,6 +405,58 @@ async fn after_many_refusals_at_the_in_flight_limit_the_server_waits_for_a_call_
         }
     }
     assert_eq!((ok, refused), (3 + extra - pause, 0));
+    server.shutdown().await;
+}
+
+/// While it does not read a connection at its in-flight limit (so the client's `Ping`s wait
+/// unread), the server pings the client itself: a client whose calls all run for long (long
+/// polls) sees traffic and keeps the connection. The paused clock stands still while nothing
+/// runs but the held calls, so the first `Ping` is seen after at most one interval.
+#[tokio::test(start_paused = true)]
+async fn a_connection_paused_at_the_in_flight_limit_is_pinged_by_the_server() {
+    let gate = gate(0);
+    let (server, _reg, mut raw) = connected(gate.clone()).await;
+    let pause = u64::from(rpc::crates::transport::REFUSALS_BEFORE_PAUSE);
+    for id in 1..=3 + pause + 4 {
+        raw.send(invoke(id, BTreeMap::new())).await.expect("send");
+    }
+    for _ in 0..pause {
+        let r = within("a refusal", raw.recv()).await;
+        assert!(
+            matches!(&r, Some(Kind::Result(r)) if r.status_code == 515),
+            "{r:?}"
+        );
+    }
+    // The client sends its own Ping: it is not read while the server is paused.
+    raw.send(Kind::Ping(rpc::crates::core::wire::Ping { nonce: 7 }))
+        .await
+        .expect("send");
+    // Twenty seconds (two default heartbeat intervals of a client) on the paused clock.
+    let began = tokio::time::Instant::now();
+    let mut pings = 0;
+    while began.elapsed() < std::time::Duration::from_secs(20) {
+        match within("the server's ping", raw.recv()).await {
+            Some(Kind::Ping(_)) => pings += 1,
+            other => panic!("expected the server's Ping only while it is paused, got {other:?}"),
+        }
+    }
+    assert!(pings >= 3, "{pings} pings in 20 s");
+    assert_eq!(gate.ran.load(Ordering::SeqCst), 3, "no call more ran");
+    // The held calls finish: the four calls that waited unread are served, and the client's
+    // Ping is answered.
+    gate.open.add_permits(1000);
+    let (mut served, mut pong) = (0, false);
+    while served < 3 + 4 || !pong {
+        match within("answers", raw.recv()).await {
+            Some(Kind::Result(r)) => {
+                assert_eq!(r.status_code, 200, "{r:?}");
+                served += 1;
+            }
+            Some(Kind::Pong(p)) => pong = p.nonce == 7,
+            Some(Kind::Ping(_)) => {}
+            other => panic!("unexpected {other:?}"),
+        }
+    }
     server.shutdown().await;
 }
 
