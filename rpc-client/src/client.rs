@@ -199,7 +199,9 @@ impl ClientBuilder {
     }
 
     /// The code defaults every entry starts from, before its `#[governance(...)]` attribute,
-    /// the config file, the environment and runtime updates.
+    /// the config file, the environment and runtime updates. Values a config file would
+    /// refuse make every call of the client fail with an error naming them, as with
+    /// [`override_options`](Self::override_options).
     pub fn default_options(mut self, options: GovernanceOptions) -> Self {
         self.layers.code_defaults = options;
         self
@@ -373,11 +375,14 @@ impl ClientBuilder {
     }
 }
 
-/// What is wrong with the options a builder was given in code (`override_options`,
-/// `config_layers`), checked as a config file is: a percentage above 100, an address that is
+/// What is wrong with the options a builder was given in code (`default_options`,
+/// `override_options`, `config_layers`), checked as a config file is: a percentage above 100, an address that is
 /// not `host:port`. `None` when nothing is.
 fn given_options_problem(layers: &Layers) -> Option<RpcError> {
     let mut problems = Vec::new();
+    if let Err(e) = layers.code_defaults.validate() {
+        problems.push(format!("default_options: {}", e.message()));
+    }
     for (given, layer) in [
         ("override_options", &layers.runtime),
         ("config_layers", &layers.file),

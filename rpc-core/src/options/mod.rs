@@ -109,6 +109,16 @@ macro_rules! value_problem {
     }};
 }
 
+/// [`value_problem!`] for a field of [`GovernanceOptions`] (an address there is optional).
+macro_rules! resolved_value_problem {
+    (address, $name:ident, $v:expr) => {
+        $v.as_ref().and_then(|v| value_problem!(address, $name, v))
+    };
+    ($kind:ident, $name:ident, $v:expr) => {
+        value_problem!($kind, $name, $v)
+    };
+}
+
 /// What a kind is to someone writing it.
 macro_rules! option_kind {
     (u64) => {
@@ -179,6 +189,21 @@ macro_rules! governance_options {
                     }
                 )*)*
                 out
+            }
+
+            /// Checks what the types cannot, as [`GovernanceOverrides::validate`] does (a
+            /// program's own defaults, `ClientBuilder::default_options`, are held to the same
+            /// ranges as every layer above them).
+            pub fn validate(&self) -> Result<(), RpcError> {
+                let mut problems: Vec<String> = Vec::new();
+                $($(
+                    problems.extend(resolved_value_problem!($kind, $name, &self.$name));
+                )*)*
+                if problems.is_empty() {
+                    Ok(())
+                } else {
+                    Err(RpcError::new(StatusCode::FrameworkError, problems.join("; ")))
+                }
             }
         }
 

@@ -438,6 +438,28 @@ async fn options_given_in_code_out_of_range_fail_the_calls_naming_the_value() {
             && e.message().contains("failure_ratio_percent = 150"),
         "{e}"
     );
+    // The program's own defaults as well: a percentage above 100, an address without a port.
+    let defaults = rpc::GovernanceOptions {
+        outlier_max_ejection_percent: 101,
+        appoint_address: Some("localhost".into()),
+        ..Default::default()
+    };
+    let built = StockClient::new(
+        Client::builder()
+            .registry(reg.clone())
+            .default_options(defaults)
+            .build(),
+    );
+    let e = within("built with such defaults", built.level("apple".into()))
+        .await
+        .expect_err("refused");
+    assert_eq!(e.code(), StatusCode::FrameworkError, "{e}");
+    assert!(
+        e.message().contains("default_options")
+            && e.message().contains("outlier_max_ejection_percent = 101")
+            && e.message().contains("appoint_address = \"localhost\""),
+        "{e}"
+    );
     let client = Client::builder().registry(reg.clone()).build();
     let handle = StockClient::new(client.with_options(impossible));
     let e = within("a handle with them", handle.level("apple".into()))
