@@ -10,7 +10,10 @@
 //!
 //! Buckets take their time from tokio's clock, so the paused clock drives them in tests.
 //! Per-caller buckets are bounded: past [`MAX_CALLERS`] distinct callers, the new ones share one
-//! bucket, so a peer inventing client ids cannot grow the table without limit.
+//! bucket, so a peer inventing client ids cannot grow the table without limit. A full bucket
+//! is what a new one would be, so when the table is full the buckets that refilled (callers
+//! gone quiet, or gone: a client's default id changes with every process) are dropped, at most
+//! once per [`SWEEP_EVERY`], to make room before a newcomer is put in the shared bucket.
 
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -20,6 +23,9 @@ use tokio::time::Instant;
 
 /// Distinct callers given a bucket of their own, per entry; later ones share one.
 pub const MAX_CALLERS: usize = 10_000;
+
+/// How often, at most, a full table of callers drops the buckets that refilled.
+pub const SWEEP_EVERY: Duration = Duration::from_secs(1);
 
 /// Tokens at a rate, holding at most a burst: the classic token bucket.
 #[derive(Debug)]
@@ -70,6 +76,13 @@ impl TokenBucket {
         }
     }
 
+    /// Whether the bucket holds its whole burst at `now` (as a new one does).
+    fn is_full_at(&self, now: Instant) -> bool {
+        let s = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let refill = now.saturating_duration_since(s.at).as_secs_f64() * self.per_second;
+        s.tokens + refill >= self.burst
+    }
+
     /// Returns a token taken for a call that was then refused elsewhere (never above the
     /// burst).
     pub fn give_back(&self) {
@@ -113,20 +126,36 @@ struct Callers {
     table: DashMap<Arc<str>, Arc<TokenBucket>, ahash::RandomState>,
     /// Shared by the callers beyond [`MAX_CALLERS`].
     crowd: Arc<TokenBucket>,
+    /// When the table was last swept of full buckets.
+    swept: Mutex<Option<Instant>>,
 }
 
 impl Callers {
-    fn bucket(&self, caller: &str) -> Arc<TokenBucket> {
+    fn bucket(&self, caller: &str, now: Instant) -> Arc<TokenBucket> {
         if let Some(b) = self.table.get(caller) {
             return b.clone();
         }
-        if self.table.len() >= MAX_CALLERS {
+        if self.table.len() >= MAX_CALLERS && !self.sweep(now) {
             return self.crowd.clone();
         }
         self.table
             .entry(Arc::from(caller))
             .or_insert_with(|| Arc::new(TokenBucket::new(self.rate, self.burst)))
             .clone()
+    }
+
+    /// Drops the buckets that are full at `now` (unless one was swept less than
+    /// [`SWEEP_EVERY`] ago); whether there is room now.
+    fn sweep(&self, now: Instant) -> bool {
+        {
+            let mut swept = self.swept.lock().unwrap_or_else(PoisonError::into_inner);
+            if swept.is_some_and(|at| now.saturating_duration_since(at) < SWEEP_EVERY) {
+                return false;
+            }
+            *swept = Some(now);
+        }
+        self.table.retain(|_, bucket| !bucket.is_full_at(now));
+        self.table.len() < MAX_CALLERS
     }
 }
 
@@ -141,6 +170,7 @@ impl RateLimiter {
                 burst,
                 table: DashMap::with_hasher(ahash::RandomState::new()),
                 crowd: Arc::new(TokenBucket::new(rate, burst)),
+                swept: Mutex::new(None),
             }),
         }
     }
@@ -158,7 +188,7 @@ impl RateLimiter {
     pub fn try_admit_at(&self, caller: &str, now: Instant) -> Result<(), (Refused, Duration)> {
         let own = match &self.callers {
             Some(callers) => {
-                let bucket = callers.bucket(caller);
+                let bucket = callers.bucket(caller, now);
                 bucket
                     .try_take_at(now)
                     .map_err(|after| (Refused::Caller, after))?;
@@ -187,7 +217,7 @@ impl RateLimiter {
     /// run, so a refused call must not spend a quota.
     pub fn give_back(&self, caller: &str) {
         if let Some(callers) = &self.callers {
-            callers.bucket(caller).give_back();
+            callers.bucket(caller, Instant::now()).give_back();
         }
         if let Some(entry) = &self.entry {
             entry.give_back();
@@ -238,7 +268,11 @@ mod tests {
         // The entry's next token: the caller spends its second, and has its third.
         tokio::time::advance(Duration::from_secs(1)).await;
         assert_eq!(limiter.try_admit("a"), Ok(()));
-        let caller = limiter.callers.as_ref().unwrap().bucket("a");
+        let caller = limiter
+            .callers
+            .as_ref()
+            .unwrap()
+            .bucket("a", Instant::now());
         assert_eq!(caller.try_take(), Ok(()), "the third of the caller's burst");
         assert!(caller.try_take().is_err(), "no fourth");
     }
@@ -297,6 +331,44 @@ mod tests {
             Refused::Caller
         );
         assert_eq!(limiter.callers.as_ref().unwrap().table.len(), MAX_CALLERS);
+    }
+
+    /// Callers whose buckets refilled make room: a server whose clients come and go (each
+    /// process a new default client id) keeps giving newcomers a quota of their own.
+    #[tokio::test(start_paused = true)]
+    async fn callers_whose_buckets_refilled_make_room_for_new_ones() {
+        let limiter = RateLimiter::new(RateLimits {
+            entry: None,
+            per_caller: Some((1.0, 2)),
+        });
+        let table = || limiter.callers.as_ref().unwrap().table.len();
+        let start = Instant::now();
+        for i in 0..MAX_CALLERS {
+            assert!(limiter.try_admit_at(&format!("c{i}"), start).is_ok());
+        }
+        // Half a second on, the first half calls again: they hold half a token of two; the
+        // others hold one and a half, and are not full either.
+        let half = start + Duration::from_millis(500);
+        for i in 0..MAX_CALLERS / 2 {
+            assert!(limiter.try_admit_at(&format!("c{i}"), half).is_ok());
+        }
+        assert!(limiter.try_admit_at("early", half).is_ok());
+        assert_eq!(
+            table(),
+            MAX_CALLERS,
+            "nothing full: the newcomer shares the crowd's"
+        );
+        // At 1.5 s the second half is full again (1 + 1.5 tokens, burst 2); the first half
+        // holds 0.5 + 1. The table was swept 1 s ago: a newcomer gets its own bucket.
+        let later = start + Duration::from_millis(1500);
+        assert!(limiter.try_admit_at("late", later).is_ok());
+        assert_eq!(table(), MAX_CALLERS / 2 + 1);
+        // Its own bucket: a burst of 2, not the crowd's (which "early" spent one of).
+        assert!(limiter.try_admit_at("late", later).is_ok());
+        assert_eq!(
+            limiter.try_admit_at("late", later).unwrap_err().0,
+            Refused::Caller
+        );
     }
 
     #[tokio::test(start_paused = true)]
