@@ -1477,14 +1477,6 @@ pub(crate) fn into_result(
         return Ok(r.result);
     }
     let mut message = r.exception_message;
-    if !r.validate_errors.is_empty() {
-        let fields: Vec<String> = r
-            .validate_errors
-            .iter()
-            .map(|v| format!("{}: {}", v.member_name, v.error_message))
-            .collect();
-        message = format!("{message} ({})", fields.join("; "));
-    }
     if code.is_overflow()
         || code == StatusCode::CommunicationError
         || code == StatusCode::RateLimited
@@ -1495,6 +1487,11 @@ pub(crate) fn into_result(
         message = format!("{message} (answered by {addr})");
     }
     let mut err = RpcError::new(code, message);
+    // The fields that failed validation stay fields (`field_errors`; the error's `Display`
+    // lists them), so a program reads them without parsing the message.
+    for field in r.validate_errors {
+        err = err.with_field_error(field.member_name, field.error_message);
+    }
     if r.retry_after_ms > 0 {
         // The server's word on when it will take the call (a rate limit's next token).
         err = err.with_retry_after(Duration::from_millis(r.retry_after_ms.into()));

@@ -23,7 +23,8 @@
 //! A failed call answers with the status [`route::http_status`] maps (business error 422,
 //! overflow and open breaker 503 with `Retry-After`, timeout 504, not authenticated 401 with
 //! `WWW-Authenticate: Bearer` as every 401, unknown entry 404, ...) and the body
-//! [`route::error_body`] writes: `{"code": 1000, "message": "...", "error": <typed error>}`.
+//! [`route::error_body`] writes: `{"code": 1000, "message": "...", "error": <typed error>}`
+//! (with `"fields"` for a validation error naming its arguments).
 //!
 //! ## What this crate must not do
 //!

@@ -83,7 +83,9 @@ pub fn carries_retry_after(status: HttpStatus) -> bool {
 }
 
 /// The JSON body answering a failed call: `{"code": <call status>, "message": "...",
-/// "error": <the typed error's value, when the method declares one>}`.
+/// "error": <the typed error's value, when the method declares one>, "fields": [{"member":
+/// "...", "message": "..."}, ...] (the arguments that failed validation, when the server named
+/// any)}`.
 pub fn error_body(error: &RpcError) -> Value {
     let mut body = json!({
         "code": error.code().as_u32(),
@@ -91,6 +93,13 @@ pub fn error_body(error: &RpcError) -> Value {
     });
     if let Some(typed) = rpc_client::error_body(error) {
         body["error"] = typed;
+    }
+    if !error.field_errors().is_empty() {
+        body["fields"] = error
+            .field_errors()
+            .iter()
+            .map(|f| json!({"member": f.member, "message": f.message}))
+            .collect();
     }
     body
 }
@@ -100,6 +109,18 @@ pub fn error_body_schema(typed: Option<&Value>) -> Value {
     let mut properties = json!({
         "code": {"type": "integer", "description": "The call's status code (1000 a typed error, 519 a timeout, ...)."},
         "message": {"type": "string", "description": "What went wrong, and what to do next."},
+        "fields": {
+            "type": "array",
+            "description": "The arguments that failed validation (status 1001), when the server named any.",
+            "items": {
+                "type": "object",
+                "required": ["member", "message"],
+                "properties": {
+                    "member": {"type": "string", "description": "The argument or field."},
+                    "message": {"type": "string", "description": "What is wrong with it."},
+                },
+            },
+        },
     });
     if let Some(typed) = typed {
         properties["error"] = typed.clone();

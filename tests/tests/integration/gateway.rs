@@ -57,7 +57,7 @@ pub trait Orders {
     /// Answers when the test lets it through.
     #[governance(retry_times = 0)]
     async fn hold(&self) -> Result<String, RpcError>;
-    /// Its optional arguments as it got them.
+    /// Its optional arguments as it got them; a count of 0 is refused (1001, naming `count`).
     #[http(get = "/notes")]
     async fn note(
         &self,
@@ -144,6 +144,10 @@ impl Orders for Arc<Shop> {
         text: Option<String>,
         count: Option<u32>,
     ) -> Result<(Option<String>, Option<u32>), RpcError> {
+        if count == Some(0) {
+            return Err(RpcError::validation("the note was refused")
+                .with_field_error("count", "must be at least 1"));
+        }
         Ok((text, count))
     }
 
@@ -665,6 +669,30 @@ async fn optional_query_arguments_are_text_or_null_as_their_schemas_say() {
             .await;
         assert_eq!((a.status, &a.body), (200, &expected), "{query}: {}", a.body);
     }
+}
+
+/// A validation error's fields reach the HTTP caller as fields, beside the message.
+#[tokio::test]
+async fn a_validation_error_answers_400_naming_its_fields() {
+    let world = World::in_process(None).await;
+    let _orders = world.orders(50).await;
+    world.serving(&["shop.Orders.note"]).await;
+    let a = world.send("GET", "/notes?count=0", &[], None).await;
+    assert_eq!(a.status, 400, "{}", a.body);
+    assert_eq!(a.body["code"], 1001, "{}", a.body);
+    assert_eq!(
+        a.body["fields"],
+        json!([{"member": "count", "message": "must be at least 1"}]),
+        "{}",
+        a.body
+    );
+    assert!(
+        a.body["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("the note was refused")),
+        "{}",
+        a.body
+    );
 }
 
 /// A call its service refuses as not authenticated is a 401 with its challenge, as every 401.
