@@ -418,7 +418,9 @@ impl Connection {
             return Err(RpcError::new(
                 StatusCode::NotImplemented,
                 format!(
-                    "{}: this connection does not stream: the server did not offer streams in                      its handshake (an older server, or this client's ConnectOptions::streams                      is off); call a unary method, or upgrade the server",
+                    "{}: this connection does not stream: the server did not offer streams in \
+                     its handshake (an older server, or this client's ConnectOptions::streams \
+                     is off); call a unary method, or upgrade the server",
                     shared.peer
                 ),
             ));
@@ -462,7 +464,8 @@ impl Connection {
                 Err(RpcError::new(
                     StatusCode::FrameworkError,
                     format!(
-                        "{}: the server answered the stream's opening as a unary call; is the                          method a streaming one on the server too?",
+                        "{}: the server answered the stream's opening as a unary call; is the \
+                         method a streaming one on the server too?",
                         shared.peer
                     ),
                 ))
