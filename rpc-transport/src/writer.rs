@@ -85,6 +85,9 @@ struct QueueState {
     frames: VecDeque<Outgoing>,
     /// The writer has stopped: frames are refused.
     closed: bool,
+    /// The message ids of the calls still queued when the queue closed: never written, not
+    /// even in part, so the peer cannot have run them. Taken by [`FrameSender::close_unsent`].
+    unsent: Vec<u64>,
 }
 
 impl Queue {
@@ -102,12 +105,34 @@ impl Queue {
         }
     }
 
-    /// Refuses later frames and drops those still queued.
+    /// Puts frames taken and not encoded back at the front of the queue, before any queued
+    /// since: until they are encoded they are known unsent, whoever closes the queue.
+    fn put_back(&self, frames: &mut VecDeque<Outgoing>) {
+        let mut q = self.lock();
+        if q.closed {
+            // Closed while the writer held them: they were never written either.
+            let ids = frames.iter().filter_map(Outgoing::call_id);
+            let ids: Vec<u64> = ids.collect();
+            q.unsent.extend(ids);
+            drop(q);
+            frames.clear();
+            return;
+        }
+        // `frames` then what was queued since, as the queue (no frame moved one at a time).
+        frames.append(&mut q.frames);
+        std::mem::swap(&mut q.frames, frames);
+    }
+
+    /// Refuses later frames and drops those still queued, keeping the ids of the calls among
+    /// them (see [`QueueState::unsent`]).
     fn close(&self) {
         let dropped = {
             let mut q = self.lock();
             q.closed = true;
-            std::mem::take(&mut q.frames)
+            let dropped = std::mem::take(&mut q.frames);
+            let ids: Vec<u64> = dropped.iter().filter_map(Outgoing::call_id).collect();
+            q.unsent.extend(ids);
+            dropped
         };
         drop(dropped);
     }
@@ -123,6 +148,14 @@ pub(crate) enum Outgoing {
 }
 
 impl Outgoing {
+    /// The message id of a client's call.
+    fn call_id(&self) -> Option<u64> {
+        match self {
+            Outgoing::Call(id, _) => Some(*id),
+            _ => None,
+        }
+    }
+
     fn encode(self, dst: &mut BytesMut) {
         match self {
             Outgoing::Frame(kind) => FrameCodec::encode_kind(kind, dst),
@@ -227,6 +260,17 @@ impl FrameSender {
             queue.ready.notify_one();
         }
         true
+    }
+
+    /// Closes the queue (later sends fail, queued frames are dropped) and returns the message
+    /// ids of the calls that were never written, not even in part: those queued when the
+    /// queue closed, whether here or when the writer stopped. Calls whose frames the writer
+    /// had begun to write are not among them: the peer may have read those.
+    pub(crate) fn close_unsent(&self) -> Vec<u64> {
+        let queue = &self.senders.0;
+        queue.close();
+        let ids = std::mem::take(&mut queue.lock().unsent);
+        ids
     }
 
     /// The bytes queued behind this sender.
@@ -361,6 +405,10 @@ async fn write_batches<W: AsyncWrite + Unpin>(
                 }
             }
             if buf.len() >= MAX_BATCH || direct.is_some() {
+                // The rest waits in the queue, where a close finds it unsent.
+                if !frames.is_empty() {
+                    queue.put_back(&mut frames);
+                }
                 break;
             }
             queue.take(&mut frames);
@@ -522,6 +570,64 @@ mod tests {
             count += 1;
         }
         assert_eq!(count, 2_000);
+    }
+
+    /// More than a batch queued at once: the writer writes a batch and leaves the rest queued
+    /// (where a close finds it unsent), and frames sent meanwhile come after it.
+    #[tokio::test]
+    async fn frames_beyond_a_batch_stay_queued_in_order_behind_the_batch() {
+        let (sender, theirs) = duplex_writer(1 << 20);
+        let frame = |n: u64| {
+            Kind::GoAway(rpc_core::wire::GoAway {
+                status_code: n as u32,
+                reason: "x".repeat(16 * 1024),
+            })
+        };
+        // 64 frames of 16 KiB (4 batches' worth) before the writer first runs, then 64 more
+        // while it writes.
+        for n in 0..64 {
+            assert!(sender.send(frame(n)));
+        }
+        let reader = tokio::spawn(async move {
+            let mut frames = FramedRead::new(theirs, crate::codec::FrameCodec::new(64 * 1024));
+            let mut seen = Vec::new();
+            while let Some(frame) = frames.next().await {
+                let Kind::GoAway(g) = frame.expect("a whole frame") else {
+                    panic!("only GoAways were sent")
+                };
+                seen.push(u64::from(g.status_code));
+            }
+            seen
+        });
+        for n in 64..128 {
+            tokio::task::yield_now().await;
+            assert!(sender.send(frame(n)));
+        }
+        drop(sender);
+        let seen = reader.await.expect("reader");
+        assert_eq!(seen, (0..128).collect::<Vec<_>>());
+    }
+
+    /// Calls still queued when the queue closes are reported unsent; once a call's frame was
+    /// taken into a batch and written it is not.
+    #[tokio::test]
+    async fn calls_still_queued_at_the_close_are_reported_unsent() {
+        let (sender, theirs) = duplex_writer(64);
+        let call = || crate::call::Call {
+            service_entry_id: "t.S.m".into(),
+            parameters: vec![0u8; 1024].into(),
+            ..Default::default()
+        };
+        // The first is taken and blocks on the full pipe; the others wait behind it.
+        assert!(sender.send_call(1, call()));
+        tokio::task::yield_now().await;
+        assert!(sender.send_call(2, call()));
+        assert!(sender.send_call(3, call()));
+        let mut unsent = sender.close_unsent();
+        unsent.sort_unstable();
+        assert_eq!(unsent, [2, 3]);
+        assert!(!sender.send_call(4, call()), "the queue is closed");
+        drop(theirs);
     }
 
     /// Once the peer takes batches, each run of queued items of one stream and compression

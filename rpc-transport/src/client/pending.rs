@@ -233,21 +233,22 @@ impl PendingTable {
         self.lock().waiting
     }
 
-    /// Ends every waiting call with the error `make` builds.
-    pub(super) fn fail_all(&self, make: impl Fn() -> RpcError) {
+    /// Ends every waiting call with the error `make` builds for its message id.
+    pub(super) fn fail_all(&self, make: impl Fn(u64) -> RpcError) {
         let mut wakers = Vec::new();
         {
             let mut slab = self.lock();
             let mut streams = Vec::new();
             for (index, slot) in slab.slots.iter_mut().enumerate() {
+                let id = key(index as u32, slot.generation);
                 match &mut slot.state {
                     State::Waiting(w) => {
                         wakers.extend(w.take());
-                        slot.state = State::Done(Err(make()));
+                        slot.state = State::Done(Err(make(id)));
                     }
                     State::Stream(s) => {
-                        wakers.extend(s.end(Err(make())));
-                        streams.push(key(index as u32, slot.generation));
+                        wakers.extend(s.end(Err(make(id))));
+                        streams.push(id);
                     }
                     _ => {}
                 }
@@ -412,7 +413,7 @@ mod tests {
             !table.complete(early, answer(early)),
             "its answer comes too late"
         );
-        table.fail_all(|| RpcError::new(StatusCode::CommunicationError, "gone"));
+        table.fail_all(|_| RpcError::new(StatusCode::CommunicationError, "gone"));
         assert_eq!(table.waiting(), 0);
         for id in [late, never] {
             assert!(matches!(

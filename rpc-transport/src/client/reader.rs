@@ -108,7 +108,10 @@ pub(super) async fn read_loop<R: AsyncRead + Unpin>(
     // A draining server (GoAway 200) answers every call it read, even those it drops at its
     // drain deadline: calls still pending now never reached it and may safely go elsewhere.
     let maybe_delivered = !(clean_drain && shared.going_away.load(Ordering::Relaxed));
-    fail_pending(&shared, &reason, maybe_delivered);
+    // Calls still queued, never written, did not reach the server however it went.
+    let mut unsent = shared.sender.close_unsent();
+    unsent.sort_unstable();
+    fail_pending(&shared, &reason, maybe_delivered, &unsent);
 }
 
 /// Hands the items of a plain `StreamItems` frame to their stream: left in the frame when
@@ -177,10 +180,13 @@ fn end_broken(
     }
 }
 
-pub(super) fn fail_pending(shared: &Shared, reason: &str, maybe_delivered: bool) {
-    shared
-        .pending
-        .fail_all(|| comm_error(&shared.peer, reason).maybe_delivered(maybe_delivered));
+/// Fails every pending call for `reason`: as maybe delivered when `maybe_delivered`, except
+/// the calls in `unsent` (never written; sorted).
+pub(super) fn fail_pending(shared: &Shared, reason: &str, maybe_delivered: bool, unsent: &[u64]) {
+    shared.pending.fail_all(|id| {
+        comm_error(&shared.peer, reason)
+            .maybe_delivered(maybe_delivered && unsent.binary_search(&id).is_err())
+    });
 }
 
 /// The next complete frame already in `frames`' read buffer, decoded without reading from the

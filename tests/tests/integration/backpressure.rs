@@ -128,6 +128,89 @@ async fn a_stalled_server_bounds_the_clients_send_queue_and_calls_wait_within_th
     assert_eq!(failed, calls);
 }
 
+/// A connection that dies with calls still in the client's send queue: those never written
+/// fail as not delivered (safe to send elsewhere, even when not idempotent); those the server
+/// read, and those being written, as maybe delivered.
+#[tokio::test]
+async fn calls_never_written_when_the_connection_dies_are_not_maybe_delivered() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let (read_tx, mut read_rx) = mpsc::unbounded_channel::<u32>();
+    // Reads two calls (their index is the first 4 bytes of the parameters), then nothing
+    // more; closes the socket, with the rest unread, when told to.
+    tokio::spawn(async move {
+        let (stream, _) = listener.accept().await.expect("accept");
+        let mut raw = common::accept_hello(stream, "dies", 1 << 24).await;
+        for _ in 0..2 {
+            let invoke = raw.recv_invoke("a call").await;
+            let index = u32::from_be_bytes(invoke.parameters[..4].try_into().expect("4 bytes"));
+            let _ = read_tx.send(index);
+        }
+        let _ = stopped.await;
+        drop(raw);
+    });
+    let options = ConnectOptions {
+        max_unsent_bytes: 64 << 20,
+        ..ConnectOptions::default()
+    };
+    let conn = within("connect", Connection::connect(&addr.to_string(), &options))
+        .await
+        .expect("connect");
+    // 25 MiB: far more than the socket buffers of loopback hold (a few MiB).
+    let (size, calls) = (64 * KIB, 400u32);
+    let mut tasks = tokio::task::JoinSet::new();
+    for index in 0..calls {
+        let conn = conn.clone();
+        let mut parameters = vec![0u8; size];
+        parameters[..4].copy_from_slice(&index.to_be_bytes());
+        tasks.spawn(async move {
+            let call = Call {
+                service_entry_id: "t.Dies.put".into(),
+                parameters: parameters.into(),
+                ..Default::default()
+            };
+            (index, conn.call(call, None).await)
+        });
+    }
+    let read = [
+        recv_one("a call read", &mut read_rx).await,
+        recv_one("a call read", &mut read_rx).await,
+    ];
+    within("every call queued", async {
+        while conn.in_flight() < calls as usize {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    drop(stop);
+    let (mut maybe, mut not_sent) = (0, 0);
+    while let Some(joined) = within("the calls end", tasks.join_next()).await {
+        let (index, result) = joined.expect("join");
+        let err = result.expect_err("the server answers nothing");
+        assert_eq!(err.code(), StatusCode::CommunicationError, "{err}");
+        if err.is_maybe_delivered() {
+            maybe += 1;
+        } else {
+            assert!(
+                !read.contains(&index),
+                "call {index} was read by the server, and reported as never sent: {err}"
+            );
+            not_sent += 1;
+        }
+    }
+    assert!(
+        maybe >= 2,
+        "the calls the server read may have run: {maybe}"
+    );
+    assert!(
+        not_sent > 0,
+        "every one of {calls} calls was reported as maybe delivered, though they cannot all \
+         have left the client"
+    );
+    eprintln!("{maybe} maybe delivered, {not_sent} never sent");
+}
+
 /// A listener that accepts connections and never says a word: each connect attempt to it ends
 /// at the client's connect timeout. Reports the peer port of each accepted connection.
 async fn silent_listener() -> (std::net::SocketAddr, mpsc::UnboundedReceiver<u16>) {
