@@ -924,7 +924,7 @@ impl Client {
                     publish(&inner.governance, service_id, &watch.current());
                     let state = inner.services.get(service_id).map(|s| s.clone());
                     if let Some(state) = state {
-                        state.refresh();
+                        state.refresh(inner.governance.health());
                     }
                 }
             });

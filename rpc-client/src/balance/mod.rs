@@ -16,6 +16,7 @@
 pub mod ring;
 pub(crate) mod routing;
 
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -52,7 +53,7 @@ pub(crate) struct ServiceState {
     slow_start_ms: AtomicU64,
     /// The addresses of the last snapshot the loads were brought in line with (at first, the
     /// snapshot this client first saw): an address outside it is newly announced.
-    known: Mutex<std::collections::HashSet<String>>,
+    known: Mutex<HashSet<String>>,
     /// When each endpoint announced after this client first looked was first seen: its slow
     /// start runs from then, whenever its load is made.
     announced: DashMap<String, Instant>,
@@ -241,11 +242,14 @@ impl ServiceState {
     }
 
     /// Called by the registry watch on every new snapshot: the hash ring and the shared
-    /// addresses are rebuilt here, off the call path.
-    pub(crate) fn refresh(&self) {
+    /// addresses are rebuilt here, off the call path, and endpoints announced anew are no
+    /// longer removed in `health` (seen here, an endpoint that left and came back between two
+    /// calls is restored too).
+    pub(crate) fn refresh(&self, health: &EndpointHealth) {
         let eps = self.endpoints();
         self.ring.refresh(&eps);
         self.addresses(&eps);
+        self.restore_announced(&eps, health);
         self.refresh_loads(&eps);
     }
 
@@ -279,15 +283,20 @@ impl ServiceState {
     }
 
     /// Endpoints the registry announces anew (absent from the previous snapshot) are no longer
-    /// removed: the registry, not this client, has the last word on membership.
+    /// removed: the registry, not this client, has the last word on membership. Run on every
+    /// snapshot by [`refresh`](Self::refresh), and by a call that sees a snapshot before the
+    /// watch's refresh does.
     fn restore_announced(&self, eps: &Endpoints, health: &EndpointHealth) {
         let mut seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
         if Endpoints::ptr_eq(&seen, eps) {
             return;
         }
-        for i in eps.iter() {
-            if !seen.iter().any(|s| s.address == i.address) {
-                health.restore(&i.address);
+        if !health.is_clear() {
+            let before: HashSet<&str> = seen.iter().map(|s| s.address.as_str()).collect();
+            for i in eps.iter() {
+                if !before.contains(i.address.as_str()) {
+                    health.restore(&i.address);
+                }
             }
         }
         *seen = eps.clone();
@@ -566,6 +575,55 @@ mod tests {
         assert_ne!(&*s.select("s.S", &o, None, &all, &health).unwrap(), "c:1");
     }
 
+    /// An endpoint removed, gone from the registry and announced again between two calls (no
+    /// call saw it missing) is no longer removed: the watch's refresh saw it leave and return.
+    #[test]
+    fn an_endpoint_that_left_and_returned_between_calls_is_no_longer_removed() {
+        let all = || {
+            vec![
+                instance("a:1", None),
+                instance("b:1", None),
+                instance("c:1", None),
+            ]
+        };
+        let (s, tx) = state(all());
+        let health = EndpointHealth::new(Duration::from_secs(60));
+        for _ in 0..3 {
+            health.failure("c:1", 3);
+        }
+        assert!(health.is_removed("c:1"));
+        tx.send(Endpoints::new(all()[..2].to_vec())).unwrap();
+        s.refresh(&health);
+        tx.send(Endpoints::new(all())).unwrap();
+        s.refresh(&health);
+        assert!(!health.is_removed("c:1"));
+    }
+
+    /// An endpoint announced while no endpoint carried a mark is not taken for new again by a
+    /// later call: its failures count from the first, and it is removed after as many as the
+    /// option says.
+    #[test]
+    fn an_endpoint_announced_while_all_were_healthy_is_removed_after_its_failures() {
+        let (s, tx) = state(vec![instance("a:1", None), instance("b:1", None)]);
+        let health = EndpointHealth::new(Duration::from_secs(60));
+        let o = GovernanceOptions::default();
+        // A call sees the first snapshot while every endpoint is healthy.
+        s.select("s.S", &o, None, &[], &health).unwrap();
+        tx.send(Endpoints::new(vec![
+            instance("a:1", None),
+            instance("b:1", None),
+            instance("c:1", None),
+        ]))
+        .unwrap();
+        s.refresh(&health);
+        for _ in 0..3 {
+            health.failure("c:1", 3);
+            // A call between failures.
+            s.select("s.S", &o, None, &[], &health).unwrap();
+        }
+        assert!(health.is_removed("c:1"), "three failures of three allowed");
+    }
+
     /// Under a routing group, the bounded-load mean is the group's: with 4 calls on the key's
     /// owner and 1 on the group's other member, the owner is over the bound (⌈1.25 × 6 / 2⌉ =
     /// 4 < 5) and the other is not; the other 8 endpoints of the service, holding none of
@@ -685,7 +743,7 @@ mod tests {
             instance("b:1", None),
         ]))
         .unwrap();
-        s.refresh();
+        s.refresh(&EndpointHealth::new(Duration::from_secs(60)));
         // Nothing measured on either: b's weight is a tenth of a's, so a scores lower while its
         // calls outstanding + 1 are fewer than ten (√((5 + 1) / 1) < √(1 / 0.1)): every call
         // goes to a.
@@ -718,7 +776,7 @@ mod tests {
         // No refresh yet.
         let now = Instant::now();
         assert!((s.load_of("b:1").weight_at(now) - 0.1).abs() < 1e-9);
-        s.refresh();
+        s.refresh(&EndpointHealth::new(Duration::from_secs(60)));
         assert!(
             (s.load_of("b:1").weight_at(now) - 0.1).abs() < 1e-9,
             "still ramping"
@@ -744,7 +802,7 @@ mod tests {
             instance("c:1", None),
         ]))
         .unwrap();
-        s.refresh();
+        s.refresh(&EndpointHealth::new(Duration::from_secs(60)));
         let now = Instant::now();
         assert_eq!(s.load_of("b:1").weight_at(now), 1.0, "b was there at first");
         assert!(
@@ -761,7 +819,7 @@ mod tests {
         let held = (a.start(), a.start());
         tx.send(Endpoints::new([instance("a:1", Some("3"))]))
             .unwrap();
-        s.refresh();
+        s.refresh(&EndpointHealth::new(Duration::from_secs(60)));
         let now_a = s.load_of("a:1");
         assert_eq!(now_a.outstanding(), 2);
         assert_eq!(now_a.weight_at(Instant::now()), 3.0);
