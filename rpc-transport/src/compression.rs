@@ -147,13 +147,31 @@ pub fn decompress(algorithm: i32, data: &Bytes, limit: usize) -> Result<Bytes, C
                         .map_err(|e| corrupt(e.to_string()))
                 }),
                 None => {
-                    let decoder = zstd::stream::read::Decoder::with_buffer(&data[..])
+                    let mut decoder = zstd::stream::read::Decoder::with_buffer(&data[..])
+                        .map_err(|e| corrupt(e.to_string()))?;
+                    // The decoder allocates the window a frame declares, up to 128 MiB by
+                    // default, however little the frame holds: no more than the limit needs
+                    // (or what a streaming encoder picks at any level but the `--ultra` ones).
+                    let window_log = stream_window_log(limit);
+                    decoder
+                        .window_log_max(window_log)
                         .map_err(|e| corrupt(e.to_string()))?;
                     let mut out = Vec::new();
                     decoder
                         .take(limit as u64 + 1)
                         .read_to_end(&mut out)
-                        .map_err(|e| corrupt(e.to_string()))?;
+                        .map_err(|e| {
+                            if e.to_string().contains("too much memory") {
+                                corrupt(format!(
+                                    "a frame's window is over the {} bytes this side decodes \
+                                     with (for a limit of {limit} bytes): compress with a \
+                                     smaller window, or record the size in the frame",
+                                    1u64 << window_log
+                                ))
+                            } else {
+                                corrupt(e.to_string())
+                            }
+                        })?;
                     if out.len() > limit {
                         return Err(CompressionError::TooLarge {
                             size: out.len() as u64,
@@ -165,6 +183,14 @@ pub fn decompress(algorithm: i32, data: &Bytes, limit: usize) -> Result<Bytes, C
             }
         }
     }
+}
+
+/// The largest window (log2 of its bytes) a zstd frame without a recorded size may declare for
+/// a payload of at most `limit` bytes: what the limit needs, and never less than 8 MiB (2^23, the
+/// largest window zstd's streaming encoder picks at levels 1 to 19).
+fn stream_window_log(limit: usize) -> u32 {
+    let needed = usize::BITS - limit.saturating_sub(1).leading_zeros();
+    needed.clamp(23, 31)
 }
 
 /// The algorithms a peer listed in its handshake, as a set. `Copy`, one byte.
@@ -310,6 +336,34 @@ mod tests {
             decompress(1, &stream, 50_000),
             Err(CompressionError::TooLarge { size: 50_001, .. })
         ));
+    }
+
+    /// A frame without a recorded size declaring a huge window is refused before the decoder
+    /// allocates it, however little it holds.
+    #[test]
+    fn a_zstd_stream_declaring_a_window_over_the_limit_is_refused() {
+        let mut enc = zstd::stream::write::Encoder::new(Vec::new(), 1).unwrap();
+        enc.window_log(27).unwrap();
+        std::io::Write::write_all(&mut enc, b"tiny").unwrap();
+        let stream = Bytes::from(enc.finish().unwrap());
+        assert_eq!(zstd::bulk::Decompressor::upper_bound(&stream), None);
+        match decompress(1, &stream, 1 << 20) {
+            Err(CompressionError::Corrupt { reason, .. }) => {
+                assert!(reason.contains("window"), "{reason}")
+            }
+            other => panic!("a 128 MiB window for 4 bytes was taken: {other:?}"),
+        }
+        // Within the limit, the same frame is read.
+        assert_eq!(&decompress(1, &stream, 1 << 27).unwrap()[..], b"tiny");
+    }
+
+    #[test]
+    fn the_stream_window_follows_the_limit_above_8_mib() {
+        assert_eq!(stream_window_log(1), 23);
+        assert_eq!(stream_window_log(1 << 23), 23);
+        assert_eq!(stream_window_log((1 << 24) + 1), 25);
+        assert_eq!(stream_window_log(1 << 24), 24);
+        assert_eq!(stream_window_log(usize::MAX), 31);
     }
 
     #[test]
