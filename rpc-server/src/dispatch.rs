@@ -438,6 +438,9 @@ impl Dispatcher {
         }
         let attachments = std::mem::take(&mut invoke.attachments);
         let span = telemetry::server_span(route.method, self.local, peer, &attachments);
+        if invoke.compression != 0 {
+            telemetry::record_compression(&span, invoke.compression, invoke.parameters.len());
+        }
         if route.stream != StreamMode::Unary {
             return crate::streams::dispatch(
                 self,

@@ -12,7 +12,9 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 
 use bytes::Bytes;
-use rpc_core::{MethodDescriptor, RpcError, StatusCode, CALL_ID_KEY, TRACE_CONTEXT_KEYS};
+use rpc_core::{
+    Compression, MethodDescriptor, RpcError, StatusCode, CALL_ID_KEY, TRACE_CONTEXT_KEYS,
+};
 use rpc_governance::calls::{CallObservers, Side};
 use tokio::time::Instant;
 use tracing::field::Empty;
@@ -43,6 +45,8 @@ pub(crate) fn server_span(
         rpc.fallback.cause = Empty,
         rpc.stream.items_sent = Empty,
         rpc.stream.items_received = Empty,
+        rpc.compression = Empty,
+        rpc.request.size = Empty,
         otel.status_code = Empty,
         otel.status_description = Empty,
     );
@@ -54,6 +58,20 @@ pub(crate) fn server_span(
     #[cfg(not(feature = "otel"))]
     let _ = attachments;
     span
+}
+
+/// Records on a call's span that its parameters came compressed: the algorithm
+/// (`rpc.compression`, as the caller's attempt span names it) and their size once decompressed
+/// (`rpc.request.size`). Nothing for parameters that came plain.
+pub(crate) fn record_compression(span: &Span, compression: i32, size: usize) {
+    if span.is_disabled() {
+        return;
+    }
+    if let Some(algorithm) = Compression::from_wire(compression).filter(|a| *a != Compression::Off)
+    {
+        span.record("rpc.compression", algorithm.name());
+        span.record("rpc.request.size", size as i64);
+    }
 }
 
 /// Whether `id` is a call id as clients send one: 1 to 16 hex digits (8 from this framework's

@@ -508,7 +508,7 @@ async fn a_client_refuses_a_corrupt_or_oversized_answer_and_its_other_calls_go_o
 }
 
 #[tokio::test]
-async fn the_attempt_span_records_the_algorithm_and_the_sizes_before_and_after() {
+async fn the_attempt_and_server_spans_record_the_algorithm_and_the_sizes() {
     let (traces, _guard) = traced();
     let server = server().await;
     let client = client_to(server.local_addr());
@@ -547,6 +547,24 @@ async fn the_attempt_span_records_the_algorithm_and_the_sizes_before_and_after()
         common::otel::attr(of("plain_echo"), "rpc.compression"),
         None,
         "nothing recorded for an uncompressed call"
+    );
+    // The server's span says how the parameters came, and their size once decompressed.
+    let served = |method: &str| {
+        spans
+            .iter()
+            .find(|s| {
+                s.name == "rpc.server"
+                    && common::otel::attr(s, "rpc.method").map(|v| v.to_string())
+                        == Some(method.into())
+            })
+            .unwrap_or_else(|| panic!("no server span of {method}"))
+    };
+    let attr = |key| common::otel::attr(served("zstd_echo"), key).map(|v| v.to_string());
+    assert_eq!(attr("rpc.compression"), Some("zstd".into()));
+    assert_eq!(attr("rpc.request.size"), Some(encoded.len().to_string()));
+    assert_eq!(
+        common::otel::attr(served("plain_echo"), "rpc.compression"),
+        None
     );
     within("shutdown", server.shutdown()).await;
 }
