@@ -24,7 +24,20 @@ struct Bucket {
     second: u64,
     calls: u64,
     errors: u64,
+    cancelled: u64,
     latency: Histogram<u32>,
+}
+
+/// How a call ended, as the statistics count it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Ended {
+    /// With its answer (a fallback's included).
+    Ok,
+    /// With an error (a timeout included).
+    Failed,
+    /// Given up on by its caller before its end: neither a success nor a failure of the
+    /// entry, and its time says nothing of the entry's latency.
+    Cancelled,
 }
 
 /// The live statistics of every entry a process makes or handles calls of.
@@ -45,6 +58,9 @@ pub(crate) struct EntryStats {
     pub calls: u64,
     /// Of those, the ones that did not succeed (a fallback's answer counts as a failure).
     pub errors: u64,
+    /// Calls their callers gave up on within the window (not in `calls`, `errors` nor the
+    /// latencies).
+    pub cancelled: u64,
     /// `calls` divided by the time the window covers: its length, less what the current
     /// second has still to run (and, in the statistics' first window, the time since they
     /// started); at least a second.
@@ -83,7 +99,7 @@ impl Stats {
         entry: &'static str,
         at: Instant,
         elapsed: Duration,
-        ok: bool,
+        ended: Ended,
     ) {
         let second = self.second(at);
         let mut entries = self.entries.lock().unwrap_or_else(|p| p.into_inner());
@@ -102,12 +118,17 @@ impl Stats {
                 second,
                 calls: 0,
                 errors: 0,
+                cancelled: 0,
                 latency,
             });
         }
         if let Some(b) = buckets.back_mut() {
+            if ended == Ended::Cancelled {
+                b.cancelled += 1;
+                return;
+            }
             b.calls += 1;
-            b.errors += u64::from(!ok);
+            b.errors += u64::from(ended == Ended::Failed);
             let micros = u64::try_from(elapsed.as_micros()).unwrap_or(MAX_MICROS);
             b.latency.saturating_record(micros.clamp(1, MAX_MICROS));
         }
@@ -130,11 +151,12 @@ impl Stats {
             .iter()
             .map(|((side, entry), buckets)| {
                 let live = buckets.iter().filter(|b| b.second + self.window > second);
-                let (mut calls, mut errors) = (0, 0);
+                let (mut calls, mut errors, mut cancelled) = (0, 0, 0);
                 let mut latency: Option<Histogram<u32>> = None;
                 for b in live {
                     calls += b.calls;
                     errors += b.errors;
+                    cancelled += b.cancelled;
                     match &mut latency {
                         None => latency = Some(b.latency.clone()),
                         Some(h) => {
@@ -153,6 +175,7 @@ impl Stats {
                     entry: entry.to_string(),
                     calls,
                     errors,
+                    cancelled,
                     calls_per_second: calls as f64 / covered,
                     error_rate: if calls == 0 {
                         0.0
@@ -174,7 +197,11 @@ impl CallObserver for Stats {
             call.entry,
             Instant::now(),
             call.elapsed,
-            call.outcome == "success",
+            match call.outcome {
+                "success" => Ended::Ok,
+                "cancelled" => Ended::Cancelled,
+                _ => Ended::Failed,
+            },
         );
     }
 }
@@ -193,7 +220,13 @@ mod tests {
             let partial = Stats::new(Duration::from_secs(10));
             for i in 0..=(at_ms / 10) {
                 let at = t0 + Duration::from_millis(10 * i);
-                partial.record(Side::Server, "a.A.m", at, Duration::from_millis(1), true);
+                partial.record(
+                    Side::Server,
+                    "a.A.m",
+                    at,
+                    Duration::from_millis(1),
+                    Ended::Ok,
+                );
             }
             let rate = partial.snapshot(t0 + Duration::from_millis(at_ms))[0].calls_per_second;
             assert!((rate - 100.0).abs() <= 1.5, "at {at_ms} ms: {rate}");
@@ -211,7 +244,11 @@ mod tests {
                 "a.A.m",
                 t0 + Duration::from_millis(20 * i),
                 Duration::from_millis(i),
-                i % 10 != 0,
+                if i % 10 == 0 {
+                    Ended::Failed
+                } else {
+                    Ended::Ok
+                },
             );
         }
         let now = t0 + Duration::from_secs(3);
@@ -223,6 +260,22 @@ mod tests {
         assert!((s.error_rate - 0.1).abs() < 1e-9, "{s:?}");
         // The 50th of 1..=100 ms is 50 ms, the 99th 99 ms; within the histogram's 1 %.
         assert!((s.p50_ms - 50.0).abs() <= 0.5, "{s:?}");
+        assert!((s.p99_ms - 99.0).abs() <= 1.0, "{s:?}");
+        // Calls their callers gave up on are counted apart: the error rate and the latencies
+        // are the entry's, as before.
+        let observer: &dyn CallObserver = &stats;
+        for _ in 0..5 {
+            observer.call_ended(&CallRecord {
+                side: Side::Client,
+                entry: "a.A.m",
+                status: None,
+                outcome: "cancelled",
+                elapsed: Duration::from_secs(60),
+            });
+        }
+        let s = &stats.snapshot(now)[0];
+        assert_eq!((s.calls, s.errors, s.cancelled), (100, 10, 5));
+        assert!((s.error_rate - 0.1).abs() < 1e-9, "{s:?}");
         assert!((s.p99_ms - 99.0).abs() <= 1.0, "{s:?}");
         // Ten seconds after the last call (at 2 s) nothing is left in the window, but the
         // entry stays listed.
