@@ -176,6 +176,8 @@ pub(crate) struct Backlog {
     /// Every waiter is woken when the writer has written a batch or stopped (callers waiting
     /// for room in a client's send queue).
     room: Notify,
+    /// Cancelled when the writer has stopped: nothing queued will be written any more.
+    stopped: CancellationToken,
 }
 
 impl Backlog {
@@ -194,6 +196,12 @@ impl Backlog {
     /// waiters (enable it before checking [`bytes`](Self::bytes), so no wake-up is missed).
     pub(crate) fn room(&self) -> tokio::sync::futures::Notified<'_> {
         self.room.notified()
+    }
+
+    /// Resolves once the writer has stopped (a write failed, or the connection closed): a
+    /// reader waiting for answers to be written must not wait for ever.
+    pub(crate) fn stopped(&self) -> tokio_util::sync::WaitForCancellationFuture<'_> {
+        self.stopped.cancelled()
     }
 }
 
@@ -334,6 +342,7 @@ async fn write_loop<W: AsyncWrite + Unpin>(
     write_batches(&queue, &mut wr, in_flight, &backlog, close).await;
     // Later sends fail from here on.
     queue.close();
+    backlog.stopped.cancel();
     backlog.room.notify_waiters();
     // The reader is not stopped here: after a failed write it still reads what the peer sent
     // before closing (a GoAway saying which calls it never read), then sees the close itself.

@@ -231,6 +231,12 @@ pub(super) async fn run_connection<R, W>(
                 }
                 break Some(format!("idle for {} ms: closing", options.idle_timeout.as_millis()));
             }
+            // Nothing more can be answered: a reader paused for its answers to be written (or
+            // at the limit) would otherwise wait for ever, the connection's calls with it.
+            _ = conn.sender.backlog().stopped() => {
+                break Some("the connection can no longer be written to (the client is gone): \
+                            closing".to_string());
+            }
             _ = conn.sender.backlog().written(), if backlogged => continue,
             _ = conn.finished.notified(), if at_limit && !backlogged => continue,
             // The client's `Ping`s are not read meanwhile: this keeps it from taking the

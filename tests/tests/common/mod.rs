@@ -221,6 +221,12 @@ impl RawConn {
         }
     }
 
+    /// Drops the connection as a crashed peer does: with a reset (RST), not a close.
+    pub fn reset(self) {
+        self.stream.set_zero_linger().expect("SO_LINGER 0");
+        drop(self.stream);
+    }
+
     /// The connection must be closed by the server (no further frame).
     pub async fn expect_closed(&mut self) {
         if let Some(k) = self.recv().await {

@@ -460,6 +460,94 @@ async fn a_connection_paused_at_the_in_flight_limit_is_pinged_by_the_server() {
     server.shutdown().await;
 }
 
+#[rpc::service(name = "t.Gone")]
+trait Gone {
+    /// An answer of `bytes` bytes.
+    async fn big(&self, bytes: u32) -> Result<Vec<u8>, RpcError>;
+    /// Never answers; says when it is dropped.
+    async fn forever(&self) -> Result<(), RpcError>;
+}
+
+struct Vanishing {
+    dropped: tokio::sync::mpsc::UnboundedSender<()>,
+}
+
+/// Sends on its channel when dropped.
+struct OnDrop(tokio::sync::mpsc::UnboundedSender<()>);
+
+impl Drop for OnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.send(());
+    }
+}
+
+impl Gone for Vanishing {
+    async fn big(&self, bytes: u32) -> Result<Vec<u8>, RpcError> {
+        Ok(vec![0; bytes as usize])
+    }
+
+    async fn forever(&self) -> Result<(), RpcError> {
+        let _guard = OnDrop(self.dropped.clone());
+        std::future::pending().await
+    }
+}
+
+/// A client that vanishes (a reset) while the server waits for its answers to be written:
+/// the write fails, and the connection ends with its calls, though the server no longer read
+/// it (before, it waited for the write for ever: a call without a deadline kept it from
+/// idling out, and the connection, its slot and its calls were held until shutdown).
+#[tokio::test(start_paused = true)]
+async fn a_client_that_vanishes_while_its_answers_wait_ends_its_connection_and_calls() {
+    let (dropped, mut handlers_dropped) = tokio::sync::mpsc::unbounded_channel();
+    let server = Server::builder()
+        .max_unsent_bytes(1024)
+        .idle_timeout(std::time::Duration::from_secs(1))
+        .add_service(GoneServer::new(Vanishing { dropped }))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.handshake().await;
+    let call = |id: u64, method: &str, parameters: bytes::Bytes| {
+        Kind::Invoke(RemoteInvokeMessage {
+            message_id: id,
+            service_entry_id: format!("t.Gone.{method}"),
+            codec: Codec::MsgPack.to_wire(),
+            parameters,
+            ..Default::default()
+        })
+    };
+    raw.send(call(
+        1,
+        "forever",
+        Codec::MsgPack.encode(&()).expect("encode"),
+    ))
+    .await
+    .expect("send");
+    // 12 MiB: more than the socket buffers of loopback hold, so the writer waits.
+    let twelve_mib: (u32,) = (12 << 20,);
+    raw.send(call(
+        2,
+        "big",
+        Codec::MsgPack.encode(&twelve_mib).expect("encode"),
+    ))
+    .await
+    .expect("send");
+    // The paused clock moves only once every task waits: the answer is queued and its write
+    // blocked. The next frame the reader takes finds the backlog over the limit: it stops
+    // reading.
+    tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    raw.send(Kind::Ping(rpc::crates::core::wire::Ping { nonce: 1 }))
+        .await
+        .expect("send");
+    tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    raw.reset();
+    within("the held call is dropped", handlers_dropped.recv())
+        .await
+        .expect("a drop");
+    server.shutdown().await;
+}
+
 #[tokio::test]
 async fn a_client_that_never_reads_its_answers_is_no_longer_read() {
     let gate = gate(1 << 20);
