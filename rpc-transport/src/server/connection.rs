@@ -185,13 +185,13 @@ pub(super) async fn run_connection<R, W>(
         // No more calls are taken while the client leaves its answers unread, nor after many
         // calls in a row were refused at the in-flight limit, until a running call finishes,
         // nor above the call rate: the frames wait in the read buffer and in TCP. (Not at the
-        // limit when every call running is a stream: a stream may finish only through the
-        // client's frames, credit, Cancel or its end, which must then be read.)
+        // limit while a stream is open: a stream goes on only through the client's frames,
+        // credit, items, Cancel or its end, which must then be read; the calls beyond the
+        // limit are refused one by one instead.)
         let backlogged = conn.sender.backlog().bytes() > options.max_unsent_bytes;
-        let at_limit = conn.refused_in_a_row.load(Ordering::Relaxed) >= REFUSALS_BEFORE_PAUSE && {
-            let running = conn.in_flight.load(Ordering::Acquire);
-            running >= options.max_in_flight_per_connection && running > conn.streams.len()
-        };
+        let at_limit = conn.refused_in_a_row.load(Ordering::Relaxed) >= REFUSALS_BEFORE_PAUSE
+            && conn.in_flight.load(Ordering::Acquire) >= options.max_in_flight_per_connection
+            && conn.streams.is_empty();
         if at_limit && !was_at_limit {
             keepalive.as_mut().reset(Instant::now() + PAUSED_KEEPALIVE);
         }

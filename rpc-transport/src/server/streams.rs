@@ -304,12 +304,12 @@ impl StreamTable {
         self.slots.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The open stream `id`, if there is one.
-    /// Streams open now.
-    pub(super) fn len(&self) -> usize {
-        self.lock().len()
+    /// Whether no stream is open now.
+    pub(super) fn is_empty(&self) -> bool {
+        self.lock().is_empty()
     }
 
+    /// The open stream `id`, if there is one.
     pub(super) fn get(&self, id: u64) -> Option<Arc<StreamSlot>> {
         self.lock().get(&id).cloned()
     }
@@ -753,6 +753,6 @@ mod tests {
             Poll::Pending => panic!("a violation ends the stream"),
         }
         drop(driver);
-        assert_eq!(table.len(), 0);
+        assert!(table.is_empty());
     }
 }

@@ -27,6 +27,8 @@ pub trait Flow {
     async fn text(&self, size: u32) -> Result<RpcStream<String>, RpcError>;
     /// A unary method beside the streams.
     async fn echo(&self, text: String) -> Result<String, RpcError>;
+    /// A unary call that never answers (a long poll).
+    async fn hold(&self) -> Result<(), RpcError>;
 }
 
 struct Texts(Arc<AtomicU64>);
@@ -43,6 +45,10 @@ impl Flow for Texts {
 
     async fn echo(&self, text: String) -> Result<String, RpcError> {
         Ok(text)
+    }
+
+    async fn hold(&self) -> Result<(), RpcError> {
+        std::future::pending().await
     }
 }
 
@@ -377,6 +383,75 @@ async fn a_grant_for_more_items_than_were_sent_ends_the_stream() {
         "{end:?}"
     );
     assert!(polls.load(Ordering::SeqCst) <= 3, "the producer ran ahead");
+    drop(raw);
+    within("shutdown", server.shutdown()).await;
+}
+
+/// A stream and a long poll fill the connection's in-flight limit (2); the client's calls
+/// beyond it are refused, many in a row. Its frames are still read while a stream is open: the
+/// stream's credit arrives, and the stream goes on (before, one unary call among the running
+/// ones was enough for the server to stop reading, and the stream stalled until its deadline).
+#[tokio::test]
+async fn a_stream_beside_a_long_poll_at_the_in_flight_limit_still_gets_its_credit_read() {
+    let server = Server::builder()
+        .max_in_flight_per_connection(2)
+        .add_service(FlowServer::new(Texts(Arc::new(AtomicU64::new(0)))))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let (mut raw, _ack) = raw_client_with_window(&server, 1).await;
+    raw.send(Kind::Invoke(RemoteInvokeMessage {
+        message_id: 1,
+        service_entry_id: "t.Flow.text".into(),
+        parameters: Codec::MsgPack.encode(&(8u32,)).expect("encode"),
+        stream_mode: StreamMode::Server as i32,
+        ..Default::default()
+    }))
+    .await
+    .expect("open");
+    raw.send(Kind::Invoke(RemoteInvokeMessage {
+        message_id: 3,
+        service_entry_id: "t.Flow.hold".into(),
+        parameters: Codec::MsgPack.encode(&()).expect("encode"),
+        ..Default::default()
+    }))
+    .await
+    .expect("hold");
+    let mut items = 0;
+    loop {
+        match within("the stream's acceptance", raw.recv()).await {
+            Some(Kind::StreamCredit(_)) => break,
+            Some(Kind::StreamItem(_)) => items += 1,
+            other => panic!("expected the stream's acceptance, got {other:?}"),
+        }
+    }
+    let calls = 2 * u64::from(rpc::crates::transport::REFUSALS_BEFORE_PAUSE);
+    for id in 0..calls {
+        raw.send(Kind::Invoke(RemoteInvokeMessage {
+            message_id: 100 + id,
+            service_entry_id: "t.Flow.echo".into(),
+            parameters: Codec::MsgPack.encode(&("ping",)).expect("encode"),
+            ..Default::default()
+        }))
+        .await
+        .expect("call");
+    }
+    raw.grant(1, 1).await;
+    let mut refused = 0;
+    while refused < calls || items < 2 {
+        match within("the refusals and the stream's items", raw.recv()).await {
+            Some(Kind::Result(r)) => {
+                assert_eq!(r.status_code, 515, "{r:?}");
+                refused += 1;
+            }
+            Some(Kind::StreamItem(item)) => {
+                assert_eq!(item.message_id, 1);
+                items += 1;
+            }
+            other => panic!("expected refusals and items, got {other:?}"),
+        }
+    }
+    assert_eq!(items, 2, "one item per credit");
     drop(raw);
     within("shutdown", server.shutdown()).await;
 }
