@@ -92,6 +92,15 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
         self.share.is_some()
     }
 
+    /// Whether the next frame waits for a share of the budget (a large frame, within the
+    /// limit, whose share is not held yet): the server holds it back, not the peer.
+    pub(crate) fn waits_for_share(&self) -> bool {
+        self.share.is_none() && self.buf.len() >= PREFIX && {
+            let len = announced(&self.buf);
+            PREFIX + len > READ_BUFFER && len <= self.max_frame_length
+        }
+    }
+
     /// The next complete frame already in the buffer, without reading from the socket.
     pub(crate) fn buffered(&mut self) -> Option<Result<Incoming, FrameError>> {
         if self.buf.len() < PREFIX {

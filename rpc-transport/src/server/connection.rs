@@ -222,8 +222,10 @@ pub(super) async fn run_connection<R, W>(
             _ = &mut idle => {
                 // A connection with calls in flight is not idle, however quiet the client is;
                 // but a large frame begun and not finished for as long holds a share of the
-                // server's read budget that others wait for, calls in flight or not.
-                let busy = conn.in_flight.load(Ordering::Acquire) > 0 && !frames.holds_share();
+                // server's read budget that others wait for, calls in flight or not. Nor is
+                // one whose next frame waits for that budget: the server holds it back.
+                let busy = (conn.in_flight.load(Ordering::Acquire) > 0 && !frames.holds_share())
+                    || frames.waits_for_share();
                 if frames_seen != frames_at_check || busy {
                     frames_at_check = frames_seen;
                     idle.as_mut().reset(Instant::now() + options.idle_timeout);

@@ -143,3 +143,38 @@ async fn a_large_frame_over_the_budget_left_waits_unread_and_is_served_once_budg
     assert_eq!((r.message_id, length(&r)), (3, max_text as u64));
     within("shutdown", server.shutdown()).await;
 }
+
+/// A connection whose whole frame waits for the budget is not idle: the server holds its frame
+/// back, not the client. It keeps its place until the budget frees (here when the peer holding
+/// it, stalled half-way through a frame, is closed at its own idle timeout), then is served.
+/// Before, it was closed as idle at its timeout, its frame dropped.
+#[tokio::test(start_paused = true)]
+async fn a_connection_waiting_for_the_budget_is_not_closed_as_idle() {
+    let idle = std::time::Duration::from_secs(2);
+    let server = Server::builder()
+        .max_frame_length(256 * KIB)
+        .max_read_buffer_bytes(256 * KIB)
+        .idle_timeout(idle)
+        .add_service(BudgetServer::new(Len))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    // B first: its idle timeout comes first.
+    let mut raw_b = RawConn::connect(server.local_addr()).await;
+    raw_b.handshake().await;
+    tokio::time::sleep(idle / 4).await;
+    // A takes the whole budget with half a frame, and stalls.
+    let a = frame(1, 200 * KIB);
+    let mut raw_a = RawConn::connect(server.local_addr()).await;
+    raw_a.handshake().await;
+    raw_a.send_bytes(&a[..a.len() / 2]).await.expect("send");
+    // The paused clock moves on only once the server has read that and waits.
+    tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    // B's whole frame waits for A's share, past B's idle timeout, until A's.
+    raw_b.send_bytes(&frame(2, 200 * KIB)).await.expect("send");
+    let r = answer(&mut raw_b).await;
+    assert_eq!(length(&r), 200 * KIB as u64);
+    let g = raw_a.expect_go_away().await;
+    assert!(g.reason.contains("idle"), "{g:?}");
+    within("shutdown", server.shutdown()).await;
+}
