@@ -32,10 +32,14 @@ pub(super) async fn drain<R: AsyncRead + Unpin>(
     tokio::pin!(deadline);
     let mut lingering = false;
     loop {
-        if !lingering && conn.in_flight.load(Ordering::Acquire) == 0 {
-            // Nothing left to finish. Keep reading a little, answering calls sent before the
-            // client saw GoAway ("not run"), until the client closes: closing with its calls
-            // unread in our buffer would reset the connection and could destroy the GoAway.
+        let unsent = conn.sender.backlog().bytes();
+        let finished = conn.in_flight.load(Ordering::Acquire) == 0;
+        if !lingering && finished && unsent == 0 {
+            // Nothing left to finish, and every answer written (a client reading slowly gets
+            // them all before the connection closes: the drain deadline, not the linger, ends
+            // its wait). Keep reading a little, answering calls sent before the client saw
+            // GoAway ("not run"), until the client closes: closing with its calls unread in
+            // our buffer would reset the connection and could destroy the GoAway.
             lingering = true;
             deadline
                 .as_mut()
@@ -43,12 +47,16 @@ pub(super) async fn drain<R: AsyncRead + Unpin>(
         }
         // Each call read now is answered "not run": from a client that leaves its answers
         // unread, no more is read until the queue is back within its limit, as before the drain.
-        let backlogged = conn.sender.backlog().bytes() > options.max_unsent_bytes;
+        let backlogged = unsent > options.max_unsent_bytes;
         let next = tokio::select! {
             biased;
             _ = conn.idle.notified() => continue,
             _ = &mut deadline => break,
-            _ = conn.sender.backlog().written(), if backlogged => continue,
+            // Nothing more can be written: the client is gone.
+            _ = conn.sender.backlog().stopped() => return None,
+            _ = conn.sender.backlog().written(), if backlogged || (finished && unsent > 0) => {
+                continue
+            }
             f = frames.next(), if !backlogged => f,
         };
         if let Err(end) = ctx.on_frame(next, true) {

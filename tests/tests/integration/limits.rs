@@ -548,6 +548,57 @@ async fn a_client_that_vanishes_while_its_answers_wait_ends_its_connection_and_c
     server.shutdown().await;
 }
 
+/// A client reading slowly while the server drains: every call it sent is answered (run, or
+/// "not run" for those read after the drain began), and only then does the connection close.
+/// Before, the drain ended half a second after its last call finished, and the writer gave up
+/// the answers still queued a second later: a clean close after them told the client that its
+/// calls without an answer never reached the server, though they had run.
+#[tokio::test(start_paused = true)]
+async fn a_draining_server_writes_every_answer_to_a_slow_reader_before_it_closes() {
+    let (dropped, _) = tokio::sync::mpsc::unbounded_channel();
+    let server = Server::builder()
+        .add_service(GoneServer::new(Vanishing { dropped }))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.handshake().await;
+    let calls = 16u64;
+    let one_mib: (u32,) = (1 << 20,);
+    for id in 1..=calls {
+        raw.send(Kind::Invoke(RemoteInvokeMessage {
+            message_id: id,
+            service_entry_id: "t.Gone.big".into(),
+            codec: Codec::MsgPack.to_wire(),
+            parameters: Codec::MsgPack.encode(&one_mib).expect("encode"),
+            ..Default::default()
+        }))
+        .await
+        .expect("send");
+    }
+    // Everything runs until it waits: answers fill the socket buffers, the rest is queued.
+    tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    let shutdown = tokio::spawn(server.shutdown());
+    // The client reads nothing for three seconds (of the drain's ten).
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    let (mut answered, mut go_away) = (std::collections::BTreeSet::new(), false);
+    while let Some(frame) = raw.recv().await {
+        match frame {
+            Kind::Result(r) => {
+                assert!(answered.insert(r.message_id), "answered twice: {r:?}");
+            }
+            Kind::GoAway(g) => {
+                assert_eq!(g.status_code, 200, "{g:?}");
+                go_away = true;
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert!(go_away, "the drain said GoAway");
+    assert_eq!(answered, (1..=calls).collect(), "every call answered");
+    within("shutdown", shutdown).await.expect("join");
+}
+
 #[tokio::test]
 async fn a_client_that_never_reads_its_answers_is_no_longer_read() {
     let gate = gate(1 << 20);
