@@ -99,7 +99,7 @@ pub(super) fn dispatch(
             // poll's no-op waker.)
             if inline_first_poll {
                 let mut cx = Context::from_waker(Waker::noop());
-                if let Poll::Ready(r) = fut.as_mut().poll(&mut cx) {
+                if let Poll::Ready(r) = super::runner::poll_guarded(&mut fut, &mut cx, id) {
                     send_result(conn, id, r);
                     return;
                 }

@@ -8,12 +8,16 @@
 //! allocator's per-thread cache.
 
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll};
 
 use futures_util::task::AtomicWaker;
 use rpc_core::wire::RemoteResultMessage;
+use rpc_core::StatusCode;
+
+use super::handler::error_result;
 
 /// A call's future as its task runs it.
 pub(super) type CallFuture = Pin<Box<dyn Future<Output = RemoteResultMessage> + Send>>;
@@ -190,6 +194,32 @@ pub(super) fn start<C: CallSink>(conn: &Arc<C>, id: u64, call: CallFuture) -> Ru
     Running { runner, generation }
 }
 
+/// Polls call `id`'s future; a panic in it (code outside a handler's own guard: a raw
+/// `InvokeHandler`, a layer's end hook) is the call's answer, 520, instead of ending the task
+/// with the call's slot still taken and the call unanswered.
+pub(super) fn poll_guarded(
+    call: &mut CallFuture,
+    cx: &mut Context<'_>,
+    id: u64,
+) -> Poll<RemoteResultMessage> {
+    match std::panic::catch_unwind(AssertUnwindSafe(|| call.as_mut().poll(cx))) {
+        Ok(polled) => polled,
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            tracing::error!(message_id = id, panic = %what, "a call's future panicked");
+            Poll::Ready(error_result(
+                StatusCode::ServerError,
+                "the server failed while running the call (a panic, in its log); it may have \
+                 partly run",
+            ))
+        }
+    }
+}
+
 /// The task: takes up each call handed over, runs it, answers it, and becomes idle again.
 struct RunnerTask<C> {
     runner: Arc<Runner>,
@@ -230,12 +260,14 @@ impl<C: CallSink> Future for RunnerTask<C> {
             let Some((id, generation, call)) = &mut this.current else {
                 return Poll::Pending;
             };
-            let answer = match call.as_mut().poll(cx) {
+            let (id, tag) = (*id, CallTag::of(&this.runner, *generation));
+            let answer = match poll_guarded(call, cx, id) {
                 Poll::Ready(answer) => answer,
                 Poll::Pending => return Poll::Pending,
             };
-            let (id, tag) = (*id, CallTag::of(&this.runner, *generation));
-            this.current = None;
+            let done = this.current.take();
+            // (A future that panicked may panic again as it is dropped: the task goes on.)
+            let _ = std::panic::catch_unwind(AssertUnwindSafe(move || drop(done)));
             this.conn.finish(id, tag, answer);
         }
     }

@@ -1590,6 +1590,61 @@ impl rpc::ServerLayer for ServerGate {
     }
 }
 
+/// A server layer whose stream end hook panics.
+struct PanicAtTheEnd;
+
+impl rpc::ServerLayer for PanicAtTheEnd {
+    fn call<'a>(
+        &'a self,
+        req: &'a mut rpc::ServerRequest,
+        next: rpc::ServerNext<'a>,
+    ) -> rpc::LayerFuture<'a> {
+        Box::pin(async move {
+            req.on_stream_end(|_| panic!("the end hook fails"));
+            next.run(req).await
+        })
+    }
+}
+
+/// Code run as a stream ends, outside the handler (a layer's end hook), panics: the stream
+/// still ends, with 520, and its call's slot on the connection is freed (the connection takes
+/// one call at a time here, and the next stream is served). Before, the stream's task died
+/// with it: no end was sent, the caller waited for ever and the slot was never given back.
+#[tokio::test]
+async fn a_panic_in_a_stream_end_hook_ends_the_stream_with_520_and_frees_its_slot() {
+    let reg = InProcessRegistry::new();
+    let server = Server::builder()
+        .registry(reg.clone())
+        .max_in_flight_per_connection(1)
+        .layer(PanicAtTheEnd)
+        .add_service(StocksServer::new(Market::default()))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let stocks = StocksClient::new(client(&reg, None));
+    for round in 0..2 {
+        // (The stream's items and end may be made in the poll that accepts it: the failure
+        // then answers the set-up itself.)
+        let end = within("the stream's end", async {
+            let mut prices = match stocks.prices(3).await {
+                Ok(prices) => prices,
+                Err(e) => return e,
+            };
+            loop {
+                match prices.next().await {
+                    Some(Ok(_)) => {}
+                    Some(Err(e)) => return e,
+                    None => panic!("round {round}: the stream ended cleanly"),
+                }
+            }
+        })
+        .await;
+        assert_eq!(end.code(), StatusCode::ServerError, "round {round}: {end}");
+        assert!(end.message().contains("panic"), "round {round}: {end}");
+    }
+    within("shutdown", server.shutdown()).await;
+}
+
 #[tokio::test]
 async fn server_layers_pass_client_and_bidi_streams_hear_of_their_end_and_may_refuse_them() {
     let _traced = traced();
