@@ -169,6 +169,28 @@ impl StreamSlot {
         }
     }
 
+    /// The stream's task ended (its answer sent, `Cancel`, the deadline, the connection's
+    /// end): the client's request stream ends with it. Code of the handler still reading it
+    /// (a task of its own) takes the items already queued, then an error, instead of waiting
+    /// for ever; and no more credit is granted for a stream that is over.
+    pub(super) fn close(&self) {
+        let waker = {
+            let mut q = self.inbound();
+            if q.end.is_some() {
+                return;
+            }
+            q.end = Some(Err(RpcError::new(
+                StatusCode::CommunicationError,
+                "the call ended before the caller's request stream did; no more of its items \
+                 will come",
+            )));
+            q.waker.take()
+        };
+        if let Some(w) = waker {
+            w.wake();
+        }
+    }
+
     /// Credit from the client (`StreamCredit`).
     pub(super) fn grant(&self, items: u32) {
         self.granted.fetch_add(u64::from(items), Ordering::AcqRel);
@@ -706,6 +728,7 @@ impl Future for StreamDriver {
 impl Drop for StreamDriver {
     fn drop(&mut self) {
         self.table.close(self.id, &self.slot);
+        self.slot.close();
     }
 }
 

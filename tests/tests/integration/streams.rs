@@ -58,6 +58,9 @@ pub trait Feed {
         prefix: String,
         lines: RpcStream<String>,
     ) -> Result<RpcStream<String>, RpcError>;
+    /// Both ways, the caller's lines read by a task of the handler's own (as a tonic handler
+    /// is often written) and forwarded to the answer; reports when that task ends.
+    async fn relay(&self, lines: RpcStream<String>) -> Result<RpcStream<String>, RpcError>;
 }
 
 #[derive(Clone)]
@@ -147,6 +150,23 @@ impl Feed for Feeds {
             let _ = &guard;
             Ok(format!("{prefix}{line}"))
         }))
+    }
+
+    async fn relay(&self, mut lines: RpcStream<String>) -> Result<RpcStream<String>, RpcError> {
+        let (tx, rx) = mpsc::channel::<String>(1);
+        let guard = DropSignal::new("relay reader", self.dropped.clone());
+        tokio::spawn(async move {
+            let _guard = guard;
+            while let Some(Ok(line)) = lines.next().await {
+                if tx.send(line).await.is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(RpcStream::new(futures_util::stream::unfold(
+            rx,
+            |mut rx| async move { rx.recv().await.map(|line| (line, rx)) },
+        )))
     }
 
     async fn take_then_wait(&self, n: u32, mut numbers: RpcStream<u64>) -> Result<u64, RpcError> {
@@ -727,6 +747,26 @@ async fn bidirectional_streaming_answers_each_item_as_it_comes() {
     assert_eq!(next_item("reply", &mut replies).await, "0");
     drop(replies);
     probe.dropped("chat").await;
+    assert_eq!(echoed(&f, "ok").await, "ok");
+    within("shutdown", server.shutdown()).await;
+}
+
+/// A handler reading the caller's stream in a task of its own: when the call ends (here the
+/// caller drops its answer, and its request stream never ends), that task's read ends too,
+/// with an error, instead of waiting for ever for items that will not come.
+#[tokio::test]
+async fn a_request_stream_read_by_a_task_of_its_own_ends_when_the_call_ends() {
+    let reg = InProcessRegistry::new();
+    let (server, mut probe) = serve(&reg, 50).await;
+    let f = feed(&reg);
+    let lines = RpcStream::new(futures_util::StreamExt::chain(
+        futures_util::stream::iter(["a".to_string()]),
+        futures_util::stream::pending(),
+    ));
+    let mut replies = within("open", f.relay(lines)).await.expect("relay");
+    assert_eq!(next_item("reply", &mut replies).await, "a");
+    drop(replies);
+    probe.dropped("relay reader").await;
     assert_eq!(echoed(&f, "ok").await, "ok");
     within("shutdown", server.shutdown()).await;
 }
