@@ -26,6 +26,7 @@
 //!
 //! [`ClientBuilder::fallback`]: crate::ClientBuilder::fallback
 
+use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -33,6 +34,7 @@ use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use futures_util::future::Either;
+use futures_util::FutureExt as _;
 use futures_util::Stream;
 use rpc_core::{
     ByteStream, Compression, GovernanceOptions, ItemSource, LentItem, MethodDescriptor, RpcError,
@@ -143,7 +145,16 @@ impl Client {
             let sent = open.sent.clone();
             tokio::spawn(async move {
                 // (An error of `items` was sent as the stream's end: the reader gets it back.)
-                let _ = send_all(&sender, &mut items, &sent, pack).await;
+                let sending = AssertUnwindSafe(send_all(&sender, &mut items, &sent, pack));
+                if sending.catch_unwind().await.is_err() {
+                    // The caller's items (or their encoding) panicked: the request stream ends
+                    // with an error rather than never, and the server's handler with it.
+                    sender.finish(Err(RpcError::new(
+                        StatusCode::FrameworkError,
+                        "the caller's request stream panicked while it was read; the stream was \
+                         ended",
+                    )));
+                }
             });
         }
         Ok(open.into_items())

@@ -751,6 +751,27 @@ async fn bidirectional_streaming_answers_each_item_as_it_comes() {
     within("shutdown", server.shutdown()).await;
 }
 
+/// The caller's items panic (its stream, or an item's encoding) after the first: the request
+/// stream ends with an error, and so does the answer, instead of both waiting for ever.
+#[tokio::test]
+async fn a_callers_request_stream_that_panics_ends_the_stream_with_an_error() {
+    let reg = InProcessRegistry::new();
+    let (server, _probe) = serve(&reg, 50).await;
+    let f = feed(&reg);
+    let lines = RpcStream::new(futures_util::StreamExt::chain(
+        futures_util::stream::iter(["a".to_string()]),
+        futures_util::stream::once(async { panic!("the caller's lines fail") }),
+    ));
+    let mut replies = within("open", f.chat("> ".into(), lines))
+        .await
+        .expect("chat");
+    assert_eq!(next_item("reply", &mut replies).await, "> a");
+    let e = next_error("the end", &mut replies).await;
+    assert!(e.message().contains("panicked"), "{e}");
+    assert_eq!(echoed(&f, "ok").await, "ok");
+    within("shutdown", server.shutdown()).await;
+}
+
 /// A handler reading the caller's stream in a task of its own: when the call ends (here the
 /// caller drops its answer, and its request stream never ends), that task's read ends too,
 /// with an error, instead of waiting for ever for items that will not come.
