@@ -105,13 +105,12 @@ async fn most_calls_go_to_the_fast_server_under_least_loaded() {
     within("shutdown", slow.shutdown()).await;
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_weight_3_instance_gets_about_three_times_the_calls_of_a_weight_1_one() {
     // Both answer after 50 ms, so their latencies are alike and the weight decides: with 32
     // callers, least loaded balances (outstanding + 1) / weight, which puts about three times
-    // the calls in flight, hence three times the calls, on the weight-3 instance. (50 ms, not
-    // less: a machine busy with other tests delays answers by milliseconds, which must stay
-    // small beside the latency both servers share.)
+    // the calls in flight, hence three times the calls, on the weight-3 instance. On the
+    // paused clock, so that the latencies are the servers' alone, not a busy machine's.)
     let reg = InProcessRegistry::new();
     let (heavy, heavy_served) = server(&reg, Duration::from_millis(50), Some("3")).await;
     let (light, light_served) = server(&reg, Duration::from_millis(50), None).await;
