@@ -75,7 +75,7 @@ pub use server::{
     StreamEvents, ABUSE_LIMIT, DEFAULT_STREAM_WINDOW, DEFAULT_STREAM_WINDOW_BYTES, MAX_HELLO_FRAME,
     PAUSED_KEEPALIVE, REFUSALS_BEFORE_PAUSE,
 };
-pub use transport::{Address, Dialer, Listener, Stream, TcpDialer};
+pub use transport::{Abortive, Address, Dialer, Listener, Stream, TcpDialer};
 #[cfg(unix)]
 pub use transport::{UnixDialer, UnixListener};
 

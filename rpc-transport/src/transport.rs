@@ -47,11 +47,34 @@ pub trait Stream: AsyncRead + AsyncWrite + Unpin + Send + Sync + 'static {
     /// The reading half.
     type Reader: AsyncRead + Unpin + Send + Sync + 'static;
     /// The writing half.
-    type Writer: AsyncWrite + Unpin + Send + Sync + 'static;
+    type Writer: AsyncWrite + Abortive + Unpin + Send + Sync + 'static;
 
     /// Splits the stream; a socket splits in place, without a lock between the halves.
     fn into_split(self) -> (Self::Reader, Self::Writer);
 }
+
+/// How a writing half ends its connection when frames are left unwritten. An orderly close
+/// after whole frames reads to the peer as "that was everything": a client then takes the
+/// calls still unanswered after a drain's `GoAway` for calls the server never read, and sends
+/// them elsewhere. A reset leaves no such doubt: the connection broke.
+pub trait Abortive {
+    /// Makes the connection's close a reset (TCP: `SO_LINGER` 0), for a writer giving up with
+    /// frames unwritten. The default does nothing: a transport that cannot (a Unix socket, an
+    /// in-memory pipe, TLS over a split stream, whose missing `close_notify` the peer reads as
+    /// an error anyway) closes as it would.
+    fn reset_on_close(&self) {}
+}
+
+impl Abortive for tokio::net::tcp::OwnedWriteHalf {
+    fn reset_on_close(&self) {
+        // Best effort: a socket that refuses closes in order.
+        let _ = self.as_ref().set_zero_linger();
+    }
+}
+
+impl<T> Abortive for tokio::io::WriteHalf<T> {}
+
+impl Abortive for tokio::io::DuplexStream {}
 
 /// Connects to addresses of one transport.
 pub trait Dialer: Send + Sync + 'static {
@@ -135,6 +158,8 @@ pub use unix::{UnixDialer, UnixListener};
 #[cfg(unix)]
 mod unix {
     use super::*;
+
+    impl Abortive for tokio::net::unix::OwnedWriteHalf {}
 
     impl Stream for tokio::net::UnixStream {
         type Reader = tokio::net::unix::OwnedReadHalf;

@@ -21,6 +21,8 @@ use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
+use crate::transport::Abortive;
+
 use crate::call::Call;
 use crate::codec::FrameCodec;
 use crate::encode::{put_invoke_frame, put_item_frame, put_items_frame};
@@ -298,7 +300,7 @@ impl FrameSender {
 /// `in_flight` counts calls whose frames are still to come (pending calls on a client, running
 /// handlers on a server): when more are in flight than the batch holds, the writer yields once
 /// before writing so that their frames share the write. At low load it writes at once.
-pub(crate) fn spawn_writer<W: AsyncWrite + Unpin + Send + 'static>(
+pub(crate) fn spawn_writer<W: AsyncWrite + Abortive + Unpin + Send + 'static>(
     wr: W,
     in_flight: Arc<AtomicUsize>,
     close: CancellationToken,
@@ -331,7 +333,7 @@ pub(crate) fn duplex_writer(capacity: usize) -> (FrameSender, tokio::io::DuplexS
     (sender, theirs)
 }
 
-async fn write_loop<W: AsyncWrite + Unpin>(
+async fn write_loop<W: AsyncWrite + Abortive + Unpin>(
     queue: Arc<Queue>,
     wr: W,
     in_flight: Arc<AtomicUsize>,
@@ -339,11 +341,17 @@ async fn write_loop<W: AsyncWrite + Unpin>(
     close: CancellationToken,
 ) {
     let mut wr = wr;
-    write_batches(&queue, &mut wr, in_flight, &backlog, close).await;
+    let complete = write_batches(&queue, &mut wr, in_flight, &backlog, close).await;
     // Later sends fail from here on.
     queue.close();
     backlog.stopped.cancel();
     backlog.room.notify_waiters();
+    if !complete {
+        // Frames were left unwritten (given up after the close, or the write failed): the
+        // connection ends with a reset, not a close that would read as "that was all".
+        wr.reset_on_close();
+        return;
+    }
     // The reader is not stopped here: after a failed write it still reads what the peer sent
     // before closing (a GoAway saying which calls it never read), then sees the close itself.
     // (Bounded: a TLS stream's shutdown writes, to a peer that may not read.)
@@ -362,13 +370,15 @@ async fn closed_for_good(close: &CancellationToken) {
     tokio::time::sleep(CLOSE_GRACE).await;
 }
 
+/// Writes what is queued until the connection closes or a write fails; whether everything
+/// queued was written (false: frames were left, or a write did not complete).
 async fn write_batches<W: AsyncWrite + Unpin>(
     queue: &Queue,
     wr: &mut W,
     in_flight: Arc<AtomicUsize>,
     backlog: &Backlog,
     close: CancellationToken,
-) {
+) -> bool {
     let mut buf = BytesMut::with_capacity(BUFFER);
     // Frames taken from the queue and not encoded yet (the rest of a batch past MAX_BATCH).
     let mut frames: VecDeque<Outgoing> = VecDeque::new();
@@ -380,12 +390,12 @@ async fn write_batches<W: AsyncWrite + Unpin>(
         }
         if frames.is_empty() {
             if queue.senders_gone.load(Ordering::Acquire) {
-                break;
+                return true;
             }
             tokio::select! {
                 biased;
                 _ = queue.ready.notified() => continue,
-                _ = &mut closing => break,
+                _ = &mut closing => return true,
             }
         }
         let mut counted = 0;
@@ -447,7 +457,7 @@ async fn write_batches<W: AsyncWrite + Unpin>(
             () = closed_for_good(&close) => false,
         };
         if !written {
-            break;
+            return false;
         }
         backlog.bytes.fetch_sub(counted, Ordering::Relaxed);
         // One waiter at most (the connection's reader); a permit is kept if it is not waiting
@@ -543,6 +553,43 @@ mod tests {
             .expect("the writer ended")
             .expect("without a panic");
         assert!(!sender.send(ping(1)), "later sends fail");
+    }
+
+    /// A writer that gives up with frames unwritten (the connection closed, the peer reads
+    /// nothing) ends a TCP connection with a reset: once the peer reads again, it finds the
+    /// connection broken rather than ended in order after whole frames.
+    #[tokio::test(start_paused = true)]
+    async fn a_writer_giving_up_with_frames_unwritten_resets_the_tcp_connection() {
+        use tokio::io::AsyncReadExt;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let (peer, accepted) = tokio::join!(
+            tokio::net::TcpStream::connect(listener.local_addr().unwrap()),
+            listener.accept()
+        );
+        let (mut peer, (ours, _)) = (peer.unwrap(), accepted.unwrap());
+        let (rd, wr) = ours.into_split();
+        let close = CancellationToken::new();
+        let sender = spawn_writer(wr, Arc::new(AtomicUsize::new(0)), close.clone());
+        // 16 MiB for a peer that reads nothing: far more than the socket buffers hold.
+        for status_code in 0..16 {
+            assert!(sender.send(Kind::GoAway(rpc_core::wire::GoAway {
+                status_code,
+                reason: "x".repeat(1 << 20),
+            })));
+        }
+        close.cancel();
+        // After the close's grace the writer gives up, and the socket closes.
+        sender.backlog().stopped().await;
+        drop(rd);
+        let mut buf = vec![0u8; 1 << 16];
+        let end = loop {
+            match peer.read(&mut buf).await {
+                Ok(0) => break None,
+                Ok(_) => {}
+                Err(e) => break Some(e.kind()),
+            }
+        };
+        assert_eq!(end, Some(std::io::ErrorKind::ConnectionReset));
     }
 
     #[tokio::test]

@@ -137,7 +137,7 @@ impl Connection {
     ) -> Result<Connection, RpcError>
     where
         R: AsyncRead + Unpin + Send + 'static,
-        W: AsyncWrite + Unpin + Send + 'static,
+        W: AsyncWrite + crate::transport::Abortive + Unpin + Send + 'static,
     {
         let in_flight = Arc::new(AtomicUsize::new(0));
         let close = CancellationToken::new();

@@ -61,7 +61,7 @@ pub(super) async fn run_connection<R, W>(
     admitted: bool,
 ) where
     R: AsyncRead + Unpin + Send + 'static,
-    W: AsyncWrite + Unpin + Send + 'static,
+    W: AsyncWrite + crate::transport::Abortive + Unpin + Send + 'static,
 {
     let Served {
         handler,
@@ -276,7 +276,10 @@ pub(super) async fn run_connection<R, W>(
     }
 }
 
-pub(super) async fn refuse<W: AsyncWrite + Unpin + Send + 'static>(wr: W, max: usize) {
+pub(super) async fn refuse<W: AsyncWrite + crate::transport::Abortive + Unpin + Send + 'static>(
+    wr: W,
+    max: usize,
+) {
     let close = CancellationToken::new();
     let sender = spawn_writer(wr, Arc::new(AtomicUsize::new(0)), close.clone());
     sender.send(go_away(
