@@ -585,6 +585,9 @@ impl ServerBuilder {
             )
         });
         let shutdown = CancellationToken::new();
+        // Until the handle exists, nothing else can stop the server: should this future be
+        // dropped (a timeout around a slow registration), it stops serving.
+        let stop_if_given_up = shutdown.clone().drop_guard();
         let task = tokio::spawn(rpc_transport::serve(
             listener,
             dispatcher,
@@ -610,6 +613,7 @@ impl ServerBuilder {
                 )));
             }
         }
+        stop_if_given_up.disarm();
         tracing::info!(address = %bound, services = ?instance.services, "serving");
         let status = ServerStatus(Arc::new(StatusInner {
             registered: AtomicBool::new(self.registry.is_some()),

@@ -27,6 +27,56 @@ impl Echo for Plain {
     }
 }
 
+/// A registry whose registration never completes; says when one began.
+struct StalledRegistry(std::sync::Mutex<Option<tokio::sync::oneshot::Sender<()>>>);
+
+impl Registry for StalledRegistry {
+    fn register(&self, _: rpc::Instance) -> rpc::BoxFuture<'_, Result<(), rpc::RegistryError>> {
+        if let Some(began) = self.0.lock().unwrap().take() {
+            let _ = began.send(());
+        }
+        Box::pin(std::future::pending())
+    }
+    fn deregister<'a>(&'a self, _: &'a str) -> rpc::BoxFuture<'a, Result<(), rpc::RegistryError>> {
+        Box::pin(async { Ok(()) })
+    }
+    fn watch<'a>(
+        &'a self,
+        _: &'a rpc::ServiceId,
+    ) -> rpc::BoxFuture<'a, Result<rpc::crates::registry::ServiceWatch, rpc::RegistryError>> {
+        Box::pin(async { Err(rpc::RegistryError::Unavailable("stalled".into())) })
+    }
+    fn services(&self) -> rpc::BoxFuture<'_, Result<Vec<rpc::ServiceId>, rpc::RegistryError>> {
+        Box::pin(async { Ok(Vec::new()) })
+    }
+}
+
+/// A `serve` given up while it registers (a timeout around a slow registry) stops serving:
+/// before, its listener went on accepting calls with no handle left to stop it.
+#[tokio::test]
+async fn a_serve_given_up_while_it_registers_stops_serving() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (began, registering) = tokio::sync::oneshot::channel();
+    let serving = Server::builder()
+        .registry(StalledRegistry(std::sync::Mutex::new(Some(began))))
+        .add_service(EchoServer::new(Plain))
+        .serve_on(listener);
+    tokio::select! {
+        r = serving => panic!("served without registering: {:?}", r.map(|_| ())),
+        _ = registering => {}
+    }
+    // The serve future is dropped: its listener closes.
+    within("the listener closes", async {
+        while tokio::net::TcpStream::connect(addr).await.is_ok() {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+}
+
 /// An echo server registered in `registry`.
 async fn serve_echo(registry: &InProcessRegistry) -> rpc::ServerHandle {
     Server::builder()
