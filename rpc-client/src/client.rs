@@ -1192,8 +1192,13 @@ impl Client {
             {
                 // The server was draining and closed before reading the call: the endpoint
                 // may well be back (a restart), so the call goes once more on a fresh
-                // connection.
-                Err(e) if conn.is_draining() && !e.is_maybe_delivered() => {
+                // connection. Only then: a timeout or any other verdict on a draining
+                // connection is about a call the server may have run.
+                Err(e)
+                    if e.code() == StatusCode::CommunicationError
+                        && conn.is_draining()
+                        && !e.is_maybe_delivered() =>
+                {
                     let fresh = match self.connection(addr, cx).await {
                         Ok(conn) => conn,
                         Err(e) => break 'attempt Err(e),

@@ -334,3 +334,61 @@ async fn a_hash_key_whose_owner_died_goes_to_the_next_server_on_the_ring() {
     }
     cluster.stop().await;
 }
+
+/// A non-idempotent call running on a server that begins to drain, whose attempt then runs out
+/// of time, is not sent anywhere again: the drain's second try on a fresh connection is only
+/// for calls the server closed its connection on without reading them. (Before, the attempt's
+/// timeout took that path: the call ran on a second server.)
+#[tokio::test(start_paused = true)]
+async fn a_call_timing_out_on_a_draining_server_is_not_sent_again() {
+    let reg = InProcessRegistry::new();
+    let (tx, mut entered) = mpsc::unbounded_channel();
+    let node = |name: &str| {
+        Arc::new(Node {
+            name: name.into(),
+            writes: AtomicUsize::new(0),
+            stuck: AtomicUsize::new(0),
+            entered: tx.clone(),
+        })
+    };
+    let serve = |node: Arc<Node>| {
+        Server::builder()
+            .registry(reg.clone())
+            .drain_timeout(std::time::Duration::from_secs(60))
+            .add_service(FailServer::from_arc(node))
+            .serve("127.0.0.1:0")
+    };
+    let (a_node, b_node) = (node("a"), node("b"));
+    let a = serve(a_node.clone()).await.expect("serve a");
+    let fail = FailClient::new(
+        Client::builder()
+            .registry(reg.clone())
+            .override_options(
+                "t.Fail.stuck_write",
+                rpc::GovernanceOverrides {
+                    timeout_ms: Some(4_000),
+                    attempt_timeout_ms: Some(150),
+                    retry_times: Some(2),
+                    ..rpc::GovernanceOverrides::NONE
+                },
+            )
+            .build(),
+    );
+    let call = tokio::spawn(async move { fail.stuck_write().await });
+    assert_eq!(recv_one("the call reached a", &mut entered).await, "a");
+    let b = serve(b_node.clone()).await.expect("serve b");
+    // a drains (GoAway 200) with the call running; its attempt's 150 ms then pass.
+    let _draining = tokio::spawn(a.shutdown());
+    let err = within("the call ends", call)
+        .await
+        .expect("join")
+        .expect_err("it never answers");
+    assert_eq!(err.code(), StatusCode::Timeout, "{err}");
+    assert_eq!(a_node.stuck.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        b_node.stuck.load(Ordering::SeqCst),
+        0,
+        "run again on b: {err}"
+    );
+    within("b stops", b.shutdown()).await;
+}
