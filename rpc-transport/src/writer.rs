@@ -308,10 +308,9 @@ pub(crate) fn spawn_writer<W: AsyncWrite + Abortive + Unpin + Send + 'static>(
     let queue = Arc::new(Queue::default());
     let backlog = Arc::new(Backlog::default());
     tokio::spawn(write_loop(
-        queue.clone(),
+        StopOnDrop(queue.clone(), backlog.clone()),
         wr,
         in_flight,
-        backlog.clone(),
         close,
     ));
     FrameSender {
@@ -334,18 +333,15 @@ pub(crate) fn duplex_writer(capacity: usize) -> (FrameSender, tokio::io::DuplexS
 }
 
 async fn write_loop<W: AsyncWrite + Abortive + Unpin>(
-    queue: Arc<Queue>,
+    ends: StopOnDrop,
     wr: W,
     in_flight: Arc<AtomicUsize>,
-    backlog: Arc<Backlog>,
     close: CancellationToken,
 ) {
     let mut wr = wr;
-    let complete = write_batches(&queue, &mut wr, in_flight, &backlog, close).await;
+    let complete = write_batches(&ends.0, &mut wr, in_flight, &ends.1, close).await;
     // Later sends fail from here on.
-    queue.close();
-    backlog.stopped.cancel();
-    backlog.room.notify_waiters();
+    drop(ends);
     if !complete {
         // Frames were left unwritten (given up after the close, or the write failed): the
         // connection ends with a reset, not a close that would read as "that was all".
@@ -356,6 +352,20 @@ async fn write_loop<W: AsyncWrite + Abortive + Unpin>(
     // before closing (a GoAway saying which calls it never read), then sees the close itself.
     // (Bounded: a TLS stream's shutdown writes, to a peer that may not read.)
     let _ = tokio::time::timeout(CLOSE_GRACE, wr.shutdown()).await;
+}
+
+/// Closes a writer's queue and tells that it stopped, when dropped: should the writer's task
+/// be dropped before it ends (its runtime shut down, even before its first poll), the queue
+/// still closes and the writer reads as stopped, so nothing waits for writes that will not
+/// come.
+struct StopOnDrop(Arc<Queue>, Arc<Backlog>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.0.close();
+        self.1.stopped.cancel();
+        self.1.room.notify_waiters();
+    }
 }
 
 /// How long a write may still take once the connection is closed: the frames queued before
@@ -526,10 +536,9 @@ mod tests {
         let queue = Arc::new(Queue::default());
         let backlog = Arc::new(Backlog::default());
         let writer = tokio::spawn(write_loop(
-            queue.clone(),
+            StopOnDrop(queue.clone(), backlog.clone()),
             ours,
             Arc::new(AtomicUsize::new(0)),
-            backlog.clone(),
             close.clone(),
         ));
         let sender = FrameSender {

@@ -17,7 +17,7 @@ use super::answer::{Answer, AnswerCodec};
 use super::heartbeat::{heartbeat, sweeper};
 use super::options::ConnectOptions;
 use super::pending::{PendingTable, NO_SWEEP};
-use super::reader::read_loop;
+use super::reader::{read_loop, EndOnDrop};
 use super::shared::{comm_error, Shared, NEXT_CONNECTION_ID};
 use super::stream::{ClientStream, Opened, StreamShared};
 use crate::call::Call;
@@ -232,7 +232,8 @@ impl Connection {
         if batches {
             shared.sender.batch_stream_items();
         }
-        tokio::spawn(read_loop(frames, shared.clone(), received.clone()));
+        let on_drop = EndOnDrop::new(shared.clone());
+        tokio::spawn(read_loop(frames, shared.clone(), received.clone(), on_drop));
         tokio::spawn(sweeper(shared.clone()));
         tokio::spawn(heartbeat(
             Arc::downgrade(&shared),

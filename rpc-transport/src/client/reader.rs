@@ -15,10 +15,43 @@ use super::shared::{comm_error, Shared};
 use super::stream::{Chunk, StreamShared};
 use crate::codec::{kind_name, FrameError};
 
+/// Ends the connection as the read loop's end does, should the loop's task be dropped before
+/// it got there (its runtime shut down, with the connection still shared with another
+/// runtime): the calls in flight fail rather than wait for ever, and the pool no longer hands
+/// the connection out.
+/// (Made before the loop's task is spawned, and handed to it: a task dropped before its
+/// first poll drops it too.)
+pub(super) struct EndOnDrop {
+    shared: Arc<Shared>,
+    armed: bool,
+}
+
+impl EndOnDrop {
+    pub(super) fn new(shared: Arc<Shared>) -> Self {
+        EndOnDrop {
+            shared,
+            armed: true,
+        }
+    }
+}
+
+impl Drop for EndOnDrop {
+    fn drop(&mut self) {
+        if self.armed {
+            end(
+                &self.shared,
+                "the connection's reader stopped (its runtime shut down)",
+                true,
+            );
+        }
+    }
+}
+
 pub(super) async fn read_loop<R: AsyncRead + Unpin>(
     mut frames: FramedRead<R, AnswerCodec>,
     shared: Arc<Shared>,
     received: Arc<AtomicU64>,
+    mut on_drop: EndOnDrop,
 ) {
     let mut clean_drain = true;
     let closing = shared.close.cancelled();
@@ -103,15 +136,22 @@ pub(super) async fn read_loop<R: AsyncRead + Unpin>(
             break "server is draining".to_string();
         }
     };
-    shared.closed.store(true, Ordering::Release);
-    shared.close.cancel();
+    on_drop.armed = false;
     // A draining server (GoAway 200) answers every call it read, even those it drops at its
     // drain deadline: calls still pending now never reached it and may safely go elsewhere.
     let maybe_delivered = !(clean_drain && shared.going_away.load(Ordering::Relaxed));
+    end(&shared, &reason, maybe_delivered);
+}
+
+/// The connection's end: no new call is taken, its tasks stop, and the calls pending fail
+/// for `reason` (as maybe delivered when `maybe_delivered`, except those never written).
+fn end(shared: &Shared, reason: &str, maybe_delivered: bool) {
+    shared.closed.store(true, Ordering::Release);
+    shared.close.cancel();
     // Calls still queued, never written, did not reach the server however it went.
     let mut unsent = shared.sender.close_unsent();
     unsent.sort_unstable();
-    fail_pending(&shared, &reason, maybe_delivered, &unsent);
+    fail_pending(shared, reason, maybe_delivered, &unsent);
 }
 
 /// Hands the items of a plain `StreamItems` frame to their stream: left in the frame when

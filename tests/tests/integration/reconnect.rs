@@ -334,3 +334,46 @@ async fn a_call_in_flight_is_not_cut_off_by_the_idle_timeout() {
     }
     within("shutdown", server.shutdown()).await;
 }
+
+/// A connection made on one runtime, used from another after the first shut down (a client
+/// kept in a static, across `#[tokio::test]`s): its reader, writer and deadline sweeper went
+/// with their runtime, so it is no longer usable, and a call on it fails at once instead of
+/// waiting for ever (no sweeper was left to end it, even at its deadline).
+#[test]
+fn a_connection_whose_runtime_shut_down_fails_its_calls() {
+    let runtime = || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime")
+    };
+    let server_runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let (n, _probe) = node("a");
+    let server = server_runtime
+        .block_on(builder(&n).serve("127.0.0.1:0"))
+        .expect("serve");
+    let addr = server.local_addr().to_string();
+    let first = runtime();
+    let conn = first
+        .block_on(Connection::connect(&addr, &ConnectOptions::default()))
+        .expect("connect");
+    drop(first);
+    runtime().block_on(async {
+        assert!(!conn.is_usable(), "its tasks are gone");
+        let call = rpc::crates::transport::Call {
+            service_entry_id: "t.Life.whoami".into(),
+            parameters: rpc::Codec::MsgPack.encode(&()).expect("encode"),
+            ..Default::default()
+        };
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(100);
+        let e = within("the call", conn.call(call, Some(deadline)))
+            .await
+            .expect_err("no connection left");
+        assert_eq!(e.code(), StatusCode::CommunicationError, "{e}");
+    });
+    server_runtime.block_on(server.shutdown());
+}
