@@ -793,7 +793,17 @@ async fn run_fallback(
         run_guarded(handler, deadline, entry, to.send_panic_text),
     )
     .await;
-    fallback::outcome(entry, e, answer)
+    match answer {
+        // Still running at the caller's deadline: the call is out of time (519), as any call
+        // is, not a fallback that failed.
+        Err(late)
+            if late.code() == StatusCode::Timeout
+                && deadline.is_some_and(|(d, _)| Instant::now() >= d) =>
+        {
+            Err(late)
+        }
+        answer => fallback::outcome(entry, e, answer),
+    }
 }
 
 /// A registered server fallback of one entry and what it needs to run: built once per entry.

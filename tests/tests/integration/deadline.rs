@@ -438,6 +438,55 @@ async fn a_server_fallback_does_not_start_after_the_callers_deadline() {
     within("shutdown C", c.shutdown()).await;
 }
 
+/// Fails at once, as a broken handler does.
+struct FailsAtOnce;
+
+impl TierB for FailsAtOnce {
+    async fn ask(&self) -> Result<u32, RpcError> {
+        Err(RpcError::new(StatusCode::ServerError, "broken"))
+    }
+}
+
+/// A server fallback slower than the caller's budget.
+struct SlowFallback;
+
+impl TierB for SlowFallback {
+    async fn ask(&self) -> Result<u32, RpcError> {
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        Ok(9)
+    }
+}
+
+/// A server fallback that starts in time but is still running at the caller's deadline is
+/// stopped there, and the call answered 519 as any call out of time (before, its timeout was
+/// wrapped as a failed fallback, 509).
+#[tokio::test(start_paused = true)]
+async fn a_server_fallback_still_running_at_the_deadline_is_answered_519() {
+    let b = Server::builder()
+        .add_service(TierBServer::new(FailsAtOnce))
+        .fallback(TierBServer::new(SlowFallback))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve B");
+    let mut a = RawConn::connect(b.local_addr()).await;
+    a.handshake().await;
+    a.send(Kind::Invoke(RemoteInvokeMessage {
+        message_id: 1,
+        service_entry_id: "t.TierB.ask".into(),
+        codec: Codec::MsgPack.to_wire(),
+        parameters: Codec::MsgPack.encode(&NoArgs).expect("encode"),
+        timeout_ms: 100,
+        ..Default::default()
+    }))
+    .await
+    .expect("send the call");
+    match within("B's answer", a.recv()).await {
+        Some(Kind::Result(r)) => assert_eq!(r.status_code, 519, "{r:?}"),
+        other => panic!("expected B's answer, got {other:?}"),
+    }
+    within("shutdown B", b.shutdown()).await;
+}
+
 /// Inside a handler whose caller's deadline has passed, a client fallback does not start: the
 /// call fails with a timeout saying so, and a `fallback_skipped` event is emitted.
 #[tokio::test(start_paused = true)]
