@@ -583,18 +583,23 @@ impl Dispatcher {
         let call = async move {
             let entry = method.entry_id;
             // The first layer is called here rather than through `Next::run`, whose future has
-            // room for the end of the chain: this future then holds only the layer's box.
-            let first: LayerFuture<'_> = match chain.layers.first() {
-                Some(layer) => layer.call(
-                    &mut req,
-                    Next {
-                        chain: &chain,
-                        at: 1,
-                    },
-                ),
-                None => Box::pin(chain.end.run(&mut req)),
-            };
-            let chained = AssertUnwindSafe(first).catch_unwind();
+            // room for the end of the chain: this future then holds only the layer's box. The
+            // call is made inside the guard, as the layer's code before its first `.await`
+            // runs in it and may panic too.
+            let chained = AssertUnwindSafe(async {
+                let first: LayerFuture<'_> = match chain.layers.first() {
+                    Some(layer) => layer.call(
+                        &mut req,
+                        Next {
+                            chain: &chain,
+                            at: 1,
+                        },
+                    ),
+                    None => Box::pin(chain.end.run(&mut req)),
+                };
+                first.await
+            })
+            .catch_unwind();
             let outcome = match deadline {
                 None => chained.await,
                 Some((d, budget_ms)) => match tokio::time::timeout_at(d, chained).await {

@@ -806,3 +806,44 @@ async fn a_tower_layer_runs_in_its_place_in_the_chain_and_can_refuse() {
     assert_eq!(s.shop.placed.load(Ordering::SeqCst), 0);
     within("shutdown", s.server.shutdown()).await;
 }
+
+/// A layer whose code panics before its first `.await` (here: at once, in `call` itself).
+struct PanicsAtOnce;
+
+impl ServerLayer for PanicsAtOnce {
+    fn call<'a>(&'a self, _req: &'a mut ServerRequest, _next: ServerNext<'a>) -> LayerFuture<'a> {
+        panic!("the layer fails before it returns its future")
+    }
+}
+
+/// Tells the test of each call the server handled: its status and outcome.
+struct Outcomes(Mutex<mpsc::UnboundedSender<(Option<StatusCode>, &'static str)>>);
+
+impl rpc::crates::governance::calls::CallObserver for Outcomes {
+    fn call_ended(&self, call: &rpc::crates::governance::calls::CallRecord) {
+        let _ = self.0.lock().unwrap().send((call.status, call.outcome));
+    }
+}
+
+/// A panic in the first layer's own `call` (before its future exists) is the call's answer,
+/// 520 with a panic id, and recorded as an error (before, it escaped the handler's guard: the
+/// call was recorded as cancelled by its caller, and answered without the entry or the id).
+#[tokio::test]
+async fn a_layer_panicking_before_its_future_exists_answers_520_recorded_as_an_error() {
+    let s = serve_orders(50, None, |b| b.layer(PanicsAtOnce)).await;
+    let (tx, mut outcomes) = mpsc::unbounded_channel();
+    s.server
+        .status()
+        .observe_calls(Arc::new(Outcomes(Mutex::new(tx))));
+    let orders = client(&s.reg, "shop");
+    let e = within("the call", orders.place("pen".into(), 1))
+        .await
+        .expect_err("the layer panics");
+    assert_eq!(e.code(), StatusCode::ServerError, "{e}");
+    assert!(e.message().contains("orders.Orders.place"), "{e}");
+    assert_eq!(
+        recv_one("the call's record", &mut outcomes).await,
+        (Some(StatusCode::ServerError), "error")
+    );
+    s.server.shutdown().await;
+}
