@@ -69,15 +69,18 @@ impl Terminal {
     /// handler (and the fallback, should the handler fail), handing them the arguments and the
     /// attachments.
     pub(crate) async fn run(&self, req: &mut ServerRequest) -> Result<Bytes, RpcError> {
-        let admitted = self.admission.admit(
-            &self.entry,
-            req.caller.client_id(),
-            req.attachments
-                .get(CRITICALITY_ATTACHMENT)
-                .map(String::as_str),
-            req.deadline
-                .map(|(d, _)| d.saturating_duration_since(Instant::now())),
-        );
+        let admitted = match req.admitted.take() {
+            Some(slot) => Ok(slot),
+            None => self.admission.admit(
+                &self.entry,
+                req.caller.client_id(),
+                req.attachments
+                    .get(CRITICALITY_ATTACHMENT)
+                    .map(String::as_str),
+                req.deadline
+                    .map(|(d, _)| d.saturating_duration_since(Instant::now())),
+            ),
+        };
         let permit = match admitted {
             Ok(p) => p,
             Err(e) => {
@@ -577,6 +580,7 @@ impl Dispatcher {
             stream: None,
             inbound: None,
             stream_end: None,
+            admitted: None,
         };
         let chain = chain.clone();
         let send_panic_text = self.send_panic_text;

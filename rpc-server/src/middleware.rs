@@ -92,6 +92,10 @@ pub struct ServerRequest {
     /// For a stream's set-up: what layers asked to be told as the stream ends
     /// ([`on_stream_end`](Self::on_stream_end)).
     pub(crate) stream_end: Option<StreamEndHooks>,
+    /// The entry's slot, when the call was admitted before its layers ran (a client or
+    /// bidirectional stream, accepted before them): the end of the chain takes it rather than
+    /// admitting the call again.
+    pub(crate) admitted: Option<crate::admission::Slot>,
 }
 
 /// The hooks layers registered on a stream's set-up, run as the stream ends.
@@ -215,6 +219,7 @@ impl ServerRequest {
             stream: self.stream.clone(),
             inbound: self.inbound.clone(),
             stream_end: self.stream_end.clone(),
+            admitted: self.admitted.take(),
         }
     }
 }

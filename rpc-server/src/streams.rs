@@ -158,7 +158,9 @@ pub(crate) fn dispatch(
 /// entry and sets the handler's stream up (handing it the caller's items, for a stream taking
 /// them), and its items then flow as on a server without layers, within the same deadline.
 /// A client or bidirectional stream is accepted before its layers run (the caller's items
-/// wait within their window meanwhile), so a layer's refusal ends it after acceptance.
+/// wait within their window meanwhile), so a layer's refusal ends it after acceptance; it is
+/// admitted at its entry before that, so that a refusal there (515, 429) still comes before
+/// the acceptance.
 #[allow(clippy::too_many_arguments)]
 fn layered(
     d: &Dispatcher,
@@ -177,6 +179,17 @@ fn layered(
             invoke.timeout_ms,
         )
     });
+    // A client or bidirectional stream is accepted before its layers run: it is admitted at
+    // its entry (rate limits, cap) first, as without layers, so that a refusal (515, 429) is
+    // sent before the acceptance, when the caller may still go elsewhere.
+    let admitted = if route.stream == StreamMode::Server {
+        None
+    } else {
+        match d.admit(route, caller, &attachments, invoke.timeout_ms, &span) {
+            Ok(slot) => Some(slot.for_stream()),
+            Err(refused) => return refused,
+        }
+    };
     let opened = StreamSlot::default();
     let hooks = StreamEndHooks::default();
     // The caller's items, counted as the handler takes them (for the span and the hooks).
@@ -202,6 +215,7 @@ fn layered(
         stream: Some(opened.clone()),
         inbound: inbound.map(|items| Arc::new(std::sync::Mutex::new(Some(items)))),
         stream_end: Some(hooks.clone()),
+        admitted,
     };
     let cause = FallbackCause::default();
     let told = cause.clone();

@@ -1590,6 +1590,60 @@ impl rpc::ServerLayer for ServerGate {
     }
 }
 
+/// A server layer that passes every call on.
+struct PassThrough;
+
+impl rpc::ServerLayer for PassThrough {
+    fn call<'a>(
+        &'a self,
+        req: &'a mut rpc::ServerRequest,
+        next: rpc::ServerNext<'a>,
+    ) -> rpc::LayerFuture<'a> {
+        Box::pin(next.run(req))
+    }
+}
+
+/// With a layer on the server, a client stream over its entry's cap is refused (515) before
+/// it is accepted, as without layers: the caller may still go elsewhere. (Before, the stream
+/// was accepted first and refused after its layers ran, a failure no caller retries.)
+#[tokio::test]
+async fn a_client_stream_over_the_cap_behind_a_layer_is_refused_before_acceptance() {
+    use rpc::crates::core::wire::{frame::Kind, RemoteInvokeMessage, StreamMode};
+    let server = Server::builder()
+        .max_concurrency(1)
+        .layer(PassThrough)
+        .add_service(StocksServer::new(Market::default()))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let mut raw = raw_zstd_client(&server, false).await;
+    let total = |id: u64| {
+        Kind::Invoke(RemoteInvokeMessage {
+            message_id: id,
+            service_entry_id: "g.Stocks.total".into(),
+            codec: rpc::Codec::MsgPack.to_wire(),
+            parameters: rpc::Codec::MsgPack.encode(&()).expect("encode"),
+            stream_mode: StreamMode::Client as i32,
+            ..Default::default()
+        })
+    };
+    // The first stream takes the entry's only slot (it sends no items, and never ends).
+    raw.send(total(1)).await.expect("send");
+    match within("the first stream's acceptance", raw.recv()).await {
+        Some(Kind::StreamCredit(c)) if c.message_id == 1 => {}
+        other => panic!("expected the first stream's acceptance, got {other:?}"),
+    }
+    raw.send(total(3)).await.expect("send");
+    match within("the second stream's answer", raw.recv()).await {
+        Some(Kind::Result(r)) => {
+            assert_eq!((r.message_id, r.status_code), (3, 515), "{r:?}");
+        }
+        other => panic!("expected the second stream refused before acceptance, got {other:?}"),
+    }
+    drop(raw);
+    within("shutdown", server.shutdown()).await;
+}
+
 /// A server layer whose stream end hook panics.
 struct PanicAtTheEnd;
 
