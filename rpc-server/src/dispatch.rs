@@ -52,6 +52,22 @@ pub(crate) struct Layered {
     pub(crate) end: Terminal,
 }
 
+impl Layered {
+    /// Runs `req` through the chain: its first layer is called here rather than through
+    /// `Next::run`, whose future has room for the end of the chain, so the future returned
+    /// holds only the layer's box. (The first layer's code before its first `.await` runs in
+    /// this call: a caller guarding against panics makes it inside its guard.)
+    pub(crate) fn start<'a>(
+        chain: &'a Arc<Layered>,
+        req: &'a mut ServerRequest,
+    ) -> LayerFuture<'a> {
+        match chain.layers.first() {
+            Some(layer) => layer.call(req, Next { chain, at: 1 }),
+            None => Box::pin(chain.end.run(req)),
+        }
+    }
+}
+
 /// What follows the last layer: entry admission (rate limits, cap or adaptive limit), the handler under the deadline and
 /// in the caller's context, and the server fallback.
 pub(crate) struct Terminal {
@@ -586,24 +602,10 @@ impl Dispatcher {
         let send_panic_text = self.send_panic_text;
         let call = async move {
             let entry = method.entry_id;
-            // The first layer is called here rather than through `Next::run`, whose future has
-            // room for the end of the chain: this future then holds only the layer's box. The
-            // call is made inside the guard, as the layer's code before its first `.await`
-            // runs in it and may panic too.
-            let chained = AssertUnwindSafe(async {
-                let first: LayerFuture<'_> = match chain.layers.first() {
-                    Some(layer) => layer.call(
-                        &mut req,
-                        Next {
-                            chain: &chain,
-                            at: 1,
-                        },
-                    ),
-                    None => Box::pin(chain.end.run(&mut req)),
-                };
-                first.await
-            })
-            .catch_unwind();
+            // The chain is started inside the guard: the first layer's code before its first
+            // `.await` may panic too.
+            let chained =
+                AssertUnwindSafe(async { Layered::start(&chain, &mut req).await }).catch_unwind();
             let outcome = match deadline {
                 None => chained.await,
                 Some((d, budget_ms)) => match tokio::time::timeout_at(d, chained).await {

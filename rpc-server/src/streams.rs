@@ -32,7 +32,7 @@ use crate::admission::{Admission, Slot};
 use crate::dispatch::{
     settle, to_message, with_load, Dispatcher, FallbackTo, Layered, Outcome, Route,
 };
-use crate::middleware::{LayerFuture, Next, ServerRequest, StreamEndHooks, StreamSlot};
+use crate::middleware::{ServerRequest, StreamEndHooks, StreamSlot};
 use crate::telemetry;
 
 /// The answer to a call whose shape is not its method's.
@@ -220,17 +220,7 @@ fn layered(
     let cause = FallbackCause::default();
     let told = cause.clone();
     let setup: StreamFuture = Box::pin(async move {
-        let first: LayerFuture<'_> = match chain.layers.first() {
-            Some(layer) => layer.call(
-                &mut req,
-                Next {
-                    chain: &chain,
-                    at: 1,
-                },
-            ),
-            None => Box::pin(chain.end.run(&mut req)),
-        };
-        first.await?;
+        Layered::start(&chain, &mut req).await?;
         if let Some(c) = req.fallback_cause {
             told.set(c);
         }
