@@ -402,6 +402,14 @@ async fn a_server_fallback_does_not_start_after_the_callers_deadline() {
             },
         )
         .build();
+    // B connects to C first: on a busy machine a connect still under way at A's deadline
+    // would fail B's handler with a communication error at that very instant, a race with
+    // the server's own 519 that this test is not about.
+    let warm = TierCClient::new(b_client.with_options(timeout_of(50)));
+    let e = within("B's first call to C", warm.hang())
+        .await
+        .expect_err("C never answers");
+    assert_eq!(e.code(), StatusCode::Timeout, "{e}");
     let b = Server::builder()
         .registry(reg.clone())
         .add_service(TierBServer::new(Middle(TierCClient::new(b_client))))
