@@ -425,6 +425,34 @@ fn call_options_problem(o: &GovernanceOverrides) -> Option<RpcError> {
     })
 }
 
+/// How often a departed endpoint's connections are looked at until they are idle.
+const FORGET_CHECK: Duration = Duration::from_secs(1);
+
+/// An endpoint left a service's snapshot: once no service of the client lists it and its
+/// connections carry no call, they are closed and the pool forgets it. Without this, a
+/// connection to an instance that left the registry while its process lives on stayed open,
+/// pinging, for the client's life, and every address ever called kept its pool entry. Calls
+/// still running (a draining server finishing them) end first; the endpoint announced again
+/// meanwhile is kept.
+async fn forget_when_idle(inner: std::sync::Weak<Inner>, addr: String) {
+    loop {
+        let Some(inner) = inner.upgrade() else { return };
+        let listed = inner
+            .services
+            .iter()
+            .any(|s| s.endpoints().iter().any(|i| i.address == addr));
+        if listed {
+            return;
+        }
+        if inner.pool.is_idle(&addr) {
+            inner.pool.evict(&addr);
+            return;
+        }
+        drop(inner);
+        tokio::time::sleep(FORGET_CHECK).await;
+    }
+}
+
 /// The gauges' last values stay for the next collection: a program's final metrics flush
 /// often comes after its client is dropped.
 #[cfg(feature = "otel")]
@@ -918,14 +946,24 @@ impl Client {
             publish(&self.inner.governance, service_id, &watch.current());
             let inner = Arc::downgrade(&self.inner);
             let mut watch = watch;
+            let mut listed: Vec<String> =
+                watch.current().iter().map(|i| i.address.clone()).collect();
             let follower = tokio::spawn(async move {
                 while watch.changed().await.is_ok() {
-                    let Some(inner) = inner.upgrade() else { return };
-                    publish(&inner.governance, service_id, &watch.current());
-                    let state = inner.services.get(service_id).map(|s| s.clone());
+                    let Some(strong) = inner.upgrade() else {
+                        return;
+                    };
+                    let current = watch.current();
+                    publish(&strong.governance, service_id, &current);
+                    let state = strong.services.get(service_id).map(|s| s.clone());
                     if let Some(state) = state {
-                        state.refresh(inner.governance.health());
+                        state.refresh(strong.governance.health());
                     }
+                    let now: Vec<String> = current.iter().map(|i| i.address.clone()).collect();
+                    for gone in listed.iter().filter(|a| !now.contains(a)) {
+                        tokio::spawn(forget_when_idle(inner.clone(), gone.clone()));
+                    }
+                    listed = now;
                 }
             });
             state.follow(&follower);

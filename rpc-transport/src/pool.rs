@@ -137,6 +137,20 @@ impl ConnectionPool {
         attempt.await
     }
 
+    /// Whether no connection to `addr` carries a call or a stream (true for an address the
+    /// pool does not know).
+    pub fn is_idle(&self, addr: &str) -> bool {
+        let Some(endpoint) = self.inner.slots.get(addr) else {
+            return true;
+        };
+        endpoint.conns.iter().all(|slot| {
+            slot.read()
+                .unwrap_or_else(|p| p.into_inner())
+                .as_ref()
+                .is_none_or(|c| c.in_flight() == 0)
+        })
+    }
+
     /// Closes and forgets every connection to `addr`.
     pub fn evict(&self, addr: &str) {
         if let Some((_, endpoint)) = self.inner.slots.remove(addr) {

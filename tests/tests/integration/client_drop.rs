@@ -193,3 +193,26 @@ async fn a_dropped_client_releases_its_registry_watches() {
     drop(client);
     within("every watch dropped", tx.closed()).await;
 }
+
+/// An instance that leaves the registry while its process lives on: once its connection
+/// carries no call, the client closes it (before, it stayed open, pinging, for the client's
+/// whole life).
+#[tokio::test]
+async fn the_idle_connection_to_an_instance_gone_from_the_registry_is_closed() {
+    let (addr, mut seen) = raw_server().await;
+    let reg = rpc::InProcessRegistry::new();
+    rpc::Registry::register(&reg, rpc::Instance::new(addr.to_string(), ["t.Dropped"]))
+        .await
+        .expect("register");
+    let client = Client::builder().registry(reg.clone()).build();
+    let dropped = DroppedClient::new(client.clone());
+    assert_eq!(within("hi", dropped.hi()).await.expect("hi"), "raw");
+    assert_eq!(recv_one("the handshake", &mut seen).await, Seen::Connected);
+    rpc::Registry::deregister(&reg, &addr.to_string())
+        .await
+        .expect("deregister");
+    assert_eq!(
+        recv_one("the client closes the connection", &mut seen).await,
+        Seen::Closed
+    );
+}
