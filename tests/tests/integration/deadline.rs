@@ -6,7 +6,7 @@ use crate::common;
 use std::time::{Duration, Instant};
 
 use common::{no_retry, recv_one, until_entered, within, DropSignal, RawConn};
-use rpc::crates::core::wire::{frame::Kind, HelloAck, RemoteInvokeMessage};
+use rpc::crates::core::wire::{frame::Kind, HelloAck, RemoteInvokeMessage, RemoteResultMessage};
 use rpc::crates::core::NoArgs;
 use rpc::crates::transport::{ConnectOptions, Connection};
 use rpc::{
@@ -419,22 +419,7 @@ async fn a_server_fallback_does_not_start_after_the_callers_deadline() {
         .expect("serve B");
     let mut b_events = b.events().subscribe();
     // A speaks the wire by hand and does not cancel: B alone decides at the deadline.
-    let mut a = RawConn::connect(b.local_addr()).await;
-    a.handshake().await;
-    a.send(Kind::Invoke(RemoteInvokeMessage {
-        message_id: 1,
-        service_entry_id: "t.TierB.ask".into(),
-        codec: Codec::MsgPack.to_wire(),
-        parameters: Codec::MsgPack.encode(&NoArgs).expect("encode"),
-        timeout_ms: 100,
-        ..Default::default()
-    }))
-    .await
-    .expect("send the call");
-    match within("B's answer", a.recv()).await {
-        Some(Kind::Result(r)) => assert_eq!(r.status_code, 519, "{r:?}"),
-        other => panic!("expected B's answer, got {other:?}"),
-    }
+    assert_eq!(raw_ask(&b, 100).await.status_code, 519);
     let skipped = next_event(&mut b_events, EventKind::FallbackSkipped).await;
     assert_eq!(&*skipped.entry, "t.TierB.ask");
     // The skip is decided where the fallback would have been called: it never ran.
@@ -444,6 +429,27 @@ async fn a_server_fallback_does_not_start_after_the_callers_deadline() {
     );
     within("shutdown B", b.shutdown()).await;
     within("shutdown C", c.shutdown()).await;
+}
+
+/// B's answer to `ask` with a budget of `timeout_ms`, from a caller speaking the wire by hand
+/// (which never cancels: B alone decides at the deadline).
+async fn raw_ask(b: &rpc::ServerHandle, timeout_ms: u32) -> RemoteResultMessage {
+    let mut a = RawConn::connect(b.local_addr()).await;
+    a.handshake().await;
+    a.send(Kind::Invoke(RemoteInvokeMessage {
+        message_id: 1,
+        service_entry_id: "t.TierB.ask".into(),
+        codec: Codec::MsgPack.to_wire(),
+        parameters: Codec::MsgPack.encode(&NoArgs).expect("encode"),
+        timeout_ms,
+        ..Default::default()
+    }))
+    .await
+    .expect("send the call");
+    match within("B's answer", a.recv()).await {
+        Some(Kind::Result(r)) => r,
+        other => panic!("expected B's answer, got {other:?}"),
+    }
 }
 
 /// Fails at once, as a broken handler does.
@@ -476,22 +482,7 @@ async fn a_server_fallback_still_running_at_the_deadline_is_answered_519() {
         .serve("127.0.0.1:0")
         .await
         .expect("serve B");
-    let mut a = RawConn::connect(b.local_addr()).await;
-    a.handshake().await;
-    a.send(Kind::Invoke(RemoteInvokeMessage {
-        message_id: 1,
-        service_entry_id: "t.TierB.ask".into(),
-        codec: Codec::MsgPack.to_wire(),
-        parameters: Codec::MsgPack.encode(&NoArgs).expect("encode"),
-        timeout_ms: 100,
-        ..Default::default()
-    }))
-    .await
-    .expect("send the call");
-    match within("B's answer", a.recv()).await {
-        Some(Kind::Result(r)) => assert_eq!(r.status_code, 519, "{r:?}"),
-        other => panic!("expected B's answer, got {other:?}"),
-    }
+    assert_eq!(raw_ask(&b, 100).await.status_code, 519);
     within("shutdown B", b.shutdown()).await;
 }
 

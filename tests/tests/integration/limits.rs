@@ -492,47 +492,53 @@ impl Gone for Vanishing {
     }
 }
 
-/// A client that vanishes (a reset) while the server waits for its answers to be written:
-/// the write fails, and the connection ends with its calls, though the server no longer read
-/// it (before, it waited for the write for ever: a call without a deadline kept it from
-/// idling out, and the connection, its slot and its calls were held until shutdown).
-#[tokio::test(start_paused = true)]
-async fn a_client_that_vanishes_while_its_answers_wait_ends_its_connection_and_calls() {
-    let (dropped, mut handlers_dropped) = tokio::sync::mpsc::unbounded_channel();
-    let server = Server::builder()
-        .max_unsent_bytes(1024)
-        .idle_timeout(std::time::Duration::from_secs(1))
+/// A `t.Gone` server (its builder's options set by `configure`), a raw client of it past the
+/// handshake, and the channel told of each `forever` call dropped.
+async fn vanishing(
+    configure: impl FnOnce(rpc::ServerBuilder) -> rpc::ServerBuilder,
+) -> (
+    ServerHandle,
+    RawConn,
+    tokio::sync::mpsc::UnboundedReceiver<()>,
+) {
+    let (dropped, handlers_dropped) = tokio::sync::mpsc::unbounded_channel();
+    let server = configure(Server::builder())
         .add_service(GoneServer::new(Vanishing { dropped }))
         .serve("127.0.0.1:0")
         .await
         .expect("serve");
     let mut raw = RawConn::connect(server.local_addr()).await;
     raw.handshake().await;
-    let call = |id: u64, method: &str, parameters: bytes::Bytes| {
-        Kind::Invoke(RemoteInvokeMessage {
-            message_id: id,
-            service_entry_id: format!("t.Gone.{method}"),
-            codec: Codec::MsgPack.to_wire(),
-            parameters,
-            ..Default::default()
-        })
-    };
-    raw.send(call(
-        1,
-        "forever",
-        Codec::MsgPack.encode(&()).expect("encode"),
-    ))
-    .await
-    .expect("send");
+    (server, raw, handlers_dropped)
+}
+
+/// Call `id` of `t.Gone.<method>` with `args`.
+fn gone(id: u64, method: &str, args: &impl serde::Serialize) -> Kind {
+    Kind::Invoke(RemoteInvokeMessage {
+        message_id: id,
+        service_entry_id: format!("t.Gone.{method}"),
+        codec: Codec::MsgPack.to_wire(),
+        parameters: Codec::MsgPack.encode(args).expect("encode"),
+        ..Default::default()
+    })
+}
+
+/// A client that vanishes (a reset) while the server waits for its answers to be written:
+/// the write fails, and the connection ends with its calls, though the server no longer read
+/// it (before, it waited for the write for ever: a call without a deadline kept it from
+/// idling out, and the connection, its slot and its calls were held until shutdown).
+#[tokio::test(start_paused = true)]
+async fn a_client_that_vanishes_while_its_answers_wait_ends_its_connection_and_calls() {
+    let (server, mut raw, mut handlers_dropped) = vanishing(|b| {
+        b.max_unsent_bytes(1024)
+            .idle_timeout(std::time::Duration::from_secs(1))
+    })
+    .await;
+    raw.send(gone(1, "forever", &())).await.expect("send");
     // 12 MiB: more than the socket buffers of loopback hold, so the writer waits.
-    let twelve_mib: (u32,) = (12 << 20,);
-    raw.send(call(
-        2,
-        "big",
-        Codec::MsgPack.encode(&twelve_mib).expect("encode"),
-    ))
-    .await
-    .expect("send");
+    raw.send(gone(2, "big", &(12u32 << 20,)))
+        .await
+        .expect("send");
     // The paused clock moves only once every task waits: the answer is queued and its write
     // blocked. The next frame the reader takes finds the backlog over the limit: it stops
     // reading.
@@ -555,26 +561,12 @@ async fn a_client_that_vanishes_while_its_answers_wait_ends_its_connection_and_c
 /// calls without an answer never reached the server, though they had run.
 #[tokio::test(start_paused = true)]
 async fn a_draining_server_writes_every_answer_to_a_slow_reader_before_it_closes() {
-    let (dropped, _) = tokio::sync::mpsc::unbounded_channel();
-    let server = Server::builder()
-        .add_service(GoneServer::new(Vanishing { dropped }))
-        .serve("127.0.0.1:0")
-        .await
-        .expect("serve");
-    let mut raw = RawConn::connect(server.local_addr()).await;
-    raw.handshake().await;
+    let (server, mut raw, _) = vanishing(|b| b).await;
     let calls = 16u64;
-    let one_mib: (u32,) = (1 << 20,);
     for id in 1..=calls {
-        raw.send(Kind::Invoke(RemoteInvokeMessage {
-            message_id: id,
-            service_entry_id: "t.Gone.big".into(),
-            codec: Codec::MsgPack.to_wire(),
-            parameters: Codec::MsgPack.encode(&one_mib).expect("encode"),
-            ..Default::default()
-        }))
-        .await
-        .expect("send");
+        raw.send(gone(id, "big", &(1u32 << 20,)))
+            .await
+            .expect("send");
     }
     // Everything runs until it waits: answers fill the socket buffers, the rest is queued.
     tokio::time::sleep(std::time::Duration::from_millis(1)).await;

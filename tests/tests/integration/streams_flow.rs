@@ -387,45 +387,8 @@ async fn a_grant_for_more_items_than_were_sent_ends_the_stream() {
     within("shutdown", server.shutdown()).await;
 }
 
-/// A stream and a long poll fill the connection's in-flight limit (2); the client's calls
-/// beyond it are refused, many in a row. Its frames are still read while a stream is open: the
-/// stream's credit arrives, and the stream goes on (before, one unary call among the running
-/// ones was enough for the server to stop reading, and the stream stalled until its deadline).
-#[tokio::test]
-async fn a_stream_beside_a_long_poll_at_the_in_flight_limit_still_gets_its_credit_read() {
-    let server = Server::builder()
-        .max_in_flight_per_connection(2)
-        .add_service(FlowServer::new(Texts(Arc::new(AtomicU64::new(0)))))
-        .serve("127.0.0.1:0")
-        .await
-        .expect("serve");
-    let (mut raw, _ack) = raw_client_with_window(&server, 1).await;
-    raw.send(Kind::Invoke(RemoteInvokeMessage {
-        message_id: 1,
-        service_entry_id: "t.Flow.text".into(),
-        parameters: Codec::MsgPack.encode(&(8u32,)).expect("encode"),
-        stream_mode: StreamMode::Server as i32,
-        ..Default::default()
-    }))
-    .await
-    .expect("open");
-    raw.send(Kind::Invoke(RemoteInvokeMessage {
-        message_id: 3,
-        service_entry_id: "t.Flow.hold".into(),
-        parameters: Codec::MsgPack.encode(&()).expect("encode"),
-        ..Default::default()
-    }))
-    .await
-    .expect("hold");
-    let mut items = 0;
-    loop {
-        match within("the stream's acceptance", raw.recv()).await {
-            Some(Kind::StreamCredit(_)) => break,
-            Some(Kind::StreamItem(_)) => items += 1,
-            other => panic!("expected the stream's acceptance, got {other:?}"),
-        }
-    }
-    let calls = 2 * u64::from(rpc::crates::transport::REFUSALS_BEFORE_PAUSE);
+/// Sends `calls` echo calls, ids from 100, without waiting for their answers.
+async fn send_echoes(raw: &mut RawConn, calls: u64) {
     for id in 0..calls {
         raw.send(Kind::Invoke(RemoteInvokeMessage {
             message_id: 100 + id,
@@ -436,6 +399,40 @@ async fn a_stream_beside_a_long_poll_at_the_in_flight_limit_still_gets_its_credi
         .await
         .expect("call");
     }
+}
+
+/// A server taking two calls at a time per connection, and a raw client of it with a window of
+/// one item.
+async fn two_at_a_time() -> (ServerHandle, RawConn) {
+    let server = Server::builder()
+        .max_in_flight_per_connection(2)
+        .add_service(FlowServer::new(Texts(Arc::new(AtomicU64::new(0)))))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let (raw, _ack) = raw_client_with_window(&server, 1).await;
+    (server, raw)
+}
+
+/// A stream and a long poll fill the connection's in-flight limit (2); the client's calls
+/// beyond it are refused, many in a row. Its frames are still read while a stream is open: the
+/// stream's credit arrives, and the stream goes on (before, one unary call among the running
+/// ones was enough for the server to stop reading, and the stream stalled until its deadline).
+#[tokio::test]
+async fn a_stream_beside_a_long_poll_at_the_in_flight_limit_still_gets_its_credit_read() {
+    let (server, mut raw) = two_at_a_time().await;
+    open_text(&mut raw, 1, 8).await;
+    raw.send(Kind::Invoke(RemoteInvokeMessage {
+        message_id: 3,
+        service_entry_id: "t.Flow.hold".into(),
+        parameters: Codec::MsgPack.encode(&()).expect("encode"),
+        ..Default::default()
+    }))
+    .await
+    .expect("hold");
+    let mut items = 0;
+    let calls = 2 * u64::from(rpc::crates::transport::REFUSALS_BEFORE_PAUSE);
+    send_echoes(&mut raw, calls).await;
     raw.grant(1, 1).await;
     let mut refused = 0;
     while refused < calls || items < 2 {
@@ -461,13 +458,7 @@ async fn a_stream_beside_a_long_poll_at_the_in_flight_limit_still_gets_its_credi
 /// frames: a stream finishes only through them (here: the credit that lets stream 1 go on).
 #[tokio::test]
 async fn streams_at_the_in_flight_limit_still_get_their_credit_read() {
-    let server = Server::builder()
-        .max_in_flight_per_connection(2)
-        .add_service(FlowServer::new(Texts(Arc::new(AtomicU64::new(0)))))
-        .serve("127.0.0.1:0")
-        .await
-        .expect("serve");
-    let (mut raw, _ack) = raw_client_with_window(&server, 1).await;
+    let (server, mut raw) = two_at_a_time().await;
     for id in [1, 3] {
         raw.send(Kind::Invoke(RemoteInvokeMessage {
             message_id: id,
@@ -490,16 +481,7 @@ async fn streams_at_the_in_flight_limit_still_get_their_credit_read() {
         }
     }
     let calls = 20u64;
-    for id in 0..calls {
-        raw.send(Kind::Invoke(RemoteInvokeMessage {
-            message_id: 100 + id,
-            service_entry_id: "t.Flow.echo".into(),
-            parameters: Codec::MsgPack.encode(&("ping",)).expect("encode"),
-            ..Default::default()
-        }))
-        .await
-        .expect("call");
-    }
+    send_echoes(&mut raw, calls).await;
     let mut refused = 0;
     while refused < calls {
         match within("the refusals", raw.recv()).await {
