@@ -343,6 +343,17 @@ impl ServerBuilder {
         self
     }
 
+    /// Bytes that running calls' compressed arguments may hold beyond their size on the wire,
+    /// over all connections (256 MiB by default, never less than one maximal frame): a few
+    /// hundred bytes of zstd can expand to a whole frame, so without it a client could make the
+    /// server hold its frame limit times its in-flight limit for almost nothing sent. A
+    /// compressed call beyond what is left is answered Overflow (515) without running; plain
+    /// arguments take nothing from it.
+    pub fn max_decompressed_bytes(mut self, n: usize) -> Self {
+        self.options.max_decompressed_bytes = n;
+        self
+    }
+
     /// Polls each call's handler once on the connection's reader before giving it a task of its
     /// own (off by default). A handler that answers in that poll then costs no task, which
     /// saves about a microsecond per call (RELIABILITY.md has the figures).

@@ -9,6 +9,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::connection::{run_connection, Served};
+use super::expansion::ExpansionBudget;
 use super::handler::InvokeHandler;
 use super::options::ServerOptions;
 use crate::peer::PeerAddr;
@@ -30,6 +31,7 @@ pub async fn serve<L: Listener>(
     let server = Arc::new(Served {
         handler,
         budget: ReadBudget::new(options.max_read_buffer_bytes, options.max_frame_length),
+        expansion: ExpansionBudget::new(options.max_decompressed_bytes, options.max_frame_length),
         options,
         shutdown: shutdown.clone(),
         drain_deadline: std::sync::OnceLock::new(),

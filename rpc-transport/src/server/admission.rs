@@ -12,6 +12,7 @@ use rpc_core::StreamMode;
 use tokio::time::Instant;
 
 use super::calls::{dispatch, Conn};
+use super::expansion::{Expanded, ExpansionBudget};
 use super::handler::{error_result, InvokeHandler};
 use super::options::{ServerOptions, ABUSE_LIMIT};
 use super::streams::{Inbound, Queued, StreamSlot};
@@ -69,6 +70,7 @@ pub(super) struct FrameCtx<'a> {
     pub(super) options: &'a ServerOptions,
     pub(super) handler: &'a dyn InvokeHandler,
     pub(super) caller: Arc<Caller>,
+    pub(super) expansion: &'a ExpansionBudget,
 }
 
 impl FrameCtx<'_> {
@@ -169,14 +171,9 @@ impl FrameCtx<'_> {
                 } else if matches!(invoke.mode(), Some(StreamMode::Client | StreamMode::Bidi)) {
                     // Compressed set-up arguments are unpacked as a unary call's are.
                     let mut invoke = invoke;
-                    if invoke.compression != 0 {
-                        if let Err(why) = unpack(&mut invoke, self.options.max_frame_length) {
-                            let mut r = error_result(StatusCode::FrameworkError, why);
-                            r.message_id = id;
-                            conn.sender.send(Kind::Result(r));
-                            return Ok(());
-                        }
-                    }
+                    let Ok(expanded) = self.unpack(&mut invoke, id) else {
+                        return Ok(());
+                    };
                     // The client's items may come before the handler is set up: they wait in
                     // the stream's queue, which exists from now on.
                     let slot = Arc::new(StreamSlot::new(
@@ -188,19 +185,21 @@ impl FrameCtx<'_> {
                     let inbound = Inbound::new(id, slot.clone(), conn.sender.clone());
                     let inbound = rpc_core::RpcStream::try_new(inbound);
                     let outcome = self.handler.handle_stream(invoke, &self.caller, inbound);
-                    dispatch(conn, outcome, id, false, Some(slot));
+                    dispatch(conn, outcome, id, false, Some(slot), expanded);
                 } else {
                     let mut invoke = invoke;
-                    if invoke.compression != 0 {
-                        if let Err(why) = unpack(&mut invoke, self.options.max_frame_length) {
-                            let mut r = error_result(StatusCode::FrameworkError, why);
-                            r.message_id = id;
-                            conn.sender.send(Kind::Result(r));
-                            return Ok(());
-                        }
-                    }
+                    let Ok(expanded) = self.unpack(&mut invoke, id) else {
+                        return Ok(());
+                    };
                     let outcome = self.handler.handle(invoke, &self.caller);
-                    dispatch(conn, outcome, id, self.options.inline_first_poll, None);
+                    dispatch(
+                        conn,
+                        outcome,
+                        id,
+                        self.options.inline_first_poll,
+                        None,
+                        expanded,
+                    );
                 }
                 Ok(())
             }
@@ -265,18 +264,44 @@ impl FrameCtx<'_> {
     }
 }
 
-/// Decompresses a call's parameters, at most the frame limit of them; when they do not
-/// decompress, why (answered with status 500 instead of running the call). The connection and
-/// its other calls go on: one bad payload says nothing about the next.
-fn unpack(invoke: &mut Invoke, limit: usize) -> Result<(), String> {
-    match crate::compression::decompress(invoke.compression, &invoke.parameters, limit) {
-        Ok(plain) => {
-            invoke.parameters = plain;
-            Ok(())
+impl FrameCtx<'_> {
+    /// Decompresses call `id`'s parameters, at most the frame limit of them, with their share
+    /// of the server's expansion budget. A call whose parameters do not decompress is answered
+    /// 500, one beyond what is left of the budget 515, and neither runs (`Err`). The
+    /// connection and its other calls go on: one bad payload says nothing about the next.
+    fn unpack(&self, invoke: &mut Invoke, id: u64) -> Result<Option<Expanded>, ()> {
+        if invoke.compression == 0 {
+            return Ok(None);
         }
-        Err(e) => Err(format!(
-            "the call to {:?} was not run: {e}",
-            invoke.service_entry_id
-        )),
+        let limit = self.options.max_frame_length;
+        let refusal =
+            match crate::compression::decompress(invoke.compression, &invoke.parameters, limit) {
+                Ok(plain) => match self.expansion.take(invoke.parameters.len(), plain.len()) {
+                    Some(share) => {
+                        invoke.parameters = plain;
+                        return Ok(share);
+                    }
+                    None => error_result(
+                        StatusCode::OverflowMaxServerHandle,
+                        format!(
+                            "the call to {:?} was not run: its arguments decompress to {} \
+                             bytes, more than is left of the server's budget for decompressed \
+                             arguments of running calls ({} bytes); retry later or elsewhere, \
+                             or send it uncompressed",
+                            invoke.service_entry_id,
+                            plain.len(),
+                            self.options.max_decompressed_bytes,
+                        ),
+                    ),
+                },
+                Err(e) => error_result(
+                    StatusCode::FrameworkError,
+                    format!("the call to {:?} was not run: {e}", invoke.service_entry_id),
+                ),
+            };
+        let mut r = refusal;
+        r.message_id = id;
+        self.conn.sender.send(Kind::Result(r));
+        Err(())
     }
 }

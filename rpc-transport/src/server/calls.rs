@@ -11,6 +11,7 @@ use rpc_core::wire::{frame::Kind, RemoteResultMessage};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
+use super::expansion::Expanded;
 use super::handler::error_result;
 use super::handler::Dispatch;
 use super::runner::{self, CallFuture, CallSink, CallTag, Runners, Running};
@@ -85,6 +86,7 @@ pub(super) fn dispatch(
     id: u64,
     inline_first_poll: bool,
     slot: Option<Arc<StreamSlot>>,
+    expanded: Option<Expanded>,
 ) {
     if !matches!(outcome, Dispatch::Stream(_) | Dispatch::Events(_)) {
         // A stream refused (or answered as a call): its client's items go nowhere.
@@ -107,15 +109,21 @@ pub(super) fn dispatch(
                 // The reader gives way before it waits for more frames (see `Handoff`).
                 conn.give_way.store(true, Ordering::Relaxed);
             }
-            spawn(conn, id, fut);
+            spawn(conn, id, fut, expanded);
         }
-        Dispatch::Stream(events) => stream(conn, id, Events::Plain(events), slot),
-        Dispatch::Events(events) => stream(conn, id, Events::Into(events), slot),
+        Dispatch::Stream(events) => stream(conn, id, Events::Plain(events), slot, expanded),
+        Dispatch::Events(events) => stream(conn, id, Events::Into(events), slot, expanded),
     }
 }
 
 /// Runs stream `id` answering its call with `events` in a task of the connection.
-fn stream(conn: &Arc<Conn>, id: u64, events: Events, slot: Option<Arc<StreamSlot>>) {
+fn stream(
+    conn: &Arc<Conn>,
+    id: u64,
+    events: Events,
+    slot: Option<Arc<StreamSlot>>,
+    expanded: Option<Expanded>,
+) {
     let Some(window) = conn.client_window else {
         // (The reader refuses stream opens from such clients before the handler.)
         send_result(
@@ -138,16 +146,17 @@ fn stream(conn: &Arc<Conn>, id: u64, events: Events, slot: Option<Arc<StreamSlot
         &conn.streams,
         conn.sender.clone(),
     );
-    spawn(conn, id, Box::pin(driver));
+    spawn(conn, id, Box::pin(driver), expanded);
 }
 
-/// Runs call `id` in a task of the connection, counted in flight until it ends.
-fn spawn(conn: &Arc<Conn>, id: u64, fut: CallFuture) {
+/// Runs call `id` in a task of the connection, counted in flight until it ends, holding
+/// `expanded` (its decompressed arguments' share of the server's budget) until then.
+fn spawn(conn: &Arc<Conn>, id: u64, fut: CallFuture, expanded: Option<Expanded>) {
     conn.in_flight.fetch_add(1, Ordering::AcqRel);
     // The map stays locked until the call is in it: its task looks it up there when it
     // finishes.
     let mut tasks = conn.tasks();
-    let running = runner::start(conn, id, fut);
+    let running = runner::start(conn, id, fut, expanded);
     tasks.insert(id, running);
 }
 

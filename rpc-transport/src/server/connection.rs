@@ -16,6 +16,7 @@ use tokio_util::sync::CancellationToken;
 use super::admission::{throttle_at, CallRate, FrameCtx};
 use super::calls::{Conn, ConnCleanup, Handoff};
 use super::drain::drain;
+use super::expansion::ExpansionBudget;
 use super::handler::{go_away, InvokeHandler};
 use super::handshake::handshake;
 use super::options::{ServerOptions, MAX_HELLO_FRAME, PAUSED_KEEPALIVE, REFUSALS_BEFORE_PAUSE};
@@ -34,6 +35,8 @@ pub(super) struct Served {
     pub(super) handler: Arc<dyn InvokeHandler>,
     /// Shared by the read buffers of every connection's large frames.
     pub(super) budget: ReadBudget,
+    /// Shared by the decompressed arguments of every connection's running calls.
+    pub(super) expansion: ExpansionBudget,
     pub(super) options: ServerOptions,
     pub(super) shutdown: CancellationToken,
     /// When every connection's drain ends: `drain_timeout` after the shutdown, fixed by the
@@ -66,6 +69,7 @@ pub(super) async fn run_connection<R, W>(
     let Served {
         handler,
         budget,
+        expansion,
         options,
         shutdown,
         ..
@@ -152,6 +156,7 @@ pub(super) async fn run_connection<R, W>(
         options,
         handler: handler.as_ref(),
         caller,
+        expansion,
     };
 
     let mut rate = options

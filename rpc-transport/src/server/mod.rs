@@ -6,7 +6,7 @@
 //! tasks, reused), [`calls`] (the calls running on a connection, matched by `message_id` for
 //! `Cancel`), [`admission`] (which frames and calls a connection may send: in-flight,
 //! attachment and rate limits), [`streams`] (the streams a connection serves: credit, items,
-//! end), [`drain`] (graceful end), [`connection`] (one connection's read loop), [`accept`]
+//! end), [`expansion`] (the budget for what compressed calls expand to), [`drain`] (graceful end), [`connection`] (one connection's read loop), [`accept`]
 //! (the accept loop and `max_connections`).
 
 mod accept;
@@ -14,6 +14,7 @@ mod admission;
 mod calls;
 mod connection;
 mod drain;
+mod expansion;
 mod handler;
 mod handshake;
 mod options;

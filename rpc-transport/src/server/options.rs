@@ -45,6 +45,12 @@ pub struct ServerOptions {
     /// frames are complete. Frames before the handshake are limited to [`MAX_HELLO_FRAME`]
     /// bytes instead.
     pub max_read_buffer_bytes: usize,
+    /// Bytes that running calls' compressed arguments may hold beyond their size on the wire
+    /// (what decompression adds), summed over every connection of the server (never less than
+    /// one frame of `max_frame_length`). A compressed call that would need more than is left
+    /// is answered Overflow (515) without running. Uncompressed arguments take nothing from it:
+    /// the read budget and the in-flight limit bound them.
+    pub max_decompressed_bytes: usize,
     /// Whether a call's handler is first polled on the connection's reader, before a task is
     /// spawned for it: a handler that answers in that poll then costs no task. Only for
     /// servers whose handlers never block nor compute for long before their first `.await`:
@@ -80,6 +86,7 @@ impl Default for ServerOptions {
             max_unsent_bytes: 1024 * 1024,
             max_calls_per_second_per_connection: None,
             max_read_buffer_bytes: 64 * 1024 * 1024,
+            max_decompressed_bytes: 256 * 1024 * 1024,
             inline_first_poll: false,
             stream_window: DEFAULT_STREAM_WINDOW,
             stream_window_bytes: DEFAULT_STREAM_WINDOW_BYTES,
@@ -111,6 +118,7 @@ impl std::fmt::Debug for ServerOptions {
                 &self.max_calls_per_second_per_connection,
             )
             .field("max_read_buffer_bytes", &self.max_read_buffer_bytes)
+            .field("max_decompressed_bytes", &self.max_decompressed_bytes)
             .field("inline_first_poll", &self.inline_first_poll)
             .field("stream_window", &self.stream_window)
             .field("stream_window_bytes", &self.stream_window_bytes);

@@ -17,6 +17,7 @@ use futures_util::task::AtomicWaker;
 use rpc_core::wire::RemoteResultMessage;
 use rpc_core::StatusCode;
 
+use super::expansion::Expanded;
 use super::handler::error_result;
 
 /// A call's future as its task runs it.
@@ -120,6 +121,9 @@ impl CallTag {
 pub(super) struct Running {
     runner: Arc<Runner>,
     generation: u64,
+    /// The call's share of the server's expansion budget, given back as the call leaves the
+    /// connection's table of running calls.
+    _expanded: Option<Expanded>,
 }
 
 impl Running {
@@ -176,7 +180,12 @@ impl Runners {
 }
 
 /// Runs call `id` of `conn` in an idle task of the connection, or in a new one.
-pub(super) fn start<C: CallSink>(conn: &Arc<C>, id: u64, call: CallFuture) -> Running {
+pub(super) fn start<C: CallSink>(
+    conn: &Arc<C>,
+    id: u64,
+    call: CallFuture,
+    expanded: Option<Expanded>,
+) -> Running {
     let idle = conn.runners().idle().runners.pop();
     let runner = match idle {
         Some(runner) => runner,
@@ -191,7 +200,11 @@ pub(super) fn start<C: CallSink>(conn: &Arc<C>, id: u64, call: CallFuture) -> Ru
         }
     };
     let generation = runner.start(id, call);
-    Running { runner, generation }
+    Running {
+        runner,
+        generation,
+        _expanded: expanded,
+    }
 }
 
 /// Polls call `id`'s future; a panic in it (code outside a handler's own guard: a raw

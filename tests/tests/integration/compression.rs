@@ -584,3 +584,101 @@ async fn the_server_compresses_answers_with_its_own_option_even_for_plain_calls(
     assert!(up > 64 * 1024 && down < 16 * 1024, "{up} up, {down} down");
     within("shutdown", server.shutdown()).await;
 }
+
+#[rpc::service(name = "t.Held")]
+trait Held {
+    /// Says it started, then waits for the test's gate before answering the text's length.
+    async fn hold(&self, text: String) -> Result<u64, RpcError>;
+}
+
+struct Holding {
+    started: tokio::sync::mpsc::UnboundedSender<u64>,
+    gate: Arc<tokio::sync::Semaphore>,
+}
+
+impl Held for Holding {
+    async fn hold(&self, text: String) -> Result<u64, RpcError> {
+        let len = text.len() as u64;
+        let _ = self.started.send(len);
+        let _pass = self.gate.acquire().await.expect("gate open");
+        Ok(len)
+    }
+}
+
+#[tokio::test]
+async fn compressed_calls_beyond_the_servers_decompression_budget_are_refused_515_until_others_end()
+{
+    const KIB: usize = 1024;
+    let (started_tx, mut started) = tokio::sync::mpsc::unbounded_channel();
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    // Room for two calls of 200 KiB decompressed, not three.
+    let server = Server::builder()
+        .add_service(HeldServer::new(Holding {
+            started: started_tx,
+            gate: gate.clone(),
+        }))
+        .max_frame_length(256 * KIB)
+        .max_decompressed_bytes(512 * KIB)
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.handshake().await;
+    let big = text(200 * KIB);
+    let plain = Codec::MsgPack.encode(&(big.as_str(),)).expect("encode");
+    let call = |id: u64, compressed: bool| {
+        Kind::Invoke(RemoteInvokeMessage {
+            message_id: id,
+            service_entry_id: "t.Held.hold".into(),
+            codec: Codec::MsgPack.to_wire(),
+            parameters: if compressed {
+                compress(Compression::Zstd, &plain)
+            } else {
+                plain.clone()
+            },
+            compression: if compressed {
+                Compression::Zstd.to_wire()
+            } else {
+                0
+            },
+            ..Default::default()
+        })
+    };
+    let started_len = |n: Option<u64>| n.expect("a handler started");
+    for id in [1, 2] {
+        raw.send(call(id, true)).await.expect("send");
+        let len = started_len(within("a call within the budget starts", started.recv()).await);
+        assert_eq!(len, big.len() as u64);
+    }
+    // The third would hold 600 KiB in all: refused at once, without running.
+    raw.send(call(3, true)).await.expect("send");
+    let r = raw_result(&mut raw).await;
+    assert_eq!((r.message_id, r.status_code), (3, 515), "{r:?}");
+    assert!(
+        r.exception_message
+            .contains("budget for decompressed arguments")
+            && r.exception_message.contains("t.Held.hold"),
+        "{}",
+        r.exception_message
+    );
+    assert!(started.try_recv().is_err(), "the refused call ran");
+    // Plain arguments take nothing from the budget: the same call uncompressed runs.
+    raw.send(call(4, false)).await.expect("send");
+    started_len(within("a plain call starts", started.recv()).await);
+    // Once one compressed call ends, its share is back and another fits.
+    gate.add_permits(1);
+    let r = raw_result(&mut raw).await;
+    assert_eq!((r.message_id, r.status_code), (1, 200), "{r:?}");
+    raw.send(call(5, true)).await.expect("send");
+    started_len(within("a compressed call starts again", started.recv()).await);
+    gate.add_permits(3);
+    let mut ids: Vec<u64> = Vec::new();
+    for _ in 0..3 {
+        let r = raw_result(&mut raw).await;
+        assert_eq!(r.status_code, 200, "{r:?}");
+        ids.push(r.message_id);
+    }
+    ids.sort_unstable();
+    assert_eq!(ids, [2, 4, 5]);
+    within("shutdown", server.shutdown()).await;
+}

@@ -1,0 +1,98 @@
+//! The server-wide budget for what compressed calls expand to.
+//!
+//! What a call's arguments hold while it runs is what arrived on the wire, bounded by the read
+//! budget as it is read and by the in-flight limit once it runs: a client has to send every
+//! byte it makes the server hold. Compression breaks that: about 600 bytes of zstd expand to
+//! 16 MiB, so one connection's 1024 calls in flight could make the server hold 16 GiB for
+//! 600 KiB sent. So the bytes a call's arguments gain by decompression are taken from one
+//! budget shared by the whole server, and held until the call ends (its answer, `Cancel`, the
+//! connection's end). A compressed call that would need more than is left is answered
+//! Overflow (515) without running, as a full server answers any call: the client's retry
+//! takes it to another endpoint or later. Uncompressed calls take nothing from it.
+
+use std::sync::Arc;
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+/// The budget counts in units of this many bytes, so that a semaphore's `u32` request covers
+/// any expansion within a frame limit of up to 4 TiB.
+const UNIT: usize = 1024;
+
+/// The bytes that running calls' arguments hold beyond their size on the wire.
+#[derive(Debug, Clone)]
+pub(crate) struct ExpansionBudget {
+    units: Arc<Semaphore>,
+}
+
+/// A call's share of the [`ExpansionBudget`], given back when dropped.
+#[derive(Debug)]
+pub(crate) struct Expanded {
+    _share: OwnedSemaphorePermit,
+}
+
+impl ExpansionBudget {
+    /// A budget of `bytes`, raised to one frame of `max_frame_length` if it is less, so that
+    /// any one call within the frame limit can run on an otherwise idle server.
+    pub(crate) fn new(bytes: usize, max_frame_length: usize) -> Self {
+        let units = bytes.max(max_frame_length).div_ceil(UNIT);
+        ExpansionBudget {
+            units: Arc::new(Semaphore::new(units.min(Semaphore::MAX_PERMITS))),
+        }
+    }
+
+    /// The share for arguments of `plain` bytes that arrived as `wire` bytes; `None` when
+    /// what is left is not enough (the caller refuses the call). Nothing is taken for
+    /// arguments no larger than they arrived.
+    pub(crate) fn take(&self, wire: usize, plain: usize) -> Option<Option<Expanded>> {
+        let grown = plain.saturating_sub(wire);
+        if grown == 0 {
+            return Some(None);
+        }
+        let units = u32::try_from(grown.div_ceil(UNIT)).ok()?;
+        self.units
+            .clone()
+            .try_acquire_many_owned(units)
+            .ok()
+            .map(|share| Some(Expanded { _share: share }))
+    }
+
+    /// Bytes left, to the unit.
+    #[cfg(test)]
+    fn left(&self) -> usize {
+        self.units.available_permits() * UNIT
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_share_is_held_until_dropped_and_a_call_beyond_what_is_left_is_refused() {
+        let budget = ExpansionBudget::new(10 * UNIT, 4 * UNIT);
+        let a = budget.take(100, 100 + 6 * UNIT).expect("within the budget");
+        assert!(a.is_some());
+        assert_eq!(budget.left(), 4 * UNIT);
+        assert!(
+            budget.take(0, 5 * UNIT).is_none(),
+            "5 units asked, 4 left: refused"
+        );
+        drop(a);
+        assert_eq!(budget.left(), 10 * UNIT);
+        assert!(budget.take(0, 5 * UNIT).is_some());
+    }
+
+    #[test]
+    fn arguments_no_larger_than_they_arrived_take_nothing() {
+        let budget = ExpansionBudget::new(UNIT, UNIT);
+        assert!(matches!(budget.take(500, 500), Some(None)));
+        assert!(matches!(budget.take(500, 20), Some(None)));
+        assert_eq!(budget.left(), UNIT);
+    }
+
+    #[test]
+    fn the_budget_holds_at_least_one_frame() {
+        let budget = ExpansionBudget::new(0, 3 * UNIT);
+        assert_eq!(budget.left(), 3 * UNIT);
+    }
+}
