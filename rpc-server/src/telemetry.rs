@@ -196,20 +196,46 @@ impl CallWatch {
     }
 }
 
+/// Why a call's handler was dropped before it finished.
+#[derive(Clone, Copy)]
+enum Dropped {
+    /// At the caller's deadline: answered 519.
+    Timeout,
+    /// At the server's drain deadline: answered 520.
+    Drain,
+    /// By the caller's `Cancel` or its connection's end: not answered.
+    Cancelled,
+}
+
+impl Dropped {
+    /// The status (if the caller is answered one) and `rpc.outcome` it is recorded with.
+    fn recorded(self) -> (Option<StatusCode>, &'static str) {
+        match self {
+            Dropped::Timeout => (Some(StatusCode::Timeout), "timeout"),
+            Dropped::Drain => (Some(StatusCode::ServerError), "error"),
+            Dropped::Cancelled => (None, "cancelled"),
+        }
+    }
+}
+
 impl Drop for CallWatch {
     fn drop(&mut self) {
         let (false, Some(started)) = (self.done, self.started) else {
             return;
         };
         let now = Instant::now();
-        let timed_out = self.deadline.is_some_and(|d| now >= d);
-        if timed_out {
-            self.metrics.dropped(Some(StatusCode::Timeout), "timeout");
-            self.tell(Some(StatusCode::Timeout), "timeout");
+        // Why the handler is dropped, as the caller learns it: its own deadline (519), the
+        // server's drain deadline (520), or its `Cancel` or its connection's end (no answer).
+        let why = if self.deadline.is_some_and(|d| now >= d) {
+            Dropped::Timeout
+        } else if rpc_transport::dropped_at_drain_deadline() {
+            Dropped::Drain
         } else {
-            self.metrics.dropped(None, "cancelled");
-            self.tell(None, "cancelled");
-        }
+            Dropped::Cancelled
+        };
+        let (status, outcome) = why.recorded();
+        self.metrics.dropped(status, outcome);
+        self.tell(status, outcome);
         if self.span.is_disabled() {
             return;
         }
@@ -223,20 +249,21 @@ impl Drop for CallWatch {
             Some(_) => format!("{budget_ms} ms budget"),
             None => "no deadline".to_string(),
         };
-        let (outcome, description) = if timed_out {
+        if let Some(status) = status {
             self.span
-                .record("rpc.status_code", i64::from(StatusCode::Timeout.as_u32()));
-            (
-                "timeout",
-                format!(
-                    "handler dropped at the caller's deadline after {elapsed_ms} ms ({budget})"
-                ),
-            )
-        } else {
-            (
-                "cancelled",
-                format!("handler cancelled by the caller after {elapsed_ms} ms ({budget})"),
-            )
+                .record("rpc.status_code", i64::from(status.as_u32()));
+        }
+        let description = match why {
+            Dropped::Timeout => {
+                format!("handler dropped at the caller's deadline after {elapsed_ms} ms ({budget})")
+            }
+            Dropped::Drain => format!(
+                "handler dropped at the server's drain deadline after {elapsed_ms} ms ({budget}); \
+                 the caller was answered 520"
+            ),
+            Dropped::Cancelled => {
+                format!("handler cancelled by the caller after {elapsed_ms} ms ({budget})")
+            }
         };
         self.span.record("outcome", outcome);
         self.span.record("otel.status_code", "ERROR");
@@ -413,8 +440,9 @@ mod otel {
             }
         }
 
-        /// Records a call whose handler was dropped: at its deadline (519, `timeout`) or by
-        /// the caller's `Cancel` (`cancelled`, no status).
+        /// Records a call whose handler was dropped: at its deadline (519, `timeout`), at the
+        /// server's drain deadline (520, `error`) or by the caller's `Cancel` (`cancelled`, no
+        /// status).
         pub(crate) fn dropped(&self, code: Option<StatusCode>, outcome: &'static str) {
             let [service, method, system] = attributes(self.method);
             let mut attrs = vec![

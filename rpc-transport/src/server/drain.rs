@@ -70,7 +70,7 @@ pub(super) async fn drain<R: AsyncRead + Unpin>(
     // when the connection closes were never read.
     let dropped: Vec<_> = conn.tasks().drain().collect();
     for (id, handle) in dropped {
-        handle.abort();
+        handle.abort_at_drain_deadline();
         let mut r = error_result(
             StatusCode::ServerError,
             format!(

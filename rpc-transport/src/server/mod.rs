@@ -28,4 +28,5 @@ pub use options::{
     ServerOptions, ABUSE_LIMIT, DEFAULT_STREAM_WINDOW, DEFAULT_STREAM_WINDOW_BYTES,
     MAX_HELLO_FRAME, PAUSED_KEEPALIVE, REFUSALS_BEFORE_PAUSE,
 };
+pub use runner::dropped_at_drain_deadline;
 pub use streams::ItemSink;

@@ -47,6 +47,8 @@ struct State {
     generation: u64,
     /// The generation of the call `Cancel` aborted last (0: none).
     cancelled: u64,
+    /// That call was aborted at the server's drain deadline, not by `Cancel`.
+    cancelled_at_drain: bool,
     /// From the hand-over of a call until the task is idle again.
     busy: bool,
     /// The connection ended: the task ends.
@@ -72,18 +74,20 @@ impl Runner {
     }
 
     /// Drops the call of `generation`, at once if its task has not taken it up yet, else at the
-    /// task's next poll (as aborting a task would).
-    fn cancel(&self, generation: u64) {
+    /// task's next poll (as aborting a task would); `at_drain`: the server's drain deadline
+    /// passed, rather than `Cancel`.
+    fn cancel(&self, generation: u64, at_drain: bool) {
         let dropped = {
             let mut s = self.state();
             s.cancelled = generation;
+            s.cancelled_at_drain = at_drain;
             if s.generation == generation {
                 s.next.take()
             } else {
                 None
             }
         };
-        drop(dropped);
+        drop_call(dropped, at_drain);
         self.waker.wake();
     }
 
@@ -134,7 +138,13 @@ impl Running {
 
     /// Drops the call's future (and with it the handler) at its task's next poll.
     pub(super) fn abort(&self) {
-        self.runner.cancel(self.generation);
+        self.runner.cancel(self.generation, false);
+    }
+
+    /// As [`abort`](Self::abort), because the server's drain deadline passed: while the future
+    /// is dropped, [`dropped_at_drain_deadline`] says so.
+    pub(super) fn abort_at_drain_deadline(&self) {
+        self.runner.cancel(self.generation, true);
     }
 }
 
@@ -233,6 +243,38 @@ pub(super) fn poll_guarded(
     }
 }
 
+thread_local! {
+    /// Set while a call's future is dropped at the server's drain deadline.
+    static AT_DRAIN_DEADLINE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether the call being dropped on this thread is dropped because the server's drain
+/// deadline passed before it finished (its caller is answered 520), rather than by the
+/// caller's `Cancel` or the connection's end. For code that runs as a handler is dropped (a
+/// `Drop` impl, the server's own telemetry), which could not tell the two apart otherwise.
+pub fn dropped_at_drain_deadline() -> bool {
+    AT_DRAIN_DEADLINE.with(std::cell::Cell::get)
+}
+
+/// Drops a call taken from its task, marked as dropped at the drain deadline if `at_drain`.
+fn drop_call<T>(call: Option<T>, at_drain: bool) {
+    let Some(call) = call else { return };
+    if !at_drain {
+        drop(call);
+        return;
+    }
+    /// Clears the mark however the drop ends (a handler's `Drop` may panic).
+    struct Clear;
+    impl Drop for Clear {
+        fn drop(&mut self) {
+            AT_DRAIN_DEADLINE.with(|c| c.set(false));
+        }
+    }
+    AT_DRAIN_DEADLINE.with(|c| c.set(true));
+    let _clear = Clear;
+    drop(call);
+}
+
 /// The task: takes up each call handed over, runs it, answers it, and becomes idle again.
 struct RunnerTask<C> {
     runner: Arc<Runner>,
@@ -249,6 +291,7 @@ impl<C: CallSink> Future for RunnerTask<C> {
         loop {
             this.runner.waker.register(cx.waker());
             let mut cancelled = None;
+            let mut at_drain = false;
             let mut now_idle = false;
             {
                 let mut s = this.runner.state();
@@ -257,6 +300,7 @@ impl<C: CallSink> Future for RunnerTask<C> {
                 }
                 if matches!(&this.current, Some((_, g, _)) if *g == s.cancelled) {
                     cancelled = this.current.take();
+                    at_drain = s.cancelled_at_drain;
                 }
                 if this.current.is_none() {
                     match s.next.take() {
@@ -266,7 +310,7 @@ impl<C: CallSink> Future for RunnerTask<C> {
                 }
             }
             // Outside the lock: dropping a handler runs its code.
-            drop(cancelled);
+            drop_call(cancelled, at_drain);
             if now_idle {
                 this.conn.runners().put_back(this.runner.clone());
             }

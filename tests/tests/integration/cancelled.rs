@@ -334,6 +334,57 @@ async fn a_call_dropped_at_its_deadline_ends_its_spans_with_519_and_the_event_na
 }
 
 #[tokio::test]
+async fn a_call_dropped_at_the_servers_drain_deadline_is_recorded_as_520_not_cancelled() {
+    let (seen, _guard) = Seen::install();
+    let (entered_tx, mut entered) = mpsc::unbounded_channel();
+    let (dropped_tx, mut dropped) = mpsc::unbounded_channel();
+    let server = Server::builder()
+        .meter(seen.meter.clone())
+        .add_service(SlowServer::new(Hang {
+            entered: entered_tx,
+            dropped: dropped_tx,
+        }))
+        .drain_timeout(std::time::Duration::from_millis(50))
+        .serve("127.0.0.1:0")
+        .await
+        .unwrap();
+    let slow = SlowClient::new(client_of(&server, &seen.meter, 60_000));
+    let call = tokio::spawn(async move { slow.forever().await });
+    recv_one("the handler started", &mut entered).await;
+    // The handler never ends: the drain deadline drops it, and the caller is answered 520.
+    within("shutdown", server.shutdown()).await;
+    recv_one("the handler dropped", &mut dropped).await;
+    let err = within("the call", call).await.unwrap().unwrap_err();
+    assert_eq!(err.code(), StatusCode::ServerError, "{err}");
+
+    let spans = within("the server span ended", async {
+        loop {
+            let spans = seen.spans();
+            if spans.iter().any(|s| s.name == "rpc.server") {
+                return spans;
+            }
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    // The server records what its caller was told, not a cancellation by the caller.
+    let span = one(&spans, "rpc.server");
+    let description = error_description(span);
+    assert!(description.contains("drain deadline"), "{description}");
+    assert_eq!(attr(span, "rpc.status_code"), Some(Value::I64(520)));
+    assert_eq!(attr(span, "outcome"), Some("error".into()));
+    let m = seen.metrics();
+    let drained = [
+        ("rpc.outcome", Value::from("error")),
+        ("rpc.status_code", Value::I64(520)),
+    ];
+    assert_eq!(counter(&m, "rpc.server.calls", &drained), 1);
+    assert_eq!(histogram_count(&m, "rpc.server.duration", &drained), 1);
+    let cancelled = [("rpc.outcome", Value::from("cancelled"))];
+    assert_eq!(counter(&m, "rpc.server.calls", &cancelled), 0);
+}
+
+#[tokio::test]
 async fn a_fallback_answer_is_counted_apart_says_fallback_and_reads_its_cause() {
     let (seen, _guard) = Seen::install();
     let (server, _probe) = serve(&seen.meter).await;
