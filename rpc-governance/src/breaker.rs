@@ -235,6 +235,13 @@ fn break_duration(o: &GovernanceOptions) -> Duration {
     Duration::from_secs(o.breaker_seconds).min(LONGEST_BREAK)
 }
 
+fn isolated_error(entry: &str) -> RpcError {
+    RpcError::new(
+        StatusCode::CircuitOpen,
+        format!("{entry} is isolated by an operator; reset its breaker to call it"),
+    )
+}
+
 fn open_error(entry: &str, retry_after: Duration, cause: Option<&str>) -> RpcError {
     RpcError::new(
         StatusCode::CircuitOpen,
@@ -279,10 +286,7 @@ impl CircuitBreaker {
         let probe_round_over = |since: Instant| now >= since + break_duration(o);
         match s.phase {
             Phase::Closed { .. } => Ok((self.permit(s.generation, false), None)),
-            Phase::Isolated => Err(RpcError::new(
-                StatusCode::CircuitOpen,
-                format!("{entry} is isolated by an operator; reset its breaker to call it"),
-            )),
+            Phase::Isolated => Err(isolated_error(entry)),
             Phase::Open { until } if now < until => {
                 Err(open_error(entry, until - now, s.last_cause.as_deref()))
             }
@@ -319,7 +323,18 @@ impl CircuitBreaker {
     /// Whether an operator isolated the entry ([`isolate`](Self::isolate)): the one refusal
     /// observe mode does not lift.
     pub fn is_isolated(&self) -> bool {
-        matches!(self.lock().phase, Phase::Isolated)
+        self.closed_gen.load(Ordering::Acquire) == NOT_CLOSED
+            && matches!(self.lock().phase, Phase::Isolated)
+    }
+
+    /// For an entry whose breaker is turned off (`enable_circuit_breaker = false`): fails with
+    /// [`StatusCode::CircuitOpen`] while an operator holds it isolated, which turning the
+    /// breaker off does not lift; otherwise admits the call, uncounted.
+    pub fn check_isolation(&self, entry: &str) -> Result<(), RpcError> {
+        if self.is_isolated() {
+            return Err(isolated_error(entry));
+        }
+        Ok(())
     }
 
     fn permit(&self, generation: u64, probe: bool) -> Permit<'_> {

@@ -6,6 +6,9 @@
 //! endpoint while others remain usable says something about that endpoint, not the service: it
 //! is not counted (endpoint health ejects the endpoint instead).
 //!
+//! An entry an operator isolated stays refused even with its breaker turned off
+//! (`enable_circuit_breaker = false`, as a rule or an attribute may say).
+//!
 //! In observe mode (`breaker_observe`) the breaker counts and changes state as usual, and its
 //! events say `observed`, but a call it would fail fast goes on (uncounted, as it would not have
 //! been sent): an operator can watch what a new threshold would do on live traffic first.
@@ -47,6 +50,8 @@ fn event(cx: &CallCx<'_>, t: Transition, cause: Option<&RpcError>) {
 impl<S: Service> Service for CircuitBreakerLayer<S> {
     async fn call(&self, cx: &mut CallCx<'_>, req: Bytes) -> Result<Bytes, RpcError> {
         if !cx.options.enable_circuit_breaker {
+            // Turned off, it counts nothing; but an operator's isolation holds in any mode.
+            cx.policy.breaker().check_isolation(&cx.policy.entry)?;
             return self.inner.call(cx, req).await;
         }
         let policy = cx.policy.clone();

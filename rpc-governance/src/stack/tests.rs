@@ -580,6 +580,22 @@ async fn isolate_and_reset_are_events() {
     );
 }
 
+#[tokio::test(start_paused = true)]
+async fn an_isolated_entry_stays_refused_with_its_breaker_turned_off() {
+    let g = engine(GovernanceOptions {
+        enable_circuit_breaker: false,
+        ..GovernanceOptions::default()
+    });
+    let s = single(vec![ok(), ok()], Duration::ZERO);
+    g.execute(&g.policy(&M), &s).await.unwrap();
+    g.isolate(&M);
+    let err = g.execute(&g.policy(&M), &s).await.unwrap_err();
+    assert_eq!(err.code(), StatusCode::CircuitOpen, "{err}");
+    assert!(err.message().contains("isolated by an operator"), "{err}");
+    g.reset_breaker(&M);
+    g.execute(&g.policy(&M), &s).await.unwrap();
+}
+
 /// Two shards: each call has an owner (as a hash key would), and goes to the owner unless
 /// endpoint health says it is not usable. `sick` answers with `sick_answer`.
 struct Shards<'a> {
