@@ -1044,28 +1044,54 @@ impl Client {
     ) -> impl std::future::Future<Output = Result<Bytes, RpcError>> + Send + '_ {
         let policy = self.inner.governance.policy(method);
         if policy.service_known() {
-            return Either::Left(self.invoke_entry(method, policy, params, hash_key));
+            return Either::Left(self.invoke_entry(method, policy, params, hash_key, None));
         }
-        // An entry's first call: its service is looked up first, so that what the service's
-        // instances publish for the entry is a level of this call's options too. (The key is
-        // hashed now, whatever the strategy turns out to be: once per entry.)
+        // An entry's first call: its service is looked up first (the key is hashed now,
+        // whatever the strategy turns out to be: once per entry).
         let hash = hash_key.map(|h| h());
         Either::Right(Box::pin(async move {
-            if self.service(method.service_id).await.is_ok() {
-                policy.set_service_known();
-            }
+            let started = self.learn_service(method, &policy).await;
             let hash_key = hash.map(|h| move || h);
-            self.invoke_entry(method, policy, params, hash_key).await
+            self.invoke_entry(method, policy, params, hash_key, Some(started))
+                .await
         }))
     }
 
-    /// [`invoke`](Self::invoke) with the entry's policy.
+    /// Before an entry's first call or stream: looks its service up, so that what the
+    /// service's instances publish for the entry is a level of the call's options too. The
+    /// lookup (a registry that is slow or down can take its whole request timeout) counts
+    /// against the call's deadline: it waits no longer than the deadline the call's options
+    /// give before it, and the call's deadline runs from the returned start.
+    pub(crate) async fn learn_service(
+        &self,
+        method: &'static MethodDescriptor,
+        policy: &rpc_governance::engine::EntryPolicy,
+    ) -> tokio::time::Instant {
+        let started = tokio::time::Instant::now();
+        let options = match &self.call_options {
+            None => policy.options(),
+            Some(o) => Arc::new(o.applied(&policy.options())),
+        };
+        let lookup = self.service(method.service_id);
+        let found = match rpc_governance::timeout::deadline_from(started, &options) {
+            Some(d) => tokio::time::timeout_at(d, lookup).await.ok(),
+            None => Some(lookup.await),
+        };
+        if matches!(found, Some(Ok(_))) {
+            policy.set_service_known();
+        }
+        started
+    }
+
+    /// [`invoke`](Self::invoke) with the entry's policy; `started`: when the call started, if
+    /// before this (its deadline runs from then).
     fn invoke_entry<H: FnOnce() -> u64>(
         &self,
         method: &'static MethodDescriptor,
         policy: Arc<rpc_governance::engine::EntryPolicy>,
         params: Bytes,
         hash_key: Option<H>,
+        started: Option<tokio::time::Instant>,
     ) -> impl std::future::Future<Output = Result<Bytes, RpcError>> + Send + '_ {
         let governance = &self.inner.governance;
         let options = match &self.call_options {
@@ -1077,7 +1103,10 @@ impl Client {
         let call_id = telemetry::call_id(&span);
         let call_span = span.clone();
         let call = async move {
-            let deadline = || rpc_governance::timeout::deadline(&options);
+            let deadline = || match started {
+                Some(at) => rpc_governance::timeout::deadline_from(at, &options),
+                None => rpc_governance::timeout::deadline(&options),
+            };
             let watch = telemetry::CallWatch::new(
                 call_span,
                 self.inner.metrics.start(method),
@@ -1096,6 +1125,9 @@ impl Client {
             let mut cx = CallCx::new(governance, policy, options)
                 .with_hash_key(hash_key)
                 .with_call_id(call_id);
+            if let Some(at) = started {
+                cx = cx.with_started(at);
+            }
             let stack = stack::client_stack(ClientParts {
                 outer: &self.inner.layers,
                 fallbacks: &self.inner.fallbacks,

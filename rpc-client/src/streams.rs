@@ -174,11 +174,12 @@ impl Client {
     ) -> Result<OpenStream, RpcError> {
         let governance = &self.inner.governance;
         let policy = governance.policy(method);
-        if !policy.service_known() && self.service(method.service_id).await.is_ok() {
-            // As for a unary call: what the service's instances publish is a level of the
-            // first stream's options too.
-            policy.set_service_known();
-        }
+        // As for a unary call: what the service's instances publish is a level of the first
+        // stream's options too, and finding them counts against its deadline.
+        let started = match policy.service_known() {
+            true => None,
+            false => Some(self.learn_service(method, &policy).await),
+        };
         let mut options = match &self.call_options {
             None => policy.options(),
             Some(o) => Arc::new(o.applied(&policy.options())),
@@ -201,7 +202,10 @@ impl Client {
         let sent = Arc::new(AtomicU64::new(0));
         let set_up_at = tokio::time::Instant::now();
         let call = async {
-            let deadline = || rpc_governance::timeout::deadline(&options);
+            let deadline = || match started {
+                Some(at) => rpc_governance::timeout::deadline_from(at, &options),
+                None => rpc_governance::timeout::deadline(&options),
+            };
             let watch = telemetry::CallWatch::new(
                 call_span,
                 self.inner.metrics.start(method),
@@ -217,6 +221,9 @@ impl Client {
             let mut cx = CallCx::new(governance, policy, options.clone())
                 .with_hash_key(hash_key)
                 .with_call_id(call_id);
+            if let Some(at) = started {
+                cx = cx.with_started(at);
+            }
             let governed = stack::governed(
                 ClientBalance { client: self },
                 Layered::new(

@@ -127,6 +127,15 @@ impl<'g> CallCx<'g> {
         }
     }
 
+    /// The call started at `at`, before its stack ran: what was done for it before (finding
+    /// its service on an entry's first call) counts against its deadline, which
+    /// [`TimeoutLayer`](super::TimeoutLayer) then counts from `at` instead of from when it
+    /// runs.
+    pub fn with_started(mut self, at: Instant) -> Self {
+        self.started = Some(at);
+        self
+    }
+
     /// Sets the hash of the call's `#[hash_key]` argument, for consistent hashing.
     pub fn with_hash_key(mut self, key: Option<u64>) -> Self {
         self.hash_key = key;

@@ -28,8 +28,9 @@ impl<S> TimeoutLayer<S> {
 
 impl<S: Service> Service for TimeoutLayer<S> {
     async fn call(&self, cx: &mut CallCx<'_>, req: Bytes) -> Result<Bytes, RpcError> {
-        // One clock reading serves the deadline, the budget and the first attempt's timeout.
-        let started = Instant::now();
+        // One clock reading serves the deadline, the budget and the first attempt's timeout
+        // (or the call's own start, when work before the stack counts against its deadline).
+        let started = cx.started.unwrap_or_else(Instant::now);
         let deadline = timeout::deadline_from(started, &cx.options);
         cx.started = Some(started);
         cx.deadline = deadline;

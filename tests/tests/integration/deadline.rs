@@ -517,3 +517,47 @@ async fn a_client_fallback_does_not_start_once_the_inherited_deadline_passed() {
     // Outside any handler the same failure is answered by the fallback.
     assert_eq!(c.hang().await, Ok(7));
 }
+
+/// A registry that never answers a watch: etcd or ZooKeeper slow or down, with a request
+/// timeout longer than the calls' deadlines.
+struct HungRegistry;
+
+impl rpc::Registry for HungRegistry {
+    fn register(&self, _: rpc::Instance) -> rpc::BoxFuture<'_, Result<(), rpc::RegistryError>> {
+        Box::pin(async { Ok(()) })
+    }
+    fn deregister<'a>(&'a self, _: &'a str) -> rpc::BoxFuture<'a, Result<(), rpc::RegistryError>> {
+        Box::pin(async { Ok(()) })
+    }
+    fn watch<'a>(
+        &'a self,
+        _: &'a rpc::ServiceId,
+    ) -> rpc::BoxFuture<'a, Result<rpc::crates::registry::ServiceWatch, rpc::RegistryError>> {
+        Box::pin(std::future::pending())
+    }
+    fn services(&self) -> rpc::BoxFuture<'_, Result<Vec<rpc::ServiceId>, rpc::RegistryError>> {
+        Box::pin(async { Ok(Vec::new()) })
+    }
+}
+
+/// An entry's first call looks its service up before its stack runs; that lookup counts
+/// against the call's deadline, as finding the endpoints does, so a registry that hangs costs
+/// the caller its budget and no more.
+#[tokio::test(start_paused = true)]
+async fn an_entrys_first_call_times_out_at_its_deadline_while_the_registry_hangs() {
+    let client = Client::builder().registry(HungRegistry).build();
+    let d = DeadlineClient::new(client);
+    for (n, call) in ["first", "second"].into_iter().enumerate() {
+        let started = tokio::time::Instant::now();
+        let e = within(call, d.forever_short())
+            .await
+            .expect_err("no endpoint is ever found");
+        assert_eq!(e.code(), StatusCode::Timeout, "{call}: {e}");
+        // The method's own 100 ms, on the paused clock.
+        assert_eq!(
+            started.elapsed(),
+            Duration::from_millis(100),
+            "{call} ({n}): {e}"
+        );
+    }
+}
