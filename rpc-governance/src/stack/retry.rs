@@ -122,7 +122,7 @@ impl<B: Balance, S: Service> Service for RetryLayer<B, S> {
             };
             // This attempt opened no stream: what its layers asked to be told of its end goes.
             cx.drop_stream_end_hooks_from(hooks);
-            match self.after_failure(cx, &picker, addr, err, own.is_some(), chain_stopped) {
+            match self.after_failure(cx, &picker, addr, err, own, chain_stopped) {
                 Ok(after) => {
                     cx.attempt += 1;
                     if !after.is_zero() {
@@ -144,7 +144,7 @@ impl<B: Balance, S> RetryLayer<B, S> {
         picker: &B::Picker,
         addr: Arc<str>,
         mut err: RpcError,
-        has_own_deadline: bool,
+        own_deadline: Option<Instant>,
         chain_stopped: bool,
     ) -> Result<Duration, RpcError> {
         let attempt = cx.attempt;
@@ -154,7 +154,12 @@ impl<B: Balance, S> RetryLayer<B, S> {
             cx.tried.push(addr);
             return Err(err);
         }
-        let attempt_timed_out = has_own_deadline && err.code() == StatusCode::Timeout;
+        // The attempt's own deadline passed: a timeout then is that deadline's. A 519 the
+        // server answered before it (its own deadline down the chain, a typed error carrying
+        // a timeout) is the server's answer, judged as any other.
+        let attempt_timed_out = err.code() == StatusCode::Timeout
+            && err.payload().is_none()
+            && own_deadline.is_some_and(|own| Instant::now() >= own);
         if attempt_timed_out {
             err = RpcError::new(
                 StatusCode::Timeout,

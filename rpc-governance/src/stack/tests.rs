@@ -769,6 +769,43 @@ async fn an_idempotent_call_retries_elsewhere_after_its_attempt_timeout() {
     assert!(err.message().contains("attempt_timeout_ms"), "{err}");
 }
 
+#[tokio::test(start_paused = true)]
+async fn a_519_the_server_answers_before_any_deadline_is_its_answer_not_a_timeout_of_ours() {
+    let g = engine(GovernanceOptions {
+        retry_times: 2,
+        retry_interval_ms: 0,
+        timeout_ms: 2000,
+        attempt_timeout_ms: 500,
+        idempotent: true,
+        ..Default::default()
+    });
+    let mut events = g.events().subscribe();
+    // The server's own deadline down the chain ran out: it answers 519 after 10 ms, once
+    // plainly and once as a typed error with a payload.
+    let plain = RpcError::new(
+        StatusCode::Timeout,
+        "the inventory service ran out of its budget",
+    );
+    let typed = plain
+        .clone()
+        .with_payload(rpc_core::Codec::Json, Bytes::from_static(b"\"typed\""));
+    for answered in [plain, typed] {
+        let s = Script::new(vec![Err(answered.clone())], Duration::from_millis(10));
+        let t0 = Instant::now();
+        let err = g.execute(&g.policy(&M), &s).await.unwrap_err();
+        assert_eq!(t0.elapsed(), Duration::from_millis(10));
+        assert_eq!(s.starts().len(), 1, "a server's 519 is not retried: {err}");
+        assert_eq!(err.code(), StatusCode::Timeout);
+        assert_eq!(err.message(), answered.message(), "{err}");
+        assert_eq!(err.payload(), answered.payload());
+        assert!(!err.is_maybe_delivered(), "{err}");
+        assert!(
+            !kinds(&mut events).contains(&EventKind::Timeout),
+            "no deadline of ours passed"
+        );
+    }
+}
+
 /// A bottom stage that promises to end each attempt at its deadline by itself (as the client's
 /// attempt does through its connection's deadline sweeper).
 struct Promising<A>(Scripted<A>);

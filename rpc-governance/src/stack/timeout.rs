@@ -39,16 +39,19 @@ impl<S: Service> Service for TimeoutLayer<S> {
             .call(cx, req)
             .await
             .map_err(|e| match (e.code(), deadline) {
-                // A callee's typed error carrying a timeout of its own keeps its value.
+                // The call's deadline passed: said as the call's own timeout. A callee's typed
+                // error carrying a timeout keeps its value, and a 519 a server answered before
+                // the deadline (its own deadline, down the chain) keeps its message.
                 (StatusCode::Timeout, Some(d))
-                    if e.payload().is_none() && !cx.attempt_timed_out =>
+                    if e.payload().is_none() && !cx.attempt_timed_out && Instant::now() >= d =>
                 {
                     timeout::timeout_error_for(cx.entry_id(), started, d, &cx.options)
                 }
                 _ => e,
             });
         if let Err(e) = &result {
-            if e.code() == StatusCode::Timeout && !cx.attempt_timed_out {
+            let passed = deadline.is_some_and(|d| Instant::now() >= d);
+            if e.code() == StatusCode::Timeout && !cx.attempt_timed_out && passed {
                 cx.emit(
                     EventKind::Timeout,
                     cx.last_failed.as_deref(),
