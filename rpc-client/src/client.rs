@@ -428,13 +428,16 @@ fn call_options_problem(o: &GovernanceOverrides) -> Option<RpcError> {
 /// How often a departed endpoint's connections are looked at until they are idle.
 const FORGET_CHECK: Duration = Duration::from_secs(1);
 
-/// An endpoint left a service's snapshot: once no service of the client lists it and its
+/// An endpoint left a service's snapshot: once no service of the client lists it, its health
+/// marks go (a removed endpoint is no longer probed in the background), and once its
 /// connections carry no call, they are closed and the pool forgets it. Without this, a
 /// connection to an instance that left the registry while its process lives on stayed open,
-/// pinging, for the client's life, and every address ever called kept its pool entry. Calls
-/// still running (a draining server finishing them) end first; the endpoint announced again
-/// meanwhile is kept.
+/// pinging, for the client's life, every address ever called kept its pool entry, and a
+/// removed one was probed every 30 s for good (connecting to whatever took its address).
+/// Calls still running (a draining server finishing them) end first; the endpoint announced
+/// again meanwhile is kept.
 async fn forget_when_idle(inner: std::sync::Weak<Inner>, addr: String) {
+    let mut marks_dropped = false;
     loop {
         let Some(inner) = inner.upgrade() else { return };
         let listed = inner
@@ -443,6 +446,10 @@ async fn forget_when_idle(inner: std::sync::Weak<Inner>, addr: String) {
             .any(|s| s.endpoints().iter().any(|i| i.address == addr));
         if listed {
             return;
+        }
+        if !marks_dropped {
+            inner.governance.health().forget(&addr);
+            marks_dropped = true;
         }
         if inner.pool.is_idle(&addr) {
             inner.pool.evict(&addr);

@@ -273,6 +273,14 @@ impl EndpointHealth {
         }
     }
 
+    /// The registry no longer lists `addr`: every mark on it goes, as [`readmit`] clears them
+    /// (a removed endpoint's background probe then ends), without saying it is back.
+    ///
+    /// [`readmit`]: Self::readmit
+    pub fn forget(&self, addr: &str) {
+        self.readmit(addr);
+    }
+
     /// Whether no endpoint carries a mark (the common case: nothing to check).
     pub fn is_clear(&self) -> bool {
         self.marked.load(Ordering::Acquire) == 0

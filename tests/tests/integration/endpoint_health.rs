@@ -545,3 +545,58 @@ async fn a_removed_endpoint_is_probed_and_gets_traffic_after_a_restart() {
     assert!(cluster.nodes["a"].calls.load(Ordering::SeqCst) > before);
     cluster.abort_all();
 }
+
+/// A removed endpoint that then leaves the registry is forgotten: its mark goes and its
+/// background probe ends, so the client never connects to whatever takes its address later
+/// (before, the probe ran every 30 s for the client's life).
+#[tokio::test(start_paused = true)]
+async fn a_removed_endpoint_that_leaves_the_registry_is_no_longer_probed() {
+    use rpc::{InProcessRegistry, Instance, Registry};
+    let registry = InProcessRegistry::new();
+    let (tx, _entered) = mpsc::unbounded_channel();
+    let b = Server::builder()
+        .registry(registry.clone())
+        .add_service(ShardServer::new(Node {
+            name: "b".into(),
+            mode: AtomicU8::new(HEALTHY),
+            calls: AtomicU32::new(0),
+            entered: tx,
+        }))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve b");
+    // `a` is announced, but nothing listens at its address: connects are refused.
+    let gone = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let a = gone.local_addr().expect("addr");
+    drop(gone);
+    let instance = Instance::new(a.to_string(), [ShardClient::SERVICE_ID]);
+    let a_id = instance.id.clone();
+    registry.register(instance).await.expect("register a");
+    let client = Client::builder()
+        .registry(registry.clone())
+        .default_options(GovernanceOptions {
+            unhealthy_times_allowed_before_removing: 1,
+            ..Default::default()
+        })
+        .build();
+    let shard = ShardClient::new(client.clone());
+    let a = a.to_string();
+    for _ in 0..4 {
+        assert_eq!(within("read", shard.read()).await.expect("b serves"), "b");
+    }
+    assert_eq!(status_of(&client, &a).state, EndpointState::Removed);
+    registry.deregister(&a_id).await.expect("deregister a");
+    // Let the client see the snapshot without `a`.
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    // Something else takes the address: a probe still running would connect within 30 s.
+    let squatter = tokio::net::TcpListener::bind(&a).await.expect("rebind a");
+    let probed = tokio::time::timeout(Duration::from_secs(120), squatter.accept()).await;
+    assert!(
+        probed.is_err(),
+        "the departed endpoint was still probed: {probed:?}"
+    );
+    assert!(!client.readmit(&a), "its mark stayed");
+    b.abort();
+}
