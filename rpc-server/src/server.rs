@@ -389,8 +389,9 @@ impl ServerBuilder {
         self
     }
 
-    /// The address published to the registry, when it differs from the bound one (for example
-    /// when bound to `0.0.0.0`).
+    /// The address published to the registry, when it differs from the bound one. A server
+    /// with a registry that listens on an unspecified address (`0.0.0.0`, `[::]`) needs it:
+    /// `serve` refuses to publish an address no client can dial.
     pub fn advertise(mut self, addr: impl Into<String>) -> Self {
         self.advertise = Some(addr.into());
         self
@@ -578,6 +579,23 @@ impl ServerBuilder {
             ));
         }
         let bound = listener.local_addr()?;
+        if let Some(any) = bound.tcp().filter(|a| a.ip().is_unspecified()) {
+            if self.registry.is_some() && self.advertise.is_none() {
+                // Published as is, clients on other hosts would dial their own host, and every
+                // instance bound so on the same port would share one id in the registry,
+                // each taking the others' place.
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    format!(
+                        "the server listens on {any}, an address no client can dial, and would \
+                         publish it to the registry: give the address clients reach it at with \
+                         ServerBuilder::advertise (for example the pod's or host's IP and port \
+                         {}), or listen on that address",
+                        any.port()
+                    ),
+                ));
+            }
+        }
         // Layers that take a socket address get the unspecified one for a Unix socket.
         let local_addr = bound
             .tcp()

@@ -545,3 +545,46 @@ async fn on_a_terminal_the_lines_are_coloured() {
         .unwrap_or_else(|| panic!("{text}"));
     assert!(line.contains("\u{1b}["), "{line:?}");
 }
+
+/// A server listening on 0.0.0.0 with a registry and no advertised address is refused with a
+/// message naming the fix: published as is, clients elsewhere would dial their own host, and
+/// every such instance on the port would share one id. With `advertise`, it serves.
+#[tokio::test]
+async fn a_server_on_an_unspecified_address_with_a_registry_must_advertise_one() {
+    let registry = InProcessRegistry::new();
+    let err = Server::builder()
+        .registry(registry.clone())
+        .add_service(EchoServer::new(Plain))
+        .serve("0.0.0.0:0")
+        .await
+        .err()
+        .expect("refused");
+    assert_eq!(err.kind(), std::io::ErrorKind::InvalidInput);
+    assert!(err.to_string().contains("advertise"), "{err}");
+    let listener = tokio::net::TcpListener::bind("0.0.0.0:0")
+        .await
+        .expect("bind");
+    let advertised = format!("127.0.0.1:{}", listener.local_addr().expect("addr").port());
+    let server = Server::builder()
+        .registry(registry.clone())
+        .add_service(EchoServer::new(Plain))
+        .advertise(advertised.clone())
+        .serve_on(listener)
+        .await
+        .expect("serve with an advertised address");
+    let client = Client::builder().registry(registry).build();
+    let endpoints = within(
+        "the endpoint",
+        client.wait_for_endpoints(EchoClient::SERVICE_ID, Duration::from_secs(5)),
+    )
+    .await
+    .expect("endpoints");
+    let addresses: Vec<String> = endpoints.iter().map(|i| i.address.clone()).collect();
+    assert_eq!(addresses, [advertised]);
+    let echo = EchoClient::new(client);
+    assert_eq!(
+        within("a call", echo.echo("hi".into())).await.unwrap(),
+        "hi"
+    );
+    within("shutdown", server.shutdown()).await;
+}
