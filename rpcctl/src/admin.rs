@@ -10,22 +10,34 @@
 //! wrong), 1 when the endpoint cannot be reached or answers with an error.
 
 use std::io::Write;
+use std::time::Duration;
 
 use serde_json::Value;
 
 use crate::exit::Failure;
+
+/// Where the admin endpoint is, as the command line says.
+pub struct Target<'a> {
+    /// `host:port`, or an `http://` URL.
+    pub addr: Option<&'a str>,
+    /// The endpoint's token, if given.
+    pub token: Option<&'a str>,
+    /// How long to wait to connect, and for each answer.
+    pub timeout: Duration,
+}
 
 /// An admin endpoint to talk to.
 pub struct Endpoint {
     base: String,
     token: Option<String>,
     http: reqwest::Client,
+    timeout: Duration,
 }
 
 impl Endpoint {
-    /// The endpoint at `addr` (`host:port`, or an `http://` URL), with `token` if given.
-    pub fn new(addr: Option<&str>, token: Option<&str>) -> Result<Self, Failure> {
-        let Some(addr) = addr.map(str::trim).filter(|a| !a.is_empty()) else {
+    /// The endpoint `target` names.
+    pub fn new(target: &Target<'_>) -> Result<Self, Failure> {
+        let Some(addr) = target.addr.map(str::trim).filter(|a| !a.is_empty()) else {
             return Err(Failure::usage(
                 "this command needs a process's admin endpoint: --admin host:port (or \
                  RPCCTL_ADMIN), the address its `admin on <addr>` line printed",
@@ -36,11 +48,38 @@ impl Endpoint {
         } else {
             format!("http://{addr}")
         };
+        let http = reqwest::Client::builder()
+            .connect_timeout(target.timeout)
+            .build()
+            .map_err(|e| Failure::failed(format!("cannot set up an HTTP client: {e}")))?;
         Ok(Endpoint {
             base,
-            token: token.map(str::to_string),
-            http: reqwest::Client::new(),
+            token: target.token.map(str::to_string),
+            http,
+            timeout: target.timeout,
         })
+    }
+
+    /// `what` (a request, or reading its answer), given up after the timeout.
+    async fn bounded<T>(
+        &self,
+        path: &str,
+        what: impl std::future::Future<Output = Result<T, reqwest::Error>>,
+    ) -> Result<T, Failure> {
+        match tokio::time::timeout(self.timeout, what).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(Failure::failed(format!(
+                "cannot reach the admin endpoint at {}: {e}; is the process running with \
+                 --admin, on this address?",
+                self.base
+            ))),
+            Err(_) => Err(Failure::failed(format!(
+                "the admin endpoint at {} did not answer {path} within {} ms; the process may \
+                 be stopped or overloaded (--admin-timeout-ms sets the wait)",
+                self.base,
+                self.timeout.as_millis()
+            ))),
+        }
     }
 
     async fn send(&self, path: &str) -> Result<reqwest::Response, Failure> {
@@ -48,13 +87,7 @@ impl Endpoint {
         if let Some(t) = &self.token {
             req = req.bearer_auth(t);
         }
-        let response = req.send().await.map_err(|e| {
-            Failure::failed(format!(
-                "cannot reach the admin endpoint at {}: {e}; is the process running with \
-                 --admin, on this address?",
-                self.base
-            ))
-        })?;
+        let response = self.bounded(path, req.send()).await?;
         let status = response.status();
         if status.is_success() {
             return Ok(response);
@@ -74,9 +107,18 @@ impl Endpoint {
 
     async fn get_json(&self, path: &str) -> Result<Value, Failure> {
         let response = self.send(path).await?;
-        let text = response.text().await.map_err(|e| {
-            Failure::failed(format!("{}{path}: reading the answer: {e}", self.base))
-        })?;
+        let text = match tokio::time::timeout(self.timeout, response.text()).await {
+            Ok(read) => read.map_err(|e| {
+                Failure::failed(format!("{}{path}: reading the answer: {e}", self.base))
+            })?,
+            Err(_) => {
+                return Err(Failure::failed(format!(
+                    "{}{path}: the answer did not arrive whole within {} ms",
+                    self.base,
+                    self.timeout.as_millis()
+                )))
+            }
+        };
         serde_json::from_str(&text)
             .map_err(|e| Failure::failed(format!("{}{path}: not JSON ({e}): {text}", self.base)))
     }
@@ -87,14 +129,9 @@ impl Endpoint {
         if let Some(t) = &self.token {
             req = req.bearer_auth(t);
         }
-        let r = req.send().await.map_err(|e| {
-            Failure::failed(format!(
-                "cannot reach the admin endpoint at {}: {e}",
-                self.base
-            ))
-        })?;
+        let r = self.bounded("/readyz", req.send()).await?;
         let status = r.status();
-        let text = r.text().await.unwrap_or_default();
+        let text = self.bounded("/readyz", r.text()).await.unwrap_or_default();
         match status.as_u16() {
             200 | 503 => Ok(text),
             _ => {
@@ -107,8 +144,8 @@ impl Endpoint {
 }
 
 /// `rpcctl status`.
-pub async fn status(addr: Option<&str>, token: Option<&str>, json: bool) -> Result<(), Failure> {
-    let admin = Endpoint::new(addr, token)?;
+pub async fn status(target: &Target<'_>, json: bool) -> Result<(), Failure> {
+    let admin = Endpoint::new(target)?;
     let ready = admin.readiness().await?;
     let breakers = admin.get_json("/api/breakers").await?;
     let endpoints = admin.get_json("/api/endpoints").await?;
@@ -176,13 +213,8 @@ pub async fn status(addr: Option<&str>, token: Option<&str>, json: bool) -> Resu
 }
 
 /// `rpcctl events`.
-pub async fn events(
-    addr: Option<&str>,
-    token: Option<&str>,
-    json: bool,
-    count: Option<usize>,
-) -> Result<(), Failure> {
-    let admin = Endpoint::new(addr, token)?;
+pub async fn events(target: &Target<'_>, json: bool, count: Option<usize>) -> Result<(), Failure> {
+    let admin = Endpoint::new(target)?;
     let mut stream = admin.send("/api/events/stream").await?;
     // The endpoint subscribed before answering: from here on no event is missed.
     eprintln!(

@@ -1,7 +1,7 @@
 //! `rpcctl`: the control plane from a shell.
 //!
 //! ```text
-//! rpcctl [--registry URL] [--admin ADDR] [--token T] [--json] COMMAND
+//! rpcctl [--registry URL] [--admin ADDR] [--token T] [--admin-timeout-ms MS] [--json] COMMAND
 //!   services                      one service id per line (--json: a JSON array)
 //!   instances SERVICE             one endpoint per line
 //!   entries SERVICE               the entries its instances publish
@@ -45,6 +45,17 @@ pub struct Cli {
     /// JSON for scripts instead of human tables.
     #[arg(long, global = true)]
     pub json: bool,
+    /// How long `status` and `events` wait for the admin endpoint, in milliseconds: to
+    /// connect, and for each answer (for `events`, for the stream to start). A process that
+    /// accepts but never answers (stopped, its runtime blocked) then fails the command (exit
+    /// 1) instead of holding it.
+    #[arg(
+        long,
+        global = true,
+        env = "RPCCTL_ADMIN_TIMEOUT_MS",
+        default_value_t = 10_000
+    )]
+    pub admin_timeout_ms: u64,
     /// What to do.
     #[command(subcommand)]
     pub command: Command,
@@ -120,15 +131,20 @@ async fn main() {
             Ok(r) => call::run(r, &entry, &args, server_token.as_deref()).await,
             Err(e) => Err(e),
         },
-        Command::Status => {
-            admin::status(cli.admin.as_deref(), cli.token.as_deref(), cli.json).await
-        }
-        Command::Events { count } => {
-            admin::events(cli.admin.as_deref(), cli.token.as_deref(), cli.json, count).await
-        }
+        Command::Status => admin::status(&admin_of(&cli), cli.json).await,
+        Command::Events { count } => admin::events(&admin_of(&cli), cli.json, count).await,
     };
     if let Err(failure) = result {
         eprintln!("rpcctl: {}", failure.message);
         std::process::exit(failure.code);
+    }
+}
+
+/// Where `status` and `events` find the admin endpoint, and how long they wait for it.
+fn admin_of(cli: &Cli) -> admin::Target<'_> {
+    admin::Target {
+        addr: cli.admin.as_deref(),
+        token: cli.token.as_deref(),
+        timeout: std::time::Duration::from_millis(cli.admin_timeout_ms.max(1)),
     }
 }

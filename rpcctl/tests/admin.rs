@@ -167,6 +167,37 @@ async fn status_exits_2_for_a_wrong_token_or_no_address_and_1_for_an_unreachable
     assert!(stderr(&o).contains("cannot reach"), "{}", stderr(&o));
 }
 
+/// A process that accepts connections but never answers (stopped, its runtime blocked): the
+/// kernel completes the TCP handshake, so only a timeout ends the wait. `status` and `events`
+/// exit 1 after `--admin-timeout-ms`, saying so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_and_events_give_up_on_an_endpoint_that_never_answers() {
+    // Bound and listening, never accepted from: connects complete, nothing is ever read.
+    let frozen = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = frozen.local_addr().unwrap().to_string();
+    for command in ["status", "events"] {
+        let o = tokio::time::timeout(
+            std::time::Duration::from_secs(30),
+            rpcctl(args(&[
+                "--admin",
+                &addr,
+                "--admin-timeout-ms",
+                "300",
+                command,
+            ])),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("rpcctl {command} still waits after 30 s"));
+        assert_eq!(o.status.code(), Some(1), "{command}: {}", stderr(&o));
+        assert!(
+            stderr(&o).contains("did not answer") && stderr(&o).contains("300 ms"),
+            "{command}: {}",
+            stderr(&o)
+        );
+    }
+    drop(frozen);
+}
+
 /// Starts `rpcctl events --count 1` and returns once it follows the stream (its standard
 /// error says so), with its standard output's lines and whether it exited 0 (within 20 s).
 async fn follow(addr: &str, json: bool) -> (mpsc::Receiver<String>, tokio::task::JoinHandle<bool>) {
