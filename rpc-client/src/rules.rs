@@ -72,8 +72,48 @@ pub(crate) fn apply(
             governance.try_update_layers(|l| l.centre = centre)
         }
         RuleKind::Routing => {
-            router.set(RoutingRules::from_toml(&rules.text)?);
+            router.set_from_centre(RoutingRules::from_toml(&rules.text)?);
             Ok(())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const STABLE_ONLY: &str = r#"
+[[routes]]
+name = "stable-only"
+service = "shop.Greeter"
+to = [ { tags = { version = "stable" } } ]
+"#;
+
+    const SPLIT: &str = r#"
+[[routes]]
+name = "canary-split"
+service = "shop.Greeter"
+to = [
+  { tags = { version = "canary" }, weight = 5 },
+  { tags = { version = "stable" }, weight = 95 },
+]
+"#;
+
+    fn version(version: i64, text: &str) -> RuleVersion {
+        RuleVersion {
+            version,
+            text: Arc::from(text),
+        }
+    }
+
+    #[test]
+    fn an_empty_routing_document_brings_back_the_rules_the_client_was_built_with() {
+        let governance = Governance::new(Default::default());
+        let built = RoutingRules::from_toml(STABLE_ONLY).unwrap();
+        let router = Router::new(built.clone());
+        apply(&governance, &router, RuleKind::Routing, &version(1, SPLIT)).unwrap();
+        assert_eq!(*router.rules(), RoutingRules::from_toml(SPLIT).unwrap());
+        apply(&governance, &router, RuleKind::Routing, &version(2, "")).unwrap();
+        assert_eq!(*router.rules(), built, "back to the builder's rules");
     }
 }

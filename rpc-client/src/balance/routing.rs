@@ -25,13 +25,29 @@ use super::ServiceState;
 /// The routing rules in force in one client; replaced whole, read by each call.
 pub(crate) struct Router {
     rules: ArcSwap<RoutingRules>,
+    /// The rules the client was built with: what an empty document from the config centre
+    /// goes back to.
+    built: Arc<RoutingRules>,
 }
 
 impl Router {
     /// A router applying `rules` (already validated).
     pub(crate) fn new(rules: RoutingRules) -> Self {
+        let built = Arc::new(rules);
         Router {
-            rules: ArcSwap::from_pointee(rules),
+            rules: ArcSwap::new(built.clone()),
+            built,
+        }
+    }
+
+    /// Puts the config centre's routing document (already validated) in force from the next
+    /// call: it replaces the rules in force, as [`set`](Self::set) does, except that an empty
+    /// document goes back to the rules the client was built with.
+    pub(crate) fn set_from_centre(&self, rules: RoutingRules) {
+        if rules.is_empty() {
+            self.rules.store(self.built.clone());
+        } else {
+            self.set(rules);
         }
     }
 
