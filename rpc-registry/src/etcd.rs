@@ -191,7 +191,13 @@ impl EtcdRegistry {
             // keep-alive stream. etcd answers pings more frequent than every 5 s, or pings with
             // no stream open, by closing the connection: hence 10 s, and only under streams.
             .with_keep_alive(Duration::from_secs(10), Duration::from_secs(5))
-            .with_keep_alive_while_idle(false);
+            .with_keep_alive_while_idle(false)
+            // A member cut off from its cluster's majority still answers pings, and without
+            // this keeps a watch open and silent for the whole partition: endpoints and rules
+            // written on the majority side never arrive, and nothing warns. With it, such a
+            // member cancels the watch ("no leader"), and the watch's resync path reads again
+            // and warns, as for any interrupted watch.
+            .with_require_leader(true);
         let client = Client::connect(&endpoints, Some(connect))
             .await
             .map_err(|e| RegistryError::Config(format!("etcd at {target}: {e}")))?;
