@@ -213,12 +213,17 @@ async fn follow_kind<T: RuleTarget>(
             }
         }
     };
+    // The last version taken (applied or refused), text included: a watch opened again sends
+    // the version in force again, which is not taken twice; but a number alone is not enough,
+    // since etcd restored from a snapshot numbers its writes again from the snapshot's.
+    let mut last: Option<RuleVersion> = None;
     loop {
         let current = watch.borrow_and_update().clone();
         let Some(t) = target.upgrade() else { return };
         if let Some(rules) = current {
-            if in_force.version(kind) != Some(rules.version) {
+            if last.as_ref() != Some(&rules) {
                 take(&*t, kind, &rules, &in_force);
+                last = Some(rules);
             }
         }
         drop(t);
@@ -274,6 +279,67 @@ fn take<T: RuleTarget>(target: &T, kind: RuleKind, rules: &RuleVersion, in_force
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A source whose documents the test writes, one watch per kind.
+    struct Written(HashMap<RuleKind, watch::Sender<Option<RuleVersion>>>);
+
+    impl RuleSource for Written {
+        fn watch_rules(&self, kind: RuleKind) -> BoxFuture<'_, Result<RuleWatch, RegistryError>> {
+            let rx = self.0[&kind].subscribe();
+            Box::pin(async move { Ok(rx) })
+        }
+    }
+
+    /// Records the governance texts it applies.
+    struct Applied {
+        texts: Mutex<Vec<String>>,
+        events: EventBus,
+    }
+
+    impl RuleTarget for Applied {
+        fn apply(&self, _: RuleKind, rules: &RuleVersion) -> Result<(), RpcError> {
+            self.texts.lock().unwrap().push(rules.text.to_string());
+            Ok(())
+        }
+        fn events(&self) -> &EventBus {
+            &self.events
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_new_document_under_a_version_number_seen_before_is_applied() {
+        let senders: HashMap<_, _> = RuleKind::ALL
+            .into_iter()
+            .map(|k| (k, watch::channel(None).0))
+            .collect();
+        let governance = senders[&RuleKind::Governance].clone();
+        let source: Arc<dyn RuleSource> = Arc::new(Written(senders));
+        let target = Arc::new(Applied {
+            texts: Mutex::new(Vec::new()),
+            events: EventBus::new(),
+        });
+        let in_force = Arc::new(RulesInForce::default());
+        let following = tokio::spawn(follow(source, Arc::downgrade(&target), in_force.clone()));
+        let write = |version, text: &str| {
+            governance.send_replace(Some(RuleVersion {
+                version,
+                text: Arc::from(text),
+            }));
+        };
+        let a = "[defaults]\ntimeout_ms = 100\n";
+        let b = "[defaults]\ntimeout_ms = 200\n";
+        write(7, a);
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        // The same version again (a watch opened again): not applied twice.
+        write(7, a);
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        // etcd restored from an older snapshot: another document lands on number 7 again.
+        write(7, b);
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        assert_eq!(*target.texts.lock().unwrap(), [a, b]);
+        assert_eq!(in_force.version(RuleKind::Governance), Some(7));
+        following.abort();
+    }
 
     #[test]
     fn kinds_parse_by_name_and_unknown_ones_are_named() {
