@@ -196,38 +196,25 @@ async fn get(store: &RuleStore, kind: RuleKind, json: bool) -> Result<(), Failur
     Ok(())
 }
 
-/// The line diff from `old` to `new` (longest common subsequence): unchanged lines start with
-/// a space, removed ones with `-`, added ones with `+`.
+/// The line diff from `old` to `new` (Myers' algorithm, in memory linear in the documents):
+/// unchanged lines start with a space, removed ones with `-`, added ones with `+`, removals
+/// before additions as `diff -u` shows them.
 fn diff(old: &str, new: &str) -> Vec<String> {
     let a: Vec<&str> = old.lines().collect();
     let b: Vec<&str> = new.lines().collect();
-    // lcs[i][j]: the common subsequence's length of a[i..] and b[j..].
-    let mut lcs = vec![vec![0usize; b.len() + 1]; a.len() + 1];
-    for i in (0..a.len()).rev() {
-        for j in (0..b.len()).rev() {
-            lcs[i][j] = if a[i] == b[j] {
-                lcs[i + 1][j + 1] + 1
-            } else {
-                lcs[i + 1][j].max(lcs[i][j + 1])
-            };
-        }
-    }
-    let (mut i, mut j, mut out) = (0, 0, Vec::new());
-    while i < a.len() || j < b.len() {
-        if i < a.len() && j < b.len() && a[i] == b[j] {
-            out.push(format!(" {}", a[i]));
-            i += 1;
-            j += 1;
-        } else if i < a.len() && (j == b.len() || lcs[i + 1][j] >= lcs[i][j + 1]) {
-            // Removals before additions, as `diff -u` shows them.
-            out.push(format!("-{}", a[i]));
-            i += 1;
-        } else {
-            out.push(format!("+{}", b[j]));
-            j += 1;
-        }
-    }
-    out
+    similar::capture_diff_slices(similar::Algorithm::Myers, &a, &b)
+        .into_iter()
+        .flat_map(|op| {
+            op.iter_changes(&a, &b).map(|change| {
+                let mark = match change.tag() {
+                    similar::ChangeTag::Equal => ' ',
+                    similar::ChangeTag::Delete => '-',
+                    similar::ChangeTag::Insert => '+',
+                };
+                format!("{mark}{}", change.value())
+            })
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -241,5 +228,16 @@ mod tests {
             vec![" a", "-b", "+x", " c", "+d"]
         );
         assert_eq!(diff("", "a\n"), vec!["+a"]);
+    }
+
+    #[test]
+    fn documents_of_tens_of_thousands_of_lines_diff_in_little_memory() {
+        // A table of every line pair would be 20 001² words: 3.2 GB.
+        let old: String = (0..20_000).map(|i| format!("k{i} = {i}\n")).collect();
+        let new = old.replace("k7 = 7\n", "k7 = 8\n") + "added = 1\n";
+        let lines = diff(&old, &new);
+        assert_eq!(lines.len(), 20_002);
+        let changed: Vec<&String> = lines.iter().filter(|l| !l.starts_with(' ')).collect();
+        assert_eq!(changed, ["-k7 = 7", "+k7 = 8", "+added = 1"]);
     }
 }
