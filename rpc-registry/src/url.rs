@@ -64,7 +64,14 @@ impl dyn Registry {
                     "registry {url:?} names no file: write static:PATH (a TOML list of endpoints)"
                 )));
             }
-            return Ok(Arc::new(StaticRegistry::from_file(file)?));
+            // Read off the runtime's threads: a file on a slow or hung network file system
+            // would otherwise stall every task of the worker (all of them on a
+            // current-thread runtime).
+            let path = file.to_string();
+            let read = tokio::task::spawn_blocking(move || StaticRegistry::from_file(path))
+                .await
+                .map_err(|e| RegistryError::Config(format!("reading {file}: {e}")))?;
+            return Ok(Arc::new(read?));
         }
         if let Some((scheme, _)) = url.split_once("://") {
             return match scheme {
