@@ -73,7 +73,15 @@ impl<B: Balance, S: Service> Service for RetryLayer<B, S> {
         let enforced = self.inner.enforces_attempt_deadline();
         let chain_stopped = mark_retry_depth(cx);
         loop {
-            let addr = picker.next(cx)?;
+            let addr = match picker.next(cx) {
+                Ok(addr) => addr,
+                Err(e) => {
+                    // No endpoint for this attempt: what fails the call is local, not an
+                    // answer of the endpoint an earlier attempt went to.
+                    cx.endpoint = None;
+                    return Err(e);
+                }
+            };
             if let Some(slot) = &cx.first_endpoint {
                 let _ = slot.set(addr.clone());
             }

@@ -558,6 +558,42 @@ async fn a_probe_failing_maybe_delivered_on_one_endpoint_frees_its_slot() {
     next_call_goes_through(&g, &p).await;
 }
 
+/// The only endpoint refuses the probe (515); by the retry the registry has dropped it, so
+/// the retry finds none (404).
+struct RefusedThenGone;
+
+impl Attempts for &RefusedThenGone {
+    fn select(&self, ctx: &AttemptCtx<'_>) -> Result<String, RpcError> {
+        if ctx.tried.is_empty() {
+            Ok("a:1".into())
+        } else {
+            Err(RpcError::new(
+                StatusCode::NotFindServiceRoute,
+                "no endpoint",
+            ))
+        }
+    }
+    async fn call(&self, _: &str, _: u32, _: Option<Instant>) -> Result<Bytes, RpcError> {
+        overflow()
+    }
+    fn untried_left(&self, _: &[String]) -> bool {
+        true
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_probe_whose_retry_finds_no_endpoint_does_not_close_the_breaker() {
+    let (g, p, _events) = probing().await;
+    g.update_layers(|l| {
+        l.code_defaults.retry_times = 1;
+        l.code_defaults.retry_interval_ms = 0;
+    });
+    let err = g.execute(&p, &RefusedThenGone).await.unwrap_err();
+    assert_eq!(err.code(), StatusCode::NotFindServiceRoute, "{err}");
+    // No answer said the service is back: the probe's slot is freed, the breaker not closed.
+    assert_eq!(p.breaker().state(), BreakerState::HalfOpen { probes: 0 });
+}
+
 #[tokio::test(start_paused = true)]
 async fn isolate_and_reset_are_events() {
     let g = engine(GovernanceOptions::default());
