@@ -883,6 +883,27 @@ impl Future for Guarded<'_> {
                 std::panic::catch_unwind(AssertUnwindSafe(|| handler.as_mut().poll(cx)))
             });
         match polled {
+            Ok(Poll::Ready(Err(e)))
+                if e.code() != StatusCode::Timeout
+                    && !e.code().is_breaker_exempt()
+                    && this.deadline.is_some_and(|(d, _)| Instant::now() >= d) =>
+            {
+                // Failed at or after the deadline (not with an answer of its own logic: a
+                // business or validation error stands): most likely because of it (a
+                // downstream call or connect it bounded), and either way the caller's time
+                // is up. The
+                // answer is the timeout whichever of the handler and the timer is polled
+                // first, with the handler's error named.
+                let budget_ms = this.deadline.map_or(0, |(_, b)| b);
+                return Poll::Ready(Ok(Err(RpcError::new(
+                    StatusCode::Timeout,
+                    format!(
+                        "{} ran out of the caller's {budget_ms} ms budget; the handler failed \
+                         at the deadline with: {e}",
+                        this.entry
+                    ),
+                ))));
+            }
             Ok(Poll::Ready(result)) => return Poll::Ready(Ok(result)),
             Ok(Poll::Pending) => {}
             Err(panic) => return Poll::Ready(Err(panic)),

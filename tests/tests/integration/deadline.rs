@@ -561,3 +561,61 @@ async fn an_entrys_first_call_times_out_at_its_deadline_while_the_registry_hangs
         );
     }
 }
+
+#[rpc::service(name = "t.AtDeadline")]
+trait AtDeadline {
+    /// Fails with a communication error after `ms` milliseconds, as a downstream call the
+    /// caller's deadline bounded would.
+    async fn fail_after(&self, ms: u64) -> Result<(), RpcError>;
+}
+
+struct FailsLate;
+
+impl AtDeadline for FailsLate {
+    async fn fail_after(&self, ms: u64) -> Result<(), RpcError> {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+        Err(RpcError::new(
+            StatusCode::CommunicationError,
+            "the downstream connect was cut",
+        ))
+    }
+}
+
+/// A handler that fails at the very instant the caller's deadline passes is answered 519,
+/// naming its error, whichever of the handler and the server's timer is polled first; one
+/// that fails before the deadline keeps its own status.
+#[tokio::test(start_paused = true)]
+async fn a_handler_failing_at_the_deadline_is_answered_519() {
+    let server = Server::builder()
+        .add_service(AtDeadlineServer::new(FailsLate))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.handshake().await;
+    // (A handler's communication error goes on the wire as 504, "no usable endpoint", as any
+    // error passed on from a downstream call is carried.)
+    for (id, after_ms, want) in [(1, 100, 519), (2, 40, 504)] {
+        raw.send(Kind::Invoke(RemoteInvokeMessage {
+            message_id: id,
+            service_entry_id: "t.AtDeadline.fail_after".into(),
+            codec: Codec::MsgPack.to_wire(),
+            parameters: Codec::MsgPack.encode(&(after_ms,)).expect("encode"),
+            timeout_ms: 100,
+            ..Default::default()
+        }))
+        .await
+        .expect("send");
+        let r = match within("the answer", raw.recv()).await {
+            Some(Kind::Result(r)) => r,
+            other => panic!("expected an answer, got {other:?}"),
+        };
+        assert_eq!((r.message_id, r.status_code), (id, want), "{r:?}");
+        assert!(
+            r.exception_message.contains("downstream connect was cut"),
+            "{}",
+            r.exception_message
+        );
+    }
+    within("shutdown", server.shutdown()).await;
+}
