@@ -40,6 +40,15 @@ impl Bulkhead {
         }
     }
 
+    /// The same count of calls under a cap of `size`: the calls holding slots of this one
+    /// count against it, so a new size holds from the next call, whatever is running.
+    pub fn resized(&self, size: usize) -> Self {
+        Bulkhead {
+            in_use: self.in_use.clone(),
+            size,
+        }
+    }
+
     /// The cap.
     pub fn size(&self) -> usize {
         self.size

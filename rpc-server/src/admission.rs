@@ -100,6 +100,13 @@ pub(crate) struct Admission {
 impl Gate {
     /// The adaptive limit of an entry under `cap` (its own, or the server's shared one),
     /// starting at the lesser of 20 and the cap's size, never below `min`.
+    /// The cap that counts every call through the gate.
+    pub(crate) fn bulkhead(&self) -> &Bulkhead {
+        match self {
+            Gate::Cap(cap) | Gate::Adaptive(_, cap) => cap,
+        }
+    }
+
     pub(crate) fn adaptive(cap: Bulkhead, min: usize) -> Gate {
         let max = cap.size().max(1);
         let min = min.clamp(1, max);

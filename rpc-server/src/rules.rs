@@ -115,9 +115,13 @@ impl RuleTarget for Target {
                 applied.insert(m.entry_id, o);
                 continue;
             }
-            let mut policy = admission(&o, &self.shared, &self.defaults);
+            let now = admission_of_entry.policy();
+            // The entry's own cap so far, whose calls a new own cap goes on counting.
+            let own = before
+                .is_some_and(|b| b.max_concurrent_handling_count.is_some())
+                .then(|| now.gate.bulkhead());
+            let mut policy = admission(&o, &self.shared, &self.defaults, own);
             if let Some(before) = before {
-                let now = admission_of_entry.policy();
                 if limiter_inputs(before) == limiter_inputs(&o) {
                     policy.limiter = now.limiter.clone();
                 }
@@ -161,7 +165,7 @@ mod tests {
             caller_rate_limit: None,
         };
         let events = EventBus::new();
-        let policy = admission(&METHOD.governance, &shared, &defaults);
+        let policy = admission(&METHOD.governance, &shared, &defaults, None);
         let entry = Arc::new(Admission::new(policy, events.clone()));
         let target = Target {
             entries: vec![(METHOD, entry.clone())],
@@ -221,13 +225,49 @@ mod tests {
         let e = admit(&entry).expect_err("the bucket is still empty");
         assert_eq!(e.code(), rpc_core::StatusCode::RateLimited, "{e}");
         assert_eq!(entry.load(), (1, 2));
-        // A new cap: a new gate, which the call admitted before does not hold.
+        // A new cap: a new gate, which goes on counting the call admitted before.
         apply(
             &target,
             5,
             "[entries.\"t.T.m\"]\nmax_concurrent_handling_count = 3\n",
         );
-        assert_eq!(entry.load(), (0, 3));
+        assert_eq!(entry.load(), (1, 3));
         drop(held);
+        assert_eq!(entry.load(), (0, 3));
+    }
+
+    /// A rule that changes how an entry's own cap is enforced (adaptive on, a lower cap) keeps
+    /// the calls holding it counted: the cap is never exceeded by a rules change.
+    #[tokio::test(start_paused = true)]
+    async fn a_gate_rebuilt_by_a_rules_change_still_counts_the_calls_holding_the_cap() {
+        let (target, entry) = target();
+        apply(
+            &target,
+            1,
+            "[entries.\"t.T.m\"]\nmax_concurrent_handling_count = 2\n",
+        );
+        let held = [admit(&entry).expect("one"), admit(&entry).expect("two")];
+        apply(
+            &target,
+            2,
+            "[entries.\"t.T.m\"]\nmax_concurrent_handling_count = 2\n\
+             adaptive_concurrency = true\n",
+        );
+        let e = admit(&entry).expect_err("two calls hold the cap of 2");
+        assert_eq!(
+            e.code(),
+            rpc_core::StatusCode::OverflowMaxServerHandle,
+            "{e}"
+        );
+        // Lowered below what runs: nothing more until the calls end.
+        apply(
+            &target,
+            3,
+            "[entries.\"t.T.m\"]\nmax_concurrent_handling_count = 1\n",
+        );
+        assert!(admit(&entry).is_err(), "two running, cap 1");
+        drop(held);
+        let _one = admit(&entry).expect("room once both ended");
+        assert!(admit(&entry).is_err(), "cap 1");
     }
 }

@@ -30,6 +30,7 @@ pub(crate) fn admission(
     o: &rpc_core::GovernanceOverrides,
     shared: &Bulkhead,
     server: &ServerDefaults,
+    own: Option<&Bulkhead>,
 ) -> Policy {
     let d = rpc_core::GovernanceOptions::default();
     // The entry's own rate (and burst) if it sets one, else the server's.
@@ -59,9 +60,13 @@ pub(crate) fn admission(
     };
     let limiter = (limits.entry.is_some() || limits.per_caller.is_some())
         .then(|| Arc::new(RateLimiter::new(limits)));
-    let cap = match o.max_concurrent_handling_count {
-        Some(n) => Bulkhead::new(n as usize),
-        None => shared.clone(),
+    // An entry's own cap replacing its own cap (`own`, a rules change) keeps counting the
+    // calls holding slots of the old one: a new cap starting from zero would admit a full cap
+    // more beside them.
+    let cap = match (o.max_concurrent_handling_count, own) {
+        (Some(n), Some(own)) => own.resized(n as usize),
+        (Some(n), None) => Bulkhead::new(n as usize),
+        (None, _) => shared.clone(),
     };
     let gate = if o.adaptive_concurrency.unwrap_or(server.adaptive) {
         Gate::adaptive(
@@ -490,7 +495,7 @@ impl ServerBuilder {
             let fallback = self.fallbacks.get(service.service_id()).cloned();
             for (index, m) in service.methods().iter().enumerate() {
                 let admission = Arc::new(Admission::new(
-                    admission(&m.governance, shared, &defaults),
+                    admission(&m.governance, shared, &defaults, None),
                     self.events.clone(),
                 ));
                 let (algorithm, threshold) = compression(&m.governance);
@@ -1037,7 +1042,7 @@ mod tests {
             caller_rate_limit_burst: Some(7),
             ..rpc_core::GovernanceOverrides::NONE
         };
-        let policy = admission(&own_bursts, &Bulkhead::new(10), &server);
+        let policy = admission(&own_bursts, &Bulkhead::new(10), &server, None);
         let limits = policy.limiter.expect("limited").limits();
         assert_eq!(limits.entry, Some((50.0, 100)));
         assert_eq!(limits.per_caller, Some((5.0, 7)));
@@ -1045,6 +1050,7 @@ mod tests {
             &rpc_core::GovernanceOverrides::NONE,
             &Bulkhead::new(10),
             &server,
+            None,
         );
         let limits = policy.limiter.expect("limited").limits();
         assert_eq!(
