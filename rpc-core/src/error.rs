@@ -44,7 +44,10 @@ impl RpcError {
     pub fn new(code: StatusCode, message: impl Into<String>) -> Self {
         RpcError {
             inner: Box::new(Inner {
-                code,
+                // `Other(n)` for a number a variant names is that variant: `Other(200)` must
+                // not pass for anything but `Success` (nor `Other(1001)` for less than a
+                // validation error) wherever the code is matched.
+                code: StatusCode::from_u32(code.as_u32()),
                 message: message.into(),
                 payload: None,
                 maybe_delivered: false,
@@ -214,6 +217,9 @@ struct SerialForm {
     tried: Vec<String>,
     #[serde(default)]
     retry_after_ms: Option<u64>,
+    /// The validation errors' fields, as `[member, message]` pairs.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    fields: Vec<(String, String)>,
 }
 
 thread_local! {
@@ -244,8 +250,9 @@ thread_local! {
 /// ```
 ///
 /// The serialised form is a map with `code` (the status number), `message`,
-/// `maybe_delivered`, `tried` (endpoints, in order) and `retry_after_ms` (null when unknown);
-/// a typed error payload the error itself carries is left out.
+/// `maybe_delivered`, `tried` (endpoints, in order), `retry_after_ms` (null when unknown) and,
+/// for a validation error, `fields` (`[member, message]` pairs, absent when none); a typed
+/// error payload the error itself carries is left out.
 pub mod serde_rpc_error {
     use super::*;
 
@@ -268,6 +275,12 @@ pub mod serde_rpc_error {
                 .inner
                 .retry_after
                 .map(|d| d.as_millis().min(u64::MAX as u128) as u64),
+            fields: e
+                .inner
+                .fields
+                .iter()
+                .map(|f| (f.member.clone(), f.message.clone()))
+                .collect(),
         }
         .serialize(serializer)
     }
@@ -280,6 +293,9 @@ pub mod serde_rpc_error {
             .with_tried(f.tried);
         if let Some(ms) = f.retry_after_ms {
             e = e.with_retry_after(Duration::from_millis(ms));
+        }
+        for (member, message) in f.fields {
+            e = e.with_field_error(member, message);
         }
         Ok(e)
     }
@@ -315,6 +331,7 @@ impl RpcError {
         if let Some(after) = self.retry_after() {
             e = e.with_retry_after(after);
         }
+        e.inner.fields = self.inner.fields.clone();
         e
     }
 }
@@ -427,6 +444,32 @@ mod tests {
     impl From<RpcError> for MyError {
         fn from(e: RpcError) -> Self {
             MyError::Rpc(e.to_string())
+        }
+    }
+
+    #[test]
+    fn a_known_number_given_as_other_is_its_variant_and_an_error_never_travels_as_200() {
+        assert_eq!(
+            RpcError::new(StatusCode::Other(1001), "x").code(),
+            StatusCode::ValidateError
+        );
+        let e = RpcError::new(StatusCode::Other(200), "not a success");
+        assert_eq!(e.code(), StatusCode::Success);
+        let wire = e.into_rpc_error(Codec::MsgPack);
+        assert_ne!(wire.code().as_u32(), 200, "{wire:?}");
+    }
+
+    #[test]
+    fn a_validation_error_held_in_a_typed_error_keeps_its_fields() {
+        let inner = RpcError::validation("bad order").with_field_error("qty", "must be above 0");
+        for codec in [Codec::MsgPack, Codec::Json] {
+            let wire = OrderError::Rpc(inner.clone()).into_rpc_error(codec);
+            assert_eq!(wire.field_errors(), inner.field_errors(), "sent, {codec:?}");
+            assert_eq!(
+                OrderError::from_rpc_error(wire),
+                OrderError::Rpc(inner.clone()),
+                "decoded, {codec:?}"
+            );
         }
     }
 

@@ -976,7 +976,12 @@ pub(crate) fn to_message(result: Result<Bytes, RpcError>) -> RemoteResultMessage
             ..Default::default()
         },
         Err(e) => RemoteResultMessage {
-            status_code: e.code().as_u32(),
+            // An error never travels as a success: a layer's `RpcError` of status 200 goes as
+            // the business error `carried` makes of a handler's.
+            status_code: match e.code() {
+                StatusCode::Success => StatusCode::BusinessError.as_u32(),
+                code => code.as_u32(),
+            },
             result: e.payload().map(|(_, p)| p.clone()).unwrap_or_default(),
             exception_message: e.message().to_string(),
             retry_after_ms: e
