@@ -282,6 +282,17 @@ impl Service {
     }
 }
 
+/// The generated client's own items (and `Clone::clone`, which it derives): a method of the
+/// same name would be hidden by them, or ambiguous with them, at the caller's call.
+const PROXY_ITEMS: [&str; 6] = [
+    "new",
+    "client",
+    "with_options",
+    "with_timeout",
+    "methods",
+    "clone",
+];
+
 fn method(f: &TraitItemFn) -> syn::Result<Method> {
     let sig = &f.sig;
     let mut errors = Errors::default();
@@ -303,6 +314,30 @@ fn method(f: &TraitItemFn) -> syn::Result<Method> {
     }
     if let Some(v) = &sig.variadic {
         errors.spanned(&v, "a service method cannot be variadic");
+    }
+    for attr in &f.attrs {
+        if attr.path().is_ident("cfg") || attr.path().is_ident("cfg_attr") {
+            errors.spanned(
+                attr,
+                "a service method cannot be conditional (`#[cfg]`, `#[cfg_attr]`): the trait's \
+                 client, dispatcher and published entries are generated from every method as \
+                 written; put the condition on the whole trait, or the method in a service of \
+                 its own",
+            );
+        }
+    }
+    let name = sig.ident.to_string();
+    let name = name.strip_prefix("r#").unwrap_or(&name);
+    if PROXY_ITEMS.contains(&name) {
+        errors.spanned(
+            &sig.ident,
+            format!(
+                "a service method cannot be named `{name}`: the generated client has a `{name}` \
+                 of its own ({}), which a call on the client would reach instead; rename the \
+                 method",
+                PROXY_ITEMS.join(", ")
+            ),
+        );
     }
     if sig.asyncness.is_none() {
         errors.add(
