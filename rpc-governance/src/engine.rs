@@ -42,9 +42,20 @@ pub struct EntryPolicy {
     /// Whether the caller has looked up the entry's service, so that what its instances
     /// publish is a level of the entry's options (see [`EntryPolicy::service_known`]).
     service_known: std::sync::atomic::AtomicBool,
+    /// The entry's round-robin position (see [`round_robin`](Self::round_robin)).
+    round_robin: std::sync::atomic::AtomicUsize,
 }
 
 impl EntryPolicy {
+    /// The entry's round-robin position, which a balancer advances by one per call it spreads
+    /// by turns. One per entry, not per service: entries of one service called in turn (or
+    /// routed to groups of their own) would otherwise each keep landing on the same
+    /// endpoints. It starts at a random place, so that short-lived clients, and a fleet
+    /// started together, do not all begin with the same endpoint.
+    pub fn round_robin(&self) -> &std::sync::atomic::AtomicUsize {
+        &self.round_robin
+    }
+
     /// Whether [`set_service_known`](Self::set_service_known) was called: a client looks up
     /// an entry's service (whose instances publish settings for it) before it reads the
     /// options of the entry's first call, and says so here, so later calls skip the lookup.
@@ -183,6 +194,13 @@ impl Governance {
                     throttle: std::sync::OnceLock::new(),
                     latency: std::sync::OnceLock::new(),
                     service_known: std::sync::atomic::AtomicBool::new(false),
+                    // A random start: std's per-process random hash keys.
+                    round_robin: std::sync::atomic::AtomicUsize::new(
+                        std::hash::BuildHasher::hash_one(
+                            &std::collections::hash_map::RandomState::new(),
+                            method.entry_id,
+                        ) as usize,
+                    ),
                     attributed: std::sync::OnceLock::new(),
                 })
             })

@@ -10,6 +10,9 @@ pub trait Shunt {
     /// The server's name.
     async fn whoami(&self) -> Result<String, RpcError>;
 
+    /// The server's name too: a second entry, spread by turns of its own.
+    async fn whoami_too(&self) -> Result<String, RpcError>;
+
     /// The server's name; the call goes to the owner of `key` on the hash ring.
     #[governance(shunt_strategy = "hash")]
     async fn owner(&self, #[hash_key] key: String) -> Result<String, RpcError>;
@@ -28,6 +31,9 @@ pub struct Named(pub String);
 
 impl Shunt for Named {
     async fn whoami(&self) -> Result<String, RpcError> {
+        Ok(self.0.clone())
+    }
+    async fn whoami_too(&self) -> Result<String, RpcError> {
         Ok(self.0.clone())
     }
     async fn owner(&self, _key: String) -> Result<String, RpcError> {

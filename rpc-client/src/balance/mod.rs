@@ -39,6 +39,9 @@ pub(crate) struct ServiceState {
     /// (that is, with the client): it holds a watch of its own, which would otherwise keep
     /// the registry's watch (an etcd or ZooKeeper watch) until the service next changes.
     follower: std::sync::OnceLock<crate::rules::AbortOnDrop>,
+    /// The round-robin position of [`select`](Self::select), in tests: calls use their
+    /// entry's.
+    #[cfg(test)]
     counter: AtomicUsize,
     /// The hash ring of the current snapshot, rebuilt by the watch (see [`RingCache`]).
     ring: RingCache,
@@ -123,6 +126,7 @@ impl ServiceState {
         ServiceState {
             watch,
             follower: std::sync::OnceLock::new(),
+            #[cfg(test)]
             counter: AtomicUsize::new(0),
             ring: RingCache::new(ring_key),
             seen,
@@ -322,6 +326,7 @@ impl ServiceState {
             hash_key,
             tried,
             health,
+            &self.counter,
         )
     }
 
@@ -339,6 +344,7 @@ impl ServiceState {
         hash_key: Option<u64>,
         tried: &[Arc<str>],
         health: &EndpointHealth,
+        turns: &AtomicUsize,
     ) -> Result<Arc<str>, RpcError> {
         if options.shunt_strategy == ShuntStrategy::Appoint {
             return options
@@ -426,14 +432,18 @@ impl ServiceState {
             let n = among.map_or(eps.len(), <[usize]>::len);
             let pick = match options.shunt_strategy {
                 ShuntStrategy::Random => ring::random(n),
-                _ => ring::polling(&self.counter, n),
+                _ => ring::polling(turns, n),
             };
             return Ok(self.address(&eps, among.map_or(pick, |a| a[pick])));
         }
         let group = best_group(&eps, among, tried, health);
         let pick = match options.shunt_strategy {
+            // A failover step takes a random one of the rest: by turns, its smaller group
+            // would fall on the same members after the same failures (with one endpoint
+            // refusing, the one after it in the order took three calls in four).
             ShuntStrategy::Random => ring::random(group.len()),
-            _ => ring::polling(&self.counter, group.len()),
+            _ if !tried.is_empty() => ring::random(group.len()),
+            _ => ring::polling(turns, group.len()),
         };
         Ok(self.address(&eps, group[pick]))
     }
@@ -499,6 +509,7 @@ impl Pick for Picker {
             cx.hash_key(),
             cx.tried(),
             cx.health(),
+            cx.round_robin(),
         )
     }
 
@@ -650,6 +661,7 @@ mod tests {
                 Some(key),
                 &[],
                 &health,
+                &s.counter,
             )
             .unwrap()
         };

@@ -308,6 +308,11 @@ impl<'g> CallCx<'g> {
         self.engine.events()
     }
 
+    /// The entry's round-robin position ([`EntryPolicy::round_robin`]).
+    pub fn round_robin(&self) -> &std::sync::atomic::AtomicUsize {
+        self.policy.round_robin()
+    }
+
     /// This client's view of endpoint health.
     pub fn health(&self) -> &EndpointHealth {
         self.engine.health()
