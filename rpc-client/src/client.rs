@@ -163,7 +163,8 @@ impl ClientBuilder {
         self
     }
 
-    /// Pause between pings on a quiet connection (10 s by default).
+    /// Pause between pings on a quiet connection (10 s by default); a connection from which
+    /// nothing arrived for three of them is closed. Zero turns heartbeats off.
     pub fn heartbeat_interval(mut self, t: Duration) -> Self {
         self.connect.heartbeat_interval = t;
         self

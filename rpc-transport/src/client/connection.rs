@@ -235,11 +235,15 @@ impl Connection {
         let on_drop = EndOnDrop::new(shared.clone());
         tokio::spawn(read_loop(frames, shared.clone(), received.clone(), on_drop));
         tokio::spawn(sweeper(shared.clone()));
-        tokio::spawn(heartbeat(
-            Arc::downgrade(&shared),
-            options.heartbeat_interval,
-            received,
-        ));
+        // Zero is "no heartbeat": a zero pause would close the connection as silent three
+        // ticks after the handshake, before the server could answer a ping.
+        if !options.heartbeat_interval.is_zero() {
+            tokio::spawn(heartbeat(
+                Arc::downgrade(&shared),
+                options.heartbeat_interval,
+                received,
+            ));
+        }
         Ok(Connection {
             _owners: Arc::new(CloseOnDrop(shared.clone())),
             shared,

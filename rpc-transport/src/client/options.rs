@@ -14,7 +14,8 @@ pub struct ConnectOptions {
     /// Limit on TCP connect plus handshake.
     pub connect_timeout: Duration,
     /// A `Ping` is sent every interval; the connection is closed when nothing at all (not a
-    /// byte of a frame) arrived for three intervals in a row.
+    /// byte of a frame) arrived for three intervals in a row. Zero: no heartbeat (a dead
+    /// connection is then found only when a call on it fails or times out).
     pub heartbeat_interval: Duration,
     /// Bytes of calls queued on one connection and not yet written (about: parameters and
     /// entry id of each call plus 64), 4 MiB by default. Above it, as when the server stalls

@@ -256,6 +256,41 @@ async fn a_connection_with_nothing_arriving_is_closed_at_the_idle_timeout() {
     within("shutdown", server.shutdown()).await;
 }
 
+/// A heartbeat interval of zero turns heartbeats off: before, the connection closed itself as
+/// silent three zero-length ticks after the handshake, so calls failed and reconnected.
+#[tokio::test(start_paused = true)]
+async fn a_zero_heartbeat_interval_turns_heartbeats_off() {
+    let (n, _p) = node("only");
+    let server = builder(&n).serve("127.0.0.1:0").await.expect("serve");
+    let options = ConnectOptions {
+        heartbeat_interval: Duration::ZERO,
+        ..ConnectOptions::default()
+    };
+    let conn = Connection::connect(&server.local_addr().to_string(), &options)
+        .await
+        .expect("connect");
+    // Quiet for a while, as between calls.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert!(conn.is_usable(), "the connection closed itself");
+    let answer = within(
+        "a call on the connection",
+        conn.call(
+            rpc::crates::core::wire::RemoteInvokeMessage {
+                service_entry_id: "t.Life.whoami".into(),
+                parameters: rpc::Codec::MsgPack
+                    .encode(&rpc::crates::core::NoArgs)
+                    .expect("encode"),
+                ..Default::default()
+            },
+            None,
+        ),
+    )
+    .await
+    .expect("answered");
+    assert_eq!(answer.status_code, 200, "{answer:?}");
+    within("shutdown", server.shutdown()).await;
+}
+
 // The paused clock: the idle timeouts pass in virtual time, with every ping and pong on the
 // real socket handled before the clock moves on.
 #[tokio::test(start_paused = true)]
