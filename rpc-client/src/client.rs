@@ -1080,6 +1080,11 @@ impl Client {
             None => policy.options(),
             Some(o) => Arc::new(o.applied(&policy.options())),
         };
+        if options.shunt_strategy == ShuntStrategy::Appoint {
+            // Appointed: the registry has no say in where the call goes (see the picker), so
+            // the call does not wait for it either.
+            return started;
+        }
         let lookup = self.service(method.service_id);
         let found = match rpc_governance::timeout::deadline_from(started, &options) {
             Some(d) => tokio::time::timeout_at(d, lookup).await.ok(),
@@ -1462,7 +1467,24 @@ impl Balance for ClientBalance<'_> {
     type Picker = Picker;
 
     async fn picker(&self, cx: &CallCx<'_>) -> Result<Picker, RpcError> {
-        let service = self.client.service(cx.method().service_id).await?;
+        let service_id = cx.method().service_id;
+        if cx.options().shunt_strategy == ShuntStrategy::Appoint {
+            // The appointed address is the only candidate whatever the registry lists: the
+            // call does not wait on (nor fail with) a registry that is slow or down. The
+            // service as already known serves the routing rules and load counts, if it is.
+            let service = self.client.service_now(service_id).unwrap_or_else(|| {
+                let (_, none) = tokio::sync::watch::channel(rpc_registry::Endpoints::default());
+                Arc::new(ServiceState::new(
+                    ServiceWatch::new(none),
+                    RingKey::default(),
+                ))
+            });
+            return Ok(Picker {
+                service,
+                route: None,
+            });
+        }
+        let service = self.client.service(service_id).await?;
         let route = self.client.inner.routing.choose(cx, &service)?;
         Ok(Picker { service, route })
     }

@@ -619,3 +619,28 @@ async fn a_handler_failing_at_the_deadline_is_answered_519() {
     }
     within("shutdown", server.shutdown()).await;
 }
+
+/// Under `appoint` the appointed address is the only candidate whatever the registry lists, so
+/// a registry that hangs neither holds the call nor fails it: before, every call waited on the
+/// registry's watch and ran out of its deadline.
+#[tokio::test]
+async fn an_appointed_call_does_not_wait_for_a_registry_that_hangs() {
+    let (server, _probe) = serve(&InProcessRegistry::new(), 10).await;
+    let client = Client::builder()
+        .registry(HungRegistry)
+        .override_options(
+            DeadlineClient::SERVICE_ID,
+            GovernanceOverrides {
+                shunt_strategy: Some(rpc::ShuntStrategy::Appoint),
+                appoint_address: Some(server.local_addr().to_string().into()),
+                timeout_ms: Some(2_000),
+                ..GovernanceOverrides::NONE
+            },
+        )
+        .build();
+    let d = DeadlineClient::new(client);
+    for call in ["first", "second"] {
+        assert_eq!(within(call, d.quick()).await.expect(call), 7);
+    }
+    within("shutdown", server.shutdown()).await;
+}
