@@ -10,7 +10,7 @@ use tokio::io::AsyncRead;
 use tokio::time::Instant;
 use tokio_util::codec::FramedRead;
 
-use super::options::ServerOptions;
+use super::options::{ServerOptions, MAX_CLIENT_ID};
 use crate::codec::kind_name;
 use crate::codec::FrameCodec;
 use crate::compression::Accepted;
@@ -90,6 +90,16 @@ pub(super) async fn handshake<R: AsyncRead + Unpin>(
             format!(
                 "protocol version {} is not supported; this server speaks {PROTOCOL_VERSION}",
                 hello.protocol_version
+            ),
+        ));
+    }
+    if hello.client_id.len() > MAX_CLIENT_ID {
+        return Err((
+            StatusCode::FrameworkError,
+            format!(
+                "a client id of {} bytes is over the limit of {MAX_CLIENT_ID}: give the client a \
+                 shorter one (a name, a pod or process id)",
+                hello.client_id.len()
             ),
         ));
     }

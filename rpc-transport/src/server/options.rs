@@ -144,6 +144,12 @@ pub const DEFAULT_STREAM_WINDOW_BYTES: u32 = 256 * 1024;
 /// of the server's memory than that. A longer frame gets `GoAway` at its length prefix.
 pub const MAX_HELLO_FRAME: usize = 8 * 1024;
 
+/// Longest `Hello.client_id` a server accepts, in bytes: the id keys per-caller state (a
+/// caller's rate-limit bucket per entry), so a client reconnecting with ever new ids of
+/// kilobytes each would otherwise make that state cost far more than its count. A longer one
+/// gets `GoAway`.
+pub const MAX_CLIENT_ID: usize = 256;
+
 /// Calls breaking the attachment limits that one connection may send before it is closed: a
 /// client that keeps doing it is broken or hostile, and each such call costs the server a full
 /// decode.

@@ -143,6 +143,37 @@ async fn a_hello_too_large_for_the_handshake_is_told_to_shorten_its_token() {
     within("shutdown", server.shutdown()).await;
 }
 
+/// A client id over the limit is refused at the handshake: ids key per-caller state, and a
+/// client reconnecting with ever new ids of kilobytes each would make it cost that much. One
+/// at the limit is served.
+#[tokio::test]
+async fn a_client_id_over_the_limit_gets_go_away() {
+    let reg = InProcessRegistry::new();
+    let (server, _) = serve(&reg, None).await;
+    let limit = rpc::crates::transport::MAX_CLIENT_ID;
+    for (len, accepted) in [(limit, true), (limit + 1, false), (4000, false)] {
+        let mut raw = RawConn::connect(server.local_addr()).await;
+        raw.send(Kind::Hello(rpc::crates::core::wire::Hello {
+            protocol_version: 1,
+            client_id: "c".repeat(len),
+            ..Default::default()
+        }))
+        .await
+        .expect("send Hello");
+        match (raw.recv().await, accepted) {
+            (Some(Kind::HelloAck(_)), true) => {}
+            (Some(Kind::GoAway(g)), false) => {
+                assert!(
+                    g.reason.contains(&format!("client id of {len} bytes")),
+                    "{g:?}"
+                );
+            }
+            (other, _) => panic!("{len} bytes: got {other:?}"),
+        }
+    }
+    within("shutdown", server.shutdown()).await;
+}
+
 #[tokio::test]
 async fn a_bad_token_on_the_wire_gets_go_away_517_and_the_connection_closes() {
     let reg = InProcessRegistry::new();
