@@ -822,7 +822,8 @@ impl ServerHandle {
     /// Serves until the process is asked to stop (SIGINT, i.e. Ctrl-C, or SIGTERM, what
     /// `kill`, systemd and Kubernetes send), then [`shutdown`](Self::shutdown)s gracefully:
     /// deregisters the instance, sends `GoAway`, lets the calls in flight finish (up to the
-    /// drain timeout) and returns. What a service's `main` ends with:
+    /// drain timeout) and returns. A second signal during the drain stops at once, dropping
+    /// the calls still running. What a service's `main` ends with:
     ///
     /// ```no_run
     /// # async fn f(server: rpc_server::ServerHandle) -> std::io::Result<()> {
@@ -839,9 +840,30 @@ impl ServerHandle {
     ) -> impl std::future::Future<Output = std::io::Result<()>> + Send + 'static {
         let signals = StopSignals::install();
         async move {
-            let which = signals?.recv().await;
+            let mut signals = signals?;
+            let which = signals.recv().await;
             tracing::info!(signal = which, instance = %self.instance_id, "stopping gracefully");
-            self.shutdown().await;
+            // A second signal while draining stops at once, as an operator pressing Ctrl-C
+            // again expects: the handlers stay installed, so without this it would do nothing
+            // and only SIGKILL would end the drain.
+            let serving = self
+                .task
+                .as_ref()
+                .map(tokio::task::JoinHandle::abort_handle);
+            let instance = self.instance_id.clone();
+            tokio::select! {
+                () = self.shutdown() => {}
+                again = signals.recv() => {
+                    tracing::warn!(
+                        signal = again,
+                        %instance,
+                        "stopping at once: the calls still running are dropped"
+                    );
+                    if let Some(serving) = serving {
+                        serving.abort();
+                    }
+                }
+            }
             Ok(())
         }
     }
@@ -1008,8 +1030,8 @@ impl StopSignals {
         Ok(StopSignals {})
     }
 
-    /// Waits for the first stop signal and names it.
-    async fn recv(mut self) -> &'static str {
+    /// Waits for the next stop signal and names it.
+    async fn recv(&mut self) -> &'static str {
         #[cfg(unix)]
         {
             tokio::select! {

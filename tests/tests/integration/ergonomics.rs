@@ -588,3 +588,52 @@ async fn a_server_on_an_unspecified_address_with_a_registry_must_advertise_one()
     );
     within("shutdown", server.shutdown()).await;
 }
+
+/// A second signal during the drain stops the process at once: the drain would otherwise wait
+/// for the call still held (up to the 10 s drain timeout), and the second Ctrl-C did nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_signal_during_the_drain_stops_at_once() {
+    let (mut server, addr) = SignalServer::start("embedded");
+    let client = Client::builder()
+        .shared_registry(Arc::new(rpc::StaticRegistry::new([addr.clone()])))
+        .build();
+    let hold = HoldClient::new(client);
+    let call = tokio::spawn(async move { hold.hold(7).await });
+    assert_eq!(server.line(), "held");
+    let pid = server.child.id().to_string();
+    let kill = |signal: &str| {
+        let status = Command::new("kill")
+            .args([signal, &pid])
+            .status()
+            .expect("run kill");
+        assert!(status.success());
+    };
+    kill("-TERM");
+    // Draining: a new connection is refused, the held call still runs.
+    within("the drain starts", async {
+        while tokio::net::TcpStream::connect(&addr).await.is_ok() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    assert!(
+        !call.is_finished(),
+        "the held call ended before the second signal"
+    );
+    kill("-INT");
+    // Within LIMIT (5 s), well before the 10 s drain timeout.
+    assert_eq!(server.line(), "stopped");
+    let exit = server.child.wait().unwrap();
+    assert!(exit.success(), "signal-server exited with {exit}");
+    let e = within("the held call", call)
+        .await
+        .unwrap()
+        .expect_err("dropped by the stop");
+    assert!(
+        matches!(
+            e.code(),
+            StatusCode::CommunicationError | StatusCode::ServerError
+        ),
+        "{e}"
+    );
+}
