@@ -116,6 +116,9 @@ impl FrameCtx<'_> {
                 ));
             }
         }
+        if self.conn.abuses.load(Ordering::Relaxed) != 0 {
+            self.conn.abuses.store(0, Ordering::Relaxed);
+        }
         None
     }
 

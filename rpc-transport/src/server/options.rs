@@ -26,7 +26,7 @@ pub struct ServerOptions {
     /// Attachments one call may carry.
     pub max_attachments: usize,
     /// Total bytes of one call's attachment keys and values. A connection whose calls break
-    /// the attachment limits more than [`ABUSE_LIMIT`] times is closed.
+    /// the attachment limits more than [`ABUSE_LIMIT`] times in a row is closed.
     pub max_attachment_bytes: usize,
     /// Answers queued on one connection and not yet written, in bytes (about: payload and
     /// message of each answer plus 64). Above this, as when a client sends calls but does not
@@ -150,9 +150,11 @@ pub const MAX_HELLO_FRAME: usize = 8 * 1024;
 /// gets `GoAway`.
 pub const MAX_CLIENT_ID: usize = 256;
 
-/// Calls breaking the attachment limits that one connection may send before it is closed: a
-/// client that keeps doing it is broken or hostile, and each such call costs the server a full
-/// decode.
+/// Calls breaking the attachment limits that one connection may send in a row (with no call
+/// within them in between) before it is closed: a client that keeps doing it is broken or
+/// hostile, and each such call costs the server a full decode. Counted in a row, so that a
+/// long-lived connection multiplexing many callers is not closed, taking their calls with it,
+/// for a few oversized calls over its life.
 pub const ABUSE_LIMIT: u32 = 8;
 
 /// Calls refused in a row at a connection's in-flight limit after which the server stops

@@ -378,6 +378,32 @@ async fn a_connection_that_keeps_breaking_the_attachment_limits_is_closed() {
     server.shutdown().await;
 }
 
+/// Calls breaking the attachment limits are counted in a row: a connection that sends a
+/// good call between them (a client multiplexing many callers, a few of them oversized) is
+/// not closed, and its other calls go on.
+#[tokio::test]
+async fn attachment_limit_breaks_between_good_calls_do_not_close_the_connection() {
+    let gate = gate(1000);
+    let (server, _reg, mut raw) = connected(gate.clone()).await;
+    let many = five_attachments();
+    let limit = rpc::crates::transport::ABUSE_LIMIT as u64;
+    let mut id = 0;
+    for _ in 0..3 {
+        for _ in 0..limit {
+            id += 1;
+            raw.send(invoke(id, many.clone())).await.expect("send");
+            let r = answer(&mut raw).await;
+            assert_eq!((r.message_id, r.status_code), (id, 500), "{r:?}");
+        }
+        id += 1;
+        raw.send(invoke(id, BTreeMap::new())).await.expect("send");
+        let r = answer(&mut raw).await;
+        assert_eq!((r.message_id, r.status_code), (id, 200), "{r:?}");
+    }
+    assert_eq!(gate.ran.load(Ordering::SeqCst), 3, "the good calls ran");
+    server.shutdown().await;
+}
+
 #[tokio::test]
 async fn after_many_refusals_at_the_in_flight_limit_the_server_waits_for_a_call_to_finish() {
     let gate = gate(0);
