@@ -34,6 +34,7 @@
 mod admission;
 mod dispatch;
 pub mod middleware;
+mod registration;
 mod rules;
 mod server;
 mod service;

@@ -638,7 +638,18 @@ impl ServerBuilder {
         if let Some(id) = &self.instance_id {
             instance.id = id.clone();
         }
+        let ticket = self
+            .registry
+            .as_ref()
+            .map(|_| Arc::new(crate::registration::Ticket::take(&instance.id)));
         if let Some(registry) = &self.registry {
+            // Given up while it registers (a timeout around a slow registry), the registry
+            // may have taken the instance all the same: it is removed again.
+            let unpublish_if_given_up = Unpublish {
+                registry: Some(registry.clone()),
+                id: instance.id.clone(),
+                ticket: ticket.clone(),
+            };
             if let Err(e) = registry.register(instance.clone()).await {
                 shutdown.cancel();
                 return Err(std::io::Error::other(format!(
@@ -646,6 +657,7 @@ impl ServerBuilder {
                     instance.address
                 )));
             }
+            unpublish_if_given_up.disarm();
         }
         stop_if_given_up.disarm();
         tracing::info!(address = %bound, services = ?instance.services, "serving");
@@ -666,10 +678,47 @@ impl ServerBuilder {
             shutdown,
             task: Some(task),
             registry: self.registry,
+            ticket,
             instance_id: status.0.instance_id.clone(),
             rules,
             status,
         })
+    }
+}
+
+/// Removes an instance from its registry when dropped armed, in a task of its own (unless a
+/// later server of this process published the same id meanwhile; see [`crate::registration`]).
+struct Unpublish {
+    registry: Option<Arc<dyn Registry>>,
+    id: String,
+    ticket: Option<Arc<crate::registration::Ticket>>,
+}
+
+impl Unpublish {
+    fn disarm(mut self) {
+        self.registry = None;
+    }
+}
+
+impl Drop for Unpublish {
+    fn drop(&mut self) {
+        let (Some(registry), Ok(runtime)) =
+            (self.registry.take(), tokio::runtime::Handle::try_current())
+        else {
+            return;
+        };
+        let (id, ticket) = (std::mem::take(&mut self.id), self.ticket.clone());
+        runtime.spawn(async move {
+            if ticket.as_ref().is_some_and(|t| !t.is_latest()) {
+                return;
+            }
+            if let Err(e) = registry.deregister(&id).await {
+                tracing::warn!(error = %e, "could not remove a server given up while it registered");
+            }
+            if let Some(t) = ticket {
+                t.release();
+            }
+        });
     }
 }
 
@@ -683,6 +732,8 @@ pub struct ServerHandle {
     shutdown: CancellationToken,
     task: Option<JoinHandle<()>>,
     registry: Option<Arc<dyn Registry>>,
+    /// Its publication of `instance_id` (see [`crate::registration`]).
+    ticket: Option<Arc<crate::registration::Ticket>>,
     instance_id: String,
     rules: Option<crate::rules::Following>,
     status: ServerStatus,
@@ -807,10 +858,18 @@ impl ServerHandle {
     /// the drain timeout.
     pub async fn shutdown(mut self) {
         self.status.draining();
-        if let Some(registry) = self.registry.take() {
-            if let Err(e) = registry.deregister(&self.instance_id).await {
-                tracing::warn!(error = %e, "could not deregister before shutdown");
+        // Kept in the handle until deregistered: a shutdown given up while it deregisters (a
+        // timeout around it) leaves the handle's drop to try again.
+        if let Some(registry) = self.registry.clone() {
+            if self.ticket.as_ref().is_none_or(|t| t.is_latest()) {
+                if let Err(e) = registry.deregister(&self.instance_id).await {
+                    tracing::warn!(error = %e, "could not deregister before shutdown");
+                }
             }
+            if let Some(t) = &self.ticket {
+                t.release();
+            }
+            self.registry = None;
             self.status.0.registered.store(false, Ordering::Release);
         }
         self.shutdown.cancel();
@@ -891,9 +950,16 @@ impl Drop for ServerHandle {
         {
             let (id, status) = (self.instance_id.clone(), self.status.clone());
             let shutdown = self.shutdown.clone();
+            let ticket = self.ticket.clone();
             runtime.spawn(async move {
-                if let Err(e) = registry.deregister(&id).await {
-                    tracing::warn!(error = %e, "could not deregister the dropped server");
+                // Not when a later server of this process published the same id meanwhile.
+                if ticket.as_ref().is_none_or(|t| t.is_latest()) {
+                    if let Err(e) = registry.deregister(&id).await {
+                        tracing::warn!(error = %e, "could not deregister the dropped server");
+                    }
+                }
+                if let Some(t) = ticket {
+                    t.release();
                 }
                 status.0.registered.store(false, Ordering::Release);
                 shutdown.cancel();

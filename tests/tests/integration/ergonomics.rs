@@ -637,3 +637,83 @@ async fn a_second_signal_during_the_drain_stops_at_once() {
         "{e}"
     );
 }
+
+/// A handle dropped without `shutdown` deregisters in a task of its own, later: a server of
+/// this process publishing the same instance id meanwhile (a shard restarted under its stable
+/// id) stays published. Before, the late deregistration removed it for good.
+#[tokio::test]
+async fn a_dropped_handle_does_not_unpublish_a_newer_server_with_its_id() {
+    let registry = InProcessRegistry::new();
+    let serve = || {
+        Server::builder()
+            .registry(registry.clone())
+            .instance_id("shard-1")
+            .add_service(EchoServer::new(Plain))
+            .serve("127.0.0.1:0")
+    };
+    let old = serve().await.expect("serve the old one");
+    drop(old);
+    let new = serve().await.expect("serve the new one");
+    // The old handle's deregistration task runs now, on this one-thread runtime.
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    let client = Client::builder().registry(registry).build();
+    let watch = client.watch(EchoClient::SERVICE_ID).await.expect("watch");
+    let published: Vec<String> = watch.current().iter().map(|i| i.address.clone()).collect();
+    assert_eq!(published, [new.local_addr().to_string()]);
+    assert!(new.status().is_registered());
+    within("shutdown", new.shutdown()).await;
+    let watch = client.watch(EchoClient::SERVICE_ID).await.expect("watch");
+    assert!(
+        watch.current().is_empty(),
+        "its own shutdown unpublishes it"
+    );
+}
+
+/// A registry that takes the instance, then never answers: the write landed, the answer did
+/// not. Removal works.
+#[derive(Clone, Default)]
+struct LandsThenHangs(Arc<std::sync::Mutex<Vec<String>>>);
+
+impl Registry for LandsThenHangs {
+    fn register(&self, i: rpc::Instance) -> rpc::BoxFuture<'_, Result<(), rpc::RegistryError>> {
+        self.0.lock().unwrap().push(i.id);
+        Box::pin(std::future::pending())
+    }
+    fn deregister<'a>(&'a self, id: &'a str) -> rpc::BoxFuture<'a, Result<(), rpc::RegistryError>> {
+        self.0.lock().unwrap().retain(|i| i != id);
+        Box::pin(async { Ok(()) })
+    }
+    fn watch<'a>(
+        &'a self,
+        _: &'a rpc::ServiceId,
+    ) -> rpc::BoxFuture<'a, Result<rpc::crates::registry::ServiceWatch, rpc::RegistryError>> {
+        Box::pin(async { Err(rpc::RegistryError::Unavailable("not watched".into())) })
+    }
+    fn services(&self) -> rpc::BoxFuture<'_, Result<Vec<rpc::ServiceId>, rpc::RegistryError>> {
+        Box::pin(async { Ok(Vec::new()) })
+    }
+}
+
+/// A `serve` given up while it registers removes what the registry may have taken: before, the
+/// instance stayed published (until its lease or session ended) with no server behind it.
+#[tokio::test]
+async fn a_serve_given_up_while_it_registers_unpublishes_what_landed() {
+    let registry = LandsThenHangs::default();
+    let given_up = tokio::time::timeout(
+        Duration::from_millis(100),
+        Server::builder()
+            .registry(registry.clone())
+            .add_service(EchoServer::new(Plain))
+            .serve("127.0.0.1:0"),
+    )
+    .await;
+    assert!(given_up.is_err(), "the registration never answers");
+    within("the instance is removed", async {
+        while !registry.0.lock().unwrap().is_empty() {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+}
