@@ -174,6 +174,13 @@ impl RulesInForce {
             .unwrap_or_else(PoisonError::into_inner)
             .insert(kind, version);
     }
+
+    fn clear(&self, kind: RuleKind) {
+        self.versions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&kind);
+    }
 }
 
 /// The pause before opening the watch again after the source failed to open it.
@@ -220,10 +227,20 @@ async fn follow_kind<T: RuleTarget>(
     loop {
         let current = watch.borrow_and_update().clone();
         let Some(t) = target.upgrade() else { return };
-        if let Some(rules) = current {
-            if last.as_ref() != Some(&rules) {
-                take(&*t, kind, &rules, &in_force);
-                last = Some(rules);
+        match current {
+            Some(rules) => {
+                if last.as_ref() != Some(&rules) {
+                    take(&*t, kind, &rules, &in_force);
+                    last = Some(rules);
+                }
+            }
+            // The document was deleted: as an empty one, back to the lower levels, as a
+            // process started now has them (before, running processes kept the deleted rules
+            // and the fleet split).
+            None => {
+                if let Some(gone) = last.take() {
+                    withdraw(&*t, kind, &gone, &in_force);
+                }
             }
         }
         drop(t);
@@ -274,6 +291,47 @@ fn take<T: RuleTarget>(target: &T, kind: RuleKind, rules: &RuleVersion, in_force
             });
         }
     }
+}
+
+/// The document of `kind` was deleted (its last version seen was `gone`): the target applies
+/// an empty one, and no version is in force.
+fn withdraw<T: RuleTarget>(
+    target: &T,
+    kind: RuleKind,
+    gone: &RuleVersion,
+    in_force: &RulesInForce,
+) {
+    let empty = RuleVersion {
+        version: gone.version,
+        text: Arc::from(""),
+    };
+    let (event, cause) = match target.apply(kind, &empty) {
+        Ok(()) => {
+            in_force.clear(kind);
+            tracing::info!(target: "rpc::rules", kind = kind.as_str(), "rules deleted: back to the lower levels");
+            (
+                EventKind::RuleApplied,
+                format!("the {kind} rules were deleted: back to the lower levels"),
+            )
+        }
+        Err(e) => {
+            let reason = format!(
+                "the {kind} rules were deleted, but going back to the lower levels was refused: {}",
+                e.message()
+            );
+            tracing::warn!(target: "rpc::rules", kind = kind.as_str(), "{reason}");
+            (EventKind::RuleRejected, reason)
+        }
+    };
+    target.events().emit(GovernanceEvent {
+        kind: event,
+        entry: Arc::from(format!("rules/{kind}")),
+        endpoint: None,
+        attempt: 0,
+        cause: Some(cause),
+        observed: false,
+        rule_version: None,
+    });
 }
 
 #[cfg(test)]
@@ -338,6 +396,45 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(1)).await;
         assert_eq!(*target.texts.lock().unwrap(), [a, b]);
         assert_eq!(in_force.version(RuleKind::Governance), Some(7));
+        following.abort();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_deleted_document_is_withdrawn_as_an_empty_one() {
+        let senders: HashMap<_, _> = RuleKind::ALL
+            .into_iter()
+            .map(|k| (k, watch::channel(None).0))
+            .collect();
+        let governance = senders[&RuleKind::Governance].clone();
+        let source: Arc<dyn RuleSource> = Arc::new(Written(senders));
+        let target = Arc::new(Applied {
+            texts: Mutex::new(Vec::new()),
+            events: EventBus::new(),
+        });
+        let mut events = target.events.subscribe();
+        let in_force = Arc::new(RulesInForce::default());
+        let following = tokio::spawn(follow(source, Arc::downgrade(&target), in_force.clone()));
+        let a = "[defaults]\ntimeout_ms = 100\n";
+        governance.send_replace(Some(RuleVersion {
+            version: 3,
+            text: Arc::from(a),
+        }));
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        assert_eq!(in_force.version(RuleKind::Governance), Some(3));
+        governance.send_replace(None);
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        assert_eq!(*target.texts.lock().unwrap(), [a, ""]);
+        assert_eq!(in_force.version(RuleKind::Governance), None);
+        let kinds: Vec<_> = std::iter::from_fn(|| events.try_recv().ok())
+            .map(|e| (e.kind, e.rule_version))
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                (EventKind::RuleApplied, Some(3)),
+                (EventKind::RuleApplied, None)
+            ]
+        );
         following.abort();
     }
 
