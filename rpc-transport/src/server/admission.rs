@@ -12,7 +12,7 @@ use rpc_core::StreamMode;
 use tokio::time::Instant;
 
 use super::calls::{dispatch, Conn};
-use super::expansion::{Expanded, ExpansionBudget};
+use super::expansion::ExpansionBudget;
 use super::handler::{error_result, InvokeHandler};
 use super::options::{ServerOptions, ABUSE_LIMIT};
 use super::streams::{Inbound, Queued, StreamSlot};
@@ -174,9 +174,9 @@ impl FrameCtx<'_> {
                 } else if matches!(invoke.mode(), Some(StreamMode::Client | StreamMode::Bidi)) {
                     // Compressed set-up arguments are unpacked as a unary call's are.
                     let mut invoke = invoke;
-                    let Ok(expanded) = self.unpack(&mut invoke, id) else {
+                    if self.unpack(&mut invoke, id).is_err() {
                         return Ok(());
-                    };
+                    }
                     // The client's items may come before the handler is set up: they wait in
                     // the stream's queue, which exists from now on.
                     let slot = Arc::new(StreamSlot::new(
@@ -188,21 +188,14 @@ impl FrameCtx<'_> {
                     let inbound = Inbound::new(id, slot.clone(), conn.sender.clone());
                     let inbound = rpc_core::RpcStream::try_new(inbound);
                     let outcome = self.handler.handle_stream(invoke, &self.caller, inbound);
-                    dispatch(conn, outcome, id, false, Some(slot), expanded);
+                    dispatch(conn, outcome, id, false, Some(slot));
                 } else {
                     let mut invoke = invoke;
-                    let Ok(expanded) = self.unpack(&mut invoke, id) else {
+                    if self.unpack(&mut invoke, id).is_err() {
                         return Ok(());
-                    };
+                    }
                     let outcome = self.handler.handle(invoke, &self.caller);
-                    dispatch(
-                        conn,
-                        outcome,
-                        id,
-                        self.options.inline_first_poll,
-                        None,
-                        expanded,
-                    );
+                    dispatch(conn, outcome, id, self.options.inline_first_poll, None);
                 }
                 Ok(())
             }
@@ -268,21 +261,25 @@ impl FrameCtx<'_> {
 }
 
 impl FrameCtx<'_> {
-    /// Decompresses call `id`'s parameters, at most the frame limit of them, with their share
-    /// of the server's expansion budget. A call whose parameters do not decompress is answered
-    /// 500, one beyond what is left of the budget 515, and neither runs (`Err`). The
+    /// Decompresses call `id`'s parameters, at most the frame limit of them, into a buffer
+    /// that holds their share of the server's expansion budget until the last of its bytes is
+    /// dropped (the handler has decoded them). A call whose parameters do not decompress is
+    /// answered 500, one beyond what is left of the budget 515, and neither runs (`Err`). The
     /// connection and its other calls go on: one bad payload says nothing about the next.
-    fn unpack(&self, invoke: &mut Invoke, id: u64) -> Result<Option<Expanded>, ()> {
+    fn unpack(&self, invoke: &mut Invoke, id: u64) -> Result<(), ()> {
         if invoke.compression == 0 {
-            return Ok(None);
+            return Ok(());
         }
         let limit = self.options.max_frame_length;
         let refusal =
             match crate::compression::decompress(invoke.compression, &invoke.parameters, limit) {
                 Ok(plain) => match self.expansion.take(invoke.parameters.len(), plain.len()) {
                     Some(share) => {
-                        invoke.parameters = plain;
-                        return Ok(share);
+                        invoke.parameters = match share {
+                            Some(share) => share.holding(plain),
+                            None => plain,
+                        };
+                        return Ok(());
                     }
                     None => error_result(
                         StatusCode::OverflowMaxServerHandle,

@@ -11,7 +11,6 @@ use rpc_core::wire::{frame::Kind, RemoteResultMessage};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use super::expansion::Expanded;
 use super::handler::error_result;
 use super::handler::Dispatch;
 use super::runner::{self, CallFuture, CallSink, CallTag, Runners, Running};
@@ -86,7 +85,6 @@ pub(super) fn dispatch(
     id: u64,
     inline_first_poll: bool,
     slot: Option<Arc<StreamSlot>>,
-    expanded: Option<Expanded>,
 ) {
     if !matches!(outcome, Dispatch::Stream(_) | Dispatch::Events(_)) {
         // A stream refused (or answered as a call): its client's items go nowhere.
@@ -109,21 +107,15 @@ pub(super) fn dispatch(
                 // The reader gives way before it waits for more frames (see `Handoff`).
                 conn.give_way.store(true, Ordering::Relaxed);
             }
-            spawn(conn, id, fut, expanded);
+            spawn(conn, id, fut);
         }
-        Dispatch::Stream(events) => stream(conn, id, Events::Plain(events), slot, expanded),
-        Dispatch::Events(events) => stream(conn, id, Events::Into(events), slot, expanded),
+        Dispatch::Stream(events) => stream(conn, id, Events::Plain(events), slot),
+        Dispatch::Events(events) => stream(conn, id, Events::Into(events), slot),
     }
 }
 
 /// Runs stream `id` answering its call with `events` in a task of the connection.
-fn stream(
-    conn: &Arc<Conn>,
-    id: u64,
-    events: Events,
-    slot: Option<Arc<StreamSlot>>,
-    expanded: Option<Expanded>,
-) {
+fn stream(conn: &Arc<Conn>, id: u64, events: Events, slot: Option<Arc<StreamSlot>>) {
     let Some(window) = conn.client_window else {
         // (The reader refuses stream opens from such clients before the handler.)
         send_result(
@@ -146,17 +138,16 @@ fn stream(
         &conn.streams,
         conn.sender.clone(),
     );
-    spawn(conn, id, Box::pin(driver), expanded);
+    spawn(conn, id, Box::pin(driver));
 }
 
-/// Runs call `id` in a task of the connection, counted in flight until it ends, holding
-/// `expanded` (its decompressed arguments' share of the server's budget) until then.
-fn spawn(conn: &Arc<Conn>, id: u64, fut: CallFuture, expanded: Option<Expanded>) {
+/// Runs call `id` in a task of the connection, counted in flight until it ends.
+fn spawn(conn: &Arc<Conn>, id: u64, fut: CallFuture) {
     conn.in_flight.fetch_add(1, Ordering::AcqRel);
     // The map stays locked until the call is in it: its task looks it up there when it
     // finishes.
     let mut tasks = conn.tasks();
-    let running = runner::start(conn, id, fut, expanded);
+    let running = runner::start(conn, id, fut);
     tasks.insert(id, running);
 }
 

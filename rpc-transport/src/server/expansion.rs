@@ -5,12 +5,16 @@
 //! byte it makes the server hold. Compression breaks that: about 600 bytes of zstd expand to
 //! 16 MiB, so one connection's 1024 calls in flight could make the server hold 16 GiB for
 //! 600 KiB sent. So the bytes a call's arguments gain by decompression are taken from one
-//! budget shared by the whole server, and held until the call ends (its answer, `Cancel`, the
-//! connection's end). A compressed call that would need more than is left is answered
+//! budget shared by the whole server, and held by the decompressed buffer itself: given back
+//! when its last bytes are dropped, that is once the handler has decoded the arguments (or the
+//! call ended before it did: its answer, `Cancel`, the connection's end), not when a long
+//! stream ends. A compressed call that would need more than is left is answered
 //! Overflow (515) without running, as a full server answers any call: the client's retry
 //! takes it to another endpoint or later. Uncompressed calls take nothing from it.
 
 use std::sync::Arc;
+
+use bytes::Bytes;
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
@@ -28,6 +32,28 @@ pub(crate) struct ExpansionBudget {
 #[derive(Debug)]
 pub(crate) struct Expanded {
     _share: OwnedSemaphorePermit,
+}
+
+impl Expanded {
+    /// `plain` (the decompressed arguments), holding this share until its last bytes go.
+    pub(crate) fn holding(self, plain: Bytes) -> Bytes {
+        Bytes::from_owner(Held {
+            plain,
+            _share: self,
+        })
+    }
+}
+
+/// Decompressed arguments with their share of the budget.
+struct Held {
+    plain: Bytes,
+    _share: Expanded,
+}
+
+impl AsRef<[u8]> for Held {
+    fn as_ref(&self) -> &[u8] {
+        &self.plain
+    }
 }
 
 impl ExpansionBudget {
@@ -80,6 +106,19 @@ mod tests {
         drop(a);
         assert_eq!(budget.left(), 10 * UNIT);
         assert!(budget.take(0, 5 * UNIT).is_some());
+    }
+
+    #[test]
+    fn the_share_goes_with_the_last_bytes_of_the_buffer_holding_it() {
+        let budget = ExpansionBudget::new(10 * UNIT, UNIT);
+        let share = budget.take(0, 4 * UNIT).unwrap().unwrap();
+        let held = share.holding(Bytes::from(vec![7u8; 4 * UNIT]));
+        let part = held.slice(..10);
+        drop(held);
+        assert_eq!(budget.left(), 6 * UNIT, "a slice still holds it");
+        assert_eq!(part[..], [7u8; 10]);
+        drop(part);
+        assert_eq!(budget.left(), 10 * UNIT);
     }
 
     #[test]

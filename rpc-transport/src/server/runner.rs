@@ -17,7 +17,6 @@ use futures_util::task::AtomicWaker;
 use rpc_core::wire::RemoteResultMessage;
 use rpc_core::StatusCode;
 
-use super::expansion::Expanded;
 use super::handler::error_result;
 
 /// A call's future as its task runs it.
@@ -125,9 +124,6 @@ impl CallTag {
 pub(super) struct Running {
     runner: Arc<Runner>,
     generation: u64,
-    /// The call's share of the server's expansion budget, given back as the call leaves the
-    /// connection's table of running calls.
-    _expanded: Option<Expanded>,
 }
 
 impl Running {
@@ -190,12 +186,7 @@ impl Runners {
 }
 
 /// Runs call `id` of `conn` in an idle task of the connection, or in a new one.
-pub(super) fn start<C: CallSink>(
-    conn: &Arc<C>,
-    id: u64,
-    call: CallFuture,
-    expanded: Option<Expanded>,
-) -> Running {
+pub(super) fn start<C: CallSink>(conn: &Arc<C>, id: u64, call: CallFuture) -> Running {
     let idle = conn.runners().idle().runners.pop();
     let runner = match idle {
         Some(runner) => runner,
@@ -210,11 +201,7 @@ pub(super) fn start<C: CallSink>(
         }
     };
     let generation = runner.start(id, call);
-    Running {
-        runner,
-        generation,
-        _expanded: expanded,
-    }
+    Running { runner, generation }
 }
 
 /// Polls call `id`'s future; a panic in it (code outside a handler's own guard: a raw
