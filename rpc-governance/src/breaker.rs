@@ -177,6 +177,9 @@ pub struct CircuitBreaker {
     /// failure counted. A healthy entry's calls then take no lock at all.
     closed_gen: AtomicU64,
     clean: AtomicBool,
+    /// Whether an operator isolated the entry: read by every call of an entry whose breaker
+    /// is turned off, open or not.
+    isolated: AtomicBool,
 }
 
 const NOT_CLOSED: u64 = u64::MAX;
@@ -208,6 +211,10 @@ impl Drop for Locked<'_> {
         };
         self.breaker.closed_gen.store(gen, Ordering::Release);
         self.breaker.clean.store(clean, Ordering::Release);
+        self.breaker.isolated.store(
+            matches!(self.guard.phase, Phase::Isolated),
+            Ordering::Release,
+        );
     }
 }
 
@@ -223,6 +230,7 @@ impl Default for CircuitBreaker {
             }),
             closed_gen: AtomicU64::new(0),
             clean: AtomicBool::new(true),
+            isolated: AtomicBool::new(false),
         }
     }
 }
@@ -323,8 +331,7 @@ impl CircuitBreaker {
     /// Whether an operator isolated the entry ([`isolate`](Self::isolate)): the one refusal
     /// observe mode does not lift.
     pub fn is_isolated(&self) -> bool {
-        self.closed_gen.load(Ordering::Acquire) == NOT_CLOSED
-            && matches!(self.lock().phase, Phase::Isolated)
+        self.isolated.load(Ordering::Acquire)
     }
 
     /// For an entry whose breaker is turned off (`enable_circuit_breaker = false`): fails with
