@@ -83,7 +83,10 @@ pub fn remaining_ms_at(now: Instant, deadline: Option<Instant>) -> u32 {
     match deadline {
         None => 0,
         Some(d) => {
-            let left = d.saturating_duration_since(now).as_millis();
+            // Rounded up: the server's deadline then falls at or after the caller's, so the
+            // caller's own timer decides first (an attempt timeout is the caller's, retried
+            // as such), never a 519 the server sends a fraction of a millisecond before it.
+            let left = d.saturating_duration_since(now).as_micros().div_ceil(1000);
             left.clamp(1, u32::MAX as u128) as u32
         }
     }
@@ -281,6 +284,21 @@ mod tests {
         assert!(
             own_msg.contains("100 ms budget") && !own_msg.contains("inherited"),
             "{own_msg}"
+        );
+    }
+
+    #[test]
+    fn the_budget_sent_is_rounded_up_so_the_server_never_ends_first() {
+        let now = Instant::now();
+        let at = |micros| Some(now + Duration::from_micros(micros));
+        assert_eq!(remaining_ms_at(now, at(99_600)), 100);
+        assert_eq!(remaining_ms_at(now, at(100_000)), 100);
+        assert_eq!(remaining_ms_at(now, at(100_001)), 101);
+        assert_eq!(remaining_ms_at(now, at(10)), 1);
+        assert_eq!(
+            remaining_ms_at(now + Duration::from_secs(1), at(10)),
+            1,
+            "passed: 1"
         );
     }
 

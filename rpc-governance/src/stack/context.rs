@@ -26,6 +26,9 @@ pub struct CallCx<'g> {
     /// Set by the timeout layer (one clock reading serves the deadline, the budget and the
     /// first attempt).
     pub(crate) started: Option<Instant>,
+    /// Set by [`with_started`](Self::with_started): work before the stack took time since
+    /// `started`, so the first attempt reads the clock again.
+    pub(crate) started_early: bool,
     pub(crate) deadline: Option<Instant>,
     pub(crate) attempt: u32,
     pub(crate) attempt_deadline: Option<Instant>,
@@ -106,6 +109,7 @@ impl<'g> CallCx<'g> {
             options,
             hash_key: None,
             started: None,
+            started_early: false,
             deadline: None,
             attempt: 0,
             attempt_deadline: None,
@@ -133,6 +137,7 @@ impl<'g> CallCx<'g> {
     /// runs.
     pub fn with_started(mut self, at: Instant) -> Self {
         self.started = Some(at);
+        self.started_early = true;
         self
     }
 
@@ -159,6 +164,7 @@ impl<'g> CallCx<'g> {
         let mut cx = CallCx::new(self.engine, self.policy.clone(), options);
         cx.hash_key = self.hash_key;
         cx.started = self.started;
+        cx.started_early = self.started_early;
         cx.deadline = self.deadline;
         cx.attachments = self.attachments.clone();
         cx.retry_depth = self.retry_depth;

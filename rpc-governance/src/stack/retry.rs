@@ -85,7 +85,10 @@ impl<B: Balance, S: Service> Service for RetryLayer<B, S> {
             if let Some(slot) = &cx.first_endpoint {
                 let _ = slot.set(addr.clone());
             }
-            let now = if cx.attempt == 0 && !waited {
+            // The first attempt starts when the call did, unless finding the endpoints or
+            // work before the stack (`CallCx::with_started`) took time: its own deadline and
+            // the budget sent count from when it really starts.
+            let now = if cx.attempt == 0 && !waited && !cx.started_early {
                 started
             } else {
                 let now = Instant::now();

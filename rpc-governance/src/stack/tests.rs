@@ -842,6 +842,30 @@ async fn a_519_the_server_answers_before_any_deadline_is_its_answer_not_a_timeou
     }
 }
 
+/// Work before the stack (an entry's first call finding its service) counts against the
+/// call's deadline, but not against its first attempt's own: that attempt gets its whole
+/// `attempt_timeout_ms` from when it really starts.
+#[tokio::test(start_paused = true)]
+async fn an_attempt_started_late_by_work_before_the_stack_gets_its_whole_attempt_timeout() {
+    let g = engine(GovernanceOptions {
+        retry_times: 0,
+        timeout_ms: 1000,
+        attempt_timeout_ms: 100,
+        ..Default::default()
+    });
+    let p = g.policy(&M);
+    let call_started = Instant::now();
+    // 80 ms looking the service up, then an attempt answered after 90 ms.
+    tokio::time::advance(Duration::from_millis(80)).await;
+    let s = single(vec![ok()], Duration::from_millis(90));
+    let mut cx = CallCx::new(&g, p.clone(), p.options()).with_started(call_started);
+    let answer = governed(Scripted(&s), Scripted(&s))
+        .call(&mut cx, Bytes::new())
+        .await;
+    assert_eq!(answer.unwrap(), Bytes::from_static(b"ok"));
+    assert_eq!(call_started.elapsed(), Duration::from_millis(170));
+}
+
 /// A bottom stage that promises to end each attempt at its deadline by itself (as the client's
 /// attempt does through its connection's deadline sweeper).
 struct Promising<A>(Scripted<A>);
