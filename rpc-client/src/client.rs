@@ -70,6 +70,9 @@ pub(crate) struct Inner {
     pub(crate) calls: CallObservers,
     /// Removed endpoints a background task is probing.
     probing: Mutex<HashSet<String>>,
+    /// The service state of appointed calls whose service is not known yet: no endpoint,
+    /// made once.
+    unlisted: OnceLock<Arc<ServiceState>>,
     ring_keys: RingKeys,
     /// The rule versions in force ([`ClientBuilder::rules`]).
     rules: Arc<rpc_registry::rules::RulesInForce>,
@@ -357,6 +360,7 @@ impl ClientBuilder {
                 metrics,
                 calls: CallObservers::new(),
                 probing: Mutex::new(HashSet::new()),
+                unlisted: OnceLock::new(),
                 ring_keys: self.ring_keys,
                 rules: Arc::default(),
                 rules_task: OnceLock::new(),
@@ -1082,7 +1086,10 @@ impl Client {
         };
         if options.shunt_strategy == ShuntStrategy::Appoint {
             // Appointed: the registry has no say in where the call goes (see the picker), so
-            // the call does not wait for it either.
+            // the call does not wait for it either, and later calls take the fast path. (What
+            // the service's instances publish is then a level of the entry's options only once
+            // something else of this client looks the service up.)
+            policy.set_service_known();
             return started;
         }
         let lookup = self.service(method.service_id);
@@ -1472,12 +1479,19 @@ impl Balance for ClientBalance<'_> {
             // The appointed address is the only candidate whatever the registry lists: the
             // call does not wait on (nor fail with) a registry that is slow or down. The
             // service as already known serves the routing rules and load counts, if it is.
+            let inner = &self.client.inner;
             let service = self.client.service_now(service_id).unwrap_or_else(|| {
-                let (_, none) = tokio::sync::watch::channel(rpc_registry::Endpoints::default());
-                Arc::new(ServiceState::new(
-                    ServiceWatch::new(none),
-                    RingKey::default(),
-                ))
+                inner
+                    .unlisted
+                    .get_or_init(|| {
+                        let (_, none) =
+                            tokio::sync::watch::channel(rpc_registry::Endpoints::default());
+                        Arc::new(ServiceState::new(
+                            ServiceWatch::new(none),
+                            RingKey::default(),
+                        ))
+                    })
+                    .clone()
             });
             return Ok(Picker {
                 service,
