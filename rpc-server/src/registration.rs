@@ -31,7 +31,7 @@ pub(crate) struct Ticket {
 }
 
 impl Ticket {
-    /// Taken before the instance `id` is registered: from now on it is the latest.
+    /// Taken once the instance `id` is registered: from now on it is the latest.
     pub(crate) fn take(id: &str) -> Ticket {
         static NEXT: AtomicU64 = AtomicU64::new(1);
         let n = NEXT.fetch_add(1, Ordering::Relaxed);

@@ -638,26 +638,26 @@ impl ServerBuilder {
         if let Some(id) = &self.instance_id {
             instance.id = id.clone();
         }
-        let ticket = self
-            .registry
-            .as_ref()
-            .map(|_| Arc::new(crate::registration::Ticket::take(&instance.id)));
+        let mut ticket = None;
         if let Some(registry) = &self.registry {
             // Given up while it registers (a timeout around a slow registry), the registry
             // may have taken the instance all the same: it is removed again.
             let unpublish_if_given_up = Unpublish {
                 registry: Some(registry.clone()),
                 id: instance.id.clone(),
-                ticket: ticket.clone(),
             };
-            if let Err(e) = registry.register(instance.clone()).await {
+            let registered = registry.register(instance.clone()).await;
+            unpublish_if_given_up.disarm();
+            if let Err(e) = registered {
                 shutdown.cancel();
                 return Err(std::io::Error::other(format!(
                     "could not publish {} to the registry: {e}",
                     instance.address
                 )));
             }
-            unpublish_if_given_up.disarm();
+            // Taken once published: a registration that failed displaces no server of this
+            // process that holds the id.
+            ticket = Some(Arc::new(crate::registration::Ticket::take(&instance.id)));
         }
         stop_if_given_up.disarm();
         tracing::info!(address = %bound, services = ?instance.services, "serving");
@@ -686,12 +686,12 @@ impl ServerBuilder {
     }
 }
 
-/// Removes an instance from its registry when dropped armed, in a task of its own (unless a
-/// later server of this process published the same id meanwhile; see [`crate::registration`]).
+/// Removes an instance from its registry when dropped armed, in a task of its own: a `serve`
+/// given up while it registered. (Registries that remove only what they recorded as written,
+/// etcd and ZooKeeper, leave a write that landed unrecorded to its lease or session.)
 struct Unpublish {
     registry: Option<Arc<dyn Registry>>,
     id: String,
-    ticket: Option<Arc<crate::registration::Ticket>>,
 }
 
 impl Unpublish {
@@ -707,16 +707,10 @@ impl Drop for Unpublish {
         else {
             return;
         };
-        let (id, ticket) = (std::mem::take(&mut self.id), self.ticket.clone());
+        let id = std::mem::take(&mut self.id);
         runtime.spawn(async move {
-            if ticket.as_ref().is_some_and(|t| !t.is_latest()) {
-                return;
-            }
             if let Err(e) = registry.deregister(&id).await {
                 tracing::warn!(error = %e, "could not remove a server given up while it registered");
-            }
-            if let Some(t) = ticket {
-                t.release();
             }
         });
     }
