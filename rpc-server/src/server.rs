@@ -851,6 +851,15 @@ impl ServerHandle {
     /// stops accepting, sends `GoAway` on every connection and waits for calls in flight, up to
     /// the drain timeout.
     pub async fn shutdown(mut self) {
+        self.unpublish().await;
+        self.shutdown.cancel();
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+    }
+
+    /// The first step of [`shutdown`](Self::shutdown): draining from now, and deregistered.
+    async fn unpublish(&mut self) {
         self.status.draining();
         // Kept in the handle until deregistered: a shutdown given up while it deregisters (a
         // timeout around it) leaves the handle's drop to try again.
@@ -865,10 +874,6 @@ impl ServerHandle {
             }
             self.registry = None;
             self.status.0.registered.store(false, Ordering::Release);
-        }
-        self.shutdown.cancel();
-        if let Some(task) = self.task.take() {
-            let _ = task.await;
         }
     }
 
@@ -896,16 +901,20 @@ impl ServerHandle {
             let mut signals = signals?;
             let which = signals.recv().await;
             tracing::info!(signal = which, instance = %self.instance_id, "stopping gracefully");
+            // Deregistered first, whatever comes: stopping before that would leave the
+            // instance published with nothing behind it.
+            let mut server = self;
+            server.unpublish().await;
             // A second signal while draining stops at once, as an operator pressing Ctrl-C
             // again expects: the handlers stay installed, so without this it would do nothing
             // and only SIGKILL would end the drain.
-            let serving = self
+            let serving = server
                 .task
                 .as_ref()
                 .map(tokio::task::JoinHandle::abort_handle);
-            let instance = self.instance_id.clone();
+            let instance = server.instance_id.clone();
             tokio::select! {
-                () = self.shutdown() => {}
+                () = server.shutdown() => {}
                 again = signals.recv() => {
                     tracing::warn!(
                         signal = again,
