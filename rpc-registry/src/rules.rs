@@ -364,8 +364,14 @@ mod tests {
         }
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn a_new_document_under_a_version_number_seen_before_is_applied() {
+    /// A target following a source the test writes: the governance document's sender, the
+    /// target, the versions in force and the following task.
+    fn following() -> (
+        watch::Sender<Option<RuleVersion>>,
+        Arc<Applied>,
+        Arc<RulesInForce>,
+        tokio::task::JoinHandle<()>,
+    ) {
         let senders: HashMap<_, _> = RuleKind::ALL
             .into_iter()
             .map(|k| (k, watch::channel(None).0))
@@ -377,7 +383,13 @@ mod tests {
             events: EventBus::new(),
         });
         let in_force = Arc::new(RulesInForce::default());
-        let following = tokio::spawn(follow(source, Arc::downgrade(&target), in_force.clone()));
+        let task = tokio::spawn(follow(source, Arc::downgrade(&target), in_force.clone()));
+        (governance, target, in_force, task)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_new_document_under_a_version_number_seen_before_is_applied() {
+        let (governance, target, in_force, following) = following();
         let write = |version, text: &str| {
             governance.send_replace(Some(RuleVersion {
                 version,
@@ -401,19 +413,8 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_deleted_document_is_withdrawn_as_an_empty_one() {
-        let senders: HashMap<_, _> = RuleKind::ALL
-            .into_iter()
-            .map(|k| (k, watch::channel(None).0))
-            .collect();
-        let governance = senders[&RuleKind::Governance].clone();
-        let source: Arc<dyn RuleSource> = Arc::new(Written(senders));
-        let target = Arc::new(Applied {
-            texts: Mutex::new(Vec::new()),
-            events: EventBus::new(),
-        });
+        let (governance, target, in_force, following) = following();
         let mut events = target.events.subscribe();
-        let in_force = Arc::new(RulesInForce::default());
-        let following = tokio::spawn(follow(source, Arc::downgrade(&target), in_force.clone()));
         let a = "[defaults]\ntimeout_ms = 100\n";
         governance.send_replace(Some(RuleVersion {
             version: 3,

@@ -132,6 +132,20 @@ impl Seen {
         )
     }
 
+    /// The spans once the server's has ended (just after the handler's future is dropped).
+    async fn server_span_ended(&self) -> Vec<SpanData> {
+        within("the server span ended", async {
+            loop {
+                let spans = self.spans();
+                if spans.iter().any(|s| s.name == "rpc.server") {
+                    return spans;
+                }
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+    }
+
     fn spans(&self) -> Vec<SpanData> {
         self.spans.force_flush().unwrap();
         self.span_exporter.get_finished_spans().unwrap()
@@ -210,16 +224,7 @@ async fn a_call_its_caller_drops_ends_both_spans_cancelled_and_is_counted() {
     // The server got Cancel and dropped the handler.
     recv_one("the handler dropped", &mut probe.dropped).await;
     // The server's span ends when the call's future is dropped, just after the handler's.
-    let spans = within("the server span ended", async {
-        loop {
-            let spans = seen.spans();
-            if spans.iter().any(|s| s.name == "rpc.server") {
-                return spans;
-            }
-            tokio::task::yield_now().await;
-        }
-    })
-    .await;
+    let spans = seen.server_span_ended().await;
 
     for name in ["rpc.client", "rpc.client.attempt", "rpc.server"] {
         let span = one(&spans, name);
@@ -296,16 +301,7 @@ async fn a_call_dropped_at_its_deadline_ends_its_spans_with_519_and_the_event_na
         Some(server.local_addr().to_string().as_str())
     );
 
-    let spans = within("the server span ended", async {
-        loop {
-            let spans = seen.spans();
-            if spans.iter().any(|s| s.name == "rpc.server") {
-                return spans;
-            }
-            tokio::task::yield_now().await;
-        }
-    })
-    .await;
+    let spans = seen.server_span_ended().await;
     for name in ["rpc.client", "rpc.client.attempt"] {
         let span = one(&spans, name);
         assert_eq!(
@@ -357,16 +353,7 @@ async fn a_call_dropped_at_the_servers_drain_deadline_is_recorded_as_520_not_can
     let err = within("the call", call).await.unwrap().unwrap_err();
     assert_eq!(err.code(), StatusCode::ServerError, "{err}");
 
-    let spans = within("the server span ended", async {
-        loop {
-            let spans = seen.spans();
-            if spans.iter().any(|s| s.name == "rpc.server") {
-                return spans;
-            }
-            tokio::task::yield_now().await;
-        }
-    })
-    .await;
+    let spans = seen.server_span_ended().await;
     // The server records what its caller was told, not a cancellation by the caller.
     let span = one(&spans, "rpc.server");
     let description = error_description(span);

@@ -256,6 +256,26 @@ async fn a_connection_with_nothing_arriving_is_closed_at_the_idle_timeout() {
     within("shutdown", server.shutdown()).await;
 }
 
+/// `t.Life.whoami` on `conn`, which must answer 200.
+async fn whoami_answered(conn: &Connection, what: &str) {
+    let answer = within(
+        what,
+        conn.call(
+            rpc::crates::core::wire::RemoteInvokeMessage {
+                service_entry_id: "t.Life.whoami".into(),
+                parameters: rpc::Codec::MsgPack
+                    .encode(&rpc::crates::core::NoArgs)
+                    .expect("encode"),
+                ..Default::default()
+            },
+            None,
+        ),
+    )
+    .await
+    .expect("answered");
+    assert_eq!(answer.status_code, 200, "{answer:?}");
+}
+
 /// A heartbeat interval of zero turns heartbeats off: before, the connection closed itself as
 /// silent three zero-length ticks after the handshake, so calls failed and reconnected.
 #[tokio::test(start_paused = true)]
@@ -272,22 +292,7 @@ async fn a_zero_heartbeat_interval_turns_heartbeats_off() {
     // Quiet for a while, as between calls.
     tokio::time::sleep(Duration::from_secs(5)).await;
     assert!(conn.is_usable(), "the connection closed itself");
-    let answer = within(
-        "a call on the connection",
-        conn.call(
-            rpc::crates::core::wire::RemoteInvokeMessage {
-                service_entry_id: "t.Life.whoami".into(),
-                parameters: rpc::Codec::MsgPack
-                    .encode(&rpc::crates::core::NoArgs)
-                    .expect("encode"),
-                ..Default::default()
-            },
-            None,
-        ),
-    )
-    .await
-    .expect("answered");
-    assert_eq!(answer.status_code, 200, "{answer:?}");
+    whoami_answered(&conn, "a call on the connection").await;
     within("shutdown", server.shutdown()).await;
 }
 
@@ -311,22 +316,7 @@ async fn client_heartbeats_keep_an_idle_connection_open() {
     // Three idle timeouts on a real socket, with no call.
     tokio::time::sleep(Duration::from_millis(450)).await;
     assert!(conn.is_usable(), "pings kept the connection open");
-    let answer = within(
-        "call on the kept connection",
-        conn.call(
-            rpc::crates::core::wire::RemoteInvokeMessage {
-                service_entry_id: "t.Life.whoami".into(),
-                parameters: rpc::Codec::MsgPack
-                    .encode(&rpc::crates::core::NoArgs)
-                    .expect("encode"),
-                ..Default::default()
-            },
-            None,
-        ),
-    )
-    .await
-    .expect("answer");
-    assert_eq!(answer.status_code, 200, "{answer:?}");
+    whoami_answered(&conn, "call on the kept connection").await;
     within("shutdown", server.shutdown()).await;
 }
 
