@@ -188,7 +188,7 @@ impl ClientBuilder {
         self
     }
 
-    /// Items per stream the client buffers before it grants the server more (32 by default):
+    /// Items per stream the client buffers before it grants the server more (512 by default):
     /// a stream whose consumer stops reading holds at most this many items, and the server's
     /// producer stops until it reads on.
     pub fn stream_window(mut self, items: u32) -> Self {

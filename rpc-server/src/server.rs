@@ -373,7 +373,7 @@ impl ServerBuilder {
     }
 
     /// Items per stream the server buffers of a client's request stream before it grants
-    /// more (32 by default).
+    /// more (512 by default).
     pub fn stream_window(mut self, items: u32) -> Self {
         self.options.stream_window = items.max(1);
         self
