@@ -108,8 +108,8 @@ impl ServerRequest {
     /// Asks to be told how the stream this request sets up ends: for a stream whose set-up
     /// succeeds, `hook` runs once as the stream ends (completed, with an error or at the
     /// deadline, or stopped by the caller's `Cancel`, its connection's end or the drain:
-    /// `status` `None`), with the items the server sent (`items_sent`) and the caller's items
-    /// its handler took (`items_received`). A layer sees the set-up as the call (its result
+    /// `status` `None`), with the items the server sent (`items_sent`; a client stream's
+    /// answer is one) and the caller's items its handler took (`items_received`). A layer sees the set-up as the call (its result
     /// is the set-up's) and the stream's end through this hook. For a unary call, or a set-up
     /// that fails, the hook never runs.
     pub fn on_stream_end(

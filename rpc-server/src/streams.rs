@@ -602,8 +602,12 @@ impl ServerStream {
 
         let outcome: Outcome = match Self::guarded(this.deadline, || items.poll_next_unpin(cx)) {
             Ok(Poll::Pending) => return Poll::Pending,
-            // A client stream's answer: its end.
-            Ok(Poll::Ready(Some(Ok(answer)))) if this.client_streaming => Ok(Ok(answer)),
+            // A client stream's answer: its end, counted as an item sent, as the caller counts
+            // it received.
+            Ok(Poll::Ready(Some(Ok(answer)))) if this.client_streaming => {
+                this.sent += 1;
+                Ok(Ok(answer))
+            }
             Ok(Poll::Ready(Some(Ok(item)))) => {
                 this.sent += 1;
                 return Poll::Ready(Some(StreamEvent::Item(item)));

@@ -1720,7 +1720,7 @@ async fn server_layers_pass_client_and_bidi_streams_hear_of_their_end_and_may_re
     assert_eq!(seen.try_recv().ok().as_deref(), Some("g.Stocks.total"));
     assert_eq!(
         seen.try_recv().ok().as_deref(),
-        Some("end g.Stocks.total Some(200) sent 0 received 100"),
+        Some("end g.Stocks.total Some(200) sent 1 received 100"),
         "the layer heard of the end before the caller had its answer"
     );
     let doubled = accepted_items("double", stocks.double(RpcStream::iter(1..=50u64)))
