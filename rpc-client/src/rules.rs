@@ -82,22 +82,10 @@ pub(crate) fn apply(
 mod tests {
     use super::*;
 
-    const STABLE_ONLY: &str = r#"
-[[routes]]
-name = "stable-only"
-service = "shop.Greeter"
-to = [ { tags = { version = "stable" } } ]
-"#;
-
-    const SPLIT: &str = r#"
-[[routes]]
-name = "canary-split"
-service = "shop.Greeter"
-to = [
-  { tags = { version = "canary" }, weight = 5 },
-  { tags = { version = "stable" }, weight = 95 },
-]
-"#;
+    /// Two documents, each one rule written as an inline table.
+    const STABLE_ONLY: &str =
+        r#"routes = [{ name = "stable", service = "s.S", to = [{ tags = { v = "1" } }] }]"#;
+    const SPLIT: &str = r#"routes = [{ name = "split", service = "s.S", to = [{ tags = { v = "1" }, weight = 9 }, { tags = { v = "2" }, weight = 1 }] }]"#;
 
     fn version(version: i64, text: &str) -> RuleVersion {
         RuleVersion {

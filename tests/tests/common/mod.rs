@@ -21,6 +21,7 @@ use tokio::sync::mpsc;
 
 pub mod certs;
 pub mod otel;
+pub mod registry;
 
 /// Upper bound of every wait in the suite: a test that would hang fails after this instead.
 pub const LIMIT: Duration = Duration::from_secs(5);

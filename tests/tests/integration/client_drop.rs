@@ -154,30 +154,6 @@ async fn dropping_the_last_pool_clone_closes_its_connections() {
     tasks_back_to(baseline).await;
 }
 
-/// A registry of one watch channel, whose sender sees when every watch of it is dropped.
-struct OneChannel {
-    tx: tokio::sync::watch::Sender<rpc::crates::registry::Endpoints>,
-}
-
-impl rpc::Registry for OneChannel {
-    fn register(&self, _: rpc::Instance) -> rpc::BoxFuture<'_, Result<(), rpc::RegistryError>> {
-        Box::pin(async { Ok(()) })
-    }
-    fn deregister<'a>(&'a self, _: &'a str) -> rpc::BoxFuture<'a, Result<(), rpc::RegistryError>> {
-        Box::pin(async { Ok(()) })
-    }
-    fn watch<'a>(
-        &'a self,
-        _: &'a rpc::ServiceId,
-    ) -> rpc::BoxFuture<'a, Result<rpc::crates::registry::ServiceWatch, rpc::RegistryError>> {
-        let rx = self.tx.subscribe();
-        Box::pin(async move { Ok(rpc::crates::registry::ServiceWatch::new(rx)) })
-    }
-    fn services(&self) -> rpc::BoxFuture<'_, Result<Vec<rpc::ServiceId>, rpc::RegistryError>> {
-        Box::pin(async { Ok(Vec::new()) })
-    }
-}
-
 /// A dropped client leaves no watch of the registry behind: the task that followed a
 /// service's changes ends with it (before, it held its watch until the service next changed,
 /// which for an etcd or ZooKeeper registry kept a watch open on the server for good).
@@ -185,7 +161,11 @@ impl rpc::Registry for OneChannel {
 async fn a_dropped_client_releases_its_registry_watches() {
     let (tx, _) = tokio::sync::watch::channel(rpc::crates::registry::Endpoints::default());
     let client = Client::builder()
-        .registry(OneChannel { tx: tx.clone() })
+        // Its sender sees when every watch of it is dropped.
+        .registry(common::registry::TestRegistry::new(
+            common::registry::Register::Answers,
+            common::registry::Watch::Channel(tx.clone()),
+        ))
         .build();
     // A call looks the service up (and fails: no instance).
     let _ = DroppedClient::new(client.clone()).hi().await;

@@ -520,24 +520,11 @@ async fn a_client_fallback_does_not_start_once_the_inherited_deadline_passed() {
 
 /// A registry that never answers a watch: etcd or ZooKeeper slow or down, with a request
 /// timeout longer than the calls' deadlines.
-struct HungRegistry;
-
-impl rpc::Registry for HungRegistry {
-    fn register(&self, _: rpc::Instance) -> rpc::BoxFuture<'_, Result<(), rpc::RegistryError>> {
-        Box::pin(async { Ok(()) })
-    }
-    fn deregister<'a>(&'a self, _: &'a str) -> rpc::BoxFuture<'a, Result<(), rpc::RegistryError>> {
-        Box::pin(async { Ok(()) })
-    }
-    fn watch<'a>(
-        &'a self,
-        _: &'a rpc::ServiceId,
-    ) -> rpc::BoxFuture<'a, Result<rpc::crates::registry::ServiceWatch, rpc::RegistryError>> {
-        Box::pin(std::future::pending())
-    }
-    fn services(&self) -> rpc::BoxFuture<'_, Result<Vec<rpc::ServiceId>, rpc::RegistryError>> {
-        Box::pin(async { Ok(Vec::new()) })
-    }
+fn hung_registry() -> common::registry::TestRegistry {
+    common::registry::TestRegistry::new(
+        common::registry::Register::Answers,
+        common::registry::Watch::Hangs,
+    )
 }
 
 /// An entry's first call looks its service up before its stack runs; that lookup counts
@@ -545,7 +532,7 @@ impl rpc::Registry for HungRegistry {
 /// the caller its budget and no more.
 #[tokio::test(start_paused = true)]
 async fn an_entrys_first_call_times_out_at_its_deadline_while_the_registry_hangs() {
-    let client = Client::builder().registry(HungRegistry).build();
+    let client = Client::builder().registry(hung_registry()).build();
     let d = DeadlineClient::new(client);
     for (n, call) in ["first", "second"].into_iter().enumerate() {
         let started = tokio::time::Instant::now();
@@ -627,7 +614,7 @@ async fn a_handler_failing_at_the_deadline_is_answered_519() {
 async fn an_appointed_call_does_not_wait_for_a_registry_that_hangs() {
     let (server, _probe) = serve(&InProcessRegistry::new(), 10).await;
     let client = Client::builder()
-        .registry(HungRegistry)
+        .registry(hung_registry())
         .override_options(
             DeadlineClient::SERVICE_ID,
             GovernanceOverrides {

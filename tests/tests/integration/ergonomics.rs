@@ -27,28 +27,13 @@ impl Echo for Plain {
     }
 }
 
-/// A registry whose registration never completes; says when one began.
-struct StalledRegistry(std::sync::Mutex<Option<tokio::sync::oneshot::Sender<()>>>);
-
-impl Registry for StalledRegistry {
-    fn register(&self, _: rpc::Instance) -> rpc::BoxFuture<'_, Result<(), rpc::RegistryError>> {
-        if let Some(began) = self.0.lock().unwrap().take() {
-            let _ = began.send(());
-        }
-        Box::pin(std::future::pending())
-    }
-    fn deregister<'a>(&'a self, _: &'a str) -> rpc::BoxFuture<'a, Result<(), rpc::RegistryError>> {
-        Box::pin(async { Ok(()) })
-    }
-    fn watch<'a>(
-        &'a self,
-        _: &'a rpc::ServiceId,
-    ) -> rpc::BoxFuture<'a, Result<rpc::crates::registry::ServiceWatch, rpc::RegistryError>> {
-        Box::pin(async { Err(rpc::RegistryError::Unavailable("stalled".into())) })
-    }
-    fn services(&self) -> rpc::BoxFuture<'_, Result<Vec<rpc::ServiceId>, rpc::RegistryError>> {
-        Box::pin(async { Ok(Vec::new()) })
-    }
+/// A registry whose registration lands, then never answers (the write was taken, the answer
+/// lost).
+fn stalled() -> common::registry::TestRegistry {
+    common::registry::TestRegistry::new(
+        common::registry::Register::LandsThenHangs,
+        common::registry::Watch::Unavailable,
+    )
 }
 
 /// A `serve` given up while it registers (a timeout around a slow registry) stops serving:
@@ -61,7 +46,7 @@ async fn a_serve_given_up_while_it_registers_stops_serving() {
     let addr = listener.local_addr().expect("addr");
     let (began, registering) = tokio::sync::oneshot::channel();
     let serving = Server::builder()
-        .registry(StalledRegistry(std::sync::Mutex::new(Some(began))))
+        .registry(stalled().telling(began))
         .add_service(EchoServer::new(Plain))
         .serve_on(listener);
     tokio::select! {
@@ -671,36 +656,11 @@ async fn a_dropped_handle_does_not_unpublish_a_newer_server_with_its_id() {
     );
 }
 
-/// A registry that takes the instance, then never answers: the write landed, the answer did
-/// not. Removal works.
-#[derive(Clone, Default)]
-struct LandsThenHangs(Arc<std::sync::Mutex<Vec<String>>>);
-
-impl Registry for LandsThenHangs {
-    fn register(&self, i: rpc::Instance) -> rpc::BoxFuture<'_, Result<(), rpc::RegistryError>> {
-        self.0.lock().unwrap().push(i.id);
-        Box::pin(std::future::pending())
-    }
-    fn deregister<'a>(&'a self, id: &'a str) -> rpc::BoxFuture<'a, Result<(), rpc::RegistryError>> {
-        self.0.lock().unwrap().retain(|i| i != id);
-        Box::pin(async { Ok(()) })
-    }
-    fn watch<'a>(
-        &'a self,
-        _: &'a rpc::ServiceId,
-    ) -> rpc::BoxFuture<'a, Result<rpc::crates::registry::ServiceWatch, rpc::RegistryError>> {
-        Box::pin(async { Err(rpc::RegistryError::Unavailable("not watched".into())) })
-    }
-    fn services(&self) -> rpc::BoxFuture<'_, Result<Vec<rpc::ServiceId>, rpc::RegistryError>> {
-        Box::pin(async { Ok(Vec::new()) })
-    }
-}
-
 /// A `serve` given up while it registers removes what the registry may have taken: before, the
 /// instance stayed published (until its lease or session ended) with no server behind it.
 #[tokio::test]
 async fn a_serve_given_up_while_it_registers_unpublishes_what_landed() {
-    let registry = LandsThenHangs::default();
+    let registry = stalled();
     let given_up = tokio::time::timeout(
         Duration::from_millis(100),
         Server::builder()
@@ -711,7 +671,7 @@ async fn a_serve_given_up_while_it_registers_unpublishes_what_landed() {
     .await;
     assert!(given_up.is_err(), "the registration never answers");
     within("the instance is removed", async {
-        while !registry.0.lock().unwrap().is_empty() {
+        while !registry.published.lock().unwrap().is_empty() {
             tokio::task::yield_now().await;
         }
     })

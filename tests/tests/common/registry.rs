@@ -1,0 +1,85 @@
+//! A registry whose answers a test scripts: what etcd or ZooKeeper do when slow or down, which
+//! the real ones cannot be made to do on cue.
+
+use std::sync::{Arc, Mutex};
+
+use rpc::crates::registry::{Endpoints, ServiceWatch};
+use rpc::{BoxFuture, Instance, Registry, RegistryError, ServiceId};
+use tokio::sync::{oneshot, watch};
+
+/// What `register` does.
+pub enum Register {
+    /// Answers at once.
+    Answers,
+    /// Takes the instance (it lands), then never answers.
+    LandsThenHangs,
+}
+
+/// What `watch` does.
+pub enum Watch {
+    /// Fails: the registry is unreachable.
+    Unavailable,
+    /// Never answers.
+    Hangs,
+    /// Answers with a receiver of this channel.
+    Channel(watch::Sender<Endpoints>),
+}
+
+/// A scripted registry. `published` holds the ids registered and not deregistered; `began`,
+/// when set, is told when the first registration begins.
+#[derive(Clone)]
+pub struct TestRegistry {
+    register: Arc<Register>,
+    watch: Arc<Watch>,
+    pub published: Arc<Mutex<Vec<String>>>,
+    began: Arc<Mutex<Option<oneshot::Sender<()>>>>,
+}
+
+impl TestRegistry {
+    pub fn new(register: Register, watch: Watch) -> Self {
+        TestRegistry {
+            register: Arc::new(register),
+            watch: Arc::new(watch),
+            published: Arc::default(),
+            began: Arc::default(),
+        }
+    }
+
+    /// Tells `began` when the first registration begins.
+    pub fn telling(self, began: oneshot::Sender<()>) -> Self {
+        *self.began.lock().unwrap() = Some(began);
+        self
+    }
+}
+
+impl Registry for TestRegistry {
+    fn register(&self, instance: Instance) -> BoxFuture<'_, Result<(), RegistryError>> {
+        self.published.lock().unwrap().push(instance.id);
+        if let Some(began) = self.began.lock().unwrap().take() {
+            let _ = began.send(());
+        }
+        match *self.register {
+            Register::Answers => Box::pin(async { Ok(()) }),
+            Register::LandsThenHangs => Box::pin(std::future::pending()),
+        }
+    }
+    fn deregister<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), RegistryError>> {
+        self.published.lock().unwrap().retain(|i| i != id);
+        Box::pin(async { Ok(()) })
+    }
+    fn watch<'a>(&'a self, _: &'a ServiceId) -> BoxFuture<'a, Result<ServiceWatch, RegistryError>> {
+        match &*self.watch {
+            Watch::Unavailable => {
+                Box::pin(async { Err(RegistryError::Unavailable("scripted: unreachable".into())) })
+            }
+            Watch::Hangs => Box::pin(std::future::pending()),
+            Watch::Channel(tx) => {
+                let rx = tx.subscribe();
+                Box::pin(async move { Ok(ServiceWatch::new(rx)) })
+            }
+        }
+    }
+    fn services(&self) -> BoxFuture<'_, Result<Vec<ServiceId>, RegistryError>> {
+        Box::pin(async { Ok(Vec::new()) })
+    }
+}
