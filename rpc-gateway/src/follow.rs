@@ -99,6 +99,8 @@ impl Follower {
                 }
             }
         }
+        // In entry id order: of two entries declaring one route, the first by id keeps it.
+        entries.sort_by(|a, b| a.id.cmp(&b.id));
         if entries == self.last {
             return;
         }

@@ -64,9 +64,12 @@
 //! watched service's instances change, and swapped whole, so a request sees one table or the
 //! next, never half of one. Services that appear later are found by listing the registry again
 //! every [`GatewayBuilder::discovery_interval`] (1 s by default). Stream entries are not served
-//! (an HTTP answer is one JSON value). When two services declare the same method and path, the
-//! first in service id order keeps it and the other is served at its default route, with a
-//! warning in the log.
+//! (an HTTP answer is one JSON value). Every entry's default route is its own: a declared route
+//! cannot take it. When two entries declare the same method and path, or paths that differ only
+//! in their parameters' names (with any methods: one path has one spelling, as OpenAPI
+//! requires), the first in entry id order keeps it and the other is served at its default
+//! route, with a warning in the log; so is an entry whose declared route has more than 16
+//! parameters.
 //!
 //! ## Headers, tokens and traces
 //!

@@ -17,10 +17,8 @@ use axum::http::{Method, StatusCode as HttpStatus};
 use rpc_core::ServiceEntry;
 use serde_json::{json, Map, Value};
 
-use crate::route::{
-    carries_retry_after, default_path, error_body_schema, params_in_query, route_of, Route,
-};
-use crate::table::{accepts_null, is_structured, is_text, Definitions};
+use crate::route::{carries_retry_after, error_body_schema, params_in_query};
+use crate::table::{accepts_null, is_structured, is_text, Definitions, RouteTable};
 
 /// Where the named schemas live, as the servers' `$ref`s write it.
 const SCHEMA_REF_PREFIX: &str = "#/components/schemas/";
@@ -161,10 +159,13 @@ fn path_item_key(method: &Method) -> Option<&'static str> {
 /// [`crate::route::http_status`] and [`crate::route::error_body_schema`]).
 ///
 /// One operation per unary entry (stream entries are skipped: the gateway serves unary calls
-/// only); an entry listed twice (by two instances) is documented once, and of two entries that
-/// declare the same method and path (parameter names aside) the first by entry id keeps it and
-/// the other is documented at its default route, as the router serves them. An entry whose server publishes no [`rpc_core::EntryApi`] is documented at
-/// its default route with a body of positional arguments (a JSON array).
+/// only); an entry listed twice (by two instances) is documented once. Each entry is documented
+/// where the gateway's router serves it: no declared route takes another entry's default
+/// route, and of two entries that declare one path (the same method and path, or paths that
+/// differ only in their parameters' names, with any methods) the first by entry id keeps it
+/// and the other is documented at its default route. An entry whose server publishes no
+/// [`rpc_core::EntryApi`] is documented at its default route with a body of positional
+/// arguments (a JSON array).
 pub fn document(entries: &[ServiceEntry], info: &DocumentInfo) -> Value {
     // Sorted and deduplicated by entry id.
     let mut by_id: BTreeMap<&str, &ServiceEntry> = BTreeMap::new();
@@ -178,28 +179,16 @@ pub fn document(entries: &[ServiceEntry], info: &DocumentInfo) -> Value {
 
     let (schemas, renames) = merge_definitions(&served);
 
+    // Each entry at the route the gateway serves it at: the router's own decisions.
+    let table = RouteTable::build(served.iter().map(|entry| (*entry).clone()).collect());
     let mut paths: BTreeMap<String, BTreeMap<&'static str, Value>> = BTreeMap::new();
-    // Routes taken, by method and template shape (`/orders/{}`): OpenAPI holds two templates
-    // that differ only in their parameters' names as the same path.
-    let mut taken: BTreeSet<(&'static str, String)> = BTreeSet::new();
     let mut tags = BTreeSet::new();
-    for entry in served {
-        let declared = route_of(entry);
-        let default = Route {
-            method: Method::POST,
-            path: default_path(entry.service_id.as_str(), &entry.method),
-        };
-        // A declared route another entry took first is served at the default route instead,
-        // as the router does.
-        let Some((route, key, path)) = [declared, default].into_iter().find_map(|route| {
-            let key = path_item_key(&route.method)?;
-            let path = openapi_path(&route.path);
-            taken
-                .insert((key, template_shape(&path)))
-                .then_some((route, key, path))
-        }) else {
+    for served in table.served() {
+        let (entry, route) = (&served.entry, &served.route);
+        let Some(key) = path_item_key(&route.method) else {
             continue;
         };
+        let path = openapi_path(&route.path);
         let mut op = operation(entry, &route.method, &path);
         if let Some(rename) = renames.get(entry.service_id.as_str()) {
             rewrite_refs(&mut op, rename);
@@ -269,27 +258,6 @@ pub fn path_params(template: &str) -> Vec<String> {
         rest = &rest[open + close + 1..];
     }
     names
-}
-
-/// The template with every parameter's name left out: `/orders/{id}` → `/orders/{}`.
-fn template_shape(template: &str) -> String {
-    let mut shape = String::with_capacity(template.len());
-    let mut in_param = false;
-    for c in template.chars() {
-        match c {
-            '{' => {
-                in_param = true;
-                shape.push('{');
-            }
-            '}' => {
-                in_param = false;
-                shape.push('}');
-            }
-            _ if in_param => {}
-            _ => shape.push(c),
-        }
-    }
-    shape
 }
 
 /// The template as OpenAPI writes it: starting with `/`, catch-alls `{*rest}` as `{rest}`.
@@ -1019,6 +987,40 @@ mod tests {
         assert_eq!(
             moved["requestBody"]["content"]["application/json"]["schema"]["required"],
             json!(["oid"])
+        );
+    }
+
+    #[test]
+    fn one_path_spelled_two_ways_under_two_methods_is_documented_under_one_spelling() {
+        let get = entry(
+            "shop.Orders",
+            "get",
+            Some(api(&["id"], Some(("GET", "/orders/{id}")), None)),
+        );
+        let cancel = entry(
+            "shop.Orders",
+            "cancel",
+            Some(api(
+                &["order_id"],
+                Some(("DELETE", "/orders/{order_id}")),
+                None,
+            )),
+        );
+        let doc = document(&[get, cancel], &info());
+        let paths = doc["paths"].as_object().unwrap();
+        // OpenAPI: templated paths of one hierarchy with different names must not both exist.
+        assert!(
+            !paths.contains_key("/orders/{id}") || !paths.contains_key("/orders/{order_id}"),
+            "{doc}"
+        );
+        // `cancel` sorts first, so its spelling is the path's; `get` goes to its default route.
+        assert_eq!(
+            paths["/orders/{order_id}"]["delete"]["operationId"],
+            "shop.Orders.cancel"
+        );
+        assert_eq!(
+            paths["/api/shop.Orders/get"]["post"]["operationId"],
+            "shop.Orders.get"
         );
     }
 

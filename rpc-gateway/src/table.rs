@@ -47,50 +47,91 @@ pub(crate) enum Found<'a> {
     Nothing,
 }
 
+/// The most parameters one route template may hold: a template with more is not served as
+/// declared (its entry is served at its default route), since the matcher takes at most 25.
+pub(crate) const MAX_PATH_PARAMS: usize = 16;
+
 /// The routes of one set of entries.
 #[derive(Default)]
 pub(crate) struct RouteTable {
     served: Vec<Served>,
     routers: BTreeMap<String, matchit::Router<usize>>,
+    /// Each template's spelling by its shape (`/orders/{}`), whatever the method: one path is
+    /// one template, with one name per parameter (as OpenAPI requires of its paths).
+    spellings: BTreeMap<String, String>,
 }
 
 impl RouteTable {
-    /// The table of `entries`, in the order given (the first of two entries declaring the same
-    /// method and path wins). Stream entries are left out: HTTP answers one JSON value.
+    /// The table of `entries`. Every entry's default route is its own: they are taken first, so
+    /// no declared route can take another entry's. Then each entry gets its declared route in
+    /// the order given: the first of two entries declaring the same method and path (or paths
+    /// that differ only in their parameters' names) wins, and the other is served at its
+    /// default route. Stream entries are left out: HTTP answers one JSON value.
     pub(crate) fn build(entries: Vec<ServiceEntry>) -> RouteTable {
-        let mut table = RouteTable::default();
-        for entry in entries {
-            if entry.api.as_ref().is_some_and(|api| api.stream.is_some()) {
-                tracing::debug!(entry = %entry.id, "stream entries are not served over HTTP");
+        let entries: Vec<ServiceEntry> = entries
+            .into_iter()
+            .filter(|entry| {
+                let stream = entry.api.as_ref().is_some_and(|api| api.stream.is_some());
+                if stream {
+                    tracing::debug!(entry = %entry.id, "stream entries are not served over HTTP");
+                }
+                !stream
+            })
+            .collect();
+        let mut taken = RouteTable::default();
+        let defaults: Vec<Option<Route>> = entries
+            .iter()
+            .enumerate()
+            .map(|(i, entry)| {
+                let route = default_route(entry);
+                match taken.insert(&route, i) {
+                    Ok(()) => Some(route),
+                    Err(why) => {
+                        tracing::warn!(entry = %entry.id, "the default route is not served: {why}");
+                        None
+                    }
+                }
+            })
+            .collect();
+        let mut routes = Vec::with_capacity(entries.len());
+        for (i, (entry, default)) in entries.iter().zip(defaults).enumerate() {
+            let declared = route_of(entry);
+            if Some(&declared) == default.as_ref() {
+                routes.push(default);
                 continue;
             }
-            let declared = route_of(&entry);
-            let route = match table.insert(&declared, table.served.len()) {
-                Ok(()) => declared,
+            match taken.insert(&declared, i) {
+                Ok(()) => routes.push(Some(declared)),
                 Err(why) => {
-                    let fallback = Route {
-                        method: Method::POST,
-                        path: default_path(entry.service_id.as_str(), &entry.method),
-                    };
-                    tracing::warn!(
-                        entry = %entry.id,
-                        method = %declared.method,
-                        path = %declared.path,
-                        "the declared route is not served ({why}); the entry is served at \
-                         POST {} instead",
-                        fallback.path
-                    );
-                    if fallback == declared {
-                        continue;
+                    match &default {
+                        Some(route) => tracing::warn!(
+                            entry = %entry.id,
+                            method = %declared.method,
+                            path = %declared.path,
+                            "the declared route is not served ({why}); the entry is served at \
+                             POST {} instead",
+                            route.path
+                        ),
+                        None => tracing::warn!(
+                            entry = %entry.id,
+                            method = %declared.method,
+                            path = %declared.path,
+                            "the entry is not served: its declared route is not ({why})"
+                        ),
                     }
-                    if let Err(why) = table.insert(&fallback, table.served.len()) {
-                        tracing::warn!(entry = %entry.id, "the entry is not served: {why}");
-                        continue;
-                    }
-                    fallback
+                    routes.push(default);
                 }
-            };
-            table.served.push(served(entry, route));
+            }
+        }
+        // The table itself: each entry at the route it got (a subset of the routes taken, so
+        // none of them conflicts).
+        let mut table = RouteTable::default();
+        for (entry, route) in entries.into_iter().zip(routes) {
+            let Some(route) = route else { continue };
+            match table.insert(&route, table.served.len()) {
+                Ok(()) => table.served.push(served(entry, route)),
+                Err(why) => tracing::warn!(entry = %entry.id, "the entry is not served: {why}"),
+            }
         }
         table
     }
@@ -102,10 +143,28 @@ impl RouteTable {
         if !route.path.starts_with('/') {
             return Err(format!("{:?} does not start with /", route.path));
         }
+        let params = route.path.matches('{').count();
+        if params > MAX_PATH_PARAMS {
+            return Err(format!(
+                "{} has {params} parameters, more than the {MAX_PATH_PARAMS} a route may have",
+                route.path
+            ));
+        }
+        let shape = template_shape(&route.path);
+        if let Some(spelled) = self.spellings.get(&shape) {
+            if *spelled != route.path {
+                return Err(format!(
+                    "{} is the path {spelled} with other parameter names",
+                    route.path
+                ));
+            }
+        }
         let router = self.routers.entry(route.method.to_string()).or_default();
         router
             .insert(route.path.clone(), index)
-            .map_err(|e| format!("{e}"))
+            .map_err(|e| format!("{e}"))?;
+        self.spellings.insert(shape, route.path.clone());
+        Ok(())
     }
 
     /// The entries served, in table order.
@@ -138,6 +197,37 @@ impl RouteTable {
             Found::OtherMethods(others)
         }
     }
+}
+
+/// `POST /api/{service id}/{method}`: where `entry` is served when it declares no route, or
+/// when its declared route is taken.
+fn default_route(entry: &ServiceEntry) -> Route {
+    Route {
+        method: Method::POST,
+        path: default_path(entry.service_id.as_str(), &entry.method),
+    }
+}
+
+/// A template with its parameters' names left out (`/orders/{}`, `/files/{}` for a catch-all):
+/// two templates of one shape match the same paths.
+pub(crate) fn template_shape(template: &str) -> String {
+    let mut shape = String::with_capacity(template.len());
+    let mut in_param = false;
+    for c in template.chars() {
+        match c {
+            '{' => {
+                in_param = true;
+                shape.push('{');
+            }
+            '}' => {
+                in_param = false;
+                shape.push('}');
+            }
+            _ if in_param => {}
+            _ => shape.push(c),
+        }
+    }
+    shape
 }
 
 fn served(entry: ServiceEntry, route: Route) -> Served {
@@ -273,6 +363,62 @@ mod tests {
             Some("b.B.get")
         );
         assert_eq!(found(&table, Method::POST, "/api/a.A/get"), None);
+    }
+
+    #[test]
+    fn a_path_spelled_with_other_parameter_names_is_not_served_under_another_method() {
+        let table = RouteTable::build(vec![
+            entry("a.A", "get", Some(("GET", "/orders/{id}"))),
+            entry("a.A", "cancel", Some(("DELETE", "/orders/{order_id}"))),
+            entry("a.A", "put", Some(("PUT", "/orders/{id}"))),
+        ]);
+        assert_eq!(
+            found(&table, Method::GET, "/orders/7").as_deref(),
+            Some("a.A.get")
+        );
+        assert_eq!(
+            found(&table, Method::PUT, "/orders/7").as_deref(),
+            Some("a.A.put"),
+            "the same spelling is one path"
+        );
+        assert_eq!(found(&table, Method::DELETE, "/orders/7"), None);
+        assert_eq!(
+            found(&table, Method::POST, "/api/a.A/cancel").as_deref(),
+            Some("a.A.cancel")
+        );
+    }
+
+    #[test]
+    fn a_declared_route_cannot_take_another_entrys_default_route() {
+        // `a.Admin` comes first and declares the route `shop.Orders.cancel` is served at.
+        let table = RouteTable::build(vec![
+            entry(
+                "a.Admin",
+                "purge",
+                Some(("POST", "/api/shop.Orders/cancel")),
+            ),
+            entry("shop.Orders", "cancel", None),
+        ]);
+        assert_eq!(
+            found(&table, Method::POST, "/api/shop.Orders/cancel").as_deref(),
+            Some("shop.Orders.cancel")
+        );
+        assert_eq!(
+            found(&table, Method::POST, "/api/a.Admin/purge").as_deref(),
+            Some("a.Admin.purge")
+        );
+        assert_eq!(table.served().len(), 2);
+    }
+
+    #[test]
+    fn a_template_with_more_parameters_than_a_route_may_have_is_served_at_the_default_route() {
+        // The matcher panics from its 26th parameter on.
+        let path: String = (0..26).map(|i| format!("/{{p{i}}}")).collect();
+        let table = RouteTable::build(vec![entry("a.A", "many", Some(("GET", &path)))]);
+        assert_eq!(
+            found(&table, Method::POST, "/api/a.A/many").as_deref(),
+            Some("a.A.many")
+        );
     }
 
     #[test]
