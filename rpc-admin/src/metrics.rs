@@ -45,7 +45,8 @@ struct CallLabels {
     outcome: &'static str,
 }
 
-/// A final status code, or `none` for a call its caller gave up on.
+/// A final status code (`other` for every status the framework does not define), or `none`
+/// for a call its caller gave up on.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
 struct Status(Option<u32>);
 
@@ -53,6 +54,8 @@ impl EncodeLabelValue for Status {
     fn encode(&self, encoder: &mut LabelValueEncoder<'_>) -> std::fmt::Result {
         use std::fmt::Write;
         match self.0 {
+            // Every status the framework does not define is one series.
+            Some(0) => encoder.write_str("other"),
             Some(code) => write!(encoder, "{code}"),
             None => encoder.write_str("none"),
         }
@@ -215,7 +218,7 @@ impl CallObserver for Metrics {
             .get_or_create(&CallLabels {
                 side,
                 entry,
-                status: Status(call.status.map(|s| s.as_u32())),
+                status: Status(call.status.map(|s| s.metric_code())),
                 outcome: call.outcome,
             })
             .inc();
@@ -228,6 +231,31 @@ impl CallObserver for Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Statuses a peer made up do not each make a series: they are counted as `other`.
+    #[test]
+    fn undefined_statuses_are_one_series() {
+        let m = Metrics::new();
+        for code in [100_001, 100_002, 100_003, 7] {
+            m.call_ended(&CallRecord {
+                side: rpc_governance::calls::Side::Server,
+                entry: "t.T.m",
+                status: Some(rpc_core::StatusCode::from_u32(code)),
+                outcome: "error",
+                elapsed: std::time::Duration::from_millis(1),
+            });
+        }
+        let text = m.render(Vec::new(), Vec::new(), None);
+        let series: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("rpc_calls_total{"))
+            .collect();
+        assert_eq!(series.len(), 1, "{text}");
+        assert!(
+            series[0].contains("status=\"other\"") && series[0].ends_with(" 4"),
+            "{text}"
+        );
+    }
 
     /// An observe-mode event is counted apart from a real one of the same kind.
     #[test]

@@ -728,7 +728,10 @@ mod otel {
             KeyValue::new("rpc.outcome", outcome),
         ];
         if let Some(code) = code {
-            attrs.push(KeyValue::new("rpc.status_code", i64::from(code.as_u32())));
+            attrs.push(KeyValue::new(
+                "rpc.status_code",
+                i64::from(code.metric_code()),
+            ));
         }
         let ms = started.elapsed().as_secs_f64() * 1000.0;
         duration.record(ms, &attrs);

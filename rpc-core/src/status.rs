@@ -81,6 +81,16 @@ impl StatusCode {
         }
     }
 
+    /// The number metrics label this status with: its own for every status the framework
+    /// defines, and 0 for any other ([`Other`](Self::Other)). A peer can send any number, and
+    /// a label taking each one as it came would grow a series per number it made up.
+    pub const fn metric_code(self) -> u32 {
+        match self {
+            StatusCode::Other(_) => 0,
+            known => known.as_u32(),
+        }
+    }
+
     /// The status for a number received from the wire.
     pub const fn from_u32(n: u32) -> Self {
         match n {
@@ -192,6 +202,14 @@ impl fmt::Display for StatusCode {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn metrics_label_every_undefined_status_alike() {
+        assert_eq!(StatusCode::Timeout.metric_code(), 519);
+        assert_eq!(StatusCode::from_u32(1000).metric_code(), 1000);
+        assert_eq!(StatusCode::Other(100_001).metric_code(), 0);
+        assert_eq!(StatusCode::Other(7).metric_code(), 0);
+    }
 
     #[test]
     fn numbers_round_trip() {

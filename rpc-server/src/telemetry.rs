@@ -402,7 +402,7 @@ mod otel {
             service,
             method,
             system,
-            KeyValue::new("rpc.status_code", i64::from(code.as_u32())),
+            KeyValue::new("rpc.status_code", i64::from(code.metric_code())),
             KeyValue::new("rpc.outcome", "error"),
         ]
     }
@@ -452,7 +452,10 @@ mod otel {
                 KeyValue::new("rpc.outcome", outcome),
             ];
             if let Some(code) = code {
-                attrs.push(KeyValue::new("rpc.status_code", i64::from(code.as_u32())));
+                attrs.push(KeyValue::new(
+                    "rpc.status_code",
+                    i64::from(code.metric_code()),
+                ));
             }
             let ms = self.started.elapsed().as_secs_f64() * 1000.0;
             self.metrics.inner.duration.record(ms, &attrs);
