@@ -234,6 +234,10 @@ impl InvokeHandler for Dispatcher {
     ) -> Dispatch {
         self.dispatch(invoke, caller, Some(inbound))
     }
+
+    fn serves(&self, entry_id: &str) -> bool {
+        self.routes.contains_key(entry_id.as_bytes())
+    }
 }
 
 impl Dispatcher {

@@ -261,13 +261,15 @@ impl FrameCtx<'_> {
 }
 
 impl FrameCtx<'_> {
-    /// Decompresses call `id`'s parameters, at most the frame limit of them, into a buffer
+    /// Decompresses call `id`'s parameters (of an entry the handler serves), at most the frame
+    /// limit of them, into a buffer
     /// that holds their share of the server's expansion budget until the last of its bytes is
     /// dropped (the handler has decoded them). A call whose parameters do not decompress is
     /// answered 500, one beyond what is left of the budget 515, and neither runs (`Err`). The
     /// connection and its other calls go on: one bad payload says nothing about the next.
     fn unpack(&self, invoke: &mut Invoke, id: u64) -> Result<(), ()> {
-        if invoke.compression == 0 {
+        // A call to an entry not served goes as it came: its answer reads no argument.
+        if invoke.compression == 0 || !self.handler.serves(&invoke.service_entry_id) {
             return Ok(());
         }
         let limit = self.options.max_frame_length;

@@ -112,6 +112,16 @@ pub trait InvokeHandler: Send + Sync + 'static {
         drop(inbound);
         self.handle(invoke, caller)
     }
+
+    /// Whether this handler serves the entry `entry_id`. The connection decompresses a call's
+    /// arguments only for an entry served, and passes any other call to
+    /// [`handle`](Self::handle) as it came, to be answered without its arguments being read:
+    /// a compressed payload for an entry that does not exist costs no decompression. The
+    /// default: every entry.
+    fn serves(&self, entry_id: &str) -> bool {
+        let _ = entry_id;
+        true
+    }
 }
 
 /// A result carrying an error status.

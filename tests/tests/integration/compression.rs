@@ -436,6 +436,45 @@ async fn corrupt_or_oversized_compressed_parameters_get_a_clear_500_and_the_conn
     within("shutdown", server.shutdown()).await;
 }
 
+/// A compressed call to an entry the server does not have is answered 507, as a plain one
+/// is: its arguments are not decompressed (corrupt ones are not found corrupt, a bomb is not
+/// expanded).
+#[tokio::test]
+async fn a_compressed_call_to_an_unknown_entry_is_answered_507_without_being_decompressed() {
+    let server = server().await;
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.handshake().await;
+    let bomb = Codec::MsgPack
+        .encode(&(String::from_utf8(vec![b'x'; 300 * 1024]).expect("ascii"),))
+        .expect("encode");
+    for (id, alg) in (1..).zip(SUPPORTED) {
+        let mut cut = compress(alg, &bomb).to_vec();
+        cut.truncate(cut.len() / 2);
+        for parameters in [compress(alg, &bomb), Bytes::from(cut)] {
+            raw.send(Kind::Invoke(RemoteInvokeMessage {
+                service_entry_id: "t.Zip.nothing".into(),
+                parameters,
+                compression: alg.to_wire(),
+                ..raw_call(id, "plain_echo", "")
+            }))
+            .await
+            .expect("send");
+            let r = raw_result(&mut raw).await;
+            assert_eq!(
+                r.status_code,
+                StatusCode::NotFindLocalServiceEntry.as_u32(),
+                "{alg}: {r:?}"
+            );
+            assert!(
+                r.exception_message.contains("t.Zip.nothing"),
+                "{}",
+                r.exception_message
+            );
+        }
+    }
+    within("shutdown", server.shutdown()).await;
+}
+
 #[tokio::test]
 async fn a_client_refuses_a_corrupt_or_oversized_answer_and_its_other_calls_go_on() {
     let _traced = traced();
