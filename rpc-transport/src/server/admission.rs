@@ -185,7 +185,12 @@ impl FrameCtx<'_> {
                         self.options.max_frame_length,
                     ));
                     conn.streams.open(id, slot.clone());
-                    let inbound = Inbound::new(id, slot.clone(), conn.sender.clone());
+                    let inbound = Inbound::new(
+                        id,
+                        slot.clone(),
+                        conn.sender.clone(),
+                        self.expansion.clone(),
+                    );
                     let inbound = rpc_core::RpcStream::try_new(inbound);
                     let outcome = self.handler.handle_stream(invoke, &self.caller, inbound);
                     dispatch(conn, outcome, id, false, Some(slot));

@@ -1,4 +1,5 @@
-//! The server-wide budget for what compressed calls expand to.
+//! The server-wide budget for what compressed calls (and the compressed items of clients'
+//! request streams) expand to.
 //!
 //! What a call's arguments hold while it runs is what arrived on the wire, bounded by the read
 //! budget as it is read and by the in-flight limit once it runs: a client has to send every

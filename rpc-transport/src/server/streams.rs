@@ -31,6 +31,7 @@ use futures_util::task::AtomicWaker;
 use rpc_core::wire::{frame::Kind, RemoteResultMessage, StreamCredit};
 use rpc_core::StatusCode;
 
+use super::expansion::ExpansionBudget;
 use super::handler::{error_result, StreamEvent, StreamEvents};
 use crate::codec::FrameCodec;
 use crate::encode::{finish_run_item, put_run_frame, put_run_item, start_run_item};
@@ -218,11 +219,19 @@ pub(super) struct Inbound {
     local: VecDeque<Queued>,
     /// What the handler took since credit was last granted.
     taken: Taken,
+    /// The server's budget for decompressed bytes, which a compressed item's expansion takes
+    /// from as a compressed call's does.
+    expansion: ExpansionBudget,
     done: bool,
 }
 
 impl Inbound {
-    pub(super) fn new(id: u64, slot: Arc<StreamSlot>, sender: FrameSender) -> Self {
+    pub(super) fn new(
+        id: u64,
+        slot: Arc<StreamSlot>,
+        sender: FrameSender,
+        expansion: ExpansionBudget,
+    ) -> Self {
         let taken = Taken::new(slot.inbound_window, slot.inbound_window_bytes);
         Inbound {
             id,
@@ -230,6 +239,7 @@ impl Inbound {
             sender,
             local: VecDeque::new(),
             taken,
+            expansion,
             done: false,
         }
     }
@@ -276,23 +286,45 @@ impl Stream for Inbound {
 }
 
 impl Inbound {
-    /// The handler takes `item`: counted as taken, and decompressed. One that does not
-    /// decompress (within the item limit) ends the client's request stream with 500.
+    /// The handler takes `item`: counted as taken, and decompressed, holding what it gained
+    /// by it from the server's expansion budget until its last bytes are dropped (as a
+    /// compressed call's arguments do). One that does not decompress (within the item limit)
+    /// ends the client's request stream with 500, one beyond what is left of the budget with
+    /// 515.
     fn take(&mut self, item: Queued) -> Result<Bytes, RpcError> {
         self.took(item.payload.len());
         let limit = self.slot.max_item_bytes;
-        crate::compression::unpack_payload(self.id, &item.payload, item.compression, limit).map_err(
-            |why| {
+        let plain =
+            crate::compression::unpack_payload(self.id, &item.payload, item.compression, limit)
+                .map_err(|why| {
+                    self.done = true;
+                    RpcError::new(
+                        StatusCode::FrameworkError,
+                        format!(
+                            "the caller's request stream failed: {why}; the stream was ended: \
+                             send items that decompress within the server's frame limit"
+                        ),
+                    )
+                })?;
+        if item.compression == 0 {
+            return Ok(plain);
+        }
+        match self.expansion.take(item.payload.len(), plain.len()) {
+            Some(Some(share)) => Ok(share.holding(plain)),
+            Some(None) => Ok(plain),
+            None => {
                 self.done = true;
-                RpcError::new(
-                    StatusCode::FrameworkError,
+                Err(RpcError::new(
+                    StatusCode::OverflowMaxServerHandle,
                     format!(
-                        "the caller's request stream failed: {why}; the stream was ended: send \
-                         items that decompress within the server's frame limit"
+                        "the caller's request stream was ended: an item decompresses to {} \
+                         bytes, more than is left of the server's budget for decompressed \
+                         payloads; retry later or elsewhere, or send the items uncompressed",
+                        plain.len()
                     ),
-                )
-            },
-        )
+                ))
+            }
+        }
     }
 
     /// Counts an item of `len` bytes taken, granting the client credit when it is time (and
@@ -741,6 +773,47 @@ mod tests {
 
     use super::*;
     use crate::writer::duplex_writer;
+
+    /// A compressed item of the client's request stream takes what it gains by decompression
+    /// from the server's budget while the handler holds it, as a compressed call does: one
+    /// more beyond what is left ends the stream with 515, and the share comes back when the
+    /// item is dropped.
+    #[tokio::test]
+    async fn compressed_stream_items_hold_their_expansion_from_the_servers_budget() {
+        use futures_util::StreamExt as _;
+        const KIB: usize = 1024;
+        let (sender, _theirs) = duplex_writer(1 << 20);
+        // One frame of 64 KiB: the least a budget can be.
+        let budget = ExpansionBudget::new(64 * KIB, 64 * KIB);
+        let item = crate::compression::compress(rpc_core::Compression::Zstd, &[0u8; 48 * KIB]);
+        assert!(item.len() < KIB);
+        let inbound = |id| {
+            let slot = Arc::new(StreamSlot::new(8, 0, 64 * KIB));
+            slot.push((0..2).map(|_| Queued {
+                payload: item.clone(),
+                compression: rpc_core::Compression::Zstd.to_wire(),
+            }));
+            Inbound::new(id, slot, sender.clone(), budget.clone())
+        };
+        let mut first = inbound(1);
+        let held = first
+            .next()
+            .await
+            .expect("an item")
+            .expect("within the budget");
+        assert_eq!(held.len(), 48 * KIB);
+        let e = first
+            .next()
+            .await
+            .expect("an item")
+            .expect_err("48 KiB held, 16 KiB left: the second is refused");
+        assert_eq!(e.code(), StatusCode::OverflowMaxServerHandle, "{e}");
+        assert!(first.next().await.is_none(), "the stream ended");
+        drop(held);
+        let mut second = inbound(2);
+        let again = second.next().await.expect("an item");
+        assert_eq!(again.expect("the share came back").len(), 48 * KIB);
+    }
 
     #[tokio::test]
     async fn the_producer_is_polled_only_within_the_credit_and_the_slot_goes_with_the_task() {
