@@ -278,7 +278,7 @@ fn bind(
     let body_value = if params_in_query(method) || body.iter().all(u8::is_ascii_whitespace) {
         None
     } else {
-        Some(serde_json::from_slice::<Value>(body).map_err(|e| {
+        Some(serde_json::from_slice::<JsonBody>(body).map_err(|e| {
             format!(
                 "the body is not JSON ({e}): send a JSON object of named arguments, such as \
                  {{\"text\": \"hi\"}}"
@@ -289,7 +289,7 @@ fn bind(
         // No names published: only positional arguments can be bound.
         return match body_value {
             None => Ok(Value::Array(Vec::new())),
-            Some(Value::Array(list)) => Ok(Value::Array(list)),
+            Some(JsonBody::Value(Value::Array(list))) => Ok(Value::Array(list)),
             Some(_) => Err(format!(
                 "{entry} publishes no parameter names: send its arguments as a JSON array in \
                  declaration order"
@@ -334,12 +334,12 @@ fn bind(
     }
     match body_value {
         None => {}
-        Some(Value::Object(map)) => {
-            for (name, value) in map {
+        Some(JsonBody::Object(pairs)) => {
+            for (name, value) in pairs {
                 take(name, value, "body")?;
             }
         }
-        Some(Value::Array(list)) if path_params.is_empty() => {
+        Some(JsonBody::Value(Value::Array(list))) if path_params.is_empty() => {
             if list.len() != params.len() {
                 return Err(format!(
                     "{entry} takes {} arguments ({}), the body's array has {}",
@@ -350,7 +350,7 @@ fn bind(
             }
             return Ok(Value::Array(list));
         }
-        Some(other) => {
+        Some(JsonBody::Value(other)) => {
             return Err(format!(
                 "the body must be a JSON object of named arguments ({}), not {}",
                 expected(),
@@ -372,6 +372,78 @@ fn bind(
         }
     }
     Ok(Value::Array(args))
+}
+
+/// A request body as JSON: an object kept as its members in order, each one as given (so that
+/// a name given twice is seen, where a JSON object would keep the last silently), or any other
+/// value.
+enum JsonBody {
+    Object(Vec<(String, Value)>),
+    Value(Value),
+}
+
+impl<'de> serde::Deserialize<'de> for JsonBody {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = JsonBody;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON value")
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<JsonBody, A::Error> {
+                let mut pairs = Vec::with_capacity(map.size_hint().unwrap_or(0).min(64));
+                while let Some(pair) = map.next_entry::<String, Value>()? {
+                    pairs.push(pair);
+                }
+                Ok(JsonBody::Object(pairs))
+            }
+
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<JsonBody, A::Error> {
+                let mut items = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(64));
+                while let Some(item) = seq.next_element::<Value>()? {
+                    items.push(item);
+                }
+                Ok(JsonBody::Value(Value::Array(items)))
+            }
+
+            fn visit_bool<E>(self, v: bool) -> Result<JsonBody, E> {
+                Ok(JsonBody::Value(Value::Bool(v)))
+            }
+
+            fn visit_i64<E>(self, v: i64) -> Result<JsonBody, E> {
+                Ok(JsonBody::Value(Value::from(v)))
+            }
+
+            fn visit_u64<E>(self, v: u64) -> Result<JsonBody, E> {
+                Ok(JsonBody::Value(Value::from(v)))
+            }
+
+            fn visit_f64<E>(self, v: f64) -> Result<JsonBody, E> {
+                Ok(JsonBody::Value(Value::from(v)))
+            }
+
+            fn visit_str<E>(self, v: &str) -> Result<JsonBody, E> {
+                Ok(JsonBody::Value(Value::String(v.to_string())))
+            }
+
+            fn visit_string<E>(self, v: String) -> Result<JsonBody, E> {
+                Ok(JsonBody::Value(Value::String(v)))
+            }
+
+            fn visit_unit<E>(self) -> Result<JsonBody, E> {
+                Ok(JsonBody::Value(Value::Null))
+            }
+        }
+        deserializer.deserialize_any(Visit)
+    }
 }
 
 /// A path or query value: text when the parameter's schema says string (or string or null);
@@ -408,7 +480,9 @@ fn attachments(headers: &HeaderMap) -> Result<BTreeMap<String, String>, String> 
         {
             continue;
         }
-        let Ok(value) = value.to_str() else {
+        // UTF-8 values travel as they are (`to_str` takes visible ASCII only); others, which
+        // an attachment (a string) cannot hold, stay behind.
+        let Ok(value) = std::str::from_utf8(value.as_bytes()) else {
             continue;
         };
         bytes += name.len() + value.len();
@@ -585,6 +659,39 @@ mod tests {
     }
 
     #[test]
+    fn an_argument_named_twice_in_the_body_is_refused() {
+        let t = table(&["id", "name"], None);
+        let path = "/api/shop.Orders/find";
+        let twice = bind_at(
+            &t,
+            Method::POST,
+            path,
+            None,
+            r#"{"id": 1, "name": "a", "id": 2}"#,
+        )
+        .unwrap_err();
+        assert!(
+            twice.contains(r#"argument "id""#) && twice.contains("given twice"),
+            "{twice}"
+        );
+        // Nested objects are the argument's own value: JSON's rules, not the gateway's.
+        assert_eq!(
+            bind_at(
+                &t,
+                Method::POST,
+                path,
+                None,
+                r#"{"id": {"a": 1}, "name": null}"#
+            ),
+            Ok(json!([{"a": 1}, null]))
+        );
+        for (body, kind) in [("7", "a number"), (r#""x""#, "a string"), ("null", "null")] {
+            let e = bind_at(&t, Method::POST, path, None, body).unwrap_err();
+            assert!(e.ends_with(&format!("not {kind}")), "{body}: {e}");
+        }
+    }
+
+    #[test]
     fn hop_by_hop_and_private_headers_stay_behind() {
         let mut h = HeaderMap::new();
         for (k, v) in [
@@ -608,6 +715,22 @@ mod tests {
             a.keys().map(String::as_str).collect::<Vec<_>>(),
             ["traceparent", "x-tenant"]
         );
+    }
+
+    #[test]
+    fn utf8_header_values_travel_and_other_bytes_stay_behind() {
+        let mut h = HeaderMap::new();
+        h.append(
+            "x-user",
+            HeaderValue::from_bytes("José".as_bytes()).expect("obs-text"),
+        );
+        h.append(
+            "x-latin1",
+            HeaderValue::from_bytes(b"Jos\xe9").expect("obs-text"),
+        );
+        let a = attachments(&h).unwrap();
+        assert_eq!(a.get("x-user").map(String::as_str), Some("José"));
+        assert!(!a.contains_key("x-latin1"), "{a:?}");
     }
 
     #[test]

@@ -55,8 +55,11 @@ impl Follower {
         }
     }
 
-    /// Watches every service the registry lists that is not watched yet.
+    /// Watches every service the registry lists that is not watched yet (and lets go of the
+    /// tasks of watches that ended: a registry that closes its watches at once, as a static
+    /// list does, would otherwise leave one more finished task per service and discovery).
     pub(crate) async fn discover(&mut self) {
+        while self.watchers.try_join_next().is_some() {}
         let services = match self.registry.services().await {
             Ok(services) => services,
             Err(e) => {
@@ -140,5 +143,36 @@ impl Follower {
             }
             self.rebuild();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A static list closes every watch at once, and the next discovery watches the service
+    /// again: the ended watchers' tasks do not pile up.
+    #[tokio::test]
+    async fn the_tasks_of_ended_watches_do_not_pile_up() {
+        let registry = rpc_registry::StaticRegistry::from_toml(
+            "[[endpoint]]\naddress = \"127.0.0.1:9001\"\nservices = [\"echo.Echo\"]\n",
+        )
+        .expect("a static list");
+        let shared = Arc::new(Shared {
+            table: ArcSwap::from_pointee(RouteTable::default()),
+            version: watch::channel(0).0,
+        });
+        let mut follower = Follower::new(Arc::new(registry), shared);
+        for _ in 0..20 {
+            follower.discover().await;
+            // The watcher says its watch ended as the last thing it does.
+            let event = follower.received.recv().await.expect("the watch ended");
+            follower.closed(event);
+        }
+        assert!(
+            follower.watchers.len() <= 1,
+            "{} tasks kept after 20 discoveries",
+            follower.watchers.len()
+        );
     }
 }

@@ -76,7 +76,8 @@
 //! Request headers travel to the service as call attachments (lower-case names), except the
 //! hop-by-hop ones and those named in `Connection`, `host`, `content-*`, `accept*`,
 //! `authorization` (the gateway's own token), `cookie`, `sec-*` (a browser's fetch metadata) and
-//! `rpc-*` (the framework's own keys, which a caller must not set). At most
+//! `rpc-*` (the framework's own keys, which a caller must not set), and values that are not
+//! UTF-8 (an attachment is a string). At most
 //! [`MAX_ATTACHMENTS`] headers of at most [`MAX_ATTACHMENT_BYTES`] bytes in all are forwarded;
 //! more is refused with 431. A W3C `traceparent` (and `tracestate`) continues the caller's trace:
 //! with feature `otel`, the gateway's `rpc.gateway` span is the child of the request's span and
@@ -122,6 +123,10 @@ pub enum GatewayError {
     /// A required part was not given to the builder.
     #[error("the gateway needs {0}: call GatewayBuilder::{0}(...) before build()")]
     Missing(&'static str),
+    /// The token given is empty: it would let every request with `Authorization: Bearer `
+    /// through.
+    #[error("the gateway's token is empty: give a token, or none to serve without one")]
+    EmptyToken,
 }
 
 /// Builds a [`Gateway`]: [`client`](Self::client) and [`registry`](Self::registry) are
@@ -185,6 +190,9 @@ impl GatewayBuilder {
     /// later, not an error) and starts following it. Must be called within a tokio runtime;
     /// the following stops when the last clone of the gateway and of its routers is dropped.
     pub async fn build(self) -> Result<Gateway, GatewayError> {
+        if self.token.as_deref() == Some("") {
+            return Err(GatewayError::EmptyToken);
+        }
         let bearer_token = self.token.is_some();
         let client = self.client.ok_or(GatewayError::Missing("client"))?;
         let registry = self.registry.ok_or(GatewayError::Missing("registry"))?;
@@ -310,5 +318,16 @@ impl Gateway {
             }
         };
         tokio::time::timeout(timeout, wait).await.unwrap_or(false)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn an_empty_token_is_refused() {
+        let built = Gateway::builder().token("").build().await;
+        assert!(matches!(built, Err(GatewayError::EmptyToken)));
     }
 }

@@ -112,3 +112,43 @@ async fn an_unknown_registry_is_refused_with_the_forms_to_use() {
     );
     assert!(output.stdout.is_empty());
 }
+
+/// Arguments the program refuses before it starts, each with what to give instead: an empty
+/// token (which would turn the check off) and a discovery interval no duration holds.
+#[tokio::test]
+async fn an_empty_token_or_an_impossible_interval_is_refused() {
+    for (flag, value, says) in [
+        ("--token", "", "is empty"),
+        (
+            "--discovery-secs",
+            "1e20",
+            "give a positive number of seconds",
+        ),
+        ("--discovery-secs", "0", "give a positive number of seconds"),
+    ] {
+        let output = tokio::time::timeout(
+            LIMIT,
+            Command::new(env!("CARGO_BIN_EXE_rpc-gateway"))
+                .args([
+                    "--registry",
+                    "embedded",
+                    "--listen",
+                    "127.0.0.1:0",
+                    flag,
+                    value,
+                ])
+                .env_remove("RPC_GATEWAY_TOKEN")
+                .output(),
+        )
+        .await
+        .expect("it exits in time")
+        .expect("run rpc-gateway");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(1), "{flag} {value:?}: {stderr}");
+        assert!(
+            stderr.contains(flag) && stderr.contains(says),
+            "{flag} {value:?}: {stderr}"
+        );
+        assert!(output.stdout.is_empty(), "{flag} {value:?}");
+    }
+}

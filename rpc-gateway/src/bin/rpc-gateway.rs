@@ -59,6 +59,23 @@ async fn main() -> ExitCode {
 }
 
 async fn run(args: Args) -> Result<(), String> {
+    let discovery = Some(args.discovery_secs)
+        .filter(|s| *s > 0.0)
+        .and_then(|s| std::time::Duration::try_from_secs_f64(s).ok())
+        .ok_or_else(|| {
+            format!(
+                "--discovery-secs {}: give a positive number of seconds",
+                args.discovery_secs
+            )
+        })?;
+    // An empty token (a secret that did not resolve, say) must not turn the check off.
+    if args.token.as_deref() == Some("") {
+        return Err(
+            "--token (or RPC_GATEWAY_TOKEN) is empty: give the token, or leave both \
+                    unset to serve without one"
+                .into(),
+        );
+    }
     let registry = <dyn Registry>::from_url(&args.registry)
         .await
         .map_err(|e| format!("--registry {}: {e}", args.registry))?;
@@ -70,16 +87,8 @@ async fn run(args: Args) -> Result<(), String> {
         .registry(registry)
         .title(args.title)
         .version(args.api_version);
-    if args.discovery_secs.is_finite() && args.discovery_secs > 0.0 {
-        builder =
-            builder.discovery_interval(std::time::Duration::from_secs_f64(args.discovery_secs));
-    } else {
-        return Err(format!(
-            "--discovery-secs {}: give a positive number of seconds",
-            args.discovery_secs
-        ));
-    }
-    if let Some(token) = args.token.filter(|t| !t.is_empty()) {
+    builder = builder.discovery_interval(discovery);
+    if let Some(token) = args.token {
         builder = builder.token(token);
     }
     let gateway = builder.build().await.map_err(|e| e.to_string())?;
