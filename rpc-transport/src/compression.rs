@@ -11,7 +11,10 @@
 //!
 //! Decompression is bounded by a limit (the receiver's frame limit): a payload claiming or
 //! producing more is refused before that much is allocated ([`CompressionError::TooLarge`]),
-//! so a small frame cannot make a receiver allocate gigabytes.
+//! so a small frame cannot make a receiver allocate gigabytes. An LZ4 block claiming more than
+//! it can expand to is refused before its buffer is made; a zstd frame that records no size
+//! is decoded with a window of at least 8 MiB (what zstd's own streaming encoder may pick),
+//! even under a smaller limit.
 
 use std::cell::RefCell;
 use std::io::Read;
@@ -23,6 +26,9 @@ use rpc_core::Compression;
 /// caller's task (or the call's, on a server) once per call, so speed matters more than the
 /// last percent of ratio.
 pub const ZSTD_LEVEL: i32 = 1;
+
+/// The most an LZ4 block expands: each further byte of a match's length stands for 255 bytes.
+const LZ4_MAX_RATIO: usize = 255;
 
 /// The algorithms this build can decode, in the order a handshake lists them.
 pub const SUPPORTED: [Compression; 2] = [Compression::Zstd, Compression::Lz4];
@@ -112,6 +118,14 @@ pub fn decompress(algorithm: i32, data: &Bytes, limit: usize) -> Result<Bytes, C
                     size: size as u64,
                     limit,
                 });
+            }
+            // An LZ4 block expands at most about 255 times (a byte of a match's length stands
+            // for 255 more): a size beyond that is a lie, refused before its buffer is made.
+            if size > block.len().saturating_mul(LZ4_MAX_RATIO).saturating_add(64) {
+                return Err(corrupt(format!(
+                    "its size says {size} bytes, more than a block of {} bytes can hold",
+                    block.len()
+                )));
             }
             let mut out = vec![0; size];
             let n = lz4_flex::block::decompress_into(block, &mut out)
@@ -267,6 +281,23 @@ mod tests {
         }
         out.truncate(n);
         out
+    }
+
+    /// An LZ4 size prefix that claims more than its block can hold is refused before a buffer
+    /// of that size is made; the most compressible payload there is still comes back whole.
+    #[test]
+    fn an_lz4_size_beyond_what_its_block_can_hold_is_refused() {
+        let lie = Bytes::from_static(&[0xff, 0xff, 0xff, 0x00, 0x00]);
+        match decompress(Compression::Lz4.to_wire(), &lie, 64 << 20) {
+            Err(CompressionError::Corrupt { reason, .. }) => {
+                assert!(reason.contains("16777215 bytes"), "{reason}")
+            }
+            other => panic!("expected a refusal, got {other:?}"),
+        }
+        let zeros = vec![0u8; 4 << 20];
+        let packed = compress(Compression::Lz4, &zeros);
+        let back = decompress(Compression::Lz4.to_wire(), &packed, 8 << 20).expect("whole");
+        assert_eq!(back.len(), zeros.len());
     }
 
     #[test]
