@@ -76,6 +76,10 @@ struct InboundQueue {
     waker: Option<Waker>,
     /// Items (and bytes) received and not yet granted back.
     held: Held,
+    /// How the client's request stream failed, if it did (its `StreamEnd` with another status
+    /// than 200, an item that did not decompress or was beyond the budget): the stream then
+    /// ends with that status, even when the handler answers as if it were complete.
+    failed: Option<RpcError>,
 }
 
 impl StreamSlot {
@@ -93,6 +97,7 @@ impl StreamSlot {
                 end: None,
                 waker: None,
                 held: Held::new(inbound_window, inbound_window_bytes),
+                failed: None,
             }),
             inbound_window,
             inbound_window_bytes,
@@ -155,13 +160,15 @@ impl StreamSlot {
             q.end = Some(if end.status_code == StatusCode::Success.as_u32() {
                 Ok(())
             } else {
-                Err(RpcError::new(
+                let failed = RpcError::new(
                     StatusCode::from_u32(end.status_code),
                     format!(
                         "the caller's request stream failed: {}",
                         end.exception_message
                     ),
-                ))
+                );
+                q.failed = Some(failed.clone());
+                Err(failed)
             });
             q.waker.take()
         };
@@ -190,6 +197,11 @@ impl StreamSlot {
         if let Some(w) = waker {
             w.wake();
         }
+    }
+
+    /// How the client's request stream failed, if it did.
+    fn failed(&self) -> Option<RpcError> {
+        self.inbound().failed.clone()
     }
 
     /// Credit from the client (`StreamCredit`).
@@ -297,14 +309,13 @@ impl Inbound {
         let plain =
             crate::compression::unpack_payload(self.id, &item.payload, item.compression, limit)
                 .map_err(|why| {
-                    self.done = true;
-                    RpcError::new(
+                    self.fail(RpcError::new(
                         StatusCode::FrameworkError,
                         format!(
                             "the caller's request stream failed: {why}; the stream was ended: \
                              send items that decompress within the server's frame limit"
                         ),
-                    )
+                    ))
                 })?;
         if item.compression == 0 {
             return Ok(plain);
@@ -312,19 +323,27 @@ impl Inbound {
         match self.expansion.take(item.payload.len(), plain.len()) {
             Some(Some(share)) => Ok(share.holding(plain)),
             Some(None) => Ok(plain),
-            None => {
-                self.done = true;
-                Err(RpcError::new(
-                    StatusCode::OverflowMaxServerHandle,
-                    format!(
-                        "the caller's request stream was ended: an item decompresses to {} \
-                         bytes, more than is left of the server's budget for decompressed \
-                         payloads; retry later or elsewhere, or send the items uncompressed",
-                        plain.len()
-                    ),
-                ))
-            }
+            None => Err(self.fail(RpcError::new(
+                StatusCode::OverflowMaxServerHandle,
+                format!(
+                    "the caller's request stream was ended: an item decompresses to {} bytes, \
+                     more than is left of the server's budget for decompressed payloads; retry \
+                     later or elsewhere, or send the items uncompressed",
+                    plain.len()
+                ),
+            ))),
         }
+    }
+
+    /// The client's request stream failed with `error`: no more items are taken, and the
+    /// stream ends with it (see [`StreamSlot::failed`]).
+    fn fail(&mut self, error: RpcError) -> RpcError {
+        self.done = true;
+        let mut q = self.slot.inbound();
+        if q.failed.is_none() {
+            q.failed = Some(error.clone());
+        }
+        error
     }
 
     /// Counts an item of `len` bytes taken, granting the client credit when it is time (and
@@ -746,7 +765,17 @@ impl Future for StreamDriver {
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<RemoteResultMessage> {
         let this = &mut *self;
-        let outcome = this.poll_items(cx);
+        let mut outcome = this.poll_items(cx);
+        // A stream whose caller's request stream failed ends with that failure, even when the
+        // handler answers as if it were complete (RPC.proto: the server ends the stream with
+        // the client's status).
+        if let Poll::Ready(end) = &mut outcome {
+            if end.status_code == StatusCode::Success.as_u32() && this.inbound_window > 0 {
+                if let Some(failed) = this.slot.failed() {
+                    *end = error_result(failed.code(), failed.message());
+                }
+            }
+        }
         // Whatever the outcome: the items go before the end, which the connection sends once
         // this returns Ready.
         this.end_run();

@@ -13,7 +13,8 @@ use std::sync::Arc;
 
 use common::{within, RawConn};
 use rpc::crates::core::wire::{
-    frame::Kind, Hello, HelloAck, RemoteInvokeMessage, RemoteResultMessage, StreamMode,
+    frame::Kind, Hello, HelloAck, RemoteInvokeMessage, RemoteResultMessage, StreamEnd, StreamItem,
+    StreamMode,
 };
 use rpc::crates::transport::{
     Call, ConnectOptions, Connection, Opened, DEFAULT_STREAM_WINDOW, DEFAULT_STREAM_WINDOW_BYTES,
@@ -29,6 +30,9 @@ pub trait Flow {
     async fn echo(&self, text: String) -> Result<String, RpcError>;
     /// A unary call that never answers (a long poll).
     async fn hold(&self) -> Result<(), RpcError>;
+    /// Counts the client's items up to the end of its stream or its first error, which it
+    /// ignores (a handler written `while let Some(Ok(_))`).
+    async fn count(&self, items: RpcStream<u32>) -> Result<u32, RpcError>;
 }
 
 struct Texts(Arc<AtomicU64>);
@@ -49,6 +53,14 @@ impl Flow for Texts {
 
     async fn hold(&self) -> Result<(), RpcError> {
         std::future::pending().await
+    }
+
+    async fn count(&self, mut items: RpcStream<u32>) -> Result<u32, RpcError> {
+        let mut n = 0;
+        while let Some(Ok(_)) = futures_util::StreamExt::next(&mut items).await {
+            n += 1;
+        }
+        Ok(n)
     }
 }
 
@@ -224,6 +236,64 @@ async fn the_server_sends_ahead_no_more_than_its_own_windows_whatever_the_client
     open_text(&mut raw, 1, 4096).await;
     let (items, _) = items_until_echo(&mut raw, 1, 2).await;
     assert_eq!(items.len() as u64, expected);
+    drop(raw);
+    within("shutdown", server.shutdown()).await;
+}
+
+/// A client whose request stream fails (its `StreamEnd` says 1000) gets the stream ended with
+/// that status, though the handler ignores the failure and answers as if the stream were
+/// complete; a stream that ends complete gets the handler's answer.
+#[tokio::test]
+async fn a_client_stream_that_fails_ends_with_its_status_whatever_the_handler_answers() {
+    let (server, _) = serve().await;
+    let (mut raw, _) = raw_client_with_window(&server, 8).await;
+    for (id, status) in [(1u64, 200u32), (2, 1000)] {
+        raw.send(Kind::Invoke(RemoteInvokeMessage {
+            message_id: id,
+            service_entry_id: "t.Flow.count".into(),
+            parameters: Codec::MsgPack.encode(&()).expect("encode"),
+            stream_mode: StreamMode::Client as i32,
+            ..Default::default()
+        }))
+        .await
+        .expect("open");
+        match raw.recv().await {
+            Some(Kind::StreamCredit(c)) => assert_eq!(c.message_id, id),
+            other => panic!("expected the stream's acceptance, got {other:?}"),
+        }
+        for n in 0..2u32 {
+            raw.send(Kind::StreamItem(StreamItem {
+                message_id: id,
+                payload: Codec::MsgPack.encode(&n).expect("encode"),
+                compression: 0,
+            }))
+            .await
+            .expect("item");
+        }
+        raw.send(Kind::StreamEnd(StreamEnd {
+            message_id: id,
+            status_code: status,
+            exception_message: "the caller gave up".into(),
+        }))
+        .await
+        .expect("end");
+        let end = loop {
+            match raw.recv().await {
+                Some(Kind::Result(r)) => break r,
+                Some(Kind::StreamCredit(_)) => continue,
+                other => panic!("expected the end, got {other:?}"),
+            }
+        };
+        assert_eq!((end.message_id, end.status_code), (id, status), "{end:?}");
+        if status == 200 {
+            assert_eq!(Codec::MsgPack.decode::<u32>(&end.result).expect("count"), 2);
+        } else {
+            assert!(
+                end.exception_message.contains("the caller gave up"),
+                "{end:?}"
+            );
+        }
+    }
     drop(raw);
     within("shutdown", server.shutdown()).await;
 }
