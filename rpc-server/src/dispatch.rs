@@ -304,7 +304,11 @@ impl rpc_transport::StreamEvents for PackedEvents {
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<RemoteResultMessage> {
-        self.events.as_mut().poll_ended(cx)
+        let pack = self.pack;
+        self.events
+            .as_mut()
+            .poll_ended(cx)
+            .map(|end| pack.apply(end))
     }
 }
 
@@ -342,7 +346,8 @@ impl Pack {
         match dispatch {
             Dispatch::Ready(answer) => Dispatch::Ready(self.apply(answer)),
             Dispatch::Spawn(call) => Dispatch::Spawn(Box::pin(call.map(move |a| self.apply(a)))),
-            // A stream's items are compressed one by one; its end goes as it is.
+            // A stream's items are compressed one by one, and its end as an answer is (a
+            // client stream's end carries its answer).
             Dispatch::Stream(events) => Dispatch::Stream(Box::pin(futures_util::StreamExt::map(
                 events,
                 move |event| self.apply_item(event),
@@ -366,6 +371,7 @@ impl Pack {
                 Some(packed) => StreamEvent::Packed(packed, self.algorithm.to_wire()),
                 None => StreamEvent::Item(payload),
             },
+            StreamEvent::End(end) => StreamEvent::End(Box::new(self.apply(*end))),
             other => other,
         }
     }

@@ -46,6 +46,18 @@ pub trait Stocks {
         prefix: String,
         lines: RpcStream<String>,
     ) -> Result<RpcStream<String>, RpcError>;
+    /// Client streaming, compressed: the caller's parts joined.
+    #[governance(compression = "zstd")]
+    async fn join(&self, parts: RpcStream<String>) -> Result<String, RpcError>;
+}
+
+/// The caller's parts, joined (the first error among them ends it).
+async fn joined(mut parts: RpcStream<String>) -> Result<String, RpcError> {
+    let mut out = String::new();
+    while let Some(part) = parts.next().await {
+        out.push_str(&part?);
+    }
+    Ok(out)
 }
 
 fn shouted(prefix: &str, line: &str) -> String {
@@ -141,6 +153,11 @@ impl Stocks for Market {
         self.setup()?;
         Ok(lines.map_items(move |line| Ok(shouted(&prefix, &line))))
     }
+
+    async fn join(&self, parts: RpcStream<String>) -> Result<String, RpcError> {
+        self.setup()?;
+        joined(parts).await
+    }
 }
 
 /// The fallback: answers that cannot be mistaken for the market's (prices from 1000, totals
@@ -186,6 +203,11 @@ impl Stocks for Cache {
     async fn shout(&self, _: String, _: RpcStream<String>) -> Result<RpcStream<String>, RpcError> {
         self.used.fetch_add(1, Ordering::SeqCst);
         Ok(RpcStream::empty())
+    }
+
+    async fn join(&self, parts: RpcStream<String>) -> Result<String, RpcError> {
+        self.used.fetch_add(1, Ordering::SeqCst);
+        joined(parts).await
     }
 }
 
@@ -1084,6 +1106,73 @@ async fn compressed_stream_items_arrive_whole_both_ways_between_client_and_serve
     .expect("every item");
     let expected: Vec<String> = lines.iter().map(|l| shouted("> ", l)).collect();
     assert_eq!(back, expected);
+    within("shutdown", server.shutdown()).await;
+}
+
+/// A client stream's answer follows its entry's compression as a unary answer does: the
+/// joined parts of a zstd entry come back compressed (and whole) to a client that accepts zstd.
+#[tokio::test]
+async fn a_client_streams_answer_is_compressed_as_its_entry_says() {
+    use rpc::crates::core::wire::{
+        frame::Kind, RemoteInvokeMessage, StreamEnd, StreamItem, StreamMode,
+    };
+    use rpc::crates::core::Compression;
+    use rpc::crates::transport::compression::decompress;
+    use rpc::Codec;
+    let reg = InProcessRegistry::new();
+    let (server, _market) = serve(&reg).await;
+    let mut raw = raw_zstd_client(&server, false).await;
+    raw.send(Kind::Invoke(RemoteInvokeMessage {
+        message_id: 1,
+        service_entry_id: "g.Stocks.join".into(),
+        parameters: Codec::MsgPack.encode(&()).expect("encode"),
+        stream_mode: StreamMode::Client as i32,
+        ..Default::default()
+    }))
+    .await
+    .expect("open");
+    assert!(
+        matches!(within("accepted", raw.recv()).await, Some(Kind::StreamCredit(c)) if c.message_id == 1)
+    );
+    let parts: Vec<String> = (0..4).map(|_| haystack(16 * 1024)).collect();
+    for part in &parts {
+        raw.send(Kind::StreamItem(StreamItem {
+            message_id: 1,
+            payload: Codec::MsgPack.encode(part).expect("encode"),
+            compression: 0,
+        }))
+        .await
+        .expect("item");
+    }
+    raw.send(Kind::StreamEnd(StreamEnd {
+        message_id: 1,
+        status_code: 200,
+        exception_message: String::new(),
+    }))
+    .await
+    .expect("end");
+    let end = stream_end(&mut raw).await;
+    assert_eq!((end.message_id, end.status_code), (1, 200), "{end:?}");
+    assert_eq!(
+        end.compression,
+        Compression::Zstd.to_wire(),
+        "sent compressed"
+    );
+    let plain = decompress(end.compression, &end.result, 1 << 20).expect("decompresses");
+    let answer: String = Codec::MsgPack.decode(&plain).expect("decode");
+    assert_eq!(answer, parts.concat());
+    assert!(
+        end.result.len() < plain.len() / 2,
+        "{} bytes",
+        end.result.len()
+    );
+    drop(raw);
+    // The framework's own client reads it back whole.
+    let stocks = StocksClient::new(client(&reg, None));
+    let got = within("join", stocks.join(RpcStream::iter(parts.clone())))
+        .await
+        .expect("joined");
+    assert_eq!(got, parts.concat());
     within("shutdown", server.shutdown()).await;
 }
 
