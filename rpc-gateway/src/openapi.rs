@@ -190,7 +190,7 @@ pub fn document(entries: &[ServiceEntry], info: &DocumentInfo) -> Value {
         };
         let path = openapi_path(&route.path);
         let mut op = operation(entry, &route.method, &path);
-        if let Some(rename) = renames.get(entry.service_id.as_str()) {
+        if let Some(rename) = renames.get(entry.id.as_str()) {
             rewrite_refs(&mut op, rename);
         }
         paths.entry(path).or_default().insert(key, op);
@@ -432,31 +432,58 @@ fn operation(entry: &ServiceEntry, method: &Method, path: &str) -> Value {
     Value::Object(op)
 }
 
-/// `components.schemas`: the union of every entry's definitions, and per service the renames
+/// `components.schemas`: the union of every entry's definitions, and per entry id the renames
 /// its schemas' `$ref`s need.
 ///
-/// Services are taken in sorted order; within a service the first entry (by id) that defines a
-/// name gives its schema. A service's definition is renamed `<name>_<service>` when an earlier
-/// service holds a different schema under the name, or when it refers to a definition of its
-/// own that is renamed (its meaning differs from the one already held).
+/// A service's entries (taken by id) share their definitions, save an entry that defines a
+/// name differently from one before it in its service: it forms another group of the service
+/// (the first whose definitions agree with its own). Groups are taken in order (services
+/// sorted, then the service's groups); the first group to define a name gives its schema. A
+/// group's definition is renamed `<name>_<service>` (with a number when that is taken) when an
+/// earlier group holds a different schema under the name, or when it refers to a definition
+/// of its own that is renamed (its meaning differs from the one already held).
 fn merge_definitions(
     entries: &[&ServiceEntry],
 ) -> (
     Map<String, Value>,
     BTreeMap<String, BTreeMap<String, String>>,
 ) {
-    let mut per_service: BTreeMap<&str, BTreeMap<String, Value>> = BTreeMap::new();
+    type Group = (String, BTreeMap<String, Value>, Vec<String>);
+    let mut per_service: BTreeMap<&str, Vec<Group>> = BTreeMap::new();
     for entry in entries {
-        let defs = per_service.entry(entry.service_id.as_str()).or_default();
-        if let Some(schemas) = entry.api.as_ref().and_then(|api| api.schemas.as_ref()) {
-            for (name, schema) in &schemas.definitions {
-                defs.entry(name.clone()).or_insert_with(|| schema.clone());
+        let groups = per_service.entry(entry.service_id.as_str()).or_default();
+        let empty = Map::new();
+        let defs = entry
+            .api
+            .as_ref()
+            .and_then(|api| api.schemas.as_ref())
+            .map_or(&empty, |s| &s.definitions);
+        let agrees = |held: &BTreeMap<String, Value>| {
+            defs.iter()
+                .all(|(name, schema)| held.get(name).is_none_or(|h| h == schema))
+        };
+        let group = match groups.iter().position(|(_, held, _)| agrees(held)) {
+            Some(i) => &mut groups[i],
+            None => {
+                groups.push((
+                    entry.service_id.as_str().to_string(),
+                    BTreeMap::new(),
+                    Vec::new(),
+                ));
+                groups.last_mut().expect("just pushed")
             }
+        };
+        for (name, schema) in defs {
+            group
+                .1
+                .entry(name.clone())
+                .or_insert_with(|| schema.clone());
         }
+        group.2.push(entry.id.as_str().to_string());
     }
     let mut global: Map<String, Value> = Map::new();
-    let mut renames_by_service = BTreeMap::new();
-    for (service, defs) in per_service {
+    let mut renames_by_entry = BTreeMap::new();
+    for (service, defs, entry_ids) in per_service.into_values().flatten() {
         // Which names must be renamed: a different schema already held, or (to a fixpoint,
         // bounded by the number of names) a reference to a renamed one.
         let mut renamed: BTreeSet<&String> = defs
@@ -487,7 +514,7 @@ fn merge_definitions(
         }
         let mut rename = BTreeMap::new();
         for name in renamed {
-            let base = format!("{name}_{}", component_safe(service));
+            let base = format!("{name}_{}", component_safe(&service));
             let mut candidate = base.clone();
             let mut n = 2;
             while global.contains_key(&candidate)
@@ -505,10 +532,12 @@ fn merge_definitions(
             global.entry(target).or_insert(schema);
         }
         if !rename.is_empty() {
-            renames_by_service.insert(service.to_string(), rename);
+            for id in entry_ids {
+                renames_by_entry.insert(id, rename.clone());
+            }
         }
     }
-    (global, renames_by_service)
+    (global, renames_by_entry)
 }
 
 /// `name` with every character a component name may not hold (`[A-Za-z0-9._-]`) made `_`.
@@ -906,6 +935,58 @@ mod tests {
         assert_eq!(body("/api/b.Stock/count"), refs("Item_b.Stock"));
         assert_eq!(result("/api/a.Shop/buy"), refs("Cart"));
         assert_eq!(result("/api/b.Stock/count"), refs("Cart_b.Stock"));
+    }
+
+    /// Two entries of one service whose `Filter`s are different types (`orders::Filter`,
+    /// `stock::Filter`): each operation refers to its own; entries that agree share theirs.
+    #[test]
+    fn one_services_entries_defining_a_name_differently_each_refer_to_their_own() {
+        let orders = json!({"type": "object", "properties": {"customer": {"type": "string"}}});
+        let stock = json!({"type": "object", "properties": {"sku": {"type": "string"}}});
+        let taking = |method: &str, filter: &Value| {
+            entry(
+                "shop.Shop",
+                method,
+                Some(api(
+                    &["filter"],
+                    None,
+                    Some(schemas(
+                        vec![refs("Filter")],
+                        json!({"type": "integer"}),
+                        &[("Filter", filter.clone())],
+                    )),
+                )),
+            )
+        };
+        let doc = document(
+            &[
+                taking("count", &stock),
+                taking("list", &orders),
+                taking("total", &stock),
+            ],
+            &info(),
+        );
+        let components = doc["components"]["schemas"].as_object().unwrap();
+        let filter_of = |method: &str| {
+            let path = format!("/api/shop.Shop/{method}");
+            let r = doc["paths"][path.as_str()]["post"]["requestBody"]["content"]
+                ["application/json"]["schema"]["properties"]["filter"]["$ref"]
+                .as_str()
+                .unwrap()
+                .rsplit('/')
+                .next()
+                .unwrap()
+                .to_string();
+            components[r.as_str()].clone()
+        };
+        assert_eq!(filter_of("count"), stock);
+        assert_eq!(filter_of("total"), stock);
+        assert_eq!(filter_of("list"), orders);
+        assert_eq!(
+            components.len(),
+            2,
+            "one definition per type: {components:?}"
+        );
     }
 
     #[test]
