@@ -20,7 +20,9 @@ use serde_json::{json, Value};
 use subtle::ConstantTimeEq;
 use tracing::Instrument;
 
-use crate::route::{carries_retry_after, error_body, http_status, params_in_query};
+use crate::route::{
+    carries_retry_after, error_body, http_status, normalized_path, params_in_query,
+};
 use crate::table::{Found, Served};
 use crate::{docs, Gateway};
 
@@ -139,10 +141,11 @@ async fn call(State(gateway): State<Gateway>, request: Request) -> Response {
     if let Some(refused) = check_token(&gateway, &parts.headers) {
         return refused;
     }
-    let path = parts.uri.path();
+    // Matched with its text decoded: templates hold it as it is (see `normalized_path`).
+    let path = normalized_path(parts.uri.path());
     // An `Arc` of the table rather than a guard: it is held across the body's await.
     let table = gateway.inner.shared.table.load_full();
-    let (served, path_params) = match table.find(&parts.method, path) {
+    let (served, path_params) = match table.find(&parts.method, &path) {
         Found::Entry(served, params) => (served, params),
         Found::OtherMethods(methods) => {
             let mut allow: Vec<&str> = methods.iter().map(Method::as_str).collect();

@@ -18,7 +18,9 @@
 //! parameter that accepts null is null); with other methods they come from a JSON
 //! object in the body, whatever its content type (so `curl -d '{"text":"hi"}'` works). A body
 //! that is a JSON array is taken as positional arguments. The answer is the method's result as
-//! JSON, with status 200.
+//! JSON, with status 200. A path is matched with its percent-encoded text decoded (a service
+//! id or method name in another script is reached as clients encode it), its `%2F` and other
+//! escaped delimiters kept as they came.
 //!
 //! A failed call answers with the status [`route::http_status`] maps (business error 422,
 //! overflow and open breaker 503 with `Retry-After`, timeout 504, not authenticated 401 with

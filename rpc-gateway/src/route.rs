@@ -128,6 +128,74 @@ pub fn error_body_schema(typed: Option<&Value>) -> Value {
     json!({"type": "object", "required": ["code", "message"], "properties": properties})
 }
 
+/// `path` as routes are matched on it: percent-escapes of unreserved characters and of UTF-8
+/// text beyond ASCII decoded (equivalent either way, RFC 3986 section 6.2.2), every other
+/// escape (`%2F`, `%25`, a byte that is not UTF-8) left as it came. A template holds such text
+/// as it is (a service id or method name in another script, say), while a client must send it
+/// percent-encoded: without this, it would never match. Path parameters keep the escapes left
+/// and are decoded once, when bound.
+pub(crate) fn normalized_path(path: &str) -> std::borrow::Cow<'_, str> {
+    if !path.contains('%') {
+        return std::borrow::Cow::Borrowed(path);
+    }
+    let hex = |b: u8| (b as char).to_digit(16).map(|d| d as u8);
+    let bytes = path.as_bytes();
+    let mut out = String::with_capacity(path.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] != b'%' {
+            // Up to the next escape, as it is.
+            let next = path[i..].find('%').map_or(path.len(), |n| i + n);
+            out.push_str(&path[i..next]);
+            i = next;
+            continue;
+        }
+        // A run of escapes: their bytes, and where each one starts.
+        let mut run = Vec::new();
+        let mut starts = Vec::new();
+        while i + 2 < bytes.len() && bytes[i] == b'%' {
+            let (Some(h), Some(l)) = (hex(bytes[i + 1]), hex(bytes[i + 2])) else {
+                break;
+            };
+            run.push(h << 4 | l);
+            starts.push(i);
+            i += 3;
+        }
+        if run.is_empty() {
+            // A lone `%` (not an escape): as it is.
+            out.push('%');
+            i += 1;
+            continue;
+        }
+        let mut k = 0;
+        while k < run.len() {
+            let b = run[k];
+            let width = match b {
+                0x00..=0x7f => 1,
+                0xc2..=0xdf => 2,
+                0xe0..=0xef => 3,
+                0xf0..=0xf4 => 4,
+                _ => 0,
+            };
+            let text = (width > 0)
+                .then(|| run.get(k..k + width))
+                .flatten()
+                .and_then(|w| std::str::from_utf8(w).ok());
+            match text {
+                Some(t) if width > 1 || b.is_ascii_alphanumeric() || b"-._~".contains(&b) => {
+                    out.push_str(t);
+                    k += width;
+                }
+                _ => {
+                    out.push_str(&path[starts[k]..starts[k] + 3]);
+                    k += 1;
+                }
+            }
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
 /// Entries written in a line for this crate's tests; the same file serves the integration tests.
 #[cfg(test)]
 #[path = "../tests/support/entries.rs"]
@@ -162,6 +230,21 @@ mod tests {
                 path: "/orders/{id}".into()
             }
         );
+    }
+
+    #[test]
+    fn a_path_is_matched_with_its_text_decoded_and_its_delimiters_kept_escaped() {
+        for (given, matched) in [
+            ("/api/shop.Orders/get", "/api/shop.Orders/get"),
+            ("/api/%E5%95%86%E5%BA%97.Orders/m", "/api/商店.Orders/m"),
+            ("/b%c3%bccher/7", "/bücher/7"),
+            ("/api/%41%7e/x", "/api/A~/x"),
+            ("/orders/a%2Fb%25c%20d", "/orders/a%2Fb%25c%20d"),
+            // Not UTF-8, cut short, not an escape at all: as they came.
+            ("/x/%C3%28/%E5%95/%zz/50%", "/x/%C3%28/%E5%95/%zz/50%"),
+        ] {
+            assert_eq!(normalized_path(given), matched, "{given}");
+        }
     }
 
     #[test]

@@ -422,6 +422,31 @@ mod tests {
     }
 
     #[test]
+    fn entries_named_in_other_scripts_are_found_at_their_percent_encoded_paths() {
+        let table = RouteTable::build(vec![
+            entry("商店.Orders", "größe", None),
+            entry("a.A", "get", Some(("GET", "/bücher/{id}"))),
+        ]);
+        // As a client sends them: percent-encoded (uppercase or lowercase hex).
+        let sent = "/api/%E5%95%86%E5%BA%97.Orders/gr%c3%b6%C3%9Fe";
+        let at = |method, path: &str| found(&table, method, &crate::route::normalized_path(path));
+        assert_eq!(at(Method::POST, sent).as_deref(), Some("商店.Orders.größe"));
+        assert_eq!(
+            at(Method::GET, "/b%C3%BCcher/7").as_deref(),
+            Some("a.A.get")
+        );
+        match table.find(
+            &Method::GET,
+            &crate::route::normalized_path("/b%C3%BCcher/caf%C3%A9"),
+        ) {
+            Found::Entry(_, params) => assert_eq!(params, [("id".into(), "café".into())]),
+            _ => panic!("not found"),
+        }
+        // Matched as it came, the path names nothing.
+        assert_eq!(found(&table, Method::POST, sent), None);
+    }
+
+    #[test]
     fn stream_entries_and_reserved_paths_are_not_served_as_declared() {
         let mut stream = entry("s.S", "watch", None);
         stream.api.as_mut().unwrap().stream = Some("server".into());
