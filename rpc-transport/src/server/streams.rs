@@ -71,8 +71,12 @@ pub(super) struct Queued {
 /// The client's items waiting for the handler.
 struct InboundQueue {
     items: VecDeque<Queued>,
-    /// The client's `StreamEnd`: `Ok` when its stream is complete.
+    /// The client's `StreamEnd`: `Ok` when its stream is complete (taken by the handler when
+    /// it reads it).
     end: Option<Result<(), RpcError>>,
+    /// Whether the client's request stream ended (its `StreamEnd`, or the call's end), whether
+    /// or not the handler read the end yet: no item nor end may follow.
+    ended: bool,
     waker: Option<Waker>,
     /// Items (and bytes) received and not yet granted back.
     held: Held,
@@ -95,6 +99,7 @@ impl StreamSlot {
             inbound: Mutex::new(InboundQueue {
                 items: VecDeque::new(),
                 end: None,
+                ended: false,
                 waker: None,
                 held: Held::new(inbound_window, inbound_window_bytes),
                 failed: None,
@@ -121,7 +126,7 @@ impl StreamSlot {
     pub(super) fn push(&self, items: impl IntoIterator<Item = Queued>) {
         let waker = {
             let mut q = self.inbound();
-            if self.inbound_window == 0 || q.end.is_some() {
+            if self.inbound_window == 0 || q.ended {
                 drop(q);
                 self.violate();
                 return;
@@ -154,9 +159,13 @@ impl StreamSlot {
         }
         let waker = {
             let mut q = self.inbound();
-            if q.end.is_some() {
+            if q.ended {
+                // A second end: nothing of the stream may follow its end.
+                drop(q);
+                self.violate();
                 return;
             }
+            q.ended = true;
             q.end = Some(if end.status_code == StatusCode::Success.as_u32() {
                 Ok(())
             } else {
@@ -184,9 +193,10 @@ impl StreamSlot {
     pub(super) fn close(&self) {
         let waker = {
             let mut q = self.inbound();
-            if q.end.is_some() {
+            if q.ended {
                 return;
             }
+            q.ended = true;
             q.end = Some(Err(RpcError::new(
                 StatusCode::CommunicationError,
                 "the call ended before the caller's request stream did; no more of its items \
@@ -355,7 +365,7 @@ impl Inbound {
         let open = {
             let mut q = self.slot.inbound();
             q.held.release(items);
-            q.end.is_none()
+            !q.ended
         };
         if open {
             self.sender.send(Kind::StreamCredit(StreamCredit {

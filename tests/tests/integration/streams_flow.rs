@@ -298,6 +298,80 @@ async fn a_client_stream_that_fails_ends_with_its_status_whatever_the_handler_an
     within("shutdown", server.shutdown()).await;
 }
 
+#[rpc::service(name = "t.Gate")]
+pub trait Gate {
+    /// Reads the caller's items to their end, says so, then never answers.
+    async fn read_then_hold(&self, items: RpcStream<u32>) -> Result<u32, RpcError>;
+}
+
+struct Gated(Arc<tokio::sync::Notify>);
+
+impl Gate for Gated {
+    async fn read_then_hold(&self, mut items: RpcStream<u32>) -> Result<u32, RpcError> {
+        while futures_util::StreamExt::next(&mut items).await.is_some() {}
+        self.0.notify_one();
+        std::future::pending().await
+    }
+}
+
+/// Nothing of a client's request stream may follow its end: an item sent after it ends the
+/// stream with 500, even once the handler has read the end (and is still working on its
+/// answer).
+#[tokio::test]
+async fn an_item_after_the_request_streams_end_ends_the_stream_with_500() {
+    let read_end = Arc::new(tokio::sync::Notify::new());
+    let server = Server::builder()
+        .add_service(GateServer::new(Gated(read_end.clone())))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let (mut raw, _) = raw_client_with_window(&server, 8).await;
+    raw.send(Kind::Invoke(RemoteInvokeMessage {
+        message_id: 1,
+        service_entry_id: "t.Gate.read_then_hold".into(),
+        parameters: Codec::MsgPack.encode(&()).expect("encode"),
+        stream_mode: StreamMode::Client as i32,
+        ..Default::default()
+    }))
+    .await
+    .expect("open");
+    match raw.recv().await {
+        Some(Kind::StreamCredit(c)) => assert_eq!(c.message_id, 1),
+        other => panic!("expected the stream's acceptance, got {other:?}"),
+    }
+    let item = |n: u32| {
+        Kind::StreamItem(StreamItem {
+            message_id: 1,
+            payload: Codec::MsgPack.encode(&n).expect("encode"),
+            compression: 0,
+        })
+    };
+    raw.send(item(1)).await.expect("item");
+    raw.send(Kind::StreamEnd(StreamEnd {
+        message_id: 1,
+        status_code: 200,
+        exception_message: String::new(),
+    }))
+    .await
+    .expect("end");
+    within("the handler reads the end", read_end.notified()).await;
+    raw.send(item(2)).await.expect("an item after the end");
+    let end = loop {
+        match within("the end", raw.recv()).await {
+            Some(Kind::Result(r)) => break r,
+            Some(Kind::StreamCredit(_)) => continue,
+            other => panic!("expected the end, got {other:?}"),
+        }
+    };
+    assert_eq!((end.message_id, end.status_code), (1, 500), "{end:?}");
+    assert!(
+        end.exception_message.contains("protocol violation"),
+        "{end:?}"
+    );
+    drop(raw);
+    within("shutdown", server.shutdown()).await;
+}
+
 /// A client that takes batches gets runs of items in `StreamItems` frames, yet no more than
 /// its item credit, however many items the producer has ready.
 #[tokio::test]
