@@ -68,6 +68,21 @@ pub(super) struct Queued {
     pub(super) compression: i32,
 }
 
+/// Items of at most this many bytes are copied out of the connection's read buffer when
+/// queued: a slice of it would keep the whole buffer (64 KiB) alive for as long as it waits,
+/// so a window of small items, each in a buffer of its own among other traffic, would hold
+/// far more than the window counts. Larger items keep sharing it (at most 8 times their size).
+const COPY_QUEUED_BELOW: usize = crate::READ_BUFFER / 8;
+
+/// `payload` holding only its own bytes when it is small (see [`COPY_QUEUED_BELOW`]).
+fn own_bytes(payload: Bytes) -> Bytes {
+    if payload.len() <= COPY_QUEUED_BELOW {
+        Bytes::copy_from_slice(&payload)
+    } else {
+        payload
+    }
+}
+
 /// The client's items waiting for the handler.
 struct InboundQueue {
     items: VecDeque<Queued>,
@@ -142,7 +157,10 @@ impl StreamSlot {
                     }
                     return;
                 }
-                q.items.push_back(item);
+                q.items.push_back(Queued {
+                    payload: own_bytes(item.payload),
+                    compression: item.compression,
+                });
             }
             q.waker.take()
         };
@@ -812,6 +830,35 @@ mod tests {
 
     use super::*;
     use crate::writer::duplex_writer;
+
+    /// A small item waits in a buffer of its own, not in a slice of the connection's read
+    /// buffer (which it would keep whole); a large one is not copied.
+    #[test]
+    fn small_queued_items_do_not_keep_the_read_buffer() {
+        let read = Bytes::from(vec![7u8; crate::READ_BUFFER]);
+        let within = |b: &Bytes| {
+            let range = read.as_ptr() as usize..read.as_ptr() as usize + read.len();
+            range.contains(&(b.as_ptr() as usize))
+        };
+        let slot = StreamSlot::new(8, 0, 1 << 20);
+        slot.push([
+            Queued {
+                payload: read.slice(10..42),
+                compression: 0,
+            },
+            Queued {
+                payload: read.slice(..COPY_QUEUED_BELOW + 1),
+                compression: 0,
+            },
+        ]);
+        let q = slot.inbound();
+        assert_eq!(q.items[0].payload, read.slice(10..42));
+        assert!(!within(&q.items[0].payload), "the small item was copied");
+        assert!(
+            within(&q.items[1].payload),
+            "the large one shares the buffer"
+        );
+    }
 
     /// A compressed item of the client's request stream takes what it gains by decompression
     /// from the server's budget while the handler holds it, as a compressed call does: one
