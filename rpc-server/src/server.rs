@@ -373,8 +373,7 @@ impl ServerBuilder {
     }
 
     /// Items per stream the server buffers of a client's request stream before it grants
-    /// more (512 by default); also the most it sends ahead on one stream, whatever larger
-    /// window a client announces.
+    /// more (512 by default).
     pub fn stream_window(mut self, items: u32) -> Self {
         self.options.stream_window = items.max(1);
         self

@@ -16,11 +16,6 @@ use std::collections::VecDeque;
 pub(crate) struct Credit {
     /// Items it may send before more are granted.
     items: u64,
-    /// The most items it lets itself have in flight, whatever credit it is given (`u64::MAX`
-    /// unless [`capped`](Self::capped)).
-    cap: u64,
-    /// Items sent and not yet granted back.
-    in_flight: u64,
     /// The receiver's byte window; 0: items only.
     window_bytes: u64,
     /// Payload bytes sent and not yet granted back.
@@ -36,44 +31,25 @@ impl Credit {
     pub(crate) fn new(items: u64, window_bytes: u64) -> Self {
         Credit {
             items,
-            cap: u64::MAX,
             window_bytes,
             ..Default::default()
         }
     }
 
-    /// The same producer holding itself to at most `items` items and (when above 0)
-    /// `window_bytes` bytes in flight, whatever its receiver grants: a receiver that grants
-    /// more than it was sent, or announces vast windows, then stops reading, does not make it
-    /// queue without bound.
-    pub(crate) fn capped(mut self, items: u64, window_bytes: u64) -> Self {
-        self.cap = items.max(1);
-        if window_bytes > 0 {
-            self.window_bytes = match self.window_bytes {
-                0 => window_bytes,
-                theirs => theirs.min(window_bytes),
-            };
-        }
-        self
-    }
-
-    /// Whether one more item may be sent now: an item of credit is left, the cap has room, and
-    /// the bytes in flight are below the byte window (the item may take them above it).
+    /// Whether one more item may be sent now: an item of credit is left, and the bytes in
+    /// flight are below the byte window (the item may take them above it).
     pub(crate) fn ready(&self) -> bool {
-        self.items > 0
-            && self.in_flight < self.cap
-            && (self.window_bytes == 0 || self.bytes < self.window_bytes)
+        self.items > 0 && (self.window_bytes == 0 || self.bytes < self.window_bytes)
     }
 
-    /// Items of credit left (within the cap), whatever the bytes.
+    /// Items of credit left, whatever the bytes.
     pub(crate) fn items(&self) -> u64 {
-        self.items.min(self.cap.saturating_sub(self.in_flight))
+        self.items
     }
 
     /// Counts an item of `len` bytes sent.
     pub(crate) fn sent(&mut self, len: usize) {
         self.items = self.items.saturating_sub(1);
-        self.in_flight += 1;
         if self.window_bytes > 0 {
             let len = u32::try_from(len).unwrap_or(u32::MAX);
             self.bytes += u64::from(len);
@@ -84,7 +60,6 @@ impl Credit {
     /// The receiver granted `items` more: as many of the oldest items in flight are freed.
     pub(crate) fn grant(&mut self, items: u64) {
         self.items = self.items.saturating_add(items);
-        self.in_flight = self.in_flight.saturating_sub(items);
         if self.window_bytes > 0 {
             free_oldest(&mut self.sizes, &mut self.bytes, items);
         }

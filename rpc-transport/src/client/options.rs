@@ -28,14 +28,12 @@ pub struct ConnectOptions {
     pub streams: bool,
     /// Items per stream the client buffers for the server before it grants more
     /// (`Hello.stream_window`): a stream whose consumer stops reading holds at most this many
-    /// items, and the server's producer stops. Also the most the client sends ahead on one
-    /// stream, whatever more the server grants. At least 1.
+    /// items, and the server's producer stops. At least 1.
     pub stream_window: u32,
     /// Payload bytes per stream the client buffers for the server besides `stream_window`
     /// items (`Hello.stream_window_bytes`; 0: items only): a stream of large items holds at
     /// most this many bytes plus one item. Kept by servers that announce a byte window of
-    /// their own (then also the most the client sends ahead in bytes); an older server is held
-    /// to the items only.
+    /// their own; an older server is held to the items only.
     pub stream_window_bytes: u32,
     /// TLS to the server (feature `tls`); `None` connects over plain TCP. The TLS handshake
     /// counts within `connect_timeout`.

@@ -158,7 +158,7 @@ struct Inner {
 impl StreamShared {
     /// A stream buffering `window` items and `window_bytes` bytes of the server's (0: items
     /// only), whose own items are held to the server's byte window `send_window_bytes` (0:
-    /// items only) and to its own `window` and `window_bytes`.
+    /// items only).
     pub(super) fn new(window: u32, window_bytes: u64, send_window_bytes: u64) -> Self {
         let window = window.max(1);
         StreamShared {
@@ -169,9 +169,7 @@ impl StreamShared {
                 waker: None,
                 received: 0,
                 held: Held::new(window, window_bytes),
-                // Never more in flight than this client's own windows, whatever the server
-                // grants.
-                send: Credit::new(0, send_window_bytes).capped(u64::from(window), window_bytes),
+                send: Credit::new(0, send_window_bytes),
                 send_waker: None,
                 end_waker: None,
                 ended: false,

@@ -129,18 +129,12 @@ pub(super) async fn handshake<R: AsyncRead + Unpin>(
         },
         stream_batches: hello.streams && hello.stream_batches,
     }));
-    // What the server sends ahead on a stream is held to the client's windows, and never to
-    // more than its own: a client announcing vast windows (or none in bytes) while it stops
-    // reading would otherwise have the server queue a stream's items without bound.
-    let own_bytes = u64::from(options.stream_window_bytes);
     Ok(Hello {
-        stream_window: hello
-            .streams
-            .then_some(hello.stream_window.clamp(1, options.stream_window.max(1))),
-        stream_window_bytes: match u64::from(hello.stream_window_bytes) {
-            _ if !hello.streams || own_bytes == 0 => 0,
-            0 => own_bytes,
-            theirs => theirs.min(own_bytes),
+        stream_window: hello.streams.then_some(hello.stream_window.max(1)),
+        stream_window_bytes: if hello.streams && options.stream_window_bytes > 0 {
+            u64::from(hello.stream_window_bytes)
+        } else {
+            0
         },
         stream_batches: hello.streams && hello.stream_batches,
         accept_compression: Accepted::from_wire(&hello.accept_compression),

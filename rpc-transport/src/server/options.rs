@@ -58,15 +58,11 @@ pub struct ServerOptions {
     /// on that connection. `false` (the default): every call runs in its own task.
     pub inline_first_poll: bool,
     /// Items per stream the server buffers for a client's request stream before it grants
-    /// more (`HelloAck.stream_window`): what a client may send ahead on one stream. Also the
-    /// most the server sends ahead on one stream, whatever larger window a client announces.
-    /// At least 1.
+    /// more (`HelloAck.stream_window`): what a client may send ahead on one stream. At least 1.
     pub stream_window: u32,
     /// Payload bytes per stream the server buffers for a client's request stream besides
-    /// `stream_window` items (`HelloAck.stream_window_bytes`). Also the most the server sends
-    /// ahead on one stream, whatever larger byte window (or none) a client announces. 0: items
-    /// only, both ways: a server announcing no byte window does not hold its own items to the
-    /// client's either.
+    /// `stream_window` items (`HelloAck.stream_window_bytes`; 0: items only, both ways: a
+    /// server announcing no byte window does not hold its own items to the client's either).
     pub stream_window_bytes: u32,
     /// TLS on every connection (feature `tls`); `None` serves plain TCP. The TLS handshake
     /// counts within `handshake_timeout`.

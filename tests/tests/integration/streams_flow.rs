@@ -186,60 +186,6 @@ async fn a_client_without_batches_gets_one_item_per_frame_within_its_item_window
     within("shutdown", server.shutdown()).await;
 }
 
-/// A client announcing a window larger than the server's, and no byte window, that stops
-/// reading: the server sends ahead no more than its own windows, not the client's, so such a
-/// client cannot make it queue a stream's items without bound.
-#[tokio::test]
-async fn the_server_sends_ahead_no_more_than_its_own_windows_whatever_the_client_announces() {
-    let polls = Arc::new(AtomicU64::new(0));
-    let server = Server::builder()
-        .stream_window(8)
-        .add_service(FlowServer::new(Texts(polls.clone())))
-        .serve("127.0.0.1:0")
-        .await
-        .expect("serve");
-    let (mut raw, ack) = raw_client(
-        &server,
-        Hello {
-            stream_window: u32::MAX,
-            stream_window_bytes: 0,
-            ..Default::default()
-        },
-    )
-    .await;
-    assert_eq!(ack.stream_window, 8);
-    open_text(&mut raw, 1, 8).await;
-    let (items, _) = items_until_echo(&mut raw, 1, 2).await;
-    assert_eq!(items.len(), 8, "the server's own window of 8 items");
-    drop(raw);
-    within("shutdown", server.shutdown()).await;
-
-    // Items of 4 KiB from a server with the default windows (512 items, 256 KiB): its byte
-    // window holds it, though the client announced none.
-    let (server, _) = serve().await;
-    let (mut raw, _) = raw_client(
-        &server,
-        Hello {
-            stream_window: u32::MAX,
-            stream_window_bytes: 0,
-            ..Default::default()
-        },
-    )
-    .await;
-    let item = Codec::MsgPack
-        .encode(&"x".repeat(4096))
-        .expect("encode")
-        .len() as u64;
-    // Sent while the bytes in flight are below the window: the last one takes them past it.
-    let expected = u64::from(DEFAULT_STREAM_WINDOW_BYTES).div_ceil(item);
-    assert!(expected < u64::from(DEFAULT_STREAM_WINDOW));
-    open_text(&mut raw, 1, 4096).await;
-    let (items, _) = items_until_echo(&mut raw, 1, 2).await;
-    assert_eq!(items.len() as u64, expected);
-    drop(raw);
-    within("shutdown", server.shutdown()).await;
-}
-
 /// A client whose request stream fails (its `StreamEnd` says 1000) gets the stream ended with
 /// that status, though the handler ignores the failure and answers as if the stream were
 /// complete; a stream that ends complete gets the handler's answer.
@@ -519,55 +465,6 @@ async fn a_server_without_batches_gets_the_clients_items_one_per_frame() {
         within("old server", old_server).await.expect("old server"),
         [5, 6, 7]
     );
-}
-
-/// A server granting vast credit (`u32::MAX` items) and reading nothing: the client sends ahead
-/// no more than its own window, so such a server cannot make it queue without bound.
-#[tokio::test]
-async fn the_client_sends_ahead_no_more_than_its_own_window_whatever_the_server_grants() {
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let greedy_server = tokio::spawn(async move {
-        let ack = HelloAck {
-            protocol_version: 1,
-            streams: true,
-            stream_window: u32::MAX,
-            ..Default::default()
-        };
-        let (mut peer, _) = RawConn::accept_with(&listener, ack).await;
-        let open = peer.recv_invoke("the stream's opening").await;
-        // Accepts the stream with vast credit.
-        peer.grant(open.message_id, u32::MAX).await;
-        // Reads nothing more; holds the connection until the test ends.
-        std::future::pending::<()>().await;
-    });
-    let options = ConnectOptions {
-        stream_window: 4,
-        ..ConnectOptions::default()
-    };
-    let conn = Connection::connect(&addr.to_string(), &options)
-        .await
-        .expect("connect");
-    let call = Call {
-        service_entry_id: "t.Flow.sum".into(),
-        ..Default::default()
-    };
-    let s = match within("open", conn.open_stream(call, StreamMode::Client, None))
-        .await
-        .expect("open")
-    {
-        Opened::Accepted(s) => s,
-        Opened::Refused(r) => panic!("refused: {r:?}"),
-    };
-    let mut sent = 0u32;
-    while sent < 1_000
-        && s.send(Codec::MsgPack.encode(&sent).expect("encode"))
-            .is_ok()
-    {
-        sent += 1;
-    }
-    assert_eq!(sent, options.stream_window, "its own window of items");
-    greedy_server.abort();
 }
 
 /// The deadline covers the whole stream, the time it waits for credit included: a client that
