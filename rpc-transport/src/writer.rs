@@ -11,6 +11,8 @@
 //! peer then decodes and hands over a run of small items once instead of once per item.
 
 use std::collections::VecDeque;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -176,8 +178,8 @@ pub(crate) struct Backlog {
     /// Woken when the writer has written a batch.
     written: Notify,
     /// Every waiter is woken when the writer has written a batch or stopped (callers waiting
-    /// for room in a client's send queue).
-    room: Notify,
+    /// for room in a client's send queue, stream producers waiting in [`RoomWait`]).
+    room: Arc<Notify>,
     /// Cancelled when the writer has stopped: nothing queued will be written any more.
     stopped: CancellationToken,
 }
@@ -200,10 +202,51 @@ impl Backlog {
         self.room.notified()
     }
 
+    /// Whether the writer has stopped: nothing queued will be written any more.
+    pub(crate) fn is_stopped(&self) -> bool {
+        self.stopped.is_cancelled()
+    }
+
     /// Resolves once the writer has stopped (a write failed, or the connection closed): a
     /// reader waiting for answers to be written must not wait for ever.
     pub(crate) fn stopped(&self) -> tokio_util::sync::WaitForCancellationFuture<'_> {
         self.stopped.cancelled()
+    }
+}
+
+/// A poll function's wait for room in a connection's send queue: what a stream's producer
+/// uses so that a peer that stops reading the connection (whatever windows it announced or
+/// credit it granted) does not make it queue without bound. Costs nothing while there is room.
+#[derive(Default)]
+pub(crate) struct RoomWait {
+    waiting: Option<Pin<Box<tokio::sync::futures::OwnedNotified>>>,
+}
+
+impl RoomWait {
+    /// Ready once at most `max` bytes are queued unsent (or the writer stopped: nothing will
+    /// be written any more, and the connection's end ends what waits).
+    pub(crate) fn poll_room(
+        &mut self,
+        backlog: &Backlog,
+        max: usize,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<()> {
+        if self.waiting.is_none() && backlog.bytes() <= max {
+            return std::task::Poll::Ready(());
+        }
+        loop {
+            let wait = self
+                .waiting
+                .get_or_insert_with(|| Box::pin(backlog.room.clone().notified_owned()));
+            // Enabled before the check: a batch written between the two wakes it.
+            wait.as_mut().enable();
+            if backlog.bytes() <= max || backlog.is_stopped() {
+                self.waiting = None;
+                return std::task::Poll::Ready(());
+            }
+            std::task::ready!(wait.as_mut().poll(cx));
+            self.waiting = None;
+        }
     }
 }
 

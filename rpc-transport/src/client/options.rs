@@ -21,7 +21,8 @@ pub struct ConnectOptions {
     /// entry id of each call plus 64), 4 MiB by default. Above it, as when the server stalls
     /// and stops reading, a new call waits for room, within its deadline, instead of growing
     /// the client's memory without limit; a call is always let in while the queue is below
-    /// the limit, however large it is.
+    /// the limit, however large it is. A request stream's next item likewise waits for room
+    /// (`StreamSender::ready`), whatever credit the server granted.
     pub max_unsent_bytes: usize,
     /// Whether the client offers streams in its `Hello` (true by default). A client that does
     /// not is sent no stream frame and cannot open streams.

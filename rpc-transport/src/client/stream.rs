@@ -33,6 +33,7 @@ use rpc_core::{ItemSource, LentItem, RpcError, StatusCode};
 use super::answer::ItemRun;
 use super::connection::Connection;
 use crate::flow::{Credit, Held, Taken};
+use crate::writer::RoomWait;
 
 /// How a stream ended: the server's answer, or why there is none.
 pub(super) type End = Result<RemoteResultMessage, RpcError>;
@@ -457,11 +458,22 @@ impl ClientStream {
 }
 
 impl StreamSender {
-    /// Resolves with `true` once the server has granted credit for one more item, with
-    /// `false` once the stream ended (read it for why). Only then is the next item worth
-    /// producing.
+    /// Resolves with `true` once the server has granted credit for one more item and the
+    /// connection's send queue has room for it (at most `ConnectOptions::max_unsent_bytes`
+    /// unsent), with `false` once the stream ended (read it for why). Only then is the next
+    /// item worth producing: a server that grants credit but stops reading holds the caller's
+    /// stream here, whatever it granted.
     pub async fn ready(&self) -> bool {
-        std::future::poll_fn(|cx| self.shared.poll_ready(cx)).await
+        let shared = &self.conn.shared;
+        let mut room = RoomWait::default();
+        std::future::poll_fn(|cx| {
+            if !std::task::ready!(self.shared.poll_ready(cx)) {
+                return Poll::Ready(false);
+            }
+            room.poll_room(shared.sender.backlog(), shared.max_unsent_bytes, cx)
+                .map(|()| true)
+        })
+        .await
     }
 
     /// Resolves once the stream ended (read it for how), or its reader gave it up.

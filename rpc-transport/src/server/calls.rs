@@ -44,6 +44,9 @@ pub(super) struct Conn {
     pub(super) client_window_bytes: u64,
     /// The client takes `StreamItems` frames (`Hello.stream_batches`).
     pub(super) client_batches: bool,
+    /// `ServerOptions::max_unsent_bytes`: beyond it, the connection stops reading and its
+    /// streams stop producing.
+    pub(super) max_unsent_bytes: usize,
 }
 
 impl Conn {
@@ -136,7 +139,7 @@ fn stream(conn: &Arc<Conn>, id: u64, events: Events, slot: Option<Arc<StreamSlot
         (window, conn.client_window_bytes, conn.client_batches),
         slot,
         &conn.streams,
-        conn.sender.clone(),
+        (conn.sender.clone(), conn.max_unsent_bytes),
     );
     spawn(conn, id, Box::pin(driver));
 }

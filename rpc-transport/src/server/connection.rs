@@ -135,6 +135,7 @@ pub(super) async fn run_connection<R, W>(
         client_window: hello.stream_window,
         client_window_bytes: hello.stream_window_bytes,
         client_batches: hello.stream_batches,
+        max_unsent_bytes: options.max_unsent_bytes,
     });
     if hello.stream_batches {
         conn.sender.batch_stream_items();

@@ -31,7 +31,8 @@ pub struct ServerOptions {
     /// Answers queued on one connection and not yet written, in bytes (about: payload and
     /// message of each answer plus 64). Above this, as when a client sends calls but does not
     /// read the answers, the server stops reading that connection's calls until the answers are
-    /// written, so memory stays bounded and TCP pushes back on the client.
+    /// written, so memory stays bounded and TCP pushes back on the client; and its streams
+    /// produce no more items until there is room, whatever windows the client announced.
     pub max_unsent_bytes: usize,
     /// Calls one connection may start per second, with bursts of a tenth of a second's worth
     /// (at least one call). Above it the server stops reading that connection until the rate

@@ -36,7 +36,7 @@ use super::handler::{error_result, StreamEvent, StreamEvents};
 use crate::codec::FrameCodec;
 use crate::encode::{finish_run_item, put_run_frame, put_run_item, start_run_item};
 use crate::flow::{Credit, Held, Taken};
-use crate::writer::{FrameSender, MAX_ITEMS_BYTES};
+use crate::writer::{FrameSender, RoomWait, MAX_ITEMS_BYTES};
 
 /// Items a stream sends in one poll before it lets other tasks run.
 const ITEMS_PER_POLL: usize = 256;
@@ -465,6 +465,10 @@ pub(super) struct StreamDriver {
     acked: u64,
     /// The client granted back more items than it was sent: the stream ends with 500.
     over_granted: bool,
+    /// The most bytes the connection's send queue may hold before the stream produces more
+    /// (`ServerOptions::max_unsent_bytes`), and the wait for it.
+    max_unsent: usize,
+    room: RoomWait,
     out: Out,
 }
 
@@ -625,7 +629,7 @@ impl StreamDriver {
         (client_window, client_window_bytes, batches): (u32, u64, bool),
         slot: Option<Arc<StreamSlot>>,
         table: &Arc<StreamTable>,
-        sender: FrameSender,
+        (sender, max_unsent): (FrameSender, usize),
     ) -> Self {
         let slot = slot.unwrap_or_else(|| {
             let slot = Arc::new(StreamSlot::new(0, 0, 0));
@@ -640,6 +644,8 @@ impl StreamDriver {
             client_window: u64::from(client_window.max(1)),
             acked: 0,
             over_granted: false,
+            max_unsent,
+            room: RoomWait::default(),
             slot,
             table: table.clone(),
             sender,
@@ -750,6 +756,16 @@ impl StreamDriver {
             }
             if sent >= ITEMS_PER_POLL {
                 cx.waker().wake_by_ref();
+                return Poll::Pending;
+            }
+            // Nothing more is produced while the connection's send queue is over its limit: a
+            // client that stops reading its socket holds the producer there, whatever windows
+            // it announced.
+            if this
+                .room
+                .poll_room(this.sender.backlog(), this.max_unsent, cx)
+                .is_pending()
+            {
                 return Poll::Pending;
             }
             match this.next_event(cx, &mut sent) {
@@ -901,6 +917,61 @@ mod tests {
         assert_eq!(again.expect("the share came back").len(), 48 * KIB);
     }
 
+    /// A client announcing a vast window that reads nothing: the producer stops once the
+    /// connection's send queue is over its limit, not at the window, and goes on once the
+    /// peer reads again.
+    #[tokio::test]
+    async fn the_producer_stops_while_the_send_queue_is_over_its_limit() {
+        use tokio::io::AsyncReadExt;
+        const ITEM: usize = 1024;
+        const MAX_UNSENT: usize = 64 * ITEM;
+        let (sender, mut theirs) = duplex_writer(4 * ITEM);
+        let polled = Arc::new(AtomicUsize::new(0));
+        let p = polled.clone();
+        let events = stream::iter(std::iter::once(StreamEvent::Accepted))
+            .chain(stream::repeat_with(move || {
+                p.fetch_add(1, Ordering::Relaxed);
+                StreamEvent::Item(Bytes::from(vec![1u8; ITEM]))
+            }))
+            .boxed();
+        let table = Arc::new(StreamTable::default());
+        let mut driver = Box::pin(StreamDriver::new(
+            7,
+            events,
+            (u32::MAX, 0, false),
+            None,
+            &table,
+            (sender, MAX_UNSENT),
+        ));
+        // The writer task does not run between these polls: nothing leaves the queue.
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        for _ in 0..50 {
+            assert!(driver.as_mut().poll(&mut cx).is_pending());
+        }
+        let produced = polled.load(Ordering::Relaxed);
+        // What one poll makes may take the queue past the limit; then nothing more.
+        assert!(
+            produced <= MAX_UNSENT / ITEM + ITEMS_PER_POLL,
+            "{produced} items of {ITEM} bytes queued for a limit of {MAX_UNSENT}"
+        );
+        // The peer reads: the queue drains, and the producer goes on.
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 64 * 1024];
+            while theirs.read(&mut buf).await.is_ok_and(|n| n > 0) {}
+        });
+        let goes_on = std::future::poll_fn(|cx| {
+            let _ = driver.as_mut().poll(cx);
+            if polled.load(Ordering::Relaxed) > produced {
+                Poll::Ready(())
+            } else {
+                Poll::Pending
+            }
+        });
+        tokio::time::timeout(std::time::Duration::from_secs(10), goes_on)
+            .await
+            .expect("the producer goes on once the peer reads");
+    }
+
     #[tokio::test]
     async fn the_producer_is_polled_only_within_the_credit_and_the_slot_goes_with_the_task() {
         let (sender, _theirs) = duplex_writer(1 << 20);
@@ -919,7 +990,7 @@ mod tests {
             (5, 0, false),
             None,
             &table,
-            sender,
+            (sender, usize::MAX),
         ));
         let mut cx = Context::from_waker(std::task::Waker::noop());
         assert!(driver.as_mut().poll(&mut cx).is_pending());

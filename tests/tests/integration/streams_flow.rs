@@ -10,6 +10,7 @@ use crate::common;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use common::{within, RawConn};
 use rpc::crates::core::wire::{
@@ -465,6 +466,64 @@ async fn a_server_without_batches_gets_the_clients_items_one_per_frame() {
         within("old server", old_server).await.expect("old server"),
         [5, 6, 7]
     );
+}
+
+/// A server that grants vast credit (`u32::MAX` items) and reads nothing: the client's request
+/// stream is let produce only while its connection's send queue has room
+/// (`ConnectOptions::max_unsent_bytes`), so such a server cannot make it queue without bound.
+#[tokio::test]
+async fn a_request_stream_waits_for_room_in_the_send_queue_whatever_credit_it_has() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let greedy_server = tokio::spawn(async move {
+        let ack = HelloAck {
+            protocol_version: 1,
+            streams: true,
+            stream_window: u32::MAX,
+            ..Default::default()
+        };
+        let (mut peer, _) = RawConn::accept_with(&listener, ack).await;
+        let open = peer.recv_invoke("the stream's opening").await;
+        // Accepts the stream with vast credit, then reads nothing more.
+        peer.grant(open.message_id, u32::MAX).await;
+        std::future::pending::<()>().await;
+    });
+    let options = ConnectOptions {
+        max_unsent_bytes: 64 * 1024,
+        ..ConnectOptions::default()
+    };
+    let conn = Connection::connect(&addr.to_string(), &options)
+        .await
+        .expect("connect");
+    let call = Call {
+        service_entry_id: "t.Flow.sum".into(),
+        ..Default::default()
+    };
+    let s = match within("open", conn.open_stream(call, StreamMode::Client, None))
+        .await
+        .expect("open")
+    {
+        Opened::Accepted(s) => s,
+        Opened::Refused(r) => panic!("refused: {r:?}"),
+    };
+    // 40 MiB at most: far beyond what the sockets' buffers take before the queue grows.
+    let item = rpc::Bytes::from(vec![7u8; 1024]);
+    for sent in 0..40 * 1024 {
+        // Once the queue is full and stays so, ready() waits: the test is over.
+        let Ok(ready) = tokio::time::timeout(Duration::from_secs(1), s.ready()).await else {
+            assert!(sent > 0, "the first item had room");
+            break;
+        };
+        assert!(ready, "the stream is open");
+        let unsent = conn.unsent_bytes();
+        assert!(
+            unsent <= options.max_unsent_bytes,
+            "item {sent}: ready with {unsent} bytes unsent, over the limit of {}",
+            options.max_unsent_bytes
+        );
+        s.send(item.clone()).expect("credit");
+    }
+    greedy_server.abort();
 }
 
 /// The deadline covers the whole stream, the time it waits for credit included: a client that
