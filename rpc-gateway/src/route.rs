@@ -130,7 +130,8 @@ pub fn error_body_schema(typed: Option<&Value>) -> Value {
 
 /// `path` as routes are matched on it: percent-escapes of unreserved characters and of UTF-8
 /// text beyond ASCII decoded (equivalent either way, RFC 3986 section 6.2.2), every other
-/// escape (`%2F`, `%25`, a byte that is not UTF-8) left as it came. A template holds such text
+/// escape (`%2F`, `%25`, a byte that is not UTF-8) left as it came, and a `%` that starts no
+/// escape escaped as `%25`. Templates are matched in the same form. A template holds such text
 /// as it is (a service id or method name in another script, say), while a client must send it
 /// percent-encoded: without this, it would never match. Path parameters keep the escapes left
 /// and are decoded once, when bound.
@@ -162,8 +163,9 @@ pub(crate) fn normalized_path(path: &str) -> std::borrow::Cow<'_, str> {
             i += 3;
         }
         if run.is_empty() {
-            // A lone `%` (not an escape): as it is.
-            out.push('%');
+            // A lone `%` (not an escape): escaped itself, so that escapes decoded after it do
+            // not make a new one with it (decoded again when bound, it is `%` again).
+            out.push_str("%25");
             i += 1;
             continue;
         }
@@ -240,10 +242,16 @@ mod tests {
             ("/b%c3%bccher/7", "/bücher/7"),
             ("/api/%41%7e/x", "/api/A~/x"),
             ("/orders/a%2Fb%25c%20d", "/orders/a%2Fb%25c%20d"),
-            // Not UTF-8, cut short, not an escape at all: as they came.
-            ("/x/%C3%28/%E5%95/%zz/50%", "/x/%C3%28/%E5%95/%zz/50%"),
+            // Not UTF-8, cut short: as they came; a lone `%` is escaped, so that what follows
+            // it cannot make an escape with it.
+            ("/x/%C3%28/%E5%95/%zz/50%", "/x/%C3%28/%E5%95/%25zz/50%25"),
+            ("/orders/%%34%31", "/orders/%2541"),
+            ("/x/%2%35", "/x/%2525"),
         ] {
             assert_eq!(normalized_path(given), matched, "{given}");
+            // Decoded once (as a bound parameter is), it says what the path said.
+            let once = |p: &str| percent_encoding::percent_decode_str(p).collect::<Vec<u8>>();
+            assert_eq!(once(&normalized_path(given)), once(given), "{given}");
         }
     }
 

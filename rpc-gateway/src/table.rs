@@ -150,9 +150,12 @@ impl RouteTable {
                 route.path
             ));
         }
-        let shape = template_shape(&route.path);
+        // Matched in the form requests are (`normalized_path`): a template written with
+        // escapes (`/caf%C3%A9`) is the same route as one written with its text.
+        let path = crate::route::normalized_path(&route.path).into_owned();
+        let shape = template_shape(&path);
         if let Some(spelled) = self.spellings.get(&shape) {
-            if *spelled != route.path {
+            if *spelled != path {
                 return Err(format!(
                     "{} is the path {spelled} with other parameter names",
                     route.path
@@ -161,9 +164,9 @@ impl RouteTable {
         }
         let router = self.routers.entry(route.method.to_string()).or_default();
         router
-            .insert(route.path.clone(), index)
+            .insert(path.clone(), index)
             .map_err(|e| format!("{e}"))?;
-        self.spellings.insert(shape, route.path.clone());
+        self.spellings.insert(shape, path);
         Ok(())
     }
 
@@ -444,6 +447,11 @@ mod tests {
         }
         // Matched as it came, the path names nothing.
         assert_eq!(found(&table, Method::POST, sent), None);
+        // A template written with escapes is matched as requests are.
+        let table = RouteTable::build(vec![entry("a.A", "get", Some(("GET", "/caf%C3%A9/{id}")))]);
+        let at = |path: &str| found(&table, Method::GET, &crate::route::normalized_path(path));
+        assert_eq!(at("/caf%C3%A9/1").as_deref(), Some("a.A.get"));
+        assert_eq!(at("/café/1").as_deref(), Some("a.A.get"));
     }
 
     #[test]
