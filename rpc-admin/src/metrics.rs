@@ -10,7 +10,8 @@
 //!
 //! Series:
 //! - `rpc_calls_total{side, entry, status, outcome}`: calls ended (`status` is the final
-//!   status code, `none` for a call its caller gave up on; `outcome` as in the OpenTelemetry
+//!   status code, `other` for every status the framework does not define, `none` for a call
+//!   its caller gave up on; `outcome` as in the OpenTelemetry
 //!   metrics: success, error, fallback, timeout, cancelled);
 //! - `rpc_call_duration_seconds{side, entry}`: their latency (histogram);
 //! - `rpc_governance_events_total{side, kind}`: governance decisions by kind;

@@ -328,9 +328,8 @@ impl Stream for Inbound {
 impl Inbound {
     /// The handler takes `item`: counted as taken, and decompressed, holding what it gained
     /// by it from the server's expansion budget until its last bytes are dropped (as a
-    /// compressed call's arguments do). One that does not decompress (within the item limit)
-    /// ends the client's request stream with 500, one beyond what is left of the budget with
-    /// 515.
+    /// compressed call's arguments do). One that does not decompress (within the item limit),
+    /// or is beyond what is left of the budget, ends the client's request stream with 500.
     fn take(&mut self, item: Queued) -> Result<Bytes, RpcError> {
         self.took(item.payload.len());
         let limit = self.slot.max_item_bytes;
@@ -351,8 +350,10 @@ impl Inbound {
         match self.expansion.take(item.payload.len(), plain.len()) {
             Some(Some(share)) => Ok(share.holding(plain)),
             Some(None) => Ok(plain),
+            // 500, not 515: the stream was accepted and the handler may have acted on items
+            // already, while 515 says that nothing ran.
             None => Err(self.fail(RpcError::new(
-                StatusCode::OverflowMaxServerHandle,
+                StatusCode::FrameworkError,
                 format!(
                     "the caller's request stream was ended: an item decompresses to {} bytes, \
                      more than is left of the server's budget for decompressed payloads; retry \
@@ -878,7 +879,7 @@ mod tests {
 
     /// A compressed item of the client's request stream takes what it gains by decompression
     /// from the server's budget while the handler holds it, as a compressed call does: one
-    /// more beyond what is left ends the stream with 515, and the share comes back when the
+    /// more beyond what is left ends the stream with 500, and the share comes back when the
     /// item is dropped.
     #[tokio::test]
     async fn compressed_stream_items_hold_their_expansion_from_the_servers_budget() {
@@ -909,7 +910,8 @@ mod tests {
             .await
             .expect("an item")
             .expect_err("48 KiB held, 16 KiB left: the second is refused");
-        assert_eq!(e.code(), StatusCode::OverflowMaxServerHandle, "{e}");
+        assert_eq!(e.code(), StatusCode::FrameworkError, "{e}");
+        assert!(e.message().contains("budget"), "{e}");
         assert!(first.next().await.is_none(), "the stream ended");
         drop(held);
         let mut second = inbound(2);
