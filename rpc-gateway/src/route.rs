@@ -130,8 +130,8 @@ pub fn error_body_schema(typed: Option<&Value>) -> Value {
 
 /// `path` as routes are matched on it: percent-escapes of unreserved characters and of UTF-8
 /// text beyond ASCII decoded (equivalent either way, RFC 3986 section 6.2.2), every other
-/// escape (`%2F`, `%25`, a byte that is not UTF-8) left as it came, and a `%` that starts no
-/// escape escaped as `%25`. Templates are matched in the same form. A template holds such text
+/// escape (`%2F`, `%25`, a byte that is not UTF-8) kept, with uppercase hex digits, and a `%`
+/// that starts no escape escaped as `%25`. Templates are matched in the same form. A template holds such text
 /// as it is (a service id or method name in another script, say), while a client must send it
 /// percent-encoded: without this, it would never match. Path parameters keep the escapes left
 /// and are decoded once, when bound.
@@ -189,7 +189,8 @@ pub(crate) fn normalized_path(path: &str) -> std::borrow::Cow<'_, str> {
                     k += width;
                 }
                 _ => {
-                    out.push_str(&path[starts[k]..starts[k] + 3]);
+                    // Kept escaped, in one spelling (uppercase hex, RFC 3986 section 6.2.2.1).
+                    out.push_str(&format!("%{b:02X}"));
                     k += 1;
                 }
             }
@@ -242,6 +243,7 @@ mod tests {
             ("/b%c3%bccher/7", "/bücher/7"),
             ("/api/%41%7e/x", "/api/A~/x"),
             ("/orders/a%2Fb%25c%20d", "/orders/a%2Fb%25c%20d"),
+            ("/orders/a%2fb%3f", "/orders/a%2Fb%3F"),
             // Not UTF-8, cut short: as they came; a lone `%` is escaped, so that what follows
             // it cannot make an escape with it.
             ("/x/%C3%28/%E5%95/%zz/50%", "/x/%C3%28/%E5%95/%25zz/50%25"),

@@ -137,7 +137,10 @@ impl RouteTable {
     }
 
     fn insert(&mut self, route: &Route, index: usize) -> Result<(), String> {
-        if RESERVED.contains(&route.path.as_str()) {
+        // Matched in the form requests are (`normalized_path`): a template written with
+        // escapes (`/caf%C3%A9`) is the same route as one written with its text.
+        let path = crate::route::normalized_path(&route.path).into_owned();
+        if RESERVED.contains(&path.as_str()) {
             return Err(format!("{} is the gateway's own route", route.path));
         }
         if !route.path.starts_with('/') {
@@ -150,9 +153,6 @@ impl RouteTable {
                 route.path
             ));
         }
-        // Matched in the form requests are (`normalized_path`): a template written with
-        // escapes (`/caf%C3%A9`) is the same route as one written with its text.
-        let path = crate::route::normalized_path(&route.path).into_owned();
         let shape = template_shape(&path);
         if let Some(spelled) = self.spellings.get(&shape) {
             if *spelled != path {
@@ -464,6 +464,14 @@ mod tests {
         assert_eq!(
             found(&table, Method::POST, "/api/d.D/docs").as_deref(),
             Some("d.D.docs")
+        );
+        // Nor spelled with escapes.
+        let table = RouteTable::build(vec![entry("d.D", "doc", Some(("GET", "/%6Fpenapi.json")))]);
+        let at = |path: &str| found(&table, Method::GET, &crate::route::normalized_path(path));
+        assert_eq!(at("/%6Fpenapi.json"), None);
+        assert_eq!(
+            found(&table, Method::POST, "/api/d.D/doc").as_deref(),
+            Some("d.D.doc")
         );
     }
 

@@ -32,6 +32,7 @@ use rpc_core::{ItemSource, LentItem, RpcError, StatusCode};
 
 use super::answer::ItemRun;
 use super::connection::Connection;
+use crate::client::shared::comm_error;
 use crate::flow::{Credit, Held, Taken};
 use crate::writer::RoomWait;
 
@@ -294,6 +295,17 @@ impl StreamShared {
         Poll::Pending
     }
 
+    /// Ready with `false` once the stream ended; else `Pending`, `cx` woken when it ends (or
+    /// credit arrives): for a sender waiting for something else meanwhile.
+    fn poll_not_ended(&self, cx: &mut Context<'_>) -> Poll<bool> {
+        let mut s = self.lock();
+        if s.ended {
+            return Poll::Ready(false);
+        }
+        store(&mut s.send_waker, cx);
+        Poll::Pending
+    }
+
     /// Ready once the stream ended.
     fn poll_ended(&self, cx: &mut Context<'_>) -> Poll<()> {
         let mut s = self.lock();
@@ -470,8 +482,11 @@ impl StreamSender {
             if !std::task::ready!(self.shared.poll_ready(cx)) {
                 return Poll::Ready(false);
             }
-            room.poll_room(shared.sender.backlog(), shared.max_unsent_bytes, cx)
-                .map(|()| true)
+            match room.poll_room(shared.sender.backlog(), shared.max_unsent_bytes, cx) {
+                Poll::Ready(()) => Poll::Ready(true),
+                // Waiting for room: the stream's end (its deadline, the answer) wakes it too.
+                Poll::Pending => self.shared.poll_not_ended(cx),
+            }
         })
         .await
     }
@@ -482,8 +497,10 @@ impl StreamSender {
     }
 
     /// Sends one item of the client's request stream, using one item of the server's credit;
-    /// an error, sending nothing, when there is no credit (wait for [`ready`](Self::ready))
-    /// or the stream ended.
+    /// an error, sending nothing, when there is no credit (wait for [`ready`](Self::ready)),
+    /// or the stream or the connection ended. It does not look at the connection's send
+    /// queue: [`ready`](Self::ready) waits for room before the next item is worth producing,
+    /// and a caller sending without it may take the queue past its limit by what it sends.
     pub fn send(&self, item: Bytes) -> Result<(), RpcError> {
         self.send_packed(item, 0)
     }
@@ -492,6 +509,7 @@ impl StreamSender {
     /// `compression` (0: plain), which must be one the server accepts
     /// ([`Connection::accept_compression`](crate::Connection::accept_compression)).
     pub fn send_packed(&self, item: Bytes, compression: i32) -> Result<(), RpcError> {
+        let shared = &self.conn.shared;
         if !self.shared.take_credit(item.len()) {
             return Err(RpcError::new(
                 StatusCode::FrameworkError,
@@ -502,11 +520,17 @@ impl StreamSender {
                 ),
             ));
         }
-        self.conn.shared.sender.send(Kind::StreamItem(StreamItem {
+        let queued = shared.sender.send(Kind::StreamItem(StreamItem {
             message_id: self.id,
             payload: item,
             compression,
         }));
+        if !queued {
+            return Err(comm_error(
+                self.conn.peer(),
+                "the stream item was not sent: the connection is closed",
+            ));
+        }
         Ok(())
     }
 

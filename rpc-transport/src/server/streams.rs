@@ -499,6 +499,11 @@ struct Out {
 }
 
 impl Out {
+    /// Bytes this poll made that are not in the connection's send queue yet.
+    fn pending(&self) -> usize {
+        self.frames.len() + self.run.len()
+    }
+
     /// Adds an item to this poll's frames.
     fn put_item(&mut self, payload: &[u8], compression: i32) {
         if self.run_items > 0
@@ -573,15 +578,21 @@ pub struct ItemSink<'a> {
     violated: &'a AtomicBool,
     /// Items the task sent in this poll.
     sent: &'a mut usize,
+    /// The bytes this poll may queue before the connection's send queue is over its limit.
+    room: usize,
     /// Where the item begun last starts in the run, while it is not committed.
     begun: Option<usize>,
 }
 
 impl ItemSink<'_> {
     /// Whether one more item may be added now: the client has credit for it, the task has
-    /// not used its turn, and the stream was not broken.
+    /// not used its turn, the connection's send queue has room (the item may take it past
+    /// its limit), and the stream was not broken.
     pub fn has_room(&self) -> bool {
-        self.credit.ready() && *self.sent < ITEMS_PER_POLL && !self.violated.load(Ordering::Relaxed)
+        self.credit.ready()
+            && *self.sent < ITEMS_PER_POLL
+            && self.out.pending() < self.room
+            && !self.violated.load(Ordering::Relaxed)
     }
 
     /// Begins an item: the buffer to append its bytes to (and nothing else).
@@ -671,11 +682,15 @@ impl StreamDriver {
             Events::Plain(events) => events.poll_next_unpin(cx),
             Events::Into(events) if !self.accepted => events.as_mut().poll_next(cx),
             Events::Into(events) => {
+                let room = self
+                    .max_unsent
+                    .saturating_sub(self.sender.backlog().bytes());
                 let mut sink = ItemSink {
                     out: &mut self.out,
                     credit: &mut self.credit,
                     violated: &self.slot.violated,
                     sent,
+                    room,
                     begun: None,
                 };
                 events.as_mut().poll_items_into(cx, &mut sink)
@@ -759,14 +774,26 @@ impl StreamDriver {
                 cx.waker().wake_by_ref();
                 return Poll::Pending;
             }
-            // Nothing more is produced while the connection's send queue is over its limit: a
-            // client that stops reading its socket holds the producer there, whatever windows
-            // it announced.
+            // Nothing more is produced while the connection's send queue (with what this poll
+            // made) is over its limit: a client that stops reading its socket holds the
+            // producer there, whatever windows it announced. Its deadline still ends it.
+            let pending = this.out.pending();
+            if pending >= this.max_unsent {
+                // The next poll waits for the queue, once this poll's frames are in it.
+                cx.waker().wake_by_ref();
+                return Poll::Pending;
+            }
+            let backlog = this.sender.backlog();
             if this
                 .room
-                .poll_room(this.sender.backlog(), this.max_unsent, cx)
+                .poll_room(backlog, this.max_unsent - pending, cx)
                 .is_pending()
             {
+                if let Events::Into(events) = &mut this.events {
+                    if let Poll::Ready(end) = events.as_mut().poll_ended(cx) {
+                        return Poll::Ready(end);
+                    }
+                }
                 return Poll::Pending;
             }
             match this.next_event(cx, &mut sent) {
@@ -925,8 +952,8 @@ mod tests {
     #[tokio::test]
     async fn the_producer_stops_while_the_send_queue_is_over_its_limit() {
         use tokio::io::AsyncReadExt;
-        const ITEM: usize = 1024;
-        const MAX_UNSENT: usize = 64 * ITEM;
+        const ITEM: usize = 4096;
+        const MAX_UNSENT: usize = 16 * ITEM;
         let (sender, mut theirs) = duplex_writer(4 * ITEM);
         let polled = Arc::new(AtomicUsize::new(0));
         let p = polled.clone();
@@ -951,9 +978,9 @@ mod tests {
             assert!(driver.as_mut().poll(&mut cx).is_pending());
         }
         let produced = polled.load(Ordering::Relaxed);
-        // What one poll makes may take the queue past the limit; then nothing more.
+        // The last item may take the queue past the limit; then nothing more.
         assert!(
-            produced <= MAX_UNSENT / ITEM + ITEMS_PER_POLL,
+            produced <= MAX_UNSENT / ITEM + 1,
             "{produced} items of {ITEM} bytes queued for a limit of {MAX_UNSENT}"
         );
         // The peer reads: the queue drains, and the producer goes on.
@@ -972,6 +999,64 @@ mod tests {
         tokio::time::timeout(std::time::Duration::from_secs(10), goes_on)
             .await
             .expect("the producer goes on once the peer reads");
+    }
+
+    /// Endless 4 KiB items, and an end (519) once `ended` is set, as a stream at its deadline.
+    struct UntilDeadline {
+        ended: Arc<AtomicBool>,
+    }
+
+    impl Stream for UntilDeadline {
+        type Item = StreamEvent;
+        fn poll_next(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<Option<StreamEvent>> {
+            Poll::Ready(Some(StreamEvent::Item(Bytes::from(vec![1u8; 4096]))))
+        }
+    }
+
+    impl StreamEvents for UntilDeadline {
+        fn poll_items_into(
+            self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            _sink: &mut ItemSink<'_>,
+        ) -> Poll<Option<StreamEvent>> {
+            self.poll_next(cx)
+        }
+
+        fn poll_ended(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<RemoteResultMessage> {
+            if self.ended.load(Ordering::Relaxed) {
+                Poll::Ready(error_result(StatusCode::Timeout, "deadline"))
+            } else {
+                Poll::Pending
+            }
+        }
+    }
+
+    /// A stream waiting for room in the send queue still ends at its deadline.
+    #[tokio::test]
+    async fn a_stream_waiting_for_room_ends_at_its_deadline() {
+        let (sender, _theirs) = duplex_writer(4096);
+        let ended = Arc::new(AtomicBool::new(false));
+        let events: Pin<Box<dyn StreamEvents>> = Box::pin(UntilDeadline {
+            ended: ended.clone(),
+        });
+        let table = Arc::new(StreamTable::default());
+        let mut driver = Box::pin(StreamDriver::new(
+            7,
+            Events::Into(events),
+            (u32::MAX, 0, false),
+            None,
+            &table,
+            (sender, 16 * 1024),
+        ));
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        for _ in 0..10 {
+            assert!(driver.as_mut().poll(&mut cx).is_pending());
+        }
+        ended.store(true, Ordering::Relaxed);
+        match driver.as_mut().poll(&mut cx) {
+            Poll::Ready(end) => assert_eq!(end.status_code, 519, "{end:?}"),
+            Poll::Pending => panic!("the deadline ends a stream waiting for room"),
+        }
     }
 
     #[tokio::test]

@@ -143,6 +143,35 @@ impl RawConn {
         }
     }
 
+    /// Opens a client stream `id` of `entry` (a method taking only the stream) and reads its
+    /// acceptance.
+    pub async fn open_client_stream(&mut self, id: u64, entry: &str) {
+        self.send(Kind::Invoke(RemoteInvokeMessage {
+            message_id: id,
+            service_entry_id: entry.into(),
+            parameters: rpc::Codec::MsgPack.encode(&()).expect("encode"),
+            stream_mode: rpc::crates::core::wire::StreamMode::Client as i32,
+            ..Default::default()
+        }))
+        .await
+        .expect("open");
+        match self.recv().await {
+            Some(Kind::StreamCredit(c)) => assert_eq!(c.message_id, id, "{c:?}"),
+            other => panic!("expected the stream's acceptance, got {other:?}"),
+        }
+    }
+
+    /// The end of a stream (its result), the credit frames before it skipped.
+    pub async fn recv_end(&mut self) -> rpc::crates::core::wire::RemoteResultMessage {
+        loop {
+            match within("the end", self.recv()).await {
+                Some(Kind::Result(r)) => return r,
+                Some(Kind::StreamCredit(_)) => continue,
+                other => panic!("expected the end, got {other:?}"),
+            }
+        }
+    }
+
     /// Grants stream `id` credit for `items` more items (0 with the first: accepts it).
     pub async fn grant(&mut self, id: u64, items: u32) {
         self.send(Kind::StreamCredit(StreamCredit {

@@ -195,19 +195,7 @@ async fn a_client_stream_that_fails_ends_with_its_status_whatever_the_handler_an
     let (server, _) = serve().await;
     let (mut raw, _) = raw_client_with_window(&server, 8).await;
     for (id, status) in [(1u64, 200u32), (2, 1000)] {
-        raw.send(Kind::Invoke(RemoteInvokeMessage {
-            message_id: id,
-            service_entry_id: "t.Flow.count".into(),
-            parameters: Codec::MsgPack.encode(&()).expect("encode"),
-            stream_mode: StreamMode::Client as i32,
-            ..Default::default()
-        }))
-        .await
-        .expect("open");
-        match raw.recv().await {
-            Some(Kind::StreamCredit(c)) => assert_eq!(c.message_id, id),
-            other => panic!("expected the stream's acceptance, got {other:?}"),
-        }
+        raw.open_client_stream(id, "t.Flow.count").await;
         for n in 0..2u32 {
             raw.send(Kind::StreamItem(StreamItem {
                 message_id: id,
@@ -224,13 +212,7 @@ async fn a_client_stream_that_fails_ends_with_its_status_whatever_the_handler_an
         }))
         .await
         .expect("end");
-        let end = loop {
-            match raw.recv().await {
-                Some(Kind::Result(r)) => break r,
-                Some(Kind::StreamCredit(_)) => continue,
-                other => panic!("expected the end, got {other:?}"),
-            }
-        };
+        let end = raw.recv_end().await;
         assert_eq!((end.message_id, end.status_code), (id, status), "{end:?}");
         if status == 200 {
             assert_eq!(Codec::MsgPack.decode::<u32>(&end.result).expect("count"), 2);
@@ -273,19 +255,7 @@ async fn an_item_after_the_request_streams_end_ends_the_stream_with_500() {
         .await
         .expect("serve");
     let (mut raw, _) = raw_client_with_window(&server, 8).await;
-    raw.send(Kind::Invoke(RemoteInvokeMessage {
-        message_id: 1,
-        service_entry_id: "t.Gate.read_then_hold".into(),
-        parameters: Codec::MsgPack.encode(&()).expect("encode"),
-        stream_mode: StreamMode::Client as i32,
-        ..Default::default()
-    }))
-    .await
-    .expect("open");
-    match raw.recv().await {
-        Some(Kind::StreamCredit(c)) => assert_eq!(c.message_id, 1),
-        other => panic!("expected the stream's acceptance, got {other:?}"),
-    }
+    raw.open_client_stream(1, "t.Gate.read_then_hold").await;
     let item = |n: u32| {
         Kind::StreamItem(StreamItem {
             message_id: 1,
@@ -303,13 +273,7 @@ async fn an_item_after_the_request_streams_end_ends_the_stream_with_500() {
     .expect("end");
     within("the handler reads the end", read_end.notified()).await;
     raw.send(item(2)).await.expect("an item after the end");
-    let end = loop {
-        match within("the end", raw.recv()).await {
-            Some(Kind::Result(r)) => break r,
-            Some(Kind::StreamCredit(_)) => continue,
-            other => panic!("expected the end, got {other:?}"),
-        }
-    };
+    let end = raw.recv_end().await;
     assert_eq!((end.message_id, end.status_code), (1, 500), "{end:?}");
     assert!(
         end.exception_message.contains("protocol violation"),
@@ -523,6 +487,15 @@ async fn a_request_stream_waits_for_room_in_the_send_queue_whatever_credit_it_ha
         );
         s.send(item.clone()).expect("credit");
     }
+    // A sender waiting for room hears of the stream's end (here: the caller drops it).
+    let sender = s.sender();
+    let waiting = tokio::spawn(async move { sender.ready().await });
+    tokio::task::yield_now().await;
+    drop(s);
+    let ready = within("ready() once the stream ended", waiting)
+        .await
+        .expect("the task");
+    assert!(!ready, "the stream ended");
     greedy_server.abort();
 }
 

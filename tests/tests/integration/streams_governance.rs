@@ -1151,7 +1151,7 @@ async fn a_client_streams_answer_is_compressed_as_its_entry_says() {
     }))
     .await
     .expect("end");
-    let end = stream_end(&mut raw).await;
+    let end = raw.recv_end().await;
     assert_eq!((end.message_id, end.status_code), (1, 200), "{end:?}");
     assert_eq!(
         end.compression,
@@ -1243,7 +1243,7 @@ async fn on_the_wire_the_server_takes_and_sends_compressed_items_and_ends_a_stre
     }))
     .await
     .expect("end");
-    let end = stream_end(&mut raw).await;
+    let end = raw.recv_end().await;
     assert_eq!((end.message_id, end.status_code), (1, 200));
 
     // A corrupt item: that stream ends with 500, saying why.
@@ -1258,7 +1258,7 @@ async fn on_the_wire_the_server_takes_and_sends_compressed_items_and_ends_a_stre
     }))
     .await
     .expect("item");
-    let end = stream_end(&mut raw).await;
+    let end = raw.recv_end().await;
     assert_eq!((end.message_id, end.status_code), (2, 500), "{end:?}");
     assert!(end.exception_message.contains("stream item"), "{end:?}");
 
@@ -1291,18 +1291,6 @@ async fn raw_zstd_client(server: &rpc::ServerHandle, batches: bool) -> common::R
     .expect("hello");
     assert!(matches!(raw.recv().await, Some(Kind::HelloAck(a)) if a.streams));
     raw
-}
-
-/// The end (`RemoteResultMessage`) of the stream `raw` reads, past the credit granted meanwhile.
-async fn stream_end(raw: &mut common::RawConn) -> rpc::crates::core::wire::RemoteResultMessage {
-    use rpc::crates::core::wire::frame::Kind;
-    loop {
-        match within("the end", raw.recv()).await {
-            Some(Kind::Result(r)) => return r,
-            Some(Kind::StreamCredit(_)) => continue,
-            other => panic!("expected the end, got {other:?}"),
-        }
-    }
 }
 
 /// The peak resident memory of this process so far (`VmHWM`), in bytes.
@@ -1369,7 +1357,7 @@ async fn compressed_items_are_expanded_one_at_a_time_as_the_handler_takes_them()
     }))
     .await
     .expect("items");
-    let end = stream_end(&mut raw).await;
+    let end = raw.recv_end().await;
     assert_eq!(end.message_id, 1);
     assert_ne!(end.status_code, 200, "{end:?}");
     assert_expanded_one_at_a_time(before, "server");
