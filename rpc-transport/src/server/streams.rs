@@ -591,7 +591,7 @@ impl ItemSink<'_> {
     pub fn has_room(&self) -> bool {
         self.credit.ready()
             && *self.sent < ITEMS_PER_POLL
-            && self.out.pending() < self.room
+            && self.out.pending() <= self.room
             && !self.violated.load(Ordering::Relaxed)
     }
 
@@ -778,12 +778,20 @@ impl StreamDriver {
             // made) is over its limit: a client that stops reading its socket holds the
             // producer there, whatever windows it announced. Its deadline still ends it.
             let pending = this.out.pending();
-            if pending >= this.max_unsent {
+            if pending > 0 && pending >= this.max_unsent {
                 // The next poll waits for the queue, once this poll's frames are in it.
                 cx.waker().wake_by_ref();
                 return Poll::Pending;
             }
             let backlog = this.sender.backlog();
+            if backlog.is_stopped() {
+                // Nothing more of the stream can be written: it ends (the connection's end
+                // ends its other calls too).
+                return Poll::Ready(error_result(
+                    StatusCode::CommunicationError,
+                    "the connection's writer stopped: the stream cannot go on",
+                ));
+            }
             if this
                 .room
                 .poll_room(backlog, this.max_unsent - pending, cx)
@@ -1029,6 +1037,30 @@ mod tests {
                 Poll::Pending
             }
         }
+    }
+
+    /// A stream whose connection's writer stopped (the peer went) ends, rather than producing
+    /// into a queue nothing will write.
+    #[tokio::test]
+    async fn a_stream_ends_once_its_writer_stopped() {
+        let (sender, theirs) = duplex_writer(4096);
+        drop(theirs);
+        let events: Pin<Box<dyn StreamEvents>> = Box::pin(UntilDeadline {
+            ended: Arc::new(AtomicBool::new(false)),
+        });
+        let table = Arc::new(StreamTable::default());
+        let mut driver = StreamDriver::new(
+            7,
+            Events::Into(events),
+            (u32::MAX, 0, false),
+            None,
+            &table,
+            (sender, 16 * 1024),
+        );
+        let end = tokio::time::timeout(std::time::Duration::from_secs(10), &mut driver)
+            .await
+            .expect("the stream ends");
+        assert_eq!(end.status_code, 506, "{end:?}");
     }
 
     /// A stream waiting for room in the send queue still ends at its deadline.
