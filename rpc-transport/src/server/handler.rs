@@ -53,10 +53,11 @@ pub trait StreamEvents: Stream<Item = StreamEvent> + Send {
         sink: &mut ItemSink<'_>,
     ) -> Poll<Option<StreamEvent>>;
 
-    /// While the stream waits for the client's credit (and so is not polled for items): its
-    /// end if it ended meanwhile without producing anything, such as its deadline passing (the
-    /// answer [`StreamEvent::End`] would carry); `Pending` while it goes on, `cx` woken when
-    /// that may change. The default never ends a waiting stream.
+    /// While the stream waits for the client's credit, or for room in the connection's send
+    /// queue (and so is not polled for items): its end if it ended meanwhile without producing
+    /// anything, such as its deadline passing (the answer [`StreamEvent::End`] would carry);
+    /// `Pending` while it goes on, `cx` woken when that may change. The default never ends a
+    /// waiting stream.
     fn poll_ended(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<RemoteResultMessage> {
         Poll::Pending
     }
