@@ -49,6 +49,7 @@ pub(crate) enum Found<'a> {
 
 /// The most parameters one route template may hold: a template with more is not served as
 /// declared (its entry is served at its default route), since the matcher takes at most 25.
+/// `#[http]` refuses more at compile time (its list in `rpc-macros/src/http.rs`).
 pub(crate) const MAX_PATH_PARAMS: usize = 16;
 
 /// The routes of one set of entries.
@@ -212,7 +213,8 @@ fn default_route(entry: &ServiceEntry) -> Route {
 }
 
 /// A template with its parameters' names left out (`/orders/{}`, `/files/{}` for a catch-all):
-/// two templates of one shape match the same paths.
+/// two templates of one shape match the same paths. (`#[http]` checks the same rule at compile
+/// time, with `rpc-macros`' `Route::key`: a procedural macro shares no code with this crate.)
 pub(crate) fn template_shape(template: &str) -> String {
     let mut shape = String::with_capacity(template.len());
     let mut in_param = false;

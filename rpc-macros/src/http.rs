@@ -35,7 +35,9 @@ pub struct Route {
 
 impl Route {
     /// The path with every `{name}` written `{}`: two routes with the same method and the same
-    /// key match the same requests, whatever their parameters are called.
+    /// key match the same requests, whatever their parameters are called. (The gateway's
+    /// `table::template_shape` is the same rule: this crate, a procedural macro, shares no code
+    /// with the runtime crates.)
     pub fn key(&self) -> (&'static str, String) {
         let mut out = String::with_capacity(self.path.len());
         let mut in_name = false;
@@ -174,6 +176,10 @@ fn one(attr: &Attribute, params: &[String]) -> syn::Result<Route> {
 /// take).
 const RESERVED: [&str; 3] = ["/openapi.json", "/docs", "/healthz"];
 
+/// The most parameters a route's path may hold (`rpc-gateway`'s `table::MAX_PATH_PARAMS`: a
+/// longer template is served at the default route instead).
+const MAX_PATH_PARAMS: usize = 16;
+
 /// The path starts with `/`, holds no query or fragment, is not one of the gateway's own, and
 /// each `{name}` is a distinct parameter of the method that ends its path segment (what the
 /// gateway's matcher accepts).
@@ -241,6 +247,12 @@ fn check_path(lit: &LitStr, params: &[String]) -> syn::Result<()> {
             )));
         }
         named.push(name);
+        if named.len() > MAX_PATH_PARAMS {
+            return Err(err(format!(
+                "the route's path has more than {MAX_PATH_PARAMS} parameters, the most the \
+                 gateway serves at a declared route: take the others from the query or the body"
+            )));
+        }
         rest = &after[close + 1..];
         if !rest.is_empty() && !rest.starts_with('/') {
             return Err(err(format!(
@@ -280,6 +292,21 @@ mod tests {
 
     fn params() -> Vec<String> {
         vec!["id".to_string(), "verbose".to_string()]
+    }
+
+    #[test]
+    fn a_path_of_more_parameters_than_the_gateway_serves_is_refused() {
+        let names: Vec<String> = (0..=MAX_PATH_PARAMS).map(|i| format!("p{i}")).collect();
+        let path =
+            |n: usize| -> String { names[..n].iter().map(|p| format!("/{{{p}}}")).collect() };
+        let at = |n: usize| {
+            let lit = path(n);
+            let attr: Attribute = parse_quote!(#[http(get = #lit)]);
+            route(&[attr], &names)
+        };
+        assert!(at(MAX_PATH_PARAMS).is_ok());
+        let e = at(MAX_PATH_PARAMS + 1).unwrap_err().to_string();
+        assert!(e.contains("more than 16 parameters"), "{e}");
     }
 
     fn error(attr: Attribute) -> String {

@@ -264,6 +264,23 @@ impl Service {
                         first.name()
                     ),
                 );
+            } else if let Some((first, taken)) = routes
+                .iter()
+                .find(|(_, r)| r.key().1 == route.key().1 && r.path != route.path)
+            {
+                // One path has one spelling, whatever the methods: the gateway serves it (and
+                // OpenAPI documents it) once, so it would serve this one at its default route.
+                errors.add(
+                    route.path_span,
+                    format!(
+                        "this path is `{}`, the path of `{}`, with other parameter names: one \
+                         path has one spelling whatever the method; name its parameters as \
+                         `{}` does, or give this one another path",
+                        taken.path,
+                        first.name(),
+                        taken.path
+                    ),
+                );
             } else {
                 routes.push((m, route));
             }

@@ -155,10 +155,37 @@ impl RawConn {
         }))
         .await
         .expect("open");
-        match self.recv().await {
+        self.recv_acceptance(id).await;
+    }
+
+    /// Reads stream `id`'s acceptance (its first `StreamCredit`).
+    pub async fn recv_acceptance(&mut self, id: u64) {
+        match within("the stream's acceptance", self.recv()).await {
             Some(Kind::StreamCredit(c)) => assert_eq!(c.message_id, id, "{c:?}"),
             other => panic!("expected the stream's acceptance, got {other:?}"),
         }
+    }
+
+    /// Sends one item of stream `id` (`compression`: its algorithm's wire number, 0 plain).
+    pub async fn send_item(&mut self, id: u64, payload: bytes::Bytes, compression: i32) {
+        self.send(Kind::StreamItem(rpc::crates::core::wire::StreamItem {
+            message_id: id,
+            payload,
+            compression,
+        }))
+        .await
+        .expect("send StreamItem");
+    }
+
+    /// Ends the request stream `id` with `status` (200: complete) and `message`.
+    pub async fn end_stream(&mut self, id: u64, status: u32, message: &str) {
+        self.send(Kind::StreamEnd(rpc::crates::core::wire::StreamEnd {
+            message_id: id,
+            status_code: status,
+            exception_message: message.into(),
+        }))
+        .await
+        .expect("send StreamEnd");
     }
 
     /// The end of a stream (its result), the credit frames before it skipped.

@@ -299,6 +299,24 @@ fn raw_call(id: u64, method: &str, text: &str) -> RemoteInvokeMessage {
     }
 }
 
+/// Calls `t.Zip.<method>` with `parameters` marked compressed with `alg`; its answer.
+async fn packed_call(
+    raw: &mut RawConn,
+    id: u64,
+    method: &str,
+    parameters: Bytes,
+    alg: rpc::crates::core::Compression,
+) -> rpc::crates::core::wire::RemoteResultMessage {
+    raw.send(Kind::Invoke(RemoteInvokeMessage {
+        parameters,
+        compression: alg.to_wire(),
+        ..raw_call(id, method, "")
+    }))
+    .await
+    .expect("send");
+    raw_result(raw).await
+}
+
 /// The next frame must be a result; returns it.
 async fn raw_result(raw: &mut RawConn) -> rpc::crates::core::wire::RemoteResultMessage {
     match raw.recv().await {
@@ -388,14 +406,7 @@ async fn corrupt_or_oversized_compressed_parameters_get_a_clear_500_and_the_conn
             ),
         ] {
             id += 1;
-            raw.send(Kind::Invoke(RemoteInvokeMessage {
-                parameters,
-                compression: alg.to_wire(),
-                ..raw_call(id, "plain_echo", "")
-            }))
-            .await
-            .expect("send");
-            let r = raw_result(&mut raw).await;
+            let r = packed_call(&mut raw, id, "plain_echo", parameters, alg).await;
             assert_eq!(r.message_id, id);
             assert_eq!(r.status_code, 500, "{alg} {what}: {r:?}");
             assert!(
@@ -405,14 +416,7 @@ async fn corrupt_or_oversized_compressed_parameters_get_a_clear_500_and_the_conn
             );
             // The connection goes on: the next call on it, compressed properly, is answered.
             id += 1;
-            raw.send(Kind::Invoke(RemoteInvokeMessage {
-                parameters: compress(alg, &good),
-                compression: alg.to_wire(),
-                ..raw_call(id, "plain_echo", "")
-            }))
-            .await
-            .expect("send");
-            let r = raw_result(&mut raw).await;
+            let r = packed_call(&mut raw, id, "plain_echo", compress(alg, &good), alg).await;
             assert_eq!((r.message_id, r.status_code), (id, 200), "{r:?}");
             let back: String = Codec::MsgPack.decode(&r.result).expect("decode");
             assert_eq!(back, "fine");
@@ -451,15 +455,7 @@ async fn a_compressed_call_to_an_unknown_entry_is_answered_507_without_being_dec
         let mut cut = compress(alg, &bomb).to_vec();
         cut.truncate(cut.len() / 2);
         for parameters in [compress(alg, &bomb), Bytes::from(cut)] {
-            raw.send(Kind::Invoke(RemoteInvokeMessage {
-                service_entry_id: "t.Zip.nothing".into(),
-                parameters,
-                compression: alg.to_wire(),
-                ..raw_call(id, "plain_echo", "")
-            }))
-            .await
-            .expect("send");
-            let r = raw_result(&mut raw).await;
+            let r = packed_call(&mut raw, id, "nothing", parameters, alg).await;
             assert_eq!(
                 r.status_code,
                 StatusCode::NotFindLocalServiceEntry.as_u32(),

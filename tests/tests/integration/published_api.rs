@@ -25,7 +25,7 @@ trait Orders {
     ///   Unknown ids answer an error.
     #[http(get = "/orders/{id}")]
     async fn get(&self, id: u64, verbose: bool) -> Result<String, RpcError>;
-    #[http(delete = "/orders/{order_id}")]
+    #[http(delete = "/orders/{order_id}/cancel")]
     async fn cancel(&self, reason: String, order_id: u64) -> Result<(), RpcError>;
     async fn count(&self) -> Result<u64, RpcError>;
     /// Every order from `from` on.
@@ -240,7 +240,7 @@ async fn a_server_publishes_names_docs_routes_and_stream_shapes() {
         cancel.http,
         Some(HttpRoute {
             method: "DELETE".to_string(),
-            path: "/orders/{order_id}".to_string()
+            path: "/orders/{order_id}/cancel".to_string()
         })
     );
 

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use common::{no_retry, recv_one, within, DropSignal, RawConn};
 use futures_util::future::join_all;
-use rpc::crates::core::wire::{frame::Kind, Hello, RemoteInvokeMessage, StreamItem, StreamMode};
+use rpc::crates::core::wire::{frame::Kind, Hello, RemoteInvokeMessage, StreamMode};
 use rpc::crates::transport::DEFAULT_STREAM_WINDOW;
 use rpc::{
     Client, Codec, GovernanceOverrides, InProcessRegistry, RpcError, RpcStream, Server,
@@ -827,13 +827,8 @@ async fn an_item_sent_to_a_waiting_server_stream_ends_it_at_once() {
         }
     }
     // The producer now waits for ever: only the violation can end the stream.
-    raw.send(Kind::StreamItem(StreamItem {
-        message_id: 1,
-        payload: bytes::Bytes::from_static(b"\x01"),
-        compression: 0,
-    }))
-    .await
-    .expect("item");
+    raw.send_item(1, bytes::Bytes::from_static(b"\x01"), 0)
+        .await;
     let end = match within("the stream's end", raw.recv()).await {
         Some(Kind::Result(end)) => end,
         other => panic!("expected the stream's end, got {other:?}"),
@@ -938,7 +933,7 @@ async fn a_stream_to_a_server_that_does_not_stream_fails_at_once() {
 /// and the connection carries on. The client's reader never waits for the stream's consumer.
 #[tokio::test]
 async fn items_beyond_the_window_end_only_that_stream() {
-    use rpc::crates::core::wire::{RemoteResultMessage, StreamItem};
+    use rpc::crates::core::wire::RemoteResultMessage;
     use rpc::crates::transport::{ConnectOptions, Connection, Opened};
     const WINDOW: u32 = 4;
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
@@ -959,13 +954,8 @@ async fn items_beyond_the_window_end_only_that_stream() {
         peer.grant(id, 0).await;
         // One item more than the window, nothing granted back.
         for n in 0..=window {
-            peer.send(Kind::StreamItem(StreamItem {
-                message_id: id,
-                payload: Codec::MsgPack.encode(&n).expect("encode"),
-                compression: 0,
-            }))
-            .await
-            .expect("item");
+            peer.send_item(id, Codec::MsgPack.encode(&n).expect("encode"), 0)
+                .await;
         }
         match peer.recv().await {
             Some(Kind::Cancel(c)) => assert_eq!(c.message_id, id),

@@ -14,8 +14,7 @@ use std::time::Duration;
 
 use common::{within, RawConn};
 use rpc::crates::core::wire::{
-    frame::Kind, Hello, HelloAck, RemoteInvokeMessage, RemoteResultMessage, StreamEnd, StreamItem,
-    StreamMode,
+    frame::Kind, Hello, HelloAck, RemoteInvokeMessage, RemoteResultMessage, StreamMode,
 };
 use rpc::crates::transport::{
     Call, ConnectOptions, Connection, Opened, DEFAULT_STREAM_WINDOW, DEFAULT_STREAM_WINDOW_BYTES,
@@ -197,21 +196,10 @@ async fn a_client_stream_that_fails_ends_with_its_status_whatever_the_handler_an
     for (id, status) in [(1u64, 200u32), (2, 1000)] {
         raw.open_client_stream(id, "t.Flow.count").await;
         for n in 0..2u32 {
-            raw.send(Kind::StreamItem(StreamItem {
-                message_id: id,
-                payload: Codec::MsgPack.encode(&n).expect("encode"),
-                compression: 0,
-            }))
-            .await
-            .expect("item");
+            raw.send_item(id, Codec::MsgPack.encode(&n).expect("encode"), 0)
+                .await;
         }
-        raw.send(Kind::StreamEnd(StreamEnd {
-            message_id: id,
-            status_code: status,
-            exception_message: "the caller gave up".into(),
-        }))
-        .await
-        .expect("end");
+        raw.end_stream(id, status, "the caller gave up").await;
         let end = raw.recv_end().await;
         assert_eq!((end.message_id, end.status_code), (id, status), "{end:?}");
         if status == 200 {
@@ -256,23 +244,11 @@ async fn an_item_after_the_request_streams_end_ends_the_stream_with_500() {
         .expect("serve");
     let (mut raw, _) = raw_client_with_window(&server, 8).await;
     raw.open_client_stream(1, "t.Gate.read_then_hold").await;
-    let item = |n: u32| {
-        Kind::StreamItem(StreamItem {
-            message_id: 1,
-            payload: Codec::MsgPack.encode(&n).expect("encode"),
-            compression: 0,
-        })
-    };
-    raw.send(item(1)).await.expect("item");
-    raw.send(Kind::StreamEnd(StreamEnd {
-        message_id: 1,
-        status_code: 200,
-        exception_message: String::new(),
-    }))
-    .await
-    .expect("end");
+    let item = |n: u32| Codec::MsgPack.encode(&n).expect("encode");
+    raw.send_item(1, item(1), 0).await;
+    raw.end_stream(1, 200, "").await;
     within("the handler reads the end", read_end.notified()).await;
-    raw.send(item(2)).await.expect("an item after the end");
+    raw.send_item(1, item(2), 0).await;
     let end = raw.recv_end().await;
     assert_eq!((end.message_id, end.status_code), (1, 500), "{end:?}");
     assert!(

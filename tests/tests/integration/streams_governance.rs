@@ -1113,9 +1113,7 @@ async fn compressed_stream_items_arrive_whole_both_ways_between_client_and_serve
 /// joined parts of a zstd entry come back compressed (and whole) to a client that accepts zstd.
 #[tokio::test]
 async fn a_client_streams_answer_is_compressed_as_its_entry_says() {
-    use rpc::crates::core::wire::{
-        frame::Kind, RemoteInvokeMessage, StreamEnd, StreamItem, StreamMode,
-    };
+    use rpc::crates::core::wire::{frame::Kind, RemoteInvokeMessage, StreamMode};
     use rpc::crates::core::Compression;
     use rpc::crates::transport::compression::decompress;
     use rpc::Codec;
@@ -1131,26 +1129,13 @@ async fn a_client_streams_answer_is_compressed_as_its_entry_says() {
     }))
     .await
     .expect("open");
-    assert!(
-        matches!(within("accepted", raw.recv()).await, Some(Kind::StreamCredit(c)) if c.message_id == 1)
-    );
+    raw.recv_acceptance(1).await;
     let parts: Vec<String> = (0..4).map(|_| haystack(16 * 1024)).collect();
     for part in &parts {
-        raw.send(Kind::StreamItem(StreamItem {
-            message_id: 1,
-            payload: Codec::MsgPack.encode(part).expect("encode"),
-            compression: 0,
-        }))
-        .await
-        .expect("item");
+        raw.send_item(1, Codec::MsgPack.encode(part).expect("encode"), 0)
+            .await;
     }
-    raw.send(Kind::StreamEnd(StreamEnd {
-        message_id: 1,
-        status_code: 200,
-        exception_message: String::new(),
-    }))
-    .await
-    .expect("end");
+    raw.end_stream(1, 200, "").await;
     let end = raw.recv_end().await;
     assert_eq!((end.message_id, end.status_code), (1, 200), "{end:?}");
     assert_eq!(
@@ -1183,9 +1168,7 @@ async fn a_client_streams_answer_is_compressed_as_its_entry_says() {
 async fn on_the_wire_the_server_takes_and_sends_compressed_items_and_ends_a_stream_on_a_corrupt_one(
 ) {
     let _traced = traced();
-    use rpc::crates::core::wire::{
-        frame::Kind, RemoteInvokeMessage, StreamEnd, StreamItem, StreamMode,
-    };
+    use rpc::crates::core::wire::{frame::Kind, RemoteInvokeMessage, StreamMode};
     use rpc::crates::core::Compression;
     use rpc::crates::transport::compression::{compress, decompress};
     use rpc::Codec;
@@ -1207,16 +1190,8 @@ async fn on_the_wire_the_server_takes_and_sends_compressed_items_and_ends_a_stre
     assert!(packed.len() < encoded.len() / 4);
 
     raw.send(open(1)).await.expect("open");
-    assert!(
-        matches!(within("accepted", raw.recv()).await, Some(Kind::StreamCredit(c)) if c.message_id == 1)
-    );
-    raw.send(Kind::StreamItem(StreamItem {
-        message_id: 1,
-        payload: packed,
-        compression: Compression::Zstd.to_wire(),
-    }))
-    .await
-    .expect("item");
+    raw.recv_acceptance(1).await;
+    raw.send_item(1, packed, Compression::Zstd.to_wire()).await;
     let item = loop {
         match within("the answer's item", raw.recv()).await {
             Some(Kind::StreamItem(item)) => break item,
@@ -1236,37 +1211,26 @@ async fn on_the_wire_the_server_takes_and_sends_compressed_items_and_ends_a_stre
         shouted(">", &line),
         "the server read the compressed item"
     );
-    raw.send(Kind::StreamEnd(StreamEnd {
-        message_id: 1,
-        status_code: 200,
-        exception_message: String::new(),
-    }))
-    .await
-    .expect("end");
+    raw.end_stream(1, 200, "").await;
     let end = raw.recv_end().await;
     assert_eq!((end.message_id, end.status_code), (1, 200));
 
     // A corrupt item: that stream ends with 500, saying why.
     raw.send(open(2)).await.expect("open");
-    assert!(
-        matches!(within("accepted", raw.recv()).await, Some(Kind::StreamCredit(c)) if c.message_id == 2)
-    );
-    raw.send(Kind::StreamItem(StreamItem {
-        message_id: 2,
-        payload: rpc::Bytes::from_static(b"not zstd at all"),
-        compression: Compression::Zstd.to_wire(),
-    }))
-    .await
-    .expect("item");
+    raw.recv_acceptance(2).await;
+    raw.send_item(
+        2,
+        rpc::Bytes::from_static(b"not zstd at all"),
+        Compression::Zstd.to_wire(),
+    )
+    .await;
     let end = raw.recv_end().await;
     assert_eq!((end.message_id, end.status_code), (2, 500), "{end:?}");
     assert!(end.exception_message.contains("stream item"), "{end:?}");
 
     // The connection goes on: a third stream works.
     raw.send(open(3)).await.expect("open");
-    assert!(
-        matches!(within("accepted", raw.recv()).await, Some(Kind::StreamCredit(c)) if c.message_id == 3)
-    );
+    raw.recv_acceptance(3).await;
     // (Closing the connection ends that open stream, which would otherwise hold the drain.)
     drop(raw);
     within("shutdown", server.shutdown()).await;
@@ -1345,9 +1309,7 @@ async fn compressed_items_are_expanded_one_at_a_time_as_the_handler_takes_them()
     }))
     .await
     .expect("open");
-    assert!(
-        matches!(within("accepted", raw.recv()).await, Some(Kind::StreamCredit(c)) if c.message_id == 1)
-    );
+    raw.recv_acceptance(1).await;
     let expands = expanding_item();
     let before = peak_resident_bytes();
     raw.send(Kind::StreamItems(StreamItems {
@@ -1372,7 +1334,7 @@ async fn compressed_items_are_expanded_one_at_a_time_as_the_handler_takes_them()
 async fn on_the_wire_the_client_sends_compressed_items_and_ends_a_stream_on_a_corrupt_one() {
     let _traced = traced();
     use common::RawConn;
-    use rpc::crates::core::wire::{frame::Kind, HelloAck, StreamItem};
+    use rpc::crates::core::wire::{frame::Kind, HelloAck};
     use rpc::crates::core::Compression;
     use rpc::crates::transport::compression::{compress, decompress};
     use rpc::Codec;
@@ -1412,13 +1374,7 @@ async fn on_the_wire_the_client_sends_compressed_items_and_ends_a_stream_on_a_co
                 Compression::Zstd.to_wire(),
             ),
         ] {
-            peer.send(Kind::StreamItem(StreamItem {
-                message_id: id,
-                payload,
-                compression,
-            }))
-            .await
-            .expect("item");
+            peer.send_item(id, payload, compression).await;
         }
         // The client tells this server to stop the stream.
         loop {
