@@ -188,9 +188,10 @@ impl ClientBuilder {
         self
     }
 
-    /// Items per stream the client buffers before it grants the server more (512 by default):
-    /// a stream whose consumer stops reading holds at most this many items, and the server's
-    /// producer stops until it reads on.
+    /// Items per stream the client buffers before it grants the server more (8192 by
+    /// default, and at most 256 KiB of them: `ConnectOptions::stream_window_bytes`): a stream
+    /// whose consumer stops reading holds at most this many items, and the server's producer
+    /// stops until it reads on.
     pub fn stream_window(mut self, items: u32) -> Self {
         self.connect.stream_window = items.max(1);
         self

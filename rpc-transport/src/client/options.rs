@@ -29,7 +29,8 @@ pub struct ConnectOptions {
     pub streams: bool,
     /// Items per stream the client buffers for the server before it grants more
     /// (`Hello.stream_window`): a stream whose consumer stops reading holds at most this many
-    /// items, and the server's producer stops. At least 1.
+    /// items, and the server's producer stops. At least 1; 8192 by default
+    /// ([`DEFAULT_CLIENT_STREAM_WINDOW`](crate::DEFAULT_CLIENT_STREAM_WINDOW)).
     pub stream_window: u32,
     /// Payload bytes per stream the client buffers for the server besides `stream_window`
     /// items (`Hello.stream_window_bytes`; 0: items only): a stream of large items holds at
@@ -66,7 +67,7 @@ impl Default for ConnectOptions {
             heartbeat_interval: Duration::from_secs(10),
             max_unsent_bytes: 4 * 1024 * 1024,
             streams: true,
-            stream_window: crate::DEFAULT_STREAM_WINDOW,
+            stream_window: crate::DEFAULT_CLIENT_STREAM_WINDOW,
             stream_window_bytes: crate::DEFAULT_STREAM_WINDOW_BYTES,
             #[cfg(feature = "tls")]
             tls: None,

@@ -25,8 +25,9 @@ pub use accept::serve;
 
 pub use handler::{error_result, Dispatch, InvokeHandler, StreamEvent, StreamEvents};
 pub use options::{
-    ServerOptions, ABUSE_LIMIT, DEFAULT_STREAM_WINDOW, DEFAULT_STREAM_WINDOW_BYTES, MAX_CLIENT_ID,
-    MAX_HELLO_FRAME, PAUSED_KEEPALIVE, REFUSALS_BEFORE_PAUSE,
+    ServerOptions, ABUSE_LIMIT, DEFAULT_CLIENT_STREAM_WINDOW, DEFAULT_STREAM_WINDOW,
+    DEFAULT_STREAM_WINDOW_BYTES, MAX_CLIENT_ID, MAX_HELLO_FRAME, PAUSED_KEEPALIVE,
+    REFUSALS_BEFORE_PAUSE,
 };
 pub use runner::dropped_at_drain_deadline;
 pub use streams::ItemSink;

@@ -16,7 +16,7 @@ use std::time::Duration;
 use common::{no_retry, recv_one, within, DropSignal, RawConn};
 use futures_util::future::join_all;
 use rpc::crates::core::wire::{frame::Kind, Hello, RemoteInvokeMessage, StreamMode};
-use rpc::crates::transport::DEFAULT_STREAM_WINDOW;
+use rpc::crates::transport::DEFAULT_CLIENT_STREAM_WINDOW;
 use rpc::{
     Client, Codec, GovernanceOverrides, InProcessRegistry, RpcError, RpcStream, Server,
     ServerBuilder, ServerHandle, StaticRegistry, StatusCode,
@@ -287,7 +287,7 @@ async fn server_streaming_delivers_n_items_in_order_then_ends() {
     let (server, _probe) = serve(&reg, 50).await;
     for codec in [Codec::MsgPack, Codec::Json] {
         let f = FeedClient::new(Client::builder().registry(reg.clone()).codec(codec).build());
-        let n = 3 * DEFAULT_STREAM_WINDOW + 7;
+        let n = 3 * DEFAULT_CLIENT_STREAM_WINDOW + 7;
         let mut s = within("open", f.ticks(n)).await.expect("ticks");
         let mut seen = Vec::new();
         while let Some(item) = within("next tick", s.next()).await {
@@ -902,7 +902,7 @@ async fn a_stream_to_a_server_that_does_not_stream_fails_at_once() {
     let old_server = tokio::spawn(async move {
         let (mut peer, h) = RawConn::accept_with(&listener, Default::default()).await;
         assert!(h.streams, "the client offers streams");
-        assert_eq!(h.stream_window, DEFAULT_STREAM_WINDOW);
+        assert_eq!(h.stream_window, DEFAULT_CLIENT_STREAM_WINDOW);
         // The next frame is the unary call: the stream was never sent.
         let call = peer.recv_invoke("the unary call").await;
         assert_eq!(call.service_entry_id, "t.Feed.echo");

@@ -17,7 +17,8 @@ use rpc::crates::core::wire::{
     frame::Kind, Hello, HelloAck, RemoteInvokeMessage, RemoteResultMessage, StreamMode,
 };
 use rpc::crates::transport::{
-    Call, ConnectOptions, Connection, Opened, DEFAULT_STREAM_WINDOW, DEFAULT_STREAM_WINDOW_BYTES,
+    Call, ConnectOptions, Connection, Opened, DEFAULT_CLIENT_STREAM_WINDOW,
+    DEFAULT_STREAM_WINDOW_BYTES,
 };
 use rpc::{Codec, RpcError, RpcStream, Server, ServerHandle};
 use tokio::net::TcpListener;
@@ -346,7 +347,7 @@ async fn a_server_without_batches_gets_the_clients_items_one_per_frame() {
         };
         let (mut peer, h) = RawConn::accept_with(&listener, ack).await;
         assert!(h.streams && h.stream_batches, "the client offers both");
-        assert_eq!(h.stream_window, DEFAULT_STREAM_WINDOW);
+        assert_eq!(h.stream_window, DEFAULT_CLIENT_STREAM_WINDOW);
         assert_eq!(h.stream_window_bytes, DEFAULT_STREAM_WINDOW_BYTES);
         let open = peer.recv_invoke("the stream's opening").await;
         assert_eq!(open.stream_mode, StreamMode::Client as i32);
