@@ -84,6 +84,22 @@ pub use transport::{UnixDialer, UnixListener};
 /// regrowth and many small frames arrive in one read.
 const READ_BUFFER: usize = 64 * 1024;
 
+/// Stream items (or frames of items) of at most this many bytes are copied out of the
+/// connection's read buffer when they are queued for a consumer: a slice of it would keep the
+/// whole buffer (64 KiB) alive for as long as it waits, so a window of small items, each in a
+/// buffer of its own among other traffic, would hold far more than the window counts. Larger
+/// ones keep sharing it (at most 8 times their size).
+const COPY_QUEUED_BELOW: usize = READ_BUFFER / 8;
+
+/// `payload` holding only its own bytes when it is small (see [`COPY_QUEUED_BELOW`]).
+fn own_bytes(payload: bytes::Bytes) -> bytes::Bytes {
+    if payload.len() <= COPY_QUEUED_BELOW {
+        bytes::Bytes::copy_from_slice(&payload)
+    } else {
+        payload
+    }
+}
+
 /// Capacity of a server connection's read buffer until the handshake is done.
 const HELLO_BUFFER: usize = 1024;
 

@@ -50,6 +50,9 @@ pub(super) struct StreamShared {
 }
 
 /// Items of one frame waiting for the consumer, lent from the frame's buffer as they are taken.
+/// A small frame's (or lone item's) bytes are copied out of the connection's read buffer
+/// ([`own_bytes`](crate::own_bytes)), so a window of items that came one by one among other
+/// traffic does not keep a read buffer alive per item.
 pub(super) struct Chunk {
     buf: Bytes,
     /// Where each item of a run lies in `buf` (unused for a lone item).
@@ -76,6 +79,7 @@ impl Chunk {
 
     /// One item as it came, compressed with `compression` (0: plain).
     pub(super) fn compressed(payload: Bytes, compression: i32) -> Self {
+        let payload = crate::own_bytes(payload);
         Chunk {
             lone_wire: Some(payload.len()),
             buf: payload,
@@ -98,7 +102,7 @@ impl Chunk {
     /// The items of a plain `StreamItems` frame (none, for a frame that carries none).
     pub(super) fn run(run: ItemRun) -> Self {
         Chunk {
-            buf: run.body,
+            buf: crate::own_bytes(run.body),
             count: run.places.len(),
             places: run.places,
             lone_wire: None,
@@ -711,6 +715,40 @@ mod tests {
             }
         }
         assert_eq!(items, [Bytes::from_static(b"ab"), Bytes::from_static(b"c")]);
+    }
+
+    /// A small frame of items, or a small lone item, waits in a buffer of its own, not in a
+    /// slice of the connection's read buffer (which it would keep whole); a large one is not
+    /// copied.
+    #[test]
+    fn small_chunks_do_not_keep_the_read_buffer() {
+        let read = Bytes::from(vec![7u8; crate::READ_BUFFER]);
+        let within = |b: &Bytes| {
+            let range = read.as_ptr() as usize..read.as_ptr() as usize + read.len();
+            range.contains(&(b.as_ptr() as usize))
+        };
+        let run = |body: Bytes| {
+            Chunk::run(ItemRun {
+                message_id: 1,
+                compression: 0,
+                places: vec![(0, body.len() as u32)],
+                body,
+            })
+        };
+        let small_run = run(read.slice(10..42));
+        assert_eq!(small_run.buf, read.slice(10..42));
+        assert!(!within(&small_run.buf), "the small run was copied");
+        let small_item = Chunk::compressed(read.slice(100..132), 0);
+        assert!(!within(&small_item.buf), "the small item was copied");
+        let large = crate::COPY_QUEUED_BELOW + 1;
+        assert!(
+            within(&run(read.slice(..large)).buf),
+            "a large run shares it"
+        );
+        assert!(
+            within(&Chunk::compressed(read.slice(..large), 0).buf),
+            "a large item shares it"
+        );
     }
 
     /// One task waiting for credit and another for the end, as a cloned sender allows: the

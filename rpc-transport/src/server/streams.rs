@@ -36,6 +36,7 @@ use super::handler::{error_result, StreamEvent, StreamEvents};
 use crate::codec::FrameCodec;
 use crate::encode::{finish_run_item, put_run_frame, put_run_item, start_run_item};
 use crate::flow::{Credit, Held, Taken};
+use crate::own_bytes;
 use crate::writer::{FrameSender, RoomWait, MAX_ITEMS_BYTES};
 
 /// Items a stream sends in one poll before it lets other tasks run. Each poll's items go to
@@ -70,21 +71,6 @@ pub(super) struct StreamSlot {
 pub(super) struct Queued {
     pub(super) payload: Bytes,
     pub(super) compression: i32,
-}
-
-/// Items of at most this many bytes are copied out of the connection's read buffer when
-/// queued: a slice of it would keep the whole buffer (64 KiB) alive for as long as it waits,
-/// so a window of small items, each in a buffer of its own among other traffic, would hold
-/// far more than the window counts. Larger items keep sharing it (at most 8 times their size).
-const COPY_QUEUED_BELOW: usize = crate::READ_BUFFER / 8;
-
-/// `payload` holding only its own bytes when it is small (see [`COPY_QUEUED_BELOW`]).
-fn own_bytes(payload: Bytes) -> Bytes {
-    if payload.len() <= COPY_QUEUED_BELOW {
-        Bytes::copy_from_slice(&payload)
-    } else {
-        payload
-    }
 }
 
 /// The client's items waiting for the handler.
@@ -886,6 +872,7 @@ mod tests {
 
     use super::*;
     use crate::writer::duplex_writer;
+    use crate::COPY_QUEUED_BELOW;
 
     /// A small item waits in a buffer of its own, not in a slice of the connection's read
     /// buffer (which it would keep whole); a large one is not copied.
