@@ -13,6 +13,11 @@ use crate::retry::{self, Decision};
 /// only go to an endpoint already tried: the pause is at least that long, and the call gives up
 /// (with the refusal, which carries `retry_after`) when that does not fit before the deadline.
 /// With an untried endpoint left, the next attempt goes there after the usual interval.
+///
+/// A stream set-up on a connection whose server does not stream (501, refused before anything
+/// was sent) is not retried on that endpoint, which will never stream, but moves to an untried
+/// one at once: during a rolling upgrade some instances stream and some do not yet. It counts
+/// as an attempt, within `retry_times`.
 pub fn decide(
     err: &RpcError,
     attempt: u32,
@@ -22,6 +27,15 @@ pub fn decide(
 ) -> Decision {
     if err.code() == StatusCode::CommunicationError && !err.is_maybe_delivered() && !untried_left {
         return Decision::GiveUp;
+    }
+    if err.code() == StatusCode::NotImplemented {
+        return if untried_left && attempt < options.retry_times {
+            Decision::Retry {
+                after: std::time::Duration::ZERO,
+            }
+        } else {
+            Decision::GiveUp
+        };
     }
     match (
         retry::decide(err, attempt, options, deadline),
@@ -72,6 +86,30 @@ mod tests {
         assert_eq!(e.tried(), ["a:1", "b:1"]);
         let e = final_error(RpcError::business("no"), vec!["a:1".into()]);
         assert!(e.tried().is_empty());
+    }
+
+    /// 501 (the connection does not stream) moves on to an untried endpoint at once, within
+    /// `retry_times`, and is never retried on an endpoint already tried.
+    #[test]
+    fn a_connection_that_does_not_stream_fails_over_to_an_untried_endpoint_only() {
+        let o = GovernanceOptions {
+            retry_times: 1,
+            retry_interval_ms: 50,
+            ..GovernanceOptions::default()
+        };
+        let no_streams = RpcError::new(StatusCode::NotImplemented, "does not stream");
+        assert_eq!(
+            decide(&no_streams, 0, &o, None, true),
+            Decision::Retry {
+                after: Duration::ZERO
+            }
+        );
+        assert_eq!(decide(&no_streams, 0, &o, None, false), Decision::GiveUp);
+        assert_eq!(
+            decide(&no_streams, 1, &o, None, true),
+            Decision::GiveUp,
+            "retry_times spent"
+        );
     }
 
     #[test]

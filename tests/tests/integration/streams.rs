@@ -928,6 +928,56 @@ async fn a_stream_to_a_server_that_does_not_stream_fails_at_once() {
         .expect("fake server");
 }
 
+/// Of two instances, one an older server that does not stream: a stream set-up that picks it
+/// moves on to the other at once (nothing was sent to the older one), so every stream opens
+/// while some instances stream and some do not yet.
+#[tokio::test]
+async fn a_stream_set_up_fails_over_from_a_server_that_does_not_stream() {
+    let reg = InProcessRegistry::new();
+    let (server, _probe) = serve(&reg, 50).await;
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let old = listener.local_addr().expect("addr");
+    let (handshook_tx, handshook) = tokio::sync::oneshot::channel();
+    let old_server = tokio::spawn(async move {
+        let (mut peer, _) = RawConn::accept_with(&listener, Default::default()).await;
+        let _ = handshook_tx.send(());
+        // Nothing but heartbeats may follow: a stream is never sent to it.
+        loop {
+            match peer.recv().await {
+                Some(Kind::Ping(_)) => {}
+                None => return,
+                Some(other) => panic!("the older server was sent {other:?}"),
+            }
+        }
+    });
+    // Round robin over both: of four set-ups in a row, two pick the older server first.
+    let f = FeedClient::new(
+        Client::builder()
+            .registry(StaticRegistry::new([
+                old.to_string(),
+                server.local_addr().to_string(),
+            ]))
+            .build(),
+    );
+    for round in 0..4u32 {
+        let items = within("ticks", f.ticks(round + 1))
+            .await
+            .unwrap_or_else(|e| panic!("set-up {round}: {e}"));
+        let items = within("the items", items.collect_all())
+            .await
+            .unwrap_or_else(|e| panic!("stream {round}: {e}"));
+        assert_eq!(items.len() as u32, round + 1, "stream {round}");
+    }
+    within("the older server's handshake", handshook)
+        .await
+        .expect("the older server was tried");
+    drop(f);
+    within("the older server sees the connection end", old_server)
+        .await
+        .expect("older server");
+    within("shutdown", server.shutdown()).await;
+}
+
 /// A server that sends more items than the client granted breaks the protocol: that stream
 /// (only) ends with an error after the items within the window, the server is told to stop it,
 /// and the connection carries on. The client's reader never waits for the stream's consumer.
