@@ -1523,7 +1523,8 @@ impl stack::Service for Attempt<'_> {
             ));
         };
         let span = telemetry::attempt_span(cx.method(), cx.attempt(), &addr);
-        let watch = telemetry::AttemptWatch::new(span.clone(), cx.attempt_deadline());
+        let watch =
+            telemetry::AttemptWatch::new(span.clone(), cx.attempt_deadline(), cx.superseded());
         // Load-aware choices need the attempt counted on its endpoint while it runs.
         let load = self
             .client

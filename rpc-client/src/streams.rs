@@ -566,7 +566,8 @@ impl stack::Service for OpenAttempt<'_> {
         let method = cx.method();
         let codec = self.client.inner.codec;
         let span = telemetry::attempt_span(method, cx.attempt(), &addr);
-        let watch = telemetry::AttemptWatch::new(span.clone(), cx.attempt_deadline());
+        let watch =
+            telemetry::AttemptWatch::new(span.clone(), cx.attempt_deadline(), cx.superseded());
         let attempt = async {
             // The set-up within the attempt's deadline (the retry layer's timer), the stream
             // within the call's.

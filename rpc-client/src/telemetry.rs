@@ -15,7 +15,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use rpc_core::{Compression, MethodDescriptor, RpcContext, RpcError, StatusCode, CALL_ID_KEY};
 use rpc_governance::calls::{CallObservers, Side};
-use rpc_governance::stack::{StreamEnd, StreamEndHook};
+use rpc_governance::stack::{StreamEnd, StreamEndHook, Superseded};
 use tokio::time::Instant;
 use tracing::field::{display, Empty};
 use tracing::Span;
@@ -462,15 +462,24 @@ pub(crate) struct AttemptWatch {
     /// When the attempt started and its deadline, when its span is enabled.
     started: Option<(Instant, Option<Instant>)>,
     done: bool,
+    /// For an attempt of a hedged call: set once the other attempt answered.
+    superseded: Option<Superseded>,
 }
 
 impl AttemptWatch {
-    pub(crate) fn new(span: Span, deadline: Option<Instant>) -> Self {
+    /// Watches the attempt of `span`, whose deadline is `deadline`; `superseded` is its hedged
+    /// call's ([`CallCx::superseded`](rpc_governance::stack::CallCx::superseded)).
+    pub(crate) fn new(
+        span: Span,
+        deadline: Option<Instant>,
+        superseded: Option<Superseded>,
+    ) -> Self {
         let started = (!span.is_disabled()).then(|| (Instant::now(), deadline));
         AttemptWatch {
             span,
             started,
             done: false,
+            superseded,
         }
     }
 
@@ -483,10 +492,30 @@ impl AttemptWatch {
 
 impl Drop for AttemptWatch {
     fn drop(&mut self) {
-        if let (false, Some((started, deadline))) = (self.done, self.started) {
+        let Some((started, deadline)) = self.started.filter(|_| !self.done) else {
+            return;
+        };
+        if self.superseded.as_ref().is_some_and(Superseded::is_set) {
+            record_superseded(&self.span, started);
+        } else {
             record_dropped(&self.span, "attempt", started, deadline);
         }
     }
+}
+
+/// Ends the span of a hedged call's attempt dropped because the call's other attempt answered
+/// first: `outcome = "superseded"`, with no error status (the call succeeded, and nothing
+/// failed on this attempt's side; its server was told to stop).
+fn record_superseded(span: &Span, started: Instant) {
+    let elapsed_ms = started.elapsed().as_millis() as u64;
+    span.record("outcome", "superseded");
+    span.in_scope(|| {
+        tracing::debug!(
+            elapsed_ms,
+            "attempt dropped after {elapsed_ms} ms: the hedged call's other attempt answered \
+             first"
+        )
+    });
 }
 
 /// `host:port` (or `[v6]:port`) split into host and port; no allocation.

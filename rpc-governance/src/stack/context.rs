@@ -47,6 +47,8 @@ pub struct CallCx<'g> {
     pub(crate) first_endpoint: Option<Arc<std::sync::OnceLock<Arc<str>>>>,
     /// This context is a hedge's: one attempt, not a call of its own (no budget deposit).
     pub(crate) hedge: bool,
+    /// Shared by both attempts of a hedged call, set once one of them answered.
+    pub(crate) superseded: Option<Superseded>,
     /// The endpoint of the last failed attempt.
     pub(crate) last_failed: Option<Arc<str>>,
     pub(crate) fallback_cause: Option<RpcError>,
@@ -75,6 +77,23 @@ pub struct StreamEnd {
     pub items_received: u64,
     /// From the start of the set-up to the end.
     pub elapsed: std::time::Duration,
+}
+
+/// Whether the other attempt of a hedged call answered first ([`CallCx::superseded`]): an
+/// attempt dropped after that lost the race; it was not cancelled by its caller, and its span
+/// and logs say so rather than reporting an error.
+#[derive(Debug, Clone, Default)]
+pub struct Superseded(Arc<std::sync::atomic::AtomicBool>);
+
+impl Superseded {
+    /// Whether the other attempt answered first.
+    pub fn is_set(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    pub(crate) fn set(&self) {
+        self.0.store(true, std::sync::atomic::Ordering::Release);
+    }
 }
 
 /// A hook registered with [`CallCx::on_stream_end`].
@@ -122,6 +141,7 @@ impl<'g> CallCx<'g> {
             throttled: false,
             first_endpoint: None,
             hedge: false,
+            superseded: None,
             last_failed: None,
             fallback_cause: None,
             attachments: None,
@@ -173,6 +193,12 @@ impl<'g> CallCx<'g> {
         cx.attempt = 1;
         cx.tried.extend(avoid);
         cx
+    }
+
+    /// For an attempt of a hedged call: set once the call's other attempt answered, before
+    /// this one is dropped. `None` for a call that does not hedge.
+    pub fn superseded(&self) -> Option<Superseded> {
+        self.superseded.clone()
     }
 
     /// The entry id, `"<service id>.<method>"`.

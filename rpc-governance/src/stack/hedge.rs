@@ -28,7 +28,7 @@ use rpc_core::{GovernanceOptions, RpcError};
 use tokio::time::Instant;
 
 use super::retry::retry_depth_mark;
-use super::{CallCx, Service};
+use super::{CallCx, Service, Superseded};
 use crate::events::EventKind;
 use crate::latency::LatencyWindow;
 
@@ -129,7 +129,12 @@ impl<S: Service> HedgeLayer<S> {
             retry_times: 0,
             ..(*cx.options).clone()
         });
+        // Set once one attempt answered: the other, dropped with this function's futures,
+        // lost the race (its span says so instead of reporting it cancelled).
+        let superseded = Superseded::default();
+        cx.superseded = Some(superseded.clone());
         let mut hedge_cx = cx.fork_hedge(options, None);
+        hedge_cx.superseded = Some(superseded.clone());
         // The hedge is an attempt of the same call: it carries the call's retry depth (its own
         // options, one attempt, would not).
         if let (_, Some(depth)) = retry_depth_mark(&cx.options) {
@@ -160,6 +165,7 @@ impl<S: Service> HedgeLayer<S> {
             biased;
             r = &mut primary => match r {
                 Ok(bytes) => {
+                    superseded.set();
                     learn(started.elapsed());
                     Ok(bytes)
                 }
@@ -173,6 +179,7 @@ impl<S: Service> HedgeLayer<S> {
             },
             h = &mut hedge => match h {
                 Some(Ok(bytes)) => {
+                    superseded.set();
                     // The first attempt, still running, has taken at least this long.
                     learn(started.elapsed());
                     Ok(bytes)

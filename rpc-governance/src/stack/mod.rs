@@ -45,7 +45,7 @@ use rpc_core::{Codec, RpcError};
 
 pub use balance::{Balance, Pick};
 pub use breaker::CircuitBreakerLayer;
-pub use context::{CallCx, StreamEnd, StreamEndHook};
+pub use context::{CallCx, StreamEnd, StreamEndHook, Superseded};
 pub use fallback::{FallbackLayer, Fallbacks};
 pub use hedge::HedgeLayer;
 pub use middleware::{Layered, Middleware, Next};

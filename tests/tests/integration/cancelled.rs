@@ -493,3 +493,76 @@ async fn the_gauges_reach_the_final_flush_after_the_client_is_dropped() {
     );
     server.shutdown().await;
 }
+
+/// A hedged call whose first attempt hangs: the hedge answers, and the first attempt, dropped
+/// because the other answered first, ends its span as superseded with no error status (and a
+/// debug line saying why); the call's own span succeeds.
+#[tokio::test]
+async fn the_losing_attempt_of_a_hedged_call_ends_superseded_not_as_an_error() {
+    let (seen, _guard) = Seen::install();
+    let (hang, mut probe) = serve(&seen.meter).await;
+    let quick = Server::builder()
+        .add_service(SlowServer::new(Cause))
+        .serve("127.0.0.1:0")
+        .await
+        .unwrap();
+    let slow = SlowClient::new(
+        Client::builder()
+            .meter(seen.meter.clone())
+            .registry(StaticRegistry::new([
+                hang.local_addr().to_string(),
+                quick.local_addr().to_string(),
+            ]))
+            .override_options(
+                SlowClient::SERVICE_ID,
+                GovernanceOverrides {
+                    hedge_delay_ms: Some(20),
+                    idempotent: Some(true),
+                    ..GovernanceOverrides::NONE
+                },
+            )
+            .build(),
+    );
+    // Round robin over both: of two calls, at least one starts on the hanging server.
+    for _ in 0..2 {
+        within("a hedged call", slow.forever())
+            .await
+            .expect("the hedge answers");
+    }
+    // Its server was told to stop.
+    recv_one("the hanging handler dropped", &mut probe.dropped).await;
+
+    // The losing attempt's span ends once the last handle to it is gone.
+    let hang_port = Some(Value::I64(i64::from(hang.local_addr().port())));
+    let on_hang =
+        |s: &SpanData| s.name == "rpc.client.attempt" && attr(s, "server.port") == hang_port;
+    let spans = within("the losing attempt's span ended", async {
+        loop {
+            let spans = seen.spans();
+            if spans.iter().any(on_hang) {
+                return spans;
+            }
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    let lost: Vec<&SpanData> = spans.iter().filter(|s| on_hang(s)).collect();
+    for span in lost {
+        assert_eq!(attr(span, "outcome"), Some("superseded".into()));
+        assert!(
+            !matches!(span.status, Status::Error { .. }),
+            "the losing attempt is no error: {:?}",
+            span.status
+        );
+    }
+    for span in spans.iter().filter(|s| s.name == "rpc.client") {
+        assert!(!matches!(span.status, Status::Error { .. }), "{span:#?}");
+    }
+    let lines = seen.lines.text();
+    assert!(
+        lines.contains("the hedged call's other attempt answered first"),
+        "{lines}"
+    );
+    hang.shutdown().await;
+    quick.shutdown().await;
+}

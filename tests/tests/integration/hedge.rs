@@ -41,6 +41,10 @@ impl Hedged for Node {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hedge_answers_for_a_stuck_server_and_the_stuck_server_is_cancelled() {
+    // A span subscriber on this thread, as the trace tests of this binary have: `tracing`
+    // caches each callsite's interest process-wide, and these calls, made without one, left
+    // `cancelled`'s attempt and server spans unrecorded when the two ran at once.
+    let (_traces, _traced) = common::otel::Traces::install();
     let (dropped_tx, mut dropped) = mpsc::unbounded_channel();
     let mut servers = Vec::new();
     let mut calls = Vec::new();
@@ -106,6 +110,10 @@ async fn a_hedge_answers_for_a_stuck_server_and_the_stuck_server_is_cancelled() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn under_hedge_percentile_calls_are_hedged_once_the_entry_has_a_latency_record() {
+    // A span subscriber on this thread, as the trace tests of this binary have: `tracing`
+    // caches each callsite's interest process-wide, and these calls, made without one, left
+    // `cancelled`'s attempt and server spans unrecorded when the two ran at once.
+    let (_traces, _traced) = common::otel::Traces::install();
     // hedge_percentile = 50 and no floor: no hedge until the entry's window holds 20 calls;
     // after that, a call whose first attempt lands on the stuck server is hedged after the
     // entry's median latency (well under a millisecond here) and answered by the quick one.

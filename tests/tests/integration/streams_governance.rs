@@ -211,9 +211,6 @@ impl Stocks for Cache {
     }
 }
 
-/// A subscriber for a test that reads no span: `tracing` caches a callsite's interest
-/// process-wide, and a thread without one could mark the spans as never wanted while another
-/// test records them.
 /// A listener for a raw server on a free loopback port, and its address.
 async fn raw_listener() -> (tokio::net::TcpListener, std::net::SocketAddr) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
