@@ -63,8 +63,10 @@ impl Client {
     /// an error item (the server's own error, typed as for a unary call, or a connection
     /// failure saying how many items arrived). Dropping the stream tells the server to stop.
     ///
-    /// A server that does not stream (an older one) refuses at once with
-    /// [`StatusCode::NotImplemented`], having been sent nothing.
+    /// An instance whose server does not stream (an older one) is sent nothing: the set-up
+    /// moves on to an untried instance at once (within `retry_times`), and fails with
+    /// [`StatusCode::NotImplemented`] when none is left, naming the instances tried. A client
+    /// whose `ConnectOptions::streams` is off fails so at once.
     pub async fn invoke_stream<H: FnOnce() -> u64>(
         &self,
         method: &'static MethodDescriptor,

@@ -24,6 +24,7 @@ struct Inner {
     message: String,
     payload: Option<(Codec, Bytes)>,
     maybe_delivered: bool,
+    unsupported_by_endpoint: bool,
     tried: Vec<String>,
     retry_after: Option<Duration>,
     fields: Vec<FieldError>,
@@ -51,6 +52,7 @@ impl RpcError {
                 message: message.into(),
                 payload: None,
                 maybe_delivered: false,
+                unsupported_by_endpoint: false,
                 tried: Vec::new(),
                 retry_after: None,
                 fields: Vec::new(),
@@ -93,6 +95,15 @@ impl RpcError {
     /// so the server may have run it.
     pub fn maybe_delivered(mut self, yes: bool) -> Self {
         self.inner.maybe_delivered = yes;
+        self
+    }
+
+    /// Marks the failure as the chosen endpoint's lack of a capability the call needs (its
+    /// server does not stream): nothing was sent, that endpoint will never serve the call,
+    /// and another may. Failover then moves to an untried endpoint at once. Local only: not
+    /// carried on the wire nor in the serialised form.
+    pub fn unsupported_by_endpoint(mut self, yes: bool) -> Self {
+        self.inner.unsupported_by_endpoint = yes;
         self
     }
 
@@ -155,6 +166,12 @@ impl RpcError {
         self.inner.maybe_delivered
     }
 
+    /// True when the chosen endpoint cannot serve the call and nothing was sent (see
+    /// [`unsupported_by_endpoint`](Self::unsupported_by_endpoint)).
+    pub fn is_unsupported_by_endpoint(&self) -> bool {
+        self.inner.unsupported_by_endpoint
+    }
+
     /// The endpoints the call was tried on, in order (empty when none was reached).
     pub fn tried(&self) -> &[String] {
         &self.inner.tried
@@ -196,6 +213,10 @@ impl fmt::Debug for RpcError {
             .field("message", &self.inner.message)
             .field("has_payload", &self.inner.payload.is_some())
             .field("maybe_delivered", &self.inner.maybe_delivered)
+            .field(
+                "unsupported_by_endpoint",
+                &self.inner.unsupported_by_endpoint,
+            )
             .field("tried", &self.inner.tried)
             .field("retry_after", &self.inner.retry_after)
             .field("field_errors", &self.inner.fields)

@@ -14,10 +14,11 @@ use crate::retry::{self, Decision};
 /// (with the refusal, which carries `retry_after`) when that does not fit before the deadline.
 /// With an untried endpoint left, the next attempt goes there after the usual interval.
 ///
-/// A stream set-up on a connection whose server does not stream (501, refused before anything
-/// was sent) is not retried on that endpoint, which will never stream, but moves to an untried
-/// one at once: during a rolling upgrade some instances stream and some do not yet. It counts
-/// as an attempt, within `retry_times`.
+/// A failure the chosen endpoint caused by lacking what the call needs
+/// ([`RpcError::is_unsupported_by_endpoint`]: its server does not stream; nothing was sent) is
+/// not retried on that endpoint, which will never serve it, but moves to an untried one at
+/// once: during a rolling upgrade some instances stream and some do not yet. It counts as an
+/// attempt, within `retry_times`.
 pub fn decide(
     err: &RpcError,
     attempt: u32,
@@ -28,7 +29,7 @@ pub fn decide(
     if err.code() == StatusCode::CommunicationError && !err.is_maybe_delivered() && !untried_left {
         return Decision::GiveUp;
     }
-    if err.code() == StatusCode::NotImplemented {
+    if err.is_unsupported_by_endpoint() {
         return if untried_left && attempt < options.retry_times {
             Decision::Retry {
                 after: std::time::Duration::ZERO,
@@ -55,7 +56,7 @@ pub fn decide(
 /// The error the caller sees: failures that another endpoint might have cured carry every
 /// endpoint tried, in order.
 pub fn final_error(err: RpcError, tried: Vec<String>) -> RpcError {
-    if err.code().is_retryable() {
+    if err.code().is_retryable() || err.is_unsupported_by_endpoint() {
         err.with_tried(tried)
     } else {
         err
@@ -88,7 +89,7 @@ mod tests {
         assert!(e.tried().is_empty());
     }
 
-    /// 501 (the connection does not stream) moves on to an untried endpoint at once, within
+    /// An endpoint that cannot serve the call (its connection does not stream) moves on to an untried endpoint at once, within
     /// `retry_times`, and is never retried on an endpoint already tried.
     #[test]
     fn a_connection_that_does_not_stream_fails_over_to_an_untried_endpoint_only() {
@@ -97,7 +98,8 @@ mod tests {
             retry_interval_ms: 50,
             ..GovernanceOptions::default()
         };
-        let no_streams = RpcError::new(StatusCode::NotImplemented, "does not stream");
+        let no_streams = RpcError::new(StatusCode::NotImplemented, "does not stream")
+            .unsupported_by_endpoint(true);
         assert_eq!(
             decide(&no_streams, 0, &o, None, true),
             Decision::Retry {
@@ -110,6 +112,12 @@ mod tests {
             Decision::GiveUp,
             "retry_times spent"
         );
+        // A 501 a server answered (or the client's own streams being off) is no endpoint's
+        // lack: not failed over.
+        let answered = RpcError::new(StatusCode::NotImplemented, "not a streaming method");
+        assert_eq!(decide(&answered, 0, &o, None, true), Decision::GiveUp);
+        let e = final_error(no_streams, vec!["a:1".into(), "b:1".into()]);
+        assert_eq!(e.tried(), ["a:1", "b:1"], "the endpoints tried are named");
     }
 
     #[test]

@@ -189,9 +189,11 @@ impl<B: Balance, S> RetryLayer<B, S> {
             );
         }
         let fault = Fault::of(&err);
+        // An endpoint that cannot serve the call says nothing of its health either way.
+        let unsupported = err.is_unsupported_by_endpoint();
         if let Some(fault) = fault {
             self.hold_against(cx, &addr, fault, &err);
-        } else if err.code().is_breaker_exempt() {
+        } else if err.code().is_breaker_exempt() && !unsupported {
             // The callee's own logic answered: the endpoint is up.
             cx.health().success(&addr);
         }
@@ -208,8 +210,9 @@ impl<B: Balance, S> RetryLayer<B, S> {
         // delivered): retrying those multiplies load down the chain. Moving on from an endpoint
         // the call never reached (connection refused, nothing sent) costs no server anything,
         // so a middle tier still fails over from a dead instance.
-        let never_reached =
-            err.code() == StatusCode::CommunicationError && !err.is_maybe_delivered();
+        let never_reached = (err.code() == StatusCode::CommunicationError
+            && !err.is_maybe_delivered())
+            || unsupported;
         if chain_stopped && !never_reached && matches!(decision, Decision::Retry { .. }) {
             let msg = format!(
                 "{}; not retried: this call was made while serving a call that a caller up the \
@@ -232,7 +235,8 @@ impl<B: Balance, S> RetryLayer<B, S> {
                 return Err(failover::final_error(err, tried(cx)));
             }
         };
-        if !cx.policy.budget.try_withdraw(&cx.options) {
+        // Moving on from an endpoint that cannot serve the call loads no server: no budget.
+        if !unsupported && !cx.policy.budget.try_withdraw(&cx.options) {
             cx.emit(
                 EventKind::BudgetExhausted,
                 Some(&last),

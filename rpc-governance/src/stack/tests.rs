@@ -358,6 +358,51 @@ async fn budget_exhaustion_stops_retries_and_says_so() {
     assert!(kinds.contains(&EventKind::BudgetExhausted));
 }
 
+/// An endpoint that cannot serve the call (its server does not stream; nothing sent): the
+/// call moves on to the next endpoint at once even with the retry budget spent and inside a
+/// retried call (chain stop), and a call on endpoints that all cannot names each one tried. A
+/// 501 a server answered is not failed over.
+#[tokio::test(start_paused = true)]
+async fn an_endpoint_that_cannot_serve_the_call_is_left_for_the_next_without_budget_or_chain_stop()
+{
+    use rpc_core::{RpcContext, RETRY_DEPTH_KEY};
+    let cannot = || {
+        Err(RpcError::new(StatusCode::NotImplemented, "does not stream")
+            .unsupported_by_endpoint(true))
+    };
+    let served = std::collections::BTreeMap::from([(RETRY_DEPTH_KEY.to_string(), "1".into())]);
+    let g = engine(GovernanceOptions {
+        retry_times: 3,
+        retry_interval_ms: 100,
+        retry_budget_percent: 0,
+        retry_budget_min_per_second: 0, // no retry at all
+        enable_circuit_breaker: false,
+        timeout_ms: 0,
+        ..Default::default()
+    });
+    let p = g.policy(&M);
+    let s = Script::new(vec![cannot(), ok()], Duration::ZERO);
+    let answer = RpcContext::scope(served.clone(), g.execute(&p, &s)).await;
+    assert_eq!(answer.expect("the second endpoint answers"), ok().unwrap());
+    assert_eq!(s.starts(), [Duration::ZERO, Duration::ZERO], "at once");
+
+    let s = Script::new(vec![cannot()], Duration::ZERO);
+    let err = g.execute(&p, &s).await.unwrap_err();
+    assert_eq!(err.code(), StatusCode::NotImplemented);
+    assert_eq!(err.tried(), ["a:1", "b:1", "c:1"]);
+
+    let answered = || {
+        Err(RpcError::new(
+            StatusCode::NotImplemented,
+            "not a streaming method",
+        ))
+    };
+    let s = Script::new(vec![answered(), ok()], Duration::ZERO);
+    let err = g.execute(&p, &s).await.unwrap_err();
+    assert_eq!(err.code(), StatusCode::NotImplemented);
+    assert_eq!(s.starts().len(), 1, "a server's 501 is not failed over");
+}
+
 #[tokio::test(start_paused = true)]
 async fn reload_takes_effect_on_the_next_call_and_keeps_an_open_breaker_open() {
     let g = engine(GovernanceOptions {

@@ -225,6 +225,7 @@ impl Connection {
             closed: AtomicBool::new(false),
             close,
             server_streams,
+            client_streams: options.streams,
             stream_window: options.stream_window.max(1),
             stream_window_bytes: window_bytes,
             send_window_bytes,
@@ -419,16 +420,28 @@ impl Connection {
     ) -> Result<Opened, RpcError> {
         let mut call = call.into();
         let shared = &self.shared;
+        if !shared.client_streams {
+            return Err(RpcError::new(
+                StatusCode::NotImplemented,
+                format!(
+                    "{}: this client does not stream (its ConnectOptions::streams is off): \
+                     turn it on to open streams",
+                    shared.peer
+                ),
+            ));
+        }
         if !shared.server_streams {
+            // Another instance may stream (during a rolling upgrade): failover moves on.
             return Err(RpcError::new(
                 StatusCode::NotImplemented,
                 format!(
                     "{}: this connection does not stream: the server did not offer streams in \
-                     its handshake (an older server, or this client's ConnectOptions::streams \
-                     is off); call a unary method, or upgrade the server",
+                     its handshake (an older server); call a unary method, or upgrade the \
+                     server",
                     shared.peer
                 ),
-            ));
+            )
+            .unsupported_by_endpoint(true));
         }
         if mode == rpc_core::StreamMode::Unary {
             return Err(RpcError::new(

@@ -41,6 +41,8 @@ pub(super) struct Shared {
     pub(super) close: CancellationToken,
     /// Whether the server takes streams (`HelloAck.streams`, to a `Hello` offering them).
     pub(super) server_streams: bool,
+    /// Whether this client offered streams (`ConnectOptions::streams`).
+    pub(super) client_streams: bool,
     /// Items per stream this client buffers (`Hello.stream_window`).
     pub(super) stream_window: u32,
     /// Bytes per stream this client buffers (`Hello.stream_window_bytes`), 0 when the server
