@@ -46,6 +46,36 @@ use crate::writer::{FrameSender, RoomWait, MAX_ITEMS_BYTES};
 /// the byte window, or the send queue's limit, first.
 const ITEMS_PER_POLL: usize = 1024;
 
+/// The longest a stream's poll goes on producing (looked at every [`TURN_CHECK`] items): a
+/// producer that takes long per item yields as often as a cheap one, so it holds its worker
+/// and the poll's first item (sent when the poll returns) no longer than this.
+const TURN: std::time::Duration = std::time::Duration::from_micros(100);
+
+/// Items between two looks at the clock in a poll.
+const TURN_CHECK: usize = 64;
+
+/// One poll of a stream's task: the items it sent and when it began.
+struct Turn {
+    sent: usize,
+    began: std::time::Instant,
+}
+
+impl Turn {
+    fn new() -> Self {
+        Turn {
+            sent: 0,
+            began: std::time::Instant::now(),
+        }
+    }
+
+    /// Whether the poll has used its turn: [`ITEMS_PER_POLL`] items, or [`TURN`] (looked at
+    /// every [`TURN_CHECK`] items).
+    fn over(&self) -> bool {
+        self.sent >= ITEMS_PER_POLL
+            || (self.sent > 0 && self.sent % TURN_CHECK == 0 && self.began.elapsed() >= TURN)
+    }
+}
+
 /// One stream's state shared by its task, its inbound items' consumer and the connection's
 /// reader.
 pub(super) struct StreamSlot {
@@ -566,8 +596,8 @@ pub struct ItemSink<'a> {
     out: &'a mut Out,
     credit: &'a mut Credit,
     violated: &'a AtomicBool,
-    /// Items the task sent in this poll.
-    sent: &'a mut usize,
+    /// This poll's items and start.
+    turn: &'a mut Turn,
     /// The bytes this poll may queue before the connection's send queue is over its limit.
     room: usize,
     /// Where the item begun last starts in the run, while it is not committed.
@@ -580,7 +610,7 @@ impl ItemSink<'_> {
     /// its limit), and the stream was not broken.
     pub fn has_room(&self) -> bool {
         self.credit.ready()
-            && *self.sent < ITEMS_PER_POLL
+            && !self.turn.over()
             && self.out.pending() <= self.room
             && !self.violated.load(Ordering::Relaxed)
     }
@@ -602,7 +632,7 @@ impl ItemSink<'_> {
         out.length_width = finish_run_item(&mut out.run, mark, out.length_width, len);
         out.added_in_place(mark, len);
         self.credit.sent(len);
-        *self.sent += 1;
+        self.turn.sent += 1;
     }
 
     /// Drops the item begun last and whatever was appended for it (when it was not
@@ -667,7 +697,7 @@ impl StreamDriver {
 
     /// The next event; once the stream is accepted (its credit frame goes first), plain items
     /// are appended to the run in place, as many as fit ([`StreamEvent::Appended`]).
-    fn next_event(&mut self, cx: &mut Context<'_>, sent: &mut usize) -> Poll<Option<StreamEvent>> {
+    fn next_event(&mut self, cx: &mut Context<'_>, turn: &mut Turn) -> Poll<Option<StreamEvent>> {
         match &mut self.events {
             Events::Plain(events) => events.poll_next_unpin(cx),
             Events::Into(events) if !self.accepted => events.as_mut().poll_next(cx),
@@ -679,7 +709,7 @@ impl StreamDriver {
                     out: &mut self.out,
                     credit: &mut self.credit,
                     violated: &self.slot.violated,
-                    sent,
+                    turn,
                     room,
                     begun: None,
                 };
@@ -720,7 +750,7 @@ impl StreamDriver {
     /// One poll's frames and end, before the batch goes to the writer.
     fn poll_items(&mut self, cx: &mut Context<'_>) -> Poll<RemoteResultMessage> {
         let this = self;
-        let mut sent = 0;
+        let mut turn = Turn::new();
         // Woken by the client's frames whatever the stream waits on (credit or its producer):
         // a violation ends it at once, not when the producer next yields.
         this.slot.waker.register(cx.waker());
@@ -760,7 +790,7 @@ impl StreamDriver {
                 }
                 continue;
             }
-            if sent >= ITEMS_PER_POLL {
+            if turn.over() {
                 cx.waker().wake_by_ref();
                 return Poll::Pending;
             }
@@ -794,7 +824,7 @@ impl StreamDriver {
                 }
                 return Poll::Pending;
             }
-            match this.next_event(cx, &mut sent) {
+            match this.next_event(cx, &mut turn) {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Some(StreamEvent::Accepted)) => {
                     if !this.accepted {
@@ -810,7 +840,7 @@ impl StreamDriver {
                     };
                     this.credit.sent(payload.len());
                     this.out.put_item(&payload, compression);
-                    sent += 1;
+                    turn.sent += 1;
                 }
                 // (Counted as they were appended, through the sink.)
                 Poll::Ready(Some(StreamEvent::Appended(_))) => {}
@@ -873,6 +903,25 @@ mod tests {
     use super::*;
     use crate::writer::duplex_writer;
     use crate::COPY_QUEUED_BELOW;
+
+    /// A poll's turn ends after ITEMS_PER_POLL items, or once TURN has passed at a look at the
+    /// clock (every TURN_CHECK items), whichever comes first.
+    #[test]
+    fn a_polls_turn_ends_at_its_item_count_or_its_time() {
+        let long_ago = std::time::Instant::now() - 2 * TURN;
+        let turn = |sent, began| Turn { sent, began };
+        assert!(!turn(0, long_ago).over(), "no item yet");
+        assert!(
+            !turn(TURN_CHECK - 1, long_ago).over(),
+            "not a look at the clock"
+        );
+        assert!(turn(TURN_CHECK, long_ago).over(), "a look, after the time");
+        assert!(
+            !turn(TURN_CHECK, std::time::Instant::now()).over(),
+            "a look, in time"
+        );
+        assert!(turn(ITEMS_PER_POLL, std::time::Instant::now()).over());
+    }
 
     /// A small item waits in a buffer of its own, not in a slice of the connection's read
     /// buffer (which it would keep whole); a large one is not copied.
