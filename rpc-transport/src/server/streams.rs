@@ -72,7 +72,9 @@ impl Turn {
     /// every [`TURN_CHECK`] items).
     fn over(&self) -> bool {
         self.sent >= ITEMS_PER_POLL
-            || (self.sent > 0 && self.sent % TURN_CHECK == 0 && self.began.elapsed() >= TURN)
+            || (self.sent > 0
+                && self.sent.is_multiple_of(TURN_CHECK)
+                && self.began.elapsed() >= TURN)
     }
 }
 
