@@ -189,9 +189,11 @@ impl ClientBuilder {
     }
 
     /// Items per stream the client buffers before it grants the server more (8192 by
-    /// default, and at most 256 KiB of them: `ConnectOptions::stream_window_bytes`): a stream
-    /// whose consumer stops reading holds at most this many items, and the server's producer
-    /// stops until it reads on.
+    /// default, and at most 256 KiB of them, `ConnectOptions::stream_window_bytes`, with a
+    /// server that keeps byte windows, as servers do by default): a stream whose consumer
+    /// stops reading holds at most this many items, and the server's producer stops until it
+    /// reads on. With a server that holds streams to items only, set a smaller window for
+    /// large items.
     pub fn stream_window(mut self, items: u32) -> Self {
         self.connect.stream_window = items.max(1);
         self
