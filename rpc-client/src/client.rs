@@ -1059,15 +1059,20 @@ impl Client {
     ) -> impl std::future::Future<Output = Result<Bytes, RpcError>> + Send + '_ {
         let policy = self.inner.governance.policy(method);
         if policy.service_known() {
-            return Either::Left(self.invoke_entry(method, policy, params, hash_key, None));
+            let span = telemetry::call_span(method);
+            return Either::Left(self.invoke_entry(method, policy, params, hash_key, None, span));
         }
         // An entry's first call: its service is looked up first (the key is hashed now,
-        // whatever the strategy turns out to be: once per entry).
+        // whatever the strategy turns out to be: once per entry), within the call's span.
         let hash = hash_key.map(|h| h());
         Either::Right(Box::pin(async move {
-            let started = self.learn_service(method, &policy).await;
+            let span = telemetry::call_span(method);
+            let started = self
+                .learn_service(method, &policy)
+                .instrument(span.clone())
+                .await;
             let hash_key = hash.map(|h| move || h);
-            self.invoke_entry(method, policy, params, hash_key, Some(started))
+            self.invoke_entry(method, policy, params, hash_key, Some(started), span)
                 .await
         }))
     }
@@ -1100,14 +1105,32 @@ impl Client {
             Some(d) => tokio::time::timeout_at(d, lookup).await.ok(),
             None => Some(lookup.await),
         };
-        if matches!(found, Some(Ok(_))) {
-            policy.set_service_known();
+        let elapsed_ms = started.elapsed().as_millis() as u64;
+        match &found {
+            Some(Ok(_)) => {
+                policy.set_service_known();
+                tracing::debug!(
+                    elapsed_ms,
+                    service = method.service_id,
+                    "the entry's first call looked its service up in the registry"
+                );
+            }
+            Some(Err(e)) => tracing::debug!(
+                elapsed_ms,
+                service = method.service_id,
+                "the entry's first call could not look its service up: {e}"
+            ),
+            None => tracing::debug!(
+                elapsed_ms,
+                service = method.service_id,
+                "the entry's first call gave up looking its service up at its deadline"
+            ),
         }
         started
     }
 
-    /// [`invoke`](Self::invoke) with the entry's policy; `started`: when the call started, if
-    /// before this (its deadline runs from then).
+    /// [`invoke`](Self::invoke) with the entry's policy, in the call's `span`; `started`: when
+    /// the call started, if before this (its deadline runs from then).
     fn invoke_entry<H: FnOnce() -> u64>(
         &self,
         method: &'static MethodDescriptor,
@@ -1115,6 +1138,7 @@ impl Client {
         params: Bytes,
         hash_key: Option<H>,
         started: Option<tokio::time::Instant>,
+        span: tracing::Span,
     ) -> impl std::future::Future<Output = Result<Bytes, RpcError>> + Send + '_ {
         let governance = &self.inner.governance;
         let options = match &self.call_options {
@@ -1122,7 +1146,6 @@ impl Client {
             Some(o) => Arc::new(o.applied(&policy.options())),
         };
         let (hash_key, misconfigured) = self.hash_or_refusal(method, &options, hash_key);
-        let span = telemetry::call_span(method);
         let call_id = telemetry::call_id(&span);
         let call_span = span.clone();
         let call = async move {

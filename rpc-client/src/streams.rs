@@ -177,10 +177,16 @@ impl Client {
         let governance = &self.inner.governance;
         let policy = governance.policy(method);
         // As for a unary call: what the service's instances publish is a level of the first
-        // stream's options too, and finding them counts against its deadline.
+        // stream's options too, and finding them counts against its deadline (and is seen in
+        // its span).
+        let span = telemetry::stream_span(method);
         let started = match policy.service_known() {
             true => None,
-            false => Some(self.learn_service(method, &policy).await),
+            false => Some(
+                self.learn_service(method, &policy)
+                    .instrument(span.clone())
+                    .await,
+            ),
         };
         let mut options = match &self.call_options {
             None => policy.options(),
@@ -195,7 +201,6 @@ impl Client {
             });
         }
         let (hash_key, misconfigured) = self.hash_or_refusal(method, &options, hash_key);
-        let span = telemetry::stream_span(method);
         let call_id = telemetry::call_id(&span);
         let call_span = span.clone();
         let opened = Mutex::new(None);

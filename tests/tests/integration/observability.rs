@@ -481,3 +481,30 @@ async fn metrics_after_a_retry_an_open_breaker_and_a_fallback() {
     good.shutdown().await;
     full.shutdown().await;
 }
+
+/// An entry's first call looks its service up in the registry within its own `rpc.client`
+/// span, which records the lookup (how long it took) as an event; later calls do not look it
+/// up again.
+#[tokio::test]
+async fn the_first_calls_registry_lookup_is_recorded_in_its_span() {
+    let (traces, _guard) = Traces::install();
+    let server = hop_server(None).await;
+    let client = HopClient::new(client_of(&[&server]));
+    for _ in 0..2 {
+        assert_eq!(client.hop(0).await.unwrap(), "none");
+    }
+    let spans = traces.spans();
+    let calls = named(&spans, "rpc.client");
+    assert_eq!(calls.len(), 2);
+    let lookups: Vec<usize> = calls
+        .iter()
+        .map(|s| {
+            s.events
+                .iter()
+                .filter(|e| e.name.contains("looked its service up in the registry"))
+                .count()
+        })
+        .collect();
+    assert_eq!(lookups, [1, 0], "the first call's span holds the lookup");
+    server.shutdown().await;
+}
