@@ -1060,20 +1060,39 @@ impl Client {
         let policy = self.inner.governance.policy(method);
         if policy.service_known() {
             let span = telemetry::call_span(method);
-            return Either::Left(self.invoke_entry(method, policy, params, hash_key, None, span));
+            let call_id = telemetry::call_id(&span);
+            return Either::Left(self.invoke_entry(
+                method,
+                policy,
+                params,
+                hash_key,
+                None,
+                (span, call_id),
+            ));
         }
         // An entry's first call: its service is looked up first (the key is hashed now,
         // whatever the strategy turns out to be: once per entry), within the call's span.
         let hash = hash_key.map(|h| h());
         Either::Right(Box::pin(async move {
             let span = telemetry::call_span(method);
+            // Before the lookup, so that what is logged in it carries the call's id.
+            let call_id = telemetry::call_id(&span);
+            let lookup = telemetry::LookupWatch::new(span.clone());
             let started = self
                 .learn_service(method, &policy)
                 .instrument(span.clone())
                 .await;
+            lookup.done();
             let hash_key = hash.map(|h| move || h);
-            self.invoke_entry(method, policy, params, hash_key, Some(started), span)
-                .await
+            self.invoke_entry(
+                method,
+                policy,
+                params,
+                hash_key,
+                Some(started),
+                (span, call_id),
+            )
+            .await
         }))
     }
 
@@ -1129,8 +1148,9 @@ impl Client {
         started
     }
 
-    /// [`invoke`](Self::invoke) with the entry's policy, in the call's `span`; `started`: when
-    /// the call started, if before this (its deadline runs from then).
+    /// [`invoke`](Self::invoke) with the entry's policy, in the call's span (with its call id,
+    /// when it has one); `started`: when the call started, if before this (its deadline runs
+    /// from then).
     fn invoke_entry<H: FnOnce() -> u64>(
         &self,
         method: &'static MethodDescriptor,
@@ -1138,7 +1158,7 @@ impl Client {
         params: Bytes,
         hash_key: Option<H>,
         started: Option<tokio::time::Instant>,
-        span: tracing::Span,
+        (span, call_id): (tracing::Span, Option<String>),
     ) -> impl std::future::Future<Output = Result<Bytes, RpcError>> + Send + '_ {
         let governance = &self.inner.governance;
         let options = match &self.call_options {
@@ -1146,7 +1166,6 @@ impl Client {
             Some(o) => Arc::new(o.applied(&policy.options())),
         };
         let (hash_key, misconfigured) = self.hash_or_refusal(method, &options, hash_key);
-        let call_id = telemetry::call_id(&span);
         let call_span = span.clone();
         let call = async move {
             let deadline = || match started {

@@ -180,13 +180,18 @@ impl Client {
         // stream's options too, and finding them counts against its deadline (and is seen in
         // its span).
         let span = telemetry::stream_span(method);
+        let call_id = telemetry::call_id(&span);
         let started = match policy.service_known() {
             true => None,
-            false => Some(
-                self.learn_service(method, &policy)
+            false => {
+                let lookup = telemetry::LookupWatch::new(span.clone());
+                let started = self
+                    .learn_service(method, &policy)
                     .instrument(span.clone())
-                    .await,
-            ),
+                    .await;
+                lookup.done();
+                Some(started)
+            }
         };
         let mut options = match &self.call_options {
             None => policy.options(),
@@ -201,7 +206,6 @@ impl Client {
             });
         }
         let (hash_key, misconfigured) = self.hash_or_refusal(method, &options, hash_key);
-        let call_id = telemetry::call_id(&span);
         let call_span = span.clone();
         let opened = Mutex::new(None);
         let inbound = Mutex::new(inbound);

@@ -190,6 +190,43 @@ fn record_dropped(span: &Span, what: &str, started: Instant, deadline: Option<In
     timed_out
 }
 
+/// Watches an entry's first call (or stream) while it looks its service up in the registry,
+/// before the call's own watch exists: a call its caller drops then still ends its span with
+/// a status (`outcome = "cancelled"`, an error saying so).
+pub(crate) struct LookupWatch {
+    span: Span,
+    started: Instant,
+    done: bool,
+}
+
+impl LookupWatch {
+    pub(crate) fn new(span: Span) -> Self {
+        LookupWatch {
+            span,
+            started: Instant::now(),
+            done: false,
+        }
+    }
+
+    /// The lookup ended (whatever it found): the call's own watch takes over.
+    pub(crate) fn done(mut self) {
+        self.done = true;
+    }
+}
+
+impl Drop for LookupWatch {
+    fn drop(&mut self) {
+        if !self.done {
+            record_dropped(
+                &self.span,
+                "call (looking its service up)",
+                self.started,
+                None,
+            );
+        }
+    }
+}
+
 /// Whole milliseconds, rounded to the nearest: a budget measured a few microseconds after its
 /// deadline was set reads as the budget given.
 fn round_ms(d: std::time::Duration) -> u64 {

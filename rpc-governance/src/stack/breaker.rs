@@ -68,14 +68,20 @@ impl<S: Service> Service for CircuitBreakerLayer<S> {
         }
         let result = self.inner.call(cx, req).await;
         // A call dropped by adaptive throttling, or one that never had an endpoint to go to
-        // (none known, or the deadline passed while finding them), says nothing new about the
-        // remote side: a local "no endpoint" must not close a half-open breaker.
-        let outcome =
-            if (cx.endpoint_held || cx.throttled || cx.endpoint.is_none()) && result.is_err() {
-                Outcome::Ignored
-            } else {
-                Outcome::of(&result)
-            };
+        // (none known, or the deadline passed while finding them), or only endpoints that
+        // cannot serve it (their servers do not stream; nothing sent), says nothing new about
+        // the remote side: a local "no endpoint" must not close a half-open breaker.
+        let local = cx.endpoint_held
+            || cx.throttled
+            || cx.endpoint.is_none()
+            || result
+                .as_ref()
+                .is_err_and(RpcError::is_unsupported_by_endpoint);
+        let outcome = if local && result.is_err() {
+            Outcome::Ignored
+        } else {
+            Outcome::of(&result)
+        };
         if let Some(t) =
             policy
                 .breaker()

@@ -391,6 +391,16 @@ async fn an_endpoint_that_cannot_serve_the_call_is_left_for_the_next_without_bud
     assert_eq!(err.code(), StatusCode::NotImplemented);
     assert_eq!(err.tried(), ["a:1", "b:1", "c:1"]);
 
+    // With a budget that allows retries, so that only the rule can stop it.
+    let g = engine(GovernanceOptions {
+        retry_times: 3,
+        retry_interval_ms: 0,
+        retry_budget_min_per_second: 1_000_000,
+        enable_circuit_breaker: false,
+        timeout_ms: 0,
+        ..Default::default()
+    });
+    let p = g.policy(&M);
     let answered = || {
         Err(RpcError::new(
             StatusCode::NotImplemented,
@@ -540,6 +550,24 @@ async fn a_probe_answered_with_an_exempt_error_closes_the_breaker() {
         assert_eq!(kinds(&mut events), [EventKind::HalfOpen, EventKind::Reset]);
         next_call_goes_through(&g, &p).await;
     }
+}
+
+/// A probe whose only endpoint cannot serve the call (its server does not stream; nothing was
+/// sent) says nothing of the remote side: the breaker is not closed by it.
+#[tokio::test(start_paused = true)]
+async fn a_probe_no_endpoint_could_serve_does_not_close_the_breaker() {
+    let (g, p, mut events) = probing().await;
+    let cannot =
+        RpcError::new(StatusCode::NotImplemented, "does not stream").unsupported_by_endpoint(true);
+    let s = single(vec![Err(cannot)], Duration::ZERO);
+    let err = g.execute(&p, &s).await.unwrap_err();
+    assert_eq!(err.code(), StatusCode::NotImplemented);
+    assert!(
+        !matches!(p.breaker().state(), BreakerState::Closed { .. }),
+        "{:?}",
+        p.breaker().state()
+    );
+    assert!(!kinds(&mut events).contains(&EventKind::Reset));
 }
 
 #[tokio::test(start_paused = true)]

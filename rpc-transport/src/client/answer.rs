@@ -56,12 +56,33 @@ impl Decoder for AnswerCodec {
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
         let answer = match self.codec.split_frame(src)? {
-            Some(payload) => decode_answer(payload).map(Some),
+            Some(payload) => {
+                if payload.len() > LARGE_FRAME {
+                    leave_large_allocation(src);
+                }
+                decode_answer(payload).map(Some)
+            }
             None => Ok(None),
         };
         self.seen = src.len();
         answer
     }
+}
+
+/// Frames above this size grew the read buffer to hold them (it starts at 64 KiB).
+const LARGE_FRAME: usize = 2 * crate::READ_BUFFER;
+
+/// After a large frame was cut from the read buffer, what is left of the buffer still lies in
+/// the allocation made for that frame, and the frames read next would be cut from it too,
+/// each keeping all of it alive for as long as it is held (a stream's items while their
+/// consumer waits: a 9 KiB run, too large to be copied out, could keep a megabyte). What is
+/// left moves to a buffer of the usual size, so the large allocation lives only as long as the
+/// large frame. (Frames of up to twice the usual buffer are left alone: runs of stream items
+/// reach just above it, and moving the rest after each would cost a copy per run.)
+fn leave_large_allocation(src: &mut BytesMut) {
+    let mut fresh = BytesMut::with_capacity(crate::READ_BUFFER.max(src.len()));
+    fresh.extend_from_slice(src);
+    *src = fresh;
 }
 
 /// One decoded frame from the server.
@@ -214,6 +235,45 @@ mod tests {
 
     use super::*;
     use crate::mutations::payload;
+
+    /// Once a large frame is read, the read buffer goes back to its usual size: the large
+    /// frame's allocation is not taken back as the buffer once the frame is dropped (else every
+    /// frame read later would be cut from it and keep all of it alive).
+    #[tokio::test]
+    async fn the_read_buffer_does_not_keep_a_large_frames_allocation() {
+        use futures_util::StreamExt;
+        let mut wire = BytesMut::new();
+        for (id, len) in [(1, 1 << 20), (2, 9 * 1024), (3, 9 * 1024)] {
+            let answer = RemoteResultMessage {
+                message_id: id,
+                status_code: 200,
+                result: Bytes::from(vec![7u8; len]),
+                ..Default::default()
+            };
+            FrameCodec::encode_kind(Kind::Result(answer), &mut wire);
+        }
+        let progress = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let mut frames = tokio_util::codec::FramedRead::with_capacity(
+            &wire[..],
+            AnswerCodec::new(4 << 20, progress),
+            crate::READ_BUFFER,
+        );
+        let mut lens = Vec::new();
+        while let Some(answer) = frames.next().await {
+            match answer {
+                // Each answer is dropped at once, as a caller that is done with it does.
+                Ok(Answer::Frame(Kind::Result(r))) => lens.push(r.result.len()),
+                other => panic!("expected an answer, got {other:?}"),
+            }
+            assert!(
+                frames.read_buffer().capacity() <= 2 * crate::READ_BUFFER,
+                "after {} answers the read buffer holds {} bytes",
+                lens.len(),
+                frames.read_buffer().capacity()
+            );
+        }
+        assert_eq!(lens, [1 << 20, 9 * 1024, 9 * 1024]);
+    }
 
     /// A run's items as prost gives them.
     fn as_message(run: &ItemRun) -> StreamItems {

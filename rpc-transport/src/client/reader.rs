@@ -3,7 +3,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use futures_util::StreamExt;
 use rpc_core::wire::{frame::Kind, Cancel, Ping, Pong};
 use rpc_core::{RpcError, StatusCode};
@@ -14,7 +14,6 @@ use super::answer::{Answer, AnswerCodec, ItemRun};
 use super::shared::{comm_error, Shared};
 use super::stream::{Chunk, StreamShared};
 use crate::codec::{kind_name, FrameError};
-use crate::READ_BUFFER;
 
 /// Ends the connection as the read loop's end does, should the loop's task be dropped before
 /// it got there (its runtime shut down, with the connection still shared with another
@@ -73,7 +72,6 @@ pub(super) async fn read_loop<R: AsyncRead + Unpin>(
             },
         };
         received.fetch_add(1, Ordering::Relaxed);
-        shrink_read_buffer(frames.read_buffer_mut());
         let next = match next {
             Some(Ok(Answer::Items(run))) => {
                 deliver_run(&shared, run);
@@ -233,54 +231,8 @@ pub(super) fn fail_pending(shared: &Shared, reason: &str, maybe_delivered: bool,
 
 /// The next complete frame already in `frames`' read buffer, decoded without reading from the
 /// socket; `None` when the buffer holds no complete frame.
-/// After a frame larger than the read buffer, the buffer has grown to hold it, and the frames
-/// read next would be cut from that allocation and keep all of it alive for as long as any of
-/// them is held (a stream's items while their consumer waits: a 9 KiB run could keep a
-/// megabyte). What is left goes to a buffer of the usual size instead, so the large allocation
-/// lives only as long as the large frame. Left as it is while it holds more than a usual
-/// buffer's worth (part of the next large frame), so nothing is copied twice.
-fn shrink_read_buffer(buf: &mut BytesMut) {
-    if buf.capacity() > 2 * READ_BUFFER && buf.len() <= READ_BUFFER {
-        let rest = std::mem::replace(buf, BytesMut::with_capacity(READ_BUFFER));
-        buf.extend_from_slice(&rest);
-    }
-}
-
 fn buffered<R>(frames: &mut FramedRead<R, AnswerCodec>) -> Option<Result<Answer, FrameError>> {
     // The codec is stateless (its limit only), so a copy decodes as well as the original.
     let mut codec = frames.decoder().clone();
     codec.decode(frames.read_buffer_mut()).transpose()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Frames read after a large one are not cut from the allocation that held it; a buffer
-    /// of the usual size is left alone.
-    #[test]
-    fn frames_after_a_large_one_do_not_share_its_allocation() {
-        let mut buf = BytesMut::with_capacity(READ_BUFFER);
-        buf.extend_from_slice(&[1; 100]);
-        let before = buf.as_ptr();
-        shrink_read_buffer(&mut buf);
-        assert_eq!(buf.as_ptr(), before, "a usual buffer is kept");
-
-        let mut buf = BytesMut::with_capacity(16 * READ_BUFFER);
-        buf.extend_from_slice(&vec![2; 8 * READ_BUFFER]);
-        buf.extend_from_slice(&[3; 100]);
-        let large = buf.split_to(8 * READ_BUFFER).freeze();
-        let allocation = large.as_ptr() as usize..large.as_ptr() as usize + 16 * READ_BUFFER;
-        shrink_read_buffer(&mut buf);
-        assert_eq!(&buf[..], &[3; 100][..], "the rest is kept");
-        assert!(buf.capacity() <= 2 * READ_BUFFER);
-        assert!(!allocation.contains(&(buf.as_ptr() as usize)));
-
-        // Part of the next large frame is left where it is.
-        let mut buf = BytesMut::with_capacity(16 * READ_BUFFER);
-        buf.extend_from_slice(&vec![4; 2 * READ_BUFFER]);
-        let before = buf.as_ptr();
-        shrink_read_buffer(&mut buf);
-        assert_eq!(buf.as_ptr(), before);
-    }
 }

@@ -46,9 +46,10 @@ use crate::writer::{FrameSender, RoomWait, MAX_ITEMS_BYTES};
 /// the byte window, or the send queue's limit, first.
 const ITEMS_PER_POLL: usize = 1024;
 
-/// The longest a stream's poll goes on producing (looked at every [`TURN_CHECK`] items): a
-/// producer that takes long per item yields as often as a cheap one, so it holds its worker
-/// and the poll's first item (sent when the poll returns) no longer than this.
+/// How long a stream's poll goes on producing, looked at every [`TURN_CHECK`] items: a poll
+/// ends after about the larger of this and [`TURN_CHECK`] items' time, so a producer that
+/// takes long per item holds its worker, and the poll's first item (sent when the poll
+/// returns), far less than [`ITEMS_PER_POLL`] of its items would.
 const TURN: std::time::Duration = std::time::Duration::from_micros(100);
 
 /// Items between two looks at the clock in a poll.
@@ -918,10 +919,9 @@ mod tests {
             "not a look at the clock"
         );
         assert!(turn(TURN_CHECK, long_ago).over(), "a look, after the time");
-        assert!(
-            !turn(TURN_CHECK, std::time::Instant::now()).over(),
-            "a look, in time"
-        );
+        // Begun in the future: no time has passed at the look, however slow this thread is.
+        let ahead = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        assert!(!turn(TURN_CHECK, ahead).over(), "a look, in time");
         assert!(turn(ITEMS_PER_POLL, std::time::Instant::now()).over());
     }
 

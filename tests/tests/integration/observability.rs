@@ -508,3 +508,33 @@ async fn the_first_calls_registry_lookup_is_recorded_in_its_span() {
     assert_eq!(lookups, [1, 0], "the first call's span holds the lookup");
     server.shutdown().await;
 }
+
+/// An entry's first call dropped by its caller while it looks its service up (a registry that
+/// does not answer) still ends its `rpc.client` span with a status saying so.
+#[tokio::test]
+async fn a_first_call_dropped_during_its_registry_lookup_ends_its_span_cancelled() {
+    use common::registry::{Register, TestRegistry, Watch};
+    let (traces, _guard) = Traces::install();
+    let client = HopClient::new(
+        Client::builder()
+            .registry(TestRegistry::new(Register::Answers, Watch::Hangs))
+            .build(),
+    );
+    let mut call = Box::pin(client.hop(0));
+    assert!(
+        futures_util::poll!(call.as_mut()).is_pending(),
+        "the lookup waits for the registry"
+    );
+    drop(call);
+    let spans = traces.spans();
+    let calls = named(&spans, "rpc.client");
+    assert_eq!(calls.len(), 1, "the dropped call's span ended");
+    let description = match &calls[0].status {
+        Status::Error { description } => description.to_string(),
+        other => panic!("ended with {other:?}, not an error"),
+    };
+    assert!(
+        description.contains("looking its service up") && description.contains("cancelled"),
+        "{description}"
+    );
+}
