@@ -158,17 +158,20 @@ fn free_oldest(sizes: &mut Sizes, bytes: &mut u64, items: u64) {
 }
 
 /// The sizes of items in order, each run of equal sizes kept as one entry: a stream of
-/// equal items (the common case) costs a count per item, not a slot in a queue.
+/// equal items (the common case) costs a count per item, not a slot in a queue. Items of
+/// varying sizes take an entry each, 8 bytes, up to the window (8192 items by default on a
+/// client: 64 KiB for a stream whose consumer stops reading).
 #[derive(Debug, Default)]
 struct Sizes {
-    /// (size, items of that size), oldest first.
-    runs: VecDeque<(u32, u64)>,
+    /// (size, items of that size), oldest first. A run never holds more than a window of
+    /// items, itself a `u32`; a longer one continues in the next entry.
+    runs: VecDeque<(u32, u32)>,
 }
 
 impl Sizes {
     fn push(&mut self, len: u32) {
         match self.runs.back_mut() {
-            Some((size, n)) if *size == len => *n += 1,
+            Some((size, n)) if *size == len && *n < u32::MAX => *n += 1,
             _ => self.runs.push_back((len, 1)),
         }
     }
@@ -180,9 +183,10 @@ impl Sizes {
             let Some((size, n)) = self.runs.front_mut() else {
                 break;
             };
-            let k = items.min(*n);
+            let k = items.min(u64::from(*n));
             freed += k * u64::from(*size);
-            *n -= k;
+            // (k is at most *n, a u32.)
+            *n -= k as u32;
             items -= k;
             if *n == 0 {
                 self.runs.pop_front();
