@@ -1077,12 +1077,7 @@ impl Client {
             let span = telemetry::call_span(method);
             // Before the lookup, so that what is logged in it carries the call's id.
             let call_id = telemetry::call_id(&span);
-            let lookup = telemetry::LookupWatch::new(span.clone());
-            let started = self
-                .learn_service(method, &policy)
-                .instrument(span.clone())
-                .await;
-            lookup.done();
+            let started = self.learn_service(method, &policy, &span).await;
             let hash_key = hash.map(|h| move || h);
             self.invoke_entry(
                 method,
@@ -1100,8 +1095,25 @@ impl Client {
     /// service's instances publish for the entry is a level of the call's options too. The
     /// lookup (a registry that is slow or down can take its whole request timeout) counts
     /// against the call's deadline: it waits no longer than the deadline the call's options
-    /// give before it, and the call's deadline runs from the returned start.
+    /// give before it, and the call's deadline runs from the returned start. It runs in the
+    /// call's `span`, which ends cancelled should the call be dropped meanwhile.
     pub(crate) async fn learn_service(
+        &self,
+        method: &'static MethodDescriptor,
+        policy: &rpc_governance::engine::EntryPolicy,
+        span: &tracing::Span,
+    ) -> tokio::time::Instant {
+        let lookup = telemetry::LookupWatch::new(span.clone());
+        let started = self
+            .look_up_service(method, policy)
+            .instrument(span.clone())
+            .await;
+        lookup.done();
+        started
+    }
+
+    /// [`learn_service`](Self::learn_service)'s lookup.
+    async fn look_up_service(
         &self,
         method: &'static MethodDescriptor,
         policy: &rpc_governance::engine::EntryPolicy,

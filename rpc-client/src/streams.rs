@@ -183,15 +183,7 @@ impl Client {
         let call_id = telemetry::call_id(&span);
         let started = match policy.service_known() {
             true => None,
-            false => {
-                let lookup = telemetry::LookupWatch::new(span.clone());
-                let started = self
-                    .learn_service(method, &policy)
-                    .instrument(span.clone())
-                    .await;
-                lookup.done();
-                Some(started)
-            }
+            false => Some(self.learn_service(method, &policy, &span).await),
         };
         let mut options = match &self.call_options {
             None => policy.options(),
