@@ -636,7 +636,7 @@ fn sorted(map: Map<String, Value>) -> Map<String, Value> {
 mod tests {
     use super::*;
     use crate::route::http_status;
-    use crate::route::test_entries::{api, entry, reference as refs, schemas};
+    use crate::route::test_entries::{api, entry, reference as refs, routed, schemas};
     use rpc_core::{EntryApi, StatusCode};
 
     fn info() -> DocumentInfo {
@@ -814,10 +814,11 @@ mod tests {
 
     #[test]
     fn a_declared_put_route_takes_the_path_parameter_from_the_path_and_the_rest_from_the_body() {
-        let e = entry(
+        let e = routed(
             "shop.Orders",
             "rename",
-            Some(api(&["id", "name"], Some(("PUT", "/orders/{id}")), None)),
+            &["id", "name"],
+            Some(("PUT", "/orders/{id}")),
         );
         let doc = document(&[e], &info());
         let op = &doc["paths"]["/orders/{id}"]["put"];
@@ -1047,16 +1048,8 @@ mod tests {
 
     #[test]
     fn a_declared_route_taken_first_leaves_the_other_entry_at_its_default_route() {
-        let a = entry(
-            "a.Orders",
-            "get",
-            Some(api(&["id"], Some(("GET", "/orders/{id}")), None)),
-        );
-        let b = entry(
-            "b.Orders",
-            "get",
-            Some(api(&["oid"], Some(("GET", "/orders/{oid}")), None)),
-        );
+        let a = routed("a.Orders", "get", &["id"], Some(("GET", "/orders/{id}")));
+        let b = routed("b.Orders", "get", &["oid"], Some(("GET", "/orders/{oid}")));
         let doc = document(&[b, a], &info());
         assert_eq!(
             doc["paths"]["/orders/{id}"]["get"]["operationId"],
@@ -1073,19 +1066,12 @@ mod tests {
 
     #[test]
     fn one_path_spelled_two_ways_under_two_methods_is_documented_under_one_spelling() {
-        let get = entry(
-            "shop.Orders",
-            "get",
-            Some(api(&["id"], Some(("GET", "/orders/{id}")), None)),
-        );
-        let cancel = entry(
+        let get = routed("shop.Orders", "get", &["id"], Some(("GET", "/orders/{id}")));
+        let cancel = routed(
             "shop.Orders",
             "cancel",
-            Some(api(
-                &["order_id"],
-                Some(("DELETE", "/orders/{order_id}")),
-                None,
-            )),
+            &["order_id"],
+            Some(("DELETE", "/orders/{order_id}")),
         );
         let doc = document(&[get, cancel], &info());
         let paths = doc["paths"].as_object().unwrap();

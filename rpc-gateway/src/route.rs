@@ -206,11 +206,11 @@ pub(crate) mod test_entries;
 
 #[cfg(test)]
 mod tests {
-    use super::test_entries::{api, entry as entry_of};
+    use super::test_entries::routed;
     use super::*;
 
     fn entry(http: Option<(&str, &str)>) -> ServiceEntry {
-        entry_of("shop.Orders", "get", Some(api(&["id"], http, None)))
+        routed("shop.Orders", "get", &["id"], http)
     }
 
     #[test]

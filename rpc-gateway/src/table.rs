@@ -338,12 +338,12 @@ fn types_of(schema: &Value, definitions: &Definitions) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::route::test_entries::{api, entry as entry_of};
+    use crate::route::test_entries::routed;
     use serde_json::json;
 
     /// An entry taking `id`, served at `http` when given.
     fn entry(service: &str, method: &str, http: Option<(&str, &str)>) -> ServiceEntry {
-        entry_of(service, method, Some(api(&["id"], http, None)))
+        routed(service, method, &["id"], http)
     }
 
     fn found(table: &RouteTable, method: Method, path: &str) -> Option<String> {
@@ -353,21 +353,25 @@ mod tests {
         }
     }
 
+    /// Asserts that `table` serves `method path` with the entry `id` (`None`: with none).
+    #[track_caller]
+    fn serves(table: &RouteTable, method: Method, path: &str, id: Option<&str>) {
+        assert_eq!(
+            found(table, method.clone(), path).as_deref(),
+            id,
+            "{method} {path}"
+        );
+    }
+
     #[test]
     fn the_first_of_two_entries_declaring_one_route_wins_and_the_second_keeps_its_default() {
         let table = RouteTable::build(vec![
             entry("a.A", "get", Some(("GET", "/orders/{id}"))),
             entry("b.B", "get", Some(("GET", "/orders/{id}"))),
         ]);
-        assert_eq!(
-            found(&table, Method::GET, "/orders/7").as_deref(),
-            Some("a.A.get")
-        );
-        assert_eq!(
-            found(&table, Method::POST, "/api/b.B/get").as_deref(),
-            Some("b.B.get")
-        );
-        assert_eq!(found(&table, Method::POST, "/api/a.A/get"), None);
+        serves(&table, Method::GET, "/orders/7", Some("a.A.get"));
+        serves(&table, Method::POST, "/api/b.B/get", Some("b.B.get"));
+        serves(&table, Method::POST, "/api/a.A/get", None);
     }
 
     #[test]
@@ -377,20 +381,11 @@ mod tests {
             entry("a.A", "cancel", Some(("DELETE", "/orders/{order_id}"))),
             entry("a.A", "put", Some(("PUT", "/orders/{id}"))),
         ]);
-        assert_eq!(
-            found(&table, Method::GET, "/orders/7").as_deref(),
-            Some("a.A.get")
-        );
-        assert_eq!(
-            found(&table, Method::PUT, "/orders/7").as_deref(),
-            Some("a.A.put"),
-            "the same spelling is one path"
-        );
-        assert_eq!(found(&table, Method::DELETE, "/orders/7"), None);
-        assert_eq!(
-            found(&table, Method::POST, "/api/a.A/cancel").as_deref(),
-            Some("a.A.cancel")
-        );
+        serves(&table, Method::GET, "/orders/7", Some("a.A.get"));
+        // The same spelling is one path.
+        serves(&table, Method::PUT, "/orders/7", Some("a.A.put"));
+        serves(&table, Method::DELETE, "/orders/7", None);
+        serves(&table, Method::POST, "/api/a.A/cancel", Some("a.A.cancel"));
     }
 
     #[test]
@@ -404,13 +399,17 @@ mod tests {
             ),
             entry("shop.Orders", "cancel", None),
         ]);
-        assert_eq!(
-            found(&table, Method::POST, "/api/shop.Orders/cancel").as_deref(),
-            Some("shop.Orders.cancel")
+        serves(
+            &table,
+            Method::POST,
+            "/api/shop.Orders/cancel",
+            Some("shop.Orders.cancel"),
         );
-        assert_eq!(
-            found(&table, Method::POST, "/api/a.Admin/purge").as_deref(),
-            Some("a.Admin.purge")
+        serves(
+            &table,
+            Method::POST,
+            "/api/a.Admin/purge",
+            Some("a.Admin.purge"),
         );
         assert_eq!(table.served().len(), 2);
     }
@@ -420,10 +419,7 @@ mod tests {
         // The matcher panics from its 26th parameter on.
         let path: String = (0..26).map(|i| format!("/{{p{i}}}")).collect();
         let table = RouteTable::build(vec![entry("a.A", "many", Some(("GET", &path)))]);
-        assert_eq!(
-            found(&table, Method::POST, "/api/a.A/many").as_deref(),
-            Some("a.A.many")
-        );
+        serves(&table, Method::POST, "/api/a.A/many", Some("a.A.many"));
     }
 
     #[test]
@@ -448,7 +444,7 @@ mod tests {
             _ => panic!("not found"),
         }
         // Matched as it came, the path names nothing.
-        assert_eq!(found(&table, Method::POST, sent), None);
+        serves(&table, Method::POST, sent, None);
         // A template written with escapes is matched as requests are.
         let table = RouteTable::build(vec![entry("a.A", "get", Some(("GET", "/caf%C3%A9/{id}")))]);
         let at = |path: &str| found(&table, Method::GET, &crate::route::normalized_path(path));
@@ -461,20 +457,14 @@ mod tests {
         let mut stream = entry("s.S", "watch", None);
         stream.api.as_mut().unwrap().stream = Some("server".into());
         let table = RouteTable::build(vec![stream, entry("d.D", "docs", Some(("GET", "/docs")))]);
-        assert_eq!(found(&table, Method::POST, "/api/s.S/watch"), None);
-        assert_eq!(found(&table, Method::GET, "/docs"), None);
-        assert_eq!(
-            found(&table, Method::POST, "/api/d.D/docs").as_deref(),
-            Some("d.D.docs")
-        );
+        serves(&table, Method::POST, "/api/s.S/watch", None);
+        serves(&table, Method::GET, "/docs", None);
+        serves(&table, Method::POST, "/api/d.D/docs", Some("d.D.docs"));
         // Nor spelled with escapes.
         let table = RouteTable::build(vec![entry("d.D", "doc", Some(("GET", "/%6Fpenapi.json")))]);
         let at = |path: &str| found(&table, Method::GET, &crate::route::normalized_path(path));
         assert_eq!(at("/%6Fpenapi.json"), None);
-        assert_eq!(
-            found(&table, Method::POST, "/api/d.D/doc").as_deref(),
-            Some("d.D.doc")
-        );
+        serves(&table, Method::POST, "/api/d.D/doc", Some("d.D.doc"));
     }
 
     #[test]

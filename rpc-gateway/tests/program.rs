@@ -88,22 +88,30 @@ async fn the_program_serves_an_echo_server_published_at(url: &str) {
     server.shutdown().await;
 }
 
-#[tokio::test]
-async fn an_unknown_registry_is_refused_with_the_forms_to_use() {
-    let output = tokio::time::timeout(
+/// Runs the program with `args` (and no token in the environment) until it exits, within the
+/// tests' limit: for arguments it refuses before it starts.
+async fn run_to_exit(args: &[&str]) -> std::process::Output {
+    tokio::time::timeout(
         LIMIT,
         Command::new(env!("CARGO_BIN_EXE_rpc-gateway"))
-            .args([
-                "--registry",
-                "consul://127.0.0.1:8500",
-                "--listen",
-                "127.0.0.1:0",
-            ])
+            .args(args)
+            .env_remove("RPC_GATEWAY_TOKEN")
             .output(),
     )
     .await
     .expect("it exits in time")
-    .expect("run rpc-gateway");
+    .expect("run rpc-gateway")
+}
+
+#[tokio::test]
+async fn an_unknown_registry_is_refused_with_the_forms_to_use() {
+    let output = run_to_exit(&[
+        "--registry",
+        "consul://127.0.0.1:8500",
+        "--listen",
+        "127.0.0.1:0",
+    ])
+    .await;
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
@@ -126,23 +134,15 @@ async fn an_empty_token_or_an_impossible_interval_is_refused() {
         ),
         ("--discovery-secs", "0", "give a positive number of seconds"),
     ] {
-        let output = tokio::time::timeout(
-            LIMIT,
-            Command::new(env!("CARGO_BIN_EXE_rpc-gateway"))
-                .args([
-                    "--registry",
-                    "embedded",
-                    "--listen",
-                    "127.0.0.1:0",
-                    flag,
-                    value,
-                ])
-                .env_remove("RPC_GATEWAY_TOKEN")
-                .output(),
-        )
-        .await
-        .expect("it exits in time")
-        .expect("run rpc-gateway");
+        let output = run_to_exit(&[
+            "--registry",
+            "embedded",
+            "--listen",
+            "127.0.0.1:0",
+            flag,
+            value,
+        ])
+        .await;
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert_eq!(output.status.code(), Some(1), "{flag} {value:?}: {stderr}");
         assert!(

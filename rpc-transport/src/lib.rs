@@ -100,6 +100,14 @@ fn own_bytes(payload: bytes::Bytes) -> bytes::Bytes {
     }
 }
 
+/// Whether `part` starts inside `buf`'s bytes: a slice of it (for the tests of
+/// [`own_bytes`]'s callers), not a copy.
+#[cfg(test)]
+pub(crate) fn lies_in(buf: &bytes::Bytes, part: &bytes::Bytes) -> bool {
+    let range = buf.as_ptr() as usize..buf.as_ptr() as usize + buf.len();
+    range.contains(&(part.as_ptr() as usize))
+}
+
 /// Capacity of a server connection's read buffer until the handshake is done.
 const HELLO_BUFFER: usize = 1024;
 

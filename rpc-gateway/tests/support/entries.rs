@@ -22,6 +22,17 @@ pub fn entry(service: &str, method: &str, api: Option<EntryApi>) -> ServiceEntry
     }
 }
 
+/// The entry `method` of `service` taking `params`, served at the route `http` declares
+/// (method, path) when given, with no schemas.
+pub fn routed(
+    service: &str,
+    method: &str,
+    params: &[&str],
+    http: Option<(&str, &str)>,
+) -> ServiceEntry {
+    entry(service, method, Some(api(params, http, None)))
+}
+
 /// An entry's API: its parameters' names, the route `http` declares (method, path) when given,
 /// and `schemas`; no doc comment, not a stream.
 pub fn api(params: &[&str], http: Option<(&str, &str)>, schemas: Option<EntrySchemas>) -> EntryApi {

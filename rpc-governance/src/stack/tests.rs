@@ -182,6 +182,21 @@ fn engine(o: GovernanceOptions) -> Governance {
     })
 }
 
+/// Options that retry three times at once, with `min_per_second` retries a second from the
+/// budget (and no percentage of calls), no breaker and no timeout: 0 lets the count allow
+/// retries that the budget refuses, a large value leaves the count alone to decide.
+fn retries_within_budget(min_per_second: u32) -> GovernanceOptions {
+    GovernanceOptions {
+        retry_times: 3,
+        retry_interval_ms: 0,
+        retry_budget_percent: 0,
+        retry_budget_min_per_second: min_per_second,
+        enable_circuit_breaker: false,
+        timeout_ms: 0,
+        ..Default::default()
+    }
+}
+
 fn overflow() -> Result<Bytes, RpcError> {
     Err(RpcError::new(StatusCode::OverflowMaxServerHandle, "full"))
 }
@@ -371,14 +386,10 @@ async fn an_endpoint_that_cannot_serve_the_call_is_left_for_the_next_without_bud
             .unsupported_by_endpoint(true))
     };
     let served = std::collections::BTreeMap::from([(RETRY_DEPTH_KEY.to_string(), "1".into())]);
+    // No retry from the budget; an interval, to see that the move is at once.
     let g = engine(GovernanceOptions {
-        retry_times: 3,
         retry_interval_ms: 100,
-        retry_budget_percent: 0,
-        retry_budget_min_per_second: 0, // no retry at all
-        enable_circuit_breaker: false,
-        timeout_ms: 0,
-        ..Default::default()
+        ..retries_within_budget(0)
     });
     let p = g.policy(&M);
     let s = Script::new(vec![cannot(), ok()], Duration::ZERO);
@@ -392,14 +403,7 @@ async fn an_endpoint_that_cannot_serve_the_call_is_left_for_the_next_without_bud
     assert_eq!(err.tried(), ["a:1", "b:1", "c:1"]);
 
     // With a budget that allows retries, so that only the rule can stop it.
-    let g = engine(GovernanceOptions {
-        retry_times: 3,
-        retry_interval_ms: 0,
-        retry_budget_min_per_second: 1_000_000,
-        enable_circuit_breaker: false,
-        timeout_ms: 0,
-        ..Default::default()
-    });
+    let g = engine(retries_within_budget(1_000_000));
     let p = g.policy(&M);
     let answered = || {
         Err(RpcError::new(
@@ -1110,10 +1114,7 @@ fn throttled(k_percent: u32, retry_times: u32) -> Governance {
         throttle_k_percent: k_percent,
         retry_times,
         retry_interval_ms: 50,
-        retry_budget_min_per_second: 1_000_000,
-        enable_circuit_breaker: false,
-        timeout_ms: 0,
-        ..Default::default()
+        ..retries_within_budget(1_000_000)
     })
 }
 
@@ -1744,15 +1745,7 @@ async fn a_probe_that_found_no_endpoint_leaves_the_breaker_half_open_and_frees_i
 
 #[tokio::test(start_paused = true)]
 async fn an_error_not_retried_for_the_budget_keeps_its_retry_after_and_payload() {
-    let g = engine(GovernanceOptions {
-        retry_times: 3,
-        retry_interval_ms: 0,
-        retry_budget_percent: 0,
-        retry_budget_min_per_second: 0, // no retry at all
-        enable_circuit_breaker: false,
-        timeout_ms: 0,
-        ..Default::default()
-    });
+    let g = engine(retries_within_budget(0));
     let limited = RpcError::new(StatusCode::RateLimited, "over the quota")
         .with_retry_after(Duration::from_millis(300))
         .with_payload(rpc_core::Codec::MsgPack, Bytes::from_static(b"\x01"));

@@ -11,7 +11,7 @@ use std::time::Duration;
 use bytes::BytesMut;
 use prost::Message;
 use rpc::crates::core::wire::{
-    frame::Kind, Frame, GoAway, Hello, HelloAck, RemoteInvokeMessage, StreamCredit,
+    frame::Kind, Frame, GoAway, Hello, HelloAck, RemoteInvokeMessage, StreamCredit, StreamMode,
 };
 use rpc::crates::transport::FrameCodec;
 use rpc::GovernanceOverrides;
@@ -40,6 +40,61 @@ pub fn no_retry() -> GovernanceOverrides {
         retry_times: Some(0),
         ..GovernanceOverrides::NONE
     }
+}
+
+/// A listener for a raw peer on a free loopback port, and its address.
+pub async fn raw_listener() -> (TcpListener, SocketAddr) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    (listener, addr)
+}
+
+/// A raw server's handshake answer: version 1, streams, a window of `window` items, nothing
+/// else (no batches, no byte windows, no compression), as an older server that streams gives.
+pub fn streaming_ack(window: u32) -> HelloAck {
+    HelloAck {
+        protocol_version: 1,
+        streams: true,
+        stream_window: window,
+        ..Default::default()
+    }
+}
+
+/// The opening of stream `id` of `entry` in `mode`, its arguments `args` in MessagePack, with
+/// no deadline; other fields are set with `RemoteInvokeMessage { ..stream_opening(..) }`.
+pub fn stream_opening(
+    id: u64,
+    entry: &str,
+    args: &impl serde::Serialize,
+    mode: StreamMode,
+) -> RemoteInvokeMessage {
+    RemoteInvokeMessage {
+        message_id: id,
+        service_entry_id: entry.into(),
+        parameters: rpc::Codec::MsgPack.encode(args).expect("encode"),
+        stream_mode: mode as i32,
+        ..Default::default()
+    }
+}
+
+/// Installs `subscriber` for this thread until the guard is dropped, as
+/// `tracing::subscriber::set_default` does, once every callsite is kept of interest process-wide.
+///
+/// Why: `tracing` caches each callsite's interest for the whole process. A test thread with no
+/// subscriber that reaches a span's callsite while another test installs its own can leave that
+/// callsite cached as of no interest (its interest is computed before the callsite is listed, so
+/// the rebuild at the install misses it), and the span test then records none of those spans.
+/// A global registry with no layers wants every callsite, so no callsite is ever cached as
+/// unwanted; threads without a subscriber of their own record into it and nothing reads it.
+pub fn trace_this_thread(
+    subscriber: impl tracing::Subscriber + Send + Sync + 'static,
+) -> tracing::subscriber::DefaultGuard {
+    static GLOBAL: std::sync::Once = std::sync::Once::new();
+    GLOBAL.call_once(|| {
+        // (Another global default set first would serve as well.)
+        let _ = tracing::subscriber::set_global_default(tracing_subscriber::registry());
+    });
+    tracing::subscriber::set_default(subscriber)
 }
 
 /// Receives exactly one message from `rx` within [`LIMIT`].
@@ -146,16 +201,22 @@ impl RawConn {
     /// Opens a client stream `id` of `entry` (a method taking only the stream) and reads its
     /// acceptance.
     pub async fn open_client_stream(&mut self, id: u64, entry: &str) {
-        self.send(Kind::Invoke(RemoteInvokeMessage {
-            message_id: id,
-            service_entry_id: entry.into(),
-            parameters: rpc::Codec::MsgPack.encode(&()).expect("encode"),
-            stream_mode: rpc::crates::core::wire::StreamMode::Client as i32,
-            ..Default::default()
-        }))
-        .await
-        .expect("open");
+        self.open_stream(id, entry, &(), StreamMode::Client).await;
         self.recv_acceptance(id).await;
+    }
+
+    /// Sends the opening of stream `id` of `entry` in `mode`, its arguments `args` in
+    /// MessagePack (the server's answer is the caller's to read).
+    pub async fn open_stream(
+        &mut self,
+        id: u64,
+        entry: &str,
+        args: &impl serde::Serialize,
+        mode: StreamMode,
+    ) {
+        self.send(Kind::Invoke(stream_opening(id, entry, args, mode)))
+            .await
+            .expect("open");
     }
 
     /// Reads stream `id`'s acceptance (its first `StreamCredit`).

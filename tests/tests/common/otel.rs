@@ -22,7 +22,7 @@ impl Traces {
             .build();
         let subscriber = tracing_subscriber::registry()
             .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")));
-        let guard = tracing::subscriber::set_default(subscriber);
+        let guard = super::trace_this_thread(subscriber);
         (Traces { provider, exporter }, guard)
     }
 

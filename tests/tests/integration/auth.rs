@@ -227,7 +227,7 @@ async fn the_token_never_appears_in_logs_errors_or_debug_output() {
         .with_writer(logs.clone())
         .with_ansi(false)
         .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let _guard = common::trace_this_thread(subscriber);
 
     let wrong = "wrong-s3cret-guess";
     let reg = InProcessRegistry::new();

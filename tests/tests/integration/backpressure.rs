@@ -49,7 +49,7 @@ async fn a_stalled_server_bounds_the_clients_send_queue_and_calls_wait_within_th
         .with_writer(common::LogLines::new(tx))
         .with_ansi(false)
         .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let _guard = common::trace_this_thread(subscriber);
 
     let (addr, stop) = stalled_server().await;
     let max = 256 * KIB;

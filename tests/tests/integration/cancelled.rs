@@ -113,7 +113,7 @@ impl Seen {
                     .with_writer(move || writer.clone())
                     .with_filter(tracing_subscriber::filter::LevelFilter::DEBUG),
             );
-        let guard = tracing::subscriber::set_default(subscriber);
+        let guard = common::trace_this_thread(subscriber);
         let metric_exporter = InMemoryMetricExporter::default();
         let meters = SdkMeterProvider::builder()
             .with_reader(PeriodicReader::builder(metric_exporter.clone()).build())

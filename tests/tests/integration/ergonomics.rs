@@ -463,7 +463,7 @@ async fn logged_call(terminal: bool) -> String {
         rpc::logging::layer_with_writer(move || writer.clone(), terminal)
             .with_filter(tracing_subscriber::filter::LevelFilter::INFO),
     );
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let _guard = common::trace_this_thread(subscriber);
     let server = Server::builder()
         .add_service(LoggedServer::new(Worker))
         .serve("127.0.0.1:0")

@@ -80,7 +80,7 @@ async fn a_large_frame_over_the_budget_left_waits_unread_and_is_served_once_budg
         .with_writer(common::LogLines::new(tx))
         .with_ansi(false)
         .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let _guard = common::trace_this_thread(subscriber);
 
     // Frames up to 256 KiB; 300 KiB of budget: one large frame of 200 KiB fits, two do not.
     let reg = InProcessRegistry::new();

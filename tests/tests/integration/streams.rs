@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{no_retry, recv_one, within, DropSignal, RawConn};
+use common::{no_retry, raw_listener, recv_one, streaming_ack, within, DropSignal, RawConn};
 use futures_util::future::join_all;
 use rpc::crates::core::wire::{frame::Kind, Hello, RemoteInvokeMessage, StreamMode};
 use rpc::crates::transport::DEFAULT_CLIENT_STREAM_WINDOW;
@@ -22,7 +22,6 @@ use rpc::{
     ServerBuilder, ServerHandle, StaticRegistry, StatusCode,
 };
 use serde::{Deserialize, Serialize};
-use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -809,15 +808,8 @@ async fn an_item_sent_to_a_waiting_server_stream_ends_it_at_once() {
     .await
     .expect("hello");
     assert!(matches!(raw.recv().await, Some(Kind::HelloAck(a)) if a.streams));
-    raw.send(Kind::Invoke(RemoteInvokeMessage {
-        message_id: 1,
-        service_entry_id: "t.Feed.stall_after".into(),
-        parameters: Codec::MsgPack.encode(&(2u32,)).expect("encode"),
-        stream_mode: StreamMode::Server as i32,
-        ..Default::default()
-    }))
-    .await
-    .expect("open");
+    raw.open_stream(1, "t.Feed.stall_after", &(2u32,), StreamMode::Server)
+        .await;
     let mut items = 0;
     while items < 2 {
         match within("the stream's items", raw.recv()).await {
@@ -891,8 +883,7 @@ async fn a_client_without_streams_keeps_working_for_unary_calls() {
 /// fails at once with a typed error and nothing is sent; unary calls go on.
 #[tokio::test]
 async fn a_stream_to_a_server_that_does_not_stream_fails_at_once() {
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let addr = listener.local_addr().expect("addr");
+    let (listener, addr) = raw_listener().await;
     let f = FeedClient::new(
         Client::builder()
             .registry(StaticRegistry::new([addr.to_string()]))
@@ -935,8 +926,7 @@ async fn a_stream_to_a_server_that_does_not_stream_fails_at_once() {
 async fn a_stream_set_up_fails_over_from_a_server_that_does_not_stream() {
     let reg = InProcessRegistry::new();
     let (server, _probe) = serve(&reg, 50).await;
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let old = listener.local_addr().expect("addr");
+    let (listener, old) = raw_listener().await;
     let (handshook_tx, handshook) = tokio::sync::oneshot::channel();
     let old_server = tokio::spawn(async move {
         let (mut peer, _) = RawConn::accept_with(&listener, Default::default()).await;
@@ -986,16 +976,10 @@ async fn items_beyond_the_window_end_only_that_stream() {
     use rpc::crates::core::wire::RemoteResultMessage;
     use rpc::crates::transport::{ConnectOptions, Connection, Opened};
     const WINDOW: u32 = 4;
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let addr = listener.local_addr().expect("addr");
+    let (listener, addr) = raw_listener().await;
     let (cancelled_tx, cancelled) = tokio::sync::oneshot::channel();
     let rogue = tokio::spawn(async move {
-        let ack = rpc::crates::core::wire::HelloAck {
-            protocol_version: 1,
-            streams: true,
-            stream_window: 8,
-            ..Default::default()
-        };
+        let ack = streaming_ack(8);
         let (mut peer, hello) = RawConn::accept_with(&listener, ack).await;
         let window = hello.stream_window;
         let open = peer.recv_invoke("the stream's opening").await;

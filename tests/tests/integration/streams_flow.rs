@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{within, RawConn};
+use common::{raw_listener, stream_opening, streaming_ack, within, RawConn};
 use rpc::crates::core::wire::{
     frame::Kind, Hello, HelloAck, RemoteInvokeMessage, RemoteResultMessage, StreamMode,
 };
@@ -21,7 +21,6 @@ use rpc::crates::transport::{
     DEFAULT_STREAM_WINDOW_BYTES,
 };
 use rpc::{Codec, RpcError, RpcStream, Server, ServerHandle};
-use tokio::net::TcpListener;
 
 #[rpc::service(name = "t.Flow")]
 pub trait Flow {
@@ -103,15 +102,8 @@ async fn raw_client_with_window(server: &ServerHandle, items: u32) -> (RawConn, 
 
 /// Opens `text(size)` as stream `id` and reads its accepting credit.
 async fn open_text(raw: &mut RawConn, id: u64, size: u32) {
-    raw.send(Kind::Invoke(RemoteInvokeMessage {
-        message_id: id,
-        service_entry_id: "t.Flow.text".into(),
-        parameters: Codec::MsgPack.encode(&(size,)).expect("encode"),
-        stream_mode: StreamMode::Server as i32,
-        ..Default::default()
-    }))
-    .await
-    .expect("open");
+    raw.open_stream(id, "t.Flow.text", &(size,), StreamMode::Server)
+        .await;
     match raw.recv().await {
         Some(Kind::StreamCredit(c)) => assert_eq!((c.message_id, c.items), (id, 0)),
         other => panic!("expected the stream's acceptance, got {other:?}"),
@@ -336,15 +328,9 @@ async fn the_byte_window_holds_the_producer_and_grants_free_the_oldest_items() {
 /// client's own items go one per `StreamItem` frame, within the server's window of items.
 #[tokio::test]
 async fn a_server_without_batches_gets_the_clients_items_one_per_frame() {
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let addr = listener.local_addr().expect("addr");
+    let (listener, addr) = raw_listener().await;
     let old_server = tokio::spawn(async move {
-        let ack = HelloAck {
-            protocol_version: 1,
-            streams: true,
-            stream_window: 3,
-            ..Default::default()
-        };
+        let ack = streaming_ack(3);
         let (mut peer, h) = RawConn::accept_with(&listener, ack).await;
         assert!(h.streams && h.stream_batches, "the client offers both");
         assert_eq!(h.stream_window, DEFAULT_CLIENT_STREAM_WINDOW);
@@ -414,15 +400,9 @@ async fn a_server_without_batches_gets_the_clients_items_one_per_frame() {
 /// (`ConnectOptions::max_unsent_bytes`), so such a server cannot make it queue without bound.
 #[tokio::test]
 async fn a_request_stream_waits_for_room_in_the_send_queue_whatever_credit_it_has() {
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let addr = listener.local_addr().expect("addr");
+    let (listener, addr) = raw_listener().await;
     let greedy_server = tokio::spawn(async move {
-        let ack = HelloAck {
-            protocol_version: 1,
-            streams: true,
-            stream_window: u32::MAX,
-            ..Default::default()
-        };
+        let ack = streaming_ack(u32::MAX);
         let (mut peer, _) = RawConn::accept_with(&listener, ack).await;
         let open = peer.recv_invoke("the stream's opening").await;
         // Accepts the stream with vast credit, then reads nothing more.
@@ -484,12 +464,8 @@ async fn a_stream_waiting_for_credit_ends_at_its_deadline() {
     let (server, _polls) = serve().await;
     let (mut raw, _ack) = raw_client_with_window(&server, 1).await;
     raw.send(Kind::Invoke(RemoteInvokeMessage {
-        message_id: 1,
-        service_entry_id: "t.Flow.text".into(),
-        parameters: Codec::MsgPack.encode(&(8u32,)).expect("encode"),
-        stream_mode: StreamMode::Server as i32,
         timeout_ms: 200,
-        ..Default::default()
+        ..stream_opening(1, "t.Flow.text", &(8u32,), StreamMode::Server)
     }))
     .await
     .expect("open");
@@ -613,15 +589,8 @@ async fn a_stream_beside_a_long_poll_at_the_in_flight_limit_still_gets_its_credi
 async fn streams_at_the_in_flight_limit_still_get_their_credit_read() {
     let (server, mut raw) = two_at_a_time().await;
     for id in [1, 3] {
-        raw.send(Kind::Invoke(RemoteInvokeMessage {
-            message_id: id,
-            service_entry_id: "t.Flow.text".into(),
-            parameters: Codec::MsgPack.encode(&(8u32,)).expect("encode"),
-            stream_mode: StreamMode::Server as i32,
-            ..Default::default()
-        }))
-        .await
-        .expect("open");
+        raw.open_stream(id, "t.Flow.text", &(8u32,), StreamMode::Server)
+            .await;
     }
     // Items of stream 1 and of stream 3 so far.
     let (mut accepted, mut items) = (0, [0u32; 2]);

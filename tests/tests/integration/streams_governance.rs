@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::SystemTime;
 
 use common::otel::{attr, counter, Traces};
-use common::within;
+use common::{raw_listener, stream_opening, streaming_ack, within};
 use opentelemetry::Value;
 use rpc::{
     BreakerState, Client, GovernanceOverrides, InProcessRegistry, MethodDescriptor, RpcError,
@@ -211,15 +211,6 @@ impl Stocks for Cache {
     }
 }
 
-/// A listener for a raw server on a free loopback port, and its address.
-async fn raw_listener() -> (tokio::net::TcpListener, std::net::SocketAddr) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    (listener, addr)
-}
-
 /// A client of the server at `addr` alone (a static list), with the tests' options.
 fn client_of(addr: std::net::SocketAddr) -> Client {
     Client::builder()
@@ -228,14 +219,15 @@ fn client_of(addr: std::net::SocketAddr) -> Client {
         .build()
 }
 
-/// A raw server's handshake answer: version 1, streams, a window of 8 items.
-fn streaming_ack() -> rpc::crates::core::wire::HelloAck {
-    rpc::crates::core::wire::HelloAck {
-        protocol_version: 1,
-        streams: true,
-        stream_window: 8,
-        ..Default::default()
-    }
+/// The text a frame's payload carries, which must be zstd-compressed (`compression`, its wire
+/// number): the decompressed bytes and the MessagePack string they hold.
+fn zstd_text(compression: i32, payload: &bytes::Bytes) -> (bytes::Bytes, String) {
+    use rpc::crates::core::Compression;
+    assert_eq!(compression, Compression::Zstd.to_wire(), "sent compressed");
+    let plain = rpc::crates::transport::compression::decompress(compression, payload, 1 << 20)
+        .expect("decompresses");
+    let text = rpc::Codec::MsgPack.decode(&plain).expect("decode");
+    (plain, text)
 }
 
 fn traced() -> (Traces, tracing::subscriber::DefaultGuard) {
@@ -1110,23 +1102,11 @@ async fn compressed_stream_items_arrive_whole_both_ways_between_client_and_serve
 /// joined parts of a zstd entry come back compressed (and whole) to a client that accepts zstd.
 #[tokio::test]
 async fn a_client_streams_answer_is_compressed_as_its_entry_says() {
-    use rpc::crates::core::wire::{frame::Kind, RemoteInvokeMessage, StreamMode};
-    use rpc::crates::core::Compression;
-    use rpc::crates::transport::compression::decompress;
     use rpc::Codec;
     let reg = InProcessRegistry::new();
     let (server, _market) = serve(&reg).await;
     let mut raw = raw_zstd_client(&server, false).await;
-    raw.send(Kind::Invoke(RemoteInvokeMessage {
-        message_id: 1,
-        service_entry_id: "g.Stocks.join".into(),
-        parameters: Codec::MsgPack.encode(&()).expect("encode"),
-        stream_mode: StreamMode::Client as i32,
-        ..Default::default()
-    }))
-    .await
-    .expect("open");
-    raw.recv_acceptance(1).await;
+    raw.open_client_stream(1, "g.Stocks.join").await;
     let parts: Vec<String> = (0..4).map(|_| haystack(16 * 1024)).collect();
     for part in &parts {
         raw.send_item(1, Codec::MsgPack.encode(part).expect("encode"), 0)
@@ -1135,13 +1115,7 @@ async fn a_client_streams_answer_is_compressed_as_its_entry_says() {
     raw.end_stream(1, 200, "").await;
     let end = raw.recv_end().await;
     assert_eq!((end.message_id, end.status_code), (1, 200), "{end:?}");
-    assert_eq!(
-        end.compression,
-        Compression::Zstd.to_wire(),
-        "sent compressed"
-    );
-    let plain = decompress(end.compression, &end.result, 1 << 20).expect("decompresses");
-    let answer: String = Codec::MsgPack.decode(&plain).expect("decode");
+    let (plain, answer) = zstd_text(end.compression, &end.result);
     assert_eq!(answer, parts.concat());
     assert!(
         end.result.len() < plain.len() / 2,
@@ -1165,21 +1139,20 @@ async fn a_client_streams_answer_is_compressed_as_its_entry_says() {
 async fn on_the_wire_the_server_takes_and_sends_compressed_items_and_ends_a_stream_on_a_corrupt_one(
 ) {
     let _traced = traced();
-    use rpc::crates::core::wire::{frame::Kind, RemoteInvokeMessage, StreamMode};
+    use rpc::crates::core::wire::{frame::Kind, StreamMode};
     use rpc::crates::core::Compression;
-    use rpc::crates::transport::compression::{compress, decompress};
+    use rpc::crates::transport::compression::compress;
     use rpc::Codec;
     let reg = InProcessRegistry::new();
     let (server, _market) = serve(&reg).await;
     let mut raw = raw_zstd_client(&server, false).await;
     let open = |id: u64| {
-        Kind::Invoke(RemoteInvokeMessage {
-            message_id: id,
-            service_entry_id: "g.Stocks.shout".into(),
-            parameters: Codec::MsgPack.encode(&(">",)).expect("encode"),
-            stream_mode: StreamMode::Bidi as i32,
-            ..Default::default()
-        })
+        Kind::Invoke(stream_opening(
+            id,
+            "g.Stocks.shout",
+            &(">",),
+            StreamMode::Bidi,
+        ))
     };
     let line = haystack(16 * 1024);
     let encoded = Codec::MsgPack.encode(&line).expect("encode");
@@ -1196,13 +1169,7 @@ async fn on_the_wire_the_server_takes_and_sends_compressed_items_and_ends_a_stre
             other => panic!("expected an item, got {other:?}"),
         }
     };
-    assert_eq!(
-        item.compression,
-        Compression::Zstd.to_wire(),
-        "sent compressed"
-    );
-    let plain = decompress(item.compression, &item.payload, 1 << 20).expect("decompresses");
-    let answer: String = Codec::MsgPack.decode(&plain).expect("decode");
+    let (_, answer) = zstd_text(item.compression, &item.payload);
     assert_eq!(
         answer,
         shouted(">", &line),
@@ -1291,21 +1258,13 @@ fn assert_expanded_one_at_a_time(before: u64, who: &str) {
 /// stream ends with an error, the rest never expanded.
 #[tokio::test]
 async fn compressed_items_are_expanded_one_at_a_time_as_the_handler_takes_them() {
-    use rpc::crates::core::wire::{frame::Kind, RemoteInvokeMessage, StreamItems, StreamMode};
+    use rpc::crates::core::wire::{frame::Kind, StreamItems, StreamMode};
     use rpc::crates::core::Compression;
-    use rpc::Codec;
     let reg = InProcessRegistry::new();
     let (server, _market) = serve(&reg).await;
     let mut raw = raw_zstd_client(&server, true).await;
-    raw.send(Kind::Invoke(RemoteInvokeMessage {
-        message_id: 1,
-        service_entry_id: "g.Stocks.shout".into(),
-        parameters: Codec::MsgPack.encode(&(">",)).expect("encode"),
-        stream_mode: StreamMode::Bidi as i32,
-        ..Default::default()
-    }))
-    .await
-    .expect("open");
+    raw.open_stream(1, "g.Stocks.shout", &(">",), StreamMode::Bidi)
+        .await;
     raw.recv_acceptance(1).await;
     let expands = expanding_item();
     let before = peak_resident_bytes();
@@ -1333,7 +1292,7 @@ async fn on_the_wire_the_client_sends_compressed_items_and_ends_a_stream_on_a_co
     use common::RawConn;
     use rpc::crates::core::wire::{frame::Kind, HelloAck};
     use rpc::crates::core::Compression;
-    use rpc::crates::transport::compression::{compress, decompress};
+    use rpc::crates::transport::compression::compress;
     use rpc::Codec;
     let (listener, addr) = raw_listener().await;
     let line = haystack(16 * 1024);
@@ -1341,7 +1300,7 @@ async fn on_the_wire_the_client_sends_compressed_items_and_ends_a_stream_on_a_co
     let raw_server = tokio::spawn(async move {
         let ack = HelloAck {
             accept_compression: vec![Compression::Zstd.to_wire()],
-            ..streaming_ack()
+            ..streaming_ack(8)
         };
         let (mut peer, hello) = RawConn::accept_with(&listener, ack).await;
         assert!(hello.accept_compression.contains(&1), "{hello:?}");
@@ -1351,13 +1310,7 @@ async fn on_the_wire_the_client_sends_compressed_items_and_ends_a_stream_on_a_co
             Some(Kind::StreamItem(item)) => item,
             other => panic!("expected an item, got {other:?}"),
         };
-        assert_eq!(
-            item.compression,
-            Compression::Zstd.to_wire(),
-            "sent compressed"
-        );
-        let plain = decompress(item.compression, &item.payload, 1 << 20).expect("decompresses");
-        let got: String = Codec::MsgPack.decode(&plain).expect("decode");
+        let (_, got) = zstd_text(item.compression, &item.payload);
         assert_eq!(got, expected_line);
         // One good compressed item back, then a corrupt one.
         let answer = Codec::MsgPack.encode(&shouted(">", &got)).expect("encode");
@@ -1423,7 +1376,7 @@ async fn a_client_streams_compressed_answer_and_a_compressed_refusal_are_read_de
     use rpc::Codec;
     let (listener, addr) = raw_listener().await;
     let raw_server = tokio::spawn(async move {
-        let (mut peer, hello) = RawConn::accept_with(&listener, streaming_ack()).await;
+        let (mut peer, hello) = RawConn::accept_with(&listener, streaming_ack(8)).await;
         assert!(hello.accept_compression.contains(&1), "{hello:?}");
         let id = peer.recv_invoke("the stream's opening").await.message_id;
         peer.grant(id, 8).await;
@@ -1496,7 +1449,7 @@ async fn a_client_stream_completed_without_an_answer_is_recorded_as_the_error_it
     use rpc::crates::core::wire::{frame::Kind, RemoteResultMessage};
     let (listener, addr) = raw_listener().await;
     let raw_server = tokio::spawn(async move {
-        let (mut peer, _) = RawConn::accept_with(&listener, streaming_ack()).await;
+        let (mut peer, _) = RawConn::accept_with(&listener, streaming_ack(8)).await;
         let id = peer.recv_invoke("the stream's opening").await.message_id;
         peer.grant(id, 8).await;
         loop {
@@ -1550,7 +1503,7 @@ async fn a_clients_compressed_items_are_expanded_one_at_a_time_as_they_are_taken
         let ack = HelloAck {
             stream_batches: true,
             accept_compression: vec![Compression::Zstd.to_wire()],
-            ..streaming_ack()
+            ..streaming_ack(8)
         };
         let (mut peer, _) = RawConn::accept_with(&listener, ack).await;
         let id = peer.recv_invoke("the stream's opening").await.message_id;
@@ -1638,7 +1591,7 @@ impl rpc::ServerLayer for PassThrough {
 /// was accepted first and refused after its layers ran, a failure no caller retries.)
 #[tokio::test]
 async fn a_client_stream_over_the_cap_behind_a_layer_is_refused_before_acceptance() {
-    use rpc::crates::core::wire::{frame::Kind, RemoteInvokeMessage, StreamMode};
+    use rpc::crates::core::wire::{frame::Kind, StreamMode};
     let server = Server::builder()
         .max_concurrency(1)
         .layer(PassThrough)
@@ -1648,14 +1601,12 @@ async fn a_client_stream_over_the_cap_behind_a_layer_is_refused_before_acceptanc
         .expect("serve");
     let mut raw = raw_zstd_client(&server, false).await;
     let total = |id: u64| {
-        Kind::Invoke(RemoteInvokeMessage {
-            message_id: id,
-            service_entry_id: "g.Stocks.total".into(),
-            codec: rpc::Codec::MsgPack.to_wire(),
-            parameters: rpc::Codec::MsgPack.encode(&()).expect("encode"),
-            stream_mode: StreamMode::Client as i32,
-            ..Default::default()
-        })
+        Kind::Invoke(stream_opening(
+            id,
+            "g.Stocks.total",
+            &(),
+            StreamMode::Client,
+        ))
     };
     // The first stream takes the entry's only slot (it sends no items, and never ends).
     raw.send(total(1)).await.expect("send");

@@ -161,7 +161,7 @@ impl Logs {
             .finish();
         Logs {
             rx,
-            _guard: tracing::subscriber::set_default(subscriber),
+            _guard: common::trace_this_thread(subscriber),
         }
     }
 
