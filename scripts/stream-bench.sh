@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
-# Streams measured beside tonic's streaming in one run: builds `bench` and the tonic
-# server-streaming echo (`bench/tonic-stream`, its own workspace) in release, then for each case
-# (item size × streams on one connection) starts a server process and a client process per peer
-# on 127.0.0.1, peers alternating, REPS times, and prints the median items per second and CPU per
-# item (client CPU over the measured window plus the server's CPU per item it produced) with the
-# ratios rpc/tonic. Optionally (BASE=<commit>) it re-runs a few unary cases of `bench` against
+# Streams measured beside tonic's streaming in one run: builds `bench`, the tonic
+# server-streaming echo (`bench/tonic-stream`) and the practical limit (`bench/raw-stream`:
+# length-delimited items on one TCP connection with no framework; each its own workspace) in
+# release, then for each case (item size × streams on one connection) starts a server process
+# and a client process per peer on 127.0.0.1, peers alternating, REPS times, and prints the
+# median items per second and CPU per item (client CPU over the measured window plus the
+# server's CPU per item it produced) with the ratios rpc/tonic, and the limit's (raw/tonic): a
+# goal above the limit's ratio is out of any framework's reach on this machine. `raw-vec` is the
+# same limit with the other peers' per-item work added (a `Vec<u8>` per item on each side and a
+# shared counter), the limit for any framework whose users stream such items. Optionally (BASE=<commit>) it re-runs a few unary cases of `bench` against
 # the same program built from that commit, to show the unary path unchanged.
 #
-# Knobs: SIZES="32 4096" STREAMS="1 64" REPS=3 DURATION=3 WARMUP=1
+# Knobs: SIZES="32 4096" STREAMS="1 64" REPS=3 DURATION=3 WARMUP=1 PEERS="rpc tonic raw raw-vec"
 #        BASE=afc122e (unset: no unary comparison; built in a temporary worktree into
 #        BASE_TARGET_DIR, default target/stream-bench-base) or BASE_BIN=<a bench built from it>,
 #        UNARY_CASES="32:1 32:256 4096:16" (payload:concurrency, one connection)
@@ -22,11 +26,13 @@ REPS=${REPS:-3}
 DURATION=${DURATION:-3}
 WARMUP=${WARMUP:-1}
 UNARY_CASES=${UNARY_CASES:-"32:1 32:256 4096:16"}
+PEERS=${PEERS:-"rpc tonic raw raw-vec"}
 export CARGO_INCREMENTAL=${CARGO_INCREMENTAL:-0}
 target=${CARGO_TARGET_DIR:-$root/target}
 
 cargo build --release --quiet -p examples --bin bench --target-dir "$target"
 cargo build --release --quiet --manifest-path bench/tonic-stream/Cargo.toml --target-dir "$target"
+cargo build --release --quiet --manifest-path bench/raw-stream/Cargo.toml --target-dir "$target"
 work=$(mktemp -d)
 servers=()
 cleanup() {
@@ -37,6 +43,10 @@ trap cleanup EXIT
 # Copies, so that a rebuild during the run cannot change the programs being measured.
 cp "$target/release/bench" "$work/rpc"
 cp "$target/release/tonic-stream" "$work/tonic"
+cp "$target/release/raw-stream" "$work/raw"
+# The same limit with a Vec<u8> per item on each side, as the other peers' programs stream.
+printf '#!/bin/sh\nexec "%s" "$@" --items vec\n' "$work/raw" >"$work/raw-vec"
+chmod +x "$work/raw-vec"
 
 # start_server PROGRAM: starts it on a free port, sets $addr and $spid.
 nserver=0
@@ -76,7 +86,7 @@ runs=$work/streams.txt
 for rep in $(seq 1 "$REPS"); do
   for size in $SIZES; do
     for s in $STREAMS; do
-      for peer in rpc tonic; do
+      for peer in $PEERS; do
         start_server "$work/$peer"
         extra=()
         [[ $peer == rpc && -n ${STREAM_WINDOW:-} ]] && extra=(--stream-window "$STREAM_WINDOW")
@@ -100,6 +110,7 @@ for line in open(sys.argv[1]):
     cpu = float(f["cpu_us_per_item"]) + server
     rows.setdefault((int(f["size"]), int(f["streams"])), {}).setdefault(f["peer"], []).append(
         (float(f["items_per_s"]), cpu, float(f["cpu_us_per_item"]), server))
+limits = [p for p in ("raw", "raw-vec") if any(p in v for v in rows.values())]
 print(f"{'size':>5} {'streams':>7} | {'rpc items/s':>12} {'tonic items/s':>13} {'ratio':>6} | "
       f"{'rpc µs/item':>11} {'tonic µs/item':>13} {'ratio':>6} | (client+server µs/item)")
 for (size, s), peers in sorted(rows.items()):
@@ -110,6 +121,19 @@ for (size, s), peers in sorted(rows.items()):
     print(f"{size:>5} {s:>7} | {r[0]:>12.0f} {t[0]:>13.0f} {r[0]/t[0]:>5.2f}x | "
           f"{r[1]:>11.3f} {t[1]:>13.3f} {r[1]/t[1]:>6.2f} | "
           f"rpc {r[2]:.3f}+{r[3]:.3f}, tonic {t[2]:.3f}+{t[3]:.3f}")
+if limits:
+    print("the practical limits beside tonic (a goal above limit/tonic is out of reach here):")
+    print(f"{'size':>5} {'streams':>7} | {'limit':>7} {'items/s':>12} {'/tonic':>7} | "
+          f"{'µs/item':>8} {'/tonic':>7} | (client+server µs/item)")
+    for (size, s), peers in sorted(rows.items()):
+        med = {p: [st.median(x[i] for x in v) for i in range(4)] for p, v in peers.items()}
+        t = med.get("tonic")
+        for p in limits:
+            w = med.get(p)
+            if not w or not t:
+                continue
+            print(f"{size:>5} {s:>7} | {p:>7} {w[0]:>12.0f} {w[0]/t[0]:>6.2f}x | "
+                  f"{w[1]:>8.3f} {w[1]/t[1]:>7.2f} | {w[2]:.3f}+{w[3]:.3f}")
 PY
 
 if [[ -n ${BASE_BIN:-} ]]; then

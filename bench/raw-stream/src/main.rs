@@ -1,0 +1,358 @@
+//! `raw-stream`: the practical limit of a server stream on one TCP connection, measured beside
+//! the framework's streams and tonic's (`scripts/stream-bench.sh`). No framework: the server
+//! writes length-delimited items (`u32` length, `u32` stream number, the payload) into a
+//! 64 KiB buffer and the buffer into the socket; the client reads into a buffer and walks the
+//! items in place. No flow control, no task per stream, no allocation or copy per item beyond
+//! the payload's bytes into the buffer: what any streaming protocol's items cost on this
+//! machine at the least, so that a goal above this figure is beyond every framework here.
+//!
+//! With `--items vec` (on the server and the client alike) each side also does the per-item
+//! work of the other peers' benchmark programs, which stream a `Vec<u8>` per item: the server
+//! clones its item into a new `Vec` and counts it in a shared counter before writing it; the
+//! client copies each item into a new `Vec`, checks its length and counts it in a shared
+//! counter. The limit then holds for any framework whose users stream `Vec<u8>` items.
+//!
+//! ```text
+//! raw-stream --mode server --addr 127.0.0.1:PORT [--items none|vec]
+//! raw-stream --mode client --addr 127.0.0.1:PORT --streams S --size B --duration D --warmup W
+//!            [--items none|vec]
+//! ```
+//!
+//! The request is 16 bytes: streams (`u32`), size (`u32`), count per stream (`u64`, 0: until
+//! the client leaves); the server answers items to the streams in turn and closes the
+//! connection after `count` items each. Output lines as `tonic-stream`'s, with `peer=raw` (`raw-vec` with `--items vec`):
+//! `LISTENING`, `SERVER ... items=<sent> cpu_s=<s> ...` on SIGTERM or SIGINT, and the client's
+//! `STREAM peer=raw size=B streams=S items=<n> errors=<n> secs=<s> items_per_s=<r> cpu_s=<s>
+//! cpu_us_per_item=<u>`.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// Items the server of this process has written.
+static SENT: AtomicU64 = AtomicU64::new(0);
+
+/// The server's write buffer: items are written in runs of about this many bytes.
+const WRITE_BUFFER: usize = 64 * 1024;
+
+/// The client's read buffer.
+const READ_BUFFER: usize = 256 * 1024;
+
+/// An item's header: its length (stream number and payload) and its stream number.
+const HEADER: usize = 8;
+
+#[derive(Debug)]
+struct Args {
+    mode: String,
+    addr: SocketAddr,
+    streams: u32,
+    size: u32,
+    duration: f64,
+    warmup: f64,
+    /// Whether each item is a `Vec` of its own on both sides (`--items vec`).
+    vec_items: bool,
+}
+
+const USAGE: &str = "usage: raw-stream --mode server|client --addr 127.0.0.1:PORT \
+[--streams S] [--size BYTES] [--duration SECS] [--warmup SECS] [--items none|vec]";
+
+fn parse() -> Result<Args, String> {
+    let mut a = Args {
+        mode: String::new(),
+        addr: "127.0.0.1:0".parse().expect("literal address"),
+        streams: 1,
+        size: 32,
+        duration: 3.0,
+        warmup: 1.0,
+        vec_items: false,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let val = it
+            .next()
+            .ok_or_else(|| format!("missing value for {flag}\n{USAGE}"))?;
+        let bad = |e: &dyn std::fmt::Display| format!("{flag} {val}: {e}\n{USAGE}");
+        match flag.as_str() {
+            "--mode" => a.mode = val.clone(),
+            "--addr" => a.addr = val.parse().map_err(|e| bad(&e))?,
+            "--streams" => a.streams = val.parse().map_err(|e| bad(&e))?,
+            "--size" => a.size = val.parse().map_err(|e| bad(&e))?,
+            "--duration" => a.duration = val.parse().map_err(|e| bad(&e))?,
+            "--warmup" => a.warmup = val.parse().map_err(|e| bad(&e))?,
+            "--items" => {
+                a.vec_items = match val.as_str() {
+                    "none" => false,
+                    "vec" => true,
+                    _ => return Err(format!("--items {val}: none or vec\n{USAGE}")),
+                }
+            }
+            _ => return Err(format!("unknown flag {flag}\n{USAGE}")),
+        }
+    }
+    if !a.addr.ip().is_loopback() {
+        return Err(format!("{}: loopback addresses only", a.addr));
+    }
+    // (Written so that NaN fails too.)
+    let positive = a.duration.is_finite() && a.duration > 0.0;
+    let non_negative = a.warmup.is_finite() && a.warmup >= 0.0;
+    if a.streams == 0 || a.size > 16 << 20 || !positive || !non_negative {
+        return Err(format!(
+            "--streams at least 1, --size at most 16 MiB, --duration above 0, --warmup 0 or \
+             more\n{USAGE}"
+        ));
+    }
+    Ok(a)
+}
+
+/// User plus system CPU of this process so far.
+fn cpu() -> Duration {
+    // SAFETY: all-zero bytes are a valid `rusage`; getrusage only writes into it.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: `ru` is a valid, writable `rusage`.
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) } != 0 {
+        return Duration::ZERO;
+    }
+    let t = |tv: libc::timeval| {
+        Duration::from_secs(tv.tv_sec.max(0) as u64)
+            + Duration::from_micros(tv.tv_usec.max(0) as u64)
+    };
+    t(ru.ru_utime) + t(ru.ru_stime)
+}
+
+/// Answers one connection's request: `count` items (0: endless) to each of its streams, in turn.
+async fn answer(mut conn: TcpStream, vec_items: bool) -> std::io::Result<()> {
+    let mut request = [0u8; 16];
+    conn.read_exact(&mut request).await?;
+    let streams = u32::from_le_bytes(request[0..4].try_into().expect("4 bytes"));
+    let size = u32::from_le_bytes(request[4..8].try_into().expect("4 bytes"));
+    let count = u64::from_le_bytes(request[8..16].try_into().expect("8 bytes"));
+    let count = if count == 0 { u64::MAX } else { count };
+    let payload = vec![b'x'; size as usize];
+    let mut buf = Vec::with_capacity(WRITE_BUFFER + HEADER + size as usize);
+    for _ in 0..count {
+        for stream in 0..streams {
+            buf.extend_from_slice(&(size + 4).to_le_bytes());
+            buf.extend_from_slice(&stream.to_le_bytes());
+            if vec_items {
+                let item = std::hint::black_box(payload.clone());
+                SENT.fetch_add(1, Ordering::Relaxed);
+                buf.extend_from_slice(&item);
+            } else {
+                buf.extend_from_slice(&payload);
+            }
+            if buf.len() >= WRITE_BUFFER {
+                conn.write_all(&buf).await?;
+                if !vec_items {
+                    SENT.fetch_add(items_in(buf.len(), size), Ordering::Relaxed);
+                }
+                buf.clear();
+            }
+        }
+    }
+    conn.write_all(&buf).await?;
+    if !vec_items {
+        SENT.fetch_add(items_in(buf.len(), size), Ordering::Relaxed);
+    }
+    conn.shutdown().await
+}
+
+/// The peer's name in the output lines.
+fn peer_name(vec_items: bool) -> &'static str {
+    if vec_items {
+        "raw-vec"
+    } else {
+        "raw"
+    }
+}
+
+fn items_in(bytes: usize, size: u32) -> u64 {
+    (bytes / (HEADER + size as usize)) as u64
+}
+
+async fn serve(addr: SocketAddr, vec_items: bool) -> Result<(), String> {
+    let (wall0, cpu0) = (Instant::now(), cpu());
+    let listener = TcpListener::bind(addr)
+        .await
+        .map_err(|e| format!("bind {addr}: {e}"))?;
+    let local = listener.local_addr().map_err(|e| e.to_string())?;
+    let peer = peer_name(vec_items);
+    println!(
+        "LISTENING peer={peer} addr={local} pid={}",
+        std::process::id()
+    );
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    let accept = async {
+        loop {
+            let Ok((conn, _)) = listener.accept().await else {
+                continue;
+            };
+            let _ = conn.set_nodelay(true);
+            tokio::spawn(answer(conn, vec_items));
+        }
+    };
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).map_err(|e| e.to_string())?;
+    let mut int = signal(SignalKind::interrupt()).map_err(|e| e.to_string())?;
+    tokio::select! {
+        _ = accept => {}
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+    let used = (cpu() - cpu0).as_secs_f64();
+    let sent = SENT.load(Ordering::Relaxed);
+    println!(
+        "SERVER peer={peer} items={sent} cpu_s={used:.3} wall_s={:.3} cpu_us_per_item={:.3}",
+        wall0.elapsed().as_secs_f64(),
+        used * 1e6 / sent.max(1) as f64
+    );
+    let _ = std::io::stdout().flush();
+    std::process::exit(0);
+}
+
+/// Opens a connection asking for `count` items (0: endless) to each of `streams` streams.
+async fn open(a: &Args, streams: u32, count: u64) -> Result<TcpStream, String> {
+    let mut conn = TcpStream::connect(a.addr)
+        .await
+        .map_err(|e| format!("connect {}: {e}", a.addr))?;
+    conn.set_nodelay(true).map_err(|e| e.to_string())?;
+    let mut request = [0u8; 16];
+    request[0..4].copy_from_slice(&streams.to_le_bytes());
+    request[4..8].copy_from_slice(&a.size.to_le_bytes());
+    request[8..16].copy_from_slice(&count.to_le_bytes());
+    conn.write_all(&request).await.map_err(|e| e.to_string())?;
+    Ok(conn)
+}
+
+/// Reads items until the server closes the connection or `stop` is set, adding each run read
+/// to `items` (or, with `vec_items`, each item as it is copied out); an item of the wrong length
+/// or stream is an error.
+async fn read(
+    mut conn: TcpStream,
+    (streams, size, vec_items): (u32, u32, bool),
+    items: &AtomicU64,
+    stop: &AtomicBool,
+) -> Result<(), String> {
+    let mut buf = vec![0u8; READ_BUFFER];
+    let (mut start, mut end) = (0, 0);
+    while !stop.load(Ordering::Relaxed) {
+        if buf.len() - end < HEADER + size as usize {
+            buf.copy_within(start..end, 0);
+            (start, end) = (0, end - start);
+        }
+        let n = conn
+            .read(&mut buf[end..])
+            .await
+            .map_err(|e| e.to_string())?;
+        if n == 0 {
+            return if start == end {
+                Ok(())
+            } else {
+                Err("the connection ended inside an item".into())
+            };
+        }
+        end += n;
+        let mut read = 0;
+        while end - start >= HEADER {
+            let len = u32::from_le_bytes(buf[start..start + 4].try_into().expect("4 bytes"));
+            let stream = u32::from_le_bytes(buf[start + 4..start + 8].try_into().expect("4 bytes"));
+            if len != size + 4 || stream >= streams {
+                return Err(format!("an item of {len} bytes to stream {stream}"));
+            }
+            if end - start < 4 + len as usize {
+                break;
+            }
+            if vec_items {
+                let item =
+                    std::hint::black_box(buf[start + HEADER..start + 4 + len as usize].to_vec());
+                if item.len() != size as usize {
+                    return Err(format!("an item of {} bytes", item.len()));
+                }
+                items.fetch_add(1, Ordering::Relaxed);
+            } else {
+                read += 1;
+            }
+            start += 4 + len as usize;
+        }
+        items.fetch_add(read, Ordering::Relaxed);
+    }
+    Ok(())
+}
+
+async fn client(a: &Args) -> Result<(), String> {
+    // One short stream first: an unreachable or wrong server is an error, not a run of zeros.
+    let first = AtomicU64::new(0);
+    let conn = open(a, 1, 3).await?;
+    let shape = (1, a.size, a.vec_items);
+    read(conn, shape, &first, &AtomicBool::new(false)).await?;
+    if first.load(Ordering::Relaxed) != 3 {
+        return Err(format!("asked for 3 items, got {}", first.into_inner()));
+    }
+
+    let items = Arc::new(AtomicU64::new(0));
+    let errors = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let conn = open(a, a.streams, 0).await?;
+    let reader = {
+        let (items, errors, stop) = (items.clone(), errors.clone(), stop.clone());
+        let shape = (a.streams, a.size, a.vec_items);
+        tokio::spawn(async move {
+            if let Err(e) = read(conn, shape, &items, &stop).await {
+                eprintln!("raw-stream: {e}");
+                errors.fetch_add(1, Ordering::Relaxed);
+            }
+        })
+    };
+    tokio::time::sleep(Duration::from_secs_f64(a.warmup)).await;
+    let (n0, c0, t0) = (items.load(Ordering::Relaxed), cpu(), Instant::now());
+    tokio::time::sleep(Duration::from_secs_f64(a.duration)).await;
+    let (n1, c1, secs) = (
+        items.load(Ordering::Relaxed),
+        cpu(),
+        t0.elapsed().as_secs_f64(),
+    );
+    stop.store(true, Ordering::Relaxed);
+    let n = n1 - n0;
+    let cpu_s = (c1 - c0).as_secs_f64();
+    let peer = peer_name(a.vec_items);
+    println!(
+        "STREAM peer={peer} size={} streams={} items={n} errors={} secs={secs:.3} \
+         items_per_s={:.1} cpu_s={cpu_s:.3} cpu_us_per_item={:.3}",
+        a.size,
+        a.streams,
+        errors.load(Ordering::Relaxed),
+        n as f64 / secs,
+        cpu_s * 1e6 / n.max(1) as f64
+    );
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    if errors.load(Ordering::Relaxed) > 0 || reader.is_finished() {
+        return Err("the stream failed or ended early".into());
+    }
+    std::process::exit(0);
+}
+
+fn main() {
+    let outcome = parse().and_then(|a| {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| format!("tokio runtime: {e}"))?;
+        rt.block_on(async {
+            match a.mode.as_str() {
+                "server" => serve(a.addr, a.vec_items).await,
+                "client" if a.addr.port() != 0 => client(&a).await,
+                "client" => Err("--mode client needs the server's --addr 127.0.0.1:PORT".into()),
+                other => Err(format!("--mode {other:?}: server or client\n{USAGE}")),
+            }
+        })
+    });
+    if let Err(e) = outcome {
+        eprintln!("raw-stream: {e}");
+        std::process::exit(1);
+    }
+}
