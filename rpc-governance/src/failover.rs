@@ -18,7 +18,9 @@ use crate::retry::{self, Decision};
 /// ([`RpcError::is_unsupported_by_endpoint`]: its server does not stream; nothing was sent) is
 /// not retried on that endpoint, which will never serve it, but moves to an untried one at
 /// once: during a rolling upgrade some instances stream and some do not yet. It counts as an
-/// attempt, within `retry_times`.
+/// attempt, within `retry_times`. (With nothing untried left after such a detour, the retry
+/// layer decides on the failure before it instead, and the balancer leaves the endpoint that
+/// cannot serve the call out of its candidates: see [`CallCx::unable`](crate::stack::CallCx::unable).)
 pub fn decide(
     err: &RpcError,
     attempt: u32,

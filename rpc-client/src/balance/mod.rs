@@ -480,12 +480,24 @@ pub(crate) struct Picker {
 }
 
 impl Picker {
-    /// The indexes of the call's candidates in `eps`: `None` for every endpoint.
+    /// The indexes of the call's candidates in `eps`: `None` for every endpoint. An endpoint
+    /// the call found unable to serve it ([`CallCx::unable`]) is no candidate, unless every
+    /// one is unable (the call's next attempt then fails there again, and it gives up).
     fn among(&self, eps: &Endpoints, cx: &CallCx<'_>) -> Result<Option<Vec<usize>>, RpcError> {
-        match &self.route {
-            None => Ok(None),
-            Some(choice) => choice.candidates(eps, cx.entry_id()),
+        let group = match &self.route {
+            None => None,
+            Some(choice) => choice.candidates(eps, cx.entry_id())?,
+        };
+        let unable = cx.unable();
+        if unable.is_empty() {
+            return Ok(group);
         }
+        let able = |i: &usize| !unable.iter().any(|u| **u == *eps[*i].address);
+        let kept: Vec<usize> = match &group {
+            None => (0..eps.len()).filter(able).collect(),
+            Some(g) => g.iter().copied().filter(able).collect(),
+        };
+        Ok(if kept.is_empty() { group } else { Some(kept) })
     }
 }
 

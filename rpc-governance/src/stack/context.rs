@@ -51,6 +51,12 @@ pub struct CallCx<'g> {
     pub(crate) superseded: Option<Superseded>,
     /// The endpoint of the last failed attempt.
     pub(crate) last_failed: Option<Arc<str>>,
+    /// Endpoints this call found unable to serve it (their servers do not stream): never
+    /// candidates again for it. Empty for most calls (no allocation).
+    pub(crate) unable: Vec<Arc<str>>,
+    /// The last failure of an endpoint that could serve the call, kept for the case where a
+    /// detour to one that cannot leaves nothing untried (see the retry layer).
+    pub(crate) served_failure: Option<Box<ServedFailure>>,
     pub(crate) fallback_cause: Option<RpcError>,
     /// Only when a layer adds one: most calls carry none, and an empty map still costs its drop.
     attachments: Option<BTreeMap<String, String>>,
@@ -60,6 +66,14 @@ pub struct CallCx<'g> {
     /// What layers asked to be told when the stream this call opens ends (empty for most
     /// calls: an empty list allocates nothing).
     stream_end: Vec<StreamEndHook>,
+}
+
+/// A failed attempt of an endpoint that could serve the call, as the retry layer decided on it.
+#[derive(Debug)]
+pub(crate) struct ServedFailure {
+    pub(crate) error: RpcError,
+    pub(crate) endpoint: Arc<str>,
+    pub(crate) attempt_timed_out: bool,
 }
 
 /// How a stream ended, as a hook a layer registered with [`CallCx::on_stream_end`] sees it.
@@ -143,6 +157,8 @@ impl<'g> CallCx<'g> {
             hedge: false,
             superseded: None,
             last_failed: None,
+            unable: Vec::new(),
+            served_failure: None,
             fallback_cause: None,
             attachments: None,
             retry_depth: 0,
@@ -261,6 +277,12 @@ impl<'g> CallCx<'g> {
     /// Endpoints tried (and failed) so far, in order.
     pub fn tried(&self) -> &[Arc<str>] {
         &self.tried
+    }
+
+    /// Endpoints this call found unable to serve it (their servers do not stream; nothing was
+    /// sent to them), in order: a balancer leaves them out of the call's candidates.
+    pub fn unable(&self) -> &[Arc<str>] {
+        &self.unable
     }
 
     /// The endpoint of the last failed attempt, if one failed.

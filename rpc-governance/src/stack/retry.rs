@@ -22,6 +22,7 @@ use bytes::Bytes;
 use rpc_core::{GovernanceOptions, RpcContext, RpcError, StatusCode};
 use tokio::time::Instant;
 
+use super::context::ServedFailure;
 use super::{Balance, CallCx, Pick, Service};
 use crate::events::EventKind;
 use crate::failover;
@@ -168,7 +169,7 @@ impl<B: Balance, S> RetryLayer<B, S> {
         // The attempt's own deadline passed: a timeout then is that deadline's. A 519 the
         // server answered before it (its own deadline down the chain, a typed error carrying
         // a timeout) is the server's answer, judged as any other.
-        let attempt_timed_out = err.code() == StatusCode::Timeout
+        let mut attempt_timed_out = err.code() == StatusCode::Timeout
             && err.payload().is_none()
             && own_deadline.is_some_and(|own| Instant::now() >= own);
         if attempt_timed_out {
@@ -188,9 +189,9 @@ impl<B: Balance, S> RetryLayer<B, S> {
                 Some(err.to_string()),
             );
         }
-        let fault = Fault::of(&err);
+        let mut fault = Fault::of(&err);
         // An endpoint that cannot serve the call says nothing of its health either way.
-        let unsupported = err.is_unsupported_by_endpoint();
+        let mut unsupported = err.is_unsupported_by_endpoint();
         if let Some(fault) = fault {
             self.hold_against(cx, &addr, fault, &err);
         } else if err.code().is_breaker_exempt() && !unsupported {
@@ -198,14 +199,37 @@ impl<B: Balance, S> RetryLayer<B, S> {
             cx.health().success(&addr);
         }
         cx.last_failed = Some(addr.clone());
+        if unsupported {
+            cx.unable.push(addr.clone());
+        } else {
+            cx.served_failure = Some(Box::new(ServedFailure {
+                error: err.clone(),
+                endpoint: addr.clone(),
+                attempt_timed_out,
+            }));
+        }
         cx.tried.push(addr);
         let untried_left = picker.untried_left(cx);
+        let mut last = cx.tried.last().cloned().unwrap_or_else(|| Arc::from(""));
+        // A detour to an endpoint that cannot serve the call (nothing was sent) that leaves
+        // nothing untried: the call decides on the failure before it, on an endpoint that can
+        // serve it, as it would have with no detour (the balancer leaves the unable endpoint
+        // out of its candidates from now on). The detour counts as an attempt.
+        if unsupported && !untried_left {
+            if let Some(before) = cx.served_failure.take() {
+                let before = *before;
+                err = before.error;
+                attempt_timed_out = before.attempt_timed_out;
+                fault = Fault::of(&err);
+                unsupported = false;
+                last = before.endpoint;
+            }
+        }
         let decision = if attempt_timed_out {
             retry::decide_after_attempt_timeout(attempt, &cx.options, cx.deadline)
         } else {
             failover::decide(&err, attempt, &cx.options, cx.deadline, untried_left)
         };
-        let last = cx.tried.last().cloned().unwrap_or_else(|| Arc::from(""));
         // The stop is for failures a server saw (refusals, errors, calls that may have been
         // delivered): retrying those multiplies load down the chain. Moving on from an endpoint
         // the call never reached (connection refused, nothing sent) costs no server anything,

@@ -968,6 +968,96 @@ async fn a_stream_set_up_fails_over_from_a_server_that_does_not_stream() {
     within("shutdown", server.shutdown()).await;
 }
 
+/// Of two instances, one an older server that does not stream: a set-up the newer one refused
+/// (515) is retried on the newer one, never on the older one (which cannot serve it, and would
+/// end the call with 501 while retries were left). Round robin starts the set-ups on each in
+/// turn: from the newer one, the refusal's retry detours to the untried older one and then
+/// returns to the newer; from the older one, the retry after the refusal has only the newer one
+/// to go to.
+#[tokio::test]
+async fn a_retried_set_up_does_not_return_to_a_server_that_does_not_stream() {
+    use rpc::crates::core::wire::RemoteResultMessage;
+    const ROUNDS: u64 = 16;
+    let (listener, newer) = raw_listener().await;
+    let newer_server = tokio::spawn(async move {
+        let (mut peer, _) = RawConn::accept_with(&listener, streaming_ack(8)).await;
+        for round in 0..ROUNDS {
+            let first = recv_opening(&mut peer).await;
+            peer.send(Kind::Result(RemoteResultMessage {
+                message_id: first.message_id,
+                status_code: StatusCode::OverflowMaxServerHandle.as_u32(),
+                exception_message: "over the cap".into(),
+                ..Default::default()
+            }))
+            .await
+            .expect("refuse");
+            let id = recv_opening(&mut peer).await.message_id;
+            peer.grant(id, 0).await;
+            peer.send_item(id, Codec::MsgPack.encode(&round).expect("encode"), 0)
+                .await;
+            peer.send(Kind::Result(RemoteResultMessage {
+                message_id: id,
+                status_code: 200,
+                ..Default::default()
+            }))
+            .await
+            .expect("end");
+        }
+    });
+    let (listener, older) = raw_listener().await;
+    let older_server = tokio::spawn(async move {
+        let (mut peer, _) = RawConn::accept_with(&listener, Default::default()).await;
+        loop {
+            match peer.recv().await {
+                Some(Kind::Ping(_)) => {}
+                None => return,
+                Some(other) => panic!("the older server was sent {other:?}"),
+            }
+        }
+    });
+    // Two retries: the refusal's, and the one after a detour.
+    let f = FeedClient::new(
+        Client::builder()
+            .registry(StaticRegistry::new([newer.to_string(), older.to_string()]))
+            .override_options(
+                FeedClient::SERVICE_ID,
+                GovernanceOverrides {
+                    retry_times: Some(2),
+                    retry_interval_ms: Some(1),
+                    ..GovernanceOverrides::NONE
+                },
+            )
+            .build(),
+    );
+    for round in 0..ROUNDS {
+        let items = within("endless", f.endless())
+            .await
+            .unwrap_or_else(|e| panic!("set-up {round} was not retried on the newer one: {e}"));
+        let items = within("the items", items.collect_all())
+            .await
+            .expect("the stream");
+        assert_eq!(items, [round], "set-up {round}");
+    }
+    within("the newer server", newer_server)
+        .await
+        .expect("newer server");
+    drop(f);
+    within("the older server", older_server)
+        .await
+        .expect("older server");
+}
+
+/// The next stream opening `peer` is sent, heartbeats and credit skipped.
+async fn recv_opening(peer: &mut RawConn) -> RemoteInvokeMessage {
+    loop {
+        match peer.recv().await {
+            Some(Kind::Invoke(i)) => return i,
+            Some(Kind::Ping(_) | Kind::StreamCredit(_)) => {}
+            other => panic!("expected a stream opening, got {other:?}"),
+        }
+    }
+}
+
 /// A server that sends more items than the client granted breaks the protocol: that stream
 /// (only) ends with an error after the items within the window, the server is told to stop it,
 /// and the connection carries on. The client's reader never waits for the stream's consumer.
