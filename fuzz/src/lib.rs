@@ -69,6 +69,7 @@ pub fn sample_kinds() -> Vec<rpc_core::wire::frame::Kind> {
         }),
         Kind::Cancel(Cancel {
             message_id: u64::MAX,
+            reason: 1,
         }),
         Kind::Ping(Ping { nonce: 7 }),
         Kind::Pong(Pong { nonce: 7 }),

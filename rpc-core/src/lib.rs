@@ -34,6 +34,7 @@ pub mod options;
 mod service;
 mod status;
 mod stream;
+pub mod superseded;
 pub mod wire;
 
 pub use codec::{Codec, CodecError, NoArgs};

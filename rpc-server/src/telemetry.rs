@@ -205,6 +205,9 @@ enum Dropped {
     Drain,
     /// By the caller's `Cancel` or its connection's end: not answered.
     Cancelled,
+    /// By the caller's `Cancel` saying another attempt of the call (a hedge) answered first:
+    /// not answered, and no failure (the call succeeded).
+    Superseded,
 }
 
 impl Dropped {
@@ -214,6 +217,7 @@ impl Dropped {
             Dropped::Timeout => (Some(StatusCode::Timeout), "timeout"),
             Dropped::Drain => (Some(StatusCode::ServerError), "error"),
             Dropped::Cancelled => (None, "cancelled"),
+            Dropped::Superseded => (None, "superseded"),
         }
     }
 }
@@ -230,6 +234,8 @@ impl Drop for CallWatch {
             Dropped::Timeout
         } else if rpc_transport::dropped_at_drain_deadline() {
             Dropped::Drain
+        } else if rpc_transport::dropped_as_superseded() {
+            Dropped::Superseded
         } else {
             Dropped::Cancelled
         };
@@ -264,11 +270,17 @@ impl Drop for CallWatch {
             Dropped::Cancelled => {
                 format!("handler cancelled by the caller after {elapsed_ms} ms ({budget})")
             }
+            Dropped::Superseded => format!(
+                "handler stopped after {elapsed_ms} ms ({budget}): another attempt of the \
+                 hedged call answered first"
+            ),
         };
         self.span.record("outcome", outcome);
-        self.span.record("otel.status_code", "ERROR");
-        self.span
-            .record("otel.status_description", description.as_str());
+        if !matches!(why, Dropped::Superseded) {
+            self.span.record("otel.status_code", "ERROR");
+            self.span
+                .record("otel.status_description", description.as_str());
+        }
         self.span
             .in_scope(|| tracing::debug!(elapsed_ms, budget_ms, outcome, "{description}"));
     }
@@ -441,7 +453,8 @@ mod otel {
         }
 
         /// Records a call whose handler was dropped: at its deadline (519, `timeout`), at the
-        /// server's drain deadline (520, `error`) or by the caller's `Cancel` (`cancelled`, no
+        /// server's drain deadline (520, `error`), by the caller's `Cancel` (`cancelled`, no
+        /// status) or by a `Cancel` saying another attempt answered first (`superseded`, no
         /// status).
         pub(crate) fn dropped(&self, code: Option<StatusCode>, outcome: &'static str) {
             let [service, method, system] = attributes(self.method);

@@ -18,6 +18,8 @@
 //! themselves. The hedge is one attempt (its failure is not retried); the first attempt keeps
 //! its retries.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -160,10 +162,14 @@ impl<S: Service> HedgeLayer<S> {
             hedge_cx.emit(EventKind::Hedge, first.get().map(|a| &**a), 1, Some(why));
             Some(self.inner.call(&mut hedge_cx, req).await)
         };
-        tokio::pin!(primary, hedge);
-        tokio::select! {
+        // Each in an `Option`, so that the loser can be dropped here, inside `superseding`
+        // (its transport then tells its server why it stops), rather than when this function
+        // returns.
+        let mut primary = std::pin::pin!(Some(primary));
+        let mut hedge = std::pin::pin!(Some(hedge));
+        let result = tokio::select! {
             biased;
-            r = &mut primary => match r {
+            r = live(primary.as_mut()) => match r {
                 Ok(bytes) => {
                     superseded.set();
                     learn(started.elapsed());
@@ -172,12 +178,12 @@ impl<S: Service> HedgeLayer<S> {
                 // The first attempt failed for good before any hedge: none is sent now.
                 Err(e) if !sent.load(Ordering::Relaxed) => Err(e),
                 // A hedge already sent may still answer.
-                Err(e) => match hedge.await {
+                Err(e) => match live(hedge.as_mut()).await {
                     Some(Ok(bytes)) => Ok(bytes),
                     _ => Err(e),
                 },
             },
-            h = &mut hedge => match h {
+            h = live(hedge.as_mut()) => match h {
                 Some(Ok(bytes)) => {
                     superseded.set();
                     // The first attempt, still running, has taken at least this long.
@@ -185,8 +191,22 @@ impl<S: Service> HedgeLayer<S> {
                     Ok(bytes)
                 }
                 // No hedge (budget spent), or it failed: the first attempt decides.
-                _ => primary.await,
+                _ => live(primary.as_mut()).await,
             },
+        };
+        if superseded.is_set() {
+            rpc_core::superseded::superseding(|| {
+                primary.set(None);
+                hedge.set(None);
+            });
         }
+        result
     }
+}
+
+/// The attempt in `slot`, which is there until the call drops it after its end.
+async fn live<F: Future>(slot: Pin<&mut Option<F>>) -> F::Output {
+    slot.as_pin_mut()
+        .expect("an attempt is dropped only once the call has its answer")
+        .await
 }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::task::Poll;
 
 use futures_util::StreamExt;
-use rpc_core::wire::{frame::Kind, Cancel, Hello, RemoteResultMessage};
+use rpc_core::wire::{frame::Kind, Cancel, CancelReason, Hello, RemoteResultMessage};
 use rpc_core::{RpcError, StatusCode, PROTOCOL_VERSION};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::Notify;
@@ -594,8 +594,15 @@ impl Drop for PendingGuard<'_> {
         if self.armed {
             self.shared.in_flight.fetch_sub(1, Ordering::Relaxed);
             if self.shared.pending.remove(self.id) {
+                // A hedged call's losing attempt: the server is told that the call succeeded.
+                let reason = if rpc_core::superseded::is_superseding() {
+                    CancelReason::Superseded
+                } else {
+                    CancelReason::Unspecified
+                };
                 self.shared.sender.send(Kind::Cancel(Cancel {
                     message_id: self.id,
+                    reason: reason as i32,
                 }));
             }
         }

@@ -49,7 +49,10 @@ pub(super) async fn sweeper(s: Arc<Shared>) {
         );
         s.next_sweep.fetch_min(next, Ordering::AcqRel);
         for &id in &expired {
-            s.sender.send(Kind::Cancel(Cancel { message_id: id }));
+            s.sender.send(Kind::Cancel(Cancel {
+                message_id: id,
+                ..Default::default()
+            }));
         }
     }
 }

@@ -216,7 +216,10 @@ fn end_broken(
         w.wake();
     }
     if shared.pending.remove(id) {
-        shared.sender.send(Kind::Cancel(Cancel { message_id: id }));
+        shared.sender.send(Kind::Cancel(Cancel {
+            message_id: id,
+            ..Default::default()
+        }));
     }
 }
 

@@ -411,6 +411,7 @@ impl ClientStream {
         if shared.pending.remove(self.tx.id) {
             shared.sender.send(Kind::Cancel(Cancel {
                 message_id: self.tx.id,
+                ..Default::default()
             }));
         }
         error
@@ -651,6 +652,7 @@ impl Drop for ClientStream {
         if shared.pending.remove(self.tx.id) {
             shared.sender.send(Kind::Cancel(Cancel {
                 message_id: self.tx.id,
+                ..Default::default()
             }));
         }
         // A sender elsewhere stops too.

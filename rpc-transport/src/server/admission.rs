@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use rpc_core::wire::{frame::Kind, Pong};
+use rpc_core::wire::{frame::Kind, CancelReason, Pong};
 use rpc_core::StatusCode;
 use rpc_core::StreamMode;
 use tokio::time::Instant;
@@ -206,7 +206,11 @@ impl FrameCtx<'_> {
             }
             Some(Ok(Incoming::Other(Kind::Cancel(c)))) => {
                 if let Some(h) = conn.tasks().remove(&c.message_id) {
-                    h.abort();
+                    if c.reason == CancelReason::Superseded as i32 {
+                        h.abort_superseded();
+                    } else {
+                        h.abort();
+                    }
                     if conn.in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
                         conn.idle.notify_one();
                     }

@@ -29,5 +29,5 @@ pub use options::{
     DEFAULT_STREAM_WINDOW_BYTES, MAX_CLIENT_ID, MAX_HELLO_FRAME, PAUSED_KEEPALIVE,
     REFUSALS_BEFORE_PAUSE,
 };
-pub use runner::dropped_at_drain_deadline;
+pub use runner::{dropped_as_superseded, dropped_at_drain_deadline};
 pub use streams::ItemSink;

@@ -46,8 +46,8 @@ struct State {
     generation: u64,
     /// The generation of the call `Cancel` aborted last (0: none).
     cancelled: u64,
-    /// That call was aborted at the server's drain deadline, not by `Cancel`.
-    cancelled_at_drain: bool,
+    /// Why that call was aborted.
+    cancelled_by: DropCause,
     /// From the hand-over of a call until the task is idle again.
     busy: bool,
     /// The connection ended: the task ends.
@@ -73,20 +73,19 @@ impl Runner {
     }
 
     /// Drops the call of `generation`, at once if its task has not taken it up yet, else at the
-    /// task's next poll (as aborting a task would); `at_drain`: the server's drain deadline
-    /// passed, rather than `Cancel`.
-    fn cancel(&self, generation: u64, at_drain: bool) {
+    /// task's next poll (as aborting a task would), marked with `cause` while it is dropped.
+    fn cancel(&self, generation: u64, cause: DropCause) {
         let dropped = {
             let mut s = self.state();
             s.cancelled = generation;
-            s.cancelled_at_drain = at_drain;
+            s.cancelled_by = cause;
             if s.generation == generation {
                 s.next.take()
             } else {
                 None
             }
         };
-        drop_call(dropped, at_drain);
+        drop_call(dropped, cause);
         self.waker.wake();
     }
 
@@ -134,13 +133,19 @@ impl Running {
 
     /// Drops the call's future (and with it the handler) at its task's next poll.
     pub(super) fn abort(&self) {
-        self.runner.cancel(self.generation, false);
+        self.runner.cancel(self.generation, DropCause::Cancel);
+    }
+
+    /// As [`abort`](Self::abort), because another attempt of the same call answered first
+    /// (`Cancel` said so): while the future is dropped, [`dropped_as_superseded`] says so.
+    pub(super) fn abort_superseded(&self) {
+        self.runner.cancel(self.generation, DropCause::Superseded);
     }
 
     /// As [`abort`](Self::abort), because the server's drain deadline passed: while the future
     /// is dropped, [`dropped_at_drain_deadline`] says so.
     pub(super) fn abort_at_drain_deadline(&self) {
-        self.runner.cancel(self.generation, true);
+        self.runner.cancel(self.generation, DropCause::Drain);
     }
 }
 
@@ -230,9 +235,22 @@ pub(super) fn poll_guarded(
     }
 }
 
+/// Why a call's future is dropped before it finished.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+enum DropCause {
+    /// The caller's `Cancel` (with no reason, or one this server does not read), or the
+    /// connection's end.
+    #[default]
+    Cancel,
+    /// The caller's `Cancel` saying another attempt of the call answered first.
+    Superseded,
+    /// The server's drain deadline.
+    Drain,
+}
+
 thread_local! {
-    /// Set while a call's future is dropped at the server's drain deadline.
-    static AT_DRAIN_DEADLINE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Set while a call's future is dropped for another cause than a plain `Cancel`.
+    static DROPPING: std::cell::Cell<DropCause> = const { std::cell::Cell::new(DropCause::Cancel) };
 }
 
 /// Whether the call being dropped on this thread is dropped because the server's drain
@@ -240,13 +258,21 @@ thread_local! {
 /// caller's `Cancel` or the connection's end. For code that runs as a handler is dropped (a
 /// `Drop` impl, the server's own telemetry), which could not tell the two apart otherwise.
 pub fn dropped_at_drain_deadline() -> bool {
-    AT_DRAIN_DEADLINE.with(std::cell::Cell::get)
+    DROPPING.with(std::cell::Cell::get) == DropCause::Drain
 }
 
-/// Drops a call taken from its task, marked as dropped at the drain deadline if `at_drain`.
-fn drop_call<T>(call: Option<T>, at_drain: bool) {
+/// Whether the call being dropped on this thread is dropped because its caller's `Cancel`
+/// said another attempt of the same call (a hedge) answered first: the call succeeded, and
+/// this attempt's work was no longer needed. For the same code as
+/// [`dropped_at_drain_deadline`].
+pub fn dropped_as_superseded() -> bool {
+    DROPPING.with(std::cell::Cell::get) == DropCause::Superseded
+}
+
+/// Drops a call taken from its task, marked with `cause` while it is dropped.
+fn drop_call<T>(call: Option<T>, cause: DropCause) {
     let Some(call) = call else { return };
-    if !at_drain {
+    if cause == DropCause::Cancel {
         drop(call);
         return;
     }
@@ -254,10 +280,10 @@ fn drop_call<T>(call: Option<T>, at_drain: bool) {
     struct Clear;
     impl Drop for Clear {
         fn drop(&mut self) {
-            AT_DRAIN_DEADLINE.with(|c| c.set(false));
+            DROPPING.with(|c| c.set(DropCause::Cancel));
         }
     }
-    AT_DRAIN_DEADLINE.with(|c| c.set(true));
+    DROPPING.with(|c| c.set(cause));
     let _clear = Clear;
     drop(call);
 }
@@ -278,7 +304,7 @@ impl<C: CallSink> Future for RunnerTask<C> {
         loop {
             this.runner.waker.register(cx.waker());
             let mut cancelled = None;
-            let mut at_drain = false;
+            let mut cause = DropCause::Cancel;
             let mut now_idle = false;
             {
                 let mut s = this.runner.state();
@@ -287,7 +313,7 @@ impl<C: CallSink> Future for RunnerTask<C> {
                 }
                 if matches!(&this.current, Some((_, g, _)) if *g == s.cancelled) {
                     cancelled = this.current.take();
-                    at_drain = s.cancelled_at_drain;
+                    cause = s.cancelled_by;
                 }
                 if this.current.is_none() {
                     match s.next.take() {
@@ -297,7 +323,7 @@ impl<C: CallSink> Future for RunnerTask<C> {
                 }
             }
             // Outside the lock: dropping a handler runs its code.
-            drop_call(cancelled, at_drain);
+            drop_call(cancelled, cause);
             if now_idle {
                 this.conn.runners().put_back(this.runner.clone());
             }

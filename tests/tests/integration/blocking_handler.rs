@@ -157,9 +157,12 @@ async fn cancel_forever(
         .await
         .expect("send");
     assert_eq!(recv_one("the handler starts", entered).await, "forever");
-    raw.send(Kind::Cancel(Cancel { message_id: id }))
-        .await
-        .expect("send");
+    raw.send(Kind::Cancel(Cancel {
+        message_id: id,
+        ..Default::default()
+    }))
+    .await
+    .expect("send");
     assert_eq!(
         recv_one("the cancelled handler is dropped", entered).await,
         "dropped"

@@ -563,6 +563,45 @@ async fn the_losing_attempt_of_a_hedged_call_ends_superseded_not_as_an_error() {
         lines.contains("the hedged call's other attempt answered first"),
         "{lines}"
     );
+    // Its server was told why in the `Cancel`: its span and its metrics say superseded, not
+    // cancelled, and no error. (A span ends just after its call is counted.)
+    let on_hang_server =
+        |s: &SpanData| s.name == "rpc.server" && attr(s, "server.port") == hang_port;
+    let calls = |m: &[ResourceMetrics], outcome: &str| {
+        counter(
+            m,
+            "rpc.server.calls",
+            &[
+                ("rpc.method", "forever".into()),
+                ("rpc.outcome", outcome.to_string().into()),
+            ],
+        )
+    };
+    within("the hanging server's spans and counts", async {
+        loop {
+            let spans = seen.spans();
+            let stopped: Vec<&SpanData> = spans.iter().filter(|s| on_hang_server(s)).collect();
+            for span in &stopped {
+                assert_eq!(
+                    attr(span, "outcome"),
+                    Some("superseded".into()),
+                    "{span:#?}"
+                );
+                assert!(
+                    !matches!(span.status, Status::Error { .. }),
+                    "the stopped handler is no error: {:?}",
+                    span.status
+                );
+            }
+            let m = seen.metrics();
+            assert_eq!(calls(&m, "cancelled"), 0);
+            if !stopped.is_empty() && calls(&m, "superseded") == stopped.len() as u64 {
+                return;
+            }
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
     hang.shutdown().await;
     quick.shutdown().await;
 }

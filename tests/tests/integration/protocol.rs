@@ -216,14 +216,20 @@ async fn cancel_drops_the_handler_and_no_answer_follows() {
         .await
         .expect("send");
     recv_one("hold entered", &mut s.entered).await;
-    raw.send(Kind::Cancel(Cancel { message_id: 5 }))
-        .await
-        .expect("send");
+    raw.send(Kind::Cancel(Cancel {
+        message_id: 5,
+        ..Default::default()
+    }))
+    .await
+    .expect("send");
     assert_eq!(recv_one("handler dropped", &mut s.dropped).await, "c");
     // A Cancel for an id that is not running is ignored.
-    raw.send(Kind::Cancel(Cancel { message_id: 999 }))
-        .await
-        .expect("send");
+    raw.send(Kind::Cancel(Cancel {
+        message_id: 999,
+        ..Default::default()
+    }))
+    .await
+    .expect("send");
     // The connection goes on, and nothing was sent for the cancelled call.
     raw.send(invoke(6, "echo", &[0x91, 0xa1, b'n']))
         .await
