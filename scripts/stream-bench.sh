@@ -7,8 +7,8 @@
 # median items per second and CPU per item (client CPU over the measured window plus the
 # server's CPU per item it produced) with the ratios rpc/tonic, and the limit's (raw/tonic): a
 # goal above the limit's ratio is out of any framework's reach on this machine. `raw-vec` is the
-# same limit with the other peers' per-item work added (a `Vec<u8>` per item on each side and a
-# shared counter), the limit for any framework whose users stream such items. Optionally (BASE=<commit>) it re-runs a few unary cases of `bench` against
+# same limit with the per-item work of the rpc and tonic programs added (a `Vec<u8>` per item on
+# each side and a shared counter), the limit for any framework whose users stream such items. Optionally (BASE=<commit>) it re-runs a few unary cases of `bench` against
 # the same program built from that commit, to show the unary path unchanged.
 #
 # Knobs: SIZES="32 4096" STREAMS="1 64" REPS=3 DURATION=3 WARMUP=1 PEERS="rpc tonic raw raw-vec"
@@ -45,7 +45,7 @@ cp "$target/release/bench" "$work/rpc"
 cp "$target/release/tonic-stream" "$work/tonic"
 cp "$target/release/raw-stream" "$work/raw"
 # The same limit with a Vec<u8> per item on each side, as the other peers' programs stream.
-printf '#!/bin/sh\nexec "%s" "$@" --items vec\n' "$work/raw" >"$work/raw-vec"
+printf '#!/bin/sh\nexec %q "$@" --items vec\n' "$work/raw" >"$work/raw-vec"
 chmod +x "$work/raw-vec"
 
 # start_server PROGRAM: starts it on a free port, sets $addr and $spid.

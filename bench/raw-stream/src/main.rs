@@ -237,10 +237,13 @@ async fn read(
     items: &AtomicU64,
     stop: &AtomicBool,
 ) -> Result<(), String> {
-    let mut buf = vec![0u8; READ_BUFFER];
+    // Room for a whole item after a partial one, however large the items.
+    let mut buf = vec![0u8; READ_BUFFER.max(2 * (HEADER + size as usize))];
     let (mut start, mut end) = (0, 0);
     while !stop.load(Ordering::Relaxed) {
-        if buf.len() - end < HEADER + size as usize {
+        if start == end {
+            (start, end) = (0, 0);
+        } else if buf.len() - end < HEADER + size as usize {
             buf.copy_within(start..end, 0);
             (start, end) = (0, end - start);
         }
@@ -315,6 +318,8 @@ async fn client(a: &Args) -> Result<(), String> {
         cpu(),
         t0.elapsed().as_secs_f64(),
     );
+    // (Before `stop`: the reader ends soon after it.)
+    let ended_early = reader.is_finished();
     stop.store(true, Ordering::Relaxed);
     let n = n1 - n0;
     let cpu_s = (c1 - c0).as_secs_f64();
@@ -330,7 +335,7 @@ async fn client(a: &Args) -> Result<(), String> {
     );
     use std::io::Write;
     let _ = std::io::stdout().flush();
-    if errors.load(Ordering::Relaxed) > 0 || reader.is_finished() {
+    if errors.load(Ordering::Relaxed) > 0 || ended_early {
         return Err("the stream failed or ended early".into());
     }
     std::process::exit(0);

@@ -33,7 +33,9 @@ pub trait Balance: Send + Sync {
 /// The ordered candidates of one call.
 pub trait Pick: Send {
     /// The endpoint of the next attempt: the best candidate not tried yet (`cx.tried()`), or,
-    /// once every one was tried, the best tried one again. An error (no endpoint at all) ends
+    /// once every one was tried, the best tried one again. An endpoint the call found unable to
+    /// serve it (`cx.unable()`) is no candidate while any other is: the retry layer counts on
+    /// it when it retries the failure before such a detour. An error (no endpoint at all) ends
     /// the call.
     fn next(&mut self, cx: &CallCx<'_>) -> Result<Arc<str>, RpcError>;
 

@@ -201,35 +201,40 @@ impl<B: Balance, S> RetryLayer<B, S> {
         cx.last_failed = Some(addr.clone());
         if unsupported {
             cx.unable.push(addr.clone());
-        } else {
-            cx.served_failure = Some(Box::new(ServedFailure {
-                error: err.clone(),
-                endpoint: addr.clone(),
-                attempt_timed_out,
-            }));
         }
         cx.tried.push(addr);
         let untried_left = picker.untried_left(cx);
         let mut last = cx.tried.last().cloned().unwrap_or_else(|| Arc::from(""));
-        // A detour to an endpoint that cannot serve the call (nothing was sent) that leaves
-        // nothing untried: the call decides on the failure before it, on an endpoint that can
-        // serve it, as it would have with no detour (the balancer leaves the unable endpoint
-        // out of its candidates from now on). The detour counts as an attempt.
-        if unsupported && !untried_left {
+        let mut decision = if attempt_timed_out {
+            retry::decide_after_attempt_timeout(attempt, &cx.options, cx.deadline)
+        } else {
+            failover::decide(&err, attempt, &cx.options, cx.deadline, untried_left)
+        };
+        // A detour to an endpoint that cannot serve the call (nothing was sent) after which the
+        // call would give up (nothing untried left, or no attempt left): the call decides on
+        // the failure before it, on an endpoint that can serve it, as it would have with no
+        // detour, and ends with that failure if it ends. The balancer leaves the unable
+        // endpoint out of its candidates from now on. The detour counts as an attempt; the
+        // retry budget was drawn once for the retry that became the detour, and covers this
+        // one.
+        let mut detoured = false;
+        if unsupported && decision == Decision::GiveUp {
             if let Some(before) = cx.served_failure.take() {
                 let before = *before;
                 err = before.error;
                 attempt_timed_out = before.attempt_timed_out;
                 fault = Fault::of(&err);
                 unsupported = false;
+                detoured = true;
                 last = before.endpoint;
+                cx.last_failed = Some(last.clone());
+                decision = if attempt_timed_out {
+                    retry::decide_after_attempt_timeout(attempt, &cx.options, cx.deadline)
+                } else {
+                    failover::decide(&err, attempt, &cx.options, cx.deadline, untried_left)
+                };
             }
         }
-        let decision = if attempt_timed_out {
-            retry::decide_after_attempt_timeout(attempt, &cx.options, cx.deadline)
-        } else {
-            failover::decide(&err, attempt, &cx.options, cx.deadline, untried_left)
-        };
         // The stop is for failures a server saw (refusals, errors, calls that may have been
         // delivered): retrying those multiplies load down the chain. Moving on from an endpoint
         // the call never reached (connection refused, nothing sent) costs no server anything,
@@ -260,7 +265,7 @@ impl<B: Balance, S> RetryLayer<B, S> {
             }
         };
         // Moving on from an endpoint that cannot serve the call loads no server: no budget.
-        if !unsupported && !cx.policy.budget.try_withdraw(&cx.options) {
+        if !unsupported && !detoured && !cx.policy.budget.try_withdraw(&cx.options) {
             cx.emit(
                 EventKind::BudgetExhausted,
                 Some(&last),
@@ -286,6 +291,15 @@ impl<B: Balance, S> RetryLayer<B, S> {
             attempt,
             Some(err.to_string()),
         );
+        // Kept for a detour that may follow (see above): moved, not copied, and only for a
+        // failure that is retried.
+        if !unsupported {
+            cx.served_failure = Some(Box::new(ServedFailure {
+                error: err,
+                endpoint: last,
+                attempt_timed_out,
+            }));
+        }
         Ok(after)
     }
 

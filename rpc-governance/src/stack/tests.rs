@@ -556,6 +556,56 @@ async fn a_probe_answered_with_an_exempt_error_closes_the_breaker() {
     }
 }
 
+fn cannot_serve() -> Result<Bytes, RpcError> {
+    Err(RpcError::new(StatusCode::NotImplemented, "does not stream").unsupported_by_endpoint(true))
+}
+
+/// A failure retried on an endpoint that cannot serve the call (a detour: nothing sent), with
+/// no attempt left after it: the call ends with the failure before the detour, not the
+/// detour's 501, and names both endpoints.
+#[tokio::test(start_paused = true)]
+async fn a_detour_that_uses_up_the_attempts_ends_with_the_failure_before_it() {
+    let g = engine(GovernanceOptions {
+        retry_times: 1,
+        ..retries_within_budget(1_000)
+    });
+    let p = g.policy(&M);
+    // a refuses (515), b cannot serve; c is left untried.
+    let s = Script::new(vec![overflow(), cannot_serve()], Duration::ZERO);
+    let err = g.execute(&p, &s).await.unwrap_err();
+    assert_eq!(err.code(), StatusCode::OverflowMaxServerHandle, "{err}");
+    assert_eq!(err.tried(), ["a:1", "b:1"]);
+}
+
+/// A failure retried on an endpoint that cannot serve the call, then retried again on an
+/// endpoint that can (nothing else untried): one retry reached a server, so one retry is drawn
+/// from the budget, as with no detour.
+#[tokio::test(start_paused = true)]
+async fn a_detour_draws_the_retry_budget_once() {
+    // Retries within a floor of WINDOW_SECONDS (10) per window, no ratio.
+    let g = engine(retries_within_budget(1));
+    let p = g.policy(&M);
+    // Each call: a refuses (515), b cannot serve, a answers; six calls, six retries that
+    // reached a server.
+    for call in 0..6 {
+        let mut s = Script::new(vec![overflow(), cannot_serve(), ok()], Duration::ZERO);
+        s.endpoints.truncate(2);
+        let answer = g.execute(&p, &s).await;
+        assert_eq!(
+            answer.map_err(|e| format!("call {call}: {e}")),
+            ok().map_err(|e| e.to_string())
+        );
+        let on: Vec<String> = s
+            .log
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(_, e)| e.clone())
+            .collect();
+        assert_eq!(on, ["a:1", "b:1", "a:1"], "call {call}");
+    }
+}
+
 /// A probe whose only endpoint cannot serve the call (its server does not stream; nothing was
 /// sent) says nothing of the remote side: the breaker is not closed by it.
 #[tokio::test(start_paused = true)]
