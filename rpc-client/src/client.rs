@@ -1103,7 +1103,7 @@ impl Client {
         policy: &rpc_governance::engine::EntryPolicy,
         span: &tracing::Span,
     ) -> tokio::time::Instant {
-        let lookup = telemetry::LookupWatch::new(span.clone());
+        let lookup = telemetry::LookupWatch::new(span.clone(), self.inner.metrics.start(method));
         let started = self
             .look_up_service(method, policy)
             .instrument(span.clone())

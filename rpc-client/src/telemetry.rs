@@ -191,18 +191,22 @@ fn record_dropped(span: &Span, what: &str, started: Instant, deadline: Option<In
 }
 
 /// Watches an entry's first call (or stream) while it looks its service up in the registry,
-/// before the call's own watch exists: a call its caller drops then still ends its span with
-/// a status (`outcome = "cancelled"`, an error saying so).
-pub(crate) struct LookupWatch {
+/// before the call's own watch exists: the call counts in flight meanwhile, and one its caller
+/// drops then still ends its span with a status (`outcome = "cancelled"`, an error saying so)
+/// and is counted in `rpc.client.calls` as such.
+pub(crate) struct LookupWatch<'a> {
     span: Span,
+    /// The call counted in flight during its lookup, and counted as dropped if it is.
+    metrics: CallGuard<'a>,
     started: Instant,
     done: bool,
 }
 
-impl LookupWatch {
-    pub(crate) fn new(span: Span) -> Self {
+impl<'a> LookupWatch<'a> {
+    pub(crate) fn new(span: Span, metrics: CallGuard<'a>) -> Self {
         LookupWatch {
             span,
+            metrics,
             started: Instant::now(),
             done: false,
         }
@@ -214,15 +218,16 @@ impl LookupWatch {
     }
 }
 
-impl Drop for LookupWatch {
+impl Drop for LookupWatch<'_> {
     fn drop(&mut self) {
         if !self.done {
-            record_dropped(
+            let timed_out = record_dropped(
                 &self.span,
                 "call (looking its service up)",
                 self.started,
                 None,
             );
+            self.metrics.dropped(timed_out);
         }
     }
 }

@@ -510,13 +510,20 @@ async fn the_first_calls_registry_lookup_is_recorded_in_its_span() {
 }
 
 /// An entry's first call dropped by its caller while it looks its service up (a registry that
-/// does not answer) still ends its `rpc.client` span with a status saying so.
+/// does not answer) still ends its `rpc.client` span with a status saying so, and is counted:
+/// in flight during the lookup, then once as cancelled.
 #[tokio::test]
 async fn a_first_call_dropped_during_its_registry_lookup_ends_its_span_cancelled() {
     use common::registry::{Register, TestRegistry, Watch};
+    use opentelemetry::metrics::MeterProvider as _;
     let (traces, _guard) = Traces::install();
+    let exporter = InMemoryMetricExporter::default();
+    let provider = SdkMeterProvider::builder()
+        .with_reader(PeriodicReader::builder(exporter.clone()).build())
+        .build();
     let client = HopClient::new(
         Client::builder()
+            .meter(provider.meter("rpc"))
             .registry(TestRegistry::new(Register::Answers, Watch::Hangs))
             .build(),
     );
@@ -525,7 +532,25 @@ async fn a_first_call_dropped_during_its_registry_lookup_ends_its_span_cancelled
         futures_util::poll!(call.as_mut()).is_pending(),
         "the lookup waits for the registry"
     );
+    // Each reading alone (the exporter keeps every flush's export).
+    let metrics = || {
+        exporter.reset();
+        provider.force_flush().unwrap();
+        exporter.get_finished_metrics().unwrap()
+    };
+    assert_eq!(in_flight(&metrics(), "rpc.client.in_flight"), 1);
     drop(call);
+    let m = metrics();
+    assert_eq!(in_flight(&m, "rpc.client.in_flight"), 0);
+    assert_eq!(
+        counter(
+            &m,
+            "rpc.client.calls",
+            &[("rpc.outcome", "cancelled".into())]
+        ),
+        1
+    );
+    assert_eq!(counter(&m, "rpc.client.calls", &[]), 1, "counted once");
     let spans = traces.spans();
     let calls = named(&spans, "rpc.client");
     assert_eq!(calls.len(), 1, "the dropped call's span ended");
