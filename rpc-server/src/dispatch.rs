@@ -22,7 +22,7 @@ use rpc_core::{
 use rpc_governance::calls::{CallObservers, Side};
 use rpc_governance::events::{EventBus, EventKind};
 use rpc_governance::fallback;
-use rpc_transport::{error_result, Caller, Dispatch, Invoke, InvokeHandler, StreamEvent};
+use rpc_transport::{error_result, Caller, Dispatch, Invoke, InvokeHandler, Refusal, StreamEvent};
 use tokio::time::Instant;
 use tracing::Instrument;
 
@@ -238,6 +238,10 @@ impl InvokeHandler for Dispatcher {
     fn serves(&self, entry_id: &str) -> bool {
         self.routes.contains_key(entry_id.as_bytes())
     }
+
+    fn refused(&self, why: Refusal, code: StatusCode) {
+        self.metrics.refused(why.as_str(), code);
+    }
 }
 
 impl Dispatcher {
@@ -253,6 +257,8 @@ impl Dispatcher {
         // Looked up by its bytes: the route table's keys are valid ids, so an id that matches
         // one needs no further check.
         let Some(route) = self.routes.get(invoke.service_entry_id.as_bytes()) else {
+            self.metrics
+                .refused("unknown_entry", StatusCode::NotFindLocalServiceEntry);
             return Dispatch::Ready(error_result(
                 StatusCode::NotFindLocalServiceEntry,
                 format!(

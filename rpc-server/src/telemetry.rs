@@ -352,6 +352,7 @@ mod otel {
         calls: Counter<u64>,
         in_flight: UpDownCounter<i64>,
         stream_items: Counter<u64>,
+        refused: Counter<u64>,
     }
 
     impl Metrics {
@@ -380,6 +381,12 @@ mod otel {
                              caller's taken by the handler)",
                         )
                         .build(),
+                    refused: meter
+                        .u64_counter("rpc.server.refused")
+                        .with_description(
+                            "Calls answered before reaching an entry, by why and status code",
+                        )
+                        .build(),
                 }),
             }
         }
@@ -387,6 +394,21 @@ mod otel {
         /// Counts a call answered without running the handler (overflow).
         pub(crate) fn rejected(&self, method: &'static MethodDescriptor, code: StatusCode) {
             self.inner.calls.add(1, &with_status(method, code));
+        }
+
+        /// Counts a call answered before it reached an entry: refused by its connection
+        /// (`why` one of [`rpc_transport::Refusal`]'s names) or naming no entry of this server
+        /// (`unknown_entry`). No entry attribute: the entry id a caller sends is not one of
+        /// this server's, and would let any peer add series.
+        pub(crate) fn refused(&self, why: &'static str, code: StatusCode) {
+            self.inner.refused.add(
+                1,
+                &[
+                    KeyValue::new("rpc.system", "rpc"),
+                    KeyValue::new("rpc.refusal", why),
+                    KeyValue::new("rpc.status_code", i64::from(code.metric_code())),
+                ],
+            );
         }
 
         /// Counts a call in; the guard counts it out, however it ends.
@@ -499,6 +521,8 @@ mod noop {
 
     impl Metrics {
         pub(crate) fn rejected(&self, _: &'static MethodDescriptor, _: StatusCode) {}
+
+        pub(crate) fn refused(&self, _: &'static str, _: StatusCode) {}
 
         pub(crate) fn start(&self, _: &'static MethodDescriptor) -> CallGuard {
             CallGuard

@@ -72,9 +72,9 @@ pub use peer::{PeerAddr, UNIX_SCHEME};
 pub use pool::ConnectionPool;
 pub use server::{
     dropped_as_superseded, dropped_at_drain_deadline, error_result, serve, Dispatch, InvokeHandler,
-    ItemSink, ServerOptions, StreamEvent, StreamEvents, ABUSE_LIMIT, DEFAULT_CLIENT_STREAM_WINDOW,
-    DEFAULT_STREAM_WINDOW, DEFAULT_STREAM_WINDOW_BYTES, MAX_CLIENT_ID, MAX_HELLO_FRAME,
-    PAUSED_KEEPALIVE, REFUSALS_BEFORE_PAUSE,
+    ItemSink, Refusal, ServerOptions, StreamEvent, StreamEvents, ABUSE_LIMIT,
+    DEFAULT_CLIENT_STREAM_WINDOW, DEFAULT_STREAM_WINDOW, DEFAULT_STREAM_WINDOW_BYTES,
+    MAX_CLIENT_ID, MAX_HELLO_FRAME, PAUSED_KEEPALIVE, REFUSALS_BEFORE_PAUSE,
 };
 pub use transport::{Abortive, Address, Dialer, Listener, Stream, TcpDialer};
 #[cfg(unix)]

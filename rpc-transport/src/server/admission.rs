@@ -13,7 +13,7 @@ use tokio::time::Instant;
 
 use super::calls::{dispatch, Conn};
 use super::expansion::ExpansionBudget;
-use super::handler::{error_result, InvokeHandler};
+use super::handler::{error_result, InvokeHandler, Refusal};
 use super::options::{ServerOptions, ABUSE_LIMIT};
 use super::streams::{Inbound, Queued, StreamSlot};
 use crate::codec::kind_name;
@@ -74,14 +74,23 @@ pub(super) struct FrameCtx<'a> {
 }
 
 impl FrameCtx<'_> {
+    /// Answers call `id` with `code` and `message` in its place, and tells the handler why.
+    fn refuse(&self, id: u64, why: Refusal, code: StatusCode, message: impl Into<String>) {
+        let mut r = error_result(code, message);
+        r.message_id = id;
+        self.conn.sender.send(Kind::Result(r));
+        self.handler.refused(why, code);
+    }
+
     /// Why a call is refused before it runs, if it is: over the connection's in-flight limit,
     /// or carrying too many or too large attachments.
-    pub(super) fn refusal(&self, invoke: &Invoke) -> Option<(StatusCode, String)> {
+    pub(super) fn refusal(&self, invoke: &Invoke) -> Option<(Refusal, StatusCode, String)> {
         let o = self.options;
         let running = self.conn.in_flight.load(Ordering::Acquire);
         if running >= o.max_in_flight_per_connection {
             self.conn.refused_in_a_row.fetch_add(1, Ordering::Relaxed);
             return Some((
+                Refusal::ConnectionInFlight,
                 StatusCode::OverflowMaxServerHandle,
                 format!(
                     "this connection already has {running} calls running (the limit per \
@@ -94,6 +103,7 @@ impl FrameCtx<'_> {
         if a.len() > o.max_attachments {
             self.conn.abuses.fetch_add(1, Ordering::Relaxed);
             return Some((
+                Refusal::Attachments,
                 StatusCode::FrameworkError,
                 format!(
                     "{} attachments exceed the limit of {}; the call was not run",
@@ -107,6 +117,7 @@ impl FrameCtx<'_> {
             if bytes > o.max_attachment_bytes {
                 self.conn.abuses.fetch_add(1, Ordering::Relaxed);
                 return Some((
+                    Refusal::Attachments,
                     StatusCode::FrameworkError,
                     format!(
                         "attachments of {bytes} bytes exceed the limit of {} bytes; the call was \
@@ -133,25 +144,23 @@ impl FrameCtx<'_> {
             Some(Ok(Incoming::Invoke(invoke))) => {
                 let id = invoke.message_id;
                 if draining {
-                    let mut r = error_result(
+                    self.refuse(
+                        id,
+                        Refusal::Draining,
                         StatusCode::CommunicationError,
                         "the server is shutting down and did not run the call; call another \
                          endpoint",
                     );
-                    r.message_id = id;
-                    conn.sender.send(Kind::Result(r));
                 } else if invoke.stream_mode != 0 && conn.client_window.is_none() {
-                    let mut r = error_result(
+                    self.refuse(
+                        id,
+                        Refusal::StreamsNotNegotiated,
                         StatusCode::FrameworkError,
                         "this connection did not negotiate streams: set Hello.streams to open \
                          a stream; the call was not run",
                     );
-                    r.message_id = id;
-                    conn.sender.send(Kind::Result(r));
-                } else if let Some((code, why)) = self.refusal(&invoke) {
-                    let mut r = error_result(code, why);
-                    r.message_id = id;
-                    conn.sender.send(Kind::Result(r));
+                } else if let Some((refusal, code, why)) = self.refusal(&invoke) {
+                    self.refuse(id, refusal, code, why);
                     let abuses = conn.abuses.load(Ordering::Relaxed);
                     if abuses > ABUSE_LIMIT {
                         return Err(Some(format!(
@@ -162,15 +171,15 @@ impl FrameCtx<'_> {
                     && conn.tasks().contains_key(&id)
                 {
                     // (With no call running, the map of running calls is empty.)
-                    let mut r = error_result(
+                    self.refuse(
+                        id,
+                        Refusal::DuplicateId,
                         StatusCode::FrameworkError,
                         format!(
                             "message_id {id} is already in flight on this connection; use a new \
                              id per call"
                         ),
                     );
-                    r.message_id = id;
-                    conn.sender.send(Kind::Result(r));
                 } else if matches!(invoke.mode(), Some(StreamMode::Client | StreamMode::Bidi)) {
                     // Compressed set-up arguments are unpacked as a unary call's are.
                     let mut invoke = invoke;
@@ -282,7 +291,7 @@ impl FrameCtx<'_> {
             return Ok(());
         }
         let limit = self.options.max_frame_length;
-        let refusal =
+        let (code, message) =
             match crate::compression::decompress(invoke.compression, &invoke.parameters, limit) {
                 Ok(plain) => match self.expansion.take(invoke.parameters.len(), plain.len()) {
                     Some(share) => {
@@ -292,7 +301,7 @@ impl FrameCtx<'_> {
                         };
                         return Ok(());
                     }
-                    None => error_result(
+                    None => (
                         StatusCode::OverflowMaxServerHandle,
                         format!(
                             "the call to {:?} was not run: its arguments decompress to {} \
@@ -305,14 +314,12 @@ impl FrameCtx<'_> {
                         ),
                     ),
                 },
-                Err(e) => error_result(
+                Err(e) => (
                     StatusCode::FrameworkError,
                     format!("the call to {:?} was not run: {e}", invoke.service_entry_id),
                 ),
             };
-        let mut r = refusal;
-        r.message_id = id;
-        self.conn.sender.send(Kind::Result(r));
+        self.refuse(id, Refusal::Decompression, code, message);
         Err(())
     }
 }

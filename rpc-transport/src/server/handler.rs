@@ -123,6 +123,46 @@ pub trait InvokeHandler: Send + Sync + 'static {
         let _ = entry_id;
         true
     }
+
+    /// Told of each call the connection answered with `code` without passing it on (see
+    /// [`Refusal`]), so that the layer above can count what never reaches it. The default:
+    /// nothing.
+    fn refused(&self, why: Refusal, code: StatusCode) {
+        let _ = (why, code);
+    }
+}
+
+/// Why a connection answered a call itself, before any handler saw it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Refusal {
+    /// The server is draining: the call was not run (the caller may call another endpoint).
+    Draining,
+    /// A stream opened on a connection that did not negotiate streams.
+    StreamsNotNegotiated,
+    /// Over `max_in_flight_per_connection`.
+    ConnectionInFlight,
+    /// Over `max_attachments` or `max_attachment_bytes`.
+    Attachments,
+    /// A `message_id` already in flight on the connection.
+    DuplicateId,
+    /// Arguments that do not decompress, or whose expansion is over what is left of
+    /// `max_decompressed_bytes`.
+    Decompression,
+}
+
+impl Refusal {
+    /// A short name for metrics and logs (`draining`, `streams_not_negotiated`, ...).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Refusal::Draining => "draining",
+            Refusal::StreamsNotNegotiated => "streams_not_negotiated",
+            Refusal::ConnectionInFlight => "connection_in_flight",
+            Refusal::Attachments => "attachments",
+            Refusal::DuplicateId => "duplicate_id",
+            Refusal::Decompression => "decompression",
+        }
+    }
 }
 
 /// A result carrying an error status.

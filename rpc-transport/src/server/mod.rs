@@ -23,7 +23,7 @@ mod streams;
 
 pub use accept::serve;
 
-pub use handler::{error_result, Dispatch, InvokeHandler, StreamEvent, StreamEvents};
+pub use handler::{error_result, Dispatch, InvokeHandler, Refusal, StreamEvent, StreamEvents};
 pub use options::{
     ServerOptions, ABUSE_LIMIT, DEFAULT_CLIENT_STREAM_WINDOW, DEFAULT_STREAM_WINDOW,
     DEFAULT_STREAM_WINDOW_BYTES, MAX_CLIENT_ID, MAX_HELLO_FRAME, PAUSED_KEEPALIVE,

@@ -306,3 +306,97 @@ async fn a_draining_server_says_go_away_refuses_new_calls_and_finishes_old_ones(
     raw.expect_closed().await;
     within("shutdown", shutdown).await.expect("join");
 }
+
+/// Calls a connection answers itself, before any entry sees them, are counted on the server
+/// in `rpc.server.refused` by why (a duplicate id, too many attachments, a stream on a
+/// connection that did not negotiate streams, an entry the server does not have), and not as
+/// calls of an entry.
+#[tokio::test]
+async fn calls_refused_before_an_entry_are_counted_by_why() {
+    use common::otel::counter;
+    use opentelemetry::metrics::MeterProvider as _;
+    use opentelemetry_sdk::metrics::{InMemoryMetricExporter, PeriodicReader, SdkMeterProvider};
+    let exporter = InMemoryMetricExporter::default();
+    let provider = SdkMeterProvider::builder()
+        .with_reader(PeriodicReader::builder(exporter.clone()).build())
+        .build();
+    let (entered_tx, mut entered) = mpsc::unbounded_channel();
+    let (dropped_tx, _dropped) = mpsc::unbounded_channel();
+    let imp = Arc::new(Impl {
+        entered: entered_tx,
+        dropped: dropped_tx,
+        release: Semaphore::new(0),
+    });
+    let server = Server::builder()
+        .meter(provider.meter("rpc"))
+        .add_service(ProtoServer::from_arc(imp.clone()))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.handshake().await;
+    // Id 5 is in flight while the next call reuses it.
+    raw.send(invoke(5, "hold", &[0x91, 0xa1, b'h']))
+        .await
+        .expect("send");
+    recv_one("hold entered", &mut entered).await;
+    raw.send(invoke(5, "echo", &[0x91, 0xa1, b'x']))
+        .await
+        .expect("send");
+    let too_many = (0..65)
+        .map(|i| (format!("k{i}"), "v".to_string()))
+        .collect();
+    let refused = [
+        Kind::Invoke(RemoteInvokeMessage {
+            message_id: 6,
+            service_entry_id: "t.Proto.echo".into(),
+            parameters: Bytes::from_static(&[0x91, 0xa1, b'x']),
+            attachments: too_many,
+            ..Default::default()
+        }),
+        Kind::Invoke(RemoteInvokeMessage {
+            message_id: 7,
+            service_entry_id: "t.Proto.echo".into(),
+            parameters: Bytes::from_static(&[0x91, 0xa1, b'x']),
+            stream_mode: rpc::crates::core::wire::StreamMode::Server as i32,
+            ..Default::default()
+        }),
+        invoke(8, "nope", &[0x90]),
+    ];
+    for frame in refused {
+        raw.send(frame).await.expect("send");
+    }
+    let mut answered: Vec<(u64, u32)> = Vec::new();
+    for _ in 0..4 {
+        let (id, status, _) = result(&mut raw).await;
+        answered.push((id, status));
+    }
+    answered.sort_unstable();
+    assert_eq!(answered, [(5, 500), (6, 500), (7, 500), (8, 507)]);
+    imp.release.add_permits(1);
+    assert_eq!(result(&mut raw).await, (5, 200, vec![0xa1, b'h']));
+
+    provider.force_flush().unwrap();
+    let m = exporter.get_finished_metrics().unwrap();
+    let refused = |why: &str, status: i64| {
+        counter(
+            &m,
+            "rpc.server.refused",
+            &[
+                ("rpc.refusal", why.to_string().into()),
+                ("rpc.status_code", opentelemetry::Value::I64(status)),
+            ],
+        )
+    };
+    assert_eq!(refused("duplicate_id", 500), 1);
+    assert_eq!(refused("attachments", 500), 1);
+    assert_eq!(refused("streams_not_negotiated", 500), 1);
+    assert_eq!(refused("unknown_entry", 507), 1);
+    assert_eq!(counter(&m, "rpc.server.refused", &[]), 4);
+    assert_eq!(
+        counter(&m, "rpc.server.calls", &[]),
+        1,
+        "only the call that reached its entry"
+    );
+    within("shutdown", server.shutdown()).await;
+}
