@@ -1,11 +1,44 @@
 //! Readers of what the in-memory OpenTelemetry exporters recorded: span attributes and the sums
 //! of counter and histogram data points, filtered by attributes.
 
+use opentelemetry::metrics::MeterProvider as _;
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry::Value;
 use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData, ResourceMetrics};
+use opentelemetry_sdk::metrics::{InMemoryMetricExporter, PeriodicReader, SdkMeterProvider};
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
 use tracing_subscriber::layer::SubscriberExt;
+
+/// An in-memory meter for a test's clients and servers, and readings of what they recorded.
+pub struct Meters {
+    provider: SdkMeterProvider,
+    exporter: InMemoryMetricExporter,
+    /// The meter to give clients and servers.
+    pub meter: opentelemetry::metrics::Meter,
+}
+
+impl Meters {
+    pub fn new() -> Self {
+        let exporter = InMemoryMetricExporter::default();
+        let provider = SdkMeterProvider::builder()
+            .with_reader(PeriodicReader::builder(exporter.clone()).build())
+            .build();
+        let meter = provider.meter("rpc");
+        Meters {
+            provider,
+            exporter,
+            meter,
+        }
+    }
+
+    /// Everything recorded so far, as one collection (the exporter keeps every earlier
+    /// reading's export, which would count each value once per reading: they are forgotten).
+    pub fn read(&self) -> Vec<ResourceMetrics> {
+        self.exporter.reset();
+        self.provider.force_flush().expect("flush metrics");
+        self.exporter.get_finished_metrics().expect("metrics")
+    }
+}
 
 /// Spans recorded by a test's own subscriber (for its current-thread runtime).
 pub struct Traces {

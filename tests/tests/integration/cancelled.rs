@@ -13,13 +13,11 @@ use crate::common;
 use std::io::Write;
 use std::sync::{Arc, Mutex};
 
-use common::otel::{attr, counter, gauge, histogram_count};
+use common::otel::{attr, counter, gauge, histogram_count, Meters};
 use common::{recv_one, within, DropSignal};
-use opentelemetry::metrics::MeterProvider as _;
 use opentelemetry::trace::{Status, TracerProvider as _};
 use opentelemetry::Value;
 use opentelemetry_sdk::metrics::data::ResourceMetrics;
-use opentelemetry_sdk::metrics::{InMemoryMetricExporter, PeriodicReader, SdkMeterProvider};
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
 use rpc::{
     Client, EventKind, GovernanceOverrides, RpcError, Server, ServerHandle, StaticRegistry,
@@ -91,8 +89,7 @@ impl Lines {
 struct Seen {
     spans: SdkTracerProvider,
     span_exporter: InMemorySpanExporter,
-    meters: SdkMeterProvider,
-    metric_exporter: InMemoryMetricExporter,
+    meters: Meters,
     meter: opentelemetry::metrics::Meter,
     lines: Lines,
 }
@@ -114,17 +111,13 @@ impl Seen {
                     .with_filter(tracing_subscriber::filter::LevelFilter::DEBUG),
             );
         let guard = common::trace_this_thread(subscriber);
-        let metric_exporter = InMemoryMetricExporter::default();
-        let meters = SdkMeterProvider::builder()
-            .with_reader(PeriodicReader::builder(metric_exporter.clone()).build())
-            .build();
-        let meter = meters.meter("rpc");
+        let meters = Meters::new();
+        let meter = meters.meter.clone();
         (
             Seen {
                 spans,
                 span_exporter,
                 meters,
-                metric_exporter,
                 meter,
                 lines,
             },
@@ -152,8 +145,7 @@ impl Seen {
     }
 
     fn metrics(&self) -> Vec<ResourceMetrics> {
-        self.meters.force_flush().unwrap();
-        self.metric_exporter.get_finished_metrics().unwrap()
+        self.meters.read()
     }
 }
 

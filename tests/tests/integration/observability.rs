@@ -13,11 +13,10 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
-use common::otel::{counter, gauge, histogram_count, metric_data, Traces};
+use common::otel::{counter, gauge, histogram_count, metric_data, Meters, Traces};
 use opentelemetry::trace::{SpanId, Status};
 use opentelemetry::{KeyValue, Value};
 use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData, ResourceMetrics};
-use opentelemetry_sdk::metrics::{InMemoryMetricExporter, PeriodicReader, SdkMeterProvider};
 use opentelemetry_sdk::trace::SpanData;
 use rpc::crates::governance::breaker::BreakerState;
 use rpc::{
@@ -318,12 +317,8 @@ async fn metrics_after_a_retry_an_open_breaker_and_a_fallback() {
     // thread without one could register the spans' callsites as never wanted while the other
     // tests start.
     let (_traces, _guard) = Traces::install();
-    let exporter = InMemoryMetricExporter::default();
-    let provider = SdkMeterProvider::builder()
-        .with_reader(PeriodicReader::builder(exporter.clone()).build())
-        .build();
-    use opentelemetry::metrics::MeterProvider as _;
-    let meter = provider.meter("rpc");
+    let meters = Meters::new();
+    let meter = meters.meter.clone();
 
     let db = Arc::new(Db {
         calls: AtomicU32::new(0),
@@ -384,8 +379,7 @@ async fn metrics_after_a_retry_an_open_breaker_and_a_fallback() {
     fail_calls += 1;
     assert_eq!(db.calls.load(Ordering::SeqCst), reached, "not sent");
 
-    provider.force_flush().unwrap();
-    let m = exporter.get_finished_metrics().unwrap();
+    let m = meters.read();
     let ev = |kind: &'static str, side: &'static str| {
         counter(
             &m,
@@ -515,15 +509,11 @@ async fn the_first_calls_registry_lookup_is_recorded_in_its_span() {
 #[tokio::test]
 async fn a_first_call_dropped_during_its_registry_lookup_ends_its_span_cancelled() {
     use common::registry::{Register, TestRegistry, Watch};
-    use opentelemetry::metrics::MeterProvider as _;
     let (traces, _guard) = Traces::install();
-    let exporter = InMemoryMetricExporter::default();
-    let provider = SdkMeterProvider::builder()
-        .with_reader(PeriodicReader::builder(exporter.clone()).build())
-        .build();
+    let meters = Meters::new();
     let client = HopClient::new(
         Client::builder()
-            .meter(provider.meter("rpc"))
+            .meter(meters.meter.clone())
             .registry(TestRegistry::new(Register::Answers, Watch::Hangs))
             .build(),
     );
@@ -532,15 +522,9 @@ async fn a_first_call_dropped_during_its_registry_lookup_ends_its_span_cancelled
         futures_util::poll!(call.as_mut()).is_pending(),
         "the lookup waits for the registry"
     );
-    // Each reading alone (the exporter keeps every flush's export).
-    let metrics = || {
-        exporter.reset();
-        provider.force_flush().unwrap();
-        exporter.get_finished_metrics().unwrap()
-    };
-    assert_eq!(in_flight(&metrics(), "rpc.client.in_flight"), 1);
+    assert_eq!(in_flight(&meters.read(), "rpc.client.in_flight"), 1);
     drop(call);
-    let m = metrics();
+    let m = meters.read();
     assert_eq!(in_flight(&m, "rpc.client.in_flight"), 0);
     assert_eq!(
         counter(

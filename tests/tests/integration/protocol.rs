@@ -313,13 +313,8 @@ async fn a_draining_server_says_go_away_refuses_new_calls_and_finishes_old_ones(
 /// calls of an entry.
 #[tokio::test]
 async fn calls_refused_before_an_entry_are_counted_by_why() {
-    use common::otel::counter;
-    use opentelemetry::metrics::MeterProvider as _;
-    use opentelemetry_sdk::metrics::{InMemoryMetricExporter, PeriodicReader, SdkMeterProvider};
-    let exporter = InMemoryMetricExporter::default();
-    let provider = SdkMeterProvider::builder()
-        .with_reader(PeriodicReader::builder(exporter.clone()).build())
-        .build();
+    use common::otel::{counter, Meters};
+    let meters = Meters::new();
     let (entered_tx, mut entered) = mpsc::unbounded_channel();
     let (dropped_tx, _dropped) = mpsc::unbounded_channel();
     let imp = Arc::new(Impl {
@@ -328,7 +323,7 @@ async fn calls_refused_before_an_entry_are_counted_by_why() {
         release: Semaphore::new(0),
     });
     let server = Server::builder()
-        .meter(provider.meter("rpc"))
+        .meter(meters.meter.clone())
         .add_service(ProtoServer::from_arc(imp.clone()))
         .serve("127.0.0.1:0")
         .await
@@ -376,8 +371,7 @@ async fn calls_refused_before_an_entry_are_counted_by_why() {
     imp.release.add_permits(1);
     assert_eq!(result(&mut raw).await, (5, 200, vec![0xa1, b'h']));
 
-    provider.force_flush().unwrap();
-    let m = exporter.get_finished_metrics().unwrap();
+    let m = meters.read();
     let refused = |why: &str, status: i64| {
         counter(
             &m,

@@ -664,17 +664,12 @@ async fn call_observers_hear_of_a_stream_at_its_end_with_its_end_status() {
 #[tokio::test]
 async fn stream_items_are_counted_by_entry_and_direction_on_both_sides() {
     let _traced = traced();
-    use opentelemetry::metrics::MeterProvider as _;
-    use opentelemetry_sdk::metrics::{InMemoryMetricExporter, PeriodicReader, SdkMeterProvider};
-    let exporter = InMemoryMetricExporter::default();
-    let provider = SdkMeterProvider::builder()
-        .with_reader(PeriodicReader::builder(exporter.clone()).build())
-        .build();
+    let meters = common::otel::Meters::new();
     let reg = InProcessRegistry::new();
     let market = Market::default();
     let server = Server::builder()
         .registry(reg.clone())
-        .meter(provider.meter("rpc"))
+        .meter(meters.meter.clone())
         .add_service(StocksServer::new(market.clone()))
         .serve("127.0.0.1:0")
         .await
@@ -682,7 +677,7 @@ async fn stream_items_are_counted_by_entry_and_direction_on_both_sides() {
     let stocks = StocksClient::new(
         Client::builder()
             .registry(reg.clone())
-            .meter(provider.meter("rpc"))
+            .meter(meters.meter.clone())
             .override_options(StocksClient::SERVICE_ID, options(100))
             .fallback(StocksServer::new(Cache::default()))
             .build(),
@@ -708,8 +703,7 @@ async fn stream_items_are_counted_by_entry_and_direction_on_both_sides() {
     assert_eq!(doubled, [2, 4, 6]);
     within("shutdown", server.shutdown()).await;
 
-    provider.force_flush().expect("flush");
-    let metrics = exporter.get_finished_metrics().expect("metrics");
+    let metrics = meters.read();
     let items = |entry: &str, direction: &str| {
         counter(
             &metrics,
