@@ -12,7 +12,7 @@
 //! - `rpc_calls_total{side, entry, status, outcome}`: calls ended (`status` is the final
 //!   status code, `other` for every status the framework does not define, `none` for a call
 //!   its caller gave up on; `outcome` as in the OpenTelemetry
-//!   metrics: success, error, fallback, timeout, cancelled);
+//!   metrics: success, error, fallback, timeout, cancelled, superseded);
 //! - `rpc_call_duration_seconds{side, entry}`: their latency (histogram);
 //! - `rpc_governance_events_total{side, kind}`: governance decisions by kind;
 //! - `rpc_breaker_state{entry}`: 0 closed, 1 half-open, 2 open (an isolated breaker is open);

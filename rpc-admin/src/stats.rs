@@ -31,11 +31,12 @@ struct Bucket {
 /// How a call ended, as the statistics count it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Ended {
-    /// With its answer (a fallback's included).
+    /// With the entry's own answer.
     Ok,
-    /// With an error (a timeout included).
+    /// With an error (a timeout included), or with a fallback's answer in the entry's place.
     Failed,
-    /// Given up on by its caller before its end: neither a success nor a failure of the
+    /// Given up on by its caller before its end, or stopped because another attempt of the
+    /// same call answered first (`superseded`): neither a success nor a failure of the
     /// entry, and its time says nothing of the entry's latency.
     Cancelled,
 }
@@ -199,7 +200,7 @@ impl CallObserver for Stats {
             call.elapsed,
             match call.outcome {
                 "success" => Ended::Ok,
-                "cancelled" => Ended::Cancelled,
+                "cancelled" | "superseded" => Ended::Cancelled,
                 _ => Ended::Failed,
             },
         );
@@ -209,6 +210,32 @@ impl CallObserver for Stats {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What the call observers report is counted as the outcome says: a handler stopped
+    /// because another attempt of its call answered first (`superseded`) is no failure, as a
+    /// cancelled call is none; a fallback's answer is one.
+    #[tokio::test(start_paused = true)]
+    async fn a_superseded_call_counts_as_cancelled_and_a_fallback_as_failed() {
+        let stats = Stats::new(Duration::from_secs(10));
+        for outcome in [
+            "success",
+            "superseded",
+            "cancelled",
+            "fallback",
+            "error",
+            "timeout",
+        ] {
+            stats.call_ended(&CallRecord {
+                side: Side::Server,
+                entry: "a.A.m",
+                status: None,
+                outcome,
+                elapsed: Duration::from_millis(1),
+            });
+        }
+        let s = &stats.snapshot(Instant::now() + Duration::from_secs(1))[0];
+        assert_eq!((s.calls, s.errors, s.cancelled), (4, 3, 2), "{s:?}");
+    }
 
     /// A steady 100 calls a second reads 100 a second wherever in the current second the
     /// snapshot is taken (the window holds nine whole seconds and a part of the tenth).

@@ -42,7 +42,8 @@ pub struct CallRecord {
     /// The final status (200 for success; for a fallback's answer, the status of the failure
     /// it answered for); `None` for a call its caller gave up on.
     pub status: Option<StatusCode>,
-    /// `success`, `error`, `fallback`, `timeout` or `cancelled`, as the OpenTelemetry
+    /// `success`, `error`, `fallback`, `timeout`, `cancelled` or (a handler stopped because
+    /// another attempt of the same call answered first) `superseded`, as the OpenTelemetry
     /// metrics' `rpc.outcome`.
     pub outcome: &'static str,
     /// From the call's start to its end, retries and fallback included.
