@@ -285,7 +285,13 @@ fn drop_call<T>(call: Option<T>, cause: DropCause) {
     }
     DROPPING.with(|c| c.set(cause));
     let _clear = Clear;
-    drop(call);
+    if cause == DropCause::Superseded {
+        // The calls this one made in turn (a middle tier's) were superseded too: their
+        // `Cancel` says so to the tiers below.
+        rpc_core::superseded::superseding(|| drop(call));
+    } else {
+        drop(call);
+    }
 }
 
 /// The task: takes up each call handed over, runs it, answers it, and becomes idle again.
@@ -308,12 +314,16 @@ impl<C: CallSink> Future for RunnerTask<C> {
             let mut now_idle = false;
             {
                 let mut s = this.runner.state();
-                if s.stop {
-                    return Poll::Ready(());
-                }
                 if matches!(&this.current, Some((_, g, _)) if *g == s.cancelled) {
                     cancelled = this.current.take();
                     cause = s.cancelled_by;
+                }
+                if s.stop {
+                    // A call aborted with a cause (the drain deadline, a superseded attempt)
+                    // just before the connection ended is still dropped with it.
+                    drop(s);
+                    drop_call(cancelled, cause);
+                    return Poll::Ready(());
                 }
                 if this.current.is_none() {
                     match s.next.take() {
