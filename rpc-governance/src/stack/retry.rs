@@ -217,15 +217,15 @@ impl<B: Balance, S> RetryLayer<B, S> {
         // endpoint out of its candidates from now on. The detour counts as an attempt; the
         // retry budget was drawn once for the retry that became the detour, and covers this
         // one.
-        let mut detoured = false;
+        let mut detoured = None;
         if unsupported && decision == Decision::GiveUp {
             if let Some(before) = cx.served_failure.take() {
                 let before = *before;
+                detoured = Some(last.clone());
                 err = before.error;
                 attempt_timed_out = before.attempt_timed_out;
                 fault = Fault::of(&err);
                 unsupported = false;
-                detoured = true;
                 last = before.endpoint;
                 cx.last_failed = Some(last.clone());
                 decision = if attempt_timed_out {
@@ -265,7 +265,7 @@ impl<B: Balance, S> RetryLayer<B, S> {
             }
         };
         // Moving on from an endpoint that cannot serve the call loads no server: no budget.
-        if !unsupported && !detoured && !cx.policy.budget.try_withdraw(&cx.options) {
+        if !unsupported && detoured.is_none() && !cx.policy.budget.try_withdraw(&cx.options) {
             cx.emit(
                 EventKind::BudgetExhausted,
                 Some(&last),
@@ -285,12 +285,11 @@ impl<B: Balance, S> RetryLayer<B, S> {
             cx.attempt_timed_out = attempt_timed_out;
             return Err(failover::final_error(spent, tried(cx)));
         }
-        cx.emit(
-            EventKind::Retry,
-            Some(&last),
-            attempt,
-            Some(err.to_string()),
-        );
+        let why = match &detoured {
+            None => err.to_string(),
+            Some(detour) => format!("{err} (retried after {detour}, which cannot serve the call)"),
+        };
+        cx.emit(EventKind::Retry, Some(&last), attempt, Some(why));
         // Kept for a detour that may follow (see above): moved, not copied, and only for a
         // failure that is retried.
         if !unsupported {

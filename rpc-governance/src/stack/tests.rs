@@ -579,17 +579,21 @@ async fn a_detour_that_uses_up_the_attempts_ends_with_the_failure_before_it() {
 
 /// A failure retried on an endpoint that cannot serve the call, then retried again on an
 /// endpoint that can (nothing else untried): one retry reached a server, so one retry is drawn
-/// from the budget, as with no detour.
+/// from the budget, as with no detour. The budget's floor (10 a window) then serves ten such
+/// calls, and the eleventh's retry is refused.
 #[tokio::test(start_paused = true)]
 async fn a_detour_draws_the_retry_budget_once() {
     // Retries within a floor of WINDOW_SECONDS (10) per window, no ratio.
     let g = engine(retries_within_budget(1));
     let p = g.policy(&M);
-    // Each call: a refuses (515), b cannot serve, a answers; six calls, six retries that
-    // reached a server.
-    for call in 0..6 {
+    let detoured = || {
+        // a refuses (515), b cannot serve, a answers.
         let mut s = Script::new(vec![overflow(), cannot_serve(), ok()], Duration::ZERO);
         s.endpoints.truncate(2);
+        s
+    };
+    for call in 0..10 {
+        let s = detoured();
         let answer = g.execute(&p, &s).await;
         assert_eq!(
             answer.map_err(|e| format!("call {call}: {e}")),
@@ -604,6 +608,10 @@ async fn a_detour_draws_the_retry_budget_once() {
             .collect();
         assert_eq!(on, ["a:1", "b:1", "a:1"], "call {call}");
     }
+    let s = detoured();
+    let err = g.execute(&p, &s).await.unwrap_err();
+    assert_eq!(err.code(), StatusCode::OverflowMaxServerHandle, "{err}");
+    assert!(err.message().contains("retry budget"), "{err}");
 }
 
 /// A probe whose only endpoint cannot serve the call (its server does not stream; nothing was
