@@ -597,3 +597,102 @@ async fn the_losing_attempt_of_a_hedged_call_ends_superseded_not_as_an_error() {
     hang.shutdown().await;
     quick.shutdown().await;
 }
+
+/// A middle tier that calls the hanging server for each call.
+struct Relay {
+    downstream: SlowClient,
+}
+
+impl Slow for Relay {
+    async fn forever(&self) -> Result<(), RpcError> {
+        self.downstream.forever().await
+    }
+    async fn broken(&self) -> Result<u32, RpcError> {
+        self.downstream.broken().await
+    }
+}
+
+/// A hedged call whose first attempt went to a middle tier waiting on the server below it: the
+/// middle tier, told by `Cancel` that its call was superseded, drops its own call to the server
+/// below as superseded too, so no tier counts a failure for a call that succeeded.
+#[tokio::test]
+async fn a_superseded_middle_tier_supersedes_its_own_calls() {
+    let (seen, _guard) = Seen::install();
+    // The bottom tier: hangs, counted in the test's meter.
+    let (bottom, mut probe) = serve(&seen.meter).await;
+    let relay = Server::builder()
+        .add_service(SlowServer::new(Relay {
+            downstream: SlowClient::new(
+                Client::builder()
+                    .registry(StaticRegistry::new([bottom.local_addr().to_string()]))
+                    .build(),
+            ),
+        }))
+        .serve("127.0.0.1:0")
+        .await
+        .unwrap();
+    let quick = Server::builder()
+        .add_service(SlowServer::new(Cause))
+        .serve("127.0.0.1:0")
+        .await
+        .unwrap();
+    let top = SlowClient::new(
+        Client::builder()
+            .registry(StaticRegistry::new([
+                relay.local_addr().to_string(),
+                quick.local_addr().to_string(),
+            ]))
+            .override_options(
+                SlowClient::SERVICE_ID,
+                GovernanceOverrides {
+                    hedge_delay_ms: Some(20),
+                    idempotent: Some(true),
+                    ..GovernanceOverrides::NONE
+                },
+            )
+            .build(),
+    );
+    // Round robin over both: of two calls, at least one starts on the middle tier.
+    for _ in 0..2 {
+        within("a hedged call", top.forever())
+            .await
+            .expect("the hedge answers");
+    }
+    recv_one("the bottom tier's handler dropped", &mut probe.dropped).await;
+    let bottom_port = Some(Value::I64(i64::from(bottom.local_addr().port())));
+    let on_bottom = |s: &SpanData| s.name == "rpc.server" && attr(s, "server.port") == bottom_port;
+    let calls = |m: &[ResourceMetrics], outcome: &str| {
+        counter(
+            m,
+            "rpc.server.calls",
+            &[
+                ("rpc.method", "forever".into()),
+                ("rpc.outcome", outcome.to_string().into()),
+            ],
+        )
+    };
+    within("the bottom tier's spans and counts", async {
+        loop {
+            let spans = seen.spans();
+            let stopped: Vec<&SpanData> = spans.iter().filter(|s| on_bottom(s)).collect();
+            for span in &stopped {
+                assert_eq!(
+                    attr(span, "outcome"),
+                    Some("superseded".into()),
+                    "{span:#?}"
+                );
+                assert!(!matches!(span.status, Status::Error { .. }), "{span:#?}");
+            }
+            let m = seen.metrics();
+            assert_eq!(calls(&m, "cancelled"), 0);
+            if !stopped.is_empty() && calls(&m, "superseded") == stopped.len() as u64 {
+                return;
+            }
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    bottom.shutdown().await;
+    relay.shutdown().await;
+    quick.shutdown().await;
+}
