@@ -498,29 +498,7 @@ async fn the_losing_attempt_of_a_hedged_call_ends_superseded_not_as_an_error() {
         .serve("127.0.0.1:0")
         .await
         .unwrap();
-    let slow = SlowClient::new(
-        Client::builder()
-            .meter(seen.meter.clone())
-            .registry(StaticRegistry::new([
-                hang.local_addr().to_string(),
-                quick.local_addr().to_string(),
-            ]))
-            .override_options(
-                SlowClient::SERVICE_ID,
-                GovernanceOverrides {
-                    hedge_delay_ms: Some(20),
-                    idempotent: Some(true),
-                    ..GovernanceOverrides::NONE
-                },
-            )
-            .build(),
-    );
-    // Round robin over both: of two calls, at least one starts on the hanging server.
-    for _ in 0..2 {
-        within("a hedged call", slow.forever())
-            .await
-            .expect("the hedge answers");
-    }
+    hedged_calls(&seen.meter, [&hang, &quick]).await;
     // Its server was told to stop.
     recv_one("the hanging handler dropped", &mut probe.dropped).await;
 
@@ -556,44 +534,8 @@ async fn the_losing_attempt_of_a_hedged_call_ends_superseded_not_as_an_error() {
         "{lines}"
     );
     // Its server was told why in the `Cancel`: its span and its metrics say superseded, not
-    // cancelled, and no error. (A span ends just after its call is counted.)
-    let on_hang_server =
-        |s: &SpanData| s.name == "rpc.server" && attr(s, "server.port") == hang_port;
-    let calls = |m: &[ResourceMetrics], outcome: &str| {
-        counter(
-            m,
-            "rpc.server.calls",
-            &[
-                ("rpc.method", "forever".into()),
-                ("rpc.outcome", outcome.to_string().into()),
-            ],
-        )
-    };
-    within("the hanging server's spans and counts", async {
-        loop {
-            let spans = seen.spans();
-            let stopped: Vec<&SpanData> = spans.iter().filter(|s| on_hang_server(s)).collect();
-            for span in &stopped {
-                assert_eq!(
-                    attr(span, "outcome"),
-                    Some("superseded".into()),
-                    "{span:#?}"
-                );
-                assert!(
-                    !matches!(span.status, Status::Error { .. }),
-                    "the stopped handler is no error: {:?}",
-                    span.status
-                );
-            }
-            let m = seen.metrics();
-            assert_eq!(calls(&m, "cancelled"), 0);
-            if !stopped.is_empty() && calls(&m, "superseded") == stopped.len() as u64 {
-                return;
-            }
-            tokio::task::yield_now().await;
-        }
-    })
-    .await;
+    // cancelled, and no error.
+    superseded_on(&seen, &hang).await;
     hang.shutdown().await;
     quick.shutdown().await;
 }
@@ -636,12 +578,23 @@ async fn a_superseded_middle_tier_supersedes_its_own_calls() {
         .serve("127.0.0.1:0")
         .await
         .unwrap();
-    let top = SlowClient::new(
+    hedged_calls(&seen.meter, [&relay, &quick]).await;
+    recv_one("the bottom tier's handler dropped", &mut probe.dropped).await;
+    superseded_on(&seen, &bottom).await;
+    bottom.shutdown().await;
+    relay.shutdown().await;
+    quick.shutdown().await;
+}
+
+/// Two calls of `forever` with a hedge after 20 ms, round robin over `servers` (the first
+/// hangs, the second answers at once): at least one starts on the first, and its hedge answers.
+async fn hedged_calls(meter: &opentelemetry::metrics::Meter, servers: [&ServerHandle; 2]) {
+    let slow = SlowClient::new(
         Client::builder()
-            .registry(StaticRegistry::new([
-                relay.local_addr().to_string(),
-                quick.local_addr().to_string(),
-            ]))
+            .meter(meter.clone())
+            .registry(StaticRegistry::new(
+                servers.map(|s| s.local_addr().to_string()),
+            ))
             .override_options(
                 SlowClient::SERVICE_ID,
                 GovernanceOverrides {
@@ -652,15 +605,19 @@ async fn a_superseded_middle_tier_supersedes_its_own_calls() {
             )
             .build(),
     );
-    // Round robin over both: of two calls, at least one starts on the middle tier.
     for _ in 0..2 {
-        within("a hedged call", top.forever())
+        within("a hedged call", slow.forever())
             .await
             .expect("the hedge answers");
     }
-    recv_one("the bottom tier's handler dropped", &mut probe.dropped).await;
-    let bottom_port = Some(Value::I64(i64::from(bottom.local_addr().port())));
-    let on_bottom = |s: &SpanData| s.name == "rpc.server" && attr(s, "server.port") == bottom_port;
+}
+
+/// Waits until every `forever` call `server` handled has ended, each superseded with no error
+/// status on its span and counted so (none as cancelled); it records into `seen`'s meter. (A
+/// span ends just after its call is counted.)
+async fn superseded_on(seen: &Seen, server: &ServerHandle) {
+    let port = Some(Value::I64(i64::from(server.local_addr().port())));
+    let on_server = |s: &SpanData| s.name == "rpc.server" && attr(s, "server.port") == port;
     let calls = |m: &[ResourceMetrics], outcome: &str| {
         counter(
             m,
@@ -671,17 +628,20 @@ async fn a_superseded_middle_tier_supersedes_its_own_calls() {
             ],
         )
     };
-    within("the bottom tier's spans and counts", async {
+    within("the server's spans and counts", async {
         loop {
             let spans = seen.spans();
-            let stopped: Vec<&SpanData> = spans.iter().filter(|s| on_bottom(s)).collect();
+            let stopped: Vec<&SpanData> = spans.iter().filter(|s| on_server(s)).collect();
             for span in &stopped {
                 assert_eq!(
                     attr(span, "outcome"),
                     Some("superseded".into()),
                     "{span:#?}"
                 );
-                assert!(!matches!(span.status, Status::Error { .. }), "{span:#?}");
+                assert!(
+                    !matches!(span.status, Status::Error { .. }),
+                    "a stopped handler is no error: {span:#?}"
+                );
             }
             let m = seen.metrics();
             assert_eq!(calls(&m, "cancelled"), 0);
@@ -692,7 +652,4 @@ async fn a_superseded_middle_tier_supersedes_its_own_calls() {
         }
     })
     .await;
-    bottom.shutdown().await;
-    relay.shutdown().await;
-    quick.shutdown().await;
 }

@@ -926,20 +926,7 @@ async fn a_stream_to_a_server_that_does_not_stream_fails_at_once() {
 async fn a_stream_set_up_fails_over_from_a_server_that_does_not_stream() {
     let reg = InProcessRegistry::new();
     let (server, _probe) = serve(&reg, 50).await;
-    let (listener, old) = raw_listener().await;
-    let (handshook_tx, handshook) = tokio::sync::oneshot::channel();
-    let old_server = tokio::spawn(async move {
-        let (mut peer, _) = RawConn::accept_with(&listener, Default::default()).await;
-        let _ = handshook_tx.send(());
-        // Nothing but heartbeats may follow: a stream is never sent to it.
-        loop {
-            match peer.recv().await {
-                Some(Kind::Ping(_)) => {}
-                None => return,
-                Some(other) => panic!("the older server was sent {other:?}"),
-            }
-        }
-    });
+    let (old, handshook, old_server) = older_server().await;
     // Round robin over both: of four set-ups in a row, two pick the older server first.
     let f = FeedClient::new(
         Client::builder()
@@ -1004,17 +991,7 @@ async fn a_retried_set_up_does_not_return_to_a_server_that_does_not_stream() {
             .expect("end");
         }
     });
-    let (listener, older) = raw_listener().await;
-    let older_server = tokio::spawn(async move {
-        let (mut peer, _) = RawConn::accept_with(&listener, Default::default()).await;
-        loop {
-            match peer.recv().await {
-                Some(Kind::Ping(_)) => {}
-                None => return,
-                Some(other) => panic!("the older server was sent {other:?}"),
-            }
-        }
-    });
+    let (older, _, older_server) = older_server().await;
     // Two retries: the refusal's, and the one after a detour.
     let f = FeedClient::new(
         Client::builder()
@@ -1045,6 +1022,31 @@ async fn a_retried_set_up_does_not_return_to_a_server_that_does_not_stream() {
     within("the older server", older_server)
         .await
         .expect("older server");
+}
+
+/// An older server that does not stream (its `HelloAck` does not offer streams), on a free
+/// port: its address, a signal once it completed a handshake, and its task, which ends when
+/// the client closes the connection and fails if it is sent anything but heartbeats (a stream
+/// is never sent to it).
+async fn older_server() -> (
+    std::net::SocketAddr,
+    tokio::sync::oneshot::Receiver<()>,
+    tokio::task::JoinHandle<()>,
+) {
+    let (listener, addr) = raw_listener().await;
+    let (handshook_tx, handshook) = tokio::sync::oneshot::channel();
+    let task = tokio::spawn(async move {
+        let (mut peer, _) = RawConn::accept_with(&listener, Default::default()).await;
+        let _ = handshook_tx.send(());
+        loop {
+            match peer.recv().await {
+                Some(Kind::Ping(_)) => {}
+                None => return,
+                Some(other) => panic!("the older server was sent {other:?}"),
+            }
+        }
+    });
+    (addr, handshook, task)
 }
 
 /// The next stream opening `peer` is sent, heartbeats and credit skipped.
