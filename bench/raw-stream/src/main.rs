@@ -20,16 +20,18 @@
 //!
 //! The request is 16 bytes: streams (`u32`), size (`u32`), count per stream (`u64`, 0: until
 //! the client leaves); the server answers items to the streams in turn and closes the
-//! connection after `count` items each. Output lines as `tonic-stream`'s, with `peer=raw` (`raw-vec` with `--items vec`):
-//! `LISTENING`, `SERVER ... items=<sent> cpu_s=<s> ...` on SIGTERM or SIGINT, and the client's
+//! connection after `count` items each. Command line and output lines as `tonic-stream`'s
+//! (`bench/stream-peer`), with `peer=raw` (`raw-vec` with `--items vec`): `LISTENING`,
+//! `SERVER ... items=<sent> cpu_s=<s> ...` on SIGTERM or SIGINT, and the client's
 //! `STREAM peer=raw size=B streams=S items=<n> errors=<n> secs=<s> items_per_s=<r> cpu_s=<s>
 //! cpu_us_per_item=<u>`.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
+use stream_peer::{cpu, measure, print_server_line, print_stream_line, Args};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -45,82 +47,25 @@ const READ_BUFFER: usize = 256 * 1024;
 /// An item's header: its length (stream number and payload) and its stream number.
 const HEADER: usize = 8;
 
-#[derive(Debug)]
-struct Args {
-    mode: String,
-    addr: SocketAddr,
-    streams: u32,
-    size: u32,
-    duration: f64,
-    warmup: f64,
-    /// Whether each item is a `Vec` of its own on both sides (`--items vec`).
-    vec_items: bool,
-}
-
 const USAGE: &str = "usage: raw-stream --mode server|client --addr 127.0.0.1:PORT \
 [--streams S] [--size BYTES] [--duration SECS] [--warmup SECS] [--items none|vec]";
 
-fn parse() -> Result<Args, String> {
-    let mut a = Args {
-        mode: String::new(),
-        addr: "127.0.0.1:0".parse().expect("literal address"),
-        streams: 1,
-        size: 32,
-        duration: 3.0,
-        warmup: 1.0,
-        vec_items: false,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let val = it
-            .next()
-            .ok_or_else(|| format!("missing value for {flag}\n{USAGE}"))?;
-        let bad = |e: &dyn std::fmt::Display| format!("{flag} {val}: {e}\n{USAGE}");
-        match flag.as_str() {
-            "--mode" => a.mode = val.clone(),
-            "--addr" => a.addr = val.parse().map_err(|e| bad(&e))?,
-            "--streams" => a.streams = val.parse().map_err(|e| bad(&e))?,
-            "--size" => a.size = val.parse().map_err(|e| bad(&e))?,
-            "--duration" => a.duration = val.parse().map_err(|e| bad(&e))?,
-            "--warmup" => a.warmup = val.parse().map_err(|e| bad(&e))?,
-            "--items" => {
-                a.vec_items = match val.as_str() {
-                    "none" => false,
-                    "vec" => true,
-                    _ => return Err(format!("--items {val}: none or vec\n{USAGE}")),
-                }
-            }
-            _ => return Err(format!("unknown flag {flag}\n{USAGE}")),
+/// The command line, and whether each item is a `Vec` of its own on both sides
+/// (`--items vec`).
+fn parse() -> Result<(Args, bool), String> {
+    let mut vec_items = false;
+    let a = stream_peer::parse(std::env::args().skip(1), USAGE, |flag, val| {
+        if flag != "--items" {
+            return Ok(false);
         }
-    }
-    if !a.addr.ip().is_loopback() {
-        return Err(format!("{}: loopback addresses only", a.addr));
-    }
-    // (Written so that NaN fails too.)
-    let positive = a.duration.is_finite() && a.duration > 0.0;
-    let non_negative = a.warmup.is_finite() && a.warmup >= 0.0;
-    if a.streams == 0 || a.size > 16 << 20 || !positive || !non_negative {
-        return Err(format!(
-            "--streams at least 1, --size at most 16 MiB, --duration above 0, --warmup 0 or \
-             more\n{USAGE}"
-        ));
-    }
-    Ok(a)
-}
-
-/// User plus system CPU of this process so far.
-fn cpu() -> Duration {
-    // SAFETY: all-zero bytes are a valid `rusage`; getrusage only writes into it.
-    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: `ru` is a valid, writable `rusage`.
-    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) } != 0 {
-        return Duration::ZERO;
-    }
-    let t = |tv: libc::timeval| {
-        Duration::from_secs(tv.tv_sec.max(0) as u64)
-            + Duration::from_micros(tv.tv_usec.max(0) as u64)
-    };
-    t(ru.ru_utime) + t(ru.ru_stime)
+        vec_items = match val {
+            "none" => false,
+            "vec" => true,
+            _ => return Err(format!("--items {val}: none or vec")),
+        };
+        Ok(true)
+    })?;
+    Ok((a, vec_items))
 }
 
 /// Answers one connection's request: `count` items (0: endless) to each of its streams, in turn.
@@ -203,14 +148,7 @@ async fn serve(addr: SocketAddr, vec_items: bool) -> Result<(), String> {
         _ = term.recv() => {}
         _ = int.recv() => {}
     }
-    let used = (cpu() - cpu0).as_secs_f64();
-    let sent = SENT.load(Ordering::Relaxed);
-    println!(
-        "SERVER peer={peer} items={sent} cpu_s={used:.3} wall_s={:.3} cpu_us_per_item={:.3}",
-        wall0.elapsed().as_secs_f64(),
-        used * 1e6 / sent.max(1) as f64
-    );
-    let _ = std::io::stdout().flush();
+    print_server_line(peer, SENT.load(Ordering::Relaxed), cpu0, wall0);
     std::process::exit(0);
 }
 
@@ -286,11 +224,11 @@ async fn read(
     Ok(())
 }
 
-async fn client(a: &Args) -> Result<(), String> {
+async fn client(a: &Args, vec_items: bool) -> Result<(), String> {
     // One short stream first: an unreachable or wrong server is an error, not a run of zeros.
     let first = AtomicU64::new(0);
     let conn = open(a, 1, 3).await?;
-    let shape = (1, a.size, a.vec_items);
+    let shape = (1, a.size, vec_items);
     read(conn, shape, &first, &AtomicBool::new(false)).await?;
     if first.load(Ordering::Relaxed) != 3 {
         return Err(format!("asked for 3 items, got {}", first.into_inner()));
@@ -302,7 +240,7 @@ async fn client(a: &Args) -> Result<(), String> {
     let conn = open(a, a.streams, 0).await?;
     let reader = {
         let (items, errors, stop) = (items.clone(), errors.clone(), stop.clone());
-        let shape = (a.streams, a.size, a.vec_items);
+        let shape = (a.streams, a.size, vec_items);
         tokio::spawn(async move {
             if let Err(e) = read(conn, shape, &items, &stop).await {
                 eprintln!("raw-stream: {e}");
@@ -310,31 +248,16 @@ async fn client(a: &Args) -> Result<(), String> {
             }
         })
     };
-    tokio::time::sleep(Duration::from_secs_f64(a.warmup)).await;
-    let (n0, c0, t0) = (items.load(Ordering::Relaxed), cpu(), Instant::now());
-    tokio::time::sleep(Duration::from_secs_f64(a.duration)).await;
-    let (n1, c1, secs) = (
-        items.load(Ordering::Relaxed),
-        cpu(),
-        t0.elapsed().as_secs_f64(),
-    );
+    let window = measure(a, &items).await;
     // (Before `stop`: the reader ends soon after it.)
     let ended_early = reader.is_finished();
     stop.store(true, Ordering::Relaxed);
-    let n = n1 - n0;
-    let cpu_s = (c1 - c0).as_secs_f64();
-    let peer = peer_name(a.vec_items);
-    println!(
-        "STREAM peer={peer} size={} streams={} items={n} errors={} secs={secs:.3} \
-         items_per_s={:.1} cpu_s={cpu_s:.3} cpu_us_per_item={:.3}",
-        a.size,
-        a.streams,
+    print_stream_line(
+        peer_name(vec_items),
+        a,
+        window,
         errors.load(Ordering::Relaxed),
-        n as f64 / secs,
-        cpu_s * 1e6 / n.max(1) as f64
     );
-    use std::io::Write;
-    let _ = std::io::stdout().flush();
     if errors.load(Ordering::Relaxed) > 0 || ended_early {
         return Err("the stream failed or ended early".into());
     }
@@ -342,15 +265,15 @@ async fn client(a: &Args) -> Result<(), String> {
 }
 
 fn main() {
-    let outcome = parse().and_then(|a| {
+    let outcome = parse().and_then(|(a, vec_items)| {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .enable_all()
             .build()
             .map_err(|e| format!("tokio runtime: {e}"))?;
         rt.block_on(async {
             match a.mode.as_str() {
-                "server" => serve(a.addr, a.vec_items).await,
-                "client" if a.addr.port() != 0 => client(&a).await,
+                "server" => serve(a.addr, vec_items).await,
+                "client" if a.addr.port() != 0 => client(&a, vec_items).await,
                 "client" => Err("--mode client needs the server's --addr 127.0.0.1:PORT".into()),
                 other => Err(format!("--mode {other:?}: server or client\n{USAGE}")),
             }

@@ -21,7 +21,9 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
+
+use stream_peer::{cpu, measure, print_server_line, print_stream_line, Args};
 
 use futures_util::Stream;
 use tonic::transport::server::TcpIncoming;
@@ -61,72 +63,8 @@ impl Items for Svc {
     }
 }
 
-#[derive(Debug)]
-struct Args {
-    mode: String,
-    addr: SocketAddr,
-    streams: usize,
-    size: u32,
-    duration: f64,
-    warmup: f64,
-}
-
 const USAGE: &str = "usage: tonic-stream --mode server|client --addr 127.0.0.1:PORT \
 [--streams S] [--size BYTES] [--duration SECS] [--warmup SECS]";
-
-fn parse() -> Result<Args, String> {
-    let mut a = Args {
-        mode: String::new(),
-        addr: "127.0.0.1:0".parse().expect("literal address"),
-        streams: 1,
-        size: 32,
-        duration: 3.0,
-        warmup: 1.0,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let val = it
-            .next()
-            .ok_or_else(|| format!("missing value for {flag}\n{USAGE}"))?;
-        let bad = |e: &dyn std::fmt::Display| format!("{flag} {val}: {e}\n{USAGE}");
-        match flag.as_str() {
-            "--mode" => a.mode = val.clone(),
-            "--addr" => a.addr = val.parse().map_err(|e| bad(&e))?,
-            "--streams" => a.streams = val.parse().map_err(|e| bad(&e))?,
-            "--size" => a.size = val.parse().map_err(|e| bad(&e))?,
-            "--duration" => a.duration = val.parse().map_err(|e| bad(&e))?,
-            "--warmup" => a.warmup = val.parse().map_err(|e| bad(&e))?,
-            _ => return Err(format!("unknown flag {flag}\n{USAGE}")),
-        }
-    }
-    if !a.addr.ip().is_loopback() {
-        return Err(format!("{}: loopback addresses only", a.addr));
-    }
-    // (Written so that NaN fails too.)
-    let positive = a.duration.is_finite() && a.duration > 0.0;
-    let non_negative = a.warmup.is_finite() && a.warmup >= 0.0;
-    if a.streams == 0 || !positive || !non_negative {
-        return Err(format!(
-            "--streams at least 1, --duration above 0, --warmup 0 or more\n{USAGE}"
-        ));
-    }
-    Ok(a)
-}
-
-/// User plus system CPU of this process so far.
-fn cpu() -> Duration {
-    // SAFETY: all-zero bytes are a valid `rusage`; getrusage only writes into it.
-    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: `ru` is a valid, writable `rusage`.
-    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) } != 0 {
-        return Duration::ZERO;
-    }
-    let t = |tv: libc::timeval| {
-        Duration::from_secs(tv.tv_sec.max(0) as u64)
-            + Duration::from_micros(tv.tv_usec.max(0) as u64)
-    };
-    t(ru.ru_utime) + t(ru.ru_stime)
-}
 
 async fn serve(addr: SocketAddr) -> Result<(), String> {
     let (wall0, cpu0) = (Instant::now(), cpu());
@@ -151,14 +89,7 @@ async fn serve(addr: SocketAddr) -> Result<(), String> {
         _ = term.recv() => {}
         _ = int.recv() => {}
     }
-    let used = (cpu() - cpu0).as_secs_f64();
-    let sent = SENT.load(Ordering::Relaxed);
-    println!(
-        "SERVER peer=tonic items={sent} cpu_s={used:.3} wall_s={:.3} cpu_us_per_item={:.3}",
-        wall0.elapsed().as_secs_f64(),
-        used * 1e6 / sent.max(1) as f64
-    );
-    let _ = std::io::stdout().flush();
+    print_server_line("tonic", SENT.load(Ordering::Relaxed), cpu0, wall0);
     std::process::exit(0);
 }
 
@@ -202,7 +133,7 @@ async fn client(a: &Args) -> Result<(), String> {
     let items = Arc::new(AtomicU64::new(0));
     let errors = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
-    let mut readers = Vec::with_capacity(a.streams);
+    let mut readers = Vec::with_capacity(a.streams as usize);
     for _ in 0..a.streams {
         let mut c = client.clone();
         let (items, errors, stop, size) = (items.clone(), errors.clone(), stop.clone(), a.size);
@@ -227,28 +158,9 @@ async fn client(a: &Args) -> Result<(), String> {
             }
         }));
     }
-    tokio::time::sleep(Duration::from_secs_f64(a.warmup)).await;
-    let (n0, c0, t0) = (items.load(Ordering::Relaxed), cpu(), Instant::now());
-    tokio::time::sleep(Duration::from_secs_f64(a.duration)).await;
-    let (n1, c1, secs) = (
-        items.load(Ordering::Relaxed),
-        cpu(),
-        t0.elapsed().as_secs_f64(),
-    );
+    let window = measure(a, &items).await;
     stop.store(true, Ordering::Relaxed);
-    let n = n1 - n0;
-    let cpu_s = (c1 - c0).as_secs_f64();
-    println!(
-        "STREAM peer=tonic size={} streams={} items={n} errors={} secs={secs:.3} \
-         items_per_s={:.1} cpu_s={cpu_s:.3} cpu_us_per_item={:.3}",
-        a.size,
-        a.streams,
-        errors.load(Ordering::Relaxed),
-        n as f64 / secs,
-        cpu_s * 1e6 / n.max(1) as f64
-    );
-    use std::io::Write;
-    let _ = std::io::stdout().flush();
+    print_stream_line("tonic", a, window, errors.load(Ordering::Relaxed));
     if errors.load(Ordering::Relaxed) > 0 {
         return Err("some streams failed or carried wrong items".into());
     }
@@ -256,20 +168,23 @@ async fn client(a: &Args) -> Result<(), String> {
 }
 
 fn main() {
-    let outcome = parse().and_then(|a| {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .enable_all()
-            .build()
-            .map_err(|e| format!("tokio runtime: {e}"))?;
-        rt.block_on(async {
-            match a.mode.as_str() {
-                "server" => serve(a.addr).await,
-                "client" if a.addr.port() != 0 => client(&a).await,
-                "client" => Err("--mode client needs the server's --addr 127.0.0.1:PORT".into()),
-                other => Err(format!("--mode {other:?}: server or client\n{USAGE}")),
-            }
-        })
-    });
+    let outcome =
+        stream_peer::parse(std::env::args().skip(1), USAGE, |_, _| Ok(false)).and_then(|a| {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+                .map_err(|e| format!("tokio runtime: {e}"))?;
+            rt.block_on(async {
+                match a.mode.as_str() {
+                    "server" => serve(a.addr).await,
+                    "client" if a.addr.port() != 0 => client(&a).await,
+                    "client" => {
+                        Err("--mode client needs the server's --addr 127.0.0.1:PORT".into())
+                    }
+                    other => Err(format!("--mode {other:?}: server or client\n{USAGE}")),
+                }
+            })
+        });
     if let Err(e) = outcome {
         eprintln!("tonic-stream: {e}");
         std::process::exit(1);
