@@ -59,7 +59,8 @@ pub(crate) struct EntryStats {
     pub calls: u64,
     /// Of those, the ones that did not succeed (a fallback's answer counts as a failure).
     pub errors: u64,
-    /// Calls their callers gave up on within the window (not in `calls`, `errors` nor the
+    /// Calls their callers gave up on, or stopped because another attempt of the same call
+    /// answered first (superseded), within the window (not in `calls`, `errors` nor the
     /// latencies).
     pub cancelled: u64,
     /// `calls` divided by the time the window covers: its length, less what the current

@@ -155,39 +155,82 @@ fn record_fallback(span: &Span, cause: &RpcError) {
     span.record("rpc.fallback.cause", i64::from(cause.code().as_u32()));
 }
 
-/// Records on `span` that the call or attempt it covers was dropped before it ended: at its
-/// deadline (519, `outcome = "timeout"`) or because its caller gave up (`outcome =
-/// "cancelled"`), with a debug line giving the time it ran and its budget. Returns whether the
-/// deadline had passed.
-fn record_dropped(span: &Span, what: &str, started: Instant, deadline: Option<Instant>) -> bool {
-    let now = Instant::now();
-    let timed_out = deadline.is_some_and(|d| now >= d);
-    if span.is_disabled() {
-        return timed_out;
+/// Why a call, stream or attempt was dropped before it ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Dropped {
+    /// At its deadline: 519, `outcome = "timeout"`.
+    Timeout,
+    /// Its caller gave up: `outcome = "cancelled"`, no status.
+    Cancelled,
+    /// It was made for a call that another attempt answered (a hedged call's loser, or a call a
+    /// handler made that its own caller's `Cancel` said was superseded): `outcome =
+    /// "superseded"`, no status, and no failure.
+    Superseded,
+}
+
+impl Dropped {
+    /// Why, as the drop happens now: the deadline first, then the drop's
+    /// [`superseding`](rpc_core::superseded::superseding) scope.
+    fn now(deadline: Option<Instant>) -> Self {
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            Dropped::Timeout
+        } else if rpc_core::superseded::is_superseding() {
+            Dropped::Superseded
+        } else {
+            Dropped::Cancelled
+        }
     }
-    let elapsed_ms = now.saturating_duration_since(started).as_millis() as u64;
+
+    /// The status (if any) and `rpc.outcome` it is recorded with.
+    pub(crate) fn recorded(self) -> (Option<StatusCode>, &'static str) {
+        match self {
+            Dropped::Timeout => (Some(StatusCode::Timeout), "timeout"),
+            Dropped::Cancelled => (None, "cancelled"),
+            Dropped::Superseded => (None, "superseded"),
+        }
+    }
+}
+
+/// Records on `span` that the call or attempt it covers was dropped before it ended: at its
+/// deadline (519, `outcome = "timeout"`), because its caller gave up (`outcome =
+/// "cancelled"`), or superseded (`outcome = "superseded"`, no error: see [`Dropped`]), with a
+/// debug line giving the time it ran and its budget. Returns why.
+fn record_dropped(span: &Span, what: &str, started: Instant, deadline: Option<Instant>) -> Dropped {
+    let why = Dropped::now(deadline);
+    if span.is_disabled() {
+        return why;
+    }
+    let elapsed_ms = Instant::now()
+        .saturating_duration_since(started)
+        .as_millis() as u64;
     let budget_ms = deadline.map_or(0, |d| round_ms(d.saturating_duration_since(started)));
     let budget = match deadline {
         Some(_) => format!("{budget_ms} ms budget"),
         None => "no deadline".to_string(),
     };
-    let (outcome, description) = if timed_out {
-        span.record("rpc.status_code", i64::from(StatusCode::Timeout.as_u32()));
-        (
-            "timeout",
-            format!("{what} dropped at its deadline after {elapsed_ms} ms ({budget})"),
-        )
-    } else {
-        (
-            "cancelled",
-            format!("{what} cancelled by its caller after {elapsed_ms} ms ({budget})"),
-        )
+    let (status, outcome) = why.recorded();
+    let description = match why {
+        Dropped::Timeout => {
+            format!("{what} dropped at its deadline after {elapsed_ms} ms ({budget})")
+        }
+        Dropped::Cancelled => {
+            format!("{what} cancelled by its caller after {elapsed_ms} ms ({budget})")
+        }
+        Dropped::Superseded => format!(
+            "{what} dropped after {elapsed_ms} ms ({budget}): the call it was made for was \
+             answered by another attempt"
+        ),
     };
+    if let Some(status) = status {
+        span.record("rpc.status_code", i64::from(status.as_u32()));
+    }
     span.record("outcome", outcome);
-    span.record("otel.status_code", "ERROR");
-    span.record("otel.status_description", description.as_str());
+    if why != Dropped::Superseded {
+        span.record("otel.status_code", "ERROR");
+        span.record("otel.status_description", description.as_str());
+    }
     span.in_scope(|| tracing::debug!(elapsed_ms, budget_ms, outcome, "{description}"));
-    timed_out
+    why
 }
 
 /// Watches an entry's first call (or stream) while it looks its service up in the registry,
@@ -221,13 +264,13 @@ impl<'a> LookupWatch<'a> {
 impl Drop for LookupWatch<'_> {
     fn drop(&mut self) {
         if !self.done {
-            let timed_out = record_dropped(
+            let why = record_dropped(
                 &self.span,
                 "call (looking its service up)",
                 self.started,
                 None,
             );
-            self.metrics.dropped(timed_out);
+            self.metrics.dropped(why);
         }
     }
 }
@@ -446,21 +489,12 @@ impl Drop for StreamWatch {
         }
         self.record_items();
         if let Some((started, deadline)) = self.started {
-            let timed_out = record_dropped(&self.span, "stream", started, deadline);
-            self.metrics.dropped(timed_out);
+            let why = record_dropped(&self.span, "stream", started, deadline);
+            self.metrics.dropped(why);
         }
         if let Some((observers, entry, started, deadline)) = &self.observed {
-            if deadline.is_some_and(|d| Instant::now() >= d) {
-                observers.ended(
-                    Side::Client,
-                    entry,
-                    *started,
-                    Some(StatusCode::Timeout),
-                    "timeout",
-                );
-            } else {
-                observers.ended(Side::Client, entry, *started, None, "cancelled");
-            }
+            let (status, outcome) = Dropped::now(*deadline).recorded();
+            observers.ended(Side::Client, entry, *started, status, outcome);
         }
         let timed_out = if self.hooks.is_empty() {
             false
@@ -479,21 +513,12 @@ impl Drop for CallWatch<'_> {
             return;
         }
         if let Some((started, deadline)) = self.started {
-            let timed_out = record_dropped(&self.span, "call", started, deadline);
-            self.metrics.dropped(timed_out);
+            let why = record_dropped(&self.span, "call", started, deadline);
+            self.metrics.dropped(why);
         }
         if let Some((observers, entry, started, deadline)) = self.observed {
-            if deadline.is_some_and(|d| Instant::now() >= d) {
-                observers.ended(
-                    Side::Client,
-                    entry,
-                    started,
-                    Some(StatusCode::Timeout),
-                    "timeout",
-                );
-            } else {
-                observers.ended(Side::Client, entry, started, None, "cancelled");
-            }
+            let (status, outcome) = Dropped::now(deadline).recorded();
+            observers.ended(Side::Client, entry, started, status, outcome);
         }
     }
 }
@@ -604,6 +629,8 @@ mod otel {
     use std::collections::BTreeMap;
     use std::sync::{Arc, Mutex, PoisonError};
     use std::time::Instant;
+
+    use super::Dropped;
 
     use bytes::Bytes;
     use opentelemetry::metrics::{Counter, Histogram, Meter, ObservableGauge, UpDownCounter};
@@ -771,16 +798,6 @@ mod otel {
         }
     }
 
-    /// The status and `rpc.outcome` of a call or stream whose future was dropped: at its
-    /// deadline (519, "timeout") or by a caller that gave up ("cancelled", no status).
-    fn dropped(timed_out: bool) -> (Option<StatusCode>, &'static str) {
-        if timed_out {
-            (Some(StatusCode::Timeout), "timeout")
-        } else {
-            (None, "cancelled")
-        }
-    }
-
     /// Records the end of a call or stream of `method` started at `started`: its duration
     /// and one count, by status and outcome.
     fn record_end(
@@ -829,10 +846,10 @@ mod otel {
             self.record(Some(cause), "fallback");
         }
 
-        /// Records a call whose future was dropped: at its deadline (519, `rpc.outcome =
-        /// "timeout"`) or by a caller that gave up (`rpc.outcome = "cancelled"`, no status).
-        pub(crate) fn dropped(&self, timed_out: bool) {
-            let (code, outcome) = dropped(timed_out);
+        /// Records a call whose future was dropped, with the status and `rpc.outcome` of
+        /// `why` (see [`Dropped`]).
+        pub(crate) fn dropped(&self, why: Dropped) {
+            let (code, outcome) = why.recorded();
             self.record(code, outcome);
         }
 
@@ -889,8 +906,8 @@ mod otel {
         }
 
         /// Records a stream dropped before its end, as [`CallGuard::dropped`].
-        pub(crate) fn dropped(&self, timed_out: bool) {
-            let (code, outcome) = dropped(timed_out);
+        pub(crate) fn dropped(&self, why: Dropped) {
+            let (code, outcome) = why.recorded();
             self.record(code, outcome);
         }
 
@@ -962,7 +979,7 @@ mod noop {
     impl CallGuard<'_> {
         pub(crate) fn finish(&self, _: &Result<Bytes, RpcError>) {}
         pub(crate) fn fallback(&self, _: StatusCode) {}
-        pub(crate) fn dropped(&self, _: bool) {}
+        pub(crate) fn dropped(&self, _: super::Dropped) {}
         pub(crate) fn to_stream(&self) -> StreamGuard {
             StreamGuard
         }
@@ -974,7 +991,7 @@ mod noop {
     impl StreamGuard {
         pub(crate) fn finish(&self, _: &Result<Bytes, RpcError>) {}
         pub(crate) fn fallback(&self, _: StatusCode) {}
-        pub(crate) fn dropped(&self, _: bool) {}
+        pub(crate) fn dropped(&self, _: super::Dropped) {}
         pub(crate) fn items(&self, _: u64, _: u64) {}
     }
 }

@@ -581,6 +581,29 @@ async fn a_superseded_middle_tier_supersedes_its_own_calls() {
     hedged_calls(&seen.meter, [&relay, &quick]).await;
     recv_one("the bottom tier's handler dropped", &mut probe.dropped).await;
     superseded_on(&seen, &bottom).await;
+    // The middle tier's own call to it, dropped with its handler, is no failure either.
+    let bottom_port = Some(Value::I64(i64::from(bottom.local_addr().port())));
+    let spans = seen.spans();
+    let relayed: Vec<&SpanData> = spans
+        .iter()
+        .filter(|s| s.name == "rpc.client.attempt" && attr(s, "server.port") == bottom_port)
+        .collect();
+    assert!(
+        !relayed.is_empty(),
+        "the middle tier called the bottom tier"
+    );
+    for span in relayed {
+        assert_eq!(
+            attr(span, "outcome"),
+            Some("superseded".into()),
+            "{span:#?}"
+        );
+        assert!(!matches!(span.status, Status::Error { .. }), "{span:#?}");
+    }
+    for span in spans.iter().filter(|s| s.name == "rpc.client") {
+        assert_ne!(attr(span, "outcome"), Some("cancelled".into()), "{span:#?}");
+        assert!(!matches!(span.status, Status::Error { .. }), "{span:#?}");
+    }
     bottom.shutdown().await;
     relay.shutdown().await;
     quick.shutdown().await;
