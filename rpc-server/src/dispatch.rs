@@ -459,7 +459,10 @@ impl Dispatcher {
         inbound: Option<rpc_core::ByteStream>,
     ) -> Dispatch {
         let peer = caller.peer();
+        // Refused before the call's span and metrics start: counted with the entry's calls.
         let Some(codec) = Codec::from_wire(invoke.codec) else {
+            self.metrics
+                .rejected(route.method, StatusCode::FrameworkError);
             return Dispatch::Ready(error_result(
                 StatusCode::FrameworkError,
                 format!(
@@ -469,6 +472,8 @@ impl Dispatcher {
             ));
         };
         if invoke.stream_mode != route.stream as i32 {
+            self.metrics
+                .rejected(route.method, StatusCode::FrameworkError);
             return Dispatch::Ready(crate::streams::mode_mismatch(route, invoke.stream_mode));
         }
         let attachments = std::mem::take(&mut invoke.attachments);

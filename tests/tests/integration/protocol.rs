@@ -310,7 +310,8 @@ async fn a_draining_server_says_go_away_refuses_new_calls_and_finishes_old_ones(
 /// Calls a connection answers itself, before any entry sees them, are counted on the server
 /// in `rpc.server.refused` by why (a duplicate id, too many attachments, a stream on a
 /// connection that did not negotiate streams, an entry the server does not have), and not as
-/// calls of an entry.
+/// calls of an entry; a call that reached its entry but could not be read (an unknown codec)
+/// is counted with the entry's calls.
 #[tokio::test]
 async fn calls_refused_before_an_entry_are_counted_by_why() {
     use common::otel::{counter, Meters};
@@ -357,17 +358,25 @@ async fn calls_refused_before_an_entry_are_counted_by_why() {
             ..Default::default()
         }),
         invoke(8, "nope", &[0x90]),
+        // An entry of the server's, with a codec it does not know: counted with its calls.
+        Kind::Invoke(RemoteInvokeMessage {
+            message_id: 9,
+            service_entry_id: "t.Proto.echo".into(),
+            codec: 7,
+            parameters: Bytes::from_static(&[0x91, 0xa1, b'x']),
+            ..Default::default()
+        }),
     ];
     for frame in refused {
         raw.send(frame).await.expect("send");
     }
     let mut answered: Vec<(u64, u32)> = Vec::new();
-    for _ in 0..4 {
+    for _ in 0..5 {
         let (id, status, _) = result(&mut raw).await;
         answered.push((id, status));
     }
     answered.sort_unstable();
-    assert_eq!(answered, [(5, 500), (6, 500), (7, 500), (8, 507)]);
+    assert_eq!(answered, [(5, 500), (6, 500), (7, 500), (8, 507), (9, 500)]);
     imp.release.add_permits(1);
     assert_eq!(result(&mut raw).await, (5, 200, vec![0xa1, b'h']));
 
@@ -389,8 +398,16 @@ async fn calls_refused_before_an_entry_are_counted_by_why() {
     assert_eq!(counter(&m, "rpc.server.refused", &[]), 4);
     assert_eq!(
         counter(&m, "rpc.server.calls", &[]),
-        1,
-        "only the call that reached its entry"
+        2,
+        "only the calls that reached their entry: the held one, and the unknown codec"
+    );
+    assert_eq!(
+        counter(
+            &m,
+            "rpc.server.calls",
+            &[("rpc.status_code", opentelemetry::Value::I64(500))]
+        ),
+        1
     );
     within("shutdown", server.shutdown()).await;
 }
