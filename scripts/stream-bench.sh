@@ -122,7 +122,7 @@ for (size, s), peers in sorted(rows.items()):
           f"{r[1]:>11.3f} {t[1]:>13.3f} {r[1]/t[1]:>6.2f} | "
           f"rpc {r[2]:.3f}+{r[3]:.3f}, tonic {t[2]:.3f}+{t[3]:.3f}")
 if limits:
-    print("the practical limits beside tonic (a goal above limit/tonic is out of reach here):")
+    print("the practical limits beside tonic (a goal near or above limit/tonic is at the edge of this machine):")
     print(f"{'size':>5} {'streams':>7} | {'limit':>7} {'items/s':>12} {'/tonic':>7} | "
           f"{'µs/item':>8} {'/tonic':>7} | (client+server µs/item)")
     for (size, s), peers in sorted(rows.items()):

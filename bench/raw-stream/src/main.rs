@@ -265,22 +265,14 @@ async fn client(a: &Args, vec_items: bool) -> Result<(), String> {
 }
 
 fn main() {
-    let outcome = parse().and_then(|(a, vec_items)| {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .enable_all()
-            .build()
-            .map_err(|e| format!("tokio runtime: {e}"))?;
-        rt.block_on(async {
-            match a.mode.as_str() {
-                "server" => serve(a.addr, vec_items).await,
-                "client" if a.addr.port() != 0 => client(&a, vec_items).await,
-                "client" => Err("--mode client needs the server's --addr 127.0.0.1:PORT".into()),
-                other => Err(format!("--mode {other:?}: server or client\n{USAGE}")),
-            }
-        })
-    });
-    if let Err(e) = outcome {
-        eprintln!("raw-stream: {e}");
-        std::process::exit(1);
+    match parse() {
+        Ok((a, vec_items)) => stream_peer::run(
+            "raw-stream",
+            USAGE,
+            &a,
+            |addr| serve(addr, vec_items),
+            |a| client(a, vec_items),
+        ),
+        Err(e) => stream_peer::fail_on("raw-stream", Err(e)),
     }
 }

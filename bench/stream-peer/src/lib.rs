@@ -150,3 +150,43 @@ pub fn print_server_line(peer: &str, sent: u64, cpu0: Duration, wall0: Instant) 
     use std::io::Write;
     let _ = std::io::stdout().flush();
 }
+
+/// Runs a peer's `--mode` on a multi-threaded runtime: `serve` with the address to listen on,
+/// or `client` with the command line (which needs the server's port); exits with status 1 and
+/// `program: <error>` on standard error when either fails.
+pub fn run<'a, S, C>(
+    program: &str,
+    usage: &str,
+    a: &'a Args,
+    serve: impl FnOnce(SocketAddr) -> S,
+    client: impl FnOnce(&'a Args) -> C,
+) where
+    S: std::future::Future<Output = Result<(), String>>,
+    C: std::future::Future<Output = Result<(), String>>,
+{
+    let outcome = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("tokio runtime: {e}"))
+        .and_then(|rt| {
+            rt.block_on(async {
+                match a.mode.as_str() {
+                    "server" => serve(a.addr).await,
+                    "client" if a.addr.port() != 0 => client(a).await,
+                    "client" => {
+                        Err("--mode client needs the server's --addr 127.0.0.1:PORT".into())
+                    }
+                    other => Err(format!("--mode {other:?}: server or client\n{usage}")),
+                }
+            })
+        });
+    fail_on(program, outcome);
+}
+
+/// Exits with status 1 and `program: <error>` on standard error if `outcome` is an error.
+pub fn fail_on(program: &str, outcome: Result<(), String>) {
+    if let Err(e) = outcome {
+        eprintln!("{program}: {e}");
+        std::process::exit(1);
+    }
+}

@@ -168,25 +168,8 @@ async fn client(a: &Args) -> Result<(), String> {
 }
 
 fn main() {
-    let outcome =
-        stream_peer::parse(std::env::args().skip(1), USAGE, |_, _| Ok(false)).and_then(|a| {
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .enable_all()
-                .build()
-                .map_err(|e| format!("tokio runtime: {e}"))?;
-            rt.block_on(async {
-                match a.mode.as_str() {
-                    "server" => serve(a.addr).await,
-                    "client" if a.addr.port() != 0 => client(&a).await,
-                    "client" => {
-                        Err("--mode client needs the server's --addr 127.0.0.1:PORT".into())
-                    }
-                    other => Err(format!("--mode {other:?}: server or client\n{USAGE}")),
-                }
-            })
-        });
-    if let Err(e) = outcome {
-        eprintln!("tonic-stream: {e}");
-        std::process::exit(1);
+    match stream_peer::parse(std::env::args().skip(1), USAGE, |_, _| Ok(false)) {
+        Ok(a) => stream_peer::run("tonic-stream", USAGE, &a, serve, client),
+        Err(e) => stream_peer::fail_on("tonic-stream", Err(e)),
     }
 }

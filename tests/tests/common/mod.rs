@@ -260,6 +260,18 @@ impl RawConn {
         }
     }
 
+    /// Answers call `id` (or ends server stream `id`) with `status` and `message`, no result.
+    pub async fn answer(&mut self, id: u64, status: u32, message: &str) {
+        self.send(Kind::Result(rpc::crates::core::wire::RemoteResultMessage {
+            message_id: id,
+            status_code: status,
+            exception_message: message.into(),
+            ..Default::default()
+        }))
+        .await
+        .expect("send RemoteResultMessage");
+    }
+
     /// Grants stream `id` credit for `items` more items (0 with the first: accepts it).
     pub async fn grant(&mut self, id: u64, items: u32) {
         self.send(Kind::StreamCredit(StreamCredit {

@@ -493,12 +493,7 @@ async fn the_gauges_reach_the_final_flush_after_the_client_is_dropped() {
 async fn the_losing_attempt_of_a_hedged_call_ends_superseded_not_as_an_error() {
     let (seen, _guard) = Seen::install();
     let (hang, mut probe) = serve(&seen.meter).await;
-    let quick = Server::builder()
-        .add_service(SlowServer::new(Cause))
-        .serve("127.0.0.1:0")
-        .await
-        .unwrap();
-    hedged_calls(&seen.meter, [&hang, &quick]).await;
+    let quick = hedged_calls(&seen.meter, &hang).await;
     // Its server was told to stop.
     recv_one("the hanging handler dropped", &mut probe.dropped).await;
 
@@ -573,12 +568,7 @@ async fn a_superseded_middle_tier_supersedes_its_own_calls() {
         .serve("127.0.0.1:0")
         .await
         .unwrap();
-    let quick = Server::builder()
-        .add_service(SlowServer::new(Cause))
-        .serve("127.0.0.1:0")
-        .await
-        .unwrap();
-    hedged_calls(&seen.meter, [&relay, &quick]).await;
+    let quick = hedged_calls(&seen.meter, &relay).await;
     recv_one("the bottom tier's handler dropped", &mut probe.dropped).await;
     superseded_on(&seen, &bottom).await;
     // The middle tier's own call to it, dropped with its handler, is no failure either.
@@ -609,9 +599,19 @@ async fn a_superseded_middle_tier_supersedes_its_own_calls() {
     quick.shutdown().await;
 }
 
-/// Two calls of `forever` with a hedge after 20 ms, round robin over `servers` (the first
-/// hangs, the second answers at once): at least one starts on the first, and its hedge answers.
-async fn hedged_calls(meter: &opentelemetry::metrics::Meter, servers: [&ServerHandle; 2]) {
+/// Two calls of `forever` with a hedge after 20 ms, round robin over `hanging` and a server
+/// started here that answers at once (returned): at least one call starts on `hanging`, and its
+/// hedge answers.
+async fn hedged_calls(
+    meter: &opentelemetry::metrics::Meter,
+    hanging: &ServerHandle,
+) -> ServerHandle {
+    let quick = Server::builder()
+        .add_service(SlowServer::new(Cause))
+        .serve("127.0.0.1:0")
+        .await
+        .unwrap();
+    let servers = [hanging, &quick];
     let slow = SlowClient::new(
         Client::builder()
             .meter(meter.clone())
@@ -633,6 +633,7 @@ async fn hedged_calls(meter: &opentelemetry::metrics::Meter, servers: [&ServerHa
             .await
             .expect("the hedge answers");
     }
+    quick
 }
 
 /// Waits until every `forever` call `server` handled has ended, each superseded with no error

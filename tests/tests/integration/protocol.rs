@@ -81,6 +81,11 @@ struct Setup {
 }
 
 async fn setup() -> Setup {
+    setup_with(Server::builder()).await
+}
+
+/// [`setup`] on a server built from `builder` (with a meter, say).
+async fn setup_with(builder: rpc::ServerBuilder) -> Setup {
     let (entered_tx, entered) = mpsc::unbounded_channel();
     let (dropped_tx, dropped) = mpsc::unbounded_channel();
     let imp = Arc::new(Impl {
@@ -89,7 +94,7 @@ async fn setup() -> Setup {
         release: Semaphore::new(0),
     });
     let reg = InProcessRegistry::new();
-    let server = Server::builder()
+    let server = builder
         .registry(reg.clone())
         .add_service(ProtoServer::from_arc(imp.clone()))
         .serve("127.0.0.1:0")
@@ -316,26 +321,14 @@ async fn a_draining_server_says_go_away_refuses_new_calls_and_finishes_old_ones(
 async fn calls_refused_before_an_entry_are_counted_by_why() {
     use common::otel::{counter, Meters};
     let meters = Meters::new();
-    let (entered_tx, mut entered) = mpsc::unbounded_channel();
-    let (dropped_tx, _dropped) = mpsc::unbounded_channel();
-    let imp = Arc::new(Impl {
-        entered: entered_tx,
-        dropped: dropped_tx,
-        release: Semaphore::new(0),
-    });
-    let server = Server::builder()
-        .meter(meters.meter.clone())
-        .add_service(ProtoServer::from_arc(imp.clone()))
-        .serve("127.0.0.1:0")
-        .await
-        .expect("serve");
-    let mut raw = RawConn::connect(server.local_addr()).await;
+    let mut s = setup_with(Server::builder().meter(meters.meter.clone())).await;
+    let mut raw = RawConn::connect(s.server.local_addr()).await;
     raw.handshake().await;
     // Id 5 is in flight while the next call reuses it.
     raw.send(invoke(5, "hold", &[0x91, 0xa1, b'h']))
         .await
         .expect("send");
-    recv_one("hold entered", &mut entered).await;
+    recv_one("hold entered", &mut s.entered).await;
     raw.send(invoke(5, "echo", &[0x91, 0xa1, b'x']))
         .await
         .expect("send");
@@ -377,7 +370,7 @@ async fn calls_refused_before_an_entry_are_counted_by_why() {
     }
     answered.sort_unstable();
     assert_eq!(answered, [(5, 500), (6, 500), (7, 500), (8, 507), (9, 500)]);
-    imp.release.add_permits(1);
+    s.imp.release.add_permits(1);
     assert_eq!(result(&mut raw).await, (5, 200, vec![0xa1, b'h']));
 
     let m = meters.read();
@@ -409,5 +402,5 @@ async fn calls_refused_before_an_entry_are_counted_by_why() {
         ),
         1
     );
-    within("shutdown", server.shutdown()).await;
+    within("shutdown", s.server.shutdown()).await;
 }

@@ -963,32 +963,23 @@ async fn a_stream_set_up_fails_over_from_a_server_that_does_not_stream() {
 /// to go to.
 #[tokio::test]
 async fn a_retried_set_up_does_not_return_to_a_server_that_does_not_stream() {
-    use rpc::crates::core::wire::RemoteResultMessage;
     const ROUNDS: u64 = 16;
     let (listener, newer) = raw_listener().await;
     let newer_server = tokio::spawn(async move {
         let (mut peer, _) = RawConn::accept_with(&listener, streaming_ack(8)).await;
         for round in 0..ROUNDS {
             let first = recv_opening(&mut peer).await;
-            peer.send(Kind::Result(RemoteResultMessage {
-                message_id: first.message_id,
-                status_code: StatusCode::OverflowMaxServerHandle.as_u32(),
-                exception_message: "over the cap".into(),
-                ..Default::default()
-            }))
-            .await
-            .expect("refuse");
+            peer.answer(
+                first.message_id,
+                StatusCode::OverflowMaxServerHandle.as_u32(),
+                "over the cap",
+            )
+            .await;
             let id = recv_opening(&mut peer).await.message_id;
             peer.grant(id, 0).await;
             peer.send_item(id, Codec::MsgPack.encode(&round).expect("encode"), 0)
                 .await;
-            peer.send(Kind::Result(RemoteResultMessage {
-                message_id: id,
-                status_code: 200,
-                ..Default::default()
-            }))
-            .await
-            .expect("end");
+            peer.answer(id, 200, "").await;
         }
     });
     let (older, _, older_server) = older_server().await;
@@ -1065,7 +1056,6 @@ async fn recv_opening(peer: &mut RawConn) -> RemoteInvokeMessage {
 /// and the connection carries on. The client's reader never waits for the stream's consumer.
 #[tokio::test]
 async fn items_beyond_the_window_end_only_that_stream() {
-    use rpc::crates::core::wire::RemoteResultMessage;
     use rpc::crates::transport::{ConnectOptions, Connection, Opened};
     const WINDOW: u32 = 4;
     let (listener, addr) = raw_listener().await;
@@ -1093,13 +1083,7 @@ async fn items_beyond_the_window_end_only_that_stream() {
             Some(Kind::Invoke(i)) => i,
             other => panic!("expected a call, got {other:?}"),
         };
-        peer.send(Kind::Result(RemoteResultMessage {
-            message_id: call.message_id,
-            status_code: 200,
-            ..Default::default()
-        }))
-        .await
-        .expect("answer");
+        peer.answer(call.message_id, 200, "").await;
         window
     });
     let conn = Connection::connect(

@@ -1440,7 +1440,7 @@ async fn a_client_streams_compressed_answer_and_a_compressed_refusal_are_read_de
 #[tokio::test]
 async fn a_client_stream_completed_without_an_answer_is_recorded_as_the_error_it_returns() {
     use common::RawConn;
-    use rpc::crates::core::wire::{frame::Kind, RemoteResultMessage};
+    use rpc::crates::core::wire::frame::Kind;
     let (listener, addr) = raw_listener().await;
     let raw_server = tokio::spawn(async move {
         let (mut peer, _) = RawConn::accept_with(&listener, streaming_ack(8)).await;
@@ -1453,13 +1453,7 @@ async fn a_client_stream_completed_without_an_answer_is_recorded_as_the_error_it
                 other => panic!("expected an item or the end, got {other:?}"),
             }
         }
-        peer.send(Kind::Result(RemoteResultMessage {
-            message_id: id,
-            status_code: 200,
-            ..Default::default()
-        }))
-        .await
-        .expect("the end, without an answer");
+        peer.answer(id, 200, "").await;
     });
     let client = client_of(addr);
     let mut records = common::observe_calls(&client);
