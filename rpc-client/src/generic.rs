@@ -28,9 +28,6 @@ use serde_json::Value;
 
 use crate::Client;
 
-/// How deeply arrays and maps may nest in an answer: the codecs' own limit (serde_json's).
-const MAX_DEPTH: usize = 128;
-
 impl Client {
     /// Calls the entry `entry_id` (`"<service id>.<method>"`) with `args`, a JSON array holding
     /// one element per parameter, and returns the answer as JSON.
@@ -171,12 +168,9 @@ fn json_payload(error: RpcError) -> RpcError {
 /// Transcodes an encoded value to JSON.
 fn to_json(codec: Codec, bytes: &[u8]) -> Result<Value, String> {
     match codec {
-        Codec::MsgPack => {
-            let mut de = rmp_serde::Deserializer::from_read_ref(bytes);
-            de.set_max_depth(MAX_DEPTH);
-            serde_transcode::transcode(&mut de, serde_json::value::Serializer)
-                .map_err(|e| e.to_string())
-        }
+        Codec::MsgPack => rpc_core::read_msgpack(bytes, |de| {
+            serde_transcode::transcode(de, serde_json::value::Serializer)
+        }),
         Codec::Json => serde_json::from_slice(bytes).map_err(|e| e.to_string()),
     }
 }

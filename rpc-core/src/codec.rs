@@ -43,6 +43,48 @@ thread_local! {
 /// (a tokio worker's) in a debug build, which aborts the whole process.
 const MAX_DEPTH: usize = 128;
 
+/// A MessagePack decoder over bytes in memory (see [`read_msgpack`]).
+pub type MsgPackReader<'de> = rmp_serde::Deserializer<rmp_serde::decode::ReadRefReader<'de, [u8]>>;
+
+/// Reads the one MessagePack value of `bytes` with `read` (a value's `Deserialize`, a seed, a
+/// transcoder), nested no deeper than both codecs allow; an error when bytes follow the value,
+/// as the JSON codec refuses text after its value. Bytes after a value are not what a peer
+/// encodes: a length that lies, or two values run together, which reading the first alone
+/// would hide.
+pub fn read_msgpack<'de, T, E: std::fmt::Display>(
+    bytes: &'de [u8],
+    read: impl FnOnce(&mut MsgPackReader<'de>) -> Result<T, E>,
+) -> Result<T, String> {
+    let mut de = rmp_serde::Deserializer::from_read_ref(bytes);
+    de.set_max_depth(MAX_DEPTH);
+    let value = read(&mut de).map_err(|e| e.to_string())?;
+    // Reading on finds the end (no marker to read) or another value's first byte: the visitor
+    // refuses whatever it is shown before reading into it, so only the first read can be the
+    // end of the bytes.
+    match serde::Deserializer::deserialize_any(&mut de, NothingMore) {
+        Err(rmp_serde::decode::Error::InvalidMarkerRead(e))
+            if e.kind() == std::io::ErrorKind::UnexpectedEof =>
+        {
+            Ok(value)
+        }
+        _ => Err(format!(
+            "bytes follow the value ({} bytes in all): the payload must be one MessagePack value",
+            bytes.len()
+        )),
+    }
+}
+
+/// A visitor that takes no value at all (see [`read_msgpack`]).
+struct NothingMore;
+
+impl serde::de::Visitor<'_> for NothingMore {
+    type Value = ();
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("the end of the bytes")
+    }
+}
+
 impl Codec {
     /// Encodes a value. The argument list of a call is encoded as one tuple, which both codecs
     /// write as an array.
@@ -122,11 +164,7 @@ impl Codec {
     /// Decodes a value.
     pub fn decode<T: DeserializeOwned>(self, bytes: &[u8]) -> Result<T, CodecError> {
         let result = match self {
-            Codec::MsgPack => {
-                let mut de = rmp_serde::Deserializer::from_read_ref(bytes);
-                de.set_max_depth(MAX_DEPTH);
-                T::deserialize(&mut de).map_err(|e| e.to_string())
-            }
+            Codec::MsgPack => read_msgpack(bytes, |de| T::deserialize(de)),
             Codec::Json => serde_json::from_slice(bytes).map_err(|e| e.to_string()),
         };
         result.map_err(|reason| CodecError {
@@ -145,11 +183,7 @@ impl Codec {
         bytes: &'de [u8],
     ) -> Result<T::Value, CodecError> {
         let result = match self {
-            Codec::MsgPack => {
-                let mut de = rmp_serde::Deserializer::from_read_ref(bytes);
-                de.set_max_depth(MAX_DEPTH);
-                seed.deserialize(&mut de).map_err(|e| e.to_string())
-            }
+            Codec::MsgPack => read_msgpack(bytes, |de| seed.deserialize(de)),
             Codec::Json => {
                 let mut de = serde_json::Deserializer::from_slice(bytes);
                 seed.deserialize(&mut de)
@@ -269,6 +303,23 @@ mod tests {
             );
             let decoded = Codec::Json.decode::<serde_json::Value>(json(depth).as_bytes());
             assert_eq!(decoded.is_ok(), ok, "JSON, depth {depth}: {decoded:?}");
+        }
+    }
+
+    /// Whatever follows a whole value is refused: a value, a value cut short, a byte no value
+    /// starts with; the value alone is read.
+    #[test]
+    fn bytes_after_a_messagepack_value_are_a_typed_error() {
+        let value = rmp_serde::to_vec(&("hi", 7u32)).unwrap();
+        let read = |bytes: &[u8]| Codec::MsgPack.decode::<(String, u32)>(bytes);
+        assert_eq!(read(&value).unwrap(), ("hi".to_string(), 7));
+        // One more value (a 1), an array of two with none, a str of 3 bytes with one, a bin
+        // whose length is missing, the byte no value starts with.
+        let tails: [&[u8]; 5] = [&[0x01], &[0x92], &[0xa3, b'a'], &[0xc4], &[0xc1]];
+        for tail in tails {
+            let bytes = [value.as_slice(), tail].concat();
+            let err = read(&bytes).unwrap_err().to_string();
+            assert!(err.contains("bytes follow the value"), "{tail:x?}: {err}");
         }
     }
 

@@ -37,7 +37,7 @@ mod stream;
 pub mod superseded;
 pub mod wire;
 
-pub use codec::{Codec, CodecError, NoArgs};
+pub use codec::{read_msgpack, Codec, CodecError, MsgPackReader, NoArgs};
 pub use context::{RpcContext, CALL_ID_KEY, RETRY_DEPTH_KEY, TRACE_CONTEXT_KEYS};
 pub use entry::{EntryApi, EntrySchemas, HttpRoute, MethodDescriptor, ServiceEntry};
 pub use error::{serde_rpc_error, FieldError, RemoteError, RpcError};

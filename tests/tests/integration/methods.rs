@@ -380,6 +380,13 @@ async fn bad_arguments_and_an_unknown_codec_are_refused_clearly() {
     )
     .await;
     assert_eq!(code, StatusCode::ValidateError.as_u32(), "{message}");
+    // A whole argument list with a byte after it.
+    let mut trailing = Codec::MsgPack.encode(&(10, 5)).expect("encode").to_vec();
+    trailing.push(0x01);
+    let (code, message) =
+        raw_call(&server, divide(Codec::MsgPack.to_wire(), trailing.into())).await;
+    assert_eq!(code, StatusCode::ValidateError.as_u32(), "{message}");
+    assert!(message.contains("bytes follow the value"), "{message}");
     // JSON bytes announced as JSON are fine.
     let json = Codec::Json.encode(&(10, 5)).expect("encode");
     let (code, message) = raw_call(&server, divide(Codec::Json.to_wire(), json.clone())).await;
