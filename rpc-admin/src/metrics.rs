@@ -13,7 +13,10 @@
 //!   status code, `other` for every status the framework does not define, `none` for a call
 //!   its caller gave up on; `outcome` as in the OpenTelemetry
 //!   metrics: success, error, fallback, timeout, cancelled, superseded);
-//! - `rpc_call_duration_seconds{side, entry}`: their latency (histogram);
+//! - `rpc_call_duration_seconds{side, entry, outcome}`: their latency (histogram), by outcome
+//!   as the OpenTelemetry `rpc.client.duration` is: a call its caller dropped (`cancelled`) or
+//!   a hedge dropped for another attempt's answer (`superseded`) ends when its caller stops
+//!   waiting, and its time is no latency of the service's;
 //! - `rpc_governance_events_total{side, kind}`: governance decisions by kind;
 //! - `rpc_breaker_state{entry}`: 0 closed, 1 half-open, 2 open (an isolated breaker is open);
 //! - `rpc_endpoint_health{address}`: 0 healthy, 1 unhealthy for now, 2 removed;
@@ -64,9 +67,10 @@ impl EncodeLabelValue for Status {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct EntryLabels {
+struct LatencyLabels {
     side: &'static str,
     entry: &'static str,
+    outcome: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -87,7 +91,7 @@ struct AddressLabels {
     address: String,
 }
 
-type LatencyFamily = Family<EntryLabels, Histogram, fn() -> Histogram>;
+type LatencyFamily = Family<LatencyLabels, Histogram, fn() -> Histogram>;
 
 /// The instruments and their registry.
 pub(crate) struct Metrics {
@@ -126,7 +130,7 @@ impl Metrics {
         );
         registry.register(
             "rpc_call_duration_seconds",
-            "Duration of calls, retries and fallback included, by side and entry",
+            "Duration of calls, retries and fallback included, by side, entry and outcome",
             latency.clone(),
         );
         registry.register(
@@ -224,7 +228,11 @@ impl CallObserver for Metrics {
             })
             .inc();
         self.latency
-            .get_or_create(&EntryLabels { side, entry })
+            .get_or_create(&LatencyLabels {
+                side,
+                entry,
+                outcome: call.outcome,
+            })
             .observe(call.elapsed.as_secs_f64());
     }
 }
@@ -232,6 +240,38 @@ impl CallObserver for Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A call its caller dropped is timed apart from the calls that were answered: its time
+    /// says when the caller stopped waiting, not how long the service took.
+    #[test]
+    fn dropped_calls_are_timed_apart_from_answered_ones() {
+        let m = Metrics::new();
+        let ended = |outcome, ms| {
+            m.call_ended(&CallRecord {
+                side: rpc_governance::calls::Side::Client,
+                entry: "t.T.m",
+                status: None,
+                outcome,
+                elapsed: std::time::Duration::from_millis(ms),
+            })
+        };
+        ended("success", 1);
+        ended("success", 3);
+        ended("cancelled", 5_000);
+        ended("superseded", 2_000);
+        let text = m.render(Vec::new(), Vec::new(), None);
+        let sum = |outcome: &str| {
+            let head = format!(
+                "rpc_call_duration_seconds_sum{{side=\"client\",entry=\"t.T.m\",outcome=\"{outcome}\"}} "
+            );
+            text.lines()
+                .find_map(|l| l.strip_prefix(head.as_str()))
+                .map(|v| v.parse::<f64>().expect("a number"))
+        };
+        assert_eq!(sum("success"), Some(0.004), "{text}");
+        assert_eq!(sum("cancelled"), Some(5.0), "{text}");
+        assert_eq!(sum("superseded"), Some(2.0), "{text}");
+    }
 
     /// Statuses a peer made up do not each make a series: they are counted as `other`.
     #[test]

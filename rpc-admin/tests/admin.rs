@@ -339,15 +339,15 @@ async fn metrics_count_the_calls_made_per_entry_status_and_side_with_latency_and
             Some(2.0),
             "{side}\n{text}"
         );
-        let count = |entry| {
+        let count = |entry: (&str, &str)| {
             sample(
                 &text,
                 "rpc_call_duration_seconds_count",
-                &[("side", side), ("entry", entry)],
+                &[("side", side), ("entry", entry.0), ("outcome", entry.1)],
             )
         };
-        assert_eq!(count("adm.Echo.echo"), Some(5.0), "{text}");
-        assert_eq!(count("adm.Echo.fail"), Some(2.0), "{text}");
+        assert_eq!(count(("adm.Echo.echo", "success")), Some(5.0), "{text}");
+        assert_eq!(count(("adm.Echo.fail", "error")), Some(2.0), "{text}");
     }
     assert_eq!(
         sample(
