@@ -58,9 +58,10 @@ pub fn read_msgpack<'de, T, E: std::fmt::Display>(
     let mut de = rmp_serde::Deserializer::from_read_ref(bytes);
     de.set_max_depth(MAX_DEPTH);
     let value = read(&mut de).map_err(|e| e.to_string())?;
-    // Reading on finds the end (no marker to read) or another value's first byte: the visitor
-    // refuses whatever it is shown before reading into it, so only the first read can be the
-    // end of the bytes.
+    // Reading on finds the end (no marker to read) or bytes of another value. Only a marker's
+    // read reports the end as `InvalidMarkerRead`: a cut-short length or payload is a data
+    // read's error, and the visitor refuses an array, map or ext before its elements' markers
+    // are read. So that error is the end of the bytes right after the value.
     match serde::Deserializer::deserialize_any(&mut de, NothingMore) {
         Err(rmp_serde::decode::Error::InvalidMarkerRead(e))
             if e.kind() == std::io::ErrorKind::UnexpectedEof =>

@@ -577,6 +577,7 @@ fn put_items(first: StreamItem, frames: &mut VecDeque<Outgoing>, buf: &mut Bytes
 mod tests {
     use futures_util::{FutureExt, StreamExt};
     use rpc_core::wire::Ping;
+    use std::task::Poll;
     use tokio_util::codec::FramedRead;
 
     use super::*;
@@ -696,45 +697,64 @@ mod tests {
         assert_eq!(count, 2_000);
     }
 
-    /// What the writer has written once each task ready to run has run once: its first
-    /// scheduler round after `frame` was queued with `in_flight` calls in flight.
-    async fn written_in_the_first_round(frame: usize, in_flight: usize) -> usize {
-        let (ours, mut theirs) = tokio::io::duplex(1 << 20);
-        let in_flight = Arc::new(AtomicUsize::new(in_flight));
-        let sender = spawn_writer(ours, in_flight, CancellationToken::new());
-        assert!(sender.send_encoded(Bytes::from(vec![7u8; frame])));
-        // The writer runs in this round; a writer that yields for more frames writes in the
-        // next, after this task (on a current-thread runtime, the test's).
-        tokio::task::yield_now().await;
-        let mut read = vec![0u8; 2 * frame];
-        let now = tokio::io::AsyncReadExt::read(&mut theirs, &mut read).now_or_never();
-        let written = now.map_or(0, |n| n.expect("the pipe is open"));
-        // Whatever the round, the frame is written.
-        let rest = if written < frame {
-            tokio::io::AsyncReadExt::read_exact(&mut theirs, &mut read[written..frame])
-                .await
-                .expect("the frame");
-            frame - written
-        } else {
-            0
-        };
-        assert_eq!(written + rest, frame);
-        written
+    /// Polls `future` once.
+    async fn poll_once<F: Future>(mut future: Pin<&mut F>) -> Poll<F::Output> {
+        std::future::poll_fn(|cx| Poll::Ready(future.as_mut().poll(cx))).await
     }
 
-    /// Small frames with many calls in flight wait one scheduler round, so that the frames of
-    /// the calls behind them share the write; a batch of a few KiB does not wait, since its
-    /// bytes cost more than the write it would share.
+    /// What the writer writes of one queued `frame` in its first poll, with `in_flight` calls
+    /// in flight; polled by hand, so no scheduler decides what runs when. A writer that
+    /// yields for more frames writes the frame in its next poll.
+    async fn written_in_the_first_poll(frame: usize, in_flight: usize) -> usize {
+        let (mut ours, mut theirs) = tokio::io::duplex(1 << 20);
+        let (queue, backlog) = (Arc::new(Queue::default()), Arc::new(Backlog::default()));
+        let sender = FrameSender {
+            senders: Arc::new(Senders(queue.clone())),
+            backlog: backlog.clone(),
+        };
+        assert!(sender.send_encoded(Bytes::from(vec![7u8; frame])));
+        let in_flight = Arc::new(AtomicUsize::new(in_flight));
+        let writer = write_batches(
+            &queue,
+            &mut ours,
+            in_flight,
+            &backlog,
+            CancellationToken::new(),
+        );
+        let mut writer = std::pin::pin!(writer);
+        let mut read = vec![0u8; 2 * frame];
+        let mut written = || {
+            let now = tokio::io::AsyncReadExt::read(&mut theirs, &mut read).now_or_never();
+            now.map_or(0, |n| n.expect("the pipe is open"))
+        };
+        assert!(
+            poll_once(writer.as_mut()).await.is_pending(),
+            "the writer waits"
+        );
+        let first = written();
+        if first < frame {
+            assert!(
+                poll_once(writer.as_mut()).await.is_pending(),
+                "the writer waits"
+            );
+            assert_eq!(first + written(), frame, "written in the second poll");
+        }
+        first
+    }
+
+    /// Small frames with many calls in flight wait one scheduler round (the writer yields),
+    /// so that the frames of the calls behind them share the write; a batch of a few KiB does
+    /// not wait, since its bytes cost more than the write it would share.
     #[tokio::test]
     async fn only_a_batch_of_small_frames_waits_for_the_frames_of_other_calls() {
         let many = YIELD_MARGIN + 100;
-        assert_eq!(written_in_the_first_round(64, many).await, 0);
+        assert_eq!(written_in_the_first_poll(64, many).await, 0);
         assert_eq!(
-            written_in_the_first_round(YIELD_BYTES, many).await,
+            written_in_the_first_poll(YIELD_BYTES, many).await,
             YIELD_BYTES
         );
         // With few calls in flight, small frames do not wait either.
-        assert_eq!(written_in_the_first_round(64, 1).await, 64);
+        assert_eq!(written_in_the_first_poll(64, 1).await, 64);
     }
 
     /// More than a batch queued at once: the writer writes a batch and leaves the rest queued
