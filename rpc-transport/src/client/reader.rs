@@ -105,7 +105,13 @@ pub(super) async fn read_loop<R: AsyncRead + Unpin>(
                 }
             }
             Some(Ok(Kind::Ping(Ping { nonce }))) => {
-                shared.sender.send(Kind::Pong(Pong { nonce }));
+                // Answered only while the send queue is within its limit: a pong would wait
+                // behind that much the server has not read, and a server that pings and never
+                // reads would grow the queue with pongs without end (new calls already wait
+                // for room; pongs are read by this loop, which nothing holds back).
+                if shared.sender.backlog().bytes() <= shared.max_unsent_bytes {
+                    shared.sender.send(Kind::Pong(Pong { nonce }));
+                }
             }
             Some(Ok(Kind::Pong(_))) => {}
             Some(Ok(Kind::GoAway(g))) => {

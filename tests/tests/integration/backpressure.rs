@@ -10,8 +10,10 @@ use crate::common;
 
 use std::time::Duration;
 
+use bytes::BytesMut;
 use common::{recv_one, within, RawConn};
-use rpc::crates::transport::{Call, ConnectOptions, Connection, ConnectionPool};
+use rpc::crates::core::wire::{frame::Kind, Ping};
+use rpc::crates::transport::{Call, ConnectOptions, Connection, ConnectionPool, FrameCodec};
 use rpc::{Codec, StatusCode};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
@@ -31,6 +33,50 @@ async fn stalled_server() -> (std::net::SocketAddr, tokio::sync::oneshot::Sender
         drop(raw);
     });
     (addr, stop)
+}
+
+/// A server that pings and never reads: the client answers its pings only while its send
+/// queue is within its limit, so pongs the server never reads cannot grow the client's
+/// memory without end.
+#[tokio::test]
+async fn a_server_that_pings_and_never_reads_cannot_grow_the_clients_send_queue() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr").to_string();
+    let max = 64 * KIB;
+    let options = ConnectOptions {
+        max_unsent_bytes: max,
+        ..ConnectOptions::default()
+    };
+    let connecting = tokio::spawn(async move { Connection::connect(&addr, &options).await });
+    let (stream, _) = within("accept", listener.accept()).await.expect("accept");
+    let mut raw = common::accept_hello(stream, "pinger", 1 << 24).await;
+    let conn = within("connect", connecting)
+        .await
+        .expect("join")
+        .expect("connect");
+    // A call, answered after the pings: once its answer is in, the client has read them all.
+    let answered = tokio::spawn({
+        let conn = conn.clone();
+        async move { conn.call(call(16), None).await }
+    });
+    let id = raw.recv_invoke("the call").await.message_id;
+    // Pongs of 17 bytes on the wire each (the largest nonces), 8.5 MB if every ping were
+    // answered: about twice what the socket buffers of loopback hold.
+    let pings = 500_000u64;
+    let mut frames = BytesMut::new();
+    for i in 0..pings {
+        let nonce = u64::MAX - i;
+        FrameCodec::encode_kind(Kind::Ping(Ping { nonce }), &mut frames);
+    }
+    raw.send_bytes(&frames).await.expect("the pings");
+    raw.answer(id, 200, "after the pings").await;
+    let answer = within("the answer", answered).await.expect("join");
+    assert_eq!(answer.expect("answered").status_code, 200);
+    assert!(
+        conn.unsent_bytes() <= max + 64,
+        "{} bytes queued, limit {max}",
+        conn.unsent_bytes()
+    );
 }
 
 fn call(size: usize) -> Call {
