@@ -88,7 +88,9 @@ const READ_BUFFER: usize = 64 * 1024;
 /// connection's read buffer when they are queued for a consumer: a slice of it would keep the
 /// whole buffer (64 KiB) alive for as long as it waits, so a window of small items, each in a
 /// buffer of its own among other traffic, would hold far more than the window counts. Larger
-/// ones keep sharing it (at most 8 times their size).
+/// ones keep sharing it (at most 8 times their size within the usual buffer; a frame larger
+/// than that buffer has an allocation of its own, whose items are copied out when they are
+/// less than half of it: [`own_sparse_items`]).
 const COPY_QUEUED_BELOW: usize = READ_BUFFER / 8;
 
 /// `payload` holding only its own bytes when it is small (see [`COPY_QUEUED_BELOW`]).
@@ -97,6 +99,28 @@ fn own_bytes(payload: bytes::Bytes) -> bytes::Bytes {
         bytes::Bytes::copy_from_slice(&payload)
     } else {
         payload
+    }
+}
+
+/// Copies out the items of a stream-item frame of `frame` bytes that came in an allocation of
+/// its own (larger than the read buffer) when they are less than half of it. Each item would
+/// otherwise be a slice of the frame and keep all of it alive while it waits for its consumer,
+/// who counts only the item's size against the stream's window (and a server's read budget
+/// lets the frame's share go once it is decoded): a peer could pad each 9 KiB item, with an
+/// unknown field or a payload given twice (prost keeps the last), into a 16 MiB frame. A frame
+/// its items fill keeps sharing its allocation.
+fn own_sparse_items(kind: &mut rpc_core::wire::frame::Kind, frame: usize) {
+    use rpc_core::wire::frame::Kind;
+    let payloads: &mut [bytes::Bytes] = match kind {
+        Kind::StreamItem(item) => std::slice::from_mut(&mut item.payload),
+        Kind::StreamItems(items) => &mut items.payloads,
+        _ => return,
+    };
+    let carried: usize = payloads.iter().map(bytes::Bytes::len).sum();
+    if carried < frame / 2 {
+        for payload in payloads {
+            *payload = bytes::Bytes::copy_from_slice(payload);
+        }
     }
 }
 

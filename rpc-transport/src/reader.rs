@@ -62,6 +62,9 @@ pub(crate) struct FrameReader<R> {
     share: Option<OwnedSemaphorePermit>,
     peer: PeerAddr,
     eof: bool,
+    /// Where the buffer of the last large frame lies (for the tests).
+    #[cfg(test)]
+    large: std::ops::Range<usize>,
 }
 
 impl<R: AsyncRead + Unpin> FrameReader<R> {
@@ -84,6 +87,8 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             share: None,
             peer,
             eof: false,
+            #[cfg(test)]
+            large: 0..0,
         }
     }
 
@@ -112,12 +117,15 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
         if len <= self.max_frame_length && self.buf.len() < PREFIX + len {
             return None;
         }
-        let frame = self.codec.decode_incoming(&mut self.buf).transpose()?;
+        let mut frame = self.codec.decode_incoming(&mut self.buf).transpose()?;
         if self.share.take().is_some() {
             // The large frame is out (its payload, shared with the buffer, now belongs to the
             // call): back to a buffer of the usual size.
             let rest = std::mem::replace(&mut self.buf, BytesMut::with_capacity(READ_BUFFER));
             self.buf.extend_from_slice(&rest);
+            if let Ok(Incoming::Other(kind)) = &mut frame {
+                crate::own_sparse_items(kind, len);
+            }
         }
         Some(frame)
     }
@@ -139,6 +147,10 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
                     // Exactly the frame's size, so the budget counts what is held.
                     let mut big = BytesMut::with_capacity(total);
                     big.extend_from_slice(&self.buf);
+                    #[cfg(test)]
+                    {
+                        self.large = big.as_ptr() as usize..big.as_ptr() as usize + total;
+                    }
                     self.buf = big;
                 } else if self.buf.capacity() < total {
                     self.buf.reserve(total - self.buf.len());
@@ -189,4 +201,54 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
 /// The length a buffer's first four bytes announce.
 fn announced(buf: &BytesMut) -> usize {
     (&buf[..PREFIX]).get_u32() as usize
+}
+
+#[cfg(test)]
+mod tests {
+    use bytes::Bytes;
+    use prost::Message;
+    use rpc_core::wire::{frame::Kind, Frame, StreamItem};
+
+    use super::*;
+
+    /// The item of a large frame that is mostly something else (an unknown field here) is
+    /// copied out of the frame's buffer, which the read budget no longer counts once the frame
+    /// is decoded; the item of a large frame that it fills shares the buffer.
+    #[tokio::test]
+    async fn an_item_in_a_mostly_padded_large_frame_does_not_keep_the_frame() {
+        let item_of = |padding: usize| async move {
+            let item = Kind::StreamItem(StreamItem {
+                message_id: 1,
+                payload: Bytes::from(vec![7u8; 9 * 1024 + (1 << 20) - padding]),
+                compression: 0,
+            });
+            let mut body = Frame { kind: Some(item) }.encode_to_vec();
+            if padding > 0 {
+                use prost::encoding::{encode_key, encode_varint, WireType};
+                encode_key(1000, WireType::LengthDelimited, &mut body);
+                encode_varint(padding as u64, &mut body);
+                body.resize(body.len() + padding, 0);
+            }
+            let mut wire = (body.len() as u32).to_be_bytes().to_vec();
+            wire.extend_from_slice(&body);
+            let budget = ReadBudget::new(4 << 20, 4 << 20);
+            let peer = PeerAddr::Tcp("127.0.0.1:1".parse().unwrap());
+            let mut reader = FrameReader::new(&wire[..], &[], 4 << 20, budget, peer);
+            let Some(Ok(Incoming::Other(Kind::StreamItem(item)))) = reader.next().await else {
+                panic!("expected a stream item")
+            };
+            (item.payload, reader.large.clone())
+        };
+        let (padded, large) = item_of(1 << 20).await;
+        assert!(!large.is_empty(), "read as a large frame");
+        assert_eq!(padded.len(), 9 * 1024);
+        assert!(padded.iter().all(|b| *b == 7));
+        assert!(!large.contains(&(padded.as_ptr() as usize)), "a copy");
+        let (whole, large) = item_of(0).await;
+        assert_eq!(whole.len(), 9 * 1024 + (1 << 20));
+        assert!(
+            large.contains(&(whole.as_ptr() as usize)),
+            "a slice of the frame"
+        );
+    }
 }

@@ -56,12 +56,17 @@ impl Decoder for AnswerCodec {
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
         let answer = match self.codec.split_frame(src)? {
-            Some(payload) => {
-                if payload.len() > LARGE_FRAME {
-                    leave_large_allocation(src);
-                }
-                decode_answer(payload).map(Some)
+            Some(payload) if payload.len() > LARGE_FRAME => {
+                leave_large_allocation(src);
+                let frame = payload.len();
+                decode_answer(payload).map(|mut answer| {
+                    if let Answer::Frame(kind) = &mut answer {
+                        crate::own_sparse_items(kind, frame);
+                    }
+                    Some(answer)
+                })
             }
+            Some(payload) => decode_answer(payload).map(Some),
             None => Ok(None),
         };
         self.seen = src.len();
@@ -231,7 +236,7 @@ fn field(buf: &mut &[u8], whole: usize) -> Option<(usize, usize)> {
 mod tests {
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
-    use rpc_core::wire::{Ping, RemoteInvokeMessage, StreamItems, ValidateError};
+    use rpc_core::wire::{Ping, RemoteInvokeMessage, StreamItem, StreamItems, ValidateError};
 
     use super::*;
     use crate::mutations::payload;
@@ -273,6 +278,51 @@ mod tests {
             );
         }
         assert_eq!(lens, [1 << 20, 9 * 1024, 9 * 1024]);
+    }
+
+    /// The item of a large frame that is mostly something else is copied out of the frame;
+    /// the item of a large frame that it fills shares the frame's allocation.
+    #[test]
+    fn an_item_in_a_mostly_padded_large_frame_does_not_keep_the_frame() {
+        let item_of = |padding: usize| {
+            let item = Kind::StreamItem(StreamItem {
+                message_id: 1,
+                payload: Bytes::from(vec![7u8; 9 * 1024 + (1 << 20) - padding]),
+                compression: 0,
+            });
+            let mut body = Frame { kind: Some(item) }.encode_to_vec();
+            if padding > 0 {
+                // An unknown field of the frame (number 1000, length-delimited), which
+                // prost skips.
+                prost::encoding::encode_key(
+                    1000,
+                    prost::encoding::WireType::LengthDelimited,
+                    &mut body,
+                );
+                prost::encoding::encode_varint(padding as u64, &mut body);
+                body.resize(body.len() + padding, 0);
+            }
+            let mut wire = BytesMut::new();
+            wire.extend_from_slice(&(body.len() as u32).to_be_bytes());
+            wire.extend_from_slice(&body);
+            let frame = wire.as_ptr() as usize..wire.as_ptr() as usize + wire.len();
+            let progress = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+            let mut codec = AnswerCodec::new(4 << 20, progress);
+            let Ok(Some(Answer::Frame(Kind::StreamItem(item)))) = codec.decode(&mut wire) else {
+                panic!("expected a stream item")
+            };
+            (item.payload, frame)
+        };
+        let (padded, frame) = item_of(1 << 20);
+        assert_eq!(padded.len(), 9 * 1024);
+        assert!(padded.iter().all(|b| *b == 7));
+        assert!(!frame.contains(&(padded.as_ptr() as usize)), "a copy");
+        let (whole, frame) = item_of(0);
+        assert_eq!(whole.len(), 9 * 1024 + (1 << 20));
+        assert!(
+            frame.contains(&(whole.as_ptr() as usize)),
+            "a slice of the frame"
+        );
     }
 
     /// A run's items as prost gives them.
