@@ -9,9 +9,12 @@
 //!
 //! An entry's admission is replaced when the governance rules change its server options (see
 //! `rules.rs`), keeping the parts whose options did not change (the rate limiter and its
-//! buckets, the gate with its slots and measured latency); a new gate starts empty: calls and
-//! streams admitted before keep their slot in the old one, the next call meets the new one. In observe mode (`rate_limit_observe`, `admission_observe`) a call a limit would
-//! refuse is reported (the same event, `observed`) and admitted.
+//! buckets, the gate with its slots and measured latency). A new gate goes on counting the calls
+//! that hold a slot of the cap it keeps (the server's shared cap, or the entry's own cap
+//! resized); a new adaptive limit starts its count at 0, while those calls keep their slot in
+//! the old one. In observe mode (`rate_limit_observe`, `admission_observe`) a call a limit would
+//! refuse is reported (the same event, `observed`) and admitted; one over its adaptive limit
+//! alone still holds a slot of the cap.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -98,8 +101,6 @@ pub(crate) struct Admission {
 }
 
 impl Gate {
-    /// The adaptive limit of an entry under `cap` (its own, or the server's shared one),
-    /// starting at the lesser of 20 and the cap's size, never below `min`.
     /// The cap that counts every call through the gate.
     pub(crate) fn bulkhead(&self) -> &Bulkhead {
         match self {
@@ -107,6 +108,8 @@ impl Gate {
         }
     }
 
+    /// The adaptive limit of an entry under `cap` (its own, or the server's shared one),
+    /// starting at the lesser of 20 and the cap's size, never below `min`.
     pub(crate) fn adaptive(cap: Bulkhead, min: usize) -> Gate {
         let max = cap.size().max(1);
         let min = min.clamp(1, max);
@@ -203,9 +206,16 @@ impl Admission {
                 // (The cap first: a call refused there is never measured by the limit.)
                 let criticality = criticality.and_then(Criticality::parse).unwrap_or_default();
                 // (Measured only once the call is known to have run to its end: `completed`.)
-                limit
-                    .try_enter(entry, criticality, remaining)
-                    .map(|permit| Slot::Adaptive(permit.unmeasured(), held))
+                match limit.try_enter(entry, criticality, remaining) {
+                    Ok(permit) => Ok(Slot::Adaptive(permit.unmeasured(), held)),
+                    // Over the adaptive limit only, in observe mode: admitted, and still
+                    // counted by the cap, which holds across the entries that share it.
+                    Err(e) if p.observe_gate => {
+                        self.observed(EventKind::Overflow, entry, &e);
+                        Ok(Slot::Cap(held))
+                    }
+                    Err(e) => Err(e),
+                }
             }),
         };
         match slot {
@@ -412,6 +422,33 @@ mod tests {
         drop(held);
         assert_eq!(shared.in_use(), 0);
         assert!(admit(&b).is_ok());
+    }
+
+    /// A call over its entry's adaptive limit that observe mode admits still holds a slot of
+    /// the cap it shares with other entries: the cap holds across them whatever one observes.
+    #[tokio::test(start_paused = true)]
+    async fn a_call_observed_over_its_adaptive_limit_still_counts_against_the_shared_cap() {
+        const CAP: usize = 30;
+        let shared = Bulkhead::new(CAP);
+        let gate = Gate::adaptive(shared.clone(), 1);
+        let Gate::Adaptive(limit, _) = &gate else {
+            unreachable!()
+        };
+        let within = limit.limit();
+        assert!(within < CAP, "the limit starts under the cap");
+        let (observing, mut events) = admission(gate, None, true);
+        let held: Vec<Slot> = (0..CAP).map(|_| admit(&observing).unwrap()).collect();
+        assert_eq!(
+            events.all(),
+            vec![(EventKind::Overflow, true); CAP - within],
+            "the calls over the limit are reported"
+        );
+        assert_eq!(shared.in_use(), CAP, "every call holds a slot of the cap");
+        let (other, _) = admission(Gate::adaptive(shared.clone(), 1), None, false);
+        let e = admit(&other).expect_err("the shared cap is full");
+        assert_eq!(e.code(), StatusCode::OverflowMaxServerHandle, "{e}");
+        drop(held);
+        assert_eq!(shared.in_use(), 0);
     }
 
     #[tokio::test(start_paused = true)]

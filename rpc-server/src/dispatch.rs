@@ -869,7 +869,7 @@ async fn run_guarded(
 
 /// A handler polled under the caller's deadline: each poll runs inside that deadline as the
 /// one the handler's own calls inherit, and catches a panic; when the deadline passes first,
-/// the outcome is a timeout (504) and the handler is dropped with this future.
+/// the outcome is a timeout (519) and the handler is dropped with this future.
 ///
 /// Written out rather than as `with_inherited(…, timeout_at(…, catch_unwind(…)))`: most
 /// handlers answer in their first poll, and this holds only the handler's box and, once the

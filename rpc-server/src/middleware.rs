@@ -14,7 +14,11 @@
 //! ```
 //!
 //! A call a layer answers never takes a cap slot, never runs the handler and never reaches the
-//! server fallback: an early answer is the server's answer, not a handler failure. The call's
+//! server fallback: an early answer is the server's answer, not a handler failure. Client and
+//! bidirectional streams are the exception to the order: they are admitted at their entry (rate
+//! limits, cap) before their layers run, so that a refusal (429, 515) comes before the stream's
+//! acceptance, while the caller may still go elsewhere; a stream a layer then refuses has taken
+//! a rate-limit token and held a slot until the refusal. The call's
 //! `rpc.server` span and metrics record it with its status like any other.
 //!
 //! Cost: a server without layers dispatches exactly as before (no box, no extra future). With

@@ -213,7 +213,8 @@ impl ServerBuilder {
 
     /// Adds a user layer around dispatch (see [`crate::middleware`]): it sees each call's entry,
     /// [`Caller`](crate::Caller), attachments and deadline before the call is admitted at its
-    /// entry's cap, and may answer it at once. Layers run in the order they are added, the
+    /// entry's cap, and may answer it at once (client and bidirectional streams are admitted
+    /// first: see [`crate::middleware`]). Layers run in the order they are added, the
     /// first outermost. A server without layers pays nothing for the feature; each layer costs
     /// a call one boxed future.
     pub fn layer(mut self, layer: impl ServerLayer) -> Self {
@@ -222,8 +223,9 @@ impl ServerBuilder {
     }
 
     /// Registers a server-side fallback for the service it implements: it answers with the
-    /// same arguments when the handler fails (error, panic, deadline), never for business,
-    /// validation, auth or not-found errors.
+    /// same arguments when the handler fails (an error or a panic), never for business,
+    /// validation, auth or not-found errors, and never once the caller's deadline has passed
+    /// (the call then ends with 519: nobody waits for the fallback's answer).
     pub fn fallback(mut self, fallback: impl Service) -> Self {
         self.fallbacks
             .insert(fallback.service_id(), Arc::new(fallback));
