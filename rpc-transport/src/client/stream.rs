@@ -152,8 +152,9 @@ struct Inner {
     held: Held,
     /// What the server has granted for the client's own items (client and bidi streams).
     send: Credit,
-    /// The sender of the client's items, waiting for credit (or for the end, in `ready`).
-    send_waker: Option<Waker>,
+    /// The senders of the client's items waiting for credit (or for the end, in `ready`):
+    /// every one, since a [`StreamSender`] is cloned into other tasks, and each is woken.
+    send_wakers: Vec<Waker>,
     /// A task waiting for the end ([`StreamSender::ended`]), perhaps another than the one
     /// waiting for credit: each has a slot of its own, so neither takes the other's.
     end_waker: Option<Waker>,
@@ -176,7 +177,7 @@ impl StreamShared {
                 received: 0,
                 held: Held::new(window, window_bytes),
                 send: Credit::new(0, send_window_bytes),
-                send_waker: None,
+                send_wakers: Vec::new(),
                 end_waker: None,
                 ended: false,
             }),
@@ -191,14 +192,14 @@ impl StreamShared {
 
     /// Credit from the server: the first accepts the stream.
     pub(super) fn credit(&self, items: u32) {
-        let (waker, sender) = {
+        let (waker, senders) = {
             let mut s = self.lock();
             s.accepted = true;
             // (The first, accepting, credit frees nothing: nothing was sent before it.)
             s.send.grant(u64::from(items));
-            (s.waker.take(), s.send_waker.take())
+            (s.waker.take(), std::mem::take(&mut s.send_wakers))
         };
-        for w in [waker, sender].into_iter().flatten() {
+        for w in waker.into_iter().chain(senders) {
             w.wake();
         }
     }
@@ -258,10 +259,8 @@ impl StreamShared {
             return None;
         }
         s.ended = true;
-        for w in [s.send_waker.take(), s.end_waker.take()]
-            .into_iter()
-            .flatten()
-        {
+        let senders = std::mem::take(&mut s.send_wakers);
+        for w in senders.into_iter().chain(s.end_waker.take()) {
             // (Waking under the lock is fine for a sender: it takes this lock only when polled.)
             w.wake();
         }
@@ -295,7 +294,7 @@ impl StreamShared {
         if s.send.ready() {
             return Poll::Ready(true);
         }
-        store(&mut s.send_waker, cx);
+        store_among(&mut s.send_wakers, cx);
         Poll::Pending
     }
 
@@ -306,7 +305,7 @@ impl StreamShared {
         if s.ended {
             return Poll::Ready(false);
         }
-        store(&mut s.send_waker, cx);
+        store_among(&mut s.send_wakers, cx);
         Poll::Pending
     }
 
@@ -349,6 +348,13 @@ impl StreamShared {
                 Poll::Pending
             }
         }
+    }
+}
+
+/// Keeps `cx`'s waker among `wakers`, once.
+fn store_among(wakers: &mut Vec<Waker>, cx: &Context<'_>) {
+    if !wakers.iter().any(|w| w.will_wake(cx.waker())) {
+        wakers.push(cx.waker().clone());
     }
 }
 

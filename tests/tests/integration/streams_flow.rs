@@ -456,6 +456,56 @@ async fn a_request_stream_waits_for_room_in_the_send_queue_whatever_credit_it_ha
     greedy_server.abort();
 }
 
+/// Senders of one stream waiting for credit in two tasks (a `StreamSender` is cloned into
+/// them): the server's credit wakes both, not only the last to wait.
+#[tokio::test]
+async fn credit_wakes_every_task_waiting_to_send_on_the_stream() {
+    let (listener, addr) = raw_listener().await;
+    let (go, granted) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(async move {
+        let (mut peer, _) = RawConn::accept_with(&listener, streaming_ack(16)).await;
+        let open = peer.recv_invoke("the stream's opening").await;
+        // Accepted with no credit for the client's items, then one item's credit.
+        peer.grant(open.message_id, 0).await;
+        let _ = granted.await;
+        peer.grant(open.message_id, 1).await;
+        std::future::pending::<()>().await;
+    });
+    let conn = Connection::connect(&addr.to_string(), &ConnectOptions::default())
+        .await
+        .expect("connect");
+    let call = Call {
+        service_entry_id: "t.Flow.sum".into(),
+        ..Default::default()
+    };
+    let s = match within("open", conn.open_stream(call, StreamMode::Client, None))
+        .await
+        .expect("open")
+    {
+        Opened::Accepted(s) => s,
+        Opened::Refused(r) => panic!("refused: {r:?}"),
+    };
+    let waiters: Vec<_> = (0..2)
+        .map(|_| {
+            let sender = s.sender();
+            tokio::spawn(async move { sender.ready().await })
+        })
+        .collect();
+    // Both wait before the credit comes (each ran once: there is none yet).
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    assert!(waiters.iter().all(|w| !w.is_finished()), "no credit yet");
+    go.send(()).expect("the server waits");
+    for (i, waiter) in waiters.into_iter().enumerate() {
+        let ready = within("a sender hears of the credit", waiter)
+            .await
+            .expect("the task");
+        assert!(ready, "sender {i}: credit, the stream open");
+    }
+    server.abort();
+}
+
 /// The deadline covers the whole stream, the time it waits for credit included: a client that
 /// takes one item and grants no more (nor cancels) gets the stream's end, a timeout (519), once
 /// the 200 ms it gave have passed, and the server lets the stream go.
