@@ -14,7 +14,8 @@
 //! caller giving up end it as they end a call.
 //!
 //! One lock covers the table; it is held for a few instructions at a time and never across an
-//! `.await` or a wake-up.
+//! `.await`. Ending a stream under it wakes the stream's senders and end waiter (whose polls
+//! take the stream's own lock, never this one); a call's waiter is woken after it is released.
 
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll, Waker};
