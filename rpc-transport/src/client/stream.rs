@@ -29,12 +29,13 @@ use rpc_core::wire::{
     frame::Kind, Cancel, RemoteResultMessage, StreamCredit, StreamEnd, StreamItem,
 };
 use rpc_core::{ItemSource, LentItem, RpcError, StatusCode};
+use tokio::sync::Notify;
 
 use super::answer::ItemRun;
 use super::connection::Connection;
 use crate::client::shared::comm_error;
 use crate::flow::{Credit, Held, Taken};
-use crate::writer::RoomWait;
+use crate::writer::{Backlog, RoomWait};
 
 /// How a stream ended: the server's answer, or why there is none.
 pub(super) type End = Result<RemoteResultMessage, RpcError>;
@@ -42,6 +43,11 @@ pub(super) type End = Result<RemoteResultMessage, RpcError>;
 /// One stream's state, shared by the pending table (reader, sweeper) and its consumer.
 pub(super) struct StreamShared {
     inner: Mutex<Inner>,
+    /// Wakes every task waiting to send (for credit, room or the end) and every task waiting
+    /// for the end, when credit comes or the stream ends: a [`StreamSender`] is cloned into
+    /// other tasks, and each waiting future is registered here only while it waits (dropped,
+    /// it leaves), so no waiter takes another's wake-up and none is kept for good.
+    changed: Notify,
     /// Items the client buffers for this stream (its `Hello.stream_window`).
     window: u32,
     /// Bytes the client buffers for this stream when the server keeps byte windows (0: items
@@ -152,12 +158,6 @@ struct Inner {
     held: Held,
     /// What the server has granted for the client's own items (client and bidi streams).
     send: Credit,
-    /// The senders of the client's items waiting for credit (or for the end, in `ready`):
-    /// every one, since a [`StreamSender`] is cloned into other tasks, and each is woken.
-    send_wakers: Vec<Waker>,
-    /// A task waiting for the end ([`StreamSender::ended`]), perhaps another than the one
-    /// waiting for credit: each has a slot of its own, so neither takes the other's.
-    end_waker: Option<Waker>,
     /// The stream ended (its end may have been taken by the consumer since).
     ended: bool,
 }
@@ -177,10 +177,9 @@ impl StreamShared {
                 received: 0,
                 held: Held::new(window, window_bytes),
                 send: Credit::new(0, send_window_bytes),
-                send_wakers: Vec::new(),
-                end_waker: None,
                 ended: false,
             }),
+            changed: Notify::new(),
             window,
             window_bytes,
         }
@@ -192,16 +191,17 @@ impl StreamShared {
 
     /// Credit from the server: the first accepts the stream.
     pub(super) fn credit(&self, items: u32) {
-        let (waker, senders) = {
+        let waker = {
             let mut s = self.lock();
             s.accepted = true;
             // (The first, accepting, credit frees nothing: nothing was sent before it.)
             s.send.grant(u64::from(items));
-            (s.waker.take(), std::mem::take(&mut s.send_wakers))
+            s.waker.take()
         };
-        for w in waker.into_iter().chain(senders) {
+        if let Some(w) = waker {
             w.wake();
         }
+        self.changed.notify_waiters();
     }
 
     /// Items from the server, in order (one frame's); false when one is beyond the credit
@@ -259,11 +259,8 @@ impl StreamShared {
             return None;
         }
         s.ended = true;
-        let senders = std::mem::take(&mut s.send_wakers);
-        for w in senders.into_iter().chain(s.end_waker.take()) {
-            // (Waking under the lock is fine for a sender: it takes this lock only when polled.)
-            w.wake();
-        }
+        // (Waking under the lock is fine for a sender: it takes this lock only when polled.)
+        self.changed.notify_waiters();
         let end = end.map_err(|e| {
             if s.accepted {
                 let n = s.received;
@@ -284,39 +281,63 @@ impl StreamShared {
         s.waker.take()
     }
 
-    /// Ready with `true` once an item may be sent (the server granted credit), with `false`
-    /// once the stream ended.
-    fn poll_ready(&self, cx: &mut Context<'_>) -> Poll<bool> {
-        let mut s = self.lock();
+    /// Whether an item may be sent: `Some(true)` with credit, `Some(false)` once the stream
+    /// ended, `None` while it waits for credit.
+    fn send_state(&self) -> Option<bool> {
+        let s = self.lock();
         if s.ended {
-            return Poll::Ready(false);
+            Some(false)
+        } else if s.send.ready() {
+            Some(true)
+        } else {
+            None
         }
-        if s.send.ready() {
-            return Poll::Ready(true);
-        }
-        store_among(&mut s.send_wakers, cx);
-        Poll::Pending
     }
 
-    /// Ready with `false` once the stream ended; else `Pending`, `cx` woken when it ends (or
-    /// credit arrives): for a sender waiting for something else meanwhile.
-    fn poll_not_ended(&self, cx: &mut Context<'_>) -> Poll<bool> {
-        let mut s = self.lock();
-        if s.ended {
-            return Poll::Ready(false);
+    /// Resolves with `true` once an item may be sent: the server granted credit and, given
+    /// `room` (the connection's send queue and its limit of unsent bytes), the queue has room;
+    /// with `false` once the stream ended.
+    async fn wait_to_send(&self, room: Option<(&Backlog, usize)>) -> bool {
+        let mut wait = RoomWait::default();
+        loop {
+            // Registered before the state is read: credit or the end in between wakes it.
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            match self.send_state() {
+                Some(false) => return false,
+                Some(true) => {
+                    let Some((backlog, max)) = room else {
+                        return true;
+                    };
+                    // Room, or the end (or more credit, which says nothing: look again).
+                    let roomy = std::future::poll_fn(|cx| {
+                        if wait.poll_room(backlog, max, cx).is_ready() {
+                            return Poll::Ready(true);
+                        }
+                        std::future::Future::poll(changed.as_mut(), cx).map(|()| false)
+                    })
+                    .await;
+                    if roomy {
+                        return true;
+                    }
+                }
+                None => changed.await,
+            }
         }
-        store_among(&mut s.send_wakers, cx);
-        Poll::Pending
     }
 
-    /// Ready once the stream ended.
-    fn poll_ended(&self, cx: &mut Context<'_>) -> Poll<()> {
-        let mut s = self.lock();
-        if s.ended {
-            return Poll::Ready(());
+    /// Resolves once the stream ended.
+    async fn wait_for_end(&self) {
+        loop {
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if self.lock().ended {
+                return;
+            }
+            changed.await;
         }
-        store(&mut s.end_waker, cx);
-        Poll::Pending
     }
 
     /// Takes one item's credit for an item of `len` bytes, if there is some and the stream is
@@ -348,13 +369,6 @@ impl StreamShared {
                 Poll::Pending
             }
         }
-    }
-}
-
-/// Keeps `cx`'s waker among `wakers`, once.
-fn store_among(wakers: &mut Vec<Waker>, cx: &Context<'_>) {
-    if !wakers.iter().any(|w| w.will_wake(cx.waker())) {
-        wakers.push(cx.waker().clone());
     }
 }
 
@@ -488,23 +502,13 @@ impl StreamSender {
     /// stream here, whatever it granted.
     pub async fn ready(&self) -> bool {
         let shared = &self.conn.shared;
-        let mut room = RoomWait::default();
-        std::future::poll_fn(|cx| {
-            if !std::task::ready!(self.shared.poll_ready(cx)) {
-                return Poll::Ready(false);
-            }
-            match room.poll_room(shared.sender.backlog(), shared.max_unsent_bytes, cx) {
-                Poll::Ready(()) => Poll::Ready(true),
-                // Waiting for room: the stream's end (its deadline, the answer) wakes it too.
-                Poll::Pending => self.shared.poll_not_ended(cx),
-            }
-        })
-        .await
+        let room = (shared.sender.backlog(), shared.max_unsent_bytes);
+        self.shared.wait_to_send(Some(room)).await
     }
 
     /// Resolves once the stream ended (read it for how), or its reader gave it up.
     pub async fn ended(&self) {
-        std::future::poll_fn(|cx| self.shared.poll_ended(cx)).await
+        self.shared.wait_for_end().await
     }
 
     /// Sends one item of the client's request stream, using one item of the server's credit;
@@ -756,6 +760,50 @@ mod tests {
         );
     }
 
+    /// Two tasks waiting for the end and two for credit, as cloned senders allow: credit wakes
+    /// both senders, the end both of the others (none takes another's wake-up).
+    #[tokio::test]
+    async fn credit_and_the_end_wake_every_task_waiting_for_them() {
+        let s = std::sync::Arc::new(StreamShared::new(8, 0, 0));
+        s.credit(0);
+        let spawn_n = |n: usize, ending: bool| -> Vec<tokio::task::JoinHandle<()>> {
+            (0..n)
+                .map(|_| {
+                    let s = s.clone();
+                    tokio::spawn(async move {
+                        if ending {
+                            s.wait_for_end().await
+                        } else {
+                            assert!(s.wait_to_send(None).await, "credit");
+                        }
+                    })
+                })
+                .collect()
+        };
+        let (senders, enders) = (spawn_n(2, false), spawn_n(2, true));
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        assert!(senders.iter().chain(&enders).all(|t| !t.is_finished()));
+        s.credit(1);
+        for t in senders {
+            tokio::time::timeout(std::time::Duration::from_secs(5), t)
+                .await
+                .expect("woken by the credit")
+                .expect("task");
+        }
+        assert!(enders.iter().all(|t| !t.is_finished()), "not ended yet");
+        if let Some(w) = s.end(Err(RpcError::new(StatusCode::FrameworkError, "x"))) {
+            w.wake();
+        }
+        for t in enders {
+            tokio::time::timeout(std::time::Duration::from_secs(5), t)
+                .await
+                .expect("woken by the end")
+                .expect("task");
+        }
+    }
+
     /// One task waiting for credit and another for the end, as a cloned sender allows: the
     /// end wakes both (neither took the other's waker).
     #[tokio::test]
@@ -763,11 +811,11 @@ mod tests {
         let s = std::sync::Arc::new(StreamShared::new(8, 0, 0));
         let ready = {
             let s = s.clone();
-            tokio::spawn(async move { std::future::poll_fn(|cx| s.poll_ready(cx)).await })
+            tokio::spawn(async move { s.wait_to_send(None).await })
         };
         let ended = {
             let s = s.clone();
-            tokio::spawn(async move { std::future::poll_fn(|cx| s.poll_ended(cx)).await })
+            tokio::spawn(async move { s.wait_for_end().await })
         };
         // Both are waiting (the spawned tasks ran once each).
         for _ in 0..10 {
