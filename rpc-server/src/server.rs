@@ -225,7 +225,8 @@ impl ServerBuilder {
     /// Registers a server-side fallback for the service it implements: it answers with the
     /// same arguments when the handler fails (an error or a panic), never for business,
     /// validation, auth or not-found errors, and never once the caller's deadline has passed
-    /// (the call then ends with 519: nobody waits for the fallback's answer).
+    /// (nobody waits for the fallback's answer then: the call ends with its failure, 519 when
+    /// the handler was still running at the deadline).
     pub fn fallback(mut self, fallback: impl Service) -> Self {
         self.fallbacks
             .insert(fallback.service_id(), Arc::new(fallback));

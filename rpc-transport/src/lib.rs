@@ -88,9 +88,9 @@ const READ_BUFFER: usize = 64 * 1024;
 /// connection's read buffer when they are queued for a consumer: a slice of it would keep the
 /// whole buffer (64 KiB) alive for as long as it waits, so a window of small items, each in a
 /// buffer of its own among other traffic, would hold far more than the window counts. Larger
-/// ones keep sharing it (at most 8 times their size within the usual buffer; a frame larger
-/// than that buffer has an allocation of its own, whose items are copied out when they are
-/// less than half of it: [`own_sparse_items`]).
+/// ones keep sharing it: the usual buffer, or one a client grew for a frame of up to twice its
+/// size (a larger frame, past the usual buffer on a server, has an allocation of its own,
+/// whose items are copied out when they are less than half of it: [`own_sparse_items`]).
 const COPY_QUEUED_BELOW: usize = READ_BUFFER / 8;
 
 /// `payload` holding only its own bytes when it is small (see [`COPY_QUEUED_BELOW`]).

@@ -60,8 +60,9 @@ impl Decoder for AnswerCodec {
                 leave_large_allocation(src);
                 let frame = payload.len();
                 decode_answer(payload).map(|mut answer| {
-                    if let Answer::Frame(kind) = &mut answer {
-                        crate::own_sparse_items(kind, frame);
+                    match &mut answer {
+                        Answer::Frame(kind) => crate::own_sparse_items(kind, frame),
+                        Answer::Items(run) => run.own_if_sparse(frame),
                     }
                     Some(answer)
                 })
@@ -122,10 +123,36 @@ const FRAME_STREAM_ITEMS_KEY: u64 = (12 << 3) | 2;
 pub(super) struct ItemRun {
     pub(super) message_id: u64,
     pub(super) compression: i32,
-    /// The `StreamItems` message's fields.
+    /// The `StreamItems` message's fields (or, from a large frame mostly of other fields, the
+    /// items alone, one after the other: [`own_if_sparse`](Self::own_if_sparse)).
     pub(super) body: Bytes,
     /// Each item's start and end in `body`, in order.
     pub(super) places: Vec<(u32, u32)>,
+}
+
+impl ItemRun {
+    /// Copies the items out of their frame of `frame` bytes when they are less than half of
+    /// it, as [`own_sparse_items`](crate::own_sparse_items) does for the frames prost decodes:
+    /// the plain shape still allows `message_id` or `compression` given again and again, which
+    /// could pad a 9 KiB item into a 16 MiB frame.
+    pub(super) fn own_if_sparse(&mut self, frame: usize) {
+        let carried: usize = self
+            .places
+            .iter()
+            .map(|&(from, to)| (to - from) as usize)
+            .sum();
+        if carried >= frame / 2 {
+            return;
+        }
+        let mut items = BytesMut::with_capacity(carried);
+        for place in &mut self.places {
+            let (from, to) = *place;
+            let start = items.len() as u32;
+            items.extend_from_slice(&self.body[from as usize..to as usize]);
+            *place = (start, items.len() as u32);
+        }
+        self.body = items.freeze();
+    }
 }
 
 /// The items in `payload` if it is a plain `StreamItems` frame (one `stream_items` field;
@@ -323,6 +350,38 @@ mod tests {
             frame.contains(&(whole.as_ptr() as usize)),
             "a slice of the frame"
         );
+    }
+
+    /// The plain shape padded with `message_id` given again and again: a large frame decoded
+    /// by hand, whose lone item is copied out of it all the same.
+    #[test]
+    fn the_items_of_a_padded_plain_frame_do_not_keep_the_frame() {
+        use prost::encoding::encode_varint;
+        let item = vec![7u8; 9 * 1024];
+        let mut items = Vec::new();
+        for _ in 0..300_000 {
+            items.extend_from_slice(&[0x08, 0x01]);
+        }
+        items.push(0x12);
+        encode_varint(item.len() as u64, &mut items);
+        items.extend_from_slice(&item);
+        let mut body = Vec::new();
+        encode_varint(FRAME_STREAM_ITEMS_KEY, &mut body);
+        encode_varint(items.len() as u64, &mut body);
+        body.extend_from_slice(&items);
+        let mut wire = BytesMut::new();
+        wire.extend_from_slice(&(body.len() as u32).to_be_bytes());
+        wire.extend_from_slice(&body);
+        let frame = wire.as_ptr() as usize..wire.as_ptr() as usize + wire.len();
+        let progress = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let mut codec = AnswerCodec::new(4 << 20, progress);
+        let Ok(Some(Answer::Items(run))) = codec.decode(&mut wire) else {
+            panic!("expected a run of items in the plain shape")
+        };
+        assert_eq!(run.message_id, 1);
+        let message = as_message(&run);
+        assert_eq!(message.payloads, [Bytes::from(item)]);
+        assert!(!frame.contains(&(run.body.as_ptr() as usize)), "a copy");
     }
 
     /// A run's items as prost gives them.

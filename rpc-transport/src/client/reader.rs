@@ -241,9 +241,9 @@ pub(super) fn fail_pending(shared: &Shared, reason: &str, maybe_delivered: bool,
 /// The next complete frame already in `frames`' read buffer, decoded without reading from the
 /// socket; `None` when the buffer holds no complete frame.
 fn buffered<R>(frames: &mut FramedRead<R, AnswerCodec>) -> Option<Result<Answer, FrameError>> {
-    // A copy decodes as well as the original (the framing limit is all it needs); the length
-    // it records for the heartbeat's progress stays with the copy, so the original may count
-    // one arrival twice: a sign of life the bytes gave anyway.
+    // A copy decodes as well as the original (the framing limit is all it needs). The length
+    // it records for the heartbeat's progress stays with the copy, which costs nothing: bytes
+    // arrive only through the original, which records the length before each read.
     let mut codec = frames.decoder().clone();
     codec.decode(frames.read_buffer_mut()).transpose()
 }
