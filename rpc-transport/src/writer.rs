@@ -226,6 +226,15 @@ impl Backlog {
     }
 }
 
+#[cfg(test)]
+impl Backlog {
+    /// Sets the bytes queued and wakes whoever waits for room (for the tests of waiters).
+    pub(crate) fn set_queued(&self, bytes: usize) {
+        self.bytes.store(bytes, Ordering::Relaxed);
+        self.room.notify_waiters();
+    }
+}
+
 /// A poll function's wait for room in a connection's send queue: what a stream's producer
 /// uses so that a peer that stops reading the connection (whatever windows it announced or
 /// credit it granted) does not make it queue without bound. Costs nothing while there is room.

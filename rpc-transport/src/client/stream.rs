@@ -310,7 +310,7 @@ impl StreamShared {
                     let Some((backlog, max)) = room else {
                         return true;
                     };
-                    // Room, or the end (or more credit, which says nothing: look again).
+                    // Room, or the end, or more credit (which says nothing: look again).
                     let roomy = std::future::poll_fn(|cx| {
                         if wait.poll_room(backlog, max, cx).is_ready() {
                             return Poll::Ready(true);
@@ -318,8 +318,13 @@ impl StreamShared {
                         std::future::Future::poll(changed.as_mut(), cx).map(|()| false)
                     })
                     .await;
+                    // With room, the credit is looked at again: another sender of the stream
+                    // may have used it meanwhile, or the stream ended.
                     if roomy {
-                        return true;
+                        match self.send_state() {
+                            Some(ready) => return ready,
+                            None => continue,
+                        }
                     }
                 }
                 None => changed.await,
@@ -802,6 +807,48 @@ mod tests {
                 .expect("woken by the end")
                 .expect("task");
         }
+    }
+
+    /// A sender that waited for room in the send queue looks at the stream again once it has
+    /// room: another sender may have used the credit meanwhile (it then waits for more), or
+    /// the stream ended (it says so).
+    #[tokio::test]
+    async fn a_sender_given_room_looks_at_the_credit_again() {
+        use crate::writer::Backlog;
+        let (s, backlog) = (
+            Arc::new(StreamShared::new(8, 0, 0)),
+            Arc::new(Backlog::default()),
+        );
+        s.credit(0);
+        s.credit(1);
+        backlog.set_queued(100);
+        let waiter = |s: Arc<StreamShared>, backlog: Arc<Backlog>| {
+            tokio::spawn(async move { s.wait_to_send(Some((&backlog, 10))).await })
+        };
+        let settle = || async {
+            for _ in 0..10 {
+                tokio::task::yield_now().await;
+            }
+        };
+        let first = waiter(s.clone(), backlog.clone());
+        settle().await;
+        assert!(!first.is_finished(), "no room yet");
+        assert!(s.take_credit(1), "another sender uses the credit");
+        backlog.set_queued(0);
+        settle().await;
+        assert!(!first.is_finished(), "room, but no credit left");
+        s.credit(1);
+        let ready = tokio::time::timeout(std::time::Duration::from_secs(5), first).await;
+        assert!(ready.expect("woken by the credit").expect("task"));
+        // Waiting for room when the stream ends and the room comes at once.
+        backlog.set_queued(100);
+        let second = waiter(s.clone(), backlog.clone());
+        settle().await;
+        assert!(!second.is_finished(), "no room");
+        let _ = s.end(Err(RpcError::new(StatusCode::FrameworkError, "x")));
+        backlog.set_queued(0);
+        let ready = tokio::time::timeout(std::time::Duration::from_secs(5), second).await;
+        assert!(!ready.expect("woken").expect("task"), "the stream ended");
     }
 
     /// One task waiting for credit and another for the end, as a cloned sender allows: the
