@@ -124,6 +124,31 @@ fn own_sparse_items(kind: &mut rpc_core::wire::frame::Kind, frame: usize) {
     }
 }
 
+/// A `StreamItem` frame, length prefix included, of `9 KiB + 1 MiB - padding` bytes of item
+/// and `padding` bytes of an unknown field (number 1000) that prost skips: a large frame its
+/// item fills, or one mostly of something else (for the tests of [`own_sparse_items`]'s
+/// callers).
+#[cfg(test)]
+pub(crate) fn padded_item_frame(padding: usize) -> Vec<u8> {
+    use prost::encoding::{encode_key, encode_varint, WireType};
+    use prost::Message;
+    use rpc_core::wire::{frame::Kind, Frame, StreamItem};
+    let item = Kind::StreamItem(StreamItem {
+        message_id: 1,
+        payload: bytes::Bytes::from(vec![7u8; 9 * 1024 + (1 << 20) - padding]),
+        compression: 0,
+    });
+    let mut body = Frame { kind: Some(item) }.encode_to_vec();
+    if padding > 0 {
+        encode_key(1000, WireType::LengthDelimited, &mut body);
+        encode_varint(padding as u64, &mut body);
+        body.resize(body.len() + padding, 0);
+    }
+    let mut wire = (body.len() as u32).to_be_bytes().to_vec();
+    wire.extend_from_slice(&body);
+    wire
+}
+
 /// Whether `part` starts inside `buf`'s bytes: a slice of it (for the tests of
 /// [`own_bytes`]'s callers), not a copy.
 #[cfg(test)]

@@ -205,9 +205,7 @@ fn announced(buf: &BytesMut) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use bytes::Bytes;
-    use prost::Message;
-    use rpc_core::wire::{frame::Kind, Frame, StreamItem};
+    use rpc_core::wire::frame::Kind;
 
     use super::*;
 
@@ -217,20 +215,7 @@ mod tests {
     #[tokio::test]
     async fn an_item_in_a_mostly_padded_large_frame_does_not_keep_the_frame() {
         let item_of = |padding: usize| async move {
-            let item = Kind::StreamItem(StreamItem {
-                message_id: 1,
-                payload: Bytes::from(vec![7u8; 9 * 1024 + (1 << 20) - padding]),
-                compression: 0,
-            });
-            let mut body = Frame { kind: Some(item) }.encode_to_vec();
-            if padding > 0 {
-                use prost::encoding::{encode_key, encode_varint, WireType};
-                encode_key(1000, WireType::LengthDelimited, &mut body);
-                encode_varint(padding as u64, &mut body);
-                body.resize(body.len() + padding, 0);
-            }
-            let mut wire = (body.len() as u32).to_be_bytes().to_vec();
-            wire.extend_from_slice(&body);
+            let wire = crate::padded_item_frame(padding);
             let budget = ReadBudget::new(4 << 20, 4 << 20);
             let peer = PeerAddr::Tcp("127.0.0.1:1".parse().unwrap());
             let mut reader = FrameReader::new(&wire[..], &[], 4 << 20, budget, peer);

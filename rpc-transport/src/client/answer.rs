@@ -263,7 +263,7 @@ fn field(buf: &mut &[u8], whole: usize) -> Option<(usize, usize)> {
 mod tests {
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
-    use rpc_core::wire::{Ping, RemoteInvokeMessage, StreamItem, StreamItems, ValidateError};
+    use rpc_core::wire::{Ping, RemoteInvokeMessage, StreamItems, ValidateError};
 
     use super::*;
     use crate::mutations::payload;
@@ -307,35 +307,23 @@ mod tests {
         assert_eq!(lens, [1 << 20, 9 * 1024, 9 * 1024]);
     }
 
+    /// Decodes the one frame in `wire` (length prefix included); also where its bytes lay.
+    fn decode_one(wire: &[u8]) -> (Answer, std::ops::Range<usize>) {
+        let mut buf = BytesMut::from(wire);
+        let lay = buf.as_ptr() as usize..buf.as_ptr() as usize + buf.len();
+        let progress = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let mut codec = AnswerCodec::new(4 << 20, progress);
+        let answer = codec.decode(&mut buf).expect("a frame").expect("whole");
+        (answer, lay)
+    }
+
     /// The item of a large frame that is mostly something else is copied out of the frame;
     /// the item of a large frame that it fills shares the frame's allocation.
     #[test]
     fn an_item_in_a_mostly_padded_large_frame_does_not_keep_the_frame() {
         let item_of = |padding: usize| {
-            let item = Kind::StreamItem(StreamItem {
-                message_id: 1,
-                payload: Bytes::from(vec![7u8; 9 * 1024 + (1 << 20) - padding]),
-                compression: 0,
-            });
-            let mut body = Frame { kind: Some(item) }.encode_to_vec();
-            if padding > 0 {
-                // An unknown field of the frame (number 1000, length-delimited), which
-                // prost skips.
-                prost::encoding::encode_key(
-                    1000,
-                    prost::encoding::WireType::LengthDelimited,
-                    &mut body,
-                );
-                prost::encoding::encode_varint(padding as u64, &mut body);
-                body.resize(body.len() + padding, 0);
-            }
-            let mut wire = BytesMut::new();
-            wire.extend_from_slice(&(body.len() as u32).to_be_bytes());
-            wire.extend_from_slice(&body);
-            let frame = wire.as_ptr() as usize..wire.as_ptr() as usize + wire.len();
-            let progress = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-            let mut codec = AnswerCodec::new(4 << 20, progress);
-            let Ok(Some(Answer::Frame(Kind::StreamItem(item)))) = codec.decode(&mut wire) else {
+            let (answer, frame) = decode_one(&crate::padded_item_frame(padding));
+            let Answer::Frame(Kind::StreamItem(item)) = answer else {
                 panic!("expected a stream item")
             };
             (item.payload, frame)
@@ -369,13 +357,9 @@ mod tests {
         encode_varint(FRAME_STREAM_ITEMS_KEY, &mut body);
         encode_varint(items.len() as u64, &mut body);
         body.extend_from_slice(&items);
-        let mut wire = BytesMut::new();
-        wire.extend_from_slice(&(body.len() as u32).to_be_bytes());
+        let mut wire = (body.len() as u32).to_be_bytes().to_vec();
         wire.extend_from_slice(&body);
-        let frame = wire.as_ptr() as usize..wire.as_ptr() as usize + wire.len();
-        let progress = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let mut codec = AnswerCodec::new(4 << 20, progress);
-        let Ok(Some(Answer::Items(run))) = codec.decode(&mut wire) else {
+        let (Answer::Items(run), frame) = decode_one(&wire) else {
             panic!("expected a run of items in the plain shape")
         };
         assert_eq!(run.message_id, 1);

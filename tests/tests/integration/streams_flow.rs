@@ -17,7 +17,7 @@ use rpc::crates::core::wire::{
     frame::Kind, Hello, HelloAck, RemoteInvokeMessage, RemoteResultMessage, StreamMode,
 };
 use rpc::crates::transport::{
-    Call, ConnectOptions, Connection, Opened, DEFAULT_CLIENT_STREAM_WINDOW,
+    Call, ClientStream, ConnectOptions, Connection, Opened, DEFAULT_CLIENT_STREAM_WINDOW,
     DEFAULT_STREAM_WINDOW_BYTES,
 };
 use rpc::{Codec, RpcError, RpcStream, Server, ServerHandle};
@@ -361,20 +361,7 @@ async fn a_server_without_batches_gets_the_clients_items_one_per_frame() {
         .expect("answer");
         got
     });
-    let conn = Connection::connect(&addr.to_string(), &ConnectOptions::default())
-        .await
-        .expect("connect");
-    let call = Call {
-        service_entry_id: "t.Flow.sum".into(),
-        ..Default::default()
-    };
-    let mut s = match within("open", conn.open_stream(call, StreamMode::Client, None))
-        .await
-        .expect("open")
-    {
-        Opened::Accepted(s) => s,
-        Opened::Refused(r) => panic!("refused: {r:?}"),
-    };
+    let (_conn, mut s) = open_sum(addr, &ConnectOptions::default()).await;
     for n in [5u32, 6, 7] {
         assert!(within("credit", s.ready()).await, "credit for item {n}");
         s.send(Codec::MsgPack.encode(&n).expect("encode"))
@@ -413,20 +400,7 @@ async fn a_request_stream_waits_for_room_in_the_send_queue_whatever_credit_it_ha
         max_unsent_bytes: 64 * 1024,
         ..ConnectOptions::default()
     };
-    let conn = Connection::connect(&addr.to_string(), &options)
-        .await
-        .expect("connect");
-    let call = Call {
-        service_entry_id: "t.Flow.sum".into(),
-        ..Default::default()
-    };
-    let s = match within("open", conn.open_stream(call, StreamMode::Client, None))
-        .await
-        .expect("open")
-    {
-        Opened::Accepted(s) => s,
-        Opened::Refused(r) => panic!("refused: {r:?}"),
-    };
+    let (conn, s) = open_sum(addr, &options).await;
     // 40 MiB at most: far beyond what the sockets' buffers take before the queue grows.
     let item = rpc::Bytes::from(vec![7u8; 1024]);
     for sent in 0..40 * 1024 {
@@ -456,6 +430,27 @@ async fn a_request_stream_waits_for_room_in_the_send_queue_whatever_credit_it_ha
     greedy_server.abort();
 }
 
+/// A new connection to `addr` and the client stream of `t.Flow.sum` opened on it.
+async fn open_sum(
+    addr: std::net::SocketAddr,
+    options: &ConnectOptions,
+) -> (Connection, ClientStream) {
+    let conn = Connection::connect(&addr.to_string(), options)
+        .await
+        .expect("connect");
+    let call = Call {
+        service_entry_id: "t.Flow.sum".into(),
+        ..Default::default()
+    };
+    match within("open", conn.open_stream(call, StreamMode::Client, None))
+        .await
+        .expect("open")
+    {
+        Opened::Accepted(s) => (conn, s),
+        Opened::Refused(r) => panic!("refused: {r:?}"),
+    }
+}
+
 /// Senders of one stream waiting for credit in two tasks (a `StreamSender` is cloned into
 /// them): the server's credit wakes both, not only the last to wait.
 #[tokio::test]
@@ -471,20 +466,7 @@ async fn credit_wakes_every_task_waiting_to_send_on_the_stream() {
         peer.grant(open.message_id, 1).await;
         std::future::pending::<()>().await;
     });
-    let conn = Connection::connect(&addr.to_string(), &ConnectOptions::default())
-        .await
-        .expect("connect");
-    let call = Call {
-        service_entry_id: "t.Flow.sum".into(),
-        ..Default::default()
-    };
-    let s = match within("open", conn.open_stream(call, StreamMode::Client, None))
-        .await
-        .expect("open")
-    {
-        Opened::Accepted(s) => s,
-        Opened::Refused(r) => panic!("refused: {r:?}"),
-    };
+    let (_conn, s) = open_sum(addr, &ConnectOptions::default()).await;
     let waiters: Vec<_> = (0..2)
         .map(|_| {
             let sender = s.sender();
