@@ -10,9 +10,10 @@
 //! below the client's own levels, as for a proxy), and transcodes the answer back
 //! (`serde_transcode`, so MessagePack binaries and integer map keys come out as JSON too).
 //!
-//! The arguments are a JSON array, one element per parameter in declaration order: published
-//! descriptors carry no parameter names, so a JSON object is not taken as named arguments and
-//! is refused (a method whose one parameter is a struct is called with `[{...}]`).
+//! The arguments are a JSON array, one element per parameter in declaration order; a JSON
+//! object is not taken as named arguments here and is refused (a method whose one parameter is
+//! a struct is called with `[{...}]`). Binding names to positions from what servers publish is
+//! the caller's (the HTTP gateway does).
 //!
 //! A call needs a `'static` descriptor (the client caches each entry's state by it): each entry
 //! id called this way is interned once per process, and only after some instance published it

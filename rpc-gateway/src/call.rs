@@ -53,18 +53,28 @@ const NOT_FORWARDED: [&str; 13] = [
 /// Prefixes of headers that are not forwarded (see the crate's documentation).
 const NOT_FORWARDED_PREFIXES: [&str; 4] = ["content-", "accept", "sec-", "rpc-"];
 
+/// Where the OpenAPI document is served (with the gateway's token, when it has one).
+const DOCUMENT_PATH: &str = "/openapi.json";
+
 pub(crate) fn router(gateway: Gateway) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
         .route("/docs", get(docs_page))
-        .route("/openapi.json", get(document))
+        .route(DOCUMENT_PATH, get(document))
         .method_not_allowed_fallback(get_only)
         .fallback(call)
         .with_state(gateway)
 }
 
-/// The answer to another method than GET (or HEAD) on one of the gateway's own routes.
-async fn get_only(request: Request) -> Response {
+/// The answer to another method than GET (or HEAD) on one of the gateway's own routes; on the
+/// document's route, the token is checked first, as for GET (an unauthenticated caller learns
+/// nothing but 401 there).
+async fn get_only(State(gateway): State<Gateway>, request: Request) -> Response {
+    if request.uri().path() == DOCUMENT_PATH {
+        if let Some(refused) = check_token(&gateway, request.headers()) {
+            return refused;
+        }
+    }
     let mut answer = refuse(
         StatusCode::METHOD_NOT_ALLOWED,
         format!(

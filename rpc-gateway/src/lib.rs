@@ -14,8 +14,8 @@
 //!
 //! Arguments: a parameter named in the path template comes from the path; with `GET`, `DELETE`
 //! and `HEAD` the others come from the query string (a value is read as JSON unless the
-//! parameter's schema is a string, or a string or null, then taken as it is; an empty value of a
-//! parameter that accepts null is null); with other methods they come from a JSON
+//! parameter's schema is a string, or a string or null, then taken as it is; an empty value of
+//! any other parameter that accepts null is null); with other methods they come from a JSON
 //! object in the body, whatever its content type (so `curl -d '{"text":"hi"}'` works). A body
 //! that is a JSON array is taken as positional arguments. The answer is the method's result as
 //! JSON, with status 200. A path is matched with its percent-encoded text decoded (a service

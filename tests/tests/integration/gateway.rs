@@ -561,6 +561,9 @@ async fn the_bearer_token_is_checked() {
     }
     let a = world.send("GET", "/openapi.json", &[], None).await;
     assert_eq!(a.status, 401);
+    // Another method on the document's route says nothing more.
+    let a = world.send("POST", "/openapi.json", &[], None).await;
+    assert_eq!(a.status, 401, "{}", a.body);
     // The scheme's name in any case (RFC 9110), the token exactly.
     for given in ["Bearer s3cret", "bearer s3cret", "BEARER s3cret"] {
         let a = world
@@ -651,8 +654,8 @@ async fn the_gateway_s_own_refusals_say_what_to_send() {
     assert_eq!(a.status, 200);
 }
 
-/// Query values of optional arguments: text for `Option<String>` whatever it looks like, an
-/// empty value or none at all is `null`.
+/// Query values of optional arguments: text for `Option<String>` whatever it looks like (an
+/// empty value too); an empty value of another optional argument, or none at all, is `null`.
 #[tokio::test]
 async fn optional_query_arguments_are_text_or_null_as_their_schemas_say() {
     let world = World::in_process(None).await;
