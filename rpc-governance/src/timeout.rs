@@ -134,9 +134,7 @@ pub fn timeout_error_for(
     d: Instant,
     options: &GovernanceOptions,
 ) -> RpcError {
-    let own = (options.timeout_ms > 0).then(|| started + Duration::from_millis(options.timeout_ms));
-    let from_caller = inherited().is_some() && own.is_none_or(|own| d < own);
-    if !from_caller {
+    if !is_callers(started, d, options) {
         return timeout_error(entry_id, started, d);
     }
     RpcError::new(
@@ -149,6 +147,13 @@ pub fn timeout_error_for(
             options.deadline_slack_ms
         ),
     )
+}
+
+/// Whether the deadline `d` of a call that started at `started` is the caller's: it came from
+/// the deadline inherited from the call being handled, not the entry's own `timeout_ms`.
+pub fn is_callers(started: Instant, d: Instant, options: &GovernanceOptions) -> bool {
+    let own = (options.timeout_ms > 0).then(|| started + Duration::from_millis(options.timeout_ms));
+    inherited().is_some() && own.is_none_or(|own| d < own)
 }
 
 /// The error of a call that started at `started` and ran out of its deadline `d`.

@@ -67,11 +67,13 @@ impl<S: Service> Service for CircuitBreakerLayer<S> {
             event(cx, t, None);
         }
         let result = self.inner.call(cx, req).await;
-        // A call dropped by adaptive throttling, or one that never had an endpoint to go to
+        // A call that ran out of its caller's time (see `CallCx::out_of_callers_time`), one
+        // dropped by adaptive throttling, or one that never had an endpoint to go to
         // (none known, or the deadline passed while finding them), or only endpoints that
         // cannot serve it (their servers do not stream; nothing sent), says nothing new about
         // the remote side: a local "no endpoint" must not close a half-open breaker.
         let local = cx.endpoint_held
+            || cx.out_of_callers_time
             || cx.throttled
             || cx.endpoint.is_none()
             || result

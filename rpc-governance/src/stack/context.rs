@@ -40,6 +40,14 @@ pub struct CallCx<'g> {
     pub(crate) endpoint_held: bool,
     /// The final failure was an attempt running out of `attempt_timeout_ms`.
     pub(crate) attempt_timed_out: bool,
+    /// The call's deadline is the caller's: what was left of the deadline inherited from the
+    /// call being handled, shorter than the entry's own `timeout_ms`.
+    pub(crate) deadline_is_callers: bool,
+    /// The final failure was the caller's deadline passing ([`deadline_is_callers`]): it says
+    /// nothing of the endpoint, and the breaker does not count it.
+    ///
+    /// [`deadline_is_callers`]: Self::deadline_is_callers
+    pub(crate) out_of_callers_time: bool,
     /// The last attempt was dropped locally by adaptive throttling (never sent).
     pub(crate) throttled: bool,
     /// Filled by the retry layer with the first attempt's endpoint, when the hedge layer
@@ -152,6 +160,8 @@ impl<'g> CallCx<'g> {
             connection: None,
             endpoint_held: false,
             attempt_timed_out: false,
+            deadline_is_callers: false,
+            out_of_callers_time: false,
             throttled: false,
             first_endpoint: None,
             hedge: false,

@@ -854,6 +854,40 @@ async fn a_sick_shard_is_ejected_and_the_healthy_shards_keys_keep_succeeding() {
     }
 }
 
+/// Calls that run out of the deadline inherited from the call they serve (5 ms left of it,
+/// where the entry allows 1 s and the endpoint answers in 20 ms) say nothing of the endpoint
+/// nor of the entry: none is held against an endpoint, the breaker stays closed, and a call
+/// given its own time then succeeds.
+#[tokio::test(start_paused = true)]
+async fn running_out_of_the_callers_time_is_no_fault_of_the_endpoint() {
+    let g = engine(GovernanceOptions {
+        retry_times: 0,
+        timeout_ms: 1000,
+        deadline_slack_ms: 0,
+        exceptions_allowed_before_breaking: 3,
+        ..Default::default()
+    });
+    let p = g.policy(&M);
+    let s = Script::new(vec![ok()], Duration::from_millis(20));
+    for i in 0..20 {
+        let left = Instant::now() + Duration::from_millis(5);
+        let r = crate::timeout::with_inherited(Some(left), g.execute(&p, &s)).await;
+        let e = r.expect_err("5 ms is too little");
+        assert_eq!(e.code(), StatusCode::Timeout, "call {i}: {e}");
+        assert!(e.message().contains("inherited"), "call {i}: {e}");
+    }
+    assert!(
+        s.endpoints.iter().all(|e| g.health().is_usable(e)),
+        "no endpoint is held to blame"
+    );
+    assert!(
+        matches!(p.breaker().state(), BreakerState::Closed { .. }),
+        "{:?}",
+        p.breaker().state()
+    );
+    assert!(g.execute(&p, &s).await.is_ok(), "with its own time");
+}
+
 #[tokio::test(start_paused = true)]
 async fn the_entry_breaker_still_opens_when_every_endpoint_fails() {
     let g = engine(GovernanceOptions {

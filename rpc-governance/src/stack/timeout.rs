@@ -34,6 +34,8 @@ impl<S: Service> Service for TimeoutLayer<S> {
         let deadline = timeout::deadline_from(started, &cx.options);
         cx.started = Some(started);
         cx.deadline = deadline;
+        cx.deadline_is_callers =
+            deadline.is_some_and(|d| timeout::is_callers(started, d, &cx.options));
         let result = self
             .inner
             .call(cx, req)
