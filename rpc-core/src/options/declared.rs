@@ -81,7 +81,7 @@ governance_options! {
         /// still answer A in time. Default 50 ms: a few round trips on a LAN plus a local
         /// fallback's work, and small against the default 5 s budget.
         deadline_slack_ms: u64 = 50, Client,
-            "kept from an inherited budget (at most a quarter of it) so the middle tier (its fallback, its error) still answers its caller in time. A fallback does not start once its caller's deadline has passed (event `fallback_skipped`).";
+            "kept from an inherited budget (at most a quarter of it) so the middle tier (its fallback, its error) still answers its caller in time. A fallback does not start once its caller's deadline has passed (event `fallback_skipped`). A call that runs out of its caller's deadline (shorter than its own `timeout_ms`) is held against neither its endpoint nor its breaker: the caller had too little time left.";
     }
     Retry {
         /// Attempts after the first one, on Overflow or an unreachable endpoint.
