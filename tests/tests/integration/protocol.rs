@@ -80,6 +80,16 @@ struct Setup {
     reg: InProcessRegistry,
 }
 
+/// A raw connection, past its handshake, with call `id` of `hold` (its MessagePack arguments
+/// `args`) running in the server's handler.
+async fn holding(s: &mut Setup, id: u64, args: &'static [u8]) -> RawConn {
+    let mut raw = RawConn::connect(s.server.local_addr()).await;
+    raw.handshake().await;
+    raw.send(invoke(id, "hold", args)).await.expect("send");
+    recv_one("hold entered", &mut s.entered).await;
+    raw
+}
+
 async fn setup() -> Setup {
     setup_with(Server::builder()).await
 }
@@ -192,13 +202,8 @@ async fn a_hand_built_client_speaks_the_protocol_from_the_proto_and_msgpack_alon
 #[tokio::test]
 async fn pipelined_calls_are_answered_out_of_order_by_message_id() {
     let mut s = setup().await;
-    let mut raw = RawConn::connect(s.server.local_addr()).await;
-    raw.handshake().await;
     // hold("s") first, echo("e") second, without waiting in between.
-    raw.send(invoke(10, "hold", &[0x91, 0xa1, b's']))
-        .await
-        .expect("send");
-    recv_one("hold entered", &mut s.entered).await;
+    let mut raw = holding(&mut s, 10, &[0x91, 0xa1, b's']).await;
     raw.send(invoke(11, "echo", &[0x91, 0xa1, b'e']))
         .await
         .expect("send");
@@ -215,12 +220,7 @@ async fn pipelined_calls_are_answered_out_of_order_by_message_id() {
 #[tokio::test]
 async fn cancel_drops_the_handler_and_no_answer_follows() {
     let mut s = setup().await;
-    let mut raw = RawConn::connect(s.server.local_addr()).await;
-    raw.handshake().await;
-    raw.send(invoke(5, "hold", &[0x91, 0xa1, b'c']))
-        .await
-        .expect("send");
-    recv_one("hold entered", &mut s.entered).await;
+    let mut raw = holding(&mut s, 5, &[0x91, 0xa1, b'c']).await;
     raw.send(Kind::Cancel(Cancel {
         message_id: 5,
         ..Default::default()
@@ -282,12 +282,7 @@ async fn a_slow_call_does_not_hold_up_others_on_the_same_client() {
 #[tokio::test]
 async fn a_draining_server_says_go_away_refuses_new_calls_and_finishes_old_ones() {
     let mut s = setup().await;
-    let mut raw = RawConn::connect(s.server.local_addr()).await;
-    raw.handshake().await;
-    raw.send(invoke(1, "hold", &[0x91, 0xa1, b'd']))
-        .await
-        .expect("send");
-    recv_one("hold entered", &mut s.entered).await;
+    let mut raw = holding(&mut s, 1, &[0x91, 0xa1, b'd']).await;
 
     let shutdown = tokio::spawn(s.server.shutdown());
     let g = raw.expect_go_away().await;
@@ -322,13 +317,8 @@ async fn calls_refused_before_an_entry_are_counted_by_why() {
     use common::otel::{counter, Meters};
     let meters = Meters::new();
     let mut s = setup_with(Server::builder().meter(meters.meter.clone())).await;
-    let mut raw = RawConn::connect(s.server.local_addr()).await;
-    raw.handshake().await;
     // Id 5 is in flight while the next call reuses it.
-    raw.send(invoke(5, "hold", &[0x91, 0xa1, b'h']))
-        .await
-        .expect("send");
-    recv_one("hold entered", &mut s.entered).await;
+    let mut raw = holding(&mut s, 5, &[0x91, 0xa1, b'h']).await;
     raw.send(invoke(5, "echo", &[0x91, 0xa1, b'x']))
         .await
         .expect("send");
