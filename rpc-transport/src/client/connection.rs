@@ -514,6 +514,14 @@ impl Connection {
             if shared.closed.load(Ordering::Acquire) {
                 return Err(comm_error(&shared.peer, "connection closed"));
             }
+            if backlog.is_stopped() {
+                // A write failed (or the connection closed): what is queued will never be
+                // written, and the reader may go on reading for a while yet.
+                return Err(comm_error(
+                    &shared.peer,
+                    "the call was not sent: the connection's writer stopped (a write failed)",
+                ));
+            }
             if !logged {
                 logged = true;
                 tracing::debug!(

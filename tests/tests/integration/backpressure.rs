@@ -13,8 +13,15 @@ use std::time::Duration;
 use bytes::BytesMut;
 use common::{recv_one, within, RawConn};
 use rpc::crates::core::wire::{frame::Kind, Ping};
-use rpc::crates::transport::{Call, ConnectOptions, Connection, ConnectionPool, FrameCodec};
+use rpc::crates::transport::{
+    Abortive, Call, ConnectOptions, Connection, ConnectionPool, Dialer, FrameCodec, PeerAddr,
+    Stream, TcpDialer,
+};
 use rpc::{Codec, StatusCode};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::Poll;
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 
@@ -414,4 +421,196 @@ async fn callers_to_an_endpoint_that_never_answers_share_one_connect_attempt() {
     let again = within("a later caller", pool.get(&addr.to_string())).await;
     assert!(again.is_err());
     assert_ne!(recv_one("a new attempt", &mut accepted).await, marker_port);
+}
+
+/// A call waiting for room in the send queue fails as soon as a write fails, though the
+/// connection's reader goes on (the server has not closed): nothing queued will be written
+/// any more, so no room will come, and waiting would hold the caller until its deadline.
+#[tokio::test]
+async fn a_call_waiting_for_room_fails_once_a_write_fails() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        let ack = rpc::crates::core::wire::HelloAck {
+            protocol_version: 1,
+            ..Default::default()
+        };
+        // Handshake, then hold the connection open without reading.
+        let _peer = RawConn::accept_with(&listener, ack).await;
+        std::future::pending::<()>().await;
+    });
+    let switch = Arc::new(WriteSwitch::default());
+    let dialer = SwitchedDialer(switch.clone());
+    let conn = Connection::connect_with(
+        &dialer,
+        &addr.to_string(),
+        &ConnectOptions {
+            max_unsent_bytes: 1024,
+            ..ConnectOptions::default()
+        },
+    )
+    .await
+    .expect("connect");
+    switch.set(WriteState::Stall);
+    let call = || Call {
+        service_entry_id: "t.Echo.echo".into(),
+        codec: Codec::MsgPack.to_wire(),
+        parameters: Codec::MsgPack.encode(&"x".repeat(4096)).expect("encode"),
+        ..Default::default()
+    };
+    // The first call's frame fills the queue (its write stalls); the second waits for room.
+    let deadline = Some(tokio::time::Instant::now() + Duration::from_secs(600));
+    let mut first = Box::pin(conn.call(call(), deadline));
+    assert!(
+        futures_util::poll!(&mut first).is_pending(),
+        "the first call is queued"
+    );
+    let mut second = Box::pin(conn.call(call(), deadline));
+    assert!(
+        futures_util::poll!(&mut second).is_pending(),
+        "the second call waits for room"
+    );
+    switch.set(WriteState::Fail);
+    let e = within("the waiting call", second)
+        .await
+        .expect_err("not sent: the writer stopped");
+    assert_eq!(e.code(), StatusCode::CommunicationError, "{e}");
+    assert!(
+        !e.is_maybe_delivered(),
+        "never written, so never delivered: {e}"
+    );
+}
+
+/// What the writer of a [`SwitchedDialer`]'s connections does.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum WriteState {
+    /// Writes go to the socket.
+    Pass,
+    /// Writes wait.
+    Stall,
+    /// Writes fail (`BrokenPipe`).
+    Fail,
+}
+
+/// The state of a [`SwitchedDialer`]'s writers and the waker of a stalled write.
+struct WriteSwitch(std::sync::Mutex<(WriteState, Option<std::task::Waker>)>);
+
+impl Default for WriteSwitch {
+    fn default() -> Self {
+        WriteSwitch(std::sync::Mutex::new((WriteState::Pass, None)))
+    }
+}
+
+impl WriteSwitch {
+    fn set(&self, state: WriteState) {
+        let mut s = self.0.lock().expect("switch");
+        s.0 = state;
+        if let Some(w) = s.1.take() {
+            w.wake();
+        }
+    }
+
+    /// `None`: pass the write on; else what the write returns.
+    fn poll(&self, cx: &mut std::task::Context<'_>) -> Option<Poll<std::io::Result<usize>>> {
+        let mut s = self.0.lock().expect("switch");
+        match s.0 {
+            WriteState::Pass => None,
+            WriteState::Stall => {
+                s.1 = Some(cx.waker().clone());
+                Some(Poll::Pending)
+            }
+            WriteState::Fail => Some(Poll::Ready(Err(std::io::ErrorKind::BrokenPipe.into()))),
+        }
+    }
+}
+
+/// Dials TCP; its connections' writers do what the switch says.
+struct SwitchedDialer(Arc<WriteSwitch>);
+
+impl Dialer for SwitchedDialer {
+    type Stream = Switched;
+
+    async fn dial(&self, addr: &str) -> std::io::Result<(Switched, PeerAddr)> {
+        let (stream, peer) = TcpDialer.dial(addr).await?;
+        Ok((Switched(stream, self.0.clone()), peer))
+    }
+}
+
+/// A TCP stream whose writing half obeys a [`WriteSwitch`].
+struct Switched(TcpStream, Arc<WriteSwitch>);
+
+/// The writing half of a [`Switched`] stream.
+struct SwitchedWriter(tokio::net::tcp::OwnedWriteHalf, Arc<WriteSwitch>);
+
+impl Stream for Switched {
+    type Reader = tokio::net::tcp::OwnedReadHalf;
+    type Writer = SwitchedWriter;
+
+    fn into_split(self) -> (Self::Reader, Self::Writer) {
+        let (rd, wr) = self.0.into_split();
+        (rd, SwitchedWriter(wr, self.1))
+    }
+}
+
+impl Abortive for SwitchedWriter {}
+
+impl AsyncWrite for SwitchedWriter {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        if let Some(p) = self.1.poll(cx) {
+            return p;
+        }
+        Pin::new(&mut self.0).poll_write(cx, buf)
+    }
+
+    fn poll_flush(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.0).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.0).poll_shutdown(cx)
+    }
+}
+
+impl AsyncRead for Switched {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.0).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Switched {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.0).poll_write(cx, buf)
+    }
+
+    fn poll_flush(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.0).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.0).poll_shutdown(cx)
+    }
 }
