@@ -53,17 +53,80 @@ struct State {
     generation: u64,
     /// The failure that last opened the breaker, quoted in the fail-fast error.
     last_cause: Option<String>,
-    /// Failure-ratio mode: outcomes per second over the sampling window.
-    window: VecDeque<Second>,
+    /// Failure-ratio mode: outcomes over the sampling window.
+    window: Window,
     epoch: Instant,
 }
 
-/// Outcomes of one second, for failure-ratio mode.
+/// The most buckets a failure-ratio window holds: a window of up to this many seconds counts
+/// its outcomes per second; a longer one (an hour, a day) in this many buckets of a few
+/// seconds or more each, so its memory and upkeep stay the same whatever its length.
+const MAX_BUCKETS: u64 = 60;
+
+/// Failure-ratio mode's sampling window: outcomes per bucket, and their sums.
+#[derive(Debug, Default)]
+struct Window {
+    buckets: VecDeque<Bucket>,
+    /// Seconds per bucket, fixed by the window's length (a rule that changes the length
+    /// starts the window over).
+    width: u64,
+    calls: u64,
+    failures: u64,
+}
+
+/// Outcomes of one bucket of a [`Window`].
 #[derive(Debug, Clone, Copy)]
-struct Second {
+struct Bucket {
+    /// Seconds since the breaker's epoch, divided by the window's width.
     at: u64,
-    calls: u32,
-    failures: u32,
+    calls: u64,
+    failures: u64,
+}
+
+impl Window {
+    fn clear(&mut self) {
+        self.buckets.clear();
+        self.calls = 0;
+        self.failures = 0;
+    }
+
+    /// Adds an outcome `secs` after the breaker's epoch to a window of `window_secs` and
+    /// returns the window's (calls, failures). The window holds the current bucket and the
+    /// whole ones before it up to its length: an outcome leaves it up to a bucket's width
+    /// early (one second for windows of up to a minute), never late.
+    fn sample(&mut self, failed: bool, secs: u64, window_secs: u64) -> (u64, u64) {
+        let window = window_secs.max(1);
+        let width = window.div_ceil(MAX_BUCKETS);
+        if width != self.width {
+            self.clear();
+            self.width = width;
+        }
+        let span = window.div_ceil(width);
+        let at = secs / width;
+        while let Some(old) = self.buckets.front().copied() {
+            if at.saturating_sub(old.at) < span {
+                break;
+            }
+            self.buckets.pop_front();
+            self.calls -= old.calls;
+            self.failures -= old.failures;
+        }
+        let failed = u64::from(failed);
+        match self.buckets.back_mut() {
+            Some(b) if b.at == at => {
+                b.calls += 1;
+                b.failures += failed;
+            }
+            _ => self.buckets.push_back(Bucket {
+                at,
+                calls: 1,
+                failures: failed,
+            }),
+        }
+        self.calls += 1;
+        self.failures += failed;
+        (self.calls, self.failures)
+    }
 }
 
 impl State {
@@ -76,29 +139,9 @@ impl State {
     }
 
     /// Adds an outcome to the sampling window and returns the window's (calls, failures).
-    fn sample(&mut self, failed: bool, now: Instant, window_secs: u64) -> (u32, u32) {
-        let at = now.duration_since(self.epoch).as_secs();
-        while self
-            .window
-            .front()
-            .is_some_and(|s| at.saturating_sub(s.at) >= window_secs.max(1))
-        {
-            self.window.pop_front();
-        }
-        match self.window.back_mut() {
-            Some(s) if s.at == at => {
-                s.calls += 1;
-                s.failures += u32::from(failed);
-            }
-            _ => self.window.push_back(Second {
-                at,
-                calls: 1,
-                failures: u32::from(failed),
-            }),
-        }
-        self.window
-            .iter()
-            .fold((0, 0), |(c, f), s| (c + s.calls, f + s.failures))
+    fn sample(&mut self, failed: bool, now: Instant, window_secs: u64) -> (u64, u64) {
+        let secs = now.duration_since(self.epoch).as_secs();
+        self.window.sample(failed, secs, window_secs)
     }
 }
 
@@ -225,7 +268,7 @@ impl Default for CircuitBreaker {
                 phase: Phase::Closed { failures: 0 },
                 generation: 0,
                 last_cause: None,
-                window: VecDeque::new(),
+                window: Window::default(),
                 epoch: Instant::now(),
             }),
             closed_gen: AtomicU64::new(0),
@@ -420,9 +463,9 @@ impl CircuitBreaker {
             if o.failure_ratio_percent > 0 {
                 let (calls, failures) =
                     s.sample(outcome == Outcome::Failure, now, o.sampling_window_seconds);
-                let over = u64::from(failures) * 100
-                    >= u64::from(o.failure_ratio_percent) * u64::from(calls);
-                if calls >= o.minimum_throughput.max(1) && over {
+                let over = u128::from(failures) * 100
+                    >= u128::from(o.failure_ratio_percent) * u128::from(calls);
+                if calls >= u64::from(o.minimum_throughput.max(1)) && over {
                     s.enter(Phase::Open {
                         until: now + break_duration(o),
                     });
@@ -698,5 +741,72 @@ mod tests {
         assert!(b.try_acquire("e", &o).is_err());
         b.reset();
         assert!(b.try_acquire("e", &o).is_ok());
+    }
+
+    /// A window of a day, sampled every second for over a day, keeps 60 buckets at most, and
+    /// what it counts is the outcomes of its last day, give or take one bucket's width (24
+    /// minutes): never more than the day holds, never a bucket's worth less.
+    #[test]
+    fn a_long_window_keeps_sixty_buckets_and_counts_its_own_length() {
+        let day = 86_400u64;
+        let width = day / 60;
+        let mut w = Window::default();
+        let mut failed_at = std::collections::VecDeque::new();
+        for secs in 0..(day + day / 2) {
+            let failed = secs % 7 == 0;
+            if failed {
+                failed_at.push_back(secs);
+            }
+            while failed_at.front().is_some_and(|&f| f + day <= secs) {
+                failed_at.pop_front();
+            }
+            let (calls, failures) = w.sample(failed, secs, day);
+            assert!(
+                w.buckets.len() <= 60,
+                "{} buckets at {secs} s",
+                w.buckets.len()
+            );
+            // One call a second: the last day holds min(secs + 1, day) calls.
+            let exact = (secs + 1).min(day);
+            assert!(
+                calls <= exact,
+                "{calls} calls counted at {secs} s, {exact} in the day"
+            );
+            assert!(calls + width >= exact, "{calls} calls counted at {secs} s");
+            let exact_failures = failed_at.len() as u64;
+            assert!(failures <= exact_failures && failures + width / 7 + 1 >= exact_failures);
+        }
+    }
+
+    /// The sums are wide enough for any number of calls (no wrap past 2^32).
+    #[test]
+    fn the_window_sums_go_past_u32() {
+        let mut w = Window::default();
+        w.sample(true, 0, 10);
+        let b = w.buckets.back_mut().expect("a bucket");
+        b.calls = u64::from(u32::MAX);
+        b.failures = u64::from(u32::MAX);
+        w.calls = u64::from(u32::MAX);
+        w.failures = u64::from(u32::MAX);
+        assert_eq!(w.sample(true, 1, 10), (1 << 32, 1 << 32));
+    }
+
+    /// A rule that changes the window's length starts it over (its buckets' widths differ).
+    #[test]
+    fn a_new_window_length_starts_the_window_over() {
+        let mut w = Window::default();
+        for secs in 0..30 {
+            w.sample(true, secs, 10);
+        }
+        assert_eq!(
+            w.sample(false, 30, 10).0,
+            10,
+            "ten seconds of one call each"
+        );
+        assert_eq!(
+            w.sample(false, 31, 3_600),
+            (1, 0),
+            "a window of an hour starts empty"
+        );
     }
 }
