@@ -2,7 +2,8 @@
 //! a choice. For an idempotent entry with `hedge_delay_ms` set, when the call has not answered
 //! after that delay a second attempt (the hedge) goes to another endpoint, the balancer's next
 //! candidate after the first attempt's; the first success wins and the other attempt is
-//! dropped, which makes the transport send Cancel so its server stops too.
+//! dropped, which makes the transport send Cancel so its server stops too. With no other
+//! endpoint (a service of one instance) no hedge is sent.
 //!
 //! The delay is fixed (`hedge_delay_ms`) or follows the entry's recent latency
 //! (`hedge_percentile`, [`crate::latency`]): hedging after the p95 sends about 5 % of calls a
@@ -147,6 +148,13 @@ impl<S: Service> HedgeLayer<S> {
         let primary = self.inner.call(cx, req.clone());
         let hedge = async {
             tokio::time::sleep_until(started + delay).await;
+            // Elsewhere than the first attempt: its endpoint counts as tried. With no other
+            // endpoint there is nowhere to hedge to: a second call to the slow one would add
+            // load where it hurts and race nothing.
+            hedge_cx.tried.extend(first.get().cloned());
+            if !self.inner.untried_left(&hedge_cx).await {
+                return None;
+            }
             if !hedge_cx.policy.budget.try_withdraw(&primary_options) {
                 hedge_cx.emit(
                     EventKind::BudgetExhausted,
@@ -156,8 +164,6 @@ impl<S: Service> HedgeLayer<S> {
                 );
                 return None;
             }
-            // Elsewhere than the first attempt: its endpoint counts as tried.
-            hedge_cx.tried.extend(first.get().cloned());
             sent.store(true, Ordering::Relaxed);
             hedge_cx.emit(EventKind::Hedge, first.get().map(|a| &**a), 1, Some(why));
             Some(self.inner.call(&mut hedge_cx, req).await)
@@ -190,8 +196,15 @@ impl<S: Service> HedgeLayer<S> {
                     learn(started.elapsed());
                     Ok(bytes)
                 }
-                // No hedge (budget spent), or it failed: the first attempt decides.
-                _ => live(primary.as_mut()).await,
+                // No hedge (no other endpoint, or the budget spent), or it failed: the first
+                // attempt decides, and its time is learnt as any first attempt's.
+                _ => {
+                    let result = live(primary.as_mut()).await;
+                    if result.is_ok() {
+                        learn(started.elapsed());
+                    }
+                    result
+                }
             },
         };
         if superseded.is_set() {

@@ -145,6 +145,14 @@ impl<B: Balance, S: Service> Service for RetryLayer<B, S> {
             }
         }
     }
+
+    /// Asks the balancer for the call's candidates (no endpoint known: none untried).
+    async fn untried_left(&self, cx: &CallCx<'_>) -> bool {
+        match self.balance.picker(cx).await {
+            Ok(picker) => picker.untried_left(cx),
+            Err(_) => false,
+        }
+    }
 }
 
 impl<B: Balance, S> RetryLayer<B, S> {

@@ -1511,6 +1511,23 @@ async fn a_hedge_carries_the_retry_depth_of_the_call_it_belongs_to() {
     }
 }
 
+/// A hedge is meant for another endpoint: a service of one instance gets none (a second call
+/// to the slow instance would race nothing and add load where it hurts).
+#[tokio::test(start_paused = true)]
+async fn no_hedge_when_the_entry_has_no_other_endpoint() {
+    let g = engine(hedged(50, true));
+    let e = Endpoints::new(&[("only:1", 100)]);
+    let mut events = g.events().subscribe();
+    let t0 = Instant::now();
+    let answer = g.execute(&g.policy(&M), &e).await.expect("answered");
+    assert_eq!(&answer[..], b"only:1");
+    assert_eq!(t0.elapsed(), Duration::from_millis(100));
+    assert_eq!(e.log(), [("only:1".to_string(), 0, Some(100))]);
+    while let Ok(event) = events.try_recv() {
+        assert_ne!(event.kind, EventKind::Hedge, "{event:?}");
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn no_hedge_when_the_first_attempt_answers_before_the_delay() {
     let g = engine(hedged(50, true));
