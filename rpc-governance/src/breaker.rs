@@ -67,8 +67,8 @@ const MAX_BUCKETS: u64 = 60;
 #[derive(Debug, Default)]
 struct Window {
     buckets: VecDeque<Bucket>,
-    /// Seconds per bucket, fixed by the window's length (a rule that changes the length
-    /// starts the window over).
+    /// Seconds per bucket, fixed by the window's length (a rule that changes the length so
+    /// that the width changes starts the window over).
     width: u64,
     calls: u64,
     failures: u64,
@@ -91,9 +91,9 @@ impl Window {
     }
 
     /// Adds an outcome `secs` after the breaker's epoch to a window of `window_secs` and
-    /// returns the window's (calls, failures). The window holds the current bucket and the
-    /// whole ones before it up to its length: an outcome leaves it up to a bucket's width
-    /// early (one second for windows of up to a minute), never late.
+    /// returns the window's (calls, failures). The window holds the current bucket and as
+    /// many before it as make up no more than its length: an outcome leaves it up to two
+    /// buckets' width early (one second for windows of up to a minute), never late.
     fn sample(&mut self, failed: bool, secs: u64, window_secs: u64) -> (u64, u64) {
         let window = window_secs.max(1);
         let width = window.div_ceil(MAX_BUCKETS);
@@ -101,7 +101,8 @@ impl Window {
             self.clear();
             self.width = width;
         }
-        let span = window.div_ceil(width);
+        // Whole buckets within the window: it never reaches back further than its length.
+        let span = (window / width).max(1);
         let at = secs / width;
         while let Some(old) = self.buckets.front().copied() {
             if at.saturating_sub(old.at) < span {
@@ -743,38 +744,46 @@ mod tests {
         assert!(b.try_acquire("e", &o).is_ok());
     }
 
-    /// A window of a day, sampled every second for over a day, keeps 60 buckets at most, and
-    /// what it counts is the outcomes of its last day, give or take one bucket's width (24
-    /// minutes): never more than the day holds, never a bucket's worth less.
+    /// Windows of a day, of an hour and a second, and of a minute and a second, sampled every
+    /// second for one and a half of their length, keep 60 buckets at most, and count the
+    /// outcomes of their own length: never one older, never two buckets' worth less.
     #[test]
     fn a_long_window_keeps_sixty_buckets_and_counts_its_own_length() {
-        let day = 86_400u64;
-        let width = day / 60;
-        let mut w = Window::default();
-        let mut failed_at = std::collections::VecDeque::new();
-        for secs in 0..(day + day / 2) {
-            let failed = secs % 7 == 0;
-            if failed {
-                failed_at.push_back(secs);
+        for window in [86_400u64, 3_601, 61] {
+            let width = window.div_ceil(60);
+            let mut w = Window::default();
+            let mut failed_at = std::collections::VecDeque::new();
+            for secs in 0..(window + window / 2) {
+                let failed = secs % 7 == 0;
+                if failed {
+                    failed_at.push_back(secs);
+                }
+                while failed_at.front().is_some_and(|&f| f + window <= secs) {
+                    failed_at.pop_front();
+                }
+                let (calls, failures) = w.sample(failed, secs, window);
+                assert!(
+                    w.buckets.len() <= 60,
+                    "{window}: {} buckets",
+                    w.buckets.len()
+                );
+                // One call a second: the window holds min(secs + 1, window) calls.
+                let exact = (secs + 1).min(window);
+                assert!(
+                    calls <= exact,
+                    "{window}: {calls} calls at {secs} s, {exact} held"
+                );
+                assert!(
+                    calls + 2 * width >= exact,
+                    "{window}: {calls} calls at {secs} s"
+                );
+                let exact_failures = failed_at.len() as u64;
+                assert!(
+                    failures <= exact_failures,
+                    "{window}: {failures} failures at {secs} s"
+                );
+                assert!(failures + 2 * width / 7 + 2 >= exact_failures);
             }
-            while failed_at.front().is_some_and(|&f| f + day <= secs) {
-                failed_at.pop_front();
-            }
-            let (calls, failures) = w.sample(failed, secs, day);
-            assert!(
-                w.buckets.len() <= 60,
-                "{} buckets at {secs} s",
-                w.buckets.len()
-            );
-            // One call a second: the last day holds min(secs + 1, day) calls.
-            let exact = (secs + 1).min(day);
-            assert!(
-                calls <= exact,
-                "{calls} calls counted at {secs} s, {exact} in the day"
-            );
-            assert!(calls + width >= exact, "{calls} calls counted at {secs} s");
-            let exact_failures = failed_at.len() as u64;
-            assert!(failures <= exact_failures && failures + width / 7 + 1 >= exact_failures);
         }
     }
 
