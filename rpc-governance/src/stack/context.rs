@@ -17,6 +17,9 @@ use crate::engine::{EntryPolicy, Governance};
 use crate::events::{EventBus, EventKind};
 use crate::health::EndpointHealth;
 
+/// See [`CallCx::hedge_gate`].
+pub(crate) type HedgeGate = Box<dyn FnOnce(&CallCx<'_>) -> bool + Send + Sync>;
+
 /// The context of one call, passed down through every layer of the stack.
 pub struct CallCx<'g> {
     pub(crate) engine: &'g Governance,
@@ -55,6 +58,9 @@ pub struct CallCx<'g> {
     pub(crate) first_endpoint: Option<Arc<std::sync::OnceLock<Arc<str>>>>,
     /// This context is a hedge's: one attempt, not a call of its own (no budget deposit).
     pub(crate) hedge: bool,
+    /// A hedge's last word before it is sent, given the hedge's context once the retry layer
+    /// found an endpoint the call has not tried: `false` sends nothing (see the hedge layer).
+    pub(crate) hedge_gate: Option<HedgeGate>,
     /// Shared by both attempts of a hedged call, set once one of them answered.
     pub(crate) superseded: Option<Superseded>,
     /// The endpoint of the last failed attempt.
@@ -165,6 +171,7 @@ impl<'g> CallCx<'g> {
             throttled: false,
             first_endpoint: None,
             hedge: false,
+            hedge_gate: None,
             superseded: None,
             last_failed: None,
             unable: Vec::new(),

@@ -144,28 +144,33 @@ impl<S: Service> HedgeLayer<S> {
             hedge_cx.retry_depth = depth;
         }
         let primary_options = cx.options.clone();
-        let sent = AtomicBool::new(false);
+        let sent = Arc::new(AtomicBool::new(false));
+        // Run by the retry layer once its picker has an endpoint the call has not tried (with
+        // none, no hedge: a second call to the slow endpoint would race nothing and add load
+        // where it hurts), so that the budget and the event count only hedges sent.
+        hedge_cx.hedge_gate = Some({
+            let (first, sent) = (first.clone(), sent.clone());
+            Box::new(move |hcx: &CallCx<'_>| {
+                if !hcx.policy.budget.try_withdraw(&primary_options) {
+                    hcx.emit(
+                        EventKind::BudgetExhausted,
+                        first.get().map(|a| &**a),
+                        1,
+                        Some("hedge not sent: the retry budget is spent".into()),
+                    );
+                    return false;
+                }
+                sent.store(true, Ordering::Relaxed);
+                hcx.emit(EventKind::Hedge, first.get().map(|a| &**a), 1, Some(why));
+                true
+            })
+        });
         let primary = self.inner.call(cx, req.clone());
         let hedge = async {
             tokio::time::sleep_until(started + delay).await;
-            // Elsewhere than the first attempt: its endpoint counts as tried. With no other
-            // endpoint there is nowhere to hedge to: a second call to the slow one would add
-            // load where it hurts and race nothing.
+            // Elsewhere than the first attempt: its endpoint counts as tried.
             hedge_cx.tried.extend(first.get().cloned());
-            if !self.inner.untried_left(&hedge_cx).await {
-                return None;
-            }
-            if !hedge_cx.policy.budget.try_withdraw(&primary_options) {
-                hedge_cx.emit(
-                    EventKind::BudgetExhausted,
-                    first.get().map(|a| &**a),
-                    1,
-                    Some("hedge not sent: the retry budget is spent".into()),
-                );
-                return None;
-            }
-            sent.store(true, Ordering::Relaxed);
-            hedge_cx.emit(EventKind::Hedge, first.get().map(|a| &**a), 1, Some(why));
+            // An error before any attempt when no hedge is sent: the first attempt decides.
             Some(self.inner.call(&mut hedge_cx, req).await)
         };
         // Each in an `Option`, so that the loser can be dropped here, inside `superseding`

@@ -72,15 +72,6 @@ pub trait Service: Send + Sync {
     fn enforces_attempt_deadline(&self) -> bool {
         false
     }
-
-    /// Whether another attempt of the call in `cx` could go to an endpoint it has not tried
-    /// ([`CallCx::tried`]): the hedge layer asks before it sends a hedge, which is meant for
-    /// another endpoint. The retry layer answers from its balancer; the default, `true`, is
-    /// for stages that do not know.
-    fn untried_left(&self, cx: &CallCx<'_>) -> impl Future<Output = bool> + Send {
-        let _ = cx;
-        std::future::ready(true)
-    }
 }
 
 impl<S: Service> Service for &S {
@@ -94,10 +85,6 @@ impl<S: Service> Service for &S {
 
     fn enforces_attempt_deadline(&self) -> bool {
         (**self).enforces_attempt_deadline()
-    }
-
-    fn untried_left(&self, cx: &CallCx<'_>) -> impl Future<Output = bool> + Send {
-        (**self).untried_left(cx)
     }
 }
 

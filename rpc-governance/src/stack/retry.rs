@@ -68,6 +68,16 @@ impl<B: Balance, S: Service> Service for RetryLayer<B, S> {
                 }
             }
         };
+        if let Some(gate) = cx.hedge_gate.take() {
+            // A hedge goes to an endpoint its call has not tried, or nowhere: decided on this
+            // picker (its routing group drawn), the one the hedge goes by.
+            if !picker.untried_left(cx) || !gate(cx) {
+                return Err(RpcError::new(
+                    StatusCode::CommunicationError,
+                    "no hedge sent: no other endpoint, or the retry budget is spent",
+                ));
+            }
+        }
         if !cx.hedge {
             cx.policy.budget.deposit_at(started);
         }
@@ -143,14 +153,6 @@ impl<B: Balance, S: Service> Service for RetryLayer<B, S> {
                 }
                 Err(e) => return Err(e),
             }
-        }
-    }
-
-    /// Asks the balancer for the call's candidates (no endpoint known: none untried).
-    async fn untried_left(&self, cx: &CallCx<'_>) -> bool {
-        match self.balance.picker(cx).await {
-            Ok(picker) => picker.untried_left(cx),
-            Err(_) => false,
         }
     }
 }

@@ -470,6 +470,19 @@ async fn a_call_waiting_for_room_fails_once_a_write_fails() {
         futures_util::poll!(&mut second).is_pending(),
         "the second call waits for room"
     );
+    // The writer's write of the first call stalls (bounded: the writer runs at the first
+    // scheduler round on this one-thread runtime).
+    for _ in 0..100 {
+        if switch.stalled() {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    assert!(switch.stalled(), "the writer is writing the first call");
+    assert!(
+        futures_util::poll!(&mut second).is_pending(),
+        "still no room"
+    );
     switch.set(WriteState::Fail);
     let e = within("the waiting call", second)
         .await
@@ -508,6 +521,11 @@ impl WriteSwitch {
         if let Some(w) = s.1.take() {
             w.wake();
         }
+    }
+
+    /// Whether a write waits on the switch.
+    fn stalled(&self) -> bool {
+        self.0.lock().expect("switch").1.is_some()
     }
 
     /// `None`: pass the write on; else what the write returns.
