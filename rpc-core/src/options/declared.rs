@@ -148,9 +148,9 @@ governance_options! {
         failure_ratio_percent: percent = 0, Client,
             "ratio mode (when set): opens when this share of the window's calls failed; 0 = consecutive mode";
         /// Failure-ratio mode: the window over which the ratio is computed, in seconds. It is
-        /// counted per second up to a minute, and in 60 buckets of `ceil(window / 60)` seconds
-        /// beyond, so a window of a day costs no more than one of a minute; an outcome leaves
-        /// the window up to two buckets' width early, never late.
+        /// counted per second up to a minute, and beyond in at most 60 buckets of
+        /// `ceil(window / 60)` seconds, so a window of a day costs no more than one of a
+        /// minute; an outcome leaves the window up to two buckets' width early, never late.
         sampling_window_seconds: u64 = 10, Client,
             "ratio mode: the window the share is computed over, in seconds";
         /// Failure-ratio mode: calls the window must hold before the ratio can open the breaker.

@@ -17,8 +17,14 @@ use crate::engine::{EntryPolicy, Governance};
 use crate::events::{EventBus, EventKind};
 use crate::health::EndpointHealth;
 
-/// See [`CallCx::hedge_gate`].
-pub(crate) type HedgeGate = Box<dyn FnOnce(&CallCx<'_>) -> bool + Send + Sync>;
+/// What the retry layer asks of a hedge before it is sent (see [`CallCx::hedge_gate`]).
+pub(crate) struct HedgeGate {
+    /// The first attempt's endpoint, once the first attempt has one: the hedge goes
+    /// elsewhere, and with none yet (the first attempt not sent) it is not sent either.
+    pub(crate) first: Arc<std::sync::OnceLock<Arc<str>>>,
+    /// The hedge layer's last word (the budget, the event): `false` sends nothing.
+    pub(crate) send: Box<dyn FnOnce(&CallCx<'_>) -> bool + Send + Sync>,
+}
 
 /// The context of one call, passed down through every layer of the stack.
 pub struct CallCx<'g> {
@@ -58,8 +64,8 @@ pub struct CallCx<'g> {
     pub(crate) first_endpoint: Option<Arc<std::sync::OnceLock<Arc<str>>>>,
     /// This context is a hedge's: one attempt, not a call of its own (no budget deposit).
     pub(crate) hedge: bool,
-    /// A hedge's last word before it is sent, given the hedge's context once the retry layer
-    /// found an endpoint the call has not tried: `false` sends nothing (see the hedge layer).
+    /// Set on a hedge's context by the hedge layer: the retry layer sends the hedge only to an
+    /// endpoint other than the first attempt's, and only if the gate agrees.
     pub(crate) hedge_gate: Option<HedgeGate>,
     /// Shared by both attempts of a hedged call, set once one of them answered.
     pub(crate) superseded: Option<Superseded>,

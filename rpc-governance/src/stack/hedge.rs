@@ -30,6 +30,7 @@ use rpc_core::{GovernanceOptions, RpcError};
 
 use tokio::time::Instant;
 
+use super::context::HedgeGate;
 use super::retry::retry_depth_mark;
 use super::{CallCx, Service, Superseded};
 use crate::events::EventKind;
@@ -43,7 +44,8 @@ pub struct HedgeLayer<S> {
 }
 
 impl<S> HedgeLayer<S> {
-    /// The layer over `inner` (the retry layer).
+    /// The layer over `inner`, which must be the retry layer: it sends the hedge, to an
+    /// endpoint the call has not tried, through the gate this layer gives it.
     pub fn new(inner: S) -> Self {
         HedgeLayer { inner }
     }
@@ -148,28 +150,29 @@ impl<S: Service> HedgeLayer<S> {
         // Run by the retry layer once its picker has an endpoint the call has not tried (with
         // none, no hedge: a second call to the slow endpoint would race nothing and add load
         // where it hurts), so that the budget and the event count only hedges sent.
-        hedge_cx.hedge_gate = Some({
-            let (first, sent) = (first.clone(), sent.clone());
-            Box::new(move |hcx: &CallCx<'_>| {
-                if !hcx.policy.budget.try_withdraw(&primary_options) {
-                    hcx.emit(
-                        EventKind::BudgetExhausted,
-                        first.get().map(|a| &**a),
-                        1,
-                        Some("hedge not sent: the retry budget is spent".into()),
-                    );
-                    return false;
+        hedge_cx.hedge_gate = Some(HedgeGate {
+            first: first.clone(),
+            send: Box::new({
+                let (first, sent) = (first.clone(), sent.clone());
+                move |hcx: &CallCx<'_>| {
+                    if !hcx.policy.budget.try_withdraw(&primary_options) {
+                        hcx.emit(
+                            EventKind::BudgetExhausted,
+                            first.get().map(|a| &**a),
+                            1,
+                            Some("hedge not sent: the retry budget is spent".into()),
+                        );
+                        return false;
+                    }
+                    sent.store(true, Ordering::Relaxed);
+                    hcx.emit(EventKind::Hedge, first.get().map(|a| &**a), 1, Some(why));
+                    true
                 }
-                sent.store(true, Ordering::Relaxed);
-                hcx.emit(EventKind::Hedge, first.get().map(|a| &**a), 1, Some(why));
-                true
-            })
+            }),
         });
         let primary = self.inner.call(cx, req.clone());
         let hedge = async {
             tokio::time::sleep_until(started + delay).await;
-            // Elsewhere than the first attempt: its endpoint counts as tried.
-            hedge_cx.tried.extend(first.get().cloned());
             // An error before any attempt when no hedge is sent: the first attempt decides.
             Some(self.inner.call(&mut hedge_cx, req).await)
         };

@@ -70,11 +70,19 @@ impl<B: Balance, S: Service> Service for RetryLayer<B, S> {
         };
         if let Some(gate) = cx.hedge_gate.take() {
             // A hedge goes to an endpoint its call has not tried, or nowhere: decided on this
-            // picker (its routing group drawn), the one the hedge goes by.
-            if !picker.untried_left(cx) || !gate(cx) {
+            // picker (its routing group drawn), the one the hedge goes by, with the first
+            // attempt's endpoint as it is now (it may have been picked while this one was).
+            let first = gate.first.get().cloned();
+            if let Some(first) = &first {
+                if !cx.tried.contains(first) {
+                    cx.tried.push(first.clone());
+                }
+            }
+            if first.is_none() || !picker.untried_left(cx) || !(gate.send)(cx) {
                 return Err(RpcError::new(
                     StatusCode::CommunicationError,
-                    "no hedge sent: no other endpoint, or the retry budget is spent",
+                    "no hedge sent: no other endpoint, the first attempt not sent yet, or the retry \
+                     budget spent",
                 ));
             }
         }

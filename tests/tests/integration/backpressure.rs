@@ -576,33 +576,30 @@ impl WriteSwitch {
 struct SwitchedDialer(Arc<WriteSwitch>);
 
 impl Dialer for SwitchedDialer {
-    type Stream = Switched;
+    type Stream = Switched<TcpStream>;
 
-    async fn dial(&self, addr: &str) -> std::io::Result<(Switched, PeerAddr)> {
+    async fn dial(&self, addr: &str) -> std::io::Result<(Switched<TcpStream>, PeerAddr)> {
         let (stream, peer) = TcpDialer.dial(addr).await?;
         Ok((Switched(stream, self.0.clone()), peer))
     }
 }
 
-/// A TCP stream whose writing half obeys a [`WriteSwitch`].
-struct Switched(TcpStream, Arc<WriteSwitch>);
+/// An I/O object whose writes obey a [`WriteSwitch`]: a TCP stream, then its writing half.
+struct Switched<T>(T, Arc<WriteSwitch>);
 
-/// The writing half of a [`Switched`] stream.
-struct SwitchedWriter(tokio::net::tcp::OwnedWriteHalf, Arc<WriteSwitch>);
-
-impl Stream for Switched {
+impl Stream for Switched<TcpStream> {
     type Reader = tokio::net::tcp::OwnedReadHalf;
-    type Writer = SwitchedWriter;
+    type Writer = Switched<tokio::net::tcp::OwnedWriteHalf>;
 
     fn into_split(self) -> (Self::Reader, Self::Writer) {
         let (rd, wr) = self.0.into_split();
-        (rd, SwitchedWriter(wr, self.1))
+        (rd, Switched(wr, self.1))
     }
 }
 
-impl Abortive for SwitchedWriter {}
+impl Abortive for Switched<tokio::net::tcp::OwnedWriteHalf> {}
 
-impl AsyncWrite for SwitchedWriter {
+impl<T: AsyncWrite + Unpin> AsyncWrite for Switched<T> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
@@ -629,36 +626,12 @@ impl AsyncWrite for SwitchedWriter {
     }
 }
 
-impl AsyncRead for Switched {
+impl AsyncRead for Switched<TcpStream> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
         buf: &mut tokio::io::ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
         Pin::new(&mut self.0).poll_read(cx, buf)
-    }
-}
-
-impl AsyncWrite for Switched {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        buf: &[u8],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.0).poll_write(cx, buf)
-    }
-
-    fn poll_flush(
-        mut self: Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.0).poll_flush(cx)
-    }
-
-    fn poll_shutdown(
-        mut self: Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.0).poll_shutdown(cx)
     }
 }
