@@ -1528,6 +1528,37 @@ async fn no_hedge_when_the_entry_has_no_other_endpoint() {
     }
 }
 
+/// Endpoints found only after a while (a registry's first answer): every picker waits `.1`.
+struct SlowToFind<B>(B, Duration);
+
+impl<B: Balance> Balance for SlowToFind<B> {
+    type Picker = B::Picker;
+    async fn picker(&self, cx: &CallCx<'_>) -> Result<Self::Picker, RpcError> {
+        tokio::time::sleep(self.1).await;
+        self.0.picker(cx).await
+    }
+}
+
+/// The hedge's delay may end before the first attempt has its endpoint (both wait for the
+/// endpoints): the hedge is aimed away from the first attempt's endpoint as it is when the
+/// hedge picks, so a service of one instance still gets no hedge.
+#[tokio::test(start_paused = true)]
+async fn no_hedge_to_the_first_attempts_endpoint_found_after_the_delay() {
+    let g = engine(hedged(50, true));
+    let e = Endpoints::new(&[("only:1", 1000)]);
+    let policy = g.policy(&M);
+    let mut cx = CallCx::new(&g, policy.clone(), policy.options());
+    let stack = governed(
+        SlowToFind(Scripted(&e), Duration::from_millis(100)),
+        Scripted(&e),
+    );
+    let answer = stack.call(&mut cx, Bytes::new()).await.expect("answered");
+    assert_eq!(&answer[..], b"only:1");
+    // Found at 100 ms, answered 1000 ms later; the hedge (delay over at 50 ms, its endpoints
+    // found at 150 ms) went nowhere.
+    assert_eq!(e.log(), [("only:1".to_string(), 100, Some(1100))]);
+}
+
 #[tokio::test(start_paused = true)]
 async fn no_hedge_when_the_first_attempt_answers_before_the_delay() {
     let g = engine(hedged(50, true));
