@@ -17,11 +17,15 @@ use crate::engine::{EntryPolicy, Governance};
 use crate::events::{EventBus, EventKind};
 use crate::health::EndpointHealth;
 
+/// The endpoints a hedged call's attempts were aimed at, in order (see
+/// [`CallCx::attempted`]).
+pub(crate) type Attempted = Arc<std::sync::Mutex<Vec<Arc<str>>>>;
+
 /// What the retry layer asks of a hedge before it is sent (see [`CallCx::hedge_gate`]).
 pub(crate) struct HedgeGate {
-    /// The first attempt's endpoint, once the first attempt has one: the hedge goes
-    /// elsewhere, and with none yet (the first attempt not sent) it is not sent either.
-    pub(crate) first: Arc<std::sync::OnceLock<Arc<str>>>,
+    /// The endpoints the call's own attempts were aimed at: the hedge goes elsewhere, and
+    /// with none yet (the first attempt still finding its endpoint) it is not sent either.
+    pub(crate) attempted: Attempted,
     /// The hedge layer's last word (the budget, the event): `false` sends nothing.
     pub(crate) send: Box<dyn FnOnce(&CallCx<'_>) -> bool + Send + Sync>,
 }
@@ -59,9 +63,9 @@ pub struct CallCx<'g> {
     pub(crate) out_of_callers_time: bool,
     /// The last attempt was dropped locally by adaptive throttling (never sent).
     pub(crate) throttled: bool,
-    /// Filled by the retry layer with the first attempt's endpoint, when the hedge layer
-    /// asks (it needs it to send its hedge elsewhere while the first attempt still runs).
-    pub(crate) first_endpoint: Option<Arc<std::sync::OnceLock<Arc<str>>>>,
+    /// Filled by the retry layer with each attempt's endpoint, when the hedge layer asks (it
+    /// needs them to send its hedge elsewhere while the call's attempts still run).
+    pub(crate) attempted: Option<Attempted>,
     /// This context is a hedge's: one attempt, not a call of its own (no budget deposit).
     pub(crate) hedge: bool,
     /// Set on a hedge's context by the hedge layer: the retry layer sends the hedge only to an
@@ -175,7 +179,7 @@ impl<'g> CallCx<'g> {
             deadline_is_callers: false,
             out_of_callers_time: false,
             throttled: false,
-            first_endpoint: None,
+            attempted: None,
             hedge: false,
             hedge_gate: None,
             superseded: None,

@@ -1,7 +1,7 @@
 //! Hedging as a layer: one slow answer in a hundred sets a call's p99, and waiting for it is
 //! a choice. For an idempotent entry with `hedge_delay_ms` set, when the call has not answered
 //! after that delay a second attempt (the hedge) goes to another endpoint, the balancer's next
-//! candidate after the first attempt's; the first success wins and the other attempt is
+//! candidate after those the call's attempts went to; the first success wins and the other attempt is
 //! dropped, which makes the transport send Cancel so its server stops too. With no other
 //! endpoint (a service of one instance) no hedge is sent.
 //!
@@ -22,7 +22,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -30,7 +30,7 @@ use rpc_core::{GovernanceOptions, RpcError};
 
 use tokio::time::Instant;
 
-use super::context::HedgeGate;
+use super::context::{Attempted, HedgeGate};
 use super::retry::retry_depth_mark;
 use super::{CallCx, Service, Superseded};
 use crate::events::EventKind;
@@ -128,8 +128,8 @@ impl<S: Service> HedgeLayer<S> {
             }
             return result;
         };
-        let first = Arc::new(OnceLock::new());
-        cx.first_endpoint = Some(first.clone());
+        let attempted = Attempted::default();
+        cx.attempted = Some(attempted.clone());
         let options = Arc::new(GovernanceOptions {
             retry_times: 0,
             ..(*cx.options).clone()
@@ -147,25 +147,31 @@ impl<S: Service> HedgeLayer<S> {
         }
         let primary_options = cx.options.clone();
         let sent = Arc::new(AtomicBool::new(false));
-        // Run by the retry layer once its picker has an endpoint the call has not tried (with
-        // none, no hedge: a second call to the slow endpoint would race nothing and add load
-        // where it hurts), so that the budget and the event count only hedges sent.
+        // Run by the retry layer once its picker has an endpoint the call's attempts were not
+        // aimed at (with none, no hedge: a second call to the slow endpoint would race nothing
+        // and add load where it hurts), so that the budget and the event count only hedges
+        // sent. The events name the call's latest endpoint.
         hedge_cx.hedge_gate = Some(HedgeGate {
-            first: first.clone(),
+            attempted: attempted.clone(),
             send: Box::new({
-                let (first, sent) = (first.clone(), sent.clone());
+                let (attempted, sent) = (attempted.clone(), sent.clone());
                 move |hcx: &CallCx<'_>| {
+                    let latest = attempted
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .last()
+                        .cloned();
                     if !hcx.policy.budget.try_withdraw(&primary_options) {
                         hcx.emit(
                             EventKind::BudgetExhausted,
-                            first.get().map(|a| &**a),
+                            latest.as_deref(),
                             1,
                             Some("hedge not sent: the retry budget is spent".into()),
                         );
                         return false;
                     }
                     sent.store(true, Ordering::Relaxed);
-                    hcx.emit(EventKind::Hedge, first.get().map(|a| &**a), 1, Some(why));
+                    hcx.emit(EventKind::Hedge, latest.as_deref(), 1, Some(why));
                     true
                 }
             }),
@@ -204,8 +210,9 @@ impl<S: Service> HedgeLayer<S> {
                     learn(started.elapsed());
                     Ok(bytes)
                 }
-                // No hedge (no other endpoint, or the budget spent), or it failed: the first
-                // attempt decides, and its time is learnt as any first attempt's.
+                // No hedge (no other endpoint, the first attempt still finding its own, or the
+                // budget spent), or it failed: the first attempt decides, and its time is
+                // learnt as any first attempt's.
                 _ => {
                     let result = live(primary.as_mut()).await;
                     if result.is_ok() {

@@ -15,6 +15,7 @@
 
 use std::future::Future;
 use std::sync::Arc;
+use std::sync::PoisonError;
 use std::task::Poll;
 use std::time::Duration;
 
@@ -70,15 +71,20 @@ impl<B: Balance, S: Service> Service for RetryLayer<B, S> {
         };
         if let Some(gate) = cx.hedge_gate.take() {
             // A hedge goes to an endpoint its call has not tried, or nowhere: decided on this
-            // picker (its routing group drawn), the one the hedge goes by, with the first
-            // attempt's endpoint as it is now (it may have been picked while this one was).
-            let first = gate.first.get().cloned();
-            if let Some(first) = &first {
-                if !cx.tried.contains(first) {
-                    cx.tried.push(first.clone());
+            // picker (its routing group drawn), the one the hedge goes by, with the endpoints
+            // of the call's attempts as they are now (the first may have been picked while
+            // this picker was, or failed over since).
+            let attempted = gate
+                .attempted
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone();
+            for addr in &attempted {
+                if !cx.tried.contains(addr) {
+                    cx.tried.push(addr.clone());
                 }
             }
-            if first.is_none() || !picker.untried_left(cx) || !(gate.send)(cx) {
+            if attempted.is_empty() || !picker.untried_left(cx) || !(gate.send)(cx) {
                 return Err(RpcError::new(
                     StatusCode::CommunicationError,
                     "no hedge sent: no other endpoint, the first attempt not sent yet, or the retry \
@@ -101,8 +107,11 @@ impl<B: Balance, S: Service> Service for RetryLayer<B, S> {
                     return Err(e);
                 }
             };
-            if let Some(slot) = &cx.first_endpoint {
-                let _ = slot.set(addr.clone());
+            if let Some(attempted) = &cx.attempted {
+                attempted
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .push(addr.clone());
             }
             // The first attempt starts when the call did, unless finding the endpoints or
             // work before the stack (`CallCx::with_started`) took time: its own deadline and

@@ -1417,6 +1417,12 @@ impl Attempts for &Endpoints {
             .map_or(Duration::ZERO, |(_, d)| *d);
         tokio::time::sleep(delay).await;
         finish.done = true;
+        if addr.starts_with("down:") {
+            return Err(RpcError::new(
+                StatusCode::CommunicationError,
+                "connect failed",
+            ));
+        }
         Ok(Bytes::from(addr.to_string()))
     }
     fn untried_left(&self, tried: &[String]) -> bool {
@@ -1528,6 +1534,21 @@ async fn no_hedge_when_the_entry_has_no_other_endpoint() {
     }
 }
 
+/// A call that failed over from a dead endpoint to a slow one hedges to neither: the hedge
+/// goes where none of the call's attempts went, and here there is no such endpoint.
+#[tokio::test(start_paused = true)]
+async fn a_hedge_avoids_every_endpoint_the_call_went_to() {
+    let g = engine(GovernanceOptions {
+        retry_times: 1,
+        ..hedged(50, true)
+    });
+    let e = Endpoints::new(&[("down:1", 0), ("slow:1", 1000)]);
+    let answer = g.execute(&g.policy(&M), &e).await.expect("answered");
+    assert_eq!(&answer[..], b"slow:1");
+    let went: Vec<String> = e.log().into_iter().map(|(addr, _, _)| addr).collect();
+    assert_eq!(went, ["down:1", "slow:1"], "no hedge: {:?}", e.log());
+}
+
 /// Endpoints found only after a while (a registry's first answer): every picker waits `.1`.
 struct SlowToFind<B>(B, Duration);
 
@@ -1557,6 +1578,22 @@ async fn no_hedge_to_the_first_attempts_endpoint_found_after_the_delay() {
     // Found at 100 ms, answered 1000 ms later; the hedge (delay over at 50 ms, its endpoints
     // found at 150 ms) went nowhere.
     assert_eq!(e.log(), [("only:1".to_string(), 100, Some(1100))]);
+    // With another endpoint the same hedge goes there once its endpoints are found.
+    let e = Endpoints::new(&[("slow:1", 1000), ("fast:1", 10)]);
+    let mut cx = CallCx::new(&g, policy.clone(), policy.options());
+    let stack = governed(
+        SlowToFind(Scripted(&e), Duration::from_millis(100)),
+        Scripted(&e),
+    );
+    let answer = stack.call(&mut cx, Bytes::new()).await.expect("answered");
+    assert_eq!(&answer[..], b"fast:1");
+    assert_eq!(
+        e.log(),
+        [
+            ("slow:1".to_string(), 100, None),
+            ("fast:1".to_string(), 150, Some(160))
+        ]
+    );
 }
 
 #[tokio::test(start_paused = true)]
