@@ -1645,6 +1645,40 @@ async fn no_hedge_once_the_retry_budget_is_spent() {
     assert_eq!(&answer[..], b"fast:1", "one hedge allowed by the budget");
 }
 
+/// A hedge refused for want of another endpoint draws nothing from the budget: after ten
+/// such calls (one hedge's worth deposited at 10 %), a call with another endpoint may hedge.
+#[tokio::test(start_paused = true)]
+async fn a_hedge_refused_for_want_of_an_endpoint_draws_no_budget() {
+    let g = engine(GovernanceOptions {
+        retry_budget_percent: 10,
+        retry_budget_min_per_second: 0,
+        ..hedged(50, true)
+    });
+    let only = Endpoints::new(&[("only:1", 100)]);
+    for _ in 0..10 {
+        g.execute(&g.policy(&M), &only).await.expect("answered");
+    }
+    assert_eq!(only.log().len(), 10, "no hedge: {:?}", only.log());
+    let e = Endpoints::new(&[("slow:1", 1000), ("fast:1", 10)]);
+    let answer = g.execute(&g.policy(&M), &e).await.expect("answered");
+    assert_eq!(&answer[..], b"fast:1", "the budget still holds one hedge");
+}
+
+/// When no hedge is sent, the caller gets the first attempt's own failure, not word of the
+/// hedge that was not sent.
+#[tokio::test(start_paused = true)]
+async fn with_no_hedge_sent_the_first_attempts_failure_is_the_answer() {
+    let g = engine(GovernanceOptions {
+        retry_times: 0,
+        ..hedged(50, true)
+    });
+    let e = Endpoints::new(&[("down:1", 100)]);
+    let err = g.execute(&g.policy(&M), &e).await.expect_err("failed");
+    assert_eq!(err.code(), StatusCode::CommunicationError);
+    assert!(err.message().contains("connect failed"), "{err}");
+    assert_eq!(e.log().len(), 1);
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_breaker_in_observe_mode_opens_and_reports_it_but_lets_calls_through() {
     let g = engine(GovernanceOptions {
