@@ -1617,15 +1617,26 @@ async fn no_hedge_for_an_entry_that_is_not_idempotent() {
     assert_eq!(e.log(), [("slow:1".to_string(), 0, Some(1000))]);
 }
 
+/// Hedges after 50 ms on a retry budget of 10 % of calls, with no per-second floor.
+fn hedged_on_a_tenth_budget() -> GovernanceOptions {
+    GovernanceOptions {
+        retry_budget_percent: 10,
+        retry_budget_min_per_second: 0,
+        ..hedged(50, true)
+    }
+}
+
+/// One call to a slow and a fast endpoint: `fast:1` when it hedged.
+async fn slow_or_fast(g: &Governance) -> Bytes {
+    let e = Endpoints::new(&[("slow:1", 1000), ("fast:1", 10)]);
+    g.execute(&g.policy(&M), &e).await.expect("answered")
+}
+
 #[tokio::test(start_paused = true)]
 async fn no_hedge_once_the_retry_budget_is_spent() {
     // 10 % of calls, no per-second floor: the first call has no budget, so no hedge; after
     // nine more calls, 10 deposited, one hedge is allowed.
-    let g = engine(GovernanceOptions {
-        retry_budget_percent: 10,
-        retry_budget_min_per_second: 0,
-        ..hedged(50, true)
-    });
+    let g = engine(hedged_on_a_tenth_budget());
     let e = Endpoints::new(&[("slow:1", 1000), ("fast:1", 10)]);
     let answer = g.execute(&g.policy(&M), &e).await.expect("answered");
     assert_eq!(
@@ -1640,28 +1651,28 @@ async fn no_hedge_once_the_retry_budget_is_spent() {
             .await
             .expect("answered");
     }
-    let e = Endpoints::new(&[("slow:1", 1000), ("fast:1", 10)]);
-    let answer = g.execute(&g.policy(&M), &e).await.expect("answered");
-    assert_eq!(&answer[..], b"fast:1", "one hedge allowed by the budget");
+    assert_eq!(
+        &slow_or_fast(&g).await[..],
+        b"fast:1",
+        "one hedge allowed by the budget"
+    );
 }
 
 /// A hedge refused for want of another endpoint draws nothing from the budget: after ten
 /// such calls (one hedge's worth deposited at 10 %), a call with another endpoint may hedge.
 #[tokio::test(start_paused = true)]
 async fn a_hedge_refused_for_want_of_an_endpoint_draws_no_budget() {
-    let g = engine(GovernanceOptions {
-        retry_budget_percent: 10,
-        retry_budget_min_per_second: 0,
-        ..hedged(50, true)
-    });
+    let g = engine(hedged_on_a_tenth_budget());
     let only = Endpoints::new(&[("only:1", 100)]);
     for _ in 0..10 {
         g.execute(&g.policy(&M), &only).await.expect("answered");
     }
     assert_eq!(only.log().len(), 10, "no hedge: {:?}", only.log());
-    let e = Endpoints::new(&[("slow:1", 1000), ("fast:1", 10)]);
-    let answer = g.execute(&g.policy(&M), &e).await.expect("answered");
-    assert_eq!(&answer[..], b"fast:1", "the budget still holds one hedge");
+    assert_eq!(
+        &slow_or_fast(&g).await[..],
+        b"fast:1",
+        "the budget still holds one hedge"
+    );
 }
 
 /// When no hedge is sent, the caller gets the first attempt's own failure, not word of the
