@@ -1563,29 +1563,29 @@ impl<B: Balance> Balance for SlowToFind<B> {
 /// The hedge's delay may end before the first attempt has its endpoint (both wait for the
 /// endpoints): the hedge is aimed away from the first attempt's endpoint as it is when the
 /// hedge picks, so a service of one instance still gets no hedge.
+/// One call to `e` whose endpoints are found after 100 ms.
+async fn found_after_100_ms(g: &Governance, e: &Endpoints) -> Bytes {
+    let policy = g.policy(&M);
+    let mut cx = CallCx::new(g, policy.clone(), policy.options());
+    let stack = governed(
+        SlowToFind(Scripted(e), Duration::from_millis(100)),
+        Scripted(e),
+    );
+    stack.call(&mut cx, Bytes::new()).await.expect("answered")
+}
+
 #[tokio::test(start_paused = true)]
 async fn no_hedge_to_the_first_attempts_endpoint_found_after_the_delay() {
     let g = engine(hedged(50, true));
     let e = Endpoints::new(&[("only:1", 1000)]);
-    let policy = g.policy(&M);
-    let mut cx = CallCx::new(&g, policy.clone(), policy.options());
-    let stack = governed(
-        SlowToFind(Scripted(&e), Duration::from_millis(100)),
-        Scripted(&e),
-    );
-    let answer = stack.call(&mut cx, Bytes::new()).await.expect("answered");
+    let answer = found_after_100_ms(&g, &e).await;
     assert_eq!(&answer[..], b"only:1");
     // Found at 100 ms, answered 1000 ms later; the hedge (delay over at 50 ms, its endpoints
     // found at 150 ms) went nowhere.
     assert_eq!(e.log(), [("only:1".to_string(), 100, Some(1100))]);
     // With another endpoint the same hedge goes there once its endpoints are found.
     let e = Endpoints::new(&[("slow:1", 1000), ("fast:1", 10)]);
-    let mut cx = CallCx::new(&g, policy.clone(), policy.options());
-    let stack = governed(
-        SlowToFind(Scripted(&e), Duration::from_millis(100)),
-        Scripted(&e),
-    );
-    let answer = stack.call(&mut cx, Bytes::new()).await.expect("answered");
+    let answer = found_after_100_ms(&g, &e).await;
     assert_eq!(&answer[..], b"fast:1");
     assert_eq!(
         e.log(),
