@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{within, LIMIT};
-use rpc::{Client, InProcessRegistry, Registry, RpcError, Server, StatusCode};
+use rpc::{Client, GovernanceOverrides, InProcessRegistry, Registry, RpcError, Server, StatusCode};
 use tests::signals::{Hold, HoldClient};
 
 #[rpc::service(name = "ergo.Echo")]
@@ -233,6 +233,16 @@ impl SignalServer {
     }
 }
 
+/// A client whose calls have no deadline: a held call then ends only as the test means it to
+/// (released, or dropped by the server's stop), however slow the machine. Under the default
+/// 5 s `timeout_ms` a loaded machine timed the held call out before the signals it waits for.
+fn untimed(client: &Client) -> Client {
+    client.with_options(GovernanceOverrides {
+        timeout_ms: Some(0),
+        ..GovernanceOverrides::NONE
+    })
+}
+
 impl Drop for SignalServer {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -253,7 +263,7 @@ async fn sigterm_deregisters_lets_the_call_in_flight_finish_and_exits_cleanly() 
     assert_eq!(endpoints[0].address, addr);
     let mut watch = client.watch(HoldClient::SERVICE_ID).await.unwrap();
 
-    let hold = HoldClient::new(client.clone());
+    let hold = HoldClient::new(untimed(&client));
     let call = tokio::spawn(async move { hold.hold(7).await });
     assert_eq!(server.line(), "held");
 
@@ -582,7 +592,7 @@ async fn a_second_signal_during_the_drain_stops_at_once() {
     let client = Client::builder()
         .shared_registry(Arc::new(rpc::StaticRegistry::new([addr.clone()])))
         .build();
-    let hold = HoldClient::new(client);
+    let hold = HoldClient::new(untimed(&client));
     let call = tokio::spawn(async move { hold.hold(7).await });
     assert_eq!(server.line(), "held");
     let pid = server.child.id().to_string();
