@@ -156,6 +156,8 @@ pub trait RuleTarget: Send + Sync + 'static {
 #[derive(Debug, Default)]
 pub struct RulesInForce {
     versions: Mutex<HashMap<RuleKind, i64>>,
+    /// How many kinds have had their first read: taken, refused, or found unreachable.
+    first_reads: watch::Sender<usize>,
 }
 
 impl RulesInForce {
@@ -166,6 +168,20 @@ impl RulesInForce {
             .unwrap_or_else(PoisonError::into_inner)
             .get(&kind)
             .copied()
+    }
+
+    /// Waits until [`follow`] has read every kind once: each document in the store then is
+    /// applied (or was refused), or the source could not be reached on the first try (the
+    /// rules are then applied whenever it answers). What a server awaits before it serves, so
+    /// that no call runs under the options the rules replace. Bounded by the source's own
+    /// request timeout.
+    pub async fn first_read(&self) {
+        let mut reads = self.first_reads.subscribe();
+        let _ = reads.wait_for(|n| *n >= RuleKind::ALL.len()).await;
+    }
+
+    fn read_once(&self) {
+        self.first_reads.send_modify(|n| *n += 1);
     }
 
     fn set(&self, kind: RuleKind, version: i64) {
@@ -208,10 +224,13 @@ async fn follow_kind<T: RuleTarget>(
     target: Weak<T>,
     in_force: Arc<RulesInForce>,
 ) {
+    let mut first = Some(ReadOnce(&in_force));
     let mut watch = loop {
         match source.watch_rules(kind).await {
             Ok(w) => break w,
             Err(e) => {
+                // Not reachable: nothing to wait for, the last good version is none.
+                first.take();
                 tracing::warn!(target: "rpc::rules", kind = kind.as_str(), "cannot follow the rules: {e}; trying again");
                 if target.strong_count() == 0 {
                     return;
@@ -243,10 +262,21 @@ async fn follow_kind<T: RuleTarget>(
                 }
             }
         }
+        first.take();
         drop(t);
         if watch.changed().await.is_err() {
             return;
         }
+    }
+}
+
+/// Counts a kind's first read in [`RulesInForce`] when dropped: when it ended, or when its
+/// follower was dropped before (a server given up while it starts waits no longer).
+struct ReadOnce<'a>(&'a RulesInForce);
+
+impl Drop for ReadOnce<'_> {
+    fn drop(&mut self) {
+        self.0.read_once();
     }
 }
 
@@ -364,18 +394,22 @@ mod tests {
         }
     }
 
-    /// A target following a source the test writes: the governance document's sender, the
-    /// target, the versions in force and the following task.
-    fn following() -> (
+    /// A target following a source the test writes, whose governance document is `stored`
+    /// when the following starts: the governance document's sender, the target, the versions
+    /// in force and the following task.
+    fn following_from(
+        stored: Option<RuleVersion>,
+    ) -> (
         watch::Sender<Option<RuleVersion>>,
         Arc<Applied>,
         Arc<RulesInForce>,
         tokio::task::JoinHandle<()>,
     ) {
-        let senders: HashMap<_, _> = RuleKind::ALL
+        let mut senders: HashMap<_, _> = RuleKind::ALL
             .into_iter()
             .map(|k| (k, watch::channel(None).0))
             .collect();
+        senders.insert(RuleKind::Governance, watch::channel(stored).0);
         let governance = senders[&RuleKind::Governance].clone();
         let source: Arc<dyn RuleSource> = Arc::new(Written(senders));
         let target = Arc::new(Applied {
@@ -385,6 +419,58 @@ mod tests {
         let in_force = Arc::new(RulesInForce::default());
         let task = tokio::spawn(follow(source, Arc::downgrade(&target), in_force.clone()));
         (governance, target, in_force, task)
+    }
+
+    /// A target following a source that holds no document yet.
+    fn following() -> (
+        watch::Sender<Option<RuleVersion>>,
+        Arc<Applied>,
+        Arc<RulesInForce>,
+        tokio::task::JoinHandle<()>,
+    ) {
+        following_from(None)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_first_read_ends_with_the_stored_document_applied() {
+        let stored = RuleVersion {
+            version: 4,
+            text: Arc::from("[defaults]\ntimeout_ms = 100\n"),
+        };
+        let (_governance, target, in_force, following) = following_from(Some(stored.clone()));
+        in_force.first_read().await;
+        assert_eq!(*target.texts.lock().unwrap(), [&*stored.text]);
+        assert_eq!(in_force.version(RuleKind::Governance), Some(4));
+        following.abort();
+    }
+
+    /// A source whose watches never open.
+    struct Unreachable;
+
+    impl RuleSource for Unreachable {
+        fn watch_rules(&self, _: RuleKind) -> BoxFuture<'_, Result<RuleWatch, RegistryError>> {
+            Box::pin(async { Err(RegistryError::Unavailable("refused".into())) })
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_first_read_ends_when_the_source_cannot_be_reached() {
+        let target = Arc::new(Applied {
+            texts: Mutex::new(Vec::new()),
+            events: EventBus::new(),
+        });
+        let in_force = Arc::new(RulesInForce::default());
+        let following = tokio::spawn(follow(
+            Arc::new(Unreachable),
+            Arc::downgrade(&target),
+            in_force.clone(),
+        ));
+        // Ended by the first failure, not after the pause before the next try.
+        tokio::time::timeout(REOPEN_AFTER, in_force.first_read())
+            .await
+            .expect("the first read ends with the first failure");
+        assert_eq!(in_force.version(RuleKind::Governance), None);
+        following.abort();
     }
 
     #[tokio::test(start_paused = true)]

@@ -444,6 +444,11 @@ impl ServerBuilder {
     /// limit, observe modes) from their next call, above their `#[governance]` attributes; an
     /// invalid one is refused (event `rule_rejected`, a warning) and the last good version
     /// stays in force. [`ServerHandle::rules_version`] says which version is in force.
+    ///
+    /// `serve` reads the rules before it serves the first call or publishes the instance, so
+    /// the version in the store is in force from the start. A source that cannot be reached
+    /// then (after its own request timeout) does not stop the server: it serves without the
+    /// rules, with a warning, and applies them once the source answers.
     pub fn rules(mut self, source: impl rpc_registry::RuleSource) -> Self {
         self.rules = Some(Arc::new(source));
         self
@@ -621,6 +626,12 @@ impl ServerBuilder {
                 self.events.clone(),
             )
         });
+        if let Some(rules) = &rules {
+            // The rules in the store are in force before the first call is read, and so
+            // before the instance is announced: calls would otherwise run under the options
+            // the rules replace (a cap, a rate limit) until the first read lands.
+            rules.in_force.first_read().await;
+        }
         let shutdown = CancellationToken::new();
         // Until the handle exists, nothing else can stop the server: should this future be
         // dropped (a timeout around a slow registration), it stops serving.

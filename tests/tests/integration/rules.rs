@@ -209,11 +209,22 @@ struct Fleet {
     server: rpc::ServerHandle,
     client: Client,
     ruled: RuledClient,
+    /// The version of the governance document stored before the server started.
+    stored: Option<i64>,
 }
 
 async fn fleet() -> Fleet {
+    fleet_after(None).await
+}
+
+/// A fleet whose etcd holds the governance document `stored` before the server starts.
+async fn fleet_after(stored: Option<&str>) -> Fleet {
     let etcd = Etcd::start().await;
     let rules = store(&etcd).await;
+    let mut stored_version = None;
+    if let Some(text) = stored {
+        stored_version = Some(rules.put(RuleKind::Governance, text).await.expect("put"));
+    }
     let (tx, entered) = mpsc::unbounded_channel();
     let handler = Arc::new(Handler {
         entered: tx,
@@ -247,6 +258,7 @@ async fn fleet() -> Fleet {
         server,
         client,
         ruled,
+        stored: stored_version,
     }
 }
 
@@ -311,6 +323,36 @@ async fn a_rule_in_etcd_switches_the_breaker_to_observe_and_back_and_a_bad_one_i
     let e = within("call", f.ruled.fail()).await.unwrap_err();
     assert_eq!(e.code(), StatusCode::ServerError, "{e}");
     assert_eq!(f.handler.failed.load(Ordering::SeqCst), 5);
+}
+
+/// A server reads the rules before it serves: its first calls, and any call a client makes
+/// once it finds the instance, run under them. Before, the rules landed some time after the
+/// instance was published, and the first calls ran under the cap they replace (50).
+#[tokio::test]
+async fn rules_stored_before_a_server_starts_are_in_force_from_its_first_call() {
+    let mut f = fleet_after(Some(
+        "[entries.\"t.Ruled.hold\"]\nmax_concurrent_handling_count = 1\n",
+    ))
+    .await;
+    // Nothing awaited since `serve` returned.
+    assert_eq!(f.server.rules_version(RuleKind::Governance), f.stored);
+    assert!(f.stored.is_some());
+    let first = common::until_entered(Box::pin(f.ruled.hold()), "hold", &mut f.entered).await;
+    let e = within("call", f.ruled.hold()).await.unwrap_err();
+    assert_eq!(e.code(), StatusCode::OverflowMaxServerHandle, "{e}");
+    f.handler.release.add_permits(1);
+    assert_eq!(within("first", first).await.unwrap(), "held");
+}
+
+/// A client's first call waits for the rules' first read: it runs under the document in
+/// the store (a 200 ms timeout here, where the client's own options set none). Before, it
+/// ran under the options the rules replace, and the held call never ended.
+#[tokio::test]
+async fn rules_stored_before_a_client_is_built_apply_to_its_first_call() {
+    let f = fleet_after(Some("[entries.\"t.Ruled.hold\"]\ntimeout_ms = 200\n")).await;
+    let e = within("call", f.ruled.hold()).await.unwrap_err();
+    assert_eq!(e.code(), StatusCode::Timeout, "{e}");
+    assert_eq!(f.client.rules_version(RuleKind::Governance), f.stored);
 }
 
 #[tokio::test]
