@@ -96,7 +96,7 @@ impl Default for AdaptiveOptions {
 }
 
 /// The measured state behind the limit.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Estimate {
     limit: f64,
     /// The shortest window average since the last probe, in seconds.
@@ -112,6 +112,19 @@ struct Estimate {
     window: (usize, f64, usize),
 }
 
+/// `options` made consistent: `min` at least 1, `max` at least `min`, `initial` between them,
+/// `tolerance` at least 1.
+fn bounded(options: AdaptiveOptions) -> AdaptiveOptions {
+    let min = options.min.max(1);
+    let max = options.max.max(min);
+    AdaptiveOptions {
+        min,
+        max,
+        initial: options.initial.clamp(min, max),
+        tolerance: options.tolerance.max(1.0),
+    }
+}
+
 /// A concurrency limit that adapts to measured latency; see the [module](self) documentation.
 #[derive(Debug, Clone)]
 pub struct AdaptiveLimit {
@@ -121,7 +134,9 @@ pub struct AdaptiveLimit {
 #[derive(Debug)]
 struct Inner {
     options: AdaptiveOptions,
-    in_flight: AtomicUsize,
+    /// Shared with the limiters this one was [`rebounded`](AdaptiveLimit::rebounded) from or
+    /// into: a slot returned to any of them leaves the count of all.
+    in_flight: Arc<AtomicUsize>,
     /// The current limit, rounded, read on every admission without the lock.
     limit: AtomicUsize,
     estimate: Mutex<Estimate>,
@@ -171,17 +186,11 @@ impl Drop for AdaptivePermit {
 impl AdaptiveLimit {
     /// A limiter starting at `options.initial`, within `[options.min, options.max]`.
     pub fn new(options: AdaptiveOptions) -> Self {
-        let min = options.min.max(1);
-        let options = AdaptiveOptions {
-            min,
-            max: options.max.max(min),
-            initial: options.initial.clamp(min, options.max.max(min)),
-            tolerance: options.tolerance.max(1.0),
-        };
+        let options = bounded(options);
         AdaptiveLimit {
             inner: Arc::new(Inner {
                 options,
-                in_flight: AtomicUsize::new(0),
+                in_flight: Arc::new(AtomicUsize::new(0)),
                 limit: AtomicUsize::new(options.initial),
                 estimate: Mutex::new(Estimate {
                     limit: options.initial as f64,
@@ -191,6 +200,32 @@ impl AdaptiveLimit {
                     probing: None,
                     window: (0, 0.0, 0),
                 }),
+            }),
+        }
+    }
+
+    /// A limiter under new bounds (a rules change of the entry's cap or minimum) that goes on
+    /// from this one: it counts the calls holding this one's slots until they end, and starts
+    /// from its limit (within the new bounds) and measurements. `options.initial` is not used.
+    /// A new limiter instead would start its count at 0 and admit a whole limit more beside
+    /// the calls already running.
+    pub fn rebounded(&self, options: AdaptiveOptions) -> Self {
+        let options = bounded(options);
+        let mut estimate = self.inner.lock().clone();
+        estimate.limit = estimate.limit.clamp(options.min as f64, options.max as f64);
+        if let Some((before, _)) = &mut estimate.probing {
+            *before = before.clamp(options.min as f64, options.max as f64);
+        }
+        let limit = estimate.limit.round() as usize;
+        AdaptiveLimit {
+            inner: Arc::new(Inner {
+                options: AdaptiveOptions {
+                    initial: limit,
+                    ..options
+                },
+                in_flight: self.inner.in_flight.clone(),
+                limit: AtomicUsize::new(limit),
+                estimate: Mutex::new(estimate),
             }),
         }
     }

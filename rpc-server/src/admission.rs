@@ -110,16 +110,41 @@ impl Gate {
 
     /// The adaptive limit of an entry under `cap` (its own, or the server's shared one),
     /// starting at the lesser of 20 and the cap's size, never below `min`.
+    #[cfg(test)]
     pub(crate) fn adaptive(cap: Bulkhead, min: usize) -> Gate {
+        Gate::adaptive_after(cap, min, None)
+    }
+
+    /// The adaptive limit of an entry under `cap`, going on from the entry's adaptive limit
+    /// `before` when it had one (a rules change): the calls holding its slots stay counted,
+    /// and its limit and measurements carry over within the new bounds. Without one it starts
+    /// at the lesser of 20 and the cap's size, never below `min`.
+    pub(crate) fn adaptive_after(
+        cap: Bulkhead,
+        min: usize,
+        before: Option<&AdaptiveLimit>,
+    ) -> Gate {
         let max = cap.size().max(1);
         let min = min.clamp(1, max);
-        let limit = AdaptiveLimit::new(AdaptiveOptions {
+        let options = AdaptiveOptions {
             initial: AdaptiveOptions::default().initial.clamp(min, max),
             min,
             max,
             ..AdaptiveOptions::default()
-        });
+        };
+        let limit = match before {
+            Some(before) => before.rebounded(options),
+            None => AdaptiveLimit::new(options),
+        };
         Gate::Adaptive(limit, cap)
+    }
+
+    /// The gate's adaptive limit, if it has one.
+    pub(crate) fn adaptive_limit(&self) -> Option<&AdaptiveLimit> {
+        match self {
+            Gate::Adaptive(limit, _) => Some(limit),
+            Gate::Cap(_) => None,
+        }
     }
 }
 

@@ -116,11 +116,11 @@ impl RuleTarget for Target {
                 continue;
             }
             let now = admission_of_entry.policy();
-            // The entry's own cap so far, whose calls a new own cap goes on counting.
-            let own = before
-                .is_some_and(|b| b.max_concurrent_handling_count.is_some())
-                .then(|| now.gate.bulkhead());
-            let mut policy = admission(&o, &self.shared, &self.defaults, own);
+            // The entry's gate so far, whose calls a new own cap (when it had one) and a new
+            // adaptive limit go on counting.
+            let own_cap = before.is_some_and(|b| b.max_concurrent_handling_count.is_some());
+            let mut policy =
+                admission(&o, &self.shared, &self.defaults, Some((&now.gate, own_cap)));
             if let Some(before) = before {
                 if limiter_inputs(before) == limiter_inputs(&o) {
                     policy.limiter = now.limiter.clone();
@@ -191,6 +191,16 @@ mod tests {
         a.admit("t.T.m", "caller", None, None)
     }
 
+    /// Asserts that a call is refused with Overflow (515), for the reason `why`.
+    fn refused_overflow(a: &Admission, why: &str) {
+        let e = admit(a).expect_err(why);
+        assert_eq!(
+            e.code(),
+            rpc_core::StatusCode::OverflowMaxServerHandle,
+            "{why}: {e}"
+        );
+    }
+
     /// A rules change keeps what it does not touch: a client option changes nothing, a rate
     /// limit change keeps the cap's slots, a compression change keeps the buckets; a new cap
     /// starts a new gate.
@@ -236,6 +246,48 @@ mod tests {
         assert_eq!(entry.load(), (0, 3));
     }
 
+    /// An adaptive limit rebuilt by a rules change (a new cap, a new minimum) goes on
+    /// counting the calls holding the old one's slots, until they end. Before, it started at
+    /// 0 and admitted a whole limit more beside them.
+    #[tokio::test(start_paused = true)]
+    async fn a_rebuilt_adaptive_limit_counts_the_calls_admitted_before_it() {
+        let (target, entry) = target();
+        let in_flight = |entry: &Admission| {
+            let policy = entry.policy();
+            let limit = policy.gate.adaptive_limit().expect("adaptive");
+            (limit.in_flight(), limit.limit())
+        };
+        apply(
+            &target,
+            1,
+            "[entries.\"t.T.m\"]\nmax_concurrent_handling_count = 4\nadaptive_concurrency = true\n",
+        );
+        let held: Vec<_> = (0..4).map(|_| admit(&entry).expect("a slot")).collect();
+        assert_eq!(in_flight(&entry), (4, 4));
+        // A higher cap: the four calls still hold slots of the limit, which starts where the
+        // old one was (4, its cap) and may grow from there as calls are measured.
+        apply(
+            &target,
+            2,
+            "[entries.\"t.T.m\"]\nmax_concurrent_handling_count = 30\nadaptive_concurrency = true\n",
+        );
+        assert_eq!(in_flight(&entry), (4, 4));
+        refused_overflow(&entry, "the limit of 4 is taken");
+        // A new minimum, over what runs: the limit rises to it, the count stays.
+        apply(
+            &target,
+            3,
+            "[entries.\"t.T.m\"]\nmax_concurrent_handling_count = 30\nadaptive_concurrency = true\n\
+             adaptive_min_limit = 6\n",
+        );
+        assert_eq!(in_flight(&entry), (4, 6));
+        let more = [admit(&entry).expect("five"), admit(&entry).expect("six")];
+        assert!(admit(&entry).is_err(), "six running, limit 6");
+        drop(held);
+        drop(more);
+        assert_eq!(in_flight(&entry), (0, 6));
+    }
+
     /// A rule that changes how an entry's own cap is enforced (adaptive on, a lower cap) keeps
     /// the calls holding it counted: the cap is never exceeded by a rules change.
     #[tokio::test(start_paused = true)]
@@ -253,12 +305,7 @@ mod tests {
             "[entries.\"t.T.m\"]\nmax_concurrent_handling_count = 2\n\
              adaptive_concurrency = true\n",
         );
-        let e = admit(&entry).expect_err("two calls hold the cap of 2");
-        assert_eq!(
-            e.code(),
-            rpc_core::StatusCode::OverflowMaxServerHandle,
-            "{e}"
-        );
+        refused_overflow(&entry, "two calls hold the cap of 2");
         // Lowered below what runs: nothing more until the calls end.
         apply(
             &target,

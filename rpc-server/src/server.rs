@@ -26,11 +26,15 @@ use crate::Service;
 /// An entry's admission from its overrides: its rate limits (when set above 0), then its own
 /// cap or the server's shared one, or an adaptive limit at most that cap (per entry: latency is
 /// the entry's own) when `adaptive_concurrency` is on for the entry or the server.
+///
+/// `before`: the entry's gate so far, on a rules change. A new own cap of an entry that had
+/// one goes on counting the calls holding the old one (`own_cap`: whether it had one), and a
+/// new adaptive limit the calls holding the old limit's slots.
 pub(crate) fn admission(
     o: &rpc_core::GovernanceOverrides,
     shared: &Bulkhead,
     server: &ServerDefaults,
-    own: Option<&Bulkhead>,
+    before: Option<(&Gate, bool)>,
 ) -> Policy {
     let d = rpc_core::GovernanceOptions::default();
     // The entry's own rate (and burst) if it sets one, else the server's.
@@ -63,15 +67,19 @@ pub(crate) fn admission(
     // An entry's own cap replacing its own cap (`own`, a rules change) keeps counting the
     // calls holding slots of the old one: a new cap starting from zero would admit a full cap
     // more beside them.
+    let own = before
+        .filter(|(_, own_cap)| *own_cap)
+        .map(|(g, _)| g.bulkhead());
     let cap = match (o.max_concurrent_handling_count, own) {
         (Some(n), Some(own)) => own.resized(n as usize),
         (Some(n), None) => Bulkhead::new(n as usize),
         (None, _) => shared.clone(),
     };
     let gate = if o.adaptive_concurrency.unwrap_or(server.adaptive) {
-        Gate::adaptive(
+        Gate::adaptive_after(
             cap,
             o.adaptive_min_limit.unwrap_or(d.adaptive_min_limit) as usize,
+            before.and_then(|(g, _)| g.adaptive_limit()),
         )
     } else {
         Gate::Cap(cap)
