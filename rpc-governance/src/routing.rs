@@ -369,6 +369,20 @@ impl Route {
     }
 }
 
+/// The group a routing rule drew for one call: a hedge of the call goes to the same group as
+/// its first attempt, rather than drawing again (see [`CallCx::route_drawn`]).
+///
+/// [`CallCx::route_drawn`]: crate::stack::CallCx::route_drawn
+#[derive(Debug, Clone)]
+pub struct RouteDrawn {
+    /// The rules in force when the group was drawn (the indexes point into them).
+    pub rules: std::sync::Arc<RoutingRules>,
+    /// The index of the rule that matched, in `rules.routes`.
+    pub route: usize,
+    /// The index of the group drawn, in the rule's `to`.
+    pub target: usize,
+}
+
 /// `version=canary,zone=a` (or `(any)` for no tags): how spans and errors show a group.
 pub fn tags_text(tags: &BTreeMap<String, String>) -> String {
     if tags.is_empty() {

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use arc_swap::ArcSwap;
 use rpc_core::{RpcContext, RpcError};
 use rpc_governance::health::EndpointHealth;
-use rpc_governance::routing::{has_tags, tags_text, Fallback, Route, RoutingRules};
+use rpc_governance::routing::{has_tags, tags_text, Fallback, Route, RouteDrawn, RoutingRules};
 use rpc_governance::stack::CallCx;
 use rpc_registry::Endpoints;
 
@@ -71,25 +71,40 @@ impl Router {
     ) -> Result<Option<Choice>, RpcError> {
         // One copy for the whole choice: the indexes the choice keeps point into it, whatever
         // document a concurrent update puts in force meanwhile.
-        let rules = self.rules.load_full();
-        if rules.is_empty() {
-            return Ok(None);
-        }
         let method = cx.method();
-        // The call's attachments: those layers added, over those of the current context.
-        let attachment_is = |key: &str, value: &str| match cx.attachments().get(key) {
-            Some(a) => a == value,
-            None => RpcContext::with_current(|m| m.get(key).is_some_and(|a| a == value)),
+        // A hedge goes to the group its call's first attempt drew (or the other way round):
+        // drawing again would let one call be served by two groups of a weighted split.
+        let (rules, index, target) = match cx.route_drawn() {
+            Some(d) => (d.rules.clone(), d.route, d.target),
+            None => {
+                let rules = self.rules.load_full();
+                if rules.is_empty() {
+                    return Ok(None);
+                }
+                // The call's attachments: those layers added, over those of the current
+                // context.
+                let attachment_is = |key: &str, value: &str| match cx.attachments().get(key) {
+                    Some(a) => a == value,
+                    None => RpcContext::with_current(|m| m.get(key).is_some_and(|a| a == value)),
+                };
+                let Some((index, route)) =
+                    rules.route_matching(method.service_id, method.entry_id, attachment_is)
+                else {
+                    return Ok(None);
+                };
+                let target = match route.total_weight() {
+                    0 | 1 => 0,
+                    total => route.target_for(rand::random_range(0..total)),
+                };
+                cx.keep_route_drawn(RouteDrawn {
+                    rules: rules.clone(),
+                    route: index,
+                    target,
+                });
+                (rules, index, target)
+            }
         };
-        let Some((index, route)) =
-            rules.route_matching(method.service_id, method.entry_id, attachment_is)
-        else {
-            return Ok(None);
-        };
-        let target = match route.total_weight() {
-            0 | 1 => 0,
-            total => route.target_for(rand::random_range(0..total)),
-        };
+        let route = &rules.routes[index];
         let eps = service.endpoints();
         let health = cx.health();
         let live = live_members(&eps, route, target, health);
@@ -97,7 +112,7 @@ impl Router {
             match route.fallback {
                 Fallback::Fail => {
                     let why = no_live_why(&eps, route, target, method.service_id);
-                    record(route, target, Some("fail"));
+                    record(route, target, Some("fail"), cx.is_hedge());
                     return Err(route.no_live_instance(target, method.entry_id, &why));
                 }
                 Fallback::Any => true,
@@ -105,7 +120,7 @@ impl Router {
         } else {
             false
         };
-        record(route, target, fell_back.then_some("any"));
+        record(route, target, fell_back.then_some("any"), cx.is_hedge());
         Ok(Some(Choice {
             rules: rules.clone(),
             route: index,
@@ -137,20 +152,24 @@ fn no_live_why(eps: &Endpoints, route: &Route, target: usize, service_id: &str) 
     }
 }
 
-/// Records the rule's choice on the current span and as a debug event.
-fn record(route: &Route, target: usize, fallback: Option<&str>) {
+/// Records the rule's choice on the current span (the call's, unless for a `hedge`: the call's
+/// first attempt records its own) and as a debug event.
+fn record(route: &Route, target: usize, fallback: Option<&str>, hedge: bool) {
     let group = tags_text(&route.to[target].tags);
-    let span = tracing::Span::current();
-    span.record("rpc.route", route.name.as_str());
-    span.record("rpc.route.group", group.as_str());
-    if let Some(f) = fallback {
-        span.record("rpc.route.fallback", f);
+    if !hedge {
+        let span = tracing::Span::current();
+        span.record("rpc.route", route.name.as_str());
+        span.record("rpc.route.group", group.as_str());
+        if let Some(f) = fallback {
+            span.record("rpc.route.fallback", f);
+        }
     }
     tracing::debug!(
         target: "rpc::routing",
         rule = route.name.as_str(),
         group = group.as_str(),
         fallback = fallback.unwrap_or(""),
+        hedge,
         "routing rule chose the call's instances"
     );
 }

@@ -16,6 +16,7 @@ use tokio::time::Instant;
 use crate::engine::{EntryPolicy, Governance};
 use crate::events::{EventBus, EventKind};
 use crate::health::EndpointHealth;
+use crate::routing::RouteDrawn;
 
 /// The endpoints a hedged call's attempts were aimed at, in order (see
 /// [`CallCx::attempted`]).
@@ -73,6 +74,9 @@ pub struct CallCx<'g> {
     pub(crate) hedge_gate: Option<HedgeGate>,
     /// Shared by both attempts of a hedged call, set once one of them answered.
     pub(crate) superseded: Option<Superseded>,
+    /// Shared by both attempts of a hedged call: the routing group the first of them to pick
+    /// an endpoint drew, which the other follows.
+    pub(crate) route_drawn: Option<Arc<std::sync::OnceLock<RouteDrawn>>>,
     /// The endpoint of the last failed attempt.
     pub(crate) last_failed: Option<Arc<str>>,
     /// Endpoints this call found unable to serve it (their servers do not stream): never
@@ -182,6 +186,7 @@ impl<'g> CallCx<'g> {
             attempted: None,
             hedge: false,
             hedge_gate: None,
+            route_drawn: None,
             superseded: None,
             last_failed: None,
             unable: Vec::new(),
@@ -236,6 +241,28 @@ impl<'g> CallCx<'g> {
         cx.attempt = 1;
         cx.tried.extend(avoid);
         cx
+    }
+
+    /// Whether this context is a hedge's: a second attempt of a call, sent while its first
+    /// still runs. What it decides is not the call's (its picker records no routing choice
+    /// on the call's span).
+    pub fn is_hedge(&self) -> bool {
+        self.hedge
+    }
+
+    /// The routing group drawn for this call by its other attempt, when the call is hedged
+    /// and that attempt drew first: the picker then takes the same group, so that a call is
+    /// served by one group whichever attempt answers.
+    pub fn route_drawn(&self) -> Option<&RouteDrawn> {
+        self.route_drawn.as_ref().and_then(|d| d.get())
+    }
+
+    /// Keeps `drawn` for the call's other attempt, when the call is hedged (otherwise nothing
+    /// is kept: a call's attempts share one picker). The first group kept stays.
+    pub fn keep_route_drawn(&self, drawn: RouteDrawn) {
+        if let Some(d) = &self.route_drawn {
+            let _ = d.set(drawn);
+        }
     }
 
     /// For an attempt of a hedged call: set once the call's other attempt answered, before

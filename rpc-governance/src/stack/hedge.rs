@@ -1,7 +1,8 @@
 //! Hedging as a layer: one slow answer in a hundred sets a call's p99, and waiting for it is
 //! a choice. For an idempotent entry with `hedge_delay_ms` set, when the call has not answered
 //! after that delay a second attempt (the hedge) goes to another endpoint, the balancer's next
-//! candidate after those the call's attempts went to; the first success wins and the other attempt is
+//! candidate after those the call's attempts went to, in the routing group the call drew (one
+//! call, one group); the first success wins and the other attempt is
 //! dropped, which makes the transport send Cancel so its server stops too. With no other
 //! endpoint (a service of one instance) no hedge is sent.
 //!
@@ -140,6 +141,10 @@ impl<S: Service> HedgeLayer<S> {
         cx.superseded = Some(superseded.clone());
         let mut hedge_cx = cx.fork_hedge(options, None);
         hedge_cx.superseded = Some(superseded.clone());
+        // One routing group for the call, whichever attempt draws it first.
+        let route_drawn = Arc::new(std::sync::OnceLock::new());
+        cx.route_drawn = Some(route_drawn.clone());
+        hedge_cx.route_drawn = Some(route_drawn);
         // The hedge is an attempt of the same call: it carries the call's retry depth (its own
         // options, one attempt, would not).
         if let (_, Some(depth)) = retry_depth_mark(&cx.options) {

@@ -7,11 +7,12 @@
 use crate::common;
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use common::{recv_one, within, DropSignal};
 use rpc::{
-    Client, EventKind, GovernanceOverrides, InProcessRegistry, RpcError, Server, StaticRegistry,
+    Client, EventKind, GovernanceOverrides, InProcessRegistry, RoutingRules, RpcContext, RpcError,
+    Server, StaticRegistry,
 };
 use tokio::sync::mpsc;
 
@@ -26,11 +27,16 @@ struct Node {
     stuck: bool,
     calls: Arc<AtomicU64>,
     dropped: mpsc::UnboundedSender<String>,
+    /// The `call` attachment of each call the node saw, when the calls carry one.
+    seen: Arc<Mutex<Vec<String>>>,
 }
 
 impl Hedged for Node {
     async fn who(&self) -> Result<String, RpcError> {
         self.calls.fetch_add(1, Ordering::SeqCst);
+        if let Some(call) = RpcContext::get("call") {
+            self.seen.lock().unwrap().push(call);
+        }
         if self.stuck {
             let _signal = DropSignal::new(self.name, self.dropped.clone());
             std::future::pending::<()>().await;
@@ -58,6 +64,7 @@ async fn a_hedge_answers_for_a_stuck_server_and_the_stuck_server_is_cancelled() 
                     stuck,
                     calls: n,
                     dropped: dropped_tx.clone(),
+                    seen: Arc::default(),
                 }))
                 .serve("127.0.0.1:0")
                 .await
@@ -126,6 +133,7 @@ async fn under_hedge_percentile_calls_are_hedged_once_the_entry_has_a_latency_re
             stuck,
             calls: calls.clone(),
             dropped: dropped_tx.clone(),
+            seen: Arc::default(),
         })
     };
     let quick = Server::builder()
@@ -208,4 +216,88 @@ async fn under_hedge_percentile_calls_are_hedged_once_the_entry_has_a_latency_re
     drop(client);
     within("shutdown", quick.shutdown()).await;
     within("shutdown", stuck.shutdown()).await;
+}
+
+/// Under a weighted routing rule, a hedge goes to the group its call's first attempt drew:
+/// one call is served by one group. Each group has a stuck and a quick instance; a call whose
+/// first attempt is stuck is answered by its own group's quick instance. Before, the hedge
+/// drew a group of its own: half the hedges went to the other group, where its stuck
+/// instance held some calls past the test's limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hedge_goes_to_the_routing_group_its_call_drew() {
+    let (_traces, _traced) = common::otel::Traces::install();
+    let (dropped_tx, _dropped) = mpsc::unbounded_channel();
+    let registry = InProcessRegistry::new();
+    let mut servers = Vec::new();
+    let mut seen = Vec::new();
+    for (name, group, stuck) in [
+        ("stuck-a", "a", true),
+        ("quick-a", "a", false),
+        ("stuck-b", "b", true),
+        ("quick-b", "b", false),
+    ] {
+        let saw = Arc::new(Mutex::new(Vec::new()));
+        seen.push((group, saw.clone()));
+        servers.push(
+            Server::builder()
+                .registry(registry.clone())
+                .metadata("group", group)
+                .add_service(HedgedServer::new(Node {
+                    name,
+                    stuck,
+                    calls: Arc::default(),
+                    dropped: dropped_tx.clone(),
+                    seen: saw,
+                }))
+                .serve("127.0.0.1:0")
+                .await
+                .expect("serve"),
+        );
+    }
+    let rules = RoutingRules::from_toml(
+        "[[routes]]\nname = \"halves\"\nservice = \"t.Hedge\"\n\
+         to = [ { tags = { group = \"a\" } }, { tags = { group = \"b\" } } ]\n",
+    )
+    .expect("valid rules");
+    let client = HedgedClient::new(
+        Client::builder()
+            .registry(registry.clone())
+            .routing_rules(rules)
+            .expect("valid rules")
+            .override_options(
+                HedgedClient::SERVICE_ID,
+                GovernanceOverrides {
+                    hedge_delay_ms: Some(20),
+                    idempotent: Some(true),
+                    timeout_ms: Some(60_000),
+                    ..GovernanceOverrides::NONE
+                },
+            )
+            .build(),
+    );
+    for i in 0..16 {
+        let call = RpcContext::with_attachment("call", i.to_string(), client.who());
+        let who = within("a hedged call", call).await.expect("answered");
+        let group = who
+            .strip_prefix("quick-")
+            .expect("answered by a quick instance");
+        // Every instance that saw the call is of the group that answered it.
+        for (of, saw) in &seen {
+            if saw.lock().unwrap().contains(&i.to_string()) {
+                assert_eq!(
+                    *of, group,
+                    "call {i} reached group {of} and was answered by {who}"
+                );
+            }
+        }
+    }
+    let stuck: usize = [&seen[0].1, &seen[2].1]
+        .iter()
+        .map(|s| s.lock().unwrap().len())
+        .sum();
+    assert!(
+        stuck > 0,
+        "no call started on a stuck instance: nothing was hedged"
+    );
+    drop(servers);
 }
