@@ -577,6 +577,50 @@ async fn a_detour_that_uses_up_the_attempts_ends_with_the_failure_before_it() {
     assert_eq!(err.tried(), ["a:1", "b:1"]);
 }
 
+/// A fallback answering for a call whose retry was a detour names the endpoint whose failure
+/// it answers for, not the detour's, which could not serve the call and was sent nothing.
+#[tokio::test(start_paused = true)]
+async fn a_fallback_after_a_detour_names_the_endpoint_that_failed() {
+    struct Answers;
+    impl rpc_core::Service for Answers {
+        fn service_id(&self) -> &'static str {
+            M.service_id
+        }
+        fn methods(&self) -> &'static [MethodDescriptor] {
+            std::slice::from_ref(&M)
+        }
+        fn call(&self, _: usize, _: Bytes, _: rpc_core::Codec) -> rpc_core::ServiceFuture {
+            Box::pin(async { Ok(Bytes::from_static(b"fallback")) })
+        }
+    }
+    let g = engine(GovernanceOptions {
+        retry_times: 1,
+        ..retries_within_budget(1_000)
+    });
+    let mut events = g.events().subscribe();
+    let p = g.policy(&M);
+    // a refuses (515), b cannot serve: the call ends with a's failure, and the fallback runs.
+    let s = Script::new(vec![overflow(), cannot_serve()], Duration::ZERO);
+    let fallbacks: super::Fallbacks = [(M.service_id, Arc::new(Answers) as Arc<_>)]
+        .into_iter()
+        .collect();
+    let mut cx = CallCx::new(&g, p.clone(), p.options());
+    let stack = super::FallbackLayer::new(
+        &fallbacks,
+        rpc_core::Codec::MsgPack,
+        governed(Scripted(&s), Scripted(&s)),
+    );
+    let answer = stack
+        .call(&mut cx, Bytes::new())
+        .await
+        .expect("the fallback answers");
+    assert_eq!(&answer[..], b"fallback");
+    let fallback = std::iter::from_fn(|| events.try_recv().ok())
+        .find(|e| e.kind == EventKind::Fallback)
+        .expect("a fallback event");
+    assert_eq!(fallback.endpoint.as_deref(), Some("a:1"));
+}
+
 /// A failure retried on an endpoint that cannot serve the call, then retried again on an
 /// endpoint that can (nothing else untried): one retry reached a server, so one retry is drawn
 /// from the budget, as with no detour. The budget's floor (10 a window) then serves ten such
