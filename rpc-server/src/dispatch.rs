@@ -239,6 +239,10 @@ impl InvokeHandler for Dispatcher {
         self.routes.contains_key(entry_id.as_bytes())
     }
 
+    fn decompresses_itself(&self) -> bool {
+        true
+    }
+
     fn refused(&self, why: Refusal, code: StatusCode) {
         self.metrics.refused(why.as_str(), code);
     }
@@ -405,6 +409,37 @@ impl Pack {
 }
 
 impl Dispatcher {
+    /// Decompresses the arguments of a call once it is admitted (the connection hands
+    /// compressed calls on as they came, see [`InvokeHandler::decompresses_itself`]), so that
+    /// a call refused over its entry's cap or rate limit costs no decompression; for a route
+    /// with layers, before the layers, which may read them. One that does not decompress is
+    /// answered 500, one beyond the server's budget for decompressed arguments 515, and
+    /// neither runs; they are counted as the connection counts its own refusals. The span
+    /// records the algorithm and the decompressed size.
+    #[allow(clippy::result_large_err)]
+    pub(crate) fn unpack(
+        &self,
+        invoke: &mut Invoke,
+        caller: &Caller,
+        span: &tracing::Span,
+    ) -> Result<(), Dispatch> {
+        if invoke.compression == 0 {
+            return Ok(());
+        }
+        match caller.unpack(invoke) {
+            Ok(()) => {
+                telemetry::record_compression(span, invoke.compression, invoke.parameters.len());
+                Ok(())
+            }
+            Err(e) => {
+                telemetry::record_error(span, e.code(), e.message());
+                self.metrics
+                    .refused(Refusal::Decompression.as_str(), e.code());
+                Err(Dispatch::Ready(error_result(e.code(), e.message())))
+            }
+        }
+    }
+
     /// Admits one call or stream of `route` from `caller` (cap, adaptive limit, rate limits),
     /// or answers its refusal at once: the refusal event, the span's error, the rejection metric
     /// and the call observers are told, and the answer carries the entry's load. The refusal
@@ -478,8 +513,10 @@ impl Dispatcher {
         }
         let attachments = std::mem::take(&mut invoke.attachments);
         let span = telemetry::server_span(route.method, self.local, peer, &attachments);
-        if invoke.compression != 0 {
-            telemetry::record_compression(&span, invoke.compression, invoke.parameters.len());
+        if route.layered.is_some() {
+            if let Err(refused) = self.unpack(&mut invoke, caller, &span) {
+                return refused;
+            }
         }
         if route.stream != StreamMode::Unary {
             return crate::streams::dispatch(
@@ -508,6 +545,9 @@ impl Dispatcher {
             Ok(p) => p,
             Err(refused) => return refused,
         };
+        if let Err(refused) = self.unpack(&mut invoke, caller, &span) {
+            return refused;
+        }
         let metrics = self.metrics.start(route.method);
         // What only a failing call needs is cloned only when a fallback is registered.
         let fallback = route.fallback.as_ref().map(|to| ServerFallback {

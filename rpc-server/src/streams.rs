@@ -106,6 +106,10 @@ pub(crate) fn dispatch(
         Ok(p) => p.for_stream(),
         Err(refused) => return refused,
     };
+    let mut invoke = invoke;
+    if let Err(refused) = d.unpack(&mut invoke, caller, &span) {
+        return refused;
+    }
     let deadline = (invoke.timeout_ms > 0).then(|| {
         (
             Instant::now() + Duration::from_millis(invoke.timeout_ms.into()),

@@ -9,6 +9,8 @@
 use std::fmt;
 use std::net::SocketAddr;
 
+use rpc_core::{RpcError, StatusCode};
+
 use crate::compression::Accepted;
 use crate::peer::PeerAddr;
 
@@ -29,7 +31,7 @@ use crate::peer::PeerAddr;
 /// assert!(caller.token_verified());
 /// assert!(caller.peer_certificate().is_none());
 /// ```
-#[derive(Clone, PartialEq, Eq)]
+#[derive(Clone)]
 pub struct Caller {
     address: PeerAddr,
     peer: SocketAddr,
@@ -37,6 +39,8 @@ pub struct Caller {
     token_verified: bool,
     peer_certificate: Option<Vec<u8>>,
     accept_compression: Accepted,
+    /// The server's decompression, for a handler that decompresses after its own admission.
+    unpacker: Option<crate::server::Unpacker>,
 }
 
 impl Caller {
@@ -51,7 +55,39 @@ impl Caller {
             token_verified: false,
             peer_certificate: None,
             accept_compression: Accepted::NONE,
+            unpacker: None,
         }
+    }
+
+    /// Decompresses with the server's limits and budget (see [`Caller::unpack`]).
+    pub(crate) fn with_unpacker(mut self, unpacker: crate::server::Unpacker) -> Self {
+        self.unpacker = Some(unpacker);
+        self
+    }
+
+    /// Decompresses the arguments of `invoke`, a call of this caller that the connection
+    /// handed on compressed because its handler decompresses after its own admission
+    /// ([`InvokeHandler::decompresses_itself`](crate::InvokeHandler::decompresses_itself)):
+    /// at most the server's frame limit of them, taking what they gain from the server's
+    /// budget for decompressed arguments until their last bytes are dropped. Uncompressed
+    /// arguments stay as they are, and so does the call's `compression` (its answer follows
+    /// it). Fails, and the call is not to run, with 500 when they do not decompress, 515 when
+    /// the budget has not enough left, and 500 for a caller the server did not make (built
+    /// with [`new`](Self::new)), which has no budget.
+    pub fn unpack(&self, invoke: &mut crate::Invoke) -> Result<(), RpcError> {
+        if invoke.compression == 0 {
+            return Ok(());
+        }
+        let Some(unpacker) = &self.unpacker else {
+            return Err(RpcError::new(
+                StatusCode::FrameworkError,
+                "this caller has no server's decompression budget: only a server's \
+                 connection can decompress its calls",
+            ));
+        };
+        unpacker
+            .unpack(invoke)
+            .map_err(|(code, message)| RpcError::new(code, message))
     }
 
     /// The compression algorithms the caller's `Hello` listed as ones it decodes: a server
@@ -111,6 +147,21 @@ impl Caller {
         self.peer_certificate.as_deref()
     }
 }
+
+/// Callers are equal when they say the same of who calls (the server's decompression they
+/// carry is not part of that).
+impl PartialEq for Caller {
+    fn eq(&self, other: &Self) -> bool {
+        self.address == other.address
+            && self.peer == other.peer
+            && self.client_id == other.client_id
+            && self.token_verified == other.token_verified
+            && self.peer_certificate == other.peer_certificate
+            && self.accept_compression == other.accept_compression
+    }
+}
+
+impl Eq for Caller {}
 
 impl fmt::Debug for Caller {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -12,7 +12,7 @@ use rpc_core::StreamMode;
 use tokio::time::Instant;
 
 use super::calls::{dispatch, Conn};
-use super::expansion::ExpansionBudget;
+use super::expansion::{ExpansionBudget, Unpacker};
 use super::handler::{error_result, InvokeHandler, Refusal};
 use super::options::{ServerOptions, ABUSE_LIMIT};
 use super::streams::{Inbound, Queued, StreamSlot};
@@ -71,6 +71,7 @@ pub(super) struct FrameCtx<'a> {
     pub(super) handler: &'a dyn InvokeHandler,
     pub(super) caller: Arc<Caller>,
     pub(super) expansion: &'a ExpansionBudget,
+    pub(super) unpacker: Unpacker,
 }
 
 impl FrameCtx<'_> {
@@ -279,47 +280,22 @@ impl FrameCtx<'_> {
 }
 
 impl FrameCtx<'_> {
-    /// Decompresses call `id`'s parameters (of an entry the handler serves), at most the frame
-    /// limit of them, into a buffer
-    /// that holds their share of the server's expansion budget until the last of its bytes is
-    /// dropped (the handler has decoded them). A call whose parameters do not decompress is
-    /// answered 500, one beyond what is left of the budget 515, and neither runs (`Err`). The
-    /// connection and its other calls go on: one bad payload says nothing about the next.
+    /// Decompresses call `id`'s parameters (of an entry the handler serves, unless the handler
+    /// decompresses them itself after its admission) into a buffer that holds their share of
+    /// the server's expansion budget until the last of its bytes is dropped (the handler has
+    /// decoded them). A call whose parameters do not decompress is answered 500, one beyond
+    /// what is left of the budget 515, and neither runs (`Err`). The connection and its other
+    /// calls go on: one bad payload says nothing about the next.
     fn unpack(&self, invoke: &mut Invoke, id: u64) -> Result<(), ()> {
         // A call to an entry not served goes as it came: its answer reads no argument.
-        if invoke.compression == 0 || !self.handler.serves(&invoke.service_entry_id) {
+        if invoke.compression == 0
+            || self.handler.decompresses_itself()
+            || !self.handler.serves(&invoke.service_entry_id)
+        {
             return Ok(());
         }
-        let limit = self.options.max_frame_length;
-        let (code, message) =
-            match crate::compression::decompress(invoke.compression, &invoke.parameters, limit) {
-                Ok(plain) => match self.expansion.take(invoke.parameters.len(), plain.len()) {
-                    Some(share) => {
-                        invoke.parameters = match share {
-                            Some(share) => share.holding(plain),
-                            None => plain,
-                        };
-                        return Ok(());
-                    }
-                    None => (
-                        StatusCode::OverflowMaxServerHandle,
-                        format!(
-                            "the call to {:?} was not run: its arguments decompress to {} \
-                             bytes, more than is left of the server's budget for decompressed \
-                             arguments of running calls ({} bytes); retry later or elsewhere, \
-                             or send it uncompressed",
-                            invoke.service_entry_id,
-                            plain.len(),
-                            self.options.max_decompressed_bytes,
-                        ),
-                    ),
-                },
-                Err(e) => (
-                    StatusCode::FrameworkError,
-                    format!("the call to {:?} was not run: {e}", invoke.service_entry_id),
-                ),
-            };
-        self.refuse(id, Refusal::Decompression, code, message);
-        Err(())
+        self.unpacker.unpack(invoke).map_err(|(code, message)| {
+            self.refuse(id, Refusal::Decompression, code, message);
+        })
     }
 }

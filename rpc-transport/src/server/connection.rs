@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 use super::admission::{throttle_at, CallRate, FrameCtx};
 use super::calls::{Conn, ConnCleanup, Handoff};
 use super::drain::drain;
-use super::expansion::ExpansionBudget;
+use super::expansion::{ExpansionBudget, Unpacker};
 use super::handler::{go_away, InvokeHandler};
 use super::handshake::handshake;
 use super::options::{ServerOptions, MAX_HELLO_FRAME, PAUSED_KEEPALIVE, REFUSALS_BEFORE_PAUSE};
@@ -104,8 +104,10 @@ pub(super) async fn run_connection<R, W>(
         }
     };
     // Who calls, once for the connection: every call is handed this `Arc`.
+    let unpacker = Unpacker::new(expansion.clone(), options);
     let caller = Arc::new(
         Caller::new(peer.clone(), hello.client_id)
+            .with_unpacker(unpacker.clone())
             .with_accept_compression(hello.accept_compression)
             .with_token_verified(options.token.is_some())
             .with_peer_certificate(peer_certificate),
@@ -158,6 +160,7 @@ pub(super) async fn run_connection<R, W>(
         handler: handler.as_ref(),
         caller,
         expansion,
+        unpacker,
     };
 
     let mut rate = options

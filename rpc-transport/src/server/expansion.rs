@@ -16,8 +16,11 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-
+use rpc_core::StatusCode;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use super::options::ServerOptions;
+use crate::Invoke;
 
 /// The budget counts in units of this many bytes, so that a semaphore's `u32` request covers
 /// any expansion within a frame limit of up to 4 TiB.
@@ -87,6 +90,66 @@ impl ExpansionBudget {
     #[cfg(test)]
     fn left(&self) -> usize {
         self.units.available_permits() * UNIT
+    }
+}
+
+/// Decompresses calls' arguments, at most the frame limit of them, into buffers holding what
+/// they gain from the server's [`ExpansionBudget`]: the connection's, before it hands a call
+/// on, or the handler's after its own admission ([`Caller::unpack`](crate::Caller::unpack)).
+#[derive(Debug, Clone)]
+pub(crate) struct Unpacker {
+    budget: ExpansionBudget,
+    max_frame_length: usize,
+    max_decompressed_bytes: usize,
+}
+
+impl Unpacker {
+    /// Decompression within `options`' limits, from `budget`.
+    pub(crate) fn new(budget: ExpansionBudget, options: &ServerOptions) -> Self {
+        Unpacker {
+            budget,
+            max_frame_length: options.max_frame_length,
+            max_decompressed_bytes: options.max_decompressed_bytes,
+        }
+    }
+
+    /// Decompresses `invoke`'s arguments in place (uncompressed ones stay as they are; the
+    /// call's `compression` is left as it came, since its answer follows it). A call
+    /// whose arguments do not decompress is to be answered 500, one beyond what is left of the
+    /// budget 515: the status and message, and the call does not run.
+    pub(crate) fn unpack(&self, invoke: &mut Invoke) -> Result<(), (StatusCode, String)> {
+        if invoke.compression == 0 {
+            return Ok(());
+        }
+        let plain = crate::compression::decompress(
+            invoke.compression,
+            &invoke.parameters,
+            self.max_frame_length,
+        )
+        .map_err(|e| {
+            (
+                StatusCode::FrameworkError,
+                format!("the call to {:?} was not run: {e}", invoke.service_entry_id),
+            )
+        })?;
+        let Some(share) = self.budget.take(invoke.parameters.len(), plain.len()) else {
+            return Err((
+                StatusCode::OverflowMaxServerHandle,
+                format!(
+                    "the call to {:?} was not run: its arguments decompress to {} bytes, more \
+                     than is left of the server's budget for decompressed arguments of running \
+                     calls ({} bytes); retry later or elsewhere, or send it uncompressed",
+                    invoke.service_entry_id,
+                    plain.len(),
+                    self.max_decompressed_bytes,
+                ),
+            ));
+        };
+        invoke.parameters = match share {
+            Some(share) => share.holding(plain),
+            None => plain,
+        };
+        Ok(())
     }
 }
 

@@ -124,6 +124,15 @@ pub trait InvokeHandler: Send + Sync + 'static {
         true
     }
 
+    /// Whether this handler decompresses a call's arguments itself, with
+    /// [`Caller::unpack`](crate::Caller::unpack), once it has admitted the call: the
+    /// connection then hands compressed calls on as they came, and a call the handler refuses
+    /// (over its cap, its rate limit) costs no decompression. The default: `false`, the
+    /// connection decompresses the arguments of every entry served before handing it on.
+    fn decompresses_itself(&self) -> bool {
+        false
+    }
+
     /// Told of each call the connection answered with `code` without passing it on (see
     /// [`Refusal`]), so that the layer above can count what never reaches it. The default:
     /// nothing.

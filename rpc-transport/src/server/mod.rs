@@ -22,6 +22,7 @@ mod runner;
 mod streams;
 
 pub use accept::serve;
+pub(crate) use expansion::Unpacker;
 
 pub use handler::{error_result, Dispatch, InvokeHandler, Refusal, StreamEvent, StreamEvents};
 pub use options::{

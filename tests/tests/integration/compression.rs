@@ -32,7 +32,15 @@ trait Zip {
     async fn lz4_echo(&self, text: String) -> Result<String, RpcError>;
     /// Nothing declared: compression is off unless a layer above turns it on.
     async fn plain_echo(&self, text: String) -> Result<String, RpcError>;
+    /// One call at a time, each held until the test lets it through ([`HOLD_RELEASE`]).
+    #[governance(max_concurrent_handling_count = 1)]
+    async fn held_echo(&self, text: String) -> Result<String, RpcError>;
 }
+
+/// Signalled by each `held_echo` call once it runs.
+static HOLD_ENTERED: tokio::sync::Notify = tokio::sync::Notify::const_new();
+/// A permit per `held_echo` call let through.
+static HOLD_RELEASE: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(0);
 
 struct Impl;
 
@@ -44,6 +52,11 @@ impl Zip for Impl {
         Ok(text)
     }
     async fn plain_echo(&self, text: String) -> Result<String, RpcError> {
+        Ok(text)
+    }
+    async fn held_echo(&self, text: String) -> Result<String, RpcError> {
+        HOLD_ENTERED.notify_one();
+        common::let_through(&HOLD_RELEASE).await?;
         Ok(text)
     }
 }
@@ -437,6 +450,56 @@ async fn corrupt_or_oversized_compressed_parameters_get_a_clear_500_and_the_conn
         "{}",
         r.exception_message
     );
+    within("shutdown", server.shutdown()).await;
+}
+
+/// A compressed call that its entry's admission refuses (its cap is full) is answered with
+/// the refusal, 515, without being decompressed: corrupt arguments are not found corrupt.
+/// Before, the connection decompressed every call first, so an overloaded or rate-limited
+/// entry spent its CPU expanding calls it then refused. An admitted call is still
+/// decompressed (corrupt: 500), and its slot is given back.
+#[tokio::test]
+async fn a_compressed_call_refused_by_its_entrys_admission_is_not_decompressed() {
+    let server = server().await;
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.handshake().await;
+    let good = Codec::MsgPack.encode(&("fine",)).expect("encode");
+    let mut corrupt = compress(Compression::Zstd, &good).to_vec();
+    corrupt.truncate(corrupt.len() / 2);
+    let corrupt = Bytes::from(corrupt);
+    // One call holds the entry's only slot.
+    raw.send(Kind::Invoke(raw_call(1, "held_echo", "held")))
+        .await
+        .expect("send");
+    within("the held call runs", HOLD_ENTERED.notified()).await;
+    let r = packed_call(&mut raw, 2, "held_echo", corrupt.clone(), Compression::Zstd).await;
+    assert_eq!(
+        (r.message_id, r.status_code),
+        (2, StatusCode::OverflowMaxServerHandle.as_u32()),
+        "{}",
+        r.exception_message
+    );
+    HOLD_RELEASE.add_permits(1);
+    let r = raw_result(&mut raw).await;
+    assert_eq!((r.message_id, r.status_code), (1, 200), "{r:?}");
+    // Admitted now: decompressed, found corrupt, and its slot given back.
+    let r = packed_call(&mut raw, 3, "held_echo", corrupt, Compression::Zstd).await;
+    assert_eq!((r.message_id, r.status_code), (3, 500), "{r:?}");
+    assert!(
+        r.exception_message.contains("does not decompress"),
+        "{}",
+        r.exception_message
+    );
+    HOLD_RELEASE.add_permits(1);
+    let r = packed_call(
+        &mut raw,
+        4,
+        "held_echo",
+        compress(Compression::Zstd, &good),
+        Compression::Zstd,
+    )
+    .await;
+    assert_eq!((r.message_id, r.status_code), (4, 200), "{r:?}");
     within("shutdown", server.shutdown()).await;
 }
 
