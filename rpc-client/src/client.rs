@@ -272,9 +272,10 @@ impl ClientBuilder {
     /// force. [`Client::rules_version`] says which version is in force.
     ///
     /// The rules are read when the client is built; each entry's first call waits for that
-    /// read (within its deadline), so that it runs under the version in the store. A source
-    /// that cannot be reached then does not hold calls up: they run without the rules, which
-    /// apply once the source answers.
+    /// read beside its registry lookup (within its deadline), so that it runs under the
+    /// version in the store. A source that cannot be reached then holds those first calls up
+    /// to its request timeout, as an unreachable registry does; they then run without the
+    /// rules, which apply once the source answers. Appointed calls wait for neither.
     pub fn rules(mut self, source: impl rpc_registry::RuleSource) -> Self {
         self.rules = Some(Arc::new(source));
         self
@@ -1096,8 +1097,9 @@ impl Client {
         }))
     }
 
-    /// Before an entry's first call or stream: waits for the rules' first read (when the
-    /// client follows rules, see [`ClientBuilder::rules`]) and looks its service up, so that what the
+    /// Before an entry's first call or stream: looks its service up, and waits for the
+    /// rules' first read beside it (when the client follows rules, see
+    /// [`ClientBuilder::rules`]), so that what the
     /// service's instances publish for the entry is a level of the call's options too. The
     /// lookup (a registry that is slow or down can take its whole request timeout) counts
     /// against the call's deadline: it waits no longer than the deadline the call's options
@@ -1125,32 +1127,27 @@ impl Client {
         policy: &rpc_governance::engine::EntryPolicy,
     ) -> tokio::time::Instant {
         let started = tokio::time::Instant::now();
-        let options = || match &self.call_options {
+        let options = match &self.call_options {
             None => policy.options(),
             Some(o) => Arc::new(o.applied(&policy.options())),
         };
-        if self.inner.rules_task.get().is_some() {
-            // Under the rules in the store, not the options they replace: the client's first
-            // calls wait for the rules' first read (started when the client was built), as
-            // long as their deadline allows.
-            let read = self.inner.rules.first_read();
-            match rpc_governance::timeout::deadline_from(started, &options()) {
-                Some(d) => {
-                    let _ = tokio::time::timeout_at(d, read).await;
-                }
-                None => read.await,
-            }
-        }
-        let options = options();
         if options.shunt_strategy == ShuntStrategy::Appoint {
             // Appointed: the registry has no say in where the call goes (see the picker), so
-            // the call does not wait for it either, and later calls take the fast path. (What
-            // the service's instances publish is then a level of the entry's options only once
-            // something else of this client looks the service up.)
+            // the call does not wait for it either, nor for the rules, and later calls take
+            // the fast path. (What the service's instances publish is then a level of the
+            // entry's options only once something else of this client looks the service up.)
             policy.set_service_known();
             return started;
         }
-        let lookup = self.service(method.service_id);
+        // Beside the lookup, the rules' first read (started when the client was built), when
+        // the client follows rules: the first call runs under the rules in the store, not the
+        // options they replace, and waits for them no longer than for the registry.
+        let rules = async {
+            if self.inner.rules_task.get().is_some() {
+                self.inner.rules.first_read().await;
+            }
+        };
+        let lookup = async { tokio::join!(self.service(method.service_id), rules).0 };
         let found = match rpc_governance::timeout::deadline_from(started, &options) {
             Some(d) => tokio::time::timeout_at(d, lookup).await.ok(),
             None => Some(lookup.await),

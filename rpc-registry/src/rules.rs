@@ -206,16 +206,30 @@ const REOPEN_AFTER: Duration = Duration::from_secs(1);
 /// applies each valid new version and records it in `in_force`; reports each refused one
 /// (invalid, or refused by the target) as an [`EventKind::RuleRejected`] event with its
 /// version and reason, and a warning, leaving the last good version in force.
-pub async fn follow<T: RuleTarget>(
+pub fn follow<T: RuleTarget>(
     source: Arc<dyn RuleSource>,
     target: Weak<T>,
     in_force: Arc<RulesInForce>,
-) {
+) -> impl std::future::Future<Output = ()> + Send + 'static {
+    // Each kind's first read is counted when it ends, or when its future is dropped: made
+    // here, not when the future first runs, so a future dropped unpolled (its runtime shut
+    // down first) counts too, and nobody waits on [`RulesInForce::first_read`] for ever.
     let tasks: Vec<_> = RuleKind::ALL
         .into_iter()
-        .map(|kind| follow_kind(source.clone(), kind, target.clone(), in_force.clone()))
+        .map(|kind| {
+            let first = ReadOnce(Some(in_force.clone()));
+            follow_kind(
+                source.clone(),
+                kind,
+                target.clone(),
+                in_force.clone(),
+                first,
+            )
+        })
         .collect();
-    futures_util::future::join_all(tasks).await;
+    async move {
+        futures_util::future::join_all(tasks).await;
+    }
 }
 
 async fn follow_kind<T: RuleTarget>(
@@ -223,14 +237,14 @@ async fn follow_kind<T: RuleTarget>(
     kind: RuleKind,
     target: Weak<T>,
     in_force: Arc<RulesInForce>,
+    mut first: ReadOnce,
 ) {
-    let mut first = Some(ReadOnce(&in_force));
     let mut watch = loop {
         match source.watch_rules(kind).await {
             Ok(w) => break w,
             Err(e) => {
                 // Not reachable: nothing to wait for, the last good version is none.
-                first.take();
+                first.done();
                 tracing::warn!(target: "rpc::rules", kind = kind.as_str(), "cannot follow the rules: {e}; trying again");
                 if target.strong_count() == 0 {
                     return;
@@ -262,7 +276,7 @@ async fn follow_kind<T: RuleTarget>(
                 }
             }
         }
-        first.take();
+        first.done();
         drop(t);
         if watch.changed().await.is_err() {
             return;
@@ -270,13 +284,21 @@ async fn follow_kind<T: RuleTarget>(
     }
 }
 
-/// Counts a kind's first read in [`RulesInForce`] when dropped: when it ended, or when its
-/// follower was dropped before (a server given up while it starts waits no longer).
-struct ReadOnce<'a>(&'a RulesInForce);
+/// Counts a kind's first read in [`RulesInForce`], once: when it is [`done`](Self::done), or
+/// when dropped before (its follower stopped or was dropped: nobody waits for it any more).
+struct ReadOnce(Option<Arc<RulesInForce>>);
 
-impl Drop for ReadOnce<'_> {
+impl ReadOnce {
+    fn done(&mut self) {
+        if let Some(in_force) = self.0.take() {
+            in_force.read_once();
+        }
+    }
+}
+
+impl Drop for ReadOnce {
     fn drop(&mut self) {
-        self.0.read_once();
+        self.done();
     }
 }
 
@@ -384,6 +406,15 @@ mod tests {
         events: EventBus,
     }
 
+    impl Applied {
+        fn new() -> Arc<Self> {
+            Arc::new(Applied {
+                texts: Mutex::new(Vec::new()),
+                events: EventBus::new(),
+            })
+        }
+    }
+
     impl RuleTarget for Applied {
         fn apply(&self, _: RuleKind, rules: &RuleVersion) -> Result<(), RpcError> {
             self.texts.lock().unwrap().push(rules.text.to_string());
@@ -412,10 +443,7 @@ mod tests {
         senders.insert(RuleKind::Governance, watch::channel(stored).0);
         let governance = senders[&RuleKind::Governance].clone();
         let source: Arc<dyn RuleSource> = Arc::new(Written(senders));
-        let target = Arc::new(Applied {
-            texts: Mutex::new(Vec::new()),
-            events: EventBus::new(),
-        });
+        let target = Applied::new();
         let in_force = Arc::new(RulesInForce::default());
         let task = tokio::spawn(follow(source, Arc::downgrade(&target), in_force.clone()));
         (governance, target, in_force, task)
@@ -453,12 +481,25 @@ mod tests {
         }
     }
 
+    /// A following dropped before it ever ran (its runtime shut down first) ends the wait
+    /// for the first read too: nothing will read the rules.
+    #[tokio::test(start_paused = true)]
+    async fn the_first_read_ends_when_the_following_is_dropped_before_it_ran() {
+        let target = Applied::new();
+        let in_force = Arc::new(RulesInForce::default());
+        drop(follow(
+            Arc::new(Unreachable),
+            Arc::downgrade(&target),
+            in_force.clone(),
+        ));
+        tokio::time::timeout(Duration::from_secs(1), in_force.first_read())
+            .await
+            .expect("no reader left to wait for");
+    }
+
     #[tokio::test(start_paused = true)]
     async fn the_first_read_ends_when_the_source_cannot_be_reached() {
-        let target = Arc::new(Applied {
-            texts: Mutex::new(Vec::new()),
-            events: EventBus::new(),
-        });
+        let target = Applied::new();
         let in_force = Arc::new(RulesInForce::default());
         let following = tokio::spawn(follow(
             Arc::new(Unreachable),

@@ -11,8 +11,8 @@
 //! `rules.rs`), keeping the parts whose options did not change (the rate limiter and its
 //! buckets, the gate with its slots and measured latency). A new gate goes on counting the calls
 //! that hold a slot of the cap it keeps (the server's shared cap, or the entry's own cap
-//! resized); a new adaptive limit starts its count at 0, while those calls keep their slot in
-//! the old one. In observe mode (`rate_limit_observe`, `admission_observe`) a call a limit would
+//! resized), and a new adaptive limit goes on counting the calls holding the old one's slots
+//! (`AdaptiveLimit::rebounded`), starting from its limit within the new bounds. In observe mode (`rate_limit_observe`, `admission_observe`) a call a limit would
 //! refuse is reported (the same event, `observed`) and admitted; one over its adaptive limit
 //! alone still holds a slot of the cap.
 

@@ -145,6 +145,10 @@ pub(crate) struct ServerDefaults {
     pub(crate) caller_rate_limit: Option<(u32, u32)>,
 }
 
+/// The longest a starting server waits for its rules' first read (see
+/// [`ServerBuilder::rules`]).
+const RULES_FIRST_READ: Duration = Duration::from_secs(10);
+
 /// Entry point: `Server::builder()`.
 pub struct Server;
 
@@ -455,8 +459,9 @@ impl ServerBuilder {
     ///
     /// `serve` reads the rules before it serves the first call or publishes the instance, so
     /// the version in the store is in force from the start. A source that cannot be reached
-    /// then (after its own request timeout) does not stop the server: it serves without the
-    /// rules, with a warning, and applies them once the source answers.
+    /// then (after its own request timeout, or 10 s when it gives no answer) does not stop
+    /// the server: it serves without the rules, with a warning, and applies them once the
+    /// source answers.
     pub fn rules(mut self, source: impl rpc_registry::RuleSource) -> Self {
         self.rules = Some(Arc::new(source));
         self
@@ -637,8 +642,17 @@ impl ServerBuilder {
         if let Some(rules) = &rules {
             // The rules in the store are in force before the first call is read, and so
             // before the instance is announced: calls would otherwise run under the options
-            // the rules replace (a cap, a rate limit) until the first read lands.
-            rules.in_force.first_read().await;
+            // the rules replace (a cap, a rate limit) until the first read lands. A source
+            // that does not answer (a `RuleSource` need not bound its reads) holds the server
+            // up no longer than `RULES_FIRST_READ`.
+            let read = rules.in_force.first_read();
+            if tokio::time::timeout(RULES_FIRST_READ, read).await.is_err() {
+                tracing::warn!(
+                    target: "rpc::rules",
+                    "the rules were not read within {RULES_FIRST_READ:?}: serving without \
+                     them; they apply once the rule source answers"
+                );
+            }
         }
         let shutdown = CancellationToken::new();
         // Until the handle exists, nothing else can stop the server: should this future be

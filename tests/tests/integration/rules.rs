@@ -344,6 +344,44 @@ async fn rules_stored_before_a_server_starts_are_in_force_from_its_first_call() 
     assert_eq!(within("first", first).await.unwrap(), "held");
 }
 
+/// A rule source that never answers.
+struct Silent;
+
+impl rpc::RuleSource for Silent {
+    fn watch_rules(
+        &self,
+        _: RuleKind,
+    ) -> futures_util::future::BoxFuture<
+        '_,
+        Result<rpc::crates::registry::rules::RuleWatch, rpc::RegistryError>,
+    > {
+        Box::pin(std::future::pending())
+    }
+}
+
+/// A rule source that never answers holds a starting server up 10 s, not for ever: it then
+/// serves without the rules.
+#[tokio::test(start_paused = true)]
+async fn a_server_whose_rule_source_never_answers_serves_after_ten_seconds() {
+    let (tx, _entered) = mpsc::unbounded_channel();
+    let handler = Arc::new(Handler {
+        entered: tx,
+        release: Semaphore::new(0),
+        failed: AtomicUsize::new(0),
+    });
+    let start = tokio::time::Instant::now();
+    let serve = Server::builder()
+        .rules(Silent)
+        .add_service(RuledServer::new(handler))
+        .serve("127.0.0.1:0");
+    let server = tokio::time::timeout(Duration::from_secs(60), serve)
+        .await
+        .expect("serving within a minute")
+        .expect("serve");
+    assert_eq!(start.elapsed(), Duration::from_secs(10));
+    assert_eq!(server.rules_version(RuleKind::Governance), None);
+}
+
 /// A client's first call waits for the rules' first read: it runs under the document in
 /// the store (a 200 ms timeout here, where the client's own options set none). Before, it
 /// ran under the options the rules replace, and the held call never ended.
