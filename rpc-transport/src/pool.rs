@@ -2,7 +2,8 @@
 //!
 //! Callers that need a connection which is not there share one connect attempt per slot: N
 //! callers to an endpoint that does not answer all get its error after one connect timeout,
-//! instead of queueing one behind another for N of them.
+//! instead of queueing one behind another for N of them. A caller whose turn's slot has no
+//! connection while another slot has one starts the slot's connect and takes the other.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
@@ -134,6 +135,13 @@ impl ConnectionPool {
                 }
             }
         };
+        // The slot connects in a task of its own; meanwhile another slot's connection, if one
+        // is usable, takes the call. A slot whose connect fails (the server at its connection
+        // limit, a connection broken and not remade yet) then costs its turn's calls nothing.
+        let n = endpoint.conns.len();
+        if let Some(c) = (1..n).find_map(|k| usable(&endpoint.conns[(i + k) % n])) {
+            return Ok(c);
+        }
         attempt.await
     }
 

@@ -758,6 +758,36 @@ async fn after_a_refusal_at_the_connection_limit_a_freed_slot_is_taken_at_once()
     server.shutdown().await;
 }
 
+/// A pool of two connections per endpoint to a server that takes one: the slot that cannot
+/// connect leaves its turn's calls to the connection the other slot holds. Before, every
+/// call whose turn fell on it waited for its connect and failed with it.
+#[tokio::test]
+async fn a_pool_slot_that_cannot_connect_leaves_its_turns_to_the_other_slot() {
+    use rpc::crates::transport::{ConnectOptions, ConnectionPool};
+    let server = Server::builder()
+        .max_connections(1)
+        .add_service(LimitsServer::from_arc(gate(1000)))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let addr = server.local_addr().to_string();
+    let pool = ConnectionPool::new(ConnectOptions::default(), 2);
+    let first = within("the first slot", pool.get(&addr))
+        .await
+        .expect("connected");
+    for turn in 0..4 {
+        let c = within("a turn", pool.get(&addr))
+            .await
+            .unwrap_or_else(|e| panic!("turn {turn}: {e}"));
+        assert_eq!(
+            c.id(),
+            first.id(),
+            "turn {turn}: the one connection there is"
+        );
+    }
+    server.shutdown().await;
+}
+
 // The paused clock: the server's waits for the rate pass in virtual time, measured exactly.
 #[tokio::test(start_paused = true)]
 async fn a_connection_over_its_call_rate_is_read_no_faster_and_loses_nothing() {
