@@ -274,8 +274,9 @@ impl ClientBuilder {
     /// The rules are read when the client is built; each entry's first call waits for that
     /// read beside its registry lookup (within its deadline), so that it runs under the
     /// version in the store. A source that cannot be reached then holds those first calls up
-    /// to its request timeout, as an unreachable registry does; they then run without the
-    /// rules, which apply once the source answers. Appointed calls wait for neither.
+    /// to its request timeout (10 s at most whatever the source), as an unreachable registry
+    /// does; they then run without the rules, which apply once the source answers. Appointed
+    /// calls (by the client's own options) wait for neither.
     pub fn rules(mut self, source: impl rpc_registry::RuleSource) -> Self {
         self.rules = Some(Arc::new(source));
         self
@@ -1139,19 +1140,26 @@ impl Client {
             policy.set_service_known();
             return started;
         }
+        let deadline = rpc_governance::timeout::deadline_from(started, &options);
         // Beside the lookup, the rules' first read (started when the client was built), when
         // the client follows rules: the first call runs under the rules in the store, not the
-        // options they replace, and waits for them no longer than for the registry.
+        // options they replace. Each wait is bounded on its own, the rules' also by
+        // `FIRST_READ_LIMIT` (a rule source need not bound its reads).
         let rules = async {
             if self.inner.rules_task.get().is_some() {
-                self.inner.rules.first_read().await;
+                let limit = started + rpc_registry::rules::FIRST_READ_LIMIT;
+                let until = deadline.map_or(limit, |d| d.min(limit));
+                let _ = tokio::time::timeout_at(until, self.inner.rules.first_read()).await;
             }
         };
-        let lookup = async { tokio::join!(self.service(method.service_id), rules).0 };
-        let found = match rpc_governance::timeout::deadline_from(started, &options) {
-            Some(d) => tokio::time::timeout_at(d, lookup).await.ok(),
-            None => Some(lookup.await),
+        let lookup = async {
+            let lookup = self.service(method.service_id);
+            match deadline {
+                Some(d) => tokio::time::timeout_at(d, lookup).await.ok(),
+                None => Some(lookup.await),
+            }
         };
+        let (found, ()) = tokio::join!(lookup, rules);
         let elapsed_ms = started.elapsed().as_millis() as u64;
         match &found {
             Some(Ok(_)) => {

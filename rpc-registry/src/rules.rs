@@ -199,6 +199,10 @@ impl RulesInForce {
     }
 }
 
+/// The longest a process waits for its rules' first read ([`RulesInForce::first_read`]) before
+/// it serves or calls without them: a [`RuleSource`] need not bound its reads.
+pub const FIRST_READ_LIMIT: Duration = Duration::from_secs(10);
+
 /// The pause before opening the watch again after the source failed to open it.
 const REOPEN_AFTER: Duration = Duration::from_secs(1);
 

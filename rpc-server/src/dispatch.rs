@@ -411,8 +411,9 @@ impl Pack {
 impl Dispatcher {
     /// Decompresses the arguments of a call once it is admitted (the connection hands
     /// compressed calls on as they came, see [`InvokeHandler::decompresses_itself`]), so that
-    /// a call refused over its entry's cap or rate limit costs no decompression; for a route
-    /// with layers, before the layers, which may read them. One that does not decompress is
+    /// a call refused over its entry's cap or rate limit costs no decompression. On a server
+    /// with layers, a unary call or a server stream is admitted after the layers, which may
+    /// read the arguments: it is decompressed before them. One that does not decompress is
     /// answered 500, one beyond the server's budget for decompressed arguments 515, and
     /// neither runs; they are counted as the connection counts its own refusals. The span
     /// records the algorithm and the decompressed size.
@@ -513,7 +514,9 @@ impl Dispatcher {
         }
         let attachments = std::mem::take(&mut invoke.attachments);
         let span = telemetry::server_span(route.method, self.local, peer, &attachments);
-        if route.layered.is_some() {
+        // A unary call on a server with layers is admitted after them, and they may read its
+        // arguments: decompressed before them. (Streams decompress where they are admitted.)
+        if route.layered.is_some() && route.stream == StreamMode::Unary {
             if let Err(refused) = self.unpack(&mut invoke, caller, &span) {
                 return refused;
             }

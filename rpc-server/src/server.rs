@@ -145,10 +145,6 @@ pub(crate) struct ServerDefaults {
     pub(crate) caller_rate_limit: Option<(u32, u32)>,
 }
 
-/// The longest a starting server waits for its rules' first read (see
-/// [`ServerBuilder::rules`]).
-const RULES_FIRST_READ: Duration = Duration::from_secs(10);
-
 /// Entry point: `Server::builder()`.
 pub struct Server;
 
@@ -644,12 +640,13 @@ impl ServerBuilder {
             // before the instance is announced: calls would otherwise run under the options
             // the rules replace (a cap, a rate limit) until the first read lands. A source
             // that does not answer (a `RuleSource` need not bound its reads) holds the server
-            // up no longer than `RULES_FIRST_READ`.
+            // up no longer than `FIRST_READ_LIMIT`.
             let read = rules.in_force.first_read();
-            if tokio::time::timeout(RULES_FIRST_READ, read).await.is_err() {
+            let limit = rpc_registry::rules::FIRST_READ_LIMIT;
+            if tokio::time::timeout(limit, read).await.is_err() {
                 tracing::warn!(
                     target: "rpc::rules",
-                    "the rules were not read within {RULES_FIRST_READ:?}: serving without \
+                    "the rules were not read within {limit:?}: serving without \
                      them; they apply once the rule source answers"
                 );
             }

@@ -194,6 +194,11 @@ fn layered(
             Err(refused) => return refused,
         }
     };
+    // Decompressed once admitted here, before the layers, which may read the arguments.
+    let mut invoke = invoke;
+    if let Err(refused) = d.unpack(&mut invoke, caller, &span) {
+        return refused;
+    }
     let opened = StreamSlot::default();
     let hooks = StreamEndHooks::default();
     // The caller's items, counted as the handler takes them (for the span and the hooks).

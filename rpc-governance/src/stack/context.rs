@@ -79,6 +79,10 @@ pub struct CallCx<'g> {
     pub(crate) route_drawn: Option<Arc<std::sync::OnceLock<RouteDrawn>>>,
     /// The endpoint of the last failed attempt.
     pub(crate) last_failed: Option<Arc<str>>,
+    /// The number of the attempt the call's final failure came from, when that is not the
+    /// last attempt (a detour that cannot serve the call, after which the call ends with the
+    /// failure before it).
+    pub(crate) failed_attempt: Option<u32>,
     /// Endpoints this call found unable to serve it (their servers do not stream): never
     /// candidates again for it. Empty for most calls (no allocation).
     pub(crate) unable: Vec<Arc<str>>,
@@ -101,6 +105,8 @@ pub struct CallCx<'g> {
 pub(crate) struct ServedFailure {
     pub(crate) error: RpcError,
     pub(crate) endpoint: Arc<str>,
+    /// The attempt's number.
+    pub(crate) attempt: u32,
     pub(crate) attempt_timed_out: bool,
 }
 
@@ -189,6 +195,7 @@ impl<'g> CallCx<'g> {
             route_drawn: None,
             superseded: None,
             last_failed: None,
+            failed_attempt: None,
             unable: Vec::new(),
             served_failure: None,
             fallback_cause: None,

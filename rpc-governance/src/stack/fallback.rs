@@ -56,7 +56,7 @@ impl<S: Service> Service for FallbackLayer<'_, S> {
             cx.emit(
                 EventKind::FallbackSkipped,
                 endpoint.as_deref(),
-                cx.attempt,
+                cx.failed_attempt.unwrap_or(cx.attempt),
                 Some(e.to_string()),
             );
             return Err(timeout::fallback_skipped(cx.entry_id(), &e));
@@ -66,7 +66,7 @@ impl<S: Service> Service for FallbackLayer<'_, S> {
         cx.emit(
             EventKind::Fallback,
             endpoint.as_deref(),
-            cx.attempt,
+            cx.failed_attempt.unwrap_or(cx.attempt),
             Some(e.to_string()),
         );
         cx.fallback_cause = Some(e.clone());

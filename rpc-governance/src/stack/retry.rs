@@ -263,6 +263,7 @@ impl<B: Balance, S> RetryLayer<B, S> {
                 unsupported = false;
                 last = before.endpoint;
                 cx.last_failed = Some(last.clone());
+                cx.failed_attempt = Some(before.attempt);
                 decision = if attempt_timed_out {
                     retry::decide_after_attempt_timeout(attempt, &cx.options, cx.deadline)
                 } else {
@@ -331,6 +332,7 @@ impl<B: Balance, S> RetryLayer<B, S> {
             cx.served_failure = Some(Box::new(ServedFailure {
                 error: err,
                 endpoint: last,
+                attempt,
                 attempt_timed_out,
             }));
         }

@@ -619,6 +619,7 @@ async fn a_fallback_after_a_detour_names_the_endpoint_that_failed() {
         .find(|e| e.kind == EventKind::Fallback)
         .expect("a fallback event");
     assert_eq!(fallback.endpoint.as_deref(), Some("a:1"));
+    assert_eq!(fallback.attempt, 0, "a's attempt, the first");
 }
 
 /// A failure retried on an endpoint that cannot serve the call, then retried again on an
