@@ -1135,9 +1135,17 @@ impl Client {
         if options.shunt_strategy == ShuntStrategy::Appoint {
             // Appointed: the registry has no say in where the call goes (see the picker), so
             // the call does not wait for it either, nor for the rules, and later calls take
-            // the fast path. (What the service's instances publish is then a level of the
-            // entry's options only once something else of this client looks the service up.)
+            // the fast path. The service is looked up in the background all the same, so that
+            // what its instances publish becomes a level of the entry's options for the calls
+            // after it lands; bounded, so that a registry that hangs keeps no dropped client
+            // alive for long.
             policy.set_service_known();
+            let client = self.clone();
+            let service_id = method.service_id;
+            tokio::spawn(async move {
+                let lookup = client.service(service_id);
+                let _ = tokio::time::timeout(rpc_registry::rules::FIRST_READ_LIMIT, lookup).await;
+            });
             return started;
         }
         let deadline = rpc_governance::timeout::deadline_from(started, &options);

@@ -518,6 +518,33 @@ async fn the_budget_sent_leaves_out_the_time_spent_connecting() {
     server.shutdown().await;
 }
 
+/// Rewrites `server`'s registry entry by hand to publish `timeout_ms` for the `g.Stock`
+/// entry `method`, standing for a server whose build declares it; the instance published.
+async fn publish_timeout(
+    reg: &InProcessRegistry,
+    server: &rpc::ServerHandle,
+    method: &str,
+    timeout_ms: u64,
+) -> rpc::Instance {
+    let mut published = rpc::Instance::new(server.local_addr().to_string(), ["g.Stock"]);
+    published.id = server.instance_id().to_string();
+    published.entries = vec![rpc::ServiceEntry {
+        id: format!("g.Stock.{method}").into(),
+        service_id: "g.Stock".into(),
+        method: method.into(),
+        hash_key: None,
+        governance: GovernanceOverrides {
+            timeout_ms: Some(timeout_ms),
+            ..GovernanceOverrides::NONE
+        },
+        api: None,
+    }];
+    rpc::Registry::register(reg, published.clone())
+        .await
+        .unwrap();
+    published
+}
+
 /// The first call of an entry already runs with what its servers publish: the client looks the
 /// service up before it reads the call's options (before, only calls after the first did).
 #[tokio::test]
@@ -525,26 +552,45 @@ async fn the_first_call_of_an_entry_applies_what_servers_publish() {
     let reg = InProcessRegistry::new();
     let (server, _w) = warehouse(&reg).await;
     // The server publishes 300 ms for `budget_left_ms`, whose attribute says 800.
-    let mut published = rpc::Instance::new(server.local_addr().to_string(), ["g.Stock"]);
-    published.id = server.instance_id().to_string();
-    published.entries = vec![rpc::ServiceEntry {
-        id: "g.Stock.budget_left_ms".into(),
-        service_id: "g.Stock".into(),
-        method: "budget_left_ms".into(),
-        hash_key: None,
-        governance: GovernanceOverrides {
-            timeout_ms: Some(300),
-            ..GovernanceOverrides::NONE
-        },
-        api: None,
-    }];
-    rpc::Registry::register(&reg, published).await.unwrap();
+    publish_timeout(&reg, &server, "budget_left_ms", 300).await;
     let stock = StockClient::new(Client::builder().registry(reg.clone()).build());
     let left = within("first call", stock.budget_left_ms()).await.unwrap();
     assert!(
         left <= 300,
         "the first call's budget was the attribute's, not the published 300 ms: {left} ms"
     );
+    server.shutdown().await;
+}
+
+/// An appointed entry's first call waits for no registry, but its service is looked up in
+/// the background: what its servers publish becomes a level of its options for later calls.
+/// Before, an appointed entry never learnt it unless something else looked the service up.
+#[tokio::test]
+async fn an_appointed_entry_learns_what_servers_publish_after_its_first_call() {
+    let reg = InProcessRegistry::new();
+    let (server, _w) = warehouse(&reg).await;
+    publish_timeout(&reg, &server, "level", 1234).await;
+    let client = Client::builder()
+        .registry(reg.clone())
+        .override_options(
+            "g.Stock",
+            GovernanceOverrides {
+                shunt_strategy: Some(rpc::ShuntStrategy::Appoint),
+                appoint_address: Some(server.local_addr().to_string().into()),
+                ..GovernanceOverrides::NONE
+            },
+        )
+        .build();
+    let level = level_method();
+    assert_ne!(client.options(level).timeout_ms, 1234);
+    let stock = StockClient::new(client.clone());
+    assert_eq!(stock.level("apple".into()).await.unwrap(), 7);
+    within("the published level", async {
+        while client.options(level).timeout_ms != 1234 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
     server.shutdown().await;
 }
 
@@ -555,22 +601,7 @@ async fn what_servers_publish_is_used_unless_the_client_overrides_it() {
     let level = level_method();
     // A newer server publishes a longer timeout for `level` than this client's code declares
     // (the registry entry is rewritten by hand to stand for it).
-    let mut published = rpc::Instance::new(server.local_addr().to_string(), ["g.Stock"]);
-    published.id = server.instance_id().to_string();
-    published.entries = vec![rpc::ServiceEntry {
-        id: "g.Stock.level".into(),
-        service_id: "g.Stock".into(),
-        method: "level".into(),
-        hash_key: None,
-        governance: GovernanceOverrides {
-            timeout_ms: Some(1234),
-            ..GovernanceOverrides::NONE
-        },
-        api: None,
-    }];
-    rpc::Registry::register(&reg, published.clone())
-        .await
-        .unwrap();
+    let mut published = publish_timeout(&reg, &server, "level", 1234).await;
 
     let client = Client::builder().registry(reg.clone()).build();
     let stock = StockClient::new(client.clone());
