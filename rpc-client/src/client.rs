@@ -274,9 +274,10 @@ impl ClientBuilder {
     /// The rules are read when the client is built; each entry's first call waits for that
     /// read beside its registry lookup (within its deadline), so that it runs under the
     /// version in the store. A source that cannot be reached then holds those first calls up
-    /// to its request timeout (10 s at most whatever the source), as an unreachable registry
-    /// does; they then run without the rules, which apply once the source answers. Appointed
-    /// calls (by the client's own options) wait for neither.
+    /// to its request timeout (10 s at most whatever the source) within their deadlines, as an
+    /// unreachable registry does: a call whose deadline comes first times out, the others then
+    /// run without the rules, which apply once the source answers. Appointed calls (by the
+    /// client's own options) wait for neither.
     pub fn rules(mut self, source: impl rpc_registry::RuleSource) -> Self {
         self.rules = Some(Arc::new(source));
         self
@@ -1144,7 +1145,7 @@ impl Client {
             let service_id = method.service_id;
             tokio::spawn(async move {
                 let lookup = client.service(service_id);
-                let _ = tokio::time::timeout(rpc_registry::rules::FIRST_READ_LIMIT, lookup).await;
+                let _ = tokio::time::timeout(BACKGROUND_LOOKUP_LIMIT, lookup).await;
             });
             return started;
         }
@@ -1548,6 +1549,10 @@ const FAST_SLOTS: usize = 64;
 
 /// A service's state, keyed by the address and length of its `'static` id.
 type ServiceSlot = ((usize, usize), Arc<ServiceState>);
+
+/// The longest an appointed entry's background lookup of its service may take: a registry
+/// that hangs keeps a dropped client's connections alive no longer.
+const BACKGROUND_LOOKUP_LIMIT: Duration = Duration::from_secs(10);
 
 /// The slot of a `'static` string's address (Fibonacci hashing).
 fn fast_slot(addr: usize) -> usize {

@@ -173,8 +173,9 @@ impl RulesInForce {
     /// Waits until [`follow`] has read every kind once: each document in the store then is
     /// applied (or was refused), or the source could not be reached on the first try (the
     /// rules are then applied whenever it answers). What a server awaits before it serves, so
-    /// that no call runs under the options the rules replace. Bounded by the source's own
-    /// request timeout.
+    /// that no call runs under the options the rules replace. The etcd source bounds it by its
+    /// request timeout; a [`RuleSource`] need not, so callers bound it too
+    /// ([`FIRST_READ_LIMIT`]).
     pub async fn first_read(&self) {
         let mut reads = self.first_reads.subscribe();
         let _ = reads.wait_for(|n| *n >= RuleKind::ALL.len()).await;

@@ -14,7 +14,8 @@ use rpc_core::{RpcError, StatusCode};
 
 use crate::client::{ConnectOptions, Connection};
 
-/// A pool of multiplexed connections: `connections_per_endpoint` per address, used in turn.
+/// A pool of multiplexed connections: `connections_per_endpoint` per address, used in turn (a
+/// turn whose connection is not there yet goes to another that is, while it connects).
 ///
 /// A connection that broke or that the server asked to leave (`GoAway`) is replaced on the next
 /// call that needs it, so a restarted server is picked up without any action. Dropping the last
@@ -196,6 +197,11 @@ fn connect(
     let marks = ended.clone();
     let task = tokio::spawn(async move {
         let conn = Connection::connect(&addr, &options).await;
+        if let Err(e) = &conn {
+            // Its callers may have been served by another slot's connection: said here, so
+            // that a slot that keeps failing is seen.
+            tracing::debug!(peer = %addr, slot = i, "a pool connection could not be made: {e}");
+        }
         if let (Ok(conn), Some(endpoint)) = (&conn, endpoint.upgrade()) {
             *endpoint.conns[i].write().unwrap_or_else(|p| p.into_inner()) = Some(conn.clone());
         }

@@ -164,6 +164,8 @@ impl<B: Balance, S: Service> Service for RetryLayer<B, S> {
             match self.after_failure(cx, &picker, addr, err, own, chain_stopped) {
                 Ok(after) => {
                     cx.attempt += 1;
+                    // The next attempt's failure, if any, is the call's own.
+                    cx.failed_attempt = None;
                     if !after.is_zero() {
                         tokio::time::sleep(after).await;
                     }
@@ -253,6 +255,9 @@ impl<B: Balance, S> RetryLayer<B, S> {
         // retry budget was drawn once for the retry that became the detour, and covers this
         // one.
         let mut detoured = None;
+        // The number of the attempt whose failure is decided on: this one, or the one before
+        // a detour.
+        let mut failed_at = attempt;
         if unsupported && decision == Decision::GiveUp {
             if let Some(before) = cx.served_failure.take() {
                 let before = *before;
@@ -263,7 +268,8 @@ impl<B: Balance, S> RetryLayer<B, S> {
                 unsupported = false;
                 last = before.endpoint;
                 cx.last_failed = Some(last.clone());
-                cx.failed_attempt = Some(before.attempt);
+                failed_at = before.attempt;
+                cx.failed_attempt = Some(failed_at);
                 decision = if attempt_timed_out {
                     retry::decide_after_attempt_timeout(attempt, &cx.options, cx.deadline)
                 } else {
@@ -332,7 +338,7 @@ impl<B: Balance, S> RetryLayer<B, S> {
             cx.served_failure = Some(Box::new(ServedFailure {
                 error: err,
                 endpoint: last,
-                attempt,
+                attempt: failed_at,
                 attempt_timed_out,
             }));
         }

@@ -577,10 +577,14 @@ async fn a_detour_that_uses_up_the_attempts_ends_with_the_failure_before_it() {
     assert_eq!(err.tried(), ["a:1", "b:1"]);
 }
 
-/// A fallback answering for a call whose retry was a detour names the endpoint whose failure
-/// it answers for, not the detour's, which could not serve the call and was sent nothing.
-#[tokio::test(start_paused = true)]
-async fn a_fallback_after_a_detour_names_the_endpoint_that_failed() {
+/// The fallback event of a call of `retry_times` retries whose attempts answer `script` (on
+/// the first `endpoints` of a:1, b:1, c:1, untried ones first), answered by a registered
+/// fallback.
+async fn fallback_event(
+    retry_times: u32,
+    endpoints: usize,
+    script: Vec<Result<Bytes, RpcError>>,
+) -> GovernanceEvent {
     struct Answers;
     impl rpc_core::Service for Answers {
         fn service_id(&self) -> &'static str {
@@ -594,13 +598,13 @@ async fn a_fallback_after_a_detour_names_the_endpoint_that_failed() {
         }
     }
     let g = engine(GovernanceOptions {
-        retry_times: 1,
+        retry_times,
         ..retries_within_budget(1_000)
     });
     let mut events = g.events().subscribe();
     let p = g.policy(&M);
-    // a refuses (515), b cannot serve: the call ends with a's failure, and the fallback runs.
-    let s = Script::new(vec![overflow(), cannot_serve()], Duration::ZERO);
+    let mut s = Script::new(script, Duration::ZERO);
+    s.endpoints.truncate(endpoints);
     let fallbacks: super::Fallbacks = [(M.service_id, Arc::new(Answers) as Arc<_>)]
         .into_iter()
         .collect();
@@ -615,11 +619,30 @@ async fn a_fallback_after_a_detour_names_the_endpoint_that_failed() {
         .await
         .expect("the fallback answers");
     assert_eq!(&answer[..], b"fallback");
-    let fallback = std::iter::from_fn(|| events.try_recv().ok())
+    std::iter::from_fn(|| events.try_recv().ok())
         .find(|e| e.kind == EventKind::Fallback)
-        .expect("a fallback event");
+        .expect("a fallback event")
+}
+
+/// A fallback answering for a call whose retry was a detour names the endpoint whose failure
+/// it answers for, and that attempt's number, not the detour's, which could not serve the
+/// call and was sent nothing.
+#[tokio::test(start_paused = true)]
+async fn a_fallback_after_a_detour_names_the_endpoint_that_failed() {
+    // a refuses (515), b cannot serve: the call ends with a's failure, and the fallback runs.
+    let fallback = fallback_event(1, 3, vec![overflow(), cannot_serve()]).await;
     assert_eq!(fallback.endpoint.as_deref(), Some("a:1"));
     assert_eq!(fallback.attempt, 0, "a's attempt, the first");
+}
+
+/// After a detour the call may go on (a's refusal is retried on a): the fallback then names
+/// the last attempt, not the one before the detour.
+#[tokio::test(start_paused = true)]
+async fn a_fallback_after_a_detour_and_another_attempt_names_the_last_attempt() {
+    // a refuses (515), b cannot serve, a refuses again: no attempt left.
+    let fallback = fallback_event(2, 2, vec![overflow(), cannot_serve(), overflow()]).await;
+    assert_eq!(fallback.endpoint.as_deref(), Some("a:1"));
+    assert_eq!(fallback.attempt, 2);
 }
 
 /// A failure retried on an endpoint that cannot serve the call, then retried again on an

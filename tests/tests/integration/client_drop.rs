@@ -101,7 +101,8 @@ async fn dropping_the_last_client_clone_closes_its_connections_and_ends_their_ta
         .connections_per_endpoint(2)
         .build();
     let proxy = DroppedClient::new(client.clone());
-    // Two calls: the pool uses its two connections in turn.
+    // Two calls: the second turn's slot connects (in the background, the first call's
+    // connection taking that call), so the pool holds two connections.
     for _ in 0..2 {
         assert_eq!(within("a call", proxy.hi()).await.expect("answered"), "raw");
     }
