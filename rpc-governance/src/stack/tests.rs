@@ -645,6 +645,16 @@ async fn a_fallback_after_a_detour_and_another_attempt_names_the_last_attempt() 
     assert_eq!(fallback.attempt, 2);
 }
 
+/// A failure kept across two detours keeps the number of the attempt it came from: a's
+/// refusal is retried after b cannot serve, and the retry finds a unable too.
+#[tokio::test(start_paused = true)]
+async fn a_fallback_after_two_detours_names_the_attempt_before_the_first() {
+    // a refuses (515), b cannot serve, a cannot serve: the call ends with a's refusal.
+    let fallback = fallback_event(2, 2, vec![overflow(), cannot_serve(), cannot_serve()]).await;
+    assert_eq!(fallback.endpoint.as_deref(), Some("a:1"));
+    assert_eq!(fallback.attempt, 0);
+}
+
 /// A failure retried on an endpoint that cannot serve the call, then retried again on an
 /// endpoint that can (nothing else untried): one retry reached a server, so one retry is drawn
 /// from the budget, as with no detour. The budget's floor (10 a window) then serves ten such
