@@ -79,9 +79,10 @@ pub struct CallCx<'g> {
     pub(crate) route_drawn: Option<Arc<std::sync::OnceLock<RouteDrawn>>>,
     /// The endpoint of the last failed attempt.
     pub(crate) last_failed: Option<Arc<str>>,
-    /// The number of the attempt the call's final failure came from, when that is not the
-    /// last attempt (a detour that cannot serve the call, after which the call ends with the
-    /// failure before it).
+    /// The number of the attempt the call's failure came from, when the call ends before
+    /// another attempt is sent: after a detour that cannot serve the call (the failure before
+    /// it), or when no endpoint is left to pick or the deadline passes during the pause before
+    /// a retry. `None` while an attempt runs (its own number is the call's).
     pub(crate) failed_attempt: Option<u32>,
     /// Endpoints this call found unable to serve it (their servers do not stream): never
     /// candidates again for it. Empty for most calls (no allocation).

@@ -136,6 +136,9 @@ impl<B: Balance, S: Service> Service for RetryLayer<B, S> {
             cx.endpoint = Some(addr.clone());
             cx.connection = None;
             let hooks = cx.stream_end_hooks();
+            // From here a failure is this attempt's: the number kept by the last decision
+            // stands only for a call that ends before another attempt is sent.
+            cx.failed_attempt = None;
             let call = self.inner.call(cx, req.clone());
             // Enforced here too, so no attempt outlives its deadline whatever it does with it,
             // unless the attempt itself promises to end at the deadline (a connection's
@@ -164,8 +167,6 @@ impl<B: Balance, S: Service> Service for RetryLayer<B, S> {
             match self.after_failure(cx, &picker, addr, err, own, chain_stopped) {
                 Ok(after) => {
                     cx.attempt += 1;
-                    // The next attempt's failure, if any, is the call's own.
-                    cx.failed_attempt = None;
                     if !after.is_zero() {
                         tokio::time::sleep(after).await;
                     }
@@ -269,7 +270,6 @@ impl<B: Balance, S> RetryLayer<B, S> {
                 last = before.endpoint;
                 cx.last_failed = Some(last.clone());
                 failed_at = before.attempt;
-                cx.failed_attempt = Some(failed_at);
                 decision = if attempt_timed_out {
                     retry::decide_after_attempt_timeout(attempt, &cx.options, cx.deadline)
                 } else {
@@ -277,6 +277,8 @@ impl<B: Balance, S> RetryLayer<B, S> {
                 };
             }
         }
+        // The attempt the call's failure is, should it end before another attempt is sent.
+        cx.failed_attempt = Some(failed_at);
         // The stop is for failures a server saw (refusals, errors, calls that may have been
         // delivered): retrying those multiplies load down the chain. Moving on from an endpoint
         // the call never reached (connection refused, nothing sent) costs no server anything,

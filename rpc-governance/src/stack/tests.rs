@@ -585,6 +585,17 @@ async fn fallback_event(
     endpoints: usize,
     script: Vec<Result<Bytes, RpcError>>,
 ) -> GovernanceEvent {
+    let mut s = Script::new(script, Duration::ZERO);
+    s.endpoints.truncate(endpoints);
+    fallback_event_of(retry_times, &s).await
+}
+
+/// The fallback event of a call of `retry_times` retries whose attempts are `attempts`,
+/// answered by a registered fallback.
+async fn fallback_event_of<A: Attempts + Copy + Send>(
+    retry_times: u32,
+    attempts: A,
+) -> GovernanceEvent {
     struct Answers;
     impl rpc_core::Service for Answers {
         fn service_id(&self) -> &'static str {
@@ -603,8 +614,6 @@ async fn fallback_event(
     });
     let mut events = g.events().subscribe();
     let p = g.policy(&M);
-    let mut s = Script::new(script, Duration::ZERO);
-    s.endpoints.truncate(endpoints);
     let fallbacks: super::Fallbacks = [(M.service_id, Arc::new(Answers) as Arc<_>)]
         .into_iter()
         .collect();
@@ -612,7 +621,7 @@ async fn fallback_event(
     let stack = super::FallbackLayer::new(
         &fallbacks,
         rpc_core::Codec::MsgPack,
-        governed(Scripted(&s), Scripted(&s)),
+        governed(Scripted(attempts), Scripted(attempts)),
     );
     let answer = stack
         .call(&mut cx, Bytes::new())
@@ -643,6 +652,45 @@ async fn a_fallback_after_a_detour_and_another_attempt_names_the_last_attempt() 
     let fallback = fallback_event(2, 2, vec![overflow(), cannot_serve(), overflow()]).await;
     assert_eq!(fallback.endpoint.as_deref(), Some("a:1"));
     assert_eq!(fallback.attempt, 2);
+}
+
+/// A script's attempts with no endpoint left to pick after the first.
+struct PicksOnce(Script);
+
+impl Attempts for &PicksOnce {
+    fn select(&self, ctx: &AttemptCtx<'_>) -> Result<String, RpcError> {
+        if ctx.attempt > 0 {
+            return Err(RpcError::new(
+                StatusCode::CommunicationError,
+                "no endpoint left",
+            ));
+        }
+        (&self.0).select(ctx)
+    }
+    async fn call(
+        &self,
+        addr: &str,
+        timeout_ms: u32,
+        deadline: Option<Instant>,
+    ) -> Result<Bytes, RpcError> {
+        (&self.0).call(addr, timeout_ms, deadline).await
+    }
+    fn untried_left(&self, tried: &[String]) -> bool {
+        (&self.0).untried_left(tried)
+    }
+}
+
+/// A call whose retry finds no endpoint to go to ends before a second attempt is sent: the
+/// fallback names the first attempt, whose failure it answers for, and its endpoint.
+#[tokio::test(start_paused = true)]
+async fn a_fallback_after_a_retry_that_found_no_endpoint_names_the_attempt_that_failed() {
+    let attempts = PicksOnce(Script::new(vec![overflow()], Duration::ZERO));
+    let fallback = fallback_event_of(1, &attempts).await;
+    assert_eq!(fallback.endpoint.as_deref(), Some("a:1"));
+    assert_eq!(
+        fallback.attempt, 0,
+        "the attempt sent, not the one never sent"
+    );
 }
 
 /// A failure kept across two detours keeps the number of the attempt it came from: a's
@@ -1638,9 +1686,6 @@ impl<B: Balance> Balance for SlowToFind<B> {
     }
 }
 
-/// The hedge's delay may end before the first attempt has its endpoint (both wait for the
-/// endpoints): the hedge is aimed away from the first attempt's endpoint as it is when the
-/// hedge picks, so a service of one instance still gets no hedge.
 /// One call to `e` whose endpoints are found after 100 ms.
 async fn found_after_100_ms(g: &Governance, e: &Endpoints) -> Bytes {
     let policy = g.policy(&M);
@@ -1652,6 +1697,9 @@ async fn found_after_100_ms(g: &Governance, e: &Endpoints) -> Bytes {
     stack.call(&mut cx, Bytes::new()).await.expect("answered")
 }
 
+/// The hedge's delay may end before the first attempt has its endpoint (both wait for the
+/// endpoints): the hedge is aimed away from the first attempt's endpoint as it is when the
+/// hedge picks, so a service of one instance still gets no hedge.
 #[tokio::test(start_paused = true)]
 async fn no_hedge_to_the_first_attempts_endpoint_found_after_the_delay() {
     let g = engine(hedged(50, true));
