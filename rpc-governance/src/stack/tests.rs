@@ -686,6 +686,11 @@ impl Attempts for &PicksOnce {
 async fn a_fallback_after_a_retry_that_found_no_endpoint_names_the_attempt_that_failed() {
     let attempts = PicksOnce(Script::new(vec![overflow()], Duration::ZERO));
     let fallback = fallback_event_of(1, &attempts).await;
+    let cause = fallback.cause.as_deref().unwrap_or_default();
+    assert!(
+        cause.contains("no endpoint left"),
+        "the retry picked: {cause}"
+    );
     assert_eq!(fallback.endpoint.as_deref(), Some("a:1"));
     assert_eq!(
         fallback.attempt, 0,
