@@ -698,6 +698,25 @@ async fn a_fallback_after_a_retry_that_found_no_endpoint_names_the_attempt_that_
     );
 }
 
+/// The call's timeout event names the attempt its deadline cut, and that attempt's endpoint:
+/// here the second, after the first failed at once. Before, it always said attempt 0.
+#[tokio::test(start_paused = true)]
+async fn the_calls_timeout_event_names_the_attempt_the_deadline_cut() {
+    let g = engine(GovernanceOptions {
+        timeout_ms: 1000,
+        ..retries_within_budget(1_000)
+    });
+    let mut events = g.events().subscribe();
+    let e = Endpoints::new(&[("down:1", 0), ("slow:1", 10_000)]);
+    let err = g.execute(&g.policy(&M), &e).await.unwrap_err();
+    assert_eq!(err.code(), StatusCode::Timeout, "{err}");
+    let timeout = std::iter::from_fn(|| events.try_recv().ok())
+        .find(|e| e.kind == EventKind::Timeout)
+        .expect("a timeout event");
+    assert_eq!(timeout.endpoint.as_deref(), Some("slow:1"));
+    assert_eq!(timeout.attempt, 1);
+}
+
 /// A failure kept across two detours keeps the number of the attempt it came from: a's
 /// refusal is retried after b cannot serve, and the retry finds a unable too.
 #[tokio::test(start_paused = true)]

@@ -54,10 +54,12 @@ impl<S: Service> Service for TimeoutLayer<S> {
         if let Err(e) = &result {
             let passed = deadline.is_some_and(|d| Instant::now() >= d);
             if e.code() == StatusCode::Timeout && !cx.attempt_timed_out && passed {
+                // The attempt the deadline cut (or, if it passed between attempts, the one
+                // before), with its endpoint.
                 cx.emit(
                     EventKind::Timeout,
                     cx.last_failed.as_deref(),
-                    0,
+                    cx.failed_attempt.unwrap_or(cx.attempt),
                     Some(e.to_string()),
                 );
             }
