@@ -618,12 +618,16 @@ async fn a_second_signal_during_the_drain_stops_at_once() {
     kill("-INT");
     // Within LIMIT (5 s), well before the 10 s drain timeout.
     assert_eq!(server.line(), "stopped");
+    // Held open until the call's end: `Child::wait` closes the stdin it holds, and a closed
+    // stdin answers the held call ("standard input closed") if the process has not ended yet.
+    let stdin = server.child.stdin.take();
     let exit = server.child.wait().unwrap();
     assert!(exit.success(), "signal-server exited with {exit}");
     let e = within("the held call", call)
         .await
         .unwrap()
         .expect_err("dropped by the stop");
+    drop(stdin);
     assert!(
         matches!(
             e.code(),
