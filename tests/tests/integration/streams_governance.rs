@@ -1613,6 +1613,86 @@ async fn a_client_stream_over_the_cap_behind_a_layer_is_refused_before_acceptanc
     within("shutdown", server.shutdown()).await;
 }
 
+/// A stream admitted at its entry whose compressed arguments then do not decompress (500) gives
+/// back the rate-limit token it took, as a unary call does: with one call a second and a burst
+/// of 1, a proper stream opened right after it is accepted, and the one after that refused
+/// (429). Each shape admitted before it decompresses: a server or client stream without
+/// layers, and a client stream behind a layer (admitted before its layers run).
+#[tokio::test]
+async fn a_stream_whose_arguments_do_not_decompress_gives_its_rate_limit_token_back() {
+    use rpc::crates::core::wire::{frame::Kind, RemoteInvokeMessage, StreamMode};
+    use rpc::crates::core::Compression;
+    use rpc::crates::transport::compression::compress;
+    for (layered, entry, mode) in [
+        (false, "g.Stocks.prices", StreamMode::Server),
+        (false, "g.Stocks.tally", StreamMode::Client),
+        (true, "g.Stocks.tally", StreamMode::Client),
+    ] {
+        let mut builder = Server::builder().rate_limit(1, 1);
+        if layered {
+            builder = builder.layer(PassThrough);
+        }
+        let server = builder
+            .add_service(StocksServer::new(Market::default()))
+            .serve("127.0.0.1:0")
+            .await
+            .expect("serve");
+        let mut raw = raw_zstd_client(&server, false).await;
+        let opening = |id: u64, corrupt: bool| {
+            // `prices(3)`, or `tally("three", ..)`: one argument besides the stream.
+            let plain = if mode == StreamMode::Server {
+                stream_opening(id, entry, &(3u32,), mode)
+            } else {
+                stream_opening(id, entry, &("three",), mode)
+            };
+            let mut packed = compress(Compression::Zstd, &plain.parameters).to_vec();
+            if corrupt {
+                packed.truncate(packed.len() / 2);
+            }
+            Kind::Invoke(RemoteInvokeMessage {
+                parameters: packed.into(),
+                compression: Compression::Zstd.to_wire(),
+                ..plain
+            })
+        };
+        let case = format!("{entry} (layered: {layered})");
+        raw.send(opening(1, true)).await.expect("send");
+        match within("the corrupt stream's answer", raw.recv()).await {
+            Some(Kind::Result(r)) => {
+                assert_eq!((r.message_id, r.status_code), (1, 500), "{case}: {r:?}");
+                assert!(
+                    r.exception_message.contains("does not decompress"),
+                    "{case}: {}",
+                    r.exception_message
+                );
+            }
+            other => panic!("{case}: expected the corrupt stream refused, got {other:?}"),
+        }
+        raw.send(opening(2, false)).await.expect("send");
+        match within("the proper stream's first frame", raw.recv()).await {
+            Some(Kind::Result(r)) => panic!("{case}: the proper stream was refused: {r:?}"),
+            Some(_) => {}
+            None => panic!("{case}: the connection closed"),
+        }
+        raw.send(opening(3, false)).await.expect("send");
+        // (Frames of the accepted stream may come first.)
+        let refused = loop {
+            match within("the third stream's answer", raw.recv()).await {
+                Some(Kind::Result(r)) if r.message_id == 3 => break r,
+                Some(_) => continue,
+                None => panic!("{case}: the connection closed"),
+            }
+        };
+        assert_eq!(
+            refused.status_code,
+            StatusCode::RateLimited.as_u32(),
+            "{case}: the limit holds: {refused:?}"
+        );
+        drop(raw);
+        within("shutdown", server.shutdown()).await;
+    }
+}
+
 /// A server layer whose stream end hook panics.
 struct PanicAtTheEnd;
 
