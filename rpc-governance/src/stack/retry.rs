@@ -192,7 +192,10 @@ impl<B: Balance, S> RetryLayer<B, S> {
         let attempt = cx.attempt;
         if cx.throttled {
             // Dropped locally: nothing was sent, nothing to hold against the endpoint, and an
-            // attempt right away would be dropped again.
+            // attempt right away would be dropped again. The drop is the call's failure: the
+            // dropped attempt's, with the endpoint it was for (as the `throttled` event says).
+            cx.failed_attempt = Some(attempt);
+            cx.last_failed = Some(addr.clone());
             cx.tried.push(addr);
             return Err(err);
         }
@@ -275,6 +278,15 @@ impl<B: Balance, S> RetryLayer<B, S> {
                 } else {
                     failover::decide(&err, attempt, &cx.options, cx.deadline, untried_left)
                 };
+            }
+        }
+        // A detour that is retried: should the call end before another attempt is sent (no
+        // endpoint found, its deadline passed), its failure is the one before the detour, on
+        // an endpoint that could serve it.
+        if unsupported {
+            if let Some(before) = &cx.served_failure {
+                cx.last_failed = Some(before.endpoint.clone());
+                failed_at = before.attempt;
             }
         }
         // The attempt the call's failure is, should it end before another attempt is sent.

@@ -596,6 +596,25 @@ async fn fallback_event_of<A: Attempts + Copy + Send>(
     retry_times: u32,
     attempts: A,
 ) -> GovernanceEvent {
+    let g = engine(GovernanceOptions {
+        retry_times,
+        ..retries_within_budget(1_000)
+    });
+    let p = g.policy(&M);
+    fallback_events(&g, &p, attempts)
+        .await
+        .into_iter()
+        .find(|e| e.kind == EventKind::Fallback)
+        .expect("a fallback event")
+}
+
+/// The events of a call of `g` with policy `p` whose attempts are `attempts`, answered by a
+/// registered fallback.
+async fn fallback_events<A: Attempts + Copy + Send>(
+    g: &Governance,
+    p: &Arc<EntryPolicy>,
+    attempts: A,
+) -> Vec<GovernanceEvent> {
     struct Answers;
     impl rpc_core::Service for Answers {
         fn service_id(&self) -> &'static str {
@@ -608,16 +627,11 @@ async fn fallback_event_of<A: Attempts + Copy + Send>(
             Box::pin(async { Ok(Bytes::from_static(b"fallback")) })
         }
     }
-    let g = engine(GovernanceOptions {
-        retry_times,
-        ..retries_within_budget(1_000)
-    });
     let mut events = g.events().subscribe();
-    let p = g.policy(&M);
     let fallbacks: super::Fallbacks = [(M.service_id, Arc::new(Answers) as Arc<_>)]
         .into_iter()
         .collect();
-    let mut cx = CallCx::new(&g, p.clone(), p.options());
+    let mut cx = CallCx::new(g, p.clone(), p.options());
     let stack = super::FallbackLayer::new(
         &fallbacks,
         rpc_core::Codec::MsgPack,
@@ -628,9 +642,7 @@ async fn fallback_event_of<A: Attempts + Copy + Send>(
         .await
         .expect("the fallback answers");
     assert_eq!(&answer[..], b"fallback");
-    std::iter::from_fn(|| events.try_recv().ok())
-        .find(|e| e.kind == EventKind::Fallback)
-        .expect("a fallback event")
+    std::iter::from_fn(|| events.try_recv().ok()).collect()
 }
 
 /// A fallback answering for a call whose retry was a detour names the endpoint whose failure
@@ -654,18 +666,18 @@ async fn a_fallback_after_a_detour_and_another_attempt_names_the_last_attempt() 
     assert_eq!(fallback.attempt, 2);
 }
 
-/// A script's attempts with no endpoint left to pick after the first.
-struct PicksOnce(Script);
+/// A script's attempts with no endpoint left to pick after the first `.0`.
+struct PicksUpTo(u32, Script);
 
-impl Attempts for &PicksOnce {
+impl Attempts for &PicksUpTo {
     fn select(&self, ctx: &AttemptCtx<'_>) -> Result<String, RpcError> {
-        if ctx.attempt > 0 {
+        if ctx.attempt >= self.0 {
             return Err(RpcError::new(
                 StatusCode::CommunicationError,
                 "no endpoint left",
             ));
         }
-        (&self.0).select(ctx)
+        (&self.1).select(ctx)
     }
     async fn call(
         &self,
@@ -673,10 +685,10 @@ impl Attempts for &PicksOnce {
         timeout_ms: u32,
         deadline: Option<Instant>,
     ) -> Result<Bytes, RpcError> {
-        (&self.0).call(addr, timeout_ms, deadline).await
+        (&self.1).call(addr, timeout_ms, deadline).await
     }
     fn untried_left(&self, tried: &[String]) -> bool {
-        (&self.0).untried_left(tried)
+        (&self.1).untried_left(tried)
     }
 }
 
@@ -684,7 +696,7 @@ impl Attempts for &PicksOnce {
 /// fallback names the first attempt, whose failure it answers for, and its endpoint.
 #[tokio::test(start_paused = true)]
 async fn a_fallback_after_a_retry_that_found_no_endpoint_names_the_attempt_that_failed() {
-    let attempts = PicksOnce(Script::new(vec![overflow()], Duration::ZERO));
+    let attempts = PicksUpTo(1, Script::new(vec![overflow()], Duration::ZERO));
     let fallback = fallback_event_of(1, &attempts).await;
     let cause = fallback.cause.as_deref().unwrap_or_default();
     assert!(
@@ -695,6 +707,31 @@ async fn a_fallback_after_a_retry_that_found_no_endpoint_names_the_attempt_that_
     assert_eq!(
         fallback.attempt, 0,
         "the attempt sent, not the one never sent"
+    );
+}
+
+/// A call whose retry after a detour finds no endpoint to go to ends before a third attempt is
+/// sent: the fallback names the failure before the detour (a's refusal, attempt 0), on an
+/// endpoint that could serve the call, not the detour, which was sent nothing. Before, it
+/// named the detour's endpoint and number.
+#[tokio::test(start_paused = true)]
+async fn a_fallback_after_a_retried_detour_that_found_no_endpoint_names_the_failure_before_it() {
+    // a refuses (515), b cannot serve (c is untried: retried), then no endpoint is found.
+    let attempts = PicksUpTo(
+        2,
+        Script::new(vec![overflow(), cannot_serve()], Duration::ZERO),
+    );
+    let fallback = fallback_event_of(3, &attempts).await;
+    let cause = fallback.cause.as_deref().unwrap_or_default();
+    assert!(cause.contains("no endpoint left"), "{cause}");
+    assert_eq!(
+        attempts.1.log.lock().unwrap().len(),
+        2,
+        "a and b were tried"
+    );
+    assert_eq!(
+        (fallback.endpoint.as_deref(), fallback.attempt),
+        (Some("a:1"), 0)
     );
 }
 
@@ -1405,17 +1442,27 @@ async fn answers_other_than_overload_refusals_count_as_accepts() {
     }
 }
 
+/// The throttle of `policy` (made with K = 2 over 10 s), having seen `requests` requests now,
+/// `accepts` of them accepted.
+fn throttle_with(policy: &EntryPolicy, requests: u32, accepts: u32) -> &Throttle {
+    let t = policy
+        .throttle
+        .get_or_init(|| Throttle::new(2.0, Duration::from_secs(10)));
+    for _ in 0..requests {
+        t.admit_at(Instant::now(), 1.0);
+    }
+    for _ in 0..accepts {
+        t.accepted_at(Instant::now());
+    }
+    t
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_dropped_attempt_fails_the_call_at_once_and_is_not_retried() {
     let g = throttled(200, 3);
     let policy = g.policy(&M);
     // 1000 refused requests in the window: the next one is dropped with p = 1000 / 1001.
-    let t = policy
-        .throttle
-        .get_or_init(|| Throttle::new(2.0, Duration::from_secs(10)));
-    for _ in 0..1000 {
-        t.admit_at(Instant::now(), 1.0);
-    }
+    throttle_with(&policy, 1000, 0);
     let mut events = g.events().subscribe();
     let s = Script::new(vec![overflow()], Duration::ZERO);
     let t0 = Instant::now();
@@ -1433,6 +1480,46 @@ async fn a_dropped_attempt_fails_the_call_at_once_and_is_not_retried() {
     assert!(events.try_recv().is_err(), "no retry event after the drop");
 }
 
+/// A retry that adaptive throttling drops (never sent) ends the call with the drop: a fallback
+/// answering for it names the dropped attempt's number with the endpoint it was for, as the
+/// `throttled` event does. Before, it named the dropped attempt's number beside the previous
+/// attempt's endpoint.
+#[tokio::test(start_paused = true)]
+async fn a_fallback_after_a_throttled_retry_names_the_dropped_attempt_and_its_endpoint() {
+    let g = throttled(200, 1);
+    let policy = g.policy(&M);
+    // Drop probability about 0.5: (r - 2a) / (r + 1) with 1000 requests and 250 accepts.
+    let t = throttle_with(&policy, 1000, 250);
+    // The throttle's draws are a fixed sequence: skip to where the first attempt's is high
+    // (sent) and the retry's low (dropped), read from a throttle of the same sequence.
+    let twin = Throttle::new(2.0, Duration::from_secs(10));
+    let draws: Vec<f64> = (0..10_000).map(|_| twin.draw()).collect();
+    let skip = draws
+        .windows(2)
+        .position(|d| d[0] > 0.9 && d[1] < 0.1)
+        .expect("such draws within 10 000");
+    for _ in 0..skip {
+        t.draw();
+    }
+    let s = Script::new(vec![overflow()], Duration::ZERO);
+    let events = fallback_events(&g, &policy, &s).await;
+    assert_eq!(s.starts().len(), 1, "the retry was dropped, not sent");
+    let of = |kind| {
+        events
+            .iter()
+            .find(|e| e.kind == kind)
+            .unwrap_or_else(|| panic!("a {kind:?} event in {events:?}"))
+    };
+    let (dropped, fallback) = (of(EventKind::Throttled), of(EventKind::Fallback));
+    assert_eq!(dropped.attempt, 1, "the retry was dropped");
+    let first = s.log.lock().unwrap()[0].1.clone();
+    assert_ne!(dropped.endpoint.as_deref(), Some(first.as_str()));
+    assert_eq!(
+        (fallback.endpoint.as_deref(), fallback.attempt),
+        (dropped.endpoint.as_deref(), 1)
+    );
+}
+
 /// After a runtime change of K, the drop's message states the probability the drop was decided
 /// with (the new K), not the one of the K the throttle was made with.
 #[tokio::test(start_paused = true)]
@@ -1441,15 +1528,7 @@ async fn a_drop_states_the_probability_of_the_k_in_force() {
     let policy = g.policy(&M);
     // Made when K was 2; 1000 requests, 400 accepted: p = (1000 - 400) / 1001 = 60 % with
     // K = 1, and (1000 - 800) / 1001 = 20 % with K = 2.
-    let t = policy
-        .throttle
-        .get_or_init(|| Throttle::new(2.0, Duration::from_secs(10)));
-    for i in 0..1000 {
-        t.admit_at(Instant::now(), 1.0);
-        if i < 400 {
-            t.accepted_at(Instant::now());
-        }
-    }
+    throttle_with(&policy, 1000, 400);
     let s = Script::new(vec![overflow()], Duration::ZERO);
     let mut dropped = None;
     for _ in 0..50 {
