@@ -42,17 +42,9 @@ pub(crate) enum Gate {
     Adaptive(AdaptiveLimit, Bulkhead),
 }
 
-/// A call's place at its entry: the slot it holds at the gate, returned when dropped, and the
-/// rate limiter whose tokens it took, if it took any.
+/// A slot taken at an entry's gate, returned when dropped.
 #[derive(Debug)]
-pub(crate) struct Slot {
-    held: Held,
-    tokens: Option<Arc<RateLimiter>>,
-}
-
-/// The slot a call holds at its entry's gate.
-#[derive(Debug)]
-enum Held {
+pub(crate) enum Slot {
     Cap(#[allow(dead_code)] Permit),
     Adaptive(
         #[allow(dead_code)] AdaptivePermit,
@@ -66,36 +58,19 @@ impl Slot {
     /// The slot for an open stream: held until the stream ends, and not measured by an
     /// adaptive limit (a stream's duration is the caller's choice, not the server's latency).
     pub(crate) fn for_stream(self) -> Slot {
-        let held = match self.held {
-            Held::Adaptive(p, cap) => Held::Adaptive(p.unmeasured(), cap),
+        match self {
+            Slot::Adaptive(p, cap) => Slot::Adaptive(p.unmeasured(), cap),
             other => other,
-        };
-        Slot { held, ..self }
+        }
     }
 
     /// Returns the slot of a call that ran to its end (answered, failed or timed out): an
     /// adaptive limit measures it. A slot dropped otherwise (the call cancelled by its caller,
     /// or dropped with its connection) is returned unmeasured.
     pub(crate) fn completed(mut self) {
-        if let Held::Adaptive(p, _) = &mut self.held {
+        if let Slot::Adaptive(p, _) = &mut self {
             p.measure();
         }
-    }
-
-    /// Returns the slot of a call of `client_id` that was admitted and then turned away before
-    /// it ran (its arguments did not decompress): unmeasured, and with the rate-limit tokens
-    /// it took given back, since the limits count calls that run (as for a call refused at
-    /// the gate).
-    pub(crate) fn refused(self, client_id: &str) {
-        if let Some(limiter) = &self.tokens {
-            limiter.give_back(client_id);
-        }
-    }
-
-    /// Whether the call was admitted over the gate's limit in observe mode (holding no slot).
-    #[cfg(test)]
-    fn is_observed(&self) -> bool {
-        matches!(self.held, Held::Observed)
     }
 }
 
@@ -236,11 +211,11 @@ impl Admission {
         remaining: Option<Duration>,
     ) -> Result<Slot, RpcError> {
         let p = self.now.load();
-        // The limiter whose tokens the call took (given back if the gate refuses it).
-        let mut tokens = None;
+        // Whether the call took rate-limit tokens (given back if the gate refuses it).
+        let mut took_tokens = false;
         if let Some(limiter) = &p.limiter {
             match limiter.try_admit(client_id) {
-                Ok(()) => tokens = Some(limiter),
+                Ok(()) => took_tokens = true,
                 Err((which, after)) => {
                     let e = rate_limited(entry, client_id, limiter.limits(), which, after);
                     if !p.observe_rate {
@@ -251,40 +226,36 @@ impl Admission {
             }
         }
         let slot = match &p.gate {
-            Gate::Cap(cap) => cap.try_enter(entry).map(Held::Cap),
+            Gate::Cap(cap) => cap.try_enter(entry).map(Slot::Cap),
             Gate::Adaptive(limit, cap) => cap.try_enter(entry).and_then(|held| {
                 // (The cap first: a call refused there is never measured by the limit.)
                 let criticality = criticality.and_then(Criticality::parse).unwrap_or_default();
                 // (Measured only once the call is known to have run to its end: `completed`.)
                 match limit.try_enter(entry, criticality, remaining) {
-                    Ok(permit) => Ok(Held::Adaptive(permit.unmeasured(), held)),
+                    Ok(permit) => Ok(Slot::Adaptive(permit.unmeasured(), held)),
                     // Over the adaptive limit only, in observe mode: admitted, and still
                     // counted by the cap, which holds across the entries that share it.
                     Err(e) if p.observe_gate => {
                         self.observed(EventKind::Overflow, entry, &e);
-                        Ok(Held::Cap(held))
+                        Ok(Slot::Cap(held))
                     }
                     Err(e) => Err(e),
                 }
             }),
         };
-        let held = match slot {
+        match slot {
             Err(e) if p.observe_gate => {
                 self.observed(EventKind::Overflow, entry, &e);
-                Held::Observed
+                Ok(Slot::Observed)
             }
             Err(e) => {
-                if let Some(limiter) = tokens {
+                if let (true, Some(limiter)) = (took_tokens, &p.limiter) {
                     limiter.give_back(client_id);
                 }
-                return Err(e);
+                Err(e)
             }
-            Ok(held) => held,
-        };
-        Ok(Slot {
-            held,
-            tokens: tokens.cloned(),
-        })
+            ok => ok,
+        }
     }
 
     /// The entry's load now: calls holding a slot, and the limit in force.
@@ -407,37 +378,6 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_call_refused_after_admission_gives_its_rate_limit_token_back() {
-        for observe in [false, true] {
-            // One call a second, burst 1.
-            let (a, mut events) = admission(Gate::Cap(Bulkhead::new(10)), Some((1.0, 1)), observe);
-            admit(&a).unwrap().refused("caller");
-            // The token is back: the next call within the second is admitted, unobserved.
-            let next = admit(&a).unwrap();
-            assert!(
-                events.all().is_empty(),
-                "observe {observe}: not over the limit"
-            );
-            if observe {
-                // Admitted over the limit (observed): it took no token, so it gives none back.
-                let over = admit(&a).unwrap();
-                assert_eq!(events.all(), vec![(EventKind::RateLimited, true)]);
-                over.refused("caller");
-                let _third = admit(&a).unwrap();
-                assert_eq!(
-                    events.all(),
-                    vec![(EventKind::RateLimited, true)],
-                    "still over the limit"
-                );
-            } else {
-                let e = admit(&a).unwrap_err();
-                assert_eq!(e.code(), StatusCode::RateLimited, "{e}");
-            }
-            drop(next);
-        }
-    }
-
-    #[tokio::test(start_paused = true)]
     async fn over_the_cap_or_the_adaptive_limit_observe_mode_admits_and_reports() {
         for gate in [
             || Gate::Cap(Bulkhead::new(1)),
@@ -449,7 +389,7 @@ mod tests {
                 assert_eq!(a.load(), (1, 1));
                 let second = admit(&a);
                 if observe {
-                    assert!(second.is_ok_and(|s| s.is_observed()));
+                    assert!(matches!(second, Ok(Slot::Observed)));
                     assert_eq!(events.all(), vec![(EventKind::Overflow, true)]);
                     // An observed call holds no slot.
                     assert_eq!(a.load(), (1, 1));

@@ -415,9 +415,8 @@ impl Dispatcher {
     /// with layers, a unary call or a server stream is admitted after the layers, which may
     /// read the arguments: it is decompressed before them. One that does not decompress is
     /// answered 500, one beyond the server's budget for decompressed arguments 515, and
-    /// neither runs; they are counted as the connection counts its own refusals, and a call
-    /// admitted already is given its slot and rate-limit tokens back ([`Slot::refused`]). The
-    /// span records the algorithm and the decompressed size.
+    /// neither runs; they are counted as the connection counts its own refusals. The span
+    /// records the algorithm and the decompressed size.
     #[allow(clippy::result_large_err)]
     pub(crate) fn unpack(
         &self,
@@ -550,7 +549,6 @@ impl Dispatcher {
             Err(refused) => return refused,
         };
         if let Err(refused) = self.unpack(&mut invoke, caller, &span) {
-            permit.refused(caller.client_id());
             return refused;
         }
         let metrics = self.metrics.start(route.method);

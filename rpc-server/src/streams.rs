@@ -108,7 +108,6 @@ pub(crate) fn dispatch(
     };
     let mut invoke = invoke;
     if let Err(refused) = d.unpack(&mut invoke, caller, &span) {
-        permit.refused(caller.client_id());
         return refused;
     }
     let deadline = (invoke.timeout_ms > 0).then(|| {
@@ -198,9 +197,6 @@ fn layered(
     // Decompressed once admitted here, before the layers, which may read the arguments.
     let mut invoke = invoke;
     if let Err(refused) = d.unpack(&mut invoke, caller, &span) {
-        if let Some(slot) = admitted {
-            slot.refused(caller.client_id());
-        }
         return refused;
     }
     let opened = StreamSlot::default();
