@@ -320,6 +320,10 @@ impl rpc_transport::StreamEvents for PackedEvents {
             .poll_ended(cx)
             .map(|end| pack.apply(end))
     }
+
+    fn settled(mut self: std::pin::Pin<&mut Self>, end: &RemoteResultMessage) {
+        self.events.as_mut().settled(end);
+    }
 }
 
 /// How one call's answer is compressed: with `algorithm` (one the caller accepts) when its

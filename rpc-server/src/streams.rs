@@ -337,6 +337,9 @@ struct ServerStream {
     /// The caller's items the handler took so far.
     received: Arc<AtomicU64>,
     ended: bool,
+    /// The end produced, not yet recorded, and whether the set-up had succeeded: recorded
+    /// once the connection says what it sent ([`StreamEvents::settled`]), or when dropped.
+    unrecorded: Option<(Result<Bytes, RpcError>, bool)>,
     /// What server layers asked to be told as the stream ends, and when it started.
     end_hooks: Option<(StreamEndHooks, Instant)>,
 }
@@ -378,6 +381,7 @@ impl ServerStream {
             sent: 0,
             received,
             ended: false,
+            unrecorded: None,
             end_hooks,
         }
     }
@@ -405,24 +409,34 @@ impl ServerStream {
     }
 
     fn end(&mut self, result: Result<Bytes, RpcError>) -> Poll<Option<StreamEvent>> {
+        // (The load the answer reports still counts this stream, as a unary call's does.)
+        let load = self.admission.load();
+        let set_up = self.release();
+        let message = with_load(to_message(result.clone()), load);
+        self.unrecorded = Some((result, set_up));
+        Poll::Ready(Some(StreamEvent::End(Box::new(message))))
+    }
+
+    /// Ends the stream here: the handler's stream goes first, then the entry's slot. Whether
+    /// the set-up had succeeded (layers hear of the end of such a stream only).
+    fn release(&mut self) -> bool {
         self.ended = true;
-        // (Layers hear of the end of a stream whose set-up succeeded only.)
         let set_up = self.items.is_some();
-        // The handler's stream goes first, then its slot.
         self.setup = None;
         self.items = None;
-        let load = self.admission.load();
         self.permit = None;
+        set_up
+    }
+
+    /// Records the stream's end as `result` (the span, the metrics, the call observers, and
+    /// the layers' hooks when its set-up had succeeded).
+    fn record(&mut self, result: &Result<Bytes, RpcError>, set_up: bool) {
         self.watch
             .stream_items(self.sent, self.received.load(Ordering::Relaxed));
-        self.watch.finish(&result, self.fallback_cause.get());
+        self.watch.finish(result, self.fallback_cause.get());
         if set_up {
-            self.run_end_hooks(Some(&result));
+            self.run_end_hooks(Some(result));
         }
-        Poll::Ready(Some(StreamEvent::End(Box::new(with_load(
-            to_message(result),
-            load,
-        )))))
     }
 
     /// Tells the layers' hooks how the stream ended (`None`: stopped before its end).
@@ -472,8 +486,12 @@ impl ServerStream {
 
 impl Drop for ServerStream {
     fn drop(&mut self) {
-        // Stopped before its end: `Cancel`, the connection's end, the drain.
-        if !self.ended {
+        if let Some((result, set_up)) = self.unrecorded.take() {
+            // Ended, and dropped before the connection said what it sent (a transport that
+            // does not tell): recorded as produced.
+            self.record(&result, set_up);
+        } else if !self.ended {
+            // Stopped before its end: `Cancel`, the connection's end, the drain.
             self.watch
                 .stream_items(self.sent, self.received.load(Ordering::Relaxed));
             if self.items.is_some() {
@@ -500,6 +518,26 @@ impl StreamEvents for ServerStream {
         self.poll_event(cx, Some(sink))
     }
 
+    /// Records the end the caller gets: the one produced, or the connection's in its place
+    /// (the caller's failed request stream, a protocol violation), with its status and
+    /// message.
+    fn settled(mut self: Pin<&mut Self>, end: &RemoteResultMessage) {
+        let this = &mut *self;
+        let (produced, set_up) = match this.unrecorded.take() {
+            Some((result, set_up)) => (Some(result), set_up),
+            None if !this.ended => (None, this.release()),
+            None => return,
+        };
+        let result = match produced {
+            Some(result) if status_of(&result) == end.status_code => result,
+            _ => Err(RpcError::new(
+                StatusCode::from_u32(end.status_code),
+                end.exception_message.clone(),
+            )),
+        };
+        this.record(&result, set_up);
+    }
+
     /// The deadline covers the time a stream waits for the caller's credit too.
     fn poll_ended(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<RemoteResultMessage> {
         if self.ended {
@@ -509,6 +547,14 @@ impl StreamEvents for ServerStream {
             Poll::Ready(Poll::Ready(Some(StreamEvent::End(end)))) => Poll::Ready(*end),
             _ => Poll::Pending,
         }
+    }
+}
+
+/// The status number an end with `result` is sent with.
+fn status_of(result: &Result<Bytes, RpcError>) -> u32 {
+    match result {
+        Ok(_) => StatusCode::Success.as_u32(),
+        Err(e) => e.code().as_u32(),
     }
 }
 

@@ -61,6 +61,15 @@ pub trait StreamEvents: Stream<Item = StreamEvent> + Send {
     fn poll_ended(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<RemoteResultMessage> {
         Poll::Pending
     }
+
+    /// The stream's end as the connection sends it, told once, when the stream's task ends
+    /// with it: the end these events produced, or one the connection put in its place (the
+    /// caller's request stream failed while the producer answered as if it were complete, or
+    /// the caller broke the protocol and the stream was ended with 500). What the producer
+    /// records of its end (span, metrics, hooks) is to follow this one. The default: nothing.
+    fn settled(self: Pin<&mut Self>, end: &RemoteResultMessage) {
+        let _ = end;
+    }
 }
 
 /// What a stream answering a call produces (see [`Dispatch::Stream`]).

@@ -885,6 +885,9 @@ impl Future for StreamDriver {
         if !this.out.frames.is_empty() {
             this.sender.send_encoded(this.out.frames.split().freeze());
         }
+        if let (Poll::Ready(end), Events::Into(events)) = (&outcome, &mut this.events) {
+            events.as_mut().settled(end);
+        }
         outcome
     }
 }

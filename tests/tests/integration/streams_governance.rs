@@ -10,6 +10,7 @@
 
 use crate::common;
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::SystemTime;
@@ -39,6 +40,9 @@ pub trait Stocks {
     async fn find(&self, text: String, word: String) -> Result<RpcStream<u32>, RpcError>;
     /// Client streaming: the length of `text` plus the caller's numbers.
     async fn tally(&self, text: String, numbers: RpcStream<u64>) -> Result<u64, RpcError>;
+    /// Client streaming: the sum of the caller's numbers up to their end or their failure,
+    /// answered either way (a handler that takes a failed request stream as complete).
+    async fn lenient_total(&self, numbers: RpcStream<u64>) -> Result<u64, RpcError>;
     /// Both ways, compressed: each line back upper-cased after `prefix`.
     #[governance(compression = "zstd")]
     async fn shout(
@@ -145,6 +149,15 @@ impl Stocks for Market {
         tally_of(text, numbers).await
     }
 
+    async fn lenient_total(&self, mut numbers: RpcStream<u64>) -> Result<u64, RpcError> {
+        self.setup()?;
+        let mut total = 0;
+        while let Some(Ok(n)) = numbers.next().await {
+            total += n;
+        }
+        Ok(total)
+    }
+
     async fn shout(
         &self,
         prefix: String,
@@ -184,6 +197,10 @@ impl Stocks for Cache {
     async fn total(&self, numbers: RpcStream<u64>) -> Result<u64, RpcError> {
         self.used.fetch_add(1, Ordering::SeqCst);
         sum_from(1_000_000, numbers).await
+    }
+
+    async fn lenient_total(&self, numbers: RpcStream<u64>) -> Result<u64, RpcError> {
+        self.total(numbers).await
     }
 
     async fn double(&self, numbers: RpcStream<u64>) -> Result<RpcStream<u64>, RpcError> {
@@ -1611,6 +1628,131 @@ async fn a_client_stream_over_the_cap_behind_a_layer_is_refused_before_acceptanc
     }
     drop(raw);
     within("shutdown", server.shutdown()).await;
+}
+
+/// A stream taking the caller's items whose end the connection decides, not its handler, is recorded with the
+/// end the caller gets: the span's status and the layers' end hooks (with a layer, and
+/// without one for the span). Two such ends:
+/// - the caller's request stream fails (its `StreamEnd` says 1000) and the handler answers as
+///   if it were complete: the caller gets 1000, and so the stream is recorded; before, it
+///   was recorded as a success (200);
+/// - the caller of a bidirectional stream sends more items than it was granted: the stream is
+///   ended with 500 (protocol violation), and so recorded; before, it was recorded as
+///   cancelled, with no status, and the hooks were told it was stopped (`None`).
+#[tokio::test]
+async fn a_stream_ended_by_its_connection_is_recorded_with_the_end_the_caller_gets() {
+    use rpc::crates::core::wire::{frame::Kind, StreamEnd, StreamItem, StreamMode};
+    let (traces, _guard) = traced();
+    for layered in [false, true] {
+        let reg = InProcessRegistry::new();
+        let (seen_tx, mut seen) = mpsc::unbounded_channel();
+        let mut builder = Server::builder().registry(reg.clone()).stream_window(4);
+        if layered {
+            builder = builder.layer(ServerGate(seen_tx));
+        }
+        let server = builder
+            .add_service(StocksServer::new(Market::default()))
+            .serve("127.0.0.1:0")
+            .await
+            .expect("serve");
+        let mut raw = raw_zstd_client(&server, false).await;
+        let item = |id: u64, n: u64| {
+            Kind::StreamItem(StreamItem {
+                message_id: id,
+                payload: rpc::Codec::MsgPack.encode(&n).expect("encode"),
+                ..Default::default()
+            })
+        };
+        let mut ends = BTreeMap::new();
+        for (id, entry, mode) in [
+            (1, "g.Stocks.lenient_total", StreamMode::Client),
+            (3, "g.Stocks.double", StreamMode::Bidi),
+        ] {
+            let opening = stream_opening(id, entry, &(), mode);
+            raw.send(Kind::Invoke(opening)).await.expect("send");
+            let window = match within("the acceptance", raw.recv()).await {
+                Some(Kind::StreamCredit(c)) if c.message_id == id => c.items,
+                other => panic!("expected stream {id} accepted, got {other:?}"),
+            };
+            assert_eq!(window, 4, "the server's window");
+            if id == 1 {
+                raw.send(item(id, 5)).await.expect("send");
+                raw.send(Kind::StreamEnd(StreamEnd {
+                    message_id: id,
+                    status_code: 1000,
+                    exception_message: "the caller gave up".into(),
+                }))
+                .await
+                .expect("send");
+            } else {
+                for n in 0..=u64::from(window) {
+                    raw.send(item(id, n)).await.expect("send");
+                }
+            }
+            // (Credit for the items taken, and doubled items, may come first.)
+            loop {
+                match within("the stream's end", raw.recv()).await {
+                    Some(Kind::Result(r)) if r.message_id == id => {
+                        ends.insert(id, r.status_code);
+                        break;
+                    }
+                    Some(Kind::StreamCredit(c)) if c.message_id == id => {}
+                    Some(Kind::StreamItem(i)) if i.message_id == id => {}
+                    other => panic!("expected stream {id}'s end, got {other:?}"),
+                }
+            }
+        }
+        assert_eq!(
+            ends,
+            BTreeMap::from([(1, 1000), (3, 500)]),
+            "what the caller got"
+        );
+        fn recorded(entry: &str) -> impl Fn(&&opentelemetry_sdk::trace::SpanData) -> bool {
+            let entry = Value::from(entry.to_string());
+            move |s| s.name == "rpc.server" && attr(s, "rpc.entry_id") == Some(entry.clone())
+        }
+        let spans = traces
+            .spans_once("the streams' server spans end", |spans| {
+                let n = |entry| spans.iter().filter(recorded(entry)).count();
+                n("g.Stocks.lenient_total") > usize::from(layered)
+                    && n("g.Stocks.double") > usize::from(layered)
+            })
+            .await;
+        for (entry, status) in [("g.Stocks.lenient_total", 1000), ("g.Stocks.double", 500)] {
+            let span = spans
+                .iter()
+                .filter(recorded(entry))
+                .nth(usize::from(layered))
+                .expect("the span");
+            assert_eq!(
+                attr(span, "rpc.status_code"),
+                Some(Value::I64(status)),
+                "layered {layered}: {entry}"
+            );
+        }
+        if layered {
+            let mut hooks = Vec::new();
+            while hooks.len() < 2 {
+                let line = within("the end hooks", seen.recv()).await.expect("a line");
+                if let Some(end) = line.strip_prefix("end ") {
+                    // Up to the items, which depend on how far the stream went.
+                    let cut = end.find(" sent").filter(|_| end.contains("double"));
+                    hooks.push(format!("end {}", &end[..cut.unwrap_or(end.len())]));
+                }
+            }
+            hooks.sort();
+            assert_eq!(
+                hooks[0], "end g.Stocks.double Some(500)",
+                "(items each way as far as they went)"
+            );
+            assert_eq!(
+                hooks[1], "end g.Stocks.lenient_total Some(1000) sent 1 received 1",
+                "the answer is one item sent"
+            );
+        }
+        drop(raw);
+        within("shutdown", server.shutdown()).await;
+    }
 }
 
 /// A server layer whose stream end hook panics.
