@@ -41,23 +41,7 @@ async fn the_program_serves_an_echo_server_published_at(url: &str) {
         .await
         .expect("serve echo");
 
-    let mut child = Command::new(env!("CARGO_BIN_EXE_rpc-gateway"))
-        .args(["--registry", url, "--listen", "127.0.0.1:0"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("start rpc-gateway");
-    let stdout = child.stdout.take().expect("stdout");
-    let mut line = String::new();
-    tokio::time::timeout(LIMIT, BufReader::new(stdout).read_line(&mut line))
-        .await
-        .expect("rpc-gateway prints its address in time")
-        .expect("read its output");
-    let addr = line
-        .trim_end()
-        .strip_prefix("gateway on ")
-        .unwrap_or_else(|| panic!("unexpected first line: {line:?}"));
+    let (mut child, addr) = start(&["--registry", url, "--listen", "127.0.0.1:0"]).await;
 
     // What `curl -d '{"text":"hi"}' http://ADDR/api/echo.Echo/echo` sends.
     let http = reqwest::Client::new();
@@ -84,6 +68,79 @@ async fn the_program_serves_an_echo_server_published_at(url: &str) {
         serde_json::from_str(&document.text().await.expect("body")).expect("JSON");
     assert_eq!(document["openapi"], "3.1.0");
 
+    child.start_kill().expect("stop rpc-gateway");
+    server.shutdown().await;
+}
+
+/// Starts the program with `args`; it and the address it prints.
+async fn start(args: &[&str]) -> (tokio::process::Child, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_rpc-gateway"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("start rpc-gateway");
+    let stdout = child.stdout.take().expect("stdout");
+    let mut line = String::new();
+    tokio::time::timeout(LIMIT, BufReader::new(stdout).read_line(&mut line))
+        .await
+        .expect("rpc-gateway prints its address in time")
+        .expect("read its output");
+    let addr = line
+        .trim_end()
+        .strip_prefix("gateway on ")
+        .unwrap_or_else(|| panic!("unexpected first line: {line:?}"));
+    (child, addr.to_string())
+}
+
+/// With an `etcd://` registry the program's client follows the rules in that etcd, and it
+/// presents `--server-token` to servers that require a token: a governance rule giving the
+/// echo entry a deadline of 300 ms ends a call to a server that holds each call 2 s with 504
+/// (the call's timeout, 519). Without the rules the call would have been answered (200, its
+/// default deadline being 5 s); without the token, refused (401).
+#[tokio::test]
+async fn the_program_follows_the_rules_in_etcd_and_presents_the_server_token() {
+    let etcd = etcd_harness::Etcd::start().await;
+    let url = etcd.url();
+    let registry = rpc::EtcdRegistry::from_url(&url).await.expect("etcd");
+    let rule = "[entries.\"echo.Echo.echo\"]\ntimeout_ms = 300\nretry_times = 0\n";
+    registry
+        .rules()
+        .put(rpc::RuleKind::Governance, rule)
+        .await
+        .expect("put the rule");
+    let server = Server::builder()
+        .shared_registry(Arc::new(registry))
+        .token("s3cret")
+        .add_service(EchoServer::new(EchoService::new(0, Duration::from_secs(2))))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve echo");
+    let (mut child, addr) = start(&[
+        "--registry",
+        &url,
+        "--listen",
+        "127.0.0.1:0",
+        "--server-token",
+        "s3cret",
+    ])
+    .await;
+    let response = tokio::time::timeout(
+        LIMIT,
+        reqwest::Client::new()
+            .post(format!("http://{addr}/api/echo.Echo/echo"))
+            .body(r#"{"text":"hi"}"#)
+            .send(),
+    )
+    .await
+    .expect("an answer in time")
+    .expect("the gateway answers");
+    let status = response.status().as_u16();
+    let body: serde_json::Value =
+        serde_json::from_str(&response.text().await.expect("body")).expect("JSON");
+    assert_eq!(status, 504, "{body}");
+    assert_eq!(body["code"], 519, "{body}");
     child.start_kill().expect("stop rpc-gateway");
     server.shutdown().await;
 }
@@ -122,7 +179,8 @@ async fn an_unknown_registry_is_refused_with_the_forms_to_use() {
 }
 
 /// Arguments the program refuses before it starts, each with what to give instead: an empty
-/// token (which would turn the check off) and a discovery interval no duration holds.
+/// token (which would turn the check off), a discovery interval no duration holds, and a
+/// governance config file that cannot be read.
 #[tokio::test]
 async fn an_empty_token_or_an_impossible_interval_is_refused() {
     for (flag, value, says) in [
@@ -133,6 +191,11 @@ async fn an_empty_token_or_an_impossible_interval_is_refused() {
             "give a positive number of seconds",
         ),
         ("--discovery-secs", "0", "give a positive number of seconds"),
+        (
+            "--config",
+            "/nonexistent/governance.toml",
+            "/nonexistent/governance.toml",
+        ),
     ] {
         let output = run_to_exit(&[
             "--registry",

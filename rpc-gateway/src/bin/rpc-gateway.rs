@@ -1,11 +1,18 @@
-//! `rpc-gateway --registry URL --listen ADDR [--token T]`: every entry published in the registry
-//! served over HTTP/JSON (see the crate's documentation for the routes).
+//! `rpc-gateway --registry URL --listen ADDR [--token T] [--server-token T] [--config FILE]`:
+//! every entry published in the registry served over HTTP/JSON (see the crate's documentation
+//! for the routes).
+//!
+//! The gateway's client presents `--server-token` to servers that require one, takes its
+//! governance options from `--config` (TOML, as `ClientBuilder::config_file`) and
+//! `RPC_GOVERNANCE`, and, with an `etcd://` registry, follows the rules in that etcd
+//! (governance options and routing rules, as the other programs do).
 //!
 //! Prints `gateway on <addr>` on standard output once it listens (the address it really bound,
 //! so `--listen 127.0.0.1:0` works for scripts), then serves until Ctrl-C or SIGTERM.
 
 use std::io::Write;
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use clap::Parser;
 use rpc_gateway::Gateway;
@@ -27,6 +34,13 @@ struct Args {
     /// Require `Authorization: Bearer <token>` on every route but /healthz and /docs.
     #[arg(long, env = "RPC_GATEWAY_TOKEN", hide_env_values = true)]
     token: Option<String>,
+    /// The token the gateway's client presents to servers that require one (their `--token`).
+    #[arg(long, env = "RPC_GATEWAY_SERVER_TOKEN", hide_env_values = true)]
+    server_token: Option<String>,
+    /// A governance config file (TOML: `[defaults]`, `[services."id"]`, `[entries."id"]`) for
+    /// the gateway's calls.
+    #[arg(long)]
+    config: Option<std::path::PathBuf>,
     /// The OpenAPI document's title.
     #[arg(long, default_value = "rpc-gateway")]
     title: String,
@@ -76,12 +90,30 @@ async fn run(args: Args) -> Result<(), String> {
                 .into(),
         );
     }
-    let registry = <dyn Registry>::from_url(&args.registry)
+    let (registry, rules) = registry_and_rules(&args.registry)
         .await
         .map_err(|e| format!("--registry {}: {e}", args.registry))?;
-    let client = rpc_client::Client::builder()
+    let mut client = rpc_client::Client::builder()
         .shared_registry(registry.clone())
-        .build();
+        .config_env()
+        .map_err(|e| format!("RPC_GOVERNANCE: {}", e.message()))?;
+    if let Some(path) = &args.config {
+        client = client
+            .config_file(path)
+            .map_err(|e| format!("--config {}: {}", path.display(), e.message()))?;
+    }
+    if let Some(token) = args.server_token {
+        client = client.token(token);
+    }
+    if let Some(rules) = rules {
+        #[cfg(feature = "etcd")]
+        {
+            client = client.rules(rules);
+        }
+        #[cfg(not(feature = "etcd"))]
+        match rules {}
+    }
+    let client = client.build();
     let mut builder = Gateway::builder()
         .client(client)
         .registry(registry)
@@ -108,6 +140,26 @@ async fn run(args: Args) -> Result<(), String> {
         .await
         .map_err(|e| format!("serving on {addr}: {e}"))
 }
+
+/// The registry `url` names, and for an `etcd://` one the rule store in the same etcd.
+async fn registry_and_rules(
+    url: &str,
+) -> Result<(Arc<dyn Registry>, Option<RuleStore>), rpc_registry::RegistryError> {
+    #[cfg(feature = "etcd")]
+    if url.trim().starts_with("etcd://") {
+        let etcd = rpc_registry::EtcdRegistry::from_url(url.trim()).await?;
+        let rules = etcd.rules();
+        return Ok((Arc::new(etcd), Some(rules)));
+    }
+    Ok((<dyn Registry>::from_url(url).await?, None))
+}
+
+/// The rules the gateway's client follows: an etcd's rule store.
+#[cfg(feature = "etcd")]
+type RuleStore = rpc_registry::RuleStore;
+/// Without etcd, no rule store.
+#[cfg(not(feature = "etcd"))]
+type RuleStore = std::convert::Infallible;
 
 /// Ctrl-C or SIGTERM.
 async fn stop_signal() {
