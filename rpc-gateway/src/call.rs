@@ -278,6 +278,30 @@ fn failed(error: &RpcError) -> Response {
     answer
 }
 
+/// The query's pairs, decoded as HTML forms encode them (`+` a space, `%XX` a byte), or what
+/// is wrong: a name or value that is not UTF-8 once decoded is refused, as in the path, rather
+/// than passed on with its bytes replaced.
+fn query_pairs(query: &str) -> Result<Vec<(String, String)>, String> {
+    let decode = |text: &str| {
+        let spaced = text.replace('+', " ");
+        percent_encoding::percent_decode_str(&spaced)
+            .decode_utf8()
+            .map(std::borrow::Cow::into_owned)
+    };
+    query
+        .split('&')
+        .filter(|pair| !pair.is_empty())
+        .map(|pair| {
+            let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+            let name = decode(name)
+                .map_err(|_| format!("query parameter {name:?} is not UTF-8 once decoded"))?;
+            let value = decode(value)
+                .map_err(|_| format!("query parameter {name:?} is not UTF-8 once decoded"))?;
+            Ok((name, value))
+        })
+        .collect()
+}
+
 /// The call's arguments as the positional JSON array the entry takes (see the crate's
 /// documentation), or what is wrong with the request.
 fn bind(
@@ -340,9 +364,9 @@ fn bind(
         take(name.clone(), value, "path")?;
     }
     if params_in_query(method) {
-        for (name, text) in form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
+        for (name, text) in query_pairs(query.unwrap_or(""))? {
             let value = text_value(served, params, &name, &text);
-            take(name.into_owned(), value, "query")?;
+            take(name, value, "query")?;
         }
     }
     match body_value {
@@ -624,6 +648,38 @@ mod tests {
                 ""
             ),
             Ok(json!(["a b", "x y", 1]))
+        );
+    }
+
+    #[test]
+    fn a_path_or_query_value_that_is_not_utf8_once_decoded_is_refused() {
+        let t = table(&["id", "name"], Some(("GET", "/orders/{id}")));
+        for (path, query, named) in [
+            ("/orders/%FF", Some("name=x"), "path parameter \"id\""),
+            ("/orders/1", Some("name=%FF"), "query parameter \"name\""),
+            (
+                "/orders/1",
+                Some("na%FFme=x"),
+                "query parameter \"na%FFme\"",
+            ),
+        ] {
+            let e = bind_at(&t, Method::GET, path, query, "").unwrap_err();
+            assert!(
+                e.contains(named) && e.contains("not UTF-8"),
+                "{path} {query:?}: {e}"
+            );
+        }
+        // Decoded as forms are: `+` a space, `%2B` a plus, empty pairs skipped.
+        let t = table(&["id", "name", "full"], Some(("GET", "/orders/{id}")));
+        assert_eq!(
+            bind_at(
+                &t,
+                Method::GET,
+                "/orders/1",
+                Some("name=a+b%2Bc&&full=1&"),
+                ""
+            ),
+            Ok(json!([1, "a b+c", 1]))
         );
     }
 

@@ -361,7 +361,8 @@ fn operation(entry: &ServiceEntry, method: &Method, path: &str) -> Value {
                 op.insert(
                     "requestBody".into(),
                     json!({
-                        "required": !others.is_empty(),
+                        // (A body whose every argument accepts `null` may be left out.)
+                        "required": !required.is_empty(),
                         "description": "The arguments by name, as a JSON object (a JSON array is \
                                         taken as the positional arguments).",
                         "content": {"application/json": {"schema": body}},
@@ -781,6 +782,27 @@ mod tests {
             body["content"]["application/json"]["schema"]["required"],
             json!(["id", "ids"])
         );
+        assert_eq!(body["required"], true, "id and ids must be sent");
+        // Every argument optional: the body may be left out (the gateway then passes nulls).
+        let e = entry(
+            "shop.Orders",
+            "list",
+            Some(api(
+                &["note", "verbose"],
+                None,
+                Some(schemas(
+                    vec![
+                        json!({"type": ["string", "null"]}),
+                        json!({"anyOf": [{"type": "boolean"}, {"type": "null"}]}),
+                    ],
+                    json!({"type": "string"}),
+                    &[],
+                )),
+            )),
+        );
+        let doc = document(&[e], &info());
+        let body = &doc["paths"]["/api/shop.Orders/list"]["post"]["requestBody"];
+        assert_eq!(body["required"], false, "{body}");
     }
 
     #[test]
