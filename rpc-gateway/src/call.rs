@@ -120,6 +120,37 @@ fn check_token(gateway: &Gateway, headers: &HeaderMap) -> Option<Response> {
     Some(answer)
 }
 
+/// The request's `Origin`, when it names another origin than the gateway's (`Host`, the
+/// authority of an HTTP/2 request, or `X-Forwarded-Host` behind a proxy): a browser sends it with every request that is not a GET
+/// or HEAD, so a page of another site that posts to a gateway (one listening on loopback,
+/// say, with no token) is refused before anything runs. (A cross-site page cannot set
+/// `X-Forwarded-Host` or `Authorization` without a preflight, which the gateway does not
+/// answer.) Requests without `Origin` (curl, servers) pass.
+fn cross_origin<'a>(
+    headers: &'a HeaderMap,
+    authority: Option<&axum::http::uri::Authority>,
+) -> Option<&'a str> {
+    let origin = headers.get(header::ORIGIN)?;
+    let Ok(origin) = origin.to_str() else {
+        return Some("an origin that is not text");
+    };
+    let from = origin.split_once("://").map(|(_, from)| from);
+    let same = |host: Option<&str>| matches!((from, host), (Some(f), Some(h)) if f.eq_ignore_ascii_case(h.trim()));
+    let header = |name| {
+        headers
+            .get(name)
+            .and_then(|h: &HeaderValue| h.to_str().ok())
+    };
+    if same(header(header::HOST.as_str()))
+        || same(authority.map(axum::http::uri::Authority::as_str))
+        || same(header("x-forwarded-host"))
+    {
+        None
+    } else {
+        Some(origin)
+    }
+}
+
 async fn docs_page() -> Response {
     (
         [(header::CONTENT_TYPE, "text/html; charset=utf-8")],
@@ -150,6 +181,16 @@ async fn call(State(gateway): State<Gateway>, request: Request) -> Response {
     let (parts, body) = request.into_parts();
     if let Some(refused) = check_token(&gateway, &parts.headers) {
         return refused;
+    }
+    if let Some(origin) = cross_origin(&parts.headers, parts.uri.authority()) {
+        return refuse(
+            StatusCode::FORBIDDEN,
+            format!(
+                "a request from a page of another origin ({origin}) is refused: the gateway \
+                 answers no cross-origin requests (CORS); call it from its own origin or \
+                 without an Origin header (curl, a server)"
+            ),
+        );
     }
     // Matched with its text decoded: templates hold it as it is (see `normalized_path`).
     let path = normalized_path(parts.uri.path());

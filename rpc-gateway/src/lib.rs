@@ -87,11 +87,19 @@
 //! server's span joins the caller's trace directly.
 //!
 //! With [`GatewayBuilder::token`], every route but `GET /healthz` and `GET /docs` (a static page)
-//! needs `Authorization: Bearer <token>` (compared in constant time); without it or with another
-//! token the answer is 401 with `WWW-Authenticate: Bearer`.
+//! needs `Authorization: Bearer <token>` (compared in constant time, though a token of another
+//! length is told apart sooner); without it or with another token the answer is 401 with
+//! `WWW-Authenticate: Bearer`.
+//!
+//! The gateway answers no cross-origin requests (no CORS): a call whose `Origin` header names
+//! another origin than the gateway's own (`Host`, or `X-Forwarded-Host` behind a proxy) is
+//! refused 403 before anything runs, since browsers send `Origin` with every request other
+//! than GET and HEAD and a page of any site could otherwise post to a gateway on loopback.
+//! Requests without `Origin` (curl, servers) and from the gateway's own pages pass.
 //!
 //! The gateway's own refusals (unknown route 404, wrong method 405, unreadable arguments 400,
-//! body over [`GatewayBuilder::max_body_bytes`] 413, too many headers 431, token 401) answer
+//! body over [`GatewayBuilder::max_body_bytes`] 413, too many headers 431, token 401, another
+//! origin 403) answer
 //! `{"error": "..."}`, saying what to send instead. `GET /healthz` answers `ok`.
 
 #![warn(missing_docs)]

@@ -589,6 +589,49 @@ async fn the_bearer_token_is_checked() {
     assert_eq!((a.status, a.body), (200, json!("ok")));
 }
 
+/// A page of another site that posts to the gateway (a browser sends its `Origin` with every
+/// request that is not a GET or HEAD) is refused 403 before anything runs, so a gateway on
+/// loopback with no token cannot be driven by any web page its user opens. Requests of the
+/// gateway's own origin (its documentation page), through a proxy that names it in
+/// `X-Forwarded-Host`, or without `Origin` (curl, servers) are served.
+#[tokio::test]
+async fn a_request_from_a_page_of_another_origin_is_refused() {
+    let world = World::in_process(None).await;
+    let _echo = world.echo().await;
+    world.serving(&["gw.Echo.echo"]).await;
+    let body = Some(r#"{"text": "hi"}"#);
+    let own = world.base.clone();
+    for (path, headers) in [
+        ("/api/gw.Echo/echo", vec![("origin", "http://evil.example")]),
+        ("/api/gw.Echo/echo", vec![("origin", "null")]),
+        // (The port is part of the origin.)
+        ("/api/gw.Echo/echo", vec![("origin", "http://127.0.0.1:1")]),
+        // Refused before the route is looked up.
+        (
+            "/api/nobody.Nothing/x",
+            vec![("origin", "http://evil.example")],
+        ),
+    ] {
+        let a = world.send("POST", path, &headers, body).await;
+        assert_eq!(a.status, 403, "{headers:?}: {}", a.body);
+        let error = a.body["error"].as_str().expect("error");
+        assert!(error.contains("another origin"), "{error}");
+    }
+    for headers in [
+        vec![],
+        vec![("origin", own.as_str())],
+        vec![
+            ("origin", "https://api.example"),
+            ("x-forwarded-host", "api.example"),
+        ],
+    ] {
+        let a = world
+            .send("POST", "/api/gw.Echo/echo", &headers, body)
+            .await;
+        assert_eq!((a.status, &a.body), (200, &json!("hi")), "{headers:?}");
+    }
+}
+
 #[tokio::test]
 async fn the_gateway_s_own_refusals_say_what_to_send() {
     let world = World::in_process(None).await;
