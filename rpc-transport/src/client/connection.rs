@@ -156,7 +156,7 @@ impl Connection {
         let received = Arc::new(AtomicU64::new(0));
         let codec = AnswerCodec::new(options.max_frame_length, received.clone());
         let mut frames = FramedRead::with_capacity(rd, codec, READ_BUFFER);
-        let (accepts, server_streams, batches, window_bytes, send_window_bytes) =
+        let (accepts, server_streams, batches, window_bytes, send_window_bytes, attachments) =
             match frames.next().await {
                 Some(Ok(Answer::Frame(Kind::HelloAck(ack)))) => {
                     let streams = options.streams && ack.streams;
@@ -176,6 +176,10 @@ impl Connection {
                         } else {
                             0
                         },
+                        (
+                            ack.max_attachments as usize,
+                            ack.max_attachment_bytes as usize,
+                        ),
                     )
                 }
                 Some(Ok(Answer::Frame(Kind::GoAway(g)))) => {
@@ -229,6 +233,7 @@ impl Connection {
             stream_window: options.stream_window.max(1),
             stream_window_bytes: window_bytes,
             send_window_bytes,
+            max_attachments: attachments,
         });
         if batches {
             shared.sender.batch_stream_items();
@@ -312,7 +317,9 @@ impl Connection {
     /// Sends one call and waits for its answer; the call's `message_id` is assigned here. A
     /// compressed answer comes back decompressed (`compression` 0): a result that does not
     /// decompress, or would exceed `ConnectOptions::max_frame_length`, fails the call with
-    /// [`StatusCode::FrameworkError`] saying so.
+    /// [`StatusCode::FrameworkError`] saying so. A call carrying more attachments (count or
+    /// bytes) than the server said in its handshake it takes fails at once with
+    /// [`StatusCode::ValidateError`], sending nothing.
     ///
     /// Dropping the returned future before the answer arrives sends `Cancel` to the server, and
     /// so does reaching `deadline`, which fails the call with [`StatusCode::Timeout`]. Other
@@ -327,6 +334,9 @@ impl Connection {
         let shared = &self.shared;
         if !self.is_usable() {
             return Err(comm_error(&shared.peer, "connection closed"));
+        }
+        if let Some(e) = shared.over_attachment_limits(&call) {
+            return Err(e);
         }
         if shared.sender.backlog().bytes() > shared.max_unsent_bytes {
             self.wait_for_room(deadline).await?;
@@ -451,6 +461,9 @@ impl Connection {
         }
         if !self.is_usable() {
             return Err(comm_error(&shared.peer, "connection closed"));
+        }
+        if let Some(e) = shared.over_attachment_limits(&call) {
+            return Err(e);
         }
         if shared.sender.backlog().bytes() > shared.max_unsent_bytes {
             self.wait_for_room(deadline).await?;

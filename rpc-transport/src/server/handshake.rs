@@ -114,7 +114,7 @@ pub(super) async fn handshake<R: AsyncRead + Unpin>(
     sender.send(Kind::HelloAck(HelloAck {
         protocol_version: PROTOCOL_VERSION,
         server_id: options.server_id.clone(),
-        max_frame_length: options.max_frame_length.min(u32::MAX as usize) as u32,
+        max_frame_length: saturate(options.max_frame_length),
         accept_compression: crate::compression::supported_wire(),
         streams: hello.streams,
         stream_window: if hello.streams {
@@ -128,6 +128,8 @@ pub(super) async fn handshake<R: AsyncRead + Unpin>(
             0
         },
         stream_batches: hello.streams && hello.stream_batches,
+        max_attachments: saturate(options.max_attachments),
+        max_attachment_bytes: saturate(options.max_attachment_bytes),
     }));
     Ok(Hello {
         stream_window: hello.streams.then_some(hello.stream_window.max(1)),
@@ -140,6 +142,11 @@ pub(super) async fn handshake<R: AsyncRead + Unpin>(
         accept_compression: Accepted::from_wire(&hello.accept_compression),
         client_id: hello.client_id,
     })
+}
+
+/// `n` on the wire: at most `u32::MAX`.
+fn saturate(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
 }
 
 #[cfg(test)]

@@ -404,6 +404,85 @@ async fn attachment_limit_breaks_between_good_calls_do_not_close_the_connection(
     server.shutdown().await;
 }
 
+/// The server says its attachment limits in the handshake, and a client of the framework fails
+/// a call over them itself, sending nothing: however many such calls a client multiplexing
+/// many callers makes (a gateway forwarding its callers' headers), the server never holds
+/// them against the connection, which goes on serving the other calls. Before, the calls
+/// were sent and refused 500, and the connection closed after `ABUSE_LIMIT` of them in a row,
+/// failing every call on it. The retry depth, sent as an attachment, counts. The failure is a
+/// validation error (1001): the call's fault, not the endpoint's.
+#[tokio::test]
+async fn a_client_fails_calls_over_the_servers_attachment_limits_without_sending_them() {
+    use rpc::crates::transport::{Call, ConnectOptions, Connection};
+    let gate = gate(1000);
+    let (server, _reg) = setup(gate.clone()).await;
+    let conn = within(
+        "connect",
+        Connection::connect(&server.local_addr().to_string(), &ConnectOptions::default()),
+    )
+    .await
+    .expect("connect");
+    let call = |attachments: BTreeMap<String, String>, retry_depth: u32| Call {
+        service_entry_id: "t.Limits.hold".into(),
+        codec: Codec::MsgPack.to_wire(),
+        parameters: Codec::MsgPack.encode(&("x",)).expect("encode"),
+        attachments,
+        retry_depth,
+        ..Default::default()
+    };
+    let four: BTreeMap<String, String> = (0..4).map(|i| (format!("k{i}"), "v".into())).collect();
+    let limit = rpc::crates::transport::ABUSE_LIMIT;
+    for (attachments, depth, says) in [
+        (
+            five_attachments(),
+            0,
+            "5 attachments, over the server's limit of 4",
+        ),
+        (
+            four.clone(),
+            1,
+            "5 attachments, over the server's limit of 4",
+        ),
+        (
+            BTreeMap::from([("k".to_string(), "v".repeat(64))]),
+            0,
+            "attachments of 65 bytes, over the server's limit of 64",
+        ),
+    ] {
+        for _ in 0..=limit + 1 {
+            let e = within(
+                "the call",
+                conn.call(call(attachments.clone(), depth), None),
+            )
+            .await
+            .expect_err("over the limits");
+            // (The call's own fault: no breaker counts it, no fallback answers it.)
+            assert_eq!(e.code(), StatusCode::ValidateError, "{e}");
+            assert!(
+                e.message().contains(says) && e.message().contains("not sent"),
+                "{e}"
+            );
+        }
+    }
+    // Within the limits (the retry depth's attachment included), the same connection serves.
+    for depth in [0, 7] {
+        let mut within_limits = four.clone();
+        if depth != 0 {
+            within_limits.remove("k3");
+        }
+        let r = within("a good call", conn.call(call(within_limits, depth), None))
+            .await
+            .expect("served");
+        assert_eq!(r.status_code, 200, "{r:?}");
+    }
+    assert_eq!(
+        gate.ran.load(Ordering::SeqCst),
+        2,
+        "only the good calls ran"
+    );
+    server.shutdown().await;
+}
+
 #[tokio::test]
 async fn after_many_refusals_at_the_in_flight_limit_the_server_waits_for_a_call_to_finish() {
     let gate = gate(0);
