@@ -40,8 +40,8 @@ pub fn sample_kinds() -> Vec<rpc_core::wire::frame::Kind> {
             stream_window: 32,
             stream_window_bytes: 256 * 1024,
             stream_batches: true,
-            max_attachments: 64,
-            max_attachment_bytes: 16 * 1024,
+            max_attachments: Some(64),
+            max_attachment_bytes: Some(16 * 1024),
         }),
         Kind::Invoke(RemoteInvokeMessage {
             message_id: 42,

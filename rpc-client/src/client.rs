@@ -1428,8 +1428,9 @@ impl Client {
     }
 
     /// Counts an attempt's outcome for outlier ejection by success rate: failures that belong
-    /// to the endpoint ([`Fault::of`]) count against it, Overflow (load, not sickness) not at
-    /// all, anything else (the callee's own answer) as a success. Ejections are events.
+    /// to the endpoint ([`Fault::of`]) count against it, Overflow (load, not sickness) and a
+    /// call the endpoint cannot serve (nothing sent) not at all, anything else (the callee's own
+    /// answer) as a success. Ejections are events.
     fn count_outcome(
         &self,
         cx: &CallCx<'_>,
@@ -1439,7 +1440,8 @@ impl Client {
     ) {
         let ok = match result {
             Ok(_) => true,
-            Err(e) if e.code().is_overflow() => return,
+            // Load, not sickness; or nothing was sent (an endpoint that cannot serve the call).
+            Err(e) if e.code().is_overflow() || e.is_unsupported_by_endpoint() => return,
             Err(e) => Fault::of(e).is_none(),
         };
         let Some(service) = self.service_now(service_id) else {
@@ -1644,9 +1646,10 @@ impl stack::Service for Attempt<'_> {
         if let Some(outstanding) = outstanding {
             // An answer (or a timeout: the endpoint was that slow) is a latency; a call that
             // never reached the endpoint only stops counting.
-            let reached = result
-                .as_ref()
-                .map_or_else(|e| e.code() != StatusCode::CommunicationError, |_| true);
+            let reached = result.as_ref().map_or_else(
+                |e| e.code() != StatusCode::CommunicationError && !e.is_unsupported_by_endpoint(),
+                |_| true,
+            );
             if reached {
                 outstanding.finish(reported);
             }

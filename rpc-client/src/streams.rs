@@ -630,10 +630,10 @@ impl stack::Service for OpenAttempt<'_> {
             attempt.instrument(span).await
         };
         watch.finish(&result);
-        if result
-            .as_ref()
-            .map_or_else(|e| !e.code().is_retryable(), |_| true)
-        {
+        if result.as_ref().map_or_else(
+            |e| !e.code().is_retryable() && !e.is_unsupported_by_endpoint(),
+            |_| true,
+        ) {
             crate::answered_by::record(&addr);
         }
         result

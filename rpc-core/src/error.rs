@@ -99,7 +99,8 @@ impl RpcError {
     }
 
     /// Marks the failure as the chosen endpoint's lack of a capability the call needs (its
-    /// server does not stream): nothing was sent, that endpoint will never serve the call,
+    /// server does not stream, or takes fewer attachments than the call carries): nothing was
+    /// sent, that endpoint will never serve the call,
     /// and another may. Failover then moves to an untried endpoint at once. Local only: not
     /// carried on the wire nor in the serialised form.
     pub fn unsupported_by_endpoint(mut self, yes: bool) -> Self {

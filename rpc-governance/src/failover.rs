@@ -15,7 +15,8 @@ use crate::retry::{self, Decision};
 /// With an untried endpoint left, the next attempt goes there after the usual interval.
 ///
 /// A failure the chosen endpoint caused by lacking what the call needs
-/// ([`RpcError::is_unsupported_by_endpoint`]: its server does not stream; nothing was sent) is
+/// ([`RpcError::is_unsupported_by_endpoint`]: its server does not stream, or takes fewer
+/// attachments than the call carries; nothing was sent) is
 /// not retried on that endpoint, which will never serve it, but moves to an untried one at
 /// once: during a rolling upgrade some instances stream and some do not yet. It counts as an
 /// attempt, within `retry_times`. (With nothing untried left after such a detour, the retry

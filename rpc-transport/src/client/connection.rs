@@ -177,8 +177,8 @@ impl Connection {
                             0
                         },
                         (
-                            ack.max_attachments as usize,
-                            ack.max_attachment_bytes as usize,
+                            ack.max_attachments.map(|n| n as usize),
+                            ack.max_attachment_bytes.map(|n| n as usize),
                         ),
                     )
                 }

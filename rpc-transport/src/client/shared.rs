@@ -52,8 +52,8 @@ pub(super) struct Shared {
     /// items only.
     pub(super) send_window_bytes: u64,
     /// The most attachments, and bytes of them, the server takes on a call
-    /// (`HelloAck.max_attachments`, `max_attachment_bytes`); 0: not said.
-    pub(super) max_attachments: (usize, usize),
+    /// (`HelloAck.max_attachments`, `max_attachment_bytes`); `None`: not said.
+    pub(super) max_attachments: (Option<usize>, Option<usize>),
 }
 
 impl Shared {
@@ -61,41 +61,51 @@ impl Shared {
     /// depth's included) than the server said it takes. The server would answer it 500 and
     /// hold it against the connection, which it closes after a few in a row (a gateway
     /// forwarding a caller's headers would lose every other call on it); the call fails here
-    /// instead, with a validation error (1001).
+    /// instead, with a validation error (1001) marked as this endpoint's inability to serve it
+    /// ([`RpcError::is_unsupported_by_endpoint`]).
     pub(super) fn over_attachment_limits(&self, call: &crate::Call) -> Option<RpcError> {
         let (count, bytes) = self.max_attachments;
-        if count == 0 && bytes == 0 {
+        if count.is_none() && bytes.is_none() {
             return None;
         }
         // The retry depth goes as an attachment of its own key, over any entry of that key.
         let depth = (call.retry_depth != 0).then(|| call.retry_depth.to_string());
         let replaced = depth.is_some() && call.attachments.contains_key(rpc_core::RETRY_DEPTH_KEY);
         let n = call.attachments.len() + usize::from(depth.is_some() && !replaced);
-        let why = if count > 0 && n > count {
-            format!("{n} attachments, over the server's limit of {count}")
-        } else {
-            let size: usize = call
-                .attachments
-                .iter()
-                .filter(|(k, _)| depth.is_none() || k.as_str() != rpc_core::RETRY_DEPTH_KEY)
-                .map(|(k, v)| k.len() + v.len())
-                .sum::<usize>()
-                + depth.map_or(0, |d| rpc_core::RETRY_DEPTH_KEY.len() + d.len());
-            if bytes == 0 || size <= bytes {
-                return None;
+        let why = match count {
+            Some(count) if n > count => {
+                format!("{n} attachments, over the server's limit of {count}")
             }
-            format!("attachments of {size} bytes, over the server's limit of {bytes}")
+            _ => {
+                let bytes = bytes?;
+                let size: usize = call
+                    .attachments
+                    .iter()
+                    .filter(|(k, _)| depth.is_none() || k.as_str() != rpc_core::RETRY_DEPTH_KEY)
+                    .map(|(k, v)| k.len() + v.len())
+                    .sum::<usize>()
+                    + depth.map_or(0, |d| rpc_core::RETRY_DEPTH_KEY.len() + d.len());
+                if size <= bytes {
+                    return None;
+                }
+                format!("attachments of {size} bytes, over the server's limit of {bytes}")
+            }
         };
-        // A validation error: the call's own fault, which says nothing of the endpoint's health
-        // (no breaker counts it, no fallback answers it) and no retry cures.
-        Some(RpcError::new(
-            StatusCode::ValidateError,
-            format!(
-                "{}: the call to {} carries {why}; it was not sent: send fewer (a gateway \
-                 forwards its caller's headers as attachments)",
-                self.peer, call.service_entry_id
-            ),
-        ))
+        // A validation error: the call's own fault. Nothing was sent, and this endpoint will
+        // never take the call as it is: like an endpoint that cannot stream, it says nothing of
+        // the endpoint's health (no breaker, health or outlier count) and the call may go on to
+        // another endpoint, whose server may take more.
+        Some(
+            RpcError::new(
+                StatusCode::ValidateError,
+                format!(
+                    "{}: the call to {} carries {why}; it was not sent: send fewer (a gateway \
+                     forwards its caller's headers as attachments)",
+                    self.peer, call.service_entry_id
+                ),
+            )
+            .unsupported_by_endpoint(true),
+        )
     }
 }
 

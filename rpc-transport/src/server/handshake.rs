@@ -128,8 +128,8 @@ pub(super) async fn handshake<R: AsyncRead + Unpin>(
             0
         },
         stream_batches: hello.streams && hello.stream_batches,
-        max_attachments: saturate(options.max_attachments),
-        max_attachment_bytes: saturate(options.max_attachment_bytes),
+        max_attachments: Some(saturate(options.max_attachments)),
+        max_attachment_bytes: Some(saturate(options.max_attachment_bytes)),
     }));
     Ok(Hello {
         stream_window: hello.streams.then_some(hello.stream_window.max(1)),

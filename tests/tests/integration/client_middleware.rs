@@ -163,6 +163,46 @@ async fn a_client_layer_adds_an_attachment_the_server_receives() {
     server.shutdown().await;
 }
 
+/// An instance whose server takes fewer attachments than a call carries (it says so in the
+/// handshake; here none at all) is sent nothing: the call goes on to an instance that takes
+/// them, as from an instance that cannot stream, and every call succeeds there.
+#[tokio::test]
+async fn a_call_over_one_instances_attachment_limits_goes_to_another() {
+    let registry = InProcessRegistry::new();
+    let strict = Arc::new(Node::default());
+    let strict_server = Server::builder()
+        .registry(registry.clone())
+        .max_attachments(0, 1024)
+        .add_service(MidServer::from_arc(strict.clone()))
+        .serve("127.0.0.1:0")
+        .await
+        .unwrap();
+    let (server, roomy) = start(&registry).await;
+    let client = Client::builder()
+        .registry(registry.clone())
+        .layer(Tenant("acme"))
+        .build();
+    let mut events = client.events().subscribe();
+    let tagged = MidClient::new(client);
+    for i in 0..4 {
+        let tenant = within("tagged", tagged.tenant()).await;
+        assert_eq!(tenant.unwrap(), Some("acme".to_string()), "call {i}");
+    }
+    assert_eq!(strict.calls.load(Ordering::SeqCst), 0, "sent nothing");
+    assert_eq!(roomy.calls.load(Ordering::SeqCst), 4);
+    // Round robin drew the strict instance first for some of them: each moved on at once.
+    let strict_addr = strict_server.local_addr().to_string();
+    let detours = std::iter::from_fn(|| events.try_recv().ok())
+        .filter(|e| {
+            e.kind == rpc::crates::governance::events::EventKind::Retry
+                && e.endpoint.as_deref() == Some(strict_addr.as_str())
+        })
+        .count();
+    assert!(detours >= 1, "no call drew the strict instance first");
+    strict_server.shutdown().await;
+    server.shutdown().await;
+}
+
 #[tokio::test]
 async fn a_metrics_layer_counts_calls_per_entry_and_status() {
     let registry = InProcessRegistry::new();

@@ -410,7 +410,7 @@ async fn attachment_limit_breaks_between_good_calls_do_not_close_the_connection(
 /// them against the connection, which goes on serving the other calls. Before, the calls
 /// were sent and refused 500, and the connection closed after `ABUSE_LIMIT` of them in a row,
 /// failing every call on it. The retry depth, sent as an attachment, counts. The failure is a
-/// validation error (1001): the call's fault, not the endpoint's.
+/// validation error (1001) marked as the endpoint's inability to serve the call.
 #[tokio::test]
 async fn a_client_fails_calls_over_the_servers_attachment_limits_without_sending_them() {
     use rpc::crates::transport::{Call, ConnectOptions, Connection};
@@ -456,8 +456,10 @@ async fn a_client_fails_calls_over_the_servers_attachment_limits_without_sending
             )
             .await
             .expect_err("over the limits");
-            // (The call's own fault: no breaker counts it, no fallback answers it.)
+            // (The call's own fault, and this endpoint's inability to serve it: no breaker
+            // or health count, and another endpoint may take it.)
             assert_eq!(e.code(), StatusCode::ValidateError, "{e}");
+            assert!(e.is_unsupported_by_endpoint(), "{e}");
             assert!(
                 e.message().contains(says) && e.message().contains("not sent"),
                 "{e}"
