@@ -337,9 +337,9 @@ struct ServerStream {
     /// The caller's items the handler took so far.
     received: Arc<AtomicU64>,
     ended: bool,
-    /// The end produced, not yet recorded, and whether the set-up had succeeded: recorded
-    /// once the connection says what it sent ([`StreamEvents::settled`]), or when dropped.
-    unrecorded: Option<(Result<Bytes, RpcError>, bool)>,
+    /// The end produced, not yet recorded: recorded once the connection says what it sent
+    /// ([`StreamEvents::settled`]), or when dropped.
+    unrecorded: Option<Produced>,
     /// What server layers asked to be told as the stream ends, and when it started.
     end_hooks: Option<(StreamEndHooks, Instant)>,
 }
@@ -413,7 +413,11 @@ impl ServerStream {
         let load = self.admission.load();
         let set_up = self.release();
         let message = with_load(to_message(result.clone()), load);
-        self.unrecorded = Some((result, set_up));
+        self.unrecorded = Some(Produced {
+            result,
+            status: message.status_code,
+            set_up,
+        });
         Poll::Ready(Some(StreamEvent::End(Box::new(message))))
     }
 
@@ -430,13 +434,33 @@ impl ServerStream {
 
     /// Records the stream's end as `result` (the span, the metrics, the call observers, and
     /// the layers' hooks when its set-up had succeeded).
-    fn record(&mut self, result: &Result<Bytes, RpcError>, set_up: bool) {
+    /// The hooks run first: one that panics makes the stream's end 520 (the connection answers
+    /// so, see `poll_guarded`), which is what is recorded then; the panic is returned, to go on.
+    fn record(
+        &mut self,
+        result: &Result<Bytes, RpcError>,
+        set_up: bool,
+    ) -> Option<Box<dyn std::any::Any + Send>> {
+        let panicked = if set_up {
+            std::panic::catch_unwind(AssertUnwindSafe(|| self.run_end_hooks(Some(result)))).err()
+        } else {
+            None
+        };
+        let failed;
+        let result = match panicked {
+            None => result,
+            Some(_) => {
+                failed = Err(RpcError::new(
+                    StatusCode::ServerError,
+                    "a server layer's stream end hook panicked (in the server's log)",
+                ));
+                &failed
+            }
+        };
         self.watch
             .stream_items(self.sent, self.received.load(Ordering::Relaxed));
         self.watch.finish(result, self.fallback_cause.get());
-        if set_up {
-            self.run_end_hooks(Some(result));
-        }
+        panicked
     }
 
     /// Tells the layers' hooks how the stream ended (`None`: stopped before its end).
@@ -486,10 +510,11 @@ impl ServerStream {
 
 impl Drop for ServerStream {
     fn drop(&mut self) {
-        if let Some((result, set_up)) = self.unrecorded.take() {
+        if let Some(p) = self.unrecorded.take() {
             // Ended, and dropped before the connection said what it sent (a transport that
-            // does not tell): recorded as produced.
-            self.record(&result, set_up);
+            // does not tell, or a writer that stopped): recorded as produced. (A hook's panic
+            // is not carried on out of a drop.)
+            let _ = self.record(&p.result, p.set_up);
         } else if !self.ended {
             // Stopped before its end: `Cancel`, the connection's end, the drain.
             self.watch
@@ -524,18 +549,20 @@ impl StreamEvents for ServerStream {
     fn settled(mut self: Pin<&mut Self>, end: &RemoteResultMessage) {
         let this = &mut *self;
         let (produced, set_up) = match this.unrecorded.take() {
-            Some((result, set_up)) => (Some(result), set_up),
+            Some(p) => (Some((p.result, p.status)), p.set_up),
             None if !this.ended => (None, this.release()),
             None => return,
         };
         let result = match produced {
-            Some(result) if status_of(&result) == end.status_code => result,
+            Some((result, status)) if status == end.status_code => result,
             _ => Err(RpcError::new(
                 StatusCode::from_u32(end.status_code),
                 end.exception_message.clone(),
             )),
         };
-        this.record(&result, set_up);
+        if let Some(panic) = this.record(&result, set_up) {
+            std::panic::resume_unwind(panic);
+        }
     }
 
     /// The deadline covers the time a stream waits for the caller's credit too.
@@ -550,12 +577,13 @@ impl StreamEvents for ServerStream {
     }
 }
 
-/// The status number an end with `result` is sent with.
-fn status_of(result: &Result<Bytes, RpcError>) -> u32 {
-    match result {
-        Ok(_) => StatusCode::Success.as_u32(),
-        Err(e) => e.code().as_u32(),
-    }
+/// A stream's end as it produced it, before the connection said what it sent.
+struct Produced {
+    result: Result<Bytes, RpcError>,
+    /// The status of the answer made of `result`.
+    status: u32,
+    /// Whether the set-up had succeeded (layers hear of the end of such a stream only).
+    set_up: bool,
 }
 
 /// Why a run of items stopped.

@@ -66,7 +66,9 @@ pub trait StreamEvents: Stream<Item = StreamEvent> + Send {
     /// with it: the end these events produced, or one the connection put in its place (the
     /// caller's request stream failed while the producer answered as if it were complete, or
     /// the caller broke the protocol and the stream was ended with 500). What the producer
-    /// records of its end (span, metrics, hooks) is to follow this one. The default: nothing.
+    /// records of its end (span, metrics, hooks) is to follow this one. Not told when the end
+    /// cannot be written (the connection's writer stopped: the stream was stopped with its
+    /// connection). The default: nothing.
     fn settled(self: Pin<&mut Self>, end: &RemoteResultMessage) {
         let _ = end;
     }

@@ -885,8 +885,12 @@ impl Future for StreamDriver {
         if !this.out.frames.is_empty() {
             this.sender.send_encoded(this.out.frames.split().freeze());
         }
+        // (An end that cannot be written, its connection's writer having stopped, is not
+        // settled: the stream was stopped with its connection.)
         if let (Poll::Ready(end), Events::Into(events)) = (&outcome, &mut this.events) {
-            events.as_mut().settled(end);
+            if !this.sender.backlog().is_stopped() {
+                events.as_mut().settled(end);
+            }
         }
         outcome
     }

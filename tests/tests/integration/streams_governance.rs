@@ -1777,6 +1777,7 @@ impl rpc::ServerLayer for PanicAtTheEnd {
 /// with it: no end was sent, the caller waited for ever and the slot was never given back.
 #[tokio::test]
 async fn a_panic_in_a_stream_end_hook_ends_the_stream_with_520_and_frees_its_slot() {
+    let (traces, _guard) = traced();
     let reg = InProcessRegistry::new();
     let server = Server::builder()
         .registry(reg.clone())
@@ -1808,6 +1809,22 @@ async fn a_panic_in_a_stream_end_hook_ends_the_stream_with_520_and_frees_its_slo
         assert!(end.message().contains("panic"), "round {round}: {end}");
     }
     within("shutdown", server.shutdown()).await;
+    // The server recorded each stream's end as its caller got it, 520, not the handler's 200.
+    let prices = |s: &&opentelemetry_sdk::trace::SpanData| {
+        s.name == "rpc.server"
+            && attr(s, "rpc.entry_id") == Some(Value::from("g.Stocks.prices".to_string()))
+    };
+    let spans = traces
+        .spans_once("the streams' server spans end", |spans| {
+            spans.iter().filter(prices).count() >= 2
+        })
+        .await;
+    for span in spans.iter().filter(prices) {
+        assert_eq!(
+            attr(span, "rpc.status_code"),
+            Some(Value::I64(i64::from(StatusCode::ServerError.as_u32())))
+        );
+    }
 }
 
 #[tokio::test]
