@@ -120,12 +120,14 @@ fn check_token(gateway: &Gateway, headers: &HeaderMap) -> Option<Response> {
     Some(answer)
 }
 
-/// The request's `Origin`, when it names another origin than the gateway's (`Host`, the
-/// authority of an HTTP/2 request, or `X-Forwarded-Host` behind a proxy): a browser sends it with every request that is not a GET
-/// or HEAD, so a page of another site that posts to a gateway (one listening on loopback,
-/// say, with no token) is refused before anything runs. (A cross-site page cannot set
-/// `X-Forwarded-Host` or `Authorization` without a preflight, which the gateway does not
-/// answer.) Requests without `Origin` (curl, servers) pass.
+/// The request's `Origin`, when it names another origin than the gateway's: its `Host` (the
+/// authority of an HTTP/2 request), or behind a proxy the host the proxy was asked for (the
+/// first of `X-Forwarded-Host`, or the `host` of the first element of `Forwarded`). A browser
+/// sends `Origin` with every request that is not a GET or HEAD, so a page of another site
+/// that posts to a gateway (one listening on loopback, say, with no token) is refused before
+/// anything runs. (A cross-site page cannot set those headers or `Authorization` without a
+/// preflight, which the gateway does not answer.) Requests without `Origin` (curl, servers)
+/// pass.
 fn cross_origin<'a>(
     headers: &'a HeaderMap,
     authority: Option<&axum::http::uri::Authority>,
@@ -135,16 +137,23 @@ fn cross_origin<'a>(
         return Some("an origin that is not text");
     };
     let from = origin.split_once("://").map(|(_, from)| from);
-    let same = |host: Option<&str>| matches!((from, host), (Some(f), Some(h)) if f.eq_ignore_ascii_case(h.trim()));
-    let header = |name| {
-        headers
-            .get(name)
-            .and_then(|h: &HeaderValue| h.to_str().ok())
-    };
-    if same(header(header::HOST.as_str()))
-        || same(authority.map(axum::http::uri::Authority::as_str))
-        || same(header("x-forwarded-host"))
-    {
+    let text = |name: &str| headers.get(name).and_then(|h| h.to_str().ok());
+    let forwarded = text("forwarded").and_then(|f| {
+        let first = f.split(',').next()?;
+        first.split(';').find_map(|pair| {
+            let (key, value) = pair.trim().split_once('=')?;
+            key.eq_ignore_ascii_case("host")
+                .then(|| value.trim_matches('"'))
+        })
+    });
+    let hosts = [
+        text(header::HOST.as_str()),
+        authority.map(axum::http::uri::Authority::as_str),
+        text("x-forwarded-host").and_then(|h| h.split(',').next()),
+        forwarded,
+    ];
+    let same = |host: &str| from.is_some_and(|f| f.eq_ignore_ascii_case(host.trim()));
+    if hosts.into_iter().flatten().any(same) {
         None
     } else {
         Some(origin)

@@ -92,10 +92,13 @@
 //! `WWW-Authenticate: Bearer`.
 //!
 //! The gateway answers no cross-origin requests (no CORS): a call whose `Origin` header names
-//! another origin than the gateway's own (`Host`, or `X-Forwarded-Host` behind a proxy) is
-//! refused 403 before anything runs, since browsers send `Origin` with every request other
-//! than GET and HEAD and a page of any site could otherwise post to a gateway on loopback.
-//! Requests without `Origin` (curl, servers) and from the gateway's own pages pass.
+//! another origin than the gateway's own (`Host`, or behind a proxy the first
+//! `X-Forwarded-Host` or `Forwarded: host=`) is refused 403 before anything runs, since browsers
+//! send `Origin` with every request other than GET and HEAD and a page of any site could
+//! otherwise post to a gateway on loopback. Requests without `Origin` (curl, servers) and from
+//! the gateway's own pages pass. A page whose name resolves to the gateway's address (DNS
+//! rebinding) is of the same origin as far as the browser says: a gateway browsers can reach
+//! needs a token.
 //!
 //! The gateway's own refusals (unknown route 404, wrong method 405, unreadable arguments 400,
 //! body over [`GatewayBuilder::max_body_bytes`] 413, too many headers 431, token 401, another

@@ -153,6 +153,7 @@ async fn run_to_exit(args: &[&str]) -> std::process::Output {
         Command::new(env!("CARGO_BIN_EXE_rpc-gateway"))
             .args(args)
             .env_remove("RPC_GATEWAY_TOKEN")
+            .env_remove("RPC_GATEWAY_SERVER_TOKEN")
             .output(),
     )
     .await
@@ -179,12 +180,14 @@ async fn an_unknown_registry_is_refused_with_the_forms_to_use() {
 }
 
 /// Arguments the program refuses before it starts, each with what to give instead: an empty
-/// token (which would turn the check off), a discovery interval no duration holds, and a
-/// governance config file that cannot be read.
+/// token (which would turn the check off), an empty token for the servers (a secret that did
+/// not resolve), a discovery interval no duration holds, and a governance config file that
+/// cannot be read.
 #[tokio::test]
 async fn an_empty_token_or_an_impossible_interval_is_refused() {
     for (flag, value, says) in [
         ("--token", "", "is empty"),
+        ("--server-token", "", "is empty"),
         (
             "--discovery-secs",
             "1e20",

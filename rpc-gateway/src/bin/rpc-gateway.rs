@@ -90,6 +90,13 @@ async fn run(args: Args) -> Result<(), String> {
                 .into(),
         );
     }
+    if args.server_token.as_deref() == Some("") {
+        return Err(
+            "--server-token (or RPC_GATEWAY_SERVER_TOKEN) is empty: give the servers' token, \
+             or leave both unset for servers that require none"
+                .into(),
+        );
+    }
     let (registry, rules) = registry_and_rules(&args.registry)
         .await
         .map_err(|e| format!("--registry {}: {e}", args.registry))?;

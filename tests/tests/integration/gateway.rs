@@ -592,8 +592,8 @@ async fn the_bearer_token_is_checked() {
 /// A page of another site that posts to the gateway (a browser sends its `Origin` with every
 /// request that is not a GET or HEAD) is refused 403 before anything runs, so a gateway on
 /// loopback with no token cannot be driven by any web page its user opens. Requests of the
-/// gateway's own origin (its documentation page), through a proxy that names it in
-/// `X-Forwarded-Host`, or without `Origin` (curl, servers) are served.
+/// gateway's own origin (its documentation page), through proxies that name it first in
+/// `X-Forwarded-Host` or `Forwarded`, or without `Origin` (curl, servers) are served.
 #[tokio::test]
 async fn a_request_from_a_page_of_another_origin_is_refused() {
     let world = World::in_process(None).await;
@@ -611,6 +611,14 @@ async fn a_request_from_a_page_of_another_origin_is_refused() {
             "/api/nobody.Nothing/x",
             vec![("origin", "http://evil.example")],
         ),
+        // A proxy's second host is not the one the browser asked for.
+        (
+            "/api/gw.Echo/echo",
+            vec![
+                ("origin", "https://inner.example"),
+                ("x-forwarded-host", "api.example, inner.example"),
+            ],
+        ),
     ] {
         let a = world.send("POST", path, &headers, body).await;
         assert_eq!(a.status, 403, "{headers:?}: {}", a.body);
@@ -623,6 +631,18 @@ async fn a_request_from_a_page_of_another_origin_is_refused() {
         vec![
             ("origin", "https://api.example"),
             ("x-forwarded-host", "api.example"),
+        ],
+        // Through two proxies, the first host is the one the browser asked for.
+        vec![
+            ("origin", "https://api.example"),
+            ("x-forwarded-host", "api.example, inner.example"),
+        ],
+        vec![
+            ("origin", "https://api.example"),
+            (
+                "forwarded",
+                r#"for=10.0.0.1;host="api.example";proto=https, for=10.0.0.2"#,
+            ),
         ],
     ] {
         let a = world
