@@ -436,14 +436,16 @@ impl<S: stack::Service> stack::Service for StreamFallback<'_, S> {
             Err(e) if fallback::applies(&e, Side::Client) => e,
             other => return other,
         };
-        let endpoint = e.tried().last().map(String::as_str);
+        // (As the unary fallback names them: see `CallCx::failure`.)
+        let (endpoint, attempt) = cx.failure(&e);
+        let endpoint = endpoint.as_deref();
         // Inside a handler whose caller's deadline has passed, nobody would read the
         // fallback's stream: it does not start.
         if rpc_governance::timeout::inherited_passed() {
             cx.emit(
                 EventKind::FallbackSkipped,
                 endpoint,
-                cx.attempt(),
+                attempt,
                 Some(e.to_string()),
             );
             return Err(rpc_governance::timeout::fallback_skipped(
@@ -458,12 +460,7 @@ impl<S: stack::Service> stack::Service for StreamFallback<'_, S> {
         else {
             return Err(e);
         };
-        cx.emit(
-            EventKind::Fallback,
-            endpoint,
-            cx.attempt(),
-            Some(e.to_string()),
-        );
+        cx.emit(EventKind::Fallback, endpoint, attempt, Some(e.to_string()));
         let items = take(self.inbound);
         let setup = fallback.call_stream(index, req, items, self.client.inner.codec);
         let answer = fallback::with_cause(e.clone(), setup).await;

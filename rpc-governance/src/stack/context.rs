@@ -341,8 +341,9 @@ impl<'g> CallCx<'g> {
         &self.tried
     }
 
-    /// Endpoints this call found unable to serve it (their servers do not stream; nothing was
-    /// sent to them), in order: a balancer leaves them out of the call's candidates.
+    /// Endpoints this call found unable to serve it (their servers do not stream, or take fewer
+    /// attachments than it carries; nothing was sent to them), in order: a balancer leaves them
+    /// out of the call's candidates.
     pub fn unable(&self) -> &[Arc<str>] {
         &self.unable
     }
@@ -350,6 +351,23 @@ impl<'g> CallCx<'g> {
     /// The endpoint of the last failed attempt, if one failed.
     pub fn last_failed(&self) -> Option<&str> {
         self.last_failed.as_deref()
+    }
+
+    /// Where the call's failure `e` happened, for the event of a fallback answering it: the
+    /// endpoint (the last the call tried, leaving out those that could not serve it, which
+    /// were sent nothing and where the call did not end; or the last failed attempt's when
+    /// the error names none) and the number of the attempt the failure is (the one the retry
+    /// layer last decided on, should the call have ended before another attempt was sent).
+    pub fn failure(&self, e: &RpcError) -> (Option<Arc<str>>, u32) {
+        let unable = |a: &str| self.unable.iter().any(|u| &**u == a);
+        let endpoint = e
+            .tried()
+            .iter()
+            .rev()
+            .find(|a| !unable(a))
+            .map(|a| Arc::from(a.as_str()))
+            .or_else(|| self.last_failed.clone());
+        (endpoint, self.failed_attempt.unwrap_or(self.attempt))
     }
 
     /// The error a fallback answered for, once the fallback layer ran one.

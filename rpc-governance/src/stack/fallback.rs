@@ -49,14 +49,14 @@ impl<S: Service> Service for FallbackLayer<'_, S> {
             Err(e) if fallback::applies(&e, Side::Client) => e,
             other => return other,
         };
-        let endpoint = failed_endpoint(&e, cx);
+        let (endpoint, attempt) = cx.failure(&e);
         // Inside a handler whose caller's deadline has passed, nobody would receive the
         // fallback's answer: it does not start (and does not act).
         if timeout::inherited_passed() {
             cx.emit(
                 EventKind::FallbackSkipped,
                 endpoint.as_deref(),
-                cx.failed_attempt.unwrap_or(cx.attempt),
+                attempt,
                 Some(e.to_string()),
             );
             return Err(timeout::fallback_skipped(cx.entry_id(), &e));
@@ -66,25 +66,12 @@ impl<S: Service> Service for FallbackLayer<'_, S> {
         cx.emit(
             EventKind::Fallback,
             endpoint.as_deref(),
-            cx.failed_attempt.unwrap_or(cx.attempt),
+            attempt,
             Some(e.to_string()),
         );
         cx.fallback_cause = Some(e.clone());
         run(fallback.as_ref(), cx.method(), req, self.codec, e).await
     }
-}
-
-/// The endpoint whose failure `e` is: the last the call tried, leaving out those that could
-/// not serve it (a detour there sends nothing, and the call ends with the failure before it),
-/// or the last failed attempt's when the error names none.
-fn failed_endpoint(e: &RpcError, cx: &CallCx<'_>) -> Option<Arc<str>> {
-    let unable = |a: &str| cx.unable.iter().any(|u| &**u == a);
-    e.tried()
-        .iter()
-        .rev()
-        .find(|a| !unable(a))
-        .map(|a| Arc::from(a.as_str()))
-        .or_else(|| cx.last_failed.clone())
 }
 
 async fn run(
