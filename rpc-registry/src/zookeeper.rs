@@ -189,10 +189,16 @@ impl ZooKeeperRegistry {
             }
         }
         check_prefix(&options.prefix)?;
-        if options.session_timeout.is_zero() {
-            return Err(RegistryError::Config(
-                "ZooKeeper session timeout must not be zero".into(),
-            ));
+        for (name, timeout) in [
+            ("session", options.session_timeout),
+            ("connect", options.connect_timeout),
+            ("request", options.request_timeout),
+        ] {
+            if timeout.is_zero() {
+                return Err(RegistryError::Config(format!(
+                    "ZooKeeper {name} timeout must not be zero"
+                )));
+            }
         }
         let (alive_tx, alive) = watch::channel(());
         Ok(ZooKeeperRegistry {
@@ -359,7 +365,7 @@ impl ZooKeeperRegistry {
 }
 
 /// Retries removing a deregistered instance's nodes until it works, the id is registered
-/// again, or the registry is dropped.
+/// again with them all, or the registry is dropped.
 async fn remove_later(
     conn: Conn,
     registrations: Registrations,
@@ -373,10 +379,20 @@ async fn remove_later(
             return;
         }
         let registrations = registrations.lock().await;
-        if registrations.contains_key(&instance_id) {
+        // Registered again meanwhile: its own nodes stay, but those of services it no longer
+        // serves still go (its registration replaced nothing, this one being gone).
+        let left: Vec<String> = match registrations.get(&instance_id) {
+            Some(again) => paths
+                .iter()
+                .filter(|p| !again.paths.contains(p))
+                .cloned()
+                .collect(),
+            None => paths.clone(),
+        };
+        if left.is_empty() {
             return;
         }
-        match conn.remove(&paths).await {
+        match conn.remove(&left).await {
             Ok(()) => return,
             Err(e) => {
                 tracing::debug!(instance = %instance_id, error = %e, "removal failed; retrying")
@@ -535,6 +551,40 @@ mod tests {
         };
         let reg = ZooKeeperRegistry::from_url_with_options("zk://127.0.0.1:1", options).unwrap();
         assert_eq!(reg.path(&"a/b".into(), ".."), "/services/a%2Fb/%2E%2E");
+    }
+
+    #[test]
+    fn a_zero_timeout_is_refused_as_configuration() {
+        let zero = Duration::ZERO;
+        for (name, options) in [
+            (
+                "session",
+                ZooKeeperOptions {
+                    session_timeout: zero,
+                    ..Default::default()
+                },
+            ),
+            (
+                "connect",
+                ZooKeeperOptions {
+                    connect_timeout: zero,
+                    ..Default::default()
+                },
+            ),
+            (
+                "request",
+                ZooKeeperOptions {
+                    request_timeout: zero,
+                    ..Default::default()
+                },
+            ),
+        ] {
+            let e = ZooKeeperRegistry::from_url_with_options("zk://127.0.0.1:1", options)
+                .err()
+                .unwrap_or_else(|| panic!("a zero {name} timeout was taken"));
+            assert!(matches!(e, RegistryError::Config(_)), "{name}: {e}");
+            assert!(e.to_string().contains(&format!("{name} timeout")), "{e}");
+        }
     }
 
     #[tokio::test]

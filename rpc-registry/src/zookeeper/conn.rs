@@ -84,8 +84,15 @@ impl Conn {
     }
 
     fn connector(&self) -> zk::Connector {
+        // Each server gets its share of the time to open a session (at least a second), so that
+        // one that does not answer (down behind a firewall) leaves the others time within
+        // `connect_timeout`: the client's own default gives each 2/5 of the session timeout.
+        let servers = self.servers.split(',').count().max(1);
+        let per_server =
+            (self.options.connect_timeout / servers as u32).max(Duration::from_secs(1));
         zk::Client::connector()
             .with_session_timeout(self.options.session_timeout)
+            .with_connection_timeout(per_server)
             // Dropping the registry ends nothing at once: its instances go when the session
             // expires, as after a crash (a graceful shutdown deregisters first).
             .with_detached()

@@ -50,6 +50,7 @@ pub(super) async fn keep_registered(mut r: KeepRegistered) {
             instance = %r.instance_id, session = %lost,
             "ZooKeeper session ended; registering the instance again"
         );
+        let mut failures = 0u64;
         loop {
             let attempt = {
                 let registrations = r.registrations.lock().await;
@@ -77,10 +78,20 @@ pub(super) async fn keep_registered(mut r: KeepRegistered) {
                     break;
                 }
                 Err(e) => {
-                    tracing::debug!(
-                        instance = %r.instance_id, error = %e,
-                        "registering again failed; retrying"
-                    );
+                    // Loud once in a while: the instance is not in the registry meanwhile.
+                    failures += 1;
+                    if failures.is_power_of_two() {
+                        tracing::warn!(
+                            instance = %r.instance_id, error = %e, failures,
+                            "registering again failed; the instance is not in the registry \
+                             until it works; retrying"
+                        );
+                    } else {
+                        tracing::debug!(
+                            instance = %r.instance_id, error = %e,
+                            "registering again failed; retrying"
+                        );
+                    }
                     if !pause(backoff.next(), &mut r.alive).await {
                         return;
                     }

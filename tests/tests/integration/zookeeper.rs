@@ -44,6 +44,18 @@ fn registry(url: &str) -> ZooKeeperRegistry {
     ZooKeeperRegistry::from_url_with_options(url, options).expect("ZooKeeper registry")
 }
 
+/// A registry on `url` that gives up on ZooKeeper after 300 ms (its background tasks go on
+/// trying), for tests that stop ZooKeeper.
+fn quick_registry(url: &str) -> ZooKeeperRegistry {
+    let quick = ZooKeeperOptions {
+        session_timeout: TTL,
+        connect_timeout: Duration::from_millis(300),
+        request_timeout: Duration::from_millis(300),
+        ..ZooKeeperOptions::default()
+    };
+    ZooKeeperRegistry::from_url_with_options(url, quick).expect("ZooKeeper registry")
+}
+
 /// The shared ZooKeeper's URL under a fresh prefix.
 async fn fresh_url() -> String {
     ZooKeeper::shared()
@@ -245,13 +257,7 @@ async fn calls_keep_working_while_zookeeper_restarts_and_the_sessions_resume() {
 async fn an_instance_registered_again_without_services_goes_once_zookeeper_answers() {
     let mut zk = ZooKeeper::start().await;
     let url = zk.url();
-    let quick = ZooKeeperOptions {
-        session_timeout: TTL,
-        connect_timeout: Duration::from_millis(300),
-        request_timeout: Duration::from_millis(300),
-        ..ZooKeeperOptions::default()
-    };
-    let reg = ZooKeeperRegistry::from_url_with_options(&url, quick).expect("ZooKeeper registry");
+    let reg = quick_registry(&url);
     within(
         "register",
         reg.register(Instance::new("127.0.0.1:1001", ["t.A"])),
@@ -288,6 +294,66 @@ async fn an_instance_registered_again_without_services_goes_once_zookeeper_answe
         stat(&zk.client().await, &node).await.is_none(),
         "the node of session {owner:#x} outlived the outage"
     );
+}
+
+/// An instance deregistered while ZooKeeper does not answer, then registered again under the
+/// same id with fewer services once it does (a shard restarting under its fixed id): the
+/// nodes of the services it no longer serves still go. Before, the background removal gave
+/// up as soon as the id was registered again, and those nodes stayed for the session's life
+/// (which resumes across the outage), so callers of that service kept calling an instance
+/// that no longer served it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missed_deregistration_still_removes_what_a_new_registration_no_longer_serves() {
+    let mut zk = ZooKeeper::start().await;
+    let url = zk.url();
+    let reg = quick_registry(&url);
+    let id = "127.0.0.1:1002";
+    within("register", reg.register(Instance::new(id, ["t.A", "t.B"])))
+        .await
+        .expect("register");
+    zk.stop();
+    let missed = within("deregister", reg.deregister(id)).await;
+    assert!(missed.is_err(), "ZooKeeper is down, yet the nodes went");
+    zk.restart().await;
+    within("register again", reg.register(Instance::new(id, ["t.A"])))
+        .await
+        .expect("register again");
+
+    // Another process's view, from after the outage.
+    let other = registry(&url);
+    let mut b = watch(&other, "t.B").await;
+    wait_until(&mut b, SEEN_WITHIN, "gone from t.B", lacks(id)).await;
+    let mut a = watch(&other, "t.A").await;
+    wait_until(&mut a, SEEN_WITHIN, "still in t.A", has(id)).await;
+}
+
+/// An ensemble one of whose servers takes connections and never answers (hung, or its
+/// answers lost): opening a session tries each server for its share of `connect_timeout`
+/// (1.5 s of the default 3 s here), so registering works whichever server the client tries
+/// first. Before, the client gave each server 2/5 of the session timeout (4 s by default),
+/// more than the whole `connect_timeout`, and an open that tried the silent server first
+/// failed. (Each registry shuffles the servers: four of them try it first at least once but
+/// one time in sixteen.)
+#[tokio::test]
+async fn a_silent_server_in_the_ensemble_does_not_keep_sessions_from_opening() {
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let silent_addr = silent.local_addr().expect("address");
+    let zk = ZooKeeper::shared().await;
+    let url = format!(
+        "zk://{silent_addr},{}{}",
+        zk.url().trim_start_matches("zk://"),
+        ZooKeeper::prefix()
+    );
+    for i in 0..4 {
+        let reg = ZooKeeperRegistry::from_url(&url).expect("ZooKeeper registry");
+        within(
+            "register",
+            reg.register(Instance::new(format!("127.0.0.1:{}", 2000 + i), ["t.S"])),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("registry {i}: {e}"));
+    }
+    drop(silent);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
