@@ -1758,74 +1758,86 @@ async fn a_stream_ended_by_its_connection_is_recorded_with_the_end_the_caller_ge
 /// A stream whose set-up is refused (515) by one instance while the other cannot stream at all
 /// (its handshake offers none: a detour, nothing sent there) ends with the refusal, which the
 /// client's fallback answers: the fallback event names the instance that refused and the
-/// number of that attempt (the first), as for a unary call. Before, a stream's fallback named
-/// the last endpoint tried (the detour) and the last attempt's number.
+/// number of that attempt, as for a unary call. Before, a stream's fallback named the last
+/// endpoint tried and the last attempt's number: the detour, when the refusing instance was
+/// drawn first. Round robin starts at a random instance in each client, so the calls are made
+/// by fresh clients until one drew the refusing instance first (each call checks either way).
 #[tokio::test]
 async fn a_stream_fallback_after_a_detour_names_the_instance_that_refused() {
-    use rpc::crates::core::wire::HelloAck;
+    use rpc::crates::core::wire::{frame::Kind, HelloAck};
     use rpc::crates::governance::events::EventKind;
-    // The refusing instance sorts first by address, so round robin draws it first: the
-    // detour comes second, and the call ends after it with the refusal before it.
-    let mut two = [raw_listener().await, raw_listener().await];
-    two.sort_by_key(|(_, addr)| addr.to_string());
-    let [(full, full_addr), (old, old_addr)] = two;
-    // One refuses the stream's set-up; the other is an older server, which does not stream.
+    let (full, full_addr) = raw_listener().await;
+    let (old, old_addr) = raw_listener().await;
+    // One refuses every stream's set-up; the other is an older server, which does not stream.
     let refusing = tokio::spawn(async move {
-        let (mut peer, _) = common::RawConn::accept_with(&full, streaming_ack(8)).await;
-        let id = peer.recv_invoke("the stream's opening").await.message_id;
-        peer.answer(id, 515, "full").await;
-        peer
+        loop {
+            let (mut peer, _) = common::RawConn::accept_with(&full, streaming_ack(8)).await;
+            tokio::spawn(async move {
+                while let Some(Kind::Invoke(open)) = peer.recv().await {
+                    peer.answer(open.message_id, 515, "full").await;
+                }
+            });
+        }
     });
     let not_streaming = tokio::spawn(async move {
-        let ack = HelloAck {
-            protocol_version: 1,
-            ..Default::default()
-        };
-        common::RawConn::accept_with(&old, ack).await.0
+        let mut held = Vec::new();
+        loop {
+            let ack = HelloAck {
+                protocol_version: 1,
+                ..Default::default()
+            };
+            held.push(common::RawConn::accept_with(&old, ack).await.0);
+        }
     });
-    let cache = Cache::default();
-    let client = Client::builder()
-        .registry(
-            rpc::StaticRegistry::from_list(&format!("{full_addr},{old_addr}")).expect("registry"),
-        )
-        .override_options(
-            StocksClient::SERVICE_ID,
-            GovernanceOverrides {
-                retry_times: Some(1),
-                ..options(100)
-            },
-        )
-        .fallback(StocksServer::new(cache.clone()))
-        .build();
-    let mut events = client.events().subscribe();
-    let stocks = StocksClient::new(client);
-    let prices = accepted_items("prices", stocks.prices(2))
-        .await
-        .expect("the fallback's items");
-    assert_eq!(prices, [1000, 1001]);
-    let _held = (
-        within("the refusing server", refusing).await,
-        within("the older server", not_streaming).await,
-    );
-    let events: Vec<_> = std::iter::from_fn(|| events.try_recv().ok()).collect();
     let full_addr = full_addr.to_string();
-    let retry = events
-        .iter()
-        .find(|e| e.kind == EventKind::Retry)
-        .expect("a retry after the first attempt");
-    assert_eq!(
-        retry.endpoint.as_deref(),
-        Some(full_addr.as_str()),
-        "drawn first"
-    );
-    let fallback = events
-        .iter()
-        .find(|e| e.kind == EventKind::Fallback)
-        .expect("a fallback event");
-    assert_eq!(
-        (fallback.endpoint.as_deref(), fallback.attempt),
-        (Some(full_addr.as_str()), 0),
-        "{events:?}"
+    let mut refused_first = false;
+    for _ in 0..12 {
+        let client = Client::builder()
+            .registry(
+                rpc::StaticRegistry::from_list(&format!("{full_addr},{old_addr}"))
+                    .expect("registry"),
+            )
+            .override_options(
+                StocksClient::SERVICE_ID,
+                GovernanceOverrides {
+                    retry_times: Some(1),
+                    ..options(100)
+                },
+            )
+            .fallback(StocksServer::new(Cache::default()))
+            .build();
+        let mut events = client.events().subscribe();
+        let stocks = StocksClient::new(client);
+        let prices = accepted_items("prices", stocks.prices(2))
+            .await
+            .expect("the fallback's items");
+        assert_eq!(prices, [1000, 1001]);
+        let events: Vec<_> = std::iter::from_fn(|| events.try_recv().ok()).collect();
+        let retry = events
+            .iter()
+            .find(|e| e.kind == EventKind::Retry)
+            .expect("a retry after the first attempt");
+        // The refusal is the first attempt when its instance was drawn first.
+        let first = retry.endpoint.as_deref() == Some(full_addr.as_str());
+        let fallback = events
+            .iter()
+            .find(|e| e.kind == EventKind::Fallback)
+            .expect("a fallback event");
+        assert_eq!(
+            (fallback.endpoint.as_deref(), fallback.attempt),
+            (Some(full_addr.as_str()), if first { 0 } else { 1 }),
+            "{events:?}"
+        );
+        if first {
+            refused_first = true;
+            break;
+        }
+    }
+    refusing.abort();
+    not_streaming.abort();
+    assert!(
+        refused_first,
+        "no client of 12 drew the refusing instance first"
     );
 }
 
