@@ -84,12 +84,15 @@ impl Conn {
     }
 
     fn connector(&self) -> zk::Connector {
-        // Each server gets its share of the time to open a session (at least a second), so that
-        // one that does not answer (down behind a firewall) leaves the others time within
-        // `connect_timeout`: the client's own default gives each 2/5 of the session timeout.
+        // Each server gets its share of the time to open a session, so that one that takes the
+        // connection and never answers leaves the others time within `connect_timeout`: the
+        // client's own default gives each 2/5 of the session timeout (4 s of the default 10 s,
+        // more than the default `connect_timeout` of 3 s). The client also gives up on a
+        // connection that stays silent this long (pinging it at 3/8 of it), so the share is
+        // never under 2 s, lest a ZooKeeper pausing for a second drop every session.
         let servers = self.servers.split(',').count().max(1);
         let per_server =
-            (self.options.connect_timeout / servers as u32).max(Duration::from_secs(1));
+            (self.options.connect_timeout / servers as u32).max(Duration::from_secs(2));
         zk::Client::connector()
             .with_session_timeout(self.options.session_timeout)
             .with_connection_timeout(per_server)
