@@ -67,43 +67,57 @@ pub struct Chromedriver {
 }
 
 impl Chromedriver {
-    /// Starts chromedriver with `--port=0` (it picks a free port and prints it: no race for the
-    /// port) and waits, at most [`WAIT`], until it says it listens, then checks that it answers.
+    /// Starts chromedriver with `--port=0` (it picks a free port and prints it) and waits, at
+    /// most [`WAIT`], until it says it listens, then checks that it answers. Chromedriver picks
+    /// the port for IPv6 and then binds the same number on IPv4, which another process may hold
+    /// meanwhile ("IPv4 port not available"): it is started again then, up to three times.
     pub async fn start() -> Self {
         let program = on_path("chromedriver")
             .unwrap_or_else(|| panic!("no chromedriver on the PATH: {MISSING}"));
-        let mut child = Command::new(&program)
-            .arg("--port=0")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .process_group(0)
-            .kill_on_drop(true)
-            .spawn()
-            .unwrap_or_else(|e| panic!("starting {}: {e}; {MISSING}", program.display()));
-        let mut lines = BufReader::new(child.stdout.take().expect("piped stdout")).lines();
-        let output = Arc::new(Mutex::new(Vec::new()));
-        let started = tokio::time::timeout(WAIT, async {
-            while let Ok(Some(line)) = lines.next_line().await {
-                let port = listening_port(&line);
-                output.lock().unwrap().push(line);
-                if port.is_some() {
-                    return port;
+        let mut tries = 0;
+        let (child, port, mut lines, output) = loop {
+            tries += 1;
+            let mut child = Command::new(&program)
+                .arg("--port=0")
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::null())
+                .process_group(0)
+                .kill_on_drop(true)
+                .spawn()
+                .unwrap_or_else(|e| panic!("starting {}: {e}; {MISSING}", program.display()));
+            let mut lines = BufReader::new(child.stdout.take().expect("piped stdout")).lines();
+            let output = Arc::new(Mutex::new(Vec::new()));
+            let started = tokio::time::timeout(WAIT, async {
+                while let Ok(Some(line)) = lines.next_line().await {
+                    let port = listening_port(&line);
+                    output.lock().unwrap().push(line);
+                    if port.is_some() {
+                        return port;
+                    }
                 }
+                None
+            })
+            .await;
+            match started {
+                Ok(Some(port)) => break (child, port, lines, output),
+                Ok(None)
+                    if tries < 3
+                        && output
+                            .lock()
+                            .unwrap()
+                            .iter()
+                            .any(|l| l.contains("port not available")) => {}
+                _ => panic!(
+                    "chromedriver never said it listens within {WAIT:?} ({}); it printed: {:?}",
+                    if started.is_err() {
+                        "timed out"
+                    } else {
+                        "it exited"
+                    },
+                    output.lock().unwrap()
+                ),
             }
-            None
-        })
-        .await;
-        let Ok(Some(port)) = started else {
-            panic!(
-                "chromedriver never said it listens within {WAIT:?} ({}); it printed: {:?}",
-                if started.is_err() {
-                    "timed out"
-                } else {
-                    "it exited"
-                },
-                output.lock().unwrap()
-            );
         };
         // Keep reading, so its output never fills the pipe and stays at hand for messages.
         let sink = output.clone();
