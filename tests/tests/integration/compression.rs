@@ -330,6 +330,30 @@ async fn packed_call(
     raw_result(raw).await
 }
 
+/// `payload` compressed with `alg` and cut in half: it does not decompress.
+fn cut_in_half(alg: Compression, payload: &[u8]) -> Bytes {
+    let mut cut = compress(alg, payload).to_vec();
+    cut.truncate(cut.len() / 2);
+    Bytes::from(cut)
+}
+
+/// Arguments of 300 KiB: over the test server's frame limit once decompressed.
+fn bomb() -> Bytes {
+    Codec::MsgPack
+        .encode(&(String::from_utf8(vec![b'x'; 300 * 1024]).expect("ascii"),))
+        .expect("encode")
+}
+
+/// `r` must be call `id`'s 500 for arguments that do not decompress.
+fn assert_not_decompressed(r: &rpc::crates::core::wire::RemoteResultMessage, id: u64) {
+    assert_eq!((r.message_id, r.status_code), (id, 500), "{r:?}");
+    assert!(
+        r.exception_message.contains("does not decompress"),
+        "{}",
+        r.exception_message
+    );
+}
+
 /// The next frame must be a result; returns it.
 async fn raw_result(raw: &mut RawConn) -> rpc::crates::core::wire::RemoteResultMessage {
     match raw.recv().await {
@@ -393,13 +417,10 @@ async fn corrupt_or_oversized_compressed_parameters_get_a_clear_500_and_the_conn
     let good = Codec::MsgPack.encode(&("fine",)).expect("encode");
     // 300 KiB of one byte, compressed to a few hundred bytes: beyond the 256 KiB frame limit
     // once decompressed.
-    let bomb = Codec::MsgPack
-        .encode(&(String::from_utf8(vec![b'x'; 300 * 1024]).expect("ascii"),))
-        .expect("encode");
+    let bomb = bomb();
     let mut id = 0;
     for alg in SUPPORTED {
-        let mut cut = compress(alg, &good).to_vec();
-        cut.truncate(cut.len() / 2);
+        let cut = cut_in_half(alg, &good);
         let packed_bomb = compress(alg, &bomb);
         assert!(
             packed_bomb.len() < 4096,
@@ -407,11 +428,7 @@ async fn corrupt_or_oversized_compressed_parameters_get_a_clear_500_and_the_conn
             packed_bomb.len()
         );
         for (what, parameters, want) in [
-            (
-                "corrupt",
-                Bytes::from(cut),
-                format!("does not decompress as {alg}"),
-            ),
+            ("corrupt", cut, format!("does not decompress as {alg}")),
             (
                 "oversized",
                 packed_bomb,
@@ -464,9 +481,7 @@ async fn a_compressed_call_refused_by_its_entrys_admission_is_not_decompressed()
     let mut raw = RawConn::connect(server.local_addr()).await;
     raw.handshake().await;
     let good = Codec::MsgPack.encode(&("fine",)).expect("encode");
-    let mut corrupt = compress(Compression::Zstd, &good).to_vec();
-    corrupt.truncate(corrupt.len() / 2);
-    let corrupt = Bytes::from(corrupt);
+    let corrupt = cut_in_half(Compression::Zstd, &good);
     // One call holds the entry's only slot.
     raw.send(Kind::Invoke(raw_call(1, "held_echo", "held")))
         .await
@@ -484,12 +499,7 @@ async fn a_compressed_call_refused_by_its_entrys_admission_is_not_decompressed()
     assert_eq!((r.message_id, r.status_code), (1, 200), "{r:?}");
     // Admitted now: decompressed, found corrupt, and its slot given back.
     let r = packed_call(&mut raw, 3, "held_echo", corrupt, Compression::Zstd).await;
-    assert_eq!((r.message_id, r.status_code), (3, 500), "{r:?}");
-    assert!(
-        r.exception_message.contains("does not decompress"),
-        "{}",
-        r.exception_message
-    );
+    assert_not_decompressed(&r, 3);
     HOLD_RELEASE.add_permits(1);
     let r = packed_call(
         &mut raw,
@@ -519,9 +529,7 @@ async fn compressed_calls_that_do_not_decompress_are_held_to_the_rate_limit() {
     let mut raw = RawConn::connect(server.local_addr()).await;
     raw.handshake().await;
     let good = Codec::MsgPack.encode(&("fine",)).expect("encode");
-    let mut cut = compress(Compression::Zstd, &good).to_vec();
-    cut.truncate(cut.len() / 2);
-    let corrupt = Bytes::from(cut);
+    let corrupt = cut_in_half(Compression::Zstd, &good);
     let r = packed_call(
         &mut raw,
         1,
@@ -530,12 +538,7 @@ async fn compressed_calls_that_do_not_decompress_are_held_to_the_rate_limit() {
         Compression::Zstd,
     )
     .await;
-    assert_eq!((r.message_id, r.status_code), (1, 500), "{r:?}");
-    assert!(
-        r.exception_message.contains("does not decompress"),
-        "{}",
-        r.exception_message
-    );
+    assert_not_decompressed(&r, 1);
     let r = packed_call(&mut raw, 2, "plain_echo", corrupt, Compression::Zstd).await;
     assert_eq!(
         (r.message_id, r.status_code),
@@ -558,13 +561,9 @@ async fn a_compressed_call_to_an_unknown_entry_is_answered_507_without_being_dec
     let server = server().await;
     let mut raw = RawConn::connect(server.local_addr()).await;
     raw.handshake().await;
-    let bomb = Codec::MsgPack
-        .encode(&(String::from_utf8(vec![b'x'; 300 * 1024]).expect("ascii"),))
-        .expect("encode");
+    let bomb = bomb();
     for (id, alg) in (1..).zip(SUPPORTED) {
-        let mut cut = compress(alg, &bomb).to_vec();
-        cut.truncate(cut.len() / 2);
-        for parameters in [compress(alg, &bomb), Bytes::from(cut)] {
+        for parameters in [compress(alg, &bomb), cut_in_half(alg, &bomb)] {
             let r = packed_call(&mut raw, id, "nothing", parameters, alg).await;
             assert_eq!(
                 r.status_code,
@@ -598,10 +597,8 @@ async fn a_client_refuses_a_corrupt_or_oversized_answer_and_its_other_calls_go_o
         assert_eq!(hello.accept_compression, [1, 2]);
         let fine = Codec::MsgPack.encode("fine").expect("encode");
         let bomb = vec![0u8; 200 * 1024];
-        let mut cut = compress(Compression::Zstd, &fine).to_vec();
-        cut.truncate(cut.len() / 2);
         for (result, compression) in [
-            (Bytes::from(cut), 1),
+            (cut_in_half(Compression::Zstd, &fine), 1),
             (compress(Compression::Lz4, &bomb), 2),
             (compress(Compression::Lz4, &fine), 2),
         ] {

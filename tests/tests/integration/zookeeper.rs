@@ -35,25 +35,25 @@ const SEEN_WITHIN: Duration = LIMIT;
 
 /// A registry on `url` with a session timeout of [`TTL`].
 fn registry(url: &str) -> ZooKeeperRegistry {
-    let options = ZooKeeperOptions {
-        session_timeout: TTL,
-        connect_timeout: Duration::from_secs(2),
-        request_timeout: Duration::from_secs(2),
-        ..ZooKeeperOptions::default()
-    };
-    ZooKeeperRegistry::from_url_with_options(url, options).expect("ZooKeeper registry")
+    registry_within(url, Duration::from_secs(2))
 }
 
 /// A registry on `url` that gives up on ZooKeeper after 300 ms (its background tasks go on
 /// trying), for tests that stop ZooKeeper.
 fn quick_registry(url: &str) -> ZooKeeperRegistry {
-    let quick = ZooKeeperOptions {
+    registry_within(url, Duration::from_millis(300))
+}
+
+/// A registry on `url` with a session timeout of [`TTL`] that gives up on opening a session,
+/// and on each request, after `limit`.
+fn registry_within(url: &str, limit: Duration) -> ZooKeeperRegistry {
+    let options = ZooKeeperOptions {
         session_timeout: TTL,
-        connect_timeout: Duration::from_millis(300),
-        request_timeout: Duration::from_millis(300),
+        connect_timeout: limit,
+        request_timeout: limit,
         ..ZooKeeperOptions::default()
     };
-    ZooKeeperRegistry::from_url_with_options(url, quick).expect("ZooKeeper registry")
+    ZooKeeperRegistry::from_url_with_options(url, options).expect("ZooKeeper registry")
 }
 
 /// The shared ZooKeeper's URL under a fresh prefix.
