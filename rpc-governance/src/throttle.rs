@@ -131,6 +131,23 @@ impl Throttle {
         draw >= probability(requests, accepts, k)
     }
 
+    /// Takes back a request counted (by [`admit_at`](Self::admit_at)) at `counted_at`: the
+    /// attempt went nowhere (its endpoint cannot serve the call, so nothing was sent), and
+    /// the rule counts what servers were asked. Nothing changes once that time's slice has
+    /// left the window.
+    pub fn withdraw_request_at(&self, counted_at: Instant, now: Instant) {
+        let mut w = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        w.advance(now, self.slice);
+        // The newest slice starts at `w.at`; slice `age` before it covers
+        // [at - age·slice, at - (age - 1)·slice).
+        let before = w.at.saturating_duration_since(counted_at);
+        let age = before.as_nanos().div_ceil(self.slice.as_nanos().max(1));
+        if age < SLICES as u128 {
+            let i = (w.newest + SLICES - age as usize) % SLICES;
+            w.slices[i].0 = w.slices[i].0.saturating_sub(1);
+        }
+    }
+
     /// Counts a call the server accepted (answered, whatever the answer, other than a refusal
     /// for overload or rate).
     pub fn accepted_at(&self, now: Instant) {
@@ -231,5 +248,31 @@ mod tests {
         }
         tokio::time::advance(WINDOW * 100).await;
         assert_eq!(t.drop_probability_at(Instant::now()), 0.0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_withdrawn_request_leaves_the_slice_it_was_counted_in() {
+        let t = Throttle::new(2.0, WINDOW);
+        let t0 = Instant::now();
+        for _ in 0..5 {
+            t.admit_at(t0, 1.0);
+        }
+        // Three slices later, one of the five is taken back: r = 4, a = 0, 4 / 5.
+        tokio::time::advance(WINDOW * 3 / 10).await;
+        t.withdraw_request_at(t0, Instant::now());
+        let p = t.drop_probability_at(Instant::now());
+        assert!((p - 4.0 / 5.0).abs() < 1e-12, "{p}");
+        // One request now; once t0's slice has left the window, withdrawing a request of t0
+        // takes nothing from the newer one: r = 1, 1 / 2.
+        let t1 = Instant::now();
+        t.admit_at(t1, 1.0);
+        tokio::time::advance(WINDOW * 7 / 10 + WINDOW / 20).await;
+        let now = Instant::now();
+        t.withdraw_request_at(t0, now);
+        let p = t.drop_probability_at(now);
+        assert!((p - 1.0 / 2.0).abs() < 1e-12, "{p}");
+        // The newer one is withdrawn from its own slice: nothing is left.
+        t.withdraw_request_at(t1, now);
+        assert_eq!(t.drop_probability_at(now), 0.0);
     }
 }

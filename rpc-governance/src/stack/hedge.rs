@@ -18,7 +18,8 @@
 //! ([`RetryBudget::try_withdraw`](crate::budget::RetryBudget::try_withdraw)) and is not sent
 //! once the budget is spent: under overload, when every call is slow, hedges stop by
 //! themselves. The hedge is one attempt (its failure is not retried); the first attempt keeps
-//! its retries.
+//! its retries. A hedge aimed at an endpoint that cannot serve the call (nothing is sent: its
+//! server does not stream, or takes fewer attachments) moves on to the next untried endpoint.
 
 use std::future::Future;
 use std::pin::Pin;

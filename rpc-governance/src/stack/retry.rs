@@ -251,6 +251,14 @@ impl<B: Balance, S> RetryLayer<B, S> {
         } else {
             failover::decide(&err, attempt, &cx.options, cx.deadline, untried_left)
         };
+        // A hedge is one attempt sent, and one aimed at an endpoint that cannot serve the call
+        // was not sent: it moves on to the next untried endpoint, so that the hedge its gate
+        // paid for (budget, event) goes where it can be served, or nowhere when none is left.
+        if unsupported && cx.hedge && untried_left {
+            decision = Decision::Retry {
+                after: Duration::ZERO,
+            };
+        }
         // A detour to an endpoint that cannot serve the call (nothing was sent) after which the
         // call would give up (nothing untried left, or no attempt left): the call decides on
         // the failure before it, on an endpoint that can serve it, as it would have with no

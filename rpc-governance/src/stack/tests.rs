@@ -1442,6 +1442,43 @@ async fn answers_other_than_overload_refusals_count_as_accepts() {
     }
 }
 
+/// An attempt that went nowhere (a detour: its endpoint cannot serve the call) asked no server
+/// anything: it counts neither as a request nor as an accept, so calls refused for overload
+/// after a detour are throttled as any refused calls are.
+#[tokio::test(start_paused = true)]
+async fn a_detour_counts_neither_as_a_request_nor_as_an_accept() {
+    let g = throttled(200, 1);
+    let mut refused = 0;
+    for _ in 0..1000 {
+        // a cannot serve the call, b refuses it for overload.
+        let s = Script::new(vec![cannot_serve(), overflow()], Duration::ZERO);
+        let _ = g.execute(&g.policy(&M), &s).await;
+        refused += s
+            .log
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, e)| e == "b:1")
+            .count();
+    }
+    // One request and no accept per call: about ln(1000) + 0.58 ≈ 7.5 of 1000 calls reach b
+    // (see throttle.rs). Counted as a request and an accept, the detour would keep the drop
+    // probability at (2r − 2r) / (2r + 1) = 0, and all 1000 would.
+    assert!(
+        refused < 30,
+        "{refused} of 1000 calls reached the refusing endpoint"
+    );
+    // With K = 1, calls answered after a detour are one request and one accept each, and
+    // nothing is dropped; counted as a request, each detour would bring the probability to
+    // (2r − r) / (2r + 1), about one half.
+    let g = throttled(100, 1);
+    for call in 0..1000 {
+        let s = Script::new(vec![cannot_serve(), ok()], Duration::ZERO);
+        let answer = g.execute(&g.policy(&M), &s).await;
+        assert!(answer.is_ok(), "call {call}: {answer:?}");
+    }
+}
+
 /// The throttle of `policy` (made with K = 2 over 10 s), having seen `requests` requests now,
 /// `accepts` of them accepted.
 fn throttle_with(policy: &EntryPolicy, requests: u32, accepts: u32) -> &Throttle {
@@ -1588,7 +1625,7 @@ impl Endpoints {
             log: Arc::default(),
         }
     }
-    fn log(&self) -> Vec<(String, u128, Option<u128>)> {
+    fn log(&self) -> AttemptLogView {
         self.log
             .lock()
             .unwrap()
@@ -1652,6 +1689,9 @@ impl Attempts for &Endpoints {
                 "connect failed",
             ));
         }
+        if addr.starts_with("unable:") {
+            return cannot_serve();
+        }
         Ok(Bytes::from(addr.to_string()))
     }
     fn untried_left(&self, tried: &[String]) -> bool {
@@ -1670,10 +1710,11 @@ fn hedged(delay_ms: u64, idempotent: bool) -> GovernanceOptions {
     }
 }
 
-#[tokio::test(start_paused = true)]
-async fn a_hedge_goes_elsewhere_after_the_delay_and_the_first_answer_wins() {
+/// A call of an entry that hedges after 50 ms over `endpoints` (name, delay in ms), which must
+/// be answered by fast:1 at 60 ms with one `hedge` event first; returns the attempt log.
+async fn answered_by_the_hedge_at_60_ms(endpoints: &[(&'static str, u64)]) -> AttemptLogView {
     let g = engine(hedged(50, true));
-    let e = Endpoints::new(&[("slow:1", 1000), ("fast:1", 10)]);
+    let e = Endpoints::new(endpoints);
     let mut events = g.events().subscribe();
     let t0 = Instant::now();
     let answer = g
@@ -1681,18 +1722,44 @@ async fn a_hedge_goes_elsewhere_after_the_delay_and_the_first_answer_wins() {
         .await
         .expect("the hedge answers");
     assert_eq!(&answer[..], b"fast:1");
-    // Hedge sent at 50 ms, answered at 60 ms; the slow attempt was dropped, never finished.
     assert_eq!(t0.elapsed(), Duration::from_millis(60));
     assert_eq!(
-        e.log(),
+        events.try_recv().expect("hedge event").kind,
+        EventKind::Hedge
+    );
+    e.log()
+}
+
+/// (endpoint, started at ms, finished at ms or `None` when dropped) per attempt.
+type AttemptLogView = Vec<(String, u128, Option<u128>)>;
+
+#[tokio::test(start_paused = true)]
+async fn a_hedge_goes_elsewhere_after_the_delay_and_the_first_answer_wins() {
+    let log = answered_by_the_hedge_at_60_ms(&[("slow:1", 1000), ("fast:1", 10)]).await;
+    // Hedge sent at 50 ms, answered at 60 ms; the slow attempt was dropped, never finished.
+    assert_eq!(
+        log,
         [
             ("slow:1".to_string(), 0, None),
             ("fast:1".to_string(), 50, Some(60))
         ]
     );
+}
+
+/// A hedge aimed at an endpoint that cannot serve the call (nothing sent) moves on to the next
+/// untried one: the hedge its budget paid for is sent where it can be served.
+#[tokio::test(start_paused = true)]
+async fn a_hedge_moves_past_an_endpoint_that_cannot_serve_the_call() {
+    let log =
+        answered_by_the_hedge_at_60_ms(&[("slow:1", 1000), ("unable:1", 0), ("fast:1", 10)]).await;
+    // Hedge aimed at unable:1 at 50 ms, sent to fast:1 at once, answered at 60 ms.
     assert_eq!(
-        events.try_recv().expect("hedge event").kind,
-        EventKind::Hedge
+        log,
+        [
+            ("slow:1".to_string(), 0, None),
+            ("unable:1".to_string(), 50, Some(50)),
+            ("fast:1".to_string(), 50, Some(60))
+        ]
     );
 }
 

@@ -7,6 +7,10 @@
 //! once (the retry layer does not retry it, the breaker does not count it, endpoint health does
 //! not hold it against anyone): trying again right away would only be dropped again.
 //!
+//! An attempt that went nowhere (a detour: its endpoint cannot serve the call, so nothing was
+//! sent) is taken back out of the counts: it asked no server anything. It was drawn for all
+//! the same, so a call that detours draws twice.
+//!
 //! In observe mode (`throttle_observe`) an attempt the rule would drop is reported (event
 //! `throttled`, `observed`) and sent all the same.
 
@@ -101,8 +105,14 @@ impl<S: Service> Service for ThrottleLayer<S> {
             return Err(err);
         }
         let result = self.inner.call(cx, req).await;
-        if accepted(&result) {
-            throttle.accepted_at(Instant::now());
+        match &result {
+            // A detour (an endpoint that cannot serve the call; nothing sent) asked no server
+            // anything: neither a request nor an accept.
+            Err(e) if e.is_unsupported_by_endpoint() => {
+                throttle.withdraw_request_at(now, Instant::now());
+            }
+            result if accepted(result) => throttle.accepted_at(Instant::now()),
+            _ => {}
         }
         result
     }
