@@ -9,6 +9,7 @@
 //! Exit codes: 2 when `--admin` is missing or the token is refused (the command line is
 //! wrong), 1 when the endpoint cannot be reached or answers with an error.
 
+use crate::out::{out, outln};
 use std::io::Write;
 use std::time::Duration;
 
@@ -48,8 +49,18 @@ impl Endpoint {
         } else {
             format!("http://{addr}")
         };
+        if let Err(e) = reqwest::Url::parse(&base) {
+            return Err(Failure::usage(format!(
+                "--admin {addr}: not an address ({e}); give host:port, as the process's \
+                 `admin on <addr>` line printed"
+            )));
+        }
         let http = reqwest::Client::builder()
             .connect_timeout(target.timeout)
+            // Straight to the endpoint, never through a proxy the environment names
+            // (HTTP_PROXY, ALL_PROXY): the request carries the token, and the endpoint listens
+            // on loopback, where a proxy would reach its own host, not this one.
+            .no_proxy()
             .build()
             .map_err(|e| Failure::failed(format!("cannot set up an HTTP client: {e}")))?;
         Ok(Endpoint {
@@ -92,7 +103,7 @@ impl Endpoint {
         if status.is_success() {
             return Ok(response);
         }
-        let body = response.text().await.unwrap_or_default();
+        let body = self.bounded(path, response.text()).await?;
         let said = serde_json::from_str::<Value>(&body)
             .ok()
             .and_then(|v| v["error"].as_str().map(str::to_string))
@@ -131,7 +142,7 @@ impl Endpoint {
         }
         let r = self.bounded("/readyz", req.send()).await?;
         let status = r.status();
-        let text = self.bounded("/readyz", r.text()).await.unwrap_or_default();
+        let text = self.bounded("/readyz", r.text()).await?;
         match status.as_u16() {
             200 | 503 => Ok(text),
             _ => {
@@ -157,7 +168,7 @@ pub async fn status(target: &Target<'_>, json: bool) -> Result<(), Failure> {
             "endpoints": endpoints["endpoints"],
             "entries": entries["entries"],
         });
-        println!("{all}");
+        outln!("{all}");
         return Ok(());
     }
     let mut out = String::new();
@@ -208,7 +219,7 @@ pub async fn status(target: &Target<'_>, json: bool) -> Result<(), Failure> {
         }
     }
     out.push_str(&table(&["ENTRY", "OPTION", "VALUE", "LEVEL"], &rows));
-    print!("{out}");
+    out!("{out}");
     Ok(())
 }
 

@@ -6,6 +6,7 @@
 //! as one line of JSON, so scripts can read it; a failed call exits 1 with its status and
 //! message (and a typed error's value as JSON) on standard error.
 
+use crate::out::outln;
 use std::sync::Arc;
 
 use rpc::{Client, Registry};
@@ -44,7 +45,7 @@ pub async fn run(
     client.close();
     match result {
         Ok(answer) => {
-            println!("{answer}");
+            outln!("{answer}");
             Ok(())
         }
         Err(e) => {

@@ -20,6 +20,7 @@
 mod admin;
 mod call;
 mod exit;
+mod out;
 mod registry;
 #[cfg(feature = "etcd")]
 mod rules;

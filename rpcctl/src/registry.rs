@@ -8,6 +8,7 @@
 //! details. The one-per-line forms of `services` and `instances` are a contract scripts rely
 //! on: one service id, or one `host:port`, per line and nothing else.
 
+use crate::out::outln;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -44,10 +45,10 @@ pub async fn services(registry: &dyn Registry, json: bool) -> Result<(), Failure
         .map_err(|e| unavailable("listing the services", e))?;
     if json {
         let ids: Vec<&str> = ids.iter().map(|s| s.as_str()).collect();
-        println!("{}", Value::from(ids));
+        outln!("{}", Value::from(ids));
     } else {
         for id in &ids {
-            println!("{}", id.as_str());
+            outln!("{}", id.as_str());
         }
     }
     Ok(())
@@ -66,10 +67,10 @@ pub async fn instances(registry: &dyn Registry, service: &str, json: bool) -> Re
             .iter()
             .map(|i| json!({ "id": i.id, "address": i.address, "metadata": i.metadata }))
             .collect();
-        println!("{}", Value::from(list));
+        outln!("{}", Value::from(list));
     } else {
         for i in snapshot.iter() {
-            println!("{}", i.address);
+            outln!("{}", i.address);
         }
         if snapshot.is_empty() {
             eprintln!("rpcctl: no instance of {service} is registered (`rpcctl services` lists the known services)");
@@ -148,7 +149,7 @@ pub async fn entries(registry: &dyn Registry, service: &str, json: bool) -> Resu
                 })
             })
             .collect();
-        println!("{}", Value::from(list));
+        outln!("{}", Value::from(list));
         return Ok(());
     }
     if entries.is_empty() {
@@ -165,7 +166,7 @@ pub async fn entries(registry: &dyn Registry, service: &str, json: bool) -> Resu
         return Ok(());
     }
     let width = entries.keys().map(String::len).max().unwrap_or(0).max(5);
-    println!("{:width$}  {:>9}  GOVERNANCE", "ENTRY", "INSTANCES");
+    outln!("{:width$}  {:>9}  GOVERNANCE", "ENTRY", "INSTANCES");
     for (id, p) in &entries {
         let mut text: Vec<String> = settings(&p.governance)
             .into_iter()
@@ -184,7 +185,7 @@ pub async fn entries(registry: &dyn Registry, service: &str, json: bool) -> Resu
                     .into(),
             );
         }
-        println!("{id:width$}  {:>9}  {}", p.instances.len(), text.join(" "));
+        outln!("{id:width$}  {:>9}  {}", p.instances.len(), text.join(" "));
     }
     Ok(())
 }

@@ -4,6 +4,7 @@
 //! rule store, which checks the document (the same parser every process applies it with) and
 //! writes it only over the version it read.
 
+use crate::out::{out, outln};
 use clap::Subcommand;
 use rpc::{EtcdRegistry, RuleError, RuleKind, RuleStore};
 
@@ -95,14 +96,14 @@ pub async fn run(registry: Option<&str>, json: bool, command: RulesCommand) -> R
                     "version": now.as_ref().map(|v| v.version),
                     "diff": lines,
                 });
-                println!("{out}");
+                outln!("{out}");
             } else {
                 match &now {
-                    Some(v) => println!("--- {kind} version {}\n+++ {file}", v.version),
-                    None => println!("--- {kind} (none in force)\n+++ {file}"),
+                    Some(v) => outln!("--- {kind} version {}\n+++ {file}", v.version),
+                    None => outln!("--- {kind} (none in force)\n+++ {file}"),
                 }
                 for l in &lines {
-                    println!("{l}");
+                    outln!("{l}");
                 }
             }
             Ok(())
@@ -115,12 +116,12 @@ pub async fn run(registry: Option<&str>, json: bool, command: RulesCommand) -> R
                     .iter()
                     .map(|v| serde_json::json!({ "version": v.version, "text": &*v.text }))
                     .collect();
-                println!("{}", serde_json::Value::Array(out));
+                outln!("{}", serde_json::Value::Array(out));
             } else {
-                println!("{:>10}  first line", "version");
+                outln!("{:>10}  first line", "version");
                 for v in &history {
                     let first = v.text.lines().next().unwrap_or("");
-                    println!("{:>10}  {first}", v.version);
+                    outln!("{:>10}  {first}", v.version);
                 }
             }
             Ok(())
@@ -164,34 +165,34 @@ fn failure(e: RuleError) -> Failure {
 
 fn print_version(json: bool, kind: RuleKind, version: i64, what: &str) {
     if json {
-        println!(
+        outln!(
             "{}",
             serde_json::json!({ "kind": kind.as_str(), "version": version })
         );
     } else {
-        println!("{kind} rules {what}: version {version}");
+        outln!("{kind} rules {what}: version {version}");
     }
 }
 
 async fn get(store: &RuleStore, kind: RuleKind, json: bool) -> Result<(), Failure> {
     let now = store.get(kind).await.map_err(failure)?;
     match (now, json) {
-        (Some(v), true) => println!(
+        (Some(v), true) => outln!(
             "{}",
             serde_json::json!({ "kind": kind.as_str(), "version": v.version, "text": &*v.text })
         ),
-        (None, true) => println!(
+        (None, true) => outln!(
             "{}",
             serde_json::json!({ "kind": kind.as_str(), "version": null, "text": null })
         ),
         (Some(v), false) => {
-            println!("# {kind} rules, version {}", v.version);
-            print!("{}", v.text);
+            outln!("# {kind} rules, version {}", v.version);
+            out!("{}", v.text);
             if !v.text.ends_with('\n') {
-                println!();
+                outln!();
             }
         }
-        (None, false) => println!("# no {kind} rules in force"),
+        (None, false) => outln!("# no {kind} rules in force"),
     }
     Ok(())
 }

@@ -71,19 +71,28 @@ async fn process() -> Process {
     }
 }
 
-/// Runs rpcctl with `args` to its end, off the runtime's threads (the endpoint it asks lives
-/// on them).
+/// rpcctl with `args`, with no admin address or token from the environment.
+fn command(args: &[String]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_rpcctl"));
+    command
+        .args(args)
+        .env_remove("RPCCTL_ADMIN")
+        .env_remove("RPCCTL_TOKEN");
+    command
+}
+
+/// Runs rpcctl with `args` to its end.
 async fn rpcctl(args: Vec<String>) -> Output {
-    tokio::task::spawn_blocking(move || {
-        Command::new(env!("CARGO_BIN_EXE_rpcctl"))
-            .args(&args)
-            .env_remove("RPCCTL_ADMIN")
-            .env_remove("RPCCTL_TOKEN")
-            .output()
-            .expect("run rpcctl")
-    })
-    .await
-    .expect("join")
+    run(command(&args)).await
+}
+
+/// Runs `command` to its end; a test that stops waiting (its timeout) kills it.
+async fn run(command: Command) -> Output {
+    tokio::process::Command::from(command)
+        .kill_on_drop(true)
+        .output()
+        .await
+        .expect("run rpcctl")
 }
 
 fn args(list: &[&str]) -> Vec<String> {
@@ -165,6 +174,111 @@ async fn status_exits_2_for_a_wrong_token_or_no_address_and_1_for_an_unreachable
     let o = rpcctl(args(&["--admin", &closed_addr, "status"])).await;
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     assert!(stderr(&o).contains("cannot reach"), "{}", stderr(&o));
+    // An address that is none is the command line's fault.
+    for wrong in ["127.0.0.1:99999", "a b:1"] {
+        let o = rpcctl(args(&["--admin", wrong, "status"])).await;
+        assert_eq!(o.status.code(), Some(2), "{wrong}: {}", stderr(&o));
+        assert!(stderr(&o).contains("not an address"), "{}", stderr(&o));
+    }
+}
+
+/// The admin request carries the token: it goes straight to the endpoint, never through a
+/// proxy the environment names (which would see the token, and reach its own loopback).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_goes_straight_to_the_endpoint_whatever_proxy_the_environment_names() {
+    let p = process().await;
+    let addr = p.admin.local_addr().to_string();
+    // A "proxy" that never accepts: a connection to it would wait in its backlog.
+    let proxy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let proxy_url = format!("http://{}", proxy.local_addr().unwrap());
+    let mut command = command(&args(&["--admin", &addr, "--token", TOKEN, "status"]));
+    for name in ["HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"] {
+        command.env(name, &proxy_url);
+    }
+    command.env_remove("NO_PROXY").env_remove("no_proxy");
+    let o = run(command).await;
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("readiness: ready"), "{}", stdout(&o));
+    proxy.set_nonblocking(true).unwrap();
+    let reached = proxy.accept();
+    assert!(
+        matches!(&reached, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+        "the proxy was connected to: {reached:?}"
+    );
+}
+
+/// `rpcctl status | head -1`: the reader goes away before rpcctl writes, and rpcctl ends
+/// quietly with 0, as `events` does, rather than panicking on the closed pipe.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_ends_quietly_with_0_when_its_reader_goes_away() {
+    let p = process().await;
+    let addr = p.admin.local_addr().to_string();
+    let (reader, writer) = std::io::pipe().expect("pipe");
+    drop(reader);
+    let mut command = command(&args(&["--admin", &addr, "--token", TOKEN, "status"]));
+    command.stdout(writer);
+    let o = run(command).await;
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(!stderr(&o).contains("panicked"), "{}", stderr(&o));
+}
+
+/// An endpoint whose answers announce a body of 100 bytes and never send it: a 503 on every
+/// path, or (`readyz_answers`) a whole `ready` on `/readyz` and that 503 elsewhere. Stalled
+/// connections stay open until the test process ends.
+fn stalling_endpoint(readyz_answers: bool) -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        let mut stalled = Vec::new();
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { return };
+            let mut head = [0u8; 4096];
+            let n = std::io::Read::read(&mut conn, &mut head).unwrap_or(0);
+            let asked = String::from_utf8_lossy(&head[..n]).into_owned();
+            if readyz_answers && asked.starts_with("GET /readyz ") {
+                let _ = std::io::Write::write_all(
+                    &mut conn,
+                    b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\nconnection: close\r\n\r\nready",
+                );
+                continue;
+            }
+            let _ = std::io::Write::write_all(
+                &mut conn,
+                b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 100\r\n\r\n",
+            );
+            stalled.push(conn);
+        }
+    });
+    addr
+}
+
+/// An endpoint that answers, then never sends the body it announced: rpcctl gives up after
+/// `--admin-timeout-ms` with exit code 1, naming the request, whether the stalled body is
+/// readiness's or an error answer's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_gives_up_on_an_answer_whose_body_never_comes() {
+    for readyz_answers in [false, true] {
+        let addr = stalling_endpoint(readyz_answers);
+        let o = tokio::time::timeout(
+            Duration::from_secs(30),
+            rpcctl(args(&[
+                "--admin",
+                &addr,
+                "--admin-timeout-ms",
+                "300",
+                "status",
+            ])),
+        )
+        .await
+        .expect("rpcctl status still waits after 30 s");
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(1), "{err}");
+        assert!(
+            err.contains("did not answer") && err.contains("300 ms"),
+            "{err}"
+        );
+        assert_eq!(err.contains("/readyz"), !readyz_answers, "{err}");
+    }
 }
 
 /// A process that accepts connections but never answers (stopped, its runtime blocked): the
