@@ -104,10 +104,14 @@ impl Slab {
             self.free(key);
             return Some(waker);
         }
-        let State::Waiting(waker) = std::mem::replace(&mut slot.state, State::Done(outcome)) else {
-            // Already done (its answer came before the sweeper got to it): keep that.
-            return None;
+        let waker = match &mut slot.state {
+            State::Waiting(waker) => waker.take(),
+            // Already done, and not taken yet: the deadline passed first (the sweeper's
+            // timeout, its Cancel sent), or an answer came before the sweeper got to it, or a
+            // second answer for the id came. The first outcome stands.
+            _ => return None,
         };
+        slot.state = State::Done(outcome);
         self.waiting -= 1;
         Some(waker)
     }
@@ -422,6 +426,34 @@ mod tests {
                 Poll::Ready(Err(e)) if e.code() == StatusCode::CommunicationError
             ));
         }
+    }
+
+    /// The sweeper ended the call with a timeout (and sent Cancel); its answer, already on its
+    /// way, is read before the caller takes the timeout: the timeout stands, and so does a
+    /// first answer against a second for the same id.
+    #[test]
+    fn an_outcome_not_taken_yet_is_not_replaced_by_a_later_answer() {
+        let table = PendingTable::default();
+        let timed_out = table.insert(10, None);
+        let answered = table.insert(0, None);
+        let mut expired = Vec::new();
+        table.expire(20, timeout, &mut expired);
+        assert_eq!(expired, vec![timed_out]);
+        assert!(!table.complete(timed_out, answer(timed_out)), "too late");
+        assert!(table.complete(answered, answer(answered)));
+        let mut second = answer(answered);
+        second.status_code = 500;
+        assert!(!table.complete(answered, second), "a second answer");
+        let mut cx = Context::from_waker(Waker::noop());
+        assert!(matches!(
+            table.poll(timed_out, &mut cx),
+            Poll::Ready(Err(e)) if e.code() == StatusCode::Timeout
+        ));
+        assert!(matches!(
+            table.poll(answered, &mut cx),
+            Poll::Ready(Ok(r)) if r.status_code == answer(answered).status_code
+        ));
+        assert_eq!(table.waiting(), 0);
     }
 
     #[test]
