@@ -21,7 +21,6 @@ use rpc_client::EndpointState;
 use rpc_governance::breaker::BreakerState;
 use serde::Deserialize;
 use serde_json::{json, Value};
-use subtle::ConstantTimeEq;
 
 use crate::metrics::CONTENT_TYPE;
 use crate::State;
@@ -72,7 +71,7 @@ fn refuse(status: StatusCode, message: impl Into<String>) -> Response {
 
 #[cfg(test)]
 mod tests {
-    use super::{is_loopback_authority, same_token};
+    use super::is_loopback_authority;
 
     #[test]
     fn only_loopback_names_are_this_host() {
@@ -96,14 +95,6 @@ mod tests {
             "",
         ] {
             assert!(!is_loopback_authority(other), "{other}");
-        }
-    }
-
-    #[test]
-    fn only_the_same_token_matches_whatever_its_length() {
-        assert!(same_token("s3cret", "s3cret"));
-        for other in ["", "s3cre", "s3cret ", "S3cret", "s3cret-and-more"] {
-            assert!(!same_token(other, "s3cret"), "{other:?}");
         }
     }
 }
@@ -132,18 +123,7 @@ async fn not_allowed(req: Request) -> Response {
     )
 }
 
-/// Whether `given` is `token`: their SHA-256 digests compared in constant time, so neither the
-/// token's bytes nor its length show in the time a refusal takes (as the handshake's token).
-fn same_token(given: &str, token: &str) -> bool {
-    use sha2::{Digest, Sha256};
-    bool::from(
-        Sha256::digest(given.as_bytes())
-            .as_slice()
-            .ct_eq(Sha256::digest(token.as_bytes()).as_slice()),
-    )
-}
-
-/// Lets a request through with the right bearer token ([`same_token`]); without a token, a
+/// Lets a request through with the right bearer token ([`rpc_core::token::same`]); without a token, a
 /// request from this host only ([`from_this_host`]).
 async fn authorize(Shared(state): St, headers: HeaderMap, req: Request, next: Next) -> Response {
     let Some(token) = &state.token else {
@@ -162,9 +142,9 @@ async fn authorize(Shared(state): St, headers: HeaderMap, req: Request, next: Ne
     let given = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
+        .and_then(rpc_core::token::bearer);
     let why = match given {
-        Some(g) if same_token(g, token) => return next.run(req).await,
+        Some(g) if rpc_core::token::same(g, token) => return next.run(req).await,
         Some(_) => "wrong token",
         None => "missing token",
     };

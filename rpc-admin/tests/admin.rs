@@ -195,6 +195,17 @@ async fn every_route_but_healthz_refuses_a_missing_or_wrong_token_saying_what_to
             .unwrap();
         assert_eq!(r.status(), Http::OK, "{path}");
     }
+    // The scheme's name is case-insensitive, and more than one space may follow it.
+    for authorization in [format!("bearer {TOKEN}"), format!("BEARER  {TOKEN}")] {
+        let r = s
+            .http
+            .get(s.url("/api/services"))
+            .header("authorization", &authorization)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), Http::OK, "{authorization}");
+    }
     let (status, body) = s.get("/no/such/route").await;
     assert_eq!(status, Http::NOT_FOUND);
     assert!(body.contains("\"error\""), "{body}");

@@ -35,6 +35,7 @@ mod service;
 mod status;
 mod stream;
 pub mod superseded;
+pub mod token;
 pub mod wire;
 
 pub use codec::{read_msgpack, Codec, CodecError, MsgPackReader, NoArgs};

@@ -17,7 +17,6 @@ use axum::routing::get;
 use axum::{Json, Router};
 use rpc_core::{RpcContext, RpcError, ServiceEntry};
 use serde_json::{json, Value};
-use subtle::ConstantTimeEq;
 use tracing::Instrument;
 
 use crate::route::{
@@ -97,14 +96,11 @@ fn refuse(status: StatusCode, message: impl Into<String>) -> Response {
 /// `None` when the request may pass, else the 401 answer.
 fn check_token(gateway: &Gateway, headers: &HeaderMap) -> Option<Response> {
     let expected = gateway.inner.token.as_deref()?;
-    // The scheme's name is case-insensitive (RFC 9110 section 11.1).
     let given = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.split_once(' '))
-        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
-        .map(|(_, token)| token.trim_start());
-    let ok = given.is_some_and(|g| bool::from(g.as_bytes().ct_eq(expected.as_bytes())));
+        .and_then(rpc_core::token::bearer);
+    let ok = given.is_some_and(|g| rpc_core::token::same(g, expected));
     if ok {
         return None;
     }

@@ -87,8 +87,9 @@
 //! server's span joins the caller's trace directly.
 //!
 //! With [`GatewayBuilder::token`], every route but `GET /healthz` and `GET /docs` (a static page)
-//! needs `Authorization: Bearer <token>` (compared in constant time, though a token of another
-//! length is told apart sooner); without it or with another token the answer is 401 with
+//! needs `Authorization: Bearer <token>` (the scheme's name in any case; the token compared by
+//! its SHA-256 digest in constant time, so the answer's timing tells nothing of its length or
+//! bytes); without it or with another token the answer is 401 with
 //! `WWW-Authenticate: Bearer`.
 //!
 //! The gateway answers no cross-origin requests (no CORS): a call whose `Origin` header names

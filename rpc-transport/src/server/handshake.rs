@@ -4,8 +4,6 @@
 use futures_util::StreamExt;
 use rpc_core::wire::{frame::Kind, HelloAck};
 use rpc_core::{StatusCode, PROTOCOL_VERSION};
-use sha2::{Digest, Sha256};
-use subtle::ConstantTimeEq;
 use tokio::io::AsyncRead;
 use tokio::time::Instant;
 use tokio_util::codec::FramedRead;
@@ -16,16 +14,10 @@ use crate::codec::FrameCodec;
 use crate::compression::Accepted;
 use crate::writer::FrameSender;
 
-/// The SHA-256 digest of a token: what the handshake compares.
-pub(super) fn token_digest(token: &str) -> [u8; 32] {
-    Sha256::digest(token.as_bytes()).into()
-}
-
-/// Whether `given` is the `expected` token. The digests of both are compared in constant time,
-/// so the comparison always covers 32 bytes: neither the time taken nor an early exit on a
-/// length mismatch tells a client how long the token is or how much of it was right.
+/// Whether `given` is the `expected` token ([`rpc_core::token::same`]: digests compared in
+/// constant time).
 pub(super) fn token_matches(expected: &str, given: &str) -> bool {
-    token_digest(expected).ct_eq(&token_digest(given)).into()
+    rpc_core::token::same(given, expected)
 }
 
 /// What the handshake established about the client.
@@ -147,37 +139,4 @@ pub(super) async fn handshake<R: AsyncRead + Unpin>(
 /// `n` on the wire: at most `u32::MAX`.
 fn saturate(n: usize) -> u32 {
     u32::try_from(n).unwrap_or(u32::MAX)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_token_check_compares_sha256_digests() {
-        // FIPS 180-2 test vector: SHA-256("abc").
-        let abc = [
-            0xba, 0x78, 0x16, 0xbf, 0x8f, 0x01, 0xcf, 0xea, 0x41, 0x41, 0x40, 0xde, 0x5d, 0xae,
-            0x22, 0x23, 0xb0, 0x03, 0x61, 0xa3, 0x96, 0x17, 0x7a, 0x9c, 0xb4, 0x10, 0xff, 0x61,
-            0xf2, 0x00, 0x15, 0xad,
-        ];
-        assert_eq!(token_digest("abc"), abc);
-    }
-
-    #[test]
-    fn only_the_same_token_matches_whatever_its_length() {
-        let secret = "s3cret-token";
-        assert!(token_matches(secret, secret));
-        for wrong in [
-            "",
-            "s",
-            "s3cret-toke",
-            "s3cret-tokem",
-            "s3cret-token ",
-            &secret.repeat(100),
-        ] {
-            assert!(!token_matches(secret, wrong), "{wrong:?} matched");
-        }
-        assert!(token_matches("", ""));
-    }
 }
