@@ -71,7 +71,7 @@ fn put_bytes(tag: u32, value: &[u8], dst: &mut impl BufMut) {
 
 /// Length of an always-present length-delimited field whose body is `n` bytes: a oneof
 /// variant, an element of a repeated message field, a map entry.
-fn nested_len(n: usize) -> usize {
+pub(crate) fn nested_len(n: usize) -> usize {
     1 + encoded_len_varint(n as u64) + n
 }
 

@@ -27,7 +27,7 @@ use crate::transport::Abortive;
 
 use crate::call::Call;
 use crate::codec::FrameCodec;
-use crate::encode::{put_invoke_frame, put_item_frame, put_items_frame};
+use crate::encode::{nested_len, put_invoke_frame, put_item_frame, put_items_frame};
 
 /// The writer yields to gather more frames only when more than this many calls beyond the
 /// batch are in flight: with a few calls in flight, waiting a scheduler round costs more
@@ -51,9 +51,17 @@ const YIELD_MARGIN: usize = 8;
 /// × 32 105 k → 141 k, 32 B × 32 117 k → 163 k.
 const YIELD_BYTES: usize = 4 * 1024;
 
-/// Payload bytes of one `StreamItems` frame at most: far below any frame limit in use, and
-/// large enough that a run of small items takes a frame or two.
+/// Bytes of a `StreamItems` frame's items at most, as the frame encodes them (each item's key,
+/// length and bytes): far below the default frame limit, and large enough that a run of small
+/// items takes a frame or two. Counting the encoding, not the payloads, keeps a run of tiny
+/// items within it too.
 pub(crate) const MAX_ITEMS_BYTES: usize = 64 * 1024;
+
+/// What a `StreamItems` frame holds besides its items, at most (the frame's own key and
+/// length, the stream's id, the compression): a run of `limit - RUN_FRAME_OVERHEAD` item bytes
+/// fits a frame limit of `limit`. A peer whose limit is below `MAX_ITEMS_BYTES` plus this is
+/// not offered batches; a client sends runs no larger than the server's limit allows.
+pub(crate) const RUN_FRAME_OVERHEAD: usize = 32;
 
 /// Frames encoded by their sender (a stream's items of one poll) of this many bytes or more
 /// are written from their own buffer rather than copied into the writer's.
@@ -94,6 +102,8 @@ struct Queue {
     senders_gone: AtomicBool,
     /// The peer takes `StreamItems`: runs of one stream's items go in one frame.
     batches: AtomicBool,
+    /// The most item bytes a run holds (see [`MAX_ITEMS_BYTES`]), once `batches` is set.
+    items_cap: AtomicUsize,
 }
 
 #[derive(Debug, Default)]
@@ -353,9 +363,14 @@ impl FrameSender {
     }
 
     /// From now on, runs of queued items of one stream are written as one `StreamItems`
-    /// frame (the peer said in its handshake that it takes them).
-    pub(crate) fn batch_stream_items(&self) {
-        self.senders.0.batches.store(true, Ordering::Release);
+    /// frame (the peer said in its handshake that it takes them) of at most `items_cap` item
+    /// bytes as encoded ([`MAX_ITEMS_BYTES`] at most; an item larger than that goes alone).
+    pub(crate) fn batch_stream_items(&self, items_cap: usize) {
+        let queue = &self.senders.0;
+        queue
+            .items_cap
+            .store(items_cap.min(MAX_ITEMS_BYTES), Ordering::Relaxed);
+        queue.batches.store(true, Ordering::Release);
     }
 }
 
@@ -489,7 +504,8 @@ async fn write_batches<W: AsyncWrite + Unpin>(
                 encoded += 1;
                 match frame {
                     Outgoing::Frame(Kind::StreamItem(first)) if batches => {
-                        counted += put_items(first, &mut frames, &mut buf);
+                        let cap = queue.items_cap.load(Ordering::Relaxed);
+                        counted += put_items(first, &mut frames, &mut buf, cap);
                     }
                     Outgoing::Encoded(frames) if frames.len() >= DIRECT_WRITE => {
                         direct = Some(frames);
@@ -551,30 +567,36 @@ async fn write_batches<W: AsyncWrite + Unpin>(
 }
 
 /// Encodes `first` and the items of the same stream and compression right behind it in
-/// `frames` (taken out of it) as one `StreamItems` frame, or `first` alone as a `StreamItem`
-/// when none follows; returns the backlog estimate of the items taken besides `first`.
-fn put_items(first: StreamItem, frames: &mut VecDeque<Outgoing>, buf: &mut BytesMut) -> usize {
+/// `frames` (taken out of it) as one `StreamItems` frame of at most `cap` item bytes as
+/// encoded, or `first` alone as a `StreamItem` when none follows; returns the backlog
+/// estimate of the items taken besides `first`.
+fn put_items(
+    first: StreamItem,
+    frames: &mut VecDeque<Outgoing>,
+    buf: &mut BytesMut,
+    cap: usize,
+) -> usize {
     let (id, compression) = (first.message_id, first.compression);
     let same = |f: &Outgoing, bytes: usize| match f {
         Outgoing::Frame(Kind::StreamItem(i)) => {
             i.message_id == id
                 && i.compression == compression
-                && bytes + i.payload.len() <= MAX_ITEMS_BYTES
+                && bytes + nested_len(i.payload.len()) <= cap
         }
         _ => false,
     };
-    if !frames.front().is_some_and(|f| same(f, first.payload.len())) {
+    let mut bytes = nested_len(first.payload.len());
+    if !frames.front().is_some_and(|f| same(f, bytes)) {
         put_item_frame(id, &first.payload, compression, buf);
         return 0;
     }
-    let mut bytes = first.payload.len();
     let mut counted = 0;
     let mut payloads = vec![first.payload];
     while frames.front().is_some_and(|f| same(f, bytes)) {
         let Some(Outgoing::Frame(Kind::StreamItem(item))) = frames.pop_front() else {
             unreachable!("checked above")
         };
-        bytes += item.payload.len();
+        bytes += nested_len(item.payload.len());
         counted += FIXED + item.payload.len();
         payloads.push(item.payload);
     }
@@ -851,7 +873,7 @@ mod tests {
         ] {
             assert!(sender.send(kind.clone()));
         }
-        sender.batch_stream_items();
+        sender.batch_stream_items(MAX_ITEMS_BYTES);
         drop(sender);
         let mut frames = FramedRead::new(theirs, crate::codec::FrameCodec::new(1024));
         let mut got = Vec::new();
@@ -878,6 +900,36 @@ mod tests {
                 item(1, "f", 1),
             ]
         );
+    }
+
+    /// A run's frame stays within its cap plus [`RUN_FRAME_OVERHEAD`] however small its items:
+    /// the cap counts the items as encoded (key and length too), not their payloads alone.
+    #[tokio::test]
+    async fn a_run_of_tiny_items_stays_within_its_cap_as_encoded() {
+        const CAP: usize = 4 * 1024;
+        const ITEMS: usize = 3 * CAP;
+        let (sender, theirs) = duplex_writer(1 << 20);
+        for _ in 0..ITEMS {
+            assert!(sender.send(Kind::StreamItem(StreamItem {
+                message_id: 1,
+                payload: Bytes::from_static(b"t"),
+                compression: 0,
+            })));
+        }
+        sender.batch_stream_items(CAP);
+        drop(sender);
+        // A frame over the limit is an error of the codec.
+        let limit = CAP + RUN_FRAME_OVERHEAD;
+        let mut frames = FramedRead::new(theirs, crate::codec::FrameCodec::new(limit));
+        let mut items = 0;
+        while let Some(frame) = frames.next().await {
+            match frame.expect("a frame within the limit") {
+                Kind::StreamItems(run) => items += run.payloads.len(),
+                Kind::StreamItem(_) => items += 1,
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        assert_eq!(items, ITEMS);
     }
 
     #[tokio::test]

@@ -24,7 +24,7 @@ use crate::call::Call;
 use crate::codec::FrameError;
 use crate::compression::Accepted;
 use crate::transport::{Address, Dialer, Stream, TcpDialer};
-use crate::writer::spawn_writer;
+use crate::writer::{spawn_writer, MAX_ITEMS_BYTES, RUN_FRAME_OVERHEAD};
 use crate::READ_BUFFER;
 
 /// One multiplexed connection to a server. Cheap to clone; calls run concurrently and are matched
@@ -150,7 +150,10 @@ impl Connection {
             streams: options.streams,
             stream_window: options.stream_window.max(1),
             stream_window_bytes: options.stream_window_bytes,
-            stream_batches: options.streams,
+            // Runs are up to MAX_ITEMS_BYTES of items: a client whose frame limit is below a
+            // whole run takes one item per frame.
+            stream_batches: options.streams
+                && options.max_frame_length >= MAX_ITEMS_BYTES + RUN_FRAME_OVERHEAD,
         }));
         // Whatever arrives counts as a sign of life for the heartbeat (see `AnswerCodec`).
         let received = Arc::new(AtomicU64::new(0));
@@ -165,7 +168,12 @@ impl Connection {
                     (
                         Accepted::from_wire(&ack.accept_compression),
                         streams,
-                        streams && ack.stream_batches,
+                        // Runs no larger than the server's frame limit takes (0: not said, the
+                        // protocol's default, far above a run).
+                        (streams && ack.stream_batches).then(|| match ack.max_frame_length {
+                            0 => MAX_ITEMS_BYTES,
+                            limit => (limit as usize).saturating_sub(RUN_FRAME_OVERHEAD),
+                        }),
                         if bytes {
                             u64::from(options.stream_window_bytes)
                         } else {
@@ -235,8 +243,8 @@ impl Connection {
             send_window_bytes,
             max_attachments: attachments,
         });
-        if batches {
-            shared.sender.batch_stream_items();
+        if let Some(items_cap) = batches {
+            shared.sender.batch_stream_items(items_cap);
         }
         let on_drop = EndOnDrop::new(shared.clone());
         tokio::spawn(read_loop(frames, shared.clone(), received.clone(), on_drop));

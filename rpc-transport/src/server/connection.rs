@@ -140,7 +140,9 @@ pub(super) async fn run_connection<R, W>(
         max_unsent_bytes: options.max_unsent_bytes,
     });
     if hello.stream_batches {
-        conn.sender.batch_stream_items();
+        // A client offers batches only when its frame limit takes a whole run.
+        conn.sender
+            .batch_stream_items(crate::writer::MAX_ITEMS_BYTES);
     }
     // Runs however the connection ends, including when its task is aborted: running handlers
     // are dropped and the socket is closed.

@@ -34,7 +34,7 @@ use rpc_core::StatusCode;
 use super::expansion::ExpansionBudget;
 use super::handler::{error_result, StreamEvent, StreamEvents};
 use crate::codec::FrameCodec;
-use crate::encode::{finish_run_item, put_run_frame, put_run_item, start_run_item};
+use crate::encode::{finish_run_item, nested_len, put_run_frame, put_run_item, start_run_item};
 use crate::flow::{Credit, Held, Taken};
 use crate::own_bytes;
 use crate::writer::{FrameSender, RoomWait, MAX_ITEMS_BYTES};
@@ -513,9 +513,6 @@ struct Out {
     run: BytesMut,
     run_items: usize,
     run_compression: i32,
-    /// The payload bytes of the items in `run` (at most [`MAX_ITEMS_BYTES`] with more than
-    /// one item).
-    run_payload: usize,
     /// Bytes held for the length of the next item encoded in place: the size of the last
     /// one's, so that items of one size are never moved.
     length_width: usize,
@@ -529,34 +526,33 @@ impl Out {
 
     /// Adds an item to this poll's frames.
     fn put_item(&mut self, payload: &[u8], compression: i32) {
+        // `run` holds its items as the frame encodes them: at most MAX_ITEMS_BYTES of them
+        // with more than one item.
         if self.run_items > 0
             && (compression != self.run_compression
-                || self.run_payload + payload.len() > MAX_ITEMS_BYTES)
+                || self.run.len() + nested_len(payload.len()) > MAX_ITEMS_BYTES)
         {
             self.end_run();
         }
         put_run_item(&mut self.run, payload);
-        self.added(compression, payload.len());
+        self.added(compression);
     }
 
-    /// Counts the item of `len` bytes just added to `run` (compressed with `compression`) and
-    /// ends the run when the client takes one item per frame.
-    fn added(&mut self, compression: i32, len: usize) {
+    /// Counts the item just added to `run` (compressed with `compression`) and ends the run
+    /// when the client takes one item per frame.
+    fn added(&mut self, compression: i32) {
         self.run_items += 1;
         self.run_compression = compression;
-        self.run_payload += len;
         if !self.batches {
             self.end_run();
         }
     }
 
-    /// Counts an item of `len` bytes appended to `run` at `mark` in place, first writing the
-    /// items before it as a frame when it does not belong in their run (another compression,
-    /// or too many bytes).
-    fn added_in_place(&mut self, mark: usize, len: usize) {
-        if self.run_items > 0
-            && (self.run_compression != 0 || self.run_payload + len > MAX_ITEMS_BYTES)
-        {
+    /// Counts the item appended to `run` at `mark` in place, first writing the items before it
+    /// as a frame when it does not belong in their run (another compression, or too many
+    /// bytes).
+    fn added_in_place(&mut self, mark: usize) {
+        if self.run_items > 0 && (self.run_compression != 0 || self.run.len() > MAX_ITEMS_BYTES) {
             put_run_frame(
                 self.id,
                 self.run_items,
@@ -568,9 +564,8 @@ impl Out {
             self.run.copy_within(mark..end, 0);
             self.run.truncate(end - mark);
             self.run_items = 0;
-            self.run_payload = 0;
         }
-        self.added(0, len);
+        self.added(0);
     }
 
     /// Writes the items of `run` as one frame (one item alone as a `StreamItem`).
@@ -586,7 +581,6 @@ impl Out {
         }
         self.run.clear();
         self.run_items = 0;
-        self.run_payload = 0;
     }
 }
 
@@ -633,7 +627,7 @@ impl ItemSink<'_> {
         };
         let out = &mut *self.out;
         out.length_width = finish_run_item(&mut out.run, mark, out.length_width, len);
-        out.added_in_place(mark, len);
+        out.added_in_place(mark);
         self.credit.sent(len);
         self.turn.sent += 1;
     }
@@ -692,7 +686,6 @@ impl StreamDriver {
                 run: BytesMut::new(),
                 run_items: 0,
                 run_compression: 0,
-                run_payload: 0,
                 length_width: 1,
             },
         }

@@ -663,3 +663,90 @@ async fn streams_at_the_in_flight_limit_still_get_their_credit_read() {
     drop(raw);
     within("shutdown", server.shutdown()).await;
 }
+
+#[rpc::service(name = "t.Blob")]
+pub trait Blob {
+    /// The bytes of the caller's items, in all.
+    async fn total(&self, items: RpcStream<String>) -> Result<u64, RpcError>;
+    /// `n` items of `size` bytes.
+    async fn blobs(&self, n: u32, size: u32) -> Result<RpcStream<String>, RpcError>;
+}
+
+struct Blobs;
+
+impl Blob for Blobs {
+    async fn total(&self, mut items: RpcStream<String>) -> Result<u64, RpcError> {
+        let mut total = 0;
+        while let Some(item) = futures_util::StreamExt::next(&mut items).await {
+            total += item?.len() as u64;
+        }
+        Ok(total)
+    }
+
+    async fn blobs(&self, n: u32, size: u32) -> Result<RpcStream<String>, RpcError> {
+        let item = "b".repeat(size as usize);
+        Ok(RpcStream::iter((0..n).map(move |_| item.clone())))
+    }
+}
+
+/// Items of 4 KiB each, 64 of them: each fits a frame limit of 32 KiB, eight of them do not.
+const BLOB: u32 = 4 * 1024;
+const BLOBS: u32 = 64;
+const SMALL_FRAMES: usize = 32 * 1024;
+
+/// A server and a client over the in-process registry, built by `server` and `client`.
+async fn blob_pair(
+    server: impl FnOnce(rpc::ServerBuilder) -> rpc::ServerBuilder,
+    client: impl FnOnce(rpc::ClientBuilder) -> rpc::ClientBuilder,
+) -> (ServerHandle, BlobClient) {
+    let reg = rpc::InProcessRegistry::new();
+    let handle = server(
+        Server::builder()
+            .registry(reg.clone())
+            .add_service(BlobServer::new(Blobs)),
+    )
+    .serve("127.0.0.1:0")
+    .await
+    .expect("serve");
+    let proxy = BlobClient::new(
+        client(rpc::Client::builder().registry(reg))
+            .override_options(BlobClient::SERVICE_ID, common::no_retry())
+            .build(),
+    );
+    (handle, proxy)
+}
+
+/// A server whose frame limit is below a whole run of items: the client batches its items in
+/// runs no larger than the limit the server announced, so every item arrives and the
+/// connection stays up (a larger run would be a frame the server must refuse, ending every
+/// call on the connection).
+#[tokio::test]
+async fn a_client_batches_its_items_within_the_servers_frame_limit() {
+    let (server, blob) = blob_pair(|b| b.max_frame_length(SMALL_FRAMES), |b| b).await;
+    for round in 0..3 {
+        let items = RpcStream::iter((0..BLOBS).map(|_| "c".repeat(BLOB as usize)));
+        let total = within("total", blob.total(items))
+            .await
+            .unwrap_or_else(|e| panic!("round {round}: {e}"));
+        assert_eq!(total, u64::from(BLOBS * BLOB), "round {round}");
+    }
+    within("shutdown", server.shutdown()).await;
+}
+
+/// A client whose frame limit is below a whole run of items does not offer batches: the
+/// server sends it one item per frame, and every item arrives.
+#[tokio::test]
+async fn a_client_whose_frame_limit_is_below_a_run_is_sent_one_item_per_frame() {
+    let (server, blob) = blob_pair(|b| b, |b| b.max_frame_length(SMALL_FRAMES)).await;
+    for round in 0..3 {
+        let mut s = within("blobs", blob.blobs(BLOBS, BLOB))
+            .await
+            .unwrap_or_else(|e| panic!("round {round}: {e}"));
+        let mut bytes = 0u64;
+        while let Some(item) = within("next blob", futures_util::StreamExt::next(&mut s)).await {
+            bytes += item.unwrap_or_else(|e| panic!("round {round}: {e}")).len() as u64;
+        }
+        assert_eq!(bytes, u64::from(BLOBS * BLOB), "round {round}");
+    }
+    within("shutdown", server.shutdown()).await;
+}
