@@ -22,6 +22,7 @@ use rpc_governance::breaker::BreakerState;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+use crate::events::Live;
 use crate::metrics::CONTENT_TYPE;
 use crate::State;
 
@@ -445,26 +446,18 @@ async fn events(Shared(state): St, q: Result<Query<Limit>, QueryRejection>) -> R
 }
 
 async fn stream(Shared(state): St) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
-    use tokio::sync::broadcast::error::RecvError;
-    let rx = state.events.subscribe();
-    let stop = state.stop.clone();
-    let events = futures_util::stream::unfold((rx, stop), |(mut rx, stop)| async move {
-        loop {
-            let next = tokio::select! {
-                _ = stop.cancelled() => return None,
-                next = rx.recv() => next,
-            };
-            match next {
-                Ok(e) => {
-                    let data = serde_json::to_string(&*e).unwrap_or_default();
-                    let event = Event::default().id(e.seq.to_string()).data(data);
-                    return Some((Ok(event), (rx, stop)));
-                }
-                // A slow reader skips what it missed; the ring still has it.
-                Err(RecvError::Lagged(_)) => continue,
-                Err(RecvError::Closed) => return None,
-            }
-        }
+    use futures_util::StreamExt;
+    let events = state.events.follow(state.stop.clone()).map(|live| {
+        Ok(match live {
+            Live::Event(e) => Event::default()
+                .id(e.seq.to_string())
+                .data(serde_json::to_string(&*e).unwrap_or_default()),
+            // A reader too slow for the feed is told what it missed (the ring keeps the
+            // newest: GET /api/events).
+            Live::Missed(missed) => Event::default()
+                .event("lagged")
+                .data(json!({ "missed": missed }).to_string()),
+        })
     });
     Sse::new(events).keep_alive(KeepAlive::default())
 }

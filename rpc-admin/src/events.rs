@@ -11,9 +11,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use futures_util::Stream;
 use rpc_governance::events::GovernanceEvent;
 use serde::Serialize;
 use tokio::sync::broadcast;
+use tokio_util::sync::CancellationToken;
 
 /// One event as the API shows it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -59,8 +61,12 @@ impl EventLog {
         }
     }
 
-    /// Adds an event of `side`'s bus.
+    /// Adds an event of `side`'s bus. Its number is taken, and it is kept and sent to the
+    /// followers, under the ring's lock: the client's and the server's buses are relayed by
+    /// tasks of their own, and the numbers must follow the order both the ring and the
+    /// followers see.
     pub(crate) fn push(&self, side: &'static str, e: &GovernanceEvent) -> Arc<EventView> {
+        let mut ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
         let view = Arc::new(EventView {
             seq: self.seq.fetch_add(1, Ordering::Relaxed) + 1,
             time_ms: SystemTime::now()
@@ -75,13 +81,10 @@ impl EventLog {
             observed: e.observed,
             rule_version: e.rule_version,
         });
-        {
-            let mut ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
-            if ring.len() == self.kept {
-                ring.pop_front();
-            }
-            ring.push_back(view.clone());
+        if ring.len() == self.kept {
+            ring.pop_front();
         }
+        ring.push_back(view.clone());
         let _ = self.live.send(view.clone());
         view
     }
@@ -98,10 +101,34 @@ impl EventLog {
         self.kept
     }
 
-    /// Every event pushed from now on.
-    pub(crate) fn subscribe(&self) -> broadcast::Receiver<Arc<EventView>> {
-        self.live.subscribe()
+    /// Every event pushed from now on, until `stop` is cancelled; a follower that falls more
+    /// than the feed's capacity (1024 events) behind is told how many it missed, then gets
+    /// the events that follow.
+    pub(crate) fn follow(&self, stop: CancellationToken) -> impl Stream<Item = Live> + use<> {
+        use broadcast::error::RecvError;
+        futures_util::stream::unfold((self.live.subscribe(), stop), |(mut rx, stop)| async move {
+            let next = tokio::select! {
+                biased;
+                _ = stop.cancelled() => return None,
+                next = rx.recv() => next,
+            };
+            let live = match next {
+                Ok(e) => Live::Event(e),
+                Err(RecvError::Lagged(missed)) => Live::Missed(missed),
+                Err(RecvError::Closed) => return None,
+            };
+            Some((live, (rx, stop)))
+        })
     }
+}
+
+/// What a follower of the live feed gets next ([`EventLog::follow`]).
+#[derive(Debug)]
+pub(crate) enum Live {
+    /// The next event.
+    Event(Arc<EventView>),
+    /// This many events went by while the follower was behind (the ring keeps the newest).
+    Missed(u64),
 }
 
 #[cfg(test)]
@@ -131,5 +158,94 @@ mod tests {
         assert_eq!(attempts, [2, 3, 4]);
         let seqs: Vec<u64> = log.recent(2).iter().map(|e| e.seq).collect();
         assert_eq!(seqs, [4, 5]);
+    }
+
+    fn retry(attempt: u32) -> GovernanceEvent {
+        GovernanceEvent {
+            kind: EventKind::Retry,
+            entry: Arc::from("a.A.m"),
+            endpoint: None,
+            attempt,
+            cause: None,
+            observed: false,
+            rule_version: None,
+        }
+    }
+
+    /// Events pushed from two threads at once (the client's and the server's relays) are
+    /// numbered in the order the ring keeps them and the followers get them.
+    #[test]
+    fn numbers_follow_the_order_of_the_ring_and_of_the_feed() {
+        const EACH: u32 = 20_000;
+        let log = Arc::new(EventLog::new(2 * EACH as usize));
+        let mut feed = log.live.subscribe();
+        let pushers: Vec<_> = ["client", "server"]
+            .into_iter()
+            .map(|side| {
+                let log = log.clone();
+                std::thread::spawn(move || {
+                    for i in 0..EACH {
+                        log.push(side, &retry(i));
+                    }
+                })
+            })
+            .collect();
+        // The feed's order, as far as this reader keeps up (it skips what it falls behind on).
+        let mut fed = Vec::new();
+        let mut last = 0;
+        while last < u64::from(2 * EACH) {
+            match feed.try_recv() {
+                Ok(e) => {
+                    last = e.seq;
+                    fed.push(e.seq);
+                }
+                Err(broadcast::error::TryRecvError::Empty) => std::thread::yield_now(),
+                Err(broadcast::error::TryRecvError::Lagged(_)) => {}
+                Err(e) => panic!("the feed: {e}"),
+            }
+        }
+        for p in pushers {
+            p.join().unwrap();
+        }
+        let kept: Vec<u64> = log.recent(usize::MAX).iter().map(|e| e.seq).collect();
+        let in_order: Vec<u64> = (1..=u64::from(2 * EACH)).collect();
+        assert!(kept == in_order, "the ring is out of order");
+        let inversions = fed.windows(2).filter(|w| w[0] >= w[1]).count();
+        assert_eq!(
+            inversions,
+            0,
+            "the feed is out of order ({} events read)",
+            fed.len()
+        );
+    }
+
+    /// A follower more than the feed's capacity behind is told how many events it missed,
+    /// then gets the next ones.
+    #[tokio::test]
+    async fn a_follower_that_falls_behind_is_told_how_many_it_missed() {
+        use futures_util::StreamExt;
+        let log = EventLog::new(10);
+        let stop = CancellationToken::new();
+        let mut follower = Box::pin(log.follow(stop.clone()));
+        log.push("client", &retry(0));
+        let live = follower.next().await;
+        assert!(
+            matches!(&live, Some(Live::Event(e)) if e.seq == 1),
+            "{live:?}"
+        );
+        // The feed keeps 1024: 1030 more leave the follower 6 behind.
+        for i in 0..1030 {
+            log.push("client", &retry(i));
+        }
+        let live = follower.next().await;
+        assert!(matches!(live, Some(Live::Missed(6))), "{live:?}");
+        let live = follower.next().await;
+        assert!(
+            matches!(&live, Some(Live::Event(e)) if e.seq == 8),
+            "{live:?}"
+        );
+        // Stopped: it ends, though more events wait.
+        stop.cancel();
+        assert!(follower.next().await.is_none());
     }
 }

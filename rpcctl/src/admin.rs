@@ -227,7 +227,8 @@ pub async fn status(target: &Target<'_>, json: bool) -> Result<(), Failure> {
 pub async fn events(target: &Target<'_>, json: bool, count: Option<usize>) -> Result<(), Failure> {
     let admin = Endpoint::new(target)?;
     let mut stream = admin.send("/api/events/stream").await?;
-    // The endpoint subscribed before answering: from here on no event is missed.
+    // The endpoint subscribed before answering: from here on no event is missed, unless this
+    // reader falls more than 1024 events behind; the endpoint then says how many went by.
     eprintln!(
         "rpcctl: following the governance events of {} (Ctrl-C to stop)",
         admin.base
@@ -249,6 +250,17 @@ pub async fn events(target: &Target<'_>, json: bool, count: Option<usize>) -> Re
                 .join("\n");
             if data.is_empty() {
                 continue; // a keep-alive comment
+            }
+            if message.lines().any(|l| l.trim_end() == "event: lagged") {
+                let missed = serde_json::from_str::<Value>(&data)
+                    .ok()
+                    .and_then(|v| v["missed"].as_u64())
+                    .map_or_else(|| "some".to_string(), |n| n.to_string());
+                eprintln!(
+                    "rpcctl: {missed} events went by while this reader was behind (the endpoint \
+                     keeps the last ones: GET /api/events)"
+                );
+                continue;
             }
             let line = if json {
                 data
