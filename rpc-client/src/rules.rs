@@ -88,10 +88,7 @@ mod tests {
     const SPLIT: &str = r#"routes = [{ name = "split", service = "s.S", to = [{ tags = { v = "1" }, weight = 9 }, { tags = { v = "2" }, weight = 1 }] }]"#;
 
     fn version(version: i64, text: &str) -> RuleVersion {
-        RuleVersion {
-            version,
-            text: Arc::from(text),
-        }
+        RuleVersion::new(version, text)
     }
 
     #[test]

@@ -86,6 +86,47 @@ pub struct RuleVersion {
     pub version: i64,
     /// The document, as written.
     pub text: Arc<str>,
+    /// Why the stored bytes are no document, when they are not UTF-8 (written past the
+    /// store's checks): `text` then shows them with U+FFFD where they are not, and the
+    /// version is refused wherever it is taken, as an invalid document is.
+    pub unreadable: Option<Arc<str>>,
+}
+
+impl RuleVersion {
+    /// Version `version` of the document `text`.
+    pub fn new(version: i64, text: impl Into<Arc<str>>) -> Self {
+        RuleVersion {
+            version,
+            text: text.into(),
+            unreadable: None,
+        }
+    }
+
+    /// Version `version` as stored: `bytes` must be UTF-8 (TOML is), else the version is
+    /// [`unreadable`](Self::unreadable).
+    pub fn from_bytes(version: i64, bytes: &[u8]) -> Self {
+        match std::str::from_utf8(bytes) {
+            Ok(text) => Self::new(version, text),
+            Err(e) => RuleVersion {
+                version,
+                text: Arc::from(String::from_utf8_lossy(bytes)),
+                unreadable: Some(Arc::from(format!(
+                    "the stored document is not UTF-8 (byte {} of {}), as a TOML document must \
+                     be; write it with `rpcctl rules set`, which checks it first",
+                    e.valid_up_to() + 1,
+                    bytes.len()
+                ))),
+            },
+        }
+    }
+
+    /// Whether the version is a valid document of `kind`.
+    pub fn validate(&self, kind: RuleKind) -> Result<(), RpcError> {
+        match &self.unreadable {
+            Some(why) => Err(RpcError::validation(why.to_string())),
+            None => kind.validate(&self.text),
+        }
+    }
 }
 
 /// A rule store operation failed.
@@ -309,8 +350,8 @@ impl Drop for ReadOnce {
 
 /// Validates and applies one version, or reports it refused.
 fn take<T: RuleTarget>(target: &T, kind: RuleKind, rules: &RuleVersion, in_force: &RulesInForce) {
-    let applied = kind
-        .validate(&rules.text)
+    let applied = rules
+        .validate(kind)
         .and_then(|()| target.apply(kind, rules));
     match applied {
         Ok(()) => {
@@ -358,10 +399,7 @@ fn withdraw<T: RuleTarget>(
     gone: &RuleVersion,
     in_force: &RulesInForce,
 ) {
-    let empty = RuleVersion {
-        version: gone.version,
-        text: Arc::from(""),
-    };
+    let empty = RuleVersion::new(gone.version, "");
     let (event, cause) = match target.apply(kind, &empty) {
         Ok(()) => {
             in_force.clear(kind);
@@ -466,10 +504,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn the_first_read_ends_with_the_stored_document_applied() {
-        let stored = RuleVersion {
-            version: 4,
-            text: Arc::from("[defaults]\ntimeout_ms = 100\n"),
-        };
+        let stored = RuleVersion::new(4, "[defaults]\ntimeout_ms = 100\n");
         let (_governance, target, in_force, following) = following_from(Some(stored.clone()));
         in_force.first_read().await;
         assert_eq!(*target.texts.lock().unwrap(), [&*stored.text]);
@@ -523,10 +558,7 @@ mod tests {
     async fn a_new_document_under_a_version_number_seen_before_is_applied() {
         let (governance, target, in_force, following) = following();
         let write = |version, text: &str| {
-            governance.send_replace(Some(RuleVersion {
-                version,
-                text: Arc::from(text),
-            }));
+            governance.send_replace(Some(RuleVersion::new(version, text)));
         };
         let a = "[defaults]\ntimeout_ms = 100\n";
         let b = "[defaults]\ntimeout_ms = 200\n";
@@ -548,10 +580,7 @@ mod tests {
         let (governance, target, in_force, following) = following();
         let mut events = target.events.subscribe();
         let a = "[defaults]\ntimeout_ms = 100\n";
-        governance.send_replace(Some(RuleVersion {
-            version: 3,
-            text: Arc::from(a),
-        }));
+        governance.send_replace(Some(RuleVersion::new(3, a)));
         tokio::time::sleep(Duration::from_millis(1)).await;
         assert_eq!(in_force.version(RuleKind::Governance), Some(3));
         governance.send_replace(None);

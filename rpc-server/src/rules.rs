@@ -178,10 +178,7 @@ mod tests {
     }
 
     fn apply(target: &Target, version: i64, text: &str) {
-        let rules = RuleVersion {
-            version,
-            text: Arc::from(text),
-        };
+        let rules = RuleVersion::new(version, text);
         target
             .apply(RuleKind::Governance, &rules)
             .expect("valid rules");

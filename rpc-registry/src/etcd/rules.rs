@@ -111,10 +111,10 @@ impl RuleStore {
             .conn
             .call(&format!("reading {key}"), kv.get(key.as_bytes(), None))
             .await?;
-        Ok(resp.kvs().first().map(|kv| RuleVersion {
-            version: kv.mod_revision(),
-            text: Arc::from(String::from_utf8_lossy(kv.value())),
-        }))
+        Ok(resp
+            .kvs()
+            .first()
+            .map(|kv| RuleVersion::from_bytes(kv.mod_revision(), kv.value())))
     }
 
     /// Validates `text` as a document of `kind` and writes it, if the version in force is
@@ -186,10 +186,7 @@ impl RuleStore {
         Ok(resp
             .kvs()
             .iter()
-            .map(|kv| RuleVersion {
-                version: kv.mod_revision(),
-                text: Arc::from(String::from_utf8_lossy(kv.value())),
-            })
+            .map(|kv| RuleVersion::from_bytes(kv.mod_revision(), kv.value()))
             .collect())
     }
 
@@ -286,10 +283,10 @@ impl RuleStore {
             .call(&format!("reading {key}"), kv.get(key.as_bytes(), None))
             .await?;
         let revision = resp.header().map(|h| h.revision()).unwrap_or(0);
-        let current = resp.kvs().first().map(|kv| RuleVersion {
-            version: kv.mod_revision(),
-            text: Arc::from(String::from_utf8_lossy(kv.value())),
-        });
+        let current = resp
+            .kvs()
+            .first()
+            .map(|kv| RuleVersion::from_bytes(kv.mod_revision(), kv.value()));
         Ok((current, revision))
     }
 }
@@ -362,10 +359,8 @@ async fn follow_from(
         for event in resp.events() {
             let Some(kv) = event.kv() else { continue };
             // A deleted key has version 0 (see the registry's watch task).
-            let next = (kv.version() != 0).then(|| RuleVersion {
-                version: kv.mod_revision(),
-                text: Arc::from(String::from_utf8_lossy(kv.value())),
-            });
+            let next =
+                (kv.version() != 0).then(|| RuleVersion::from_bytes(kv.mod_revision(), kv.value()));
             tx.send_replace(next);
         }
     }

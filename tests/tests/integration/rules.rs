@@ -296,26 +296,36 @@ async fn a_rule_in_etcd_switches_the_breaker_to_observe_and_back_and_a_bad_one_i
     assert_eq!(e.code(), StatusCode::CircuitOpen, "{e}");
     assert_eq!(f.handler.failed.load(Ordering::SeqCst), 4, "not sent");
 
-    // A bad document written past the store's check is refused; v2 stays in force.
+    // Documents written past the store's check are refused, v2 staying in force (the breaker
+    // open, not observing): one invalid, and bytes that are not UTF-8, which read as a valid
+    // document with U+FFFD in place of the byte.
     let mut raw = f._etcd.client().await;
-    let put = raw
-        .put(
-            f.rules.key(RuleKind::Governance),
-            "[entries.\"t.Ruled.fail\"]\nbreaker_observe = \"yes\"\n",
-            None,
-        )
-        .await
-        .unwrap();
-    let bad = put.header().unwrap().revision();
-    let rejected = rule_event(&mut events, EventKind::RuleRejected, bad).await;
-    let cause = rejected.cause.unwrap_or_default();
-    assert!(
-        cause.contains("breaker_observe") && cause.contains(&format!("version {v2} stays")),
-        "{cause}"
-    );
-    assert_eq!(f.client.rules_version(RuleKind::Governance), Some(v2));
-    let e = within("call", f.ruled.fail()).await.unwrap_err();
-    assert_eq!(e.code(), StatusCode::CircuitOpen, "{e}");
+    let bad: [(&[u8], &str); 2] = [
+        (
+            b"[entries.\"t.Ruled.fail\"]\nbreaker_observe = \"yes\"\n",
+            "breaker_observe",
+        ),
+        (
+            b"# \xff\n[entries.\"t.Ruled.fail\"]\nbreaker_observe = true\n",
+            "not UTF-8",
+        ),
+    ];
+    for (document, why) in bad {
+        let put = raw
+            .put(f.rules.key(RuleKind::Governance), document, None)
+            .await
+            .unwrap();
+        let version = put.header().unwrap().revision();
+        let rejected = rule_event(&mut events, EventKind::RuleRejected, version).await;
+        let cause = rejected.cause.unwrap_or_default();
+        assert!(
+            cause.contains(why) && cause.contains(&format!("version {v2} stays")),
+            "{cause}"
+        );
+        assert_eq!(f.client.rules_version(RuleKind::Governance), Some(v2));
+        let e = within("call", f.ruled.fail()).await.unwrap_err();
+        assert_eq!(e.code(), StatusCode::CircuitOpen, "{e}");
+    }
 
     // Rolling back to v1 observes again.
     let v4 = f.rules.rollback(RuleKind::Governance, v1).await.unwrap();
