@@ -7,7 +7,10 @@
 //! nothing about the entry ([`Outcome::Ignored`]: a maybe-delivered failure held against one
 //! endpoint) frees the probe slot for the next call; and a probe whose future is dropped
 //! (caller cancellation, a panic) frees its slot at once through its [`Permit`]'s `Drop`. Only a
-//! probe that hangs forever waits for the `breaker_seconds` expiry.
+//! probe that hangs forever waits for the `breaker_seconds` expiry, after which its slot goes
+//! to a new round of probes; should it end after all, its verdict still counts (a probe slower
+//! than `breaker_seconds` would otherwise never settle anything, and a service that answers
+//! slowly would keep its breaker half-open for good), while its freed slot is not freed twice.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -56,6 +59,9 @@ struct State {
     /// Failure-ratio mode: outcomes over the sampling window.
     window: Window,
     epoch: Instant,
+    /// Bumped at every round of probes (entering half-open, and each expiry of a round whose
+    /// probes did not report back): only a probe of the current round frees a slot.
+    round: u64,
 }
 
 /// The most buckets a failure-ratio window holds: a window of up to this many seconds counts
@@ -156,12 +162,14 @@ pub struct Permit<'a> {
     generation: u64,
     /// Admitted as a half-open probe: its slot must be settled.
     probe: bool,
+    /// The round of probes it was admitted in (probes only).
+    round: u64,
 }
 
 impl Drop for Permit<'_> {
     fn drop(&mut self) {
         if self.probe {
-            self.breaker.release(self.generation);
+            self.breaker.release(self.generation, self.round);
         }
     }
 }
@@ -271,6 +279,7 @@ impl Default for CircuitBreaker {
                 last_cause: None,
                 window: Window::default(),
                 epoch: Instant::now(),
+                round: 0,
             }),
             closed_gen: AtomicU64::new(0),
             clean: AtomicBool::new(true),
@@ -347,22 +356,25 @@ impl CircuitBreaker {
                     probes: 1,
                     since: now,
                 });
-                Ok((self.permit(s.generation, true), Some(Transition::HalfOpen)))
+                s.round += 1;
+                Ok((self.probe(&s), Some(Transition::HalfOpen)))
             }
             Phase::HalfOpen { probes, since } if probes < o.half_open_probes.max(1) => {
                 s.phase = Phase::HalfOpen {
                     probes: probes + 1,
                     since,
                 };
-                Ok((self.permit(s.generation, true), None))
+                Ok((self.probe(&s), None))
             }
             Phase::HalfOpen { since, .. } if probe_round_over(since) => {
                 // The probes never reported back: their slots are freed, a new round starts.
-                s.enter(Phase::HalfOpen {
+                // Same generation: should they end after all, their verdicts still count.
+                s.phase = Phase::HalfOpen {
                     probes: 1,
                     since: now,
-                });
-                Ok((self.permit(s.generation, true), None))
+                };
+                s.round += 1;
+                Ok((self.probe(&s), None))
             }
             Phase::HalfOpen { since, .. } => Err(open_error(
                 entry,
@@ -393,13 +405,25 @@ impl CircuitBreaker {
             breaker: self,
             generation,
             probe,
+            round: 0,
         }
     }
 
-    /// Frees the slot of a probe admitted under `generation` that ended without a verdict.
-    fn release(&self, generation: u64) {
+    /// A probe's permit, in the current round of `s`.
+    fn probe(&self, s: &State) -> Permit<'_> {
+        Permit {
+            breaker: self,
+            generation: s.generation,
+            probe: true,
+            round: s.round,
+        }
+    }
+
+    /// Frees the slot of a probe admitted under `generation` in `round` that ended without a
+    /// verdict (a probe of an earlier round had its slot freed when the round expired).
+    fn release(&self, generation: u64, round: u64) {
         let mut s = self.lock();
-        if s.generation != generation {
+        if s.generation != generation || s.round != round {
             return;
         }
         if let Phase::HalfOpen { probes, since } = s.phase {
@@ -497,10 +521,12 @@ impl CircuitBreaker {
                 Some(Transition::Reset)
             }
             (Phase::HalfOpen { probes, since }, Outcome::Ignored) => {
-                s.phase = Phase::HalfOpen {
-                    probes: probes.saturating_sub(1),
-                    since,
-                };
+                if permit.round == s.round {
+                    s.phase = Phase::HalfOpen {
+                        probes: probes.saturating_sub(1),
+                        since,
+                    };
+                }
                 None
             }
             (Phase::HalfOpen { .. }, Outcome::Failure) => {
@@ -671,12 +697,52 @@ mod tests {
         assert!(b.try_acquire("e", &o).is_err());
         tokio::time::advance(Duration::from_secs(10)).await;
         let (fresh, _) = b.try_acquire("e", &o).unwrap();
-        // The hung probe's late result belongs to an old round and is ignored.
-        assert_eq!(b.record_outcome(hung, Outcome::Failure, &o, None), None);
         assert_eq!(
             b.record_outcome(fresh, Outcome::Success, &o, None),
             Some(Transition::Reset)
         );
+        // The hung probe's late result comes after the breaker closed: it is ignored.
+        assert_eq!(b.record_outcome(hung, Outcome::Failure, &o, None), None);
+        assert_eq!(b.state(), BreakerState::Closed { failures: 0 });
+    }
+
+    /// A probe slower than `breaker_seconds` still settles the breaker: its round expired and
+    /// another probe went out, yet its answer closes the breaker (or its failure opens it),
+    /// and being dropped or ignored it does not free the new round's slot.
+    #[tokio::test(start_paused = true)]
+    async fn a_probe_slower_than_the_round_still_settles_the_breaker() {
+        let (b, o) = (CircuitBreaker::new(), opts());
+        for (late, settles) in [
+            (Outcome::Success, Transition::Reset),
+            (Outcome::Answered, Transition::Reset),
+            (Outcome::Failure, Transition::Break),
+        ] {
+            while !matches!(b.state(), BreakerState::Open { .. }) {
+                fail(&b, &o);
+            }
+            tokio::time::advance(Duration::from_secs(10)).await;
+            let (slow, _) = b.try_acquire("e", &o).unwrap();
+            tokio::time::advance(Duration::from_secs(10)).await;
+            let (next, _) = b.try_acquire("e", &o).unwrap();
+            assert!(b.try_acquire("e", &o).is_err(), "one probe per round");
+            tokio::time::advance(Duration::from_secs(10)).await;
+            let (third, _) = b.try_acquire("e", &o).unwrap();
+            // A probe of an earlier round, ignored or dropped, frees no slot of this round.
+            assert_eq!(b.record_outcome(next, Outcome::Ignored, &o, None), None);
+            assert!(
+                b.try_acquire("e", &o).is_err(),
+                "this round's slot is taken"
+            );
+            drop(third);
+            let (fourth, _) = b.try_acquire("e", &o).expect("this round's slot, freed");
+            drop(fourth);
+            // The first round's probe answers at last: its verdict settles the breaker.
+            assert_eq!(
+                b.record_outcome(slow, late, &o, None),
+                Some(settles),
+                "{late:?}"
+            );
+        }
     }
 
     #[tokio::test(start_paused = true)]
