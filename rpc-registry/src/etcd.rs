@@ -161,6 +161,38 @@ struct Registration {
     ttl: i64,
 }
 
+/// Puts a replaced registration back when dropped holding it: its replacement was not written
+/// (the write failed, or the registration was given up, its future dropped). The previous
+/// version is written again under a lease of its own, since a write that failed late may have
+/// moved its keys to the new lease.
+struct PutBack<'a> {
+    registry: &'a EtcdRegistry,
+    registrations: tokio::sync::MutexGuard<'a, HashMap<String, Registration>>,
+    instance_id: &'a str,
+    old: Option<Registration>,
+}
+
+impl Drop for PutBack<'_> {
+    fn drop(&mut self) {
+        let Some(old) = self.old.take() else { return };
+        // (Dropped as its runtime shuts down: nothing can run any more, and the keys go when
+        // their lease expires, as after a crash.)
+        if tokio::runtime::Handle::try_current().is_err() {
+            return;
+        }
+        let restored = self.registry.keep(
+            self.instance_id,
+            old.keys,
+            old.value,
+            old.lease,
+            old.ttl,
+            true,
+        );
+        self.registrations
+            .insert(self.instance_id.to_string(), restored);
+    }
+}
+
 impl EtcdRegistry {
     /// A registry on the etcd cluster at `endpoints` (`host:port` or `http://host:port`).
     ///
@@ -263,26 +295,31 @@ impl EtcdRegistry {
         }
         let (lease, ttl) = conn.grant().await?;
         // The previous version's task must not write its keys again once the new ones are in.
-        let mut old = registrations.remove(&instance.id);
-        if let Some(old) = old.as_mut() {
-            old.task.abort();
-            let _ = (&mut old.task).await;
+        // Until the new version is kept, the guard puts the previous one back should this end
+        // early: a failed write, or this future dropped (a caller's timeout).
+        let mut old = PutBack {
+            registry: self,
+            registrations,
+            instance_id: &instance.id,
+            old: None,
+        };
+        old.old = old.registrations.remove(&instance.id);
+        if let Some(replaced) = old.old.as_mut() {
+            replaced.task.abort();
+            let _ = (&mut replaced.task).await;
         }
         if let Err(e) = conn.put(&keys, &value, lease).await {
             let _ = conn.revoke(lease).await;
-            // The previous version stays registered: written again under a lease of its own,
-            // since a write that failed late may have moved its keys to the revoked lease.
-            if let Some(old) = old {
-                let restored =
-                    self.keep(&instance.id, old.keys, old.value, old.lease, old.ttl, true);
-                registrations.insert(instance.id, restored);
-            }
             return Err(e);
         }
-        let old_lease = old.map(|old| old.lease.load(Ordering::SeqCst));
-        if let Some(old_lease) = old_lease {
+        let lease = Arc::new(AtomicI64::new(lease));
+        let registration = self.keep(&instance.id, keys, value, lease, ttl, false);
+        let replaced = old.old.take();
+        old.registrations.insert(instance.id.clone(), registration);
+        drop(old);
+        if let Some(replaced) = replaced {
             // Removes at once the keys of services the new version no longer serves.
-            if let Err(e) = conn.revoke(old_lease).await {
+            if let Err(e) = conn.revoke(replaced.lease.load(Ordering::SeqCst)).await {
                 tracing::warn!(
                     instance = %instance.id, error = %e,
                     "could not revoke the lease of the replaced registration; \
@@ -290,9 +327,6 @@ impl EtcdRegistry {
                 );
             }
         }
-        let lease = Arc::new(AtomicI64::new(lease));
-        let registration = self.keep(&instance.id, keys, value, lease, ttl, false);
-        registrations.insert(instance.id, registration);
         Ok(())
     }
 
