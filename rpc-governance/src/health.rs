@@ -15,6 +15,9 @@
 //!   (the entry breaker's threshold, applied per endpoint), and marked again at once by each
 //!   further one until a success.
 //!
+//! Each kind counts in a row to its own threshold: a failure of the other kind starts its count
+//! over (two timeouts then a reset connection are one transport failure, not three).
+//!
 //! A mark lasts 1 s, 2 s, 4 s, ... (doubling per failure in a row, capped); when it expires the
 //! endpoint gets traffic again, which probes it. A removed endpoint gets no traffic while any
 //! other is left: the client probes it in the background (a connect and handshake) and
@@ -109,7 +112,13 @@ struct Mark {
     /// success does not end it (calls still in flight to the outlier mostly succeed), nor does
     /// a failure's shorter backoff.
     ejected_until: Option<Instant>,
+    /// Failures in a row, of either kind.
     consecutive: u32,
+    /// Of those, the last run of one kind: `run` failures of `run_of` in a row. Each kind
+    /// has its own threshold (removal after transport failures, a mark after sick answers),
+    /// so a failure of the other kind starts the run over.
+    run: u32,
+    run_of: Option<Fault>,
     removed: bool,
     /// The connection whose breaking was last counted.
     connection: Option<u64>,
@@ -170,21 +179,26 @@ impl EndpointHealth {
             mark.connection = connection;
         }
         mark.consecutive += 1;
+        if mark.run_of != Some(fault) {
+            mark.run_of = Some(fault);
+            mark.run = 0;
+        }
+        mark.run += 1;
         mark.reason = reason.to_string();
-        let n = mark.consecutive;
+        let (n, run) = (mark.consecutive, mark.run);
         let mut removed = false;
         let ejected_for = match fault {
             Fault::Transport => {
                 let remove_after = o.unhealthy_times_allowed_before_removing;
-                if remove_after > 0 && n >= remove_after && !mark.removed {
+                if remove_after > 0 && run >= remove_after && !mark.removed {
                     mark.removed = true;
                     removed = true;
                 }
-                Some(backoff(n - 1, self.max_backoff))
+                Some(backoff(run - 1, self.max_backoff))
             }
             Fault::Sick => {
                 let eject_after = o.exceptions_allowed_before_breaking.max(1);
-                (n >= eject_after).then(|| backoff(n - eject_after, self.max_backoff))
+                (run >= eject_after).then(|| backoff(run - eject_after, self.max_backoff))
             }
         };
         if let Some(b) = ejected_for {
@@ -214,6 +228,8 @@ impl EndpointHealth {
                 until: now,
                 ejected_until: None,
                 consecutive: 0,
+                run: 0,
+                run_of: None,
                 removed: false,
                 connection: None,
                 reason: String::new(),
@@ -251,6 +267,8 @@ impl EndpointHealth {
                     Some(ejected) => {
                         m.until = ejected;
                         m.consecutive = 0;
+                        m.run = 0;
+                        m.run_of = None;
                         m.removed = false;
                         m.connection = None;
                         false
@@ -307,6 +325,8 @@ impl EndpointHealth {
         if let Some(mut m) = self.marks.get_mut(addr) {
             m.removed = false;
             m.consecutive = 0;
+            m.run = 0;
+            m.run_of = None;
         }
     }
 
@@ -418,6 +438,36 @@ mod tests {
             unhealthy_times_allowed_before_removing: 3,
             ..Default::default()
         }
+    }
+
+    /// Each kind counts to its own threshold: sick answers then a transport failure do not
+    /// remove the endpoint, and transport failures then a sick answer do not make that answer
+    /// the third sick one.
+    #[tokio::test(start_paused = true)]
+    async fn sick_answers_and_transport_failures_each_count_to_their_own_threshold() {
+        let (h, o) = (EndpointHealth::new(Duration::from_secs(60)), sick_opts());
+        let sick = |addr| h.record_failure(addr, Fault::Sick, None, "timeout", &o);
+        let broken = |addr| h.record_failure(addr, Fault::Transport, None, "reset", &o);
+        assert_eq!(sick("a").ejected_for, None);
+        assert_eq!(sick("a").ejected_for, None);
+        let r = broken("a");
+        assert_eq!(r.consecutive, 3, "three failures in a row");
+        assert_eq!(
+            r.ejected_for,
+            Some(Duration::from_secs(1)),
+            "marked at once"
+        );
+        assert!(
+            !r.removed && !h.is_removed("a"),
+            "one transport failure, not three"
+        );
+
+        broken("b");
+        broken("b");
+        assert!(!h.is_removed("b"));
+        let r = sick("b");
+        assert_eq!(r.ejected_for, None, "the first sick answer");
+        assert!(!h.is_removed("b"));
     }
 
     #[tokio::test(start_paused = true)]
