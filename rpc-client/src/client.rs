@@ -1428,9 +1428,10 @@ impl Client {
     }
 
     /// Counts an attempt's outcome for outlier ejection by success rate: failures that belong
-    /// to the endpoint ([`Fault::of`]) count against it, Overflow (load, not sickness) and a
-    /// call the endpoint cannot serve (nothing sent) not at all, anything else (the callee's own
-    /// answer) as a success. Ejections are events.
+    /// to the endpoint ([`Fault::of`]) count against it, Overflow (load, not sickness), a call
+    /// the endpoint cannot serve (nothing sent) and the caller's own deadline passing
+    /// ([`CallCx::is_callers_deadline`]) not at all, anything else (the callee's own answer) as
+    /// a success. Ejections are events.
     fn count_outcome(
         &self,
         cx: &CallCx<'_>,
@@ -1442,6 +1443,8 @@ impl Client {
             Ok(_) => true,
             // Load, not sickness; or nothing was sent (an endpoint that cannot serve the call).
             Err(e) if e.code().is_overflow() || e.is_unsupported_by_endpoint() => return,
+            // The caller's deadline, inherited: it had too little time left.
+            Err(e) if cx.is_callers_deadline(e) => return,
             Err(e) => Fault::of(e).is_none(),
         };
         let Some(service) = self.service_now(service_id) else {

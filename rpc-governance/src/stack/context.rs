@@ -309,6 +309,17 @@ impl<'g> CallCx<'g> {
         self.deadline
     }
 
+    /// Whether `err` is only the caller's deadline passing: a timeout with no answer once the
+    /// deadline this call inherited from the call being handled (shorter than the entry's own
+    /// timeout) has passed. The caller had too little time left, which says nothing of the
+    /// endpoint: endpoint health, outlier detection and the breaker leave it out.
+    pub fn is_callers_deadline(&self, err: &RpcError) -> bool {
+        self.deadline_is_callers
+            && err.code() == rpc_core::StatusCode::Timeout
+            && err.payload().is_none()
+            && self.deadline.is_some_and(|d| Instant::now() >= d)
+    }
+
     /// The current attempt: 0 for the first.
     pub fn attempt(&self) -> u32 {
         self.attempt

@@ -225,11 +225,7 @@ impl<B: Balance, S> RetryLayer<B, S> {
         // The caller's deadline passed (what was left of the deadline it inherited, shorter
         // than the entry's own timeout): the caller had too little time left, which says
         // nothing of the endpoint, nor of the entry for the breaker.
-        cx.out_of_callers_time = !attempt_timed_out
-            && cx.deadline_is_callers
-            && err.code() == StatusCode::Timeout
-            && err.payload().is_none()
-            && cx.deadline.is_some_and(|d| Instant::now() >= d);
+        cx.out_of_callers_time = !attempt_timed_out && cx.is_callers_deadline(&err);
         let mut fault = Fault::of(&err).filter(|_| !cx.out_of_callers_time);
         // An endpoint that cannot serve the call says nothing of its health either way.
         let mut unsupported = err.is_unsupported_by_endpoint();
