@@ -86,10 +86,21 @@ async fn register_again(r: &mut KeepRegistered, backoff: &mut Backoff, failing: 
                 return true;
             }
             Err(e) => {
-                tracing::debug!(
-                    instance = %r.instance_id, error = %e,
-                    "registering again failed; retrying"
-                );
+                // The instance is out of the registry until this works: the first failure of a
+                // streak is a warning (a lasting refusal, such as etcd's NOSPACE alarm or an
+                // expired token, would otherwise leave no trace above debug level).
+                if !std::mem::replace(failing, true) {
+                    tracing::warn!(
+                        instance = %r.instance_id, error = %e,
+                        "registering the instance again failed; it is not in the registry \
+                         until this works; retrying"
+                    );
+                } else {
+                    tracing::debug!(
+                        instance = %r.instance_id, error = %e,
+                        "registering again failed; retrying"
+                    );
+                }
                 if !pause(backoff.next(), &mut r.alive).await {
                     return false;
                 }
