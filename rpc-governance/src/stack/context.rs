@@ -251,6 +251,24 @@ impl<'g> CallCx<'g> {
         cx
     }
 
+    /// Counts as tried the endpoints the call's other attempts went to (a hedged call's
+    /// [`attempted`](Self::attempted), shared by its first attempt and its hedge), so that
+    /// neither picks an endpoint the other is on.
+    pub(crate) fn pass_the_calls_other_attempts(&mut self) {
+        let Some(attempted) = &self.attempted else {
+            return;
+        };
+        let on = attempted
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        for addr in on {
+            if !self.tried.contains(&addr) {
+                self.tried.push(addr);
+            }
+        }
+    }
+
     /// Whether this context is a hedge's: a second attempt of a call, sent while its first
     /// still runs. What it decides is not the call's (its picker records no routing choice
     /// on the call's span).

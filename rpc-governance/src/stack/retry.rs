@@ -74,17 +74,14 @@ impl<B: Balance, S: Service> Service for RetryLayer<B, S> {
             // picker (its routing group drawn), the one the hedge goes by, with the endpoints
             // of the call's attempts as they are now (the first may have been picked while
             // this picker was, or failed over since).
-            let attempted = gate
+            let first_sent = !gate
                 .attempted
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
-                .clone();
-            for addr in &attempted {
-                if !cx.tried.contains(addr) {
-                    cx.tried.push(addr.clone());
-                }
-            }
-            if attempted.is_empty() || !picker.untried_left(cx) || !(gate.send)(cx) {
+                .is_empty();
+            cx.attempted = Some(gate.attempted.clone());
+            cx.pass_the_calls_other_attempts();
+            if !first_sent || !picker.untried_left(cx) || !(gate.send)(cx) {
                 return Err(RpcError::new(
                     StatusCode::CommunicationError,
                     "no hedge sent: no other endpoint, the first attempt not sent yet, or the retry \
@@ -98,6 +95,9 @@ impl<B: Balance, S: Service> Service for RetryLayer<B, S> {
         let enforced = self.inner.enforces_attempt_deadline();
         let chain_stopped = mark_retry_depth(cx);
         loop {
+            // A hedged call's two attempts run side by side: each fails over past the
+            // endpoints the other went to.
+            cx.pass_the_calls_other_attempts();
             let addr = match picker.next(cx) {
                 Ok(addr) => addr,
                 Err(e) => {

@@ -1763,6 +1763,33 @@ async fn a_hedge_moves_past_an_endpoint_that_cannot_serve_the_call() {
     );
 }
 
+/// A first attempt that fails over while its hedge runs goes to neither endpoint the call is
+/// on: not to the hedge's, where two attempts of one call would then run at once.
+#[tokio::test(start_paused = true)]
+async fn a_failover_while_the_hedge_runs_avoids_the_hedges_endpoint() {
+    let g = engine(GovernanceOptions {
+        retry_times: 2,
+        retry_interval_ms: 0,
+        ..hedged(50, true)
+    });
+    let e = Endpoints::new(&[("down:1", 100), ("slow:1", 1000), ("fast:1", 10)]);
+    let answer = g
+        .execute(&g.policy(&M), &e)
+        .await
+        .expect("the failover answers");
+    assert_eq!(&answer[..], b"fast:1");
+    // down:1 fails at 100 ms (the hedge went to slow:1 at 50 ms); the failover goes to
+    // fast:1, which answers at 110 ms, and the hedge is dropped.
+    assert_eq!(
+        e.log(),
+        [
+            ("down:1".to_string(), 0, Some(100)),
+            ("slow:1".to_string(), 50, None),
+            ("fast:1".to_string(), 100, Some(110))
+        ]
+    );
+}
+
 /// The bottom of the stack, recording the retry depth each attempt is sent with.
 struct DepthsSeen<'e> {
     endpoints: &'e Endpoints,
