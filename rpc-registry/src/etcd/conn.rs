@@ -24,6 +24,13 @@ pub(super) struct Conn {
 /// The instances of one service, by key.
 pub(super) type Instances = BTreeMap<Vec<u8>, Arc<Instance>>;
 
+/// The largest answer a read or a watch of the registry takes: a service's instances are read
+/// in one range, and the gRPC client's own default of 4 MiB is reached by a few dozen
+/// instances that publish their API schemas; past it the read fails ("decoded message length
+/// too large"), and a watch that must read again to resynchronise never recovers. etcd's own
+/// limit is on requests (1.5 MiB by default), not on answers.
+pub(super) const MAX_READ_BYTES: usize = 256 * 1024 * 1024;
+
 impl Conn {
     pub(super) fn service_prefix(&self, service: &ServiceId) -> String {
         format!(
@@ -97,7 +104,10 @@ impl Conn {
         service: &ServiceId,
     ) -> Result<(Instances, i64), RegistryError> {
         let prefix = self.service_prefix(service);
-        let mut kv = self.client.kv_client();
+        let mut kv = self
+            .client
+            .kv_client()
+            .max_decoding_message_size(MAX_READ_BYTES);
         let what = format!("reading {prefix}");
         let resp = self
             .call(
@@ -119,7 +129,10 @@ impl Conn {
     /// the keys only (no instance is decoded): a listing costs etcd one range request.
     pub(super) async fn services(&self) -> Result<Vec<ServiceId>, RegistryError> {
         let prefix = format!("{}services/", self.options.prefix);
-        let mut kv = self.client.kv_client();
+        let mut kv = self
+            .client
+            .kv_client()
+            .max_decoding_message_size(MAX_READ_BYTES);
         let what = format!("listing {prefix}");
         let resp = self
             .call(

@@ -187,7 +187,11 @@ impl WatchTask {
     /// Watches the prefix from `revision + 1`, applying events, until the watch ends
     /// (`Ok(Resync)` or an error) or the task must end (`Ok(Stop)`).
     async fn follow(&mut self, revision: i64) -> Result<Interrupt, RegistryError> {
-        let mut client = self.conn.client.watch_client();
+        let mut client = self
+            .conn
+            .client
+            .watch_client()
+            .max_decoding_message_size(super::conn::MAX_READ_BYTES);
         let options = WatchOptions::new()
             .with_prefix()
             .with_start_revision(revision + 1);

@@ -374,6 +374,36 @@ async fn malformed_values_are_skipped() {
     wait_until(&mut w, SEEN_WITHIN, "overwritten", lacks("127.0.0.1:1000")).await;
 }
 
+/// A service whose instances take more than gRPC's default 4 MiB answer (instances that
+/// publish large API schemas, say) is read and watched whole: every instance is listed, and a
+/// change after the read is seen.
+#[tokio::test]
+async fn a_service_of_more_than_four_mib_is_read_and_watched_whole() {
+    let etcd = Etcd::start().await;
+    let reg = registry(&etcd, TTL).await;
+    let mut kv = etcd.client().await.kv_client();
+    // Six instances of about 1 MiB each (etcd takes requests of up to 1.5 MiB).
+    let mut expected = Vec::new();
+    for i in 0..6 {
+        let address = format!("127.0.0.1:{}", 2000 + i);
+        let mut instance = Instance::new(address.clone(), ["t.Big"]);
+        instance
+            .metadata
+            .insert("pad".into(), "x".repeat(1024 * 1024));
+        let value = serde_json::to_vec(&instance).expect("json");
+        kv.put(reg.key(&"t.Big".into(), &address), value, None)
+            .await
+            .expect("put");
+        expected.push(address);
+    }
+    let mut w = watch(&reg, "t.Big").await;
+    assert_eq!(addresses(&w), expected);
+    reg.register(Instance::new("127.0.0.1:1999", ["t.Big"]))
+        .await
+        .expect("register");
+    wait_until(&mut w, SEEN_WITHIN, "the addition", has("127.0.0.1:1999")).await;
+}
+
 #[tokio::test]
 async fn watches_end_with_their_last_watcher_and_everything_with_the_registry() {
     let etcd = Etcd::start().await;
