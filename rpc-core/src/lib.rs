@@ -24,6 +24,7 @@
 //! ```
 #![warn(missing_docs)]
 
+pub mod address;
 mod codec;
 mod context;
 mod entry;

@@ -447,12 +447,13 @@ fn check_endpoint(e: &str) -> Result<(), RegistryError> {
         .or_else(|| e.strip_prefix("https://"))
         .unwrap_or(e)
         .trim_end_matches('/');
-    match hostport.rsplit_once(':') {
-        Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => Ok(()),
-        _ => Err(RegistryError::Config(format!(
-            "bad etcd endpoint {e:?}: expected host:port"
-        ))),
+    if rpc_core::address::is_host_port(hostport) {
+        return Ok(());
     }
+    Err(RegistryError::Config(format!(
+        "bad etcd endpoint {e:?}: expected host:port (an IPv6 address in brackets), \
+         comma-separated for several"
+    )))
 }
 
 /// `etcd://h1:2379,h2:2379` → `["h1:2379", "h2:2379"]`.

@@ -159,12 +159,13 @@ fn check_address(a: &str) -> Result<(), RegistryError> {
             return Ok(());
         }
     }
-    match a.rsplit_once(':') {
-        Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => Ok(()),
-        _ => Err(RegistryError::Config(format!(
-            "bad endpoint address {a:?}: expected host:port, or unix:/path for a Unix socket"
-        ))),
+    if rpc_core::address::is_host_port(a) {
+        return Ok(());
     }
+    Err(RegistryError::Config(format!(
+        "bad endpoint address {a:?}: expected host:port (an IPv6 address in brackets), or \
+         unix:/path for a Unix socket; one address per entry"
+    )))
 }
 
 impl Registry for StaticRegistry {

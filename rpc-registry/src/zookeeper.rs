@@ -18,6 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
+use rpc_core::address::is_host_port;
 use rpc_core::ServiceId;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -433,10 +434,6 @@ impl Registry for ZooKeeperRegistry {
     fn services(&self) -> BoxFuture<'_, Result<Vec<ServiceId>, RegistryError>> {
         Box::pin(self.inner.conn.services())
     }
-}
-
-fn is_host_port(s: &str) -> bool {
-    matches!(s.rsplit_once(':'), Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok())
 }
 
 /// A prefix is an absolute ZooKeeper path: `/`, or `/a/b` with no empty, `.` or `..` segment.

@@ -10,6 +10,7 @@ use std::borrow::Cow;
 
 use serde::{Deserialize, Serialize};
 
+use crate::address::is_host_port;
 use crate::{RpcError, StatusCode};
 
 mod compression;
@@ -335,14 +336,6 @@ macro_rules! compression_spellings {
 }
 
 include!("declared.rs");
-
-/// `host:port` with a non-empty host and a port number.
-fn is_host_port(address: &str) -> bool {
-    match address.rsplit_once(':') {
-        Some((host, port)) => !host.trim().is_empty() && port.parse::<u16>().is_ok(),
-        None => false,
-    }
-}
 
 /// The options' names, for error messages.
 fn option_names() -> String {
