@@ -408,6 +408,10 @@ pub struct ClientStream {
     /// What the consumer took since it last granted credit.
     taken: Taken,
     finished: bool,
+    /// Still counted in its connection's calls in flight: until its end was read (or it is
+    /// dropped first), so that a stream read to its end and kept no longer holds its
+    /// connection busy (a pool does not close a busy connection).
+    counted: bool,
     to_error: EndToError,
 }
 
@@ -425,7 +429,7 @@ impl ClientStream {
     /// Ends the stream on an item that does not decompress, telling the server to stop it
     /// and a sender elsewhere (the caller's items) to stop too; the error to hand the consumer.
     fn broken(&mut self, why: &str) -> RpcError {
-        self.finished = true;
+        self.ended_for_consumer();
         let shared = &self.tx.conn.shared;
         let error = RpcError::new(
             StatusCode::FrameworkError,
@@ -442,6 +446,18 @@ impl ClientStream {
         error
     }
 
+    /// The stream has ended for its consumer: it no longer counts as in flight.
+    fn ended_for_consumer(&mut self) {
+        self.finished = true;
+        if std::mem::take(&mut self.counted) {
+            self.tx
+                .conn
+                .shared
+                .in_flight
+                .fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
     pub(super) fn new(conn: Connection, id: u64, shared: Arc<StreamShared>) -> Self {
         let taken = Taken::new(shared.window, shared.window_bytes);
         ClientStream {
@@ -450,6 +466,7 @@ impl ClientStream {
             answer: Bytes::new(),
             taken,
             finished: false,
+            counted: true,
             to_error: Box::new(|r| {
                 RpcError::new(StatusCode::from_u32(r.status_code), r.exception_message)
             }),
@@ -608,7 +625,7 @@ impl ItemSource for ClientStream {
         let range = match next {
             Ok(range) => range,
             Err(end) => {
-                self.finished = true;
+                self.ended_for_consumer();
                 let end = match end {
                     // The answer ending the stream may be compressed, as any answer may.
                     Ok(answer) if answer.compression != 0 => self.tx.conn.unpack(answer),
@@ -661,8 +678,8 @@ impl Stream for ClientStream {
 
 impl Drop for ClientStream {
     fn drop(&mut self) {
+        self.ended_for_consumer();
         let shared = &self.tx.conn.shared;
-        shared.in_flight.fetch_sub(1, Ordering::Relaxed);
         // Still open on the server (its slot is still held): tell it to stop.
         if shared.pending.remove(self.tx.id) {
             shared.sender.send(Kind::Cancel(Cancel {

@@ -750,3 +750,37 @@ async fn a_client_whose_frame_limit_is_below_a_run_is_sent_one_item_per_frame() 
     }
     within("shutdown", server.shutdown()).await;
 }
+
+/// A stream read to its end no longer counts among its connection's calls in flight, though
+/// the caller keeps it: a pool closes an idle connection to an endpoint that left the
+/// registry, and a finished stream kept in a struct must not hold it busy.
+#[tokio::test]
+async fn a_stream_read_to_its_end_and_kept_is_no_longer_in_flight() {
+    let (server, _) = blob_pair(|b| b, |b| b).await;
+    let conn = Connection::connect(&server.local_addr().to_string(), &ConnectOptions::default())
+        .await
+        .expect("connect");
+    let call = Call {
+        service_entry_id: "t.Blob.blobs".into(),
+        parameters: Codec::MsgPack.encode(&(3u32, 8u32)).expect("encode"),
+        ..Default::default()
+    };
+    let mut stream = match within("open", conn.open_stream(call, StreamMode::Server, None))
+        .await
+        .expect("open")
+    {
+        Opened::Accepted(s) => s,
+        Opened::Refused(r) => panic!("refused: {r:?}"),
+    };
+    assert_eq!(conn.in_flight(), 1, "open");
+    let mut items = 0;
+    while let Some(item) = within("next", futures_util::StreamExt::next(&mut stream)).await {
+        item.expect("an item");
+        items += 1;
+    }
+    assert_eq!(items, 3);
+    assert_eq!(conn.in_flight(), 0, "read to its end, still held");
+    drop(stream);
+    assert_eq!(conn.in_flight(), 0, "counted down once");
+    within("shutdown", server.shutdown()).await;
+}
