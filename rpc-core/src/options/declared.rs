@@ -111,7 +111,7 @@ governance_options! {
         /// last 10 s, where accepts are the server's answers other than an overload refusal.
         /// 0 turns it off; 200 is K = 2.
         throttle_k_percent: u32 = 0, Client,
-            "adaptive throttling, K × 100 (200 = K of 2; 0 = off): an attempt is dropped locally (514, event `throttled`, not retried) with probability max(0, (requests − K·accepts) / (requests + 1)) over 10 s; accepts are answers other than an overload refusal (515, 429), and an attempt without an answer (timeout, broken connection) is no accept";
+            "adaptive throttling, K × 100 (200 = K of 2; 0 = off): an attempt is dropped locally (514, event `throttled`, not retried) with probability max(0, (requests − K·accepts) / (requests + 1)) over 10 s; accepts are answers other than an overload refusal (515, 429), an attempt without an answer (timeout, broken connection) is no accept, and one sent nowhere (its instance cannot serve the call) counts for nothing";
         /// Adaptive throttling in observe mode: an attempt the rule would drop is reported
         /// (event `throttled` with `observed = true`) and sent.
         throttle_observe: flag = false, Client,
