@@ -18,7 +18,8 @@
 //! Each kind counts in a row to its own threshold: a failure of the other kind starts its count
 //! over (two timeouts then a reset connection are one transport failure, not three).
 //!
-//! A mark lasts 1 s, 2 s, 4 s, ... (doubling per failure in a row, capped); when it expires the
+//! A mark lasts 1 s, 2 s, 4 s, ... (doubling per failure of its kind in a row, capped); when it
+//! expires the
 //! endpoint gets traffic again, which probes it. A removed endpoint gets no traffic while any
 //! other is left: the client probes it in the background (a connect and handshake) and
 //! re-admits it on success, or [`EndpointHealth::readmit`] does it by hand.
@@ -140,9 +141,10 @@ impl EndpointHealth {
     }
 
     /// Records a transport failure of `addr` with no connection to tell apart; returns how many
-    /// failed in a row. After `remove_after` failures in a row (0: never) the endpoint is
-    /// removed: it is chosen only when nothing else is left, until [`restore`](Self::restore)
-    /// (the registry announced it again), [`readmit`](Self::readmit) or a success.
+    /// failures of either kind came in a row. After `remove_after` transport failures in a row
+    /// (0: never) the endpoint is removed: it is chosen only when nothing else is left, until
+    /// [`restore`](Self::restore) (the registry announced it again), [`readmit`](Self::readmit)
+    /// or a success.
     pub fn failure(&self, addr: &str, remove_after: u32) -> u32 {
         let o = GovernanceOptions {
             unhealthy_times_allowed_before_removing: remove_after,

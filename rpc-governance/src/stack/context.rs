@@ -242,6 +242,7 @@ impl<'g> CallCx<'g> {
         cx.started = self.started;
         cx.started_early = self.started_early;
         cx.deadline = self.deadline;
+        cx.deadline_is_callers = self.deadline_is_callers;
         cx.attachments = self.attachments.clone();
         cx.retry_depth = self.retry_depth;
         cx.call_id = self.call_id.clone();

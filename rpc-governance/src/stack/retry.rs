@@ -190,6 +190,9 @@ impl<B: Balance, S> RetryLayer<B, S> {
         chain_stopped: bool,
     ) -> Result<Duration, RpcError> {
         let attempt = cx.attempt;
+        // What is left untried is judged with the endpoints the call's other attempt (a hedge,
+        // or the first attempt of a hedge) went to meanwhile.
+        cx.pass_the_calls_other_attempts();
         if cx.throttled {
             // Dropped locally: nothing was sent, nothing to hold against the endpoint, and an
             // attempt right away would be dropped again. The drop is the call's failure: the

@@ -1790,6 +1790,56 @@ async fn a_failover_while_the_hedge_runs_avoids_the_hedges_endpoint() {
     );
 }
 
+/// With two endpoints, a first attempt that fails while its hedge runs on the other has no
+/// endpoint left untried: it does not retry onto the hedge's (nor spend the budget on it),
+/// and the hedge answers.
+#[tokio::test(start_paused = true)]
+async fn with_two_endpoints_a_failure_while_the_hedge_runs_is_not_retried_onto_it() {
+    let g = engine(GovernanceOptions {
+        retry_times: 2,
+        retry_interval_ms: 0,
+        ..hedged(50, true)
+    });
+    let e = Endpoints::new(&[("down:1", 100), ("slow:1", 1000)]);
+    let answer = g
+        .execute(&g.policy(&M), &e)
+        .await
+        .expect("the hedge answers");
+    assert_eq!(&answer[..], b"slow:1");
+    assert_eq!(
+        e.log(),
+        [
+            ("down:1".to_string(), 0, Some(100)),
+            ("slow:1".to_string(), 50, Some(1050))
+        ]
+    );
+}
+
+/// A hedge sent under a deadline inherited from the call being handled runs out of the
+/// caller's time as the first attempt does: neither endpoint is held to blame.
+#[tokio::test(start_paused = true)]
+async fn a_hedge_out_of_the_callers_time_is_no_fault_of_its_endpoint() {
+    let g = engine(GovernanceOptions {
+        retry_times: 0,
+        timeout_ms: 1000,
+        deadline_slack_ms: 0,
+        exceptions_allowed_before_breaking: 3,
+        ..hedged(50, true)
+    });
+    let p = g.policy(&M);
+    let e = Endpoints::new(&[("slow:1", 1000), ("slow:2", 1000)]);
+    for i in 0..10 {
+        let left = Instant::now() + Duration::from_millis(80);
+        let r = crate::timeout::with_inherited(Some(left), g.execute(&p, &e)).await;
+        let err = r.expect_err("80 ms is too little");
+        assert_eq!(err.code(), StatusCode::Timeout, "call {i}: {err}");
+    }
+    assert!(
+        ["slow:1", "slow:2"].iter().all(|e| g.health().is_usable(e)),
+        "no endpoint is held to blame"
+    );
+}
+
 /// The bottom of the stack, recording the retry depth each attempt is sent with.
 struct DepthsSeen<'e> {
     endpoints: &'e Endpoints,
