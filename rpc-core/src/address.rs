@@ -2,7 +2,7 @@
 
 /// Whether `address` is `host:port`: a port of decimal digits (at most 65535), and a host that
 /// is a name or an IPv4 address (letters, digits, `.`, `-`, `_`) or an IPv6 address in
-/// brackets (`[::1]:9000`). Anything else is refused where it is configured rather than
+/// brackets (`[::1]:9000`, `[fe80::1%2]:9000` with an interface number). Anything else is refused where it is configured rather than
 /// failing every call later: two addresses run together (`a:1;b:2`, `a:1 b:2`), an IPv6
 /// address without brackets (`fe80::1` would read as host `fe80:`, port 1), a space, a
 /// scheme (`etcd://h:1`).
@@ -13,7 +13,17 @@ pub fn is_host_port(address: &str) -> bool {
     let port_ok =
         !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit()) && port.parse::<u16>().is_ok();
     let host_ok = match host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
-        Some(v6) => v6.parse::<std::net::Ipv6Addr>().is_ok(),
+        // A link-local address may name its interface by number (`[fe80::1%2]`), as the
+        // socket-address parser takes it.
+        Some(v6) => match v6.split_once('%') {
+            Some((addr, scope)) => {
+                addr.parse::<std::net::Ipv6Addr>().is_ok()
+                    && !scope.is_empty()
+                    && scope.parse::<u32>().is_ok()
+                    && scope.bytes().all(|b| b.is_ascii_digit())
+            }
+            None => v6.parse::<std::net::Ipv6Addr>().is_ok(),
+        },
         None => {
             !host.is_empty()
                 && host
@@ -36,6 +46,7 @@ mod tests {
             "etcd-0.etcd_svc.local:2379",
             "[::1]:9000",
             "[fe80::1]:65535",
+            "[fe80::1%2]:9000",
         ] {
             assert!(is_host_port(good), "{good:?}");
         }
@@ -52,6 +63,8 @@ mod tests {
             "host :1",
             "fe80::1",
             "[fe80::zz]:1",
+            "[fe80::1%]:1",
+            "[fe80::1%eth0]:1",
             "etcd://h:2379",
         ] {
             assert!(!is_host_port(bad), "{bad:?}");

@@ -42,6 +42,11 @@ impl Ticket {
         }
     }
 
+    /// Whether a publication of `id` by this process holds it now (a server serving under it).
+    pub(crate) fn is_held(id: &str) -> bool {
+        latest().contains_key(id)
+    }
+
     /// Whether to deregister: no later publication of the id took its place.
     pub(crate) fn is_latest(&self) -> bool {
         latest().get(&self.id) == Some(&self.n)

@@ -741,6 +741,12 @@ impl Drop for Unpublish {
             return;
         };
         let id = std::mem::take(&mut self.id);
+        // Another server of this process serves under the id (a restart under a stable id
+        // whose new `serve` was given up): the registry put its registration back, which
+        // stays.
+        if crate::registration::Ticket::is_held(&id) {
+            return;
+        }
         runtime.spawn(async move {
             if let Err(e) = registry.deregister(&id).await {
                 tracing::warn!(error = %e, "could not remove a server given up while it registered");

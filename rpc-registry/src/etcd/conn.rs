@@ -97,6 +97,20 @@ impl Conn {
         }
     }
 
+    /// A key-value client taking answers of up to [`MAX_READ_BYTES`].
+    pub(super) fn kv(&self) -> etcd_client::KvClient {
+        self.client
+            .kv_client()
+            .max_decoding_message_size(MAX_READ_BYTES)
+    }
+
+    /// A watch client taking answers of up to [`MAX_READ_BYTES`].
+    pub(super) fn watcher(&self) -> etcd_client::WatchClient {
+        self.client
+            .watch_client()
+            .max_decoding_message_size(MAX_READ_BYTES)
+    }
+
     /// The service's instances and the revision they were read at. Malformed values are
     /// skipped with a warning.
     pub(super) async fn read(
@@ -104,10 +118,7 @@ impl Conn {
         service: &ServiceId,
     ) -> Result<(Instances, i64), RegistryError> {
         let prefix = self.service_prefix(service);
-        let mut kv = self
-            .client
-            .kv_client()
-            .max_decoding_message_size(MAX_READ_BYTES);
+        let mut kv = self.kv();
         let what = format!("reading {prefix}");
         let resp = self
             .call(
@@ -129,10 +140,7 @@ impl Conn {
     /// the keys only (no instance is decoded): a listing costs etcd one range request.
     pub(super) async fn services(&self) -> Result<Vec<ServiceId>, RegistryError> {
         let prefix = format!("{}services/", self.options.prefix);
-        let mut kv = self
-            .client
-            .kv_client()
-            .max_decoding_message_size(MAX_READ_BYTES);
+        let mut kv = self.kv();
         let what = format!("listing {prefix}");
         let resp = self
             .call(
@@ -199,7 +207,7 @@ impl Conn {
                 )
             })
             .collect();
-        let mut kv = self.client.kv_client();
+        let mut kv = self.kv();
         let what = format!("writing {}", keys.join(", "));
         self.call(&what, kv.txn(Txn::new().and_then(ops))).await?;
         Ok(())

@@ -106,7 +106,7 @@ impl RuleStore {
     /// The document of `kind` in force, if any.
     pub async fn get(&self, kind: RuleKind) -> Result<Option<RuleVersion>, RuleError> {
         let key = self.key(kind);
-        let mut kv = self.conn.client.kv_client();
+        let mut kv = self.conn.kv();
         let resp = self
             .conn
             .call(&format!("reading {key}"), kv.get(key.as_bytes(), None))
@@ -126,7 +126,7 @@ impl RuleStore {
             reason: e.message().to_string(),
         })?;
         let key = self.key(kind);
-        let mut kv = self.conn.client.kv_client();
+        let mut kv = self.conn.kv();
         // Every successful write replaces a distinct version, except that 0 (no document)
         // comes back after a deletion: then the revision now orders it after every earlier one.
         let after = if expected == 0 {
@@ -227,7 +227,7 @@ impl RuleStore {
         keys_only: bool,
     ) -> Result<etcd_client::GetResponse, RuleError> {
         let prefix = self.history_prefix(kind);
-        let mut kv = self.conn.client.kv_client();
+        let mut kv = self.conn.kv();
         let mut options = GetOptions::new()
             .with_prefix()
             .with_sort(SortTarget::Key, SortOrder::Ascend);
@@ -246,7 +246,7 @@ impl RuleStore {
     /// Deletes the oldest history entries of `kind` beyond the limit.
     async fn trim(&self, kind: RuleKind) -> Result<(), RuleError> {
         let prefix = self.history_prefix(kind);
-        let mut kv = self.conn.client.kv_client();
+        let mut kv = self.conn.kv();
         let resp = self.read_history(kind, true).await?;
         let keys = resp.kvs();
         if keys.len() <= self.history_limit {
@@ -277,7 +277,7 @@ impl RuleStore {
     /// The document of `kind` and the revision the store was read at.
     async fn read_at(&self, kind: RuleKind) -> Result<(Option<RuleVersion>, i64), RegistryError> {
         let key = self.key(kind);
-        let mut kv = self.conn.client.kv_client();
+        let mut kv = self.conn.kv();
         let resp = self
             .conn
             .call(&format!("reading {key}"), kv.get(key.as_bytes(), None))
@@ -333,7 +333,7 @@ async fn follow_from(
     revision: i64,
 ) -> Result<(), RegistryError> {
     let key = store.key(kind);
-    let mut client = store.conn.client.watch_client();
+    let mut client = store.conn.watcher();
     let options = WatchOptions::new().with_start_revision(revision + 1);
     let what = format!("watching {key}");
     let mut stream = store

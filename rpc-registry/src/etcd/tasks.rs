@@ -76,6 +76,7 @@ pub(super) async fn keep_registered(mut r: KeepRegistered) {
 /// Writes the keys under a new lease until it works; false when the registry was dropped
 /// meanwhile.
 async fn register_again(r: &mut KeepRegistered, backoff: &mut Backoff, failing: &mut bool) -> bool {
+    let mut warned = false;
     loop {
         match reregister(r).await {
             Ok(ttl) => {
@@ -89,7 +90,9 @@ async fn register_again(r: &mut KeepRegistered, backoff: &mut Backoff, failing: 
                 // The instance is out of the registry until this works: the first failure of a
                 // streak is a warning (a lasting refusal, such as etcd's NOSPACE alarm or an
                 // expired token, would otherwise leave no trace above debug level).
-                if !std::mem::replace(failing, true) {
+                // (Its own streak: the keep-alive's may have started while etcd was away.)
+                if !std::mem::replace(&mut warned, true) {
+                    *failing = true;
                     tracing::warn!(
                         instance = %r.instance_id, error = %e,
                         "registering the instance again failed; it is not in the registry \
@@ -187,11 +190,7 @@ impl WatchTask {
     /// Watches the prefix from `revision + 1`, applying events, until the watch ends
     /// (`Ok(Resync)` or an error) or the task must end (`Ok(Stop)`).
     async fn follow(&mut self, revision: i64) -> Result<Interrupt, RegistryError> {
-        let mut client = self
-            .conn
-            .client
-            .watch_client()
-            .max_decoding_message_size(super::conn::MAX_READ_BYTES);
+        let mut client = self.conn.watcher();
         let options = WatchOptions::new()
             .with_prefix()
             .with_start_revision(revision + 1);
