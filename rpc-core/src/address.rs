@@ -1,9 +1,12 @@
 //! Endpoint addresses as configuration gives them: `host:port`.
+//!
+//! (std only: `rpc-macros` compiles this file too, for the `#[governance]` attribute's
+//! `appoint_address`.)
 
 /// Whether `address` is `host:port`: a port of decimal digits (at most 65535), and a host that
 /// is a name or an IPv4 address (letters, digits, `.`, `-`, `_`) or an IPv6 address in
-/// brackets (`[::1]:9000`, `[fe80::1%2]:9000` with an interface number). Anything else is refused where it is configured rather than
-/// failing every call later: two addresses run together (`a:1;b:2`, `a:1 b:2`), an IPv6
+/// brackets (`[::1]:9000`, `[fe80::1%2]:9000` with an interface number). Anything else is
+/// refused where it is configured rather than failing every call later: two addresses run together (`a:1;b:2`, `a:1 b:2`), an IPv6
 /// address without brackets (`fe80::1` would read as host `fe80:`, port 1), a space, a
 /// scheme (`etcd://h:1`).
 pub fn is_host_port(address: &str) -> bool {

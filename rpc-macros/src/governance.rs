@@ -7,6 +7,7 @@ use quote::quote;
 use syn::punctuated::Punctuated;
 use syn::{Attribute, Expr, ExprLit, Lit, Meta, Token};
 
+use crate::address::is_host_port;
 use crate::keys::{self, Kind};
 
 /// The value of one key.
@@ -326,68 +327,8 @@ fn str_value<'a>(key: &syn::Ident, value: Option<&'a Expr>) -> syn::Result<&'a s
     }
 }
 
-/// `rpc_core::address::is_host_port`, the rule every other level of options is checked
-/// with, written again here (this crate runs in the compiler and depends on no framework
-/// crate): a port of digits, and a host that is a name or an IPv4 address, or an IPv6 address
-/// in brackets (with an interface number after `%`). Its unit test takes rpc-core's cases.
-pub(crate) fn is_host_port(address: &str) -> bool {
-    let Some((host, port)) = address.rsplit_once(':') else {
-        return false;
-    };
-    let port_ok =
-        !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit()) && port.parse::<u16>().is_ok();
-    let host_ok = match host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
-        Some(v6) => match v6.split_once('%') {
-            Some((addr, scope)) => {
-                addr.parse::<std::net::Ipv6Addr>().is_ok()
-                    && !scope.is_empty()
-                    && scope.bytes().all(|b| b.is_ascii_digit())
-                    && scope.parse::<u32>().is_ok()
-            }
-            None => v6.parse::<std::net::Ipv6Addr>().is_ok(),
-        },
-        None => {
-            !host.is_empty()
-                && host
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_'))
-        }
-    };
-    port_ok && host_ok
-}
-
 #[cfg(test)]
 mod tests {
-    #[test]
-    fn host_port_is_rpc_cores_rule() {
-        for good in [
-            "127.0.0.1:9000",
-            "localhost:1",
-            "etcd-0.etcd_svc.local:2379",
-            "[::1]:9000",
-            "[fe80::1]:65535",
-            "[fe80::1%2]:9000",
-        ] {
-            assert!(super::is_host_port(good), "{good:?}");
-        }
-        for bad in [
-            "",
-            "127.0.0.1",
-            ":9000",
-            "127.0.0.1:",
-            "127.0.0.1:65536",
-            "127.0.0.1:+80",
-            "127.0.0.1:9001;127.0.0.1:9002",
-            "127.0.0.1:9001 127.0.0.1:9002",
-            " host:1",
-            "fe80::1",
-            "[fe80::1%eth0]:1",
-            "etcd://h:2379",
-        ] {
-            assert!(!super::is_host_port(bad), "{bad:?}");
-        }
-    }
-
     use super::*;
 
     fn parse(attr: TokenStream) -> syn::Result<Governance> {

@@ -45,6 +45,10 @@
 
 use proc_macro::TokenStream;
 
+// The `host:port` rule of every other level of options, from its one source in rpc-core
+// (std only): this crate runs in the compiler and depends on no framework crate.
+#[path = "../../rpc-core/src/address.rs"]
+mod address;
 mod expand;
 mod expand_client;
 mod expand_server;

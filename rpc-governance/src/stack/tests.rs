@@ -1763,25 +1763,30 @@ async fn a_hedge_moves_past_an_endpoint_that_cannot_serve_the_call() {
     );
 }
 
-/// A first attempt that fails over while its hedge runs goes to neither endpoint the call is
-/// on: not to the hedge's, where two attempts of one call would then run at once.
-#[tokio::test(start_paused = true)]
-async fn a_failover_while_the_hedge_runs_avoids_the_hedges_endpoint() {
+/// A call of an entry that hedges after 50 ms and may retry twice, over `endpoints` (name,
+/// delay in ms; `down:` ones fail after theirs): its answer and the attempt log.
+async fn hedged_with_retries(endpoints: &[(&'static str, u64)]) -> (Bytes, AttemptLogView) {
     let g = engine(GovernanceOptions {
         retry_times: 2,
         retry_interval_ms: 0,
         ..hedged(50, true)
     });
-    let e = Endpoints::new(&[("down:1", 100), ("slow:1", 1000), ("fast:1", 10)]);
-    let answer = g
-        .execute(&g.policy(&M), &e)
-        .await
-        .expect("the failover answers");
+    let e = Endpoints::new(endpoints);
+    let answer = g.execute(&g.policy(&M), &e).await.expect("an answer");
+    (answer, e.log())
+}
+
+/// A first attempt that fails over while its hedge runs goes to neither endpoint the call is
+/// on: not to the hedge's, where two attempts of one call would then run at once.
+#[tokio::test(start_paused = true)]
+async fn a_failover_while_the_hedge_runs_avoids_the_hedges_endpoint() {
+    let (answer, log) =
+        hedged_with_retries(&[("down:1", 100), ("slow:1", 1000), ("fast:1", 10)]).await;
     assert_eq!(&answer[..], b"fast:1");
     // down:1 fails at 100 ms (the hedge went to slow:1 at 50 ms); the failover goes to
     // fast:1, which answers at 110 ms, and the hedge is dropped.
     assert_eq!(
-        e.log(),
+        log,
         [
             ("down:1".to_string(), 0, Some(100)),
             ("slow:1".to_string(), 50, None),
@@ -1795,19 +1800,10 @@ async fn a_failover_while_the_hedge_runs_avoids_the_hedges_endpoint() {
 /// and the hedge answers.
 #[tokio::test(start_paused = true)]
 async fn with_two_endpoints_a_failure_while_the_hedge_runs_is_not_retried_onto_it() {
-    let g = engine(GovernanceOptions {
-        retry_times: 2,
-        retry_interval_ms: 0,
-        ..hedged(50, true)
-    });
-    let e = Endpoints::new(&[("down:1", 100), ("slow:1", 1000)]);
-    let answer = g
-        .execute(&g.policy(&M), &e)
-        .await
-        .expect("the hedge answers");
+    let (answer, log) = hedged_with_retries(&[("down:1", 100), ("slow:1", 1000)]).await;
     assert_eq!(&answer[..], b"slow:1");
     assert_eq!(
-        e.log(),
+        log,
         [
             ("down:1".to_string(), 0, Some(100)),
             ("slow:1".to_string(), 50, Some(1050))
