@@ -156,7 +156,7 @@ pub async fn registry_and_rules(
     lease: Option<Duration>,
 ) -> Result<(std::sync::Arc<dyn rpc::Registry>, Option<Rules>), rpc::RegistryError> {
     #[cfg(feature = "etcd")]
-    if url.trim().starts_with("etcd://") {
+    if rpc::EtcdRegistry::is_etcd_url(url) {
         let mut options = rpc::EtcdOptions::default();
         if let Some(ttl) = lease {
             options.lease_ttl = ttl;

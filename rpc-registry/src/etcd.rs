@@ -249,6 +249,12 @@ impl EtcdRegistry {
         })
     }
 
+    /// Whether `url` names an etcd (`etcd://...`, the scheme in any case): what a program
+    /// taking any registry URL asks before it looks for etcd's rule store beside it.
+    pub fn is_etcd_url(url: &str) -> bool {
+        crate::url::strip_prefix_ignoring_case(url.trim(), "etcd://").is_some()
+    }
+
     /// A registry from a URL such as `etcd://127.0.0.1:2379` or `etcd://h1:2379,h2:2379`, with
     /// the default options.
     pub async fn from_url(url: &str) -> Result<Self, RegistryError> {
@@ -458,7 +464,7 @@ fn check_endpoint(e: &str) -> Result<(), RegistryError> {
 
 /// `etcd://h1:2379,h2:2379` → `["h1:2379", "h2:2379"]`.
 fn parse_url(url: &str) -> Result<Vec<String>, RegistryError> {
-    let Some(rest) = url.trim().strip_prefix("etcd://") else {
+    let Some(rest) = crate::url::strip_prefix_ignoring_case(url.trim(), "etcd://") else {
         return Err(RegistryError::Config(format!(
             "bad etcd URL {url:?}: expected etcd://host:port[,host:port...]"
         )));

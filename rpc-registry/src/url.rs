@@ -5,6 +5,7 @@
 //! `host:port,...` (a static list given inline), `etcd://host:port[,host:port...]` (an etcd
 //! cluster; feature `etcd`) and `zk://host:port[,host:port...][/prefix]` (a ZooKeeper ensemble;
 //! feature `zookeeper`). Anything else is a [`RegistryError::Config`] naming the forms.
+//! Schemes are compared without regard to case, as RFC 3986 has it: `ETCD://` is `etcd://`.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -55,10 +56,10 @@ impl dyn Registry {
         lease_ttl: Option<Duration>,
     ) -> Result<Arc<dyn Registry>, RegistryError> {
         let url = url.trim();
-        if url == "embedded" {
+        if url.eq_ignore_ascii_case("embedded") {
             return Ok(Arc::new(InProcessRegistry::new()));
         }
-        if let Some(file) = url.strip_prefix("static:") {
+        if let Some(file) = strip_prefix_ignoring_case(url, "static:") {
             if file.is_empty() {
                 return Err(RegistryError::Config(format!(
                     "registry {url:?} names no file: write static:PATH (a TOML list of endpoints)"
@@ -74,7 +75,7 @@ impl dyn Registry {
             return Ok(Arc::new(read?));
         }
         if let Some((scheme, _)) = url.split_once("://") {
-            return match scheme {
+            return match scheme.to_ascii_lowercase().as_str() {
                 "etcd" => etcd(url, lease_ttl).await,
                 "zk" => zookeeper(url, lease_ttl),
                 _ => Err(RegistryError::Config(format!(
@@ -86,6 +87,14 @@ impl dyn Registry {
             .map(|r| Arc::new(r) as Arc<dyn Registry>)
             .map_err(|e| RegistryError::Config(format!("registry {url:?}: {e}; {FORMS}")))
     }
+}
+
+/// `url` past `prefix` (a scheme and what follows it, `etcd://`), the prefix compared without
+/// regard to ASCII case; `None` when `url` does not start with it.
+pub(crate) fn strip_prefix_ignoring_case<'a>(url: &'a str, prefix: &str) -> Option<&'a str> {
+    let head = url.get(..prefix.len())?;
+    head.eq_ignore_ascii_case(prefix)
+        .then(|| &url[prefix.len()..])
 }
 
 #[cfg(feature = "etcd")]
@@ -175,6 +184,34 @@ mod tests {
                 Err(e) => panic!("{url}: not a config error: {e}"),
                 Ok(_) => panic!("{url} was accepted"),
             }
+        }
+    }
+
+    #[tokio::test]
+    async fn forms_and_schemes_are_read_in_any_case() {
+        let path = std::env::temp_dir().join(format!("rpc-url-case-{}.toml", std::process::id()));
+        std::fs::write(&path, "[[endpoint]]\naddress = \"10.0.0.2:7\"\n").unwrap();
+        let url = format!("Static:{}", path.display());
+        assert_eq!(addresses(&url).await, ["10.0.0.2:7"]);
+        std::fs::remove_file(&path).unwrap();
+        let registry = <dyn Registry>::from_url("EMBEDDED").await.unwrap();
+        registry
+            .register(crate::Instance::new("127.0.0.1:5", ["a.A"]))
+            .await
+            .unwrap();
+        // Constructing contacts nothing; a build without the backend's feature refuses the URL
+        // for that reason only, not as an unknown scheme or a bad URL.
+        for url in ["ETCD://127.0.0.1:1", "Zk://127.0.0.1:1"] {
+            match <dyn Registry>::from_url_with_lease(url, Some(Duration::from_secs(3))).await {
+                Ok(_) => {}
+                Err(RegistryError::Config(m)) => assert!(m.contains("enable the"), "{url}: {m}"),
+                Err(e) => panic!("{url}: {e}"),
+            }
+        }
+        #[cfg(feature = "etcd")]
+        {
+            assert!(crate::EtcdRegistry::is_etcd_url(" Etcd://h:1"));
+            assert!(!crate::EtcdRegistry::is_etcd_url("zk://h:1"));
         }
     }
 

@@ -461,7 +461,7 @@ fn prefix_problem(prefix: &str) -> Option<&'static str> {
 /// `zk://h1:2181,h2:2181/prefix` → `(["h1:2181", "h2:2181"], Some("/prefix"))`.
 fn parse_url(url: &str) -> Result<(Vec<String>, Option<String>), RegistryError> {
     const FORM: &str = "expected zk://host:port[,host:port...][/prefix]";
-    let Some(rest) = url.trim().strip_prefix("zk://") else {
+    let Some(rest) = crate::url::strip_prefix_ignoring_case(url.trim(), "zk://") else {
         return Err(RegistryError::Config(format!(
             "bad ZooKeeper URL {url:?}: {FORM}"
         )));

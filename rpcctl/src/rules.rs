@@ -58,7 +58,7 @@ pub enum RulesCommand {
 pub async fn run(registry: Option<&str>, json: bool, command: RulesCommand) -> Result<(), Failure> {
     let url = registry
         .ok_or_else(|| Failure::usage("rules live in etcd: give --registry etcd://host:port"))?;
-    if !url.starts_with("etcd://") {
+    if !EtcdRegistry::is_etcd_url(url) {
         return Err(Failure::usage(format!(
             "rules live in etcd: --registry must be etcd://host:port, not {url:?}"
         )));

@@ -259,7 +259,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     governance(&registry).await?;
 
     #[cfg(feature = "etcd")]
-    if args.registry.trim().starts_with("etcd://") {
+    if rpc::EtcdRegistry::is_etcd_url(&args.registry) {
         control_plane::run(args.registry.trim()).await?;
     } else {
         control_plane_needs_etcd();

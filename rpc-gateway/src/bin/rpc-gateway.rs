@@ -153,7 +153,7 @@ async fn registry_and_rules(
     url: &str,
 ) -> Result<(Arc<dyn Registry>, Option<RuleStore>), rpc_registry::RegistryError> {
     #[cfg(feature = "etcd")]
-    if url.trim().starts_with("etcd://") {
+    if rpc_registry::EtcdRegistry::is_etcd_url(url) {
         let etcd = rpc_registry::EtcdRegistry::from_url(url.trim()).await?;
         let rules = etcd.rules();
         return Ok((Arc::new(etcd), Some(rules)));
