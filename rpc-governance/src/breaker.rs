@@ -220,7 +220,7 @@ pub enum Transition {
 /// `failure_ratio_percent` % or more failed. Either way it stays open for
 /// `breaker_seconds`, then admits `half_open_probes` probe calls: a successful or answered probe
 /// closes it, a failed one opens it again, an ignored or cancelled one frees its slot. A probe
-/// that never reports back frees its slot after `breaker_seconds`.
+/// that never reports back frees its slot after `breaker_seconds` (at least a second).
 #[derive(Debug)]
 pub struct CircuitBreaker {
     state: Mutex<State>,
@@ -296,6 +296,18 @@ fn break_duration(o: &GovernanceOptions) -> Duration {
     Duration::from_secs(o.breaker_seconds).min(LONGEST_BREAK)
 }
 
+/// The shortest round of probes. A round's probes that never report back free their slots
+/// when it ends; with `breaker_seconds = 0` (probe as soon as the breaker opens) a round of
+/// that length would end at once, and every call would start a new round as a probe, so
+/// `half_open_probes` would bound nothing.
+const SHORTEST_PROBE_ROUND: Duration = Duration::from_secs(1);
+
+/// How long a round of probes holds its slots: `breaker_seconds`, at least
+/// [`SHORTEST_PROBE_ROUND`].
+fn probe_round(o: &GovernanceOptions) -> Duration {
+    break_duration(o).max(SHORTEST_PROBE_ROUND)
+}
+
 fn isolated_error(entry: &str) -> RpcError {
     RpcError::new(
         StatusCode::CircuitOpen,
@@ -344,7 +356,7 @@ impl CircuitBreaker {
             return Ok((self.permit(s.generation, false), None));
         }
         let now = Instant::now();
-        let probe_round_over = |since: Instant| now >= since + break_duration(o);
+        let probe_round_over = |since: Instant| now >= since + probe_round(o);
         match s.phase {
             Phase::Closed { .. } => Ok((self.permit(s.generation, false), None)),
             Phase::Isolated => Err(isolated_error(entry)),
@@ -378,7 +390,7 @@ impl CircuitBreaker {
             }
             Phase::HalfOpen { since, .. } => Err(open_error(
                 entry,
-                since + break_duration(o) - now,
+                since + probe_round(o) - now,
                 s.last_cause.as_deref(),
             )),
         }
@@ -614,6 +626,30 @@ mod tests {
         assert_eq!(e.code(), StatusCode::CircuitOpen);
         tokio::time::advance(Duration::from_secs(365 * 24 * 3600)).await;
         assert!(b.try_acquire("e", &o).is_err(), "still open a year later");
+    }
+
+    /// With `breaker_seconds = 0` the breaker probes as soon as it opens, and still lets no
+    /// more than `half_open_probes` calls through at once until a round (a second at least)
+    /// has passed.
+    #[tokio::test(start_paused = true)]
+    async fn a_zero_break_still_bounds_the_probes_of_a_round() {
+        let (b, mut o) = (CircuitBreaker::new(), opts());
+        o.breaker_seconds = 0;
+        o.half_open_probes = 2;
+        for _ in 0..3 {
+            fail(&b, &o);
+        }
+        let probes = [b.try_acquire("e", &o), b.try_acquire("e", &o)];
+        assert!(probes.iter().all(Result::is_ok), "two probes at once");
+        let Err(third) = b.try_acquire("e", &o) else {
+            panic!("a third call in the round was let through");
+        };
+        assert_eq!(third.code(), StatusCode::CircuitOpen);
+        assert_eq!(third.retry_after(), Some(Duration::from_secs(1)));
+        tokio::time::advance(Duration::from_millis(999)).await;
+        assert!(b.try_acquire("e", &o).is_err(), "the round is not over");
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert!(b.try_acquire("e", &o).is_ok(), "a new round after a second");
     }
 
     #[tokio::test(start_paused = true)]

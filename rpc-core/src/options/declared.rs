@@ -136,9 +136,11 @@ governance_options! {
         /// Consecutive counted failures the breaker tolerates before it opens.
         exceptions_allowed_before_breaking: u32 = 3, Client,
             "consecutive mode: opens after this many counted failures in a row";
-        /// How long the breaker stays open, in seconds.
+        /// How long the breaker stays open, in seconds; also how long a round of half-open
+        /// probes holds its slots when they never report back (at least a second). 0 probes as
+        /// soon as the breaker opens.
         breaker_seconds: u64 = 60, Client,
-            "how long an open breaker fails fast, in seconds";
+            "how long an open breaker fails fast, in seconds (0: it probes at once); probes that never report back free their slots after as long, at least 1 s";
         /// Probe calls a half-open breaker admits at once.
         half_open_probes: u32 = 1, Client,
             "calls let through after the break; a success or the callee's own answer (business, validation, not found, auth) closes, a failure or timeout reopens, a cancelled or panicking probe frees its slot at once";
