@@ -241,6 +241,11 @@ pub(crate) fn put_call_frame(kind: &Kind, dst: &mut BytesMut) -> bool {
     true
 }
 
+/// The length of an invoke's frame as its prefix gives it (what a peer's frame limit bounds).
+pub(crate) fn invoke_frame_len(m: &InvokeFields<'_>) -> usize {
+    nested_len(invoke_len(m))
+}
+
 /// Appends the frame of an invoke, length prefix included.
 pub(crate) fn put_invoke_frame(m: &InvokeFields<'_>, dst: &mut BytesMut) {
     put_frame(FRAME_INVOKE, invoke_len(m), dst, |dst| put_invoke(m, dst));

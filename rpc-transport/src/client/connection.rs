@@ -18,7 +18,7 @@ use super::heartbeat::{heartbeat, sweeper};
 use super::options::ConnectOptions;
 use super::pending::{PendingTable, NO_SWEEP};
 use super::reader::{read_loop, EndOnDrop};
-use super::shared::{comm_error, Shared, NEXT_CONNECTION_ID};
+use super::shared::{comm_error, ServerLimits, Shared, NEXT_CONNECTION_ID};
 use super::stream::{ClientStream, Opened, StreamShared};
 use crate::call::Call;
 use crate::codec::FrameError;
@@ -159,7 +159,7 @@ impl Connection {
         let received = Arc::new(AtomicU64::new(0));
         let codec = AnswerCodec::new(options.max_frame_length, received.clone());
         let mut frames = FramedRead::with_capacity(rd, codec, READ_BUFFER);
-        let (accepts, server_streams, batches, window_bytes, send_window_bytes, attachments) =
+        let (accepts, server_streams, batches, window_bytes, send_window_bytes, limits) =
             match frames.next().await {
                 Some(Ok(Answer::Frame(Kind::HelloAck(ack)))) => {
                     let streams = options.streams && ack.streams;
@@ -184,10 +184,15 @@ impl Connection {
                         } else {
                             0
                         },
-                        (
-                            ack.max_attachments.map(|n| n as usize),
-                            ack.max_attachment_bytes.map(|n| n as usize),
-                        ),
+                        ServerLimits {
+                            attachments: ack.max_attachments.map(|n| n as usize),
+                            attachment_bytes: ack.max_attachment_bytes.map(|n| n as usize),
+                            // 0: not said (a server from before the field).
+                            frame_length: match ack.max_frame_length {
+                                0 => usize::MAX,
+                                n => n as usize,
+                            },
+                        },
                     )
                 }
                 Some(Ok(Answer::Frame(Kind::GoAway(g)))) => {
@@ -241,7 +246,7 @@ impl Connection {
             stream_window: options.stream_window.max(1),
             stream_window_bytes: window_bytes,
             send_window_bytes,
-            max_attachments: attachments,
+            limits,
         });
         if let Some(items_cap) = batches {
             shared.sender.batch_stream_items(items_cap);
@@ -343,7 +348,7 @@ impl Connection {
         if !self.is_usable() {
             return Err(comm_error(&shared.peer, "connection closed"));
         }
-        if let Some(e) = shared.over_attachment_limits(&call) {
+        if let Some(e) = shared.over_server_limits(&call) {
             return Err(e);
         }
         if shared.sender.backlog().bytes() > shared.max_unsent_bytes {
@@ -470,7 +475,7 @@ impl Connection {
         if !self.is_usable() {
             return Err(comm_error(&shared.peer, "connection closed"));
         }
-        if let Some(e) = shared.over_attachment_limits(&call) {
+        if let Some(e) = shared.over_server_limits(&call) {
             return Err(e);
         }
         if shared.sender.backlog().bytes() > shared.max_unsent_bytes {

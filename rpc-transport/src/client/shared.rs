@@ -51,20 +51,66 @@ pub(super) struct Shared {
     /// The server's byte window for the client's items (`HelloAck.stream_window_bytes`); 0:
     /// items only.
     pub(super) send_window_bytes: u64,
-    /// The most attachments, and bytes of them, the server takes on a call
-    /// (`HelloAck.max_attachments`, `max_attachment_bytes`); `None`: not said.
-    pub(super) max_attachments: (Option<usize>, Option<usize>),
+    /// What the server said it takes of a call.
+    pub(super) limits: ServerLimits,
+}
+
+/// What a server takes of a call, as its `HelloAck` said.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct ServerLimits {
+    /// The most attachments (`HelloAck.max_attachments`); `None`: not said.
+    pub(super) attachments: Option<usize>,
+    /// The most bytes of attachments (`HelloAck.max_attachment_bytes`); `None`: not said.
+    pub(super) attachment_bytes: Option<usize>,
+    /// The longest frame it reads (`HelloAck.max_frame_length`); `usize::MAX`: not said.
+    pub(super) frame_length: usize,
 }
 
 impl Shared {
     /// Why `call` is not to be sent: it carries more attachments (count or bytes, its retry
-    /// depth's included) than the server said it takes. The server would answer it 500 and
-    /// hold it against the connection, which it closes after a few in a row (a gateway
-    /// forwarding a caller's headers would lose every other call on it); the call fails here
-    /// instead, with a validation error (1001) marked as this endpoint's inability to serve it
+    /// depth's included) than the server said it takes, or its frame is longer than the
+    /// server reads. The server would answer the first 500 and hold it against the
+    /// connection, which it closes after a few in a row (a gateway forwarding a caller's
+    /// headers would lose every other call on it), and would close the connection at once on
+    /// the second, failing every call on it; the call fails here instead, with a validation
+    /// error (1001) marked as this endpoint's inability to serve it
     /// ([`RpcError::is_unsupported_by_endpoint`]).
-    pub(super) fn over_attachment_limits(&self, call: &crate::Call) -> Option<RpcError> {
-        let (count, bytes) = self.max_attachments;
+    pub(super) fn over_server_limits(&self, call: &crate::Call) -> Option<RpcError> {
+        let why = self.over_attachment_limits(call).or_else(|| {
+            // Counted with the longest message id: a call within 9 bytes of the limit may be
+            // refused though its id is shorter.
+            let len = crate::encode::invoke_frame_len(&call.fields(u64::MAX));
+            let max = self.limits.frame_length;
+            (len > max).then(|| {
+                format!(
+                    "a frame of {len} bytes, over the server's limit of {max} (max_frame_length)"
+                )
+            })
+        })?;
+        // A validation error: the call's own fault. Nothing was sent, and this endpoint will
+        // never take the call as it is: like an endpoint that cannot stream, it says nothing of
+        // the endpoint's health (no breaker, health or outlier count) and the call may go on to
+        // another endpoint, whose server may take more.
+        Some(
+            RpcError::new(
+                StatusCode::ValidateError,
+                format!(
+                    "{}: the call to {} carries {why}; it was not sent: send less (a gateway \
+                     forwards its caller's headers as attachments)",
+                    self.peer, call.service_entry_id
+                ),
+            )
+            .unsupported_by_endpoint(true),
+        )
+    }
+
+    /// What of `call`'s attachments is over the server's limits, if anything.
+    fn over_attachment_limits(&self, call: &crate::Call) -> Option<String> {
+        let ServerLimits {
+            attachments: count,
+            attachment_bytes: bytes,
+            ..
+        } = self.limits;
         if count.is_none() && bytes.is_none() {
             return None;
         }
@@ -72,10 +118,10 @@ impl Shared {
         let depth = (call.retry_depth != 0).then(|| call.retry_depth.to_string());
         let replaced = depth.is_some() && call.attachments.contains_key(rpc_core::RETRY_DEPTH_KEY);
         let n = call.attachments.len() + usize::from(depth.is_some() && !replaced);
-        let why = match count {
-            Some(count) if n > count => {
-                format!("{n} attachments, over the server's limit of {count}")
-            }
+        match count {
+            Some(count) if n > count => Some(format!(
+                "{n} attachments, over the server's limit of {count}"
+            )),
             _ => {
                 let bytes = bytes?;
                 let size: usize = call
@@ -85,27 +131,11 @@ impl Shared {
                     .map(|(k, v)| k.len() + v.len())
                     .sum::<usize>()
                     + depth.map_or(0, |d| rpc_core::RETRY_DEPTH_KEY.len() + d.len());
-                if size <= bytes {
-                    return None;
-                }
-                format!("attachments of {size} bytes, over the server's limit of {bytes}")
+                (size > bytes).then(|| {
+                    format!("attachments of {size} bytes, over the server's limit of {bytes}")
+                })
             }
-        };
-        // A validation error: the call's own fault. Nothing was sent, and this endpoint will
-        // never take the call as it is: like an endpoint that cannot stream, it says nothing of
-        // the endpoint's health (no breaker, health or outlier count) and the call may go on to
-        // another endpoint, whose server may take more.
-        Some(
-            RpcError::new(
-                StatusCode::ValidateError,
-                format!(
-                    "{}: the call to {} carries {why}; it was not sent: send fewer (a gateway \
-                     forwards its caller's headers as attachments)",
-                    self.peer, call.service_entry_id
-                ),
-            )
-            .unsupported_by_endpoint(true),
-        )
+        }
     }
 }
 

@@ -485,6 +485,74 @@ async fn a_client_fails_calls_over_the_servers_attachment_limits_without_sending
     server.shutdown().await;
 }
 
+/// A call whose frame is longer than the server reads (it says its limit in the handshake)
+/// fails at the client, unsent, and the connection goes on serving: sent, it would have made
+/// the server close the connection and fail every other call on it.
+#[tokio::test]
+async fn a_client_fails_a_call_over_the_servers_frame_limit_without_sending_it() {
+    use rpc::crates::transport::{Call, ConnectOptions, Connection};
+    const LIMIT: usize = 64 * 1024;
+    let gate = gate(0);
+    let server = Server::builder()
+        .max_frame_length(LIMIT)
+        .add_service(LimitsServer::from_arc(gate.clone()))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let conn = within(
+        "connect",
+        Connection::connect(&server.local_addr().to_string(), &ConnectOptions::default()),
+    )
+    .await
+    .expect("connect");
+    let call = |text: String| Call {
+        service_entry_id: "t.Limits.hold".into(),
+        codec: Codec::MsgPack.to_wire(),
+        parameters: Codec::MsgPack.encode(&(text,)).expect("encode"),
+        ..Default::default()
+    };
+    // A call running on the connection while the oversized one is tried.
+    let held = tokio::spawn({
+        let conn = conn.clone();
+        async move { conn.call(call("held".into()), None).await }
+    });
+    yield_until("the held call runs", || {
+        gate.ran.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    let e = within("the large call", conn.call(call("x".repeat(100_000)), None))
+        .await
+        .expect_err("over the frame limit");
+    assert_eq!(e.code(), StatusCode::ValidateError, "{e}");
+    assert!(e.is_unsupported_by_endpoint(), "{e}");
+    assert!(
+        e.message()
+            .contains(&format!("over the server's limit of {LIMIT}"))
+            && e.message().contains("not sent"),
+        "{e}"
+    );
+    gate.open.add_permits(2);
+    let r = within("the held call", held)
+        .await
+        .expect("joined")
+        .expect("the held call is answered");
+    assert_eq!(r.status_code, 200, "{r:?}");
+    // A call just within the limit goes through on the same connection.
+    let r = within(
+        "a call within the limit",
+        conn.call(call("y".repeat(60_000)), None),
+    )
+    .await
+    .expect("served");
+    assert_eq!(r.status_code, 200, "{r:?}");
+    assert_eq!(
+        gate.ran.load(Ordering::SeqCst),
+        2,
+        "the large call never ran"
+    );
+    server.shutdown().await;
+}
+
 #[tokio::test]
 async fn after_many_refusals_at_the_in_flight_limit_the_server_waits_for_a_call_to_finish() {
     let gate = gate(0);
