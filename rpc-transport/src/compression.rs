@@ -172,7 +172,7 @@ pub fn decompress(algorithm: i32, data: &Bytes, limit: usize) -> Result<Bytes, C
                         .map_err(|e| corrupt(e.to_string()))?;
                     let mut out = Vec::new();
                     decoder
-                        .take(limit as u64 + 1)
+                        .take((limit as u64).saturating_add(1))
                         .read_to_end(&mut out)
                         .map_err(|e| {
                             if e.to_string().contains("too much memory") {
@@ -367,6 +367,9 @@ mod tests {
             decompress(1, &stream, 50_000),
             Err(CompressionError::TooLarge { size: 50_001, .. })
         ));
+        // No limit at all (`usize::MAX`, which a side may configure): the bound does not
+        // overflow into a read of nothing.
+        assert_eq!(&decompress(1, &stream, usize::MAX).unwrap()[..], &data[..]);
     }
 
     /// A frame without a recorded size declaring a huge window is refused before the decoder

@@ -161,6 +161,20 @@ impl Connection {
         let mut frames = FramedRead::with_capacity(rd, codec, READ_BUFFER);
         let (accepts, server_streams, batches, window_bytes, send_window_bytes, limits) =
             match frames.next().await {
+                Some(Ok(Answer::Frame(Kind::HelloAck(ack))))
+                    if ack.protocol_version != PROTOCOL_VERSION =>
+                {
+                    close.cancel();
+                    return Err(RpcError::new(
+                        StatusCode::FrameworkError,
+                        format!(
+                            "{addr} answered the handshake in protocol version {}; this client \
+                             speaks {PROTOCOL_VERSION}: use a client and server of the same \
+                             protocol",
+                            ack.protocol_version
+                        ),
+                    ));
+                }
                 Some(Ok(Answer::Frame(Kind::HelloAck(ack)))) => {
                     let streams = options.streams && ack.streams;
                     // A server announcing a byte window of its own keeps the client's too.

@@ -36,7 +36,8 @@ pub async fn serve<L: Listener>(
         shutdown: shutdown.clone(),
         drain_deadline: std::sync::OnceLock::new(),
     });
-    let slots = Arc::new(Semaphore::new(max_connections));
+    // (A limit past what a semaphore holds, `usize::MAX` for "no limit", is no limit.)
+    let slots = Arc::new(Semaphore::new(max_connections.min(Semaphore::MAX_PERMITS)));
     let mut conns = tokio::task::JoinSet::new();
     // After refusing a connection at the limit, accepting pauses until a slot frees or
     // REFUSAL_BACKOFF passes: a flood of connects then waits in the kernel's accept queue

@@ -485,6 +485,22 @@ async fn a_client_fails_calls_over_the_servers_attachment_limits_without_sending
     server.shutdown().await;
 }
 
+/// A connection limit past what the server's semaphore can count (`usize::MAX`, meant as no
+/// limit) is no limit: the server serves instead of losing its accept task at start.
+#[tokio::test]
+async fn a_connection_limit_of_usize_max_is_no_limit() {
+    let reg = InProcessRegistry::new();
+    let server = Server::builder()
+        .registry(reg.clone())
+        .max_connections(usize::MAX)
+        .add_service(LimitsServer::from_arc(gate(1)))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    still_served(reg).await;
+    server.shutdown().await;
+}
+
 /// A call whose frame is longer than the server reads (it says its limit in the handshake)
 /// fails at the client, unsent, and the connection goes on serving: sent, it would have made
 /// the server close the connection and fail every other call on it.

@@ -311,6 +311,47 @@ async fn a_call_pending_when_the_client_closes_a_draining_connection_may_have_be
     server.abort();
 }
 
+/// A server answering the handshake in another protocol version is refused by the client,
+/// with an error naming both versions, instead of being spoken to as if it spoke this one.
+#[tokio::test]
+async fn a_handshake_answered_in_another_protocol_version_is_refused() {
+    use rpc::crates::core::wire::HelloAck;
+    use rpc::crates::transport::{ConnectOptions, Connection};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let server = tokio::spawn(async move {
+        let (stream, _) = listener.accept().await.expect("accept");
+        let mut peer = RawConn::from_stream(stream);
+        assert!(matches!(peer.recv().await, Some(Kind::Hello(_))));
+        peer.send(Kind::HelloAck(HelloAck {
+            protocol_version: 2,
+            server_id: "future".into(),
+            ..Default::default()
+        }))
+        .await
+        .expect("HelloAck");
+        while peer.recv().await.is_some() {}
+    });
+    let Err(e) = within(
+        "connect",
+        Connection::connect(&addr.to_string(), &ConnectOptions::default()),
+    )
+    .await
+    else {
+        panic!("a server of protocol version 2 was taken");
+    };
+    assert_eq!(e.code(), StatusCode::FrameworkError, "{e}");
+    assert!(
+        e.message().contains("protocol version 2") && e.message().contains("speaks 1"),
+        "{e}"
+    );
+    within("the server sees the close", server)
+        .await
+        .expect("server");
+}
+
 /// A server that answers the client's Hello with GoAway 200 is shutting down and took nothing:
 /// the call fails over to another endpoint, and never comes back as an error of status 200.
 #[tokio::test]
