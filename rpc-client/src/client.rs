@@ -911,7 +911,7 @@ impl Client {
         service_id: &str,
         timeout: Duration,
     ) -> Result<rpc_registry::Endpoints, RpcError> {
-        let deadline = Instant::now() + timeout;
+        let deadline = Instant::now() + rpc_core::capped(timeout);
         let mut watch = self.watch(service_id).await?;
         loop {
             let current = watch.current();

@@ -57,5 +57,15 @@ pub use wire::StreamMode;
 /// The protocol version this build speaks (`Hello.protocol_version`).
 pub const PROTOCOL_VERSION: u32 = 1;
 
+/// The longest wait a timer is armed for: a century, forever in practice. A timeout of
+/// `Duration::MAX`, meant as "no limit", would overflow the clock when added to the present
+/// (`Instant + Duration` panics); [`capped`] bounds a configured wait by this.
+pub const LONGEST_WAIT: std::time::Duration = std::time::Duration::from_secs(100 * 365 * 24 * 3600);
+
+/// `wait`, at most [`LONGEST_WAIT`]: what can be added to the present without overflowing.
+pub fn capped(wait: std::time::Duration) -> std::time::Duration {
+    wait.min(LONGEST_WAIT)
+}
+
 /// Default maximum frame length (the N of the length prefix): 16 MiB.
 pub const DEFAULT_MAX_FRAME_LENGTH: usize = 16 * 1024 * 1024;

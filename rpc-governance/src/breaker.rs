@@ -288,12 +288,10 @@ impl Default for CircuitBreaker {
     }
 }
 
-/// The longest a breaker stays open: a century, forever in practice. Without a bound,
-/// `breaker_seconds = u64::MAX` (meant as "until reset by hand") would overflow the clock.
-const LONGEST_BREAK: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
-
+/// How long the breaker stays open, capped: without a bound, `breaker_seconds = u64::MAX`
+/// (meant as "until reset by hand") would overflow the clock.
 fn break_duration(o: &GovernanceOptions) -> Duration {
-    Duration::from_secs(o.breaker_seconds).min(LONGEST_BREAK)
+    rpc_core::capped(Duration::from_secs(o.breaker_seconds))
 }
 
 /// The shortest round of probes. A round's probes that never report back free their slots

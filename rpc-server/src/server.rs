@@ -300,7 +300,7 @@ impl ServerBuilder {
         self
     }
 
-    /// Closes connections on which nothing arrived for this long (60 s by default).
+    /// Closes connections on which nothing arrived for this long (60 s by default; 0: never).
     pub fn idle_timeout(mut self, t: Duration) -> Self {
         self.options.idle_timeout = t;
         self
@@ -312,7 +312,8 @@ impl ServerBuilder {
         self
     }
 
-    /// On shutdown, how long calls in flight may take to finish (10 s by default).
+    /// On shutdown, how long calls in flight may take to finish (10 s by default;
+    /// `Duration::MAX`: as long as they take).
     pub fn drain_timeout(mut self, t: Duration) -> Self {
         self.options.drain_timeout = t;
         self

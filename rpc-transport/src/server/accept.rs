@@ -110,7 +110,7 @@ pub(super) async fn serve_connection<S: Stream>(
     server: Arc<Served>,
     admitted: bool,
 ) {
-    let hello_by = Instant::now() + server.options.handshake_timeout;
+    let hello_by = Instant::now() + rpc_core::capped(server.options.handshake_timeout);
     #[cfg(feature = "tls")]
     if let Some(tls) = &server.options.tls {
         let timeout = server.options.handshake_timeout;

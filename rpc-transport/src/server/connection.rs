@@ -50,7 +50,7 @@ impl Served {
     pub(super) fn drain_deadline(&self) -> Instant {
         *self
             .drain_deadline
-            .get_or_init(|| Instant::now() + self.options.drain_timeout)
+            .get_or_init(|| Instant::now() + rpc_core::capped(self.options.drain_timeout))
     }
 }
 
@@ -152,7 +152,12 @@ pub(super) async fn run_connection<R, W>(
     };
     let shutdown_signal = shutdown.cancelled();
     tokio::pin!(shutdown_signal);
-    let idle = tokio::time::sleep(options.idle_timeout);
+    // 0: connections are never closed for idleness.
+    let idle_after = match options.idle_timeout {
+        Duration::ZERO => rpc_core::LONGEST_WAIT,
+        t => rpc_core::capped(t),
+    };
+    let idle = tokio::time::sleep(idle_after);
     tokio::pin!(idle);
     // Idleness is checked when the timer fires rather than by resetting it for every frame.
     let (mut frames_seen, mut frames_at_check) = (0u64, 0u64);
@@ -239,7 +244,7 @@ pub(super) async fn run_connection<R, W>(
                     || frames.waits_for_share();
                 if frames_seen != frames_at_check || busy {
                     frames_at_check = frames_seen;
-                    idle.as_mut().reset(Instant::now() + options.idle_timeout);
+                    idle.as_mut().reset(Instant::now() + idle_after);
                     continue;
                 }
                 break Some(format!("idle for {} ms: closing", options.idle_timeout.as_millis()));

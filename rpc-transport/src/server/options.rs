@@ -14,7 +14,7 @@ pub struct ServerOptions {
     pub max_frame_length: usize,
     /// A connection that sends no `Hello` within this time is closed.
     pub handshake_timeout: Duration,
-    /// A connection on which nothing arrived for this long is closed.
+    /// A connection on which nothing arrived for this long is closed (0: never).
     pub idle_timeout: Duration,
     /// On shutdown, how long calls in flight may take to finish.
     pub drain_timeout: Duration,

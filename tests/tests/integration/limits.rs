@@ -485,6 +485,59 @@ async fn a_client_fails_calls_over_the_servers_attachment_limits_without_sending
     server.shutdown().await;
 }
 
+/// Waits of `Duration::MAX` (meant as no limit) are no limit: the handshake is taken, and a
+/// shutdown drains a call in flight until it ends. Added to the present they overflowed the
+/// clock, and every connection task panicked.
+#[tokio::test]
+async fn waits_of_duration_max_are_no_limit() {
+    let gate = gate(0);
+    let reg = InProcessRegistry::new();
+    let server = Server::builder()
+        .registry(reg.clone())
+        .handshake_timeout(std::time::Duration::MAX)
+        .drain_timeout(std::time::Duration::MAX)
+        .add_service(LimitsServer::from_arc(gate.clone()))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let client = LimitsClient::new(Client::builder().registry(reg).build());
+    let call = tokio::spawn(async move { client.hold("held".into()).await });
+    yield_until("the call runs", || gate.ran.load(Ordering::SeqCst) == 1).await;
+    let shutdown = tokio::spawn(async move { server.shutdown().await });
+    // The drain has begun (GoAway); the call ends only once the gate opens.
+    tokio::task::yield_now().await;
+    gate.open.add_permits(1);
+    assert_eq!(
+        within("the drained call", call)
+            .await
+            .expect("join")
+            .expect("answered"),
+        "held"
+    );
+    within("the shutdown", shutdown).await.expect("join");
+}
+
+/// An idle timeout of 0 turns the idle close off: a connection idle for an hour between calls
+/// is served. As a wait of 0 it closed every connection right after its handshake.
+#[tokio::test(start_paused = true)]
+async fn an_idle_timeout_of_zero_turns_the_idle_close_off() {
+    let server = Server::builder()
+        .idle_timeout(std::time::Duration::ZERO)
+        .add_service(LimitsServer::from_arc(gate(1000)))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.handshake().await;
+    for id in 1..=3 {
+        tokio::time::advance(std::time::Duration::from_secs(3600)).await;
+        raw.send(invoke(id, BTreeMap::new())).await.expect("send");
+        let r = answer(&mut raw).await;
+        assert_eq!((r.message_id, r.status_code), (id, 200), "{r:?}");
+    }
+    server.shutdown().await;
+}
+
 /// A connection limit past what the server's semaphore can count (`usize::MAX`, meant as no
 /// limit) is no limit: the server serves instead of losing its accept task at start.
 #[tokio::test]
