@@ -77,6 +77,9 @@ pub fn client(service: &Service, names: &Names) -> TokenStream {
             }
         }
 
+        // A deprecated service or method is the user's to warn about where they use it, not
+        // here.
+        #[allow(deprecated)]
         impl #trait_ident for #client {
             #(#methods)*
         }

@@ -108,7 +108,8 @@ pub fn server(service: &Service, names: &Names) -> TokenStream {
             inner: ::std::sync::Arc<#t>,
         }
 
-        #[allow(dead_code)]
+        // (A deprecated service or method warns where the user uses it, not here.)
+        #[allow(dead_code, deprecated)]
         impl<#t: #trait_ident> #server<#t> {
             /// The service id: `name = "..."` of `#[rpc::service]`, or
             /// `"<module path>.<Trait>"`.
@@ -153,6 +154,7 @@ pub fn server(service: &Service, names: &Names) -> TokenStream {
             }
         }
 
+        #[allow(deprecated)]
         impl<#imp: #trait_ident> ::rpc::Service for #server<#imp> {
             fn service_id(&self) -> &'static str {
                 #service_id

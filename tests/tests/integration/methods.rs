@@ -617,3 +617,48 @@ mod names_that_differ_in_case {
         within("shutdown", server.shutdown()).await;
     }
 }
+
+/// A deprecated service and method: the code `#[rpc::service]` generates uses them without
+/// warnings, so a crate denying deprecation (or all warnings) still builds; only the user's
+/// own uses warn.
+#[deny(deprecated)]
+mod deprecated_items {
+    use rpc::RpcError;
+
+    #[rpc::service(name = "t.Old")]
+    #[deprecated(note = "use t.New")]
+    pub trait Old {
+        #[deprecated(note = "use double")]
+        async fn twice(&self, n: u64) -> Result<u64, RpcError>;
+        async fn double(&self, n: u64) -> Result<u64, RpcError>;
+    }
+
+    pub struct Doubler;
+
+    #[allow(deprecated)]
+    impl Old for Doubler {
+        async fn twice(&self, n: u64) -> Result<u64, RpcError> {
+            Ok(2 * n)
+        }
+        async fn double(&self, n: u64) -> Result<u64, RpcError> {
+            Ok(2 * n)
+        }
+    }
+}
+
+#[tokio::test]
+#[allow(deprecated)]
+async fn a_deprecated_service_and_method_are_served_and_called() {
+    use deprecated_items::{Doubler, Old, OldClient, OldServer};
+    let reg = InProcessRegistry::new();
+    let server = Server::builder()
+        .registry(reg.clone())
+        .add_service(OldServer::new(Doubler))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let old = OldClient::new(Client::builder().registry(reg).build());
+    assert_eq!(within("twice", old.twice(21)).await.expect("twice"), 42);
+    assert_eq!(within("double", old.double(4)).await.expect("double"), 8);
+    within("shutdown", server.shutdown()).await;
+}
