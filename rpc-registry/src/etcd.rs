@@ -414,6 +414,10 @@ async fn stop(registration: Registration, conn: &Conn) -> Result<(), RegistryErr
 }
 
 impl Registry for EtcdRegistry {
+    fn state_id(&self) -> usize {
+        Arc::as_ptr(&self.inner).cast::<()>() as usize
+    }
+
     /// Grants a lease, writes one key per service under it and keeps the lease alive in the
     /// background (re-registering if the lease is lost). Registering an id again replaces the
     /// previous version; when the new one cannot be written, the previous one stays registered.

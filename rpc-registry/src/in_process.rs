@@ -56,6 +56,10 @@ impl InProcessRegistry {
 }
 
 impl Registry for InProcessRegistry {
+    fn state_id(&self) -> usize {
+        Arc::as_ptr(&self.state).cast::<()>() as usize
+    }
+
     fn register(&self, instance: Instance) -> BoxFuture<'_, Result<(), RegistryError>> {
         self.with_state(|state| {
             let mut touched = instance.services.clone();
@@ -107,6 +111,13 @@ impl Registry for InProcessRegistry {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn clones_are_one_registry_and_new_ones_another() {
+        let a = InProcessRegistry::new();
+        assert_eq!(a.state_id(), a.clone().state_id());
+        assert_ne!(a.state_id(), InProcessRegistry::new().state_id());
+    }
 
     fn instance(i: usize, service: &ServiceId) -> Instance {
         Instance::new(format!("127.0.0.1:{}", 9000 + i), [service.clone()])

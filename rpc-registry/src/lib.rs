@@ -99,6 +99,17 @@ pub trait Registry: Send + Sync + 'static {
         service: &'a ServiceId,
     ) -> BoxFuture<'a, Result<ServiceWatch, RegistryError>>;
 
+    /// What tells this registry from the others of the process: the same for every clone of
+    /// it (handles on one shared state), different for any other. A server of the process
+    /// holds an instance id per registry, so that a stopping server does not deregister the
+    /// id a newer one publishes in the same registry.
+    ///
+    /// The default, the object's address, suits a registry that is not cloned; a registry
+    /// whose clones share their state returns that state's address.
+    fn state_id(&self) -> usize {
+        (self as *const Self).cast::<()>() as usize
+    }
+
     /// The services the registry knows now: every service id at least one instance publishes,
     /// sorted, each once. What an operator lists before looking at one service's instances
     /// (`rpcctl services`); clients never need it to call.

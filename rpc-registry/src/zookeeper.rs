@@ -403,6 +403,10 @@ async fn remove_later(
 }
 
 impl Registry for ZooKeeperRegistry {
+    fn state_id(&self) -> usize {
+        Arc::as_ptr(&self.inner).cast::<()>() as usize
+    }
+
     /// Writes one ephemeral node per service, in one transaction, and keeps them registered
     /// across sessions in the background. Registering an id again replaces the previous
     /// version (and removes the nodes of services it no longer serves) in one transaction.

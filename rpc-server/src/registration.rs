@@ -1,80 +1,186 @@
-//! Which server of this process published each instance id last.
+//! Which servers of this process publish each instance id, in each registry.
 //!
 //! A server's handle dropped without `shutdown` deregisters its instance in a task of its own,
 //! later; so does a `serve` given up while it registered. A newer server of this process may
-//! have published the same id meanwhile (a shard restarted under its stable `instance_id`), and
-//! registries remove by id: the late deregistration would unpublish the newer server for good,
-//! while it reports itself registered and ready. So each publication takes a [`Ticket`], and a
-//! deregistration goes ahead only while its ticket is still the latest for the id.
+//! have published the same id in the same registry meanwhile (a shard restarted under its
+//! stable `instance_id`), and registries remove by id: the late deregistration would unpublish
+//! the newer server for good, while it reports itself registered and ready. So each
+//! publication takes a [`Ticket`] before it registers, and a deregistration goes ahead only
+//! while its ticket is the latest of the id in its registry. A deregistration skipped for a
+//! newer publication is left to it: should that publication fail to register, it removes the
+//! id itself once no publication of the process holds it ([`Ticket::release_unregistered`]).
 //!
-//! This covers servers of one process. Two processes publishing one id are the registry's
-//! concern (each id is one instance there).
+//! Registries are told apart by [`Registry::state_id`]: clones of one registry are one, two
+//! `InProcessRegistry`s are two, and so are two `EtcdRegistry` objects on one cluster (each
+//! removes only the registrations it made). This covers servers of one process. Two processes publishing one
+//! id are the registry's concern (each id is one instance there).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, OnceLock, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
-/// The latest ticket of each instance id published by this process.
-fn latest() -> std::sync::MutexGuard<'static, HashMap<String, u64>> {
-    static LATEST: OnceLock<Mutex<HashMap<String, u64>>> = OnceLock::new();
-    LATEST
+use rpc_registry::Registry;
+
+/// An instance id in one registry (the registry by its [`Registry::state_id`], alive as long
+/// as a publication holds it: each ticket's server keeps its registry).
+type Key = (usize, String);
+
+/// The publications of one id in one registry.
+#[derive(Default)]
+struct Holders {
+    /// Live publications, oldest first: the last is the latest.
+    live: Vec<u64>,
+    /// Whether a publication gave up deregistering for a newer one.
+    deferred: bool,
+}
+
+fn holders() -> std::sync::MutexGuard<'static, HashMap<Key, Holders>> {
+    static HOLDERS: OnceLock<Mutex<HashMap<Key, Holders>>> = OnceLock::new();
+    HOLDERS
         .get_or_init(Default::default)
         .lock()
         .unwrap_or_else(PoisonError::into_inner)
 }
 
-/// One publication of an instance id by this process.
+fn key(registry: &Arc<dyn Registry>, id: &str) -> Key {
+    (registry.state_id(), id.to_string())
+}
+
+/// One publication of an instance id in a registry by this process.
 #[derive(Debug)]
 pub(crate) struct Ticket {
-    id: String,
+    key: Key,
     n: u64,
 }
 
 impl Ticket {
-    /// Taken once the instance `id` is registered: from now on it is the latest.
-    pub(crate) fn take(id: &str) -> Ticket {
+    /// Taken before the instance `id` is registered in `registry`: from now on it is the
+    /// latest, so an older server's late deregistration leaves the id alone.
+    pub(crate) fn take(registry: &Arc<dyn Registry>, id: &str) -> Ticket {
         static NEXT: AtomicU64 = AtomicU64::new(1);
         let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        latest().insert(id.to_string(), n);
-        Ticket {
-            id: id.to_string(),
-            n,
+        let key = key(registry, id);
+        holders().entry(key.clone()).or_default().live.push(n);
+        Ticket { key, n }
+    }
+
+    /// Whether to deregister: no later publication of the id took its place. When one did, the
+    /// deregistration is left to it.
+    pub(crate) fn should_deregister(&self) -> bool {
+        let mut holders = holders();
+        let Some(h) = holders.get_mut(&self.key) else {
+            return true;
+        };
+        let latest = h.live.last() == Some(&self.n);
+        if !latest {
+            h.deferred = true;
         }
+        latest
     }
 
-    /// Whether a publication of `id` by this process holds it now (a server serving under it).
-    pub(crate) fn is_held(id: &str) -> bool {
-        latest().contains_key(id)
-    }
-
-    /// Whether to deregister: no later publication of the id took its place.
-    pub(crate) fn is_latest(&self) -> bool {
-        latest().get(&self.id) == Some(&self.n)
-    }
-
-    /// Deregistered: the id is this process's no more, unless a later publication holds it.
+    /// The publication ended (deregistered, or its deregistration left to a newer one).
     pub(crate) fn release(&self) {
-        let mut latest = latest();
-        if latest.get(&self.id) == Some(&self.n) {
-            latest.remove(&self.id);
-        }
+        self.remove();
     }
+
+    /// The publication ended without its registration having landed for sure (a `serve`
+    /// given up while it registered): whether to deregister the id, which the registry may
+    /// have taken, that is whether no other publication of the process holds it now.
+    pub(crate) fn release_given_up(&self) -> bool {
+        !matches!(self.remove(), Removal::OthersHold)
+    }
+
+    /// The registration failed: whether to deregister the id all the same, that is whether an
+    /// older publication left its deregistration to this one and none holds the id now.
+    pub(crate) fn release_unregistered(&self) -> bool {
+        matches!(self.remove(), Removal::Last { deferred: true })
+    }
+
+    fn remove(&self) -> Removal {
+        let mut holders = holders();
+        let Some(h) = holders.get_mut(&self.key) else {
+            return Removal::Last { deferred: false };
+        };
+        h.live.retain(|&n| n != self.n);
+        if !h.live.is_empty() {
+            return Removal::OthersHold;
+        }
+        let deferred = h.deferred;
+        holders.remove(&self.key);
+        Removal::Last { deferred }
+    }
+}
+
+/// What taking a publication out left.
+enum Removal {
+    /// Other publications of the process still hold the id.
+    OthersHold,
+    /// None does; `deferred`: one gave up deregistering it for a newer one.
+    Last { deferred: bool },
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rpc_registry::InProcessRegistry;
+
+    fn registry() -> Arc<dyn Registry> {
+        Arc::new(InProcessRegistry::new())
+    }
 
     #[test]
     fn only_the_latest_publication_of_an_id_deregisters_it() {
-        let old = Ticket::take("shard-test-1");
-        let new = Ticket::take("shard-test-1");
-        assert!(!old.is_latest(), "a newer server holds the id");
+        let r = registry();
+        let old = Ticket::take(&r, "shard-1");
+        let new = Ticket::take(&r, "shard-1");
+        assert!(!old.should_deregister(), "a newer server holds the id");
         old.release();
-        assert!(new.is_latest(), "the older one's release leaves it");
+        assert!(new.should_deregister(), "the older one's release leaves it");
         new.release();
-        assert!(!new.is_latest(), "released");
-        let other = Ticket::take("shard-test-2");
-        assert!(other.is_latest());
+        let other = Ticket::take(&r, "shard-2");
+        assert!(other.should_deregister());
+    }
+
+    #[test]
+    fn an_id_in_another_registry_is_another_publication() {
+        let (r1, r2) = (registry(), registry());
+        let a = Ticket::take(&r1, "node-1");
+        let b = Ticket::take(&r2, "node-1");
+        assert!(a.should_deregister(), "b is in another registry");
+        assert!(b.should_deregister());
+    }
+
+    #[test]
+    fn a_failed_registration_removes_what_an_older_publication_left_to_it() {
+        let r = registry();
+        let old = Ticket::take(&r, "shard-1");
+        let new = Ticket::take(&r, "shard-1");
+        assert!(!old.should_deregister());
+        old.release();
+        assert!(
+            new.release_unregistered(),
+            "the old registration is nobody's now"
+        );
+        // With the older publication still serving, its registration stays.
+        let old = Ticket::take(&r, "shard-1");
+        let new = Ticket::take(&r, "shard-1");
+        assert!(!new.release_unregistered());
+        assert!(old.should_deregister(), "the older one is the latest again");
+        // Nothing left to it: a failed registration removes nothing.
+        old.release();
+        let alone = Ticket::take(&r, "shard-1");
+        assert!(!alone.release_unregistered());
+    }
+
+    #[test]
+    fn a_given_up_registration_is_removed_unless_another_publication_holds_the_id() {
+        let r = registry();
+        let serving = Ticket::take(&r, "shard-1");
+        let given_up = Ticket::take(&r, "shard-1");
+        assert!(!given_up.release_given_up());
+        assert!(serving.should_deregister());
+        serving.release();
+        let given_up = Ticket::take(&r, "shard-1");
+        assert!(given_up.release_given_up());
     }
 }

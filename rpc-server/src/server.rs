@@ -674,24 +674,30 @@ impl ServerBuilder {
         }
         let mut ticket = None;
         if let Some(registry) = &self.registry {
+            // Taken before the registration: from its first write on, no older server of this
+            // process that is stopping removes the id (see `crate::registration`).
+            let publication = Arc::new(crate::registration::Ticket::take(registry, &instance.id));
             // Given up while it registers (a timeout around a slow registry), the registry
             // may have taken the instance all the same: it is removed again.
             let unpublish_if_given_up = Unpublish {
                 registry: Some(registry.clone()),
                 id: instance.id.clone(),
+                ticket: publication.clone(),
             };
             let registered = registry.register(instance.clone()).await;
             unpublish_if_given_up.disarm();
             if let Err(e) = registered {
                 shutdown.cancel();
+                if publication.release_unregistered() {
+                    // An older server of this process, stopping, left the id to this one.
+                    spawn_deregister(registry.clone(), instance.id.clone(), "left to it");
+                }
                 return Err(std::io::Error::other(format!(
                     "could not publish {} to the registry: {e}",
                     instance.address
                 )));
             }
-            // Taken once published: a registration that failed displaces no server of this
-            // process that holds the id.
-            ticket = Some(Arc::new(crate::registration::Ticket::take(&instance.id)));
+            ticket = Some(publication);
         }
         stop_if_given_up.disarm();
         tracing::info!(address = %bound, services = ?instance.services, "serving");
@@ -713,6 +719,7 @@ impl ServerBuilder {
             task: Some(task),
             registry: self.registry,
             ticket,
+            runtime: tokio::runtime::Handle::try_current().ok(),
             instance_id: status.0.instance_id.clone(),
             rules,
             status,
@@ -726,6 +733,7 @@ impl ServerBuilder {
 struct Unpublish {
     registry: Option<Arc<dyn Registry>>,
     id: String,
+    ticket: Arc<crate::registration::Ticket>,
 }
 
 impl Unpublish {
@@ -736,24 +744,33 @@ impl Unpublish {
 
 impl Drop for Unpublish {
     fn drop(&mut self) {
-        let (Some(registry), Ok(runtime)) =
-            (self.registry.take(), tokio::runtime::Handle::try_current())
-        else {
+        let Some(registry) = self.registry.take() else {
             return;
         };
-        let id = std::mem::take(&mut self.id);
         // Another server of this process serves under the id (a restart under a stable id
         // whose new `serve` was given up): the registry put its registration back, which
         // stays.
-        if crate::registration::Ticket::is_held(&id) {
-            return;
+        if self.ticket.release_given_up() {
+            spawn_deregister(
+                registry,
+                std::mem::take(&mut self.id),
+                "given up while it registered",
+            );
         }
-        runtime.spawn(async move {
-            if let Err(e) = registry.deregister(&id).await {
-                tracing::warn!(error = %e, "could not remove a server given up while it registered");
-            }
-        });
     }
+}
+
+/// Removes instance `id` from `registry` in a task of its own, on the current runtime (none:
+/// nothing is removed), logging a failure with `why` the server was removed.
+fn spawn_deregister(registry: Arc<dyn Registry>, id: String, why: &'static str) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    runtime.spawn(async move {
+        if let Err(e) = registry.deregister(&id).await {
+            tracing::warn!(error = %e, why, "could not remove a server that never served");
+        }
+    });
 }
 
 /// A running server. Dropping it starts a graceful shutdown without waiting for it: the
@@ -768,6 +785,8 @@ pub struct ServerHandle {
     registry: Option<Arc<dyn Registry>>,
     /// Its publication of `instance_id` (see [`crate::registration`]).
     ticket: Option<Arc<crate::registration::Ticket>>,
+    /// The runtime it serves on, where a drop deregisters it.
+    runtime: Option<tokio::runtime::Handle>,
     instance_id: String,
     rules: Option<crate::rules::Following>,
     status: ServerStatus,
@@ -904,7 +923,7 @@ impl ServerHandle {
         // Kept in the handle until deregistered: a shutdown given up while it deregisters (a
         // timeout around it) leaves the handle's drop to try again.
         if let Some(registry) = self.registry.clone() {
-            if self.ticket.as_ref().is_none_or(|t| t.is_latest()) {
+            if self.ticket.as_ref().is_none_or(|t| t.should_deregister()) {
                 if let Err(e) = registry.deregister(&self.instance_id).await {
                     tracing::warn!(error = %e, "could not deregister before shutdown");
                 }
@@ -988,15 +1007,14 @@ impl Drop for ServerHandle {
         self.status.draining();
         // Dropped without `shutdown` (an early return, a test's end): deregister first, as
         // `shutdown` does, so clients stop choosing the instance before it stops accepting.
-        if let (Some(registry), Ok(runtime)) =
-            (self.registry.take(), tokio::runtime::Handle::try_current())
-        {
+        // On the runtime the server serves on, which may not be the dropping thread's.
+        if let (Some(registry), Some(runtime)) = (self.registry.take(), self.runtime.clone()) {
             let (id, status) = (self.instance_id.clone(), self.status.clone());
             let shutdown = self.shutdown.clone();
             let ticket = self.ticket.clone();
             runtime.spawn(async move {
                 // Not when a later server of this process published the same id meanwhile.
-                if ticket.as_ref().is_none_or(|t| t.is_latest()) {
+                if ticket.as_ref().is_none_or(|t| t.should_deregister()) {
                     if let Err(e) = registry.deregister(&id).await {
                         tracing::warn!(error = %e, "could not deregister the dropped server");
                     }

@@ -13,6 +13,9 @@ pub enum Register {
     Answers,
     /// Takes the instance (it lands), then never answers.
     LandsThenHangs,
+    /// Takes the instance (it lands), then lets other tasks run once before it answers, as a
+    /// registry answering over the network does.
+    LandsThenYields,
 }
 
 /// What `watch` does.
@@ -53,6 +56,9 @@ impl TestRegistry {
 }
 
 impl Registry for TestRegistry {
+    fn state_id(&self) -> usize {
+        Arc::as_ptr(&self.published).cast::<()>() as usize
+    }
     fn register(&self, instance: Instance) -> BoxFuture<'_, Result<(), RegistryError>> {
         self.published.lock().unwrap().push(instance.id);
         if let Some(began) = self.began.lock().unwrap().take() {
@@ -61,6 +67,10 @@ impl Registry for TestRegistry {
         match *self.register {
             Register::Answers => Box::pin(async { Ok(()) }),
             Register::LandsThenHangs => Box::pin(std::future::pending()),
+            Register::LandsThenYields => Box::pin(async {
+                tokio::task::yield_now().await;
+                Ok(())
+            }),
         }
     }
     fn deregister<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), RegistryError>> {

@@ -671,6 +671,91 @@ async fn a_dropped_handle_does_not_unpublish_a_newer_server_with_its_id() {
     );
 }
 
+/// A server of this process starting under the id of one being dropped keeps it even when
+/// its registration answers after the old one's late deregistration runs: before, the new
+/// server took the id only once registered, and the old one removed it in between.
+#[tokio::test]
+async fn a_dropped_handle_does_not_unpublish_a_newer_server_registering_meanwhile() {
+    let registry = common::registry::TestRegistry::new(
+        common::registry::Register::LandsThenYields,
+        common::registry::Watch::Unavailable,
+    );
+    let serve = || {
+        Server::builder()
+            .registry(registry.clone())
+            .instance_id("shard-1")
+            .add_service(EchoServer::new(Plain))
+            .serve("127.0.0.1:0")
+    };
+    let old = serve().await.expect("serve the old one");
+    drop(old);
+    let new = serve().await.expect("serve the new one");
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    assert!(
+        registry
+            .published
+            .lock()
+            .unwrap()
+            .contains(&"shard-1".to_string()),
+        "the new server's registration stays"
+    );
+    assert!(new.status().is_registered());
+    within("shutdown", new.shutdown()).await;
+    assert!(registry.published.lock().unwrap().is_empty());
+}
+
+/// Servers of one process under one instance id in two registries are two publications: the
+/// shutdown of one deregisters it from its registry. Before, the later one's publication kept
+/// the earlier from deregistering, and the earlier stayed published with no server.
+#[tokio::test]
+async fn one_instance_id_in_two_registries_is_deregistered_from_each() {
+    let (r1, r2) = (InProcessRegistry::new(), InProcessRegistry::new());
+    let serve = |registry: &InProcessRegistry| {
+        Server::builder()
+            .registry(registry.clone())
+            .instance_id("node-1")
+            .add_service(EchoServer::new(Plain))
+            .serve("127.0.0.1:0")
+    };
+    let a = serve(&r1).await.expect("serve a");
+    let b = serve(&r2).await.expect("serve b");
+    within("shutdown a", a.shutdown()).await;
+    let client = Client::builder().registry(r1).build();
+    let watch = client.watch(EchoClient::SERVICE_ID).await.expect("watch");
+    assert!(watch.current().is_empty(), "a is gone from its registry");
+    let client = Client::builder().registry(r2).build();
+    let watch = client.watch(EchoClient::SERVICE_ID).await.expect("watch");
+    assert_eq!(watch.current().len(), 1, "b stays in its own");
+    within("shutdown b", b.shutdown()).await;
+}
+
+/// A handle dropped on a thread outside any runtime deregisters its instance on the runtime
+/// it serves on, as a drop inside one does. Before, it stopped the server and left the
+/// instance published.
+#[test]
+fn a_handle_dropped_outside_its_runtime_deregisters() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let registry = InProcessRegistry::new();
+    let handle = runtime.block_on(serve_echo(&registry));
+    drop(handle);
+    runtime.block_on(async {
+        let client = Client::builder().registry(registry).build();
+        let mut watch = client.watch(EchoClient::SERVICE_ID).await.expect("watch");
+        within("deregistered", async {
+            while !watch.current().is_empty() {
+                watch.changed().await.expect("the watch goes on");
+            }
+        })
+        .await;
+    });
+}
+
 /// A `serve` given up while it registers removes what the registry may have taken: before, the
 /// instance stayed published (until its lease or session ended) with no server behind it.
 #[tokio::test]
