@@ -601,6 +601,19 @@ impl ServerBuilder {
                  one: give a non-empty token, or none to admit clients without one",
             ));
         }
+        let mut ids: Vec<&str> = self.services.iter().map(|s| s.service_id()).collect();
+        ids.sort_unstable();
+        if let Some(twice) = ids.windows(2).find(|w| w[0] == w[1]) {
+            // The later would take every entry of the earlier, silently.
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!(
+                    "the service {} is added twice (add_service): a server serves each service \
+                     once; add one implementation of it",
+                    twice[0]
+                ),
+            ));
+        }
         let bound = listener.local_addr()?;
         if let Some(any) = bound.tcp().filter(|a| a.ip().is_unspecified()) {
             if self.registry.is_some() && self.advertise.is_none() {

@@ -273,6 +273,24 @@ async fn two_services_share_one_server() {
     within("shutdown", server.shutdown()).await;
 }
 
+/// One service added twice (two implementations, or one twice) is refused when serving: the
+/// later would silently take every entry of the earlier, and the instance would publish the
+/// service twice.
+#[tokio::test]
+async fn a_service_added_twice_is_refused() {
+    let twice = Server::builder()
+        .add_service(NamesServer::new(Named("first")))
+        .add_service(CalcServer::new(Spare))
+        .add_service(NamesServer::new(Named("second")))
+        .serve("127.0.0.1:0")
+        .await;
+    let Err(e) = twice else {
+        panic!("a service added twice was served");
+    };
+    assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput, "{e}");
+    assert!(e.to_string().contains("t.Names is added twice"), "{e}");
+}
+
 #[tokio::test]
 async fn a_json_client_and_a_msgpack_client_share_a_server() {
     let reg = InProcessRegistry::new();
