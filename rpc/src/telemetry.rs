@@ -120,23 +120,45 @@ pub fn init_otlp() -> Result<Telemetry, TelemetryError> {
 /// propagator and `meter_provider` become global, and a `tracing` subscriber (logs filtered by
 /// `RUST_LOG` on standard error, formatted as [`crate::logging::layer`] does; spans to
 /// `tracer_provider`) becomes the global default.
-/// Fails when a global subscriber is already set.
+/// Fails when a global subscriber is already set, and then makes nothing global.
 pub fn init_with(
     tracer_provider: SdkTracerProvider,
     meter_provider: SdkMeterProvider,
 ) -> Result<Telemetry, TelemetryError> {
-    opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
-    opentelemetry::global::set_tracer_provider(tracer_provider.clone());
-    opentelemetry::global::set_meter_provider(meter_provider.clone());
     let tracer = tracer_provider.tracer("rpc");
+    // The subscriber first: when it cannot be installed, nothing is made global (a meter
+    // provider left global would be one nobody shuts down, its last export lost).
     tracing_subscriber::registry()
         .with(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")))
         .with(crate::logging::layer())
         .with(tracing_opentelemetry::layer().with_tracer(tracer))
         .try_init()
         .map_err(|e| TelemetryError(format!("could not install the tracing subscriber: {e}")))?;
+    opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
+    opentelemetry::global::set_tracer_provider(tracer_provider.clone());
+    opentelemetry::global::set_meter_provider(meter_provider.clone());
     Ok(Telemetry {
         tracer_provider,
         meter_provider,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// With a global subscriber set already, installing fails and leaves the global
+    /// propagator (and providers) as they were: the default propagator injects nothing.
+    #[test]
+    fn a_failed_install_makes_nothing_global() {
+        tracing::subscriber::set_global_default(tracing_subscriber::registry())
+            .expect("the first global subscriber");
+        let installed = init_with(
+            SdkTracerProvider::builder().build(),
+            SdkMeterProvider::builder().build(),
+        );
+        assert!(installed.is_err(), "a second global subscriber");
+        let fields = opentelemetry::global::get_text_map_propagator(|p| p.fields().count());
+        assert_eq!(fields, 0, "the trace-context propagator was made global");
+    }
 }
