@@ -184,18 +184,20 @@ impl ShortVisitor {
                 out.push(' ');
             }
         };
+        // Values may come from a peer (an answer's message, a handler's error): control
+        // characters are escaped, so that none forges a line or reaches a terminal.
         let _ = match shown(field.name()) {
             Shown::Hidden => Ok(()),
             Shown::Bare => {
                 sep(&mut self.out);
-                self.out.write_fmt(value)
+                Escaping(&mut self.out).write_fmt(value)
             }
             Shown::Suffix(glue) => {
                 if self.out.is_empty() {
                     self.glued_start = true;
                 }
                 self.out.push_str(glue);
-                self.out.write_fmt(value)
+                Escaping(&mut self.out).write_fmt(value)
             }
             Shown::Named(label) => {
                 sep(&mut self.out);
@@ -204,9 +206,29 @@ impl ShortVisitor {
                 } else {
                     label
                 };
-                write!(self.out, "{label}={value}")
+                write!(self.out, "{label}=").and_then(|()| Escaping(&mut self.out).write_fmt(value))
             }
         };
+    }
+}
+
+/// Writes into a line with its control characters escaped (`\n`, `\u{1b}`), the rest as is.
+struct Escaping<'a>(&'a mut String);
+
+impl fmt::Write for Escaping<'_> {
+    fn write_str(&mut self, s: &str) -> fmt::Result {
+        if !s.chars().any(char::is_control) {
+            self.0.push_str(s);
+            return Ok(());
+        }
+        for c in s.chars() {
+            if c.is_control() {
+                self.0.extend(c.escape_default());
+            } else {
+                self.0.push(c);
+            }
+        }
+        Ok(())
     }
 }
 
@@ -261,5 +283,27 @@ mod tests {
         });
         let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
         assert!(text.contains("attempt=0 to=127.0.0.1:7001"), "{text}");
+    }
+
+    /// A value carrying a line break or a terminal escape (a peer's error message) is written
+    /// escaped on the event's one line, in a field and in the message alike.
+    #[test]
+    fn control_characters_from_values_are_escaped_on_one_line() {
+        let lines = Lines::default();
+        let writer = lines.clone();
+        let subscriber = tracing_subscriber::registry()
+            .with(super::layer_with_writer(move || writer.clone(), false));
+        let forged = "x\n12:00:00 INFO forged\u{1b}[2J";
+        tracing::subscriber::with_default(subscriber, || {
+            tracing::info!(cause = forged, "governance {}", forged);
+        });
+        let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
+        assert_eq!(text.lines().count(), 1, "{text}");
+        assert!(!text.contains('\u{1b}'), "{text}");
+        assert_eq!(
+            text.matches("x\\n12:00:00 INFO forged\\u{1b}[2J").count(),
+            2,
+            "{text}"
+        );
     }
 }
