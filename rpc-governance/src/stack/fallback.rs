@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use rpc_core::{Codec, MethodDescriptor, RpcError};
+use rpc_core::{Codec, RpcError};
 
 use super::{CallCx, Service};
 use crate::events::EventKind;
@@ -42,7 +42,15 @@ impl<'f, S> FallbackLayer<'f, S> {
 
 impl<S: Service> Service for FallbackLayer<'_, S> {
     async fn call(&self, cx: &mut CallCx<'_>, req: Bytes) -> Result<Bytes, RpcError> {
-        let Some(fallback) = self.fallbacks.get(cx.method().service_id) else {
+        // A fallback without this entry (one older than the entry, an `invoke_json` entry it
+        // does not know) does not run, and no `fallback` is said of the call.
+        let Some((fallback, index)) = self.fallbacks.get(cx.method().service_id).and_then(|f| {
+            let index = f
+                .methods()
+                .iter()
+                .position(|m| m.entry_id == cx.method().entry_id)?;
+            Some((f, index))
+        }) else {
             return self.inner.call(cx, req).await;
         };
         let e = match self.inner.call(cx, req.clone()).await {
@@ -70,24 +78,7 @@ impl<S: Service> Service for FallbackLayer<'_, S> {
             Some(e.to_string()),
         );
         cx.fallback_cause = Some(e.clone());
-        run(fallback.as_ref(), cx.method(), req, self.codec, e).await
+        let answer = fallback::with_cause(e.clone(), fallback.call(index, req, self.codec)).await;
+        fallback::outcome(cx.entry_id(), e, answer)
     }
-}
-
-async fn run(
-    fallback: &dyn rpc_core::Service,
-    method: &'static MethodDescriptor,
-    params: Bytes,
-    codec: Codec,
-    cause: RpcError,
-) -> Result<Bytes, RpcError> {
-    let Some(index) = fallback
-        .methods()
-        .iter()
-        .position(|m| m.entry_id == method.entry_id)
-    else {
-        return Err(cause);
-    };
-    let answer = fallback::with_cause(cause.clone(), fallback.call(index, params, codec)).await;
-    fallback::outcome(method.entry_id, cause, answer)
 }

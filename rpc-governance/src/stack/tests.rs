@@ -645,6 +645,59 @@ async fn fallback_events<A: Attempts + Copy + Send>(
     std::iter::from_fn(|| events.try_recv().ok()).collect()
 }
 
+/// A fallback registered for the service but without the call's entry (one older than the
+/// entry) does not run: the call fails with its own error, and no `fallback` event says
+/// otherwise.
+#[tokio::test(start_paused = true)]
+async fn a_fallback_without_the_entry_neither_runs_nor_is_reported() {
+    static OTHER: MethodDescriptor = MethodDescriptor {
+        service_id: "t.T",
+        method: "older",
+        entry_id: "t.T.older",
+        hash_key: None,
+        governance: GovernanceOverrides::NONE,
+        api: None,
+    };
+    struct Older;
+    impl rpc_core::Service for Older {
+        fn service_id(&self) -> &'static str {
+            M.service_id
+        }
+        fn methods(&self) -> &'static [MethodDescriptor] {
+            std::slice::from_ref(&OTHER)
+        }
+        fn call(&self, _: usize, _: Bytes, _: rpc_core::Codec) -> rpc_core::ServiceFuture {
+            Box::pin(async { Ok(Bytes::from_static(b"fallback")) })
+        }
+    }
+    let g = engine(GovernanceOptions {
+        retry_times: 0,
+        ..retries_within_budget(1_000)
+    });
+    let p = g.policy(&M);
+    let mut events = g.events().subscribe();
+    let fallbacks: super::Fallbacks = [(M.service_id, Arc::new(Older) as Arc<_>)]
+        .into_iter()
+        .collect();
+    let s = Script::new(vec![overflow()], Duration::ZERO);
+    let mut cx = CallCx::new(&g, p.clone(), p.options());
+    let stack = super::FallbackLayer::new(
+        &fallbacks,
+        rpc_core::Codec::MsgPack,
+        governed(Scripted(&s), Scripted(&s)),
+    );
+    let e = stack
+        .call(&mut cx, Bytes::new())
+        .await
+        .expect_err("no fallback answers");
+    assert_eq!(e.code(), StatusCode::OverflowMaxServerHandle, "{e}");
+    let kinds: Vec<EventKind> = std::iter::from_fn(|| events.try_recv().ok())
+        .map(|e| e.kind)
+        .collect();
+    assert!(!kinds.contains(&EventKind::Fallback), "{kinds:?}");
+    assert!(cx.fallback_cause().is_none());
+}
+
 /// A fallback answering for a call whose retry was a detour names the endpoint whose failure
 /// it answers for, and that attempt's number, not the detour's, which could not serve the
 /// call and was sent nothing.
