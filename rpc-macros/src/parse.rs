@@ -202,12 +202,19 @@ pub fn passthrough(mut item: ItemTrait) -> ItemTrait {
     item
 }
 
-/// Removes the attributes only this macro understands.
+/// Whether `attr` is one of the attributes only this macro understands.
+fn is_helper_attr(attr: &Attribute) -> bool {
+    governance::is_governance(attr) || http::is_http(attr) || is_hash_key(attr)
+}
+
+/// Removes the attributes only this macro understands (wherever they were put: one in the
+/// wrong place is reported, and must not be left for the compiler to call unknown).
 pub fn strip_helper_attrs(item: &mut ItemTrait) {
+    item.attrs.retain(|a| !is_helper_attr(a));
     for it in &mut item.items {
         if let TraitItem::Fn(f) = it {
             f.attrs
-                .retain(|a| !governance::is_governance(a) && !http::is_http(a));
+                .retain(|a| !governance::is_governance(a) && !http::is_http(a) && !is_hash_key(a));
             for input in &mut f.sig.inputs {
                 if let FnArg::Typed(t) = input {
                     t.attrs.retain(|a| !is_hash_key(a));
@@ -233,6 +240,32 @@ impl Service {
                 "a service trait cannot be generic: every method's argument and result types \
                  must be concrete so both sides agree on the wire format",
             );
+        }
+        for attr in item.attrs.iter().filter(|a| is_helper_attr(a)) {
+            errors.spanned(
+                attr,
+                if is_hash_key(attr) {
+                    "`#[hash_key]` goes on one argument of a method"
+                } else {
+                    "this attribute goes on a method of the service, not on the trait; settings \
+                     for the whole service belong in the config file's `[services.\"<id>\"]` \
+                     section"
+                },
+            );
+        }
+        for bound in &item.supertraits {
+            let syn::TypeParamBound::Trait(t) = bound else {
+                continue;
+            };
+            let last = t.path.segments.last().map(|s| s.ident.to_string());
+            if !matches!(last.as_deref(), Some("Send" | "Sync" | "Clone" | "Debug")) {
+                errors.spanned(
+                    t,
+                    "a service trait cannot extend another trait: the generated client \
+                     implements only this trait's methods, and the server dispatches only them; \
+                     to serve two services, add both to the server (`add_service`)",
+                );
+            }
         }
         let mut methods = Vec::new();
         for it in &item.items {
@@ -299,15 +332,19 @@ impl Service {
     }
 }
 
-/// The generated client's own items (and `Clone::clone`, which it derives): a method of the
-/// same name would be hidden by them, or ambiguous with them, at the caller's call.
-const PROXY_ITEMS: [&str; 6] = [
+/// The generated client's own items (and the methods of `Clone`, which it derives, and of
+/// `ToOwned`, which every `Clone` type has): a method of the same name would be hidden by
+/// them, or ambiguous with them, at the caller's call.
+const PROXY_ITEMS: [&str; 9] = [
     "new",
     "client",
     "with_options",
     "with_timeout",
     "methods",
     "clone",
+    "clone_from",
+    "to_owned",
+    "clone_into",
 ];
 
 fn method(f: &TraitItemFn) -> syn::Result<Method> {
@@ -333,6 +370,12 @@ fn method(f: &TraitItemFn) -> syn::Result<Method> {
         errors.spanned(&v, "a service method cannot be variadic");
     }
     for attr in &f.attrs {
+        if is_hash_key(attr) {
+            errors.spanned(
+                attr,
+                "`#[hash_key]` goes on one argument of the method, not on the method",
+            );
+        }
         if attr.path().is_ident("cfg") || attr.path().is_ident("cfg_attr") {
             errors.spanned(
                 attr,

@@ -1,0 +1,10 @@
+use rpc::RpcError;
+
+#[rpc::service]
+#[governance(timeout_ms = 500)]
+trait Store {
+    #[hash_key]
+    async fn get(&self, key: String) -> Result<String, RpcError>;
+}
+
+fn main() {}
