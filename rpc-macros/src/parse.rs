@@ -258,7 +258,12 @@ impl Service {
                 continue;
             };
             let last = t.path.segments.last().map(|s| s.ident.to_string());
-            if !matches!(last.as_deref(), Some("Send" | "Sync" | "Clone" | "Debug")) {
+            // (What the generated client is, or derives.)
+            let marker = matches!(
+                last.as_deref(),
+                Some("Send" | "Sync" | "Sized" | "Unpin" | "Clone" | "Debug")
+            );
+            if !marker {
                 errors.spanned(
                     t,
                     "a service trait cannot extend another trait: the generated client \

@@ -96,6 +96,7 @@ impl Ticket {
         matches!(self.remove(), Removal::Last { deferred: true })
     }
 
+    /// Takes this publication out (again, harmlessly, after a release).
     fn remove(&self) -> Removal {
         let mut holders = holders();
         let Some(h) = holders.get_mut(&self.key) else {
@@ -108,6 +109,14 @@ impl Ticket {
         let deferred = h.deferred;
         holders.remove(&self.key);
         Removal::Last { deferred }
+    }
+}
+
+impl Drop for Ticket {
+    /// A publication whose server is gone without releasing it (aborted, or its drop's task
+    /// never ran on a runtime shutting down) holds the id no more.
+    fn drop(&mut self) {
+        self.remove();
     }
 }
 
@@ -148,6 +157,59 @@ mod tests {
         let b = Ticket::take(&r2, "node-1");
         assert!(a.should_deregister(), "b is in another registry");
         assert!(b.should_deregister());
+    }
+
+    /// A registry of a type that does not tell its objects apart (`state_id`'s default): two
+    /// of its objects are one registry, as clones handed to two servers must be.
+    #[test]
+    fn objects_of_a_registry_without_a_state_id_are_one_registry() {
+        struct Plain;
+        impl Registry for Plain {
+            fn register(
+                &self,
+                _: rpc_registry::Instance,
+            ) -> futures_util::future::BoxFuture<'_, Result<(), rpc_registry::RegistryError>>
+            {
+                Box::pin(async { Ok(()) })
+            }
+            fn deregister<'a>(
+                &'a self,
+                _: &'a str,
+            ) -> futures_util::future::BoxFuture<'a, Result<(), rpc_registry::RegistryError>>
+            {
+                Box::pin(async { Ok(()) })
+            }
+            fn watch<'a>(
+                &'a self,
+                _: &'a rpc_core::ServiceId,
+            ) -> futures_util::future::BoxFuture<
+                'a,
+                Result<rpc_registry::ServiceWatch, rpc_registry::RegistryError>,
+            > {
+                Box::pin(async { Err(rpc_registry::RegistryError::Closed) })
+            }
+            fn services(
+                &self,
+            ) -> futures_util::future::BoxFuture<
+                '_,
+                Result<Vec<rpc_core::ServiceId>, rpc_registry::RegistryError>,
+            > {
+                Box::pin(async { Ok(Vec::new()) })
+            }
+        }
+        let (a, b): (Arc<dyn Registry>, Arc<dyn Registry>) = (Arc::new(Plain), Arc::new(Plain));
+        let old = Ticket::take(&a, "plain-1");
+        let _new = Ticket::take(&b, "plain-1");
+        assert!(!old.should_deregister(), "the newer server holds the id");
+    }
+
+    /// A publication dropped without a release (its server aborted) holds the id no more.
+    #[test]
+    fn a_dropped_ticket_holds_the_id_no_more() {
+        let r = registry();
+        drop(Ticket::take(&r, "shard-3"));
+        let given_up = Ticket::take(&r, "shard-3");
+        assert!(given_up.release_given_up(), "nobody else holds it");
     }
 
     #[test]

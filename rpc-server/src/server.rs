@@ -696,6 +696,7 @@ impl ServerBuilder {
                 registry: Some(registry.clone()),
                 id: instance.id.clone(),
                 ticket: publication.clone(),
+                runtime: tokio::runtime::Handle::try_current().ok(),
             };
             let registered = registry.register(instance.clone()).await;
             unpublish_if_given_up.disarm();
@@ -703,7 +704,14 @@ impl ServerBuilder {
                 shutdown.cancel();
                 if publication.release_unregistered() {
                     // An older server of this process, stopping, left the id to this one.
-                    spawn_deregister(registry.clone(), instance.id.clone(), "left to it");
+                    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                        spawn_deregister(
+                            &runtime,
+                            registry.clone(),
+                            instance.id.clone(),
+                            "left to it",
+                        );
+                    }
                 }
                 return Err(std::io::Error::other(format!(
                     "could not publish {} to the registry: {e}",
@@ -747,6 +755,9 @@ struct Unpublish {
     registry: Option<Arc<dyn Registry>>,
     id: String,
     ticket: Arc<crate::registration::Ticket>,
+    /// The runtime `serve` ran on, where the removal runs (the future may be dropped on a
+    /// thread outside it).
+    runtime: Option<tokio::runtime::Handle>,
 }
 
 impl Unpublish {
@@ -757,28 +768,27 @@ impl Unpublish {
 
 impl Drop for Unpublish {
     fn drop(&mut self) {
-        let Some(registry) = self.registry.take() else {
+        let (Some(registry), Some(runtime)) = (self.registry.take(), self.runtime.take()) else {
             return;
         };
         // Another server of this process serves under the id (a restart under a stable id
         // whose new `serve` was given up): the registry put its registration back, which
         // stays.
         if self.ticket.release_given_up() {
-            spawn_deregister(
-                registry,
-                std::mem::take(&mut self.id),
-                "given up while it registered",
-            );
+            let id = std::mem::take(&mut self.id);
+            spawn_deregister(&runtime, registry, id, "given up while it registered");
         }
     }
 }
 
-/// Removes instance `id` from `registry` in a task of its own, on the current runtime (none:
-/// nothing is removed), logging a failure with `why` the server was removed.
-fn spawn_deregister(registry: Arc<dyn Registry>, id: String, why: &'static str) {
-    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-        return;
-    };
+/// Removes instance `id` from `registry` in a task of its own on `runtime`, logging a
+/// failure with `why` the server was removed.
+fn spawn_deregister(
+    runtime: &tokio::runtime::Handle,
+    registry: Arc<dyn Registry>,
+    id: String,
+    why: &'static str,
+) {
     runtime.spawn(async move {
         if let Err(e) = registry.deregister(&id).await {
             tracing::warn!(error = %e, why, "could not remove a server that never served");

@@ -52,11 +52,28 @@ impl std::error::Error for LoggingError {}
 /// [`layer`] formatting, filtered by `RUST_LOG` (default `info`). Fails when a global
 /// subscriber is already set.
 pub fn init() -> Result<(), LoggingError> {
-    tracing_subscriber::registry()
-        .with(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")))
-        .with(layer())
-        .try_init()
-        .map_err(|e| LoggingError(format!("could not install the tracing subscriber: {e}")))
+    install(
+        tracing_subscriber::registry()
+            .with(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")))
+            .with(layer()),
+    )
+    .map_err(LoggingError)
+}
+
+/// Makes `subscriber` the global default, and forwards the `log` crate's records to it when
+/// no `log` logger is set yet. Fails, having installed nothing, when a global subscriber is
+/// set already; a `log` logger set already only leaves `log` records out (with a warning).
+pub(crate) fn install(subscriber: impl Subscriber + Send + Sync) -> Result<(), String> {
+    let before = tracing::dispatcher::has_been_set();
+    match subscriber.try_init() {
+        Ok(()) => Ok(()),
+        // `try_init` installs the subscriber, then the `log` bridge: only the bridge failed.
+        Err(e) if !before && tracing::dispatcher::has_been_set() => {
+            tracing::warn!(error = %e, "log records are not forwarded: a log logger is set already");
+            Ok(())
+        }
+        Err(e) => Err(format!("could not install the tracing subscriber: {e}")),
+    }
 }
 
 /// The formatting layer of [`init`], printing to standard error: colour and a compact layout

@@ -23,7 +23,6 @@ use opentelemetry_sdk::metrics::SdkMeterProvider;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::SdkTracerProvider;
 use tracing_subscriber::layer::SubscriberExt;
-use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::EnvFilter;
 
 /// The OpenTelemetry crates this build uses, to build providers and exporters of matching
@@ -128,12 +127,13 @@ pub fn init_with(
     let tracer = tracer_provider.tracer("rpc");
     // The subscriber first: when it cannot be installed, nothing is made global (a meter
     // provider left global would be one nobody shuts down, its last export lost).
-    tracing_subscriber::registry()
-        .with(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")))
-        .with(crate::logging::layer())
-        .with(tracing_opentelemetry::layer().with_tracer(tracer))
-        .try_init()
-        .map_err(|e| TelemetryError(format!("could not install the tracing subscriber: {e}")))?;
+    crate::logging::install(
+        tracing_subscriber::registry()
+            .with(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")))
+            .with(crate::logging::layer())
+            .with(tracing_opentelemetry::layer().with_tracer(tracer)),
+    )
+    .map_err(TelemetryError)?;
     opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
     opentelemetry::global::set_tracer_provider(tracer_provider.clone());
     opentelemetry::global::set_meter_provider(meter_provider.clone());

@@ -42,20 +42,21 @@ impl<'f, S> FallbackLayer<'f, S> {
 
 impl<S: Service> Service for FallbackLayer<'_, S> {
     async fn call(&self, cx: &mut CallCx<'_>, req: Bytes) -> Result<Bytes, RpcError> {
-        // A fallback without this entry (one older than the entry, an `invoke_json` entry it
-        // does not know) does not run, and no `fallback` is said of the call.
-        let Some((fallback, index)) = self.fallbacks.get(cx.method().service_id).and_then(|f| {
-            let index = f
-                .methods()
-                .iter()
-                .position(|m| m.entry_id == cx.method().entry_id)?;
-            Some((f, index))
-        }) else {
+        let Some(fallback) = self.fallbacks.get(cx.method().service_id) else {
             return self.inner.call(cx, req).await;
         };
         let e = match self.inner.call(cx, req.clone()).await {
             Err(e) if fallback::applies(&e, Side::Client) => e,
             other => return other,
+        };
+        // A fallback without this entry (one older than the entry, an `invoke_json` entry it
+        // does not know) does not run, and no `fallback` is said of the call.
+        let Some(index) = fallback
+            .methods()
+            .iter()
+            .position(|m| m.entry_id == cx.method().entry_id)
+        else {
+            return Err(e);
         };
         let (endpoint, attempt) = cx.failure(&e);
         // Inside a handler whose caller's deadline has passed, nobody would receive the

@@ -161,8 +161,9 @@ impl Connection {
         let mut frames = FramedRead::with_capacity(rd, codec, READ_BUFFER);
         let (accepts, server_streams, batches, window_bytes, send_window_bytes, limits) =
             match frames.next().await {
+                // (0: not said, proto3's default, taken as this version.)
                 Some(Ok(Answer::Frame(Kind::HelloAck(ack))))
-                    if ack.protocol_version != PROTOCOL_VERSION =>
+                    if ack.protocol_version != 0 && ack.protocol_version != PROTOCOL_VERSION =>
                 {
                     close.cancel();
                     return Err(RpcError::new(

@@ -636,6 +636,14 @@ mod names_that_differ_in_case {
     }
 }
 
+/// Supertraits the generated client satisfies (markers it is, traits it derives) are taken;
+/// others are refused (see the macro's compile-fail cases).
+#[rpc::service(name = "t.Marked")]
+#[allow(dead_code)]
+trait Marked: Send + Sync + Sized + Unpin + Clone + std::fmt::Debug + 'static {
+    async fn mark(&self) -> Result<u8, RpcError>;
+}
+
 /// A deprecated service and method: the code `#[rpc::service]` generates uses them without
 /// warnings, so a crate denying deprecation (or all warnings) still builds; only the user's
 /// own uses warn.
