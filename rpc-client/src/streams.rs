@@ -497,8 +497,16 @@ async fn send_all(
                     None => (item, 0),
                     Some(pack) => pack.apply(item),
                 };
-                if sender.send_packed(item, compression).is_err() {
-                    return Ok(());
+                match sender.send_packed(item, compression) {
+                    Ok(()) => {}
+                    // An item the server would not read (over its frame limit), refused
+                    // unsent: the request stream ends with that error.
+                    Err(e) if e.code() == StatusCode::ValidateError => {
+                        sender.finish(Err(e.clone()));
+                        return Err(e);
+                    }
+                    // The stream or its connection ended: nothing more goes out.
+                    Err(_) => return Ok(()),
                 }
                 sent.fetch_add(1, Ordering::Relaxed);
             }

@@ -301,6 +301,8 @@ impl ServerBuilder {
     }
 
     /// Closes connections on which nothing arrived for this long (60 s by default; 0: never).
+    /// The idle close also ends a peer that starts a large frame and stops sending, which
+    /// holds a share of the server's read budget until then: with 0 it holds it for good.
     pub fn idle_timeout(mut self, t: Duration) -> Self {
         self.options.idle_timeout = t;
         self

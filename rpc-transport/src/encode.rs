@@ -263,9 +263,19 @@ fn put_frame(tag: u32, body: usize, dst: &mut BytesMut, put_body: impl FnOnce(&m
     put_body(dst);
 }
 
+/// Length of the body of a `StreamItem` of `payload` bytes.
+fn item_len(id: u64, payload: usize, compression: i32) -> usize {
+    varint_len(id) + bytes_len(payload) + varint_len(int32(compression))
+}
+
+/// The length of a `StreamItem` frame of `payload` bytes as its prefix gives it.
+pub(crate) fn item_frame_len(id: u64, payload: usize, compression: i32) -> usize {
+    nested_len(item_len(id, payload, compression))
+}
+
 /// Appends a `StreamItem` frame (one item of stream `id`), length prefix included.
 pub(crate) fn put_item_frame(id: u64, payload: &[u8], compression: i32, dst: &mut BytesMut) {
-    let body = varint_len(id) + bytes_len(payload.len()) + varint_len(int32(compression));
+    let body = item_len(id, payload.len(), compression);
     put_frame(FRAME_STREAM_ITEM, body, dst, |dst| {
         put_varint(1, id, dst);
         put_bytes(2, payload, dst);

@@ -346,8 +346,8 @@ impl Connection {
     /// compressed answer comes back decompressed (`compression` 0): a result that does not
     /// decompress, or would exceed `ConnectOptions::max_frame_length`, fails the call with
     /// [`StatusCode::FrameworkError`] saying so. A call carrying more attachments (count or
-    /// bytes) than the server said in its handshake it takes fails at once with
-    /// [`StatusCode::ValidateError`], sending nothing.
+    /// bytes) than the server said in its handshake it takes, or whose frame is longer than it
+    /// reads, fails at once with [`StatusCode::ValidateError`], sending nothing.
     ///
     /// Dropping the returned future before the answer arrives sends `Cancel` to the server, and
     /// so does reaching `deadline`, which fails the call with [`StatusCode::Timeout`]. Other
@@ -363,7 +363,7 @@ impl Connection {
         if !self.is_usable() {
             return Err(comm_error(&shared.peer, "connection closed"));
         }
-        if let Some(e) = shared.over_server_limits(&call) {
+        if let Some(e) = shared.over_attachment_limits(&call) {
             return Err(e);
         }
         if shared.sender.backlog().bytes() > shared.max_unsent_bytes {
@@ -396,6 +396,11 @@ impl Connection {
                 // this call, so it must not wait.
                 guard.disarm_quietly();
                 return Poll::Ready(Err(comm_error(&shared.peer, "connection closed")));
+            }
+            // Measured with the id it goes with, now known.
+            if let Some(e) = shared.over_frame_limit(&call, guard.id) {
+                guard.disarm_quietly();
+                return Poll::Ready(Err(e));
             }
             if !shared.sender.send_call(guard.id, call) {
                 guard.disarm_quietly();
@@ -490,7 +495,7 @@ impl Connection {
         if !self.is_usable() {
             return Err(comm_error(&shared.peer, "connection closed"));
         }
-        if let Some(e) = shared.over_server_limits(&call) {
+        if let Some(e) = shared.over_attachment_limits(&call) {
             return Err(e);
         }
         if shared.sender.backlog().bytes() > shared.max_unsent_bytes {
@@ -505,6 +510,12 @@ impl Connection {
         ));
         let id = shared.pending.insert_stream(deadline_ms, stream.clone());
         shared.in_flight.fetch_add(1, Ordering::Relaxed);
+        if let Some(e) = shared.over_frame_limit(&call, id) {
+            // (Never sent: the server is told nothing.)
+            shared.pending.remove(id);
+            shared.in_flight.fetch_sub(1, Ordering::Relaxed);
+            return Err(e);
+        }
         // From here the stream owns the slot: dropping it (or this future before the set-up
         // is known) frees the slot and sends Cancel while the server may still run it.
         let accepted = ClientStream::new(self.clone(), id, stream.clone());

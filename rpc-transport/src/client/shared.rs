@@ -68,44 +68,77 @@ pub(super) struct ServerLimits {
 
 impl Shared {
     /// Why `call` is not to be sent: it carries more attachments (count or bytes, its retry
-    /// depth's included) than the server said it takes, or its frame is longer than the
-    /// server reads. The server would answer the first 500 and hold it against the
-    /// connection, which it closes after a few in a row (a gateway forwarding a caller's
-    /// headers would lose every other call on it), and would close the connection at once on
-    /// the second, failing every call on it; the call fails here instead, with a validation
-    /// error (1001) marked as this endpoint's inability to serve it
+    /// depth's included) than the server said it takes. The server would answer it 500 and
+    /// hold it against the connection, which it closes after a few in a row (a gateway
+    /// forwarding a caller's headers would lose every other call on it); the call fails here
+    /// instead, with a validation error (1001) marked as this endpoint's inability to serve it
     /// ([`RpcError::is_unsupported_by_endpoint`]).
-    pub(super) fn over_server_limits(&self, call: &crate::Call) -> Option<RpcError> {
-        let why = self.over_attachment_limits(call).or_else(|| {
-            // Counted with the longest message id: a call within 9 bytes of the limit may be
-            // refused though its id is shorter.
-            let len = crate::encode::invoke_frame_len(&call.fields(u64::MAX));
-            let max = self.limits.frame_length;
-            (len > max).then(|| {
-                format!(
+    pub(super) fn over_attachment_limits(&self, call: &crate::Call) -> Option<RpcError> {
+        let why = self.attachments_over(call)?;
+        Some(self.refusal(
+            call,
+            &why,
+            "send fewer (a gateway forwards its caller's headers as attachments)",
+        ))
+    }
+
+    /// Why `call`, sent with message id `id`, is not to be sent: its frame is longer than the
+    /// server reads. The server would close the connection at the frame, failing every call
+    /// on it; the call fails here instead, as for [`over_attachment_limits`](Self::over_attachment_limits).
+    pub(super) fn over_frame_limit(&self, call: &crate::Call, id: u64) -> Option<RpcError> {
+        let len = crate::encode::invoke_frame_len(&call.fields(id));
+        let max = self.limits.frame_length;
+        (len > max).then(|| {
+            self.refusal(
+                call,
+                &format!(
                     "a frame of {len} bytes, over the server's limit of {max} (max_frame_length)"
-                )
-            })
-        })?;
-        // A validation error: the call's own fault. Nothing was sent, and this endpoint will
-        // never take the call as it is: like an endpoint that cannot stream, it says nothing of
-        // the endpoint's health (no breaker, health or outlier count) and the call may go on to
-        // another endpoint, whose server may take more.
-        Some(
+                ),
+                "send smaller arguments, or call a server with a larger max_frame_length",
+            )
+        })
+    }
+
+    /// Why a stream item of `len` bytes on stream `id` is not to be sent: its frame is longer
+    /// than the server reads (as for a call, the server would close the connection).
+    pub(super) fn item_over_frame_limit(
+        &self,
+        id: u64,
+        len: usize,
+        compression: i32,
+    ) -> Option<RpcError> {
+        let frame = crate::encode::item_frame_len(id, len, compression);
+        let max = self.limits.frame_length;
+        (frame > max).then(|| {
             RpcError::new(
                 StatusCode::ValidateError,
                 format!(
-                    "{}: the call to {} carries {why}; it was not sent: send less (a gateway \
-                     forwards its caller's headers as attachments)",
-                    self.peer, call.service_entry_id
+                    "{}: a stream item of {len} bytes makes a frame of {frame} bytes, over the \
+                     server's limit of {max} (max_frame_length); it was not sent: send smaller \
+                     items",
+                    self.peer
                 ),
             )
-            .unsupported_by_endpoint(true),
+        })
+    }
+
+    /// A validation error: the call's own fault. Nothing was sent, and this endpoint will
+    /// never take the call as it is: like an endpoint that cannot stream, it says nothing of
+    /// the endpoint's health (no breaker, health or outlier count) and the call may go on to
+    /// another endpoint, whose server may take more.
+    fn refusal(&self, call: &crate::Call, why: &str, what_to_do: &str) -> RpcError {
+        RpcError::new(
+            StatusCode::ValidateError,
+            format!(
+                "{}: the call to {} carries {why}; it was not sent: {what_to_do}",
+                self.peer, call.service_entry_id
+            ),
         )
+        .unsupported_by_endpoint(true)
     }
 
     /// What of `call`'s attachments is over the server's limits, if anything.
-    fn over_attachment_limits(&self, call: &crate::Call) -> Option<String> {
+    fn attachments_over(&self, call: &crate::Call) -> Option<String> {
         let ServerLimits {
             attachments: count,
             attachment_bytes: bytes,

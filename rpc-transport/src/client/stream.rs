@@ -547,6 +547,9 @@ impl StreamSender {
     /// ([`Connection::accept_compression`](crate::Connection::accept_compression)).
     pub fn send_packed(&self, item: Bytes, compression: i32) -> Result<(), RpcError> {
         let shared = &self.conn.shared;
+        if let Some(e) = shared.item_over_frame_limit(self.id, item.len(), compression) {
+            return Err(e);
+        }
         if !self.shared.take_credit(item.len()) {
             return Err(RpcError::new(
                 StatusCode::FrameworkError,

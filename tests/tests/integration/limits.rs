@@ -503,9 +503,12 @@ async fn waits_of_duration_max_are_no_limit() {
     let client = LimitsClient::new(Client::builder().registry(reg).build());
     let call = tokio::spawn(async move { client.hold("held".into()).await });
     yield_until("the call runs", || gate.ran.load(Ordering::SeqCst) == 1).await;
+    let status = server.status();
     let shutdown = tokio::spawn(async move { server.shutdown().await });
-    // The drain has begun (GoAway); the call ends only once the gate opens.
+    // The drain has begun; the call ends only once the gate opens.
+    yield_until("the server drains", || status.is_draining()).await;
     tokio::task::yield_now().await;
+    assert!(!shutdown.is_finished(), "the drain waits for the call");
     gate.open.add_permits(1);
     assert_eq!(
         within("the drained call", call)

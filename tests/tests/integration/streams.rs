@@ -650,6 +650,43 @@ async fn client_streaming_sends_every_item_and_gets_the_answer() {
     within("shutdown", server.shutdown()).await;
 }
 
+/// A caller's stream item longer than the server reads (its frame limit, said in the
+/// handshake) fails the stream at the client, unsent, and the connection goes on serving the
+/// client's other calls: sent, the item would have made the server close the connection.
+#[tokio::test]
+async fn an_item_over_the_servers_frame_limit_fails_at_the_client_unsent() {
+    const LIMIT: usize = 64 * 1024;
+    let reg = InProcessRegistry::new();
+    let (server, _probe) = serve_configured(&reg, |b| b.max_frame_length(LIMIT)).await;
+    let f = feed(&reg);
+    let lines = RpcStream::iter(["small".to_string(), "x".repeat(100_000)]);
+    let mut answers = within("chat", f.chat("> ".into(), lines))
+        .await
+        .expect("opened");
+    let e = loop {
+        match within("an answer", answers.next()).await {
+            Some(Ok(_)) => continue,
+            Some(Err(e)) => break e,
+            None => panic!("the stream ended without the item's failure"),
+        }
+    };
+    assert!(
+        e.message()
+            .contains(&format!("over the server's limit of {LIMIT}"))
+            && e.message().contains("not sent"),
+        "{e}"
+    );
+    let ticks = within("ticks", f.ticks(2)).await.expect("ticks");
+    assert_eq!(
+        within("the ticks", ticks.collect_all())
+            .await
+            .expect("ticks")
+            .len(),
+        2
+    );
+    within("shutdown", server.shutdown()).await;
+}
+
 #[tokio::test]
 async fn a_handler_that_stops_taking_items_stops_the_callers_producer_at_the_window() {
     const WINDOW: u32 = 8;
