@@ -1067,16 +1067,9 @@ impl Client {
     ) -> impl std::future::Future<Output = Result<Bytes, RpcError>> + Send + '_ {
         let policy = self.inner.governance.policy(method);
         if policy.service_known() {
-            let span = telemetry::call_span(method);
-            let call_id = telemetry::call_id(&span);
-            return Either::Left(self.invoke_entry(
-                method,
-                policy,
-                params,
-                hash_key,
-                None,
-                (span, call_id),
-            ));
+            // The call's span is made when the call is first polled (`None`): its parent is
+            // the span the caller awaits it in, as for an entry's first call below.
+            return Either::Left(self.invoke_entry(method, policy, params, hash_key, None, None));
         }
         // An entry's first call: its service is looked up first (the key is hashed now,
         // whatever the strategy turns out to be: once per entry), within the call's span.
@@ -1093,7 +1086,7 @@ impl Client {
                 params,
                 hash_key,
                 Some(started),
-                (span, call_id),
+                Some((span, call_id)),
             )
             .await
         }))
@@ -1194,8 +1187,8 @@ impl Client {
     }
 
     /// [`invoke`](Self::invoke) with the entry's policy, in the call's span (with its call id,
-    /// when it has one); `started`: when the call started, if before this (its deadline runs
-    /// from then).
+    /// when it has one; `None`: a new one, made at the first poll); `started`: when the call
+    /// started, if before this (its deadline runs from then).
     fn invoke_entry<H: FnOnce() -> u64>(
         &self,
         method: &'static MethodDescriptor,
@@ -1203,14 +1196,45 @@ impl Client {
         params: Bytes,
         hash_key: Option<H>,
         started: Option<tokio::time::Instant>,
-        (span, call_id): (tracing::Span, Option<String>),
+        span: Option<(tracing::Span, Option<String>)>,
     ) -> impl std::future::Future<Output = Result<Bytes, RpcError>> + Send + '_ {
-        let governance = &self.inner.governance;
         let options = match &self.call_options {
             None => policy.options(),
             Some(o) => Arc::new(o.applied(&policy.options())),
         };
         let (hash_key, misconfigured) = self.hash_or_refusal(method, &options, hash_key);
+        async move {
+            let (span, call_id) = span.unwrap_or_else(|| {
+                let span = telemetry::call_span(method);
+                let call_id = telemetry::call_id(&span);
+                (span, call_id)
+            });
+            self.governed_call(
+                method,
+                policy,
+                options,
+                params,
+                (hash_key, misconfigured),
+                started,
+                (span, call_id),
+            )
+            .await
+        }
+    }
+
+    /// The body of [`invoke_entry`](Self::invoke_entry), its options and hash key known.
+    #[allow(clippy::too_many_arguments)]
+    async fn governed_call(
+        &self,
+        method: &'static MethodDescriptor,
+        policy: Arc<rpc_governance::engine::EntryPolicy>,
+        options: Arc<GovernanceOptions>,
+        params: Bytes,
+        (hash_key, misconfigured): (Option<u64>, Option<RpcError>),
+        started: Option<tokio::time::Instant>,
+        (span, call_id): (tracing::Span, Option<String>),
+    ) -> Result<Bytes, RpcError> {
+        let governance = &self.inner.governance;
         let call_span = span.clone();
         let call = async move {
             let deadline = || match started {
@@ -1256,9 +1280,9 @@ impl Client {
         // Without a subscriber the span is disabled: no wrapper, which would enter and leave it
         // on every poll.
         if span.is_disabled() {
-            Either::Left(call)
+            call.await
         } else {
-            Either::Right(call.instrument(span))
+            call.instrument(span).await
         }
     }
 

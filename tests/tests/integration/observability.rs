@@ -132,6 +132,39 @@ fn client_of(servers: &[&ServerHandle]) -> Client {
         .build()
 }
 
+/// A call's span is a child of the span the call is awaited in, also when its future was made
+/// before (`Client::invoke` directly, `.instrument(outer)`), and for an entry's later calls as
+/// for its first. Before, a later call's span was made with the future, outside `outer`.
+#[tokio::test]
+async fn a_calls_span_is_a_child_of_the_span_it_is_awaited_in() {
+    use tracing::Instrument;
+    let (traces, _guard) = Traces::install();
+    let server = hop_server(None).await;
+    let client = client_of(&[&server]);
+    let method = &HopServer::<Relay>::methods()[0];
+    let params = || client.codec().encode(&(0u32,)).expect("encode");
+    for round in ["first", "later"] {
+        let outer = tracing::info_span!("outer", round);
+        let call = client.invoke(method, params(), None::<fn() -> u64>);
+        common::within("the call", call.instrument(outer))
+            .await
+            .expect(round);
+    }
+    let spans = traces.spans();
+    let outers = named(&spans, "outer");
+    let calls = named(&spans, "rpc.client");
+    assert_eq!((outers.len(), calls.len()), (2, 2));
+    for outer in outers {
+        assert!(
+            calls
+                .iter()
+                .any(|c| c.parent_span_id == outer.span_context.span_id()),
+            "no rpc.client span under {outer:?}"
+        );
+    }
+    common::within("shutdown", server.shutdown()).await;
+}
+
 #[tokio::test]
 async fn one_trace_across_three_services_and_attachments_follow() {
     let (traces, _guard) = Traces::install();
