@@ -133,6 +133,7 @@ impl Terminal {
                 self.fallback.as_ref(),
                 mode,
                 (for_fallback, req.codec),
+                req.deadline,
                 &cause,
             );
             let items = if attachments.is_empty() && retry_depth == 0 {

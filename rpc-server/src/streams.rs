@@ -138,6 +138,7 @@ pub(crate) fn dispatch(
         route.fallback.as_ref(),
         route.stream,
         (parameters, codec),
+        deadline,
         &cause,
     );
     // The set-up runs in the caller's context, so the calls it makes carry its attachments on.
@@ -263,12 +264,14 @@ fn layered(
 /// fallback's own stream (given the call's `parameters` in `codec`): for a server stream only
 /// (a stream taking the caller's items was accepted before its handler ran, and its items may
 /// be spent), and only for the set-up's error or panic. The failure's status is told to
-/// `cause` when the fallback runs.
+/// `cause` when the fallback runs. Past the caller's `deadline` the fallback does not start
+/// (event `fallback_skipped`), as for a unary call: nobody would read its stream.
 pub(crate) fn with_fallback(
     setup: StreamFuture,
     fallback: Option<&Arc<FallbackTo>>,
     mode: StreamMode,
     (parameters, codec): (Option<Bytes>, Codec),
+    deadline: Option<(Instant, u32)>,
     cause: &FallbackCause,
 ) -> StreamFuture {
     let (Some(to), StreamMode::Server, Some(parameters)) = (fallback, mode, parameters) else {
@@ -284,6 +287,16 @@ pub(crate) fn with_fallback(
             Err(e) if fallback::applies(&e, fallback::Side::Server) => e,
             other => return other,
         };
+        if deadline.is_some_and(|(d, _)| Instant::now() >= d) {
+            to.events.emit_parts(
+                EventKind::FallbackSkipped,
+                &to.entry_id,
+                Some(&to.endpoint),
+                0,
+                Some(e.to_string()),
+            );
+            return Err(e);
+        }
         cause.set(e.code());
         to.events.emit_parts(
             EventKind::Fallback,

@@ -87,18 +87,28 @@ async fn tally_of(text: String, numbers: RpcStream<u64>) -> Result<u64, RpcError
 }
 
 /// The live service: while `down`, every set-up fails with a server error (520, a failure a
-/// fallback answers for and the breaker counts); while `panics`, every set-up panics. Counts
-/// the set-ups that reached it.
+/// fallback answers for and the breaker counts); while `panics`, every set-up panics; while
+/// `late`, every set-up first holds its thread until the caller's deadline has passed (a
+/// set-up blocked in synchronous work). Counts the set-ups that reached it.
 #[derive(Clone, Default)]
 struct Market {
     down: Arc<AtomicBool>,
     panics: Arc<AtomicBool>,
+    late: Arc<AtomicBool>,
     setups: Arc<AtomicU64>,
 }
 
 impl Market {
     fn setup(&self) -> Result<(), RpcError> {
         self.setups.fetch_add(1, Ordering::SeqCst);
+        if self.late.load(Ordering::SeqCst) {
+            let bound = std::time::Instant::now() + common::LIMIT;
+            while !rpc::crates::governance::timeout::inherited_passed()
+                && std::time::Instant::now() < bound
+            {
+                std::thread::yield_now();
+            }
+        }
         if self.panics.load(Ordering::SeqCst) {
             panic!("the market's feed handler panicked");
         }
@@ -1979,6 +1989,52 @@ async fn server_layers_pass_client_and_bidi_streams_hear_of_their_end_and_may_re
         ["g.Stocks.total", "g.Stocks.double"],
         "the refused set-ups seen, and no end for them"
     );
+    within("shutdown", server.shutdown()).await;
+}
+
+/// A server stream's set-up that fails once the caller's deadline has passed is not answered
+/// by the server's fallback, which nobody would read: event `fallback_skipped`, as for a
+/// unary call. Before, the fallback's set-up ran and the event said `fallback`.
+#[tokio::test]
+async fn a_server_fallback_does_not_answer_a_set_up_failing_past_the_deadline() {
+    use rpc::crates::governance::events::EventKind;
+    let reg = InProcessRegistry::new();
+    let (market, cache) = (Market::default(), Cache::default());
+    let server = Server::builder()
+        .registry(reg.clone())
+        .add_service(StocksServer::new(market.clone()))
+        .fallback(StocksServer::new(cache.clone()))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let mut events = server.events().subscribe();
+    market.down.store(true, Ordering::SeqCst);
+    market.late.store(true, Ordering::SeqCst);
+    let stocks = StocksClient::new(
+        Client::builder()
+            .registry(reg.clone())
+            .override_options(
+                StocksClient::SERVICE_ID,
+                GovernanceOverrides {
+                    timeout_ms: Some(100),
+                    ..options(100)
+                },
+            )
+            .build(),
+    );
+    let answered = within("prices", stocks.prices(3)).await;
+    assert!(answered.is_err(), "answered after the deadline");
+    let kind = within("the server's event", async {
+        loop {
+            match events.recv().await.expect("events").kind {
+                k @ (EventKind::Fallback | EventKind::FallbackSkipped) => break k,
+                _ => continue,
+            }
+        }
+    })
+    .await;
+    assert_eq!(kind, EventKind::FallbackSkipped);
+    assert_eq!(cache.used.load(Ordering::SeqCst), 0, "the fallback ran");
     within("shutdown", server.shutdown()).await;
 }
 
