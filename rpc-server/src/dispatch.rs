@@ -605,7 +605,9 @@ impl Dispatcher {
             send_panic_text: self.send_panic_text,
         };
         if let Poll::Ready(outcome) = first {
-            if let Some(answer) = call.settle(outcome) {
+            // In the call's span, as when the call runs in a task of its own: a panic's log
+            // line carries the call's id and entry.
+            if let Some(answer) = span.in_scope(|| call.settle(outcome)) {
                 return Dispatch::Ready(answer);
             }
         }

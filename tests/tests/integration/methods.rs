@@ -340,6 +340,42 @@ async fn a_handler_panic_is_a_server_error_and_the_server_keeps_answering() {
     within("shutdown", server.shutdown()).await;
 }
 
+/// A handler that panics in its first poll, run on its connection's reader
+/// (`inline_first_poll`), is logged in its call's `rpc.server` span, as one run in a task of
+/// its own is: the line is found by the call's id.
+#[tokio::test]
+async fn a_panic_in_an_inline_first_poll_is_logged_in_the_calls_span() {
+    let (tx, mut lines) = tokio::sync::mpsc::unbounded_channel();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(common::LogLines::new(tx))
+        .with_ansi(false)
+        .finish();
+    let _guard = common::trace_this_thread(subscriber);
+    let reg = InProcessRegistry::new();
+    let server = Server::builder()
+        .registry(reg.clone())
+        .inline_first_poll(true)
+        .add_service(CalcServer::new(Calculator {
+            counts: Arc::new(Counts::default()),
+        }))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let err = calc(&reg, Codec::MsgPack)
+        .boom("kaput".into())
+        .await
+        .expect_err("panicked");
+    assert_eq!(err.code(), StatusCode::ServerError, "{err}");
+    let line = loop {
+        let line = common::recv_one("a log line", &mut lines).await;
+        if line.contains("handler panicked") {
+            break line;
+        }
+    };
+    assert!(line.contains("rpc.server"), "{line}");
+    within("shutdown", server.shutdown()).await;
+}
+
 async fn raw_call(server: &ServerHandle, invoke: RemoteInvokeMessage) -> (u32, String) {
     let conn = Connection::connect(&server.local_addr().to_string(), &ConnectOptions::default())
         .await
