@@ -211,10 +211,10 @@ impl Client {
             };
             let watch = telemetry::CallWatch::new(
                 call_span,
-                self.inner.metrics.start(method),
+                self.inner.metrics.start_at(method, started),
                 deadline,
                 &self.inner.calls,
-                method.entry_id,
+                (method.entry_id, started),
             );
             // Refused before any attempt, and counted as a call all the same.
             if let Some(e) = misconfigured {

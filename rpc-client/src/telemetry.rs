@@ -295,18 +295,20 @@ pub(crate) struct CallWatch<'a> {
 }
 
 impl<'a> CallWatch<'a> {
+    /// `started`: when the call started, if before now (an entry's first call, which looked
+    /// its service up first).
     pub(crate) fn new(
         span: Span,
         metrics: CallGuard<'a>,
         deadline: impl FnOnce() -> Option<Instant>,
         observers: &'a CallObservers,
-        entry: &'static str,
+        (entry, started): (&'static str, Option<Instant>),
     ) -> Self {
         let watched = !span.is_disabled() || cfg!(feature = "otel");
         let observed = observers.is_active();
         let (started, observed) = if watched || observed {
             let deadline = deadline();
-            let now = Instant::now();
+            let now = started.unwrap_or_else(Instant::now);
             (
                 watched.then_some((now, deadline)),
                 observed.then_some((observers, entry, now, deadline)),
@@ -773,11 +775,21 @@ mod otel {
 
         /// Counts a call in; the guard counts it out, however it ends.
         pub(crate) fn start(&self, method: &'static MethodDescriptor) -> CallGuard<'_> {
+            self.start_at(method, None)
+        }
+
+        /// [`start`](Self::start) of a call that started at `at` (`None`: now), before its
+        /// service was looked up: its duration counts the lookup.
+        pub(crate) fn start_at(
+            &self,
+            method: &'static MethodDescriptor,
+            at: Option<tokio::time::Instant>,
+        ) -> CallGuard<'_> {
             self.in_flight.add(1, &attributes(method)[..2]);
             CallGuard {
                 metrics: self,
                 method,
-                started: Instant::now(),
+                started: at.map_or_else(Instant::now, tokio::time::Instant::into_std),
             }
         }
     }
@@ -971,6 +983,14 @@ mod noop {
     impl Metrics {
         pub(crate) fn start(&self, _: &'static MethodDescriptor) -> CallGuard<'_> {
             CallGuard(std::marker::PhantomData)
+        }
+
+        pub(crate) fn start_at(
+            &self,
+            method: &'static MethodDescriptor,
+            _: Option<tokio::time::Instant>,
+        ) -> CallGuard<'_> {
+            self.start(method)
         }
     }
 

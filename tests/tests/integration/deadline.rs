@@ -631,3 +631,68 @@ async fn an_appointed_call_does_not_wait_for_a_registry_that_hangs() {
     }
     within("shutdown", server.shutdown()).await;
 }
+
+/// A registry whose watches answer `LOOKUP` late (etcd slow to answer), else the in-process
+/// registry it wraps.
+struct SlowLookup(InProcessRegistry);
+
+const LOOKUP: Duration = Duration::from_millis(200);
+
+impl rpc::Registry for SlowLookup {
+    fn state_id(&self) -> usize {
+        self.0.state_id()
+    }
+    fn register(
+        &self,
+        instance: rpc::Instance,
+    ) -> futures_util::future::BoxFuture<'_, Result<(), rpc::RegistryError>> {
+        self.0.register(instance)
+    }
+    fn deregister<'a>(
+        &'a self,
+        id: &'a str,
+    ) -> futures_util::future::BoxFuture<'a, Result<(), rpc::RegistryError>> {
+        self.0.deregister(id)
+    }
+    fn watch<'a>(
+        &'a self,
+        service: &'a rpc::ServiceId,
+    ) -> futures_util::future::BoxFuture<
+        'a,
+        Result<rpc::crates::registry::ServiceWatch, rpc::RegistryError>,
+    > {
+        Box::pin(async move {
+            tokio::time::sleep(LOOKUP).await;
+            self.0.watch(service).await
+        })
+    }
+    fn services(
+        &self,
+    ) -> futures_util::future::BoxFuture<'_, Result<Vec<rpc::ServiceId>, rpc::RegistryError>> {
+        self.0.services()
+    }
+}
+
+/// An entry's first call counts its service's lookup in its duration, as its deadline does:
+/// what call observers (and the `rpc.client.duration` metric) are told starts when the call
+/// did. Before, it started after the lookup.
+#[tokio::test(start_paused = true)]
+async fn a_first_calls_duration_counts_its_lookup() {
+    use rpc::crates::governance::calls::{CallObserver, CallRecord};
+    struct Elapsed(mpsc::UnboundedSender<Duration>);
+    impl CallObserver for Elapsed {
+        fn call_ended(&self, call: &CallRecord) {
+            let _ = self.0.send(call.elapsed);
+        }
+    }
+    let reg = InProcessRegistry::new();
+    let (server, _probe) = serve(&reg, 10).await;
+    let client = Client::builder().registry(SlowLookup(reg.clone())).build();
+    let (tx, mut elapsed) = mpsc::unbounded_channel();
+    client.observe_calls(std::sync::Arc::new(Elapsed(tx)));
+    let d = DeadlineClient::new(client);
+    assert_eq!(d.quick().await.expect("quick"), 7);
+    let first = recv_one("the first call's record", &mut elapsed).await;
+    assert!(first >= LOOKUP, "{first:?}");
+    within("shutdown", server.shutdown()).await;
+}
