@@ -109,9 +109,10 @@ governance_options! {
         /// Client-side adaptive throttling (the SRE rule), as K × 100: each attempt is dropped
         /// locally with probability `max(0, (requests − K · accepts) / (requests + 1))` over the
         /// last 10 s, where accepts are the server's answers other than an overload refusal.
-        /// 0 turns it off; 200 is K = 2.
+        /// 0 turns it off; 200 is K = 2; values from 1 to 99 act as 100 (K below 1 would drop
+        /// attempts a healthy server answers).
         throttle_k_percent: u32 = 0, Client,
-            "adaptive throttling, K × 100 (200 = K of 2; 0 = off): an attempt is dropped locally (514, event `throttled`, not retried) with probability max(0, (requests − K·accepts) / (requests + 1)) over 10 s; accepts are answers other than an overload refusal (515, 429), an attempt without an answer (timeout, broken connection) is no accept, and one sent nowhere (its instance cannot serve the call) counts for nothing";
+            "adaptive throttling, K × 100 (200 = K of 2; 0 = off; 1 to 99 act as 100, K below 1 dropping calls a healthy server answers): an attempt is dropped locally (514, event `throttled`, not retried) with probability max(0, (requests − K·accepts) / (requests + 1)) over 10 s; accepts are answers other than an overload refusal (515, 429), an attempt without an answer (timeout, broken connection) is no accept, and one sent nowhere (its instance cannot serve the call) counts for nothing";
         /// Adaptive throttling in observe mode: an attempt the rule would drop is reported
         /// (event `throttled` with `observed = true`) and sent.
         throttle_observe: flag = false, Client,
@@ -171,9 +172,10 @@ governance_options! {
             "transport failures in a row after which this client drops the endpoint (before that: unhealthy for 1 s, 2 s, 4 s …); a dropped endpoint is probed in the background (connect + handshake, 250 ms doubling to 30 s) and taken back when one succeeds or the registry announces it again";
     }
     Admission {
-        /// Server side: calls of this entry handled at once before Overflow is answered.
+        /// Server side: calls of this entry handled at once before Overflow is answered (0: every
+        /// call is answered Overflow).
         max_concurrent_handling_count: u32 = 50, Server,
-            "the server cap, an admission count: calls over it get Overflow at once, none queue (per server via `max_concurrency`, per entry via the attribute)";
+            "the server cap, an admission count: calls over it get Overflow at once, none queue (per server via `max_concurrency`, per entry via the attribute); 0 refuses every call";
         /// Server side: calls of this entry admitted per second for all callers together (a
         /// token bucket); 0 means no limit. Calls over it are answered 429 with a retry-after.
         rate_limit_per_second: u32 = 0, Server,
