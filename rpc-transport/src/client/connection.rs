@@ -518,7 +518,7 @@ impl Connection {
         }
         // From here the stream owns the slot: dropping it (or this future before the set-up
         // is known) frees the slot and sends Cancel while the server may still run it.
-        let accepted = ClientStream::new(self.clone(), id, stream.clone());
+        let accepted = ClientStream::new(self.clone(), (id, mode), stream.clone());
         if deadline_ms != 0
             && shared.next_sweep.fetch_min(deadline_ms, Ordering::AcqRel) > deadline_ms
         {

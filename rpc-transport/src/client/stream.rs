@@ -28,7 +28,7 @@ use futures_util::Stream;
 use rpc_core::wire::{
     frame::Kind, Cancel, RemoteResultMessage, StreamCredit, StreamEnd, StreamItem,
 };
-use rpc_core::{ItemSource, LentItem, RpcError, StatusCode};
+use rpc_core::{ItemSource, LentItem, RpcError, StatusCode, StreamMode};
 use tokio::sync::Notify;
 
 use super::answer::ItemRun;
@@ -405,6 +405,9 @@ pub struct ClientStream {
     local: VecDeque<Chunk>,
     /// A client stream's answer, lent as its last item.
     answer: Bytes,
+    /// How the stream was opened: what the server may send on it (items, or one answer at
+    /// its end for a client stream).
+    mode: StreamMode,
     /// What the consumer took since it last granted credit.
     taken: Taken,
     finished: bool,
@@ -458,12 +461,17 @@ impl ClientStream {
         }
     }
 
-    pub(super) fn new(conn: Connection, id: u64, shared: Arc<StreamShared>) -> Self {
+    pub(super) fn new(
+        conn: Connection,
+        (id, mode): (u64, StreamMode),
+        shared: Arc<StreamShared>,
+    ) -> Self {
         let taken = Taken::new(shared.window, shared.window_bytes);
         ClientStream {
             tx: StreamSender { conn, id, shared },
             local: VecDeque::new(),
             answer: Bytes::new(),
+            mode,
             taken,
             finished: false,
             counted: true,
@@ -605,6 +613,12 @@ impl ItemSource for ClientStream {
         let limit = self.tx.conn.shared.max_frame_length;
         let next = loop {
             if let Some(chunk) = self.local.front_mut() {
+                if self.mode == StreamMode::Client {
+                    return Poll::Ready(Some(Err(self.broken(
+                        "the server sent items on a client-streaming call, whose one answer \
+                         comes with its end; is the method client-streaming on the server too?",
+                    ))));
+                }
                 if let Err(why) = chunk.expand(self.tx.id, limit) {
                     return Poll::Ready(Some(Err(self.broken(&why))));
                 }
@@ -635,11 +649,23 @@ impl ItemSource for ClientStream {
                     end => end,
                 };
                 return Poll::Ready(match end {
-                    // A client stream's answer comes with its end.
+                    // A client stream's answer comes with its end; a stream of the server's
+                    // items ends with none.
                     Ok(answer)
                         if answer.status_code == StatusCode::Success.as_u32()
                             && !answer.result.is_empty() =>
                     {
+                        if self.mode != StreamMode::Client {
+                            return Poll::Ready(Some(Err(RpcError::new(
+                                StatusCode::FrameworkError,
+                                format!(
+                                    "{}: the server ended a stream of its items with an answer, \
+                                     as a client-streaming call's; is the method streaming the \
+                                     same way on the server?",
+                                    self.tx.conn.shared.peer
+                                ),
+                            ))));
+                        }
                         self.answer = answer.result;
                         Some(Ok(LentItem::whole(&self.answer)))
                     }

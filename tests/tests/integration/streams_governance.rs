@@ -2139,3 +2139,81 @@ async fn a_server_fallback_answers_a_server_streams_failed_set_up_only() {
         }
     }
 }
+
+/// A raw server on `listener` that accepts one stream, sends `items` (MessagePack-encoded
+/// `u64`s) on it and ends it 200 with `answer` as its result: a server that does not keep to
+/// the stream's shape.
+fn nonconforming(
+    listener: tokio::net::TcpListener,
+    items: &'static [u64],
+    answer: Option<u64>,
+) -> tokio::task::JoinHandle<()> {
+    use common::RawConn;
+    use rpc::crates::core::wire::{frame::Kind, RemoteResultMessage};
+    use rpc::Codec;
+    tokio::spawn(async move {
+        let (mut peer, _) = RawConn::accept_with(&listener, streaming_ack(8)).await;
+        let id = peer.recv_invoke("the stream's opening").await.message_id;
+        peer.grant(id, 8).await;
+        for n in items {
+            let item = Codec::MsgPack.encode(n).expect("encode");
+            peer.send_item(id, item, 0).await;
+        }
+        let result = answer.map_or_else(Default::default, |a| {
+            Codec::MsgPack.encode(&a).expect("encode")
+        });
+        peer.send(Kind::Result(RemoteResultMessage {
+            message_id: id,
+            status_code: 200,
+            result,
+            ..Default::default()
+        }))
+        .await
+        .expect("the end");
+        while peer.recv().await.is_some() {}
+    })
+}
+
+/// A client-streaming call whose server sends items (a server whose method streams its
+/// answer) fails with an error saying so. Before, its first item was taken as the answer.
+#[tokio::test]
+async fn items_from_the_server_on_a_client_streaming_call_fail_it() {
+    let (listener, addr) = raw_listener().await;
+    let server = nonconforming(listener, &[5], Some(7));
+    let stocks = StocksClient::new(client_of(addr));
+    let e = within("total", stocks.total(RpcStream::iter([1u64])))
+        .await
+        .expect_err("items are no answer");
+    assert_eq!(e.code(), StatusCode::FrameworkError, "{e}");
+    assert!(
+        e.message()
+            .contains("sent items on a client-streaming call"),
+        "{e}"
+    );
+    server.abort();
+}
+
+/// A server stream ended with an answer (a server whose method is client-streaming) fails
+/// after its items, with an error saying so. Before, the answer was yielded as one more item.
+#[tokio::test]
+async fn an_answer_ending_a_server_stream_fails_it() {
+    let (listener, addr) = raw_listener().await;
+    let server = nonconforming(listener, &[1, 2], Some(99));
+    let stocks = StocksClient::new(client_of(addr));
+    let mut prices = within("prices", stocks.prices(3)).await.expect("accepted");
+    let mut got = Vec::new();
+    let e = loop {
+        match within("an item", prices.next()).await {
+            Some(Ok(p)) => got.push(p),
+            Some(Err(e)) => break e,
+            None => panic!("the stream ended after {got:?}"),
+        }
+    };
+    assert_eq!(got, [1, 2]);
+    assert!(
+        e.message()
+            .contains("ended a stream of its items with an answer"),
+        "{e}"
+    );
+    server.abort();
+}
