@@ -1203,26 +1203,19 @@ impl Client {
             Some(o) => Arc::new(o.applied(&policy.options())),
         };
         let (hash_key, misconfigured) = self.hash_or_refusal(method, &options, hash_key);
-        async move {
-            let (span, call_id) = span.unwrap_or_else(|| {
-                let span = telemetry::call_span(method);
-                let call_id = telemetry::call_id(&span);
-                (span, call_id)
-            });
-            self.governed_call(
-                method,
-                policy,
-                options,
-                params,
-                (hash_key, misconfigured),
-                started,
-                (span, call_id),
-            )
-            .await
-        }
+        self.governed_call(
+            method,
+            policy,
+            options,
+            params,
+            (hash_key, misconfigured),
+            started,
+            span,
+        )
     }
 
-    /// The body of [`invoke_entry`](Self::invoke_entry), its options and hash key known.
+    /// The body of [`invoke_entry`](Self::invoke_entry), its options and hash key known; its
+    /// span made at its first poll when not given.
     #[allow(clippy::too_many_arguments)]
     async fn governed_call(
         &self,
@@ -1232,8 +1225,15 @@ impl Client {
         params: Bytes,
         (hash_key, misconfigured): (Option<u64>, Option<RpcError>),
         started: Option<tokio::time::Instant>,
-        (span, call_id): (tracing::Span, Option<String>),
+        span: Option<(tracing::Span, Option<String>)>,
     ) -> Result<Bytes, RpcError> {
+        // (The body of an async fn runs at its first poll: a new span's parent is the span
+        // the call is awaited in.)
+        let (span, call_id) = span.unwrap_or_else(|| {
+            let span = telemetry::call_span(method);
+            let call_id = telemetry::call_id(&span);
+            (span, call_id)
+        });
         let governance = &self.inner.governance;
         let call_span = span.clone();
         let call = async move {

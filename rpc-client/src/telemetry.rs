@@ -789,7 +789,11 @@ mod otel {
             CallGuard {
                 metrics: self,
                 method,
-                started: at.map_or_else(Instant::now, tokio::time::Instant::into_std),
+                // What has passed since `at` on tokio's clock (paused in tests, ahead of the
+                // real one), before the present on the real one.
+                started: at
+                    .and_then(|at| Instant::now().checked_sub(at.elapsed()))
+                    .unwrap_or_else(Instant::now),
             }
         }
     }

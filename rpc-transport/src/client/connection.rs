@@ -366,6 +366,11 @@ impl Connection {
         if let Some(e) = shared.over_attachment_limits(&call) {
             return Err(e);
         }
+        // Over the frame limit with the shortest id already: refused before any wait for
+        // room (the exact check, with the id, comes once it is assigned).
+        if let Some(e) = shared.over_frame_limit(&call, 0) {
+            return Err(e);
+        }
         if shared.sender.backlog().bytes() > shared.max_unsent_bytes {
             self.wait_for_room(deadline).await?;
         }
@@ -495,13 +500,16 @@ impl Connection {
         if !self.is_usable() {
             return Err(comm_error(&shared.peer, "connection closed"));
         }
+        call.stream_mode = mode as i32;
         if let Some(e) = shared.over_attachment_limits(&call) {
+            return Err(e);
+        }
+        if let Some(e) = shared.over_frame_limit(&call, 0) {
             return Err(e);
         }
         if shared.sender.backlog().bytes() > shared.max_unsent_bytes {
             self.wait_for_room(deadline).await?;
         }
-        call.stream_mode = mode as i32;
         let deadline_ms = deadline.map_or(0, |d| deadline_ms(shared.epoch, d));
         let stream = Arc::new(StreamShared::new(
             shared.stream_window,

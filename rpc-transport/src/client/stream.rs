@@ -543,7 +543,8 @@ impl StreamSender {
 
     /// Sends one item of the client's request stream, using one item of the server's credit;
     /// an error, sending nothing, when there is no credit (wait for [`ready`](Self::ready)),
-    /// or the stream or the connection ended. It does not look at the connection's send
+    /// or the stream or the connection ended, or (a [`StatusCode::ValidateError`]) when the
+    /// item's frame would be longer than the server reads. It does not look at the connection's send
     /// queue: [`ready`](Self::ready) waits for room before the next item is worth producing,
     /// and a caller sending without it may take the queue past its limit by what it sends.
     pub fn send(&self, item: Bytes) -> Result<(), RpcError> {
