@@ -55,6 +55,7 @@ pub fn read_msgpack<'de, T, E: std::fmt::Display>(
     bytes: &'de [u8],
     read: impl FnOnce(&mut MsgPackReader<'de>) -> Result<T, E>,
 ) -> Result<T, String> {
+    check_msgpack_depth(bytes)?;
     let mut de = rmp_serde::Deserializer::from_read_ref(bytes);
     de.set_max_depth(MAX_DEPTH);
     let value = read(&mut de).map_err(|e| e.to_string())?;
@@ -72,6 +73,89 @@ pub fn read_msgpack<'de, T, E: std::fmt::Display>(
             "bytes follow the value ({} bytes in all): the payload must be one MessagePack value",
             bytes.len()
         )),
+    }
+}
+
+/// Refuses a MessagePack value whose arrays, maps and ext values nest [`MAX_DEPTH`] deep,
+/// before anything is decoded. rmp-serde's own limit counts only what it reads through
+/// `deserialize_any`: an enum's variant (a map of one entry) read by `deserialize_enum` is no
+/// level to it, so a recursive enum argument (`Not(Box<Expr>)`) would nest without bound and
+/// overflow the stack. This walk counts every container by its marker, whatever type reads it.
+/// Bytes that end early or hold no value are left to the decoder, which refuses them.
+fn check_msgpack_depth(bytes: &[u8]) -> Result<(), String> {
+    // Each level takes a byte at least: fewer bytes cannot nest that deep.
+    if bytes.len() < MAX_DEPTH {
+        return Ok(());
+    }
+    let deep = || format!("the value nests {MAX_DEPTH} arrays or maps deep, or deeper");
+    // Values still to read in each open container, innermost last.
+    let mut open: Vec<u64> = Vec::new();
+    let mut at = 0;
+    loop {
+        let Some((children, size)) = msgpack_header(&bytes[at.min(bytes.len())..]) else {
+            return Ok(());
+        };
+        at = at.saturating_add(size);
+        if let Some(children) = children {
+            if open.len() + 1 >= MAX_DEPTH {
+                return Err(deep());
+            }
+            if children > 0 {
+                open.push(children);
+                continue;
+            }
+        }
+        // A value is complete: so is each container it was the last value of.
+        loop {
+            let Some(left) = open.last_mut() else {
+                return Ok(());
+            };
+            *left -= 1;
+            if *left > 0 {
+                break;
+            }
+            open.pop();
+        }
+    }
+}
+
+/// The MessagePack value starting `b`: the values it contains when it is an array or a map
+/// (`Some`, a map's entries counting two; an ext value as an empty container), and the bytes
+/// of its marker, lengths and own payload; `None` when `b` is empty, cut short or not a
+/// value.
+fn msgpack_header(b: &[u8]) -> Option<(Option<u64>, usize)> {
+    let marker = *b.first()?;
+    let be = |n: usize| -> Option<u64> {
+        let bytes = b.get(1..1 + n)?;
+        Some(bytes.iter().fold(0u64, |acc, &x| acc << 8 | u64::from(x)))
+    };
+    let sized = |len: u64, head: usize| Some((None, head.checked_add(usize::try_from(len).ok()?)?));
+    match marker {
+        0x00..=0x7f | 0xe0..=0xff | 0xc0 | 0xc2 | 0xc3 => Some((None, 1)),
+        0x80..=0x8f => Some((Some(2 * u64::from(marker & 0x0f)), 1)),
+        0x90..=0x9f => Some((Some(u64::from(marker & 0x0f)), 1)),
+        0xa0..=0xbf => sized(u64::from(marker & 0x1f), 1),
+        0xcc | 0xd0 => Some((None, 2)),
+        0xcd | 0xd1 => Some((None, 3)),
+        0xca | 0xce | 0xd2 => Some((None, 5)),
+        0xcb | 0xcf | 0xd3 => Some((None, 9)),
+        0xc4 | 0xd9 => sized(be(1)?, 2),
+        0xc5 | 0xda => sized(be(2)?, 3),
+        0xc6 | 0xdb => sized(be(4)?, 5),
+        // Ext values: a type byte and opaque data, a level to rmp-serde.
+        0xd4 => Some((Some(0), 3)),
+        0xd5 => Some((Some(0), 4)),
+        0xd6 => Some((Some(0), 6)),
+        0xd7 => Some((Some(0), 10)),
+        0xd8 => Some((Some(0), 18)),
+        0xc7 => Some((Some(0), 3usize.checked_add(usize::try_from(be(1)?).ok()?)?)),
+        0xc8 => Some((Some(0), 4usize.checked_add(usize::try_from(be(2)?).ok()?)?)),
+        0xc9 => Some((Some(0), 6usize.checked_add(usize::try_from(be(4)?).ok()?)?)),
+        0xdc => Some((Some(be(2)?), 3)),
+        0xdd => Some((Some(be(4)?), 5)),
+        0xde => Some((Some(2 * be(2)?), 3)),
+        0xdf => Some((Some(2 * be(4)?), 5)),
+        0xc1 => None,
     }
 }
 
@@ -305,6 +389,56 @@ mod tests {
             let decoded = Codec::Json.decode::<serde_json::Value>(json(depth).as_bytes());
             assert_eq!(decoded.is_ok(), ok, "JSON, depth {depth}: {decoded:?}");
         }
+    }
+
+    /// A recursive enum argument nests as deep as arrays do in both codecs: in MessagePack
+    /// each variant is a map of one entry, which rmp-serde's own depth limit does not count,
+    /// so a peer could nest it until the stack overflowed.
+    #[test]
+    fn a_recursive_enum_nests_no_deeper_than_arrays_in_either_codec() {
+        #[derive(Debug, serde::Serialize, serde::Deserialize)]
+        enum Expr {
+            Not(Box<Expr>),
+            Lit(bool),
+        }
+        let nested = |depth: usize| {
+            let mut e = Expr::Lit(true);
+            for _ in 1..depth {
+                e = Expr::Not(Box::new(e));
+            }
+            e
+        };
+        for (depth, ok) in [
+            (MAX_DEPTH - 1, true),
+            (MAX_DEPTH, false),
+            (10 * MAX_DEPTH, false),
+        ] {
+            // Encoded by the serializers themselves (which have no limit), not by hand.
+            let msgpack = rmp_serde::to_vec(&nested(depth)).unwrap();
+            let decoded = Codec::MsgPack.decode::<Expr>(&msgpack);
+            assert_eq!(
+                decoded.is_ok(),
+                ok,
+                "MessagePack, depth {depth}: {decoded:?}"
+            );
+            let json = serde_json::to_vec(&nested(depth)).unwrap();
+            let decoded = Codec::Json.decode::<Expr>(&json);
+            assert_eq!(decoded.is_ok(), ok, "JSON, depth {depth}: {decoded:?}");
+        }
+    }
+
+    /// The depth walk reads every kind of value, so what lies beside deep values is skipped
+    /// whole: a long string or bin is no nesting, a wide shallow array no depth.
+    #[test]
+    fn the_depth_walk_skips_payloads_and_counts_only_nesting() {
+        type Row = (String, Vec<u8>, f64, i64, Option<u8>);
+        let wide: Vec<Row> = (0..200)
+            .map(|i| ("x".repeat(300), vec![0x91; 500], 0.5, -i, None))
+            .collect();
+        let bytes = Codec::MsgPack.encode(&wide).unwrap();
+        assert!(check_msgpack_depth(&bytes).is_ok());
+        let back: Vec<Row> = Codec::MsgPack.decode(&bytes).unwrap();
+        assert_eq!(back, wide);
     }
 
     /// Whatever follows a whole value is refused: a value, a value cut short, a byte no value
