@@ -326,14 +326,21 @@ pub mod serde_rpc_error {
 impl StatusCode {
     /// The status a typed error value travels with when it holds an error with this status:
     /// the callee's own answers (and a nonsensical success) stay a business error (1000); a
-    /// failure to reach the callee's own dependency (506 connection, 522 open breaker) becomes
-    /// 504, "no usable endpoint", since the callee itself was reached and must not be held
-    /// responsible for a broken connection of its own; every other status is kept.
+    /// failure to reach the callee's own dependency becomes 504, "no usable endpoint": 506
+    /// connection, 522 open breaker, and what only the dependency's side says of the callee's
+    /// call (517 its connection refused, 404/507/513 its service or entry not found, 501 not
+    /// implemented there). The callee itself was reached: kept, these would tell its caller
+    /// that the callee refused it or has no such entry (a gateway would answer 401 or 404),
+    /// and spare the callee's breaker. Every other status is kept.
     pub const fn carried(self) -> StatusCode {
         match self {
-            StatusCode::CommunicationError | StatusCode::CircuitOpen => {
-                StatusCode::NotFindServiceRouteAddress
-            }
+            StatusCode::CommunicationError
+            | StatusCode::CircuitOpen
+            | StatusCode::RpcUnAuthentication
+            | StatusCode::NotFindServiceRoute
+            | StatusCode::NotFindLocalServiceEntry
+            | StatusCode::NotFindServiceEntry
+            | StatusCode::NotImplemented => StatusCode::NotFindServiceRouteAddress,
             StatusCode::Success => StatusCode::BusinessError,
             code if code.is_callee_answer() => StatusCode::BusinessError,
             code => code,
@@ -559,6 +566,13 @@ mod tests {
             let wire = overflow.into_rpc_error(codec);
             assert_eq!(wire.code().as_u32(), 515);
             assert!(wire.payload().is_some());
+            // What only the dependency's side said of the handler's call: not the handler's
+            // own refusal of its caller, nor an entry its caller asked for that is missing.
+            for code in [517, 404, 507, 513, 501] {
+                let wire =
+                    RpcError::new(StatusCode::from_u32(code), "downstream").into_rpc_error(codec);
+                assert_eq!(wire.code().as_u32(), 504, "{code}: {wire}");
+            }
         }
     }
 
