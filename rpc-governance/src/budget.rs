@@ -46,12 +46,15 @@ impl RetryBudget {
         Self::default()
     }
 
-    /// The bucket of second `sec`, emptied first if it still holds an older second.
+    /// The bucket of second `sec`, emptied first if it still holds an older second. A bucket
+    /// already on a newer second (a deposit of a call that started a window ago or more) is
+    /// never taken back to an older one: that would forget the newer second's retries, and
+    /// the deposit counts in it instead.
     fn bucket(&self, sec: u64) -> &Bucket {
         let b = &self.buckets[(sec % WINDOW_SECONDS) as usize];
-        if b.second.load(Ordering::Acquire) != sec {
+        if b.second.load(Ordering::Acquire) < sec {
             let _turnover = self.turnover.lock().unwrap_or_else(PoisonError::into_inner);
-            if b.second.load(Ordering::Acquire) != sec {
+            if b.second.load(Ordering::Acquire) < sec {
                 b.calls.store(0, Ordering::Relaxed);
                 b.retries.store(0, Ordering::Relaxed);
                 b.second.store(sec, Ordering::Release);
@@ -122,5 +125,27 @@ mod tests {
         // Once the window has moved on, the budget is back to its floor.
         tokio::time::advance(Duration::from_secs(WINDOW_SECONDS)).await;
         assert_eq!((0..20).filter(|_| b.try_withdraw(&o)).count(), 10);
+    }
+
+    /// A call that started a window ago or more (its service's lookup took that long) is
+    /// deposited without taking its bucket back to its old second, which would forget the
+    /// retries already drawn in the current one.
+    #[tokio::test(start_paused = true)]
+    async fn a_stale_deposit_does_not_refill_the_budget() {
+        let o = GovernanceOptions {
+            retry_budget_percent: 0,
+            retry_budget_min_per_second: 1,
+            ..Default::default()
+        };
+        let b = RetryBudget::new();
+        let long_ago = Instant::now();
+        tokio::time::advance(Duration::from_secs(WINDOW_SECONDS)).await;
+        assert_eq!(
+            (0..20).filter(|_| b.try_withdraw(&o)).count(),
+            10,
+            "the floor"
+        );
+        b.deposit_at(long_ago);
+        assert!(!b.try_withdraw(&o), "the floor is spent still");
     }
 }
