@@ -11,6 +11,7 @@
 
 use std::collections::BTreeMap;
 use std::future::Future;
+use std::sync::Arc;
 
 tokio::task_local! {
     static CONTEXT: Current;
@@ -18,7 +19,8 @@ tokio::task_local! {
 
 /// What a scope holds: the attachments, and the retry depth a server received beside them.
 struct Current {
-    attachments: BTreeMap<String, String>,
+    /// Shared, so that a stream's items can each be polled in the context of its call.
+    attachments: Arc<BTreeMap<String, String>>,
     /// [`RETRY_DEPTH_KEY`] as a server received it (0: look in `attachments`). A field rather
     /// than a map entry: nearly every call carries it, and an entry costs three allocations.
     retry_depth: u32,
@@ -86,6 +88,16 @@ impl RpcContext {
         retry_depth: u32,
         fut: F,
     ) -> impl Future<Output = F::Output> {
+        Self::scope_shared(Arc::new(attachments), retry_depth, fut)
+    }
+
+    /// [`scope_served`](Self::scope_served) with attachments shared with other scopes of the
+    /// same call (a stream's set-up and each poll of its items).
+    pub fn scope_shared<F: Future>(
+        attachments: Arc<BTreeMap<String, String>>,
+        retry_depth: u32,
+        fut: F,
+    ) -> impl Future<Output = F::Output> {
         CONTEXT.scope(
             Current {
                 attachments,
@@ -98,6 +110,15 @@ impl RpcContext {
     /// The synchronous form of [`scope_served`](Self::scope_served).
     pub fn sync_scope_served<R>(
         attachments: BTreeMap<String, String>,
+        retry_depth: u32,
+        f: impl FnOnce() -> R,
+    ) -> R {
+        Self::sync_scope_shared(Arc::new(attachments), retry_depth, f)
+    }
+
+    /// The synchronous form of [`scope_shared`](Self::scope_shared).
+    pub fn sync_scope_shared<R>(
+        attachments: Arc<BTreeMap<String, String>>,
         retry_depth: u32,
         f: impl FnOnce() -> R,
     ) -> R {
@@ -125,7 +146,7 @@ impl RpcContext {
     /// (empty outside any scope; no allocation then).
     pub fn current_attachments() -> BTreeMap<String, String> {
         let depth = Self::served_retry_depth();
-        let mut attachments = Self::with_current(Clone::clone);
+        let mut attachments = Self::with_current(BTreeMap::clone);
         if depth > 0 {
             attachments.insert(RETRY_DEPTH_KEY.to_string(), depth.to_string());
         }

@@ -136,11 +136,7 @@ impl Terminal {
                 req.deadline,
                 &cause,
             );
-            let items = if attachments.is_empty() && retry_depth == 0 {
-                setup.await
-            } else {
-                RpcContext::scope_served(attachments, retry_depth, setup).await
-            };
+            let items = crate::streams::in_context(setup, attachments, retry_depth).await;
             req.fallback_cause = cause.get();
             let items = items?;
             *opened

@@ -141,12 +141,7 @@ pub(crate) fn dispatch(
         deadline,
         &cause,
     );
-    // The set-up runs in the caller's context, so the calls it makes carry its attachments on.
-    let setup: StreamFuture = if attachments.is_empty() && invoke_depth == 0 {
-        setup
-    } else {
-        Box::pin(RpcContext::scope_served(attachments, invoke_depth, setup))
-    };
+    let setup = in_context(setup, attachments, invoke_depth);
     Dispatch::Events(Box::pin(ServerStream::new(
         d,
         route,
@@ -258,6 +253,30 @@ fn layered(
         received,
         Some((hooks, Instant::now())),
     )))
+}
+
+/// `setup` and then each poll of its items run in the caller's context (`attachments` and
+/// `retry_depth`), so the calls the handler makes carry them on, while it sets up and while it
+/// produces items alike; with no context, `setup` as it is (its items keep their own path).
+pub(crate) fn in_context(
+    setup: StreamFuture,
+    attachments: std::collections::BTreeMap<String, String>,
+    retry_depth: u32,
+) -> StreamFuture {
+    if attachments.is_empty() && retry_depth == 0 {
+        return setup;
+    }
+    let context = Arc::new(attachments);
+    Box::pin(async move {
+        let mut items = RpcContext::scope_shared(context.clone(), retry_depth, setup).await?;
+        Ok(RpcStream::try_new(futures_util::stream::poll_fn(
+            move |cx| {
+                RpcContext::sync_scope_shared(context.clone(), retry_depth, || {
+                    items.poll_next_unpin(cx)
+                })
+            },
+        )))
+    })
 }
 
 /// `setup` answered, should it fail with an error a server fallback applies to, by the

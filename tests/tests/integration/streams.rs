@@ -60,6 +60,9 @@ pub trait Feed {
     /// Both ways, the caller's lines read by a task of the handler's own (as a tonic handler
     /// is often written) and forwarded to the answer; reports when that task ends.
     async fn relay(&self, lines: RpcStream<String>) -> Result<RpcStream<String>, RpcError>;
+    /// `n` items, each the caller's `tenant` attachment as the handler sees it while producing
+    /// that item (`none` when it sees none).
+    async fn tenants(&self, n: u32) -> Result<RpcStream<String>, RpcError>;
 }
 
 #[derive(Clone)]
@@ -73,6 +76,13 @@ struct Feeds {
 }
 
 impl Feed for Feeds {
+    async fn tenants(&self, n: u32) -> Result<RpcStream<String>, RpcError> {
+        Ok(RpcStream::new(futures_util::StreamExt::map(
+            futures_util::stream::iter(0..n),
+            |_| rpc::RpcContext::get("tenant").unwrap_or_else(|| "none".into()),
+        )))
+    }
+
     async fn ticks(&self, n: u32) -> Result<RpcStream<Tick>, RpcError> {
         Ok(RpcStream::iter((0..n).map(|seq| Tick {
             seq,
@@ -1190,6 +1200,36 @@ impl rpc::ServerLayer for Gate {
             }
             next.run(req).await
         })
+    }
+}
+
+/// A stream's items are produced in the caller's context, as its set-up is: the calls the
+/// handler makes while producing them carry the caller's attachments (and retry depth) on,
+/// with or without server layers. Before, only the set-up had them.
+#[tokio::test]
+async fn a_streams_items_are_produced_in_the_callers_context() {
+    for layered in [false, true] {
+        let reg = InProcessRegistry::new();
+        let seen = Arc::new(AtomicU64::new(0));
+        let (server, _probe) = serve_configured(&reg, |b| {
+            if layered {
+                b.layer(Gate(seen.clone()))
+            } else {
+                b
+            }
+        })
+        .await;
+        let f = feed(&reg);
+        let context =
+            std::collections::BTreeMap::from([("tenant".to_string(), "acme".to_string())]);
+        let items = within("tenants", rpc::RpcContext::scope(context, f.tenants(3)))
+            .await
+            .expect("accepted");
+        let tenants = within("the items", items.collect_all())
+            .await
+            .expect("items");
+        assert_eq!(tenants, ["acme", "acme", "acme"], "layered {layered}");
+        within("shutdown", server.shutdown()).await;
     }
 }
 
