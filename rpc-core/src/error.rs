@@ -412,7 +412,22 @@ impl RemoteError for RpcError {
         err
     }
     fn into_rpc_error(self, codec: Codec) -> RpcError {
-        if self.code().is_callee_answer() || self.payload().is_some() {
+        if let Some((from, payload)) = self.payload() {
+            // A downstream's typed error passed on with `?`: its payload in this call's codec,
+            // which the caller decodes it by (a JSON caller of a handler that called on with
+            // MessagePack).
+            if *from != codec {
+                let recoded = from
+                    .decode::<serde_json::Value>(payload)
+                    .ok()
+                    .and_then(|value| codec.encode(&value).ok());
+                if let Some(recoded) = recoded {
+                    return self.with_payload(codec, recoded);
+                }
+            }
+            return self;
+        }
+        if self.code().is_callee_answer() {
             return self;
         }
         /// The error in the form `serde_rpc_error` writes.
@@ -573,6 +588,26 @@ mod tests {
                     RpcError::new(StatusCode::from_u32(code), "downstream").into_rpc_error(codec);
                 assert_eq!(wire.code().as_u32(), 504, "{code}: {wire}");
             }
+        }
+    }
+
+    /// A downstream's typed error passed on by a handler goes back in the handler's caller's
+    /// codec, whatever codec the handler called on with: the caller decodes it by its own.
+    #[test]
+    fn a_passed_on_payload_travels_in_the_callers_codec() {
+        let typed = MyError::NoSuchUser(7);
+        for (down, up) in [(Codec::MsgPack, Codec::Json), (Codec::Json, Codec::MsgPack)] {
+            let payload = down.encode(&typed).unwrap();
+            let passed_on = RpcError::business("no such user")
+                .with_payload(down, payload)
+                .into_rpc_error(up);
+            let (codec, bytes) = passed_on.payload().expect("the payload stays");
+            assert_eq!(*codec, up);
+            assert_eq!(
+                up.decode::<MyError>(bytes).unwrap(),
+                typed,
+                "{down:?} → {up:?}"
+            );
         }
     }
 
