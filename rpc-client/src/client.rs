@@ -536,7 +536,9 @@ impl Inner {
 }
 
 /// An id given without saying whether it names a service or an entry applies as both: a
-/// service id never equals an entry id of the same method, so only the right section matches.
+/// service id never equals an entry id of the same service, so usually only the right section
+/// matches. A service whose id is also an entry id of another service (`shop.Greeter.v2`, and
+/// the method `v2` of `shop.Greeter`) gets both (see `Client::update_options`).
 ///
 /// An update merges into what earlier updates set for the same id, field by field.
 fn set_runtime(layer: &mut GovernanceConfig, id: String, o: GovernanceOverrides) {
@@ -595,6 +597,12 @@ impl Client {
     /// carry out (`shunt_strategy = hash` on a method without a `#[hash_key]` argument) is
     /// refused with an error naming the entry, and changes nothing. An entry not called yet is
     /// checked at its first call, which fails with that error instead of going round robin.
+    ///
+    /// The id names an entry or a service without saying which: a service whose id is also
+    /// the entry id of another service's method (`shop.Greeter.v2`, and the method `v2` of
+    /// `shop.Greeter`) is updated with that entry, and so are [`clear_option`](Self::clear_option)
+    /// and [`clear_options`](Self::clear_options); give such a service another id, or use the
+    /// config file's `[services."..."]` and `[entries."..."]` sections, which say which.
     pub fn update_options(
         &self,
         id: impl Into<String>,
