@@ -81,8 +81,8 @@ impl EntryPolicy {
     }
 
     /// The entry's method: the first descriptor seen for the entry id, or a later one that
-    /// carries the method's `#[governance(...)]` attribute where the first (a generic call's,
-    /// made from the id alone) had none.
+    /// carries the method's `#[governance(...)]` attribute or `#[hash_key]` argument where the
+    /// first (a generic call's, made from the id alone) had none.
     pub fn method(&self) -> &'static MethodDescriptor {
         self.attributed.get().copied().unwrap_or(self.method)
     }
@@ -169,10 +169,12 @@ impl Governance {
             // The entry was first used through a descriptor without the method's attribute (a
             // generic call, made from the id alone): this one has it, and its options from now
             // on include it.
-            if p.method.governance == GovernanceOverrides::NONE
-                && method.governance != GovernanceOverrides::NONE
-                && p.attributed.set(method).is_ok()
-            {
+            // So too when this one marks the `#[hash_key]` argument the first had not: an
+            // update to consistent hashing is checked against it.
+            let better = (p.method.governance == GovernanceOverrides::NONE
+                && method.governance != GovernanceOverrides::NONE)
+                || (p.method.hash_key.is_none() && method.hash_key.is_some());
+            if better && p.attributed.set(method).is_ok() {
                 let layers = self.layers.read().unwrap_or_else(|p| p.into_inner());
                 p.options.store(Arc::new(layers.resolve(method)));
             }
@@ -365,9 +367,43 @@ impl Governance {
 
 #[cfg(test)]
 mod tests {
-    use rpc_core::{GovernanceOverrides, MethodDescriptor};
+    use rpc_core::{GovernanceOverrides, MethodDescriptor, ShuntStrategy};
 
     use super::*;
+
+    /// An entry first called by id (a descriptor without its `#[hash_key]`), then through its
+    /// typed proxy (with it): an update to consistent hashing is checked against the proxy's,
+    /// and taken. Before, the first descriptor's lack of a key refused it.
+    #[tokio::test(start_paused = true)]
+    async fn a_later_descriptors_hash_key_allows_hashing() {
+        static BY_ID: MethodDescriptor = MethodDescriptor {
+            service_id: "h.H",
+            method: "m",
+            entry_id: "h.H.m",
+            hash_key: None,
+            governance: GovernanceOverrides::NONE,
+            api: None,
+        };
+        static TYPED: MethodDescriptor = MethodDescriptor {
+            service_id: "h.H",
+            method: "m",
+            entry_id: "h.H.m",
+            hash_key: Some(0),
+            governance: GovernanceOverrides::NONE,
+            api: None,
+        };
+        let g = Governance::new(Layers::default());
+        g.policy(&BY_ID);
+        g.policy(&TYPED);
+        let hashing = GovernanceOverrides {
+            shunt_strategy: Some(ShuntStrategy::Hash),
+            ..GovernanceOverrides::NONE
+        };
+        let updated = g.try_update_layers(|l| {
+            l.runtime.entries.insert("h.H.m".into(), hashing);
+        });
+        assert!(updated.is_ok(), "{updated:?}");
+    }
 
     /// Descriptors of `n` entries of one service, as a generated table lays them out.
     fn table(n: usize) -> &'static [MethodDescriptor] {
