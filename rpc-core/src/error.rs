@@ -328,10 +328,11 @@ impl StatusCode {
     /// the callee's own answers (and a nonsensical success) stay a business error (1000); a
     /// failure to reach the callee's own dependency becomes 504, "no usable endpoint": 506
     /// connection, 522 open breaker, and what only the dependency's side says of the callee's
-    /// call (517 its connection refused, 404/507/513 its service or entry not found, 501 not
-    /// implemented there). The callee itself was reached: kept, these would tell its caller
-    /// that the callee refused it or has no such entry (a gateway would answer 401 or 404),
-    /// and spare the callee's breaker. Every other status is kept.
+    /// call (517 its connection refused, 404/507/513 its service or entry not found), which a
+    /// handler never answers of its own. The callee itself was reached: kept, these would tell
+    /// its caller that the callee refused it or has no such entry (a gateway would answer 401
+    /// or 404), and spare the callee's breaker. Every other status is kept, 501 among them (a
+    /// handler may say it does not implement something).
     pub const fn carried(self) -> StatusCode {
         match self {
             StatusCode::CommunicationError
@@ -339,8 +340,7 @@ impl StatusCode {
             | StatusCode::RpcUnAuthentication
             | StatusCode::NotFindServiceRoute
             | StatusCode::NotFindLocalServiceEntry
-            | StatusCode::NotFindServiceEntry
-            | StatusCode::NotImplemented => StatusCode::NotFindServiceRouteAddress,
+            | StatusCode::NotFindServiceEntry => StatusCode::NotFindServiceRouteAddress,
             StatusCode::Success => StatusCode::BusinessError,
             code if code.is_callee_answer() => StatusCode::BusinessError,
             code => code,
@@ -583,11 +583,14 @@ mod tests {
             assert!(wire.payload().is_some());
             // What only the dependency's side said of the handler's call: not the handler's
             // own refusal of its caller, nor an entry its caller asked for that is missing.
-            for code in [517, 404, 507, 513, 501] {
+            for code in [517, 404, 507, 513] {
                 let wire =
                     RpcError::new(StatusCode::from_u32(code), "downstream").into_rpc_error(codec);
                 assert_eq!(wire.code().as_u32(), 504, "{code}: {wire}");
             }
+            // A handler's own "not implemented" stays its own.
+            let own = RpcError::new(StatusCode::NotImplemented, "not yet").into_rpc_error(codec);
+            assert_eq!(own.code().as_u32(), 501);
         }
     }
 
