@@ -139,6 +139,26 @@ trait EncodeItems: Send {
     ) -> Poll<Option<Result<usize, RpcError>>>;
 }
 
+/// An encoding source polled in a call context (see [`RpcStream::in_context`]).
+struct EncodingInContext {
+    source: Box<dyn EncodeItems>,
+    attachments: std::sync::Arc<std::collections::BTreeMap<String, String>>,
+    retry_depth: u32,
+}
+
+impl EncodeItems for EncodingInContext {
+    fn poll_encode(
+        &mut self,
+        cx: &mut Context<'_>,
+        dst: &mut BytesMut,
+    ) -> Poll<Option<Result<usize, RpcError>>> {
+        let source = &mut self.source;
+        crate::RpcContext::sync_scope_shared(self.attachments.clone(), self.retry_depth, || {
+            source.poll_encode(cx, dst)
+        })
+    }
+}
+
 /// A stream of `T`s and what encodes one onto a buffer.
 struct Encoder<T, F> {
     items: RpcStream<T>,
@@ -176,6 +196,44 @@ where
 const SCRATCH: usize = 16 * 1024;
 
 impl<T: Send + 'static> RpcStream<T> {
+    /// This stream with each poll of its source run in the call context of `attachments` and
+    /// `retry_depth` ([`RpcContext::sync_scope_shared`](crate::RpcContext::sync_scope_shared)):
+    /// what a server does with a handler's items, so that the calls made while producing them
+    /// carry the caller's context as the handler's set-up did. A stream encoding its items as
+    /// they are taken stays one (taken into a frame with no buffer of its own); any other is
+    /// polled through a stream of its own.
+    pub fn in_context(
+        self,
+        attachments: std::sync::Arc<std::collections::BTreeMap<String, String>>,
+        retry_depth: u32,
+    ) -> Self {
+        let RpcStream { inner, done } = self;
+        let inner = match inner {
+            Inner::Encoding {
+                source,
+                scratch,
+                wrap,
+            } => Inner::Encoding {
+                source: Box::new(EncodingInContext {
+                    source,
+                    attachments,
+                    retry_depth,
+                }),
+                scratch,
+                wrap,
+            },
+            other => {
+                let mut items = RpcStream { inner: other, done };
+                Inner::Items(Box::pin(stream::poll_fn(move |cx| {
+                    crate::RpcContext::sync_scope_shared(attachments.clone(), retry_depth, || {
+                        items.poll_next_unpin(cx)
+                    })
+                })))
+            }
+        };
+        RpcStream { inner, done }
+    }
+
     /// The items of any stream of `T`s.
     pub fn new(items: impl Stream<Item = T> + Send + 'static) -> Self {
         Self::try_new(items.map(Ok))
@@ -393,6 +451,39 @@ impl RpcStream<Bytes> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A stream put in a call context polls its source in it, and an encoding stream stays
+    /// one: its items are encoded straight into the taker's buffer, in the context.
+    #[test]
+    fn a_stream_in_context_polls_its_source_there_and_keeps_encoding() {
+        let context = std::sync::Arc::new(std::collections::BTreeMap::from([(
+            "tenant".to_string(),
+            "acme".to_string(),
+        )]));
+        let seen = || crate::RpcContext::get("tenant").unwrap_or_else(|| "none".into());
+        let encoding = RpcStream::encoding(
+            RpcStream::new(stream::iter([(); 2]).map(move |()| seen())),
+            |item: &String, dst: &mut BytesMut| {
+                dst.extend_from_slice(item.as_bytes());
+                Ok(item.len())
+            },
+        );
+        let mut encoding = encoding.in_context(context.clone(), 0);
+        assert!(matches!(encoding.inner, Inner::Encoding { .. }));
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        let mut dst = BytesMut::new();
+        assert!(matches!(
+            encoding.poll_next_into(&mut cx, &mut dst),
+            Poll::Ready(Some(Ok(4)))
+        ));
+        assert_eq!(&dst[..], b"acme");
+        let mut items =
+            RpcStream::new(stream::iter([(); 1]).map(move |()| seen())).in_context(context, 1);
+        assert!(matches!(
+            items.poll_next_unpin(&mut cx),
+            Poll::Ready(Some(Ok(ref t))) if t == "acme"
+        ));
+    }
     use crate::StatusCode;
 
     #[tokio::test]

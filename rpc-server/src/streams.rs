@@ -257,7 +257,8 @@ fn layered(
 
 /// `setup` and then each poll of its items run in the caller's context (`attachments` and
 /// `retry_depth`), so the calls the handler makes carry them on, while it sets up and while it
-/// produces items alike; with no context, `setup` as it is (its items keep their own path).
+/// produces items alike (items encoded as they are taken stay so); with no context, `setup`
+/// as it is.
 pub(crate) fn in_context(
     setup: StreamFuture,
     attachments: std::collections::BTreeMap<String, String>,
@@ -268,14 +269,8 @@ pub(crate) fn in_context(
     }
     let context = Arc::new(attachments);
     Box::pin(async move {
-        let mut items = RpcContext::scope_shared(context.clone(), retry_depth, setup).await?;
-        Ok(RpcStream::try_new(futures_util::stream::poll_fn(
-            move |cx| {
-                RpcContext::sync_scope_shared(context.clone(), retry_depth, || {
-                    items.poll_next_unpin(cx)
-                })
-            },
-        )))
+        let items = RpcContext::scope_shared(context.clone(), retry_depth, setup).await?;
+        Ok(items.in_context(context, retry_depth))
     })
 }
 
