@@ -259,6 +259,34 @@ impl Codec {
         })
     }
 
+    /// `bytes`, one value encoded by this codec, encoded by `to` instead, value by value (a
+    /// MessagePack binary becomes a JSON array of numbers, an integer map key a string; what
+    /// JSON cannot say, such as those keys read back as integers, does not come back).
+    pub fn transcode(self, bytes: &[u8], to: Codec) -> Result<Bytes, CodecError> {
+        if self == to {
+            return Ok(Bytes::copy_from_slice(bytes));
+        }
+        let fail = |reason: String| CodecError {
+            codec: self,
+            op: "transcoding",
+            reason,
+        };
+        let mut out = Vec::new();
+        match (self, to) {
+            (Codec::MsgPack, _) => read_msgpack(bytes, |de| {
+                serde_transcode::transcode(de, &mut serde_json::Serializer::new(&mut out))
+            })
+            .map_err(fail)?,
+            (Codec::Json, _) => {
+                let mut de = serde_json::Deserializer::from_slice(bytes);
+                serde_transcode::transcode(&mut de, &mut rmp_serde::Serializer::new(&mut out))
+                    .map_err(|e| fail(e.to_string()))?;
+                de.end().map_err(|e| fail(e.to_string()))?;
+            }
+        }
+        Ok(Bytes::from(out))
+    }
+
     /// Decodes a value through a [`DeserializeSeed`](serde::de::DeserializeSeed): a decoder
     /// that carries state, such as the names of a method's arguments for its errors. Same
     /// limits as [`decode`](Self::decode).

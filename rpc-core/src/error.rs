@@ -417,11 +417,7 @@ impl RemoteError for RpcError {
             // which the caller decodes it by (a JSON caller of a handler that called on with
             // MessagePack).
             if *from != codec {
-                let recoded = from
-                    .decode::<serde_json::Value>(payload)
-                    .ok()
-                    .and_then(|value| codec.encode(&value).ok());
-                if let Some(recoded) = recoded {
+                if let Ok(recoded) = from.transcode(payload, codec) {
                     return self.with_payload(codec, recoded);
                 }
             }
@@ -595,9 +591,36 @@ mod tests {
     }
 
     /// A downstream's typed error passed on by a handler goes back in the handler's caller's
-    /// codec, whatever codec the handler called on with: the caller decodes it by its own.
+    /// codec, whatever codec the handler called on with: the caller decodes it by its own,
+    /// binaries included.
     #[test]
     fn a_passed_on_payload_travels_in_the_callers_codec() {
+        #[derive(Debug, PartialEq, Serialize, Deserialize)]
+        struct Blob {
+            #[serde(with = "serde_bytes_like")]
+            data: Vec<u8>,
+        }
+        /// A field written as bytes (a MessagePack bin), read from bytes or a sequence.
+        mod serde_bytes_like {
+            pub fn serialize<S: serde::Serializer>(v: &[u8], s: S) -> Result<S::Ok, S::Error> {
+                s.serialize_bytes(v)
+            }
+            pub fn deserialize<'de, D: serde::Deserializer<'de>>(
+                d: D,
+            ) -> Result<Vec<u8>, D::Error> {
+                <Vec<u8> as serde::Deserialize>::deserialize(d)
+            }
+        }
+        let blob = Blob {
+            data: vec![1, 2, 255],
+        };
+        let payload = Codec::MsgPack.encode(&blob).unwrap();
+        let passed_on = RpcError::business("blob")
+            .with_payload(Codec::MsgPack, payload)
+            .into_rpc_error(Codec::Json);
+        let (codec, bytes) = passed_on.payload().expect("the payload stays");
+        assert_eq!(*codec, Codec::Json);
+        assert_eq!(Codec::Json.decode::<Blob>(bytes).unwrap(), blob);
         let typed = MyError::NoSuchUser(7);
         for (down, up) in [(Codec::MsgPack, Codec::Json), (Codec::Json, Codec::MsgPack)] {
             let payload = down.encode(&typed).unwrap();
