@@ -37,8 +37,9 @@ pub struct EntryPolicy {
     /// The entry's recent call latencies, made when the entry first has `hedge_percentile`
     /// set.
     pub(crate) latency: std::sync::OnceLock<crate::latency::LatencyWindow>,
-    /// A descriptor with the method's attribute, when the first one seen had none.
-    attributed: std::sync::OnceLock<&'static MethodDescriptor>,
+    /// A later descriptor with more of the method (its attribute, its hash key) than the
+    /// first one seen (see `policy_by_id`).
+    attributed: arc_swap::ArcSwapOption<&'static MethodDescriptor>,
     /// Whether the caller has looked up the entry's service, so that what its instances
     /// publish is a level of the entry's options (see [`EntryPolicy::service_known`]).
     service_known: std::sync::atomic::AtomicBool,
@@ -84,7 +85,11 @@ impl EntryPolicy {
     /// carries the method's `#[governance(...)]` attribute or `#[hash_key]` argument where the
     /// first (a generic call's, made from the id alone) had none.
     pub fn method(&self) -> &'static MethodDescriptor {
-        self.attributed.get().copied().unwrap_or(self.method)
+        self.attributed
+            .load()
+            .as_deref()
+            .copied()
+            .unwrap_or(self.method)
     }
 }
 
@@ -169,12 +174,18 @@ impl Governance {
             // The entry was first used through a descriptor without the method's attribute (a
             // generic call, made from the id alone): this one has it, and its options from now
             // on include it.
-            // So too when this one marks the `#[hash_key]` argument the first had not: an
-            // update to consistent hashing is checked against it.
-            let better = (p.method.governance == GovernanceOverrides::NONE
-                && method.governance != GovernanceOverrides::NONE)
-                || (p.method.hash_key.is_none() && method.hash_key.is_some());
-            if better && p.attributed.set(method).is_ok() {
+            // So too when this one marks the `#[hash_key]` argument the one in use does not (an
+            // update to consistent hashing is checked against it): each time a descriptor
+            // has more of the two than the one in use, and less of neither.
+            let current = p.method();
+            let (attribute, key) = (
+                (current.governance != GovernanceOverrides::NONE)
+                    .cmp(&(method.governance != GovernanceOverrides::NONE)),
+                current.hash_key.is_some().cmp(&method.hash_key.is_some()),
+            );
+            let better = attribute.is_le() && key.is_le() && (attribute.is_lt() || key.is_lt());
+            if better {
+                p.attributed.store(Some(Arc::new(method)));
                 let layers = self.layers.read().unwrap_or_else(|p| p.into_inner());
                 p.options.store(Arc::new(layers.resolve(method)));
             }
@@ -203,7 +214,7 @@ impl Governance {
                             method.entry_id,
                         ) as usize,
                     ),
-                    attributed: std::sync::OnceLock::new(),
+                    attributed: arc_swap::ArcSwapOption::empty(),
                 })
             })
             .clone()
@@ -403,6 +414,37 @@ mod tests {
             l.runtime.entries.insert("h.H.m".into(), hashing);
         });
         assert!(updated.is_ok(), "{updated:?}");
+    }
+
+    /// A descriptor with less of the method than the one in use (a generic call's, with the
+    /// published hash key but without the attribute the typed proxy's has) does not replace
+    /// it: the attribute's options stay.
+    #[tokio::test(start_paused = true)]
+    async fn a_descriptor_with_less_of_the_method_does_not_replace_the_one_in_use() {
+        static TYPED: MethodDescriptor = MethodDescriptor {
+            service_id: "a.A",
+            method: "m",
+            entry_id: "a.A.m",
+            hash_key: None,
+            governance: GovernanceOverrides {
+                timeout_ms: Some(800),
+                ..GovernanceOverrides::NONE
+            },
+            api: None,
+        };
+        static GENERIC: MethodDescriptor = MethodDescriptor {
+            service_id: "a.A",
+            method: "m",
+            entry_id: "a.A.m",
+            hash_key: Some(0),
+            governance: GovernanceOverrides::NONE,
+            api: None,
+        };
+        let g = Governance::new(Layers::default());
+        g.policy(&TYPED);
+        let p = g.policy(&GENERIC);
+        assert_eq!(p.options().timeout_ms, 800);
+        assert!(std::ptr::eq(p.method(), &TYPED));
     }
 
     /// Descriptors of `n` entries of one service, as a generated table lays them out.
