@@ -87,7 +87,9 @@ fn check_msgpack_depth(bytes: &[u8]) -> Result<(), String> {
     if bytes.len() < MAX_DEPTH {
         return Ok(());
     }
-    let deep = || format!("the value nests {MAX_DEPTH} arrays or maps deep, or deeper");
+    let deep = || {
+        format!("depth limit exceeded: the value nests {MAX_DEPTH} arrays or maps deep, or deeper")
+    };
     // Values still to read in each open container, innermost last.
     let mut open: Vec<u64> = Vec::new();
     let mut at = 0;

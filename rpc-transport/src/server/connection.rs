@@ -19,7 +19,9 @@ use super::drain::drain;
 use super::expansion::{ExpansionBudget, Unpacker};
 use super::handler::{go_away, InvokeHandler};
 use super::handshake::handshake;
-use super::options::{ServerOptions, MAX_HELLO_FRAME, PAUSED_KEEPALIVE, REFUSALS_BEFORE_PAUSE};
+use super::options::{
+    ServerOptions, HELD_FRAME_KEEPALIVE, MAX_HELLO_FRAME, PAUSED_KEEPALIVE, REFUSALS_BEFORE_PAUSE,
+};
 use super::runner::Runners;
 use crate::caller::Caller;
 use crate::codec::FrameCodec;
@@ -185,6 +187,10 @@ pub(super) async fn run_connection<R, W>(
     let keepalive = tokio::time::sleep(Duration::ZERO);
     tokio::pin!(keepalive);
     let mut was_at_limit = false;
+    // While the server holds a large frame of the connection (see `HELD_FRAME_KEEPALIVE`): a
+    // check every so often, since the hold begins inside a read this loop is waiting on.
+    let held_check = tokio::time::sleep(HELD_FRAME_KEEPALIVE);
+    tokio::pin!(held_check);
     let ended: Option<String> = loop {
         // Calls just read run in tasks of their own: at the in-flight limit, let them run once
         // before refusing more, so that a client pipelining calls that finish at once is not
@@ -262,6 +268,13 @@ pub(super) async fn run_connection<R, W>(
             _ = &mut keepalive, if at_limit && !backlogged => {
                 conn.sender.send(Kind::Ping(Ping { nonce: 0 }));
                 keepalive.as_mut().reset(Instant::now() + PAUSED_KEEPALIVE);
+                continue;
+            }
+            _ = &mut held_check => {
+                if frames.waits_for_share() || frames.holds_share() {
+                    conn.sender.send(Kind::Ping(Ping { nonce: 0 }));
+                }
+                held_check.as_mut().reset(Instant::now() + HELD_FRAME_KEEPALIVE);
                 continue;
             }
             _ = &mut throttle, if throttled => {

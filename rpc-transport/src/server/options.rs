@@ -181,3 +181,10 @@ pub const REFUSALS_BEFORE_PAUSE: u32 = 16;
 /// limit, and the client would close the connection under them. Clients whose heartbeat
 /// interval is above a third of this are kept.
 pub const PAUSED_KEEPALIVE: Duration = Duration::from_secs(1);
+
+/// How often a server that holds a connection's large frame (waiting for a share of the read
+/// budget, or begun and not finished) checks whether to send that client a `Ping` (one each
+/// time it still holds one): the server answers nothing meanwhile, the client's `Ping`s wait
+/// behind the frame, and a client would take the connection for dead after three of its
+/// heartbeat intervals. Clients whose heartbeat interval is above a third of this are kept.
+pub(crate) const HELD_FRAME_KEEPALIVE: Duration = Duration::from_secs(3);

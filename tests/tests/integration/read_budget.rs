@@ -178,3 +178,54 @@ async fn a_connection_waiting_for_the_budget_is_not_closed_as_idle() {
     assert!(g.reason.contains("idle"), "{g:?}");
     within("shutdown", server.shutdown()).await;
 }
+
+/// A call whose large frame waits for a share of the budget longer than the client's
+/// heartbeat window (three intervals of 10 s with nothing arriving) is kept: the server, which
+/// holds the frame unread and answers nothing meanwhile, pings the client. Before, the client
+/// took the connection for dead and failed the call as maybe delivered.
+#[tokio::test(start_paused = true)]
+async fn a_call_waiting_for_the_budget_outlives_the_clients_heartbeat() {
+    use rpc::crates::transport::{Call, ConnectOptions, Connection};
+    let server = Server::builder()
+        .max_frame_length(256 * KIB)
+        .max_read_buffer_bytes(256 * KIB)
+        .add_service(BudgetServer::new(Len))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    // A takes the whole budget with half a frame, and stalls.
+    let a = frame(1, 200 * KIB);
+    let mut raw_a = RawConn::connect(server.local_addr()).await;
+    raw_a.handshake().await;
+    raw_a.send_bytes(&a[..a.len() / 2]).await.expect("send");
+    tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    let options = ConnectOptions::default();
+    let window = options.heartbeat_interval * 3;
+    let conn = Connection::connect(&server.local_addr().to_string(), &options)
+        .await
+        .expect("connect");
+    let call = tokio::spawn(async move {
+        conn.call(
+            Call {
+                service_entry_id: "t.Budget.len".into(),
+                codec: Codec::MsgPack.to_wire(),
+                parameters: Codec::MsgPack
+                    .encode(&("x".repeat(200 * KIB),))
+                    .expect("encode"),
+                ..Default::default()
+            },
+            None,
+        )
+        .await
+    });
+    // Past the client's heartbeat window, the frame still held back.
+    tokio::time::sleep(window + window / 2).await;
+    assert!(!call.is_finished(), "the call waits for the budget");
+    drop(raw_a);
+    let r = within("the call", call)
+        .await
+        .expect("join")
+        .expect("answered once the budget freed");
+    assert_eq!(length(&r), 200 * KIB as u64);
+    within("shutdown", server.shutdown()).await;
+}
