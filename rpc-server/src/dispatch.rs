@@ -846,14 +846,7 @@ async fn run_fallback(
     // Once the caller's deadline has passed the caller has its timeout: a fallback started
     // now would act for nobody.
     let to = &fb.to;
-    if deadline.is_some_and(|(d, _)| Instant::now() >= d) {
-        to.events.emit_parts(
-            EventKind::FallbackSkipped,
-            &to.entry_id,
-            Some(&to.endpoint),
-            0,
-            Some(e.to_string()),
-        );
+    if to.skipped_past(deadline, &e) {
         return Err(e);
     }
     // On the call's span: a trace shows why the fallback ran. The server sees each attempt of
@@ -892,6 +885,25 @@ pub(crate) struct FallbackTo {
     pub(crate) entry_id: Arc<str>,
     pub(crate) endpoint: Arc<str>,
     pub(crate) send_panic_text: bool,
+}
+
+impl FallbackTo {
+    /// Whether the caller's `deadline` has passed, so that the fallback is not to start (it
+    /// would act for nobody: the caller has its timeout); event `fallback_skipped` for the
+    /// failure `e` then.
+    pub(crate) fn skipped_past(&self, deadline: Option<(Instant, u32)>, e: &RpcError) -> bool {
+        let passed = deadline.is_some_and(|(d, _)| Instant::now() >= d);
+        if passed {
+            self.events.emit_parts(
+                EventKind::FallbackSkipped,
+                &self.entry_id,
+                Some(&self.endpoint),
+                0,
+                Some(e.to_string()),
+            );
+        }
+        passed
+    }
 }
 
 /// What a call keeps to run the server fallback after its handler failed.

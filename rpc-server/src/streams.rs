@@ -301,14 +301,7 @@ pub(crate) fn with_fallback(
             Err(e) if fallback::applies(&e, fallback::Side::Server) => e,
             other => return other,
         };
-        if deadline.is_some_and(|(d, _)| Instant::now() >= d) {
-            to.events.emit_parts(
-                EventKind::FallbackSkipped,
-                &to.entry_id,
-                Some(&to.endpoint),
-                0,
-                Some(e.to_string()),
-            );
+        if to.skipped_past(deadline, &e) {
             return Err(e);
         }
         cause.set(e.code());

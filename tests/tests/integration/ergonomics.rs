@@ -638,12 +638,10 @@ async fn a_second_signal_during_the_drain_stops_at_once() {
     );
 }
 
-/// A handle dropped without `shutdown` deregisters in a task of its own, later: a server of
-/// this process publishing the same instance id meanwhile (a shard restarted under its stable
-/// id) stays published. Before, the late deregistration removed it for good.
-#[tokio::test]
-async fn a_dropped_handle_does_not_unpublish_a_newer_server_with_its_id() {
-    let registry = InProcessRegistry::new();
+/// A shard restarted under its stable id in `registry`: a server serving as `shard-1`, its
+/// handle dropped, and a new one serving under the id; the old handle's deregistration task
+/// has had its turns on this one-thread runtime when this returns the new one.
+async fn restarted(registry: impl rpc::Registry + Clone) -> rpc::ServerHandle {
     let serve = || {
         Server::builder()
             .registry(registry.clone())
@@ -654,10 +652,19 @@ async fn a_dropped_handle_does_not_unpublish_a_newer_server_with_its_id() {
     let old = serve().await.expect("serve the old one");
     drop(old);
     let new = serve().await.expect("serve the new one");
-    // The old handle's deregistration task runs now, on this one-thread runtime.
     for _ in 0..10 {
         tokio::task::yield_now().await;
     }
+    new
+}
+
+/// A handle dropped without `shutdown` deregisters in a task of its own, later: a server of
+/// this process publishing the same instance id meanwhile (a shard restarted under its stable
+/// id) stays published. Before, the late deregistration removed it for good.
+#[tokio::test]
+async fn a_dropped_handle_does_not_unpublish_a_newer_server_with_its_id() {
+    let registry = InProcessRegistry::new();
+    let new = restarted(registry.clone()).await;
     let client = Client::builder().registry(registry).build();
     let watch = client.watch(EchoClient::SERVICE_ID).await.expect("watch");
     let published: Vec<String> = watch.current().iter().map(|i| i.address.clone()).collect();
@@ -680,19 +687,7 @@ async fn a_dropped_handle_does_not_unpublish_a_newer_server_registering_meanwhil
         common::registry::Register::LandsThenYields,
         common::registry::Watch::Unavailable,
     );
-    let serve = || {
-        Server::builder()
-            .registry(registry.clone())
-            .instance_id("shard-1")
-            .add_service(EchoServer::new(Plain))
-            .serve("127.0.0.1:0")
-    };
-    let old = serve().await.expect("serve the old one");
-    drop(old);
-    let new = serve().await.expect("serve the new one");
-    for _ in 0..10 {
-        tokio::task::yield_now().await;
-    }
+    let new = restarted(registry.clone()).await;
     assert!(
         registry
             .published

@@ -72,6 +72,16 @@ fn length(r: &RemoteResultMessage) -> u64 {
 
 const KIB: usize = 1024;
 
+/// A raw connection to `server` that sent half of a 200 KiB call (message id 1) and stalls:
+/// it holds its share of the read budget while the rest is missing.
+async fn half_a_frame(server: &rpc::ServerHandle) -> RawConn {
+    let a = frame(1, 200 * KIB);
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.handshake().await;
+    raw.send_bytes(&a[..a.len() / 2]).await.expect("send");
+    raw
+}
+
 #[tokio::test]
 async fn a_large_frame_over_the_budget_left_waits_unread_and_is_served_once_budget_frees() {
     let (tx, mut lines) = mpsc::unbounded_channel();
@@ -95,9 +105,7 @@ async fn a_large_frame_over_the_budget_left_waits_unread_and_is_served_once_budg
 
     // A: a 200 KiB frame, half of it sent. It holds its share while the rest is missing.
     let a = frame(1, 200 * KIB);
-    let mut raw_a = RawConn::connect(server.local_addr()).await;
-    raw_a.handshake().await;
-    raw_a.send_bytes(&a[..a.len() / 2]).await.expect("send");
+    let mut raw_a = half_a_frame(&server).await;
     let granted = logged(&mut lines, "read budget: frame granted").await;
     assert!(granted.contains(&format!("bytes={}", a.len())), "{granted}");
 
@@ -164,10 +172,7 @@ async fn a_connection_waiting_for_the_budget_is_not_closed_as_idle() {
     raw_b.handshake().await;
     tokio::time::sleep(idle / 4).await;
     // A takes the whole budget with half a frame, and stalls.
-    let a = frame(1, 200 * KIB);
-    let mut raw_a = RawConn::connect(server.local_addr()).await;
-    raw_a.handshake().await;
-    raw_a.send_bytes(&a[..a.len() / 2]).await.expect("send");
+    let mut raw_a = half_a_frame(&server).await;
     // The paused clock moves on only once the server has read that and waits.
     tokio::time::sleep(std::time::Duration::from_millis(1)).await;
     // B's whole frame waits for A's share, past B's idle timeout, until A's.
@@ -194,10 +199,7 @@ async fn a_call_waiting_for_the_budget_outlives_the_clients_heartbeat() {
         .await
         .expect("serve");
     // A takes the whole budget with half a frame, and stalls.
-    let a = frame(1, 200 * KIB);
-    let mut raw_a = RawConn::connect(server.local_addr()).await;
-    raw_a.handshake().await;
-    raw_a.send_bytes(&a[..a.len() / 2]).await.expect("send");
+    let raw_a = half_a_frame(&server).await;
     tokio::time::sleep(std::time::Duration::from_millis(1)).await;
     let options = ConnectOptions::default();
     let window = options.heartbeat_interval * 3;
