@@ -107,11 +107,19 @@ impl StaticRegistry {
 
     /// Two entries with one instance id are one instance listed twice, and a snapshot keeps only
     /// one of them: most likely a copy-paste slip, so it is refused rather than half-used.
+    /// An address is compared in one spelling: an IP address and port as the standard library
+    /// writes them (`127.0.0.1:09001` is `127.0.0.1:9001`, `[0:0::1]:80` is `[::1]:80`), a
+    /// host name without regard to case.
     fn check_unique_ids(&self) -> Result<(), RegistryError> {
         let mut seen = std::collections::HashSet::new();
         for e in &self.endpoints {
             let id = e.id.as_deref().unwrap_or(&e.address);
-            if !seen.insert(id) {
+            let key = match (&e.id, e.address.parse::<std::net::SocketAddr>()) {
+                (None, Ok(addr)) => addr.to_string(),
+                (None, Err(_)) => e.address.to_ascii_lowercase(),
+                (Some(id), _) => id.clone(),
+            };
+            if !seen.insert(key) {
                 return Err(RegistryError::Config(format!(
                     "endpoint {id:?} is listed twice: give each endpoint its own address, or its \
                      own id"
@@ -252,5 +260,18 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.to_string().contains("\"db\" is listed twice"), "{e}");
+        // One endpoint in two spellings is one endpoint listed twice.
+        for (list, twice) in [
+            ("127.0.0.1:9001,127.0.0.1:09001", "127.0.0.1:09001"),
+            ("[::1]:80,[0:0::1]:80", "[0:0::1]:80"),
+            ("db.local:5,DB.local:5", "DB.local:5"),
+        ] {
+            let e = StaticRegistry::from_list(list).unwrap_err();
+            assert!(
+                e.to_string()
+                    .contains(&format!("{twice:?} is listed twice")),
+                "{list}: {e}"
+            );
+        }
     }
 }
