@@ -417,6 +417,23 @@ pub async fn accept_hello(stream: TcpStream, server_id: &str, max_frame_length: 
     raw
 }
 
+/// The lines logged on this thread up to `level` (plain text, one per event), until the
+/// guard is dropped.
+pub fn log_lines(
+    level: tracing::Level,
+) -> (
+    mpsc::UnboundedReceiver<String>,
+    tracing::subscriber::DefaultGuard,
+) {
+    let (tx, lines) = mpsc::unbounded_channel();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(level)
+        .with_writer(LogLines::new(tx))
+        .with_ansi(false)
+        .finish();
+    (lines, trace_this_thread(subscriber))
+}
+
 /// Sends every call record of an observer to the test: entry, status, outcome.
 struct CallRecords(
     std::sync::Mutex<mpsc::UnboundedSender<(String, Option<rpc::StatusCode>, String)>>,

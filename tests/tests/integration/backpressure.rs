@@ -126,13 +126,7 @@ fn call(size: usize) -> Call {
 
 #[tokio::test]
 async fn a_stalled_server_bounds_the_clients_send_queue_and_calls_wait_within_their_deadline() {
-    let (tx, mut lines) = mpsc::unbounded_channel();
-    let subscriber = tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::DEBUG)
-        .with_writer(common::LogLines::new(tx))
-        .with_ansi(false)
-        .finish();
-    let _guard = common::trace_this_thread(subscriber);
+    let (mut lines, _guard) = common::log_lines(tracing::Level::DEBUG);
 
     let (addr, stop) = stalled_server().await;
     let max = 256 * KIB;

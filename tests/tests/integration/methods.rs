@@ -345,12 +345,7 @@ async fn a_handler_panic_is_a_server_error_and_the_server_keeps_answering() {
 /// its own is: the line is found by the call's id.
 #[tokio::test]
 async fn a_panic_in_an_inline_first_poll_is_logged_in_the_calls_span() {
-    let (tx, mut lines) = tokio::sync::mpsc::unbounded_channel();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(common::LogLines::new(tx))
-        .with_ansi(false)
-        .finish();
-    let _guard = common::trace_this_thread(subscriber);
+    let (mut lines, _guard) = common::log_lines(tracing::Level::INFO);
     let reg = InProcessRegistry::new();
     let server = Server::builder()
         .registry(reg.clone())

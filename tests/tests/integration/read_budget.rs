@@ -84,13 +84,7 @@ async fn half_a_frame(server: &rpc::ServerHandle) -> RawConn {
 
 #[tokio::test]
 async fn a_large_frame_over_the_budget_left_waits_unread_and_is_served_once_budget_frees() {
-    let (tx, mut lines) = mpsc::unbounded_channel();
-    let subscriber = tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::TRACE)
-        .with_writer(common::LogLines::new(tx))
-        .with_ansi(false)
-        .finish();
-    let _guard = common::trace_this_thread(subscriber);
+    let (mut lines, _guard) = common::log_lines(tracing::Level::TRACE);
 
     // Frames up to 256 KiB; 300 KiB of budget: one large frame of 200 KiB fits, two do not.
     let reg = InProcessRegistry::new();

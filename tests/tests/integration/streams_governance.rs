@@ -319,6 +319,16 @@ fn options(breaks_after: u32) -> GovernanceOverrides {
     }
 }
 
+/// A client of `reg`'s Stocks whose entries have the options `o` (over the defaults).
+fn stocks_with(reg: &InProcessRegistry, o: GovernanceOverrides) -> StocksClient {
+    StocksClient::new(
+        Client::builder()
+            .registry(reg.clone())
+            .override_options(StocksClient::SERVICE_ID, o)
+            .build(),
+    )
+}
+
 fn client(reg: &InProcessRegistry, fallback: Option<&Cache>) -> Client {
     let builder = Client::builder()
         .registry(reg.clone())
@@ -805,18 +815,13 @@ async fn a_streams_set_up_arguments_are_compressed_with_the_entrys_option() {
     let (traces, _guard) = Traces::install();
     let reg = InProcessRegistry::new();
     let (server, _market) = serve(&reg).await;
-    let stocks = StocksClient::new(
-        Client::builder()
-            .registry(reg.clone())
-            .override_options(
-                StocksClient::SERVICE_ID,
-                GovernanceOverrides {
-                    compression: Some(Compression::Zstd),
-                    compression_threshold: Some(1024),
-                    ..options(100)
-                },
-            )
-            .build(),
+    let stocks = stocks_with(
+        &reg,
+        GovernanceOverrides {
+            compression: Some(Compression::Zstd),
+            compression_threshold: Some(1024),
+            ..options(100)
+        },
     );
     let text = haystack(64 * 1024);
     let found = accepted_items("find", stocks.find(text.clone(), "needle".into()))
@@ -2010,17 +2015,12 @@ async fn a_server_fallback_does_not_answer_a_set_up_failing_past_the_deadline() 
     let mut events = server.events().subscribe();
     market.down.store(true, Ordering::SeqCst);
     market.late.store(true, Ordering::SeqCst);
-    let stocks = StocksClient::new(
-        Client::builder()
-            .registry(reg.clone())
-            .override_options(
-                StocksClient::SERVICE_ID,
-                GovernanceOverrides {
-                    timeout_ms: Some(100),
-                    ..options(100)
-                },
-            )
-            .build(),
+    let stocks = stocks_with(
+        &reg,
+        GovernanceOverrides {
+            timeout_ms: Some(100),
+            ..options(100)
+        },
     );
     let answered = within("prices", stocks.prices(3)).await;
     assert!(answered.is_err(), "answered after the deadline");
