@@ -40,7 +40,7 @@ pub mod token;
 pub mod wire;
 
 pub use codec::{read_msgpack, Codec, CodecError, MsgPackReader, NoArgs};
-pub use context::{RpcContext, CALL_ID_KEY, RETRY_DEPTH_KEY, TRACE_CONTEXT_KEYS};
+pub use context::{HeldContext, RpcContext, CALL_ID_KEY, RETRY_DEPTH_KEY, TRACE_CONTEXT_KEYS};
 pub use entry::{EntryApi, EntrySchemas, HttpRoute, MethodDescriptor, ServiceEntry};
 pub use error::{serde_rpc_error, FieldError, RemoteError, RpcError};
 pub use hash::stable_hash;

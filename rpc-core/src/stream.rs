@@ -142,8 +142,7 @@ trait EncodeItems: Send {
 /// An encoding source polled in a call context (see [`RpcStream::in_context`]).
 struct EncodingInContext {
     source: Box<dyn EncodeItems>,
-    attachments: std::sync::Arc<std::collections::BTreeMap<String, String>>,
-    retry_depth: u32,
+    context: crate::HeldContext,
 }
 
 impl EncodeItems for EncodingInContext {
@@ -153,9 +152,7 @@ impl EncodeItems for EncodingInContext {
         dst: &mut BytesMut,
     ) -> Poll<Option<Result<usize, RpcError>>> {
         let source = &mut self.source;
-        crate::RpcContext::sync_scope_shared(self.attachments.clone(), self.retry_depth, || {
-            source.poll_encode(cx, dst)
-        })
+        self.context.enter(|| source.poll_encode(cx, dst))
     }
 }
 
@@ -197,7 +194,7 @@ const SCRATCH: usize = 16 * 1024;
 
 impl<T: Send + 'static> RpcStream<T> {
     /// This stream with each poll of its source run in the call context of `attachments` and
-    /// `retry_depth` ([`RpcContext::sync_scope_shared`](crate::RpcContext::sync_scope_shared)):
+    /// `retry_depth` ([`HeldContext::enter`](crate::HeldContext::enter)):
     /// what a server does with a handler's items, so that the calls made while producing them
     /// carry the caller's context as the handler's set-up did. A stream encoding its items as
     /// they are taken stays one (taken into a frame with no buffer of its own); any other is
@@ -208,26 +205,21 @@ impl<T: Send + 'static> RpcStream<T> {
         retry_depth: u32,
     ) -> Self {
         let RpcStream { inner, done } = self;
+        let mut context = crate::HeldContext::new(attachments, retry_depth);
         let inner = match inner {
             Inner::Encoding {
                 source,
                 scratch,
                 wrap,
             } => Inner::Encoding {
-                source: Box::new(EncodingInContext {
-                    source,
-                    attachments,
-                    retry_depth,
-                }),
+                source: Box::new(EncodingInContext { source, context }),
                 scratch,
                 wrap,
             },
             other => {
                 let mut items = RpcStream { inner: other, done };
                 Inner::Items(Box::pin(stream::poll_fn(move |cx| {
-                    crate::RpcContext::sync_scope_shared(attachments.clone(), retry_depth, || {
-                        items.poll_next_unpin(cx)
-                    })
+                    context.enter(|| items.poll_next_unpin(cx))
                 })))
             }
         };

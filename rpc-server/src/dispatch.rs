@@ -17,7 +17,7 @@ use bytes::Bytes;
 use futures_util::FutureExt;
 use rpc_core::wire::{RemoteResultMessage, ValidateError};
 use rpc_core::{
-    Codec, Compression, MethodDescriptor, RpcContext, RpcError, StatusCode, StreamMode,
+    Codec, Compression, HeldContext, MethodDescriptor, RpcContext, RpcError, StatusCode, StreamMode,
 };
 use rpc_governance::calls::{CallObservers, Side};
 use rpc_governance::events::{EventBus, EventKind};
@@ -580,13 +580,12 @@ impl Dispatcher {
         // a future of its own; the rest (a handler that waits, a fallback to run) continues in
         // one. Otherwise the whole call runs in its own task: a handler blocking before its
         // first `.await` must not stall the reader and every other call on the connection.
+        // With no attachments the handler's own calls find an empty context either way.
+        let depth = invoke.retry_depth;
+        let mut context = (!attachments.is_empty() || depth > 0)
+            .then(|| HeldContext::new(Arc::new(attachments), depth));
         let first = if self.inline_first_poll {
-            poll_first(
-                &mut handler,
-                deadline,
-                (&attachments, invoke.retry_depth),
-                &span,
-            )
+            poll_first(&mut handler, deadline, context.as_mut(), &span)
         } else {
             Poll::Pending
         };
@@ -607,16 +606,12 @@ impl Dispatcher {
                 return Dispatch::Ready(answer);
             }
         }
-        // Each wrapper moves the whole call future once more: add only the ones in use (with
-        // no attachments the handler's own calls find an empty context either way).
-        let depth = invoke.retry_depth;
-        let no_context = attachments.is_empty() && depth == 0;
-        Dispatch::Spawn(match (span.is_disabled(), no_context) {
-            (true, true) => Box::pin(call),
-            (true, false) => Box::pin(RpcContext::scope_served(attachments, depth, call)),
-            (false, _) => {
-                Box::pin(RpcContext::scope_served(attachments, depth, call).instrument(span))
-            }
+        // Each wrapper moves the whole call future once more: add only the ones in use.
+        Dispatch::Spawn(match (span.is_disabled(), context) {
+            (true, None) => Box::pin(call),
+            (true, Some(context)) => Box::pin(context.scope(call)),
+            (false, None) => Box::pin(call.instrument(span)),
+            (false, Some(context)) => Box::pin(context.scope(call).instrument(span)),
         })
     }
 }
@@ -795,7 +790,7 @@ pub(crate) type Outcome = std::thread::Result<Result<Bytes, RpcError>>;
 fn poll_first(
     handler: &mut HandlerFuture,
     deadline: Option<(Instant, u32)>,
-    (attachments, retry_depth): (&BTreeMap<String, String>, u32),
+    context: Option<&mut HeldContext>,
     span: &tracing::Span,
 ) -> Poll<Outcome> {
     let mut poll = || {
@@ -806,15 +801,12 @@ fn poll_first(
             Err(panic) => Poll::Ready(Err(panic)),
         }
     };
-    let mut in_context = || {
-        if attachments.is_empty() && retry_depth == 0 {
-            poll()
-        } else {
-            RpcContext::sync_scope_served(attachments.clone(), retry_depth, &mut poll)
-        }
+    let in_context = || match context {
+        None => poll(),
+        Some(context) => context.enter(poll),
     };
-    let mut in_deadline = || match deadline {
-        Some((d, _)) => rpc_governance::timeout::sync_with_inherited(Some(d), &mut in_context),
+    let in_deadline = || match deadline {
+        Some((d, _)) => rpc_governance::timeout::sync_with_inherited(Some(d), in_context),
         None => in_context(),
     };
     if span.is_disabled() {
