@@ -9,7 +9,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::rejection::QueryRejection;
-use axum::extract::{Path, Query, Request, State as Shared};
+use axum::extract::{FromRequestParts, Path, Query, Request, State as Shared};
+use axum::http::request::Parts;
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -68,6 +69,25 @@ async fn console() -> axum::response::Html<&'static str> {
 /// A JSON refusal.
 fn refuse(status: StatusCode, message: impl Into<String>) -> Response {
     (status, Json(json!({ "error": message.into() }))).into_response()
+}
+
+/// A route's path parameters; ones the endpoint cannot read (a percent-encoding that is not
+/// UTF-8, say) are refused 400 in JSON, as every other refusal, where axum's own [`Path`]
+/// answers in plain text.
+pub(crate) struct PathArgs<T>(pub(crate) T);
+
+impl<S: Send + Sync, T: serde::de::DeserializeOwned + Send> FromRequestParts<S> for PathArgs<T> {
+    type Rejection = Response;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Response> {
+        match Path::<T>::from_request_parts(parts, state).await {
+            Ok(Path(args)) => Ok(Self(args)),
+            Err(e) => Err(refuse(
+                StatusCode::BAD_REQUEST,
+                format!("{}; percent-encode the path as UTF-8", e.body_text()),
+            )),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -365,11 +385,11 @@ fn steer(state: &State, entry: &str, isolate: bool) -> Response {
     Json(now).into_response()
 }
 
-async fn isolate(Shared(state): St, Path(entry): Path<String>) -> Response {
+async fn isolate(Shared(state): St, PathArgs(entry): PathArgs<String>) -> Response {
     steer(&state, &entry, true)
 }
 
-async fn reset(Shared(state): St, Path(entry): Path<String>) -> Response {
+async fn reset(Shared(state): St, PathArgs(entry): PathArgs<String>) -> Response {
     steer(&state, &entry, false)
 }
 
@@ -402,7 +422,7 @@ async fn endpoints(Shared(state): St) -> Response {
     Json(json!({ "endpoints": endpoints })).into_response()
 }
 
-async fn readmit(Shared(state): St, Path(addr): Path<String>) -> Response {
+async fn readmit(Shared(state): St, PathArgs(addr): PathArgs<String>) -> Response {
     let Some(client) = &state.client else {
         return no_client();
     };

@@ -100,6 +100,13 @@ pub enum AdminError {
         /// The address given.
         addr: String,
     },
+    /// The token set is empty: a secret that did not resolve (an unset variable) must not turn
+    /// the check off.
+    #[error(
+        "the admin token is empty: set a non-empty token, or none at all to serve without one \
+         (loopback only)"
+    )]
+    EmptyToken,
     /// Binding failed.
     #[error("cannot listen on admin address {addr}: {source}")]
     Bind {
@@ -169,10 +176,10 @@ impl AdminBuilder {
         self
     }
 
-    /// Requires `Authorization: Bearer <token>` on every route but `/healthz`.
+    /// Requires `Authorization: Bearer <token>` on every route but `/healthz`. An empty token
+    /// is refused by [`serve`](Self::serve) ([`AdminError::EmptyToken`]).
     pub fn token(mut self, token: impl Into<String>) -> Self {
-        let token = token.into();
-        self.token = (!token.is_empty()).then_some(token);
+        self.token = Some(token.into());
         self
     }
 
@@ -198,6 +205,9 @@ impl AdminBuilder {
     /// [`AdminHandle::shutdown`] or the handle is dropped. From now on the attached client's
     /// and server's calls are counted and their events kept.
     pub async fn serve(self, addr: &str) -> Result<AdminHandle, AdminError> {
+        if self.token.as_deref() == Some("") {
+            return Err(AdminError::EmptyToken);
+        }
         let resolved: Vec<SocketAddr> = tokio::net::lookup_host(addr)
             .await
             .map_err(|e| AdminError::BadAddress {

@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{Path, RawQuery, State as Shared};
+use axum::extract::{RawQuery, State as Shared};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -26,6 +26,7 @@ use futures_util::future::BoxFuture;
 use rpc_registry::{RuleError, RuleKind, RuleVersion};
 use serde_json::{json, Value};
 
+use crate::api::PathArgs;
 use crate::State;
 
 type St = Shared<Arc<State>>;
@@ -212,7 +213,7 @@ async fn overview(Shared(state): St) -> Json<Value> {
 }
 
 /// `GET /api/rules/{kind}`: the document in force (version 0 and no text when there is none).
-async fn document(Shared(state): St, Path(kind): Path<String>) -> Answer {
+async fn document(Shared(state): St, PathArgs(kind): PathArgs<String>) -> Answer {
     let kind = kind_of(&kind)?;
     let v = store(&state)?.get(kind).await.map_err(failed)?;
     let (version, text) = v.map_or((0, Arc::from("")), |v| (v.version, v.text));
@@ -243,7 +244,7 @@ fn text_of(body: &Result<Bytes, BytesRejection>) -> Result<&str, Refusal> {
 
 /// `POST /api/rules/{kind}/validate`: whether the body is a valid document of `kind`, and why
 /// not. Needs no store; writes nothing.
-async fn validate(Path(kind): Path<String>, body: Result<Bytes, BytesRejection>) -> Answer {
+async fn validate(PathArgs(kind): PathArgs<String>, body: Result<Bytes, BytesRejection>) -> Answer {
     let kind = kind_of(&kind)?;
     let text = text_of(&body)?;
     Ok(Json(match kind.validate(text) {
@@ -286,7 +287,7 @@ fn expected_of(query: Option<&str>, kind: RuleKind) -> Result<i64, Refusal> {
 /// `PUT /api/rules/{kind}?expected=V`: validates and writes the body over version `V`.
 async fn write(
     Shared(state): St,
-    Path(kind): Path<String>,
+    PathArgs(kind): PathArgs<String>,
     RawQuery(query): RawQuery,
     body: Result<Bytes, BytesRejection>,
 ) -> Answer {
@@ -308,7 +309,7 @@ async fn write(
 }
 
 /// `GET /api/rules/{kind}/history`: the versions the store keeps, oldest first.
-async fn history(Shared(state): St, Path(kind): Path<String>) -> Answer {
+async fn history(Shared(state): St, PathArgs(kind): PathArgs<String>) -> Answer {
     let kind = kind_of(&kind)?;
     let list = store(&state)?.history(kind).await.map_err(failed)?;
     let versions: Vec<Value> = list
@@ -322,7 +323,7 @@ async fn history(Shared(state): St, Path(kind): Path<String>) -> Answer {
 /// again, as a new version; over version `V` only, when given (409 when another is in force).
 async fn rollback(
     Shared(state): St,
-    Path((kind, version)): Path<(String, String)>,
+    PathArgs((kind, version)): PathArgs<(String, String)>,
     RawQuery(query): RawQuery,
 ) -> Answer {
     let kind = kind_of(&kind)?;

@@ -578,8 +578,17 @@ async fn a_non_loopback_address_needs_allow_remote_and_a_token() {
     assert!(matches!(e, Some(AdminError::BadAddress { .. })), "{e:?}");
 }
 
-/// A query or a body the endpoint cannot read is refused in JSON saying what to send, as every
-/// other refusal: a limit that is not a number (400), a rules document over 2 MiB (413).
+/// An empty token (an unset variable passed on, say) would serve with no check at all: the
+/// endpoint refuses to start with it.
+#[tokio::test]
+async fn an_empty_token_is_refused_at_start() {
+    let e = Admin::builder().token("").serve("127.0.0.1:0").await.err();
+    assert!(matches!(e, Some(AdminError::EmptyToken)), "{e:?}");
+}
+
+/// A query, a path or a body the endpoint cannot read is refused in JSON saying what to send,
+/// as every other refusal: a limit that is not a number (400), a path parameter that is not
+/// UTF-8 (400), a rules document over 2 MiB (413).
 #[tokio::test]
 async fn unreadable_queries_and_bodies_are_refused_in_json() {
     let s = setup().await;
@@ -588,6 +597,14 @@ async fn unreadable_queries_and_bodies_are_refused_in_json() {
     let body: Value = serde_json::from_str(&body).expect("JSON");
     assert!(
         body["error"].as_str().expect("error").contains("limit"),
+        "{body}"
+    );
+
+    // A path parameter that is not UTF-8 once decoded.
+    let (status, body) = s.post("/api/endpoints/%FF/readmit").await;
+    assert_eq!(status, Http::BAD_REQUEST, "{body}");
+    assert!(
+        body["error"].as_str().expect("error").contains("UTF-8"),
         "{body}"
     );
 

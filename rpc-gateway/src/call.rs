@@ -358,7 +358,21 @@ fn bind(
     body: &Bytes,
 ) -> Result<Value, String> {
     let entry = served.entry.id.as_str();
-    let body_value = if params_in_query(method) || body.iter().all(u8::is_ascii_whitespace) {
+    // Arguments where this method does not read them would be dropped without a word.
+    let no_body = body.iter().all(u8::is_ascii_whitespace);
+    if params_in_query(method) && !no_body {
+        return Err(format!(
+            "a {method} request takes its arguments in the query, and this one has a body: \
+             send them as ?name=value"
+        ));
+    }
+    if !params_in_query(method) && query.is_some_and(|q| !q.is_empty()) {
+        return Err(format!(
+            "a {method} request takes its arguments in the body, and this one has a query: \
+             send them as a JSON object in the body"
+        ));
+    }
+    let body_value = if no_body {
         None
     } else {
         Some(serde_json::from_slice::<JsonBody>(body).map_err(|e| {
@@ -771,6 +785,38 @@ mod tests {
         );
         let bad = bind_at(&t, Method::POST, "/api/shop.Orders/find", None, "{id: 1").unwrap_err();
         assert!(bad.starts_with("the body is not JSON"), "{bad}");
+    }
+
+    #[test]
+    fn arguments_where_the_method_does_not_read_them_are_refused() {
+        let post = table(&["order", "dry_run"], Some(("POST", "/orders")));
+        let e = bind_at(
+            &post,
+            Method::POST,
+            "/orders",
+            Some("dry_run=true"),
+            r#"{"order": 1}"#,
+        )
+        .unwrap_err();
+        assert!(e.contains("has a query"), "{e}");
+        // An empty query is none.
+        assert_eq!(
+            bind_at(
+                &post,
+                Method::POST,
+                "/orders",
+                Some(""),
+                r#"{"order": 1, "dry_run": false}"#
+            ),
+            Ok(json!([1, false]))
+        );
+        let get = table(&["id", "full"], Some(("GET", "/orders/{id}")));
+        let e = bind_at(&get, Method::GET, "/orders/1", None, r#"{"full": true}"#).unwrap_err();
+        assert!(e.contains("has a body"), "{e}");
+        assert_eq!(
+            bind_at(&get, Method::GET, "/orders/1", Some("full=true"), " \n"),
+            Ok(json!([1, true]))
+        );
     }
 
     #[test]

@@ -125,6 +125,7 @@ pub const ERROR_RESPONSES: &[(u16, &str, &[u32])] = &[
 pub const GATEWAY_REFUSALS: &[(u16, &str)] = &[
     (400, "Bad request: the arguments could not be read (a body that is not JSON, an unknown, missing or repeated argument)."),
     (401, "Not authenticated: the gateway's bearer token is missing or wrong (`WWW-Authenticate: Bearer`)."),
+    (403, "The request comes from a page of another origin (`Origin`): the gateway answers no cross-origin requests."),
     (404, "No entry is served at this method and path."),
     (405, "The path is served with other methods, named in `Allow`."),
     (413, "The body is over the gateway's limit."),
@@ -363,8 +364,12 @@ fn operation(entry: &ServiceEntry, method: &Method, path: &str) -> Value {
                     json!({
                         // (A body whose every argument accepts `null` may be left out.)
                         "required": !required.is_empty(),
-                        "description": "The arguments by name, as a JSON object (a JSON array is \
-                                        taken as the positional arguments).",
+                        "description": if in_path.is_empty() {
+                            "The arguments by name, as a JSON object (a JSON array is taken as \
+                             the positional arguments)."
+                        } else {
+                            "The arguments not in the path, by name, as a JSON object."
+                        },
                         "content": {"application/json": {"schema": body}},
                     }),
                 );
@@ -374,9 +379,10 @@ fn operation(entry: &ServiceEntry, method: &Method, path: &str) -> Value {
             op.insert(
                 "requestBody".into(),
                 json!({
-                    "required": true,
+                    "required": false,
                     "description": "The arguments in declaration order, as a JSON array (the \
-                                    server publishes no parameter names).",
+                                    server publishes no parameter names); no body is no \
+                                    arguments.",
                     "content": {"application/json": {"schema": {"type": "array"}}},
                 }),
             );
@@ -824,6 +830,11 @@ mod tests {
         let op = &doc["paths"]["/api/shop.Orders/create"]["post"];
         assert!(op.get("parameters").is_none(), "{op}");
         assert_eq!(op["requestBody"]["required"], true);
+        // With no path parameter, the router takes a positional array too.
+        let said = op["requestBody"]["description"]
+            .as_str()
+            .expect("description");
+        assert!(said.contains("JSON array"), "{said}");
         assert_eq!(
             op["requestBody"]["content"]["application/json"]["schema"],
             json!({
@@ -852,6 +863,11 @@ mod tests {
             op["requestBody"]["content"]["application/json"]["schema"]["required"],
             json!(["name"])
         );
+        // Beside a path parameter the router takes no positional array (see `call::bind`).
+        let said = op["requestBody"]["description"]
+            .as_str()
+            .expect("description");
+        assert!(!said.contains("array"), "{said}");
     }
 
     #[test]
@@ -873,11 +889,11 @@ mod tests {
             &error_body_schema(Some(&refs("OrderError")))
         );
         // Statuses the gateway also answers itself take either body; its own refusals only one.
-        for status in ["400", "401", "404"] {
+        for status in ["400", "401", "403", "404"] {
             let either = json!({"anyOf": [error_body_schema(None), refusal_schema()]});
             assert_eq!(schema_of(status), &either, "{status}");
         }
-        for status in ["403", "429", "500", "501", "502", "503", "504"] {
+        for status in ["429", "500", "501", "502", "503", "504"] {
             assert_eq!(schema_of(status), &error_body_schema(None), "{status}");
         }
         for status in ["405", "413", "431"] {
