@@ -193,9 +193,10 @@ impl ClientBuilder {
     /// server that keeps byte windows, as servers do by default): a stream whose consumer
     /// stops reading holds at most this many items, and the server's producer stops until it
     /// reads on. With a server that holds streams to items only, set a smaller window for
-    /// large items.
+    /// large items. At most [`MAX_STREAM_WINDOW`](rpc_transport::MAX_STREAM_WINDOW) (65 536),
+    /// the largest window a server takes: a larger one counts as that.
     pub fn stream_window(mut self, items: u32) -> Self {
-        self.connect.stream_window = items.max(1);
+        self.connect.stream_window = items.clamp(1, rpc_transport::MAX_STREAM_WINDOW);
         self
     }
 

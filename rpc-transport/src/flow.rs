@@ -160,7 +160,8 @@ fn free_oldest(sizes: &mut Sizes, bytes: &mut u64, items: u64) {
 /// The sizes of items in order, each run of equal sizes kept as one entry: a stream of
 /// equal items (the common case) costs a count per item, not a slot in a queue. Items of
 /// varying sizes take an entry each, 8 bytes, up to the window (8192 items by default on a
-/// client: 64 KiB for a stream whose consumer stops reading).
+/// client: 64 KiB for a stream whose consumer stops reading; a server takes no client window
+/// over [`MAX_STREAM_WINDOW`](crate::MAX_STREAM_WINDOW)).
 #[derive(Debug, Default)]
 struct Sizes {
     /// (size, items of that size), oldest first. A run never holds more than a window of

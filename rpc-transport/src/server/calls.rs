@@ -90,9 +90,14 @@ pub(super) fn dispatch(
     slot: Option<Arc<StreamSlot>>,
 ) {
     if !matches!(outcome, Dispatch::Stream(_) | Dispatch::Events(_)) {
-        // A stream refused (or answered as a call): its client's items go nowhere.
+        // A stream refused (or answered as a call): its client's items go nowhere, and a
+        // handler still reading them (a `Spawn` summing them) is told so rather than waiting.
         if let Some(slot) = &slot {
             conn.streams.close(id, slot);
+            slot.close_with(
+                "the server answered this stream as a unary call (not with Dispatch::Stream or \
+                 Events): none of the caller's items will come",
+            );
         }
     }
     match outcome {

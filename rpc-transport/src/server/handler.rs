@@ -114,7 +114,9 @@ pub trait InvokeHandler: Send + Sync + 'static {
 
     /// Decides how to answer `invoke`, a stream taking the client's items (client or
     /// bidirectional streaming), whose items come in `inbound` (the client is granted credit
-    /// as they are taken). The default: [`handle`](Self::handle), dropping the items.
+    /// as they are taken). Only an answer with [`Dispatch::Stream`] or [`Dispatch::Events`]
+    /// receives them: the stream's task grants the credit; after any other answer `inbound`
+    /// ends with an error at once. The default: [`handle`](Self::handle), dropping the items.
     fn handle_stream(
         &self,
         invoke: Invoke,

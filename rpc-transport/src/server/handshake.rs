@@ -8,7 +8,7 @@ use tokio::io::AsyncRead;
 use tokio::time::Instant;
 use tokio_util::codec::FramedRead;
 
-use super::options::{ServerOptions, MAX_CLIENT_ID};
+use super::options::{ServerOptions, MAX_CLIENT_ID, MAX_STREAM_WINDOW};
 use crate::codec::kind_name;
 use crate::codec::FrameCodec;
 use crate::compression::Accepted;
@@ -92,6 +92,16 @@ pub(super) async fn handshake<R: AsyncRead + Unpin>(
                 "a client id of {} bytes is over the limit of {MAX_CLIENT_ID}: give the client a \
                  shorter one (a name, a pod or process id)",
                 hello.client_id.len()
+            ),
+        ));
+    }
+    if hello.streams && hello.stream_window > MAX_STREAM_WINDOW {
+        return Err((
+            StatusCode::FrameworkError,
+            format!(
+                "a stream window of {} items is over the limit of {MAX_STREAM_WINDOW}: announce \
+                 a smaller one",
+                hello.stream_window
             ),
         ));
     }

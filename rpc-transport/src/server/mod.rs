@@ -27,8 +27,8 @@ pub(crate) use expansion::Unpacker;
 pub use handler::{error_result, Dispatch, InvokeHandler, Refusal, StreamEvent, StreamEvents};
 pub use options::{
     ServerOptions, ABUSE_LIMIT, DEFAULT_CLIENT_STREAM_WINDOW, DEFAULT_STREAM_WINDOW,
-    DEFAULT_STREAM_WINDOW_BYTES, MAX_CLIENT_ID, MAX_HELLO_FRAME, PAUSED_KEEPALIVE,
-    REFUSALS_BEFORE_PAUSE,
+    DEFAULT_STREAM_WINDOW_BYTES, MAX_CLIENT_ID, MAX_HELLO_FRAME, MAX_STREAM_WINDOW,
+    PAUSED_KEEPALIVE, REFUSALS_BEFORE_PAUSE,
 };
 pub use runner::{dropped_as_superseded, dropped_at_drain_deadline};
 pub use streams::ItemSink;

@@ -161,6 +161,14 @@ pub const MAX_HELLO_FRAME: usize = 8 * 1024;
 /// gets `GoAway`.
 pub const MAX_CLIENT_ID: usize = 256;
 
+/// Largest stream window (`Hello.stream_window`, items) a server takes from a client: the
+/// server keeps a record of the items it sent on each stream until the client grants them
+/// back, 8 bytes per item at worst (items of varying sizes), so a client announcing an
+/// endless window and never granting would make one stream cost that much per item sent. A
+/// larger window gets `GoAway` (capping it instead would stall a client waiting to have taken
+/// half its window before it grants); `ClientBuilder::stream_window` keeps within it.
+pub const MAX_STREAM_WINDOW: u32 = 1 << 16;
+
 /// Calls breaking the attachment limits that one connection may send in a row (with no call
 /// within them in between) before it is closed: a client that keeps doing it is broken or
 /// hostile, and each such call costs the server a full decode. Counted in a row, so that a

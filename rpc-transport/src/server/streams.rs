@@ -232,17 +232,21 @@ impl StreamSlot {
     /// (a task of its own) takes the items already queued, then an error, instead of waiting
     /// for ever; and no more credit is granted for a stream that is over.
     pub(super) fn close(&self) {
+        self.close_with(
+            "the call ended before the caller's request stream did; no more of its items will \
+             come",
+        );
+    }
+
+    /// Ends the client's request stream with `why`, as [`close`](Self::close) does.
+    pub(super) fn close_with(&self, why: &str) {
         let waker = {
             let mut q = self.inbound();
             if q.ended {
                 return;
             }
             q.ended = true;
-            q.end = Some(Err(RpcError::new(
-                StatusCode::CommunicationError,
-                "the call ended before the caller's request stream did; no more of its items \
-                 will come",
-            )));
+            q.end = Some(Err(RpcError::new(StatusCode::CommunicationError, why)));
             q.waker.take()
         };
         if let Some(w) = waker {

@@ -174,6 +174,45 @@ async fn a_client_id_over_the_limit_gets_go_away() {
     within("shutdown", server.shutdown()).await;
 }
 
+/// A stream window over the limit is refused at the handshake: the server keeps a record of
+/// each item sent until the client grants it back, and a client announcing an endless window
+/// and never granting would make one stream cost memory per item sent. One at the limit is
+/// served; a client that does not stream announces no window to check.
+#[tokio::test]
+async fn a_stream_window_over_the_limit_gets_go_away() {
+    let reg = InProcessRegistry::new();
+    let (server, _) = serve(&reg, None).await;
+    let limit = rpc::crates::transport::MAX_STREAM_WINDOW;
+    for (window, streams, accepted) in [
+        (limit, true, true),
+        (limit + 1, true, false),
+        (u32::MAX, true, false),
+        (u32::MAX, false, true),
+    ] {
+        let mut raw = RawConn::connect(server.local_addr()).await;
+        raw.send(Kind::Hello(rpc::crates::core::wire::Hello {
+            protocol_version: 1,
+            streams,
+            stream_window: window,
+            ..Default::default()
+        }))
+        .await
+        .expect("send Hello");
+        match (raw.recv().await, accepted) {
+            (Some(Kind::HelloAck(_)), true) => {}
+            (Some(Kind::GoAway(g)), false) => {
+                assert!(
+                    g.reason
+                        .contains(&format!("stream window of {window} items")),
+                    "{g:?}"
+                );
+            }
+            (other, _) => panic!("window {window}: got {other:?}"),
+        }
+    }
+    within("shutdown", server.shutdown()).await;
+}
+
 #[tokio::test]
 async fn a_bad_token_on_the_wire_gets_go_away_517_and_the_connection_closes() {
     let reg = InProcessRegistry::new();

@@ -784,3 +784,77 @@ async fn a_stream_read_to_its_end_and_kept_is_no_longer_in_flight() {
     assert_eq!(conn.in_flight(), 0, "counted down once");
     within("shutdown", server.shutdown()).await;
 }
+
+/// A transport handler that answers a client stream as a unary call (`Dispatch::Spawn`, the
+/// natural way to write "sum the items, then answer"): no stream task grants the client credit,
+/// so none of its items can come. The handler's reading ends with an error naming that, and
+/// the call is answered, instead of the handler waiting for items for ever.
+#[tokio::test]
+async fn a_client_stream_answered_as_a_unary_call_ends_its_items_with_an_error() {
+    use rpc::crates::transport::{
+        error_result, serve, Caller, Dispatch, Invoke, InvokeHandler, ServerOptions,
+    };
+
+    struct SumLater;
+    impl InvokeHandler for SumLater {
+        fn handle(&self, _: Invoke, _: &Arc<Caller>) -> Dispatch {
+            Dispatch::Ready(error_result(
+                rpc::StatusCode::FrameworkError,
+                "streams only",
+            ))
+        }
+        fn handle_stream(
+            &self,
+            _: Invoke,
+            _: &Arc<Caller>,
+            mut inbound: rpc::crates::core::ByteStream,
+        ) -> Dispatch {
+            Dispatch::Spawn(Box::pin(async move {
+                let mut n = 0;
+                loop {
+                    match futures_util::StreamExt::next(&mut inbound).await {
+                        Some(Ok(_)) => n += 1,
+                        Some(Err(e)) => {
+                            return error_result(e.code(), format!("after {n} items: {e}"))
+                        }
+                        None => return error_result(rpc::StatusCode::Success, "all read"),
+                    }
+                }
+            }))
+        }
+    }
+
+    let (listener, addr) = raw_listener().await;
+    let stop = tokio_util::sync::CancellationToken::new();
+    let server = tokio::spawn(serve(
+        listener,
+        Arc::new(SumLater),
+        ServerOptions::default(),
+        stop.clone(),
+    ));
+    let mut raw = RawConn::connect(addr).await;
+    raw.send(Kind::Hello(Hello {
+        protocol_version: 1,
+        streams: true,
+        stream_window: 8,
+        ..Default::default()
+    }))
+    .await
+    .expect("send Hello");
+    assert!(matches!(raw.recv().await, Some(Kind::HelloAck(_))));
+    raw.open_stream(1, "t.Sum.sum", &(), StreamMode::Client)
+        .await;
+    let end = raw.recv_end().await;
+    assert_eq!(end.message_id, 1, "{end:?}");
+    assert_eq!(
+        end.status_code,
+        rpc::StatusCode::CommunicationError.as_u32(),
+        "{end:?}"
+    );
+    assert!(
+        end.exception_message.starts_with("after 0 items"),
+        "{end:?}"
+    );
+    stop.cancel();
+    within("server stop", server).await.expect("server task");
+}
