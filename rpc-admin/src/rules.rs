@@ -242,15 +242,48 @@ fn text_of(body: &Result<Bytes, BytesRejection>) -> Result<&str, Refusal> {
     })
 }
 
-/// `POST /api/rules/{kind}/validate`: whether the body is a valid document of `kind`, and why
-/// not. Needs no store; writes nothing.
-async fn validate(PathArgs(kind): PathArgs<String>, body: Result<Bytes, BytesRejection>) -> Answer {
+/// Why `text` is no document of `kind` to write: it does not validate, or the attached client
+/// would refuse it (governance options an entry it already called cannot carry out, such as
+/// consistent hashing for a method without a `#[hash_key]`); a store would take such a
+/// document, and every client would keep its last good version and log a `rule_rejected`.
+fn refused(state: &State, kind: RuleKind, text: &str) -> Option<String> {
+    if let Err(e) = kind.validate(text) {
+        return Some(e.message().to_string());
+    }
+    let client = state.client.as_ref()?;
+    client.check_rules(kind, text).err().map(|e| {
+        format!(
+            "this process's client would refuse the document: {}",
+            e.message()
+        )
+    })
+}
+
+/// `POST /api/rules/{kind}/validate`: whether the body is a valid document of `kind` (one the
+/// attached client would take, if one is attached), and why not. Needs no store; writes
+/// nothing.
+async fn validate(
+    Shared(state): St,
+    PathArgs(kind): PathArgs<String>,
+    body: Result<Bytes, BytesRejection>,
+) -> Answer {
     let kind = kind_of(&kind)?;
     let text = text_of(&body)?;
-    Ok(Json(match kind.validate(text) {
-        Ok(()) => json!({ "valid": true }),
-        Err(e) => json!({ "valid": false, "error": e.message() }),
+    Ok(Json(match refused(&state, kind, text) {
+        None => json!({ "valid": true }),
+        Some(why) => json!({ "valid": false, "error": why }),
     }))
+}
+
+/// `text` as a document to write, or a 400 saying why not ([`refused`]).
+fn writable(state: &State, kind: RuleKind, text: &str) -> Result<(), Refusal> {
+    match refused(state, kind, text) {
+        None => Ok(()),
+        Some(why) => Err(Refusal::new(
+            StatusCode::BAD_REQUEST,
+            format!("{why}; nothing was written"),
+        )),
+    }
 }
 
 /// The `expected` version of a write's query (`?expected=V`), or a 400 saying what to send.
@@ -294,10 +327,9 @@ async fn write(
     let kind = kind_of(&kind)?;
     let expected = expected_of(query.as_deref(), kind)?;
     let text = text_of(&body)?;
-    let version = store(&state)?
-        .set(kind, text, expected)
-        .await
-        .map_err(failed)?;
+    let store = store(&state)?;
+    writable(&state, kind, text)?;
+    let version = store.set(kind, text, expected).await.map_err(failed)?;
     tracing::info!(
         target: "rpc::rules",
         kind = kind.as_str(),
@@ -342,7 +374,19 @@ async fn rollback(
             ),
         ));
     };
-    let now = store(&state)?
+    let store = store(&state)?;
+    // The old text is checked as a new one would be: the entries called since may not carry
+    // it out.
+    if let Some(old) = store
+        .history(kind)
+        .await
+        .map_err(failed)?
+        .iter()
+        .find(|v| v.version == version)
+    {
+        writable(&state, kind, &old.text)?;
+    }
+    let now = store
         .rollback(kind, version, expected)
         .await
         .map_err(failed)?;

@@ -558,6 +558,87 @@ async fn a_client_and_a_server_following_the_store_apply_a_document_written_thro
     assert_eq!(within("call", echo.echo("hi".into())).await.unwrap(), "hi");
 }
 
+/// A document that parses but that the attached client would refuse (consistent hashing for a
+/// method it has called, which has no `#[hash_key]`) is refused with 400 and nothing is
+/// written, by a write and by a rollback to it alike: a store would take it, and the client
+/// would keep its last version with only a `rule_rejected` event to say so.
+#[tokio::test]
+async fn a_document_the_attached_client_would_refuse_is_not_written() {
+    const HASH: &str = "[defaults]\nshunt_strategy = \"hash\"\n";
+    let etcd = Etcd::start().await;
+    let store = store(&etcd).await;
+    let registry = InProcessRegistry::new();
+    let _server = Server::builder()
+        .registry(registry.clone())
+        .add_service(RuledServer::new(Plain))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let client = Client::builder()
+        .registry(registry)
+        .rules(store.clone())
+        .build();
+    let echo = RuledClient::new(client.clone());
+    assert_eq!(within("call", echo.echo("hi".into())).await.unwrap(), "hi");
+    let admin = Admin::builder()
+        .client(&client)
+        .rules(store.clone())
+        .token(TOKEN)
+        .serve("127.0.0.1:0")
+        .await
+        .expect("admin");
+    let api = Http1::new(&admin);
+    // The oracle: the rule kind's own check takes the document, the client's does not.
+    RuleKind::Governance.validate(HASH).expect("valid alone");
+    let why = client
+        .check_rules(RuleKind::Governance, HASH)
+        .expect_err("the client refuses it")
+        .message()
+        .to_string();
+    assert!(why.contains("adm.Ruled.echo"), "{why}");
+
+    let v = api
+        .ok("POST", "/api/rules/governance/validate", Some(HASH))
+        .await;
+    assert_eq!(v["valid"], false, "{v}");
+    assert!(v["error"].as_str().unwrap().contains(&why), "{v}");
+    let message = api
+        .refused(
+            Http::BAD_REQUEST,
+            "PUT",
+            "/api/rules/governance?expected=0",
+            Some(HASH),
+        )
+        .await;
+    assert!(
+        message.contains(&why) && message.contains("nothing was written"),
+        "{message}"
+    );
+    assert_eq!(in_store(&store, RuleKind::Governance).await, (0, "".into()));
+
+    // The same text in the history (written past the endpoint), then a good version over it:
+    // rolling back to it is refused the same way.
+    let bad = store.set(RuleKind::Governance, HASH, 0).await.expect("set");
+    let good = written(
+        &api,
+        &store,
+        RuleKind::Governance,
+        &format!("/api/rules/governance?expected={bad}"),
+        V1,
+    )
+    .await;
+    let message = api
+        .refused(
+            Http::BAD_REQUEST,
+            "POST",
+            &format!("/api/rules/governance/rollback/{bad}"),
+            None,
+        )
+        .await;
+    assert!(message.contains(&why), "{message}");
+    assert_still_v1(&store, good, "a rollback the client would refuse").await;
+}
+
 #[tokio::test]
 async fn every_rules_route_refuses_a_missing_or_wrong_token_and_writes_nothing() {
     let (_etcd, store, _admin, api) = started().await;

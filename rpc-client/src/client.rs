@@ -643,6 +643,15 @@ impl Client {
         })
     }
 
+    /// Whether this client would take `text` as its rule document of `kind` (see
+    /// [`ClientBuilder::rules`]): the error it would refuse it with (a document that does not
+    /// parse, or governance options an entry already called cannot carry out), and nothing
+    /// changes either way. What a rule editor asks before it writes the document to the store
+    /// the client follows.
+    pub fn check_rules(&self, kind: rpc_registry::RuleKind, text: &str) -> Result<(), RpcError> {
+        crate::rules::check(&self.inner.governance, kind, text)
+    }
+
     /// Reloads the config file layer; on error (a broken file, or options an entry already
     /// called cannot carry out, as for [`update_options`](Self::update_options)) the old
     /// configuration stays in force.

@@ -78,6 +78,18 @@ pub(crate) fn apply(
     }
 }
 
+/// Whether [`apply`] would take `text` as the document of `kind`: its error, and nothing
+/// changes either way.
+pub(crate) fn check(governance: &Governance, kind: RuleKind, text: &str) -> Result<(), RpcError> {
+    match kind {
+        RuleKind::Governance => {
+            let centre = GovernanceConfig::from_toml(text)?;
+            governance.check_layers(|l| l.centre = centre)
+        }
+        RuleKind::Routing => RoutingRules::from_toml(text).map(drop),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

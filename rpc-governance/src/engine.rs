@@ -225,14 +225,31 @@ impl Governance {
     /// ([`Layers::check`]).
     pub fn try_update_layers(&self, change: impl FnOnce(&mut Layers)) -> Result<(), RpcError> {
         let mut layers = self.layers.write().unwrap_or_else(|p| p.into_inner());
+        let next = self.changed(&layers, change)?;
+        *layers = next;
+        self.refresh(&layers);
+        Ok(())
+    }
+
+    /// Whether [`try_update_layers`](Self::try_update_layers) would take `change`: its error,
+    /// and nothing changes either way. What a rule editor asks before it writes a document.
+    pub fn check_layers(&self, change: impl FnOnce(&mut Layers)) -> Result<(), RpcError> {
+        let layers = self.layers.read().unwrap_or_else(|p| p.into_inner());
+        self.changed(&layers, change).map(drop)
+    }
+
+    /// `layers` with `change`, checked against every entry already used.
+    fn changed(
+        &self,
+        layers: &Layers,
+        change: impl FnOnce(&mut Layers),
+    ) -> Result<Layers, RpcError> {
         let mut next = layers.clone();
         change(&mut next);
         for p in self.cache.iter() {
             next.check(p.method())?;
         }
-        *layers = next;
-        self.refresh(&layers);
-        Ok(())
+        Ok(next)
     }
 
     /// Checks the options the layers give `method` ([`Layers::check`]).
@@ -414,6 +431,51 @@ mod tests {
             l.runtime.entries.insert("h.H.m".into(), hashing);
         });
         assert!(updated.is_ok(), "{updated:?}");
+    }
+
+    /// A check of layers the entries in use cannot carry out says why, as the update would,
+    /// and changes nothing; one they can carry out changes nothing either.
+    #[tokio::test(start_paused = true)]
+    async fn checked_layers_are_refused_as_updated_ones_and_change_nothing() {
+        static KEYLESS: MethodDescriptor = MethodDescriptor {
+            service_id: "k.K",
+            method: "m",
+            entry_id: "k.K.m",
+            hash_key: None,
+            governance: GovernanceOverrides::NONE,
+            api: None,
+        };
+        let g = Governance::new(Layers::default());
+        let before = g.policy(&KEYLESS).options.load_full();
+        let hashing = |l: &mut Layers| {
+            l.runtime.entries.insert(
+                "k.K.m".into(),
+                GovernanceOverrides {
+                    shunt_strategy: Some(ShuntStrategy::Hash),
+                    ..GovernanceOverrides::NONE
+                },
+            );
+        };
+        let checked = g.check_layers(hashing).expect_err("no hash key");
+        let updated = g.try_update_layers(hashing).expect_err("no hash key");
+        assert_eq!(checked.message(), updated.message());
+        let slower = |l: &mut Layers| {
+            l.runtime.entries.insert(
+                "k.K.m".into(),
+                GovernanceOverrides {
+                    timeout_ms: Some(before.timeout_ms + 1),
+                    ..GovernanceOverrides::NONE
+                },
+            );
+        };
+        g.check_layers(slower)
+            .expect("a timeout can be carried out");
+        assert_eq!(*g.policy(&KEYLESS).options.load_full(), *before);
+        g.try_update_layers(slower).expect("taken");
+        assert_eq!(
+            g.policy(&KEYLESS).options.load_full().timeout_ms,
+            before.timeout_ms + 1
+        );
     }
 
     /// A descriptor with less of the method than the one in use (a generic call's, with the
