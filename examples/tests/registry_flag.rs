@@ -55,6 +55,107 @@ async fn the_echo_programs_find_each_other_in_zookeeper() {
         .expect("the check");
 }
 
+/// `echo-client --registry URL` started before any server: its first calls fail (no endpoint
+/// yet), and once a server registers, its calls are answered. Before, it appointed the first
+/// instance listed at its start, none, and refused every call for good.
+#[tokio::test]
+async fn echo_client_started_before_the_servers_calls_them_once_they_register() {
+    let etcd = etcd_harness::Etcd::start().await;
+    let url = etcd.url();
+    tokio::task::spawn_blocking(move || {
+        let (_client, out) = spawn(
+            env!("CARGO_BIN_EXE_echo-client"),
+            &[
+                "--registry",
+                &url,
+                "--calls",
+                "100000",
+                "--interval-ms",
+                "20",
+                "--timeout-ms",
+                "500",
+            ],
+        );
+        let failed = wait_for(&out, "call 0: ", LIMIT);
+        assert!(failed.starts_with("call 0: failed"), "{failed}");
+        assert!(!failed.contains("appoint"), "{failed}");
+        let (_server, server_out) = spawn(
+            env!("CARGO_BIN_EXE_echo-server"),
+            &["--registry", &url, "--port", "0"],
+        );
+        wait_for(&server_out, "listening on ", LIMIT);
+        let deadline = std::time::Instant::now() + LIMIT;
+        let line = loop {
+            let line = wait_for(&out, "call ", LIMIT);
+            if !line.contains(": failed") {
+                break line;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no call answered within {LIMIT:?} of the server's start: {line}"
+            );
+        };
+        assert!(line.contains(": ok from "), "{line}");
+    })
+    .await
+    .expect("the check");
+}
+
+/// `echo-client --strategy appoint` with no endpoint to appoint says so and exits 1, rather
+/// than failing every call over an address nobody gave.
+#[tokio::test]
+async fn echo_client_appointing_with_no_endpoint_says_so_and_exits_1() {
+    let etcd = etcd_harness::Etcd::start().await;
+    let url = etcd.url();
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_echo-client"))
+            .args(["--registry", &url, "--calls", "1", "--strategy", "appoint"])
+            .output()
+            .expect("run echo-client")
+    })
+    .await
+    .expect("the run");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("lists no endpoint of echo.Echo"),
+        "{stderr}"
+    );
+}
+
+/// `echo-server --registry URL --admin ADDR` whose admin address is taken exits 2, and takes
+/// its instance out of the registry first: clients must not dial a process that is gone
+/// (before, the instance stayed until its lease ran out).
+#[tokio::test]
+async fn echo_server_whose_admin_cannot_start_leaves_nothing_registered() {
+    use rpc::Registry as _;
+    let etcd = etcd_harness::Etcd::start().await;
+    let url = etcd.url();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let admin = taken.local_addr().expect("addr").to_string();
+    let args = ["--registry", &url, "--port", "0", "--admin", &admin];
+    let program = env!("CARGO_BIN_EXE_echo-server");
+    let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(program)
+            .args(&args)
+            .output()
+            .expect("run echo-server")
+    })
+    .await
+    .expect("the run");
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let registry = rpc::EtcdRegistry::from_url(&url).await.expect("etcd");
+    let watch = registry.watch(&"echo.Echo".into()).await.expect("watch");
+    assert!(watch.current().is_empty(), "{:?}", watch.current());
+    drop(taken);
+}
+
 /// What `GET /api/rules` of the admin endpoint at `admin` answers.
 async fn rules(http: &reqwest::Client, admin: &str) -> Value {
     let answer = http

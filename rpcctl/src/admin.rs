@@ -49,11 +49,30 @@ impl Endpoint {
         } else {
             format!("http://{addr}")
         };
-        if let Err(e) = reqwest::Url::parse(&base) {
-            return Err(Failure::usage(format!(
-                "--admin {addr}: not an address ({e}); give host:port, as the process's \
+        let not_an_address = |why: &str| {
+            Failure::usage(format!(
+                "--admin {addr}: not an address ({why}); give host:port, as the process's \
                  `admin on <addr>` line printed"
-            )));
+            ))
+        };
+        let url = reqwest::Url::parse(&base).map_err(|e| not_an_address(&e.to_string()))?;
+        // The routes are appended to the base: a path, query or fragment (the console's
+        // `#token=...` link) would take them all somewhere else.
+        if url.port().is_none() {
+            return Err(not_an_address("no port"));
+        }
+        if url.path() != "/" || url.query().is_some() || url.fragment().is_some() {
+            return Err(not_an_address(
+                "the endpoint's address only, without a path, query or fragment",
+            ));
+        }
+        if let Some(token) = target.token {
+            if reqwest::header::HeaderValue::from_str(&format!("Bearer {token}")).is_err() {
+                return Err(Failure::usage(
+                    "the admin token (--token or RPCCTL_TOKEN) holds a character a header cannot \
+                     carry (a line break from the file it was read from?); give it without",
+                ));
+            }
         }
         let http = reqwest::Client::builder()
             .connect_timeout(target.timeout)
@@ -271,16 +290,35 @@ pub async fn events(target: &Target<'_>, json: bool, count: Option<usize>) -> Re
                 }
             };
             let mut out = stdout.lock();
-            // A closed pipe (`| head`) ends the command quietly.
-            if writeln!(out, "{line}").and_then(|()| out.flush()).is_err() {
-                return Ok(());
+            match writeln!(out, "{line}").and_then(|()| out.flush()) {
+                Ok(()) => {}
+                // A closed pipe (`| head`) ends the command quietly.
+                Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => return Ok(()),
+                Err(e) => {
+                    return Err(Failure::failed(format!(
+                        "cannot write to standard output: {e}"
+                    )))
+                }
             }
             seen += 1;
             if count.is_some_and(|n| seen >= n) {
                 return Ok(());
             }
         }
-        match stream.chunk().await {
+        // The endpoint sends a keep-alive comment every 15 s: a stream silent for longer is
+        // a process stopped or a network cut, not a quiet one.
+        let chunk = match tokio::time::timeout(SILENCE.max(admin.timeout), stream.chunk()).await {
+            Ok(chunk) => chunk,
+            Err(_) => {
+                return Err(Failure::failed(format!(
+                    "the event stream of {} has been silent for {} s, though the endpoint sends \
+                     a keep-alive every 15 s: the process may be stopped, or the network cut",
+                    admin.base,
+                    SILENCE.max(admin.timeout).as_secs()
+                )))
+            }
+        };
+        match chunk {
             Ok(Some(chunk)) => buffer.extend_from_slice(&chunk),
             Ok(None) => {
                 return Err(Failure::failed(format!(
@@ -297,6 +335,10 @@ pub async fn events(target: &Target<'_>, json: bool, count: Option<usize>) -> Re
         }
     }
 }
+
+/// How long the event stream may stay silent (at least; `--admin-timeout-ms` when longer):
+/// twice the endpoint's keep-alive interval.
+const SILENCE: Duration = Duration::from_secs(30);
 
 /// The first whole server-sent-events message in `buffer` (up to its blank line), taken out of
 /// it as text; `None` while the message is still coming.

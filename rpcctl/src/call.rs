@@ -21,6 +21,7 @@ pub async fn run(
     entry: &str,
     args: &str,
     token: Option<&str>,
+    limit: Option<std::time::Duration>,
 ) -> Result<(), Failure> {
     let args: Value = serde_json::from_str(args).map_err(|e| {
         Failure::usage(format!(
@@ -41,7 +42,22 @@ pub async fn run(
         builder = builder.token(token);
     }
     let client = builder.build();
-    let result = client.invoke_json(entry, args).await;
+    let call = client.invoke_json(entry, args);
+    let result = match limit {
+        None => call.await,
+        // Dropping the call at the limit cancels it at the server too.
+        Some(limit) => match tokio::time::timeout(limit, call).await {
+            Ok(result) => result,
+            Err(_) => {
+                client.close();
+                return Err(Failure::failed(format!(
+                    "{entry}: no answer within {} ms; the call was cancelled (--timeout-ms sets \
+                     the wait, 0 for the entry's own)",
+                    limit.as_millis()
+                )));
+            }
+        },
+    };
     client.close();
     match result {
         Ok(answer) => {

@@ -88,6 +88,10 @@ pub enum Command {
         /// The servers' handshake token, when they require one.
         #[arg(long, env = "RPCCTL_SERVER_TOKEN")]
         server_token: Option<String>,
+        /// Gives the call up after this many milliseconds, whatever the entry's own timeout
+        /// (0: wait as long as the entry's options let it).
+        #[arg(long, default_value_t = 30_000)]
+        timeout_ms: u64,
     },
     /// Status of a process: breakers, endpoint health and options (needs --admin).
     Status,
@@ -128,8 +132,12 @@ async fn main() {
             entry,
             args,
             server_token,
+            timeout_ms,
         } => match registry::open(cli.registry.as_deref()).await {
-            Ok(r) => call::run(r, &entry, &args, server_token.as_deref()).await,
+            Ok(r) => {
+                let limit = (timeout_ms > 0).then(|| std::time::Duration::from_millis(timeout_ms));
+                call::run(r, &entry, &args, server_token.as_deref(), limit).await
+            }
             Err(e) => Err(e),
         },
         Command::Status => admin::status(&admin_of(&cli), cli.json).await,

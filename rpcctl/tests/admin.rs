@@ -180,6 +180,29 @@ async fn status_exits_2_for_a_wrong_token_or_no_address_and_1_for_an_unreachable
         assert_eq!(o.status.code(), Some(2), "{wrong}: {}", stderr(&o));
         assert!(stderr(&o).contains("not an address"), "{}", stderr(&o));
     }
+    // So is one every route would miss: no port (port 80), or the console's link, whose
+    // fragment would take every route to the console's page.
+    let console = format!("http://{addr}/#token={TOKEN}");
+    for (wrong, said) in [
+        ("127.0.0.1", "no port"),
+        (console.as_str(), "without a path, query or fragment"),
+        (&*format!("http://{addr}/api"), "without a path"),
+    ] {
+        let o = rpcctl(args(&["--admin", wrong, "--token", TOKEN, "status"])).await;
+        assert_eq!(o.status.code(), Some(2), "{wrong}: {}", stderr(&o));
+        assert!(stderr(&o).contains(said), "{wrong}: {}", stderr(&o));
+    }
+    // A token read from a file with its line break cannot go in a header.
+    let o = rpcctl(args(&[
+        "--admin",
+        &addr,
+        "--token",
+        "ctl-token\r",
+        "status",
+    ]))
+    .await;
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("line break"), "{}", stderr(&o));
 }
 
 /// The admin request carries the token: it goes straight to the endpoint, never through a
@@ -395,4 +418,43 @@ async fn events_prints_the_event_the_process_emits_once_following() {
         line.contains("client reset ctl.Echo.echo: reset by an operator"),
         "{line}"
     );
+}
+
+/// `rpcctl events > /dev/full`: an output it cannot write is a failure (exit 1, saying so),
+/// not the quiet end a reader going away (a closed pipe) gets.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_exits_1_when_it_cannot_write_its_output() {
+    let p = process().await;
+    let addr = p.admin.local_addr().to_string();
+    let full = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/full")
+        .expect("/dev/full");
+    let mut child = command(&args(&[
+        "--admin", &addr, "--token", TOKEN, "events", "--count", "1",
+    ]))
+    .stdout(full)
+    .stderr(Stdio::piped())
+    .spawn()
+    .expect("start rpcctl events");
+    let stderr = child.stderr.take().expect("stderr");
+    let (err_tx, err_rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = err_tx.send(line);
+        }
+    });
+    let following = err_rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("rpcctl says it follows the stream");
+    assert!(following.contains("following"), "{following}");
+    p.client.isolate_entry("ctl.Echo.echo").expect("isolate");
+    let said = err_rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("rpcctl says why it stopped");
+    assert!(said.contains("cannot write"), "{said}");
+    let status = tokio::task::spawn_blocking(move || child.wait().expect("wait"))
+        .await
+        .expect("join");
+    assert_eq!(status.code(), Some(1));
 }

@@ -65,6 +65,38 @@ async fn a_failed_call_exits_1_with_its_status_and_message() {
     assert!(run.stderr.contains(&addr), "{run:?}");
 }
 
+/// A call that does not answer within `--timeout-ms` is given up (exit 1, saying so), however
+/// long the entry's own options would let it wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_past_its_timeout_is_given_up_with_exit_1() {
+    let server = Server::builder()
+        .registry(InProcessRegistry::new())
+        .add_service(EchoServer::new(EchoService::new(
+            0,
+            Duration::from_secs(600),
+        )))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let addr = server.local_addr().to_string();
+    let run = rpcctl(&[
+        "--registry",
+        &addr,
+        "call",
+        "--timeout-ms",
+        "200",
+        "echo.Echo.echo",
+        r#"["x"]"#,
+    ])
+    .await;
+    assert_eq!(run.code, 1, "{run:?}");
+    assert!(
+        run.stderr
+            .contains("echo.Echo.echo: no answer within 200 ms"),
+        "{run:?}"
+    );
+}
+
 #[tokio::test]
 async fn malformed_arguments_are_a_usage_error() {
     for args in ["[\"unterminated", "{\"text\": \"hi\"}", "\"hi\""] {

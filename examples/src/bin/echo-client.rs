@@ -30,7 +30,7 @@ struct Args {
     #[arg(long, required_unless_present = "registry")]
     endpoints: Option<String>,
     /// Where to find the endpoints instead: static:FILE, etcd://host:port or zk://host:port.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "endpoints")]
     registry: Option<String>,
     /// Number of calls.
     #[arg(long)]
@@ -89,21 +89,30 @@ async fn main() {
             std::process::exit(2);
         });
     // appoint: the first endpoint listed, or the first the registry announces.
-    let first = match &args.endpoints {
-        Some(list) => list
-            .split(',')
-            .next()
-            .unwrap_or_default()
-            .trim()
-            .to_string(),
-        None => match registry.watch(&EchoClient::SERVICE_ID.into()).await {
-            Ok(w) => w
-                .current()
-                .first()
-                .map(|i| i.address.clone())
-                .unwrap_or_default(),
-            Err(_) => String::new(),
-        },
+    let appointed = if args.strategy == ShuntStrategy::Appoint {
+        let first = match &args.endpoints {
+            Some(list) => list.split(',').next().map(|a| a.trim().to_string()),
+            None => match registry.watch(&EchoClient::SERVICE_ID.into()).await {
+                Ok(w) => w.current().first().map(|i| i.address.clone()),
+                Err(e) => {
+                    eprintln!("echo-client: --strategy appoint: cannot read {url}: {e}");
+                    std::process::exit(1);
+                }
+            },
+        };
+        match first.filter(|a| !a.is_empty()) {
+            Some(first) => Some(first.into()),
+            None => {
+                eprintln!(
+                    "echo-client: --strategy appoint: {url} lists no endpoint of {} yet; start \
+                     a server first, or give --endpoints",
+                    EchoClient::SERVICE_ID
+                );
+                std::process::exit(1);
+            }
+        }
+    } else {
+        None
     };
     let mut builder = Client::builder()
         .shared_registry(registry)
@@ -111,7 +120,7 @@ async fn main() {
             EchoClient::SERVICE_ID,
             GovernanceOverrides {
                 shunt_strategy: Some(args.strategy),
-                appoint_address: Some(first.into()),
+                appoint_address: appointed,
                 timeout_ms: Some(args.timeout_ms),
                 ..GovernanceOverrides::NONE
             },

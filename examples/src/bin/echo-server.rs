@@ -99,11 +99,16 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             _ => admin,
         },
     )
-    .await
-    .unwrap_or_else(|e| {
-        eprintln!("echo-server: {e}");
-        std::process::exit(2);
-    });
+    .await;
+    let admin = match admin {
+        Ok(admin) => admin,
+        Err(e) => {
+            eprintln!("echo-server: {e}");
+            // Deregistered first: clients must not dial an instance that is going away.
+            server.shutdown().await;
+            std::process::exit(2);
+        }
+    };
     let stopped = server.serve_until_signal();
     println!("listening on {addr}");
     stopped.await?;
