@@ -51,6 +51,12 @@ pub struct ZooKeeperOptions {
     /// Limit on each request to ZooKeeper (3 s by default): past it the operation fails as
     /// unreachable (or, in the background tasks, is retried).
     pub request_timeout: Duration,
+    /// Largest registration written, in bytes (1 MiB less one by default: ZooKeeper's own
+    /// default `jute.maxbuffer`). An instance is written once per service it serves, in one
+    /// request, which ZooKeeper answers by closing the connection (every watch of the process
+    /// then reconnects) when it is over its limit: a larger registration is refused here, as a
+    /// configuration error naming its size. Raise both together.
+    pub max_request_bytes: usize,
 }
 
 impl Default for ZooKeeperOptions {
@@ -60,6 +66,7 @@ impl Default for ZooKeeperOptions {
             session_timeout: Duration::from_secs(10),
             connect_timeout: Duration::from_secs(3),
             request_timeout: Duration::from_secs(3),
+            max_request_bytes: 0xfffff,
         }
     }
 }
@@ -254,6 +261,20 @@ impl ZooKeeperRegistry {
         let conn = &self.inner.conn;
         let value = encode(&instance)?;
         let paths = places(&instance, |s, id| conn.path(s, id));
+        // (Each operation of the transaction carries a few dozen bytes besides.)
+        let size: usize = paths.iter().map(|p| p.len() + value.len() + 64).sum();
+        if size > conn.options.max_request_bytes {
+            return Err(RegistryError::Config(format!(
+                "instance {}: its registration is {size} bytes in one ZooKeeper request ({} \
+                 services, {} bytes each), over the limit of {} (ZooKeeper's jute.maxbuffer, \
+                 1 MiB by default): publish less metadata or fewer services per instance, or \
+                 raise jute.maxbuffer and ZooKeeperOptions::max_request_bytes together",
+                instance.id,
+                paths.len(),
+                value.len(),
+                conn.options.max_request_bytes
+            )));
+        }
 
         let mut registrations = self.inner.registrations.lock().await;
         let obsolete: Vec<String> = registrations
@@ -312,7 +333,16 @@ impl ZooKeeperRegistry {
         // Still under the lock: a registration of the same id waits for the removal, so that
         // the removal cannot take the new version's nodes.
         let conn = &self.inner.conn;
-        match conn.remove(&registration.paths).await {
+        let mut given_up = RemoveIfGivenUp(Some(PendingRemoval {
+            conn: conn.clone(),
+            registrations: self.inner.registrations.clone(),
+            instance_id: instance_id.to_string(),
+            paths: registration.paths.clone(),
+            alive: self.inner.alive.clone(),
+        }));
+        let removed = conn.remove(&registration.paths).await;
+        given_up.0 = None;
+        match removed {
             Ok(()) => Ok(()),
             Err(e) => {
                 // The session may well live on (a reconnection keeps it): the nodes are
@@ -367,6 +397,45 @@ impl ZooKeeperRegistry {
 
 /// Retries removing a deregistered instance's nodes until it works, the id is registered
 /// again with them all, or the registry is dropped.
+/// Removes an instance's nodes in the background ([`remove_later`]) when dropped armed: a
+/// removal given up mid-way (a timeout around a deregistration, a server's shutdown) has
+/// already forgotten the registration that a later deregistration would find, and the nodes
+/// belong to the registry's session, which lives on.
+struct RemoveIfGivenUp(Option<PendingRemoval>);
+
+/// What [`remove_later`] takes.
+struct PendingRemoval {
+    conn: Conn,
+    registrations: Registrations,
+    instance_id: String,
+    paths: Vec<String>,
+    alive: watch::Receiver<()>,
+}
+
+impl Drop for RemoveIfGivenUp {
+    fn drop(&mut self) {
+        let Some(p) = self.0.take() else {
+            return;
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(remove_later(
+                    p.conn,
+                    p.registrations,
+                    p.instance_id,
+                    p.paths,
+                    p.alive,
+                ));
+            }
+            Err(_) => tracing::warn!(
+                instance = %p.instance_id,
+                "a deregistration was given up outside a Tokio runtime: the instance's nodes \
+                 stay until the registry's session ends"
+            ),
+        }
+    }
+}
+
 async fn remove_later(
     conn: Conn,
     registrations: Registrations,

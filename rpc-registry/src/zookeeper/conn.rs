@@ -212,7 +212,7 @@ impl Conn {
         for ((name, path), result) in names.into_iter().zip(&paths).zip(results) {
             match result {
                 Ok((data, _)) => {
-                    if let Some(instance) = decode(path.as_bytes(), &data) {
+                    if let Some(instance) = self.instance_at(path, &data) {
                         instances.insert(name, instance);
                     }
                 }
@@ -231,7 +231,7 @@ impl Conn {
         path: &str,
     ) -> Result<Option<Arc<Instance>>, RegistryError> {
         match self.timed(client.get_data(path)).await {
-            Ok((data, _)) => Ok(decode(path.as_bytes(), &data)),
+            Ok((data, _)) => Ok(self.instance_at(path, &data)),
             Err(zk::Error::NoNode) => Ok(None),
             Err(e) => Err(self.error(&format!("reading {path}"), &e)),
         }
@@ -333,6 +333,31 @@ impl Conn {
         self.timed(async { multi.commit().await.map_err(zk::Error::from) })
             .await?;
         Ok(())
+    }
+
+    /// The instance the node at `path` holds, if it is one published there: its JSON decodes
+    /// (else it is skipped with a warning, see [`decode`]), and the node is the one the
+    /// instance's id and one of its services name. A node written by hand or by another tool
+    /// that names another id would stand for an instance that is not there (and could hide the
+    /// real one, the endpoints keeping one instance per id); one under a service it does not
+    /// serve would be dropped without a word.
+    fn instance_at(&self, path: &str, data: &[u8]) -> Option<Arc<Instance>> {
+        let instance = decode(path.as_bytes(), data)?;
+        if instance
+            .services
+            .iter()
+            .any(|s| self.path(s, &instance.id) == path)
+        {
+            return Some(instance);
+        }
+        tracing::warn!(
+            node = path,
+            instance = %instance.id,
+            services = ?instance.services,
+            "a node whose instance is not the one its path names (another id, or a service \
+             it does not serve) is skipped"
+        );
+        None
     }
 
     /// Removes the nodes of `paths` that the current session owns (nodes of other sessions go

@@ -330,6 +330,70 @@ async fn a_missed_deregistration_still_removes_what_a_new_registration_no_longer
     wait_until(&mut a, SEEN_WITHIN, "still in t.A", has(id)).await;
 }
 
+/// A deregistration given up after its first step (a timeout around a server's shutdown):
+/// the registration is already forgotten, so no later deregistration would find it, and the
+/// nodes belong to the registry's session, which lives on. The nodes still go, in the
+/// background. Before, they stayed for the session's life, and callers kept dialling the
+/// instance.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deregistration_given_up_midway_still_removes_the_nodes() {
+    let zk = ZooKeeper::shared().await;
+    let url = zk.url_with_prefix(&ZooKeeper::prefix());
+    let reg = quick_registry(&url);
+    let id = "127.0.0.1:1003";
+    within("register", reg.register(Instance::new(id, ["t.A"])))
+        .await
+        .expect("register");
+    let mut w = watch(&reg, "t.A").await;
+    wait_until(&mut w, SEEN_WITHIN, "registered", has(id)).await;
+    // One poll: the removal has asked for the nodes' stats, not deleted them yet.
+    let given_up = tokio::time::timeout(Duration::ZERO, reg.deregister(id)).await;
+    assert!(given_up.is_err(), "the removal was done in one poll");
+    within("deregister again", reg.deregister(id))
+        .await
+        .expect("nothing left to deregister: the registration is forgotten");
+    wait_until(&mut w, SEEN_WITHIN, "the instance gone", lacks(id)).await;
+    assert!(
+        stat(&zk.client().await, &reg.path(&"t.A".into(), id))
+            .await
+            .is_none(),
+        "the node outlived the deregistration"
+    );
+}
+
+/// A registration over ZooKeeper's request limit (an instance is written once per service,
+/// in one request) is refused as a configuration error naming its size, before anything is
+/// sent: ZooKeeper would close the connection, failing it as "unreachable" and making every
+/// watch of the process reconnect. One within the limit is written.
+#[tokio::test]
+async fn a_registration_over_zookeepers_request_limit_is_refused_as_configuration() {
+    let zk = ZooKeeper::shared().await;
+    let reg = registry(&zk.url_with_prefix(&ZooKeeper::prefix()));
+    let with_blob = |id: &str, bytes: usize| {
+        let mut instance = Instance::new(id, ["t.A", "t.B"]);
+        instance.metadata.insert("blob".into(), "x".repeat(bytes));
+        instance
+    };
+    // Twice 600 KB in one request: over 1 MiB.
+    let refused = within(
+        "register",
+        reg.register(with_blob("127.0.0.1:1004", 600_000)),
+    )
+    .await
+    .expect_err("over the limit");
+    assert!(
+        matches!(&refused, rpc::RegistryError::Config(m) if m.contains("jute.maxbuffer")),
+        "{refused}"
+    );
+    // Twice 400 KB: within it, and ZooKeeper takes it.
+    let kept = with_blob("127.0.0.1:1005", 400_000);
+    within("register", reg.register(kept))
+        .await
+        .expect("within the limit");
+    let mut w = watch(&reg, "t.B").await;
+    wait_until(&mut w, SEEN_WITHIN, "registered", has("127.0.0.1:1005")).await;
+}
+
 /// An ensemble one of whose servers takes connections and never answers (hung, or its
 /// answers lost): opening a session tries each server for its share of `connect_timeout`
 /// (3 s of 6 s here), so registering works whichever server the client tries first. Before,
@@ -439,6 +503,11 @@ async fn malformed_values_are_skipped() {
     // A valid instance that does not serve t.A, under t.A's node: not an endpoint of t.A.
     let stray = serde_json::to_vec(&Instance::new("127.0.0.1:7", ["t.Other"])).expect("json");
     put("stray", stray).await;
+    // A node naming one id and holding another's instance (a hand-written copy): not the
+    // instance its path names, so no endpoint either (it would stand for 127.0.0.1:1001).
+    let mut impostor = Instance::new("127.0.0.1:1001", ["t.A"]);
+    impostor.address = "127.0.0.1:1".into();
+    put("127.0.0.1:9", serde_json::to_vec(&impostor).expect("json")).await;
     within(
         "register",
         reg.register(Instance::new("127.0.0.1:1000", ["t.A"])),
