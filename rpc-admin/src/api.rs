@@ -53,7 +53,18 @@ pub(crate) fn router(state: Arc<State>) -> Router {
         .route("/", get(console))
         .merge(guarded)
         .fallback(not_found)
+        .layer(middleware::map_response(not_stored))
         .with_state(state)
+}
+
+/// Every answer is kept by no cache: they carry the process's state and rules, read with the
+/// token.
+async fn not_stored(mut response: Response) -> Response {
+    response.headers_mut().insert(
+        header::CACHE_CONTROL,
+        header::HeaderValue::from_static("no-store"),
+    );
+    response
 }
 
 /// The web console: one page built into the binary (nothing is fetched at build or run time)
@@ -62,8 +73,18 @@ pub(crate) fn router(state: Arc<State>) -> Router {
 /// is served without the token.
 const CONSOLE: &str = include_str!("../assets/console.html");
 
-async fn console() -> axum::response::Html<&'static str> {
-    axum::response::Html(CONSOLE)
+/// The console in no other site's frame (where a decoy laid over its buttons would have the
+/// operator isolate a breaker unawares: its requests come from this host, so the host and
+/// origin checks let them through), and sending no referrer.
+async fn console() -> impl IntoResponse {
+    (
+        [
+            (header::X_FRAME_OPTIONS, "DENY"),
+            (header::CONTENT_SECURITY_POLICY, "frame-ancestors 'none'"),
+            (header::REFERRER_POLICY, "no-referrer"),
+        ],
+        axum::response::Html(CONSOLE),
+    )
 }
 
 /// A JSON refusal.

@@ -725,8 +725,33 @@ async fn the_console_page_is_served_without_the_token_and_polls_only_guarded_rou
         .unwrap()
         .to_string();
     assert!(kind.starts_with("text/html"), "{kind}");
+    // In no other site's frame: a decoy laid over its buttons would have the operator isolate
+    // a breaker unawares (its requests come from this host, so the host check passes).
+    let header = |name: &str| {
+        r.headers()
+            .get(name)
+            .map(|v| v.to_str().unwrap().to_string())
+    };
+    assert_eq!(header("x-frame-options").as_deref(), Some("DENY"));
+    assert_eq!(
+        header("content-security-policy").as_deref(),
+        Some("frame-ancestors 'none'")
+    );
+    assert_eq!(header("referrer-policy").as_deref(), Some("no-referrer"));
+    assert_eq!(header("cache-control").as_deref(), Some("no-store"));
     let page = r.text().await.unwrap();
     assert!(page.contains("<title>rpc console</title>"), "the page");
+    // No answer of the API is kept by a cache: they carry the process's state, read with the
+    // token.
+    let r = s
+        .http
+        .get(s.url("/api/breakers"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), Http::OK);
+    assert_eq!(r.headers()["cache-control"], "no-store");
     // Every API path the page reads is one the token guards (the page itself holds no data).
     for path in [
         "/api/services",

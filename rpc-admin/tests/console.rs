@@ -277,15 +277,21 @@ async fn a_wrong_token_shows_the_refusal_and_no_data() {
                 text.contains("wrong token") && text.contains("Authorization: Bearer"),
                 "the status line says what went wrong and what to send: {text:?}"
             );
-            // Wait until the page has polled twice (every request of the first round has
-            // been answered and handled), then nothing may have been filled in.
-            until_script(
-                &browser,
-                "its second poll",
-                "return performance.getEntriesByType('resource')\
-                   .filter((e) => e.name.endsWith('/api/services')).length >= 2;",
-            )
-            .await;
+            assert!(text.contains("polling stopped"), "{text:?}");
+            // The page stops polling at the refusal (rather than sending the refused token
+            // every second): it has asked once, and asks no more.
+            until_script(&browser, "polling to stop", "return polling === false;").await;
+            let asked: i64 = browser
+                .execute(
+                    "return performance.getEntriesByType('resource')\
+                       .filter((e) => e.name.endsWith('/api/services')).length;",
+                    vec![],
+                )
+                .await
+                .expect("script")
+                .as_i64()
+                .expect("a count");
+            assert_eq!(asked, 1);
             for table in ["services", "breakers", "endpoints"] {
                 assert_eq!(rows(&browser, table).await, 0, "#{table} has rows");
             }

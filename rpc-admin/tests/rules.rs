@@ -575,7 +575,7 @@ async fn a_document_the_attached_client_would_refuse_is_not_written() {
         .await
         .expect("serve");
     let client = Client::builder()
-        .registry(registry)
+        .registry(registry.clone())
         .rules(store.clone())
         .build();
     let echo = RuledClient::new(client.clone());
@@ -637,6 +637,26 @@ async fn a_document_the_attached_client_would_refuse_is_not_written() {
         .await;
     assert!(message.contains(&why), "{message}");
     assert_still_v1(&store, good, "a rollback the client would refuse").await;
+
+    // A client that follows no rules applies none, and refuses none: attached, it blocks no
+    // edit made for the processes that do follow them.
+    let loose = Client::builder().registry(registry).build();
+    let echo = RuledClient::new(loose.clone());
+    assert_eq!(within("call", echo.echo("hi".into())).await.unwrap(), "hi");
+    loose
+        .check_rules(RuleKind::Governance, HASH)
+        .expect("no rules followed, none refused");
+    let admin = Admin::builder()
+        .client(&loose)
+        .rules(store.clone())
+        .token(TOKEN)
+        .serve("127.0.0.1:0")
+        .await
+        .expect("admin");
+    let v = Http1::new(&admin)
+        .ok("POST", "/api/rules/governance/validate", Some(HASH))
+        .await;
+    assert_eq!(v, json!({ "valid": true }));
 }
 
 #[tokio::test]

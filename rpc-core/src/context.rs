@@ -337,8 +337,8 @@ mod tests {
         assert!(panicked.is_err());
         assert_eq!(RpcContext::get("a"), None, "the scope ended by unwinding");
         assert_eq!(held.enter(|| RpcContext::get("a")).as_deref(), Some("1"));
-        // Moved, not copied: no handle on the map was given up per entry.
-        assert_eq!(Arc::strong_count(&attachments), 2);
+        // Moved, not copied: the scope holds the handle `held` keeps, and no other.
+        assert_eq!(held.enter(|| Arc::strong_count(&attachments)), 2);
         let seen = poll_now(held.scope(async { RpcContext::retry_depth() }));
         assert_eq!(seen, 2);
     }

@@ -156,9 +156,16 @@ fn cross_origin<'a>(
     }
 }
 
+/// The documentation page, in no other site's frame (a decoy laid over its "Send" buttons
+/// would have a visitor call entries unawares) and sending no referrer.
 async fn docs_page() -> Response {
     (
-        [(header::CONTENT_TYPE, "text/html; charset=utf-8")],
+        [
+            (header::CONTENT_TYPE, "text/html; charset=utf-8"),
+            (header::X_FRAME_OPTIONS, "DENY"),
+            (header::CONTENT_SECURITY_POLICY, "frame-ancestors 'none'"),
+            (header::REFERRER_POLICY, "no-referrer"),
+        ],
         docs::page(),
     )
         .into_response()

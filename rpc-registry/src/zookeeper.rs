@@ -292,8 +292,25 @@ impl ZooKeeperRegistry {
             // deregistered.
             return self.remove_registered(registrations, &instance.id).await;
         }
-        // One transaction: on failure the previous version stays as it was, still kept.
-        let client = conn.write(&paths, &value, &obsolete).await?;
+        // One transaction: on failure the previous version stays as it was, still kept. Given
+        // up mid-way, it may have been committed: the nodes no registration keeps go again.
+        let kept: &[String] = registrations
+            .get(&instance.id)
+            .map_or(&[], |old| old.paths.as_slice());
+        let mut given_up = RemoveIfGivenUp(Some(PendingRemoval {
+            conn: conn.clone(),
+            registrations: self.inner.registrations.clone(),
+            instance_id: instance.id.clone(),
+            paths: paths
+                .iter()
+                .filter(|p| !kept.contains(p))
+                .cloned()
+                .collect(),
+            alive: self.inner.alive.clone(),
+        }));
+        let written = conn.write(&paths, &value, &obsolete).await;
+        given_up.0 = None;
+        let client = written?;
         if let Some(old) = registrations.remove(&instance.id) {
             // It cannot be writing: that takes the lock held here.
             old.task.abort();
@@ -395,12 +412,11 @@ impl ZooKeeperRegistry {
     }
 }
 
-/// Retries removing a deregistered instance's nodes until it works, the id is registered
-/// again with them all, or the registry is dropped.
 /// Removes an instance's nodes in the background ([`remove_later`]) when dropped armed: a
 /// removal given up mid-way (a timeout around a deregistration, a server's shutdown) has
-/// already forgotten the registration that a later deregistration would find, and the nodes
-/// belong to the registry's session, which lives on.
+/// already forgotten the registration that a later deregistration would find, and a write
+/// given up mid-way may have been committed before its registration was kept; either way the
+/// nodes belong to the registry's session, which lives on.
 struct RemoveIfGivenUp(Option<PendingRemoval>);
 
 /// What [`remove_later`] takes.
@@ -436,6 +452,8 @@ impl Drop for RemoveIfGivenUp {
     }
 }
 
+/// Retries removing a deregistered instance's nodes until it works, the id is registered
+/// again with them all, or the registry is dropped.
 async fn remove_later(
     conn: Conn,
     registrations: Registrations,

@@ -58,7 +58,7 @@ impl Endpoint {
         let url = reqwest::Url::parse(&base).map_err(|e| not_an_address(&e.to_string()))?;
         // The routes are appended to the base: a path, query or fragment (the console's
         // `#token=...` link) would take them all somewhere else.
-        if url.port().is_none() {
+        if !names_a_port(addr) {
             return Err(not_an_address("no port"));
         }
         if url.path() != "/" || url.query().is_some() || url.fragment().is_some() {
@@ -336,6 +336,17 @@ pub async fn events(target: &Target<'_>, json: bool, count: Option<usize>) -> Re
     }
 }
 
+/// Whether `addr` (`host:port`, or a URL) names its port (`url::Url::port` leaves out a scheme's
+/// default one, as `http://host:80`).
+fn names_a_port(addr: &str) -> bool {
+    let rest = addr.split_once("://").map_or(addr, |(_, rest)| rest);
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
+    let host_port = authority.rsplit_once('@').map_or(authority, |(_, hp)| hp);
+    host_port
+        .rsplit_once(':')
+        .is_some_and(|(_, port)| !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit()))
+}
+
 /// How long the event stream may stay silent (at least; `--admin-timeout-ms` when longer):
 /// twice the endpoint's keep-alive interval.
 const SILENCE: Duration = Duration::from_secs(30);
@@ -413,6 +424,31 @@ fn table(header: &[&str], rows: &[Vec<String>]) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_port_is_named_in_an_address_or_a_url_even_the_schemes_default() {
+        use super::names_a_port;
+        for named in [
+            "127.0.0.1:9901",
+            "127.0.0.1:80",
+            "http://h:80",
+            "https://admin.example:443/",
+            "[::1]:9901",
+            "http://u@h:1",
+        ] {
+            assert!(names_a_port(named), "{named}");
+        }
+        for unnamed in [
+            "127.0.0.1",
+            "http://h",
+            "https://h/x:1",
+            "[::1]",
+            "h:",
+            "h:x",
+        ] {
+            assert!(!names_a_port(unnamed), "{unnamed}");
+        }
+    }
+
     use super::*;
 
     #[test]

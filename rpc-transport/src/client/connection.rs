@@ -148,7 +148,7 @@ impl Connection {
             client_id: options.client_id.clone(),
             accept_compression: crate::compression::supported_wire(),
             streams: options.streams,
-            stream_window: options.stream_window.max(1),
+            stream_window: options.stream_window.clamp(1, crate::MAX_STREAM_WINDOW),
             stream_window_bytes: options.stream_window_bytes,
             // Runs are up to MAX_ITEMS_BYTES of items: a client whose frame limit is below a
             // whole run takes one item per frame.
@@ -258,7 +258,7 @@ impl Connection {
             close,
             server_streams,
             client_streams: options.streams,
-            stream_window: options.stream_window.max(1),
+            stream_window: options.stream_window.clamp(1, crate::MAX_STREAM_WINDOW),
             stream_window_bytes: window_bytes,
             send_window_bytes,
             limits,

@@ -30,8 +30,8 @@ pub struct ConnectOptions {
     /// Items per stream the client buffers for the server before it grants more
     /// (`Hello.stream_window`): a stream whose consumer stops reading holds at most this many
     /// items, and the server's producer stops. At least 1, at most
-    /// [`MAX_STREAM_WINDOW`](crate::MAX_STREAM_WINDOW) (a server refuses a larger one at the
-    /// handshake); 8192 by default
+    /// [`MAX_STREAM_WINDOW`](crate::MAX_STREAM_WINDOW), the largest a server takes (a larger
+    /// one counts as that); 8192 by default
     /// ([`DEFAULT_CLIENT_STREAM_WINDOW`](crate::DEFAULT_CLIENT_STREAM_WINDOW)).
     pub stream_window: u32,
     /// Payload bytes per stream the client buffers for the server besides `stream_window`

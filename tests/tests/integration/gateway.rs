@@ -715,6 +715,13 @@ async fn the_gateway_s_own_refusals_say_what_to_send() {
     assert_eq!(a.body["openapi"], "3.1.0");
     let a = world.send("GET", "/docs", &[], None).await;
     assert_eq!(a.status, 200);
+    // In no other site's frame (a decoy over its "Send" buttons), sending no referrer.
+    assert_eq!(a.headers["x-frame-options"], "DENY");
+    assert_eq!(
+        a.headers["content-security-policy"],
+        "frame-ancestors 'none'"
+    );
+    assert_eq!(a.headers["referrer-policy"], "no-referrer");
 }
 
 /// Query values of optional arguments: text for `Option<String>` whatever it looks like (an
