@@ -51,6 +51,12 @@ pub struct EtcdOptions {
     /// Limit on each request to etcd (3 s by default), connecting included: past it the
     /// operation fails as unreachable (or, in the background tasks, is retried).
     pub request_timeout: Duration,
+    /// Largest registration written, in bytes (1.5 MiB by default: etcd's own default
+    /// `--max-request-bytes`). An instance is written once per service it serves, in one
+    /// transaction, which etcd refuses when it is over its limit: a larger registration is
+    /// refused here, as a configuration error naming its size, rather than as etcd being
+    /// unavailable. Raise both together.
+    pub max_request_bytes: usize,
 }
 
 impl Default for EtcdOptions {
@@ -60,6 +66,7 @@ impl Default for EtcdOptions {
             lease_ttl: Duration::from_secs(10),
             connect_timeout: Duration::from_secs(3),
             request_timeout: Duration::from_secs(3),
+            max_request_bytes: 1536 * 1024,
         }
     }
 }
@@ -290,6 +297,20 @@ impl EtcdRegistry {
         let conn = &self.inner.conn;
         let value = encode(&instance)?;
         let keys = places(&instance, |s, id| conn.key(s, id));
+        // (Each operation of the transaction carries a few dozen bytes besides.)
+        let size: usize = keys.iter().map(|k| k.len() + value.len() + 64).sum();
+        if size > conn.options.max_request_bytes {
+            return Err(RegistryError::Config(format!(
+                "instance {}: its registration is {size} bytes in one etcd request ({} \
+                 services, {} bytes each), over the limit of {} (etcd's --max-request-bytes, \
+                 1.5 MiB by default): publish less metadata or fewer services per instance, or \
+                 raise --max-request-bytes and EtcdOptions::max_request_bytes together",
+                instance.id,
+                keys.len(),
+                value.len(),
+                conn.options.max_request_bytes
+            )));
+        }
 
         let mut registrations = self.inner.registrations.lock().await;
         if keys.is_empty() {

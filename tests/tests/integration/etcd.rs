@@ -246,6 +246,40 @@ async fn a_version_that_fails_to_register_leaves_the_one_before_it_registered() 
     wait_until(&mut w, SEEN_WITHIN, "deregistered", |l| l.is_empty()).await;
 }
 
+/// A registration over etcd's request limit (an instance is written once per service, in one
+/// transaction) is refused as a configuration error naming its size and the limit, before
+/// anything is sent, and the version before it stays; one within the limit is written.
+/// Before, etcd's refusal read as etcd being unavailable.
+#[tokio::test]
+async fn a_registration_over_etcds_request_limit_is_refused_as_configuration() {
+    let (_etcd, reg, mut w) = one_instance_of_t_a().await;
+    let with_blob = |bytes: usize| {
+        let mut instance = Instance::new("127.0.0.1:1001", ["t.A", "t.B"]);
+        instance.metadata.insert("blob".into(), "x".repeat(bytes));
+        instance
+    };
+    // Twice 800 KB in one request: over 1.5 MiB.
+    let refused = within("register", reg.register(with_blob(800_000)))
+        .await
+        .expect_err("over the limit");
+    assert!(
+        matches!(&refused, rpc::RegistryError::Config(m) if m.contains("--max-request-bytes")),
+        "{refused}"
+    );
+    assert_eq!(
+        addresses(&w),
+        ["127.0.0.1:1001"],
+        "the version before stays"
+    );
+    // Twice 600 KB: within it, and etcd takes it.
+    within("register", reg.register(with_blob(600_000)))
+        .await
+        .expect("within the limit");
+    let mut b = watch(&reg, "t.B").await;
+    wait_until(&mut b, SEEN_WITHIN, "registered", has("127.0.0.1:1001")).await;
+    wait_until(&mut w, SEEN_WITHIN, "still in t.A", has("127.0.0.1:1001")).await;
+}
+
 #[tokio::test]
 async fn a_lost_lease_is_replaced_and_the_instance_reappears() {
     let (etcd, reg, mut w) = one_instance_of_t_a().await;
