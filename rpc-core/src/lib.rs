@@ -25,6 +25,7 @@
 #![warn(missing_docs)]
 
 pub mod address;
+pub mod answered;
 mod codec;
 mod context;
 mod entry;

@@ -182,31 +182,43 @@ impl<S: Service> HedgeLayer<S> {
                 }
             }),
         });
-        let primary = self.inner.call(cx, req.clone());
+        // Each attempt records the endpoint that answered it apart (when the caller asks, see
+        // `rpc_core::answered`): the call names the one whose answer it returns, not the last.
+        let answered: [std::sync::Mutex<Option<String>>; 2] = Default::default();
+        let first = self.inner.call(cx, req.clone());
+        let primary = async {
+            let (result, by) = rpc_core::answered::answered_by(first).await;
+            *lock(&answered[0]) = by;
+            result
+        };
         let hedge = async {
             tokio::time::sleep_until(started + delay).await;
             // An error before any attempt when no hedge is sent: the first attempt decides.
-            Some(self.inner.call(&mut hedge_cx, req).await)
+            let (result, by) =
+                rpc_core::answered::answered_by(self.inner.call(&mut hedge_cx, req)).await;
+            *lock(&answered[1]) = by;
+            Some(result)
         };
         // Each in an `Option`, so that the loser can be dropped here, inside `superseding`
         // (its transport then tells its server why it stops), rather than when this function
         // returns.
         let mut primary = std::pin::pin!(Some(primary));
         let mut hedge = std::pin::pin!(Some(hedge));
-        let result = tokio::select! {
+        // The result, and which attempt gave it (0: the first, 1: the hedge).
+        let (result, from) = tokio::select! {
             biased;
             r = live(primary.as_mut()) => match r {
                 Ok(bytes) => {
                     superseded.set();
                     learn(started.elapsed());
-                    Ok(bytes)
+                    (Ok(bytes), 0)
                 }
                 // The first attempt failed for good before any hedge: none is sent now.
-                Err(e) if !sent.load(Ordering::Relaxed) => Err(e),
+                Err(e) if !sent.load(Ordering::Relaxed) => (Err(e), 0),
                 // A hedge already sent may still answer.
                 Err(e) => match live(hedge.as_mut()).await {
-                    Some(Ok(bytes)) => Ok(bytes),
-                    _ => Err(e),
+                    Some(Ok(bytes)) => (Ok(bytes), 1),
+                    _ => (Err(e), 0),
                 },
             },
             h = live(hedge.as_mut()) => match h {
@@ -214,7 +226,7 @@ impl<S: Service> HedgeLayer<S> {
                     superseded.set();
                     // The first attempt, still running, has taken at least this long.
                     learn(started.elapsed());
-                    Ok(bytes)
+                    (Ok(bytes), 1)
                 }
                 // No hedge (no other endpoint, the first attempt still finding its own, or the
                 // budget spent), or it failed: the first attempt decides, and its time is
@@ -224,10 +236,13 @@ impl<S: Service> HedgeLayer<S> {
                     if result.is_ok() {
                         learn(started.elapsed());
                     }
-                    result
+                    (result, 0)
                 }
             },
         };
+        if let Some(by) = lock(&answered[from]).as_deref() {
+            rpc_core::answered::record(by);
+        }
         if superseded.is_set() {
             rpc_core::superseded::superseding(|| {
                 primary.set(None);
@@ -236,6 +251,12 @@ impl<S: Service> HedgeLayer<S> {
         }
         result
     }
+}
+
+/// An attempt's answering endpoint (a poisoned lock still holds it).
+fn lock(slot: &std::sync::Mutex<Option<String>>) -> std::sync::MutexGuard<'_, Option<String>> {
+    slot.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// The attempt in `slot`, which is there until the call drops it after its end.

@@ -301,3 +301,113 @@ async fn a_hedge_goes_to_the_routing_group_its_call_drew() {
     );
     drop(servers);
 }
+
+#[rpc::service(name = "t.Gated")]
+trait Gated {
+    /// Fails with the server's name once the test releases the call, as the attempt it is.
+    async fn refuse(&self) -> Result<(), RpcError>;
+}
+
+/// A server whose calls wait for the test: the first call any server gets is the first
+/// attempt, the second the hedge; each is released by its own gate.
+struct GatedNode {
+    name: &'static str,
+    arrivals: Arc<AtomicU64>,
+    arrived: mpsc::UnboundedSender<&'static str>,
+    gates: Arc<[tokio::sync::Notify; 2]>,
+}
+
+impl Gated for GatedNode {
+    async fn refuse(&self) -> Result<(), RpcError> {
+        let nth = self.arrivals.fetch_add(1, Ordering::SeqCst) as usize;
+        let _ = self.arrived.send(self.name);
+        self.gates[nth.min(1)].notified().await;
+        Err(RpcError::new(
+            rpc::StatusCode::BusinessError,
+            format!("refused by {}", self.name),
+        ))
+    }
+}
+
+/// An attempt layer that releases the hedge's server once the client has the first answer
+/// of the call: the hedge's answer then comes last, whatever the scheduling.
+struct ReleaseAfterFirstAnswer {
+    gates: Arc<[tokio::sync::Notify; 2]>,
+    seen: std::sync::atomic::AtomicBool,
+}
+
+impl rpc::Middleware for ReleaseAfterFirstAnswer {
+    fn call<'a>(
+        &'a self,
+        cx: &'a mut rpc::CallCx<'_>,
+        req: rpc::Bytes,
+        next: rpc::Next<'a>,
+    ) -> rpc::BoxFuture<'a, Result<rpc::Bytes, RpcError>> {
+        Box::pin(async move {
+            let answer = next.run(cx, req).await;
+            if !self.seen.swap(true, Ordering::SeqCst) {
+                self.gates[1].notify_one();
+            }
+            answer
+        })
+    }
+}
+
+/// A hedged call whose first attempt fails after the hedge was sent, and whose hedge then
+/// fails too, returns the first attempt's error: `answered_by` names the endpoint that gave
+/// that error, not the hedge's, whose answer came last.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answered_by_names_the_attempt_whose_answer_a_hedged_call_returns() {
+    let (arrived_tx, mut arrived) = mpsc::unbounded_channel();
+    let arrivals = Arc::new(AtomicU64::new(0));
+    let gates: Arc<[tokio::sync::Notify; 2]> = Arc::default();
+    let mut servers = Vec::new();
+    for name in ["one", "two"] {
+        servers.push(
+            Server::builder()
+                .add_service(GatedServer::new(GatedNode {
+                    name,
+                    arrivals: arrivals.clone(),
+                    arrived: arrived_tx.clone(),
+                    gates: gates.clone(),
+                }))
+                .serve("127.0.0.1:0")
+                .await
+                .expect("serve"),
+        );
+    }
+    let address_of = |name: &str| {
+        let i = if name == "one" { 0 } else { 1 };
+        servers[i].local_addr().to_string()
+    };
+    let client = GatedClient::new(
+        Client::builder()
+            .registry(StaticRegistry::new(
+                servers.iter().map(|s| s.local_addr().to_string()),
+            ))
+            .override_options(
+                GatedClient::SERVICE_ID,
+                GovernanceOverrides {
+                    hedge_delay_ms: Some(10),
+                    idempotent: Some(true),
+                    retry_times: Some(0),
+                    ..GovernanceOverrides::NONE
+                },
+            )
+            .attempt_layer(ReleaseAfterFirstAnswer {
+                gates: gates.clone(),
+                seen: Default::default(),
+            })
+            .build(),
+    );
+    let call = tokio::spawn(async move { rpc::answered_by(client.refuse()).await });
+    let first = recv_one("the first attempt", &mut arrived).await;
+    let hedge = recv_one("the hedge", &mut arrived).await;
+    assert_ne!(first, hedge, "the hedge goes to the other endpoint");
+    // The first attempt fails; once its answer is in, the hedge (see the attempt layer).
+    gates[0].notify_one();
+    let (result, by) = within("the call", call).await.expect("the call's task");
+    let e = result.expect_err("both attempts fail");
+    assert_eq!(e.message(), format!("refused by {first}"), "{e}");
+    assert_eq!(by, Some(address_of(first)));
+}
