@@ -1693,14 +1693,21 @@ impl stack::Service for Attempt<'_> {
                 .count_outcome(cx, &addr, &result, cx.method().service_id);
         }
         if let Some(outstanding) = outstanding {
-            // An answer (or a timeout: the endpoint was that slow) is a latency; a call that
-            // never reached the endpoint only stops counting.
-            let reached = result.as_ref().map_or_else(
-                |e| e.code() != StatusCode::CommunicationError && !e.is_unsupported_by_endpoint(),
-                |_| true,
-            );
-            if reached {
-                outstanding.finish(reported);
+            // An answer (or a timeout: the endpoint was that slow) is a latency; a refusal or
+            // a handler's failure, fast as it comes back, a penalty; a call that never reached
+            // the endpoint only stops counting.
+            match result.as_ref().map_err(RpcError::code) {
+                Err(StatusCode::CommunicationError) => {}
+                Err(_)
+                    if result
+                        .as_ref()
+                        .is_err_and(RpcError::is_unsupported_by_endpoint) => {}
+                Err(
+                    StatusCode::OverflowMaxServerHandle
+                    | StatusCode::RateLimited
+                    | StatusCode::ServerError,
+                ) => outstanding.refused(reported),
+                _ => outstanding.finish(reported),
             }
         }
         watch.finish(&result);

@@ -195,6 +195,9 @@ impl Outcome {
     pub fn of<T>(result: &Result<T, RpcError>) -> Outcome {
         match result {
             Ok(_) => Outcome::Success,
+            // A rate limiter refuses before any handler runs: the call proves nothing of the
+            // entry, and a probe refused so must not close the breaker (its slot is freed).
+            Err(e) if e.code() == StatusCode::RateLimited => Outcome::Ignored,
             Err(e) if e.code().is_breaker_exempt() => Outcome::Answered,
             Err(_) => Outcome::Failure,
         }
@@ -711,6 +714,37 @@ mod tests {
             Some(Transition::Reset)
         );
         assert_eq!(b.state(), BreakerState::Closed { failures: 0 });
+    }
+
+    /// A probe refused by the server's rate limiter ran no handler: the breaker stays
+    /// half-open (no reset) and the probe's slot goes to the next call. A callee's own answer
+    /// (a business error) does close it.
+    #[tokio::test(start_paused = true)]
+    async fn a_rate_limited_probe_neither_closes_the_breaker_nor_keeps_its_slot() {
+        let (b, o) = (CircuitBreaker::new(), opts());
+        for _ in 0..3 {
+            fail(&b, &o);
+        }
+        tokio::time::advance(Duration::from_secs(10)).await;
+        let (probe, _) = b.try_acquire("e", &o).unwrap();
+        let limited: Result<(), RpcError> =
+            Err(RpcError::new(StatusCode::RateLimited, "slow down"));
+        assert_eq!(Outcome::of(&limited), Outcome::Ignored);
+        assert_eq!(
+            b.record_outcome(probe, Outcome::of(&limited), &o, None),
+            None
+        );
+        assert!(
+            matches!(b.state(), BreakerState::HalfOpen { .. }),
+            "{:?}",
+            b.state()
+        );
+        let (next, _) = b.try_acquire("e", &o).expect("the slot is free again");
+        let refused: Result<(), RpcError> = Err(RpcError::new(StatusCode::BusinessError, "no"));
+        assert_eq!(
+            b.record_outcome(next, Outcome::of(&refused), &o, None),
+            Some(Transition::Reset)
+        );
     }
 
     #[tokio::test(start_paused = true)]

@@ -48,6 +48,12 @@ pub const DEFAULT_RTT: Duration = Duration::from_millis(30);
 /// How long a peak takes to decay to about a third (1/e) once calls are fast again.
 pub const DECAY: Duration = Duration::from_secs(10);
 
+/// The latency an endpoint is scored with when it refuses a call or fails it without running
+/// it through (overloaded, rate-limited, a handler failure): such answers come back fast, and
+/// scored by their speed they would make the failing endpoint the preferred one. Taken as a
+/// peak, it fades like any other ([`DECAY`]), so the endpoint is tried again later.
+pub const FAILURE_PENALTY: Duration = Duration::from_millis(250);
+
 /// Faster answers over which a peak decays to about a third (1/e) at the latest: each moves
 /// the cost at least 1/`PEAK_ANSWERS` of the way to its latency.
 pub const PEAK_ANSWERS: u32 = 20;
@@ -112,6 +118,19 @@ impl Outstanding<'_> {
     pub fn finish(self, reported: Option<ServerLoad>) {
         let now = Instant::now();
         self.load.observe(now - self.started, now);
+        if let Some(r) = reported {
+            self.load.report(r);
+        }
+    }
+}
+
+impl Outstanding<'_> {
+    /// The endpoint refused the call or failed it fast: scored as a latency of at least
+    /// [`FAILURE_PENALTY`] (with the server's report, if any).
+    pub fn refused(self, reported: Option<ServerLoad>) {
+        let now = Instant::now();
+        self.load
+            .observe((now - self.started).max(FAILURE_PENALTY), now);
         if let Some(r) = reported {
             self.load.report(r);
         }
@@ -314,6 +333,33 @@ mod tests {
         let scores = [slow.score_at(t0 + DECAY * 6), fast.score_at(t0 + DECAY * 6)];
         assert_eq!(two_choices(2, |_| 0, |i| scores[i]), Some(0), "{scores:?}");
         drop(busy);
+    }
+
+    /// An endpoint that refuses every call in 0.2 ms must not look faster than one answering
+    /// in 10 ms: a refusal scores as at least the failure penalty, and that peak fades like
+    /// any other.
+    #[tokio::test(start_paused = true)]
+    async fn a_fast_refusal_scores_as_the_failure_penalty_not_its_speed() {
+        let (refusing, answering) = (
+            EndpointLoad::new(1.0, Duration::ZERO),
+            EndpointLoad::new(1.0, Duration::ZERO),
+        );
+        let call = answering.start();
+        tokio::time::advance(ms(10)).await;
+        call.finish(None);
+        let call = refusing.start();
+        tokio::time::advance(Duration::from_micros(200)).await;
+        call.refused(None);
+        let now = Instant::now();
+        assert_eq!(refusing.cost_at(now), FAILURE_PENALTY.as_secs_f64());
+        assert_eq!(refusing.outstanding(), 0);
+        let scores = [refusing.score_at(now), answering.score_at(now)];
+        assert_eq!(two_choices(2, |_| 0, |i| scores[i]), Some(1), "{scores:?}");
+        // A slower refusal counts as its own time.
+        let call = refusing.start();
+        tokio::time::advance(Duration::from_secs(2)).await;
+        call.refused(None);
+        assert_eq!(refusing.cost_at(Instant::now()), 2.0);
     }
 
     #[tokio::test(start_paused = true)]

@@ -2,8 +2,9 @@
 //! a choice. For an idempotent entry with `hedge_delay_ms` set, when the call has not answered
 //! after that delay a second attempt (the hedge) goes to another endpoint, the balancer's next
 //! candidate after those the call's attempts went to, in the routing group the call drew (one
-//! call, one group); the first success wins and the other attempt is
-//! dropped, which makes the transport send Cancel so its server stops too. With no other
+//! call, one group); the first answer (a success, or an error the callee answered) wins and
+//! the other attempt is dropped, which makes the transport send Cancel so its server stops
+//! too. A failure to get an answer waits for the other attempt. With no other
 //! endpoint (a service of one instance) no hedge is sent.
 //!
 //! The delay is fixed (`hedge_delay_ms`) or follows the entry's recent latency
@@ -205,28 +206,38 @@ impl<S: Service> HedgeLayer<S> {
         let mut primary = std::pin::pin!(Some(primary));
         let mut hedge = std::pin::pin!(Some(hedge));
         // The result, and which attempt gave it (0: the first, 1: the hedge).
+        // The first answer wins: a success, or the callee's own answer (a business or
+        // validation error, a refused caller), which the other attempt must neither delay
+        // nor replace. A failure to get one (unreachable, overloaded, timed out) waits for the
+        // other attempt.
+        let answer = |r: &Result<Bytes, RpcError>| {
+            r.as_ref()
+                .map_or_else(|e| e.code().is_callee_answer(), |_| true)
+        };
         let (result, from) = tokio::select! {
             biased;
             r = live(primary.as_mut()) => match r {
-                Ok(bytes) => {
-                    superseded.set();
-                    learn(started.elapsed());
-                    (Ok(bytes), 0)
-                }
                 // The first attempt failed for good before any hedge: none is sent now.
-                Err(e) if !sent.load(Ordering::Relaxed) => (Err(e), 0),
+                Err(e) if !e.code().is_callee_answer() && !sent.load(Ordering::Relaxed) => {
+                    (Err(e), 0)
+                }
                 // A hedge already sent may still answer.
-                Err(e) => match live(hedge.as_mut()).await {
-                    Some(Ok(bytes)) => (Ok(bytes), 1),
+                Err(e) if !e.code().is_callee_answer() => match live(hedge.as_mut()).await {
+                    Some(h) if answer(&h) => (h, 1),
                     _ => (Err(e), 0),
                 },
+                r => {
+                    superseded.set();
+                    learn(started.elapsed());
+                    (r, 0)
+                }
             },
             h = live(hedge.as_mut()) => match h {
-                Some(Ok(bytes)) => {
+                Some(h) if answer(&h) => {
                     superseded.set();
                     // The first attempt, still running, has taken at least this long.
                     learn(started.elapsed());
-                    (Ok(bytes), 1)
+                    (h, 1)
                 }
                 // No hedge (no other endpoint, the first attempt still finding its own, or the
                 // budget spent), or it failed: the first attempt decides, and its time is

@@ -234,8 +234,15 @@ impl<B: Balance, S> RetryLayer<B, S> {
         let mut unsupported = err.is_unsupported_by_endpoint();
         if let Some(fault) = fault {
             self.hold_against(cx, &addr, fault, &err);
-        } else if err.code().is_breaker_exempt() && !unsupported {
-            // The callee's own logic answered: the endpoint is up.
+        } else if err.code().is_breaker_exempt()
+            && !unsupported
+            && !matches!(
+                err.code(),
+                StatusCode::RateLimited | StatusCode::RpcUnAuthentication
+            )
+        {
+            // The callee's own logic answered: the endpoint is up. (A rate limit or a refused
+            // connection token comes before any handler, and says nothing of its health.)
             cx.health().success(&addr);
         }
         cx.last_failed = Some(addr.clone());

@@ -411,3 +411,56 @@ async fn answered_by_names_the_attempt_whose_answer_a_hedged_call_returns() {
     assert_eq!(e.message(), format!("refused by {first}"), "{e}");
     assert_eq!(by, Some(address_of(first)));
 }
+
+/// The first answer wins, an error the callee answers included: a hedge refused with a
+/// business error while the first attempt hangs returns that error at once, rather than
+/// waiting for the first attempt until the deadline and failing with a timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_callee_error_from_the_hedge_is_the_answer_while_the_first_attempt_hangs() {
+    let (arrived_tx, mut arrived) = mpsc::unbounded_channel();
+    let arrivals = Arc::new(AtomicU64::new(0));
+    let gates: Arc<[tokio::sync::Notify; 2]> = Arc::default();
+    let mut servers = Vec::new();
+    for name in ["one", "two"] {
+        servers.push(
+            Server::builder()
+                .add_service(GatedServer::new(GatedNode {
+                    name,
+                    arrivals: arrivals.clone(),
+                    arrived: arrived_tx.clone(),
+                    gates: gates.clone(),
+                }))
+                .serve("127.0.0.1:0")
+                .await
+                .expect("serve"),
+        );
+    }
+    let client = GatedClient::new(
+        Client::builder()
+            .registry(StaticRegistry::new(
+                servers.iter().map(|s| s.local_addr().to_string()),
+            ))
+            .override_options(
+                GatedClient::SERVICE_ID,
+                GovernanceOverrides {
+                    hedge_delay_ms: Some(10),
+                    idempotent: Some(true),
+                    retry_times: Some(0),
+                    timeout_ms: Some(600_000),
+                    ..GovernanceOverrides::NONE
+                },
+            )
+            .build(),
+    );
+    let call = tokio::spawn(async move { client.refuse().await });
+    let _first = recv_one("the first attempt", &mut arrived).await;
+    let hedge = recv_one("the hedge", &mut arrived).await;
+    // Only the hedge answers; the first attempt hangs.
+    gates[1].notify_one();
+    let e = within("the call", call)
+        .await
+        .expect("the call's task")
+        .expect_err("the hedge's error");
+    assert_eq!(e.code(), rpc::StatusCode::BusinessError, "{e}");
+    assert_eq!(e.message(), format!("refused by {hedge}"));
+}

@@ -238,3 +238,53 @@ async fn bounded_load_hashing_sends_a_key_past_its_busy_owner() {
         within("shutdown", s.shutdown()).await;
     }
 }
+
+/// A server that refuses every call at once (a cap of 0: Overflow) beside one answering in
+/// 5 ms: the refusals come back faster than any answer, yet `least_loaded` sends it no more
+/// than the first call or so, each refusal scoring as the failure penalty. Before, the
+/// refusing server scored as the fastest and took nearly every call.
+#[tokio::test]
+async fn least_loaded_does_not_prefer_a_server_that_refuses_fast() {
+    let reg = InProcessRegistry::new();
+    let (_answering, answered) = server(&reg, Duration::from_millis(5), None).await;
+    let refused = Arc::new(AtomicUsize::new(0));
+    let _refusing = Server::builder()
+        .registry(reg.clone())
+        .max_concurrency(0)
+        .add_service(PacedServer::new(Pace {
+            delay: Duration::ZERO,
+            served: refused.clone(),
+        }))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let client = PacedClient::new(
+        Client::builder()
+            .registry(reg.clone())
+            .shunt_strategy(ShuntStrategy::LeastLoaded)
+            .override_options(
+                PacedClient::SERVICE_ID,
+                rpc::GovernanceOverrides {
+                    retry_times: Some(0),
+                    ..rpc::GovernanceOverrides::NONE
+                },
+            )
+            .build(),
+    );
+    let mut failed = 0;
+    for _ in 0..20 {
+        if within("a call", client.work()).await.is_err() {
+            failed += 1;
+        }
+    }
+    assert_eq!(
+        refused.load(Ordering::Relaxed),
+        0,
+        "a cap of 0 runs nothing"
+    );
+    assert!(
+        failed <= 2,
+        "{failed} of 20 calls went to the refusing server"
+    );
+    assert_eq!(answered.load(Ordering::Relaxed), 20 - failed);
+}
