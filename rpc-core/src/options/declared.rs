@@ -24,7 +24,7 @@ governance_options! {
     Balance {
         /// Endpoint selection.
         shunt_strategy: strategy = RoundRobin, Client,
-            "`polling`, `random`, `hash` (the `#[hash_key]` argument on a ring with virtual nodes), `appoint` (with `appoint_address`), `least_loaded` (alias `p2c`: the better of two random endpoints by peak-EWMA latency × √(calls in flight ÷ the instance's `weight` metadata) × the server's reported load)";
+            "`polling`, `random`, `hash` (the `#[hash_key]` argument on a ring with virtual nodes), `appoint` (with `appoint_address`), `least_loaded` (alias `p2c`: the better of two random endpoints by peak-EWMA latency × √(calls in flight ÷ the instance's `weight` metadata) × the server's reported load; a refusal (Overflow, a rate limit) or a handler failure scores as a latency of at least 250 ms, however fast it came back)";
         /// The address used by [`ShuntStrategy::Appoint`], as `host:port`.
         appoint_address: address = None, Client,
             "the `host:port` every call goes to under `shunt_strategy = appoint`";
@@ -122,7 +122,7 @@ governance_options! {
         /// other attempt is cancelled. A hedge draws on the retry budget. 0 turns it off
         /// (unless `hedge_percentile` is set; then this is the delay's floor).
         hedge_delay_ms: u64 = 0, Client,
-            "idempotent entries only (0 = off, unless `hedge_percentile` is set): after this delay without an answer a second attempt goes to another endpoint (none when there is no other); the first answer wins, the other is cancelled (Cancel frame); a hedge draws on the retry budget and is not sent once it is spent (event `hedge`)";
+            "idempotent entries only (0 = off, unless `hedge_percentile` is set): after this delay without an answer a second attempt goes to another endpoint (none when there is no other); the first answer (a success, or an error the callee answered) wins, the other is cancelled (Cancel frame); a hedge draws on the retry budget and is not sent once it is spent (event `hedge`)";
         /// Hedging by percentile, for idempotent entries: when set (1 to 100), the hedge delay
         /// is the entry's latency at this percentile over the last 10 s, never less than
         /// `hedge_delay_ms`; until 20 calls were seen in that window the delay is
