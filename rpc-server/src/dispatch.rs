@@ -558,7 +558,8 @@ impl Dispatcher {
             to: to.clone(),
             parameters: invoke.parameters.clone(),
         });
-        let mut handler = route.service.call(route.index, invoke.parameters, codec);
+        let mut handler =
+            panic_at_poll(|| route.service.call(route.index, invoke.parameters, codec));
         let deadline = (invoke.timeout_ms > 0).then(|| {
             (
                 Instant::now() + Duration::from_millis(invoke.timeout_ms.into()),
@@ -782,6 +783,19 @@ impl Future for CallFuture {
 }
 
 type HandlerFuture = futures_util::future::BoxFuture<'static, Result<Bytes, RpcError>>;
+
+/// The future `build` makes (a handler's, or a stream's set-up); a panic while making it is
+/// raised again at the future's first poll, where every panic of a handler is caught and
+/// answered (520). A `Service` whose `call` itself panics (decoding eagerly, say) then fails
+/// its own call, not the connection its dispatcher runs on with every call on it.
+pub(crate) fn panic_at_poll<T: 'static>(
+    build: impl FnOnce() -> futures_util::future::BoxFuture<'static, T>,
+) -> futures_util::future::BoxFuture<'static, T> {
+    match std::panic::catch_unwind(AssertUnwindSafe(build)) {
+        Ok(future) => future,
+        Err(panic) => Box::pin(async move { std::panic::resume_unwind(panic) }),
+    }
+}
 pub(crate) type Outcome = std::thread::Result<Result<Bytes, RpcError>>;
 
 /// Polls the handler once in the call's span, attachments and inherited deadline, catching a
@@ -850,7 +864,7 @@ async fn run_fallback(
         0,
         Some(e.to_string()),
     );
-    let handler = to.service.call(to.index, fb.parameters, codec);
+    let handler = panic_at_poll(|| to.service.call(to.index, fb.parameters, codec));
     let answer = fallback::with_cause(
         e.clone(),
         run_guarded(handler, deadline, entry, to.send_panic_text),

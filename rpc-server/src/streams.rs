@@ -129,9 +129,11 @@ pub(crate) fn dispatch(
         }))
     });
     let parameters = route.fallback.as_ref().map(|_| invoke.parameters.clone());
-    let setup = route
-        .service
-        .call_stream(route.index, invoke.parameters, inbound, codec);
+    let setup = crate::dispatch::panic_at_poll(|| {
+        route
+            .service
+            .call_stream(route.index, invoke.parameters, inbound, codec)
+    });
     let cause = FallbackCause::default();
     let setup = with_fallback(
         setup,
@@ -314,7 +316,9 @@ pub(crate) fn with_fallback(
         );
         let answer = fallback::with_cause(
             e.clone(),
-            to.service.call_stream(to.index, parameters, None, codec),
+            crate::dispatch::panic_at_poll(|| {
+                to.service.call_stream(to.index, parameters, None, codec)
+            }),
         )
         .await;
         fallback::outcome(&to.entry_id, e, answer)

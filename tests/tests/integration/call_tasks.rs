@@ -7,6 +7,8 @@
 
 use crate::common;
 
+use std::sync::Arc;
+
 use common::{recv_one, within};
 use rpc::{Client, RpcError, Server, StaticRegistry};
 use tokio::sync::{mpsc, watch};
@@ -113,4 +115,84 @@ async fn a_connections_call_tasks_are_reused_and_end_with_it() {
     })
     .await;
     server.shutdown().await;
+}
+
+#[rpc::service(name = "tasks.Eager")]
+pub trait Eager {
+    /// Answers once the test opens its gate.
+    async fn slow(&self) -> Result<(), RpcError>;
+    /// Never reached: the service panics while making its future (see `PanicsEagerly`).
+    async fn eager(&self) -> Result<(), RpcError>;
+}
+
+struct EagerGate(Arc<tokio::sync::Notify>, mpsc::UnboundedSender<()>);
+
+impl Eager for EagerGate {
+    async fn slow(&self) -> Result<(), RpcError> {
+        let _ = self.1.send(());
+        self.0.notified().await;
+        Ok(())
+    }
+
+    async fn eager(&self) -> Result<(), RpcError> {
+        Ok(())
+    }
+}
+
+/// A hand-written `Service` that panics in `call` itself, before it has a future to return
+/// (it decodes eagerly, say), for its `eager` method.
+struct PanicsEagerly(EagerServer<EagerGate>);
+
+impl rpc::Service for PanicsEagerly {
+    fn service_id(&self) -> &'static str {
+        rpc::Service::service_id(&self.0)
+    }
+
+    fn methods(&self) -> &'static [rpc::MethodDescriptor] {
+        rpc::Service::methods(&self.0)
+    }
+
+    fn call(&self, method: usize, params: rpc::Bytes, codec: rpc::Codec) -> rpc::ServiceFuture {
+        if rpc::Service::methods(&self.0)[method].method == "eager" {
+            panic!("decoding eagerly, and failing");
+        }
+        rpc::Service::call(&self.0, method, params, codec)
+    }
+}
+
+/// A service panicking while making a call's future fails that call (520), as a panic in the
+/// future does; the other call on the same connection is answered. Before, the panic unwound
+/// the connection's reader: every call on the connection failed and the socket closed.
+#[tokio::test]
+async fn a_service_panicking_before_its_future_fails_only_its_call() {
+    let gate = Arc::new(tokio::sync::Notify::new());
+    let (arrived_tx, mut arrived) = mpsc::unbounded_channel();
+    let server = Server::builder()
+        .add_service(PanicsEagerly(EagerServer::new(EagerGate(
+            gate.clone(),
+            arrived_tx,
+        ))))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let client = EagerClient::new(
+        Client::builder()
+            .registry(StaticRegistry::new([server.local_addr().to_string()]))
+            .build(),
+    );
+    let slow = tokio::spawn({
+        let client = client.clone();
+        async move { client.slow().await }
+    });
+    // The slow call is in (its handler waits) before the eager one goes out.
+    recv_one("the slow call", &mut arrived).await;
+    let e = within("the eager call", client.eager())
+        .await
+        .expect_err("its service panicked");
+    assert_eq!(e.code(), rpc::StatusCode::ServerError, "{e}");
+    gate.notify_one();
+    within("the slow call", slow)
+        .await
+        .expect("the task")
+        .expect("answered on the same connection");
 }
