@@ -1390,6 +1390,11 @@ impl Client {
         'attempt: {
             // A pooled connection is taken at once, without the future that connects.
             let mut timeout_ms = timeout_ms;
+            if !self.inner.attempt_layers.is_empty() {
+                // The attempt's layers may have waited since the budget was taken: the
+                // server is told what is left now.
+                timeout_ms = rpc_governance::timeout::remaining_ms_at(Instant::now(), deadline);
+            }
             let conn = match self.inner.pool.try_get(addr) {
                 Some(conn) => conn,
                 None => match self.connection(addr, cx).await {

@@ -117,6 +117,14 @@ impl<B: Balance, S: Service> Service for RetryLayer<B, S> {
             // work before the stack (`CallCx::with_started`) took time: its own deadline and
             // the budget sent count from when it really starts.
             let now = if cx.attempt == 0 && !waited && !cx.started_early {
+                // A deadline inherited from a caller may have passed before this call began:
+                // then nothing is sent (no clock read needed to know).
+                if deadline.is_some_and(|d| started >= d) {
+                    return Err(RpcError::new(
+                        StatusCode::Timeout,
+                        "the caller's deadline passed before this call began",
+                    ));
+                }
                 started
             } else {
                 let now = Instant::now();

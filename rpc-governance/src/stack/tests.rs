@@ -1094,6 +1094,28 @@ async fn a_sick_shard_is_ejected_and_the_healthy_shards_keys_keep_succeeding() {
     }
 }
 
+/// A call whose inherited deadline passed before it began sends nothing, even as the entry's
+/// first attempt that waited for nothing (which skips reading the clock): a frame with a 1 ms
+/// budget would run a handler after the whole chain gave up.
+#[tokio::test(start_paused = true)]
+async fn a_call_begun_past_its_inherited_deadline_sends_nothing() {
+    let g = engine(GovernanceOptions {
+        retry_times: 0,
+        timeout_ms: 1000,
+        ..Default::default()
+    });
+    let p = g.policy(&M);
+    let s = Script::new(vec![ok(), ok()], Duration::from_millis(1));
+    assert!(g.execute(&p, &s).await.is_ok(), "the entry is known");
+    let sent = s.log.lock().unwrap().len();
+    let passed = Instant::now() - Duration::from_millis(1);
+    let e = crate::timeout::with_inherited(Some(passed), g.execute(&p, &s))
+        .await
+        .expect_err("out of time");
+    assert_eq!(e.code(), StatusCode::Timeout, "{e}");
+    assert_eq!(s.log.lock().unwrap().len(), sent, "no attempt went out");
+}
+
 /// Calls that run out of the deadline inherited from the call they serve (5 ms left of it,
 /// where the entry allows 1 s and the endpoint answers in 20 ms) say nothing of the endpoint
 /// nor of the entry: none is held against an endpoint, the breaker stays closed, and a call

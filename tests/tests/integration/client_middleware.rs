@@ -379,3 +379,46 @@ async fn per_call_options_win_over_every_level() {
     assert_eq!(client.options(&MidClient::methods()[2]).timeout_ms, 30_000);
     server.shutdown().await;
 }
+
+/// An attempt layer that waits before passing the attempt on (a token fetch, say).
+struct Waits(std::time::Duration);
+
+impl Middleware for Waits {
+    fn call<'a>(
+        &'a self,
+        cx: &'a mut CallCx<'_>,
+        req: Bytes,
+        next: Next<'a>,
+    ) -> BoxFuture<'a, Result<Bytes, RpcError>> {
+        Box::pin(async move {
+            tokio::time::sleep(self.0).await;
+            next.run(cx, req).await
+        })
+    }
+}
+
+/// The budget sent to the server is what is left when the attempt goes out: an attempt layer
+/// that waited 1 s of a 3 s call leaves the server 2 s, not the 3 s the call had when the
+/// attempt began (the handler's own calls inherit it).
+#[tokio::test]
+async fn the_server_is_told_the_budget_left_after_the_attempt_layers() {
+    let registry = InProcessRegistry::new();
+    let (_server, _node) = start(&registry).await;
+    let client = MidClient::new(
+        Client::builder()
+            .registry(registry)
+            .override_options(
+                "t.Mid",
+                GovernanceOverrides {
+                    timeout_ms: Some(3_000),
+                    ..GovernanceOverrides::NONE
+                },
+            )
+            .attempt_layer(Waits(std::time::Duration::from_millis(1_000)))
+            .build(),
+    );
+    // A first call connects (the connecting path already re-reads the budget).
+    within("connect", client.budget()).await.unwrap();
+    let left = within("budget", client.budget()).await.unwrap().unwrap();
+    assert!(left <= 2_000, "{left} ms left at the server");
+}
