@@ -105,17 +105,23 @@ pub struct EndpointLoad {
 }
 
 /// An outstanding call on an endpoint; [`finish`](Self::finish) records its latency. Dropped
-/// unfinished (cancelled), it only stops counting as outstanding.
+/// unfinished (cancelled, or the loser of a hedge), it stops counting as outstanding, and the
+/// time it had taken counts as a lower bound of its latency: it raises the score when above
+/// it (an endpoint whose every call is hedged away would otherwise keep its old, fast score),
+/// and never lowers it.
 #[derive(Debug)]
 #[must_use = "the call counts as outstanding until this is finished or dropped"]
 pub struct Outstanding<'a> {
     load: &'a EndpointLoad,
     started: Instant,
+    /// Whether [`finish`](Self::finish) or [`refused`](Self::refused) recorded the call.
+    settled: bool,
 }
 
 impl Outstanding<'_> {
     /// The call was answered: its latency (and the server's report, if any) update the score.
-    pub fn finish(self, reported: Option<ServerLoad>) {
+    pub fn finish(mut self, reported: Option<ServerLoad>) {
+        self.settled = true;
         let now = Instant::now();
         self.load.observe(now - self.started, now);
         if let Some(r) = reported {
@@ -127,7 +133,8 @@ impl Outstanding<'_> {
 impl Outstanding<'_> {
     /// The endpoint refused the call or failed it fast: scored as a latency of at least
     /// [`FAILURE_PENALTY`] (with the server's report, if any).
-    pub fn refused(self, reported: Option<ServerLoad>) {
+    pub fn refused(mut self, reported: Option<ServerLoad>) {
+        self.settled = true;
         let now = Instant::now();
         self.load
             .observe((now - self.started).max(FAILURE_PENALTY), now);
@@ -140,6 +147,13 @@ impl Outstanding<'_> {
 impl Drop for Outstanding<'_> {
     fn drop(&mut self) {
         self.load.outstanding.fetch_sub(1, Ordering::AcqRel);
+        if !self.settled {
+            let now = Instant::now();
+            let taken = now - self.started;
+            if taken.as_secs_f64() > self.load.cost_at(now) {
+                self.load.observe(taken, now);
+            }
+        }
     }
 }
 
@@ -181,6 +195,7 @@ impl EndpointLoad {
         Outstanding {
             load: self,
             started: Instant::now(),
+            settled: false,
         }
     }
 
@@ -360,6 +375,31 @@ mod tests {
         tokio::time::advance(Duration::from_secs(2)).await;
         call.refused(None);
         assert_eq!(refusing.cost_at(Instant::now()), 2.0);
+    }
+
+    /// A call dropped unanswered (the loser of a hedge, a cancelled call) counts the time it
+    /// had taken as a lower bound of the endpoint's latency: it raises the cost when above it,
+    /// and a quick drop does not lower it.
+    #[tokio::test(start_paused = true)]
+    async fn a_dropped_call_raises_the_cost_by_the_time_it_took_and_never_lowers_it() {
+        let e = EndpointLoad::new(1.0, Duration::ZERO);
+        let call = e.start();
+        tokio::time::advance(ms(10)).await;
+        call.finish(None);
+        assert_eq!(e.cost_at(Instant::now()), 0.010);
+        let hedged_away = e.start();
+        tokio::time::advance(Duration::from_secs(1)).await;
+        drop(hedged_away);
+        assert_eq!(e.cost_at(Instant::now()), 1.0);
+        assert_eq!(e.outstanding(), 0);
+        let quick = e.start();
+        let before = e.cost_at(Instant::now());
+        tokio::time::advance(ms(1)).await;
+        drop(quick);
+        assert!(
+            e.cost_at(Instant::now()) >= before - 1e-3,
+            "not lowered by a quick drop"
+        );
     }
 
     #[tokio::test(start_paused = true)]
