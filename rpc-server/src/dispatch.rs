@@ -669,6 +669,10 @@ impl Dispatcher {
             // `.await` may panic too.
             let chained =
                 AssertUnwindSafe(async { Layered::start(&chain, &mut req).await }).catch_unwind();
+            // The layers' own calls inherit the caller's deadline, as the handler's do (and
+            // as a stream's layers do).
+            let chained =
+                rpc_governance::timeout::with_inherited(deadline.map(|(d, _)| d), chained);
             let outcome = match deadline {
                 None => chained.await,
                 Some((d, budget_ms)) => match tokio::time::timeout_at(d, chained).await {

@@ -840,3 +840,50 @@ async fn a_layer_panicking_before_its_future_exists_answers_520_recorded_as_an_e
     );
     s.server.shutdown().await;
 }
+
+/// Reports the deadline a layer's own calls would inherit.
+struct InheritedSeen(mpsc::UnboundedSender<Option<tokio::time::Instant>>);
+
+impl ServerLayer for InheritedSeen {
+    fn call<'a>(&'a self, req: &'a mut ServerRequest, next: ServerNext<'a>) -> LayerFuture<'a> {
+        Box::pin(async move {
+            let _ = self.0.send(rpc::crates::governance::timeout::inherited());
+            next.run(req).await
+        })
+    }
+}
+
+/// A layer's own calls (an auth layer asking another service, say) inherit the caller's
+/// deadline on a unary call, as the handler's do and as a stream's layers do. Before, a unary
+/// call's layers ran with none: their calls took the entry's own timeout.
+#[tokio::test]
+async fn a_layer_runs_within_the_callers_deadline() {
+    let (seen_tx, mut seen) = mpsc::unbounded_channel();
+    let s = serve_orders(4, None, |b| b.layer(InheritedSeen(seen_tx))).await;
+    let started = tokio::time::Instant::now();
+    let orders = OrdersClient::new(
+        Client::builder()
+            .registry(s.reg.clone())
+            .token(TOKEN)
+            .override_options(
+                OrdersClient::SERVICE_ID,
+                rpc::GovernanceOverrides {
+                    timeout_ms: Some(2_000),
+                    ..no_retry()
+                },
+            )
+            .build(),
+    );
+    within("place", orders.place("pen".into(), 1))
+        .await
+        .expect("placed");
+    let inherited = recv_one("the layer's view", &mut seen)
+        .await
+        .expect("the layer runs within a deadline");
+    // The caller's 2 s, counted by the server from the call's arrival (a transit later).
+    assert!(
+        inherited <= started + std::time::Duration::from_millis(2_500),
+        "{:?} after the call began",
+        inherited - started
+    );
+}
