@@ -357,6 +357,7 @@ impl Pack {
         match dispatch {
             Dispatch::Ready(answer) => Dispatch::Ready(self.apply(answer)),
             Dispatch::Spawn(call) => Dispatch::Spawn(Box::pin(call.map(move |a| self.apply(a)))),
+            Dispatch::Polled(call) => Dispatch::Polled(Box::pin(call.map(move |a| self.apply(a)))),
             // A stream's items are compressed one by one, and its end as an answer is (a
             // client stream's end carries its answer).
             Dispatch::Stream(events) => Dispatch::Stream(Box::pin(futures_util::StreamExt::map(
@@ -608,12 +609,19 @@ impl Dispatcher {
             }
         }
         // Each wrapper moves the whole call future once more: add only the ones in use.
-        Dispatch::Spawn(match (span.is_disabled(), context) {
+        let call: futures_util::future::BoxFuture<'static, _> = match (span.is_disabled(), context)
+        {
             (true, None) => Box::pin(call),
             (true, Some(context)) => Box::pin(context.scope(call)),
             (false, None) => Box::pin(call.instrument(span)),
             (false, Some(context)) => Box::pin(context.scope(call).instrument(span)),
-        })
+        };
+        // Polled once here already: the transport must not poll it on the reader again.
+        if self.inline_first_poll {
+            Dispatch::Polled(call)
+        } else {
+            Dispatch::Spawn(call)
+        }
     }
 }
 

@@ -117,6 +117,10 @@ pub(super) fn dispatch(
             }
             spawn(conn, id, fut);
         }
+        Dispatch::Polled(fut) => {
+            conn.give_way.store(true, Ordering::Relaxed);
+            spawn(conn, id, fut);
+        }
         Dispatch::Stream(events) => stream(conn, id, Events::Plain(events), slot),
         Dispatch::Events(events) => stream(conn, id, Events::Into(events), slot),
     }

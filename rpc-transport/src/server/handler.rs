@@ -23,6 +23,10 @@ pub enum Dispatch {
     /// bytes): it is allocated per call, and glibc's allocator serves blocks above about
     /// 1 KiB through its slow paths.
     Spawn(BoxFuture<'static, RemoteResultMessage>),
+    /// As [`Spawn`](Self::Spawn), for a future the handler already polled once in place (under
+    /// `inline_first_poll`, finding it had to wait): the transport runs it in a task without
+    /// polling it on the connection's reader a second time.
+    Polled(BoxFuture<'static, RemoteResultMessage>),
     /// Answer a call that opened a stream (`Invoke::stream_mode` other than unary) with these
     /// events, run in a task of their own as `Spawn` is: first [`StreamEvent::Accepted`] (the
     /// set-up succeeded; the client is told by a `StreamCredit`) or an

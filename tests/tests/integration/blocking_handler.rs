@@ -191,3 +191,44 @@ async fn with_inline_first_poll_calls_are_answered_as_before() {
     cancel_forever(&mut raw, &mut entered, 9).await;
     within("shutdown", server.shutdown()).await;
 }
+
+#[rpc::service(name = "t.Segments")]
+trait Segments {
+    /// Whether the part after its first `.await` ran in another task than the part before.
+    async fn moved(&self) -> Result<bool, RpcError>;
+}
+
+struct Segmented;
+
+impl Segments for Segmented {
+    async fn moved(&self) -> Result<bool, RpcError> {
+        let before = tokio::task::try_id();
+        tokio::task::yield_now().await;
+        Ok(tokio::task::try_id() != before)
+    }
+}
+
+/// With `inline_first_poll`, a handler is polled once on the connection's reader, and what
+/// follows its first wait runs in the call's own task. Before, the transport polled it on the
+/// reader a second time (the server had already made the first poll), so a handler that
+/// yielded ran its next part on the reader too, stalling the connection's other calls.
+#[tokio::test]
+async fn an_inline_first_poll_is_the_only_poll_on_the_reader() {
+    let server = Server::builder()
+        .inline_first_poll(true)
+        .add_service(SegmentsServer::new(Segmented))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let client = SegmentsClient::new(
+        rpc::Client::builder()
+            .registry(rpc::StaticRegistry::new([server.local_addr().to_string()]))
+            .build(),
+    );
+    for _ in 0..3 {
+        assert!(
+            within("a call", client.moved()).await.expect("answered"),
+            "the part after the handler's first wait ran on the reader"
+        );
+    }
+}
