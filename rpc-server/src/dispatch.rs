@@ -587,7 +587,7 @@ impl Dispatcher {
         let mut context = (!attachments.is_empty() || depth > 0)
             .then(|| HeldContext::new(Arc::new(attachments), depth));
         let first = if self.inline_first_poll {
-            poll_first(&mut handler, deadline, context.as_mut(), &span)
+            poll_first(&mut handler, (deadline, entry), context.as_mut(), &span)
         } else {
             Poll::Pending
         };
@@ -815,14 +815,14 @@ pub(crate) type Outcome = std::thread::Result<Result<Bytes, RpcError>>;
 /// waker, by the future that continues the call.
 fn poll_first(
     handler: &mut HandlerFuture,
-    deadline: Option<(Instant, u32)>,
+    (deadline, entry): (Option<(Instant, u32)>, &str),
     context: Option<&mut HeldContext>,
     span: &tracing::Span,
 ) -> Poll<Outcome> {
     let mut poll = || {
         let mut cx = Context::from_waker(Waker::noop());
         match std::panic::catch_unwind(AssertUnwindSafe(|| handler.as_mut().poll(&mut cx))) {
-            Ok(Poll::Ready(result)) => Poll::Ready(Ok(result)),
+            Ok(Poll::Ready(result)) => Poll::Ready(Ok(past_deadline(result, deadline, entry))),
             Ok(Poll::Pending) => Poll::Pending,
             Err(panic) => Poll::Ready(Err(panic)),
         }
@@ -969,6 +969,36 @@ impl<'e> Guarded<'e> {
     }
 }
 
+/// A handler's `result` as its caller gets it: a failure at or after the caller's deadline
+/// (not an answer of the handler's own logic: a business or validation error stands) is most
+/// likely because of it (a downstream call or connect it bounded), and either way the caller's
+/// time is up: the answer is the timeout, with the handler's error named, whichever of the
+/// handler and the timer is polled first, and whether the handler answered in its inline
+/// first poll or in a task.
+fn past_deadline(
+    result: Result<Bytes, RpcError>,
+    deadline: Option<(Instant, u32)>,
+    entry: &str,
+) -> Result<Bytes, RpcError> {
+    match result {
+        Err(e)
+            if e.code() != StatusCode::Timeout
+                && !e.code().is_breaker_exempt()
+                && deadline.is_some_and(|(d, _)| Instant::now() >= d) =>
+        {
+            let budget_ms = deadline.map_or(0, |(_, b)| b);
+            Err(RpcError::new(
+                StatusCode::Timeout,
+                format!(
+                    "{entry} ran out of the caller's {budget_ms} ms budget; the handler failed \
+                     at the deadline with: {e}"
+                ),
+            ))
+        }
+        result => result,
+    }
+}
+
 impl Future for Guarded<'_> {
     type Output = Outcome;
 
@@ -980,28 +1010,9 @@ impl Future for Guarded<'_> {
                 std::panic::catch_unwind(AssertUnwindSafe(|| handler.as_mut().poll(cx)))
             });
         match polled {
-            Ok(Poll::Ready(Err(e)))
-                if e.code() != StatusCode::Timeout
-                    && !e.code().is_breaker_exempt()
-                    && this.deadline.is_some_and(|(d, _)| Instant::now() >= d) =>
-            {
-                // Failed at or after the deadline (not with an answer of its own logic: a
-                // business or validation error stands): most likely because of it (a
-                // downstream call or connect it bounded), and either way the caller's time
-                // is up. The
-                // answer is the timeout whichever of the handler and the timer is polled
-                // first, with the handler's error named.
-                let budget_ms = this.deadline.map_or(0, |(_, b)| b);
-                return Poll::Ready(Ok(Err(RpcError::new(
-                    StatusCode::Timeout,
-                    format!(
-                        "{} ran out of the caller's {budget_ms} ms budget; the handler failed \
-                         at the deadline with: {e}",
-                        this.entry
-                    ),
-                ))));
+            Ok(Poll::Ready(result)) => {
+                return Poll::Ready(Ok(past_deadline(result, this.deadline, this.entry)))
             }
-            Ok(Poll::Ready(result)) => return Poll::Ready(Ok(result)),
             Ok(Poll::Pending) => {}
             Err(panic) => return Poll::Ready(Err(panic)),
         }

@@ -232,3 +232,55 @@ async fn an_inline_first_poll_is_the_only_poll_on_the_reader() {
         );
     }
 }
+
+#[rpc::service(name = "t.Late")]
+trait Late {
+    /// Works past any short deadline, then fails (as a downstream call it bounded would).
+    async fn late(&self) -> Result<(), RpcError>;
+}
+
+struct Overrun;
+
+impl Late for Overrun {
+    async fn late(&self) -> Result<(), RpcError> {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        Err(RpcError::new(
+            rpc::StatusCode::FrameworkError,
+            "downstream failed",
+        ))
+    }
+}
+
+/// A handler failing past the caller's deadline is answered as the timeout (519), naming its
+/// error, whether it answered in the inline first poll or in a task of its own. Before, the
+/// inline poll's answer was the handler's own error (500), while the same call in a task was
+/// 519: the caller's breaker counted the two differently.
+#[tokio::test]
+async fn a_failure_past_the_deadline_is_the_timeout_however_the_handler_was_polled() {
+    for inline in [false, true] {
+        let server = Server::builder()
+            .inline_first_poll(inline)
+            .add_service(LateServer::new(Overrun))
+            .serve("127.0.0.1:0")
+            .await
+            .expect("serve");
+        let mut raw = RawConn::connect(server.local_addr()).await;
+        raw.handshake().await;
+        raw.send(Kind::Invoke(RemoteInvokeMessage {
+            message_id: 1,
+            service_entry_id: "t.Late.late".into(),
+            codec: Codec::MsgPack.to_wire(),
+            parameters: no_args().into(),
+            timeout_ms: 1,
+            ..Default::default()
+        }))
+        .await
+        .expect("send");
+        let answer = raw.recv_end().await;
+        assert_eq!(answer.status_code, 519, "inline {inline}: {answer:?}");
+        assert!(
+            answer.exception_message.contains("downstream failed"),
+            "inline {inline}: {answer:?}"
+        );
+    }
+}
