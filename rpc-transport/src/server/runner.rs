@@ -346,9 +346,13 @@ impl<C: CallSink> Future for RunnerTask<C> {
                 Poll::Pending => return Poll::Pending,
             };
             let done = this.current.take();
+            // Answered first (an ended future holds nothing its caller waits on: an async
+            // block drops its state as it ends, a call releases its permit before its answer):
+            // the drain deadline, sweeping the calls still listed, would otherwise answer 520
+            // for a call whose answer is made, and that answer would be dropped.
+            this.conn.finish(id, tag, answer);
             // (A future that panicked may panic again as it is dropped: the task goes on.)
             let _ = std::panic::catch_unwind(AssertUnwindSafe(move || drop(done)));
-            this.conn.finish(id, tag, answer);
         }
     }
 }
