@@ -1702,11 +1702,14 @@ impl stack::Service for Attempt<'_> {
             // a handler's failure, fast as it comes back, a penalty; a call that never reached
             // the endpoint only stops counting.
             match result.as_ref().map_err(RpcError::code) {
-                Err(StatusCode::CommunicationError) => {}
+                Err(StatusCode::CommunicationError) => outstanding.forget(),
                 Err(_)
                     if result
                         .as_ref()
-                        .is_err_and(RpcError::is_unsupported_by_endpoint) => {}
+                        .is_err_and(RpcError::is_unsupported_by_endpoint) =>
+                {
+                    outstanding.forget()
+                }
                 Err(
                     StatusCode::OverflowMaxServerHandle
                     | StatusCode::RateLimited

@@ -197,6 +197,7 @@ impl Outcome {
             Ok(_) => Outcome::Success,
             // A rate limiter refuses before any handler runs: the call proves nothing of the
             // entry, and a probe refused so must not close the breaker (its slot is freed).
+            // (A refused connection token is the server answering: it is up.)
             Err(e) if e.code() == StatusCode::RateLimited => Outcome::Ignored,
             Err(e) if e.code().is_breaker_exempt() => Outcome::Answered,
             Err(_) => Outcome::Failure,

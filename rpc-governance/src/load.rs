@@ -144,6 +144,14 @@ impl Outstanding<'_> {
     }
 }
 
+impl Outstanding<'_> {
+    /// The call never reached the endpoint (it could not connect, or cannot serve the call):
+    /// it stops counting, and says nothing of the endpoint's latency.
+    pub fn forget(mut self) {
+        self.settled = true;
+    }
+}
+
 impl Drop for Outstanding<'_> {
     fn drop(&mut self) {
         self.load.outstanding.fetch_sub(1, Ordering::AcqRel);
@@ -400,6 +408,17 @@ mod tests {
             e.cost_at(Instant::now()) >= before - 1e-3,
             "not lowered by a quick drop"
         );
+        // A call that never reached the endpoint (a connect that failed after 3 s) says
+        // nothing of its latency.
+        let unreached = e.start();
+        let before = e.cost_at(Instant::now());
+        tokio::time::advance(Duration::from_secs(3)).await;
+        unreached.forget();
+        assert!(
+            e.cost_at(Instant::now()) <= before,
+            "raised by a call that never reached it"
+        );
+        assert_eq!(e.outstanding(), 0);
     }
 
     #[tokio::test(start_paused = true)]

@@ -309,7 +309,11 @@ impl ZooKeeperRegistry {
             alive: self.inner.alive.clone(),
         }));
         let written = conn.write(&paths, &value, &obsolete).await;
-        given_up.0 = None;
+        // A failure may still have been committed (a request that timed out, a connection
+        // lost after sending): only a write known to be in is disarmed.
+        if written.is_ok() {
+            given_up.0 = None;
+        }
         let client = written?;
         if let Some(old) = registrations.remove(&instance.id) {
             // It cannot be writing: that takes the lock held here.
@@ -445,8 +449,8 @@ impl Drop for RemoveIfGivenUp {
             }
             Err(_) => tracing::warn!(
                 instance = %p.instance_id,
-                "a deregistration was given up outside a Tokio runtime: the instance's nodes \
-                 stay until the registry's session ends"
+                "a registration or deregistration was given up outside a Tokio runtime: the \
+                 instance's nodes stay until the registry's session ends"
             ),
         }
     }

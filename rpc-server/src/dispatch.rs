@@ -123,9 +123,10 @@ impl Terminal {
                     .take()
             });
             let for_fallback = self.fallback.as_ref().map(|_| parameters.clone());
-            let setup = self
-                .service
-                .call_stream(self.index, parameters, inbound, req.codec);
+            let setup = panic_at_poll(|| {
+                self.service
+                    .call_stream(self.index, parameters, inbound, req.codec)
+            });
             let mode = self.service.stream_mode(self.index);
             let cause = crate::streams::FallbackCause::default();
             let setup = crate::streams::with_fallback(
@@ -151,7 +152,7 @@ impl Terminal {
             parameters: parameters.clone(),
         });
         let (codec, deadline) = (req.codec, req.deadline);
-        let handler = self.service.call(self.index, parameters, codec);
+        let handler = panic_at_poll(|| self.service.call(self.index, parameters, codec));
         let attachments = std::mem::take(&mut req.attachments);
         let retry_depth = req.retry_depth;
         let entry: &str = &self.entry;
@@ -369,6 +370,8 @@ impl Pack {
             Dispatch::Events(events) => {
                 Dispatch::Events(Box::pin(PackedEvents { events, pack: self }))
             }
+            // A form this server does not make: as it is.
+            other => other,
         }
     }
 

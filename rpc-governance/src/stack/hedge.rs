@@ -228,7 +228,9 @@ impl<S: Service> HedgeLayer<S> {
                 },
                 r => {
                     superseded.set();
-                    learn(started.elapsed());
+                    if r.is_ok() {
+                        learn(started.elapsed());
+                    }
                     (r, 0)
                 }
             },
@@ -236,7 +238,9 @@ impl<S: Service> HedgeLayer<S> {
                 Some(h) if answer(&h) => {
                     superseded.set();
                     // The first attempt, still running, has taken at least this long.
-                    learn(started.elapsed());
+                    if h.is_ok() {
+                        learn(started.elapsed());
+                    }
                     (h, 1)
                 }
                 // No hedge (no other endpoint, the first attempt still finding its own, or the

@@ -244,13 +244,10 @@ impl<B: Balance, S> RetryLayer<B, S> {
             self.hold_against(cx, &addr, fault, &err);
         } else if err.code().is_breaker_exempt()
             && !unsupported
-            && !matches!(
-                err.code(),
-                StatusCode::RateLimited | StatusCode::RpcUnAuthentication
-            )
+            && err.code() != StatusCode::RateLimited
         {
-            // The callee's own logic answered: the endpoint is up. (A rate limit or a refused
-            // connection token comes before any handler, and says nothing of its health.)
+            // The callee's own logic answered: the endpoint is up. (A rate limit comes before
+            // any handler, and says nothing of its health.)
             cx.health().success(&addr);
         }
         cx.last_failed = Some(addr.clone());

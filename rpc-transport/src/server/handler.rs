@@ -16,6 +16,7 @@ use super::streams::ItemSink;
 use crate::invoke::Invoke;
 
 /// What the server does with one call.
+#[non_exhaustive]
 pub enum Dispatch {
     /// Answer at once (overflow, unknown entry, ...), without spawning.
     Ready(RemoteResultMessage),

@@ -315,6 +315,8 @@ struct GatedNode {
     arrivals: Arc<AtomicU64>,
     arrived: mpsc::UnboundedSender<&'static str>,
     gates: Arc<[tokio::sync::Notify; 2]>,
+    /// The status it fails with.
+    code: rpc::StatusCode,
 }
 
 impl Gated for GatedNode {
@@ -323,7 +325,7 @@ impl Gated for GatedNode {
         let _ = self.arrived.send(self.name);
         self.gates[nth.min(1)].notified().await;
         Err(RpcError::new(
-            rpc::StatusCode::BusinessError,
+            self.code,
             format!("refused by {}", self.name),
         ))
     }
@@ -353,9 +355,10 @@ impl rpc::Middleware for ReleaseAfterFirstAnswer {
     }
 }
 
-/// A hedged call whose first attempt fails after the hedge was sent, and whose hedge then
-/// fails too, returns the first attempt's error: `answered_by` names the endpoint that gave
-/// that error, not the hedge's, whose answer came last.
+/// A hedged call whose first attempt fails (a server error, which waits for the hedge) after
+/// the hedge was sent, and whose hedge then fails too, returns the first attempt's error:
+/// `answered_by` names the endpoint that gave that error, not the hedge's, whose answer came
+/// last.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn answered_by_names_the_attempt_whose_answer_a_hedged_call_returns() {
     let (arrived_tx, mut arrived) = mpsc::unbounded_channel();
@@ -370,6 +373,9 @@ async fn answered_by_names_the_attempt_whose_answer_a_hedged_call_returns() {
                     arrivals: arrivals.clone(),
                     arrived: arrived_tx.clone(),
                     gates: gates.clone(),
+                    // Not a callee's answer: the call waits for the hedge, whose answer comes
+                    // last.
+                    code: rpc::StatusCode::ServerError,
                 }))
                 .serve("127.0.0.1:0")
                 .await
@@ -408,6 +414,7 @@ async fn answered_by_names_the_attempt_whose_answer_a_hedged_call_returns() {
     gates[0].notify_one();
     let (result, by) = within("the call", call).await.expect("the call's task");
     let e = result.expect_err("both attempts fail");
+    assert_eq!(e.code(), rpc::StatusCode::ServerError, "{e}");
     assert_eq!(e.message(), format!("refused by {first}"), "{e}");
     assert_eq!(by, Some(address_of(first)));
 }
@@ -429,6 +436,7 @@ async fn a_callee_error_from_the_hedge_is_the_answer_while_the_first_attempt_han
                     arrivals: arrivals.clone(),
                     arrived: arrived_tx.clone(),
                     gates: gates.clone(),
+                    code: rpc::StatusCode::BusinessError,
                 }))
                 .serve("127.0.0.1:0")
                 .await
