@@ -32,10 +32,6 @@ struct Holders {
     live: Vec<u64>,
     /// Whether a publication gave up deregistering for a newer one.
     deferred: bool,
-    /// Held across a registration, and across a deregistration's check and the deregistration
-    /// itself: a newer publication registering between an older one's check (it was the
-    /// latest) and its deregistration landing would be unpublished by it.
-    gate: Arc<tokio::sync::Mutex<()>>,
 }
 
 fn holders() -> std::sync::MutexGuard<'static, HashMap<Key, Holders>> {
@@ -55,8 +51,6 @@ fn key(registry: &Arc<dyn Registry>, id: &str) -> Key {
 pub(crate) struct Ticket {
     key: Key,
     n: u64,
-    /// Its id's [`Holders::gate`] (the same while any publication of the id is live).
-    gate: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl Ticket {
@@ -66,21 +60,8 @@ impl Ticket {
         static NEXT: AtomicU64 = AtomicU64::new(1);
         let n = NEXT.fetch_add(1, Ordering::Relaxed);
         let key = key(registry, id);
-        let mut holders = holders();
-        let h = holders.entry(key.clone()).or_default();
-        h.live.push(n);
-        Ticket {
-            key,
-            n,
-            gate: h.gate.clone(),
-        }
-    }
-
-    /// Waits until no other publication of the id registers or deregisters it, and keeps it
-    /// so until the guard is dropped: taken around a registration, and around a
-    /// deregistration's [`should_deregister`](Self::should_deregister) and the deregistration.
-    pub(crate) async fn exclusive(&self) -> tokio::sync::OwnedMutexGuard<()> {
-        self.gate.clone().lock_owned().await
+        holders().entry(key.clone()).or_default().live.push(n);
+        Ticket { key, n }
     }
 
     /// Whether to deregister: no later publication of the id took its place. When one did, the

@@ -700,10 +700,7 @@ impl ServerBuilder {
                 ticket: publication.clone(),
                 runtime: tokio::runtime::Handle::try_current().ok(),
             };
-            let registered = {
-                let _alone = publication.exclusive().await;
-                registry.register(instance.clone()).await
-            };
+            let registered = registry.register(instance.clone()).await;
             unpublish_if_given_up.disarm();
             if let Err(e) = registered {
                 shutdown.cancel();
@@ -951,10 +948,6 @@ impl ServerHandle {
         // Kept in the handle until deregistered: a shutdown given up while it deregisters (a
         // timeout around it) leaves the handle's drop to try again.
         if let Some(registry) = self.registry.clone() {
-            let _alone = match &self.ticket {
-                Some(t) => Some(t.exclusive().await),
-                None => None,
-            };
             if self.ticket.as_ref().is_none_or(|t| t.should_deregister()) {
                 if let Err(e) = registry.deregister(&self.instance_id).await {
                     tracing::warn!(error = %e, "could not deregister before shutdown");
@@ -1046,10 +1039,6 @@ impl Drop for ServerHandle {
             let ticket = self.ticket.clone();
             runtime.spawn(async move {
                 // Not when a later server of this process published the same id meanwhile.
-                let _alone = match &ticket {
-                    Some(t) => Some(t.exclusive().await),
-                    None => None,
-                };
                 if ticket.as_ref().is_none_or(|t| t.should_deregister()) {
                     if let Err(e) = registry.deregister(&id).await {
                         tracing::warn!(error = %e, "could not deregister the dropped server");

@@ -36,12 +36,7 @@ pub struct TestRegistry {
     watch: Arc<Watch>,
     pub published: Arc<Mutex<Vec<String>>>,
     began: Arc<Mutex<Option<oneshot::Sender<()>>>>,
-    /// When set, the next deregistration says it began, then lands only once released.
-    held_deregistration: Arc<Mutex<Option<HeldDeregistration>>>,
 }
-
-/// Who to tell that a held deregistration began, and what lets it land.
-type HeldDeregistration = (oneshot::Sender<()>, Arc<tokio::sync::Notify>);
 
 impl TestRegistry {
     pub fn new(register: Register, watch: Watch) -> Self {
@@ -50,18 +45,7 @@ impl TestRegistry {
             watch: Arc::new(watch),
             published: Arc::default(),
             began: Arc::default(),
-            held_deregistration: Arc::default(),
         }
-    }
-
-    /// Holds the next deregistration: it tells `began` when it begins, and lands (removes the
-    /// id) once `release` is notified, as one answered over the network lands later.
-    pub fn hold_next_deregistration(
-        &self,
-        began: oneshot::Sender<()>,
-        release: Arc<tokio::sync::Notify>,
-    ) {
-        *self.held_deregistration.lock().unwrap() = Some((began, release));
     }
 
     /// Tells `began` when the first registration begins.
@@ -90,15 +74,8 @@ impl Registry for TestRegistry {
         }
     }
     fn deregister<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), RegistryError>> {
-        let held = self.held_deregistration.lock().unwrap().take();
-        Box::pin(async move {
-            if let Some((began, release)) = held {
-                let _ = began.send(());
-                release.notified().await;
-            }
-            self.published.lock().unwrap().retain(|i| i != id);
-            Ok(())
-        })
+        self.published.lock().unwrap().retain(|i| i != id);
+        Box::pin(async { Ok(()) })
     }
     fn watch<'a>(&'a self, _: &'a ServiceId) -> BoxFuture<'a, Result<ServiceWatch, RegistryError>> {
         match &*self.watch {

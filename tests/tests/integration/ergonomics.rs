@@ -678,54 +678,6 @@ async fn a_dropped_handle_does_not_unpublish_a_newer_server_with_its_id() {
     );
 }
 
-/// A dropped handle's deregistration that has checked it may go ahead (no newer server held
-/// the id then) lands only after a new server of this process registered under the id: the
-/// new server's registration waits for it, and stays. Before, the late deregistration removed
-/// the new registration.
-#[tokio::test]
-async fn a_deregistration_landing_late_does_not_unpublish_a_server_registering_meanwhile() {
-    let registry = common::registry::TestRegistry::new(
-        common::registry::Register::Answers,
-        common::registry::Watch::Unavailable,
-    );
-    let serve = || {
-        Server::builder()
-            .registry(registry.clone())
-            .instance_id("shard-1")
-            .add_service(EchoServer::new(Plain))
-            .serve("127.0.0.1:0")
-    };
-    let old = serve().await.expect("serve the old one");
-    let (began_tx, began) = tokio::sync::oneshot::channel();
-    let release = Arc::new(tokio::sync::Notify::new());
-    registry.hold_next_deregistration(began_tx, release.clone());
-    drop(old);
-    within("the old one's deregistration to begin", began)
-        .await
-        .expect("began");
-    let new = tokio::spawn(serve());
-    // The new server's registration (if it is not held back) lands before the old one's
-    // deregistration is let go.
-    for _ in 0..10 {
-        tokio::task::yield_now().await;
-    }
-    release.notify_one();
-    let new = within("the new one", new)
-        .await
-        .expect("its task")
-        .expect("serve the new one");
-    // The old deregistration, released, has its turns to land.
-    for _ in 0..10 {
-        tokio::task::yield_now().await;
-    }
-    assert_eq!(
-        *registry.published.lock().unwrap(),
-        ["shard-1".to_string()],
-        "the new server's registration stays"
-    );
-    within("shutdown", new.shutdown()).await;
-}
-
 /// A server of this process starting under the id of one being dropped keeps it even when
 /// its registration answers after the old one's late deregistration runs: before, the new
 /// server took the id only once registered, and the old one removed it in between.
