@@ -1702,7 +1702,14 @@ impl stack::Service for Attempt<'_> {
             // a handler's failure, fast as it comes back, a penalty; a call that never reached
             // the endpoint only stops counting.
             match result.as_ref().map_err(RpcError::code) {
-                Err(StatusCode::CommunicationError) => outstanding.forget(),
+                // (A connection lost with the call on it may well have reached the endpoint:
+                // its time then counts, as the drop's lower bound.)
+                Err(StatusCode::CommunicationError)
+                    if result.as_ref().is_err_and(|e| !e.is_maybe_delivered()) =>
+                {
+                    outstanding.forget()
+                }
+                Err(StatusCode::CommunicationError) => drop(outstanding),
                 Err(_)
                     if result
                         .as_ref()
