@@ -133,7 +133,12 @@ impl Http1 {
 }
 
 async fn admin_on(store: &RuleStore) -> AdminHandle {
-    Admin::builder()
+    admin_with(Admin::builder(), store).await
+}
+
+/// An admin endpoint on `store`, with what `builder` already attaches.
+async fn admin_with(builder: rpc_admin::AdminBuilder, store: &RuleStore) -> AdminHandle {
+    builder
         .rules(store.clone())
         .token(TOKEN)
         .serve("127.0.0.1:0")
@@ -580,13 +585,7 @@ async fn a_document_the_attached_client_would_refuse_is_not_written() {
         .build();
     let echo = RuledClient::new(client.clone());
     assert_eq!(within("call", echo.echo("hi".into())).await.unwrap(), "hi");
-    let admin = Admin::builder()
-        .client(&client)
-        .rules(store.clone())
-        .token(TOKEN)
-        .serve("127.0.0.1:0")
-        .await
-        .expect("admin");
+    let admin = admin_with(Admin::builder().client(&client), &store).await;
     let api = Http1::new(&admin);
     // The oracle: the rule kind's own check takes the document, the client's does not.
     RuleKind::Governance.validate(HASH).expect("valid alone");
@@ -646,13 +645,7 @@ async fn a_document_the_attached_client_would_refuse_is_not_written() {
     loose
         .check_rules(RuleKind::Governance, HASH)
         .expect("no rules followed, none refused");
-    let admin = Admin::builder()
-        .client(&loose)
-        .rules(store.clone())
-        .token(TOKEN)
-        .serve("127.0.0.1:0")
-        .await
-        .expect("admin");
+    let admin = admin_with(Admin::builder().client(&loose), &store).await;
     let v = Http1::new(&admin)
         .ok("POST", "/api/rules/governance/validate", Some(HASH))
         .await;

@@ -355,13 +355,20 @@ impl rpc::Middleware for ReleaseAfterFirstAnswer {
     }
 }
 
-/// A hedged call whose first attempt fails (a server error, which waits for the hedge) after
-/// the hedge was sent, and whose hedge then fails too, returns the first attempt's error:
-/// `answered_by` names the endpoint that gave that error, not the hedge's, whose answer came
-/// last.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn answered_by_names_the_attempt_whose_answer_a_hedged_call_returns() {
-    let (arrived_tx, mut arrived) = mpsc::unbounded_channel();
+/// Two gated servers failing with `code`, and a client hedging after 10 ms with no retries
+/// (`more` adds to its builder, given the gates): the servers' addresses, the client, the
+/// names of the servers as calls arrive, and the gates (0: the first attempt, 1: the hedge).
+async fn gated_pair(
+    code: rpc::StatusCode,
+    timeout_ms: Option<u64>,
+    more: impl FnOnce(rpc::ClientBuilder, &Arc<[tokio::sync::Notify; 2]>) -> rpc::ClientBuilder,
+) -> (
+    Vec<rpc::ServerHandle>,
+    GatedClient,
+    mpsc::UnboundedReceiver<&'static str>,
+    Arc<[tokio::sync::Notify; 2]>,
+) {
+    let (arrived_tx, arrived) = mpsc::unbounded_channel();
     let arrivals = Arc::new(AtomicU64::new(0));
     let gates: Arc<[tokio::sync::Notify; 2]> = Arc::default();
     let mut servers = Vec::new();
@@ -373,39 +380,50 @@ async fn answered_by_names_the_attempt_whose_answer_a_hedged_call_returns() {
                     arrivals: arrivals.clone(),
                     arrived: arrived_tx.clone(),
                     gates: gates.clone(),
-                    // Not a callee's answer: the call waits for the hedge, whose answer comes
-                    // last.
-                    code: rpc::StatusCode::ServerError,
+                    code,
                 }))
                 .serve("127.0.0.1:0")
                 .await
                 .expect("serve"),
         );
     }
+    let builder = Client::builder()
+        .registry(StaticRegistry::new(
+            servers.iter().map(|s| s.local_addr().to_string()),
+        ))
+        .override_options(
+            GatedClient::SERVICE_ID,
+            GovernanceOverrides {
+                hedge_delay_ms: Some(10),
+                idempotent: Some(true),
+                retry_times: Some(0),
+                timeout_ms,
+                ..GovernanceOverrides::NONE
+            },
+        );
+    let client = GatedClient::new(more(builder, &gates).build());
+    (servers, client, arrived, gates)
+}
+
+/// A hedged call whose first attempt fails (a server error, which waits for the hedge) after
+/// the hedge was sent, and whose hedge then fails too, returns the first attempt's error:
+/// `answered_by` names the endpoint that gave that error, not the hedge's, whose answer came
+/// last.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answered_by_names_the_attempt_whose_answer_a_hedged_call_returns() {
+    // Not a callee's answer: the call waits for the hedge, whose answer comes last.
+    let (servers, client, mut arrived, gates) =
+        gated_pair(rpc::StatusCode::ServerError, None, |b, gates| {
+            b.attempt_layer(ReleaseAfterFirstAnswer {
+                gates: gates.clone(),
+                seen: Default::default(),
+            })
+        })
+        .await;
     let address_of = |name: &str| {
         let i = if name == "one" { 0 } else { 1 };
         servers[i].local_addr().to_string()
     };
-    let client = GatedClient::new(
-        Client::builder()
-            .registry(StaticRegistry::new(
-                servers.iter().map(|s| s.local_addr().to_string()),
-            ))
-            .override_options(
-                GatedClient::SERVICE_ID,
-                GovernanceOverrides {
-                    hedge_delay_ms: Some(10),
-                    idempotent: Some(true),
-                    retry_times: Some(0),
-                    ..GovernanceOverrides::NONE
-                },
-            )
-            .attempt_layer(ReleaseAfterFirstAnswer {
-                gates: gates.clone(),
-                seen: Default::default(),
-            })
-            .build(),
-    );
     let call = tokio::spawn(async move { rpc::answered_by(client.refuse()).await });
     let first = recv_one("the first attempt", &mut arrived).await;
     let hedge = recv_one("the hedge", &mut arrived).await;
@@ -424,42 +442,8 @@ async fn answered_by_names_the_attempt_whose_answer_a_hedged_call_returns() {
 /// waiting for the first attempt until the deadline and failing with a timeout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_callee_error_from_the_hedge_is_the_answer_while_the_first_attempt_hangs() {
-    let (arrived_tx, mut arrived) = mpsc::unbounded_channel();
-    let arrivals = Arc::new(AtomicU64::new(0));
-    let gates: Arc<[tokio::sync::Notify; 2]> = Arc::default();
-    let mut servers = Vec::new();
-    for name in ["one", "two"] {
-        servers.push(
-            Server::builder()
-                .add_service(GatedServer::new(GatedNode {
-                    name,
-                    arrivals: arrivals.clone(),
-                    arrived: arrived_tx.clone(),
-                    gates: gates.clone(),
-                    code: rpc::StatusCode::BusinessError,
-                }))
-                .serve("127.0.0.1:0")
-                .await
-                .expect("serve"),
-        );
-    }
-    let client = GatedClient::new(
-        Client::builder()
-            .registry(StaticRegistry::new(
-                servers.iter().map(|s| s.local_addr().to_string()),
-            ))
-            .override_options(
-                GatedClient::SERVICE_ID,
-                GovernanceOverrides {
-                    hedge_delay_ms: Some(10),
-                    idempotent: Some(true),
-                    retry_times: Some(0),
-                    timeout_ms: Some(600_000),
-                    ..GovernanceOverrides::NONE
-                },
-            )
-            .build(),
-    );
+    let (_servers, client, mut arrived, gates) =
+        gated_pair(rpc::StatusCode::BusinessError, Some(600_000), |b, _| b).await;
     let call = tokio::spawn(async move { client.refuse().await });
     let _first = recv_one("the first attempt", &mut arrived).await;
     let hedge = recv_one("the hedge", &mut arrived).await;
