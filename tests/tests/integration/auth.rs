@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use common::{within, RawConn};
-use rpc::crates::core::wire::frame::Kind;
+use rpc::crates::core::wire::{frame::Kind, Hello};
 use rpc::{Client, InProcessRegistry, RpcError, Server, ServerHandle, StatusCode};
 
 #[rpc::service(name = "t.Auth")]
@@ -143,6 +143,20 @@ async fn a_hello_too_large_for_the_handshake_is_told_to_shorten_its_token() {
     within("shutdown", server.shutdown()).await;
 }
 
+/// Sends `hello` on a new raw connection to `addr`: it must be `accepted` (a `HelloAck`), or
+/// refused with a `GoAway` whose reason holds `said`.
+async fn handshake_answers(addr: std::net::SocketAddr, hello: Hello, accepted: bool, said: &str) {
+    let mut raw = RawConn::connect(addr).await;
+    raw.send(Kind::Hello(hello.clone()))
+        .await
+        .expect("send Hello");
+    match (raw.recv().await, accepted) {
+        (Some(Kind::HelloAck(_)), true) => {}
+        (Some(Kind::GoAway(g)), false) => assert!(g.reason.contains(said), "{g:?}"),
+        (other, _) => panic!("{hello:?}: accepted {accepted} expected, got {other:?}"),
+    }
+}
+
 /// A client id over the limit is refused at the handshake: ids key per-caller state, and a
 /// client reconnecting with ever new ids of kilobytes each would make it cost that much. One
 /// at the limit is served.
@@ -152,24 +166,13 @@ async fn a_client_id_over_the_limit_gets_go_away() {
     let (server, _) = serve(&reg, None).await;
     let limit = rpc::crates::transport::MAX_CLIENT_ID;
     for (len, accepted) in [(limit, true), (limit + 1, false), (4000, false)] {
-        let mut raw = RawConn::connect(server.local_addr()).await;
-        raw.send(Kind::Hello(rpc::crates::core::wire::Hello {
+        let hello = Hello {
             protocol_version: 1,
             client_id: "c".repeat(len),
             ..Default::default()
-        }))
-        .await
-        .expect("send Hello");
-        match (raw.recv().await, accepted) {
-            (Some(Kind::HelloAck(_)), true) => {}
-            (Some(Kind::GoAway(g)), false) => {
-                assert!(
-                    g.reason.contains(&format!("client id of {len} bytes")),
-                    "{g:?}"
-                );
-            }
-            (other, _) => panic!("{len} bytes: got {other:?}"),
-        }
+        };
+        let said = format!("client id of {len} bytes");
+        handshake_answers(server.local_addr(), hello, accepted, &said).await;
     }
     within("shutdown", server.shutdown()).await;
 }
@@ -189,26 +192,14 @@ async fn a_stream_window_over_the_limit_gets_go_away() {
         (u32::MAX, true, false),
         (u32::MAX, false, true),
     ] {
-        let mut raw = RawConn::connect(server.local_addr()).await;
-        raw.send(Kind::Hello(rpc::crates::core::wire::Hello {
+        let hello = Hello {
             protocol_version: 1,
             streams,
             stream_window: window,
             ..Default::default()
-        }))
-        .await
-        .expect("send Hello");
-        match (raw.recv().await, accepted) {
-            (Some(Kind::HelloAck(_)), true) => {}
-            (Some(Kind::GoAway(g)), false) => {
-                assert!(
-                    g.reason
-                        .contains(&format!("stream window of {window} items")),
-                    "{g:?}"
-                );
-            }
-            (other, _) => panic!("window {window}: got {other:?}"),
-        }
+        };
+        let said = format!("stream window of {window} items");
+        handshake_answers(server.local_addr(), hello, accepted, &said).await;
     }
     within("shutdown", server.shutdown()).await;
 }
