@@ -1739,7 +1739,9 @@ impl stack::Service for Attempt<'_> {
 }
 
 /// Hands the entry descriptors the instances of `service_id` publish to the governance layers;
-/// where instances disagree, the first by address wins, so every client decides alike.
+/// where instances disagree, the first by address wins, so every client decides alike. A
+/// value the client would refuse from its own configuration (a percentage above 100, an
+/// address that is not `host:port`) is left out with a warning, the entry's other values kept.
 fn publish(governance: &Governance, service_id: &str, instances: &rpc_registry::Endpoints) {
     let mut entries: Vec<(String, GovernanceOverrides)> = Vec::new();
     for instance in instances.iter() {
@@ -1748,7 +1750,15 @@ fn publish(governance: &Governance, service_id: &str, instances: &rpc_registry::
                 && e.governance != GovernanceOverrides::NONE
                 && !entries.iter().any(|(id, _)| id == e.id.as_str())
             {
-                entries.push((e.id.to_string(), e.governance.clone()));
+                let mut published = e.governance.clone();
+                for problem in published.drop_invalid() {
+                    tracing::warn!(
+                        entry = %e.id,
+                        instance = %instance.address,
+                        "ignoring a governance value the instance publishes: {problem}"
+                    );
+                }
+                entries.push((e.id.to_string(), published));
             }
         }
     }

@@ -270,6 +270,20 @@ macro_rules! governance_options {
                 }
             }
 
+            /// Unsets every field whose value [`validate`](Self::validate) refuses, keeping the
+            /// others, and says what was wrong with each: for layers read from peers (the
+            /// options servers publish), where one wrong value must not cost the right ones.
+            pub fn drop_invalid(&mut self) -> Vec<String> {
+                let mut problems: Vec<String> = Vec::new();
+                $($(
+                    if let Some(problem) = self.$name.as_ref().and_then(|v| value_problem!($kind, $name, v)) {
+                        problems.push(problem);
+                        self.$name = None;
+                    }
+                )*)*
+                problems
+            }
+
             /// Unsets one field (named as in the config file, for example `"timeout_ms"`), so
             /// the layers below decide it again. An unknown name is an error listing the known
             /// ones.

@@ -594,6 +594,31 @@ async fn an_appointed_entry_learns_what_servers_publish_after_its_first_call() {
     server.shutdown().await;
 }
 
+/// A value a server publishes that the client would refuse from its own configuration (a
+/// percentage above 100) is left out, and the entry's other published values still apply.
+/// Before, it was taken as it came.
+#[tokio::test]
+async fn a_published_value_out_of_range_is_ignored_and_the_rest_applies() {
+    let reg = InProcessRegistry::new();
+    let (server, _w) = warehouse(&reg).await;
+    let level = level_method();
+    let mut published = publish_timeout(&reg, &server, "level", 1234).await;
+    published.entries[0].governance.outlier_max_ejection_percent = Some(250);
+    rpc::Registry::register(&reg, published).await.unwrap();
+
+    let client = Client::builder().registry(reg.clone()).build();
+    let stock = StockClient::new(client.clone());
+    assert_eq!(stock.level("apple".into()).await.unwrap(), 7);
+    let options = client.options(level);
+    assert_eq!(options.timeout_ms, 1234, "the published value in range");
+    assert_eq!(
+        options.outlier_max_ejection_percent,
+        rpc::GovernanceOptions::default().outlier_max_ejection_percent,
+        "the value out of range is not in force"
+    );
+    server.shutdown().await;
+}
+
 #[tokio::test]
 async fn what_servers_publish_is_used_unless_the_client_overrides_it() {
     let reg = InProcessRegistry::new();
