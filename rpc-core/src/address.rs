@@ -3,18 +3,22 @@
 //! (std only: `rpc-macros` compiles this file too, for the `#[governance]` attribute's
 //! `appoint_address`.)
 
-/// Whether `address` is `host:port`: a port of decimal digits (at most 65535), and a host that
-/// is a name or an IPv4 address (letters, digits, `.`, `-`, `_`) or an IPv6 address in
-/// brackets (`[::1]:9000`, `[fe80::1%2]:9000` with an interface number). Anything else is
-/// refused where it is configured rather than failing every call later: two addresses run together (`a:1;b:2`, `a:1 b:2`), an IPv6
-/// address without brackets (`fe80::1` would read as host `fe80:`, port 1), a space, a
-/// scheme (`etcd://h:1`).
+/// Whether `address` is `host:port`, an address to connect to: a port of decimal digits from
+/// 1 to 65535, and a host that is an IPv4 address, a name (dot-separated labels of letters,
+/// digits, `-` and `_`, none empty or starting or ending with `-`; one final dot allowed), or
+/// an IPv6 address in brackets (`[::1]:9000`, `[fe80::1%2]:9000` with an interface number).
+/// Anything else is refused where it is configured rather than failing every call later:
+/// two addresses run together (`a:1;b:2`, `a:1 b:2`), an IPv6 address without brackets
+/// (`fe80::1` would read as host `fe80:`, port 1), a space, a scheme (`etcd://h:1`), port 0
+/// (nothing listens there), and a host of digits and dots that is not an IPv4 address
+/// (`10.0.1`, which the resolver would read as `10.0.0.1`).
 pub fn is_host_port(address: &str) -> bool {
     let Some((host, port)) = address.rsplit_once(':') else {
         return false;
     };
-    let port_ok =
-        !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit()) && port.parse::<u16>().is_ok();
+    let port_ok = !port.is_empty()
+        && port.bytes().all(|b| b.is_ascii_digit())
+        && port.parse::<u16>().is_ok_and(|p| p != 0);
     let host_ok = match host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
         // A link-local address may name its interface by number (`[fe80::1%2]`), as the
         // socket-address parser takes it.
@@ -27,14 +31,27 @@ pub fn is_host_port(address: &str) -> bool {
             }
             None => v6.parse::<std::net::Ipv6Addr>().is_ok(),
         },
-        None => {
-            !host.is_empty()
-                && host
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_'))
-        }
+        None => is_host_name_or_ipv4(host),
     };
     port_ok && host_ok
+}
+
+/// A host written without brackets: an IPv4 address, or a name of labels (see
+/// [`is_host_port`]).
+fn is_host_name_or_ipv4(host: &str) -> bool {
+    if host.bytes().all(|b| b.is_ascii_digit() || b == b'.') {
+        return host.parse::<std::net::Ipv4Addr>().is_ok();
+    }
+    let name = host.strip_suffix('.').unwrap_or(host);
+    !name.is_empty()
+        && name.split('.').all(|label| {
+            !label.is_empty()
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+                && label
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_'))
+        })
 }
 
 #[cfg(test)]
@@ -50,6 +67,8 @@ mod tests {
             "[::1]:9000",
             "[fe80::1]:65535",
             "[fe80::1%2]:9000",
+            "example.com.:443",
+            "1.example:80",
         ] {
             assert!(is_host_port(good), "{good:?}");
         }
@@ -69,6 +88,14 @@ mod tests {
             "[fe80::1%]:1",
             "[fe80::1%eth0]:1",
             "etcd://h:2379",
+            "127.0.0.1:0",
+            "[::1]:0",
+            "10.0.1:9000",
+            "256.0.0.1:80",
+            "-:80",
+            "a..b:1",
+            ".a:1",
+            "host-.local:1",
         ] {
             assert!(!is_host_port(bad), "{bad:?}");
         }

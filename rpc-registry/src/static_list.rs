@@ -95,6 +95,13 @@ impl StaticRegistry {
     pub fn from_toml(text: &str) -> Result<Self, RegistryError> {
         let file: StaticFile = toml::from_str(text)
             .map_err(|e| RegistryError::Config(format!("static registry file: {e}")))?;
+        if file.endpoint.is_empty() {
+            return Err(RegistryError::Config(
+                "the static registry file lists no endpoint: add one [[endpoint]] table per \
+                 endpoint, with its address = \"host:port\""
+                    .into(),
+            ));
+        }
         for e in &file.endpoint {
             check_address(&e.address)?;
         }
@@ -109,13 +116,15 @@ impl StaticRegistry {
     /// one of them: most likely a copy-paste slip, so it is refused rather than half-used.
     /// An address is compared in one spelling: an IP address and port as the standard library
     /// writes them (`127.0.0.1:09001` is `127.0.0.1:9001`, `[0:0::1]:80` is `[::1]:80`), a
-    /// host name without regard to case.
+    /// host name without regard to case, a `unix:` path as written.
     fn check_unique_ids(&self) -> Result<(), RegistryError> {
         let mut seen = std::collections::HashSet::new();
         for e in &self.endpoints {
             let id = e.id.as_deref().unwrap_or(&e.address);
             let key = match (&e.id, e.address.parse::<std::net::SocketAddr>()) {
                 (None, Ok(addr)) => addr.to_string(),
+                // A socket path is a file name: case tells two apart.
+                (None, Err(_)) if e.address.starts_with("unix:") => e.address.clone(),
                 (None, Err(_)) => e.address.to_ascii_lowercase(),
                 (Some(id), _) => id.clone(),
             };
@@ -215,7 +224,10 @@ mod tests {
     #[test]
     fn unix_socket_endpoints_are_accepted_and_an_empty_path_is_not() {
         let r = StaticRegistry::from_list("unix:/tmp/a.sock,127.0.0.1:9001").unwrap();
-        let _ = r;
+        assert_eq!(r.endpoints.len(), 2);
+        // Two socket paths differing in case are two files, not one listed twice.
+        let r = StaticRegistry::from_list("unix:/tmp/A.sock,unix:/tmp/a.sock").unwrap();
+        assert_eq!(r.endpoints.len(), 2);
         let e = StaticRegistry::from_list("unix:").unwrap_err();
         assert!(e.to_string().contains("unix:/path"), "{e}");
     }
@@ -249,6 +261,16 @@ mod tests {
         assert!(e.to_string().contains("expected host:port"), "{e}");
         let e = StaticRegistry::from_toml("[[endpoint]]\nadress = \"x\"").unwrap_err();
         assert!(e.to_string().contains("adress"), "{e}");
+        // A file listing nothing is refused as an empty list is.
+        for empty in ["", "# endpoints to come\n"] {
+            let e = StaticRegistry::from_toml(empty).unwrap_err();
+            assert!(
+                e.to_string().contains("lists no endpoint"),
+                "{empty:?}: {e}"
+            );
+        }
+        let e = StaticRegistry::from_list("127.0.0.1:0").unwrap_err();
+        assert!(e.to_string().contains("expected host:port"), "{e}");
         let e = StaticRegistry::from_list("127.0.0.1:1,127.0.0.1:2,127.0.0.1:1").unwrap_err();
         assert!(
             e.to_string().contains("\"127.0.0.1:1\" is listed twice"),
