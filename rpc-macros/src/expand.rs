@@ -128,8 +128,9 @@ fn descriptors(service: &Service, names: &Names, service_id_parts: &TokenStream)
         #[doc = #doc_table]
         #[doc(hidden)]
         // `..GovernanceOverrides::NONE` stays even when every field is set, so that fields added
-        // to the type later need no change in the generator.
-        #[allow(clippy::needless_update, non_upper_case_globals)]
+        // to the type later need no change in the generator. A deprecated type in a method's
+        // signature warns on the trait, where the user can allow it, not here as well.
+        #[allow(clippy::needless_update, non_upper_case_globals, deprecated)]
         static #table: [::rpc::__private::MethodDescriptor; #n] = [#(#entries),*];
     }
 }
@@ -164,7 +165,7 @@ fn api(m: &parse::Method) -> TokenStream {
     let result = m.stream_item.as_ref().unwrap_or(&m.ok);
     let err = &m.err;
     quote! {{
-        #[allow(clippy::needless_borrow)]
+        #[allow(clippy::needless_borrow, deprecated)]
         fn __rpc_api() -> ::rpc::__private::EntryApi {
             #[allow(unused_imports)]
             use ::rpc::__private::{

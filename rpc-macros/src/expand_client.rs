@@ -173,8 +173,13 @@ fn method(index: usize, m: &Method, table: &syn::Ident) -> TokenStream {
             async move {
                 let __rpc_method: &'static ::rpc::__private::MethodDescriptor = &#table[#index];
                 let __rpc_codec: ::rpc::__private::Codec = ::rpc::Client::codec(&self.client);
+                // Encoded in a statement of its own: the references to the arguments end with
+                // it, so an argument that is `Send` but not `Sync` (a `Cell`) is never borrowed
+                // across an await, which would make this future not `Send`.
+                let __rpc_params =
+                    ::rpc::__private::encode_args(__rpc_codec, #params, __rpc_method);
                 let __rpc_result: ::core::result::Result<#ok, ::rpc::__private::RpcError> =
-                    match ::rpc::__private::encode_args(__rpc_codec, #params, __rpc_method) {
+                    match __rpc_params {
                         ::core::result::Result::Ok(__rpc_params) => {
                             match ::rpc::Client::#invoke(
                                 &self.client,

@@ -207,6 +207,16 @@ fn check_path(lit: &LitStr, params: &[String]) -> syn::Result<()> {
              a fragment or spaces"
         )));
     }
+    // The gateway matches a request's path once its escapes are decoded: an escape here
+    // would be a second spelling of a path (`/%64ocs` is `/docs`) that no check of this
+    // crate compares.
+    if path.contains('%') {
+        return Err(err(
+            "the route's path cannot hold `%`: write each character itself (`/café`, not \
+             `/caf%C3%A9`); the gateway decodes a request's escapes before it matches the path"
+                .to_string(),
+        ));
+    }
     let mut named: Vec<&str> = Vec::new();
     let mut rest = path.as_str();
     while let Some(open) = rest.find(['{', '}']) {
@@ -364,6 +374,7 @@ mod tests {
                 "a `}` without its `{`",
             ),
             (parse_quote!(#[http(get = "/o?x=1")]), "cannot hold '?'"),
+            (parse_quote!(#[http(get = "/%64ocs")]), "cannot hold `%`"),
             (parse_quote!(#[http(get = 3)]), "string literal"),
             (
                 parse_quote!(#[http(get)]),

@@ -323,6 +323,30 @@ impl Service {
                 routes.push((m, route));
             }
         }
+        // The gateway serves every method at its default route first (`POST
+        // /api/<service id>/<method>`), so a route declaring another method's default route
+        // is never served. The service id is known here only when `name = ...` gives it.
+        if let Some(name) = &args.name {
+            let name = name.value();
+            for (m, route) in &routes {
+                let taken = methods.iter().find(|o| {
+                    o.ident != m.ident
+                        && route.method == "POST"
+                        && route.path == format!("/api/{name}/{}", o.name())
+                });
+                if let Some(o) = taken {
+                    errors.add(
+                        route.path_span,
+                        format!(
+                            "this is the default route of `{}` (`POST {}`), which the gateway \
+                             serves it at: give this method another path or method",
+                            o.name(),
+                            route.path
+                        ),
+                    );
+                }
+            }
+        }
         errors.finish()?;
         Ok(Service {
             item,
@@ -337,10 +361,12 @@ impl Service {
     }
 }
 
-/// The generated client's own items (and the methods of `Clone`, which it derives, and of
-/// `ToOwned`, which every `Clone` type has): a method of the same name would be hidden by
-/// them, or ambiguous with them, at the caller's call.
-const PROXY_ITEMS: [&str; 9] = [
+/// The generated client's own items (and the methods of `Clone`, which it derives, of
+/// `ToOwned`, which every `Clone` type has, and of the prelude's `Into` and `TryInto`, which
+/// every type has and which take the client by value, found before a method on `&self`): a
+/// method of the same name would be hidden by them, or ambiguous with them, at the caller's
+/// call.
+const PROXY_ITEMS: [&str; 11] = [
     "new",
     "client",
     "with_options",
@@ -350,6 +376,8 @@ const PROXY_ITEMS: [&str; 9] = [
     "clone_from",
     "to_owned",
     "clone_into",
+    "into",
+    "try_into",
 ];
 
 fn method(f: &TraitItemFn) -> syn::Result<Method> {
@@ -1087,6 +1115,40 @@ mod tests {
             let e = error(tokens);
             assert!(e.contains(want), "{source}\n=> {e}");
         }
+    }
+
+    /// A route that is another method's default route (`POST /api/<name>/<method>`), which
+    /// the gateway serves first, is refused when the service's name is given; the method's
+    /// own default route is its to declare.
+    #[test]
+    fn a_route_cannot_take_another_methods_default_route() {
+        let named = |tokens: proc_macro2::TokenStream| {
+            let args: ServiceArgs = syn::parse_quote!(name = "shop.Orders");
+            Service::new(args, syn::parse2(tokens).unwrap())
+        };
+        let e = match named(quote! {
+            trait Orders {
+                #[http(post = "/api/shop.Orders/list")]
+                async fn create(&self, n: u8) -> Result<(), E>;
+                async fn list(&self) -> Result<(), E>;
+            }
+        }) {
+            Ok(_) => panic!("expected an error"),
+            Err(e) => e.to_string(),
+        };
+        assert!(
+            e.contains("the default route of `list` (`POST /api/shop.Orders/list`)"),
+            "{e}"
+        );
+        assert!(named(quote! {
+            trait Orders {
+                #[http(post = "/api/shop.Orders/create")]
+                async fn create(&self, n: u8) -> Result<(), E>;
+                #[http(get = "/api/shop.Orders/create")]
+                async fn list(&self) -> Result<(), E>;
+            }
+        })
+        .is_ok());
     }
 
     #[test]

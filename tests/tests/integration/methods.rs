@@ -690,6 +690,17 @@ mod deprecated_items {
         async fn double(&self, n: u64) -> Result<u64, RpcError>;
     }
 
+    /// A deprecated argument and result type: the service allowing them builds too.
+    #[deprecated(note = "use u64")]
+    #[derive(serde::Serialize, serde::Deserialize)]
+    pub struct OldCount(pub u64);
+
+    #[rpc::service(name = "t.Counts")]
+    #[allow(deprecated)]
+    pub trait Counts {
+        async fn next(&self, n: OldCount) -> Result<OldCount, RpcError>;
+    }
+
     pub struct Doubler;
 
     #[allow(deprecated)]
@@ -717,5 +728,52 @@ async fn a_deprecated_service_and_method_are_served_and_called() {
     let old = OldClient::new(Client::builder().registry(reg).build());
     assert_eq!(within("twice", old.twice(21)).await.expect("twice"), 42);
     assert_eq!(within("double", old.double(4)).await.expect("double"), 8);
+    within("shutdown", server.shutdown()).await;
+}
+
+/// Arguments that are `Send` but not `Sync` (a `Cell`, a `RefCell`), the hash key among
+/// them: the proxy's future is `Send` as the trait promises, since no reference to an
+/// argument is held across its awaits.
+mod send_but_not_sync_arguments {
+    use std::cell::{Cell, RefCell};
+
+    use rpc::RpcError;
+
+    #[rpc::service(name = "t.Cells")]
+    pub trait Cells {
+        async fn sum(
+            &self,
+            #[hash_key] k: Cell<u64>,
+            r: RefCell<Vec<u64>>,
+        ) -> Result<u64, RpcError>;
+    }
+
+    pub struct Summer;
+
+    impl Cells for Summer {
+        async fn sum(&self, k: Cell<u64>, r: RefCell<Vec<u64>>) -> Result<u64, RpcError> {
+            Ok(k.get() + r.borrow().iter().sum::<u64>())
+        }
+    }
+}
+
+#[tokio::test]
+async fn arguments_that_are_send_but_not_sync_are_sent() {
+    use send_but_not_sync_arguments::{Cells, CellsClient, CellsServer, Summer};
+    let reg = InProcessRegistry::new();
+    let server = Server::builder()
+        .registry(reg.clone())
+        .add_service(CellsServer::new(Summer))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let cells = CellsClient::new(Client::builder().registry(reg).build());
+    // Spawned: the future must be `Send`.
+    let sum = tokio::spawn(async move {
+        cells
+            .sum(std::cell::Cell::new(1), std::cell::RefCell::new(vec![2, 3]))
+            .await
+    });
+    assert_eq!(within("sum", sum).await.expect("joined").expect("sum"), 6);
     within("shutdown", server.shutdown()).await;
 }

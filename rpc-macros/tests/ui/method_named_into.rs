@@ -1,0 +1,8 @@
+use rpc::RpcError;
+
+#[rpc::service]
+trait Store {
+    async fn into(&self) -> Result<String, RpcError>;
+}
+
+fn main() {}
