@@ -284,11 +284,22 @@ impl RoomWait {
 /// Fixed part of a frame's estimate: the message's fields other than its variable parts.
 const FIXED: usize = 64;
 
+/// Fixed part of an attachment's estimate: its map entry's tags and lengths.
+const ATTACHMENT_FIXED: usize = 8;
+
 /// What a frame is counted as in the backlog: its variable parts plus the rest of the message.
 fn estimate(frame: &Outgoing) -> usize {
     match frame {
         Outgoing::Frame(kind) => estimate_kind(kind),
-        Outgoing::Call(_, c) => FIXED + c.parameters.len() + c.service_entry_id.len(),
+        Outgoing::Call(_, c) => {
+            FIXED
+                + c.parameters.len()
+                + c.service_entry_id.len()
+                + c.attachments
+                    .iter()
+                    .map(|(k, v)| ATTACHMENT_FIXED + k.len() + v.len())
+                    .sum::<usize>()
+        }
         Outgoing::Encoded(frames) => frames.len(),
     }
 }
@@ -615,6 +626,27 @@ mod tests {
 
     fn ping(nonce: u64) -> Kind {
         Kind::Ping(Ping { nonce })
+    }
+
+    /// A call is counted in the send queue for at least the bytes its frame takes, its
+    /// attachments included: counted without them, calls carrying a gateway's forwarded
+    /// headers queued hundreds of times `max_unsent_bytes` before a caller waited.
+    #[test]
+    fn a_calls_estimate_covers_its_frame_attachments_included() {
+        let call = Call {
+            service_entry_id: "a.B.c".into(),
+            parameters: Bytes::from_static(b"x"),
+            attachments: (0..16)
+                .map(|i| (format!("header-{i}"), "v".repeat(1024)))
+                .collect(),
+            ..Default::default()
+        };
+        let frame = crate::encode::invoke_frame_len(&call.fields(7));
+        assert!(frame > 16 * 1024, "{frame}");
+        assert!(
+            estimate(&Outgoing::Call(7, call)) >= frame,
+            "the estimate is below the frame's {frame} bytes"
+        );
     }
 
     /// A peer that stops reading cannot hold the writer once the connection is closed: after

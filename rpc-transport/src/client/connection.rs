@@ -360,6 +360,17 @@ impl Connection {
     ) -> Result<RemoteResultMessage, RpcError> {
         let call = call.into();
         let shared = &self.shared;
+        if call.stream_mode != rpc_core::StreamMode::Unary as i32 {
+            // The server would open a stream whose items this call's slot cannot take.
+            return Err(RpcError::new(
+                StatusCode::FrameworkError,
+                format!(
+                    "call is for unary calls, and this one asks for stream mode {}; open a \
+                     stream with open_stream",
+                    call.stream_mode
+                ),
+            ));
+        }
         if !self.is_usable() {
             return Err(comm_error(&shared.peer, "connection closed"));
         }
@@ -387,15 +398,12 @@ impl Connection {
             let Some(call) = call.take() else {
                 return shared.pending.poll(guard.id, cx);
             };
+            if let Some(e) = shared.past_deadline(deadline) {
+                return Poll::Ready(Err(e));
+            }
             guard.id = shared.pending.insert(deadline_ms, Some(cx.waker().clone()));
             guard.armed = true;
             shared.in_flight.fetch_add(1, Ordering::Relaxed);
-            if deadline_ms != 0
-                && shared.next_sweep.fetch_min(deadline_ms, Ordering::AcqRel) > deadline_ms
-            {
-                // A new earliest deadline: the sweeper may be asleep until a later one.
-                shared.sweep.notify_one();
-            }
             if shared.closed.load(Ordering::Acquire) {
                 // The reader ended between the check above and the insert: it will not see
                 // this call, so it must not wait.
@@ -411,6 +419,9 @@ impl Connection {
                 guard.disarm_quietly();
                 return Poll::Ready(Err(comm_error(&shared.peer, "connection closed")));
             }
+            // Only once the call is queued: a sweeper woken earlier could queue its Cancel
+            // ahead of it, which the server, not knowing the id yet, would drop.
+            shared.wake_sweeper_for(deadline_ms);
             Poll::Pending
         })
         .await;
@@ -511,6 +522,9 @@ impl Connection {
             self.wait_for_room(deadline).await?;
         }
         let deadline_ms = deadline.map_or(0, |d| deadline_ms(shared.epoch, d));
+        if let Some(e) = shared.past_deadline(deadline) {
+            return Err(e);
+        }
         let stream = Arc::new(StreamShared::new(
             shared.stream_window,
             shared.stream_window_bytes,
@@ -527,15 +541,12 @@ impl Connection {
         // From here the stream owns the slot: dropping it (or this future before the set-up
         // is known) frees the slot and sends Cancel while the server may still run it.
         let accepted = ClientStream::new(self.clone(), (id, mode), stream.clone());
-        if deadline_ms != 0
-            && shared.next_sweep.fetch_min(deadline_ms, Ordering::AcqRel) > deadline_ms
-        {
-            shared.sweep.notify_one();
-        }
         if shared.closed.load(Ordering::Acquire) || !shared.sender.send_call(id, call) {
             // The reader may not see this stream: it must not wait.
             return Err(comm_error(&shared.peer, "connection closed"));
         }
+        // (Once queued, as for a call.)
+        shared.wake_sweeper_for(deadline_ms);
         match std::future::poll_fn(|cx| stream.poll_open(cx)).await {
             Ok(None) => Ok(Opened::Accepted(accepted)),
             Ok(Some(answer)) if answer.status_code == StatusCode::Success.as_u32() => {

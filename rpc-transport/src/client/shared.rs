@@ -1,6 +1,6 @@
 //! What a connection's handle and its tasks share.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use rpc_core::{RpcError, StatusCode};
@@ -67,8 +67,33 @@ pub(super) struct ServerLimits {
 }
 
 impl Shared {
+    /// The timeout of a call or stream whose deadline has passed before it was sent: it is
+    /// not sent. (Sent, the sweeper would expire it at once and could queue its Cancel ahead
+    /// of it.)
+    pub(super) fn past_deadline(&self, deadline: Option<Instant>) -> Option<RpcError> {
+        deadline.is_some_and(|d| d <= Instant::now()).then(|| {
+            RpcError::new(
+                StatusCode::Timeout,
+                format!(
+                    "{}: the call's deadline passed before it was sent; nothing was sent",
+                    self.peer
+                ),
+            )
+        })
+    }
+
+    /// Wakes the deadline sweeper when `deadline_ms` (0 for none) is a new earliest deadline:
+    /// it may be asleep until a later one.
+    pub(super) fn wake_sweeper_for(&self, deadline_ms: u64) {
+        if deadline_ms != 0
+            && self.next_sweep.fetch_min(deadline_ms, Ordering::AcqRel) > deadline_ms
+        {
+            self.sweep.notify_one();
+        }
+    }
+
     /// Why `call` is not to be sent: it carries more attachments (count or bytes, its retry
-    /// depth's included) than the server said it takes. The server would answer it 500 and
+    /// depth's not: the server takes it apart before counting) than the server said it takes. The server would answer it 500 and
     /// hold it against the connection, which it closes after a few in a row (a gateway
     /// forwarding a caller's headers would lose every other call on it); the call fails here
     /// instead, with a validation error (1001) marked as this endpoint's inability to serve it
@@ -147,10 +172,12 @@ impl Shared {
         if count.is_none() && bytes.is_none() {
             return None;
         }
-        // The retry depth goes as an attachment of its own key, over any entry of that key.
-        let depth = (call.retry_depth != 0).then(|| call.retry_depth.to_string());
-        let replaced = depth.is_some() && call.attachments.contains_key(rpc_core::RETRY_DEPTH_KEY);
-        let n = call.attachments.len() + usize::from(depth.is_some() && !replaced);
+        // The retry depth goes as an attachment of its own key, over any entry of that key,
+        // which the server takes apart before it counts the attachments against its limits:
+        // neither its entry nor one it replaces counts.
+        let depth = call.retry_depth != 0;
+        let replaced = depth && call.attachments.contains_key(rpc_core::RETRY_DEPTH_KEY);
+        let n = call.attachments.len() - usize::from(replaced);
         match count {
             Some(count) if n > count => Some(format!(
                 "{n} attachments, over the server's limit of {count}"
@@ -160,10 +187,9 @@ impl Shared {
                 let size: usize = call
                     .attachments
                     .iter()
-                    .filter(|(k, _)| depth.is_none() || k.as_str() != rpc_core::RETRY_DEPTH_KEY)
+                    .filter(|(k, _)| !depth || k.as_str() != rpc_core::RETRY_DEPTH_KEY)
                     .map(|(k, v)| k.len() + v.len())
-                    .sum::<usize>()
-                    + depth.map_or(0, |d| rpc_core::RETRY_DEPTH_KEY.len() + d.len());
+                    .sum::<usize>();
                 (size > bytes).then(|| {
                     format!("attachments of {size} bytes, over the server's limit of {bytes}")
                 })

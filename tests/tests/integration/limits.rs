@@ -409,8 +409,10 @@ async fn attachment_limit_breaks_between_good_calls_do_not_close_the_connection(
 /// many callers makes (a gateway forwarding its callers' headers), the server never holds
 /// them against the connection, which goes on serving the other calls. Before, the calls
 /// were sent and refused 500, and the connection closed after `ABUSE_LIMIT` of them in a row,
-/// failing every call on it. The retry depth, sent as an attachment, counts. The failure is a
-/// validation error (1001) marked as the endpoint's inability to serve the call.
+/// failing every call on it. The retry depth, sent as an attachment the server takes apart
+/// before it counts, does not count (before, the client counted it, and refused a call the
+/// server would have served). The failure is a validation error (1001) marked as the
+/// endpoint's inability to serve the call.
 #[tokio::test]
 async fn a_client_fails_calls_over_the_servers_attachment_limits_without_sending_them() {
     use rpc::crates::transport::{Call, ConnectOptions, Connection};
@@ -439,7 +441,7 @@ async fn a_client_fails_calls_over_the_servers_attachment_limits_without_sending
             "5 attachments, over the server's limit of 4",
         ),
         (
-            four.clone(),
+            five_attachments(),
             1,
             "5 attachments, over the server's limit of 4",
         ),
@@ -466,13 +468,10 @@ async fn a_client_fails_calls_over_the_servers_attachment_limits_without_sending
             );
         }
     }
-    // Within the limits (the retry depth's attachment included), the same connection serves.
+    // Within the limits, the same connection serves: four attachments and the retry depth
+    // are within a limit of four, as the server counts them.
     for depth in [0, 7] {
-        let mut within_limits = four.clone();
-        if depth != 0 {
-            within_limits.remove("k3");
-        }
-        let r = within("a good call", conn.call(call(within_limits, depth), None))
+        let r = within("a good call", conn.call(call(four.clone(), depth), None))
             .await
             .expect("served");
         assert_eq!(r.status_code, 200, "{r:?}");
@@ -1051,5 +1050,55 @@ async fn a_connection_over_its_call_rate_is_read_no_faster_and_loses_nothing() {
         elapsed >= least,
         "{CALLS} calls at {RATE}/s were all read in {elapsed:?}, less than {least:?}"
     );
+    server.shutdown().await;
+}
+
+/// Calls `Connection::call` does not send: one asking for a stream (its slot could not take
+/// the items; before, the server opened the stream and the call hung or lost them), and one
+/// whose deadline passed before it was sent (before, it was sent and its Cancel could reach
+/// the server first, which dropped it, and ran the call nobody waited for). The handler never
+/// runs for either, and the connection serves the next call.
+#[tokio::test]
+async fn a_call_asking_for_a_stream_or_past_its_deadline_is_not_sent() {
+    use rpc::crates::transport::{Call, ConnectOptions, Connection};
+    let gate = gate(1000);
+    let (server, _reg) = setup(gate.clone()).await;
+    let conn = within(
+        "connect",
+        Connection::connect(&server.local_addr().to_string(), &ConnectOptions::default()),
+    )
+    .await
+    .expect("connect");
+    let call = || Call {
+        service_entry_id: "t.Limits.hold".into(),
+        codec: Codec::MsgPack.to_wire(),
+        parameters: Codec::MsgPack.encode(&("x",)).expect("encode"),
+        ..Default::default()
+    };
+    let streaming = Call {
+        stream_mode: rpc::crates::core::StreamMode::Server as i32,
+        ..call()
+    };
+    let e = within("the streaming call", conn.call(streaming, None))
+        .await
+        .expect_err("refused");
+    assert_eq!(e.code(), StatusCode::FrameworkError, "{e}");
+    assert!(e.message().contains("open_stream"), "{e}");
+
+    let past = tokio::time::Instant::now()
+        .checked_sub(std::time::Duration::from_millis(50))
+        .expect("a past instant");
+    let e = within("the late call", conn.call(call(), Some(past)))
+        .await
+        .expect_err("timed out");
+    assert_eq!(e.code(), StatusCode::Timeout, "{e}");
+    assert!(e.message().contains("nothing was sent"), "{e}");
+
+    // Answered in order on the connection: had either been sent, its handler ran first.
+    let r = within("a good call", conn.call(call(), None))
+        .await
+        .expect("served");
+    assert_eq!(r.status_code, 200, "{r:?}");
+    assert_eq!(gate.ran.load(Ordering::SeqCst), 1, "only the good call ran");
     server.shutdown().await;
 }
