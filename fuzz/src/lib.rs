@@ -265,6 +265,7 @@ pub mod frame_decoder {
                                 End::TooLarge { len, max: m }
                             }
                             FrameError::Malformed(e) => End::Malformed(e.to_string()),
+                            e @ FrameError::TooManyEntries { .. } => End::Malformed(e.to_string()),
                             FrameError::Empty => End::Empty,
                             FrameError::Io(e) => panic!("i/o error from a decoder: {e}"),
                         };

@@ -30,6 +30,16 @@ pub enum FrameError {
     /// The frame was valid protobuf but held no message.
     #[error("malformed frame: empty `Frame`")]
     Empty,
+    /// One repeated field of the frame's message held more entries than any frame of the
+    /// protocol needs; refused before decoding, which would allocate many times the frame's
+    /// length for them.
+    #[error("malformed frame: field {field} holds more than {max} entries")]
+    TooManyEntries {
+        /// The field's number in the message.
+        field: u64,
+        /// The most entries a field may hold.
+        max: usize,
+    },
 }
 
 /// Encodes and decodes frames; [`Decoder::decode`] returns the frame's `kind`.

@@ -12,9 +12,10 @@ use std::collections::BTreeMap;
 
 use bytes::{Buf, Bytes};
 use prost::encoding::decode_varint;
-use prost::{DecodeError, Message};
+use prost::Message;
 use rpc_core::wire::Frame;
 
+use crate::codec::FrameError;
 use crate::invoke::{retry_depth_of, Incoming, Invoke, WireStr};
 use rpc_core::RETRY_DEPTH_KEY;
 
@@ -23,10 +24,11 @@ const FRAME_INVOKE_KEY: u64 = (3 << 3) | 2;
 
 /// Decodes a frame's payload (without its length prefix); `None` for a `Frame` holding no
 /// message.
-pub(crate) fn decode_incoming(payload: Bytes) -> Result<Option<Incoming>, DecodeError> {
+pub(crate) fn decode_incoming(payload: Bytes) -> Result<Option<Incoming>, FrameError> {
     if let Some(invoke) = invoke_frame(&payload) {
         return Ok(Some(Incoming::Invoke(invoke)));
     }
+    crate::entries::check(&payload)?;
     Ok(Frame::decode(payload)?.kind.map(Incoming::from))
 }
 
@@ -52,7 +54,7 @@ fn invoke_body(whole: &Bytes, mut buf: &[u8]) -> Option<Invoke> {
         (0, 0, 0, 0, 0);
     let (mut entry, mut parameters) = (0..0, 0..0);
     let mut attachments = BTreeMap::new();
-    let mut retry_depth = 0;
+    let (mut retry_depth, mut entries) = (0, 0);
     while buf.has_remaining() {
         let key = decode_varint(&mut buf).ok()?;
         match key {
@@ -73,6 +75,11 @@ fn invoke_body(whole: &Bytes, mut buf: &[u8]) -> Option<Invoke> {
             0x22 => parameters = field(whole, &mut buf)?,
             // attachments: map<string, string>
             0x2a => {
+                // (More is refused on the general path: `entries`.)
+                entries += 1;
+                if entries > crate::entries::MAX_ENTRIES {
+                    return None;
+                }
                 let entry = field(whole, &mut buf)?;
                 let (k, v) = map_entry(&whole[entry])?;
                 // The retry depth is kept apart, as `Invoke::from` keeps it from what prost
@@ -162,7 +169,6 @@ mod tests {
     /// Both decoders on one payload: the same frame, or both an error.
     fn same_as_prost(payload: &[u8]) {
         let ours = decode_incoming(Bytes::copy_from_slice(payload))
-            .map_err(FrameError::from)
             .and_then(|f| f.ok_or(FrameError::Empty));
         let prost = Frame::decode(payload)
             .map_err(FrameError::from)

@@ -52,6 +52,7 @@ mod codec;
 pub mod compression;
 mod decode;
 mod encode;
+mod entries;
 mod flow;
 mod invoke;
 mod peer;

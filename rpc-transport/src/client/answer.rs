@@ -108,6 +108,7 @@ pub(super) fn decode_answer(payload: Bytes) -> Result<Answer, FrameError> {
     if let Some(items) = items_frame(&payload) {
         return Ok(Answer::Items(items));
     }
+    crate::entries::check(&payload)?;
     Ok(Answer::Frame(
         Frame::decode(payload)?.kind.ok_or(FrameError::Empty)?,
     ))
@@ -182,6 +183,10 @@ fn items_frame(payload: &Bytes) -> Option<ItemRun> {
             // payloads: repeated bytes, left in the frame
             0x12 => {
                 let (from, to) = field(&mut buf, len)?;
+                // (More is refused on the general path: `entries`.)
+                if run.places.len() == crate::entries::MAX_ENTRIES {
+                    return None;
+                }
                 run.places.push((from as u32, to as u32));
             }
             // compression: enum (int32), truncated as prost does

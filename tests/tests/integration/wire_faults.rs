@@ -149,6 +149,32 @@ async fn a_frame_of_exactly_the_maximum_is_accepted_and_one_byte_more_is_not() {
     within("shutdown", server.shutdown()).await;
 }
 
+/// A frame within the length limit whose repeated field holds more entries than any frame
+/// needs (empty stream items, two bytes each on the wire, which decoding would give 32 bytes
+/// each) is refused before it is decoded: that connection gets a GoAway saying so, and the
+/// server serves the others. Before, the server allocated 16 times the frame for it.
+#[tokio::test]
+async fn a_frame_of_too_many_repeated_entries_is_refused_before_decoding() {
+    use rpc::crates::core::wire::StreamItems;
+    let (server, client, _reg) = serving(|b| b).await;
+    let mut raw = raw_to(&server, true).await;
+    let entries = 1 << 16;
+    raw.send(Kind::StreamItems(StreamItems {
+        message_id: 1,
+        payloads: vec![Default::default(); entries + 1],
+        ..Default::default()
+    }))
+    .await
+    .expect("send");
+    goes_away(
+        &mut raw,
+        &["malformed", &format!("more than {entries} entries")],
+    )
+    .await;
+    still_serving(&client).await;
+    within("shutdown", server.shutdown()).await;
+}
+
 #[tokio::test]
 async fn garbage_after_hello_closes_only_that_connection() {
     let (server, client) = setup().await;
