@@ -340,7 +340,7 @@ impl<'a> CallWatch<'a> {
                 self.metrics.finish(result);
                 match result {
                     Ok(_) => (StatusCode::Success, "success"),
-                    Err(e) => (e.code(), "error"),
+                    Err(e) => (e.code(), e.code().outcome()),
                 }
             }
         };
@@ -433,7 +433,7 @@ impl StreamWatch {
                 let err = Err(e.clone());
                 record_result(&self.span, &err);
                 self.metrics.finish(&err);
-                (e.code(), "error")
+                (e.code(), e.code().outcome())
             }
         };
         if let Some((observers, entry, started, _)) = &self.observed {
@@ -810,7 +810,7 @@ mod otel {
     fn finished(result: &Result<Bytes, RpcError>) -> (Option<StatusCode>, &'static str) {
         match result {
             Ok(_) => (Some(StatusCode::Success), "success"),
-            Err(e) => (Some(e.code()), "error"),
+            Err(e) => (Some(e.code()), e.code().outcome()),
         }
     }
 

@@ -81,6 +81,19 @@ impl StatusCode {
         }
     }
 
+    /// The `rpc.outcome` a call that ended with this status is counted under: `success`,
+    /// `timeout` for 519 (however the deadline ended it: the call dropped, or answered so by a
+    /// timeout layer or its server), `error` for any other status. (Calls that did not end
+    /// with a status of their own have outcomes of their own: `fallback`, `cancelled`,
+    /// `superseded`.)
+    pub const fn outcome(self) -> &'static str {
+        match self {
+            StatusCode::Success => "success",
+            StatusCode::Timeout => "timeout",
+            _ => "error",
+        }
+    }
+
     /// The number metrics label this status with: its own for every status the framework
     /// defines, and 0 for any other ([`Other`](Self::Other)). A peer can send any number, and
     /// a label taking each one as it came would grow a series per number it made up.

@@ -185,12 +185,15 @@ impl CallWatch {
                 self.tell(Some(cause), "fallback");
             }
             (Ok(_), None) => {
+                self.span.record("outcome", "success");
                 self.metrics.finish(StatusCode::Success, "success");
                 self.tell(Some(StatusCode::Success), "success");
             }
             (Err(e), _) => {
-                self.metrics.finish(e.code(), "error");
-                self.tell(Some(e.code()), "error");
+                let outcome = e.code().outcome();
+                self.span.record("outcome", outcome);
+                self.metrics.finish(e.code(), outcome);
+                self.tell(Some(e.code()), outcome);
             }
         }
     }
@@ -391,9 +394,13 @@ mod otel {
             }
         }
 
-        /// Counts a call answered without running the handler (overflow).
+        /// Counts a call answered without running the handler (overflow), and records its
+        /// duration as none: it took no handling, and a rate read from the duration
+        /// histogram's count must not leave out the calls refused under load.
         pub(crate) fn rejected(&self, method: &'static MethodDescriptor, code: StatusCode) {
-            self.inner.calls.add(1, &with_status(method, code));
+            let attrs = with_status(method, code);
+            self.inner.duration.record(0.0, &attrs);
+            self.inner.calls.add(1, &attrs);
         }
 
         /// Counts a call answered before it reached an entry: refused by its connection
@@ -437,7 +444,7 @@ mod otel {
             method,
             system,
             KeyValue::new("rpc.status_code", i64::from(code.metric_code())),
-            KeyValue::new("rpc.outcome", "error"),
+            KeyValue::new("rpc.outcome", code.outcome()),
         ]
     }
 

@@ -696,3 +696,98 @@ async fn a_first_calls_duration_counts_its_lookup() {
     assert!(first >= LOOKUP, "{first:?}");
     within("shutdown", server.shutdown()).await;
 }
+
+/// A call its client's timeout layer fails with 519 is counted under `rpc.outcome =
+/// "timeout"`, as one dropped at its deadline is: before, it was counted as a plain `error`,
+/// and a query for timeouts missed nearly all of them.
+#[tokio::test]
+async fn a_call_failed_at_its_deadline_is_counted_as_a_timeout() {
+    use common::otel::{counter, Meters};
+    use opentelemetry::Value;
+    let reg = InProcessRegistry::new();
+    let (server, mut probe) = serve(&reg, 1).await;
+    let meters = Meters::new();
+    let d = DeadlineClient::new(
+        Client::builder()
+            .registry(reg.clone())
+            .meter(meters.meter.clone())
+            .override_options("t.Deadline.forever", timeout_of(100))
+            .build(),
+    );
+    let err = within("call under a 100 ms deadline", d.forever())
+        .await
+        .expect_err("the handler never answers");
+    assert_eq!(err.code(), StatusCode::Timeout, "{err}");
+    recv_one("the handler's future was dropped", &mut probe.dropped).await;
+    let m = meters.read();
+    let timeout = [
+        ("rpc.outcome", Value::from("timeout")),
+        ("rpc.status_code", Value::I64(519)),
+    ];
+    assert_eq!(counter(&m, "rpc.client.calls", &timeout), 1);
+    assert_eq!(counter(&m, "rpc.client.calls", &[]), 1, "counted once");
+    within("shutdown", server.shutdown()).await;
+}
+
+/// A server's span says how a handled call ended (`outcome`), as a client's does, and a
+/// call refused over the server's cap is in the duration histogram as in the call counter.
+/// Before, the span had no outcome unless a fallback answered, and refusals were counted
+/// but not timed.
+#[tokio::test]
+async fn a_servers_span_has_its_outcome_and_a_refusal_is_timed() {
+    use common::otel::{attr, counter, histogram_count, Meters, Traces};
+    use opentelemetry::Value;
+    let (traces, _guard) = Traces::install();
+    let meters = Meters::new();
+    let reg = InProcessRegistry::new();
+    let (entered_tx, mut entered) = mpsc::unbounded_channel();
+    let (dropped_tx, _dropped) = mpsc::unbounded_channel();
+    let server = Server::builder()
+        .registry(reg.clone())
+        .meter(meters.meter.clone())
+        .max_concurrency(1)
+        .add_service(DeadlineServer::new(Sleeper {
+            entered: entered_tx,
+            dropped: dropped_tx,
+        }))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let d = DeadlineClient::new(
+        Client::builder()
+            .registry(reg.clone())
+            .override_options("t.Deadline", no_retry())
+            .build(),
+    );
+    assert_eq!(within("quick", d.quick()).await.expect("quick"), 7);
+    // One call holds the cap of 1; the next is refused 515.
+    let held = tokio::spawn({
+        let d = d.clone();
+        async move { d.forever().await }
+    });
+    recv_one("the held call runs", &mut entered).await;
+    let err = within("over the cap", d.quick())
+        .await
+        .expect_err("refused");
+    assert_eq!(err.code(), StatusCode::OverflowMaxServerHandle, "{err}");
+    held.abort();
+
+    let spans = traces
+        .spans_once("the quick call's server span", |spans| {
+            spans.iter().any(|s| s.name == "rpc.server")
+        })
+        .await;
+    let served = spans
+        .iter()
+        .find(|s| s.name == "rpc.server")
+        .expect("a server span");
+    assert_eq!(attr(served, "outcome"), Some(Value::from("success")));
+    let m = meters.read();
+    let refused = [
+        ("rpc.outcome", Value::from("error")),
+        ("rpc.status_code", Value::I64(515)),
+    ];
+    assert_eq!(counter(&m, "rpc.server.calls", &refused), 1);
+    assert_eq!(histogram_count(&m, "rpc.server.duration", &refused), 1);
+    within("shutdown", server.shutdown()).await;
+}
