@@ -49,15 +49,42 @@ impl fmt::Display for LoggingError {
 impl std::error::Error for LoggingError {}
 
 /// Installs, as the global default, a subscriber printing to standard error with the
-/// [`layer`] formatting, filtered by `RUST_LOG` (default `info`). Fails when a global
-/// subscriber is already set.
+/// [`layer`] formatting, filtered by `RUST_LOG` (default `info`; a `RUST_LOG` that does not
+/// parse is `info` too, with a warning saying why). Fails when a global subscriber is already
+/// set.
 pub fn init() -> Result<(), LoggingError> {
-    install(
-        tracing_subscriber::registry()
-            .with(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")))
-            .with(layer()),
-    )
-    .map_err(LoggingError)
+    let (filter, problem) = env_filter();
+    install(tracing_subscriber::registry().with(filter).with(layer())).map_err(LoggingError)?;
+    warn_about(problem);
+    Ok(())
+}
+
+/// The filter `RUST_LOG` says (default `info`), and what was wrong with `RUST_LOG` when it
+/// does not parse (then `info`).
+pub(crate) fn env_filter() -> (EnvFilter, Option<String>) {
+    match std::env::var(EnvFilter::DEFAULT_ENV) {
+        Err(std::env::VarError::NotPresent) => (EnvFilter::new("info"), None),
+        Err(e) => (
+            EnvFilter::new("info"),
+            Some(format!("RUST_LOG is not read ({e}); logging at info")),
+        ),
+        Ok(directives) => match EnvFilter::try_new(&directives) {
+            Ok(filter) => (filter, None),
+            Err(e) => (
+                EnvFilter::new("info"),
+                Some(format!(
+                    "RUST_LOG={directives:?} does not parse ({e}); logging at info"
+                )),
+            ),
+        },
+    }
+}
+
+/// Logs what [`env_filter`] found wrong, once the subscriber that prints it is installed.
+pub(crate) fn warn_about(problem: Option<String>) {
+    if let Some(problem) = problem {
+        tracing::warn!("{problem}");
+    }
 }
 
 /// Makes `subscriber` the global default, and forwards the `log` crate's records to it when

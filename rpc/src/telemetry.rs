@@ -2,7 +2,8 @@
 //!
 //! The framework instruments itself with `tracing` spans and OpenTelemetry metrics; this module
 //! installs what turns them into OpenTelemetry data: a `tracing` subscriber (formatted logs
-//! filtered by `RUST_LOG`, plus the `tracing-opentelemetry` layer), the W3C trace-context
+//! filtered by `RUST_LOG`, plus the `tracing-opentelemetry` layer taking `info` spans and
+//! above whatever `RUST_LOG` says), the W3C trace-context
 //! propagator and the global tracer and meter providers.
 //!
 //! [`init_stdout`] exports to standard output, for the demo programs and for trying things out;
@@ -22,8 +23,9 @@ use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_sdk::metrics::SdkMeterProvider;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::SdkTracerProvider;
+use tracing_subscriber::filter::LevelFilter;
 use tracing_subscriber::layer::SubscriberExt;
-use tracing_subscriber::EnvFilter;
+use tracing_subscriber::Layer as _;
 
 /// The OpenTelemetry crates this build uses, to build providers and exporters of matching
 /// versions.
@@ -117,23 +119,30 @@ pub fn init_otlp() -> Result<Telemetry, TelemetryError> {
 
 /// Installs telemetry with providers built elsewhere (any exporter): the W3C trace-context
 /// propagator and `meter_provider` become global, and a `tracing` subscriber (logs filtered by
-/// `RUST_LOG` on standard error, formatted as [`crate::logging::layer`] does; spans to
-/// `tracer_provider`) becomes the global default.
+/// `RUST_LOG` on standard error, formatted as [`crate::logging::layer`] does; spans at `info`
+/// and above to `tracer_provider`, whatever `RUST_LOG` says) becomes the global default.
+/// `RUST_LOG` filters the logs only: `RUST_LOG=warn` quiets them and still exports the calls'
+/// spans and sends their trace context on.
 /// Fails when a global subscriber is already set, and then makes nothing global.
 pub fn init_with(
     tracer_provider: SdkTracerProvider,
     meter_provider: SdkMeterProvider,
 ) -> Result<Telemetry, TelemetryError> {
     let tracer = tracer_provider.tracer("rpc");
+    let (filter, problem) = crate::logging::env_filter();
     // The subscriber first: when it cannot be installed, nothing is made global (a meter
     // provider left global would be one nobody shuts down, its last export lost).
     crate::logging::install(
         tracing_subscriber::registry()
-            .with(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")))
-            .with(crate::logging::layer())
-            .with(tracing_opentelemetry::layer().with_tracer(tracer)),
+            .with(crate::logging::layer().with_filter(filter))
+            .with(
+                tracing_opentelemetry::layer()
+                    .with_tracer(tracer)
+                    .with_filter(LevelFilter::INFO),
+            ),
     )
     .map_err(TelemetryError)?;
+    crate::logging::warn_about(problem);
     opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
     opentelemetry::global::set_tracer_provider(tracer_provider.clone());
     opentelemetry::global::set_meter_provider(meter_provider.clone());
