@@ -50,9 +50,22 @@ impl Telemetry {
         &self.meter_provider
     }
 
-    /// Exports what is buffered and stops the providers.
+    /// Exports what is buffered and stops the providers, blocking this thread until done
+    /// (as dropping it does). Exporters that send on the tokio runtime they were built in
+    /// (`init_otlp`'s) need that runtime to run meanwhile: inside a runtime, await
+    /// [`shutdown_async`](Self::shutdown_async) instead. On a current-thread runtime this
+    /// blocks the very thread the export needs: it waits out the exporters' timeouts and
+    /// loses what they had not sent.
     pub fn shutdown(self) {
         // Drop does the work.
+    }
+
+    /// [`shutdown`](Self::shutdown) on a blocking thread, awaited: the runtime goes on
+    /// running (its exporters' sends among its tasks) until everything buffered is exported,
+    /// on a current-thread runtime too. What an async `main` calls before it returns.
+    pub async fn shutdown_async(self) {
+        // (A panic in an exporter's shutdown is not this caller's to re-raise.)
+        let _ = tokio::task::spawn_blocking(move || drop(self)).await;
     }
 }
 
