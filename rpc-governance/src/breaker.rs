@@ -373,13 +373,8 @@ impl CircuitBreaker {
                 s.round += 1;
                 Ok((self.probe(&s), Some(Transition::HalfOpen)))
             }
-            Phase::HalfOpen { probes, since } if probes < o.half_open_probes.max(1) => {
-                s.phase = Phase::HalfOpen {
-                    probes: probes + 1,
-                    since,
-                };
-                Ok((self.probe(&s), None))
-            }
+            // An expired round first, whatever its count: admitting into it would add probes
+            // to those still out, and the next round would then admit its own on top.
             Phase::HalfOpen { since, .. } if probe_round_over(since) => {
                 // The probes never reported back: their slots are freed, a new round starts.
                 // Same generation: should they end after all, their verdicts still count.
@@ -388,6 +383,13 @@ impl CircuitBreaker {
                     since: now,
                 };
                 s.round += 1;
+                Ok((self.probe(&s), None))
+            }
+            Phase::HalfOpen { probes, since } if probes < o.half_open_probes.max(1) => {
+                s.phase = Phase::HalfOpen {
+                    probes: probes + 1,
+                    since,
+                };
                 Ok((self.probe(&s), None))
             }
             Phase::HalfOpen { since, .. } => Err(open_error(
@@ -628,6 +630,27 @@ mod tests {
         assert_eq!(e.code(), StatusCode::CircuitOpen);
         tokio::time::advance(Duration::from_secs(365 * 24 * 3600)).await;
         assert!(b.try_acquire("e", &o).is_err(), "still open a year later");
+    }
+
+    /// Once a round of probes has expired with a probe still out, the next calls start a new
+    /// round and no more than `half_open_probes` of them are admitted at once. Before, the
+    /// first was admitted into the expired round (its count below the limit), then a new
+    /// round admitted the limit again: three probes at once for a limit of two.
+    #[tokio::test(start_paused = true)]
+    async fn an_expired_round_admits_no_more_than_the_probes_of_one_round() {
+        let (b, mut o) = (CircuitBreaker::new(), opts());
+        o.half_open_probes = 2;
+        for _ in 0..3 {
+            fail(&b, &o);
+        }
+        tokio::time::advance(Duration::from_secs(10)).await;
+        // One probe goes out and never reports back.
+        let (hanging, t) = b.try_acquire("e", &o).expect("the first probe");
+        assert_eq!(t, Some(Transition::HalfOpen));
+        tokio::time::advance(probe_round(&o)).await;
+        let admitted: Vec<_> = (0..5).filter_map(|_| b.try_acquire("e", &o).ok()).collect();
+        assert_eq!(admitted.len(), 2, "one round's probes");
+        drop(hanging);
     }
 
     /// With `breaker_seconds = 0` the breaker probes as soon as it opens, and still lets no
