@@ -502,6 +502,9 @@ impl CircuitBreaker {
         let now = Instant::now();
         if let Phase::Closed { .. } = s.phase {
             if o.failure_ratio_percent > 0 {
+                // The ratio alone decides here: a count of failures in a row from before the
+                // entry switched to ratio mode must not be found again when it switches back.
+                s.phase = Phase::Closed { failures: 0 };
                 let (calls, failures) =
                     s.sample(outcome == Outcome::Failure, now, o.sampling_window_seconds);
                 let over = u128::from(failures) * 100
@@ -651,6 +654,26 @@ mod tests {
         let admitted: Vec<_> = (0..5).filter_map(|_| b.try_acquire("e", &o).ok()).collect();
         assert_eq!(admitted.len(), 2, "one round's probes");
         drop(hanging);
+    }
+
+    /// Failures in a row counted before the entry switched to failure-ratio mode are not
+    /// found again when it switches back: ratio mode keeps no such count. Before, two failures
+    /// from before a thousand ratio-mode successes made the next failure the third in a row.
+    #[tokio::test(start_paused = true)]
+    async fn a_count_in_a_row_does_not_outlive_a_spell_in_ratio_mode() {
+        let (b, consecutive) = (CircuitBreaker::new(), opts());
+        fail(&b, &consecutive);
+        fail(&b, &consecutive);
+        let ratio = GovernanceOptions {
+            failure_ratio_percent: 50,
+            ..consecutive.clone()
+        };
+        for _ in 0..1000 {
+            let (p, _) = b.try_acquire("e", &ratio).unwrap();
+            b.record_outcome(p, Outcome::Success, &ratio, None);
+        }
+        assert_eq!(fail(&b, &consecutive), None, "one failure in a row, of 3");
+        assert_eq!(b.state(), BreakerState::Closed { failures: 1 });
     }
 
     /// With `breaker_seconds = 0` the breaker probes as soon as it opens, and still lets no
