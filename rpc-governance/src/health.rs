@@ -121,10 +121,15 @@ struct Mark {
     run: u32,
     run_of: Option<Fault>,
     removed: bool,
-    /// The connection whose breaking was last counted.
-    connection: Option<u64>,
+    /// The connections whose breaking was counted since the last success (the latest
+    /// [`COUNTED_CONNECTIONS`]): the calls failing on any of them count no more, in whatever
+    /// order they report (calls on two connections of one crashed endpoint interleave).
+    connections: Vec<u64>,
     reason: String,
 }
+
+/// How many counted connections a mark remembers: more than a client keeps to one endpoint.
+const COUNTED_CONNECTIONS: usize = 64;
 
 fn backoff(n: u32, max: Duration) -> Duration {
     Duration::from_secs(1u64 << n.min(16)).min(max)
@@ -169,7 +174,7 @@ impl EndpointHealth {
     ) -> Recorded {
         let now = Instant::now();
         let mut mark = self.mark_of(addr, now);
-        if fault == Fault::Transport && connection.is_some() && mark.connection == connection {
+        if fault == Fault::Transport && connection.is_some_and(|c| mark.connections.contains(&c)) {
             return Recorded {
                 consecutive: mark.consecutive,
                 counted: false,
@@ -177,8 +182,11 @@ impl EndpointHealth {
                 removed: false,
             };
         }
-        if connection.is_some() {
-            mark.connection = connection;
+        if let Some(c) = connection {
+            if mark.connections.len() == COUNTED_CONNECTIONS {
+                mark.connections.remove(0);
+            }
+            mark.connections.push(c);
         }
         mark.consecutive += 1;
         if mark.run_of != Some(fault) {
@@ -233,7 +241,7 @@ impl EndpointHealth {
                 run: 0,
                 run_of: None,
                 removed: false,
-                connection: None,
+                connections: Vec::new(),
                 reason: String::new(),
             }
         })
@@ -272,7 +280,7 @@ impl EndpointHealth {
                         m.run = 0;
                         m.run_of = None;
                         m.removed = false;
-                        m.connection = None;
+                        m.connections.clear();
                         false
                     }
                     None => true,
@@ -536,5 +544,23 @@ mod tests {
         assert!(h.readmit("a"));
         assert_eq!(h.view("a").state, EndpointState::Healthy);
         assert!(h.is_clear());
+    }
+
+    /// Calls on two broken connections of one endpoint, reporting interleaved, count once per
+    /// connection: before, only the last counted connection was remembered, and the order
+    /// 7, 8, 7 counted three failures and removed the endpoint at once.
+    #[tokio::test(start_paused = true)]
+    async fn calls_on_two_broken_connections_count_once_each_in_any_order() {
+        let (h, o) = (EndpointHealth::new(Duration::from_secs(60)), sick_opts());
+        let counted: Vec<bool> = [7, 8, 7, 8, 7]
+            .into_iter()
+            .map(|c| {
+                h.record_failure("a", Fault::Transport, Some(c), "closed", &o)
+                    .counted
+            })
+            .collect();
+        assert_eq!(counted, [true, true, false, false, false]);
+        assert_eq!(h.view("a").consecutive_failures, 2);
+        assert!(!h.is_removed("a"));
     }
 }
