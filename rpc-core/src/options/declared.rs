@@ -93,9 +93,11 @@ governance_options! {
         /// Retry budget: retries allowed as a percentage of the entry's calls over the last 10 s.
         retry_budget_percent: u32 = 20, Client,
             "retries stay below this share of the entry's calls over 10 s";
-        /// Retry budget: retries per second always allowed, whatever the ratio says.
+        /// Retry budget: retries always allowed, whatever the ratio says, as a rate per second
+        /// counted over the budget's 10 s window (this × 10 retries in any 10 s, which may
+        /// come at once, as Finagle's budget reserve does).
         retry_budget_min_per_second: u32 = 10, Client,
-            "retries per second always allowed, whatever the share says";
+            "retries always allowed whatever the share says, per second counted over 10 s (this × 10 in any 10 s, which may come at once)";
         /// Chain stop: a call made while serving a call that a caller up the chain retries
         /// (attachment `rpc-retry-depth`) is not retried again, so retries do not multiply
         /// across hops (it still fails over from an endpoint it never reached: connection
