@@ -100,6 +100,19 @@ pub fn compress(algorithm: Compression, data: &[u8]) -> Bytes {
     }
 }
 
+/// The size `data` says it decompresses to, read from its header without decompressing it
+/// (an LZ4 block's size prefix, the content sizes of zstd frames that record theirs); `None`
+/// when it does not say, or is not of a known algorithm. [`decompress`] checks it again.
+pub(crate) fn declared_size(algorithm: i32, data: &[u8]) -> Option<usize> {
+    match Compression::from_wire(algorithm)? {
+        Compression::Off => Some(data.len()),
+        Compression::Lz4 => lz4_flex::block::uncompressed_size(data)
+            .ok()
+            .map(|(size, _)| size),
+        Compression::Zstd => zstd::bulk::Decompressor::upper_bound(data),
+    }
+}
+
 /// `data`, compressed with `algorithm` (a wire number, as a message's `compression` field
 /// holds it), decompressed; at most `limit` bytes come out, or it is an error. Numbers 0 (none)
 /// hand `data` back as it is.

@@ -804,6 +804,23 @@ async fn compressed_calls_beyond_the_servers_decompression_budget_are_refused_51
         r.exception_message
     );
     assert!(started.try_recv().is_err(), "the refused call ran");
+    // Refused by the size its header says, before any decompression: an LZ4 block saying
+    // 200 KiB whose bytes are no LZ4 at all is refused 515 like the third (decompressed, it
+    // would be answered 500 as unreadable).
+    let mut says_200_kib = u32::try_from(200 * KIB).unwrap().to_le_bytes().to_vec();
+    says_200_kib.extend_from_slice(&[0xff; 1000]);
+    raw.send(Kind::Invoke(RemoteInvokeMessage {
+        message_id: 6,
+        service_entry_id: "t.Held.hold".into(),
+        codec: Codec::MsgPack.to_wire(),
+        parameters: says_200_kib.into(),
+        compression: Compression::Lz4.to_wire(),
+        ..Default::default()
+    }))
+    .await
+    .expect("send");
+    let r = raw_result(&mut raw).await;
+    assert_eq!((r.message_id, r.status_code), (6, 515), "{r:?}");
     // Plain arguments take nothing from the budget: the same call uncompressed runs.
     raw.send(call(4, false)).await.expect("send");
     started_len(within("a plain call starts", started.recv()).await);
