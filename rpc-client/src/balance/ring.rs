@@ -170,7 +170,13 @@ pub fn over_bound(outstanding: &[usize], factor_percent: u32) -> Vec<bool> {
 
 impl HashRing {
     /// The endpoint a call of `key` goes to under bounded load: the first on the walk from
-    /// `key` that is not [`over_bound`]; the owner when every one is.
+    /// `key` that is not [`over_bound`]; the owner when every one is. `outstanding` holds one
+    /// count per endpoint of the ring, in its order; the ring is not empty (an empty ring has
+    /// no owner, and answers 0).
+    ///
+    /// # Panics
+    ///
+    /// When `outstanding` has fewer counts than the ring has endpoints.
     pub fn owner_bounded(&self, key: u64, outstanding: &[usize], factor_percent: u32) -> usize {
         let over = over_bound(outstanding, factor_percent);
         let mut walk = self.walk(key).peekable();
@@ -180,11 +186,19 @@ impl HashRing {
 }
 
 /// Round robin over the acceptable candidates.
+///
+/// # Panics
+///
+/// When `candidates` is 0: there is nothing to choose from (the caller checks first).
 pub fn polling(counter: &AtomicUsize, candidates: usize) -> usize {
     counter.fetch_add(1, Ordering::Relaxed) % candidates
 }
 
 /// Uniformly random among the candidates.
+///
+/// # Panics
+///
+/// When `candidates` is 0: there is nothing to choose from (the caller checks first).
 pub fn random(candidates: usize) -> usize {
     rand::rng().random_range(0..candidates)
 }
