@@ -1128,7 +1128,12 @@ impl Client {
         policy: &rpc_governance::engine::EntryPolicy,
         span: &tracing::Span,
     ) -> tokio::time::Instant {
-        let lookup = telemetry::LookupWatch::new(span.clone(), self.inner.metrics.start(method));
+        let lookup = telemetry::LookupWatch::new(
+            span.clone(),
+            self.inner.metrics.start(method),
+            &self.inner.calls,
+            method.entry_id,
+        );
         let started = self
             .look_up_service(method, policy)
             .instrument(span.clone())

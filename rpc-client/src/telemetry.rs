@@ -241,15 +241,24 @@ pub(crate) struct LookupWatch<'a> {
     span: Span,
     /// The call counted in flight during its lookup, and counted as dropped if it is.
     metrics: CallGuard<'a>,
+    /// The client's call observers and the entry, told of a call dropped meanwhile as of
+    /// one dropped later.
+    observed: (&'a CallObservers, &'static str),
     started: Instant,
     done: bool,
 }
 
 impl<'a> LookupWatch<'a> {
-    pub(crate) fn new(span: Span, metrics: CallGuard<'a>) -> Self {
+    pub(crate) fn new(
+        span: Span,
+        metrics: CallGuard<'a>,
+        observers: &'a CallObservers,
+        entry: &'static str,
+    ) -> Self {
         LookupWatch {
             span,
             metrics,
+            observed: (observers, entry),
             started: Instant::now(),
             done: false,
         }
@@ -271,6 +280,11 @@ impl Drop for LookupWatch<'_> {
                 None,
             );
             self.metrics.dropped(why);
+            let (observers, entry) = self.observed;
+            if observers.is_active() {
+                let (status, outcome) = why.recorded();
+                observers.ended(Side::Client, entry, self.started, status, outcome);
+            }
         }
     }
 }

@@ -539,18 +539,19 @@ async fn the_first_calls_registry_lookup_is_recorded_in_its_span() {
 
 /// An entry's first call dropped by its caller while it looks its service up (a registry that
 /// does not answer) still ends its `rpc.client` span with a status saying so, and is counted:
-/// in flight during the lookup, then once as cancelled.
+/// in flight during the lookup, then once as cancelled; the client's call observers are told
+/// so too (before, they never heard of it).
 #[tokio::test]
 async fn a_first_call_dropped_during_its_registry_lookup_ends_its_span_cancelled() {
     use common::registry::{Register, TestRegistry, Watch};
     let (traces, _guard) = Traces::install();
     let meters = Meters::new();
-    let client = HopClient::new(
-        Client::builder()
-            .meter(meters.meter.clone())
-            .registry(TestRegistry::new(Register::Answers, Watch::Hangs))
-            .build(),
-    );
+    let built = Client::builder()
+        .meter(meters.meter.clone())
+        .registry(TestRegistry::new(Register::Answers, Watch::Hangs))
+        .build();
+    let mut records = common::observe_calls(&built);
+    let client = HopClient::new(built);
     let mut call = Box::pin(client.hop(0));
     assert!(
         futures_util::poll!(call.as_mut()).is_pending(),
@@ -569,6 +570,15 @@ async fn a_first_call_dropped_during_its_registry_lookup_ends_its_span_cancelled
         1
     );
     assert_eq!(counter(&m, "rpc.client.calls", &[]), 1, "counted once");
+    assert_eq!(
+        records.try_recv().ok(),
+        Some((
+            HopClient::methods()[0].entry_id.to_string(),
+            None,
+            "cancelled".to_string()
+        )),
+        "the observers are told"
+    );
     let spans = traces.spans();
     let calls = named(&spans, "rpc.client");
     assert_eq!(calls.len(), 1, "the dropped call's span ended");
