@@ -155,6 +155,14 @@ fn record_fallback(span: &Span, cause: &RpcError) {
     span.record("rpc.fallback.cause", i64::from(cause.code().as_u32()));
 }
 
+/// Records on a call span the status of the failure a fallback ran for
+/// (`rpc.fallback.cause`), when the fallback itself failed.
+fn record_fallback_cause(span: &Span, cause: &RpcError) {
+    if !span.is_disabled() {
+        span.record("rpc.fallback.cause", i64::from(cause.code().as_u32()));
+    }
+}
+
 /// Why a call, stream or attempt was dropped before it ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Dropped {
@@ -351,6 +359,10 @@ impl<'a> CallWatch<'a> {
             }
             _ => {
                 record_result(&self.span, result);
+                if let Some(cause) = fallback {
+                    // A fallback ran and failed: the span still says what it answered for.
+                    record_fallback_cause(&self.span, cause);
+                }
                 self.metrics.finish(result);
                 match result {
                     Ok(_) => (StatusCode::Success, "success"),
@@ -443,9 +455,12 @@ impl StreamWatch {
                 self.metrics.finish(&ok);
                 (StatusCode::Success, "success")
             }
-            (Err(e), _) => {
+            (Err(e), fallback) => {
                 let err = Err(e.clone());
                 record_result(&self.span, &err);
+                if let Some(cause) = fallback {
+                    record_fallback_cause(&self.span, cause);
+                }
                 self.metrics.finish(&err);
                 (e.code(), e.code().outcome())
             }

@@ -189,9 +189,14 @@ impl CallWatch {
                 self.metrics.finish(StatusCode::Success, "success");
                 self.tell(Some(StatusCode::Success), "success");
             }
-            (Err(e), _) => {
+            (Err(e), fallback) => {
                 let outcome = e.code().outcome();
                 self.span.record("outcome", outcome);
+                if let Some(cause) = fallback {
+                    // A fallback ran and failed: the span still says what it answered for.
+                    self.span
+                        .record("rpc.fallback.cause", i64::from(cause.as_u32()));
+                }
                 self.metrics.finish(e.code(), outcome);
                 self.tell(Some(e.code()), outcome);
             }

@@ -65,6 +65,18 @@ impl Slow for Cause {
     }
 }
 
+/// A fallback that fails in turn, with a business error.
+struct Refusing;
+
+impl Slow for Refusing {
+    async fn forever(&self) -> Result<(), RpcError> {
+        Err(RpcError::business("no"))
+    }
+    async fn broken(&self) -> Result<u32, RpcError> {
+        Err(RpcError::business("no"))
+    }
+}
+
 /// A writer for the log lines, shared with the test.
 #[derive(Clone, Default)]
 struct Lines(Arc<Mutex<Vec<u8>>>);
@@ -406,6 +418,71 @@ async fn a_fallback_answer_is_counted_apart_says_fallback_and_reads_its_cause() 
     let call = one(&spans, "rpc.client");
     assert_eq!(attr(call, "outcome"), Some("fallback".into()));
     assert_eq!(attr(call, "rpc.fallback.cause"), Some(Value::I64(520)));
+    server.shutdown().await;
+}
+
+/// A fallback that fails in turn still leaves on the call's span, client's or server's, the
+/// status of the failure it ran for (`rpc.fallback.cause`), beside its own error's status.
+/// Before, only a fallback that answered did: one that failed left no mark that it ran.
+#[tokio::test]
+async fn a_fallback_that_fails_still_leaves_its_cause_on_the_span() {
+    let (seen, _guard) = Seen::install();
+    // The client's: the server fails (520), the client's fallback then fails (1000).
+    let (server, _probe) = serve(&seen.meter).await;
+    let client = Client::builder()
+        .meter(seen.meter.clone())
+        .registry(StaticRegistry::from_list(&server.local_addr().to_string()).unwrap())
+        .fallback(SlowServer::new(Refusing))
+        .build();
+    let e = within("the call", SlowClient::new(client).broken())
+        .await
+        .expect_err("the fallback fails");
+    assert_eq!(e.code(), StatusCode::BusinessError, "{e}");
+    let spans = seen.spans();
+    let call = one(&spans, "rpc.client");
+    assert_eq!(attr(call, "rpc.fallback.cause"), Some(Value::I64(520)));
+    assert_eq!(attr(call, "rpc.status_code"), Some(Value::I64(1000)));
+    server.shutdown().await;
+
+    // The server's: its handler fails (520), its fallback then fails (1000).
+    let (entered, _) = mpsc::unbounded_channel();
+    let (dropped, _) = mpsc::unbounded_channel();
+    let server = Server::builder()
+        .meter(seen.meter.clone())
+        .add_service(SlowServer::new(Hang { entered, dropped }))
+        .fallback(SlowServer::new(Refusing))
+        .serve("127.0.0.1:0")
+        .await
+        .unwrap();
+    let client = SlowClient::new(
+        Client::builder()
+            .registry(StaticRegistry::from_list(&server.local_addr().to_string()).unwrap())
+            .build(),
+    );
+    let e = within("the call", client.broken())
+        .await
+        .expect_err("the server's fallback fails");
+    assert_eq!(e.code(), StatusCode::BusinessError, "{e}");
+    // (The first part's server span is among them: its call failed 520, with no fallback.)
+    let answered_1000 = |s: &SpanData| {
+        s.name == "rpc.server" && attr(s, "rpc.status_code") == Some(Value::I64(1000))
+    };
+    let spans = within("the server span ended", async {
+        loop {
+            let spans = seen.spans();
+            if spans.iter().any(answered_1000) {
+                break spans;
+            }
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    let handled: Vec<_> = spans.iter().filter(|s| answered_1000(s)).collect();
+    assert_eq!(handled.len(), 1, "{spans:#?}");
+    assert_eq!(
+        attr(handled[0], "rpc.fallback.cause"),
+        Some(Value::I64(520))
+    );
     server.shutdown().await;
 }
 
