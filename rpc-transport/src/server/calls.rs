@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll, Waker};
+use std::time::Duration;
 
 use rpc_core::wire::{frame::Kind, RemoteResultMessage};
 use tokio::sync::Notify;
@@ -47,6 +48,10 @@ pub(super) struct Conn {
     /// `ServerOptions::max_unsent_bytes`: beyond it, the connection stops reading and its
     /// streams stop producing.
     pub(super) max_unsent_bytes: usize,
+    /// How long a stream may wait on its client (for credit, or for room in the send queue)
+    /// before it ends: the connection's idle time (`ServerOptions::idle_timeout`; 0: for
+    /// ever, as idleness never closes the connection then).
+    pub(super) stall_limit: Duration,
 }
 
 impl Conn {
@@ -148,7 +153,7 @@ fn stream(conn: &Arc<Conn>, id: u64, events: Events, slot: Option<Arc<StreamSlot
         (window, conn.client_window_bytes, conn.client_batches),
         slot,
         &conn.streams,
-        (conn.sender.clone(), conn.max_unsent_bytes),
+        (conn.sender.clone(), conn.max_unsent_bytes, conn.stall_limit),
     );
     spawn(conn, id, Box::pin(driver));
 }

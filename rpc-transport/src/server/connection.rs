@@ -140,6 +140,10 @@ pub(super) async fn run_connection<R, W>(
         client_window_bytes: hello.stream_window_bytes,
         client_batches: hello.stream_batches,
         max_unsent_bytes: options.max_unsent_bytes,
+        stall_limit: match options.idle_timeout {
+            Duration::ZERO => rpc_core::LONGEST_WAIT,
+            t => rpc_core::capped(t),
+        },
     });
     if hello.stream_batches {
         // A client offers batches only when its frame limit takes a whole run.

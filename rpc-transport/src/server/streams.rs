@@ -21,6 +21,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll, Waker};
+use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use futures_util::Stream;
@@ -497,6 +498,12 @@ pub(super) struct StreamDriver {
     /// (`ServerOptions::max_unsent_bytes`), and the wait for it.
     max_unsent: usize,
     room: RoomWait,
+    /// While the stream waits on its client (no credit, or no room in the connection's send
+    /// queue): when that wait ends the stream, however long its deadline (it has none when
+    /// its caller sent none). A client that never takes what it asked for would otherwise
+    /// hold the stream, its slot under the server's cap and its connection for ever.
+    stalled: Option<Pin<Box<tokio::time::Sleep>>>,
+    stall_limit: Duration,
     out: Out,
 }
 
@@ -662,7 +669,7 @@ impl StreamDriver {
         (client_window, client_window_bytes, batches): (u32, u64, bool),
         slot: Option<Arc<StreamSlot>>,
         table: &Arc<StreamTable>,
-        (sender, max_unsent): (FrameSender, usize),
+        (sender, max_unsent, stall_limit): (FrameSender, usize, Duration),
     ) -> Self {
         let slot = slot.unwrap_or_else(|| {
             let slot = Arc::new(StreamSlot::new(0, 0, 0));
@@ -679,6 +686,8 @@ impl StreamDriver {
             over_granted: false,
             max_unsent,
             room: RoomWait::default(),
+            stalled: None,
+            stall_limit,
             slot,
             table: table.clone(),
             sender,
@@ -785,6 +794,9 @@ impl StreamDriver {
                                 return Poll::Ready(end);
                             }
                         }
+                        if let Poll::Ready(end) = this.poll_stalled(cx, "granted no credit") {
+                            return Poll::Ready(end);
+                        }
                         return Poll::Pending;
                     }
                 }
@@ -822,8 +834,13 @@ impl StreamDriver {
                         return Poll::Ready(end);
                     }
                 }
+                if let Poll::Ready(end) = this.poll_stalled(cx, "read nothing of its connection") {
+                    return Poll::Ready(end);
+                }
                 return Poll::Pending;
             }
+            // Neither credit nor room is waited for: no stall.
+            this.stalled = None;
             match this.next_event(cx, &mut turn) {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Some(StreamEvent::Accepted)) => {
@@ -857,6 +874,26 @@ impl StreamDriver {
 
     fn end_run(&mut self) {
         self.out.end_run();
+    }
+
+    /// The stream waits on its client, which has `what` (since the wait began, or the last
+    /// poll that did not wait): its end once it has waited `stall_limit`.
+    fn poll_stalled(&mut self, cx: &mut Context<'_>, what: &str) -> Poll<RemoteResultMessage> {
+        let limit = self.stall_limit;
+        let stalled = self
+            .stalled
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+        if stalled.as_mut().poll(cx).is_pending() {
+            return Poll::Pending;
+        }
+        Poll::Ready(error_result(
+            StatusCode::Timeout,
+            format!(
+                "the client {what} for {} ms (the server's idle timeout) while the stream \
+                 waited on it: the stream was ended",
+                limit.as_millis()
+            ),
+        ))
     }
 }
 
@@ -1021,7 +1058,7 @@ mod tests {
             (u32::MAX, 0, false),
             None,
             &table,
-            (sender, MAX_UNSENT),
+            (sender, MAX_UNSENT, rpc_core::LONGEST_WAIT),
         ));
         // The writer task does not run between these polls: nothing leaves the queue.
         let mut cx = Context::from_waker(std::task::Waker::noop());
@@ -1098,7 +1135,7 @@ mod tests {
             (u32::MAX, 0, false),
             None,
             &table,
-            (sender, 16 * 1024),
+            (sender, 16 * 1024, rpc_core::LONGEST_WAIT),
         );
         let end = tokio::time::timeout(std::time::Duration::from_secs(10), &mut driver)
             .await
@@ -1121,7 +1158,7 @@ mod tests {
             (u32::MAX, 0, false),
             None,
             &table,
-            (sender, 16 * 1024),
+            (sender, 16 * 1024, rpc_core::LONGEST_WAIT),
         ));
         let mut cx = Context::from_waker(std::task::Waker::noop());
         for _ in 0..10 {
@@ -1152,7 +1189,7 @@ mod tests {
             (5, 0, false),
             None,
             &table,
-            (sender, usize::MAX),
+            (sender, usize::MAX, rpc_core::LONGEST_WAIT),
         ));
         let mut cx = Context::from_waker(std::task::Waker::noop());
         assert!(driver.as_mut().poll(&mut cx).is_pending());
