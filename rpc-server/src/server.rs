@@ -303,6 +303,9 @@ impl ServerBuilder {
     /// Closes connections on which nothing arrived for this long (60 s by default; 0: never).
     /// The idle close also ends a peer that starts a large frame and stops sending, which
     /// holds a share of the server's read budget until then: with 0 it holds it for good.
+    /// A server stream whose caller sent no deadline ends (519) once it has waited this long
+    /// on its client with no progress (no credit granted, nothing of the connection written);
+    /// with 0 it waits for ever.
     pub fn idle_timeout(mut self, t: Duration) -> Self {
         self.options.idle_timeout = t;
         self

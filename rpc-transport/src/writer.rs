@@ -13,7 +13,7 @@
 use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -197,6 +197,9 @@ impl Outgoing {
 #[derive(Debug, Default)]
 pub(crate) struct Backlog {
     bytes: AtomicUsize,
+    /// Writes completed so far: what a stream waiting on its client reads as the client's
+    /// progress ([`writes`](Self::writes)).
+    writes: AtomicU64,
     /// Woken when the writer has written a batch.
     written: Notify,
     /// Every waiter is woken when the writer has written a batch or stopped (callers waiting
@@ -210,6 +213,11 @@ impl Backlog {
     /// Bytes queued and not yet written.
     pub(crate) fn bytes(&self) -> usize {
         self.bytes.load(Ordering::Relaxed)
+    }
+
+    /// How many writes completed so far (it only grows): the peer took that much.
+    pub(crate) fn writes(&self) -> u64 {
+        self.writes.load(Ordering::Relaxed)
     }
 
     /// Resolves after the writer's next completed write (at once if one completed since the
@@ -565,6 +573,7 @@ async fn write_batches<W: AsyncWrite + Unpin>(
             return false;
         }
         backlog.bytes.fetch_sub(counted, Ordering::Relaxed);
+        backlog.writes.fetch_add(1, Ordering::Relaxed);
         // One waiter at most (the connection's reader); a permit is kept if it is not waiting
         // yet, so a write between its check and its wait is not missed.
         backlog.written.notify_one();

@@ -202,15 +202,23 @@ impl FrameCtx<'_> {
                         self.expansion.clone(),
                     );
                     let inbound = rpc_core::RpcStream::try_new(inbound);
+                    let no_deadline = invoke.timeout_ms == 0;
                     let outcome = self.handler.handle_stream(invoke, &self.caller, inbound);
-                    dispatch(conn, outcome, id, false, Some(slot));
+                    dispatch(conn, outcome, id, false, (Some(slot), no_deadline));
                 } else {
                     let mut invoke = invoke;
                     if self.unpack(&mut invoke, id).is_err() {
                         return Ok(());
                     }
+                    let no_deadline = invoke.timeout_ms == 0;
                     let outcome = self.handler.handle(invoke, &self.caller);
-                    dispatch(conn, outcome, id, self.options.inline_first_poll, None);
+                    dispatch(
+                        conn,
+                        outcome,
+                        id,
+                        self.options.inline_first_poll,
+                        (None, no_deadline),
+                    );
                 }
                 Ok(())
             }

@@ -48,10 +48,11 @@ pub(super) struct Conn {
     /// `ServerOptions::max_unsent_bytes`: beyond it, the connection stops reading and its
     /// streams stop producing.
     pub(super) max_unsent_bytes: usize,
-    /// How long a stream may wait on its client (for credit, or for room in the send queue)
-    /// before it ends: the connection's idle time (`ServerOptions::idle_timeout`; 0: for
-    /// ever, as idleness never closes the connection then).
-    pub(super) stall_limit: Duration,
+    /// How long a stream whose caller sent no deadline may wait on its client with no
+    /// progress (for credit, or for room in the send queue) before it ends: the connection's
+    /// idle time (`ServerOptions::idle_timeout`; 0, `None`: for ever, as idleness never
+    /// closes the connection then).
+    pub(super) stall_limit: Option<Duration>,
 }
 
 impl Conn {
@@ -92,7 +93,7 @@ pub(super) fn dispatch(
     outcome: Dispatch,
     id: u64,
     inline_first_poll: bool,
-    slot: Option<Arc<StreamSlot>>,
+    (slot, no_deadline): (Option<Arc<StreamSlot>>, bool),
 ) {
     if !matches!(outcome, Dispatch::Stream(_) | Dispatch::Events(_)) {
         // A stream refused (or answered as a call): its client's items go nowhere, and a
@@ -126,13 +127,18 @@ pub(super) fn dispatch(
             conn.give_way.store(true, Ordering::Relaxed);
             spawn(conn, id, fut);
         }
-        Dispatch::Stream(events) => stream(conn, id, Events::Plain(events), slot),
-        Dispatch::Events(events) => stream(conn, id, Events::Into(events), slot),
+        Dispatch::Stream(events) => stream(conn, id, Events::Plain(events), (slot, no_deadline)),
+        Dispatch::Events(events) => stream(conn, id, Events::Into(events), (slot, no_deadline)),
     }
 }
 
 /// Runs stream `id` answering its call with `events` in a task of the connection.
-fn stream(conn: &Arc<Conn>, id: u64, events: Events, slot: Option<Arc<StreamSlot>>) {
+fn stream(
+    conn: &Arc<Conn>,
+    id: u64,
+    events: Events,
+    (slot, no_deadline): (Option<Arc<StreamSlot>>, bool),
+) {
     let Some(window) = conn.client_window else {
         // (The reader refuses stream opens from such clients before the handler.)
         send_result(
@@ -153,7 +159,11 @@ fn stream(conn: &Arc<Conn>, id: u64, events: Events, slot: Option<Arc<StreamSlot
         (window, conn.client_window_bytes, conn.client_batches),
         slot,
         &conn.streams,
-        (conn.sender.clone(), conn.max_unsent_bytes, conn.stall_limit),
+        (
+            conn.sender.clone(),
+            conn.max_unsent_bytes,
+            conn.stall_limit.filter(|_| no_deadline),
+        ),
     );
     spawn(conn, id, Box::pin(driver));
 }

@@ -141,8 +141,8 @@ pub(super) async fn run_connection<R, W>(
         client_batches: hello.stream_batches,
         max_unsent_bytes: options.max_unsent_bytes,
         stall_limit: match options.idle_timeout {
-            Duration::ZERO => rpc_core::LONGEST_WAIT,
-            t => rpc_core::capped(t),
+            Duration::ZERO => None,
+            t => Some(rpc_core::capped(t)),
         },
     });
     if hello.stream_batches {

@@ -14,7 +14,8 @@ pub struct ServerOptions {
     pub max_frame_length: usize,
     /// A connection that sends no `Hello` within this time is closed.
     pub handshake_timeout: Duration,
-    /// A connection on which nothing arrived for this long is closed (0: never).
+    /// A connection on which nothing arrived for this long is closed (0: never); a server
+    /// stream without a deadline that waited this long on its client with no progress ends.
     pub idle_timeout: Duration,
     /// On shutdown, how long calls in flight may take to finish.
     pub drain_timeout: Duration,

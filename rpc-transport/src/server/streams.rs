@@ -498,12 +498,16 @@ pub(super) struct StreamDriver {
     /// (`ServerOptions::max_unsent_bytes`), and the wait for it.
     max_unsent: usize,
     room: RoomWait,
-    /// While the stream waits on its client (no credit, or no room in the connection's send
-    /// queue): when that wait ends the stream, however long its deadline (it has none when
-    /// its caller sent none). A client that never takes what it asked for would otherwise
-    /// hold the stream, its slot under the server's cap and its connection for ever.
-    stalled: Option<Pin<Box<tokio::time::Sleep>>>,
-    stall_limit: Duration,
+    /// How long a stream whose caller sent no deadline may wait on its client (no credit, or
+    /// no room in the connection's send queue) with no progress, none for one with a deadline
+    /// (which bounds it) or when the server's idle timeout is 0. A client that never takes
+    /// what it asked for would otherwise hold the stream, its slot under the server's cap and
+    /// its connection for ever.
+    stall_limit: Option<Duration>,
+    /// The wait's timer (made once, re-armed) and whether it runs, with the connection's
+    /// completed writes when it was armed: a write since then is the client's progress.
+    stall: Option<Pin<Box<tokio::time::Sleep>>>,
+    stalled_since_writes: Option<u64>,
     out: Out,
 }
 
@@ -669,7 +673,7 @@ impl StreamDriver {
         (client_window, client_window_bytes, batches): (u32, u64, bool),
         slot: Option<Arc<StreamSlot>>,
         table: &Arc<StreamTable>,
-        (sender, max_unsent, stall_limit): (FrameSender, usize, Duration),
+        (sender, max_unsent, stall_limit): (FrameSender, usize, Option<Duration>),
     ) -> Self {
         let slot = slot.unwrap_or_else(|| {
             let slot = Arc::new(StreamSlot::new(0, 0, 0));
@@ -686,8 +690,9 @@ impl StreamDriver {
             over_granted: false,
             max_unsent,
             room: RoomWait::default(),
-            stalled: None,
             stall_limit,
+            stall: None,
+            stalled_since_writes: None,
             slot,
             table: table.clone(),
             sender,
@@ -800,6 +805,8 @@ impl StreamDriver {
                         return Poll::Pending;
                     }
                 }
+                // Credit came: the client's progress.
+                this.stalled_since_writes = None;
                 continue;
             }
             if turn.over() {
@@ -840,7 +847,7 @@ impl StreamDriver {
                 return Poll::Pending;
             }
             // Neither credit nor room is waited for: no stall.
-            this.stalled = None;
+            this.stalled_since_writes = None;
             match this.next_event(cx, &mut turn) {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Some(StreamEvent::Accepted)) => {
@@ -876,24 +883,42 @@ impl StreamDriver {
         self.out.end_run();
     }
 
-    /// The stream waits on its client, which has `what` (since the wait began, or the last
-    /// poll that did not wait): its end once it has waited `stall_limit`.
+    /// The stream waits on its client, which has `what`: its end once it has waited the
+    /// stall limit with no progress (no credit, no write of the connection completed; a
+    /// completed write re-arms the wait, as the client took something).
     fn poll_stalled(&mut self, cx: &mut Context<'_>, what: &str) -> Poll<RemoteResultMessage> {
-        let limit = self.stall_limit;
-        let stalled = self
-            .stalled
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
-        if stalled.as_mut().poll(cx).is_pending() {
+        let Some(limit) = self.stall_limit else {
             return Poll::Pending;
+        };
+        loop {
+            let writes = self.sender.backlog().writes();
+            if self.stalled_since_writes != Some(writes) {
+                // The wait begins, or the client took something since it was armed.
+                self.stalled_since_writes = Some(writes);
+                let at = tokio::time::Instant::now() + limit;
+                match &mut self.stall {
+                    Some(stall) => stall.as_mut().reset(at),
+                    None => self.stall = Some(Box::pin(tokio::time::sleep_until(at))),
+                }
+            }
+            let Some(stall) = &mut self.stall else {
+                return Poll::Pending;
+            };
+            if stall.as_mut().poll(cx).is_pending() {
+                return Poll::Pending;
+            }
+            if self.sender.backlog().writes() != writes {
+                continue;
+            }
+            return Poll::Ready(error_result(
+                StatusCode::Timeout,
+                format!(
+                    "the client {what} for {} ms (the server's idle timeout) while a stream \
+                     without a deadline waited on it: the stream was ended",
+                    limit.as_millis()
+                ),
+            ));
         }
-        Poll::Ready(error_result(
-            StatusCode::Timeout,
-            format!(
-                "the client {what} for {} ms (the server's idle timeout) while the stream \
-                 waited on it: the stream was ended",
-                limit.as_millis()
-            ),
-        ))
     }
 }
 
@@ -1058,7 +1083,7 @@ mod tests {
             (u32::MAX, 0, false),
             None,
             &table,
-            (sender, MAX_UNSENT, rpc_core::LONGEST_WAIT),
+            (sender, MAX_UNSENT, None),
         ));
         // The writer task does not run between these polls: nothing leaves the queue.
         let mut cx = Context::from_waker(std::task::Waker::noop());
@@ -1135,7 +1160,7 @@ mod tests {
             (u32::MAX, 0, false),
             None,
             &table,
-            (sender, 16 * 1024, rpc_core::LONGEST_WAIT),
+            (sender, 16 * 1024, None),
         );
         let end = tokio::time::timeout(std::time::Duration::from_secs(10), &mut driver)
             .await
@@ -1158,7 +1183,7 @@ mod tests {
             (u32::MAX, 0, false),
             None,
             &table,
-            (sender, 16 * 1024, rpc_core::LONGEST_WAIT),
+            (sender, 16 * 1024, None),
         ));
         let mut cx = Context::from_waker(std::task::Waker::noop());
         for _ in 0..10 {
@@ -1189,7 +1214,7 @@ mod tests {
             (5, 0, false),
             None,
             &table,
-            (sender, usize::MAX, rpc_core::LONGEST_WAIT),
+            (sender, usize::MAX, None),
         ));
         let mut cx = Context::from_waker(std::task::Waker::noop());
         assert!(driver.as_mut().poll(&mut cx).is_pending());

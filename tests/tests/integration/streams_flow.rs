@@ -520,41 +520,56 @@ async fn a_stream_waiting_for_credit_ends_at_its_deadline() {
 /// A stream without a deadline whose client grants no more credit (nor cancels) is ended once
 /// it has waited the server's idle timeout, with 519 saying why, and its slot under the
 /// server's cap is free again. Before, it waited for ever, holding the slot: a few such
-/// streams took an entry from every other caller.
+/// streams took an entry from every other caller. One with a deadline (longer than the idle
+/// timeout), opened beside it, is left to its deadline.
 #[tokio::test]
 async fn a_stream_without_a_deadline_waiting_for_credit_ends_after_the_idle_timeout() {
     let server = Server::builder()
         .add_service(FlowServer::new(Texts(Arc::new(AtomicU64::new(0)))))
-        .max_concurrency(1)
+        .max_concurrency(2)
         .idle_timeout(Duration::from_millis(300))
         .serve("127.0.0.1:0")
         .await
         .expect("serve");
     let (mut raw, _ack) = raw_client_with_window(&server, 1).await;
-    raw.send(Kind::Invoke(RemoteInvokeMessage {
-        timeout_ms: 0,
-        ..stream_opening(1, "t.Flow.text", &(8u32,), StreamMode::Server)
-    }))
-    .await
-    .expect("open");
-    let mut items = 0;
-    let end: RemoteResultMessage = loop {
-        match within("the stream's end", raw.recv()).await {
+    for (id, timeout_ms) in [(1, 0), (2, 900)] {
+        raw.send(Kind::Invoke(RemoteInvokeMessage {
+            timeout_ms,
+            ..stream_opening(id, "t.Flow.text", &(8u32,), StreamMode::Server)
+        }))
+        .await
+        .expect("open");
+    }
+    let mut items = [0; 2];
+    let mut ends = std::collections::BTreeMap::new();
+    while ends.len() < 2 {
+        match within("the streams' ends", raw.recv()).await {
             Some(Kind::StreamCredit(_)) => continue,
-            Some(Kind::StreamItem(_)) => items += 1,
-            Some(Kind::StreamItems(run)) => items += run.payloads.len(),
-            Some(Kind::Result(end)) => break end,
-            other => panic!("expected the stream's items or end, got {other:?}"),
+            Some(Kind::StreamItem(item)) => items[item.message_id as usize - 1] += 1,
+            Some(Kind::StreamItems(run)) => {
+                items[run.message_id as usize - 1] += run.payloads.len()
+            }
+            Some(Kind::Result(end)) => {
+                ends.insert(end.message_id, end);
+            }
+            other => panic!("expected the streams' items or ends, got {other:?}"),
         }
-    };
-    assert_eq!(items, 1, "the client's window of one item");
-    assert_eq!((end.message_id, end.status_code), (1, 519), "{end:?}");
+    }
+    assert_eq!(items, [1, 1], "the client's window of one item each");
+    let (stalled, timed) = (&ends[&1], &ends[&2]);
+    assert_eq!(stalled.status_code, 519, "{stalled:?}");
     assert!(
-        end.exception_message.contains("granted no credit"),
+        stalled.exception_message.contains("granted no credit"),
         "{}",
-        end.exception_message
+        stalled.exception_message
     );
-    // The cap of one is free: another caller is served.
+    assert_eq!(timed.status_code, 519, "{timed:?}");
+    assert!(
+        !timed.exception_message.contains("granted no credit"),
+        "ended by its deadline, not the idle timeout: {}",
+        timed.exception_message
+    );
+    // The cap's slots are free: another caller is served.
     let client = FlowClient::new(
         rpc::Client::builder()
             .registry(rpc::StaticRegistry::from_list(&server.local_addr().to_string()).unwrap())
