@@ -108,50 +108,10 @@ impl Governance {
                 }
             }
         }
-        if errors.is_none() {
-            for e in out.conflicts() {
-                push(&mut errors, e);
-            }
-        }
         match errors {
             Some(e) => Err(e),
             None => Ok(out),
         }
-    }
-
-    /// Keys whose value the attribute's own other keys make inert, which the pipeline would
-    /// ignore without a word: a hedge on an entry the attribute says is not idempotent (only
-    /// idempotent entries hedge), an appointed address under another strategy.
-    fn conflicts(&self) -> Vec<syn::Error> {
-        let mut out = Vec::new();
-        if self.get("idempotent") == Some(Value::Flag(false)) {
-            for key in ["hedge_delay_ms", "hedge_percentile"] {
-                if let (Some(span), Some(Value::Int(v))) = (self.span_of(key), self.get(key)) {
-                    if v > 0 {
-                        out.push(syn::Error::new(
-                            span,
-                            format!(
-                                "`{key}` would never apply: only idempotent entries hedge, and \
-                                 this one says `idempotent = false`; remove one of the two"
-                            ),
-                        ));
-                    }
-                }
-            }
-        }
-        if let (Some((strategy, _)), Some(span)) =
-            (self.shunt_strategy(), self.span_of("appoint_address"))
-        {
-            if strategy.0 != "Appoint" {
-                out.push(syn::Error::new(
-                    span,
-                    "`appoint_address` would never apply: it is the address of \
-                     `shunt_strategy = \"appoint\"`, and this entry's strategy is another; \
-                     remove one of the two",
-                ));
-            }
-        }
-        out
     }
 
     fn set(&mut self, meta: &Meta) -> syn::Result<()> {
@@ -406,37 +366,6 @@ mod tests {
             g.get("appoint_address"),
             Some(Value::Str("127.0.0.1:9".into()))
         );
-    }
-
-    /// Keys the attribute's other keys make inert are refused, on the inert key; alone, or
-    /// with the key that gives them effect, they are taken.
-    #[test]
-    fn keys_the_attribute_makes_inert_are_refused() {
-        for (attr, key) in [
-            (
-                quote!(#[governance(idempotent = false, hedge_delay_ms = 50)]),
-                "`hedge_delay_ms` would never apply",
-            ),
-            (
-                quote!(#[governance(hedge_percentile = 95)] #[governance(idempotent = false)]),
-                "`hedge_percentile` would never apply",
-            ),
-            (
-                quote!(#[governance(shunt_strategy = "random", appoint_address = "10.0.0.1:9")]),
-                "`appoint_address` would never apply",
-            ),
-        ] {
-            let e = parse(attr).unwrap_err().to_string();
-            assert!(e.contains(key), "{e}");
-        }
-        for attr in [
-            quote!(#[governance(idempotent, hedge_delay_ms = 50)]),
-            quote!(#[governance(hedge_delay_ms = 50)]),
-            quote!(#[governance(idempotent = false, hedge_delay_ms = 0)]),
-            quote!(#[governance(appoint_address = "10.0.0.1:9")]),
-        ] {
-            assert!(parse(attr.clone()).is_ok(), "{attr}");
-        }
     }
 
     #[test]

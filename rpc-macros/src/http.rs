@@ -207,15 +207,29 @@ fn check_path(lit: &LitStr, params: &[String]) -> syn::Result<()> {
              a fragment or spaces"
         )));
     }
-    // The gateway matches a request's path once its escapes are decoded: an escape here
-    // would be a second spelling of a path (`/%64ocs` is `/docs`) that no check of this
-    // crate compares.
-    if path.contains('%') {
-        return Err(err(
-            "the route's path cannot hold `%`: write each character itself (`/café`, not \
-             `/caf%C3%A9`); the gateway decodes a request's escapes before it matches the path"
-                .to_string(),
-        ));
+    // The gateway matches paths with the escapes of unreserved characters and of text beyond
+    // ASCII decoded (`rpc-gateway`'s `normalized_path`): such an escape here would be a second
+    // spelling of a path (`/%64ocs` is `/docs`) that no check of this crate compares. Escapes
+    // it keeps (`%2F`, a `/` inside a segment; `%25`, a `%`) stay allowed.
+    let bytes = path.as_bytes();
+    for (at, _) in path.match_indices('%') {
+        let hex = |i: usize| bytes.get(i).and_then(|&b| (b as char).to_digit(16));
+        let Some(b) = hex(at + 1)
+            .zip(hex(at + 2))
+            .map(|(h, l)| (h << 4 | l) as u8)
+        else {
+            return Err(err(
+                "a `%` in the route's path starts no escape: write a `%` as `%25`".to_string(),
+            ));
+        };
+        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) || b >= 0x80 {
+            return Err(err(format!(
+                "`{}` in the route's path is a character the gateway reads as itself: write it \
+                 as is (`/café`, not `/caf%C3%A9`); only escapes such as `%2F` and `%25` stay \
+                 escaped",
+                &path[at..at + 3]
+            )));
+        }
     }
     let mut named: Vec<&str> = Vec::new();
     let mut rest = path.as_str();
@@ -342,6 +356,17 @@ mod tests {
         assert!(route(&[], &params()).unwrap().is_none());
     }
 
+    /// Escapes the gateway keeps escaped (a `/` inside a segment, a `%`) are a route's to
+    /// hold; those it decodes are refused (see `rejects_bad_routes`).
+    #[test]
+    fn escapes_the_gateway_keeps_are_taken() {
+        for path in ["/rates/100%25", "/files/a%2Fb", "/q/%3a"] {
+            let attr: Attribute = parse_quote!(#[http(get = #path)]);
+            let r = route(&[attr], &params()).unwrap().unwrap();
+            assert_eq!(r.path, path);
+        }
+    }
+
     #[test]
     fn rejects_bad_routes() {
         let cases: Vec<(Attribute, &str)> = vec![
@@ -374,7 +399,18 @@ mod tests {
                 "a `}` without its `{`",
             ),
             (parse_quote!(#[http(get = "/o?x=1")]), "cannot hold '?'"),
-            (parse_quote!(#[http(get = "/%64ocs")]), "cannot hold `%`"),
+            (
+                parse_quote!(#[http(get = "/%64ocs")]),
+                "`%64` in the route's path is a character the gateway reads as itself",
+            ),
+            (
+                parse_quote!(#[http(get = "/caf%C3%A9")]),
+                "`%C3` in the route's path",
+            ),
+            (
+                parse_quote!(#[http(get = "/100%")]),
+                "starts no escape: write a `%` as `%25`",
+            ),
             (parse_quote!(#[http(get = 3)]), "string literal"),
             (
                 parse_quote!(#[http(get)]),

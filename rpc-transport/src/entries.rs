@@ -30,6 +30,9 @@ const KINDS: std::ops::RangeInclusive<u64> = 1..=12;
 /// prost reports it.
 pub(crate) fn check(payload: &[u8]) -> Result<(), FrameError> {
     let mut buf = payload;
+    // One count for the whole frame: prost merges a message given more than once, its
+    // repeated fields appended, so each occurrence's entries add up.
+    let mut counts = [0usize; COUNTED];
     while buf.has_remaining() {
         let Ok(key) = decode_varint(&mut buf) else {
             return Ok(());
@@ -40,7 +43,7 @@ pub(crate) fn check(payload: &[u8]) -> Result<(), FrameError> {
                     return Ok(());
                 };
                 if KINDS.contains(&(key >> 3)) {
-                    check_message(body)?;
+                    check_message(body, &mut counts)?;
                 }
             }
             _ => {
@@ -53,9 +56,8 @@ pub(crate) fn check(payload: &[u8]) -> Result<(), FrameError> {
     Ok(())
 }
 
-/// [`check`] for one message's fields.
-fn check_message(mut buf: &[u8]) -> Result<(), FrameError> {
-    let mut counts = [0usize; COUNTED];
+/// [`check`] for one occurrence of a frame's message, counting into `counts`.
+fn check_message(mut buf: &[u8], counts: &mut [usize; COUNTED]) -> Result<(), FrameError> {
     while buf.has_remaining() {
         let Ok(key) = decode_varint(&mut buf) else {
             return Ok(());
@@ -142,6 +144,28 @@ mod tests {
                 other => panic!("field {field}: {other:?}"),
             }
         }
+    }
+
+    /// A message given twice in one frame, each within the bound, is refused when together
+    /// they pass it: prost merges them, appending the repeated fields.
+    #[test]
+    fn a_message_given_twice_counts_its_entries_together() {
+        let [half, _] = frames(MAX_ENTRIES / 2 + 1);
+        check(&half).expect("within the bound");
+        let twice = [half.clone(), half].concat();
+        assert!(matches!(
+            check(&twice),
+            Err(FrameError::TooManyEntries { field: 5, .. })
+        ));
+        let merged = Frame::decode(&twice[..]).expect("prost merges them");
+        let Some(Kind::Result(r)) = merged.kind else {
+            panic!("a result")
+        };
+        assert_eq!(
+            r.validate_errors.len(),
+            MAX_ENTRIES + 2,
+            "what prost would build"
+        );
     }
 
     /// A field of a frame that is not one of its messages is not read: prost skips it.
