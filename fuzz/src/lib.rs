@@ -265,9 +265,10 @@ pub mod frame_decoder {
                                 End::TooLarge { len, max: m }
                             }
                             FrameError::Malformed(e) => End::Malformed(e.to_string()),
-                            e @ FrameError::TooManyEntries { .. } => End::Malformed(e.to_string()),
-                            FrameError::Empty => End::Empty,
                             FrameError::Io(e) => panic!("i/o error from a decoder: {e}"),
+                            FrameError::Empty => End::Empty,
+                            // (Too many entries, and any refusal added later.)
+                            e => End::Malformed(e.to_string()),
                         };
                         return Outcome { frames, end };
                     }

@@ -10,8 +10,10 @@ use crate::encode::put_call_frame;
 pub(crate) use crate::encode::PREFIX;
 use crate::invoke::Incoming;
 
-/// Why a frame could not be read or written.
+/// Why a frame could not be read or written. (Non-exhaustive: a new way a frame can be
+/// refused is not a breaking change.)
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum FrameError {
     /// The socket failed.
     #[error("i/o error: {0}")]
@@ -81,6 +83,7 @@ impl Decoder for FrameCodec {
         let Some(payload) = self.split_frame(src)? else {
             return Ok(None);
         };
+        crate::entries::check(&payload)?;
         let frame = Frame::decode(payload)?;
         frame.kind.map(Some).ok_or(FrameError::Empty)
     }

@@ -350,9 +350,12 @@ impl Connection {
     /// reads, fails at once with [`StatusCode::ValidateError`], sending nothing.
     ///
     /// Dropping the returned future before the answer arrives sends `Cancel` to the server, and
-    /// so does reaching `deadline`, which fails the call with [`StatusCode::Timeout`]. Other
-    /// errors are [`StatusCode::CommunicationError`]; when the request may have reached the
-    /// server the error says so ([`RpcError::is_maybe_delivered`]).
+    /// so does reaching `deadline`, which fails the call with [`StatusCode::Timeout`]; a
+    /// `deadline` already past fails it so without sending it. A call asking for a stream
+    /// (`stream_mode` other than unary) fails at once with [`StatusCode::FrameworkError`]:
+    /// streams are opened with [`open_stream`](Self::open_stream). Other errors are
+    /// [`StatusCode::CommunicationError`]; when the request may have reached the server the
+    /// error says so ([`RpcError::is_maybe_delivered`]).
     pub async fn call(
         &self,
         call: impl Into<Call>,
