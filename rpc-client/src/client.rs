@@ -1746,9 +1746,11 @@ impl stack::Service for Attempt<'_> {
 /// Hands the entry descriptors the instances of `service_id` publish to the governance layers;
 /// where instances disagree, the first by address wins, so every client decides alike. A
 /// value the client would refuse from its own configuration (a percentage above 100, an
-/// address that is not `host:port`) is left out with a warning, the entry's other values kept.
+/// address that is not `host:port`) is left out with a warning (once: when what the instances
+/// publish changes), the entry's other values kept.
 fn publish(governance: &Governance, service_id: &str, instances: &rpc_registry::Endpoints) {
     let mut entries: Vec<(String, GovernanceOverrides)> = Vec::new();
+    let mut ignored = Vec::new();
     for instance in instances.iter() {
         for e in &instance.entries {
             if e.service_id.as_str() == service_id
@@ -1757,17 +1759,21 @@ fn publish(governance: &Governance, service_id: &str, instances: &rpc_registry::
             {
                 let mut published = e.governance.clone();
                 for problem in published.drop_invalid() {
-                    tracing::warn!(
-                        entry = %e.id,
-                        instance = %instance.address,
-                        "ignoring a governance value the instance publishes: {problem}"
-                    );
+                    ignored.push((e.id.clone(), instance.address.clone(), problem));
                 }
                 entries.push((e.id.to_string(), published));
             }
         }
     }
-    governance.publish(service_id, entries);
+    if governance.publish(service_id, entries) {
+        for (entry, instance, problem) in ignored {
+            tracing::warn!(
+                %entry,
+                %instance,
+                "ignoring a governance value the instance publishes: {problem}"
+            );
+        }
+    }
 }
 
 pub(crate) fn into_result(

@@ -281,8 +281,9 @@ impl Governance {
     }
 
     /// Replaces what the instances of `service_id` publish about its entries (the registry's
-    /// entry descriptors); cached entries pick the change up on their next call.
-    pub fn publish(&self, service_id: &str, entries: Vec<(String, GovernanceOverrides)>) {
+    /// entry descriptors); cached entries pick the change up on their next call. Whether it
+    /// changed anything.
+    pub fn publish(&self, service_id: &str, entries: Vec<(String, GovernanceOverrides)>) -> bool {
         let prefix = format!("{service_id}.");
         // An entry id is `<service id>.<method>`, and a method name has no dot: the entries of
         // `shop.Greeter.v2` are not those of `shop.Greeter`.
@@ -301,12 +302,13 @@ impl Governance {
                     .all(|(id, o)| layers.published.entries.get(id) == Some(o))
         };
         if unchanged {
-            return;
+            return false;
         }
         self.update_layers(|l| {
             l.published.entries.retain(|id, _| !of_service(id));
             l.published.entries.extend(entries);
         });
+        true
     }
 
     /// The state of every cached entry's breaker.
