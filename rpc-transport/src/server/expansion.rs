@@ -86,11 +86,58 @@ impl ExpansionBudget {
             .map(|share| Some(Expanded { _share: share }))
     }
 
+    /// `payload` (compressed with `compression`, not 0) decompressed within `limit` bytes,
+    /// holding what it gained from the budget. The share its header says it needs (an LZ4
+    /// block's size prefix, the content sizes zstd frames record) is taken first: one beyond
+    /// what is left is refused before any decompression, as a few hundred bytes of zstd can
+    /// make 16 MiB of work to refuse. A payload that says no size, or a short one, takes its
+    /// share as it came out.
+    pub(crate) fn expand(
+        &self,
+        compression: i32,
+        payload: &Bytes,
+        limit: usize,
+    ) -> Result<Bytes, Unexpanded> {
+        // (A size over the limit is refused by the decompression, as not readable.)
+        let said =
+            crate::compression::declared_size(compression, payload).filter(|&size| size <= limit);
+        let mut share = match said {
+            Some(size) => Some(
+                self.take(payload.len(), size)
+                    .ok_or(Unexpanded::OverBudget(size))?,
+            ),
+            None => None,
+        };
+        let plain = crate::compression::decompress(compression, payload, limit)
+            .map_err(Unexpanded::Corrupt)?;
+        if said.is_none_or(|size| plain.len() > size) {
+            // (The share taken for the size said goes back first.)
+            drop(share.take());
+            share = Some(
+                self.take(payload.len(), plain.len())
+                    .ok_or(Unexpanded::OverBudget(plain.len()))?,
+            );
+        }
+        Ok(match share.flatten() {
+            Some(share) => share.holding(plain),
+            None => plain,
+        })
+    }
+
     /// Bytes left, to the unit.
     #[cfg(test)]
     fn left(&self) -> usize {
         self.units.available_permits() * UNIT
     }
+}
+
+/// Why [`ExpansionBudget::expand`] gave nothing.
+#[derive(Debug)]
+pub(crate) enum Unexpanded {
+    /// The payload does not decompress (within the limit).
+    Corrupt(crate::compression::CompressionError),
+    /// It decompresses to this many bytes, more than is left of the budget.
+    OverBudget(usize),
 }
 
 /// Decompresses calls' arguments, at most the frame limit of them, into buffers holding what
@@ -121,46 +168,21 @@ impl Unpacker {
         if invoke.compression == 0 {
             return Ok(());
         }
-        // The share the arguments say they need, taken before decompressing them: under a
-        // spent budget, a call whose header says it expands beyond what is left costs no
-        // decompression (600 bytes of zstd can make 16 MiB of work to refuse).
-        // (A size over the frame limit is refused by the decompression, as not readable.)
-        let said = crate::compression::declared_size(invoke.compression, &invoke.parameters)
-            .filter(|&size| size <= self.max_frame_length);
-        let mut share = match said {
-            Some(size) => Some(
-                self.budget
-                    .take(invoke.parameters.len(), size)
-                    .ok_or_else(|| self.over_budget(invoke, size))?,
-            ),
-            None => None,
-        };
-        let plain = crate::compression::decompress(
+        match self.budget.expand(
             invoke.compression,
             &invoke.parameters,
             self.max_frame_length,
-        )
-        .map_err(|e| {
-            (
+        ) {
+            Ok(plain) => {
+                invoke.parameters = plain;
+                Ok(())
+            }
+            Err(Unexpanded::Corrupt(e)) => Err((
                 StatusCode::FrameworkError,
                 format!("the call to {:?} was not run: {e}", invoke.service_entry_id),
-            )
-        })?;
-        // (A size the header did not say, or said short, is taken as it came out.)
-        if said.is_none_or(|size| plain.len() > size) {
-            // (The share taken for the size said goes back first.)
-            drop(share.take());
-            share = Some(
-                self.budget
-                    .take(invoke.parameters.len(), plain.len())
-                    .ok_or_else(|| self.over_budget(invoke, plain.len()))?,
-            );
+            )),
+            Err(Unexpanded::OverBudget(size)) => Err(self.over_budget(invoke, size)),
         }
-        invoke.parameters = match share.flatten() {
-            Some(share) => share.holding(plain),
-            None => plain,
-        };
-        Ok(())
     }
 
     /// The refusal of a call whose arguments decompress to `size` bytes, more than is left.

@@ -32,7 +32,7 @@ use futures_util::task::AtomicWaker;
 use rpc_core::wire::{frame::Kind, RemoteResultMessage, StreamCredit};
 use rpc_core::StatusCode;
 
-use super::expansion::ExpansionBudget;
+use super::expansion::{ExpansionBudget, Unexpanded};
 use super::handler::{error_result, StreamEvent, StreamEvents};
 use crate::codec::FrameCodec;
 use crate::encode::{finish_run_item, nested_len, put_run_frame, put_run_item, start_run_item};
@@ -360,33 +360,31 @@ impl Inbound {
     /// or is beyond what is left of the budget, ends the client's request stream with 500.
     fn take(&mut self, item: Queued) -> Result<Bytes, RpcError> {
         self.took(item.payload.len());
-        let limit = self.slot.max_item_bytes;
-        let plain =
-            crate::compression::unpack_payload(self.id, &item.payload, item.compression, limit)
-                .map_err(|why| {
-                    self.fail(RpcError::new(
-                        StatusCode::FrameworkError,
-                        format!(
-                            "the caller's request stream failed: {why}; the stream was ended: \
-                             send items that decompress within the server's frame limit"
-                        ),
-                    ))
-                })?;
         if item.compression == 0 {
-            return Ok(plain);
+            return Ok(item.payload);
         }
-        match self.expansion.take(item.payload.len(), plain.len()) {
-            Some(Some(share)) => Ok(share.holding(plain)),
-            Some(None) => Ok(plain),
-            // 500, not 515: the stream was accepted and the handler may have acted on items
-            // already, while 515 says that nothing ran.
-            None => Err(self.fail(RpcError::new(
+        let limit = self.slot.max_item_bytes;
+        match self
+            .expansion
+            .expand(item.compression, &item.payload, limit)
+        {
+            Ok(plain) => Ok(plain),
+            Err(Unexpanded::Corrupt(e)) => Err(self.fail(RpcError::new(
                 StatusCode::FrameworkError,
                 format!(
-                    "the caller's request stream was ended: an item decompresses to {} bytes, \
-                     more than is left of the server's budget for decompressed payloads; retry \
-                     later or elsewhere, or send the items uncompressed",
-                    plain.len()
+                    "the caller's request stream failed: stream item {}: {e}; the stream was \
+                     ended: send items that decompress within the server's frame limit",
+                    self.id
+                ),
+            ))),
+            // 500, not 515: the stream was accepted and the handler may have acted on items
+            // already, while 515 says that nothing ran.
+            Err(Unexpanded::OverBudget(size)) => Err(self.fail(RpcError::new(
+                StatusCode::FrameworkError,
+                format!(
+                    "the caller's request stream was ended: an item decompresses to {size} \
+                     bytes, more than is left of the server's budget for decompressed payloads; \
+                     retry later or elsewhere, or send the items uncompressed"
                 ),
             ))),
         }
@@ -1056,7 +1054,25 @@ mod tests {
         drop(held);
         let mut second = inbound(2);
         let again = second.next().await.expect("an item");
-        assert_eq!(again.expect("the share came back").len(), 48 * KIB);
+        let again = again.expect("the share came back");
+        assert_eq!(again.len(), 48 * KIB);
+        // With the budget held, an item whose header says 48 KiB is refused by that size
+        // before it is decompressed: its body, no LZ4 at all, would fail as corrupt.
+        let mut says_48_kib = u32::try_from(48 * KIB).unwrap().to_le_bytes().to_vec();
+        says_48_kib.extend_from_slice(&[0xff; 256]);
+        let slot = Arc::new(StreamSlot::new(8, 0, 64 * KIB));
+        slot.push(std::iter::once(Queued {
+            payload: says_48_kib.into(),
+            compression: rpc_core::Compression::Lz4.to_wire(),
+        }));
+        let mut third = Inbound::new(3, slot, sender.clone(), budget.clone());
+        let e = third
+            .next()
+            .await
+            .expect("an item")
+            .expect_err("refused by its declared size");
+        assert!(e.message().contains("budget"), "{e}");
+        drop(again);
     }
 
     /// A client announcing a vast window that reads nothing: the producer stops once the
