@@ -95,9 +95,6 @@ pub(super) struct StreamSlot {
     waker: AtomicWaker,
     /// The client sent what this stream does not take: it ends with status 500.
     violated: AtomicBool,
-    /// The client's request stream ended with an error (its `StreamEnd` said so): the stream
-    /// ends with it, whether or not the handler passes it on.
-    caller_failed: AtomicBool,
     /// The most bytes one of the client's items may decompress to.
     max_item_bytes: usize,
 }
@@ -151,7 +148,6 @@ impl StreamSlot {
             granted: AtomicU64::new(0),
             waker: AtomicWaker::new(),
             violated: AtomicBool::new(false),
-            caller_failed: AtomicBool::new(false),
             max_item_bytes,
         }
     }
@@ -223,7 +219,6 @@ impl StreamSlot {
                     ),
                 );
                 q.failed = Some(failed.clone());
-                self.caller_failed.store(true, Ordering::Release);
                 Err(failed)
             });
             q.waker.take()
@@ -231,9 +226,6 @@ impl StreamSlot {
         if let Some(w) = waker {
             w.wake();
         }
-        // The stream's task too: a handler that does not read its caller's items (or reads
-        // them in a task of its own) would otherwise go on producing.
-        self.waker.wake();
     }
 
     /// The stream's task ended (its answer sent, `Cancel`, the deadline, the connection's
@@ -788,11 +780,6 @@ impl StreamDriver {
                     "protocol violation: the client granted credit for more items than it was \
                      sent; the stream was ended",
                 ));
-            }
-            if this.slot.caller_failed.load(Ordering::Acquire) {
-                if let Some(failed) = this.slot.failed() {
-                    return Poll::Ready(error_result(failed.code(), failed.message()));
-                }
             }
             // No credit, no poll: the producer waits until the client grants more, or its
             // deadline passes.

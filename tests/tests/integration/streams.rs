@@ -60,8 +60,6 @@ pub trait Feed {
     /// Both ways, the caller's lines read by a task of the handler's own (as a tonic handler
     /// is often written) and forwarded to the answer; reports when that task ends.
     async fn relay(&self, lines: RpcStream<String>) -> Result<RpcStream<String>, RpcError>;
-    /// Both ways: numbers from 0 without end, the caller's lines held and never read.
-    async fn ignoring(&self, lines: RpcStream<String>) -> Result<RpcStream<u64>, RpcError>;
     /// `n` items, each the caller's `tenant` attachment as the handler sees it while producing
     /// that item (`none` when it sees none).
     async fn tenants(&self, n: u32) -> Result<RpcStream<String>, RpcError>;
@@ -177,13 +175,6 @@ impl Feed for Feeds {
         Ok(RpcStream::new(futures_util::stream::unfold(
             rx,
             |mut rx| async move { rx.recv().await.map(|line| (line, rx)) },
-        )))
-    }
-
-    async fn ignoring(&self, lines: RpcStream<String>) -> Result<RpcStream<u64>, RpcError> {
-        Ok(RpcStream::new(futures_util::stream::unfold(
-            (lines, 0u64),
-            |(lines, n)| async move { Some((n, (lines, n + 1))) },
         )))
     }
 
@@ -843,37 +834,6 @@ async fn a_request_stream_read_by_a_task_of_its_own_ends_when_the_call_ends() {
     assert_eq!(next_item("reply", &mut replies).await, "a");
     drop(replies);
     probe.dropped("relay reader").await;
-    assert_eq!(echoed(&f, "ok").await, "ok");
-    within("shutdown", server.shutdown()).await;
-}
-
-/// The caller's error item ends a bidirectional stream with that error though the handler
-/// never reads the caller's items (and would produce for ever): before, the error waited for
-/// the handler to end on its own, and the stream went on, holding its slot under the cap.
-#[tokio::test]
-async fn a_callers_error_item_ends_a_stream_whose_handler_never_reads_it() {
-    let reg = InProcessRegistry::new();
-    let (server, _probe) = serve(&reg, 50).await;
-    let f = feed(&reg);
-    let lines = RpcStream::try_new(futures_util::stream::iter([
-        Ok("a".to_string()),
-        Err(RpcError::business("stop")),
-    ]));
-    let mut numbers = within("open", f.ignoring(lines)).await.expect("open");
-    let end = within("the caller's error", async {
-        // (Bounded: the numbers come until the server reads the caller's end.)
-        for _ in 0..10_000_000u64 {
-            match numbers.next().await {
-                Some(Ok(_)) => continue,
-                Some(Err(e)) => return e,
-                None => panic!("the stream completed without the caller's error"),
-            }
-        }
-        panic!("no end after 10 000 000 numbers")
-    })
-    .await;
-    assert_eq!(end.code(), StatusCode::BusinessError, "{end}");
-    assert!(end.message().contains("stop"), "{end}");
     assert_eq!(echoed(&f, "ok").await, "ok");
     within("shutdown", server.shutdown()).await;
 }
