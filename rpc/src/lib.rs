@@ -402,14 +402,24 @@ pub mod __private {
         items.decode_items(move |bytes| decode_result(codec, bytes, method))
     }
 
-    /// Server side: the caller's request stream of a client-streaming method, decoded.
+    /// Server side: the caller's request stream of a client-streaming method, decoded (an
+    /// item that does not decode is the caller's fault, as arguments that do not decode are:
+    /// a validation error, 1001).
     pub fn inbound_stream<T: DeserializeOwned + Send + 'static>(
         codec: Codec,
         inbound: Option<ByteStream>,
         method: &'static MethodDescriptor,
     ) -> RpcStream<T> {
         match inbound {
-            Some(items) => decode_stream(codec, items, method),
+            Some(items) => items.decode_items(move |bytes| {
+                codec.decode(bytes).map_err(|e| {
+                    RpcError::validation(format!(
+                        "could not decode an item of the caller's request stream of {}: {e}; \
+                         send items of the type the method declares",
+                        method.entry_id
+                    ))
+                })
+            }),
             None => RpcStream::failed(RpcError::new(
                 StatusCode::FrameworkError,
                 format!("{} was called without its request stream", method.entry_id),

@@ -838,6 +838,43 @@ async fn a_request_stream_read_by_a_task_of_its_own_ends_when_the_call_ends() {
     within("shutdown", server.shutdown()).await;
 }
 
+/// A caller's item that does not decode as the method's item type is the caller's fault, as
+/// arguments that do not decode are: the handler reads a validation error (1001) naming the
+/// request stream, and the call ends with it. Before, it read 500 "could not decode the
+/// result", the words for a client whose service definition differs from its server's.
+#[tokio::test]
+async fn a_callers_item_that_does_not_decode_is_a_validation_error() {
+    let reg = InProcessRegistry::new();
+    let (server, _probe) = serve(&reg, 50).await;
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.send(Kind::Hello(Hello {
+        protocol_version: 1,
+        client_id: "raw-feed".into(),
+        streams: true,
+        stream_window: 64,
+        ..Default::default()
+    }))
+    .await
+    .expect("hello");
+    assert!(matches!(raw.recv().await, Some(Kind::HelloAck(a)) if a.streams));
+    raw.open_stream(1, "t.Feed.sum", &("n",), StreamMode::Client)
+        .await;
+    raw.recv_acceptance(1).await;
+    // A string where the method takes numbers.
+    let item = rpc::Codec::MsgPack.encode(&"seven").expect("encode");
+    raw.send_item(1, item, 0).await;
+    raw.end_stream(1, 200, "").await;
+    let end = raw.recv_end().await;
+    assert_eq!((end.message_id, end.status_code), (1, 1001), "{end:?}");
+    assert!(
+        end.exception_message
+            .contains("request stream of t.Feed.sum"),
+        "{}",
+        end.exception_message
+    );
+    within("shutdown", server.shutdown()).await;
+}
+
 /// An item sent to a server stream (which takes none) ends it with 500 at once, even while
 /// its producer is waiting (here: after its last item), not when the producer next yields.
 #[tokio::test]
