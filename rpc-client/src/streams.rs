@@ -366,6 +366,15 @@ enum Items {
 }
 
 impl ItemSource for Watched {
+    /// An item its consumer could not decode ends the stream: the server is told to stop
+    /// (for a remote stream), and the stream is recorded as ended with that error.
+    fn fail(&mut self, error: &RpcError) {
+        if let Items::Remote(s) = &mut self.items {
+            s.fail(error);
+        }
+        self.watch.finish(Err(error));
+    }
+
     fn poll_lend(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<LentItem<'_>, RpcError>>> {
         let next = match &mut self.items {
             Items::Remote(s) => s.poll_lend(cx),

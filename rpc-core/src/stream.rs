@@ -125,6 +125,14 @@ pub trait ItemSource: Send {
     /// The next item (valid until the next call), an error item, or the end (`None`); as
     /// `Stream::poll_next` otherwise, and like it not polled again after an error or the end.
     fn poll_lend(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<LentItem<'_>, RpcError>>>;
+
+    /// The consumer could not decode the last item lent and ends the stream with `error`
+    /// (it polls no more): a source that can tells its producer to stop, and records the
+    /// stream's end as this error rather than as a consumer that went away. Nothing by
+    /// default.
+    fn fail(&mut self, error: &RpcError) {
+        let _ = error;
+    }
 }
 
 /// Items that encode themselves onto the end of a buffer: what
@@ -291,10 +299,16 @@ impl<T> Stream for RpcStream<T> {
         let next = match &mut self.inner {
             Inner::Items(items) => items.as_mut().poll_next(cx),
             Inner::Lending { source, decode } => match source.poll_lend(cx) {
-                Poll::Ready(Some(Ok(item))) => Poll::Ready(Some(match decode {
-                    Decode::Wrap(wrap) => Ok(wrap(item.to_bytes())),
-                    Decode::With(decode) => decode(item.bytes()),
-                })),
+                Poll::Ready(Some(Ok(item))) => {
+                    let decoded = match decode {
+                        Decode::Wrap(wrap) => Ok(wrap(item.to_bytes())),
+                        Decode::With(decode) => decode(item.bytes()),
+                    };
+                    if let Err(e) = &decoded {
+                        source.fail(e);
+                    }
+                    Poll::Ready(Some(decoded))
+                }
                 Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(e))),
                 Poll::Ready(None) => Poll::Ready(None),
                 Poll::Pending => Poll::Pending,

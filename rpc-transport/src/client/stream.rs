@@ -432,12 +432,19 @@ impl ClientStream {
     /// Ends the stream on an item that does not decompress, telling the server to stop it
     /// and a sender elsewhere (the caller's items) to stop too; the error to hand the consumer.
     fn broken(&mut self, why: &str) -> RpcError {
-        self.ended_for_consumer();
-        let shared = &self.tx.conn.shared;
         let error = RpcError::new(
             StatusCode::FrameworkError,
-            format!("{}: {why}; the stream was ended", shared.peer),
+            format!("{}: {why}; the stream was ended", self.tx.conn.shared.peer),
         );
+        self.end_with(&error);
+        error
+    }
+
+    /// Ends the stream with `error` on this side: no longer in flight, the server told to
+    /// stop it, a sender elsewhere (the caller's items) told to stop too.
+    fn end_with(&mut self, error: &RpcError) {
+        self.ended_for_consumer();
+        let shared = &self.tx.conn.shared;
         // (The waker given back is this consumer's, which is being answered now.)
         let _ = self.tx.shared.end(Err(error.clone()));
         if shared.pending.remove(self.tx.id) {
@@ -446,7 +453,6 @@ impl ClientStream {
                 ..Default::default()
             }));
         }
-        error
     }
 
     /// The stream has ended for its consumer: it no longer counts as in flight.
@@ -607,6 +613,13 @@ impl fmt::Debug for StreamSender {
 }
 
 impl ItemSource for ClientStream {
+    /// An item that does not decode ends the stream as one that does not decompress does.
+    fn fail(&mut self, error: &RpcError) {
+        if !self.finished {
+            self.end_with(error);
+        }
+    }
+
     fn poll_lend(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<LentItem<'_>, RpcError>>> {
         if self.finished {
             return Poll::Ready(None);

@@ -838,6 +838,55 @@ async fn a_request_stream_read_by_a_task_of_its_own_ends_when_the_call_ends() {
     within("shutdown", server.shutdown()).await;
 }
 
+/// `t.Feed` as a client built from another definition sees it: `endless` streams text.
+mod feed_as_text {
+    use rpc::{RpcError, RpcStream};
+
+    #[rpc::service(name = "t.Feed")]
+    pub trait Feed {
+        async fn endless(&self) -> Result<RpcStream<String>, RpcError>;
+    }
+}
+
+/// An item the client cannot decode (its definition of the method differs from the
+/// server's) ends the stream on both sides: the server is told to stop, and its slot under
+/// the cap is free while the caller still holds the stream; the call is recorded as ended
+/// with that error. Before, the server went on producing up to the client's window, holding
+/// the slot, and the call was recorded as cancelled once dropped.
+#[tokio::test]
+async fn an_item_the_client_cannot_decode_ends_the_stream_on_both_sides() {
+    use feed_as_text::Feed as _;
+    let reg = InProcessRegistry::new();
+    let (server, mut probe) = serve(&reg, 1).await;
+    let client = Client::builder()
+        .registry(reg.clone())
+        .override_options(FeedClient::SERVICE_ID, no_retry())
+        .build();
+    let mut records = common::observe_calls(&client);
+    let as_text = feed_as_text::FeedClient::new(client);
+    let mut texts = within("open", as_text.endless()).await.expect("open");
+    let e = match within("the first item", texts.next()).await {
+        Some(Err(e)) => e,
+        other => panic!("expected a decoding error, got {other:?}"),
+    };
+    assert_eq!(e.code(), StatusCode::FrameworkError, "{e}");
+    assert!(e.message().contains("could not decode"), "{e}");
+    // The server let the stream go though the caller holds it: its slot (the cap is 1) serves
+    // another call.
+    probe.dropped("endless").await;
+    assert_eq!(echoed(&feed(&reg), "ok").await, "ok");
+    let (entry, status, outcome) = within("the call's record", records.recv())
+        .await
+        .expect("a record");
+    assert_eq!(entry, "t.Feed.endless");
+    assert_eq!(
+        (status, outcome.as_str()),
+        (Some(StatusCode::FrameworkError), "error")
+    );
+    drop(texts);
+    within("shutdown", server.shutdown()).await;
+}
+
 /// A caller's item that does not decode as the method's item type is the caller's fault, as
 /// arguments that do not decode are: the handler reads a validation error (1001) naming the
 /// request stream, and the call ends with it. Before, it read 500 "could not decode the
