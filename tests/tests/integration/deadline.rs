@@ -58,11 +58,17 @@ struct Probe {
 }
 
 async fn serve(reg: &InProcessRegistry, cap: usize) -> (ServerHandle, Probe) {
+    serve_configured(reg, |b| b.max_concurrency(cap)).await
+}
+
+/// [`serve`], with the builder's options set by `configure`.
+async fn serve_configured(
+    reg: &InProcessRegistry,
+    configure: impl FnOnce(rpc::ServerBuilder) -> rpc::ServerBuilder,
+) -> (ServerHandle, Probe) {
     let (entered_tx, entered) = mpsc::unbounded_channel();
     let (dropped_tx, dropped) = mpsc::unbounded_channel();
-    let server = Server::builder()
-        .registry(reg.clone())
-        .max_concurrency(cap)
+    let server = configure(Server::builder().registry(reg.clone()))
         .add_service(DeadlineServer::new(Sleeper {
             entered: entered_tx,
             dropped: dropped_tx,
@@ -740,19 +746,8 @@ async fn a_servers_span_has_its_outcome_and_a_refusal_is_timed() {
     let (traces, _guard) = Traces::install();
     let meters = Meters::new();
     let reg = InProcessRegistry::new();
-    let (entered_tx, mut entered) = mpsc::unbounded_channel();
-    let (dropped_tx, _dropped) = mpsc::unbounded_channel();
-    let server = Server::builder()
-        .registry(reg.clone())
-        .meter(meters.meter.clone())
-        .max_concurrency(1)
-        .add_service(DeadlineServer::new(Sleeper {
-            entered: entered_tx,
-            dropped: dropped_tx,
-        }))
-        .serve("127.0.0.1:0")
-        .await
-        .expect("serve");
+    let (server, mut probe) =
+        serve_configured(&reg, |b| b.meter(meters.meter.clone()).max_concurrency(1)).await;
     let d = DeadlineClient::new(
         Client::builder()
             .registry(reg.clone())
@@ -765,7 +760,7 @@ async fn a_servers_span_has_its_outcome_and_a_refusal_is_timed() {
         let d = d.clone();
         async move { d.forever().await }
     });
-    recv_one("the held call runs", &mut entered).await;
+    recv_one("the held call runs", &mut probe.entered).await;
     let err = within("over the cap", d.quick())
         .await
         .expect_err("refused");

@@ -51,6 +51,19 @@ async fn connected(gate: Arc<Gate>) -> (ServerHandle, InProcessRegistry, RawConn
     (server, reg, raw)
 }
 
+/// A server from [`setup`] and a connection of the transport's own to it.
+async fn connected_directly(gate: Arc<Gate>) -> (ServerHandle, rpc::crates::transport::Connection) {
+    use rpc::crates::transport::{ConnectOptions, Connection};
+    let (server, _reg) = setup(gate).await;
+    let conn = within(
+        "connect",
+        Connection::connect(&server.local_addr().to_string(), &ConnectOptions::default()),
+    )
+    .await
+    .expect("connect");
+    (server, conn)
+}
+
 /// One attachment more than [`setup`] allows.
 fn five_attachments() -> BTreeMap<String, String> {
     (0..5).map(|i| (format!("k{i}"), "v".into())).collect()
@@ -415,15 +428,9 @@ async fn attachment_limit_breaks_between_good_calls_do_not_close_the_connection(
 /// endpoint's inability to serve the call.
 #[tokio::test]
 async fn a_client_fails_calls_over_the_servers_attachment_limits_without_sending_them() {
-    use rpc::crates::transport::{Call, ConnectOptions, Connection};
+    use rpc::crates::transport::Call;
     let gate = gate(1000);
-    let (server, _reg) = setup(gate.clone()).await;
-    let conn = within(
-        "connect",
-        Connection::connect(&server.local_addr().to_string(), &ConnectOptions::default()),
-    )
-    .await
-    .expect("connect");
+    let (server, conn) = connected_directly(gate.clone()).await;
     let call = |attachments: BTreeMap<String, String>, retry_depth: u32| Call {
         service_entry_id: "t.Limits.hold".into(),
         codec: Codec::MsgPack.to_wire(),
@@ -1060,15 +1067,9 @@ async fn a_connection_over_its_call_rate_is_read_no_faster_and_loses_nothing() {
 /// runs for either, and the connection serves the next call.
 #[tokio::test]
 async fn a_call_asking_for_a_stream_or_past_its_deadline_is_not_sent() {
-    use rpc::crates::transport::{Call, ConnectOptions, Connection};
+    use rpc::crates::transport::Call;
     let gate = gate(1000);
-    let (server, _reg) = setup(gate.clone()).await;
-    let conn = within(
-        "connect",
-        Connection::connect(&server.local_addr().to_string(), &ConnectOptions::default()),
-    )
-    .await
-    .expect("connect");
+    let (server, conn) = connected_directly(gate.clone()).await;
     let call = || Call {
         service_entry_id: "t.Limits.hold".into(),
         codec: Codec::MsgPack.to_wire(),

@@ -281,6 +281,23 @@ async fn next_error<T: Send + 'static + std::fmt::Debug>(
     }
 }
 
+/// A connection to `server` made by hand, its handshake done offering streams with a window
+/// of 64 items.
+async fn raw_feed(server: &ServerHandle) -> RawConn {
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.send(Kind::Hello(Hello {
+        protocol_version: 1,
+        client_id: "raw-feed".into(),
+        streams: true,
+        stream_window: 64,
+        ..Default::default()
+    }))
+    .await
+    .expect("hello");
+    assert!(matches!(raw.recv().await, Some(Kind::HelloAck(a)) if a.streams));
+    raw
+}
+
 fn feed(reg: &InProcessRegistry) -> FeedClient {
     FeedClient::new(
         Client::builder()
@@ -895,17 +912,7 @@ async fn an_item_the_client_cannot_decode_ends_the_stream_on_both_sides() {
 async fn a_callers_item_that_does_not_decode_is_a_validation_error() {
     let reg = InProcessRegistry::new();
     let (server, _probe) = serve(&reg, 50).await;
-    let mut raw = RawConn::connect(server.local_addr()).await;
-    raw.send(Kind::Hello(Hello {
-        protocol_version: 1,
-        client_id: "raw-feed".into(),
-        streams: true,
-        stream_window: 64,
-        ..Default::default()
-    }))
-    .await
-    .expect("hello");
-    assert!(matches!(raw.recv().await, Some(Kind::HelloAck(a)) if a.streams));
+    let mut raw = raw_feed(&server).await;
     raw.open_stream(1, "t.Feed.sum", &("n",), StreamMode::Client)
         .await;
     raw.recv_acceptance(1).await;
@@ -930,17 +937,7 @@ async fn a_callers_item_that_does_not_decode_is_a_validation_error() {
 async fn an_item_sent_to_a_waiting_server_stream_ends_it_at_once() {
     let reg = InProcessRegistry::new();
     let (server, mut probe) = serve(&reg, 50).await;
-    let mut raw = RawConn::connect(server.local_addr()).await;
-    raw.send(Kind::Hello(Hello {
-        protocol_version: 1,
-        client_id: "raw-feed".into(),
-        streams: true,
-        stream_window: 64,
-        ..Default::default()
-    }))
-    .await
-    .expect("hello");
-    assert!(matches!(raw.recv().await, Some(Kind::HelloAck(a)) if a.streams));
+    let mut raw = raw_feed(&server).await;
     raw.open_stream(1, "t.Feed.stall_after", &(2u32,), StreamMode::Server)
         .await;
     let mut items = 0;
