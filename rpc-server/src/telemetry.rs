@@ -81,8 +81,10 @@ fn is_call_id(id: &str) -> bool {
     (1..=16).contains(&id.len()) && id.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
-/// Records how the call ended: `rpc.status_code` and, on failure, `otel.status_code = "ERROR"`
-/// with the error as the description.
+/// Records how the call ended: `rpc.status_code` and, on a failure of the server, `otel.status_code
+/// = "ERROR"` with the error as the description. The callee's own answers (business and
+/// validation errors, the application's authentication refusals) leave the status unset: the
+/// server did what it was asked, as OpenTelemetry's RPC conventions have server spans say.
 pub(crate) fn record_result(span: &Span, result: &Result<Bytes, RpcError>) {
     if span.is_disabled() {
         return;
@@ -101,8 +103,10 @@ pub(crate) fn record_error(span: &Span, code: StatusCode, message: &str) {
         return;
     }
     span.record("rpc.status_code", i64::from(code.as_u32()));
-    span.record("otel.status_code", "ERROR");
-    span.record("otel.status_description", message);
+    if !code.is_callee_answer() {
+        span.record("otel.status_code", "ERROR");
+        span.record("otel.status_description", message);
+    }
 }
 
 /// Watches one handled call: however it ends (an answer, a fallback's answer, or its future

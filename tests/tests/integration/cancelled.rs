@@ -486,6 +486,64 @@ async fn a_fallback_that_fails_still_leaves_its_cause_on_the_span() {
     server.shutdown().await;
 }
 
+/// A business error (the callee's own answer) leaves the server span's status unset, as
+/// OpenTelemetry's RPC conventions have server spans say, while the client span of the call
+/// that received it is an error; a server error marks both. Before, the server span of a
+/// business error was an error too, and error rates read from server spans counted the
+/// callee's answers as failures.
+#[tokio::test]
+async fn the_callees_own_answer_leaves_the_server_span_status_unset() {
+    let (seen, _guard) = Seen::install();
+    for (handler, code) in [(true, 1000), (false, 520)] {
+        let (entered, _) = mpsc::unbounded_channel();
+        let (dropped, _) = mpsc::unbounded_channel();
+        let builder = Server::builder().meter(seen.meter.clone());
+        let builder = if handler {
+            builder.add_service(SlowServer::new(Refusing))
+        } else {
+            builder.add_service(SlowServer::new(Hang { entered, dropped }))
+        };
+        let server = builder.serve("127.0.0.1:0").await.unwrap();
+        let client = SlowClient::new(
+            Client::builder()
+                .registry(StaticRegistry::from_list(&server.local_addr().to_string()).unwrap())
+                .build(),
+        );
+        let e = within("the call", client.broken())
+            .await
+            .expect_err("fails");
+        assert_eq!(e.code().as_u32(), code, "{e}");
+        let with_code = |s: &SpanData, name: &str| {
+            s.name == name && attr(s, "rpc.status_code") == Some(Value::I64(i64::from(code)))
+        };
+        let spans = within("the server span ended", async {
+            loop {
+                let spans = seen.spans();
+                if spans.iter().any(|s| with_code(s, "rpc.server")) {
+                    break spans;
+                }
+                tokio::task::yield_now().await;
+            }
+        })
+        .await;
+        let handled = spans.iter().find(|s| with_code(s, "rpc.server")).unwrap();
+        let call = spans.iter().find(|s| with_code(s, "rpc.client")).unwrap();
+        assert!(
+            matches!(call.status, Status::Error { .. }),
+            "{code}: {call:#?}"
+        );
+        if code == 1000 {
+            assert!(matches!(handled.status, Status::Unset), "{handled:#?}");
+        } else {
+            assert!(
+                matches!(handled.status, Status::Error { .. }),
+                "{handled:#?}"
+            );
+        }
+        server.shutdown().await;
+    }
+}
+
 #[tokio::test]
 async fn a_server_fallback_reads_its_cause_and_is_counted_apart() {
     let (seen, _guard) = Seen::install();
