@@ -380,6 +380,26 @@ const PROXY_ITEMS: [&str; 11] = [
     "try_into",
 ];
 
+/// Whether a receiver is `&self`: written so, as `&'_ self`, or as `self: &Self`.
+fn is_shared_self(r: &syn::Receiver) -> bool {
+    let elided = |lt: &Option<syn::Lifetime>| lt.as_ref().is_none_or(|lt| lt.ident == "_");
+    if r.mutability.is_some() {
+        return false;
+    }
+    match (&r.reference, &r.colon_token) {
+        (Some((_, lt)), None) => elided(lt),
+        (None, Some(_)) => match &*r.ty {
+            Type::Reference(t) => {
+                t.mutability.is_none()
+                    && elided(&t.lifetime)
+                    && matches!(&*t.elem, Type::Path(p) if p.qself.is_none() && p.path.is_ident("Self"))
+            }
+            _ => false,
+        },
+        _ => false,
+    }
+}
+
 fn method(f: &TraitItemFn) -> syn::Result<Method> {
     let sig = &f.sig;
     let mut errors = Errors::default();
@@ -450,17 +470,14 @@ fn method(f: &TraitItemFn) -> syn::Result<Method> {
         );
     }
 
-    // The receiver: exactly `&self`.
+    // The receiver: `&self`, however it is spelled (`&'_ self`, `self: &Self`).
     let mut inputs = sig.inputs.iter();
     match inputs.next() {
-        Some(FnArg::Receiver(r))
-            if r.reference.as_ref().is_some_and(|(_, lt)| lt.is_none())
-                && r.mutability.is_none()
-                && r.colon_token.is_none() => {}
+        Some(FnArg::Receiver(r)) if is_shared_self(r) => {}
         Some(FnArg::Receiver(r)) => errors.spanned(
             &r,
-            "a service method takes `&self` (not `self`, `&mut self` or a typed receiver): \
-             calls run concurrently on a shared instance",
+            "a service method takes `&self` (not `self`, `&mut self` or a receiver of another \
+             type such as `self: Arc<Self>`): calls run concurrently on a shared instance",
         ),
         Some(other) => errors.spanned(
             &other,
@@ -1013,6 +1030,14 @@ mod tests {
                 "takes `&self`",
             ),
             (
+                "trait T { async fn m(self: &mut Self) -> Result<(), E>; }",
+                "takes `&self`",
+            ),
+            (
+                "trait T { async fn m(&'a self) -> Result<(), E>; }",
+                "takes `&self`",
+            ),
+            (
                 "trait T { async fn m() -> Result<(), E>; }",
                 "takes `&self`",
             ),
@@ -1114,6 +1139,19 @@ mod tests {
             let tokens: proc_macro2::TokenStream = syn::parse_str(source).unwrap();
             let e = error(tokens);
             assert!(e.contains(want), "{source}\n=> {e}");
+        }
+    }
+
+    /// `&self` however it is spelled is taken: `&'_ self`, `self: &Self`.
+    #[test]
+    fn the_spellings_of_a_shared_self_are_taken() {
+        for source in [
+            "trait T { async fn m(&'_ self) -> Result<(), E>; }",
+            "trait T { async fn m(self: &Self) -> Result<(), E>; }",
+            "trait T { async fn m(self: &'_ Self) -> Result<(), E>; }",
+        ] {
+            let tokens: proc_macro2::TokenStream = syn::parse_str(source).unwrap();
+            assert!(service(tokens).is_ok(), "{source}");
         }
     }
 

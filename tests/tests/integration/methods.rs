@@ -777,3 +777,45 @@ async fn arguments_that_are_send_but_not_sync_are_sent() {
     assert_eq!(within("sum", sum).await.expect("joined").expect("sum"), 6);
     within("shutdown", server.shutdown()).await;
 }
+
+/// `&self` spelled `&'_ self` or `self: &Self`: the same shared receiver, served and called.
+#[allow(clippy::needless_arbitrary_self_type)]
+mod spelled_receivers {
+    use rpc::RpcError;
+
+    #[rpc::service(name = "t.Spelled")]
+    pub trait Spelled {
+        async fn elided(&'_ self, n: u64) -> Result<u64, RpcError>;
+        async fn typed(self: &Self, n: u64) -> Result<u64, RpcError>;
+    }
+
+    pub struct Add;
+
+    impl Spelled for Add {
+        async fn elided(&'_ self, n: u64) -> Result<u64, RpcError> {
+            Ok(n + 1)
+        }
+        async fn typed(self: &Self, n: u64) -> Result<u64, RpcError> {
+            Ok(n + 2)
+        }
+    }
+}
+
+#[tokio::test]
+async fn receivers_spelled_otherwise_are_served_and_called() {
+    use spelled_receivers::{Add, Spelled, SpelledClient, SpelledServer};
+    let reg = InProcessRegistry::new();
+    let server = Server::builder()
+        .registry(reg.clone())
+        .add_service(SpelledServer::new(Add))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let spelled = SpelledClient::new(Client::builder().registry(reg).build());
+    assert_eq!(
+        within("elided", spelled.elided(1)).await.expect("elided"),
+        2
+    );
+    assert_eq!(within("typed", spelled.typed(1)).await.expect("typed"), 3);
+    within("shutdown", server.shutdown()).await;
+}
