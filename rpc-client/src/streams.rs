@@ -246,6 +246,7 @@ impl Client {
                     opened: &opened,
                     inbound: &inbound,
                     cause: &cause,
+                    sent: &sent,
                 },
             );
             let result = stack.call(&mut cx, params).await;
@@ -433,6 +434,8 @@ struct StreamFallback<'c, S> {
     inbound: &'c Mutex<Option<ByteStream>>,
     /// The failure the fallback answered for, once it did.
     cause: &'c Mutex<Option<RpcError>>,
+    /// The caller's items taken so far, the fallback's among them.
+    sent: &'c Arc<AtomicU64>,
 }
 
 impl<S: stack::Service> stack::Service for StreamFallback<'_, S> {
@@ -470,7 +473,15 @@ impl<S: stack::Service> stack::Service for StreamFallback<'_, S> {
             return Err(e);
         };
         cx.emit(EventKind::Fallback, endpoint, attempt, Some(e.to_string()));
-        let items = take(self.inbound);
+        // Counted as they go to the fallback, as they would have been sent to a server.
+        let items = take(self.inbound).map(|items| {
+            let sent = self.sent.clone();
+            RpcStream::try_new(futures_util::StreamExt::inspect(items, move |item| {
+                if item.is_ok() {
+                    sent.fetch_add(1, Ordering::Relaxed);
+                }
+            }))
+        });
         let setup = fallback.call_stream(index, req, items, self.client.inner.codec);
         let answer = fallback::with_cause(e.clone(), setup).await;
         let stream = fallback::outcome(method.entry_id, e.clone(), answer)?;

@@ -380,9 +380,11 @@ async fn a_fallback_answers_a_server_stream_whose_set_up_failed_with_its_own_ite
     within("shutdown", server.shutdown()).await;
 }
 
+/// The fallback of a refused client or bidirectional stream takes all the caller's items, and
+/// the call's span counts them as sent (before, 0).
 #[tokio::test]
 async fn a_fallback_of_a_refused_client_or_bidi_stream_takes_all_the_callers_items() {
-    let _traced = traced();
+    let (traces, _guard) = traced();
     // A server whose every call overflows (the cap is 0): the set-up is refused before the
     // server accepts the stream, with nothing of the caller's taken.
     let reg = InProcessRegistry::new();
@@ -412,6 +414,15 @@ async fn a_fallback_of_a_refused_client_or_bidi_stream_takes_all_the_callers_ite
     assert_eq!(market.setups.load(Ordering::SeqCst), 0, "no handler ran");
     assert_eq!(cache.used.load(Ordering::SeqCst), 2);
     within("shutdown", full.shutdown()).await;
+    let spans = traces.spans();
+    for (entry, items) in [("g.Stocks.total", 4), ("g.Stocks.double", 3)] {
+        let span = client_span(&spans, entry);
+        assert_eq!(
+            attr(&span, "rpc.stream.items_sent"),
+            Some(Value::I64(items)),
+            "{entry}"
+        );
+    }
 }
 
 #[tokio::test]
