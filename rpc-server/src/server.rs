@@ -333,7 +333,9 @@ impl ServerBuilder {
 
     /// Attachments one call may carry, and their total bytes (64 and 16 KiB by default); a call
     /// over either is answered 500 without running, and a connection that keeps sending such
-    /// calls is closed (see [`rpc_transport::ABUSE_LIMIT`]).
+    /// calls is closed (see [`rpc_transport::ABUSE_LIMIT`]). No frame holds more than 65 536
+    /// entries of one field (a frame with more is malformed, and its connection is closed), so
+    /// a count above that takes no more.
     pub fn max_attachments(mut self, count: usize, bytes: usize) -> Self {
         self.options.max_attachments = count;
         self.options.max_attachment_bytes = bytes;
