@@ -139,10 +139,16 @@ impl Seen {
 
     /// The spans once the server's has ended (just after the handler's future is dropped).
     async fn server_span_ended(&self) -> Vec<SpanData> {
-        within("the server span ended", async {
+        self.spans_once(|s| s.name == "rpc.server").await
+    }
+
+    /// The spans once one of them is `wanted` (a server's span ends as its task drops it,
+    /// which may come after what the test awaited).
+    async fn spans_once(&self, wanted: impl Fn(&SpanData) -> bool) -> Vec<SpanData> {
+        within("the span ended", async {
             loop {
                 let spans = self.spans();
-                if spans.iter().any(|s| s.name == "rpc.server") {
+                if spans.iter().any(&wanted) {
                     return spans;
                 }
                 tokio::task::yield_now().await;
@@ -194,6 +200,15 @@ async fn serve(meter: &opentelemetry::metrics::Meter) -> (ServerHandle, Probe) {
         .await
         .unwrap();
     (server, Probe { entered, dropped })
+}
+
+/// A client of `server` with the entries' own options.
+fn plain_client(server: &ServerHandle) -> SlowClient {
+    SlowClient::new(
+        Client::builder()
+            .registry(StaticRegistry::from_list(&server.local_addr().to_string()).unwrap())
+            .build(),
+    )
 }
 
 fn client_of(
@@ -454,11 +469,7 @@ async fn a_fallback_that_fails_still_leaves_its_cause_on_the_span() {
         .serve("127.0.0.1:0")
         .await
         .unwrap();
-    let client = SlowClient::new(
-        Client::builder()
-            .registry(StaticRegistry::from_list(&server.local_addr().to_string()).unwrap())
-            .build(),
-    );
+    let client = plain_client(&server);
     let e = within("the call", client.broken())
         .await
         .expect_err("the server's fallback fails");
@@ -467,16 +478,7 @@ async fn a_fallback_that_fails_still_leaves_its_cause_on_the_span() {
     let answered_1000 = |s: &SpanData| {
         s.name == "rpc.server" && attr(s, "rpc.status_code") == Some(Value::I64(1000))
     };
-    let spans = within("the server span ended", async {
-        loop {
-            let spans = seen.spans();
-            if spans.iter().any(answered_1000) {
-                break spans;
-            }
-            tokio::task::yield_now().await;
-        }
-    })
-    .await;
+    let spans = seen.spans_once(answered_1000).await;
     let handled: Vec<_> = spans.iter().filter(|s| answered_1000(s)).collect();
     assert_eq!(handled.len(), 1, "{spans:#?}");
     assert_eq!(
@@ -504,11 +506,7 @@ async fn the_callees_own_answer_leaves_the_server_span_status_unset() {
             builder.add_service(SlowServer::new(Hang { entered, dropped }))
         };
         let server = builder.serve("127.0.0.1:0").await.unwrap();
-        let client = SlowClient::new(
-            Client::builder()
-                .registry(StaticRegistry::from_list(&server.local_addr().to_string()).unwrap())
-                .build(),
-        );
+        let client = plain_client(&server);
         let e = within("the call", client.broken())
             .await
             .expect_err("fails");
@@ -516,16 +514,7 @@ async fn the_callees_own_answer_leaves_the_server_span_status_unset() {
         let with_code = |s: &SpanData, name: &str| {
             s.name == name && attr(s, "rpc.status_code") == Some(Value::I64(i64::from(code)))
         };
-        let spans = within("the server span ended", async {
-            loop {
-                let spans = seen.spans();
-                if spans.iter().any(|s| with_code(s, "rpc.server")) {
-                    break spans;
-                }
-                tokio::task::yield_now().await;
-            }
-        })
-        .await;
+        let spans = seen.spans_once(|s| with_code(s, "rpc.server")).await;
         let handled = spans.iter().find(|s| with_code(s, "rpc.server")).unwrap();
         let call = spans.iter().find(|s| with_code(s, "rpc.client")).unwrap();
         assert!(
@@ -556,11 +545,7 @@ async fn a_server_fallback_reads_its_cause_and_is_counted_apart() {
         .serve("127.0.0.1:0")
         .await
         .unwrap();
-    let slow = SlowClient::new(
-        Client::builder()
-            .registry(StaticRegistry::from_list(&server.local_addr().to_string()).unwrap())
-            .build(),
-    );
+    let slow = plain_client(&server);
     assert_eq!(
         slow.broken().await.unwrap(),
         StatusCode::ServerError.as_u32()
