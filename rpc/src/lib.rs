@@ -74,7 +74,7 @@ pub use rpc_governance::fallback::cause as fallback_cause;
 pub use rpc_governance::routing::RoutingRules;
 /// Client middleware: a layer around every call (`ClientBuilder::layer`) or every attempt
 /// (`ClientBuilder::attempt_layer`), and the per-call context it sees.
-pub use rpc_governance::stack::{CallCx, Middleware, Next};
+pub use rpc_governance::stack::{middleware_fn, CallCx, Middleware, MiddlewareFn, Next};
 pub use rpc_macros::service;
 #[cfg(feature = "etcd")]
 pub use rpc_registry::{EtcdOptions, EtcdRegistry, RuleStore};

@@ -53,6 +53,59 @@ pub trait Middleware: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<Bytes, RpcError>>;
 }
 
+/// A [`Middleware`] made of a closure, as tower's `service_fn` makes a service: for a layer
+/// without state of its own to name, or with state the closure owns (cloned into each call's
+/// future when the future needs it past the closure's borrow).
+///
+/// ```
+/// use rpc_governance::stack::middleware_fn;
+///
+/// // Tags every call with the tenant it is made for.
+/// let tenant = middleware_fn(|cx, req, next| {
+///     cx.insert_attachment("tenant", "acme");
+///     next.run(cx, req)
+/// });
+/// # let _ = tenant;
+/// ```
+pub fn middleware_fn<F>(f: F) -> MiddlewareFn
+where
+    F: for<'a, 'c> Fn(
+            &'a mut CallCx<'c>,
+            Bytes,
+            Next<'a>,
+        ) -> BoxFuture<'a, Result<Bytes, RpcError>>
+        + Send
+        + Sync
+        + 'static,
+{
+    MiddlewareFn(Box::new(f))
+}
+
+/// What [`middleware_fn`] keeps: the closure.
+type LayerFn = dyn for<'a, 'c> Fn(&'a mut CallCx<'c>, Bytes, Next<'a>) -> BoxFuture<'a, Result<Bytes, RpcError>>
+    + Send
+    + Sync;
+
+/// The [`Middleware`] [`middleware_fn`] makes.
+pub struct MiddlewareFn(Box<LayerFn>);
+
+impl std::fmt::Debug for MiddlewareFn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MiddlewareFn").finish_non_exhaustive()
+    }
+}
+
+impl Middleware for MiddlewareFn {
+    fn call<'a>(
+        &'a self,
+        cx: &'a mut CallCx<'_>,
+        req: Bytes,
+        next: Next<'a>,
+    ) -> BoxFuture<'a, Result<Bytes, RpcError>> {
+        (self.0)(cx, req, next)
+    }
+}
+
 /// The rest of the stack below a [`Middleware`].
 pub struct Next<'a> {
     rest: &'a [Arc<dyn Middleware>],

@@ -48,7 +48,7 @@ pub use breaker::CircuitBreakerLayer;
 pub use context::{CallCx, StreamEnd, StreamEndHook, Superseded};
 pub use fallback::{FallbackLayer, Fallbacks};
 pub use hedge::HedgeLayer;
-pub use middleware::{Layered, Middleware, Next};
+pub use middleware::{middleware_fn, Layered, Middleware, MiddlewareFn, Next};
 pub use retry::RetryLayer;
 pub use throttle::ThrottleLayer;
 pub use timeout::TimeoutLayer;

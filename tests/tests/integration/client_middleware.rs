@@ -380,21 +380,14 @@ async fn per_call_options_win_over_every_level() {
     server.shutdown().await;
 }
 
-/// An attempt layer that waits before passing the attempt on (a token fetch, say).
-struct Waits(std::time::Duration);
-
-impl Middleware for Waits {
-    fn call<'a>(
-        &'a self,
-        cx: &'a mut CallCx<'_>,
-        req: Bytes,
-        next: Next<'a>,
-    ) -> BoxFuture<'a, Result<Bytes, RpcError>> {
+/// An attempt layer that waits `delay` before passing the attempt on (a token fetch, say).
+fn waits(delay: std::time::Duration) -> impl Middleware {
+    rpc::middleware_fn(move |cx, req, next| {
         Box::pin(async move {
-            tokio::time::sleep(self.0).await;
+            tokio::time::sleep(delay).await;
             next.run(cx, req).await
         })
-    }
+    })
 }
 
 /// The budget sent to the server is what is left when the attempt goes out: an attempt layer
@@ -414,7 +407,7 @@ async fn the_server_is_told_the_budget_left_after_the_attempt_layers() {
                     ..GovernanceOverrides::NONE
                 },
             )
-            .attempt_layer(Waits(std::time::Duration::from_millis(1_000)))
+            .attempt_layer(waits(std::time::Duration::from_millis(1_000)))
             .build(),
     );
     // A first call connects (the connecting path already re-reads the budget).

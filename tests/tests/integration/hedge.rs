@@ -333,26 +333,18 @@ impl Gated for GatedNode {
 
 /// An attempt layer that releases the hedge's server once the client has the first answer
 /// of the call: the hedge's answer then comes last, whatever the scheduling.
-struct ReleaseAfterFirstAnswer {
-    gates: Arc<[tokio::sync::Notify; 2]>,
-    seen: std::sync::atomic::AtomicBool,
-}
-
-impl rpc::Middleware for ReleaseAfterFirstAnswer {
-    fn call<'a>(
-        &'a self,
-        cx: &'a mut rpc::CallCx<'_>,
-        req: rpc::Bytes,
-        next: rpc::Next<'a>,
-    ) -> rpc::BoxFuture<'a, Result<rpc::Bytes, RpcError>> {
+fn release_after_first_answer(gates: Arc<[tokio::sync::Notify; 2]>) -> impl rpc::Middleware {
+    let seen = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    rpc::middleware_fn(move |cx, req, next| {
+        let (gates, seen) = (gates.clone(), seen.clone());
         Box::pin(async move {
             let answer = next.run(cx, req).await;
-            if !self.seen.swap(true, Ordering::SeqCst) {
-                self.gates[1].notify_one();
+            if !seen.swap(true, Ordering::SeqCst) {
+                gates[1].notify_one();
             }
             answer
         })
-    }
+    })
 }
 
 /// Two gated servers failing with `code`, and a client hedging after 10 ms with no retries
@@ -414,10 +406,7 @@ async fn answered_by_names_the_attempt_whose_answer_a_hedged_call_returns() {
     // Not a callee's answer: the call waits for the hedge, whose answer comes last.
     let (servers, client, mut arrived, gates) =
         gated_pair(rpc::StatusCode::ServerError, None, |b, gates| {
-            b.attempt_layer(ReleaseAfterFirstAnswer {
-                gates: gates.clone(),
-                seen: Default::default(),
-            })
+            b.attempt_layer(release_after_first_answer(gates.clone()))
         })
         .await;
     let address_of = |name: &str| {

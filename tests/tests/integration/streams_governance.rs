@@ -885,19 +885,12 @@ async fn a_streams_set_up_arguments_are_compressed_with_the_entrys_option() {
 type Seen = (String, &'static str, Option<StatusCode>, u64, u64);
 
 /// A user's client layer: records each call's set-up and asks to be told of its stream's end.
-struct Watcher(mpsc::UnboundedSender<Seen>);
-
-impl rpc::Middleware for Watcher {
-    fn call<'a>(
-        &'a self,
-        cx: &'a mut rpc::CallCx<'_>,
-        req: rpc::Bytes,
-        next: rpc::Next<'a>,
-    ) -> rpc::BoxFuture<'a, Result<rpc::Bytes, RpcError>> {
+fn watcher(seen: mpsc::UnboundedSender<Seen>) -> impl rpc::Middleware {
+    rpc::middleware_fn(move |cx, req, next| {
+        let seen = seen.clone();
         Box::pin(async move {
             let entry = cx.entry_id().to_string();
-            let tx = self.0.clone();
-            let at_end = entry.clone();
+            let (tx, at_end) = (seen.clone(), entry.clone());
             cx.on_stream_end(move |end| {
                 let _ = tx.send((
                     at_end,
@@ -912,10 +905,10 @@ impl rpc::Middleware for Watcher {
                 Ok(_) => StatusCode::Success,
                 Err(e) => e.code(),
             };
-            let _ = self.0.send((entry, "set-up", Some(status), 0, 0));
+            let _ = seen.send((entry, "set-up", Some(status), 0, 0));
             result
         })
-    }
+    })
 }
 
 #[rpc::service(name = "g.Spans")]
@@ -1016,7 +1009,7 @@ async fn a_client_layer_sees_a_streams_set_up_and_its_end() {
         Client::builder()
             .registry(reg.clone())
             .override_options(StocksClient::SERVICE_ID, options(100))
-            .layer(Watcher(tx))
+            .layer(watcher(tx))
             .build(),
     );
     let next = |seen: &mut mpsc::UnboundedReceiver<Seen>| seen.try_recv().ok();
