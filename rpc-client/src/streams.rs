@@ -132,7 +132,9 @@ impl Client {
     /// [`invoke_stream`](Self::invoke_stream). Each side's items flow within the other
     /// side's credit: `items` is asked for an item only when the server can take it, and the
     /// server's producer stops when the answer is not read. An error item of `items` ends the
-    /// stream with that error; dropping the answer stream stops both directions.
+    /// stream with that error once the handler has read it (or dropped its request stream)
+    /// and has no more answers ready; a handler that holds its request stream unread never
+    /// sees it. Dropping the answer stream stops both directions.
     pub async fn invoke_bidi<H: FnOnce() -> u64>(
         &self,
         method: &'static MethodDescriptor,

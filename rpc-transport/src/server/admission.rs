@@ -189,11 +189,16 @@ impl FrameCtx<'_> {
                     }
                     // The client's items may come before the handler is set up: they wait in
                     // the stream's queue, which exists from now on.
-                    let slot = Arc::new(StreamSlot::new(
+                    let slot = StreamSlot::new(
                         self.options.stream_window.max(1),
                         u64::from(self.options.stream_window_bytes),
                         self.options.max_frame_length,
-                    ));
+                    );
+                    let slot = Arc::new(if invoke.mode() == Some(StreamMode::Bidi) {
+                        slot.answering_items()
+                    } else {
+                        slot
+                    });
                     conn.streams.open(id, slot.clone());
                     let inbound = Inbound::new(
                         id,

@@ -95,6 +95,16 @@ pub(super) struct StreamSlot {
     waker: AtomicWaker,
     /// The client sent what this stream does not take: it ends with status 500.
     violated: AtomicBool,
+    /// The client's request stream failed, and the failure reached the handler (it read it)
+    /// or never can (it dropped its request stream): the stream ends with that failure once
+    /// its producer has nothing more ready, however long the handler would go on.
+    failure_reached: AtomicBool,
+    /// Whether the stream answers with items (bidirectional), which [`failure_reached`]
+    /// ends early; a client stream's handler answers once, and is left to finish with the
+    /// failure it read (its answer is replaced by the failure).
+    ///
+    /// [`failure_reached`]: Self::failure_reached
+    answers_items: bool,
     /// The most bytes one of the client's items may decompress to.
     max_item_bytes: usize,
 }
@@ -123,6 +133,8 @@ struct InboundQueue {
     /// than 200, an item that did not decompress or was beyond the budget): the stream then
     /// ends with that status, even when the handler answers as if it were complete.
     failed: Option<RpcError>,
+    /// The handler dropped its request stream: a failure arriving later cannot reach it.
+    dropped: bool,
 }
 
 impl StreamSlot {
@@ -142,14 +154,24 @@ impl StreamSlot {
                 waker: None,
                 held: Held::new(inbound_window, inbound_window_bytes),
                 failed: None,
+                dropped: false,
             }),
             inbound_window,
             inbound_window_bytes,
             granted: AtomicU64::new(0),
             waker: AtomicWaker::new(),
             violated: AtomicBool::new(false),
+            failure_reached: AtomicBool::new(false),
+            answers_items: false,
             max_item_bytes,
         }
+    }
+
+    /// The stream answers with items (bidirectional): once its caller's failure reached the
+    /// handler, it ends as soon as the handler has nothing more ready.
+    pub(super) fn answering_items(mut self) -> Self {
+        self.answers_items = true;
+        self
     }
 
     fn inbound(&self) -> MutexGuard<'_, InboundQueue> {
@@ -221,10 +243,32 @@ impl StreamSlot {
                 q.failed = Some(failed.clone());
                 Err(failed)
             });
+            if q.dropped && q.failed.is_some() {
+                drop(q);
+                self.reach_failure();
+                return;
+            }
             q.waker.take()
         };
         if let Some(w) = waker {
             w.wake();
+        }
+    }
+
+    /// The caller's failure reached the handler, or never can: the stream's task is woken to
+    /// end the stream with it once its producer has nothing more ready.
+    fn reach_failure(&self) {
+        self.failure_reached.store(true, Ordering::Release);
+        self.waker.wake();
+    }
+
+    /// The failure the stream ends with now, if its caller's request stream failed and the
+    /// failure reached the handler (see [`failure_reached`](Self::failure_reached)).
+    fn reached_failure(&self) -> Option<RpcError> {
+        if self.answers_items && self.failure_reached.load(Ordering::Acquire) {
+            self.failed()
+        } else {
+            None
         }
     }
 
@@ -339,6 +383,10 @@ impl Stream for Inbound {
                      granted",
                 )))
             } else if let Some(end) = q.end.take() {
+                if end.is_err() && q.failed.is_some() {
+                    drop(q);
+                    this.slot.reach_failure();
+                }
                 end.err().map(Err)
             } else {
                 match &q.waker {
@@ -350,6 +398,20 @@ impl Stream for Inbound {
         };
         this.done = true;
         Poll::Ready(next)
+    }
+}
+
+impl Drop for Inbound {
+    /// The handler let go of its request stream: a failure of the caller's, come or to come,
+    /// cannot reach it, and ends the stream instead.
+    fn drop(&mut self) {
+        let mut q = self.slot.inbound();
+        q.dropped = true;
+        let failed = q.failed.is_some();
+        drop(q);
+        if failed {
+            self.slot.reach_failure();
+        }
     }
 }
 
@@ -398,6 +460,8 @@ impl Inbound {
         if q.failed.is_none() {
             q.failed = Some(error.clone());
         }
+        drop(q);
+        self.slot.reach_failure();
         error
     }
 
@@ -808,6 +872,9 @@ impl StreamDriver {
                 continue;
             }
             if turn.over() {
+                if let Some(failed) = this.slot.reached_failure() {
+                    return Poll::Ready(error_result(failed.code(), failed.message()));
+                }
                 cx.waker().wake_by_ref();
                 return Poll::Pending;
             }
@@ -847,7 +914,15 @@ impl StreamDriver {
             // Neither credit nor room is waited for: no stall.
             this.stalled_since_writes = None;
             match this.next_event(cx, &mut turn) {
-                Poll::Pending => return Poll::Pending,
+                // The handler has nothing more ready, and the caller's failure reached it: the
+                // stream ends with that failure (the items made before it went first), even if
+                // the handler would go on producing.
+                Poll::Pending => {
+                    return match this.slot.reached_failure() {
+                        Some(failed) => Poll::Ready(error_result(failed.code(), failed.message())),
+                        None => Poll::Pending,
+                    };
+                }
                 Poll::Ready(Some(StreamEvent::Accepted)) => {
                     if !this.accepted {
                         this.accept();

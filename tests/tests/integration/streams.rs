@@ -60,6 +60,13 @@ pub trait Feed {
     /// Both ways, the caller's lines read by a task of the handler's own (as a tonic handler
     /// is often written) and forwarded to the answer; reports when that task ends.
     async fn relay(&self, lines: RpcStream<String>) -> Result<RpcStream<String>, RpcError>;
+    /// Both ways: numbers from 0 without end, after reading the caller's lines to their end
+    /// and holding them (`read`), or with the caller's lines dropped unread.
+    async fn unheeding(
+        &self,
+        read: bool,
+        lines: RpcStream<String>,
+    ) -> Result<RpcStream<u64>, RpcError>;
     /// `n` items, each the caller's `tenant` attachment as the handler sees it while producing
     /// that item (`none` when it sees none).
     async fn tenants(&self, n: u32) -> Result<RpcStream<String>, RpcError>;
@@ -175,6 +182,25 @@ impl Feed for Feeds {
         Ok(RpcStream::new(futures_util::stream::unfold(
             rx,
             |mut rx| async move { rx.recv().await.map(|line| (line, rx)) },
+        )))
+    }
+
+    async fn unheeding(
+        &self,
+        read: bool,
+        lines: RpcStream<String>,
+    ) -> Result<RpcStream<u64>, RpcError> {
+        // (Unread lines are dropped here, with the set-up.)
+        let lines = read.then_some(lines);
+        Ok(RpcStream::new(futures_util::stream::unfold(
+            (lines, false, 0u64),
+            |(mut lines, mut read, n)| async move {
+                if let (Some(lines), false) = (&mut lines, read) {
+                    while let Some(Ok(_)) = lines.next().await {}
+                    read = true;
+                }
+                Some((n, (lines, read, n + 1)))
+            },
         )))
     }
 
@@ -851,6 +877,46 @@ async fn a_request_stream_read_by_a_task_of_its_own_ends_when_the_call_ends() {
     assert_eq!(next_item("reply", &mut replies).await, "a");
     drop(replies);
     probe.dropped("relay reader").await;
+    assert_eq!(echoed(&f, "ok").await, "ok");
+    within("shutdown", server.shutdown()).await;
+}
+
+/// A bidirectional caller's error item ends the stream with that error though the handler
+/// would produce for ever: once the handler read it (its lines read to their end and held),
+/// or at once when the handler dropped its lines unread. Before, the error waited for the
+/// handler to end on its own, and the stream went on, holding its slot under the cap.
+#[tokio::test]
+async fn a_callers_error_item_ends_a_stream_whose_handler_goes_on_producing() {
+    let reg = InProcessRegistry::new();
+    let (server, _probe) = serve(&reg, 50).await;
+    let f = feed(&reg);
+    for read in [true, false] {
+        let lines = RpcStream::try_new(futures_util::stream::iter([
+            Ok("a".to_string()),
+            Err(RpcError::business("stop")),
+        ]));
+        let mut numbers = within("open", f.unheeding(read, lines))
+            .await
+            .expect("open");
+        let mut expected = 0u64;
+        let end = within("the caller's error", async {
+            // (Bounded: the numbers come until the server reads the caller's end.)
+            while expected < 10_000_000 {
+                match numbers.next().await {
+                    Some(Ok(n)) => {
+                        assert_eq!(n, expected, "read {read}: the numbers in order");
+                        expected += 1;
+                    }
+                    Some(Err(e)) => return e,
+                    None => panic!("read {read}: the stream completed without the caller's error"),
+                }
+            }
+            panic!("read {read}: no end after {expected} numbers")
+        })
+        .await;
+        assert_eq!(end.code(), StatusCode::BusinessError, "read {read}: {end}");
+        assert!(end.message().contains("stop"), "read {read}: {end}");
+    }
     assert_eq!(echoed(&f, "ok").await, "ok");
     within("shutdown", server.shutdown()).await;
 }
