@@ -57,9 +57,12 @@ pub(crate) trait HasRules {
     fn hold(&self, task: AbortOnDrop);
 }
 
-/// Puts a governance document in the centre level (refused, changing nothing, when it gives an
-/// entry already called options it cannot carry out), or a routing document in the router,
-/// from the next call.
+/// Puts a governance document in the centre level, or a routing document in the router, from
+/// the next call. A strategy the governance document asks of an entry that cannot carry it
+/// out (hashing without a `#[hash_key]`, appoint without an address) is left out for that
+/// entry, with a warning: every client applies a document alike, whichever entries it has
+/// called ([`Governance::set_centre`]). (Refused, changing nothing, only when the levels below
+/// would then give an entry already called options it cannot carry out.)
 pub(crate) fn apply(
     governance: &Governance,
     router: &Router,
@@ -69,7 +72,15 @@ pub(crate) fn apply(
     match kind {
         RuleKind::Governance => {
             let centre = GovernanceConfig::from_toml(&rules.text)?;
-            governance.try_update_layers(|l| l.centre = centre)
+            for e in governance.set_centre(centre)? {
+                tracing::warn!(
+                    target: "rpc::rules",
+                    version = rules.version,
+                    "left out of the governance rules for this entry: {}",
+                    e.message()
+                );
+            }
+            Ok(())
         }
         RuleKind::Routing => {
             router.set_from_centre(RoutingRules::from_toml(&rules.text)?);

@@ -183,14 +183,55 @@ pub struct Layers {
 
 impl Layers {
     /// The options in force for `method`.
+    ///
+    /// A strategy the config centre's document gives an entry that cannot carry it out
+    /// (consistent hashing without a `#[hash_key]` argument, appoint without an address) is
+    /// left out for that entry, which keeps the strategy of the layers below
+    /// ([`centre_left_out`](Self::centre_left_out) says why): one document serves many
+    /// clients and services, and every client must apply it alike, whether or not it has
+    /// called the entry yet.
     pub fn resolve(&self, method: &MethodDescriptor) -> GovernanceOptions {
+        let mut o = self.below_centre(method);
+        self.apply_centre(method, &mut o);
+        self.runtime.apply(method, &mut o);
+        o
+    }
+
+    /// The options the layers below the config centre give `method`.
+    fn below_centre(&self, method: &MethodDescriptor) -> GovernanceOptions {
         let mut o = method.governance.applied(&self.code_defaults);
         self.published.apply(method, &mut o);
         self.file.apply(method, &mut o);
         self.env.apply(method, &mut o);
-        self.centre.apply(method, &mut o);
-        self.runtime.apply(method, &mut o);
         o
+    }
+
+    /// Applies the config centre's layer over `o`, but for a strategy `method` cannot carry
+    /// out: whether that was left out.
+    fn apply_centre(&self, method: &MethodDescriptor, o: &mut GovernanceOptions) -> bool {
+        let before = (o.shunt_strategy, o.appoint_address.clone());
+        self.centre.apply(method, o);
+        if unfit(method, o).is_none()
+            || (o.shunt_strategy, &o.appoint_address) == (before.0, &before.1)
+        {
+            return false;
+        }
+        (o.shunt_strategy, o.appoint_address) = before;
+        true
+    }
+
+    /// Why the config centre's document asks `method` for a strategy it cannot carry out,
+    /// which [`resolve`](Self::resolve) leaves out: what a client says of a document it
+    /// applies, and what an editor refuses to write ([`check`](Self::check)).
+    pub fn centre_left_out(&self, method: &MethodDescriptor) -> Option<RpcError> {
+        let below = self.below_centre(method);
+        let mut o = below.clone();
+        if !self.apply_centre(method, &mut o) {
+            return None;
+        }
+        let mut asked = below;
+        self.centre.apply(method, &mut asked);
+        unfit(method, &asked).map(|why| why.error(method, CENTRE))
     }
 
     /// For every option of `method`, in declaration order, the level that set the value
@@ -215,6 +256,9 @@ impl Layers {
             OptionLevel::Code,
         );
         raise(method.governance.set_fields(), OptionLevel::Attribute);
+        // A strategy the centre asks for and the entry cannot carry out is left out: the
+        // layers below still set it (and the address).
+        let left_out = self.centre_left_out(method).is_some();
         for (layer, level) in [
             (&self.published, OptionLevel::Published),
             (&self.file, OptionLevel::File),
@@ -222,7 +266,11 @@ impl Layers {
             (&self.centre, OptionLevel::Centre),
             (&self.runtime, OptionLevel::Runtime),
         ] {
-            raise(layer.fields_set_for(method), level);
+            let mut fields = layer.fields_set_for(method);
+            if left_out && level == OptionLevel::Centre {
+                fields.retain(|f| !matches!(*f, "shunt_strategy" | "appoint_address"));
+            }
+            raise(fields, level);
         }
         levels
     }
@@ -230,29 +278,26 @@ impl Layers {
     /// Checks that the options these layers give `method` can be carried out: consistent
     /// hashing needs a `#[hash_key]` argument to hash (without one, every call would quietly
     /// go round robin), and an appointed endpoint needs its address (without one, every call
-    /// would fail). The error names the entry and, for hashing, the layer that asked for it.
+    /// would fail). The error names the entry and the layer that asked for the strategy. A
+    /// strategy the config centre asks for and [`resolve`](Self::resolve) leaves out is an
+    /// error here too: what an editor checks before it writes a document.
     pub fn check(&self, method: &MethodDescriptor) -> Result<(), RpcError> {
-        let resolved = self.resolve(method);
-        if resolved.shunt_strategy == ShuntStrategy::Appoint
-            && resolved
-                .appoint_address
-                .as_deref()
-                .is_none_or(str::is_empty)
-        {
-            return Err(RpcError::new(
-                StatusCode::FrameworkError,
-                format!(
-                    "{}: shunt_strategy = appoint needs appoint_address = \"host:port\", the \
-                     address every call goes to; set it beside the strategy, or choose another \
-                     strategy for this entry",
-                    method.entry_id
-                ),
-            ));
+        self.check_in_force(method)?;
+        self.centre_left_out(method).map_or(Ok(()), Err)
+    }
+
+    /// [`check`](Self::check) of the options in force only (what calls meet), with the
+    /// config centre's strategy left out where `method` cannot carry it out.
+    pub fn check_in_force(&self, method: &MethodDescriptor) -> Result<(), RpcError> {
+        match unfit(method, &self.resolve(method)) {
+            None => Ok(()),
+            Some(why) => Err(why.error(method, self.strategy_source(method))),
         }
-        if method.hash_key.is_some() || resolved.shunt_strategy != ShuntStrategy::Hash {
-            return Ok(());
-        }
-        // The highest layer that sets the strategy for this entry is the one to change.
+    }
+
+    /// The highest layer that sets `method`'s strategy in force: the one to change.
+    fn strategy_source(&self, method: &MethodDescriptor) -> &'static str {
+        let left_out = self.centre_left_out(method).is_some();
         let mut o = method.governance.applied(&self.code_defaults);
         let mut source = if method.governance.shunt_strategy.is_some() {
             "the method's #[governance] attribute"
@@ -263,9 +308,12 @@ impl Layers {
             (&self.published, "the descriptors its servers publish"),
             (&self.file, "the config file"),
             (&self.env, "RPC_GOVERNANCE"),
-            (&self.centre, "the governance rules in the config centre"),
+            (&self.centre, CENTRE),
             (&self.runtime, "a runtime update"),
         ] {
+            if left_out && name == CENTRE {
+                continue;
+            }
             let before = o.shunt_strategy;
             layer.apply(method, &mut o);
             let sets = [
@@ -280,15 +328,51 @@ impl Layers {
                 source = name;
             }
         }
-        Err(RpcError::new(
-            StatusCode::FrameworkError,
-            format!(
+        source
+    }
+}
+
+/// How [`Layers::check`] names the config centre's layer.
+const CENTRE: &str = "the governance rules in the config centre";
+
+/// What keeps an entry from carrying out the strategy its options ask for.
+#[derive(Debug, Clone, Copy)]
+enum Unfit {
+    /// `appoint` with no address to appoint.
+    NoAddress,
+    /// `hash` for a method without a `#[hash_key]` argument.
+    NoHashKey,
+}
+
+/// Why `method` cannot carry out the strategy of `o`, if it cannot.
+fn unfit(method: &MethodDescriptor, o: &GovernanceOptions) -> Option<Unfit> {
+    match o.shunt_strategy {
+        ShuntStrategy::Appoint if o.appoint_address.as_deref().is_none_or(str::is_empty) => {
+            Some(Unfit::NoAddress)
+        }
+        ShuntStrategy::Hash if method.hash_key.is_none() => Some(Unfit::NoHashKey),
+        _ => None,
+    }
+}
+
+impl Unfit {
+    /// The error naming `method`'s entry and the layer (`source`) that asked for the strategy.
+    fn error(self, method: &MethodDescriptor, source: &str) -> RpcError {
+        let message = match self {
+            Unfit::NoAddress => format!(
+                "{}: shunt_strategy = appoint (set by {source}) needs appoint_address = \
+                 \"host:port\", the address every call goes to; set it beside the strategy, or \
+                 choose another strategy for this entry",
+                method.entry_id
+            ),
+            Unfit::NoHashKey => format!(
                 "{}: shunt_strategy = hash (set by {source}) needs an argument marked \
                  #[hash_key], and {} has none; mark the argument to hash on, or choose another \
                  strategy for this entry",
                 method.entry_id, method.method
             ),
-        ))
+        };
+        RpcError::new(StatusCode::FrameworkError, message)
     }
 }
 
@@ -306,6 +390,16 @@ mod tests {
             retry_times: Some(2),
             ..GovernanceOverrides::NONE
         },
+        api: None,
+    };
+
+    /// A method of the same service with a `#[hash_key]` argument.
+    static KEYED: MethodDescriptor = MethodDescriptor {
+        service_id: "echo.Echo",
+        method: "profile",
+        entry_id: "echo.Echo.profile",
+        hash_key: Some(0),
+        governance: GovernanceOverrides::NONE,
         api: None,
     };
 
@@ -428,14 +522,6 @@ mod tests {
 
     #[test]
     fn hashing_without_a_hash_key_is_refused_naming_the_entry_and_the_layer() {
-        static KEYED: MethodDescriptor = MethodDescriptor {
-            service_id: "echo.Echo",
-            method: "profile",
-            entry_id: "echo.Echo.profile",
-            hash_key: Some(0),
-            governance: GovernanceOverrides::NONE,
-            api: None,
-        };
         let mut layers = Layers {
             file: GovernanceConfig::from_toml(
                 "[services.\"echo.Echo\"]\nshunt_strategy = \"hash\"\n",
@@ -486,6 +572,63 @@ mod tests {
             true,
         );
         assert!(layers.check(&M).is_ok());
+    }
+
+    /// The centre's strategy is left out for the entry that cannot carry it out only: the
+    /// entry keeps the file's strategy (and reports it as the file's), the keyed entry hashes,
+    /// the rest of the document applies to both, and the strict check names the centre.
+    #[test]
+    fn a_centre_strategy_an_entry_cannot_carry_out_is_left_out_for_that_entry_only() {
+        let layers = Layers {
+            file: GovernanceConfig::from_toml(
+                "[defaults]
+shunt_strategy = \"random\"\n",
+            )
+            .unwrap(),
+            centre: GovernanceConfig::from_toml(
+                "[services.\"echo.Echo\"]\nshunt_strategy = \"hash\"\ntimeout_ms = 4321\n",
+            )
+            .unwrap(),
+            ..Layers::default()
+        };
+        let (keyed, keyless) = (layers.resolve(&KEYED), layers.resolve(&M));
+        assert_eq!(
+            (keyed.shunt_strategy, keyed.timeout_ms),
+            (ShuntStrategy::Hash, 4321)
+        );
+        assert_eq!(
+            (keyless.shunt_strategy, keyless.timeout_ms),
+            (ShuntStrategy::Random, 4321)
+        );
+        let levels: HashMap<_, _> = layers.levels(&M).into_iter().collect();
+        assert_eq!(levels["shunt_strategy"], OptionLevel::File);
+        assert_eq!(levels["timeout_ms"], OptionLevel::Centre);
+        assert!(layers.check_in_force(&M).is_ok());
+        assert!(layers.check(&KEYED).is_ok());
+        let e = layers.check(&M).unwrap_err();
+        assert!(
+            e.message().contains("echo.Echo.echo")
+                && e.message().contains("#[hash_key]")
+                && e.message().contains("config centre"),
+            "{e}"
+        );
+        // Appoint with no address anywhere: left out too.
+        let appointing = Layers {
+            centre: GovernanceConfig::from_toml(
+                "[entries.\"echo.Echo.echo\"]\nshunt_strategy = \"appoint\"\n",
+            )
+            .unwrap(),
+            ..Layers::default()
+        };
+        assert_eq!(
+            appointing.resolve(&M).shunt_strategy,
+            ShuntStrategy::RoundRobin
+        );
+        let e = appointing.check(&M).unwrap_err();
+        assert!(
+            e.message().contains("appoint_address") && e.message().contains("config centre"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -20,7 +20,7 @@ use rpc_core::{
 
 use crate::breaker::{BreakerState, CircuitBreaker};
 use crate::budget::RetryBudget;
-use crate::config::Layers;
+use crate::config::{GovernanceConfig, Layers};
 use crate::events::{EventBus, EventKind};
 use crate::health::EndpointHealth;
 
@@ -198,6 +198,14 @@ impl Governance {
         self.cache
             .entry(ServiceEntryId::from(method.entry_id))
             .or_insert_with(|| {
+                if let Some(e) = layers.centre_left_out(method) {
+                    tracing::warn!(
+                        target: "rpc::rules",
+                        entry = method.entry_id,
+                        "left out of the governance rules for this entry: {}",
+                        e.message()
+                    );
+                }
                 Arc::new(EntryPolicy {
                     entry: Arc::from(method.entry_id),
                     method,
@@ -229,6 +237,26 @@ impl Governance {
         *layers = next;
         self.refresh(&layers);
         Ok(())
+    }
+
+    /// Replaces the config centre's layer (a governance document of the rule store): refused
+    /// (nothing changes) only when the layers below would give an entry this engine has used
+    /// options it cannot carry out. A strategy the document asks of an entry that cannot carry
+    /// it out is left out for that entry ([`Layers::centre_left_out`]): each such entry
+    /// already used is returned, to be told, and one first used later is warned of then.
+    /// Every client thus applies a document alike, whichever entries it has called.
+    pub fn set_centre(&self, centre: GovernanceConfig) -> Result<Vec<RpcError>, RpcError> {
+        let mut layers = self.layers.write().unwrap_or_else(|p| p.into_inner());
+        let mut next = layers.clone();
+        next.centre = centre;
+        let mut left_out = Vec::new();
+        for p in self.cache.iter() {
+            next.check_in_force(p.method())?;
+            left_out.extend(next.centre_left_out(p.method()));
+        }
+        *layers = next;
+        self.refresh(&layers);
+        Ok(left_out)
     }
 
     /// Whether [`try_update_layers`](Self::try_update_layers) would take `change`: its error,

@@ -207,6 +207,7 @@ struct Fleet {
     handler: Arc<Handler>,
     entered: mpsc::UnboundedReceiver<String>,
     server: rpc::ServerHandle,
+    reg: InProcessRegistry,
     client: Client,
     ruled: RuledClient,
     /// The version of the governance document stored before the server started.
@@ -240,7 +241,7 @@ async fn fleet_after(stored: Option<&str>) -> Fleet {
         .await
         .expect("serve");
     let client = Client::builder()
-        .registry(reg)
+        .registry(reg.clone())
         .default_options(GovernanceOptions {
             retry_times: 0,
             timeout_ms: 0,
@@ -256,6 +257,7 @@ async fn fleet_after(stored: Option<&str>) -> Fleet {
         handler,
         entered,
         server,
+        reg,
         client,
         ruled,
         stored: stored_version,
@@ -333,6 +335,67 @@ async fn a_rule_in_etcd_switches_the_breaker_to_observe_and_back_and_a_bad_one_i
     let e = within("call", f.ruled.fail()).await.unwrap_err();
     assert_eq!(e.code(), StatusCode::ServerError, "{e}");
     assert_eq!(f.handler.failed.load(Ordering::SeqCst), 5);
+}
+
+/// A governance document asking for consistent hashing on a service whose methods have no
+/// `#[hash_key]` is applied alike by a client that called them and by a fresh one: the
+/// strategy is left out for those entries (they keep round robin), the rest of the document
+/// applies, and calls go on. Before, the client that had called the entry refused the whole
+/// document while a fresh one applied it, and its calls failed 500. A rule editor is still
+/// told (the client's check refuses the document, naming the centre).
+#[tokio::test]
+async fn a_strategy_an_entry_cannot_carry_out_is_left_out_alike_by_every_client() {
+    let f = fleet().await;
+    let fail = &RuledClient::methods()[1];
+    let mut events = f.client.events().subscribe();
+    let e = within("call", f.ruled.fail()).await.unwrap_err();
+    assert_eq!(e.code(), StatusCode::ServerError, "{e}");
+    let hashing = "[services.\"t.Ruled\"]\nshunt_strategy = \"hash\"\ntimeout_ms = 4321\n";
+    let checked = f
+        .client
+        .check_rules(RuleKind::Governance, hashing)
+        .expect_err("an editor is told");
+    assert!(
+        checked.message().contains("t.Ruled.fail")
+            && checked.message().contains("#[hash_key]")
+            && checked.message().contains("config centre"),
+        "{checked}"
+    );
+    let v1 = f.rules.put(RuleKind::Governance, hashing).await.unwrap();
+    rule_event(&mut events, EventKind::RuleApplied, v1).await;
+    let fresh = Client::builder()
+        .registry(f.reg.clone())
+        .default_options(GovernanceOptions {
+            retry_times: 0,
+            timeout_ms: 0,
+            ..GovernanceOptions::default()
+        })
+        .rules(f.rules.clone())
+        .build();
+    let fresh_ruled = RuledClient::new(fresh.clone());
+    for (who, client, ruled) in [
+        ("called", &f.client, &f.ruled),
+        ("fresh", &fresh, &fresh_ruled),
+    ] {
+        let e = within("call", ruled.fail()).await.unwrap_err();
+        assert_eq!(e.code(), StatusCode::ServerError, "{who}: {e}");
+        let options = client.options(fail);
+        assert_eq!(
+            (options.shunt_strategy, options.timeout_ms),
+            (rpc::ShuntStrategy::RoundRobin, 4321),
+            "{who}"
+        );
+        assert_eq!(
+            client.rules_version(RuleKind::Governance),
+            Some(v1),
+            "{who}"
+        );
+    }
+    assert_eq!(
+        f.handler.failed.load(Ordering::SeqCst),
+        3,
+        "every call reached the server"
+    );
 }
 
 /// A server reads the rules before it serves: its first calls, and any call a client makes
