@@ -297,38 +297,82 @@ fn branches(schema: &Value) -> impl Iterator<Item = &Value> {
         .flatten()
 }
 
+/// Schema nodes one question about a schema ([`accepts_null`], [`is_text`], [`is_structured`])
+/// looks at, at most: references to references may fan out without end.
+const SCHEMA_STEPS: usize = 256;
+
+/// One question's walk through a schema's branches. A published schema may refer to itself
+/// (a recursive type, as schemars writes `enum Expr { Lit(i64), Neg(Box<Expr>) }`) or fan out:
+/// a schema already on the walk's path, or past [`SCHEMA_STEPS`], answers no, instead of the
+/// walk recursing until the stack overflows, or for ever.
+struct Walk<'a> {
+    definitions: &'a Definitions,
+    steps: usize,
+    path: Vec<*const Value>,
+}
+
+impl<'a> Walk<'a> {
+    fn new(definitions: &'a Definitions) -> Self {
+        Walk {
+            definitions,
+            steps: SCHEMA_STEPS,
+            path: Vec::new(),
+        }
+    }
+
+    /// `schema` resolved, with `ask` of it, or no where the walk stops.
+    fn ask(&mut self, schema: &'a Value, ask: impl FnOnce(&mut Self, &'a Value) -> bool) -> bool {
+        let schema = resolve(schema, self.definitions);
+        let at = std::ptr::from_ref(schema);
+        if self.steps == 0 || self.path.contains(&at) {
+            return false;
+        }
+        self.steps -= 1;
+        self.path.push(at);
+        let answer = ask(self, schema);
+        self.path.pop();
+        answer
+    }
+}
+
 /// Whether a schema accepts `null`: its type lists `null`, or one branch of its `anyOf` /
 /// `oneOf` does.
 pub(crate) fn accepts_null(schema: &Value, definitions: &Definitions) -> bool {
-    let schema = resolve(schema, definitions);
-    types(schema).iter().any(|t| t == "null")
-        || branches(schema).any(|b| accepts_null(b, definitions))
+    fn ask<'a>(walk: &mut Walk<'a>, schema: &'a Value) -> bool {
+        types(schema).iter().any(|t| t == "null") || branches(schema).any(|b| walk.ask(b, ask))
+    }
+    Walk::new(definitions).ask(schema, ask)
 }
 
 /// Whether a schema takes only text, or text or `null` (`String`, `Option<String>`, a string
 /// enum, or a reference to one): a query or path value is then the text itself.
 pub(crate) fn is_text(schema: &Value, definitions: &Definitions) -> bool {
-    let schema = resolve(schema, definitions);
-    let types = types(schema);
-    let mut others = types.iter().filter(|t| *t != "null").peekable();
-    if others.peek().is_some() {
-        return others.all(|t| t == "string");
+    fn ask<'a>(walk: &mut Walk<'a>, schema: &'a Value) -> bool {
+        let types = types(schema);
+        let mut others = types.iter().filter(|t| *t != "null").peekable();
+        if others.peek().is_some() {
+            return others.all(|t| t == "string");
+        }
+        // No type of its own: text when every branch that is not `null` is text.
+        let definitions = walk.definitions;
+        let mut branches = branches(schema)
+            .filter(|b| types_of(b, definitions) != ["null"])
+            .peekable();
+        branches.peek().is_some() && branches.all(|b| walk.ask(b, ask))
     }
-    // No type of its own: text when every branch that is not `null` is text.
-    let mut branches = branches(schema)
-        .filter(|b| types_of(b, definitions) != ["null"])
-        .peekable();
-    branches.peek().is_some() && branches.all(|b| is_text(b, definitions))
+    Walk::new(definitions).ask(schema, ask)
 }
 
 /// Whether a schema takes arrays or objects (or a branch of it does): such a query value is
 /// JSON text, which an OpenAPI parameter says with `content`, not with a form `style`.
 pub(crate) fn is_structured(schema: &Value, definitions: &Definitions) -> bool {
-    let schema = resolve(schema, definitions);
-    types(schema).iter().any(|t| t == "array" || t == "object")
-        || schema.get("properties").is_some()
-        || schema.get("items").is_some()
-        || branches(schema).any(|b| is_structured(b, definitions))
+    fn ask<'a>(walk: &mut Walk<'a>, schema: &'a Value) -> bool {
+        types(schema).iter().any(|t| t == "array" || t == "object")
+            || schema.get("properties").is_some()
+            || schema.get("items").is_some()
+            || branches(schema).any(|b| walk.ask(b, ask))
+    }
+    Walk::new(definitions).ask(schema, ask)
 }
 
 fn types_of(schema: &Value, definitions: &Definitions) -> Vec<String> {
@@ -478,6 +522,32 @@ mod tests {
             table.find(&Method::GET, "/nothing"),
             Found::Nothing
         ));
+    }
+
+    /// A schema that refers to itself through its branches (a recursive type, as schemars
+    /// writes one) or fans out through references is answered, not walked until the stack
+    /// overflows or for ever; a `null` branch after the reference back is still found.
+    #[test]
+    fn a_recursive_or_fanning_schema_is_answered_without_walking_for_ever() {
+        let to = |name: &str| json!({ "$ref": format!("#/components/schemas/{name}") });
+        let Value::Object(definitions) = json!({
+            "Expr": { "anyOf": [{ "type": "integer" }, to("Expr")] },
+            "MaybeExpr": { "anyOf": [to("MaybeExpr"), { "type": "null" }] },
+            "Words": { "oneOf": [to("Words"), to("Words"), { "type": "string" }] },
+            "Wide": { "anyOf": (0..16).map(|_| to("Wider")).collect::<Vec<_>>() },
+            "Wider": { "anyOf": (0..16).map(|_| to("Widest")).collect::<Vec<_>>() },
+            "Widest": { "anyOf": (0..16).map(|_| to("Wide")).collect::<Vec<_>>() },
+        }) else {
+            unreachable!()
+        };
+        assert!(!accepts_null(&to("Expr"), &definitions));
+        assert!(!is_text(&to("Expr"), &definitions));
+        assert!(!is_structured(&to("Expr"), &definitions));
+        assert!(accepts_null(&to("MaybeExpr"), &definitions));
+        assert!(!is_text(&to("Words"), &definitions), "not text alone");
+        for ask in [accepts_null, is_text, is_structured] {
+            assert!(!ask(&to("Wide"), &definitions));
+        }
     }
 
     #[test]
