@@ -617,7 +617,6 @@ async fn a_second_signal_during_the_drain_stops_at_once() {
         "the held call ended before the second signal"
     );
     kill("-INT");
-    // Within LIMIT (5 s), well before the 10 s drain timeout.
     assert_eq!(server.line(), "stopped");
     // Held open until the call's end: `Child::wait` closes the stdin it holds, and a closed
     // stdin answers the held call ("standard input closed") if the process has not ended yet.
@@ -629,13 +628,9 @@ async fn a_second_signal_during_the_drain_stops_at_once() {
         .unwrap()
         .expect_err("dropped by the stop");
     drop(stdin);
-    assert!(
-        matches!(
-            e.code(),
-            StatusCode::CommunicationError | StatusCode::ServerError
-        ),
-        "{e}"
-    );
+    // The connection dropped with the process (506), not the call answered 520 as the drain
+    // deadline answers the calls it ends: the drain did not run its course.
+    assert_eq!(e.code(), StatusCode::CommunicationError, "{e}");
 }
 
 /// A shard restarted under its stable id in `registry`: a server serving as `shard-1`, its

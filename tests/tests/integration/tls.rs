@@ -7,7 +7,7 @@ use crate::common;
 use std::io::Write;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::certs::{Ca, Identity};
 use common::{no_retry, within, LIMIT};
@@ -81,16 +81,14 @@ impl Served {
 }
 
 /// A call with `tls` (plain when `None`) fails as a communication error naming the peer and
-/// saying `why`, before the 2 s connect and handshake timeouts could have ended it.
+/// saying `why`, not by the connect or handshake timeout.
 async fn fails_at_once(s: &Served, tls: Option<ClientTls>, why: &str) {
-    let started = Instant::now();
     let err = within(why, s.client(tls, None).secret("ann".into()))
         .await
         .expect_err("a mismatched client must not get through");
     assert!(
-        started.elapsed() < Duration::from_secs(2),
-        "refused at once, not by a timeout: {:?}",
-        started.elapsed()
+        !err.message().contains("timed out"),
+        "not by a timeout: {err}"
     );
     assert_eq!(err.code(), StatusCode::CommunicationError, "{err}");
     assert!(err.message().contains(&s.addr()), "names the peer: {err}");
