@@ -566,10 +566,9 @@ pub(super) struct StreamDriver {
     /// what it asked for would otherwise hold the stream, its slot under the server's cap and
     /// its connection for ever.
     stall_limit: Option<Duration>,
-    /// The wait's timer (made once, re-armed) and whether it runs, with the connection's
-    /// completed writes when it was armed: a write since then is the client's progress.
+    /// The wait's timer (made once, re-armed) and what it waits on, if it runs.
     stall: Option<Pin<Box<tokio::time::Sleep>>>,
-    stalled_since_writes: Option<u64>,
+    stalled: Option<Stalled>,
     out: Out,
 }
 
@@ -754,7 +753,7 @@ impl StreamDriver {
             room: RoomWait::default(),
             stall_limit,
             stall: None,
-            stalled_since_writes: None,
+            stalled: None,
             slot,
             table: table.clone(),
             sender,
@@ -861,14 +860,14 @@ impl StreamDriver {
                                 return Poll::Ready(end);
                             }
                         }
-                        if let Poll::Ready(end) = this.poll_stalled(cx, "granted no credit") {
+                        if let Poll::Ready(end) = this.poll_stalled(cx, Stalled::Credit) {
                             return Poll::Ready(end);
                         }
                         return Poll::Pending;
                     }
                 }
                 // Credit came: the client's progress.
-                this.stalled_since_writes = None;
+                this.stalled = None;
                 continue;
             }
             if turn.over() {
@@ -906,13 +905,14 @@ impl StreamDriver {
                         return Poll::Ready(end);
                     }
                 }
-                if let Poll::Ready(end) = this.poll_stalled(cx, "read nothing of its connection") {
+                let writes = this.sender.backlog().writes();
+                if let Poll::Ready(end) = this.poll_stalled(cx, Stalled::Room(writes)) {
                     return Poll::Ready(end);
                 }
                 return Poll::Pending;
             }
             // Neither credit nor room is waited for: no stall.
-            this.stalled_since_writes = None;
+            this.stalled = None;
             match this.next_event(cx, &mut turn) {
                 // The handler has nothing more ready, and the caller's failure reached it: the
                 // stream ends with that failure (the items made before it went first), even if
@@ -956,18 +956,20 @@ impl StreamDriver {
         self.out.end_run();
     }
 
-    /// The stream waits on its client, which has `what`: its end once it has waited the
-    /// stall limit with no progress (no credit, no write of the connection completed; a
-    /// completed write re-arms the wait, as the client took something).
-    fn poll_stalled(&mut self, cx: &mut Context<'_>, what: &str) -> Poll<RemoteResultMessage> {
+    /// The stream waits on its client (`on`): its end once it has waited the stall limit
+    /// with no progress. Waiting for credit, only this stream's credit is progress (and ends
+    /// the wait); the connection's other traffic (a heartbeat's `Pong`, other streams) says
+    /// nothing of this stream's consumer. Waiting for room in the send queue, a completed write
+    /// of the connection re-arms the wait: the client read something.
+    fn poll_stalled(&mut self, cx: &mut Context<'_>, on: Stalled) -> Poll<RemoteResultMessage> {
         let Some(limit) = self.stall_limit else {
             return Poll::Pending;
         };
+        let mut on = on;
         loop {
-            let writes = self.sender.backlog().writes();
-            if self.stalled_since_writes != Some(writes) {
+            if self.stalled != Some(on) {
                 // The wait begins, or the client took something since it was armed.
-                self.stalled_since_writes = Some(writes);
+                self.stalled = Some(on);
                 let at = tokio::time::Instant::now() + limit;
                 match &mut self.stall {
                     Some(stall) => stall.as_mut().reset(at),
@@ -980,9 +982,17 @@ impl StreamDriver {
             if stall.as_mut().poll(cx).is_pending() {
                 return Poll::Pending;
             }
-            if self.sender.backlog().writes() != writes {
-                continue;
+            if let Stalled::Room(writes) = on {
+                let now = self.sender.backlog().writes();
+                if now != writes {
+                    on = Stalled::Room(now);
+                    continue;
+                }
             }
+            let what = match on {
+                Stalled::Credit => "granted no credit",
+                Stalled::Room(_) => "read nothing of its connection",
+            };
             return Poll::Ready(error_result(
                 StatusCode::Timeout,
                 format!(
@@ -993,6 +1003,16 @@ impl StreamDriver {
             ));
         }
     }
+}
+
+/// What a stream without a deadline waits on its client for ([`StreamDriver::poll_stalled`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stalled {
+    /// Credit for its next item.
+    Credit,
+    /// Room in the connection's send queue, with the connection's completed writes when the
+    /// wait was armed: a write since then is the client's progress.
+    Room(u64),
 }
 
 impl Future for StreamDriver {

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use common::{raw_listener, stream_opening, streaming_ack, within, RawConn};
 use rpc::crates::core::wire::{
-    frame::Kind, Hello, HelloAck, RemoteInvokeMessage, RemoteResultMessage, StreamMode,
+    frame::Kind, Hello, HelloAck, Ping, RemoteInvokeMessage, RemoteResultMessage, StreamMode,
 };
 use rpc::crates::transport::{
     Call, ClientStream, ConnectOptions, Connection, Opened, DEFAULT_CLIENT_STREAM_WINDOW,
@@ -513,6 +513,66 @@ async fn a_stream_waiting_for_credit_ends_at_its_deadline() {
     };
     assert_eq!(items, 1, "the client's window of one item");
     assert_eq!((end.message_id, end.status_code), (1, 519), "{end:?}");
+    drop(raw);
+    within("shutdown", server.shutdown()).await;
+}
+
+/// The idle timeout of a stream waiting for credit counts the stream's own credit as the
+/// client's progress, not the connection's other traffic: a client whose heartbeat goes on
+/// (a `Ping` every 100 ms, each answered with a `Pong`) while its consumer took nothing more
+/// still gets the stream's end after the 300 ms. Before, each `Pong` written re-armed the
+/// wait, and the stream held its slot for ever. (On the paused clock.)
+#[tokio::test(start_paused = true)]
+async fn a_heartbeat_is_no_progress_of_a_stream_waiting_for_credit() {
+    let server = Server::builder()
+        .add_service(FlowServer::new(Texts(Arc::new(AtomicU64::new(0)))))
+        .idle_timeout(Duration::from_millis(300))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let (mut raw, _ack) = raw_client_with_window(&server, 1).await;
+    raw.send(Kind::Invoke(stream_opening(
+        1,
+        "t.Flow.text",
+        &(8u32,),
+        StreamMode::Server,
+    )))
+    .await
+    .expect("open");
+    let mut pongs = 0;
+    let started = tokio::time::Instant::now();
+    let end = within("the stream's end", async {
+        let mut beat = tokio::time::interval(Duration::from_millis(100));
+        // (Bounded: 50 beats are 5 s of the paused clock.)
+        for nonce in 0..50u64 {
+            beat.tick().await;
+            raw.send(Kind::Ping(Ping { nonce })).await.expect("ping");
+            loop {
+                match raw.recv().await {
+                    Some(Kind::Pong(_)) => {
+                        pongs += 1;
+                        break;
+                    }
+                    Some(Kind::Result(end)) => return end,
+                    Some(Kind::StreamCredit(_) | Kind::StreamItem(_) | Kind::StreamItems(_)) => {}
+                    other => panic!("expected a pong or the stream's end, got {other:?}"),
+                }
+            }
+        }
+        panic!("no end after 50 heartbeats")
+    })
+    .await;
+    assert_eq!(end.status_code, 519, "{end:?}");
+    assert!(
+        end.exception_message.contains("granted no credit"),
+        "{end:?}"
+    );
+    assert!(pongs >= 2, "the heartbeat went on meanwhile: {pongs} pongs");
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
     drop(raw);
     within("shutdown", server.shutdown()).await;
 }
