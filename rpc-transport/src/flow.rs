@@ -137,8 +137,8 @@ impl Taken {
         }
     }
 
-    /// Counts an item of `len` bytes taken (as the consumer sees it: at least its size on the
-    /// wire); the items to grant back when it is time.
+    /// Counts an item of `len` bytes taken (its size on the wire, as the window counts it:
+    /// compressed, when it travelled so); the items to grant back when it is time.
     pub(crate) fn take(&mut self, len: usize) -> Option<u64> {
         self.items += 1;
         self.bytes += len as u64;

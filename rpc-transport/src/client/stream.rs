@@ -637,7 +637,10 @@ impl ItemSource for ClientStream {
                     return Poll::Ready(Some(Err(self.broken(&why))));
                 }
                 if let Some(range) = chunk.next() {
-                    break Ok(range);
+                    // Counted as the window counts it: as it travelled (compressed, when it
+                    // was), not as it was lent.
+                    let wire = chunk.lone_wire.unwrap_or(range.len());
+                    break Ok((range, wire));
                 }
                 self.local.pop_front();
                 continue;
@@ -653,8 +656,8 @@ impl ItemSource for ClientStream {
                 return Poll::Pending;
             }
         };
-        let range = match next {
-            Ok(range) => range,
+        let (range, wire) = match next {
+            Ok(next) => next,
             Err(end) => {
                 self.ended_for_consumer();
                 let end = match end {
@@ -689,7 +692,7 @@ impl ItemSource for ClientStream {
                 });
             }
         };
-        if let Some(items) = self.taken.take(range.len()) {
+        if let Some(items) = self.taken.take(wire) {
             let open = {
                 let mut s = self.tx.shared.lock();
                 s.held.release(items);

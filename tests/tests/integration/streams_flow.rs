@@ -451,6 +451,81 @@ async fn open_sum(
     }
 }
 
+/// The client counts what its consumer takes as its byte window counts it, as the items
+/// travelled: compressed items larger on the wire than once decompressed (a peer may compress
+/// what does not shrink) are granted back once half the window's bytes went by on the wire.
+/// Before, the grant counted their decompressed sizes, never reached the half, and the stream
+/// waited on both sides until its deadline (for ever without one).
+#[tokio::test]
+async fn items_larger_on_the_wire_than_decompressed_are_granted_back_by_their_wire_size() {
+    use rpc::crates::core::wire::{Compression, StreamItem};
+    use rpc::crates::transport::compression::compress;
+    let (listener, addr) = raw_listener().await;
+    const WINDOW_BYTES: usize = 200;
+    let plain = Codec::MsgPack.encode(&"ab").expect("encode");
+    let packed = compress(rpc::Compression::Lz4, &plain);
+    assert!(
+        packed.len() > plain.len(),
+        "{} → {}",
+        plain.len(),
+        packed.len()
+    );
+    // Half the byte window on the wire; far from half of it, and of the items, decompressed.
+    let n = (WINDOW_BYTES / 2).div_ceil(packed.len());
+    assert!(n * plain.len() < WINDOW_BYTES / 2 && n < 500);
+    let server = tokio::spawn(async move {
+        let mut ack = streaming_ack(8);
+        ack.accept_compression = vec![Compression::Lz4 as i32];
+        // (A server that keeps byte windows: the client's then counts too.)
+        ack.stream_window_bytes = 1 << 20;
+        let (mut peer, hello) = RawConn::accept_with(&listener, ack).await;
+        assert!(hello
+            .accept_compression
+            .contains(&(Compression::Lz4 as i32)));
+        let id = peer.recv_invoke("the stream's opening").await.message_id;
+        peer.grant(id, 0).await;
+        for _ in 0..n {
+            peer.send(Kind::StreamItem(StreamItem {
+                message_id: id,
+                payload: packed.clone(),
+                compression: Compression::Lz4 as i32,
+            }))
+            .await
+            .expect("item");
+        }
+        match within("the client's credit", peer.recv()).await {
+            Some(Kind::StreamCredit(c)) => assert_eq!(c.message_id, id),
+            other => panic!("expected the client's credit, got {other:?}"),
+        }
+    });
+    let options = ConnectOptions {
+        stream_window: 1000,
+        stream_window_bytes: WINDOW_BYTES as u32,
+        ..ConnectOptions::default()
+    };
+    let conn = Connection::connect(&addr.to_string(), &options)
+        .await
+        .expect("connect");
+    let call = Call {
+        service_entry_id: "t.Flow.text".into(),
+        ..Default::default()
+    };
+    let Opened::Accepted(mut s) = within("open", conn.open_stream(call, StreamMode::Server, None))
+        .await
+        .expect("open")
+    else {
+        panic!("refused");
+    };
+    for i in 0..n {
+        let item = within("an item", futures_util::StreamExt::next(&mut s))
+            .await
+            .expect("an item")
+            .expect("ok");
+        assert_eq!(item, plain, "item {i}");
+    }
+    within("the server", server).await.expect("the server");
+}
+
 /// Senders of one stream waiting for credit in two tasks (a `StreamSender` is cloned into
 /// them): the server's credit wakes both, not only the last to wait.
 #[tokio::test]
