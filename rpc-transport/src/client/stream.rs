@@ -160,6 +160,9 @@ struct Inner {
     send: Credit,
     /// The stream ended (its end may have been taken by the consumer since).
     ended: bool,
+    /// The client's request stream was finished (its `StreamEnd` queued): no item nor second
+    /// end of it may follow, which the server would take for a protocol violation.
+    finished: bool,
 }
 
 impl StreamShared {
@@ -178,6 +181,7 @@ impl StreamShared {
                 held: Held::new(window, window_bytes),
                 send: Credit::new(0, send_window_bytes),
                 ended: false,
+                finished: false,
             }),
             changed: Notify::new(),
             window,
@@ -285,7 +289,7 @@ impl StreamShared {
     /// ended, `None` while it waits for credit.
     fn send_state(&self) -> Option<bool> {
         let s = self.lock();
-        if s.ended {
+        if s.ended || s.finished {
             Some(false)
         } else if s.send.ready() {
             Some(true)
@@ -349,11 +353,23 @@ impl StreamShared {
     /// open.
     fn take_credit(&self, len: usize) -> bool {
         let mut s = self.lock();
-        if s.ended || !s.send.ready() {
+        if s.ended || s.finished || !s.send.ready() {
             return false;
         }
         s.send.sent(len);
         true
+    }
+
+    /// Marks the client's request stream finished: whether it was not already (nor the
+    /// stream ended), so that its end is sent once.
+    fn finish(&self) -> bool {
+        let mut s = self.lock();
+        let first = !s.ended && !s.finished;
+        s.finished = true;
+        drop(s);
+        // Senders waiting for credit learn that no more items go.
+        self.changed.notify_waiters();
+        first
     }
 
     /// The set-up's outcome once known: accepted (`Ok(None)`), refused with the server's
@@ -533,9 +549,9 @@ impl ClientStream {
 impl StreamSender {
     /// Resolves with `true` once the server has granted credit for one more item and the
     /// connection's send queue has room for it (at most `ConnectOptions::max_unsent_bytes`
-    /// unsent), with `false` once the stream ended (read it for why). Only then is the next
-    /// item worth producing: a server that grants credit but stops reading holds the caller's
-    /// stream here, whatever it granted.
+    /// unsent), with `false` once the stream ended (read it for why) or its request stream
+    /// was finished. Only then is the next item worth producing: a server that grants credit
+    /// but stops reading holds the caller's stream here, whatever it granted.
     pub async fn ready(&self) -> bool {
         let shared = &self.conn.shared;
         let room = (shared.sender.backlog(), shared.max_unsent_bytes);
@@ -570,7 +586,7 @@ impl StreamSender {
                 StatusCode::FrameworkError,
                 format!(
                     "{}: the stream item was not sent: no credit from the server, or the \
-                     stream ended; wait for ready()",
+                     stream ended, or its request stream was finished; wait for ready()",
                     self.conn.peer()
                 ),
             ));
@@ -590,8 +606,12 @@ impl StreamSender {
     }
 
     /// Ends the client's request stream: `Ok` when it is complete, else with the error that
-    /// stopped it (the server ends the stream with that status).
+    /// stopped it (the server ends the stream with that status). Once only: a later `finish`
+    /// (from any clone) does nothing, and [`send`](Self::send) refuses items after it.
     pub fn finish(&self, end: Result<(), RpcError>) {
+        if !self.shared.finish() {
+            return;
+        }
         let (status_code, exception_message) = match end {
             Ok(()) => (StatusCode::Success.as_u32(), String::new()),
             Err(e) => (e.code().as_u32(), e.message().to_string()),
@@ -870,6 +890,33 @@ mod tests {
                 .expect("woken by the end")
                 .expect("task");
         }
+    }
+
+    /// The request stream is finished once: a second `finish` is told so (its end is not sent
+    /// again), a sender waiting for credit learns that no more items go, and no credit is
+    /// taken after it, however much the server grants: the server would take an item or end
+    /// after the end for a protocol violation and end the whole stream with 500.
+    #[tokio::test]
+    async fn a_finished_request_stream_takes_no_more_items_nor_a_second_end() {
+        let s = std::sync::Arc::new(StreamShared::new(8, 0, 0));
+        s.credit(0);
+        let waiting = {
+            let s = s.clone();
+            tokio::spawn(async move { s.wait_to_send(None).await })
+        };
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        assert!(!waiting.is_finished(), "no credit yet");
+        assert!(s.finish(), "the first finish");
+        assert!(!s.finish(), "a second finish sends nothing");
+        let ready = tokio::time::timeout(std::time::Duration::from_secs(5), waiting)
+            .await
+            .expect("woken by the finish")
+            .expect("task");
+        assert!(!ready, "no more items go");
+        s.credit(4);
+        assert!(!s.take_credit(1), "no item after the end");
     }
 
     /// A sender that waited for room in the send queue looks at the stream again once it has
