@@ -471,12 +471,11 @@ impl Inbound {
         let Some(items) = self.taken.take(len) else {
             return;
         };
-        let open = {
-            let mut q = self.slot.inbound();
-            q.held.release(items);
-            !q.ended
-        };
-        if open {
+        let mut q = self.slot.inbound();
+        q.held.release(items);
+        // Queued under the lock: the stream's end closes the queue under it before its answer
+        // is queued, so no credit of the stream follows its end on the wire.
+        if !q.ended {
             self.sender.send(Kind::StreamCredit(StreamCredit {
                 message_id: self.id,
                 items: u32::try_from(items).unwrap_or(u32::MAX),
@@ -1030,6 +1029,11 @@ impl Future for StreamDriver {
                     *end = error_result(failed.code(), failed.message());
                 }
             }
+        }
+        // The client's request stream ends here, before the end is queued: a handler still
+        // reading it in a task of its own grants no credit after the stream's end.
+        if outcome.is_ready() {
+            this.slot.close();
         }
         // Whatever the outcome: the items go before the end, which the connection sends once
         // this returns Ready.
