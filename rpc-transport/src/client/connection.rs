@@ -256,6 +256,7 @@ impl Connection {
             going_away: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             close,
+            close_reason: std::sync::OnceLock::new(),
             server_streams,
             client_streams: options.streams,
             stream_window: options.stream_window.clamp(1, crate::MAX_STREAM_WINDOW),

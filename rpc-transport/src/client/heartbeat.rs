@@ -97,7 +97,13 @@ pub(super) async fn heartbeat(
             last_count = count;
         }
         if silent_ticks >= 3 {
-            tracing::debug!(peer = %s.peer, "no traffic from the server for three heartbeats: closing");
+            let reason = format!(
+                "no traffic from the server for three heartbeats ({} ms): the connection was \
+                 taken for dead and closed",
+                3 * interval.as_millis()
+            );
+            tracing::warn!(peer = %s.peer, "{reason}");
+            let _ = s.close_reason.set(reason);
             s.closed.store(true, Ordering::Release);
             s.close.cancel();
             return;

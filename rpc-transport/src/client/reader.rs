@@ -66,7 +66,11 @@ pub(super) async fn read_loop<R: AsyncRead + Unpin>(
                     // Closed by this client (its heartbeat, the pool, `close`), not by the
                     // server's drain: a pending call may have been read and be running.
                     clean_drain = false;
-                    break "connection closed".to_string();
+                    break shared
+                        .close_reason
+                        .get()
+                        .cloned()
+                        .unwrap_or_else(|| "connection closed".to_string());
                 }
                 f = frames.next() => f,
             },

@@ -39,6 +39,9 @@ pub(super) struct Shared {
     /// Mirrors `close` for the hot path: checking a token takes a lock, this does not.
     pub(super) closed: AtomicBool,
     pub(super) close: CancellationToken,
+    /// Why this client closed the connection, when it says (its heartbeat): the calls it
+    /// fails say so, where the others (`close`, the pool) read "connection closed".
+    pub(super) close_reason: std::sync::OnceLock<String>,
     /// Whether the server takes streams (`HelloAck.streams`, to a `Hello` offering them).
     pub(super) server_streams: bool,
     /// Whether this client offered streams (`ConnectOptions::streams`).

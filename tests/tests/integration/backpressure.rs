@@ -316,10 +316,7 @@ async fn a_large_answer_arriving_slowly_keeps_the_connection_alive() {
     let text = "y".repeat(512 * 1024);
     let answer = Codec::MsgPack.encode(&text).expect("encode");
     tokio::spawn(async move {
-        let ack = rpc::crates::core::wire::HelloAck {
-            protocol_version: 1,
-            ..Default::default()
-        };
+        let ack = plain_ack();
         let (mut peer, _) = RawConn::accept_with(&listener, ack).await;
         let id = peer.recv_invoke("the call").await.message_id;
         let mut frame = bytes::BytesMut::new();
@@ -339,6 +336,24 @@ async fn a_large_answer_arriving_slowly_keeps_the_connection_alive() {
         }
         std::future::pending::<()>().await;
     });
+    let (conn, call) = heartbeating_call(addr).await;
+    let r = within("the slow answer", conn.call(call, None))
+        .await
+        .expect("answered, the connection kept");
+    let got: String = Codec::MsgPack.decode(&r.result).expect("decode");
+    assert_eq!(got.len(), text.len());
+}
+
+/// A server's handshake answer offering nothing beyond plain calls.
+fn plain_ack() -> rpc::crates::core::wire::HelloAck {
+    rpc::crates::core::wire::HelloAck {
+        protocol_version: 1,
+        ..Default::default()
+    }
+}
+
+/// A connection to `addr` with a heartbeat every 100 ms, and a call of `t.Slow.answer`.
+async fn heartbeating_call(addr: std::net::SocketAddr) -> (Connection, Call) {
     let conn = Connection::connect(
         &addr.to_string(),
         &ConnectOptions {
@@ -354,11 +369,28 @@ async fn a_large_answer_arriving_slowly_keeps_the_connection_alive() {
         parameters: Codec::MsgPack.encode(&()).expect("encode"),
         ..Default::default()
     };
-    let r = within("the slow answer", conn.call(call, None))
+    (conn, call)
+}
+
+/// A call on a connection the client's heartbeat took for dead (the server answered its
+/// handshake, then nothing: no answer, no `Pong`) fails saying so, not with the bare
+/// "connection closed" a local close gives. (On the paused clock: three heartbeats of 100 ms.)
+#[tokio::test(start_paused = true)]
+async fn a_call_on_a_connection_the_heartbeat_closed_says_why() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        let ack = plain_ack();
+        // Handshaken, then mute: what arrives is read and never answered.
+        let (_mute, _) = RawConn::accept_with(&listener, ack).await;
+        std::future::pending::<()>().await;
+    });
+    let (conn, call) = heartbeating_call(addr).await;
+    let e = within("the call", conn.call(call, None))
         .await
-        .expect("answered, the connection kept");
-    let got: String = Codec::MsgPack.decode(&r.result).expect("decode");
-    assert_eq!(got.len(), text.len());
+        .expect_err("never answered");
+    assert_eq!(e.code(), StatusCode::CommunicationError, "{e}");
+    assert!(e.message().contains("three heartbeats"), "{e}");
 }
 
 /// A connect attempt every caller gave up on goes on by itself: a caller long after finds it
@@ -374,10 +406,7 @@ async fn a_connect_attempt_its_callers_left_ends_by_itself_and_the_next_caller_c
         // The next ones: a handshake as a server makes it, the connections kept open.
         let mut answered = Vec::new();
         for _ in 0..4 {
-            let ack = rpc::crates::core::wire::HelloAck {
-                protocol_version: 1,
-                ..Default::default()
-            };
+            let ack = plain_ack();
             answered.push(RawConn::accept_with(&listener, ack).await.0);
         }
         std::future::pending::<()>().await;
@@ -455,10 +484,7 @@ async fn a_call_waiting_for_room_fails_once_a_write_fails() {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
     tokio::spawn(async move {
-        let ack = rpc::crates::core::wire::HelloAck {
-            protocol_version: 1,
-            ..Default::default()
-        };
+        let ack = plain_ack();
         // Handshake, then hold the connection open without reading.
         let _peer = RawConn::accept_with(&listener, ack).await;
         std::future::pending::<()>().await;
