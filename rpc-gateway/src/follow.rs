@@ -14,7 +14,7 @@ use arc_swap::ArcSwap;
 use rpc_core::{ServiceEntry, ServiceId};
 use rpc_registry::{Registry, ServiceWatch};
 use tokio::sync::{mpsc, watch};
-use tokio::task::JoinSet;
+use tokio::task::{AbortHandle, JoinSet};
 
 use crate::table::RouteTable;
 
@@ -28,7 +28,8 @@ pub(crate) struct Shared {
 pub(crate) struct Follower {
     registry: Arc<dyn Registry>,
     shared: Arc<Shared>,
-    watches: BTreeMap<ServiceId, ServiceWatch>,
+    /// Each followed service's watch, and its watcher task.
+    watches: BTreeMap<ServiceId, (ServiceWatch, AbortHandle)>,
     watchers: JoinSet<()>,
     /// `None`: a watched service changed; `Some(id)`: its watch ended (the registry closed it),
     /// so it is dropped and watched again at the next discovery.
@@ -55,9 +56,12 @@ impl Follower {
         }
     }
 
-    /// Watches every service the registry lists that is not watched yet (and lets go of the
-    /// tasks of watches that ended: a registry that closes its watches at once, as a static
-    /// list does, would otherwise leave one more finished task per service and discovery).
+    /// Watches every service the registry lists that is not watched yet, and lets go of the
+    /// services it no longer lists that have no instance left (and of the tasks of watches
+    /// that ended: a registry that closes its watches at once, as a static list does, would
+    /// otherwise leave one more finished task per service and discovery). Service ids that
+    /// come and go (`shop.Orders.v41`, then `.v42`) would otherwise each keep a watch, its
+    /// task and the registry's own watch for the life of the gateway.
     pub(crate) async fn discover(&mut self) {
         while self.watchers.try_join_next().is_some() {}
         let services = match self.registry.services().await {
@@ -67,6 +71,14 @@ impl Follower {
                 return;
             }
         };
+        self.watches.retain(|service, (watch, task)| {
+            let kept = services.contains(service) || !watch.current().is_empty();
+            if !kept {
+                tracing::debug!(service = %service.as_str(), "the registry no longer lists a service: the gateway stops watching it");
+                task.abort();
+            }
+            kept
+        });
         for service in services {
             if self.watches.contains_key(&service) {
                 continue;
@@ -78,14 +90,16 @@ impl Follower {
                     continue;
                 }
             };
-            self.watches.insert(service.clone(), watch.clone());
+            let followed = watch.clone();
             let events = self.events.clone();
-            self.watchers.spawn(async move {
+            let name = service.clone();
+            let task = self.watchers.spawn(async move {
                 while watch.changed().await.is_ok() {
                     let _ = events.send(None);
                 }
-                let _ = events.send(Some(service));
+                let _ = events.send(Some(name));
             });
+            self.watches.insert(service, (followed, task));
         }
     }
 
@@ -93,7 +107,7 @@ impl Follower {
     /// differ from the last one's.
     pub(crate) fn rebuild(&mut self) {
         let mut entries: Vec<ServiceEntry> = Vec::new();
-        for (service, watch) in &self.watches {
+        for (service, (watch, _)) in &self.watches {
             for instance in watch.current().iter() {
                 for entry in instance.entries.iter().filter(|e| &e.service_id == service) {
                     if !entries.iter().any(|e| e.id == entry.id) {
@@ -152,6 +166,37 @@ mod tests {
 
     /// A static list closes every watch at once, and the next discovery watches the service
     /// again: the ended watchers' tasks do not pile up.
+    /// A service the registry no longer lists, with no instance left, is let go at the next
+    /// discovery: its watch and watcher task are not kept for the life of the gateway, and
+    /// the service is watched again should it come back.
+    #[tokio::test]
+    async fn services_gone_from_the_registry_are_let_go() {
+        use rpc_registry::{InProcessRegistry, Instance};
+        let registry = InProcessRegistry::new();
+        let shared = Arc::new(Shared {
+            table: ArcSwap::from_pointee(RouteTable::default()),
+            version: watch::channel(0).0,
+        });
+        let mut follower = Follower::new(Arc::new(registry.clone()), shared);
+        let watched = |f: &Follower| f.watches.keys().map(|s| s.to_string()).collect::<Vec<_>>();
+        for version in 41..44 {
+            let id = format!("shop.Orders.v{version}");
+            let address = format!("127.0.0.1:{version}");
+            registry
+                .register(Instance::new(address.as_str(), [id.as_str()]))
+                .await
+                .expect("register");
+            follower.discover().await;
+            assert_eq!(watched(&follower), [id], "v{version} only");
+            registry.deregister(&address).await.expect("deregister");
+        }
+        follower.discover().await;
+        assert!(watched(&follower).is_empty(), "{:?}", watched(&follower));
+        // The aborted watcher tasks are gone once joined.
+        while follower.watchers.join_next().await.is_some() {}
+        assert!(follower.watchers.is_empty());
+    }
+
     #[tokio::test]
     async fn the_tasks_of_ended_watches_do_not_pile_up() {
         let registry = rpc_registry::StaticRegistry::from_toml(
