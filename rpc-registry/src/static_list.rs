@@ -117,8 +117,12 @@ impl StaticRegistry {
     /// An address is compared in one spelling: an IP address and port as the standard library
     /// writes them (`127.0.0.1:09001` is `127.0.0.1:9001`, `[0:0::1]:80` is `[::1]:80`), a
     /// host name without regard to case, a `unix:` path as written.
+    ///
+    /// The instance ids themselves (an entry's `id`, else its address as written) must differ
+    /// too, exactly: `address = "DB.local:5"` beside `id = "DB.local:5"` is one id twice.
     fn check_unique_ids(&self) -> Result<(), RegistryError> {
         let mut seen = std::collections::HashSet::new();
+        let mut ids = std::collections::HashSet::new();
         for e in &self.endpoints {
             let id = e.id.as_deref().unwrap_or(&e.address);
             let key = match (&e.id, e.address.parse::<std::net::SocketAddr>()) {
@@ -128,7 +132,7 @@ impl StaticRegistry {
                 (None, Err(_)) => e.address.to_ascii_lowercase(),
                 (Some(id), _) => id.clone(),
             };
-            if !seen.insert(key) {
+            if !seen.insert(key) || !ids.insert(id) {
                 return Err(RegistryError::Config(format!(
                     "endpoint {id:?} is listed twice: give each endpoint its own address, or its \
                      own id"
@@ -293,6 +297,22 @@ mod tests {
                 e.to_string()
                     .contains(&format!("{twice:?} is listed twice")),
                 "{list}: {e}"
+            );
+        }
+        // An id given as another endpoint's address is written, in another spelling than the
+        // address's own: one instance id twice, which a snapshot would keep one of.
+        for (address, id) in [
+            ("DB.local:5", "DB.local:5"),
+            ("127.0.0.1:09001", "127.0.0.1:09001"),
+        ] {
+            let e = StaticRegistry::from_toml(&format!(
+                "[[endpoint]]\naddress = \"{address}\"\n\
+                 [[endpoint]]\naddress = \"10.0.0.2:5\"\nid = \"{id}\"\n"
+            ))
+            .unwrap_err();
+            assert!(
+                e.to_string().contains(&format!("{id:?} is listed twice")),
+                "{address} and id {id}: {e}"
             );
         }
     }
