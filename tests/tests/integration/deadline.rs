@@ -336,7 +336,9 @@ async fn next_event(
     .await
 }
 
-#[tokio::test]
+/// (On the paused clock: the 500 ms between B's inherited deadline and A's pass as the test
+/// says, not as a busy machine stretches them.)
+#[tokio::test(start_paused = true)]
 async fn the_middle_tier_fallback_answers_before_the_callers_deadline() {
     use rpc::crates::governance::events::EventKind;
     let reg = InProcessRegistry::new();

@@ -213,7 +213,7 @@ async fn next_event(
 /// Item 1 over real TCP: the half-open probe is answered with a business error (the callee's
 /// own logic answered, so the remote side is up): the breaker closes and the next call goes
 /// through instead of getting 522 for another `breaker_seconds`.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_probe_answered_with_a_business_error_closes_the_breaker() {
     let cluster = Cluster::start(&["a"]).await;
     let client = Client::builder()
@@ -235,8 +235,7 @@ async fn a_probe_answered_with_a_business_error_closes_the_breaker() {
     let BreakerState::Open { retry_after } = client.breaker_state(stock) else {
         panic!("open after 2 failures: {:?}", client.breaker_state(stock));
     };
-    // The precondition: the open period ends (the breaker reads tokio's clock; real sockets
-    // need the real one). What is observed below involves no time window.
+    // The open period ends, on the paused clock.
     tokio::time::sleep(retry_after + Duration::from_millis(10)).await;
     cluster.set("a", HEALTHY);
     let err = within("the probe", shard.stock("unknown".into()))

@@ -78,9 +78,10 @@ async fn load(reg: &InProcessRegistry, strategy: ShuntStrategy, callers: usize, 
     }
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn most_calls_go_to_the_fast_server_under_least_loaded() {
-    // Two servers, one answering after 100 ms, the other at once; 8 callers, 200 calls.
+    // Two servers, one answering after 100 ms, the other at once; 8 callers, 200 calls (on
+    // the paused clock, so that the latencies are the servers' alone, not a busy machine's).
     // Round robin sends the slow one exactly half (the control below). Least loaded sends it
     // calls only until its first answer shows its latency (100 ms against the fast one's
     // ~1 ms: its score stays above the fast one's while that has fewer than ~10 000 calls
