@@ -3,13 +3,15 @@
 //! another caller's calls; the client's breaker does not count 429; a client whose only
 //! endpoint answered 429 waits the retry-after before trying it again.
 //!
-//! The buckets refill on the real clock here (real sockets need it), at 1 call a second: each
-//! test's oracle allows for the time the test itself took, measured, rather than assuming it.
+//! Over real TCP on tokio's paused clock, which the buckets read: time passes only as the
+//! tests let it (a retry-after waited), not as a busy machine stretches it. Each oracle still
+//! allows for the time the test took, measured on that clock.
 
 use crate::common;
 
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use common::{no_retry, within};
 use rpc::{
@@ -82,7 +84,7 @@ fn refilled(elapsed: Duration, rate: u32) -> usize {
     (elapsed.as_secs_f64() * f64::from(rate)).ceil() as usize
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn over_the_entry_limit_the_call_is_answered_429_with_the_time_to_the_next_token() {
     let reg = InProcessRegistry::new();
     let server = serve(&reg).await;
@@ -138,7 +140,7 @@ async fn over_the_entry_limit_the_call_is_answered_429_with_the_time_to_the_next
     server.shutdown().await;
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_greedy_caller_over_its_quota_does_not_take_a_polite_callers_calls() {
     let reg = InProcessRegistry::new();
     let server = serve(&reg).await;
@@ -175,7 +177,7 @@ async fn a_greedy_caller_over_its_quota_does_not_take_a_polite_callers_calls() {
     server.shutdown().await;
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn many_429s_leave_the_breaker_closed() {
     let reg = InProcessRegistry::new();
     let server = serve(&reg).await;
@@ -196,7 +198,7 @@ async fn many_429s_leave_the_breaker_closed() {
     server.shutdown().await;
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_server_wide_caller_quota_limits_entries_that_set_none() {
     const BURST: u32 = 2;
     let reg = InProcessRegistry::new();
@@ -268,7 +270,7 @@ impl ServerLayer for Arrivals {
     }
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_client_refused_429_by_its_only_endpoint_waits_the_retry_after_before_trying_it_again() {
     // 5 calls a second, burst 1: a second call right after the first finds no token and is
     // refused with a retry-after of up to 200 ms. The client retries after 1 ms
