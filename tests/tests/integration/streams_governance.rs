@@ -1251,7 +1251,21 @@ async fn raw_zstd_client(server: &rpc::ServerHandle, batches: bool) -> common::R
     raw
 }
 
-/// The peak resident memory of this process so far (`VmHWM`), in bytes.
+/// Held by a test measuring the process's peak memory, for the whole measure.
+static MEASURING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Starts a measure of this process's peak memory: the peak (`VmHWM`) is reset to what the
+/// process holds now (`/proc/self/clear_refs`), so a peak an earlier test reached cannot hide
+/// this one's growth; returns it, in bytes.
+///
+/// One measure at a time ([`MEASURING`], held by the caller): another's reset would cut its
+/// peak short.
+fn peak_reset() -> u64 {
+    std::fs::write("/proc/self/clear_refs", "5").expect("reset the peak resident memory");
+    peak_resident_bytes()
+}
+
+/// The peak resident memory of this process since the last reset (`VmHWM`), in bytes.
 fn peak_resident_bytes() -> u64 {
     let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
     let kb: u64 = status
@@ -1297,7 +1311,8 @@ async fn compressed_items_are_expanded_one_at_a_time_as_the_handler_takes_them()
         .await;
     raw.recv_acceptance(1).await;
     let expands = expanding_item();
-    let before = peak_resident_bytes();
+    let _measuring = MEASURING.lock().await;
+    let before = peak_reset();
     raw.send(Kind::StreamItems(StreamItems {
         message_id: 1,
         payloads: vec![expands; 64],
@@ -1522,7 +1537,8 @@ async fn a_clients_compressed_items_are_expanded_one_at_a_time_as_they_are_taken
     use rpc::crates::core::Compression;
     let (listener, addr) = raw_listener().await;
     let expands = expanding_item();
-    let before = peak_resident_bytes();
+    let _measuring = MEASURING.lock().await;
+    let before = peak_reset();
     let raw_server = tokio::spawn(async move {
         let ack = HelloAck {
             stream_batches: true,
