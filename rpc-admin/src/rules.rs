@@ -242,10 +242,11 @@ fn text_of(body: &Result<Bytes, BytesRejection>) -> Result<&str, Refusal> {
     })
 }
 
-/// Why `text` is no document of `kind` to write: it does not validate, or the attached client
-/// would refuse it (governance options an entry it already called cannot carry out, such as
-/// consistent hashing for a method without a `#[hash_key]`); a store would take such a
-/// document, and every client would keep its last good version and log a `rule_rejected`.
+/// Why `text` is no document of `kind` to write: it does not validate (a store would take it,
+/// and every client would keep its last good version and log a `rule_rejected`), or the
+/// attached client's check refuses it (governance options an entry it already called cannot
+/// carry out, such as consistent hashing for a method without a `#[hash_key]`, which clients
+/// would apply with that strategy left out for the entry).
 fn refused(state: &State, kind: RuleKind, text: &str) -> Option<String> {
     if let Err(e) = kind.validate(text) {
         return Some(e.message().to_string());
@@ -253,7 +254,7 @@ fn refused(state: &State, kind: RuleKind, text: &str) -> Option<String> {
     let client = state.client.as_ref()?;
     client.check_rules(kind, text).err().map(|e| {
         format!(
-            "this process's client would refuse the document: {}",
+            "this process's client refuses the document: {}",
             e.message()
         )
     })

@@ -643,11 +643,12 @@ impl Client {
         })
     }
 
-    /// Whether this client would take `text` as its rule document of `kind` (see
-    /// [`ClientBuilder::rules`]): the error it would refuse it with (a document that does not
-    /// parse, or governance options an entry already called cannot carry out), and nothing
-    /// changes either way. What a rule editor asks before it writes the document to the store
-    /// the client follows. A client that follows no rules (built without
+    /// Whether `text` is a rule document of `kind` to write to the store this client follows
+    /// (see [`ClientBuilder::rules`]), as a rule editor asks: the error (a document that does
+    /// not parse, or governance options an entry already called cannot carry out, such as
+    /// consistent hashing for a method without a `#[hash_key]`), and nothing changes either
+    /// way. Stricter than the client applying a document from the store, which leaves such a
+    /// strategy out for those entries and applies the rest. A client that follows no rules (built without
     /// [`ClientBuilder::rules`]) applies none, and refuses none.
     pub fn check_rules(&self, kind: rpc_registry::RuleKind, text: &str) -> Result<(), RpcError> {
         if self.inner.rules_task.get().is_none() {

@@ -89,8 +89,9 @@ pub(crate) fn apply(
     }
 }
 
-/// Whether [`apply`] would take `text` as the document of `kind`: its error, and nothing
-/// changes either way.
+/// Whether `text` is a document of `kind` to write, as an editor asks: its error (a document
+/// that does not parse, or governance options an entry already called cannot carry out, a
+/// strategy [`apply`] would leave out included), and nothing changes either way.
 pub(crate) fn check(governance: &Governance, kind: RuleKind, text: &str) -> Result<(), RpcError> {
     match kind {
         RuleKind::Governance => {

@@ -191,10 +191,27 @@ impl Layers {
     /// clients and services, and every client must apply it alike, whether or not it has
     /// called the entry yet.
     pub fn resolve(&self, method: &MethodDescriptor) -> GovernanceOptions {
-        let mut o = self.below_centre(method);
-        self.apply_centre(method, &mut o);
+        self.resolve_noting(method).0
+    }
+
+    /// The options in force for `method`, and whether the config centre's strategy was left
+    /// out: the centre decides the strategy (it sets it and no runtime update does), and the
+    /// options with it, runtime updates included, cannot be carried out. The centre's other
+    /// options apply either way.
+    fn resolve_noting(&self, method: &MethodDescriptor) -> (GovernanceOptions, bool) {
+        let below = self.below_centre(method);
+        let mut o = below.clone();
+        self.centre.apply(method, &mut o);
         self.runtime.apply(method, &mut o);
-        o
+        if unfit(method, &o).is_none() || !self.centre_decides_strategy(method) {
+            return (o, false);
+        }
+        let mut kept = below;
+        let strategy = kept.shunt_strategy;
+        self.centre.apply(method, &mut kept);
+        kept.shunt_strategy = strategy;
+        self.runtime.apply(method, &mut kept);
+        (kept, true)
     }
 
     /// The options the layers below the config centre give `method`.
@@ -206,31 +223,23 @@ impl Layers {
         o
     }
 
-    /// Applies the config centre's layer over `o`, but for a strategy `method` cannot carry
-    /// out: whether that was left out.
-    fn apply_centre(&self, method: &MethodDescriptor, o: &mut GovernanceOptions) -> bool {
-        let before = (o.shunt_strategy, o.appoint_address.clone());
-        self.centre.apply(method, o);
-        if unfit(method, o).is_none()
-            || (o.shunt_strategy, &o.appoint_address) == (before.0, &before.1)
-        {
-            return false;
-        }
-        (o.shunt_strategy, o.appoint_address) = before;
-        true
+    /// Whether the config centre's layer sets `method`'s strategy and no runtime update does.
+    fn centre_decides_strategy(&self, method: &MethodDescriptor) -> bool {
+        let sets =
+            |layer: &GovernanceConfig| layer.fields_set_for(method).contains(&"shunt_strategy");
+        sets(&self.centre) && !sets(&self.runtime)
     }
 
     /// Why the config centre's document asks `method` for a strategy it cannot carry out,
     /// which [`resolve`](Self::resolve) leaves out: what a client says of a document it
     /// applies, and what an editor refuses to write ([`check`](Self::check)).
     pub fn centre_left_out(&self, method: &MethodDescriptor) -> Option<RpcError> {
-        let below = self.below_centre(method);
-        let mut o = below.clone();
-        if !self.apply_centre(method, &mut o) {
+        if !self.resolve_noting(method).1 {
             return None;
         }
-        let mut asked = below;
+        let mut asked = self.below_centre(method);
         self.centre.apply(method, &mut asked);
+        self.runtime.apply(method, &mut asked);
         unfit(method, &asked).map(|why| why.error(method, CENTRE))
     }
 
@@ -257,8 +266,8 @@ impl Layers {
         );
         raise(method.governance.set_fields(), OptionLevel::Attribute);
         // A strategy the centre asks for and the entry cannot carry out is left out: the
-        // layers below still set it (and the address).
-        let left_out = self.centre_left_out(method).is_some();
+        // layers below still set it.
+        let left_out = self.resolve_noting(method).1;
         for (layer, level) in [
             (&self.published, OptionLevel::Published),
             (&self.file, OptionLevel::File),
@@ -268,7 +277,7 @@ impl Layers {
         ] {
             let mut fields = layer.fields_set_for(method);
             if left_out && level == OptionLevel::Centre {
-                fields.retain(|f| !matches!(*f, "shunt_strategy" | "appoint_address"));
+                fields.retain(|f| *f != "shunt_strategy");
             }
             raise(fields, level);
         }
@@ -297,7 +306,7 @@ impl Layers {
 
     /// The highest layer that sets `method`'s strategy in force: the one to change.
     fn strategy_source(&self, method: &MethodDescriptor) -> &'static str {
-        let left_out = self.centre_left_out(method).is_some();
+        let left_out = self.resolve_noting(method).1;
         let mut o = method.governance.applied(&self.code_defaults);
         let mut source = if method.governance.shunt_strategy.is_some() {
             "the method's #[governance] attribute"
@@ -629,6 +638,28 @@ shunt_strategy = \"random\"\n",
             e.message().contains("appoint_address") && e.message().contains("config centre"),
             "{e}"
         );
+        // ... unless a runtime update gives the address: then it is carried out.
+        let mut addressed = appointing.clone();
+        addressed.runtime.set(
+            "echo.Echo.echo",
+            GovernanceOverrides {
+                appoint_address: Some("127.0.0.1:9000".into()),
+                ..GovernanceOverrides::NONE
+            },
+            false,
+        );
+        assert_eq!(addressed.resolve(&M).shunt_strategy, ShuntStrategy::Appoint);
+        assert!(addressed.check(&M).is_ok());
+        // A centre that sets no strategy is not blamed for the one below it.
+        let below = Layers {
+            file: GovernanceConfig::from_toml("[defaults]\nshunt_strategy = \"hash\"\n").unwrap(),
+            centre: GovernanceConfig::from_toml("[defaults]\nappoint_address = \"127.0.0.1:1\"\n")
+                .unwrap(),
+            ..Layers::default()
+        };
+        assert!(below.centre_left_out(&M).is_none());
+        let e = below.check(&M).unwrap_err();
+        assert!(e.message().contains("set by the config file"), "{e}");
     }
 
     #[test]

@@ -229,11 +229,12 @@ impl Governance {
     }
 
     /// [`update_layers`](Self::update_layers), refused (nothing changes) when the new layers
-    /// give an entry this engine has already used options it cannot carry out
-    /// ([`Layers::check`]).
+    /// give an entry this engine has already used options in force it cannot carry out
+    /// ([`Layers::check_in_force`]; a strategy of the config centre's left out for an entry
+    /// is not in force, and refuses nothing here).
     pub fn try_update_layers(&self, change: impl FnOnce(&mut Layers)) -> Result<(), RpcError> {
         let mut layers = self.layers.write().unwrap_or_else(|p| p.into_inner());
-        let next = self.changed(&layers, change)?;
+        let next = self.changed(&layers, change, Layers::check_in_force)?;
         *layers = next;
         self.refresh(&layers);
         Ok(())
@@ -259,23 +260,26 @@ impl Governance {
         Ok(left_out)
     }
 
-    /// Whether [`try_update_layers`](Self::try_update_layers) would take `change`: its error,
-    /// and nothing changes either way. What a rule editor asks before it writes a document.
+    /// What a rule editor asks before it writes a document: whether `change` gives an entry
+    /// this engine has already used options it cannot carry out, a strategy of the config
+    /// centre's that would be left out included ([`Layers::check`], stricter than
+    /// [`try_update_layers`](Self::try_update_layers)); nothing changes either way.
     pub fn check_layers(&self, change: impl FnOnce(&mut Layers)) -> Result<(), RpcError> {
         let layers = self.layers.read().unwrap_or_else(|p| p.into_inner());
-        self.changed(&layers, change).map(drop)
+        self.changed(&layers, change, Layers::check).map(drop)
     }
 
-    /// `layers` with `change`, checked against every entry already used.
+    /// `layers` with `change`, checked by `check` against every entry already used.
     fn changed(
         &self,
         layers: &Layers,
         change: impl FnOnce(&mut Layers),
+        check: fn(&Layers, &MethodDescriptor) -> Result<(), RpcError>,
     ) -> Result<Layers, RpcError> {
         let mut next = layers.clone();
         change(&mut next);
         for p in self.cache.iter() {
-            next.check(p.method())?;
+            check(&next, p.method())?;
         }
         Ok(next)
     }

@@ -396,6 +396,17 @@ async fn a_strategy_an_entry_cannot_carry_out_is_left_out_alike_by_every_client(
         3,
         "every call reached the server"
     );
+    // The strategy left out is not in force: it refuses no later change of the client's own.
+    f.client
+        .update_options(
+            "t.Ruled.fail",
+            rpc::GovernanceOverrides {
+                timeout_ms: Some(1234),
+                ..rpc::GovernanceOverrides::NONE
+            },
+        )
+        .expect("a runtime update is taken");
+    assert_eq!(f.client.options(fail).timeout_ms, 1234);
 }
 
 /// A server reads the rules before it serves: its first calls, and any call a client makes
