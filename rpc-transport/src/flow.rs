@@ -137,6 +137,17 @@ impl Taken {
         }
     }
 
+    /// The items taken and not granted back yet, if any, now (the count starts again): for a
+    /// consumer too slow to reach half its window within the peer's stall limit, which would
+    /// otherwise see no credit and take the stream for stalled.
+    pub(crate) fn flush(&mut self) -> Option<u64> {
+        if self.items == 0 {
+            return None;
+        }
+        self.bytes = 0;
+        Some(std::mem::take(&mut self.items))
+    }
+
     /// Counts an item of `len` bytes taken (its size on the wire, as the window counts it:
     /// compressed, when it travelled so); the items to grant back when it is time.
     pub(crate) fn take(&mut self, len: usize) -> Option<u64> {

@@ -257,6 +257,7 @@ impl Connection {
             closed: AtomicBool::new(false),
             close,
             close_reason: std::sync::OnceLock::new(),
+            beats: AtomicU64::new(0),
             server_streams,
             client_streams: options.streams,
             stream_window: options.stream_window.clamp(1, crate::MAX_STREAM_WINDOW),

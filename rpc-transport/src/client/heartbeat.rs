@@ -89,6 +89,7 @@ pub(super) async fn heartbeat(
             _ = tokio::time::sleep(interval) => {}
         }
         let Some(s) = shared.upgrade() else { return };
+        s.beats.fetch_add(1, Ordering::Relaxed);
         let count = received.load(Ordering::Relaxed);
         if count == last_count {
             silent_ticks += 1;

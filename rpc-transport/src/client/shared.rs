@@ -42,6 +42,10 @@ pub(super) struct Shared {
     /// Why this client closed the connection, when it says (its heartbeat): the calls it
     /// fails say so, where the others (`close`, the pool) read "connection closed".
     pub(super) close_reason: std::sync::OnceLock<String>,
+    /// Heartbeats so far: a stream whose consumer took items since it last granted credit,
+    /// and sees a heartbeat since, grants them at once (see `ClientStream`), so a slow
+    /// consumer's progress reaches the server within about one heartbeat interval.
+    pub(super) beats: AtomicU64,
     /// Whether the server takes streams (`HelloAck.streams`, to a `Hello` offering them).
     pub(super) server_streams: bool,
     /// Whether this client offered streams (`ConnectOptions::streams`).

@@ -426,6 +426,9 @@ pub struct ClientStream {
     mode: StreamMode,
     /// What the consumer took since it last granted credit.
     taken: Taken,
+    /// The connection's heartbeats when the consumer last looked: one since grants what was
+    /// taken at once, however little (see `Shared::beats`).
+    beats_seen: u64,
     finished: bool,
     /// Still counted in its connection's calls in flight: until its end was read (or it is
     /// dropped first), so that a stream read to its end and kept no longer holds its
@@ -495,6 +498,7 @@ impl ClientStream {
             answer: Bytes::new(),
             mode,
             taken,
+            beats_seen: 0,
             finished: false,
             counted: true,
             to_error: Box::new(|r| {
@@ -712,7 +716,15 @@ impl ItemSource for ClientStream {
                 });
             }
         };
-        if let Some(items) = self.taken.take(wire) {
+        let mut grant = self.taken.take(wire);
+        if grant.is_none() {
+            let beats = self.tx.conn.shared.beats.load(Ordering::Relaxed);
+            if beats != self.beats_seen {
+                self.beats_seen = beats;
+                grant = self.taken.flush();
+            }
+        }
+        if let Some(items) = grant {
             let open = {
                 let mut s = self.tx.shared.lock();
                 s.held.release(items);

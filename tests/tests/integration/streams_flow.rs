@@ -652,6 +652,54 @@ async fn a_heartbeat_is_no_progress_of_a_stream_waiting_for_credit() {
     within("shutdown", server.shutdown()).await;
 }
 
+/// A slow consumer is not a stalled one: taking an item every 150 ms, half its window of 8
+/// takes it 600 ms, beyond the server's 300 ms idle timeout, it still grants what it took once a
+/// heartbeat (every 100 ms) has passed, and its stream without a deadline goes on. (On the
+/// paused clock.)
+#[tokio::test(start_paused = true)]
+async fn a_slow_consumer_grants_what_it_took_each_heartbeat_and_is_not_taken_for_stalled() {
+    let server = Server::builder()
+        .add_service(FlowServer::new(Texts(Arc::new(AtomicU64::new(0)))))
+        .idle_timeout(Duration::from_millis(300))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let options = ConnectOptions {
+        heartbeat_interval: Duration::from_millis(100),
+        stream_window: 8,
+        ..ConnectOptions::default()
+    };
+    let conn = Connection::connect(&server.local_addr().to_string(), &options)
+        .await
+        .expect("connect");
+    let call = Call {
+        service_entry_id: "t.Flow.text".into(),
+        codec: Codec::MsgPack.to_wire(),
+        parameters: Codec::MsgPack.encode(&(8u32,)).expect("encode"),
+        ..Default::default()
+    };
+    let Opened::Accepted(mut s) = within("open", conn.open_stream(call, StreamMode::Server, None))
+        .await
+        .expect("open")
+    else {
+        panic!("refused");
+    };
+    // 20 items over 3 s: ten idle timeouts, more than twice the window.
+    for i in 0..20 {
+        let item = within("an item", futures_util::StreamExt::next(&mut s))
+            .await
+            .expect("the stream goes on")
+            .unwrap_or_else(|e| panic!("item {i}: {e}"));
+        assert_eq!(
+            Codec::MsgPack.decode::<String>(&item).expect("text"),
+            "x".repeat(8)
+        );
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+    drop(s);
+    within("shutdown", server.shutdown()).await;
+}
+
 /// A stream without a deadline whose client grants no more credit (nor cancels) is ended once
 /// it has waited the server's idle timeout, with 519 saying why, and its slot under the
 /// server's cap is free again. Before, it waited for ever, holding the slot: a few such
