@@ -568,6 +568,10 @@ pub(super) struct StreamDriver {
     /// The wait's timer (made once, re-armed) and what it waits on, if it runs.
     stall: Option<Pin<Box<tokio::time::Sleep>>>,
     stalled: Option<Stalled>,
+    /// The caller's failure had reached the handler before the producer was last polled (see
+    /// [`StreamSlot::failure_reached`]), and the waits (for credit, room or a turn) since.
+    failure_seen: bool,
+    waits_after_failure: u8,
     out: Out,
 }
 
@@ -753,6 +757,8 @@ impl StreamDriver {
             stall_limit,
             stall: None,
             stalled: None,
+            failure_seen: false,
+            waits_after_failure: 0,
             slot,
             table: table.clone(),
             sender,
@@ -862,6 +868,9 @@ impl StreamDriver {
                         if let Poll::Ready(end) = this.poll_stalled(cx, Stalled::Credit) {
                             return Poll::Ready(end);
                         }
+                        if let Some(end) = this.waited_after_failure() {
+                            return Poll::Ready(end);
+                        }
                         return Poll::Pending;
                     }
                 }
@@ -870,8 +879,8 @@ impl StreamDriver {
                 continue;
             }
             if turn.over() {
-                if let Some(failed) = this.slot.reached_failure() {
-                    return Poll::Ready(error_result(failed.code(), failed.message()));
+                if let Some(end) = this.waited_after_failure() {
+                    return Poll::Ready(end);
                 }
                 cx.waker().wake_by_ref();
                 return Poll::Pending;
@@ -881,6 +890,9 @@ impl StreamDriver {
             // producer there, whatever windows it announced. Its deadline still ends it.
             let pending = this.out.pending();
             if pending > 0 && pending >= this.max_unsent {
+                if let Some(end) = this.waited_after_failure() {
+                    return Poll::Ready(end);
+                }
                 // The next poll waits for the queue, once this poll's frames are in it.
                 cx.waker().wake_by_ref();
                 return Poll::Pending;
@@ -908,16 +920,23 @@ impl StreamDriver {
                 if let Poll::Ready(end) = this.poll_stalled(cx, Stalled::Room(writes)) {
                     return Poll::Ready(end);
                 }
+                if let Some(end) = this.waited_after_failure() {
+                    return Poll::Ready(end);
+                }
                 return Poll::Pending;
             }
             // Neither credit nor room is waited for: no stall.
             this.stalled = None;
+            // Read before the producer is polled: what it has ready then was made before the
+            // failure reached the handler, and goes first.
+            if !this.failure_seen && this.slot.reached_failure().is_some() {
+                this.failure_seen = true;
+            }
             match this.next_event(cx, &mut turn) {
-                // The handler has nothing more ready, and the caller's failure reached it: the
-                // stream ends with that failure (the items made before it went first), even if
-                // the handler would go on producing.
+                // The handler has nothing more ready after the caller's failure reached it:
+                // the stream ends with that failure, even if the handler would go on.
                 Poll::Pending => {
-                    return match this.slot.reached_failure() {
+                    return match this.slot.reached_failure().filter(|_| this.failure_seen) {
                         Some(failed) => Poll::Ready(error_result(failed.code(), failed.message())),
                         None => Poll::Pending,
                     };
@@ -953,6 +972,22 @@ impl StreamDriver {
 
     fn end_run(&mut self) {
         self.out.end_run();
+    }
+
+    /// The stream waits (for credit, room or its next turn) after the caller's failure
+    /// reached the handler: at the second such wait it ends with that failure. A handler that
+    /// is always ready would otherwise never end, and one wait lets what it made before the
+    /// failure (up to a window, or a turn) go first.
+    fn waited_after_failure(&mut self) -> Option<RemoteResultMessage> {
+        if !self.failure_seen {
+            return None;
+        }
+        self.waits_after_failure = self.waits_after_failure.saturating_add(1);
+        if self.waits_after_failure < 2 {
+            return None;
+        }
+        let failed = self.slot.reached_failure()?;
+        Some(error_result(failed.code(), failed.message()))
     }
 
     /// The stream waits on its client (`on`): its end once it has waited the stall limit

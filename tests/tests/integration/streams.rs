@@ -889,8 +889,17 @@ async fn a_request_stream_read_by_a_task_of_its_own_ends_when_the_call_ends() {
 async fn a_callers_error_item_ends_a_stream_whose_handler_goes_on_producing() {
     let reg = InProcessRegistry::new();
     let (server, _probe) = serve(&reg, 50).await;
+    // A window of 4 too: each poll of the producer then runs out of credit before its turn
+    // is over, and the end must come at a wait for credit.
+    let narrow = FeedClient::new(
+        Client::builder()
+            .registry(reg.clone())
+            .override_options(FeedClient::SERVICE_ID, no_retry())
+            .stream_window(4)
+            .build(),
+    );
     let f = feed(&reg);
-    for read in [true, false] {
+    for (read, f) in [(true, &f), (false, &f), (true, &narrow), (false, &narrow)] {
         let lines = RpcStream::try_new(futures_util::stream::iter([
             Ok("a".to_string()),
             Err(RpcError::business("stop")),
