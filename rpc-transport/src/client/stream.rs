@@ -350,22 +350,35 @@ impl StreamShared {
     }
 
     /// Takes one item's credit for an item of `len` bytes, if there is some and the stream is
-    /// open.
-    fn take_credit(&self, len: usize) -> bool {
+    /// open, and queues it (`queue`, whether it was) under the stream's lock: a `finish` from
+    /// another clone of the sender comes wholly before or after, never between, so no item
+    /// follows the request stream's end on the wire. `None`: no credit, or not open.
+    fn send_with_credit(&self, len: usize, queue: impl FnOnce() -> bool) -> Option<bool> {
         let mut s = self.lock();
         if s.ended || s.finished || !s.send.ready() {
-            return false;
+            return None;
         }
         s.send.sent(len);
-        true
+        Some(queue())
     }
 
-    /// Marks the client's request stream finished: whether it was not already (nor the
-    /// stream ended), so that its end is sent once.
-    fn finish(&self) -> bool {
+    /// Takes one item's credit, as [`send_with_credit`](Self::send_with_credit) does, without
+    /// queueing anything.
+    #[cfg(test)]
+    fn take_credit(&self, len: usize) -> bool {
+        self.send_with_credit(len, || true).is_some()
+    }
+
+    /// Marks the client's request stream finished and queues its end (`queue`) under the
+    /// stream's lock, unless it was finished already (or the stream ended): its end is sent
+    /// once, and after every item queued before. Whether it was queued now.
+    fn finish(&self, queue: impl FnOnce()) -> bool {
         let mut s = self.lock();
         let first = !s.ended && !s.finished;
         s.finished = true;
+        if first {
+            queue();
+        }
         drop(s);
         // Senders waiting for credit learn that no more items go.
         self.changed.notify_waiters();
@@ -585,7 +598,14 @@ impl StreamSender {
         if let Some(e) = shared.item_over_frame_limit(self.id, item.len(), compression) {
             return Err(e);
         }
-        if !self.shared.take_credit(item.len()) {
+        let queued = self.shared.send_with_credit(item.len(), || {
+            shared.sender.send(Kind::StreamItem(StreamItem {
+                message_id: self.id,
+                payload: item,
+                compression,
+            }))
+        });
+        let Some(queued) = queued else {
             return Err(RpcError::new(
                 StatusCode::FrameworkError,
                 format!(
@@ -594,12 +614,7 @@ impl StreamSender {
                     self.conn.peer()
                 ),
             ));
-        }
-        let queued = shared.sender.send(Kind::StreamItem(StreamItem {
-            message_id: self.id,
-            payload: item,
-            compression,
-        }));
+        };
         if !queued {
             return Err(comm_error(
                 self.conn.peer(),
@@ -613,18 +628,17 @@ impl StreamSender {
     /// stopped it (the server ends the stream with that status). Once only: a later `finish`
     /// (from any clone) does nothing, and [`send`](Self::send) refuses items after it.
     pub fn finish(&self, end: Result<(), RpcError>) {
-        if !self.shared.finish() {
-            return;
-        }
         let (status_code, exception_message) = match end {
             Ok(()) => (StatusCode::Success.as_u32(), String::new()),
             Err(e) => (e.code().as_u32(), e.message().to_string()),
         };
-        self.conn.shared.sender.send(Kind::StreamEnd(StreamEnd {
-            message_id: self.id,
-            status_code,
-            exception_message,
-        }));
+        self.shared.finish(|| {
+            self.conn.shared.sender.send(Kind::StreamEnd(StreamEnd {
+                message_id: self.id,
+                status_code,
+                exception_message,
+            }));
+        });
     }
 }
 
@@ -920,8 +934,11 @@ mod tests {
             tokio::task::yield_now().await;
         }
         assert!(!waiting.is_finished(), "no credit yet");
-        assert!(s.finish(), "the first finish");
-        assert!(!s.finish(), "a second finish sends nothing");
+        assert!(s.finish(|| {}), "the first finish");
+        assert!(
+            !s.finish(|| panic!("sent twice")),
+            "a second finish sends nothing"
+        );
         let ready = tokio::time::timeout(std::time::Duration::from_secs(5), waiting)
             .await
             .expect("woken by the finish")
