@@ -210,19 +210,17 @@ impl<S: Service> HedgeLayer<S> {
         // validation error, a refused caller), which the other attempt must neither delay
         // nor replace. A failure to get one (unreachable, overloaded, timed out) waits for the
         // other attempt.
-        let answer = |r: &Result<Bytes, RpcError>| {
-            r.as_ref()
-                .map_or_else(|e| e.code().is_callee_answer(), |_| true)
-        };
+        // (A refusal by the client's own transport, the call being over that server's limits,
+        // is no answer: nothing was sent, whatever its status says.)
+        let callee = |e: &RpcError| e.code().is_callee_answer() && !e.is_unsupported_by_endpoint();
+        let answer = |r: &Result<Bytes, RpcError>| r.as_ref().map_or_else(callee, |_| true);
         let (result, from) = tokio::select! {
             biased;
             r = live(primary.as_mut()) => match r {
                 // The first attempt failed for good before any hedge: none is sent now.
-                Err(e) if !e.code().is_callee_answer() && !sent.load(Ordering::Relaxed) => {
-                    (Err(e), 0)
-                }
+                Err(e) if !callee(&e) && !sent.load(Ordering::Relaxed) => (Err(e), 0),
                 // A hedge already sent may still answer.
-                Err(e) if !e.code().is_callee_answer() => match live(hedge.as_mut()).await {
+                Err(e) if !callee(&e) => match live(hedge.as_mut()).await {
                     Some(h) if answer(&h) => (h, 1),
                     _ => (Err(e), 0),
                 },

@@ -1767,6 +1767,14 @@ impl Attempts for &Endpoints {
         if addr.starts_with("unable:") {
             return cannot_serve();
         }
+        if addr.starts_with("over:") {
+            // The transport's own refusal of a call over the server's limits: nothing sent.
+            return Err(RpcError::new(
+                StatusCode::ValidateError,
+                "more attachments than the server takes",
+            )
+            .unsupported_by_endpoint(true));
+        }
         Ok(Bytes::from(addr.to_string()))
     }
     fn untried_left(&self, tried: &[String]) -> bool {
@@ -1834,6 +1842,27 @@ async fn a_hedge_moves_past_an_endpoint_that_cannot_serve_the_call() {
             ("slow:1".to_string(), 0, None),
             ("unable:1".to_string(), 50, Some(50)),
             ("fast:1".to_string(), 50, Some(60))
+        ]
+    );
+}
+
+/// A hedge refused by the client's own transport with 1001 (the call is over that server's
+/// limits: nothing was sent) is no answer of the callee's: the first attempt, still running,
+/// is waited for and answers, instead of being dropped for the hedge's refusal.
+#[tokio::test(start_paused = true)]
+async fn a_hedge_refused_before_it_was_sent_does_not_win_over_the_first_attempt() {
+    let g = engine(hedged(50, true));
+    let e = Endpoints::new(&[("slow:1", 100), ("over:1", 0)]);
+    let answer = g
+        .execute(&g.policy(&M), &e)
+        .await
+        .expect("the first attempt answers");
+    assert_eq!(&answer[..], b"slow:1");
+    assert_eq!(
+        e.log(),
+        [
+            ("slow:1".to_string(), 0, Some(100)),
+            ("over:1".to_string(), 50, Some(50))
         ]
     );
 }
