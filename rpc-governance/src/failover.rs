@@ -7,8 +7,11 @@ use tokio::time::Instant;
 use crate::retry::{self, Decision};
 
 /// Decides after a failed attempt, on top of [`retry::decide`]: when the failure was an
-/// unreachable endpoint (the request never left) and no endpoint is left untried, the call
-/// gives up at once — every endpoint is down, and trying them again would only wait. A refusal
+/// unreachable endpoint (the request never left), no endpoint is left untried, and none the
+/// call tried was `reached` (answered it, if only to refuse it: overloaded, rate-limited), the
+/// call gives up at once — every endpoint is down, and trying them again would only wait. With
+/// one reached, the retry goes back to it (the balancer puts a reachable endpoint before one
+/// that just failed to connect): its overload may have cleared. A refusal
 /// that says when to come back (a 429's `retry_after`) is honoured when the next attempt can
 /// only go to an endpoint already tried: the pause is at least that long, and the call gives up
 /// (with the refusal, which carries `retry_after`) when that does not fit before the deadline.
@@ -28,8 +31,13 @@ pub fn decide(
     options: &GovernanceOptions,
     deadline: Option<Instant>,
     untried_left: bool,
+    reached: bool,
 ) -> Decision {
-    if err.code() == StatusCode::CommunicationError && !err.is_maybe_delivered() && !untried_left {
+    if err.code() == StatusCode::CommunicationError
+        && !err.is_maybe_delivered()
+        && !untried_left
+        && !reached
+    {
         return Decision::GiveUp;
     }
     if err.is_unsupported_by_endpoint() {
@@ -76,14 +84,23 @@ mod tests {
         let o = GovernanceOptions::default();
         let refused = RpcError::new(StatusCode::CommunicationError, "refused");
         assert!(matches!(
-            decide(&refused, 0, &o, None, true),
+            decide(&refused, 0, &o, None, true, false),
             Decision::Retry { .. }
         ));
-        assert_eq!(decide(&refused, 0, &o, None, false), Decision::GiveUp);
+        assert_eq!(
+            decide(&refused, 0, &o, None, false, false),
+            Decision::GiveUp
+        );
+        // ... unless one endpoint tried was reached (it refused the call, overloaded): the
+        // call goes back to it.
+        assert!(matches!(
+            decide(&refused, 0, &o, None, false, true),
+            Decision::Retry { .. }
+        ));
         // Overflow may clear up: retried on a tried endpoint too.
         let full = RpcError::new(StatusCode::OverflowMaxServerHandle, "full");
         assert!(matches!(
-            decide(&full, 0, &o, None, false),
+            decide(&full, 0, &o, None, false, false),
             Decision::Retry { .. }
         ));
         let e = final_error(refused, vec!["a:1".into(), "b:1".into()]);
@@ -104,21 +121,27 @@ mod tests {
         let no_streams = RpcError::new(StatusCode::NotImplemented, "does not stream")
             .unsupported_by_endpoint(true);
         assert_eq!(
-            decide(&no_streams, 0, &o, None, true),
+            decide(&no_streams, 0, &o, None, true, false),
             Decision::Retry {
                 after: Duration::ZERO
             }
         );
-        assert_eq!(decide(&no_streams, 0, &o, None, false), Decision::GiveUp);
         assert_eq!(
-            decide(&no_streams, 1, &o, None, true),
+            decide(&no_streams, 0, &o, None, false, false),
+            Decision::GiveUp
+        );
+        assert_eq!(
+            decide(&no_streams, 1, &o, None, true, false),
             Decision::GiveUp,
             "retry_times spent"
         );
         // A 501 a server answered (or the client's own streams being off) is no endpoint's
         // lack: not failed over.
         let answered = RpcError::new(StatusCode::NotImplemented, "not a streaming method");
-        assert_eq!(decide(&answered, 0, &o, None, true), Decision::GiveUp);
+        assert_eq!(
+            decide(&answered, 0, &o, None, true, false),
+            Decision::GiveUp
+        );
         let e = final_error(no_streams, vec!["a:1".into(), "b:1".into()]);
         assert_eq!(e.tried(), ["a:1", "b:1"], "the endpoints tried are named");
     }
@@ -133,20 +156,23 @@ mod tests {
             .with_retry_after(Duration::from_millis(300));
         // Another endpoint is left: it is tried after the usual interval.
         assert_eq!(
-            decide(&limited, 0, &o, None, true),
+            decide(&limited, 0, &o, None, true, false),
             Decision::Retry {
                 after: Duration::from_millis(50)
             }
         );
         // Only tried endpoints are left: the refusal's time is waited out.
         assert_eq!(
-            decide(&limited, 0, &o, None, false),
+            decide(&limited, 0, &o, None, false, false),
             Decision::Retry {
                 after: Duration::from_millis(300)
             }
         );
         // ... unless it does not fit before the deadline.
         let soon = Instant::now() + Duration::from_millis(200);
-        assert_eq!(decide(&limited, 0, &o, Some(soon), false), Decision::GiveUp);
+        assert_eq!(
+            decide(&limited, 0, &o, Some(soon), false, false),
+            Decision::GiveUp
+        );
     }
 }

@@ -90,6 +90,10 @@ pub struct CallCx<'g> {
     /// The last failure of an endpoint that could serve the call, kept for the case where a
     /// detour to one that cannot leaves nothing untried (see the retry layer).
     pub(crate) served_failure: Option<Box<ServedFailure>>,
+    /// An endpoint this call tried was reached: it answered, if only to refuse the call
+    /// (overloaded, rate-limited, a timeout once sent). An unreachable endpoint with nothing
+    /// untried left then ends the call only when none was.
+    pub(crate) reached: bool,
     pub(crate) fallback_cause: Option<RpcError>,
     /// Only when a layer adds one: most calls carry none, and an empty map still costs its drop.
     attachments: Option<BTreeMap<String, String>>,
@@ -199,6 +203,7 @@ impl<'g> CallCx<'g> {
             failed_attempt: None,
             unable: Vec::new(),
             served_failure: None,
+            reached: false,
             fallback_cause: None,
             attachments: None,
             retry_depth: 0,

@@ -253,15 +253,13 @@ impl<B: Balance, S> RetryLayer<B, S> {
         cx.last_failed = Some(addr.clone());
         if unsupported {
             cx.unable.push(addr.clone());
+        } else if err.code() != StatusCode::CommunicationError || err.is_maybe_delivered() {
+            cx.reached = true;
         }
         cx.tried.push(addr);
         let untried_left = picker.untried_left(cx);
         let mut last = cx.tried.last().cloned().unwrap_or_else(|| Arc::from(""));
-        let mut decision = if attempt_timed_out {
-            retry::decide_after_attempt_timeout(attempt, &cx.options, cx.deadline)
-        } else {
-            failover::decide(&err, attempt, &cx.options, cx.deadline, untried_left)
-        };
+        let mut decision = decide(cx, &err, attempt_timed_out, attempt, untried_left);
         // A hedge is one attempt sent, and one aimed at an endpoint that cannot serve the call
         // was not sent: it moves on to the next untried endpoint, so that the hedge its gate
         // paid for (budget, event) goes where it can be served, or nowhere when none is left.
@@ -292,11 +290,7 @@ impl<B: Balance, S> RetryLayer<B, S> {
                 last = before.endpoint;
                 cx.last_failed = Some(last.clone());
                 failed_at = before.attempt;
-                decision = if attempt_timed_out {
-                    retry::decide_after_attempt_timeout(attempt, &cx.options, cx.deadline)
-                } else {
-                    failover::decide(&err, attempt, &cx.options, cx.deadline, untried_left)
-                };
+                decision = decide(cx, &err, attempt_timed_out, attempt, untried_left);
             }
         }
         // A detour that is retried: should the call end before another attempt is sent (no
@@ -433,4 +427,27 @@ pub(crate) fn retry_depth_mark(options: &GovernanceOptions) -> (bool, Option<u32
 /// The endpoints tried, for the final error.
 fn tried(cx: &CallCx<'_>) -> Vec<String> {
     cx.tried.iter().map(|a| a.to_string()).collect()
+}
+
+/// What follows a failed attempt (`err`, numbered `attempt`): after the attempt's own
+/// timeout, [`retry::decide_after_attempt_timeout`]; else [`failover::decide`].
+fn decide(
+    cx: &CallCx,
+    err: &RpcError,
+    attempt_timed_out: bool,
+    attempt: u32,
+    untried_left: bool,
+) -> Decision {
+    if attempt_timed_out {
+        retry::decide_after_attempt_timeout(attempt, &cx.options, cx.deadline)
+    } else {
+        failover::decide(
+            err,
+            attempt,
+            &cx.options,
+            cx.deadline,
+            untried_left,
+            cx.reached,
+        )
+    }
 }

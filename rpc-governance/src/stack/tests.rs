@@ -933,6 +933,52 @@ async fn a_probe_failing_maybe_delivered_on_one_endpoint_frees_its_slot() {
     next_call_goes_through(&g, &p).await;
 }
 
+/// a:1 is overloaded at the first attempt (515) and answers the next; b:1 is down (its
+/// connection refused). Endpoints are picked as the balancer does: untried first, then one
+/// that was reached before one that failed to connect.
+struct BusyThenDown(std::sync::atomic::AtomicU32);
+
+impl Attempts for &BusyThenDown {
+    fn select(&self, ctx: &AttemptCtx<'_>) -> Result<String, RpcError> {
+        let tried = |e: &str| ctx.tried.iter().any(|t| t == e);
+        Ok(if !tried("a:1") || tried("b:1") {
+            "a:1"
+        } else {
+            "b:1"
+        }
+        .into())
+    }
+    async fn call(&self, addr: &str, _: u32, _: Option<Instant>) -> Result<Bytes, RpcError> {
+        if addr == "b:1" {
+            return Err(RpcError::new(
+                StatusCode::CommunicationError,
+                "connection refused",
+            ));
+        }
+        if self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+            overflow()
+        } else {
+            Ok(Bytes::from_static(b"a:1"))
+        }
+    }
+    fn untried_left(&self, tried: &[String]) -> bool {
+        ["a:1", "b:1"].iter().any(|e| !tried.iter().any(|t| t == e))
+    }
+}
+
+/// An overloaded endpoint, then a dead one with nothing untried left: the call goes back to
+/// the overloaded one (its overload may have cleared) while attempts remain, rather than
+/// giving up as if every endpoint were down.
+#[tokio::test(start_paused = true)]
+async fn after_an_overload_and_a_dead_endpoint_the_call_goes_back_to_the_overloaded_one() {
+    let g = engine(retries_within_budget(10));
+    let answer = g
+        .execute(&g.policy(&M), &BusyThenDown(Default::default()))
+        .await
+        .expect("a:1 answers the third attempt");
+    assert_eq!(&answer[..], b"a:1");
+}
+
 /// The only endpoint refuses the probe (515); by the retry the registry has dropped it, so
 /// the retry finds none (404).
 struct RefusedThenGone;
