@@ -227,10 +227,13 @@ fn layered(
     let cause = FallbackCause::default();
     let told = cause.clone();
     let setup: StreamFuture = Box::pin(async move {
-        Layered::start(&chain, &mut req).await?;
+        let started = Layered::start(&chain, &mut req).await;
+        // Whatever the layers' outcome: a fallback that ran and failed still says what it
+        // answered for.
         if let Some(c) = req.fallback_cause {
             told.set(c);
         }
+        started?;
         let items = opened
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)

@@ -93,7 +93,7 @@ pub(crate) fn record_result(span: &Span, result: &Result<Bytes, RpcError>) {
         Ok(_) => {
             span.record("rpc.status_code", i64::from(StatusCode::Success.as_u32()));
         }
-        Err(e) => record_error(span, e.code(), e.message()),
+        Err(e) => record_error(span, crate::dispatch::sent_code(e), e.message()),
     }
 }
 
@@ -194,15 +194,16 @@ impl CallWatch {
                 self.tell(Some(StatusCode::Success), "success");
             }
             (Err(e), fallback) => {
-                let outcome = e.code().outcome();
+                let code = crate::dispatch::sent_code(e);
+                let outcome = code.outcome();
                 self.span.record("outcome", outcome);
                 if let Some(cause) = fallback {
                     // A fallback ran and failed: the span still says what it answered for.
                     self.span
                         .record("rpc.fallback.cause", i64::from(cause.as_u32()));
                 }
-                self.metrics.finish(e.code(), outcome);
-                self.tell(Some(e.code()), outcome);
+                self.metrics.finish(code, outcome);
+                self.tell(Some(code), outcome);
             }
         }
     }

@@ -32,8 +32,12 @@ pub(super) async fn drain<R: AsyncRead + Unpin>(
     tokio::pin!(deadline);
     let mut lingering = false;
     loop {
-        let unsent = conn.sender.backlog().bytes();
+        // In this order: a call finishing queues its answer before it leaves the calls in
+        // flight, so once none is in flight (read first), the bytes read next include every
+        // answer; read the other way round, an answer queued in between would start the
+        // linger with it unsent, and a slow reader would lose it.
         let finished = conn.in_flight.load(Ordering::Acquire) == 0;
+        let unsent = conn.sender.backlog().bytes();
         if !lingering && finished && unsent == 0 {
             // Nothing left to finish, and every answer written (a client reading slowly gets
             // them all before the connection closes: the drain deadline, not the linger, ends
@@ -71,6 +75,11 @@ pub(super) async fn drain<R: AsyncRead + Unpin>(
     let dropped: Vec<_> = conn.tasks().drain().collect();
     for (id, handle) in dropped {
         handle.abort_at_drain_deadline();
+        // A stream's request stream ends before its answer is queued: a handler reading it in
+        // a task of its own grants no credit after the stream's end.
+        if let Some(slot) = conn.streams.get(id) {
+            slot.close();
+        }
         let mut r = error_result(
             StatusCode::ServerError,
             format!(

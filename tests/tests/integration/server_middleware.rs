@@ -823,7 +823,18 @@ impl rpc::crates::governance::calls::CallObserver for Outcomes {
 /// call was recorded as cancelled by its caller, and answered without the entry or the id).
 #[tokio::test]
 async fn a_layer_panicking_before_its_future_exists_answers_520_recorded_as_an_error() {
-    let s = serve_orders(50, None, |b| b.layer(PanicsAtOnce)).await;
+    let (e, record) = one_call_through(PanicsAtOnce).await;
+    assert_eq!(e.code(), StatusCode::ServerError, "{e}");
+    assert!(e.message().contains("orders.Orders.place"), "{e}");
+    assert_eq!(record, (Some(StatusCode::ServerError), "error"));
+}
+
+/// One call through a server with `layer`, which must fail it: its error, and the server's
+/// record of it (status and outcome).
+async fn one_call_through(
+    layer: impl ServerLayer,
+) -> (RpcError, (Option<StatusCode>, &'static str)) {
+    let s = serve_orders(50, None, |b| b.layer(layer)).await;
     let (tx, mut outcomes) = mpsc::unbounded_channel();
     s.server
         .status()
@@ -831,14 +842,28 @@ async fn a_layer_panicking_before_its_future_exists_answers_520_recorded_as_an_e
     let orders = client(&s.reg, "shop");
     let e = within("the call", orders.place("pen".into(), 1))
         .await
-        .expect_err("the layer panics");
-    assert_eq!(e.code(), StatusCode::ServerError, "{e}");
-    assert!(e.message().contains("orders.Orders.place"), "{e}");
-    assert_eq!(
-        recv_one("the call's record", &mut outcomes).await,
-        (Some(StatusCode::ServerError), "error")
-    );
+        .expect_err("the layer fails the call");
+    let record = recv_one("the call's record", &mut outcomes).await;
     s.server.shutdown().await;
+    (e, record)
+}
+
+/// A layer that refuses every call with an error of status 200.
+struct RefusesWithSuccess;
+
+impl ServerLayer for RefusesWithSuccess {
+    fn call<'a>(&'a self, _req: &'a mut ServerRequest, _next: ServerNext<'a>) -> LayerFuture<'a> {
+        Box::pin(async { Err(RpcError::new(StatusCode::Success, "refused, oddly")) })
+    }
+}
+
+/// A layer's error of status 200 travels as a business error (1000), and is recorded as the
+/// caller gets it: not as a success, as it was (200, `success`).
+#[tokio::test]
+async fn a_layers_error_of_status_200_is_recorded_as_the_business_error_it_travels_as() {
+    let (e, record) = one_call_through(RefusesWithSuccess).await;
+    assert_eq!(e.code(), StatusCode::BusinessError, "{e}");
+    assert_eq!(record, (Some(StatusCode::BusinessError), "error"));
 }
 
 /// Reports the deadline a layer's own calls would inherit.
