@@ -39,6 +39,9 @@ pub(crate) struct Follower {
     /// Services whose watch the registry closed at least once: said once as a warning, then
     /// at debug level (a static list closes every watch at once, at every discovery).
     closed_before: BTreeSet<ServiceId>,
+    /// Followed services the last discovery found unlisted and empty: let go if the next
+    /// finds them so too (a single instance restarting is gone for a moment only).
+    missing: BTreeSet<ServiceId>,
 }
 
 impl Follower {
@@ -53,11 +56,13 @@ impl Follower {
             received,
             last: Vec::new(),
             closed_before: BTreeSet::new(),
+            missing: BTreeSet::new(),
         }
     }
 
     /// Watches every service the registry lists that is not watched yet, and lets go of the
-    /// services it no longer lists that have no instance left (and of the tasks of watches
+    /// services it no longer lists that have had no instance left for two discoveries in a
+    /// row (and of the tasks of watches
     /// that ended: a registry that closes its watches at once, as a static list does, would
     /// otherwise leave one more finished task per service and discovery). Service ids that
     /// come and go (`shop.Orders.v41`, then `.v42`) would otherwise each keep a watch, its
@@ -71,13 +76,20 @@ impl Follower {
                 return;
             }
         };
+        let missing = &mut self.missing;
         self.watches.retain(|service, (watch, task)| {
-            let kept = services.contains(service) || !watch.current().is_empty();
-            if !kept {
-                tracing::debug!(service = %service.as_str(), "the registry no longer lists a service: the gateway stops watching it");
-                task.abort();
+            if services.contains(service) || !watch.current().is_empty() {
+                missing.remove(service);
+                return true;
             }
-            kept
+            if missing.insert(service.clone()) {
+                // Gone at this discovery: kept until the next, in case it is back by then.
+                return true;
+            }
+            missing.remove(service);
+            tracing::debug!(service = %service.as_str(), "the registry no longer lists a service: the gateway stops watching it");
+            task.abort();
+            false
         });
         for service in services {
             if self.watches.contains_key(&service) {
@@ -164,11 +176,9 @@ impl Follower {
 mod tests {
     use super::*;
 
-    /// A static list closes every watch at once, and the next discovery watches the service
-    /// again: the ended watchers' tasks do not pile up.
-    /// A service the registry no longer lists, with no instance left, is let go at the next
-    /// discovery: its watch and watcher task are not kept for the life of the gateway, and
-    /// the service is watched again should it come back.
+    /// A service the registry no longer lists, with no instance left at two discoveries in a
+    /// row, is let go: its watch and watcher task are not kept for the life of the gateway.
+    /// One gone at a single discovery only (an instance restarting) is kept.
     #[tokio::test]
     async fn services_gone_from_the_registry_are_let_go() {
         use rpc_registry::{InProcessRegistry, Instance};
@@ -187,9 +197,28 @@ mod tests {
                 .await
                 .expect("register");
             follower.discover().await;
-            assert_eq!(watched(&follower), [id], "v{version} only");
+            follower.discover().await;
+            assert_eq!(
+                watched(&follower),
+                std::slice::from_ref(&id),
+                "v{version} only"
+            );
+            registry.deregister(&address).await.expect("deregister");
+            // Gone at one discovery: kept, and still followed when it is back.
+            follower.discover().await;
+            assert_eq!(
+                watched(&follower),
+                std::slice::from_ref(&id),
+                "v{version} gone once"
+            );
+            registry
+                .register(Instance::new(address.as_str(), [id.as_str()]))
+                .await
+                .expect("register again");
+            follower.discover().await;
             registry.deregister(&address).await.expect("deregister");
         }
+        follower.discover().await;
         follower.discover().await;
         assert!(watched(&follower).is_empty(), "{:?}", watched(&follower));
         // The aborted watcher tasks are gone once joined.
@@ -197,6 +226,8 @@ mod tests {
         assert!(follower.watchers.is_empty());
     }
 
+    /// A static list closes every watch at once, and the next discovery watches the service
+    /// again: the ended watchers' tasks do not pile up.
     #[tokio::test]
     async fn the_tasks_of_ended_watches_do_not_pile_up() {
         let registry = rpc_registry::StaticRegistry::from_toml(
