@@ -298,17 +298,19 @@ fn branches(schema: &Value) -> impl Iterator<Item = &Value> {
 }
 
 /// Schema nodes one question about a schema ([`accepts_null`], [`is_text`], [`is_structured`])
-/// looks at, at most: references to references may fan out without end.
-const SCHEMA_STEPS: usize = 256;
+/// works out, at most (each once: a node met again is answered from memory).
+const SCHEMA_STEPS: usize = 4096;
 
 /// One question's walk through a schema's branches. A published schema may refer to itself
-/// (a recursive type, as schemars writes `enum Expr { Lit(i64), Neg(Box<Expr>) }`) or fan out:
-/// a schema already on the walk's path, or past [`SCHEMA_STEPS`], answers no, instead of the
-/// walk recursing until the stack overflows, or for ever.
+/// (a recursive type, as schemars writes `enum Expr { Lit(i64), Neg(Box<Expr>) }`) or fan out
+/// through references to references: a schema already on the walk's path answers no, and
+/// each schema is worked out once (past [`SCHEMA_STEPS`], no), instead of the walk recursing
+/// until the stack overflows, or for ever.
 struct Walk<'a> {
     definitions: &'a Definitions,
     steps: usize,
     path: Vec<*const Value>,
+    answers: std::collections::HashMap<*const Value, bool>,
 }
 
 impl<'a> Walk<'a> {
@@ -317,6 +319,7 @@ impl<'a> Walk<'a> {
             definitions,
             steps: SCHEMA_STEPS,
             path: Vec::new(),
+            answers: std::collections::HashMap::new(),
         }
     }
 
@@ -324,6 +327,9 @@ impl<'a> Walk<'a> {
     fn ask(&mut self, schema: &'a Value, ask: impl FnOnce(&mut Self, &'a Value) -> bool) -> bool {
         let schema = resolve(schema, self.definitions);
         let at = std::ptr::from_ref(schema);
+        if let Some(&answer) = self.answers.get(&at) {
+            return answer;
+        }
         if self.steps == 0 || self.path.contains(&at) {
             return false;
         }
@@ -331,6 +337,7 @@ impl<'a> Walk<'a> {
         self.path.push(at);
         let answer = ask(self, schema);
         self.path.pop();
+        self.answers.insert(at, answer);
         answer
     }
 }
@@ -548,6 +555,16 @@ mod tests {
         for ask in [accepts_null, is_text, is_structured] {
             assert!(!ask(&to("Wide"), &definitions));
         }
+        // A large enum made optional (more variants than a walk once took steps) is still
+        // found to take null.
+        let Value::Object(large) = json!({
+            "Big": { "oneOf": (0..300).map(|i| json!({ "type": "object", "title": format!("V{i}") })).collect::<Vec<_>>() },
+            "MaybeBig": { "anyOf": [to("Big"), { "type": "null" }] },
+        }) else {
+            unreachable!()
+        };
+        assert!(accepts_null(&to("MaybeBig"), &large));
+        assert!(is_structured(&to("MaybeBig"), &large));
     }
 
     #[test]
