@@ -18,7 +18,6 @@ use rpc_governance::calls::{CallObserver, CallObservers};
 use rpc_governance::config::{GovernanceConfig, Layers};
 use rpc_governance::engine::{EntryOptions, Governance};
 use rpc_governance::events::{EventBus, EventKind};
-use rpc_governance::health::Fault;
 use rpc_governance::load::{EndpointLoad, ServerLoad};
 use rpc_governance::routing::RoutingRules;
 use rpc_governance::stack::{
@@ -1484,11 +1483,12 @@ impl Client {
             || (options.shunt_strategy == ShuntStrategy::Hash && options.hash_balance_factor > 0)
     }
 
-    /// Counts an attempt's outcome for outlier ejection by success rate: failures that belong
-    /// to the endpoint ([`Fault::of`]) count against it, Overflow (load, not sickness), a call
-    /// the endpoint cannot serve (nothing sent) and the caller's own deadline passing
-    /// ([`CallCx::is_callers_deadline`]) not at all, anything else (the callee's own answer) as
-    /// a success. Ejections are events.
+    /// Counts an attempt's outcome for outlier ejection by success rate: an answer and the
+    /// callee's own error answer (business, validation, a refused caller) as a success;
+    /// Overflow (load, not sickness), a call the endpoint cannot serve (nothing sent) and the
+    /// caller's own deadline passing ([`CallCx::is_callers_deadline`]) not at all; any other
+    /// failure (a transport fault, a timeout, its handler's failure, a carried 504 as fast as
+    /// it comes) against it. Ejections are events.
     fn count_outcome(
         &self,
         cx: &CallCx<'_>,
@@ -1502,7 +1502,10 @@ impl Client {
             Err(e) if e.code().is_overflow() || e.is_unsupported_by_endpoint() => return,
             // The caller's deadline, inherited: it had too little time left.
             Err(e) if cx.is_callers_deadline(e) => return,
-            Err(e) => Fault::of(e).is_none(),
+            // The callee's own answer: the endpoint works. Any other failure it gave (a
+            // transport fault, a timeout, its handler's failure: 520, 500, a carried 504)
+            // counts against its success rate.
+            Err(e) => e.code().is_callee_answer() && !e.is_unsupported_by_endpoint(),
         };
         let Some(service) = self.service_now(service_id) else {
             return;
@@ -1723,12 +1726,14 @@ impl stack::Service for Attempt<'_> {
                 {
                     outstanding.forget()
                 }
-                Err(
-                    StatusCode::OverflowMaxServerHandle
-                    | StatusCode::RateLimited
-                    | StatusCode::ServerError,
-                ) => outstanding.refused(reported),
-                _ => outstanding.finish(reported),
+                // The callee's own answer (a business or validation error, a refused caller)
+                // is an answer; a timeout, the endpoint's slowness.
+                Ok(_) | Err(StatusCode::Timeout) => outstanding.finish(reported),
+                Err(code) if code.is_callee_answer() => outstanding.finish(reported),
+                // Any other failure the endpoint answered (a refusal, its handler's failure:
+                // 520, 500, a carried 504, ...) is a penalty: an instance failing fast must not
+                // look like the fastest one.
+                Err(_) => outstanding.refused(reported),
             }
         }
         watch.finish(&result);

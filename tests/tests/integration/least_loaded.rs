@@ -55,6 +55,74 @@ async fn server(
     (s, served)
 }
 
+/// A server whose handler fails at once (500: say its own downstream is gone), counting the
+/// calls it got.
+struct Broken(Arc<AtomicUsize>);
+
+impl Paced for Broken {
+    async fn work(&self) -> Result<(), RpcError> {
+        self.0.fetch_add(1, Ordering::Relaxed);
+        Err(RpcError::new(
+            rpc::StatusCode::FrameworkError,
+            "the downstream is gone",
+        ))
+    }
+}
+
+/// An instance failing fast is not the fastest instance: under least loaded its failures
+/// score as penalties, not as 0 ms answers, and most calls go to the healthy one (20 ms).
+/// Before, the broken instance drew nearly every call. (On the paused clock.)
+#[tokio::test(start_paused = true)]
+async fn an_instance_failing_fast_gets_few_calls_under_least_loaded() {
+    let reg = InProcessRegistry::new();
+    let (healthy, healthy_served) = server(&reg, Duration::from_millis(20), None).await;
+    let broken_served = Arc::new(AtomicUsize::new(0));
+    let broken = Server::builder()
+        .registry(reg.clone())
+        .add_service(PacedServer::new(Broken(broken_served.clone())))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let client = PacedClient::new(
+        Client::builder()
+            .registry(reg.clone())
+            .shunt_strategy(ShuntStrategy::LeastLoaded)
+            .override_options(
+                PacedClient::SERVICE_ID,
+                rpc::GovernanceOverrides {
+                    retry_times: Some(0),
+                    enable_circuit_breaker: Some(false),
+                    ..rpc::GovernanceOverrides::NONE
+                },
+            )
+            .build(),
+    );
+    let tasks: Vec<_> = (0..8)
+        .map(|_| {
+            let client = client.clone();
+            tokio::spawn(async move {
+                for _ in 0..25 {
+                    let _ = client.work().await;
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        within("callers", t).await.expect("caller task");
+    }
+    let (h, b) = (
+        healthy_served.load(Ordering::Relaxed),
+        broken_served.load(Ordering::Relaxed),
+    );
+    assert_eq!(h + b, 200);
+    assert!(
+        b <= 40,
+        "the broken instance got {b} of 200 calls (healthy {h})"
+    );
+    within("shutdown", healthy.shutdown()).await;
+    within("shutdown", broken.shutdown()).await;
+}
+
 /// `calls` calls from `callers` concurrent callers through one client of `strategy`.
 async fn load(reg: &InProcessRegistry, strategy: ShuntStrategy, callers: usize, calls: usize) {
     let client = PacedClient::new(
