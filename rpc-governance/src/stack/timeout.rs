@@ -41,13 +41,20 @@ impl<S: Service> Service for TimeoutLayer<S> {
             .call(cx, req)
             .await
             .map_err(|e| match (e.code(), deadline) {
-                // The call's deadline passed: said as the call's own timeout. A callee's typed
-                // error carrying a timeout keeps its value, and a 519 a server answered before
-                // the deadline (its own deadline, down the chain) keeps its message.
+                // The call's deadline passed: said as the call's own timeout, with what the
+                // deadline cut (no endpoint known yet, the call not sent, no answer from a
+                // server) after it. A callee's typed error carrying a timeout keeps its value,
+                // and a 519 a server answered before the deadline (its own deadline, down the
+                // chain) keeps its message.
                 (StatusCode::Timeout, Some(d))
                     if e.payload().is_none() && !cx.attempt_timed_out && Instant::now() >= d =>
                 {
-                    timeout::timeout_error_for(cx.entry_id(), started, d, &cx.options)
+                    let budget = timeout::timeout_error_for(cx.entry_id(), started, d, &cx.options);
+                    RpcError::new(
+                        StatusCode::Timeout,
+                        format!("{} (when it passed: {})", budget.message(), e.message()),
+                    )
+                    .maybe_delivered(e.is_maybe_delivered())
                 }
                 _ => e,
             });

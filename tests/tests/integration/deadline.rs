@@ -550,6 +550,8 @@ async fn an_entrys_first_call_times_out_at_its_deadline_while_the_registry_hangs
             .await
             .expect_err("no endpoint is ever found");
         assert_eq!(e.code(), StatusCode::Timeout, "{call}: {e}");
+        // Saying what the deadline cut: no server was involved.
+        assert!(e.message().contains("no endpoint was known"), "{call}: {e}");
         // The method's own 100 ms, on the paused clock.
         assert_eq!(
             started.elapsed(),
