@@ -25,6 +25,7 @@ struct Inner {
     payload: Option<(Codec, Bytes)>,
     maybe_delivered: bool,
     unsupported_by_endpoint: bool,
+    not_sent: bool,
     tried: Vec<String>,
     retry_after: Option<Duration>,
     fields: Vec<FieldError>,
@@ -53,6 +54,7 @@ impl RpcError {
                 payload: None,
                 maybe_delivered: false,
                 unsupported_by_endpoint: false,
+                not_sent: false,
                 tried: Vec::new(),
                 retry_after: None,
                 fields: Vec::new(),
@@ -105,6 +107,14 @@ impl RpcError {
     /// carried on the wire nor in the serialised form.
     pub fn unsupported_by_endpoint(mut self, yes: bool) -> Self {
         self.inner.unsupported_by_endpoint = yes;
+        self
+    }
+
+    /// Marks the failure as one of a call that was never sent (its deadline passed while it
+    /// waited to be written, say): the server cannot have run it, whatever its status. Local
+    /// only: not carried across the wire.
+    pub fn not_sent(mut self, yes: bool) -> Self {
+        self.inner.not_sent = yes;
         self
     }
 
@@ -165,6 +175,11 @@ impl RpcError {
     /// True when the request may have reached the server before the failure.
     pub fn is_maybe_delivered(&self) -> bool {
         self.inner.maybe_delivered
+    }
+
+    /// True when the call was never sent (see [`not_sent`](Self::not_sent)).
+    pub fn is_not_sent(&self) -> bool {
+        self.inner.not_sent
     }
 
     /// True when the chosen endpoint cannot serve the call and nothing was sent (see

@@ -213,9 +213,26 @@ impl<B: Balance, S> RetryLayer<B, S> {
         // The attempt's own deadline passed: a timeout then is that deadline's. A 519 the
         // server answered before it (its own deadline down the chain, a typed error carrying
         // a timeout) is the server's answer, judged as any other.
-        let mut attempt_timed_out = err.code() == StatusCode::Timeout
-            && err.payload().is_none()
-            && own_deadline.is_some_and(|own| Instant::now() >= own);
+        let own_passed = own_deadline.is_some_and(|own| Instant::now() >= own);
+        if own_passed
+            && err.code() == StatusCode::Timeout
+            && err.is_not_sent()
+            && cx.deadline.is_none_or(|d| Instant::now() < d)
+        {
+            // The attempt's deadline (not the call's) passed before the call was even sent
+            // (the connection's send queue stayed full): nothing reached the server, so the
+            // call may go elsewhere as after any failure that sent nothing, idempotent or not.
+            err = RpcError::new(
+                StatusCode::CommunicationError,
+                format!(
+                    "{addr}: not sent within the attempt timeout of {} ms ({})",
+                    cx.options.attempt_timeout_ms,
+                    err.message()
+                ),
+            );
+        }
+        let mut attempt_timed_out =
+            err.code() == StatusCode::Timeout && err.payload().is_none() && own_passed;
         if attempt_timed_out {
             err = RpcError::new(
                 StatusCode::Timeout,

@@ -1253,16 +1253,21 @@ async fn the_entry_breaker_still_opens_when_every_endpoint_fails() {
     assert!(matches!(p.breaker().state(), BreakerState::Open { .. }));
 }
 
-#[tokio::test(start_paused = true)]
-async fn an_idempotent_call_retries_elsewhere_after_its_attempt_timeout() {
-    let g = engine(GovernanceOptions {
+/// Attempts of 100 ms within a call of 1 s, retried twice at once.
+fn attempts_of_100_ms(idempotent: bool) -> GovernanceOptions {
+    GovernanceOptions {
         retry_times: 2,
         retry_interval_ms: 0,
         timeout_ms: 1000,
         attempt_timeout_ms: 100,
-        idempotent: true,
+        idempotent,
         ..Default::default()
-    });
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_idempotent_call_retries_elsewhere_after_its_attempt_timeout() {
+    let g = engine(attempts_of_100_ms(true));
     let p = g.policy(&M);
     let s = Shards {
         g: &g,
@@ -1280,6 +1285,29 @@ async fn an_idempotent_call_retries_elsewhere_after_its_attempt_timeout() {
     let err = g.execute(&p, &s).await.unwrap_err();
     assert_eq!(err.code(), StatusCode::Timeout);
     assert!(err.message().contains("attempt_timeout_ms"), "{err}");
+}
+
+/// A call whose attempt timeout passed before it was even sent (the transport's send queue
+/// stayed full) reached no server: even not idempotent, it goes to the other endpoint, and is
+/// not reported as maybe run. Before, it was taken for a timeout of a sent call: the
+/// non-idempotent call gave up, saying the server was told to stop.
+#[tokio::test(start_paused = true)]
+async fn a_call_not_sent_within_its_attempt_timeout_goes_elsewhere_even_not_idempotent() {
+    let g = engine(attempts_of_100_ms(false));
+    let p = g.policy(&M);
+    let s = Shards {
+        g: &g,
+        owner: "a:1",
+        sick: "a:1",
+        sick_answer: Err(
+            RpcError::new(StatusCode::Timeout, "the send queue stayed full").not_sent(true),
+        ),
+        answered: Mutex::new(Vec::new()),
+    };
+    let t0 = Instant::now();
+    g.execute(&p, &s).await.expect("b:1 answers");
+    assert_eq!(t0.elapsed(), Duration::from_millis(100));
+    assert_eq!(*s.answered.lock().unwrap(), ["a:1", "b:1"]);
 }
 
 #[tokio::test(start_paused = true)]

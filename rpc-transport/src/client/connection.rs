@@ -621,7 +621,8 @@ impl Connection {
                              its calls; check that it is alive)",
                             shared.peer
                         ),
-                    ));
+                    )
+                    .not_sent(true));
                 }
             }
         }

@@ -86,6 +86,7 @@ impl Shared {
                     self.peer
                 ),
             )
+            .not_sent(true)
         })
     }
 
