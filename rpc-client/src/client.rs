@@ -1159,8 +1159,12 @@ impl Client {
             // the fast path. The service is looked up in the background all the same, so that
             // what its instances publish becomes a level of the entry's options for the calls
             // after it lands; bounded, so that a registry that hangs keeps no dropped client
-            // alive for long.
-            policy.set_service_known();
+            // alive for long. Only an appoint of the entry's own options marks the service
+            // known for every call: one asked by this handle's per-call options leaves the
+            // entry's other calls to wait for the lookup and the rules as first calls do.
+            if policy.options().shunt_strategy == ShuntStrategy::Appoint {
+                policy.set_service_known();
+            }
             let client = self.clone();
             let service_id = method.service_id;
             tokio::spawn(async move {

@@ -443,6 +443,60 @@ impl rpc::RuleSource for Silent {
     }
 }
 
+/// An entry's first call through a handle that appoints it by its per-call options does not
+/// wait for the rules, and must not spare the entry's other calls that wait: the first call of
+/// the client's own options still waits for the rules' first read (here a source that never
+/// answers: 10 s, then it runs without them). Before, the appointed call marked the entry's
+/// service known, and the plain call ran at once, under options the rules may replace.
+/// (On the paused clock.)
+#[tokio::test(start_paused = true)]
+async fn a_per_call_appoint_does_not_spare_the_entrys_other_calls_their_first_wait() {
+    let (tx, _entered) = mpsc::unbounded_channel();
+    let server = Server::builder()
+        .add_service(RuledServer::new(Arc::new(Handler {
+            entered: tx,
+            release: Semaphore::new(0),
+            failed: AtomicUsize::new(0),
+        })))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let addr = server.local_addr().to_string();
+    let client = Client::builder()
+        .registry(rpc::StaticRegistry::new([addr.clone()]))
+        .default_options(GovernanceOptions {
+            retry_times: 0,
+            timeout_ms: 0,
+            ..GovernanceOptions::default()
+        })
+        .rules(Silent)
+        .build();
+    let appointed = RuledClient::new(client.with_options(rpc::GovernanceOverrides {
+        shunt_strategy: Some(rpc::ShuntStrategy::Appoint),
+        appoint_address: Some(addr.into()),
+        ..rpc::GovernanceOverrides::NONE
+    }));
+    let start = tokio::time::Instant::now();
+    let e = appointed.fail().await.expect_err("the handler fails");
+    assert_eq!(e.code(), StatusCode::ServerError, "{e}");
+    assert_eq!(
+        start.elapsed(),
+        std::time::Duration::ZERO,
+        "appointed: no wait"
+    );
+    let e = RuledClient::new(client.clone())
+        .fail()
+        .await
+        .expect_err("the handler fails");
+    assert_eq!(e.code(), StatusCode::ServerError, "{e}");
+    assert_eq!(
+        start.elapsed(),
+        rpc::crates::registry::rules::FIRST_READ_LIMIT,
+        "the plain call waited for the rules' first read"
+    );
+    server.shutdown().await;
+}
+
 /// A rule source that never answers holds a starting server up 10 s, not for ever: it then
 /// serves without the rules.
 #[tokio::test(start_paused = true)]
