@@ -1165,12 +1165,15 @@ impl Client {
             if policy.options().shunt_strategy == ShuntStrategy::Appoint {
                 policy.set_service_known();
             }
-            let client = self.clone();
-            let service_id = method.service_id;
-            tokio::spawn(async move {
-                let lookup = client.service(service_id);
-                let _ = tokio::time::timeout(BACKGROUND_LOOKUP_LIMIT, lookup).await;
-            });
+            // Once per entry: calls appointed by per-call options come here every time.
+            if policy.start_background_lookup() {
+                let client = self.clone();
+                let service_id = method.service_id;
+                tokio::spawn(async move {
+                    let lookup = client.service(service_id);
+                    let _ = tokio::time::timeout(BACKGROUND_LOOKUP_LIMIT, lookup).await;
+                });
+            }
             return started;
         }
         let deadline = rpc_governance::timeout::deadline_from(started, &options);
@@ -1487,12 +1490,12 @@ impl Client {
             || (options.shunt_strategy == ShuntStrategy::Hash && options.hash_balance_factor > 0)
     }
 
-    /// Counts an attempt's outcome for outlier ejection by success rate: an answer and the
-    /// callee's own error answer (business, validation, a refused caller) as a success;
-    /// Overflow (load, not sickness), a call the endpoint cannot serve (nothing sent) and the
-    /// caller's own deadline passing ([`CallCx::is_callers_deadline`]) not at all; any other
-    /// failure (a transport fault, a timeout, its handler's failure, a carried 504 as fast as
-    /// it comes) against it. Ejections are events.
+    /// Counts an attempt's outcome for outlier ejection by success rate: an answer and what
+    /// says nothing of the endpoint's health (the callee's own error answer, not found, not
+    /// implemented) as a success; Overflow and a rate limit (load or policy, not sickness), a
+    /// call the endpoint cannot serve (nothing sent) and the caller's own deadline passing
+    /// ([`CallCx::is_callers_deadline`]) not at all; any other failure (a transport fault, a
+    /// timeout, its handler's failure: 520, 500) against it. Ejections are events.
     fn count_outcome(
         &self,
         cx: &CallCx<'_>,
@@ -1502,14 +1505,22 @@ impl Client {
     ) {
         let ok = match result {
             Ok(_) => true,
-            // Load, not sickness; or nothing was sent (an endpoint that cannot serve the call).
-            Err(e) if e.code().is_overflow() || e.is_unsupported_by_endpoint() => return,
+            // Load or policy, not sickness (Overflow, a rate limit); or nothing was sent (an
+            // endpoint that cannot serve the call).
+            Err(e)
+                if e.code().is_overflow()
+                    || e.code() == StatusCode::RateLimited
+                    || e.is_unsupported_by_endpoint() =>
+            {
+                return
+            }
             // The caller's deadline, inherited: it had too little time left.
             Err(e) if cx.is_callers_deadline(e) => return,
-            // The callee's own answer: the endpoint works. Any other failure it gave (a
-            // transport fault, a timeout, its handler's failure: 520, 500, a carried 504)
-            // counts against its success rate.
-            Err(e) => e.code().is_callee_answer() && !e.is_unsupported_by_endpoint(),
+            // What says nothing of the endpoint's health, as for the breaker (the callee's
+            // own answer, not found, not implemented): the endpoint works. Any other failure
+            // it gave (a transport fault, a timeout, its handler's failure: 520, 500) counts
+            // against its success rate.
+            Err(e) => e.code().is_breaker_exempt(),
         };
         let Some(service) = self.service_now(service_id) else {
             return;

@@ -149,6 +149,8 @@ impl Follower {
                 tracing::debug!(service = %service.as_str(), "the registry closed a service's watch again");
             }
             self.watches.remove(&service);
+            // Watched again afresh at the next discovery: its absences start over.
+            self.missing.remove(&service);
         }
     }
 

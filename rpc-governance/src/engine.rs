@@ -43,6 +43,9 @@ pub struct EntryPolicy {
     /// Whether the caller has looked up the entry's service, so that what its instances
     /// publish is a level of the entry's options (see [`EntryPolicy::service_known`]).
     service_known: std::sync::atomic::AtomicBool,
+    /// Whether a lookup of the entry's service was started in the background (for appointed
+    /// calls, which do not wait for it).
+    background_lookup: std::sync::atomic::AtomicBool,
     /// The entry's round-robin position (see [`round_robin`](Self::round_robin)).
     round_robin: std::sync::atomic::AtomicUsize,
 }
@@ -69,6 +72,14 @@ impl EntryPolicy {
     pub fn set_service_known(&self) {
         self.service_known
             .store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Whether this caller is the first to start the background lookup of the entry's
+    /// service: once per entry, however many appointed calls ask.
+    pub fn start_background_lookup(&self) -> bool {
+        !self
+            .background_lookup
+            .swap(true, std::sync::atomic::Ordering::AcqRel)
     }
 
     /// The entry's options now.
@@ -215,6 +226,7 @@ impl Governance {
                     throttle: std::sync::OnceLock::new(),
                     latency: std::sync::OnceLock::new(),
                     service_known: std::sync::atomic::AtomicBool::new(false),
+                    background_lookup: std::sync::atomic::AtomicBool::new(false),
                     // A random start: std's per-process random hash keys.
                     round_robin: std::sync::atomic::AtomicUsize::new(
                         std::hash::BuildHasher::hash_one(

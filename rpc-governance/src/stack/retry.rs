@@ -214,14 +214,16 @@ impl<B: Balance, S> RetryLayer<B, S> {
         // server answered before it (its own deadline down the chain, a typed error carrying
         // a timeout) is the server's answer, judged as any other.
         let own_passed = own_deadline.is_some_and(|own| Instant::now() >= own);
-        if own_passed
+        // The attempt's deadline (not the call's) passed before the call was even sent (the
+        // connection's send queue stayed full): nothing reached the server, so the call may go
+        // elsewhere, or to the same endpoint again, as after any failure that sent nothing,
+        // idempotent or not. The endpoint is connected (reached), only slow to read: held
+        // against it as a slow one, not as one that cannot be reached.
+        let unsent_timeout = own_passed
             && err.code() == StatusCode::Timeout
             && err.is_not_sent()
-            && cx.deadline.is_none_or(|d| Instant::now() < d)
-        {
-            // The attempt's deadline (not the call's) passed before the call was even sent
-            // (the connection's send queue stayed full): nothing reached the server, so the
-            // call may go elsewhere as after any failure that sent nothing, idempotent or not.
+            && cx.deadline.is_none_or(|d| Instant::now() < d);
+        if unsent_timeout {
             err = RpcError::new(
                 StatusCode::CommunicationError,
                 format!(
@@ -254,7 +256,12 @@ impl<B: Balance, S> RetryLayer<B, S> {
         // than the entry's own timeout): the caller had too little time left, which says
         // nothing of the endpoint, nor of the entry for the breaker.
         cx.out_of_callers_time = !attempt_timed_out && cx.is_callers_deadline(&err);
-        let mut fault = Fault::of(&err).filter(|_| !cx.out_of_callers_time);
+        let mut fault = if unsent_timeout {
+            Some(Fault::Sick)
+        } else {
+            Fault::of(&err)
+        }
+        .filter(|_| !cx.out_of_callers_time);
         // An endpoint that cannot serve the call says nothing of its health either way.
         let mut unsupported = err.is_unsupported_by_endpoint();
         if let Some(fault) = fault {
@@ -270,7 +277,10 @@ impl<B: Balance, S> RetryLayer<B, S> {
         cx.last_failed = Some(addr.clone());
         if unsupported {
             cx.unable.push(addr.clone());
-        } else if err.code() != StatusCode::CommunicationError || err.is_maybe_delivered() {
+        } else if err.code() != StatusCode::CommunicationError
+            || err.is_maybe_delivered()
+            || unsent_timeout
+        {
             cx.reached = true;
         }
         cx.tried.push(addr);

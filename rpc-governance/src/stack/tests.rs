@@ -1310,6 +1310,21 @@ async fn a_call_not_sent_within_its_attempt_timeout_goes_elsewhere_even_not_idem
     assert_eq!(*s.answered.lock().unwrap(), ["a:1", "b:1"]);
 }
 
+/// ... and with a single endpoint, it is tried again within the retries: the endpoint is
+/// connected, only slow to read, not down.
+#[tokio::test(start_paused = true)]
+async fn a_call_not_sent_within_its_attempt_timeout_is_retried_on_its_only_endpoint() {
+    let g = engine(attempts_of_100_ms(true));
+    let unsent = RpcError::new(StatusCode::Timeout, "the send queue stayed full").not_sent(true);
+    let s = single(vec![Err(unsent), ok()], Duration::from_millis(100));
+    let t0 = Instant::now();
+    g.execute(&g.policy(&M), &s)
+        .await
+        .expect("the second attempt answers");
+    assert_eq!(t0.elapsed(), Duration::from_millis(200));
+    assert_eq!(s.starts().len(), 2);
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_519_the_server_answers_before_any_deadline_is_its_answer_not_a_timeout_of_ours() {
     let g = engine(GovernanceOptions {
