@@ -56,7 +56,9 @@ struct StaticFile {
 }
 
 impl StaticRegistry {
-    /// Every address serves every service.
+    /// Every address serves every service. The addresses are taken as given, not checked:
+    /// [`from_list`](Self::from_list) refuses one that is not `host:port` (or `unix:PATH`) and
+    /// one listed twice, with an error saying which.
     pub fn new<S: Into<String>>(addresses: impl IntoIterator<Item = S>) -> Self {
         StaticRegistry {
             endpoints: addresses
