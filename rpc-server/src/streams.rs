@@ -547,7 +547,9 @@ impl Drop for ServerStream {
             self.watch
                 .stream_items(self.sent, self.received.load(Ordering::Relaxed));
             if self.items.is_some() {
-                self.run_end_hooks(None);
+                // (A hook's panic is not carried on out of a drop: it would unwind out of the
+                // call's task, which drops the stream.)
+                let _ = std::panic::catch_unwind(AssertUnwindSafe(|| self.run_end_hooks(None)));
             }
         }
     }
