@@ -83,19 +83,12 @@ async fn an_instance_failing_fast_gets_few_calls_under_least_loaded() {
         .serve("127.0.0.1:0")
         .await
         .expect("serve");
-    let client = PacedClient::new(
-        Client::builder()
-            .registry(reg.clone())
-            .shunt_strategy(ShuntStrategy::LeastLoaded)
-            .override_options(
-                PacedClient::SERVICE_ID,
-                rpc::GovernanceOverrides {
-                    retry_times: Some(0),
-                    enable_circuit_breaker: Some(false),
-                    ..rpc::GovernanceOverrides::NONE
-                },
-            )
-            .build(),
+    let client = least_loaded_once(
+        &reg,
+        rpc::GovernanceOverrides {
+            enable_circuit_breaker: Some(false),
+            ..rpc::GovernanceOverrides::NONE
+        },
     );
     let tasks: Vec<_> = (0..8)
         .map(|_| {
@@ -121,6 +114,22 @@ async fn an_instance_failing_fast_gets_few_calls_under_least_loaded() {
     );
     within("shutdown", healthy.shutdown()).await;
     within("shutdown", broken.shutdown()).await;
+}
+
+/// A least-loaded client of `t.Paced` whose calls are not retried, with `more` options.
+fn least_loaded_once(reg: &InProcessRegistry, more: rpc::GovernanceOverrides) -> PacedClient {
+    let mut overrides = rpc::GovernanceOverrides {
+        retry_times: Some(0),
+        ..rpc::GovernanceOverrides::NONE
+    };
+    overrides.merge(&more);
+    PacedClient::new(
+        Client::builder()
+            .registry(reg.clone())
+            .shunt_strategy(ShuntStrategy::LeastLoaded)
+            .override_options(PacedClient::SERVICE_ID, overrides)
+            .build(),
+    )
 }
 
 /// `calls` calls from `callers` concurrent callers through one client of `strategy`.
@@ -327,19 +336,7 @@ async fn least_loaded_does_not_prefer_a_server_that_refuses_fast() {
         .serve("127.0.0.1:0")
         .await
         .expect("serve");
-    let client = PacedClient::new(
-        Client::builder()
-            .registry(reg.clone())
-            .shunt_strategy(ShuntStrategy::LeastLoaded)
-            .override_options(
-                PacedClient::SERVICE_ID,
-                rpc::GovernanceOverrides {
-                    retry_times: Some(0),
-                    ..rpc::GovernanceOverrides::NONE
-                },
-            )
-            .build(),
-    );
+    let client = least_loaded_once(&reg, rpc::GovernanceOverrides::NONE);
     let mut failed = 0;
     for _ in 0..20 {
         if within("a call", client.work()).await.is_err() {

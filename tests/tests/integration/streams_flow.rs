@@ -503,19 +503,7 @@ async fn items_larger_on_the_wire_than_decompressed_are_granted_back_by_their_wi
         stream_window_bytes: WINDOW_BYTES as u32,
         ..ConnectOptions::default()
     };
-    let conn = Connection::connect(&addr.to_string(), &options)
-        .await
-        .expect("connect");
-    let call = Call {
-        service_entry_id: "t.Flow.text".into(),
-        ..Default::default()
-    };
-    let Opened::Accepted(mut s) = within("open", conn.open_stream(call, StreamMode::Server, None))
-        .await
-        .expect("open")
-    else {
-        panic!("refused");
-    };
+    let (_conn, mut s) = open_text_stream(&addr.to_string(), &options, 2).await;
     for i in 0..n {
         let item = within("an item", futures_util::StreamExt::next(&mut s))
             .await
@@ -592,6 +580,38 @@ async fn a_stream_waiting_for_credit_ends_at_its_deadline() {
     within("shutdown", server.shutdown()).await;
 }
 
+/// A connection to `addr` with `options`, and `t.Flow.text(size)` opened on it (accepted).
+async fn open_text_stream(
+    addr: &str,
+    options: &ConnectOptions,
+    size: u32,
+) -> (Connection, ClientStream) {
+    let conn = Connection::connect(addr, options).await.expect("connect");
+    let call = Call {
+        service_entry_id: "t.Flow.text".into(),
+        codec: Codec::MsgPack.to_wire(),
+        parameters: Codec::MsgPack.encode(&(size,)).expect("encode"),
+        ..Default::default()
+    };
+    match within("open", conn.open_stream(call, StreamMode::Server, None))
+        .await
+        .expect("open")
+    {
+        Opened::Accepted(s) => (conn, s),
+        Opened::Refused(r) => panic!("refused: {r:?}"),
+    }
+}
+
+/// A server of `t.Flow` whose idle timeout (and streams' stall limit) is 300 ms.
+async fn serve_idle_after_300_ms() -> ServerHandle {
+    Server::builder()
+        .add_service(FlowServer::new(Texts(Arc::new(AtomicU64::new(0)))))
+        .idle_timeout(Duration::from_millis(300))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve")
+}
+
 /// The idle timeout of a stream waiting for credit counts the stream's own credit as the
 /// client's progress, not the connection's other traffic: a client whose heartbeat goes on
 /// (a `Ping` every 100 ms, each answered with a `Pong`) while its consumer took nothing more
@@ -599,12 +619,7 @@ async fn a_stream_waiting_for_credit_ends_at_its_deadline() {
 /// wait, and the stream held its slot for ever. (On the paused clock.)
 #[tokio::test(start_paused = true)]
 async fn a_heartbeat_is_no_progress_of_a_stream_waiting_for_credit() {
-    let server = Server::builder()
-        .add_service(FlowServer::new(Texts(Arc::new(AtomicU64::new(0)))))
-        .idle_timeout(Duration::from_millis(300))
-        .serve("127.0.0.1:0")
-        .await
-        .expect("serve");
+    let server = serve_idle_after_300_ms().await;
     let (mut raw, _ack) = raw_client_with_window(&server, 1).await;
     raw.send(Kind::Invoke(stream_opening(
         1,
@@ -658,32 +673,13 @@ async fn a_heartbeat_is_no_progress_of_a_stream_waiting_for_credit() {
 /// paused clock.)
 #[tokio::test(start_paused = true)]
 async fn a_slow_consumer_grants_what_it_took_each_heartbeat_and_is_not_taken_for_stalled() {
-    let server = Server::builder()
-        .add_service(FlowServer::new(Texts(Arc::new(AtomicU64::new(0)))))
-        .idle_timeout(Duration::from_millis(300))
-        .serve("127.0.0.1:0")
-        .await
-        .expect("serve");
+    let server = serve_idle_after_300_ms().await;
     let options = ConnectOptions {
         heartbeat_interval: Duration::from_millis(100),
         stream_window: 8,
         ..ConnectOptions::default()
     };
-    let conn = Connection::connect(&server.local_addr().to_string(), &options)
-        .await
-        .expect("connect");
-    let call = Call {
-        service_entry_id: "t.Flow.text".into(),
-        codec: Codec::MsgPack.to_wire(),
-        parameters: Codec::MsgPack.encode(&(8u32,)).expect("encode"),
-        ..Default::default()
-    };
-    let Opened::Accepted(mut s) = within("open", conn.open_stream(call, StreamMode::Server, None))
-        .await
-        .expect("open")
-    else {
-        panic!("refused");
-    };
+    let (_conn, mut s) = open_text_stream(&server.local_addr().to_string(), &options, 8).await;
     // 20 items over 3 s: ten idle timeouts, more than twice the window.
     for i in 0..20 {
         let item = within("an item", futures_util::StreamExt::next(&mut s))
