@@ -25,7 +25,9 @@ use rpc_governance::events::{EventBus, EventKind};
 
 use rpc_core::{Compression, RpcError, StatusCode};
 use rpc_governance::adaptive::{AdaptiveLimit, AdaptiveOptions, AdaptivePermit, Criticality};
-use rpc_governance::bulkhead::{Bulkhead, Permit};
+use rpc_governance::bulkhead::Permit;
+
+use crate::cap::EntryCap;
 use rpc_governance::ratelimit::{RateLimiter, RateLimits, Refused};
 
 /// The attachment a caller marks a call's criticality with: `critical`, `default` or
@@ -36,10 +38,10 @@ pub const CRITICALITY_ATTACHMENT: &str = "rpc-criticality";
 #[derive(Debug, Clone)]
 pub(crate) enum Gate {
     /// The fixed cap.
-    Cap(Bulkhead),
+    Cap(EntryCap),
     /// The adaptive limit, at most the cap, which still counts every call: the server's
     /// shared cap holds across entries whatever their adaptive limits.
-    Adaptive(AdaptiveLimit, Bulkhead),
+    Adaptive(AdaptiveLimit, EntryCap),
 }
 
 /// A slot taken at an entry's gate, returned when dropped.
@@ -102,7 +104,7 @@ pub(crate) struct Admission {
 
 impl Gate {
     /// The cap that counts every call through the gate.
-    pub(crate) fn bulkhead(&self) -> &Bulkhead {
+    pub(crate) fn cap(&self) -> &EntryCap {
         match self {
             Gate::Cap(cap) | Gate::Adaptive(_, cap) => cap,
         }
@@ -111,7 +113,7 @@ impl Gate {
     /// The adaptive limit of an entry under `cap` (its own, or the server's shared one),
     /// starting at the lesser of 20 and the cap's size, never below `min`.
     #[cfg(test)]
-    pub(crate) fn adaptive(cap: Bulkhead, min: usize) -> Gate {
+    pub(crate) fn adaptive(cap: EntryCap, min: usize) -> Gate {
         Gate::adaptive_after(cap, min, None)
     }
 
@@ -120,7 +122,7 @@ impl Gate {
     /// and its limit and measurements carry over within the new bounds. Without one it starts
     /// at the lesser of 20 and the cap's size, never below `min`.
     pub(crate) fn adaptive_after(
-        cap: Bulkhead,
+        cap: EntryCap,
         min: usize,
         before: Option<&AdaptiveLimit>,
     ) -> Gate {
@@ -306,7 +308,19 @@ mod tests {
     use rpc_governance::events::GovernanceEvent;
     use tokio::sync::broadcast;
 
+    use rpc_governance::bulkhead::Bulkhead;
+
     use super::*;
+
+    /// An entry's own cap of `n` calls.
+    fn own(n: usize) -> EntryCap {
+        EntryCap::new(Some(n), &Bulkhead::new(0))
+    }
+
+    /// An entry's share of the server's cap `shared`.
+    fn share(shared: &Bulkhead) -> EntryCap {
+        EntryCap::new(None, shared)
+    }
 
     fn admission(gate: Gate, rate: Option<(f64, u32)>, observe: bool) -> (Admission, Events) {
         let events = EventBus::new();
@@ -343,7 +357,7 @@ mod tests {
     async fn over_a_rate_limit_observe_mode_admits_and_reports_what_enforcing_refuses() {
         // One call per second, burst 1: the second call within the second is over the limit.
         for observe in [false, true] {
-            let (a, mut events) = admission(Gate::Cap(Bulkhead::new(10)), Some((1.0, 1)), observe);
+            let (a, mut events) = admission(Gate::Cap(own(10)), Some((1.0, 1)), observe);
             assert!(admit(&a).is_ok());
             let second = admit(&a);
             if observe {
@@ -362,10 +376,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_call_refused_at_the_cap_gives_its_rate_limit_token_back() {
-        for gate in [
-            || Gate::Cap(Bulkhead::new(1)),
-            || Gate::adaptive(Bulkhead::new(1), 1),
-        ] {
+        for gate in [|| Gate::Cap(own(1)), || Gate::adaptive(own(1), 1)] {
             // Two calls a second, burst 2, one at a time.
             let (a, _events) = admission(gate(), Some((2.0, 2)), false);
             let held = admit(&a).unwrap();
@@ -379,10 +390,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn over_the_cap_or_the_adaptive_limit_observe_mode_admits_and_reports() {
-        for gate in [
-            || Gate::Cap(Bulkhead::new(1)),
-            || Gate::adaptive(Bulkhead::new(1), 1),
-        ] {
+        for gate in [|| Gate::Cap(own(1)), || Gate::adaptive(own(1), 1)] {
             for observe in [false, true] {
                 let (a, mut events) = admission(gate(), None, observe);
                 let held = admit(&a).unwrap();
@@ -407,7 +415,7 @@ mod tests {
     /// caller cancelled it) is not.
     #[tokio::test(start_paused = true)]
     async fn only_a_call_that_ran_to_its_end_is_measured() {
-        let gate = Gate::adaptive(Bulkhead::new(10), 1);
+        let gate = Gate::adaptive(own(10), 1);
         let Gate::Adaptive(limit, _) = &gate else {
             unreachable!()
         };
@@ -433,8 +441,8 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn adaptive_entries_under_the_shared_cap_never_exceed_it_together() {
         let shared = Bulkhead::new(2);
-        let (a, _) = admission(Gate::adaptive(shared.clone(), 1), None, false);
-        let (b, _) = admission(Gate::adaptive(shared.clone(), 1), None, false);
+        let (a, _) = admission(Gate::adaptive(share(&shared), 1), None, false);
+        let (b, _) = admission(Gate::adaptive(share(&shared), 1), None, false);
         let held = [admit(&a).unwrap(), admit(&b).unwrap()];
         let e = admit(&b).expect_err("the shared cap of 2 is full");
         assert_eq!(e.code(), StatusCode::OverflowMaxServerHandle, "{e}");
@@ -455,7 +463,7 @@ mod tests {
     async fn a_call_observed_over_its_adaptive_limit_still_counts_against_the_shared_cap() {
         const CAP: usize = 30;
         let shared = Bulkhead::new(CAP);
-        let gate = Gate::adaptive(shared.clone(), 1);
+        let gate = Gate::adaptive(share(&shared), 1);
         let Gate::Adaptive(limit, _) = &gate else {
             unreachable!()
         };
@@ -469,7 +477,7 @@ mod tests {
             "the calls over the limit are reported"
         );
         assert_eq!(shared.in_use(), CAP, "every call holds a slot of the cap");
-        let (other, _) = admission(Gate::adaptive(shared.clone(), 1), None, false);
+        let (other, _) = admission(Gate::adaptive(share(&shared), 1), None, false);
         let e = admit(&other).expect_err("the shared cap is full");
         assert_eq!(e.code(), StatusCode::OverflowMaxServerHandle, "{e}");
         drop(held);
@@ -478,12 +486,12 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_replaced_policy_applies_to_the_next_call_and_calls_in_flight_keep_their_slot() {
-        let (a, _events) = admission(Gate::Cap(Bulkhead::new(1)), None, false);
+        let (a, _events) = admission(Gate::Cap(own(1)), None, false);
         let held = admit(&a).unwrap();
         assert!(admit(&a).is_err());
         a.replace(Policy {
             limiter: None,
-            gate: Gate::Cap(Bulkhead::new(3)),
+            gate: Gate::Cap(own(3)),
             observe_rate: false,
             observe_gate: false,
         });

@@ -32,6 +32,7 @@
 #![warn(missing_docs)]
 
 mod admission;
+mod cap;
 mod dispatch;
 pub mod middleware;
 mod registration;

@@ -116,11 +116,9 @@ impl RuleTarget for Target {
                 continue;
             }
             let now = admission_of_entry.policy();
-            // The entry's gate so far, whose calls a new own cap (when it had one) and a new
+            // The entry's gate so far, whose calls its new cap (own or shared) and a new
             // adaptive limit go on counting.
-            let own_cap = before.is_some_and(|b| b.max_concurrent_handling_count.is_some());
-            let mut policy =
-                admission(&o, &self.shared, &self.defaults, Some((&now.gate, own_cap)));
+            let mut policy = admission(&o, &self.shared, &self.defaults, Some(&now.gate));
             if let Some(before) = before {
                 if limiter_inputs(before) == limiter_inputs(&o) {
                     policy.limiter = now.limiter.clone();
@@ -313,5 +311,33 @@ mod tests {
         drop(held);
         let _one = admit(&entry).expect("room once both ended");
         assert!(admit(&entry).is_err(), "cap 1");
+    }
+
+    /// An entry moved between the server's shared cap (50) and its own cap by rules changes:
+    /// the calls running under the cap it left count against the one it goes to until they
+    /// end. Before, the new cap started from zero beside them.
+    #[tokio::test(start_paused = true)]
+    async fn calls_count_against_the_cap_their_entry_moves_to_until_they_end() {
+        let (target, entry) = target();
+        let under_shared: Vec<_> = (0..3).map(|_| admit(&entry).expect("room")).collect();
+        apply(
+            &target,
+            1,
+            "[entries.\"t.T.m\"]\nmax_concurrent_handling_count = 4\n",
+        );
+        assert_eq!(entry.load(), (3, 4));
+        let under_own = admit(&entry).expect("the fourth");
+        refused_overflow(
+            &entry,
+            "three calls from the shared cap and one under its own of 4",
+        );
+        // Back under the shared cap: the call of its own cap holds room there too.
+        apply(&target, 2, "");
+        assert_eq!(entry.load(), (4, 50));
+        let more: Vec<_> = (0..46).map(|_| admit(&entry).expect("room")).collect();
+        refused_overflow(&entry, "50 running");
+        drop((under_shared, under_own, more));
+        assert_eq!(entry.load(), (0, 50));
+        let _ = admit(&entry).expect("room once they ended");
     }
 }

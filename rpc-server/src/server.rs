@@ -19,6 +19,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::admission::{Admission, Gate, Policy};
+use crate::cap::EntryCap;
 use crate::dispatch::{Dispatcher, FallbackTo, Layered, Route, Terminal};
 use crate::middleware::ServerLayer;
 use crate::Service;
@@ -27,14 +28,14 @@ use crate::Service;
 /// cap or the server's shared one, or an adaptive limit at most that cap (per entry: latency is
 /// the entry's own) when `adaptive_concurrency` is on for the entry or the server.
 ///
-/// `before`: the entry's gate so far, on a rules change. A new own cap of an entry that had
-/// one goes on counting the calls holding the old one (`own_cap`: whether it had one), and a
-/// new adaptive limit the calls holding the old limit's slots.
+/// `before`: the entry's gate so far, on a rules change. The entry's running calls count
+/// against its new cap, own or shared, until they end ([`EntryCap::next`]), and a new adaptive
+/// limit goes on from the old limit with the calls holding its slots.
 pub(crate) fn admission(
     o: &rpc_core::GovernanceOverrides,
     shared: &Bulkhead,
     server: &ServerDefaults,
-    before: Option<(&Gate, bool)>,
+    before: Option<&Gate>,
 ) -> Policy {
     let d = rpc_core::GovernanceOptions::default();
     // The entry's own rate (and burst) if it sets one, else the server's.
@@ -64,22 +65,16 @@ pub(crate) fn admission(
     };
     let limiter = (limits.entry.is_some() || limits.per_caller.is_some())
         .then(|| Arc::new(RateLimiter::new(limits)));
-    // An entry's own cap replacing its own cap (`own`, a rules change) keeps counting the
-    // calls holding slots of the old one: a new cap starting from zero would admit a full cap
-    // more beside them.
-    let own = before
-        .filter(|(_, own_cap)| *own_cap)
-        .map(|(g, _)| g.bulkhead());
-    let cap = match (o.max_concurrent_handling_count, own) {
-        (Some(n), Some(own)) => own.resized(n as usize),
-        (Some(n), None) => Bulkhead::new(n as usize),
-        (None, _) => shared.clone(),
+    let own = o.max_concurrent_handling_count.map(|n| n as usize);
+    let cap = match before {
+        Some(gate) => gate.cap().next(own, shared),
+        None => EntryCap::new(own, shared),
     };
     let gate = if o.adaptive_concurrency.unwrap_or(server.adaptive) {
         Gate::adaptive_after(
             cap,
             o.adaptive_min_limit.unwrap_or(d.adaptive_min_limit) as usize,
-            before.and_then(|(g, _)| g.adaptive_limit()),
+            before.and_then(Gate::adaptive_limit),
         )
     } else {
         Gate::Cap(cap)
