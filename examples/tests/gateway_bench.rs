@@ -86,6 +86,10 @@ fn one_run_prints_a_line_per_case_with_positive_figures_and_the_ratio() {
     let lines: Vec<&str> = out.lines().filter(|l| l.starts_with("GATEWAY ")).collect();
     let cases: Vec<&str> = lines.iter().filter_map(|l| field(l, "case")).collect();
     assert_eq!(cases, ["axum", "gateway", "client"], "{out}");
+    assert!(
+        !out.lines().any(|l| l.starts_with("reference:")),
+        "the references run only when asked for: {out}"
+    );
     let mut rps = Vec::new();
     for line in &lines {
         for key in ["rps", "p50_us", "p99_us"] {
@@ -125,6 +129,51 @@ fn one_run_prints_a_line_per_case_with_positive_figures_and_the_ratio() {
     assert!(
         (ratio - expected).abs() <= 0.0005 + expected * 0.01,
         "ratio {ratio}, rps lines give {expected}"
+    );
+}
+
+/// The references with no framework answer every call (each answer is checked by the
+/// program) and print their ratios to plain axum, from their lines' requests per second.
+#[test]
+fn the_references_answer_each_call_and_print_their_ratio_to_axum() {
+    let out = run_small(200, &["--cases", "axum,hop,mux"]);
+    let rps_of = |case: &str| -> f64 {
+        let line = out
+            .lines()
+            .find(|l| l.starts_with("GATEWAY ") && field(l, "case") == Some(case))
+            .unwrap_or_else(|| panic!("no line for {case} in {out}"));
+        assert_eq!(field(line, "requests"), Some("200"), "{line:?}");
+        field(line, "rps")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("rps of {line:?}"))
+    };
+    let axum = rps_of("axum");
+    for case in ["hop", "mux"] {
+        let prefix = format!("reference: {case}/axum=");
+        let line = out
+            .lines()
+            .find_map(|l| l.strip_prefix(prefix.as_str()))
+            .unwrap_or_else(|| panic!("no {prefix} line in {out}"));
+        let ratio: f64 = line
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("ratio in {line:?}"));
+        let expected = rps_of(case) / axum;
+        assert!(
+            (ratio - expected).abs() <= 0.0005 + expected * 0.01,
+            "{case}: ratio {ratio}, rps lines give {expected}"
+        );
+        // One round: its spread is the ratio itself.
+        let median: f64 = field(line, "median")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("median in {line:?}"));
+        assert_eq!(format!("{median:.3}"), format!("{ratio:.3}"), "{line:?}");
+    }
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("summary: gateway/axum=n/a")),
+        "no gateway case, no gateway ratio: {out}"
     );
 }
 

@@ -2,7 +2,8 @@
 //!
 //! ```text
 //! gateway-bench [--connections 32] [--requests N] [--seconds S] [--warmup-seconds W]
-//!               [--text TEXT] [--cases axum,gateway,client] [--threads T] [--rounds R]
+//!               [--text TEXT] [--cases axum,gateway,client[,hop,mux]] [--threads T]
+//!               [--rounds R]
 //!               [--echo-inline-first-poll | --echo-task-per-call]
 //! ```
 //!
@@ -13,7 +14,14 @@
 //!   process, found through the in-process registry), the gateway calling it with the governed
 //!   client and its default options;
 //! - `client`: the same call made directly with the framework's client (`EchoClient`), the
-//!   cost without HTTP.
+//!   cost without HTTP;
+//! - `hop` and `mux` (only when asked for): reference points with no framework, the plain
+//!   axum handler passing the text over one more TCP round trip to a plain echo on the echo
+//!   runtime (a 4-byte length and the bytes each way). `hop` writes and reads on a connection
+//!   of its own per request in flight (taken from an idle list and given back); `mux` puts
+//!   every request on one connection, tagged with an id, a writer task sending all the
+//!   requests queued at once in one write and a reader task handing each answer to its
+//!   request: the design of the gateway's client without anything else it does.
 //!
 //! Each case runs `--connections` closed-loop callers at once (for HTTP, one keep-alive
 //! connection each through hyper; for the client, that many calls in flight on its pooled
@@ -50,11 +58,13 @@
 //! GATEWAY case=<axum|gateway|client> rps=<n> p50_us=<n> p99_us=<n> requests=<n> secs=<s>
 //!   cpu_us_per_req=<us> own_cpu_us_per_req=<us>
 //! summary: gateway/axum=<ratio>
+//! reference: <hop|mux>/axum=<ratio> median=<r> min=<r> max=<r>
 //! ```
 //!
-//! (one line per case.) `cpu_us_per_req` is the CPU time of the whole process over the
+//! (one line per case; a `reference` line for each of `hop` and `mux` that ran, with its
+//! spread over the rounds when there were several.) `cpu_us_per_req` is the CPU time of the whole process over the
 //! measurement divided by the calls made; `own_cpu_us_per_req` counts only the part under test:
-//! the `http` runtime for `axum` and `gateway` (so the gateway's figure leaves out the echo
+//! the `http` runtime for `axum`, `gateway`, `hop` and `mux` (so the gateway's figure leaves out the echo
 //! server and the callers, and is what the gateway itself costs a call), the `callers` runtime
 //! for `client`. On a machine where the run is CPU-bound they say where a difference in
 //! requests per second comes from.
@@ -137,6 +147,10 @@ enum Case {
     Gateway,
     /// The direct Rust client call.
     Client,
+    /// The plain axum handler with one more plain TCP round trip, a connection per request.
+    Hop,
+    /// The same round trip with every request on one connection, writes batched.
+    Mux,
 }
 
 impl Case {
@@ -145,6 +159,8 @@ impl Case {
             Case::Axum => "axum",
             Case::Gateway => "gateway",
             Case::Client => "client",
+            Case::Hop => "hop",
+            Case::Mux => "mux",
         }
     }
 }
@@ -317,6 +333,12 @@ fn run(args: &Args) -> Result<(), String> {
     );
     let _echo_server = echo_server.map_err(|e| format!("could not start the echo server: {e}"))?;
     let (axum_addr, gateway_addr, body) = http.block_on(start_http(&registry, &args.text))?;
+    let references = if args.cases.contains(&Case::Hop) || args.cases.contains(&Case::Mux) {
+        let plain_echo = echo.block_on(start_plain_echo())?;
+        Some(http.block_on(start_references(plain_echo))?)
+    } else {
+        None
+    };
     println!("body: {}", String::from_utf8_lossy(&body));
     println!("runtimes: {workers} worker thread(s) each (echo, http, callers)");
     println!(
@@ -333,6 +355,7 @@ fn run(args: &Args) -> Result<(), String> {
     );
     let mut results: Vec<(Case, Figures)> = Vec::new();
     let mut round_ratios = Vec::new();
+    let mut reference_ratios = [(Case::Hop, Vec::new()), (Case::Mux, Vec::new())];
     for round in 1..=args.rounds {
         let mut this_round = Vec::new();
         for case in &args.cases {
@@ -343,6 +366,11 @@ fn run(args: &Args) -> Result<(), String> {
                         http_case(args, gateway_addr, &body, &expected, &http_clocks).await
                     }
                     Case::Client => client_case(args, &registry, &caller_clocks).await,
+                    Case::Hop | Case::Mux => {
+                        let (hop, mux) = references.ok_or("no reference was started")?;
+                        let addr = if *case == Case::Hop { hop } else { mux };
+                        http_case(args, addr, &body, &expected, &http_clocks).await
+                    }
                 }
             })?;
             this_round.push((*case, figures.rps()));
@@ -355,6 +383,9 @@ fn run(args: &Args) -> Result<(), String> {
             if let Some(ratio) = ratio(&this_round) {
                 println!("round {round}: gateway/axum={ratio:.3}");
                 round_ratios.push(ratio);
+            }
+            for (case, ratios) in &mut reference_ratios {
+                ratios.extend(ratio_of(&this_round, *case));
             }
         }
     }
@@ -380,6 +411,15 @@ fn run(args: &Args) -> Result<(), String> {
         Some(ratio) => println!("summary: gateway/axum={ratio:.3}"),
         None => println!("summary: gateway/axum=n/a (run both cases for the ratio)"),
     }
+    for (case, ratios) in &mut reference_ratios {
+        if let Some(r) = ratio_of(&rps, *case) {
+            let (median, min, max) = spread(ratios).unwrap_or((r, r, r));
+            println!(
+                "reference: {}/axum={r:.3} median={median:.3} min={min:.3} max={max:.3}",
+                case.name()
+            );
+        }
+    }
     callers.shutdown_timeout(Duration::from_secs(1));
     http.shutdown_timeout(Duration::from_secs(1));
     echo.shutdown_timeout(Duration::from_secs(1));
@@ -401,8 +441,13 @@ fn spread(ratios: &mut [f64]) -> Option<(f64, f64, f64)> {
 
 /// The gateway's requests per second over axum's, when both cases ran.
 fn ratio(rps: &[(Case, f64)]) -> Option<f64> {
+    ratio_of(rps, Case::Gateway)
+}
+
+/// The requests per second of `case` over axum's, when both ran.
+fn ratio_of(rps: &[(Case, f64)], case: Case) -> Option<f64> {
     let of = |wanted: Case| rps.iter().find(|(c, _)| *c == wanted).map(|(_, r)| *r);
-    Some(of(Case::Gateway)? / of(Case::Axum)?)
+    Some(of(case)? / of(Case::Axum)?)
 }
 
 /// The plain axum echo and the gateway (over the echo server published in `registry`);
@@ -466,15 +511,231 @@ async fn start_http(
 
 /// The plain echo: the text of `{"text": ...}` or of `[...]`, answered as JSON.
 async fn axum_echo(Json(body): Json<Value>) -> Result<Json<Value>, axum::http::StatusCode> {
-    let text = match &body {
+    match echo_text(&body) {
+        Some(text) => Ok(Json(Value::String(text.to_owned()))),
+        None => Err(axum::http::StatusCode::BAD_REQUEST),
+    }
+}
+
+/// A plain echo over TCP, no framework: each message is a 4-byte big-endian length and that
+/// many bytes, answered as it came. Returns its address.
+async fn start_plain_echo() -> Result<SocketAddr, String> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(|e| format!("could not listen for the plain echo: {e}"))?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let _ = stream.set_nodelay(true);
+                let (read, write) = stream.into_split();
+                let mut read = tokio::io::BufReader::new(read);
+                let mut write = tokio::io::BufWriter::new(write);
+                let mut message = Vec::new();
+                // Ends with its connection (or a malformed message: this is a bench's peer).
+                while read_message(&mut read, &mut message).await.is_ok() {
+                    // The answers of all the messages read at once go in one write.
+                    let flush = read.buffer().is_empty();
+                    if write_message(&mut write, &message, flush).await.is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    Ok(addr)
+}
+
+/// Reads one length-prefixed message into `into`.
+async fn read_message<S>(stream: &mut S, into: &mut Vec<u8>) -> std::io::Result<()>
+where
+    S: tokio::io::AsyncRead + Unpin,
+{
+    use tokio::io::AsyncReadExt;
+    let len = stream.read_u32().await? as usize;
+    into.resize(len, 0);
+    stream.read_exact(into).await?;
+    Ok(())
+}
+
+/// Writes one length-prefixed message, flushing it when `flush` (one write when buffered).
+async fn write_message<S>(stream: &mut S, message: &[u8], flush: bool) -> std::io::Result<()>
+where
+    S: tokio::io::AsyncWrite + Unpin,
+{
+    use tokio::io::AsyncWriteExt;
+    let len = u32::try_from(message.len()).map_err(std::io::Error::other)?;
+    stream.write_all(&len.to_be_bytes()).await?;
+    stream.write_all(message).await?;
+    if flush {
+        stream.flush().await?;
+    }
+    Ok(())
+}
+
+/// The idle connections of the hop to the plain echo, and its address.
+struct Hop {
+    idle: Mutex<Vec<tokio::io::BufStream<tokio::net::TcpStream>>>,
+    echo: SocketAddr,
+}
+
+/// The plain axum echo with one more round trip to the plain echo at `echo`, as `hop` and as
+/// `mux`; returns their addresses.
+async fn start_references(echo: SocketAddr) -> Result<(SocketAddr, SocketAddr), String> {
+    let hop = Arc::new(Hop {
+        idle: Mutex::new(Vec::new()),
+        echo,
+    });
+    let hop = axum::Router::new()
+        .route(ECHO_PATH, post(hop_echo))
+        .with_state(hop);
+    let mux = axum::Router::new()
+        .route(ECHO_PATH, post(mux_echo))
+        .with_state(Mux::connect(echo).await?);
+    Ok((serve("hop", hop).await?, serve("mux", mux).await?))
+}
+
+/// Serves `app` on a free port of 127.0.0.1; returns its address.
+async fn serve(name: &'static str, app: axum::Router) -> Result<SocketAddr, String> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(|e| format!("could not listen for the {name}: {e}"))?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            eprintln!("gateway-bench: the {name} stopped: {e}");
+        }
+    });
+    Ok(addr)
+}
+
+/// The text of the echo's body, `{"text": ...}` or `[...]`.
+fn echo_text(body: &Value) -> Option<&str> {
+    let text = match body {
         Value::Object(map) => map.get("text"),
         Value::Array(items) => items.first(),
         _ => None,
     };
-    match text {
-        Some(Value::String(text)) => Ok(Json(Value::String(text.clone()))),
-        _ => Err(axum::http::StatusCode::BAD_REQUEST),
+    text.and_then(Value::as_str)
+}
+
+/// Requests waiting for their answers on the `mux` connection, by id.
+type Waiting = Arc<Mutex<std::collections::HashMap<u64, tokio::sync::oneshot::Sender<Vec<u8>>>>>;
+
+/// One connection to the plain echo shared by every request: a writer task sends the
+/// requests queued at once in one write, each an 8-byte id and the text in a message, and a
+/// reader task hands each answer to the request of its id.
+#[derive(Clone)]
+struct Mux {
+    queue: tokio::sync::mpsc::UnboundedSender<(String, tokio::sync::oneshot::Sender<Vec<u8>>)>,
+}
+
+impl Mux {
+    async fn connect(echo: SocketAddr) -> Result<Mux, String> {
+        use tokio::io::AsyncWriteExt;
+        let stream = tokio::net::TcpStream::connect(echo)
+            .await
+            .map_err(|e| format!("could not connect to the plain echo: {e}"))?;
+        stream.set_nodelay(true).map_err(|e| e.to_string())?;
+        let (read, mut write) = stream.into_split();
+        let waiting = Waiting::default();
+        let (queue, mut queued) = tokio::sync::mpsc::unbounded_channel::<(String, _)>();
+        let writer_waiting = waiting.clone();
+        tokio::spawn(async move {
+            let mut next_id = 0u64;
+            let mut buffer = Vec::new();
+            while let Some(first) = queued.recv().await {
+                let mut request = Some(first);
+                while let Some((text, answer)) = request {
+                    next_id += 1;
+                    writer_waiting
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .insert(next_id, answer);
+                    let len = u32::try_from(8 + text.len()).unwrap_or(u32::MAX);
+                    buffer.extend_from_slice(&len.to_be_bytes());
+                    buffer.extend_from_slice(&next_id.to_be_bytes());
+                    buffer.extend_from_slice(text.as_bytes());
+                    request = queued.try_recv().ok();
+                }
+                if write.write_all(&buffer).await.is_err() {
+                    return;
+                }
+                buffer.clear();
+            }
+        });
+        tokio::spawn(async move {
+            let mut read = tokio::io::BufReader::new(read);
+            let mut message = Vec::new();
+            while read_message(&mut read, &mut message).await.is_ok() {
+                let Some((id, text)) = message.split_first_chunk::<8>() else {
+                    return;
+                };
+                let answer = waiting
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .remove(&u64::from_be_bytes(*id));
+                if let Some(answer) = answer {
+                    let _ = answer.send(text.to_vec());
+                }
+            }
+        });
+        Ok(Mux { queue })
     }
+}
+
+/// The plain echo's handler on the `mux` connection.
+async fn mux_echo(
+    axum::extract::State(mux): axum::extract::State<Mux>,
+    Json(body): Json<Value>,
+) -> Result<Json<Value>, axum::http::StatusCode> {
+    let text = echo_text(&body).ok_or(axum::http::StatusCode::BAD_REQUEST)?;
+    let (answer, answered) = tokio::sync::oneshot::channel();
+    mux.queue
+        .send((text.to_owned(), answer))
+        .map_err(|_| axum::http::StatusCode::BAD_GATEWAY)?;
+    let answer = answered
+        .await
+        .map_err(|_| axum::http::StatusCode::BAD_GATEWAY)?;
+    let text = String::from_utf8(answer).map_err(|_| axum::http::StatusCode::BAD_GATEWAY)?;
+    Ok(Json(Value::String(text)))
+}
+
+/// The plain echo's handler, passing the text through the plain echo first.
+async fn hop_echo(
+    axum::extract::State(hop): axum::extract::State<Arc<Hop>>,
+    Json(body): Json<Value>,
+) -> Result<Json<Value>, axum::http::StatusCode> {
+    let failed = |_| axum::http::StatusCode::BAD_GATEWAY;
+    let text = echo_text(&body).ok_or(axum::http::StatusCode::BAD_REQUEST)?;
+    let idle = hop
+        .idle
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .pop();
+    let mut stream = match idle {
+        Some(stream) => stream,
+        None => {
+            let stream = tokio::net::TcpStream::connect(hop.echo)
+                .await
+                .map_err(failed)?;
+            stream.set_nodelay(true).map_err(failed)?;
+            tokio::io::BufStream::new(stream)
+        }
+    };
+    write_message(&mut stream, text.as_bytes(), true)
+        .await
+        .map_err(failed)?;
+    let mut answer = Vec::new();
+    read_message(&mut stream, &mut answer)
+        .await
+        .map_err(failed)?;
+    hop.idle
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .push(stream);
+    let text = String::from_utf8(answer).map_err(|_| axum::http::StatusCode::BAD_GATEWAY)?;
+    Ok(Json(Value::String(text)))
 }
 
 /// The callers' shared count of calls started and the end of the measurement.
