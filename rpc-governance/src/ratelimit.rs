@@ -65,9 +65,14 @@ impl TokenBucket {
     /// [`try_take`](Self::try_take) at `now`.
     pub fn try_take_at(&self, now: Instant) -> Result<(), Duration> {
         let mut s = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        let refill = now.saturating_duration_since(s.at).as_secs_f64() * self.per_second;
-        s.tokens = (s.tokens + refill).min(self.burst);
-        s.at = now;
+        // A caller that read the clock before another took the lock comes with an earlier
+        // `now`: the time up to the later one is paid out already, and moving `at` back would
+        // pay it out again.
+        if now > s.at {
+            let refill = (now - s.at).as_secs_f64() * self.per_second;
+            s.tokens = (s.tokens + refill).min(self.burst);
+            s.at = now;
+        }
         if s.tokens >= 1.0 {
             s.tokens -= 1.0;
             Ok(())
@@ -228,6 +233,23 @@ impl RateLimiter {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Two callers read the clock, and the later one takes the lock first: the earlier
+    /// `now` refills nothing and does not move the bucket's time back (which paid the time
+    /// between the two out twice).
+    #[test]
+    fn an_earlier_now_after_a_later_one_refills_nothing_twice() {
+        let b = TokenBucket::new(1.0, 1);
+        let t0 = Instant::now();
+        assert_eq!(b.try_take_at(t0 + Duration::from_secs(1)), Ok(()));
+        assert!(b.try_take_at(t0 + Duration::from_millis(500)).is_err());
+        // 0.6 s after the token was taken: 0.6 of a token, not 1.1.
+        let wait = b
+            .try_take_at(t0 + Duration::from_millis(1600))
+            .expect_err("0.6 of a token");
+        assert_eq!(wait.as_millis(), 400);
+        assert_eq!(b.try_take_at(t0 + Duration::from_secs(2)), Ok(()));
+    }
 
     #[tokio::test(start_paused = true)]
     async fn a_bucket_gives_its_burst_then_one_token_per_period() {
