@@ -107,6 +107,13 @@ pub enum AdminError {
          (loopback only)"
     )]
     EmptyToken,
+    /// The token set could never arrive: no `Authorization` header carries it as it is, so
+    /// every request would be refused.
+    #[error(
+        "the admin token cannot be sent in an HTTP header: {0}; choose a token of visible ASCII \
+         characters"
+    )]
+    UnsendableToken(String),
     /// Binding failed.
     #[error("cannot listen on admin address {addr}: {source}")]
     Bind {
@@ -177,7 +184,8 @@ impl AdminBuilder {
     }
 
     /// Requires `Authorization: Bearer <token>` on every route but `/healthz`. An empty token
-    /// is refused by [`serve`](Self::serve) ([`AdminError::EmptyToken`]).
+    /// is refused by [`serve`](Self::serve) ([`AdminError::EmptyToken`]), and so is one that
+    /// no header can carry as it is ([`AdminError::UnsendableToken`]).
     pub fn token(mut self, token: impl Into<String>) -> Self {
         self.token = Some(token.into());
         self
@@ -205,8 +213,13 @@ impl AdminBuilder {
     /// [`AdminHandle::shutdown`] or the handle is dropped. From now on the attached client's
     /// and server's calls are counted and their events kept.
     pub async fn serve(self, addr: &str) -> Result<AdminHandle, AdminError> {
-        if self.token.as_deref() == Some("") {
-            return Err(AdminError::EmptyToken);
+        if let Some(token) = &self.token {
+            if token.is_empty() {
+                return Err(AdminError::EmptyToken);
+            }
+            if let Some(why) = rpc_core::token::unsendable_in_header(token) {
+                return Err(AdminError::UnsendableToken(why));
+            }
         }
         let resolved: Vec<SocketAddr> = tokio::net::lookup_host(addr)
             .await

@@ -586,6 +586,36 @@ async fn an_empty_token_is_refused_at_start() {
     assert!(matches!(e, Some(AdminError::EmptyToken)), "{e:?}");
 }
 
+/// A token no `Authorization` header carries as it is (not ASCII, or padded with spaces)
+/// would start an endpoint that refuses every request: it refuses to start, saying why.
+#[tokio::test]
+async fn a_token_no_header_can_carry_is_refused_at_start() {
+    for token in ["pässwort", " padded", "padded "] {
+        let e = Admin::builder()
+            .token(token)
+            .serve("127.0.0.1:0")
+            .await
+            .err();
+        assert!(
+            matches!(&e, Some(AdminError::UnsendableToken(_))),
+            "{token:?}: {e:?}"
+        );
+    }
+    // Spaces inside are carried: such a token starts, and lets its requests through.
+    let admin = Admin::builder()
+        .token("two words")
+        .serve("127.0.0.1:0")
+        .await
+        .expect("a token with an inner space");
+    let r = reqwest::Client::new()
+        .get(format!("http://{}/api/services", admin.local_addr()))
+        .bearer_auth("two words")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), Http::OK);
+}
+
 /// A query, a path or a body the endpoint cannot read is refused in JSON saying what to send,
 /// as every other refusal: a limit that is not a number (400), a path parameter that is not
 /// UTF-8 (400), a rules document over 2 MiB (413).

@@ -30,9 +30,44 @@ pub fn bearer(authorization: &str) -> Option<&str> {
     (scheme.eq_ignore_ascii_case("bearer") && !token.is_empty()).then_some(token)
 }
 
+/// Why `token` could never be sent in an `Authorization: Bearer` header and read back as
+/// itself, if so: a header value carries visible ASCII and spaces only, and the spaces around
+/// it are not part of it. A check that takes such a token would refuse every request.
+pub fn unsendable_in_header(token: &str) -> Option<String> {
+    if let Some((at, c)) = token
+        .char_indices()
+        .find(|&(_, c)| !(c.is_ascii_graphic() || c == ' '))
+    {
+        return Some(format!(
+            "it holds {c:?} at byte {at}, and an HTTP header carries only visible ASCII \
+             characters and spaces"
+        ));
+    }
+    (token.starts_with(' ') || token.ends_with(' '))
+        .then(|| "it starts or ends with a space, which an HTTP header does not keep".to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_token_a_header_cannot_carry_is_told_why() {
+        for fit in ["s3cret", "a b", "~!@#$%^&*()_+{}|:<>?"] {
+            assert_eq!(unsendable_in_header(fit), None, "{fit:?}");
+        }
+        for (unfit, why) in [
+            ("pässwort", "'ä' at byte 1"),
+            ("tab\there", "'\\t' at byte 3"),
+            ("new\nline", "'\\n' at byte 3"),
+            (" lead", "starts or ends with a space"),
+            ("trail ", "starts or ends with a space"),
+            ("   ", "starts or ends with a space"),
+        ] {
+            let said = unsendable_in_header(unfit).unwrap_or_else(|| panic!("{unfit:?} taken"));
+            assert!(said.contains(why), "{unfit:?}: {said}");
+        }
+    }
 
     #[test]
     fn the_digest_is_sha256() {

@@ -141,6 +141,13 @@ pub enum GatewayError {
     /// through.
     #[error("the gateway's token is empty: give a token, or none to serve without one")]
     EmptyToken,
+    /// The token given could never arrive: no `Authorization` header carries it as it is, so
+    /// every request would be refused.
+    #[error(
+        "the gateway's token cannot be sent in an HTTP header: {0}; choose a token of visible \
+         ASCII characters"
+    )]
+    UnsendableToken(String),
 }
 
 /// Builds a [`Gateway`]: [`client`](Self::client) and [`registry`](Self::registry) are
@@ -170,6 +177,7 @@ impl GatewayBuilder {
     }
 
     /// Requires `Authorization: Bearer <token>` on every route but `/healthz` and `/docs`.
+    /// [`build`](Self::build) refuses an empty token and one no header can carry as it is.
     pub fn token(mut self, token: impl Into<String>) -> Self {
         self.token = Some(token.into());
         self
@@ -204,8 +212,13 @@ impl GatewayBuilder {
     /// later, not an error) and starts following it. Must be called within a tokio runtime;
     /// the following stops when the last clone of the gateway and of its routers is dropped.
     pub async fn build(self) -> Result<Gateway, GatewayError> {
-        if self.token.as_deref() == Some("") {
-            return Err(GatewayError::EmptyToken);
+        if let Some(token) = &self.token {
+            if token.is_empty() {
+                return Err(GatewayError::EmptyToken);
+            }
+            if let Some(why) = rpc_core::token::unsendable_in_header(token) {
+                return Err(GatewayError::UnsendableToken(why));
+            }
         }
         let bearer_token = self.token.is_some();
         let client = self.client.ok_or(GatewayError::Missing("client"))?;
@@ -343,5 +356,18 @@ mod tests {
     async fn an_empty_token_is_refused() {
         let built = Gateway::builder().token("").build().await;
         assert!(matches!(built, Err(GatewayError::EmptyToken)));
+    }
+
+    /// A token no header carries as it is would refuse every request: refused at once.
+    #[tokio::test]
+    async fn a_token_no_header_can_carry_is_refused() {
+        for token in ["pässwort", " padded "] {
+            let built = Gateway::builder().token(token).build().await;
+            assert!(
+                matches!(&built, Err(GatewayError::UnsendableToken(_))),
+                "{token:?}: {:?}",
+                built.err()
+            );
+        }
     }
 }

@@ -44,16 +44,29 @@ impl Endpoint {
                  RPCCTL_ADMIN), the address its `admin on <addr>` line printed",
             ));
         };
-        let base = if addr.starts_with("http://") || addr.starts_with("https://") {
-            addr.trim_end_matches('/').to_string()
-        } else {
-            format!("http://{addr}")
-        };
         let not_an_address = |why: &str| {
             Failure::usage(format!(
                 "--admin {addr}: not an address ({why}); give host:port, as the process's \
                  `admin on <addr>` line printed"
             ))
+        };
+        if addr
+            .get(..8)
+            .is_some_and(|s| s.eq_ignore_ascii_case("https://"))
+        {
+            return Err(not_an_address(
+                "the admin endpoint speaks plain HTTP: give http:// or no scheme",
+            ));
+        }
+        // A trailing slash is the same address, with or without the scheme.
+        let bare = addr.trim_end_matches('/');
+        let base = if bare
+            .get(..7)
+            .is_some_and(|s| s.eq_ignore_ascii_case("http://"))
+        {
+            bare.to_string()
+        } else {
+            format!("http://{bare}")
         };
         let url = reqwest::Url::parse(&base).map_err(|e| not_an_address(&e.to_string()))?;
         // The routes are appended to the base: a path, query or fragment (the console's
@@ -67,11 +80,11 @@ impl Endpoint {
             ));
         }
         if let Some(token) = target.token {
-            if reqwest::header::HeaderValue::from_str(&format!("Bearer {token}")).is_err() {
-                return Err(Failure::usage(
-                    "the admin token (--token or RPCCTL_TOKEN) holds a character a header cannot \
-                     carry (a line break from the file it was read from?); give it without",
-                ));
+            if let Some(why) = rpc::crates::core::token::unsendable_in_header(token) {
+                return Err(Failure::usage(format!(
+                    "the admin token (--token or RPCCTL_TOKEN) cannot be sent in a header: \
+                     {why} (a line break from the file it was read from?); give it without"
+                )));
             }
         }
         let http = reqwest::Client::builder()

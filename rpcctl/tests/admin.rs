@@ -187,10 +187,17 @@ async fn status_exits_2_for_a_wrong_token_or_no_address_and_1_for_an_unreachable
         ("127.0.0.1", "no port"),
         (console.as_str(), "without a path, query or fragment"),
         (&*format!("http://{addr}/api"), "without a path"),
+        (&*format!("https://{addr}"), "plain HTTP"),
     ] {
         let o = rpcctl(args(&["--admin", wrong, "--token", TOKEN, "status"])).await;
         assert_eq!(o.status.code(), Some(2), "{wrong}: {}", stderr(&o));
         assert!(stderr(&o).contains(said), "{wrong}: {}", stderr(&o));
+    }
+    // A trailing slash names the same endpoint, with the scheme or without.
+    for same in [format!("{addr}/"), format!("http://{addr}/")] {
+        let o = rpcctl(args(&["--admin", &same, "--token", TOKEN, "status"])).await;
+        assert!(o.status.success(), "{same}: {}", stderr(&o));
+        assert!(stdout(&o).contains("readiness: ready"), "{}", stdout(&o));
     }
     // A token read from a file with its line break cannot go in a header.
     let o = rpcctl(args(&[
