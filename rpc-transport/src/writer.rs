@@ -232,6 +232,12 @@ impl Backlog {
         self.room.notified()
     }
 
+    /// Wakes every task waiting for room, to look at its connection again (the server said
+    /// it is going away: calls waiting to be sent go elsewhere).
+    pub(crate) fn wake_room_waiters(&self) {
+        self.room.notify_waiters();
+    }
+
     /// Whether the writer has stopped: nothing queued will be written any more.
     pub(crate) fn is_stopped(&self) -> bool {
         self.stopped.is_cancelled()

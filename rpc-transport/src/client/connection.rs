@@ -252,6 +252,7 @@ impl Connection {
             epoch: Instant::now(),
             next_sweep: AtomicU64::new(NO_SWEEP),
             sweep: Notify::new(),
+            sweeps: AtomicU64::new(0),
             in_flight,
             going_away: AtomicBool::new(false),
             closed: AtomicBool::new(false),
@@ -406,6 +407,7 @@ impl Connection {
             if let Some(e) = shared.past_deadline(deadline) {
                 return Poll::Ready(Err(e));
             }
+            let sweeps = shared.sweeps.load(Ordering::SeqCst);
             guard.id = shared.pending.insert(deadline_ms, Some(cx.waker().clone()));
             guard.armed = true;
             shared.in_flight.fetch_add(1, Ordering::Relaxed);
@@ -425,7 +427,9 @@ impl Connection {
                 return Poll::Ready(Err(comm_error(&shared.peer, "connection closed")));
             }
             // Only once the call is queued: a sweeper woken earlier could queue its Cancel
-            // ahead of it, which the server, not knowing the id yet, would drop.
+            // ahead of it, which the server, not knowing the id yet, would drop. (A sweep
+            // already running may have: then it goes again.)
+            shared.cancel_again_if_swept(guard.id, deadline_ms, sweeps);
             shared.wake_sweeper_for(deadline_ms);
             Poll::Pending
         })
@@ -535,6 +539,7 @@ impl Connection {
             shared.stream_window_bytes,
             shared.send_window_bytes,
         ));
+        let sweeps = shared.sweeps.load(Ordering::SeqCst);
         let id = shared.pending.insert_stream(deadline_ms, stream.clone());
         shared.in_flight.fetch_add(1, Ordering::Relaxed);
         if let Some(e) = shared.over_frame_limit(&call, id) {
@@ -551,6 +556,7 @@ impl Connection {
             return Err(comm_error(&shared.peer, "connection closed"));
         }
         // (Once queued, as for a call.)
+        shared.cancel_again_if_swept(id, deadline_ms, sweeps);
         shared.wake_sweeper_for(deadline_ms);
         match std::future::poll_fn(|cx| stream.poll_open(cx)).await {
             Ok(None) => Ok(Opened::Accepted(accepted)),
@@ -584,6 +590,15 @@ impl Connection {
             let room = backlog.room();
             tokio::pin!(room);
             room.as_mut().enable();
+            if shared.going_away.load(Ordering::Relaxed) {
+                // It takes no new calls (GoAway, which wakes this wait): this one goes
+                // elsewhere, never sent here, even if room came with it.
+                return Err(comm_error(
+                    &shared.peer,
+                    "the call was not sent: the server is draining (GoAway) and takes no new \
+                     calls on this connection",
+                ));
+            }
             if backlog.bytes() <= max {
                 return Ok(());
             }

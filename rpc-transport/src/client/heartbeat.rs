@@ -48,6 +48,10 @@ pub(super) async fn sweeper(s: Arc<Shared>) {
             &mut expired,
         );
         s.next_sweep.fetch_min(next, Ordering::AcqRel);
+        if !expired.is_empty() {
+            // Between the expiry and the Cancels: see `Shared::cancel_again_if_swept`.
+            s.sweeps.fetch_add(1, Ordering::SeqCst);
+        }
         for &id in &expired {
             s.sender.send(Kind::Cancel(Cancel {
                 message_id: id,

@@ -124,6 +124,8 @@ pub(super) async fn read_loop<R: AsyncRead + Unpin>(
                     break format!("server closed the connection: {}", g.reason);
                 }
                 shared.going_away.store(true, Ordering::Relaxed);
+                // Calls waiting for room in the send queue are not to be sent now.
+                shared.sender.backlog().wake_room_waiters();
                 tracing::debug!(peer = %shared.peer, reason = %g.reason, "server is draining");
                 if shared.pending.waiting() == 0 {
                     break "server is draining".to_string();

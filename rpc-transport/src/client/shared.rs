@@ -3,6 +3,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use rpc_core::wire::{frame::Kind, Cancel};
 use rpc_core::{RpcError, StatusCode};
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -34,6 +35,10 @@ pub(super) struct Shared {
     pub(super) epoch: Instant,
     pub(super) next_sweep: AtomicU64,
     pub(super) sweep: Notify,
+    /// Sweeps that expired calls, counted between a sweep's expiry and its Cancels: a call
+    /// that sees it move while it was being queued may have had its Cancel queued first
+    /// ([`cancel_again_if_swept`](Self::cancel_again_if_swept)).
+    pub(super) sweeps: AtomicU64,
     pub(super) in_flight: Arc<AtomicUsize>,
     pub(super) going_away: AtomicBool,
     /// Mirrors `close` for the hot path: checking a token takes a lock, this does not.
@@ -88,6 +93,23 @@ impl Shared {
             )
             .not_sent(true)
         })
+    }
+
+    /// After queuing call `id` with `deadline_ms`: when a sweep expired calls since `sweeps`
+    /// was read (before the call took its slot) and the deadline has passed, the sweep may
+    /// have queued the call's Cancel ahead of it, which the server, not knowing the id yet,
+    /// drops before running the call. The Cancel goes again, behind it (a second one for a
+    /// call the server knows is dropped). Costs one atomic load when no sweep ran.
+    pub(super) fn cancel_again_if_swept(&self, id: u64, deadline_ms: u64, sweeps: u64) {
+        if deadline_ms == 0 || self.sweeps.load(Ordering::SeqCst) == sweeps {
+            return;
+        }
+        if self.epoch.elapsed().as_millis() >= u128::from(deadline_ms) {
+            self.sender.send(Kind::Cancel(Cancel {
+                message_id: id,
+                ..Default::default()
+            }));
+        }
     }
 
     /// Wakes the deadline sweeper when `deadline_ms` (0 for none) is a new earliest deadline:

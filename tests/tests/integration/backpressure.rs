@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use bytes::BytesMut;
 use common::{recv_one, within, RawConn};
-use rpc::crates::core::wire::{frame::Kind, Ping};
+use rpc::crates::core::wire::{frame::Kind, GoAway, Ping};
 use rpc::crates::transport::{
     Abortive, Call, ConnectOptions, Connection, ConnectionPool, Dialer, FrameCodec, PeerAddr,
     Stream, TcpDialer,
@@ -96,6 +96,71 @@ async fn a_server_that_pings_and_never_reads_cannot_grow_the_clients_send_queue(
         "{} bytes queued, limit {max}",
         conn.unsent_bytes()
     );
+}
+
+/// A server that stops reading, then says it is draining (GoAway 200): the calls waiting for
+/// room in the client's send queue are not sent after it (the protocol forbids new calls
+/// then) but fail at once as not sent, to go to another endpoint, instead of waiting for a
+/// server that may never read again.
+#[tokio::test]
+async fn calls_waiting_for_room_are_not_sent_once_the_server_goes_away() {
+    let (mut lines, _guard) = common::log_lines(tracing::Level::DEBUG);
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket
+        .set_recv_buffer_size(SMALL_BUFFER)
+        .expect("SO_RCVBUF");
+    socket
+        .bind("127.0.0.1:0".parse().expect("address"))
+        .expect("bind");
+    let listener = socket.listen(16).expect("listen");
+    let addr = listener.local_addr().expect("addr").to_string();
+    let options = ConnectOptions {
+        max_unsent_bytes: 64 * KIB,
+        ..ConnectOptions::default()
+    };
+    let connecting =
+        tokio::spawn(
+            async move { Connection::connect_with(&SmallSendBuffer, &addr, &options).await },
+        );
+    let (stream, _) = within("accept", listener.accept()).await.expect("accept");
+    let mut raw = common::accept_hello(stream, "draining", 1 << 24).await;
+    let conn = within("connect", connecting)
+        .await
+        .expect("join")
+        .expect("connect");
+    // 3 MiB of calls the server never reads: more than the socket buffers and the queue hold.
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..48 {
+        let conn = conn.clone();
+        tasks.spawn(async move { conn.call(call(64 * KIB), None).await });
+    }
+    within("a call waits for room", async {
+        while !recv_one("a log line", &mut lines)
+            .await
+            .contains("send queue full")
+        {}
+    })
+    .await;
+    raw.send(Kind::GoAway(GoAway {
+        status_code: 200,
+        reason: "draining".into(),
+    }))
+    .await
+    .expect("GoAway");
+    // (The calls written before it wait for their answers: the server answers what it read.)
+    let err = within("a waiting call fails", async {
+        loop {
+            let ended = tasks.join_next().await.expect("a call ends").expect("join");
+            let err = ended.expect_err("the server answers nothing");
+            if err.message().contains("GoAway") {
+                return err;
+            }
+        }
+    })
+    .await;
+    assert_eq!(err.code(), StatusCode::CommunicationError, "{err}");
+    assert!(err.message().contains("was not sent"), "{err}");
+    assert!(!err.is_maybe_delivered(), "never sent: {err}");
 }
 
 /// The socket buffer size the ping test asks for (Linux doubles it, and keeps a minimum).
