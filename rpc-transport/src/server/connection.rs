@@ -195,6 +195,8 @@ pub(super) async fn run_connection<R, W>(
     // check every so often, since the hold begins inside a read this loop is waiting on.
     let held_check = tokio::time::sleep(HELD_FRAME_KEEPALIVE);
     tokio::pin!(held_check);
+    // The GoAway's status when the loop ends with a reason: 500 unless said otherwise.
+    let mut end_status = StatusCode::FrameworkError;
     let ended: Option<String> = loop {
         // Calls just read run in tasks of their own: at the in-flight limit, let them run once
         // before refusing more, so that a client pipelining calls that finish at once is not
@@ -257,6 +259,11 @@ pub(super) async fn run_connection<R, W>(
                     idle.as_mut().reset(Instant::now() + idle_after);
                     continue;
                 }
+                if conn.in_flight.load(Ordering::Acquire) == 0 && conn.streams.is_empty() {
+                    // Every call it read was answered and it reads no more: a call the client
+                    // sent meanwhile was never read, which GoAway 200 tells it (not delivered).
+                    end_status = StatusCode::Success;
+                }
                 break Some(format!("idle for {} ms: closing", options.idle_timeout.as_millis()));
             }
             // Nothing more can be answered: a reader paused for its answers to be written (or
@@ -304,8 +311,7 @@ pub(super) async fn run_connection<R, W>(
     };
     if let Some(reason) = reason {
         tracing::info!(%peer, %reason, "closing connection");
-        conn.sender
-            .send(go_away(StatusCode::FrameworkError, reason));
+        conn.sender.send(go_away(end_status, reason));
     }
 }
 

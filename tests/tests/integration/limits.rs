@@ -345,6 +345,8 @@ async fn a_large_frame_left_unfinished_is_closed_at_the_idle_timeout_even_with_a
         }
     };
     assert!(g.reason.contains("idle for 150 ms"), "{g:?}");
+    // A call was running: not the clean close of a connection with nothing in flight.
+    assert_eq!(g.status_code, 500, "{g:?}");
     gate.open.add_permits(1);
     server.shutdown().await;
 }

@@ -252,6 +252,8 @@ async fn a_connection_with_nothing_arriving_is_closed_at_the_idle_timeout() {
     // Nothing is sent: the real socket is observed until the server gives up on it.
     let g = raw.expect_go_away().await;
     assert!(g.reason.contains("idle for 100 ms"), "{g:?}");
+    // Nothing ran and nothing more is read: 200, so a call sent meanwhile is known unread.
+    assert_eq!(g.status_code, 200, "{g:?}");
     raw.expect_closed().await;
     within("shutdown", server.shutdown()).await;
 }
