@@ -467,8 +467,7 @@ async fn forget_when_idle(inner: std::sync::Weak<Inner>, addr: String) {
             inner.governance.health().forget(&addr);
             marks_dropped = true;
         }
-        if inner.pool.is_idle(&addr) {
-            inner.pool.evict(&addr);
+        if inner.pool.evict_if_idle(&addr) {
             return;
         }
         drop(inner);

@@ -255,6 +255,7 @@ impl Connection {
             sweeps: AtomicU64::new(0),
             in_flight,
             going_away: AtomicBool::new(false),
+            retired: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             close,
             close_reason: std::sync::OnceLock::new(),
@@ -298,10 +299,24 @@ impl Connection {
         &self.shared.peer
     }
 
-    /// Whether new calls may be sent: open, and the server has not said `GoAway`.
+    /// Whether new calls may be sent: open, the server has not said `GoAway`, and the client
+    /// has not retired it ([`close_if_idle`](Self::close_if_idle)).
     pub fn is_usable(&self) -> bool {
         !self.shared.closed.load(Ordering::Acquire)
             && !self.shared.going_away.load(Ordering::Relaxed)
+            && !self.shared.retired.load(Ordering::Relaxed)
+    }
+
+    /// Takes no new call from now on, and closes the connection if no call or stream is in
+    /// flight; returns whether it closed. A call about to be sent meanwhile fails as not sent
+    /// (to go elsewhere) rather than being cut off as maybe delivered; calls in flight go on.
+    pub fn close_if_idle(&self) -> bool {
+        self.shared.retired.store(true, Ordering::SeqCst);
+        let idle = self.shared.in_flight.load(Ordering::SeqCst) == 0;
+        if idle {
+            self.close();
+        }
+        idle
     }
 
     /// Whether the server said it is draining (`GoAway` with status 200): it answers every
@@ -410,10 +425,10 @@ impl Connection {
             let sweeps = shared.sweeps.load(Ordering::SeqCst);
             guard.id = shared.pending.insert(deadline_ms, Some(cx.waker().clone()));
             guard.armed = true;
-            shared.in_flight.fetch_add(1, Ordering::Relaxed);
-            if shared.closed.load(Ordering::Acquire) {
-                // The reader ended between the check above and the insert: it will not see
-                // this call, so it must not wait.
+            shared.in_flight.fetch_add(1, Ordering::SeqCst);
+            if shared.takes_no_call() {
+                // The reader ended (or the connection was retired) between the check above
+                // and the insert: it will not see this call, so it must not wait.
                 guard.disarm_quietly();
                 return Poll::Ready(Err(comm_error(&shared.peer, "connection closed")));
             }
@@ -541,7 +556,7 @@ impl Connection {
         ));
         let sweeps = shared.sweeps.load(Ordering::SeqCst);
         let id = shared.pending.insert_stream(deadline_ms, stream.clone());
-        shared.in_flight.fetch_add(1, Ordering::Relaxed);
+        shared.in_flight.fetch_add(1, Ordering::SeqCst);
         if let Some(e) = shared.over_frame_limit(&call, id) {
             // (Never sent: the server is told nothing.)
             shared.pending.remove(id);
@@ -551,7 +566,7 @@ impl Connection {
         // From here the stream owns the slot: dropping it (or this future before the set-up
         // is known) frees the slot and sends Cancel while the server may still run it.
         let accepted = ClientStream::new(self.clone(), (id, mode), stream.clone());
-        if shared.closed.load(Ordering::Acquire) || !shared.sender.send_call(id, call) {
+        if shared.takes_no_call() || !shared.sender.send_call(id, call) {
             // The reader may not see this stream: it must not wait.
             return Err(comm_error(&shared.peer, "connection closed"));
         }

@@ -41,6 +41,9 @@ pub(super) struct Shared {
     pub(super) sweeps: AtomicU64,
     pub(super) in_flight: Arc<AtomicUsize>,
     pub(super) going_away: AtomicBool,
+    /// This client sends no new calls on the connection, to close it once none is in flight
+    /// ([`Connection::close_if_idle`](super::Connection::close_if_idle)).
+    pub(super) retired: AtomicBool,
     /// Mirrors `close` for the hot path: checking a token takes a lock, this does not.
     pub(super) closed: AtomicBool,
     pub(super) close: CancellationToken,
@@ -110,6 +113,14 @@ impl Shared {
                 ..Default::default()
             }));
         }
+    }
+
+    /// Whether a call that just took its slot (counted in `in_flight`) must not be sent: the
+    /// connection closed, or the client retired it. (`in_flight` is counted before `retired`
+    /// is read, and `close_if_idle` sets `retired` before it reads `in_flight`: one of the two
+    /// sees the other, so a call is never sent on a connection closed as idle.)
+    pub(super) fn takes_no_call(&self) -> bool {
+        self.closed.load(Ordering::Acquire) || self.retired.load(Ordering::SeqCst)
     }
 
     /// Wakes the deadline sweeper when `deadline_ms` (0 for none) is a new earliest deadline:

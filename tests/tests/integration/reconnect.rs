@@ -278,6 +278,65 @@ async fn whoami_answered(conn: &Connection, what: &str) {
     assert_eq!(answer.status_code, 200, "{answer:?}");
 }
 
+/// The pool lets go of an endpoint's connections only when none carries a call, and a
+/// connection found busy takes no new call from then on: a call about to be sent on it fails
+/// as not sent (to go elsewhere) instead of being sent and then cut off, maybe delivered, by
+/// the close. The call in flight is answered, and the next check closes the connection.
+#[tokio::test]
+async fn a_pool_lets_go_of_an_endpoint_only_once_its_calls_ended_and_sends_it_none_meanwhile() {
+    let (n, mut probe) = node("only");
+    let server = builder(&n).serve("127.0.0.1:0").await.expect("serve");
+    let addr = server.local_addr().to_string();
+    let pool = rpc::crates::transport::ConnectionPool::new(ConnectOptions::default(), 1);
+    let conn = within("connect", pool.get(&addr)).await.expect("connect");
+    let held = tokio::spawn({
+        let conn = conn.clone();
+        async move {
+            conn.call(
+                rpc::crates::core::wire::RemoteInvokeMessage {
+                    service_entry_id: "t.Life.hold".into(),
+                    parameters: rpc::Codec::MsgPack
+                        .encode(&rpc::crates::core::NoArgs)
+                        .expect("encode"),
+                    ..Default::default()
+                },
+                None,
+            )
+            .await
+        }
+    });
+    recv_one("the call entered its handler", &mut probe.entered).await;
+    assert!(!pool.evict_if_idle(&addr), "a call is in flight");
+    assert!(!conn.is_usable(), "retired: no new call goes on it");
+    let refused = conn
+        .call(
+            rpc::crates::core::wire::RemoteInvokeMessage {
+                service_entry_id: "t.Life.whoami".into(),
+                parameters: rpc::Codec::MsgPack
+                    .encode(&rpc::crates::core::NoArgs)
+                    .expect("encode"),
+                ..Default::default()
+            },
+            None,
+        )
+        .await
+        .expect_err("not sent on a retired connection");
+    assert_eq!(refused.code(), StatusCode::CommunicationError, "{refused}");
+    assert!(!refused.is_maybe_delivered(), "never sent: {refused}");
+    n.release.add_permits(1);
+    let answer = within("the call in flight", held)
+        .await
+        .expect("join")
+        .expect("answered");
+    assert_eq!(answer.status_code, 200, "{answer:?}");
+    assert!(pool.evict_if_idle(&addr), "nothing in flight now");
+    // Let go of: the next call gets a new connection.
+    let again = within("connect", pool.get(&addr)).await.expect("connect");
+    assert!(again.is_usable());
+    whoami_answered(&again, "a call on a new connection").await;
+    within("shutdown", server.shutdown()).await;
+}
+
 /// A heartbeat interval of zero turns heartbeats off: before, the connection closed itself as
 /// silent three zero-length ticks after the handshake, so calls failed and reconnected.
 #[tokio::test(start_paused = true)]
