@@ -116,7 +116,9 @@ impl SuccessRateTracker {
 
     /// Counts one call of `addr` (`ok`: it succeeded). When the current interval (of length
     /// `interval`) has ended, the interval is judged by `rule` first and a new one begins with
-    /// this call: the outliers of the ended interval are returned, worst first.
+    /// this call: the outliers of the ended interval are returned, worst first. An interval
+    /// that ended an interval ago or more (no call came since) is not judged: its counts no
+    /// longer say how the endpoints do.
     pub fn record(
         &self,
         addr: &str,
@@ -127,9 +129,16 @@ impl SuccessRateTracker {
         let now = Instant::now();
         let mut w = self.window.lock().unwrap_or_else(PoisonError::into_inner);
         let mut outliers = Vec::new();
-        if now.saturating_duration_since(w.started) >= interval {
+        let age = now.saturating_duration_since(w.started);
+        if age >= interval {
             let ended = std::mem::take(&mut w.counts);
             w.started = now;
+            // (A stale interval is let go unjudged.)
+            let ended = if age < interval.saturating_mul(2) {
+                ended
+            } else {
+                HashMap::new()
+            };
             let (addrs, counts): (Vec<String>, Vec<(u64, u64)>) = ended.into_iter().unzip();
             let judged: Vec<f64> = counts
                 .iter()
@@ -239,6 +248,40 @@ mod tests {
         // A new interval began: the old counts are gone.
         tokio::time::advance(Duration::from_secs(10)).await;
         assert!(t.record("e1", true, interval, &rule).is_empty());
+    }
+
+    /// An interval whose end no call saw for another interval is let go unjudged: an
+    /// endpoint that failed then and was fixed since is not ejected for it an hour later.
+    #[tokio::test(start_paused = true)]
+    async fn an_interval_judged_an_interval_or_more_late_is_let_go() {
+        let t = SuccessRateTracker::new();
+        let (interval, rule) = (Duration::from_secs(10), SuccessRateRule::default());
+        let fill = |t: &SuccessRateTracker| {
+            // As in the test above: e4 fails one call in four, an outlier when judged.
+            for n in 0..100 {
+                for e in 0..5 {
+                    let ok = e != 4 || n % 4 != 0;
+                    assert!(t.record(&format!("e{e}"), ok, interval, &rule).is_empty());
+                }
+            }
+        };
+        fill(&t);
+        tokio::time::advance(Duration::from_secs(3600)).await;
+        assert!(
+            t.record("e1", true, interval, &rule).is_empty(),
+            "judged an hour late"
+        );
+        // The next interval, judged in time, is judged.
+        tokio::time::advance(Duration::from_secs(20)).await;
+        assert!(
+            t.record("e1", true, interval, &rule).is_empty(),
+            "stale again"
+        );
+        fill(&t);
+        tokio::time::advance(Duration::from_secs(19)).await;
+        let out = t.record("e1", true, interval, &rule);
+        assert_eq!(out.len(), 1, "{out:?}");
+        assert_eq!(out[0].address, "e4");
     }
 
     #[test]

@@ -46,7 +46,7 @@ governance_options! {
             "eject, every `outlier_interval_ms`, endpoints whose success rate lies far below their peers' (Envoy's success-rate rule), beside consecutive-failure marks";
         /// Outlier ejection: the interval calls are counted over, in milliseconds.
         outlier_interval_ms: u64 = 10000, Client,
-            "the interval the success rates are counted over";
+            "the interval the success rates are counted over (judged at the first call after it ends; not judged when that call comes an interval or more late)";
         /// Outlier ejection: calls an endpoint must have served in the interval to be judged.
         outlier_request_volume: u32 = 100, Client,
             "calls an endpoint must have served in the interval to be judged";
