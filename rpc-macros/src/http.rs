@@ -34,15 +34,27 @@ pub struct Route {
 }
 
 impl Route {
-    /// The path with every `{name}` written `{}`: two routes with the same method and the same
-    /// key match the same requests, whatever their parameters are called. (The gateway's
-    /// `table::template_shape` is the same rule: this crate, a procedural macro, shares no code
-    /// with the runtime crates.)
+    /// The path with every `{name}` written `{}` and the hex digits of its escapes in upper
+    /// case: two routes with the same method and the same key match the same requests, whatever
+    /// their parameters are called and however their escapes are spelled (the gateway reads
+    /// `%2f` as `%2F`). (The gateway's `table::template_shape` and `normalized_path` are the
+    /// same rules: this crate, a procedural macro, shares no code with the runtime crates.)
     pub fn key(&self) -> (&'static str, String) {
         let mut out = String::with_capacity(self.path.len());
         let mut in_name = false;
+        // Hex digits of an escape still to come.
+        let mut escape = 0;
         for c in self.path.chars() {
+            if escape > 0 {
+                escape -= 1;
+                out.push(c.to_ascii_uppercase());
+                continue;
+            }
             match c {
+                '%' if !in_name => {
+                    escape = 2;
+                    out.push('%');
+                }
                 '{' => {
                     in_name = true;
                     out.push('{');

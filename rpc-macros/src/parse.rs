@@ -311,9 +311,9 @@ impl Service {
                 errors.add(
                     route.path_span,
                     format!(
-                        "this path is `{}`, the path of `{}`, with other parameter names: one \
-                         path has one spelling whatever the method; name its parameters as \
-                         `{}` does, or give this one another path",
+                        "this path is `{}`, the path of `{}`, with other parameter names or \
+                         escapes in another case: one path has one spelling whatever the \
+                         method; write it as `{}` does, or give this one another path",
                         taken.path,
                         first.name(),
                         taken.path
@@ -531,6 +531,17 @@ fn method(f: &TraitItemFn) -> syn::Result<Method> {
                 continue;
             }
         };
+        if ident.to_string().starts_with("__rpc") {
+            errors.spanned(
+                &ident,
+                format!(
+                    "a service method argument cannot be named `{ident}`: names beginning with \
+                     `__rpc` are the generated code's own, which this argument would shadow or \
+                     be shadowed by; rename it"
+                ),
+            );
+            continue;
+        }
         let arg_stream = stream_item(&pt.ty);
         if arg_stream.is_none() {
             encoded += 1;

@@ -1,0 +1,8 @@
+use rpc::RpcError;
+
+#[rpc::service]
+trait Store {
+    async fn put(&self, __rpc_codec: String) -> Result<(), RpcError>;
+}
+
+fn main() {}
