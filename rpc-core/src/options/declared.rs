@@ -201,9 +201,11 @@ governance_options! {
         /// measured latency) instead of the fixed cap, which becomes the limit's maximum.
         adaptive_concurrency: bare_flag = false, Server,
             "the cap adapts to measured latency (gradient rule), between `adaptive_min_limit` and the cap; over it 515 at once. Deadline-aware (a call with less budget than calls take now: 515 at once, while other calls of the entry run; with none running it is let through, to measure anew) and criticality-aware (attachment `rpc-criticality`: `critical`, `default`, `sheddable`; sheddable refused first)";
-        /// Server side: the least the adaptive limit goes down to.
+        /// Server side: the least the adaptive limit goes down to. Under a lasting overload
+        /// the gradient rule's headroom (√limit) holds the limit at 4 or more; a minimum below
+        /// 4 is reached only by the probes that measure the no-load latency.
         adaptive_min_limit: u32 = 4, Server,
-            "the least the adaptive limit goes down to (its maximum is the cap)";
+            "the least the adaptive limit goes down to (its maximum is the cap); under a lasting overload the rule's headroom of √limit holds it at 4 or more, so a minimum below 4 is reached only while the no-load latency is measured anew";
         /// Server side: the cap or adaptive limit in observe mode: a call over it is reported
         /// (event `overflow` with `observed = true`) and admitted.
         admission_observe: flag = false, Server,
