@@ -599,8 +599,7 @@ impl stack::Service for OpenAttempt<'_> {
         let watch =
             telemetry::AttemptWatch::new(span.clone(), cx.attempt_deadline(), cx.superseded());
         let attempt = async {
-            // The set-up within the attempt's deadline (the retry layer's timer), the stream
-            // within the call's.
+            // The set-up within the attempt's deadline, the stream within the call's.
             let deadline = cx.deadline();
             let conn = self.client.connection(&addr, cx).await?;
             cx.set_connection(conn.id());
@@ -636,7 +635,10 @@ impl stack::Service for OpenAttempt<'_> {
                 stream_mode: 0,
                 compression,
             };
-            match conn.open_stream(call, self.mode, deadline).await? {
+            match conn
+                .open_stream_within(call, self.mode, deadline, cx.attempt_deadline())
+                .await?
+            {
                 Opened::Accepted(stream) => {
                     let at: Arc<str> = addr.clone();
                     let stream = stream.with_end_error(Box::new(move |answer| {
@@ -664,5 +666,13 @@ impl stack::Service for OpenAttempt<'_> {
             crate::answered_by::record(&addr);
         }
         result
+    }
+
+    /// The set-up's waits end at the attempt's deadline by themselves: connecting
+    /// ([`Client::connection`]), waiting for room in the send queue (then not sent, which
+    /// the retry layer can tell from a set-up the server may have run) and waiting for the
+    /// server's set-up (then `Cancel` goes).
+    fn enforces_attempt_deadline(&self) -> bool {
+        true
     }
 }

@@ -501,6 +501,25 @@ impl Connection {
         mode: rpc_core::StreamMode,
         deadline: Option<Instant>,
     ) -> Result<Opened, RpcError> {
+        self.open_stream_within(call, mode, deadline, None).await
+    }
+
+    /// [`open_stream`](Self::open_stream), with the set-up bounded by `set_up_by` too (an
+    /// attempt's deadline, earlier than the stream's): waiting for room in the send queue
+    /// past it fails as not sent ([`RpcError::is_not_sent`]), and waiting for the server's
+    /// set-up past it fails with [`StatusCode::Timeout`] and sends `Cancel`. The accepted
+    /// stream then runs until `deadline`.
+    pub async fn open_stream_within(
+        &self,
+        call: impl Into<Call>,
+        mode: rpc_core::StreamMode,
+        deadline: Option<Instant>,
+        set_up_by: Option<Instant>,
+    ) -> Result<Opened, RpcError> {
+        let send_by = match (deadline, set_up_by) {
+            (Some(d), Some(s)) => Some(d.min(s)),
+            (d, s) => d.or(s),
+        };
         let mut call = call.into();
         let shared = &self.shared;
         if !shared.client_streams {
@@ -543,10 +562,10 @@ impl Connection {
             return Err(e);
         }
         if shared.sender.backlog().bytes() > shared.max_unsent_bytes {
-            self.wait_for_room(deadline).await?;
+            self.wait_for_room(send_by).await?;
         }
         let deadline_ms = deadline.map_or(0, |d| deadline_ms(shared.epoch, d));
-        if let Some(e) = shared.past_deadline(deadline) {
+        if let Some(e) = shared.past_deadline(send_by) {
             return Err(e);
         }
         let stream = Arc::new(StreamShared::new(
@@ -573,7 +592,25 @@ impl Connection {
         // (Once queued, as for a call.)
         shared.cancel_again_if_swept(id, deadline_ms, sweeps);
         shared.wake_sweeper_for(deadline_ms);
-        match std::future::poll_fn(|cx| stream.poll_open(cx)).await {
+        let set_up = std::future::poll_fn(|cx| stream.poll_open(cx));
+        let set_up = match set_up_by {
+            Some(by) if deadline.is_none_or(|d| by < d) => {
+                match tokio::time::timeout_at(by, set_up).await {
+                    Ok(set_up) => set_up,
+                    // (`accepted`, dropped on return, sends Cancel.)
+                    Err(_) => Err(RpcError::new(
+                        StatusCode::Timeout,
+                        format!(
+                            "{}: no answer to the stream's set-up before the attempt's \
+                             deadline; the server was told to stop",
+                            shared.peer
+                        ),
+                    )),
+                }
+            }
+            _ => set_up.await,
+        };
+        match set_up {
             Ok(None) => Ok(Opened::Accepted(accepted)),
             Ok(Some(answer)) if answer.status_code == StatusCode::Success.as_u32() => {
                 Err(RpcError::new(

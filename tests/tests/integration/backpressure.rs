@@ -1,7 +1,9 @@
 //! A client facing a server that stalls: its send queue is bounded (a call waits for room,
 //! within its deadline, instead of growing the client's memory), and callers needing a
 //! connection to an endpoint that never completes the handshake share one connect attempt, so
-//! they all get its error after one connect timeout rather than one behind another.
+//! they all get its error after one connect timeout rather than one behind another. A stream's
+//! set-up is bounded by its attempt's deadline as well as the stream's: past it, a set-up
+//! waiting for room fails as not sent, and one waiting for the server's answer is cancelled.
 //!
 //! The servers are raw TCP listeners: one accepts and answers `Hello` but never reads again,
 //! one accepts and never answers at all.
@@ -12,6 +14,7 @@ use std::time::Duration;
 
 use bytes::BytesMut;
 use common::{recv_one, within, RawConn};
+use rpc::crates::core::wire::StreamMode;
 use rpc::crates::core::wire::{frame::Kind, GoAway, Ping};
 use rpc::crates::transport::{
     Abortive, Call, ConnectOptions, Connection, ConnectionPool, Dialer, FrameCodec, PeerAddr,
@@ -161,6 +164,113 @@ async fn calls_waiting_for_room_are_not_sent_once_the_server_goes_away() {
     assert_eq!(err.code(), StatusCode::CommunicationError, "{err}");
     assert!(err.message().contains("was not sent"), "{err}");
     assert!(!err.is_maybe_delivered(), "never sent: {err}");
+}
+
+/// A stream whose server never answers its set-up: the set-up ends at the attempt's deadline
+/// (not the stream's, a minute away) with a timeout, and the server is told to stop.
+#[tokio::test(start_paused = true)]
+async fn a_stream_set_up_unanswered_by_its_attempt_deadline_is_cancelled() {
+    let (listener, addr) = common::raw_listener().await;
+    let connecting = tokio::spawn(async move {
+        Connection::connect(&addr.to_string(), &ConnectOptions::default()).await
+    });
+    let (mut raw, _) = RawConn::accept_with(&listener, common::streaming_ack(16)).await;
+    let conn = within("connect", connecting)
+        .await
+        .expect("join")
+        .expect("connect");
+    let now = tokio::time::Instant::now();
+    let opening = tokio::spawn(async move {
+        conn.open_stream_within(
+            call(16),
+            StreamMode::Server,
+            Some(now + Duration::from_secs(60)),
+            Some(now + Duration::from_millis(100)),
+        )
+        .await
+        .map(|_| ())
+    });
+    let id = raw.recv_invoke("the stream's opening").await.message_id;
+    let err = within("the set-up ends", opening)
+        .await
+        .expect("join")
+        .expect_err("never answered");
+    assert_eq!(err.code(), StatusCode::Timeout, "{err}");
+    assert!(err.message().contains("set-up"), "{err}");
+    assert!(
+        tokio::time::Instant::now() < now + Duration::from_secs(60),
+        "ended at the attempt's deadline, not the stream's"
+    );
+    let cancel = within("the Cancel", async {
+        loop {
+            match raw.recv().await {
+                Some(Kind::Cancel(c)) => return c,
+                Some(_) => continue,
+                None => panic!("closed without a Cancel"),
+            }
+        }
+    })
+    .await;
+    assert_eq!(cancel.message_id, id);
+}
+
+/// A stream's set-up that finds the send queue full (a server that stopped reading) waits for
+/// room until its attempt's deadline, then fails as not sent: the retry layer may send it to
+/// another endpoint, whatever the method.
+#[tokio::test]
+async fn a_stream_set_up_waiting_for_room_past_its_attempt_deadline_is_not_sent() {
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket
+        .set_recv_buffer_size(SMALL_BUFFER)
+        .expect("SO_RCVBUF");
+    socket
+        .bind("127.0.0.1:0".parse().expect("address"))
+        .expect("bind");
+    let listener = socket.listen(16).expect("listen");
+    let addr = listener.local_addr().expect("addr").to_string();
+    let options = ConnectOptions {
+        max_unsent_bytes: 64 * KIB,
+        ..ConnectOptions::default()
+    };
+    let connecting =
+        tokio::spawn(
+            async move { Connection::connect_with(&SmallSendBuffer, &addr, &options).await },
+        );
+    let (_raw, _) = RawConn::accept_with(&listener, common::streaming_ack(16)).await;
+    let conn = within("connect", connecting)
+        .await
+        .expect("join")
+        .expect("connect");
+    // 3 MiB of calls the server never reads fill the socket buffers and the queue.
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..48 {
+        let conn = conn.clone();
+        tasks.spawn(async move { conn.call(call(64 * KIB), None).await });
+    }
+    let err = within("a set-up finds the queue full", async {
+        loop {
+            let now = tokio::time::Instant::now();
+            let err = conn
+                .open_stream_within(
+                    call(16),
+                    StreamMode::Server,
+                    Some(now + Duration::from_secs(60)),
+                    Some(now + Duration::from_millis(50)),
+                )
+                .await
+                .map(|_| ())
+                .expect_err("the server reads nothing");
+            // (Until the socket buffers are full a set-up may get in, and time out waiting
+            // for its answer instead.)
+            if err.is_not_sent() {
+                return err;
+            }
+        }
+    })
+    .await;
+    assert_eq!(err.code(), StatusCode::Timeout, "{err}");
+    assert!(err.message().contains("send queue"), "{err}");
+    tasks.abort_all();
 }
 
 /// The socket buffer size the ping test asks for (Linux doubles it, and keeps a minimum).
