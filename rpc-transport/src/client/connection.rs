@@ -14,7 +14,7 @@ use tokio_util::codec::FramedRead;
 use tokio_util::sync::CancellationToken;
 
 use super::answer::{Answer, AnswerCodec};
-use super::heartbeat::{heartbeat, sweeper};
+use super::heartbeat::{beats_only, heartbeat, sweeper, STREAM_BEAT};
 use super::options::ConnectOptions;
 use super::pending::{PendingTable, NO_SWEEP};
 use super::reader::{read_loop, EndOnDrop};
@@ -281,6 +281,9 @@ impl Connection {
                 options.heartbeat_interval,
                 received,
             ));
+        } else if shared.client_streams && shared.server_streams {
+            // Its streams' slow consumers still report their progress within a beat.
+            tokio::spawn(beats_only(Arc::downgrade(&shared), STREAM_BEAT));
         }
         Ok(Connection {
             _owners: Arc::new(CloseOnDrop(shared.clone())),

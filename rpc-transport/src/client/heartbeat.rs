@@ -72,6 +72,29 @@ fn wake_at(epoch: tokio::time::Instant, next: u64) -> tokio::time::Instant {
     epoch + Duration::from_millis(next.min(FAR))
 }
 
+/// How often a connection without heartbeats still counts a beat for its streams (see
+/// [`beats_only`]): well within a server's idle timeout (60 s by default).
+pub(super) const STREAM_BEAT: Duration = Duration::from_secs(10);
+
+/// Counts a beat every `interval` and nothing else, for a connection without heartbeats
+/// whose streams still need them: a slow consumer grants what it took at its next take after
+/// a beat (`Shared::beats`), and without beats it granted only at half its window, so a
+/// server waiting that long for credit took the stream for stalled and ended it.
+pub(super) async fn beats_only(shared: std::sync::Weak<Shared>, interval: Duration) {
+    loop {
+        let close = match shared.upgrade() {
+            Some(s) => s.close.clone(),
+            None => return,
+        };
+        tokio::select! {
+            _ = close.cancelled() => return,
+            _ = tokio::time::sleep(interval) => {}
+        }
+        let Some(s) = shared.upgrade() else { return };
+        s.beats.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
 /// Pings every `interval`; closes the connection when nothing at all arrived during three
 /// intervals in a row (a counter the decoder bumps for every arrival, a frame whole or in
 /// part, is compared, so the reader never reads the clock).

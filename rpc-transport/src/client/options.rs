@@ -15,7 +15,9 @@ pub struct ConnectOptions {
     pub connect_timeout: Duration,
     /// A `Ping` is sent every interval; the connection is closed when nothing at all (not a
     /// byte of a frame) arrived for three intervals in a row. Zero: no heartbeat (a dead
-    /// connection is then found only when a call on it fails or times out).
+    /// connection is then found only when a call on it fails or times out; a slow stream
+    /// consumer still reports what it took every 10 s, which a server's idle timeout under
+    /// 10 s would not wait for).
     pub heartbeat_interval: Duration,
     /// Bytes of calls queued on one connection and not yet written (about: parameters and
     /// entry id of each call plus 64), 4 MiB by default. Above it, as when the server stalls

@@ -696,6 +696,40 @@ async fn a_slow_consumer_grants_what_it_took_each_heartbeat_and_is_not_taken_for
     within("shutdown", server.shutdown()).await;
 }
 
+/// The same slow consumer on a connection without heartbeats: the connection still counts a
+/// beat every 10 s for its streams, so taking an item every 15 s (half its window of 8 taking
+/// 60 s, beyond the server's 30 s idle timeout) it still grants what it took and its stream
+/// goes on. Before, it granted only at half its window and the server ended the stream as
+/// stalled. (On the paused clock.)
+#[tokio::test(start_paused = true)]
+async fn a_slow_consumer_without_heartbeats_still_grants_what_it_took() {
+    let server = Server::builder()
+        .add_service(FlowServer::new(Texts(Arc::new(AtomicU64::new(0)))))
+        .idle_timeout(Duration::from_secs(30))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let options = ConnectOptions {
+        heartbeat_interval: Duration::ZERO,
+        stream_window: 8,
+        ..ConnectOptions::default()
+    };
+    let (_conn, mut s) = open_text_stream(&server.local_addr().to_string(), &options, 8).await;
+    for i in 0..20 {
+        let item = within("an item", futures_util::StreamExt::next(&mut s))
+            .await
+            .expect("the stream goes on")
+            .unwrap_or_else(|e| panic!("item {i}: {e}"));
+        assert_eq!(
+            Codec::MsgPack.decode::<String>(&item).expect("text"),
+            "x".repeat(8)
+        );
+        tokio::time::sleep(Duration::from_secs(15)).await;
+    }
+    drop(s);
+    within("shutdown", server.shutdown()).await;
+}
+
 /// A stream without a deadline whose client grants no more credit (nor cancels) is ended once
 /// it has waited the server's idle timeout, with 519 saying why, and its slot under the
 /// server's cap is free again. Before, it waited for ever, holding the slot: a few such
