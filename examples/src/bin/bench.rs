@@ -372,12 +372,17 @@ impl Items for ItemSource {
     }
 }
 
-/// The client-side fallback of governed runs: answers locally.
+/// The client-side fallback of governed runs: its layer is in every call's path, as in a
+/// governed deployment, but it answers nothing: a call it would answer (the server unreachable,
+/// overflowing, or gone mid-run) fails, so that the run counts it as an error instead of
+/// measuring local answers.
 struct LocalEcho;
 
 impl Echo for LocalEcho {
-    async fn echo(&self, text: String) -> Result<String, RpcError> {
-        Ok(text)
+    async fn echo(&self, _text: String) -> Result<String, RpcError> {
+        Err(RpcError::business(
+            "the call failed, and the bench's fallback answers nothing",
+        ))
     }
 }
 
@@ -505,8 +510,8 @@ fn echo_client(args: &Args, governance: Governance) -> Result<EchoClient, String
         .registry(registry)
         .connections_per_endpoint(args.conns);
     if governance == Governance::On {
-        // As a governed deployment runs: default options and a fallback registered (it never
-        // answers here, since no call fails, but its layer is in the path).
+        // As a governed deployment runs: default options and a fallback registered (its layer
+        // is in the path; it answers no failed call, which then counts as an error).
         builder = builder.fallback(EchoServer::new(LocalEcho));
     } else {
         builder = builder.override_options(
@@ -530,6 +535,14 @@ async fn run_load(
 ) -> Result<Measured, String> {
     let echo = echo_client(args, governance)?;
     let payload = "x".repeat(args.payload);
+    if governance == Governance::On {
+        // Its own failure first, by a client without the fallback: the governed client's
+        // error would be its fallback's, which says nothing of the cause.
+        let plain = echo_client(args, Governance::Off)?;
+        if let Err(e) = plain.echo(payload.clone()).await {
+            return Err(format!("echo to {} failed: {e}", args.addr));
+        }
+    }
     // One call per pooled connection first: connections are opened on first use, and an
     // unreachable server should be an error, not a run full of failed calls.
     for _ in 0..args.conns {
