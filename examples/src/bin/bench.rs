@@ -772,8 +772,13 @@ async fn run_streams(
 /// A server process started by the matrix; stopped with SIGTERM, killed if it does not exit.
 struct ServerProcess {
     child: Child,
-    stdout: BufReader<std::process::ChildStdout>,
+    /// Its standard output, line by line, read on a thread of its own: a server that stops
+    /// printing cannot hold the matrix, whose waits for a line all have a deadline.
+    lines: std::sync::mpsc::Receiver<String>,
 }
+
+/// How long the matrix waits for a server's LISTENING line, and for its SERVER line.
+const SERVER_LINE_WAIT: Duration = Duration::from_secs(10);
 
 impl ServerProcess {
     fn start(args: &Args) -> Result<(ServerProcess, SocketAddr), String> {
@@ -794,49 +799,51 @@ impl ServerProcess {
             let _ = child.kill();
             return Err("the server process has no stdout".into());
         };
-        let mut server = ServerProcess {
-            child,
-            stdout: BufReader::new(stdout),
-        };
-        let mut line = String::new();
-        loop {
-            line.clear();
-            match server.stdout.read_line(&mut line) {
-                Ok(0) | Err(_) => {
-                    return Err("the server process exited before printing LISTENING".into())
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
                 }
-                Ok(_) => {}
             }
-            if let Some(rest) = line.trim().strip_prefix("LISTENING ") {
-                let addr = field(rest, "addr")
-                    .and_then(|a| a.parse().ok())
-                    .ok_or_else(|| format!("no addr= in {:?}", line.trim()))?;
-                return Ok((server, addr));
+        });
+        // (Dropped on an error below: the process is killed.)
+        let server = ServerProcess { child, lines };
+        let line = server
+            .next_line("LISTENING ", Instant::now() + SERVER_LINE_WAIT)
+            .map_err(|why| format!("the server process {why} before printing LISTENING"))?;
+        let addr = field(&line["LISTENING ".len()..], "addr")
+            .and_then(|a| a.parse().ok())
+            .ok_or_else(|| format!("no addr= in {line:?}"))?;
+        Ok((server, addr))
+    }
+
+    /// The next line of its output starting with `prefix`, before `deadline`; otherwise why
+    /// not.
+    fn next_line(&self, prefix: &str, deadline: Instant) -> Result<String, &'static str> {
+        loop {
+            let wait = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(wait) {
+                Ok(line) if line.starts_with(prefix) => return Ok(line.trim().to_string()),
+                Ok(_) => {}
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                    return Err("printed nothing more for 10 s")
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return Err("exited"),
             }
         }
     }
 
-    /// SIGTERM, then the SERVER line.
-    fn stop(mut self) -> Option<String> {
+    /// SIGTERM, then the SERVER line (none if it is not printed within 10 s: the process is
+    /// then killed).
+    fn stop(self) -> Option<String> {
         // SAFETY: plain syscall on the pid of a child this process started and still owns.
         unsafe {
             libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
         }
-        let mut found = None;
-        let mut line = String::new();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            line.clear();
-            match self.stdout.read_line(&mut line) {
-                Ok(0) | Err(_) => break,
-                Ok(_) if line.starts_with("SERVER ") => {
-                    found = Some(line.trim().to_string());
-                    break;
-                }
-                Ok(_) => {}
-            }
-        }
-        found
+        self.next_line("SERVER ", Instant::now() + SERVER_LINE_WAIT)
+            .ok()
     }
 }
 
