@@ -260,7 +260,8 @@ impl Client {
                     set_up_at,
                 )),
                 Err(e) => {
-                    watch.finish(&Err(e.clone()), None);
+                    // (A fallback that ran and failed: its cause stays on the span.)
+                    watch.finish(&Err(e.clone()), take(&cause).as_ref());
                     Err(e)
                 }
             }
@@ -450,6 +451,15 @@ impl<S: stack::Service> stack::Service for StreamFallback<'_, S> {
             Err(e) if fallback::applies(&e, Side::Client) => e,
             other => return other,
         };
+        // A fallback without this entry (one older than the entry) does not run, and no
+        // `fallback` is said of the stream, as for a unary call.
+        let Some(index) = fallback
+            .methods()
+            .iter()
+            .position(|m| m.entry_id == method.entry_id)
+        else {
+            return Err(e);
+        };
         // (As the unary fallback names them: see `CallCx::failure`.)
         let (endpoint, attempt) = cx.failure(&e);
         let endpoint = endpoint.as_deref();
@@ -467,14 +477,9 @@ impl<S: stack::Service> stack::Service for StreamFallback<'_, S> {
                 &e,
             ));
         }
-        let Some(index) = fallback
-            .methods()
-            .iter()
-            .position(|m| m.entry_id == method.entry_id)
-        else {
-            return Err(e);
-        };
         cx.emit(EventKind::Fallback, endpoint, attempt, Some(e.to_string()));
+        // The cause goes on the stream's span whether the fallback answers or fails.
+        *self.cause.lock().unwrap_or_else(PoisonError::into_inner) = Some(e.clone());
         // Counted as they go to the fallback, as they would have been sent to a server.
         let items = take(self.inbound).map(|items| {
             let sent = self.sent.clone();
@@ -486,10 +491,9 @@ impl<S: stack::Service> stack::Service for StreamFallback<'_, S> {
         });
         let setup = fallback.call_stream(index, req, items, self.client.inner.codec);
         let answer = fallback::with_cause(e.clone(), setup).await;
-        let stream = fallback::outcome(method.entry_id, e.clone(), answer)?;
+        let stream = fallback::outcome(method.entry_id, e, answer)?;
         *self.opened.lock().unwrap_or_else(PoisonError::into_inner) =
             Some(Source::Fallback(stream));
-        *self.cause.lock().unwrap_or_else(PoisonError::into_inner) = Some(e);
         Ok(Bytes::new())
     }
 }

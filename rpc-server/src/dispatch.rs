@@ -161,7 +161,7 @@ impl Terminal {
                 run_guarded(handler, deadline, entry, self.send_panic_text).await,
                 fallback,
             ) {
-                (Err(e), Some(fb)) if fallback::applies(&e, fallback::Side::Server) => {
+                (Err(e), Some(fb)) if fb.runs_for(&e, deadline) => {
                     let cause = e.code();
                     (
                         run_fallback(fb, e, codec, deadline, entry).await,
@@ -744,7 +744,7 @@ impl CallFuture {
             settle(outcome, entry, self.send_panic_text),
             self.fallback.take(),
         ) {
-            (Err(e), Some(fb)) if fallback::applies(&e, fallback::Side::Server) => {
+            (Err(e), Some(fb)) if fb.runs_for(&e, self.guarded.deadline) => {
                 let (codec, deadline) = (self.codec, self.guarded.deadline);
                 self.running_fallback = Some((
                     e.code(),
@@ -864,12 +864,7 @@ async fn run_fallback(
     deadline: Option<(Instant, u32)>,
     entry: &str,
 ) -> Result<Bytes, RpcError> {
-    // Once the caller's deadline has passed the caller has its timeout: a fallback started
-    // now would act for nobody.
     let to = &fb.to;
-    if to.skipped_past(deadline, &e) {
-        return Err(e);
-    }
     // On the call's span: a trace shows why the fallback ran. The server sees each attempt of
     // a caller as a call of its own: attempt 0.
     to.events.emit_parts(
@@ -931,6 +926,16 @@ impl FallbackTo {
 struct ServerFallback {
     to: Arc<FallbackTo>,
     parameters: Bytes,
+}
+
+impl ServerFallback {
+    /// Whether the fallback runs for the handler's failure `e`: one it answers for, while the
+    /// caller's deadline has not passed (after it the caller has its timeout, and a fallback
+    /// started then would act for nobody: `fallback_skipped` says so, and the call's span
+    /// names no fallback cause).
+    fn runs_for(&self, e: &RpcError, deadline: Option<(Instant, u32)>) -> bool {
+        fallback::applies(e, fallback::Side::Server) && !self.to.skipped_past(deadline, e)
+    }
 }
 
 async fn run_guarded(

@@ -488,6 +488,72 @@ async fn a_fallback_that_fails_still_leaves_its_cause_on_the_span() {
     server.shutdown().await;
 }
 
+/// A server fallback skipped because the caller's deadline passed (the handler ran until it,
+/// 519) never ran: the server span says 519 and names no fallback cause, beside the
+/// `fallback_skipped` event. Before, the span carried `rpc.fallback.cause`, as if the
+/// fallback had run and failed.
+#[tokio::test]
+async fn a_server_fallback_skipped_at_the_deadline_leaves_no_cause_on_the_span() {
+    use rpc::crates::core::wire::{frame::Kind, RemoteInvokeMessage};
+    let (seen, _guard) = Seen::install();
+    let (entered, _) = mpsc::unbounded_channel();
+    let (dropped, _) = mpsc::unbounded_channel();
+    let server = Server::builder()
+        .meter(seen.meter.clone())
+        .add_service(SlowServer::new(Hang { entered, dropped }))
+        .fallback(SlowServer::new(Refusing))
+        .serve("127.0.0.1:0")
+        .await
+        .unwrap();
+    let mut events = server.events().subscribe();
+    // A caller speaking the wire by hand, which never cancels: the server decides at the
+    // deadline.
+    let mut raw = common::RawConn::connect(server.local_addr()).await;
+    raw.handshake().await;
+    raw.send(Kind::Invoke(RemoteInvokeMessage {
+        message_id: 1,
+        service_entry_id: "cancel.Slow.forever".into(),
+        parameters: rpc::Codec::MsgPack
+            .encode(&rpc::crates::core::NoArgs)
+            .expect("encode"),
+        timeout_ms: 100,
+        ..Default::default()
+    }))
+    .await
+    .expect("the call");
+    let answer = within("the answer", async {
+        loop {
+            match raw.recv().await {
+                Some(Kind::Result(r)) => return r,
+                Some(_) => continue,
+                None => panic!("closed without an answer"),
+            }
+        }
+    })
+    .await;
+    assert_eq!(answer.status_code, 519, "{answer:?}");
+    let skipped = within("the skip", async {
+        loop {
+            let e = events.recv().await.expect("an event");
+            if matches!(e.kind, EventKind::FallbackSkipped | EventKind::Fallback) {
+                return e.kind;
+            }
+        }
+    })
+    .await;
+    assert_eq!(skipped, EventKind::FallbackSkipped);
+    let timed_out = |s: &SpanData| {
+        s.name == "rpc.server" && attr(s, "rpc.status_code") == Some(Value::I64(519))
+    };
+    let spans = seen.spans_once(timed_out).await;
+    let span = spans
+        .iter()
+        .find(|s| timed_out(s))
+        .expect("the server span");
+    assert_eq!(attr(span, "rpc.fallback.cause"), None, "{span:#?}");
+    server.shutdown().await;
+}
+
 /// A business error (the callee's own answer) leaves the server span's status unset, as
 /// OpenTelemetry's RPC conventions have server spans say, while the client span of the call
 /// that received it is an error; a server error marks both. Before, the server span of a

@@ -184,15 +184,20 @@ impl Stocks for Market {
 }
 
 /// The fallback: answers that cannot be mistaken for the market's (prices from 1000, totals
-/// plus a million, numbers times ten); counts the set-ups it answered.
+/// plus a million, numbers times ten); counts the set-ups it answered. With `empty` set, its
+/// `prices` fails (a fallback that fails in turn).
 #[derive(Clone, Default)]
 struct Cache {
     used: Arc<AtomicU64>,
+    empty: Arc<AtomicBool>,
 }
 
 impl Stocks for Cache {
     async fn prices(&self, n: u32) -> Result<RpcStream<u32>, RpcError> {
         self.used.fetch_add(1, Ordering::SeqCst);
+        if self.empty.load(Ordering::SeqCst) {
+            return Err(RpcError::business("the cache is empty"));
+        }
         Ok(RpcStream::iter(1000..1000 + n))
     }
 
@@ -556,6 +561,33 @@ async fn a_failure_after_acceptance_is_not_held_against_the_breaker() {
     assert_eq!(err.code(), StatusCode::ServerError, "{err}");
     assert_breaker(&client, break_after, true, "one failed set-up opens it");
     within("shutdown", server.shutdown()).await;
+}
+
+/// A client fallback that fails in turn still leaves on the stream's span the status of the
+/// failure it ran for (`rpc.fallback.cause`), beside its own error, as a unary call's span
+/// does. Before, the span named no cause: the fallback left no mark that it ran.
+#[tokio::test]
+async fn a_stream_fallback_that_fails_still_leaves_its_cause_on_the_span() {
+    let (traces, _guard) = Traces::install();
+    let (server, market, cache, stocks) = with_fallback().await;
+    market.down.store(true, Ordering::SeqCst);
+    cache.empty.store(true, Ordering::SeqCst);
+    let err = within("prices", stocks.prices(3))
+        .await
+        .map(|_| ())
+        .expect_err("the fallback fails");
+    assert_eq!(cache.used.load(Ordering::SeqCst), 1, "the fallback ran");
+    within("shutdown", server.shutdown()).await;
+    let span = client_span(&traces.spans(), "g.Stocks.prices");
+    assert_eq!(
+        attr(&span, "rpc.fallback.cause"),
+        Some(Value::I64(i64::from(StatusCode::ServerError.as_u32()))),
+        "{err}"
+    );
+    assert_eq!(
+        attr(&span, "rpc.status_code"),
+        Some(Value::I64(i64::from(err.code().as_u32())))
+    );
 }
 
 /// The client's `rpc.client` span of `entry` (the only one).
