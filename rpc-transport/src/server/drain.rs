@@ -31,6 +31,10 @@ pub(super) async fn drain<R: AsyncRead + Unpin>(
     let deadline = tokio::time::sleep_until(hard);
     tokio::pin!(deadline);
     let mut lingering = false;
+    // The client closed its side (a half-close: it sends nothing more and still reads). The
+    // calls in flight are still answered: closing now would drop them after GoAway 200, which
+    // tells the client they never ran, and it would send them elsewhere.
+    let mut input_ended = false;
     loop {
         // In this order: a call finishing queues its answer before it leaves the calls in
         // flight, so once none is in flight (read first), the bytes read next include every
@@ -38,6 +42,10 @@ pub(super) async fn drain<R: AsyncRead + Unpin>(
         // linger with it unsent, and a slow reader would lose it.
         let finished = conn.in_flight.load(Ordering::Acquire) == 0;
         let unsent = conn.sender.backlog().bytes();
+        if finished && unsent == 0 && input_ended {
+            // Every answer written, and nothing more can come to read.
+            return None;
+        }
         if !lingering && finished && unsent == 0 {
             // Nothing left to finish, and every answer written (a client reading slowly gets
             // them all before the connection closes: the drain deadline, not the linger, ends
@@ -61,8 +69,12 @@ pub(super) async fn drain<R: AsyncRead + Unpin>(
             _ = conn.sender.backlog().written(), if backlogged || (finished && unsent > 0) => {
                 continue
             }
-            f = frames.next(), if !backlogged => f,
+            f = frames.next(), if !backlogged && !input_ended => f,
         };
+        if next.is_none() {
+            input_ended = true;
+            continue;
+        }
         if let Err(end) = ctx.on_frame(next, true) {
             return end;
         }

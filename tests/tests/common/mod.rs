@@ -302,6 +302,13 @@ impl RawConn {
         self.stream.write_all(bytes).await
     }
 
+    /// Closes the sending side only (a TCP half-close): the peer reads the end of the stream,
+    /// and this side still reads.
+    pub async fn half_close(&mut self) {
+        use tokio::io::AsyncWriteExt;
+        self.stream.shutdown().await.expect("half-close");
+    }
+
     /// The next frame, or `None` once the peer closed the connection (end of stream or reset).
     /// Fails the test if nothing happens within [`LIMIT`].
     pub async fn recv(&mut self) -> Option<Kind> {

@@ -278,6 +278,55 @@ async fn whoami_answered(conn: &Connection, what: &str) {
     assert_eq!(answer.status_code, 200, "{answer:?}");
 }
 
+/// A client that closes its sending side during the drain (it will send nothing more) still
+/// gets the answers of its calls in flight: closing on the end of its input dropped them after
+/// GoAway 200, which says they never ran, so the client sent them elsewhere though they had
+/// run here. (On the paused clock: the second it waits before the handler answers passes
+/// only once the server has read the end of the client's input.)
+#[tokio::test(start_paused = true)]
+async fn a_client_half_closing_during_the_drain_still_gets_its_answers() {
+    let (n, mut probe) = node("only");
+    let server = builder(&n).serve("127.0.0.1:0").await.expect("serve");
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.handshake().await;
+    raw.send(rpc::crates::core::wire::frame::Kind::Invoke(
+        rpc::crates::core::wire::RemoteInvokeMessage {
+            message_id: 1,
+            service_entry_id: "t.Life.hold".into(),
+            parameters: rpc::Codec::MsgPack
+                .encode(&rpc::crates::core::NoArgs)
+                .expect("encode"),
+            ..Default::default()
+        },
+    ))
+    .await
+    .expect("the call");
+    recv_one("the call entered its handler", &mut probe.entered).await;
+    let shutdown = tokio::spawn(server.shutdown());
+    let g = raw.expect_go_away().await;
+    assert_eq!(g.status_code, 200, "{g:?}");
+    raw.half_close().await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    n.release.add_permits(1);
+    let answer = within("the call's answer", async {
+        loop {
+            match raw.recv().await {
+                Some(rpc::crates::core::wire::frame::Kind::Result(r)) => return r,
+                Some(_) => continue,
+                None => panic!("closed without the answer"),
+            }
+        }
+    })
+    .await;
+    assert_eq!(
+        (answer.message_id, answer.status_code),
+        (1, 200),
+        "{answer:?}"
+    );
+    raw.expect_closed().await;
+    within("shutdown", shutdown).await.expect("join");
+}
+
 /// The pool lets go of an endpoint's connections only when none carries a call, and a
 /// connection found busy takes no new call from then on: a call about to be sent on it fails
 /// as not sent (to go elsewhere) instead of being sent and then cut off, maybe delivered, by
