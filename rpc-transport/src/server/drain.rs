@@ -73,6 +73,25 @@ pub(super) async fn drain<R: AsyncRead + Unpin>(
         };
         if next.is_none() {
             input_ended = true;
+            // A stream needs the client's side to go on (credit, items, its end) and cannot
+            // finish now: it is answered at once, as at the drain deadline. A unary call can.
+            let streams: Vec<_> = {
+                let mut tasks = conn.tasks();
+                let ids: Vec<u64> = tasks
+                    .keys()
+                    .copied()
+                    .filter(|id| conn.streams.get(*id).is_some())
+                    .collect();
+                ids.into_iter()
+                    .filter_map(|id| tasks.remove(&id).map(|t| (id, t)))
+                    .collect()
+            };
+            end_at_drain(
+                ctx,
+                streams,
+                "the client closed its side of the connection while the server was draining: \
+                 the stream cannot go on; it may have partly run",
+            );
             continue;
         }
         if let Err(end) = ctx.on_frame(next, true) {
@@ -85,6 +104,21 @@ pub(super) async fn drain<R: AsyncRead + Unpin>(
     // Every call the server read gets an answer, so the client knows that calls still pending
     // when the connection closes were never read.
     let dropped: Vec<_> = conn.tasks().drain().collect();
+    end_at_drain(
+        ctx,
+        dropped,
+        &format!(
+            "the server shut down before the call finished (drain deadline of {} ms); it may \
+             have partly run",
+            options.drain_timeout.as_millis()
+        ),
+    );
+    None
+}
+
+/// Stops the calls `dropped` and answers each 520 with `why`.
+fn end_at_drain(ctx: &FrameCtx<'_>, dropped: Vec<(u64, super::runner::Running)>, why: &str) {
+    let conn = ctx.conn;
     for (id, handle) in dropped {
         handle.abort_at_drain_deadline();
         // A stream's request stream ends before its answer is queued: a handler reading it in
@@ -92,16 +126,8 @@ pub(super) async fn drain<R: AsyncRead + Unpin>(
         if let Some(slot) = conn.streams.get(id) {
             slot.close();
         }
-        let mut r = error_result(
-            StatusCode::ServerError,
-            format!(
-                "the server shut down before the call finished (drain deadline of {} ms); it \
-                 may have partly run",
-                options.drain_timeout.as_millis()
-            ),
-        );
+        let mut r = error_result(StatusCode::ServerError, why);
         r.message_id = id;
         conn.sender.send(Kind::Result(r));
     }
-    None
 }
