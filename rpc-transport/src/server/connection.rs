@@ -251,9 +251,11 @@ pub(super) async fn run_connection<R, W>(
                 // A connection with calls in flight is not idle, however quiet the client is;
                 // but a large frame begun and not finished for as long holds a share of the
                 // server's read budget that others wait for, calls in flight or not. Nor is
-                // one whose next frame waits for that budget: the server holds it back.
+                // one whose next frame waits for that budget: the server holds it back (unless
+                // the client leaves its answers unread: then the client holds the connection
+                // up, and its large frame asks for no budget yet).
                 let busy = (conn.in_flight.load(Ordering::Acquire) > 0 && !frames.holds_share())
-                    || frames.waits_for_share();
+                    || (!backlogged && frames.waits_for_share());
                 if frames_seen != frames_at_check || busy {
                     frames_at_check = frames_seen;
                     idle.as_mut().reset(Instant::now() + idle_after);
