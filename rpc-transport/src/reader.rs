@@ -51,6 +51,14 @@ fn units(bytes: usize) -> u32 {
     bytes.div_ceil(UNIT).min(u32::MAX as usize) as u32
 }
 
+/// A wait for a share of the read budget.
+type ShareWait = std::pin::Pin<
+    Box<
+        dyn std::future::Future<Output = Result<OwnedSemaphorePermit, tokio::sync::AcquireError>>
+            + Send,
+    >,
+>;
+
 /// Reads frames from one connection; see the module documentation.
 pub(crate) struct FrameReader<R> {
     rd: R,
@@ -60,6 +68,10 @@ pub(crate) struct FrameReader<R> {
     budget: ReadBudget,
     /// The share of the budget held for the large frame being read.
     share: Option<OwnedSemaphorePermit>,
+    /// The wait for that share while the budget is short: kept across calls of
+    /// [`next`](Self::next), so that a caller dropping its future (to handle a timer, say)
+    /// does not lose the frame's place in the queue, nor the units already set aside for it.
+    waiting: Option<ShareWait>,
     peer: PeerAddr,
     eof: bool,
     /// Where the buffer of the last large frame lies (for the tests).
@@ -85,6 +97,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             max_frame_length,
             budget,
             share: None,
+            waiting: None,
             peer,
             eof: false,
             #[cfg(test)]
@@ -131,7 +144,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
     }
 
     /// The next frame; `None` at the end of the stream. Cancel-safe: dropping the future loses
-    /// no byte (a wait for the budget starts again at the back of the queue).
+    /// no byte, and a wait for the budget keeps its place in the queue.
     pub(crate) async fn next(&mut self) -> Option<Result<Incoming, FrameError>> {
         loop {
             if let Some(frame) = self.buffered() {
@@ -178,23 +191,30 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
         }
     }
 
-    /// The budget's share for a frame of `total` bytes, waiting for it if need be.
-    async fn take_share(&self, total: usize) -> Option<OwnedSemaphorePermit> {
-        let n = units(total);
-        let units = self.budget.units.clone();
-        if let Ok(share) = units.clone().try_acquire_many_owned(n) {
-            tracing::trace!(peer = %self.peer, bytes = total, "read budget: frame granted");
-            return Some(share);
+    /// The budget's share for a frame of `total` bytes, waiting for it if need be (in
+    /// `waiting`, which outlives a dropped call: the frame at the front of the buffer is the
+    /// same when this is called again).
+    async fn take_share(&mut self, total: usize) -> Option<OwnedSemaphorePermit> {
+        if self.waiting.is_none() {
+            let n = units(total);
+            let units = self.budget.units.clone();
+            if let Ok(share) = units.clone().try_acquire_many_owned(n) {
+                tracing::trace!(peer = %self.peer, bytes = total, "read budget: frame granted");
+                return Some(share);
+            }
+            tracing::debug!(
+                peer = %self.peer,
+                bytes = total,
+                "read budget exhausted: the frame waits, and the connection is not read meanwhile"
+            );
+            self.waiting = Some(Box::pin(units.acquire_many_owned(n)));
         }
-        tracing::debug!(
-            peer = %self.peer,
-            bytes = total,
-            "read budget exhausted: the frame waits, and the connection is not read meanwhile"
-        );
+        let waiting = self.waiting.as_mut()?;
         // Fails only if the semaphore is closed, which this crate never does.
-        let share = units.acquire_many_owned(n).await.ok()?;
+        let share = waiting.await.ok();
+        self.waiting = None;
         tracing::trace!(peer = %self.peer, bytes = total, "read budget: frame granted");
-        Some(share)
+        share
     }
 }
 
@@ -208,6 +228,53 @@ mod tests {
     use rpc_core::wire::frame::Kind;
 
     use super::*;
+
+    /// A large frame waiting for the budget keeps its place in the queue when the caller of
+    /// `next` drops its future (the server's connection loop does, for its timers): the share
+    /// freed next is its own, not that of a frame that came later. Before, it joined the back
+    /// of the queue again each time, and under steady traffic it could wait for ever.
+    #[tokio::test(start_paused = true)]
+    async fn a_frame_waiting_for_the_budget_keeps_its_place_when_its_wait_is_dropped() {
+        let wire = crate::padded_item_frame(0);
+        let budget = ReadBudget::new(0, 2 << 20);
+        let units_all = budget.units.available_permits() as u32;
+        let needed = units(wire.len());
+        // The budget is taken, in two parts.
+        let first = budget
+            .units
+            .clone()
+            .try_acquire_many_owned(needed + 1)
+            .unwrap();
+        let rest = budget
+            .units
+            .clone()
+            .try_acquire_many_owned(units_all - needed - 1)
+            .unwrap();
+        let peer = PeerAddr::Tcp("127.0.0.1:1".parse().unwrap());
+        let mut reader = FrameReader::new(&wire[..], &[], 2 << 20, budget.clone(), peer);
+        // The frame's wait begins, and its future is dropped (as by a timer's branch).
+        tokio::select! {
+            biased;
+            _ = reader.next() => panic!("no budget yet"),
+            _ = std::future::ready(()) => {}
+        }
+        // Another frame's wait, later.
+        let later = tokio::spawn(budget.units.clone().acquire_many_owned(needed));
+        tokio::task::yield_now().await;
+        // A share's worth comes back: the first in the queue gets it.
+        drop(first);
+        tokio::task::yield_now().await;
+        assert!(!later.is_finished(), "the later frame waits its turn");
+        let frame = tokio::time::timeout(std::time::Duration::from_secs(1), reader.next())
+            .await
+            .expect("its place was kept: the freed share is the frame's");
+        assert!(matches!(
+            frame,
+            Some(Ok(Incoming::Other(Kind::StreamItem(_))))
+        ));
+        drop(rest);
+        let _ = later.await;
+    }
 
     /// The item of a large frame that is mostly something else (an unknown field here) is
     /// copied out of the frame's buffer, which the read budget no longer counts once the frame
