@@ -127,17 +127,20 @@ pub(super) fn dispatch(
             conn.give_way.store(true, Ordering::Relaxed);
             spawn(conn, id, fut);
         }
-        Dispatch::Stream(events) => stream(conn, id, Events::Plain(events), (slot, no_deadline)),
+        // Plain events cannot end themselves at their deadline while the stream waits on its
+        // client (no credit, no room): the stall limit bounds that wait, deadline or not.
+        Dispatch::Stream(events) => stream(conn, id, Events::Plain(events), (slot, true)),
         Dispatch::Events(events) => stream(conn, id, Events::Into(events), (slot, no_deadline)),
     }
 }
 
-/// Runs stream `id` answering its call with `events` in a task of the connection.
+/// Runs stream `id` answering its call with `events` in a task of the connection; with
+/// `stalls`, a wait on its client ends at the stall limit (the idle timeout).
 fn stream(
     conn: &Arc<Conn>,
     id: u64,
     events: Events,
-    (slot, no_deadline): (Option<Arc<StreamSlot>>, bool),
+    (slot, stalls): (Option<Arc<StreamSlot>>, bool),
 ) {
     let Some(window) = conn.client_window else {
         // (The reader refuses stream opens from such clients before the handler.)
@@ -162,7 +165,7 @@ fn stream(
         (
             conn.sender.clone(),
             conn.max_unsent_bytes,
-            conn.stall_limit.filter(|_| no_deadline),
+            conn.stall_limit.filter(|_| stalls),
         ),
     );
     spawn(conn, id, Box::pin(driver));

@@ -1030,8 +1030,8 @@ impl StreamDriver {
             return Poll::Ready(error_result(
                 StatusCode::Timeout,
                 format!(
-                    "the client {what} for {} ms (the server's idle timeout) while a stream \
-                     without a deadline waited on it: the stream was ended",
+                    "the client {what} for {} ms (the server's idle timeout) while the stream \
+                     waited on it: the stream was ended",
                     limit.as_millis()
                 ),
             ));

@@ -1066,6 +1066,77 @@ async fn a_stream_read_to_its_end_and_kept_is_no_longer_in_flight() {
     within("shutdown", server.shutdown()).await;
 }
 
+/// A transport handler answering with plain events (`Dispatch::Stream`), to a client that
+/// asked for a deadline and then grants no more credit: the events cannot end themselves at
+/// the deadline while the stream waits for credit, so the server's idle timeout (the stall
+/// limit) ends it, with 519 saying why. Before, the stall limit applied only to streams
+/// without a deadline, and this one held its slot until its connection ended. (On the paused
+/// clock.)
+#[tokio::test(start_paused = true)]
+async fn a_plain_event_stream_with_a_deadline_still_ends_when_its_client_grants_nothing() {
+    use rpc::crates::transport::{
+        serve, Caller, Dispatch, Invoke, InvokeHandler, ServerOptions, StreamEvent,
+    };
+
+    /// Answers every call (a server stream's opening among them) with items without end.
+    struct Endless;
+    impl InvokeHandler for Endless {
+        fn handle(&self, _: Invoke, _: &Arc<Caller>) -> Dispatch {
+            Dispatch::Stream(Box::pin(futures_util::stream::repeat(StreamEvent::Item(
+                bytes::Bytes::from_static(b"x"),
+            ))))
+        }
+    }
+
+    let (listener, addr) = raw_listener().await;
+    let stop = tokio_util::sync::CancellationToken::new();
+    let server = tokio::spawn(serve(
+        listener,
+        Arc::new(Endless),
+        ServerOptions {
+            idle_timeout: Duration::from_millis(300),
+            ..ServerOptions::default()
+        },
+        stop.clone(),
+    ));
+    let mut raw = RawConn::connect(addr).await;
+    raw.send(Kind::Hello(Hello {
+        protocol_version: 1,
+        streams: true,
+        stream_window: 1,
+        ..Default::default()
+    }))
+    .await
+    .expect("send Hello");
+    assert!(matches!(raw.recv().await, Some(Kind::HelloAck(_))));
+    // A deadline of an hour; no credit after the first item.
+    raw.send(Kind::Invoke(RemoteInvokeMessage {
+        timeout_ms: 3_600_000,
+        ..stream_opening(1, "t.Endless.items", &(), StreamMode::Server)
+    }))
+    .await
+    .expect("open");
+    let mut items = 0;
+    let end = loop {
+        match within("the stream's end", raw.recv()).await {
+            Some(Kind::StreamCredit(_)) => continue,
+            Some(Kind::StreamItem(_)) => items += 1,
+            Some(Kind::StreamItems(run)) => items += run.payloads.len(),
+            Some(Kind::Result(end)) => break end,
+            other => panic!("expected the stream's items or end, got {other:?}"),
+        }
+    };
+    assert_eq!((end.message_id, end.status_code), (1, 519), "{end:?}");
+    assert_eq!(items, 1, "the client's window of one item");
+    assert!(
+        end.exception_message.contains("granted no credit"),
+        "{}",
+        end.exception_message
+    );
+    stop.cancel();
+    within("server stop", server).await.expect("server task");
+}
+
 /// A transport handler that answers a client stream as a unary call (`Dispatch::Spawn`, the
 /// natural way to write "sum the items, then answer"): no stream task grants the client credit,
 /// so none of its items can come. The handler's reading ends with an error naming that, and
