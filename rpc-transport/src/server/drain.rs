@@ -116,7 +116,8 @@ pub(super) async fn drain<R: AsyncRead + Unpin>(
     None
 }
 
-/// Stops the calls `dropped` and answers each 520 with `why`.
+/// Stops the calls `dropped` (taken out of the connection's tasks) and answers each 520 with
+/// `why`; they leave the calls in flight, as a call cancelled by its client does.
 fn end_at_drain(ctx: &FrameCtx<'_>, dropped: Vec<(u64, super::runner::Running)>, why: &str) {
     let conn = ctx.conn;
     for (id, handle) in dropped {
@@ -129,5 +130,10 @@ fn end_at_drain(ctx: &FrameCtx<'_>, dropped: Vec<(u64, super::runner::Running)>,
         let mut r = error_result(StatusCode::ServerError, why);
         r.message_id = id;
         conn.sender.send(Kind::Result(r));
+        // (After its answer is queued, as a call finishing does: see `drain`.)
+        if conn.in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
+            conn.idle.notify_one();
+        }
+        conn.finished.notify_one();
     }
 }

@@ -1066,6 +1066,44 @@ async fn a_stream_read_to_its_end_and_kept_is_no_longer_in_flight() {
     within("shutdown", server.shutdown()).await;
 }
 
+/// A client that closes its sending side while the server drains, with a stream open: the
+/// stream, which can no longer get the client's credit, is answered 520 at once, and the drain
+/// ends then, not at its deadline (10 s). (On the paused clock.)
+#[tokio::test(start_paused = true)]
+async fn a_stream_of_a_client_half_closing_during_the_drain_ends_the_drain_at_once() {
+    let (server, _) = serve().await;
+    let (mut raw, _) = raw_client_with_window(&server, 1).await;
+    open_text(&mut raw, 1, 8).await;
+    let started = tokio::time::Instant::now();
+    let shutdown = tokio::spawn(server.shutdown());
+    loop {
+        match within("the GoAway", raw.recv()).await {
+            Some(Kind::GoAway(g)) => {
+                assert_eq!(g.status_code, 200, "{g:?}");
+                break;
+            }
+            Some(Kind::StreamItem(_) | Kind::StreamItems(_) | Kind::StreamCredit(_)) => continue,
+            other => panic!("expected the GoAway, got {other:?}"),
+        }
+    }
+    raw.half_close().await;
+    let end = loop {
+        match within("the stream's end", raw.recv()).await {
+            Some(Kind::Result(end)) => break end,
+            Some(_) => continue,
+            None => panic!("closed without the stream's end"),
+        }
+    };
+    assert_eq!((end.message_id, end.status_code), (1, 520), "{end:?}");
+    raw.expect_closed().await;
+    within("shutdown", shutdown).await.expect("join");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "the drain waited for its deadline: {:?}",
+        started.elapsed()
+    );
+}
+
 /// A transport handler answering with plain events (`Dispatch::Stream`), to a client that
 /// asked for a deadline and then grants no more credit: the events cannot end themselves at
 /// the deadline while the stream waits for credit, so the server's idle timeout (the stall
