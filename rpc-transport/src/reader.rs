@@ -110,6 +110,14 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
         self.share.is_some()
     }
 
+    /// Gives up the wait for a share of the budget, if one is kept: for a connection that is
+    /// not read for a while (paused). Tokio's semaphore sets units aside for a queued wait
+    /// whether or not it is polled, so a kept wait nobody polls would hold them from the
+    /// frames behind it; the next read queues again.
+    pub(crate) fn stop_waiting(&mut self) {
+        self.waiting = None;
+    }
+
     /// Whether the next frame waits for a share of the budget (a large frame, within the
     /// limit, whose share is not held yet): the server holds it back, not the peer.
     pub(crate) fn waits_for_share(&self) -> bool {
@@ -279,6 +287,43 @@ mod tests {
     /// The item of a large frame that is mostly something else (an unknown field here) is
     /// copied out of the frame's buffer, which the read budget no longer counts once the frame
     /// is decoded; the item of a large frame that it fills shares the buffer.
+    /// A kept wait given up (its connection paused, not read) holds no units: the share freed
+    /// next goes to the frame behind it, which tokio's semaphore would otherwise set aside
+    /// for the wait nobody polls.
+    #[tokio::test(start_paused = true)]
+    async fn a_wait_given_up_while_its_connection_is_paused_holds_no_units() {
+        let wire = crate::padded_item_frame(0);
+        let budget = ReadBudget::new(0, 2 << 20);
+        let units_all = budget.units.available_permits() as u32;
+        let needed = units(wire.len());
+        let first = budget
+            .units
+            .clone()
+            .try_acquire_many_owned(needed + 1)
+            .unwrap();
+        let _rest = budget
+            .units
+            .clone()
+            .try_acquire_many_owned(units_all - needed - 1)
+            .unwrap();
+        let peer = PeerAddr::Tcp("127.0.0.1:1".parse().unwrap());
+        let mut reader = FrameReader::new(&wire[..], &[], 2 << 20, budget.clone(), peer);
+        tokio::select! {
+            biased;
+            _ = reader.next() => panic!("no budget yet"),
+            _ = std::future::ready(()) => {}
+        }
+        let later = tokio::spawn(budget.units.clone().acquire_many_owned(needed));
+        tokio::task::yield_now().await;
+        reader.stop_waiting();
+        drop(first);
+        tokio::time::timeout(std::time::Duration::from_secs(1), later)
+            .await
+            .expect("the freed share went to the frame behind")
+            .expect("join")
+            .expect("acquired");
+    }
+
     #[tokio::test]
     async fn an_item_in_a_mostly_padded_large_frame_does_not_keep_the_frame() {
         let item_of = |padding: usize| async move {

@@ -225,6 +225,11 @@ pub(super) async fn run_connection<R, W>(
         }
         was_at_limit = at_limit;
         let paused = backlogged || at_limit || throttled;
+        if paused {
+            // Not read meanwhile: a wait for the read budget kept for it would hold units
+            // that others' frames wait for.
+            frames.stop_waiting();
+        }
         // Frames already read are handled before anything else is polled: the shutdown and
         // idle checks run once per read from the socket, not once per frame. Each counts
         // against the task's scheduling budget, so one busy connection cannot hold a worker.

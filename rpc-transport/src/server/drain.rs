@@ -60,6 +60,10 @@ pub(super) async fn drain<R: AsyncRead + Unpin>(
         // Each call read now is answered "not run": from a client that leaves its answers
         // unread, no more is read until the queue is back within its limit, as before the drain.
         let backlogged = unsent > options.max_unsent_bytes;
+        if backlogged || input_ended {
+            // Not read meanwhile (see `FrameReader::stop_waiting`).
+            frames.stop_waiting();
+        }
         let next = tokio::select! {
             biased;
             _ = conn.idle.notified() => continue,
