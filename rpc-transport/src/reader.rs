@@ -317,7 +317,7 @@ mod tests {
         tokio::task::yield_now().await;
         reader.stop_waiting();
         drop(first);
-        tokio::time::timeout(std::time::Duration::from_secs(1), later)
+        let _share = tokio::time::timeout(std::time::Duration::from_secs(1), later)
             .await
             .expect("the freed share went to the frame behind")
             .expect("join")
