@@ -467,7 +467,8 @@ async fn forget_when_idle(inner: std::sync::Weak<Inner>, addr: String) {
             inner.governance.health().forget(&addr);
             marks_dropped = true;
         }
-        if inner.pool.evict_if_idle(&addr) {
+        if inner.pool.is_idle(&addr) {
+            inner.pool.retire(&addr);
             return;
         }
         drop(inner);

@@ -160,27 +160,21 @@ impl ConnectionPool {
         })
     }
 
-    /// Closes and forgets every connection to `addr` if none carries a call or a stream, and
-    /// returns whether it did (true for an address the pool does not know). Otherwise the
-    /// connections take no new calls from now on (a call about to be sent on one fails as not
-    /// sent, to go elsewhere) and the calls in flight go on: ask again later. Unlike
-    /// [`is_idle`](Self::is_idle) then [`evict`](Self::evict), no call can be sent between
-    /// the check and the close, to be cut off as maybe delivered.
-    pub fn evict_if_idle(&self, addr: &str) -> bool {
-        let Some(endpoint) = self.inner.slots.get(addr).map(|e| e.value().clone()) else {
-            return true;
+    /// Forgets `addr`: its idle connections close now; one carrying a call or a stream takes
+    /// no new call (a call about to be sent on it fails as not sent, to go elsewhere) and
+    /// closes once its calls have ended and their holders let go of it. Unlike
+    /// [`is_idle`](Self::is_idle) then [`evict`](Self::evict), no call is cut off by the close,
+    /// whatever it raced with: a connection made meanwhile for a caller already waiting on
+    /// this address is that caller's, and closes when it lets go of it.
+    pub fn retire(&self, addr: &str) {
+        let Some((_, endpoint)) = self.inner.slots.remove(addr) else {
+            return;
         };
-        // Every connection is retired first, then each is closed if idle: all must be.
-        let mut idle = true;
         for slot in &endpoint.conns {
-            if let Some(c) = slot.read().unwrap_or_else(|p| p.into_inner()).as_ref() {
-                idle &= c.close_if_idle();
+            if let Some(c) = slot.write().unwrap_or_else(|p| p.into_inner()).take() {
+                c.close_if_idle();
             }
         }
-        if idle {
-            self.evict(addr);
-        }
-        idle
     }
 
     /// Closes and forgets every connection to `addr`.

@@ -318,6 +318,9 @@ impl Connection {
         let idle = self.shared.in_flight.load(Ordering::SeqCst) == 0;
         if idle {
             self.close();
+        } else {
+            // Calls waiting for room in the send queue are not to be sent now.
+            self.shared.sender.backlog().wake_room_waiters();
         }
         idle
     }
@@ -652,6 +655,14 @@ impl Connection {
                     &shared.peer,
                     "the call was not sent: the server is draining (GoAway) and takes no new \
                      calls on this connection",
+                ));
+            }
+            if shared.retired.load(Ordering::SeqCst) {
+                // Nor once this client retired it (its endpoint left the registry).
+                return Err(comm_error(
+                    &shared.peer,
+                    "the call was not sent: the endpoint left the registry, and its connection \
+                     takes no new calls",
                 ));
             }
             if backlog.bytes() <= max {

@@ -107,6 +107,43 @@ async fn a_server_that_pings_and_never_reads_cannot_grow_the_clients_send_queue(
 /// server that may never read again.
 #[tokio::test]
 async fn calls_waiting_for_room_are_not_sent_once_the_server_goes_away() {
+    calls_waiting_for_room_end_unsent(
+        |mut raw, _| async move {
+            raw.send(Kind::GoAway(GoAway {
+                status_code: 200,
+                reason: "draining".into(),
+            }))
+            .await
+            .expect("GoAway");
+            raw
+        },
+        "GoAway",
+    )
+    .await;
+}
+
+/// The same calls once the client retires the connection (its endpoint left the registry):
+/// they leave it at once, not sent, instead of waiting for room until their deadline.
+#[tokio::test]
+async fn calls_waiting_for_room_are_not_sent_once_the_connection_is_retired() {
+    calls_waiting_for_room_end_unsent(
+        |raw, conn| async move {
+            assert!(!conn.close_if_idle(), "calls are in flight");
+            raw
+        },
+        "left the registry",
+    )
+    .await;
+}
+
+/// Fills the send queue of a connection to a server that stops reading, then does `then`
+/// (with the server's side and the connection) and expects a call waiting for room to fail,
+/// not sent, with `said` in its error.
+async fn calls_waiting_for_room_end_unsent<F, Fut>(then: F, said: &str)
+where
+    F: FnOnce(RawConn, Connection) -> Fut,
+    Fut: std::future::Future<Output = RawConn>,
+{
     let (mut lines, _guard) = common::log_lines(tracing::Level::DEBUG);
     let socket = tokio::net::TcpSocket::new_v4().expect("socket");
     socket
@@ -126,7 +163,7 @@ async fn calls_waiting_for_room_are_not_sent_once_the_server_goes_away() {
             async move { Connection::connect_with(&SmallSendBuffer, &addr, &options).await },
         );
     let (stream, _) = within("accept", listener.accept()).await.expect("accept");
-    let mut raw = common::accept_hello(stream, "draining", 1 << 24).await;
+    let raw = common::accept_hello(stream, "draining", 1 << 24).await;
     let conn = within("connect", connecting)
         .await
         .expect("join")
@@ -144,18 +181,13 @@ async fn calls_waiting_for_room_are_not_sent_once_the_server_goes_away() {
         {}
     })
     .await;
-    raw.send(Kind::GoAway(GoAway {
-        status_code: 200,
-        reason: "draining".into(),
-    }))
-    .await
-    .expect("GoAway");
-    // (The calls written before it wait for their answers: the server answers what it read.)
+    let _raw = then(raw, conn).await;
+    // (The calls written before wait for their answers.)
     let err = within("a waiting call fails", async {
         loop {
             let ended = tasks.join_next().await.expect("a call ends").expect("join");
             let err = ended.expect_err("the server answers nothing");
-            if err.message().contains("GoAway") {
+            if err.message().contains(said) {
                 return err;
             }
         }

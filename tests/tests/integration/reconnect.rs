@@ -327,12 +327,13 @@ async fn a_client_half_closing_during_the_drain_still_gets_its_answers() {
     within("shutdown", shutdown).await.expect("join");
 }
 
-/// The pool lets go of an endpoint's connections only when none carries a call, and a
-/// connection found busy takes no new call from then on: a call about to be sent on it fails
-/// as not sent (to go elsewhere) instead of being sent and then cut off, maybe delivered, by
-/// the close. The call in flight is answered, and the next check closes the connection.
+/// A pool retiring an endpoint's connections (the endpoint left the registry) cuts off no call:
+/// a connection carrying one takes no new call from then on (a call about to be sent on it
+/// fails as not sent, to go elsewhere, instead of being sent and then cut off, maybe
+/// delivered, by a close), the call in flight is answered, and the pool makes a new
+/// connection for the next caller.
 #[tokio::test]
-async fn a_pool_lets_go_of_an_endpoint_only_once_its_calls_ended_and_sends_it_none_meanwhile() {
+async fn a_pool_retiring_an_endpoint_cuts_off_no_call_and_sends_it_none_meanwhile() {
     let (n, mut probe) = node("only");
     let server = builder(&n).serve("127.0.0.1:0").await.expect("serve");
     let addr = server.local_addr().to_string();
@@ -355,7 +356,7 @@ async fn a_pool_lets_go_of_an_endpoint_only_once_its_calls_ended_and_sends_it_no
         }
     });
     recv_one("the call entered its handler", &mut probe.entered).await;
-    assert!(!pool.evict_if_idle(&addr), "a call is in flight");
+    pool.retire(&addr);
     assert!(!conn.is_usable(), "retired: no new call goes on it");
     let refused = conn
         .call(
@@ -378,10 +379,10 @@ async fn a_pool_lets_go_of_an_endpoint_only_once_its_calls_ended_and_sends_it_no
         .expect("join")
         .expect("answered");
     assert_eq!(answer.status_code, 200, "{answer:?}");
-    assert!(pool.evict_if_idle(&addr), "nothing in flight now");
-    // Let go of: the next call gets a new connection.
+    // Forgotten: the next caller gets a new connection.
     let again = within("connect", pool.get(&addr)).await.expect("connect");
     assert!(again.is_usable());
+    assert_ne!(again.id(), conn.id(), "a new connection");
     whoami_answered(&again, "a call on a new connection").await;
     within("shutdown", server.shutdown()).await;
 }
