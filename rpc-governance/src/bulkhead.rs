@@ -11,8 +11,10 @@
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
 use rpc_core::{RpcError, StatusCode};
+use tokio::time::Instant;
 
 /// Caps calls handled at once by counting admissions: [`try_enter`](Self::try_enter) takes a
 /// slot or refuses at once; it never waits.
@@ -28,22 +30,28 @@ pub struct Bulkhead {
 struct Beside {
     /// Whether `counts` may be non-empty: the only thing an admission reads while it is not.
     any: AtomicBool,
-    counts: Mutex<Vec<Arc<AtomicUsize>>>,
+    /// Each count, with when it was given.
+    counts: Mutex<Vec<(Arc<AtomicUsize>, Instant)>>,
 }
 
+/// How long a count given beside a cap is kept even at zero: an admission that read the
+/// entry's former policy just before the change may still take a slot of the cap it left.
+/// Past it, the cap left admits no more of the entry's calls, and a count at zero is let go.
+const BESIDE_GRACE: Duration = Duration::from_secs(1);
+
 impl Beside {
-    /// The calls counted beside the slots now. Counts that reached zero are let go: a count
-    /// is given here only once its calls can no longer grow (their entry left that cap).
+    /// The calls counted beside the slots now, letting go of the counts at zero past their
+    /// grace.
     fn total(&self) -> usize {
         if !self.any.load(Ordering::Acquire) {
             return 0;
         }
         let mut counts = self.counts.lock().unwrap_or_else(PoisonError::into_inner);
-        counts.retain(|c| c.load(Ordering::Acquire) > 0);
+        counts.retain(|(c, given)| c.load(Ordering::Acquire) > 0 || given.elapsed() < BESIDE_GRACE);
         if counts.is_empty() {
             self.any.store(false, Ordering::Release);
         }
-        counts.iter().map(|c| c.load(Ordering::Acquire)).sum()
+        counts.iter().map(|(c, _)| c.load(Ordering::Acquire)).sum()
     }
 }
 
@@ -97,10 +105,11 @@ impl Bulkhead {
     }
 
     /// Counts the calls holding slots of `other` as holding room here too, until they end.
-    /// For calls whose entry moved from `other` to this cap: `other` must admit no more of
-    /// them (a count that reaches zero is let go). Shared with this cap's clones.
+    /// For calls whose entry moved from `other` to this cap: `other` is to admit no more of
+    /// them (a count at zero is let go a second after it was given, time for an admission
+    /// that read the former policy to finish). Shared with this cap's clones.
     pub fn count_beside(&self, other: &Bulkhead) {
-        if other.in_use.load(Ordering::Acquire) == 0 || Arc::ptr_eq(&self.in_use, &other.in_use) {
+        if Arc::ptr_eq(&self.in_use, &other.in_use) {
             return;
         }
         let mut counts = self
@@ -108,8 +117,12 @@ impl Bulkhead {
             .counts
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        if !counts.iter().any(|c| Arc::ptr_eq(c, &other.in_use)) {
-            counts.push(other.in_use.clone());
+        match counts
+            .iter_mut()
+            .find(|(c, _)| Arc::ptr_eq(c, &other.in_use))
+        {
+            Some((_, given)) => *given = Instant::now(),
+            None => counts.push((other.in_use.clone(), Instant::now())),
         }
         self.beside.any.store(true, Ordering::Release);
     }
@@ -122,7 +135,7 @@ impl Bulkhead {
             .counts
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        counts.retain(|c| !Arc::ptr_eq(c, &other.in_use));
+        counts.retain(|(c, _)| !Arc::ptr_eq(c, &other.in_use));
         if counts.is_empty() {
             self.beside.any.store(false, Ordering::Release);
         }
@@ -186,9 +199,10 @@ mod tests {
     }
 
     /// An entry moved by a rules change from cap `a` to cap `b` while two of its calls run:
-    /// `b` counts them until they end, and lets them go then.
-    #[test]
-    fn calls_counted_beside_hold_room_until_they_end() {
+    /// `b` counts them until they end, and a second after it was given the count, lets it go.
+    /// (On the paused clock.)
+    #[tokio::test(start_paused = true)]
+    async fn calls_counted_beside_hold_room_until_they_end() {
         let a = Bulkhead::new(2);
         let running = [a.try_enter("e").unwrap(), a.try_enter("e").unwrap()];
         let b = Bulkhead::new(3);
@@ -207,9 +221,29 @@ mod tests {
         assert!(b.try_enter("e").is_err());
         drop((one, two, three));
         assert_eq!(b.in_use(), 0);
-        // The count was let go: calls of `a` after it no longer count in `b`.
+        // Within the second, a call admitted by `a` (one that read the former policy) still
+        // counts in `b`.
+        let straggler = a.try_enter("e").unwrap();
+        assert_eq!(b.in_use(), 1);
+        drop(straggler);
+        // Past it, the count at zero is let go: calls of `a` no longer count in `b`.
+        tokio::time::advance(BESIDE_GRACE).await;
+        assert_eq!(b.in_use(), 0);
         let _later = a.try_enter("e").unwrap();
         assert_eq!(b.in_use(), 0);
+    }
+
+    /// A count given at zero (the entry's former cap had no call running, or a call had taken
+    /// the slot but not yet its tally) is kept for its grace: a call admitted then counts.
+    #[tokio::test(start_paused = true)]
+    async fn a_count_given_at_zero_still_counts_a_call_admitted_just_after() {
+        let a = Bulkhead::new(2);
+        let b = Bulkhead::new(1);
+        b.count_beside(&a);
+        let straggler = a.try_enter("e").unwrap();
+        assert!(b.try_enter("e").is_err(), "the straggler holds b's room");
+        drop(straggler);
+        assert!(b.try_enter("e").is_ok());
     }
 
     #[test]
