@@ -48,10 +48,11 @@ pub(super) struct Conn {
     /// `ServerOptions::max_unsent_bytes`: beyond it, the connection stops reading and its
     /// streams stop producing.
     pub(super) max_unsent_bytes: usize,
-    /// How long a stream whose caller sent no deadline may wait on its client with no
-    /// progress (for credit, or for room in the send queue) before it ends: the connection's
-    /// idle time (`ServerOptions::idle_timeout`; 0, `None`: for ever, as idleness never
-    /// closes the connection then).
+    /// How long a stream whose caller sent no deadline (or a stream of plain events, which
+    /// cannot end itself at its deadline) may wait on its client with no progress (for
+    /// credit, or for room in the send queue) before it ends: the connection's idle time
+    /// (`ServerOptions::idle_timeout`; 0, `None`: for ever, as idleness never closes the
+    /// connection then).
     pub(super) stall_limit: Option<Duration>,
 }
 

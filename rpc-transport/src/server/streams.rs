@@ -559,9 +559,10 @@ pub(super) struct StreamDriver {
     /// (`ServerOptions::max_unsent_bytes`), and the wait for it.
     max_unsent: usize,
     room: RoomWait,
-    /// How long a stream whose caller sent no deadline may wait on its client (no credit, or
-    /// no room in the connection's send queue) with no progress, none for one with a deadline
-    /// (which bounds it) or when the server's idle timeout is 0. A client that never takes
+    /// How long a stream whose caller sent no deadline (or of plain events, which cannot end
+    /// themselves at their deadline) may wait on its client (no credit, or no room in the
+    /// connection's send queue) with no progress; none for one whose events end it at its
+    /// deadline, or when the server's idle timeout is 0. A client that never takes
     /// what it asked for would otherwise hold the stream, its slot under the server's cap and
     /// its connection for ever.
     stall_limit: Option<Duration>,
@@ -1039,7 +1040,7 @@ impl StreamDriver {
     }
 }
 
-/// What a stream without a deadline waits on its client for ([`StreamDriver::poll_stalled`]).
+/// What a stream with a stall limit waits on its client for ([`StreamDriver::poll_stalled`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Stalled {
     /// Credit for its next item.
