@@ -234,6 +234,9 @@ impl Codec {
         buf: &mut BytesMut,
         value: &T,
     ) -> Result<Bytes, String> {
+        // Empty after every value cut from it, unless a value's `Serialize` panicked halfway
+        // (the thread goes on, a tokio worker say): its bytes must not lead the next value.
+        buf.clear();
         if buf.capacity() < ARENA / 8 {
             // Reuses the buffer when every value cut from it is gone, else starts a new one.
             buf.reserve(ARENA);
@@ -541,6 +544,30 @@ mod tests {
                 codec.decode::<(u32, String)>(&after).unwrap(),
                 (7, "after".to_string())
             );
+        }
+    }
+
+    /// Writes part of a tuple, then panics (an `unwrap` in a `serialize_with`, say).
+    struct PanicsHalfway;
+
+    impl Serialize for PanicsHalfway {
+        fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+            let mut t = serializer.serialize_tuple(2)?;
+            t.serialize_element("written before the panic")?;
+            panic!("a value's Serialize panicked");
+        }
+    }
+
+    /// A value whose `Serialize` panics halfway leaves nothing in the thread's buffer for the
+    /// next value encoded on the thread: before, its bytes led that value's encoding.
+    #[test]
+    fn a_panic_while_encoding_leaves_nothing_for_the_next_value() {
+        for codec in [Codec::MsgPack, Codec::Json] {
+            let fresh = codec.encode(&(7u32, "after")).unwrap();
+            let panicked = std::panic::catch_unwind(|| codec.encode(&PanicsHalfway));
+            assert!(panicked.is_err());
+            let after = codec.encode(&(7u32, "after")).unwrap();
+            assert_eq!(after, fresh, "{codec:?}");
         }
     }
 
