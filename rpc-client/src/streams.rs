@@ -147,7 +147,7 @@ impl Client {
             .await?;
         if let (Some((sender, pack)), Some(mut items)) = (open.sender(), open.inbound.take()) {
             let sent = open.sent.clone();
-            tokio::spawn(async move {
+            let sending = async move {
                 // (An error of `items` was sent as the stream's end: the reader gets it back.)
                 let sending = AssertUnwindSafe(send_all(&sender, &mut items, &sent, pack));
                 if sending.catch_unwind().await.is_err() {
@@ -159,7 +159,20 @@ impl Client {
                          ended",
                     )));
                 }
-            });
+            };
+            // The items are taken in the caller's context, as a client stream's are in the
+            // caller's own task: its attachments and retry depth, the deadline it inherited
+            // from a call it serves, its span (calls made to produce the items carry them).
+            let sending = rpc_governance::timeout::with_inherited(
+                rpc_governance::timeout::inherited(),
+                sending,
+            );
+            let sending = rpc_core::RpcContext::scope_served(
+                rpc_core::RpcContext::current_attachments(),
+                rpc_core::RpcContext::retry_depth(),
+                sending,
+            );
+            tokio::spawn(sending.instrument(tracing::Span::current()));
         }
         Ok(open.into_items())
     }

@@ -563,6 +563,33 @@ async fn a_failure_after_acceptance_is_not_held_against_the_breaker() {
     within("shutdown", server.shutdown()).await;
 }
 
+/// A bidirectional stream's items are taken in the caller's context, as a client stream's
+/// are: an item made while it is taken (here from an attachment; in practice by other calls,
+/// which carry the context on) sees the caller's attachments. Before, the task sending them
+/// had none.
+#[tokio::test]
+async fn a_bidi_streams_items_are_taken_in_the_callers_context() {
+    let reg = InProcessRegistry::new();
+    let (server, _market) = serve(&reg).await;
+    let stocks = StocksClient::new(client(&reg, None));
+    use futures_util::StreamExt as _;
+    let tenant_of_each_item = RpcStream::new(
+        futures_util::stream::iter(0..3)
+            .map(|_| rpc::RpcContext::get("tenant").unwrap_or_else(|| "none".into())),
+    );
+    let attachments = BTreeMap::from([("tenant".to_string(), "acme".to_string())]);
+    let lines = rpc::RpcContext::scope(attachments, async {
+        let answers = within("shout", stocks.shout("t:".into(), tenant_of_each_item))
+            .await
+            .expect("accepted");
+        within("the answers", answers.collect_all()).await
+    })
+    .await
+    .expect("every answer");
+    assert_eq!(lines, vec![shouted("t:", "acme"); 3]);
+    within("shutdown", server.shutdown()).await;
+}
+
 /// A client fallback that fails in turn still leaves on the stream's span the status of the
 /// failure it ran for (`rpc.fallback.cause`), beside its own error, as a unary call's span
 /// does. Before, the span named no cause: the fallback left no mark that it ran.
