@@ -1310,6 +1310,33 @@ async fn a_call_not_sent_within_its_attempt_timeout_goes_elsewhere_even_not_idem
     assert_eq!(*s.answered.lock().unwrap(), ["a:1", "b:1"]);
 }
 
+/// A call whose deadline passed while it waited to be sent (not sent, no attempt timeout)
+/// is told as the call's timeout, and still as one never sent: the timeout layer's message
+/// keeps the error's flags. Before, it rebuilt the error with the maybe-delivered flag only.
+#[tokio::test(start_paused = true)]
+async fn a_call_timing_out_unsent_at_its_deadline_is_still_said_not_sent() {
+    let g = engine(GovernanceOptions {
+        retry_times: 0,
+        timeout_ms: 1000,
+        ..Default::default()
+    });
+    let p = g.policy(&M);
+    let s = Shards {
+        g: &g,
+        owner: "a:1",
+        sick: "a:1",
+        sick_answer: Err(
+            RpcError::new(StatusCode::Timeout, "the send queue stayed full").not_sent(true),
+        ),
+        answered: Mutex::new(Vec::new()),
+    };
+    let e = g.execute(&p, &s).await.expect_err("the deadline passed");
+    assert_eq!(e.code(), StatusCode::Timeout, "{e}");
+    assert!(e.message().contains("when it passed"), "{e}");
+    assert!(e.is_not_sent(), "{e}");
+    assert!(!e.is_maybe_delivered(), "{e}");
+}
+
 /// ... and with a single endpoint, it is tried again within the retries: the endpoint is
 /// connected, only slow to read, not down.
 #[tokio::test(start_paused = true)]

@@ -50,11 +50,9 @@ impl<S: Service> Service for TimeoutLayer<S> {
                     if e.payload().is_none() && !cx.attempt_timed_out && Instant::now() >= d =>
                 {
                     let budget = timeout::timeout_error_for(cx.entry_id(), started, d, &cx.options);
-                    RpcError::new(
-                        StatusCode::Timeout,
-                        format!("{} (when it passed: {})", budget.message(), e.message()),
-                    )
-                    .maybe_delivered(e.is_maybe_delivered())
+                    // (What the error says of the call is kept: maybe delivered, never sent.)
+                    let message = format!("{} (when it passed: {})", budget.message(), e.message());
+                    e.with_message(message)
                 }
                 _ => e,
             });
