@@ -173,6 +173,16 @@ fn generics_tokens(g: &syn::Generics) -> proc_macro2::TokenStream {
 /// and serde encodes tuples of up to 16 elements.
 pub const MAX_PARAMS: usize = 16;
 
+/// `HashMap` or `HashSet` when `ty` is one (by its last path segment): a collection whose
+/// encoding follows its iteration order.
+fn unordered_collection(ty: &Type) -> Option<&'static str> {
+    let Type::Path(p) = ty else { return None };
+    let last = p.path.segments.last()?;
+    ["HashMap", "HashSet"]
+        .into_iter()
+        .find(|kind| last.ident == kind)
+}
+
 fn is_hash_key(attr: &Attribute) -> bool {
     attr.path().is_ident("hash_key")
 }
@@ -576,6 +586,20 @@ fn method(f: &TraitItemFn) -> syn::Result<Method> {
             None => {}
         }
         check_stream_place(&pt.ty, "an argument", &mut errors);
+        if hash_key == Some(index) {
+            if let Some(kind) = unordered_collection(&pt.ty) {
+                errors.spanned(
+                    &pt.ty,
+                    format!(
+                        "a `#[hash_key]` cannot be a `{kind}`: the key is hashed from its encoding, \
+                         which lists a `{kind}`'s entries in an order that changes from value to \
+                         value and from process to process, so equal keys would reach different \
+                         endpoints; use a `BTree{}` or a sorted `Vec`",
+                        &kind[4..]
+                    ),
+                );
+            }
+        }
         args.push(Arg {
             ident,
             ty: (*pt.ty).clone(),
