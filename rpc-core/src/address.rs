@@ -43,6 +43,19 @@ fn is_host_name_or_ipv4(host: &str) -> bool {
         return host.parse::<std::net::Ipv4Addr>().is_ok();
     }
     let name = host.strip_suffix('.').unwrap_or(host);
+    // A name whose every label is a number in hexadecimal (`0x7f.0.0.1`, `0x7f000001`) is an
+    // IPv4 address to the resolver (inet_aton), not a name: another spelling of an address,
+    // refused as `10.0.1` is.
+    if name.split('.').all(|label| {
+        label
+            .strip_prefix("0x")
+            .or_else(|| label.strip_prefix("0X"))
+            .map_or(label.bytes().all(|b| b.is_ascii_digit()), |hex| {
+                hex.bytes().all(|b| b.is_ascii_hexdigit())
+            })
+    }) {
+        return false;
+    }
     !name.is_empty()
         && name.split('.').all(|label| {
             !label.is_empty()
@@ -91,6 +104,9 @@ mod tests {
             "127.0.0.1:0",
             "[::1]:0",
             "10.0.1:9000",
+            "0x7f.0.0.1:9000",
+            "0x7f000001:9000",
+            "0X0a.0.0.1:80",
             "256.0.0.1:80",
             "-:80",
             "a..b:1",
