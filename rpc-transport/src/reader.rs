@@ -237,17 +237,22 @@ mod tests {
 
     use super::*;
 
-    /// A large frame waiting for the budget keeps its place in the queue when the caller of
-    /// `next` drops its future (the server's connection loop does, for its timers): the share
-    /// freed next is its own, not that of a frame that came later. Before, it joined the back
-    /// of the queue again each time, and under steady traffic it could wait for ever.
-    #[tokio::test(start_paused = true)]
-    async fn a_frame_waiting_for_the_budget_keeps_its_place_when_its_wait_is_dropped() {
-        let wire = crate::padded_item_frame(0);
+    /// A large frame's reader whose wait for the budget began and whose `next` future was
+    /// then dropped (as the connection loop drops it for a timer's branch), with another
+    /// frame's wait queued after it; the budget all taken, in `first` (a share's worth and one
+    /// unit) and `rest`.
+    struct Queued {
+        reader: FrameReader<&'static [u8]>,
+        first: OwnedSemaphorePermit,
+        _rest: OwnedSemaphorePermit,
+        later: tokio::task::JoinHandle<Result<OwnedSemaphorePermit, tokio::sync::AcquireError>>,
+    }
+
+    async fn queued_before_another() -> Queued {
+        let wire: &'static [u8] = Box::leak(crate::padded_item_frame(0).into_boxed_slice());
         let budget = ReadBudget::new(0, 2 << 20);
         let units_all = budget.units.available_permits() as u32;
         let needed = units(wire.len());
-        // The budget is taken, in two parts.
         let first = budget
             .units
             .clone()
@@ -259,71 +264,61 @@ mod tests {
             .try_acquire_many_owned(units_all - needed - 1)
             .unwrap();
         let peer = PeerAddr::Tcp("127.0.0.1:1".parse().unwrap());
-        let mut reader = FrameReader::new(&wire[..], &[], 2 << 20, budget.clone(), peer);
-        // The frame's wait begins, and its future is dropped (as by a timer's branch).
+        let mut reader = FrameReader::new(wire, &[], 2 << 20, budget.clone(), peer);
         tokio::select! {
             biased;
             _ = reader.next() => panic!("no budget yet"),
             _ = std::future::ready(()) => {}
         }
-        // Another frame's wait, later.
         let later = tokio::spawn(budget.units.clone().acquire_many_owned(needed));
         tokio::task::yield_now().await;
+        Queued {
+            reader,
+            first,
+            _rest: rest,
+            later,
+        }
+    }
+
+    /// A large frame waiting for the budget keeps its place in the queue when the caller of
+    /// `next` drops its future: the share freed next is its own, not that of a frame that
+    /// came later. Before, it joined the back of the queue again each time, and under steady
+    /// traffic it could wait for ever.
+    #[tokio::test(start_paused = true)]
+    async fn a_frame_waiting_for_the_budget_keeps_its_place_when_its_wait_is_dropped() {
+        let mut q = queued_before_another().await;
         // A share's worth comes back: the first in the queue gets it.
-        drop(first);
+        drop(q.first);
         tokio::task::yield_now().await;
-        assert!(!later.is_finished(), "the later frame waits its turn");
-        let frame = tokio::time::timeout(std::time::Duration::from_secs(1), reader.next())
+        assert!(!q.later.is_finished(), "the later frame waits its turn");
+        let frame = tokio::time::timeout(std::time::Duration::from_secs(1), q.reader.next())
             .await
             .expect("its place was kept: the freed share is the frame's");
         assert!(matches!(
             frame,
             Some(Ok(Incoming::Other(Kind::StreamItem(_))))
         ));
-        drop(rest);
-        let _ = later.await;
+        q.later.abort();
     }
 
-    /// The item of a large frame that is mostly something else (an unknown field here) is
-    /// copied out of the frame's buffer, which the read budget no longer counts once the frame
-    /// is decoded; the item of a large frame that it fills shares the buffer.
     /// A kept wait given up (its connection paused, not read) holds no units: the share freed
     /// next goes to the frame behind it, which tokio's semaphore would otherwise set aside
     /// for the wait nobody polls.
     #[tokio::test(start_paused = true)]
     async fn a_wait_given_up_while_its_connection_is_paused_holds_no_units() {
-        let wire = crate::padded_item_frame(0);
-        let budget = ReadBudget::new(0, 2 << 20);
-        let units_all = budget.units.available_permits() as u32;
-        let needed = units(wire.len());
-        let first = budget
-            .units
-            .clone()
-            .try_acquire_many_owned(needed + 1)
-            .unwrap();
-        let _rest = budget
-            .units
-            .clone()
-            .try_acquire_many_owned(units_all - needed - 1)
-            .unwrap();
-        let peer = PeerAddr::Tcp("127.0.0.1:1".parse().unwrap());
-        let mut reader = FrameReader::new(&wire[..], &[], 2 << 20, budget.clone(), peer);
-        tokio::select! {
-            biased;
-            _ = reader.next() => panic!("no budget yet"),
-            _ = std::future::ready(()) => {}
-        }
-        let later = tokio::spawn(budget.units.clone().acquire_many_owned(needed));
-        tokio::task::yield_now().await;
-        reader.stop_waiting();
-        drop(first);
-        let _share = tokio::time::timeout(std::time::Duration::from_secs(1), later)
+        let mut q = queued_before_another().await;
+        q.reader.stop_waiting();
+        drop(q.first);
+        let _share = tokio::time::timeout(std::time::Duration::from_secs(1), q.later)
             .await
             .expect("the freed share went to the frame behind")
             .expect("join")
             .expect("acquired");
     }
 
+    /// The item of a large frame that is mostly something else (an unknown field here) is
+    /// copied out of the frame's buffer, which the read budget no longer counts once the frame
+    /// is decoded; the item of a large frame that it fills shares the buffer.
     #[tokio::test]
     async fn an_item_in_a_mostly_padded_large_frame_does_not_keep_the_frame() {
         let item_of = |padding: usize| async move {

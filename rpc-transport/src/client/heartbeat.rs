@@ -81,18 +81,19 @@ pub(super) const STREAM_BEAT: Duration = Duration::from_secs(10);
 /// a beat (`Shared::beats`), and without beats it granted only at half its window, so a
 /// server waiting that long for credit took the stream for stalled and ended it.
 pub(super) async fn beats_only(shared: std::sync::Weak<Shared>, interval: Duration) {
-    loop {
-        let close = match shared.upgrade() {
-            Some(s) => s.close.clone(),
-            None => return,
-        };
-        tokio::select! {
-            _ = close.cancelled() => return,
-            _ = tokio::time::sleep(interval) => {}
-        }
-        let Some(s) = shared.upgrade() else { return };
-        s.beats.fetch_add(1, Ordering::Relaxed);
+    while beat(&shared, interval).await.is_some() {}
+}
+
+/// Waits `interval` and counts a beat of the connection; `None` once it is closed or gone.
+async fn beat(shared: &std::sync::Weak<Shared>, interval: Duration) -> Option<Arc<Shared>> {
+    let close = shared.upgrade()?.close.clone();
+    tokio::select! {
+        _ = close.cancelled() => return None,
+        _ = tokio::time::sleep(interval) => {}
     }
+    let s = shared.upgrade()?;
+    s.beats.fetch_add(1, Ordering::Relaxed);
+    Some(s)
 }
 
 /// Pings every `interval`; closes the connection when nothing at all arrived during three
@@ -106,17 +107,7 @@ pub(super) async fn heartbeat(
     let mut nonce = 0u64;
     let mut last_count = received.load(Ordering::Relaxed);
     let mut silent_ticks = 0u32;
-    loop {
-        let close = match shared.upgrade() {
-            Some(s) => s.close.clone(),
-            None => return,
-        };
-        tokio::select! {
-            _ = close.cancelled() => return,
-            _ = tokio::time::sleep(interval) => {}
-        }
-        let Some(s) = shared.upgrade() else { return };
-        s.beats.fetch_add(1, Ordering::Relaxed);
+    while let Some(s) = beat(&shared, interval).await {
         let count = received.load(Ordering::Relaxed);
         if count == last_count {
             silent_ticks += 1;

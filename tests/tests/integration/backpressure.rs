@@ -15,7 +15,7 @@ use std::time::Duration;
 use bytes::BytesMut;
 use common::{recv_one, within, RawConn};
 use rpc::crates::core::wire::StreamMode;
-use rpc::crates::core::wire::{frame::Kind, GoAway, Ping};
+use rpc::crates::core::wire::{frame::Kind, GoAway, HelloAck, Ping};
 use rpc::crates::transport::{
     Abortive, Call, ConnectOptions, Connection, ConnectionPool, Dialer, FrameCodec, PeerAddr,
     Stream, TcpDialer,
@@ -52,30 +52,8 @@ async fn stalled_server() -> (std::net::SocketAddr, tokio::sync::oneshot::Sender
 async fn a_server_that_pings_and_never_reads_cannot_grow_the_clients_send_queue() {
     // Small socket buffers on both ends, so that what the client cannot send waits in its
     // queue whatever this machine's default buffer sizes are.
-    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
-    socket
-        .set_recv_buffer_size(SMALL_BUFFER)
-        .expect("SO_RCVBUF");
-    socket
-        .bind("127.0.0.1:0".parse().expect("address"))
-        .expect("bind");
-    let listener = socket.listen(16).expect("listen");
-    let addr = listener.local_addr().expect("addr").to_string();
     let max = 64 * KIB;
-    let options = ConnectOptions {
-        max_unsent_bytes: max,
-        ..ConnectOptions::default()
-    };
-    let connecting =
-        tokio::spawn(
-            async move { Connection::connect_with(&SmallSendBuffer, &addr, &options).await },
-        );
-    let (stream, _) = within("accept", listener.accept()).await.expect("accept");
-    let mut raw = common::accept_hello(stream, "pinger", 1 << 24).await;
-    let conn = within("connect", connecting)
-        .await
-        .expect("join")
-        .expect("connect");
+    let (mut raw, conn) = small_buffers(max, named_ack("pinger")).await;
     // A call, answered after the pings: once its answer is in, the client has read them all.
     let answered = tokio::spawn({
         let conn = conn.clone();
@@ -145,29 +123,7 @@ where
     Fut: std::future::Future<Output = RawConn>,
 {
     let (mut lines, _guard) = common::log_lines(tracing::Level::DEBUG);
-    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
-    socket
-        .set_recv_buffer_size(SMALL_BUFFER)
-        .expect("SO_RCVBUF");
-    socket
-        .bind("127.0.0.1:0".parse().expect("address"))
-        .expect("bind");
-    let listener = socket.listen(16).expect("listen");
-    let addr = listener.local_addr().expect("addr").to_string();
-    let options = ConnectOptions {
-        max_unsent_bytes: 64 * KIB,
-        ..ConnectOptions::default()
-    };
-    let connecting =
-        tokio::spawn(
-            async move { Connection::connect_with(&SmallSendBuffer, &addr, &options).await },
-        );
-    let (stream, _) = within("accept", listener.accept()).await.expect("accept");
-    let raw = common::accept_hello(stream, "draining", 1 << 24).await;
-    let conn = within("connect", connecting)
-        .await
-        .expect("join")
-        .expect("connect");
+    let (raw, conn) = small_buffers(64 * KIB, named_ack("draining")).await;
     // 3 MiB of calls the server never reads: more than the socket buffers and the queue hold.
     let mut tasks = tokio::task::JoinSet::new();
     for _ in 0..48 {
@@ -251,28 +207,7 @@ async fn a_stream_set_up_unanswered_by_its_attempt_deadline_is_cancelled() {
 /// another endpoint, whatever the method.
 #[tokio::test]
 async fn a_stream_set_up_waiting_for_room_past_its_attempt_deadline_is_not_sent() {
-    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
-    socket
-        .set_recv_buffer_size(SMALL_BUFFER)
-        .expect("SO_RCVBUF");
-    socket
-        .bind("127.0.0.1:0".parse().expect("address"))
-        .expect("bind");
-    let listener = socket.listen(16).expect("listen");
-    let addr = listener.local_addr().expect("addr").to_string();
-    let options = ConnectOptions {
-        max_unsent_bytes: 64 * KIB,
-        ..ConnectOptions::default()
-    };
-    let connecting =
-        tokio::spawn(
-            async move { Connection::connect_with(&SmallSendBuffer, &addr, &options).await },
-        );
-    let (_raw, _) = RawConn::accept_with(&listener, common::streaming_ack(16)).await;
-    let conn = within("connect", connecting)
-        .await
-        .expect("join")
-        .expect("connect");
+    let (_raw, conn) = small_buffers(64 * KIB, common::streaming_ack(16)).await;
     // 3 MiB of calls the server never reads fill the socket buffers and the queue.
     let mut tasks = tokio::task::JoinSet::new();
     for _ in 0..48 {
@@ -303,6 +238,47 @@ async fn a_stream_set_up_waiting_for_room_past_its_attempt_deadline_is_not_sent(
     assert_eq!(err.code(), StatusCode::Timeout, "{err}");
     assert!(err.message().contains("send queue"), "{err}");
     tasks.abort_all();
+}
+
+/// A server's handshake answer naming `server_id`, with frames up to 16 MiB and nothing
+/// else.
+fn named_ack(server_id: &str) -> HelloAck {
+    HelloAck {
+        protocol_version: 1,
+        server_id: server_id.into(),
+        max_frame_length: 1 << 24,
+        ..Default::default()
+    }
+}
+
+/// A connection whose client has a send buffer of [`SMALL_BUFFER`] and a send queue of
+/// `max_unsent` bytes, to a listener whose receive buffer is as small (so that what the client
+/// cannot send waits in its queue, whatever this machine's default buffer sizes are), the
+/// server's side answering the handshake with `ack`.
+async fn small_buffers(max_unsent: usize, ack: HelloAck) -> (RawConn, Connection) {
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket
+        .set_recv_buffer_size(SMALL_BUFFER)
+        .expect("SO_RCVBUF");
+    socket
+        .bind("127.0.0.1:0".parse().expect("address"))
+        .expect("bind");
+    let listener = socket.listen(16).expect("listen");
+    let addr = listener.local_addr().expect("addr").to_string();
+    let options = ConnectOptions {
+        max_unsent_bytes: max_unsent,
+        ..ConnectOptions::default()
+    };
+    let connecting =
+        tokio::spawn(
+            async move { Connection::connect_with(&SmallSendBuffer, &addr, &options).await },
+        );
+    let (raw, _) = RawConn::accept_with(&listener, ack).await;
+    let conn = within("connect", connecting)
+        .await
+        .expect("join")
+        .expect("connect");
+    (raw, conn)
 }
 
 /// The socket buffer size the ping test asks for (Linux doubles it, and keeps a minimum).

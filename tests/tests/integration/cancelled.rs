@@ -203,6 +203,23 @@ async fn serve(meter: &opentelemetry::metrics::Meter) -> (ServerHandle, Probe) {
 }
 
 /// A client of `server` with the entries' own options.
+/// A server of `Hang` (its handlers never answer) with `fallback` registered, recording to
+/// `meter`.
+async fn hanging_with_fallback(
+    meter: &opentelemetry::metrics::Meter,
+    fallback: impl Slow + Send + Sync + 'static,
+) -> ServerHandle {
+    let (entered, _) = mpsc::unbounded_channel();
+    let (dropped, _) = mpsc::unbounded_channel();
+    Server::builder()
+        .meter(meter.clone())
+        .add_service(SlowServer::new(Hang { entered, dropped }))
+        .fallback(SlowServer::new(fallback))
+        .serve("127.0.0.1:0")
+        .await
+        .unwrap()
+}
+
 fn plain_client(server: &ServerHandle) -> SlowClient {
     SlowClient::new(
         Client::builder()
@@ -460,15 +477,7 @@ async fn a_fallback_that_fails_still_leaves_its_cause_on_the_span() {
     server.shutdown().await;
 
     // The server's: its handler fails (520), its fallback then fails (1000).
-    let (entered, _) = mpsc::unbounded_channel();
-    let (dropped, _) = mpsc::unbounded_channel();
-    let server = Server::builder()
-        .meter(seen.meter.clone())
-        .add_service(SlowServer::new(Hang { entered, dropped }))
-        .fallback(SlowServer::new(Refusing))
-        .serve("127.0.0.1:0")
-        .await
-        .unwrap();
+    let server = hanging_with_fallback(&seen.meter, Refusing).await;
     let client = plain_client(&server);
     let e = within("the call", client.broken())
         .await
@@ -496,15 +505,7 @@ async fn a_fallback_that_fails_still_leaves_its_cause_on_the_span() {
 async fn a_server_fallback_skipped_at_the_deadline_leaves_no_cause_on_the_span() {
     use rpc::crates::core::wire::{frame::Kind, RemoteInvokeMessage};
     let (seen, _guard) = Seen::install();
-    let (entered, _) = mpsc::unbounded_channel();
-    let (dropped, _) = mpsc::unbounded_channel();
-    let server = Server::builder()
-        .meter(seen.meter.clone())
-        .add_service(SlowServer::new(Hang { entered, dropped }))
-        .fallback(SlowServer::new(Refusing))
-        .serve("127.0.0.1:0")
-        .await
-        .unwrap();
+    let server = hanging_with_fallback(&seen.meter, Refusing).await;
     let mut events = server.events().subscribe();
     // A caller speaking the wire by hand, which never cancels: the server decides at the
     // deadline.
@@ -602,15 +603,7 @@ async fn the_callees_own_answer_leaves_the_server_span_status_unset() {
 #[tokio::test]
 async fn a_server_fallback_reads_its_cause_and_is_counted_apart() {
     let (seen, _guard) = Seen::install();
-    let (entered, _) = mpsc::unbounded_channel();
-    let (dropped, _) = mpsc::unbounded_channel();
-    let server = Server::builder()
-        .meter(seen.meter.clone())
-        .add_service(SlowServer::new(Hang { entered, dropped }))
-        .fallback(SlowServer::new(Cause))
-        .serve("127.0.0.1:0")
-        .await
-        .unwrap();
+    let server = hanging_with_fallback(&seen.meter, Cause).await;
     let slow = plain_client(&server);
     assert_eq!(
         slow.broken().await.unwrap(),

@@ -258,23 +258,23 @@ async fn a_connection_with_nothing_arriving_is_closed_at_the_idle_timeout() {
     within("shutdown", server.shutdown()).await;
 }
 
+/// A call of `t.Life.<method>` (no arguments) as message `id`.
+fn life_call(method: &str, id: u64) -> rpc::crates::core::wire::RemoteInvokeMessage {
+    rpc::crates::core::wire::RemoteInvokeMessage {
+        message_id: id,
+        service_entry_id: format!("t.Life.{method}"),
+        parameters: rpc::Codec::MsgPack
+            .encode(&rpc::crates::core::NoArgs)
+            .expect("encode"),
+        ..Default::default()
+    }
+}
+
 /// `t.Life.whoami` on `conn`, which must answer 200.
 async fn whoami_answered(conn: &Connection, what: &str) {
-    let answer = within(
-        what,
-        conn.call(
-            rpc::crates::core::wire::RemoteInvokeMessage {
-                service_entry_id: "t.Life.whoami".into(),
-                parameters: rpc::Codec::MsgPack
-                    .encode(&rpc::crates::core::NoArgs)
-                    .expect("encode"),
-                ..Default::default()
-            },
-            None,
-        ),
-    )
-    .await
-    .expect("answered");
+    let answer = within(what, conn.call(life_call("whoami", 0), None))
+        .await
+        .expect("answered");
     assert_eq!(answer.status_code, 200, "{answer:?}");
 }
 
@@ -289,16 +289,9 @@ async fn a_client_half_closing_during_the_drain_still_gets_its_answers() {
     let server = builder(&n).serve("127.0.0.1:0").await.expect("serve");
     let mut raw = RawConn::connect(server.local_addr()).await;
     raw.handshake().await;
-    raw.send(rpc::crates::core::wire::frame::Kind::Invoke(
-        rpc::crates::core::wire::RemoteInvokeMessage {
-            message_id: 1,
-            service_entry_id: "t.Life.hold".into(),
-            parameters: rpc::Codec::MsgPack
-                .encode(&rpc::crates::core::NoArgs)
-                .expect("encode"),
-            ..Default::default()
-        },
-    ))
+    raw.send(rpc::crates::core::wire::frame::Kind::Invoke(life_call(
+        "hold", 1,
+    )))
     .await
     .expect("the call");
     recv_one("the call entered its handler", &mut probe.entered).await;
@@ -341,34 +334,13 @@ async fn a_pool_retiring_an_endpoint_cuts_off_no_call_and_sends_it_none_meanwhil
     let conn = within("connect", pool.get(&addr)).await.expect("connect");
     let held = tokio::spawn({
         let conn = conn.clone();
-        async move {
-            conn.call(
-                rpc::crates::core::wire::RemoteInvokeMessage {
-                    service_entry_id: "t.Life.hold".into(),
-                    parameters: rpc::Codec::MsgPack
-                        .encode(&rpc::crates::core::NoArgs)
-                        .expect("encode"),
-                    ..Default::default()
-                },
-                None,
-            )
-            .await
-        }
+        async move { conn.call(life_call("hold", 0), None).await }
     });
     recv_one("the call entered its handler", &mut probe.entered).await;
     pool.retire(&addr);
     assert!(!conn.is_usable(), "retired: no new call goes on it");
     let refused = conn
-        .call(
-            rpc::crates::core::wire::RemoteInvokeMessage {
-                service_entry_id: "t.Life.whoami".into(),
-                parameters: rpc::Codec::MsgPack
-                    .encode(&rpc::crates::core::NoArgs)
-                    .expect("encode"),
-                ..Default::default()
-            },
-            None,
-        )
+        .call(life_call("whoami", 0), None)
         .await
         .expect_err("not sent on a retired connection");
     assert_eq!(refused.code(), StatusCode::CommunicationError, "{refused}");
@@ -444,16 +416,9 @@ async fn a_call_in_flight_is_not_cut_off_by_the_idle_timeout() {
         .expect("serve");
     let mut raw = RawConn::connect(server.local_addr()).await;
     raw.handshake().await;
-    raw.send(rpc::crates::core::wire::frame::Kind::Invoke(
-        rpc::crates::core::wire::RemoteInvokeMessage {
-            message_id: 1,
-            service_entry_id: "t.Life.hold".into(),
-            parameters: rpc::Codec::MsgPack
-                .encode(&rpc::crates::core::NoArgs)
-                .expect("encode"),
-            ..Default::default()
-        },
-    ))
+    raw.send(rpc::crates::core::wire::frame::Kind::Invoke(life_call(
+        "hold", 1,
+    )))
     .await
     .expect("send");
     recv_one("hold entered", &mut probe.entered).await;

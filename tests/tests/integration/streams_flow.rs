@@ -681,8 +681,16 @@ async fn a_slow_consumer_grants_what_it_took_each_heartbeat_and_is_not_taken_for
     };
     let (_conn, mut s) = open_text_stream(&server.local_addr().to_string(), &options, 8).await;
     // 20 items over 3 s: ten idle timeouts, more than twice the window.
-    for i in 0..20 {
-        let item = within("an item", futures_util::StreamExt::next(&mut s))
+    take_slowly(&mut s, 20, Duration::from_millis(150)).await;
+    drop(s);
+    within("shutdown", server.shutdown()).await;
+}
+
+/// Takes `n` items of `text(8)` from `s`, each checked, waiting `pause` after each (on the
+/// paused clock): a consumer that reads, slowly.
+async fn take_slowly(s: &mut ClientStream, n: usize, pause: Duration) {
+    for i in 0..n {
+        let item = within("an item", futures_util::StreamExt::next(s))
             .await
             .expect("the stream goes on")
             .unwrap_or_else(|e| panic!("item {i}: {e}"));
@@ -690,10 +698,8 @@ async fn a_slow_consumer_grants_what_it_took_each_heartbeat_and_is_not_taken_for
             Codec::MsgPack.decode::<String>(&item).expect("text"),
             "x".repeat(8)
         );
-        tokio::time::sleep(Duration::from_millis(150)).await;
+        tokio::time::sleep(pause).await;
     }
-    drop(s);
-    within("shutdown", server.shutdown()).await;
 }
 
 /// The same slow consumer on a connection without heartbeats: the connection still counts a
@@ -715,17 +721,7 @@ async fn a_slow_consumer_without_heartbeats_still_grants_what_it_took() {
         ..ConnectOptions::default()
     };
     let (_conn, mut s) = open_text_stream(&server.local_addr().to_string(), &options, 8).await;
-    for i in 0..20 {
-        let item = within("an item", futures_util::StreamExt::next(&mut s))
-            .await
-            .expect("the stream goes on")
-            .unwrap_or_else(|e| panic!("item {i}: {e}"));
-        assert_eq!(
-            Codec::MsgPack.decode::<String>(&item).expect("text"),
-            "x".repeat(8)
-        );
-        tokio::time::sleep(Duration::from_secs(15)).await;
-    }
+    take_slowly(&mut s, 20, Duration::from_secs(15)).await;
     drop(s);
     within("shutdown", server.shutdown()).await;
 }
@@ -1104,6 +1100,39 @@ async fn a_stream_of_a_client_half_closing_during_the_drain_ends_the_drain_at_on
     );
 }
 
+/// A transport server of `handler` with `options` on a free port (stopped by the token, its
+/// task returned), and a raw client that handshook with streams and a window of `window`
+/// items.
+async fn transport_server(
+    handler: Arc<dyn rpc::crates::transport::InvokeHandler>,
+    options: rpc::crates::transport::ServerOptions,
+    window: u32,
+) -> (
+    RawConn,
+    tokio_util::sync::CancellationToken,
+    tokio::task::JoinHandle<()>,
+) {
+    let (listener, addr) = raw_listener().await;
+    let stop = tokio_util::sync::CancellationToken::new();
+    let server = tokio::spawn(rpc::crates::transport::serve(
+        listener,
+        handler,
+        options,
+        stop.clone(),
+    ));
+    let mut raw = RawConn::connect(addr).await;
+    raw.send(Kind::Hello(Hello {
+        protocol_version: 1,
+        streams: true,
+        stream_window: window,
+        ..Default::default()
+    }))
+    .await
+    .expect("send Hello");
+    assert!(matches!(raw.recv().await, Some(Kind::HelloAck(_))));
+    (raw, stop, server)
+}
+
 /// A transport handler answering with plain events (`Dispatch::Stream`), to a client that
 /// asked for a deadline and then grants no more credit: the events cannot end themselves at
 /// the deadline while the stream waits for credit, so the server's idle timeout (the stall
@@ -1113,7 +1142,7 @@ async fn a_stream_of_a_client_half_closing_during_the_drain_ends_the_drain_at_on
 #[tokio::test(start_paused = true)]
 async fn a_plain_event_stream_with_a_deadline_still_ends_when_its_client_grants_nothing() {
     use rpc::crates::transport::{
-        serve, Caller, Dispatch, Invoke, InvokeHandler, ServerOptions, StreamEvent,
+        Caller, Dispatch, Invoke, InvokeHandler, ServerOptions, StreamEvent,
     };
 
     /// Answers every call (a server stream's opening among them) with items without end.
@@ -1126,27 +1155,15 @@ async fn a_plain_event_stream_with_a_deadline_still_ends_when_its_client_grants_
         }
     }
 
-    let (listener, addr) = raw_listener().await;
-    let stop = tokio_util::sync::CancellationToken::new();
-    let server = tokio::spawn(serve(
-        listener,
+    let (mut raw, stop, server) = transport_server(
         Arc::new(Endless),
         ServerOptions {
             idle_timeout: Duration::from_millis(300),
             ..ServerOptions::default()
         },
-        stop.clone(),
-    ));
-    let mut raw = RawConn::connect(addr).await;
-    raw.send(Kind::Hello(Hello {
-        protocol_version: 1,
-        streams: true,
-        stream_window: 1,
-        ..Default::default()
-    }))
-    .await
-    .expect("send Hello");
-    assert!(matches!(raw.recv().await, Some(Kind::HelloAck(_))));
+        1,
+    )
+    .await;
     // A deadline of an hour; no credit after the first item.
     raw.send(Kind::Invoke(RemoteInvokeMessage {
         timeout_ms: 3_600_000,
@@ -1182,7 +1199,7 @@ async fn a_plain_event_stream_with_a_deadline_still_ends_when_its_client_grants_
 #[tokio::test]
 async fn a_client_stream_answered_as_a_unary_call_ends_its_items_with_an_error() {
     use rpc::crates::transport::{
-        error_result, serve, Caller, Dispatch, Invoke, InvokeHandler, ServerOptions,
+        error_result, Caller, Dispatch, Invoke, InvokeHandler, ServerOptions,
     };
 
     struct SumLater;
@@ -1214,24 +1231,8 @@ async fn a_client_stream_answered_as_a_unary_call_ends_its_items_with_an_error()
         }
     }
 
-    let (listener, addr) = raw_listener().await;
-    let stop = tokio_util::sync::CancellationToken::new();
-    let server = tokio::spawn(serve(
-        listener,
-        Arc::new(SumLater),
-        ServerOptions::default(),
-        stop.clone(),
-    ));
-    let mut raw = RawConn::connect(addr).await;
-    raw.send(Kind::Hello(Hello {
-        protocol_version: 1,
-        streams: true,
-        stream_window: 8,
-        ..Default::default()
-    }))
-    .await
-    .expect("send Hello");
-    assert!(matches!(raw.recv().await, Some(Kind::HelloAck(_))));
+    let (mut raw, stop, server) =
+        transport_server(Arc::new(SumLater), ServerOptions::default(), 8).await;
     raw.open_stream(1, "t.Sum.sum", &(), StreamMode::Client)
         .await;
     let end = raw.recv_end().await;
