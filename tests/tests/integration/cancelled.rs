@@ -207,7 +207,7 @@ async fn serve(meter: &opentelemetry::metrics::Meter) -> (ServerHandle, Probe) {
 /// `meter`.
 async fn hanging_with_fallback(
     meter: &opentelemetry::metrics::Meter,
-    fallback: impl Slow + Send + Sync + 'static,
+    fallback: impl Slow + 'static,
 ) -> ServerHandle {
     let (entered, _) = mpsc::unbounded_channel();
     let (dropped, _) = mpsc::unbounded_channel();
