@@ -1099,6 +1099,23 @@ fn late() -> Result<Bytes, RpcError> {
     Err(RpcError::new(StatusCode::Timeout, "late"))
 }
 
+/// A timeout of a call never sent (its deadline passed while it waited for room).
+fn unsent() -> Result<Bytes, RpcError> {
+    Err(RpcError::new(StatusCode::Timeout, "the send queue stayed full").not_sent(true))
+}
+
+/// The key's owner `a:1` is sick, answering `sick_answer` (after the attempt's deadline, for
+/// a timeout).
+fn sick_owner(g: &Governance, sick_answer: Result<Bytes, RpcError>) -> Shards<'_> {
+    Shards {
+        g,
+        owner: "a:1",
+        sick: "a:1",
+        sick_answer,
+        answered: Mutex::new(Vec::new()),
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_sick_shard_is_ejected_and_the_healthy_shards_keys_keep_succeeding() {
     for sick_answer in [server_error(), late()] {
@@ -1269,13 +1286,7 @@ fn attempts_of_100_ms(idempotent: bool) -> GovernanceOptions {
 async fn an_idempotent_call_retries_elsewhere_after_its_attempt_timeout() {
     let g = engine(attempts_of_100_ms(true));
     let p = g.policy(&M);
-    let s = Shards {
-        g: &g,
-        owner: "a:1",
-        sick: "a:1",
-        sick_answer: late(),
-        answered: Mutex::new(Vec::new()),
-    };
+    let s = sick_owner(&g, late());
     let t0 = Instant::now();
     assert!(g.execute(&p, &s).await.is_ok());
     assert_eq!(t0.elapsed(), Duration::from_millis(100));
@@ -1295,15 +1306,7 @@ async fn an_idempotent_call_retries_elsewhere_after_its_attempt_timeout() {
 async fn a_call_not_sent_within_its_attempt_timeout_goes_elsewhere_even_not_idempotent() {
     let g = engine(attempts_of_100_ms(false));
     let p = g.policy(&M);
-    let s = Shards {
-        g: &g,
-        owner: "a:1",
-        sick: "a:1",
-        sick_answer: Err(
-            RpcError::new(StatusCode::Timeout, "the send queue stayed full").not_sent(true),
-        ),
-        answered: Mutex::new(Vec::new()),
-    };
+    let s = sick_owner(&g, unsent());
     let t0 = Instant::now();
     g.execute(&p, &s).await.expect("b:1 answers");
     assert_eq!(t0.elapsed(), Duration::from_millis(100));
@@ -1321,15 +1324,7 @@ async fn a_call_timing_out_unsent_at_its_deadline_is_still_said_not_sent() {
         ..Default::default()
     });
     let p = g.policy(&M);
-    let s = Shards {
-        g: &g,
-        owner: "a:1",
-        sick: "a:1",
-        sick_answer: Err(
-            RpcError::new(StatusCode::Timeout, "the send queue stayed full").not_sent(true),
-        ),
-        answered: Mutex::new(Vec::new()),
-    };
+    let s = sick_owner(&g, unsent());
     let e = g.execute(&p, &s).await.expect_err("the deadline passed");
     assert_eq!(e.code(), StatusCode::Timeout, "{e}");
     assert!(e.message().contains("when it passed"), "{e}");
@@ -1342,8 +1337,7 @@ async fn a_call_timing_out_unsent_at_its_deadline_is_still_said_not_sent() {
 #[tokio::test(start_paused = true)]
 async fn a_call_not_sent_within_its_attempt_timeout_is_retried_on_its_only_endpoint() {
     let g = engine(attempts_of_100_ms(true));
-    let unsent = RpcError::new(StatusCode::Timeout, "the send queue stayed full").not_sent(true);
-    let s = single(vec![Err(unsent), ok()], Duration::from_millis(100));
+    let s = single(vec![unsent(), ok()], Duration::from_millis(100));
     let t0 = Instant::now();
     g.execute(&g.policy(&M), &s)
         .await
