@@ -441,39 +441,24 @@ fn call_options_problem(o: &GovernanceOverrides) -> Option<RpcError> {
     })
 }
 
-/// How often a departed endpoint's connections are looked at until they are idle.
-const FORGET_CHECK: Duration = Duration::from_secs(1);
-
 /// An endpoint left a service's snapshot: once no service of the client lists it, its health
-/// marks go (a removed endpoint is no longer probed in the background), and once its
-/// connections carry no call, they are closed and the pool forgets it. Without this, a
-/// connection to an instance that left the registry while its process lives on stayed open,
-/// pinging, for the client's life, every address ever called kept its pool entry, and a
-/// removed one was probed every 30 s for good (connecting to whatever took its address).
-/// Calls still running (a draining server finishing them) end first; the endpoint announced
-/// again meanwhile is kept.
-async fn forget_when_idle(inner: std::sync::Weak<Inner>, addr: String) {
-    let mut marks_dropped = false;
-    loop {
-        let Some(inner) = inner.upgrade() else { return };
-        let listed = inner
-            .services
-            .iter()
-            .any(|s| s.endpoints().iter().any(|i| i.address == addr));
-        if listed {
-            return;
-        }
-        if !marks_dropped {
-            inner.governance.health().forget(&addr);
-            marks_dropped = true;
-        }
-        if inner.pool.is_idle(&addr) {
-            inner.pool.retire(&addr);
-            return;
-        }
-        drop(inner);
-        tokio::time::sleep(FORGET_CHECK).await;
+/// marks go (a removed endpoint is no longer probed in the background) and the pool retires
+/// its connections: an idle one closes now, one carrying calls (a draining server finishing
+/// them) keeps them, takes no new call (a call waiting to be sent on it goes elsewhere) and
+/// closes when they end. Without this, a connection to an instance that left the registry
+/// while its process lives on stayed open, pinging, for the client's life, every address ever
+/// called kept its pool entry, and a removed one was probed every 30 s for good (connecting
+/// to whatever took its address). An endpoint announced again gets new connections.
+fn forget_departed(inner: &Inner, addr: &str) {
+    let listed = inner
+        .services
+        .iter()
+        .any(|s| s.endpoints().iter().any(|i| i.address == addr));
+    if listed {
+        return;
     }
+    inner.governance.health().forget(addr);
+    inner.pool.retire(addr);
 }
 
 /// The gauges' last values stay for the next collection: a program's final metrics flush
@@ -1006,7 +991,7 @@ impl Client {
                     }
                     let now: Vec<String> = current.iter().map(|i| i.address.clone()).collect();
                     for gone in listed.iter().filter(|a| !now.contains(a)) {
-                        tokio::spawn(forget_when_idle(inner.clone(), gone.clone()));
+                        forget_departed(&strong, gone);
                     }
                     listed = now;
                 }
