@@ -10,8 +10,10 @@
 /// Anything else is refused where it is configured rather than failing every call later:
 /// two addresses run together (`a:1;b:2`, `a:1 b:2`), an IPv6 address without brackets
 /// (`fe80::1` would read as host `fe80:`, port 1), a space, a scheme (`etcd://h:1`), port 0
-/// (nothing listens there), and a host of digits and dots that is not an IPv4 address
-/// (`10.0.1`, which the resolver would read as `10.0.0.1`).
+/// (nothing listens there), a host of digits and dots that is not an IPv4 address (`10.0.1`,
+/// which the resolver would read as `10.0.0.1`), and a host of one to four numbers, hexadecimal
+/// ones among them (`0x7f.0.0.1`, `0x7f000001`), which the resolver reads as an IPv4 address
+/// too.
 pub fn is_host_port(address: &str) -> bool {
     let Some((host, port)) = address.rsplit_once(':') else {
         return false;
@@ -46,14 +48,16 @@ fn is_host_name_or_ipv4(host: &str) -> bool {
     // A name whose every label is a number in hexadecimal (`0x7f.0.0.1`, `0x7f000001`) is an
     // IPv4 address to the resolver (inet_aton), not a name: another spelling of an address,
     // refused as `10.0.1` is.
-    if name.split('.').all(|label| {
-        label
-            .strip_prefix("0x")
-            .or_else(|| label.strip_prefix("0X"))
-            .map_or(label.bytes().all(|b| b.is_ascii_digit()), |hex| {
-                hex.bytes().all(|b| b.is_ascii_hexdigit())
-            })
-    }) {
+    let numbers = name.split('.').count() <= 4
+        && name.split('.').all(|label| {
+            label
+                .strip_prefix("0x")
+                .or_else(|| label.strip_prefix("0X"))
+                .map_or(label.bytes().all(|b| b.is_ascii_digit()), |hex| {
+                    !hex.is_empty() && hex.bytes().all(|b| b.is_ascii_hexdigit())
+                })
+        });
+    if numbers {
         return false;
     }
     !name.is_empty()
@@ -82,6 +86,8 @@ mod tests {
             "[fe80::1%2]:9000",
             "example.com.:443",
             "1.example:80",
+            "0x:80",
+            "0x1.0x2.0x3.0x4.0x5:80",
         ] {
             assert!(is_host_port(good), "{good:?}");
         }

@@ -252,15 +252,20 @@ mod parse;
 /// (`&str`, also inside a type such as `Option<&str>`: the server decodes owned values), or more
 /// than 16 besides a stream (they travel as one tuple, which serde encodes up to 16 elements);
 /// a borrowed or `impl Trait` result or error type; a stream argument that is not the last, or
-/// an `RpcStream` inside another type (`Option<RpcStream<T>>`); two `#[hash_key]` arguments, or
-/// one (or `shunt_strategy = "hash"`) on a client-streaming method; `hedge_delay_ms` or
+/// an `RpcStream` inside another type (`Option<RpcStream<T>>`); an argument named `__rpc…`
+/// (the generated code's own names); two `#[hash_key]` arguments, one (or
+/// `shunt_strategy = "hash"`) on a client-streaming method, or one whose type is written
+/// `HashMap<..>` or `HashSet<..>` (a key is hashed from its encoding, which lists their entries
+/// in an order that changes from value to value; such a collection inside another type, or
+/// under another name, is not seen); `hedge_delay_ms` or
 /// `hedge_percentile` on a streaming method (streams are never hedged); a service name with
 /// whitespace or any of `/ { } ? # %`; an unknown `#[governance]`
 /// key or a value of the wrong kind; an `#[http]` attribute with an unknown key, two methods, a
 /// path not starting with `/`, one the gateway serves itself (`/openapi.json`, `/docs`,
 /// `/healthz`), a `{name}` that names no parameter, names one twice or does not end its path
 /// segment (`/orders/{id}.json`), on a streaming method, or a route (method and path, whatever
-/// its `{names}`) another method of the trait already has; a generic or `unsafe` trait, and
+/// its `{names}`, and whatever the case of its escapes' hex digits) another method of the trait
+/// already has; a generic or `unsafe` trait, and
 /// trait items other than methods.
 ///
 /// A stream is recognised by its name: an argument or `T` written `RpcStream<X>` (through any

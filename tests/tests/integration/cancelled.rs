@@ -202,7 +202,6 @@ async fn serve(meter: &opentelemetry::metrics::Meter) -> (ServerHandle, Probe) {
     (server, Probe { entered, dropped })
 }
 
-/// A client of `server` with the entries' own options.
 /// A server of `Hang` (its handlers never answer) with `fallback` registered, recording to
 /// `meter`.
 async fn hanging_with_fallback(
@@ -220,6 +219,7 @@ async fn hanging_with_fallback(
         .unwrap()
 }
 
+/// A client of `server` with the entries' own options.
 fn plain_client(server: &ServerHandle) -> SlowClient {
     SlowClient::new(
         Client::builder()
