@@ -359,6 +359,36 @@ async fn a_pool_retiring_an_endpoint_cuts_off_no_call_and_sends_it_none_meanwhil
     within("shutdown", server.shutdown()).await;
 }
 
+/// A connection the pool is still making when it retires the endpoint belongs to the caller
+/// waiting for it: its call is sent and answered, not refused nor cut off by the retirement.
+/// (The race this guards, a connection stored between an idle check and a close, has no
+/// deterministic test: `retire` has no such check.)
+#[tokio::test]
+async fn a_connection_made_while_its_endpoint_is_retired_still_carries_its_call() {
+    let (listener, addr) = common::raw_listener().await;
+    let pool = rpc::crates::transport::ConnectionPool::new(ConnectOptions::default(), 1);
+    let calling = tokio::spawn({
+        let pool = pool.clone();
+        let addr = addr.to_string();
+        async move {
+            let conn = pool.get(&addr).await?;
+            conn.call(life_call("whoami", 0), None).await
+        }
+    });
+    // The TCP connection is accepted, its handshake not answered yet: the pool's attempt
+    // waits, and the endpoint is retired meanwhile.
+    let (stream, _) = within("accept", listener.accept()).await.expect("accept");
+    pool.retire(&addr.to_string());
+    let mut raw = common::accept_hello(stream, "late", 1 << 24).await;
+    let id = raw.recv_invoke("the call").await.message_id;
+    raw.answer(id, 200, "").await;
+    let answer = within("the call", calling)
+        .await
+        .expect("join")
+        .expect("answered, not cut off");
+    assert_eq!((answer.message_id, answer.status_code), (id, 200));
+}
+
 /// A heartbeat interval of zero turns heartbeats off: before, the connection closed itself as
 /// silent three zero-length ticks after the handshake, so calls failed and reconnected.
 #[tokio::test(start_paused = true)]
