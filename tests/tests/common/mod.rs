@@ -302,6 +302,36 @@ impl RawConn {
         self.stream.write_all(bytes).await
     }
 
+    /// Reads frames until `pick` takes one (within [`LIMIT`]), skipping the others; panics,
+    /// naming `what`, if the connection closes first.
+    pub async fn skip_to<T>(&mut self, what: &str, mut pick: impl FnMut(Kind) -> Option<T>) -> T {
+        within(what, async {
+            loop {
+                match self.recv().await {
+                    Some(kind) => {
+                        if let Some(found) = pick(kind) {
+                            return found;
+                        }
+                    }
+                    None => panic!("closed before {what}"),
+                }
+            }
+        })
+        .await
+    }
+
+    /// The next answer (`Result`), skipping other frames (see [`skip_to`](Self::skip_to)).
+    pub async fn next_result(
+        &mut self,
+        what: &str,
+    ) -> rpc::crates::core::wire::RemoteResultMessage {
+        self.skip_to(what, |kind| match kind {
+            Kind::Result(r) => Some(r),
+            _ => None,
+        })
+        .await
+    }
+
     /// Closes the sending side only (a TCP half-close): the peer reads the end of the stream,
     /// and this side still reads.
     pub async fn half_close(&mut self) {

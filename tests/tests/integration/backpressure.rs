@@ -189,16 +189,12 @@ async fn a_stream_set_up_unanswered_by_its_attempt_deadline_is_cancelled() {
         tokio::time::Instant::now() < now + Duration::from_secs(60),
         "ended at the attempt's deadline, not the stream's"
     );
-    let cancel = within("the Cancel", async {
-        loop {
-            match raw.recv().await {
-                Some(Kind::Cancel(c)) => return c,
-                Some(_) => continue,
-                None => panic!("closed without a Cancel"),
-            }
-        }
-    })
-    .await;
+    let cancel = raw
+        .skip_to("the Cancel", |kind| match kind {
+            Kind::Cancel(c) => Some(c),
+            _ => None,
+        })
+        .await;
     assert_eq!(cancel.message_id, id);
 }
 

@@ -522,16 +522,7 @@ async fn a_server_fallback_skipped_at_the_deadline_leaves_no_cause_on_the_span()
     }))
     .await
     .expect("the call");
-    let answer = within("the answer", async {
-        loop {
-            match raw.recv().await {
-                Some(Kind::Result(r)) => return r,
-                Some(_) => continue,
-                None => panic!("closed without an answer"),
-            }
-        }
-    })
-    .await;
+    let answer = raw.next_result("the answer").await;
     assert_eq!(answer.status_code, 519, "{answer:?}");
     let skipped = within("the skip", async {
         loop {

@@ -301,16 +301,7 @@ async fn a_client_half_closing_during_the_drain_still_gets_its_answers() {
     raw.half_close().await;
     tokio::time::sleep(Duration::from_secs(1)).await;
     n.release.add_permits(1);
-    let answer = within("the call's answer", async {
-        loop {
-            match raw.recv().await {
-                Some(rpc::crates::core::wire::frame::Kind::Result(r)) => return r,
-                Some(_) => continue,
-                None => panic!("closed without the answer"),
-            }
-        }
-    })
-    .await;
+    let answer = raw.next_result("the call's answer").await;
     assert_eq!(
         (answer.message_id, answer.status_code),
         (1, 200),

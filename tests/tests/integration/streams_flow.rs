@@ -435,14 +435,23 @@ async fn open_sum(
     addr: std::net::SocketAddr,
     options: &ConnectOptions,
 ) -> (Connection, ClientStream) {
-    let conn = Connection::connect(&addr.to_string(), options)
-        .await
-        .expect("connect");
     let call = Call {
         service_entry_id: "t.Flow.sum".into(),
         ..Default::default()
     };
-    match within("open", conn.open_stream(call, StreamMode::Client, None))
+    open_accepted(&addr.to_string(), options, call, StreamMode::Client).await
+}
+
+/// A new connection to `addr` with `options`, and `call` opened on it as a stream of `mode`,
+/// which the server must accept.
+async fn open_accepted(
+    addr: &str,
+    options: &ConnectOptions,
+    call: Call,
+    mode: StreamMode,
+) -> (Connection, ClientStream) {
+    let conn = Connection::connect(addr, options).await.expect("connect");
+    match within("open", conn.open_stream(call, mode, None))
         .await
         .expect("open")
     {
@@ -564,20 +573,25 @@ async fn a_stream_waiting_for_credit_ends_at_its_deadline() {
     }))
     .await
     .expect("open");
-    let mut items = 0;
-    let end: RemoteResultMessage = loop {
-        match within("the stream's end", raw.recv()).await {
-            Some(Kind::StreamCredit(_)) => continue,
-            Some(Kind::StreamItem(_)) => items += 1,
-            Some(Kind::StreamItems(run)) => items += run.payloads.len(),
-            Some(Kind::Result(end)) => break end,
-            other => panic!("expected the stream's items or end, got {other:?}"),
-        }
-    };
+    let (items, end) = items_then_end(&mut raw).await;
     assert_eq!(items, 1, "the client's window of one item");
     assert_eq!((end.message_id, end.status_code), (1, 519), "{end:?}");
     drop(raw);
     within("shutdown", server.shutdown()).await;
+}
+
+/// The items of one stream `raw` receives (credit frames skipped), then its end.
+async fn items_then_end(raw: &mut RawConn) -> (usize, RemoteResultMessage) {
+    let mut items = 0;
+    loop {
+        match within("the stream's end", raw.recv()).await {
+            Some(Kind::StreamCredit(_)) => continue,
+            Some(Kind::StreamItem(_)) => items += 1,
+            Some(Kind::StreamItems(run)) => items += run.payloads.len(),
+            Some(Kind::Result(end)) => return (items, end),
+            other => panic!("expected the stream's items or end, got {other:?}"),
+        }
+    }
 }
 
 /// A connection to `addr` with `options`, and `t.Flow.text(size)` opened on it (accepted).
@@ -586,20 +600,13 @@ async fn open_text_stream(
     options: &ConnectOptions,
     size: u32,
 ) -> (Connection, ClientStream) {
-    let conn = Connection::connect(addr, options).await.expect("connect");
     let call = Call {
         service_entry_id: "t.Flow.text".into(),
         codec: Codec::MsgPack.to_wire(),
         parameters: Codec::MsgPack.encode(&(size,)).expect("encode"),
         ..Default::default()
     };
-    match within("open", conn.open_stream(call, StreamMode::Server, None))
-        .await
-        .expect("open")
-    {
-        Opened::Accepted(s) => (conn, s),
-        Opened::Refused(r) => panic!("refused: {r:?}"),
-    }
+    open_accepted(addr, options, call, StreamMode::Server).await
 }
 
 /// A server of `t.Flow` whose idle timeout (and streams' stall limit) is 300 ms.
@@ -1083,13 +1090,7 @@ async fn a_stream_of_a_client_half_closing_during_the_drain_ends_the_drain_at_on
         }
     }
     raw.half_close().await;
-    let end = loop {
-        match within("the stream's end", raw.recv()).await {
-            Some(Kind::Result(end)) => break end,
-            Some(_) => continue,
-            None => panic!("closed without the stream's end"),
-        }
-    };
+    let end = raw.next_result("the stream's end").await;
     assert_eq!((end.message_id, end.status_code), (1, 520), "{end:?}");
     raw.expect_closed().await;
     within("shutdown", shutdown).await.expect("join");
@@ -1171,16 +1172,7 @@ async fn a_plain_event_stream_with_a_deadline_still_ends_when_its_client_grants_
     }))
     .await
     .expect("open");
-    let mut items = 0;
-    let end = loop {
-        match within("the stream's end", raw.recv()).await {
-            Some(Kind::StreamCredit(_)) => continue,
-            Some(Kind::StreamItem(_)) => items += 1,
-            Some(Kind::StreamItems(run)) => items += run.payloads.len(),
-            Some(Kind::Result(end)) => break end,
-            other => panic!("expected the stream's items or end, got {other:?}"),
-        }
-    };
+    let (items, end) = items_then_end(&mut raw).await;
     assert_eq!((end.message_id, end.status_code), (1, 519), "{end:?}");
     assert_eq!(items, 1, "the client's window of one item");
     assert!(
