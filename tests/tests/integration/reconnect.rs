@@ -380,6 +380,69 @@ async fn a_connection_made_while_its_endpoint_is_retired_still_carries_its_call(
     assert_eq!((answer.message_id, answer.status_code), (id, 200));
 }
 
+/// An endpoint that leaves the registry while its process lives on is let go by the client:
+/// the call in flight on its connection is still answered, then the connection closes
+/// (before, it stayed open, pinging, for the client's life), and later calls go to the
+/// endpoint still listed.
+#[tokio::test]
+async fn a_client_lets_go_of_an_endpoint_that_left_the_registry_once_its_call_is_answered() {
+    let reg = InProcessRegistry::new();
+    let (listener, addr) = common::raw_listener().await;
+    let addr = addr.to_string();
+    let leaving = rpc::Instance::new(addr.clone(), [LifeClient::SERVICE_ID]);
+    let leaving_id = leaving.id.clone();
+    reg.register(leaving).await.expect("register");
+    let client = Client::builder().registry(reg.clone()).build();
+    let life = LifeClient::new(client.clone());
+    let call = tokio::spawn({
+        let life = life.clone();
+        async move { life.whoami().await }
+    });
+    let (stream, _) = within("accept", listener.accept()).await.expect("accept");
+    let mut raw = common::accept_hello(stream, "leaving", 1 << 24).await;
+    let id = raw.recv_invoke("the call").await.message_id;
+
+    let (n, _probe) = node("staying");
+    let staying = builder(&n)
+        .registry(reg.clone())
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    reg.deregister(&leaving_id).await.expect("deregister");
+    // The client's follower takes the new list and lets the endpoint go in one step: once
+    // the list shows it gone, its connection is retired.
+    within("the client sees the endpoint leave", async {
+        while client.endpoints().iter().any(|e| e.address == addr) {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+
+    raw.send(rpc::crates::core::wire::frame::Kind::Result(
+        rpc::crates::core::wire::RemoteResultMessage {
+            message_id: id,
+            status_code: 200,
+            result: rpc::Codec::MsgPack.encode(&"leaving").expect("encode"),
+            ..Default::default()
+        },
+    ))
+    .await
+    .expect("answer");
+    let answer = within("the call in flight", call).await.expect("join");
+    assert_eq!(
+        answer.expect("answered on the retired connection"),
+        "leaving"
+    );
+    raw.expect_closed().await;
+    assert_eq!(
+        within("a later call", life.whoami())
+            .await
+            .expect("answered"),
+        "staying"
+    );
+    within("shutdown", staying.shutdown()).await;
+}
+
 /// A heartbeat interval of zero turns heartbeats off: before, the connection closed itself as
 /// silent three zero-length ticks after the handshake, so calls failed and reconnected.
 #[tokio::test(start_paused = true)]
