@@ -248,6 +248,11 @@ pub const FIRST_READ_LIMIT: Duration = Duration::from_secs(10);
 /// The pause before opening the watch again after the source failed to open it.
 const REOPEN_AFTER: Duration = Duration::from_secs(1);
 
+/// How often a follower waiting for the next version checks that its target still lives: a
+/// dropped target's follower ends then, with the watch it holds (and the source's watch behind
+/// it), rather than at the next version, which may never come.
+const TARGET_CHECK: Duration = Duration::from_secs(1);
+
 /// Follows every kind of document of `source` for `target` until the target is dropped:
 /// applies each valid new version and records it in `in_force`; reports each refused one
 /// (invalid, or refused by the target) as an [`EventKind::RuleRejected`] event with its
@@ -324,8 +329,21 @@ async fn follow_kind<T: RuleTarget>(
         }
         first.done();
         drop(t);
-        if watch.changed().await.is_err() {
-            return;
+        let mut check = tokio::time::interval(TARGET_CHECK);
+        check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        check.reset();
+        loop {
+            tokio::select! {
+                changed = watch.changed() => match changed {
+                    Ok(()) => break,
+                    Err(_) => return,
+                },
+                _ = check.tick() => {
+                    if target.strong_count() == 0 {
+                        return;
+                    }
+                }
+            }
         }
     }
 }
@@ -598,6 +616,22 @@ mod tests {
             ]
         );
         following.abort();
+    }
+
+    /// A follower ends once its target is dropped, with no new version to wake it, and lets
+    /// the source's watches go (before, it held them until the next version, which may never
+    /// come).
+    #[tokio::test(start_paused = true)]
+    async fn a_follower_ends_and_lets_the_watches_go_once_its_target_is_dropped() {
+        let (governance, target, in_force, following) = following();
+        in_force.first_read().await;
+        assert!(governance.receiver_count() > 0, "watched");
+        drop(target);
+        tokio::time::timeout(TARGET_CHECK * 2, following)
+            .await
+            .expect("the follower ended")
+            .expect("join");
+        assert_eq!(governance.receiver_count(), 0, "its watch is let go");
     }
 
     #[test]

@@ -310,8 +310,10 @@ impl ZooKeeperRegistry {
         }));
         let written = conn.write(&paths, &value, &obsolete).await;
         // A failure may still have been committed (a request that timed out, a connection
-        // lost after sending): only a write known to be in is disarmed.
-        if written.is_ok() {
+        // lost after sending): only a write known to be in is disarmed, or one refused before
+        // anything was sent (a path ZooKeeper cannot take: its removal would be refused as
+        // well, for ever).
+        if matches!(written, Ok(_) | Err(RegistryError::Config(_))) {
             given_up.0 = None;
         }
         let client = written?;
@@ -485,7 +487,8 @@ async fn remove_later(
             return;
         }
         match conn.remove(&left).await {
-            Ok(()) => return,
+            // Removed, or paths ZooKeeper cannot take (refused before sending): none can exist.
+            Ok(()) | Err(RegistryError::Config(_)) => return,
             Err(e) => {
                 tracing::debug!(instance = %instance_id, error = %e, "removal failed; retrying")
             }

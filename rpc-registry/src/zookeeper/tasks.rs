@@ -229,6 +229,8 @@ impl WatchTask {
             let Some(first) = first else {
                 retry_at = None;
                 stale = !self.refresh(client, watcher, &mut rewatch, failing).await;
+                // What the read again found (the changes a failed read missed) is the news.
+                self.publish();
                 continue;
             };
             // The events already there are applied before publishing: a replaced node (deleted
