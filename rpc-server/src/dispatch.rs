@@ -137,9 +137,14 @@ impl Terminal {
                 req.deadline,
                 &cause,
             );
-            let items = crate::streams::in_context(setup, attachments, retry_depth).await;
+            // A panic of the set-up is its answer here, as a unary handler's is, so the layers
+            // around it see a 520 rather than being unwound.
+            let items =
+                AssertUnwindSafe(crate::streams::in_context(setup, attachments, retry_depth))
+                    .catch_unwind()
+                    .await;
             req.fallback_cause = cause.get();
-            let items = items?;
+            let items = settle(items, &self.entry, self.send_panic_text)?;
             *opened
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner) =

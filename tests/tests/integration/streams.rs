@@ -45,6 +45,8 @@ pub trait Feed {
     async fn refuse(&self) -> Result<RpcStream<u32>, RpcError>;
     /// `n` numbers, then its producer panics.
     async fn panic_after(&self, n: u32) -> Result<RpcStream<u32>, RpcError>;
+    /// Panics in its set-up: no stream is made.
+    async fn panic_at_set_up(&self) -> Result<RpcStream<u32>, RpcError>;
     /// A unary method beside the streams.
     async fn echo(&self, text: String) -> Result<String, RpcError>;
     /// Client streaming: the sum of the caller's numbers, labelled.
@@ -141,6 +143,10 @@ impl Feed for Feeds {
         Ok(RpcStream::iter((0..=n).inspect(move |&i| {
             assert!(i < n, "the feed broke after {n} items");
         })))
+    }
+
+    async fn panic_at_set_up(&self) -> Result<RpcStream<u32>, RpcError> {
+        panic!("the feed could not be set up")
     }
 
     async fn echo(&self, text: String) -> Result<String, RpcError> {
@@ -1359,6 +1365,57 @@ impl rpc::ServerLayer for Gate {
             next.run(req).await
         })
     }
+}
+
+/// Reports the status each call's set-up returned to it.
+struct SetUpStatus(mpsc::UnboundedSender<StatusCode>);
+
+impl rpc::ServerLayer for SetUpStatus {
+    fn call<'a>(
+        &'a self,
+        req: &'a mut rpc::ServerRequest,
+        next: rpc::ServerNext<'a>,
+    ) -> rpc::LayerFuture<'a> {
+        Box::pin(async move {
+            let result = next.run(req).await;
+            let _ = self.0.send(
+                result
+                    .as_ref()
+                    .map_or_else(RpcError::code, |_| StatusCode::Success),
+            );
+            result
+        })
+    }
+}
+
+/// A stream whose set-up panics is answered 520, and the server's layers see that answer as
+/// they see a unary handler's panic (before, the panic unwound through them: a layer acting
+/// after `next.run` never ran that part).
+#[tokio::test]
+async fn a_stream_whose_set_up_panics_is_a_520_its_server_layers_see() {
+    let reg = InProcessRegistry::new();
+    let (tx, mut statuses) = mpsc::unbounded_channel();
+    let (server, _probe) = serve_configured(&reg, |b| b.layer(SetUpStatus(tx))).await;
+    let f = FeedClient::new(
+        Client::builder()
+            .registry(reg.clone())
+            .override_options(FeedClient::SERVICE_ID, no_retry())
+            .build(),
+    );
+    let e = within("set-up", f.panic_at_set_up())
+        .await
+        .expect_err("no stream");
+    assert_eq!(e.code(), StatusCode::ServerError, "{e}");
+    assert!(e.message().contains("panic id"), "{e}");
+    assert_eq!(
+        recv_one("the layer's view", &mut statuses).await,
+        StatusCode::ServerError
+    );
+    assert_eq!(
+        within("echo", f.echo("on".into())).await.expect("echo"),
+        "on"
+    );
+    within("shutdown", server.shutdown()).await;
 }
 
 /// A stream's items are produced in the caller's context, as its set-up is: the calls the
