@@ -1816,6 +1816,10 @@ pub(crate) fn into_result(
         // is repeated elsewhere only for idempotent entries.
         let carried = code != StatusCode::BusinessError;
         err = err.with_payload(codec, r.result).maybe_delivered(carried);
+    } else if code == StatusCode::NotFindLocalServiceEntry {
+        // The instance has no such entry (an older version during a rolling deploy that adds
+        // it): nothing ran, and another instance of the service may have it.
+        err = err.unsupported_by_endpoint(true);
     }
     Err(err)
 }

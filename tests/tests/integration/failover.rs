@@ -398,3 +398,82 @@ async fn a_call_timing_out_on_a_draining_server_is_not_sent_again() {
     );
     within("b stops", b.shutdown()).await;
 }
+
+/// The version of a service still running while a rolling deploy adds an entry to it.
+mod before_the_deploy {
+    use rpc::RpcError;
+
+    #[rpc::service(name = "t.Rolling")]
+    pub trait Rolling {
+        async fn old(&self) -> Result<String, RpcError>;
+    }
+
+    pub struct Old;
+
+    impl Rolling for Old {
+        async fn old(&self) -> Result<String, RpcError> {
+            Ok("old".into())
+        }
+    }
+}
+
+/// The version the deploy brings: one entry more.
+mod after_the_deploy {
+    use rpc::RpcError;
+
+    #[rpc::service(name = "t.Rolling")]
+    pub trait Rolling {
+        async fn old(&self) -> Result<String, RpcError>;
+        /// Not idempotent: repeated elsewhere only because nothing ran.
+        async fn added(&self) -> Result<String, RpcError>;
+    }
+
+    pub struct New;
+
+    impl Rolling for New {
+        async fn old(&self) -> Result<String, RpcError> {
+            Ok("new".into())
+        }
+        async fn added(&self) -> Result<String, RpcError> {
+            Ok("new".into())
+        }
+    }
+}
+
+/// During a rolling deploy that adds an entry, a call of the new entry that lands on an
+/// instance still running the old version (answered 507: it has no such entry, nothing ran)
+/// goes on to an instance that has it, idempotent or not. Before, a share of the calls (half,
+/// by turns over one old and one new instance) failed with 507.
+#[tokio::test]
+async fn a_call_of_an_entry_an_instance_lacks_goes_to_one_that_has_it() {
+    use after_the_deploy::{New, Rolling, RollingClient, RollingServer};
+    let reg = InProcessRegistry::new();
+    let old = Server::builder()
+        .registry(reg.clone())
+        .add_service(before_the_deploy::RollingServer::new(
+            before_the_deploy::Old,
+        ))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve the old version");
+    let new = Server::builder()
+        .registry(reg.clone())
+        .add_service(RollingServer::new(New))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve the new version");
+    let client = RollingClient::new(Client::builder().registry(reg.clone()).build());
+    for _ in 0..8 {
+        assert_eq!(
+            within("added", client.added()).await.expect("served"),
+            "new"
+        );
+    }
+    within("shutdown", new.shutdown()).await;
+    // With only the old version left, the call fails with 507.
+    let e = within("added", client.added())
+        .await
+        .expect_err("no instance has it");
+    assert_eq!(e.code(), StatusCode::NotFindLocalServiceEntry, "{e}");
+    within("shutdown", old.shutdown()).await;
+}
