@@ -919,7 +919,22 @@ impl Client {
         timeout: Duration,
     ) -> Result<rpc_registry::Endpoints, RpcError> {
         let deadline = Instant::now() + rpc_core::capped(timeout);
-        let mut watch = self.watch(service_id).await?;
+        let waited = || format!("none after waiting {} ms", timeout.as_millis());
+        // The lookup counts in the wait: a registry slow to answer (etcd unreachable, bounded
+        // by its own request timeout) must not hold the caller past its timeout.
+        let mut watch = match tokio::time::timeout_at(deadline, self.watch(service_id)).await {
+            Ok(watch) => watch?,
+            Err(_) => {
+                return Err(RpcError::new(
+                    StatusCode::NotFindServiceRoute,
+                    format!(
+                        "no endpoint of {service_id}: {}, the registry not having answered; \
+                         check that it runs and the client's registry address",
+                        waited()
+                    ),
+                ))
+            }
+        };
         loop {
             let current = watch.current();
             if !current.is_empty() {
@@ -928,7 +943,7 @@ impl Client {
             let why = match tokio::time::timeout_at(deadline, watch.changed()).await {
                 Ok(Ok(())) => continue,
                 Ok(Err(_)) => "the registry will announce none (a static list without it?)".into(),
-                Err(_) => format!("none after waiting {} ms", timeout.as_millis()),
+                Err(_) => waited(),
             };
             return Err(RpcError::new(
                 StatusCode::NotFindServiceRoute,

@@ -685,6 +685,27 @@ impl rpc::Registry for SlowLookup {
     }
 }
 
+/// Waiting for endpoints gives up at its timeout even while the registry has not answered
+/// the lookup yet. Before, the wait began after the lookup, which a registry that does not
+/// answer (etcd unreachable) held for its own request timeout.
+#[tokio::test(start_paused = true)]
+async fn waiting_for_endpoints_counts_the_lookup_in_its_timeout() {
+    let client = Client::builder()
+        .registry(SlowLookup(InProcessRegistry::new()))
+        .build();
+    let started = tokio::time::Instant::now();
+    let err = client
+        .wait_for_endpoints(DeadlineClient::SERVICE_ID, LOOKUP / 4)
+        .await
+        .expect_err("no endpoint");
+    assert_eq!(err.code(), StatusCode::NotFindServiceRoute, "{err}");
+    assert!(
+        err.message().contains("the registry not having answered"),
+        "{err}"
+    );
+    assert_eq!(started.elapsed(), LOOKUP / 4);
+}
+
 /// An entry's first call counts its service's lookup in its duration, as its deadline does:
 /// what call observers (and the `rpc.client.duration` metric) are told starts when the call
 /// did. Before, it started after the lookup.
