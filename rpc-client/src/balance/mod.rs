@@ -99,24 +99,28 @@ struct Addresses {
 /// (repeated transport failures) come after every other one not tried yet in this call:
 /// used only when nothing else untried is left, and before the call tries an endpoint again
 /// (a call's failover tries every endpoint once before any twice, as `untried_left` counts
-/// them).
-fn rank(addr: &str, tried: &[Arc<str>], health: &EndpointHealth) -> u8 {
+/// them). Of the endpoints tried already, the one the call tried last comes after the others
+/// of its class: a retry once every endpoint was tried goes elsewhere when it can, not
+/// straight back to the endpoint that just refused it.
+fn rank(addr: &str, tried: &[Arc<str>], health: &EndpointHealth) -> (u8, bool) {
+    let last = tried.last().is_some_and(|t| **t == *addr);
     if health.is_clear() {
         return if tried.iter().any(|t| **t == *addr) {
-            3
+            (3, last)
         } else {
-            0
+            (0, false)
         };
     }
     let fresh = !tried.iter().any(|t| **t == *addr);
-    match (health.is_removed(addr), fresh, health.is_healthy(addr)) {
+    let class = match (health.is_removed(addr), fresh, health.is_healthy(addr)) {
         (false, true, true) => 0,
         (false, true, false) => 1,
         (true, true, _) => 2,
         (false, false, true) => 3,
         (false, false, false) => 4,
         (true, false, _) => 5,
-    }
+    };
+    (class, last)
 }
 
 impl ServiceState {
@@ -397,12 +401,13 @@ impl ServiceState {
                     over[i] = is_over;
                 }
             }
-            let mut best: Option<((u8, bool), usize)> = None;
+            let mut best: Option<((u8, bool, bool), usize)> = None;
             for idx in ring.ring.walk(key).filter(|&i| inside(i)) {
-                let r = (rank(&eps[idx].address, tried, health), over[idx]);
+                let (class, last) = rank(&eps[idx].address, tried, health);
+                let r = (class, over[idx], last);
                 if best.is_none_or(|(b, _)| r < b) {
                     best = Some((r, idx));
-                    if r == (0, false) {
+                    if r == (0, false, false) {
                         break;
                     }
                 }
@@ -457,11 +462,11 @@ fn best_group(
     health: &EndpointHealth,
 ) -> Vec<usize> {
     let candidates: Vec<usize> = among.map_or_else(|| (0..eps.len()).collect(), <[usize]>::to_vec);
-    let ranks: Vec<u8> = candidates
+    let ranks: Vec<(u8, bool)> = candidates
         .iter()
         .map(|&i| rank(&eps[i].address, tried, health))
         .collect();
-    let best = ranks.iter().copied().min().unwrap_or(0);
+    let best = ranks.iter().copied().min().unwrap_or((0, false));
     candidates
         .iter()
         .zip(&ranks)
@@ -596,6 +601,41 @@ mod tests {
         assert_eq!(&*s.select("s.S", &o, None, &tried, &health).unwrap(), "c:1");
         let all: Vec<Arc<str>> = vec![Arc::from("a:1"), Arc::from("b:1"), Arc::from("c:1")];
         assert_ne!(&*s.select("s.S", &o, None, &all, &health).unwrap(), "c:1");
+    }
+
+    /// Once every endpoint was tried, the next attempt goes to one other than the endpoint
+    /// tried last, under every strategy: with two endpoints both refusing, A, B, then A (before,
+    /// by turns a random one of both, B again half the time; by hash, the key's owner twice in
+    /// a row). With one endpoint, that one.
+    #[test]
+    fn a_retry_after_every_endpoint_was_tried_avoids_the_one_tried_last() {
+        let (s, _tx) = state(vec![instance("a:1", None), instance("b:1", None)]);
+        let health = EndpointHealth::new(Duration::from_secs(60));
+        for strategy in [
+            ShuntStrategy::RoundRobin,
+            ShuntStrategy::Random,
+            ShuntStrategy::Hash,
+            ShuntStrategy::LeastLoaded,
+        ] {
+            let o = GovernanceOptions {
+                shunt_strategy: strategy,
+                ..GovernanceOptions::default()
+            };
+            for key in 0..32u64 {
+                for (tried, next) in [(["a:1", "b:1"], "a:1"), (["b:1", "a:1"], "b:1")] {
+                    let tried: Vec<Arc<str>> = tried.into_iter().map(Arc::from).collect();
+                    let pick = s.select("s.S", &o, Some(key), &tried, &health).unwrap();
+                    assert_eq!(&*pick, next, "{strategy:?}, key {key}, tried {tried:?}");
+                }
+            }
+        }
+        let (one, _tx) = state(vec![instance("a:1", None)]);
+        let tried: Vec<Arc<str>> = vec![Arc::from("a:1")];
+        let o = GovernanceOptions::default();
+        assert_eq!(
+            &*one.select("s.S", &o, None, &tried, &health).unwrap(),
+            "a:1"
+        );
     }
 
     /// An endpoint removed, gone from the registry and announced again between two calls (no
