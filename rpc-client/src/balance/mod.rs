@@ -518,6 +518,12 @@ impl Pick for Picker {
     fn next(&mut self, cx: &CallCx<'_>) -> Result<Arc<str>, RpcError> {
         let eps = self.service.endpoints();
         let among = self.among(&eps, cx)?;
+        // A routing group takes turns of its own.
+        let turns = self
+            .route
+            .as_ref()
+            .and_then(routing::Choice::turns)
+            .unwrap_or_else(|| cx.round_robin());
         self.service.select_from(
             eps,
             among.as_deref(),
@@ -526,7 +532,7 @@ impl Pick for Picker {
             cx.hash_key(),
             cx.tried(),
             cx.health(),
-            cx.round_robin(),
+            turns,
         )
     }
 

@@ -11,6 +11,7 @@
 //!
 //! No rules cost a call one atomic load; rules naming other services, one scan of the rules.
 
+use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
@@ -24,10 +25,45 @@ use super::ServiceState;
 
 /// The routing rules in force in one client; replaced whole, read by each call.
 pub(crate) struct Router {
-    rules: ArcSwap<RoutingRules>,
+    in_force: ArcSwap<GroupTurns>,
     /// The rules the client was built with: what an empty document from the config centre
     /// goes back to.
     built: Arc<RoutingRules>,
+}
+
+/// A routing document with the round-robin position of each of its groups. A group takes
+/// turns of its own: with the entry's one position, calls of one entry alternating between
+/// two groups (a tenant's and everyone else's) each drew every other number, and a group of
+/// two took all its calls on one member.
+struct GroupTurns {
+    rules: Arc<RoutingRules>,
+    /// Where each rule's groups start in `turns`.
+    starts: Vec<usize>,
+    turns: Box<[AtomicUsize]>,
+}
+
+impl GroupTurns {
+    fn new(rules: Arc<RoutingRules>) -> Arc<Self> {
+        let mut starts = Vec::with_capacity(rules.routes.len());
+        let mut count = 0;
+        for route in &rules.routes {
+            starts.push(count);
+            count += route.to.len();
+        }
+        // From random places, as the entries' positions start.
+        let turns = (0..count)
+            .map(|_| AtomicUsize::new(rand::random::<u32>() as usize))
+            .collect();
+        Arc::new(GroupTurns {
+            rules,
+            starts,
+            turns,
+        })
+    }
+
+    fn of(&self, route: usize, target: usize) -> &AtomicUsize {
+        &self.turns[self.starts[route] + target]
+    }
 }
 
 impl Router {
@@ -35,7 +71,7 @@ impl Router {
     pub(crate) fn new(rules: RoutingRules) -> Self {
         let built = Arc::new(rules);
         Router {
-            rules: ArcSwap::new(built.clone()),
+            in_force: ArcSwap::new(GroupTurns::new(built.clone())),
             built,
         }
     }
@@ -45,7 +81,7 @@ impl Router {
     /// document goes back to the rules the client was built with.
     pub(crate) fn set_from_centre(&self, rules: RoutingRules) {
         if rules.is_empty() {
-            self.rules.store(self.built.clone());
+            self.in_force.store(GroupTurns::new(self.built.clone()));
         } else {
             self.set(rules);
         }
@@ -53,12 +89,12 @@ impl Router {
 
     /// The rules in force.
     pub(crate) fn rules(&self) -> Arc<RoutingRules> {
-        self.rules.load_full()
+        self.in_force.load().rules.clone()
     }
 
     /// Puts `rules` (already validated) in force from the next call.
     pub(crate) fn set(&self, rules: RoutingRules) {
-        self.rules.store(Arc::new(rules));
+        self.in_force.store(GroupTurns::new(Arc::new(rules)));
     }
 
     /// The route of the call in `cx` to `service`: `None` when no rule routes it. Draws the
@@ -74,10 +110,11 @@ impl Router {
         let method = cx.method();
         // A hedge goes to the group its call's first attempt drew (or the other way round):
         // drawing again would let one call be served by two groups of a weighted split.
+        let in_force = self.in_force.load_full();
         let (rules, index, target) = match cx.route_drawn() {
             Some(d) => (d.rules.clone(), d.route, d.target),
             None => {
-                let rules = self.rules.load_full();
+                let rules = in_force.rules.clone();
                 if rules.is_empty() {
                     return Ok(None);
                 }
@@ -121,11 +158,14 @@ impl Router {
             false
         };
         record(route, target, fell_back.then_some("any"), cx.is_hedge());
+        // A hedge drawn under a document replaced since takes the entry's turns.
+        let turns = Arc::ptr_eq(&in_force.rules, &rules).then_some(in_force);
         Ok(Some(Choice {
             rules: rules.clone(),
             route: index,
             target,
             fell_back,
+            turns,
         }))
     }
 }
@@ -181,9 +221,19 @@ pub(crate) struct Choice {
     route: usize,
     target: usize,
     fell_back: bool,
+    turns: Option<Arc<GroupTurns>>,
 }
 
 impl Choice {
+    /// The group's round-robin position: `None` when the fallback `any` let the call go to
+    /// every instance (the entry's position then), or the document changed since the draw.
+    pub(crate) fn turns(&self) -> Option<&AtomicUsize> {
+        if self.fell_back {
+            return None;
+        }
+        Some(self.turns.as_ref()?.of(self.route, self.target))
+    }
+
     fn route(&self) -> &Route {
         &self.rules.routes[self.route]
     }

@@ -239,6 +239,44 @@ to = [ { tags = { version = "stable" } } ]
     stop(servers).await;
 }
 
+/// A routing group takes turns of its own under round robin: calls of one entry alternating
+/// between a tenant's group of two and the whole service (no rule) spread evenly in both.
+/// Before, both drew from the entry's one position, each every other number, and the group of
+/// two took all its calls on one member.
+#[tokio::test]
+async fn calls_alternating_between_a_group_and_the_whole_service_spread_in_each() {
+    let _traced = traced();
+    let (registry, servers) = fleet().await;
+    let client = client(
+        &registry,
+        r#"
+[[routes]]
+name = "acme-on-stable"
+service = "rt.Who"
+when = { attachment = "tenant", equals = "acme" }
+to = [ { tags = { version = "stable" } } ]
+"#,
+    );
+    let who = WhoClient::new(client);
+    let (mut acme, mut others) = (BTreeMap::new(), BTreeMap::new());
+    for _ in 0..12 {
+        let call = RpcContext::with_attachment("tenant", "acme", who.who());
+        let name = within("acme", call).await.expect("call");
+        *acme.entry(name).or_insert(0usize) += 1;
+        let name = within("no tenant", who.who()).await.expect("call");
+        *others.entry(name).or_insert(0usize) += 1;
+    }
+    let count = |pairs: &[(&str, usize)]| -> BTreeMap<String, usize> {
+        pairs.iter().map(|(n, c)| (n.to_string(), *c)).collect()
+    };
+    assert_eq!(acme, count(&[("stable-1", 6), ("stable-2", 6)]));
+    assert_eq!(
+        others,
+        count(&[("canary-1", 4), ("stable-1", 4), ("stable-2", 4)])
+    );
+    stop(servers).await;
+}
+
 #[tokio::test]
 async fn a_group_with_no_live_instance_falls_back_to_any_or_fails_naming_the_rule() {
     let _traced = traced();
