@@ -170,6 +170,8 @@ type Registrations = Arc<tokio::sync::Mutex<HashMap<String, Registration>>>;
 struct Registration {
     token: u64,
     paths: Vec<String>,
+    /// What the nodes hold: written back should a replacement fail after it may have landed.
+    value: Vec<u8>,
     task: JoinHandle<()>,
 }
 
@@ -297,6 +299,14 @@ impl ZooKeeperRegistry {
         let kept: &[String] = registrations
             .get(&instance.id)
             .map_or(&[], |old| old.paths.as_slice());
+        // A replacement that failed after it may have landed (deleted the previous version's
+        // nodes of services it drops, rewritten the others) puts the previous version back,
+        // which stays registered: as etcd's registry does.
+        let put_back = registrations.get(&instance.id).map(|old| PutBack {
+            token: old.token,
+            paths: old.paths.clone(),
+            value: old.value.clone(),
+        });
         let mut given_up = RemoveIfGivenUp(Some(PendingRemoval {
             conn: conn.clone(),
             registrations: self.inner.registrations.clone(),
@@ -307,6 +317,7 @@ impl ZooKeeperRegistry {
                 .cloned()
                 .collect(),
             alive: self.inner.alive.clone(),
+            put_back,
         }));
         let written = conn.write(&paths, &value, &obsolete).await;
         // A failure may still have been committed (a request that timed out, a connection
@@ -328,11 +339,19 @@ impl ZooKeeperRegistry {
             instance_id: instance.id.clone(),
             token,
             paths: paths.clone(),
-            value,
+            value: value.clone(),
             client,
             alive: self.inner.alive.clone(),
         }));
-        registrations.insert(instance.id, Registration { token, paths, task });
+        registrations.insert(
+            instance.id,
+            Registration {
+                token,
+                paths,
+                value,
+                task,
+            },
+        );
         Ok(())
     }
 
@@ -362,6 +381,7 @@ impl ZooKeeperRegistry {
             instance_id: instance_id.to_string(),
             paths: registration.paths.clone(),
             alive: self.inner.alive.clone(),
+            put_back: None,
         }));
         let removed = conn.remove(&registration.paths).await;
         given_up.0 = None;
@@ -372,13 +392,14 @@ impl ZooKeeperRegistry {
                 // removed in the background once ZooKeeper answers (unless the id is registered
                 // again first).
                 drop(registrations);
-                tokio::spawn(remove_later(
-                    conn.clone(),
-                    self.inner.registrations.clone(),
-                    instance_id.to_string(),
-                    registration.paths,
-                    self.inner.alive.clone(),
-                ));
+                tokio::spawn(remove_later(PendingRemoval {
+                    conn: conn.clone(),
+                    registrations: self.inner.registrations.clone(),
+                    instance_id: instance_id.to_string(),
+                    paths: registration.paths,
+                    alive: self.inner.alive.clone(),
+                    put_back: None,
+                }));
                 Err(RegistryError::Unavailable(format!(
                     "{e}; the instance's nodes are removed as soon as ZooKeeper answers, or go \
                      when the session ends"
@@ -432,6 +453,16 @@ struct PendingRemoval {
     instance_id: String,
     paths: Vec<String>,
     alive: watch::Receiver<()>,
+    /// The previous version of a replaced registration, to write back.
+    put_back: Option<PutBack>,
+}
+
+/// A registration's previous version, written back after its replacement failed while that
+/// version is still the one registered (its `token`).
+struct PutBack {
+    token: u64,
+    paths: Vec<String>,
+    value: Vec<u8>,
 }
 
 impl Drop for RemoveIfGivenUp {
@@ -441,13 +472,7 @@ impl Drop for RemoveIfGivenUp {
         };
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
-                runtime.spawn(remove_later(
-                    p.conn,
-                    p.registrations,
-                    p.instance_id,
-                    p.paths,
-                    p.alive,
-                ));
+                runtime.spawn(remove_later(p));
             }
             Err(_) => tracing::warn!(
                 instance = %p.instance_id,
@@ -459,23 +484,28 @@ impl Drop for RemoveIfGivenUp {
 }
 
 /// Retries removing a deregistered instance's nodes until it works, the id is registered
-/// again with them all, or the registry is dropped.
-async fn remove_later(
-    conn: Conn,
-    registrations: Registrations,
-    instance_id: String,
-    paths: Vec<String>,
-    mut alive: watch::Receiver<()>,
-) {
+/// again with them all, or the registry is dropped; for a replacement that failed while the
+/// previous version is still registered, writes that version back instead (removing the
+/// nodes only the replacement had).
+async fn remove_later(p: PendingRemoval) {
+    let PendingRemoval {
+        conn,
+        registrations,
+        instance_id,
+        paths,
+        mut alive,
+        put_back,
+    } = p;
     let mut backoff = Backoff::up_to(conn.retry_max());
     loop {
         if !pause(backoff.next(), &mut alive).await {
             return;
         }
         let registrations = registrations.lock().await;
+        let again = registrations.get(&instance_id);
         // Registered again meanwhile: its own nodes stay, but those of services it no longer
         // serves still go (its registration replaced nothing, this one being gone).
-        let left: Vec<String> = match registrations.get(&instance_id) {
+        let left: Vec<String> = match again {
             Some(again) => paths
                 .iter()
                 .filter(|p| !again.paths.contains(p))
@@ -483,11 +513,15 @@ async fn remove_later(
                 .collect(),
             None => paths.clone(),
         };
-        if left.is_empty() {
-            return;
-        }
-        match conn.remove(&left).await {
-            // Removed, or paths ZooKeeper cannot take (refused before sending): none can exist.
+        let done = match (&put_back, again) {
+            (Some(old), Some(again)) if again.token == old.token => {
+                conn.write(&old.paths, &old.value, &left).await.map(drop)
+            }
+            _ if left.is_empty() => return,
+            _ => conn.remove(&left).await,
+        };
+        match done {
+            // Done, or paths ZooKeeper cannot take (refused before sending): none can exist.
             Ok(()) | Err(RegistryError::Config(_)) => return,
             Err(e) => {
                 tracing::debug!(instance = %instance_id, error = %e, "removal failed; retrying")
