@@ -128,13 +128,15 @@ pub fn error_body_schema(typed: Option<&Value>) -> Value {
     json!({"type": "object", "required": ["code", "message"], "properties": properties})
 }
 
-/// `path` as routes are matched on it: percent-escapes of unreserved characters and of UTF-8
-/// text beyond ASCII decoded (equivalent either way, RFC 3986 section 6.2.2), every other
-/// escape (`%2F`, `%25`, a byte that is not UTF-8) kept, with uppercase hex digits, and a `%`
-/// that starts no escape escaped as `%25`. Templates are matched in the same form. A template holds such text
-/// as it is (a service id or method name in another script, say), while a client must send it
-/// percent-encoded: without this, it would never match. Path parameters keep the escapes left
-/// and are decoded once, when bound.
+/// `path` as routes are matched on it: percent-escapes of text decoded, but for `%2F` (a `/`
+/// inside a segment, not a boundary) and `%25` (a `%`, which must not start an escape when the
+/// path parameters are decoded), kept with uppercase hex digits, as is a byte that is not
+/// UTF-8; a `%` that starts no escape is escaped as `%25`. Templates are matched in the same
+/// form. A template holds its text as it is (a service id such as `my_crate::api.Echo`, a
+/// method name in another script), while a client may send it percent-encoded (JavaScript's
+/// `encodeURIComponent` escapes `:`, browsers escape `"`, `<`, `>`, `` ` ``): without this, it
+/// would never match. Path parameters keep the escapes left and are decoded once, when bound,
+/// which gives each the bytes the client encoded.
 pub(crate) fn normalized_path(path: &str) -> std::borrow::Cow<'_, str> {
     if !path.contains('%') {
         return std::borrow::Cow::Borrowed(path);
@@ -184,7 +186,7 @@ pub(crate) fn normalized_path(path: &str) -> std::borrow::Cow<'_, str> {
                 .flatten()
                 .and_then(|w| std::str::from_utf8(w).ok());
             match text {
-                Some(t) if width > 1 || b.is_ascii_alphanumeric() || b"-._~".contains(&b) => {
+                Some(t) if b != b'/' && b != b'%' => {
                     out.push_str(t);
                     k += width;
                 }
@@ -242,11 +244,17 @@ mod tests {
             ("/api/%E5%95%86%E5%BA%97.Orders/m", "/api/商店.Orders/m"),
             ("/b%c3%bccher/7", "/bücher/7"),
             ("/api/%41%7e/x", "/api/A~/x"),
-            ("/orders/a%2Fb%25c%20d", "/orders/a%2Fb%25c%20d"),
-            ("/orders/a%2fb%3f", "/orders/a%2Fb%3F"),
+            ("/orders/a%2Fb%25c%20d", "/orders/a%2Fb%25c d"),
+            ("/orders/a%2fb%3f", "/orders/a%2Fb?"),
+            // A service id with `::`, as a client escaping it sends it.
+            (
+                "/api/my_crate%3A%3Aapi.Echo/echo",
+                "/api/my_crate::api.Echo/echo",
+            ),
+            ("/q/%22%3C%3E%60", "/q/\"<>`"),
             // Not UTF-8, cut short: as they came; a lone `%` is escaped, so that what follows
             // it cannot make an escape with it.
-            ("/x/%C3%28/%E5%95/%zz/50%", "/x/%C3%28/%E5%95/%25zz/50%25"),
+            ("/x/%C3%28/%E5%95/%zz/50%", "/x/%C3(/%E5%95/%25zz/50%25"),
             ("/orders/%%34%31", "/orders/%2541"),
             ("/x/%2%35", "/x/%2525"),
         ] {
