@@ -315,7 +315,15 @@ fn operation(entry: &ServiceEntry, method: &Method, path: &str) -> Value {
     let mut parameters: Vec<Value> = in_path
         .iter()
         .map(|name| {
-            json!({"name": name, "in": "path", "required": true, "schema": param_schema(name)})
+            let mut parameter = json!({"name": name, "in": "path", "required": true});
+            // Read as JSON when structured (`/orders/[1,2]`, escaped), as in the query: not
+            // OpenAPI's `style: simple` (`/orders/1,2`), which the router does not read.
+            if says(name, is_structured) {
+                parameter["content"] = json!({"application/json": {"schema": param_schema(name)}});
+            } else {
+                parameter["schema"] = param_schema(name);
+            }
+            parameter
         })
         .collect();
     match api {
@@ -354,10 +362,14 @@ fn operation(entry: &ServiceEntry, method: &Method, path: &str) -> Value {
                     .iter()
                     .filter(|name| !says(name, accepts_null))
                     .collect();
+                // The router refuses a member that names no argument. (The positional array
+                // it also takes without path parameters is said in the description: a schema
+                // of either shape would hide the object's properties from most tools.)
                 let body = json!({
                     "type": "object",
                     "required": required,
                     "properties": properties,
+                    "additionalProperties": false,
                 });
                 op.insert(
                     "requestBody".into(),
@@ -771,6 +783,38 @@ mod tests {
         );
     }
 
+    /// A structured argument in the path is one JSON text there too (`/orders/[1,2]`,
+    /// escaped), as the router reads it: a JSON `content`, not a `schema` (whose default
+    /// `style: simple` would say `/orders/1,2`, which the router does not read).
+    #[test]
+    fn a_structured_path_argument_is_json_text() {
+        let e = entry(
+            "shop.Orders",
+            "find",
+            Some(api(
+                OPTIONAL_AND_STRUCTURED,
+                Some(("GET", "/orders/{ids}/{id}")),
+                Some(optional_and_structured()),
+            )),
+        );
+        let doc = document(&[e], &info());
+        let params = doc["paths"]["/orders/{ids}/{id}"]["get"]["parameters"]
+            .as_array()
+            .unwrap()
+            .clone();
+        let by_name = |name: &str| params.iter().find(|p| p["name"] == name).unwrap().clone();
+        let ids = by_name("ids");
+        assert_eq!(ids["in"], "path");
+        assert!(ids.get("schema").is_none(), "{ids}");
+        assert_eq!(
+            ids["content"]["application/json"]["schema"],
+            json!({"type": "array", "items": {"type": "integer"}})
+        );
+        let id = by_name("id");
+        assert_eq!(id["schema"], json!({"type": "integer"}));
+        assert!(id.get("content").is_none(), "{id}");
+    }
+
     #[test]
     fn optional_body_arguments_are_not_required() {
         let e = entry(
@@ -841,6 +885,8 @@ mod tests {
                 "type": "object",
                 "required": ["customer", "count"],
                 "properties": {"customer": {"type": "string"}, "count": {}},
+                // The router refuses a member that names no argument.
+                "additionalProperties": false,
             })
         );
     }
