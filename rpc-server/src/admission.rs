@@ -12,7 +12,10 @@
 //! buckets, the gate with its slots and measured latency). A new gate goes on counting the calls
 //! that hold a slot of the cap it keeps (the server's shared cap, or the entry's own cap
 //! resized), and a new adaptive limit goes on counting the calls holding the old one's slots
-//! (`AdaptiveLimit::rebounded`), starting from its limit within the new bounds. In observe mode (`rate_limit_observe`, `admission_observe`) a call a limit would
+//! (`AdaptiveLimit::rebounded`), starting from its limit within the new bounds. (An adaptive
+//! limit turned on again after rules turned it off starts counting from none: the calls
+//! admitted while it was off hold no slot of it, and only the cap bounds them until they end.)
+//! In observe mode (`rate_limit_observe`, `admission_observe`) a call a limit would
 //! refuse is reported (the same event, `observed`) and admitted; one over its adaptive limit
 //! alone still holds a slot of the cap.
 
