@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 
 use axum::body::{to_bytes, Body, Bytes};
-use axum::extract::{Request, State};
+use axum::extract::{OriginalUri, Request, State};
 use axum::http::header::{self, HeaderMap, HeaderValue};
 use axum::http::{Method, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -171,11 +171,25 @@ async fn docs_page() -> Response {
         .into_response()
 }
 
-async fn document(State(gateway): State<Gateway>, headers: HeaderMap) -> Response {
+async fn document(
+    State(gateway): State<Gateway>,
+    OriginalUri(uri): OriginalUri,
+    headers: HeaderMap,
+) -> Response {
     if let Some(refused) = check_token(&gateway, &headers) {
         return refused;
     }
-    Json(gateway.openapi()).into_response()
+    let mut document = gateway.openapi();
+    // Nested in a larger router (`Router::nest("/gw", gateway.router())`), the routes are
+    // under its prefix: without a `servers` entry, OpenAPI tools would call them at `/`.
+    if let Some(prefix) = uri
+        .path()
+        .strip_suffix(DOCUMENT_PATH)
+        .filter(|p| !p.is_empty())
+    {
+        document["servers"] = json!([{"url": prefix}]);
+    }
+    Json(document).into_response()
 }
 
 /// The entry as the OpenAPI document shows it: at the route it is served at.

@@ -518,6 +518,43 @@ async fn calls_fail_over_when_one_of_two_instances_dies(kind: Kind) {
     }
 }
 
+/// A gateway nested under a prefix in a larger axum app serves its routes there, and its
+/// document says so (`servers`), so that OpenAPI tools call them there rather than at `/`;
+/// served at the root, the document has no `servers` (the default, `/`).
+#[tokio::test]
+async fn a_gateway_nested_under_a_prefix_documents_its_routes_there() {
+    let world = World::in_process(None).await;
+    let _echo = world.echo().await;
+    world.serving(&["gw.Echo.echo"]).await;
+    let app = axum::Router::new().nest("/gw", world.gateway.router());
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let base = format!("http://{}", listener.local_addr().expect("addr"));
+    let serving = tokio::spawn(async move { axum::serve(listener, app).await });
+    let get = |url: String| async move {
+        let response = within("GET", reqwest::get(url)).await.expect("answer");
+        assert_eq!(response.status(), 200);
+        let text = within("body", response.text()).await.expect("body");
+        serde_json::from_str::<Value>(&text).expect("JSON")
+    };
+    let nested = get(format!("{base}/gw/openapi.json")).await;
+    assert_eq!(nested["servers"], json!([{"url": "/gw"}]));
+    let path = "/api/gw.Echo/echo";
+    assert!(nested["paths"].get(path).is_some(), "{}", nested["paths"]);
+    let called = within(
+        "call",
+        reqwest::Client::new()
+            .post(format!("{base}/gw{path}"))
+            .body(r#"{"text":"hi"}"#)
+            .send(),
+    )
+    .await
+    .expect("answer");
+    assert_eq!(called.status(), 200, "served under the prefix");
+    let root = world.send("GET", "/openapi.json", &[], None).await;
+    assert!(root.body.get("servers").is_none(), "{}", root.body);
+    serving.abort();
+}
+
 #[tokio::test]
 async fn headers_travel_as_attachments_but_the_gateway_s_own_do_not() {
     let world = World::in_process(Some("s3cret")).await;
