@@ -150,6 +150,7 @@ impl Terminal {
                 .unwrap_or_else(std::sync::PoisonError::into_inner) =
                 Some(crate::streams::holding(items, permit.for_stream()));
             req.load = Some(self.admission.load());
+            req.report_back();
             return Ok(Bytes::new());
         }
         let fallback = self.fallback.as_ref().map(|to| ServerFallback {
@@ -183,6 +184,7 @@ impl Terminal {
         };
         req.fallback_cause = cause;
         req.load = Some(self.admission.load());
+        req.report_back();
         permit.completed();
         result
     }
@@ -676,6 +678,7 @@ impl Dispatcher {
             inbound: None,
             stream_end: None,
             admitted: None,
+            reported: None,
         };
         let chain = chain.clone();
         let send_panic_text = self.send_panic_text;
@@ -703,6 +706,7 @@ impl Dispatcher {
                 },
             };
             let result = settle(outcome, entry, send_panic_text);
+            req.take_reported();
             let cause = req.fallback_cause;
             // A call answered by a layer, or refused at admission, reports the load it found.
             let load = req.load.unwrap_or_else(|| chain.end.admission.load());

@@ -100,7 +100,17 @@ pub struct ServerRequest {
     /// bidirectional stream, accepted before them): the end of the chain takes it rather than
     /// admitting the call again.
     pub(crate) admitted: Option<crate::admission::Slot>,
+    /// Shared with the requests split off from this one for adapters ([`split_off`]): where
+    /// the end of the chain reports `fallback_cause` and `load`, which the split-off copy it
+    /// ran on takes with it.
+    ///
+    /// [`split_off`]: Self::split_off
+    pub(crate) reported: Option<Reported>,
 }
+
+/// What the end of a layer chain reports of a call for the request it was split off from:
+/// the fallback's cause and the entry's load.
+pub(crate) type Reported = Arc<std::sync::Mutex<(Option<StatusCode>, Option<(u32, u32)>)>>;
 
 /// The hooks layers registered on a stream's set-up, run as the stream ends.
 pub(crate) type StreamEndHooks = Arc<std::sync::Mutex<Vec<rpc_governance::stack::StreamEndHook>>>;
@@ -210,6 +220,9 @@ impl ServerRequest {
     /// attachments (for an adapter that must own the request).
     #[cfg_attr(not(feature = "tower"), allow(dead_code))]
     pub(crate) fn split_off(&mut self) -> ServerRequest {
+        // (One report for every request split off in a row, so that adapters nested in one
+        // another report to the first.)
+        let reported = self.reported.get_or_insert_with(Reported::default).clone();
         ServerRequest {
             method: self.method,
             caller: self.caller.clone(),
@@ -224,6 +237,30 @@ impl ServerRequest {
             inbound: self.inbound.clone(),
             stream_end: self.stream_end.clone(),
             admitted: self.admitted.take(),
+            reported: Some(reported),
+        }
+    }
+
+    /// Records `fallback_cause` and `load` as the end of the chain set them, for the request
+    /// this one was split off from.
+    pub(crate) fn report_back(&self) {
+        if let Some(reported) = &self.reported {
+            *reported
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) =
+                (self.fallback_cause, self.load);
+        }
+    }
+
+    /// Takes what the end of the chain reported on a request split off from this one, where
+    /// this one has nothing of its own.
+    pub(crate) fn take_reported(&mut self) {
+        if let Some(reported) = self.reported.take() {
+            let (cause, load) = *reported
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            self.fallback_cause = self.fallback_cause.or(cause);
+            self.load = self.load.or(load);
         }
     }
 }

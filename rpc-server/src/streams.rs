@@ -223,11 +223,13 @@ fn layered(
         inbound: inbound.map(|items| Arc::new(std::sync::Mutex::new(Some(items)))),
         stream_end: Some(hooks.clone()),
         admitted,
+        reported: None,
     };
     let cause = FallbackCause::default();
     let told = cause.clone();
     let setup: StreamFuture = Box::pin(async move {
         let started = Layered::start(&chain, &mut req).await;
+        req.take_reported();
         // Whatever the layers' outcome: a fallback that ran and failed still says what it
         // answered for.
         if let Some(c) = req.fallback_cause {

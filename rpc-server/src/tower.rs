@@ -98,8 +98,9 @@ impl Service<TowerRequest> for NextService {
 /// The service `l` builds around [`NextService`] is built once, when the adapter is made, and
 /// cloned for each call; it is asked `poll_ready` before each call. Its errors become the
 /// call's answer: an [`RpcError`] as it is, any other error a server error (520) naming it.
-/// A server fallback that answers behind a tower layer is counted as a success, not as a
-/// fallback, by the server's span and metrics.
+/// What the end of the chain reports of a call behind it (a server fallback that answered,
+/// the entry's load in the answer) reaches the server's span, metrics and answer as without
+/// the layer.
 pub struct TowerLayer<S> {
     service: S,
 }

@@ -763,6 +763,36 @@ where
     }
 }
 
+/// Behind a tower layer, an answer reports the entry's load as without one, counting the call
+/// itself (1 in flight of the cap of 50). Before, the tower service's copy of the request took
+/// the load with it, and the load was read again after the call's slot was given back (0).
+#[tokio::test]
+async fn behind_a_tower_layer_an_answer_reports_the_load_counting_itself() {
+    let s = serve_orders(50, None, |b| {
+        b.layer(rpc::tower::TowerLayer::new(RoleGateLayer))
+    })
+    .await;
+    let options = ConnectOptions {
+        token: Some(TOKEN.into()),
+        ..Default::default()
+    };
+    let addr = s.server.local_addr().to_string();
+    let conn = within("connect", Connection::connect(&addr, &options))
+        .await
+        .expect("connect");
+    let place = Call {
+        service_entry_id: "orders.Orders.place".into(),
+        parameters: rpc::Codec::MsgPack.encode(&("pen", 2u32)).expect("encode"),
+        ..Default::default()
+    };
+    let answer = within("place", conn.call(place, None))
+        .await
+        .expect("answered");
+    assert_eq!(answer.status_code, 200, "{answer:?}");
+    assert_eq!((answer.server_in_flight, answer.server_limit), (1, 50));
+    within("shutdown", s.server.shutdown()).await;
+}
+
 #[tokio::test]
 async fn a_tower_layer_runs_in_its_place_in_the_chain_and_can_refuse() {
     let metrics = CountCalls::default();
