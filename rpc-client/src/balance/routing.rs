@@ -15,6 +15,7 @@ use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
+use dashmap::DashMap;
 use rpc_core::{RpcContext, RpcError};
 use rpc_governance::health::EndpointHealth;
 use rpc_governance::routing::{has_tags, tags_text, Fallback, Route, RouteDrawn, RoutingRules};
@@ -31,15 +32,18 @@ pub(crate) struct Router {
     built: Arc<RoutingRules>,
 }
 
-/// A routing document with the round-robin position of each of its groups. A group takes
-/// turns of its own: with the entry's one position, calls of one entry alternating between
-/// two groups (a tenant's and everyone else's) each drew every other number, and a group of
-/// two took all its calls on one member.
+/// A routing document with the round-robin positions of its groups, one per group and entry.
+/// A group takes turns of its own: with the entry's one position, calls of one entry
+/// alternating between two groups (a tenant's and everyone else's) each drew every other
+/// number, and a group of two took all its calls on one member. And each entry its own within
+/// a group, as outside one: entries of a service called in turn would otherwise each keep
+/// landing on the same members.
 struct GroupTurns {
     rules: Arc<RoutingRules>,
-    /// Where each rule's groups start in `turns`.
+    /// Where each rule's groups start in an entry's positions.
     starts: Vec<usize>,
-    turns: Box<[AtomicUsize]>,
+    /// Every group's position, by entry id (made at the entry's first routed call).
+    by_entry: DashMap<&'static str, Arc<[AtomicUsize]>>,
 }
 
 impl GroupTurns {
@@ -50,19 +54,28 @@ impl GroupTurns {
             starts.push(count);
             count += route.to.len();
         }
-        // From random places, as the entries' positions start.
-        let turns = (0..count)
-            .map(|_| AtomicUsize::new(rand::random::<u32>() as usize))
-            .collect();
+        starts.push(count);
         Arc::new(GroupTurns {
             rules,
             starts,
-            turns,
+            by_entry: DashMap::new(),
         })
     }
 
-    fn of(&self, route: usize, target: usize) -> &AtomicUsize {
-        &self.turns[self.starts[route] + target]
+    /// The positions of `entry`'s groups, from random places, as the entries' own start.
+    fn of(&self, entry: &'static str) -> Arc<[AtomicUsize]> {
+        if let Some(turns) = self.by_entry.get(entry) {
+            return turns.clone();
+        }
+        let count = self.starts.last().copied().unwrap_or(0);
+        self.by_entry
+            .entry(entry)
+            .or_insert_with(|| {
+                (0..count)
+                    .map(|_| AtomicUsize::new(rand::random::<u32>() as usize))
+                    .collect()
+            })
+            .clone()
     }
 }
 
@@ -110,14 +123,14 @@ impl Router {
         let method = cx.method();
         // A hedge goes to the group its call's first attempt drew (or the other way round):
         // drawing again would let one call be served by two groups of a weighted split.
-        let in_force = self.in_force.load_full();
+        let in_force = self.in_force.load();
         let (rules, index, target) = match cx.route_drawn() {
             Some(d) => (d.rules.clone(), d.route, d.target),
             None => {
-                let rules = in_force.rules.clone();
-                if rules.is_empty() {
+                if in_force.rules.is_empty() {
                     return Ok(None);
                 }
+                let rules = in_force.rules.clone();
                 // The call's attachments: those layers added, over those of the current
                 // context.
                 let attachment_is = |key: &str, value: &str| match cx.attachments().get(key) {
@@ -159,7 +172,12 @@ impl Router {
         };
         record(route, target, fell_back.then_some("any"), cx.is_hedge());
         // A hedge drawn under a document replaced since takes the entry's turns.
-        let turns = Arc::ptr_eq(&in_force.rules, &rules).then_some(in_force);
+        let turns = Arc::ptr_eq(&in_force.rules, &rules).then(|| {
+            (
+                in_force.of(method.entry_id),
+                in_force.starts[index] + target,
+            )
+        });
         Ok(Some(Choice {
             rules: rules.clone(),
             route: index,
@@ -221,7 +239,8 @@ pub(crate) struct Choice {
     route: usize,
     target: usize,
     fell_back: bool,
-    turns: Option<Arc<GroupTurns>>,
+    /// The entry's positions of the document's groups, and this group's index among them.
+    turns: Option<(Arc<[AtomicUsize]>, usize)>,
 }
 
 impl Choice {
@@ -231,7 +250,8 @@ impl Choice {
         if self.fell_back {
             return None;
         }
-        Some(self.turns.as_ref()?.of(self.route, self.target))
+        let (turns, at) = self.turns.as_ref()?;
+        turns.get(*at)
     }
 
     fn route(&self) -> &Route {

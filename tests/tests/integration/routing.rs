@@ -277,6 +277,69 @@ to = [ { tags = { version = "stable" } } ]
     stop(servers).await;
 }
 
+#[rpc::service(name = "rt.Pair")]
+pub trait Pair {
+    async fn first(&self) -> Result<String, RpcError>;
+    async fn second(&self) -> Result<String, RpcError>;
+}
+
+impl Pair for Named {
+    async fn first(&self) -> Result<String, RpcError> {
+        Ok(self.0.to_string())
+    }
+    async fn second(&self) -> Result<String, RpcError> {
+        Ok(self.0.to_string())
+    }
+}
+
+/// Within a routing group, each entry takes turns of its own, as outside one: two entries of
+/// a service a rule sends to a group of two, called in turn, each spread over both members
+/// (sharing the group's one position, each would take every other number and keep landing
+/// on one member).
+#[tokio::test]
+async fn entries_called_in_turn_within_one_group_each_spread_over_it() {
+    let _traced = traced();
+    let registry = InProcessRegistry::new();
+    let mut servers = Vec::new();
+    for (name, version) in [
+        ("canary-1", "canary"),
+        ("stable-1", "stable"),
+        ("stable-2", "stable"),
+    ] {
+        servers.push(
+            Server::builder()
+                .registry(registry.clone())
+                .metadata("version", version)
+                .add_service(PairServer::new(Named(name)))
+                .serve("127.0.0.1:0")
+                .await
+                .expect("serve"),
+        );
+    }
+    let client = client(
+        &registry,
+        r#"
+[[routes]]
+name = "pair-on-stable"
+service = "rt.Pair"
+to = [ { tags = { version = "stable" } } ]
+"#,
+    );
+    let pair = PairClient::new(client);
+    let (mut first, mut second) = (BTreeMap::new(), BTreeMap::new());
+    for _ in 0..8 {
+        let name = within("first", pair.first()).await.expect("call");
+        *first.entry(name).or_insert(0usize) += 1;
+        let name = within("second", pair.second()).await.expect("call");
+        *second.entry(name).or_insert(0usize) += 1;
+    }
+    let even: BTreeMap<String, usize> = [("stable-1".to_string(), 4), ("stable-2".to_string(), 4)]
+        .into_iter()
+        .collect();
+    assert_eq!((first, second), (even.clone(), even));
+    stop(servers).await;
+}
+
 #[tokio::test]
 async fn a_group_with_no_live_instance_falls_back_to_any_or_fails_naming_the_rule() {
     let _traced = traced();
