@@ -100,11 +100,11 @@ impl RpcError {
         self
     }
 
-    /// Marks the failure as the chosen endpoint's lack of a capability the call needs (its
-    /// server does not stream, or takes fewer attachments than the call carries): nothing was
-    /// sent, that endpoint will never serve the call,
-    /// and another may. Failover then moves to an untried endpoint at once. Local only: not
-    /// carried on the wire nor in the serialised form.
+    /// Marks the failure as the chosen endpoint's lack of what the call needs (its server does
+    /// not stream, or takes fewer attachments than the call carries: nothing was sent; or it
+    /// answered 507, having no such entry: nothing ran): that endpoint will never serve the
+    /// call, and another may. Failover then moves to an untried endpoint at once. Local only:
+    /// not carried on the wire nor in the serialised form.
     pub fn unsupported_by_endpoint(mut self, yes: bool) -> Self {
         self.inner.unsupported_by_endpoint = yes;
         self
@@ -182,7 +182,7 @@ impl RpcError {
         self.inner.not_sent
     }
 
-    /// True when the chosen endpoint cannot serve the call and nothing was sent (see
+    /// True when the chosen endpoint cannot serve the call and nothing ran there (see
     /// [`unsupported_by_endpoint`](Self::unsupported_by_endpoint)).
     pub fn is_unsupported_by_endpoint(&self) -> bool {
         self.inner.unsupported_by_endpoint

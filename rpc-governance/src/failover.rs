@@ -19,9 +19,10 @@ use crate::retry::{self, Decision};
 ///
 /// A failure the chosen endpoint caused by lacking what the call needs
 /// ([`RpcError::is_unsupported_by_endpoint`]: its server does not stream, or takes fewer
-/// attachments than the call carries; nothing was sent) is
+/// attachments than the call carries, and nothing was sent; or it answered 507, having no such
+/// entry, and nothing ran) is
 /// not retried on that endpoint, which will never serve it, but moves to an untried one at
-/// once: during a rolling upgrade some instances stream and some do not yet. It counts as an
+/// once: during a rolling upgrade some instances stream (or have a new entry) and some do not yet. It counts as an
 /// attempt, within `retry_times`. (With nothing untried left after such a detour, the retry
 /// layer decides on the failure before it instead, and the balancer leaves the endpoint that
 /// cannot serve the call out of its candidates: see [`CallCx::unable`](crate::stack::CallCx::unable).)

@@ -100,10 +100,11 @@ struct Addresses {
 /// used only when nothing else untried is left, and before the call tries an endpoint again
 /// (a call's failover tries every endpoint once before any twice, as `untried_left` counts
 /// them). Of the endpoints tried already, the one the call tried last comes after the others
-/// of its class: a retry once every endpoint was tried goes elsewhere when it can, not
-/// straight back to the endpoint that just refused it.
-fn rank(addr: &str, tried: &[Arc<str>], health: &EndpointHealth) -> (u8, bool) {
-    let last = tried.last().is_some_and(|t| **t == *addr);
+/// of its class when `avoid_last`: a retry once every endpoint was tried goes elsewhere when it
+/// can, not straight back to the endpoint that just refused it (unless that endpoint said when
+/// to come back, and the call waited that long: see [`CallCx::last_failure_said_when`]).
+fn rank(addr: &str, tried: &[Arc<str>], avoid_last: bool, health: &EndpointHealth) -> (u8, bool) {
+    let last = avoid_last && tried.last().is_some_and(|t| **t == *addr);
     if health.is_clear() {
         return if tried.iter().any(|t| **t == *addr) {
             (3, last)
@@ -328,7 +329,7 @@ impl ServiceState {
             service_id,
             options,
             hash_key,
-            tried,
+            (tried, true),
             health,
             &self.counter,
         )
@@ -346,7 +347,7 @@ impl ServiceState {
         service_id: &str,
         options: &GovernanceOptions,
         hash_key: Option<u64>,
-        tried: &[Arc<str>],
+        (tried, avoid_last): (&[Arc<str>], bool),
         health: &EndpointHealth,
         turns: &AtomicUsize,
     ) -> Result<Arc<str>, RpcError> {
@@ -403,7 +404,7 @@ impl ServiceState {
             }
             let mut best: Option<((u8, bool, bool), usize)> = None;
             for idx in ring.ring.walk(key).filter(|&i| inside(i)) {
-                let (class, last) = rank(&eps[idx].address, tried, health);
+                let (class, last) = rank(&eps[idx].address, tried, avoid_last, health);
                 let r = (class, over[idx], last);
                 if best.is_none_or(|(b, _)| r < b) {
                     best = Some((r, idx));
@@ -422,7 +423,7 @@ impl ServiceState {
             let group: Vec<usize> = if tried.is_empty() && health.is_clear() {
                 among.map_or_else(|| (0..eps.len()).collect(), <[usize]>::to_vec)
             } else {
-                best_group(&eps, among, tried, health)
+                best_group(&eps, among, tried, avoid_last, health)
             };
             let loads: Vec<Arc<EndpointLoad>> = group
                 .iter()
@@ -441,7 +442,7 @@ impl ServiceState {
             };
             return Ok(self.address(&eps, among.map_or(pick, |a| a[pick])));
         }
-        let group = best_group(&eps, among, tried, health);
+        let group = best_group(&eps, among, tried, avoid_last, health);
         let pick = match options.shunt_strategy {
             // A failover step takes a random one of the rest: by turns, its smaller group
             // would fall on the same members after the same failures (with one endpoint
@@ -459,12 +460,13 @@ fn best_group(
     eps: &Endpoints,
     among: Option<&[usize]>,
     tried: &[Arc<str>],
+    avoid_last: bool,
     health: &EndpointHealth,
 ) -> Vec<usize> {
     let candidates: Vec<usize> = among.map_or_else(|| (0..eps.len()).collect(), <[usize]>::to_vec);
     let ranks: Vec<(u8, bool)> = candidates
         .iter()
-        .map(|&i| rank(&eps[i].address, tried, health))
+        .map(|&i| rank(&eps[i].address, tried, avoid_last, health))
         .collect();
     let best = ranks.iter().copied().min().unwrap_or((0, false));
     candidates
@@ -530,7 +532,7 @@ impl Pick for Picker {
             cx.method().service_id,
             cx.options(),
             cx.hash_key(),
-            cx.tried(),
+            (cx.tried(), !cx.last_failure_said_when()),
             cx.health(),
             turns,
         )
@@ -635,6 +637,31 @@ mod tests {
                 }
             }
         }
+        // Unless the endpoint tried last said when to come back (the call waited that long):
+        // then it ranks as the other tried ones, and by hash the key's owner comes first.
+        let o = GovernanceOptions {
+            shunt_strategy: ShuntStrategy::Hash,
+            ..GovernanceOptions::default()
+        };
+        for key in 0..32u64 {
+            let owner = s.select("s.S", &o, Some(key), &[], &health).unwrap();
+            let other: Arc<str> = Arc::from(if &*owner == "a:1" { "b:1" } else { "a:1" });
+            let tried = [other.clone(), owner.clone()];
+            let pick = |avoid_last| {
+                s.select_from(
+                    s.endpoints(),
+                    None,
+                    "s.S",
+                    &o,
+                    Some(key),
+                    (&tried, avoid_last),
+                    &health,
+                    &s.counter,
+                )
+                .unwrap()
+            };
+            assert_eq!((pick(true), pick(false)), (other, owner), "key {key}");
+        }
         let (one, _tx) = state(vec![instance("a:1", None)]);
         let tried: Vec<Arc<str>> = vec![Arc::from("a:1")];
         let o = GovernanceOptions::default();
@@ -717,7 +744,7 @@ mod tests {
                 "s.S",
                 &hashed(factor),
                 Some(key),
-                &[],
+                (&[], true),
                 &health,
                 &s.counter,
             )

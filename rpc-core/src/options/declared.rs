@@ -146,7 +146,7 @@ governance_options! {
             "how long an open breaker fails fast, in seconds (0: it probes at once); probes that never report back free their slots after as long, at least 1 s";
         /// Probe calls a half-open breaker admits at once.
         half_open_probes: u32 = 1, Client,
-            "calls let through after the break; a success or the callee's own answer (business, validation, not found, auth) closes, a failure or timeout reopens, a cancelled or panicking probe, or one a rate limit refused before any handler ran, frees its slot at once";
+            "calls let through after the break; a success or the callee's own answer (business, validation, not found, auth) closes, a failure or timeout reopens, a cancelled or panicking probe, one a rate limit refused before any handler ran, or one answered 507 by an instance without the entry (the call moves to another), frees its slot at once";
         /// Failure-ratio mode of the breaker: it opens when this percentage of the calls in the
         /// sampling window failed (0 = consecutive mode, driven by
         /// `exceptions_allowed_before_breaking`).

@@ -79,6 +79,9 @@ pub struct CallCx<'g> {
     pub(crate) route_drawn: Option<Arc<std::sync::OnceLock<RouteDrawn>>>,
     /// The endpoint of the last failed attempt.
     pub(crate) last_failed: Option<Arc<str>>,
+    /// Whether the last failed attempt's answer said when to come back (`retry_after`): the
+    /// pause before the next attempt is then its, and that endpoint is as good as any.
+    pub(crate) last_said_when: bool,
     /// The number of the attempt the call's failure came from, when the call ends before
     /// another attempt is sent: after a detour that cannot serve the call (the failure before
     /// it), or when no endpoint is left to pick or the deadline passes during the pause before
@@ -200,6 +203,7 @@ impl<'g> CallCx<'g> {
             route_drawn: None,
             superseded: None,
             last_failed: None,
+            last_said_when: false,
             failed_attempt: None,
             unable: Vec::new(),
             served_failure: None,
@@ -386,6 +390,13 @@ impl<'g> CallCx<'g> {
     /// The endpoint of the last failed attempt, if one failed.
     pub fn last_failed(&self) -> Option<&str> {
         self.last_failed.as_deref()
+    }
+
+    /// Whether the last failed attempt's answer said when to come back (`retry_after`): a
+    /// balancer then need not steer the next attempt away from that endpoint, whose pause the
+    /// call waits.
+    pub fn last_failure_said_when(&self) -> bool {
+        self.last_said_when
     }
 
     /// Where the call's failure `e` happened, for the event of a fallback answering it: the

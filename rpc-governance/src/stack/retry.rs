@@ -275,6 +275,7 @@ impl<B: Balance, S> RetryLayer<B, S> {
             cx.health().success(&addr);
         }
         cx.last_failed = Some(addr.clone());
+        cx.last_said_when = err.retry_after().is_some();
         if unsupported {
             cx.unable.push(addr.clone());
         } else if err.code() != StatusCode::CommunicationError
