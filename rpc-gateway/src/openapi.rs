@@ -744,23 +744,29 @@ mod tests {
 
     const OPTIONAL_AND_STRUCTURED: &[&str] = &["id", "note", "verbose", "ids", "filter"];
 
-    #[test]
-    fn optional_query_arguments_are_not_required_and_arrays_or_objects_are_json_text() {
+    /// The parameters the document gives an entry taking [`OPTIONAL_AND_STRUCTURED`] served
+    /// with GET at `path`, by name.
+    fn find_parameters(path: &str) -> impl Fn(&str) -> Value {
         let e = entry(
             "shop.Orders",
             "find",
             Some(api(
                 OPTIONAL_AND_STRUCTURED,
-                Some(("GET", "/orders/{id}/find")),
+                Some(("GET", path)),
                 Some(optional_and_structured()),
             )),
         );
         let doc = document(&[e], &info());
-        let params = doc["paths"]["/orders/{id}/find"]["get"]["parameters"]
+        let params = doc["paths"][path]["get"]["parameters"]
             .as_array()
             .unwrap()
             .clone();
-        let by_name = |name: &str| params.iter().find(|p| p["name"] == name).unwrap().clone();
+        move |name: &str| params.iter().find(|p| p["name"] == name).unwrap().clone()
+    }
+
+    #[test]
+    fn optional_query_arguments_are_not_required_and_arrays_or_objects_are_json_text() {
+        let by_name = find_parameters("/orders/{id}/find");
         // (required, described as taken as text, a JSON `content` rather than a `schema`)
         let shape = |name: &str| {
             let p = by_name(name);
@@ -788,21 +794,7 @@ mod tests {
     /// `style: simple` would say `/orders/1,2`, which the router does not read).
     #[test]
     fn a_structured_path_argument_is_json_text() {
-        let e = entry(
-            "shop.Orders",
-            "find",
-            Some(api(
-                OPTIONAL_AND_STRUCTURED,
-                Some(("GET", "/orders/{ids}/{id}")),
-                Some(optional_and_structured()),
-            )),
-        );
-        let doc = document(&[e], &info());
-        let params = doc["paths"]["/orders/{ids}/{id}"]["get"]["parameters"]
-            .as_array()
-            .unwrap()
-            .clone();
-        let by_name = |name: &str| params.iter().find(|p| p["name"] == name).unwrap().clone();
+        let by_name = find_parameters("/orders/{ids}/{id}");
         let ids = by_name("ids");
         assert_eq!(ids["in"], "path");
         assert!(ids.get("schema").is_none(), "{ids}");

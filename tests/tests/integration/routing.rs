@@ -25,10 +25,26 @@ pub trait Other {
     async fn who(&self) -> Result<String, RpcError>;
 }
 
+/// A service of two entries, for entries called in turn.
+#[rpc::service(name = "rt.Pair")]
+pub trait Pair {
+    async fn first(&self) -> Result<String, RpcError>;
+    async fn second(&self) -> Result<String, RpcError>;
+}
+
 struct Named(&'static str);
 
 impl Who for Named {
     async fn who(&self) -> Result<String, RpcError> {
+        Ok(self.0.to_string())
+    }
+}
+
+impl Pair for Named {
+    async fn first(&self) -> Result<String, RpcError> {
+        Ok(self.0.to_string())
+    }
+    async fn second(&self) -> Result<String, RpcError> {
         Ok(self.0.to_string())
     }
 }
@@ -40,7 +56,7 @@ impl Other for Named {
 }
 
 /// A fresh registry with one canary (`canary-1`) and two stable instances (`stable-1`,
-/// `stable-2`) of `rt.Who` (and `rt.Other`), by their `version` metadata.
+/// `stable-2`) of `rt.Who` (and `rt.Other`, `rt.Pair`), by their `version` metadata.
 async fn fleet() -> (InProcessRegistry, Vec<ServerHandle>) {
     let registry = InProcessRegistry::new();
     let mut servers = Vec::new();
@@ -55,12 +71,19 @@ async fn fleet() -> (InProcessRegistry, Vec<ServerHandle>) {
                 .metadata("version", version)
                 .add_service(WhoServer::new(Named(name)))
                 .add_service(OtherServer::new(Named(name)))
+                .add_service(PairServer::new(Named(name)))
                 .serve("127.0.0.1:0")
                 .await
                 .expect("serve"),
         );
     }
     (registry, servers)
+}
+
+/// A fresh [`fleet`] and a client of it routing by `rules`.
+async fn routed(rules: &str) -> (Client, Vec<ServerHandle>) {
+    let (registry, servers) = fleet().await;
+    (client(&registry, rules), servers)
 }
 
 /// Stops every server of `servers`.
@@ -96,6 +119,31 @@ async fn served(who: &WhoClient, n: usize) -> BTreeMap<String, usize> {
     counts
 }
 
+/// Who served each of `n` calls of `a` and of `b`, called in turn, counted by name.
+async fn served_in_turn<A, B>(
+    n: usize,
+    a: impl Fn() -> A,
+    b: impl Fn() -> B,
+) -> (BTreeMap<String, usize>, BTreeMap<String, usize>)
+where
+    A: std::future::Future<Output = Result<String, RpcError>>,
+    B: std::future::Future<Output = Result<String, RpcError>>,
+{
+    let (mut by_a, mut by_b) = (BTreeMap::new(), BTreeMap::new());
+    for _ in 0..n {
+        let name = within("a call", a()).await.expect("the call succeeds");
+        *by_a.entry(name).or_default() += 1;
+        let name = within("b call", b()).await.expect("the call succeeds");
+        *by_b.entry(name).or_default() += 1;
+    }
+    (by_a, by_b)
+}
+
+/// `pairs` as counts by name.
+fn counts(pairs: &[(&str, usize)]) -> BTreeMap<String, usize> {
+    pairs.iter().map(|(n, c)| (n.to_string(), *c)).collect()
+}
+
 const CANARY_ONLY: &str = r#"
 [[routes]]
 name = "canary-only"
@@ -106,8 +154,7 @@ to = [ { tags = { version = "canary" } } ]
 #[tokio::test]
 async fn tag_routing_sends_every_call_to_the_tagged_instances() {
     let _traced = traced();
-    let (registry, servers) = fleet().await;
-    let client = client(&registry, CANARY_ONLY);
+    let (client, servers) = routed(CANARY_ONLY).await;
     let who = WhoClient::new(client.clone());
     assert_eq!(
         served(&who, 30).await,
@@ -171,9 +218,7 @@ async fn invalid_rules_are_refused_and_the_rules_in_force_stay() {
 #[tokio::test]
 async fn a_95_5_split_sends_the_canary_its_share_within_a_binomial_bound() {
     let _traced = traced();
-    let (registry, servers) = fleet().await;
-    let client = client(
-        &registry,
+    let (client, servers) = routed(
         r#"
 [[routes]]
 name = "canary-split"
@@ -183,7 +228,8 @@ to = [
   { tags = { version = "stable" }, weight = 95 },
 ]
 "#,
-    );
+    )
+    .await;
     let who = WhoClient::new(client);
     let n = 2000;
     let counts = served(&who, n).await;
@@ -206,9 +252,7 @@ to = [
 #[tokio::test]
 async fn a_tenant_attachment_routes_its_calls_to_its_group() {
     let _traced = traced();
-    let (registry, servers) = fleet().await;
-    let client = client(
-        &registry,
+    let (client, servers) = routed(
         r#"
 [[routes]]
 name = "acme-on-canary"
@@ -221,7 +265,8 @@ name = "everyone-else-stable"
 service = "rt.Who"
 to = [ { tags = { version = "stable" } } ]
 "#,
-    );
+    )
+    .await;
     let who = WhoClient::new(client);
     for _ in 0..10 {
         let acme = RpcContext::with_attachment("tenant", "acme", who.who());
@@ -246,9 +291,7 @@ to = [ { tags = { version = "stable" } } ]
 #[tokio::test]
 async fn calls_alternating_between_a_group_and_the_whole_service_spread_in_each() {
     let _traced = traced();
-    let (registry, servers) = fleet().await;
-    let client = client(
-        &registry,
+    let (client, servers) = routed(
         r#"
 [[routes]]
 name = "acme-on-stable"
@@ -256,40 +299,21 @@ service = "rt.Who"
 when = { attachment = "tenant", equals = "acme" }
 to = [ { tags = { version = "stable" } } ]
 "#,
-    );
+    )
+    .await;
     let who = WhoClient::new(client);
-    let (mut acme, mut others) = (BTreeMap::new(), BTreeMap::new());
-    for _ in 0..12 {
-        let call = RpcContext::with_attachment("tenant", "acme", who.who());
-        let name = within("acme", call).await.expect("call");
-        *acme.entry(name).or_insert(0usize) += 1;
-        let name = within("no tenant", who.who()).await.expect("call");
-        *others.entry(name).or_insert(0usize) += 1;
-    }
-    let count = |pairs: &[(&str, usize)]| -> BTreeMap<String, usize> {
-        pairs.iter().map(|(n, c)| (n.to_string(), *c)).collect()
-    };
-    assert_eq!(acme, count(&[("stable-1", 6), ("stable-2", 6)]));
+    let (acme, others) = served_in_turn(
+        12,
+        || RpcContext::with_attachment("tenant", "acme", who.who()),
+        || who.who(),
+    )
+    .await;
+    assert_eq!(acme, counts(&[("stable-1", 6), ("stable-2", 6)]));
     assert_eq!(
         others,
-        count(&[("canary-1", 4), ("stable-1", 4), ("stable-2", 4)])
+        counts(&[("canary-1", 4), ("stable-1", 4), ("stable-2", 4)])
     );
     stop(servers).await;
-}
-
-#[rpc::service(name = "rt.Pair")]
-pub trait Pair {
-    async fn first(&self) -> Result<String, RpcError>;
-    async fn second(&self) -> Result<String, RpcError>;
-}
-
-impl Pair for Named {
-    async fn first(&self) -> Result<String, RpcError> {
-        Ok(self.0.to_string())
-    }
-    async fn second(&self) -> Result<String, RpcError> {
-        Ok(self.0.to_string())
-    }
 }
 
 /// Within a routing group, each entry takes turns of its own, as outside one: two entries of
@@ -299,43 +323,18 @@ impl Pair for Named {
 #[tokio::test]
 async fn entries_called_in_turn_within_one_group_each_spread_over_it() {
     let _traced = traced();
-    let registry = InProcessRegistry::new();
-    let mut servers = Vec::new();
-    for (name, version) in [
-        ("canary-1", "canary"),
-        ("stable-1", "stable"),
-        ("stable-2", "stable"),
-    ] {
-        servers.push(
-            Server::builder()
-                .registry(registry.clone())
-                .metadata("version", version)
-                .add_service(PairServer::new(Named(name)))
-                .serve("127.0.0.1:0")
-                .await
-                .expect("serve"),
-        );
-    }
-    let client = client(
-        &registry,
+    let (client, servers) = routed(
         r#"
 [[routes]]
 name = "pair-on-stable"
 service = "rt.Pair"
 to = [ { tags = { version = "stable" } } ]
 "#,
-    );
+    )
+    .await;
     let pair = PairClient::new(client);
-    let (mut first, mut second) = (BTreeMap::new(), BTreeMap::new());
-    for _ in 0..8 {
-        let name = within("first", pair.first()).await.expect("call");
-        *first.entry(name).or_insert(0usize) += 1;
-        let name = within("second", pair.second()).await.expect("call");
-        *second.entry(name).or_insert(0usize) += 1;
-    }
-    let even: BTreeMap<String, usize> = [("stable-1".to_string(), 4), ("stable-2".to_string(), 4)]
-        .into_iter()
-        .collect();
+    let (first, second) = served_in_turn(8, || pair.first(), || pair.second()).await;
+    let even = counts(&[("stable-1", 4), ("stable-2", 4)]);
     assert_eq!((first, second), (even.clone(), even));
     stop(servers).await;
 }
@@ -378,9 +377,7 @@ async fn a_group_with_no_live_instance_falls_back_to_any_or_fails_naming_the_rul
 #[tokio::test]
 async fn the_call_span_names_the_rule_that_chose_and_the_fallback() {
     let (traces, _guard) = Traces::install();
-    let (registry, servers) = fleet().await;
-    let client = client(
-        &registry,
+    let (client, servers) = routed(
         r#"
 [[routes]]
 name = "beta-or-any"
@@ -393,7 +390,8 @@ name = "canary-only"
 service = "rt.Who"
 to = [ { tags = { version = "canary" } } ]
 "#,
-    );
+    )
+    .await;
     let who = WhoClient::new(client.clone());
     assert_eq!(within("routed", who.who()).await.expect("call"), "canary-1");
     let beta = RpcContext::with_attachment("tenant", "beta", who.who());
