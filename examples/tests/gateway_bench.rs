@@ -177,6 +177,28 @@ fn the_references_answer_each_call_and_print_their_ratio_to_axum() {
     );
 }
 
+/// `--plain-echo-work-ns` makes the plain echo behind the references spend that long on each
+/// message: every call through `mux` then takes at least that long, and each is still
+/// answered (the program checks every answer).
+#[test]
+fn the_plain_echo_spends_the_work_asked_for_on_each_message() {
+    let work_us = 2_000;
+    let work_ns = (work_us * 1_000).to_string();
+    let out = run_small(20, &["--cases", "mux", "--plain-echo-work-ns", &work_ns]);
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("GATEWAY ") && field(l, "case") == Some("mux"))
+        .unwrap_or_else(|| panic!("no mux line in {out}"));
+    assert_eq!(field(line, "requests"), Some("20"), "{line:?}");
+    let p50: u64 = field(line, "p50_us")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("p50 of {line:?}"));
+    assert!(
+        p50 >= work_us,
+        "a call waited on {work_us} µs of work: {line:?}"
+    );
+}
+
 /// Runs the program with `args` and checks it fails, saying `expected` on standard error.
 fn refused(args: &[&str], expected: &str) {
     let out = Command::new(BENCH)

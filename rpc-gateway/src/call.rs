@@ -299,6 +299,9 @@ async fn call(State(gateway): State<Gateway>, request: Request) -> Response {
     #[cfg(feature = "otel")]
     otel::set_parent(&span, &parts.headers);
     drop(table);
+    // The request's head and body are slices of the connection's read buffer: held while the
+    // call is out, they would make hyper take a new buffer for its next read.
+    drop((parts, body));
     let client = gateway.inner.client.clone();
     let result = RpcContext::scope(attachments, client.invoke_json(&entry_id, args))
         .instrument(span.clone())

@@ -5,6 +5,7 @@
 //!               [--text TEXT] [--cases axum,gateway,client[,hop,mux]] [--threads T]
 //!               [--rounds R]
 //!               [--echo-inline-first-poll | --echo-task-per-call]
+//!               [--plain-echo-work-ns N]
 //! ```
 //!
 //! - `axum`: a plain axum handler answering the call's route (`POST /api/echo.Echo/echo`,
@@ -20,8 +21,11 @@
 //!   runtime (a 4-byte length and the bytes each way). `hop` writes and reads on a connection
 //!   of its own per request in flight (taken from an idle list and given back); `mux` puts
 //!   every request on one connection, tagged with an id, a writer task sending all the
-//!   requests queued at once in one write and a reader task handing each answer to its
-//!   request: the design of the gateway's client without anything else it does.
+//!   requests of a scheduler round in one write (it yields once for them, as the gateway's
+//!   writer does) and a reader task handing each answer to its request: the design of the
+//!   gateway's client without anything else it does. The plain echo costs far less than a
+//!   server that decodes, dispatches and governs its calls; `--plain-echo-work-ns N` makes it
+//!   busy-wait N ns on each message, to see what a costlier server behind the hop takes.
 //!
 //! Each case runs `--connections` closed-loop callers at once (for HTTP, one keep-alive
 //! connection each through hyper; for the client, that many calls in flight on its pooled
@@ -137,6 +141,10 @@ struct Args {
     /// Run the echo server with the server's defaults: each call in a task of its own.
     #[arg(long)]
     echo_task_per_call: bool,
+    /// Nanoseconds of CPU the plain echo behind `hop` and `mux` spends on each message
+    /// (busy-waiting), to model a server costlier than a bare echo.
+    #[arg(long, default_value_t = 0)]
+    plain_echo_work_ns: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -334,7 +342,9 @@ fn run(args: &Args) -> Result<(), String> {
     let _echo_server = echo_server.map_err(|e| format!("could not start the echo server: {e}"))?;
     let (axum_addr, gateway_addr, body) = http.block_on(start_http(&registry, &args.text))?;
     let references = if args.cases.contains(&Case::Hop) || args.cases.contains(&Case::Mux) {
-        let plain_echo = echo.block_on(start_plain_echo())?;
+        let plain_echo = echo.block_on(start_plain_echo(Duration::from_nanos(
+            args.plain_echo_work_ns,
+        )))?;
         Some(http.block_on(start_references(plain_echo))?)
     } else {
         None
@@ -518,8 +528,9 @@ async fn axum_echo(Json(body): Json<Value>) -> Result<Json<Value>, axum::http::S
 }
 
 /// A plain echo over TCP, no framework: each message is a 4-byte big-endian length and that
-/// many bytes, answered as it came. Returns its address.
-async fn start_plain_echo() -> Result<SocketAddr, String> {
+/// many bytes, answered as it came, after `work` of busy-waiting when it is not zero. Returns
+/// its address.
+async fn start_plain_echo(work: Duration) -> Result<SocketAddr, String> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .map_err(|e| format!("could not listen for the plain echo: {e}"))?;
@@ -536,6 +547,12 @@ async fn start_plain_echo() -> Result<SocketAddr, String> {
                 while read_message(&mut read, &mut message).await.is_ok() {
                     // The answers of all the messages read at once go in one write.
                     let flush = read.buffer().is_empty();
+                    if !work.is_zero() {
+                        let started = Instant::now();
+                        while started.elapsed() < work {
+                            std::hint::spin_loop();
+                        }
+                    }
                     if write_message(&mut write, &message, flush).await.is_err() {
                         break;
                     }
@@ -646,6 +663,7 @@ impl Mux {
             let mut buffer = Vec::new();
             while let Some(first) = queued.recv().await {
                 let mut request = Some(first);
+                let mut yielded = false;
                 while let Some((text, answer)) = request {
                     next_id += 1;
                     writer_waiting
@@ -657,6 +675,14 @@ impl Mux {
                     buffer.extend_from_slice(&next_id.to_be_bytes());
                     buffer.extend_from_slice(text.as_bytes());
                     request = queued.try_recv().ok();
+                    if request.is_none() && !yielded {
+                        // The requests of this scheduler round are still to come (each
+                        // handler queues its own, and this task runs right after the first):
+                        // one yield lets them share the write, as the gateway's writer does.
+                        yielded = true;
+                        tokio::task::yield_now().await;
+                        request = queued.try_recv().ok();
+                    }
                 }
                 if write.write_all(&buffer).await.is_err() {
                     return;
