@@ -297,15 +297,18 @@ async fn call(State(gateway): State<Gateway>, request: Request) -> Response {
         http.response.status_code = tracing::field::Empty,
     );
     #[cfg(feature = "otel")]
-    otel::set_parent(&span, &parts.headers);
+    let carried = otel::carried(&parts.headers);
     drop(table);
     // The request's head and body are slices of the connection's read buffer: held while the
     // call is out, they would make hyper take a new buffer for its next read.
     drop((parts, body));
     let client = gateway.inner.client.clone();
-    let result = RpcContext::scope(attachments, client.invoke_json(&entry_id, args))
-        .instrument(span.clone())
-        .await;
+    let call = RpcContext::scope(attachments, client.invoke_json(&entry_id, args))
+        .instrument(span.clone());
+    #[cfg(feature = "otel")]
+    let result = otel::traced(&span, carried, call).await;
+    #[cfg(not(feature = "otel"))]
+    let result = call.await;
     let answer = match result {
         Ok(value) => (StatusCode::OK, Json(value)).into_response(),
         Err(e) => failed(&e),
@@ -642,14 +645,35 @@ mod otel {
         }
     }
 
-    /// Makes the request's span (from `traceparent`/`tracestate`) the parent of `span`.
-    pub(super) fn set_parent(span: &tracing::Span, headers: &HeaderMap) {
-        if span.is_disabled() || !headers.contains_key("traceparent") {
-            return;
+    /// The request's trace context (from `traceparent`/`tracestate`), when it carries a valid
+    /// one.
+    pub(super) fn carried(headers: &HeaderMap) -> Option<opentelemetry::Context> {
+        if !headers.contains_key("traceparent") {
+            return None;
         }
         let cx = TraceContextPropagator::new().extract(&Headers(headers));
-        if cx.span().span_context().is_valid() {
-            let _ = span.set_parent(cx);
+        cx.span().span_context().is_valid().then_some(cx)
+    }
+
+    /// Runs `call` under the request's trace context `carried`, the parent of `span`: the
+    /// gateway's span is its child and the client's is the gateway span's, or, when a filter
+    /// keeps the gateway's span from OpenTelemetry (at any level, or the OpenTelemetry layer's
+    /// own filter), the client's span is the request's child directly, rather than the root of
+    /// a trace of its own.
+    pub(super) async fn traced<F: std::future::Future>(
+        span: &tracing::Span,
+        carried: Option<opentelemetry::Context>,
+        call: F,
+    ) -> F::Output {
+        use opentelemetry::trace::FutureExt as _;
+        match carried {
+            Some(cx) => {
+                if !span.is_disabled() {
+                    let _ = span.set_parent(cx.clone());
+                }
+                call.with_context(cx).await
+            }
+            None => call.await,
         }
     }
 }

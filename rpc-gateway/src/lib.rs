@@ -83,8 +83,9 @@
 //! [`MAX_ATTACHMENTS`] headers of at most [`MAX_ATTACHMENT_BYTES`] bytes in all are forwarded;
 //! more is refused with 431. A W3C `traceparent` (and `tracestate`) continues the caller's trace:
 //! with feature `otel`, the gateway's `rpc.gateway` span is the child of the request's span and
-//! the calls it makes carry the trace on; without it, the header is forwarded as it is and the
-//! server's span joins the caller's trace directly.
+//! the calls it makes carry the trace on (their spans are the request's children directly when
+//! a filter keeps the gateway's span from OpenTelemetry); without it, the header is forwarded
+//! as it is and the server's span joins the caller's trace directly.
 //!
 //! With [`GatewayBuilder::token`], every route but `GET /healthz` and `GET /docs` (a static page)
 //! needs `Authorization: Bearer <token>` (the scheme's name in any case; the token compared by

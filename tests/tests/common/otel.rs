@@ -49,12 +49,26 @@ pub struct Traces {
 impl Traces {
     /// Installs the subscriber on this thread until the guard is dropped.
     pub fn install() -> (Self, tracing::subscriber::DefaultGuard) {
+        Self::install_without(&[])
+    }
+
+    /// As [`install`](Self::install), with the spans named in `left_out` disabled (as a log
+    /// filter turns spans off); it replaces the thread's subscriber until the guard is dropped.
+    pub fn install_without(
+        left_out: &'static [&'static str],
+    ) -> (Self, tracing::subscriber::DefaultGuard) {
+        use tracing_subscriber::Layer as _;
         let exporter = InMemorySpanExporter::default();
         let provider = SdkTracerProvider::builder()
             .with_simple_exporter(exporter.clone())
             .build();
-        let subscriber = tracing_subscriber::registry()
-            .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")));
+        let subscriber = tracing_subscriber::registry().with(
+            tracing_opentelemetry::layer()
+                .with_tracer(provider.tracer("test"))
+                .with_filter(tracing_subscriber::filter::filter_fn(|meta| {
+                    !left_out.contains(&meta.name())
+                })),
+        );
         let guard = super::trace_this_thread(subscriber);
         (Traces { provider, exporter }, guard)
     }
