@@ -31,6 +31,13 @@ pub trait Service: Send + Sync + 'static {
 
     /// Runs method number `method` with its argument list encoded by `codec`, and returns the
     /// encoded result or the error to send back (a business error carries its encoded value).
+    ///
+    /// The server sends an error as a generated service's handler error goes
+    /// ([`RemoteError::into_rpc_error`](crate::RemoteError::into_rpc_error)): a callee answer
+    /// (business, validation, authentication) as it is, any other status carried with the
+    /// error as its payload, so that a failure passed on from a downstream call (a 507, a 515)
+    /// does not read to the caller as this server's "nothing ran here", which would have the
+    /// call run again elsewhere.
     fn call(&self, method: usize, params: Bytes, codec: Codec) -> ServiceFuture;
 
     /// The shape of method number `method`: [`StreamMode::Unary`] (the default) for a method

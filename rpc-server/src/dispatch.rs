@@ -17,7 +17,8 @@ use bytes::Bytes;
 use futures_util::FutureExt;
 use rpc_core::wire::{RemoteResultMessage, ValidateError};
 use rpc_core::{
-    Codec, Compression, HeldContext, MethodDescriptor, RpcContext, RpcError, StatusCode, StreamMode,
+    Codec, Compression, HeldContext, MethodDescriptor, RemoteError, RpcContext, RpcError,
+    StatusCode, StreamMode,
 };
 use rpc_governance::calls::{CallObservers, Side};
 use rpc_governance::events::{EventBus, EventKind};
@@ -164,7 +165,7 @@ impl Terminal {
         let entry: &str = &self.entry;
         let run = async move {
             match (
-                run_guarded(handler, deadline, entry, self.send_panic_text).await,
+                run_guarded(handler, (deadline, codec), entry, self.send_panic_text).await,
                 fallback,
             ) {
                 (Err(e), Some(fb)) if fb.runs_for(&e, deadline) => {
@@ -597,12 +598,17 @@ impl Dispatcher {
         let mut context = (!attachments.is_empty() || depth > 0)
             .then(|| HeldContext::new(Arc::new(attachments), depth));
         let first = if self.inline_first_poll {
-            poll_first(&mut handler, (deadline, entry), context.as_mut(), &span)
+            poll_first(
+                &mut handler,
+                (deadline, codec, entry),
+                context.as_mut(),
+                &span,
+            )
         } else {
             Poll::Pending
         };
         let mut call = CallFuture {
-            guarded: Guarded::new(handler, deadline, entry),
+            guarded: Guarded::new(handler, (deadline, codec), entry),
             fallback,
             running_fallback: None,
             permit: Some(permit),
@@ -827,14 +833,14 @@ pub(crate) type Outcome = std::thread::Result<Result<Bytes, RpcError>>;
 /// waker, by the future that continues the call.
 fn poll_first(
     handler: &mut HandlerFuture,
-    (deadline, entry): (Option<(Instant, u32)>, &str),
+    (deadline, codec, entry): (Option<(Instant, u32)>, Codec, &str),
     context: Option<&mut HeldContext>,
     span: &tracing::Span,
 ) -> Poll<Outcome> {
     let mut poll = || {
         let mut cx = Context::from_waker(Waker::noop());
         match std::panic::catch_unwind(AssertUnwindSafe(|| handler.as_mut().poll(&mut cx))) {
-            Ok(Poll::Ready(result)) => Poll::Ready(Ok(past_deadline(result, deadline, entry))),
+            Ok(Poll::Ready(result)) => Poll::Ready(Ok(answered(result, (deadline, codec), entry))),
             Ok(Poll::Pending) => Poll::Pending,
             Err(panic) => Poll::Ready(Err(panic)),
         }
@@ -886,7 +892,7 @@ async fn run_fallback(
     let handler = panic_at_poll(|| to.service.call(to.index, fb.parameters, codec));
     let answer = fallback::with_cause(
         e.clone(),
-        run_guarded(handler, deadline, entry, to.send_panic_text),
+        run_guarded(handler, (deadline, codec), entry, to.send_panic_text),
     )
     .await;
     match answer {
@@ -949,7 +955,7 @@ impl ServerFallback {
 
 async fn run_guarded(
     handler: HandlerFuture,
-    deadline: Option<(Instant, u32)>,
+    deadline: (Option<(Instant, u32)>, Codec),
     entry: &str,
     send_panic_text: bool,
 ) -> Result<Bytes, RpcError> {
@@ -970,16 +976,23 @@ async fn run_guarded(
 struct Guarded<'e> {
     handler: HandlerFuture,
     deadline: Option<(Instant, u32)>,
+    /// The call's codec, which a failure the handler passes on is carried in.
+    codec: Codec,
     entry: &'e str,
     /// Armed at the first poll the handler does not answer in.
     timer: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl<'e> Guarded<'e> {
-    fn new(handler: HandlerFuture, deadline: Option<(Instant, u32)>, entry: &'e str) -> Self {
+    fn new(
+        handler: HandlerFuture,
+        (deadline, codec): (Option<(Instant, u32)>, Codec),
+        entry: &'e str,
+    ) -> Self {
         Guarded {
             handler,
             deadline,
+            codec,
             entry,
             timer: None,
         }
@@ -992,9 +1005,14 @@ impl<'e> Guarded<'e> {
 /// time is up: the answer is the timeout, with the handler's error named, whichever of the
 /// handler and the timer is polled first, and whether the handler answered in its inline
 /// first poll or in a task.
-fn past_deadline(
+///
+/// Any other failure travels as a handler's `RpcError` does from a generated service
+/// ([`RemoteError::into_rpc_error`], a no-op for those): one a hand-written [`rpc_core::Service`]
+/// passes on from a downstream call (a 507, a 515) must not read to the caller as this server's
+/// "nothing ran here", which would have the call run again elsewhere.
+fn answered(
     result: Result<Bytes, RpcError>,
-    deadline: Option<(Instant, u32)>,
+    (deadline, codec): (Option<(Instant, u32)>, Codec),
     entry: &str,
 ) -> Result<Bytes, RpcError> {
     match result {
@@ -1012,7 +1030,8 @@ fn past_deadline(
                 ),
             ))
         }
-        result => result,
+        Err(e) => Err(RemoteError::into_rpc_error(e, codec)),
+        ok => ok,
     }
 }
 
@@ -1028,7 +1047,11 @@ impl Future for Guarded<'_> {
             });
         match polled {
             Ok(Poll::Ready(result)) => {
-                return Poll::Ready(Ok(past_deadline(result, this.deadline, this.entry)))
+                return Poll::Ready(Ok(answered(
+                    result,
+                    (this.deadline, this.codec),
+                    this.entry,
+                )))
             }
             Ok(Poll::Pending) => {}
             Err(panic) => return Poll::Ready(Err(panic)),
