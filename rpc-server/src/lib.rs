@@ -45,7 +45,7 @@ mod telemetry;
 pub mod tower;
 
 pub use admission::CRITICALITY_ATTACHMENT;
-pub use middleware::{LayerFuture, Next, ServerLayer, ServerRequest};
+pub use middleware::{layer_fn, LayerFn, LayerFuture, Next, ServerLayer, ServerRequest};
 pub use rpc_transport::Caller;
 pub use server::{ListenAddr, Server, ServerBuilder, ServerHandle, ServerStatus};
 pub use service::{Service, ServiceFuture};

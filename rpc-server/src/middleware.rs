@@ -69,6 +69,52 @@ pub trait ServerLayer: Send + Sync + 'static {
     fn call<'a>(&'a self, req: &'a mut ServerRequest, next: Next<'a>) -> LayerFuture<'a>;
 }
 
+/// A [`ServerLayer`] from a function or closure taking the call and the rest of the chain, as
+/// [`ServerLayer::call`] does: for a layer with no state of its own, or with state it clones
+/// into each call's future (the future may not borrow the closure).
+///
+/// ```
+/// use std::sync::atomic::{AtomicU64, Ordering};
+/// use std::sync::Arc;
+/// use rpc_server::{layer_fn, Server};
+///
+/// let calls = Arc::new(AtomicU64::new(0));
+/// let counted = calls.clone();
+/// let builder = Server::builder().layer(layer_fn(move |req, next| {
+///     let counted = counted.clone();
+///     Box::pin(async move {
+///         counted.fetch_add(1, Ordering::Relaxed);
+///         next.run(req).await
+///     })
+/// }));
+/// # let _ = builder;
+/// ```
+pub fn layer_fn<F>(f: F) -> LayerFn<F>
+where
+    F: for<'a> Fn(&'a mut ServerRequest, Next<'a>) -> LayerFuture<'a> + Send + Sync + 'static,
+{
+    LayerFn(f)
+}
+
+/// A [`ServerLayer`] made by [`layer_fn`].
+#[derive(Clone, Copy)]
+pub struct LayerFn<F>(F);
+
+impl<F> std::fmt::Debug for LayerFn<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LayerFn")
+    }
+}
+
+impl<F> ServerLayer for LayerFn<F>
+where
+    F: for<'a> Fn(&'a mut ServerRequest, Next<'a>) -> LayerFuture<'a> + Send + Sync + 'static,
+{
+    fn call<'a>(&'a self, req: &'a mut ServerRequest, next: Next<'a>) -> LayerFuture<'a> {
+        (self.0)(req, next)
+    }
+}
+
 /// One call as the server's layers see it.
 ///
 /// [`Next::run`] hands the arguments and the attachments to the handler: after it returns,

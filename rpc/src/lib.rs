@@ -86,7 +86,10 @@ pub use rpc_registry::{ZooKeeperOptions, ZooKeeperRegistry};
 #[cfg(feature = "tower")]
 pub use rpc_server::tower;
 /// Server middleware (README, "Server middleware"): layers around dispatch and who calls.
-pub use rpc_server::{Caller, LayerFuture, Next as ServerNext, ServerLayer, ServerRequest};
+pub use rpc_server::{
+    layer_fn as server_layer_fn, Caller, LayerFn as ServerLayerFn, LayerFuture, Next as ServerNext,
+    ServerLayer, ServerRequest,
+};
 pub use rpc_server::{Server, ServerBuilder, ServerHandle, ServerStatus, Service, ServiceFuture};
 /// What a middleware receives and returns: encoded arguments and results, boxed futures.
 pub use {bytes::Bytes, futures_util::future::BoxFuture};

@@ -1345,17 +1345,12 @@ async fn items_beyond_the_window_end_only_that_stream() {
     assert_eq!(within("rogue", rogue).await.expect("rogue server"), WINDOW);
 }
 
-/// Refuses the client `intruder`; counts the calls it sees.
-struct Gate(Arc<AtomicU64>);
-
-impl rpc::ServerLayer for Gate {
-    fn call<'a>(
-        &'a self,
-        req: &'a mut rpc::ServerRequest,
-        next: rpc::ServerNext<'a>,
-    ) -> rpc::LayerFuture<'a> {
+/// Refuses the client `intruder`; counts the calls it sees in `seen`.
+fn gate(seen: Arc<AtomicU64>) -> impl rpc::ServerLayer {
+    rpc::server_layer_fn(move |req, next| {
+        let seen = seen.clone();
         Box::pin(async move {
-            self.0.fetch_add(1, Ordering::SeqCst);
+            seen.fetch_add(1, Ordering::SeqCst);
             if req.caller().client_id() == "intruder" {
                 return Err(RpcError::new(
                     StatusCode::UnAuthorization,
@@ -1364,28 +1359,23 @@ impl rpc::ServerLayer for Gate {
             }
             next.run(req).await
         })
-    }
+    })
 }
 
-/// Reports the status each call's set-up returned to it.
-struct SetUpStatus(mpsc::UnboundedSender<StatusCode>);
-
-impl rpc::ServerLayer for SetUpStatus {
-    fn call<'a>(
-        &'a self,
-        req: &'a mut rpc::ServerRequest,
-        next: rpc::ServerNext<'a>,
-    ) -> rpc::LayerFuture<'a> {
+/// Reports to `statuses` the status each call's set-up returned to it.
+fn set_up_status(statuses: mpsc::UnboundedSender<StatusCode>) -> impl rpc::ServerLayer {
+    rpc::server_layer_fn(move |req, next| {
+        let statuses = statuses.clone();
         Box::pin(async move {
             let result = next.run(req).await;
-            let _ = self.0.send(
+            let _ = statuses.send(
                 result
                     .as_ref()
                     .map_or_else(RpcError::code, |_| StatusCode::Success),
             );
             result
         })
-    }
+    })
 }
 
 /// A stream whose set-up panics is answered 520, and the server's layers see that answer as
@@ -1395,7 +1385,7 @@ impl rpc::ServerLayer for SetUpStatus {
 async fn a_stream_whose_set_up_panics_is_a_520_its_server_layers_see() {
     let reg = InProcessRegistry::new();
     let (tx, mut statuses) = mpsc::unbounded_channel();
-    let (server, _probe) = serve_configured(&reg, |b| b.layer(SetUpStatus(tx))).await;
+    let (server, _probe) = serve_configured(&reg, |b| b.layer(set_up_status(tx))).await;
     let f = FeedClient::new(
         Client::builder()
             .registry(reg.clone())
@@ -1428,7 +1418,7 @@ async fn a_streams_items_are_produced_in_the_callers_context() {
         let seen = Arc::new(AtomicU64::new(0));
         let (server, _probe) = serve_configured(&reg, |b| {
             if layered {
-                b.layer(Gate(seen.clone()))
+                b.layer(gate(seen.clone()))
             } else {
                 b
             }
@@ -1456,7 +1446,7 @@ async fn server_layers_see_a_streams_set_up_and_may_refuse_it() {
     let reg = InProcessRegistry::new();
     let seen = Arc::new(AtomicU64::new(0));
     let (server, probe) =
-        serve_configured(&reg, |b| b.max_concurrency(1).layer(Gate(seen.clone()))).await;
+        serve_configured(&reg, |b| b.max_concurrency(1).layer(gate(seen.clone()))).await;
     let setups = probe.setups;
     let f = feed(&reg);
     let ticks = within("ticks", f.ticks(40).await.expect("ticks").collect_all())

@@ -1639,22 +1639,16 @@ async fn a_clients_compressed_items_are_expanded_one_at_a_time_as_they_are_taken
     assert_expanded_one_at_a_time(before, "client");
 }
 
-/// A server layer that records each set-up it sees and each stream's end, and refuses the
-/// caller `intruder`.
-struct ServerGate(mpsc::UnboundedSender<String>);
-
-impl rpc::ServerLayer for ServerGate {
-    fn call<'a>(
-        &'a self,
-        req: &'a mut rpc::ServerRequest,
-        next: rpc::ServerNext<'a>,
-    ) -> rpc::LayerFuture<'a> {
+/// A server layer that records in `seen` each set-up it sees and each stream's end, and
+/// refuses the caller `intruder`.
+fn server_gate(seen: mpsc::UnboundedSender<String>) -> impl rpc::ServerLayer {
+    rpc::server_layer_fn(move |req, next| {
+        let seen = seen.clone();
         Box::pin(async move {
             let entry = req.entry_id();
-            let _ = self.0.send(entry.to_string());
-            let tx = self.0.clone();
+            let _ = seen.send(entry.to_string());
             req.on_stream_end(move |end| {
-                let _ = tx.send(format!(
+                let _ = seen.send(format!(
                     "end {entry} {:?} sent {} received {}",
                     end.status.map(StatusCode::as_u32),
                     end.items_sent,
@@ -1669,20 +1663,12 @@ impl rpc::ServerLayer for ServerGate {
             }
             next.run(req).await
         })
-    }
+    })
 }
 
 /// A server layer that passes every call on.
-struct PassThrough;
-
-impl rpc::ServerLayer for PassThrough {
-    fn call<'a>(
-        &'a self,
-        req: &'a mut rpc::ServerRequest,
-        next: rpc::ServerNext<'a>,
-    ) -> rpc::LayerFuture<'a> {
-        Box::pin(next.run(req))
-    }
+fn pass_through() -> impl rpc::ServerLayer {
+    rpc::server_layer_fn(|req, next| Box::pin(next.run(req)))
 }
 
 /// With a layer on the server, a client stream over its entry's cap is refused (515) before
@@ -1693,7 +1679,7 @@ async fn a_client_stream_over_the_cap_behind_a_layer_is_refused_before_acceptanc
     use rpc::crates::core::wire::{frame::Kind, StreamMode};
     let server = Server::builder()
         .max_concurrency(1)
-        .layer(PassThrough)
+        .layer(pass_through())
         .add_service(StocksServer::new(Market::default()))
         .serve("127.0.0.1:0")
         .await
@@ -1742,7 +1728,7 @@ async fn a_stream_ended_by_its_connection_is_recorded_with_the_end_the_caller_ge
         let (seen_tx, mut seen) = mpsc::unbounded_channel();
         let mut builder = Server::builder().registry(reg.clone()).stream_window(4);
         if layered {
-            builder = builder.layer(ServerGate(seen_tx));
+            builder = builder.layer(server_gate(seen_tx));
         }
         let server = builder
             .add_service(StocksServer::new(Market::default()))
@@ -2015,7 +2001,7 @@ async fn server_layers_pass_client_and_bidi_streams_hear_of_their_end_and_may_re
     let market = Market::default();
     let server = Server::builder()
         .registry(reg.clone())
-        .layer(ServerGate(seen_tx))
+        .layer(server_gate(seen_tx))
         .add_service(StocksServer::new(market.clone()))
         .serve("127.0.0.1:0")
         .await
@@ -2130,7 +2116,7 @@ async fn a_server_fallback_answers_a_server_streams_failed_set_up_only() {
             .add_service(StocksServer::new(market.clone()))
             .fallback(StocksServer::new(cache.clone()));
         let builder = if layered {
-            builder.layer(ServerGate(seen_tx))
+            builder.layer(server_gate(seen_tx))
         } else {
             builder
         };
