@@ -124,10 +124,13 @@ impl Terminal {
                     .take()
             });
             let for_fallback = self.fallback.as_ref().map(|_| parameters.clone());
-            let setup = panic_at_poll(|| {
-                self.service
-                    .call_stream(self.index, parameters, inbound, req.codec)
-            });
+            let setup = crate::streams::carried(
+                panic_at_poll(|| {
+                    self.service
+                        .call_stream(self.index, parameters, inbound, req.codec)
+                }),
+                req.codec,
+            );
             let mode = self.service.stream_mode(self.index);
             let cause = crate::streams::FallbackCause::default();
             let setup = crate::streams::with_fallback(

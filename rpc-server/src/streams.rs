@@ -21,7 +21,8 @@ use bytes::Bytes;
 use futures_util::stream::{Stream, StreamExt};
 use rpc_core::wire::RemoteResultMessage;
 use rpc_core::{
-    ByteStream, Codec, RpcContext, RpcError, RpcStream, StatusCode, StreamFuture, StreamMode,
+    ByteStream, Codec, RemoteError, RpcContext, RpcError, RpcStream, StatusCode, StreamFuture,
+    StreamMode,
 };
 use rpc_governance::events::EventKind;
 use rpc_governance::fallback;
@@ -129,11 +130,14 @@ pub(crate) fn dispatch(
         }))
     });
     let parameters = route.fallback.as_ref().map(|_| invoke.parameters.clone());
-    let setup = crate::dispatch::panic_at_poll(|| {
-        route
-            .service
-            .call_stream(route.index, invoke.parameters, inbound, codec)
-    });
+    let setup = carried(
+        crate::dispatch::panic_at_poll(|| {
+            route
+                .service
+                .call_stream(route.index, invoke.parameters, inbound, codec)
+        }),
+        codec,
+    );
     let cause = FallbackCause::default();
     let setup = with_fallback(
         setup,
@@ -327,6 +331,17 @@ pub(crate) fn with_fallback(
         )
         .await;
         fallback::outcome(&to.entry_id, e, answer)
+    })
+}
+
+/// The handler's stream `setup`, its failure sent as a unary handler's is (see
+/// `dispatch::answered`): a hand-written service's set-up passing on a downstream 507 must not
+/// read to the caller as "nothing ran here".
+pub(crate) fn carried(setup: StreamFuture, codec: Codec) -> StreamFuture {
+    Box::pin(async move {
+        setup
+            .await
+            .map_err(|e| RemoteError::into_rpc_error(e, codec))
     })
 }
 

@@ -494,3 +494,59 @@ pub fn observe_calls(
     client.observe_calls(std::sync::Arc::new(CallRecords(std::sync::Mutex::new(tx))));
     rx
 }
+
+/// `inner`, written by hand around it: its method named `failing` acts (counted in `runs`) and
+/// then passes on a downstream call's 507 as it came, whether that method is unary or a
+/// stream's set-up.
+pub struct PassesOnA507<S> {
+    pub inner: S,
+    pub failing: &'static str,
+    pub runs: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl<S> PassesOnA507<S> {
+    fn fails(&self, method: &rpc::MethodDescriptor) -> Option<impl Future<Output = rpc::RpcError>> {
+        let runs = self.runs.clone();
+        (method.method == self.failing).then(|| async move {
+            runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            rpc::RpcError::new(
+                rpc::StatusCode::NotFindLocalServiceEntry,
+                "t.Downstream.gone: no such entry",
+            )
+        })
+    }
+}
+
+impl<S: rpc::Service> rpc::Service for PassesOnA507<S> {
+    fn service_id(&self) -> &'static str {
+        self.inner.service_id()
+    }
+
+    fn methods(&self) -> &'static [rpc::MethodDescriptor] {
+        self.inner.methods()
+    }
+
+    fn call(&self, method: usize, params: rpc::Bytes, codec: rpc::Codec) -> rpc::ServiceFuture {
+        match self.fails(&self.methods()[method]) {
+            Some(failed) => Box::pin(async move { Err(failed.await) }),
+            None => self.inner.call(method, params, codec),
+        }
+    }
+
+    fn stream_mode(&self, method: usize) -> rpc::crates::core::StreamMode {
+        self.inner.stream_mode(method)
+    }
+
+    fn call_stream(
+        &self,
+        method: usize,
+        params: rpc::Bytes,
+        inbound: Option<rpc::crates::core::ByteStream>,
+        codec: rpc::Codec,
+    ) -> rpc::crates::core::StreamFuture {
+        match self.fails(&self.methods()[method]) {
+            Some(failed) => Box::pin(async move { Err(failed.await) }),
+            None => self.inner.call_stream(method, params, inbound, codec),
+        }
+    }
+}

@@ -4,7 +4,7 @@
 use crate::common;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use common::{recv_one, within};
@@ -478,37 +478,6 @@ async fn a_call_of_an_entry_an_instance_lacks_goes_to_one_that_has_it() {
     within("shutdown", old.shutdown()).await;
 }
 
-/// A hand-written service whose `added` passes on a downstream call's 507 as it came, after
-/// acting (counted in `runs`).
-struct PassesOnA507 {
-    inner: after_the_deploy::RollingServer<after_the_deploy::New>,
-    runs: Arc<AtomicUsize>,
-}
-
-impl rpc::Service for PassesOnA507 {
-    fn service_id(&self) -> &'static str {
-        rpc::Service::service_id(&self.inner)
-    }
-
-    fn methods(&self) -> &'static [rpc::MethodDescriptor] {
-        rpc::Service::methods(&self.inner)
-    }
-
-    fn call(&self, method: usize, params: rpc::Bytes, codec: rpc::Codec) -> rpc::ServiceFuture {
-        if rpc::Service::methods(&self.inner)[method].method != "added" {
-            return rpc::Service::call(&self.inner, method, params, codec);
-        }
-        let runs = self.runs.clone();
-        Box::pin(async move {
-            runs.fetch_add(1, Ordering::SeqCst);
-            Err(RpcError::new(
-                StatusCode::NotFindLocalServiceEntry,
-                "t.Downstream.gone: no such entry",
-            ))
-        })
-    }
-}
-
 /// A 507 that a hand-written service passes on from a downstream call is its answer, not
 /// "this server has no such entry": the call, which ran, is not repeated on another instance
 /// (it is not idempotent). Before, the caller read it as "nothing ran" and sent the call on.
@@ -516,11 +485,12 @@ impl rpc::Service for PassesOnA507 {
 async fn a_507_a_hand_written_service_passes_on_does_not_send_the_call_elsewhere() {
     use after_the_deploy::{New, Rolling, RollingClient, RollingServer};
     let reg = InProcessRegistry::new();
-    let runs = Arc::new(AtomicUsize::new(0));
+    let runs = Arc::new(AtomicU64::new(0));
     let mut servers = Vec::new();
     for _ in 0..2 {
-        let service = PassesOnA507 {
+        let service = common::PassesOnA507 {
             inner: RollingServer::new(New),
+            failing: "added",
             runs: runs.clone(),
         };
         servers.push(

@@ -1537,3 +1537,43 @@ async fn the_servers_span_of_a_stream_counts_its_items_each_way() {
     assert_eq!(attr(sum, "rpc.stream.items_sent"), Some(Value::I64(1)));
     assert_eq!(attr(sum, "rpc.stream.items_received"), Some(Value::I64(5)));
 }
+
+/// A 507 that a hand-written service's stream set-up passes on from a downstream call is its
+/// answer, not "this server has no such entry": the set-up, which ran, is not repeated on
+/// another instance. Before, the caller read it as "nothing ran" and set the stream up again.
+#[tokio::test]
+async fn a_507_a_hand_written_stream_set_up_passes_on_does_not_send_it_elsewhere() {
+    let reg = InProcessRegistry::new();
+    let runs = Arc::new(AtomicU64::new(0));
+    let mut servers = Vec::new();
+    for _ in 0..2 {
+        let service = common::PassesOnA507 {
+            inner: FeedServer::new(Feeds {
+                polls: Arc::default(),
+                setups: Arc::default(),
+                dropped: mpsc::unbounded_channel().0,
+                stalled: mpsc::unbounded_channel().0,
+            }),
+            failing: "ticks",
+            runs: runs.clone(),
+        };
+        servers.push(
+            Server::builder()
+                .registry(reg.clone())
+                .add_service(service)
+                .serve("127.0.0.1:0")
+                .await
+                .expect("serve"),
+        );
+    }
+    let f = FeedClient::new(Client::builder().registry(reg.clone()).build());
+    let e = match within("ticks", f.ticks(3)).await {
+        Ok(_) => panic!("the set-up failed downstream"),
+        Err(e) => e,
+    };
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "set up once: {e}");
+    assert!(e.message().contains("t.Downstream.gone"), "{e}");
+    for server in servers {
+        within("shutdown", server.shutdown()).await;
+    }
+}
