@@ -177,11 +177,11 @@ fn the_references_answer_each_call_and_print_their_ratio_to_axum() {
     );
 }
 
-/// `--plain-echo-work-ns` makes the plain echo behind the references spend that long on each
-/// message: every call through `mux` then takes at least that long, and each is still
-/// answered (the program checks every answer).
+/// `--plain-echo-work-ns` makes the plain echo behind the references spend that long on the
+/// messages it answers: the median call through `mux` then takes at least that long, and each
+/// is still answered (the program checks every answer).
 #[test]
-fn the_plain_echo_spends_the_work_asked_for_on_each_message() {
+fn calls_through_a_plain_echo_given_work_take_at_least_that_long() {
     let work_us = 2_000;
     let work_ns = (work_us * 1_000).to_string();
     let out = run_small(20, &["--cases", "mux", "--plain-echo-work-ns", &work_ns]);

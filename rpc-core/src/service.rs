@@ -32,12 +32,16 @@ pub trait Service: Send + Sync + 'static {
     /// Runs method number `method` with its argument list encoded by `codec`, and returns the
     /// encoded result or the error to send back (a business error carries its encoded value).
     ///
-    /// The server sends an error as a generated service's handler error goes
+    /// The server sends an error (and a [`call_stream`](Self::call_stream) set-up's) as a
+    /// generated service's handler error goes
     /// ([`RemoteError::into_rpc_error`](crate::RemoteError::into_rpc_error)): a callee answer
-    /// (business, validation, authentication) as it is, any other status carried with the
-    /// error as its payload, so that a failure passed on from a downstream call (a 507, a 515)
-    /// does not read to the caller as this server's "nothing ran here", which would have the
-    /// call run again elsewhere.
+    /// (business, validation, authentication) as it is; one holding a payload already as it is
+    /// (its payload in the call's codec); any other with its status mapped by
+    /// [`StatusCode::carried`](crate::StatusCode::carried) (a not-found or communication
+    /// failure becomes 504) and the error as its payload. A failure passed on from a downstream
+    /// call (a 507, a 515) then does not read to the caller as this server's "nothing ran
+    /// here", which would have the call run again elsewhere. A failure at or after the
+    /// caller's deadline is sent as the timeout (519).
     fn call(&self, method: usize, params: Bytes, codec: Codec) -> ServiceFuture;
 
     /// The shape of method number `method`: [`StreamMode::Unary`] (the default) for a method

@@ -19,7 +19,9 @@ pub enum Side {
 /// Never for the callee's own answers (business, validation, application auth) nor for a
 /// refused connection token: those reach the caller unchanged. On the client it runs for every
 /// failure of the call (transport, timeout, overflow, open breaker, server error, no endpoint);
-/// on the server for the handler's failures (error, panic, deadline), never for not-found.
+/// on the server for the handler's failures (error, panic, deadline), never for the server's
+/// own not-found (a downstream's not-found a handler passes on reaches this as the 504 it is
+/// sent as, a failure).
 pub fn applies(err: &RpcError, side: Side) -> bool {
     let code = err.code();
     if code.is_callee_answer() || code == StatusCode::RpcUnAuthentication {

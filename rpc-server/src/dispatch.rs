@@ -1009,16 +1009,19 @@ impl<'e> Guarded<'e> {
 /// handler and the timer is polled first, and whether the handler answered in its inline
 /// first poll or in a task.
 ///
-/// Any other failure travels as a handler's `RpcError` does from a generated service
-/// ([`RemoteError::into_rpc_error`], a no-op for those): one a hand-written [`rpc_core::Service`]
-/// passes on from a downstream call (a 507, a 515) must not read to the caller as this server's
-/// "nothing ran here", which would have the call run again elsewhere.
+/// Every failure is first sent as a generated service's handler sends its `RpcError`
+/// ([`RemoteError::into_rpc_error`]; the generated code has done it already for the handler's
+/// own errors): one a hand-written [`rpc_core::Service`] passes on from a downstream call (a
+/// 507, a 515) must not read to the caller as this server's "nothing ran here", which would
+/// have the call run again elsewhere.
 fn answered(
     result: Result<Bytes, RpcError>,
     (deadline, codec): (Option<(Instant, u32)>, Codec),
     entry: &str,
 ) -> Result<Bytes, RpcError> {
-    match result {
+    // Mapped first: the deadline's check then reads what a generated service's handler
+    // would have answered.
+    match result.map_err(|e| RemoteError::into_rpc_error(e, codec)) {
         Err(e)
             if e.code() != StatusCode::Timeout
                 && !e.code().is_breaker_exempt()
@@ -1033,8 +1036,7 @@ fn answered(
                 ),
             ))
         }
-        Err(e) => Err(RemoteError::into_rpc_error(e, codec)),
-        ok => ok,
+        result => result,
     }
 }
 

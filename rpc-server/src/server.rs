@@ -227,7 +227,8 @@ impl ServerBuilder {
 
     /// Registers a server-side fallback for the service it implements: it answers with the
     /// same arguments when the handler fails (an error or a panic), never for business,
-    /// validation, auth or not-found errors, and never once the caller's deadline has passed
+    /// validation, auth or this server's not-found errors (one the handler passes on from a
+    /// downstream call is its failure, sent as 504), and never once the caller's deadline has passed
     /// (nobody waits for the fallback's answer then: the call ends with its failure, 519 when
     /// the handler was still running at the deadline).
     pub fn fallback(mut self, fallback: impl Service) -> Self {

@@ -640,8 +640,8 @@ fn echo_text(body: &Value) -> Option<&str> {
 type Waiting = Arc<Mutex<std::collections::HashMap<u64, tokio::sync::oneshot::Sender<Vec<u8>>>>>;
 
 /// One connection to the plain echo shared by every request: a writer task sends the
-/// requests queued at once in one write, each an 8-byte id and the text in a message, and a
-/// reader task hands each answer to the request of its id.
+/// requests of a scheduler round in one write (yielding once to gather them), each an 8-byte
+/// id and the text in a message, and a reader task hands each answer to the request of its id.
 #[derive(Clone)]
 struct Mux {
     queue: tokio::sync::mpsc::UnboundedSender<(String, tokio::sync::oneshot::Sender<Vec<u8>>)>,

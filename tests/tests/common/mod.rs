@@ -507,7 +507,7 @@ pub struct PassesOnA507<S> {
 impl<S> PassesOnA507<S> {
     fn fails(&self, method: &rpc::MethodDescriptor) -> Option<impl Future<Output = rpc::RpcError>> {
         let runs = self.runs.clone();
-        (method.method == self.failing).then(|| async move {
+        (method.method == self.failing).then_some(async move {
             runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             rpc::RpcError::new(
                 rpc::StatusCode::NotFindLocalServiceEntry,

@@ -49,20 +49,24 @@ pub struct Traces {
 impl Traces {
     /// Installs the subscriber on this thread until the guard is dropped.
     pub fn install() -> (Self, tracing::subscriber::DefaultGuard) {
-        Self::install_without(&[])
+        Self::install_without(&[], false)
     }
 
-    /// As [`install`](Self::install), with the spans named in `left_out` disabled (as a log
-    /// filter turns spans off); it replaces the thread's subscriber until the guard is dropped.
+    /// As [`install`](Self::install), with the spans named in `left_out` kept from
+    /// OpenTelemetry by its layer's filter; with `logged`, a log layer beside it sees every span
+    /// (so those spans exist, for the log only), else they are disabled. It replaces the
+    /// thread's subscriber until the guard is dropped.
     pub fn install_without(
         left_out: &'static [&'static str],
+        logged: bool,
     ) -> (Self, tracing::subscriber::DefaultGuard) {
         use tracing_subscriber::Layer as _;
         let exporter = InMemorySpanExporter::default();
         let provider = SdkTracerProvider::builder()
             .with_simple_exporter(exporter.clone())
             .build();
-        let subscriber = tracing_subscriber::registry().with(
+        let log = logged.then(|| tracing_subscriber::fmt::layer().with_writer(std::io::sink));
+        let subscriber = tracing_subscriber::registry().with(log).with(
             tracing_opentelemetry::layer()
                 .with_tracer(provider.tracer("test"))
                 .with_filter(tracing_subscriber::filter::filter_fn(|meta| {

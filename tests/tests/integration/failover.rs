@@ -508,6 +508,9 @@ async fn a_507_a_hand_written_service_passes_on_does_not_send_the_call_elsewhere
         .expect_err("the downstream's failure");
     assert_eq!(runs.load(Ordering::SeqCst), 1, "ran once: {e}");
     assert!(e.message().contains("t.Downstream.gone"), "{e}");
+    // Why it went no further: a failure the handler passed on, the call maybe done.
+    assert_eq!(e.code(), StatusCode::NotFindServiceRouteAddress, "{e}");
+    assert!(e.is_maybe_delivered(), "{e}");
     for server in servers {
         within("shutdown", server.shutdown()).await;
     }

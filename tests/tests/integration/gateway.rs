@@ -858,39 +858,47 @@ async fn the_request_s_traceparent_continues_into_the_server_s_span() {
     assert_eq!(server.span_context.trace_id().to_string(), trace_id);
 }
 
-/// With the gateway's own span turned off by a filter and the client's on, the client's call
-/// continues the request's trace (it would otherwise start one, and the server's span join
-/// that instead).
+/// With the gateway's own span kept from OpenTelemetry by a filter (turned off, or seen by a
+/// log layer only) and the client's kept, the client's call span is the request's child (it
+/// would otherwise start a trace of its own, and the server's span join that instead).
 #[tokio::test]
 async fn the_request_s_traceparent_continues_with_the_gateway_s_span_filtered_out() {
-    let world = World::in_process(None).await;
-    let (traces, _filtered) = Traces::install_without(&["rpc.gateway"]);
-    let _echo = world.echo().await;
-    world.serving(&["gw.Echo.echo"]).await;
-    let trace_id = "0af7651916cd43dd8448eb211c80319c";
-    let a = world
-        .send(
-            "POST",
-            "/api/gw.Echo/echo",
-            &[("traceparent", &format!("00-{trace_id}-b7ad6b7169203331-01"))],
-            Some(r#"{"text": "traced"}"#),
-        )
-        .await;
-    assert_eq!((a.status, a.body), (200, json!("traced")));
-    let spans = traces
-        .spans_once("the client's and the server's spans", |spans| {
-            ["rpc.client", "rpc.server"]
-                .iter()
-                .all(|name| spans.iter().any(|s| s.name == *name))
-        })
-        .await;
-    assert!(
-        spans.iter().all(|s| s.name != "rpc.gateway"),
-        "the filter keeps the gateway's span out"
-    );
-    for name in ["rpc.client", "rpc.server"] {
-        let span = spans.iter().find(|s| s.name == name).expect("span");
-        assert_eq!(span.span_context.trace_id().to_string(), trace_id, "{name}");
+    for logged in [false, true] {
+        let world = World::in_process(None).await;
+        let (traces, _filtered) = Traces::install_without(&["rpc.gateway"], logged);
+        let _echo = world.echo().await;
+        world.serving(&["gw.Echo.echo"]).await;
+        let (trace_id, parent) = ("0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331");
+        let a = world
+            .send(
+                "POST",
+                "/api/gw.Echo/echo",
+                &[("traceparent", &format!("00-{trace_id}-{parent}-01"))],
+                Some(r#"{"text": "traced"}"#),
+            )
+            .await;
+        assert_eq!((a.status, a.body), (200, json!("traced")));
+        let spans = traces
+            .spans_once("the client's and the server's spans", |spans| {
+                ["rpc.client", "rpc.server"]
+                    .iter()
+                    .all(|name| spans.iter().any(|s| s.name == *name))
+            })
+            .await;
+        assert!(
+            spans.iter().all(|s| s.name != "rpc.gateway"),
+            "the filter keeps the gateway's span out (logged {logged})"
+        );
+        for name in ["rpc.client", "rpc.server"] {
+            let span = spans.iter().find(|s| s.name == name).expect("span");
+            assert_eq!(
+                span.span_context.trace_id().to_string(),
+                trace_id,
+                "{name}, logged {logged}"
+            );
+        }
+        let client = spans.iter().find(|s| s.name == "rpc.client").expect("span");
+        assert_eq!(client.parent_span_id.to_string(), parent, "logged {logged}");
     }
 }
 

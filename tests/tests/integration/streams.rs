@@ -1573,6 +1573,8 @@ async fn a_507_a_hand_written_stream_set_up_passes_on_does_not_send_it_elsewhere
     };
     assert_eq!(runs.load(Ordering::SeqCst), 1, "set up once: {e}");
     assert!(e.message().contains("t.Downstream.gone"), "{e}");
+    assert_eq!(e.code(), StatusCode::NotFindServiceRouteAddress, "{e}");
+    assert!(e.is_maybe_delivered(), "{e}");
     for server in servers {
         within("shutdown", server.shutdown()).await;
     }
