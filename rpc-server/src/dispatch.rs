@@ -582,6 +582,7 @@ impl Dispatcher {
             )
         });
         let entry = route.method.entry_id;
+        let carried = telemetry::carried(&attachments);
         let attachments = telemetry::user_attachments(attachments);
         let watch = telemetry::CallWatch::new(
             span.clone(),
@@ -601,12 +602,14 @@ impl Dispatcher {
         let mut context = (!attachments.is_empty() || depth > 0)
             .then(|| HeldContext::new(Arc::new(attachments), depth));
         let first = if self.inline_first_poll {
-            poll_first(
-                &mut handler,
-                (deadline, codec, entry),
-                context.as_mut(),
-                &span,
-            )
+            telemetry::in_carried(&carried, || {
+                poll_first(
+                    &mut handler,
+                    (deadline, codec, entry),
+                    context.as_mut(),
+                    &span,
+                )
+            })
         } else {
             Poll::Pending
         };
@@ -635,6 +638,7 @@ impl Dispatcher {
             (false, None) => Box::pin(call.instrument(span)),
             (false, Some(context)) => Box::pin(context.scope(call).instrument(span)),
         };
+        let call = telemetry::with_carried(call, carried);
         // Polled once here already: the transport must not poll it on the reader again.
         if self.inline_first_poll {
             Dispatch::Polled(call)
@@ -673,6 +677,7 @@ impl Dispatcher {
             &self.calls,
             method.entry_id,
         );
+        let carried = telemetry::carried(&attachments);
         let mut req = ServerRequest {
             method,
             caller: caller.clone(),
@@ -721,11 +726,14 @@ impl Dispatcher {
             let load = req.load.unwrap_or_else(|| chain.end.admission.load());
             with_load(finish(&mut watch, result, cause), load)
         };
-        Dispatch::Spawn(if span.is_disabled() {
-            Box::pin(call)
-        } else {
-            Box::pin(call.instrument(span))
-        })
+        Dispatch::Spawn(telemetry::with_carried(
+            if span.is_disabled() {
+                Box::pin(call)
+            } else {
+                Box::pin(call.instrument(span))
+            },
+            carried,
+        ))
     }
 }
 

@@ -17,7 +17,9 @@
 //! covering the handler wherever it runs, and the handler runs inside the caller's
 //! [`RpcContext`](rpc_core::RpcContext), so the calls it makes carry the caller's attachments
 //! on. With feature `otel` the span's parent is the caller's span, from the W3C `traceparent`
-//! attachment, and the server records OpenTelemetry metrics ([`ServerBuilder::meter`]).
+//! attachment (a unary handler also runs under that context, so the calls it makes continue the
+//! caller's trace when a filter keeps the span from OpenTelemetry), and the server records
+//! OpenTelemetry metrics ([`ServerBuilder::meter`]).
 //!
 //! This crate must not choose endpoints or retry: that is the client's side.
 //!

@@ -299,6 +299,59 @@ impl Drop for CallWatch {
     }
 }
 
+/// The caller's trace context a received call carries (`traceparent`/`tracestate`), for its
+/// handler to run under (see [`with_carried`]); nothing without feature `otel`.
+#[cfg(feature = "otel")]
+pub(crate) type Carried = Option<opentelemetry::Context>;
+/// The caller's trace context a received call carries: nothing without feature `otel`.
+#[cfg(not(feature = "otel"))]
+pub(crate) struct Carried;
+
+/// The caller's trace context in `attachments` (as received), when it holds a valid one.
+pub(crate) fn carried(attachments: &BTreeMap<String, String>) -> Carried {
+    #[cfg(feature = "otel")]
+    return otel::carried(attachments);
+    #[cfg(not(feature = "otel"))]
+    {
+        let _ = attachments;
+        Carried
+    }
+}
+
+/// Runs `f`, a poll of a handler, with `carried` as OpenTelemetry's current context: the spans
+/// of the calls the handler makes are then the caller's children when the call's `rpc.server`
+/// span is kept from OpenTelemetry (a filter turned it off, or the OpenTelemetry layer's own
+/// filter left it out), where they would start traces of their own. With the span seen, they
+/// are its children as before (the span comes first).
+pub(crate) fn in_carried<R>(carried: &Carried, f: impl FnOnce() -> R) -> R {
+    #[cfg(feature = "otel")]
+    let _attached = carried.as_ref().map(|cx| cx.clone().attach());
+    #[cfg(not(feature = "otel"))]
+    let _ = carried;
+    f()
+}
+
+/// `call` polled as [`in_carried`] runs a poll, around the call's span (which, entered inside,
+/// comes first when OpenTelemetry sees it). Boxed again only when there is a context.
+pub(crate) fn with_carried<T: 'static>(
+    call: futures_util::future::BoxFuture<'static, T>,
+    carried: Carried,
+) -> futures_util::future::BoxFuture<'static, T> {
+    #[cfg(feature = "otel")]
+    {
+        use opentelemetry::trace::FutureExt as _;
+        match carried {
+            Some(cx) => Box::pin(call.with_context(cx)),
+            None => call,
+        }
+    }
+    #[cfg(not(feature = "otel"))]
+    {
+        let _ = carried;
+        call
+    }
+}
+
 /// The user attachments of a received call: everything but the W3C trace context and the
 /// call id.
 pub(crate) fn user_attachments(
@@ -340,6 +393,17 @@ mod otel {
         fn keys(&self) -> Vec<&str> {
             self.0.keys().map(String::as_str).collect()
         }
+    }
+
+    /// The caller's trace context in `attachments`, when it holds a valid one.
+    pub(super) fn carried(
+        attachments: &BTreeMap<String, String>,
+    ) -> Option<opentelemetry::Context> {
+        if !attachments.contains_key("traceparent") {
+            return None;
+        }
+        let cx = TraceContextPropagator::new().extract(&MapExtractor(attachments));
+        cx.span().span_context().is_valid().then_some(cx)
     }
 
     /// Makes the caller's span (from `traceparent`/`tracestate`) the parent of `span`.

@@ -165,6 +165,43 @@ async fn a_calls_span_is_a_child_of_the_span_it_is_awaited_in() {
     common::within("shutdown", server.shutdown()).await;
 }
 
+/// With the servers' `rpc.server` spans kept from OpenTelemetry by a filter (turned off, or
+/// seen by a log layer only), the call a handler makes downstream still continues its caller's
+/// trace, its span the child of the caller's attempt. Before, it started a trace of its own.
+#[tokio::test]
+async fn a_handler_s_call_continues_the_trace_with_the_server_span_filtered_out() {
+    for logged in [false, true] {
+        let (traces, _guard) = Traces::install_without(&["rpc.server"], logged);
+        let c = hop_server(None).await;
+        let b = hop_server(Some(&c)).await;
+        let client = HopClient::new(client_of(&[&b]));
+        assert_eq!(client.hop(1).await.expect("two hops"), "none");
+        let spans = traces.spans();
+        assert!(named(&spans, "rpc.server").is_empty(), "logged {logged}");
+        let attempts = named(&spans, "rpc.client.attempt");
+        let calls = named(&spans, "rpc.client");
+        assert_eq!((calls.len(), attempts.len()), (2, 2), "logged {logged}");
+        // The outer call's attempt went to B; B's handler's call is its child.
+        let outer = by_port(&attempts, "server.port", b.local_addr().port());
+        let inner = calls
+            .iter()
+            .find(|s| s.parent_span_id != SpanId::INVALID)
+            .unwrap_or_else(|| panic!("no call with a parent (logged {logged}): {calls:?}"));
+        assert_eq!(
+            inner.span_context.trace_id(),
+            outer.span_context.trace_id(),
+            "logged {logged}"
+        );
+        assert_eq!(
+            inner.parent_span_id,
+            outer.span_context.span_id(),
+            "logged {logged}"
+        );
+        common::within("shutdown", b.shutdown()).await;
+        common::within("shutdown", c.shutdown()).await;
+    }
+}
+
 #[tokio::test]
 async fn one_trace_across_three_services_and_attachments_follow() {
     let (traces, _guard) = Traces::install();
