@@ -504,6 +504,38 @@ pub struct PassesOnA507<S> {
     pub runs: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
+impl<S: rpc::Service> PassesOnA507<S> {
+    /// Two servers on `reg`, each serving `inner()` with its method `failing` passing on a
+    /// 507; the count of that method's runs on both.
+    pub async fn serve_two(
+        reg: &rpc::InProcessRegistry,
+        failing: &'static str,
+        inner: impl Fn() -> S,
+    ) -> (
+        Vec<rpc::ServerHandle>,
+        std::sync::Arc<std::sync::atomic::AtomicU64>,
+    ) {
+        let runs = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let mut servers = Vec::new();
+        for _ in 0..2 {
+            let service = PassesOnA507 {
+                inner: inner(),
+                failing,
+                runs: runs.clone(),
+            };
+            servers.push(
+                rpc::Server::builder()
+                    .registry(reg.clone())
+                    .add_service(service)
+                    .serve("127.0.0.1:0")
+                    .await
+                    .expect("serve"),
+            );
+        }
+        (servers, runs)
+    }
+}
+
 impl<S> PassesOnA507<S> {
     fn fails(&self, method: &rpc::MethodDescriptor) -> Option<impl Future<Output = rpc::RpcError>> {
         let runs = self.runs.clone();

@@ -4,7 +4,7 @@
 use crate::common;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use common::{recv_one, within};
@@ -485,23 +485,8 @@ async fn a_call_of_an_entry_an_instance_lacks_goes_to_one_that_has_it() {
 async fn a_507_a_hand_written_service_passes_on_does_not_send_the_call_elsewhere() {
     use after_the_deploy::{New, Rolling, RollingClient, RollingServer};
     let reg = InProcessRegistry::new();
-    let runs = Arc::new(AtomicU64::new(0));
-    let mut servers = Vec::new();
-    for _ in 0..2 {
-        let service = common::PassesOnA507 {
-            inner: RollingServer::new(New),
-            failing: "added",
-            runs: runs.clone(),
-        };
-        servers.push(
-            Server::builder()
-                .registry(reg.clone())
-                .add_service(service)
-                .serve("127.0.0.1:0")
-                .await
-                .expect("serve"),
-        );
-    }
+    let (servers, runs) =
+        common::PassesOnA507::serve_two(&reg, "added", || RollingServer::new(New)).await;
     let client = RollingClient::new(Client::builder().registry(reg.clone()).build());
     let e = within("added", client.added())
         .await

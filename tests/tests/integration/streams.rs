@@ -1544,28 +1544,15 @@ async fn the_servers_span_of_a_stream_counts_its_items_each_way() {
 #[tokio::test]
 async fn a_507_a_hand_written_stream_set_up_passes_on_does_not_send_it_elsewhere() {
     let reg = InProcessRegistry::new();
-    let runs = Arc::new(AtomicU64::new(0));
-    let mut servers = Vec::new();
-    for _ in 0..2 {
-        let service = common::PassesOnA507 {
-            inner: FeedServer::new(Feeds {
-                polls: Arc::default(),
-                setups: Arc::default(),
-                dropped: mpsc::unbounded_channel().0,
-                stalled: mpsc::unbounded_channel().0,
-            }),
-            failing: "ticks",
-            runs: runs.clone(),
-        };
-        servers.push(
-            Server::builder()
-                .registry(reg.clone())
-                .add_service(service)
-                .serve("127.0.0.1:0")
-                .await
-                .expect("serve"),
-        );
-    }
+    let (servers, runs) = common::PassesOnA507::serve_two(&reg, "ticks", || {
+        FeedServer::new(Feeds {
+            polls: Arc::default(),
+            setups: Arc::default(),
+            dropped: mpsc::unbounded_channel().0,
+            stalled: mpsc::unbounded_channel().0,
+        })
+    })
+    .await;
     let f = FeedClient::new(Client::builder().registry(reg.clone()).build());
     let e = match within("ticks", f.ticks(3)).await {
         Ok(_) => panic!("the set-up failed downstream"),
