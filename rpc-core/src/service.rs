@@ -40,8 +40,8 @@ pub trait Service: Send + Sync + 'static {
     /// [`StatusCode::carried`](crate::StatusCode::carried) (a not-found or communication
     /// failure becomes 504) and the error as its payload. A failure passed on from a downstream
     /// call (a 507, a 515) then does not read to the caller as this server's "nothing ran
-    /// here", which would have the call run again elsewhere. A failure at or after the
-    /// caller's deadline is sent as the timeout (519).
+    /// here", which would have the call run again elsewhere. A unary call's failure at or
+    /// after the caller's deadline is sent as the timeout (519).
     fn call(&self, method: usize, params: Bytes, codec: Codec) -> ServiceFuture;
 
     /// The shape of method number `method`: [`StreamMode::Unary`] (the default) for a method

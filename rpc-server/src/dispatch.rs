@@ -529,7 +529,8 @@ impl Dispatcher {
             return Dispatch::Ready(crate::streams::mode_mismatch(route, invoke.stream_mode));
         }
         let attachments = std::mem::take(&mut invoke.attachments);
-        let span = telemetry::server_span(route.method, self.local, peer, &attachments);
+        let carried = telemetry::carried(&attachments);
+        let span = telemetry::server_span(route.method, self.local, peer, (&attachments, &carried));
         // A unary call on a server with layers is admitted after them, and they may read its
         // arguments: decompressed before them. (Streams decompress where they are admitted.)
         if route.layered.is_some() && route.stream == StreamMode::Unary {
@@ -556,7 +557,7 @@ impl Dispatcher {
                 invoke,
                 codec,
                 attachments,
-                span,
+                (span, carried),
                 caller,
             );
         }
@@ -582,7 +583,6 @@ impl Dispatcher {
             )
         });
         let entry = route.method.entry_id;
-        let carried = telemetry::carried(&attachments);
         let attachments = telemetry::user_attachments(attachments);
         let watch = telemetry::CallWatch::new(
             span.clone(),
@@ -661,7 +661,7 @@ impl Dispatcher {
         invoke: Invoke,
         codec: Codec,
         attachments: BTreeMap<String, String>,
-        span: tracing::Span,
+        (span, carried): (tracing::Span, telemetry::Carried),
         caller: &Arc<Caller>,
     ) -> Dispatch {
         let deadline = (invoke.timeout_ms > 0).then(|| {
@@ -677,7 +677,6 @@ impl Dispatcher {
             &self.calls,
             method.entry_id,
         );
-        let carried = telemetry::carried(&attachments);
         let mut req = ServerRequest {
             method,
             caller: caller.clone(),

@@ -26,7 +26,7 @@ pub(crate) fn server_span(
     method: &'static MethodDescriptor,
     local: SocketAddr,
     peer: SocketAddr,
-    attachments: &BTreeMap<String, String>,
+    (attachments, carried): (&BTreeMap<String, String>, &Carried),
 ) -> Span {
     let span = tracing::info_span!(
         "rpc.server",
@@ -54,9 +54,9 @@ pub(crate) fn server_span(
         span.record("call_id", id.as_str());
     }
     #[cfg(feature = "otel")]
-    otel::set_parent(&span, attachments);
+    otel::set_parent(&span, carried);
     #[cfg(not(feature = "otel"))]
-    let _ = attachments;
+    let _ = carried;
     span
 }
 
@@ -406,15 +406,15 @@ mod otel {
         cx.span().span_context().is_valid().then_some(cx)
     }
 
-    /// Makes the caller's span (from `traceparent`/`tracestate`) the parent of `span`.
-    pub(super) fn set_parent(span: &tracing::Span, attachments: &BTreeMap<String, String>) {
-        if span.is_disabled() || !attachments.contains_key("traceparent") {
+    /// Makes the caller's span (`carried`, from `traceparent`/`tracestate`) the parent of
+    /// `span`.
+    pub(super) fn set_parent(span: &tracing::Span, carried: &Option<opentelemetry::Context>) {
+        if span.is_disabled() {
             return;
         }
-        let cx = TraceContextPropagator::new().extract(&MapExtractor(attachments));
-        if cx.span().span_context().is_valid() {
+        if let Some(cx) = carried {
             // Without the OpenTelemetry layer in the subscriber there is no parent to set.
-            let _ = span.set_parent(cx);
+            let _ = span.set_parent(cx.clone());
         }
     }
 

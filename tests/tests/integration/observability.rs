@@ -111,6 +111,14 @@ fn by_port<'a>(spans: &[&'a SpanData], key: &str, port: u16) -> &'a SpanData {
 }
 
 async fn hop_server(next: Option<&ServerHandle>) -> ServerHandle {
+    hop_server_with(next, |b| b).await
+}
+
+/// [`hop_server`], its builder's options set by `configure`.
+async fn hop_server_with(
+    next: Option<&ServerHandle>,
+    configure: impl FnOnce(rpc::ServerBuilder) -> rpc::ServerBuilder,
+) -> ServerHandle {
     let next = next.map(|n| {
         HopClient::new(
             Client::builder()
@@ -118,7 +126,7 @@ async fn hop_server(next: Option<&ServerHandle>) -> ServerHandle {
                 .build(),
         )
     });
-    Server::builder()
+    configure(Server::builder())
         .add_service(HopServer::new(Relay { next }))
         .serve("127.0.0.1:0")
         .await
@@ -165,15 +173,36 @@ async fn a_calls_span_is_a_child_of_the_span_it_is_awaited_in() {
     common::within("shutdown", server.shutdown()).await;
 }
 
+/// How a server in the trace tests runs its handlers.
+#[derive(Debug, Clone, Copy)]
+enum Runs {
+    /// Each call in a task of its own (the default).
+    InTasks,
+    /// The handler's first poll on the connection's reader.
+    Inline,
+    /// Behind a server layer.
+    Layered,
+}
+
 /// With the servers' `rpc.server` spans kept from OpenTelemetry by a filter (turned off, or
 /// seen by a log layer only), the call a handler makes downstream still continues its caller's
-/// trace, its span the child of the caller's attempt. Before, it started a trace of its own.
+/// trace, its span the child of the caller's attempt, however the server runs the handler.
+/// Before, it started a trace of its own.
 #[tokio::test]
 async fn a_handler_s_call_continues_the_trace_with_the_server_span_filtered_out() {
-    for logged in [false, true] {
+    let cases = [false, true]
+        .into_iter()
+        .flat_map(|logged| [Runs::InTasks, Runs::Inline, Runs::Layered].map(|r| (logged, r)));
+    for (logged, runs) in cases {
         let (traces, _guard) = Traces::install_without(&["rpc.server"], logged);
+        let configure = move |b: rpc::ServerBuilder| match runs {
+            Runs::InTasks => b,
+            Runs::Inline => b.inline_first_poll(true),
+            Runs::Layered => b.layer(rpc::server_layer_fn(|req, next| Box::pin(next.run(req)))),
+        };
         let c = hop_server(None).await;
-        let b = hop_server(Some(&c)).await;
+        let b = hop_server_with(Some(&c), configure).await;
+        let logged = format!("{logged}, {runs:?}");
         let client = HopClient::new(client_of(&[&b]));
         assert_eq!(client.hop(1).await.expect("two hops"), "none");
         let spans = traces.spans();
