@@ -505,11 +505,12 @@ pub struct PassesOnA507<S> {
 }
 
 impl<S: rpc::Service> PassesOnA507<S> {
-    /// Two servers on `reg`, each serving `inner()` with its method `failing` passing on a
-    /// 507; the count of that method's runs on both.
+    /// Two servers on `reg` (behind a layer that passes every call on when `layered`), each
+    /// serving `inner()` with its method `failing` passing on a 507; the count of that
+    /// method's runs on both.
     pub async fn serve_two(
         reg: &rpc::InProcessRegistry,
-        failing: &'static str,
+        (failing, layered): (&'static str, bool),
         inner: impl Fn() -> S,
     ) -> (
         Vec<rpc::ServerHandle>,
@@ -523,9 +524,12 @@ impl<S: rpc::Service> PassesOnA507<S> {
                 failing,
                 runs: runs.clone(),
             };
+            let mut builder = rpc::Server::builder().registry(reg.clone());
+            if layered {
+                builder = builder.layer(rpc::server_layer_fn(|req, next| Box::pin(next.run(req))));
+            }
             servers.push(
-                rpc::Server::builder()
-                    .registry(reg.clone())
+                builder
                     .add_service(service)
                     .serve("127.0.0.1:0")
                     .await

@@ -480,23 +480,31 @@ async fn a_call_of_an_entry_an_instance_lacks_goes_to_one_that_has_it() {
 
 /// A 507 that a hand-written service passes on from a downstream call is its answer, not
 /// "this server has no such entry": the call, which ran, is not repeated on another instance
-/// (it is not idempotent). Before, the caller read it as "nothing ran" and sent the call on.
+/// (it is not idempotent), with or without server layers. Before, the caller read it as
+/// "nothing ran" and sent the call on.
 #[tokio::test]
 async fn a_507_a_hand_written_service_passes_on_does_not_send_the_call_elsewhere() {
     use after_the_deploy::{New, Rolling, RollingClient, RollingServer};
-    let reg = InProcessRegistry::new();
-    let (servers, runs) =
-        common::PassesOnA507::serve_two(&reg, "added", || RollingServer::new(New)).await;
-    let client = RollingClient::new(Client::builder().registry(reg.clone()).build());
-    let e = within("added", client.added())
-        .await
-        .expect_err("the downstream's failure");
-    assert_eq!(runs.load(Ordering::SeqCst), 1, "ran once: {e}");
-    assert!(e.message().contains("t.Downstream.gone"), "{e}");
-    // Why it went no further: a failure the handler passed on, the call maybe done.
-    assert_eq!(e.code(), StatusCode::NotFindServiceRouteAddress, "{e}");
-    assert!(e.is_maybe_delivered(), "{e}");
-    for server in servers {
-        within("shutdown", server.shutdown()).await;
+    for layered in [false, true] {
+        let reg = InProcessRegistry::new();
+        let (servers, runs) =
+            common::PassesOnA507::serve_two(&reg, ("added", layered), || RollingServer::new(New))
+                .await;
+        let client = RollingClient::new(Client::builder().registry(reg.clone()).build());
+        let e = within("added", client.added())
+            .await
+            .expect_err("the downstream's failure");
+        assert_eq!(
+            runs.load(Ordering::SeqCst),
+            1,
+            "ran once (layered {layered}): {e}"
+        );
+        assert!(e.message().contains("t.Downstream.gone"), "{e}");
+        // Why it went no further: a failure the handler passed on, the call maybe done.
+        assert_eq!(e.code(), StatusCode::NotFindServiceRouteAddress, "{e}");
+        assert!(e.is_maybe_delivered(), "{e}");
+        for server in servers {
+            within("shutdown", server.shutdown()).await;
+        }
     }
 }

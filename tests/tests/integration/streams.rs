@@ -1540,29 +1540,36 @@ async fn the_servers_span_of_a_stream_counts_its_items_each_way() {
 
 /// A 507 that a hand-written service's stream set-up passes on from a downstream call is its
 /// answer, not "this server has no such entry": the set-up, which ran, is not repeated on
-/// another instance. Before, the caller read it as "nothing ran" and set the stream up again.
+/// another instance, with or without server layers. Before, the caller read it as "nothing
+/// ran" and set the stream up again.
 #[tokio::test]
 async fn a_507_a_hand_written_stream_set_up_passes_on_does_not_send_it_elsewhere() {
-    let reg = InProcessRegistry::new();
-    let (servers, runs) = common::PassesOnA507::serve_two(&reg, "ticks", || {
-        FeedServer::new(Feeds {
-            polls: Arc::default(),
-            setups: Arc::default(),
-            dropped: mpsc::unbounded_channel().0,
-            stalled: mpsc::unbounded_channel().0,
+    for layered in [false, true] {
+        let reg = InProcessRegistry::new();
+        let (servers, runs) = common::PassesOnA507::serve_two(&reg, ("ticks", layered), || {
+            FeedServer::new(Feeds {
+                polls: Arc::default(),
+                setups: Arc::default(),
+                dropped: mpsc::unbounded_channel().0,
+                stalled: mpsc::unbounded_channel().0,
+            })
         })
-    })
-    .await;
-    let f = FeedClient::new(Client::builder().registry(reg.clone()).build());
-    let e = match within("ticks", f.ticks(3)).await {
-        Ok(_) => panic!("the set-up failed downstream"),
-        Err(e) => e,
-    };
-    assert_eq!(runs.load(Ordering::SeqCst), 1, "set up once: {e}");
-    assert!(e.message().contains("t.Downstream.gone"), "{e}");
-    assert_eq!(e.code(), StatusCode::NotFindServiceRouteAddress, "{e}");
-    assert!(e.is_maybe_delivered(), "{e}");
-    for server in servers {
-        within("shutdown", server.shutdown()).await;
+        .await;
+        let f = FeedClient::new(Client::builder().registry(reg.clone()).build());
+        let e = match within("ticks", f.ticks(3)).await {
+            Ok(_) => panic!("the set-up failed downstream"),
+            Err(e) => e,
+        };
+        assert_eq!(
+            runs.load(Ordering::SeqCst),
+            1,
+            "set up once (layered {layered}): {e}"
+        );
+        assert!(e.message().contains("t.Downstream.gone"), "{e}");
+        assert_eq!(e.code(), StatusCode::NotFindServiceRouteAddress, "{e}");
+        assert!(e.is_maybe_delivered(), "{e}");
+        for server in servers {
+            within("shutdown", server.shutdown()).await;
+        }
     }
 }
