@@ -7,6 +7,8 @@
 //! discovery interval; from then on its own watch carries every change at once.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -62,19 +64,27 @@ impl Follower {
 
     /// Watches every service the registry lists that is not watched yet, and lets go of the
     /// services it no longer lists that have had no instance left for two discoveries in a
-    /// row (and of the tasks of watches
-    /// that ended: a registry that closes its watches at once, as a static list does, would
-    /// otherwise leave one more finished task per service and discovery). Service ids that
-    /// come and go (`shop.Orders.v41`, then `.v42`) would otherwise each keep a watch, its
-    /// task and the registry's own watch for the life of the gateway.
+    /// row (see [`apply`](Self::apply)).
     pub(crate) async fn discover(&mut self) {
+        let found = find(
+            self.registry.clone(),
+            self.watches.keys().cloned().collect(),
+        )
+        .await;
+        self.apply(found);
+    }
+
+    /// Takes in what a discovery found: watches the services newly listed, and lets go of the
+    /// services it no longer lists that have had no instance left for two discoveries in a
+    /// row (and of the tasks of watches that ended: a registry that closes its watches at
+    /// once, as a static list does, would otherwise leave one more finished task per service
+    /// and discovery). Service ids that come and go (`shop.Orders.v41`, then `.v42`) would
+    /// otherwise each keep a watch, its task and the registry's own watch for the life of the
+    /// gateway.
+    fn apply(&mut self, found: Option<Found>) {
         while self.watchers.try_join_next().is_some() {}
-        let services = match self.registry.services().await {
-            Ok(services) => services,
-            Err(e) => {
-                tracing::warn!(error = %e, "the gateway cannot list the registry's services; it keeps the routes it has and asks again");
-                return;
-            }
+        let Some(Found { services, watches }) = found else {
+            return;
         };
         let missing = &mut self.missing;
         self.watches.retain(|service, (watch, task)| {
@@ -91,17 +101,10 @@ impl Follower {
             task.abort();
             false
         });
-        for service in services {
+        for (service, mut watch) in watches {
             if self.watches.contains_key(&service) {
                 continue;
             }
-            let mut watch = match self.registry.watch(&service).await {
-                Ok(watch) => watch,
-                Err(e) => {
-                    tracing::warn!(service = %service.as_str(), error = %e, "the gateway cannot watch a service; it tries again at the next discovery");
-                    continue;
-                }
-            };
             let followed = watch.clone();
             let events = self.events.clone();
             let name = service.clone();
@@ -155,14 +158,25 @@ impl Follower {
     }
 
     /// Follows the registry until the task is aborted: a change of any watched service
-    /// rebuilds at once; every `interval`, new services are looked for.
+    /// rebuilds at once, while a discovery is under way too (a registry slow to list its
+    /// services or to open a watch delays finding new services only); every `interval` after
+    /// the last discovery ended, new services are looked for.
     pub(crate) async fn run(mut self, interval: Duration) {
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         tick.tick().await;
+        let mut finding: Option<Pin<Box<dyn Future<Output = Option<Found>> + Send>>> = None;
         loop {
             tokio::select! {
-                _ = tick.tick() => self.discover().await,
+                _ = tick.tick(), if finding.is_none() => {
+                    let followed = self.watches.keys().cloned().collect();
+                    finding = Some(Box::pin(find(self.registry.clone(), followed)));
+                }
+                found = async { finding.as_mut().expect("polled while finding").await }, if finding.is_some() => {
+                    finding = None;
+                    self.apply(found);
+                    tick.reset();
+                }
                 Some(event) = self.received.recv() => self.closed(event),
             }
             // Changes that came meanwhile are in this rebuild too.
@@ -172,6 +186,36 @@ impl Follower {
             self.rebuild();
         }
     }
+}
+
+/// What a discovery found: the services the registry lists, and a watch of each of them not
+/// followed when it began.
+pub(crate) struct Found {
+    services: Vec<ServiceId>,
+    watches: Vec<(ServiceId, ServiceWatch)>,
+}
+
+/// Lists the registry's services and watches those not in `followed`; `None` when the list
+/// cannot be had (the routes stay as they are). A service whose watch cannot be opened is
+/// watched at a later discovery.
+async fn find(registry: Arc<dyn Registry>, followed: BTreeSet<ServiceId>) -> Option<Found> {
+    let services = match registry.services().await {
+        Ok(services) => services,
+        Err(e) => {
+            tracing::warn!(error = %e, "the gateway cannot list the registry's services; it keeps the routes it has and asks again");
+            return None;
+        }
+    };
+    let mut watches = Vec::new();
+    for service in services.iter().filter(|s| !followed.contains(*s)) {
+        match registry.watch(service).await {
+            Ok(watch) => watches.push((service.clone(), watch)),
+            Err(e) => {
+                tracing::warn!(service = %service.as_str(), error = %e, "the gateway cannot watch a service; it tries again at the next discovery");
+            }
+        }
+    }
+    Some(Found { services, watches })
 }
 
 #[cfg(test)]
@@ -226,6 +270,92 @@ mod tests {
         // The aborted watcher tasks are gone once joined.
         while follower.watchers.join_next().await.is_some() {}
         assert!(follower.watchers.is_empty());
+    }
+
+    /// A registry whose `services` does not answer while `stalled` (cut off, its client
+    /// waiting for its timeout); everything else it does at once.
+    #[derive(Default)]
+    struct Stalled {
+        inner: rpc_registry::InProcessRegistry,
+        stalled: std::sync::atomic::AtomicBool,
+        asked: tokio::sync::Notify,
+    }
+
+    impl Registry for Stalled {
+        fn register(
+            &self,
+            instance: rpc_registry::Instance,
+        ) -> futures_util::future::BoxFuture<'_, Result<(), rpc_registry::RegistryError>> {
+            self.inner.register(instance)
+        }
+        fn deregister<'a>(
+            &'a self,
+            instance_id: &'a str,
+        ) -> futures_util::future::BoxFuture<'a, Result<(), rpc_registry::RegistryError>> {
+            self.inner.deregister(instance_id)
+        }
+        fn watch<'a>(
+            &'a self,
+            service: &'a ServiceId,
+        ) -> futures_util::future::BoxFuture<'a, Result<ServiceWatch, rpc_registry::RegistryError>>
+        {
+            self.inner.watch(service)
+        }
+        fn services(
+            &self,
+        ) -> futures_util::future::BoxFuture<'_, Result<Vec<ServiceId>, rpc_registry::RegistryError>>
+        {
+            if self.stalled.load(std::sync::atomic::Ordering::SeqCst) {
+                self.asked.notify_one();
+                return Box::pin(std::future::pending());
+            }
+            self.inner.services()
+        }
+    }
+
+    /// A discovery waiting on a registry that does not answer its list of services does not
+    /// hold back the services already followed: the last instance of one leaving takes its
+    /// routes away at once.
+    #[tokio::test(start_paused = true)]
+    async fn a_followed_service_s_change_is_served_while_a_discovery_waits_for_the_registry() {
+        let registry = Arc::new(Stalled::default());
+        let mut instance = rpc_registry::Instance::new("127.0.0.1:9001", ["echo.Echo"]);
+        instance.entries = vec![crate::route::test_entries::routed(
+            "echo.Echo",
+            "echo",
+            &["text"],
+            None,
+        )];
+        registry.register(instance).await.expect("register");
+        let shared = Arc::new(Shared {
+            table: ArcSwap::from_pointee(RouteTable::default()),
+            version: watch::channel(0).0,
+        });
+        let mut follower = Follower::new(registry.clone(), shared.clone());
+        follower.discover().await;
+        follower.rebuild();
+        assert_eq!(
+            shared.table.load().served().len(),
+            1,
+            "echo.Echo.echo served"
+        );
+        let mut version = shared.version.subscribe();
+        registry
+            .stalled
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let task = tokio::spawn(follower.run(Duration::from_secs(1)));
+        // The next discovery is under way, and waits for ever.
+        registry.asked.notified().await;
+        registry
+            .deregister("127.0.0.1:9001")
+            .await
+            .expect("deregister");
+        tokio::time::timeout(Duration::from_secs(60), version.changed())
+            .await
+            .expect("the routes follow the change while the discovery waits")
+            .expect("the follower runs");
+        assert!(shared.table.load().served().is_empty());
+        task.abort();
     }
 
     /// A static list closes every watch at once, and the next discovery watches the service
