@@ -546,7 +546,7 @@ impl Dispatcher {
                 inbound,
                 codec,
                 attachments,
-                span,
+                (span, carried),
                 caller,
             );
         }

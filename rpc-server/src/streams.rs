@@ -88,7 +88,7 @@ pub(crate) fn dispatch(
     inbound: Option<ByteStream>,
     codec: Codec,
     attachments: BTreeMap<String, String>,
-    span: tracing::Span,
+    (span, trace): (tracing::Span, telemetry::Carried),
     caller: &Arc<Caller>,
 ) -> Dispatch {
     if let Some(chain) = &route.layered {
@@ -99,7 +99,7 @@ pub(crate) fn dispatch(
             (invoke, inbound),
             codec,
             attachments,
-            span,
+            (span, trace),
             caller,
         );
     }
@@ -148,6 +148,7 @@ pub(crate) fn dispatch(
         &cause,
     );
     let setup = in_context(setup, attachments, invoke_depth);
+    let setup = telemetry::stream_with_carried(setup, trace);
     Dispatch::Events(Box::pin(ServerStream::new(
         d,
         route,
@@ -175,7 +176,7 @@ fn layered(
     (invoke, inbound): (Invoke, Option<ByteStream>),
     codec: Codec,
     attachments: BTreeMap<String, String>,
-    span: tracing::Span,
+    (span, trace): (tracing::Span, telemetry::Carried),
     caller: &Arc<Caller>,
 ) -> Dispatch {
     let entry = route.method.entry_id;
@@ -254,6 +255,7 @@ fn layered(
             )
         })
     });
+    let setup = telemetry::stream_with_carried(setup, trace);
     // The items hold the entry's slot, taken at the end of the chain.
     Dispatch::Events(Box::pin(ServerStream::new(
         d,

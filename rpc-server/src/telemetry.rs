@@ -352,6 +352,39 @@ pub(crate) fn with_carried<T: 'static>(
     }
 }
 
+/// A stream's `setup`, and then each poll of its items, run as [`in_carried`] runs a poll: the
+/// calls a streaming handler makes, while it sets up and while it produces items, continue
+/// the caller's trace with the call's `rpc.server` span kept from OpenTelemetry, as a unary
+/// handler's do ([`with_carried`]). Wrapped only when there is a context.
+pub(crate) fn stream_with_carried(
+    setup: rpc_core::StreamFuture,
+    carried: Carried,
+) -> rpc_core::StreamFuture {
+    #[cfg(feature = "otel")]
+    {
+        /// Each poll of a stream's items with the caller's context current.
+        struct Current(opentelemetry::Context);
+        impl rpc_core::PollScope for Current {
+            fn scoped(&mut self, poll: &mut dyn FnMut()) {
+                let _attached = self.0.clone().attach();
+                poll();
+            }
+        }
+        match carried {
+            Some(cx) => {
+                let setup = with_carried(setup, Some(cx.clone()));
+                Box::pin(async move { Ok(setup.await?.polled_within(Current(cx))) })
+            }
+            None => setup,
+        }
+    }
+    #[cfg(not(feature = "otel"))]
+    {
+        let _ = carried;
+        setup
+    }
+}
+
 /// The user attachments of a received call: everything but the W3C trace context and the
 /// call id.
 pub(crate) fn user_attachments(

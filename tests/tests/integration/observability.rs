@@ -20,8 +20,8 @@ use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData, ResourceMe
 use opentelemetry_sdk::trace::SpanData;
 use rpc::crates::governance::breaker::BreakerState;
 use rpc::{
-    Client, GovernanceOverrides, RpcContext, RpcError, Server, ServerHandle, StaticRegistry,
-    StatusCode,
+    Client, GovernanceOverrides, RpcContext, RpcError, RpcStream, Server, ServerHandle,
+    StaticRegistry, StatusCode,
 };
 
 #[rpc::service(name = "obs.Hop")]
@@ -29,6 +29,9 @@ pub trait Hop {
     /// `depth` more hops, then the `tenant` attachment the last server sees.
     #[governance(retry_times = 0)]
     async fn hop(&self, depth: u32) -> Result<String, RpcError>;
+    /// One item: what a hop of `depth` more hops answers. With a next server, the handler
+    /// makes that hop at its set-up and again while producing its item.
+    async fn hops(&self, depth: u32) -> Result<RpcStream<String>, RpcError>;
 }
 
 /// Forwards to the next server while `depth > 0`.
@@ -42,6 +45,17 @@ impl Hop for Relay {
             (Some(next), d) if d > 0 => next.hop(d - 1).await,
             _ => Ok(RpcContext::get("tenant").unwrap_or_else(|| "none".into())),
         }
+    }
+
+    async fn hops(&self, depth: u32) -> Result<RpcStream<String>, RpcError> {
+        let Some(next) = self.next.clone() else {
+            return Ok(RpcStream::iter([self.hop(depth).await?]));
+        };
+        let depth = depth.saturating_sub(1);
+        next.hop(depth).await?;
+        Ok(RpcStream::try_new(futures_util::stream::once(async move {
+            next.hop(depth).await
+        })))
     }
 }
 
@@ -184,6 +198,21 @@ enum Runs {
     Layered,
 }
 
+/// Asserts that `call` continues the trace of `attempt`, as its child.
+#[track_caller]
+fn assert_child(call: &SpanData, attempt: &SpanData, logged: &str) {
+    assert_eq!(
+        call.span_context.trace_id(),
+        attempt.span_context.trace_id(),
+        "logged {logged}"
+    );
+    assert_eq!(
+        call.parent_span_id,
+        attempt.span_context.span_id(),
+        "logged {logged}"
+    );
+}
+
 /// With the servers' `rpc.server` spans kept from OpenTelemetry by a filter (turned off, or
 /// seen by a log layer only), the call a handler makes downstream still continues its caller's
 /// trace, its span the child of the caller's attempt, however the server runs the handler.
@@ -216,16 +245,54 @@ async fn a_handler_s_call_continues_the_trace_with_the_server_span_filtered_out(
             .iter()
             .find(|s| s.parent_span_id != SpanId::INVALID)
             .unwrap_or_else(|| panic!("no call with a parent (logged {logged}): {calls:?}"));
-        assert_eq!(
-            inner.span_context.trace_id(),
-            outer.span_context.trace_id(),
-            "logged {logged}"
-        );
-        assert_eq!(
-            inner.parent_span_id,
-            outer.span_context.span_id(),
-            "logged {logged}"
-        );
+        assert_child(inner, outer, &logged);
+        common::within("shutdown", b.shutdown()).await;
+        common::within("shutdown", c.shutdown()).await;
+    }
+}
+
+/// With the servers' `rpc.server` spans kept from OpenTelemetry by a filter (turned off, or
+/// seen by a log layer only), the calls a streaming handler makes downstream, at its set-up
+/// and while producing its items, still continue its caller's trace, their spans the children
+/// of the caller's attempt, with and without a server layer. Before, they started traces of
+/// their own.
+#[tokio::test]
+async fn a_stream_handler_s_calls_continue_the_trace_with_the_server_span_filtered_out() {
+    let cases = [false, true]
+        .into_iter()
+        .flat_map(|logged| [Runs::InTasks, Runs::Layered].map(|r| (logged, r)));
+    for (logged, runs) in cases {
+        let (traces, _guard) = Traces::install_without(&["rpc.server"], logged);
+        let configure = move |b: rpc::ServerBuilder| match runs {
+            Runs::InTasks | Runs::Inline => b,
+            Runs::Layered => b.layer(rpc::server_layer_fn(|req, next| Box::pin(next.run(req)))),
+        };
+        let c = hop_server(None).await;
+        let b = hop_server_with(Some(&c), configure).await;
+        let logged = format!("{logged}, {runs:?}");
+        let client = HopClient::new(client_of(&[&b]));
+        let items: Vec<String> = futures_util::TryStreamExt::try_collect(
+            client.hops(1).await.expect("the stream set up"),
+        )
+        .await
+        .expect("its items");
+        assert_eq!(items, ["none"], "logged {logged}");
+        let spans = traces.spans();
+        assert!(named(&spans, "rpc.server").is_empty(), "logged {logged}");
+        let attempts = named(&spans, "rpc.client.attempt");
+        let calls = named(&spans, "rpc.client");
+        assert_eq!((calls.len(), attempts.len()), (3, 3), "logged {logged}");
+        // The stream's attempt went to B; both calls its handler made are its children.
+        let outer = by_port(&attempts, "server.port", b.local_addr().port());
+        let inner: Vec<&SpanData> = calls
+            .iter()
+            .copied()
+            .filter(|s| s.span_context.span_id() != outer.parent_span_id)
+            .collect();
+        assert_eq!(inner.len(), 2, "logged {logged}: {calls:?}");
+        for call in inner {
+            assert_child(call, outer, &logged);
+        }
         common::within("shutdown", b.shutdown()).await;
         common::within("shutdown", c.shutdown()).await;
     }
