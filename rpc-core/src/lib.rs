@@ -52,7 +52,7 @@ pub use options::{
 };
 pub use service::{Service, ServiceFuture, StreamFuture};
 pub use status::StatusCode;
-pub use stream::{ByteStream, ItemSource, LentItem, PollScope, RpcStream};
+pub use stream::{ByteStream, ItemSource, LentItem, RpcStream};
 pub use wire::StreamMode;
 
 /// The protocol version this build speaks (`Hello.protocol_version`).

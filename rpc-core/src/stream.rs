@@ -148,41 +148,19 @@ trait EncodeItems: Send {
 }
 
 /// An encoding source polled in a call context (see [`RpcStream::in_context`]).
-/// What runs around each poll of a stream's source: see [`RpcStream::polled_within`].
-///
-/// A server makes the caller's call context current this way ([`HeldContext`](crate::HeldContext)
-/// is one), and can make other per-call state current the same way (a tracing context).
-pub trait PollScope: Send + 'static {
-    /// Runs `poll`, one poll of the stream's source, within this scope: exactly once.
-    fn scoped(&mut self, poll: &mut dyn FnMut());
-}
-
-impl PollScope for crate::HeldContext {
-    fn scoped(&mut self, poll: &mut dyn FnMut()) {
-        self.enter(poll);
-    }
-}
-
-/// `poll` run within `scope`, and its result.
-fn poll_within<S: PollScope + ?Sized, R>(scope: &mut S, mut poll: impl FnMut() -> R) -> R {
-    let mut out = None;
-    scope.scoped(&mut || out = Some(poll()));
-    out.expect("a PollScope runs the poll it is given")
-}
-
-struct EncodingWithin<S> {
+struct EncodingInContext {
     source: Box<dyn EncodeItems>,
-    scope: S,
+    context: crate::HeldContext,
 }
 
-impl<S: PollScope> EncodeItems for EncodingWithin<S> {
+impl EncodeItems for EncodingInContext {
     fn poll_encode(
         &mut self,
         cx: &mut Context<'_>,
         dst: &mut BytesMut,
     ) -> Poll<Option<Result<usize, RpcError>>> {
         let source = &mut self.source;
-        poll_within(&mut self.scope, || source.poll_encode(cx, dst))
+        self.context.enter(|| source.poll_encode(cx, dst))
     }
 }
 
@@ -226,36 +204,30 @@ impl<T: Send + 'static> RpcStream<T> {
     /// This stream with each poll of its source run in the call context of `attachments` and
     /// `retry_depth` ([`HeldContext::enter`](crate::HeldContext::enter)):
     /// what a server does with a handler's items, so that the calls made while producing them
-    /// carry the caller's context as the handler's set-up did. As
-    /// [`polled_within`](Self::polled_within) a [`HeldContext`](crate::HeldContext).
+    /// carry the caller's context as the handler's set-up did. A stream encoding its items as
+    /// they are taken stays one (taken into a frame with no buffer of its own); any other is
+    /// polled through a stream of its own.
     pub fn in_context(
         self,
         attachments: std::sync::Arc<std::collections::BTreeMap<String, String>>,
         retry_depth: u32,
     ) -> Self {
-        self.polled_within(crate::HeldContext::new(attachments, retry_depth))
-    }
-
-    /// This stream with each poll of its source run within `scope`. A stream encoding its
-    /// items as they are taken stays one (taken into a frame with no buffer of its own); any
-    /// other is polled through a stream of its own.
-    pub fn polled_within(self, scope: impl PollScope) -> Self {
         let RpcStream { inner, done } = self;
-        let mut scope = scope;
+        let mut context = crate::HeldContext::new(attachments, retry_depth);
         let inner = match inner {
             Inner::Encoding {
                 source,
                 scratch,
                 wrap,
             } => Inner::Encoding {
-                source: Box::new(EncodingWithin { source, scope }),
+                source: Box::new(EncodingInContext { source, context }),
                 scratch,
                 wrap,
             },
             other => {
                 let mut items = RpcStream { inner: other, done };
                 Inner::Items(Box::pin(stream::poll_fn(move |cx| {
-                    poll_within(&mut scope, || items.poll_next_unpin(cx))
+                    context.enter(|| items.poll_next_unpin(cx))
                 })))
             }
         };

@@ -148,11 +148,10 @@ pub(crate) fn dispatch(
         &cause,
     );
     let setup = in_context(setup, attachments, invoke_depth);
-    let setup = telemetry::stream_with_carried(setup, trace);
     Dispatch::Events(Box::pin(ServerStream::new(
         d,
         route,
-        span,
+        (span, trace),
         (setup, deadline, cause),
         Some(permit),
         received,
@@ -255,12 +254,11 @@ fn layered(
             )
         })
     });
-    let setup = telemetry::stream_with_carried(setup, trace);
     // The items hold the entry's slot, taken at the end of the chain.
     Dispatch::Events(Box::pin(ServerStream::new(
         d,
         route,
-        span,
+        (span, trace),
         (setup, deadline, cause),
         None,
         received,
@@ -377,6 +375,8 @@ struct ServerStream {
     watch: telemetry::CallWatch,
     /// The failure a server fallback answered the set-up for, once it did.
     fallback_cause: FallbackCause,
+    /// The caller's trace context, current while the layers, the set-up and the producer run.
+    carried: telemetry::Carried,
     send_panic_text: bool,
     /// Items produced so far.
     sent: u64,
@@ -397,7 +397,7 @@ impl ServerStream {
     fn new(
         d: &Dispatcher,
         route: &Route,
-        span: tracing::Span,
+        (span, carried): (tracing::Span, telemetry::Carried),
         (setup, deadline, fallback_cause): (StreamFuture, Option<(Instant, u32)>, FallbackCause),
         permit: Option<Slot>,
         received: Arc<AtomicU64>,
@@ -423,6 +423,7 @@ impl ServerStream {
                 entry,
             ),
             fallback_cause,
+            carried,
             send_panic_text: d.send_panic_text,
             sent: 0,
             received,
@@ -655,7 +656,11 @@ impl ServerStream {
             return Poll::Ready(None);
         }
         // The layers, the set-up and the producer run in the call's span, as a unary handler
-        // does: their events are the call's, and the calls they make continue its trace.
+        // does: their events are the call's, and the calls they make continue its trace. The
+        // caller's trace context is made current first, the span entered after it: with the
+        // span kept from OpenTelemetry by a filter, the calls still continue the caller's
+        // trace; with the span seen, they are its children.
+        let _carried = telemetry::attached(&this.carried);
         let span = this.watch.span().clone();
         let _in_span = span.enter();
         if let Poll::Ready(end) = this.poll_deadline(cx) {

@@ -324,12 +324,30 @@ pub(crate) fn carried(attachments: &BTreeMap<String, String>) -> Carried {
 /// filter left it out), where they would start traces of their own. With the span seen, they
 /// are its children as before (the span comes first).
 pub(crate) fn in_carried<R>(carried: &Carried, f: impl FnOnce() -> R) -> R {
-    #[cfg(feature = "otel")]
-    let _attached = carried.as_ref().map(|cx| cx.clone().attach());
-    #[cfg(not(feature = "otel"))]
-    let _ = carried;
+    let _attached = attached(carried);
     f()
 }
+
+/// `carried` made OpenTelemetry's current context until the guard returned is dropped, as
+/// [`in_carried`] does for one closure: enter the call's span after it, so that the span,
+/// when OpenTelemetry sees it, comes first.
+#[must_use]
+pub(crate) fn attached(carried: &Carried) -> Attached {
+    #[cfg(feature = "otel")]
+    return carried.as_ref().map(|cx| cx.clone().attach());
+    #[cfg(not(feature = "otel"))]
+    {
+        let _ = carried;
+        Attached
+    }
+}
+
+/// What [`attached`] returns: the caller's context stays current while it is held.
+#[cfg(feature = "otel")]
+pub(crate) type Attached = Option<opentelemetry::ContextGuard>;
+/// What [`attached`] returns: nothing without feature `otel`.
+#[cfg(not(feature = "otel"))]
+pub(crate) struct Attached;
 
 /// `call` polled as [`in_carried`] runs a poll, around the call's span (which, entered inside,
 /// comes first when OpenTelemetry sees it). Boxed again only when there is a context.
@@ -349,39 +367,6 @@ pub(crate) fn with_carried<T: 'static>(
     {
         let _ = carried;
         call
-    }
-}
-
-/// A stream's `setup`, and then each poll of its items, run as [`in_carried`] runs a poll: the
-/// calls a streaming handler makes, while it sets up and while it produces items, continue
-/// the caller's trace with the call's `rpc.server` span kept from OpenTelemetry, as a unary
-/// handler's do ([`with_carried`]). Wrapped only when there is a context.
-pub(crate) fn stream_with_carried(
-    setup: rpc_core::StreamFuture,
-    carried: Carried,
-) -> rpc_core::StreamFuture {
-    #[cfg(feature = "otel")]
-    {
-        /// Each poll of a stream's items with the caller's context current.
-        struct Current(opentelemetry::Context);
-        impl rpc_core::PollScope for Current {
-            fn scoped(&mut self, poll: &mut dyn FnMut()) {
-                let _attached = self.0.clone().attach();
-                poll();
-            }
-        }
-        match carried {
-            Some(cx) => {
-                let setup = with_carried(setup, Some(cx.clone()));
-                Box::pin(async move { Ok(setup.await?.polled_within(Current(cx))) })
-            }
-            None => setup,
-        }
-    }
-    #[cfg(not(feature = "otel"))]
-    {
-        let _ = carried;
-        setup
     }
 }
 

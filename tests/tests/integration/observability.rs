@@ -198,19 +198,15 @@ enum Runs {
     Layered,
 }
 
-/// Asserts that `call` continues the trace of `attempt`, as its child.
+/// Asserts that `call` continues the trace of `parent`, as its child.
 #[track_caller]
-fn assert_child(call: &SpanData, attempt: &SpanData, logged: &str) {
+fn assert_child(call: &SpanData, parent: &SpanData, case: &str) {
     assert_eq!(
         call.span_context.trace_id(),
-        attempt.span_context.trace_id(),
-        "logged {logged}"
+        parent.span_context.trace_id(),
+        "{case}"
     );
-    assert_eq!(
-        call.parent_span_id,
-        attempt.span_context.span_id(),
-        "logged {logged}"
-    );
+    assert_eq!(call.parent_span_id, parent.span_context.span_id(), "{case}");
 }
 
 /// With the servers' `rpc.server` spans kept from OpenTelemetry by a filter (turned off, or
@@ -251,47 +247,62 @@ async fn a_handler_s_call_continues_the_trace_with_the_server_span_filtered_out(
     }
 }
 
-/// With the servers' `rpc.server` spans kept from OpenTelemetry by a filter (turned off, or
-/// seen by a log layer only), the calls a streaming handler makes downstream, at its set-up
-/// and while producing its items, still continue its caller's trace, their spans the children
-/// of the caller's attempt, with and without a server layer. Before, they started traces of
-/// their own.
+/// The calls a streaming handler makes downstream, at its set-up and while producing its
+/// items, continue its caller's trace, with and without a server layer: their spans are the
+/// children of the handler's `rpc.server` span when OpenTelemetry sees it, and of the caller's
+/// attempt when a filter keeps that span from it (turned off, or seen by a log layer only).
+/// Before, with the span filtered, they started traces of their own.
 #[tokio::test]
-async fn a_stream_handler_s_calls_continue_the_trace_with_the_server_span_filtered_out() {
-    let cases = [false, true]
+async fn a_stream_handler_s_calls_continue_the_trace_with_or_without_the_server_span() {
+    // `None`: the server span seen; `Some(logged)`: filtered out.
+    let cases = [None, Some(false), Some(true)]
         .into_iter()
-        .flat_map(|logged| [Runs::InTasks, Runs::Layered].map(|r| (logged, r)));
-    for (logged, runs) in cases {
-        let (traces, _guard) = Traces::install_without(&["rpc.server"], logged);
+        .flat_map(|filtered| [Runs::InTasks, Runs::Layered].map(|r| (filtered, r)));
+    for (filtered, runs) in cases {
+        let (traces, _guard) = match filtered {
+            None => Traces::install(),
+            Some(logged) => Traces::install_without(&["rpc.server"], logged),
+        };
         let configure = move |b: rpc::ServerBuilder| match runs {
             Runs::InTasks | Runs::Inline => b,
             Runs::Layered => b.layer(rpc::server_layer_fn(|req, next| Box::pin(next.run(req)))),
         };
         let c = hop_server(None).await;
         let b = hop_server_with(Some(&c), configure).await;
-        let logged = format!("{logged}, {runs:?}");
+        let case = format!("{filtered:?}, {runs:?}");
         let client = HopClient::new(client_of(&[&b]));
         let items: Vec<String> = futures_util::TryStreamExt::try_collect(
             client.hops(1).await.expect("the stream set up"),
         )
         .await
         .expect("its items");
-        assert_eq!(items, ["none"], "logged {logged}");
+        assert_eq!(items, ["none"], "{case}");
         let spans = traces.spans();
-        assert!(named(&spans, "rpc.server").is_empty(), "logged {logged}");
+        let servers = named(&spans, "rpc.server");
         let attempts = named(&spans, "rpc.client.attempt");
         let calls = named(&spans, "rpc.client");
-        assert_eq!((calls.len(), attempts.len()), (3, 3), "logged {logged}");
-        // The stream's attempt went to B; both calls its handler made are its children.
+        assert_eq!((calls.len(), attempts.len()), (3, 3), "{case}");
+        // The stream's attempt went to B; the calls its handler made are the children of B's
+        // server span, or of that attempt when the server span is filtered out.
         let outer = by_port(&attempts, "server.port", b.local_addr().port());
+        let parent = match filtered {
+            None => {
+                assert_eq!(servers.len(), 3, "{case}");
+                by_port(&servers, "server.port", b.local_addr().port())
+            }
+            Some(_) => {
+                assert!(servers.is_empty(), "{case}");
+                outer
+            }
+        };
         let inner: Vec<&SpanData> = calls
             .iter()
             .copied()
             .filter(|s| s.span_context.span_id() != outer.parent_span_id)
             .collect();
-        assert_eq!(inner.len(), 2, "logged {logged}: {calls:?}");
+        assert_eq!(inner.len(), 2, "{case}: {calls:?}");
         for call in inner {
-            assert_child(call, outer, &logged);
+            assert_child(call, parent, &case);
         }
         common::within("shutdown", b.shutdown()).await;
         common::within("shutdown", c.shutdown()).await;
