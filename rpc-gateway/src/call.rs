@@ -19,9 +19,7 @@ use rpc_core::{RpcContext, RpcError, ServiceEntry};
 use serde_json::{json, Value};
 use tracing::Instrument;
 
-use crate::route::{
-    carries_retry_after, error_body, http_status, normalized_path, params_in_query,
-};
+use crate::route::{carries_retry_after, error_body, http_status, params_in_query, request_path};
 use crate::table::{Found, Served};
 use crate::{docs, Gateway};
 
@@ -219,7 +217,7 @@ async fn call(State(gateway): State<Gateway>, request: Request) -> Response {
         );
     }
     // Matched with its text decoded: templates hold it as it is (see `normalized_path`).
-    let path = normalized_path(parts.uri.path());
+    let path = request_path(parts.uri.path());
     // An `Arc` of the table rather than a guard: it is held across the body's await.
     let table = gateway.inner.shared.table.load_full();
     let (served, path_params) = match table.find(&parts.method, &path) {

@@ -136,11 +136,20 @@ impl Follower {
         if entries == self.last {
             return;
         }
-        tracing::info!(entries = entries.len(), "the gateway's routes changed");
         self.last = entries.clone();
-        self.shared
-            .table
-            .store(Arc::new(RouteTable::build(entries)));
+        // Entries come from servers the gateway does not control: should one of them make the
+        // table's building panic (the matcher panics on some templates it is not meant to be
+        // given), the routes stay as they were rather than the follower ending for good.
+        let built = std::panic::catch_unwind(|| RouteTable::build(entries));
+        let Ok(table) = built else {
+            tracing::error!("the gateway could not build its routes from the entries published; it keeps the routes it has");
+            return;
+        };
+        tracing::info!(
+            entries = table.served().len(),
+            "the gateway's routes changed"
+        );
+        self.shared.table.store(Arc::new(table));
         self.shared.version.send_modify(|v| *v += 1);
     }
 

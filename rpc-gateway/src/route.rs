@@ -34,9 +34,11 @@ pub fn route_of(entry: &ServiceEntry) -> Route {
     }
 }
 
-/// `/api/{service id}/{method}`.
+/// `/api/{service id}/{method}`, a brace in either escaped (`%7B`, `%7D`): in a path template
+/// braces name parameters, and the default route has none.
 pub fn default_path(service_id: &str, method: &str) -> String {
-    format!("/api/{service_id}/{method}")
+    let literal = |text: &str| text.replace('{', "%7B").replace('}', "%7D");
+    format!("/api/{}/{}", literal(service_id), literal(method))
 }
 
 /// Whether the parameters not in the path come from the query string (`GET`, `DELETE`,
@@ -129,10 +131,11 @@ pub fn error_body_schema(typed: Option<&Value>) -> Value {
 }
 
 /// `path` as routes are matched on it: percent-escapes of text decoded, but for `%2F` (a `/`
-/// inside a segment, not a boundary) and `%25` (a `%`, which must not start an escape when the
-/// path parameters are decoded), kept with uppercase hex digits, as is a byte that is not
-/// UTF-8; a `%` that starts no escape is escaped as `%25`. Templates are matched in the same
-/// form. A template holds its text as it is (a service id such as `my_crate::api.Echo`, a
+/// inside a segment, not a boundary), `%25` (a `%`, which must not start an escape when the
+/// path parameters are decoded) and `%7B` / `%7D` (braces, which in a template name a
+/// parameter: an escaped one is text), kept with uppercase hex digits, as is a byte that is
+/// not UTF-8; a `%` that starts no escape is escaped as `%25`. Templates are matched in the
+/// same form (a request's path also has its own braces escaped: [`request_path`]). A template holds its text as it is (a service id such as `my_crate::api.Echo`, a
 /// method name in another script), while a client may send it percent-encoded (JavaScript's
 /// `encodeURIComponent` escapes `:`, browsers escape `"`, `<`, `>`, `` ` ``): without this, it
 /// would never match. Path parameters keep the escapes left and are decoded once, when bound,
@@ -186,7 +189,7 @@ pub(crate) fn normalized_path(path: &str) -> std::borrow::Cow<'_, str> {
                 .flatten()
                 .and_then(|w| std::str::from_utf8(w).ok());
             match text {
-                Some(t) if b != b'/' && b != b'%' => {
+                Some(t) if !matches!(b, b'/' | b'%' | b'{' | b'}') => {
                     out.push_str(t);
                     k += width;
                 }
@@ -199,6 +202,17 @@ pub(crate) fn normalized_path(path: &str) -> std::borrow::Cow<'_, str> {
         }
     }
     std::borrow::Cow::Owned(out)
+}
+
+/// A request's path as routes are matched on it: [`normalized_path`], with its braces escaped
+/// too. In a request they are text; left as they are, they could not match a template that
+/// holds them as text (escaped), and could spell a parameter's name to the matcher.
+pub(crate) fn request_path(path: &str) -> std::borrow::Cow<'_, str> {
+    let path = normalized_path(path);
+    if !path.contains(['{', '}']) {
+        return path;
+    }
+    std::borrow::Cow::Owned(path.replace('{', "%7B").replace('}', "%7D"))
 }
 
 /// Entries written in a line for this crate's tests; the same file serves the integration tests.
@@ -257,6 +271,8 @@ mod tests {
             ("/x/%C3%28/%E5%95/%zz/50%", "/x/%C3(/%E5%95/%25zz/50%25"),
             ("/orders/%%34%31", "/orders/%2541"),
             ("/x/%2%35", "/x/%2525"),
+            // Braces stay escaped: in a template they would name a parameter.
+            ("/x/%7bid%7D", "/x/%7Bid%7D"),
         ] {
             assert_eq!(normalized_path(given), matched, "{given}");
             // Decoded once (as a bound parameter is), it says what the path said.

@@ -147,7 +147,8 @@ impl RouteTable {
         if !route.path.starts_with('/') {
             return Err(format!("{:?} does not start with /", route.path));
         }
-        let params = route.path.matches('{').count();
+        // Counted as the matcher reads the template (an escaped brace is text).
+        let params = path.matches('{').count();
         if params > MAX_PATH_PARAMS {
             return Err(format!(
                 "{} has {params} parameters, more than the {MAX_PATH_PARAMS} a route may have",
@@ -516,6 +517,40 @@ mod tests {
         let at = |path: &str| found(&table, Method::GET, &crate::route::normalized_path(path));
         assert_eq!(at("/%6Fpenapi.json"), None);
         serves(&table, Method::POST, "/api/d.D/doc", Some("d.D.doc"));
+    }
+
+    /// Braces a template holds escaped (`%7B`, `%7D`) are text, not parameters: such a path
+    /// is served as the literal path it spells, and any number of them builds a table. Before,
+    /// they were decoded into parameters (uncounted), and 26 of them made the matcher panic.
+    #[test]
+    fn escaped_braces_in_a_template_are_text() {
+        let many = "/x".to_string() + &"/%7Bp%7D".repeat(26);
+        let table = RouteTable::build(vec![
+            entry("a.A", "get", Some(("GET", "/x/%7Bid%7D"))),
+            entry("b.B", "get", Some(("GET", &many))),
+        ]);
+        let at = |path: &str| match table.find(&Method::GET, &crate::route::request_path(path)) {
+            Found::Entry(s, params) => Some((s.entry.id.to_string(), params)),
+            _ => None,
+        };
+        assert_eq!(at("/x/%7Bid%7D"), Some(("a.A.get".into(), Vec::new())));
+        assert_eq!(at("/x/{id}"), Some(("a.A.get".into(), Vec::new())));
+        assert_eq!(at("/x/42"), None);
+        assert_eq!(at(&many), Some(("b.B.get".into(), Vec::new())));
+    }
+
+    /// A service id or method holding braces is served at its default route as text: the
+    /// route takes no parameter, so it answers its own path only.
+    #[test]
+    fn braces_in_a_service_id_are_text_in_its_default_route() {
+        let table = RouteTable::build(vec![entry("a{b}.S", "m{n}", None)]);
+        let at = |path: &str| found(&table, Method::POST, &crate::route::request_path(path));
+        assert_eq!(
+            at("/api/a%7Bb%7D.S/m%7bn%7d").as_deref(),
+            Some("a{b}.S.m{n}")
+        );
+        assert_eq!(at("/api/a{b}.S/m{n}").as_deref(), Some("a{b}.S.m{n}"));
+        assert_eq!(at("/api/axyz.S/mq"), None);
     }
 
     #[test]
