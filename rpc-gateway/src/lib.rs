@@ -20,7 +20,8 @@
 //! that is a JSON array is taken as positional arguments. The answer is the method's result as
 //! JSON, with status 200. A path is matched with its percent-encoded text decoded (a service
 //! id such as `my_crate::api.Echo`, or a method name in another script, is reached as clients
-//! encode it), its `%2F` (a `/` inside a segment) and `%25` kept escaped.
+//! encode it), its `%2F` (a `/` inside a segment), `%25` and `%7B` / `%7D` (braces, which in
+//! a route's path name a parameter) kept escaped.
 //!
 //! A failed call answers with the status [`route::http_status`] maps (business error 422,
 //! overflow and open breaker 503 with `Retry-After`, timeout 504, not authenticated 401 with

@@ -219,10 +219,11 @@ fn check_path(lit: &LitStr, params: &[String]) -> syn::Result<()> {
              a fragment or spaces"
         )));
     }
-    // The gateway matches paths with their escapes decoded but for `%2F` and `%25`
-    // (`rpc-gateway`'s `normalized_path`): any other escape here would be a second spelling
-    // of a path (`/%64ocs` is `/docs`) that no check of this crate compares. The escapes it
-    // keeps (`%2F`, a `/` inside a segment; `%25`, a `%`) stay allowed.
+    // The gateway matches paths with their escapes decoded but for `%2F`, `%25`, `%7B` and
+    // `%7D` (`rpc-gateway`'s `normalized_path`): any other escape here would be a second
+    // spelling of a path (`/%64ocs` is `/docs`) that no check of this crate compares. The
+    // escapes it keeps (`%2F`, a `/` inside a segment; `%25`, a `%`; `%7B` and `%7D`, braces
+    // as text) stay allowed.
     let bytes = path.as_bytes();
     for (at, _) in path.match_indices('%') {
         let hex = |i: usize| bytes.get(i).and_then(|&b| (b as char).to_digit(16));
@@ -234,11 +235,11 @@ fn check_path(lit: &LitStr, params: &[String]) -> syn::Result<()> {
                 "a `%` in the route's path starts no escape: write a `%` as `%25`".to_string(),
             ));
         };
-        if b != b'/' && b != b'%' {
+        if !matches!(b, b'/' | b'%' | b'{' | b'}') {
             return Err(err(format!(
                 "`{}` in the route's path is a character the gateway reads as itself: write it \
-                 as is (`/café`, not `/caf%C3%A9`; `/a:b`, not `/a%3Ab`); only `%2F` and `%25` \
-                 stay escaped",
+                 as is (`/café`, not `/caf%C3%A9`; `/a:b`, not `/a%3Ab`); only `%2F`, `%25`, \
+                 `%7B` and `%7D` stay escaped",
                 &path[at..at + 3]
             )));
         }
@@ -368,11 +369,16 @@ mod tests {
         assert!(route(&[], &params()).unwrap().is_none());
     }
 
-    /// Escapes the gateway keeps escaped (a `/` inside a segment, a `%`) are a route's to
-    /// hold; those it decodes are refused (see `rejects_bad_routes`).
+    /// Escapes the gateway keeps escaped (a `/` inside a segment, a `%`, braces as text) are
+    /// a route's to hold; those it decodes are refused (see `rejects_bad_routes`).
     #[test]
     fn escapes_the_gateway_keeps_are_taken() {
-        for path in ["/rates/100%25", "/files/a%2Fb", "/files/a%2fb"] {
+        for path in [
+            "/rates/100%25",
+            "/files/a%2Fb",
+            "/files/a%2fb",
+            "/sets/%7Bempty%7d",
+        ] {
             let attr: Attribute = parse_quote!(#[http(get = #path)]);
             let r = route(&[attr], &params()).unwrap().unwrap();
             assert_eq!(r.path, path);
