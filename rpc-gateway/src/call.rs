@@ -253,7 +253,17 @@ async fn call(State(gateway): State<Gateway>, request: Request) -> Response {
             )
         }
     };
-    let body = match to_bytes(Body::new(body), gateway.inner.max_body_bytes).await {
+    let read = to_bytes(Body::new(body), gateway.inner.max_body_bytes);
+    let Ok(read) = tokio::time::timeout(gateway.inner.read_timeout, read).await else {
+        return refuse(
+            StatusCode::REQUEST_TIMEOUT,
+            format!(
+                "the body was not sent within the gateway's {:?}: send it whole, at once",
+                gateway.inner.read_timeout
+            ),
+        );
+    };
+    let body = match read {
         Ok(body) => body,
         Err(e) if over_the_limit(&e) => {
             return refuse(

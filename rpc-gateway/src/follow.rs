@@ -328,13 +328,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_followed_service_s_change_is_served_while_a_discovery_waits_for_the_registry() {
         let registry = Arc::new(Stalled::default());
-        let mut instance = rpc_registry::Instance::new("127.0.0.1:9001", ["echo.Echo"]);
-        instance.entries = vec![crate::route::test_entries::routed(
-            "echo.Echo",
-            "echo",
-            &["text"],
-            None,
-        )];
+        let instance = crate::route::test_entries::echo_instance("127.0.0.1:9001");
         registry.register(instance).await.expect("register");
         let shared = Arc::new(Shared {
             table: ArcSwap::from_pointee(RouteTable::default()),

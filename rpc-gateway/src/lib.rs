@@ -104,8 +104,9 @@
 //! needs a token.
 //!
 //! The gateway's own refusals (unknown route 404, wrong method 405, unreadable arguments 400,
-//! body over [`GatewayBuilder::max_body_bytes`] 413, too many headers 431, token 401, another
-//! origin 403) answer
+//! body over [`GatewayBuilder::max_body_bytes`] 413, a body not sent within
+//! [`GatewayBuilder::read_timeout`] 408, too many headers 431, token 401, another origin 403)
+//! answer
 //! `{"error": "..."}`, saying what to send instead. `GET /healthz` answers `ok`.
 
 #![warn(missing_docs)]
@@ -115,6 +116,7 @@ pub mod docs;
 mod follow;
 pub mod openapi;
 pub mod route;
+mod serve;
 mod table;
 
 use std::future::Future;
@@ -162,6 +164,7 @@ pub struct GatewayBuilder {
     version: String,
     discovery_interval: Duration,
     max_body_bytes: usize,
+    read_timeout: Duration,
 }
 
 impl GatewayBuilder {
@@ -210,6 +213,16 @@ impl GatewayBuilder {
         self
     }
 
+    /// How long a client has to send a request's head, and again its body (30 s by default,
+    /// at least 1 ms). A head not sent in time closes the connection (as does a keep-alive
+    /// connection sending no next request in time, when served by [`Gateway::serve`]); a body
+    /// not sent in time is answered 408. Without it, a client sending a byte now and then
+    /// would hold a connection and its buffers for as long as it liked.
+    pub fn read_timeout(mut self, timeout: Duration) -> Self {
+        self.read_timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
     /// Reads the registry once (a registry that does not answer is logged and asked again
     /// later, not an error) and starts following it. Must be called within a tokio runtime;
     /// the following stops when the last clone of the gateway and of its routers is dropped.
@@ -245,6 +258,7 @@ impl GatewayBuilder {
                     bearer_token,
                 },
                 max_body_bytes: self.max_body_bytes,
+                read_timeout: self.read_timeout,
                 task,
             }),
         })
@@ -264,6 +278,7 @@ struct Inner {
     token: Option<String>,
     info: openapi::DocumentInfo,
     max_body_bytes: usize,
+    read_timeout: Duration,
     task: JoinHandle<()>,
 }
 
@@ -284,6 +299,7 @@ impl Gateway {
             version: env!("CARGO_PKG_VERSION").into(),
             discovery_interval: Duration::from_secs(1),
             max_body_bytes: 1 << 20,
+            read_timeout: Duration::from_secs(30),
         }
     }
 
@@ -292,21 +308,24 @@ impl Gateway {
         call::router(self.clone())
     }
 
-    /// Serves [`router`](Self::router) on `listener` until the process ends.
+    /// Serves [`router`](Self::router) on `listener` (HTTP/1.1) until the process ends. A
+    /// connection has [`GatewayBuilder::read_timeout`] to send each request's head (a
+    /// router served by other means, such as `axum::serve`, needs its own such limit).
     pub async fn serve(self, listener: TcpListener) -> std::io::Result<()> {
-        axum::serve(listener, self.router()).await
+        self.serve_with_shutdown(listener, std::future::pending())
+            .await
     }
 
-    /// Serves [`router`](Self::router) on `listener` until `signal` completes, then lets the
-    /// requests in flight finish.
+    /// As [`serve`](Self::serve) until `signal` completes, then stops accepting and lets the
+    /// requests in flight finish (idle connections close at once; one still sending its
+    /// request has at most [`GatewayBuilder::read_timeout`] more).
     pub async fn serve_with_shutdown(
         self,
         listener: TcpListener,
         signal: impl Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
-        axum::serve(listener, self.router())
-            .with_graceful_shutdown(signal)
-            .await
+        let read_timeout = self.inner.read_timeout;
+        serve::serve(listener, self.router(), read_timeout, signal).await
     }
 
     /// The entries served now, each as the OpenAPI document shows it (an entry whose declared

@@ -66,3 +66,11 @@ pub fn schemas(params: Vec<Value>, result: Value, definitions: &[(&str, Value)])
 pub fn reference(name: &str) -> Value {
     json!({"$ref": format!("#/components/schemas/{name}")})
 }
+
+/// An instance at `address` publishing `echo.Echo.echo` (taking `text`, at its default route),
+/// as an echo server would publish it.
+pub fn echo_instance(address: &str) -> rpc_registry::Instance {
+    let mut instance = rpc_registry::Instance::new(address, ["echo.Echo"]);
+    instance.entries = vec![routed("echo.Echo", "echo", &["text"], None)];
+    instance
+}

@@ -1,0 +1,181 @@
+//! Serving the gateway's router on a listener: HTTP/1.1 connections, each given a limited time
+//! to send a request's head.
+//!
+//! Why not `axum::serve`: it gives hyper no timer, so hyper's limit on reading a request's head
+//! never applies, and a client that opens connections and sends their heads a byte at a time
+//! (or never) holds them, their sockets and their buffers for as long as it likes; a gateway
+//! facing browsers and the open network must not. The same limit closes a keep-alive connection
+//! that sends no next request within it. (The body's limit is the handler's: see `call`.)
+
+use std::future::Future;
+use std::time::Duration;
+
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
+use tokio::net::TcpListener;
+
+/// Serves `router` on `listener` until `signal` completes, then stops accepting and waits for
+/// the connections' requests in flight (an idle connection closes at once; one still sending
+/// a head or a body has at most `read_timeout` more).
+pub(crate) async fn serve(
+    listener: TcpListener,
+    router: axum::Router,
+    read_timeout: Duration,
+    signal: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(read_timeout);
+    let graceful = GracefulShutdown::new();
+    let signal = std::pin::pin!(signal);
+    let mut signal = signal;
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            () = &mut signal => break,
+        };
+        let stream = match accepted {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                accept_failed(e).await;
+                continue;
+            }
+        };
+        let service = TowerToHyperService::new(router.clone());
+        let connection = graceful.watch(http.serve_connection(TokioIo::new(stream), service));
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::debug!(error = %e, "an HTTP connection ended with an error");
+            }
+        });
+    }
+    drop(listener);
+    graceful.shutdown().await;
+    Ok(())
+}
+
+/// After a failed `accept`: nothing for an error of that one connection (it went before it
+/// was taken); for any other (the process's open files at their limit: `EMFILE`), a second's
+/// pause, in which connections may close, rather than a loop failing as fast as it can.
+async fn accept_failed(e: std::io::Error) {
+    use std::io::ErrorKind;
+    if matches!(
+        e.kind(),
+        ErrorKind::ConnectionRefused | ErrorKind::ConnectionAborted | ErrorKind::ConnectionReset
+    ) {
+        return;
+    }
+    tracing::error!(error = %e, "the gateway cannot accept a connection; it tries again in a second");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use rpc_registry::{InProcessRegistry, Registry};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::{TcpListener, TcpStream};
+
+    use crate::Gateway;
+
+    const READ_TIMEOUT: Duration = Duration::from_secs(2);
+    /// Far past `READ_TIMEOUT`, on the paused clock: what a test waits at most.
+    const LIMIT: Duration = Duration::from_secs(600);
+
+    /// A gateway serving `echo.Echo.echo` (published with no server behind it: the requests
+    /// below never get as far as a call) until `stop` fires; its address and serving task.
+    async fn gateway(
+        stop: tokio::sync::oneshot::Receiver<()>,
+    ) -> (String, tokio::task::JoinHandle<std::io::Result<()>>) {
+        let registry = InProcessRegistry::new();
+        let instance = crate::route::test_entries::echo_instance("127.0.0.1:9");
+        registry.register(instance).await.expect("register");
+        let registry: Arc<dyn Registry> = Arc::new(registry);
+        let gateway = Gateway::builder()
+            .client(
+                rpc_client::Client::builder()
+                    .shared_registry(registry.clone())
+                    .build(),
+            )
+            .registry(registry)
+            .read_timeout(READ_TIMEOUT)
+            .build()
+            .await
+            .expect("build");
+        assert_eq!(gateway.entries().len(), 1, "echo.Echo.echo served");
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr").to_string();
+        let serving = tokio::spawn(gateway.serve_with_shutdown(listener, async {
+            let _ = stop.await;
+        }));
+        (addr, serving)
+    }
+
+    /// What the gateway sends on `stream` until it closes it.
+    async fn all_of(stream: &mut TcpStream) -> String {
+        let mut answer = Vec::new();
+        tokio::time::timeout(LIMIT, stream.read_to_end(&mut answer))
+            .await
+            .expect("the gateway closes the connection")
+            .expect("read");
+        String::from_utf8_lossy(&answer).into_owned()
+    }
+
+    /// A client that never finishes its request's head is cut off once the read timeout has
+    /// passed, with nothing sent: it cannot hold the connection. Before, it held it for ever.
+    #[tokio::test(start_paused = true)]
+    async fn a_head_not_sent_in_time_closes_the_connection() {
+        let (_stop, stop) = tokio::sync::oneshot::channel();
+        let (addr, _serving) = gateway(stop).await;
+        let mut stream = TcpStream::connect(&addr).await.expect("connect");
+        let started = tokio::time::Instant::now();
+        stream
+            .write_all(b"POST /api/echo.Echo/echo HTTP/1.1\r\nHost: gw\r\n")
+            .await
+            .expect("write");
+        let answer = all_of(&mut stream).await;
+        assert!(!answer.contains("200"), "{answer}");
+        assert!(started.elapsed() >= READ_TIMEOUT, "{:?}", started.elapsed());
+    }
+
+    /// A body not sent in time is answered 408, saying so.
+    #[tokio::test(start_paused = true)]
+    async fn a_body_not_sent_in_time_is_answered_408() {
+        let (_stop, stop) = tokio::sync::oneshot::channel();
+        let (addr, _serving) = gateway(stop).await;
+        let mut stream = TcpStream::connect(&addr).await.expect("connect");
+        stream
+            .write_all(
+                b"POST /api/echo.Echo/echo HTTP/1.1\r\nHost: gw\r\nContent-Length: 40\r\n\r\n{\"te",
+            )
+            .await
+            .expect("write");
+        let answer = all_of(&mut stream).await;
+        assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+        assert!(answer.contains("not sent within"), "{answer}");
+    }
+
+    /// A stopping gateway does not wait for ever for a client that never finishes its request:
+    /// serving ends once its read timeout has passed.
+    #[tokio::test(start_paused = true)]
+    async fn stopping_waits_for_a_slow_client_no_longer_than_the_read_timeout() {
+        let (stop_tx, stop) = tokio::sync::oneshot::channel();
+        let (addr, serving) = gateway(stop).await;
+        let mut stream = TcpStream::connect(&addr).await.expect("connect");
+        stream
+            .write_all(b"POST /api/echo.Echo/echo HTTP/1.1\r\nHost: gw\r\n")
+            .await
+            .expect("write");
+        // The head is being read when the gateway is told to stop.
+        tokio::task::yield_now().await;
+        let _ = stop_tx.send(());
+        tokio::time::timeout(LIMIT, serving)
+            .await
+            .expect("serving ends")
+            .expect("the task")
+            .expect("served");
+    }
+}
