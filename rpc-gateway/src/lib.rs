@@ -72,7 +72,8 @@
 //! in their parameters' names (with any methods: one path has one spelling, as OpenAPI
 //! requires), the first in entry id order keeps it and the other is served at its default
 //! route, with a warning in the log; so is an entry whose declared route has more than 16
-//! parameters.
+//! parameters, or a parameter where default routes hold the service id (`/api/{kind}/{id}`,
+//! which would answer for any entry not served at the moment).
 //!
 //! ## Headers, tokens and traces
 //!

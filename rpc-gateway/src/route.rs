@@ -41,6 +41,32 @@ pub fn default_path(service_id: &str, method: &str) -> String {
     format!("/api/{}/{}", literal(service_id), literal(method))
 }
 
+/// Whether a declared path `template` could answer the default routes of entries it does not
+/// name: it holds a parameter where a default route holds the service id (`/api/{kind}/{id}`,
+/// `/{a}/{b}/{c}`, `/api/{*rest}`). Served, it would answer in their place whenever they are
+/// not served (their service restarting, a method misspelled), and which entry a path reaches
+/// would change with the services running; so it is not served as declared. (`#[http]`
+/// refuses the same templates at compile time; a procedural macro shares no code with this
+/// crate.)
+pub(crate) fn overlaps_default_routes(template: &str) -> bool {
+    let segments: Vec<&str> = template.trim_start_matches('/').split('/').collect();
+    let param = |s: &str| s.contains('{');
+    let catch_all = |s: &str| s.starts_with("{*");
+    match segments.as_slice() {
+        [first, ..] if catch_all(first) => true,
+        [first, service, rest @ ..] if *first == "api" || param(first) => {
+            catch_all(service)
+                || (param(service)
+                    && match rest {
+                        [_method] => true,
+                        [method, ..] => catch_all(method),
+                        [] => false,
+                    })
+        }
+        _ => false,
+    }
+}
+
 /// Whether the parameters not in the path come from the query string (`GET`, `DELETE`,
 /// `HEAD`) rather than from a JSON object in the body.
 pub fn params_in_query(method: &Method) -> bool {

@@ -101,7 +101,16 @@ impl RouteTable {
                 routes.push(default);
                 continue;
             }
-            match taken.insert(&declared, i) {
+            let taken_by_it = if crate::route::overlaps_default_routes(&declared.path) {
+                Err(format!(
+                    "{} holds a parameter where default routes hold the service id, and would \
+                     answer theirs",
+                    declared.path
+                ))
+            } else {
+                taken.insert(&declared, i)
+            };
+            match taken_by_it {
                 Ok(()) => routes.push(Some(declared)),
                 Err(why) => {
                     match &default {
@@ -551,6 +560,31 @@ mod tests {
         );
         assert_eq!(at("/api/a{b}.S/m{n}").as_deref(), Some("a{b}.S.m{n}"));
         assert_eq!(at("/api/axyz.S/mq"), None);
+    }
+
+    /// A declared template with a parameter where default routes hold the service id would
+    /// answer the default route of any entry not served at the moment: it is served at its
+    /// own default route instead. One naming the service (`/api/orders/{id}`) is served.
+    #[test]
+    fn a_template_taking_the_service_id_s_place_is_not_served_as_declared() {
+        let table = RouteTable::build(vec![
+            entry("a.A", "get", Some(("POST", "/api/{id}/x"))),
+            entry("b.B", "get", Some(("POST", "/{id}/{x}/{y}"))),
+            entry("c.C", "get", Some(("POST", "/api/{*id}"))),
+            entry("d.D", "get", Some(("POST", "/api/orders/{id}"))),
+            entry("e.E", "get", Some(("POST", "/api/{id}"))),
+        ]);
+        for (id, default) in [
+            ("a.A.get", "/api/a.A/get"),
+            ("b.B.get", "/api/b.B/get"),
+            ("c.C.get", "/api/c.C/get"),
+        ] {
+            serves(&table, Method::POST, default, Some(id));
+        }
+        // Not there, the default route of an entry is nobody's.
+        serves(&table, Method::POST, "/api/shop.Orders/cancel", None);
+        serves(&table, Method::POST, "/api/orders/7", Some("d.D.get"));
+        serves(&table, Method::POST, "/api/7", Some("e.E.get"));
     }
 
     #[test]

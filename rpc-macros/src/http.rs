@@ -192,6 +192,28 @@ const RESERVED: [&str; 3] = ["/openapi.json", "/docs", "/healthz"];
 /// longer template is served at the default route instead).
 const MAX_PATH_PARAMS: usize = 16;
 
+/// Whether `template` holds a parameter where a gateway's default routes hold the service id
+/// (`/api/{kind}/{id}`, `/{a}/{b}/{c}`): `rpc-gateway`'s `route::overlaps_default_routes`,
+/// which serves such a route at the entry's default route instead.
+fn overlaps_default_routes(template: &str) -> bool {
+    let segments: Vec<&str> = template.trim_start_matches('/').split('/').collect();
+    let param = |s: &str| s.contains('{');
+    let catch_all = |s: &str| s.starts_with("{*");
+    match segments.as_slice() {
+        [first, ..] if catch_all(first) => true,
+        [first, service, rest @ ..] if *first == "api" || param(first) => {
+            catch_all(service)
+                || (param(service)
+                    && match rest {
+                        [_method] => true,
+                        [method, ..] => catch_all(method),
+                        [] => false,
+                    })
+        }
+        _ => false,
+    }
+}
+
 /// The path starts with `/`, holds no query or fragment, is not one of the gateway's own, and
 /// each `{name}` is a distinct parameter of the method that ends its path segment (what the
 /// gateway's matcher accepts).
@@ -208,6 +230,14 @@ fn check_path(lit: &LitStr, params: &[String]) -> syn::Result<()> {
         return Err(err(format!(
             "`{path}` is a route the gateway serves itself ({}): choose another path",
             RESERVED.join(", ")
+        )));
+    }
+    if overlaps_default_routes(&path) {
+        return Err(err(format!(
+            "`{path}` holds a parameter where a gateway's default routes \
+             (`/api/{{service id}}/{{method}}`) hold the service id: it would answer the default \
+             routes of other services' methods whenever those are not served; give that segment \
+             a fixed name (`/api/orders/{{id}}`) or use another prefix"
         )));
     }
     if let Some(c) = path
@@ -432,6 +462,14 @@ mod tests {
             (
                 parse_quote!(#[http(get = "/100%")]),
                 "starts no escape: write a `%` as `%25`",
+            ),
+            (
+                parse_quote!(#[http(get = "/api/{id}/verbose")]),
+                "holds a parameter where a gateway's default routes",
+            ),
+            (
+                parse_quote!(#[http(post = "/{id}/{verbose}/x")]),
+                "holds a parameter where a gateway's default routes",
             ),
             (parse_quote!(#[http(get = 3)]), "string literal"),
             (
