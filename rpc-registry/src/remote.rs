@@ -38,6 +38,30 @@ pub(crate) fn decode(key: &[u8], value: &[u8]) -> Option<Arc<Instance>> {
     }
 }
 
+/// The instance stored at `key` (`value` decoded as [`decode`] does), when `key` is one of its
+/// places (`at(service, instance id)` for a service it serves); else `None`, with a warning. A
+/// stray value naming another instance's id (a copy left under another key, an edit by hand)
+/// would otherwise stand for that instance, and, listed beside it, could be the one clients
+/// call.
+pub(crate) fn decode_at(
+    key: &str,
+    value: &[u8],
+    at: impl Fn(&ServiceId, &str) -> String,
+) -> Option<Arc<Instance>> {
+    let instance = decode(key.as_bytes(), value)?;
+    if instance.services.iter().any(|s| at(s, &instance.id) == key) {
+        return Some(instance);
+    }
+    tracing::warn!(
+        key,
+        instance = %instance.id,
+        services = ?instance.services,
+        "a registry value whose instance is not the one its key names (another id, or a \
+         service it does not serve) is skipped"
+    );
+    None
+}
+
 /// Where `instance` is stored, one place per service it serves (`at(service, instance id)`),
 /// sorted and without repeats.
 pub(crate) fn places(instance: &Instance, at: impl Fn(&ServiceId, &str) -> String) -> Vec<String> {

@@ -9,7 +9,7 @@ use etcd_client::{Client, GetOptions, PutOptions, Txn, TxnOp};
 use rpc_core::ServiceId;
 
 use super::EtcdOptions;
-use crate::remote::{decode, escape, unescape};
+use crate::remote::{decode_at, escape, unescape};
 use crate::{Instance, RegistryError};
 
 /// What the background tasks share with the registry: the client and the settings.
@@ -42,6 +42,17 @@ impl Conn {
 
     pub(super) fn key(&self, service: &ServiceId, instance_id: &str) -> String {
         format!("{}{}", self.service_prefix(service), escape(instance_id))
+    }
+
+    /// The instance the value at `key` holds, if it is one published there: its JSON decodes,
+    /// and the key is the one the instance's id and one of its services name (else it is
+    /// skipped with a warning, see [`decode_at`]).
+    pub(super) fn instance_at(&self, key: &[u8], value: &[u8]) -> Option<Arc<Instance>> {
+        let Ok(key) = std::str::from_utf8(key) else {
+            tracing::warn!(key = %String::from_utf8_lossy(key), "a registry key that is not UTF-8 (no instance is published at one) is skipped");
+            return None;
+        };
+        decode_at(key, value, |s, id| self.key(s, id))
     }
 
     fn ttl_secs(&self) -> i64 {
@@ -129,7 +140,7 @@ impl Conn {
         let revision = resp.header().map(|h| h.revision()).unwrap_or(0);
         let mut instances = Instances::new();
         for kv in resp.kvs() {
-            if let Some(instance) = decode(kv.key(), kv.value()) {
+            if let Some(instance) = self.instance_at(kv.key(), kv.value()) {
                 instances.insert(kv.key().to_vec(), instance);
             }
         }

@@ -9,7 +9,7 @@ use tokio::sync::watch;
 
 use super::conn::{Conn, Instances, KeepAliveEnd};
 use crate::instance::snapshot;
-use crate::remote::{decode, pause, Backoff, Signals};
+use crate::remote::{pause, Backoff, Signals};
 use crate::RegistryError;
 
 /// What the keep-alive task of one instance needs.
@@ -239,7 +239,7 @@ impl WatchTask {
                 if kv.version() == 0 {
                     self.instances.remove(kv.key());
                 } else {
-                    match decode(kv.key(), kv.value()) {
+                    match self.conn.instance_at(kv.key(), kv.value()) {
                         Some(instance) => {
                             self.instances.insert(kv.key().to_vec(), instance);
                         }

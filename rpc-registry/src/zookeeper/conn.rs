@@ -12,7 +12,7 @@ use rpc_core::ServiceId;
 use zookeeper_client as zk;
 
 use super::ZooKeeperOptions;
-use crate::remote::{decode, escape, unescape};
+use crate::remote::{decode_at, escape, unescape};
 use crate::{Instance, RegistryError};
 
 /// The instances of one service, by node name.
@@ -190,7 +190,7 @@ impl Conn {
     }
 
     /// The instances of `service` (one listing, then every node read in one pipelined batch).
-    /// Malformed values are skipped with a warning.
+    /// Malformed values, and nodes this client may not read, are skipped with a warning.
     pub(super) async fn read(
         &self,
         client: &zk::Client,
@@ -218,6 +218,7 @@ impl Conn {
                 }
                 // Gone between the listing and the read.
                 Err(zk::Error::NoNode) => {}
+                Err(zk::Error::NoAuth) => unreadable(path),
                 Err(e) => return Err(self.error(&what, &e)),
             }
         }
@@ -233,6 +234,10 @@ impl Conn {
         match self.timed(client.get_data(path)).await {
             Ok((data, _)) => Ok(self.instance_at(path, &data)),
             Err(zk::Error::NoNode) => Ok(None),
+            Err(zk::Error::NoAuth) => {
+                unreadable(path);
+                Ok(None)
+            }
             Err(e) => Err(self.error(&format!("reading {path}"), &e)),
         }
     }
@@ -336,28 +341,13 @@ impl Conn {
     }
 
     /// The instance the node at `path` holds, if it is one published there: its JSON decodes
-    /// (else it is skipped with a warning, see [`decode`]), and the node is the one the
+    /// (else it is skipped with a warning, see [`decode_at`]), and the node is the one the
     /// instance's id and one of its services name. A node written by hand or by another tool
     /// that names another id would stand for an instance that is not there (and could hide the
     /// real one, the endpoints keeping one instance per id); one under a service it does not
     /// serve would be dropped without a word.
     fn instance_at(&self, path: &str, data: &[u8]) -> Option<Arc<Instance>> {
-        let instance = decode(path.as_bytes(), data)?;
-        if instance
-            .services
-            .iter()
-            .any(|s| self.path(s, &instance.id) == path)
-        {
-            return Some(instance);
-        }
-        tracing::warn!(
-            node = path,
-            instance = %instance.id,
-            services = ?instance.services,
-            "a node whose instance is not the one its path names (another id, or a service \
-             it does not serve) is skipped"
-        );
-        None
+        decode_at(path, data, |s, id| self.path(s, id))
     }
 
     /// Removes the nodes of `paths` that the current session owns (nodes of other sessions go
@@ -399,4 +389,14 @@ impl Conn {
         self.timed(async { join_all(stats).await.into_iter().collect() })
             .await
     }
+}
+
+/// Says that the node at `path` is skipped: its ACL lets this client list it but not read it
+/// (made by another tool; no server of this crate makes one). Its service's other instances are
+/// read as usual: one such node must not keep every client from the service.
+fn unreadable(path: &str) {
+    tracing::warn!(
+        node = path,
+        "a node this client may not read (its ACL) is skipped"
+    );
 }

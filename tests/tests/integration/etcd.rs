@@ -379,12 +379,31 @@ async fn malformed_values_are_skipped() {
     kv.put("/rpc/services/t.A/garbage", "not json", None)
         .await
         .expect("put");
+    // A key naming one id and holding another's instance (a hand-written copy): not the
+    // instance its key names, so no endpoint (it would stand for 127.0.0.1:1001, and its
+    // lower address would be the one clients call).
+    let impostor = |address: &str| {
+        let mut instance = Instance::new("127.0.0.1:1001", ["t.A"]);
+        instance.address = address.into();
+        serde_json::to_vec(&instance).expect("json")
+    };
+    kv.put(
+        "/rpc/services/t.A/127.0.0.1:8",
+        impostor("127.0.0.1:10"),
+        None,
+    )
+    .await
+    .expect("put");
     let reg = registry(&etcd, TTL).await;
     reg.register(Instance::new("127.0.0.1:1001", ["t.A"]))
         .await
         .expect("register");
     let mut w = watch(&reg, "t.A").await;
-    assert_eq!(addresses(&w), ["127.0.0.1:1001"], "the garbage is skipped");
+    assert_eq!(
+        addresses(&w),
+        ["127.0.0.1:1001"],
+        "the garbage and the impostor are skipped"
+    );
 
     // Garbage arriving while watching is skipped too; a valid value after it is seen.
     kv.put("/rpc/services/t.A/partial", r#"{"id":"x"}"#, None)
@@ -395,6 +414,13 @@ async fn malformed_values_are_skipped() {
     kv.put("/rpc/services/t.A/stray", stray, None)
         .await
         .expect("put");
+    kv.put(
+        "/rpc/services/t.A/127.0.0.1:9",
+        impostor("127.0.0.1:1"),
+        None,
+    )
+    .await
+    .expect("put");
     reg.register(Instance::new("127.0.0.1:1000", ["t.A"]))
         .await
         .expect("register");

@@ -490,6 +490,21 @@ async fn malformed_values_are_skipped() {
         }
     };
     put("garbage", b"not json".to_vec()).await;
+    // A node another tool made that nobody may read: skipped, not a failure of the whole
+    // service (before, every read of t.A failed, and no client could resolve it).
+    let unreadable = zookeeper_client::Acl::new(
+        zookeeper_client::Permission::DELETE,
+        zookeeper_client::AuthId::anyone(),
+    );
+    let unreadable = [unreadable];
+    let no_read = zookeeper_client::CreateMode::Persistent
+        .with_acls(zookeeper_client::Acls::new(&unreadable));
+    within(
+        "create",
+        raw.create(&format!("{dir}/locked"), b"{}", &no_read),
+    )
+    .await
+    .expect("create");
     let reg = registry(&zk.url_with_prefix(&prefix));
     within(
         "register",
@@ -510,6 +525,13 @@ async fn malformed_values_are_skipped() {
     let mut impostor = Instance::new("127.0.0.1:1001", ["t.A"]);
     impostor.address = "127.0.0.1:1".into();
     put("127.0.0.1:9", serde_json::to_vec(&impostor).expect("json")).await;
+    // One nobody may read arriving while watching: skipped too.
+    within(
+        "create",
+        raw.create(&format!("{dir}/locked-later"), b"{}", &no_read),
+    )
+    .await
+    .expect("create");
     within(
         "register",
         reg.register(Instance::new("127.0.0.1:1000", ["t.A"])),
