@@ -70,7 +70,7 @@ pub use static_list::StaticRegistry;
 pub use zookeeper::{ZooKeeperOptions, ZooKeeperRegistry};
 
 /// A registry operation failed.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum RegistryError {
     /// The registry could not be reached or answered with an error.
     #[error("registry unavailable: {0}")]

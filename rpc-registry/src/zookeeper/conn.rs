@@ -24,10 +24,26 @@ pub(super) struct Conn {
     /// The servers, comma-separated, as the client's connect string (and for messages).
     pub(super) servers: Arc<str>,
     pub(super) options: Arc<ZooKeeperOptions>,
-    /// The client of the current session: `None` until first needed. Locked while a session is
-    /// being opened, so that the registry opens one at a time.
-    session: Arc<tokio::sync::Mutex<Option<zk::Client>>>,
+    /// The client of the current session (`None` until first needed), and the last failure to
+    /// open one. Locked while a session is being opened, so that the registry opens one at a
+    /// time.
+    session: Arc<tokio::sync::Mutex<Session>>,
 }
+
+/// The current session's client, and the failure of the last attempt to open one.
+#[derive(Default)]
+struct Session {
+    client: Option<zk::Client>,
+    failed: Option<(tokio::time::Instant, RegistryError)>,
+}
+
+/// How long a failure to open a session is the answer of every caller that asks for one, rather
+/// than an attempt of its own. With ZooKeeper unreachable in a way that makes each attempt take
+/// its whole `connect_timeout` (packets dropped), the callers waiting for the session (one per
+/// watched service, the registration, a stopping server's deregistration) would otherwise each
+/// wait for every attempt made before theirs: a server stopping with ten watches waited about a
+/// minute to deregister, past most grace periods.
+const FAILURE_ANSWERS_FOR: Duration = Duration::from_secs(1);
 
 /// Whether a session in `state` is over for good: a new one is needed.
 pub(super) fn ended(state: zk::SessionState) -> bool {
@@ -58,7 +74,7 @@ impl Conn {
         Conn {
             servers: Arc::from(servers),
             options: Arc::new(options),
-            session: Arc::new(tokio::sync::Mutex::new(None)),
+            session: Arc::new(tokio::sync::Mutex::new(Session::default())),
         }
     }
 
@@ -105,14 +121,20 @@ impl Conn {
 
     /// The client of the live session, opening one if there is none or the last one ended. A
     /// session that ended only on this side (ZooKeeper was unreachable for longer than its
-    /// timeout) is resumed if ZooKeeper still has it, so that its nodes stay as they are.
+    /// timeout) is resumed if ZooKeeper still has it, so that its nodes stay as they are. Within
+    /// [`FAILURE_ANSWERS_FOR`] of a failed attempt, that failure is the answer.
     pub(super) async fn client(&self) -> Result<zk::Client, RegistryError> {
         let mut slot = self.session.lock().await;
-        let previous = match slot.as_ref() {
+        let previous = match slot.client.as_ref() {
             Some(client) if !ended(client.state()) => return Ok(client.clone()),
             Some(client) => Some(client.session().clone()),
             None => None,
         };
+        if let Some((at, failure)) = &slot.failed {
+            if at.elapsed() < FAILURE_ANSWERS_FOR {
+                return Err(failure.clone());
+            }
+        }
         let open = async {
             if let Some(session) = previous {
                 match self
@@ -129,18 +151,22 @@ impl Conn {
             self.connector().connect(&self.servers).await
         };
         let what = "opening a session";
-        let client = match tokio::time::timeout(self.options.connect_timeout, open).await {
-            Ok(Ok(client)) => client,
-            Ok(Err(e)) => return Err(self.error(what, &e)),
-            Err(_) => {
-                return Err(self.unreachable(
-                    what,
-                    &format!("no session within {:?}", self.options.connect_timeout),
-                ))
+        let failure = match tokio::time::timeout(self.options.connect_timeout, open).await {
+            Ok(Ok(client)) => {
+                *slot = Session {
+                    client: Some(client.clone()),
+                    failed: None,
+                };
+                return Ok(client);
             }
+            Ok(Err(e)) => self.error(what, &e),
+            Err(_) => self.unreachable(
+                what,
+                &format!("no session within {:?}", self.options.connect_timeout),
+            ),
         };
-        *slot = Some(client.clone());
-        Ok(client)
+        slot.failed = Some((tokio::time::Instant::now(), failure.clone()));
+        Err(failure)
     }
 
     /// A registry error for `e`, met while doing `what`.

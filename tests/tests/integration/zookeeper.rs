@@ -431,6 +431,36 @@ async fn a_silent_server_in_the_ensemble_does_not_keep_sessions_from_opening() {
     drop(silent);
 }
 
+/// With ZooKeeper unreachable in a way that makes each attempt to open a session take the
+/// whole `connect_timeout` (it takes connections and never answers), callers asking for the
+/// session at once (a watch per service, a registration, a deregistration) all have their
+/// answer after about one attempt: they share its failure. Before, each waited for every
+/// attempt queued before its own, eight callers eight attempts (24 s here).
+#[tokio::test(start_paused = true)]
+async fn callers_share_a_failed_attempt_to_open_a_session() {
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let url = format!("zk://{}/rpc", silent.local_addr().expect("address"));
+    let connect_timeout = Duration::from_secs(3);
+    let options = ZooKeeperOptions {
+        connect_timeout,
+        ..ZooKeeperOptions::default()
+    };
+    let reg = ZooKeeperRegistry::from_url_with_options(&url, options).expect("registry");
+    let started = tokio::time::Instant::now();
+    let answers = futures_util::future::join_all((0..8).map(|_| reg.services())).await;
+    for answer in answers {
+        let e = answer.expect_err("no ZooKeeper answers");
+        assert!(matches!(e, rpc::RegistryError::Unavailable(_)), "{e}");
+    }
+    // One attempt and a little more: two attempts at most, where eight would take eight.
+    let waited = started.elapsed();
+    assert!(
+        waited < 2 * connect_timeout,
+        "the callers waited {waited:?}"
+    );
+    drop(silent);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_registers_again_when_zookeeper_comes_back_empty() {
     let mut zk = ZooKeeper::start().await;
