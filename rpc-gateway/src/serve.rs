@@ -38,8 +38,10 @@ pub(crate) async fn serve(
         let stream = match accepted {
             Ok((stream, _)) => stream,
             Err(e) => {
-                accept_failed(e).await;
-                continue;
+                tokio::select! {
+                    () = accept_failed(e) => continue,
+                    () = &mut signal => break,
+                }
             }
         };
         let service = TowerToHyperService::new(router.clone());

@@ -101,7 +101,7 @@ impl RouteTable {
                 routes.push(default);
                 continue;
             }
-            let taken_by_it = if crate::route::overlaps_default_routes(&declared.path) {
+            let taken_by_it = if crate::route::overlaps_default_routes(&declared) {
                 Err(format!(
                     "{} holds a parameter where default routes hold the service id, and would \
                      answer theirs",
@@ -562,29 +562,42 @@ mod tests {
         assert_eq!(at("/api/axyz.S/mq"), None);
     }
 
-    /// A declared template with a parameter where default routes hold the service id would
-    /// answer the default route of any entry not served at the moment: it is served at its
-    /// own default route instead. One naming the service (`/api/orders/{id}`) is served.
+    /// A declared POST template with a parameter where default routes hold the service id
+    /// would answer the default route of any entry not served at the moment: it is served at
+    /// its own default route instead, however its path is spelled. One naming the service
+    /// (`/api/orders/{id}`), or that no default route can reach, is served as declared.
     #[test]
     fn a_template_taking_the_service_id_s_place_is_not_served_as_declared() {
         let table = RouteTable::build(vec![
             entry("a.A", "get", Some(("POST", "/api/{id}/x"))),
             entry("b.B", "get", Some(("POST", "/{id}/{x}/{y}"))),
             entry("c.C", "get", Some(("POST", "/api/{*id}"))),
+            entry("f.F", "get", Some(("POST", "/%61pi/{id}/{x}"))),
+            entry("g.G", "get", Some(("POST", "/a{p}/{id}/{x}"))),
             entry("d.D", "get", Some(("POST", "/api/orders/{id}"))),
             entry("e.E", "get", Some(("POST", "/api/{id}"))),
+            entry("h.H", "get", Some(("GET", "/api/{id}/{x}"))),
+            entry("i.I", "get", Some(("POST", "/v{id}/{x}/{y}"))),
+            entry("j.J", "get", Some(("POST", "/api/{id}/{x}/"))),
         ]);
         for (id, default) in [
             ("a.A.get", "/api/a.A/get"),
             ("b.B.get", "/api/b.B/get"),
             ("c.C.get", "/api/c.C/get"),
+            ("f.F.get", "/api/f.F/get"),
+            ("g.G.get", "/api/g.G/get"),
         ] {
             serves(&table, Method::POST, default, Some(id));
         }
         // Not there, the default route of an entry is nobody's.
         serves(&table, Method::POST, "/api/shop.Orders/cancel", None);
+        // Served as declared: a fixed service segment, two segments, another method, a first
+        // segment that cannot be `api`, a trailing slash.
         serves(&table, Method::POST, "/api/orders/7", Some("d.D.get"));
         serves(&table, Method::POST, "/api/7", Some("e.E.get"));
+        serves(&table, Method::GET, "/api/7/8", Some("h.H.get"));
+        serves(&table, Method::POST, "/v1/2/3", Some("i.I.get"));
+        serves(&table, Method::POST, "/api/7/8/", Some("j.J.get"));
     }
 
     #[test]

@@ -176,6 +176,19 @@ fn one(attr: &Attribute, params: &[String]) -> syn::Result<Route> {
     }
     let (method, lit) = route.ok_or_else(|| syn::Error::new_spanned(attr, &usage))?;
     check_path(&lit, params)?;
+    if method == "POST" && overlaps_default_routes(&lit.value()) {
+        return Err(syn::Error::new(
+            lit.span(),
+            format!(
+                "`{}` holds a parameter where a gateway's default routes \
+                 (`POST /api/{{service id}}/{{method}}`) hold the service id: it would answer the \
+                 default routes of other services' methods whenever those are not served; give \
+                 that segment a fixed name (`/api/orders/{{id}}`), use another prefix, or \
+                 another method",
+                lit.value()
+            ),
+        ));
+    }
     Ok(Route {
         method,
         path: lit.value(),
@@ -192,20 +205,27 @@ const RESERVED: [&str; 3] = ["/openapi.json", "/docs", "/healthz"];
 /// longer template is served at the default route instead).
 const MAX_PATH_PARAMS: usize = 16;
 
-/// Whether `template` holds a parameter where a gateway's default routes hold the service id
-/// (`/api/{kind}/{id}`, `/{a}/{b}/{c}`): `rpc-gateway`'s `route::overlaps_default_routes`,
-/// which serves such a route at the entry's default route instead.
+/// Whether a POST route at `template` holds a parameter where a gateway's default routes hold
+/// the service id (`/api/{kind}/{id}`, `/{a}/{b}/{c}`): `rpc-gateway`'s
+/// `route::overlaps_default_routes`, which serves such a route at the entry's default route
+/// instead. (Escapes are no concern here: `check_path` refuses every one the gateway decodes.)
 fn overlaps_default_routes(template: &str) -> bool {
     let segments: Vec<&str> = template.trim_start_matches('/').split('/').collect();
     let param = |s: &str| s.contains('{');
     let catch_all = |s: &str| s.starts_with("{*");
+    // A first segment that can be `api`: itself, or a parameter after at most `ap`.
+    let api = |s: &str| {
+        s == "api"
+            || s.find('{')
+                .is_some_and(|at| at < 3 && "api".starts_with(&s[..at]))
+    };
     match segments.as_slice() {
         [first, ..] if catch_all(first) => true,
-        [first, service, rest @ ..] if *first == "api" || param(first) => {
+        [first, service, rest @ ..] if api(first) => {
             catch_all(service)
                 || (param(service)
                     && match rest {
-                        [_method] => true,
+                        [method] => !method.is_empty(),
                         [method, ..] => catch_all(method),
                         [] => false,
                     })
@@ -230,14 +250,6 @@ fn check_path(lit: &LitStr, params: &[String]) -> syn::Result<()> {
         return Err(err(format!(
             "`{path}` is a route the gateway serves itself ({}): choose another path",
             RESERVED.join(", ")
-        )));
-    }
-    if overlaps_default_routes(&path) {
-        return Err(err(format!(
-            "`{path}` holds a parameter where a gateway's default routes \
-             (`/api/{{service id}}/{{method}}`) hold the service id: it would answer the default \
-             routes of other services' methods whenever those are not served; give that segment \
-             a fixed name (`/api/orders/{{id}}`) or use another prefix"
         )));
     }
     if let Some(c) = path
@@ -399,6 +411,21 @@ mod tests {
         assert!(route(&[], &params()).unwrap().is_none());
     }
 
+    /// Only a POST route can answer a default route: routes of other methods, and POST routes
+    /// no default route's path can reach, may hold parameters there.
+    #[test]
+    fn routes_no_default_route_reaches_may_hold_parameters_there() {
+        let attrs: [Attribute; 3] = [
+            parse_quote!(#[http(get = "/api/{id}/verbose")]),
+            parse_quote!(#[http(post = "/v{id}/{verbose}/x")]),
+            parse_quote!(#[http(post = "/api/{id}/{verbose}/")]),
+        ];
+        for attr in attrs {
+            let r = route(std::slice::from_ref(&attr), &params());
+            assert!(matches!(r, Ok(Some(_))), "{}", quote::quote!(#attr));
+        }
+    }
+
     /// Escapes the gateway keeps escaped (a `/` inside a segment, a `%`, braces as text) are
     /// a route's to hold; those it decodes are refused (see `rejects_bad_routes`).
     #[test]
@@ -464,7 +491,7 @@ mod tests {
                 "starts no escape: write a `%` as `%25`",
             ),
             (
-                parse_quote!(#[http(get = "/api/{id}/verbose")]),
+                parse_quote!(#[http(post = "/api/{id}/verbose")]),
                 "holds a parameter where a gateway's default routes",
             ),
             (
