@@ -254,12 +254,12 @@ async fn call(State(gateway): State<Gateway>, request: Request) -> Response {
         }
     };
     let read = to_bytes(Body::new(body), gateway.inner.max_body_bytes);
-    let Ok(read) = tokio::time::timeout(gateway.inner.read_timeout, read).await else {
+    let Ok(read) = tokio::time::timeout(gateway.inner.limits.read, read).await else {
         return refuse(
             StatusCode::REQUEST_TIMEOUT,
             format!(
                 "the body was not sent within the gateway's {:?}: send it whole, at once",
-                gateway.inner.read_timeout
+                gateway.inner.limits.read
             ),
         );
     };

@@ -166,6 +166,7 @@ pub struct GatewayBuilder {
     discovery_interval: Duration,
     max_body_bytes: usize,
     read_timeout: Duration,
+    idle_timeout: Duration,
 }
 
 impl GatewayBuilder {
@@ -214,13 +215,25 @@ impl GatewayBuilder {
         self
     }
 
-    /// How long a client has to send a request's head, and again its body (30 s by default,
-    /// at least 1 ms). A head not sent in time closes the connection (as does a keep-alive
-    /// connection sending no next request in time, when served by [`Gateway::serve`]); a body
-    /// not sent in time is answered 408. Without it, a client sending a byte now and then
-    /// would hold a connection and its buffers for as long as it liked.
+    /// How long a client has to send a request's head from its first byte, and again its body
+    /// (30 s by default, at least 1 ms). A head not sent in time closes the connection (when
+    /// served by [`Gateway::serve`]); a body not sent in time is answered 408. Without it, a
+    /// client sending a byte now and then would hold a connection and its buffers for as long
+    /// as it liked.
     pub fn read_timeout(mut self, timeout: Duration) -> Self {
         self.read_timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
+    /// How long a connection served by [`Gateway::serve`] may sit idle, before its first
+    /// request and between requests, before it is closed (15 min by default, at least 1 ms;
+    /// checked every that long, so a connection goes after one to two of it).
+    /// Keep it longer than the idle time of the load balancers and client pools in front of the
+    /// gateway (60 s for an AWS load balancer, 600 s for Google Cloud's, 90 s for reqwest's
+    /// pool): a connection the gateway closes first may meet their next request, which then
+    /// fails.
+    pub fn idle_timeout(mut self, timeout: Duration) -> Self {
+        self.idle_timeout = timeout.max(Duration::from_millis(1));
         self
     }
 
@@ -259,7 +272,10 @@ impl GatewayBuilder {
                     bearer_token,
                 },
                 max_body_bytes: self.max_body_bytes,
-                read_timeout: self.read_timeout,
+                limits: serve::Limits {
+                    read: self.read_timeout,
+                    idle: self.idle_timeout,
+                },
                 task,
             }),
         })
@@ -279,7 +295,7 @@ struct Inner {
     token: Option<String>,
     info: openapi::DocumentInfo,
     max_body_bytes: usize,
-    read_timeout: Duration,
+    limits: serve::Limits,
     task: JoinHandle<()>,
 }
 
@@ -301,6 +317,7 @@ impl Gateway {
             discovery_interval: Duration::from_secs(1),
             max_body_bytes: 1 << 20,
             read_timeout: Duration::from_secs(30),
+            idle_timeout: Duration::from_secs(15 * 60),
         }
     }
 
@@ -310,8 +327,9 @@ impl Gateway {
     }
 
     /// Serves [`router`](Self::router) on `listener` (HTTP/1.1) until the process ends. A
-    /// connection has [`GatewayBuilder::read_timeout`] to send each request's head (a
-    /// router served by other means, such as `axum::serve`, needs its own such limit).
+    /// connection has [`GatewayBuilder::read_timeout`] to send each request's head from its
+    /// first byte, and may sit idle for [`GatewayBuilder::idle_timeout`] (a router served by
+    /// other means, such as `axum::serve`, needs its own such limits).
     pub async fn serve(self, listener: TcpListener) -> std::io::Result<()> {
         self.serve_with_shutdown(listener, std::future::pending())
             .await
@@ -325,8 +343,8 @@ impl Gateway {
         listener: TcpListener,
         signal: impl Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
-        let read_timeout = self.inner.read_timeout;
-        serve::serve(listener, self.router(), read_timeout, signal).await
+        let limits = self.inner.limits;
+        serve::serve(listener, self.router(), limits, signal).await
     }
 
     /// The entries served now, each as the OpenAPI document shows it (an entry whose declared

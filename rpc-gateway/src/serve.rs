@@ -1,32 +1,42 @@
 //! Serving the gateway's router on a listener: HTTP/1.1 connections, each given a limited time
-//! to send a request's head.
+//! to send a request's head, and to sit idle between requests.
 //!
 //! Why not `axum::serve`: it gives hyper no timer, so hyper's limit on reading a request's head
 //! never applies, and a client that opens connections and sends their heads a byte at a time
 //! (or never) holds them, their sockets and their buffers for as long as it likes; a gateway
-//! facing browsers and the open network must not. The same limit closes a keep-alive connection
-//! that sends no next request within it. (The body's limit is the handler's: see `call`.)
+//! facing browsers and the open network must not. (The body's limit is the handler's: see
+//! `call`; when a head's limit starts, `head`.)
+
+mod head;
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::rt::TokioIo;
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 
+/// How long a connection has to send a request's head once it has begun (and the handler its
+/// body), and how long it may sit idle between requests.
+#[derive(Clone, Copy)]
+pub(crate) struct Limits {
+    pub read: Duration,
+    pub idle: Duration,
+}
+
 /// Serves `router` on `listener` until `signal` completes, then stops accepting and waits for
 /// the connections' requests in flight (an idle connection closes at once; one still sending
-/// a head or a body has at most `read_timeout` more).
+/// a head or a body has at most `limits.read` more).
 pub(crate) async fn serve(
     listener: TcpListener,
     router: axum::Router,
-    read_timeout: Duration,
+    limits: Limits,
     signal: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let mut http = hyper::server::conn::http1::Builder::new();
-    http.timer(TokioTimer::new())
-        .header_read_timeout(read_timeout);
+    http.header_read_timeout(limits.read);
     let graceful = GracefulShutdown::new();
     let signal = std::pin::pin!(signal);
     let mut signal = signal;
@@ -45,10 +55,24 @@ pub(crate) async fn serve(
             }
         };
         let service = TowerToHyperService::new(router.clone());
-        let connection = graceful.watch(http.serve_connection(TokioIo::new(stream), service));
+        let progress = Arc::new(head::Progress::default());
+        let timer = head::HeadTimer {
+            progress: progress.clone(),
+            read: limits.read,
+        };
+        let idle = head::idle(progress.clone(), limits.idle);
+        let stream = TokioIo::new(head::Counted { stream, progress });
+        let connection =
+            graceful.watch(http.clone().timer(timer).serve_connection(stream, service));
         tokio::spawn(async move {
-            if let Err(e) = connection.await {
-                tracing::debug!(error = %e, "an HTTP connection ended with an error");
+            tokio::select! {
+                served = connection => {
+                    if let Err(e) = served {
+                        tracing::debug!(error = %e, "an HTTP connection ended with an error");
+                    }
+                }
+                // Idle for its limit: closed (dropped), with nothing in flight.
+                () = idle => {}
             }
         });
     }
@@ -84,7 +108,8 @@ mod tests {
     use crate::Gateway;
 
     const READ_TIMEOUT: Duration = Duration::from_secs(2);
-    /// Far past `READ_TIMEOUT`, on the paused clock: what a test waits at most.
+    const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+    /// Far past `IDLE_TIMEOUT`, on the paused clock: what a test waits at most.
     const LIMIT: Duration = Duration::from_secs(600);
 
     /// A gateway serving `echo.Echo.echo` (published with no server behind it: the requests
@@ -104,6 +129,7 @@ mod tests {
             )
             .registry(registry)
             .read_timeout(READ_TIMEOUT)
+            .idle_timeout(IDLE_TIMEOUT)
             .build()
             .await
             .expect("build");
@@ -141,6 +167,41 @@ mod tests {
         let answer = all_of(&mut stream).await;
         assert!(!answer.contains("200"), "{answer}");
         assert!(started.elapsed() >= READ_TIMEOUT, "{:?}", started.elapsed());
+    }
+
+    /// A keep-alive connection sitting idle between requests is not held to the head's limit,
+    /// which counts from a head's first byte: it serves its next request after longer than
+    /// that, and is closed once idle for the idle limit. Before, hyper counted the idle time
+    /// against the head's limit and closed it.
+    #[tokio::test(start_paused = true)]
+    async fn an_idle_connection_outlives_the_read_timeout_until_the_idle_timeout() {
+        let (_stop, stop) = tokio::sync::oneshot::channel();
+        let (addr, _serving) = gateway(stop).await;
+        let mut stream = TcpStream::connect(&addr).await.expect("connect");
+        let ask = async |stream: &mut TcpStream| {
+            stream
+                .write_all(b"GET /healthz HTTP/1.1\r\nHost: gw\r\n\r\n")
+                .await
+                .expect("write");
+            let mut answer = Vec::new();
+            while !answer.ends_with(b"ok") {
+                let mut chunk = [0u8; 512];
+                let n = tokio::time::timeout(LIMIT, stream.read(&mut chunk))
+                    .await
+                    .expect("an answer")
+                    .expect("read");
+                assert!(n > 0, "closed: {}", String::from_utf8_lossy(&answer));
+                answer.extend_from_slice(&chunk[..n]);
+            }
+            assert!(answer.starts_with(b"HTTP/1.1 200"));
+        };
+        ask(&mut stream).await;
+        tokio::time::sleep(READ_TIMEOUT * 5).await;
+        ask(&mut stream).await;
+        let idle = tokio::time::Instant::now();
+        let rest = all_of(&mut stream).await;
+        assert!(rest.is_empty(), "{rest}");
+        assert!(idle.elapsed() >= IDLE_TIMEOUT, "{:?}", idle.elapsed());
     }
 
     /// A body not sent in time is answered 408, saying so.

@@ -181,8 +181,8 @@ async fn an_unknown_registry_is_refused_with_the_forms_to_use() {
 
 /// Arguments the program refuses before it starts, each with what to give instead: an empty
 /// token (which would turn the check off), an empty token for the servers (a secret that did
-/// not resolve), a discovery interval no duration holds, and a governance config file that
-/// cannot be read.
+/// not resolve), an interval or a time limit no duration holds, and a governance config file
+/// that cannot be read.
 #[tokio::test]
 async fn an_empty_token_or_an_impossible_interval_is_refused() {
     for (flag, value, says) in [
@@ -194,6 +194,16 @@ async fn an_empty_token_or_an_impossible_interval_is_refused() {
             "give a positive number of seconds",
         ),
         ("--discovery-secs", "0", "give a positive number of seconds"),
+        (
+            "--read-timeout-secs",
+            "0",
+            "give a positive number of seconds",
+        ),
+        (
+            "--idle-timeout-secs",
+            "NaN",
+            "give a positive number of seconds",
+        ),
         (
             "--config",
             "/nonexistent/governance.toml",

@@ -51,6 +51,13 @@ struct Args {
     /// arrive at once).
     #[arg(long, default_value_t = 1.0)]
     discovery_secs: f64,
+    /// Seconds a client has to send a request's head from its first byte, and again its body.
+    #[arg(long, default_value_t = 30.0)]
+    read_timeout_secs: f64,
+    /// Seconds a connection may sit idle before or between requests; keep it longer than the
+    /// idle time of the load balancers in front (60 s for AWS's, 600 s for Google Cloud's).
+    #[arg(long, default_value_t = 900.0)]
+    idle_timeout_secs: f64,
 }
 
 #[tokio::main]
@@ -72,16 +79,18 @@ async fn main() -> ExitCode {
     }
 }
 
-async fn run(args: Args) -> Result<(), String> {
-    let discovery = Some(args.discovery_secs)
+/// `secs` given as `--flag` as a duration, or what is wrong with it.
+fn seconds(flag: &str, secs: f64) -> Result<std::time::Duration, String> {
+    Some(secs)
         .filter(|s| *s > 0.0)
         .and_then(|s| std::time::Duration::try_from_secs_f64(s).ok())
-        .ok_or_else(|| {
-            format!(
-                "--discovery-secs {}: give a positive number of seconds",
-                args.discovery_secs
-            )
-        })?;
+        .ok_or_else(|| format!("--{flag} {secs}: give a positive number of seconds"))
+}
+
+async fn run(args: Args) -> Result<(), String> {
+    let discovery = seconds("discovery-secs", args.discovery_secs)?;
+    let read_timeout = seconds("read-timeout-secs", args.read_timeout_secs)?;
+    let idle_timeout = seconds("idle-timeout-secs", args.idle_timeout_secs)?;
     // An empty token (a secret that did not resolve, say) must not turn the check off.
     if args.token.as_deref() == Some("") {
         return Err(
@@ -126,7 +135,10 @@ async fn run(args: Args) -> Result<(), String> {
         .registry(registry)
         .title(args.title)
         .version(args.api_version);
-    builder = builder.discovery_interval(discovery);
+    builder = builder
+        .discovery_interval(discovery)
+        .read_timeout(read_timeout)
+        .idle_timeout(idle_timeout);
     if let Some(token) = args.token {
         builder = builder.token(token);
     }

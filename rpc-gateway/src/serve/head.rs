@@ -1,0 +1,189 @@
+//! When a request's head starts: hyper starts its limit on reading a head as soon as it waits
+//! for one, so on a keep-alive connection the limit also counts the time the connection sits
+//! idle between requests, and a short limit closes idle connections under the load balancers
+//! and client pools that keep them (an AWS load balancer keeps them 60 s, reqwest's pool 90 s),
+//! which then meet a closed connection on their next request.
+//!
+//! So the gateway gives hyper, per connection, a timer whose head limit counts from the head's
+//! first byte: the connection's stream counts the bytes read, and the bytes read by the time of
+//! its last answer; while no byte has come since, the connection is idle, and a watchdog of its
+//! own closes it once idle for the (longer) idle limit. (A client that sends the start of its
+//! next head together with a request, before the answer, has those bytes counted as the
+//! answer's: its head is under the idle limit.) Until a head's first byte, the head costs no
+//! timer: a request whose head comes whole costs a boxed limit never registered with tokio,
+//! where hyper's own timer registers one per request.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+/// Bytes read on a connection, and how many of them had been read when it last answered.
+#[derive(Default)]
+pub(super) struct Progress {
+    read: AtomicU64,
+    answered: AtomicU64,
+    written: AtomicU64,
+}
+
+impl Progress {
+    /// Whether a byte of a next request has come since the last answer.
+    fn begun(&self) -> bool {
+        self.read.load(Ordering::Relaxed) > self.answered.load(Ordering::Relaxed)
+    }
+
+    /// What changes whenever a byte moves either way.
+    fn moved(&self) -> (u64, u64) {
+        (
+            self.read.load(Ordering::Relaxed),
+            self.written.load(Ordering::Relaxed),
+        )
+    }
+}
+
+/// A connection's stream, counting into its [`Progress`].
+pub(super) struct Counted<S> {
+    pub(super) stream: S,
+    pub(super) progress: Arc<Progress>,
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Counted<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut self.stream).poll_read(cx, buf);
+        let read = (buf.filled().len() - before) as u64;
+        if read > 0 {
+            self.progress.read.fetch_add(read, Ordering::Relaxed);
+        }
+        polled
+    }
+}
+
+impl<S: AsyncWrite + Unpin> Counted<S> {
+    fn answered(&self, polled: &Poll<std::io::Result<usize>>) {
+        if let Poll::Ready(Ok(n @ 1..)) = polled {
+            let read = self.progress.read.load(Ordering::Relaxed);
+            self.progress.answered.store(read, Ordering::Relaxed);
+            self.progress
+                .written
+                .fetch_add(*n as u64, Ordering::Relaxed);
+        }
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Counted<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let polled = Pin::new(&mut self.stream).poll_write(cx, buf);
+        self.answered(&polled);
+        polled
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        let polled = Pin::new(&mut self.stream).poll_write_vectored(cx, bufs);
+        self.answered(&polled);
+        polled
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
+}
+
+/// hyper's timer for one connection: its head limit (`read`) counts from the head's first
+/// byte. Until that byte the head costs no timer at all: an idle connection is the watchdog's
+/// ([`idle`]), and hyper polls the limit again as the first bytes come (whenever the head it
+/// waits for is still incomplete).
+#[derive(Clone)]
+pub(super) struct HeadTimer {
+    pub(super) progress: Arc<Progress>,
+    pub(super) read: Duration,
+}
+
+impl hyper::rt::Timer for HeadTimer {
+    fn sleep(&self, duration: Duration) -> Pin<Box<dyn hyper::rt::Sleep>> {
+        self.sleep_until(self.now() + duration)
+    }
+
+    /// The head limit (hyper asks for nothing else of a server connection's timer): `deadline`
+    /// is hyper's, `read` from now, and holds if the head has begun; else `read` from its first
+    /// byte.
+    fn sleep_until(&self, deadline: Instant) -> Pin<Box<dyn hyper::rt::Sleep>> {
+        let begun = self.progress.begun();
+        Box::pin(HeadSleep {
+            sleep: begun.then(|| Box::pin(tokio::time::sleep_until(deadline.into()))),
+            progress: self.progress.clone(),
+            read: self.read,
+        })
+    }
+
+    fn now(&self) -> Instant {
+        tokio::time::Instant::now().into()
+    }
+}
+
+/// A head's limit: none until `progress` says the head has begun, then `read` from then.
+struct HeadSleep {
+    sleep: Option<Pin<Box<tokio::time::Sleep>>>,
+    progress: Arc<Progress>,
+    read: Duration,
+}
+
+impl Future for HeadSleep {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        if self.sleep.is_none() {
+            if !self.progress.begun() {
+                // Idle: the connection's readiness wakes hyper, which polls this again.
+                return Poll::Pending;
+            }
+            let until = tokio::time::Instant::now() + self.read;
+            self.sleep = Some(Box::pin(tokio::time::sleep_until(until)));
+        }
+        match self.sleep.as_mut() {
+            Some(sleep) => sleep.as_mut().poll(cx),
+            None => Poll::Pending,
+        }
+    }
+}
+
+impl hyper::rt::Sleep for HeadSleep {}
+
+/// Resolves once the connection of `progress` has been idle (no request begun, no byte either
+/// way) for a whole `period`: checked every `period`, so after between one and two of them.
+/// One timer per period and connection, whatever its requests.
+pub(super) async fn idle(progress: Arc<Progress>, period: Duration) {
+    let mut last = progress.moved();
+    loop {
+        tokio::time::sleep(period).await;
+        let now = progress.moved();
+        if now == last && !progress.begun() {
+            return;
+        }
+        last = now;
+    }
+}
