@@ -221,7 +221,7 @@ impl GatewayBuilder {
     /// client sending a byte now and then would hold a connection and its buffers for as long
     /// as it liked.
     pub fn read_timeout(mut self, timeout: Duration) -> Self {
-        self.read_timeout = timeout.max(Duration::from_millis(1));
+        self.read_timeout = rpc_core::capped(timeout.max(Duration::from_millis(1)));
         self
     }
 
@@ -233,7 +233,7 @@ impl GatewayBuilder {
     /// pool): a connection the gateway closes first may meet their next request, which then
     /// fails.
     pub fn idle_timeout(mut self, timeout: Duration) -> Self {
-        self.idle_timeout = timeout.max(Duration::from_millis(1));
+        self.idle_timeout = rpc_core::capped(timeout.max(Duration::from_millis(1)));
         self
     }
 

@@ -57,11 +57,12 @@ fn template_overlaps_default_routes(template: &str) -> bool {
     let segments: Vec<&str> = template.trim_start_matches('/').split('/').collect();
     let param = |s: &str| s.contains('{');
     let catch_all = |s: &str| s.starts_with("{*");
-    // A first segment that can be `api`: itself, or a parameter after at most `ap`.
+    // A first segment that can be `api`: itself, or a parameter after at most `api` (a
+    // parameter within a segment may be empty).
     let api = |s: &str| {
         s == "api"
             || s.find('{')
-                .is_some_and(|at| at < 3 && "api".starts_with(&s[..at]))
+                .is_some_and(|at| at <= 3 && "api".starts_with(&s[..at]))
     };
     match segments.as_slice() {
         [first, ..] if catch_all(first) => true,

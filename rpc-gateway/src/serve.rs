@@ -54,8 +54,11 @@ pub(crate) async fn serve(
                 }
             }
         };
-        let service = TowerToHyperService::new(router.clone());
         let progress = Arc::new(head::Progress::default());
+        let service = head::Calls {
+            inner: TowerToHyperService::new(router.clone()),
+            progress: progress.clone(),
+        };
         let timer = head::HeadTimer {
             progress: progress.clone(),
             read: limits.read,
@@ -202,6 +205,22 @@ mod tests {
         let rest = all_of(&mut stream).await;
         assert!(rest.is_empty(), "{rest}");
         assert!(idle.elapsed() >= IDLE_TIMEOUT, "{:?}", idle.elapsed());
+    }
+
+    /// A connection that never sends a byte goes at the head's limit, not the idle one.
+    #[tokio::test(start_paused = true)]
+    async fn a_connection_sending_nothing_goes_at_the_read_timeout() {
+        let (_stop, stop) = tokio::sync::oneshot::channel();
+        let (addr, _serving) = gateway(stop).await;
+        let mut stream = TcpStream::connect(&addr).await.expect("connect");
+        let started = tokio::time::Instant::now();
+        let answer = all_of(&mut stream).await;
+        assert!(answer.is_empty(), "{answer}");
+        let waited = started.elapsed();
+        assert!(
+            waited >= READ_TIMEOUT && waited < IDLE_TIMEOUT,
+            "closed after {waited:?}"
+        );
     }
 
     /// A body not sent in time is answered 408, saying so.

@@ -199,6 +199,12 @@ impl RouteTable {
                 return Found::Entry(&self.served[*matched.value], params);
             }
         }
+        // A POST to a default route's path (`/api/<service>/<method>`) is a call of that entry,
+        // which is not served now: not a request for the route of another method that happens
+        // to match it (`GET /api/{kind}/{id}`), to be redirected there with a 405.
+        if method == Method::POST && default_route_shaped(path) {
+            return Found::Nothing;
+        }
         let others: Vec<Method> = self
             .routers
             .iter()
@@ -211,6 +217,14 @@ impl RouteTable {
             Found::OtherMethods(others)
         }
     }
+}
+
+/// Whether `path` has the shape of a default route, `/api/<service id>/<method>`.
+fn default_route_shaped(path: &str) -> bool {
+    let parts: Option<Vec<&str>> = path
+        .strip_prefix("/api/")
+        .map(|rest| rest.split('/').collect());
+    matches!(parts.as_deref(), Some([service, method]) if !service.is_empty() && !method.is_empty())
 }
 
 /// `POST /api/{service id}/{method}`: where `entry` is served when it declares no route, or
@@ -574,6 +588,7 @@ mod tests {
             entry("c.C", "get", Some(("POST", "/api/{*id}"))),
             entry("f.F", "get", Some(("POST", "/%61pi/{id}/{x}"))),
             entry("g.G", "get", Some(("POST", "/a{p}/{id}/{x}"))),
+            entry("k.K", "get", Some(("POST", "/api{p}/{id}/{x}"))),
             entry("d.D", "get", Some(("POST", "/api/orders/{id}"))),
             entry("e.E", "get", Some(("POST", "/api/{id}"))),
             entry("h.H", "get", Some(("GET", "/api/{id}/{x}"))),
@@ -586,6 +601,7 @@ mod tests {
             ("c.C.get", "/api/c.C/get"),
             ("f.F.get", "/api/f.F/get"),
             ("g.G.get", "/api/g.G/get"),
+            ("k.K.get", "/api/k.K/get"),
         ] {
             serves(&table, Method::POST, default, Some(id));
         }
@@ -598,6 +614,16 @@ mod tests {
         serves(&table, Method::GET, "/api/7/8", Some("h.H.get"));
         serves(&table, Method::POST, "/v1/2/3", Some("i.I.get"));
         serves(&table, Method::POST, "/api/7/8/", Some("j.J.get"));
+        // A POST to a default route's path that only another method's route matches is a call
+        // of an entry not served (404), not a request to be sent to that route (405).
+        assert!(matches!(
+            table.find(&Method::POST, "/api/shop.Orders/cancel"),
+            Found::Nothing
+        ));
+        assert!(matches!(
+            table.find(&Method::DELETE, "/api/shop.Orders/cancel"),
+            Found::OtherMethods(_)
+        ));
     }
 
     #[test]

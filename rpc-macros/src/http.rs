@@ -213,11 +213,12 @@ fn overlaps_default_routes(template: &str) -> bool {
     let segments: Vec<&str> = template.trim_start_matches('/').split('/').collect();
     let param = |s: &str| s.contains('{');
     let catch_all = |s: &str| s.starts_with("{*");
-    // A first segment that can be `api`: itself, or a parameter after at most `ap`.
+    // A first segment that can be `api`: itself, or a parameter after at most `api` (a
+    // parameter within a segment may be empty).
     let api = |s: &str| {
         s == "api"
             || s.find('{')
-                .is_some_and(|at| at < 3 && "api".starts_with(&s[..at]))
+                .is_some_and(|at| at <= 3 && "api".starts_with(&s[..at]))
     };
     match segments.as_slice() {
         [first, ..] if catch_all(first) => true,
@@ -496,6 +497,10 @@ mod tests {
             ),
             (
                 parse_quote!(#[http(post = "/{id}/{verbose}/x")]),
+                "holds a parameter where a gateway's default routes",
+            ),
+            (
+                parse_quote!(#[http(post = "/api{id}/{verbose}/x")]),
                 "holds a parameter where a gateway's default routes",
             ),
             (parse_quote!(#[http(get = 3)]), "string literal"),

@@ -28,12 +28,19 @@ pub(super) struct Progress {
     read: AtomicU64,
     answered: AtomicU64,
     written: AtomicU64,
+    /// Requests the router is answering.
+    calls: AtomicU64,
 }
 
 impl Progress {
     /// Whether a byte of a next request has come since the last answer.
     fn begun(&self) -> bool {
         self.read.load(Ordering::Relaxed) > self.answered.load(Ordering::Relaxed)
+    }
+
+    /// Whether nothing was ever written: the connection's first request is still to come.
+    fn first(&self) -> bool {
+        self.written.load(Ordering::Relaxed) == 0
     }
 
     /// What changes whenever a byte moves either way.
@@ -129,10 +136,11 @@ impl hyper::rt::Timer for HeadTimer {
     }
 
     /// The head limit (hyper asks for nothing else of a server connection's timer): `deadline`
-    /// is hyper's, `read` from now, and holds if the head has begun; else `read` from its first
-    /// byte.
+    /// is hyper's, `read` from now, and holds if the head has begun or is the connection's
+    /// first (a connection that never sends a byte goes at the head limit, not the idle one);
+    /// else `read` from its first byte.
     fn sleep_until(&self, deadline: Instant) -> Pin<Box<dyn hyper::rt::Sleep>> {
-        let begun = self.progress.begun();
+        let begun = self.progress.begun() || self.progress.first();
         Box::pin(HeadSleep {
             sleep: begun.then(|| Box::pin(tokio::time::sleep_until(deadline.into()))),
             progress: self.progress.clone(),
@@ -173,17 +181,106 @@ impl Future for HeadSleep {
 
 impl hyper::rt::Sleep for HeadSleep {}
 
-/// Resolves once the connection of `progress` has been idle (no request begun, no byte either
-/// way) for a whole `period`: checked every `period`, so after between one and two of them.
-/// One timer per period and connection, whatever its requests.
+/// Resolves once the connection of `progress` has been idle (no request begun or being
+/// answered, no byte either way) for a whole `period`: checked every `period`, so after
+/// between one and two of them. One timer per period and connection, whatever its requests.
+/// (A request being answered counts whatever the bytes say: a `100 Continue`, or the answer to
+/// the request before a pipelined one, is a write made while its bytes were all read.)
 pub(super) async fn idle(progress: Arc<Progress>, period: Duration) {
     let mut last = progress.moved();
     loop {
         tokio::time::sleep(period).await;
         let now = progress.moved();
-        if now == last && !progress.begun() {
+        let answering = progress.calls.load(Ordering::Relaxed) > 0;
+        if now == last && !progress.begun() && !answering {
             return;
         }
         last = now;
+    }
+}
+
+/// A connection's service, counting the requests it is answering into its [`Progress`].
+pub(super) struct Calls<S> {
+    pub(super) inner: S,
+    pub(super) progress: Arc<Progress>,
+}
+
+impl<S: hyper::service::Service<R>, R> hyper::service::Service<R> for Calls<S> {
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = InCall<S::Future>;
+
+    fn call(&self, request: R) -> Self::Future {
+        self.progress.calls.fetch_add(1, Ordering::Relaxed);
+        InCall {
+            inner: self.inner.call(request),
+            progress: self.progress.clone(),
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A request being answered: counted until its answer is ready or it is dropped.
+    pub(super) struct InCall<F> {
+        #[pin]
+        inner: F,
+        progress: Arc<Progress>,
+    }
+
+    impl<F> PinnedDrop for InCall<F> {
+        fn drop(this: Pin<&mut Self>) {
+            this.project().progress.calls.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+impl<F: Future> Future for InCall<F> {
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        self.project().inner.poll(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A service whose answers never come.
+    struct Never;
+
+    impl hyper::service::Service<()> for Never {
+        type Response = ();
+        type Error = std::convert::Infallible;
+        type Future = std::future::Pending<Result<(), std::convert::Infallible>>;
+
+        fn call(&self, (): ()) -> Self::Future {
+            std::future::pending()
+        }
+    }
+
+    /// A request being answered keeps its connection however long it takes, even when every
+    /// byte it sent was counted as answered (a `100 Continue` was written after them); the
+    /// connection is idle once the answer is no longer awaited.
+    #[tokio::test(start_paused = true)]
+    async fn a_request_being_answered_keeps_its_connection() {
+        let period = Duration::from_secs(60);
+        let progress = Arc::new(Progress::default());
+        progress.read.store(100, Ordering::Relaxed);
+        progress.answered.store(100, Ordering::Relaxed);
+        progress.written.store(25, Ordering::Relaxed);
+        let calls = Calls {
+            inner: Never,
+            progress: progress.clone(),
+        };
+        let call = hyper::service::Service::call(&calls, ());
+        let idle = tokio::spawn(idle(progress, period));
+        tokio::time::sleep(period * 10).await;
+        assert!(!idle.is_finished(), "the connection was let go mid-answer");
+        drop(call);
+        tokio::time::timeout(period * 3, idle)
+            .await
+            .expect("idle once nothing is answered")
+            .expect("the watchdog");
     }
 }
