@@ -605,8 +605,10 @@ mod tests {
         ] {
             serves(&table, Method::POST, default, Some(id));
         }
-        // Not there, the default route of an entry is nobody's.
+        // Not there, the default route of an entry is nobody's, and no route is served as
+        // declared that would have answered it.
         serves(&table, Method::POST, "/api/shop.Orders/cancel", None);
+        serves(&table, Method::POST, "/apiv1/7/8", None);
         // Served as declared: a fixed service segment, two segments, another method, a first
         // segment that cannot be `api`, a trailing slash.
         serves(&table, Method::POST, "/api/orders/7", Some("d.D.get"));

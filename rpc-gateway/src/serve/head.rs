@@ -5,13 +5,15 @@
 //! which then meet a closed connection on their next request.
 //!
 //! So the gateway gives hyper, per connection, a timer whose head limit counts from the head's
-//! first byte: the connection's stream counts the bytes read, and the bytes read by the time of
-//! its last answer; while no byte has come since, the connection is idle, and a watchdog of its
-//! own closes it once idle for the (longer) idle limit. (A client that sends the start of its
-//! next head together with a request, before the answer, has those bytes counted as the
-//! answer's: its head is under the idle limit.) Until a head's first byte, the head costs no
-//! timer: a request whose head comes whole costs a boxed limit never registered with tokio,
-//! where hyper's own timer registers one per request.
+//! first byte (the connection's first head: from when hyper waits for it, so that a connection
+//! sending nothing goes at the head limit): the connection's stream counts the bytes read, and
+//! the bytes read by the time of its last answer; while no byte has come since, the connection
+//! is idle, and a watchdog of its own closes it once idle for the (longer) idle limit and with
+//! no request being answered. (A client that sends the start of its next head together with a
+//! request, before the answer, has those bytes counted as the answer's: its head is under the
+//! idle limit.) Until a later head's first byte, the head costs no timer: a request whose head
+//! comes whole costs a boxed limit never registered with tokio, where hyper's own timer
+//! registers one per request.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -121,9 +123,10 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Counted<S> {
 }
 
 /// hyper's timer for one connection: its head limit (`read`) counts from the head's first
-/// byte. Until that byte the head costs no timer at all: an idle connection is the watchdog's
-/// ([`idle`]), and hyper polls the limit again as the first bytes come (whenever the head it
-/// waits for is still incomplete).
+/// byte, the connection's first head's from when hyper waits for it. Until a later head's first
+/// byte, it costs no timer at all: an idle connection is the watchdog's ([`idle`]), and hyper
+/// polls the limit again as the first bytes come (whenever the head it waits for is still
+/// incomplete).
 #[derive(Clone)]
 pub(super) struct HeadTimer {
     pub(super) progress: Arc<Progress>,
@@ -153,7 +156,8 @@ impl hyper::rt::Timer for HeadTimer {
     }
 }
 
-/// A head's limit: none until `progress` says the head has begun, then `read` from then.
+/// A head's limit: none until `progress` says the head has begun, then `read` from then (or,
+/// made with one, the deadline hyper gave).
 struct HeadSleep {
     sleep: Option<Pin<Box<tokio::time::Sleep>>>,
     progress: Arc<Progress>,
@@ -220,7 +224,8 @@ impl<S: hyper::service::Service<R>, R> hyper::service::Service<R> for Calls<S> {
 }
 
 pin_project_lite::pin_project! {
-    /// A request being answered: counted until its answer is ready or it is dropped.
+    /// A request being answered: counted until dropped, which hyper does as soon as its answer
+    /// is ready (or with the connection).
     pub(super) struct InCall<F> {
         #[pin]
         inner: F,
