@@ -131,8 +131,17 @@ impl Conn {
             None => None,
         };
         if let Some((at, failure)) = &slot.failed {
-            if at.elapsed() < FAILURE_ANSWERS_FOR {
-                return Err(failure.clone());
+            let ago = at.elapsed();
+            if ago < FAILURE_ANSWERS_FOR {
+                // Said as what it is: an attempt made moments ago, not one of this caller's.
+                return Err(match failure {
+                    RegistryError::Unavailable(why) => RegistryError::Unavailable(format!(
+                        "{why} (an attempt {} ms ago; the next one in {} ms)",
+                        ago.as_millis(),
+                        (FAILURE_ANSWERS_FOR - ago).as_millis()
+                    )),
+                    other => other.clone(),
+                });
             }
         }
         let open = async {

@@ -448,10 +448,14 @@ async fn callers_share_a_failed_attempt_to_open_a_session() {
     let reg = ZooKeeperRegistry::from_url_with_options(&url, options).expect("registry");
     let started = tokio::time::Instant::now();
     let answers = futures_util::future::join_all((0..8).map(|_| reg.services())).await;
+    let mut shared = 0;
     for answer in answers {
         let e = answer.expect_err("no ZooKeeper answers");
         assert!(matches!(e, rpc::RegistryError::Unavailable(_)), "{e}");
+        // A caller answered with another's failure is told so.
+        shared += usize::from(e.to_string().contains("ms ago; the next one in"));
     }
+    assert_eq!(shared, 7, "one attempt, seven callers sharing it");
     // One attempt and a little more: two attempts at most, where eight would take eight.
     let waited = started.elapsed();
     assert!(
