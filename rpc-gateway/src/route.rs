@@ -41,42 +41,12 @@ pub fn default_path(service_id: &str, method: &str) -> String {
     format!("/api/{}/{}", literal(service_id), literal(method))
 }
 
-/// Whether a declared `route` could answer the default routes of entries it does not name: a
-/// POST route (default routes are POST) holding a parameter where a default route holds the
-/// service id (`/api/{kind}/{id}`, `/{a}/{b}/{c}`, `/api/{*rest}`). Served, it would answer in
-/// their place whenever they are not served (their service restarting, a method misspelled),
-/// and which entry a path reaches would change with the services running; so it is not served
-/// as declared. (`#[http]` refuses the same routes at compile time; a procedural macro shares
-/// no code with this crate.)
+/// Whether a declared `route` could answer the default routes of entries it does not name:
+/// [`rpc_paths::overlaps_default_routes`] for a POST route (default routes are POST), on its
+/// path as routes are matched. Such a route is not served as declared.
 pub(crate) fn overlaps_default_routes(route: &Route) -> bool {
-    route.method == Method::POST && template_overlaps_default_routes(&normalized_path(&route.path))
-}
-
-/// [`overlaps_default_routes`] for a POST `template`, as routes are matched.
-fn template_overlaps_default_routes(template: &str) -> bool {
-    let segments: Vec<&str> = template.trim_start_matches('/').split('/').collect();
-    let param = |s: &str| s.contains('{');
-    let catch_all = |s: &str| s.starts_with("{*");
-    // A first segment that can be `api`: itself, or a parameter after at most `api` (a
-    // parameter within a segment may be empty).
-    let api = |s: &str| {
-        s == "api"
-            || s.find('{')
-                .is_some_and(|at| at <= 3 && "api".starts_with(&s[..at]))
-    };
-    match segments.as_slice() {
-        [first, ..] if catch_all(first) => true,
-        [first, service, rest @ ..] if api(first) => {
-            catch_all(service)
-                || (param(service)
-                    && match rest {
-                        [method] => !method.is_empty(),
-                        [method, ..] => catch_all(method),
-                        [] => false,
-                    })
-        }
-        _ => false,
-    }
+    route.method == Method::POST
+        && rpc_paths::overlaps_default_routes(&normalized_path(&route.path))
 }
 
 /// Whether the parameters not in the path come from the query string (`GET`, `DELETE`,

@@ -14,11 +14,13 @@ use axum::http::Method;
 use rpc_core::ServiceEntry;
 use serde_json::Value;
 
+use rpc_paths::template_shape;
+
 use crate::route::{default_path, route_of, Route};
 
 /// Paths the gateway serves itself; a declared route cannot take them (`#[http]` refuses them
-/// at compile time: its list in `rpc-macros/src/http.rs` must stay the same).
-pub(crate) const RESERVED: [&str; 3] = ["/openapi.json", "/docs", "/healthz"];
+/// at compile time).
+pub(crate) use rpc_paths::RESERVED_PATHS as RESERVED;
 
 /// One entry the gateway serves, with what binding its arguments needs.
 #[derive(Debug, Clone)]
@@ -47,10 +49,8 @@ pub(crate) enum Found<'a> {
     Nothing,
 }
 
-/// The most parameters one route template may hold: a template with more is not served as
-/// declared (its entry is served at its default route), since the matcher takes at most 25.
-/// `#[http]` refuses more at compile time (its list in `rpc-macros/src/http.rs`).
-pub(crate) const MAX_PATH_PARAMS: usize = 16;
+/// The most parameters one route template may hold (see the constant's documentation).
+pub(crate) use rpc_paths::MAX_PATH_PARAMS;
 
 /// The routes of one set of entries.
 #[derive(Default)]
@@ -234,29 +234,6 @@ fn default_route(entry: &ServiceEntry) -> Route {
         method: Method::POST,
         path: default_path(entry.service_id.as_str(), &entry.method),
     }
-}
-
-/// A template with its parameters' names left out (`/orders/{}`, `/files/{}` for a catch-all):
-/// two templates of one shape match the same paths. (`#[http]` checks the same rule at compile
-/// time, with `rpc-macros`' `Route::key`: a procedural macro shares no code with this crate.)
-pub(crate) fn template_shape(template: &str) -> String {
-    let mut shape = String::with_capacity(template.len());
-    let mut in_param = false;
-    for c in template.chars() {
-        match c {
-            '{' => {
-                in_param = true;
-                shape.push('{');
-            }
-            '}' => {
-                in_param = false;
-                shape.push('}');
-            }
-            _ if in_param => {}
-            _ => shape.push(c),
-        }
-    }
-    shape
 }
 
 fn served(entry: ServiceEntry, route: Route) -> Served {

@@ -37,37 +37,9 @@ impl Route {
     /// The path with every `{name}` written `{}` and the hex digits of its escapes in upper
     /// case: two routes with the same method and the same key match the same requests, whatever
     /// their parameters are called and however their escapes are spelled (the gateway reads
-    /// `%2f` as `%2F`). (The gateway's `table::template_shape` and `normalized_path` are the
-    /// same rules: this crate, a procedural macro, shares no code with the runtime crates.)
+    /// `%2f` as `%2F`): [`rpc_paths::template_shape`], as the gateway's table reads them.
     pub fn key(&self) -> (&'static str, String) {
-        let mut out = String::with_capacity(self.path.len());
-        let mut in_name = false;
-        // Hex digits of an escape still to come.
-        let mut escape = 0;
-        for c in self.path.chars() {
-            if escape > 0 {
-                escape -= 1;
-                out.push(c.to_ascii_uppercase());
-                continue;
-            }
-            match c {
-                '%' if !in_name => {
-                    escape = 2;
-                    out.push('%');
-                }
-                '{' => {
-                    in_name = true;
-                    out.push('{');
-                }
-                '}' => {
-                    in_name = false;
-                    out.push('}');
-                }
-                _ if in_name => {}
-                c => out.push(c),
-            }
-        }
-        (self.method, out)
+        (self.method, rpc_paths::template_shape(&self.path))
     }
 }
 
@@ -197,43 +169,7 @@ fn one(attr: &Attribute, params: &[String]) -> syn::Result<Route> {
     })
 }
 
-/// Paths a gateway serves itself (`rpc-gateway`'s `RESERVED`, which a declared route cannot
-/// take).
-const RESERVED: [&str; 3] = ["/openapi.json", "/docs", "/healthz"];
-
-/// The most parameters a route's path may hold (`rpc-gateway`'s `table::MAX_PATH_PARAMS`: a
-/// longer template is served at the default route instead).
-const MAX_PATH_PARAMS: usize = 16;
-
-/// Whether a POST route at `template` holds a parameter where a gateway's default routes hold
-/// the service id (`/api/{kind}/{id}`, `/{a}/{b}/{c}`): `rpc-gateway`'s
-/// `route::overlaps_default_routes`, which serves such a route at the entry's default route
-/// instead. (Escapes are no concern here: `check_path` refuses every one the gateway decodes.)
-fn overlaps_default_routes(template: &str) -> bool {
-    let segments: Vec<&str> = template.trim_start_matches('/').split('/').collect();
-    let param = |s: &str| s.contains('{');
-    let catch_all = |s: &str| s.starts_with("{*");
-    // A first segment that can be `api`: itself, or a parameter after at most `api` (a
-    // parameter within a segment may be empty).
-    let api = |s: &str| {
-        s == "api"
-            || s.find('{')
-                .is_some_and(|at| at <= 3 && "api".starts_with(&s[..at]))
-    };
-    match segments.as_slice() {
-        [first, ..] if catch_all(first) => true,
-        [first, service, rest @ ..] if api(first) => {
-            catch_all(service)
-                || (param(service)
-                    && match rest {
-                        [method] => !method.is_empty(),
-                        [method, ..] => catch_all(method),
-                        [] => false,
-                    })
-        }
-        _ => false,
-    }
-}
+use rpc_paths::{overlaps_default_routes, MAX_PATH_PARAMS, RESERVED_PATHS as RESERVED};
 
 /// The path starts with `/`, holds no query or fragment, is not one of the gateway's own, and
 /// each `{name}` is a distinct parameter of the method that ends its path segment (what the

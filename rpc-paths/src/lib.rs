@@ -1,0 +1,131 @@
+//! What the HTTP gateway (`rpc-gateway`) and the `#[http]` attribute (`rpc-macros`) must agree
+//! on about the paths of declared routes: the gateway serves at run time what the attribute
+//! checks at compile time, so a route the attribute accepts is one the gateway serves as
+//! declared.
+//!
+//! Why a crate of its own: a procedural macro cannot share code with the crates it serves
+//! through them (`rpc-macros` is built for the compiler, before them), and copies of these
+//! rules drift apart. This crate has no dependencies, so it costs the macro's build nothing.
+//!
+//! It must not grow into more than these rules: it knows nothing of HTTP types, entries or
+//! matching.
+
+#![warn(missing_docs)]
+
+/// Paths the gateway serves itself; a declared route cannot take them.
+pub const RESERVED_PATHS: [&str; 3] = ["/openapi.json", "/docs", "/healthz"];
+
+/// The most parameters one route template may hold: a template with more is not served as
+/// declared (its entry is served at its default route), since the gateway's matcher takes at
+/// most 25; `#[http]` refuses more at compile time.
+pub const MAX_PATH_PARAMS: usize = 16;
+
+/// Whether a POST route at `template` (written as the gateway matches it: escapes of text
+/// decoded) holds a parameter where the gateway's default routes, `POST /api/<service
+/// id>/<method>`, hold the service id: `/api/{kind}/{id}`, `/{a}/{b}/{c}`, `/api/{*rest}`,
+/// `/api{v}/{a}/{b}` (a parameter within a segment may be empty). Served, such a route would
+/// answer the default routes of entries not served at the moment (their service restarting, a
+/// method misspelled), and which entry a path reaches would change with the services running:
+/// the gateway serves its entry at its default route instead, and `#[http]` refuses it. A
+/// route naming the service's segment (`/api/orders/{id}`), or that no default route's path
+/// can reach (`/v{n}/{a}/{b}`, a trailing `/`), is not.
+pub fn overlaps_default_routes(template: &str) -> bool {
+    let segments: Vec<&str> = template.trim_start_matches('/').split('/').collect();
+    let param = |s: &str| s.contains('{');
+    let catch_all = |s: &str| s.starts_with("{*");
+    // A first segment that can be `api`: itself, or a parameter after at most `api`.
+    let api = |s: &str| {
+        s == "api"
+            || s.find('{')
+                .is_some_and(|at| at <= 3 && "api".starts_with(&s[..at]))
+    };
+    match segments.as_slice() {
+        [first, ..] if catch_all(first) => true,
+        [first, service, rest @ ..] if api(first) => {
+            catch_all(service)
+                || (param(service)
+                    && match rest {
+                        [method] => !method.is_empty(),
+                        [method, ..] => catch_all(method),
+                        [] => false,
+                    })
+        }
+        _ => false,
+    }
+}
+
+/// A template with its parameters' names left out (`/orders/{}`, `/files/{}` for a catch-all)
+/// and the hex digits of its escapes in upper case (`%2f` is `%2F` to the gateway): two
+/// templates of one shape match the same paths, so one path has one spelling of its
+/// parameters (as OpenAPI requires), whatever the methods.
+pub fn template_shape(template: &str) -> String {
+    let mut out = String::with_capacity(template.len());
+    let mut in_name = false;
+    // Hex digits of an escape still to come.
+    let mut escape = 0;
+    for c in template.chars() {
+        if escape > 0 {
+            escape -= 1;
+            out.push(c.to_ascii_uppercase());
+            continue;
+        }
+        match c {
+            '%' if !in_name => {
+                escape = 2;
+                out.push('%');
+            }
+            '{' => {
+                in_name = true;
+                out.push('{');
+            }
+            '}' => {
+                in_name = false;
+                out.push('}');
+            }
+            _ if in_name => {}
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{overlaps_default_routes, template_shape};
+
+    /// Each template against `/api/<service>/<method>`, worked out by hand from the matcher's
+    /// rules (static segments, `{name}` parameters that may be empty within a segment,
+    /// `{*rest}` catch-alls).
+    #[test]
+    fn templates_that_can_match_a_default_route_s_path() {
+        for (template, overlaps) in [
+            ("/api/{kind}/{id}", true),
+            ("/api/{kind}/list", true),
+            ("/{a}/{b}/{c}", true),
+            ("/api/{*rest}", true),
+            ("/{*rest}", true),
+            ("/api/{kind}/{*rest}", true),
+            ("/api{v}/{a}/{b}", true),
+            ("/a{p}/{a}/{b}", true),
+            ("/api/orders/{id}", false),
+            ("/api/{id}", false),
+            ("/api/{a}/{b}/", false),
+            ("/api/{a}/{b}/c", false),
+            ("/v{n}/{a}/{b}", false),
+            ("/orders/{kind}/{id}", false),
+        ] {
+            assert_eq!(overlaps_default_routes(template), overlaps, "{template}");
+        }
+    }
+
+    #[test]
+    fn shapes_leave_out_names_and_spell_escapes_one_way() {
+        assert_eq!(
+            template_shape("/orders/{id}/items/{n}"),
+            "/orders/{}/items/{}"
+        );
+        assert_eq!(template_shape("/files/{*rest}"), "/files/{}");
+        assert_eq!(template_shape("/a%2fb/{x}"), "/a%2Fb/{}");
+        assert_eq!(template_shape("/plain"), "/plain");
+    }
+}
