@@ -30,7 +30,8 @@
 //! (feature `etcd`); without one they answer 404 saying how to attach it, while
 //! `GET /api/rules` still shows the versions applied and `validate` still checks a draft.
 //!
-//! Every route but `/healthz` needs `Authorization: Bearer <token>` when a token is set; a
+//! Every route but `/healthz` and the console page `/` needs `Authorization: Bearer <token>`
+//! when a token is set (the page asks for the token and sends it with its own requests); a
 //! missing or wrong token gets 401 with a JSON `{"error": ...}` saying what to send. An unknown
 //! entry or endpoint is 404 with a JSON error. Without a token the endpoint serves loopback
 //! only, and its guarded routes answer only requests addressed to a loopback name that no other
@@ -183,7 +184,8 @@ impl AdminBuilder {
         self
     }
 
-    /// Requires `Authorization: Bearer <token>` on every route but `/healthz`. An empty token
+    /// Requires `Authorization: Bearer <token>` on every route but `/healthz` and the console
+    /// page `/`. An empty token
     /// is refused by [`serve`](Self::serve) ([`AdminError::EmptyToken`]), and so is one that
     /// no header can carry as it is ([`AdminError::UnsendableToken`]).
     pub fn token(mut self, token: impl Into<String>) -> Self {

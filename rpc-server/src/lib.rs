@@ -9,8 +9,10 @@
 //! `max_concurrent_handling_count`; when full the call is answered Overflow (515) at once and
 //! never queued) → the handler under the caller's deadline, with a panic turned into a server
 //! error (520) and, when registered, a server-side fallback answering for the handler's failures.
-//! User [`ServerLayer`]s ([`ServerBuilder::layer`], see [`middleware`]) run before the cap: they
-//! see the entry, the [`Caller`], the attachments and the deadline, and may answer early.
+//! User [`ServerLayer`]s ([`ServerBuilder::layer`], see [`middleware`]) run before the cap for
+//! unary calls and server streams (client and bidirectional streams are admitted first: rate
+//! limits and cap, then their layers): they see the entry, the [`Caller`], the attachments and
+//! the deadline, and may answer early.
 //!
 //! Observability: each handled call runs in an `rpc.server` span (OpenTelemetry RPC
 //! semantic-convention attributes; the overflow and fallback governance events land on it),
