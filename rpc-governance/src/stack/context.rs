@@ -74,6 +74,9 @@ pub struct CallCx<'g> {
     pub(crate) hedge_gate: Option<HedgeGate>,
     /// Shared by both attempts of a hedged call, set once one of them answered.
     pub(crate) superseded: Option<Superseded>,
+    /// Set on a hedged call's first context by the hedge layer: true while the call's hedge
+    /// runs (sent, not ended).
+    pub(crate) hedge_running: Option<Arc<std::sync::atomic::AtomicBool>>,
     /// Shared by both attempts of a hedged call: the routing group the first of them to pick
     /// an endpoint drew, which the other follows.
     pub(crate) route_drawn: Option<Arc<std::sync::OnceLock<RouteDrawn>>>,
@@ -202,6 +205,7 @@ impl<'g> CallCx<'g> {
             hedge_gate: None,
             route_drawn: None,
             superseded: None,
+            hedge_running: None,
             last_failed: None,
             last_said_when: false,
             failed_attempt: None,
@@ -265,6 +269,13 @@ impl<'g> CallCx<'g> {
     /// [`attempted`](Self::attempted), shared by its first attempt and its hedge), so that
     /// neither picks an endpoint the other is on.
     pub(crate) fn pass_the_calls_other_attempts(&mut self) {
+        self.pass_the_calls_other_attempts_but(None);
+    }
+
+    /// [`pass_the_calls_other_attempts`](Self::pass_the_calls_other_attempts), leaving `own`
+    /// out: the endpoint of the attempt that just failed, which its caller records as the
+    /// last one tried (the picker steers a retry away from the last one), and only once.
+    pub(crate) fn pass_the_calls_other_attempts_but(&mut self, own: Option<&Arc<str>>) {
         let Some(attempted) = &self.attempted else {
             return;
         };
@@ -273,10 +284,17 @@ impl<'g> CallCx<'g> {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .clone();
         for addr in on {
-            if !self.tried.contains(&addr) {
+            if Some(&addr) != own && !self.tried.contains(&addr) {
                 self.tried.push(addr);
             }
         }
+    }
+
+    /// Whether this is a hedged call's first attempt while the call's hedge still runs.
+    pub(crate) fn hedge_runs(&self) -> bool {
+        self.hedge_running
+            .as_ref()
+            .is_some_and(|r| r.load(std::sync::atomic::Ordering::Acquire))
     }
 
     /// Whether this context is a hedge's: a second attempt of a call, sent while its first

@@ -19,7 +19,8 @@
 //! ([`RetryBudget::try_withdraw`](crate::budget::RetryBudget::try_withdraw)) and is not sent
 //! once the budget is spent: under overload, when every call is slow, hedges stop by
 //! themselves. The hedge is one attempt (its failure is not retried); the first attempt keeps
-//! its retries. A hedge aimed at an endpoint that cannot serve the call (nothing is sent: its
+//! its retries, but while the hedge runs sends none to an endpoint the call has tried (the
+//! hedge's own among them): with none untried left, the call waits for the hedge. A hedge aimed at an endpoint that cannot serve the call (nothing is sent: its
 //! server does not stream, or takes fewer attachments) moves on to the next untried endpoint.
 
 use std::future::Future;
@@ -154,6 +155,10 @@ impl<S: Service> HedgeLayer<S> {
         }
         let primary_options = cx.options.clone();
         let sent = Arc::new(AtomicBool::new(false));
+        // While the hedge runs, the first attempt sends no retry to an endpoint the call has
+        // tried (see the retry layer).
+        let running = Arc::new(AtomicBool::new(false));
+        cx.hedge_running = Some(running.clone());
         // Run by the retry layer once its picker has an endpoint the call's attempts were not
         // aimed at (with none, no hedge: a second call to the slow endpoint would race nothing
         // and add load where it hurts), so that the budget and the event count only hedges
@@ -161,7 +166,7 @@ impl<S: Service> HedgeLayer<S> {
         hedge_cx.hedge_gate = Some(HedgeGate {
             attempted: attempted.clone(),
             send: Box::new({
-                let (attempted, sent) = (attempted.clone(), sent.clone());
+                let (attempted, sent, running) = (attempted.clone(), sent.clone(), running.clone());
                 move |hcx: &CallCx<'_>| {
                     let latest = attempted
                         .lock()
@@ -178,6 +183,7 @@ impl<S: Service> HedgeLayer<S> {
                         return false;
                     }
                     sent.store(true, Ordering::Relaxed);
+                    running.store(true, Ordering::Release);
                     hcx.emit(EventKind::Hedge, latest.as_deref(), 1, Some(why));
                     true
                 }
@@ -197,6 +203,7 @@ impl<S: Service> HedgeLayer<S> {
             // An error before any attempt when no hedge is sent: the first attempt decides.
             let (result, by) =
                 rpc_core::answered::answered_by(self.inner.call(&mut hedge_cx, req)).await;
+            running.store(false, Ordering::Release);
             *lock(&answered[1]) = by;
             Some(result)
         };

@@ -70,6 +70,14 @@ impl<B: Balance, S: Service> Service for RetryLayer<B, S> {
             }
         };
         if let Some(gate) = cx.hedge_gate.take() {
+            // The call's deadline passed as the hedge's delay did: no hedge, and nothing
+            // drawn from the budget nor said of one.
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Err(RpcError::new(
+                    StatusCode::Timeout,
+                    "no hedge sent: the call's deadline passed",
+                ));
+            }
             // A hedge goes to an endpoint its call has not tried, or nowhere: decided on this
             // picker (its routing group drawn), the one the hedge goes by, with the endpoints
             // of the call's attempts as they are now (the first may have been picked while
@@ -199,8 +207,9 @@ impl<B: Balance, S> RetryLayer<B, S> {
     ) -> Result<Duration, RpcError> {
         let attempt = cx.attempt;
         // What is left untried is judged with the endpoints the call's other attempt (a hedge,
-        // or the first attempt of a hedge) went to meanwhile.
-        cx.pass_the_calls_other_attempts();
+        // or the first attempt of a hedge) went to meanwhile; this attempt's own endpoint is
+        // recorded below, once, as the last one tried.
+        cx.pass_the_calls_other_attempts_but(Some(&addr));
         if cx.throttled {
             // Dropped locally: nothing was sent, nothing to hold against the endpoint, and an
             // attempt right away would be dropped again. The drop is the call's failure: the
@@ -284,9 +293,9 @@ impl<B: Balance, S> RetryLayer<B, S> {
         {
             cx.reached = true;
         }
+        let mut last = addr.clone();
         cx.tried.push(addr);
         let untried_left = picker.untried_left(cx);
-        let mut last = cx.tried.last().cloned().unwrap_or_else(|| Arc::from(""));
         let mut decision = decide(cx, &err, attempt_timed_out, attempt, untried_left);
         // A hedge is one attempt sent, and one aimed at an endpoint that cannot serve the call
         // was not sent: it moves on to the next untried endpoint, so that the hedge its gate
@@ -329,6 +338,13 @@ impl<B: Balance, S> RetryLayer<B, S> {
                 cx.last_failed = Some(before.endpoint.clone());
                 failed_at = before.attempt;
             }
+        }
+        // A hedged call's first attempt with no endpoint left untried while the hedge runs:
+        // another attempt would go to an endpoint the call is on (the hedge's, a second copy of
+        // the call there) or has failed on, so this one ends and the call waits for the hedge
+        // (see the hedge layer), whose answer then decides.
+        if matches!(decision, Decision::Retry { .. }) && !untried_left && cx.hedge_runs() {
+            decision = Decision::GiveUp;
         }
         // The attempt the call's failure is, should it end before another attempt is sent.
         cx.failed_attempt = Some(failed_at);

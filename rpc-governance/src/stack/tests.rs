@@ -1877,6 +1877,13 @@ impl Attempts for &Endpoints {
         if addr.starts_with("unable:") {
             return cannot_serve();
         }
+        if addr.starts_with("busy:") {
+            // The server's own refusal: it was reached, and a retry may be served.
+            return Err(RpcError::new(
+                StatusCode::OverflowMaxServerHandle,
+                "server busy",
+            ));
+        }
         if addr.starts_with("over:") {
             // The transport's own refusal of a call over the server's limits: nothing sent.
             return Err(RpcError::new(
@@ -2023,6 +2030,114 @@ async fn with_two_endpoints_a_failure_while_the_hedge_runs_is_not_retried_onto_i
             ("slow:1".to_string(), 50, Some(1050))
         ]
     );
+}
+
+/// [`Endpoints`] picked as the client's balancer picks ([`Pick::next`]'s contract): an endpoint
+/// not tried first, else one tried but not the last one tried.
+#[derive(Clone, Copy)]
+struct AsBalanced<'e>(&'e Endpoints);
+
+impl Attempts for AsBalanced<'_> {
+    fn select(&self, ctx: &AttemptCtx<'_>) -> Result<String, RpcError> {
+        let names = self.0.delays.iter().map(|(e, _)| *e);
+        let fresh = names.clone().find(|e| !ctx.tried.iter().any(|t| t == e));
+        let other = || {
+            names
+                .clone()
+                .find(|e| ctx.tried.last().is_none_or(|l| l != e))
+        };
+        Ok(fresh
+            .or_else(other)
+            .unwrap_or(self.0.delays[0].0)
+            .to_string())
+    }
+    fn call(
+        &self,
+        addr: &str,
+        timeout_ms: u32,
+        deadline: Option<Instant>,
+    ) -> impl Future<Output = Result<Bytes, RpcError>> + Send {
+        self.0.call(addr, timeout_ms, deadline)
+    }
+    fn untried_left(&self, tried: &[String]) -> bool {
+        self.0.untried_left(tried)
+    }
+}
+
+/// With two endpoints, a first attempt refused by an overloaded server (which a retry may
+/// cure) while its hedge runs on the other: the retry would go to the hedge's endpoint, a
+/// second copy of the call there, so none is sent and the hedge answers.
+#[tokio::test(start_paused = true)]
+async fn an_overload_while_the_hedge_runs_sends_no_retry_to_the_hedges_endpoint() {
+    let g = engine(GovernanceOptions {
+        retry_times: 2,
+        retry_interval_ms: 0,
+        ..hedged(50, true)
+    });
+    let e = Endpoints::new(&[("busy:1", 100), ("slow:1", 1000)]);
+    let answer = g
+        .execute(&g.policy(&M), AsBalanced(&e))
+        .await
+        .expect("the hedge answers");
+    assert_eq!(&answer[..], b"slow:1");
+    assert_eq!(
+        e.log(),
+        [
+            ("busy:1".to_string(), 0, Some(100)),
+            ("slow:1".to_string(), 50, Some(1050))
+        ]
+    );
+}
+
+/// A hedging entry's failed call names each endpoint it was tried on once per attempt.
+#[tokio::test(start_paused = true)]
+async fn a_hedging_calls_error_names_each_attempt_once() {
+    let g = engine(GovernanceOptions {
+        retry_times: 2,
+        retry_interval_ms: 0,
+        ..hedged(50, true)
+    });
+    let e = Endpoints::new(&[("down:1", 10)]);
+    let err = g.execute(&g.policy(&M), &e).await.unwrap_err();
+    assert_eq!(err.code(), StatusCode::CommunicationError, "{err}");
+    assert_eq!(err.tried(), ["down:1"], "{err}");
+    // Overloaded (reached, so retried on the one endpoint): three attempts, three names.
+    let e = Endpoints::new(&[("busy:1", 10)]);
+    let err = g.execute(&g.policy(&M), &e).await.unwrap_err();
+    assert_eq!(err.code(), StatusCode::OverflowMaxServerHandle, "{err}");
+    assert_eq!(err.tried(), ["busy:1", "busy:1", "busy:1"], "{err}");
+}
+
+/// A hedge whose delay ends as the call's deadline passes is not sent: no `hedge` event and
+/// nothing drawn from the retry budget, even when the first attempt (ending at its deadline
+/// by itself, as the client's does) has not ended yet.
+#[tokio::test(start_paused = true)]
+async fn no_hedge_is_counted_once_the_calls_deadline_passed() {
+    let g = engine(GovernanceOptions {
+        retry_times: 0,
+        timeout_ms: 100,
+        // One retry a second from the budget, no percentage of calls: a hedge drawn would
+        // leave none for the call after.
+        retry_budget_percent: 0,
+        retry_budget_min_per_second: 1,
+        ..hedged(100, true)
+    });
+    let e = Endpoints::new(&[("slow:1", 150), ("slow:2", 150)]);
+    let mut events = g.events().subscribe();
+    let policy = g.policy(&M);
+    let mut cx = CallCx::new(&g, policy.clone(), policy.options());
+    let _ = governed(Scripted(&e), Promising(Scripted(&e)))
+        .call(&mut cx, Bytes::new())
+        .await;
+    let kinds: Vec<EventKind> = std::iter::from_fn(|| events.try_recv().ok())
+        .map(|e| e.kind)
+        .collect();
+    assert!(!kinds.contains(&EventKind::Hedge), "{kinds:?}");
+    assert!(
+        policy.budget.try_withdraw(&policy.options()),
+        "the budget's one retry is left"
+    );
+    assert_eq!(e.log().len(), 1, "one attempt: {:?}", e.log());
 }
 
 /// A hedge sent under a deadline inherited from the call being handled runs out of the
