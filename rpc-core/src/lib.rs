@@ -68,5 +68,47 @@ pub fn capped(wait: std::time::Duration) -> std::time::Duration {
     wait.min(LONGEST_WAIT)
 }
 
+/// Bytes of a peer's text (an entry id it named) that [`quoted`] shows at most.
+pub const QUOTED_AT_MOST: usize = 256;
+
+/// `text`, a peer's, quoted for a message as `{:?}` quotes it, cut after its first
+/// [`QUOTED_AT_MOST`] bytes (the whole length said) when longer: echoed whole, an entry id of
+/// megabytes of control characters (each quoted as six bytes) would make the answer to one
+/// call several times larger than the call.
+pub fn quoted(text: &str) -> String {
+    if text.len() <= QUOTED_AT_MOST {
+        return format!("{text:?}");
+    }
+    let mut end = QUOTED_AT_MOST;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{:?}… ({} bytes in all)", &text[..end], text.len())
+}
+
 /// Default maximum frame length (the N of the length prefix): 16 MiB.
 pub const DEFAULT_MAX_FRAME_LENGTH: usize = 16 * 1024 * 1024;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quoted_shows_short_text_whole_and_cuts_long_text_at_a_char_boundary() {
+        assert_eq!(quoted("a.B.c"), "\"a.B.c\"");
+        let at_most = "x".repeat(QUOTED_AT_MOST);
+        assert_eq!(quoted(&at_most), format!("{at_most:?}"));
+        // 255 one-byte characters, then two-byte ones: the cut falls inside the first of those
+        // and moves back to before it.
+        let long = format!("{}{}", "x".repeat(QUOTED_AT_MOST - 1), "é".repeat(1000));
+        let shown = quoted(&long);
+        assert_eq!(
+            shown,
+            format!(
+                "{:?}… ({} bytes in all)",
+                "x".repeat(QUOTED_AT_MOST - 1),
+                QUOTED_AT_MOST - 1 + 2000
+            )
+        );
+    }
+}

@@ -275,8 +275,8 @@ impl Dispatcher {
             return Dispatch::Ready(error_result(
                 StatusCode::NotFindLocalServiceEntry,
                 format!(
-                    "this server has no service entry {:?}; check the service id and method name",
-                    invoke.service_entry_id
+                    "this server has no service entry {}; check the service id and method name",
+                    rpc_core::quoted(&invoke.service_entry_id)
                 ),
             ));
         };

@@ -568,7 +568,11 @@ impl ServerBuilder {
     /// `addr` is `host:port` (or a `SocketAddr`, or `(host, port)`), or `unix:/path/to.sock`
     /// for a Unix domain socket, which is published as `unix:/path/to.sock` and which clients
     /// dial as any other address. A failure to bind names the address (in use, not permitted,
-    /// not local).
+    /// not local). A configuration that would serve nobody is refused with
+    /// [`InvalidInput`](std::io::ErrorKind::InvalidInput) before anything is served: an empty
+    /// token, a service added twice, a limit of 0 (`max_in_flight_per_connection`,
+    /// `max_connections`, `max_frame_length`, `handshake_timeout`). (A `max_concurrency` of 0
+    /// is taken: a server answering every call Overflow, which clients then send elsewhere.)
     pub async fn serve(self, addr: impl Into<ListenAddr>) -> std::io::Result<ServerHandle> {
         let addr = addr.into();
         match rpc_transport::Address::parse(&addr.0) {
@@ -594,6 +598,34 @@ impl ServerBuilder {
         self.serve_on(listener).await
     }
 
+    /// A limit set so that the server would serve nobody (every client refused, or every call
+    /// refused with the connection then no longer read), said as the reason to refuse to
+    /// start: a typo or a unit mix-up, not a way to run a server.
+    fn unusable_limit(&self) -> Option<String> {
+        let o = &self.options;
+        let zero = [
+            (
+                o.max_in_flight_per_connection == 0,
+                "max_in_flight_per_connection is 0: every call would be answered Overflow (515)",
+            ),
+            (
+                o.max_connections == 0,
+                "max_connections is 0: every client would be refused",
+            ),
+            (
+                o.max_frame_length == 0,
+                "max_frame_length is 0: no frame, not even a client's Hello, would be taken",
+            ),
+            (
+                o.handshake_timeout.is_zero(),
+                "handshake_timeout is 0: every client would be closed before its Hello",
+            ),
+        ];
+        zero.iter()
+            .find(|(is, _)| *is)
+            .map(|(_, what)| format!("{what}; give it a value above 0"))
+    }
+
     /// Serves on an already bound listener of any transport (TCP, a Unix domain socket, or
     /// another [`Listener`]).
     pub async fn serve_on<L: Listener>(self, listener: L) -> std::io::Result<ServerHandle> {
@@ -602,6 +634,12 @@ impl ServerBuilder {
                 std::io::ErrorKind::InvalidInput,
                 "the server's token is empty, and a client that sends no token sends the empty \
                  one: give a non-empty token, or none to admit clients without one",
+            ));
+        }
+        if let Some(problem) = self.unusable_limit() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                problem,
             ));
         }
         let mut ids: Vec<&str> = self.services.iter().map(|s| s.service_id()).collect();

@@ -179,7 +179,10 @@ impl Unpacker {
             }
             Err(Unexpanded::Corrupt(e)) => Err((
                 StatusCode::FrameworkError,
-                format!("the call to {:?} was not run: {e}", invoke.service_entry_id),
+                format!(
+                    "the call to {} was not run: {e}",
+                    rpc_core::quoted(&invoke.service_entry_id)
+                ),
             )),
             Err(Unexpanded::OverBudget(size)) => Err(self.over_budget(invoke, size)),
         }
@@ -190,10 +193,11 @@ impl Unpacker {
         (
             StatusCode::OverflowMaxServerHandle,
             format!(
-                "the call to {:?} was not run: its arguments decompress to {size} bytes, more \
+                "the call to {} was not run: its arguments decompress to {size} bytes, more \
                  than is left of the server's budget for decompressed arguments of running \
                  calls ({} bytes); retry later or elsewhere, or send it uncompressed",
-                invoke.service_entry_id, self.max_decompressed_bytes,
+                rpc_core::quoted(&invoke.service_entry_id),
+                self.max_decompressed_bytes,
             ),
         )
     }

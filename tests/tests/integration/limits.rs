@@ -633,6 +633,75 @@ async fn a_client_fails_a_call_over_the_servers_frame_limit_without_sending_it()
     server.shutdown().await;
 }
 
+/// A limit of 0 that would have the server refuse every client or every call is refused when
+/// the server starts, naming the setting; the default starts.
+#[tokio::test]
+async fn limits_that_would_serve_nobody_are_refused_at_start() {
+    let zero = std::time::Duration::ZERO;
+    let cases: [(&str, rpc::ServerBuilder); 4] = [
+        (
+            "max_in_flight_per_connection",
+            Server::builder().max_in_flight_per_connection(0),
+        ),
+        ("max_connections", Server::builder().max_connections(0)),
+        ("max_frame_length", Server::builder().max_frame_length(0)),
+        (
+            "handshake_timeout",
+            Server::builder().handshake_timeout(zero),
+        ),
+    ];
+    for (setting, builder) in cases {
+        let started = builder
+            .add_service(LimitsServer::from_arc(gate(1)))
+            .serve("127.0.0.1:0")
+            .await;
+        let e = started
+            .err()
+            .unwrap_or_else(|| panic!("{setting} 0 started"));
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput, "{setting}: {e}");
+        assert!(e.to_string().starts_with(setting), "{setting}: {e}");
+    }
+    let server = Server::builder()
+        .add_service(LimitsServer::from_arc(gate(1)))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("the defaults start");
+    server.shutdown().await;
+}
+
+/// A call to an entry the server does not have, named by an id of a megabyte of control
+/// characters (each quoted as six bytes): the answer names the entry by its first bytes and
+/// its length, not by the whole id quoted, which would be six times the call.
+#[tokio::test]
+async fn an_unknown_entry_named_at_length_is_answered_briefly() {
+    let (server, reg, mut raw) = connected(gate(1000)).await;
+    let id = "\x7f".repeat(1 << 20);
+    raw.send(Kind::Invoke(RemoteInvokeMessage {
+        message_id: 1,
+        service_entry_id: id.clone(),
+        codec: Codec::MsgPack.to_wire(),
+        ..Default::default()
+    }))
+    .await
+    .expect("send");
+    let r = answer(&mut raw).await;
+    assert_eq!(r.status_code, 507, "{:?}", r.exception_message);
+    assert!(
+        r.exception_message.len() < 4096,
+        "{} bytes: {:.200}",
+        r.exception_message.len(),
+        r.exception_message
+    );
+    assert!(
+        r.exception_message
+            .contains(&format!("({} bytes in all)", id.len())),
+        "{:.400}",
+        r.exception_message
+    );
+    still_served(reg).await;
+    server.shutdown().await;
+}
+
 #[tokio::test]
 async fn after_many_refusals_at_the_in_flight_limit_the_server_waits_for_a_call_to_finish() {
     let gate = gate(0);
