@@ -922,6 +922,18 @@ mod tests {
         );
         let responses = &doc["paths"]["/api/shop.Orders/close"]["post"]["responses"];
         let schema_of = |status: &str| &responses[status]["content"]["application/json"]["schema"];
+        // The typed error is the `error` field of the 422 body, and of no other status's.
+        assert_eq!(
+            schema_of("422")["properties"]["error"],
+            json!({"$ref": "#/components/schemas/OrderError"})
+        );
+        assert_eq!(schema_of("422")["required"], json!(["code", "message"]));
+        for status in [
+            "400", "401", "403", "404", "429", "500", "501", "502", "503", "504",
+        ] {
+            let text = schema_of(status).to_string();
+            assert!(!text.contains("OrderError"), "{status}: {text}");
+        }
         assert_eq!(
             schema_of("422"),
             &error_body_schema(Some(&refs("OrderError")))
