@@ -200,6 +200,8 @@ pub(crate) struct Backlog {
     /// Writes completed so far: what a stream waiting on its client reads as the client's
     /// progress ([`writes`](Self::writes)).
     writes: AtomicU64,
+    /// Bytes the socket took so far, counted as each write takes them ([`sent`](Self::sent)).
+    sent: AtomicU64,
     /// Woken when the writer has written a batch.
     written: Notify,
     /// Every waiter is woken when the writer has written a batch or stopped (callers waiting
@@ -218,6 +220,12 @@ impl Backlog {
     /// How many writes completed so far (it only grows): the peer took that much.
     pub(crate) fn writes(&self) -> u64 {
         self.writes.load(Ordering::Relaxed)
+    }
+
+    /// Bytes the socket took so far (it only grows), counted within a batch's write too: a
+    /// peer reading a long queue slowly shows its progress here before the batch is written.
+    pub(crate) fn sent(&self) -> u64 {
+        self.sent.load(Ordering::Relaxed)
     }
 
     /// Resolves after the writer's next completed write (at once if one completed since the
@@ -564,9 +572,9 @@ async fn write_batches<W: AsyncWrite + Unpin>(
         // `flush` costs nothing on a TCP socket; a TLS stream may still hold the end of the
         // batch after `write_all` when the socket was full.
         let write = async {
-            wr.write_all(&buf).await?;
+            write_counted(&mut *wr, &buf, &backlog.sent).await?;
             if let Some(frames) = direct.take() {
-                wr.write_all(&frames).await?;
+                write_counted(&mut *wr, &frames, &backlog.sent).await?;
             }
             wr.flush().await
         };
@@ -590,6 +598,25 @@ async fn write_batches<W: AsyncWrite + Unpin>(
             buf = BytesMut::with_capacity(BUFFER);
         }
     }
+}
+
+/// `bytes` written whole (as `write_all` writes them), each part the socket takes counted in
+/// `sent` as it goes.
+async fn write_counted<W: AsyncWrite + Unpin>(
+    wr: &mut W,
+    bytes: &[u8],
+    sent: &AtomicU64,
+) -> std::io::Result<()> {
+    let mut at = 0;
+    while at < bytes.len() {
+        let n = wr.write(&bytes[at..]).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        at += n;
+        sent.fetch_add(n as u64, Ordering::Relaxed);
+    }
+    Ok(())
 }
 
 /// Encodes `first` and the items of the same stream and compression right behind it in

@@ -107,9 +107,21 @@ pub(super) async fn heartbeat(
     let mut nonce = 0u64;
     let mut last_count = received.load(Ordering::Relaxed);
     let mut silent_ticks = 0u32;
+    // What the socket had taken at the last beat, and whether frames were waiting then.
+    let mut last_sent = None;
+    let mut queued = false;
     while let Some(s) = beat(&shared, interval).await {
         let count = received.load(Ordering::Relaxed);
-        if count == last_count {
+        // A server taking a long queue of the client's frames is alive, however slowly it
+        // reads: its answers and its `Pong` come after the frames queued before them. (With
+        // nothing queued, the beats' own `Ping`s say nothing of the server: the socket takes
+        // them whether or not anyone reads them.)
+        let backlog = s.sender.backlog();
+        let sent = backlog.sent();
+        let taking = queued && last_sent.is_some_and(|last| sent != last);
+        last_sent = Some(sent);
+        queued = backlog.bytes() > 0;
+        if count == last_count && !taking {
             silent_ticks += 1;
         } else {
             silent_ticks = 0;

@@ -14,7 +14,10 @@ pub struct ConnectOptions {
     /// Limit on TCP connect plus handshake.
     pub connect_timeout: Duration,
     /// A `Ping` is sent every interval; the connection is closed when nothing at all (not a
-    /// byte of a frame) arrived for three intervals in a row. Zero: no heartbeat (a dead
+    /// byte of a frame) arrived for three intervals in a row, unless the server was taking
+    /// frames the client had queued meanwhile (a slow link carrying a long queue: the answers
+    /// and the `Pong` come after it; a dead server stops taking once the socket buffers are
+    /// full, and is then closed three intervals later). Zero: no heartbeat (a dead
     /// connection is then found only when a call on it fails or times out; a slow stream
     /// consumer still reports what it took every 10 s, which a server's idle timeout under
     /// 10 s would not wait for).

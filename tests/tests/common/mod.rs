@@ -171,6 +171,12 @@ impl RawConn {
         RawConn { stream }
     }
 
+    /// The connection's stream, for a test that reads its bytes as they come (nothing read
+    /// is held here: each frame is read to its end and no further).
+    pub fn into_stream(self) -> TcpStream {
+        self.stream
+    }
+
     /// Wraps an accepted connection (for tests that play the server).
     pub fn from_stream(stream: TcpStream) -> Self {
         stream.set_nodelay(true).expect("nodelay");

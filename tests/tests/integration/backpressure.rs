@@ -237,6 +237,50 @@ async fn a_stream_set_up_waiting_for_room_past_its_attempt_deadline_is_not_sent(
     tasks.abort_all();
 }
 
+/// A server reading a long queue of the client's calls slowly (a slow link): the client's
+/// heartbeat, which hears nothing back meanwhile (the server's answers and its `Pong` come after
+/// those calls), counts the socket taking the calls as the server's sign of life and keeps the
+/// connection. Before, it closed the connection after three heartbeats, failing every call.
+#[tokio::test]
+async fn a_server_reading_a_long_queue_slowly_is_not_taken_for_dead() {
+    let options = ConnectOptions {
+        heartbeat_interval: Duration::from_millis(200),
+        max_unsent_bytes: 8 << 20,
+        ..ConnectOptions::default()
+    };
+    let (raw, conn) = small_buffers_with(options, plain_ack()).await;
+    let mut stream = raw.into_stream();
+    // 1.5 MiB of calls, queued at once.
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..48 {
+        let conn = conn.clone();
+        tasks.spawn(async move { conn.call(call(32 * KIB), None).await });
+    }
+    // The server takes 8 KiB every 10 ms at most (under 1 MB/s) until it has 1 MiB: over
+    // six heartbeat intervals with nothing sent back.
+    within("the server reads 1 MiB", async {
+        use tokio::io::AsyncReadExt;
+        let mut buf = vec![0u8; 8 * KIB];
+        let mut total = 0;
+        while total < 1 << 20 {
+            let n = stream.read(&mut buf).await.expect("read");
+            assert!(
+                n > 0,
+                "the client closed the connection after {total} bytes"
+            );
+            total += n;
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    assert!(conn.is_usable(), "the connection was closed");
+    assert!(
+        tasks.try_join_next().is_none(),
+        "a call ended before its answer"
+    );
+    tasks.abort_all();
+}
+
 /// A server's handshake answer naming `server_id`, with frames up to 16 MiB and nothing
 /// else.
 fn named_ack(server_id: &str) -> HelloAck {
@@ -253,6 +297,15 @@ fn named_ack(server_id: &str) -> HelloAck {
 /// cannot send waits in its queue, whatever this machine's default buffer sizes are), the
 /// server's side answering the handshake with `ack`.
 async fn small_buffers(max_unsent: usize, ack: HelloAck) -> (RawConn, Connection) {
+    let options = ConnectOptions {
+        max_unsent_bytes: max_unsent,
+        ..ConnectOptions::default()
+    };
+    small_buffers_with(options, ack).await
+}
+
+/// [`small_buffers`] with the client's `options`.
+async fn small_buffers_with(options: ConnectOptions, ack: HelloAck) -> (RawConn, Connection) {
     let socket = tokio::net::TcpSocket::new_v4().expect("socket");
     socket
         .set_recv_buffer_size(SMALL_BUFFER)
@@ -262,10 +315,6 @@ async fn small_buffers(max_unsent: usize, ack: HelloAck) -> (RawConn, Connection
         .expect("bind");
     let listener = socket.listen(16).expect("listen");
     let addr = listener.local_addr().expect("addr").to_string();
-    let options = ConnectOptions {
-        max_unsent_bytes: max_unsent,
-        ..ConnectOptions::default()
-    };
     let connecting =
         tokio::spawn(
             async move { Connection::connect_with(&SmallSendBuffer, &addr, &options).await },
