@@ -128,6 +128,7 @@ pub const GATEWAY_REFUSALS: &[(u16, &str)] = &[
     (403, "The request comes from a page of another origin (`Origin`): the gateway answers no cross-origin requests."),
     (404, "No entry is served at this method and path."),
     (405, "The path is served with other methods, named in `Allow`."),
+    (408, "The body was not sent whole within the gateway's read timeout."),
     (413, "The body is over the gateway's limit."),
     (431, "Too many headers to forward as attachments."),
 ];
@@ -946,7 +947,7 @@ mod tests {
         for status in ["429", "500", "501", "502", "503", "504"] {
             assert_eq!(schema_of(status), &error_body_schema(None), "{status}");
         }
-        for status in ["405", "413", "431"] {
+        for status in ["405", "408", "413", "431"] {
             assert_eq!(schema_of(status), &refusal_schema(), "{status}");
         }
         assert!(responses["503"]["headers"]["Retry-After"].is_object());

@@ -571,6 +571,8 @@ mod tests {
             entry("h.H", "get", Some(("GET", "/api/{id}/{x}"))),
             entry("i.I", "get", Some(("POST", "/v{id}/{x}/{y}"))),
             entry("j.J", "get", Some(("POST", "/api/{id}/{x}/"))),
+            entry("l.L", "get", Some(("POST", "/api{*id}"))),
+            entry("m.M", "get", Some(("POST", "/api/s{*id}"))),
         ]);
         for (id, default) in [
             ("a.A.get", "/api/a.A/get"),
@@ -579,6 +581,8 @@ mod tests {
             ("f.F.get", "/api/f.F/get"),
             ("g.G.get", "/api/g.G/get"),
             ("k.K.get", "/api/k.K/get"),
+            ("l.L.get", "/api/l.L/get"),
+            ("m.M.get", "/api/m.M/get"),
         ] {
             serves(&table, Method::POST, default, Some(id));
         }

@@ -23,7 +23,9 @@ pub const MAX_PATH_PARAMS: usize = 16;
 /// Whether a POST route at `template` (written as the gateway matches it: escapes of text
 /// decoded) holds a parameter where the gateway's default routes, `POST /api/<service
 /// id>/<method>`, hold the service id: `/api/{kind}/{id}`, `/{a}/{b}/{c}`, `/api/{*rest}`,
-/// `/api{v}/{a}/{b}` (a parameter within a segment may be empty). Served, such a route would
+/// `/api{v}/{a}/{b}` (a parameter within a segment may be empty), or a catch-all after text
+/// that can begin a default route's path (`/ap{*rest}`, `/api/shop.{*rest}`: it takes the
+/// slashes after it too). Served, such a route would
 /// answer the default routes of entries not served at the moment (their service restarting, a
 /// method misspelled), and which entry a path reaches would change with the services running:
 /// the gateway serves its entry at its default route instead, and `#[http]` refuses it. A
@@ -32,7 +34,9 @@ pub const MAX_PATH_PARAMS: usize = 16;
 pub fn overlaps_default_routes(template: &str) -> bool {
     let segments: Vec<&str> = template.trim_start_matches('/').split('/').collect();
     let param = |s: &str| s.contains('{');
-    let catch_all = |s: &str| s.starts_with("{*");
+    // A catch-all (the last segment) takes the rest of the path, slashes included, after
+    // whatever text comes before it in its segment.
+    let catch_all = |s: &str| s.contains("{*");
     // A first segment that can be `api`: itself, or a parameter after at most `api`.
     let api = |s: &str| {
         s == "api"
@@ -40,7 +44,7 @@ pub fn overlaps_default_routes(template: &str) -> bool {
                 .is_some_and(|at| at <= 3 && "api".starts_with(&s[..at]))
     };
     match segments.as_slice() {
-        [first, ..] if catch_all(first) => true,
+        [first, ..] if catch_all(first) => api(first),
         [first, service, rest @ ..] if api(first) => {
             catch_all(service)
                 || (param(service)
@@ -105,6 +109,15 @@ mod tests {
             ("/api/{*rest}", true),
             ("/{*rest}", true),
             ("/api/{kind}/{*rest}", true),
+            ("/api{*rest}", true),
+            ("/ap{*rest}", true),
+            ("/a{*rest}", true),
+            ("/api/s{*rest}", true),
+            ("/api/shop.{*rest}", true),
+            ("/api/{kind}/get{*rest}", true),
+            ("/b{*rest}", false),
+            ("/apis{*rest}", false),
+            ("/api/orders/{*rest}", false),
             ("/api{v}/{a}/{b}", true),
             ("/a{p}/{a}/{b}", true),
             ("/api/orders/{id}", false),
