@@ -42,9 +42,20 @@ pub enum BreakerState {
 
 #[derive(Debug, Clone, Copy)]
 enum Phase {
-    Closed { failures: u32 },
-    Open { until: Instant },
-    HalfOpen { probes: u32, since: Instant },
+    Closed {
+        failures: u32,
+    },
+    /// Opened at `since`; open until `since` + the entry's `breaker_seconds` as the options of
+    /// the latest call say (a rule shortening it ends a breaker already open), `until` as last
+    /// worked out (what [`CircuitBreaker::state`] reports).
+    Open {
+        since: Instant,
+        until: Instant,
+    },
+    HalfOpen {
+        probes: u32,
+        since: Instant,
+    },
     Isolated,
 }
 
@@ -362,7 +373,9 @@ impl CircuitBreaker {
         match s.phase {
             Phase::Closed { .. } => Ok((self.permit(s.generation, false), None)),
             Phase::Isolated => Err(isolated_error(entry)),
-            Phase::Open { until } if now < until => {
+            Phase::Open { since, .. } if now < since + break_duration(o) => {
+                let until = since + break_duration(o);
+                s.phase = Phase::Open { since, until };
                 Err(open_error(entry, until - now, s.last_cause.as_deref()))
             }
             Phase::Open { .. } => {
@@ -511,6 +524,7 @@ impl CircuitBreaker {
                     >= u128::from(o.failure_ratio_percent) * u128::from(calls);
                 if calls >= u64::from(o.minimum_throughput.max(1)) && over {
                     s.enter(Phase::Open {
+                        since: now,
                         until: now + break_duration(o),
                     });
                     return Some(Transition::Break);
@@ -527,6 +541,7 @@ impl CircuitBreaker {
                 let failures = failures + 1;
                 if failures >= o.exceptions_allowed_before_breaking.max(1) {
                     s.enter(Phase::Open {
+                        since: now,
                         until: now + break_duration(o),
                     });
                     Some(Transition::Break)
@@ -550,6 +565,7 @@ impl CircuitBreaker {
             }
             (Phase::HalfOpen { .. }, Outcome::Failure) => {
                 s.enter(Phase::Open {
+                    since: now,
                     until: now + break_duration(o),
                 });
                 Some(Transition::Break)
@@ -563,7 +579,7 @@ impl CircuitBreaker {
         let s = self.lock();
         match s.phase {
             Phase::Closed { failures } => BreakerState::Closed { failures },
-            Phase::Open { until } => BreakerState::Open {
+            Phase::Open { until, .. } => BreakerState::Open {
                 retry_after: until.saturating_duration_since(Instant::now()),
             },
             Phase::HalfOpen { probes, .. } => BreakerState::HalfOpen { probes },
@@ -792,6 +808,38 @@ mod tests {
             b.record_outcome(next, Outcome::of(&refused), &o, None),
             Some(Transition::Reset)
         );
+    }
+
+    /// A rule shortening `breaker_seconds` holds for a breaker already open (from the next
+    /// call, as any option change): it probes once open that long, not for as long as the
+    /// options it opened under said. One lengthening it keeps it open longer.
+    #[tokio::test(start_paused = true)]
+    async fn a_changed_breaker_seconds_holds_for_a_breaker_already_open() {
+        let b = CircuitBreaker::new();
+        let hour = GovernanceOptions {
+            breaker_seconds: 3600,
+            ..opts()
+        };
+        for _ in 0..3 {
+            fail(&b, &hour);
+        }
+        tokio::time::advance(Duration::from_secs(2)).await;
+        let e = b.try_acquire("e", &hour).err().expect("open for the hour");
+        assert_eq!(e.retry_after(), Some(Duration::from_secs(3598)), "{e}");
+        let seconds = |s| GovernanceOptions {
+            breaker_seconds: s,
+            ..opts()
+        };
+        let e = b.try_acquire("e", &seconds(5)).err().expect("open 5 s");
+        assert_eq!(e.retry_after(), Some(Duration::from_secs(3)), "{e}");
+        assert_eq!(
+            b.state(),
+            BreakerState::Open {
+                retry_after: Duration::from_secs(3)
+            }
+        );
+        let (_probe, t) = b.try_acquire("e", &seconds(1)).expect("a probe after 1 s");
+        assert_eq!(t, Some(Transition::HalfOpen));
     }
 
     #[tokio::test(start_paused = true)]
