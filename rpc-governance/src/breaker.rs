@@ -824,13 +824,17 @@ mod tests {
             fail(&b, &hour);
         }
         tokio::time::advance(Duration::from_secs(2)).await;
-        let e = b.try_acquire("e", &hour).err().expect("open for the hour");
+        let Err(e) = b.try_acquire("e", &hour) else {
+            panic!("open for the hour")
+        };
         assert_eq!(e.retry_after(), Some(Duration::from_secs(3598)), "{e}");
         let seconds = |s| GovernanceOptions {
             breaker_seconds: s,
             ..opts()
         };
-        let e = b.try_acquire("e", &seconds(5)).err().expect("open 5 s");
+        let Err(e) = b.try_acquire("e", &seconds(5)) else {
+            panic!("open 5 s")
+        };
         assert_eq!(e.retry_after(), Some(Duration::from_secs(3)), "{e}");
         assert_eq!(
             b.state(),

@@ -119,8 +119,8 @@ pub enum Refused {
 #[derive(Debug)]
 pub struct RateLimiter {
     limits: RateLimits,
-    entry: Option<TokenBucket>,
-    callers: Option<Callers>,
+    entry: Option<Arc<TokenBucket>>,
+    callers: Option<Arc<Callers>>,
 }
 
 /// The per-caller buckets of an entry.
@@ -169,15 +169,31 @@ impl RateLimiter {
     pub fn new(limits: RateLimits) -> Self {
         RateLimiter {
             limits,
-            entry: limits.entry.map(|(r, b)| TokenBucket::new(r, b)),
-            callers: limits.per_caller.map(|(rate, burst)| Callers {
-                rate,
-                burst,
-                table: DashMap::with_hasher(ahash::RandomState::new()),
-                crowd: Arc::new(TokenBucket::new(rate, burst)),
-                swept: Mutex::new(None),
+            entry: limits.entry.map(|(r, b)| Arc::new(TokenBucket::new(r, b))),
+            callers: limits.per_caller.map(|(rate, burst)| {
+                Arc::new(Callers {
+                    rate,
+                    burst,
+                    table: DashMap::with_hasher(ahash::RandomState::new()),
+                    crowd: Arc::new(TokenBucket::new(rate, burst)),
+                    swept: Mutex::new(None),
+                })
             }),
         }
+    }
+
+    /// Buckets for `limits`, sharing with `before` (the limiter they replace) the buckets of
+    /// a limit that did not change: a change of the per-caller limit leaves the entry's bucket
+    /// as drained as it was, and the reverse, rather than refilling both.
+    pub fn carried_over(limits: RateLimits, before: &RateLimiter) -> Self {
+        let mut fresh = RateLimiter::new(limits);
+        if limits.entry.is_some() && limits.entry == before.limits.entry {
+            fresh.entry = before.entry.clone();
+        }
+        if limits.per_caller.is_some() && limits.per_caller == before.limits.per_caller {
+            fresh.callers = before.callers.clone();
+        }
+        fresh
     }
 
     /// The limits this limiter enforces.

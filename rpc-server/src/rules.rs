@@ -17,6 +17,7 @@ use rpc_core::{GovernanceOverrides, MethodDescriptor, RpcError};
 use rpc_governance::bulkhead::Bulkhead;
 use rpc_governance::config::GovernanceConfig;
 use rpc_governance::events::{EventBus, EventKind};
+use rpc_governance::ratelimit::RateLimiter;
 use rpc_registry::rules::{RuleKind, RuleSource, RuleTarget, RuleVersion, RulesInForce};
 
 use crate::admission::Admission;
@@ -122,6 +123,9 @@ impl RuleTarget for Target {
             if let Some(before) = before {
                 if limiter_inputs(before) == limiter_inputs(&o) {
                     policy.limiter = now.limiter.clone();
+                } else if let (Some(new), Some(old)) = (&policy.limiter, &now.limiter) {
+                    // One limit changed: the other's buckets stay as drained as they were.
+                    policy.limiter = Some(Arc::new(RateLimiter::carried_over(new.limits(), old)));
                 }
                 if gate_inputs(before) == gate_inputs(&o) {
                     policy.gate = now.gate.clone();
@@ -239,6 +243,36 @@ mod tests {
         assert_eq!(entry.load(), (1, 3));
         drop(held);
         assert_eq!(entry.load(), (0, 3));
+    }
+
+    /// A rules change of one rate limit leaves the other's bucket as drained as it was: adding
+    /// a per-caller limit does not refill the entry's bucket, and changing the entry's limit
+    /// does not refill the callers'.
+    #[tokio::test(start_paused = true)]
+    async fn a_change_of_one_rate_limit_keeps_the_other_limits_bucket() {
+        let (target, entry) = target();
+        let drained = |why: &str| {
+            let e = admit(&entry)
+                .err()
+                .unwrap_or_else(|| panic!("{why}: admitted"));
+            assert_eq!(e.code(), rpc_core::StatusCode::RateLimited, "{why}: {e}");
+        };
+        let entry_limit = "[entries.\"t.T.m\"]\nrate_limit_per_second = 1\nrate_limit_burst = 1\n";
+        apply(&target, 1, entry_limit);
+        drop(admit(&entry).expect("the entry's one token"));
+        drained("the entry's bucket is empty");
+        let both =
+            format!("{entry_limit}caller_rate_limit_per_second = 1\ncaller_rate_limit_burst = 1\n");
+        apply(&target, 2, &both);
+        drained("a per-caller limit added, the entry's bucket still empty");
+        // A second later both have a token: the caller's is spent, then the entry's limit
+        // changes and the caller's bucket stays empty.
+        tokio::time::advance(std::time::Duration::from_secs(1)).await;
+        drop(admit(&entry).expect("a token in each"));
+        let raised = "[entries.\"t.T.m\"]\nrate_limit_per_second = 100\nrate_limit_burst = 100\n\
+                      caller_rate_limit_per_second = 1\ncaller_rate_limit_burst = 1\n";
+        apply(&target, 3, raised);
+        drained("the entry's limit raised, the caller's bucket still empty");
     }
 
     /// An adaptive limit rebuilt by a rules change (a new cap, a new minimum) goes on

@@ -88,7 +88,8 @@ pub(crate) fn admission(
 }
 
 /// What an entry's rate limiter is built from (with the server's defaults, which do not
-/// change): a rules change that leaves these alone keeps the limiter and its buckets.
+/// change): a rules change that leaves these alone keeps the limiter and its buckets, and one
+/// that changes one limit keeps the other's ([`RateLimiter::carried_over`]).
 pub(crate) fn limiter_inputs(o: &rpc_core::GovernanceOverrides) -> impl PartialEq {
     (
         o.rate_limit_per_second,
