@@ -217,9 +217,11 @@ impl GatewayBuilder {
 
     /// How long a client has to send a request's head from its first byte, and again its body
     /// (30 s by default, at least 1 ms). A head not sent in time closes the connection (when
-    /// served by [`Gateway::serve`]); a body not sent in time is answered 408. Without it, a
-    /// client sending a byte now and then would hold a connection and its buffers for as long
-    /// as it liked.
+    /// served by [`Gateway::serve`]); a body not sent in time is answered 408; an answer of
+    /// which the client takes not a byte for as long is given up, its connection closed (when
+    /// served by [`Gateway::serve`]; checked every `min(read, idle)` timeout, so after one to
+    /// two of those). Without it, a client sending a byte now and then, or not reading, would
+    /// hold a connection and its buffers for as long as it liked.
     pub fn read_timeout(mut self, timeout: Duration) -> Self {
         self.read_timeout = rpc_core::capped(timeout.max(Duration::from_millis(1)));
         self
@@ -227,7 +229,8 @@ impl GatewayBuilder {
 
     /// How long a connection served by [`Gateway::serve`] may sit idle, before its first
     /// request and between requests, before it is closed (15 min by default, at least 1 ms;
-    /// checked every that long, so a connection goes after one to two of it).
+    /// checked every this long or every [`read_timeout`](Self::read_timeout) if shorter, so a
+    /// connection goes within one check past it).
     /// Keep it longer than the idle time of the load balancers and client pools in front of the
     /// gateway (60 s for an AWS load balancer, 600 s for Google Cloud's, 90 s for reqwest's
     /// pool): a connection the gateway closes first may meet their next request, which then
@@ -337,7 +340,8 @@ impl Gateway {
 
     /// As [`serve`](Self::serve) until `signal` completes, then stops accepting and lets the
     /// requests in flight finish (idle connections close at once; one still sending its
-    /// request has at most [`GatewayBuilder::read_timeout`] more).
+    /// request, or not taking its answer, has at most about [`GatewayBuilder::read_timeout`]
+    /// more).
     pub async fn serve_with_shutdown(
         self,
         listener: TcpListener,

@@ -63,7 +63,7 @@ pub(crate) async fn serve(
             progress: progress.clone(),
             read: limits.read,
         };
-        let idle = head::idle(progress.clone(), limits.idle);
+        let idle = head::idle(progress.clone(), limits.idle, limits.read);
         let stream = TokioIo::new(head::Counted { stream, progress });
         let connection =
             graceful.watch(http.clone().timer(timer).serve_connection(stream, service));
@@ -74,7 +74,8 @@ pub(crate) async fn serve(
                         tracing::debug!(error = %e, "an HTTP connection ended with an error");
                     }
                 }
-                // Idle for its limit: closed (dropped), with nothing in flight.
+                // Idle for its limit (with nothing in flight), or its answer not taken for the
+                // read limit: closed (dropped).
                 () = idle => {}
             }
         });
@@ -238,6 +239,51 @@ mod tests {
         let answer = all_of(&mut stream).await;
         assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
         assert!(answer.contains("not sent within"), "{answer}");
+    }
+
+    /// A client that stops taking its answers (here pipelined requests for the docs page, read
+    /// through a small receive buffer, then never read) does not hold its connection, nor a
+    /// stopping gateway, until the idle timeout: the answer waiting on a full socket is given
+    /// up after the read timeout. Before, serving ended only with the idle limit.
+    #[tokio::test(start_paused = true)]
+    async fn a_client_not_taking_its_answers_is_let_go_after_the_read_timeout() {
+        const REQUESTS: usize = 2000;
+        let (stop_tx, stop) = tokio::sync::oneshot::channel();
+        let (addr, serving) = gateway(stop).await;
+        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+        socket.set_recv_buffer_size(4096).expect("SO_RCVBUF");
+        let stream = socket
+            .connect(addr.parse().expect("address"))
+            .await
+            .expect("connect");
+        let (mut read, mut write) = stream.into_split();
+        let requests = b"GET /docs HTTP/1.1\r\nHost: gw\r\n\r\n".repeat(REQUESTS);
+        // Written beside: once the gateway's answers fill the socket it reads no more requests.
+        let writing = tokio::spawn(async move {
+            let _ = write.write_all(&requests).await;
+            write
+        });
+        tokio::task::yield_now().await;
+        let started = tokio::time::Instant::now();
+        let _ = stop_tx.send(());
+        tokio::time::timeout(LIMIT, serving)
+            .await
+            .expect("serving ends")
+            .expect("the task")
+            .expect("served");
+        assert!(
+            started.elapsed() < IDLE_TIMEOUT,
+            "serving ended after {:?}",
+            started.elapsed()
+        );
+        // The connection was given up with answers left unwritten.
+        let mut taken = Vec::new();
+        let _ = read.read_to_end(&mut taken).await;
+        let answers = String::from_utf8_lossy(&taken)
+            .matches("HTTP/1.1 200")
+            .count();
+        assert!(answers < REQUESTS, "{answers} answers: all were taken");
+        writing.abort();
     }
 
     /// A stopping gateway does not wait for ever for a client that never finishes its request:

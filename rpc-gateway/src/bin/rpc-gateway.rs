@@ -51,7 +51,8 @@ struct Args {
     /// arrive at once).
     #[arg(long, default_value_t = 1.0)]
     discovery_secs: f64,
-    /// Seconds a client has to send a request's head from its first byte, and again its body.
+    /// Seconds a client has to send a request's head from its first byte, and again its body,
+    /// and to take a byte of an answer waiting for it.
     #[arg(long, default_value_t = 30.0)]
     read_timeout_secs: f64,
     /// Seconds a connection may sit idle before or between requests; keep it longer than the

@@ -9,7 +9,8 @@
 //! sending nothing goes at the head limit): the connection's stream counts the bytes read, and
 //! the bytes read by the time of its last answer; while no byte has come since, the connection
 //! is idle, and a watchdog of its own closes it once idle for the (longer) idle limit and with
-//! no request being answered. (A client that sends the start of its next head together with a
+//! no request being answered, or once an answer has waited for the client to take a byte of it
+//! for the head limit. (A client that sends the start of its next head together with a
 //! request, before the answer, has those bytes counted as the answer's: its head is under the
 //! idle limit.) Until a later head's first byte, the head costs no timer: a request whose head
 //! comes whole costs a boxed limit never registered with tokio, where hyper's own timer
@@ -17,7 +18,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -32,6 +33,8 @@ pub(super) struct Progress {
     written: AtomicU64,
     /// Requests the router is answering.
     calls: AtomicU64,
+    /// The last write found the socket full: an answer waits for the client to take it.
+    write_waits: AtomicBool,
 }
 
 impl Progress {
@@ -78,6 +81,9 @@ impl<S: AsyncRead + Unpin> AsyncRead for Counted<S> {
 
 impl<S: AsyncWrite + Unpin> Counted<S> {
     fn answered(&self, polled: &Poll<std::io::Result<usize>>) {
+        self.progress
+            .write_waits
+            .store(polled.is_pending(), Ordering::Relaxed);
         if let Poll::Ready(Ok(n @ 1..)) = polled {
             let read = self.progress.read.load(Ordering::Relaxed);
             self.progress.answered.store(read, Ordering::Relaxed);
@@ -186,20 +192,34 @@ impl Future for HeadSleep {
 impl hyper::rt::Sleep for HeadSleep {}
 
 /// Resolves once the connection of `progress` has been idle (no request begun or being
-/// answered, no byte either way) for a whole `period`: checked every `period`, so after
-/// between one and two of them. One timer per period and connection, whatever its requests.
-/// (A request being answered counts whatever the bytes say: a `100 Continue`, or the answer to
-/// the request before a pipelined one, is a write made while its bytes were all read.)
-pub(super) async fn idle(progress: Arc<Progress>, period: Duration) {
+/// answered, no byte either way) for `idle`, or once an answer has waited for the client to
+/// take a byte of it for `stall` (a client that stopped reading would otherwise hold the
+/// connection, the answer's buffers and a stopping gateway until the idle limit). Checked
+/// every `min(idle, stall)`, so each goes after between one and two of those checks past its
+/// limit: one timer per check and connection, whatever its requests. (A request being answered
+/// counts whatever the bytes say: a `100 Continue`, or the answer to the request before a
+/// pipelined one, is a write made while its bytes were all read.)
+pub(super) async fn idle(progress: Arc<Progress>, idle: Duration, stall: Duration) {
+    let tick = idle.min(stall);
     let mut last = progress.moved();
+    // How long nothing moved either way, as the checks saw it.
+    let mut still = Duration::ZERO;
     loop {
-        tokio::time::sleep(period).await;
+        tokio::time::sleep(tick).await;
         let now = progress.moved();
-        let answering = progress.calls.load(Ordering::Relaxed) > 0;
-        if now == last && !progress.begun() && !answering {
+        if now != last {
+            last = now;
+            still = Duration::ZERO;
+            continue;
+        }
+        still = still.saturating_add(tick);
+        if progress.write_waits.load(Ordering::Relaxed) && still >= stall {
             return;
         }
-        last = now;
+        let answering = progress.calls.load(Ordering::Relaxed) > 0;
+        if still >= idle && !progress.begun() && !answering {
+            return;
+        }
     }
 }
 
@@ -279,7 +299,7 @@ mod tests {
             progress: progress.clone(),
         };
         let call = hyper::service::Service::call(&calls, ());
-        let idle = tokio::spawn(idle(progress, period));
+        let idle = tokio::spawn(idle(progress, period, period));
         tokio::time::sleep(period * 10).await;
         assert!(!idle.is_finished(), "the connection was let go mid-answer");
         drop(call);
