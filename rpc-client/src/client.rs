@@ -166,7 +166,9 @@ impl ClientBuilder {
     }
 
     /// Pause between pings on a quiet connection (10 s by default); a connection from which
-    /// nothing arrived for three of them is closed. Zero turns heartbeats off.
+    /// nothing arrived for three of them is closed, unless the server was meanwhile taking calls
+    /// queued in the client (see [`ConnectOptions::heartbeat_interval`](rpc_transport::ConnectOptions::heartbeat_interval)).
+    /// Zero turns heartbeats off.
     pub fn heartbeat_interval(mut self, t: Duration) -> Self {
         self.connect.heartbeat_interval = t;
         self

@@ -217,10 +217,11 @@ impl GatewayBuilder {
 
     /// How long a client has to send a request's head from its first byte, and again its body
     /// (30 s by default, at least 1 ms). A head not sent in time closes the connection (when
-    /// served by [`Gateway::serve`]); a body not sent in time is answered 408; an answer of
-    /// which the client takes not a byte for as long is given up, its connection closed (when
-    /// served by [`Gateway::serve`]; checked every `min(read, idle)` timeout, so after one to
-    /// two of those). Without it, a client sending a byte now and then, or not reading, would
+    /// served by [`Gateway::serve`]); a body not sent in time is answered 408; an answer
+    /// whose write to the socket waits for as long (the client takes nothing, or so little that
+    /// the socket's buffer, which the system may grow to megabytes, never has room: as nginx's
+    /// `send_timeout`) is given up, its connection closed (when served by [`Gateway::serve`];
+    /// checked every `min(read, idle)` timeout, so after one to two of those). Without it, a client sending a byte now and then, or not reading, would
     /// hold a connection and its buffers for as long as it liked.
     pub fn read_timeout(mut self, timeout: Duration) -> Self {
         self.read_timeout = rpc_core::capped(timeout.max(Duration::from_millis(1)));
@@ -230,7 +231,7 @@ impl GatewayBuilder {
     /// How long a connection served by [`Gateway::serve`] may sit idle, before its first
     /// request and between requests, before it is closed (15 min by default, at least 1 ms;
     /// checked every this long or every [`read_timeout`](Self::read_timeout) if shorter, so a
-    /// connection goes within one check past it).
+    /// connection goes within two checks past it).
     /// Keep it longer than the idle time of the load balancers and client pools in front of the
     /// gateway (60 s for an AWS load balancer, 600 s for Google Cloud's, 90 s for reqwest's
     /// pool): a connection the gateway closes first may meet their next request, which then

@@ -842,6 +842,10 @@ mod tests {
                 retry_after: Duration::from_secs(3)
             }
         );
+        let Err(e) = b.try_acquire("e", &hour) else {
+            panic!("open for the hour again")
+        };
+        assert_eq!(e.retry_after(), Some(Duration::from_secs(3598)), "{e}");
         let (_probe, t) = b.try_acquire("e", &seconds(1)).expect("a probe after 1 s");
         assert_eq!(t, Some(Transition::HalfOpen));
     }

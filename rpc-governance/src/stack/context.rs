@@ -31,6 +31,48 @@ pub(crate) struct HedgeGate {
     pub(crate) send: Box<dyn FnOnce(&CallCx<'_>) -> bool + Send + Sync>,
 }
 
+/// Where a hedged call's hedge runs: the endpoint of its attempt while it is out, so that the
+/// call's first attempt sends no retry there meanwhile (two copies of one call on one server).
+#[derive(Debug, Default)]
+pub(crate) struct HedgeRun {
+    on: std::sync::Mutex<Option<Arc<str>>>,
+    ended: tokio::sync::Notify,
+}
+
+impl HedgeRun {
+    fn on(&self) -> std::sync::MutexGuard<'_, Option<Arc<str>>> {
+        self.on
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The hedge's attempt goes to `addr`.
+    pub(crate) fn start(&self, addr: Arc<str>) {
+        *self.on() = Some(addr);
+    }
+
+    /// The hedge ended (without the call's answer: otherwise the call is over).
+    pub(crate) fn end(&self) {
+        *self.on() = None;
+        self.ended.notify_waiters();
+    }
+
+    /// Waits until the hedge runs on `addr` no more; whether it had to.
+    pub(crate) async fn wait_off(&self, addr: &str) -> bool {
+        let mut waited = false;
+        loop {
+            let ended = self.ended.notified();
+            let mut ended = std::pin::pin!(ended);
+            ended.as_mut().enable();
+            if self.on().as_deref() != Some(addr) {
+                return waited;
+            }
+            ended.await;
+            waited = true;
+        }
+    }
+}
+
 /// The context of one call, passed down through every layer of the stack.
 pub struct CallCx<'g> {
     pub(crate) engine: &'g Governance,
@@ -74,9 +116,8 @@ pub struct CallCx<'g> {
     pub(crate) hedge_gate: Option<HedgeGate>,
     /// Shared by both attempts of a hedged call, set once one of them answered.
     pub(crate) superseded: Option<Superseded>,
-    /// Set on a hedged call's first context by the hedge layer: true while the call's hedge
-    /// runs (sent, not ended).
-    pub(crate) hedge_running: Option<Arc<std::sync::atomic::AtomicBool>>,
+    /// Shared by both attempts of a hedged call: where the hedge runs.
+    pub(crate) hedge_run: Option<Arc<HedgeRun>>,
     /// Shared by both attempts of a hedged call: the routing group the first of them to pick
     /// an endpoint drew, which the other follows.
     pub(crate) route_drawn: Option<Arc<std::sync::OnceLock<RouteDrawn>>>,
@@ -205,7 +246,7 @@ impl<'g> CallCx<'g> {
             hedge_gate: None,
             route_drawn: None,
             superseded: None,
-            hedge_running: None,
+            hedge_run: None,
             last_failed: None,
             last_said_when: false,
             failed_attempt: None,
@@ -288,13 +329,6 @@ impl<'g> CallCx<'g> {
                 self.tried.push(addr);
             }
         }
-    }
-
-    /// Whether this is a hedged call's first attempt while the call's hedge still runs.
-    pub(crate) fn hedge_runs(&self) -> bool {
-        self.hedge_running
-            .as_ref()
-            .is_some_and(|r| r.load(std::sync::atomic::Ordering::Acquire))
     }
 
     /// Whether this context is a hedge's: a second attempt of a call, sent while its first

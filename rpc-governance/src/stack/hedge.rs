@@ -19,8 +19,8 @@
 //! ([`RetryBudget::try_withdraw`](crate::budget::RetryBudget::try_withdraw)) and is not sent
 //! once the budget is spent: under overload, when every call is slow, hedges stop by
 //! themselves. The hedge is one attempt (its failure is not retried); the first attempt keeps
-//! its retries, but while the hedge runs sends none to an endpoint the call has tried (the
-//! hedge's own among them): with none untried left, the call waits for the hedge. A hedge aimed at an endpoint that cannot serve the call (nothing is sent: its
+//! its retries, but one that would go to the endpoint the hedge is on waits until the hedge
+//! ends (a second copy of the call there would race nothing), then picks again. A hedge aimed at an endpoint that cannot serve the call (nothing is sent: its
 //! server does not stream, or takes fewer attachments) moves on to the next untried endpoint.
 
 use std::future::Future;
@@ -34,7 +34,7 @@ use rpc_core::{GovernanceOptions, RpcError};
 
 use tokio::time::Instant;
 
-use super::context::{Attempted, HedgeGate};
+use super::context::{Attempted, HedgeGate, HedgeRun};
 use super::retry::retry_depth_mark;
 use super::{CallCx, Service, Superseded};
 use crate::events::EventKind;
@@ -155,10 +155,11 @@ impl<S: Service> HedgeLayer<S> {
         }
         let primary_options = cx.options.clone();
         let sent = Arc::new(AtomicBool::new(false));
-        // While the hedge runs, the first attempt sends no retry to an endpoint the call has
-        // tried (see the retry layer).
-        let running = Arc::new(AtomicBool::new(false));
-        cx.hedge_running = Some(running.clone());
+        // While the hedge runs, the first attempt sends no retry to its endpoint (see the retry
+        // layer).
+        let run = Arc::new(HedgeRun::default());
+        cx.hedge_run = Some(run.clone());
+        hedge_cx.hedge_run = Some(run.clone());
         // Run by the retry layer once its picker has an endpoint the call's attempts were not
         // aimed at (with none, no hedge: a second call to the slow endpoint would race nothing
         // and add load where it hurts), so that the budget and the event count only hedges
@@ -166,7 +167,7 @@ impl<S: Service> HedgeLayer<S> {
         hedge_cx.hedge_gate = Some(HedgeGate {
             attempted: attempted.clone(),
             send: Box::new({
-                let (attempted, sent, running) = (attempted.clone(), sent.clone(), running.clone());
+                let (attempted, sent) = (attempted.clone(), sent.clone());
                 move |hcx: &CallCx<'_>| {
                     let latest = attempted
                         .lock()
@@ -183,7 +184,6 @@ impl<S: Service> HedgeLayer<S> {
                         return false;
                     }
                     sent.store(true, Ordering::Relaxed);
-                    running.store(true, Ordering::Release);
                     hcx.emit(EventKind::Hedge, latest.as_deref(), 1, Some(why));
                     true
                 }
@@ -203,7 +203,7 @@ impl<S: Service> HedgeLayer<S> {
             // An error before any attempt when no hedge is sent: the first attempt decides.
             let (result, by) =
                 rpc_core::answered::answered_by(self.inner.call(&mut hedge_cx, req)).await;
-            running.store(false, Ordering::Release);
+            run.end();
             *lock(&answered[1]) = by;
             Some(result)
         };

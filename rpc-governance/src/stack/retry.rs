@@ -115,6 +115,16 @@ impl<B: Balance, S: Service> Service for RetryLayer<B, S> {
                     return Err(e);
                 }
             };
+            if let Some(run) = cx.hedge_run.clone() {
+                if cx.hedge {
+                    run.start(addr.clone());
+                } else if run.wait_off(&addr).await {
+                    // A retry of the first attempt picked the endpoint the hedge is on: sent
+                    // now it would run the call there twice. It waited for the hedge to end
+                    // (had the hedge answered, the call would be over), and picks again.
+                    continue;
+                }
+            }
             if let Some(attempted) = &cx.attempted {
                 attempted
                     .lock()
@@ -338,13 +348,6 @@ impl<B: Balance, S> RetryLayer<B, S> {
                 cx.last_failed = Some(before.endpoint.clone());
                 failed_at = before.attempt;
             }
-        }
-        // A hedged call's first attempt with no endpoint left untried while the hedge runs:
-        // another attempt would go to an endpoint the call is on (the hedge's, a second copy of
-        // the call there) or has failed on, so this one ends and the call waits for the hedge
-        // (see the hedge layer), whose answer then decides.
-        if matches!(decision, Decision::Retry { .. }) && !untried_left && cx.hedge_runs() {
-            decision = Decision::GiveUp;
         }
         // The attempt the call's failure is, should it end before another attempt is sent.
         cx.failed_attempt = Some(failed_at);

@@ -2064,9 +2064,85 @@ impl Attempts for AsBalanced<'_> {
     }
 }
 
+/// [`Endpoints`] picked an endpoint not tried first, else `.1` (as a balancer prefers a healthy
+/// endpoint over one that just failed).
+#[derive(Clone, Copy)]
+struct Prefers<'e>(&'e Endpoints, &'static str);
+
+impl Attempts for Prefers<'_> {
+    fn select(&self, ctx: &AttemptCtx<'_>) -> Result<String, RpcError> {
+        let fresh = self.0.delays.iter().map(|(e, _)| *e);
+        let fresh = fresh.clone().find(|e| !ctx.tried.iter().any(|t| t == e));
+        Ok(fresh.unwrap_or(self.1).to_string())
+    }
+    fn call(
+        &self,
+        addr: &str,
+        timeout_ms: u32,
+        deadline: Option<Instant>,
+    ) -> impl Future<Output = Result<Bytes, RpcError>> + Send {
+        self.0.call(addr, timeout_ms, deadline)
+    }
+    fn untried_left(&self, tried: &[String]) -> bool {
+        self.0.untried_left(tried)
+    }
+}
+
+/// A first attempt whose retry, after its pause, picks the endpoint its hedge went to
+/// meanwhile: it waits for the hedge rather than run the call there twice, and the hedge
+/// answers.
+#[tokio::test(start_paused = true)]
+async fn a_retry_after_its_pause_waits_for_the_hedge_on_the_endpoint_it_picked() {
+    let g = engine(GovernanceOptions {
+        retry_times: 2,
+        retry_interval_ms: 50,
+        ..hedged(5, true)
+    });
+    let e = Endpoints::new(&[("busy:1", 2), ("slow:1", 1000)]);
+    let answer = g
+        .execute(&g.policy(&M), Prefers(&e, "slow:1"))
+        .await
+        .expect("the hedge answers");
+    assert_eq!(&answer[..], b"slow:1");
+    assert_eq!(
+        e.log(),
+        [
+            ("busy:1".to_string(), 0, Some(2)),
+            ("slow:1".to_string(), 5, Some(1005))
+        ]
+    );
+}
+
+/// A first attempt that waited for its hedge keeps its retries once the hedge fails: the call
+/// makes the attempts it would have made unhedged (here three, on the two overloaded servers
+/// in turn), none beside the hedge on its endpoint.
+#[tokio::test(start_paused = true)]
+async fn a_first_attempt_keeps_its_retries_when_its_hedge_fails() {
+    let g = engine(GovernanceOptions {
+        retry_times: 2,
+        retry_interval_ms: 0,
+        ..hedged(50, true)
+    });
+    let e = Endpoints::new(&[("busy:1", 100), ("busy:2", 300)]);
+    let err = g
+        .execute(&g.policy(&M), AsBalanced(&e))
+        .await
+        .expect_err("both overloaded");
+    assert_eq!(err.code(), StatusCode::OverflowMaxServerHandle, "{err}");
+    assert_eq!(
+        e.log(),
+        [
+            ("busy:1".to_string(), 0, Some(100)),
+            ("busy:2".to_string(), 50, Some(350)),
+            ("busy:2".to_string(), 350, Some(650)),
+            ("busy:1".to_string(), 650, Some(750))
+        ]
+    );
+}
+
 /// With two endpoints, a first attempt refused by an overloaded server (which a retry may
 /// cure) while its hedge runs on the other: the retry would go to the hedge's endpoint, a
-/// second copy of the call there, so none is sent and the hedge answers.
+/// second copy of the call there, so it waits, and the hedge answers.
 #[tokio::test(start_paused = true)]
 async fn an_overload_while_the_hedge_runs_sends_no_retry_to_the_hedges_endpoint() {
     let g = engine(GovernanceOptions {

@@ -15,9 +15,11 @@ pub struct ConnectOptions {
     pub connect_timeout: Duration,
     /// A `Ping` is sent every interval; the connection is closed when nothing at all (not a
     /// byte of a frame) arrived for three intervals in a row, unless the server was taking
-    /// frames the client had queued meanwhile (a slow link carrying a long queue: the answers
+    /// frames queued in the client meanwhile (a slow link carrying a long queue: the answers
     /// and the `Pong` come after it; a dead server stops taking once the socket buffers are
-    /// full, and is then closed three intervals later). Zero: no heartbeat (a dead
+    /// full, and is then closed three intervals later). Only the client's own queue counts:
+    /// once all of it sits in the system's send buffer, a server reading that slower than
+    /// three intervals is still taken for dead. Zero: no heartbeat (a dead
     /// connection is then found only when a call on it fails or times out; a slow stream
     /// consumer still reports what it took every 10 s, which a server's idle timeout under
     /// 10 s would not wait for).
