@@ -146,6 +146,15 @@ mod tests {
         (addr, serving)
     }
 
+    /// Waits for `serving` to end, well.
+    async fn stopped(serving: tokio::task::JoinHandle<std::io::Result<()>>) {
+        tokio::time::timeout(LIMIT, serving)
+            .await
+            .expect("serving ends")
+            .expect("the task")
+            .expect("served");
+    }
+
     /// What the gateway sends on `stream` until it closes it.
     async fn all_of(stream: &mut TcpStream) -> String {
         let mut answer = Vec::new();
@@ -266,11 +275,7 @@ mod tests {
         tokio::task::yield_now().await;
         let started = tokio::time::Instant::now();
         let _ = stop_tx.send(());
-        tokio::time::timeout(LIMIT, serving)
-            .await
-            .expect("serving ends")
-            .expect("the task")
-            .expect("served");
+        stopped(serving).await;
         assert!(
             started.elapsed() < IDLE_TIMEOUT,
             "serving ended after {:?}",
@@ -300,10 +305,6 @@ mod tests {
         // The head is being read when the gateway is told to stop.
         tokio::task::yield_now().await;
         let _ = stop_tx.send(());
-        tokio::time::timeout(LIMIT, serving)
-            .await
-            .expect("serving ends")
-            .expect("the task")
-            .expect("served");
+        stopped(serving).await;
     }
 }

@@ -1933,6 +1933,23 @@ async fn answered_by_the_hedge_at_60_ms(endpoints: &[(&'static str, u64)]) -> At
 /// (endpoint, started at ms, finished at ms or `None` when dropped) per attempt.
 type AttemptLogView = Vec<(String, u128, Option<u128>)>;
 
+/// An engine whose entry hedges after `delay_ms` and retries twice, `interval_ms` apart.
+fn hedging(delay_ms: u64, interval_ms: u64) -> Governance {
+    engine(GovernanceOptions {
+        retry_times: 2,
+        retry_interval_ms: interval_ms,
+        ..hedged(delay_ms, true)
+    })
+}
+
+/// An attempt log written out: (endpoint, started at ms, finished at ms) per attempt.
+fn logged(attempts: &[(&str, u128, Option<u128>)]) -> AttemptLogView {
+    attempts
+        .iter()
+        .map(|(e, s, f)| (e.to_string(), *s, *f))
+        .collect()
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_hedge_goes_elsewhere_after_the_delay_and_the_first_answer_wins() {
     let log = answered_by_the_hedge_at_60_ms(&[("slow:1", 1000), ("fast:1", 10)]).await;
@@ -1987,11 +2004,7 @@ async fn a_hedge_refused_before_it_was_sent_does_not_win_over_the_first_attempt(
 /// A call of an entry that hedges after 50 ms and may retry twice, over `endpoints` (name,
 /// delay in ms; `down:` ones fail after theirs): its answer and the attempt log.
 async fn hedged_with_retries(endpoints: &[(&'static str, u64)]) -> (Bytes, AttemptLogView) {
-    let g = engine(GovernanceOptions {
-        retry_times: 2,
-        retry_interval_ms: 0,
-        ..hedged(50, true)
-    });
+    let g = hedging(50, 0);
     let e = Endpoints::new(endpoints);
     let answer = g.execute(&g.policy(&M), &e).await.expect("an answer");
     (answer, e.log())
@@ -2093,11 +2106,7 @@ impl Attempts for Prefers<'_> {
 /// answers.
 #[tokio::test(start_paused = true)]
 async fn a_retry_after_its_pause_waits_for_the_hedge_on_the_endpoint_it_picked() {
-    let g = engine(GovernanceOptions {
-        retry_times: 2,
-        retry_interval_ms: 50,
-        ..hedged(5, true)
-    });
+    let g = hedging(5, 50);
     let e = Endpoints::new(&[("busy:1", 2), ("slow:1", 1000)]);
     let answer = g
         .execute(&g.policy(&M), Prefers(&e, "slow:1"))
@@ -2106,10 +2115,7 @@ async fn a_retry_after_its_pause_waits_for_the_hedge_on_the_endpoint_it_picked()
     assert_eq!(&answer[..], b"slow:1");
     assert_eq!(
         e.log(),
-        [
-            ("busy:1".to_string(), 0, Some(2)),
-            ("slow:1".to_string(), 5, Some(1005))
-        ]
+        logged(&[("busy:1", 0, Some(2)), ("slow:1", 5, Some(1005))])
     );
 }
 
@@ -2118,11 +2124,7 @@ async fn a_retry_after_its_pause_waits_for_the_hedge_on_the_endpoint_it_picked()
 /// in turn), none beside the hedge on its endpoint.
 #[tokio::test(start_paused = true)]
 async fn a_first_attempt_keeps_its_retries_when_its_hedge_fails() {
-    let g = engine(GovernanceOptions {
-        retry_times: 2,
-        retry_interval_ms: 0,
-        ..hedged(50, true)
-    });
+    let g = hedging(50, 0);
     let e = Endpoints::new(&[("busy:1", 100), ("busy:2", 300)]);
     let err = g
         .execute(&g.policy(&M), AsBalanced(&e))
@@ -2131,12 +2133,12 @@ async fn a_first_attempt_keeps_its_retries_when_its_hedge_fails() {
     assert_eq!(err.code(), StatusCode::OverflowMaxServerHandle, "{err}");
     assert_eq!(
         e.log(),
-        [
-            ("busy:1".to_string(), 0, Some(100)),
-            ("busy:2".to_string(), 50, Some(350)),
-            ("busy:2".to_string(), 350, Some(650)),
-            ("busy:1".to_string(), 650, Some(750))
-        ]
+        logged(&[
+            ("busy:1", 0, Some(100)),
+            ("busy:2", 50, Some(350)),
+            ("busy:2", 350, Some(650)),
+            ("busy:1", 650, Some(750)),
+        ])
     );
 }
 
@@ -2145,11 +2147,7 @@ async fn a_first_attempt_keeps_its_retries_when_its_hedge_fails() {
 /// second copy of the call there, so it waits, and the hedge answers.
 #[tokio::test(start_paused = true)]
 async fn an_overload_while_the_hedge_runs_sends_no_retry_to_the_hedges_endpoint() {
-    let g = engine(GovernanceOptions {
-        retry_times: 2,
-        retry_interval_ms: 0,
-        ..hedged(50, true)
-    });
+    let g = hedging(50, 0);
     let e = Endpoints::new(&[("busy:1", 100), ("slow:1", 1000)]);
     let answer = g
         .execute(&g.policy(&M), AsBalanced(&e))
@@ -2158,21 +2156,14 @@ async fn an_overload_while_the_hedge_runs_sends_no_retry_to_the_hedges_endpoint(
     assert_eq!(&answer[..], b"slow:1");
     assert_eq!(
         e.log(),
-        [
-            ("busy:1".to_string(), 0, Some(100)),
-            ("slow:1".to_string(), 50, Some(1050))
-        ]
+        logged(&[("busy:1", 0, Some(100)), ("slow:1", 50, Some(1050))])
     );
 }
 
 /// A hedging entry's failed call names each endpoint it was tried on once per attempt.
 #[tokio::test(start_paused = true)]
 async fn a_hedging_calls_error_names_each_attempt_once() {
-    let g = engine(GovernanceOptions {
-        retry_times: 2,
-        retry_interval_ms: 0,
-        ..hedged(50, true)
-    });
+    let g = hedging(50, 0);
     let e = Endpoints::new(&[("down:1", 10)]);
     let err = g.execute(&g.policy(&M), &e).await.unwrap_err();
     assert_eq!(err.code(), StatusCode::CommunicationError, "{err}");
