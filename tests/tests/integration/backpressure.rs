@@ -241,7 +241,9 @@ async fn a_stream_set_up_waiting_for_room_past_its_attempt_deadline_is_not_sent(
 /// heartbeat, which hears nothing back meanwhile (the server's answers and its `Pong` come after
 /// those calls), counts the socket taking the calls as the server's sign of life and keeps the
 /// connection. Before, it closed the connection after three heartbeats, failing every call.
-#[tokio::test]
+/// (On the paused clock, which moves only when nothing is left to run: the server's pace and
+/// the heartbeats are exact, whatever the machine's load.)
+#[tokio::test(start_paused = true)]
 async fn a_server_reading_a_long_queue_slowly_is_not_taken_for_dead() {
     let options = ConnectOptions {
         heartbeat_interval: Duration::from_millis(200),
