@@ -46,12 +46,16 @@ impl HedgeRun {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// The hedge's attempt goes to `addr`.
+    /// The hedge's attempt goes to `addr` (a hedge moving on from an endpoint that cannot serve
+    /// the call is on that one no more: a first attempt waiting on it goes on).
     pub(crate) fn start(&self, addr: Arc<str>) {
-        *self.on() = Some(addr);
+        let moved = self.on().replace(addr).is_some();
+        if moved {
+            self.ended.notify_waiters();
+        }
     }
 
-    /// The hedge ended (without the call's answer: otherwise the call is over).
+    /// The hedge ended (with the call's answer the call is over, and nothing waits).
     pub(crate) fn end(&self) {
         *self.on() = None;
         self.ended.notify_waiters();
