@@ -2045,48 +2045,35 @@ async fn with_two_endpoints_a_failure_while_the_hedge_runs_is_not_retried_onto_i
     );
 }
 
-/// [`Endpoints`] picked as the client's balancer picks ([`Pick::next`]'s contract): an endpoint
-/// not tried first, else one tried but not the last one tried.
+/// [`Endpoints`] picked as a balancer picks: an endpoint not tried first, else by `.1`.
 #[derive(Clone, Copy)]
-struct AsBalanced<'e>(&'e Endpoints);
+struct Picked<'e>(&'e Endpoints, Else);
 
-impl Attempts for AsBalanced<'_> {
+/// Whom [`Picked`] takes once every endpoint was tried.
+#[derive(Clone, Copy)]
+enum Else {
+    /// One other than the last tried ([`Pick::next`]'s contract, as the client's balancer).
+    NotLast,
+    /// This one (as a balancer prefers a healthy endpoint over one that just failed).
+    Prefer(&'static str),
+}
+
+/// [`Pick::next`]'s contract over `e`.
+fn as_balanced(e: &Endpoints) -> Picked<'_> {
+    Picked(e, Else::NotLast)
+}
+
+impl Attempts for Picked<'_> {
     fn select(&self, ctx: &AttemptCtx<'_>) -> Result<String, RpcError> {
         let names = self.0.delays.iter().map(|(e, _)| *e);
         let fresh = names.clone().find(|e| !ctx.tried.iter().any(|t| t == e));
-        let other = || {
-            names
+        let then = match self.1 {
+            Else::NotLast => names
                 .clone()
-                .find(|e| ctx.tried.last().is_none_or(|l| l != e))
+                .find(|e| ctx.tried.last().is_none_or(|l| l != e)),
+            Else::Prefer(name) => Some(name),
         };
-        Ok(fresh
-            .or_else(other)
-            .unwrap_or(self.0.delays[0].0)
-            .to_string())
-    }
-    fn call(
-        &self,
-        addr: &str,
-        timeout_ms: u32,
-        deadline: Option<Instant>,
-    ) -> impl Future<Output = Result<Bytes, RpcError>> + Send {
-        self.0.call(addr, timeout_ms, deadline)
-    }
-    fn untried_left(&self, tried: &[String]) -> bool {
-        self.0.untried_left(tried)
-    }
-}
-
-/// [`Endpoints`] picked an endpoint not tried first, else `.1` (as a balancer prefers a healthy
-/// endpoint over one that just failed).
-#[derive(Clone, Copy)]
-struct Prefers<'e>(&'e Endpoints, &'static str);
-
-impl Attempts for Prefers<'_> {
-    fn select(&self, ctx: &AttemptCtx<'_>) -> Result<String, RpcError> {
-        let fresh = self.0.delays.iter().map(|(e, _)| *e);
-        let fresh = fresh.clone().find(|e| !ctx.tried.iter().any(|t| t == e));
-        Ok(fresh.unwrap_or(self.1).to_string())
+        Ok(fresh.or(then).unwrap_or(self.0.delays[0].0).to_string())
     }
     fn call(
         &self,
@@ -2108,15 +2095,24 @@ impl Attempts for Prefers<'_> {
 async fn a_retry_after_its_pause_waits_for_the_hedge_on_the_endpoint_it_picked() {
     let g = hedging(5, 50);
     let e = Endpoints::new(&[("busy:1", 2), ("slow:1", 1000)]);
+    let expected = [("busy:1", 0, Some(2)), ("slow:1", 5, Some(1005))];
+    answered_by_slow_1(&g, Picked(&e, Else::Prefer("slow:1")), &e, &expected).await;
+}
+
+/// A call of `g`'s entry, picked by `attempts` over `e`, which slow:1 must answer; then the
+/// attempts `e` logged must be `expected`.
+async fn answered_by_slow_1<A: Attempts + Copy + Send>(
+    g: &Governance,
+    attempts: A,
+    e: &Endpoints,
+    expected: &[(&str, u128, Option<u128>)],
+) {
     let answer = g
-        .execute(&g.policy(&M), Prefers(&e, "slow:1"))
+        .execute(&g.policy(&M), attempts)
         .await
         .expect("the hedge answers");
     assert_eq!(&answer[..], b"slow:1");
-    assert_eq!(
-        e.log(),
-        logged(&[("busy:1", 0, Some(2)), ("slow:1", 5, Some(1005))])
-    );
+    assert_eq!(e.log(), logged(expected));
 }
 
 /// A first attempt that waited for its hedge keeps its retries once the hedge fails: the call
@@ -2127,7 +2123,7 @@ async fn a_first_attempt_keeps_its_retries_when_its_hedge_fails() {
     let g = hedging(50, 0);
     let e = Endpoints::new(&[("busy:1", 100), ("busy:2", 300)]);
     let err = g
-        .execute(&g.policy(&M), AsBalanced(&e))
+        .execute(&g.policy(&M), as_balanced(&e))
         .await
         .expect_err("both overloaded");
     assert_eq!(err.code(), StatusCode::OverflowMaxServerHandle, "{err}");
@@ -2149,15 +2145,8 @@ async fn a_first_attempt_keeps_its_retries_when_its_hedge_fails() {
 async fn an_overload_while_the_hedge_runs_sends_no_retry_to_the_hedges_endpoint() {
     let g = hedging(50, 0);
     let e = Endpoints::new(&[("busy:1", 100), ("slow:1", 1000)]);
-    let answer = g
-        .execute(&g.policy(&M), AsBalanced(&e))
-        .await
-        .expect("the hedge answers");
-    assert_eq!(&answer[..], b"slow:1");
-    assert_eq!(
-        e.log(),
-        logged(&[("busy:1", 0, Some(100)), ("slow:1", 50, Some(1050))])
-    );
+    let expected = [("busy:1", 0, Some(100)), ("slow:1", 50, Some(1050))];
+    answered_by_slow_1(&g, as_balanced(&e), &e, &expected).await;
 }
 
 /// A hedging entry's failed call names each endpoint it was tried on once per attempt.
