@@ -17,7 +17,8 @@
 //!   as the OpenTelemetry `rpc.client.duration` is: a call its caller dropped (`cancelled`) or
 //!   a hedge dropped for another attempt's answer (`superseded`) ends when its caller stops
 //!   waiting, and its time is no latency of the service's;
-//! - `rpc_governance_events_total{side, kind}`: governance decisions by kind;
+//! - `rpc_governance_events_total{side, kind, observed}`: governance decisions by kind,
+//!   `observed="true"` for those a policy in observe mode only reported;
 //! - `rpc_breaker_state{entry}`: 0 closed, 1 half-open, 2 open (an isolated breaker is open);
 //! - `rpc_endpoint_health{address}`: 0 healthy, 1 unhealthy for now, 2 removed;
 //! - `rpc_server_ready`: 1 when the server is registered (or has no registry) and not

@@ -4,7 +4,8 @@
 //! Prometheus computes rates from counters over its own scrapes; a console polling one process
 //! needs the figures ready, over the last few seconds only. Each entry keeps one bucket per
 //! second of the window (count, errors, a latency histogram), made when a call lands in it and
-//! dropped once the window has passed it, so an idle entry costs nothing but its name.
+//! dropped once the window has passed it: each second's first call sweeps every entry's
+//! buckets (as does a snapshot), so an idle entry costs nothing but its name.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Mutex;
@@ -45,7 +46,30 @@ pub(crate) enum Ended {
 pub(crate) struct Stats {
     start: Instant,
     window: u64,
-    entries: Mutex<BTreeMap<(&'static str, &'static str), VecDeque<Bucket>>>,
+    entries: Mutex<Entries>,
+}
+
+/// Every entry's buckets, and the second they were last swept for buckets the window passed.
+#[derive(Default)]
+struct Entries {
+    buckets: BTreeMap<(&'static str, &'static str), VecDeque<Bucket>>,
+    swept: u64,
+}
+
+impl Entries {
+    /// Drops the buckets of every entry that the window ending in `second` has passed, once
+    /// a second: an entry called no more must not keep its last histograms for good.
+    fn sweep(&mut self, second: u64, window: u64) {
+        if second <= self.swept {
+            return;
+        }
+        self.swept = second;
+        for buckets in self.buckets.values_mut() {
+            while buckets.front().is_some_and(|b| b.second + window <= second) {
+                buckets.pop_front();
+            }
+        }
+    }
 }
 
 /// One entry's figures over the window.
@@ -81,7 +105,7 @@ impl Stats {
         Stats {
             start: Instant::now(),
             window: window.as_secs().max(1),
-            entries: Mutex::new(BTreeMap::new()),
+            entries: Mutex::new(Entries::default()),
         }
     }
 
@@ -105,13 +129,8 @@ impl Stats {
     ) {
         let second = self.second(at);
         let mut entries = self.entries.lock().unwrap_or_else(|p| p.into_inner());
-        let buckets = entries.entry((side.as_str(), entry)).or_default();
-        while buckets
-            .front()
-            .is_some_and(|b| b.second + self.window <= second)
-        {
-            buckets.pop_front();
-        }
+        entries.sweep(second, self.window);
+        let buckets = entries.buckets.entry((side.as_str(), entry)).or_default();
         if buckets.back().is_none_or(|b| b.second != second) {
             let Ok(latency) = Histogram::new_with_bounds(1, MAX_MICROS, 2) else {
                 return;
@@ -148,8 +167,10 @@ impl Stats {
         let covered = ((self.window - 1) as f64 + into_second)
             .min(since_start)
             .max(1.0);
-        let entries = self.entries.lock().unwrap_or_else(|p| p.into_inner());
+        let mut entries = self.entries.lock().unwrap_or_else(|p| p.into_inner());
+        entries.sweep(second, self.window);
         entries
+            .buckets
             .iter()
             .map(|((side, entry), buckets)| {
                 let live = buckets.iter().filter(|b| b.second + self.window > second);
@@ -240,6 +261,29 @@ mod tests {
 
     /// A steady 100 calls a second reads 100 a second wherever in the current second the
     /// snapshot is taken (the window holds nine whole seconds and a part of the tenth).
+    /// An entry called no more keeps no buckets once the window has passed its last call,
+    /// though nothing reads the statistics: another entry's call drops them.
+    #[tokio::test(start_paused = true)]
+    async fn an_idle_entrys_buckets_go_once_the_window_passed_them() {
+        let stats = Stats::new(Duration::from_secs(10));
+        let t0 = Instant::now();
+        let call = |entry, at| stats.record(Side::Client, entry, at, Duration::ZERO, Ended::Ok);
+        // `a.A.idle`: one call in each of seconds 0, 1 and 2, then none.
+        for s in 0..3 {
+            call("a.A.idle", t0 + Duration::from_secs(s));
+        }
+        let held = |stats: &Stats, entry| {
+            let entries = stats.entries.lock().unwrap();
+            entries.buckets.get(&("client", entry)).map(VecDeque::len)
+        };
+        assert_eq!(held(&stats, "a.A.idle"), Some(3));
+        // At 11 s the 10 s window holds seconds 2..=11: of the idle entry's, second 2 only.
+        call("a.A.busy", t0 + Duration::from_secs(11));
+        assert_eq!(held(&stats, "a.A.idle"), Some(1));
+        call("a.A.busy", t0 + Duration::from_secs(12));
+        assert_eq!(held(&stats, "a.A.idle"), Some(0));
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_steady_rate_reads_the_same_at_any_point_of_a_second() {
         let t0 = Instant::now();
@@ -305,14 +349,14 @@ mod tests {
         assert_eq!((s.calls, s.errors, s.cancelled), (100, 10, 5));
         assert!((s.error_rate - 0.1).abs() < 1e-9, "{s:?}");
         assert!((s.p99_ms - 99.0).abs() <= 1.0, "{s:?}");
+        // Half the window later, only the calls of its second half count.
+        let mid = stats.snapshot(t0 + Duration::from_millis(11_500));
+        // Seconds 2.. of the calls (at 20·i ms: i = 100 at 2 s) remain: one call.
+        assert_eq!(mid[0].calls, 1, "{mid:?}");
         // Ten seconds after the last call (at 2 s) nothing is left in the window, but the
         // entry stays listed.
         let later = stats.snapshot(t0 + Duration::from_secs(13));
         assert_eq!(later[0].calls, 0);
         assert_eq!(later[0].p99_ms, 0.0);
-        // Half the window later, only the calls of its second half count.
-        let mid = stats.snapshot(t0 + Duration::from_millis(11_500));
-        // Seconds 2.. of the calls (at 20·i ms: i = 100 at 2 s) remain: one call.
-        assert_eq!(mid[0].calls, 1, "{mid:?}");
     }
 }

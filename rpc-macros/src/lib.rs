@@ -175,9 +175,11 @@ mod parse;
 /// runtime updates still override them). Every governance option is a key, under the name of its
 /// field in `GovernanceOverrides` and of its TOML key (the README's options tables and
 /// `rpc_core::OPTIONS` list them by policy): integers as unsuffixed literals (`timeout_ms = 800`),
-/// flags as `= true` or `= false` (`idempotent` also bare), `shunt_strategy = "polling" |
-/// "random" | "hash" | "appoint"` and `appoint_address = "host:port"`. Several `#[governance]`
-/// attributes add up; a key given twice is an error.
+/// flags as `= true` or `= false` (`idempotent` and `adaptive_concurrency` also bare),
+/// `shunt_strategy = "polling" | "random" | "hash" | "appoint" | "least_loaded"` (and the other
+/// spellings the configuration file takes, which an unknown name's error lists),
+/// `compression = "off" | "zstd" | "lz4"` and `appoint_address = "host:port"`. Several
+/// `#[governance]` attributes add up; a key given twice is an error.
 ///
 /// `#[hash_key]` on one argument makes it the key of the hash shunt strategy (which
 /// `shunt_strategy = "hash"` requires).

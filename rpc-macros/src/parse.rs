@@ -223,11 +223,10 @@ pub fn strip_helper_attrs(item: &mut ItemTrait) {
     item.attrs.retain(|a| !is_helper_attr(a));
     for it in &mut item.items {
         if let TraitItem::Fn(f) = it {
-            f.attrs
-                .retain(|a| !governance::is_governance(a) && !http::is_http(a) && !is_hash_key(a));
+            f.attrs.retain(|a| !is_helper_attr(a));
             for input in &mut f.sig.inputs {
                 if let FnArg::Typed(t) = input {
-                    t.attrs.retain(|a| !is_hash_key(a));
+                    t.attrs.retain(|a| !is_helper_attr(a));
                 }
             }
         }
@@ -541,7 +540,8 @@ fn method(f: &TraitItemFn) -> syn::Result<Method> {
                 continue;
             }
         };
-        if ident.to_string().starts_with("__rpc") {
+        // `r#__rpc_x` is the same name as the generated `__rpc_x`.
+        if ident.unraw().to_string().starts_with("__rpc") {
             errors.spanned(
                 &ident,
                 format!(
