@@ -111,7 +111,7 @@ fn method(index: usize, m: &Method, table: &syn::Ident) -> TokenStream {
     // of items or one result); everything around them is this one body.
     let encode_stream = |stream_ident: &syn::Ident| {
         quote! {
-            ::rpc::__private::encode_stream(
+            ::rpc::__private::encode_request_stream(
                 __rpc_codec,
                 #stream_ident,
                 __rpc_method,

@@ -379,19 +379,47 @@ pub mod __private {
 
     /// Server side: the items of a streaming method, each encoded by `codec` as the
     /// transport takes it, straight into the frame being assembled (an item that does not
-    /// encode ends the stream with that error).
+    /// encode ends the stream with that error, the server's: 520, as a result that does not
+    /// encode).
     pub fn encode_stream<T: Serialize + Send + 'static>(
         codec: Codec,
         items: RpcStream<T>,
         method: &'static MethodDescriptor,
     ) -> ByteStream {
+        encode_items(codec, items, move |e| {
+            RpcError::new(
+                StatusCode::ServerError,
+                format!("could not encode the result of {}: {e}", method.entry_id),
+            )
+        })
+    }
+
+    /// Client side: the items of the caller's request stream (client streaming, both ways),
+    /// each encoded by `codec` as [`encode_stream`] does; an item that does not encode ends
+    /// the stream with the caller's own error, 500, as arguments that do not encode.
+    pub fn encode_request_stream<T: Serialize + Send + 'static>(
+        codec: Codec,
+        items: RpcStream<T>,
+        method: &'static MethodDescriptor,
+    ) -> ByteStream {
+        encode_items(codec, items, move |e| {
+            RpcError::new(
+                StatusCode::FrameworkError,
+                format!(
+                    "could not encode an item of the request stream of {}: {e}",
+                    method.entry_id
+                ),
+            )
+        })
+    }
+
+    fn encode_items<T: Serialize + Send + 'static>(
+        codec: Codec,
+        items: RpcStream<T>,
+        error: impl Fn(rpc_core::CodecError) -> RpcError + Send + 'static,
+    ) -> ByteStream {
         ByteStream::encoding(items, move |item, dst| {
-            codec.encode_to(dst, item).map_err(|e| {
-                RpcError::new(
-                    StatusCode::ServerError,
-                    format!("could not encode the result of {}: {e}", method.entry_id),
-                )
-            })
+            codec.encode_to(dst, item).map_err(&error)
         })
     }
 

@@ -12,7 +12,7 @@ use tokio_util::codec::{Decoder, FramedRead};
 
 use super::answer::{Answer, AnswerCodec, ItemRun};
 use super::shared::{comm_error, Shared};
-use super::stream::{Chunk, StreamShared};
+use super::stream::{Broken, Chunk, StreamShared};
 use crate::codec::{kind_name, FrameError};
 
 /// Ends the connection as the read loop's end does, should the loop's task be dropped before
@@ -185,8 +185,8 @@ fn deliver_run(shared: &Shared, run: ItemRun) {
         return;
     };
     let id = run.message_id;
-    if !stream.push([Chunk::run(run)]) {
-        end_broken(shared, id, &stream, None::<RpcError>);
+    if let Err(broken) = stream.push([Chunk::run(run)]) {
+        end_broken(shared, id, &stream, broken);
     }
 }
 
@@ -203,27 +203,18 @@ fn deliver(
     let Some(stream) = shared.pending.stream(id) else {
         return;
     };
-    if !stream.push(payloads.map(|p| Chunk::compressed(p, compression))) {
-        end_broken(shared, id, &stream, None::<RpcError>);
+    if let Err(broken) = stream.push(payloads.map(|p| Chunk::compressed(p, compression))) {
+        end_broken(shared, id, &stream, broken);
     }
 }
 
-/// Ends stream `id`, which broke the protocol (`None`: more items than it was granted) or
-/// brought an item that does not decompress, and tells the server to stop it.
-fn end_broken(
-    shared: &Shared,
-    id: u64,
-    stream: &StreamShared,
-    broken: Option<impl std::fmt::Display>,
-) {
-    let end = match broken {
-        None => format!(
-            "{}: protocol violation: the server sent more stream items than it was granted; \
-             the stream was ended",
-            shared.peer
-        ),
-        Some(e) => format!("{}: {e}; the stream was ended", shared.peer),
-    };
+/// Ends stream `id`, whose items broke the protocol as `broken` says, and tells the server to
+/// stop it.
+fn end_broken(shared: &Shared, id: u64, stream: &StreamShared, broken: Broken) {
+    let end = format!(
+        "{}: protocol violation: the server sent {broken}; the stream was ended",
+        shared.peer
+    );
     if let Some(w) = stream.end(Err(RpcError::new(StatusCode::FrameworkError, end))) {
         w.wake();
     }

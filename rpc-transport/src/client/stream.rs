@@ -40,6 +40,24 @@ use crate::writer::{Backlog, RoomWait};
 /// How a stream ended: the server's answer, or why there is none.
 pub(super) type End = Result<RemoteResultMessage, RpcError>;
 
+/// How a server's stream items broke the protocol.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Broken {
+    /// Items before the stream was accepted (no credit was given yet).
+    BeforeAccepted,
+    /// More items, or bytes, than the credit given.
+    OverCredit,
+}
+
+impl std::fmt::Display for Broken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Broken::BeforeAccepted => "stream items before it accepted the stream",
+            Broken::OverCredit => "more stream items than it was granted",
+        })
+    }
+}
+
 /// One stream's state, shared by the pending table (reader, sweeper) and its consumer.
 pub(super) struct StreamShared {
     inner: Mutex<Inner>,
@@ -208,19 +226,19 @@ impl StreamShared {
         self.changed.notify_waiters();
     }
 
-    /// Items from the server, in order (one frame's); false when one is beyond the credit
-    /// given (the stream must then be ended: the server broke the protocol; the items before
-    /// it are kept). One lock and at most one wake-up for all of them.
+    /// Items from the server, in order (one frame's); an error when they break the protocol
+    /// (the stream must then be ended; the items before one beyond the credit given are
+    /// kept). One lock and at most one wake-up for all of them.
     ///
     /// The byte window counts each item by its size on the wire.
-    pub(super) fn push(&self, chunks: impl IntoIterator<Item = Chunk>) -> bool {
+    pub(super) fn push(&self, chunks: impl IntoIterator<Item = Chunk>) -> Result<(), Broken> {
         let waker = {
             let mut s = self.lock();
             if s.ended {
-                return true;
+                return Ok(());
             }
             if !s.accepted {
-                return false;
+                return Err(Broken::BeforeAccepted);
             }
             let s = &mut *s;
             let mut within = true;
@@ -244,14 +262,14 @@ impl StreamShared {
             }
             if !within {
                 // The items before the violation are woken for with the end that follows.
-                return false;
+                return Err(Broken::OverCredit);
             }
             s.waker.take()
         };
         if let Some(w) = waker {
             w.wake();
         }
-        true
+        Ok(())
     }
 
     /// Ends the stream with `end` (unless it ended already); returns the waker to wake once
@@ -827,8 +845,11 @@ mod tests {
                 places,
             })
         };
-        assert!(s.push([run(b"\x08\x01", vec![])]));
-        assert!(s.push([run(b"\x12\x02ab\x12\x01c", vec![(2, 4), (6, 7)])]));
+        assert_eq!(s.push([run(b"\x08\x01", vec![])]), Ok(()));
+        assert_eq!(
+            s.push([run(b"\x12\x02ab\x12\x01c", vec![(2, 4), (6, 7)])]),
+            Ok(())
+        );
         let mut inner = s.lock();
         assert_eq!(
             inner.received, 2,
@@ -1026,6 +1047,13 @@ mod tests {
     #[test]
     fn the_byte_window_counts_items_as_they_travelled() {
         let s = StreamShared::new(100, 100, 0);
+        // Items before the server accepted the stream break the protocol, and say so.
+        let early = s.push([Chunk::one(Bytes::from_static(b"x"))]);
+        assert_eq!(early, Err(Broken::BeforeAccepted));
+        assert_eq!(
+            early.unwrap_err().to_string(),
+            "stream items before it accepted the stream"
+        );
         // The accepting credit.
         s.credit(0);
         // Four items of 1000 bytes once decompressed, a few bytes each on the wire.
@@ -1036,12 +1064,14 @@ mod tests {
         let wire = packed.len();
         assert!(wire < 25, "{wire} bytes");
         let zstd = rpc_core::Compression::Zstd.to_wire();
-        assert!(s.push((0..4).map(|_| Chunk::compressed(packed.clone(), zstd))));
+        let pushed = s.push((0..4).map(|_| Chunk::compressed(packed.clone(), zstd)));
+        assert_eq!(pushed, Ok(()));
         // 4 * wire is below the window of 100: one more may go, up to it.
         let rest = Bytes::from(vec![b'x'; 100 - 4 * wire]);
-        assert!(s.push([Chunk::one(rest)]));
-        assert!(
-            !s.push([Chunk::one(Bytes::from_static(b"y"))]),
+        assert_eq!(s.push([Chunk::one(rest)]), Ok(()));
+        assert_eq!(
+            s.push([Chunk::one(Bytes::from_static(b"y"))]),
+            Err(Broken::OverCredit),
             "100 bytes held reach the window"
         );
     }

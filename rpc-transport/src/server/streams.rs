@@ -18,7 +18,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
@@ -80,6 +80,60 @@ impl Turn {
     }
 }
 
+/// How a client broke a stream's protocol.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Violation {
+    /// Items on a stream that takes none (server streaming).
+    ItemsNotTaken = 1,
+    /// Items after its request stream's end.
+    ItemsAfterEnd,
+    /// More items, or bytes, than it was granted.
+    OverCredit,
+    /// The end of a request stream the stream does not have (server streaming).
+    EndNotTaken,
+    /// A second end of its request stream.
+    SecondEnd,
+}
+
+impl std::fmt::Display for Violation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Violation::ItemsNotTaken => "sent stream items to a stream that takes none",
+            Violation::ItemsAfterEnd => "sent stream items after its request stream's end",
+            Violation::OverCredit => "sent more stream items than it was granted",
+            Violation::EndNotTaken => "ended a request stream this stream does not have",
+            Violation::SecondEnd => "ended its request stream twice",
+        })
+    }
+}
+
+/// The first [`Violation`] of a stream, once there is one.
+#[derive(Debug, Default)]
+pub(super) struct Violated(AtomicU8);
+
+impl Violated {
+    const ALL: [Violation; 5] = [
+        Violation::ItemsNotTaken,
+        Violation::ItemsAfterEnd,
+        Violation::OverCredit,
+        Violation::EndNotTaken,
+        Violation::SecondEnd,
+    ];
+
+    /// Keeps `what` unless the stream broke the protocol before: the first break is the one
+    /// said.
+    fn set(&self, what: Violation) {
+        let _ = self
+            .0
+            .compare_exchange(0, what as u8, Ordering::AcqRel, Ordering::Acquire);
+    }
+
+    fn get(&self) -> Option<Violation> {
+        let v = self.0.load(Ordering::Acquire);
+        Self::ALL.into_iter().find(|w| *w as u8 == v)
+    }
+}
+
 /// One stream's state shared by its task, its inbound items' consumer and the connection's
 /// reader.
 pub(super) struct StreamSlot {
@@ -94,7 +148,7 @@ pub(super) struct StreamSlot {
     /// The stream's task, woken when credit arrives or the client broke the protocol.
     waker: AtomicWaker,
     /// The client sent what this stream does not take: it ends with status 500.
-    violated: AtomicBool,
+    violated: Violated,
     /// The client's request stream failed, and the failure reached the handler (it read it)
     /// or never can (it dropped its request stream): the stream ends with that failure once
     /// its producer has nothing more ready, however long the handler would go on.
@@ -160,7 +214,7 @@ impl StreamSlot {
             inbound_window_bytes,
             granted: AtomicU64::new(0),
             waker: AtomicWaker::new(),
-            violated: AtomicBool::new(false),
+            violated: Violated::default(),
             failure_reached: AtomicBool::new(false),
             answers_items: false,
             max_item_bytes,
@@ -189,14 +243,18 @@ impl StreamSlot {
             let mut q = self.inbound();
             if self.inbound_window == 0 || q.ended {
                 drop(q);
-                self.violate();
+                self.violate(if self.inbound_window == 0 {
+                    Violation::ItemsNotTaken
+                } else {
+                    Violation::ItemsAfterEnd
+                });
                 return;
             }
             let q = &mut *q;
             for item in items {
                 if !q.held.admit(item.payload.len()) {
                     let waker = q.waker.take();
-                    self.violated.store(true, Ordering::Release);
+                    self.violated.set(Violation::OverCredit);
                     self.waker.wake();
                     if let Some(w) = waker {
                         w.wake();
@@ -218,7 +276,7 @@ impl StreamSlot {
     /// The end of the client's request stream (`StreamEnd`): 200 complete, else its failure.
     pub(super) fn finish(&self, end: rpc_core::wire::StreamEnd) {
         if self.inbound_window == 0 {
-            self.violate();
+            self.violate(Violation::EndNotTaken);
             return;
         }
         let waker = {
@@ -226,7 +284,7 @@ impl StreamSlot {
             if q.ended {
                 // A second end: nothing of the stream may follow its end.
                 drop(q);
-                self.violate();
+                self.violate(Violation::SecondEnd);
                 return;
             }
             q.ended = true;
@@ -311,8 +369,8 @@ impl StreamSlot {
     }
 
     /// The client sent a frame this stream does not take: the stream ends with an error.
-    pub(super) fn violate(&self) {
-        self.violated.store(true, Ordering::Release);
+    pub(super) fn violate(&self, what: Violation) {
+        self.violated.set(what);
         self.waker.wake();
         let waker = self.inbound().waker.take();
         if let Some(w) = waker {
@@ -376,11 +434,10 @@ impl Stream for Inbound {
                 drop(q);
                 let item = this.local.pop_front().expect("just moved");
                 return Poll::Ready(Some(this.take(item)));
-            } else if this.slot.violated.load(Ordering::Acquire) {
+            } else if let Some(what) = this.slot.violated.get() {
                 Some(Err(RpcError::new(
                     StatusCode::FrameworkError,
-                    "protocol violation: the caller sent more stream items than it was \
-                     granted",
+                    format!("protocol violation: the caller {what}"),
                 )))
             } else if let Some(end) = q.end.take() {
                 if end.is_err() && q.failed.is_some() {
@@ -672,7 +729,7 @@ impl Out {
 pub struct ItemSink<'a> {
     out: &'a mut Out,
     credit: &'a mut Credit,
-    violated: &'a AtomicBool,
+    violated: &'a Violated,
     /// This poll's items and start.
     turn: &'a mut Turn,
     /// The bytes this poll may queue before the connection's send queue is over its limit.
@@ -689,7 +746,7 @@ impl ItemSink<'_> {
         self.credit.ready()
             && !self.turn.over()
             && self.out.pending() <= self.room
-            && !self.violated.load(Ordering::Relaxed)
+            && self.violated.get().is_none()
     }
 
     /// Begins an item: the buffer to append its bytes to (and nothing else).
@@ -836,11 +893,10 @@ impl StreamDriver {
         // a violation ends it at once, not when the producer next yields.
         this.slot.waker.register(cx.waker());
         loop {
-            if this.slot.violated.load(Ordering::Acquire) {
+            if let Some(what) = this.slot.violated.get() {
                 return Poll::Ready(error_result(
                     StatusCode::FrameworkError,
-                    "protocol violation: the client sent stream items this stream does not \
-                     take; the stream was ended",
+                    format!("protocol violation: the client {what}; the stream was ended"),
                 ));
             }
             if this.over_granted {
@@ -859,7 +915,7 @@ impl StreamDriver {
                     this.sync_credit();
                     if !this.credit.ready()
                         && !this.over_granted
-                        && !this.slot.violated.load(Ordering::Acquire)
+                        && this.slot.violated.get().is_none()
                     {
                         if let Events::Into(events) = &mut this.events {
                             if let Poll::Ready(end) = events.as_mut().poll_ended(cx) {
@@ -1097,6 +1153,25 @@ impl Drop for StreamDriver {
 
 #[cfg(test)]
 mod tests {
+    /// A stream that broke the protocol more than once says how it broke it first.
+    #[test]
+    fn the_first_violation_is_the_one_said() {
+        let v = Violated::default();
+        assert_eq!(v.get(), None);
+        for what in Violated::ALL {
+            let v = Violated::default();
+            v.set(what);
+            assert_eq!(v.get(), Some(what));
+        }
+        v.set(Violation::ItemsAfterEnd);
+        v.set(Violation::SecondEnd);
+        assert_eq!(v.get(), Some(Violation::ItemsAfterEnd));
+        assert_eq!(
+            Violation::SecondEnd.to_string(),
+            "ended its request stream twice"
+        );
+    }
+
     use std::sync::atomic::AtomicUsize;
 
     use bytes::Bytes;
@@ -1375,7 +1450,10 @@ mod tests {
         table.get(7).expect("registered").grant(3);
         assert!(driver.as_mut().poll(&mut cx).is_pending());
         assert_eq!(polled.load(Ordering::Relaxed), 8);
-        table.get(7).expect("registered").violate();
+        table
+            .get(7)
+            .expect("registered")
+            .violate(Violation::ItemsNotTaken);
         match driver.as_mut().poll(&mut cx) {
             Poll::Ready(end) => assert_eq!(end.status_code, 500),
             Poll::Pending => panic!("a violation ends the stream"),

@@ -1134,8 +1134,9 @@ async fn a_connection_over_its_call_rate_is_read_no_faster_and_loses_nothing() {
 /// Calls `Connection::call` does not send: one asking for a stream (its slot could not take
 /// the items; before, the server opened the stream and the call hung or lost them), and one
 /// whose deadline passed before it was sent (before, it was sent and its Cancel could reach
-/// the server first, which dropped it, and ran the call nobody waited for). The handler never
-/// runs for either, and the connection serves the next call.
+/// the server first, which dropped it, and ran the call nobody waited for), nor a stream
+/// opened past its deadline. The handler never runs for any, and the connection serves the
+/// next call.
 #[tokio::test]
 async fn a_call_asking_for_a_stream_or_past_its_deadline_is_not_sent() {
     use rpc::crates::transport::Call;
@@ -1165,6 +1166,14 @@ async fn a_call_asking_for_a_stream_or_past_its_deadline_is_not_sent() {
         .expect_err("timed out");
     assert_eq!(e.code(), StatusCode::Timeout, "{e}");
     assert!(e.message().contains("nothing was sent"), "{e}");
+    let opened = conn.open_stream(call(), rpc::crates::core::StreamMode::Server, Some(past));
+    match within("the late stream", opened).await {
+        Err(e) => {
+            assert_eq!(e.code(), StatusCode::Timeout, "{e}");
+            assert!(e.message().contains("nothing was sent"), "{e}");
+        }
+        Ok(_) => panic!("a stream past its deadline was opened"),
+    }
 
     // Answered in order on the connection: had either been sent, its handler ran first.
     let r = within("a good call", conn.call(call(), None))

@@ -53,6 +53,12 @@ pub trait Feed {
     async fn sum(&self, label: String, numbers: RpcStream<u64>) -> Result<String, RpcError>;
     /// Client streaming: takes `n` numbers, reports it, then waits for ever.
     async fn take_then_wait(&self, n: u32, numbers: RpcStream<u64>) -> Result<u64, RpcError>;
+    /// Client streaming: the keys of the caller's maps, counted (JSON cannot encode these
+    /// keys: they are no strings).
+    async fn count_keys(
+        &self,
+        maps: RpcStream<std::collections::BTreeMap<Vec<u8>, u8>>,
+    ) -> Result<u64, RpcError>;
     /// Both ways: each line back with `prefix`, as it comes; reports when it is dropped.
     async fn chat(
         &self,
@@ -208,6 +214,17 @@ impl Feed for Feeds {
                 Some((n, (lines, read, n + 1)))
             },
         )))
+    }
+
+    async fn count_keys(
+        &self,
+        mut maps: RpcStream<std::collections::BTreeMap<Vec<u8>, u8>>,
+    ) -> Result<u64, RpcError> {
+        let mut keys = 0;
+        while let Some(map) = maps.next().await {
+            keys += map?.len() as u64;
+        }
+        Ok(keys)
     }
 
     async fn take_then_wait(&self, n: u32, mut numbers: RpcStream<u64>) -> Result<u64, RpcError> {
@@ -488,17 +505,18 @@ async fn a_server_error_mid_stream_ends_it_with_that_error_after_the_items_befor
     within("shutdown", server.shutdown()).await;
 }
 
-/// The panic comes in the middle of a run of items the server assembles into one frame (700
-/// items: more than one poll's turn of 256), after the panicking item's key was written.
+/// The panic comes in the middle of a run of items the server assembles into one frame (2500
+/// items: more than one poll's turn, at most 1024), after the panicking item's key was
+/// written.
 #[tokio::test]
 async fn a_producer_panicking_mid_stream_ends_it_with_520_after_every_item_before_it() {
     let reg = InProcessRegistry::new();
     let (server, _probe) = serve(&reg, 50).await;
     let f = feed(&reg);
-    let mut s = within("open", f.panic_after(700))
+    let mut s = within("open", f.panic_after(2500))
         .await
         .expect("panic_after");
-    for want in 0..700 {
+    for want in 0..2500 {
         assert_eq!(next_item("item", &mut s).await, want);
     }
     let e = next_error("the panic", &mut s).await;
@@ -786,6 +804,36 @@ async fn a_handler_that_stops_taking_items_stops_the_callers_producer_at_the_win
     within("shutdown", server.shutdown()).await;
 }
 
+/// An item of the caller's stream its codec cannot encode is the caller's own error (500, as
+/// arguments that do not encode), said of the request stream: nothing failed at the server.
+#[tokio::test]
+async fn a_request_stream_item_that_does_not_encode_is_the_callers_error() {
+    let reg = InProcessRegistry::new();
+    let (server, _probe) = serve(&reg, 50).await;
+    let json = Client::builder()
+        .registry(reg.clone())
+        .codec(Codec::Json)
+        .override_options(FeedClient::SERVICE_ID, no_retry())
+        .build();
+    let f = FeedClient::new(json);
+    let maps = (0..2u8).map(|k| std::collections::BTreeMap::from([(vec![k], k)]));
+    // MessagePack takes the keys: the method counts them.
+    let msgpack = FeedClient::new(Client::builder().registry(reg.clone()).build());
+    let counted = within("count", msgpack.count_keys(RpcStream::iter(maps.clone())));
+    assert_eq!(counted.await.expect("counted"), 2);
+    let e = within("count", f.count_keys(RpcStream::iter(maps)))
+        .await
+        .expect_err("JSON cannot encode the keys");
+    assert_eq!(e.code(), StatusCode::FrameworkError, "{e}");
+    assert!(
+        e.message()
+            .contains("could not encode an item of the request stream of t.Feed.count_keys"),
+        "{e}"
+    );
+    assert_eq!(echoed(&f, "ok").await, "ok");
+    within("shutdown", server.shutdown()).await;
+}
+
 #[tokio::test]
 async fn an_error_in_the_callers_stream_ends_the_call_with_it() {
     let reg = InProcessRegistry::new();
@@ -1038,7 +1086,9 @@ async fn an_item_sent_to_a_waiting_server_stream_ends_it_at_once() {
     };
     assert_eq!((end.message_id, end.status_code), (1, 500), "{end:?}");
     assert!(
-        end.exception_message.contains("protocol violation"),
+        end.exception_message.contains(
+            "protocol violation: the client sent stream items to a stream that takes none"
+        ),
         "{end:?}"
     );
     probe.dropped("stall_after").await;

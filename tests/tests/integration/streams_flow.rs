@@ -245,7 +245,9 @@ async fn an_item_after_the_request_streams_end_ends_the_stream_with_500() {
     let end = raw.recv_end().await;
     assert_eq!((end.message_id, end.status_code), (1, 500), "{end:?}");
     assert!(
-        end.exception_message.contains("protocol violation"),
+        end.exception_message.contains(
+            "protocol violation: the client sent stream items after its request stream's end"
+        ),
         "{end:?}"
     );
     drop(raw);
