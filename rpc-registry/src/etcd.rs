@@ -40,7 +40,8 @@ use crate::{Instance, Registry, RegistryError, ServiceWatch};
 #[derive(Debug, Clone)]
 pub struct EtcdOptions {
     /// Prefix of every key the registry reads and writes (`/rpc/` by default). Registries that
-    /// should see each other use the same prefix.
+    /// should see each other use the same prefix. A prefix not ending with `/` gets one
+    /// (`/team` is `/team/`), as a ZooKeeper prefix names a node.
     pub prefix: String,
     /// Lease of every registered instance (10 s by default): a server that dies without
     /// deregistering disappears after this long. etcd counts in whole seconds (this is rounded
@@ -57,6 +58,10 @@ pub struct EtcdOptions {
     /// refused here, as a configuration error naming its size, rather than as etcd being
     /// unavailable. Raise both together.
     pub max_request_bytes: usize,
+    /// Most services one instance is registered for (128 by default: etcd's own default
+    /// `--max-txn-ops`), for the same reason: one key per service, in one transaction, which
+    /// etcd refuses beyond its limit of operations. Raise both together.
+    pub max_txn_ops: usize,
 }
 
 impl Default for EtcdOptions {
@@ -67,6 +72,7 @@ impl Default for EtcdOptions {
             connect_timeout: Duration::from_secs(3),
             request_timeout: Duration::from_secs(3),
             max_request_bytes: 1536 * 1024,
+            max_txn_ops: 128,
         }
     }
 }
@@ -100,6 +106,8 @@ impl Default for EtcdOptions {
 ///
 /// Dropping the last clone of the registry stops its background tasks without revoking
 /// anything: instances it registered then disappear when their lease expires, as after a crash.
+/// (The watches of its [`rules`](EtcdRegistry::rules) store are the exception: each follows its
+/// document until its receiver is dropped, with a connection of its own to etcd.)
 /// [`deregister`](Registry::deregister) removes an instance at once.
 ///
 /// # Example
@@ -207,8 +215,11 @@ impl EtcdRegistry {
     /// unusable configuration (no endpoint, a malformed one, a zero TTL).
     pub async fn connect(
         endpoints: &[impl AsRef<str>],
-        options: EtcdOptions,
+        mut options: EtcdOptions,
     ) -> Result<Self, RegistryError> {
+        if !options.prefix.is_empty() && !options.prefix.ends_with('/') {
+            options.prefix.push('/');
+        }
         let endpoints = non_blank(endpoints);
         if endpoints.is_empty() {
             return Err(RegistryError::Config(
@@ -297,6 +308,17 @@ impl EtcdRegistry {
         let conn = &self.inner.conn;
         let value = encode(&instance)?;
         let keys = places(&instance, |s, id| conn.key(s, id));
+        if keys.len() > conn.options.max_txn_ops {
+            return Err(RegistryError::Config(format!(
+                "instance {}: it serves {} services, written in one etcd transaction of one \
+                 operation each, over the limit of {} (etcd's --max-txn-ops, 128 by default): \
+                 serve fewer services per instance, or raise --max-txn-ops and \
+                 EtcdOptions::max_txn_ops together",
+                instance.id,
+                keys.len(),
+                conn.options.max_txn_ops
+            )));
+        }
         // (Each operation of the transaction carries a few dozen bytes besides.)
         let size: usize = keys.iter().map(|k| k.len() + value.len() + 64).sum();
         if size > conn.options.max_request_bytes {
@@ -427,10 +449,12 @@ async fn stop(registration: Registration, conn: &Conn) -> Result<(), RegistryErr
     let _ = registration.task.await;
     let lease = registration.lease.load(Ordering::SeqCst);
     conn.revoke(lease).await.map_err(|e| {
-        RegistryError::Unavailable(format!(
-            "{e}; the instance disappears when its lease expires (TTL {:?})",
-            conn.options.lease_ttl
-        ))
+        e.map_message(|m| {
+            format!(
+                "{m}; the instance disappears when its lease expires (TTL {:?})",
+                conn.options.lease_ttl
+            )
+        })
     })
 }
 
@@ -562,5 +586,31 @@ mod tests {
             .to_string();
         assert!(e.contains("etcd at 127.0.0.1:1 unreachable"), "{e}");
         reg.deregister("127.0.0.1:2").await.unwrap();
+    }
+
+    /// An instance of more services than one etcd transaction takes is refused as
+    /// configuration before anything is sent (etcd, unreachable here, would read as
+    /// unavailable); a prefix without its final `/` gets one.
+    #[tokio::test]
+    async fn too_many_services_are_refused_before_etcd_and_a_prefix_ends_with_a_slash() {
+        let options = EtcdOptions {
+            prefix: "/team".into(),
+            request_timeout: Duration::from_millis(300),
+            connect_timeout: Duration::from_millis(300),
+            ..EtcdOptions::default()
+        };
+        let reg = EtcdRegistry::connect(&["127.0.0.1:1"], options)
+            .await
+            .unwrap();
+        assert_eq!(reg.key(&"a.A".into(), "x"), "/team/services/a.A/x");
+        let services: Vec<String> = (0..129).map(|i| format!("t.S{i}")).collect();
+        let e = reg
+            .register(Instance::new("127.0.0.1:2", services))
+            .await
+            .unwrap_err();
+        match e {
+            RegistryError::Config(m) => assert!(m.contains("129 services"), "{m}"),
+            e => panic!("not a configuration error: {e}"),
+        }
     }
 }

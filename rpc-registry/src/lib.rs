@@ -83,6 +83,18 @@ pub enum RegistryError {
     Closed,
 }
 
+impl RegistryError {
+    /// The same error, its message rewritten by `f` (its kind kept: a configuration error
+    /// wrapped with more to say is still one, and says "registry configuration" once).
+    pub(crate) fn map_message(self, f: impl FnOnce(String) -> String) -> Self {
+        match self {
+            RegistryError::Unavailable(m) => RegistryError::Unavailable(f(m)),
+            RegistryError::Config(m) => RegistryError::Config(f(m)),
+            RegistryError::Closed => RegistryError::Closed,
+        }
+    }
+}
+
 /// Publishes server instances and lets clients watch a service's live endpoints.
 ///
 /// Implementations are shared (`Arc<dyn Registry>`) between a process's servers and clients.

@@ -178,8 +178,9 @@ pub type RuleWatch = watch::Receiver<Option<RuleVersion>>;
 /// Where rule documents come from (the etcd `RuleStore`, feature `etcd`).
 pub trait RuleSource: Send + Sync + 'static {
     /// Follows the documents of `kind`: the receiver holds the version in force and sees each
-    /// later one. It stays open while the store is unreachable (keeping the last version) and
-    /// closes when the source is dropped.
+    /// later one. It stays open while the store is unreachable (keeping the last version);
+    /// the source follows the documents for as long as the receiver (or a clone of it) is
+    /// held, whether the source itself is still held or not: drop the receiver to stop.
     fn watch_rules(&self, kind: RuleKind) -> BoxFuture<'_, Result<RuleWatch, RegistryError>>;
 }
 

@@ -13,7 +13,7 @@ use std::time::Duration;
 use crate::{InProcessRegistry, Registry, RegistryError, StaticRegistry};
 
 const FORMS: &str = "expected embedded, static:FILE, host:port[,host:port...], \
-                     etcd://host:port[,host:port...] or zk://host:port[,host:port...]";
+                     etcd://host:port[,host:port...] or zk://host:port[,host:port...][/prefix]";
 
 impl dyn Registry {
     /// The registry `url` names, with the default settings of its backend:
@@ -85,7 +85,14 @@ impl dyn Registry {
         }
         StaticRegistry::from_list(url)
             .map(|r| Arc::new(r) as Arc<dyn Registry>)
-            .map_err(|e| RegistryError::Config(format!("registry {url:?}: {e}; {FORMS}")))
+            .map_err(|e| {
+                let e = match e {
+                    // A list that is no list is the URL's fault whatever the list said.
+                    RegistryError::Unavailable(m) => RegistryError::Config(m),
+                    e => e,
+                };
+                e.map_message(|m| format!("registry {url:?}: {m}; {FORMS}"))
+            })
     }
 }
 
@@ -177,10 +184,19 @@ mod tests {
                 "static:/nonexistent/rpc.toml",
                 "cannot read static registry file",
             ),
-            ("etcd://", "etcd"),
+            #[cfg(feature = "etcd")]
+            ("etcd://", "bad etcd URL \"etcd://\": no endpoint"),
+            #[cfg(not(feature = "etcd"))]
+            ("etcd://", "enable the `etcd` feature"),
         ] {
+            // Said once: the kind of error is not repeated in its message.
+            let configuration = "registry configuration";
             match <dyn Registry>::from_url(url).await {
-                Err(RegistryError::Config(m)) => assert!(m.contains(says), "{url}: {m}"),
+                Err(e @ RegistryError::Config(_)) => {
+                    let m = e.to_string();
+                    assert!(m.contains(says), "{url}: {m}");
+                    assert_eq!(m.matches(configuration).count(), 1, "{url}: {m}");
+                }
                 Err(e) => panic!("{url}: not a config error: {e}"),
                 Ok(_) => panic!("{url} was accepted"),
             }

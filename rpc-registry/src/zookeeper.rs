@@ -400,10 +400,12 @@ impl ZooKeeperRegistry {
                     alive: self.inner.alive.clone(),
                     put_back: None,
                 }));
-                Err(RegistryError::Unavailable(format!(
-                    "{e}; the instance's nodes are removed as soon as ZooKeeper answers, or go \
-                     when the session ends"
-                )))
+                Err(e.map_message(|m| {
+                    format!(
+                        "{m}; the instance's nodes are removed as soon as ZooKeeper answers, or \
+                         go when the session ends"
+                    )
+                }))
             }
         }
     }
