@@ -120,13 +120,25 @@ impl Follower {
 
     /// Builds the table from the watches' current snapshots, and swaps it in when its entries
     /// differ from the last one's.
+    ///
+    /// Instances of one service may run different builds (a rolling upgrade): each entry is
+    /// described as the first instance by address that publishes a description of it says
+    /// (older builds publish none), as its published governance is chosen; instances that
+    /// describe it otherwise are reported.
     pub(crate) fn rebuild(&mut self) {
         let mut entries: Vec<ServiceEntry> = Vec::new();
+        let mut disagree: Vec<String> = Vec::new();
         for (service, (watch, _)) in &self.watches {
             for instance in watch.current().iter() {
                 for entry in instance.entries.iter().filter(|e| &e.service_id == service) {
-                    if !entries.iter().any(|e| e.id == entry.id) {
-                        entries.push(entry.clone());
+                    match entries.iter_mut().find(|e| e.id == entry.id) {
+                        None => entries.push(entry.clone()),
+                        Some(kept) if kept.api.is_none() => *kept = entry.clone(),
+                        Some(kept) => {
+                            if entry.api.is_some() && entry.api != kept.api {
+                                disagree.push(format!("{} at {}", entry.id, instance.address));
+                            }
+                        }
                     }
                 }
             }
@@ -135,6 +147,14 @@ impl Follower {
         entries.sort_by(|a, b| a.id.cmp(&b.id));
         if entries == self.last {
             return;
+        }
+        if !disagree.is_empty() {
+            tracing::warn!(
+                instances = %disagree.join(", "),
+                "instances describe these entries otherwise than the first instance by address \
+                 that describes them, whose description the gateway serves (a rolling upgrade \
+                 not finished?)"
+            );
         }
         self.last = entries.clone();
         // Entries come from servers the gateway does not control: should one of them make the
@@ -279,6 +299,49 @@ mod tests {
         // The aborted watcher tasks are gone once joined.
         while follower.watchers.join_next().await.is_some() {}
         assert!(follower.watchers.is_empty());
+    }
+
+    /// An entry is served as described by the first instance that describes it, not by an
+    /// older build before it (by address) that publishes no description: its declared route
+    /// is served, whichever instance started first or took the lower port.
+    #[tokio::test]
+    async fn an_entry_is_served_as_the_instance_that_describes_it_says() {
+        use crate::route::test_entries::{entry, routed};
+        use rpc_registry::{InProcessRegistry, Instance};
+        let with = |address: &str, e: ServiceEntry| {
+            let mut instance = Instance::new(address, ["shop.Orders"]);
+            instance.entries = vec![e];
+            instance
+        };
+        let described = routed("shop.Orders", "get", &["id"], Some(("get", "/orders/{id}")));
+        for (old, new) in [
+            ("127.0.0.1:7001", "127.0.0.1:7002"),
+            ("127.0.0.1:7002", "127.0.0.1:7001"),
+        ] {
+            let registry = InProcessRegistry::new();
+            registry
+                .register(with(old, entry("shop.Orders", "get", None)))
+                .await
+                .expect("register the older build");
+            registry
+                .register(with(new, described.clone()))
+                .await
+                .expect("register the newer build");
+            let shared = Arc::new(Shared {
+                table: ArcSwap::from_pointee(RouteTable::default()),
+                version: watch::channel(0).0,
+            });
+            let mut follower = Follower::new(Arc::new(registry), shared.clone());
+            follower.discover().await;
+            follower.rebuild();
+            let table = shared.table.load();
+            let routes: Vec<String> = table
+                .served()
+                .iter()
+                .map(|s| s.route.path.clone())
+                .collect();
+            assert_eq!(routes, ["/orders/{id}"], "older build at {old}");
+        }
     }
 
     /// A registry whose `services` does not answer while `stalled` (cut off, its client

@@ -34,19 +34,20 @@ use serde::{Deserialize, Serialize};
 #[derive(Parser, Debug)]
 #[command(about = "Three servers and a client in one process, with a short report")]
 struct Args {
-    /// embedded (the default), static:FILE, etcd://host:port or zk://host:port.
+    /// embedded (the default), etcd://host:port or zk://host:port: a registry the demo's
+    /// servers publish their free ports to (a static list cannot name them).
     #[arg(long, default_value = "embedded")]
     registry: String,
     /// off, stdout (spans and metrics to standard output; build with --features otel) or otlp
     /// (OTLP/gRPC by the OTEL_* variables; --features otlp).
     #[arg(long, default_value = "off")]
     telemetry: String,
-    /// Serve the admin endpoint of the demo's client and first server on host:port, loopback
+    /// Serve the admin endpoint of the demo's client and last server (gamma) on host:port, loopback
     /// (port 0 picks a free one; printed as `admin on <addr>`), and stay up after the report.
     #[arg(long)]
     admin: Option<String>,
     /// The admin endpoint's token: requests send `Authorization: Bearer <token>`.
-    #[arg(long)]
+    #[arg(long, requires = "admin")]
     admin_token: Option<String>,
 }
 
@@ -134,7 +135,21 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         eprintln!("demo: {e}");
         std::process::exit(2);
     });
-    let registry = <dyn Registry>::from_url(&args.registry).await?;
+    let url = args.registry.trim();
+    let scheme = url
+        .split_once("://")
+        .map(|(scheme, _)| scheme.to_ascii_lowercase());
+    let publishes =
+        url.eq_ignore_ascii_case("embedded") || matches!(scheme.as_deref(), Some("etcd" | "zk"));
+    if !publishes {
+        eprintln!(
+            "demo: --registry {url}: the demo's servers listen on free ports, which only a \
+             registry they publish to can tell the client: give embedded, etcd://host:port or \
+             zk://host:port"
+        );
+        std::process::exit(2);
+    }
+    let registry = <dyn Registry>::from_url(url).await?;
     let mut servers = Vec::new();
     let mut names = BTreeMap::new();
     for name in ["alpha", "beta", "gamma"] {

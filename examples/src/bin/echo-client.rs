@@ -8,7 +8,10 @@
 //! ```
 //! Prints one line per call, then exactly
 //! `summary: <ok> ok, <business> business errors, <failed> failed`. Exits 0 whatever the calls'
-//! outcomes (2 on bad arguments).
+//! outcomes (2 on bad arguments, 1 when `--strategy appoint` finds no endpoint).
+//!
+//! `--strategy` and `--timeout-ms` override the service's options when given; left out, the
+//! configuration (and the rules followed, with etcd) decide, round robin and 5 s by default.
 //!
 //! With `--admin ADDR [--admin-token T]` the client's admin endpoint (its breakers, endpoint
 //! health, calls and events; the console at `/`) serves while the calls run, and prints
@@ -41,12 +44,14 @@ struct Args {
     /// Callers running at once.
     #[arg(long, default_value_t = 1)]
     concurrency: u64,
-    /// polling, random, hash, appoint (the first endpoint) or least_loaded.
-    #[arg(long, default_value = "polling")]
-    strategy: ShuntStrategy,
-    /// Deadline of each call, retries included (0: none).
-    #[arg(long, default_value_t = 5000)]
-    timeout_ms: u64,
+    /// polling, random, hash, appoint (the first endpoint) or least_loaded; left out, as the
+    /// service's options say (polling unless configured).
+    #[arg(long)]
+    strategy: Option<ShuntStrategy>,
+    /// Deadline of each call, retries included (0: none); left out, as the service's options
+    /// say (5000 unless configured).
+    #[arg(long)]
+    timeout_ms: Option<u64>,
     /// Token presented to the servers.
     #[arg(long)]
     token: Option<String>,
@@ -89,7 +94,7 @@ async fn main() {
             std::process::exit(2);
         });
     // appoint: the first endpoint listed, or the first the registry announces.
-    let appointed = if args.strategy == ShuntStrategy::Appoint {
+    let appointed = if args.strategy == Some(ShuntStrategy::Appoint) {
         let first = match &args.endpoints {
             Some(list) => list.split(',').next().map(|a| a.trim().to_string()),
             None => match registry.watch(&EchoClient::SERVICE_ID.into()).await {
@@ -119,9 +124,9 @@ async fn main() {
         .override_options(
             EchoClient::SERVICE_ID,
             GovernanceOverrides {
-                shunt_strategy: Some(args.strategy),
+                shunt_strategy: args.strategy,
                 appoint_address: appointed,
-                timeout_ms: Some(args.timeout_ms),
+                timeout_ms: args.timeout_ms,
                 ..GovernanceOverrides::NONE
             },
         );

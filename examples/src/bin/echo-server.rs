@@ -54,7 +54,7 @@ struct Args {
     #[arg(long)]
     admin: Option<String>,
     /// The admin endpoint's token: requests send `Authorization: Bearer <token>`.
-    #[arg(long)]
+    #[arg(long, requires = "admin")]
     admin_token: Option<String>,
 }
 
