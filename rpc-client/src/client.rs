@@ -1076,8 +1076,9 @@ impl Client {
     /// only for idempotent entries), the per-attempt layers, one attempt. A final failure
     /// names every endpoint tried.
     ///
-    /// `hash_key` computes the stable hash of the method's `#[hash_key]` argument; it runs only
-    /// when the entry's strategy is consistent hashing.
+    /// `hash_key` computes the stable hash of the method's `#[hash_key]` argument; it runs when
+    /// the entry's strategy is consistent hashing, and on the calls made before the entry's
+    /// service is known (its strategy unknown yet), whatever the strategy turns out to be.
     ///
     /// The call runs in an `rpc.client` span with a child `rpc.client.attempt` span per attempt
     /// (OpenTelemetry RPC attributes; governance events land on them), carries the current
@@ -1091,6 +1092,9 @@ impl Client {
     ) -> impl std::future::Future<Output = Result<Bytes, RpcError>> + Send + '_ {
         let policy = self.inner.governance.policy(method);
         if policy.service_known() {
+            if policy.wants_lookup_again() {
+                self.look_up_in_background(method, &policy);
+            }
             // The call's span is made when the call is first polled (`None`): its parent is
             // the span the caller awaits it in, as for an entry's first call below.
             return Either::Left(self.invoke_entry(method, policy, params, hash_key, None, None));
@@ -1114,6 +1118,31 @@ impl Client {
             )
             .await
         }))
+    }
+
+    /// Looks the service of an appointed entry up in the background, once per entry until one
+    /// succeeds: calls appointed by per-call options ask every time, and after a failed
+    /// lookup (the registry unreachable, or slower than `BACKGROUND_LOOKUP_LIMIT`) a call
+    /// made a second or more later starts another.
+    fn look_up_in_background(
+        &self,
+        method: &'static MethodDescriptor,
+        policy: &rpc_governance::engine::EntryPolicy,
+    ) {
+        if !policy.start_background_lookup() {
+            return;
+        }
+        let client = self.clone();
+        let policy = self.inner.governance.policy(method);
+        tokio::spawn(async move {
+            let lookup = client.service(method.service_id);
+            let found = tokio::time::timeout(BACKGROUND_LOOKUP_LIMIT, lookup).await;
+            if !matches!(found, Ok(Ok(_))) {
+                // Not at once: a registry that is down is not asked by every call.
+                tokio::time::sleep(LOOKUP_AGAIN_AFTER).await;
+                policy.background_lookup_failed();
+            }
+        });
     }
 
     /// Before an entry's first call or stream: looks its service up, and waits for the
@@ -1167,15 +1196,7 @@ impl Client {
             if policy.options().shunt_strategy == ShuntStrategy::Appoint {
                 policy.set_service_known();
             }
-            // Once per entry: calls appointed by per-call options come here every time.
-            if policy.start_background_lookup() {
-                let client = self.clone();
-                let service_id = method.service_id;
-                tokio::spawn(async move {
-                    let lookup = client.service(service_id);
-                    let _ = tokio::time::timeout(BACKGROUND_LOOKUP_LIMIT, lookup).await;
-                });
-            }
+            self.look_up_in_background(method, policy);
             return started;
         }
         let deadline = rpc_governance::timeout::deadline_from(started, &options);
@@ -1635,6 +1656,10 @@ type ServiceSlot = ((usize, usize), Arc<ServiceState>);
 /// The longest an appointed entry's background lookup of its service may take: a registry
 /// that hangs keeps a dropped client's connections alive no longer.
 const BACKGROUND_LOOKUP_LIMIT: Duration = Duration::from_secs(10);
+
+/// How long after a failed background lookup of an appointed entry's service another may
+/// start.
+const LOOKUP_AGAIN_AFTER: Duration = Duration::from_secs(1);
 
 /// The slot of a `'static` string's address (Fibonacci hashing).
 fn fast_slot(addr: usize) -> usize {

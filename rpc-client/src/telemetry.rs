@@ -137,7 +137,7 @@ pub(crate) fn record_result(span: &Span, result: &Result<Bytes, RpcError>) {
         }
         Err(e) => {
             span.record("rpc.status_code", i64::from(e.code().as_u32()));
-            span.record("outcome", display(e.code()));
+            span.record("outcome", e.code().outcome());
             span.record("otel.status_code", "ERROR");
             span.record("otel.status_description", display(e));
         }

@@ -303,6 +303,7 @@ async fn call(State(gateway): State<Gateway>, request: Request) -> Response {
         http.route = %served.route.path,
         rpc.entry_id = %entry_id,
         http.response.status_code = tracing::field::Empty,
+        otel.status_code = tracing::field::Empty,
     );
     #[cfg(feature = "otel")]
     let carried = otel::carried(&parts.headers);
@@ -321,7 +322,13 @@ async fn call(State(gateway): State<Gateway>, request: Request) -> Response {
         Ok(value) => (StatusCode::OK, Json(value)).into_response(),
         Err(e) => failed(&e),
     };
-    span.record("http.response.status_code", answer.status().as_u16());
+    // A number, as OpenTelemetry's HTTP conventions have it (an unsigned one would reach it as
+    // text); a server's span is an error for a 5xx answer only (a 4xx is the caller's).
+    let status = answer.status();
+    span.record("http.response.status_code", i64::from(status.as_u16()));
+    if status.is_server_error() {
+        span.record("otel.status_code", "ERROR");
+    }
     answer
 }
 

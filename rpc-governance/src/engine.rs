@@ -46,6 +46,8 @@ pub struct EntryPolicy {
     /// Whether a lookup of the entry's service was started in the background (for appointed
     /// calls, which do not wait for it).
     background_lookup: std::sync::atomic::AtomicBool,
+    /// The background lookup failed: the next call starts another.
+    lookup_again: std::sync::atomic::AtomicBool,
     /// The entry's round-robin position (see [`round_robin`](Self::round_robin)).
     round_robin: std::sync::atomic::AtomicUsize,
 }
@@ -75,11 +77,30 @@ impl EntryPolicy {
     }
 
     /// Whether this caller is the first to start the background lookup of the entry's
-    /// service: once per entry, however many appointed calls ask.
+    /// service: once per entry, however many appointed calls ask, unless it failed (see
+    /// [`background_lookup_failed`](Self::background_lookup_failed)).
     pub fn start_background_lookup(&self) -> bool {
-        !self
-            .background_lookup
-            .swap(true, std::sync::atomic::Ordering::AcqRel)
+        use std::sync::atomic::Ordering;
+        let first = !self.background_lookup.swap(true, Ordering::AcqRel);
+        if first {
+            self.lookup_again.store(false, Ordering::Relaxed);
+        }
+        first
+    }
+
+    /// The background lookup failed (the registry unreachable, or too slow): the next call
+    /// that asks starts another, one at a time (see
+    /// [`wants_lookup_again`](Self::wants_lookup_again)).
+    pub fn background_lookup_failed(&self) {
+        use std::sync::atomic::Ordering;
+        self.background_lookup.store(false, Ordering::Release);
+        self.lookup_again.store(true, Ordering::Release);
+    }
+
+    /// Whether the entry's background lookup failed and no other has started since: its
+    /// calls, which take the fast path (the service marked known), ask for one again.
+    pub fn wants_lookup_again(&self) -> bool {
+        self.lookup_again.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The entry's options now.
@@ -227,6 +248,7 @@ impl Governance {
                     latency: std::sync::OnceLock::new(),
                     service_known: std::sync::atomic::AtomicBool::new(false),
                     background_lookup: std::sync::atomic::AtomicBool::new(false),
+                    lookup_again: std::sync::atomic::AtomicBool::new(false),
                     // A random start: std's per-process random hash keys.
                     round_robin: std::sync::atomic::AtomicUsize::new(
                         std::hash::BuildHasher::hash_one(

@@ -412,7 +412,8 @@ impl ServerBuilder {
 
     /// The address published to the registry, when it differs from the bound one. A server
     /// with a registry that listens on an unspecified address (`0.0.0.0`, `[::]`) needs it:
-    /// `serve` refuses to publish an address no client can dial.
+    /// `serve` refuses to publish an address no client can dial, this one included (it must be
+    /// `host:port` with a host other than `0.0.0.0` or `[::]`, or `unix:/path`).
     pub fn advertise(mut self, addr: impl Into<String>) -> Self {
         self.advertise = Some(addr.into());
         self
@@ -638,6 +639,12 @@ impl ServerBuilder {
             ));
         }
         if let Some(problem) = self.unusable_limit() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                problem,
+            ));
+        }
+        if let Some(problem) = self.advertise.as_deref().and_then(undialable) {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::InvalidInput,
                 problem,
@@ -1238,6 +1245,24 @@ impl StopSignals {
             "Ctrl-C"
         }
     }
+}
+
+/// Why clients could not dial `advertised`, if they could not: it is not `host:port` (a port
+/// forgotten, two addresses run together) nor `unix:/path`, or its host is unspecified.
+fn undialable(advertised: &str) -> Option<String> {
+    let unix = advertised
+        .strip_prefix("unix:")
+        .is_some_and(|path| !path.is_empty());
+    let unspecified = advertised
+        .parse::<SocketAddr>()
+        .is_ok_and(|a| a.ip().is_unspecified());
+    if unix || (rpc_core::address::is_host_port(advertised) && !unspecified) {
+        return None;
+    }
+    Some(format!(
+        "advertise: {advertised:?} is not an address clients can dial: give host:port (a host \
+         other than 0.0.0.0 or [::], and a port from 1), or unix:/path"
+    ))
 }
 
 #[cfg(test)]

@@ -345,6 +345,8 @@ async fn a_call_dropped_at_its_deadline_ends_its_spans_with_519_and_the_event_na
             Some(Value::I64(519)),
             "{name}"
         );
+        // The outcome in the words of the server's spans and the metrics.
+        assert_eq!(attr(span, "outcome"), Some("timeout".into()), "{name}");
         error_description(span);
     }
     // The server's handler ends by its own deadline (519) or by the Cancel the client sends

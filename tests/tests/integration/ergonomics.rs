@@ -557,6 +557,22 @@ async fn a_server_on_an_unspecified_address_with_a_registry_must_advertise_one()
         .expect("refused");
     assert_eq!(err.kind(), std::io::ErrorKind::InvalidInput);
     assert!(err.to_string().contains("advertise"), "{err}");
+    // An advertised address no client can dial either is refused as well.
+    for undialable in ["10.0.0.5", "0.0.0.0:7000", "[::]:7000", "a:1,b:2", "unix:"] {
+        let err = Server::builder()
+            .registry(registry.clone())
+            .add_service(EchoServer::new(Plain))
+            .advertise(undialable)
+            .serve("0.0.0.0:0")
+            .await
+            .err()
+            .unwrap_or_else(|| panic!("{undialable} was advertised"));
+        assert_eq!(err.kind(), std::io::ErrorKind::InvalidInput, "{undialable}");
+        assert!(
+            err.to_string().starts_with("advertise:"),
+            "{undialable}: {err}"
+        );
+    }
     let listener = tokio::net::TcpListener::bind("0.0.0.0:0")
         .await
         .expect("bind");

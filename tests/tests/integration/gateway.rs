@@ -858,6 +858,54 @@ async fn the_request_s_traceparent_continues_into_the_server_s_span() {
     assert_eq!(server.span_context.trace_id().to_string(), trace_id);
 }
 
+/// The gateway's span carries the answer's HTTP status as a number, and is an error for a 5xx
+/// answer only: a 504 is, a 200 and a 400 (the caller's fault) are not.
+#[tokio::test]
+async fn the_gateway_s_span_has_its_status_as_a_number_and_fails_on_5xx_only() {
+    use common::otel::attr;
+    use opentelemetry::trace::Status;
+    use opentelemetry::Value;
+    let world = World::in_process(None).await;
+    let _echo = world.echo().await;
+    let _orders = world.orders(50).await;
+    world.serving(&["gw.Echo.echo", "shop.Orders.stall"]).await;
+    let answers = [
+        world
+            .post("/api/gw.Echo/echo", r#"{"text": "hi"}"#)
+            .await
+            .status,
+        world
+            .post("/api/gw.Echo/echo", r#"{"nope": 1}"#)
+            .await
+            .status,
+        world.post("/api/shop.Orders/stall", "{}").await.status,
+    ];
+    assert_eq!(answers, [200, 400, 504]);
+    let spans = world
+        .traces
+        .spans_once("the gateway's spans", |spans| {
+            spans.iter().filter(|s| s.name == "rpc.gateway").count() >= 2
+        })
+        .await;
+    let gateway: Vec<_> = spans.iter().filter(|s| s.name == "rpc.gateway").collect();
+    let seen: Vec<(Option<Value>, bool)> = gateway
+        .iter()
+        .map(|s| {
+            let failed = matches!(s.status, Status::Error { .. });
+            (attr(s, "http.response.status_code"), failed)
+        })
+        .collect();
+    // (The 400 is refused before any call, so before the span.)
+    assert_eq!(
+        seen,
+        [
+            (Some(Value::I64(200)), false),
+            (Some(Value::I64(504)), true)
+        ],
+        "{gateway:?}"
+    );
+}
+
 /// With the gateway's own span kept from OpenTelemetry by a filter (turned off, or seen by a
 /// log layer only) and the client's kept, the client's call span is the request's child (it
 /// would otherwise start a trace of its own, and the server's span join that instead).

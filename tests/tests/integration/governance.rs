@@ -595,6 +595,92 @@ async fn an_appointed_entry_learns_what_servers_publish_after_its_first_call() {
     server.shutdown().await;
 }
 
+/// A registry whose first watch fails (unreachable), then answers as the in-process one.
+struct FailsOnce(InProcessRegistry, std::sync::atomic::AtomicBool);
+
+impl rpc::Registry for FailsOnce {
+    fn state_id(&self) -> usize {
+        self.0.state_id()
+    }
+    fn register(
+        &self,
+        instance: rpc::Instance,
+    ) -> futures_util::future::BoxFuture<'_, Result<(), rpc::RegistryError>> {
+        self.0.register(instance)
+    }
+    fn deregister<'a>(
+        &'a self,
+        id: &'a str,
+    ) -> futures_util::future::BoxFuture<'a, Result<(), rpc::RegistryError>> {
+        self.0.deregister(id)
+    }
+    fn watch<'a>(
+        &'a self,
+        service: &'a rpc::crates::core::ServiceId,
+    ) -> futures_util::future::BoxFuture<
+        'a,
+        Result<rpc::crates::registry::ServiceWatch, rpc::RegistryError>,
+    > {
+        if !self.1.swap(true, Ordering::SeqCst) {
+            return Box::pin(async {
+                Err(rpc::RegistryError::Unavailable("not this time".into()))
+            });
+        }
+        self.0.watch(service)
+    }
+    fn services(
+        &self,
+    ) -> futures_util::future::BoxFuture<
+        '_,
+        Result<Vec<rpc::crates::core::ServiceId>, rpc::RegistryError>,
+    > {
+        self.0.services()
+    }
+}
+
+/// An appointed entry whose background lookup failed (the registry unreachable then) looks
+/// its service up again on a later call, and learns what its servers publish. Before, the
+/// one lookup failed for good.
+#[tokio::test(start_paused = true)]
+async fn an_appointed_entry_looks_its_service_up_again_after_a_failed_lookup() {
+    let reg = InProcessRegistry::new();
+    let (server, _w) = warehouse(&reg).await;
+    publish_timeout(&reg, &server, "level", 1234).await;
+    let client = Client::builder()
+        .shared_registry(Arc::new(FailsOnce(
+            reg.clone(),
+            std::sync::atomic::AtomicBool::new(false),
+        )))
+        .override_options(
+            "g.Stock",
+            GovernanceOverrides {
+                shunt_strategy: Some(rpc::ShuntStrategy::Appoint),
+                appoint_address: Some(server.local_addr().to_string().into()),
+                ..GovernanceOverrides::NONE
+            },
+        )
+        .build();
+    let level = level_method();
+    let stock = StockClient::new(client.clone());
+    let mut calls = 0;
+    // A call every 100 ms, on the paused clock: the lookup is asked again a second after it
+    // failed, by the next call.
+    while client.options(level).timeout_ms != 1234 && calls < 50 {
+        assert_eq!(
+            within("a call", stock.level("apple".into())).await.unwrap(),
+            7
+        );
+        calls += 1;
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        client.options(level).timeout_ms,
+        1234,
+        "not learnt after {calls} calls"
+    );
+    server.shutdown().await;
+}
+
 /// A value a server publishes that the client would refuse from its own configuration (a
 /// percentage above 100) is left out, and the entry's other published values still apply.
 /// Before, it was taken as it came.
