@@ -682,16 +682,19 @@ mod otel {
     }
 
     /// Writes `traceparent`/`tracestate` of the current span into `attachments`, replacing
-    /// what the context carried in (which named the caller's caller).
+    /// what the context carried in (which named the caller's caller). A span OpenTelemetry
+    /// does not see (filtered out, or no OpenTelemetry layer in this process) has no context:
+    /// then OpenTelemetry's current one goes, which a server sets to its caller's around a
+    /// handler, so that a middle tier that exports nothing does not break the trace.
     pub(super) fn inject(attachments: &mut BTreeMap<String, String>) {
         let span = tracing::Span::current();
-        if span.is_disabled() {
+        let valid = |cx: opentelemetry::Context| cx.span().span_context().is_valid().then_some(cx);
+        let own = (!span.is_disabled())
+            .then(|| span.context())
+            .and_then(valid);
+        let Some(cx) = own.or_else(|| valid(opentelemetry::Context::current())) else {
             return;
-        }
-        let cx = span.context();
-        if !cx.span().span_context().is_valid() {
-            return;
-        }
+        };
         for key in TRACE_CONTEXT_KEYS {
             attachments.remove(key);
         }

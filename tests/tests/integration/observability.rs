@@ -247,6 +247,42 @@ async fn a_handler_s_call_continues_the_trace_with_the_server_span_filtered_out(
     }
 }
 
+/// A middle tier whose client spans OpenTelemetry does not see (a process that exports
+/// nothing, here a filter on the client's spans) passes its caller's trace on: the next
+/// server's span is in the first caller's trace. Before, the middle tier sent no
+/// `traceparent`, and the next server started a trace of its own.
+#[tokio::test]
+async fn a_middle_tier_that_exports_no_client_span_passes_the_trace_on() {
+    for logged in [false, true] {
+        let (traces, _guard) =
+            Traces::install_without(&["rpc.client", "rpc.client.attempt"], logged);
+        let c = hop_server(None).await;
+        let b = hop_server(Some(&c)).await;
+        let client = HopClient::new(client_of(&[&b]));
+        let trace_id = "5bf92f3577b34da6a3ce929d0e0e4736";
+        let first = BTreeMap::from([(
+            "traceparent".to_string(),
+            format!("00-{trace_id}-00f067aa0ba902b7-01"),
+        )]);
+        let answer = RpcContext::scope(first, client.hop(1)).await;
+        assert_eq!(answer.expect("two hops"), "none");
+        let spans = traces
+            .spans_once("both servers' spans", |spans| {
+                named(spans, "rpc.server").len() == 2
+            })
+            .await;
+        for server in named(&spans, "rpc.server") {
+            assert_eq!(
+                server.span_context.trace_id().to_string(),
+                trace_id,
+                "logged {logged}: {server:?}"
+            );
+        }
+        common::within("shutdown", b.shutdown()).await;
+        common::within("shutdown", c.shutdown()).await;
+    }
+}
+
 /// The calls a streaming handler makes downstream, at its set-up and while producing its
 /// items, continue its caller's trace, with and without a server layer: their spans are the
 /// children of the handler's `rpc.server` span when OpenTelemetry sees it, and of the caller's
