@@ -20,14 +20,14 @@ use tokio::time::Instant;
 use tracing::field::{display, Empty};
 use tracing::Span;
 
-/// A span named `$name` for one call of `$method`: the method's attributes every client span
-/// carries, then `$fields` (spans' fields are fixed where the span is declared, so the
-/// shared ones are spliced in here rather than added later).
+/// A span named `$name` of OpenTelemetry kind `$kind` for one call of `$method`: the method's
+/// attributes every client span carries, then `$fields` (spans' fields are fixed where the
+/// span is declared, so the shared ones are spliced in here rather than added later).
 macro_rules! method_span {
-    ($name:literal, $method:ident, $($fields:tt)*) => {
+    ($name:literal, $kind:literal, $method:ident, $($fields:tt)*) => {
         tracing::info_span!(
             $name,
-            otel.kind = "client",
+            otel.kind = $kind,
             rpc.system = "rpc",
             rpc.service = $method.service_id,
             rpc.method = $method.method,
@@ -41,8 +41,12 @@ macro_rules! method_span {
 /// then `$fields`.
 macro_rules! call_span_with {
     ($method:ident, $($fields:tt)*) => {
+        // Internal: the call as its caller sees it, over its attempts, each of which is a
+        // client span (as OpenTelemetry's conventions have a call that retries): one call
+        // reads as one remote call per attempt in a service graph, not one more.
         method_span!(
             "rpc.client",
+            "internal",
             $method,
             call_id = Empty,
             rpc.status_code = Empty,
@@ -90,6 +94,7 @@ pub(crate) fn call_id(span: &Span) -> Option<String> {
 pub(crate) fn attempt_span(method: &'static MethodDescriptor, attempt: u32, addr: &str) -> Span {
     let span = method_span!(
         "rpc.client.attempt",
+        "client",
         method,
         rpc.attempt = i64::from(attempt),
         server.address = Empty,

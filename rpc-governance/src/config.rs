@@ -84,7 +84,7 @@ impl GovernanceConfig {
             Ok(())
         } else {
             Err(config_error(format!(
-                "governance config: {}; change these values, the file is not applied",
+                "governance config: {}; change these values: nothing of this document is applied",
                 problems.join("; ")
             )))
         }
@@ -684,8 +684,8 @@ shunt_strategy = \"random\"\n",
             e.message(),
             "governance config: [services.\"a.A\"] appoint_address = \"nowhere\" is not \
              `host:port`, for example \"127.0.0.1:9000\"; [entries.\"a.A.m\"] \
-             failure_ratio_percent = 101 is out of range: at most 100; change these values, the \
-             file is not applied"
+             failure_ratio_percent = 101 is out of range: at most 100; change these values: \
+             nothing of this document is applied"
         );
         let ok = GovernanceConfig::from_toml(
             "[defaults]\nfailure_ratio_percent = 100\nappoint_address = \"127.0.0.1:9000\"\n",

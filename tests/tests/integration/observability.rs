@@ -438,6 +438,7 @@ async fn one_trace_across_three_services_and_attachments_follow() {
         opentelemetry::trace::SpanKind::Client,
         "otel.kind"
     );
+    assert_eq!(a_call.span_kind, opentelemetry::trace::SpanKind::Internal);
     assert_eq!(b_server.span_kind, opentelemetry::trace::SpanKind::Server);
 
     for s in [a, b, c] {
