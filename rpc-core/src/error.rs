@@ -102,8 +102,9 @@ impl RpcError {
 
     /// Marks the failure as the chosen endpoint's lack of what the call needs (its server does
     /// not stream, or takes fewer attachments than the call carries: nothing was sent; or it
-    /// answered 507, having no such entry: nothing ran): that endpoint will never serve the
-    /// call, and another may. Failover then moves to an untried endpoint at once. Local only:
+    /// answered 507, having no such entry: nothing ran; or it left the registry, its
+    /// connection taking no new call: nothing was sent): that endpoint will never serve the
+    /// call, and another may; nothing is held against its health. Failover then moves to an untried endpoint at once. Local only:
     /// not carried on the wire nor in the serialised form.
     pub fn unsupported_by_endpoint(mut self, yes: bool) -> Self {
         self.inner.unsupported_by_endpoint = yes;

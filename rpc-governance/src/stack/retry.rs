@@ -275,14 +275,14 @@ impl<B: Balance, S> RetryLayer<B, S> {
         // than the entry's own timeout): the caller had too little time left, which says
         // nothing of the endpoint, nor of the entry for the breaker.
         cx.out_of_callers_time = !attempt_timed_out && cx.is_callers_deadline(&err);
+        // An endpoint that cannot serve the call says nothing of its health either way.
+        let mut unsupported = err.is_unsupported_by_endpoint();
         let mut fault = if unsent_timeout {
             Some(Fault::Sick)
         } else {
             Fault::of(&err)
         }
-        .filter(|_| !cx.out_of_callers_time);
-        // An endpoint that cannot serve the call says nothing of its health either way.
-        let mut unsupported = err.is_unsupported_by_endpoint();
+        .filter(|_| !cx.out_of_callers_time && !unsupported);
         if let Some(fault) = fault {
             self.hold_against(cx, &addr, fault, &err);
         } else if err.code().is_breaker_exempt()

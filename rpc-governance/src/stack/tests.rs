@@ -402,6 +402,20 @@ async fn an_endpoint_that_cannot_serve_the_call_is_left_for_the_next_without_bud
     assert_eq!(err.code(), StatusCode::NotImplemented);
     assert_eq!(err.tried(), ["a:1", "b:1", "c:1"]);
 
+    // Nor is it held against the endpoint's health, whatever its status: a call not sent on
+    // the connection of an endpoint that left the registry moves on, leaving no mark.
+    let left = || {
+        Err(RpcError::new(
+            StatusCode::CommunicationError,
+            "the endpoint left the registry",
+        )
+        .unsupported_by_endpoint(true))
+    };
+    let s = Script::new(vec![left(), ok()], Duration::ZERO);
+    let answer = g.execute(&p, &s).await;
+    assert_eq!(answer.expect("the next endpoint answers"), ok().unwrap());
+    assert!(g.health().is_clear(), "no endpoint marked");
+
     // With a budget that allows retries, so that only the rule can stop it.
     let g = engine(retries_within_budget(1_000_000));
     let p = g.policy(&M);

@@ -659,11 +659,14 @@ impl Connection {
             }
             if shared.retired.load(Ordering::SeqCst) {
                 // Nor once this client retired it (its endpoint left the registry).
+                // No fault of the endpoint's: another serves the call, and nothing is held
+                // against this one, which nobody lists any longer.
                 return Err(comm_error(
                     &shared.peer,
                     "the call was not sent: the endpoint left the registry, and its connection \
                      takes no new calls",
-                ));
+                )
+                .unsupported_by_endpoint(true));
             }
             if backlog.bytes() <= max {
                 return Ok(());

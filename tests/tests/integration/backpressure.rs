@@ -152,6 +152,13 @@ where
     assert_eq!(err.code(), StatusCode::CommunicationError, "{err}");
     assert!(err.message().contains("was not sent"), "{err}");
     assert!(!err.is_maybe_delivered(), "never sent: {err}");
+    // Retired, the endpoint is no longer listed: the call goes elsewhere with nothing held
+    // against it. A draining server is still listed, and its GoAway says what it is.
+    assert_eq!(
+        err.is_unsupported_by_endpoint(),
+        said == "left the registry",
+        "{err}"
+    );
 }
 
 /// A stream whose server never answers its set-up: the set-up ends at the attempt's deadline
