@@ -101,15 +101,21 @@ struct Addresses {
 /// (a call's failover tries every endpoint once before any twice, as `untried_left` counts
 /// them). Of the endpoints tried already, the one the call tried last comes after the others
 /// of its class when `avoid_last`: a retry once every endpoint was tried goes elsewhere when it
-/// can, not straight back to the endpoint that just refused it (unless that endpoint said when
-/// to come back, and the call waited that long: see [`CallCx::last_failure_said_when`]).
-fn rank(addr: &str, tried: &[Arc<str>], avoid_last: bool, health: &EndpointHealth) -> (u8, bool) {
-    let last = avoid_last && tried.last().is_some_and(|t| **t == *addr);
+/// can, not straight back to the endpoint that just refused it. Unless that endpoint said when
+/// to come back, and the call waited that long (see [`CallCx::last_failure_said_when`]): then
+/// it comes first of its class, since the others the call tried may still be inside pauses of
+/// their own (a 429 that asked for 5 s, where this one asked for 100 ms).
+fn rank(addr: &str, tried: &[Arc<str>], avoid_last: bool, health: &EndpointHealth) -> (u8, u8) {
+    let last = match (tried.last().is_some_and(|t| **t == *addr), avoid_last) {
+        (false, _) => 1,
+        (true, true) => 2,
+        (true, false) => 0,
+    };
     if health.is_clear() {
         return if tried.iter().any(|t| **t == *addr) {
             (3, last)
         } else {
-            (0, false)
+            (0, last)
         };
     }
     let fresh = !tried.iter().any(|t| **t == *addr);
@@ -402,13 +408,14 @@ impl ServiceState {
                     over[i] = is_over;
                 }
             }
-            let mut best: Option<((u8, bool, bool), usize)> = None;
+            let mut best: Option<((u8, bool, u8), usize)> = None;
             for idx in ring.ring.walk(key).filter(|&i| inside(i)) {
                 let (class, last) = rank(&eps[idx].address, tried, avoid_last, health);
                 let r = (class, over[idx], last);
                 if best.is_none_or(|(b, _)| r < b) {
                     best = Some((r, idx));
-                    if r == (0, false, false) {
+                    // Untried and under the bound: nothing can rank better.
+                    if class == 0 && !over[idx] {
                         break;
                     }
                 }
@@ -464,11 +471,11 @@ fn best_group(
     health: &EndpointHealth,
 ) -> Vec<usize> {
     let candidates: Vec<usize> = among.map_or_else(|| (0..eps.len()).collect(), <[usize]>::to_vec);
-    let ranks: Vec<(u8, bool)> = candidates
+    let ranks: Vec<(u8, u8)> = candidates
         .iter()
         .map(|&i| rank(&eps[i].address, tried, avoid_last, health))
         .collect();
-    let best = ranks.iter().copied().min().unwrap_or((0, false));
+    let best = ranks.iter().copied().min().unwrap_or((0, 1));
     candidates
         .iter()
         .zip(&ranks)
@@ -614,7 +621,8 @@ mod tests {
     /// Once every endpoint was tried, the next attempt goes to one other than the endpoint
     /// tried last, under every strategy: with two endpoints both refusing, A, B, then A (before,
     /// by turns a random one of both, B again half the time; by hash, the key's owner twice in
-    /// a row). With one endpoint, that one.
+    /// a row); unless that endpoint said when to come back (then it first: before, by turns
+    /// or at random, the other half the time). With one endpoint, that one.
     #[test]
     fn a_retry_after_every_endpoint_was_tried_avoids_the_one_tried_last() {
         let (s, _tx) = state(vec![instance("a:1", None), instance("b:1", None)]);
@@ -638,29 +646,36 @@ mod tests {
             }
         }
         // Unless the endpoint tried last said when to come back (the call waited that long):
-        // then it ranks as the other tried ones, and by hash the key's owner comes first.
-        let o = GovernanceOptions {
-            shunt_strategy: ShuntStrategy::Hash,
-            ..GovernanceOptions::default()
-        };
-        for key in 0..32u64 {
-            let owner = s.select("s.S", &o, Some(key), &[], &health).unwrap();
-            let other: Arc<str> = Arc::from(if &*owner == "a:1" { "b:1" } else { "a:1" });
-            let tried = [other.clone(), owner.clone()];
-            let pick = |avoid_last| {
-                s.select_from(
-                    s.endpoints(),
-                    None,
-                    "s.S",
-                    &o,
-                    Some(key),
-                    (&tried, avoid_last),
-                    &health,
-                    &s.counter,
-                )
-                .unwrap()
+        // then it comes first of the tried ones, under every strategy (the other may still be
+        // inside a longer pause of its own).
+        for strategy in [
+            ShuntStrategy::RoundRobin,
+            ShuntStrategy::Random,
+            ShuntStrategy::Hash,
+            ShuntStrategy::LeastLoaded,
+        ] {
+            let o = GovernanceOptions {
+                shunt_strategy: strategy,
+                ..GovernanceOptions::default()
             };
-            assert_eq!((pick(true), pick(false)), (other, owner), "key {key}");
+            for key in 0..32u64 {
+                for tried in [["a:1", "b:1"], ["b:1", "a:1"]] {
+                    let tried: Vec<Arc<str>> = tried.into_iter().map(Arc::from).collect();
+                    let pick = s
+                        .select_from(
+                            s.endpoints(),
+                            None,
+                            "s.S",
+                            &o,
+                            Some(key),
+                            (&tried, false),
+                            &health,
+                            &s.counter,
+                        )
+                        .unwrap();
+                    assert_eq!(pick, tried[1], "{strategy:?}, key {key}, tried {tried:?}");
+                }
+            }
         }
         let (one, _tx) = state(vec![instance("a:1", None)]);
         let tried: Vec<Arc<str>> = vec![Arc::from("a:1")];
