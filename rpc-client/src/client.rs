@@ -1038,6 +1038,12 @@ impl Client {
     /// `greeter.with_options(..)`) calls with them. Values a config file would refuse (a
     /// percentage above 100, an address that is not `host:port`) fail the handle's calls with
     /// an error naming them.
+    ///
+    /// State shared by every call of an entry or a service is kept once, under whichever
+    /// call's options it is judged with: the breaker's open time (`breaker_seconds`), the
+    /// outlier window (`outlier_*`: the handle's calls judge and eject endpoints for every
+    /// call of the service) and slow start (`slow_start_ms`). Give those per entry (attribute,
+    /// configuration, rules), not per call.
     pub fn with_options(&self, overrides: GovernanceOverrides) -> Client {
         let mut merged = self.call_options.as_deref().cloned().unwrap_or_default();
         merged.merge(&overrides);
