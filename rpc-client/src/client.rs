@@ -1040,9 +1040,11 @@ impl Client {
     /// an error naming them.
     ///
     /// State shared by every call of an entry or a service is kept once, under whichever
-    /// call's options it is judged with: the breaker's open time (`breaker_seconds`), the
-    /// outlier window (`outlier_*`: the handle's calls judge and eject endpoints for every
-    /// call of the service) and slow start (`slow_start_ms`). Give those per entry (attribute,
+    /// call's options it is judged with: the breaker (its thresholds, `failure_ratio_percent`
+    /// and the others, and its open time, `breaker_seconds`: the handle's calls open it for
+    /// every call of the entry), the retry budget (`retry_budget_*`), the outlier window
+    /// (`outlier_*`: the handle's calls judge and eject endpoints for every call of the
+    /// service) and slow start (`slow_start_ms`). Give those per entry (attribute,
     /// configuration, rules), not per call.
     pub fn with_options(&self, overrides: GovernanceOverrides) -> Client {
         let mut merged = self.call_options.as_deref().cloned().unwrap_or_default();
@@ -1098,9 +1100,6 @@ impl Client {
     ) -> impl std::future::Future<Output = Result<Bytes, RpcError>> + Send + '_ {
         let policy = self.inner.governance.policy(method);
         if policy.service_known() {
-            if policy.wants_lookup_again() {
-                self.look_up_in_background(method, &policy);
-            }
             // The call's span is made when the call is first polled (`None`): its parent is
             // the span the caller awaits it in, as for an entry's first call below.
             return Either::Left(self.invoke_entry(method, policy, params, hash_key, None, None));
@@ -1130,7 +1129,7 @@ impl Client {
     /// succeeds: calls appointed by per-call options ask every time, and after a failed
     /// lookup (the registry unreachable, or slower than `BACKGROUND_LOOKUP_LIMIT`) a call
     /// made a second or more later starts another.
-    fn look_up_in_background(
+    pub(crate) fn look_up_in_background(
         &self,
         method: &'static MethodDescriptor,
         policy: &rpc_governance::engine::EntryPolicy,
@@ -1143,6 +1142,8 @@ impl Client {
         tokio::spawn(async move {
             let lookup = client.service(method.service_id);
             let found = tokio::time::timeout(BACKGROUND_LOOKUP_LIMIT, lookup).await;
+            // A dropped client is not kept for the pause below.
+            drop(client);
             if !matches!(found, Ok(Ok(_))) {
                 // Not at once: a registry that is down is not asked by every call.
                 tokio::time::sleep(LOOKUP_AGAIN_AFTER).await;
@@ -1290,6 +1291,11 @@ impl Client {
         started: Option<tokio::time::Instant>,
         span: Option<(tracing::Span, Option<String>)>,
     ) -> Result<Bytes, RpcError> {
+        // An appointed entry whose service lookup failed asks again (at the first poll, as
+        // the rest: making the future starts nothing).
+        if policy.wants_lookup_again() {
+            self.look_up_in_background(method, &policy);
+        }
         // (The body of an async fn runs at its first poll: a new span's parent is the span
         // the call is awaited in.)
         let (span, call_id) = span.unwrap_or_else(|| {

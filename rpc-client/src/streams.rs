@@ -197,7 +197,13 @@ impl Client {
         let span = telemetry::stream_span(method);
         let call_id = telemetry::call_id(&span);
         let started = match policy.service_known() {
-            true => None,
+            true => {
+                // As a unary call of an appointed entry whose lookup failed: ask again.
+                if policy.wants_lookup_again() {
+                    self.look_up_in_background(method, &policy);
+                }
+                None
+            }
             false => Some(self.learn_service(method, &policy, &span).await),
         };
         let mut options = match &self.call_options {

@@ -41,7 +41,9 @@ use crate::{Instance, Registry, RegistryError, ServiceWatch};
 pub struct EtcdOptions {
     /// Prefix of every key the registry reads and writes (`/rpc/` by default). Registries that
     /// should see each other use the same prefix. A prefix not ending with `/` gets one
-    /// (`/team` is `/team/`), as a ZooKeeper prefix names a node.
+    /// (`/team` is `/team/`), as a ZooKeeper prefix names a node, with a warning: builds
+    /// before this rule wrote such a prefix's keys without the `/` (`/teamservices/...`), and
+    /// processes of both kinds do not see each other's.
     pub prefix: String,
     /// Lease of every registered instance (10 s by default): a server that dies without
     /// deregistering disappears after this long. etcd counts in whole seconds (this is rounded
@@ -218,6 +220,15 @@ impl EtcdRegistry {
         mut options: EtcdOptions,
     ) -> Result<Self, RegistryError> {
         if !options.prefix.is_empty() && !options.prefix.ends_with('/') {
+            // Said once: keys written under the prefix as given by an older build (`/team`
+            // wrote `/teamservices/...`) are not read here.
+            tracing::warn!(
+                prefix = %options.prefix,
+                "the etcd prefix does not end with '/': one is added ({}/services/..., \
+                 {}/rules/...); keys written under the prefix without it are not read",
+                options.prefix,
+                options.prefix
+            );
             options.prefix.push('/');
         }
         let endpoints = non_blank(endpoints);

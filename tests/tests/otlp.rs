@@ -139,7 +139,7 @@ async fn init_otlp_exports_the_spans_of_a_call_to_the_endpoint_named_by_otel_env
     let handled = one("rpc.server");
 
     // Kinds.
-    assert_eq!(call.kind, SpanKind::Client as i32, "rpc.client kind");
+    assert_eq!(call.kind, SpanKind::Internal as i32, "rpc.client kind");
     assert_eq!(
         attempt.kind,
         SpanKind::Client as i32,

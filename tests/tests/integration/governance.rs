@@ -21,6 +21,8 @@ pub trait Stock {
     async fn level(&self, item: String) -> Result<u32, RpcError>;
     #[governance(timeout_ms = 800, retry_times = 2)]
     async fn budget_left_ms(&self) -> Result<u64, RpcError>;
+    /// The level of `item`, as a stream of one item.
+    async fn levels(&self, item: String) -> Result<rpc::RpcStream<u32>, RpcError>;
 }
 
 /// Fails with a server error (not the callee's answer) while `failing` is set; "unknown" is a
@@ -50,6 +52,9 @@ impl Stock for Warehouse {
             .unwrap_or(u64::MAX);
         Ok(left)
     }
+    async fn levels(&self, item: String) -> Result<rpc::RpcStream<u32>, RpcError> {
+        Ok(rpc::RpcStream::iter([self.level(item).await?]))
+    }
 }
 
 /// The client-side fallback: answers from a cache.
@@ -64,6 +69,9 @@ impl Stock for Cached {
     }
     async fn budget_left_ms(&self) -> Result<u64, RpcError> {
         Ok(0)
+    }
+    async fn levels(&self, _: String) -> Result<rpc::RpcStream<u32>, RpcError> {
+        Ok(rpc::RpcStream::iter([1]))
     }
 }
 
@@ -639,46 +647,52 @@ impl rpc::Registry for FailsOnce {
 }
 
 /// An appointed entry whose background lookup failed (the registry unreachable then) looks
-/// its service up again on a later call, and learns what its servers publish. Before, the
-/// one lookup failed for good.
+/// its service up again on a later call or stream, and learns what its servers publish.
+/// Before, the one lookup failed for good.
 #[tokio::test(start_paused = true)]
 async fn an_appointed_entry_looks_its_service_up_again_after_a_failed_lookup() {
-    let reg = InProcessRegistry::new();
-    let (server, _w) = warehouse(&reg).await;
-    publish_timeout(&reg, &server, "level", 1234).await;
-    let client = Client::builder()
-        .shared_registry(Arc::new(FailsOnce(
-            reg.clone(),
-            std::sync::atomic::AtomicBool::new(false),
-        )))
-        .override_options(
-            "g.Stock",
-            GovernanceOverrides {
-                shunt_strategy: Some(rpc::ShuntStrategy::Appoint),
-                appoint_address: Some(server.local_addr().to_string().into()),
-                ..GovernanceOverrides::NONE
-            },
-        )
-        .build();
-    let level = level_method();
-    let stock = StockClient::new(client.clone());
-    let mut calls = 0;
-    // A call every 100 ms, on the paused clock: the lookup is asked again a second after it
-    // failed, by the next call.
-    while client.options(level).timeout_ms != 1234 && calls < 50 {
+    for (index, name) in [(0, "level"), (2, "levels")] {
+        let reg = InProcessRegistry::new();
+        let (server, _w) = warehouse(&reg).await;
+        publish_timeout(&reg, &server, name, 1234).await;
+        let client = Client::builder()
+            .shared_registry(Arc::new(FailsOnce(
+                reg.clone(),
+                std::sync::atomic::AtomicBool::new(false),
+            )))
+            .override_options(
+                "g.Stock",
+                GovernanceOverrides {
+                    shunt_strategy: Some(rpc::ShuntStrategy::Appoint),
+                    appoint_address: Some(server.local_addr().to_string().into()),
+                    ..GovernanceOverrides::NONE
+                },
+            )
+            .build();
+        let method = &StockClient::methods()[index];
+        let stock = StockClient::new(client.clone());
+        let mut calls = 0;
+        // A call every 100 ms, on the paused clock: the lookup is asked again a second after
+        // it failed, by the next call.
+        while client.options(method).timeout_ms != 1234 && calls < 50 {
+            let level = match index {
+                0 => stock.level("apple".into()).await,
+                _ => match stock.levels("apple".into()).await {
+                    Ok(items) => items.collect_all().await.map(|l| l[0]),
+                    Err(e) => Err(e),
+                },
+            };
+            assert_eq!(within("a call", async { level }).await.unwrap(), 7);
+            calls += 1;
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
         assert_eq!(
-            within("a call", stock.level("apple".into())).await.unwrap(),
-            7
+            client.options(method).timeout_ms,
+            1234,
+            "{name}: not learnt after {calls} calls"
         );
-        calls += 1;
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        server.shutdown().await;
     }
-    assert_eq!(
-        client.options(level).timeout_ms,
-        1234,
-        "not learnt after {calls} calls"
-    );
-    server.shutdown().await;
 }
 
 /// A value a server publishes that the client would refuse from its own configuration (a
