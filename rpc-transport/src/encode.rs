@@ -4,7 +4,9 @@
 //! nested part for its length again; for a call frame that walk was most of the encoding cost.
 //! Here each length is computed once and the fields are written in one pass. The output is
 //! byte for byte what prost writes (fields in tag order, default scalars and empty strings
-//! left out, map entries in key order with empty keys and values left out): the unit tests
+//! left out, map entries in key order with empty keys and values left out), but for a call's
+//! retry depth, whose attachment entry is written after the others whatever its key (the same
+//! message once decoded; a map's order carries nothing): the unit tests
 //! compare both encoders on generated messages, and the `frame` fuzz target compares them on
 //! every frame it decodes. Stream items, which a producer writes many of, are encoded here
 //! too; other frame kinds are rare and go through prost.

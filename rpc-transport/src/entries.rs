@@ -6,7 +6,11 @@
 //! allocates 48 bytes per two bytes read (a 16 MiB frame, 384 MiB), a `StreamItems` frame of
 //! empty payloads 32 bytes per two. No frame of the protocol needs more entries of one field
 //! than a stream's largest window of items, so a frame holding more is refused as malformed
-//! before anything is allocated for it; the scan reads only keys and lengths.
+//! before anything is allocated for it; the scan reads only keys and lengths. The packed
+//! repeated scalars (the handshakes' `accept_compression`: 4 bytes a value per byte read) count
+//! a value per byte of their body, which holds at least that many. A group (wire types 3 and
+//! 4), which no message of the protocol has, is refused: prost would step over it and decode
+//! what follows, which this scan would not have counted.
 
 use bytes::Buf;
 use prost::encoding::decode_varint;
@@ -25,9 +29,13 @@ const COUNTED: usize = 64;
 /// Any other field of a frame is unknown to this protocol, and prost skips it unread.
 const KINDS: std::ops::RangeInclusive<u64> = 1..=12;
 
+/// The packed repeated scalar fields, as (frame kind, field): `Hello.accept_compression` and
+/// `HelloAck.accept_compression` (`proto/rpc.proto`).
+const PACKED: [(u64, u64); 2] = [(1, 4), (2, 4)];
+
 /// Checks that no field of the message inside `payload` (a `Frame`, whose one field is the
-/// message) appears more than [`MAX_ENTRIES`] times. A payload that is not well-formed passes:
-/// prost reports it.
+/// message) holds more than [`MAX_ENTRIES`] entries, and that no field is a group. A payload
+/// otherwise not well-formed passes: prost reports it.
 pub(crate) fn check(payload: &[u8]) -> Result<(), FrameError> {
     let mut buf = payload;
     // One count for the whole frame: prost merges a message given more than once, its
@@ -43,11 +51,11 @@ pub(crate) fn check(payload: &[u8]) -> Result<(), FrameError> {
                     return Ok(());
                 };
                 if KINDS.contains(&(key >> 3)) {
-                    check_message(body, &mut counts)?;
+                    check_message(key >> 3, body, &mut counts)?;
                 }
             }
             _ => {
-                if skip(key, &mut buf).is_none() {
+                if skip(key, &mut buf)?.is_none() {
                     return Ok(());
                 }
             }
@@ -56,15 +64,29 @@ pub(crate) fn check(payload: &[u8]) -> Result<(), FrameError> {
     Ok(())
 }
 
-/// [`check`] for one occurrence of a frame's message, counting into `counts`.
-fn check_message(mut buf: &[u8], counts: &mut [usize; COUNTED]) -> Result<(), FrameError> {
+/// [`check`] for one occurrence of a frame's message (of `kind`), counting into `counts`.
+fn check_message(
+    kind: u64,
+    mut buf: &[u8],
+    counts: &mut [usize; COUNTED],
+) -> Result<(), FrameError> {
     while buf.has_remaining() {
         let Ok(key) = decode_varint(&mut buf) else {
             return Ok(());
         };
+        let before = buf.len();
+        if skip(key, &mut buf)?.is_none() {
+            return Ok(());
+        }
+        // A packed field holds at most a value per byte of its body (its length's bytes
+        // counted too: a bound, not a count).
+        let entries = match PACKED.contains(&(kind, key >> 3)) && key & 7 == 2 {
+            true => before - buf.len(),
+            false => 1,
+        };
         let field = usize::try_from(key >> 3).unwrap_or(usize::MAX);
         if let Some(n) = counts.get_mut(field) {
-            *n += 1;
+            *n += entries;
             if *n > MAX_ENTRIES {
                 return Err(FrameError::TooManyEntries {
                     field: key >> 3,
@@ -72,23 +94,21 @@ fn check_message(mut buf: &[u8], counts: &mut [usize; COUNTED]) -> Result<(), Fr
                 });
             }
         }
-        if skip(key, &mut buf).is_none() {
-            return Ok(());
-        }
     }
     Ok(())
 }
 
-/// Skips the value of a field of `key`; `None` when it runs past the end or its wire type is
-/// not one a message of this protocol uses.
-fn skip(key: u64, buf: &mut &[u8]) -> Option<()> {
-    match key & 7 {
+/// Skips the value of a field of `key`; `Ok(None)` when it runs past the end or its wire
+/// type is none protobuf defines, an error for a group.
+fn skip(key: u64, buf: &mut &[u8]) -> Result<Option<()>, FrameError> {
+    Ok(match key & 7 {
         0 => decode_varint(buf).ok().map(drop),
         1 => (buf.len() >= 8).then(|| buf.advance(8)),
         2 => delimited(buf).map(drop),
+        3 | 4 => return Err(FrameError::Group { field: key >> 3 }),
         5 => (buf.len() >= 4).then(|| buf.advance(4)),
         _ => None,
-    }
+    })
 }
 
 /// A length-delimited value, taken off `buf`.
@@ -182,8 +202,51 @@ mod tests {
     /// A frame that is not well-formed is left to prost, which reports it.
     #[test]
     fn a_malformed_frame_passes_to_prost() {
-        for bad in [&[0x1a, 0x05, 0x08][..], &[0xff][..], &[0x1b][..]] {
+        for bad in [&[0x1a, 0x05, 0x08][..], &[0xff][..], &[0x1f][..]] {
             check(bad).expect("left to prost");
         }
+    }
+
+    /// A group before the entries, in the frame or in its message, is refused: prost steps
+    /// over an empty group and decodes every entry after it (a frame of empty items behind
+    /// one would pass the bound, and allocate 16 times its length).
+    #[test]
+    fn a_group_is_refused_where_prost_would_step_over_it() {
+        let [_, items] = frames(MAX_ENTRIES + 1);
+        // Field 13 of the frame, an empty group, then the stream items.
+        let behind_a_group = [&[0x6b, 0x6c][..], &items].concat();
+        let decoded = Frame::decode(&behind_a_group[..]).expect("prost takes it");
+        let Some(Kind::StreamItems(decoded)) = decoded.kind else {
+            panic!("stream items")
+        };
+        assert_eq!(decoded.payloads.len(), MAX_ENTRIES + 1, "what prost builds");
+        assert!(matches!(
+            check(&behind_a_group),
+            Err(FrameError::Group { field: 13 })
+        ));
+        // Field 7 of the message, an empty group, first in a `StreamItems` (frame field 12).
+        let mut frame = vec![0x62];
+        let body = [&[0x3b, 0x3c][..], &[0x08, 0x01]].concat();
+        prost::encoding::encode_varint(body.len() as u64, &mut frame);
+        frame.extend_from_slice(&body);
+        assert!(matches!(check(&frame), Err(FrameError::Group { field: 7 })));
+    }
+
+    /// The handshakes' packed `accept_compression` counts a value per byte: one longer than
+    /// the bound is refused (prost would give each of its 4 bytes a value read).
+    #[test]
+    fn a_packed_field_counts_its_values() {
+        use rpc_core::wire::Hello;
+        let hello = |n: usize| {
+            encoded(Kind::Hello(Hello {
+                accept_compression: vec![1; n],
+                ..Default::default()
+            }))
+        };
+        check(&hello(8)).expect("a few");
+        assert!(matches!(
+            check(&hello(MAX_ENTRIES + 1)),
+            Err(FrameError::TooManyEntries { field: 4, .. })
+        ));
     }
 }
