@@ -893,7 +893,9 @@ impl std::fmt::Debug for ServerStatus {
 
 impl ServerStatus {
     /// Whether the instance is published in a registry now: from a successful start until
-    /// [`ServerHandle::shutdown`] deregisters it. `false` for a server without a registry.
+    /// [`ServerHandle::shutdown`] deregisters it (a deregistration that failed, the registry
+    /// unreachable, leaves it `true`: the instance stays published until its lease or session
+    /// ends). `false` for a server without a registry.
     pub fn is_registered(&self) -> bool {
         self.0.registered.load(Ordering::Acquire)
     }
@@ -995,16 +997,20 @@ impl ServerHandle {
         // Kept in the handle until deregistered: a shutdown given up while it deregisters (a
         // timeout around it) leaves the handle's drop to try again.
         if let Some(registry) = self.registry.clone() {
+            let mut still_published = false;
             if self.ticket.as_ref().is_none_or(|t| t.should_deregister()) {
                 if let Err(e) = registry.deregister(&self.instance_id).await {
                     tracing::warn!(error = %e, "could not deregister before shutdown");
+                    still_published = true;
                 }
             }
             if let Some(t) = &self.ticket {
                 t.release();
             }
             self.registry = None;
-            self.status.0.registered.store(false, Ordering::Release);
+            if !still_published {
+                self.status.0.registered.store(false, Ordering::Release);
+            }
         }
     }
 

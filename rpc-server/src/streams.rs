@@ -323,12 +323,16 @@ pub(crate) fn with_fallback(
             0,
             Some(e.to_string()),
         );
-        let answer = fallback::with_cause(
-            e.clone(),
-            crate::dispatch::panic_at_poll(|| {
-                to.service.call_stream(to.index, parameters, None, codec)
-            }),
-        )
+        // The fallback's set-up panicking fails as it would for a unary call: 509, naming
+        // both failures (not a 520 blaming the handler).
+        let fallback_setup = crate::dispatch::panic_at_poll(|| {
+            to.service.call_stream(to.index, parameters, None, codec)
+        });
+        let answer = fallback::with_cause(e.clone(), async {
+            let outcome =
+                futures_util::FutureExt::catch_unwind(AssertUnwindSafe(fallback_setup)).await;
+            settle(outcome, &to.entry_id, to.send_panic_text)
+        })
         .await;
         fallback::outcome(&to.entry_id, e, answer)
     })

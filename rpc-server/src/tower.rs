@@ -1,7 +1,12 @@
 //! A `tower` layer as a server layer (feature `tower`).
 //!
-//! Teams that already wrote their policies as `tower::Layer`s (a concurrency limit, a load
-//! shedder, an audit service) can install them in front of dispatch without rewriting them.
+//! Teams that already wrote their policies as `tower::Layer`s (an audit service, a policy of
+//! their own) can install them in front of dispatch without rewriting them. A layer's error
+//! that is an [`RpcError`] is the call's answer as it is; any other error is answered 520, a
+//! failure of the server: a layer that refuses calls it did not run (a load shedder, a
+//! concurrency limit) should fail with `RpcError::new(StatusCode::OverflowMaxServerHandle, ..)`
+//! (515, which callers take for "nothing ran, go elsewhere"), not with tower's own error
+//! types (`Overloaded`, `Elapsed`), which this adapter cannot tell from a failure.
 //! A tower service owns its request and answers with a future that borrows nothing, where a
 //! [`ServerLayer`] borrows the call; the adapter bridges the two, at a price paid only by the
 //! calls going through it: one clone of the wrapped service (tower's way of sharing one) and

@@ -36,6 +36,8 @@ pub struct TestRegistry {
     watch: Arc<Watch>,
     pub published: Arc<Mutex<Vec<String>>>,
     began: Arc<Mutex<Option<oneshot::Sender<()>>>>,
+    /// While set, `deregister` fails (the registry unreachable) and removes nothing.
+    pub deregister_fails: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl TestRegistry {
@@ -45,6 +47,7 @@ impl TestRegistry {
             watch: Arc::new(watch),
             published: Arc::default(),
             began: Arc::default(),
+            deregister_fails: Arc::default(),
         }
     }
 
@@ -74,6 +77,14 @@ impl Registry for TestRegistry {
         }
     }
     fn deregister<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), RegistryError>> {
+        if self
+            .deregister_fails
+            .load(std::sync::atomic::Ordering::SeqCst)
+        {
+            return Box::pin(async {
+                Err(RegistryError::Unavailable("scripted: unreachable".into()))
+            });
+        }
         self.published.lock().unwrap().retain(|i| i != id);
         Box::pin(async { Ok(()) })
     }

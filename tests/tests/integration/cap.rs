@@ -137,7 +137,9 @@ async fn over_the_cap_fails_at_once_with_overflow_and_the_held_calls_finish() {
 async fn an_entry_cap_is_its_own_and_leaves_other_entries_alone() {
     let reg = InProcessRegistry::new();
     let (gate, mut entered) = Gate::new("only");
-    let server = serve(&reg, &gate, 10).await;
+    // A server-wide cap of 1: had the entry's held calls taken its slots too, nothing else
+    // would run.
+    let server = serve(&reg, &gate, 1).await;
     let cap = CapClient::new(
         Client::builder()
             .registry(reg.clone())
@@ -160,7 +162,7 @@ async fn an_entry_cap_is_its_own_and_leaves_other_entries_alone() {
     for _ in 0..2 {
         recv_one("a narrow call entered", &mut entered).await;
     }
-    // The server-wide cap of 10 still has room for other entries.
+    // The server-wide cap of 1 still has room for other entries.
     assert_eq!(cap.quick().await.expect("quick"), "only");
     gate.release.add_permits(2);
     for _ in 0..2 {

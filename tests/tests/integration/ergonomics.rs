@@ -689,6 +689,38 @@ async fn a_dropped_handle_does_not_unpublish_a_newer_server_with_its_id() {
     );
 }
 
+/// A server whose deregistration failed at shutdown (the registry unreachable) still reads as
+/// registered: its instance stays published until its lease or session ends. One whose
+/// deregistration went through reads as not registered.
+#[tokio::test]
+async fn a_failed_deregistration_leaves_the_server_reading_as_registered() {
+    for fails in [false, true] {
+        let registry = common::registry::TestRegistry::new(
+            common::registry::Register::Answers,
+            common::registry::Watch::Unavailable,
+        );
+        let server = Server::builder()
+            .registry(registry.clone())
+            .add_service(EchoServer::new(Plain))
+            .serve("127.0.0.1:0")
+            .await
+            .expect("serve");
+        let status = server.status();
+        assert!(status.is_registered());
+        registry
+            .deregister_fails
+            .store(fails, std::sync::atomic::Ordering::SeqCst);
+        within("shutdown", server.shutdown()).await;
+        let published = !registry.published.lock().unwrap().is_empty();
+        assert_eq!(published, fails, "the registry's own view");
+        assert_eq!(
+            status.is_registered(),
+            published,
+            "deregistration fails: {fails}"
+        );
+    }
+}
+
 /// A server of this process starting under the id of one being dropped keeps it even when
 /// its registration answers after the old one's late deregistration runs: before, the new
 /// server took the id only once registered, and the old one removed it in between.

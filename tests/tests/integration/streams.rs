@@ -455,27 +455,36 @@ async fn dropping_the_stream_drops_the_handlers_stream_and_frees_its_slot() {
 }
 
 /// With adaptive concurrency (every entry's cap an adaptive limit), an open stream holds a
-/// slot of its entry's limit until it ends, as it holds the cap's without.
+/// slot of its entry's limit until it ends, as it holds the cap's without. The cap (40) is
+/// above the limit (20 before anything is measured; streams are not): the refusal is the
+/// limit's.
 #[tokio::test]
 async fn an_open_stream_holds_a_slot_of_its_entrys_adaptive_limit() {
+    const LIMIT: usize = 20;
     let reg = InProcessRegistry::new();
-    // A cap of 1: the adaptive limit starts at it and never passes it.
-    let (server, mut probe) = serve_with(&reg, 1, true).await;
+    let (server, mut probe) = serve_with(&reg, 2 * LIMIT, true).await;
     let f = feed(&reg);
-    let mut s = within("open", f.endless()).await.expect("endless");
-    assert_eq!(next_item("item", &mut s).await, 0);
-    let over = within("a second stream at the limit", f.endless()).await;
-    assert_eq!(
-        over.expect_err("the open stream holds the entry's only slot")
-            .code(),
-        StatusCode::OverflowMaxServerHandle
+    let mut open = Vec::new();
+    for _ in 0..LIMIT {
+        let mut s = within("open", f.endless()).await.expect("endless");
+        assert_eq!(next_item("item", &mut s).await, 0);
+        open.push(s);
+    }
+    let over = within("a stream over the limit", f.endless()).await;
+    let e = over.expect_err("the open streams hold every slot of the entry's limit");
+    assert_eq!(e.code(), StatusCode::OverflowMaxServerHandle, "{e}");
+    assert!(
+        e.message().contains(&format!(
+            "its adaptive limit for Default calls now (of {LIMIT})"
+        )),
+        "{e}"
     );
-    drop(s);
+    drop(open.pop());
     probe.dropped("endless").await;
     // The slot is free again: another stream opens.
     let mut again = within("open again", f.endless()).await.expect("endless");
     assert_eq!(next_item("item", &mut again).await, 0);
-    drop(again);
+    drop((again, open));
     within("shutdown", server.shutdown()).await;
 }
 

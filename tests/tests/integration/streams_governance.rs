@@ -185,11 +185,12 @@ impl Stocks for Market {
 
 /// The fallback: answers that cannot be mistaken for the market's (prices from 1000, totals
 /// plus a million, numbers times ten); counts the set-ups it answered. With `empty` set, its
-/// `prices` fails (a fallback that fails in turn).
+/// `prices` fails (a fallback that fails in turn); with `broken`, it panics.
 #[derive(Clone, Default)]
 struct Cache {
     used: Arc<AtomicU64>,
     empty: Arc<AtomicBool>,
+    broken: Arc<AtomicBool>,
 }
 
 impl Stocks for Cache {
@@ -197,6 +198,9 @@ impl Stocks for Cache {
         self.used.fetch_add(1, Ordering::SeqCst);
         if self.empty.load(Ordering::SeqCst) {
             return Err(RpcError::business("the cache is empty"));
+        }
+        if self.broken.load(Ordering::SeqCst) {
+            panic!("the cache broke");
         }
         Ok(RpcStream::iter(1000..1000 + n))
     }
@@ -2059,6 +2063,34 @@ async fn server_layers_pass_client_and_bidi_streams_hear_of_their_end_and_may_re
         ["g.Stocks.total", "g.Stocks.double"],
         "the refused set-ups seen, and no end for them"
     );
+    within("shutdown", server.shutdown()).await;
+}
+
+/// A server stream's fallback whose set-up panics fails the stream as a unary call's would:
+/// 509, naming the set-up's failure and the fallback's. Before, the panic passed the fallback's
+/// outcome by and the caller read 520, a handler that panicked.
+#[tokio::test]
+async fn a_server_stream_fallback_that_panics_is_answered_509() {
+    let reg = InProcessRegistry::new();
+    let (market, cache) = (Market::default(), Cache::default());
+    let server = Server::builder()
+        .registry(reg.clone())
+        .add_service(StocksServer::new(market.clone()))
+        .fallback(StocksServer::new(cache.clone()))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    market.down.store(true, Ordering::SeqCst);
+    cache.broken.store(true, Ordering::SeqCst);
+    let stocks = StocksClient::new(client(&reg, None));
+    let e = match within("prices", stocks.prices(3)).await {
+        Ok(items) => within("items", items.collect_all())
+            .await
+            .expect_err("the fallback's failure"),
+        Err(e) => e,
+    };
+    assert_eq!(e.code(), StatusCode::FallbackExecFail, "{e}");
+    assert_eq!(cache.used.load(Ordering::SeqCst), 1, "the fallback ran");
     within("shutdown", server.shutdown()).await;
 }
 
