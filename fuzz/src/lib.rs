@@ -212,7 +212,11 @@ pub mod frame_decoder {
             if rest.len() < PREFIX + len {
                 break End::Pending(rest.len());
             }
-            match Frame::decode(&rest[PREFIX..PREFIX + len]) {
+            let payload = &rest[PREFIX..PREFIX + len];
+            if let Some(field) = first_group(payload) {
+                break End::Malformed(FrameError::Group { field }.to_string());
+            }
+            match Frame::decode(payload) {
                 Err(e) => break End::Malformed(e.to_string()),
                 Ok(Frame { kind: None }) => break End::Empty,
                 Ok(Frame { kind: Some(kind) }) => frames.push(kind),
@@ -220,6 +224,51 @@ pub mod frame_decoder {
             rest = &rest[PREFIX + len..];
         };
         Outcome { frames, end }
+    }
+
+    /// The field number of the first group (wire type 3 or 4) among a frame's fields and its
+    /// message's, which the codec refuses (no message of the protocol has groups; prost would
+    /// step over one): the fields are read in order, a frame's message (fields 1 to 12,
+    /// length-delimited) before the frame's next field; bytes that stop being well-formed end
+    /// the search there (in a message: that message's), and prost has the last word.
+    fn first_group(payload: &[u8]) -> Option<u64> {
+        use prost::encoding::decode_varint;
+        /// `Err(Some(field))`: a group; `Err(None)`: not well-formed from here.
+        fn scan(mut buf: &[u8], frame: bool) -> Result<(), Option<u64>> {
+            while !buf.is_empty() {
+                let key = decode_varint(&mut buf).map_err(|_| None)?;
+                let fixed = |n: usize, buf: &mut &[u8]| {
+                    if buf.len() < n {
+                        return Err(None);
+                    }
+                    *buf = &buf[n..];
+                    Ok(())
+                };
+                match key & 7 {
+                    0 => drop(decode_varint(&mut buf).map_err(|_| None)?),
+                    1 => fixed(8, &mut buf)?,
+                    2 => {
+                        let len = decode_varint(&mut buf).map_err(|_| None)?;
+                        let len = usize::try_from(len).map_err(|_| None)?;
+                        if len > buf.len() {
+                            return Err(None);
+                        }
+                        let (body, rest) = buf.split_at(len);
+                        if frame && (1..=12).contains(&(key >> 3)) {
+                            if let Err(Some(field)) = scan(body, false) {
+                                return Err(Some(field));
+                            }
+                        }
+                        buf = rest;
+                    }
+                    3 | 4 => return Err(Some(key >> 3)),
+                    5 => fixed(4, &mut buf)?,
+                    _ => return Err(None),
+                }
+            }
+            Ok(())
+        }
+        scan(payload, true).err().flatten()
     }
 
     /// Feeds `stream` to a [`FrameCodec`] as a framed reader does: append a chunk, decode until

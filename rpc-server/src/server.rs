@@ -893,9 +893,10 @@ impl std::fmt::Debug for ServerStatus {
 
 impl ServerStatus {
     /// Whether the instance is published in a registry now: from a successful start until
-    /// [`ServerHandle::shutdown`] deregisters it (a deregistration that failed, the registry
-    /// unreachable, leaves it `true`: the instance stays published until its lease or session
-    /// ends). `false` for a server without a registry.
+    /// [`ServerHandle::shutdown`] (or the handle's drop) deregisters it. A deregistration that
+    /// failed (the registry unreachable) leaves it `true` for good: the instance may stay
+    /// published until its lease or session ends, which is not followed past the shutdown.
+    /// `false` for a server without a registry.
     pub fn is_registered(&self) -> bool {
         self.0.registered.load(Ordering::Acquire)
     }
@@ -1092,15 +1093,19 @@ impl Drop for ServerHandle {
             let ticket = self.ticket.clone();
             runtime.spawn(async move {
                 // Not when a later server of this process published the same id meanwhile.
+                let mut still_published = false;
                 if ticket.as_ref().is_none_or(|t| t.should_deregister()) {
                     if let Err(e) = registry.deregister(&id).await {
                         tracing::warn!(error = %e, "could not deregister the dropped server");
+                        still_published = true;
                     }
                 }
                 if let Some(t) = ticket {
                     t.release();
                 }
-                status.0.registered.store(false, Ordering::Release);
+                if !still_published {
+                    status.0.registered.store(false, Ordering::Release);
+                }
                 shutdown.cancel();
             });
             return;

@@ -42,8 +42,9 @@ pub enum FrameError {
         /// The most entries a field may hold.
         max: usize,
     },
-    /// A field of the frame was a group (protobuf wire type 3 or 4), which no message of the
-    /// protocol has: prost would step over it and decode the rest, past the bound on entries.
+    /// A field of the frame, or of its message, was a group (protobuf wire type 3 or 4), which
+    /// no message of the protocol has: prost would step over it and decode the rest, past the
+    /// bound on entries.
     #[error("malformed frame: field {field} is a group, which no message of the protocol has")]
     Group {
         /// The field's number.

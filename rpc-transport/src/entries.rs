@@ -8,9 +8,11 @@
 //! than a stream's largest window of items, so a frame holding more is refused as malformed
 //! before anything is allocated for it; the scan reads only keys and lengths. The packed
 //! repeated scalars (the handshakes' `accept_compression`: 4 bytes a value per byte read) count
-//! a value per byte of their body, which holds at least that many. A group (wire types 3 and
-//! 4), which no message of the protocol has, is refused: prost would step over it and decode
-//! what follows, which this scan would not have counted.
+//! a value per byte of their body, which holds at least that many. A field of the frame or of
+//! its message that is a group (wire types 3 and 4), which no message of the protocol has, is
+//! refused: prost would step over it and decode what follows, which this scan would not have
+//! counted. (Deeper, in an entry of a repeated field, a group is one entry counted, and prost
+//! skips it allocating nothing.)
 
 use bytes::Buf;
 use prost::encoding::decode_varint;

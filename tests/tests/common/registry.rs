@@ -38,6 +38,8 @@ pub struct TestRegistry {
     began: Arc<Mutex<Option<oneshot::Sender<()>>>>,
     /// While set, `deregister` fails (the registry unreachable) and removes nothing.
     pub deregister_fails: Arc<std::sync::atomic::AtomicBool>,
+    /// Told each time `deregister` is called (its answer is ready at once).
+    pub deregistered: Arc<tokio::sync::Notify>,
 }
 
 impl TestRegistry {
@@ -48,6 +50,7 @@ impl TestRegistry {
             published: Arc::default(),
             began: Arc::default(),
             deregister_fails: Arc::default(),
+            deregistered: Arc::default(),
         }
     }
 
@@ -77,6 +80,7 @@ impl Registry for TestRegistry {
         }
     }
     fn deregister<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), RegistryError>> {
+        self.deregistered.notify_one();
         if self
             .deregister_fails
             .load(std::sync::atomic::Ordering::SeqCst)

@@ -689,12 +689,12 @@ async fn a_dropped_handle_does_not_unpublish_a_newer_server_with_its_id() {
     );
 }
 
-/// A server whose deregistration failed at shutdown (the registry unreachable) still reads as
-/// registered: its instance stays published until its lease or session ends. One whose
-/// deregistration went through reads as not registered.
+/// A server whose deregistration failed at shutdown or at its handle's drop (the registry
+/// unreachable) still reads as registered: its instance stays published until its lease or
+/// session ends. One whose deregistration went through reads as not registered.
 #[tokio::test]
 async fn a_failed_deregistration_leaves_the_server_reading_as_registered() {
-    for fails in [false, true] {
+    for (fails, dropped) in [(false, false), (true, false), (false, true), (true, true)] {
         let registry = common::registry::TestRegistry::new(
             common::registry::Register::Answers,
             common::registry::Watch::Unavailable,
@@ -710,13 +710,21 @@ async fn a_failed_deregistration_leaves_the_server_reading_as_registered() {
         registry
             .deregister_fails
             .store(fails, std::sync::atomic::Ordering::SeqCst);
-        within("shutdown", server.shutdown()).await;
+        if dropped {
+            // The drop deregisters in a task of its own, on this (one-thread) runtime: once
+            // the registry is asked, the task ends before this one runs again.
+            let asked = registry.deregistered.notified();
+            drop(server);
+            within("the drop's deregistration", asked).await;
+        } else {
+            within("shutdown", server.shutdown()).await;
+        }
         let published = !registry.published.lock().unwrap().is_empty();
         assert_eq!(published, fails, "the registry's own view");
         assert_eq!(
             status.is_registered(),
             published,
-            "deregistration fails: {fails}"
+            "deregistration fails: {fails}, dropped: {dropped}"
         );
     }
 }

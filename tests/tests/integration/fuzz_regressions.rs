@@ -116,6 +116,28 @@ fn frame_of_exactly_the_maximum_is_accepted() {
     ));
 }
 
+/// A group (wire type 3 or 4), in a frame or in its message, is refused where prost would
+/// step over it; the target's plain reading of the format refuses it too, whatever the
+/// chunking. A lone group key that prost finds malformed is refused as a group all the same.
+#[test]
+fn a_group_is_refused_as_the_format_says() {
+    // An empty group (field 13), then a Ping; then a StreamItems whose message opens with an
+    // empty group (field 7); then a lone start-group key.
+    for (stream, field) in [
+        (&[0, 0, 0, 4, 0x6b, 0x6c, 0x32, 0x00][..], 13),
+        (&[0, 0, 0, 6, 0x62, 0x04, 0x3b, 0x3c, 0x08, 0x01][..], 7),
+        (&[0, 0, 0, 1, 0x0b][..], 1),
+    ] {
+        match first_error_bytewise(1024, stream) {
+            (FrameError::Group { field: f }, _) => assert_eq!(f, field, "{stream:?}"),
+            other => panic!("{stream:?}: {other:?}"),
+        }
+        for chunks in [&[][..], &[0][..], &[2, 0][..]] {
+            frame_decoder::check(&frame_decoder::input(false, chunks, stream));
+        }
+    }
+}
+
 #[test]
 fn truncated_and_empty_payloads_are_typed_errors() {
     // A Hello whose token announces 100 bytes but the frame holds 2.

@@ -675,14 +675,16 @@ async fn an_appointed_entry_looks_its_service_up_again_after_a_failed_lookup() {
         // A call every 100 ms, on the paused clock: the lookup is asked again a second after
         // it failed, by the next call.
         while client.options(method).timeout_ms != 1234 && calls < 50 {
-            let level = match index {
-                0 => stock.level("apple".into()).await,
-                _ => match stock.levels("apple".into()).await {
-                    Ok(items) => items.collect_all().await.map(|l| l[0]),
-                    Err(e) => Err(e),
-                },
-            };
-            assert_eq!(within("a call", async { level }).await.unwrap(), 7);
+            let level = within("a call", async {
+                match index {
+                    0 => stock.level("apple".into()).await,
+                    _ => match stock.levels("apple".into()).await {
+                        Ok(items) => items.collect_all().await.map(|l| l[0]),
+                        Err(e) => Err(e),
+                    },
+                }
+            });
+            assert_eq!(level.await.unwrap(), 7);
             calls += 1;
             tokio::time::sleep(std::time::Duration::from_millis(100)).await;
         }
