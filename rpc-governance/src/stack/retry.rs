@@ -372,10 +372,10 @@ impl<B: Balance, S> RetryLayer<B, S> {
         let after = match decision {
             Decision::Retry { after } => after,
             Decision::GiveUp => {
-                cx.endpoint_held = (fault.is_some() && picker.any_other_usable(&last, cx))
-                    || (err.code() == StatusCode::CommunicationError
-                        && err.is_maybe_delivered()
-                        && untried_left);
+                // Held against the endpoint (not the entry's breaker) while another endpoint
+                // is usable, a maybe-delivered failure of a call that may not be repeated
+                // included: when every endpoint is marked, the entry as a whole is failing.
+                cx.endpoint_held = fault.is_some() && picker.any_other_usable(&last, cx);
                 cx.attempt_timed_out = attempt_timed_out;
                 return Err(failover::final_error(err, tried(cx)));
             }
@@ -405,7 +405,15 @@ impl<B: Balance, S> RetryLayer<B, S> {
             None => err.to_string(),
             Some(detour) => format!("{err} (retried after {detour}, which cannot serve the call)"),
         };
-        cx.emit(EventKind::Retry, Some(&last), attempt, Some(why));
+        // The failure retried, with its endpoint's attempt: after a detour that would have
+        // ended the call, the failure before it (not the detour's number); an endpoint that
+        // cannot serve the call is named with its own.
+        let retried_at = if detoured.is_some() {
+            failed_at
+        } else {
+            attempt
+        };
+        cx.emit(EventKind::Retry, Some(&last), retried_at, Some(why));
         // Kept for a detour that may follow (see above): moved, not copied, and only for a
         // failure that is retried.
         if !unsupported {

@@ -315,6 +315,37 @@ async fn one_endpoint_dying_mid_call_does_not_open_the_entry_breaker() {
     );
 }
 
+/// Nor while the other endpoints, though the call did not try them, are all marked: with no
+/// usable endpoint left, the entry as a whole is failing, and its breaker opens. Before, a
+/// call that may not be repeated held every such failure against its endpoint while any
+/// endpoint was untried, so the breaker of a service whose every instance dropped its calls
+/// never opened.
+#[tokio::test(start_paused = true)]
+async fn maybe_delivered_failures_count_once_no_other_endpoint_is_usable() {
+    let g = engine(GovernanceOptions {
+        timeout_ms: 0,
+        exceptions_allowed_before_breaking: 3,
+        ..Default::default()
+    });
+    let p = g.policy(&M);
+    // b:1 and c:1 failed before (their connections broke): marked, not usable.
+    for other in ["b:1", "c:1"] {
+        g.health().failure(other, 3);
+        assert!(!g.health().is_usable(other));
+    }
+    for _ in 0..3 {
+        let s = Script::new(vec![died_mid_call()], Duration::ZERO);
+        let err = g.execute(&p, &s).await.unwrap_err();
+        assert!(err.is_maybe_delivered(), "{err}");
+        assert_eq!(s.starts().len(), 1, "not repeated");
+    }
+    assert!(
+        matches!(p.breaker().state(), BreakerState::Open { .. }),
+        "{:?}",
+        p.breaker().state()
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn cancellation_during_the_interval_stops_attempts_and_is_not_a_timeout() {
     let g = engine(GovernanceOptions {
@@ -731,6 +762,28 @@ async fn a_fallback_after_a_detour_and_another_attempt_names_the_last_attempt() 
     let fallback = fallback_event(2, 2, vec![overflow(), cannot_serve(), overflow()]).await;
     assert_eq!(fallback.endpoint.as_deref(), Some("a:1"));
     assert_eq!(fallback.attempt, 2);
+}
+
+/// The retry that follows a detour names the failure it retries, as the fallback does: the
+/// endpoint whose failure is decided on and that attempt's number (a's first), not the
+/// detour's number, which was b's.
+#[tokio::test(start_paused = true)]
+async fn a_retry_after_a_detour_names_the_attempt_whose_failure_it_retries() {
+    let g = engine(GovernanceOptions {
+        retry_times: 2,
+        ..retries_within_budget(1_000)
+    });
+    let p = g.policy(&M);
+    let mut s = Script::new(vec![overflow(), cannot_serve(), overflow()], Duration::ZERO);
+    s.endpoints.truncate(2);
+    let retries: Vec<(Option<String>, u32)> = fallback_events(&g, &p, &s)
+        .await
+        .into_iter()
+        .filter(|e| e.kind == EventKind::Retry)
+        .map(|e| (e.endpoint, e.attempt))
+        .collect();
+    let a = Some("a:1".to_string());
+    assert_eq!(retries, [(a.clone(), 0), (a, 0)]);
 }
 
 /// A script's attempts with no endpoint left to pick after the first `.0`.
@@ -2186,8 +2239,8 @@ async fn no_hedge_is_counted_once_the_calls_deadline_passed() {
     let g = engine(GovernanceOptions {
         retry_times: 0,
         timeout_ms: 100,
-        // One retry a second from the budget, no percentage of calls: a hedge drawn would
-        // leave none for the call after.
+        // One retry a second from the budget, no percentage of calls: the window's 10, of
+        // which a hedge drawn would take one.
         retry_budget_percent: 0,
         retry_budget_min_per_second: 1,
         ..hedged(100, true)
@@ -2203,9 +2256,17 @@ async fn no_hedge_is_counted_once_the_calls_deadline_passed() {
         .map(|e| e.kind)
         .collect();
     assert!(!kinds.contains(&EventKind::Hedge), "{kinds:?}");
+    let window = crate::budget::WINDOW_SECONDS;
+    for n in 0..window {
+        let drawn = policy.budget.try_withdraw(&policy.options());
+        assert!(
+            drawn,
+            "retry {n} of the window's {window}: the hedge drew one"
+        );
+    }
     assert!(
-        policy.budget.try_withdraw(&policy.options()),
-        "the budget's one retry is left"
+        !policy.budget.try_withdraw(&policy.options()),
+        "the floor is 10"
     );
     assert_eq!(e.log().len(), 1, "one attempt: {:?}", e.log());
 }
@@ -2491,8 +2552,15 @@ async fn a_breaker_in_observe_mode_opens_and_reports_it_but_lets_calls_through()
         StatusCode::CircuitOpen
     );
     assert!(s.starts().is_empty());
-    // Back to enforcing (a reload): the breaker, still open, fails fast again.
+    // The isolation lifted, the breaker opens again in observe mode, calls still going out.
     g.reset_breaker(&M);
+    let s = single(vec![server_error()], Duration::ZERO);
+    for _ in 0..3 {
+        let _ = g.execute(&p, &s).await;
+    }
+    assert_eq!(s.starts().len(), 3, "observe mode sends every call");
+    assert!(matches!(p.breaker().state(), BreakerState::Open { .. }));
+    // Back to enforcing (a reload): the breaker, still open, fails fast at once.
     g.update_layers(|l| {
         l.runtime.entries.insert(
             "t.T.m".into(),
@@ -2502,11 +2570,15 @@ async fn a_breaker_in_observe_mode_opens_and_reports_it_but_lets_calls_through()
             },
         );
     });
-    let s = single(vec![server_error()], Duration::ZERO);
-    for _ in 0..3 {
-        let _ = g.execute(&p, &s).await;
-    }
-    assert_eq!(s.starts().len(), 2, "enforced: the 3rd call fails fast");
+    let s = single(vec![ok()], Duration::ZERO);
+    assert_eq!(
+        g.execute(&p, &s).await.unwrap_err().code(),
+        StatusCode::CircuitOpen
+    );
+    assert!(
+        s.starts().is_empty(),
+        "enforced: the open breaker fails the call unsent"
+    );
 }
 
 #[tokio::test(start_paused = true)]
