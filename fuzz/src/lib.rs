@@ -133,6 +133,10 @@ pub mod frame_decoder {
     /// The maximum frame length of the decoder under test, unless the input asks for the small
     /// one.
     pub const MAX_FRAME_LENGTH: usize = 64 * 1024;
+    // A frame this long cannot hold more than the codec's 65 536 entries of one field (its
+    // keys and lengths take a few bytes), which the plain reading below does not refuse: a
+    // longer maximum would need that refusal in it too.
+    const _: () = assert!(MAX_FRAME_LENGTH <= 64 * 1024);
     /// The other maximum, small enough that frames above it fit in a fuzz input.
     pub const SMALL_MAX_FRAME_LENGTH: usize = 64;
     const PREFIX: usize = 4;
