@@ -17,7 +17,7 @@ use axum::http::{Method, StatusCode as HttpStatus};
 use rpc_core::ServiceEntry;
 use serde_json::{json, Map, Value};
 
-use crate::route::{carries_retry_after, error_body_schema, params_in_query};
+use crate::route::{carried_error_schema, carries_retry_after, error_body_schema, params_in_query};
 use crate::table::{accepts_null, is_structured, is_text, Definitions, RouteTable};
 
 /// Where the named schemas live, as the servers' `$ref`s write it.
@@ -417,8 +417,14 @@ fn operation(entry: &ServiceEntry, method: &Method, path: &str) -> Value {
         .and_then(|s| s.error.as_ref())
         .map(|e| schema_object(Some(e)));
     let refusal = |status: u16| GATEWAY_REFUSALS.iter().find(|(s, _)| *s == status);
+    let carried = carried_error_schema();
     for (status, description, _) in ERROR_RESPONSES {
-        let typed = if *status == 422 { typed.as_ref() } else { None };
+        // The typed error is the business error's; another status may carry a value too.
+        let typed = if *status == 422 {
+            typed.as_ref()
+        } else {
+            Some(&carried)
+        };
         // A status the gateway answers itself as well: either body.
         let (schema, description) = match refusal(*status) {
             Some((_, own)) => (
@@ -910,7 +916,7 @@ mod tests {
     }
 
     #[test]
-    fn the_typed_error_schema_is_the_error_field_of_the_422_answer_only() {
+    fn the_typed_error_schema_is_the_error_field_of_the_422_answer_and_others_carry_any_value() {
         let mut s = schemas(vec![], json!({"type": "string"}), &[]);
         s.error = Some(refs("OrderError"));
         s.definitions.insert(
@@ -923,7 +929,8 @@ mod tests {
         );
         let responses = &doc["paths"]["/api/shop.Orders/close"]["post"]["responses"];
         let schema_of = |status: &str| &responses[status]["content"]["application/json"]["schema"];
-        // The typed error is the `error` field of the 422 body, and of no other status's.
+        // The typed error is the `error` field of the 422 body; another status's `error` is any
+        // value the error carried (the gateway sends one whatever the status).
         assert_eq!(
             schema_of("422")["properties"]["error"],
             json!({"$ref": "#/components/schemas/OrderError"})
@@ -940,12 +947,17 @@ mod tests {
             &error_body_schema(Some(&refs("OrderError")))
         );
         // Statuses the gateway also answers itself take either body; its own refusals only one.
+        let carried = error_body_schema(Some(&carried_error_schema()));
         for status in ["400", "401", "403", "404"] {
-            let either = json!({"anyOf": [error_body_schema(None), refusal_schema()]});
+            let either = json!({"anyOf": [carried.clone(), refusal_schema()]});
             assert_eq!(schema_of(status), &either, "{status}");
         }
         for status in ["429", "500", "501", "502", "503", "504"] {
-            assert_eq!(schema_of(status), &error_body_schema(None), "{status}");
+            assert_eq!(schema_of(status), &carried, "{status}");
+            assert!(
+                schema_of(status)["properties"]["error"].is_object(),
+                "{status}"
+            );
         }
         for status in ["405", "408", "413", "431"] {
             assert_eq!(schema_of(status), &refusal_schema(), "{status}");

@@ -114,6 +114,17 @@ pub fn error_body(error: &RpcError) -> Value {
     body
 }
 
+/// The `error` field of a failed call's body other than a business error's: any JSON value
+/// (the gateway sends one when the error carried a value: a typed error passing on a status of
+/// its own, such as a downstream timeout, or the error as the server sent it).
+pub fn carried_error_schema() -> Value {
+    json!({
+        "description": "The value the error carried, when it carried one: the method's typed \
+                        error passing on this status (a downstream timeout, say), or the error as \
+                        the server sent it."
+    })
+}
+
 /// The JSON Schema of [`error_body`]'s answers, with `typed` as the schema of `error`.
 pub fn error_body_schema(typed: Option<&Value>) -> Value {
     let mut properties = json!({

@@ -179,7 +179,10 @@ mod tests {
             .expect("write");
         let answer = all_of(&mut stream).await;
         assert!(!answer.contains("200"), "{answer}");
-        assert!(started.elapsed() >= READ_TIMEOUT, "{:?}", started.elapsed());
+        // At the read timeout (the watchdog ticks by it), well before the idle one.
+        let took = started.elapsed();
+        assert!(took >= READ_TIMEOUT && took <= 2 * READ_TIMEOUT, "{took:?}");
+        assert!(took < IDLE_TIMEOUT);
     }
 
     /// A keep-alive connection sitting idle between requests is not held to the head's limit,
@@ -304,7 +307,11 @@ mod tests {
             .expect("write");
         // The head is being read when the gateway is told to stop.
         tokio::task::yield_now().await;
+        let asked = tokio::time::Instant::now();
         let _ = stop_tx.send(());
         stopped(serving).await;
+        // By the read timeout (the watchdog ticks by it), not the idle one.
+        let took = asked.elapsed();
+        assert!(took <= 2 * READ_TIMEOUT, "{took:?}");
     }
 }

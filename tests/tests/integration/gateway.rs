@@ -859,7 +859,7 @@ async fn the_request_s_traceparent_continues_into_the_server_s_span() {
 }
 
 /// The gateway's span carries the answer's HTTP status as a number, and is an error for a 5xx
-/// answer only: a 504 is, a 200 and a 400 (the caller's fault) are not.
+/// answer only: a 504 is; a 200, and a 422 (the method's business error: the caller's), are not.
 #[tokio::test]
 async fn the_gateway_s_span_has_its_status_as_a_number_and_fails_on_5xx_only() {
     use common::otel::attr;
@@ -868,23 +868,25 @@ async fn the_gateway_s_span_has_its_status_as_a_number_and_fails_on_5xx_only() {
     let world = World::in_process(None).await;
     let _echo = world.echo().await;
     let _orders = world.orders(50).await;
-    world.serving(&["gw.Echo.echo", "shop.Orders.stall"]).await;
+    world
+        .serving(&["gw.Echo.echo", "shop.Orders.get", "shop.Orders.stall"])
+        .await;
     let answers = [
         world
             .post("/api/gw.Echo/echo", r#"{"text": "hi"}"#)
             .await
             .status,
         world
-            .post("/api/gw.Echo/echo", r#"{"nope": 1}"#)
+            .send("GET", "/orders/0?currency=EUR", &[], None)
             .await
             .status,
         world.post("/api/shop.Orders/stall", "{}").await.status,
     ];
-    assert_eq!(answers, [200, 400, 504]);
+    assert_eq!(answers, [200, 422, 504]);
     let spans = world
         .traces
         .spans_once("the gateway's spans", |spans| {
-            spans.iter().filter(|s| s.name == "rpc.gateway").count() >= 2
+            spans.iter().filter(|s| s.name == "rpc.gateway").count() >= 3
         })
         .await;
     let gateway: Vec<_> = spans.iter().filter(|s| s.name == "rpc.gateway").collect();
@@ -895,11 +897,11 @@ async fn the_gateway_s_span_has_its_status_as_a_number_and_fails_on_5xx_only() {
             (attr(s, "http.response.status_code"), failed)
         })
         .collect();
-    // (The 400 is refused before any call, so before the span.)
     assert_eq!(
         seen,
         [
             (Some(Value::I64(200)), false),
+            (Some(Value::I64(422)), false),
             (Some(Value::I64(504)), true)
         ],
         "{gateway:?}"
