@@ -200,15 +200,20 @@ impl RouteTable {
             }
         }
         // A POST to a default route's path (`/api/<service>/<method>`) is a call of that entry,
-        // which is not served now: not a request for the route of another method that happens
-        // to match it (`GET /api/{kind}/{id}`), to be redirected there with a 405.
-        if method == Method::POST && default_route_shaped(path) {
-            return Found::Nothing;
-        }
+        // which is not served now: not a request for the route of another method that matches
+        // it only through a parameter where the service id goes (`GET /api/{kind}/{id}`), to
+        // be redirected there with a 405. A route naming that segment (`GET /api/v1/orders`)
+        // is the path's own, and its methods are named.
+        let default_call = method == Method::POST && default_route_shaped(path);
         let others: Vec<Method> = self
             .routers
             .iter()
-            .filter(|(_, r)| r.at(path).is_ok())
+            .filter(|(_, r)| {
+                r.at(path).is_ok_and(|m| {
+                    let template = crate::route::normalized_path(&self.served[*m.value].route.path);
+                    !default_call || !rpc_paths::overlaps_default_routes(&template)
+                })
+            })
             .filter_map(|(m, _)| Method::from_bytes(m.as_bytes()).ok())
             .collect();
         if others.is_empty() {
@@ -597,8 +602,9 @@ mod tests {
         serves(&table, Method::GET, "/api/7/8", Some("h.H.get"));
         serves(&table, Method::POST, "/v1/2/3", Some("i.I.get"));
         serves(&table, Method::POST, "/api/7/8/", Some("j.J.get"));
-        // A POST to a default route's path that only another method's route matches is a call
-        // of an entry not served (404), not a request to be sent to that route (405).
+        // A POST to a default route's path that only another method's route matches, through
+        // a parameter where the service id goes, is a call of an entry not served (404), not a
+        // request to be sent to that route (405).
         assert!(matches!(
             table.find(&Method::POST, "/api/shop.Orders/cancel"),
             Found::Nothing
@@ -611,10 +617,25 @@ mod tests {
 
     #[test]
     fn a_path_served_with_another_method_names_the_methods() {
-        let table = RouteTable::build(vec![entry("a.A", "get", Some(("GET", "/orders/{id}")))]);
+        let table = RouteTable::build(vec![
+            entry("a.A", "get", Some(("GET", "/orders/{id}"))),
+            entry("b.B", "list", Some(("GET", "/api/v1/orders"))),
+            entry("c.C", "drop", Some(("DELETE", "/api/carts/{id}"))),
+        ]);
         match table.find(&Method::DELETE, "/orders/1") {
             Found::OtherMethods(m) => assert_eq!(m, vec![Method::GET]),
             _ => panic!("expected the other methods"),
+        }
+        // Under `/api/`, a route naming the service's segment is its path's own: a POST there
+        // is a wrong method (405), not a call of an entry `v1.orders` (404).
+        for (path, method) in [
+            ("/api/v1/orders", Method::GET),
+            ("/api/carts/7", Method::DELETE),
+        ] {
+            match table.find(&Method::POST, path) {
+                Found::OtherMethods(m) => assert_eq!(m, vec![method], "{path}"),
+                _ => panic!("{path}: expected the other methods"),
+            }
         }
         assert!(matches!(
             table.find(&Method::GET, "/nothing"),
