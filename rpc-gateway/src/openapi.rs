@@ -75,8 +75,8 @@ pub const ERROR_RESPONSES: &[(u16, &str, &[u32])] = &[
     ),
     (
         422,
-        "The method answered its business error (call status 1000); `error` holds the typed error \
-         when the method declares one.",
+        "The method answered its business error (call status 1000); `error` holds the error's \
+         value when it carried one (the typed error, when the method declares one).",
         &[1000],
     ),
     (
@@ -419,11 +419,11 @@ fn operation(entry: &ServiceEntry, method: &Method, path: &str) -> Value {
     let refusal = |status: u16| GATEWAY_REFUSALS.iter().find(|(s, _)| *s == status);
     let carried = carried_error_schema();
     for (status, description, _) in ERROR_RESPONSES {
-        // The typed error is the business error's; another status may carry a value too.
-        let typed = if *status == 422 {
-            typed.as_ref()
-        } else {
-            Some(&carried)
+        // The typed error is the business error's; a method that declares none may pass one
+        // on all the same, and another status may carry a value too.
+        let typed = match *status {
+            422 => typed.as_ref().or(Some(&carried)),
+            _ => Some(&carried),
         };
         // A status the gateway answers itself as well: either body.
         let (schema, description) = match refusal(*status) {
@@ -962,6 +962,22 @@ mod tests {
         for status in ["405", "408", "413", "431"] {
             assert_eq!(schema_of(status), &refusal_schema(), "{status}");
         }
+        // A method that declares no typed error may pass one on: its 422 carries any value.
+        let untyped = schemas(vec![], json!({"type": "string"}), &[]);
+        let untyped_doc = document(
+            &[entry(
+                "shop.Orders",
+                "close",
+                Some(api(&[], None, Some(untyped))),
+            )],
+            &info(),
+        );
+        let untyped_422 =
+            &untyped_doc["paths"]["/api/shop.Orders/close"]["post"]["responses"]["422"];
+        assert_eq!(
+            untyped_422["content"]["application/json"]["schema"],
+            carried
+        );
         assert!(responses["503"]["headers"]["Retry-After"].is_object());
         assert!(responses["429"]["headers"]["Retry-After"].is_object());
         assert!(responses["504"].get("headers").is_none());

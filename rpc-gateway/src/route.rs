@@ -93,7 +93,7 @@ pub fn carries_retry_after(status: HttpStatus) -> bool {
 }
 
 /// The JSON body answering a failed call: `{"code": <call status>, "message": "...",
-/// "error": <the typed error's value, when the method declares one>, "fields": [{"member":
+/// "error": <the value the error carried, when it carried one: the typed error's>, "fields": [{"member":
 /// "...", "message": "..."}, ...] (the arguments that failed validation, when the server named
 /// any)}`.
 pub fn error_body(error: &RpcError) -> Value {

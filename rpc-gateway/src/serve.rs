@@ -179,7 +179,7 @@ mod tests {
             .expect("write");
         let answer = all_of(&mut stream).await;
         assert!(!answer.contains("200"), "{answer}");
-        // At the read timeout (the watchdog ticks by it), well before the idle one.
+        // At the read timeout (hyper's head timer), well before the idle one.
         let took = started.elapsed();
         assert!(took >= READ_TIMEOUT && took <= 2 * READ_TIMEOUT, "{took:?}");
         assert!(took < IDLE_TIMEOUT);
@@ -310,7 +310,7 @@ mod tests {
         let asked = tokio::time::Instant::now();
         let _ = stop_tx.send(());
         stopped(serving).await;
-        // By the read timeout (the watchdog ticks by it), not the idle one.
+        // By the read timeout (hyper's head timer), not the idle one.
         let took = asked.elapsed();
         assert!(took <= 2 * READ_TIMEOUT, "{took:?}");
     }

@@ -204,18 +204,24 @@ impl RouteTable {
         // it only through a parameter where the service id goes (`GET /api/{kind}/{id}`), to
         // be redirected there with a 405. A route naming that segment (`GET /api/v1/orders`)
         // is the path's own, and its methods are named.
+        // (Every method serving the path is named in `Allow` when any of them owns it.)
         let default_call = method == Method::POST && default_route_shaped(path);
+        let mut owned = !default_call;
         let others: Vec<Method> = self
             .routers
             .iter()
             .filter(|(_, r)| {
                 r.at(path).is_ok_and(|m| {
                     let template = crate::route::normalized_path(&self.served[*m.value].route.path);
-                    !default_call || !rpc_paths::overlaps_default_routes(&template)
+                    owned |= !rpc_paths::overlaps_default_routes(&template);
+                    true
                 })
             })
             .filter_map(|(m, _)| Method::from_bytes(m.as_bytes()).ok())
             .collect();
+        if !owned {
+            return Found::Nothing;
+        }
         if others.is_empty() {
             Found::Nothing
         } else {
@@ -621,6 +627,7 @@ mod tests {
             entry("a.A", "get", Some(("GET", "/orders/{id}"))),
             entry("b.B", "list", Some(("GET", "/api/v1/orders"))),
             entry("c.C", "drop", Some(("DELETE", "/api/carts/{id}"))),
+            entry("d.D", "any", Some(("PUT", "/api/{kind}/{id}"))),
         ]);
         match table.find(&Method::DELETE, "/orders/1") {
             Found::OtherMethods(m) => assert_eq!(m, vec![Method::GET]),
@@ -628,15 +635,25 @@ mod tests {
         }
         // Under `/api/`, a route naming the service's segment is its path's own: a POST there
         // is a wrong method (405), not a call of an entry `v1.orders` (404).
-        for (path, method) in [
-            ("/api/v1/orders", Method::GET),
-            ("/api/carts/7", Method::DELETE),
+        // Every method serving the path is named then, one matching only through a parameter
+        // where the service id goes included (PUT /api/{kind}/{id} serves /api/carts/7 too).
+        for (path, methods) in [
+            ("/api/v1/orders", vec![Method::GET, Method::PUT]),
+            ("/api/carts/7", vec![Method::DELETE, Method::PUT]),
         ] {
             match table.find(&Method::POST, path) {
-                Found::OtherMethods(m) => assert_eq!(m, vec![method], "{path}"),
+                Found::OtherMethods(mut m) => {
+                    m.sort_by(|a, b| a.as_str().cmp(b.as_str()));
+                    assert_eq!(m, methods, "{path}");
+                }
                 _ => panic!("{path}: expected the other methods"),
             }
         }
+        // Only such a route matching: a call of an entry not served.
+        assert!(matches!(
+            table.find(&Method::POST, "/api/shop.Orders/cancel"),
+            Found::Nothing
+        ));
         assert!(matches!(
             table.find(&Method::GET, "/nothing"),
             Found::Nothing
