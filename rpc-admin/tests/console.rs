@@ -41,7 +41,9 @@ impl Echo for Plain {
     }
 }
 
-const TOKEN: &str = "console-t0ken";
+/// A token as operators make them: with a `+` and a `&` (read as a space and as the end of it
+/// were the page's fragment read as form data).
+const TOKEN: &str = "console+t0ken&x";
 const SERVICE: &str = "con.Echo";
 const ENTRY: &str = "con.Echo.echo";
 
