@@ -597,6 +597,13 @@ mod tests {
         )
     }
 
+    const EVERY_STRATEGY: [ShuntStrategy; 4] = [
+        ShuntStrategy::RoundRobin,
+        ShuntStrategy::Random,
+        ShuntStrategy::Hash,
+        ShuntStrategy::LeastLoaded,
+    ];
+
     /// A call's failover tries a removed endpoint it has not tried before trying another
     /// endpoint again: A and B failed, C (removed) is next, then A.
     #[test]
@@ -627,12 +634,7 @@ mod tests {
     fn a_retry_after_every_endpoint_was_tried_avoids_the_one_tried_last() {
         let (s, _tx) = state(vec![instance("a:1", None), instance("b:1", None)]);
         let health = EndpointHealth::new(Duration::from_secs(60));
-        for strategy in [
-            ShuntStrategy::RoundRobin,
-            ShuntStrategy::Random,
-            ShuntStrategy::Hash,
-            ShuntStrategy::LeastLoaded,
-        ] {
+        for strategy in EVERY_STRATEGY {
             let o = GovernanceOptions {
                 shunt_strategy: strategy,
                 ..GovernanceOptions::default()
@@ -648,12 +650,7 @@ mod tests {
         // Unless the endpoint tried last said when to come back (the call waited that long):
         // then it comes first of the tried ones, under every strategy (the other may still be
         // inside a longer pause of its own).
-        for strategy in [
-            ShuntStrategy::RoundRobin,
-            ShuntStrategy::Random,
-            ShuntStrategy::Hash,
-            ShuntStrategy::LeastLoaded,
-        ] {
+        for strategy in EVERY_STRATEGY {
             let o = GovernanceOptions {
                 shunt_strategy: strategy,
                 ..GovernanceOptions::default()

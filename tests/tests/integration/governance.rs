@@ -571,6 +571,15 @@ async fn the_first_call_of_an_entry_applies_what_servers_publish() {
     server.shutdown().await;
 }
 
+/// Options appointing `server`'s address.
+fn appointed_to(server: &ServerHandle) -> GovernanceOverrides {
+    GovernanceOverrides {
+        shunt_strategy: Some(rpc::ShuntStrategy::Appoint),
+        appoint_address: Some(server.local_addr().to_string().into()),
+        ..GovernanceOverrides::NONE
+    }
+}
+
 /// An appointed entry's first call waits for no registry, but its service is looked up in
 /// the background: what its servers publish becomes a level of its options for later calls.
 /// Before, an appointed entry never learnt it unless something else looked the service up.
@@ -581,14 +590,7 @@ async fn an_appointed_entry_learns_what_servers_publish_after_its_first_call() {
     publish_timeout(&reg, &server, "level", 1234).await;
     let client = Client::builder()
         .registry(reg.clone())
-        .override_options(
-            "g.Stock",
-            GovernanceOverrides {
-                shunt_strategy: Some(rpc::ShuntStrategy::Appoint),
-                appoint_address: Some(server.local_addr().to_string().into()),
-                ..GovernanceOverrides::NONE
-            },
-        )
+        .override_options("g.Stock", appointed_to(&server))
         .build();
     let level = level_method();
     assert_ne!(client.options(level).timeout_ms, 1234);
@@ -660,14 +662,7 @@ async fn an_appointed_entry_looks_its_service_up_again_after_a_failed_lookup() {
                 reg.clone(),
                 std::sync::atomic::AtomicBool::new(false),
             )))
-            .override_options(
-                "g.Stock",
-                GovernanceOverrides {
-                    shunt_strategy: Some(rpc::ShuntStrategy::Appoint),
-                    appoint_address: Some(server.local_addr().to_string().into()),
-                    ..GovernanceOverrides::NONE
-                },
-            )
+            .override_options("g.Stock", appointed_to(&server))
             .build();
         let method = &StockClient::methods()[index];
         let stock = StockClient::new(client.clone());
