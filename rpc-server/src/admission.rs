@@ -263,6 +263,16 @@ impl Admission {
         }
     }
 
+    /// Gives back the rate-limit tokens a call admitted here took, when it was refused further
+    /// on without running (its arguments could not be decompressed for want of the budget).
+    /// (One admitted over a limit in observe mode took none; what it gets back is never above
+    /// the burst.)
+    pub(crate) fn give_back(&self, client_id: &str) {
+        if let Some(limiter) = &self.now.load().limiter {
+            limiter.give_back(client_id);
+        }
+    }
+
     /// The entry's load now: calls holding a slot, and the limit in force.
     pub(crate) fn load(&self) -> (u32, u32) {
         let p = self.now.load();

@@ -434,8 +434,14 @@ impl Dispatcher {
     /// neither runs; they are counted as the connection counts its own refusals. The span
     /// records the algorithm and the decompressed size.
     #[allow(clippy::result_large_err)]
+    ///
+    /// `admitted`: the route whose admission took the call's rate-limit tokens, if it did. A
+    /// call refused for want of the decompression budget (515: nothing was decompressed) gets
+    /// them back, as one refused at the cap does; arguments found corrupt keep theirs (their
+    /// decompression cost the work a token stands for).
     pub(crate) fn unpack(
         &self,
+        admitted: Option<&Route>,
         invoke: &mut Invoke,
         caller: &Caller,
         span: &tracing::Span,
@@ -449,6 +455,9 @@ impl Dispatcher {
                 Ok(())
             }
             Err(e) => {
+                if let (Some(route), StatusCode::OverflowMaxServerHandle) = (admitted, e.code()) {
+                    route.admission.give_back(caller.client_id());
+                }
                 telemetry::record_error(span, e.code(), e.message());
                 self.metrics
                     .refused(Refusal::Decompression.as_str(), e.code());
@@ -534,7 +543,7 @@ impl Dispatcher {
         // A unary call on a server with layers is admitted after them, and they may read its
         // arguments: decompressed before them. (Streams decompress where they are admitted.)
         if route.layered.is_some() && route.stream == StreamMode::Unary {
-            if let Err(refused) = self.unpack(&mut invoke, caller, &span) {
+            if let Err(refused) = self.unpack(None, &mut invoke, caller, &span) {
                 return refused;
             }
         }
@@ -565,7 +574,7 @@ impl Dispatcher {
             Ok(p) => p,
             Err(refused) => return refused,
         };
-        if let Err(refused) = self.unpack(&mut invoke, caller, &span) {
+        if let Err(refused) = self.unpack(Some(route), &mut invoke, caller, &span) {
             return refused;
         }
         let metrics = self.metrics.start(route.method);

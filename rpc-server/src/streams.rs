@@ -108,7 +108,7 @@ pub(crate) fn dispatch(
         Err(refused) => return refused,
     };
     let mut invoke = invoke;
-    if let Err(refused) = d.unpack(&mut invoke, caller, &span) {
+    if let Err(refused) = d.unpack(Some(route), &mut invoke, caller, &span) {
         return refused;
     }
     let deadline = (invoke.timeout_ms > 0).then(|| {
@@ -198,7 +198,8 @@ fn layered(
     };
     // Decompressed once admitted here, before the layers, which may read the arguments.
     let mut invoke = invoke;
-    if let Err(refused) = d.unpack(&mut invoke, caller, &span) {
+    let took_tokens = admitted.as_ref().map(|_| route);
+    if let Err(refused) = d.unpack(took_tokens, &mut invoke, caller, &span) {
         return refused;
     }
     let opened = StreamSlot::default();

@@ -553,6 +553,68 @@ async fn compressed_calls_that_do_not_decompress_are_held_to_the_rate_limit() {
     within("shutdown", server.shutdown()).await;
 }
 
+/// A call admitted at its entry and then refused for want of the decompression budget (515,
+/// nothing decompressed, nothing ran) gets its rate-limit token back, as a call refused at the
+/// cap does: with a burst of 3 (one a second), two held calls and the refused one leave one
+/// token for the next call. Before, the refused call kept its token and the next was 429.
+#[tokio::test]
+async fn a_call_refused_for_the_decompression_budget_keeps_no_rate_limit_token() {
+    const KIB: usize = 1024;
+    let (started_tx, mut started) = tokio::sync::mpsc::unbounded_channel();
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    // Room for two calls of 200 KiB decompressed, not three.
+    let server = Server::builder()
+        .add_service(HeldServer::new(Holding {
+            started: started_tx,
+            gate: gate.clone(),
+        }))
+        .rate_limit(1, 3)
+        .max_frame_length(256 * KIB)
+        .max_decompressed_bytes(512 * KIB)
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.handshake().await;
+    let plain = Codec::MsgPack
+        .encode(&(text(200 * KIB).as_str(),))
+        .expect("encode");
+    let call = |id: u64, compressed: bool| {
+        Kind::Invoke(RemoteInvokeMessage {
+            message_id: id,
+            service_entry_id: "t.Held.hold".into(),
+            codec: Codec::MsgPack.to_wire(),
+            parameters: if compressed {
+                compress(Compression::Zstd, &plain)
+            } else {
+                plain.clone()
+            },
+            compression: if compressed {
+                Compression::Zstd.to_wire()
+            } else {
+                0
+            },
+            ..Default::default()
+        })
+    };
+    for id in [1, 2] {
+        raw.send(call(id, true)).await.expect("send");
+        within("a call within the budget starts", started.recv())
+            .await
+            .expect("started");
+    }
+    raw.send(call(3, true)).await.expect("send");
+    let r = raw_result(&mut raw).await;
+    assert_eq!((r.message_id, r.status_code), (3, 515), "{r:?}");
+    // The third's token is back: a plain call runs.
+    raw.send(call(4, false)).await.expect("send");
+    within("the next call starts", started.recv())
+        .await
+        .expect("started, not refused 429");
+    gate.add_permits(3);
+    within("shutdown", server.shutdown()).await;
+}
+
 /// A compressed call to an entry the server does not have is answered 507, as a plain one
 /// is: its arguments are not decompressed (corrupt ones are not found corrupt, a bomb is not
 /// expanded).
