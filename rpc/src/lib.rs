@@ -386,12 +386,7 @@ pub mod __private {
         items: RpcStream<T>,
         method: &'static MethodDescriptor,
     ) -> ByteStream {
-        encode_items(codec, items, move |e| {
-            RpcError::new(
-                StatusCode::ServerError,
-                format!("could not encode the result of {}: {e}", method.entry_id),
-            )
-        })
+        encode_items(codec, items, StatusCode::ServerError, "the result", method)
     }
 
     /// Client side: the items of the caller's request stream (client streaming, both ways),
@@ -402,24 +397,31 @@ pub mod __private {
         items: RpcStream<T>,
         method: &'static MethodDescriptor,
     ) -> ByteStream {
-        encode_items(codec, items, move |e| {
-            RpcError::new(
-                StatusCode::FrameworkError,
-                format!(
-                    "could not encode an item of the request stream of {}: {e}",
-                    method.entry_id
-                ),
-            )
-        })
+        encode_items(
+            codec,
+            items,
+            StatusCode::FrameworkError,
+            "an item of the request stream",
+            method,
+        )
     }
 
+    /// Items encoded by `codec`; one that does not encode ends the stream with `status`,
+    /// saying it could not encode `what` of `method`.
     fn encode_items<T: Serialize + Send + 'static>(
         codec: Codec,
         items: RpcStream<T>,
-        error: impl Fn(rpc_core::CodecError) -> RpcError + Send + 'static,
+        status: StatusCode,
+        what: &'static str,
+        method: &'static MethodDescriptor,
     ) -> ByteStream {
         ByteStream::encoding(items, move |item, dst| {
-            codec.encode_to(dst, item).map_err(&error)
+            codec.encode_to(dst, item).map_err(|e| {
+                RpcError::new(
+                    status,
+                    format!("could not encode {what} of {}: {e}", method.entry_id),
+                )
+            })
         })
     }
 

@@ -108,3 +108,58 @@ impl Registry for TestRegistry {
         Box::pin(async { Ok(Vec::new()) })
     }
 }
+
+/// What a [`Watching`] registry does before its watch number `n` (from 0) goes on to the
+/// in-process registry it wraps: wait, fail (the error is the watch's answer), or nothing.
+pub type BeforeWatch =
+    Arc<dyn Fn(u32) -> BoxFuture<'static, Result<(), RegistryError>> + Send + Sync>;
+
+/// An in-process registry whose watches first do what `before` says (etcd slow to answer, or
+/// unreachable at first); everything else it does at once.
+#[derive(Clone)]
+pub struct Watching {
+    inner: rpc::InProcessRegistry,
+    before: BeforeWatch,
+    watches: Arc<std::sync::atomic::AtomicU32>,
+}
+
+impl Watching {
+    pub fn new(
+        inner: rpc::InProcessRegistry,
+        before: impl Fn(u32) -> BoxFuture<'static, Result<(), RegistryError>> + Send + Sync + 'static,
+    ) -> Self {
+        Watching {
+            inner,
+            before: Arc::new(before),
+            watches: Arc::default(),
+        }
+    }
+}
+
+impl Registry for Watching {
+    fn state_id(&self) -> usize {
+        self.inner.state_id()
+    }
+    fn register(&self, instance: Instance) -> BoxFuture<'_, Result<(), RegistryError>> {
+        self.inner.register(instance)
+    }
+    fn deregister<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), RegistryError>> {
+        self.inner.deregister(id)
+    }
+    fn watch<'a>(
+        &'a self,
+        service: &'a ServiceId,
+    ) -> BoxFuture<'a, Result<ServiceWatch, RegistryError>> {
+        let n = self
+            .watches
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let before = (self.before)(n);
+        Box::pin(async move {
+            before.await?;
+            self.inner.watch(service).await
+        })
+    }
+    fn services(&self) -> BoxFuture<'_, Result<Vec<ServiceId>, RegistryError>> {
+        self.inner.services()
+    }
+}

@@ -559,60 +559,23 @@ async fn compressed_calls_that_do_not_decompress_are_held_to_the_rate_limit() {
 /// token for the next call. Before, the refused call kept its token and the next was 429.
 #[tokio::test]
 async fn a_call_refused_for_the_decompression_budget_keeps_no_rate_limit_token() {
-    const KIB: usize = 1024;
-    let (started_tx, mut started) = tokio::sync::mpsc::unbounded_channel();
-    let gate = Arc::new(tokio::sync::Semaphore::new(0));
-    // Room for two calls of 200 KiB decompressed, not three.
-    let server = Server::builder()
-        .add_service(HeldServer::new(Holding {
-            started: started_tx,
-            gate: gate.clone(),
-        }))
-        .rate_limit(1, 3)
-        .max_frame_length(256 * KIB)
-        .max_decompressed_bytes(512 * KIB)
-        .serve("127.0.0.1:0")
-        .await
-        .expect("serve");
-    let mut raw = RawConn::connect(server.local_addr()).await;
-    raw.handshake().await;
-    let plain = Codec::MsgPack
-        .encode(&(text(200 * KIB).as_str(),))
-        .expect("encode");
-    let call = |id: u64, compressed: bool| {
-        Kind::Invoke(RemoteInvokeMessage {
-            message_id: id,
-            service_entry_id: "t.Held.hold".into(),
-            codec: Codec::MsgPack.to_wire(),
-            parameters: if compressed {
-                compress(Compression::Zstd, &plain)
-            } else {
-                plain.clone()
-            },
-            compression: if compressed {
-                Compression::Zstd.to_wire()
-            } else {
-                0
-            },
-            ..Default::default()
-        })
-    };
+    let mut held = Holder::serve(|b| b.rate_limit(1, 3)).await;
     for id in [1, 2] {
-        raw.send(call(id, true)).await.expect("send");
-        within("a call within the budget starts", started.recv())
+        held.send(id, true).await;
+        within("a call within the budget starts", held.started.recv())
             .await
             .expect("started");
     }
-    raw.send(call(3, true)).await.expect("send");
-    let r = raw_result(&mut raw).await;
+    held.send(3, true).await;
+    let r = raw_result(&mut held.raw).await;
     assert_eq!((r.message_id, r.status_code), (3, 515), "{r:?}");
     // The third's token is back: a plain call runs.
-    raw.send(call(4, false)).await.expect("send");
-    within("the next call starts", started.recv())
+    held.send(4, false).await;
+    within("the next call starts", held.started.recv())
         .await
         .expect("started, not refused 429");
-    gate.add_permits(3);
-    within("shutdown", server.shutdown()).await;
+    held.gate.add_permits(3);
+    within("shutdown", held.server.shutdown()).await;
 }
 
 /// A compressed call to an entry the server does not have is answered 507, as a plain one
@@ -815,50 +778,93 @@ impl Held for Holding {
     }
 }
 
+const KIB: usize = 1024;
+
+/// The text each `t.Held.hold` call carries: 200 KiB.
+const HELD_TEXT: usize = 200 * KIB;
+
+/// A `Holding` server with room for two calls of [`HELD_TEXT`] decompressed, not three
+/// (`configure` sets the rest of its builder), a raw connection to it after its handshake, the
+/// lengths its handlers report as they start, the gate that lets them end, and the encoded
+/// arguments of a call.
+struct Holder {
+    server: rpc::ServerHandle,
+    raw: RawConn,
+    started: tokio::sync::mpsc::UnboundedReceiver<u64>,
+    gate: Arc<tokio::sync::Semaphore>,
+    plain: Bytes,
+}
+
+impl Holder {
+    async fn serve(configure: impl FnOnce(rpc::ServerBuilder) -> rpc::ServerBuilder) -> Holder {
+        let (started_tx, started) = tokio::sync::mpsc::unbounded_channel();
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        let server = configure(Server::builder())
+            .add_service(HeldServer::new(Holding {
+                started: started_tx,
+                gate: gate.clone(),
+            }))
+            .max_frame_length(256 * KIB)
+            .max_decompressed_bytes(512 * KIB)
+            .serve("127.0.0.1:0")
+            .await
+            .expect("serve");
+        let mut raw = RawConn::connect(server.local_addr()).await;
+        raw.handshake().await;
+        let plain = Codec::MsgPack
+            .encode(&(text(HELD_TEXT).as_str(),))
+            .expect("encode");
+        Holder {
+            server,
+            raw,
+            started,
+            gate,
+            plain,
+        }
+    }
+
+    /// Sends call `id` of `t.Held.hold`, its arguments compressed with zstd or not.
+    async fn send(&mut self, id: u64, compressed: bool) {
+        let call = held_call(id, &self.plain, compressed);
+        self.raw.send(call).await.expect("send");
+    }
+}
+
+/// Call `id` of `t.Held.hold` with the encoded arguments `plain`, compressed with zstd or not.
+fn held_call(id: u64, plain: &Bytes, compressed: bool) -> Kind {
+    let (parameters, compression) = match compressed {
+        true => (
+            compress(Compression::Zstd, plain),
+            Compression::Zstd.to_wire(),
+        ),
+        false => (plain.clone(), 0),
+    };
+    Kind::Invoke(RemoteInvokeMessage {
+        message_id: id,
+        service_entry_id: "t.Held.hold".into(),
+        codec: Codec::MsgPack.to_wire(),
+        parameters,
+        compression,
+        ..Default::default()
+    })
+}
+
 #[tokio::test]
 async fn compressed_calls_beyond_the_servers_decompression_budget_are_refused_515_until_others_end()
 {
-    const KIB: usize = 1024;
-    let (started_tx, mut started) = tokio::sync::mpsc::unbounded_channel();
-    let gate = Arc::new(tokio::sync::Semaphore::new(0));
-    // Room for two calls of 200 KiB decompressed, not three.
-    let server = Server::builder()
-        .add_service(HeldServer::new(Holding {
-            started: started_tx,
-            gate: gate.clone(),
-        }))
-        .max_frame_length(256 * KIB)
-        .max_decompressed_bytes(512 * KIB)
-        .serve("127.0.0.1:0")
-        .await
-        .expect("serve");
-    let mut raw = RawConn::connect(server.local_addr()).await;
-    raw.handshake().await;
-    let big = text(200 * KIB);
-    let plain = Codec::MsgPack.encode(&(big.as_str(),)).expect("encode");
-    let call = |id: u64, compressed: bool| {
-        Kind::Invoke(RemoteInvokeMessage {
-            message_id: id,
-            service_entry_id: "t.Held.hold".into(),
-            codec: Codec::MsgPack.to_wire(),
-            parameters: if compressed {
-                compress(Compression::Zstd, &plain)
-            } else {
-                plain.clone()
-            },
-            compression: if compressed {
-                Compression::Zstd.to_wire()
-            } else {
-                0
-            },
-            ..Default::default()
-        })
-    };
+    let Holder {
+        server,
+        mut raw,
+        mut started,
+        gate,
+        plain,
+    } = Holder::serve(|b| b).await;
+    let call = |id: u64, compressed: bool| held_call(id, &plain, compressed);
     let started_len = |n: Option<u64>| n.expect("a handler started");
     for id in [1, 2] {
         raw.send(call(id, true)).await.expect("send");
         let len = started_len(within("a call within the budget starts", started.recv()).await);
-        assert_eq!(len, big.len() as u64);
+        assert_eq!(len, HELD_TEXT as u64);
     }
     // The third would hold 600 KiB in all: refused at once, without running.
     raw.send(call(3, true)).await.expect("send");

@@ -644,45 +644,17 @@ async fn an_appointed_call_does_not_wait_for_a_registry_that_hangs() {
     within("shutdown", server.shutdown()).await;
 }
 
-/// A registry whose watches answer `LOOKUP` late (etcd slow to answer), else the in-process
-/// registry it wraps.
-struct SlowLookup(InProcessRegistry);
-
+/// How late the watches of [`slow_lookup`] answer.
 const LOOKUP: Duration = Duration::from_millis(200);
 
-impl rpc::Registry for SlowLookup {
-    fn state_id(&self) -> usize {
-        self.0.state_id()
-    }
-    fn register(
-        &self,
-        instance: rpc::Instance,
-    ) -> futures_util::future::BoxFuture<'_, Result<(), rpc::RegistryError>> {
-        self.0.register(instance)
-    }
-    fn deregister<'a>(
-        &'a self,
-        id: &'a str,
-    ) -> futures_util::future::BoxFuture<'a, Result<(), rpc::RegistryError>> {
-        self.0.deregister(id)
-    }
-    fn watch<'a>(
-        &'a self,
-        service: &'a rpc::ServiceId,
-    ) -> futures_util::future::BoxFuture<
-        'a,
-        Result<rpc::crates::registry::ServiceWatch, rpc::RegistryError>,
-    > {
-        Box::pin(async move {
+/// `reg`, its watches answering `LOOKUP` late (etcd slow to answer).
+fn slow_lookup(reg: InProcessRegistry) -> common::registry::Watching {
+    common::registry::Watching::new(reg, |_| {
+        Box::pin(async {
             tokio::time::sleep(LOOKUP).await;
-            self.0.watch(service).await
+            Ok(())
         })
-    }
-    fn services(
-        &self,
-    ) -> futures_util::future::BoxFuture<'_, Result<Vec<rpc::ServiceId>, rpc::RegistryError>> {
-        self.0.services()
-    }
+    })
 }
 
 /// Waiting for endpoints gives up at its timeout even while the registry has not answered
@@ -691,7 +663,7 @@ impl rpc::Registry for SlowLookup {
 #[tokio::test(start_paused = true)]
 async fn waiting_for_endpoints_counts_the_lookup_in_its_timeout() {
     let client = Client::builder()
-        .registry(SlowLookup(InProcessRegistry::new()))
+        .registry(slow_lookup(InProcessRegistry::new()))
         .build();
     let started = tokio::time::Instant::now();
     let err = client
@@ -720,7 +692,7 @@ async fn a_first_calls_duration_counts_its_lookup() {
     }
     let reg = InProcessRegistry::new();
     let (server, _probe) = serve(&reg, 10).await;
-    let client = Client::builder().registry(SlowLookup(reg.clone())).build();
+    let client = Client::builder().registry(slow_lookup(reg.clone())).build();
     let (tx, mut elapsed) = mpsc::unbounded_channel();
     client.observe_calls(std::sync::Arc::new(Elapsed(tx)));
     let d = DeadlineClient::new(client);

@@ -605,47 +605,16 @@ async fn an_appointed_entry_learns_what_servers_publish_after_its_first_call() {
     server.shutdown().await;
 }
 
-/// A registry whose first watch fails (unreachable), then answers as the in-process one.
-struct FailsOnce(InProcessRegistry, std::sync::atomic::AtomicBool);
-
-impl rpc::Registry for FailsOnce {
-    fn state_id(&self) -> usize {
-        self.0.state_id()
-    }
-    fn register(
-        &self,
-        instance: rpc::Instance,
-    ) -> futures_util::future::BoxFuture<'_, Result<(), rpc::RegistryError>> {
-        self.0.register(instance)
-    }
-    fn deregister<'a>(
-        &'a self,
-        id: &'a str,
-    ) -> futures_util::future::BoxFuture<'a, Result<(), rpc::RegistryError>> {
-        self.0.deregister(id)
-    }
-    fn watch<'a>(
-        &'a self,
-        service: &'a rpc::crates::core::ServiceId,
-    ) -> futures_util::future::BoxFuture<
-        'a,
-        Result<rpc::crates::registry::ServiceWatch, rpc::RegistryError>,
-    > {
-        if !self.1.swap(true, Ordering::SeqCst) {
-            return Box::pin(async {
-                Err(rpc::RegistryError::Unavailable("not this time".into()))
-            });
-        }
-        self.0.watch(service)
-    }
-    fn services(
-        &self,
-    ) -> futures_util::future::BoxFuture<
-        '_,
-        Result<Vec<rpc::crates::core::ServiceId>, rpc::RegistryError>,
-    > {
-        self.0.services()
-    }
+/// `reg`, its first watch failing (unreachable), the others answered.
+fn fails_once(reg: InProcessRegistry) -> common::registry::Watching {
+    common::registry::Watching::new(reg, |n| {
+        Box::pin(async move {
+            match n {
+                0 => Err(rpc::RegistryError::Unavailable("not this time".into())),
+                _ => Ok(()),
+            }
+        })
+    })
 }
 
 /// An appointed entry whose background lookup failed (the registry unreachable then) looks
@@ -658,10 +627,7 @@ async fn an_appointed_entry_looks_its_service_up_again_after_a_failed_lookup() {
         let (server, _w) = warehouse(&reg).await;
         publish_timeout(&reg, &server, name, 1234).await;
         let client = Client::builder()
-            .shared_registry(Arc::new(FailsOnce(
-                reg.clone(),
-                std::sync::atomic::AtomicBool::new(false),
-            )))
+            .registry(fails_once(reg.clone()))
             .override_options("g.Stock", appointed_to(&server))
             .build();
         let method = &StockClient::methods()[index];

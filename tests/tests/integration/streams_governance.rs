@@ -350,6 +350,21 @@ fn client(reg: &InProcessRegistry, fallback: Option<&Cache>) -> Client {
 }
 
 /// The live service on a fresh registry, and a client of it whose fallback is a [`Cache`].
+/// The market served on a new registry with the cache as the server's fallback (not the
+/// client's).
+async fn with_server_fallback() -> (InProcessRegistry, ServerHandle, Market, Cache) {
+    let reg = InProcessRegistry::new();
+    let (market, cache) = (Market::default(), Cache::default());
+    let server = Server::builder()
+        .registry(reg.clone())
+        .add_service(StocksServer::new(market.clone()))
+        .fallback(StocksServer::new(cache.clone()))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    (reg, server, market, cache)
+}
+
 async fn with_fallback() -> (ServerHandle, Market, Cache, StocksClient) {
     let reg = InProcessRegistry::new();
     let (server, market) = serve(&reg).await;
@@ -2071,15 +2086,7 @@ async fn server_layers_pass_client_and_bidi_streams_hear_of_their_end_and_may_re
 /// outcome by and the caller read 520, a handler that panicked.
 #[tokio::test]
 async fn a_server_stream_fallback_that_panics_is_answered_509() {
-    let reg = InProcessRegistry::new();
-    let (market, cache) = (Market::default(), Cache::default());
-    let server = Server::builder()
-        .registry(reg.clone())
-        .add_service(StocksServer::new(market.clone()))
-        .fallback(StocksServer::new(cache.clone()))
-        .serve("127.0.0.1:0")
-        .await
-        .expect("serve");
+    let (reg, server, market, cache) = with_server_fallback().await;
     market.down.store(true, Ordering::SeqCst);
     cache.broken.store(true, Ordering::SeqCst);
     let stocks = StocksClient::new(client(&reg, None));
@@ -2100,15 +2107,7 @@ async fn a_server_stream_fallback_that_panics_is_answered_509() {
 #[tokio::test]
 async fn a_server_fallback_does_not_answer_a_set_up_failing_past_the_deadline() {
     use rpc::crates::governance::events::EventKind;
-    let reg = InProcessRegistry::new();
-    let (market, cache) = (Market::default(), Cache::default());
-    let server = Server::builder()
-        .registry(reg.clone())
-        .add_service(StocksServer::new(market.clone()))
-        .fallback(StocksServer::new(cache.clone()))
-        .serve("127.0.0.1:0")
-        .await
-        .expect("serve");
+    let (reg, server, market, cache) = with_server_fallback().await;
     let mut events = server.events().subscribe();
     market.down.store(true, Ordering::SeqCst);
     market.late.store(true, Ordering::SeqCst);
