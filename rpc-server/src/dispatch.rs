@@ -1037,22 +1037,33 @@ fn answered(
 ) -> Result<Bytes, RpcError> {
     // Mapped first: the deadline's check then reads what a generated service's handler
     // would have answered.
-    match result.map_err(|e| RemoteError::into_rpc_error(e, codec)) {
-        Err(e)
+    result.map_err(|e| past_deadline(RemoteError::into_rpc_error(e, codec), deadline, entry))
+}
+
+/// A handler's failure `e` (a unary answer's or a stream set-up's) as its caller gets it: the
+/// timeout, naming `e`, when it came at or after the caller's `deadline` (see [`answered`]);
+/// `e` itself when it came before, or is the timeout already, or is an answer of the
+/// handler's own logic (business, validation, authentication).
+pub(crate) fn past_deadline(
+    e: RpcError,
+    deadline: Option<(Instant, u32)>,
+    entry: &str,
+) -> RpcError {
+    match deadline {
+        Some((at, budget_ms))
             if e.code() != StatusCode::Timeout
                 && !e.code().is_breaker_exempt()
-                && deadline.is_some_and(|(d, _)| Instant::now() >= d) =>
+                && Instant::now() >= at =>
         {
-            let budget_ms = deadline.map_or(0, |(_, b)| b);
-            Err(RpcError::new(
+            RpcError::new(
                 StatusCode::Timeout,
                 format!(
                     "{entry} ran out of the caller's {budget_ms} ms budget; the handler failed \
                      at the deadline with: {e}"
                 ),
-            ))
+            )
         }
-        result => result,
+        _ => e,
     }
 }
 

@@ -688,7 +688,12 @@ impl ServerStream {
                     this.accepted = true;
                     return Poll::Ready(Some(StreamEvent::Accepted));
                 }
-                Ok(Poll::Ready(Err(e))) => Ok(Err(e)),
+                // Failed past the caller's deadline: the timeout, as a unary answer would be.
+                Ok(Poll::Ready(Err(e))) => Ok(Err(crate::dispatch::past_deadline(
+                    e,
+                    this.deadline,
+                    this.entry,
+                ))),
                 Err(panic) => Err(panic),
             };
             let result = settle(outcome, this.entry, this.send_panic_text);

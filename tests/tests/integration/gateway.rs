@@ -731,11 +731,17 @@ async fn the_gateway_s_own_refusals_say_what_to_send() {
 
     let a = world.send("GET", "/orders/7", &[], None).await;
     assert_eq!(a.status, 400, "currency is required: {}", a.body);
+    let message = a.body["error"].as_str().expect("error");
+    assert!(message.contains("currency"), "{message}");
 
     let a = world.send("DELETE", "/orders/7", &[], None).await;
     assert_eq!(a.status, 405);
     assert_eq!(a.headers.get("allow").expect("Allow"), "GET, HEAD");
-    assert!(a.body["error"].as_str().is_some(), "{}", a.body);
+    let message = a.body["error"].as_str().expect("error");
+    assert!(
+        message.contains("DELETE") && message.contains("GET"),
+        "{message}"
+    );
 
     // The gateway's own routes refuse other methods the same way.
     for path in ["/healthz", "/docs", "/openapi.json"] {
@@ -750,6 +756,9 @@ async fn the_gateway_s_own_refusals_say_what_to_send() {
     let a = world.send("GET", "/openapi.json", &[], None).await;
     assert_eq!(a.status, 200);
     assert_eq!(a.body["openapi"], "3.1.0");
+    let paths = &a.body["paths"];
+    assert!(paths["/orders/{id}"]["get"].is_object(), "{paths}");
+    assert!(paths["/api/gw.Echo/echo"]["post"].is_object(), "{paths}");
     let a = world.send("GET", "/docs", &[], None).await;
     assert_eq!(a.status, 200);
     // In no other site's frame (a decoy over its "Send" buttons), sending no referrer.

@@ -594,6 +594,10 @@ async fn metrics_after_a_retry_an_open_breaker_and_a_fallback() {
         fail_calls += 1;
         assert!(fail_calls < 10, "the breaker never opened");
     }
+    assert_eq!(
+        fail_calls, 2,
+        "the breaker opens at its second failure in a row"
+    );
     let reached = db.calls.load(Ordering::SeqCst);
     assert_eq!(breaking.fail().await.unwrap(), 0, "open breaker → fallback");
     fail_calls += 1;

@@ -630,10 +630,9 @@ async fn a_stream_fallback_that_fails_still_leaves_its_cause_on_the_span() {
         Some(Value::I64(i64::from(StatusCode::ServerError.as_u32()))),
         "{err}"
     );
-    assert_eq!(
-        attr(&span, "rpc.status_code"),
-        Some(Value::I64(i64::from(err.code().as_u32())))
-    );
+    // The cache's own business error passes through as the fallback's answer.
+    assert_eq!(err.code(), StatusCode::BusinessError, "{err}");
+    assert_eq!(attr(&span, "rpc.status_code"), Some(Value::I64(1000)));
 }
 
 /// The client's `rpc.client` span of `entry` (the only one).
@@ -1180,9 +1179,16 @@ async fn a_client_layer_sees_a_streams_set_up_and_its_end() {
     let err = within("prices", stocks.prices(3))
         .await
         .expect_err("the set-up fails");
+    assert_eq!(err.code(), StatusCode::ServerError, "{err}");
     assert_eq!(
         next(&mut seen),
-        Some(("g.Stocks.prices".into(), "set-up", Some(err.code()), 0, 0))
+        Some((
+            "g.Stocks.prices".into(),
+            "set-up",
+            Some(StatusCode::ServerError),
+            0,
+            0
+        ))
     );
     assert_eq!(next(&mut seen), None, "no end for a stream never opened");
     within("shutdown", server.shutdown()).await;
@@ -2101,6 +2107,35 @@ async fn a_server_stream_fallback_that_panics_is_answered_509() {
     within("shutdown", server.shutdown()).await;
 }
 
+/// A stream's set-up that fails once the caller's deadline has passed is answered as the
+/// timeout (519), naming its error, as a unary handler's failure past the deadline is: the
+/// caller's breaker then counts both alike. Before, the set-up's own error (520) went back.
+/// A raw caller, whose own timer cannot answer first.
+#[tokio::test]
+async fn a_stream_set_up_failing_past_the_deadline_is_answered_as_the_timeout() {
+    use rpc::crates::core::wire::frame::Kind;
+    use rpc::crates::core::StreamMode;
+    let reg = InProcessRegistry::new();
+    let (server, market) = serve(&reg).await;
+    market.down.store(true, Ordering::SeqCst);
+    market.late.store(true, Ordering::SeqCst);
+    let mut raw = raw_zstd_client(&server, false).await;
+    raw.send(Kind::Invoke(rpc::crates::core::wire::RemoteInvokeMessage {
+        timeout_ms: 20,
+        ..common::stream_opening(1, "g.Stocks.prices", &(3u32,), StreamMode::Server)
+    }))
+    .await
+    .expect("open");
+    let end = within("the end", raw.recv_end()).await;
+    assert_eq!(end.status_code, 519, "{end:?}");
+    assert!(
+        end.exception_message.contains("the market is down"),
+        "{end:?}"
+    );
+    assert_eq!(market.setups.load(Ordering::SeqCst), 1);
+    within("shutdown", server.shutdown()).await;
+}
+
 /// A server stream's set-up that fails once the caller's deadline has passed is not answered
 /// by the server's fallback, which nobody would read: event `fallback_skipped`, as for a
 /// unary call. Before, the fallback's set-up ran and the event said `fallback`.
@@ -2119,7 +2154,10 @@ async fn a_server_fallback_does_not_answer_a_set_up_failing_past_the_deadline() 
         },
     );
     let answered = within("prices", stocks.prices(3)).await;
-    assert!(answered.is_err(), "answered after the deadline");
+    let e = answered
+        .map(|_| ())
+        .expect_err("answered after the deadline");
+    assert_eq!(e.code(), StatusCode::Timeout, "{e}");
     let kind = within("the server's event", async {
         loop {
             match events.recv().await.expect("events").kind {
@@ -2130,7 +2168,11 @@ async fn a_server_fallback_does_not_answer_a_set_up_failing_past_the_deadline() 
     })
     .await;
     assert_eq!(kind, EventKind::FallbackSkipped);
-    assert_eq!(cache.used.load(Ordering::SeqCst), 0, "the fallback ran");
+    assert_eq!(
+        cache.used.load(Ordering::SeqCst),
+        0,
+        "the fallback must not run"
+    );
     within("shutdown", server.shutdown()).await;
 }
 
