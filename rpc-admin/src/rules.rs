@@ -143,10 +143,11 @@ fn store(state: &State) -> Result<&dyn Store, Refusal> {
 
 /// A store's refusal as an answer: an invalid document is 400, a version changed meanwhile
 /// 409 (with both versions, so a tool can reload), a version the history does not keep 404,
-/// an unreachable store 503.
+/// a document over the store's limit 413, an unreachable store 503.
 fn failed(e: RuleError) -> Refusal {
     match e {
         RuleError::Invalid { .. } => Refusal::new(StatusCode::BAD_REQUEST, e.to_string()),
+        RuleError::TooLarge { .. } => Refusal::new(StatusCode::PAYLOAD_TOO_LARGE, e.to_string()),
         RuleError::Conflict {
             kind,
             expected,
@@ -216,11 +217,14 @@ async fn overview(Shared(state): St) -> Json<Value> {
 async fn document(Shared(state): St, PathArgs(kind): PathArgs<String>) -> Answer {
     let kind = kind_of(&kind)?;
     let v = store(&state)?.get(kind).await.map_err(failed)?;
-    let (version, text) = v.map_or((0, Arc::from("")), |v| (v.version, v.text));
+    let (version, text, unreadable) = v.map_or((0, Arc::from(""), None), |v| {
+        (v.version, v.text, v.unreadable)
+    });
     Ok(Json(json!({
         "kind": kind.as_str(),
         "version": version,
         "text": &*text,
+        "unreadable": unreadable.as_deref(),
         "applied": applied(&state, kind),
     })))
 }
@@ -326,9 +330,9 @@ async fn write(
     body: Result<Bytes, BytesRejection>,
 ) -> Answer {
     let kind = kind_of(&kind)?;
+    let store = store(&state)?;
     let expected = expected_of(query.as_deref(), kind)?;
     let text = text_of(&body)?;
-    let store = store(&state)?;
     writable(&state, kind, text)?;
     let version = store.set(kind, text, expected).await.map_err(failed)?;
     tracing::info!(
@@ -347,7 +351,13 @@ async fn history(Shared(state): St, PathArgs(kind): PathArgs<String>) -> Answer 
     let list = store(&state)?.history(kind).await.map_err(failed)?;
     let versions: Vec<Value> = list
         .iter()
-        .map(|v| json!({ "version": v.version, "text": &*v.text }))
+        .map(|v| {
+            json!({
+                "version": v.version,
+                "text": &*v.text,
+                "unreadable": v.unreadable.as_deref(),
+            })
+        })
         .collect();
     Ok(Json(json!({ "kind": kind.as_str(), "versions": versions })))
 }
@@ -360,8 +370,14 @@ async fn rollback(
     RawQuery(query): RawQuery,
 ) -> Answer {
     let kind = kind_of(&kind)?;
+    let store = store(&state)?;
+    // Any `expected` pair makes the rollback a guarded one: one without its value is refused
+    // (by `expected_of`), never taken as no guard.
     let expected = match query.as_deref() {
-        Some(q) if q.split('&').any(|pair| pair.starts_with("expected=")) => {
+        Some(q)
+            if q.split('&')
+                .any(|pair| pair.split('=').next() == Some("expected")) =>
+        {
             Some(expected_of(Some(q), kind)?)
         }
         _ => None,
@@ -375,7 +391,6 @@ async fn rollback(
             ),
         ));
     };
-    let store = store(&state)?;
     // The old text is checked as a new one would be: the entries called since may not carry
     // it out.
     if let Some(old) = store

@@ -163,7 +163,7 @@ async fn history_of(store: &RuleStore, kind: RuleKind) -> Vec<Value> {
         .await
         .expect("history")
         .iter()
-        .map(|v| json!({ "version": v.version, "text": &*v.text }))
+        .map(|v| json!({ "version": v.version, "text": &*v.text, "unreadable": null }))
         .collect()
 }
 
@@ -254,8 +254,8 @@ async fn the_routes_show_write_list_and_roll_back_what_the_store_holds() {
     assert_eq!(
         versions,
         [
-            json!({ "version": v1, "text": V1 }),
-            json!({ "version": v2, "text": V2 })
+            json!({ "version": v1, "text": V1, "unreadable": null }),
+            json!({ "version": v2, "text": V2, "unreadable": null })
         ]
     );
 
@@ -275,7 +275,10 @@ async fn the_routes_show_write_list_and_roll_back_what_the_store_holds() {
     );
     let h = api.ok("GET", "/api/rules/governance/history", None).await;
     assert_eq!(h["versions"].as_array().unwrap().len(), 3, "{h}");
-    assert_eq!(h["versions"][2], json!({ "version": v3, "text": V1 }));
+    assert_eq!(
+        h["versions"][2],
+        json!({ "version": v3, "text": V1, "unreadable": null })
+    );
 
     // Routing documents go through the same routes, to their own key.
     let path = "/api/rules/routing?expected=0";
@@ -389,6 +392,17 @@ async fn a_rollback_over_a_stale_version_is_refused_and_nothing_is_written() {
     // The operator sees v1 in force; someone writes v2; the operator's rollback to v1, made
     // over the v1 they saw, would silently replace v2.
     let v2 = store.set(RuleKind::Governance, V2, v1).await.expect("set");
+    // An `expected` without its value guards nothing: refused, not taken as no guard.
+    for query in ["expected", "expected=", "expected=-1"] {
+        let path = format!("/api/rules/governance/rollback/{v1}?{query}");
+        let message = api.refused(Http::BAD_REQUEST, "POST", &path, None).await;
+        assert!(message.contains("expected"), "{query}: {message}");
+    }
+    assert_eq!(
+        in_store(&store, RuleKind::Governance).await,
+        (v2, V2.into()),
+        "after rollbacks with a malformed expected version"
+    );
     let path = format!("/api/rules/governance/rollback/{v1}?expected={v1}");
     let (status, e) = api.send("POST", &path, None).await;
     assert_eq!(status, Http::CONFLICT, "{e}");
@@ -411,6 +425,74 @@ async fn a_rollback_over_a_stale_version_is_refused_and_nothing_is_written() {
         in_store(&store, RuleKind::Governance).await,
         (now, V1.into())
     );
+}
+
+/// A document over what etcd takes in one request is refused with 413 naming the limit (the
+/// text goes twice: in force and in the history), not as etcd being unavailable (503, which
+/// says to try again), and nothing is written.
+#[tokio::test]
+async fn a_document_over_the_stores_limit_is_refused_with_413_and_nothing_is_written() {
+    let (_etcd, store, _admin, api) = started().await;
+    let v1 = store.set(RuleKind::Governance, V1, 0).await.expect("set");
+    let before = history_of(&store, RuleKind::Governance).await;
+    // Valid TOML, under the endpoint's 2 MiB body limit, over half etcd's default 1.5 MiB.
+    let large = format!("{V2}# {}\n", "x".repeat(1024 * 1024));
+    let path = format!("/api/rules/governance?expected={v1}");
+    let message = api
+        .refused(Http::PAYLOAD_TOO_LARGE, "PUT", &path, Some(&large))
+        .await;
+    assert!(
+        message.contains(&large.len().to_string()) && message.contains("nothing was written"),
+        "{message}"
+    );
+    assert_still_v1(&store, v1, "a document over the limit").await;
+    assert_eq!(history_of(&store, RuleKind::Governance).await, before);
+    // Just under the limit the message names, it is written.
+    let limit: usize = message
+        .split(" bytes the store takes")
+        .next()
+        .and_then(|head| head.rsplit(' ').next())
+        .and_then(|n| n.parse().ok())
+        .expect("the limit in the message");
+    let fits = format!("{V2}# {}\n", "x".repeat(limit - V2.len() - 3));
+    assert_eq!(fits.len(), limit);
+    written(&api, &store, RuleKind::Governance, &path, &fits).await;
+}
+
+/// A history version whose bytes are not UTF-8 (written past the store's checks) is shown as
+/// such, and a rollback to it is refused: its text, with U+FFFD where the bytes were, is not
+/// the document stored.
+#[tokio::test]
+async fn a_history_version_that_is_not_utf8_is_marked_and_not_rolled_back_to() {
+    let (etcd, store, _admin, api) = started().await;
+    let v1 = store.set(RuleKind::Governance, V1, 0).await.expect("set");
+    let mut bytes = V2.as_bytes().to_vec();
+    bytes.extend_from_slice(b"# \xff\n");
+    let mut raw = etcd.client().await;
+    let put = raw
+        .put(
+            format!("/rpc/rules/history/governance/{:020}", v1 + 1),
+            bytes,
+            None,
+        )
+        .await
+        .expect("put");
+    let bad = put.header().expect("header").revision();
+    let history = api.ok("GET", "/api/rules/governance/history", None).await;
+    let listed = history["versions"]
+        .as_array()
+        .and_then(|all| all.iter().find(|v| v["version"] == bad))
+        .unwrap_or_else(|| panic!("version {bad} listed: {history}"));
+    assert!(
+        listed["unreadable"]
+            .as_str()
+            .is_some_and(|why| why.contains("not UTF-8")),
+        "{listed}"
+    );
+    let path = format!("/api/rules/governance/rollback/{bad}?expected={v1}");
+    let message = api.refused(Http::BAD_REQUEST, "POST", &path, None).await;
+    assert!(message.contains("not UTF-8"), "{message}");
+    assert_still_v1(&store, v1, "a rollback to an unreadable version").await;
 }
 
 #[tokio::test]
@@ -470,11 +552,16 @@ async fn without_a_store_the_routes_say_how_to_attach_one_and_validation_still_w
             .all(|k| k["version"].is_null()),
         "{all}"
     );
+    // Whatever else is wrong with the request (no expected version, a malformed one, a
+    // version that is no number): without a store, the answer says how to attach one.
     for (method, path) in [
         ("GET", "/api/rules/governance"),
         ("PUT", "/api/rules/governance?expected=0"),
+        ("PUT", "/api/rules/governance"),
         ("GET", "/api/rules/governance/history"),
         ("POST", "/api/rules/governance/rollback/1"),
+        ("POST", "/api/rules/governance/rollback/1?expected"),
+        ("POST", "/api/rules/governance/rollback/first"),
     ] {
         let message = api.refused(Http::NOT_FOUND, method, path, Some(V1)).await;
         assert!(

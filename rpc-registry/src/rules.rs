@@ -163,6 +163,19 @@ pub enum RuleError {
         /// The versions the history holds.
         kept: Vec<i64>,
     },
+    /// The document is over what the store takes in one write; nothing was written.
+    #[error(
+        "the {kind} rules are {bytes} bytes, over the {limit} bytes the store takes in one \
+         write; nothing was written: shorten the document, or raise the store's limit"
+    )]
+    TooLarge {
+        /// The document's kind.
+        kind: RuleKind,
+        /// The document's size.
+        bytes: usize,
+        /// The largest document the store writes.
+        limit: usize,
+    },
     /// No such kind of document.
     #[error("no rule kind {0:?}: the kinds are governance and routing")]
     UnknownKind(String),

@@ -333,10 +333,22 @@ pub async fn events(target: &Target<'_>, json: bool, count: Option<usize>) -> Re
         };
         match chunk {
             Ok(Some(chunk)) => buffer.extend_from_slice(&chunk),
+            // Followed until the process stopped, as asked: done. With a count not reached,
+            // what was asked for did not come.
+            Ok(None) if count.is_none() => {
+                eprintln!(
+                    "rpcctl: {} closed the event stream (the process stopped, or its admin \
+                     endpoint did)",
+                    admin.base
+                );
+                return Ok(());
+            }
             Ok(None) => {
                 return Err(Failure::failed(format!(
-                    "{} closed the event stream (the process stopped, or its admin endpoint did)",
-                    admin.base
+                    "{} closed the event stream after {seen} of the {} events asked for (the \
+                     process stopped, or its admin endpoint did)",
+                    admin.base,
+                    count.unwrap_or(0)
                 )))
             }
             Err(e) => {

@@ -97,7 +97,8 @@ pub enum Command {
     Status,
     /// Follows a process's governance events (needs --admin).
     Events {
-        /// Stop after this many events (default: follow until the process stops or Ctrl-C).
+        /// Stop after this many events (exit 1 if the stream ends first); default: follow
+        /// until the process stops (exit 0) or Ctrl-C.
         #[arg(long)]
         count: Option<usize>,
     },

@@ -27,7 +27,7 @@ pub enum RulesCommand {
         /// Write only over this version (0: only when none is in force), as `get` printed
         /// it: exit 1 and nothing written when another is in force by then. Without it, over
         /// the version in force when the command runs.
-        #[arg(long, value_name = "VERSION")]
+        #[arg(long, value_name = "VERSION", value_parser = clap::value_parser!(i64).range(0..))]
         expected: Option<i64>,
     },
     /// Shows the line diff between the document in force and FILE.
@@ -49,7 +49,7 @@ pub enum RulesCommand {
         /// The version to bring back (see `history`).
         version: i64,
         /// Write only over this version, as for `set`.
-        #[arg(long, value_name = "VERSION")]
+        #[arg(long, value_name = "VERSION", value_parser = clap::value_parser!(i64).range(0..))]
         expected: Option<i64>,
     },
 }
@@ -93,7 +93,7 @@ pub async fn run(registry: Option<&str>, json: bool, command: RulesCommand) -> R
             if json {
                 let out = serde_json::json!({
                     "kind": kind.as_str(),
-                    "version": now.as_ref().map(|v| v.version),
+                    "version": now.as_ref().map_or(0, |v| v.version),
                     "diff": lines,
                 });
                 outln!("{out}");
@@ -114,13 +114,22 @@ pub async fn run(registry: Option<&str>, json: bool, command: RulesCommand) -> R
             if json {
                 let out: Vec<_> = history
                     .iter()
-                    .map(|v| serde_json::json!({ "version": v.version, "text": &*v.text }))
+                    .map(|v| {
+                        serde_json::json!({
+                            "version": v.version,
+                            "text": &*v.text,
+                            "unreadable": v.unreadable.as_deref(),
+                        })
+                    })
                     .collect();
                 outln!("{}", serde_json::Value::Array(out));
             } else {
                 outln!("{:>10}  first line", "version");
                 for v in &history {
-                    let first = v.text.lines().next().unwrap_or("");
+                    let first = match &v.unreadable {
+                        Some(_) => "(unreadable: not UTF-8)",
+                        None => v.text.lines().next().unwrap_or(""),
+                    };
                     outln!("{:>10}  {first}", v.version);
                 }
             }
@@ -181,11 +190,15 @@ async fn get(store: &RuleStore, kind: RuleKind, json: bool) -> Result<(), Failur
             "{}",
             serde_json::json!({ "kind": kind.as_str(), "version": v.version, "text": &*v.text })
         ),
+        // Version 0 for none, as the admin endpoint answers and `--expected` takes it.
         (None, true) => outln!(
             "{}",
-            serde_json::json!({ "kind": kind.as_str(), "version": null, "text": null })
+            serde_json::json!({ "kind": kind.as_str(), "version": 0, "text": "" })
         ),
         (Some(v), false) => {
+            if let Some(why) = &v.unreadable {
+                eprintln!("rpcctl: version {} is no document: {why}", v.version);
+            }
             outln!("# {kind} rules, version {}", v.version);
             out!("{}", v.text);
             if !v.text.ends_with('\n') {

@@ -345,7 +345,19 @@ async fn status_and_events_give_up_on_an_endpoint_that_never_answers() {
 /// Starts `rpcctl events --count 1` and returns once it follows the stream (its standard
 /// error says so), with its standard output's lines and whether it exited 0 (within 20 s).
 async fn follow(addr: &str, json: bool) -> (mpsc::Receiver<String>, tokio::task::JoinHandle<bool>) {
-    let mut a = args(&["--admin", addr, "--token", TOKEN, "events", "--count", "1"]);
+    follow_for(addr, json, Some(1)).await
+}
+
+/// [`follow`] with `--count` given when `count` is.
+async fn follow_for(
+    addr: &str,
+    json: bool,
+    count: Option<usize>,
+) -> (mpsc::Receiver<String>, tokio::task::JoinHandle<bool>) {
+    let mut a = args(&["--admin", addr, "--token", TOKEN, "events"]);
+    if let Some(count) = count {
+        a.extend(["--count".to_string(), count.to_string()]);
+    }
     if json {
         a.insert(0, "--json".into());
     }
@@ -425,6 +437,24 @@ async fn events_prints_the_event_the_process_emits_once_following() {
         line.contains("client reset ctl.Echo.echo: reset by an operator"),
         "{line}"
     );
+}
+
+/// Following until the process stops is what `rpcctl events` without `--count` is for: the
+/// endpoint ending the stream as it stops is exit 0; with a count not reached, exit 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_exits_0_when_the_followed_process_stops_and_1_short_of_its_count() {
+    for (count, ends_well) in [(None, true), (Some(5), false)] {
+        let p = process().await;
+        let addr = p.admin.local_addr().to_string();
+        let (_lines, exit) = follow_for(&addr, false, count).await;
+        p.admin.shutdown().await;
+        assert_eq!(
+            exit.await.expect("join"),
+            ends_well,
+            "--count {count:?}: exit 0 is {ends_well}"
+        );
+        p.server.shutdown().await;
+    }
 }
 
 /// `rpcctl events > /dev/full`: an output it cannot write is a failure (exit 1, saying so),

@@ -62,7 +62,9 @@ async fn set_get_diff_history_and_rollback_through_the_program() {
     let o = rpcctl(&etcd, &["--json", "rules", "get", "governance"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
-    assert!(v["version"].is_null(), "{v}");
+    // Version 0, as `--expected` takes it for "none in force".
+    assert_eq!(v["version"], 0, "{v}");
+    assert_eq!(v["text"], "", "{v}");
 
     // An invalid document: exit 1, the reason on stderr, nothing written.
     let o = rpcctl(&etcd, &["rules", "set", "governance", &bad]);
@@ -183,6 +185,11 @@ async fn set_and_rollback_with_expected_write_only_over_that_version() {
         )
     };
     let refused = |o: &Output| assert_eq!(o.status.code(), Some(1), "{}", stderr(o));
+
+    // A negative version is no version: a usage error, nothing written.
+    let o = over("set", &a, -1);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert_eq!(in_force().await, None);
 
     let o = over("set", &a, 0);
     assert!(o.status.success(), "{}", stderr(&o));

@@ -126,6 +126,23 @@ impl RuleStore {
             reason: e.message().to_string(),
         })?;
         let key = self.key(kind);
+        // The text goes twice in one request (in force and in the history), with the two
+        // keys and a few dozen bytes each besides: over etcd's request limit it would be
+        // refused as an opaque failure, which trying again never mends.
+        let keys = key.len() + self.history_prefix(kind).len() + 20;
+        let limit = self
+            .conn
+            .options
+            .max_request_bytes
+            .saturating_sub(keys + 2 * 64)
+            / 2;
+        if text.len() > limit {
+            return Err(RuleError::TooLarge {
+                kind,
+                bytes: text.len(),
+                limit,
+            });
+        }
         let mut kv = self.conn.kv();
         // Every successful write replaces a distinct version, except that 0 (no document)
         // comes back after a deletion: then the revision now orders it after every earlier one.
@@ -213,6 +230,14 @@ impl RuleStore {
                 kept: history.iter().map(|v| v.version).collect(),
             });
         };
+        // Bytes that are not UTF-8 are shown with U+FFFD in their place: written back, they
+        // would be another document than the one stored.
+        if let Some(why) = &old.unreadable {
+            return Err(RuleError::Invalid {
+                kind,
+                reason: format!("version {version} cannot be brought back: {why}"),
+            });
+        }
         let expected = match expected {
             Some(expected) => expected,
             None => self.get(kind).await?.map_or(0, |v| v.version),
