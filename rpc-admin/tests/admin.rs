@@ -782,19 +782,26 @@ async fn the_console_page_is_served_without_the_token_and_polls_only_guarded_rou
         .unwrap();
     assert_eq!(r.status(), Http::OK);
     assert_eq!(r.headers()["cache-control"], "no-store");
-    // Every API path the page reads is one the token guards (the page itself holds no data).
-    for path in [
-        "/api/services",
-        "/api/stats",
-        "/api/breakers",
-        "/api/endpoints",
-        "/api/events",
-    ] {
-        assert!(page.contains(path), "the page reads {path}");
-        assert!(
-            GUARDED.iter().any(|g| g.starts_with(path)),
-            "{path} is guarded"
-        );
+    // Every API path the page names is one the token guards (the page itself holds no
+    // data): each `/api/<name>` in its text, asked for without the token, is refused.
+    let mut named: Vec<&str> = page
+        .match_indices("\"/api/")
+        .map(|(at, _)| {
+            let rest = &page[at + 1..];
+            let end = rest[5..]
+                .find(|c: char| !(c.is_ascii_lowercase() || c == '_'))
+                .map_or(rest.len(), |n| n + 5);
+            &rest[..end]
+        })
+        .collect();
+    named.sort_unstable();
+    named.dedup();
+    for path in ["/api/services", "/api/stats", "/api/breakers", "/api/rules"] {
+        assert!(named.contains(&path), "the page reads {path}: {named:?}");
+    }
+    for path in &named {
+        let r = s.http.get(s.url(path)).send().await.unwrap();
+        assert_eq!(r.status(), Http::UNAUTHORIZED, "{path} without the token");
     }
     assert!(
         page.contains("Authorization") && page.contains("Bearer "),

@@ -218,6 +218,77 @@ async fn under_hedge_percentile_calls_are_hedged_once_the_entry_has_a_latency_re
     within("shutdown", stuck.shutdown()).await;
 }
 
+/// Under `hedge_percentile` nothing is hedged before the entry's window holds its first 20
+/// calls: with a stuck server from the start, a call whose first attempt lands there waits
+/// for its own timeout (on the paused clock), with no `hedge` event.
+#[tokio::test(start_paused = true)]
+async fn under_hedge_percentile_no_call_is_hedged_before_the_entry_has_a_latency_record() {
+    let (dropped_tx, _dropped) = mpsc::unbounded_channel();
+    let reg = InProcessRegistry::new();
+    let calls: Vec<Arc<AtomicU64>> = (0..2).map(|_| Arc::new(AtomicU64::new(0))).collect();
+    let mut servers = Vec::new();
+    for (name, stuck, calls) in [("stuck", true, &calls[0]), ("quick", false, &calls[1])] {
+        let node = Node {
+            name,
+            stuck,
+            calls: calls.clone(),
+            dropped: dropped_tx.clone(),
+            seen: Arc::default(),
+        };
+        servers.push(
+            Server::builder()
+                .registry(reg.clone())
+                .add_service(HedgedServer::new(node))
+                .serve("127.0.0.1:0")
+                .await
+                .expect("serve"),
+        );
+    }
+    let client = Client::builder()
+        .registry(reg.clone())
+        .override_options(
+            HedgedClient::SERVICE_ID,
+            GovernanceOverrides {
+                hedge_percentile: Some(50),
+                idempotent: Some(true),
+                retry_times: Some(0),
+                timeout_ms: Some(1_000),
+                ..GovernanceOverrides::NONE
+            },
+        )
+        .build();
+    let mut events = client.events().subscribe();
+    let proxy = HedgedClient::new(client.clone());
+    // Fewer calls than the window's first 20; round robin sends every other one to `stuck`.
+    let mut timed_out = 0;
+    for _ in 0..6 {
+        match within("a call", proxy.who()).await {
+            Ok(who) => assert_eq!(who, "quick"),
+            Err(e) => {
+                assert_eq!(e.code(), rpc::StatusCode::Timeout, "{e}");
+                timed_out += 1;
+            }
+        }
+    }
+    assert_eq!(
+        timed_out,
+        calls[0].load(Ordering::SeqCst),
+        "the stuck calls time out"
+    );
+    assert!(timed_out >= 1, "no call went to the stuck server");
+    while let Ok(e) = events.try_recv() {
+        assert_ne!(
+            e.kind,
+            EventKind::Hedge,
+            "hedged before a latency record: {e:?}"
+        );
+    }
+    drop(client);
+    for server in servers {
+        within("shutdown", server.shutdown()).await;
+    }
+}
+
 /// Under a weighted routing rule, a hedge goes to the group its call's first attempt drew:
 /// one call is served by one group. Each group has a stuck and a quick instance; a call whose
 /// first attempt is stuck is answered by its own group's quick instance. Before, the hedge

@@ -662,29 +662,41 @@ async fn a_routing_document_in_etcd_steers_a_running_clients_calls_and_a_bad_one
 async fn a_document_deleted_from_etcd_is_withdrawn_from_running_processes() {
     let f = fleet().await;
     let mut events = f.client.events().subscribe();
+    let mut served = f.server.events().subscribe();
     let fail = &RuledClient::methods()[1];
     let observe = "[entries.\"t.Ruled.fail\"]\nbreaker_observe = true\n";
     let v1 = f.rules.put(RuleKind::Governance, observe).await.unwrap();
     rule_event(&mut events, EventKind::RuleApplied, v1).await;
+    rule_event(&mut served, EventKind::RuleApplied, v1).await;
     assert!(f.client.options(fail).breaker_observe);
+    assert_eq!(f.server.rules_version(RuleKind::Governance), Some(v1));
     let mut raw = f._etcd.client().await;
     raw.delete(f.rules.key(RuleKind::Governance), None)
         .await
         .unwrap();
-    let withdrawn = within("the withdrawal", async {
-        loop {
-            let e = events.recv().await.expect("events");
-            if e.kind == EventKind::RuleApplied && e.rule_version.is_none() {
-                return e;
+    /// The next `rule_applied` event without a version: a document withdrawn.
+    async fn withdrawal(
+        events: &mut tokio::sync::broadcast::Receiver<GovernanceEvent>,
+    ) -> GovernanceEvent {
+        within("the withdrawal", async {
+            loop {
+                let e = events.recv().await.expect("events");
+                if e.kind == EventKind::RuleApplied && e.rule_version.is_none() {
+                    return e;
+                }
             }
-        }
-    })
-    .await;
+        })
+        .await
+    }
+    let withdrawn = withdrawal(&mut events).await;
     assert!(
         withdrawn.cause.as_deref().unwrap_or("").contains("deleted"),
         "{withdrawn:?}"
     );
     assert_eq!(f.client.rules_version(RuleKind::Governance), None);
+    // The server following the same store withdraws it too.
+    withdrawal(&mut served).await;
+    assert_eq!(f.server.rules_version(RuleKind::Governance), None);
     assert!(
         !f.client.options(fail).breaker_observe,
         "back to the default"

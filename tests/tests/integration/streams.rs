@@ -648,6 +648,7 @@ async fn a_refused_set_up_fails_over_and_an_accepted_stream_is_never_replayed() 
     );
     let held = within("hold", holder.endless()).await.expect("endless");
     let f = FeedClient::new(Client::builder().registry(reg.clone()).build());
+    let mut refusals = full.events().subscribe();
     let mut open = Vec::new();
     for _ in 0..4 {
         // Round robin: at least every other set-up tries `full` first, is refused, and goes
@@ -668,6 +669,13 @@ async fn a_refused_set_up_fails_over_and_an_accepted_stream_is_never_replayed() 
         0,
         "refused before its handler"
     );
+    // `full` was tried, and refused at its cap: the set-ups that reached `free` through it
+    // failed over.
+    let mut overflows = 0;
+    while let Ok(e) = refusals.try_recv() {
+        overflows += usize::from(e.kind == rpc::crates::governance::events::EventKind::Overflow);
+    }
+    assert!(overflows >= 1, "no set-up tried `full` first");
     // `full` has room now; `free` dies: the streams end with the failure, none is repeated.
     drop(held);
     free.abort();

@@ -1194,8 +1194,12 @@ async fn a_client_layer_sees_a_streams_set_up_and_its_end() {
     within("shutdown", server.shutdown()).await;
 }
 
+/// Items of a zstd entry, large enough to be compressed, arrive whole both ways between the
+/// framework's client and server. (That they travel compressed is checked on the wire, with a
+/// raw peer on each side: `on_the_wire_the_server_takes_and_sends_compressed_items_...` and
+/// `on_the_wire_the_client_sends_compressed_items_...`.)
 #[tokio::test]
-async fn compressed_stream_items_arrive_whole_both_ways_between_client_and_server() {
+async fn stream_items_of_a_compressed_entry_arrive_whole_both_ways_between_client_and_server() {
     let _traced = traced();
     let reg = InProcessRegistry::new();
     let (server, _market) = serve(&reg).await;
