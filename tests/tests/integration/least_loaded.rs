@@ -321,7 +321,7 @@ async fn bounded_load_hashing_sends_a_key_past_its_busy_owner() {
 /// 5 ms: the refusals come back faster than any answer, yet `least_loaded` sends it no more
 /// than the first call or so, each refusal scoring as the failure penalty. Before, the
 /// refusing server scored as the fastest and took nearly every call.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn least_loaded_does_not_prefer_a_server_that_refuses_fast() {
     let reg = InProcessRegistry::new();
     let (_answering, answered) = server(&reg, Duration::from_millis(5), None).await;

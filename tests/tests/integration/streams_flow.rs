@@ -387,7 +387,7 @@ async fn a_server_without_batches_gets_the_clients_items_one_per_frame() {
 /// A server that grants vast credit (`u32::MAX` items) and reads nothing: the client's request
 /// stream is let produce only while its connection's send queue has room
 /// (`ConnectOptions::max_unsent_bytes`), so such a server cannot make it queue without bound.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_request_stream_waits_for_room_in_the_send_queue_whatever_credit_it_has() {
     let (listener, addr) = raw_listener().await;
     let greedy_server = tokio::spawn(async move {
@@ -406,7 +406,9 @@ async fn a_request_stream_waits_for_room_in_the_send_queue_whatever_credit_it_ha
     // 40 MiB at most: far beyond what the sockets' buffers take before the queue grows.
     let item = rpc::Bytes::from(vec![7u8; 1024]);
     for sent in 0..40 * 1024 {
-        // Once the queue is full and stays so, ready() waits: the test is over.
+        // Once the queue is full and stays so, ready() waits: the test is over. (On the paused
+        // clock the timeout fires only once nothing else can move: the socket is full and the
+        // server reads nothing.)
         let Ok(ready) = tokio::time::timeout(Duration::from_secs(1), s.ready()).await else {
             assert!(sent > 0, "the first item had room");
             break;
@@ -565,7 +567,7 @@ async fn credit_wakes_every_task_waiting_to_send_on_the_stream() {
 /// The deadline covers the whole stream, the time it waits for credit included: a client that
 /// takes one item and grants no more (nor cancels) gets the stream's end, a timeout (519), once
 /// the 200 ms it gave have passed, and the server lets the stream go.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_stream_waiting_for_credit_ends_at_its_deadline() {
     let (server, _polls) = serve().await;
     let (mut raw, _ack) = raw_client_with_window(&server, 1).await;
@@ -740,7 +742,7 @@ async fn a_slow_consumer_without_heartbeats_still_grants_what_it_took() {
 /// server's cap is free again. Before, it waited for ever, holding the slot: a few such
 /// streams took an entry from every other caller. One with a deadline (longer than the idle
 /// timeout), opened beside it, is left to its deadline.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_stream_without_a_deadline_waiting_for_credit_ends_after_the_idle_timeout() {
     let server = Server::builder()
         .add_service(FlowServer::new(Texts(Arc::new(AtomicU64::new(0)))))
