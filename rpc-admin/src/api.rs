@@ -486,9 +486,19 @@ async fn events(Shared(state): St, q: Result<Query<Limit>, QueryRejection>) -> R
     Json(json!({ "events": events })).into_response()
 }
 
-async fn stream(Shared(state): St) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
+/// `GET /api/events/stream`: the live events, each with its number as its SSE id; a reader
+/// reconnecting with `Last-Event-ID` (as a browser's `EventSource` does) gets the kept events
+/// after it first. An id that is not a number is ignored.
+async fn stream(
+    Shared(state): St,
+    headers: axum::http::HeaderMap,
+) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
     use futures_util::StreamExt;
-    let events = state.events.follow(state.stop.clone()).map(|live| {
+    let after = headers
+        .get("last-event-id")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    let events = state.events.follow(after, state.stop.clone()).map(|live| {
         Ok(match live {
             Live::Event(e) => Event::default()
                 .id(e.seq.to_string())

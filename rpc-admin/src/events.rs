@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use futures_util::Stream;
+use futures_util::{Stream, StreamExt};
 use rpc_governance::events::GovernanceEvent;
 use serde::Serialize;
 use tokio::sync::broadcast;
@@ -104,9 +104,38 @@ impl EventLog {
     /// Every event pushed from now on, until `stop` is cancelled; a follower that falls more
     /// than the feed's capacity (1024 events) behind is told how many it missed, then gets
     /// the events that follow.
-    pub(crate) fn follow(&self, stop: CancellationToken) -> impl Stream<Item = Live> + use<> {
+    ///
+    /// A follower that read up to event `after` before (a reader reconnecting, with the SSE
+    /// `Last-Event-ID`) first gets the kept events after it, then the live ones: nothing in
+    /// between is lost or repeated, since the ring is read and the feed subscribed under the
+    /// lock `push` numbers and sends under. When the ring no longer holds every event after
+    /// `after`, the follower is told how many it missed first. An `after` this process never
+    /// numbered (from before a restart) is taken as no `after`.
+    pub(crate) fn follow(
+        &self,
+        after: Option<u64>,
+        stop: CancellationToken,
+    ) -> impl Stream<Item = Live> + use<> {
         use broadcast::error::RecvError;
-        futures_util::stream::unfold((self.live.subscribe(), stop), |(mut rx, stop)| async move {
+        let (backlog, rx) = {
+            let ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
+            let rx = self.live.subscribe();
+            let last = self.seq.load(Ordering::Relaxed);
+            let mut backlog = Vec::new();
+            if let Some(after) = after.filter(|a| *a <= last) {
+                let oldest = ring.front().map_or(last + 1, |e| e.seq);
+                if oldest > after + 1 {
+                    backlog.push(Live::Missed(oldest - after - 1));
+                }
+                backlog.extend(
+                    ring.iter()
+                        .filter(|e| e.seq > after)
+                        .map(|e| Live::Event(e.clone())),
+                );
+            }
+            (backlog, rx)
+        };
+        let live = futures_util::stream::unfold((rx, stop), |(mut rx, stop)| async move {
             let next = tokio::select! {
                 biased;
                 _ = stop.cancelled() => return None,
@@ -118,7 +147,8 @@ impl EventLog {
                 Err(RecvError::Closed) => return None,
             };
             Some((live, (rx, stop)))
-        })
+        });
+        futures_util::stream::iter(backlog).chain(live)
     }
 }
 
@@ -226,7 +256,7 @@ mod tests {
         use futures_util::StreamExt;
         let log = EventLog::new(10);
         let stop = CancellationToken::new();
-        let mut follower = Box::pin(log.follow(stop.clone()));
+        let mut follower = Box::pin(log.follow(None, stop.clone()));
         log.push("client", &retry(0));
         let live = follower.next().await;
         assert!(
@@ -247,5 +277,47 @@ mod tests {
         // Stopped: it ends, though more events wait.
         stop.cancel();
         assert!(follower.next().await.is_none());
+    }
+
+    /// The numbers of the events a follower gets until it has `n` (at most 1 s).
+    async fn first_seqs(follower: impl Stream<Item = Live>, n: usize) -> Vec<String> {
+        let got = tokio::time::timeout(
+            std::time::Duration::from_secs(1),
+            follower
+                .map(|live| match live {
+                    Live::Event(e) => e.seq.to_string(),
+                    Live::Missed(m) => format!("missed {m}"),
+                })
+                .take(n)
+                .collect::<Vec<_>>(),
+        )
+        .await;
+        got.expect("the events in time")
+    }
+
+    /// A follower resuming after event `k` (the SSE `Last-Event-ID`) gets the kept events
+    /// after it, then the live ones, none twice; resuming after events the ring no longer
+    /// holds, it is told how many it missed first; an id this log never gave is no resumption.
+    #[tokio::test]
+    async fn a_follower_resuming_after_an_event_gets_the_kept_ones_after_it_first() {
+        let log = EventLog::new(4);
+        let stop = CancellationToken::new();
+        for i in 0..6 {
+            log.push("client", &retry(i));
+        }
+        // The ring keeps 3 to 6.
+        let resumed = log.follow(Some(4), stop.clone());
+        let behind = log.follow(Some(1), stop.clone());
+        let unknown = log.follow(Some(99), stop.clone());
+        log.push("server", &retry(6));
+        assert_eq!(first_seqs(resumed, 3).await, ["5", "6", "7"]);
+        assert_eq!(
+            first_seqs(behind, 6).await,
+            ["missed 1", "3", "4", "5", "6", "7"]
+        );
+        assert_eq!(first_seqs(unknown, 1).await, ["7"]);
+        let current = log.follow(Some(7), stop.clone());
+        log.push("server", &retry(7));
+        assert_eq!(first_seqs(current, 1).await, ["8"]);
     }
 }

@@ -564,6 +564,58 @@ async fn the_event_stream_delivers_an_event_a_call_caused() {
     s.admin.shutdown().await;
 }
 
+/// A reader reconnecting with `Last-Event-ID` (as a browser's `EventSource` does) gets the
+/// kept events after that one first, in order, with their ids: none lost in the gap.
+#[tokio::test]
+async fn the_event_stream_resumes_after_the_last_event_id() {
+    let s = setup().await;
+    for _ in 0..2 {
+        let e = s.echo.fail("overflow".into()).await.unwrap_err();
+        assert!(e.code().is_overflow(), "{e}");
+    }
+    // The kept events, as the ring route lists them (the oracle).
+    let kept = until(&s, "/api/events?limit=1000", |v| {
+        v["events"].as_array().is_some_and(|e| e.len() >= 2)
+    })
+    .await;
+    let seqs: Vec<u64> = kept["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["seq"].as_u64().expect("seq"))
+        .collect();
+    let mut stream = s
+        .http
+        .get(s.url("/api/events/stream"))
+        .bearer_auth(TOKEN)
+        .header("Last-Event-ID", seqs[0].to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(stream.status(), Http::OK);
+    let mut buffer = String::new();
+    let mut ids = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while ids.len() < seqs.len() - 1 {
+            while let Some(end) = buffer.find("\n\n") {
+                let message: String = buffer.drain(..end + 2).collect();
+                if let Some(id) = message.lines().find_map(|l| l.strip_prefix("id:")) {
+                    ids.push(id.trim().parse::<u64>().expect("a numeric id"));
+                }
+            }
+            if ids.len() >= seqs.len() - 1 {
+                break;
+            }
+            let chunk = stream.chunk().await.expect("read").expect("stream open");
+            buffer.push_str(std::str::from_utf8(&chunk).expect("utf-8"));
+        }
+    })
+    .await
+    .expect("the kept events within 10 s");
+    assert_eq!(ids[..seqs.len() - 1], seqs[1..]);
+    s.admin.shutdown().await;
+}
+
 #[tokio::test]
 async fn a_non_loopback_address_needs_allow_remote_and_a_token() {
     let e = Admin::builder().serve("0.0.0.0:0").await.err();
