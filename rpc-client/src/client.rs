@@ -1504,17 +1504,14 @@ impl Client {
                         });
                     }
                     let result = into_result(answer, self.inner.codec, addr);
-                    // The server answered (success, or its own verdict rather than a failure
-                    // to reach it, which moves the call on): it gave the call's answer so far.
-                    if result
-                        .as_ref()
-                        .map_or_else(|e| !e.code().is_retryable(), |_| true)
-                    {
-                        crate::answered_by::record(addr);
-                    }
+                    crate::answered_by::attempt(addr, true, &result);
                     result
                 }
-                Err(e) => Err(e),
+                Err(e) => {
+                    let failed = Err(e);
+                    crate::answered_by::attempt(addr, false, &failed);
+                    failed
+                }
             }
         }
     }

@@ -621,6 +621,8 @@ impl stack::Service for OpenAttempt<'_> {
         let span = telemetry::attempt_span(method, cx.attempt(), &addr);
         let watch =
             telemetry::AttemptWatch::new(span.clone(), cx.attempt_deadline(), cx.superseded());
+        // Whether the server answered the set-up (accepted or refused it).
+        let answered = std::sync::atomic::AtomicBool::new(false);
         let attempt = async {
             // The set-up within the attempt's deadline, the stream within the call's.
             let deadline = cx.deadline();
@@ -658,10 +660,12 @@ impl stack::Service for OpenAttempt<'_> {
                 stream_mode: 0,
                 compression,
             };
-            match conn
+            let opened = conn
                 .open_stream_within(call, self.mode, deadline, cx.attempt_deadline())
-                .await?
-            {
+                .await?;
+            // Accepted or refused, the server answered the set-up.
+            answered.store(true, std::sync::atomic::Ordering::Relaxed);
+            match opened {
                 Opened::Accepted(stream) => {
                     let at: Arc<str> = addr.clone();
                     let stream = stream.with_end_error(Box::new(move |answer| {
@@ -682,12 +686,11 @@ impl stack::Service for OpenAttempt<'_> {
             attempt.instrument(span).await
         };
         watch.finish(&result);
-        if result.as_ref().map_or_else(
-            |e| !e.code().is_retryable() && !e.is_unsupported_by_endpoint(),
-            |_| true,
-        ) {
-            crate::answered_by::record(&addr);
-        }
+        crate::answered_by::attempt(
+            &addr,
+            answered.load(std::sync::atomic::Ordering::Relaxed),
+            &result,
+        );
         result
     }
 

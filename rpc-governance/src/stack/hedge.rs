@@ -260,8 +260,9 @@ impl<S: Service> HedgeLayer<S> {
                 }
             },
         };
-        if let Some(by) = lock(&answered[from]).as_deref() {
-            rpc_core::answered::record(by);
+        match lock(&answered[from]).as_deref() {
+            Some(by) => rpc_core::answered::record(by),
+            None => rpc_core::answered::record_nobody(),
         }
         if superseded.is_set() {
             rpc_core::superseded::superseding(|| {

@@ -508,3 +508,68 @@ async fn a_507_a_hand_written_service_passes_on_does_not_send_the_call_elsewhere
         }
     }
 }
+
+#[rpc::service(name = "t.Other")]
+trait Other {
+    async fn ping(&self) -> Result<(), RpcError>;
+}
+
+struct Pong;
+
+impl Other for Pong {
+    async fn ping(&self) -> Result<(), RpcError> {
+        Ok(())
+    }
+}
+
+/// `answered_by` names the endpoint whose answer the call returns. Two endpoints and one
+/// retry: one serves another service (an entry it does not have: 507, which moves the call
+/// on without deciding it), the other is at a cap of 0 (515). Whichever comes first, the call
+/// returns the 515 (after the 507, or deciding on it after the detour to the 507), and the
+/// endpoint named is the full one. Before, the one answering 507 was named either way.
+#[tokio::test]
+async fn answered_by_names_the_endpoint_whose_answer_the_call_returns() {
+    let other = Server::builder()
+        .add_service(OtherServer::new(Pong))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let (tx, _entered) = mpsc::unbounded_channel();
+    let full = Server::builder()
+        .max_concurrency(0)
+        .add_service(FailServer::new(Node {
+            name: "full".into(),
+            writes: AtomicUsize::new(0),
+            stuck: AtomicUsize::new(0),
+            entered: tx,
+        }))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let full_addr = full.local_addr().to_string();
+    let list = format!("{},{full_addr}", other.local_addr());
+    let fail = FailClient::new(
+        Client::builder()
+            .registry(rpc::StaticRegistry::from_list(&list).expect("list"))
+            .override_options(
+                FailClient::SERVICE_ID,
+                rpc::GovernanceOverrides {
+                    retry_times: Some(1),
+                    retry_interval_ms: Some(0),
+                    // The refusals would open it: the calls must reach both endpoints.
+                    enable_circuit_breaker: Some(false),
+                    ..rpc::GovernanceOverrides::NONE
+                },
+            )
+            .build(),
+    );
+    // Round robin: both orders come up within a few calls.
+    for _ in 0..4 {
+        let (result, by) = answered_by(within("read", fail.read())).await;
+        let e = result.expect_err("the full server refuses");
+        assert!(e.code().is_overflow(), "{e}");
+        assert_eq!(by.as_deref(), Some(full_addr.as_str()), "{e}");
+    }
+    within("shutdown", other.shutdown()).await;
+    within("shutdown", full.shutdown()).await;
+}
