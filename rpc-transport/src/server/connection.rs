@@ -15,7 +15,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::admission::{throttle_at, CallRate, FrameCtx};
 use super::calls::{Conn, ConnCleanup, Handoff};
-use super::drain::drain;
+use super::drain::{drain, finish_half_closed};
 use super::expansion::{ExpansionBudget, Unpacker};
 use super::handler::{go_away, InvokeHandler};
 use super::handshake::handshake;
@@ -197,6 +197,8 @@ pub(super) async fn run_connection<R, W>(
     tokio::pin!(held_check);
     // The GoAway's status when the loop ends with a reason: 500 unless said otherwise.
     let mut end_status = StatusCode::FrameworkError;
+    // The loop ended on the end of the client's input (a close, or a half-close).
+    let mut half_closed = false;
     let ended: Option<String> = loop {
         // Calls just read run in tasks of their own: at the in-flight limit, let them run once
         // before refusing more, so that a client pipelining calls that finish at once is not
@@ -303,12 +305,18 @@ pub(super) async fn run_connection<R, W>(
         };
         frames_seen += 1;
         let call = matches!(next, Some(Ok(Incoming::Invoke(_))));
+        let input_ended = next.is_none();
         if let Err(end) = ctx.on_frame(next, false) {
+            half_closed = input_ended;
             break end;
         }
         throttled = call && throttle_at(&mut rate, throttle.as_mut());
     };
 
+    if ended.is_none() && half_closed && !shutdown.is_cancelled() {
+        // The client may still read: its calls in flight are answered first.
+        finish_half_closed(&ctx, shutdown).await;
+    }
     let reason = match ended {
         Some(reason) => Some(reason),
         None if shutdown.is_cancelled() => {

@@ -8,6 +8,7 @@ use rpc_core::wire::frame::Kind;
 use rpc_core::StatusCode;
 use tokio::io::AsyncRead;
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 use super::admission::FrameCtx;
 use super::handler::{error_result, go_away};
@@ -77,22 +78,8 @@ pub(super) async fn drain<R: AsyncRead + Unpin>(
         };
         if next.is_none() {
             input_ended = true;
-            // A stream needs the client's side to go on (credit, items, its end) and cannot
-            // finish now: it is answered at once, as at the drain deadline. A unary call can.
-            let streams: Vec<_> = {
-                let mut tasks = conn.tasks();
-                let ids: Vec<u64> = tasks
-                    .keys()
-                    .copied()
-                    .filter(|id| conn.streams.get(*id).is_some())
-                    .collect();
-                ids.into_iter()
-                    .filter_map(|id| tasks.remove(&id).map(|t| (id, t)))
-                    .collect()
-            };
-            end_at_drain(
+            end_streams(
                 ctx,
-                streams,
                 "the client closed its side of the connection while the server was draining: \
                  the stream cannot go on; it may have partly run",
             );
@@ -118,6 +105,56 @@ pub(super) async fn drain<R: AsyncRead + Unpin>(
         ),
     );
     None
+}
+
+/// The client closed its side of the connection (a half-close: it sends nothing more, and
+/// may still read) while the server was not draining: the calls in flight are finished and
+/// answered, as in a drain but with no `GoAway` (closing at once would drop them unanswered,
+/// and the client could not tell they ran); streams, which need the client's side to go on,
+/// are answered at once. Returns once every answer is written, once nothing more can be
+/// written (the client is gone), or once the server begins to shut down (the drain then takes
+/// over, with its deadline).
+pub(super) async fn finish_half_closed(ctx: &FrameCtx<'_>, shutdown: &CancellationToken) {
+    let conn = ctx.conn;
+    end_streams(
+        ctx,
+        "the client closed its side of the connection: the stream cannot go on; it may have \
+         partly run",
+    );
+    loop {
+        // In this order, as in `drain`: an answer is queued before its call leaves the calls
+        // in flight.
+        let finished = conn.in_flight.load(Ordering::Acquire) == 0;
+        let unsent = conn.sender.backlog().bytes();
+        if finished && unsent == 0 {
+            return;
+        }
+        tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => return,
+            _ = conn.sender.backlog().stopped() => return,
+            _ = conn.idle.notified() => {}
+            _ = conn.sender.backlog().written(), if finished => {}
+        }
+    }
+}
+
+/// Answers the streams in flight at once with 520 and `why`: each needs the client's side of
+/// the connection (credit, items, its end), which has ended. Unary calls are left to finish.
+fn end_streams(ctx: &FrameCtx<'_>, why: &str) {
+    let conn = ctx.conn;
+    let streams: Vec<_> = {
+        let mut tasks = conn.tasks();
+        let ids: Vec<u64> = tasks
+            .keys()
+            .copied()
+            .filter(|id| conn.streams.get(*id).is_some())
+            .collect();
+        ids.into_iter()
+            .filter_map(|id| tasks.remove(&id).map(|t| (id, t)))
+            .collect()
+    };
+    end_at_drain(ctx, streams, why);
 }
 
 /// Stops the calls `dropped` (taken out of the connection's tasks) and answers each 520 with

@@ -311,6 +311,37 @@ async fn a_client_half_closing_during_the_drain_still_gets_its_answers() {
     within("shutdown", shutdown).await.expect("join");
 }
 
+/// A client that closes its sending side (it will send nothing more, and still reads) gets
+/// the answers of its calls in flight, the server not shutting down. Before, the server closed
+/// the connection on the end of its input and dropped the running call unanswered: the client
+/// could not tell whether it ran. (On the paused clock: the second it waits before the handler
+/// answers passes only once the server has read the end of the client's input.)
+#[tokio::test(start_paused = true)]
+async fn a_client_half_closing_its_side_still_gets_its_answers() {
+    let (n, mut probe) = node("only");
+    let server = builder(&n).serve("127.0.0.1:0").await.expect("serve");
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.handshake().await;
+    raw.send(rpc::crates::core::wire::frame::Kind::Invoke(life_call(
+        "hold", 1,
+    )))
+    .await
+    .expect("the call");
+    recv_one("the call entered its handler", &mut probe.entered).await;
+    raw.half_close().await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    n.release.add_permits(1);
+    let answer = raw.next_result("the call's answer").await;
+    assert_eq!(
+        (answer.message_id, answer.status_code),
+        (1, 200),
+        "{answer:?}"
+    );
+    // Every answer written: the server closes.
+    raw.expect_closed().await;
+    within("shutdown", server.shutdown()).await;
+}
+
 /// A pool retiring an endpoint's connections (the endpoint left the registry) cuts off no call:
 /// a connection carrying one takes no new call from then on (a call about to be sent on it
 /// fails as not sent, to go elsewhere, instead of being sent and then cut off, maybe
