@@ -386,6 +386,22 @@ async fn choosing_enforce_in_the_rules_editor_enforces_a_policy_a_lower_level_ob
                    && document.getElementById('rules-observe-breaker').value === 'observe';",
             )
             .await;
+            // A document that does not set the flag says neither observe nor enforce, and
+            // "not set" takes the line out.
+            let read = browser
+                .execute(
+                    "return [observed('[defaults]\\ntimeout_ms = 1\\n', 'breaker'), \
+                       observed('[defaults]\\nbreaker_observe = false\\n', 'breaker'), \
+                       setObserved('[defaults]\\nbreaker_observe = true\\nx = 1\\n', \
+                                   'breaker', 'unset')];",
+                    vec![],
+                )
+                .await
+                .expect("the control's reading");
+            assert_eq!(
+                read,
+                serde_json::json!(["unset", "enforce", "[defaults]\nx = 1\n"])
+            );
             let select = shows(
                 &browser,
                 "the breaker's control",
