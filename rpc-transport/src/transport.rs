@@ -57,18 +57,22 @@ pub trait Stream: AsyncRead + AsyncWrite + Unpin + Send + Sync + 'static {
 /// after whole frames reads to the peer as "that was everything": a client then takes the
 /// calls still unanswered after a drain's `GoAway` for calls the server never read, and sends
 /// them elsewhere. A reset leaves no such doubt: the connection broke.
-pub trait Abortive {
-    /// Makes the connection's close a reset (TCP: `SO_LINGER` 0), for a writer giving up with
-    /// frames unwritten. The default does nothing: a transport that cannot (a Unix socket, an
-    /// in-memory pipe, TLS over a split stream, whose missing `close_notify` the peer reads as
-    /// an error anyway) closes as it would.
-    fn reset_on_close(&self) {}
+pub trait Abortive: Sized {
+    /// Lets go of the writing half so that the connection's close is a reset (TCP:
+    /// `SO_LINGER` 0, and no orderly shutdown of the write half, whose end of stream would
+    /// reach the peer first and read as the end), for a writer giving up with frames
+    /// unwritten. The default just drops it: a transport that cannot (a Unix socket, an
+    /// in-memory pipe, TLS over a split stream, whose missing `close_notify` the peer reads
+    /// as an error anyway) closes as it would.
+    fn reset(self) {}
 }
 
 impl Abortive for tokio::net::tcp::OwnedWriteHalf {
-    fn reset_on_close(&self) {
+    fn reset(self) {
         // Best effort: a socket that refuses closes in order.
         let _ = self.as_ref().set_zero_linger();
+        // The socket closes with its read half, then: by a reset.
+        self.forget();
     }
 }
 

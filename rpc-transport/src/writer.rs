@@ -451,20 +451,38 @@ async fn write_loop<W: AsyncWrite + Abortive + Unpin>(
     in_flight: Arc<AtomicUsize>,
     close: CancellationToken,
 ) {
-    let mut wr = wr;
-    let complete = write_batches(&ends.0, &mut wr, in_flight, &ends.1, close).await;
+    let mut half = ResetUnlessClosed(Some(wr));
+    let wr = half.0.as_mut().expect("held until the end");
+    let complete = write_batches(&ends.0, wr, in_flight, &ends.1, close).await;
     // Later sends fail from here on.
     drop(ends);
     if !complete {
         // Frames were left unwritten (given up after the close, or the write failed): the
-        // connection ends with a reset, not a close that would read as "that was all".
-        wr.reset_on_close();
+        // connection ends with a reset, not a close that would read as "that was all" (the
+        // guard's drop).
         return;
     }
     // The reader is not stopped here: after a failed write it still reads what the peer sent
     // before closing (a GoAway saying which calls it never read), then sees the close itself.
     // (Bounded: a TLS stream's shutdown writes, to a peer that may not read.)
     let _ = tokio::time::timeout(CLOSE_GRACE, wr.shutdown()).await;
+    // Closed in order: dropped as it is.
+    half.0 = None;
+}
+
+/// A writer's end of the connection, which closes with a reset unless the writer closed it in
+/// order: when frames were left unwritten, and when the writer's task is dropped before it
+/// finished (its runtime shut down with the process, the queue perhaps holding the drain's
+/// last answers). A close in order would read to the peer as "that was all", and a client
+/// would take the calls it still waits for as never read.
+struct ResetUnlessClosed<W: Abortive>(Option<W>);
+
+impl<W: Abortive> Drop for ResetUnlessClosed<W> {
+    fn drop(&mut self) {
+        if let Some(wr) = self.0.take() {
+            wr.reset();
+        }
+    }
 }
 
 /// Closes a writer's queue and tells that it stopped, when dropped: should the writer's task

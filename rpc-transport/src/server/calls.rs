@@ -9,6 +9,7 @@ use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use rpc_core::wire::{frame::Kind, RemoteResultMessage};
+use rpc_core::StatusCode;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
@@ -72,8 +73,22 @@ pub(super) struct ConnCleanup {
 impl Drop for ConnCleanup {
     fn drop(&mut self) {
         // Work for a client that is gone (or past the drain deadline) is dropped.
+        let mut dropped = 0;
         for (_, h) in self.conn.tasks().drain() {
             h.abort();
+            dropped += 1;
+        }
+        if dropped > 0 {
+            // Calls read and not answered (the server stopped at once, or its task was
+            // aborted): should the client still read, it learns they may have run, whatever
+            // GoAway came before (a drain's 200 says every call read is answered).
+            self.conn.sender.send(super::handler::go_away(
+                StatusCode::ServerError,
+                format!(
+                    "the server stopped at once: {dropped} calls still running were dropped \
+                     and may have partly run"
+                ),
+            ));
         }
         self.conn.runners.close();
         self.close.cancel();
