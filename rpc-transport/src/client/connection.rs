@@ -399,7 +399,7 @@ impl Connection {
             ));
         }
         if !self.is_usable() {
-            return Err(comm_error(&shared.peer, "connection closed"));
+            return Err(shared.takes_no_call_error());
         }
         if let Some(e) = shared.over_attachment_limits(&call) {
             return Err(e);
@@ -436,7 +436,7 @@ impl Connection {
                 // The reader ended (or the connection was retired) between the check above
                 // and the insert: it will not see this call, so it must not wait.
                 guard.disarm_quietly();
-                return Poll::Ready(Err(comm_error(&shared.peer, "connection closed")));
+                return Poll::Ready(Err(shared.takes_no_call_error()));
             }
             // Measured with the id it goes with, now known.
             if let Some(e) = shared.over_frame_limit(&call, guard.id) {
@@ -445,7 +445,7 @@ impl Connection {
             }
             if !shared.sender.send_call(guard.id, call) {
                 guard.disarm_quietly();
-                return Poll::Ready(Err(comm_error(&shared.peer, "connection closed")));
+                return Poll::Ready(Err(shared.takes_no_call_error()));
             }
             // Only once the call is queued: a sweeper woken earlier could queue its Cancel
             // ahead of it, which the server, not knowing the id yet, would drop. (A sweep
@@ -558,7 +558,7 @@ impl Connection {
             ));
         }
         if !self.is_usable() {
-            return Err(comm_error(&shared.peer, "connection closed"));
+            return Err(shared.takes_no_call_error());
         }
         call.stream_mode = mode as i32;
         if let Some(e) = shared.over_attachment_limits(&call) {
@@ -593,7 +593,7 @@ impl Connection {
         let accepted = ClientStream::new(self.clone(), (id, mode), stream.clone());
         if shared.takes_no_call() || !shared.sender.send_call(id, call) {
             // The reader may not see this stream: it must not wait.
-            return Err(comm_error(&shared.peer, "connection closed"));
+            return Err(shared.takes_no_call_error());
         }
         // (Once queued, as for a call.)
         shared.cancel_again_if_swept(id, deadline_ms, sweeps);
@@ -661,18 +661,13 @@ impl Connection {
                 // Nor once this client retired it (its endpoint left the registry).
                 // No fault of the endpoint's: another serves the call, and nothing is held
                 // against this one, which nobody lists any longer.
-                return Err(comm_error(
-                    &shared.peer,
-                    "the call was not sent: the endpoint left the registry, and its connection \
-                     takes no new calls",
-                )
-                .unsupported_by_endpoint(true));
+                return Err(shared.takes_no_call_error());
             }
             if backlog.bytes() <= max {
                 return Ok(());
             }
             if shared.closed.load(Ordering::Acquire) {
-                return Err(comm_error(&shared.peer, "connection closed"));
+                return Err(shared.takes_no_call_error());
             }
             if backlog.is_stopped() {
                 // A write failed (or the connection closed): what is queued will never be
@@ -694,7 +689,7 @@ impl Connection {
             tokio::select! {
                 _ = room => {}
                 _ = shared.close.cancelled() => {
-                    return Err(comm_error(&shared.peer, "connection closed"));
+                    return Err(shared.takes_no_call_error());
                 }
                 _ = sleep_until_or_never(deadline) => {
                     return Err(RpcError::new(

@@ -239,6 +239,23 @@ impl Shared {
     }
 }
 
+impl Shared {
+    /// Why the connection took no new call: retired by this client (its endpoint left the
+    /// registry), which says nothing of the endpoint's health and lets the call go elsewhere
+    /// (as not sent, by an endpoint that cannot serve it); else closed.
+    pub(super) fn takes_no_call_error(&self) -> RpcError {
+        if self.retired.load(Ordering::SeqCst) {
+            return comm_error(
+                &self.peer,
+                "the call was not sent: the endpoint left the registry, and its connection \
+                 takes no new calls",
+            )
+            .unsupported_by_endpoint(true);
+        }
+        comm_error(&self.peer, "connection closed")
+    }
+}
+
 pub(super) fn comm_error(peer: &str, what: impl std::fmt::Display) -> RpcError {
     RpcError::new(StatusCode::CommunicationError, format!("{peer}: {what}"))
 }

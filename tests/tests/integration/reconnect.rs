@@ -367,6 +367,9 @@ async fn a_pool_retiring_an_endpoint_cuts_off_no_call_and_sends_it_none_meanwhil
         .expect_err("not sent on a retired connection");
     assert_eq!(refused.code(), StatusCode::CommunicationError, "{refused}");
     assert!(!refused.is_maybe_delivered(), "never sent: {refused}");
+    // No fault of the endpoint's, nothing to hold against its health: it left the registry.
+    assert!(refused.is_unsupported_by_endpoint(), "{refused}");
+    assert!(refused.message().contains("left the registry"), "{refused}");
     n.release.add_permits(1);
     let answer = within("the call in flight", held)
         .await
