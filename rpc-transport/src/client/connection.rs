@@ -166,6 +166,9 @@ impl Connection {
                     if ack.protocol_version != 0 && ack.protocol_version != PROTOCOL_VERSION =>
                 {
                     close.cancel();
+                    // This endpoint cannot serve the call, nothing was sent, and its health is
+                    // not in question (an instance of another version in a rolling upgrade):
+                    // the call goes on to another, and no breaker counts it.
                     return Err(RpcError::new(
                         StatusCode::FrameworkError,
                         format!(
@@ -174,7 +177,8 @@ impl Connection {
                              protocol",
                             ack.protocol_version
                         ),
-                    ));
+                    )
+                    .unsupported_by_endpoint(true));
                 }
                 Some(Ok(Answer::Frame(Kind::HelloAck(ack)))) => {
                     let streams = options.streams && ack.streams;
@@ -218,6 +222,17 @@ impl Connection {
                         return Err(comm_error(
                             addr,
                             format!("the server is shutting down: {}", g.reason),
+                        ));
+                    }
+                    // The handshake refused (its version or client id, or its time), not the
+                    // call: nothing was sent, and another endpoint may take it. (A refused
+                    // token and a server at its connection cap keep their status: the first
+                    // is the caller's to mend, the second an overflow, retried as one.)
+                    let code = StatusCode::from_u32(g.status_code);
+                    if matches!(code, StatusCode::FrameworkError | StatusCode::Timeout) {
+                        return Err(comm_error(
+                            addr,
+                            format!("the server refused the handshake ({code:?}): {}", g.reason),
                         ));
                     }
                     return Err(RpcError::new(

@@ -373,6 +373,47 @@ async fn a_handshake_answered_in_another_protocol_version_is_refused() {
         e.message().contains("protocol version 2") && e.message().contains("speaks 1"),
         "{e}"
     );
+    // Not the call's failure, nor the endpoint's health: a call goes on to another endpoint,
+    // and no breaker counts it.
+    assert!(e.is_unsupported_by_endpoint(), "{e}");
+    assert!(!e.is_maybe_delivered(), "{e}");
+    within("the server sees the close", server)
+        .await
+        .expect("server");
+}
+
+/// A server refusing the handshake itself (GoAway 500: a client id or version it does not
+/// take) refused the connection, not a call: the error is a communication error of a call
+/// never sent, which goes on to another endpoint, not a 500 the breaker would count against
+/// the entry.
+#[tokio::test]
+async fn a_handshake_refused_by_the_server_is_a_connection_failure_of_a_call_never_sent() {
+    use rpc::crates::core::wire::GoAway;
+    use rpc::crates::transport::{ConnectOptions, Connection};
+    let (listener, addr) = common::raw_listener().await;
+    let server = tokio::spawn(async move {
+        let (stream, _) = listener.accept().await.expect("accept");
+        let mut peer = RawConn::from_stream(stream);
+        assert!(matches!(peer.recv().await, Some(Kind::Hello(_))));
+        peer.send(Kind::GoAway(GoAway {
+            status_code: StatusCode::FrameworkError.as_u32(),
+            reason: "the client id is not one this server takes".into(),
+        }))
+        .await
+        .expect("GoAway");
+        while peer.recv().await.is_some() {}
+    });
+    let Err(e) = within(
+        "connect",
+        Connection::connect(&addr.to_string(), &ConnectOptions::default()),
+    )
+    .await
+    else {
+        panic!("a refused handshake was taken");
+    };
+    assert_eq!(e.code(), StatusCode::CommunicationError, "{e}");
+    assert!(!e.is_maybe_delivered(), "{e}");
+    assert!(e.message().contains("client id is not one"), "{e}");
     within("the server sees the close", server)
         .await
         .expect("server");
