@@ -599,7 +599,8 @@ impl Dispatcher {
             deadline.map(|(d, _)| d),
             &self.calls,
             entry,
-        );
+        )
+        .reporting_timeouts(&self.events, entry, caller);
         // Most handlers answer in their first poll. When the server is told its handlers never
         // block (`inline_first_poll`), that poll is made here, on the connection's reader, in
         // the call's context, span and inherited deadline, so such a call is answered without
@@ -685,7 +686,8 @@ impl Dispatcher {
             deadline.map(|(d, _)| d),
             &self.calls,
             method.entry_id,
-        );
+        )
+        .reporting_timeouts(&self.events, method.entry_id, caller);
         let mut req = ServerRequest {
             method,
             caller: caller.clone(),

@@ -151,6 +151,7 @@ pub(crate) fn dispatch(
     Dispatch::Events(Box::pin(ServerStream::new(
         d,
         route,
+        caller,
         (span, trace),
         (setup, deadline, cause),
         Some(permit),
@@ -259,6 +260,7 @@ fn layered(
     Dispatch::Events(Box::pin(ServerStream::new(
         d,
         route,
+        caller,
         (span, trace),
         (setup, deadline, cause),
         None,
@@ -399,9 +401,11 @@ impl ServerStream {
     /// A stream of `route` whose handler `setup` is to run within `deadline`, holding `permit`
     /// (its entry's slot, or `None` when the end of a layer chain takes it), with the caller's
     /// items counted in `received` and the layers' `end_hooks`.
+    #[allow(clippy::too_many_arguments)]
     fn new(
         d: &Dispatcher,
         route: &Route,
+        caller: &Arc<Caller>,
         (span, carried): (tracing::Span, telemetry::Carried),
         (setup, deadline, fallback_cause): (StreamFuture, Option<(Instant, u32)>, FallbackCause),
         permit: Option<Slot>,
@@ -426,7 +430,8 @@ impl ServerStream {
                 deadline.map(|(d, _)| d),
                 &d.calls,
                 entry,
-            ),
+            )
+            .reporting_timeouts(&d.events, entry, caller),
             fallback_cause,
             carried,
             send_panic_text: d.send_panic_text,

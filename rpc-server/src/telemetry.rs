@@ -16,6 +16,8 @@ use rpc_core::{
     Compression, MethodDescriptor, RpcError, StatusCode, CALL_ID_KEY, TRACE_CONTEXT_KEYS,
 };
 use rpc_governance::calls::{CallObservers, Side};
+use rpc_governance::events::{EventBus, EventKind};
+use std::sync::Arc;
 use tokio::time::Instant;
 use tracing::field::Empty;
 use tracing::Span;
@@ -121,6 +123,9 @@ pub(crate) struct CallWatch {
     deadline: Option<Instant>,
     /// The server's call observers and the entry, when any observes calls.
     observed: Option<(CallObservers, &'static str)>,
+    /// Where a call that ends at the caller's deadline (519) is reported: the server's event
+    /// bus, the entry and its caller (event `timeout`).
+    timeouts: Option<(EventBus, &'static str, Arc<rpc_transport::Caller>)>,
     done: bool,
 }
 
@@ -156,7 +161,36 @@ impl CallWatch {
             started: watched.then(Instant::now),
             deadline,
             observed,
+            timeouts: None,
             done: false,
+        }
+    }
+
+    /// Reports a call of `entry` from `caller` that ends at its deadline (519, whether its
+    /// handler failed at it or was dropped there) as event `timeout` on `events`, as a client
+    /// reports its own.
+    pub(crate) fn reporting_timeouts(
+        mut self,
+        events: &EventBus,
+        entry: &'static str,
+        caller: &Arc<rpc_transport::Caller>,
+    ) -> Self {
+        self.timeouts = Some((events.clone(), entry, caller.clone()));
+        self
+    }
+
+    /// Event `timeout`, when reported, with `why`.
+    fn timed_out(&self, why: &str) {
+        if let Some((events, entry, caller)) = &self.timeouts {
+            self.span.in_scope(|| {
+                events.emit_parts(
+                    EventKind::Timeout,
+                    &Arc::from(*entry),
+                    Some(&caller.peer().to_string()),
+                    0,
+                    Some(why.to_string()),
+                )
+            });
         }
     }
 
@@ -195,6 +229,9 @@ impl CallWatch {
             }
             (Err(e), fallback) => {
                 let code = crate::dispatch::sent_code(e);
+                if code == StatusCode::Timeout {
+                    self.timed_out(e.message());
+                }
                 let outcome = code.outcome();
                 self.span.record("outcome", outcome);
                 if let Some(cause) = fallback {
@@ -255,6 +292,9 @@ impl Drop for CallWatch {
         let (status, outcome) = why.recorded();
         self.metrics.dropped(status, outcome);
         self.tell(status, outcome);
+        if matches!(why, Dropped::Timeout) {
+            self.timed_out("the handler was dropped at the caller's deadline");
+        }
         if self.span.is_disabled() {
             return;
         }

@@ -271,6 +271,7 @@ async fn a_failure_past_the_deadline_is_the_timeout_however_the_handler_was_poll
             .serve("127.0.0.1:0")
             .await
             .expect("serve");
+        let mut events = server.events().subscribe();
         let mut raw = RawConn::connect(server.local_addr()).await;
         raw.handshake().await;
         raw.send(Kind::Invoke(RemoteInvokeMessage {
@@ -288,6 +289,25 @@ async fn a_failure_past_the_deadline_is_the_timeout_however_the_handler_was_poll
         assert!(
             answer.exception_message.contains("downstream failed"),
             "inline {inline}: {answer:?}"
+        );
+        // The server reports it as a client reports its own timeouts: event `timeout`.
+        let event = within("the timeout event", async {
+            loop {
+                let e = events.recv().await.expect("events");
+                if e.kind == rpc::EventKind::Timeout {
+                    break e;
+                }
+            }
+        })
+        .await;
+        assert_eq!(&*event.entry, "t.Late.late", "{event:?}");
+        assert!(
+            event
+                .cause
+                .as_deref()
+                .unwrap_or("")
+                .contains("downstream failed"),
+            "{event:?}"
         );
     }
 }
