@@ -148,7 +148,10 @@ impl Terminal {
                     .catch_unwind()
                     .await;
             req.fallback_cause = cause.get();
-            let items = settle(items, &self.entry, self.send_panic_text)?;
+            // Failed past the deadline: the layers see the timeout the caller gets, as for a
+            // unary call.
+            let items = settle(items, &self.entry, self.send_panic_text)
+                .map_err(|e| past_deadline(e, req.deadline, &self.entry))?;
             *opened
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner) =
@@ -729,7 +732,10 @@ impl Dispatcher {
                     ))),
                 },
             };
-            let result = settle(outcome, entry, send_panic_text);
+            // A failure past the deadline (the handler's, a panic, a layer's own) is the
+            // timeout, whichever path the call took.
+            let result = settle(outcome, entry, send_panic_text)
+                .map_err(|e| past_deadline(e, deadline, entry));
             req.take_reported();
             let cause = req.fallback_cause;
             // A call answered by a layer, or refused at admission, reports the load it found.
@@ -776,10 +782,11 @@ impl CallFuture {
     /// Takes the handler's outcome: the answer, or `None` when the fallback now runs.
     fn settle(&mut self, outcome: Outcome) -> Option<RemoteResultMessage> {
         let entry = self.guarded.entry;
-        match (
-            settle(outcome, entry, self.send_panic_text),
-            self.fallback.take(),
-        ) {
+        // A failure past the deadline (a panic too) is the timeout, whichever path the call
+        // took.
+        let settled = settle(outcome, entry, self.send_panic_text)
+            .map_err(|e| past_deadline(e, self.guarded.deadline, entry));
+        match (settled, self.fallback.take()) {
             (Err(e), Some(fb)) if fb.runs_for(&e, self.guarded.deadline) => {
                 let (codec, deadline) = (self.codec, self.guarded.deadline);
                 self.running_fallback = Some((

@@ -466,6 +466,10 @@ impl ServerStream {
     }
 
     fn end(&mut self, result: Result<Bytes, RpcError>) -> Poll<Option<StreamEvent>> {
+        // A failure at or past the caller's deadline (of the set-up, an item, a panic, the
+        // layers) is the timeout, as a unary call's is.
+        let result =
+            result.map_err(|e| crate::dispatch::past_deadline(e, self.deadline, self.entry));
         // (The load the answer reports still counts this stream, as a unary call's does.)
         let load = self.admission.load();
         let set_up = self.release();
@@ -693,12 +697,7 @@ impl ServerStream {
                     this.accepted = true;
                     return Poll::Ready(Some(StreamEvent::Accepted));
                 }
-                // Failed past the caller's deadline: the timeout, as a unary answer would be.
-                Ok(Poll::Ready(Err(e))) => Ok(Err(crate::dispatch::past_deadline(
-                    e,
-                    this.deadline,
-                    this.entry,
-                ))),
+                Ok(Poll::Ready(Err(e))) => Ok(Err(e)),
                 Err(panic) => Err(panic),
             };
             let result = settle(outcome, this.entry, this.send_panic_text);

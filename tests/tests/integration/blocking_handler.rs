@@ -237,24 +237,34 @@ async fn an_inline_first_poll_is_the_only_poll_on_the_reader() {
 trait Late {
     /// Works past any short deadline, then fails (as a downstream call it bounded would).
     async fn late(&self) -> Result<(), RpcError>;
+    /// Works past any short deadline, then panics.
+    async fn late_panic(&self) -> Result<(), RpcError>;
+}
+
+/// Holds its thread until the caller's deadline has passed, as the handler sees it (bounded,
+/// should the deadline never reach it).
+fn overrun() {
+    let bound = std::time::Instant::now() + common::LIMIT;
+    while !rpc::crates::governance::timeout::inherited_passed() && std::time::Instant::now() < bound
+    {
+        std::thread::yield_now();
+    }
 }
 
 struct Overrun;
 
 impl Late for Overrun {
     async fn late(&self) -> Result<(), RpcError> {
-        // Holds its thread until the caller's deadline has passed, as the handler sees it
-        // (bounded, should the deadline never reach it).
-        let bound = std::time::Instant::now() + common::LIMIT;
-        while !rpc::crates::governance::timeout::inherited_passed()
-            && std::time::Instant::now() < bound
-        {
-            std::thread::yield_now();
-        }
+        overrun();
         Err(RpcError::new(
             rpc::StatusCode::FrameworkError,
             "downstream failed",
         ))
+    }
+
+    async fn late_panic(&self) -> Result<(), RpcError> {
+        overrun();
+        panic!("the handler broke at the deadline");
     }
 }
 
@@ -309,5 +319,43 @@ async fn a_failure_past_the_deadline_is_the_timeout_however_the_handler_was_poll
                 .contains("downstream failed"),
             "{event:?}"
         );
+    }
+}
+
+/// A handler panicking past the caller's deadline is answered as the timeout (519) naming the
+/// panic, as any other failure past it is, on a server with layers or without, inline or in a
+/// task. Before, a panic was 520 there but 519 on a stream, or through a server fallback.
+#[tokio::test]
+async fn a_panic_past_the_deadline_is_the_timeout_on_every_path() {
+    for (inline, layered) in [(false, false), (true, false), (false, true)] {
+        let mut builder = Server::builder()
+            .inline_first_poll(inline)
+            .add_service(LateServer::new(Overrun));
+        if layered {
+            builder = builder.layer(rpc::server_layer_fn(|req, next| {
+                Box::pin(async move { next.run(req).await })
+            }));
+        }
+        let server = builder.serve("127.0.0.1:0").await.expect("serve");
+        let mut raw = RawConn::connect(server.local_addr()).await;
+        raw.handshake().await;
+        raw.send(Kind::Invoke(RemoteInvokeMessage {
+            message_id: 1,
+            service_entry_id: "t.Late.late_panic".into(),
+            codec: Codec::MsgPack.to_wire(),
+            parameters: no_args().into(),
+            timeout_ms: 1,
+            ..Default::default()
+        }))
+        .await
+        .expect("send");
+        let answer = raw.recv_end().await;
+        let path = format!("inline {inline}, layered {layered}");
+        assert_eq!(answer.status_code, 519, "{path}: {answer:?}");
+        assert!(
+            answer.exception_message.contains("panicked"),
+            "{path}: {answer:?}"
+        );
+        within("shutdown", server.shutdown()).await;
     }
 }
