@@ -308,9 +308,17 @@ pub(crate) fn with_fallback(
     let to = to.clone();
     let cause = cause.clone();
     Box::pin(async move {
+        // Stopped at the caller's deadline with the set-up still running (the stream ends
+        // 519): the fallback that would answer for that timeout does not start, as for a
+        // unary call, and `fallback_skipped` says so.
+        let mut at_deadline = SkippedAtDeadline {
+            to: Some(to.clone()),
+            deadline,
+        };
         // A set-up that panics failed as a unary handler that panics does (520), so the
         // fallback answers for it too.
         let outcome = futures_util::FutureExt::catch_unwind(AssertUnwindSafe(setup)).await;
+        at_deadline.to = None;
         let e = match settle(outcome, &to.entry_id, to.send_panic_text) {
             Err(e) if fallback::applies(&e, fallback::Side::Server) => e,
             other => return other,
@@ -339,6 +347,29 @@ pub(crate) fn with_fallback(
         .await;
         fallback::outcome(&to.entry_id, e, answer)
     })
+}
+
+/// While a stream's set-up runs under a server fallback: dropped then (the stream stopped),
+/// once the caller's deadline has passed, the fallback's `fallback_skipped` for that timeout.
+struct SkippedAtDeadline {
+    to: Option<Arc<crate::dispatch::FallbackTo>>,
+    deadline: Option<(Instant, u32)>,
+}
+
+impl Drop for SkippedAtDeadline {
+    fn drop(&mut self) {
+        let (Some(to), Some((_, budget_ms))) = (&self.to, self.deadline) else {
+            return;
+        };
+        let timeout = RpcError::new(
+            StatusCode::Timeout,
+            format!(
+                "{} ran out of the caller's {budget_ms} ms budget; the set-up was stopped",
+                to.entry_id
+            ),
+        );
+        to.skipped_past(self.deadline, &timeout);
+    }
 }
 
 /// The handler's stream `setup`, its failure sent as a unary handler's is (see

@@ -95,6 +95,8 @@ struct Market {
     down: Arc<AtomicBool>,
     panics: Arc<AtomicBool>,
     late: Arc<AtomicBool>,
+    /// While set, `prices`' set-up never finishes (it waits, as on a dependency that hangs).
+    hangs: Arc<AtomicBool>,
     setups: Arc<AtomicU64>,
 }
 
@@ -122,6 +124,9 @@ impl Market {
 impl Stocks for Market {
     async fn prices(&self, n: u32) -> Result<RpcStream<u32>, RpcError> {
         self.setup()?;
+        if self.hangs.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
         Ok(RpcStream::iter(0..n))
     }
 
@@ -2137,6 +2142,46 @@ async fn a_stream_set_up_failing_past_the_deadline_is_answered_as_the_timeout() 
         "{end:?}"
     );
     assert_eq!(market.setups.load(Ordering::SeqCst), 1);
+    within("shutdown", server.shutdown()).await;
+}
+
+/// A server stream's set-up still running at the caller's deadline is stopped there (519),
+/// and the server's fallback that would answer for that timeout does not start: event
+/// `fallback_skipped`, as for a unary call stopped at its deadline. Before, the stream ended
+/// with no event. (On the paused clock.)
+#[tokio::test(start_paused = true)]
+async fn a_stream_set_up_stopped_at_the_deadline_is_fallback_skipped() {
+    use rpc::crates::governance::events::EventKind;
+    let (reg, server, market, cache) = with_server_fallback().await;
+    let mut events = server.events().subscribe();
+    market.hangs.store(true, Ordering::SeqCst);
+    let stocks = stocks_with(
+        &reg,
+        GovernanceOverrides {
+            timeout_ms: Some(100),
+            ..options(100)
+        },
+    );
+    let e = within("prices", stocks.prices(3))
+        .await
+        .map(|_| ())
+        .expect_err("stopped at the deadline");
+    assert_eq!(e.code(), StatusCode::Timeout, "{e}");
+    let kind = within("the server's event", async {
+        loop {
+            match events.recv().await.expect("events").kind {
+                k @ (EventKind::Fallback | EventKind::FallbackSkipped) => break k,
+                _ => continue,
+            }
+        }
+    })
+    .await;
+    assert_eq!(kind, EventKind::FallbackSkipped);
+    assert_eq!(
+        cache.used.load(Ordering::SeqCst),
+        0,
+        "the fallback must not run"
+    );
     within("shutdown", server.shutdown()).await;
 }
 
