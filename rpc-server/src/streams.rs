@@ -568,6 +568,11 @@ impl ServerStream {
         if hooks.is_empty() {
             return;
         }
+        // Layer code, as the rest of the call: within the caller's trace context and the
+        // call's span (the stream may end outside any poll: its connection's word, a drop).
+        let _carried = telemetry::attached(&self.carried);
+        let span = self.watch.span().clone();
+        let _in_span = span.enter();
         let error = result.and_then(|r| r.as_ref().err()).cloned();
         let end = rpc_governance::stack::StreamEnd {
             status: result.map(|r| {

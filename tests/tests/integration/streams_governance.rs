@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::SystemTime;
 
 use common::otel::{attr, counter, Traces};
-use common::{raw_listener, stream_opening, streaming_ack, within};
+use common::{raw_listener, recv_one, stream_opening, streaming_ack, within};
 use opentelemetry::Value;
 use rpc::{
     BreakerState, Client, GovernanceOverrides, InProcessRegistry, MethodDescriptor, RpcError,
@@ -1034,6 +1034,36 @@ async fn a_streams_set_up_and_producer_run_in_the_server_span() {
         .await
         .expect("items");
     assert_eq!(names, ["rpc.server", "rpc.server", "rpc.server"]);
+    within("shutdown", server.shutdown()).await;
+}
+
+/// A server layer's stream-end hook runs in the call's `rpc.server` span, as the layer itself
+/// and the handler do: what it logs or measures is the call's. Before, it ran in no span when
+/// the stream's end came from its connection.
+#[tokio::test]
+async fn a_layers_stream_end_hook_runs_in_the_server_span() {
+    let _traced = traced();
+    let reg = InProcessRegistry::new();
+    let (seen_tx, mut seen) = mpsc::unbounded_channel();
+    let server = Server::builder()
+        .registry(reg.clone())
+        .add_service(SpansServer::new(SpanNames))
+        .layer(rpc::server_layer_fn(move |req, next| {
+            let seen = seen_tx.clone();
+            req.on_stream_end(move |_| {
+                let _ = seen.send(current_span_name());
+            });
+            Box::pin(async move { next.run(req).await })
+        }))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let spans = SpansClient::new(Client::builder().registry(reg).build());
+    let names = accepted_items("current", spans.current(1))
+        .await
+        .expect("items");
+    assert_eq!(names.len(), 2, "{names:?}");
+    assert_eq!(recv_one("the hook", &mut seen).await, "rpc.server");
     within("shutdown", server.shutdown()).await;
 }
 
