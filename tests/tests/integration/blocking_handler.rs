@@ -282,19 +282,7 @@ async fn a_failure_past_the_deadline_is_the_timeout_however_the_handler_was_poll
             .await
             .expect("serve");
         let mut events = server.events().subscribe();
-        let mut raw = RawConn::connect(server.local_addr()).await;
-        raw.handshake().await;
-        raw.send(Kind::Invoke(RemoteInvokeMessage {
-            message_id: 1,
-            service_entry_id: "t.Late.late".into(),
-            codec: Codec::MsgPack.to_wire(),
-            parameters: no_args().into(),
-            timeout_ms: 1,
-            ..Default::default()
-        }))
-        .await
-        .expect("send");
-        let answer = raw.recv_end().await;
+        let answer = called_with_1_ms_left(&server, "t.Late.late").await;
         assert_eq!(answer.status_code, 519, "inline {inline}: {answer:?}");
         assert!(
             answer.exception_message.contains("downstream failed"),
@@ -337,19 +325,7 @@ async fn a_panic_past_the_deadline_is_the_timeout_on_every_path() {
             }));
         }
         let server = builder.serve("127.0.0.1:0").await.expect("serve");
-        let mut raw = RawConn::connect(server.local_addr()).await;
-        raw.handshake().await;
-        raw.send(Kind::Invoke(RemoteInvokeMessage {
-            message_id: 1,
-            service_entry_id: "t.Late.late_panic".into(),
-            codec: Codec::MsgPack.to_wire(),
-            parameters: no_args().into(),
-            timeout_ms: 1,
-            ..Default::default()
-        }))
-        .await
-        .expect("send");
-        let answer = raw.recv_end().await;
+        let answer = called_with_1_ms_left(&server, "t.Late.late_panic").await;
         let path = format!("inline {inline}, layered {layered}");
         assert_eq!(answer.status_code, 519, "{path}: {answer:?}");
         assert!(
@@ -358,4 +334,24 @@ async fn a_panic_past_the_deadline_is_the_timeout_on_every_path() {
         );
         within("shutdown", server.shutdown()).await;
     }
+}
+
+/// The answer to a raw call of `entry` (no arguments) on `server`, made with a budget of 1 ms.
+async fn called_with_1_ms_left(
+    server: &rpc::ServerHandle,
+    entry: &str,
+) -> rpc::crates::core::wire::RemoteResultMessage {
+    let mut raw = RawConn::connect(server.local_addr()).await;
+    raw.handshake().await;
+    raw.send(Kind::Invoke(RemoteInvokeMessage {
+        message_id: 1,
+        service_entry_id: entry.into(),
+        codec: Codec::MsgPack.to_wire(),
+        parameters: no_args().into(),
+        timeout_ms: 1,
+        ..Default::default()
+    }))
+    .await
+    .expect("send");
+    raw.recv_end().await
 }

@@ -45,13 +45,11 @@ impl Hedged for Node {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_hedge_answers_for_a_stuck_server_and_the_stuck_server_is_cancelled() {
-    // A span subscriber on this thread, as the trace tests of this binary have: `tracing`
-    // caches each callsite's interest process-wide, and these calls, made without one, left
-    // `cancelled`'s attempt and server spans unrecorded when the two ran at once.
-    let (_traces, _traced) = common::otel::Traces::install();
-    let (dropped_tx, mut dropped) = mpsc::unbounded_channel();
+/// Two servers of the service, `stuck` (its handlers never answer; each one dropped says so
+/// on `dropped`) then `quick`, and the calls each has seen.
+async fn stuck_and_quick(
+    dropped: &mpsc::UnboundedSender<String>,
+) -> (Vec<rpc::ServerHandle>, Vec<Arc<AtomicU64>>) {
     let mut servers = Vec::new();
     let mut calls = Vec::new();
     for (name, stuck) in [("stuck", true), ("quick", false)] {
@@ -63,7 +61,7 @@ async fn a_hedge_answers_for_a_stuck_server_and_the_stuck_server_is_cancelled() 
                     name,
                     stuck,
                     calls: n,
-                    dropped: dropped_tx.clone(),
+                    dropped: dropped.clone(),
                     seen: Arc::default(),
                 }))
                 .serve("127.0.0.1:0")
@@ -71,6 +69,17 @@ async fn a_hedge_answers_for_a_stuck_server_and_the_stuck_server_is_cancelled() 
                 .expect("serve"),
         );
     }
+    (servers, calls)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hedge_answers_for_a_stuck_server_and_the_stuck_server_is_cancelled() {
+    // A span subscriber on this thread, as the trace tests of this binary have: `tracing`
+    // caches each callsite's interest process-wide, and these calls, made without one, left
+    // `cancelled`'s attempt and server spans unrecorded when the two ran at once.
+    let (_traces, _traced) = common::otel::Traces::install();
+    let (dropped_tx, mut dropped) = mpsc::unbounded_channel();
+    let (servers, calls) = stuck_and_quick(&dropped_tx).await;
     let client = HedgedClient::new(
         Client::builder()
             .registry(StaticRegistry::new(
@@ -224,28 +233,11 @@ async fn under_hedge_percentile_calls_are_hedged_once_the_entry_has_a_latency_re
 #[tokio::test(start_paused = true)]
 async fn under_hedge_percentile_no_call_is_hedged_before_the_entry_has_a_latency_record() {
     let (dropped_tx, _dropped) = mpsc::unbounded_channel();
-    let reg = InProcessRegistry::new();
-    let calls: Vec<Arc<AtomicU64>> = (0..2).map(|_| Arc::new(AtomicU64::new(0))).collect();
-    let mut servers = Vec::new();
-    for (name, stuck, calls) in [("stuck", true, &calls[0]), ("quick", false, &calls[1])] {
-        let node = Node {
-            name,
-            stuck,
-            calls: calls.clone(),
-            dropped: dropped_tx.clone(),
-            seen: Arc::default(),
-        };
-        servers.push(
-            Server::builder()
-                .registry(reg.clone())
-                .add_service(HedgedServer::new(node))
-                .serve("127.0.0.1:0")
-                .await
-                .expect("serve"),
-        );
-    }
+    let (servers, calls) = stuck_and_quick(&dropped_tx).await;
     let client = Client::builder()
-        .registry(reg.clone())
+        .registry(StaticRegistry::new(
+            servers.iter().map(|s| s.local_addr().to_string()),
+        ))
         .override_options(
             HedgedClient::SERVICE_ID,
             GovernanceOverrides {

@@ -285,30 +285,7 @@ async fn whoami_answered(conn: &Connection, what: &str) {
 /// only once the server has read the end of the client's input.)
 #[tokio::test(start_paused = true)]
 async fn a_client_half_closing_during_the_drain_still_gets_its_answers() {
-    let (n, mut probe) = node("only");
-    let server = builder(&n).serve("127.0.0.1:0").await.expect("serve");
-    let mut raw = RawConn::connect(server.local_addr()).await;
-    raw.handshake().await;
-    raw.send(rpc::crates::core::wire::frame::Kind::Invoke(life_call(
-        "hold", 1,
-    )))
-    .await
-    .expect("the call");
-    recv_one("the call entered its handler", &mut probe.entered).await;
-    let shutdown = tokio::spawn(server.shutdown());
-    let g = raw.expect_go_away().await;
-    assert_eq!(g.status_code, 200, "{g:?}");
-    raw.half_close().await;
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    n.release.add_permits(1);
-    let answer = raw.next_result("the call's answer").await;
-    assert_eq!(
-        (answer.message_id, answer.status_code),
-        (1, 200),
-        "{answer:?}"
-    );
-    raw.expect_closed().await;
-    within("shutdown", shutdown).await.expect("join");
+    half_closing_gets_its_answer(true).await;
 }
 
 /// A client that closes its sending side (it will send nothing more, and still reads) gets
@@ -318,6 +295,13 @@ async fn a_client_half_closing_during_the_drain_still_gets_its_answers() {
 /// answers passes only once the server has read the end of the client's input.)
 #[tokio::test(start_paused = true)]
 async fn a_client_half_closing_its_side_still_gets_its_answers() {
+    half_closing_gets_its_answer(false).await;
+}
+
+/// A raw client's call held in its handler; the server shutting down first when `draining`
+/// (its GoAway 200 read); then the client closes its sending side, the handler answers a
+/// second later, and the client reads the answer, then the close.
+async fn half_closing_gets_its_answer(draining: bool) {
     let (n, mut probe) = node("only");
     let server = builder(&n).serve("127.0.0.1:0").await.expect("serve");
     let mut raw = RawConn::connect(server.local_addr()).await;
@@ -328,6 +312,14 @@ async fn a_client_half_closing_its_side_still_gets_its_answers() {
     .await
     .expect("the call");
     recv_one("the call entered its handler", &mut probe.entered).await;
+    let (shutdown, server) = if draining {
+        let shutdown = tokio::spawn(server.shutdown());
+        let g = raw.expect_go_away().await;
+        assert_eq!(g.status_code, 200, "{g:?}");
+        (Some(shutdown), None)
+    } else {
+        (None, Some(server))
+    };
     raw.half_close().await;
     tokio::time::sleep(Duration::from_secs(1)).await;
     n.release.add_permits(1);
@@ -335,11 +327,16 @@ async fn a_client_half_closing_its_side_still_gets_its_answers() {
     assert_eq!(
         (answer.message_id, answer.status_code),
         (1, 200),
-        "{answer:?}"
+        "draining {draining}: {answer:?}"
     );
     // Every answer written: the server closes.
     raw.expect_closed().await;
-    within("shutdown", server.shutdown()).await;
+    if let Some(shutdown) = shutdown {
+        within("shutdown", shutdown).await.expect("join");
+    }
+    if let Some(server) = server {
+        within("shutdown", server.shutdown()).await;
+    }
 }
 
 /// A pool retiring an endpoint's connections (the endpoint left the registry) cuts off no call:

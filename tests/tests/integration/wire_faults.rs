@@ -342,32 +342,12 @@ async fn a_call_pending_when_the_client_closes_a_draining_connection_may_have_be
 #[tokio::test]
 async fn a_handshake_answered_in_another_protocol_version_is_refused() {
     use rpc::crates::core::wire::HelloAck;
-    use rpc::crates::transport::{ConnectOptions, Connection};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let server = tokio::spawn(async move {
-        let (stream, _) = listener.accept().await.expect("accept");
-        let mut peer = RawConn::from_stream(stream);
-        assert!(matches!(peer.recv().await, Some(Kind::Hello(_))));
-        peer.send(Kind::HelloAck(HelloAck {
-            protocol_version: 2,
-            server_id: "future".into(),
-            ..Default::default()
-        }))
-        .await
-        .expect("HelloAck");
-        while peer.recv().await.is_some() {}
-    });
-    let Err(e) = within(
-        "connect",
-        Connection::connect(&addr.to_string(), &ConnectOptions::default()),
-    )
-    .await
-    else {
-        panic!("a server of protocol version 2 was taken");
-    };
+    let e = connect_to_a_hello_answered_with(Kind::HelloAck(HelloAck {
+        protocol_version: 2,
+        server_id: "future".into(),
+        ..Default::default()
+    }))
+    .await;
     assert_eq!(e.code(), StatusCode::FrameworkError, "{e}");
     assert!(
         e.message().contains("protocol version 2") && e.message().contains("speaks 1"),
@@ -377,9 +357,32 @@ async fn a_handshake_answered_in_another_protocol_version_is_refused() {
     // and no breaker counts it.
     assert!(e.is_unsupported_by_endpoint(), "{e}");
     assert!(!e.is_maybe_delivered(), "{e}");
+}
+
+/// The error of a client connecting to a raw server that answers its `Hello` with `answer`
+/// (and then reads until the client closes).
+async fn connect_to_a_hello_answered_with(answer: Kind) -> rpc::RpcError {
+    use rpc::crates::transport::{ConnectOptions, Connection};
+    let (listener, addr) = common::raw_listener().await;
+    let server = tokio::spawn(async move {
+        let (stream, _) = listener.accept().await.expect("accept");
+        let mut peer = RawConn::from_stream(stream);
+        assert!(matches!(peer.recv().await, Some(Kind::Hello(_))));
+        peer.send(answer).await.expect("the answer");
+        while peer.recv().await.is_some() {}
+    });
+    let Err(e) = within(
+        "connect",
+        Connection::connect(&addr.to_string(), &ConnectOptions::default()),
+    )
+    .await
+    else {
+        panic!("the handshake was taken");
+    };
     within("the server sees the close", server)
         .await
         .expect("server");
+    e
 }
 
 /// A server refusing the handshake itself (GoAway 500: a client id or version it does not
@@ -389,34 +392,14 @@ async fn a_handshake_answered_in_another_protocol_version_is_refused() {
 #[tokio::test]
 async fn a_handshake_refused_by_the_server_is_a_connection_failure_of_a_call_never_sent() {
     use rpc::crates::core::wire::GoAway;
-    use rpc::crates::transport::{ConnectOptions, Connection};
-    let (listener, addr) = common::raw_listener().await;
-    let server = tokio::spawn(async move {
-        let (stream, _) = listener.accept().await.expect("accept");
-        let mut peer = RawConn::from_stream(stream);
-        assert!(matches!(peer.recv().await, Some(Kind::Hello(_))));
-        peer.send(Kind::GoAway(GoAway {
-            status_code: StatusCode::FrameworkError.as_u32(),
-            reason: "the client id is not one this server takes".into(),
-        }))
-        .await
-        .expect("GoAway");
-        while peer.recv().await.is_some() {}
-    });
-    let Err(e) = within(
-        "connect",
-        Connection::connect(&addr.to_string(), &ConnectOptions::default()),
-    )
-    .await
-    else {
-        panic!("a refused handshake was taken");
-    };
+    let e = connect_to_a_hello_answered_with(Kind::GoAway(GoAway {
+        status_code: StatusCode::FrameworkError.as_u32(),
+        reason: "the client id is not one this server takes".into(),
+    }))
+    .await;
     assert_eq!(e.code(), StatusCode::CommunicationError, "{e}");
     assert!(!e.is_maybe_delivered(), "{e}");
     assert!(e.message().contains("client id is not one"), "{e}");
-    within("the server sees the close", server)
-        .await
-        .expect("server");
 }
 
 /// A server that answers the client's Hello with GoAway 200 is shutting down and took nothing:
