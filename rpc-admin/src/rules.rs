@@ -378,6 +378,18 @@ async fn rollback(
             if q.split('&')
                 .any(|pair| pair.split('=').next() == Some("expected")) =>
         {
+            if q.split('&')
+                .any(|pair| pair == "expected" || pair == "expected=")
+            {
+                return Err(Refusal::new(
+                    StatusCode::BAD_REQUEST,
+                    format!(
+                        "expected needs a version: POST /api/rules/{kind}/rollback/{version}\
+                         ?expected=V, with V the version GET /api/rules/{kind} answered (or no \
+                         expected, to roll back over whatever is in force)"
+                    ),
+                ));
+            }
             Some(expected_of(Some(q), kind)?)
         }
         _ => None,

@@ -397,6 +397,8 @@ async fn a_rollback_over_a_stale_version_is_refused_and_nothing_is_written() {
         let path = format!("/api/rules/governance/rollback/{v1}?{query}");
         let message = api.refused(Http::BAD_REQUEST, "POST", &path, None).await;
         assert!(message.contains("expected"), "{query}: {message}");
+        // What to send, for a rollback (not a write's wording).
+        assert!(!message.contains("PUT"), "{query}: {message}");
     }
     assert_eq!(
         in_store(&store, RuleKind::Governance).await,

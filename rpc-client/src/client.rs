@@ -1451,7 +1451,12 @@ impl Client {
                             rpc_governance::timeout::remaining_ms_at(Instant::now(), deadline);
                         conn
                     }
-                    Err(e) => break 'attempt Err(e),
+                    Err(e) => {
+                        // No answer: the call's error, if it ends here, came from no endpoint.
+                        let failed = Err(e);
+                        crate::answered_by::attempt(addr, false, &failed);
+                        break 'attempt failed;
+                    }
                 },
             };
             cx.set_connection(conn.id());
@@ -1479,7 +1484,11 @@ impl Client {
                 {
                     let fresh = match self.connection(addr, cx).await {
                         Ok(conn) => conn,
-                        Err(e) => break 'attempt Err(e),
+                        Err(e) => {
+                            let failed = Err(e);
+                            crate::answered_by::attempt(addr, false, &failed);
+                            break 'attempt failed;
+                        }
                     };
                     let timeout_ms =
                         rpc_governance::timeout::remaining_ms_at(Instant::now(), deadline);

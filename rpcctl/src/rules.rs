@@ -188,12 +188,17 @@ async fn get(store: &RuleStore, kind: RuleKind, json: bool) -> Result<(), Failur
     match (now, json) {
         (Some(v), true) => outln!(
             "{}",
-            serde_json::json!({ "kind": kind.as_str(), "version": v.version, "text": &*v.text })
+            serde_json::json!({
+                "kind": kind.as_str(),
+                "version": v.version,
+                "text": &*v.text,
+                "unreadable": v.unreadable.as_deref(),
+            })
         ),
         // Version 0 for none, as the admin endpoint answers and `--expected` takes it.
         (None, true) => outln!(
             "{}",
-            serde_json::json!({ "kind": kind.as_str(), "version": 0, "text": "" })
+            serde_json::json!({ "kind": kind.as_str(), "version": 0, "text": "", "unreadable": null })
         ),
         (Some(v), false) => {
             if let Some(why) = &v.unreadable {

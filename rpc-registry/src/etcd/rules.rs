@@ -129,7 +129,8 @@ impl RuleStore {
         // The text goes twice in one request (in force and in the history), with the two
         // keys and a few dozen bytes each besides: over etcd's request limit it would be
         // refused as an opaque failure, which trying again never mends.
-        let keys = key.len() + self.history_prefix(kind).len() + 20;
+        // The document's key twice (the compare and the put), the history's once.
+        let keys = 2 * key.len() + self.history_prefix(kind).len() + 20;
         let limit = self
             .conn
             .options

@@ -230,10 +230,12 @@ impl Connection {
                     // is the caller's to mend, the second an overflow, retried as one.)
                     let code = StatusCode::from_u32(g.status_code);
                     if matches!(code, StatusCode::FrameworkError | StatusCode::Timeout) {
+                        // Nor the endpoint's health: no breaker or health mark counts it.
                         return Err(comm_error(
                             addr,
                             format!("the server refused the handshake ({code:?}): {}", g.reason),
-                        ));
+                        )
+                        .unsupported_by_endpoint(true));
                     }
                     return Err(RpcError::new(
                         StatusCode::from_u32(g.status_code),

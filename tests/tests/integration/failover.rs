@@ -573,3 +573,55 @@ async fn answered_by_names_the_endpoint_whose_answer_the_call_returns() {
     within("shutdown", other.shutdown()).await;
     within("shutdown", full.shutdown()).await;
 }
+
+/// `answered_by` names no endpoint when the call returns the error of an attempt that got no
+/// answer (a refused connect), whatever answered before it; and the endpoint when the call
+/// returns its answer. Two endpoints and one retry: one at a cap of 0 (515), one where nothing
+/// listens.
+#[tokio::test]
+async fn answered_by_names_no_endpoint_for_an_error_no_endpoint_gave() {
+    let (tx, _entered) = mpsc::unbounded_channel();
+    let full = Server::builder()
+        .max_concurrency(0)
+        .add_service(FailServer::new(Node {
+            name: "full".into(),
+            writes: AtomicUsize::new(0),
+            stuck: AtomicUsize::new(0),
+            entered: tx,
+        }))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let full_addr = full.local_addr().to_string();
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        l.local_addr().expect("addr").to_string()
+    };
+    let fail = FailClient::new(
+        Client::builder()
+            .registry(rpc::StaticRegistry::from_list(&format!("{full_addr},{dead}")).expect("list"))
+            .override_options(
+                FailClient::SERVICE_ID,
+                rpc::GovernanceOverrides {
+                    retry_times: Some(1),
+                    retry_interval_ms: Some(0),
+                    enable_circuit_breaker: Some(false),
+                    ..rpc::GovernanceOverrides::NONE
+                },
+            )
+            .build(),
+    );
+    for _ in 0..6 {
+        let (result, by) = answered_by(within("read", fail.read())).await;
+        let e = result.expect_err("nothing serves the call");
+        match e.code() {
+            // The refused connect came last: nobody answered what the call returns.
+            StatusCode::CommunicationError => assert_eq!(by, None, "{e}"),
+            _ => {
+                assert!(e.code().is_overflow(), "{e}");
+                assert_eq!(by.as_deref(), Some(full_addr.as_str()), "{e}");
+            }
+        }
+    }
+    within("shutdown", full.shutdown()).await;
+}

@@ -399,6 +399,7 @@ async fn a_handshake_refused_by_the_server_is_a_connection_failure_of_a_call_nev
     .await;
     assert_eq!(e.code(), StatusCode::CommunicationError, "{e}");
     assert!(!e.is_maybe_delivered(), "{e}");
+    assert!(e.is_unsupported_by_endpoint(), "{e}");
     assert!(e.message().contains("client id is not one"), "{e}");
 }
 
