@@ -189,11 +189,6 @@ struct InboundQueue {
     failed: Option<RpcError>,
     /// The handler dropped its request stream: a failure arriving later cannot reach it.
     dropped: bool,
-    /// The handler last found the queue empty and the stream not ended: it waits on the
-    /// client (for [`StreamSlot::waits_on_client`]).
-    waiting: bool,
-    /// Items the client has sent so far: one more is the client's progress.
-    arrived: u64,
 }
 
 impl StreamSlot {
@@ -214,8 +209,6 @@ impl StreamSlot {
                 held: Held::new(inbound_window, inbound_window_bytes),
                 failed: None,
                 dropped: false,
-                waiting: false,
-                arrived: 0,
             }),
             inbound_window,
             inbound_window_bytes,
@@ -237,13 +230,6 @@ impl StreamSlot {
 
     fn inbound(&self) -> MutexGuard<'_, InboundQueue> {
         self.inbound.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// When the handler waits on the client's request stream (it found nothing queued, and the
-    /// stream has not ended): the items the client has sent so far, whose change is progress.
-    fn waits_on_client(&self) -> Option<u64> {
-        let q = self.inbound();
-        (q.waiting && !q.ended && q.items.is_empty()).then_some(q.arrived)
     }
 
     /// Items of the client's request stream (one `StreamItem` or `StreamItems` frame's), in
@@ -279,7 +265,6 @@ impl StreamSlot {
                     payload: own_bytes(item.payload),
                     compression: item.compression,
                 });
-                q.arrived += 1;
             }
             q.waker.take()
         };
@@ -443,7 +428,6 @@ impl Stream for Inbound {
         }
         let next = {
             let mut q = this.slot.inbound();
-            q.waiting = false;
             if !q.items.is_empty() {
                 // Everything queued at once; the shared queue keeps the emptied buffer.
                 std::mem::swap(&mut q.items, &mut this.local);
@@ -466,7 +450,6 @@ impl Stream for Inbound {
                     Some(w) if w.will_wake(cx.waker()) => {}
                     _ => q.waker = Some(cx.waker().clone()),
                 }
-                q.waiting = true;
                 return Poll::Pending;
             }
         };
@@ -634,9 +617,8 @@ pub(super) struct StreamDriver {
     max_unsent: usize,
     room: RoomWait,
     /// How long a stream whose caller sent no deadline (or of plain events, which cannot end
-    /// themselves at their deadline) may wait on its client (no credit, no room in the
-    /// connection's send queue, or, its handler waiting on the client's request stream, no
-    /// item and no end) with no progress; none for one whose events end it at its
+    /// themselves at their deadline) may wait on its client (no credit, or no room in the
+    /// connection's send queue) with no progress; none for one whose events end it at its
     /// deadline, or when the server's idle timeout is 0. A client that never takes
     /// what it asked for would otherwise hold the stream, its slot under the server's cap and
     /// its connection for ever.
@@ -644,11 +626,6 @@ pub(super) struct StreamDriver {
     /// The wait's timer (made once, re-armed) and what it waits on, if it runs.
     stall: Option<Pin<Box<tokio::time::Sleep>>>,
     stalled: Option<Stalled>,
-    /// While the handler waits on the client's request stream (client and bidirectional
-    /// streams): the items the client had sent when the wait was armed, and its timer, under
-    /// the same limit. A client that opens such a stream and then sends nothing, not even its
-    /// end, would otherwise hold the stream and its slot for ever.
-    inbound_stall: Option<(u64, Pin<Box<tokio::time::Sleep>>)>,
     /// The caller's failure had reached the handler before the producer was last polled (see
     /// [`StreamSlot::failure_reached`]), and the waits (for credit, room or a turn) since.
     failure_seen: bool,
@@ -838,7 +815,6 @@ impl StreamDriver {
             stall_limit,
             stall: None,
             stalled: None,
-            inbound_stall: None,
             failure_seen: false,
             waits_after_failure: 0,
             slot,
@@ -1013,18 +989,13 @@ impl StreamDriver {
             if !this.failure_seen && this.slot.reached_failure().is_some() {
                 this.failure_seen = true;
             }
-            let event = this.next_event(cx, &mut turn);
-            if event.is_ready() {
-                // The handler moved: a wait on the client, if any, begins anew.
-                this.inbound_stall = None;
-            }
-            match event {
+            match this.next_event(cx, &mut turn) {
                 // The handler has nothing more ready after the caller's failure reached it:
                 // the stream ends with that failure, even if the handler would go on.
                 Poll::Pending => {
                     return match this.slot.reached_failure().filter(|_| this.failure_seen) {
                         Some(failed) => Poll::Ready(error_result(failed.code(), failed.message())),
-                        None => this.poll_inbound_stall(cx),
+                        None => Poll::Pending,
                     };
                 }
                 Poll::Ready(Some(StreamEvent::Accepted)) => {
@@ -1122,37 +1093,6 @@ impl StreamDriver {
                 ),
             ));
         }
-    }
-}
-
-impl StreamDriver {
-    /// The handler has nothing ready: when it waits on the client's request stream, the
-    /// stream's end once the client has sent nothing on it (no item, no end) for the stall
-    /// limit; an item from the client re-arms the wait.
-    fn poll_inbound_stall(&mut self, cx: &mut Context<'_>) -> Poll<RemoteResultMessage> {
-        let (Some(limit), Some(arrived)) = (self.stall_limit, self.slot.waits_on_client()) else {
-            self.inbound_stall = None;
-            return Poll::Pending;
-        };
-        let timer = match &mut self.inbound_stall {
-            Some((at, timer)) if *at == arrived => timer,
-            stall => {
-                let timer = Box::pin(tokio::time::sleep(limit));
-                &mut stall.insert((arrived, timer)).1
-            }
-        };
-        if timer.as_mut().poll(cx).is_pending() {
-            return Poll::Pending;
-        }
-        Poll::Ready(error_result(
-            StatusCode::Timeout,
-            format!(
-                "the client sent nothing on its request stream for {} ms (the server's idle \
-                 timeout) while the handler waited for its next item or its end: the stream \
-                 was ended",
-                limit.as_millis()
-            ),
-        ))
     }
 }
 

@@ -811,39 +811,6 @@ async fn served_once_more(raw: RawConn, server: ServerHandle) {
     within("shutdown", server.shutdown()).await;
 }
 
-/// A client stream without a deadline whose client sends nothing (no item, no end) while the
-/// handler waits for it is ended after the server's idle timeout, with 519 saying why, and its
-/// slot under the cap is free again; an item re-arms the wait. Before, such a stream held its
-/// slot for ever: a few of them took the entry from every other caller. (On the paused clock.)
-#[tokio::test(start_paused = true)]
-async fn a_client_stream_whose_client_sends_nothing_ends_after_the_idle_timeout() {
-    let server = Server::builder()
-        .add_service(FlowServer::new(Texts(Arc::new(AtomicU64::new(0)))))
-        .max_concurrency(1)
-        .idle_timeout(Duration::from_millis(300))
-        .serve("127.0.0.1:0")
-        .await
-        .expect("serve");
-    let (mut raw, _ack) = raw_client_with_window(&server, 1).await;
-    raw.open_client_stream(1, "t.Flow.count").await;
-    let started = tokio::time::Instant::now();
-    // One item after 200 ms: the client moved, the wait begins anew.
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    raw.send_item(1, Codec::MsgPack.encode(&7u32).expect("encode"), 0)
-        .await;
-    let end = raw.recv_end().await;
-    assert_eq!((end.message_id, end.status_code), (1, 519), "{end:?}");
-    assert!(
-        end.exception_message
-            .contains("sent nothing on its request stream"),
-        "{}",
-        end.exception_message
-    );
-    assert_eq!(started.elapsed(), Duration::from_millis(500));
-    // The cap's slot is free: another caller is served.
-    served_once_more(raw, server).await;
-}
-
 /// A grant gives back items the client was sent: one for more than that (here `u32::MAX`
 /// after its window of two) ends the stream with 500, instead of letting the producer run
 /// ahead of what the client can hold.
