@@ -154,6 +154,11 @@ impl Gate {
 }
 
 impl Admission {
+    /// The server's event bus, which the entry's refusals are told on.
+    pub(crate) fn events(&self) -> &EventBus {
+        &self.events
+    }
+
     /// The admission of `policy`, reporting observed refusals on `events`.
     pub(crate) fn new(policy: Policy, events: EventBus) -> Self {
         Admission {

@@ -603,7 +603,7 @@ impl Dispatcher {
             &self.calls,
             entry,
         )
-        .reporting_timeouts(&self.events, entry, caller);
+        .reporting_timeouts(&route.admission, entry, caller);
         // Most handlers answer in their first poll. When the server is told its handlers never
         // block (`inline_first_poll`), that poll is made here, on the connection's reader, in
         // the call's context, span and inherited deadline, so such a call is answered without
@@ -690,7 +690,7 @@ impl Dispatcher {
             &self.calls,
             method.entry_id,
         )
-        .reporting_timeouts(&self.events, method.entry_id, caller);
+        .reporting_timeouts(&chain.end.admission, method.entry_id, caller);
         let mut req = ServerRequest {
             method,
             caller: caller.clone(),

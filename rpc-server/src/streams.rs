@@ -462,7 +462,7 @@ impl ServerStream {
                 &d.calls,
                 entry,
             )
-            .reporting_timeouts(&d.events, entry, caller),
+            .reporting_timeouts(&route.admission, entry, caller),
             fallback_cause,
             carried,
             send_panic_text: d.send_panic_text,

@@ -16,7 +16,7 @@ use rpc_core::{
     Compression, MethodDescriptor, RpcError, StatusCode, CALL_ID_KEY, TRACE_CONTEXT_KEYS,
 };
 use rpc_governance::calls::{CallObservers, Side};
-use rpc_governance::events::{EventBus, EventKind};
+use rpc_governance::events::EventKind;
 use std::sync::Arc;
 use tokio::time::Instant;
 use tracing::field::Empty;
@@ -125,7 +125,11 @@ pub(crate) struct CallWatch {
     observed: Option<(CallObservers, &'static str)>,
     /// Where a call that ends at the caller's deadline (519) is reported: the server's event
     /// bus, the entry and its caller (event `timeout`).
-    timeouts: Option<(EventBus, &'static str, Arc<rpc_transport::Caller>)>,
+    timeouts: Option<(
+        Arc<crate::admission::Admission>,
+        &'static str,
+        Arc<rpc_transport::Caller>,
+    )>,
     done: bool,
 }
 
@@ -169,21 +173,25 @@ impl CallWatch {
     /// Reports a call of `entry` from `caller` that ends at its deadline (519, whether its
     /// handler failed at it or was dropped there) as event `timeout` on `events`, as a client
     /// reports its own.
+    /// (The entry's admission, which the call holds anyway, carries the server's event bus:
+    /// a clone of one `Arc` a call, not of the bus.) Only a call with a deadline can reach it.
     pub(crate) fn reporting_timeouts(
         mut self,
-        events: &EventBus,
+        admission: &Arc<crate::admission::Admission>,
         entry: &'static str,
         caller: &Arc<rpc_transport::Caller>,
     ) -> Self {
-        self.timeouts = Some((events.clone(), entry, caller.clone()));
+        if self.deadline.is_some() {
+            self.timeouts = Some((admission.clone(), entry, caller.clone()));
+        }
         self
     }
 
     /// Event `timeout`, when reported, with `why`.
     fn timed_out(&self, why: &str) {
-        if let Some((events, entry, caller)) = &self.timeouts {
+        if let Some((admission, entry, caller)) = &self.timeouts {
             self.span.in_scope(|| {
-                events.emit_parts(
+                admission.events().emit_parts(
                     EventKind::Timeout,
                     &Arc::from(*entry),
                     Some(&caller.peer().to_string()),
@@ -274,10 +282,17 @@ impl Dropped {
 
 impl Drop for CallWatch {
     fn drop(&mut self) {
-        let (false, Some(started)) = (self.done, self.started) else {
+        if self.done {
+            return;
+        }
+        let now = Instant::now();
+        if self.deadline.is_some_and(|d| now >= d) {
+            // (Whether or not anything else watches the call.)
+            self.timed_out("the handler was dropped at the caller's deadline");
+        }
+        let Some(started) = self.started else {
             return;
         };
-        let now = Instant::now();
         // Why the handler is dropped, as the caller learns it: its own deadline (519), the
         // server's drain deadline (520), or its `Cancel` or its connection's end (no answer).
         let why = if self.deadline.is_some_and(|d| now >= d) {
@@ -292,9 +307,6 @@ impl Drop for CallWatch {
         let (status, outcome) = why.recorded();
         self.metrics.dropped(status, outcome);
         self.tell(status, outcome);
-        if matches!(why, Dropped::Timeout) {
-            self.timed_out("the handler was dropped at the caller's deadline");
-        }
         if self.span.is_disabled() {
             return;
         }

@@ -57,20 +57,33 @@ pub trait Stream: AsyncRead + AsyncWrite + Unpin + Send + Sync + 'static {
 /// after whole frames reads to the peer as "that was everything": a client then takes the
 /// calls still unanswered after a drain's `GoAway` for calls the server never read, and sends
 /// them elsewhere. A reset leaves no such doubt: the connection broke.
-pub trait Abortive: Sized {
-    /// Lets go of the writing half so that the connection's close is a reset (TCP:
-    /// `SO_LINGER` 0, and no orderly shutdown of the write half, whose end of stream would
-    /// reach the peer first and read as the end), for a writer giving up with frames
-    /// unwritten. The default just drops it: a transport that cannot (a Unix socket, an
-    /// in-memory pipe, TLS over a split stream, whose missing `close_notify` the peer reads
-    /// as an error anyway) closes as it would.
-    fn reset(self) {}
+pub trait Abortive {
+    /// Makes the connection's close a reset (TCP: `SO_LINGER` 0), for a writer giving up with
+    /// frames unwritten. The default does nothing: a transport that cannot (a Unix socket, an
+    /// in-memory pipe, TLS over a split stream, whose missing `close_notify` the peer reads as
+    /// an error anyway) closes as it would.
+    fn reset_on_close(&self) {}
+
+    /// Lets go of the writing half so that the connection ends with a reset: what
+    /// [`reset_on_close`](Self::reset_on_close) sets up, then the half dropped. A transport
+    /// whose half shuts its side down in order when dropped (TCP's, whose end of stream would
+    /// reach the peer before the reset and read as the end) lets go without that.
+    fn reset(self)
+    where
+        Self: Sized,
+    {
+        self.reset_on_close();
+    }
 }
 
 impl Abortive for tokio::net::tcp::OwnedWriteHalf {
-    fn reset(self) {
+    fn reset_on_close(&self) {
         // Best effort: a socket that refuses closes in order.
         let _ = self.as_ref().set_zero_linger();
+    }
+
+    fn reset(self) {
+        self.reset_on_close();
         // The socket closes with its read half, then: by a reset.
         self.forget();
     }

@@ -418,11 +418,36 @@ pub(crate) fn spawn_writer<W: AsyncWrite + Abortive + Unpin + Send + 'static>(
     in_flight: Arc<AtomicUsize>,
     close: CancellationToken,
 ) -> FrameSender {
+    spawn_writer_resetting(wr, in_flight, close, false)
+}
+
+/// [`spawn_writer`] for a server's connection: should the writer's task be dropped before it
+/// finished (its runtime ending with the process), the connection ends with a reset. A
+/// server's orderly close after its drain's `GoAway` 200 tells its client that every call
+/// still unanswered was never read; dropped with calls running, that would be false. (A
+/// client's orderly close says nothing of the kind: its writer closes as it is dropped.)
+pub(crate) fn spawn_server_writer<W: AsyncWrite + Abortive + Unpin + Send + 'static>(
+    wr: W,
+    in_flight: Arc<AtomicUsize>,
+    close: CancellationToken,
+) -> FrameSender {
+    spawn_writer_resetting(wr, in_flight, close, true)
+}
+
+fn spawn_writer_resetting<W: AsyncWrite + Abortive + Unpin + Send + 'static>(
+    wr: W,
+    in_flight: Arc<AtomicUsize>,
+    close: CancellationToken,
+    reset_if_dropped: bool,
+) -> FrameSender {
     let queue = Arc::new(Queue::default());
     let backlog = Arc::new(Backlog::default());
     tokio::spawn(write_loop(
         StopOnDrop(queue.clone(), backlog.clone()),
-        wr,
+        ResetUnlessClosed {
+            wr: Some(wr),
+            if_dropped: reset_if_dropped,
+        },
         in_flight,
         close,
     ));
@@ -447,19 +472,20 @@ pub(crate) fn duplex_writer(capacity: usize) -> (FrameSender, tokio::io::DuplexS
 
 async fn write_loop<W: AsyncWrite + Abortive + Unpin>(
     ends: StopOnDrop,
-    wr: W,
+    mut half: ResetUnlessClosed<W>,
     in_flight: Arc<AtomicUsize>,
     close: CancellationToken,
 ) {
-    let mut half = ResetUnlessClosed(Some(wr));
-    let wr = half.0.as_mut().expect("held until the end");
+    let wr = half.wr.as_mut().expect("held until the end");
     let complete = write_batches(&ends.0, wr, in_flight, &ends.1, close).await;
     // Later sends fail from here on.
     drop(ends);
     if !complete {
         // Frames were left unwritten (given up after the close, or the write failed): the
-        // connection ends with a reset, not a close that would read as "that was all" (the
-        // guard's drop).
+        // connection ends with a reset, not a close that would read as "that was all".
+        if let Some(wr) = half.wr.take() {
+            wr.reset();
+        }
         return;
     }
     // The reader is not stopped here: after a failed write it still reads what the peer sent
@@ -467,19 +493,22 @@ async fn write_loop<W: AsyncWrite + Abortive + Unpin>(
     // (Bounded: a TLS stream's shutdown writes, to a peer that may not read.)
     let _ = tokio::time::timeout(CLOSE_GRACE, wr.shutdown()).await;
     // Closed in order: dropped as it is.
-    half.0 = None;
+    half.wr = None;
 }
 
-/// A writer's end of the connection, which closes with a reset unless the writer closed it in
-/// order: when frames were left unwritten, and when the writer's task is dropped before it
-/// finished (its runtime shut down with the process, the queue perhaps holding the drain's
-/// last answers). A close in order would read to the peer as "that was all", and a client
-/// would take the calls it still waits for as never read.
-struct ResetUnlessClosed<W: Abortive>(Option<W>);
+/// A writer's end of the connection, which it closes in order once everything is written, or
+/// with a reset when frames were left unwritten; `if_dropped`: with a reset too when the
+/// writer's task is dropped before it finished (its runtime shut down with the process, the
+/// queue perhaps holding the drain's last answers), for a server (see
+/// [`spawn_server_writer`]).
+struct ResetUnlessClosed<W: Abortive> {
+    wr: Option<W>,
+    if_dropped: bool,
+}
 
 impl<W: Abortive> Drop for ResetUnlessClosed<W> {
     fn drop(&mut self) {
-        if let Some(wr) = self.0.take() {
+        if let (Some(wr), true) = (self.wr.take(), self.if_dropped) {
             wr.reset();
         }
     }
@@ -720,7 +749,10 @@ mod tests {
         let backlog = Arc::new(Backlog::default());
         let writer = tokio::spawn(write_loop(
             StopOnDrop(queue.clone(), backlog.clone()),
-            ours,
+            ResetUnlessClosed {
+                wr: Some(ours),
+                if_dropped: false,
+            },
             Arc::new(AtomicUsize::new(0)),
             close.clone(),
         ));

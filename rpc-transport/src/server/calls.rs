@@ -85,8 +85,8 @@ impl Drop for ConnCleanup {
             self.conn.sender.send(super::handler::go_away(
                 StatusCode::ServerError,
                 format!(
-                    "the server stopped at once: {dropped} calls still running were dropped \
-                     and may have partly run"
+                    "the connection ended with {dropped} calls still running: they were \
+                     dropped unanswered and may have partly run"
                 ),
             ));
         }

@@ -29,7 +29,7 @@ use crate::invoke::Incoming;
 use crate::peer::PeerAddr;
 use crate::reader::FrameReader;
 use crate::reader::ReadBudget;
-use crate::writer::spawn_writer;
+use crate::writer::{spawn_server_writer, spawn_writer};
 use crate::HELLO_BUFFER;
 
 /// What every connection of one server shares.
@@ -82,7 +82,7 @@ pub(super) async fn run_connection<R, W>(
     }
     let in_flight = Arc::new(AtomicUsize::new(0));
     let close = CancellationToken::new();
-    let sender = spawn_writer(wr, in_flight.clone(), close.clone());
+    let sender = spawn_server_writer(wr, in_flight.clone(), close.clone());
     // A small buffer, and frames of a few KiB at most, until the client has said Hello:
     // connections that never get that far (floods, scanners, peers announcing large frames)
     // cost little memory.
@@ -315,7 +315,7 @@ pub(super) async fn run_connection<R, W>(
 
     if ended.is_none() && half_closed && !shutdown.is_cancelled() {
         // The client may still read: its calls in flight are answered first.
-        finish_half_closed(&ctx, shutdown).await;
+        finish_half_closed(&ctx, shutdown, idle_after).await;
     }
     let reason = match ended {
         Some(reason) => Some(reason),

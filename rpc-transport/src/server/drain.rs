@@ -5,6 +5,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use rpc_core::wire::frame::Kind;
+use rpc_core::wire::Ping;
 use rpc_core::StatusCode;
 use tokio::io::AsyncRead;
 use tokio::time::Instant;
@@ -112,29 +113,56 @@ pub(super) async fn drain<R: AsyncRead + Unpin>(
 /// answered, as in a drain but with no `GoAway` (closing at once would drop them unanswered,
 /// and the client could not tell they ran); streams, which need the client's side to go on,
 /// are answered at once. Returns once every answer is written, once nothing more can be
-/// written (the client is gone), or once the server begins to shut down (the drain then takes
-/// over, with its deadline).
-pub(super) async fn finish_half_closed(ctx: &FrameCtx<'_>, shutdown: &CancellationToken) {
+/// written (the client is gone), once nothing has moved for `idle` (no call finished, no
+/// write completed: a client that reads nothing, or a handler that never ends, holds the
+/// connection no longer than an idle one), or once the server begins to shut down (the drain
+/// then takes over, with its deadline).
+///
+/// A client that closed the connection altogether (its end of stream reads the same) is found
+/// out by a `Ping`: its system answers the bytes with a reset, and the next write fails.
+pub(super) async fn finish_half_closed(
+    ctx: &FrameCtx<'_>,
+    shutdown: &CancellationToken,
+    idle: Duration,
+) {
     let conn = ctx.conn;
     end_streams(
         ctx,
         "the client closed its side of the connection: the stream cannot go on; it may have \
          partly run",
     );
+    conn.sender.send(Kind::Ping(Ping { nonce: 0 }));
+    let backlog = conn.sender.backlog();
+    // Progress: a call finished, or the client took bytes (however slowly it reads).
+    let moved = || (conn.in_flight.load(Ordering::Acquire), backlog.sent());
+    let mut last = moved();
+    let still = tokio::time::sleep(idle);
+    tokio::pin!(still);
     loop {
         // In this order, as in `drain`: an answer is queued before its call leaves the calls
         // in flight.
         let finished = conn.in_flight.load(Ordering::Acquire) == 0;
-        let unsent = conn.sender.backlog().bytes();
+        let unsent = backlog.bytes();
         if finished && unsent == 0 {
             return;
+        }
+        let now = moved();
+        if now != last {
+            last = now;
+            still.as_mut().reset(Instant::now() + idle);
         }
         tokio::select! {
             biased;
             _ = shutdown.cancelled() => return,
-            _ = conn.sender.backlog().stopped() => return,
+            _ = backlog.stopped() => return,
+            _ = &mut still => {
+                if moved() == last {
+                    return;
+                }
+            }
             _ = conn.idle.notified() => {}
-            _ = conn.sender.backlog().written(), if finished => {}
+            _ = conn.finished.notified() => {}
+            _ = backlog.written() => {}
         }
     }
 }
