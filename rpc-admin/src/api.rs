@@ -488,7 +488,7 @@ async fn events(Shared(state): St, q: Result<Query<Limit>, QueryRejection>) -> R
 
 /// `GET /api/events/stream`: the live events, each with its number as its SSE id; a reader
 /// reconnecting with `Last-Event-ID` (as a browser's `EventSource` does) gets the kept events
-/// after it first. An id that is not a number is ignored.
+/// after it first. An id this process did not give (one from before a restart) is ignored.
 async fn stream(
     Shared(state): St,
     headers: axum::http::HeaderMap,
@@ -497,18 +497,22 @@ async fn stream(
     let after = headers
         .get("last-event-id")
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<u64>().ok());
-    let events = state.events.follow(after, state.stop.clone()).map(|live| {
-        Ok(match live {
-            Live::Event(e) => Event::default()
-                .id(e.seq.to_string())
-                .data(serde_json::to_string(&*e).unwrap_or_default()),
-            // A reader too slow for the feed is told what it missed (the ring keeps the
-            // newest: GET /api/events).
-            Live::Missed(missed) => Event::default()
-                .event("lagged")
-                .data(json!({ "missed": missed }).to_string()),
-        })
-    });
+        .and_then(|v| state.events.after(v));
+    let prefix = state.events.id_prefix();
+    let events = state
+        .events
+        .follow(after, state.stop.clone())
+        .map(move |live| {
+            Ok(match live {
+                Live::Event(e) => Event::default()
+                    .id(format!("{prefix}{}", e.seq))
+                    .data(serde_json::to_string(&*e).unwrap_or_default()),
+                // A reader too slow for the feed is told what it missed (the ring keeps the
+                // newest: GET /api/events).
+                Live::Missed(missed) => Event::default()
+                    .event("lagged")
+                    .data(json!({ "missed": missed }).to_string()),
+            })
+        });
     Sse::new(events).keep_alive(KeepAlive::default())
 }

@@ -44,6 +44,9 @@ pub(crate) struct EventView {
 
 /// The ring of recent events and the live feed of new ones.
 pub(crate) struct EventLog {
+    /// This log's own mark (random), in the ids it gives readers (`<boot>-<seq>`): an id of
+    /// another log (a process before a restart) is known as such.
+    boot: u64,
     kept: usize,
     ring: Mutex<VecDeque<Arc<EventView>>>,
     seq: AtomicU64,
@@ -54,6 +57,10 @@ impl EventLog {
     /// Keeps the last `kept` events.
     pub(crate) fn new(kept: usize) -> Self {
         EventLog {
+            // Distinct per log, within a process as across restarts.
+            boot: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64),
             kept: kept.max(1),
             ring: Mutex::new(VecDeque::new()),
             seq: AtomicU64::new(0),
@@ -96,6 +103,20 @@ impl EventLog {
         ring.iter().skip(skip).cloned().collect()
     }
 
+    /// What the ids of this log's events for readers of the live feed (the SSE `id`) begin
+    /// with: the event's number follows; [`after`](Self::after) reads them back.
+    pub(crate) fn id_prefix(&self) -> String {
+        format!("{:x}-", self.boot)
+    }
+
+    /// The number of the event a reader's `Last-Event-ID` names, when it is one of this log's
+    /// ids; `None` for another log's (a process before a restart) or any other text.
+    pub(crate) fn after(&self, id: &str) -> Option<u64> {
+        let (boot, seq) = id.trim().split_once('-')?;
+        (u64::from_str_radix(boot, 16).ok()? == self.boot).then_some(())?;
+        seq.parse().ok()
+    }
+
     /// How many events the ring keeps.
     pub(crate) fn capacity(&self) -> usize {
         self.kept
@@ -109,8 +130,9 @@ impl EventLog {
     /// `Last-Event-ID`) first gets the kept events after it, then the live ones: nothing in
     /// between is lost or repeated, since the ring is read and the feed subscribed under the
     /// lock `push` numbers and sends under. When the ring no longer holds every event after
-    /// `after`, the follower is told how many it missed first. An `after` this process never
-    /// numbered (from before a restart) is taken as no `after`.
+    /// `after`, the follower is told how many it missed first. An `after` beyond the last
+    /// number given is taken as no `after` (ids of another log are sorted out by
+    /// [`after`](Self::after)).
     pub(crate) fn follow(
         &self,
         after: Option<u64>,
