@@ -133,6 +133,9 @@ impl Client {
                     .map_or(0, |b| rpc_core::stable_hash(&b))
             }
         });
+        // Encoded: the parsed arguments (a body's worth of JSON values, larger than its text)
+        // are not held while the call is out.
+        drop(args);
         match self.invoke(descriptor, params, key).await {
             Ok(answer) => to_json(codec, &answer).map_err(|e| {
                 RpcError::new(

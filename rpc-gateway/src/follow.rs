@@ -128,9 +128,17 @@ impl Follower {
     pub(crate) fn rebuild(&mut self) {
         let mut entries: Vec<ServiceEntry> = Vec::new();
         let mut disagree: Vec<String> = Vec::new();
+        let mut misnamed: Vec<String> = Vec::new();
         for (service, (watch, _)) in &self.watches {
             for instance in watch.current().iter() {
                 for entry in instance.entries.iter().filter(|e| &e.service_id == service) {
+                    // Its route comes from its service and method, its calls go by its id: an
+                    // entry whose id is not `<service>.<method>` would be served at one
+                    // entry's route and call another (or take another's route from it).
+                    if entry.id.as_str() != format!("{}.{}", entry.service_id, entry.method) {
+                        misnamed.push(format!("{} at {}", entry.id, instance.address));
+                        continue;
+                    }
                     match entries.iter_mut().find(|e| e.id == entry.id) {
                         None => entries.push(entry.clone()),
                         Some(kept) if kept.api.is_none() => *kept = entry.clone(),
@@ -148,6 +156,13 @@ impl Follower {
         if entries == self.last {
             return;
         }
+        if !misnamed.is_empty() {
+            tracing::warn!(
+                entries = %misnamed.join(", "),
+                "instances publish these entries under an id that is not their service and \
+                 method: the gateway does not serve them"
+            );
+        }
         if !disagree.is_empty() {
             tracing::warn!(
                 instances = %disagree.join(", "),
@@ -156,15 +171,16 @@ impl Follower {
                  not finished?)"
             );
         }
-        self.last = entries.clone();
         // Entries come from servers the gateway does not control: should one of them make the
         // table's building panic (the matcher panics on some templates it is not meant to be
-        // given), the routes stay as they were rather than the follower ending for good.
-        let built = std::panic::catch_unwind(|| RouteTable::build(entries));
+        // given), the routes stay as they were rather than the follower ending for good, and
+        // the next change of the entries tries again.
+        let built = std::panic::catch_unwind(|| RouteTable::build(entries.clone()));
         let Ok(table) = built else {
             tracing::error!("the gateway could not build its routes from the entries published; it keeps the routes it has");
             return;
         };
+        self.last = entries;
         tracing::info!(
             entries = table.served().len(),
             "the gateway's routes changed"
@@ -342,6 +358,44 @@ mod tests {
                 .collect();
             assert_eq!(routes, ["/orders/{id}"], "older build at {old}");
         }
+    }
+
+    /// An entry published under an id that is not its service and method is not served: it
+    /// would take another entry's route, or be served at one route and call another entry.
+    #[tokio::test]
+    async fn an_entry_whose_id_is_not_its_service_and_method_is_not_served() {
+        use crate::route::test_entries::{entry, routed};
+        use rpc_registry::{InProcessRegistry, Instance};
+        let registry = InProcessRegistry::new();
+        let mut real = Instance::new("127.0.0.1:7001", ["bank.Accounts"]);
+        real.entries = vec![entry("bank.Accounts", "transfer", None)];
+        registry.register(real).await.expect("register");
+        // Described, and of a service before the real one by id: it would be kept.
+        let mut other = Instance::new("127.0.0.1:7002", ["aaa.X"]);
+        let mut misnamed = routed("aaa.X", "transfer", &["to", "from"], None);
+        misnamed.id = "bank.Accounts.transfer".into();
+        other.entries = vec![misnamed];
+        registry.register(other).await.expect("register");
+        let shared = Arc::new(Shared {
+            table: ArcSwap::from_pointee(RouteTable::default()),
+            version: watch::channel(0).0,
+        });
+        let mut follower = Follower::new(Arc::new(registry), shared.clone());
+        follower.discover().await;
+        follower.rebuild();
+        let table = shared.table.load();
+        let served: Vec<(String, String)> = table
+            .served()
+            .iter()
+            .map(|s| (s.route.path.clone(), s.entry.id.as_str().to_string()))
+            .collect();
+        assert_eq!(
+            served,
+            [(
+                "/api/bank.Accounts/transfer".to_string(),
+                "bank.Accounts.transfer".to_string()
+            )]
+        );
     }
 
     /// A registry whose `services` does not answer while `stalled` (cut off, its client
