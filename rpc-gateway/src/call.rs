@@ -177,7 +177,7 @@ async fn document(
     if let Some(refused) = check_token(&gateway, &headers) {
         return refused;
     }
-    let mut document = gateway.openapi();
+    let document = gateway.document();
     // Nested in a larger router (`Router::nest("/gw", gateway.router())`), the routes are
     // under its prefix: without a `servers` entry, OpenAPI tools would call them at `/`.
     if let Some(prefix) = uri
@@ -185,9 +185,11 @@ async fn document(
         .strip_suffix(DOCUMENT_PATH)
         .filter(|p| !p.is_empty())
     {
+        let mut document = (*document).clone();
         document["servers"] = json!([{"url": prefix}]);
+        return Json(document).into_response();
     }
-    Json(document).into_response()
+    Json(&*document).into_response()
 }
 
 /// The entry as the OpenAPI document shows it: at the route it is served at.

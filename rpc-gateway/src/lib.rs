@@ -280,6 +280,7 @@ impl GatewayBuilder {
                     read: self.read_timeout,
                     idle: self.idle_timeout,
                 },
+                document: std::sync::Mutex::new(None),
                 task,
             }),
         })
@@ -300,6 +301,9 @@ struct Inner {
     info: openapi::DocumentInfo,
     max_body_bytes: usize,
     limits: serve::Limits,
+    /// The OpenAPI document of the route table it was made from: made once per table, not
+    /// for every request of `/openapi.json` (which anyone may send when there is no token).
+    document: std::sync::Mutex<Option<(Arc<table::RouteTable>, Arc<serde_json::Value>)>>,
     task: JoinHandle<()>,
 }
 
@@ -367,7 +371,26 @@ impl Gateway {
 
     /// The OpenAPI document of the entries served now.
     pub fn openapi(&self) -> serde_json::Value {
-        openapi::document(&self.entries(), &self.inner.info)
+        (*self.document()).clone()
+    }
+
+    /// The OpenAPI document of the route table in use, made when the table changed.
+    pub(crate) fn document(&self) -> Arc<serde_json::Value> {
+        let table = self.inner.shared.table.load_full();
+        let mut cached = self
+            .inner
+            .document
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some((made_from, document)) = &*cached {
+            if Arc::ptr_eq(made_from, &table) {
+                return document.clone();
+            }
+        }
+        let entries: Vec<ServiceEntry> = table.served().iter().map(call::documented).collect();
+        let document = Arc::new(openapi::document(&entries, &self.inner.info));
+        *cached = Some((table, document.clone()));
+        document
     }
 
     /// Waits until `ready` holds for the entries served, up to `timeout`: it is checked now and
@@ -401,6 +424,51 @@ mod tests {
     async fn an_empty_token_is_refused() {
         let built = Gateway::builder().token("").build().await;
         assert!(matches!(built, Err(GatewayError::EmptyToken)));
+    }
+
+    /// The OpenAPI document is made once per route table: the same one while the entries
+    /// stay, a new one (of the new entries, as the document's own function makes it) once
+    /// they change.
+    #[tokio::test]
+    async fn the_document_is_made_again_only_when_the_routes_change() {
+        use rpc_registry::{InProcessRegistry, Instance, Registry};
+        let registry = InProcessRegistry::new();
+        registry
+            .register(crate::route::test_entries::echo_instance("127.0.0.1:9"))
+            .await
+            .expect("register");
+        let shared: Arc<dyn Registry> = Arc::new(registry.clone());
+        let gateway = Gateway::builder()
+            .client(Client::builder().shared_registry(shared.clone()).build())
+            .registry(shared)
+            .build()
+            .await
+            .expect("build");
+        let first = gateway.document();
+        assert!(Arc::ptr_eq(&first, &gateway.document()), "made once");
+        let mut more = Instance::new("127.0.0.1:10", ["shop.Orders"]);
+        more.entries = vec![crate::route::test_entries::entry(
+            "shop.Orders",
+            "get",
+            None,
+        )];
+        registry.register(more).await.expect("register");
+        assert!(
+            gateway
+                .wait_until(Duration::from_secs(10), |entries| entries.len() == 2)
+                .await,
+            "the new entry served"
+        );
+        let second = gateway.document();
+        assert!(!Arc::ptr_eq(&first, &second), "made again");
+        assert_eq!(
+            *second,
+            openapi::document(&gateway.entries(), &gateway.inner.info)
+        );
+        assert!(
+            second["paths"]["/api/shop.Orders/get"].is_object(),
+            "{second}"
+        );
     }
 
     /// A token no header carries as it is would refuse every request: refused at once.
