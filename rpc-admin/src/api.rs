@@ -488,7 +488,8 @@ async fn events(Shared(state): St, q: Result<Query<Limit>, QueryRejection>) -> R
 
 /// `GET /api/events/stream`: the live events, each with its number as its SSE id; a reader
 /// reconnecting with `Last-Event-ID` (as a browser's `EventSource` does) gets the kept events
-/// after it first. An id this process did not give (one from before a restart) is ignored.
+/// after it first; one holding an id of another process (before a restart) gets every event
+/// kept first.
 async fn stream(
     Shared(state): St,
     headers: axum::http::HeaderMap,

@@ -110,11 +110,13 @@ impl EventLog {
     }
 
     /// The number of the event a reader's `Last-Event-ID` names, when it is one of this log's
-    /// ids; `None` for another log's (a process before a restart) or any other text.
+    /// ids; 0 (everything kept) for an id of another log (a process before a restart: all this
+    /// one logged is new to the reader); `None` for any other text.
     pub(crate) fn after(&self, id: &str) -> Option<u64> {
         let (boot, seq) = id.trim().split_once('-')?;
-        (u64::from_str_radix(boot, 16).ok()? == self.boot).then_some(())?;
-        seq.parse().ok()
+        let boot = u64::from_str_radix(boot, 16).ok()?;
+        let seq: u64 = seq.parse().ok()?;
+        Some(if boot == self.boot { seq } else { 0 })
     }
 
     /// How many events the ring keeps.

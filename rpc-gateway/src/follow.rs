@@ -38,6 +38,8 @@ pub(crate) struct Follower {
     events: mpsc::UnboundedSender<Option<ServiceId>>,
     received: mpsc::UnboundedReceiver<Option<ServiceId>>,
     last: Vec<ServiceEntry>,
+    /// Entries the table could not be built from: not tried again until they change.
+    failed: Option<Vec<ServiceEntry>>,
     /// Services whose watch the registry closed at least once: said once as a warning, then
     /// at debug level (a static list closes every watch at once, at every discovery).
     closed_before: BTreeSet<ServiceId>,
@@ -57,6 +59,7 @@ impl Follower {
             events,
             received,
             last: Vec::new(),
+            failed: None,
             closed_before: BTreeSet::new(),
             missing: BTreeSet::new(),
         }
@@ -175,11 +178,16 @@ impl Follower {
         // table's building panic (the matcher panics on some templates it is not meant to be
         // given), the routes stay as they were rather than the follower ending for good, and
         // the next change of the entries tries again.
+        if self.failed.as_ref() == Some(&entries) {
+            return;
+        }
         let built = std::panic::catch_unwind(|| RouteTable::build(entries.clone()));
         let Ok(table) = built else {
             tracing::error!("the gateway could not build its routes from the entries published; it keeps the routes it has");
+            self.failed = Some(entries);
             return;
         };
+        self.failed = None;
         self.last = entries;
         tracing::info!(
             entries = table.served().len(),

@@ -377,19 +377,21 @@ impl Gateway {
     /// The OpenAPI document of the route table in use, made when the table changed.
     pub(crate) fn document(&self) -> Arc<serde_json::Value> {
         let table = self.inner.shared.table.load_full();
-        let mut cached = self
-            .inner
-            .document
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some((made_from, document)) = &*cached {
+        let cached = || {
+            self.inner
+                .document
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+        };
+        if let Some((made_from, document)) = &*cached() {
             if Arc::ptr_eq(made_from, &table) {
                 return document.clone();
             }
         }
+        // Made without the lock (requests at once may each make it, once per change).
         let entries: Vec<ServiceEntry> = table.served().iter().map(call::documented).collect();
         let document = Arc::new(openapi::document(&entries, &self.inner.info));
-        *cached = Some((table, document.clone()));
+        *cached() = Some((table, document.clone()));
         document
     }
 

@@ -174,16 +174,14 @@ impl CallWatch {
     /// handler failed at it or was dropped there) as event `timeout` on `events`, as a client
     /// reports its own.
     /// (The entry's admission, which the call holds anyway, carries the server's event bus:
-    /// a clone of one `Arc` a call, not of the bus.) Only a call with a deadline can reach it.
+    /// a clone of one `Arc` a call, not of the bus.)
     pub(crate) fn reporting_timeouts(
         mut self,
         admission: &Arc<crate::admission::Admission>,
         entry: &'static str,
         caller: &Arc<rpc_transport::Caller>,
     ) -> Self {
-        if self.deadline.is_some() {
-            self.timeouts = Some((admission.clone(), entry, caller.clone()));
-        }
+        self.timeouts = Some((admission.clone(), entry, caller.clone()));
         self
     }
 

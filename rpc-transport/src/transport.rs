@@ -58,10 +58,12 @@ pub trait Stream: AsyncRead + AsyncWrite + Unpin + Send + Sync + 'static {
 /// calls still unanswered after a drain's `GoAway` for calls the server never read, and sends
 /// them elsewhere. A reset leaves no such doubt: the connection broke.
 pub trait Abortive {
-    /// Makes the connection's close a reset (TCP: `SO_LINGER` 0), for a writer giving up with
-    /// frames unwritten. The default does nothing: a transport that cannot (a Unix socket, an
-    /// in-memory pipe, TLS over a split stream, whose missing `close_notify` the peer reads as
-    /// an error anyway) closes as it would.
+    /// Makes the socket's close a reset (TCP: `SO_LINGER` 0). Not enough by itself where
+    /// dropping the half shuts its side down in order first (TCP's: the peer reads that end of
+    /// stream before the reset): [`reset`](Self::reset) lets go of it without that. The
+    /// default does nothing: a transport that cannot (a Unix socket, an in-memory pipe, TLS
+    /// over a split stream, whose missing `close_notify` the peer reads as an error anyway)
+    /// closes as it would.
     fn reset_on_close(&self) {}
 
     /// Lets go of the writing half so that the connection ends with a reset: what

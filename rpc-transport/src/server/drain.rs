@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::admission::FrameCtx;
 use super::handler::{error_result, go_away};
-use super::options::ServerOptions;
+use super::options::{ServerOptions, PAUSED_KEEPALIVE};
 use crate::reader::FrameReader;
 
 /// How long a drained connection waits for the client to close before closing itself.
@@ -112,14 +112,15 @@ pub(super) async fn drain<R: AsyncRead + Unpin>(
 /// may still read) while the server was not draining: the calls in flight are finished and
 /// answered, as in a drain but with no `GoAway` (closing at once would drop them unanswered,
 /// and the client could not tell they ran); streams, which need the client's side to go on,
-/// are answered at once. Returns once every answer is written, once nothing more can be
-/// written (the client is gone), once nothing has moved for `idle` (no call finished, no
-/// write completed: a client that reads nothing, or a handler that never ends, holds the
-/// connection no longer than an idle one), or once the server begins to shut down (the drain
-/// then takes over, with its deadline).
+/// are answered at once. The calls run as they would on an open connection (their deadlines
+/// bound them). Returns once every answer is written, once nothing more can be written, once
+/// answers have waited for `idle` with the client taking none of their bytes (a client that
+/// reads nothing holds the connection no longer than an idle one), or once the server begins
+/// to shut down (the drain then takes over, with its deadline).
 ///
-/// A client that closed the connection altogether (its end of stream reads the same) is found
-/// out by a `Ping`: its system answers the bytes with a reset, and the next write fails.
+/// A client that closed the connection altogether reads the same end of stream: it is found
+/// out by a `Ping` every [`PAUSED_KEEPALIVE`] while calls run (its system answers the first
+/// with a reset, and the next write fails), and its calls are then dropped.
 pub(super) async fn finish_half_closed(
     ctx: &FrameCtx<'_>,
     shutdown: &CancellationToken,
@@ -131,11 +132,10 @@ pub(super) async fn finish_half_closed(
         "the client closed its side of the connection: the stream cannot go on; it may have \
          partly run",
     );
-    conn.sender.send(Kind::Ping(Ping { nonce: 0 }));
     let backlog = conn.sender.backlog();
-    // Progress: a call finished, or the client took bytes (however slowly it reads).
-    let moved = || (conn.in_flight.load(Ordering::Acquire), backlog.sent());
-    let mut last = moved();
+    let ping = tokio::time::sleep(Duration::ZERO);
+    tokio::pin!(ping);
+    let mut last_sent = backlog.sent();
     let still = tokio::time::sleep(idle);
     tokio::pin!(still);
     loop {
@@ -146,19 +146,25 @@ pub(super) async fn finish_half_closed(
         if finished && unsent == 0 {
             return;
         }
-        let now = moved();
-        if now != last {
-            last = now;
+        // The bound runs only while answers wait for the client: the client taking bytes
+        // (however slowly) starts it again.
+        let sent = backlog.sent();
+        if sent != last_sent || unsent == 0 {
+            last_sent = sent;
             still.as_mut().reset(Instant::now() + idle);
         }
         tokio::select! {
             biased;
             _ = shutdown.cancelled() => return,
             _ = backlog.stopped() => return,
-            _ = &mut still => {
-                if moved() == last {
+            _ = &mut still, if unsent > 0 => {
+                if backlog.sent() == last_sent {
                     return;
                 }
+            }
+            _ = &mut ping, if !finished => {
+                conn.sender.send(Kind::Ping(Ping { nonce: 0 }));
+                ping.as_mut().reset(Instant::now() + PAUSED_KEEPALIVE);
             }
             _ = conn.idle.notified() => {}
             _ = conn.finished.notified() => {}
