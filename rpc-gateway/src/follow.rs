@@ -351,14 +351,7 @@ mod tests {
                 .register(with(new, described.clone()))
                 .await
                 .expect("register the newer build");
-            let shared = Arc::new(Shared {
-                table: ArcSwap::from_pointee(RouteTable::default()),
-                version: watch::channel(0).0,
-            });
-            let mut follower = Follower::new(Arc::new(registry), shared.clone());
-            follower.discover().await;
-            follower.rebuild();
-            let table = shared.table.load();
+            let table = table_of(registry).await;
             let routes: Vec<String> = table
                 .served()
                 .iter()
@@ -366,6 +359,18 @@ mod tests {
                 .collect();
             assert_eq!(routes, ["/orders/{id}"], "older build at {old}");
         }
+    }
+
+    /// The route table a gateway's follower builds from what `registry` holds now.
+    async fn table_of(registry: rpc_registry::InProcessRegistry) -> Arc<RouteTable> {
+        let shared = Arc::new(Shared {
+            table: ArcSwap::from_pointee(RouteTable::default()),
+            version: watch::channel(0).0,
+        });
+        let mut follower = Follower::new(Arc::new(registry), shared.clone());
+        follower.discover().await;
+        follower.rebuild();
+        shared.table.load_full()
     }
 
     /// An entry published under an id that is not its service and method is not served: it
@@ -384,14 +389,7 @@ mod tests {
         misnamed.id = "bank.Accounts.transfer".into();
         other.entries = vec![misnamed];
         registry.register(other).await.expect("register");
-        let shared = Arc::new(Shared {
-            table: ArcSwap::from_pointee(RouteTable::default()),
-            version: watch::channel(0).0,
-        });
-        let mut follower = Follower::new(Arc::new(registry), shared.clone());
-        follower.discover().await;
-        follower.rebuild();
-        let table = shared.table.load();
+        let table = table_of(registry).await;
         let served: Vec<(String, String)> = table
             .served()
             .iter()

@@ -534,35 +534,10 @@ async fn answered_by_names_the_endpoint_whose_answer_the_call_returns() {
         .serve("127.0.0.1:0")
         .await
         .expect("serve");
-    let (tx, _entered) = mpsc::unbounded_channel();
-    let full = Server::builder()
-        .max_concurrency(0)
-        .add_service(FailServer::new(Node {
-            name: "full".into(),
-            writes: AtomicUsize::new(0),
-            stuck: AtomicUsize::new(0),
-            entered: tx,
-        }))
-        .serve("127.0.0.1:0")
-        .await
-        .expect("serve");
+    let full = full_server().await;
     let full_addr = full.local_addr().to_string();
     let list = format!("{},{full_addr}", other.local_addr());
-    let fail = FailClient::new(
-        Client::builder()
-            .registry(rpc::StaticRegistry::from_list(&list).expect("list"))
-            .override_options(
-                FailClient::SERVICE_ID,
-                rpc::GovernanceOverrides {
-                    retry_times: Some(1),
-                    retry_interval_ms: Some(0),
-                    // The refusals would open it: the calls must reach both endpoints.
-                    enable_circuit_breaker: Some(false),
-                    ..rpc::GovernanceOverrides::NONE
-                },
-            )
-            .build(),
-    );
+    let fail = retrying_once_over(&list);
     // Round robin: both orders come up within a few calls.
     for _ in 0..4 {
         let (result, by) = answered_by(within("read", fail.read())).await;
@@ -580,37 +555,13 @@ async fn answered_by_names_the_endpoint_whose_answer_the_call_returns() {
 /// listens.
 #[tokio::test]
 async fn answered_by_names_no_endpoint_for_an_error_no_endpoint_gave() {
-    let (tx, _entered) = mpsc::unbounded_channel();
-    let full = Server::builder()
-        .max_concurrency(0)
-        .add_service(FailServer::new(Node {
-            name: "full".into(),
-            writes: AtomicUsize::new(0),
-            stuck: AtomicUsize::new(0),
-            entered: tx,
-        }))
-        .serve("127.0.0.1:0")
-        .await
-        .expect("serve");
+    let full = full_server().await;
     let full_addr = full.local_addr().to_string();
     let dead = {
         let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         l.local_addr().expect("addr").to_string()
     };
-    let fail = FailClient::new(
-        Client::builder()
-            .registry(rpc::StaticRegistry::from_list(&format!("{full_addr},{dead}")).expect("list"))
-            .override_options(
-                FailClient::SERVICE_ID,
-                rpc::GovernanceOverrides {
-                    retry_times: Some(1),
-                    retry_interval_ms: Some(0),
-                    enable_circuit_breaker: Some(false),
-                    ..rpc::GovernanceOverrides::NONE
-                },
-            )
-            .build(),
-    );
+    let fail = retrying_once_over(&format!("{full_addr},{dead}"));
     for _ in 0..6 {
         let (result, by) = answered_by(within("read", fail.read())).await;
         let e = result.expect_err("nothing serves the call");
@@ -624,4 +575,39 @@ async fn answered_by_names_no_endpoint_for_an_error_no_endpoint_gave() {
         }
     }
     within("shutdown", full.shutdown()).await;
+}
+
+/// A server of `t.Fail` at a cap of 0: every call is refused 515.
+async fn full_server() -> ServerHandle {
+    let (tx, _entered) = mpsc::unbounded_channel();
+    Server::builder()
+        .max_concurrency(0)
+        .add_service(FailServer::new(Node {
+            name: "full".into(),
+            writes: AtomicUsize::new(0),
+            stuck: AtomicUsize::new(0),
+            entered: tx,
+        }))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve")
+}
+
+/// A client of `t.Fail` over the endpoints of `list`, retrying once at once, with no breaker
+/// (the refusals would open it: the calls must reach every endpoint).
+fn retrying_once_over(list: &str) -> FailClient {
+    FailClient::new(
+        Client::builder()
+            .registry(rpc::StaticRegistry::from_list(list).expect("list"))
+            .override_options(
+                FailClient::SERVICE_ID,
+                rpc::GovernanceOverrides {
+                    retry_times: Some(1),
+                    retry_interval_ms: Some(0),
+                    enable_circuit_breaker: Some(false),
+                    ..rpc::GovernanceOverrides::NONE
+                },
+            )
+            .build(),
+    )
 }

@@ -304,16 +304,7 @@ async fn a_client_half_closing_its_side_still_gets_its_answers() {
 /// the call, rather than running it for a reader that is gone. (On the paused clock.)
 #[tokio::test(start_paused = true)]
 async fn a_call_whose_client_closed_its_connection_is_dropped_once_the_server_finds_out() {
-    let (n, mut probe) = node("only");
-    let server = builder(&n).serve("127.0.0.1:0").await.expect("serve");
-    let mut raw = RawConn::connect(server.local_addr()).await;
-    raw.handshake().await;
-    raw.send(rpc::crates::core::wire::frame::Kind::Invoke(life_call(
-        "hold", 1,
-    )))
-    .await
-    .expect("the call");
-    recv_one("the call entered its handler", &mut probe.entered).await;
+    let (_n, mut probe, server, raw) = raw_call_held().await;
     drop(raw);
     assert_eq!(
         recv_one("the call dropped", &mut probe.dropped).await,
@@ -322,10 +313,8 @@ async fn a_call_whose_client_closed_its_connection_is_dropped_once_the_server_fi
     within("shutdown", server.shutdown()).await;
 }
 
-/// A raw client's call held in its handler; the server shutting down first when `draining`
-/// (its GoAway 200 read); then the client closes its sending side, the handler answers a
-/// second later, and the client reads the answer, then the close.
-async fn half_closing_gets_its_answer(draining: bool) {
+/// A node's server, and a raw client whose call `hold` (id 1) entered its handler there.
+async fn raw_call_held() -> (Arc<Node>, Probe, rpc::ServerHandle, RawConn) {
     let (n, mut probe) = node("only");
     let server = builder(&n).serve("127.0.0.1:0").await.expect("serve");
     let mut raw = RawConn::connect(server.local_addr()).await;
@@ -336,6 +325,14 @@ async fn half_closing_gets_its_answer(draining: bool) {
     .await
     .expect("the call");
     recv_one("the call entered its handler", &mut probe.entered).await;
+    (n, probe, server, raw)
+}
+
+/// A raw client's call held in its handler; the server shutting down first when `draining`
+/// (its GoAway 200 read); then the client closes its sending side, the handler answers a
+/// second later, and the client reads the answer, then the close.
+async fn half_closing_gets_its_answer(draining: bool) {
+    let (n, _probe, server, mut raw) = raw_call_held().await;
     let (shutdown, server) = if draining {
         let shutdown = tokio::spawn(server.shutdown());
         let g = raw.expect_go_away().await;
