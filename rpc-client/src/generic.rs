@@ -59,6 +59,26 @@ impl Client {
     /// # Ok(()) }
     /// ```
     pub async fn invoke_json(&self, entry_id: &str, args: Value) -> Result<Value, RpcError> {
+        self.invoke_json_encoded(entry_id, args)
+            .await?
+            .to_value()
+            .map_err(|e| {
+                RpcError::new(
+                    StatusCode::FrameworkError,
+                    format!("{entry_id}: the answer is not readable as JSON: {e}"),
+                )
+            })
+    }
+
+    /// [`invoke_json`](Self::invoke_json), with the answer as the server encoded it: a
+    /// [`JsonAnswer`] writes it as JSON text with no [`Value`] in between (what a gateway
+    /// answering with JSON text does), and tells apart an answer that cannot be JSON from a
+    /// failed call.
+    pub async fn invoke_json_encoded(
+        &self,
+        entry_id: &str,
+        args: Value,
+    ) -> Result<JsonAnswer, RpcError> {
         let (service_id, method) = split_entry_id(entry_id)?;
         let Value::Array(list) = &args else {
             return Err(RpcError::validation(format!(
@@ -137,13 +157,40 @@ impl Client {
         // are not held while the call is out.
         drop(args);
         match self.invoke(descriptor, params, key).await {
-            Ok(answer) => to_json(codec, &answer).map_err(|e| {
-                RpcError::new(
-                    StatusCode::FrameworkError,
-                    format!("{entry_id}: the answer is not readable as JSON: {e}"),
-                )
-            }),
+            Ok(bytes) => Ok(JsonAnswer { codec, bytes }),
             Err(e) => Err(json_payload(e)),
+        }
+    }
+}
+
+/// An answer of [`Client::invoke_json_encoded`]: the result as its server encoded it, to be
+/// read as JSON.
+#[derive(Debug, Clone)]
+pub struct JsonAnswer {
+    codec: Codec,
+    bytes: Bytes,
+}
+
+impl JsonAnswer {
+    /// The answer as a JSON value, or why it cannot be one.
+    pub fn to_value(&self) -> Result<Value, String> {
+        to_json(self.codec, &self.bytes)
+    }
+
+    /// Appends the answer to `out` as JSON text, or says why it cannot be JSON (then `out`
+    /// may hold part of it).
+    pub fn write_json(&self, out: &mut Vec<u8>) -> Result<(), String> {
+        match self.codec {
+            Codec::MsgPack => rpc_core::read_msgpack(&self.bytes, |de| {
+                serde_transcode::transcode(de, &mut serde_json::Serializer::new(&mut *out))
+            }),
+            // Checked, not copied as it is: the server's bytes are not trusted to be JSON.
+            Codec::Json => {
+                serde_json::from_slice::<serde::de::IgnoredAny>(&self.bytes)
+                    .map_err(|e| e.to_string())?;
+                out.extend_from_slice(&self.bytes);
+                Ok(())
+            }
         }
     }
 }
@@ -296,6 +343,51 @@ mod tests {
         ] {
             assert_eq!(json_kind(&value), named, "{value}");
         }
+    }
+
+    /// The JSON text an answer writes is what serde_json makes of the typed value the server
+    /// encoded, whichever codec carried it; a value JSON cannot hold (a map keyed by lists) is
+    /// refused, as by `to_value`, and so are bytes that are not JSON under the JSON codec.
+    #[test]
+    fn an_answer_writes_the_json_of_the_value_its_server_encoded() {
+        use std::collections::BTreeMap;
+        #[derive(serde::Serialize)]
+        struct Order {
+            id: u64,
+            tags: Vec<String>,
+            by_day: BTreeMap<u32, f64>,
+            note: Option<String>,
+        }
+        let order = Order {
+            id: 7,
+            tags: vec!["a\"b".into(), "ü".into()],
+            by_day: BTreeMap::from([(1, 0.5), (2, -3.0)]),
+            note: None,
+        };
+        let expected = serde_json::to_value(&order).expect("oracle");
+        for codec in [Codec::MsgPack, Codec::Json] {
+            let answer = JsonAnswer {
+                codec,
+                bytes: codec.encode(&order).expect("encode"),
+            };
+            let mut text = b"[".to_vec();
+            answer.write_json(&mut text).expect("written");
+            let written: Value = serde_json::from_slice(&text[1..]).expect("JSON text");
+            assert_eq!(written, expected, "{codec:?}");
+            assert_eq!(answer.to_value().expect("a value"), expected, "{codec:?}");
+        }
+        let keyed_by_lists = BTreeMap::from([(vec![1u32], 1u32)]);
+        let answer = JsonAnswer {
+            codec: Codec::MsgPack,
+            bytes: Codec::MsgPack.encode(&keyed_by_lists).expect("encode"),
+        };
+        assert!(answer.write_json(&mut Vec::new()).is_err());
+        assert!(answer.to_value().is_err());
+        let not_json = JsonAnswer {
+            codec: Codec::Json,
+            bytes: Bytes::from_static(b"{\"a\": 1} trailing"),
+        };
+        assert!(not_json.write_json(&mut Vec::new()).is_err());
     }
 
     #[test]

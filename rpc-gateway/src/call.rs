@@ -255,6 +255,21 @@ async fn call(State(gateway): State<Gateway>, request: Request) -> Response {
             )
         }
     };
+    // Held until the answer is made: the body read, the call and its answer count.
+    let Ok(_in_flight) = gateway.inner.in_flight.try_acquire() else {
+        let mut answer = refuse(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "the gateway is handling as many calls as it takes at once ({}): send it \
+                 again in a second",
+                gateway.inner.max_in_flight
+            ),
+        );
+        answer
+            .headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from(1));
+        return answer;
+    };
     let read = to_bytes(Body::new(body), gateway.inner.max_body_bytes);
     let Ok(read) = tokio::time::timeout(gateway.inner.limits.read, read).await else {
         return refuse(
@@ -314,14 +329,14 @@ async fn call(State(gateway): State<Gateway>, request: Request) -> Response {
     // call is out, they would make hyper take a new buffer for its next read.
     drop((parts, body));
     let client = gateway.inner.client.clone();
-    let call = RpcContext::scope(attachments, client.invoke_json(&entry_id, args))
+    let call = RpcContext::scope(attachments, client.invoke_json_encoded(&entry_id, args))
         .instrument(span.clone());
     #[cfg(feature = "otel")]
     let result = otel::traced(&span, carried, call).await;
     #[cfg(not(feature = "otel"))]
     let result = call.await;
     let answer = match result {
-        Ok(value) => (StatusCode::OK, Json(value)).into_response(),
+        Ok(answer) => answered(&entry_id, &answer),
         Err(e) => failed(&e),
     };
     // A number, as OpenTelemetry's HTTP conventions have it (an unsigned one would reach it as
@@ -344,6 +359,34 @@ fn over_the_limit(error: &axum::Error) -> bool {
         cause = e.source();
     }
     false
+}
+
+/// The HTTP answer of a call that succeeded: its result as JSON text, written from the
+/// server's encoding with no JSON value in between; or, when the result cannot be JSON (a
+/// service's answer the gateway cannot pass on), 502 with the error body of call status 500.
+fn answered(entry_id: &str, answer: &rpc_client::JsonAnswer) -> Response {
+    // As axum's `Json` starts its buffer.
+    let mut text = Vec::with_capacity(128);
+    match answer.write_json(&mut text) {
+        Ok(()) => (
+            [(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            )],
+            text,
+        )
+            .into_response(),
+        Err(e) => {
+            let error = RpcError::new(
+                rpc_core::StatusCode::FrameworkError,
+                format!(
+                    "{entry_id}: the service's answer is not readable as JSON ({e}); the \
+                     service answered, and the gateway cannot pass its answer on"
+                ),
+            );
+            (StatusCode::BAD_GATEWAY, Json(error_body(&error))).into_response()
+        }
+    }
 }
 
 /// The HTTP answer of a failed call.
@@ -611,6 +654,10 @@ fn attachments(headers: &HeaderMap) -> Result<BTreeMap<String, String>, String> 
         .flat_map(|v| v.split(','))
         .map(|t| t.trim().to_ascii_lowercase())
         .collect();
+    // A trace context with more than one parent is none (W3C Trace Context): joined into one
+    // value it would not parse at the server either, so the server starts a trace of its own,
+    // as the gateway's span does (`otel::carried`).
+    let no_trace = !one_traceparent(headers);
     let mut out = BTreeMap::new();
     let mut bytes = 0;
     for (name, value) in headers {
@@ -618,6 +665,7 @@ fn attachments(headers: &HeaderMap) -> Result<BTreeMap<String, String>, String> 
         if NOT_FORWARDED.contains(&name)
             || NOT_FORWARDED_PREFIXES.iter().any(|p| name.starts_with(p))
             || named_by_connection.iter().any(|n| n == name)
+            || (no_trace && (name == "traceparent" || name == "tracestate"))
         {
             continue;
         }
@@ -640,6 +688,11 @@ fn attachments(headers: &HeaderMap) -> Result<BTreeMap<String, String>, String> 
         }
     }
     Ok(out)
+}
+
+/// Whether the request carries exactly one `traceparent` header: a trace context to continue.
+fn one_traceparent(headers: &HeaderMap) -> bool {
+    headers.get_all("traceparent").iter().count() == 1
 }
 
 #[cfg(feature = "otel")]
@@ -665,7 +718,7 @@ mod otel {
     /// The request's trace context (from `traceparent`/`tracestate`), when it carries a valid
     /// one.
     pub(super) fn carried(headers: &HeaderMap) -> Option<opentelemetry::Context> {
-        if !headers.contains_key("traceparent") {
+        if !super::one_traceparent(headers) {
             return None;
         }
         let cx = TraceContextPropagator::new().extract(&Headers(headers));
@@ -941,6 +994,35 @@ mod tests {
             a.keys().map(String::as_str).collect::<Vec<_>>(),
             ["traceparent", "x-tenant"]
         );
+    }
+
+    /// Two `traceparent` headers are no trace context (W3C Trace Context): neither they nor
+    /// the `tracestate` that goes with them travel, where joined they would reach the server as
+    /// one value it cannot read; one travels with its `tracestate`.
+    #[test]
+    fn a_repeated_traceparent_travels_not_at_all() {
+        let parents = [
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            "00-1af7651916cd43dd8448eb211c80319c-c7ad6b7169203331-01",
+        ];
+        for count in [1, 2] {
+            let mut h = HeaderMap::new();
+            for parent in &parents[..count] {
+                h.append("traceparent", HeaderValue::from_static(parent));
+            }
+            h.append("tracestate", HeaderValue::from_static("a=1"));
+            h.append("x-tenant", HeaderValue::from_static("acme"));
+            let a = attachments(&h).unwrap();
+            let kept: Vec<&str> = a.keys().map(String::as_str).collect();
+            if count == 1 {
+                assert_eq!(kept, ["traceparent", "tracestate", "x-tenant"]);
+                assert_eq!(a["traceparent"], parents[0]);
+            } else {
+                assert_eq!(kept, ["x-tenant"], "{count} traceparent headers");
+            }
+            #[cfg(feature = "otel")]
+            assert_eq!(otel::carried(&h).is_some(), count == 1, "{count}");
+        }
     }
 
     #[test]

@@ -18,14 +18,16 @@
 //! any other parameter that accepts null is null); with other methods they come from a JSON
 //! object in the body, whatever its content type (so `curl -d '{"text":"hi"}'` works). A body
 //! that is a JSON array is taken as positional arguments. The answer is the method's result as
-//! JSON, with status 200. A path is matched with its percent-encoded text decoded (a service
+//! JSON, with status 200 (a result that cannot be JSON, a service's answer the gateway cannot
+//! pass on: 502, call status 500). A path is matched with its percent-encoded text decoded (a service
 //! id such as `my_crate::api.Echo`, or a method name in another script, is reached as clients
 //! encode it), its `%2F` (a `/` inside a segment), `%25` and `%7B` / `%7D` (braces, which in
 //! a route's path name a parameter) kept escaped.
 //!
 //! A failed call answers with the status [`route::http_status`] maps (business error 422,
 //! overflow and open breaker 503 with `Retry-After`, timeout 504, not authenticated 401 with
-//! `WWW-Authenticate: Bearer` as every 401, unknown entry 404, ...) and the body
+//! `WWW-Authenticate: Bearer` as every 401, credentials the server refused (517) 403, unknown
+//! entry 404, ...) and the body
 //! [`route::error_body`] writes: `{"code": 1000, "message": "...", "error": <typed error>}`
 //! (with `"fields"` for a validation error naming its arguments).
 //!
@@ -72,7 +74,7 @@
 //! in their parameters' names (with any methods: one path has one spelling, as OpenAPI
 //! requires), the first in entry id order keeps it and the other is served at its default
 //! route, with a warning in the log; so is an entry whose declared route has more than 16
-//! parameters, or a parameter where default routes hold the service id (`/api/{kind}/{id}`,
+//! parameters, names one that is not among the method's, or a parameter where default routes hold the service id (`/api/{kind}/{id}`,
 //! which would answer for any entry not served at the moment).
 //!
 //! ## Headers, tokens and traces
@@ -87,7 +89,9 @@
 //! with feature `otel`, the gateway's `rpc.gateway` span is the child of the request's span and
 //! the calls it makes carry the trace on (their spans are the request's children directly when
 //! a filter keeps the gateway's span from OpenTelemetry); without it, the header is forwarded
-//! as it is and the server's span joins the caller's trace directly.
+//! as it is and the server's span joins the caller's trace directly. A request with more than
+//! one `traceparent` carries no trace context (as W3C Trace Context has it): neither header nor
+//! its `tracestate` is forwarded, and the trace starts at the gateway.
 //!
 //! With [`GatewayBuilder::token`], every route but `GET /healthz` and `GET /docs` (a static page)
 //! needs `Authorization: Bearer <token>` (the scheme's name in any case; the token compared by
@@ -106,8 +110,8 @@
 //!
 //! The gateway's own refusals (unknown route 404, wrong method 405, unreadable arguments 400,
 //! body over [`GatewayBuilder::max_body_bytes`] 413, a body not sent within
-//! [`GatewayBuilder::read_timeout`] 408, too many headers 431, token 401, another origin 403)
-//! answer
+//! [`GatewayBuilder::read_timeout`] 408, too many headers 431, token 401, another origin 403,
+//! more calls at once than [`GatewayBuilder::max_in_flight`] 503 with `Retry-After: 1`) answer
 //! `{"error": "..."}`, saying what to send instead. `GET /healthz` answers `ok`.
 
 #![warn(missing_docs)]
@@ -165,6 +169,7 @@ pub struct GatewayBuilder {
     version: String,
     discovery_interval: Duration,
     max_body_bytes: usize,
+    max_in_flight: usize,
     read_timeout: Duration,
     idle_timeout: Duration,
 }
@@ -212,6 +217,16 @@ impl GatewayBuilder {
     /// The largest request body read (1 MiB by default); a larger one is answered 413.
     pub fn max_body_bytes(mut self, bytes: usize) -> Self {
         self.max_body_bytes = bytes;
+        self
+    }
+
+    /// How many calls the gateway handles at once, from reading the body to writing the answer
+    /// (1024 by default, at least 1); a call past them is answered 503 with `Retry-After: 1`,
+    /// before its body is read. Without a bound, callers opening connection after connection
+    /// (each sending a body up to [`max_body_bytes`](Self::max_body_bytes)) would hold as much
+    /// memory as they liked; with it, the bodies held are at most this many.
+    pub fn max_in_flight(mut self, calls: usize) -> Self {
+        self.max_in_flight = calls.clamp(1, tokio::sync::Semaphore::MAX_PERMITS);
         self
     }
 
@@ -276,6 +291,8 @@ impl GatewayBuilder {
                     bearer_token,
                 },
                 max_body_bytes: self.max_body_bytes,
+                in_flight: tokio::sync::Semaphore::new(self.max_in_flight),
+                max_in_flight: self.max_in_flight,
                 limits: serve::Limits {
                     read: self.read_timeout,
                     idle: self.idle_timeout,
@@ -300,6 +317,9 @@ struct Inner {
     token: Option<String>,
     info: openapi::DocumentInfo,
     max_body_bytes: usize,
+    /// A permit per call being handled ([`GatewayBuilder::max_in_flight`]).
+    in_flight: tokio::sync::Semaphore,
+    max_in_flight: usize,
     limits: serve::Limits,
     /// The OpenAPI document of the route table it was made from: made once per table, not
     /// for every request of `/openapi.json` (which anyone may send when there is no token).
@@ -324,6 +344,7 @@ impl Gateway {
             version: env!("CARGO_PKG_VERSION").into(),
             discovery_interval: Duration::from_secs(1),
             max_body_bytes: 1 << 20,
+            max_in_flight: 1024,
             read_timeout: Duration::from_secs(30),
             idle_timeout: Duration::from_secs(15 * 60),
         }

@@ -64,8 +64,9 @@ pub const ERROR_RESPONSES: &[(u16, &str, &[u32])] = &[
     ),
     (
         401,
-        "Not authenticated (call status 401 or 517): send a valid token.",
-        &[401, 517],
+        "Not authenticated (call status 401): the service asks for credentials the caller sends \
+         in a header the gateway forwards.",
+        &[401],
     ),
     (
         404,
@@ -87,7 +88,8 @@ pub const ERROR_RESPONSES: &[(u16, &str, &[u32])] = &[
     (
         502,
         "The service failed (call status 506 communication error, 509 fallback failed or 520 \
-         server error); `message` says what failed.",
+         server error), or answered with a result that cannot be JSON (call status 500); \
+         `message` says what failed.",
         &[506, 509, 520],
     ),
     (
@@ -105,8 +107,10 @@ pub const ERROR_RESPONSES: &[(u16, &str, &[u32])] = &[
     ),
     (
         403,
-        "Not authorized (call status 403): the service refused the caller.",
-        &[403],
+        "Not authorized (call status 403), or the service refused the credentials the call \
+         carried (517: the gateway's own server token, or a forwarded header a server layer \
+         checks); sending the gateway another token does not change it.",
+        &[403, 517],
     ),
     (
         501,
@@ -131,6 +135,7 @@ pub const GATEWAY_REFUSALS: &[(u16, &str)] = &[
     (408, "The body was not sent whole within the gateway's read timeout."),
     (413, "The body is over the gateway's limit."),
     (431, "Too many headers to forward as attachments."),
+    (503, "The gateway is handling as many calls as it takes at once: retry after the number of seconds in `Retry-After`."),
 ];
 
 /// The JSON Schema of the gateway's own refusals: `{"error": "..."}`.
@@ -950,11 +955,11 @@ mod tests {
         );
         // Statuses the gateway also answers itself take either body; its own refusals only one.
         let carried = error_body_schema(Some(&carried_error_schema()));
-        for status in ["400", "401", "403", "404"] {
+        for status in ["400", "401", "403", "404", "503"] {
             let either = json!({"anyOf": [carried.clone(), refusal_schema()]});
             assert_eq!(schema_of(status), &either, "{status}");
         }
-        for status in ["429", "500", "501", "502", "503", "504"] {
+        for status in ["429", "500", "501", "502", "504"] {
             assert_eq!(schema_of(status), &carried, "{status}");
             assert!(
                 schema_of(status)["properties"]["error"].is_object(),

@@ -61,8 +61,8 @@ pub fn params_in_query(method: &Method) -> bool {
 /// |---|---|
 /// | 1000 business error (a typed error) | 422 |
 /// | 1001 validation error, or arguments the gateway could not read | 400 |
-/// | 401 / 517 not authenticated | 401, with `WWW-Authenticate: Bearer` |
-/// | 403 not authorized | 403 |
+/// | 401 not authenticated | 401, with `WWW-Authenticate: Bearer` |
+/// | 403 not authorized, 517 the credentials the call carried refused | 403 |
 /// | 507 / 513 no such entry | 404 |
 /// | 429 rate limited | 429, with `Retry-After` |
 /// | 515 server overflow, 514 client overflow, 522 breaker open | 503, with `Retry-After` |
@@ -75,8 +75,11 @@ pub fn http_status(code: StatusCode) -> HttpStatus {
     match code.as_u32() {
         1000 => HttpStatus::UNPROCESSABLE_ENTITY,
         1001 => HttpStatus::BAD_REQUEST,
-        401 | 517 => HttpStatus::UNAUTHORIZED,
-        403 => HttpStatus::FORBIDDEN,
+        401 => HttpStatus::UNAUTHORIZED,
+        // The server (or a layer of its) refused the credentials the call carried: the
+        // gateway's own (`--server-token`) or a forwarded header. No token sent to the gateway
+        // changes that, so it is no 401, whose challenge would ask for one.
+        403 | 517 => HttpStatus::FORBIDDEN,
         507 | 513 => HttpStatus::NOT_FOUND,
         429 => HttpStatus::TOO_MANY_REQUESTS,
         404 | 504 | 514 | 515 | 522 => HttpStatus::SERVICE_UNAVAILABLE,
@@ -307,7 +310,8 @@ mod tests {
             (515, 503),
             (522, 503),
             (519, 504),
-            (517, 401),
+            (517, 403),
+            (401, 401),
             (403, 403),
             (507, 404),
         ] {

@@ -107,6 +107,13 @@ impl RouteTable {
                      answer theirs",
                     declared.path
                 ))
+            } else if let Some(name) = not_a_param(entry, &declared) {
+                // Every request would be refused for an argument the caller did not choose
+                // (a server built otherwise than by the macro, which refuses such a route).
+                Err(format!(
+                    "{} names {{{name}}}, which is not a parameter of the method",
+                    declared.path
+                ))
             } else {
                 taken.insert(&declared, i)
             };
@@ -236,6 +243,15 @@ fn default_route_shaped(path: &str) -> bool {
         .strip_prefix("/api/")
         .map(|rest| rest.split('/').collect());
     matches!(parts.as_deref(), Some([service, method]) if !service.is_empty() && !method.is_empty())
+}
+
+/// The first parameter `route`'s path names that `entry` does not publish as one of its
+/// parameters, if any.
+fn not_a_param(entry: &ServiceEntry, route: &Route) -> Option<String> {
+    let params = entry.api.as_ref().map_or(&[][..], |api| &api.params[..]);
+    crate::openapi::path_params(&route.path)
+        .into_iter()
+        .find(|name| !params.contains(name))
 }
 
 /// `POST /api/{service id}/{method}`: where `entry` is served when it declares no route, or
@@ -404,9 +420,17 @@ mod tests {
     use crate::route::test_entries::routed;
     use serde_json::json;
 
-    /// An entry taking `id`, served at `http` when given.
+    /// An entry taking `id` and every parameter its route's path names, served at `http` when
+    /// given.
     fn entry(service: &str, method: &str, http: Option<(&str, &str)>) -> ServiceEntry {
-        routed(service, method, &["id"], http)
+        let mut params = vec!["id".to_string()];
+        for name in http.map_or(vec![], |(_, path)| crate::openapi::path_params(path)) {
+            if !params.contains(&name) {
+                params.push(name);
+            }
+        }
+        let params: Vec<&str> = params.iter().map(String::as_str).collect();
+        routed(service, method, &params, http)
     }
 
     fn found(table: &RouteTable, method: Method, path: &str) -> Option<String> {
@@ -475,6 +499,23 @@ mod tests {
             Some("a.Admin.purge"),
         );
         assert_eq!(table.served().len(), 2);
+    }
+
+    /// A declared path naming what is not a parameter of the method (published by a server the
+    /// macro did not build) would refuse every request for an argument the caller did not
+    /// choose: the entry is served at its default route instead.
+    #[test]
+    fn a_template_naming_no_parameter_of_the_method_is_served_at_the_default_route() {
+        let table = RouteTable::build(vec![
+            routed("a.A", "get", &["id"], Some(("GET", "/orders/{order}"))),
+            routed("b.B", "get", &[], Some(("GET", "/items/{id}"))),
+            routed("c.C", "get", &["id"], Some(("GET", "/carts/{id}"))),
+        ]);
+        serves(&table, Method::GET, "/orders/7", None);
+        serves(&table, Method::POST, "/api/a.A/get", Some("a.A.get"));
+        serves(&table, Method::GET, "/items/7", None);
+        serves(&table, Method::POST, "/api/b.B/get", Some("b.B.get"));
+        serves(&table, Method::GET, "/carts/7", Some("c.C.get"));
     }
 
     #[test]

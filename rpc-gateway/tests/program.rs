@@ -204,6 +204,7 @@ async fn an_empty_token_or_an_impossible_interval_is_refused() {
             "NaN",
             "give a positive number of seconds",
         ),
+        ("--max-in-flight", "0", "--max-in-flight 0: give the number"),
         (
             "--config",
             "/nonexistent/governance.toml",

@@ -59,6 +59,9 @@ struct Args {
     /// idle time of the load balancers in front (60 s for AWS's, 600 s for Google Cloud's).
     #[arg(long, default_value_t = 900.0)]
     idle_timeout_secs: f64,
+    /// Calls handled at once; one more is answered 503 with `Retry-After: 1`.
+    #[arg(long, default_value_t = 1024)]
+    max_in_flight: usize,
 }
 
 #[tokio::main]
@@ -92,6 +95,11 @@ async fn run(args: Args) -> Result<(), String> {
     let discovery = seconds("discovery-secs", args.discovery_secs)?;
     let read_timeout = seconds("read-timeout-secs", args.read_timeout_secs)?;
     let idle_timeout = seconds("idle-timeout-secs", args.idle_timeout_secs)?;
+    if args.max_in_flight == 0 {
+        return Err(
+            "--max-in-flight 0: give the number of calls handled at once, at least 1".into(),
+        );
+    }
     // An empty token (a secret that did not resolve, say) must not turn the check off.
     if args.token.as_deref() == Some("") {
         return Err(
@@ -139,7 +147,8 @@ async fn run(args: Args) -> Result<(), String> {
     builder = builder
         .discovery_interval(discovery)
         .read_timeout(read_timeout)
-        .idle_timeout(idle_timeout);
+        .idle_timeout(idle_timeout)
+        .max_in_flight(args.max_in_flight);
     if let Some(token) = args.token {
         builder = builder.token(token);
     }

@@ -16,7 +16,7 @@ use std::time::Duration;
 use common::otel::Traces;
 use common::{let_through, within, LIMIT};
 use rpc::{Client, InProcessRegistry, Registry, RpcContext, RpcError, Server, ServerHandle};
-use rpc_gateway::Gateway;
+use rpc_gateway::{Gateway, GatewayBuilder};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
@@ -91,6 +91,21 @@ pub trait AStatus {
 pub trait BStatus {
     #[http(get = "/status")]
     async fn status(&self) -> Result<String, RpcError>;
+}
+
+/// Answers what JSON cannot hold.
+#[rpc::service(name = "gw.Odd")]
+pub trait Odd {
+    /// A map keyed by lists.
+    async fn keyed(&self) -> Result<std::collections::BTreeMap<Vec<u32>, u32>, RpcError>;
+}
+
+struct Lists;
+
+impl Odd for Arc<Lists> {
+    async fn keyed(&self) -> Result<std::collections::BTreeMap<Vec<u32>, u32>, RpcError> {
+        Ok([(vec![1, 2], 3)].into())
+    }
 }
 
 struct Named(&'static str);
@@ -236,16 +251,27 @@ impl World {
         etcd: Option<etcd_harness::Etcd>,
         token: Option<&str>,
     ) -> World {
+        World::configured(registry, etcd, |builder| match token {
+            Some(token) => builder.token(token),
+            None => builder,
+        })
+        .await
+    }
+
+    /// A gateway over `registry` (kept in `etcd`, when given), its builder set up by
+    /// `configure`.
+    async fn configured(
+        registry: Arc<dyn Registry>,
+        etcd: Option<etcd_harness::Etcd>,
+        configure: impl FnOnce(GatewayBuilder) -> GatewayBuilder,
+    ) -> World {
         let (traces, traced) = Traces::install();
         let client = Client::builder().shared_registry(registry.clone()).build();
-        let mut builder = Gateway::builder()
+        let builder = Gateway::builder()
             .client(client)
             .registry(registry.clone())
             .discovery_interval(Duration::from_millis(100));
-        if let Some(token) = token {
-            builder = builder.token(token);
-        }
-        let gateway = builder.build().await.expect("build the gateway");
+        let gateway = configure(builder).build().await.expect("build the gateway");
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let base = format!("http://{}", listener.local_addr().expect("addr"));
         let serving = tokio::spawn(gateway.clone().serve(listener));
@@ -490,6 +516,49 @@ async fn overflow_is_answered_503_with_retry_after() {
         .expect("answer");
     assert_eq!(first.status().as_u16(), 200);
     assert_eq!(first.text().await.expect("body"), "\"released\"");
+}
+
+/// Past `max_in_flight` calls at once, the gateway answers 503 with `Retry-After: 1` itself
+/// (its own `{"error"}` body: no call went out), and takes calls again once one ends.
+#[tokio::test]
+async fn calls_past_the_in_flight_limit_are_answered_503_by_the_gateway() {
+    let registry: Arc<dyn Registry> = Arc::new(InProcessRegistry::new());
+    let mut world = World::configured(registry, None, |b| b.max_in_flight(2)).await;
+    let _orders = world.orders(50).await;
+    world
+        .serving(&["shop.Orders.hold", "shop.Orders.note"])
+        .await;
+    let mut held = tokio::task::JoinSet::new();
+    for _ in 0..2 {
+        let http = world.http.clone();
+        let url = format!("{}/api/shop.Orders/hold", world.base);
+        held.spawn(async move { http.post(url).body("{}").send().await });
+        let tag = common::recv_one("a held call's handler", &mut world.entered).await;
+        assert_eq!(tag, "hold");
+    }
+    let a = world.send("GET", "/notes", &[], None).await;
+    assert_eq!(a.status, 503, "{}", a.body);
+    assert!(
+        a.body["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("at once (2)")),
+        "{}",
+        a.body
+    );
+    assert_eq!(a.headers.get("retry-after").expect("Retry-After"), "1");
+
+    for left in [1, 0] {
+        world.gate.add_permits(1);
+        let done = within("a held call", held.join_next())
+            .await
+            .expect("one held")
+            .expect("task")
+            .expect("answer");
+        assert_eq!(done.status().as_u16(), 200);
+        // A permit back: the next call is taken.
+        let a = world.send("GET", "/notes", &[], None).await;
+        assert_eq!(a.status, 200, "{left} held: {}", a.body);
+    }
 }
 
 /// One of two instances dies (its registration left behind, as after a crash): every call
@@ -830,6 +899,59 @@ async fn a_401_from_the_service_carries_a_challenge() {
     assert_eq!(
         a.headers.get("www-authenticate").expect("challenge"),
         "Bearer"
+    );
+}
+
+/// A service answering with a result JSON cannot hold is a 502 (the service answered, and the
+/// gateway cannot pass the answer on), not a 500 as if the gateway had failed.
+#[tokio::test]
+async fn a_result_that_cannot_be_json_is_answered_502() {
+    let world = World::in_process(None).await;
+    let _odd = world.server(OddServer::new(Arc::new(Lists))).await;
+    world.serving(&["gw.Odd.keyed"]).await;
+    let a = world.post("/api/gw.Odd/keyed", "{}").await;
+    assert_eq!(
+        (a.status, &a.body["code"]),
+        (502, &json!(500)),
+        "{}",
+        a.body
+    );
+    assert!(
+        a.body["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("gw.Odd.keyed") && m.contains("not readable as JSON")),
+        "{}",
+        a.body
+    );
+}
+
+/// A call whose server refuses the credentials it carried (517: here the gateway's own client
+/// has no token for a server that needs one) is a 403 with no challenge: no token sent to the
+/// gateway would change it.
+#[tokio::test]
+async fn a_517_from_the_service_is_a_403_with_no_challenge() {
+    let world = World::in_process(None).await;
+    let _echo = Server::builder()
+        .shared_registry(world.registry.clone())
+        .token("the-server-s-token")
+        .add_service(EchoServer::new(Arc::new(Voice {
+            address: String::new(),
+        })))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve echo");
+    world.serving(&["gw.Echo.echo"]).await;
+    let a = world.post("/api/gw.Echo/echo", r#"{"text":"hi"}"#).await;
+    assert_eq!(
+        (a.status, &a.body["code"]),
+        (403, &json!(517)),
+        "{}",
+        a.body
+    );
+    assert!(
+        a.headers.get("www-authenticate").is_none(),
+        "{:?}",
+        a.headers
     );
 }
 
