@@ -1840,6 +1840,22 @@ fn publish(governance: &Governance, service_id: &str, instances: &rpc_registry::
             );
         }
     }
+    let mut published: Vec<&str> = instances
+        .iter()
+        .flat_map(|i| i.entries.iter())
+        .filter(|e| e.service_id.as_str() == service_id)
+        .map(|e| e.id.as_str())
+        .collect();
+    published.sort_unstable();
+    published.dedup();
+    for (layer, entry) in governance.unpublished_sections(service_id, &published) {
+        tracing::warn!(
+            %entry,
+            "the {layer} has a section for {entry}, which no instance of {service_id} \
+             publishes (they publish {}): it applies to nothing; check the method's name",
+            published.join(", ")
+        );
+    }
 }
 
 pub(crate) fn into_result(

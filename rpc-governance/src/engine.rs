@@ -151,6 +151,9 @@ pub struct Governance {
     fast: [OnceLock<(usize, Arc<EntryPolicy>)>; FAST_SLOTS],
     health: EndpointHealth,
     events: EventBus,
+    /// Sections of the config file and environment already reported as naming no published
+    /// entry ([`unpublished_sections`](Governance::unpublished_sections)).
+    reported: std::sync::Mutex<std::collections::HashSet<String>>,
 }
 
 /// Slots of [`Governance::policy`]'s fast path.
@@ -173,7 +176,45 @@ impl Governance {
             fast: std::array::from_fn(|_| OnceLock::new()),
             health: EndpointHealth::new(max_backoff),
             events: EventBus::new(),
+            reported: std::sync::Mutex::default(),
         }
+    }
+
+    /// The `[entries."..."]` sections of the config file and of `RPC_GOVERNANCE` that name an
+    /// entry of `service_id` (`<service id>.<method>`) none of `published` is, each with the
+    /// layer it is in (`"config file"`, `"RPC_GOVERNANCE"`) and said once for the engine's
+    /// life: a misspelt method's section applies to nothing, and nothing else would tell.
+    /// `published` is the entry ids the service's instances publish; instances that publish
+    /// none (a static list) cannot be checked, and nothing is returned for them.
+    pub fn unpublished_sections(
+        &self,
+        service_id: &str,
+        published: &[&str],
+    ) -> Vec<(&'static str, String)> {
+        if published.is_empty() {
+            return Vec::new();
+        }
+        let prefix = format!("{service_id}.");
+        let of_service = |id: &str| id.strip_prefix(&prefix).is_some_and(|m| !m.contains('.'));
+        let found: Vec<(&'static str, String)> = {
+            let layers = self.layers.read().unwrap_or_else(|p| p.into_inner());
+            [
+                ("config file", &layers.file),
+                ("RPC_GOVERNANCE", &layers.env),
+            ]
+            .into_iter()
+            .flat_map(|(name, layer)| layer.entries.keys().map(move |id| (name, id)))
+            .filter(|(_, id)| of_service(id) && !published.contains(&id.as_str()))
+            .map(|(name, id)| (name, id.clone()))
+            .collect()
+        };
+        let mut reported = self.reported.lock().unwrap_or_else(|p| p.into_inner());
+        let mut new: Vec<(&'static str, String)> = found
+            .into_iter()
+            .filter(|(name, id)| reported.insert(format!("{name}\n{id}")))
+            .collect();
+        new.sort();
+        new
     }
 
     /// Local endpoint health.
@@ -466,6 +507,46 @@ mod tests {
     use rpc_core::{GovernanceOverrides, MethodDescriptor, ShuntStrategy};
 
     use super::*;
+
+    /// A section of the config file or the environment naming a method the service's
+    /// instances do not publish is reported, once; sections of published entries, of another
+    /// service (`shop.Orders.v2.get`), of the runtime and config-centre layers, and of a
+    /// service whose instances publish nothing are not.
+    #[test]
+    fn a_section_naming_no_published_entry_is_reported_once() {
+        let section = |text: &str| GovernanceConfig::from_toml(text).expect("toml");
+        let layers = Layers {
+            file: section(
+                r#"
+                [entries."shop.Orders.get"]
+                timeout_ms = 100
+                [entries."shop.Orders.gett"]
+                timeout_ms = 100
+                [entries."shop.Orders.v2.get"]
+                timeout_ms = 100
+                "#,
+            ),
+            env: section("[entries.\"shop.Orders.lsit\"]\nretry_times = 1\n"),
+            centre: section("[entries.\"shop.Orders.old\"]\nretry_times = 1\n"),
+            runtime: section("[entries.\"shop.Orders.later\"]\nretry_times = 1\n"),
+            ..Layers::default()
+        };
+        let g = Governance::new(layers);
+        let published = ["shop.Orders.get", "shop.Orders.list"];
+        assert_eq!(
+            g.unpublished_sections("shop.Orders", &published),
+            [
+                ("RPC_GOVERNANCE", "shop.Orders.lsit".to_string()),
+                ("config file", "shop.Orders.gett".to_string()),
+            ]
+        );
+        assert!(g.unpublished_sections("shop.Orders", &published).is_empty());
+        assert!(g.unpublished_sections("shop.Orders.v2", &[]).is_empty());
+        assert_eq!(
+            g.unpublished_sections("shop.Orders.v2", &["shop.Orders.v2.list"]),
+            [("config file", "shop.Orders.v2.get".to_string())]
+        );
+    }
 
     /// An entry first called by id (a descriptor without its `#[hash_key]`), then through its
     /// typed proxy (with it): an update to consistent hashing is checked against the proxy's,

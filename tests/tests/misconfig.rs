@@ -312,3 +312,39 @@ async fn a_runtime_update_out_of_range_is_refused_and_changes_nothing() {
     assert!(err.message().contains("failure_ratio_percent"), "{err}");
     assert_eq!(client.options(get), before);
 }
+
+/// A config section naming a method the service does not have (a misspelt name, which
+/// applies to nothing) is logged as a warning naming the section, the service's entries and
+/// the layer, once the client follows the service; a section of a method it has is not.
+#[tokio::test]
+async fn a_config_section_naming_no_method_of_its_service_is_logged() {
+    let logs = captured();
+    let reg = InProcessRegistry::new();
+    let server = serve_conf(&reg).await;
+    let file = GovernanceConfig::from_toml(
+        "[entries.\"m.Conf.plian\"]\ntimeout_ms = 900\n[entries.\"m.Conf.plain\"]\ntimeout_ms = 900\n",
+    )
+    .expect("toml");
+    let client = Client::builder()
+        .registry(reg.clone())
+        .config_layers(file, GovernanceConfig::default())
+        .build();
+    let c = ConfClient::new(client);
+    // The service answers `n + 1`.
+    assert_eq!(within("a call", c.plain(4)).await.expect("answered"), 5);
+    let text = String::from_utf8_lossy(&logs.0.lock().unwrap()).into_owned();
+    let warned: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("applies to nothing") && l.contains("m.Conf."))
+        .collect();
+    assert_eq!(warned.len(), 1, "{text}");
+    assert!(warned[0].contains("WARN"), "{}", warned[0]);
+    assert!(warned[0].contains("config file"), "{}", warned[0]);
+    assert!(warned[0].contains("m.Conf.plian"), "{}", warned[0]);
+    assert!(
+        warned[0].contains("m.Conf.boom, m.Conf.get, m.Conf.plain"),
+        "{}",
+        warned[0]
+    );
+    within("shutdown", server.shutdown()).await;
+}
