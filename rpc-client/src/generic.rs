@@ -184,12 +184,14 @@ impl JsonAnswer {
             Codec::MsgPack => rpc_core::read_msgpack(&self.bytes, |de| {
                 serde_transcode::transcode(de, &mut serde_json::Serializer::new(&mut *out))
             }),
-            // Checked, not copied as it is: the server's bytes are not trusted to be JSON.
+            // Read and written again, not copied: the server's bytes are not trusted to be JSON
+            // (UTF-8, no lone surrogate, nested no deeper than serde_json reads), which merely
+            // skipping over them would not check.
             Codec::Json => {
-                serde_json::from_slice::<serde::de::IgnoredAny>(&self.bytes)
+                let mut de = serde_json::Deserializer::from_slice(&self.bytes);
+                serde_transcode::transcode(&mut de, &mut serde_json::Serializer::new(&mut *out))
                     .map_err(|e| e.to_string())?;
-                out.extend_from_slice(&self.bytes);
-                Ok(())
+                de.end().map_err(|e| e.to_string())
             }
         }
     }
@@ -383,11 +385,22 @@ mod tests {
         };
         assert!(answer.write_json(&mut Vec::new()).is_err());
         assert!(answer.to_value().is_err());
-        let not_json = JsonAnswer {
-            codec: Codec::Json,
-            bytes: Bytes::from_static(b"{\"a\": 1} trailing"),
-        };
-        assert!(not_json.write_json(&mut Vec::new()).is_err());
+        // Bytes a server sent as JSON that are not: refused as `to_value` refuses them.
+        let deep = format!("{}{}", "[".repeat(200), "]".repeat(200));
+        for bytes in [
+            &b"{\"a\": 1} trailing"[..],
+            b"\"\xff\"",
+            br#""\ud800""#,
+            deep.as_bytes(),
+        ] {
+            let not_json = JsonAnswer {
+                codec: Codec::Json,
+                bytes: Bytes::copy_from_slice(bytes),
+            };
+            let shown = String::from_utf8_lossy(bytes);
+            assert!(not_json.to_value().is_err(), "{shown}");
+            assert!(not_json.write_json(&mut Vec::new()).is_err(), "{shown}");
+        }
     }
 
     #[test]

@@ -91,7 +91,8 @@
 //! a filter keeps the gateway's span from OpenTelemetry); without it, the header is forwarded
 //! as it is and the server's span joins the caller's trace directly. A request with more than
 //! one `traceparent` carries no trace context (as W3C Trace Context has it): neither header nor
-//! its `tracestate` is forwarded, and the trace starts at the gateway.
+//! its `tracestate` is forwarded, and a new trace starts (at the gateway with feature `otel`,
+//! else at the server).
 //!
 //! With [`GatewayBuilder::token`], every route but `GET /healthz` and `GET /docs` (a static page)
 //! needs `Authorization: Bearer <token>` (the scheme's name in any case; the token compared by
@@ -220,8 +221,8 @@ impl GatewayBuilder {
         self
     }
 
-    /// How many calls the gateway handles at once, from reading the body to writing the answer
-    /// (1024 by default, at least 1); a call past them is answered 503 with `Retry-After: 1`,
+    /// How many calls the gateway handles at once, from reading the body to making the answer
+    /// (not its writing, which hyper does after), 1024 by default, at least 1; a call past them is answered 503 with `Retry-After: 1`,
     /// before its body is read. Without a bound, callers opening connection after connection
     /// (each sending a body up to [`max_body_bytes`](Self::max_body_bytes)) would hold as much
     /// memory as they liked; with it, the bodies held are at most this many.
@@ -397,7 +398,12 @@ impl Gateway {
 
     /// The OpenAPI document of the route table in use, made when the table changed.
     pub(crate) fn document(&self) -> Arc<serde_json::Value> {
-        let table = self.inner.shared.table.load_full();
+        self.document_of(self.inner.shared.table.load_full())
+    }
+
+    /// The document of `table`, a table served now or a moment ago (see
+    /// [`document`](Self::document)).
+    fn document_of(&self, table: Arc<RouteTable>) -> Arc<serde_json::Value> {
         let cached = || {
             self.inner
                 .document
@@ -412,7 +418,12 @@ impl Gateway {
         // Made without the lock (requests at once may each make it, once per change).
         let entries: Vec<ServiceEntry> = table.served().iter().map(call::documented).collect();
         let document = Arc::new(openapi::document(&entries, &self.inner.info));
-        *cached() = Some((table, document.clone()));
+        // Kept only while its table is the one served: a request that made it from a table
+        // replaced meanwhile must not put it over the newer table's (every later request
+        // would make the document again).
+        if Arc::ptr_eq(&self.inner.shared.table.load(), &table) {
+            *cached() = Some((table, document.clone()));
+        }
         document
     }
 
@@ -467,6 +478,7 @@ mod tests {
             .build()
             .await
             .expect("build");
+        let first_table = gateway.inner.shared.table.load_full();
         let first = gateway.document();
         assert!(Arc::ptr_eq(&first, &gateway.document()), "made once");
         let mut more = Instance::new("127.0.0.1:10", ["shop.Orders"]);
@@ -484,6 +496,11 @@ mod tests {
         );
         let second = gateway.document();
         assert!(!Arc::ptr_eq(&first, &second), "made again");
+        // A request that made its document from the table served before (its build took a
+        // while) does not put it over the newer one's.
+        let late = gateway.document_of(first_table);
+        assert_eq!(*late, *first);
+        assert!(Arc::ptr_eq(&second, &gateway.document()), "kept");
         assert_eq!(
             *second,
             openapi::document(&gateway.entries(), &gateway.inner.info)

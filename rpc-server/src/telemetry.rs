@@ -123,8 +123,9 @@ pub(crate) struct CallWatch {
     deadline: Option<Instant>,
     /// The server's call observers and the entry, when any observes calls.
     observed: Option<(CallObservers, &'static str)>,
-    /// Where a call that ends at the caller's deadline (519) is reported: the server's event
-    /// bus, the entry and its caller (event `timeout`).
+    /// Where a call that ends with 519 is reported (at the caller's deadline, or a stream
+    /// without one stalled past the idle timeout): the server's event bus, the entry and its
+    /// caller (event `timeout`).
     timeouts: Option<(
         Arc<crate::admission::Admission>,
         &'static str,
@@ -170,9 +171,9 @@ impl CallWatch {
         }
     }
 
-    /// Reports a call of `entry` from `caller` that ends at its deadline (519, whether its
-    /// handler failed at it or was dropped there) as event `timeout` on `events`, as a client
-    /// reports its own.
+    /// Reports a call of `entry` from `caller` that ends with 519 (at its deadline, whether its
+    /// handler failed at it or was dropped there, or a stream without one stalled past the
+    /// idle timeout) as event `timeout` on `events`, as a client reports its own.
     /// (The entry's admission, which the call holds anyway, carries the server's event bus:
     /// a clone of one `Arc` a call, not of the bus.)
     pub(crate) fn reporting_timeouts(

@@ -138,6 +138,8 @@ pub(super) async fn finish_half_closed(
     let mut last_sent = backlog.sent();
     let still = tokio::time::sleep(idle);
     tokio::pin!(still);
+    // Whether answers were waiting at the last turn: the bound starts when they begin to.
+    let mut waiting = false;
     loop {
         // In this order, as in `drain`: an answer is queued before its call leaves the calls
         // in flight.
@@ -146,13 +148,14 @@ pub(super) async fn finish_half_closed(
         if finished && unsent == 0 {
             return;
         }
-        // The bound runs only while answers wait for the client: the client taking bytes
-        // (however slowly) starts it again.
+        // The bound runs only while answers wait for the client, from when they began to:
+        // the client taking bytes (however slowly) starts it again.
         let sent = backlog.sent();
-        if sent != last_sent || unsent == 0 {
+        if sent != last_sent || unsent == 0 || !waiting {
             last_sent = sent;
             still.as_mut().reset(Instant::now() + idle);
         }
+        waiting = unsent > 0;
         tokio::select! {
             biased;
             _ = shutdown.cancelled() => return,
@@ -162,7 +165,9 @@ pub(super) async fn finish_half_closed(
                     return;
                 }
             }
-            _ = &mut ping, if !finished => {
+            // Only while nothing waits to be written: a write waiting finds a closed client out
+            // as a ping would, and pings queued behind it would pile up unsent.
+            _ = &mut ping, if !finished && unsent == 0 => {
                 conn.sender.send(Kind::Ping(Ping { nonce: 0 }));
                 ping.as_mut().reset(Instant::now() + PAUSED_KEEPALIVE);
             }

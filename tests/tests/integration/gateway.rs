@@ -19,6 +19,7 @@ use rpc::{Client, InProcessRegistry, Registry, RpcContext, RpcError, Server, Ser
 use rpc_gateway::{Gateway, GatewayBuilder};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, Semaphore};
 
@@ -546,6 +547,27 @@ async fn calls_past_the_in_flight_limit_are_answered_503_by_the_gateway() {
         a.body
     );
     assert_eq!(a.headers.get("retry-after").expect("Retry-After"), "1");
+    // Refused before its body is read: a request announcing a body it never sends is answered
+    // at once, not after the read timeout.
+    let mut raw = tokio::net::TcpStream::connect(world.base.trim_start_matches("http://"))
+        .await
+        .expect("connect");
+    raw.write_all(
+        b"POST /api/shop.Orders/hold HTTP/1.1\r\nhost: gateway\r\ncontent-length: 100\r\n\r\n",
+    )
+    .await
+    .expect("the head");
+    let mut head = Vec::new();
+    while !head.ends_with(b"\r\n\r\n") {
+        let mut byte = [0u8; 1];
+        let n = within("the answer's head", raw.read(&mut byte))
+            .await
+            .expect("read");
+        assert_eq!(n, 1, "closed after {:?}", String::from_utf8_lossy(&head));
+        head.push(byte[0]);
+    }
+    let head = String::from_utf8_lossy(&head);
+    assert!(head.starts_with("HTTP/1.1 503"), "{head}");
 
     for left in [1, 0] {
         world.gate.add_permits(1);

@@ -751,6 +751,7 @@ async fn a_stream_without_a_deadline_waiting_for_credit_ends_after_the_idle_time
         .serve("127.0.0.1:0")
         .await
         .expect("serve");
+    let mut events = server.events().subscribe();
     let (mut raw, _ack) = raw_client_with_window(&server, 1).await;
     for (id, timeout_ms) in [(1, 0), (2, 900)] {
         raw.send(Kind::Invoke(RemoteInvokeMessage {
@@ -789,6 +790,22 @@ async fn a_stream_without_a_deadline_waiting_for_credit_ends_after_the_idle_time
         "ended by its deadline, not the idle timeout: {}",
         timed.exception_message
     );
+    // Both are the server's event `timeout`, the stalled one with its own reason.
+    let mut reasons = within("the timeout events", async {
+        let mut reasons = Vec::new();
+        while reasons.len() < 2 {
+            let e = events.recv().await.expect("an event");
+            if e.kind == rpc::EventKind::Timeout {
+                assert_eq!(&*e.entry, "t.Flow.text", "{e:?}");
+                reasons.push(e.cause.clone().unwrap_or_default());
+            }
+        }
+        reasons
+    })
+    .await;
+    reasons.sort_by_key(|r| !r.contains("granted no credit"));
+    assert!(reasons[0].contains("granted no credit"), "{reasons:?}");
+    assert!(!reasons[1].contains("granted no credit"), "{reasons:?}");
     // The cap's slots are free: another caller is served.
     served_once_more(raw, server).await;
 }
