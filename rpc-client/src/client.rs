@@ -657,7 +657,12 @@ impl Client {
                     e.code(),
                     format!("{}: {}; not loaded", path.display(), e.message()),
                 )
-            })
+            })?;
+        // The new file's sections, checked against what the services followed publish now.
+        for service in self.inner.services.iter() {
+            warn_unpublished_sections(&self.inner.governance, service.key(), &service.endpoints());
+        }
+        Ok(())
     }
 
     /// The version of the rules of `kind` in force (see [`ClientBuilder::rules`]), if one was
@@ -1840,10 +1845,29 @@ fn publish(governance: &Governance, service_id: &str, instances: &rpc_registry::
             );
         }
     }
+    warn_unpublished_sections(governance, service_id, instances);
+}
+
+/// Warns of the config file's and the environment's sections naming an entry of `service_id`
+/// that none of its `instances` publishes (see [`Governance::unpublished_sections`]). Not when
+/// an instance publishes no entry of the service at all (an older build, or a static list):
+/// what it serves is not known, and a section may be for it.
+fn warn_unpublished_sections(
+    governance: &Governance,
+    service_id: &str,
+    instances: &rpc_registry::Endpoints,
+) {
+    let of_service = |e: &&rpc_core::ServiceEntry| e.service_id.as_str() == service_id;
+    if instances
+        .iter()
+        .any(|i| !i.entries.iter().any(|e| of_service(&e)))
+    {
+        return;
+    }
     let mut published: Vec<&str> = instances
         .iter()
         .flat_map(|i| i.entries.iter())
-        .filter(|e| e.service_id.as_str() == service_id)
+        .filter(of_service)
         .map(|e| e.id.as_str())
         .collect();
     published.sort_unstable();

@@ -184,14 +184,18 @@ impl JsonAnswer {
             Codec::MsgPack => rpc_core::read_msgpack(&self.bytes, |de| {
                 serde_transcode::transcode(de, &mut serde_json::Serializer::new(&mut *out))
             }),
-            // Read and written again, not copied: the server's bytes are not trusted to be JSON
-            // (UTF-8, no lone surrogate, nested no deeper than serde_json reads), which merely
-            // skipping over them would not check.
+            // Read through, then copied as they are: the server's bytes are not trusted to be
+            // JSON (UTF-8, no lone surrogate, nested no deeper than serde_json reads), which
+            // merely skipping over them would not check; and written again they would not
+            // be its numbers (serde_json reads a float to the nearest double only with its
+            // `float_roundtrip` feature, and an integer past 64 bits as a float).
             Codec::Json => {
                 let mut de = serde_json::Deserializer::from_slice(&self.bytes);
-                serde_transcode::transcode(&mut de, &mut serde_json::Serializer::new(&mut *out))
-                    .map_err(|e| e.to_string())?;
-                de.end().map_err(|e| e.to_string())
+                let mut nowhere = serde_json::Serializer::new(std::io::sink());
+                serde_transcode::transcode(&mut de, &mut nowhere).map_err(|e| e.to_string())?;
+                de.end().map_err(|e| e.to_string())?;
+                out.extend_from_slice(&self.bytes);
+                Ok(())
             }
         }
     }
@@ -385,6 +389,17 @@ mod tests {
         };
         assert!(answer.write_json(&mut Vec::new()).is_err());
         assert!(answer.to_value().is_err());
+        // A JSON answer's numbers are passed on as the server wrote them, not as a double
+        // read and written again would be.
+        for number in [&b"945.2706955539223"[..], b"18446744073709551616"] {
+            let answer = JsonAnswer {
+                codec: Codec::Json,
+                bytes: Bytes::copy_from_slice(number),
+            };
+            let mut text = Vec::new();
+            answer.write_json(&mut text).expect("JSON");
+            assert_eq!(text, number, "{}", String::from_utf8_lossy(number));
+        }
         // Bytes a server sent as JSON that are not: refused as `to_value` refuses them.
         let deep = format!("{}{}", "[".repeat(200), "]".repeat(200));
         for bytes in [

@@ -418,11 +418,12 @@ impl Gateway {
         // Made without the lock (requests at once may each make it, once per change).
         let entries: Vec<ServiceEntry> = table.served().iter().map(call::documented).collect();
         let document = Arc::new(openapi::document(&entries, &self.inner.info));
-        // Kept only while its table is the one served: a request that made it from a table
-        // replaced meanwhile must not put it over the newer table's (every later request
-        // would make the document again).
+        // Kept only while its table is the one served (checked under the lock): a request that
+        // made it from a table replaced meanwhile must not put it over the newer table's,
+        // which the next request would then make again.
+        let mut cache = cached();
         if Arc::ptr_eq(&self.inner.shared.table.load(), &table) {
-            *cached() = Some((table, document.clone()));
+            *cache = Some((table, document.clone()));
         }
         document
     }

@@ -346,5 +346,45 @@ async fn a_config_section_naming_no_method_of_its_service_is_logged() {
         "{}",
         warned[0]
     );
+    // A section a reloaded file brings is checked then, not at the next change of the
+    // service's instances (which may never come).
+    let dir = std::env::temp_dir().join(format!("misconfig-reload-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let path = dir.join("governance.toml");
+    std::fs::write(&path, "[entries.\"m.Conf.gte\"]\ntimeout_ms = 900\n").expect("write");
+    c.client().reload_config(&path).expect("reload");
+    let text = String::from_utf8_lossy(&logs.0.lock().unwrap()).into_owned();
+    assert!(
+        text.lines()
+            .any(|l| l.contains("applies to nothing") && l.contains("m.Conf.gte")),
+        "{text}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    within("shutdown", server.shutdown()).await;
+}
+
+/// Beside an instance that publishes no entry of the service (an older build), a section
+/// naming a method the others do not publish may be the older build's: no warning.
+#[tokio::test]
+async fn a_section_is_not_warned_of_while_an_instance_publishes_nothing() {
+    let logs = captured();
+    let reg = InProcessRegistry::new();
+    let server = serve_conf(&reg).await;
+    let mut older = rpc::Instance::new(server.local_addr().to_string(), ["m.Conf"]);
+    older.id = "an-older-build".into();
+    rpc::Registry::register(&reg, older)
+        .await
+        .expect("register");
+    let file =
+        GovernanceConfig::from_toml("[entries.\"m.Conf.olny\"]\ntimeout_ms = 900\n").expect("toml");
+    let c = ConfClient::new(
+        Client::builder()
+            .registry(reg.clone())
+            .config_layers(file, GovernanceConfig::default())
+            .build(),
+    );
+    assert_eq!(within("a call", c.plain(1)).await.expect("answered"), 2);
+    let text = String::from_utf8_lossy(&logs.0.lock().unwrap()).into_owned();
+    assert!(!text.contains("m.Conf.olny"), "{text}");
     within("shutdown", server.shutdown()).await;
 }

@@ -212,7 +212,8 @@ impl Conn {
     /// (it aborted the call, which then ends at its task's next poll, and already counted the
     /// call out) and the id may now name another call, which keeps its place.
     pub(super) fn finish(&self, id: u64, tag: CallTag, r: RemoteResultMessage) {
-        let finished = match self.tasks().entry(id) {
+        let mut tasks = self.tasks();
+        let finished = match tasks.entry(id) {
             Entry::Occupied(running) if running.get().tag() == tag => {
                 running.remove();
                 true
@@ -220,7 +221,11 @@ impl Conn {
             _ => false,
         };
         if finished {
+            // Queued before the calls are let go: a drain taking the calls still running at
+            // its deadline finds this one running (and answers it) or answered, never gone
+            // from the calls with its answer not yet queued (lost once the writer stops).
             send_result(self, id, r);
+            drop(tasks);
             if self.in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
                 self.idle.notify_one();
             }

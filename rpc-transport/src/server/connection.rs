@@ -167,6 +167,9 @@ pub(super) async fn run_connection<R, W>(
     tokio::pin!(idle);
     // Idleness is checked when the timer fires rather than by resetting it for every frame.
     let (mut frames_seen, mut frames_at_check) = (0u64, 0u64);
+    // Bytes of answers written at the last idle check: a client taking them is not idle,
+    // even while the reader is paused for them and reads none of its frames.
+    let mut sent_at_check = conn.sender.backlog().sent();
     let ctx = FrameCtx {
         conn: &conn,
         options,
@@ -213,7 +216,8 @@ pub(super) async fn run_connection<R, W>(
             gave_way = false;
         }
         // No more calls are taken while the client leaves its answers unread, nor after many
-        // calls in a row were refused at the in-flight limit, until a running call finishes,
+        // calls in a row were refused at the in-flight limit, until a running call finishes
+        // or the next keepalive (which reads again, for the client's `Cancel`s and `Ping`s),
         // nor above the call rate: the frames wait in the read buffer and in TCP. (Not at the
         // limit while a stream is open: a stream goes on only through the client's frames,
         // credit, items, Cancel or its end, which must then be read; the calls beyond the
@@ -263,8 +267,12 @@ pub(super) async fn run_connection<R, W>(
                 // up, and its large frame asks for no budget yet).
                 let busy = (conn.in_flight.load(Ordering::Acquire) > 0 && !frames.holds_share())
                     || (!backlogged && frames.waits_for_share());
-                if frames_seen != frames_at_check || busy {
+                // Answers still waiting, and the client took some of them since the last check.
+                let sent = conn.sender.backlog().sent();
+                let taking = conn.sender.backlog().bytes() > 0 && sent != sent_at_check;
+                if frames_seen != frames_at_check || taking || busy {
                     frames_at_check = frames_seen;
+                    sent_at_check = sent;
                     idle.as_mut().reset(Instant::now() + idle_after);
                     continue;
                 }
@@ -285,13 +293,17 @@ pub(super) async fn run_connection<R, W>(
             _ = conn.finished.notified(), if at_limit && !backlogged => continue,
             // The client's `Ping`s are not read meanwhile: this keeps it from taking the
             // connection for dead under calls that run for long.
+            // And the reader reads again once: the client's `Cancel`s (which would free the
+            // limit) and `Ping`s wait in the frames, behind calls refused one by one.
             _ = &mut keepalive, if at_limit && !backlogged => {
                 conn.sender.send(Kind::Ping(Ping { nonce: 0 }));
+                conn.refused_in_a_row.store(0, Ordering::Relaxed);
                 keepalive.as_mut().reset(Instant::now() + PAUSED_KEEPALIVE);
                 continue;
             }
             _ = &mut held_check => {
-                if frames.waits_for_share() || frames.holds_share() {
+                // (Not while answers wait unwritten: that write finds a closed client out.)
+                if !backlogged && (frames.waits_for_share() || frames.holds_share()) {
                     conn.sender.send(Kind::Ping(Ping { nonce: 0 }));
                 }
                 held_check.as_mut().reset(Instant::now() + HELD_FRAME_KEEPALIVE);

@@ -119,8 +119,9 @@ pub(super) async fn drain<R: AsyncRead + Unpin>(
 /// to shut down (the drain then takes over, with its deadline).
 ///
 /// A client that closed the connection altogether reads the same end of stream: it is found
-/// out by a `Ping` every [`PAUSED_KEEPALIVE`] while calls run (its system answers the first
-/// with a reset, and the next write fails), and its calls are then dropped.
+/// out by a `Ping` every [`PAUSED_KEEPALIVE`] while calls run and no answer waits to be
+/// written (its system answers the first with a reset, and the next write fails; an answer
+/// waiting finds it out the same way), and its calls are then dropped.
 pub(super) async fn finish_half_closed(
     ctx: &FrameCtx<'_>,
     shutdown: &CancellationToken,

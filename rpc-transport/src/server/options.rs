@@ -180,11 +180,12 @@ pub const ABUSE_LIMIT: u32 = 8;
 /// Calls refused in a row at a connection's in-flight limit after which the server stops
 /// reading that connection until one of its calls finishes: the first are answered Overflow at
 /// once, the rest wait in TCP instead of costing the server a refusal each. While it does not
-/// read, the server sends a `Ping` of its own every [`PAUSED_KEEPALIVE`].
+/// read, the server sends a `Ping` of its own every [`PAUSED_KEEPALIVE`], and reads again with
+/// each (up to this many refusals more), so the client's `Cancel`s and `Ping`s are read.
 pub const REFUSALS_BEFORE_PAUSE: u32 = 16;
 
 /// How often a server that stopped reading a connection at its in-flight limit sends that
-/// client a `Ping` (1 s). The client's `Ping`s wait unread meanwhile, and a client closes a
+/// client a `Ping` (1 s), and reads it again. The client's `Ping`s wait unread in between, and a client closes a
 /// connection on which nothing arrived for three of its heartbeat intervals (10 s each by
 /// default): without these, calls that run longer than that (long polls) would fill the
 /// limit, and the client would close the connection under them. Clients whose heartbeat

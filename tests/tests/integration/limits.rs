@@ -732,12 +732,14 @@ async fn after_many_refusals_at_the_in_flight_limit_the_server_waits_for_a_call_
     server.shutdown().await;
 }
 
-/// While it does not read a connection at its in-flight limit (so the client's `Ping`s wait
-/// unread), the server pings the client itself: a client whose calls all run for long (long
-/// polls) sees traffic and keeps the connection. The paused clock stands still while nothing
-/// runs but the held calls, so the first `Ping` is seen after at most one interval.
+/// A connection paused at its in-flight limit (after `REFUSALS_BEFORE_PAUSE` refusals in a
+/// row) pings its client, and reads again once a ping interval: the calls sent meanwhile are
+/// refused (515), the limit being full still, the client's `Ping` is answered, and its `Cancel`
+/// of a held call frees that call's slot for the next. Before, nothing was read until a running
+/// call finished: a `Cancel`, which would have freed a slot, waited unread behind calls that
+/// might never end (on the paused clock).
 #[tokio::test(start_paused = true)]
-async fn a_connection_paused_at_the_in_flight_limit_is_pinged_by_the_server() {
+async fn a_connection_paused_at_the_in_flight_limit_pings_and_reads_its_cancels() {
     let gate = gate(0);
     let (server, _reg, mut raw) = connected(gate.clone()).await;
     let pause = u64::from(rpc::crates::transport::REFUSALS_BEFORE_PAUSE);
@@ -751,36 +753,55 @@ async fn a_connection_paused_at_the_in_flight_limit_is_pinged_by_the_server() {
             "{r:?}"
         );
     }
-    // The client sends its own Ping: it is not read while the server is paused.
+    // Behind the four calls the server has not read: the client's Ping, and its Cancel of
+    // the first held call.
     raw.send(Kind::Ping(rpc::crates::core::wire::Ping { nonce: 7 }))
         .await
         .expect("send");
-    // Twenty seconds (two default heartbeat intervals of a client) on the paused clock.
+    raw.send(Kind::Cancel(rpc::crates::core::wire::Cancel {
+        message_id: 1,
+        ..Default::default()
+    }))
+    .await
+    .expect("send");
+    let (mut refused, mut pong, mut pings) = (Vec::new(), false, 0);
     let began = tokio::time::Instant::now();
-    let mut pings = 0;
-    while began.elapsed() < std::time::Duration::from_secs(20) {
-        match within("the server's ping", raw.recv()).await {
+    while refused.len() < 4 || !pong {
+        // A few ping intervals at most (the server pings every second while paused).
+        assert!(
+            began.elapsed() < std::time::Duration::from_secs(10),
+            "after {pings} pings: refused {refused:?}, pong {pong}"
+        );
+        match within("the paused connection's answers", raw.recv()).await {
             Some(Kind::Ping(_)) => pings += 1,
-            other => panic!("expected the server's Ping only while it is paused, got {other:?}"),
+            Some(Kind::Pong(p)) => pong = p.nonce == 7,
+            Some(Kind::Result(r)) => {
+                assert_eq!(r.status_code, 515, "{r:?}");
+                refused.push(r.message_id);
+            }
+            other => panic!("expected pings, refusals and a pong, got {other:?}"),
         }
     }
-    assert!(pings >= 3, "{pings} pings in 20 s");
+    assert_eq!(refused, (3 + pause + 1..=3 + pause + 4).collect::<Vec<_>>());
+    assert!(pings >= 1, "the server pinged while paused");
     assert_eq!(gate.ran.load(Ordering::SeqCst), 3, "no call more ran");
-    // The held calls finish: the four calls that waited unread are served, and the client's
-    // Ping is answered.
+    // The cancelled call's slot takes the next call; the held calls and it are answered once
+    // the gate opens, the cancelled one not.
+    raw.send(invoke(100, BTreeMap::new())).await.expect("send");
     gate.open.add_permits(1000);
-    let (mut served, mut pong) = (0, false);
-    while served < 3 + 4 || !pong {
+    let mut served = Vec::new();
+    while served.len() < 3 {
         match within("answers", raw.recv()).await {
             Some(Kind::Result(r)) => {
                 assert_eq!(r.status_code, 200, "{r:?}");
-                served += 1;
+                served.push(r.message_id);
             }
-            Some(Kind::Pong(p)) => pong = p.nonce == 7,
             Some(Kind::Ping(_)) => {}
             other => panic!("unexpected {other:?}"),
         }
     }
+    served.sort_unstable();
+    assert_eq!(served, [2, 3, 100]);
     server.shutdown().await;
 }
 
@@ -845,6 +866,39 @@ fn gone(id: u64, method: &str, args: &impl serde::Serialize) -> Kind {
         parameters: Codec::MsgPack.encode(args).expect("encode"),
         ..Default::default()
     })
+}
+
+/// A client reading a large answer slowly, and sending nothing meanwhile, is not idle: the
+/// connection stays open until the answer is through, however longer than the idle timeout
+/// that takes. Before, the reader (paused while the answer waited unwritten) saw no frame and
+/// no call running, and closed the connection as idle, resetting it under the answer (on the
+/// paused clock).
+#[tokio::test(start_paused = true)]
+async fn a_client_taking_a_large_answer_slowly_is_not_idle() {
+    use tokio::io::AsyncReadExt;
+    let (server, mut raw, _) = vanishing(|b| {
+        b.max_unsent_bytes(1024)
+            .idle_timeout(std::time::Duration::from_secs(1))
+    })
+    .await;
+    // 12 MiB: more than the socket buffers of loopback hold, taken 256 KiB every 100 ms
+    // (4.8 s, nearly five idle timeouts).
+    let size = 12usize << 20;
+    raw.send(gone(1, "big", &(size as u32,)))
+        .await
+        .expect("send");
+    let mut stream = raw.into_stream();
+    let mut chunk = vec![0u8; 256 << 10];
+    let mut taken = 0;
+    while taken < size {
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        let got = within("a chunk of the answer", stream.read_exact(&mut chunk)).await;
+        if let Err(e) = got {
+            panic!("the connection ended after {taken} bytes of the answer: {e}");
+        }
+        taken += chunk.len();
+    }
+    server.shutdown().await;
 }
 
 /// A client that vanishes (a reset) while the server waits for its answers to be written:
