@@ -267,9 +267,13 @@ pub(super) async fn run_connection<R, W>(
                 // up, and its large frame asks for no budget yet).
                 let busy = (conn.in_flight.load(Ordering::Acquire) > 0 && !frames.holds_share())
                     || (!backlogged && frames.waits_for_share());
-                // Answers still waiting, and the client took some of them since the last check.
+                // Answers still waiting, and the client took some of them since the last check
+                // (not while it holds a share of the read budget with a frame it does not
+                // finish: reading slowly must not keep that share from the others).
                 let sent = conn.sender.backlog().sent();
-                let taking = conn.sender.backlog().bytes() > 0 && sent != sent_at_check;
+                let taking = !frames.holds_share()
+                    && conn.sender.backlog().bytes() > 0
+                    && sent != sent_at_check;
                 if frames_seen != frames_at_check || taking || busy {
                     frames_at_check = frames_seen;
                     sent_at_check = sent;
