@@ -66,6 +66,11 @@ pub trait Abortive {
     /// closes as it would.
     fn reset_on_close(&self) {}
 
+    /// Makes the socket's close orderly again, undoing
+    /// [`reset_on_close`](Self::reset_on_close) (TCP: `SO_LINGER` off): before the orderly
+    /// close of a connection whose every frame was written. The default does nothing.
+    fn close_in_order(&self) {}
+
     /// Lets go of the writing half so that the connection ends with a reset: what
     /// [`reset_on_close`](Self::reset_on_close) sets up, then the half dropped. A transport
     /// whose half shuts its side down in order when dropped (TCP's, whose end of stream would
@@ -82,6 +87,13 @@ impl Abortive for tokio::net::tcp::OwnedWriteHalf {
     fn reset_on_close(&self) {
         // Best effort: a socket that refuses closes in order.
         let _ = self.as_ref().set_zero_linger();
+    }
+
+    fn close_in_order(&self) {
+        // Deprecated for the thread a non-zero linger blocks on drop; turning it off blocks
+        // nothing. Best effort: a socket that refuses closes with a reset, as a crash would.
+        #[allow(deprecated)]
+        let _ = self.as_ref().set_linger(None);
     }
 
     fn reset(self) {

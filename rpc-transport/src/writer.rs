@@ -421,16 +421,20 @@ pub(crate) fn spawn_writer<W: AsyncWrite + Abortive + Unpin + Send + 'static>(
     spawn_writer_resetting(wr, in_flight, close, false)
 }
 
-/// [`spawn_writer`] for a server's connection: should the writer's task be dropped before it
-/// finished (its runtime ending with the process), the connection ends with a reset. A
+/// [`spawn_writer`] for a server's connection: it ends with a reset unless the writer closes
+/// it in order once every frame is written: should the writer's task be dropped before it
+/// finished (its runtime ending with the process), or the process die with no destructor run
+/// (killed: the socket, set to reset on close from the start, is closed by the system). A
 /// server's orderly close after its drain's `GoAway` 200 tells its client that every call
-/// still unanswered was never read; dropped with calls running, that would be false. (A
-/// client's orderly close says nothing of the kind: its writer closes as it is dropped.)
+/// still unanswered was never read; ended with calls running, that would be false, and the
+/// client would send a call that ran here again. (A client's orderly close says nothing of the
+/// kind: its writer closes as it is dropped.)
 pub(crate) fn spawn_server_writer<W: AsyncWrite + Abortive + Unpin + Send + 'static>(
     wr: W,
     in_flight: Arc<AtomicUsize>,
     close: CancellationToken,
 ) -> FrameSender {
+    wr.reset_on_close();
     spawn_writer_resetting(wr, in_flight, close, true)
 }
 
@@ -491,6 +495,7 @@ async fn write_loop<W: AsyncWrite + Abortive + Unpin>(
     // The reader is not stopped here: after a failed write it still reads what the peer sent
     // before closing (a GoAway saying which calls it never read), then sees the close itself.
     // (Bounded: a TLS stream's shutdown writes, to a peer that may not read.)
+    wr.close_in_order();
     let _ = tokio::time::timeout(CLOSE_GRACE, wr.shutdown()).await;
     // Closed in order: dropped as it is.
     half.wr = None;

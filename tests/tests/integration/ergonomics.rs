@@ -601,10 +601,14 @@ async fn a_server_on_an_unspecified_address_with_a_registry_must_advertise_one()
     within("shutdown", server.shutdown()).await;
 }
 
-/// A second signal during the drain stops the process at once: the drain would otherwise wait
-/// for the call still held (up to the 10 s drain timeout), and the second Ctrl-C did nothing.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_second_signal_during_the_drain_stops_at_once() {
+/// A signal-server process with a call held in its handler, draining after SIGTERM (a new
+/// connection refused, the held call still running): the server, the held call, and a sender
+/// of signals to the process.
+async fn draining_with_a_held_call() -> (
+    SignalServer,
+    tokio::task::JoinHandle<Result<u64, RpcError>>,
+    impl Fn(&str),
+) {
     let (mut server, addr) = SignalServer::start("embedded");
     let client = Client::builder()
         .shared_registry(Arc::new(rpc::StaticRegistry::new([addr.clone()])))
@@ -613,7 +617,7 @@ async fn a_second_signal_during_the_drain_stops_at_once() {
     let call = tokio::spawn(async move { hold.hold(7).await });
     assert_eq!(server.line(), "held");
     let pid = server.child.id().to_string();
-    let kill = |signal: &str| {
+    let kill = move |signal: &str| {
         let status = Command::new("kill")
             .args([signal, &pid])
             .status()
@@ -632,6 +636,33 @@ async fn a_second_signal_during_the_drain_stops_at_once() {
         !call.is_finished(),
         "the held call ended before the second signal"
     );
+    (server, call, kill)
+}
+
+/// A server killed during its drain (SIGKILL: no destructor runs, the system closes its
+/// sockets) ends its connections with a reset: the held call fails as maybe delivered, and is
+/// not sent again. Before, the system closed the socket in order after the drain's GoAway 200,
+/// which told the client that every call still unanswered was never read: a call that had run
+/// was reported not sent, and sent again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_killed_during_its_drain_leaves_its_calls_maybe_delivered() {
+    let (mut server, call, kill) = draining_with_a_held_call().await;
+    kill("-KILL");
+    let stdin = server.child.stdin.take();
+    let _ = server.child.wait();
+    let e = within("the held call", call)
+        .await
+        .unwrap()
+        .expect_err("dropped with the process");
+    drop(stdin);
+    assert!(e.is_maybe_delivered(), "{e}");
+}
+
+/// A second signal during the drain stops the process at once: the drain would otherwise wait
+/// for the call still held (up to the 10 s drain timeout), and the second Ctrl-C did nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_signal_during_the_drain_stops_at_once() {
+    let (mut server, call, kill) = draining_with_a_held_call().await;
     kill("-INT");
     assert_eq!(server.line(), "stopped");
     // Held open until the call's end: `Child::wait` closes the stdin it holds, and a closed
