@@ -656,6 +656,12 @@ async fn a_server_killed_during_its_drain_leaves_its_calls_maybe_delivered() {
         .expect_err("dropped with the process");
     drop(stdin);
     assert!(e.is_maybe_delivered(), "{e}");
+    // Ended by the reset, not by an end of stream (which, when the kill came before the
+    // drain's GoAway was written, reads as maybe delivered too, and would hide the fault).
+    assert!(
+        !e.to_string().contains("connection closed by the server"),
+        "{e}"
+    );
 }
 
 /// A second signal during the drain stops the process at once: the drain would otherwise wait
