@@ -225,6 +225,30 @@ struct Answer {
     body: Value,
 }
 
+impl Answer {
+    /// Asserts the HTTP status and the call status (`code`) of a failed call's body.
+    #[track_caller]
+    fn is(&self, status: u16, code: u32) {
+        assert_eq!(
+            (self.status, &self.body["code"]),
+            (status, &json!(code)),
+            "{}",
+            self.body
+        );
+    }
+
+    /// Asserts that the body's `field` is text holding each of `parts`.
+    #[track_caller]
+    fn says(&self, field: &str, parts: &[&str]) {
+        let text = self.body[field].as_str().unwrap_or_default();
+        assert!(
+            parts.iter().all(|p| text.contains(p)),
+            "{field} should hold {parts:?}: {}",
+            self.body
+        );
+    }
+}
+
 impl World {
     /// A gateway over a fresh registry of `kind`.
     async fn of(kind: Kind) -> World {
@@ -447,8 +471,7 @@ async fn core_flow(kind: Kind) {
     );
 
     let a = world.send("GET", "/orders/0?currency=EUR", &[], None).await;
-    assert_eq!(a.status, 422, "{}", a.body);
-    assert_eq!(a.body["code"], 1000);
+    a.is(422, 1000);
     assert_eq!(a.body["error"], json!({"NotFound": {"id": 0}}));
 
     // An entry appears when its server starts, with no restart of the gateway.
@@ -480,8 +503,7 @@ async fn a_call_past_its_timeout_is_answered_504(kind: Kind) {
     let _orders = world.orders(50).await;
     world.serving(&["shop.Orders.stall"]).await;
     let a = world.post("/api/shop.Orders/stall", "{}").await;
-    assert_eq!(a.status, 504, "{}", a.body);
-    assert_eq!(a.body["code"], 519);
+    a.is(504, 519);
 }
 
 #[tokio::test]
@@ -498,8 +520,7 @@ async fn overflow_is_answered_503_with_retry_after() {
     assert_eq!(tag, "hold");
 
     let a = world.post("/api/shop.Orders/hold", "{}").await;
-    assert_eq!(a.status, 503, "{}", a.body);
-    assert_eq!(a.body["code"], 515, "{}", a.body);
+    a.is(503, 515);
     let retry_after: u64 = a
         .headers
         .get("retry-after")
@@ -539,13 +560,7 @@ async fn calls_past_the_in_flight_limit_are_answered_503_by_the_gateway() {
     }
     let a = world.send("GET", "/notes", &[], None).await;
     assert_eq!(a.status, 503, "{}", a.body);
-    assert!(
-        a.body["error"]
-            .as_str()
-            .is_some_and(|e| e.contains("at once (2)")),
-        "{}",
-        a.body
-    );
+    a.says("error", &["at once (2)"]);
     assert_eq!(a.headers.get("retry-after").expect("Retry-After"), "1");
     // Refused before its body is read: a request announcing a body it never sends is answered
     // at once, not after the read timeout.
@@ -815,10 +830,7 @@ async fn the_gateway_s_own_refusals_say_what_to_send() {
         .post("/api/gw.Echo/echo", r#"{"text": "a", "txt": "b"}"#)
         .await;
     assert_eq!(a.status, 400);
-    assert!(a.body["error"]
-        .as_str()
-        .expect("error")
-        .contains("no argument \"txt\""));
+    a.says("error", &["no argument \"txt\""]);
 
     let a = world.send("GET", "/orders/7", &[], None).await;
     assert_eq!(a.status, 400, "currency is required: {}", a.body);
@@ -888,21 +900,14 @@ async fn a_validation_error_answers_400_naming_its_fields() {
     let _orders = world.orders(50).await;
     world.serving(&["shop.Orders.note"]).await;
     let a = world.send("GET", "/notes?count=0", &[], None).await;
-    assert_eq!(a.status, 400, "{}", a.body);
-    assert_eq!(a.body["code"], 1001, "{}", a.body);
+    a.is(400, 1001);
     assert_eq!(
         a.body["fields"],
         json!([{"member": "count", "message": "must be at least 1"}]),
         "{}",
         a.body
     );
-    assert!(
-        a.body["message"]
-            .as_str()
-            .is_some_and(|m| m.contains("the note was refused")),
-        "{}",
-        a.body
-    );
+    a.says("message", &["the note was refused"]);
 }
 
 /// A call its service refuses as not authenticated is a 401 with its challenge, as every 401.
@@ -912,12 +917,7 @@ async fn a_401_from_the_service_carries_a_challenge() {
     let _orders = world.orders(50).await;
     world.serving(&["shop.Orders.locked"]).await;
     let a = world.post("/api/shop.Orders/locked", "{}").await;
-    assert_eq!(
-        (a.status, &a.body["code"]),
-        (401, &json!(401)),
-        "{}",
-        a.body
-    );
+    a.is(401, 401);
     assert_eq!(
         a.headers.get("www-authenticate").expect("challenge"),
         "Bearer"
@@ -932,19 +932,8 @@ async fn a_result_that_cannot_be_json_is_answered_502() {
     let _odd = world.server(OddServer::new(Arc::new(Lists))).await;
     world.serving(&["gw.Odd.keyed"]).await;
     let a = world.post("/api/gw.Odd/keyed", "{}").await;
-    assert_eq!(
-        (a.status, &a.body["code"]),
-        (502, &json!(500)),
-        "{}",
-        a.body
-    );
-    assert!(
-        a.body["message"]
-            .as_str()
-            .is_some_and(|m| m.contains("gw.Odd.keyed") && m.contains("not readable as JSON")),
-        "{}",
-        a.body
-    );
+    a.is(502, 500);
+    a.says("message", &["gw.Odd.keyed", "not readable as JSON"]);
 }
 
 /// A call whose server refuses the credentials it carried (517: here the gateway's own client
@@ -964,12 +953,7 @@ async fn a_517_from_the_service_is_a_403_with_no_challenge() {
         .expect("serve echo");
     world.serving(&["gw.Echo.echo"]).await;
     let a = world.post("/api/gw.Echo/echo", r#"{"text":"hi"}"#).await;
-    assert_eq!(
-        (a.status, &a.body["code"]),
-        (403, &json!(517)),
-        "{}",
-        a.body
-    );
+    a.is(403, 517);
     assert!(
         a.headers.get("www-authenticate").is_none(),
         "{:?}",
