@@ -114,6 +114,10 @@ struct QueueState {
     /// The message ids of the calls still queued when the queue closed: never written, not
     /// even in part, so the peer cannot have run them. Taken by [`FrameSender::close_unsent`].
     unsent: Vec<u64>,
+    /// The message ids of the calls the writer has taken and not begun to write, in the order
+    /// taken: a close counts them unsent, and the writer, finding the queue closed before it
+    /// writes, drops them unwritten (see [`Queue::begin_write`]).
+    held: Vec<u64>,
 }
 
 impl Queue {
@@ -121,9 +125,12 @@ impl Queue {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Moves every queued frame to the back of `into` (which the writer has emptied: a swap).
+    /// Moves every queued frame to the back of `into` (which the writer has emptied: a swap),
+    /// the calls among them now held by the writer.
     fn take(&self, into: &mut VecDeque<Outgoing>) {
         let mut q = self.lock();
+        let QueueState { frames, held, .. } = &mut *q;
+        held.extend(frames.iter().filter_map(Outgoing::call_id));
         if into.is_empty() {
             std::mem::swap(&mut q.frames, into);
         } else {
@@ -136,31 +143,47 @@ impl Queue {
     fn put_back(&self, frames: &mut VecDeque<Outgoing>) {
         let mut q = self.lock();
         if q.closed {
-            // Closed while the writer held them: they were never written either.
-            let ids = frames.iter().filter_map(Outgoing::call_id);
-            let ids: Vec<u64> = ids.collect();
-            q.unsent.extend(ids);
+            // Closed while the writer held them: the close counted them unsent.
             drop(q);
             frames.clear();
             return;
         }
+        // No longer held: the last calls taken, since frames leave the writer's hands in the
+        // order they came.
+        let back = frames.iter().filter_map(Outgoing::call_id).count();
+        let kept = q.held.len() - back;
+        q.held.truncate(kept);
         // `frames` then what was queued since, as the queue (no frame moved one at a time).
         frames.append(&mut q.frames);
         std::mem::swap(&mut q.frames, frames);
     }
 
     /// Refuses later frames and drops those still queued, keeping the ids of the calls among
-    /// them (see [`QueueState::unsent`]).
+    /// them and of those the writer holds unwritten (see [`QueueState::unsent`]).
     fn close(&self) {
         let dropped = {
             let mut q = self.lock();
             q.closed = true;
             let dropped = std::mem::take(&mut q.frames);
             let ids: Vec<u64> = dropped.iter().filter_map(Outgoing::call_id).collect();
-            q.unsent.extend(ids);
+            let QueueState { unsent, held, .. } = &mut *q;
+            unsent.append(held);
+            unsent.extend(ids);
             dropped
         };
         drop(dropped);
+    }
+
+    /// Whether the writer may write the batch it holds: false once the queue is closed, which
+    /// counted the batch's calls unsent (so the batch must not be written); true otherwise,
+    /// and from here on its calls are no longer unsent, whatever becomes of the write.
+    fn begin_write(&self) -> bool {
+        let mut q = self.lock();
+        if q.closed {
+            return false;
+        }
+        q.held.clear();
+        true
     }
 }
 
@@ -381,8 +404,9 @@ impl FrameSender {
 
     /// Closes the queue (later sends fail, queued frames are dropped) and returns the message
     /// ids of the calls that were never written, not even in part: those queued when the
-    /// queue closed, whether here or when the writer stopped. Calls whose frames the writer
-    /// had begun to write are not among them: the peer may have read those.
+    /// queue closed, whether here or when the writer stopped, and those the writer had taken
+    /// into a batch it had not begun to write (it then drops the batch). Calls whose frames
+    /// the writer had begun to write are not among them: the peer may have read those.
     pub(crate) fn close_unsent(&self) -> Vec<u64> {
         let queue = &self.senders.0;
         queue.close();
@@ -620,6 +644,10 @@ async fn write_batches<W: AsyncWrite + Unpin>(
                 continue;
             }
             break;
+        }
+        if !queue.begin_write() {
+            // Closed while the batch was gathered: its calls were reported unsent.
+            return false;
         }
         // `flush` costs nothing on a TCP socket; a TLS stream may still hold the end of the
         // batch after `write_all` when the socket was full.
@@ -973,6 +1001,41 @@ mod tests {
         assert_eq!(unsent, [2, 3]);
         assert!(!sender.send_call(4, call()), "the queue is closed");
         drop(theirs);
+    }
+
+    /// A call the writer has taken into a batch it has not begun to write (it yields first,
+    /// for the frames of the calls in flight) is unsent if the queue closes then: the writer
+    /// drops the batch instead of writing it.
+    #[tokio::test]
+    async fn calls_taken_into_a_batch_not_yet_written_at_the_close_are_reported_unsent() {
+        let (mut ours, mut theirs) = tokio::io::duplex(1 << 20);
+        let (queue, backlog) = (Arc::new(Queue::default()), Arc::new(Backlog::default()));
+        let sender = FrameSender {
+            senders: Arc::new(Senders(queue.clone())),
+            backlog: backlog.clone(),
+        };
+        let call = crate::call::Call {
+            service_entry_id: "t.S.m".into(),
+            ..Default::default()
+        };
+        assert!(sender.send_call(1, call));
+        let in_flight = Arc::new(AtomicUsize::new(YIELD_MARGIN + 100));
+        let close = CancellationToken::new();
+        let writer = write_batches(&queue, &mut ours, in_flight, &backlog, close);
+        let mut writer = std::pin::pin!(writer);
+        assert!(
+            poll_once(writer.as_mut()).await.is_pending(),
+            "the writer took the call and waits for more"
+        );
+        assert_eq!(sender.close_unsent(), [1]);
+        assert_eq!(
+            poll_once(writer.as_mut()).await,
+            Poll::Ready(false),
+            "the batch is dropped, unwritten"
+        );
+        let mut read = [0u8; 64];
+        let now = tokio::io::AsyncReadExt::read(&mut theirs, &mut read).now_or_never();
+        assert!(now.is_none(), "nothing was written");
     }
 
     /// Once the peer takes batches, each run of queued items of one stream and compression
