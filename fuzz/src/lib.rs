@@ -78,6 +78,7 @@ pub fn sample_kinds() -> Vec<rpc_core::wire::frame::Kind> {
         Kind::GoAway(GoAway {
             status_code: 200,
             reason: "draining".into(),
+            last: true,
         }),
         // A call whose parameters are compressed (LZ4: the size, then one block), and its
         // compressed answer.

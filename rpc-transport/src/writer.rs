@@ -796,6 +796,7 @@ mod tests {
         assert!(sender.send(Kind::GoAway(rpc_core::wire::GoAway {
             status_code: 520,
             reason: "x".repeat(4096),
+            last: false,
         })));
         // Blocked on the full pipe: still there long after.
         tokio::time::sleep(Duration::from_secs(600)).await;
@@ -832,6 +833,7 @@ mod tests {
             assert!(sender.send(Kind::GoAway(rpc_core::wire::GoAway {
                 status_code,
                 reason: "x".repeat(1 << 20),
+                last: false,
             })));
         }
         close.cancel();
@@ -954,6 +956,7 @@ mod tests {
             Kind::GoAway(rpc_core::wire::GoAway {
                 status_code: n as u32,
                 reason: "x".repeat(16 * 1024),
+                last: false,
             })
         };
         // 64 frames of 16 KiB (4 batches' worth) before the writer first runs, then 64 more

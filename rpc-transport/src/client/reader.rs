@@ -54,6 +54,9 @@ pub(super) async fn read_loop<R: AsyncRead + Unpin>(
     mut on_drop: EndOnDrop,
 ) {
     let mut clean_drain = true;
+    // The server said it reads no more, every call it read answered (a `GoAway` 200 with
+    // `last`): calls unanswered at the end never reached it.
+    let mut read_all = false;
     let closing = shared.close.cancelled();
     tokio::pin!(closing);
     let reason = loop {
@@ -124,6 +127,7 @@ pub(super) async fn read_loop<R: AsyncRead + Unpin>(
                     break format!("server closed the connection: {}", g.reason);
                 }
                 shared.going_away.store(true, Ordering::Relaxed);
+                read_all |= g.last;
                 // Calls waiting for room in the send queue are not to be sent now.
                 shared.sender.backlog().wake_room_waiters();
                 tracing::debug!(peer = %shared.peer, reason = %g.reason, "server is draining");
@@ -149,9 +153,11 @@ pub(super) async fn read_loop<R: AsyncRead + Unpin>(
         }
     };
     on_drop.armed = false;
-    // A draining server (GoAway 200) answers every call it read, even those it drops at its
-    // drain deadline: calls still pending now never reached it and may safely go elsewhere.
-    let maybe_delivered = !(clean_drain && shared.going_away.load(Ordering::Relaxed));
+    // A draining server answers every call it read, even those it drops at its drain
+    // deadline, and then says so (its last GoAway 200): calls still pending now never reached
+    // it and may safely go elsewhere. Without that last word (the server was killed mid-drain,
+    // even over a socket that closes in order), they may have run.
+    let maybe_delivered = !(clean_drain && read_all);
     end(&shared, &reason, maybe_delivered);
 }
 

@@ -12,7 +12,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::admission::FrameCtx;
-use super::handler::{error_result, go_away};
+use super::handler::{draining, error_result, go_away};
 use super::options::{ServerOptions, PAUSED_KEEPALIVE};
 use crate::reader::FrameReader;
 
@@ -21,6 +21,10 @@ pub(super) const DRAIN_LINGER: Duration = Duration::from_millis(500);
 
 /// Shutdown: `GoAway`, then wait for the calls in flight (reading on, for `Cancel`) until the
 /// server's drain deadline `hard`; calls still running then are answered 520 and dropped.
+/// Ends with a last `GoAway` 200 once every call read is answered and no more is read (the
+/// client may then send its unanswered calls elsewhere: the server never read them); or
+/// returns why the connection ends otherwise, as the main loop's end does (`None`: nothing
+/// more can be written).
 pub(super) async fn drain<R: AsyncRead + Unpin>(
     ctx: &FrameCtx<'_>,
     frames: &mut FrameReader<R>,
@@ -28,8 +32,26 @@ pub(super) async fn drain<R: AsyncRead + Unpin>(
     hard: Instant,
 ) -> Option<String> {
     let conn = ctx.conn;
-    conn.sender
-        .send(go_away(StatusCode::Success, "server shutting down"));
+    conn.sender.send(draining("server shutting down"));
+    if let Err(end) = drain_calls(ctx, frames, options, hard).await {
+        return end;
+    }
+    conn.sender.send(go_away(
+        StatusCode::Success,
+        "server shut down: every call it read was answered",
+    ));
+    None
+}
+
+/// The drain's wait for the calls in flight: `Ok` once every call read is answered and no
+/// more will be read, else why not (see [`drain`]).
+async fn drain_calls<R: AsyncRead + Unpin>(
+    ctx: &FrameCtx<'_>,
+    frames: &mut FrameReader<R>,
+    options: &ServerOptions,
+    hard: Instant,
+) -> Result<(), Option<String>> {
+    let conn = ctx.conn;
     let deadline = tokio::time::sleep_until(hard);
     tokio::pin!(deadline);
     let mut lingering = false;
@@ -46,7 +68,7 @@ pub(super) async fn drain<R: AsyncRead + Unpin>(
         let unsent = conn.sender.backlog().bytes();
         if finished && unsent == 0 && input_ended {
             // Every answer written, and nothing more can come to read.
-            return None;
+            return Ok(());
         }
         if !lingering && finished && unsent == 0 {
             // Nothing left to finish, and every answer written (a client reading slowly gets
@@ -71,7 +93,7 @@ pub(super) async fn drain<R: AsyncRead + Unpin>(
             _ = conn.idle.notified() => continue,
             _ = &mut deadline => break,
             // Nothing more can be written: the client is gone.
-            _ = conn.sender.backlog().stopped() => return None,
+            _ = conn.sender.backlog().stopped() => return Err(None),
             _ = conn.sender.backlog().written(), if backlogged || (finished && unsent > 0) => {
                 continue
             }
@@ -86,12 +108,10 @@ pub(super) async fn drain<R: AsyncRead + Unpin>(
             );
             continue;
         }
-        if let Err(end) = ctx.on_frame(next, true) {
-            return end;
-        }
+        ctx.on_frame(next, true)?;
     }
     if lingering {
-        return None;
+        return Ok(());
     }
     // Every call the server read gets an answer, so the client knows that calls still pending
     // when the connection closes were never read.
@@ -105,7 +125,7 @@ pub(super) async fn drain<R: AsyncRead + Unpin>(
             options.drain_timeout.as_millis()
         ),
     );
-    None
+    Ok(())
 }
 
 /// The client closed its side of the connection (a half-close: it sends nothing more, and

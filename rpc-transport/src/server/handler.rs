@@ -201,9 +201,23 @@ pub fn error_result(code: StatusCode, message: impl Into<String>) -> RemoteResul
     }
 }
 
+/// A `GoAway` that ends the connection: with status 200 it is the server's last word (`last`:
+/// it reads nothing more, and every call it read is answered), except for a drain's first
+/// (see [`draining`]).
 pub(crate) fn go_away(code: StatusCode, reason: impl Into<String>) -> Kind {
     Kind::GoAway(GoAway {
         status_code: code.as_u32(),
         reason: reason.into(),
+        last: code == StatusCode::Success,
+    })
+}
+
+/// The `GoAway` 200 that begins a drain: no new calls, and those in flight are still to be
+/// answered (the drain ends with a [`go_away`] 200, its last).
+pub(crate) fn draining(reason: impl Into<String>) -> Kind {
+    Kind::GoAway(GoAway {
+        status_code: StatusCode::Success.as_u32(),
+        reason: reason.into(),
+        last: false,
     })
 }

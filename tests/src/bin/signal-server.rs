@@ -2,9 +2,10 @@
 //! that the test can send it SIGTERM.
 //!
 //! ```text
-//! signal-server <registry url>
+//! signal-server <registry url> [<listen address>]
 //! ```
-//! Binds 127.0.0.1 on a free port, publishes itself to the registry the URL names, prints
+//! Binds the listen address (127.0.0.1 on a free port by default; `unix:/path` for a Unix
+//! domain socket), publishes itself to the registry the URL names, prints
 //! `listening on <addr>`, and serves `signals.Hold` until SIGINT or SIGTERM
 //! (`ServerHandle::serve_until_signal`); then prints `stopped` and exits 0. Each `hold` call
 //! prints `held` and waits for a line on standard input. Exits with 3 when standard input
@@ -48,7 +49,10 @@ fn say(line: &str) {
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let url = std::env::args()
         .nth(1)
-        .ok_or("usage: signal-server <registry url>")?;
+        .ok_or("usage: signal-server <registry url> [<listen address>]")?;
+    let listen = std::env::args()
+        .nth(2)
+        .unwrap_or_else(|| "127.0.0.1:0".to_string());
     let registry = <dyn Registry>::from_url(&url).await?;
     let (release, released) = watch::channel(0u64);
     std::thread::spawn(move || {
@@ -65,9 +69,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let server = Server::builder()
         .shared_registry(registry)
         .add_service(HoldServer::new(Holder { released }))
-        .serve("127.0.0.1:0")
+        .serve(listen.as_str())
         .await?;
-    let addr = server.local_addr();
+    let addr = server.address().to_string();
     let stopped = server.serve_until_signal();
     say(&format!("listening on {addr}"));
     stopped.await?;

@@ -400,6 +400,18 @@ impl RawConn {
         drop(self.stream);
     }
 
+    /// The end of a drain: the server's last word, a `GoAway` 200 with `last` set (every call
+    /// it read is answered, it reads no more), then its close.
+    pub async fn expect_drained(&mut self) {
+        let g = self.expect_go_away().await;
+        assert_eq!(
+            (g.status_code, g.last),
+            (200, true),
+            "the drain's last word: {g:?}"
+        );
+        self.expect_closed().await;
+    }
+
     /// The connection must be closed by the server (no further frame).
     pub async fn expect_closed(&mut self) {
         if let Some(k) = self.recv().await {

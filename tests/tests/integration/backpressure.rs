@@ -90,6 +90,7 @@ async fn calls_waiting_for_room_are_not_sent_once_the_server_goes_away() {
             raw.send(Kind::GoAway(GoAway {
                 status_code: 200,
                 reason: "draining".into(),
+                last: false,
             }))
             .await
             .expect("GoAway");

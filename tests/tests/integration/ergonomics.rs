@@ -203,8 +203,13 @@ struct SignalServer {
 
 impl SignalServer {
     fn start(registry_url: &str) -> (SignalServer, String) {
+        Self::start_on(registry_url, "127.0.0.1:0")
+    }
+
+    /// A server listening on `listen` (`unix:/path` for a Unix domain socket).
+    fn start_on(registry_url: &str, listen: &str) -> (SignalServer, String) {
         let mut child = Command::new(env!("CARGO_BIN_EXE_signal-server"))
-            .arg(registry_url)
+            .args([registry_url, listen])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -662,6 +667,63 @@ async fn a_server_killed_during_its_drain_leaves_its_calls_maybe_delivered() {
         !e.to_string().contains("connection closed by the server"),
         "{e}"
     );
+}
+
+/// Over a `unix:` socket, which has no reset, a server killed during its drain (SIGKILL) ends
+/// its connections in order; the held call still fails as maybe delivered, since the drain's
+/// last word (a `GoAway` 200 with `last`: every call read was answered) never came. Before,
+/// the orderly end after the drain's first GoAway 200 read as "every call read was
+/// answered", and a call that had run was taken for never read, to be sent again.
+#[cfg(unix)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_killed_during_its_drain_over_a_unix_socket_leaves_its_calls_maybe_delivered() {
+    use rpc::crates::core::Codec;
+    use rpc::crates::transport::{Call, ConnectOptions, Connection};
+    let dir = tempfile::tempdir().expect("a directory for the socket");
+    let listen = format!("unix:{}", dir.path().join("signals.sock").display());
+    let (mut server, addr) = SignalServer::start_on("embedded", &listen);
+    assert_eq!(addr, listen);
+    // The transport's connection, which tells when it has read the drain's GoAway.
+    let conn = Connection::connect(&addr, &ConnectOptions::default())
+        .await
+        .expect("connect");
+    let call = {
+        let conn = conn.clone();
+        tokio::spawn(async move {
+            let hold = Call {
+                service_entry_id: "signals.Hold.hold".into(),
+                codec: Codec::MsgPack.to_wire(),
+                parameters: Codec::MsgPack.encode(&(7u64,)).expect("encode"),
+                ..Default::default()
+            };
+            conn.call(hold, None).await
+        })
+    };
+    assert_eq!(server.line(), "held");
+    let pid = server.child.id().to_string();
+    let kill = |signal: &str| {
+        let status = Command::new("kill")
+            .args([signal, &pid])
+            .status()
+            .expect("run kill");
+        assert!(status.success());
+    };
+    kill("-TERM");
+    within("the drain's GoAway", async {
+        while !conn.is_draining() {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    kill("-KILL");
+    let stdin = server.child.stdin.take();
+    let _ = server.child.wait();
+    let e = within("the held call", call)
+        .await
+        .unwrap()
+        .expect_err("dropped with the process");
+    drop(stdin);
+    assert!(e.is_maybe_delivered(), "{e}");
 }
 
 /// A second signal during the drain stops the process at once: the drain would otherwise wait

@@ -287,6 +287,7 @@ async fn a_draining_server_says_go_away_refuses_new_calls_and_finishes_old_ones(
     let shutdown = tokio::spawn(s.server.shutdown());
     let g = raw.expect_go_away().await;
     assert_eq!(g.status_code, 200, "a normal drain: {g:?}");
+    assert!(!g.last, "a call is still to be answered: {g:?}");
     // A call sent after GoAway is answered at once and not run.
     raw.send(invoke(2, "echo", &[0x91, 0xa1, b'x']))
         .await
@@ -300,10 +301,11 @@ async fn a_draining_server_says_go_away_refuses_new_calls_and_finishes_old_ones(
         other => panic!("expected a refusal of call 2, got {other:?}"),
     }
     assert!(!shutdown.is_finished(), "the drain waits for call 1");
-    // The call in flight finishes and is answered, then the connection closes.
+    // The call in flight finishes and is answered, then the server says it has answered every
+    // call it read, and closes.
     s.imp.release.add_permits(1);
     assert_eq!(result(&mut raw).await, (1, 200, vec![0xa1, b'd']));
-    raw.expect_closed().await;
+    raw.expect_drained().await;
     within("shutdown", shutdown).await.expect("join");
 }
 

@@ -1119,7 +1119,7 @@ async fn a_stream_of_a_client_half_closing_during_the_drain_ends_the_drain_at_on
     raw.half_close().await;
     let end = raw.next_result("the stream's end").await;
     assert_eq!((end.message_id, end.status_code), (1, 520), "{end:?}");
-    raw.expect_closed().await;
+    raw.expect_drained().await;
     within("shutdown", shutdown).await.expect("join");
     assert!(
         started.elapsed() < Duration::from_secs(10),

@@ -292,6 +292,7 @@ async fn a_call_pending_when_the_client_closes_a_draining_connection_may_have_be
         peer.send(Kind::GoAway(GoAway {
             status_code: 200,
             reason: "server shutting down".into(),
+            last: false,
         }))
         .await
         .expect("GoAway");
@@ -395,6 +396,7 @@ async fn a_handshake_refused_by_the_server_is_a_connection_failure_of_a_call_nev
     let e = connect_to_a_hello_answered_with(Kind::GoAway(GoAway {
         status_code: StatusCode::FrameworkError.as_u32(),
         reason: "the client id is not one this server takes".into(),
+        last: false,
     }))
     .await;
     assert_eq!(e.code(), StatusCode::CommunicationError, "{e}");
@@ -425,6 +427,7 @@ async fn a_hello_answered_by_a_shutdown_goaway_fails_over() {
                     .send(Kind::GoAway(GoAway {
                         status_code: 200,
                         reason: "server shutting down".into(),
+                        last: true,
                     }))
                     .await;
             }
