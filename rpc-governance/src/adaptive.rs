@@ -22,6 +22,9 @@
 //! a quiet server does not raise it blindly. Every 60 windows the limit is held at its minimum
 //! for `min` calls, to measure `no_load` anew without the queue the limit itself allows; a server
 //! that became slower for good (heavier calls, a slower disk) is then judged by its new speed.
+//! The calls still running from before the probe keep their slots beside its `min` (held
+//! to `min` in all, `min` calls stuck in a downstream would refuse every call, and the probe,
+//! whose window only calls admitted during it fill, would never end).
 //!
 //! Admission is like the fixed cap's: a call takes a slot at once or is refused with Overflow
 //! (515) at once, never queued. Two refinements:
@@ -111,6 +114,9 @@ struct Estimate {
     /// During a probe, the limit to return to and when the probe began (calls admitted
     /// before then ran under the old limit's queue and are not counted).
     probing: Option<(f64, Instant)>,
+    /// During a probe, the calls admitted before it and still running: admitted beside the
+    /// probe's `min`, each leaving its slot to nobody as it ends.
+    before_probe: usize,
     /// The window being gathered: samples, their sum (seconds), the most calls in flight.
     window: (usize, f64, usize),
 }
@@ -182,6 +188,8 @@ impl Drop for AdaptivePermit {
         let in_flight = self.inner.in_flight.fetch_sub(1, Ordering::AcqRel);
         if self.measured {
             self.inner.sample(self.started, Instant::now(), in_flight);
+        } else {
+            self.inner.left_unmeasured(self.started);
         }
     }
 }
@@ -201,6 +209,7 @@ impl AdaptiveLimit {
                     recent: None,
                     until_probe: PROBE_EVERY,
                     probing: None,
+                    before_probe: 0,
                     window: (0, 0.0, 0),
                 }),
             }),
@@ -216,10 +225,11 @@ impl AdaptiveLimit {
         let options = bounded(options);
         let mut estimate = self.inner.lock().clone();
         estimate.limit = estimate.limit.clamp(options.min as f64, options.max as f64);
+        let mut limit = estimate.limit.round() as usize;
         if let Some((before, _)) = &mut estimate.probing {
             *before = before.clamp(options.min as f64, options.max as f64);
+            limit += estimate.before_probe;
         }
-        let limit = estimate.limit.round() as usize;
         AdaptiveLimit {
             inner: Arc::new(Inner {
                 options: AdaptiveOptions {
@@ -313,6 +323,7 @@ impl Inner {
         let o = &self.options;
         let mut e = self.lock();
         if e.probing.is_some_and(|(_, since)| started < since) {
+            self.left_before_probe(&mut e);
             return;
         }
         e.recent = Some(e.recent.map_or(rtt, |r| r + (rtt - r) * RECENT));
@@ -336,7 +347,12 @@ impl Inner {
         } else if e.until_probe == 0 {
             e.until_probe = PROBE_EVERY;
             e.probing = Some((e.limit, now));
-            o.min as f64
+            // Running beside this call, which is ending.
+            e.before_probe = in_flight.saturating_sub(1);
+            let limit = o.min + e.before_probe;
+            self.limit.store(limit, Ordering::Relaxed);
+            e.limit = o.min as f64;
+            return;
         } else {
             e.until_probe -= 1;
             let no_load = e.no_load.map_or(rtt, |n| n.min(rtt));
@@ -349,7 +365,23 @@ impl Inner {
             (e.limit * gradient + e.limit.sqrt()).clamp(o.min as f64, o.max as f64)
         };
         e.limit = next;
+        e.before_probe = 0;
         self.limit.store(next.round() as usize, Ordering::Relaxed);
+    }
+
+    /// A call admitted before the probe under way ended: its slot is not given to another.
+    fn left_before_probe(&self, e: &mut Estimate) {
+        e.before_probe = e.before_probe.saturating_sub(1);
+        let limit = self.options.min + e.before_probe;
+        self.limit.store(limit, Ordering::Relaxed);
+    }
+
+    /// An unmeasured call admitted at `started` ended (see [`sample`](Self::sample)).
+    fn left_unmeasured(&self, started: Instant) {
+        let mut e = self.lock();
+        if e.probing.is_some_and(|(_, since)| started < since) {
+            self.left_before_probe(&mut e);
+        }
     }
 }
 
@@ -560,6 +592,55 @@ mod tests {
             })
             .collect();
         drop(held);
+    }
+
+    /// Calls stuck from before a probe (a downstream that hangs, callers with no deadline)
+    /// keep their slots beside the probe's `min`: `min` new calls are admitted, the probe
+    /// ends, and the limit comes back. Before, the probe held every call to `min` slots in
+    /// all, which the stuck calls filled: every default call was refused, and the probe,
+    /// which only calls admitted during it end, never ended.
+    #[tokio::test(start_paused = true)]
+    async fn a_probe_admits_its_minimum_beside_the_calls_stuck_from_before_it() {
+        let options = AdaptiveOptions {
+            max: 40,
+            ..AdaptiveOptions::default()
+        };
+        let l = AdaptiveLimit::new(options);
+        let stuck: Vec<_> = (0..options.min)
+            .map(|_| l.try_enter("e", Criticality::Default, None).unwrap())
+            .collect();
+        // Steady 10 ms calls filling the limit beside the stuck ones, until the limit falls:
+        // steady calls only raise it or keep it, so a fall is the probe.
+        let mut before = l.limit();
+        let mut probing = false;
+        for _ in 0..10_000 {
+            let free = l.limit().saturating_sub(l.in_flight());
+            let calls: Vec<_> = (0..free)
+                .map(|_| l.try_enter("e", Criticality::Default, None).unwrap())
+                .collect();
+            tokio::time::advance(Duration::from_millis(10)).await;
+            drop(calls);
+            if l.limit() < before {
+                probing = true;
+                break;
+            }
+            before = l.limit();
+        }
+        assert!(probing, "no probe within 10 000 rounds");
+        assert_eq!(before, options.max, "the limit reached its maximum first");
+        // The probe's minimum of new calls is admitted beside the stuck ones; one more is not.
+        let probe: Vec<_> = (0..options.min)
+            .map(|_| {
+                l.try_enter("e", Criticality::Default, None)
+                    .expect("admitted beside the stuck calls")
+            })
+            .collect();
+        assert!(l.try_enter("e", Criticality::Default, None).is_err());
+        tokio::time::advance(Duration::from_millis(10)).await;
+        drop(probe);
+        assert_eq!(l.limit(), before, "the probe ended: the limit is back");
+        assert_eq!(l.in_flight(), options.min, "the stuck calls still run");
+        drop(stuck);
     }
 
     #[tokio::test(start_paused = true)]
