@@ -220,10 +220,8 @@ impl Outgoing {
 #[derive(Debug, Default)]
 pub(crate) struct Backlog {
     bytes: AtomicUsize,
-    /// Writes completed so far: what a stream waiting on its client reads as the client's
-    /// progress ([`writes`](Self::writes)).
-    writes: AtomicU64,
-    /// Bytes the socket took so far, counted as each write takes them ([`sent`](Self::sent)).
+    /// Bytes the socket took so far, counted as each write takes them ([`sent`](Self::sent)):
+    /// what a connection or a stream waiting on its client reads as the client's progress.
     sent: AtomicU64,
     /// Woken when the writer has written a batch.
     written: Notify,
@@ -238,11 +236,6 @@ impl Backlog {
     /// Bytes queued and not yet written.
     pub(crate) fn bytes(&self) -> usize {
         self.bytes.load(Ordering::Relaxed)
-    }
-
-    /// How many writes completed so far (it only grows): the peer took that much.
-    pub(crate) fn writes(&self) -> u64 {
-        self.writes.load(Ordering::Relaxed)
     }
 
     /// Bytes the socket took so far (it only grows), counted within a batch's write too: a
@@ -667,7 +660,6 @@ async fn write_batches<W: AsyncWrite + Unpin>(
             return false;
         }
         backlog.bytes.fetch_sub(counted, Ordering::Relaxed);
-        backlog.writes.fetch_add(1, Ordering::Relaxed);
         // One waiter at most (the connection's reader); a permit is kept if it is not waiting
         // yet, so a write between its check and its wait is not missed.
         backlog.written.notify_one();

@@ -973,8 +973,8 @@ impl StreamDriver {
                         return Poll::Ready(end);
                     }
                 }
-                let writes = this.sender.backlog().writes();
-                if let Poll::Ready(end) = this.poll_stalled(cx, Stalled::Room(writes)) {
+                let sent = this.sender.backlog().sent();
+                if let Poll::Ready(end) = this.poll_stalled(cx, Stalled::Room(sent)) {
                     return Poll::Ready(end);
                 }
                 if let Some(end) = this.waited_after_failure() {
@@ -1050,8 +1050,9 @@ impl StreamDriver {
     /// The stream waits on its client (`on`): its end once it has waited the stall limit
     /// with no progress. Waiting for credit, only this stream's credit is progress (and ends
     /// the wait); the connection's other traffic (a heartbeat's `Pong`, other streams) says
-    /// nothing of this stream's consumer. Waiting for room in the send queue, a completed write
-    /// of the connection re-arms the wait: the client read something.
+    /// nothing of this stream's consumer. Waiting for room in the send queue, any byte of the
+    /// connection's the client took re-arms the wait (a write in part counts: one batch of a
+    /// large frame, read slowly, may take longer than the limit to complete).
     fn poll_stalled(&mut self, cx: &mut Context<'_>, on: Stalled) -> Poll<RemoteResultMessage> {
         let Some(limit) = self.stall_limit else {
             return Poll::Pending;
@@ -1073,9 +1074,9 @@ impl StreamDriver {
             if stall.as_mut().poll(cx).is_pending() {
                 return Poll::Pending;
             }
-            if let Stalled::Room(writes) = on {
-                let now = self.sender.backlog().writes();
-                if now != writes {
+            if let Stalled::Room(sent) = on {
+                let now = self.sender.backlog().sent();
+                if now != sent {
                     on = Stalled::Room(now);
                     continue;
                 }
@@ -1101,8 +1102,8 @@ impl StreamDriver {
 enum Stalled {
     /// Credit for its next item.
     Credit,
-    /// Room in the connection's send queue, with the connection's completed writes when the
-    /// wait was armed: a write since then is the client's progress.
+    /// Room in the connection's send queue, with the bytes of the connection written when
+    /// the wait was armed: a byte written since then is the client's progress.
     Room(u64),
 }
 
@@ -1420,6 +1421,45 @@ mod tests {
             Poll::Ready(end) => assert_eq!(end.status_code, 519, "{end:?}"),
             Poll::Pending => panic!("the deadline ends a stream waiting for room"),
         }
+    }
+
+    /// A client reading slowly, a KiB every 100 ms, is not taken for stalled while its stream
+    /// waits for room, though one batch of items takes far longer than the 300 ms stall limit
+    /// to write: each part the client takes is progress. Before, only a completed write was,
+    /// and the stream was ended 519 ("read nothing of its connection") at the limit. A client
+    /// that then reads nothing is: the stream ends at the limit. (On the paused clock.)
+    #[tokio::test(start_paused = true)]
+    async fn a_client_reading_slowly_is_not_taken_for_stalled_while_its_stream_waits_for_room() {
+        use tokio::io::AsyncReadExt;
+        const LIMIT: Duration = Duration::from_millis(300);
+        let (sender, mut theirs) = duplex_writer(1024);
+        let events: Pin<Box<dyn StreamEvents>> = Box::pin(UntilDeadline {
+            ended: Arc::new(AtomicBool::new(false)),
+        });
+        let table = Arc::new(StreamTable::default());
+        let driver = StreamDriver::new(
+            7,
+            Events::Into(events),
+            (u32::MAX, 0, false),
+            None,
+            &table,
+            (sender, 16 * 1024, Some(LIMIT)),
+        );
+        let mut driver = tokio::spawn(driver);
+        // 3 s of the paused clock, ten times the limit: 30 KiB taken, a KiB at a time.
+        let mut buf = [0u8; 1024];
+        for _ in 0..30 {
+            tokio::time::advance(Duration::from_millis(100)).await;
+            let n = theirs.read(&mut buf).await.expect("the pipe is open");
+            assert!(n > 0, "the writer writes");
+            assert!(!driver.is_finished(), "ended while the client read");
+        }
+        let end = tokio::time::timeout(2 * LIMIT, &mut driver)
+            .await
+            .expect("a client reading nothing is stalled")
+            .expect("the driver");
+        assert_eq!(end.status_code, 519, "{end:?}");
+        assert!(end.exception_message.contains("read nothing"), "{end:?}");
     }
 
     #[tokio::test]
