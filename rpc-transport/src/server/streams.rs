@@ -922,7 +922,8 @@ impl StreamDriver {
                                 return Poll::Ready(end);
                             }
                         }
-                        if let Poll::Ready(end) = this.poll_stalled(cx, Stalled::Credit) {
+                        let on = this.credit_wait();
+                        if let Poll::Ready(end) = this.poll_stalled(cx, on) {
                             return Poll::Ready(end);
                         }
                         if let Some(end) = this.waited_after_failure() {
@@ -1047,10 +1048,19 @@ impl StreamDriver {
         Some(error_result(failed.code(), failed.message()))
     }
 
+    /// What a wait for credit is now: while the connection's send queue is over its limit, the
+    /// server reads none of the client's frames (its credit among them), so the client's
+    /// progress is then the bytes of the connection it takes.
+    fn credit_wait(&self) -> Stalled {
+        let backlog = self.sender.backlog();
+        Stalled::Credit((backlog.bytes() > self.max_unsent).then(|| backlog.sent()))
+    }
+
     /// The stream waits on its client (`on`): its end once it has waited the stall limit
     /// with no progress. Waiting for credit, only this stream's credit is progress (and ends
     /// the wait); the connection's other traffic (a heartbeat's `Pong`, other streams) says
-    /// nothing of this stream's consumer. Waiting for room in the send queue, any byte of the
+    /// nothing of this stream's consumer, except while the server reads nothing of the client
+    /// (see [`credit_wait`](Self::credit_wait)). Waiting for room in the send queue, any byte of the
     /// connection's the client took re-arms the wait (a write in part counts: one batch of a
     /// large frame, read slowly, may take longer than the limit to complete).
     fn poll_stalled(&mut self, cx: &mut Context<'_>, on: Stalled) -> Poll<RemoteResultMessage> {
@@ -1074,15 +1084,16 @@ impl StreamDriver {
             if stall.as_mut().poll(cx).is_pending() {
                 return Poll::Pending;
             }
-            if let Stalled::Room(sent) = on {
-                let now = self.sender.backlog().sent();
-                if now != sent {
-                    on = Stalled::Room(now);
-                    continue;
-                }
+            let now = match on {
+                Stalled::Room(_) => Stalled::Room(self.sender.backlog().sent()),
+                Stalled::Credit(_) => self.credit_wait(),
+            };
+            if now != on {
+                on = now;
+                continue;
             }
             let what = match on {
-                Stalled::Credit => "granted no credit",
+                Stalled::Credit(_) => "granted no credit",
                 Stalled::Room(_) => "read nothing of its connection",
             };
             return Poll::Ready(error_result(
@@ -1100,8 +1111,10 @@ impl StreamDriver {
 /// What a stream with a stall limit waits on its client for ([`StreamDriver::poll_stalled`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Stalled {
-    /// Credit for its next item.
-    Credit,
+    /// Credit for its next item; with the bytes of the connection written when the wait was
+    /// armed while the server reads nothing (its send queue over the limit, the credit perhaps
+    /// unread): a byte written since then is the client's progress.
+    Credit(Option<u64>),
     /// Room in the connection's send queue, with the bytes of the connection written when
     /// the wait was armed: a byte written since then is the client's progress.
     Room(u64),
@@ -1460,6 +1473,59 @@ mod tests {
             .expect("the driver");
         assert_eq!(end.status_code, 519, "{end:?}");
         assert!(end.exception_message.contains("read nothing"), "{end:?}");
+    }
+
+    /// A stream waiting for credit while the server reads nothing of its client (the
+    /// connection's send queue over its limit with another stream's large frame, read slowly:
+    /// the credit would wait unread) is not taken for stalled while the client takes bytes of
+    /// the connection. Before, it was ended 519 "granted no credit" at the 300 ms stall limit,
+    /// the credit perhaps sent and unread. A client that then reads nothing is stalled.
+    /// (On the paused clock.)
+    #[tokio::test(start_paused = true)]
+    async fn a_stream_waiting_for_credit_the_server_does_not_read_is_not_taken_for_stalled() {
+        use tokio::io::AsyncReadExt;
+        const LIMIT: Duration = Duration::from_millis(300);
+        const MAX_UNSENT: usize = 16 * 1024;
+        let (sender, mut theirs) = duplex_writer(1024);
+        let events = stream::iter(std::iter::once(StreamEvent::Accepted))
+            .chain(stream::repeat_with(|| {
+                StreamEvent::Item(Bytes::from_static(b"item"))
+            }))
+            .boxed();
+        let table = Arc::new(StreamTable::default());
+        let driver = StreamDriver::new(
+            7,
+            events,
+            (1, 0, false),
+            None,
+            &table,
+            (sender.clone(), MAX_UNSENT, Some(LIMIT)),
+        );
+        let mut driver = tokio::spawn(driver);
+        // The stream's one item of credit is used; then another's large frame is queued.
+        tokio::task::yield_now().await;
+        assert!(!driver.is_finished());
+        assert!(sender.send_encoded(Bytes::from(vec![0u8; 4 * MAX_UNSENT])));
+        let mut buf = [0u8; 1024];
+        for _ in 0..30 {
+            tokio::time::advance(Duration::from_millis(100)).await;
+            let n = theirs.read(&mut buf).await.expect("the pipe is open");
+            assert!(n > 0, "the writer writes");
+            assert!(
+                sender.backlog().bytes() > MAX_UNSENT,
+                "still over the limit"
+            );
+            assert!(!driver.is_finished(), "ended while the client read");
+        }
+        let end = tokio::time::timeout(2 * LIMIT, &mut driver)
+            .await
+            .expect("a client reading nothing is stalled")
+            .expect("the driver");
+        assert_eq!(end.status_code, 519, "{end:?}");
+        assert!(
+            end.exception_message.contains("granted no credit"),
+            "{end:?}"
+        );
     }
 
     #[tokio::test]
