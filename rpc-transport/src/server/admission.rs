@@ -229,6 +229,11 @@ impl FrameCtx<'_> {
             }
             Some(Ok(Incoming::Other(Kind::Cancel(c)))) => {
                 if let Some(h) = conn.tasks().remove(&c.message_id) {
+                    // A stream's task, perhaps in a poll on another thread, queues no more of
+                    // it: the client may reuse the id once it has cancelled.
+                    if let Some(slot) = conn.streams.get(c.message_id) {
+                        slot.stop();
+                    }
                     if c.reason == CancelReason::Superseded as i32 {
                         h.abort_superseded();
                     } else {

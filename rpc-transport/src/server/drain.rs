@@ -223,10 +223,11 @@ fn end_at_drain(ctx: &FrameCtx<'_>, dropped: Vec<(u64, super::runner::Running)>,
     let conn = ctx.conn;
     for (id, handle) in dropped {
         handle.abort_at_drain_deadline();
-        // A stream's request stream ends before its answer is queued: a handler reading it in
-        // a task of its own grants no credit after the stream's end.
+        // A stream is stopped before its answer is queued: its task, perhaps in a poll on
+        // another thread, queues no item after the end, nor does a handler reading its request
+        // stream in a task of its own grant credit after it.
         if let Some(slot) = conn.streams.get(id) {
-            slot.close();
+            slot.stop();
         }
         let mut r = error_result(StatusCode::ServerError, why);
         r.message_id = id;

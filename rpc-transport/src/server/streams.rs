@@ -189,6 +189,10 @@ struct InboundQueue {
     failed: Option<RpcError>,
     /// The handler dropped its request stream: a failure arriving later cannot reach it.
     dropped: bool,
+    /// The connection ended the stream itself (its drain, the client's half-close, the
+    /// client's `Cancel`): none of the stream's frames goes out any more, since its end may
+    /// be queued already ("no frame of that stream follows").
+    stopped: bool,
 }
 
 impl StreamSlot {
@@ -206,6 +210,7 @@ impl StreamSlot {
                 end: None,
                 ended: false,
                 waker: None,
+                stopped: false,
                 held: Held::new(inbound_window, inbound_window_bytes),
                 failed: None,
                 dropped: false,
@@ -339,6 +344,24 @@ impl StreamSlot {
             "the call ended before the caller's request stream did; no more of its items will \
              come",
         );
+    }
+
+    /// The connection ends the stream (see [`InboundQueue::stopped`]): its task, which may be
+    /// in a poll on another thread, queues no frame of it from now on; the client's request
+    /// stream ends as with [`close`](Self::close).
+    pub(super) fn stop(&self) {
+        self.inbound().stopped = true;
+        self.close();
+    }
+
+    /// Runs `queue` (which queues frames of the stream) unless the connection has stopped
+    /// the stream: under the lock [`stop`](Self::stop) takes, so that none is queued after
+    /// the end the connection queues once it has stopped the stream.
+    fn unless_stopped(&self, queue: impl FnOnce()) {
+        let q = self.inbound();
+        if !q.stopped {
+            queue();
+        }
     }
 
     /// Ends the client's request stream with `why`, as [`close`](Self::close) does.
@@ -1145,7 +1168,11 @@ impl Future for StreamDriver {
         // this returns Ready.
         this.end_run();
         if !this.out.frames.is_empty() {
-            this.sender.send_encoded(this.out.frames.split().freeze());
+            let frames = this.out.frames.split().freeze();
+            let sender = &this.sender;
+            this.slot.unless_stopped(|| {
+                sender.send_encoded(frames);
+            });
         }
         // (An end that cannot be written, its connection's writer having stopped, is not
         // settled: the stream was stopped with its connection.)
@@ -1526,6 +1553,40 @@ mod tests {
             end.exception_message.contains("granted no credit"),
             "{end:?}"
         );
+    }
+
+    /// A stream the connection stopped (at its drain's deadline, at the client's half-close
+    /// or `Cancel`, before it queues the stream's end) queues none of its items after that,
+    /// though its task polls on until it is dropped. Before, a poll under way on another
+    /// thread queued its items after the end ("no frame of that stream follows").
+    #[tokio::test]
+    async fn a_stream_the_connection_stopped_queues_none_of_its_items_after() {
+        let (sender, _theirs) = duplex_writer(1 << 20);
+        let events = stream::iter(std::iter::once(StreamEvent::Accepted))
+            .chain(stream::repeat_with(|| {
+                StreamEvent::Item(Bytes::from_static(b"item"))
+            }))
+            .boxed();
+        let table = Arc::new(StreamTable::default());
+        let mut driver = Box::pin(StreamDriver::new(
+            7,
+            events,
+            (u32::MAX, 0, false),
+            None,
+            &table,
+            (sender.clone(), 1 << 20, None),
+        ));
+        // The writer task does not run between these polls: the queue only grows.
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        assert!(driver.as_mut().poll(&mut cx).is_pending());
+        let queued = sender.backlog().bytes();
+        assert!(queued > 0, "items were queued");
+        assert!(driver.as_mut().poll(&mut cx).is_pending());
+        assert!(sender.backlog().bytes() > queued, "more items were queued");
+        table.get(7).expect("the stream's slot").stop();
+        let stopped_at = sender.backlog().bytes();
+        assert!(driver.as_mut().poll(&mut cx).is_pending());
+        assert_eq!(sender.backlog().bytes(), stopped_at, "nothing more queued");
     }
 
     #[tokio::test]
