@@ -29,10 +29,10 @@ mod tasks;
 pub use rules::RuleStore;
 
 use conn::Conn;
-use tasks::{keep_registered, KeepRegistered, WatchTask};
+use tasks::{keep_registered, KeepRegistered, Start, WatchTask};
 
 use crate::instance::snapshot;
-use crate::remote::{encode, non_blank, places, shared_watch, Backoff, Watches};
+use crate::remote::{encode, non_blank, pause, places, shared_watch, Backoff, Watches};
 use crate::{Instance, Registry, RegistryError, ServiceWatch};
 
 /// Settings of an [`EtcdRegistry`]. Start from `EtcdOptions::default()` and change what you
@@ -178,15 +178,17 @@ struct Registration {
     ttl: i64,
 }
 
-/// Puts a replaced registration back when dropped holding it: its replacement was not written
+/// Puts a replaced registration back when dropped holding it: its replacement was not kept
 /// (the write failed, or the registration was given up, its future dropped). The previous
 /// version is written again under a lease of its own, since a write that failed late may have
-/// moved its keys to the new lease.
+/// moved its keys to the new lease; then that lease is revoked.
 struct PutBack<'a> {
     registry: &'a EtcdRegistry,
     registrations: tokio::sync::MutexGuard<'a, HashMap<String, Registration>>,
     instance_id: &'a str,
     old: Option<Registration>,
+    /// The replacement's lease.
+    new_lease: i64,
 }
 
 impl Drop for PutBack<'_> {
@@ -203,7 +205,9 @@ impl Drop for PutBack<'_> {
             old.value,
             old.lease,
             old.ttl,
-            true,
+            Start::PutBack {
+                discard: self.new_lease,
+            },
         );
         self.registrations
             .insert(self.instance_id.to_string(), restored);
@@ -349,7 +353,7 @@ impl EtcdRegistry {
         if keys.is_empty() {
             // Nothing to publish; a previous version of the instance goes away.
             if let Some(old) = registrations.remove(&instance.id) {
-                stop(old, conn).await?;
+                self.stop(&instance.id, old).await?;
             }
             return Ok(());
         }
@@ -362,6 +366,7 @@ impl EtcdRegistry {
             registrations,
             instance_id: &instance.id,
             old: None,
+            new_lease: lease,
         };
         old.old = old.registrations.remove(&instance.id);
         if let Some(replaced) = old.old.as_mut() {
@@ -369,16 +374,22 @@ impl EtcdRegistry {
             let _ = (&mut replaced.task).await;
         }
         if let Err(e) = conn.put(&keys, &value, lease).await {
-            let _ = conn.revoke(lease).await;
+            // With a previous version, the guard puts it back and only then revokes the new
+            // lease: a write that failed late may have moved the previous version's keys to
+            // it, and revoking it first would take them away until they are written again.
+            if old.old.is_none() {
+                let _ = conn.revoke(lease).await;
+            }
             return Err(e);
         }
-        let lease = Arc::new(AtomicI64::new(lease));
-        let registration = self.keep(&instance.id, keys, value, lease, ttl, false);
-        let replaced = old.old.take();
-        old.registrations.insert(instance.id.clone(), registration);
-        drop(old);
-        if let Some(replaced) = replaced {
-            // Removes at once the keys of services the new version no longer serves.
+        if let Some(replaced) = old.old.as_ref() {
+            // Removes at once the keys of services the new version no longer serves, before
+            // `register` returns. This is the last wait, and it comes before the new version
+            // is kept, so a registration given up here has its previous version put back by
+            // the guard. Were the new version kept first, a server given up at this point
+            // while another server of its process serves the same id would leave its own
+            // address listed (it removes nothing: the id is the other server's) with nothing
+            // behind it, and the server still serving would not be listed.
             if let Err(e) = conn.revoke(replaced.lease.load(Ordering::SeqCst)).await {
                 tracing::warn!(
                     instance = %instance.id, error = %e,
@@ -387,11 +398,16 @@ impl EtcdRegistry {
                 );
             }
         }
+        let lease = Arc::new(AtomicI64::new(lease));
+        let registration = self.keep(&instance.id, keys, value, lease, ttl, Start::Written);
+        // Replaced for good: its keep-alive has ended, its lease revoked (or left to expire).
+        old.old = None;
+        old.registrations.insert(instance.id.clone(), registration);
         Ok(())
     }
 
     /// Starts keeping `instance_id` registered with `keys` holding `value` under `lease` (of
-    /// `ttl` seconds), after writing them under a new lease when `write_first`.
+    /// `ttl` seconds), after writing them under a new lease for a [`Start::PutBack`].
     fn keep(
         &self,
         instance_id: &str,
@@ -399,7 +415,7 @@ impl EtcdRegistry {
         value: Vec<u8>,
         lease: Arc<AtomicI64>,
         ttl: i64,
-        write_first: bool,
+        start: Start,
     ) -> Registration {
         let task = tokio::spawn(keep_registered(KeepRegistered {
             conn: self.inner.conn.clone(),
@@ -409,7 +425,7 @@ impl EtcdRegistry {
             lease: lease.clone(),
             ttl,
             alive: self.inner.alive.clone(),
-            write_first,
+            start,
         }));
         Registration {
             lease,
@@ -423,9 +439,40 @@ impl EtcdRegistry {
     async fn deregister_instance(&self, instance_id: &str) -> Result<(), RegistryError> {
         let mut registrations = self.inner.registrations.lock().await;
         match registrations.remove(instance_id) {
-            Some(registration) => stop(registration, &self.inner.conn).await,
+            Some(registration) => self.stop(instance_id, registration).await,
             None => Ok(()),
         }
+    }
+
+    /// Stops a registration's keep-alive and revokes its lease: its keys disappear at once.
+    /// The registration is already taken out, so should this be given up midway (its future
+    /// dropped: a timeout around a server's shutdown), a later deregistration finds nothing
+    /// and the keys would stay until their lease expires: the revocation then goes on in the
+    /// background.
+    async fn stop(
+        &self,
+        instance_id: &str,
+        registration: Registration,
+    ) -> Result<(), RegistryError> {
+        registration.task.abort();
+        let conn = &self.inner.conn;
+        RevokeIfGivenUp(Some(Forgotten {
+            conn: conn.clone(),
+            instance_id: instance_id.to_string(),
+            task: Some(registration.task),
+            lease: registration.lease,
+            alive: self.inner.alive.clone(),
+        }))
+        .revoke()
+        .await
+        .map_err(|e| {
+            e.map_message(|m| {
+                format!(
+                    "{m}; the instance disappears when its lease expires (TTL {:?})",
+                    conn.options.lease_ttl
+                )
+            })
+        })
     }
 
     async fn watch_service(&self, service: &ServiceId) -> Result<ServiceWatch, RegistryError> {
@@ -454,19 +501,89 @@ impl EtcdRegistry {
     }
 }
 
-/// Stops a registration's keep-alive and revokes its lease: its keys disappear at once.
-async fn stop(registration: Registration, conn: &Conn) -> Result<(), RegistryError> {
-    registration.task.abort();
-    let _ = registration.task.await;
-    let lease = registration.lease.load(Ordering::SeqCst);
-    conn.revoke(lease).await.map_err(|e| {
-        e.map_message(|m| {
-            format!(
-                "{m}; the instance disappears when its lease expires (TTL {:?})",
-                conn.options.lease_ttl
-            )
-        })
-    })
+/// Revokes a deregistered instance's lease in the background ([`revoke_later`]) when dropped
+/// armed: its deregistration was given up midway.
+struct RevokeIfGivenUp(Option<Forgotten>);
+
+/// A registration taken out of the registry, whose lease is still to be revoked.
+struct Forgotten {
+    conn: Conn,
+    instance_id: String,
+    /// Its keep-alive task, aborted, until it is known to have ended: only then is the lease
+    /// final (a task registering again records the new lease before it writes).
+    task: Option<JoinHandle<()>>,
+    lease: Arc<AtomicI64>,
+    alive: watch::Receiver<()>,
+}
+
+impl RevokeIfGivenUp {
+    /// Waits for the keep-alive task to end, then revokes its lease, once; disarmed when etcd
+    /// has answered.
+    async fn revoke(mut self) -> Result<(), RegistryError> {
+        let Some(forgotten) = self.0.as_mut() else {
+            return Ok(());
+        };
+        if let Some(task) = forgotten.task.as_mut() {
+            let _ = task.await;
+        }
+        // (A finished task must not be awaited again in the background.)
+        forgotten.task = None;
+        let revoked = forgotten
+            .conn
+            .revoke(forgotten.lease.load(Ordering::SeqCst))
+            .await;
+        self.0 = None;
+        revoked
+    }
+}
+
+impl Drop for RevokeIfGivenUp {
+    fn drop(&mut self) {
+        let Some(forgotten) = self.0.take() else {
+            return;
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(revoke_later(forgotten));
+            }
+            Err(_) => tracing::warn!(
+                instance = %forgotten.instance_id,
+                "a deregistration was given up outside a Tokio runtime: the instance's keys \
+                 stay until their lease expires"
+            ),
+        }
+    }
+}
+
+/// Revokes a forgotten registration's lease once its keep-alive task has ended, retrying with
+/// the backoff until etcd answers or the registry is dropped. (Once the lease has expired,
+/// etcd answers that it does not know it, which counts as revoked.)
+async fn revoke_later(mut forgotten: Forgotten) {
+    if let Some(task) = forgotten.task.take() {
+        let _ = task.await;
+    }
+    let lease = forgotten.lease.load(Ordering::SeqCst);
+    let mut backoff = Backoff::default();
+    let mut warned = false;
+    loop {
+        match forgotten.conn.revoke(lease).await {
+            Ok(()) => return,
+            // The first failure is a warning: the instance stays listed until this works or
+            // the lease expires.
+            Err(e) if !std::mem::replace(&mut warned, true) => tracing::warn!(
+                instance = %forgotten.instance_id, error = %e,
+                "could not revoke the lease of a deregistration that was given up; retrying \
+                 until the lease expires"
+            ),
+            Err(e) => tracing::debug!(
+                instance = %forgotten.instance_id, error = %e,
+                "revoking the lease again failed; retrying"
+            ),
+        }
+        if !pause(backoff.next(), &mut forgotten.alive).await {
+            return;
+        }
+    }
 }
 
 impl Registry for EtcdRegistry {
@@ -476,15 +593,18 @@ impl Registry for EtcdRegistry {
 
     /// Grants a lease, writes one key per service under it and keeps the lease alive in the
     /// background (re-registering if the lease is lost). Registering an id again replaces the
-    /// previous version; when the new one cannot be written, the previous one stays registered.
-    /// Fails if etcd does not answer within the request timeout, or refuses the write (one
-    /// transaction holds every key of the instance: etcd takes 128 by default).
+    /// previous version, whose keys of services the new one does not serve are gone when this
+    /// returns; when the new one cannot be written, or this is given up before it returns (its
+    /// future dropped), the previous one stays registered. Fails if etcd does not answer
+    /// within the request timeout, or refuses the write (one transaction holds every key of
+    /// the instance: etcd takes 128 by default).
     fn register(&self, instance: Instance) -> BoxFuture<'_, Result<(), RegistryError>> {
         Box::pin(self.register_instance(instance))
     }
 
     /// Stops the keep-alive and revokes the lease: the keys disappear at once. An unknown id is
-    /// not an error. If etcd is unreachable, the keys expire with the lease.
+    /// not an error. If etcd is unreachable, the keys expire with the lease. Given up midway
+    /// (its future dropped), the lease is still revoked, in the background.
     fn deregister<'a>(&'a self, instance_id: &'a str) -> BoxFuture<'a, Result<(), RegistryError>> {
         Box::pin(self.deregister_instance(instance_id))
     }

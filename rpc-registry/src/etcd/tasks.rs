@@ -21,9 +21,20 @@ pub(super) struct KeepRegistered {
     pub(super) lease: Arc<AtomicI64>,
     pub(super) ttl: i64,
     pub(super) alive: watch::Receiver<()>,
-    /// Whether to write the keys under a new lease before keeping it alive: for a version put
-    /// back after its replacement failed, whose keys the failed write may have taken.
-    pub(super) write_first: bool,
+    pub(super) start: Start,
+}
+
+/// How a keep-alive task starts.
+pub(super) enum Start {
+    /// The keys are written under the lease: keep it alive.
+    Written,
+    /// Write the keys under a new lease first, then revoke `discard`: for a version put back
+    /// after its replacement failed or was given up. The replacement's write may have taken
+    /// the keys, and its lease (`discard`, kept alive by nobody) may hold keys of services only
+    /// it serves, which would list an instance that is not there until the lease expired. It
+    /// is revoked only once the keys are written again, so that the put-back version never
+    /// goes missing from the services both serve.
+    PutBack { discard: i64 },
 }
 
 /// Keeps an instance registered until aborted (deregistration) or the registry is dropped.
@@ -32,8 +43,17 @@ pub(super) async fn keep_registered(mut r: KeepRegistered) {
     // Whether the last attempt failed: the first failure of a streak is a warning, the rest
     // are debug messages, and the recovery is logged.
     let mut failing = false;
-    if r.write_first && !register_again(&mut r, &mut backoff, &mut failing).await {
-        return;
+    if let Start::PutBack { discard } = r.start {
+        if !register_again(&mut r, &mut backoff, &mut failing).await {
+            return;
+        }
+        if let Err(e) = r.conn.revoke(discard).await {
+            tracing::warn!(
+                instance = %r.instance_id, error = %e,
+                "could not revoke the lease of a replacement that was not kept; \
+                 its keys expire with it"
+            );
+        }
     }
     loop {
         let lease = r.lease.load(Ordering::SeqCst);

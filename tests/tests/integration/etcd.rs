@@ -262,6 +262,158 @@ async fn a_version_that_fails_to_register_leaves_the_one_before_it_registered() 
     wait_until(&mut w, SEEN_WITHIN, "deregistered", |l| l.is_empty()).await;
 }
 
+/// Whether etcd still holds `lease` (it answers a TTL of -1 for one it does not know).
+async fn lease_alive(etcd: &etcd_client::Client, lease: i64) -> bool {
+    let resp = within(
+        "etcd lease TTL",
+        etcd.lease_client().time_to_live(lease, None),
+    )
+    .await
+    .expect("etcd lease TTL");
+    resp.ttl() > 0
+}
+
+/// The waker of a future polled by hand: records that it was woken (an answer it waits for
+/// arrived, say).
+#[derive(Default)]
+struct Woken(std::sync::atomic::AtomicBool);
+
+impl std::task::Wake for Woken {
+    fn wake(self: std::sync::Arc<Self>) {
+        self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// A server restarted under its stable id while the old one still serves it (one process, one
+/// registry), given up as it registers once its write has landed, while it waits for the old
+/// version's lease to be revoked: the old version is put back, and the given-up one's keys go.
+/// Its caller cannot remove it (the id is the old server's, which still serves). Before, the
+/// new version was kept as soon as written, ahead of that last wait: given up there, it stayed
+/// listed with nothing behind it, and the old server, still serving, was listed nowhere.
+#[tokio::test]
+async fn a_replacement_given_up_after_its_write_puts_the_previous_version_back() {
+    let etcd = Etcd::start().await;
+    // A lease far longer than the test: nothing here goes by expiring.
+    let reg = registry(&etcd, Duration::from_secs(60)).await;
+    let id = "shard-1";
+    let version = |address: &str, services: &[&str]| {
+        let mut instance = Instance::new(address, services.iter().copied());
+        instance.id = id.into();
+        instance
+    };
+    within(
+        "register",
+        reg.register(version("127.0.0.1:1001", &["t.A"])),
+    )
+    .await
+    .expect("register");
+    let raw = etcd.client().await;
+    let old_lease = lease_of(&raw, &reg.key(&"t.A".into(), id))
+        .await
+        .expect("registered");
+    let other = registry(&etcd, TTL).await;
+    let mut on_a = watch(&other, "t.A").await;
+    let mut on_b = watch(&other, "t.B").await;
+    assert_eq!(addresses(&on_a), ["127.0.0.1:1001"]);
+
+    // The replacement, polled by hand, only when woken, and only after a look at etcd, begun
+    // after the wake and with none during it, found the old lease still there: whatever
+    // answer it can see then, that look saw applied. So once the old lease is found gone, the
+    // write has landed and the replacement waits for the revocation's answer, not yet seen.
+    let mut given_up = reg.register(version("127.0.0.1:1002", &["t.A", "t.B"]));
+    let woken = std::sync::Arc::new(Woken::default());
+    let waker = std::task::Waker::from(woken.clone());
+    let was_woken = || woken.0.swap(false, std::sync::atomic::Ordering::SeqCst);
+    // (Its first poll starts it.)
+    let mut to_poll = true;
+    let mut revoked = false;
+    for _ in 0..1000 {
+        to_poll |= was_woken();
+        if !lease_alive(&raw, old_lease).await {
+            revoked = true;
+            break;
+        }
+        if was_woken() {
+            // Woken while etcd was asked: by an answer that look may have missed.
+            to_poll = true;
+            continue;
+        }
+        if std::mem::take(&mut to_poll) {
+            let polled = given_up
+                .as_mut()
+                .poll(&mut std::task::Context::from_waker(&waker));
+            assert!(polled.is_pending(), "registered before it was given up");
+        }
+    }
+    assert!(revoked, "the replacement never revoked the old lease");
+    // (Not polled meanwhile: still waiting.)
+    wait_until(&mut on_a, SEEN_WITHIN, "the write landed", |l| {
+        l == ["127.0.0.1:1002"]
+    })
+    .await;
+    wait_until(
+        &mut on_b,
+        SEEN_WITHIN,
+        "the write landed",
+        has("127.0.0.1:1002"),
+    )
+    .await;
+    drop(given_up);
+
+    wait_until(&mut on_a, SEEN_WITHIN, "the old version put back", |l| {
+        l == ["127.0.0.1:1001"]
+    })
+    .await;
+    wait_until(&mut on_b, SEEN_WITHIN, "the given-up version gone", |l| {
+        l.is_empty()
+    })
+    .await;
+    let lease = lease_of(&raw, &reg.key(&"t.A".into(), id))
+        .await
+        .expect("put back");
+    assert!(
+        lease_alive(&raw, lease).await,
+        "put back under a live lease"
+    );
+    // The version put back is the one registered: deregistering removes it.
+    within("deregister", reg.deregister(id))
+        .await
+        .expect("deregister");
+    wait_until(&mut on_a, SEEN_WITHIN, "deregistered", |l| l.is_empty()).await;
+}
+
+/// A deregistration given up midway (a timeout around a server's shutdown) has already taken
+/// the registration out, so a later one finds nothing: the lease is still revoked, in the
+/// background, and the instance goes at once. Before, it stayed listed until its lease expired
+/// (here a minute, far longer than the test waits).
+#[tokio::test]
+async fn a_deregistration_given_up_midway_still_revokes_the_lease() {
+    let etcd = Etcd::start().await;
+    let reg = registry(&etcd, Duration::from_secs(60)).await;
+    let id = "127.0.0.1:1001";
+    within("register", reg.register(Instance::new(id, ["t.A"])))
+        .await
+        .expect("register");
+    let other = registry(&etcd, TTL).await;
+    let mut w = watch(&other, "t.A").await;
+    assert_eq!(addresses(&w), [id]);
+
+    // One poll on this one-thread runtime: the registration is taken out and its keep-alive
+    // aborted, and the deregistration waits for that task to end, which needs the runtime.
+    let mut given_up = reg.deregister(id);
+    assert!(
+        futures_util::poll!(&mut given_up).is_pending(),
+        "the deregistration was done in one poll"
+    );
+    drop(given_up);
+    within("deregister again", reg.deregister(id))
+        .await
+        .expect("nothing left to deregister: the registration is forgotten");
+    wait_until(&mut w, SEEN_WITHIN, "the instance gone", lacks(id)).await;
+    let key = reg.key(&"t.A".into(), id);
+    assert_eq!(lease_of(&etcd.client().await, &key).await, None);
+}
+
 /// A registration over etcd's request limit (an instance is written once per service, in one
 /// transaction) is refused as a configuration error naming its size and the limit, before
 /// anything is sent, and the version before it stays; one within the limit is written.
