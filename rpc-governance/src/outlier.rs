@@ -163,6 +163,16 @@ impl SuccessRateTracker {
     }
 }
 
+impl SuccessRateTracker {
+    /// Drops the counts of the endpoints not `listed` (they left the service): an endpoint
+    /// that is gone is neither judged (an ejection it took would be another's) nor counted in
+    /// the others' mean.
+    pub fn retain(&self, listed: impl Fn(&str) -> bool) {
+        let mut w = self.window.lock().unwrap_or_else(PoisonError::into_inner);
+        w.counts.retain(|addr, _| listed(addr));
+    }
+}
+
 /// The outliers among endpoints given as `(successes, calls)` over one interval: their
 /// indexes, worst first.
 pub fn success_rate_outliers(counts: &[(u64, u64)], rule: &SuccessRateRule) -> Vec<usize> {

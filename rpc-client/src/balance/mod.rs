@@ -170,6 +170,12 @@ impl ServiceState {
         if !options.outlier_success_rate {
             return Vec::new();
         }
+        // The outcome of a call still out on an endpoint that left the service (forgotten in
+        // `health`, its counts dropped at the snapshot) would bring it back, to be judged and
+        // ejected: a mark that nothing would clear, in place of a listed endpoint's ejection.
+        if !self.is_listed(addr) {
+            return Vec::new();
+        }
         let interval = Duration::from_millis(options.outlier_interval_ms.max(1));
         let outliers = self
             .outcomes
@@ -178,6 +184,12 @@ impl ServiceState {
             health.eject(&o.address, interval, &o.cause());
         }
         outliers
+    }
+
+    /// Whether `addr` is an endpoint of the service's last snapshot.
+    fn is_listed(&self, addr: &str) -> bool {
+        let known = self.known.lock().unwrap_or_else(PoisonError::into_inner);
+        known.contains(addr)
     }
 
     /// The load of endpoint `addr`, made on first use with its weight from the current
@@ -237,6 +249,7 @@ impl ServiceState {
         *known = eps.iter().map(|i| i.address.clone()).collect();
         self.announced.retain(|addr, _| known.contains(addr));
         self.loads.retain(|addr, _| known.contains(addr));
+        self.outcomes.retain(|addr| known.contains(addr));
         drop(known);
         for i in eps.iter() {
             if let Some(load) = self.loads.get(i.address.as_str()) {
@@ -997,6 +1010,52 @@ mod tests {
         // Ejected for one interval, then back.
         tokio::time::advance(Duration::from_secs(10)).await;
         assert!(health.is_usable("e:1"));
+    }
+
+    /// An endpoint that left the service during an interval is not judged at its end, nor
+    /// counted in the others' mean: the listed outlier is ejected, and no mark is made for the
+    /// endpoint that left (nothing would clear it). Before, its counts stayed: here its
+    /// failures widened the spread so that e was not found an outlier; had it been the worst,
+    /// it took the one ejection the cap allows, with a mark that stayed for good.
+    #[tokio::test(start_paused = true)]
+    async fn an_endpoint_gone_during_an_interval_is_not_judged_at_its_end() {
+        let addrs = ["a:1", "b:1", "c:1", "d:1", "e:1", "f:1"];
+        let (s, tx) = state(addrs.iter().map(|a| instance(a, None)).collect());
+        let health = EndpointHealth::new(Duration::from_secs(60));
+        let o = GovernanceOptions {
+            outlier_success_rate: true,
+            outlier_request_volume: 20,
+            ..GovernanceOptions::default()
+        };
+        // 40 calls each: e fails one in two, f three in four.
+        for n in 0..40 {
+            for a in addrs {
+                let ok = match a {
+                    "e:1" => n % 2 == 0,
+                    "f:1" => n % 4 == 0,
+                    _ => true,
+                };
+                assert!(s.record_outcome(a, ok, &o, &health).is_empty());
+            }
+        }
+        // f leaves; a call still out on it ends after.
+        let listed: Vec<_> = addrs[..5].iter().map(|a| instance(a, None)).collect();
+        tx.send(Endpoints::new(listed)).expect("the watch");
+        s.refresh(&health);
+        health.forget("f:1");
+        assert!(s.record_outcome("f:1", false, &o, &health).is_empty());
+        tokio::time::advance(Duration::from_secs(10)).await;
+        // Among a to e: rates 1, 1, 1, 1, 0.5; mean 0.9, stdev 0.2, threshold 0.7.
+        let out = s.record_outcome("a:1", true, &o, &health);
+        let ejected: Vec<&str> = out.iter().map(|o| o.address.as_str()).collect();
+        assert_eq!(ejected, ["e:1"]);
+        assert!(!health.is_usable("e:1"));
+        // Back after its interval, and its mark cleared by a success: no mark is left then,
+        // of e nor of f.
+        tokio::time::advance(Duration::from_secs(10)).await;
+        assert!(health.is_usable("e:1"));
+        health.success("e:1");
+        assert!(health.is_clear(), "a mark is left");
     }
 
     #[tokio::test(start_paused = true)]
