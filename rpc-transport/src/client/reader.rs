@@ -53,7 +53,6 @@ pub(super) async fn read_loop<R: AsyncRead + Unpin>(
     received: Arc<AtomicU64>,
     mut on_drop: EndOnDrop,
 ) {
-    let mut clean_drain = true;
     // The server said it reads no more, every call it read answered (a `GoAway` 200 with
     // `last`): calls unanswered at the end never reached it.
     let mut read_all = false;
@@ -66,9 +65,8 @@ pub(super) async fn read_loop<R: AsyncRead + Unpin>(
             None => tokio::select! {
                 biased;
                 _ = &mut closing => {
-                    // Closed by this client (its heartbeat, the pool, `close`), not by the
-                    // server's drain: a pending call may have been read and be running.
-                    clean_drain = false;
+                    // Closed by this client (its heartbeat, the pool, `close`): a pending call
+                    // may have been read and be running, unless the server's last word came.
                     break shared
                         .close_reason
                         .get()
@@ -123,7 +121,8 @@ pub(super) async fn read_loop<R: AsyncRead + Unpin>(
             Some(Ok(Kind::Pong(_))) => {}
             Some(Ok(Kind::GoAway(g))) => {
                 if g.status_code != StatusCode::Success.as_u32() {
-                    clean_drain = false;
+                    // A later word says calls were dropped: it stands over the last one.
+                    read_all = false;
                     break format!("server closed the connection: {}", g.reason);
                 }
                 shared.going_away.store(true, Ordering::Relaxed);
@@ -136,14 +135,12 @@ pub(super) async fn read_loop<R: AsyncRead + Unpin>(
                 }
             }
             Some(Ok(other)) => {
-                clean_drain = false;
                 break format!(
                     "protocol violation: unexpected {} from the server",
                     kind_name(&other)
                 );
             }
             Some(Err(e)) => {
-                clean_drain = false;
                 break format!("bad frame from the server: {e}");
             }
             None => break "connection closed by the server".to_string(),
@@ -155,9 +152,10 @@ pub(super) async fn read_loop<R: AsyncRead + Unpin>(
     on_drop.armed = false;
     // A draining server answers every call it read, even those it drops at its drain
     // deadline, and then says so (its last GoAway 200): calls still pending now never reached
-    // it and may safely go elsewhere. Without that last word (the server was killed mid-drain,
+    // it and may safely go elsewhere, however the connection ended after that word (this
+    // client closing it, a reset). Without that last word (the server was killed mid-drain,
     // even over a socket that closes in order), they may have run.
-    let maybe_delivered = !(clean_drain && read_all);
+    let maybe_delivered = !read_all;
     end(&shared, &reason, maybe_delivered);
 }
 

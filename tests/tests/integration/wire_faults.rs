@@ -274,29 +274,42 @@ async fn a_silent_connection_is_closed_after_the_handshake_timeout() {
     within("shutdown", server.shutdown()).await;
 }
 
-/// A call pending on a connection whose server said GoAway 200 (draining, it answers every
-/// call it read) is "maybe delivered" when the client closes the connection itself: the server
-/// read it and may be running it, so it must not be sent elsewhere as if it never arrived.
-#[tokio::test]
-async fn a_call_pending_when_the_client_closes_a_draining_connection_may_have_been_delivered() {
+/// How the connection of [`pending_after_go_away`] ends.
+#[derive(Clone, Copy, Debug)]
+enum Ending {
+    /// The client closes it.
+    ClientCloses,
+    /// The server resets it.
+    ServerResets,
+}
+
+/// A call read by a raw server that then says GoAway 200 (`last` or not) and, once the client
+/// has read it, the connection's end as `ending` says: the call's error.
+async fn pending_after_go_away(last: bool, ending: Ending) -> RpcError {
     use rpc::crates::transport::{Call, ConnectOptions, Connection};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
     let addr = listener.local_addr().expect("addr");
     let (read_tx, read_rx) = tokio::sync::oneshot::channel();
+    let (reset_tx, reset_rx) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(async move {
         let (mut peer, _) = RawConn::accept_with(&listener, Default::default()).await;
         let call = peer.recv_invoke("the call").await;
-        // Read, running, and now draining: GoAway 200, the answer still to come.
+        // Read, running, and now draining: GoAway 200, the answer still to come (`last`:
+        // every call read was answered, and none is read any more).
         peer.send(Kind::GoAway(GoAway {
             status_code: 200,
             reason: "server shutting down".into(),
-            last: false,
+            last,
         }))
         .await
         .expect("GoAway");
         let _ = read_tx.send(call.message_id);
+        if reset_rx.await.is_ok() {
+            peer.reset();
+            return;
+        }
         // Held open until the client closes.
         while peer.recv().await.is_some() {}
     });
@@ -321,7 +334,6 @@ async fn a_call_pending_when_the_client_closes_a_draining_connection_may_have_be
     within("the server read the call", read_rx)
         .await
         .expect("read");
-    // Once the client has read the GoAway, it closes the connection itself.
     for _ in 0..10_000 {
         if conn.is_draining() {
             break;
@@ -329,13 +341,39 @@ async fn a_call_pending_when_the_client_closes_a_draining_connection_may_have_be
         tokio::task::yield_now().await;
     }
     assert!(conn.is_draining(), "the client saw the GoAway");
-    conn.close();
+    match ending {
+        Ending::ClientCloses => conn.close(),
+        Ending::ServerResets => reset_tx.send(()).expect("the server waits"),
+    }
     let e = within("the pending call", pending)
         .await
         .expect("join")
-        .expect_err("the connection closed");
-    assert!(e.is_maybe_delivered(), "the server read it: {e}");
+        .expect_err("the connection ended");
     server.abort();
+    e
+}
+
+/// A call pending on a connection whose server said GoAway 200 (draining, it answers every
+/// call it read) is "maybe delivered" when the client closes the connection itself: the server
+/// read it and may be running it, so it must not be sent elsewhere as if it never arrived.
+#[tokio::test]
+async fn a_call_pending_when_the_client_closes_a_draining_connection_may_have_been_delivered() {
+    let e = pending_after_go_away(false, Ending::ClientCloses).await;
+    assert!(e.is_maybe_delivered(), "the server read it: {e}");
+}
+
+/// After the server's last word (GoAway 200 with `last`: every call it read was answered, it
+/// reads no more), a call still pending was never read, however the connection ends then
+/// (closed by the client, or reset by the server): it is not delivered, and may go to another
+/// endpoint. Before, an end other than the server's orderly close made it maybe delivered.
+#[tokio::test]
+async fn a_call_pending_after_the_servers_last_word_was_not_delivered_however_the_connection_ends()
+{
+    for ending in [Ending::ClientCloses, Ending::ServerResets] {
+        let e = pending_after_go_away(true, ending).await;
+        assert_eq!(e.code(), StatusCode::CommunicationError, "{ending:?}: {e}");
+        assert!(!e.is_maybe_delivered(), "{ending:?}: {e}");
+    }
 }
 
 /// A server answering the handshake in another protocol version is refused by the client,
