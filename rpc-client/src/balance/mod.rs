@@ -565,7 +565,11 @@ impl Pick for Picker {
             return !tried.iter().any(|t| **t == *appointed);
         }
         let eps = self.service.endpoints();
-        let among = self.among(&eps, cx).ok().flatten();
+        // A routing group left empty under `fallback = "fail"`: no candidate at all (not
+        // every instance, which the call can never be sent to).
+        let Ok(among) = self.among(&eps, cx) else {
+            return false;
+        };
         eps.iter().enumerate().any(|(idx, i)| {
             among.as_ref().is_none_or(|a| a.contains(&idx))
                 && !tried.iter().any(|t| **t == *i.address)
@@ -580,7 +584,9 @@ impl Pick for Picker {
         }
         let health = cx.health();
         let eps = self.service.endpoints();
-        let among = self.among(&eps, cx).ok().flatten();
+        let Ok(among) = self.among(&eps, cx) else {
+            return false;
+        };
         eps.iter().enumerate().any(|(idx, i)| {
             among.as_ref().is_none_or(|a| a.contains(&idx))
                 && i.address != addr
@@ -1056,6 +1062,54 @@ mod tests {
         assert!(health.is_usable("e:1"));
         health.success("e:1");
         assert!(health.is_clear(), "a mark is left");
+    }
+
+    /// A call whose routing group (under `fallback = "fail"`) emptied after it was drawn has
+    /// no candidate left, untried or usable: its retry gives up at once with its attempt's
+    /// error, and the entry's breaker counts the failure. Before, the empty group read as
+    /// "every instance", so the instances outside it, which the call can never be sent to,
+    /// counted: the retry waited and drew budget, then failed with the rule's 404 in place of
+    /// the attempt's own error, and the breaker left the failure out.
+    #[test]
+    fn a_call_whose_routing_group_emptied_has_no_candidate_left() {
+        use rpc_core::{GovernanceOverrides, MethodDescriptor};
+        use rpc_governance::engine::Governance;
+        use rpc_governance::routing::RoutingRules;
+        use rpc_governance::stack::{CallCx, Pick};
+        static M: MethodDescriptor = MethodDescriptor {
+            service_id: "s.S",
+            method: "m",
+            entry_id: "s.S.m",
+            hash_key: None,
+            governance: GovernanceOverrides::NONE,
+            api: None,
+        };
+        let rules = RoutingRules::from_toml(
+            r#"
+[[routes]]
+name = "canary-only"
+service = "s.S"
+to = [ { tags = { version = "canary" } } ]
+fallback = "fail"
+"#,
+        )
+        .expect("rules");
+        let mut canary = Instance::new("c:1", ["s.S"]);
+        canary.metadata.insert("version".into(), "canary".into());
+        let stable = instance("s:1", None);
+        let (s, tx) = state(vec![Arc::new(canary), stable.clone()]);
+        let g = Governance::new(Default::default());
+        let p = g.policy(&M);
+        let cx = CallCx::new(&g, p.clone(), p.options());
+        let picker = Picker {
+            service: Arc::new(s),
+            route: Some(routing::Choice::drawn(Arc::new(rules), 0, 0)),
+        };
+        assert!(picker.untried_left(&cx), "the canary is a candidate");
+        // The canary leaves while the call's attempt on it fails.
+        tx.send(Endpoints::new(vec![stable])).expect("the watch");
+        assert!(!picker.untried_left(&cx), "no candidate is left");
+        assert!(!picker.any_other_usable("c:1", &cx), "no other candidate");
     }
 
     #[tokio::test(start_paused = true)]

@@ -244,6 +244,18 @@ pub(crate) struct Choice {
 }
 
 impl Choice {
+    /// The group `target` of the rule `routes[route]` of `rules`, drawn as a call draws it.
+    #[cfg(test)]
+    pub(crate) fn drawn(rules: Arc<RoutingRules>, route: usize, target: usize) -> Choice {
+        Choice {
+            rules,
+            route,
+            target,
+            fell_back: false,
+            turns: None,
+        }
+    }
+
     /// The group's round-robin position: `None` when the fallback `any` let the call go to
     /// every instance (the entry's position then), or the document changed since the draw.
     pub(crate) fn turns(&self) -> Option<&AtomicUsize> {
