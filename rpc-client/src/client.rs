@@ -1730,6 +1730,12 @@ impl Balance for ClientBalance<'_> {
     fn removed(&self, addr: &str) {
         self.client.probe_in_background(addr);
     }
+
+    fn listed(&self, addr: &str, cx: &CallCx<'_>) -> bool {
+        cx.options().shunt_strategy == ShuntStrategy::Appoint
+            || (self.client.inner.services.iter())
+                .any(|s| s.endpoints().iter().any(|i| i.address == addr))
+    }
 }
 
 /// The bottom of the client's stack: one attempt, in its `rpc.client.attempt` span.

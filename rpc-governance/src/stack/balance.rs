@@ -28,6 +28,15 @@ pub trait Balance: Send + Sync {
     fn removed(&self, addr: &str) {
         let _ = addr;
     }
+
+    /// Whether `addr` is an endpoint the call of `cx` may still be sent to (a service lists
+    /// it, or the call appoints it). A failure on an endpoint that is not (a call still out
+    /// on it when it left) is not held against it: its marks were forgotten as it left, and
+    /// one made now would stay, nothing clearing it. The default: every endpoint is.
+    fn listed(&self, addr: &str, cx: &CallCx<'_>) -> bool {
+        let _ = (addr, cx);
+        true
+    }
 }
 
 /// The ordered candidates of one call.
@@ -61,5 +70,8 @@ impl<B: Balance> Balance for &B {
     }
     fn removed(&self, addr: &str) {
         (**self).removed(addr)
+    }
+    fn listed(&self, addr: &str, cx: &CallCx<'_>) -> bool {
+        (**self).listed(addr, cx)
     }
 }

@@ -429,6 +429,10 @@ impl<B: Balance, S> RetryLayer<B, S> {
 
     /// Holds a failure against `addr` in endpoint health; an ejection (or removal) is an event.
     fn hold_against(&self, cx: &CallCx<'_>, addr: &str, fault: Fault, err: &RpcError) {
+        if !self.balance.listed(addr, cx) {
+            // It left while the attempt was out: a mark now would outlive it.
+            return;
+        }
         let connection = match fault {
             Fault::Transport => cx.connection,
             Fault::Sick => None,

@@ -39,6 +39,10 @@ trait Attempts: Sync {
         deadline: Option<Instant>,
     ) -> impl Future<Output = Result<Bytes, RpcError>> + Send;
     fn untried_left(&self, tried: &[String]) -> bool;
+    fn listed(&self, addr: &str) -> bool {
+        let _ = addr;
+        true
+    }
     fn any_other(&self, addr: &str, usable: &dyn Fn(&str) -> bool) -> bool {
         let _ = (addr, usable);
         false
@@ -56,6 +60,9 @@ impl<A: Attempts + Copy + Send> Balance for Scripted<A> {
     type Picker = Scripted<A>;
     async fn picker(&self, _: &CallCx<'_>) -> Result<Self::Picker, RpcError> {
         Ok(*self)
+    }
+    fn listed(&self, addr: &str, _: &CallCx<'_>) -> bool {
+        self.0.listed(addr)
     }
 }
 
@@ -111,6 +118,8 @@ struct Script {
     /// Whether an attempt stops at the deadline it is given (the transport does); when
     /// false it runs its whole `delay` regardless, and only the engine can stop it.
     honours_deadline: bool,
+    /// Endpoints that left the service (every one is listed unless named here).
+    left: Vec<String>,
     log: Mutex<Vec<(Duration, String)>>,
     start: Instant,
 }
@@ -122,6 +131,7 @@ impl Script {
             results,
             delay,
             honours_deadline: true,
+            left: Vec::new(),
             log: Mutex::new(Vec::new()),
             start: Instant::now(),
         }
@@ -132,6 +142,9 @@ impl Script {
 }
 
 impl Attempts for &Script {
+    fn listed(&self, addr: &str) -> bool {
+        !self.left.iter().any(|l| l == addr)
+    }
     fn select(&self, ctx: &AttemptCtx<'_>) -> Result<String, RpcError> {
         let fresh = self.endpoints.iter().find(|e| !ctx.tried.contains(e));
         Ok(fresh.unwrap_or(&self.endpoints[0]).clone())
@@ -283,6 +296,27 @@ async fn a_retried_call_counts_once_toward_the_breaker() {
 
 fn died_mid_call() -> Result<Bytes, RpcError> {
     Err(RpcError::new(StatusCode::CommunicationError, "connection closed").maybe_delivered(true))
+}
+
+/// A failure of a call still out on an endpoint that left the service (its marks forgotten as
+/// it left) is not held against it: a mark made then stayed for good (no success, no second
+/// departure cleared it), and a removal had the address probed for the client's life.
+#[tokio::test(start_paused = true)]
+async fn a_failure_on_an_endpoint_that_left_leaves_no_mark() {
+    let g = engine(GovernanceOptions {
+        timeout_ms: 0,
+        ..Default::default()
+    });
+    let p = g.policy(&M);
+    let mut s = Script::new(vec![died_mid_call()], Duration::ZERO);
+    s.left = vec!["a:1".into()];
+    let err = g.execute(&p, &s).await.unwrap_err();
+    assert_eq!(err.code(), StatusCode::CommunicationError, "{err}");
+    assert!(g.health().is_clear(), "a mark was made");
+    // Listed, the same failure is held.
+    let s = Script::new(vec![died_mid_call()], Duration::ZERO);
+    let _ = g.execute(&p, &s).await;
+    assert!(!g.health().is_clear(), "the failure was held");
 }
 
 #[tokio::test(start_paused = true)]
