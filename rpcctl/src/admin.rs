@@ -399,6 +399,14 @@ fn human(e: &Value) -> String {
     if let Some(attempt) = e["attempt"].as_u64().filter(|a| *a > 0) {
         line.push_str(&format!(" attempt {attempt}"));
     }
+    if let Some(version) = e["rule_version"].as_i64() {
+        line.push_str(&format!(" version {version}"));
+    }
+    // A policy in observe mode: what it would have done, not done (read as enforced, a
+    // `break` or an `ejection` line would send an operator after a refusal that never was).
+    if e["observed"].as_bool() == Some(true) {
+        line.push_str(" (observed: not enforced)");
+    }
     if let Some(cause) = e["cause"].as_str() {
         line.push_str(&format!(": {cause}"));
     }
@@ -514,5 +522,20 @@ mod tests {
             human(&e),
             "3 client retry a.A.m 127.0.0.1:1 attempt 1: full"
         );
+    }
+
+    /// An event of a policy in observe mode says it was not enforced, as the console does;
+    /// a rules event names its version.
+    #[test]
+    fn an_event_line_marks_an_observed_event_and_names_a_rules_version() {
+        let e = serde_json::json!({"seq": 4, "side": "client", "kind": "break",
+            "entry": "a.A.m", "observed": true, "cause": "3 failures"});
+        assert_eq!(
+            human(&e),
+            "4 client break a.A.m (observed: not enforced): 3 failures"
+        );
+        let e = serde_json::json!({"seq": 5, "side": "server", "kind": "rule_applied",
+            "entry": "", "rule_version": 7, "observed": false});
+        assert_eq!(human(&e), "5 server rule_applied  version 7");
     }
 }
