@@ -96,6 +96,14 @@ impl EventLog {
         view
     }
 
+    /// `missed` events of a bus went by unrelayed (its relay fell behind): their numbers are
+    /// skipped, so that readers see the gap and are told of it, rather than a run of numbers
+    /// that hides it.
+    pub(crate) fn skip(&self, missed: u64) {
+        let _ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
+        self.seq.fetch_add(missed, Ordering::Relaxed);
+    }
+
     /// The last `limit` events, oldest first.
     pub(crate) fn recent(&self, limit: usize) -> Vec<Arc<EventView>> {
         let ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
@@ -126,7 +134,8 @@ impl EventLog {
 
     /// Every event pushed from now on, until `stop` is cancelled; a follower that falls more
     /// than the feed's capacity (1024 events) behind is told how many it missed, then gets
-    /// the events that follow.
+    /// the events that follow, and so is one after events the log itself missed
+    /// ([`skip`](Self::skip)): any gap in the numbers is told.
     ///
     /// A follower that read up to event `after` before (a reader reconnecting, with the SSE
     /// `Last-Event-ID`) first gets the kept events after it, then the live ones: nothing in
@@ -141,38 +150,45 @@ impl EventLog {
         stop: CancellationToken,
     ) -> impl Stream<Item = Live> + use<> {
         use broadcast::error::RecvError;
-        let (backlog, rx) = {
+        let (seen, backlog, rx) = {
             let ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
             let rx = self.live.subscribe();
             let last = self.seq.load(Ordering::Relaxed);
-            let mut backlog = Vec::new();
-            if let Some(after) = after.filter(|a| *a <= last) {
-                let oldest = ring.front().map_or(last + 1, |e| e.seq);
-                if oldest > after + 1 {
-                    backlog.push(Live::Missed(oldest - after - 1));
+            match after.filter(|a| *a <= last) {
+                Some(after) => {
+                    let kept = ring.iter().filter(|e| e.seq > after).cloned();
+                    (after, kept.collect::<Vec<_>>(), rx)
                 }
-                backlog.extend(
-                    ring.iter()
-                        .filter(|e| e.seq > after)
-                        .map(|e| Live::Event(e.clone())),
-                );
+                None => (last, Vec::new(), rx),
             }
-            (backlog, rx)
         };
+        // (A follower that lagged behind the feed sees the gap in the numbers of the events
+        // that follow, and is told of it then, as of any other gap.)
         let live = futures_util::stream::unfold((rx, stop), |(mut rx, stop)| async move {
-            let next = tokio::select! {
-                biased;
-                _ = stop.cancelled() => return None,
-                next = rx.recv() => next,
-            };
-            let live = match next {
-                Ok(e) => Live::Event(e),
-                Err(RecvError::Lagged(missed)) => Live::Missed(missed),
-                Err(RecvError::Closed) => return None,
-            };
-            Some((live, (rx, stop)))
+            loop {
+                let next = tokio::select! {
+                    biased;
+                    _ = stop.cancelled() => return None,
+                    next = rx.recv() => next,
+                };
+                match next {
+                    Ok(e) => return Some((e, (rx, stop))),
+                    Err(RecvError::Lagged(_)) => continue,
+                    Err(RecvError::Closed) => return None,
+                }
+            }
         });
-        futures_util::stream::iter(backlog).chain(live)
+        // Each event, after the count of those missed before it (the numbers it skips past
+        // the last one the follower had).
+        let mut seen = seen;
+        futures_util::stream::iter(backlog)
+            .chain(live)
+            .flat_map(move |e| {
+                let missed = e.seq.saturating_sub(seen + 1);
+                seen = seen.max(e.seq);
+                let missed = (missed > 0).then_some(Live::Missed(missed));
+                futures_util::stream::iter(missed.into_iter().chain([Live::Event(e)]))
+            })
     }
 }
 
@@ -224,6 +240,42 @@ mod tests {
             observed: false,
             rule_version: None,
         }
+    }
+
+    /// Events a relay missed (its bus went on past it) leave a gap in the numbers, which a
+    /// follower is told of before the events after it, live or read back from the ring.
+    /// Before, the numbers ran on as if nothing was missed, and no follower heard of it.
+    #[tokio::test]
+    async fn events_a_relay_missed_are_told_to_followers() {
+        use futures_util::StreamExt;
+        let log = EventLog::new(16);
+        log.push("client", &retry(0));
+        let live = log.follow(None, CancellationToken::new());
+        let from_start = log.follow(Some(0), CancellationToken::new());
+        log.skip(5);
+        log.push("client", &retry(1));
+        // The first `n` items a follower gets, as text (bounded: a follower told less waits).
+        async fn told(follower: impl Stream<Item = Live>, n: usize) -> Vec<String> {
+            let items = follower.take(n).collect::<Vec<_>>();
+            let items = tokio::time::timeout(std::time::Duration::from_secs(10), items)
+                .await
+                .expect("the follower was told fewer items");
+            items
+                .into_iter()
+                .map(|l| match l {
+                    Live::Event(e) => format!("event {}", e.seq),
+                    Live::Missed(n) => format!("missed {n}"),
+                })
+                .collect()
+        }
+        assert_eq!(told(live, 2).await, ["missed 5", "event 7"]);
+        assert_eq!(
+            told(from_start, 3).await,
+            ["event 1", "missed 5", "event 7"]
+        );
+        // Read back from the ring later, the same.
+        let again = log.follow(Some(0), CancellationToken::new());
+        assert_eq!(told(again, 3).await, ["event 1", "missed 5", "event 7"]);
     }
 
     /// Events pushed from two threads at once (the client's and the server's relays) are

@@ -392,7 +392,11 @@ impl State {
                         state.metrics.event(side, e.kind.as_str(), e.observed);
                         state.events.push(side, &e);
                     }
-                    Err(RecvError::Lagged(n)) => state.metrics.lost(n),
+                    Err(RecvError::Lagged(n)) => {
+                        state.metrics.lost(n);
+                        // Numbered as if relayed: readers are told of the gap.
+                        state.events.skip(n);
+                    }
                     Err(RecvError::Closed) => return,
                 }
             }
