@@ -87,7 +87,17 @@ impl Ticket {
     /// given up while it registered): whether to deregister the id, which the registry may
     /// have taken, that is whether no other publication of the process holds it now.
     pub(crate) fn release_given_up(&self) -> bool {
-        !matches!(self.remove(), Removal::OthersHold)
+        match self.remove() {
+            Removal::OthersHold => {
+                // The id may hold this publication's registration: should the others end
+                // unregistered, the last of them removes it.
+                if let Some(h) = holders().get_mut(&self.key) {
+                    h.deferred = true;
+                }
+                false
+            }
+            Removal::Last { .. } => true,
+        }
     }
 
     /// The registration failed: whether to deregister the id all the same, that is whether an

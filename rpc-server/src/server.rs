@@ -751,16 +751,16 @@ impl ServerBuilder {
             unpublish_if_given_up.disarm();
             if let Err(e) = registered {
                 shutdown.cancel();
-                if publication.release_unregistered() {
-                    // An older server of this process, stopping, left the id to this one.
-                    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                        spawn_deregister(
-                            &runtime,
-                            registry.clone(),
-                            instance.id.clone(),
-                            "left to it",
-                        );
-                    }
+                if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                    // An older server of this process, stopping, may have left the id to this
+                    // one: removed unless a publication of the process holds it (see
+                    // `spawn_deregister`).
+                    spawn_deregister(
+                        &runtime,
+                        registry.clone(),
+                        (instance.id.clone(), publication),
+                        Release::Unregistered,
+                    );
                 }
                 return Err(std::io::Error::other(format!(
                     "could not publish {} to the registry: {e}",
@@ -820,25 +820,42 @@ impl Drop for Unpublish {
         let (Some(registry), Some(runtime)) = (self.registry.take(), self.runtime.take()) else {
             return;
         };
-        // Another server of this process serves under the id (a restart under a stable id
-        // whose new `serve` was given up): the registry put its registration back, which
-        // stays.
-        if self.ticket.release_given_up() {
-            let id = std::mem::take(&mut self.id);
-            spawn_deregister(&runtime, registry, id, "given up while it registered");
-        }
+        let id = std::mem::take(&mut self.id);
+        let publication = (id, self.ticket.clone());
+        spawn_deregister(&runtime, registry, publication, Release::GivenUp);
     }
 }
 
-/// Removes instance `id` from `registry` in a task of its own on `runtime`, logging a
-/// failure with `why` the server was removed.
+/// How a publication that never served ends (see [`spawn_deregister`]).
+#[derive(Clone, Copy)]
+enum Release {
+    /// Given up while it registered: the registry may have taken the instance.
+    GivenUp,
+    /// Its registration failed: an older publication may have left the id to it.
+    Unregistered,
+}
+
+/// Removes the instance `id` of a publication (`ticket`) that never served from `registry`,
+/// in a task of its own on `runtime`, when its release (`how`) says to. The ticket is
+/// released in that task, just before the removal, not before: a publication of the id this
+/// process took meanwhile (a `serve` tried again at once) then holds it and keeps it, where a
+/// removal decided earlier unpublished it for good, registries removing by id. (Another
+/// server of the process serving under the id, a restart under a stable id whose new `serve`
+/// was given up, keeps it too: the registry put its registration back.)
 fn spawn_deregister(
     runtime: &tokio::runtime::Handle,
     registry: Arc<dyn Registry>,
-    id: String,
-    why: &'static str,
+    (id, ticket): (String, Arc<crate::registration::Ticket>),
+    how: Release,
 ) {
     runtime.spawn(async move {
+        let (remove, why) = match how {
+            Release::GivenUp => (ticket.release_given_up(), "given up while it registered"),
+            Release::Unregistered => (ticket.release_unregistered(), "left to it"),
+        };
+        if !remove {
+            return;
+        }
         if let Err(e) = registry.deregister(&id).await {
             tracing::warn!(error = %e, why, "could not remove a server that never served");
         }

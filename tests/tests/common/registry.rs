@@ -13,6 +13,8 @@ pub enum Register {
     Answers,
     /// Takes the instance (it lands), then never answers.
     LandsThenHangs,
+    /// The first registration as `LandsThenHangs`, the others answer at once.
+    LandsThenHangsOnce,
     /// Takes the instance (it lands), then lets other tasks run once before it answers, as a
     /// registry answering over the network does.
     LandsThenYields,
@@ -40,6 +42,8 @@ pub struct TestRegistry {
     pub deregister_fails: Arc<std::sync::atomic::AtomicBool>,
     /// Told each time `deregister` is called (its answer is ready at once).
     pub deregistered: Arc<tokio::sync::Notify>,
+    /// Registrations begun so far.
+    registrations: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl TestRegistry {
@@ -51,6 +55,7 @@ impl TestRegistry {
             began: Arc::default(),
             deregister_fails: Arc::default(),
             deregistered: Arc::default(),
+            registrations: Arc::default(),
         }
     }
 
@@ -70,9 +75,12 @@ impl Registry for TestRegistry {
         if let Some(began) = self.began.lock().unwrap().take() {
             let _ = began.send(());
         }
+        let first = (self.registrations).fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0;
         match *self.register {
             Register::Answers => Box::pin(async { Ok(()) }),
             Register::LandsThenHangs => Box::pin(std::future::pending()),
+            Register::LandsThenHangsOnce if first => Box::pin(std::future::pending()),
+            Register::LandsThenHangsOnce => Box::pin(async { Ok(()) }),
             Register::LandsThenYields => Box::pin(async {
                 tokio::task::yield_now().await;
                 Ok(())

@@ -36,6 +36,41 @@ fn stalled() -> common::registry::TestRegistry {
     )
 }
 
+/// A `serve` given up while it registered removes its id later, in a task of its own; a
+/// `serve` under the same id that registered meanwhile (the caller trying again at once) keeps
+/// it. Before, the given-up `serve` let go of the id as it was dropped, and its late removal
+/// unpublished the retry for good, which went on reporting itself registered.
+#[tokio::test]
+async fn a_serve_given_up_while_it_registers_leaves_its_retry_published() {
+    let (began, registering) = tokio::sync::oneshot::channel();
+    let registry = common::registry::TestRegistry::new(
+        common::registry::Register::LandsThenHangsOnce,
+        common::registry::Watch::Unavailable,
+    )
+    .telling(began);
+    let serve = || {
+        Server::builder()
+            .registry(registry.clone())
+            .instance_id("shard-1")
+            .add_service(EchoServer::new(Plain))
+            .serve("127.0.0.1:0")
+    };
+    tokio::select! {
+        r = serve() => panic!("served without registering: {:?}", r.map(|_| ())),
+        _ = registering => {}
+    }
+    // Given up (dropped); tried again at once.
+    let retry = within("the retry", serve()).await.expect("serve again");
+    // The given-up serve's removal has had its turns on this one-thread runtime.
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    let published = registry.published.lock().unwrap().clone();
+    assert!(published.iter().any(|id| id == "shard-1"), "{published:?}");
+    within("shutdown", retry.shutdown()).await;
+    assert!(registry.published.lock().unwrap().is_empty());
+}
+
 /// A `serve` given up while it registers (a timeout around a slow registry) stops serving:
 /// before, its listener went on accepting calls with no handle left to stop it.
 #[tokio::test]
