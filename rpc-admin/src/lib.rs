@@ -295,6 +295,9 @@ impl AdminBuilder {
     }
 }
 
+/// How long [`AdminHandle::shutdown`] waits for the requests in progress.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
+
 /// A running admin endpoint. Dropping it stops it (without waiting). Once stopped, the client
 /// and the server it showed no longer count their calls for it.
 pub struct AdminHandle {
@@ -310,12 +313,25 @@ impl AdminHandle {
         self.local_addr
     }
 
-    /// Stops serving: event streams end, requests in progress finish, then it returns.
+    /// Stops serving: event streams end, requests in progress finish, then it returns; after
+    /// [`SHUTDOWN_GRACE`] it returns all the same, the requests still in progress dropped (a
+    /// reader of the event stream that stopped reading, its window shut, holds its
+    /// connection's write, and would hold this for as long).
     pub async fn shutdown(mut self) {
         self.stop.cancel();
         self.state.detach();
-        if let Some(task) = self.task.take() {
-            let _ = task.await;
+        if let Some(mut task) = self.task.take() {
+            if tokio::time::timeout(SHUTDOWN_GRACE, &mut task)
+                .await
+                .is_err()
+            {
+                tracing::warn!(
+                    address = %self.local_addr,
+                    grace_ms = SHUTDOWN_GRACE.as_millis() as u64,
+                    "admin endpoint: requests still in progress after the shutdown's grace                      (a reader of the event stream that reads nothing?); dropped"
+                );
+                task.abort();
+            }
         }
     }
 }

@@ -600,6 +600,44 @@ async fn the_event_stream_resumes_after_the_last_event_id() {
     s.admin.shutdown().await;
 }
 
+/// A reader of the event stream that stops reading (suspended, or piped into a pager nobody
+/// scrolls) does not hold the endpoint's shutdown past its grace. Before, `shutdown` waited
+/// for as long as that reader read nothing, and the process it ended did not exit.
+#[tokio::test]
+async fn a_reader_of_the_event_stream_that_reads_nothing_does_not_hold_the_shutdown() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let s = setup().await;
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket.set_recv_buffer_size(4096).expect("a small window");
+    let mut reader = socket.connect(s.admin.local_addr()).await.expect("connect");
+    let request = format!(
+        "GET /api/events/stream HTTP/1.1\r\nHost: admin\r\nAuthorization: Bearer {TOKEN}\r\n\r\n"
+    );
+    reader.write_all(request.as_bytes()).await.expect("request");
+    let mut head = [0u8; 256];
+    let n = reader.read(&mut head).await.expect("the response");
+    let head = String::from_utf8_lossy(&head[..n]);
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    // Then it reads nothing: 200 events of 64 KiB (13 MB) are more than both sockets hold.
+    let entry: std::sync::Arc<str> = std::sync::Arc::from("adm.Echo.echo");
+    let cause = "x".repeat(64 * 1024);
+    for n in 1..=200u64 {
+        s.client
+            .events()
+            .emit_parts(rpc::EventKind::Retry, &entry, None, 0, Some(cause.clone()));
+        // Relayed (and so offered to the stream) before the next.
+        until(&s, "/api/events?limit=1", |v| {
+            v["events"][0]["seq"].as_u64() >= Some(n)
+        })
+        .await;
+    }
+    let admin = s.admin;
+    tokio::time::timeout(rpc_admin::SHUTDOWN_GRACE * 5, admin.shutdown())
+        .await
+        .expect("the shutdown returns");
+    drop(reader);
+}
+
 /// The SSE ids of the next `n` events `stream` delivers (at most 10 s).
 async fn sse_ids(stream: &mut reqwest::Response, n: usize) -> Vec<String> {
     let mut buffer = String::new();
