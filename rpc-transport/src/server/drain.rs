@@ -118,7 +118,7 @@ async fn drain_calls<R: AsyncRead + Unpin>(
     let dropped: Vec<_> = conn.tasks().drain().collect();
     end_at_drain(
         ctx,
-        dropped,
+        (dropped, true),
         &format!(
             "the server shut down before the call finished (drain deadline of {} ms); it may \
              have partly run",
@@ -200,7 +200,9 @@ pub(super) async fn finish_half_closed(
 }
 
 /// Answers the streams in flight at once with 520 and `why`: each needs the client's side of
-/// the connection (credit, items, its end), which has ended. Unary calls are left to finish.
+/// the connection (credit, items, its end), which has ended. Unary calls are left to finish,
+/// and so are client streams whose request stream had ended: they owe the client nothing but
+/// their answer, as a unary call does.
 fn end_streams(ctx: &FrameCtx<'_>, why: &str) {
     let conn = ctx.conn;
     let streams: Vec<_> = {
@@ -208,21 +210,34 @@ fn end_streams(ctx: &FrameCtx<'_>, why: &str) {
         let ids: Vec<u64> = tasks
             .keys()
             .copied()
-            .filter(|id| conn.streams.get(*id).is_some())
+            .filter(|id| {
+                conn.streams
+                    .get(*id)
+                    .is_some_and(|slot| !slot.owes_only_its_end())
+            })
             .collect();
         ids.into_iter()
             .filter_map(|id| tasks.remove(&id).map(|t| (id, t)))
             .collect()
     };
-    end_at_drain(ctx, streams, why);
+    end_at_drain(ctx, (streams, false), why);
 }
 
 /// Stops the calls `dropped` (taken out of the connection's tasks) and answers each 520 with
-/// `why`; they leave the calls in flight, as a call cancelled by its client does.
-fn end_at_drain(ctx: &FrameCtx<'_>, dropped: Vec<(u64, super::runner::Running)>, why: &str) {
+/// `why`; they leave the calls in flight, as a call cancelled by its client does. `deadline`:
+/// dropped at the drain's deadline (their telemetry says so), else for the connection's end.
+fn end_at_drain(
+    ctx: &FrameCtx<'_>,
+    (dropped, deadline): (Vec<(u64, super::runner::Running)>, bool),
+    why: &str,
+) {
     let conn = ctx.conn;
     for (id, handle) in dropped {
-        handle.abort_at_drain_deadline();
+        if deadline {
+            handle.abort_at_drain_deadline();
+        } else {
+            handle.abort();
+        }
         // A stream is stopped before its answer is queued: its task, perhaps in a poll on
         // another thread, queues no item after the end, nor does a handler reading its request
         // stream in a task of its own grant credit after it.

@@ -226,6 +226,13 @@ impl StreamSlot {
         }
     }
 
+    /// Whether the stream owes its client nothing but its answer: a client stream (it answers
+    /// once) whose request stream has ended, which can finish without the client's side of
+    /// the connection, as a unary call does.
+    pub(super) fn owes_only_its_end(&self) -> bool {
+        self.inbound_window > 0 && !self.answers_items && self.inbound().ended
+    }
+
     /// The stream answers with items (bidirectional): once its caller's failure reached the
     /// handler, it ends as soon as the handler has nothing more ready.
     pub(super) fn answering_items(mut self) -> Self {

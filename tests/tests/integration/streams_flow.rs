@@ -212,9 +212,13 @@ async fn a_client_stream_that_fails_ends_with_its_status_whatever_the_handler_an
 pub trait Gate {
     /// Reads the caller's items to their end, says so, then never answers.
     async fn read_then_hold(&self, items: RpcStream<u32>) -> Result<u32, RpcError>;
+    /// Sums the caller's items to their end, says so, then answers the sum once released.
+    async fn sum_when_released(&self, items: RpcStream<u32>) -> Result<u32, RpcError>;
 }
 
-struct Gated(Arc<tokio::sync::Notify>);
+/// Told when a handler has read its request stream's end (`.0`); releases it (`.1`).
+#[derive(Clone, Default)]
+struct Gated(Arc<tokio::sync::Notify>, Arc<tokio::sync::Notify>);
 
 impl Gate for Gated {
     async fn read_then_hold(&self, mut items: RpcStream<u32>) -> Result<u32, RpcError> {
@@ -222,6 +226,51 @@ impl Gate for Gated {
         self.0.notify_one();
         std::future::pending().await
     }
+
+    async fn sum_when_released(&self, mut items: RpcStream<u32>) -> Result<u32, RpcError> {
+        let mut sum = 0;
+        while let Some(n) = futures_util::StreamExt::next(&mut items).await {
+            sum += n?;
+        }
+        self.0.notify_one();
+        self.1.notified().await;
+        Ok(sum)
+    }
+}
+
+/// A client stream whose request stream ended (its items and end sent) is answered after the
+/// client closes its sending side, as a unary call is: it owes the client nothing but its
+/// answer. Before, the half-close ended it at once, 520 "it may have partly run", though it
+/// had all its input.
+#[tokio::test]
+async fn a_client_stream_whose_request_ended_is_answered_after_the_clients_half_close() {
+    let gated = Gated::default();
+    let server = Server::builder()
+        .add_service(GateServer::new(gated.clone()))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let (mut raw, _) = raw_client_with_window(&server, 8).await;
+    raw.open_client_stream(1, "t.Gate.sum_when_released").await;
+    for n in [1u32, 2, 3] {
+        raw.send_item(1, Codec::MsgPack.encode(&n).expect("encode"), 0)
+            .await;
+    }
+    raw.end_stream(1, 200, "").await;
+    within("the handler reads the end", gated.0.notified()).await;
+    raw.half_close().await;
+    // The server read the half-close: it pings a client whose calls run.
+    match raw.recv().await {
+        Some(Kind::Ping(_)) => {}
+        other => panic!("expected the half-close's ping, got {other:?}"),
+    }
+    gated.1.notify_one();
+    let end = raw.recv_end().await;
+    assert_eq!((end.message_id, end.status_code), (1, 200), "{end:?}");
+    let sum: u32 = Codec::MsgPack.decode(&end.result).expect("a sum");
+    assert_eq!(sum, 6);
+    drop(raw);
+    within("shutdown", server.shutdown()).await;
 }
 
 /// Nothing of a client's request stream may follow its end: an item sent after it ends the
@@ -231,7 +280,7 @@ impl Gate for Gated {
 async fn an_item_after_the_request_streams_end_ends_the_stream_with_500() {
     let read_end = Arc::new(tokio::sync::Notify::new());
     let server = Server::builder()
-        .add_service(GateServer::new(Gated(read_end.clone())))
+        .add_service(GateServer::new(Gated(read_end.clone(), Default::default())))
         .serve("127.0.0.1:0")
         .await
         .expect("serve");
