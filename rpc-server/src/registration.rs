@@ -10,6 +10,11 @@
 //! newer publication is left to it: should that publication fail to register, it removes the
 //! id itself once no publication of the process holds it ([`Ticket::release_unregistered`]).
 //!
+//! The check and the registry's answer are apart by an `.await` (a registry removes or
+//! publishes over the network): a publication registering meanwhile would be removed by the
+//! removal decided before it. So the publication of an id and its removal take turns: each
+//! holds the id's [`IdLock`] from its check to the registry's answer.
+//!
 //! Registries are told apart by [`Registry::state_id`]: clones of one registry are one, two
 //! `InProcessRegistry`s are two, and so are two `EtcdRegistry` objects on one cluster (each
 //! removes only the registrations it made). This covers servers of one process. Two processes publishing one
@@ -46,22 +51,56 @@ fn key(registry: &Arc<dyn Registry>, id: &str) -> Key {
     (registry.state_id(), id.to_string())
 }
 
+/// The turns of the publications and removals of one id in one registry (see the module's
+/// documentation): held from a publication's ticket to its registry's answer, and from a
+/// removal's check to its registry's answer.
+pub(crate) type IdLock = Arc<tokio::sync::Mutex<()>>;
+
+/// The lock of instance `id` in `registry`: one per id while a publication or a removal
+/// holds it.
+pub(crate) fn id_lock(registry: &Arc<dyn Registry>, id: &str) -> IdLock {
+    static LOCKS: OnceLock<Mutex<HashMap<Key, std::sync::Weak<tokio::sync::Mutex<()>>>>> =
+        OnceLock::new();
+    let mut locks = LOCKS
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    let key = key(registry, id);
+    if let Some(lock) = locks.get(&key).and_then(std::sync::Weak::upgrade) {
+        return lock;
+    }
+    // (The ids no one holds any more go as a new one comes.)
+    locks.retain(|_, lock| lock.strong_count() > 0);
+    let lock = IdLock::default();
+    locks.insert(key, Arc::downgrade(&lock));
+    lock
+}
+
 /// One publication of an instance id in a registry by this process.
 #[derive(Debug)]
 pub(crate) struct Ticket {
     key: Key,
     n: u64,
+    /// The id's turns, for its removal.
+    lock: IdLock,
 }
 
 impl Ticket {
-    /// Taken before the instance `id` is registered in `registry`: from now on it is the
-    /// latest, so an older server's late deregistration leaves the id alone.
-    pub(crate) fn take(registry: &Arc<dyn Registry>, id: &str) -> Ticket {
+    /// Taken before the instance `id` is registered in `registry` (with its `lock` held until
+    /// the registry answers): from now on it is the latest, so an older server's late
+    /// deregistration leaves the id alone.
+    pub(crate) fn take(registry: &Arc<dyn Registry>, id: &str, lock: IdLock) -> Ticket {
         static NEXT: AtomicU64 = AtomicU64::new(1);
         let n = NEXT.fetch_add(1, Ordering::Relaxed);
         let key = key(registry, id);
         holders().entry(key.clone()).or_default().live.push(n);
-        Ticket { key, n }
+        Ticket { key, n, lock }
+    }
+
+    /// Waits for the id's turn: held from the check whether to remove the id to the
+    /// registry's answer, no publication of the id goes on meanwhile.
+    pub(crate) async fn turn(&self) -> tokio::sync::OwnedMutexGuard<()> {
+        self.lock.clone().lock_owned().await
     }
 
     /// Whether to deregister: no later publication of the id took its place. When one did, the
@@ -141,6 +180,11 @@ enum Removal {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A ticket of `id` in `r`, with the id's lock.
+    fn take(r: &Arc<dyn Registry>, id: &str) -> Ticket {
+        Ticket::take(r, id, id_lock(r, id))
+    }
     use rpc_registry::InProcessRegistry;
 
     fn registry() -> Arc<dyn Registry> {
@@ -150,21 +194,21 @@ mod tests {
     #[test]
     fn only_the_latest_publication_of_an_id_deregisters_it() {
         let r = registry();
-        let old = Ticket::take(&r, "shard-1");
-        let new = Ticket::take(&r, "shard-1");
+        let old = take(&r, "shard-1");
+        let new = take(&r, "shard-1");
         assert!(!old.should_deregister(), "a newer server holds the id");
         old.release();
         assert!(new.should_deregister(), "the older one's release leaves it");
         new.release();
-        let other = Ticket::take(&r, "shard-2");
+        let other = take(&r, "shard-2");
         assert!(other.should_deregister());
     }
 
     #[test]
     fn an_id_in_another_registry_is_another_publication() {
         let (r1, r2) = (registry(), registry());
-        let a = Ticket::take(&r1, "node-1");
-        let b = Ticket::take(&r2, "node-1");
+        let a = take(&r1, "node-1");
+        let b = take(&r2, "node-1");
         assert!(a.should_deregister(), "b is in another registry");
         assert!(b.should_deregister());
     }
@@ -208,8 +252,8 @@ mod tests {
             }
         }
         let (a, b): (Arc<dyn Registry>, Arc<dyn Registry>) = (Arc::new(Plain), Arc::new(Plain));
-        let old = Ticket::take(&a, "plain-1");
-        let _new = Ticket::take(&b, "plain-1");
+        let old = take(&a, "plain-1");
+        let _new = take(&b, "plain-1");
         assert!(!old.should_deregister(), "the newer server holds the id");
     }
 
@@ -217,16 +261,16 @@ mod tests {
     #[test]
     fn a_dropped_ticket_holds_the_id_no_more() {
         let r = registry();
-        drop(Ticket::take(&r, "shard-3"));
-        let given_up = Ticket::take(&r, "shard-3");
+        drop(take(&r, "shard-3"));
+        let given_up = take(&r, "shard-3");
         assert!(given_up.release_given_up(), "nobody else holds it");
     }
 
     #[test]
     fn a_failed_registration_removes_what_an_older_publication_left_to_it() {
         let r = registry();
-        let old = Ticket::take(&r, "shard-1");
-        let new = Ticket::take(&r, "shard-1");
+        let old = take(&r, "shard-1");
+        let new = take(&r, "shard-1");
         assert!(!old.should_deregister());
         old.release();
         assert!(
@@ -234,25 +278,25 @@ mod tests {
             "the old registration is nobody's now"
         );
         // With the older publication still serving, its registration stays.
-        let old = Ticket::take(&r, "shard-1");
-        let new = Ticket::take(&r, "shard-1");
+        let old = take(&r, "shard-1");
+        let new = take(&r, "shard-1");
         assert!(!new.release_unregistered());
         assert!(old.should_deregister(), "the older one is the latest again");
         // Nothing left to it: a failed registration removes nothing.
         old.release();
-        let alone = Ticket::take(&r, "shard-1");
+        let alone = take(&r, "shard-1");
         assert!(!alone.release_unregistered());
     }
 
     #[test]
     fn a_given_up_registration_is_removed_unless_another_publication_holds_the_id() {
         let r = registry();
-        let serving = Ticket::take(&r, "shard-1");
-        let given_up = Ticket::take(&r, "shard-1");
+        let serving = take(&r, "shard-1");
+        let given_up = take(&r, "shard-1");
         assert!(!given_up.release_given_up());
         assert!(serving.should_deregister());
         serving.release();
-        let given_up = Ticket::take(&r, "shard-1");
+        let given_up = take(&r, "shard-1");
         assert!(given_up.release_given_up());
     }
 }

@@ -738,7 +738,15 @@ impl ServerBuilder {
         if let Some(registry) = &self.registry {
             // Taken before the registration: from its first write on, no older server of this
             // process that is stopping removes the id (see `crate::registration`).
-            let publication = Arc::new(crate::registration::Ticket::take(registry, &instance.id));
+            // The id's turn, until the registry answers: a removal of the id decided before
+            // (an older server of this process stopping) lands first.
+            let lock = crate::registration::id_lock(registry, &instance.id);
+            let _turn = lock.clone().lock_owned().await;
+            let publication = Arc::new(crate::registration::Ticket::take(
+                registry,
+                &instance.id,
+                lock,
+            ));
             // Given up while it registers (a timeout around a slow registry), the registry
             // may have taken the instance all the same: it is removed again.
             let unpublish_if_given_up = Unpublish {
@@ -849,6 +857,7 @@ fn spawn_deregister(
     how: Release,
 ) {
     runtime.spawn(async move {
+        let _turn = ticket.turn().await;
         let (remove, why) = match how {
             Release::GivenUp => (ticket.release_given_up(), "given up while it registered"),
             Release::Unregistered => (ticket.release_unregistered(), "left to it"),
@@ -1016,6 +1025,10 @@ impl ServerHandle {
         // timeout around it) leaves the handle's drop to try again.
         if let Some(registry) = self.registry.clone() {
             let mut still_published = false;
+            let _turn = match &self.ticket {
+                Some(t) => Some(t.turn().await),
+                None => None,
+            };
             if self.ticket.as_ref().is_none_or(|t| t.should_deregister()) {
                 if let Err(e) = registry.deregister(&self.instance_id).await {
                     tracing::warn!(error = %e, "could not deregister before shutdown");
@@ -1111,6 +1124,10 @@ impl Drop for ServerHandle {
             runtime.spawn(async move {
                 // Not when a later server of this process published the same id meanwhile.
                 let mut still_published = false;
+                let _turn = match &ticket {
+                    Some(t) => Some(t.turn().await),
+                    None => None,
+                };
                 if ticket.as_ref().is_none_or(|t| t.should_deregister()) {
                     if let Err(e) = registry.deregister(&id).await {
                         tracing::warn!(error = %e, "could not deregister the dropped server");

@@ -44,6 +44,9 @@ pub struct TestRegistry {
     pub deregistered: Arc<tokio::sync::Notify>,
     /// Registrations begun so far.
     registrations: Arc<std::sync::atomic::AtomicUsize>,
+    /// When set, `deregister` waits to be told before it removes the id (a registry answering
+    /// over the network).
+    pub deregister_gate: Arc<Mutex<Option<Arc<tokio::sync::Notify>>>>,
 }
 
 impl TestRegistry {
@@ -56,6 +59,7 @@ impl TestRegistry {
             deregister_fails: Arc::default(),
             deregistered: Arc::default(),
             registrations: Arc::default(),
+            deregister_gate: Arc::default(),
         }
     }
 
@@ -95,6 +99,14 @@ impl Registry for TestRegistry {
         {
             return Box::pin(async {
                 Err(RegistryError::Unavailable("scripted: unreachable".into()))
+            });
+        }
+        if let Some(gate) = self.deregister_gate.lock().unwrap().clone() {
+            let published = self.published.clone();
+            return Box::pin(async move {
+                gate.notified().await;
+                published.lock().unwrap().retain(|i| i != id);
+                Ok(())
             });
         }
         self.published.lock().unwrap().retain(|i| i != id);

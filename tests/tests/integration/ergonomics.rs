@@ -36,6 +36,48 @@ fn stalled() -> common::registry::TestRegistry {
     )
 }
 
+/// A server shutting down whose registry takes its time to remove it (it answers over the
+/// network) does not unpublish a server of this process that publishes the same id meanwhile
+/// (a shard restarted under its stable id): the removal and the publication take turns. Before,
+/// the removal decided first landed after the new registration, and unpublished it for good.
+#[tokio::test]
+async fn a_slow_deregistration_does_not_unpublish_a_newer_server_with_its_id() {
+    let registry = common::registry::TestRegistry::new(
+        common::registry::Register::Answers,
+        common::registry::Watch::Unavailable,
+    );
+    let gate = Arc::new(tokio::sync::Notify::new());
+    *registry.deregister_gate.lock().unwrap() = Some(gate.clone());
+    let serve = || {
+        Server::builder()
+            .registry(registry.clone())
+            .instance_id("shard-1")
+            .add_service(EchoServer::new(Plain))
+            .serve("127.0.0.1:0")
+    };
+    let old = within("the old server", serve()).await.expect("serve");
+    let stopping = tokio::spawn(old.shutdown());
+    within("the removal begins", registry.deregistered.notified()).await;
+    let new = tokio::spawn(serve());
+    // The new server goes as far as it can while the removal waits on its registry.
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    gate.notify_one();
+    let new = within("the new server", new)
+        .await
+        .expect("join")
+        .expect("serve");
+    within("the old server stops", stopping)
+        .await
+        .expect("join");
+    let published = registry.published.lock().unwrap().clone();
+    assert_eq!(published, ["shard-1"], "the new server is published");
+    *registry.deregister_gate.lock().unwrap() = None;
+    within("shutdown", new.shutdown()).await;
+    assert!(registry.published.lock().unwrap().is_empty());
+}
+
 /// A `serve` given up while it registered removes its id later, in a task of its own; a
 /// `serve` under the same id that registered meanwhile (the caller trying again at once) keeps
 /// it. Before, the given-up `serve` let go of the id as it was dropped, and its late removal
