@@ -982,24 +982,45 @@ mod tests {
         assert_eq!(weight_of(&instance("c:1", Some("2.5"))), 2.5);
     }
 
+    /// Outlier ejection by success rate, judging endpoints of 20 calls or more.
+    fn by_success_rate() -> GovernanceOptions {
+        GovernanceOptions {
+            outlier_success_rate: true,
+            outlier_request_volume: 20,
+            ..GovernanceOptions::default()
+        }
+    }
+
+    /// 40 calls to each of `addrs` in turn, call `n` to `a` succeeding when `ok(a, n)`, none
+    /// ending an interval.
+    fn forty_calls_each(
+        s: &ServiceState,
+        addrs: &[&str],
+        ok: impl Fn(&str, u32) -> bool,
+        health: &EndpointHealth,
+    ) {
+        let o = by_success_rate();
+        for n in 0..40 {
+            for a in addrs {
+                assert!(s.record_outcome(a, ok(a, n), &o, health).is_empty());
+            }
+        }
+    }
+
     #[tokio::test(start_paused = true)]
     async fn an_endpoint_failing_one_call_in_four_is_ejected_by_success_rate() {
         let addrs = ["a:1", "b:1", "c:1", "d:1", "e:1"];
         let (s, _tx) = state(addrs.iter().map(|a| instance(a, None)).collect());
         let health = EndpointHealth::new(Duration::from_secs(60));
-        let o = GovernanceOptions {
-            outlier_success_rate: true,
-            outlier_request_volume: 20,
-            ..GovernanceOptions::default()
-        };
-        // 40 calls each; e fails every fourth, never three in a row, so consecutive-failure
-        // marks never catch it.
-        for n in 0..40 {
-            for a in addrs {
-                let ok = a != "e:1" || n % 4 != 0;
-                assert!(s.record_outcome(a, ok, &o, &health).is_empty());
-            }
-        }
+        let o = by_success_rate();
+        // e fails every fourth, never three in a row, so consecutive-failure marks never
+        // catch it.
+        forty_calls_each(
+            &s,
+            &addrs,
+            |a, n| a != "e:1" || !n.is_multiple_of(4),
+            &health,
+        );
         assert!(health.is_usable("e:1"));
         // Off, nothing is counted or judged.
         let off = GovernanceOptions::default();
@@ -1028,22 +1049,14 @@ mod tests {
         let addrs = ["a:1", "b:1", "c:1", "d:1", "e:1", "f:1"];
         let (s, tx) = state(addrs.iter().map(|a| instance(a, None)).collect());
         let health = EndpointHealth::new(Duration::from_secs(60));
-        let o = GovernanceOptions {
-            outlier_success_rate: true,
-            outlier_request_volume: 20,
-            ..GovernanceOptions::default()
+        let o = by_success_rate();
+        // e fails one in two, f three in four.
+        let ok = |a: &str, n: u32| match a {
+            "e:1" => n.is_multiple_of(2),
+            "f:1" => n.is_multiple_of(4),
+            _ => true,
         };
-        // 40 calls each: e fails one in two, f three in four.
-        for n in 0..40 {
-            for a in addrs {
-                let ok = match a {
-                    "e:1" => n % 2 == 0,
-                    "f:1" => n % 4 == 0,
-                    _ => true,
-                };
-                assert!(s.record_outcome(a, ok, &o, &health).is_empty());
-            }
-        }
+        forty_calls_each(&s, &addrs, ok, &health);
         // f leaves; a call still out on it ends after.
         let listed: Vec<_> = addrs[..5].iter().map(|a| instance(a, None)).collect();
         tx.send(Endpoints::new(listed)).expect("the watch");

@@ -1333,6 +1333,23 @@ mod tests {
         drop(again);
     }
 
+    /// The task of stream 7, registered in `table`, whose producer, once the stream is
+    /// accepted, makes `item()`s without end for a client buffering `window` items; its frames
+    /// go to `sender`, which holds at most `max_unsent` bytes, and its waits on the client end
+    /// at `stall`.
+    fn endless(
+        item: impl FnMut() -> Bytes + Send + 'static,
+        window: u32,
+        table: &Arc<StreamTable>,
+        (sender, max_unsent, stall): (FrameSender, usize, Option<Duration>),
+    ) -> StreamDriver {
+        let events = stream::iter(std::iter::once(StreamEvent::Accepted))
+            .chain(stream::repeat_with(item).map(StreamEvent::Item))
+            .boxed();
+        let out = (sender, max_unsent, stall);
+        StreamDriver::new(7, events, (window, 0, false), None, table, out)
+    }
+
     /// A client announcing a vast window that reads nothing: the producer stops once the
     /// connection's send queue is over its limit, not at the window, and goes on once the
     /// peer reads again.
@@ -1344,21 +1361,13 @@ mod tests {
         let (sender, mut theirs) = duplex_writer(4 * ITEM);
         let polled = Arc::new(AtomicUsize::new(0));
         let p = polled.clone();
-        let events = stream::iter(std::iter::once(StreamEvent::Accepted))
-            .chain(stream::repeat_with(move || {
-                p.fetch_add(1, Ordering::Relaxed);
-                StreamEvent::Item(Bytes::from(vec![1u8; ITEM]))
-            }))
-            .boxed();
+        let item = move || {
+            p.fetch_add(1, Ordering::Relaxed);
+            Bytes::from(vec![1u8; ITEM])
+        };
         let table = Arc::new(StreamTable::default());
-        let mut driver = Box::pin(StreamDriver::new(
-            7,
-            events,
-            (u32::MAX, 0, false),
-            None,
-            &table,
-            (sender, MAX_UNSENT, None),
-        ));
+        let driver = endless(item, u32::MAX, &table, (sender, MAX_UNSENT, None));
+        let mut driver = Box::pin(driver);
         // The writer task does not run between these polls: nothing leaves the queue.
         let mut cx = Context::from_waker(std::task::Waker::noop());
         for _ in 0..50 {
@@ -1470,6 +1479,32 @@ mod tests {
         }
     }
 
+    /// Reads a KiB of `theirs` every 100 ms of the paused clock for 3 s (ten times a stall
+    /// `limit` of 300 ms), checking `during` and that `driver` goes on meanwhile; then reads
+    /// nothing more: the stream's end (519), which must come within twice the limit.
+    async fn read_slowly_then_not(
+        theirs: &mut tokio::io::DuplexStream,
+        driver: &mut tokio::task::JoinHandle<RemoteResultMessage>,
+        limit: Duration,
+        during: impl Fn(),
+    ) -> RemoteResultMessage {
+        use tokio::io::AsyncReadExt;
+        let mut buf = [0u8; 1024];
+        for _ in 0..30 {
+            tokio::time::advance(Duration::from_millis(100)).await;
+            let n = theirs.read(&mut buf).await.expect("the pipe is open");
+            assert!(n > 0, "the writer writes");
+            during();
+            assert!(!driver.is_finished(), "ended while the client read");
+        }
+        let end = tokio::time::timeout(2 * limit, driver)
+            .await
+            .expect("a client reading nothing is stalled")
+            .expect("the driver");
+        assert_eq!(end.status_code, 519, "{end:?}");
+        end
+    }
+
     /// A client reading slowly, a KiB every 100 ms, is not taken for stalled while its stream
     /// waits for room, though one batch of items takes far longer than the 300 ms stall limit
     /// to write: each part the client takes is progress. Before, only a completed write was,
@@ -1477,7 +1512,6 @@ mod tests {
     /// that then reads nothing is: the stream ends at the limit. (On the paused clock.)
     #[tokio::test(start_paused = true)]
     async fn a_client_reading_slowly_is_not_taken_for_stalled_while_its_stream_waits_for_room() {
-        use tokio::io::AsyncReadExt;
         const LIMIT: Duration = Duration::from_millis(300);
         let (sender, mut theirs) = duplex_writer(1024);
         let events: Pin<Box<dyn StreamEvents>> = Box::pin(UntilDeadline {
@@ -1493,19 +1527,7 @@ mod tests {
             (sender, 16 * 1024, Some(LIMIT)),
         );
         let mut driver = tokio::spawn(driver);
-        // 3 s of the paused clock, ten times the limit: 30 KiB taken, a KiB at a time.
-        let mut buf = [0u8; 1024];
-        for _ in 0..30 {
-            tokio::time::advance(Duration::from_millis(100)).await;
-            let n = theirs.read(&mut buf).await.expect("the pipe is open");
-            assert!(n > 0, "the writer writes");
-            assert!(!driver.is_finished(), "ended while the client read");
-        }
-        let end = tokio::time::timeout(2 * LIMIT, &mut driver)
-            .await
-            .expect("a client reading nothing is stalled")
-            .expect("the driver");
-        assert_eq!(end.status_code, 519, "{end:?}");
+        let end = read_slowly_then_not(&mut theirs, &mut driver, LIMIT, || {}).await;
         assert!(end.exception_message.contains("read nothing"), "{end:?}");
     }
 
@@ -1517,45 +1539,24 @@ mod tests {
     /// (On the paused clock.)
     #[tokio::test(start_paused = true)]
     async fn a_stream_waiting_for_credit_the_server_does_not_read_is_not_taken_for_stalled() {
-        use tokio::io::AsyncReadExt;
         const LIMIT: Duration = Duration::from_millis(300);
         const MAX_UNSENT: usize = 16 * 1024;
         let (sender, mut theirs) = duplex_writer(1024);
-        let events = stream::iter(std::iter::once(StreamEvent::Accepted))
-            .chain(stream::repeat_with(|| {
-                StreamEvent::Item(Bytes::from_static(b"item"))
-            }))
-            .boxed();
+        let item = || Bytes::from_static(b"item");
         let table = Arc::new(StreamTable::default());
-        let driver = StreamDriver::new(
-            7,
-            events,
-            (1, 0, false),
-            None,
-            &table,
-            (sender.clone(), MAX_UNSENT, Some(LIMIT)),
-        );
+        let driver = endless(item, 1, &table, (sender.clone(), MAX_UNSENT, Some(LIMIT)));
         let mut driver = tokio::spawn(driver);
         // The stream's one item of credit is used; then another's large frame is queued.
         tokio::task::yield_now().await;
         assert!(!driver.is_finished());
         assert!(sender.send_encoded(Bytes::from(vec![0u8; 4 * MAX_UNSENT])));
-        let mut buf = [0u8; 1024];
-        for _ in 0..30 {
-            tokio::time::advance(Duration::from_millis(100)).await;
-            let n = theirs.read(&mut buf).await.expect("the pipe is open");
-            assert!(n > 0, "the writer writes");
+        let over = || {
             assert!(
                 sender.backlog().bytes() > MAX_UNSENT,
                 "still over the limit"
             );
-            assert!(!driver.is_finished(), "ended while the client read");
-        }
-        let end = tokio::time::timeout(2 * LIMIT, &mut driver)
-            .await
-            .expect("a client reading nothing is stalled")
-            .expect("the driver");
-        assert_eq!(end.status_code, 519, "{end:?}");
+        };
+        let end = read_slowly_then_not(&mut theirs, &mut driver, LIMIT, over).await;
         assert!(
             end.exception_message.contains("granted no credit"),
             "{end:?}"
@@ -1569,20 +1570,10 @@ mod tests {
     #[tokio::test]
     async fn a_stream_the_connection_stopped_queues_none_of_its_items_after() {
         let (sender, _theirs) = duplex_writer(1 << 20);
-        let events = stream::iter(std::iter::once(StreamEvent::Accepted))
-            .chain(stream::repeat_with(|| {
-                StreamEvent::Item(Bytes::from_static(b"item"))
-            }))
-            .boxed();
+        let item = || Bytes::from_static(b"item");
         let table = Arc::new(StreamTable::default());
-        let mut driver = Box::pin(StreamDriver::new(
-            7,
-            events,
-            (u32::MAX, 0, false),
-            None,
-            &table,
-            (sender.clone(), 1 << 20, None),
-        ));
+        let driver = endless(item, u32::MAX, &table, (sender.clone(), 1 << 20, None));
+        let mut driver = Box::pin(driver);
         // The writer task does not run between these polls: the queue only grows.
         let mut cx = Context::from_waker(std::task::Waker::noop());
         assert!(driver.as_mut().poll(&mut cx).is_pending());
@@ -1601,21 +1592,13 @@ mod tests {
         let (sender, _theirs) = duplex_writer(1 << 20);
         let polled = Arc::new(AtomicUsize::new(0));
         let p = polled.clone();
-        let events = stream::iter(std::iter::once(StreamEvent::Accepted))
-            .chain(stream::repeat_with(move || {
-                p.fetch_add(1, Ordering::Relaxed);
-                StreamEvent::Item(Bytes::from_static(b"x"))
-            }))
-            .boxed();
+        let item = move || {
+            p.fetch_add(1, Ordering::Relaxed);
+            Bytes::from_static(b"x")
+        };
         let table = Arc::new(StreamTable::default());
-        let mut driver = Box::pin(StreamDriver::new(
-            7,
-            events,
-            (5, 0, false),
-            None,
-            &table,
-            (sender, usize::MAX, None),
-        ));
+        let driver = endless(item, 5, &table, (sender, usize::MAX, None));
+        let mut driver = Box::pin(driver);
         let mut cx = Context::from_waker(std::task::Waker::noop());
         assert!(driver.as_mut().poll(&mut cx).is_pending());
         assert_eq!(polled.load(Ordering::Relaxed), 5, "the window");

@@ -48,13 +48,7 @@ async fn a_slow_deregistration_does_not_unpublish_a_newer_server_with_its_id() {
     );
     let gate = Arc::new(tokio::sync::Notify::new());
     *registry.deregister_gate.lock().unwrap() = Some(gate.clone());
-    let serve = || {
-        Server::builder()
-            .registry(registry.clone())
-            .instance_id("shard-1")
-            .add_service(EchoServer::new(Plain))
-            .serve("127.0.0.1:0")
-    };
+    let serve = || shard_1(&registry);
     let old = within("the old server", serve()).await.expect("serve");
     let stopping = tokio::spawn(old.shutdown());
     within("the removal begins", registry.deregistered.notified()).await;
@@ -90,13 +84,7 @@ async fn a_serve_given_up_while_it_registers_leaves_its_retry_published() {
         common::registry::Watch::Unavailable,
     )
     .telling(began);
-    let serve = || {
-        Server::builder()
-            .registry(registry.clone())
-            .instance_id("shard-1")
-            .add_service(EchoServer::new(Plain))
-            .serve("127.0.0.1:0")
-    };
+    let serve = || shard_1(&registry);
     tokio::select! {
         r = serve() => panic!("served without registering: {:?}", r.map(|_| ())),
         _ = registering => {}
@@ -698,14 +686,7 @@ async fn draining_with_a_held_call() -> (
     let hold = HoldClient::new(untimed(&client));
     let call = tokio::spawn(async move { hold.hold(7).await });
     assert_eq!(server.line(), "held");
-    let pid = server.child.id().to_string();
-    let kill = move |signal: &str| {
-        let status = Command::new("kill")
-            .args([signal, &pid])
-            .status()
-            .expect("run kill");
-        assert!(status.success());
-    };
+    let kill = signaller(&server);
     kill("-TERM");
     // Draining: a new connection is refused, the held call still runs.
     within("the drain starts", async {
@@ -721,6 +702,36 @@ async fn draining_with_a_held_call() -> (
     (server, call, kill)
 }
 
+/// What sends a signal (`-TERM`, `-KILL`, ...) to `server`'s process.
+fn signaller(server: &SignalServer) -> impl Fn(&str) {
+    let pid = server.child.id().to_string();
+    move |signal: &str| {
+        let status = Command::new("kill")
+            .args([signal, &pid])
+            .status()
+            .expect("run kill");
+        assert!(status.success());
+    }
+}
+
+/// Kills `server` (SIGKILL) with `call` held in it: the call's error.
+async fn killed_holding<T: std::fmt::Debug>(
+    server: &mut SignalServer,
+    kill: impl Fn(&str),
+    call: tokio::task::JoinHandle<Result<T, RpcError>>,
+) -> RpcError {
+    kill("-KILL");
+    // Held open until the call's end (see `a_second_signal_during_the_drain_stops_at_once`).
+    let stdin = server.child.stdin.take();
+    let _ = server.child.wait();
+    let e = within("the held call", call)
+        .await
+        .unwrap()
+        .expect_err("dropped with the process");
+    drop(stdin);
+    e
+}
+
 /// A server killed during its drain (SIGKILL: no destructor runs, the system closes its
 /// sockets) ends its connections with a reset: the held call fails as maybe delivered, and is
 /// not sent again. Before, the system closed the socket in order after the drain's GoAway 200,
@@ -729,14 +740,7 @@ async fn draining_with_a_held_call() -> (
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_killed_during_its_drain_leaves_its_calls_maybe_delivered() {
     let (mut server, call, kill) = draining_with_a_held_call().await;
-    kill("-KILL");
-    let stdin = server.child.stdin.take();
-    let _ = server.child.wait();
-    let e = within("the held call", call)
-        .await
-        .unwrap()
-        .expect_err("dropped with the process");
-    drop(stdin);
+    let e = killed_holding(&mut server, kill, call).await;
     assert!(e.is_maybe_delivered(), "{e}");
     // Ended by the reset, not by an end of stream (which, when the kill came before the
     // drain's GoAway was written, reads as maybe delivered too, and would hide the fault).
@@ -777,14 +781,7 @@ async fn a_server_killed_during_its_drain_over_a_unix_socket_leaves_its_calls_ma
         })
     };
     assert_eq!(server.line(), "held");
-    let pid = server.child.id().to_string();
-    let kill = |signal: &str| {
-        let status = Command::new("kill")
-            .args([signal, &pid])
-            .status()
-            .expect("run kill");
-        assert!(status.success());
-    };
+    let kill = signaller(&server);
     kill("-TERM");
     within("the drain's GoAway", async {
         while !conn.is_draining() {
@@ -792,14 +789,7 @@ async fn a_server_killed_during_its_drain_over_a_unix_socket_leaves_its_calls_ma
         }
     })
     .await;
-    kill("-KILL");
-    let stdin = server.child.stdin.take();
-    let _ = server.child.wait();
-    let e = within("the held call", call)
-        .await
-        .unwrap()
-        .expect_err("dropped with the process");
-    drop(stdin);
+    let e = killed_holding(&mut server, kill, call).await;
     assert!(e.is_maybe_delivered(), "{e}");
 }
 
@@ -828,17 +818,22 @@ async fn a_second_signal_during_the_drain_stops_at_once() {
     assert!(e.is_maybe_delivered(), "{e}");
 }
 
+/// Serves echo as instance `shard-1` of `registry`.
+fn shard_1(
+    registry: &(impl rpc::Registry + Clone),
+) -> impl std::future::Future<Output = std::io::Result<rpc::ServerHandle>> {
+    Server::builder()
+        .registry(registry.clone())
+        .instance_id("shard-1")
+        .add_service(EchoServer::new(Plain))
+        .serve("127.0.0.1:0")
+}
+
 /// A shard restarted under its stable id in `registry`: a server serving as `shard-1`, its
 /// handle dropped, and a new one serving under the id; the old handle's deregistration task
 /// has had its turns on this one-thread runtime when this returns the new one.
 async fn restarted(registry: impl rpc::Registry + Clone) -> rpc::ServerHandle {
-    let serve = || {
-        Server::builder()
-            .registry(registry.clone())
-            .instance_id("shard-1")
-            .add_service(EchoServer::new(Plain))
-            .serve("127.0.0.1:0")
-    };
+    let serve = || shard_1(&registry);
     let old = serve().await.expect("serve the old one");
     drop(old);
     let new = serve().await.expect("serve the new one");
