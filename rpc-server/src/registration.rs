@@ -119,40 +119,35 @@ impl Ticket {
 
     /// The publication ended (deregistered, or its deregistration left to a newer one).
     pub(crate) fn release(&self) {
-        self.remove();
+        self.remove(false);
     }
 
     /// The publication ended without its registration having landed for sure (a `serve`
     /// given up while it registered): whether to deregister the id, which the registry may
     /// have taken, that is whether no other publication of the process holds it now.
     pub(crate) fn release_given_up(&self) -> bool {
-        match self.remove() {
-            Removal::OthersHold => {
-                // The id may hold this publication's registration: should the others end
-                // unregistered, the last of them removes it.
-                if let Some(h) = holders().get_mut(&self.key) {
-                    h.deferred = true;
-                }
-                false
-            }
-            Removal::Last { .. } => true,
-        }
+        // The id may hold this publication's registration: should the others end
+        // unregistered, the last of them removes it.
+        !matches!(self.remove(true), Removal::OthersHold)
     }
 
     /// The registration failed: whether to deregister the id all the same, that is whether an
     /// older publication left its deregistration to this one and none holds the id now.
     pub(crate) fn release_unregistered(&self) -> bool {
-        matches!(self.remove(), Removal::Last { deferred: true })
+        matches!(self.remove(false), Removal::Last { deferred: true })
     }
 
-    /// Takes this publication out (again, harmlessly, after a release).
-    fn remove(&self) -> Removal {
+    /// Takes this publication out (again, harmlessly, after a release); `defer`: when others
+    /// hold the id, its removal is left to the last of them (in the same hold of the lock, so
+    /// that none ends in between unaware of it).
+    fn remove(&self, defer: bool) -> Removal {
         let mut holders = holders();
         let Some(h) = holders.get_mut(&self.key) else {
             return Removal::Last { deferred: false };
         };
         h.live.retain(|&n| n != self.n);
         if !h.live.is_empty() {
+            h.deferred |= defer;
             return Removal::OthersHold;
         }
         let deferred = h.deferred;
@@ -165,7 +160,7 @@ impl Drop for Ticket {
     /// A publication whose server is gone without releasing it (aborted, or its drop's task
     /// never ran on a runtime shutting down) holds the id no more.
     fn drop(&mut self) {
-        self.remove();
+        self.remove(false);
     }
 }
 
@@ -298,5 +293,16 @@ mod tests {
         serving.release();
         let given_up = take(&r, "shard-1");
         assert!(given_up.release_given_up());
+    }
+
+    /// A publication given up while another holds the id (its registration may have landed)
+    /// leaves the id's removal to it: should that one end unregistered, it removes the id.
+    #[test]
+    fn a_publication_given_up_beside_another_leaves_it_the_removal() {
+        let r = registry();
+        let retry = take(&r, "shard-1");
+        let given_up = take(&r, "shard-1");
+        assert!(!given_up.release_given_up());
+        assert!(retry.release_unregistered(), "the id is removed");
     }
 }
