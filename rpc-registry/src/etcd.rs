@@ -32,7 +32,7 @@ use conn::Conn;
 use tasks::{keep_registered, KeepRegistered, Start, WatchTask};
 
 use crate::instance::snapshot;
-use crate::remote::{encode, non_blank, pause, places, shared_watch, Backoff, Watches};
+use crate::remote::{encode, non_blank, pause, places, shared_watch, spawn_here, Backoff, Watches};
 use crate::{Instance, Registry, RegistryError, ServiceWatch};
 
 /// Settings of an [`EtcdRegistry`]. Start from `EtcdOptions::default()` and change what you
@@ -542,15 +542,13 @@ impl Drop for RevokeIfGivenUp {
         let Some(forgotten) = self.0.take() else {
             return;
         };
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => {
-                runtime.spawn(revoke_later(forgotten));
-            }
-            Err(_) => tracing::warn!(
-                instance = %forgotten.instance_id,
+        let instance = forgotten.instance_id.clone();
+        if !spawn_here(revoke_later(forgotten)) {
+            tracing::warn!(
+                %instance,
                 "a deregistration was given up outside a Tokio runtime: the instance's keys \
                  stay until their lease expires"
-            ),
+            );
         }
     }
 }

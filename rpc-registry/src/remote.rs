@@ -263,6 +263,19 @@ impl Signals {
     }
 }
 
+/// Runs `task` in a task of its own on the current Tokio runtime: the work a guard dropped
+/// midway (a registration or deregistration given up) hands on. False outside a runtime, where
+/// nothing can run it: the caller says what is left undone.
+pub(crate) fn spawn_here(task: impl Future<Output = ()> + Send + 'static) -> bool {
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => {
+            runtime.spawn(task);
+            true
+        }
+        Err(_) => false,
+    }
+}
+
 /// Sleeps `d`; false when the registry was dropped meanwhile.
 pub(crate) async fn pause(d: Duration, alive: &mut watch::Receiver<()>) -> bool {
     tokio::select! {

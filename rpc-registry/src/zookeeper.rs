@@ -30,7 +30,7 @@ use conn::Conn;
 use tasks::{keep_registered, KeepRegistered, WatchTask};
 
 use crate::instance::snapshot;
-use crate::remote::{encode, non_blank, pause, places, shared_watch, Backoff, Watches};
+use crate::remote::{encode, non_blank, pause, places, shared_watch, spawn_here, Backoff, Watches};
 use crate::{Instance, Registry, RegistryError, ServiceWatch};
 
 /// Settings of a [`ZooKeeperRegistry`]. Start from `ZooKeeperOptions::default()` and change
@@ -472,15 +472,13 @@ impl Drop for RemoveIfGivenUp {
         let Some(p) = self.0.take() else {
             return;
         };
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => {
-                runtime.spawn(remove_later(p));
-            }
-            Err(_) => tracing::warn!(
-                instance = %p.instance_id,
+        let instance = p.instance_id.clone();
+        if !spawn_here(remove_later(p)) {
+            tracing::warn!(
+                %instance,
                 "a registration or deregistration was given up outside a Tokio runtime: the \
                  instance's nodes stay until the registry's session ends"
-            ),
+            );
         }
     }
 }
