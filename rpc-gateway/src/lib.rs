@@ -70,7 +70,10 @@
 //! next, never half of one. Services that appear later are found by listing the registry again
 //! every [`GatewayBuilder::discovery_interval`] (1 s by default). Stream entries are not served
 //! (an HTTP answer is one JSON value). Every entry's default route is its own: a declared route
-//! cannot take it. When two entries declare the same method and path, or paths that differ only
+//! cannot take it (nor be written as one, `POST /api/shop.Orders/cancel`, which would answer for
+//! that entry while its service is down), and an entry answers at it even when it declares
+//! another route, so that a caller of the default route is not cut off as other services come
+//! and go (the document shows each entry once, at the route it declares). When two entries declare the same method and path, or paths that differ only
 //! in their parameters' names (with any methods: one path has one spelling, as OpenAPI
 //! requires), the first in entry id order keeps it and the other is served at its default
 //! route, with a warning in the log; so is an entry whose declared route has more than 16

@@ -60,6 +60,9 @@ pub(crate) struct RouteTable {
     /// Each template's spelling by its shape (`/orders/{}`), whatever the method: one path is
     /// one template, with one name per parameter (as OpenAPI requires of its paths).
     spellings: BTreeMap<String, String>,
+    /// How many of `served` come first as the entries' own routes; the rest are the default
+    /// routes of entries served at a declared route.
+    documented: usize,
 }
 
 impl RouteTable {
@@ -95,16 +98,24 @@ impl RouteTable {
             })
             .collect();
         let mut routes = Vec::with_capacity(entries.len());
-        for (i, (entry, default)) in entries.iter().zip(defaults).enumerate() {
+        for (i, (entry, default)) in entries.iter().zip(&defaults).enumerate() {
             let declared = route_of(entry);
             if Some(&declared) == default.as_ref() {
-                routes.push(default);
+                routes.push(default.clone());
                 continue;
             }
             let taken_by_it = if crate::route::overlaps_default_routes(&declared) {
                 Err(format!(
                     "{} holds a parameter where default routes hold the service id, and would \
                      answer theirs",
+                    declared.path
+                ))
+            } else if declared.method == Method::POST
+                && rpc_paths::is_default_route_path(&crate::route::normalized_path(&declared.path))
+            {
+                Err(format!(
+                    "{} is the path of another entry's default route, and would answer its \
+                     calls whenever its service has no instance",
                     declared.path
                 ))
             } else if let Some(name) = not_a_param(entry, &declared) {
@@ -136,18 +147,36 @@ impl RouteTable {
                             "the entry is not served: its declared route is not ({why})"
                         ),
                     }
-                    routes.push(default);
+                    routes.push(default.clone());
                 }
             }
         }
         // The table itself: each entry at the route it got (a subset of the routes taken, so
-        // none of them conflicts).
+        // none of them conflicts), then at its default route as well when it got a declared
+        // one: which entry wins a declared route changes as services come and go, and the
+        // default route stays the entry's whatever happens to the others.
         let mut table = RouteTable::default();
-        for (entry, route) in entries.into_iter().zip(routes) {
+        let mut aliases = Vec::new();
+        for ((entry, route), default) in entries.into_iter().zip(routes).zip(defaults) {
             let Some(route) = route else { continue };
             match table.insert(&route, table.served.len()) {
-                Ok(()) => table.served.push(served(entry, route)),
+                Ok(()) => {
+                    if let Some(default) = default.filter(|d| *d != route) {
+                        aliases.push(served(entry.clone(), default));
+                    }
+                    table.served.push(served(entry, route));
+                }
                 Err(why) => tracing::warn!(entry = %entry.id, "the entry is not served: {why}"),
+            }
+        }
+        table.documented = table.served.len();
+        for alias in aliases {
+            match table.insert(&alias.route, table.served.len()) {
+                Ok(()) => table.served.push(alias),
+                Err(why) => tracing::warn!(
+                    entry = %alias.entry.id,
+                    "the entry is not served at its default route: {why}"
+                ),
             }
         }
         table
@@ -188,9 +217,11 @@ impl RouteTable {
         Ok(())
     }
 
-    /// The entries served, in table order.
+    /// The entries served, in table order, each once: at its declared route when it got it,
+    /// else at its default route (an entry served at a declared route answers at its default
+    /// route too, which is not listed here).
     pub(crate) fn served(&self) -> &[Served] {
-        &self.served
+        &self.served[..self.documented]
     }
 
     /// The entry serving `method` at `path` (HEAD falls back to GET).
@@ -458,7 +489,51 @@ mod tests {
         ]);
         serves(&table, Method::GET, "/orders/7", Some("a.A.get"));
         serves(&table, Method::POST, "/api/b.B/get", Some("b.B.get"));
-        serves(&table, Method::POST, "/api/a.A/get", None);
+        // The winner answers at its default route too.
+        serves(&table, Method::POST, "/api/a.A/get", Some("a.A.get"));
+        // Each is documented once, at the route it got.
+        let routes: Vec<(String, String)> = table
+            .served()
+            .iter()
+            .map(|s| (s.entry.id.as_str().to_string(), s.route.path.clone()))
+            .collect();
+        assert_eq!(
+            routes,
+            [
+                ("a.A.get".to_string(), "/orders/{id}".to_string()),
+                ("b.B.get".to_string(), "/api/b.B/get".to_string()),
+            ]
+        );
+    }
+
+    /// Which of two entries declaring one route wins changes as their services come and go;
+    /// the loser's default route, where callers were sent while both ran, stays its own when
+    /// the winner's service is gone and it takes the declared route.
+    #[test]
+    fn an_entry_keeps_its_default_route_when_it_takes_a_declared_one() {
+        let table = RouteTable::build(vec![entry("b.B", "get", Some(("GET", "/orders/{id}")))]);
+        serves(&table, Method::GET, "/orders/7", Some("b.B.get"));
+        serves(&table, Method::POST, "/api/b.B/get", Some("b.B.get"));
+        assert_eq!(table.served().len(), 1);
+    }
+
+    /// A POST route written as another entry's default route would answer that entry's calls
+    /// whenever its service has no instance: the entry is served at its own default route only.
+    #[test]
+    fn a_route_written_as_an_absent_entrys_default_route_is_not_served() {
+        let table = RouteTable::build(vec![entry(
+            "a.Admin",
+            "purge",
+            Some(("POST", "/api/shop.Orders/cancel")),
+        )]);
+        serves(&table, Method::POST, "/api/shop.Orders/cancel", None);
+        serves(
+            &table,
+            Method::POST,
+            "/api/a.Admin/purge",
+            Some("a.Admin.purge"),
+        );
+        assert_eq!(table.served()[0].route.path, "/api/a.Admin/purge");
     }
 
     #[test]

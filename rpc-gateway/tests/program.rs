@@ -98,7 +98,7 @@ async fn start(args: &[&str]) -> (tokio::process::Child, String) {
 /// presents `--server-token` to servers that require a token: a governance rule giving the
 /// echo entry a deadline of 300 ms ends a call to a server that holds each call 2 s with 504
 /// (the call's timeout, 519). Without the rules the call would have been answered (200, its
-/// default deadline being 5 s); without the token, refused (401).
+/// default deadline being 5 s); without the token, refused (403, call status 517).
 #[tokio::test]
 async fn the_program_follows_the_rules_in_etcd_and_presents_the_server_token() {
     let etcd = etcd_harness::Etcd::start().await;

@@ -332,29 +332,40 @@ impl Service {
                 routes.push((m, route));
             }
         }
-        // The gateway serves every method at its default route first (`POST
+        // The gateway serves every method at its default route (`POST
         // /api/<service id>/<method>`), so a route declaring another method's default route
-        // is never served. The service id is known here only when `name = ...` gives it.
-        if let Some(name) = &args.name {
-            let name = name.value();
-            for (m, route) in &routes {
-                let taken = methods.iter().find(|o| {
-                    o.ident != m.ident
-                        && route.method == "POST"
-                        && route.path == format!("/api/{name}/{}", o.name())
-                });
-                if let Some(o) = taken {
-                    errors.add(
-                        route.path_span,
-                        format!(
-                            "this is the default route of `{}` (`POST {}`), which the gateway \
-                             serves it at: give this method another path or method",
-                            o.name(),
-                            route.path
-                        ),
-                    );
-                }
+        // is not served (`rpc_paths::is_default_route_path`). The service id is known here only
+        // when `name = ...` gives it: then the method's own default route is allowed, and
+        // another method's of this service is named.
+        let name = args.name.as_ref().map(syn::LitStr::value);
+        for (m, route) in &routes {
+            if route.method != "POST" || !rpc_paths::is_default_route_path(&route.path) {
+                continue;
             }
+            let default_of = |o: &Method| {
+                name.as_ref()
+                    .is_some_and(|name| route.path == format!("/api/{name}/{}", o.name()))
+            };
+            if default_of(m) {
+                continue;
+            }
+            let message = match methods.iter().find(|o| o.ident != m.ident && default_of(o)) {
+                Some(o) => format!(
+                    "this is the default route of `{}` (`POST {}`), which the gateway serves \
+                     it at: give this method another path or method",
+                    o.name(),
+                    route.path
+                ),
+                None => format!(
+                    "`POST {}` has the shape of a default route (`POST /api/<service id>/<method>`), \
+                     the route of another service's method: served, it would answer that \
+                     method's calls whenever its service is not running, so the gateway does not \
+                     serve it; give this method another path or method (every method is served at \
+                     its own default route without one)",
+                    route.path
+                ),
+            };
+            errors.add(route.path_span, message);
         }
         errors.finish()?;
         Ok(Service {
@@ -1219,6 +1230,44 @@ mod tests {
                 async fn create(&self, n: u8) -> Result<(), E>;
                 #[http(get = "/api/shop.Orders/create")]
                 async fn list(&self) -> Result<(), E>;
+            }
+        })
+        .is_ok());
+    }
+
+    /// A POST route written as a default route (`/api/<service>/<method>`) that is not the
+    /// method's own would answer another service's method whenever that service is not
+    /// running: refused, with or without the service's name.
+    #[test]
+    fn a_route_written_as_another_services_default_route_is_refused() {
+        let trait_tokens = quote! {
+            trait Admin {
+                #[http(post = "/api/shop.Orders/cancel")]
+                async fn purge(&self, id: u64) -> Result<(), E>;
+            }
+        };
+        let unnamed = match service(trait_tokens.clone()) {
+            Ok(_) => panic!("expected an error"),
+            Err(e) => e.to_string(),
+        };
+        let args: ServiceArgs = syn::parse_quote!(name = "a.Admin");
+        let named = match Service::new(args, syn::parse2(trait_tokens).unwrap()) {
+            Ok(_) => panic!("expected an error"),
+            Err(e) => e.to_string(),
+        };
+        for e in [unnamed, named] {
+            assert!(
+                e.contains("`POST /api/shop.Orders/cancel` has the shape of a default route"),
+                "{e}"
+            );
+        }
+        // Another method, or a template, is the route's own.
+        assert!(service(quote! {
+            trait Admin {
+                #[http(put = "/api/shop.Orders/cancel")]
+                async fn purge(&self, id: u64) -> Result<(), E>;
+                #[http(post = "/api/orders/{id}")]
+                async fn get(&self, id: u64) -> Result<(), E>;
             }
         })
         .is_ok());

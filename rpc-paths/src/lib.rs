@@ -58,6 +58,26 @@ pub fn overlaps_default_routes(template: &str) -> bool {
     }
 }
 
+/// Whether `path` (written as the gateway matches it: escapes of text decoded) is the path of
+/// a default route, `/api/<service id>/<method>`, written out with no parameter. A POST route
+/// declared there would answer that entry's calls whenever its service has no instance (a
+/// restart, a deploy), and which entry ran would change with the services running: the gateway
+/// serves an entry declaring such a route at its own default route only, and `#[http]`
+/// refuses it.
+pub fn is_default_route_path(path: &str) -> bool {
+    if path.contains('{') {
+        return false;
+    }
+    let mut segments = match path.strip_prefix("/api/") {
+        Some(rest) => rest.split('/'),
+        None => return false,
+    };
+    matches!(
+        (segments.next(), segments.next(), segments.next()),
+        (Some(service), Some(method), None) if !service.is_empty() && !method.is_empty()
+    )
+}
+
 /// A template with its parameters' names left out (`/orders/{}`, `/files/{}` for a catch-all)
 /// and the hex digits of its escapes in upper case (`%2f` is `%2F` to the gateway): two
 /// templates of one shape match the same paths, so one path has one spelling of its
@@ -95,7 +115,25 @@ pub fn template_shape(template: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{overlaps_default_routes, template_shape};
+    use super::{is_default_route_path, overlaps_default_routes, template_shape};
+
+    /// Paths against `/api/<service>/<method>` with both written out, by hand.
+    #[test]
+    fn a_path_written_as_a_default_route_is_one() {
+        for (path, default) in [
+            ("/api/shop.Orders/cancel", true),
+            ("/api/orders/get", true),
+            ("/api/orders/{id}", false),
+            ("/api/orders", false),
+            ("/api/orders/get/", false),
+            ("/api//get", false),
+            ("/api/orders/", false),
+            ("/v1/orders/get", false),
+            ("/api/a/b/c", false),
+        ] {
+            assert_eq!(is_default_route_path(path), default, "{path}");
+        }
+    }
 
     /// Each template against `/api/<service>/<method>`, worked out by hand from the matcher's
     /// rules (static segments, `{name}` parameters that may be empty within a segment,

@@ -1094,17 +1094,18 @@ async fn of_two_services_declaring_one_route_the_first_keeps_it_and_the_other_it
     let world = World::in_process(None).await;
     // b.Status registers first: the order of service ids decides, not the order of arrival.
     let _b = world.server(BStatusServer::new(Arc::new(Named("b")))).await;
-    let _a = world.server(AStatusServer::new(Arc::new(Named("a")))).await;
+    let a_server = world.server(AStatusServer::new(Arc::new(Named("a")))).await;
     world.serving(&["a.Status.status", "b.Status.status"]).await;
 
     let a = world.send("GET", "/status", &[], None).await;
     assert_eq!((a.status, a.body), (200, json!("a")));
     let b = world.post("/api/b.Status/status", "{}").await;
     assert_eq!((b.status, b.body), (200, json!("b")));
-    let taken = world.post("/api/a.Status/status", "{}").await;
+    let also = world.post("/api/a.Status/status", "{}").await;
     assert_eq!(
-        taken.status, 404,
-        "a.Status is served at its declared route only"
+        (also.status, also.body),
+        (200, json!("a")),
+        "a.Status answers at its default route too"
     );
 
     // The document shows each at the route it is served at.
@@ -1118,4 +1119,23 @@ async fn of_two_services_declaring_one_route_the_first_keeps_it_and_the_other_it
     };
     assert_eq!(declared("a.Status.status").as_deref(), Some("/status"));
     assert_eq!(declared("b.Status.status"), None);
+
+    // a.Status gone, b.Status takes the declared route, and its callers at the route the
+    // document sent them to are still answered.
+    a_server.shutdown().await;
+    let gone = world
+        .gateway
+        .wait_until(LIMIT, |entries| {
+            !entries.iter().any(|e| e.service_id.as_str() == "a.Status")
+        })
+        .await;
+    assert!(gone, "a.Status is still served after its only server stopped");
+    let b = world.send("GET", "/status", &[], None).await;
+    assert_eq!((b.status, b.body), (200, json!("b")));
+    let b = world.post("/api/b.Status/status", "{}").await;
+    assert_eq!(
+        (b.status, b.body),
+        (200, json!("b")),
+        "b.Status still answers at its default route"
+    );
 }
