@@ -333,11 +333,84 @@ fn decode_args(m: &Method) -> TokenStream {
     }
 }
 
-/// A type as the user wrote it, for error messages: `Vec<Point>`, `(u32, String)`.
+/// A type as the user wrote it, for error messages: `Vec<Point>`, `(u32, String)`,
+/// `<A as B>::C`: its tokens with a space between two words and after a comma, none elsewhere
+/// (the compiler's own spacing puts one between every two tokens).
 fn type_name(ty: &syn::Type) -> String {
-    quote!(#ty)
-        .to_string()
-        .replace(' ', "")
-        .replace(',', ", ")
-        .replace("dyn", "dyn ")
+    let mut out = String::new();
+    write_type_tokens(quote!(#ty), &mut out);
+    out
+}
+
+fn write_type_tokens(tokens: TokenStream, out: &mut String) {
+    use proc_macro2::{Delimiter, Spacing, TokenTree};
+    let mut after_word = false;
+    let mut tokens = tokens.into_iter().peekable();
+    while let Some(token) = tokens.next() {
+        match token {
+            TokenTree::Ident(_) | TokenTree::Literal(_) => {
+                if after_word {
+                    out.push(' ');
+                }
+                out.push_str(&token.to_string());
+                after_word = true;
+                continue;
+            }
+            TokenTree::Punct(p) => match p.as_char() {
+                ',' | ';' => {
+                    out.push(p.as_char());
+                    out.push(' ');
+                }
+                '+' => out.push_str(" + "),
+                '-' if p.spacing() == Spacing::Joint
+                    && matches!(tokens.peek(), Some(TokenTree::Punct(q)) if q.as_char() == '>') =>
+                {
+                    tokens.next();
+                    out.push_str(" -> ");
+                }
+                c => out.push(c),
+            },
+            TokenTree::Group(g) => {
+                let (open, close) = match g.delimiter() {
+                    Delimiter::Parenthesis => ("(", ")"),
+                    Delimiter::Bracket => ("[", "]"),
+                    Delimiter::Brace => ("{", "}"),
+                    Delimiter::None => ("", ""),
+                };
+                out.push_str(open);
+                write_type_tokens(g.stream(), out);
+                out.push_str(close);
+            }
+        }
+        after_word = false;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::type_name;
+
+    /// Each type as it is written in Rust's own style, by hand.
+    #[test]
+    fn a_type_s_name_is_written_as_the_user_wrote_it() {
+        for (ty, name) in [
+            (syn::parse_quote!(Vec<Point>), "Vec<Point>"),
+            (syn::parse_quote!((u32, String)), "(u32, String)"),
+            (syn::parse_quote!(dynamo::Key), "dynamo::Key"),
+            (syn::parse_quote!(<A as B>::C), "<A as B>::C"),
+            (syn::parse_quote!(&'a mut str), "&'a mut str"),
+            (syn::parse_quote!([u8; 4]), "[u8; 4]"),
+            (
+                syn::parse_quote!(Box<dyn Fn(u8) -> u8 + Send>),
+                "Box<dyn Fn(u8) -> u8 + Send>",
+            ),
+            (
+                syn::parse_quote!(HashMap<String, Vec<(u8, i64)>>),
+                "HashMap<String, Vec<(u8, i64)>>",
+            ),
+        ] {
+            let ty: syn::Type = ty;
+            assert_eq!(type_name(&ty), name);
+        }
+    }
 }

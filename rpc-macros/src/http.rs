@@ -189,6 +189,13 @@ fn check_path(lit: &LitStr, params: &[String]) -> syn::Result<()> {
             RESERVED.join(", ")
         )));
     }
+    if let Some(at) = path.find("{r#") {
+        let name = path[at + 3..].split('}').next().unwrap_or_default();
+        return Err(err(format!(
+            "write `{{r#{name}}}` as `{{{name}}}`: a route names a parameter as it is published, \
+             without `r#`"
+        )));
+    }
     if let Some(c) = path
         .chars()
         .find(|c| matches!(c, '?' | '#') || c.is_whitespace())
@@ -246,6 +253,13 @@ fn check_path(lit: &LitStr, params: &[String]) -> syn::Result<()> {
                     .to_string(),
             ));
         }
+        if let Some(rest) = name.strip_prefix('*') {
+            return Err(err(format!(
+                "`{{{name}}}`: `#[http]` takes no catch-all parameter; each `{{name}}` fills one \
+                 segment of the path: write `{{{rest}}}`, or pass what may hold `/` in the query \
+                 or the body"
+            )));
+        }
         if !params.iter().any(|p| p == name) {
             let known = if params.is_empty() {
                 "the method has no parameters".to_string()
@@ -282,8 +296,10 @@ fn check_path(lit: &LitStr, params: &[String]) -> syn::Result<()> {
     Ok(())
 }
 
-/// The doc comment among `attrs`: each line trimmed, lines joined with `'\n'`, leading and
-/// trailing blank lines dropped; `None` when there is none (or it is blank).
+/// The doc comment among `attrs` as rustdoc reads it: a block comment's leading `*` on each
+/// line dropped, then the indentation all its lines share (a nested list's or a code block's
+/// own stays), trailing spaces, and leading and trailing blank lines; `None` when there is
+/// none (or it is blank).
 pub fn doc(attrs: &[Attribute]) -> Option<String> {
     let mut lines: Vec<String> = Vec::new();
     for attr in attrs.iter().filter(|a| a.path().is_ident("doc")) {
@@ -292,13 +308,38 @@ pub fn doc(attrs: &[Attribute]) -> Option<String> {
                 lit: Lit::Str(s), ..
             }) = &nv.value
             {
-                lines.extend(s.value().split('\n').map(|l| l.trim().to_string()));
+                let value = s.value();
+                let these: Vec<&str> = value.split('\n').collect();
+                // `/** ... */` over several lines, each written ` * ...`.
+                let starred = these.len() > 1
+                    && these
+                        .iter()
+                        .filter(|l| !l.trim().is_empty())
+                        .all(|l| l.trim_start().starts_with('*'));
+                lines.extend(these.iter().map(|l| {
+                    let l = if starred {
+                        l.trim_start().strip_prefix('*').unwrap_or_default()
+                    } else {
+                        l
+                    };
+                    l.trim_end().to_string()
+                }));
             }
         }
     }
+    let indent = |l: &str| l.bytes().take_while(|b| matches!(b, b' ' | b'\t')).count();
+    let shared = lines
+        .iter()
+        .filter(|l| !l.is_empty())
+        .map(|l| indent(l))
+        .min()?;
     let first = lines.iter().position(|l| !l.is_empty())?;
     let last = lines.iter().rposition(|l| !l.is_empty())?;
-    Some(lines[first..=last].join("\n"))
+    let lines: Vec<&str> = lines[first..=last]
+        .iter()
+        .map(|l| l.get(shared..).unwrap_or_default())
+        .collect();
+    Some(lines.join("\n"))
 }
 
 #[cfg(test)]
@@ -492,11 +533,33 @@ mod tests {
         ];
         assert_eq!(
             doc(&attrs).as_deref(),
-            Some("Reads one order.\n\nUnknown ids answer 404.")
+            Some("Reads one order.\n\n  Unknown ids answer 404.")
         );
         let block: Vec<Attribute> = vec![parse_quote!(#[doc = "\n   First.\n   Second.\n "])];
         assert_eq!(doc(&block).as_deref(), Some("First.\nSecond."));
         assert_eq!(doc(&[]), None);
         assert_eq!(doc(&[parse_quote!(#[doc = "  "])]), None);
+    }
+
+    /// As rustdoc reads them: a block comment's stars are not text, and a nested list's or a
+    /// code block's indentation is kept.
+    #[test]
+    fn doc_comments_keep_their_shape() {
+        let starred: Vec<Attribute> =
+            vec![parse_quote!(#[doc = "\n * Reads one order.\n *\n * Or none.\n "])];
+        assert_eq!(
+            doc(&starred).as_deref(),
+            Some("Reads one order.\n\nOr none.")
+        );
+        let nested: Vec<Attribute> = vec![
+            parse_quote!(#[doc = " - a"]),
+            parse_quote!(#[doc = "   - nested"]),
+            parse_quote!(#[doc = ""]),
+            parse_quote!(#[doc = "     let code = 1;"]),
+        ];
+        assert_eq!(
+            doc(&nested).as_deref(),
+            Some("- a\n  - nested\n\n    let code = 1;")
+        );
     }
 }

@@ -175,8 +175,11 @@ pub const MAX_PARAMS: usize = 16;
 
 /// `HashMap` or `HashSet` when `ty` is one (by its last path segment): a collection whose
 /// encoding follows its iteration order.
+/// (Read through the groups a `macro_rules!` fragment such as `$k:ty` arrives in.)
 fn unordered_collection(ty: &Type) -> Option<&'static str> {
-    let Type::Path(p) = ty else { return None };
+    let Type::Path(p) = ungrouped(ty) else {
+        return None;
+    };
     let last = p.path.segments.last()?;
     ["HashMap", "HashSet"]
         .into_iter()
@@ -255,6 +258,10 @@ impl Service {
                 attr,
                 if is_hash_key(attr) {
                     "`#[hash_key]` goes on one argument of a method"
+                } else if http::is_http(attr) {
+                    "`#[http(...)]` goes on a method of the service, not on the trait: it declares \
+                     that method's route (each method without one is served at `POST \
+                     /api/<service id>/<method>`)"
                 } else {
                     "this attribute goes on a method of the service, not on the trait; settings \
                      for the whole service belong in the config file's `[services.\"<id>\"]` \
@@ -905,6 +912,9 @@ mod tests {
         let result = grouped(syn::parse_quote!(Result<RpcStream<u8>, RpcError>));
         let (ok, _) = result_types(&result).expect("a Result");
         assert!(stream_item(&grouped(ok)).is_some());
+        // A `#[hash_key]` type passed in by a `macro_rules!` (`shards!(HashMap<K, V>)`).
+        let map = grouped(syn::parse_quote!(HashMap<String, String>));
+        assert_eq!(unordered_collection(&map), Some("HashMap"));
     }
 
     #[test]
@@ -1016,7 +1026,7 @@ mod tests {
             .err()
             .map(|e| e.to_string())
             .unwrap_or_default();
-        assert!(e.contains("cannot hold '#'"), "{e}");
+        assert!(e.contains("write `{r#type}` as `{type}`"), "{e}");
         let s = orders("/orders/by-type/{type}").unwrap_or_else(|e| panic!("{e}"));
         let routes: Vec<_> = s
             .methods
@@ -1034,7 +1044,7 @@ mod tests {
         );
         assert_eq!(
             s.methods[0].doc.as_deref(),
-            Some("Reads one order.\n\nUnknown ids are an error.")
+            Some("Reads one order.\n\n  Unknown ids are an error.")
         );
         assert_eq!(s.methods[3].doc, None);
     }

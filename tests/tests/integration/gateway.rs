@@ -1129,7 +1129,10 @@ async fn of_two_services_declaring_one_route_the_first_keeps_it_and_the_other_it
             !entries.iter().any(|e| e.service_id.as_str() == "a.Status")
         })
         .await;
-    assert!(gone, "a.Status is still served after its only server stopped");
+    assert!(
+        gone,
+        "a.Status is still served after its only server stopped"
+    );
     let b = world.send("GET", "/status", &[], None).await;
     assert_eq!((b.status, b.body), (200, json!("b")));
     let b = world.post("/api/b.Status/status", "{}").await;

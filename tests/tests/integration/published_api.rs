@@ -221,7 +221,8 @@ async fn a_server_publishes_names_docs_routes_and_stream_shapes() {
     assert_eq!(get.params, ["id", "verbose"]);
     assert_eq!(
         get.doc.as_deref(),
-        Some("Reads one order.\n\nUnknown ids answer an error.")
+        // As rustdoc reads it: the indentation the lines share is dropped, a line's own kept.
+        Some("Reads one order.\n\n  Unknown ids answer an error.")
     );
     assert_eq!(
         get.http,
