@@ -187,8 +187,8 @@ impl JsonAnswer {
             // Read through, then copied as they are: the server's bytes are not trusted to be
             // JSON (UTF-8, no lone surrogate, nested no deeper than serde_json reads), which
             // merely skipping over them would not check; and written again they would not
-            // be its numbers (serde_json reads a float to the nearest double only with its
-            // `float_roundtrip` feature, and an integer past 64 bits as a float).
+            // be its numbers (an integer past 64 bits reads as a float, and a float's text
+            // as its shortest form: `1.50` would answer `1.5`).
             Codec::Json => {
                 let mut de = serde_json::Deserializer::from_slice(&self.bytes);
                 let mut nowhere = serde_json::Serializer::new(std::io::sink());

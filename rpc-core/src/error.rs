@@ -432,10 +432,19 @@ impl RemoteError for RpcError {
             // A downstream's typed error passed on with `?`: its payload in this call's codec,
             // which the caller decodes it by (a JSON caller of a handler that called on with
             // MessagePack).
+            // One that cannot be written in this codec is not sent in the other under its
+            // name: the caller would read it by the wrong codec.
             if *from != codec {
-                if let Ok(recoded) = from.transcode(payload, codec) {
-                    return self.with_payload(codec, recoded);
-                }
+                return match from.transcode(payload, codec) {
+                    Ok(recoded) => self.with_payload(codec, recoded),
+                    Err(e) => RpcError::new(
+                        StatusCode::ServerError,
+                        format!(
+                            "could not pass on the error value of a call made with {from:?} to \
+                             this call's {codec:?}: {e}"
+                        ),
+                    ),
+                };
             }
             return self;
         }
@@ -651,6 +660,25 @@ mod tests {
                 "{down:?} → {up:?}"
             );
         }
+    }
+
+    /// A downstream's typed error that JSON cannot write (a map keyed by tuples, which
+    /// MessagePack writes with array keys) is not sent to a JSON caller in MessagePack under
+    /// JSON's name: the call answers 520, as a value the handler could not encode does.
+    #[test]
+    fn a_passed_on_payload_that_cannot_be_recoded_is_not_sent_in_the_other_codec() {
+        let keyed = std::collections::BTreeMap::from([((1u32, 2u32), "x".to_string())]);
+        let passed_on = RpcError::business("conflict")
+            .with_payload(Codec::MsgPack, Codec::MsgPack.encode(&keyed).unwrap())
+            .into_rpc_error(Codec::Json);
+        assert!(passed_on.payload().is_none(), "{passed_on:?}");
+        assert_eq!(passed_on.code(), StatusCode::ServerError);
+        assert!(
+            passed_on
+                .message()
+                .contains("could not pass on the error value"),
+            "{passed_on}"
+        );
     }
 
     #[test]
