@@ -172,13 +172,17 @@ fn api(m: &parse::Method) -> TokenStream {
                 ErrorIsFramework as _, ErrorViaAnyValue as _, ErrorViaJsonSchema as _,
                 SchemaViaAnyValue as _, SchemaViaJsonSchema as _,
             };
+            // The parameters as the server reads them, the result and error as it writes
+            // them.
             let mut __rpc_gen = ::rpc::__private::schema_generator();
+            let mut __rpc_out = ::rpc::__private::output_schema_generator();
             let __rpc_params: ::std::vec::Vec<_> = ::std::vec![#(#param_schemas),*];
-            let __rpc_result = (&&::rpc::__private::Probe::<#result>::new()).schema(&mut __rpc_gen);
+            let __rpc_result = (&&::rpc::__private::Probe::<#result>::new()).schema(&mut __rpc_out);
             let __rpc_error =
-                (&&&::rpc::__private::ErrorProbe::<#err>::new()).error_schema(&mut __rpc_gen);
+                (&&&::rpc::__private::ErrorProbe::<#err>::new()).error_schema(&mut __rpc_out);
             let __rpc_schemas = ::rpc::__private::entry_schemas(
                 __rpc_gen,
+                __rpc_out,
                 __rpc_params,
                 __rpc_result,
                 __rpc_error,

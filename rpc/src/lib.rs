@@ -140,8 +140,8 @@ pub mod prelude {
 #[doc(hidden)]
 pub mod __private {
     pub use crate::schema::{
-        entry_schemas, schema_generator, ErrorIsFramework, ErrorProbe, ErrorViaAnyValue,
-        ErrorViaJsonSchema, Probe, SchemaViaAnyValue, SchemaViaJsonSchema,
+        entry_schemas, output_schema_generator, schema_generator, ErrorIsFramework, ErrorProbe,
+        ErrorViaAnyValue, ErrorViaJsonSchema, Probe, SchemaViaAnyValue, SchemaViaJsonSchema,
     };
     pub use bytes::Bytes;
     pub use futures_util::future::BoxFuture;

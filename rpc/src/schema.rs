@@ -16,6 +16,7 @@
 //! generated code probes are a service trait's parameter, result and error types, which are
 //! concrete: the macro rejects generic traits and generic methods.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::marker::PhantomData;
 
 use rpc_core::{EntrySchemas, RpcError};
@@ -27,26 +28,144 @@ use serde_json::Value;
 /// can put the definitions there as they are.
 pub const DEFINITIONS_PATH: &str = "#/components/schemas/";
 
-/// The generator of one entry's schemas: JSON Schema draft 2020-12 (as OpenAPI 3.1 uses), named
-/// types as references to `DEFINITIONS_PATH`.
+/// The generator of one entry's parameter schemas: JSON Schema draft 2020-12 (as OpenAPI 3.1
+/// uses), named types as references to `DEFINITIONS_PATH`, each type as the server reads it
+/// (serde's deserialising contract: a field with a default or of an `Option` type may be left
+/// out).
 pub fn schema_generator() -> SchemaGenerator {
     SchemaSettings::draft2020_12()
         .with(|s| s.definitions_path = DEFINITIONS_PATH.into())
         .into_generator()
 }
 
-/// One entry's schemas, with the definitions `generator` collected while producing them.
+/// The generator of one entry's result and error schemas: as [`schema_generator`], each type as
+/// the server writes it (serde's serialising contract: every field it sends is listed and
+/// required, `skip_deserializing` ones included).
+pub fn output_schema_generator() -> SchemaGenerator {
+    SchemaSettings::draft2020_12()
+        .for_serialize()
+        .with(|s| s.definitions_path = DEFINITIONS_PATH.into())
+        .into_generator()
+}
+
+/// One entry's schemas, with the definitions `inputs` (the parameters') and `outputs` (the
+/// result's and the error's) collected while producing them, in one set: a type the server
+/// writes otherwise than it reads (or that refers to one) has its written form under
+/// `<name>.out`, which the result and error refer to.
 pub fn entry_schemas(
-    mut generator: SchemaGenerator,
+    mut inputs: SchemaGenerator,
+    mut outputs: SchemaGenerator,
     params: Vec<Value>,
-    result: Value,
-    error: Option<Value>,
+    mut result: Value,
+    mut error: Option<Value>,
 ) -> EntrySchemas {
+    let mut definitions = inputs.take_definitions(true);
+    let written = outputs.take_definitions(true);
+    // Named alike in both but not the same schema, directly or through what it refers to.
+    let mut apart: BTreeSet<String> = written
+        .iter()
+        .filter(|(name, schema)| definitions.get(*name).is_some_and(|read| read != *schema))
+        .map(|(name, _)| name.clone())
+        .collect();
+    loop {
+        let more: Vec<String> = written
+            .iter()
+            .filter(|(name, schema)| {
+                !apart.contains(*name)
+                    && definitions.contains_key(*name)
+                    && references(schema).iter().any(|r| apart.contains(r))
+            })
+            .map(|(name, _)| name.clone())
+            .collect();
+        if more.is_empty() {
+            break;
+        }
+        apart.extend(more);
+    }
+    let taken = |name: &str| definitions.contains_key(name) || written.contains_key(name);
+    let rename: BTreeMap<String, String> = apart
+        .into_iter()
+        .map(|name| {
+            let mut new = format!("{name}.out");
+            let mut n = 2;
+            while taken(&new) {
+                new = format!("{name}.out{n}");
+                n += 1;
+            }
+            (name, new)
+        })
+        .collect();
+    for (name, mut schema) in written {
+        rename_references(&mut schema, &rename);
+        match rename.get(&name) {
+            Some(new) => {
+                definitions.insert(new.clone(), schema);
+            }
+            None => {
+                definitions.entry(name).or_insert(schema);
+            }
+        }
+    }
+    rename_references(&mut result, &rename);
+    if let Some(error) = error.as_mut() {
+        rename_references(error, &rename);
+    }
     EntrySchemas {
         params,
         result,
         error,
-        definitions: generator.take_definitions(true),
+        definitions,
+    }
+}
+
+/// The names of the definitions `schema` refers to (`$ref`s to `DEFINITIONS_PATH`).
+fn references(schema: &Value) -> Vec<String> {
+    let mut found = Vec::new();
+    let mut stack = vec![schema];
+    while let Some(value) = stack.pop() {
+        match value {
+            Value::Object(map) => {
+                for (key, v) in map {
+                    match (key.as_str(), v) {
+                        ("$ref", Value::String(r)) => {
+                            if let Some(name) = r.strip_prefix(DEFINITIONS_PATH) {
+                                found.push(name.to_string());
+                            }
+                        }
+                        _ => stack.push(v),
+                    }
+                }
+            }
+            Value::Array(items) => stack.extend(items),
+            _ => {}
+        }
+    }
+    found
+}
+
+/// Rewrites the `$ref`s in `schema` to a definition `rename` names to its new name.
+fn rename_references(schema: &mut Value, rename: &BTreeMap<String, String>) {
+    if rename.is_empty() {
+        return;
+    }
+    match schema {
+        Value::Object(map) => {
+            for (key, v) in map.iter_mut() {
+                match (key.as_str(), v) {
+                    ("$ref", Value::String(r)) => {
+                        let new = r
+                            .strip_prefix(DEFINITIONS_PATH)
+                            .and_then(|name| rename.get(name));
+                        if let Some(new) = new {
+                            *r = format!("{DEFINITIONS_PATH}{new}");
+                        }
+                    }
+                    (_, v) => rename_references(v, rename),
+                }
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(|v| rename_references(v, rename)),
+        _ => {}
     }
 }
 
@@ -173,7 +292,13 @@ mod tests {
         // Inline types stay inline.
         let schema = (&&Probe::<bool>::new()).schema(&mut g);
         assert_eq!(schema, json!({"type": "boolean"}));
-        let schemas = entry_schemas(g, vec![], Value::Bool(true), None);
+        let schemas = entry_schemas(
+            g,
+            output_schema_generator(),
+            vec![],
+            Value::Bool(true),
+            None,
+        );
         let order = &schemas.definitions["Order"];
         assert_eq!(order["type"], "object");
         assert_eq!(order["required"], json!(["id"]));
@@ -182,6 +307,67 @@ mod tests {
             json!({"type": "integer", "format": "uint64", "minimum": 0})
         );
         assert_eq!(schemas.definitions.len(), 1, "{:?}", schemas.definitions);
+    }
+
+    /// Written with a field it never reads.
+    #[derive(JsonSchema, serde::Serialize, serde::Deserialize)]
+    #[allow(dead_code)]
+    struct Priced {
+        id: u64,
+        #[serde(skip_deserializing)]
+        total: u64,
+        note: Option<String>,
+    }
+
+    /// Refers to one written otherwise than read.
+    #[derive(JsonSchema, serde::Serialize, serde::Deserialize)]
+    #[allow(dead_code)]
+    struct Basket {
+        items: Vec<Priced>,
+    }
+
+    /// Written as read.
+    #[derive(JsonSchema, serde::Serialize, serde::Deserialize)]
+    #[allow(dead_code)]
+    struct Plain {
+        id: u64,
+    }
+
+    /// Parameters are described as the server reads them, the result and the error as it writes
+    /// them: a type that differs (or refers to one that does) has both forms, the written one
+    /// under `<name>.out`; one that does not is defined once.
+    #[test]
+    fn results_and_errors_are_described_as_written_and_parameters_as_read() {
+        let (mut read, mut written) = (schema_generator(), output_schema_generator());
+        let params = vec![
+            (&&Probe::<Basket>::new()).schema(&mut read),
+            (&&Probe::<Plain>::new()).schema(&mut read),
+        ];
+        let result = (&&Probe::<Basket>::new()).schema(&mut written);
+        let error = (&&&ErrorProbe::<Plain>::new()).error_schema(&mut written);
+        let schemas = entry_schemas(read, written, params, result, error);
+        let d = &schemas.definitions;
+        let mut names: Vec<&str> = d.keys().map(String::as_str).collect();
+        names.sort_unstable();
+        assert_eq!(
+            names,
+            ["Basket", "Basket.out", "Plain", "Priced", "Priced.out"]
+        );
+        assert_eq!(d["Priced"]["required"], json!(["id"]));
+        assert!(d["Priced"]["properties"].get("total").is_none());
+        assert_eq!(d["Priced.out"]["required"], json!(["id", "total", "note"]));
+        let path = DEFINITIONS_PATH;
+        assert_eq!(
+            d["Basket"]["properties"]["items"]["items"],
+            json!({"$ref": format!("{path}Priced")})
+        );
+        assert_eq!(
+            d["Basket.out"]["properties"]["items"]["items"],
+            json!({"$ref": format!("{path}Priced.out")})
+        );
+        assert_eq!(schemas.params[0], json!({"$ref": format!("{path}Basket")}));
+        assert_eq!(schemas.result, json!({"$ref": format!("{path}Basket.out")}));
+        assert_eq!(schemas.error, Some(json!({"$ref": format!("{path}Plain")})));
     }
 
     #[test]

@@ -126,6 +126,32 @@ impl Shop for Counter {
 
 /// Starts a server of `service` alone on a fresh in-process registry, and reads back the one
 /// instance it registered under `service_id`, as a client would read it.
+/// A receipt: the till writes its total, and reads none.
+#[derive(Debug, Serialize, Deserialize, JsonSchema)]
+#[schemars(crate = "rpc::schemars")]
+struct Receipt {
+    id: u64,
+    #[serde(skip_deserializing)]
+    total: u64,
+    note: Option<String>,
+}
+
+#[rpc::service(name = "pa.Till")]
+trait Till {
+    async fn ring(&self, receipt: Receipt) -> Result<Receipt, RpcError>;
+}
+
+struct Register;
+
+impl Till for Register {
+    async fn ring(&self, receipt: Receipt) -> Result<Receipt, RpcError> {
+        Ok(Receipt {
+            total: 7,
+            ..receipt
+        })
+    }
+}
+
 async fn publish(service: impl rpc::Service, service_id: &str) -> (rpc::ServerHandle, Instance) {
     let registry = InProcessRegistry::new();
     let server = within(
@@ -370,5 +396,31 @@ async fn the_published_instance_stays_small_enough_for_a_registry_value() {
         json.len()
     );
     assert!(json.len() < 64 * 1024, "{} bytes", json.len());
+    server.shutdown().await;
+}
+
+/// A parameter is described as the server reads it and a result as it writes it: the
+/// receipt's `total` is never read (not a parameter's property) and always written (a
+/// required property of the result), and `note`, which a caller may leave out, is always
+/// written too.
+#[tokio::test]
+async fn a_result_is_described_as_the_server_writes_it() {
+    let (server, instance) = publish(TillServer::new(Register), "pa.Till").await;
+    let ring = schemas(&instance, "ring");
+    let path = "#/components/schemas/";
+    assert_eq!(ring.params, [json!({"$ref": format!("{path}Receipt")})]);
+    assert_eq!(ring.result, json!({"$ref": format!("{path}Receipt.out")}));
+    let strings = |names: &[&str]| names.iter().map(|n| n.to_string()).collect::<Vec<_>>();
+    assert_eq!(
+        fields(&ring.definitions["Receipt"]),
+        (strings(&["id", "note"]), strings(&["id"]))
+    );
+    assert_eq!(
+        fields(&ring.definitions["Receipt.out"]),
+        (
+            strings(&["id", "note", "total"]),
+            strings(&["id", "note", "total"])
+        )
+    );
     server.shutdown().await;
 }
