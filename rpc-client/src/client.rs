@@ -1379,21 +1379,31 @@ impl Client {
         }
         match options.shunt_strategy {
             ShuntStrategy::Hash if method.hash_key.is_none() => {
-                let e = self
-                    .inner
-                    .governance
-                    .check(method)
-                    .err()
-                    .unwrap_or_else(|| {
-                        RpcError::new(
-                            StatusCode::FrameworkError,
-                            format!(
-                                "{}: shunt_strategy = hash needs a #[hash_key] argument; this \
-                             call's options ask for it",
-                                method.entry_id
-                            ),
-                        )
-                    });
+                let by_this_handle = || {
+                    RpcError::new(
+                        StatusCode::FrameworkError,
+                        format!(
+                            "{}: shunt_strategy = hash needs a #[hash_key] argument; this \
+                             call's options ask for it (Client::with_options)",
+                            method.entry_id
+                        ),
+                    )
+                };
+                // The handle's options are on top: when they ask for hashing, the levels below
+                // (whose check would name one of theirs) are not why.
+                let asked_here = self
+                    .call_options
+                    .as_deref()
+                    .is_some_and(|o| o.shunt_strategy.is_some());
+                let e = if asked_here {
+                    by_this_handle()
+                } else {
+                    self.inner
+                        .governance
+                        .check(method)
+                        .err()
+                        .unwrap_or_else(by_this_handle)
+                };
                 (None, Some(e))
             }
             ShuntStrategy::Hash => (hash_key.map(|h| h()), None),

@@ -168,13 +168,12 @@ fn fast_slot(addr: usize) -> usize {
 impl Governance {
     /// An engine resolving options from `layers`.
     pub fn new(layers: Layers) -> Self {
-        let max_backoff =
-            std::time::Duration::from_secs(layers.code_defaults.breaker_seconds.max(1));
         Governance {
             layers: RwLock::new(layers),
             cache: DashMap::with_hasher(ahash::RandomState::new()),
             fast: std::array::from_fn(|_| OnceLock::new()),
-            health: EndpointHealth::new(max_backoff),
+            // (Capped by each failing entry's `breaker_seconds`, as its options resolve.)
+            health: EndpointHealth::new(std::time::Duration::MAX),
             events: EventBus::new(),
             reported: std::sync::Mutex::default(),
         }
@@ -327,7 +326,11 @@ impl Governance {
         next.centre = centre;
         let mut left_out = Vec::new();
         for p in self.cache.iter() {
-            next.check_in_force(p.method())?;
+            // Only an entry this document makes unfit refuses it: one already unfit (its calls
+            // refused by what a lower level asks) says nothing of the document.
+            if layers.check_in_force(p.method()).is_ok() {
+                next.check_in_force(p.method())?;
+            }
             left_out.extend(next.centre_left_out(p.method()));
         }
         *layers = next;
@@ -344,7 +347,9 @@ impl Governance {
         self.changed(&layers, change, Layers::check).map(drop)
     }
 
-    /// `layers` with `change`, checked by `check` against every entry already used.
+    /// `layers` with `change`, checked by `check` against every entry already used that passes
+    /// it now: a change is refused for an entry it makes unfit, not for one a level it does
+    /// not touch made unfit before (whose calls are refused already, saying why).
     fn changed(
         &self,
         layers: &Layers,
@@ -354,7 +359,9 @@ impl Governance {
         let mut next = layers.clone();
         change(&mut next);
         for p in self.cache.iter() {
-            check(&next, p.method())?;
+            if check(layers, p.method()).is_ok() {
+                check(&next, p.method())?;
+            }
         }
         Ok(next)
     }
@@ -625,6 +632,101 @@ mod tests {
             g.policy(&KEYLESS).options.load_full().timeout_ms,
             before.timeout_ms + 1
         );
+    }
+
+    /// An entry already unfit (the config file asks hashing of its service, and it has no
+    /// `#[hash_key]`; its calls are refused) refuses no change that leaves it so: neither a
+    /// config-centre document nor an update of another entry. A change that makes a fit entry
+    /// unfit is still refused.
+    #[tokio::test(start_paused = true)]
+    async fn an_entry_unfit_before_refuses_no_change_of_others() {
+        static KEYLESS: MethodDescriptor = MethodDescriptor {
+            service_id: "k.K",
+            method: "m",
+            entry_id: "k.K.m",
+            hash_key: None,
+            governance: GovernanceOverrides::NONE,
+            api: None,
+        };
+        static OTHER: MethodDescriptor = MethodDescriptor {
+            service_id: "o.O",
+            method: "m",
+            entry_id: "o.O.m",
+            hash_key: None,
+            governance: GovernanceOverrides::NONE,
+            api: None,
+        };
+        let file = GovernanceConfig::from_toml("[services.\"k.K\"]\nshunt_strategy = \"hash\"\n")
+            .expect("toml");
+        let g = Governance::new(Layers {
+            file,
+            ..Layers::default()
+        });
+        g.policy(&KEYLESS);
+        g.policy(&OTHER);
+        assert!(g.check(&KEYLESS).is_err(), "unfit from the start");
+        let centre =
+            GovernanceConfig::from_toml("[entries.\"o.O.m\"]\ntimeout_ms = 100\n").expect("toml");
+        let applied = g.set_centre(centre);
+        assert!(applied.is_ok(), "{applied:?}");
+        assert_eq!(g.policy(&OTHER).options.load_full().timeout_ms, 100);
+        let updated = g.try_update_layers(|l| {
+            l.runtime.entries.insert(
+                "o.O.m".into(),
+                GovernanceOverrides {
+                    timeout_ms: Some(200),
+                    ..GovernanceOverrides::NONE
+                },
+            );
+        });
+        assert!(updated.is_ok(), "{updated:?}");
+        assert_eq!(g.policy(&OTHER).options.load_full().timeout_ms, 200);
+        // Hashing asked of the fit one is still refused.
+        let hashing = g.try_update_layers(|l| {
+            l.runtime.entries.insert(
+                "o.O.m".into(),
+                GovernanceOverrides {
+                    shunt_strategy: Some(ShuntStrategy::Hash),
+                    ..GovernanceOverrides::NONE
+                },
+            );
+        });
+        assert!(hashing.is_err());
+    }
+
+    /// `breaker_seconds` set in the config file caps an endpoint's unhealthy marks as it does
+    /// when set in code: a mark doubles per failure in a row up to it (1, 2, 2, ... s here).
+    #[tokio::test(start_paused = true)]
+    async fn breaker_seconds_of_any_level_caps_endpoint_marks() {
+        static M: MethodDescriptor = MethodDescriptor {
+            service_id: "b.B",
+            method: "m",
+            entry_id: "b.B.m",
+            hash_key: None,
+            governance: GovernanceOverrides::NONE,
+            api: None,
+        };
+        let file = GovernanceConfig::from_toml("[defaults]\nbreaker_seconds = 2\n").expect("toml");
+        let g = Governance::new(Layers {
+            file,
+            ..Layers::default()
+        });
+        let options = g.policy(&M).options.load_full();
+        let marks: Vec<Option<std::time::Duration>> = (0..5)
+            .map(|_| {
+                g.health()
+                    .record_failure(
+                        "10.0.0.1:1",
+                        crate::health::Fault::Transport,
+                        None,
+                        "x",
+                        &options,
+                    )
+                    .ejected_for
+            })
+            .collect();
+        let secs = |n: u64| Some(std::time::Duration::from_secs(n));
+        assert_eq!(marks, [secs(1), secs(2), secs(2), secs(2), secs(2)]);
     }
 
     /// A descriptor with less of the method than the one in use (a generic call's, with the

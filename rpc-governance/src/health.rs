@@ -136,7 +136,8 @@ fn backoff(n: u32, max: Duration) -> Duration {
 }
 
 impl EndpointHealth {
-    /// Marks expire after at most `max_backoff`.
+    /// Marks expire after at most `max_backoff`, and at most the `breaker_seconds` (at least
+    /// 1 s) of the options the failure is recorded with.
     pub fn new(max_backoff: Duration) -> Self {
         EndpointHealth {
             marks: DashMap::new(),
@@ -196,6 +197,9 @@ impl EndpointHealth {
         mark.run += 1;
         mark.reason = reason.to_string();
         let (n, run) = (mark.consecutive, mark.run);
+        let cap = self
+            .max_backoff
+            .min(Duration::from_secs(o.breaker_seconds.max(1)));
         let mut removed = false;
         let ejected_for = match fault {
             Fault::Transport => {
@@ -204,11 +208,11 @@ impl EndpointHealth {
                     mark.removed = true;
                     removed = true;
                 }
-                Some(backoff(run - 1, self.max_backoff))
+                Some(backoff(run - 1, cap))
             }
             Fault::Sick => {
                 let eject_after = o.exceptions_allowed_before_breaking.max(1);
-                (run >= eject_after).then(|| backoff(run - eject_after, self.max_backoff))
+                (run >= eject_after).then(|| backoff(run - eject_after, cap))
             }
         };
         if let Some(b) = ejected_for {

@@ -428,6 +428,77 @@ async fn rules_stored_before_a_server_starts_are_in_force_from_its_first_call() 
     assert_eq!(within("first", first).await.unwrap(), "held");
 }
 
+/// A rule source holding a governance document from the start, and no routing one.
+struct Held {
+    governance: tokio::sync::watch::Sender<Option<rpc::crates::registry::rules::RuleVersion>>,
+    routing: tokio::sync::watch::Sender<Option<rpc::crates::registry::rules::RuleVersion>>,
+}
+
+impl rpc::RuleSource for Held {
+    fn watch_rules(
+        &self,
+        kind: RuleKind,
+    ) -> futures_util::future::BoxFuture<
+        '_,
+        Result<rpc::crates::registry::rules::RuleWatch, rpc::RegistryError>,
+    > {
+        let rx = match kind {
+            RuleKind::Governance => self.governance.subscribe(),
+            _ => self.routing.subscribe(),
+        };
+        Box::pin(async move { Ok(rx) })
+    }
+}
+
+/// The config centre asks hashing of a service whose methods have no `#[hash_key]`: left out
+/// for them, their calls run. A handle whose own options ask hashing has its calls refused,
+/// and the error names those options, not the centre's document (which, removed, would change
+/// nothing).
+#[tokio::test]
+async fn hashing_asked_by_a_handle_is_refused_naming_the_handle_not_the_centre() {
+    let document = rpc::crates::registry::rules::RuleVersion {
+        version: 3,
+        text: "[services.\"t.Ruled\"]\nshunt_strategy = \"hash\"\n".into(),
+        unreadable: None,
+    };
+    let source = Held {
+        governance: tokio::sync::watch::channel(Some(document)).0,
+        routing: tokio::sync::watch::channel(None).0,
+    };
+    let (tx, _entered) = mpsc::unbounded_channel();
+    let server = Server::builder()
+        .add_service(RuledServer::new(Arc::new(Handler {
+            entered: tx,
+            release: Semaphore::new(0),
+            failed: AtomicUsize::new(0),
+        })))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let client = Client::builder()
+        .registry(rpc::StaticRegistry::new([server.local_addr().to_string()]))
+        .rules(source)
+        .build();
+    let e = within("call", RuledClient::new(client.clone()).fail())
+        .await
+        .expect_err("the handler fails");
+    assert_eq!(e.code(), StatusCode::ServerError, "the call ran: {e}");
+    let hashing = client.with_options(rpc::GovernanceOverrides {
+        shunt_strategy: Some(rpc::ShuntStrategy::Hash),
+        ..rpc::GovernanceOverrides::NONE
+    });
+    let e = within("call", RuledClient::new(hashing).fail())
+        .await
+        .expect_err("refused");
+    assert_eq!(e.code(), StatusCode::FrameworkError, "{e}");
+    assert!(
+        e.message().contains("this call's options ask for it"),
+        "{e}"
+    );
+    assert!(!e.message().contains("centre"), "{e}");
+    server.shutdown().await;
+}
+
 /// A rule source that never answers.
 struct Silent;
 
