@@ -322,22 +322,37 @@ async fn follow_kind<T: RuleTarget>(
     // the version in force again, which is not taken twice; but a number alone is not enough,
     // since etcd restored from a snapshot numbers its writes again from the snapshot's.
     let mut last: Option<RuleVersion> = None;
+    // What the target refused of `last` for its own state (not an invalid document): its
+    // levels may change (a runtime update, a configuration reloaded) so that it takes it, so it
+    // is offered again at each check, quietly, until it is taken or another version comes.
+    let mut refused = Refused::Nothing;
     loop {
         let current = watch.borrow_and_update().clone();
         let Some(t) = target.upgrade() else { return };
         match current {
             Some(rules) => {
-                if last.as_ref() != Some(&rules) {
-                    take(&*t, kind, &rules, &in_force);
+                let again = refused == Refused::Version && last.as_ref() == Some(&rules);
+                if last.as_ref() != Some(&rules) || again {
+                    refused = match take(&*t, kind, &rules, &in_force, again) {
+                        Taken::RefusedByTarget => Refused::Version,
+                        Taken::Applied | Taken::Invalid => Refused::Nothing,
+                    };
                     last = Some(rules);
                 }
             }
             // The document was deleted: as an empty one, back to the lower levels, as a
             // process started now has them (before, running processes kept the deleted rules
-            // and the fleet split).
+            // and the fleet split). Refused, the last version stays in force (and is not
+            // taken again if written again).
             None => {
-                if let Some(gone) = last.take() {
-                    withdraw(&*t, kind, &gone, &in_force);
+                if let Some(gone) = last.clone() {
+                    let again = refused == Refused::Deletion;
+                    if withdraw(&*t, kind, &gone, &in_force, again) {
+                        last = None;
+                        refused = Refused::Nothing;
+                    } else {
+                        refused = Refused::Deletion;
+                    }
                 }
             }
         }
@@ -356,10 +371,33 @@ async fn follow_kind<T: RuleTarget>(
                     if target.strong_count() == 0 {
                         return;
                     }
+                    if refused != Refused::Nothing {
+                        break;
+                    }
                 }
             }
         }
     }
+}
+
+/// What of the last version seen a follower's target refused for its own state.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Refused {
+    Nothing,
+    /// The version itself.
+    Version,
+    /// Its deletion (going back to the lower levels).
+    Deletion,
+}
+
+/// How [`take`] ended.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Taken {
+    Applied,
+    /// The document is not one (it never will be).
+    Invalid,
+    /// The target refused it for its own state, which may change.
+    RefusedByTarget,
 }
 
 /// Counts a kind's first read in [`RulesInForce`], once: when it is [`done`](Self::done), or
@@ -380,12 +418,20 @@ impl Drop for ReadOnce {
     }
 }
 
-/// Validates and applies one version, or reports it refused.
-fn take<T: RuleTarget>(target: &T, kind: RuleKind, rules: &RuleVersion, in_force: &RulesInForce) {
-    let applied = rules
-        .validate(kind)
-        .and_then(|()| target.apply(kind, rules));
-    match applied {
+/// Validates and applies one version, or reports it refused (`again`: offered again after the
+/// target refused it, which was reported then, so a refusal is not reported twice).
+fn take<T: RuleTarget>(
+    target: &T,
+    kind: RuleKind,
+    rules: &RuleVersion,
+    in_force: &RulesInForce,
+    again: bool,
+) -> Taken {
+    if let Err(e) = rules.validate(kind) {
+        report_refused(target, kind, rules, in_force, &e);
+        return Taken::Invalid;
+    }
+    match target.apply(kind, rules) {
         Ok(()) => {
             in_force.set(kind, rules.version);
             tracing::info!(target: "rpc::rules", kind = kind.as_str(), version = rules.version, "rules applied");
@@ -398,56 +444,76 @@ fn take<T: RuleTarget>(target: &T, kind: RuleKind, rules: &RuleVersion, in_force
                 observed: false,
                 rule_version: Some(rules.version),
             });
+            Taken::Applied
         }
         Err(e) => {
-            let kept = match in_force.version(kind) {
-                Some(v) => format!("version {v} stays in force"),
-                None => "no version of these rules is in force".to_string(),
-            };
-            let reason = format!(
-                "{kind} rules version {} refused: {}; {kept}",
-                rules.version,
-                e.message()
-            );
-            tracing::warn!(target: "rpc::rules", kind = kind.as_str(), version = rules.version, "{reason}");
-            target.events().emit(GovernanceEvent {
-                kind: EventKind::RuleRejected,
-                entry: Arc::from(format!("rules/{kind}")),
-                endpoint: None,
-                attempt: 0,
-                cause: Some(reason),
-                observed: false,
-                rule_version: Some(rules.version),
-            });
+            if !again {
+                report_refused(target, kind, rules, in_force, &e);
+            }
+            Taken::RefusedByTarget
         }
     }
 }
 
+/// Logs and tells the target's observers that `rules` was refused for `e`.
+fn report_refused<T: RuleTarget>(
+    target: &T,
+    kind: RuleKind,
+    rules: &RuleVersion,
+    in_force: &RulesInForce,
+    e: &RpcError,
+) {
+    let kept = match in_force.version(kind) {
+        Some(v) => format!("version {v} stays in force"),
+        None => "no version of these rules is in force".to_string(),
+    };
+    let reason = format!(
+        "{kind} rules version {} refused: {}; {kept}",
+        rules.version,
+        e.message()
+    );
+    tracing::warn!(target: "rpc::rules", kind = kind.as_str(), version = rules.version, "{reason}");
+    target.events().emit(GovernanceEvent {
+        kind: EventKind::RuleRejected,
+        entry: Arc::from(format!("rules/{kind}")),
+        endpoint: None,
+        attempt: 0,
+        cause: Some(reason),
+        observed: false,
+        rule_version: Some(rules.version),
+    });
+}
+
 /// The document of `kind` was deleted (its last version seen was `gone`): the target applies
-/// an empty one, and no version is in force.
+/// an empty one, and no version is in force; or it refuses, and `false` (`again`: offered
+/// again after a refusal reported then, not reported twice).
 fn withdraw<T: RuleTarget>(
     target: &T,
     kind: RuleKind,
     gone: &RuleVersion,
     in_force: &RulesInForce,
-) {
+    again: bool,
+) -> bool {
     let empty = RuleVersion::new(gone.version, "");
-    let (event, cause) = match target.apply(kind, &empty) {
+    let (event, cause, withdrawn) = match target.apply(kind, &empty) {
         Ok(()) => {
             in_force.clear(kind);
             tracing::info!(target: "rpc::rules", kind = kind.as_str(), "rules deleted: back to the lower levels");
             (
                 EventKind::RuleApplied,
                 format!("the {kind} rules were deleted: back to the lower levels"),
+                true,
             )
         }
+        // Reported once: offered again, the refusal says nothing new.
+        Err(_) if again => return false,
         Err(e) => {
             let reason = format!(
                 "the {kind} rules were deleted, but going back to the lower levels was refused: {}",
                 e.message()
             );
             tracing::warn!(target: "rpc::rules", kind = kind.as_str(), "{reason}");
-            (EventKind::RuleRejected, reason)
+            (EventKind::RuleRejected, reason, false)
         }
     };
     target.events().emit(GovernanceEvent {
@@ -459,6 +525,7 @@ fn withdraw<T: RuleTarget>(
         observed: false,
         rule_version: None,
     });
+    withdrawn
 }
 
 #[cfg(test)]
@@ -475,10 +542,12 @@ mod tests {
         }
     }
 
-    /// Records the governance texts it applies.
+    /// Records the governance texts it applies; while `refusing`, refuses every one (as a
+    /// client whose own levels an entry could not carry out with it would).
     struct Applied {
         texts: Mutex<Vec<String>>,
         events: EventBus,
+        refusing: std::sync::atomic::AtomicBool,
     }
 
     impl Applied {
@@ -486,12 +555,24 @@ mod tests {
             Arc::new(Applied {
                 texts: Mutex::new(Vec::new()),
                 events: EventBus::new(),
+                refusing: std::sync::atomic::AtomicBool::new(false),
             })
+        }
+
+        fn refuse(&self, yes: bool) {
+            self.refusing
+                .store(yes, std::sync::atomic::Ordering::SeqCst);
         }
     }
 
     impl RuleTarget for Applied {
         fn apply(&self, _: RuleKind, rules: &RuleVersion) -> Result<(), RpcError> {
+            if self.refusing.load(std::sync::atomic::Ordering::SeqCst) {
+                return Err(RpcError::new(
+                    rpc_core::StatusCode::FrameworkError,
+                    "an entry cannot carry it out",
+                ));
+            }
             self.texts.lock().unwrap().push(rules.text.to_string());
             Ok(())
         }
@@ -627,6 +708,47 @@ mod tests {
             [
                 (EventKind::RuleApplied, Some(3)),
                 (EventKind::RuleApplied, None)
+            ]
+        );
+        following.abort();
+    }
+
+    /// A version the target refused for its own state is offered again at each check, and
+    /// taken once the target's state allows it (a local level fixed), with no new version to
+    /// wake the follower; so is a deletion it refused. Each refusal is reported once.
+    #[tokio::test(start_paused = true)]
+    async fn a_version_or_deletion_refused_by_the_target_is_taken_once_it_can_be() {
+        let (governance, target, in_force, following) = following();
+        in_force.first_read().await;
+        let mut events = target.events.subscribe();
+        let a = "[defaults]\ntimeout_ms = 100\n";
+        target.refuse(true);
+        governance.send_replace(Some(RuleVersion::new(3, a)));
+        tokio::time::sleep(TARGET_CHECK * 3).await;
+        assert_eq!(in_force.version(RuleKind::Governance), None);
+        target.refuse(false);
+        tokio::time::sleep(TARGET_CHECK * 2).await;
+        assert_eq!(in_force.version(RuleKind::Governance), Some(3));
+        assert_eq!(*target.texts.lock().unwrap(), [a]);
+        // Deleted while the target refuses to go back: version 3 stays, until it can.
+        target.refuse(true);
+        governance.send_replace(None);
+        tokio::time::sleep(TARGET_CHECK * 3).await;
+        assert_eq!(in_force.version(RuleKind::Governance), Some(3));
+        target.refuse(false);
+        tokio::time::sleep(TARGET_CHECK * 2).await;
+        assert_eq!(in_force.version(RuleKind::Governance), None);
+        assert_eq!(*target.texts.lock().unwrap(), [a, ""]);
+        let kinds: Vec<_> = std::iter::from_fn(|| events.try_recv().ok())
+            .map(|e| (e.kind, e.rule_version))
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                (EventKind::RuleRejected, Some(3)),
+                (EventKind::RuleApplied, Some(3)),
+                (EventKind::RuleRejected, None),
+                (EventKind::RuleApplied, None),
             ]
         );
         following.abort();
