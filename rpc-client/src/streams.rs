@@ -272,12 +272,19 @@ impl Client {
             );
             let result = stack.call(&mut cx, params).await;
             match result {
-                Ok(_) => Ok(watch.into_stream(
-                    sent.clone(),
-                    take(&cause),
-                    cx.take_stream_end_hooks(),
-                    set_up_at,
-                )),
+                Ok(_) => {
+                    let cause = take(&cause);
+                    // Set up (a fallback's cause set): the fallback answers it.
+                    if cause.is_some() {
+                        crate::answered_by::record("fallback");
+                    }
+                    Ok(watch.into_stream(
+                        sent.clone(),
+                        cause,
+                        cx.take_stream_end_hooks(),
+                        set_up_at,
+                    ))
+                }
                 Err(e) => {
                     // (A fallback that ran and failed: its cause stays on the span.)
                     watch.finish(&Err(e.clone()), take(&cause).as_ref());

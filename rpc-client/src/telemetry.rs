@@ -500,13 +500,14 @@ impl StreamWatch {
     fn record_items(&self) {
         let sent = self.sent.load(Ordering::Relaxed);
         // The metric counts items to and from the server: a fallback's stream's items came
-        // from the fallback (the span still records what the caller received).
-        let from_server = if self.fallback.is_some() {
-            0
+        // from the fallback, and the caller's went to it (the span still records what the
+        // caller sent and received).
+        let (to_server, from_server) = if self.fallback.is_some() {
+            (0, 0)
         } else {
-            self.received
+            (sent, self.received)
         };
-        self.metrics.items(sent, from_server);
+        self.metrics.items(to_server, from_server);
         if !self.span.is_disabled() {
             self.span.record("rpc.stream.items_sent", sent as i64);
             self.span

@@ -523,10 +523,23 @@ impl Dispatcher {
         inbound: Option<rpc_core::ByteStream>,
     ) -> Dispatch {
         let peer = caller.peer();
-        // Refused before the call's span and metrics start: counted with the entry's calls.
-        let Some(codec) = Codec::from_wire(invoke.codec) else {
+        // Refused before the call's span and metrics start: counted with the entry's calls, by
+        // the metrics and the call observers alike.
+        let refused = || {
             self.metrics
                 .rejected(route.method, StatusCode::FrameworkError);
+            if let Some(started) = self.calls.start() {
+                self.calls.ended(
+                    Side::Server,
+                    route.method.entry_id,
+                    started,
+                    Some(StatusCode::FrameworkError),
+                    "error",
+                );
+            }
+        };
+        let Some(codec) = Codec::from_wire(invoke.codec) else {
+            refused();
             return Dispatch::Ready(error_result(
                 StatusCode::FrameworkError,
                 format!(
@@ -536,8 +549,7 @@ impl Dispatcher {
             ));
         };
         if invoke.stream_mode != route.stream as i32 {
-            self.metrics
-                .rejected(route.method, StatusCode::FrameworkError);
+            refused();
             return Dispatch::Ready(crate::streams::mode_mismatch(route, invoke.stream_mode));
         }
         let attachments = std::mem::take(&mut invoke.attachments);

@@ -513,6 +513,15 @@ pub fn observe_calls(
     rx
 }
 
+/// The calls the server of `status` handles from now on, as each ends: entry, status, outcome.
+pub fn observe_server_calls(
+    status: &rpc::ServerStatus,
+) -> mpsc::UnboundedReceiver<(String, Option<rpc::StatusCode>, String)> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    status.observe_calls(std::sync::Arc::new(CallRecords(std::sync::Mutex::new(tx))));
+    rx
+}
+
 /// `inner`, written by hand around it: its method named `failing` acts (counted in `runs`) and
 /// then passes on a downstream call's 507 as it came, whether that method is unary or a
 /// stream's set-up.

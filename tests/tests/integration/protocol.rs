@@ -319,6 +319,7 @@ async fn calls_refused_before_an_entry_are_counted_by_why() {
     use common::otel::{counter, Meters};
     let meters = Meters::new();
     let mut s = setup_with(Server::builder().meter(meters.meter.clone())).await;
+    let mut observed = common::observe_server_calls(&s.server.status());
     // Id 5 is in flight while the next call reuses it.
     let mut raw = holding(&mut s, 5, &[0x91, 0xa1, b'h']).await;
     raw.send(invoke(5, "echo", &[0x91, 0xa1, b'x']))
@@ -386,6 +387,32 @@ async fn calls_refused_before_an_entry_are_counted_by_why() {
         2,
         "only the calls that reached their entry: the held one, and the unknown codec"
     );
+    // The call observers (the admin's metrics, the console) hear of the same two.
+    let mut calls = Vec::new();
+    for _ in 0..2 {
+        calls.push(
+            within("a call record", observed.recv())
+                .await
+                .expect("record"),
+        );
+    }
+    calls.sort_by_key(|(_, status, _)| status.map(|s| s.as_u32()));
+    assert_eq!(
+        calls,
+        [
+            (
+                "t.Proto.hold".to_string(),
+                Some(rpc::StatusCode::Success),
+                "success".to_string()
+            ),
+            (
+                "t.Proto.echo".to_string(),
+                Some(rpc::StatusCode::FrameworkError),
+                "error".to_string()
+            ),
+        ]
+    );
+    assert!(observed.try_recv().is_err(), "no other call is recorded");
     assert_eq!(
         counter(
             &m,

@@ -410,10 +410,13 @@ async fn a_fallback_answers_a_server_stream_whose_set_up_failed_with_its_own_ite
 }
 
 /// The fallback of a refused client or bidirectional stream takes all the caller's items, and
-/// the call's span counts them as sent (before, 0).
+/// the call's span counts them as sent (before, 0); the items metric, which counts items to
+/// and from servers, does not (before, it did), and `answered_by` names the fallback (before,
+/// the server that refused).
 #[tokio::test]
 async fn a_fallback_of_a_refused_client_or_bidi_stream_takes_all_the_callers_items() {
     let (traces, _guard) = traced();
+    let meters = common::otel::Meters::new();
     // A server whose every call overflows (the cap is 0): the set-up is refused before the
     // server accepts the stream, with nothing of the caller's taken.
     let reg = InProcessRegistry::new();
@@ -426,11 +429,22 @@ async fn a_fallback_of_a_refused_client_or_bidi_stream_takes_all_the_callers_ite
         .await
         .expect("serve");
     let cache = Cache::default();
-    let stocks = StocksClient::new(client(&reg, Some(&cache)));
+    let stocks = StocksClient::new(
+        Client::builder()
+            .registry(reg.clone())
+            .meter(meters.meter.clone())
+            .override_options(StocksClient::SERVICE_ID, options(100))
+            .fallback(StocksServer::new(cache.clone()))
+            .build(),
+    );
 
-    let total = within("total", stocks.total(RpcStream::iter(1..=4u64)))
-        .await
-        .expect("the fallback's answer");
+    let (total, by) = within(
+        "total",
+        rpc::answered_by(stocks.total(RpcStream::iter(1..=4u64))),
+    )
+    .await;
+    let total = total.expect("the fallback's answer");
+    assert_eq!(by.as_deref(), Some("fallback"));
     assert_eq!(total, 1_000_000 + 10, "the fallback summed every item");
     let doubled = accepted_items("double", stocks.double(RpcStream::iter([1u64, 2, 3])))
         .await
@@ -444,6 +458,7 @@ async fn a_fallback_of_a_refused_client_or_bidi_stream_takes_all_the_callers_ite
     assert_eq!(cache.used.load(Ordering::SeqCst), 2);
     within("shutdown", full.shutdown()).await;
     let spans = traces.spans();
+    let metrics = meters.read();
     for (entry, items) in [("g.Stocks.total", 4), ("g.Stocks.double", 3)] {
         let span = client_span(&spans, entry);
         assert_eq!(
@@ -451,6 +466,15 @@ async fn a_fallback_of_a_refused_client_or_bidi_stream_takes_all_the_callers_ite
             Some(Value::I64(items)),
             "{entry}"
         );
+        let to_servers = common::otel::counter(
+            &metrics,
+            "rpc.client.stream.items",
+            &[
+                ("rpc.entry_id", Value::from(entry)),
+                ("rpc.stream.direction", Value::from("sent")),
+            ],
+        );
+        assert_eq!(to_servers, 0, "{entry}: no item reached a server");
     }
 }
 
