@@ -515,6 +515,22 @@ mod tests {
 
     use super::*;
 
+    /// A method of `service_id` with no `#[hash_key]` and no attribute options.
+    const fn keyless(
+        service_id: &'static str,
+        method: &'static str,
+        entry_id: &'static str,
+    ) -> MethodDescriptor {
+        MethodDescriptor {
+            service_id,
+            method,
+            entry_id,
+            hash_key: None,
+            governance: GovernanceOverrides::NONE,
+            api: None,
+        }
+    }
+
     /// A section of the config file or the environment naming a method the service's
     /// instances do not publish is reported, once; sections of published entries, of another
     /// service (`shop.Orders.v2.get`), of the runtime and config-centre layers, and of a
@@ -593,14 +609,7 @@ mod tests {
     /// and changes nothing; one they can carry out changes nothing either.
     #[tokio::test(start_paused = true)]
     async fn checked_layers_are_refused_as_updated_ones_and_change_nothing() {
-        static KEYLESS: MethodDescriptor = MethodDescriptor {
-            service_id: "k.K",
-            method: "m",
-            entry_id: "k.K.m",
-            hash_key: None,
-            governance: GovernanceOverrides::NONE,
-            api: None,
-        };
+        static KEYLESS: MethodDescriptor = keyless("k.K", "m", "k.K.m");
         let g = Governance::new(Layers::default());
         let before = g.policy(&KEYLESS).options.load_full();
         let hashing = |l: &mut Layers| {
@@ -640,22 +649,8 @@ mod tests {
     /// unfit is still refused.
     #[tokio::test(start_paused = true)]
     async fn an_entry_unfit_before_refuses_no_change_of_others() {
-        static KEYLESS: MethodDescriptor = MethodDescriptor {
-            service_id: "k.K",
-            method: "m",
-            entry_id: "k.K.m",
-            hash_key: None,
-            governance: GovernanceOverrides::NONE,
-            api: None,
-        };
-        static OTHER: MethodDescriptor = MethodDescriptor {
-            service_id: "o.O",
-            method: "m",
-            entry_id: "o.O.m",
-            hash_key: None,
-            governance: GovernanceOverrides::NONE,
-            api: None,
-        };
+        static KEYLESS: MethodDescriptor = keyless("k.K", "m", "k.K.m");
+        static OTHER: MethodDescriptor = keyless("o.O", "m", "o.O.m");
         let file = GovernanceConfig::from_toml("[services.\"k.K\"]\nshunt_strategy = \"hash\"\n")
             .expect("toml");
         let g = Governance::new(Layers {
@@ -698,14 +693,7 @@ mod tests {
     /// when set in code: a mark doubles per failure in a row up to it (1, 2, 2, ... s here).
     #[tokio::test(start_paused = true)]
     async fn breaker_seconds_of_any_level_caps_endpoint_marks() {
-        static M: MethodDescriptor = MethodDescriptor {
-            service_id: "b.B",
-            method: "m",
-            entry_id: "b.B.m",
-            hash_key: None,
-            governance: GovernanceOverrides::NONE,
-            api: None,
-        };
+        static M: MethodDescriptor = keyless("b.B", "m", "b.B.m");
         let file = GovernanceConfig::from_toml("[defaults]\nbreaker_seconds = 2\n").expect("toml");
         let g = Governance::new(Layers {
             file,

@@ -172,6 +172,18 @@ struct Handler {
     failed: AtomicUsize,
 }
 
+impl Handler {
+    /// A handler whose entries nobody waits for (and whose `hold` calls nobody releases).
+    fn idle() -> Arc<Handler> {
+        let (entered, _) = mpsc::unbounded_channel();
+        Arc::new(Handler {
+            entered,
+            release: Semaphore::new(0),
+            failed: AtomicUsize::new(0),
+        })
+    }
+}
+
 impl Ruled for Arc<Handler> {
     async fn hold(&self) -> Result<String, RpcError> {
         let _ = self.entered.send("hold".into());
@@ -465,13 +477,8 @@ async fn hashing_asked_by_a_handle_is_refused_naming_the_handle_not_the_centre()
         governance: tokio::sync::watch::channel(Some(document)).0,
         routing: tokio::sync::watch::channel(None).0,
     };
-    let (tx, _entered) = mpsc::unbounded_channel();
     let server = Server::builder()
-        .add_service(RuledServer::new(Arc::new(Handler {
-            entered: tx,
-            release: Semaphore::new(0),
-            failed: AtomicUsize::new(0),
-        })))
+        .add_service(RuledServer::new(Handler::idle()))
         .serve("127.0.0.1:0")
         .await
         .expect("serve");
@@ -522,13 +529,8 @@ impl rpc::RuleSource for Silent {
 /// (On the paused clock.)
 #[tokio::test(start_paused = true)]
 async fn a_per_call_appoint_does_not_spare_the_entrys_other_calls_their_first_wait() {
-    let (tx, _entered) = mpsc::unbounded_channel();
     let server = Server::builder()
-        .add_service(RuledServer::new(Arc::new(Handler {
-            entered: tx,
-            release: Semaphore::new(0),
-            failed: AtomicUsize::new(0),
-        })))
+        .add_service(RuledServer::new(Handler::idle()))
         .serve("127.0.0.1:0")
         .await
         .expect("serve");
@@ -572,12 +574,7 @@ async fn a_per_call_appoint_does_not_spare_the_entrys_other_calls_their_first_wa
 /// serves without the rules.
 #[tokio::test(start_paused = true)]
 async fn a_server_whose_rule_source_never_answers_serves_after_ten_seconds() {
-    let (tx, _entered) = mpsc::unbounded_channel();
-    let handler = Arc::new(Handler {
-        entered: tx,
-        release: Semaphore::new(0),
-        failed: AtomicUsize::new(0),
-    });
+    let handler = Handler::idle();
     let start = tokio::time::Instant::now();
     let serve = Server::builder()
         .rules(Silent)
