@@ -65,6 +65,9 @@ pub(crate) struct Inner {
     /// User layers around each attempt, outermost first.
     pub(crate) attempt_layers: Vec<Arc<dyn Middleware>>,
     pub(crate) metrics: telemetry::Metrics,
+    /// Where the gauges' callbacks find the client while it lives (emptied as it drops).
+    #[cfg(feature = "otel")]
+    gauge_slot: telemetry::GaugeSlot<Inner>,
     /// Told of every call as it ends ([`Client::observe_calls`]).
     pub(crate) calls: CallObservers,
     /// Removed endpoints a background task is probing.
@@ -347,15 +350,21 @@ impl ClientBuilder {
             .meter
             .unwrap_or_else(|| opentelemetry::global::meter("rpc"));
         let inner = Arc::new_cyclic(|this: &std::sync::Weak<Inner>| {
+            // The gauges' callbacks stay registered with the meter for the process's life (the
+            // SDK has no way to take one back): they reach the client through a slot the client
+            // empties as it drops, so that they hold nothing of it then.
             #[cfg(feature = "otel")]
-            let metrics = {
-                let (b, e) = (this.clone(), this.clone());
-                telemetry::Metrics::new(
+            let (metrics, gauge_slot) = {
+                let slot: telemetry::GaugeSlot<Inner> =
+                    Arc::new(std::sync::Mutex::new(Some(this.clone())));
+                let (b, e) = (slot.clone(), slot.clone());
+                let metrics = telemetry::Metrics::new(
                     &meter,
                     governance.events(),
-                    Box::new(move || b.upgrade().map(|i| i.breaker_gauge())),
-                    Box::new(move || e.upgrade().map(|i| i.health_gauge())),
-                )
+                    Box::new(move || telemetry::read_slot(&b).map(|i| i.breaker_gauge())),
+                    Box::new(move || telemetry::read_slot(&e).map(|i| i.health_gauge())),
+                );
+                (metrics, slot)
             };
             #[cfg(not(feature = "otel"))]
             let (metrics, _) = (telemetry::Metrics, this);
@@ -371,6 +380,8 @@ impl ClientBuilder {
                 layers: self.middleware,
                 attempt_layers: self.attempt_middleware,
                 metrics,
+                #[cfg(feature = "otel")]
+                gauge_slot,
                 calls: CallObservers::new(),
                 probing: Mutex::new(HashSet::new()),
                 unlisted: OnceLock::new(),
@@ -470,6 +481,11 @@ impl Drop for Inner {
     fn drop(&mut self) {
         self.metrics
             .freeze(self.breaker_gauge(), self.health_gauge());
+        // The gauges' callbacks outlive the client: they keep no hold on its memory.
+        self.gauge_slot
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
     }
 }
 
@@ -1938,4 +1954,35 @@ pub(crate) fn into_result(
         err = err.unsupported_by_endpoint(true);
     }
     Err(err)
+}
+
+#[cfg(all(test, feature = "otel"))]
+mod gauge_tests {
+    use std::sync::Arc;
+
+    use opentelemetry::metrics::MeterProvider as _;
+    use opentelemetry_sdk::metrics::{InMemoryMetricExporter, PeriodicReader, SdkMeterProvider};
+
+    use super::Client;
+
+    /// The gauges' callbacks, which the meter keeps for the process's life, reach a client
+    /// through its slot only (no reference to the client of their own), and the client empties
+    /// the slot as it drops: a client gone leaves the meter nothing of its memory. (Before,
+    /// each callback held a weak reference, which kept the client's allocation for good.)
+    #[tokio::test]
+    async fn a_dropped_client_leaves_its_gauges_nothing_of_it() {
+        let provider = SdkMeterProvider::builder()
+            .with_reader(PeriodicReader::builder(InMemoryMetricExporter::default()).build())
+            .build();
+        let client = Client::builder().meter(provider.meter("rpc")).build();
+        let weak = Arc::downgrade(&client.inner);
+        assert_eq!(weak.weak_count(), 2, "this one and the slot's");
+        let slot = client.inner.gauge_slot.clone();
+        drop(client);
+        assert!(weak.upgrade().is_none());
+        assert!(
+            slot.lock().unwrap().is_none(),
+            "the slot lets the client's memory go"
+        );
+    }
 }

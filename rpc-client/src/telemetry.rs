@@ -659,7 +659,7 @@ pub(crate) fn outgoing_attachments(
 }
 
 #[cfg(feature = "otel")]
-pub(crate) use otel::{CallGuard, Metrics, StreamGuard};
+pub(crate) use otel::{read_slot, CallGuard, GaugeSlot, Metrics, StreamGuard};
 
 #[cfg(feature = "otel")]
 mod otel {
@@ -723,6 +723,19 @@ mod otel {
     pub(crate) type Probe = Box<dyn Fn() -> Option<Vec<(String, i64)>> + Send + Sync>;
 
     type Frozen = Arc<Mutex<Option<Vec<(String, i64)>>>>;
+
+    /// Where a client's gauge callbacks find it: a weak reference while it lives, emptied as
+    /// it drops, so that a callback (kept by the meter for the process's life) holds no more
+    /// than this slot of a client gone.
+    pub(crate) type GaugeSlot<T> = Arc<Mutex<Option<std::sync::Weak<T>>>>;
+
+    /// The client behind `slot`, while it lives.
+    pub(crate) fn read_slot<T>(slot: &GaugeSlot<T>) -> Option<Arc<T>> {
+        slot.lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+            .and_then(std::sync::Weak::upgrade)
+    }
 
     fn gauge(
         meter: &Meter,
