@@ -79,7 +79,8 @@ impl<S: Service> Service for CircuitBreakerLayer<S> {
             || result
                 .as_ref()
                 .is_err_and(RpcError::is_unsupported_by_endpoint);
-        let outcome = if local && result.is_err() {
+        // A per-attempt layer's own answer, success or failure, asked no server anything.
+        let outcome = if cx.answered_by_layer || (local && result.is_err()) {
             Outcome::Ignored
         } else {
             Outcome::of(&result)

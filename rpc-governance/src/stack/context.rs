@@ -110,6 +110,10 @@ pub struct CallCx<'g> {
     pub(crate) out_of_callers_time: bool,
     /// The last attempt was dropped locally by adaptive throttling (never sent).
     pub(crate) throttled: bool,
+    /// The last attempt was answered by a per-attempt user layer without reaching the stage
+    /// below it (the transport): the layer refused it, answered it itself, or ran out of time
+    /// before passing it on. Nothing was sent, so its outcome says nothing of the endpoint.
+    pub(crate) answered_by_layer: bool,
     /// Filled by the retry layer with each attempt's endpoint, when the hedge layer asks (it
     /// needs them to send its hedge elsewhere while the call's attempts still run).
     pub(crate) attempted: Option<Attempted>,
@@ -245,6 +249,7 @@ impl<'g> CallCx<'g> {
             deadline_is_callers: false,
             out_of_callers_time: false,
             throttled: false,
+            answered_by_layer: false,
             attempted: None,
             hedge: false,
             hedge_gate: None,

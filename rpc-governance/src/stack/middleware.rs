@@ -156,6 +156,21 @@ impl<S: Service> Erased for S {
     }
 }
 
+/// The stage below a list of user layers: reaching it, the call is no longer the layers'
+/// own answer ([`CallCx::answered_by_layer`]).
+struct Reached<'s, S>(&'s S);
+
+impl<S: Service> Service for Reached<'_, S> {
+    fn call(
+        &self,
+        cx: &mut CallCx<'_>,
+        req: Bytes,
+    ) -> impl std::future::Future<Output = Result<Bytes, RpcError>> + Send {
+        cx.answered_by_layer = false;
+        self.0.call(cx, req)
+    }
+}
+
 /// `S` behind a list of user layers, the first outermost.
 pub struct Layered<'l, S> {
     layers: &'l [Arc<dyn Middleware>],
@@ -180,10 +195,12 @@ impl<S: Service> Service for Layered<'_, S> {
         if self.layers.is_empty() {
             return Either::Left(self.inner.call(cx, req));
         }
+        // The layers' own until the call reaches the stage below them.
+        cx.answered_by_layer = true;
         Either::Right(async move {
             Next {
                 rest: self.layers,
-                end: &self.inner,
+                end: &Reached(&self.inner),
             }
             .run(cx, req)
             .await

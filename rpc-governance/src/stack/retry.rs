@@ -161,6 +161,7 @@ impl<B: Balance, S: Service> Service for RetryLayer<B, S> {
             cx.budget_ms = timeout::remaining_ms_at(now, attempt_deadline);
             cx.endpoint = Some(addr.clone());
             cx.connection = None;
+            cx.answered_by_layer = false;
             let hooks = cx.stream_end_hooks();
             // From here a failure is this attempt's: the number kept by the last decision
             // stands only for a call that ends before another attempt is sent.
@@ -183,9 +184,15 @@ impl<B: Balance, S: Service> Service for RetryLayer<B, S> {
             };
             let err = match outcome {
                 Ok(bytes) => {
-                    cx.health().success(&addr);
+                    // (A layer's own answer says nothing of the endpoint.)
+                    if !cx.answered_by_layer {
+                        cx.health().success(&addr);
+                    }
                     return Ok(bytes);
                 }
+                // A per-attempt layer's failure, the timer's above included (its time ran out
+                // before it passed the call on): nothing was sent.
+                Err(e) if cx.answered_by_layer => e.not_sent(true).maybe_delivered(false),
                 Err(e) => e,
             };
             // This attempt opened no stream: what its layers asked to be told of its end goes.
@@ -277,7 +284,11 @@ impl<B: Balance, S> RetryLayer<B, S> {
         cx.out_of_callers_time = !attempt_timed_out && cx.is_callers_deadline(&err);
         // An endpoint that cannot serve the call says nothing of its health either way.
         let mut unsupported = err.is_unsupported_by_endpoint();
-        let mut fault = if unsent_timeout {
+        // A per-attempt layer's own answer: the endpoint was not asked.
+        let layers_own = cx.answered_by_layer;
+        let mut fault = if layers_own {
+            None
+        } else if unsent_timeout {
             Some(Fault::Sick)
         } else {
             Fault::of(&err)
@@ -285,7 +296,8 @@ impl<B: Balance, S> RetryLayer<B, S> {
         .filter(|_| !cx.out_of_callers_time && !unsupported);
         if let Some(fault) = fault {
             self.hold_against(cx, &addr, fault, &err);
-        } else if err.code().is_breaker_exempt()
+        } else if !layers_own
+            && err.code().is_breaker_exempt()
             && !unsupported
             && err.code() != StatusCode::RateLimited
         {
@@ -297,9 +309,10 @@ impl<B: Balance, S> RetryLayer<B, S> {
         cx.last_said_when = err.retry_after().is_some();
         if unsupported {
             cx.unable.push(addr.clone());
-        } else if err.code() != StatusCode::CommunicationError
-            || err.is_maybe_delivered()
-            || unsent_timeout
+        } else if !layers_own
+            && (err.code() != StatusCode::CommunicationError
+                || err.is_maybe_delivered()
+                || unsent_timeout)
         {
             cx.reached = true;
         }

@@ -2853,3 +2853,108 @@ async fn an_error_not_retried_for_the_budget_keeps_its_retry_after_and_payload()
     assert!(err.payload().is_some(), "{err:?}");
     assert_eq!(s.starts().len(), 1);
 }
+
+// ------------------------------------------------------------------ per-attempt layers' own answers
+
+/// A per-attempt layer that refuses every attempt itself, never passing it on (no ticket for
+/// the endpoint, say).
+struct RefusesItself;
+
+impl super::Middleware for RefusesItself {
+    fn call<'a>(
+        &'a self,
+        _: &'a mut CallCx<'_>,
+        _: Bytes,
+        _: super::Next<'a>,
+    ) -> futures_util::future::BoxFuture<'a, Result<Bytes, RpcError>> {
+        Box::pin(async { Err(RpcError::new(StatusCode::UnAuthentication, "no ticket")) })
+    }
+}
+
+/// A per-attempt layer that takes `0` before passing the attempt on (a token fetch, say).
+struct TakesItsTime(Duration);
+
+impl super::Middleware for TakesItsTime {
+    fn call<'a>(
+        &'a self,
+        cx: &'a mut CallCx<'_>,
+        req: Bytes,
+        next: super::Next<'a>,
+    ) -> futures_util::future::BoxFuture<'a, Result<Bytes, RpcError>> {
+        Box::pin(async move {
+            tokio::time::sleep(self.0).await;
+            next.run(cx, req).await
+        })
+    }
+}
+
+/// An attempt a per-attempt layer answers itself asked no server anything: a half-open
+/// breaker's probe refused so does not close it, and the endpoint's failures in a row stand.
+/// (Before, the layer's refusal counted as the callee's answer: the breaker reset, and the
+/// endpoint was taken for up.)
+#[tokio::test(start_paused = true)]
+async fn a_per_attempt_layers_own_answer_says_nothing_of_the_endpoint() {
+    let g = engine(GovernanceOptions {
+        retry_times: 0,
+        timeout_ms: 0,
+        exceptions_allowed_before_breaking: 1,
+        breaker_seconds: 1,
+        ..Default::default()
+    });
+    let p = g.policy(&M);
+    let mut s = Script::new(vec![server_error()], Duration::ZERO);
+    s.endpoints.truncate(1);
+    let _ = g.execute(&p, &s).await;
+    assert!(
+        matches!(p.breaker().state(), BreakerState::Open { .. }),
+        "{:?}",
+        p.breaker().state()
+    );
+    assert_eq!(g.health().view("a:1").consecutive_failures, 1);
+    tokio::time::advance(Duration::from_millis(1_001)).await;
+    let layers: Vec<Arc<dyn super::Middleware>> = vec![Arc::new(RefusesItself)];
+    let mut cx = CallCx::new(&g, p.clone(), p.options());
+    let err = governed(Scripted(&s), super::Layered::new(&layers, Scripted(&s)))
+        .call(&mut cx, Bytes::new())
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), StatusCode::UnAuthentication, "{err}");
+    assert_eq!(s.starts().len(), 1, "the probe reached no server");
+    assert!(
+        !matches!(p.breaker().state(), BreakerState::Closed { .. }),
+        "{:?}",
+        p.breaker().state()
+    );
+    assert_eq!(g.health().view("a:1").consecutive_failures, 1);
+}
+
+/// An attempt whose per-attempt layer spends its attempt timeout before passing it on sent
+/// nothing: the call may go elsewhere though not idempotent, is not "maybe delivered", and no
+/// endpoint is held slow for it. (Before: a 519 saying the server was told to stop, maybe
+/// delivered, and a mark against the endpoint.)
+#[tokio::test(start_paused = true)]
+async fn an_attempt_timed_out_in_its_layer_was_not_sent() {
+    let g = engine(GovernanceOptions {
+        retry_times: 1,
+        retry_interval_ms: 0,
+        timeout_ms: 0,
+        attempt_timeout_ms: 100,
+        idempotent: false,
+        ..Default::default()
+    });
+    let p = g.policy(&M);
+    let s = Script::new(vec![ok()], Duration::ZERO);
+    let layers: Vec<Arc<dyn super::Middleware>> =
+        vec![Arc::new(TakesItsTime(Duration::from_millis(150)))];
+    let mut cx = CallCx::new(&g, p.clone(), p.options());
+    let err = governed(Scripted(&s), super::Layered::new(&layers, Scripted(&s)))
+        .call(&mut cx, Bytes::new())
+        .await
+        .unwrap_err();
+    assert!(!err.is_maybe_delivered(), "{err}");
+    assert!(s.starts().is_empty(), "nothing reached a server");
+    assert_eq!(tried(&cx).len(), 2, "sent elsewhere though not idempotent");
+    for addr in tried(&cx) {
+        assert!(g.health().is_healthy(&addr), "{addr} held against");
+    }
+}

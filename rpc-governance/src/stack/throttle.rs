@@ -111,6 +111,8 @@ impl<S: Service> Service for ThrottleLayer<S> {
             Err(e) if e.is_unsupported_by_endpoint() => {
                 throttle.withdraw_request_at(now, Instant::now());
             }
+            // A per-attempt layer answered it: nothing reached a server either.
+            _ if cx.answered_by_layer => throttle.withdraw_request_at(now, Instant::now()),
             result if accepted(result) => throttle.accepted_at(Instant::now()),
             _ => {}
         }
