@@ -219,7 +219,10 @@ impl<S: Service> HedgeLayer<S> {
         // other attempt.
         // (A refusal by the client's own transport, the call being over that server's limits,
         // is no answer: nothing was sent, whatever its status says.)
-        let callee = |e: &RpcError| e.code().is_callee_answer() && !e.is_unsupported_by_endpoint();
+        // (Nor is an attempt a per-attempt layer refused itself: not sent.)
+        let callee = |e: &RpcError| {
+            e.code().is_callee_answer() && !e.is_unsupported_by_endpoint() && !e.is_not_sent()
+        };
         let answer = |r: &Result<Bytes, RpcError>| r.as_ref().map_or_else(callee, |_| true);
         let (result, from) = tokio::select! {
             biased;

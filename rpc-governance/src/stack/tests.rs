@@ -2958,3 +2958,40 @@ async fn an_attempt_timed_out_in_its_layer_was_not_sent() {
         assert!(g.health().is_healthy(&addr), "{addr} held against");
     }
 }
+
+/// A per-attempt layer that refuses the attempts aimed at `0` itself.
+struct RefusesAt(&'static str);
+
+impl super::Middleware for RefusesAt {
+    fn call<'a>(
+        &'a self,
+        cx: &'a mut CallCx<'_>,
+        req: Bytes,
+        next: super::Next<'a>,
+    ) -> futures_util::future::BoxFuture<'a, Result<Bytes, RpcError>> {
+        if cx.endpoint() == Some(self.0) {
+            return Box::pin(async {
+                Err(RpcError::new(StatusCode::UnAuthentication, "no ticket"))
+            });
+        }
+        next.run(cx, req)
+    }
+}
+
+/// A hedge a per-attempt layer refuses itself is no answer of a callee: the first attempt,
+/// still running, answers the call. (Before, the hedge's local 401 won the race at once.)
+#[tokio::test(start_paused = true)]
+async fn a_hedge_refused_by_its_layer_does_not_win_the_race() {
+    let g = engine(hedged(50, true));
+    let e = Endpoints::new(&[("slow:1", 100), ("fast:1", 10)]);
+    let layers: Vec<Arc<dyn super::Middleware>> = vec![Arc::new(RefusesAt("fast:1"))];
+    let p = g.policy(&M);
+    let mut cx = CallCx::new(&g, p.clone(), p.options());
+    let t0 = Instant::now();
+    let answer = governed(Scripted(&e), super::Layered::new(&layers, Scripted(&e)))
+        .call(&mut cx, Bytes::new())
+        .await
+        .expect("the first attempt answers");
+    assert_eq!(&answer[..], b"slow:1");
+    assert_eq!(t0.elapsed(), Duration::from_millis(100));
+}
