@@ -50,6 +50,12 @@ pub async fn services(registry: &dyn Registry, json: bool) -> Result<(), Failure
         for id in &ids {
             outln!("{}", id.as_str());
         }
+        if ids.is_empty() {
+            eprintln!(
+                "rpcctl: the registry lists no service (a list of addresses names none: \
+                 `rpcctl instances SERVICE` and `rpcctl call ENTRY` name it themselves)"
+            );
+        }
     }
     Ok(())
 }

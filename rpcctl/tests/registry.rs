@@ -76,6 +76,21 @@ async fn services_and_instances_from_a_static_file_one_per_line_or_json() {
     );
 }
 
+/// A list of addresses names no service: `services` lists nothing, and says why on stderr
+/// rather than succeed in silence; `instances` still answers.
+#[tokio::test]
+async fn services_of_a_list_of_addresses_say_why_there_are_none() {
+    let run = rpcctl(&["--registry", "127.0.0.1:7001,127.0.0.1:7002", "services"]).await;
+    assert_eq!((run.code, run.stdout.as_str()), (0, ""), "{run:?}");
+    assert!(run.stderr.contains("lists no service"), "{run:?}");
+    let run = rpcctl(&["--registry", "127.0.0.1:7001", "instances", "echo.Echo"]).await;
+    assert_eq!(
+        (run.code, run.stdout.as_str()),
+        (0, "127.0.0.1:7001\n"),
+        "{run:?}"
+    );
+}
+
 #[tokio::test]
 async fn a_missing_or_unusable_registry_is_a_usage_error_and_an_unreachable_one_a_failure() {
     let run = rpcctl(&["services"]).await;
