@@ -2856,6 +2856,25 @@ async fn an_error_not_retried_for_the_budget_keeps_its_retry_after_and_payload()
 
 // ------------------------------------------------------------------ per-attempt layers' own answers
 
+/// One call of the test entry through the governed stack over `attempts`, with `layer` per
+/// attempt: its result, and the endpoints it tried.
+async fn through_layer<A: Attempts + Copy + Send>(
+    g: &Governance,
+    layer: impl super::Middleware + 'static,
+    attempts: A,
+) -> (Result<Bytes, RpcError>, Vec<String>) {
+    let layers: Vec<Arc<dyn super::Middleware>> = vec![Arc::new(layer)];
+    let p = g.policy(&M);
+    let mut cx = CallCx::new(g, p.clone(), p.options());
+    let result = governed(
+        Scripted(attempts),
+        super::Layered::new(&layers, Scripted(attempts)),
+    )
+    .call(&mut cx, Bytes::new())
+    .await;
+    (result, tried(&cx))
+}
+
 /// A per-attempt layer that refuses every attempt itself, never passing it on (no ticket for
 /// the endpoint, say).
 struct RefusesItself;
@@ -2912,12 +2931,7 @@ async fn a_per_attempt_layers_own_answer_says_nothing_of_the_endpoint() {
     );
     assert_eq!(g.health().view("a:1").consecutive_failures, 1);
     tokio::time::advance(Duration::from_millis(1_001)).await;
-    let layers: Vec<Arc<dyn super::Middleware>> = vec![Arc::new(RefusesItself)];
-    let mut cx = CallCx::new(&g, p.clone(), p.options());
-    let err = governed(Scripted(&s), super::Layered::new(&layers, Scripted(&s)))
-        .call(&mut cx, Bytes::new())
-        .await
-        .unwrap_err();
+    let err = through_layer(&g, RefusesItself, &s).await.0.unwrap_err();
     assert_eq!(err.code(), StatusCode::UnAuthentication, "{err}");
     assert_eq!(s.starts().len(), 1, "the probe reached no server");
     assert!(
@@ -2942,19 +2956,13 @@ async fn an_attempt_timed_out_in_its_layer_was_not_sent() {
         idempotent: false,
         ..Default::default()
     });
-    let p = g.policy(&M);
     let s = Script::new(vec![ok()], Duration::ZERO);
-    let layers: Vec<Arc<dyn super::Middleware>> =
-        vec![Arc::new(TakesItsTime(Duration::from_millis(150)))];
-    let mut cx = CallCx::new(&g, p.clone(), p.options());
-    let err = governed(Scripted(&s), super::Layered::new(&layers, Scripted(&s)))
-        .call(&mut cx, Bytes::new())
-        .await
-        .unwrap_err();
+    let (result, tried) = through_layer(&g, TakesItsTime(Duration::from_millis(150)), &s).await;
+    let err = result.unwrap_err();
     assert!(!err.is_maybe_delivered(), "{err}");
     assert!(s.starts().is_empty(), "nothing reached a server");
-    assert_eq!(tried(&cx).len(), 2, "sent elsewhere though not idempotent");
-    for addr in tried(&cx) {
+    assert_eq!(tried.len(), 2, "sent elsewhere though not idempotent");
+    for addr in tried {
         assert!(g.health().is_healthy(&addr), "{addr} held against");
     }
 }
@@ -2984,13 +2992,10 @@ impl super::Middleware for RefusesAt {
 async fn a_hedge_refused_by_its_layer_does_not_win_the_race() {
     let g = engine(hedged(50, true));
     let e = Endpoints::new(&[("slow:1", 100), ("fast:1", 10)]);
-    let layers: Vec<Arc<dyn super::Middleware>> = vec![Arc::new(RefusesAt("fast:1"))];
-    let p = g.policy(&M);
-    let mut cx = CallCx::new(&g, p.clone(), p.options());
     let t0 = Instant::now();
-    let answer = governed(Scripted(&e), super::Layered::new(&layers, Scripted(&e)))
-        .call(&mut cx, Bytes::new())
+    let answer = through_layer(&g, RefusesAt("fast:1"), &e)
         .await
+        .0
         .expect("the first attempt answers");
     assert_eq!(&answer[..], b"slow:1");
     assert_eq!(t0.elapsed(), Duration::from_millis(100));
