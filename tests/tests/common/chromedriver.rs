@@ -8,8 +8,8 @@
 //!
 //! Needs `chromium` and `chromedriver` on the PATH (scripts/test.sh installs Debian's
 //! `chromium` and `chromium-driver` when they are missing). The including test package needs
-//! `fantoccini`, `hyper-util`, `futures-util`, `libc`, `reqwest`, `serde_json` and tokio's
-//! `process` feature. Include it with
+//! `fantoccini`, `hyper-util`, `futures-util`, `libc`, `reqwest`, `serde_json`, `tempfile` and
+//! tokio's `process` feature. Include it with
 //! `#[path = "../../tests/tests/common/chromedriver.rs"] mod chromedriver;`.
 #![allow(dead_code)]
 
@@ -64,6 +64,10 @@ pub struct Chromedriver {
     port: u16,
     /// What chromedriver printed, for failure messages.
     output: Arc<Mutex<Vec<String>>>,
+    /// The `TMPDIR` of chromedriver and its browsers, removed after they are killed: chromium
+    /// leaves a directory of its own there (`org.chromium.Chromium.*`, its process-singleton
+    /// socket) when it does not quit in order, as a browser killed with its driver does not.
+    _tmp: tempfile::TempDir,
 }
 
 impl Chromedriver {
@@ -74,11 +78,13 @@ impl Chromedriver {
     pub async fn start() -> Self {
         let program = on_path("chromedriver")
             .unwrap_or_else(|| panic!("no chromedriver on the PATH: {MISSING}"));
+        let tmp = tempfile::tempdir().expect("a temporary directory for chromedriver");
         let mut tries = 0;
         let (child, port, mut lines, output) = loop {
             tries += 1;
             let mut child = Command::new(&program)
                 .arg("--port=0")
+                .env("TMPDIR", tmp.path())
                 .stdin(Stdio::null())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::null())
@@ -130,6 +136,7 @@ impl Chromedriver {
             child,
             port,
             output,
+            _tmp: tmp,
         };
         let status = reqwest::get(format!("{}/status", driver.url()))
             .await
