@@ -20,6 +20,10 @@ use tokio::time::Instant;
 /// (1 % precision is what a p99 panel shows).
 const MAX_MICROS: u64 = 600_000_000;
 
+/// The longest window kept: each of its seconds holds a latency histogram (about 12 KB at these
+/// bounds) for every entry called in it, so an hour's window would hold some 40 MB an entry.
+pub(crate) const MAX_WINDOW: Duration = Duration::from_secs(300);
+
 /// One second of one entry.
 struct Bucket {
     second: u64,
@@ -100,11 +104,12 @@ pub(crate) struct EntryStats {
 }
 
 impl Stats {
-    /// Statistics over the last `window` (whole seconds, at least one).
+    /// Statistics over the last `window` (whole seconds, at least one, at most
+    /// [`MAX_WINDOW`]).
     pub(crate) fn new(window: Duration) -> Self {
         Stats {
             start: Instant::now(),
-            window: window.as_secs().max(1),
+            window: window.clamp(Duration::from_secs(1), MAX_WINDOW).as_secs(),
             entries: Mutex::new(Entries::default()),
         }
     }
@@ -259,8 +264,6 @@ mod tests {
         assert_eq!((s.calls, s.errors, s.cancelled), (4, 3, 2), "{s:?}");
     }
 
-    /// A steady 100 calls a second reads 100 a second wherever in the current second the
-    /// snapshot is taken (the window holds nine whole seconds and a part of the tenth).
     /// An entry called no more keeps no buckets once the window has passed its last call,
     /// though nothing reads the statistics: another entry's call drops them.
     #[tokio::test(start_paused = true)]
@@ -284,6 +287,23 @@ mod tests {
         assert_eq!(held(&stats, "a.A.idle"), Some(0));
     }
 
+    /// A window longer than the longest kept (the builder takes any, `Duration::MAX` too) is
+    /// the longest kept, and its calls are counted: the seconds' sums once overflowed, which
+    /// panicked in a debug build and dropped every call but the first second's in a release
+    /// one.
+    #[tokio::test(start_paused = true)]
+    async fn a_window_past_the_longest_is_the_longest_and_counts_its_calls() {
+        let stats = Stats::new(Duration::MAX);
+        assert_eq!(stats.window_seconds(), 300);
+        let t0 = Instant::now();
+        let at = t0 + Duration::from_secs(2);
+        stats.record(Side::Client, "a.A.m", at, Duration::ZERO, Ended::Ok);
+        let s = &stats.snapshot(t0 + Duration::from_secs(3))[0];
+        assert_eq!(s.calls, 1, "{s:?}");
+    }
+
+    /// A steady 100 calls a second reads 100 a second wherever in the current second the
+    /// snapshot is taken (the window holds nine whole seconds and a part of the tenth).
     #[tokio::test(start_paused = true)]
     async fn a_steady_rate_reads_the_same_at_any_point_of_a_second() {
         let t0 = Instant::now();
