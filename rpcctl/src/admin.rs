@@ -272,6 +272,7 @@ pub async fn events(target: &Target<'_>, json: bool, count: Option<usize>) -> Re
     // Bytes, not text, until a whole message is in: a chunk may end inside a character.
     let mut buffer: Vec<u8> = Vec::new();
     let stdout = std::io::stdout();
+    let mut reader_gone = reader_gone();
     loop {
         while let Some(message) = next_message(&mut buffer) {
             let data: String = message
@@ -320,7 +321,14 @@ pub async fn events(target: &Target<'_>, json: bool, count: Option<usize>) -> Re
         }
         // The endpoint sends a keep-alive comment every 15 s: a stream silent for longer is
         // a process stopped or a network cut, not a quiet one.
-        let chunk = match tokio::time::timeout(SILENCE.max(admin.timeout), stream.chunk()).await {
+        let next = tokio::time::timeout(SILENCE.max(admin.timeout), stream.chunk());
+        let next = tokio::select! {
+            next = next => next,
+            // Nobody reads the output any more (`| head -1` has its line): done, quietly, as
+            // when a write finds the pipe closed; on a quiet process no write may ever come.
+            Ok(()) = &mut reader_gone => return Ok(()),
+        };
+        let chunk = match next {
             Ok(chunk) => chunk,
             Err(_) => {
                 return Err(Failure::failed(format!(
@@ -384,6 +392,50 @@ fn next_message(buffer: &mut Vec<u8>) -> Option<String> {
     Some(String::from_utf8_lossy(&message).into_owned())
 }
 
+/// Completes when the read end of standard output's pipe closes (the reader went away),
+/// learned while waiting rather than at the next write, as `tail -f` does: a thread polls
+/// standard output for nothing but its error and hang-up conditions, which a pipe whose reader
+/// left reports at once. On a file, a terminal in use or `/dev/null` the poll never returns (the
+/// thread ends with the process); if it fails, the sender is dropped and nothing completes.
+fn reader_gone() -> tokio::sync::oneshot::Receiver<()> {
+    let (gone, receiver) = tokio::sync::oneshot::channel();
+    #[cfg(unix)]
+    std::thread::spawn(move || {
+        let mut fd = libc::pollfd {
+            fd: libc::STDOUT_FILENO,
+            events: 0,
+            revents: 0,
+        };
+        loop {
+            // SAFETY: `fd` is one valid `pollfd` for the whole call, and the count says one.
+            let n = unsafe { libc::poll(&mut fd, 1, -1) };
+            if n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            if n > 0 && fd.revents & (libc::POLLERR | libc::POLLHUP) != 0 {
+                let _ = gone.send(());
+            }
+            return;
+        }
+    });
+    #[cfg(not(unix))]
+    drop(gone);
+    receiver
+}
+
+/// `text` on one line: its lines (a TOML parser's message spans several) trimmed and joined
+/// with ` / `, so one event or one cell is one line of the output, as scripts read it.
+fn one_line(text: &str) -> String {
+    if !text.contains(['\n', '\r']) {
+        return text.to_string();
+    }
+    text.split(['\n', '\r'])
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join(" / ")
+}
+
 /// One event as a line for people: `seq side kind entry [endpoint] [attempt N]: cause`.
 fn human(e: &Value) -> String {
     let mut line = format!(
@@ -408,7 +460,7 @@ fn human(e: &Value) -> String {
         line.push_str(" (observed: not enforced)");
     }
     if let Some(cause) = e["cause"].as_str() {
-        line.push_str(&format!(": {cause}"));
+        line.push_str(&format!(": {}", one_line(cause)));
     }
     line
 }
@@ -417,11 +469,11 @@ fn list(v: &Value) -> impl Iterator<Item = &Value> {
     v.as_array().into_iter().flatten()
 }
 
-/// A value as a cell: strings without quotes, null as `-`.
+/// A value as a cell: strings without quotes (on one line), null as `-`.
 fn text(v: &Value) -> String {
     match v {
         Value::Null => "-".to_string(),
-        Value::String(s) => s.clone(),
+        Value::String(s) => one_line(s),
         other => other.to_string(),
     }
 }
@@ -521,6 +573,26 @@ mod tests {
         assert_eq!(
             human(&e),
             "3 client retry a.A.m 127.0.0.1:1 attempt 1: full"
+        );
+    }
+
+    /// A cause of several lines (a TOML parser's message, in a rule refused) is one line of
+    /// the output, and so is a table's cell: scripts read a line as an event or a row.
+    #[test]
+    fn an_event_or_cell_whose_text_spans_lines_is_one_line() {
+        let cause = "governance config: TOML parse error at line 2, column 14\n  |\n2 | \
+                     timeout_ms = \"x\"\n  |              ^^^\r\ninvalid type: string \"x\"\n";
+        let e = serde_json::json!({"seq": 6, "side": "server", "kind": "rule_rejected",
+            "entry": "rules/governance", "cause": cause});
+        assert_eq!(
+            human(&e),
+            "6 server rule_rejected rules/governance: governance config: TOML parse error at \
+             line 2, column 14 / | / 2 | timeout_ms = \"x\" / |              ^^^ / invalid \
+             type: string \"x\""
+        );
+        assert_eq!(
+            text(&Value::from("not ready:\nstopping")),
+            "not ready: / stopping"
         );
     }
 

@@ -252,6 +252,55 @@ async fn status_ends_quietly_with_0_when_its_reader_goes_away() {
     assert!(!stderr(&o).contains("panicked"), "{}", stderr(&o));
 }
 
+/// `rpcctl events | head -1` on a quiet process: the reader goes away with no event to write.
+/// rpcctl learned of a closed pipe only when writing, so it followed the stream for good (the
+/// endpoint's keep-alives write nothing); it now watches its output while it waits, and ends
+/// quietly with 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_ends_quietly_with_0_when_its_reader_goes_away_between_events() {
+    let p = process().await;
+    let addr = p.admin.local_addr().to_string();
+    let (reader, writer) = std::io::pipe().expect("pipe");
+    let mut child = command(&args(&["--admin", &addr, "--token", TOKEN, "events"]))
+        .stdout(writer)
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start rpcctl events");
+    let stderr = child.stderr.take().expect("stderr");
+    let (err_tx, err_rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = err_tx.send(line);
+        }
+    });
+    let following = tokio::task::spawn_blocking(move || {
+        err_rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("rpcctl says it follows the stream")
+    })
+    .await
+    .expect("join");
+    assert!(following.contains("following"), "{following}");
+    drop(reader);
+    let id = child.id();
+    let status = tokio::task::spawn_blocking(move || {
+        // `wait` with a bound (past the endpoint's 15 s keep-alive): killed if still running.
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(child.wait().expect("wait"));
+        });
+        let status = rx.recv_timeout(Duration::from_secs(20));
+        if status.is_err() {
+            let _ = Command::new("kill").arg(id.to_string()).status();
+        }
+        status
+    })
+    .await
+    .expect("join");
+    let status = status.expect("rpcctl events ends once its reader is gone");
+    assert_eq!(status.code(), Some(0));
+}
+
 /// An endpoint whose answers announce a body of 100 bytes and never send it: a 503 on every
 /// path, or (`readyz_answers`) a whole `ready` on `/readyz` and that 503 elsewhere. Stalled
 /// connections stay open until the test process ends.
