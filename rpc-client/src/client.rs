@@ -1504,15 +1504,7 @@ impl Client {
                 )
                 .await
             {
-                // The server was draining and closed before reading the call: the endpoint
-                // may well be back (a restart), so the call goes once more on a fresh
-                // connection. Only then: a timeout or any other verdict on a draining
-                // connection is about a call the server may have run.
-                Err(e)
-                    if e.code() == StatusCode::CommunicationError
-                        && conn.is_draining()
-                        && !e.is_maybe_delivered() =>
-                {
+                Err(e) if unread_by_draining(&conn, &e) => {
                     let fresh = match self.connection(addr, cx).await {
                         Ok(conn) => conn,
                         Err(e) => {
@@ -1686,6 +1678,14 @@ impl Client {
 }
 
 /// The error for an entry id this client has not called.
+/// Whether `e`, a call's or a stream set-up's failure on `conn`, says the server was draining
+/// and closed before reading it: the endpoint may well be back (a restart), so it goes once
+/// more on a fresh connection. Only then: a timeout or any other verdict on a draining
+/// connection is about a call the server may have run.
+pub(crate) fn unread_by_draining(conn: &rpc_transport::Connection, e: &RpcError) -> bool {
+    e.code() == StatusCode::CommunicationError && conn.is_draining() && !e.is_maybe_delivered()
+}
+
 fn unknown_entry(entry_id: &str) -> RpcError {
     RpcError::new(
         StatusCode::NotFindServiceRoute,

@@ -633,43 +633,55 @@ impl stack::Service for OpenAttempt<'_> {
         let attempt = async {
             // The set-up within the attempt's deadline, the stream within the call's.
             let deadline = cx.deadline();
-            let conn = self.client.connection(&addr, cx).await?;
-            cx.set_connection(conn.id());
-            // The set-up's arguments are compressed as a unary call's are: with the entry's
-            // algorithm, at or above its threshold, when this connection's server accepts it.
-            let options = cx.options();
-            let item_pack = ItemPack::of(options, conn.accept_compression());
-            let (parameters, compression) = match options.compression {
-                Compression::Off => (params, 0),
-                algorithm => match compression::pack(
-                    algorithm,
-                    options.compression_threshold as usize,
-                    conn.accept_compression(),
-                    &params,
-                ) {
-                    Some(packed) => {
-                        telemetry::record_compression(algorithm, params.len(), packed.len());
-                        (packed, algorithm.to_wire())
+            let mut conn = self.client.connection(&addr, cx).await?;
+            let mut sent_again = false;
+            let (opened, item_pack) = loop {
+                cx.set_connection(conn.id());
+                // The set-up's arguments are compressed as a unary call's are: with the entry's
+                // algorithm, at or above its threshold, when this connection's server accepts it.
+                let options = cx.options();
+                let item_pack = ItemPack::of(options, conn.accept_compression());
+                let (parameters, compression) = match options.compression {
+                    Compression::Off => (params.clone(), 0),
+                    algorithm => match compression::pack(
+                        algorithm,
+                        options.compression_threshold as usize,
+                        conn.accept_compression(),
+                        &params,
+                    ) {
+                        Some(packed) => {
+                            telemetry::record_compression(algorithm, params.len(), packed.len());
+                            (packed, algorithm.to_wire())
+                        }
+                        None => (params.clone(), 0),
+                    },
+                };
+                let call = Call {
+                    service_entry_id: method.entry_id.into(),
+                    codec: codec.to_wire(),
+                    parameters,
+                    attachments: telemetry::outgoing_attachments(cx.call_id(), cx.attachments()),
+                    retry_depth: cx.retry_depth(),
+                    timeout_ms: rpc_governance::timeout::remaining_ms_at(
+                        tokio::time::Instant::now(),
+                        deadline,
+                    ),
+                    stream_mode: 0,
+                    compression,
+                };
+                match conn
+                    .open_stream_within(call, self.mode, deadline, cx.attempt_deadline())
+                    .await
+                {
+                    // Never read by a draining server: once more on a fresh connection, as a
+                    // unary call goes.
+                    Err(e) if !sent_again && crate::client::unread_by_draining(&conn, &e) => {
+                        sent_again = true;
+                        conn = self.client.connection(&addr, cx).await?;
                     }
-                    None => (params, 0),
-                },
+                    opened => break (opened?, item_pack),
+                }
             };
-            let call = Call {
-                service_entry_id: method.entry_id.into(),
-                codec: codec.to_wire(),
-                parameters,
-                attachments: telemetry::outgoing_attachments(cx.call_id(), cx.attachments()),
-                retry_depth: cx.retry_depth(),
-                timeout_ms: rpc_governance::timeout::remaining_ms_at(
-                    tokio::time::Instant::now(),
-                    deadline,
-                ),
-                stream_mode: 0,
-                compression,
-            };
-            let opened = conn
-                .open_stream_within(call, self.mode, deadline, cx.attempt_deadline())
-                .await?;
             // Accepted or refused, the server answered the set-up.
             answered.store(true, std::sync::atomic::Ordering::Relaxed);
             match opened {

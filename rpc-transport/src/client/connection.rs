@@ -775,18 +775,23 @@ impl Drop for PendingGuard<'_> {
         if self.armed {
             self.shared.in_flight.fetch_sub(1, Ordering::Relaxed);
             if self.shared.pending.remove(self.id) {
-                // A hedged call's losing attempt: the server is told that the call succeeded.
-                let reason = if rpc_core::superseded::is_superseding() {
-                    CancelReason::Superseded
-                } else {
-                    CancelReason::Unspecified
-                };
                 self.shared.sender.send(Kind::Cancel(Cancel {
                     message_id: self.id,
-                    reason: reason as i32,
+                    reason: dropped_reason() as i32,
                 }));
             }
         }
+    }
+}
+
+/// Why a call or stream dropped while the server still has it is cancelled: dropped as the
+/// losing attempt of a call another attempt answered (a hedge, or a middle tier's handler
+/// superseded in its turn), the server is told the call succeeded; otherwise it was given up.
+pub(super) fn dropped_reason() -> CancelReason {
+    if rpc_core::superseded::is_superseding() {
+        CancelReason::Superseded
+    } else {
+        CancelReason::Unspecified
     }
 }
 

@@ -790,11 +790,11 @@ impl Drop for ClientStream {
     fn drop(&mut self) {
         self.ended_for_consumer();
         let shared = &self.tx.conn.shared;
-        // Still open on the server (its slot is still held): tell it to stop.
+        // Still open on the server (its slot is still held): tell it to stop, and why.
         if shared.pending.remove(self.tx.id) {
             shared.sender.send(Kind::Cancel(Cancel {
                 message_id: self.tx.id,
-                ..Default::default()
+                reason: super::connection::dropped_reason() as i32,
             }));
         }
         // A sender elsewhere stops too.

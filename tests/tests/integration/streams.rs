@@ -1412,6 +1412,106 @@ async fn items_beyond_the_window_end_only_that_stream() {
     assert_eq!(within("rogue", rogue).await.expect("rogue server"), WINDOW);
 }
 
+/// A stream dropped as the losing attempt of a call another attempt answered (the stream a
+/// middle tier's handler held when that handler was superseded) tells its server so, as a
+/// unary call does: `Cancel` with reason `Superseded`, so the tier below counts no failure for
+/// a call that succeeded. Dropped otherwise, it was given up (reason unspecified).
+#[tokio::test]
+async fn a_stream_dropped_as_superseded_says_so_in_its_cancel() {
+    use rpc::crates::core::superseded::superseding;
+    use rpc::crates::core::wire::CancelReason;
+    use rpc::crates::transport::{Call, ConnectOptions, Connection, Opened};
+    let (listener, addr) = raw_listener().await;
+    let server = tokio::spawn(async move {
+        let (mut peer, _) = RawConn::accept_with(&listener, streaming_ack(8)).await;
+        let mut reasons = Vec::new();
+        for _ in 0..2 {
+            let id = recv_opening(&mut peer).await.message_id;
+            peer.grant(id, 0).await;
+            let cancel = peer
+                .skip_to("the stream's Cancel", |k| match k {
+                    Kind::Cancel(c) => Some(c),
+                    _ => None,
+                })
+                .await;
+            assert_eq!(cancel.message_id, id);
+            reasons.push(cancel.reason);
+        }
+        reasons
+    });
+    let conn = Connection::connect(&addr.to_string(), &ConnectOptions::default())
+        .await
+        .expect("connect");
+    let open = || async {
+        let call = Call {
+            service_entry_id: "t.Feed.endless".into(),
+            ..Default::default()
+        };
+        match within("open", conn.open_stream(call, StreamMode::Server, None))
+            .await
+            .expect("open")
+        {
+            Opened::Accepted(s) => s,
+            Opened::Refused(r) => panic!("refused: {r:?}"),
+        }
+    };
+    let superseded = open().await;
+    superseding(|| drop(superseded));
+    drop(open().await);
+    assert_eq!(
+        within("the server's Cancels", server)
+            .await
+            .expect("server"),
+        [
+            CancelReason::Superseded as i32,
+            CancelReason::Unspecified as i32
+        ]
+    );
+}
+
+/// A server draining for a restart that closes without reading a stream's set-up (its last
+/// GoAway says it read nothing more) never ran it: the set-up goes once more on a fresh
+/// connection, as a unary call does, rather than failing with 506 "connection closed by the
+/// server" (the retry layer may not send it elsewhere: no other endpoint, and the server
+/// reached).
+#[tokio::test]
+async fn a_stream_set_up_a_draining_server_never_read_goes_again_on_a_fresh_connection() {
+    use rpc::crates::core::wire::GoAway;
+    let (listener, addr) = raw_listener().await;
+    let server = tokio::spawn(async move {
+        // The first connection: the set-up arrives as the server drains, and is not run.
+        let (mut old, _) = RawConn::accept_with(&listener, streaming_ack(8)).await;
+        recv_opening(&mut old).await;
+        for last in [false, true] {
+            old.send(Kind::GoAway(GoAway {
+                status_code: 200,
+                reason: "restarting".into(),
+                last,
+            }))
+            .await
+            .expect("GoAway");
+        }
+        old.half_close().await;
+        // The restarted server: the set-up again, accepted, and ended with no item.
+        let (mut new, _) = RawConn::accept_with(&listener, streaming_ack(8)).await;
+        let id = recv_opening(&mut new).await.message_id;
+        new.grant(id, 0).await;
+        new.answer(id, 200, "").await;
+        // Both held open until the test ends.
+        (old, new)
+    });
+    let client = Client::builder()
+        .registry(StaticRegistry::new([addr.to_string()]))
+        .build();
+    let ticks = within("the stream", async {
+        FeedClient::new(client).ticks(0).await?.collect_all().await
+    })
+    .await
+    .expect("the set-up went again, and the restarted server answered it");
+    assert!(ticks.is_empty(), "{ticks:?}");
+    let _connections = within("the server", server).await.expect("server");
+}
+
 /// Refuses the client `intruder`; counts the calls it sees in `seen`.
 fn gate(seen: Arc<AtomicU64>) -> impl rpc::ServerLayer {
     rpc::server_layer_fn(move |req, next| {
