@@ -142,6 +142,9 @@ pub struct CallCx<'g> {
     /// Endpoints this call found unable to serve it (their servers do not stream): never
     /// candidates again for it. Empty for most calls (no allocation).
     pub(crate) unable: Vec<Arc<str>>,
+    /// Endpoints that refused an attempt of this call saying when to come back (a 429's
+    /// `retry_after`): not sent it again before then. Empty for most calls (no allocation).
+    pub(crate) paused: Vec<Paused>,
     /// The last failure of an endpoint that could serve the call, kept for the case where a
     /// detour to one that cannot leaves nothing untried (see the retry layer).
     pub(crate) served_failure: Option<Box<ServedFailure>>,
@@ -168,6 +171,18 @@ pub(crate) struct ServedFailure {
     /// The attempt's number.
     pub(crate) attempt: u32,
     pub(crate) attempt_timed_out: bool,
+}
+
+/// An endpoint's refusal of an attempt that said when to come back ([`CallCx::paused`]).
+#[derive(Debug)]
+pub(crate) struct Paused {
+    pub(crate) endpoint: Arc<str>,
+    /// Not sent the call again before this.
+    pub(crate) until: Instant,
+    /// The refused attempt's number.
+    pub(crate) attempt: u32,
+    /// The refusal: the call's failure, should it end for want of time to wait it out.
+    pub(crate) refusal: RpcError,
 }
 
 /// How a stream ended, as a hook a layer registered with [`CallCx::on_stream_end`] sees it.
@@ -260,6 +275,7 @@ impl<'g> CallCx<'g> {
             last_said_when: false,
             failed_attempt: None,
             unable: Vec::new(),
+            paused: Vec::new(),
             served_failure: None,
             reached: false,
             fallback_cause: None,
@@ -268,6 +284,31 @@ impl<'g> CallCx<'g> {
             call_id: None,
             stream_end: Vec::new(),
         }
+    }
+
+    /// An attempt counted at `counted_at` by adaptive throttling (when on) and dropped before
+    /// anything was sent (its deadline passed in a per-attempt layer): no server saw it, so
+    /// it is no request of the throttle's either.
+    pub(crate) fn withdraw_unsent_request(&self, counted_at: Instant) {
+        if self.options.throttle_k_percent > 0 {
+            if let Some(throttle) = self.policy.throttle.get() {
+                throttle.withdraw_request_at(counted_at, Instant::now());
+            }
+        }
+    }
+
+    /// Takes the verdict of `hedge`'s attempt, whose answer the call returns: the endpoint
+    /// that answered and what the layers above read of how (by a per-attempt layer, held
+    /// against the endpoint, dropped by throttling, out of the caller's time or of the
+    /// attempt's).
+    pub(crate) fn take_verdict_of(&mut self, hedge: &CallCx<'_>) {
+        self.endpoint = hedge.endpoint.clone();
+        self.connection = hedge.connection;
+        self.answered_by_layer = hedge.answered_by_layer;
+        self.endpoint_held = hedge.endpoint_held;
+        self.throttled = hedge.throttled;
+        self.out_of_callers_time = hedge.out_of_callers_time;
+        self.attempt_timed_out = hedge.attempt_timed_out;
     }
 
     /// The call started at `at`, before its stack ran: what was done for it before (finding

@@ -189,89 +189,100 @@ impl<S: Service> HedgeLayer<S> {
                 }
             }),
         });
-        // Each attempt records the endpoint that answered it apart (when the caller asks, see
-        // `rpc_core::answered`): the call names the one whose answer it returns, not the last.
-        let answered: [std::sync::Mutex<Option<String>>; 2] = Default::default();
-        let first = self.inner.call(cx, req.clone());
-        let primary = async {
-            let (result, by) = rpc_core::answered::answered_by(first).await;
-            *lock(&answered[0]) = by;
-            result
-        };
-        let hedge = async {
-            tokio::time::sleep_until(started + delay).await;
-            // An error before any attempt when no hedge is sent: the first attempt decides.
-            let (result, by) =
-                rpc_core::answered::answered_by(self.inner.call(&mut hedge_cx, req)).await;
-            run.end();
-            *lock(&answered[1]) = by;
-            Some(result)
-        };
-        // Each in an `Option`, so that the loser can be dropped here, inside `superseding`
-        // (its transport then tells its server why it stops), rather than when this function
-        // returns.
-        let mut primary = std::pin::pin!(Some(primary));
-        let mut hedge = std::pin::pin!(Some(hedge));
-        // The result, and which attempt gave it (0: the first, 1: the hedge).
-        // The first answer wins: a success, or the callee's own answer (a business or
-        // validation error, a refused caller), which the other attempt must neither delay
-        // nor replace. A failure to get one (unreachable, overloaded, timed out) waits for the
-        // other attempt.
-        // (A refusal by the client's own transport, the call being over that server's limits,
-        // is no answer: nothing was sent, whatever its status says.)
-        // (Nor is an attempt a per-attempt layer refused itself: not sent.)
-        let callee = |e: &RpcError| {
-            e.code().is_callee_answer() && !e.is_unsupported_by_endpoint() && !e.is_not_sent()
-        };
-        let answer = |r: &Result<Bytes, RpcError>| r.as_ref().map_or_else(callee, |_| true);
-        let (result, from) = tokio::select! {
-            biased;
-            r = live(primary.as_mut()) => match r {
-                // The first attempt failed for good before any hedge: none is sent now.
-                Err(e) if !callee(&e) && !sent.load(Ordering::Relaxed) => (Err(e), 0),
-                // A hedge already sent may still answer.
-                Err(e) if !callee(&e) => match live(hedge.as_mut()).await {
-                    Some(h) if answer(&h) => (h, 1),
-                    _ => (Err(e), 0),
+        // In a block of their own: both attempts' futures, which borrow `cx` and `hedge_cx`,
+        // are gone by its end, so the winner's context can be read.
+        let (result, from) = {
+            // Each attempt records the endpoint that answered it apart (when the caller asks, see
+            // `rpc_core::answered`): the call names the one whose answer it returns, not the last.
+            let answered: [std::sync::Mutex<Option<String>>; 2] = Default::default();
+            let first = self.inner.call(cx, req.clone());
+            let primary = async {
+                let (result, by) = rpc_core::answered::answered_by(first).await;
+                *lock(&answered[0]) = by;
+                result
+            };
+            let hedge = async {
+                tokio::time::sleep_until(started + delay).await;
+                // An error before any attempt when no hedge is sent: the first attempt decides.
+                let (result, by) =
+                    rpc_core::answered::answered_by(self.inner.call(&mut hedge_cx, req)).await;
+                run.end();
+                *lock(&answered[1]) = by;
+                Some(result)
+            };
+            // Each in an `Option`, so that the loser can be dropped here, inside `superseding`
+            // (its transport then tells its server why it stops), rather than when this function
+            // returns.
+            let mut primary = std::pin::pin!(Some(primary));
+            let mut hedge = std::pin::pin!(Some(hedge));
+            // The result, and which attempt gave it (0: the first, 1: the hedge).
+            // The first answer wins: a success, or the callee's own answer (a business or
+            // validation error, a refused caller), which the other attempt must neither delay
+            // nor replace. A failure to get one (unreachable, overloaded, timed out) waits for the
+            // other attempt.
+            // (A refusal by the client's own transport, the call being over that server's limits,
+            // is no answer: nothing was sent, whatever its status says.)
+            // (Nor is an attempt a per-attempt layer refused itself: not sent.)
+            let callee = |e: &RpcError| {
+                e.code().is_callee_answer() && !e.is_unsupported_by_endpoint() && !e.is_not_sent()
+            };
+            let answer = |r: &Result<Bytes, RpcError>| r.as_ref().map_or_else(callee, |_| true);
+            let (result, from) = tokio::select! {
+                biased;
+                r = live(primary.as_mut()) => match r {
+                    // The first attempt failed for good before any hedge: none is sent now.
+                    Err(e) if !callee(&e) && !sent.load(Ordering::Relaxed) => (Err(e), 0),
+                    // A hedge already sent may still answer.
+                    Err(e) if !callee(&e) => match live(hedge.as_mut()).await {
+                        Some(h) if answer(&h) => (h, 1),
+                        _ => (Err(e), 0),
+                    },
+                    r => {
+                        superseded.set();
+                        if r.is_ok() {
+                            learn(started.elapsed());
+                        }
+                        (r, 0)
+                    }
                 },
-                r => {
-                    superseded.set();
-                    if r.is_ok() {
-                        learn(started.elapsed());
+                h = live(hedge.as_mut()) => match h {
+                    Some(h) if answer(&h) => {
+                        superseded.set();
+                        // The first attempt, still running, has taken at least this long.
+                        if h.is_ok() {
+                            learn(started.elapsed());
+                        }
+                        (h, 1)
                     }
-                    (r, 0)
-                }
-            },
-            h = live(hedge.as_mut()) => match h {
-                Some(h) if answer(&h) => {
-                    superseded.set();
-                    // The first attempt, still running, has taken at least this long.
-                    if h.is_ok() {
-                        learn(started.elapsed());
+                    // No hedge (no other endpoint, the first attempt still finding its own, or the
+                    // budget spent), or it failed: the first attempt decides, and its time is
+                    // learnt as any first attempt's.
+                    _ => {
+                        let result = live(primary.as_mut()).await;
+                        if result.is_ok() {
+                            learn(started.elapsed());
+                        }
+                        (result, 0)
                     }
-                    (h, 1)
-                }
-                // No hedge (no other endpoint, the first attempt still finding its own, or the
-                // budget spent), or it failed: the first attempt decides, and its time is
-                // learnt as any first attempt's.
-                _ => {
-                    let result = live(primary.as_mut()).await;
-                    if result.is_ok() {
-                        learn(started.elapsed());
-                    }
-                    (result, 0)
-                }
-            },
+                },
+            };
+            match lock(&answered[from]).as_deref() {
+                Some(by) => rpc_core::answered::record(by),
+                None => rpc_core::answered::record_nobody(),
+            }
+            if superseded.is_set() {
+                rpc_core::superseded::superseding(|| {
+                    primary.set(None);
+                    hedge.set(None);
+                });
+            }
+            (result, from)
         };
-        match lock(&answered[from]).as_deref() {
-            Some(by) => rpc_core::answered::record(by),
-            None => rpc_core::answered::record_nobody(),
-        }
-        if superseded.is_set() {
-            rpc_core::superseded::superseding(|| {
-                primary.set(None);
-                hedge.set(None);
-            });
+        // The layers above judge the call by its context (the breaker: whether an endpoint
+        // answered; the timeout: whose deadline passed): when the hedge's answer is the
+        // call's, so is its attempt's verdict, not the first attempt's, dropped meanwhile.
+        if from == 1 {
+            cx.take_verdict_of(&hedge_cx);
         }
         result
     }

@@ -23,7 +23,7 @@ use bytes::Bytes;
 use rpc_core::{GovernanceOptions, RpcContext, RpcError, StatusCode};
 use tokio::time::Instant;
 
-use super::context::ServedFailure;
+use super::context::{Paused, ServedFailure};
 use super::{Balance, CallCx, Pick, Service};
 use crate::events::EventKind;
 use crate::failover;
@@ -125,6 +125,22 @@ impl<B: Balance, S: Service> Service for RetryLayer<B, S> {
                     continue;
                 }
             }
+            // An endpoint that refused an earlier attempt saying when to come back is not sent
+            // the call before then: the pause is waited out when it ends before the deadline,
+            // else the call ends with that refusal (which carries its `retry_after`).
+            if let Some(i) = cx.paused.iter().position(|p| p.endpoint == addr) {
+                let until = cx.paused[i].until;
+                if until > Instant::now() {
+                    if deadline.is_some_and(|d| until >= d) {
+                        let p = cx.paused.swap_remove(i);
+                        cx.failed_attempt = Some(p.attempt);
+                        cx.last_failed = Some(p.endpoint.clone());
+                        cx.endpoint = Some(p.endpoint);
+                        return Err(failover::final_error(p.refusal, tried(cx)));
+                    }
+                    tokio::time::sleep_until(until).await;
+                }
+            }
             if let Some(attempted) = &cx.attempted {
                 attempted
                     .lock()
@@ -172,14 +188,20 @@ impl<B: Balance, S: Service> Service for RetryLayer<B, S> {
             // deadline sweeper does, for all its calls with one timer): a second timer per
             // attempt would only cost.
             let outcome = match attempt_deadline {
-                Some(d) if !enforced => {
-                    tokio::time::timeout_at(d, call).await.unwrap_or_else(|_| {
+                Some(d) if !enforced => match tokio::time::timeout_at(d, call).await {
+                    Ok(outcome) => outcome,
+                    Err(_) => {
+                        // Dropped still in a per-attempt layer: adaptive throttling counted a
+                        // request that never went, and forgets it.
+                        if cx.answered_by_layer {
+                            cx.withdraw_unsent_request(now);
+                        }
                         Err(RpcError::new(
                             StatusCode::Timeout,
                             format!("{addr}: no answer before the deadline"),
                         ))
-                    })
-                }
+                    }
+                },
                 _ => call.await,
             };
             let err = match outcome {
@@ -307,6 +329,15 @@ impl<B: Balance, S> RetryLayer<B, S> {
         }
         cx.last_failed = Some(addr.clone());
         cx.last_said_when = err.retry_after().is_some();
+        if let Some(wait) = err.retry_after() {
+            cx.paused.retain(|p| p.endpoint != addr);
+            cx.paused.push(Paused {
+                endpoint: addr.clone(),
+                until: Instant::now() + wait,
+                attempt,
+                refusal: err.clone(),
+            });
+        }
         if unsupported {
             cx.unable.push(addr.clone());
         } else if !layers_own

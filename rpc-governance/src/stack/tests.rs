@@ -2854,6 +2854,51 @@ async fn an_error_not_retried_for_the_budget_keeps_its_retry_after_and_payload()
     assert_eq!(s.starts().len(), 1);
 }
 
+/// An endpoint that refused an attempt saying when to come back (a 429's `retry_after`) is not
+/// sent the call again before then, though another endpoint failed in between: `a` refuses
+/// for 300 ms, the call fails over to `b`, which cannot be reached, and goes back to `a` only
+/// at 300 ms (before, at 100 ms: refused again, the attempt and the budget spent). When the
+/// pause does not end before the deadline, the call ends with `a`'s refusal.
+#[tokio::test(start_paused = true)]
+async fn an_endpoints_retry_after_is_waited_out_when_the_call_comes_back_to_it() {
+    let limited = || {
+        Err(RpcError::new(StatusCode::RateLimited, "over the quota")
+            .with_retry_after(Duration::from_millis(300)))
+    };
+    let refused = || Err(RpcError::new(StatusCode::CommunicationError, "refused"));
+    for (timeout_ms, served) in [(5000, true), (200, false)] {
+        let g = engine(GovernanceOptions {
+            retry_times: 2,
+            retry_interval_ms: 50,
+            timeout_ms,
+            ..Default::default()
+        });
+        let mut s = Script::new(vec![limited(), refused(), ok()], Duration::ZERO);
+        s.endpoints = vec!["a:1".into(), "b:1".into()];
+        let result = g.execute(&g.policy(&M), &s).await;
+        let log: Vec<(u128, String)> = s
+            .log
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(t, a)| (t.as_millis(), a.clone()))
+            .collect();
+        if served {
+            assert_eq!(result.expect("served once a's pause ended"), ok().unwrap());
+            assert_eq!(
+                log,
+                [(0, "a:1".into()), (50, "b:1".into()), (300, "a:1".into())]
+            );
+        } else {
+            let err = result.expect_err("a's pause ends past the deadline");
+            assert_eq!(err.code(), StatusCode::RateLimited, "{err}");
+            assert_eq!(err.retry_after(), Some(Duration::from_millis(300)));
+            assert_eq!(err.tried(), ["a:1", "b:1"]);
+            assert_eq!(log, [(0, "a:1".into()), (50, "b:1".into())]);
+        }
+    }
+}
+
 // ------------------------------------------------------------------ per-attempt layers' own answers
 
 /// One call of the test entry through the governed stack over `attempts`, with `layer` per
@@ -2905,6 +2950,85 @@ impl super::Middleware for TakesItsTime {
             next.run(cx, req).await
         })
     }
+}
+
+/// Attempts whose attempt timeout passes in their per-attempt layer were never sent: adaptive
+/// throttling, which counts refused requests, counts none of them (before, each counted as a
+/// request refused, and ten of them gave a drop probability of 10/11).
+#[tokio::test(start_paused = true)]
+async fn attempts_timed_out_in_their_layer_are_no_requests_of_the_throttle() {
+    let g = engine(GovernanceOptions {
+        throttle_k_percent: 200,
+        attempt_timeout_ms: 100,
+        retry_times: 0,
+        timeout_ms: 0,
+        ..Default::default()
+    });
+    let s = Script::new(vec![ok()], Duration::ZERO);
+    for _ in 0..10 {
+        let (result, _) = through_layer(&g, TakesItsTime(Duration::from_millis(150)), &s).await;
+        let err = result.expect_err("the attempt timed out in its layer");
+        assert!(
+            err.message()
+                .contains("not sent within the attempt timeout"),
+            "{err}"
+        );
+    }
+    assert!(s.starts().is_empty(), "nothing reached a server");
+    let policy = g.policy(&M);
+    let throttle = policy.throttle.get().expect("the throttle ran");
+    assert_eq!(throttle.drop_probability_at(Instant::now()), 0.0);
+}
+
+/// A per-attempt layer that takes `1` before passing on an attempt to endpoint `0` only.
+struct SlowBefore(&'static str, Duration);
+
+impl super::Middleware for SlowBefore {
+    fn call<'a>(
+        &'a self,
+        cx: &'a mut CallCx<'_>,
+        req: Bytes,
+        next: super::Next<'a>,
+    ) -> futures_util::future::BoxFuture<'a, Result<Bytes, RpcError>> {
+        Box::pin(async move {
+            if cx.endpoint() == Some(self.0) {
+                tokio::time::sleep(self.1).await;
+            }
+            next.run(cx, req).await
+        })
+    }
+}
+
+/// A hedge whose answer is the call's is judged as its own attempt, not as the first one it
+/// beat: a half-open breaker's probe that the hedge answered closes the breaker, though the
+/// first attempt was still in its per-attempt layer (before, the call was judged the layer's
+/// own answer and the breaker stayed half-open).
+#[tokio::test(start_paused = true)]
+async fn a_hedge_that_answers_is_judged_by_its_own_attempt() {
+    let g = engine(GovernanceOptions {
+        retry_times: 0,
+        exceptions_allowed_before_breaking: 1,
+        breaker_seconds: 1,
+        ..hedged(50, true)
+    });
+    let p = g.policy(&M);
+    let mut s = Script::new(vec![server_error()], Duration::ZERO);
+    s.endpoints.truncate(1);
+    let _ = g.execute(&p, &s).await;
+    assert!(
+        matches!(p.breaker().state(), BreakerState::Open { .. }),
+        "{:?}",
+        p.breaker().state()
+    );
+    tokio::time::advance(Duration::from_millis(1_001)).await;
+    let e = Endpoints::new(&[("slow:1", 10), ("fast:1", 10)]);
+    let (result, _) = through_layer(&g, SlowBefore("slow:1", Duration::from_millis(200)), &e).await;
+    assert_eq!(result.expect("the hedge answers"), "fast:1");
+    assert!(
+        matches!(p.breaker().state(), BreakerState::Closed { .. }),
+        "the probe was answered: {:?}",
+        p.breaker().state()
+    );
 }
 
 /// An attempt a per-attempt layer answers itself asked no server anything: a half-open
