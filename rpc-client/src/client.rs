@@ -463,11 +463,7 @@ fn call_options_problem(o: &GovernanceOverrides) -> Option<RpcError> {
 /// called kept its pool entry, and a removed one was probed every 30 s for good (connecting
 /// to whatever took its address). An endpoint announced again gets new connections.
 fn forget_departed(inner: &Inner, addr: &str) {
-    let listed = inner
-        .services
-        .iter()
-        .any(|s| s.endpoints().iter().any(|i| i.address == addr));
-    if listed {
+    if lists(inner, addr) {
         return;
     }
     inner.governance.health().forget(addr);
@@ -1119,11 +1115,23 @@ impl Client {
         params: Bytes,
         hash_key: Option<H>,
     ) -> impl std::future::Future<Output = Result<Bytes, RpcError>> + Send + '_ {
+        self.invoke_since(method, params, hash_key, None)
+    }
+
+    /// [`invoke`](Self::invoke) of a call that began at `began` (when given): its time, and
+    /// its deadline, count from then (a generic call that looked its service up first).
+    pub(crate) fn invoke_since<H: FnOnce() -> u64>(
+        &self,
+        method: &'static MethodDescriptor,
+        params: Bytes,
+        hash_key: Option<H>,
+        began: Option<tokio::time::Instant>,
+    ) -> impl std::future::Future<Output = Result<Bytes, RpcError>> + Send + '_ {
         let policy = self.inner.governance.policy(method);
         if policy.service_known() {
             // The call's span is made when the call is first polled (`None`): its parent is
             // the span the caller awaits it in, as for an entry's first call below.
-            return Either::Left(self.invoke_entry(method, policy, params, hash_key, None, None));
+            return Either::Left(self.invoke_entry(method, policy, params, hash_key, began, None));
         }
         // An entry's first call: its service is looked up first (the key is hashed now,
         // whatever the strategy turns out to be: once per entry), within the call's span.
@@ -1132,7 +1140,8 @@ impl Client {
             let span = telemetry::call_span(method);
             // Before the lookup, so that what is logged in it carries the call's id.
             let call_id = telemetry::call_id(&span);
-            let started = self.learn_service(method, &policy, &span).await;
+            let learnt_from = self.learn_service(method, &policy, &span).await;
+            let started = began.unwrap_or(learnt_from);
             let hash_key = hash.map(|h| move || h);
             self.invoke_entry(
                 method,
@@ -1648,6 +1657,20 @@ impl Client {
         if let Some(conn) = self.inner.pool.try_get(addr) {
             return Ok(conn);
         }
+        // An endpoint that left the registry while the call was on its way to it (a
+        // per-attempt layer waited) gets no new connection: nothing would retire it (its
+        // address has gone already), and it would stay open, pinging, for the client's life.
+        // The call goes elsewhere, as one a retired connection refuses does.
+        if !(ClientBalance { client: self }).listed(addr, cx) {
+            return Err(RpcError::new(
+                StatusCode::CommunicationError,
+                format!(
+                    "{addr}: the call was not sent: the endpoint left the registry while the \
+                     call was on its way"
+                ),
+            )
+            .unsupported_by_endpoint(true));
+        }
         match cx.attempt_deadline() {
             None => self.inner.pool.get(addr).await,
             Some(d) => tokio::time::timeout_at(d, self.inner.pool.get(addr))
@@ -1677,7 +1700,6 @@ impl Client {
     }
 }
 
-/// The error for an entry id this client has not called.
 /// Whether `e`, a call's or a stream set-up's failure on `conn`, says the server was draining
 /// and closed before reading it: the endpoint may well be back (a restart), so it goes once
 /// more on a fresh connection. Only then: a timeout or any other verdict on a draining
@@ -1686,6 +1708,15 @@ pub(crate) fn unread_by_draining(conn: &rpc_transport::Connection, e: &RpcError)
     e.code() == StatusCode::CommunicationError && conn.is_draining() && !e.is_maybe_delivered()
 }
 
+/// Whether a service this client follows lists `addr` among its endpoints now.
+fn lists(inner: &Inner, addr: &str) -> bool {
+    inner
+        .services
+        .iter()
+        .any(|s| s.endpoints().iter().any(|i| i.address == addr))
+}
+
+/// The error for an entry id this client has not called.
 fn unknown_entry(entry_id: &str) -> RpcError {
     RpcError::new(
         StatusCode::NotFindServiceRoute,
@@ -1758,9 +1789,7 @@ impl Balance for ClientBalance<'_> {
     }
 
     fn listed(&self, addr: &str, cx: &CallCx<'_>) -> bool {
-        cx.options().shunt_strategy == ShuntStrategy::Appoint
-            || (self.client.inner.services.iter())
-                .any(|s| s.endpoints().iter().any(|i| i.address == addr))
+        cx.options().shunt_strategy == ShuntStrategy::Appoint || lists(&self.client.inner, addr)
     }
 }
 

@@ -21,7 +21,10 @@
 //! kept is bounded by the entries servers publish; a service id naming no instance is not kept.
 
 use std::collections::HashMap;
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock, PoisonError};
+use std::task::Poll;
 
 use bytes::Bytes;
 use rpc_core::{Codec, GovernanceOverrides, MethodDescriptor, RpcError, StatusCode};
@@ -88,6 +91,21 @@ impl Client {
             ))
             .with_field_error("arguments", "must be a JSON array"));
         };
+        // The service's lookup counts in the call's time, as a proxy's first call's does: a
+        // registry that does not answer fails the call at its deadline, not never. The
+        // deadline is worked out only when a lookup waits (most calls find their service
+        // known).
+        let began = tokio::time::Instant::now();
+        let waited = AtomicBool::new(false);
+        let deadline = || {
+            waited.store(true, Ordering::Relaxed);
+            let options = self.inner.governance.options_by_ids(service_id, entry_id);
+            let options = match &self.call_options {
+                Some(o) => o.applied(&options),
+                None => options,
+            };
+            rpc_governance::timeout::deadline_from(began, &options)
+        };
         let no_instance = || {
             RpcError::new(
                 StatusCode::NotFindServiceRoute,
@@ -102,12 +120,18 @@ impl Client {
         // seen, so ids that name nothing cost nothing lasting.
         let service_id = match lookup_str(service_id) {
             Some(id) => id,
-            None if self.watch(service_id).await?.current().is_empty() => return Err(no_instance()),
+            None if within(&deadline, entry_id, self.watch(service_id))
+                .await??
+                .current()
+                .is_empty() =>
+            {
+                return Err(no_instance())
+            }
             None => intern_str(service_id),
         };
         // Watching the service first makes what its instances publish a configuration level
         // before the entry's options are resolved.
-        let service = self.service(service_id).await?;
+        let service = within(&deadline, entry_id, self.service(service_id)).await??;
         let instances = service.endpoints();
         if instances.is_empty() {
             return Err(no_instance());
@@ -156,7 +180,9 @@ impl Client {
         // Encoded: the parsed arguments (a body's worth of JSON values, larger than its text)
         // are not held while the call is out.
         drop(args);
-        match self.invoke(descriptor, params, key).await {
+        // Counted from `began` when a lookup waited.
+        let began = waited.into_inner().then_some(began);
+        match self.invoke_since(descriptor, params, key, began).await {
             Ok(bytes) => Ok(JsonAnswer { codec, bytes }),
             Err(e) => Err(json_payload(e)),
         }
@@ -209,6 +235,34 @@ pub fn error_body(error: &RpcError) -> Option<Value> {
 }
 
 /// `error` with its typed value, if any, carried as JSON.
+/// `lookup`, failing with 519 once the call's deadline passes, when it has to wait: then
+/// `deadline` is asked for the call's.
+async fn within<T>(
+    deadline: &(impl Fn() -> Option<tokio::time::Instant> + Sync),
+    entry_id: &str,
+    lookup: impl Future<Output = T>,
+) -> Result<T, RpcError> {
+    let mut lookup = std::pin::pin!(lookup);
+    let first = std::future::poll_fn(|c| Poll::Ready(lookup.as_mut().poll(c))).await;
+    if let Poll::Ready(found) = first {
+        return Ok(found);
+    }
+    let Some(deadline) = deadline() else {
+        return Ok(lookup.await);
+    };
+    tokio::time::timeout_at(deadline, lookup)
+        .await
+        .map_err(|_| {
+            RpcError::new(
+                StatusCode::Timeout,
+                format!(
+                    "{entry_id}: no endpoint was known before the deadline (the registry did not \
+                 answer in time); check that the registry is reachable"
+                ),
+            )
+        })
+}
+
 fn json_payload(error: RpcError) -> RpcError {
     let Some((codec, bytes)) = error.payload() else {
         return error;

@@ -150,11 +150,16 @@ impl GovernanceConfig {
 
     /// Applies this layer (defaults, then the service's section, then the entry's).
     pub fn apply(&self, method: &MethodDescriptor, options: &mut GovernanceOptions) {
+        self.apply_ids(method.service_id, method.entry_id, options);
+    }
+
+    /// [`apply`](Self::apply) by the ids alone.
+    fn apply_ids(&self, service_id: &str, entry_id: &str, options: &mut GovernanceOptions) {
         self.defaults.apply_to(options);
-        if let Some(o) = self.services.get(method.service_id) {
+        if let Some(o) = self.services.get(service_id) {
             o.apply_to(options);
         }
-        if let Some(o) = self.entries.get(method.entry_id) {
+        if let Some(o) = self.entries.get(entry_id) {
             o.apply_to(options);
         }
     }
@@ -212,6 +217,25 @@ impl Layers {
         kept.shunt_strategy = strategy;
         self.runtime.apply(method, &mut kept);
         (kept, true)
+    }
+
+    /// The options of entry `entry_id` of `service_id` before the entry has a descriptor (a
+    /// generic call looking its service up, for its deadline): every layer's, as
+    /// [`resolve`](Self::resolve) reads them for an entry without a method attribute (a
+    /// generic call has none), short of `resolve`'s check that the config centre's strategy
+    /// can be carried out (which needs the descriptor, and concerns the strategy only).
+    pub fn by_ids(&self, service_id: &str, entry_id: &str) -> GovernanceOptions {
+        let mut o = self.code_defaults.clone();
+        for layer in [
+            &self.published,
+            &self.file,
+            &self.env,
+            &self.centre,
+            &self.runtime,
+        ] {
+            layer.apply_ids(service_id, entry_id, &mut o);
+        }
+        o
     }
 
     /// The options the layers below the config centre give `method`.

@@ -166,6 +166,13 @@ fn fast_slot(addr: usize) -> usize {
 }
 
 impl Governance {
+    /// The options of entry `entry_id` of `service_id` before the entry has a descriptor:
+    /// see [`Layers::by_ids`].
+    pub fn options_by_ids(&self, service_id: &str, entry_id: &str) -> GovernanceOptions {
+        let layers = self.layers.read().unwrap_or_else(|p| p.into_inner());
+        layers.by_ids(service_id, entry_id)
+    }
+
     /// An engine resolving options from `layers`.
     pub fn new(layers: Layers) -> Self {
         Governance {

@@ -561,6 +561,28 @@ async fn an_entrys_first_call_times_out_at_its_deadline_while_the_registry_hangs
     }
 }
 
+/// A generic (JSON) call looks its service up before its stack runs, as a proxy's first call
+/// does, and so within the call's deadline: a registry that hangs costs the caller its
+/// deadline and no more (before, the call waited as long as the registry did: here, for ever).
+#[tokio::test(start_paused = true)]
+async fn a_json_call_times_out_at_its_deadline_while_the_registry_hangs() {
+    let client = Client::builder()
+        .registry(hung_registry())
+        .default_options(rpc::GovernanceOptions {
+            timeout_ms: 100,
+            ..Default::default()
+        })
+        .build();
+    let started = tokio::time::Instant::now();
+    let call = client.invoke_json("t.Deadline.forever_short", serde_json::json!([]));
+    let e = within("the JSON call", call)
+        .await
+        .expect_err("no endpoint is ever found");
+    assert_eq!(e.code(), StatusCode::Timeout, "{e}");
+    assert!(e.message().contains("no endpoint was known"), "{e}");
+    assert_eq!(started.elapsed(), Duration::from_millis(100), "{e}");
+}
+
 #[rpc::service(name = "t.AtDeadline")]
 trait AtDeadline {
     /// Fails with a communication error after `ms` milliseconds, as a downstream call the

@@ -499,6 +499,64 @@ async fn a_client_lets_go_of_an_endpoint_that_left_the_registry_once_its_call_is
     within("shutdown", staying.shutdown()).await;
 }
 
+/// An endpoint that leaves the registry while a call is on its way to it (held in a
+/// per-attempt layer) gets no new connection from that call: nothing would let that connection
+/// go (the endpoint's address has gone already), and it stayed open, pinging, for the client's
+/// life. The call goes to the endpoint still listed.
+#[tokio::test]
+async fn a_call_reaching_an_endpoint_that_left_opens_no_connection_to_it() {
+    let reg = InProcessRegistry::new();
+    let (n, _leaving_probe) = node("leaving");
+    // Serving, registered by hand: it leaves the registry while its process lives on.
+    let leaving = builder(&n).serve("127.0.0.1:0").await.expect("serve");
+    let addr = leaving.local_addr().to_string();
+    let instance = rpc::Instance::new(addr.clone(), [LifeClient::SERVICE_ID]);
+    let leaving_id = instance.id.clone();
+    reg.register(instance).await.expect("register");
+    let (entered_tx, mut entered) = mpsc::unbounded_channel();
+    let release = Arc::new(Semaphore::new(0));
+    let held = {
+        let release = release.clone();
+        rpc::middleware_fn(move |cx, req, next| {
+            let (release, entered_tx) = (release.clone(), entered_tx.clone());
+            Box::pin(async move {
+                if cx.attempt() == 0 {
+                    let _ = entered_tx.send(());
+                    release.acquire().await.expect("open").forget();
+                }
+                next.run(cx, req).await
+            })
+        })
+    };
+    let client = Client::builder()
+        .registry(reg.clone())
+        .attempt_layer(held)
+        .build();
+    let call = tokio::spawn({
+        let life = LifeClient::new(client.clone());
+        async move { life.whoami().await }
+    });
+    recv_one("the first attempt is in its layer", &mut entered).await;
+    let (n, _probe) = node("staying");
+    let staying = builder(&n)
+        .registry(reg.clone())
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    reg.deregister(&leaving_id).await.expect("deregister");
+    within("the client sees the endpoint leave", async {
+        while client.endpoints().iter().any(|e| e.address == addr) {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    release.add_permits(1);
+    let answer = within("the call", call).await.expect("join");
+    assert_eq!(answer.expect("answered"), "staying");
+    within("shutdown", staying.shutdown()).await;
+    within("shutdown", leaving.shutdown()).await;
+}
+
 /// A heartbeat interval of zero turns heartbeats off: before, the connection closed itself as
 /// silent three zero-length ticks after the handshake, so calls failed and reconnected.
 #[tokio::test(start_paused = true)]
