@@ -266,38 +266,13 @@ async fn events_ends_quietly_with_0_when_its_reader_goes_away_between_events() {
         .stderr(Stdio::piped())
         .spawn()
         .expect("start rpcctl events");
-    let stderr = child.stderr.take().expect("stderr");
-    let (err_tx, err_rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = err_tx.send(line);
-        }
-    });
-    let following = tokio::task::spawn_blocking(move || {
-        err_rx
-            .recv_timeout(Duration::from_secs(20))
-            .expect("rpcctl says it follows the stream")
-    })
-    .await
-    .expect("join");
-    assert!(following.contains("following"), "{following}");
+    until_following(lines_of(child.stderr.take().expect("stderr"))).await;
     drop(reader);
-    let id = child.id();
-    let status = tokio::task::spawn_blocking(move || {
-        // `wait` with a bound (past the endpoint's 15 s keep-alive): killed if still running.
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            let _ = tx.send(child.wait().expect("wait"));
-        });
-        let status = rx.recv_timeout(Duration::from_secs(20));
-        if status.is_err() {
-            let _ = Command::new("kill").arg(id.to_string()).status();
-        }
-        status
-    })
-    .await
-    .expect("join");
-    let status = status.expect("rpcctl events ends once its reader is gone");
+    // Bounded past the endpoint's 15 s keep-alive.
+    let status = tokio::task::spawn_blocking(move || wait_within(child, Duration::from_secs(20)))
+        .await
+        .expect("join")
+        .expect("rpcctl events ends once its reader is gone");
     assert_eq!(status.code(), Some(0));
 }
 
@@ -391,6 +366,49 @@ async fn status_and_events_give_up_on_an_endpoint_that_never_answers() {
     drop(frozen);
 }
 
+/// The lines `from` gives, read on a thread of their own as they come.
+fn lines_of(from: impl std::io::Read + Send + 'static) -> mpsc::Receiver<String> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(from).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    rx
+}
+
+/// Waits (at most 20 s, off the runtime's threads) until rpcctl's standard error, read by
+/// `stderr`, says it follows the event stream; then `stderr`, for what it says next.
+async fn until_following(stderr: mpsc::Receiver<String>) -> mpsc::Receiver<String> {
+    let (following, stderr) = tokio::task::spawn_blocking(move || {
+        let line = stderr
+            .recv_timeout(Duration::from_secs(20))
+            .expect("rpcctl says it follows the stream");
+        (line, stderr)
+    })
+    .await
+    .expect("join");
+    assert!(following.contains("following"), "{following}");
+    stderr
+}
+
+/// `child`'s exit status once it ends within `bound`; `None` if it has not (it is killed).
+fn wait_within(
+    mut child: std::process::Child,
+    bound: Duration,
+) -> Option<std::process::ExitStatus> {
+    let id = child.id();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait().expect("wait"));
+    });
+    let status = rx.recv_timeout(bound).ok();
+    if status.is_none() {
+        let _ = Command::new("kill").arg(id.to_string()).status();
+    }
+    status
+}
+
 /// Starts `rpcctl events --count 1` and returns once it follows the stream (its standard
 /// error says so), with its standard output's lines and whether it exited 0 (within 20 s).
 async fn follow(addr: &str, json: bool) -> (mpsc::Receiver<String>, tokio::task::JoinHandle<bool>) {
@@ -416,42 +434,10 @@ async fn follow_for(
         .stderr(Stdio::piped())
         .spawn()
         .expect("start rpcctl events");
-    let (out_tx, out_rx) = mpsc::channel();
-    let stdout = child.stdout.take().expect("stdout");
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            let _ = out_tx.send(line);
-        }
-    });
-    let stderr = child.stderr.take().expect("stderr");
-    let (err_tx, err_rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = err_tx.send(line);
-        }
-    });
-    let following = tokio::task::spawn_blocking(move || {
-        err_rx
-            .recv_timeout(Duration::from_secs(20))
-            .expect("rpcctl says it follows the stream")
-    })
-    .await
-    .expect("join");
-    assert!(following.contains("following"), "{following}");
+    let out_rx = lines_of(child.stdout.take().expect("stdout"));
+    until_following(lines_of(child.stderr.take().expect("stderr"))).await;
     let exit = tokio::task::spawn_blocking(move || {
-        // `wait` with a bound: the child is killed if it has not ended in 20 s.
-        let (tx, rx) = mpsc::channel();
-        let id = child.id();
-        std::thread::spawn(move || {
-            let _ = tx.send(child.wait().map(|s| s.success()).unwrap_or(false));
-        });
-        match rx.recv_timeout(Duration::from_secs(20)) {
-            Ok(ok) => ok,
-            Err(_) => {
-                let _ = Command::new("kill").arg(id.to_string()).status();
-                false
-            }
-        }
+        wait_within(child, Duration::from_secs(20)).is_some_and(|s| s.success())
     });
     (out_rx, exit)
 }
@@ -523,17 +509,7 @@ async fn events_exits_1_when_it_cannot_write_its_output() {
     .stderr(Stdio::piped())
     .spawn()
     .expect("start rpcctl events");
-    let stderr = child.stderr.take().expect("stderr");
-    let (err_tx, err_rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let _ = err_tx.send(line);
-        }
-    });
-    let following = err_rx
-        .recv_timeout(Duration::from_secs(20))
-        .expect("rpcctl says it follows the stream");
-    assert!(following.contains("following"), "{following}");
+    let err_rx = until_following(lines_of(child.stderr.take().expect("stderr"))).await;
     p.client.isolate_entry("ctl.Echo.echo").expect("isolate");
     let said = err_rx
         .recv_timeout(Duration::from_secs(20))

@@ -2935,8 +2935,9 @@ impl super::Middleware for RefusesItself {
     }
 }
 
-/// A per-attempt layer that takes `0` before passing the attempt on (a token fetch, say).
-struct TakesItsTime(Duration);
+/// A per-attempt layer that takes `0` before passing the attempt on (a token fetch, say): on
+/// every attempt, or (`1`) on the attempts to that endpoint only.
+struct TakesItsTime(Duration, Option<&'static str>);
 
 impl super::Middleware for TakesItsTime {
     fn call<'a>(
@@ -2946,7 +2947,9 @@ impl super::Middleware for TakesItsTime {
         next: super::Next<'a>,
     ) -> futures_util::future::BoxFuture<'a, Result<Bytes, RpcError>> {
         Box::pin(async move {
-            tokio::time::sleep(self.0).await;
+            if self.1.is_none_or(|only| cx.endpoint() == Some(only)) {
+                tokio::time::sleep(self.0).await;
+            }
             next.run(cx, req).await
         })
     }
@@ -2966,7 +2969,8 @@ async fn attempts_timed_out_in_their_layer_are_no_requests_of_the_throttle() {
     });
     let s = Script::new(vec![ok()], Duration::ZERO);
     for _ in 0..10 {
-        let (result, _) = through_layer(&g, TakesItsTime(Duration::from_millis(150)), &s).await;
+        let (result, _) =
+            through_layer(&g, TakesItsTime(Duration::from_millis(150), None), &s).await;
         let err = result.expect_err("the attempt timed out in its layer");
         assert!(
             err.message()
@@ -2978,25 +2982,6 @@ async fn attempts_timed_out_in_their_layer_are_no_requests_of_the_throttle() {
     let policy = g.policy(&M);
     let throttle = policy.throttle.get().expect("the throttle ran");
     assert_eq!(throttle.drop_probability_at(Instant::now()), 0.0);
-}
-
-/// A per-attempt layer that takes `1` before passing on an attempt to endpoint `0` only.
-struct SlowBefore(&'static str, Duration);
-
-impl super::Middleware for SlowBefore {
-    fn call<'a>(
-        &'a self,
-        cx: &'a mut CallCx<'_>,
-        req: Bytes,
-        next: super::Next<'a>,
-    ) -> futures_util::future::BoxFuture<'a, Result<Bytes, RpcError>> {
-        Box::pin(async move {
-            if cx.endpoint() == Some(self.0) {
-                tokio::time::sleep(self.1).await;
-            }
-            next.run(cx, req).await
-        })
-    }
 }
 
 /// A hedge whose answer is the call's is judged as its own attempt, not as the first one it
@@ -3022,7 +3007,12 @@ async fn a_hedge_that_answers_is_judged_by_its_own_attempt() {
     );
     tokio::time::advance(Duration::from_millis(1_001)).await;
     let e = Endpoints::new(&[("slow:1", 10), ("fast:1", 10)]);
-    let (result, _) = through_layer(&g, SlowBefore("slow:1", Duration::from_millis(200)), &e).await;
+    let (result, _) = through_layer(
+        &g,
+        TakesItsTime(Duration::from_millis(200), Some("slow:1")),
+        &e,
+    )
+    .await;
     assert_eq!(result.expect("the hedge answers"), "fast:1");
     assert!(
         matches!(p.breaker().state(), BreakerState::Closed { .. }),
@@ -3081,7 +3071,8 @@ async fn an_attempt_timed_out_in_its_layer_was_not_sent() {
         ..Default::default()
     });
     let s = Script::new(vec![ok()], Duration::ZERO);
-    let (result, tried) = through_layer(&g, TakesItsTime(Duration::from_millis(150)), &s).await;
+    let (result, tried) =
+        through_layer(&g, TakesItsTime(Duration::from_millis(150), None), &s).await;
     let err = result.unwrap_err();
     assert!(!err.is_maybe_delivered(), "{err}");
     assert!(s.starts().is_empty(), "nothing reached a server");

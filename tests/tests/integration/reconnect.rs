@@ -436,6 +436,30 @@ async fn a_connection_made_while_its_endpoint_is_retired_still_carries_its_call(
     assert_eq!((answer.message_id, answer.status_code), (id, 200));
 }
 
+/// Serves "staying" in `reg` and takes the instance `leaving_id` (at `addr`) out of it; returns
+/// once `client` no longer lists `addr`.
+async fn replaced(
+    reg: &InProcessRegistry,
+    leaving_id: &str,
+    client: &Client,
+    addr: &str,
+) -> ServerHandle {
+    let (n, _probe) = node("staying");
+    let staying = builder(&n)
+        .registry(reg.clone())
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    reg.deregister(leaving_id).await.expect("deregister");
+    within("the client sees the endpoint leave", async {
+        while client.endpoints().iter().any(|e| e.address == addr) {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    staying
+}
+
 /// An endpoint that leaves the registry while its process lives on is let go by the client:
 /// the call in flight on its connection is still answered, then the connection closes
 /// (before, it stayed open, pinging, for the client's life), and later calls go to the
@@ -458,21 +482,9 @@ async fn a_client_lets_go_of_an_endpoint_that_left_the_registry_once_its_call_is
     let mut raw = common::accept_hello(stream, "leaving", 1 << 24).await;
     let id = raw.recv_invoke("the call").await.message_id;
 
-    let (n, _probe) = node("staying");
-    let staying = builder(&n)
-        .registry(reg.clone())
-        .serve("127.0.0.1:0")
-        .await
-        .expect("serve");
-    reg.deregister(&leaving_id).await.expect("deregister");
     // The client's follower takes the new list and lets the endpoint go in one step: once
     // the list shows it gone, its connection is retired.
-    within("the client sees the endpoint leave", async {
-        while client.endpoints().iter().any(|e| e.address == addr) {
-            tokio::task::yield_now().await;
-        }
-    })
-    .await;
+    let staying = replaced(&reg, &leaving_id, &client, &addr).await;
 
     raw.send(rpc::crates::core::wire::frame::Kind::Result(
         rpc::crates::core::wire::RemoteResultMessage {
@@ -537,19 +549,7 @@ async fn a_call_reaching_an_endpoint_that_left_opens_no_connection_to_it() {
         async move { life.whoami().await }
     });
     recv_one("the first attempt is in its layer", &mut entered).await;
-    let (n, _probe) = node("staying");
-    let staying = builder(&n)
-        .registry(reg.clone())
-        .serve("127.0.0.1:0")
-        .await
-        .expect("serve");
-    reg.deregister(&leaving_id).await.expect("deregister");
-    within("the client sees the endpoint leave", async {
-        while client.endpoints().iter().any(|e| e.address == addr) {
-            tokio::task::yield_now().await;
-        }
-    })
-    .await;
+    let staying = replaced(&reg, &leaving_id, &client, &addr).await;
     release.add_permits(1);
     let answer = within("the call", call).await.expect("join");
     assert_eq!(answer.expect("answered"), "staying");
