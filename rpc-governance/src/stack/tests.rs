@@ -2984,6 +2984,21 @@ async fn attempts_timed_out_in_their_layer_are_no_requests_of_the_throttle() {
     assert_eq!(throttle.drop_probability_at(Instant::now()), 0.0);
 }
 
+/// Opens the test entry's breaker (`g` allows one failure) with one failed call on `a:1`:
+/// the entry's policy, and the script of that one endpoint.
+async fn opened_by_one_failure(g: &Governance) -> (Arc<EntryPolicy>, Script) {
+    let p = g.policy(&M);
+    let mut s = Script::new(vec![server_error()], Duration::ZERO);
+    s.endpoints.truncate(1);
+    let _ = g.execute(&p, &s).await;
+    assert!(
+        matches!(p.breaker().state(), BreakerState::Open { .. }),
+        "{:?}",
+        p.breaker().state()
+    );
+    (p, s)
+}
+
 /// A hedge whose answer is the call's is judged as its own attempt, not as the first one it
 /// beat: a half-open breaker's probe that the hedge answered closes the breaker, though the
 /// first attempt was still in its per-attempt layer (before, the call was judged the layer's
@@ -2996,15 +3011,7 @@ async fn a_hedge_that_answers_is_judged_by_its_own_attempt() {
         breaker_seconds: 1,
         ..hedged(50, true)
     });
-    let p = g.policy(&M);
-    let mut s = Script::new(vec![server_error()], Duration::ZERO);
-    s.endpoints.truncate(1);
-    let _ = g.execute(&p, &s).await;
-    assert!(
-        matches!(p.breaker().state(), BreakerState::Open { .. }),
-        "{:?}",
-        p.breaker().state()
-    );
+    let (p, _) = opened_by_one_failure(&g).await;
     tokio::time::advance(Duration::from_millis(1_001)).await;
     let e = Endpoints::new(&[("slow:1", 10), ("fast:1", 10)]);
     let (result, _) = through_layer(
@@ -3034,15 +3041,7 @@ async fn a_per_attempt_layers_own_answer_says_nothing_of_the_endpoint() {
         breaker_seconds: 1,
         ..Default::default()
     });
-    let p = g.policy(&M);
-    let mut s = Script::new(vec![server_error()], Duration::ZERO);
-    s.endpoints.truncate(1);
-    let _ = g.execute(&p, &s).await;
-    assert!(
-        matches!(p.breaker().state(), BreakerState::Open { .. }),
-        "{:?}",
-        p.breaker().state()
-    );
+    let (p, s) = opened_by_one_failure(&g).await;
     assert_eq!(g.health().view("a:1").consecutive_failures, 1);
     tokio::time::advance(Duration::from_millis(1_001)).await;
     let err = through_layer(&g, RefusesItself, &s).await.0.unwrap_err();
