@@ -59,6 +59,23 @@ impl Echo for EchoService {
     }
 }
 
+/// Writes `line` and a newline to standard output, for a script reading it: a reader that went
+/// away (`echo-client ... | head -1`) ends the program quietly with exit code 0, where
+/// `println!` would panic (exit code 101); another failure to write (a full disk) ends it with
+/// exit code 1, saying so.
+pub fn print_line(program: &str, line: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match writeln!(out, "{line}").and_then(|()| out.flush()) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => std::process::exit(0),
+        Err(e) => {
+            eprintln!("{program}: cannot write to standard output: {e}");
+            std::process::exit(1)
+        }
+    }
+}
+
 /// What `--telemetry` installed; dropping it flushes and stops the exporters.
 #[derive(Debug)]
 pub struct TelemetryGuard {

@@ -29,8 +29,9 @@
 //!   (nanoseconds, 3 significant digits), CPU from `getrusage` between the start of the window
 //!   and the end of the last call. `--requests N` ends the run after N calls started after the
 //!   warm-up instead of after `--duration` (peerbench's flag of the same name): with
-//!   `--warmup 0` the process makes exactly N calls plus one per connection before the load,
-//!   which makes a run under an instruction counter finite and comparable
+//!   `--warmup 0` the process makes exactly N calls plus one per connection before the load
+//!   (and, with governance on, one more first, on a connection of its own without governance,
+//!   whose failure names the cause), which makes a run under an instruction counter finite and comparable
 //!   (`scripts/callgrind.sh`). `--governance off` (or `RPC_BENCH_GOVERNANCE=off` when the
 //!   flag is absent) calls with `timeout_ms = 0`, `retry_times = 0` and no circuit breaker for
 //!   the service, to show what the governance layers cost; `on` (the default) runs the default
@@ -777,22 +778,31 @@ struct ServerProcess {
     lines: std::sync::mpsc::Receiver<String>,
 }
 
+/// The command of a matrix's server process: this program in server mode, with the run's
+/// server flags.
+fn server_command(args: &Args, exe: &std::path::Path) -> Command {
+    let mut cmd = Command::new(exe);
+    cmd.args(["--mode", "server", "--addr", "127.0.0.1:0"])
+        .args(["--peer-name", &args.peer_name])
+        .args(["--max-concurrency", &args.max_concurrency.to_string()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    if let Some(t) = args.threads {
+        cmd.args(["--threads", &t.to_string()]);
+    }
+    if args.inline_first_poll {
+        cmd.arg("--inline-first-poll");
+    }
+    cmd
+}
+
 /// How long the matrix waits for a server's LISTENING line, and for its SERVER line.
 const SERVER_LINE_WAIT: Duration = Duration::from_secs(10);
 
 impl ServerProcess {
     fn start(args: &Args) -> Result<(ServerProcess, SocketAddr), String> {
         let exe = std::env::current_exe().map_err(|e| format!("own path: {e}"))?;
-        let mut cmd = Command::new(exe);
-        cmd.args(["--mode", "server", "--addr", "127.0.0.1:0"])
-            .args(["--peer-name", &args.peer_name])
-            .args(["--max-concurrency", &args.max_concurrency.to_string()])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
-        if let Some(t) = args.threads {
-            cmd.args(["--threads", &t.to_string()]);
-        }
-        let mut child = cmd
+        let mut child = server_command(args, &exe)
             .spawn()
             .map_err(|e| format!("could not start the server process: {e}"))?;
         let Some(stdout) = child.stdout.take() else {
@@ -925,4 +935,38 @@ fn matrix_main(args: &Args) -> Result<(), String> {
         None => eprintln!("bench: the server printed no SERVER line"),
     }
     failure.map_or(Ok(()), Err)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The matrix's server processes run with the server flags the run was given: before,
+    /// `--inline-first-poll` was taken and not passed on, so the matrix measured the default.
+    #[test]
+    fn a_matrix_server_gets_the_runs_server_flags() {
+        let args = Args::parse_from([
+            "bench",
+            "--inline-first-poll",
+            "--max-concurrency",
+            "7",
+            "--threads",
+            "2",
+        ]);
+        let cmd = server_command(&args, std::path::Path::new("bench"));
+        let given: Vec<&str> = cmd.get_args().filter_map(|a| a.to_str()).collect();
+        for flag in [
+            &["--mode", "server"][..],
+            &["--max-concurrency", "7"],
+            &["--threads", "2"],
+            &["--inline-first-poll"],
+        ] {
+            assert!(
+                given.windows(flag.len()).any(|w| w == flag),
+                "{flag:?} in {given:?}"
+            );
+        }
+        let plain = server_command(&Args::parse_from(["bench"]), std::path::Path::new("bench"));
+        assert!(!plain.get_args().any(|a| a == "--inline-first-poll"));
+    }
 }

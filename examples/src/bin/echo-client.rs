@@ -8,7 +8,8 @@
 //! ```
 //! Prints one line per call, then exactly
 //! `summary: <ok> ok, <business> business errors, <failed> failed`. Exits 0 whatever the calls'
-//! outcomes (2 on bad arguments, 1 when `--strategy appoint` finds no endpoint).
+//! outcomes, and quietly when its reader goes away (`| head -1`) (2 on bad arguments, 1 when
+//! `--strategy appoint` finds no endpoint).
 //!
 //! `--strategy` and `--timeout-ms` override the service's options when given; left out, the
 //! configuration (and the rules followed, with etcd) decide, round robin and 5 s by default.
@@ -173,19 +174,28 @@ async fn main() {
                 match result {
                     Ok(answer) if answer == text => {
                         tally.ok.fetch_add(1, Ordering::Relaxed);
-                        println!("call {i}: ok from {by}");
+                        examples::print_line("echo-client", format_args!("call {i}: ok from {by}"));
                     }
                     Ok(answer) => {
                         tally.failed.fetch_add(1, Ordering::Relaxed);
-                        println!("call {i}: failed: wrong answer {answer:?} from {by}");
+                        examples::print_line(
+                            "echo-client",
+                            format_args!("call {i}: failed: wrong answer {answer:?} from {by}"),
+                        );
                     }
                     Err(e) if e.code() == StatusCode::BusinessError => {
                         tally.business.fetch_add(1, Ordering::Relaxed);
-                        println!("call {i}: business error from {by}: {}", e.message());
+                        examples::print_line(
+                            "echo-client",
+                            format_args!("call {i}: business error from {by}: {}", e.message()),
+                        );
                     }
                     Err(e) => {
                         tally.failed.fetch_add(1, Ordering::Relaxed);
-                        println!("call {i}: failed ({}): {e}", e.code().as_u32());
+                        examples::print_line(
+                            "echo-client",
+                            format_args!("call {i}: failed ({}): {e}", e.code().as_u32()),
+                        );
                     }
                 }
                 if !interval.is_zero() {
@@ -197,11 +207,14 @@ async fn main() {
     for w in workers {
         let _ = w.await;
     }
-    println!(
-        "summary: {} ok, {} business errors, {} failed",
-        tally.ok.load(Ordering::Relaxed),
-        tally.business.load(Ordering::Relaxed),
-        tally.failed.load(Ordering::Relaxed)
+    examples::print_line(
+        "echo-client",
+        format_args!(
+            "summary: {} ok, {} business errors, {} failed",
+            tally.ok.load(Ordering::Relaxed),
+            tally.business.load(Ordering::Relaxed),
+            tally.failed.load(Ordering::Relaxed)
+        ),
     );
     if let Some(admin) = admin {
         admin.shutdown().await;

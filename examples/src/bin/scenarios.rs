@@ -643,6 +643,15 @@ async fn client_main(args: &Args) -> Result<(), String> {
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    for (flag, secs) in [
+        ("--seconds", args.seconds),
+        ("--delay-ms", args.delay_ms / 1000.0),
+    ] {
+        if Duration::try_from_secs_f64(secs).is_err() {
+            eprintln!("scenarios: {flag}: give a non-negative number, not too large");
+            return ExitCode::FAILURE;
+        }
+    }
     let rt = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {

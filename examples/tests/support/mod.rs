@@ -55,3 +55,28 @@ pub fn spawn(program: &str, args: &[&str]) -> (Running, mpsc::Receiver<String>) 
     let out = lines(child.stdout.take().expect("stdout"));
     (Running(child), out)
 }
+
+/// `child`'s exit status once it ends within `bound`; `None` if it has not (it is killed).
+pub fn wait_within(mut child: Child, bound: Duration) -> Option<std::process::ExitStatus> {
+    let id = child.id();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait().expect("wait"));
+    });
+    let status = rx.recv_timeout(bound).ok();
+    if status.is_none() {
+        let _ = Command::new("kill").arg(id.to_string()).status();
+    }
+    status
+}
+
+/// Everything `from` gives until its end, read on a thread of its own.
+pub fn read_all(mut from: impl std::io::Read + Send + 'static) -> mpsc::Receiver<String> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = from.read_to_string(&mut text);
+        let _ = tx.send(text);
+    });
+    rx
+}
