@@ -22,7 +22,6 @@
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock, PoisonError};
 use std::task::Poll;
 
@@ -92,13 +91,12 @@ impl Client {
             .with_field_error("arguments", "must be a JSON array"));
         };
         // The service's lookup counts in the call's time, as a proxy's first call's does: a
-        // registry that does not answer fails the call at its deadline, not never. The
-        // deadline is worked out only when a lookup waits (most calls find their service
-        // known).
-        let began = tokio::time::Instant::now();
-        let waited = AtomicBool::new(false);
+        // registry that does not answer fails the call at its deadline, not never. The call
+        // begins, and its deadline is worked out, when a lookup first waits (most calls find
+        // their service known, and read no clock here).
+        let began = OnceLock::new();
         let deadline = || {
-            waited.store(true, Ordering::Relaxed);
+            let began = *began.get_or_init(tokio::time::Instant::now);
             let options = self.inner.governance.options_by_ids(service_id, entry_id);
             let options = match &self.call_options {
                 Some(o) => o.applied(&options),
@@ -181,7 +179,7 @@ impl Client {
         // are not held while the call is out.
         drop(args);
         // Counted from `began` when a lookup waited.
-        let began = waited.into_inner().then_some(began);
+        let began = began.get().copied();
         match self.invoke_since(descriptor, params, key, began).await {
             Ok(bytes) => Ok(JsonAnswer { codec, bytes }),
             Err(e) => Err(json_payload(e)),
