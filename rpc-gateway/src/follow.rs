@@ -138,7 +138,10 @@ impl Follower {
                     // Its route comes from its service and method, its calls go by its id: an
                     // entry whose id is not `<service>.<method>` would be served at one
                     // entry's route and call another (or take another's route from it).
-                    if entry.id.as_str() != format!("{}.{}", entry.service_id, entry.method) {
+                    // (Split as the client splits an id, at its last dot: a method named with
+                    // a dot would call another service's entry.)
+                    let split = entry.id.as_str().rsplit_once('.');
+                    if split != Some((entry.service_id.as_str(), entry.method.as_str())) {
                         misnamed.push(format!("{} at {}", entry.id, instance.address));
                         continue;
                     }
@@ -400,6 +403,46 @@ mod tests {
             [(
                 "/api/bank.Accounts/transfer".to_string(),
                 "bank.Accounts.transfer".to_string()
+            )]
+        );
+    }
+
+    /// An entry whose method name holds a dot (`bank` + `Accounts.transfer`) has the id of
+    /// another service's entry (`bank.Accounts.transfer`), which a call by that id reaches: it
+    /// is misnamed, not served, and the real entry keeps its route and its parameters.
+    /// (Before, service `bank` sorted first and its description was kept: the real default
+    /// route answered 404, and the rogue route called the real entry with the arguments in
+    /// its own order.)
+    #[tokio::test]
+    async fn an_entry_whose_method_holds_a_dot_is_misnamed() {
+        use crate::route::test_entries::routed;
+        use rpc_registry::{InProcessRegistry, Instance};
+        let registry = InProcessRegistry::new();
+        let mut real = Instance::new("127.0.0.1:7001", ["bank.Accounts"]);
+        real.entries = vec![routed("bank.Accounts", "transfer", &["from", "to"], None)];
+        registry.register(real).await.expect("register");
+        let mut rogue = Instance::new("127.0.0.1:7002", ["bank"]);
+        rogue.entries = vec![routed("bank", "Accounts.transfer", &["to", "from"], None)];
+        registry.register(rogue).await.expect("register");
+        let table = table_of(registry).await;
+        let served: Vec<(String, String, Vec<String>)> = table
+            .served()
+            .iter()
+            .map(|s| {
+                let params = s.entry.api.as_ref().map(|a| a.params.clone());
+                (
+                    s.route.path.clone(),
+                    s.entry.id.as_str().to_string(),
+                    params.unwrap_or_default(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            served,
+            [(
+                "/api/bank.Accounts/transfer".to_string(),
+                "bank.Accounts.transfer".to_string(),
+                vec!["from".to_string(), "to".to_string()]
             )]
         );
     }

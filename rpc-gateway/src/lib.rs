@@ -214,7 +214,8 @@ impl GatewayBuilder {
     /// How often the registry is listed again for services that appeared (1 s by default);
     /// changes of services already known arrive at once through their watches.
     pub fn discovery_interval(mut self, interval: Duration) -> Self {
-        self.discovery_interval = interval.max(Duration::from_millis(10));
+        // Capped as the other durations: the timer's next tick would overflow the clock.
+        self.discovery_interval = rpc_core::capped(interval.max(Duration::from_millis(10)));
         self
     }
 
@@ -512,6 +513,35 @@ mod tests {
         assert!(
             second["paths"]["/api/shop.Orders/get"].is_object(),
             "{second}"
+        );
+    }
+
+    /// A discovery interval as long as a `Duration` holds (the program's `--discovery-secs
+    /// 1e19` too) lists the registry once and still follows the known services' changes: the
+    /// follower's timer overflowed the clock on its first tick, the task panicked, and the
+    /// routes never changed again.
+    #[tokio::test(start_paused = true)]
+    async fn the_longest_discovery_interval_still_follows_the_known_services() {
+        use rpc_registry::{InProcessRegistry, Registry};
+        let registry = InProcessRegistry::new();
+        let instance = crate::route::test_entries::echo_instance("127.0.0.1:9");
+        let id = instance.id.clone();
+        registry.register(instance).await.expect("register");
+        let shared: Arc<dyn Registry> = Arc::new(registry.clone());
+        let gateway = Gateway::builder()
+            .client(Client::builder().shared_registry(shared.clone()).build())
+            .registry(shared)
+            .discovery_interval(Duration::MAX)
+            .build()
+            .await
+            .expect("build");
+        assert_eq!(gateway.entries().len(), 1);
+        registry.deregister(&id).await.expect("deregister");
+        assert!(
+            gateway
+                .wait_until(Duration::from_secs(10), |entries| entries.is_empty())
+                .await,
+            "the entry of the instance that left is no longer served"
         );
     }
 

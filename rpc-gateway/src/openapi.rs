@@ -252,19 +252,27 @@ pub fn document(entries: &[ServiceEntry], info: &DocumentInfo) -> Value {
 /// The names in a path template, in order: `/orders/{id}/items/{item}` → `id`, `item` (a
 /// catch-all `{*rest}` is named `rest`).
 pub fn path_params(template: &str) -> Vec<String> {
-    let mut names = Vec::new();
-    let mut rest = template;
-    while let Some(open) = rest.find('{') {
-        let Some(close) = rest[open..].find('}') else {
-            break;
-        };
-        let name = rest[open + 1..open + close].trim_start_matches('*');
-        if !name.is_empty() && !names.iter().any(|n| n == name) {
+    let mut names: Vec<String> = Vec::new();
+    for name in path_param_names(template) {
+        if !names.iter().any(|n| n == name) {
             names.push(name.to_string());
         }
-        rest = &rest[open + close + 1..];
     }
     names
+}
+
+/// Every parameter name `template` holds, in order, each as often as it is written.
+pub(crate) fn path_param_names(template: &str) -> impl Iterator<Item = &str> {
+    let mut rest = template;
+    std::iter::from_fn(move || loop {
+        let open = rest.find('{')?;
+        let close = rest[open..].find('}')?;
+        let name = rest[open + 1..open + close].trim_start_matches('*');
+        rest = &rest[open + close + 1..];
+        if !name.is_empty() {
+            return Some(name);
+        }
+    })
 }
 
 /// The template as OpenAPI writes it: starting with `/`, catch-alls `{*rest}` as `{rest}`.

@@ -118,6 +118,9 @@ impl RouteTable {
                      calls whenever its service has no instance",
                     declared.path
                 ))
+            } else if let Some(name) = named_twice(&declared) {
+                // Every request would be refused, the argument given twice.
+                Err(format!("{} names {{{name}}} twice", declared.path))
             } else if let Some(name) = not_a_param(entry, &declared) {
                 // Every request would be refused for an argument the caller did not choose
                 // (a server built otherwise than by the macro, which refuses such a route).
@@ -283,6 +286,16 @@ fn not_a_param(entry: &ServiceEntry, route: &Route) -> Option<String> {
     crate::openapi::path_params(&route.path)
         .into_iter()
         .find(|name| !params.contains(name))
+}
+
+/// The first parameter `route`'s path names more than once, if any.
+fn named_twice(route: &Route) -> Option<&str> {
+    let mut seen: Vec<&str> = Vec::new();
+    crate::openapi::path_param_names(&route.path).find(|name| {
+        let twice = seen.contains(name);
+        seen.push(name);
+        twice
+    })
 }
 
 /// `POST /api/{service id}/{method}`: where `entry` is served when it declares no route, or
@@ -591,6 +604,17 @@ mod tests {
         serves(&table, Method::GET, "/items/7", None);
         serves(&table, Method::POST, "/api/b.B/get", Some("b.B.get"));
         serves(&table, Method::GET, "/carts/7", Some("c.C.get"));
+    }
+
+    /// A declared path naming one parameter twice (published by a server the macro did not
+    /// build: the macro refuses it) would refuse every request, the argument given twice: the
+    /// entry is served at its default route instead.
+    #[test]
+    fn a_template_naming_a_parameter_twice_is_served_at_the_default_route() {
+        let table = RouteTable::build(vec![entry("a.A", "get", Some(("GET", "/a/{id}/b/{id}")))]);
+        serves(&table, Method::GET, "/a/1/b/1", None);
+        serves(&table, Method::POST, "/api/a.A/get", Some("a.A.get"));
+        assert_eq!(table.served()[0].route.path, "/api/a.A/get");
     }
 
     #[test]
