@@ -80,6 +80,17 @@ impl RetryBudget {
             .fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Gives back a retry taken with [`try_withdraw`](Self::try_withdraw) and not sent after
+    /// all (a hedge dropped before it left this client): it loads no server. It comes off the
+    /// current second's retries (where the retry was taken, unless a second turned over
+    /// meanwhile; then nothing comes off, as the window checks only its sum).
+    pub fn give_back(&self) {
+        let current = self.bucket(self.second(Instant::now()));
+        let _ = current
+            .retries
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |r| r.checked_sub(1));
+    }
+
     /// Takes one retry from the budget; false when it is spent.
     pub fn try_withdraw(&self, o: &GovernanceOptions) -> bool {
         let now = self.second(Instant::now());

@@ -18,7 +18,8 @@
 //! A hedge is extra load, so it draws on the entry's retry budget
 //! ([`RetryBudget::try_withdraw`](crate::budget::RetryBudget::try_withdraw)) and is not sent
 //! once the budget is spent: under overload, when every call is slow, hedges stop by
-//! themselves. The hedge is one attempt (its failure is not retried); the first attempt keeps
+//! themselves. A hedge that then never leaves this client (dropped by adaptive throttling,
+//! refused by a per-attempt layer) gives its retry back; its `hedge` event stands. The hedge is one attempt (its failure is not retried); the first attempt keeps
 //! its retries, but one that would go to the endpoint the hedge is on waits until the hedge
 //! ends (a second copy of the call there would race nothing), then picks again. A hedge aimed at an endpoint that cannot serve the call (nothing is sent: its
 //! server does not stream, or takes fewer attachments) moves on to the next untried endpoint.
@@ -283,6 +284,12 @@ impl<S: Service> HedgeLayer<S> {
         // call's, so is its attempt's verdict, not the first attempt's, dropped meanwhile.
         if from == 1 {
             cx.take_verdict_of(&hedge_cx);
+        }
+        // A hedge its gate let through (the retry budget drawn) that never left this client
+        // (dropped by adaptive throttling, refused by a per-attempt layer, or dropped in one
+        // when the first attempt answered) loaded no server: its retry goes back.
+        if sent.load(Ordering::Relaxed) && (hedge_cx.throttled || hedge_cx.answered_by_layer) {
+            hedge_cx.policy.budget.give_back();
         }
         result
     }

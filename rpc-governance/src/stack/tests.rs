@@ -3100,6 +3100,31 @@ impl super::Middleware for RefusesAt {
     }
 }
 
+/// A hedge a per-attempt layer refuses itself never left the client: the retry budget it drew
+/// goes back, so such hedges do not spend the budget the entry's retries need. (Before, ten of
+/// them spent a budget of ten retries, and the next calls' hedges were refused for it.)
+#[tokio::test(start_paused = true)]
+async fn a_hedge_refused_by_its_layer_gives_its_retry_back_to_the_budget() {
+    let g = engine(GovernanceOptions {
+        retry_budget_percent: 0,
+        retry_budget_min_per_second: 1, // 10 retries per 10 s window
+        ..hedged(50, true)
+    });
+    let mut events = g.events().subscribe();
+    for _ in 0..20 {
+        let e = Endpoints::new(&[("slow:1", 100), ("fast:1", 10)]);
+        let (answer, _) = through_layer(&g, RefusesAt("fast:1"), &e).await;
+        assert_eq!(&answer.expect("the first attempt answers")[..], b"slow:1");
+    }
+    let kinds = kinds(&mut events);
+    assert_eq!(
+        kinds.iter().filter(|k| **k == EventKind::Hedge).count(),
+        20,
+        "{kinds:?}"
+    );
+    assert!(!kinds.contains(&EventKind::BudgetExhausted), "{kinds:?}");
+}
+
 /// A hedge a per-attempt layer refuses itself is no answer of a callee: the first attempt,
 /// still running, answers the call. (Before, the hedge's local 401 won the race at once.)
 #[tokio::test(start_paused = true)]
