@@ -124,7 +124,7 @@ governance_options! {
         /// other attempt is cancelled. A hedge draws on the retry budget. 0 turns it off
         /// (unless `hedge_percentile` is set; then this is the delay's floor).
         hedge_delay_ms: u64 = 0, Client,
-            "idempotent entries only (0 = off, unless `hedge_percentile` is set): after this delay without an answer a second attempt goes to another endpoint (none when there is no other); the first answer (a success, or an error the callee answered) wins, the other is cancelled (Cancel frame); a hedge draws on the retry budget and is not sent once it is spent (event `hedge`)";
+            "idempotent entries only (0 = off, unless `hedge_percentile` is set): after this delay without an answer a second attempt goes to another endpoint (none when there is no other); the first answer (a success, or an error the callee answered) wins, the other is cancelled (Cancel frame); a hedge draws on the retry budget and is not sent once it is spent (event `hedge`); one that never leaves the client (throttled, refused by a per-attempt layer) gives it back";
         /// Hedging by percentile, for idempotent entries: when set (1 to 100), the hedge delay
         /// is the entry's latency at this percentile over the last 10 s, never less than
         /// `hedge_delay_ms`; until 20 calls were seen in that window the delay is
