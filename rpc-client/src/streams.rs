@@ -172,6 +172,13 @@ impl Client {
                 rpc_core::RpcContext::retry_depth(),
                 sending,
             );
+            // And its OpenTelemetry context: a server's handler runs in the trace of the call it
+            // serves (its own span maybe kept from OpenTelemetry by a filter).
+            #[cfg(feature = "otel")]
+            let sending = opentelemetry::trace::FutureExt::with_context(
+                sending,
+                opentelemetry::Context::current(),
+            );
             tokio::spawn(sending.instrument(tracing::Span::current()));
         }
         Ok(open.into_items())

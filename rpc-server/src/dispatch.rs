@@ -483,12 +483,21 @@ impl Dispatcher {
         timeout_ms: u32,
         span: &tracing::Span,
     ) -> Result<Slot, Dispatch> {
-        let admitted = route.admission.admit(
-            &route.entry,
-            caller.client_id(),
-            attachments.get(CRITICALITY_ATTACHMENT).map(String::as_str),
-            (timeout_ms > 0).then(|| Duration::from_millis(timeout_ms.into())),
-        );
+        let admit = || {
+            route.admission.admit(
+                &route.entry,
+                caller.client_id(),
+                attachments.get(CRITICALITY_ATTACHMENT).map(String::as_str),
+                (timeout_ms > 0).then(|| Duration::from_millis(timeout_ms.into())),
+            )
+        };
+        // In the call's span: what admission says as it decides (an observe-mode refusal's
+        // event) is on the call's span, as an enforced refusal's event is.
+        let admitted = if span.is_disabled() {
+            admit()
+        } else {
+            span.in_scope(admit)
+        };
         admitted.map_err(|e| {
             span.in_scope(|| {
                 self.events.emit_parts(

@@ -32,6 +32,11 @@ pub trait Hop {
     /// One item: what a hop of `depth` more hops answers. With a next server, the handler
     /// makes that hop at its set-up and again while producing its item.
     async fn hops(&self, depth: u32) -> Result<RpcStream<String>, RpcError>;
+    /// With a next server: its `echo_items` of two items, each made by a call of its `hop(0)`
+    /// (made while the request stream is read, in the task that sends it), joined with `,`.
+    async fn relay_items(&self) -> Result<String, RpcError>;
+    /// The items it is sent, back.
+    async fn echo_items(&self, items: RpcStream<String>) -> Result<RpcStream<String>, RpcError>;
 }
 
 /// Forwards to the next server while `depth > 0`.
@@ -56,6 +61,24 @@ impl Hop for Relay {
         Ok(RpcStream::try_new(futures_util::stream::once(async move {
             next.hop(depth).await
         })))
+    }
+
+    async fn relay_items(&self) -> Result<String, RpcError> {
+        let Some(next) = self.next.clone() else {
+            return Ok("none".into());
+        };
+        let maker = next.clone();
+        let items = futures_util::StreamExt::then(futures_util::stream::iter(0..2), move |_| {
+            let maker = maker.clone();
+            async move { maker.hop(0).await }
+        });
+        let back = next.echo_items(RpcStream::try_new(items)).await?;
+        let back: Vec<String> = futures_util::TryStreamExt::try_collect(back).await?;
+        Ok(back.join(","))
+    }
+
+    async fn echo_items(&self, items: RpcStream<String>) -> Result<RpcStream<String>, RpcError> {
+        Ok(items)
     }
 }
 
@@ -351,6 +374,40 @@ async fn a_stream_handler_s_calls_continue_the_trace_with_or_without_the_server_
     }
 }
 
+/// The calls made to produce a bidirectional stream's request items (in the task that sends
+/// them) continue the trace of the call whose handler opened the stream, also when a filter
+/// keeps that handler's `rpc.server` span from OpenTelemetry: they carry its OpenTelemetry
+/// context, as the handler's own calls do. (Before, the task had its span but not that
+/// context, and those calls started traces of their own.)
+#[tokio::test]
+async fn calls_producing_a_bidi_streams_items_continue_the_trace() {
+    for logged in [false, true] {
+        let (traces, _guard) = Traces::install_without(&["rpc.server"], logged);
+        let c = hop_server(None).await;
+        let b = hop_server(Some(&c)).await;
+        let client = HopClient::new(client_of(&[&b]));
+        assert_eq!(client.relay_items().await.expect("relayed"), "none,none");
+        let spans = traces.spans();
+        let calls = named(&spans, "rpc.client");
+        // The outer call, B's `echo_items` and the two `hop` calls making its items.
+        assert_eq!(calls.len(), 4, "logged {logged}: {calls:?}");
+        let outer = by_port(
+            &named(&spans, "rpc.client.attempt"),
+            "server.port",
+            b.local_addr().port(),
+        );
+        for call in calls {
+            assert_eq!(
+                call.span_context.trace_id(),
+                outer.span_context.trace_id(),
+                "logged {logged}: {call:?}"
+            );
+        }
+        common::within("shutdown", b.shutdown()).await;
+        common::within("shutdown", c.shutdown()).await;
+    }
+}
+
 #[tokio::test]
 async fn one_trace_across_three_services_and_attachments_follow() {
     let (traces, _guard) = Traces::install();
@@ -455,6 +512,54 @@ fn event_fields(span: &SpanData, kind: &str) -> Option<BTreeMap<String, String>>
             .collect();
         (fields.get("event").map(String::as_str) == Some(kind)).then_some(fields)
     })
+}
+
+#[rpc::service(name = "obs.Watched")]
+trait Watched {
+    #[governance(
+        rate_limit_per_second = 1,
+        rate_limit_burst = 1,
+        rate_limit_observe = true
+    )]
+    async fn ping(&self) -> Result<(), RpcError>;
+}
+
+struct Pinged;
+
+impl Watched for Pinged {
+    async fn ping(&self) -> Result<(), RpcError> {
+        Ok(())
+    }
+}
+
+/// A call a rate limit in observe mode would refuse is admitted, and the `rate_limited` event
+/// (observed) is on its `rpc.server` span, as an enforced refusal's is, on a server without
+/// layers too. (Before, admission decided outside the call's span there: the event was on no
+/// span, and OpenTelemetry dropped it.)
+#[tokio::test]
+async fn an_observed_refusal_is_on_the_calls_server_span() {
+    let (traces, _guard) = Traces::install();
+    let server = Server::builder()
+        .add_service(WatchedServer::new(Pinged))
+        .serve("127.0.0.1:0")
+        .await
+        .unwrap();
+    let watched = WatchedClient::new(client_of(&[&server]));
+    // A burst of one: the second call is over the limit, and admitted all the same.
+    watched.ping().await.expect("first");
+    watched
+        .ping()
+        .await
+        .expect("second, over the limit, observed");
+    server.shutdown().await;
+    let spans = traces.spans();
+    let over: Vec<BTreeMap<String, String>> = named(&spans, "rpc.server")
+        .into_iter()
+        .filter_map(|s| event_fields(s, "rate_limited"))
+        .collect();
+    assert_eq!(over.len(), 1, "{over:?}");
+    assert_eq!(over[0]["observed"], "true", "{over:?}");
+    assert_eq!(over[0]["entry"], "obs.Watched.ping", "{over:?}");
 }
 
 #[tokio::test]
