@@ -322,36 +322,58 @@ async fn follow_kind<T: RuleTarget>(
     // the version in force again, which is not taken twice; but a number alone is not enough,
     // since etcd restored from a snapshot numbers its writes again from the snapshot's.
     let mut last: Option<RuleVersion> = None;
-    // What the target refused of `last` for its own state (not an invalid document): its
-    // levels may change (a runtime update, a configuration reloaded) so that it takes it, so it
-    // is offered again at each check, quietly, until it is taken or another version comes.
-    let mut refused = Refused::Nothing;
+    // What the target refused for its own state (not an invalid document): its levels may
+    // change (a runtime update, a configuration reloaded) so that it takes it, so it is offered
+    // again at each check, quietly, until it is taken or a version or deletion taken after it
+    // replaces it. An invalid document replaces nothing, so it leaves it pending.
+    let mut pending: Option<Pending> = None;
+    // Woken by the check (not by a change) to offer `pending` again.
+    let mut offer_again = false;
     loop {
-        let current = watch.borrow_and_update().clone();
         let Some(t) = target.upgrade() else { return };
-        match current {
-            Some(rules) => {
-                let again = refused == Refused::Version && last.as_ref() == Some(&rules);
-                if last.as_ref() != Some(&rules) || again {
-                    refused = match take(&*t, kind, &rules, &in_force, again) {
-                        Taken::RefusedByTarget => Refused::Version,
-                        Taken::Applied | Taken::Invalid => Refused::Nothing,
-                    };
-                    last = Some(rules);
+        if offer_again {
+            let taken = match &pending {
+                Some(Pending::Version(rules)) => {
+                    take(&*t, kind, rules, &in_force, true) != Taken::RefusedByTarget
                 }
-            }
-            // The document was deleted: as an empty one, back to the lower levels, as a
-            // process started now has them (before, running processes kept the deleted rules
-            // and the fleet split). Refused, the last version stays in force (and is not
-            // taken again if written again).
-            None => {
-                if let Some(gone) = last.clone() {
-                    let again = refused == Refused::Deletion;
-                    if withdraw(&*t, kind, &gone, &in_force, again) {
+                Some(Pending::Deletion(gone)) => {
+                    let withdrawn = withdraw(&*t, kind, gone, &in_force, true);
+                    if withdrawn && last.as_ref() == Some(gone) {
                         last = None;
-                        refused = Refused::Nothing;
-                    } else {
-                        refused = Refused::Deletion;
+                    }
+                    withdrawn
+                }
+                None => false,
+            };
+            if taken {
+                pending = None;
+            }
+        } else {
+            match watch.borrow_and_update().clone() {
+                Some(rules) => {
+                    if last.as_ref() != Some(&rules) {
+                        match take(&*t, kind, &rules, &in_force, false) {
+                            Taken::Applied => pending = None,
+                            Taken::Invalid => {}
+                            Taken::RefusedByTarget => {
+                                pending = Some(Pending::Version(rules.clone()));
+                            }
+                        }
+                        last = Some(rules);
+                    }
+                }
+                // The document was deleted: as an empty one, back to the lower levels, as a
+                // process started now has them (before, running processes kept the deleted
+                // rules and the fleet split). Refused, the last version stays in force (and
+                // is not taken again if written again).
+                None => {
+                    if let Some(gone) = last.clone() {
+                        if withdraw(&*t, kind, &gone, &in_force, false) {
+                            last = None;
+                            pending = None;
+                        } else {
+                            pending = Some(Pending::Deletion(gone));
+                        }
                     }
                 }
             }
@@ -361,33 +383,31 @@ async fn follow_kind<T: RuleTarget>(
         let mut check = tokio::time::interval(TARGET_CHECK);
         check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         check.reset();
-        loop {
+        offer_again = loop {
             tokio::select! {
                 changed = watch.changed() => match changed {
-                    Ok(()) => break,
+                    Ok(()) => break false,
                     Err(_) => return,
                 },
                 _ = check.tick() => {
                     if target.strong_count() == 0 {
                         return;
                     }
-                    if refused != Refused::Nothing {
-                        break;
+                    if pending.is_some() {
+                        break true;
                     }
                 }
             }
-        }
+        };
     }
 }
 
-/// What of the last version seen a follower's target refused for its own state.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Refused {
-    Nothing,
-    /// The version itself.
-    Version,
-    /// Its deletion (going back to the lower levels).
-    Deletion,
+/// What a follower's target refused for its own state, offered to it again.
+enum Pending {
+    /// A version.
+    Version(RuleVersion),
+    /// The deletion of the document, of which this was the last version seen.
+    Deletion(RuleVersion),
 }
 
 /// How [`take`] ended.
@@ -751,6 +771,39 @@ mod tests {
                 (EventKind::RuleApplied, None),
             ]
         );
+        following.abort();
+    }
+
+    /// An invalid document written after a version or deletion the target refused replaces
+    /// nothing: what was refused is still offered, and taken once the target allows it.
+    /// (Before, the invalid version cleared the refusal: the refused version was never taken,
+    /// and a deleted rule stayed in force for good.)
+    #[tokio::test(start_paused = true)]
+    async fn an_invalid_version_after_a_refused_one_leaves_it_pending() {
+        let (governance, target, in_force, following) = following();
+        in_force.first_read().await;
+        let a = "[defaults]\ntimeout_ms = 100\n";
+        let invalid = "[defaults]\nretry_tims = 1\n";
+        // A version refused, then an invalid one.
+        target.refuse(true);
+        governance.send_replace(Some(RuleVersion::new(3, a)));
+        tokio::time::sleep(TARGET_CHECK * 2).await;
+        governance.send_replace(Some(RuleVersion::new(4, invalid)));
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        target.refuse(false);
+        tokio::time::sleep(TARGET_CHECK * 2).await;
+        assert_eq!(in_force.version(RuleKind::Governance), Some(3));
+        assert_eq!(*target.texts.lock().unwrap(), [a]);
+        // A deletion refused, then an invalid version.
+        target.refuse(true);
+        governance.send_replace(None);
+        tokio::time::sleep(TARGET_CHECK * 2).await;
+        governance.send_replace(Some(RuleVersion::new(5, invalid)));
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        target.refuse(false);
+        tokio::time::sleep(TARGET_CHECK * 2).await;
+        assert_eq!(in_force.version(RuleKind::Governance), None);
+        assert_eq!(*target.texts.lock().unwrap(), [a, ""]);
         following.abort();
     }
 
