@@ -443,6 +443,65 @@ async fn choosing_enforce_in_the_rules_editor_enforces_a_policy_a_lower_level_ob
     drop(server);
 }
 
+/// A document stored with CRLF line endings (a file written so, stored byte for byte by
+/// `rpcctl rules set`) loads as unedited, and a newer version written over it is loaded by the
+/// page's poll. (Before, a browser's editor, which holds its text with LF line endings, differed
+/// from the stored text at once: the page said "edited" and loaded no newer version by itself.)
+#[cfg(feature = "etcd")]
+#[tokio::test]
+async fn a_crlf_document_loads_unedited_and_a_newer_version_loads_by_itself() {
+    use rpc_registry::{EtcdOptions, EtcdRegistry, RuleKind};
+
+    let etcd = etcd_harness::Etcd::start().await;
+    let store = EtcdRegistry::connect(
+        &[etcd.endpoint()],
+        EtcdOptions {
+            connect_timeout: Duration::from_secs(1),
+            request_timeout: Duration::from_secs(1),
+            ..EtcdOptions::default()
+        },
+    )
+    .await
+    .expect("etcd registry")
+    .rules();
+    let v1 = store
+        .set(RuleKind::Governance, "[defaults]\r\ntimeout_ms = 100\r\n", 0)
+        .await
+        .expect("set");
+    let admin = Admin::builder()
+        .rules(store.clone())
+        .token(TOKEN)
+        .serve("127.0.0.1:0")
+        .await
+        .expect("admin");
+    let driver = Chromedriver::start().await;
+    let page = format!("http://{}/#token={TOKEN}", admin.local_addr());
+    driver
+        .with_browser(|browser| async move {
+            browser.goto(&page).await.expect("goto");
+            until_script(
+                &browser,
+                "the CRLF document loaded, not edited",
+                &format!(
+                    "const s = document.getElementById('rules-version').textContent; \
+                     return s.includes('editing version {v1}') && !s.includes('edited');"
+                ),
+            )
+            .await;
+            store
+                .set(RuleKind::Governance, "[defaults]\ntimeout_ms = 200\n", v1)
+                .await
+                .expect("a newer version");
+            until_script(
+                &browser,
+                "the newer version loaded by the poll",
+                "return document.getElementById('rules-text').value.includes('timeout_ms = 200');",
+            )
+            .await;
+        })
+        .await;
+}
+
 /// Waits, at most [`WAIT`], until `done` holds.
 #[cfg(feature = "etcd")]
 async fn until(done: impl Fn() -> bool) {
