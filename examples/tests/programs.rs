@@ -97,12 +97,20 @@ fn echo_client_ends_quietly_with_0_when_its_reader_goes_away() {
 #[test]
 fn scenarios_refuses_a_number_of_seconds_out_of_range() {
     for seconds in ["-1", "nan", "1e30"] {
-        let out = Command::new(env!("CARGO_BIN_EXE_scenarios"))
+        let mut run = Command::new(env!("CARGO_BIN_EXE_scenarios"))
             .args(["--only", "a", &format!("--seconds={seconds}")])
-            .output()
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
             .expect("run scenarios");
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "--seconds {seconds}: {err}");
+        let err = support::read_all(run.stderr.take().expect("stderr"));
+        // Bounded: a check that let the value through would start a load without end.
+        let status = support::wait_within(run, Duration::from_secs(20))
+            .unwrap_or_else(|| panic!("--seconds {seconds}: still running after 20 s"));
+        let err = err
+            .recv_timeout(Duration::from_secs(20))
+            .expect("its standard error");
+        assert_eq!(status.code(), Some(1), "--seconds {seconds}: {err}");
         assert!(err.contains("--seconds"), "--seconds {seconds}: {err}");
         assert!(!err.contains("panicked"), "--seconds {seconds}: {err}");
     }

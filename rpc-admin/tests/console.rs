@@ -465,7 +465,11 @@ async fn a_crlf_document_loads_unedited_and_a_newer_version_loads_by_itself() {
     .expect("etcd registry")
     .rules();
     let v1 = store
-        .set(RuleKind::Governance, "[defaults]\r\ntimeout_ms = 100\r\n", 0)
+        .set(
+            RuleKind::Governance,
+            "[defaults]\r\ntimeout_ms = 100\r\n",
+            0,
+        )
         .await
         .expect("set");
     let admin = Admin::builder()

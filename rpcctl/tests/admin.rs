@@ -2,10 +2,15 @@
 //! endpoint (this test process: a server, a client that called it, and the endpoint, over
 //! TCP on loopback). Expected values come from what the test did to the client.
 
+#[path = "../../tests/tests/common/child.rs"]
+mod child;
+
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
+
+use child::wait_within;
 
 use rpc::admin::{Admin, AdminHandle};
 use rpc::{Client, GovernanceOverrides, InProcessRegistry, RpcError, Server, ServerHandle};
@@ -390,23 +395,6 @@ async fn until_following(stderr: mpsc::Receiver<String>) -> mpsc::Receiver<Strin
     .expect("join");
     assert!(following.contains("following"), "{following}");
     stderr
-}
-
-/// `child`'s exit status once it ends within `bound`; `None` if it has not (it is killed).
-fn wait_within(
-    mut child: std::process::Child,
-    bound: Duration,
-) -> Option<std::process::ExitStatus> {
-    let id = child.id();
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(child.wait().expect("wait"));
-    });
-    let status = rx.recv_timeout(bound).ok();
-    if status.is_none() {
-        let _ = Command::new("kill").arg(id.to_string()).status();
-    }
-    status
 }
 
 /// Starts `rpcctl events --count 1` and returns once it follows the stream (its standard

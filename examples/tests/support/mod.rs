@@ -2,6 +2,10 @@
 //! standard output read line by line, and a bounded wait for a line.
 #![allow(dead_code)]
 
+#[path = "../../../tests/tests/common/child.rs"]
+mod child;
+pub use child::wait_within;
+
 use std::io::{BufRead, BufReader};
 use std::process::{Child, ChildStdout, Command, Stdio};
 use std::sync::mpsc;
@@ -54,20 +58,6 @@ pub fn spawn(program: &str, args: &[&str]) -> (Running, mpsc::Receiver<String>) 
         .unwrap_or_else(|e| panic!("start {program}: {e}"));
     let out = lines(child.stdout.take().expect("stdout"));
     (Running(child), out)
-}
-
-/// `child`'s exit status once it ends within `bound`; `None` if it has not (it is killed).
-pub fn wait_within(mut child: Child, bound: Duration) -> Option<std::process::ExitStatus> {
-    let id = child.id();
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(child.wait().expect("wait"));
-    });
-    let status = rx.recv_timeout(bound).ok();
-    if status.is_none() {
-        let _ = Command::new("kill").arg(id.to_string()).status();
-    }
-    status
 }
 
 /// Everything `from` gives until its end, read on a thread of its own.

@@ -704,12 +704,13 @@ async fn an_unknown_entry_named_at_length_is_answered_briefly() {
 
 /// Past `REFUSALS_BEFORE_PAUSE` refusals in a row the server stops reading the connection:
 /// the calls behind wait unread, and are served once the held calls finish. (It reads again a
-/// second later, at its keepalive, refusing up to that many more: on a machine slow enough to
-/// take that long here, those refusals are allowed, and no more.)
-#[tokio::test]
+/// second later, at its keepalive, refusing up to that many more: on the paused clock, those
+/// refusals are allowed for each second that passed, and no more.)
+#[tokio::test(start_paused = true)]
 async fn after_many_refusals_at_the_in_flight_limit_the_server_waits_for_a_call_to_finish() {
     let gate = gate(0);
     let (server, _reg, mut raw) = connected(gate.clone()).await;
+    let t0 = tokio::time::Instant::now();
     // The limit is 3: three calls are held, then a hundred more arrive.
     let pause = u64::from(rpc::crates::transport::REFUSALS_BEFORE_PAUSE);
     let extra = pause + 36;
@@ -722,10 +723,8 @@ async fn after_many_refusals_at_the_in_flight_limit_the_server_waits_for_a_call_
         assert_eq!(r.status_code, 515, "{r:?}");
     }
     assert_eq!(gate.ran.load(Ordering::SeqCst), 3);
-    let paused_at = std::time::Instant::now();
     // ...and the rest wait unread until the held calls finish; then they are served.
     gate.open.add_permits(1000);
-    let keepalives_passed = paused_at.elapsed().as_secs();
     let (mut ok, mut refused) = (0, 0);
     for _ in 0..3 + (extra - pause) {
         match answer(&mut raw).await.status_code {
@@ -735,6 +734,7 @@ async fn after_many_refusals_at_the_in_flight_limit_the_server_waits_for_a_call_
         }
     }
     assert_eq!(ok + refused, 3 + extra - pause);
+    let keepalives_passed = t0.elapsed().as_secs();
     assert!(
         refused <= pause * keepalives_passed,
         "{refused} refused after the pause, {keepalives_passed} s before the calls finished"

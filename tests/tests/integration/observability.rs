@@ -536,7 +536,7 @@ impl Watched for Pinged {
 /// (observed) is on its `rpc.server` span, as an enforced refusal's is, on a server without
 /// layers too. (Before, admission decided outside the call's span there: the event was on no
 /// span, and OpenTelemetry dropped it.)
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn an_observed_refusal_is_on_the_calls_server_span() {
     let (traces, _guard) = Traces::install();
     let server = Server::builder()

@@ -514,14 +514,13 @@ async fn a_client_lets_go_of_an_endpoint_that_left_the_registry_once_its_call_is
 /// An endpoint that leaves the registry while a call is on its way to it (held in a
 /// per-attempt layer) gets no new connection from that call: nothing would let that connection
 /// go (the endpoint's address has gone already), and it stayed open, pinging, for the client's
-/// life. The call goes to the endpoint still listed.
+/// life. The call goes to the endpoint still listed, and the one that left accepts nothing.
 #[tokio::test]
 async fn a_call_reaching_an_endpoint_that_left_opens_no_connection_to_it() {
     let reg = InProcessRegistry::new();
-    let (n, _leaving_probe) = node("leaving");
-    // Serving, registered by hand: it leaves the registry while its process lives on.
-    let leaving = builder(&n).serve("127.0.0.1:0").await.expect("serve");
-    let addr = leaving.local_addr().to_string();
+    // Listening, registered by hand: it leaves the registry while its process lives on.
+    let (leaving, addr) = common::raw_listener().await;
+    let addr = addr.to_string();
     let instance = rpc::Instance::new(addr.clone(), [LifeClient::SERVICE_ID]);
     let leaving_id = instance.id.clone();
     reg.register(instance).await.expect("register");
@@ -553,8 +552,13 @@ async fn a_call_reaching_an_endpoint_that_left_opens_no_connection_to_it() {
     release.add_permits(1);
     let answer = within("the call", call).await.expect("join");
     assert_eq!(answer.expect("answered"), "staying");
+    assert!(
+        tokio::time::timeout(Duration::ZERO, leaving.accept())
+            .await
+            .is_err(),
+        "a connection was opened to the endpoint that left"
+    );
     within("shutdown", staying.shutdown()).await;
-    within("shutdown", leaving.shutdown()).await;
 }
 
 /// A heartbeat interval of zero turns heartbeats off: before, the connection closed itself as
