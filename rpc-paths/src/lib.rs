@@ -9,6 +9,13 @@
 //!
 //! It must not grow into more than these rules: it knows nothing of HTTP types, entries or
 //! matching.
+//!
+//! ```
+//! // A declared route may not sit where default routes (`/api/{service}/{method}`) do.
+//! assert!(rpc_paths::overlaps_default_routes("/api/{service}/{method}"));
+//! assert!(!rpc_paths::overlaps_default_routes("/orders/{id}"));
+//! assert!(rpc_paths::is_default_route_path("/api/shop.Orders/cancel"));
+//! ```
 
 #![warn(missing_docs)]
 

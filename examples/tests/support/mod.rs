@@ -4,6 +4,7 @@
 
 #[path = "../../../tests/tests/common/child.rs"]
 mod child;
+#[allow(unused_imports)]
 pub use child::wait_within;
 
 use std::io::{BufRead, BufReader};
