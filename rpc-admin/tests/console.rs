@@ -324,20 +324,10 @@ async fn a_wrong_token_shows_the_refusal_and_no_data() {
 #[tokio::test]
 async fn choosing_enforce_in_the_rules_editor_enforces_a_policy_a_lower_level_observes() {
     use rpc_governance::config::GovernanceConfig;
-    use rpc_registry::{EtcdOptions, EtcdRegistry, RuleKind};
+    use rpc_registry::RuleKind;
 
     let etcd = etcd_harness::Etcd::start().await;
-    let store = EtcdRegistry::connect(
-        &[etcd.endpoint()],
-        EtcdOptions {
-            connect_timeout: Duration::from_secs(1),
-            request_timeout: Duration::from_secs(1),
-            ..EtcdOptions::default()
-        },
-    )
-    .await
-    .expect("etcd registry")
-    .rules();
+    let store = rule_store(&etcd).await;
     let first = "[defaults]\ntimeout_ms = 1000\nbreaker_observe = true\n";
     let v1 = store
         .set(RuleKind::Governance, first, 0)
@@ -450,20 +440,10 @@ async fn choosing_enforce_in_the_rules_editor_enforces_a_policy_a_lower_level_ob
 #[cfg(feature = "etcd")]
 #[tokio::test]
 async fn a_crlf_document_loads_unedited_and_a_newer_version_loads_by_itself() {
-    use rpc_registry::{EtcdOptions, EtcdRegistry, RuleKind};
+    use rpc_registry::RuleKind;
 
     let etcd = etcd_harness::Etcd::start().await;
-    let store = EtcdRegistry::connect(
-        &[etcd.endpoint()],
-        EtcdOptions {
-            connect_timeout: Duration::from_secs(1),
-            request_timeout: Duration::from_secs(1),
-            ..EtcdOptions::default()
-        },
-    )
-    .await
-    .expect("etcd registry")
-    .rules();
+    let store = rule_store(&etcd).await;
     let v1 = store
         .set(
             RuleKind::Governance,
@@ -504,6 +484,23 @@ async fn a_crlf_document_loads_unedited_and_a_newer_version_loads_by_itself() {
             .await;
         })
         .await;
+}
+
+/// The rule store of the etcd `etcd` runs.
+#[cfg(feature = "etcd")]
+async fn rule_store(etcd: &etcd_harness::Etcd) -> rpc_registry::RuleStore {
+    use rpc_registry::{EtcdOptions, EtcdRegistry};
+    EtcdRegistry::connect(
+        &[etcd.endpoint()],
+        EtcdOptions {
+            connect_timeout: Duration::from_secs(1),
+            request_timeout: Duration::from_secs(1),
+            ..EtcdOptions::default()
+        },
+    )
+    .await
+    .expect("etcd registry")
+    .rules()
 }
 
 /// Waits, at most [`WAIT`], until `done` holds.
