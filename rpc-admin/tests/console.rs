@@ -363,60 +363,56 @@ async fn choosing_enforce_in_the_rules_editor_enforces_a_policy_a_lower_level_ob
     until(|| client.rules_version(RuleKind::Governance) == Some(v1)).await;
     assert!(breaker_observe(&client));
 
-    let driver = Chromedriver::start().await;
-    let page = format!("http://{}/#token={TOKEN}", admin.local_addr());
-    driver
-        .with_browser(|browser| async move {
-            browser.goto(&page).await.expect("goto");
-            // The editor has the document, and the control reads it as observing.
-            until_script(
-                &browser,
-                "the document in the editor, the breaker observed",
-                "return document.getElementById('rules-text').value.includes('timeout_ms = 1000') \
+    in_console(&admin, |browser| async move {
+        // The editor has the document, and the control reads it as observing.
+        until_script(
+            &browser,
+            "the document in the editor, the breaker observed",
+            "return document.getElementById('rules-text').value.includes('timeout_ms = 1000') \
                    && document.getElementById('rules-observe-breaker').value === 'observe';",
-            )
-            .await;
-            // A document that does not set the flag says neither observe nor enforce, and
-            // "not set" takes the line out.
-            let read = browser
-                .execute(
-                    "return [observed('[defaults]\\ntimeout_ms = 1\\n', 'breaker'), \
+        )
+        .await;
+        // A document that does not set the flag says neither observe nor enforce, and
+        // "not set" takes the line out.
+        let read = browser
+            .execute(
+                "return [observed('[defaults]\\ntimeout_ms = 1\\n', 'breaker'), \
                        observed('[defaults]\\nbreaker_observe = false\\n', 'breaker'), \
                        setObserved('[defaults]\\nbreaker_observe = true\\nx = 1\\n', \
                                    'breaker', 'unset')];",
-                    vec![],
-                )
-                .await
-                .expect("the control's reading");
-            assert_eq!(
-                read,
-                serde_json::json!(["unset", "enforce", "[defaults]\nx = 1\n"])
-            );
-            let select = shows(
-                &browser,
-                "the breaker's control",
-                Locator::Id("rules-observe-breaker"),
+                vec![],
             )
-            .await;
-            select
-                .select_by_value("enforce")
-                .await
-                .expect("choose enforce");
-            browser
-                .find(Locator::Id("rules-save"))
-                .await
-                .expect("save button")
-                .click()
-                .await
-                .expect("click save");
-            shows(
-                &browser,
-                "the saved message",
-                Locator::XPath("//*[@id='rules-message'][starts-with(., 'saved as version')]"),
-            )
-            .await;
-        })
+            .await
+            .expect("the control's reading");
+        assert_eq!(
+            read,
+            serde_json::json!(["unset", "enforce", "[defaults]\nx = 1\n"])
+        );
+        let select = shows(
+            &browser,
+            "the breaker's control",
+            Locator::Id("rules-observe-breaker"),
+        )
         .await;
+        select
+            .select_by_value("enforce")
+            .await
+            .expect("choose enforce");
+        browser
+            .find(Locator::Id("rules-save"))
+            .await
+            .expect("save button")
+            .click()
+            .await
+            .expect("click save");
+        shows(
+            &browser,
+            "the saved message",
+            Locator::XPath("//*[@id='rules-message'][starts-with(., 'saved as version')]"),
+        )
+        .await;
+    })
+    .await;
     let now = store
         .get(RuleKind::Governance)
         .await
@@ -458,30 +454,44 @@ async fn a_crlf_document_loads_unedited_and_a_newer_version_loads_by_itself() {
         .serve("127.0.0.1:0")
         .await
         .expect("admin");
+    in_console(&admin, |browser| async move {
+        until_script(
+            &browser,
+            "the CRLF document loaded, not edited",
+            &format!(
+                "const s = document.getElementById('rules-version').textContent; \
+                     return s.includes('editing version {v1}') && !s.includes('edited');"
+            ),
+        )
+        .await;
+        store
+            .set(RuleKind::Governance, "[defaults]\ntimeout_ms = 200\n", v1)
+            .await
+            .expect("a newer version");
+        until_script(
+            &browser,
+            "the newer version loaded by the poll",
+            "return document.getElementById('rules-text').value.includes('timeout_ms = 200');",
+        )
+        .await;
+    })
+    .await;
+}
+
+/// Runs `check` in the console of `admin` (with the test's token), opened in a new browser
+/// session of a new chromedriver.
+#[cfg(feature = "etcd")]
+async fn in_console<F, Fut>(admin: &AdminHandle, check: F)
+where
+    F: FnOnce(Browser) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
     let driver = Chromedriver::start().await;
     let page = format!("http://{}/#token={TOKEN}", admin.local_addr());
     driver
         .with_browser(|browser| async move {
             browser.goto(&page).await.expect("goto");
-            until_script(
-                &browser,
-                "the CRLF document loaded, not edited",
-                &format!(
-                    "const s = document.getElementById('rules-version').textContent; \
-                     return s.includes('editing version {v1}') && !s.includes('edited');"
-                ),
-            )
-            .await;
-            store
-                .set(RuleKind::Governance, "[defaults]\ntimeout_ms = 200\n", v1)
-                .await
-                .expect("a newer version");
-            until_script(
-                &browser,
-                "the newer version loaded by the poll",
-                "return document.getElementById('rules-text').value.includes('timeout_ms = 200');",
-            )
-            .await;
+            check(browser).await;
         })
         .await;
 }

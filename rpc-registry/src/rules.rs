@@ -583,6 +583,24 @@ mod tests {
             self.refusing
                 .store(yes, std::sync::atomic::Ordering::SeqCst);
         }
+
+        /// Writes `doc` (a version, or `None`: the document deleted) into `source` while
+        /// this target refuses every change, and lets two checks of the follower pass.
+        async fn refusing_write(
+            &self,
+            source: &watch::Sender<Option<RuleVersion>>,
+            doc: Option<RuleVersion>,
+        ) {
+            self.refuse(true);
+            source.send_replace(doc);
+            tokio::time::sleep(TARGET_CHECK * 2).await;
+        }
+
+        /// Takes changes again from now on, and lets two checks of the follower pass.
+        async fn allow(&self) {
+            self.refuse(false);
+            tokio::time::sleep(TARGET_CHECK * 2).await;
+        }
     }
 
     impl RuleTarget for Applied {
@@ -742,21 +760,17 @@ mod tests {
         in_force.first_read().await;
         let mut events = target.events.subscribe();
         let a = "[defaults]\ntimeout_ms = 100\n";
-        target.refuse(true);
-        governance.send_replace(Some(RuleVersion::new(3, a)));
-        tokio::time::sleep(TARGET_CHECK * 3).await;
+        target
+            .refusing_write(&governance, Some(RuleVersion::new(3, a)))
+            .await;
         assert_eq!(in_force.version(RuleKind::Governance), None);
-        target.refuse(false);
-        tokio::time::sleep(TARGET_CHECK * 2).await;
+        target.allow().await;
         assert_eq!(in_force.version(RuleKind::Governance), Some(3));
         assert_eq!(*target.texts.lock().unwrap(), [a]);
         // Deleted while the target refuses to go back: version 3 stays, until it can.
-        target.refuse(true);
-        governance.send_replace(None);
-        tokio::time::sleep(TARGET_CHECK * 3).await;
+        target.refusing_write(&governance, None).await;
         assert_eq!(in_force.version(RuleKind::Governance), Some(3));
-        target.refuse(false);
-        tokio::time::sleep(TARGET_CHECK * 2).await;
+        target.allow().await;
         assert_eq!(in_force.version(RuleKind::Governance), None);
         assert_eq!(*target.texts.lock().unwrap(), [a, ""]);
         let kinds: Vec<_> = std::iter::from_fn(|| events.try_recv().ok())
@@ -785,23 +799,21 @@ mod tests {
         let a = "[defaults]\ntimeout_ms = 100\n";
         let invalid = "[defaults]\nretry_tims = 1\n";
         // A version refused, then an invalid one.
-        target.refuse(true);
-        governance.send_replace(Some(RuleVersion::new(3, a)));
-        tokio::time::sleep(TARGET_CHECK * 2).await;
-        governance.send_replace(Some(RuleVersion::new(4, invalid)));
-        tokio::time::sleep(Duration::from_millis(1)).await;
-        target.refuse(false);
-        tokio::time::sleep(TARGET_CHECK * 2).await;
+        target
+            .refusing_write(&governance, Some(RuleVersion::new(3, a)))
+            .await;
+        target
+            .refusing_write(&governance, Some(RuleVersion::new(4, invalid)))
+            .await;
+        target.allow().await;
         assert_eq!(in_force.version(RuleKind::Governance), Some(3));
         assert_eq!(*target.texts.lock().unwrap(), [a]);
         // A deletion refused, then an invalid version.
-        target.refuse(true);
-        governance.send_replace(None);
-        tokio::time::sleep(TARGET_CHECK * 2).await;
-        governance.send_replace(Some(RuleVersion::new(5, invalid)));
-        tokio::time::sleep(Duration::from_millis(1)).await;
-        target.refuse(false);
-        tokio::time::sleep(TARGET_CHECK * 2).await;
+        target.refusing_write(&governance, None).await;
+        target
+            .refusing_write(&governance, Some(RuleVersion::new(5, invalid)))
+            .await;
+        target.allow().await;
         assert_eq!(in_force.version(RuleKind::Governance), None);
         assert_eq!(*target.texts.lock().unwrap(), [a, ""]);
         following.abort();

@@ -179,6 +179,19 @@ impl Attempts for &Script {
     }
 }
 
+/// Asserts that `$p`'s breaker is in state `$state` (a [`BreakerState`] variant), showing the
+/// state it is in (after `$why`, when given) otherwise.
+macro_rules! assert_breaker {
+    ($p:expr, $state:ident $(, $why:literal)?) => {{
+        let state = $p.breaker().state();
+        assert!(
+            matches!(state, BreakerState::$state { .. }),
+            concat!($($why, ": ",)? "{:?}"),
+            state
+        );
+    }};
+}
+
 static M: MethodDescriptor = MethodDescriptor {
     service_id: "t.T",
     method: "m",
@@ -342,11 +355,7 @@ async fn one_endpoint_dying_mid_call_does_not_open_the_entry_breaker() {
         s.endpoints.truncate(1);
         let _ = g.execute(&p, &s).await;
     }
-    assert!(
-        matches!(p.breaker().state(), BreakerState::Open { .. }),
-        "{:?}",
-        p.breaker().state()
-    );
+    assert_breaker!(p, Open);
 }
 
 /// Nor while the other endpoints, though the call did not try them, are all marked: with no
@@ -373,11 +382,7 @@ async fn maybe_delivered_failures_count_once_no_other_endpoint_is_usable() {
         assert!(err.is_maybe_delivered(), "{err}");
         assert_eq!(s.starts().len(), 1, "not repeated");
     }
-    assert!(
-        matches!(p.breaker().state(), BreakerState::Open { .. }),
-        "{:?}",
-        p.breaker().state()
-    );
+    assert_breaker!(p, Open);
 }
 
 #[tokio::test(start_paused = true)]
@@ -511,7 +516,7 @@ async fn reload_takes_effect_on_the_next_call_and_keeps_an_open_breaker_open() {
         let s = single(vec![server_error()], Duration::ZERO);
         let _ = g.execute(&p, &s).await;
     }
-    assert!(matches!(p.breaker().state(), BreakerState::Open { .. }));
+    assert_breaker!(p, Open);
     g.update_layers(|l| {
         l.runtime.entries.insert(
             "t.T.m".into(),
@@ -588,7 +593,7 @@ async fn probing() -> (
             .execute(&p, &single(vec![server_error()], Duration::ZERO))
             .await;
     }
-    assert!(matches!(p.breaker().state(), BreakerState::Open { .. }));
+    assert_breaker!(p, Open);
     tokio::time::advance(Duration::from_secs(10)).await;
     let events = g.events().subscribe();
     (g, p, events)
@@ -1015,7 +1020,7 @@ async fn a_probe_that_times_out_counts_as_a_failure() {
     let hung = single(vec![ok()], Duration::from_secs(60));
     let err = g.execute(&p, &hung).await.unwrap_err();
     assert_eq!(err.code(), StatusCode::Timeout);
-    assert!(matches!(p.breaker().state(), BreakerState::Open { .. }));
+    assert_breaker!(p, Open);
     let k = kinds(&mut events);
     assert!(
         k.ends_with(&[EventKind::Timeout, EventKind::Break]),
@@ -1250,11 +1255,7 @@ async fn a_sick_shard_is_ejected_and_the_healthy_shards_keys_keep_succeeding() {
         // with 300 ms timeouts: then each expiry costs one more failure).
         assert!(sick_failed >= 3, "{sick_failed}");
         assert!(sick_failed <= 3 + 100 * 300 / 1000, "{sick_failed}");
-        assert!(
-            matches!(p.breaker().state(), BreakerState::Closed { .. }),
-            "{:?}",
-            p.breaker().state()
-        );
+        assert_breaker!(p, Closed);
     }
 }
 
@@ -1306,11 +1307,7 @@ async fn running_out_of_the_callers_time_is_no_fault_of_the_endpoint() {
         s.endpoints.iter().all(|e| g.health().is_usable(e)),
         "no endpoint is held to blame"
     );
-    assert!(
-        matches!(p.breaker().state(), BreakerState::Closed { .. }),
-        "{:?}",
-        p.breaker().state()
-    );
+    assert_breaker!(p, Closed);
     assert!(g.execute(&p, &s).await.is_ok(), "with its own time");
 }
 
@@ -1368,7 +1365,7 @@ async fn the_entry_breaker_still_opens_when_every_endpoint_fails() {
             .execute(&p, &single(vec![server_error()], Duration::ZERO))
             .await;
     }
-    assert!(matches!(p.breaker().state(), BreakerState::Open { .. }));
+    assert_breaker!(p, Open);
 }
 
 /// Attempts of 100 ms within a call of 1 s, retried twice at once.
@@ -2572,7 +2569,7 @@ async fn a_breaker_in_observe_mode_opens_and_reports_it_but_lets_calls_through()
     }
     // Enforced, the 3rd to 5th calls would have failed fast unsent: here all five went out.
     assert_eq!(s.starts().len(), 5, "observe mode sends every call");
-    assert!(matches!(p.breaker().state(), BreakerState::Open { .. }));
+    assert_breaker!(p, Open);
     let seen: Vec<(EventKind, bool)> = std::iter::from_fn(|| events.try_recv().ok())
         .filter(|e| e.kind != EventKind::Ejection)
         .map(|e| (e.kind, e.observed))
@@ -2593,7 +2590,7 @@ async fn a_breaker_in_observe_mode_opens_and_reports_it_but_lets_calls_through()
         let _ = g.execute(&p, &s).await;
     }
     assert_eq!(s.starts().len(), 3, "observe mode sends every call");
-    assert!(matches!(p.breaker().state(), BreakerState::Open { .. }));
+    assert_breaker!(p, Open);
     // Back to enforcing (a reload): the breaker, still open, fails fast at once.
     g.update_layers(|l| {
         l.runtime.entries.insert(
@@ -2829,11 +2826,7 @@ async fn a_probe_that_found_no_endpoint_leaves_the_breaker_half_open_and_frees_i
     let (g, p, mut events) = probing().await;
     let err = g.execute(&p, NoEndpoint).await.unwrap_err();
     assert_eq!(err.code(), StatusCode::NotFindServiceRoute);
-    assert!(
-        matches!(p.breaker().state(), BreakerState::HalfOpen { .. }),
-        "no remote side answered: {:?}",
-        p.breaker().state()
-    );
+    assert_breaker!(p, HalfOpen, "no remote side answered");
     assert_eq!(kinds(&mut events), [EventKind::HalfOpen]);
     // The slot is free: the next call is the probe, and its success closes the breaker.
     next_call_goes_through(&g, &p).await;
@@ -2991,11 +2984,7 @@ async fn opened_by_one_failure(g: &Governance) -> (Arc<EntryPolicy>, Script) {
     let mut s = Script::new(vec![server_error()], Duration::ZERO);
     s.endpoints.truncate(1);
     let _ = g.execute(&p, &s).await;
-    assert!(
-        matches!(p.breaker().state(), BreakerState::Open { .. }),
-        "{:?}",
-        p.breaker().state()
-    );
+    assert_breaker!(p, Open);
     (p, s)
 }
 
@@ -3021,11 +3010,7 @@ async fn a_hedge_that_answers_is_judged_by_its_own_attempt() {
     )
     .await;
     assert_eq!(result.expect("the hedge answers"), "fast:1");
-    assert!(
-        matches!(p.breaker().state(), BreakerState::Closed { .. }),
-        "the probe was answered: {:?}",
-        p.breaker().state()
-    );
+    assert_breaker!(p, Closed, "the probe was answered");
 }
 
 /// An attempt a per-attempt layer answers itself asked no server anything: a half-open
