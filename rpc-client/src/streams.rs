@@ -257,14 +257,12 @@ impl Client {
             }
             let governed = stack::governed(
                 ClientBalance { client: self },
-                Layered::new(
-                    &self.inner.attempt_layers,
-                    OpenAttempt {
-                        client: self,
-                        opened: &opened,
-                        mode,
-                    },
-                ),
+                &self.inner.attempt_layers,
+                OpenAttempt {
+                    client: self,
+                    opened: &opened,
+                    mode,
+                },
             );
             let stack = Layered::new(
                 &self.inner.layers,

@@ -27,8 +27,22 @@ pub(crate) struct HedgeGate {
     /// The endpoints the call's own attempts were aimed at: the hedge goes elsewhere, and
     /// with none yet (the first attempt still finding its endpoint) it is not sent either.
     pub(crate) attempted: Attempted,
-    /// The hedge layer's last word (the budget, the event): `false` sends nothing.
-    pub(crate) send: Box<dyn FnOnce(&CallCx<'_>) -> bool + Send + Sync>,
+    /// The hedge layer's last word (the budget): `None` sends nothing; else the hedge goes on,
+    /// and its `hedge` event is sent once it passes the layers that may still drop it.
+    pub(crate) send: HedgeSend,
+}
+
+/// The hedge layer's last word on a hedge (see [`HedgeGate::send`]).
+pub(crate) type HedgeSend = Box<dyn FnOnce(&CallCx<'_>) -> Option<HedgeSent> + Send + Sync>;
+
+/// A hedge's `hedge` event, held until the hedge reaches the stage below the per-attempt
+/// layers (see [`CallCx::announce_hedge`]): one that adaptive throttling drops or a
+/// per-attempt layer refuses never leaves the client, and is no hedge sent.
+pub(crate) struct HedgeSent {
+    /// The endpoint the event names (the call's latest).
+    pub(crate) endpoint: Option<Arc<str>>,
+    /// Why the hedge went: its delay.
+    pub(crate) why: String,
 }
 
 /// Where a hedged call's hedge runs: the endpoint of its attempt while it is out, so that the
@@ -122,6 +136,8 @@ pub struct CallCx<'g> {
     /// Set on a hedge's context by the hedge layer: the retry layer sends the hedge only to an
     /// endpoint other than the first attempt's, and only if the gate agrees.
     pub(crate) hedge_gate: Option<HedgeGate>,
+    /// A hedge's event, sent when the hedge reaches the stage below the per-attempt layers.
+    pub(crate) hedge_sent: Option<HedgeSent>,
     /// Shared by both attempts of a hedged call, set once one of them answered.
     pub(crate) superseded: Option<Superseded>,
     /// Shared by both attempts of a hedged call: where the hedge runs.
@@ -268,6 +284,7 @@ impl<'g> CallCx<'g> {
             attempted: None,
             hedge: false,
             hedge_gate: None,
+            hedge_sent: None,
             route_drawn: None,
             superseded: None,
             hedge_run: None,
@@ -283,6 +300,14 @@ impl<'g> CallCx<'g> {
             retry_depth: 0,
             call_id: None,
             stream_end: Vec::new(),
+        }
+    }
+
+    /// Sends the `hedge` event of this context's hedge, once, as it passes the per-attempt
+    /// layers (nothing for any other attempt).
+    pub(crate) fn announce_hedge(&mut self) {
+        if let Some(HedgeSent { endpoint, why }) = self.hedge_sent.take() {
+            self.emit(EventKind::Hedge, endpoint.as_deref(), 1, Some(why));
         }
     }
 

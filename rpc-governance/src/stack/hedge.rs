@@ -19,7 +19,9 @@
 //! ([`RetryBudget::try_withdraw`](crate::budget::RetryBudget::try_withdraw)) and is not sent
 //! once the budget is spent: under overload, when every call is slow, hedges stop by
 //! themselves. A hedge that then never leaves this client (dropped by adaptive throttling,
-//! refused by a per-attempt layer) gives its retry back; its `hedge` event stands. The hedge is one attempt (its failure is not retried); the first attempt keeps
+//! refused by a per-attempt layer) gives its retry back; its `hedge` event is sent as it passes
+//! those layers, so such a hedge has none. The hedge is one attempt (its failure is not
+//! retried); the first attempt keeps
 //! its retries, but one that would go to the endpoint the hedge is on waits until the hedge
 //! ends (a second copy of the call there would race nothing), then picks again. A hedge aimed at an endpoint that cannot serve the call (nothing is sent: its
 //! server does not stream, or takes fewer attachments) moves on to the next untried endpoint.
@@ -35,7 +37,7 @@ use rpc_core::{GovernanceOptions, RpcError};
 
 use tokio::time::Instant;
 
-use super::context::{Attempted, HedgeGate, HedgeRun};
+use super::context::{Attempted, HedgeGate, HedgeRun, HedgeSent};
 use super::retry::retry_depth_mark;
 use super::{CallCx, Service, Superseded};
 use crate::events::EventKind;
@@ -182,11 +184,13 @@ impl<S: Service> HedgeLayer<S> {
                             1,
                             Some("hedge not sent: the retry budget is spent".into()),
                         );
-                        return false;
+                        return None;
                     }
                     sent.store(true, Ordering::Relaxed);
-                    hcx.emit(EventKind::Hedge, latest.as_deref(), 1, Some(why));
-                    true
+                    Some(HedgeSent {
+                        endpoint: latest,
+                        why,
+                    })
                 }
             }),
         });

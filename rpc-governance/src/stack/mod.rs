@@ -39,6 +39,7 @@ mod throttle;
 mod timeout;
 
 use std::future::Future;
+use std::sync::Arc;
 
 use bytes::Bytes;
 use rpc_core::{Codec, RpcError};
@@ -120,19 +121,25 @@ where
     } = parts;
     Layered::new(
         outer,
-        FallbackLayer::new(
-            fallbacks,
-            codec,
-            governed(balance, Layered::new(per_attempt, attempt)),
-        ),
+        FallbackLayer::new(fallbacks, codec, governed(balance, per_attempt, attempt)),
     )
 }
 
-/// The governed core, without fallback and user layers: circuit breaker → timeout → hedge →
-/// retry/failover over `balance` → adaptive throttling → `attempt`.
-pub fn governed<B: Balance, A: Service>(balance: B, attempt: A) -> impl Service {
+/// The governed core, without fallback and the outer user layers: circuit breaker → timeout →
+/// hedge → retry/failover over `balance` → adaptive throttling → the `per_attempt` user layers
+/// → `attempt`. (An attempt that passes the per-attempt layers leaves the client: a hedge's
+/// `hedge` event is sent there.)
+pub fn governed<'a, B, A>(
+    balance: B,
+    per_attempt: &'a [Arc<dyn Middleware>],
+    attempt: A,
+) -> impl Service + 'a
+where
+    B: Balance + 'a,
+    A: Service + 'a,
+{
     CircuitBreakerLayer::new(TimeoutLayer::new(HedgeLayer::new(RetryLayer::new(
         balance,
-        ThrottleLayer::new(attempt),
+        ThrottleLayer::new(Layered::new(per_attempt, attempt)),
     ))))
 }

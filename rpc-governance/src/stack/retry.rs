@@ -89,7 +89,11 @@ impl<B: Balance, S: Service> Service for RetryLayer<B, S> {
                 .is_empty();
             cx.attempted = Some(gate.attempted.clone());
             cx.pass_the_calls_other_attempts();
-            if !first_sent || !picker.untried_left(cx) || !(gate.send)(cx) {
+            let sent = (first_sent && picker.untried_left(cx))
+                .then(|| (gate.send)(cx))
+                .flatten();
+            cx.hedge_sent = sent;
+            if cx.hedge_sent.is_none() {
                 return Err(RpcError::new(
                     StatusCode::CommunicationError,
                     "no hedge sent: no other endpoint, the first attempt not sent yet, or the retry \

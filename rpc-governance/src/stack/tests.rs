@@ -103,7 +103,7 @@ impl Governance {
     ) -> Result<Bytes, RpcError> {
         let policy = self.policy(policy.method());
         let mut cx = CallCx::new(self, policy.clone(), policy.options());
-        governed(Scripted(attempts), Scripted(attempts))
+        governed(Scripted(attempts), &[], Scripted(attempts))
             .call(&mut cx, Bytes::new())
             .await
     }
@@ -719,7 +719,7 @@ async fn fallback_events<A: Attempts + Copy + Send>(
     let stack = super::FallbackLayer::new(
         &fallbacks,
         rpc_core::Codec::MsgPack,
-        governed(Scripted(attempts), Scripted(attempts)),
+        governed(Scripted(attempts), &[], Scripted(attempts)),
     );
     let answer = stack
         .call(&mut cx, Bytes::new())
@@ -768,7 +768,7 @@ async fn a_fallback_without_the_entry_neither_runs_nor_is_reported() {
     let stack = super::FallbackLayer::new(
         &fallbacks,
         rpc_core::Codec::MsgPack,
-        governed(Scripted(&s), Scripted(&s)),
+        governed(Scripted(&s), &[], Scripted(&s)),
     );
     let e = stack
         .call(&mut cx, Bytes::new())
@@ -1498,7 +1498,7 @@ async fn an_attempt_started_late_by_work_before_the_stack_gets_its_whole_attempt
     tokio::time::advance(Duration::from_millis(80)).await;
     let s = single(vec![ok()], Duration::from_millis(90));
     let mut cx = CallCx::new(&g, p.clone(), p.options()).with_started(call_started);
-    let answer = governed(Scripted(&s), Scripted(&s))
+    let answer = governed(Scripted(&s), &[], Scripted(&s))
         .call(&mut cx, Bytes::new())
         .await;
     assert_eq!(answer.unwrap(), Bytes::from_static(b"ok"));
@@ -1537,7 +1537,7 @@ async fn an_attempt_that_ends_at_its_deadline_itself_gets_no_second_timer() {
     let policy = g.policy(&M);
     let mut cx = CallCx::new(&g, policy.clone(), policy.options());
     let t0 = Instant::now();
-    let answer = governed(Scripted(&s), Promising(Scripted(&s)))
+    let answer = governed(Scripted(&s), &[], Promising(Scripted(&s)))
         .call(&mut cx, Bytes::new())
         .await;
     assert_eq!(t0.elapsed(), Duration::from_millis(1_000));
@@ -1548,6 +1548,7 @@ async fn an_attempt_that_ends_at_its_deadline_itself_gets_no_second_timer() {
     let t0 = Instant::now();
     let err = governed(
         Scripted(&s),
+        &[],
         super::Layered::new(&layers, Promising(Scripted(&s))),
     )
     .call(&mut cx, Bytes::new())
@@ -1583,7 +1584,7 @@ async fn a_failed_attempts_stream_end_hooks_are_dropped() {
     let s = Script::new(vec![overflow(), overflow(), ok()], Duration::ZERO);
     let policy = g.policy(&M);
     let mut cx = CallCx::new(&g, policy.clone(), policy.options());
-    governed(Scripted(&s), HooksEachAttempt(Scripted(&s)))
+    governed(Scripted(&s), &[], HooksEachAttempt(Scripted(&s)))
         .call(&mut cx, Bytes::new())
         .await
         .expect("the third attempt");
@@ -2280,7 +2281,7 @@ async fn no_hedge_is_counted_once_the_calls_deadline_passed() {
     let mut events = g.events().subscribe();
     let policy = g.policy(&M);
     let mut cx = CallCx::new(&g, policy.clone(), policy.options());
-    let _ = governed(Scripted(&e), Promising(Scripted(&e)))
+    let _ = governed(Scripted(&e), &[], Promising(Scripted(&e)))
         .call(&mut cx, Bytes::new())
         .await;
     let kinds: Vec<EventKind> = std::iter::from_fn(|| events.try_recv().ok())
@@ -2360,7 +2361,7 @@ async fn a_hedge_carries_the_retry_depth_of_the_call_it_belongs_to() {
         };
         let policy = g.policy(&M);
         let mut cx = CallCx::new(&g, policy.clone(), policy.options());
-        let stack = governed(Scripted(&e), &bottom);
+        let stack = governed(Scripted(&e), &[], &bottom);
         let call = stack.call(&mut cx, Bytes::new());
         let answer = match served {
             Some(served) => RpcContext::scope(served, call).await,
@@ -2426,6 +2427,7 @@ async fn found_after_100_ms(g: &Governance, e: &Endpoints) -> Bytes {
     let mut cx = CallCx::new(g, policy.clone(), policy.options());
     let stack = governed(
         SlowToFind(Scripted(e), Duration::from_millis(100)),
+        &[],
         Scripted(e),
     );
     stack.call(&mut cx, Bytes::new()).await.expect("answered")
@@ -2760,7 +2762,7 @@ async fn execute_slow_to_pick(
 ) -> Result<Bytes, RpcError> {
     let policy = g.policy(&M);
     let mut cx = CallCx::new(g, policy.clone(), policy.options());
-    governed(SlowToPick(b, wait), Scripted(b))
+    governed(SlowToPick(b, wait), &[], Scripted(b))
         .call(&mut cx, Bytes::new())
         .await
 }
@@ -2904,12 +2906,9 @@ async fn through_layer<A: Attempts + Copy + Send>(
     let layers: Vec<Arc<dyn super::Middleware>> = vec![Arc::new(layer)];
     let p = g.policy(&M);
     let mut cx = CallCx::new(g, p.clone(), p.options());
-    let result = governed(
-        Scripted(attempts),
-        super::Layered::new(&layers, Scripted(attempts)),
-    )
-    .call(&mut cx, Bytes::new())
-    .await;
+    let result = governed(Scripted(attempts), &layers, Scripted(attempts))
+        .call(&mut cx, Bytes::new())
+        .await;
     (result, tried(&cx))
 }
 
@@ -3066,8 +3065,14 @@ async fn an_attempt_timed_out_in_its_layer_was_not_sent() {
     }
 }
 
-/// A per-attempt layer that refuses the attempts aimed at `0` itself.
-struct RefusesAt(&'static str);
+/// A per-attempt layer that refuses the attempts aimed at `0` itself, counting them in `1`.
+struct RefusesAt(&'static str, Arc<std::sync::atomic::AtomicUsize>);
+
+impl RefusesAt {
+    fn new(addr: &'static str) -> Self {
+        RefusesAt(addr, Arc::default())
+    }
+}
 
 impl super::Middleware for RefusesAt {
     fn call<'a>(
@@ -3077,6 +3082,7 @@ impl super::Middleware for RefusesAt {
         next: super::Next<'a>,
     ) -> futures_util::future::BoxFuture<'a, Result<Bytes, RpcError>> {
         if cx.endpoint() == Some(self.0) {
+            self.1.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             return Box::pin(async {
                 Err(RpcError::new(StatusCode::UnAuthentication, "no ticket"))
             });
@@ -3096,18 +3102,43 @@ async fn a_hedge_refused_by_its_layer_gives_its_retry_back_to_the_budget() {
         ..hedged(50, true)
     });
     let mut events = g.events().subscribe();
+    let refused = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     for _ in 0..20 {
         let e = Endpoints::new(&[("slow:1", 100), ("fast:1", 10)]);
-        let (answer, _) = through_layer(&g, RefusesAt("fast:1"), &e).await;
+        let layer = RefusesAt("fast:1", refused.clone());
+        let (answer, _) = through_layer(&g, layer, &e).await;
         assert_eq!(&answer.expect("the first attempt answers")[..], b"slow:1");
     }
+    assert_eq!(refused.load(std::sync::atomic::Ordering::Relaxed), 20);
     let kinds = kinds(&mut events);
-    assert_eq!(
-        kinds.iter().filter(|k| **k == EventKind::Hedge).count(),
-        20,
-        "{kinds:?}"
-    );
     assert!(!kinds.contains(&EventKind::BudgetExhausted), "{kinds:?}");
+}
+
+/// A hedge's `hedge` event says a second copy of the call went out: one a per-attempt layer
+/// refuses (or adaptive throttling drops) never left the client, and has none; one the layer
+/// passes on has one, naming the call's slow endpoint. (Before, every hedge the gate let
+/// through had its event, sent or not.)
+#[tokio::test(start_paused = true)]
+async fn a_hedge_its_layer_refuses_has_no_hedge_event_and_one_it_passes_has_one() {
+    let g = engine(hedged(50, true));
+    let mut events = g.events().subscribe();
+    let e = Endpoints::new(&[("slow:1", 100), ("fast:1", 10)]);
+    let refuses = RefusesAt::new("fast:1");
+    let refused = refuses.1.clone();
+    let (answer, _) = through_layer(&g, refuses, &e).await;
+    assert_eq!(&answer.expect("the first attempt answers")[..], b"slow:1");
+    assert_eq!(refused.load(std::sync::atomic::Ordering::Relaxed), 1);
+    let kinds = kinds(&mut events);
+    assert!(!kinds.contains(&EventKind::Hedge), "{kinds:?}");
+
+    let e = Endpoints::new(&[("slow:1", 100), ("fast:1", 10)]);
+    let (answer, _) = through_layer(&g, RefusesAt::new("elsewhere:1"), &e).await;
+    assert_eq!(&answer.expect("the hedge answers")[..], b"fast:1");
+    let hedges: Vec<GovernanceEvent> = std::iter::from_fn(|| events.try_recv().ok())
+        .filter(|e| e.kind == EventKind::Hedge)
+        .collect();
+    assert_eq!(hedges.len(), 1, "{hedges:?}");
+    assert_eq!(hedges[0].endpoint.as_deref(), Some("slow:1"));
 }
 
 /// A hedge a per-attempt layer refuses itself is no answer of a callee: the first attempt,
@@ -3117,7 +3148,7 @@ async fn a_hedge_refused_by_its_layer_does_not_win_the_race() {
     let g = engine(hedged(50, true));
     let e = Endpoints::new(&[("slow:1", 100), ("fast:1", 10)]);
     let t0 = Instant::now();
-    let answer = through_layer(&g, RefusesAt("fast:1"), &e)
+    let answer = through_layer(&g, RefusesAt::new("fast:1"), &e)
         .await
         .0
         .expect("the first attempt answers");
