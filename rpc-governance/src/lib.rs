@@ -17,14 +17,14 @@
 //! | [`ratelimit`] | calls per second per entry and per caller (token buckets) |
 //! | [`throttle`] | when a client drops calls itself because the server keeps refusing them |
 //! | [`latency`] | an entry's recent latency by percentile (the hedge delay under `hedge_percentile`) |
-//! | [`load`] | load-aware endpoint choice: peak-EWMA latency × outstanding calls, two choices |
+//! | [`load`] | load-aware endpoint choice: peak-EWMA latency × √(outstanding calls per unit of weight), two choices |
 //! | [`outlier`] | which endpoints fail markedly more often than their peers |
 //! | [`routing`] | which instances (by metadata tags) a call may go to: tag routing, weighted splits, by attachment |
 //!
 //! [`stack`] puts the client side together as layers over one per-call context, in one
 //! order written once ([`stack::client_stack`]): user layers → fallback → circuit breaker →
-//! timeout → retry/failover (over the caller's [`stack::Balance`] picker) → per-attempt user
-//! layers → the attempt. [`engine::Governance`] holds what outlives a call: per-entry options
+//! timeout → hedge → retry/failover (over the caller's [`stack::Balance`] picker) → adaptive
+//! throttling → per-attempt user layers → the attempt. [`engine::Governance`] holds what outlives a call: per-entry options
 //! (resolved from the [`config`] layers) and state, cached by entry id, endpoint health and the
 //! [`events`] bus (a `tracing` event on the current span, target `rpc::governance`, and
 //! subscribers).

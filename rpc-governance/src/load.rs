@@ -1,4 +1,5 @@
-//! Load-aware endpoint choice: peak-EWMA latency × outstanding calls, power of two choices.
+//! Load-aware endpoint choice: peak-EWMA latency × √(outstanding calls per unit of weight),
+//! power of two choices.
 //!
 //! Round robin sends a slow server as many calls as a fast one; they queue there, and the
 //! cluster's p99 becomes the slow server's. Asking every server for its load before each call

@@ -200,17 +200,27 @@ struct OverloadArgs {
     max_calls: u64,
 }
 
+/// Named on the command line as in the output (`attack=in_flight`) and the documentation;
+/// the hyphenated names taken before (`in-flight`) still are.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, ValueEnum)]
+#[value(rename_all = "snake_case")]
 enum AttackKind {
     Oversized,
     Attachments,
+    #[value(alias = "in-flight")]
     InFlight,
+    #[value(alias = "unread-answers")]
     UnreadAnswers,
+    #[value(alias = "no-handshake")]
     NoHandshake,
+    #[value(alias = "slow-loris")]
     SlowLoris,
+    #[value(alias = "conn-flood")]
     ConnFlood,
     All,
+    #[value(alias = "cpu-control")]
     CpuControl,
+    #[value(alias = "churn-control")]
     ChurnControl,
 }
 
@@ -248,7 +258,7 @@ struct AttackArgs {
         long,
         value_enum,
         value_delimiter = ',',
-        default_value = "oversized,attachments,in-flight,unread-answers,no-handshake,slow-loris,conn-flood,all,cpu-control,churn-control"
+        default_value = "oversized,attachments,in_flight,unread_answers,no_handshake,slow_loris,conn_flood,all,cpu_control,churn_control"
     )]
     kinds: Vec<AttackKind>,
     /// Measured seconds of each window.
@@ -1419,5 +1429,35 @@ async fn cpu_control(ctx: &Ctx) {
         } else {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{Parser, ValueEnum};
+
+    use super::{Args, AttackKind};
+
+    /// Every kind is taken by the name the output prints (`attack=<name>`) and the
+    /// documentation lists, and by its hyphenated name of before.
+    #[test]
+    fn attack_kinds_are_taken_by_their_printed_names() {
+        let every = AttackKind::EACH.into_iter().chain([
+            AttackKind::All,
+            AttackKind::CpuControl,
+            AttackKind::ChurnControl,
+        ]);
+        for kind in every {
+            assert_eq!(AttackKind::from_str(kind.name(), false), Ok(kind));
+            let hyphenated = kind.name().replace('_', "-");
+            assert_eq!(AttackKind::from_str(&hyphenated, false), Ok(kind));
+        }
+        let parsed = Args::try_parse_from([
+            "hardening",
+            "attack",
+            "--kinds",
+            "in_flight,slow_loris,cpu_control",
+        ]);
+        assert!(parsed.is_ok(), "{parsed:?}");
     }
 }

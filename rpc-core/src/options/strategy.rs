@@ -21,8 +21,9 @@ pub enum ShuntStrategy {
     /// Always the appointed address (see
     /// [`GovernanceOptions::appoint_address`](crate::GovernanceOptions::appoint_address)).
     Appoint,
-    /// Load-aware: the better of two random endpoints by peak-EWMA latency × calls in flight
-    /// × the server's reported load, divided by the instance's weight (power of two choices).
+    /// Load-aware: the better of two random endpoints (power of two choices) by the score
+    /// peak-EWMA latency × √((calls in flight + 1) / the instance's weight) × (1 + the
+    /// server's reported utilization); lower wins.
     /// Written `least_loaded`; `p2c` is accepted too.
     #[serde(rename = "least_loaded", alias = "p2c", alias = "least-loaded")]
     LeastLoaded,
