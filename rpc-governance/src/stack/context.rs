@@ -18,6 +18,8 @@ use crate::events::{EventBus, EventKind};
 use crate::health::EndpointHealth;
 use crate::routing::RouteDrawn;
 
+use super::unsent::{HedgeSent, UnsentRequest};
+
 /// The endpoints a hedged call's attempts were aimed at, in order (see
 /// [`CallCx::attempted`]).
 pub(crate) type Attempted = Arc<std::sync::Mutex<Vec<Arc<str>>>>;
@@ -28,22 +30,12 @@ pub(crate) struct HedgeGate {
     /// with none yet (the first attempt still finding its endpoint) it is not sent either.
     pub(crate) attempted: Attempted,
     /// The hedge layer's last word (the budget): `None` sends nothing; else the hedge goes on,
-    /// and its `hedge` event is sent once it passes the layers that may still drop it.
+    /// holding its drawn retry and its `hedge` event until it leaves the client.
     pub(crate) send: HedgeSend,
 }
 
 /// The hedge layer's last word on a hedge (see [`HedgeGate::send`]).
 pub(crate) type HedgeSend = Box<dyn FnOnce(&CallCx<'_>) -> Option<HedgeSent> + Send + Sync>;
-
-/// A hedge's `hedge` event, held until the hedge reaches the stage below the per-attempt
-/// layers (see [`CallCx::announce_hedge`]): one that adaptive throttling drops or a
-/// per-attempt layer refuses never leaves the client, and is no hedge sent.
-pub(crate) struct HedgeSent {
-    /// The endpoint the event names (the call's latest).
-    pub(crate) endpoint: Option<Arc<str>>,
-    /// Why the hedge went: its delay.
-    pub(crate) why: String,
-}
 
 /// Where a hedged call's hedge runs: the endpoint of its attempt while it is out, so that the
 /// call's first attempt sends no retry there meanwhile (two copies of one call on one server).
@@ -136,8 +128,11 @@ pub struct CallCx<'g> {
     /// Set on a hedge's context by the hedge layer: the retry layer sends the hedge only to an
     /// endpoint other than the first attempt's, and only if the gate agrees.
     pub(crate) hedge_gate: Option<HedgeGate>,
-    /// A hedge's event, sent when the hedge reaches the stage below the per-attempt layers.
+    /// A hedge's drawn retry and event, until the hedge leaves the client (see
+    /// [`unsent`](super::unsent)).
     pub(crate) hedge_sent: Option<HedgeSent>,
+    /// The request adaptive throttling counted for the attempt, until it leaves the client.
+    pub(crate) unsent_request: Option<UnsentRequest>,
     /// Shared by both attempts of a hedged call, set once one of them answered.
     pub(crate) superseded: Option<Superseded>,
     /// Shared by both attempts of a hedged call: where the hedge runs.
@@ -285,6 +280,7 @@ impl<'g> CallCx<'g> {
             hedge: false,
             hedge_gate: None,
             hedge_sent: None,
+            unsent_request: None,
             route_drawn: None,
             superseded: None,
             hedge_run: None,
@@ -300,25 +296,6 @@ impl<'g> CallCx<'g> {
             retry_depth: 0,
             call_id: None,
             stream_end: Vec::new(),
-        }
-    }
-
-    /// Sends the `hedge` event of this context's hedge, once, as it passes the per-attempt
-    /// layers (nothing for any other attempt).
-    pub(crate) fn announce_hedge(&mut self) {
-        if let Some(HedgeSent { endpoint, why }) = self.hedge_sent.take() {
-            self.emit(EventKind::Hedge, endpoint.as_deref(), 1, Some(why));
-        }
-    }
-
-    /// An attempt counted at `counted_at` by adaptive throttling (when on) and dropped before
-    /// anything was sent (its deadline passed in a per-attempt layer): no server saw it, so
-    /// it is no request of the throttle's either.
-    pub(crate) fn withdraw_unsent_request(&self, counted_at: Instant) {
-        if self.options.throttle_k_percent > 0 {
-            if let Some(throttle) = self.policy.throttle.get() {
-                throttle.withdraw_request_at(counted_at, Instant::now());
-            }
         }
     }
 

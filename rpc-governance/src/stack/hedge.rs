@@ -37,8 +37,9 @@ use rpc_core::{GovernanceOptions, RpcError};
 
 use tokio::time::Instant;
 
-use super::context::{Attempted, HedgeGate, HedgeRun, HedgeSent};
+use super::context::{Attempted, HedgeGate, HedgeRun};
 use super::retry::retry_depth_mark;
+use super::unsent::HedgeSent;
 use super::{CallCx, Service, Superseded};
 use crate::events::EventKind;
 use crate::latency::LatencyWindow;
@@ -187,10 +188,7 @@ impl<S: Service> HedgeLayer<S> {
                         return None;
                     }
                     sent.store(true, Ordering::Relaxed);
-                    Some(HedgeSent {
-                        endpoint: latest,
-                        why,
-                    })
+                    Some(HedgeSent::new(hcx.policy.clone(), latest, why))
                 }
             }),
         });
@@ -289,12 +287,10 @@ impl<S: Service> HedgeLayer<S> {
         if from == 1 {
             cx.take_verdict_of(&hedge_cx);
         }
-        // A hedge its gate let through (the retry budget drawn) that never left this client
-        // (dropped by adaptive throttling, refused by a per-attempt layer, or dropped in one
-        // when the first attempt answered) loaded no server: its retry goes back.
-        if sent.load(Ordering::Relaxed) && (hedge_cx.throttled || hedge_cx.answered_by_layer) {
-            hedge_cx.policy.budget.give_back();
-        }
+        // A hedge its gate let through that never left this client (dropped by adaptive
+        // throttling, refused by a per-attempt layer, dropped in one when the first attempt
+        // answered, or dropped with the call) gives its retry back as `hedge_cx` goes (see
+        // `unsent`).
         result
     }
 }

@@ -167,7 +167,7 @@ impl<S: Service> Service for Reached<'_, S> {
         req: Bytes,
     ) -> impl std::future::Future<Output = Result<Bytes, RpcError>> + Send {
         cx.answered_by_layer = false;
-        cx.announce_hedge();
+        cx.leaves_client();
         self.0.call(cx, req)
     }
 }
@@ -194,7 +194,7 @@ impl<S: Service> Service for Layered<'_, S> {
         req: Bytes,
     ) -> impl std::future::Future<Output = Result<Bytes, RpcError>> + Send {
         if self.layers.is_empty() {
-            cx.announce_hedge();
+            cx.leaves_client();
             return Either::Left(self.inner.call(cx, req));
         }
         // The layers' own until the call reaches the stage below them.

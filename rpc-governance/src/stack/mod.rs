@@ -37,6 +37,7 @@ mod retry;
 mod tests;
 mod throttle;
 mod timeout;
+mod unsent;
 
 use std::future::Future;
 use std::sync::Arc;

@@ -196,10 +196,8 @@ impl<B: Balance, S: Service> Service for RetryLayer<B, S> {
                     Ok(outcome) => outcome,
                     Err(_) => {
                         // Dropped still in a per-attempt layer: adaptive throttling counted a
-                        // request that never went, and forgets it.
-                        if cx.answered_by_layer {
-                            cx.withdraw_unsent_request(now);
-                        }
+                        // request that never went, and forgets it now (see `unsent`).
+                        cx.unsent_request = None;
                         Err(RpcError::new(
                             StatusCode::Timeout,
                             format!("{addr}: no answer before the deadline"),

@@ -2976,6 +2976,61 @@ async fn attempts_timed_out_in_their_layer_are_no_requests_of_the_throttle() {
     assert_eq!(throttle.drop_probability_at(Instant::now()), 0.0);
 }
 
+/// An attempt dropped with its call while its per-attempt layer holds it (the caller gave up,
+/// or it was the losing attempt of a hedged call) was never sent: adaptive throttling forgets
+/// the request it counted for it (before, each counted as a request never accepted, and ten of
+/// them gave a drop probability of 10/11).
+#[tokio::test(start_paused = true)]
+async fn attempts_dropped_in_their_layer_are_no_requests_of_the_throttle() {
+    let g = engine(GovernanceOptions {
+        throttle_k_percent: 100,
+        retry_times: 0,
+        timeout_ms: 0,
+        ..Default::default()
+    });
+    let s = Script::new(vec![ok()], Duration::ZERO);
+    for _ in 0..10 {
+        let call = through_layer(&g, TakesItsTime(Duration::from_secs(1), None), &s);
+        let given_up = tokio::time::timeout(Duration::from_millis(80), call).await;
+        assert!(given_up.is_err(), "the caller gave up at 80 ms");
+    }
+    assert!(s.starts().is_empty(), "nothing reached a server");
+    let policy = g.policy(&M);
+    let throttle = policy.throttle.get().expect("the throttle ran");
+    assert_eq!(throttle.drop_probability_at(Instant::now()), 0.0);
+}
+
+/// A hedge that drew a retry from the budget and was dropped with its call before it left
+/// the client (the caller gave up while a per-attempt layer held it) gives the retry back:
+/// ten such calls do not spend a budget of ten (before, they did, and the next call's hedge
+/// was refused for it).
+#[tokio::test(start_paused = true)]
+async fn a_hedge_dropped_with_its_call_before_it_left_gives_its_retry_back() {
+    let g = engine(GovernanceOptions {
+        retry_budget_percent: 0,
+        retry_budget_min_per_second: 1, // 10 retries per 10 s window
+        ..hedged(50, true)
+    });
+    let mut events = g.events().subscribe();
+    for _ in 0..10 {
+        let e = Endpoints::new(&[("slow:1", 1000), ("fast:1", 10)]);
+        let slow_layer = TakesItsTime(Duration::from_secs(1), Some("fast:1"));
+        let call = through_layer(&g, slow_layer, &e);
+        let given_up = tokio::time::timeout(Duration::from_millis(80), call).await;
+        assert!(given_up.is_err(), "the caller gave up at 80 ms");
+    }
+    let e = Endpoints::new(&[("slow:1", 100), ("fast:1", 10)]);
+    let (answer, _) = through_layer(&g, RefusesAt::new("elsewhere:1"), &e).await;
+    assert_eq!(&answer.expect("the hedge answers")[..], b"fast:1");
+    let kinds = kinds(&mut events);
+    assert!(!kinds.contains(&EventKind::BudgetExhausted), "{kinds:?}");
+    assert_eq!(
+        kinds.iter().filter(|k| **k == EventKind::Hedge).count(),
+        1,
+        "only the hedge that left has its event: {kinds:?}"
+    );
+}
+
 /// Opens the test entry's breaker (`g` allows one failure) with one failed call on `a:1`:
 /// the entry's policy, and the script of that one endpoint.
 async fn opened_by_one_failure(g: &Governance) -> (Arc<EntryPolicy>, Script) {

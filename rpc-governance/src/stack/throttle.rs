@@ -20,6 +20,7 @@ use bytes::Bytes;
 use rpc_core::{RpcError, StatusCode};
 use tokio::time::Instant;
 
+use super::unsent::UnsentRequest;
 use super::{CallCx, Service};
 use crate::events::EventKind;
 use crate::throttle::Throttle;
@@ -104,15 +105,20 @@ impl<S: Service> Service for ThrottleLayer<S> {
             );
             return Err(err);
         }
+        // Withdrawn unless the attempt leaves the client, however it ends (see `unsent`).
+        cx.unsent_request = Some(UnsentRequest::new(policy.clone(), now));
         let result = self.inner.call(cx, req).await;
+        // Still held: a per-attempt layer answered the attempt, and nothing reached a server;
+        // dropped, the request is withdrawn.
+        if cx.unsent_request.take().is_some() {
+            return result;
+        }
         match &result {
             // A detour (an endpoint that cannot serve the call; nothing sent) asked no server
             // anything: neither a request nor an accept.
             Err(e) if e.is_unsupported_by_endpoint() => {
                 throttle.withdraw_request_at(now, Instant::now());
             }
-            // A per-attempt layer answered it: nothing reached a server either.
-            _ if cx.answered_by_layer => throttle.withdraw_request_at(now, Instant::now()),
             result if accepted(result) => throttle.accepted_at(Instant::now()),
             _ => {}
         }
