@@ -43,13 +43,25 @@ pub struct FieldError {
 
 impl RpcError {
     /// An error with a status code and a message that says what failed and what to do.
+    ///
+    /// An error is never a success: made with status 200 ([`StatusCode::Success`]), it is a
+    /// business error (1000), and is sent, counted and reported as one everywhere.
+    ///
+    /// ```
+    /// use rpc_core::{RpcError, StatusCode};
+    /// assert_eq!(RpcError::new(StatusCode::Success, "odd").code(), StatusCode::BusinessError);
+    /// ```
     pub fn new(code: StatusCode, message: impl Into<String>) -> Self {
+        // `Other(n)` for a number a variant names is that variant: `Other(200)` must not pass
+        // for anything but `Success` (nor `Other(1001)` for less than a validation error)
+        // wherever the code is matched.
+        let code = match StatusCode::from_u32(code.as_u32()) {
+            StatusCode::Success => StatusCode::BusinessError,
+            code => code,
+        };
         RpcError {
             inner: Box::new(Inner {
-                // `Other(n)` for a number a variant names is that variant: `Other(200)` must
-                // not pass for anything but `Success` (nor `Other(1001)` for less than a
-                // validation error) wherever the code is matched.
-                code: StatusCode::from_u32(code.as_u32()),
+                code,
                 message: message.into(),
                 payload: None,
                 maybe_delivered: false,
@@ -513,13 +525,16 @@ mod tests {
     }
 
     #[test]
-    fn a_known_number_given_as_other_is_its_variant_and_an_error_never_travels_as_200() {
+    fn a_known_number_given_as_other_is_its_variant_and_an_error_is_never_200() {
         assert_eq!(
             RpcError::new(StatusCode::Other(1001), "x").code(),
             StatusCode::ValidateError
         );
+        for success in [StatusCode::Other(200), StatusCode::Success] {
+            let e = RpcError::new(success, "not a success");
+            assert_eq!(e.code(), StatusCode::BusinessError);
+        }
         let e = RpcError::new(StatusCode::Other(200), "not a success");
-        assert_eq!(e.code(), StatusCode::Success);
         let wire = e.into_rpc_error(Codec::MsgPack);
         assert_ne!(wire.code().as_u32(), 200, "{wire:?}");
     }

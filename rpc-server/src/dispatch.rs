@@ -1188,7 +1188,7 @@ pub(crate) fn to_message(result: Result<Bytes, RpcError>) -> RemoteResultMessage
         Err(e) => RemoteResultMessage {
             // An error never travels as a success: a layer's `RpcError` of status 200 goes as
             // the business error `carried` makes of a handler's.
-            status_code: sent_code(&e).as_u32(),
+            status_code: e.code().as_u32(),
             result: e.payload().map(|(_, p)| p.clone()).unwrap_or_default(),
             exception_message: e.message().to_string(),
             retry_after_ms: e
@@ -1204,16 +1204,6 @@ pub(crate) fn to_message(result: Result<Bytes, RpcError>) -> RemoteResultMessage
                 .collect(),
             ..Default::default()
         },
-    }
-}
-
-/// The status an error travels with: its own, but a layer's `RpcError` of status 200 goes
-/// as the business error `carried` makes of a handler's (an error never travels as a
-/// success), and is recorded so.
-pub(crate) fn sent_code(e: &RpcError) -> StatusCode {
-    match e.code() {
-        StatusCode::Success => StatusCode::BusinessError,
-        code => code,
     }
 }
 

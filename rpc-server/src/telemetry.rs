@@ -95,7 +95,7 @@ pub(crate) fn record_result(span: &Span, result: &Result<Bytes, RpcError>) {
         Ok(_) => {
             span.record("rpc.status_code", i64::from(StatusCode::Success.as_u32()));
         }
-        Err(e) => record_error(span, crate::dispatch::sent_code(e), e.message()),
+        Err(e) => record_error(span, e.code(), e.message()),
     }
 }
 
@@ -235,7 +235,7 @@ impl CallWatch {
                 self.tell(Some(StatusCode::Success), "success");
             }
             (Err(e), fallback) => {
-                let code = crate::dispatch::sent_code(e);
+                let code = e.code();
                 if code == StatusCode::Timeout {
                     self.timed_out(e.message());
                 }

@@ -306,6 +306,47 @@ async fn a_layer_can_answer_without_reaching_the_server() {
     server.shutdown().await;
 }
 
+/// A layer that refuses every call with an error of status 200.
+struct RefusesWithSuccess;
+
+impl Middleware for RefusesWithSuccess {
+    fn call<'a>(
+        &'a self,
+        _: &'a mut CallCx<'_>,
+        _: Bytes,
+        _: Next<'a>,
+    ) -> BoxFuture<'a, Result<Bytes, RpcError>> {
+        Box::pin(async { Err(RpcError::new(StatusCode::Success, "refused, oddly")) })
+    }
+}
+
+/// A client layer's error made with status 200 is a failed call, counted as one: the caller
+/// gets a business error (1000), and the call's record says so (before, the call failed and
+/// was counted 200, `success`: no error rate showed it).
+#[tokio::test]
+async fn a_client_layers_error_of_status_200_is_a_failed_call_in_its_record() {
+    let registry = InProcessRegistry::new();
+    let (server, node) = start(&registry).await;
+    let client = Client::builder()
+        .registry(registry)
+        .layer(RefusesWithSuccess)
+        .build();
+    let mut records = common::observe_calls(&client);
+    let err = within("refused", MidClient::new(client).maybe(false))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), StatusCode::BusinessError, "{err}");
+    let (_, status, outcome) = within("the call's record", records.recv())
+        .await
+        .expect("one record");
+    assert_eq!(
+        (status, outcome.as_str()),
+        (Some(StatusCode::BusinessError), "error")
+    );
+    assert_eq!(node.calls.load(Ordering::SeqCst), 0);
+    server.shutdown().await;
+}
+
 /// On the paused clock: the budget a server is told is the call's whole timeout, to the
 /// millisecond, which says which level's timeout the call had.
 #[tokio::test(start_paused = true)]
