@@ -461,12 +461,15 @@ fn call_options_problem(o: &GovernanceOverrides) -> Option<RpcError> {
 /// closes when they end. Without this, a connection to an instance that left the registry
 /// while its process lives on stayed open, pinging, for the client's life, every address ever
 /// called kept its pool entry, and a removed one was probed every 30 s for good (connecting
-/// to whatever took its address). An endpoint announced again gets new connections.
+/// to whatever took its address). An endpoint announced again gets new connections. Its
+/// ejection in observe mode goes too (nothing else clears those marks: with addresses that
+/// churn, they piled up for the client's life).
 fn forget_departed(inner: &Inner, addr: &str) {
     if lists(inner, addr) {
         return;
     }
     inner.governance.health().forget(addr);
+    inner.observed_health.forget(addr);
     inner.pool.retire(addr);
 }
 
@@ -2013,5 +2016,28 @@ mod gauge_tests {
             slot.lock().unwrap().is_none(),
             "the slot lets the client's memory go"
         );
+    }
+}
+
+#[cfg(test)]
+mod departed_tests {
+    use std::time::Duration;
+
+    use super::{forget_departed, Client};
+
+    /// An endpoint that left every service's snapshot leaves no mark behind, its ejection as
+    /// an outlier in observe mode (`outlier_observe`) included.
+    #[tokio::test]
+    async fn a_departed_endpoint_leaves_no_observed_ejection_behind() {
+        let client = Client::builder().build();
+        let inner = &client.inner;
+        inner.observed_health.eject(
+            "127.0.0.1:9",
+            Duration::from_secs(30),
+            "an outlier, observed",
+        );
+        assert!(!inner.observed_health.is_clear());
+        forget_departed(inner, "127.0.0.1:9");
+        assert!(inner.observed_health.is_clear(), "the mark stayed");
     }
 }
