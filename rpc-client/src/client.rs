@@ -85,6 +85,9 @@ pub(crate) struct Inner {
     observed_health: rpc_governance::health::EndpointHealth,
     /// The routing rules in force.
     routing: Router,
+    /// The entry ids called by id ([`Client::invoke_json`]) that no instance publishes, at
+    /// most [`MAX_UNPUBLISHED_ENTRIES`](crate::generic::MAX_UNPUBLISHED_ENTRIES).
+    pub(crate) unpublished: Mutex<HashSet<String>>,
 }
 
 /// What places instances on each service's hash ring.
@@ -392,6 +395,7 @@ impl ClientBuilder {
                     60,
                 )),
                 routing: Router::new(self.routing),
+                unpublished: Mutex::new(HashSet::new()),
             }
         });
         if let Some(source) = self.rules {
@@ -1634,6 +1638,11 @@ impl Client {
     }
 
     /// The state of a service a call has already looked up, without waiting.
+    /// Whether this client has the state of `service_id` (has called it, or watched it).
+    pub(crate) fn knows_service(&self, service_id: &str) -> bool {
+        self.inner.services.contains_key(service_id)
+    }
+
     fn service_now(&self, service_id: &'static str) -> Option<Arc<ServiceState>> {
         let key = (service_id.as_ptr() as usize, service_id.len());
         if let Some((k, s)) = self.inner.fast_services[fast_slot(key.0)].get() {

@@ -16,9 +16,12 @@
 //! the caller's (the HTTP gateway does).
 //!
 //! A call needs a `'static` descriptor (the client caches each entry's state by it): each entry
-//! id called this way is interned once per process, and only after some instance published it
-//! (or, for instances that publish nothing, such as a static list's, once called), so what is
-//! kept is bounded by the entries servers publish; a service id naming no instance is not kept.
+//! id called this way is interned once per process, and only after some instance published it,
+//! so what is kept is bounded by the entries servers publish; a service id naming no instance
+//! is not kept. Instances that publish nothing (a static list's) would leave every id a caller
+//! names kept for good (a program passing its users' ids on would grow without end): a client
+//! calls at most [`MAX_UNPUBLISHED_ENTRIES`] entries that no instance publishes, and refuses
+//! others (513) before keeping anything of them.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -39,7 +42,8 @@ impl Client {
     /// publishes fails with [`StatusCode::NotFindServiceEntry`] (513) listing the entries they
     /// do publish, and a service with no instance with [`StatusCode::NotFindServiceRoute`]
     /// (404). Instances that publish no entries at all (a static list) cannot be checked: the
-    /// call is sent, and the server answers 507 for an entry it does not have. The entry's
+    /// call is sent, and the server answers 507 for an entry it does not have; a client calls
+    /// at most [`MAX_UNPUBLISHED_ENTRIES`] such entries, and refuses others with 513. The entry's
     /// published governance applies (below the client's config file, environment and runtime
     /// levels, as for a proxy), as do the routing rules, and under `shunt_strategy = hash` the
     /// published `#[hash_key]` argument is hashed as a proxy hashes it (the MessagePack
@@ -114,19 +118,36 @@ impl Client {
                 ),
             )
         };
-        // A service id is kept (interned, watched for good) only once an instance of it was
-        // seen, so ids that name nothing cost nothing lasting.
-        let service_id = match lookup_str(service_id) {
-            Some(id) => id,
-            None if within(&deadline, entry_id, self.watch(service_id))
-                .await??
-                .current()
-                .is_empty() =>
-            {
-                return Err(no_instance())
-            }
-            None => intern_str(service_id),
+        let unpublished = || {
+            RpcError::new(
+                StatusCode::NotFindServiceEntry,
+                format!(
+                    "{entry_id}: this client has called {MAX_UNPUBLISHED_ENTRIES} entries that no \
+                     instance publishes (a static list's instances publish none), and calls no \
+                     other: call the entries called before, or use a registry whose servers \
+                     publish their entries"
+                ),
+            )
         };
+        // A service id is kept (interned, watched for good) only once an instance of it was
+        // seen, so ids that name nothing cost nothing lasting; and by this client only if its
+        // instances publish it, or within the client's bound on what they do not.
+        if !self.knows_service(service_id) {
+            let instances = within(&deadline, entry_id, self.watch(service_id))
+                .await??
+                .current();
+            if instances.is_empty() {
+                return Err(no_instance());
+            }
+            let published = instances.iter().any(|instance| {
+                let mut entries = instance.entries.iter();
+                entries.any(|e| e.service_id.as_str() == service_id)
+            });
+            if !published && !self.admit_unpublished(entry_id) {
+                return Err(unpublished());
+            }
+        }
+        let service_id = lookup_str(service_id).unwrap_or_else(|| intern_str(service_id));
         // Watching the service first makes what its instances publish a configuration level
         // before the entry's options are resolved.
         let service = within(&deadline, entry_id, self.service(service_id)).await??;
@@ -147,7 +168,8 @@ impl Client {
         let hash_key = match (found, entries().next().is_none()) {
             (Some(e), _) => e.hash_key,
             // Nothing published (a static list): the server has the last word.
-            (None, true) => None,
+            (None, true) if self.admit_unpublished(entry_id) => None,
+            (None, true) => return Err(unpublished()),
             (None, false) => {
                 let mut published: Vec<&str> = entries().map(|e| e.id.as_str()).collect();
                 published.sort_unstable();
@@ -311,6 +333,30 @@ pub fn json_kind(v: &Value) -> &'static str {
         Value::String(_) => "a string",
         Value::Array(_) => "an array",
         Value::Object(_) => "an object",
+    }
+}
+
+/// How many entries that no instance publishes one client calls by id (see the module's
+/// documentation).
+pub const MAX_UNPUBLISHED_ENTRIES: usize = 1024;
+
+impl Client {
+    /// Whether `entry_id`, which no instance publishes, may be called: called before, or
+    /// within [`MAX_UNPUBLISHED_ENTRIES`].
+    fn admit_unpublished(&self, entry_id: &str) -> bool {
+        let mut admitted = self
+            .inner
+            .unpublished
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if admitted.contains(entry_id) {
+            return true;
+        }
+        if admitted.len() >= MAX_UNPUBLISHED_ENTRIES {
+            return false;
+        }
+        admitted.insert(entry_id.to_string());
+        true
     }
 }
 

@@ -40,5 +40,5 @@ mod telemetry;
 pub use answered_by::answered_by;
 pub use balance::ring::RingKey;
 pub use client::{Client, ClientBuilder};
-pub use generic::{error_body, json_kind, JsonAnswer};
+pub use generic::{error_body, json_kind, JsonAnswer, MAX_UNPUBLISHED_ENTRIES};
 pub use status::{EndpointState, EndpointStatus};

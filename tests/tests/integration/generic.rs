@@ -277,3 +277,38 @@ async fn under_hashing_a_call_by_id_goes_where_the_proxy_sends_the_same_key() {
         s.shutdown().await;
     }
 }
+
+/// Instances that publish nothing (a static list's) serve whatever id a caller names: a
+/// client calls at most 1024 such entries by id and refuses the others before keeping
+/// anything of them, so a program passing its users' ids on does not grow without end
+/// (before, each id left its service's state, its entry's governance and an interned
+/// descriptor for good). The entries called before stay callable.
+#[tokio::test]
+async fn a_client_calls_at_most_1024_unpublished_entries_by_id() {
+    const BOUND: usize = 1024;
+    let (server, _, _) = shop().await;
+    let client = Client::builder()
+        .registry(rpc::StaticRegistry::new([server.local_addr().to_string()]))
+        .build();
+    let call = |id: String| {
+        let client = client.clone();
+        async move { within("call", client.invoke_json(&id, json!([]))).await }
+    };
+    for i in 0..BOUND {
+        let e = call(format!("gen.Unknown{i}.m")).await.unwrap_err();
+        assert_eq!(e.code(), StatusCode::NotFindLocalServiceEntry, "{i}: {e}");
+    }
+    let e = call("gen.OneMore.m".into()).await.unwrap_err();
+    assert_eq!(e.code(), StatusCode::NotFindServiceEntry, "{e}");
+    assert!(e.message().contains("no instance publishes"), "{e}");
+    let e = call("gen.Unknown0.other".into()).await.unwrap_err();
+    assert_eq!(e.code(), StatusCode::NotFindServiceEntry, "{e}");
+    let e = call("gen.Unknown7.m".into()).await.unwrap_err();
+    assert_eq!(
+        e.code(),
+        StatusCode::NotFindLocalServiceEntry,
+        "called before: {e}"
+    );
+    assert_eq!(client.services().len(), BOUND);
+    server.shutdown().await;
+}
