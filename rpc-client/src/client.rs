@@ -1394,8 +1394,9 @@ impl Client {
 
     /// Before a call or stream's first attempt: its hash key (computed only under consistent
     /// hashing), or why it is refused without one. Refused: options the builder or this handle
-    /// was given out of range, or hashing asked for a method with no `#[hash_key]` argument
-    /// (refused, not sent round robin).
+    /// was given out of range, hashing asked for a method with no `#[hash_key]` argument
+    /// (refused, not sent round robin), or an appointed address asked for with none given
+    /// (refused, not answered by a fallback as a failure to reach a server would be).
     pub(crate) fn hash_or_refusal<H: FnOnce() -> u64>(
         &self,
         method: &'static MethodDescriptor,
@@ -1409,38 +1410,42 @@ impl Client {
         if misconfigured.is_some() {
             return (None, misconfigured);
         }
-        match options.shunt_strategy {
-            ShuntStrategy::Hash if method.hash_key.is_none() => {
-                let by_this_handle = || {
-                    RpcError::new(
-                        StatusCode::FrameworkError,
-                        format!(
-                            "{}: shunt_strategy = hash needs a #[hash_key] argument; this \
-                             call's options ask for it (Client::with_options)",
-                            method.entry_id
-                        ),
-                    )
-                };
-                // The handle's options are on top: when they ask for hashing, the levels below
-                // (whose check would name one of theirs) are not why.
-                let asked_here = self
-                    .call_options
-                    .as_deref()
-                    .is_some_and(|o| o.shunt_strategy.is_some());
-                let e = if asked_here {
-                    by_this_handle()
-                } else {
-                    self.inner
-                        .governance
-                        .check(method)
-                        .err()
-                        .unwrap_or_else(by_this_handle)
-                };
-                (None, Some(e))
+        let needs = match options.shunt_strategy {
+            ShuntStrategy::Hash if method.hash_key.is_none() => "hash needs a #[hash_key] argument",
+            ShuntStrategy::Appoint
+                if options.appoint_address.as_deref().is_none_or(str::is_empty) =>
+            {
+                "appoint needs appoint_address = \"host:port\""
             }
-            ShuntStrategy::Hash => (hash_key.map(|h| h()), None),
-            _ => (None, None),
-        }
+            ShuntStrategy::Hash => return (hash_key.map(|h| h()), None),
+            _ => return (None, None),
+        };
+        let by_this_handle = || {
+            RpcError::new(
+                StatusCode::FrameworkError,
+                format!(
+                    "{}: shunt_strategy = {needs}; this call's options ask for it \
+                     (Client::with_options)",
+                    method.entry_id
+                ),
+            )
+        };
+        // The handle's options are on top: when they choose the strategy, the levels below
+        // (whose check would name one of theirs) are not why.
+        let asked_here = self
+            .call_options
+            .as_deref()
+            .is_some_and(|o| o.shunt_strategy.is_some());
+        let e = if asked_here {
+            by_this_handle()
+        } else {
+            self.inner
+                .governance
+                .check(method)
+                .err()
+                .unwrap_or_else(by_this_handle)
+        };
+        (None, Some(e))
     }
 
     /// One attempt on `addr`, the endpoint the balancer chose for it.

@@ -316,3 +316,53 @@ async fn appoint_sends_every_call_to_the_appointed_address() {
     }
     stop(servers).await;
 }
+
+/// `shunt_strategy = appoint` with no address anywhere is the entry's misconfiguration, and
+/// its calls are refused with it (naming the entry and the level that asked) before the
+/// governance stack: no fallback answers them as if a server could not be reached, which
+/// hid the mistake behind answers that succeed (before, the fallback answered every call).
+#[tokio::test]
+async fn appoint_with_no_address_is_refused_before_any_fallback_answers() {
+    let reg = InProcessRegistry::new();
+    let (servers, _) = three(&reg).await;
+    let file = rpc::crates::governance::config::GovernanceConfig::from_toml(
+        "[entries.\"t.Shunt.whoami\"]\nshunt_strategy = \"appoint\"\n",
+    )
+    .expect("the file parses");
+    let client = Client::builder()
+        .registry(reg.clone())
+        .config_layers(
+            file,
+            rpc::crates::governance::config::GovernanceConfig::default(),
+        )
+        .fallback(ShuntServer::new(Named("fallback".into())))
+        .build();
+    let mut events = client.events().subscribe();
+    let e = within("a call", ShuntClient::new(client.clone()).whoami())
+        .await
+        .expect_err("refused");
+    assert_eq!(e.code(), StatusCode::FrameworkError, "{e}");
+    assert!(
+        e.message().contains("t.Shunt.whoami")
+            && e.message().contains("appoint_address")
+            && e.message().contains("config file"),
+        "{e}"
+    );
+    // Asked by a handle's own options: the handle is named.
+    let handle = client.with_options(GovernanceOverrides {
+        shunt_strategy: Some(ShuntStrategy::Appoint),
+        ..GovernanceOverrides::NONE
+    });
+    let e = within("a call", ShuntClient::new(handle).whoami_too())
+        .await
+        .expect_err("refused");
+    assert!(
+        e.message().contains("appoint_address") && e.message().contains("Client::with_options"),
+        "{e}"
+    );
+    let kinds: Vec<_> = std::iter::from_fn(|| events.try_recv().ok())
+        .map(|e| e.kind)
+        .collect();
+    assert!(!kinds.contains(&rpc::EventKind::Fallback), "{kinds:?}");
+    stop(servers).await;
+}
