@@ -90,6 +90,10 @@ pub(crate) struct Inner {
     pub(crate) unpublished: Mutex<HashSet<String>>,
 }
 
+/// The most connections a client opens to one endpoint
+/// ([`ClientBuilder::connections_per_endpoint`]): the pool makes a slot for each at once.
+pub const MAX_CONNECTIONS_PER_ENDPOINT: usize = 1024;
+
 /// What places instances on each service's hash ring.
 #[derive(Default)]
 struct RingKeys {
@@ -207,9 +211,10 @@ impl ClientBuilder {
         self
     }
 
-    /// Connections opened to each endpoint and used in turn (1 by default).
+    /// Connections opened to each endpoint and used in turn (1 by default), at most
+    /// [`MAX_CONNECTIONS_PER_ENDPOINT`] (1024): a larger number counts as that.
     pub fn connections_per_endpoint(mut self, n: usize) -> Self {
-        self.connections_per_endpoint = n.max(1);
+        self.connections_per_endpoint = n.clamp(1, MAX_CONNECTIONS_PER_ENDPOINT);
         self
     }
 
@@ -342,7 +347,7 @@ impl ClientBuilder {
 
     /// The client.
     pub fn build(self) -> Client {
-        let misconfigured = given_options_problem(&self.layers);
+        let misconfigured = given_options_problem(&self.layers, &self.connect);
         let governance = Governance::new(self.layers);
         let registry = self
             .registry
@@ -410,9 +415,17 @@ impl ClientBuilder {
 
 /// What is wrong with the options a builder was given in code (`default_options`,
 /// `override_options`, `config_layers`), checked as a config file is: a percentage above 100, an address that is
-/// not `host:port`. `None` when nothing is.
-fn given_options_problem(layers: &Layers) -> Option<RpcError> {
+/// not `host:port`; and connection limits no connection can work under (a frame limit or a
+/// connect timeout of zero: every handshake would fail, and the servers be blamed for it).
+/// `None` when nothing is.
+fn given_options_problem(layers: &Layers, connect: &ConnectOptions) -> Option<RpcError> {
     let mut problems = Vec::new();
+    if connect.max_frame_length == 0 {
+        problems.push("max_frame_length(0): no server's answer fits in a frame of 0 bytes".into());
+    }
+    if connect.connect_timeout.is_zero() {
+        problems.push("connect_timeout(0): no connection is made in no time".to_string());
+    }
     if let Err(e) = layers.code_defaults.validate() {
         problems.push(format!("default_options: {}", e.message()));
     }

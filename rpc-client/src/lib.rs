@@ -39,6 +39,6 @@ mod telemetry;
 
 pub use answered_by::answered_by;
 pub use balance::ring::RingKey;
-pub use client::{Client, ClientBuilder};
+pub use client::{Client, ClientBuilder, MAX_CONNECTIONS_PER_ENDPOINT};
 pub use generic::{error_body, json_kind, JsonAnswer, MAX_UNPUBLISHED_ENTRIES};
 pub use status::{EndpointState, EndpointStatus};

@@ -490,6 +490,42 @@ async fn options_given_in_code_out_of_range_fail_the_calls_naming_the_value() {
     server.shutdown().await;
 }
 
+/// Connection limits no connection can work under are the builder's mistake, and the calls
+/// fail with it, naming the setter: not with a failed handshake held against every server
+/// (before, `max_frame_length(0)` made every answer too long, each endpoint was marked and
+/// removed after three calls, and the breaker opened). A pool too large for memory is made
+/// of at most 1024 connections per endpoint, and calls work (before, the first call panicked).
+#[tokio::test]
+async fn connection_limits_no_connection_works_under_fail_the_calls_naming_the_setter() {
+    let reg = InProcessRegistry::new();
+    let (server, w) = warehouse(&reg).await;
+    for (builder, setter) in [
+        (Client::builder().max_frame_length(0), "max_frame_length(0)"),
+        (
+            Client::builder().connect_timeout(std::time::Duration::ZERO),
+            "connect_timeout(0)",
+        ),
+    ] {
+        let client = StockClient::new(builder.registry(reg.clone()).build());
+        for _ in 0..4 {
+            let e = within("built so", client.level("apple".into()))
+                .await
+                .expect_err("refused");
+            assert_eq!(e.code(), StatusCode::FrameworkError, "{e}");
+            assert!(e.message().contains(setter), "{e}");
+        }
+    }
+    assert_eq!(w.calls.load(Ordering::SeqCst), 0, "nothing was sent");
+    let many = Client::builder()
+        .registry(reg.clone())
+        .connections_per_endpoint(usize::MAX)
+        .build();
+    let answer = tokio::spawn(async move { StockClient::new(many).level("apple".into()).await });
+    let answer = within("a call", answer).await.expect("no panic");
+    assert_eq!(answer.expect("answered"), 7);
+    server.shutdown().await;
+}
+
 /// A call that first had to connect tells the server the budget left after connecting, not
 /// the one it had before: here the server starts answering handshakes 300 ms after the call
 /// began, so at most 800 − 300 ms are left when the call is sent. (On the paused clock: the
