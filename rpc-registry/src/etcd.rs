@@ -218,7 +218,7 @@ impl EtcdRegistry {
     /// A registry on the etcd cluster at `endpoints` (`host:port` or `http://host:port`).
     ///
     /// Nothing is sent to etcd yet, so this succeeds while etcd is down; it fails only on an
-    /// unusable configuration (no endpoint, a malformed one, a zero TTL).
+    /// unusable configuration (no endpoint, a malformed one, a zero TTL or timeout).
     pub async fn connect(
         endpoints: &[impl AsRef<str>],
         mut options: EtcdOptions,
@@ -248,6 +248,17 @@ impl EtcdRegistry {
             return Err(RegistryError::Config(
                 "etcd lease TTL must be at least 1 s".into(),
             ));
+        }
+        // A zero timeout would fail every request as etcd being unreachable, retried for good.
+        for (name, timeout) in [
+            ("connect", options.connect_timeout),
+            ("request", options.request_timeout),
+        ] {
+            if timeout.is_zero() {
+                return Err(RegistryError::Config(format!(
+                    "etcd {name} timeout must not be zero"
+                )));
+            }
         }
         let target = endpoints.join(",");
         let connect = ConnectOptions::new()
@@ -690,6 +701,35 @@ mod tests {
         ] {
             let e = parse_url(bad).unwrap_err().to_string();
             assert!(e.contains("etcd://host:port"), "{bad}: {e}");
+        }
+    }
+
+    /// A zero connect or request timeout is a configuration error at construction, not an
+    /// etcd that never answers (every request failing as unreachable, retried for good).
+    #[tokio::test]
+    async fn a_zero_timeout_is_refused_as_configuration() {
+        for (name, options) in [
+            (
+                "connect",
+                EtcdOptions {
+                    connect_timeout: Duration::ZERO,
+                    ..EtcdOptions::default()
+                },
+            ),
+            (
+                "request",
+                EtcdOptions {
+                    request_timeout: Duration::ZERO,
+                    ..EtcdOptions::default()
+                },
+            ),
+        ] {
+            match EtcdRegistry::connect(&["127.0.0.1:1"], options).await {
+                Err(RegistryError::Config(m)) => {
+                    assert!(m.contains(&format!("{name} timeout")), "{m}")
+                }
+                other => panic!("{name}: {:?}", other.err()),
+            }
         }
     }
 
