@@ -1,7 +1,16 @@
-//! Endpoint addresses as configuration gives them: `host:port`.
+//! Endpoint addresses as configuration gives them: `host:port`, or `unix:/path`.
 //!
 //! (std only: `rpc-macros` compiles this file too, for the `#[governance]` attribute's
 //! `appoint_address`.)
+
+/// Whether `address` is an endpoint a client dials: `host:port` ([`is_host_port`]), or
+/// `unix:` and the path of a Unix socket (not empty), as a server on one publishes it.
+pub fn is_endpoint_address(address: &str) -> bool {
+    match address.strip_prefix("unix:") {
+        Some(path) => !path.is_empty(),
+        None => is_host_port(address),
+    }
+}
 
 /// Whether `address` is `host:port`, an address to connect to: a port of decimal digits from
 /// 1 to 65535, and a host that is an IPv4 address, a name (dot-separated labels of letters,

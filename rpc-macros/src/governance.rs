@@ -7,7 +7,7 @@ use quote::quote;
 use syn::punctuated::Punctuated;
 use syn::{Attribute, Expr, ExprLit, Lit, Meta, Token};
 
-use crate::address::is_host_port;
+use crate::address::is_endpoint_address;
 use crate::keys::{self, Kind};
 
 /// The value of one key.
@@ -194,10 +194,13 @@ impl Governance {
             Kind::Address => {
                 let lit = str_value(ident, value)?;
                 let address = lit.value();
-                if !is_host_port(&address) {
+                if !is_endpoint_address(&address) {
                     return Err(syn::Error::new(
                         lit.span(),
-                        format!("{name} must be `host:port`, for example \"127.0.0.1:9000\""),
+                        format!(
+                            "{name} must be `host:port` (or `unix:/path`), for example \
+                             \"127.0.0.1:9000\""
+                        ),
                     ));
                 }
                 Value::Str(address)

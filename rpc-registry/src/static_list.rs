@@ -177,12 +177,7 @@ impl StaticRegistry {
 }
 
 fn check_address(a: &str) -> Result<(), RegistryError> {
-    if let Some(path) = a.strip_prefix("unix:") {
-        if !path.is_empty() {
-            return Ok(());
-        }
-    }
-    if rpc_core::address::is_host_port(a) {
+    if rpc_core::address::is_endpoint_address(a) {
         return Ok(());
     }
     Err(RegistryError::Config(format!(

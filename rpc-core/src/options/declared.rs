@@ -27,7 +27,7 @@ governance_options! {
             "`polling`, `random`, `hash` (the `#[hash_key]` argument on a ring with virtual nodes), `appoint` (with `appoint_address`), `least_loaded` (alias `p2c`: the better of two random endpoints by peak-EWMA latency × √(calls in flight ÷ the instance's `weight` metadata) × the server's reported load; a refusal (Overflow, a rate limit) or a handler failure scores as a latency of at least 250 ms, however fast it came back)";
         /// The address used by [`ShuntStrategy::Appoint`], as `host:port`.
         appoint_address: address = None, Client,
-            "the `host:port` every call goes to under `shunt_strategy = appoint`";
+            "the `host:port` (or `unix:/path`, a server's Unix socket) every call goes to under `shunt_strategy = appoint`";
         /// Slow start of instances the registry announces after this client first saw the
         /// service, in milliseconds: under `least_loaded` their weight ramps up from a tenth over
         /// this time. 0 turns it off.

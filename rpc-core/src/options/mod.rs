@@ -10,7 +10,7 @@ use std::borrow::Cow;
 
 use serde::{Deserialize, Serialize};
 
-use crate::address::is_host_port;
+use crate::address::is_endpoint_address;
 use crate::{RpcError, StatusCode};
 
 mod compression;
@@ -96,9 +96,9 @@ macro_rules! value_problem {
         })
     };
     (address, $name:ident, $v:expr) => {
-        (!is_host_port($v)).then(|| {
+        (!is_endpoint_address($v)).then(|| {
             format!(
-                "{} = {:?} is not `host:port`, for example \"127.0.0.1:9000\"",
+                "{} = {:?} is not `host:port` (nor `unix:/path`), for example \"127.0.0.1:9000\"",
                 stringify!($name),
                 $v
             )

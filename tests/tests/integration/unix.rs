@@ -115,6 +115,28 @@ async fn a_proxy_calls_a_server_on_a_unix_socket_through_the_registry() {
     );
 }
 
+/// A server's Unix socket can be appointed, as clients dial it everywhere else they take an
+/// address (before, `appoint_address = "unix:..."` was refused as not `host:port`, and every
+/// appointed call failed).
+#[tokio::test]
+async fn a_unix_socket_can_be_the_appointed_address() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let addr = unix_addr(dir.path(), "appointed.sock");
+    let reg = InProcessRegistry::new();
+    let (server, _probe) = serve_at(&addr, &reg, None).await;
+    let client = Client::builder().registry(reg.clone()).build();
+    let appointed = LocalClient::new(client.with_options(GovernanceOverrides {
+        shunt_strategy: Some(rpc::ShuntStrategy::Appoint),
+        appoint_address: Some(addr.clone().into()),
+        ..GovernanceOverrides::NONE
+    }));
+    let answer = within("an appointed call", appointed.greet("ann".into()))
+        .await
+        .expect("greet");
+    assert_eq!(answer, "hello ann");
+    within("shutdown", server.shutdown()).await;
+}
+
 #[tokio::test(start_paused = true)]
 async fn dropping_a_call_over_a_unix_socket_cancels_its_handler() {
     let dir = tempfile::tempdir().expect("temp dir");
