@@ -483,10 +483,13 @@ impl Drop for RemoveIfGivenUp {
     }
 }
 
-/// Retries removing a deregistered instance's nodes until it works, the id is registered
-/// again with them all, or the registry is dropped; for a replacement that failed while the
-/// previous version is still registered, writes that version back instead (removing the
-/// nodes only the replacement had).
+/// Removes a deregistered instance's nodes, at once and then again until it works, the id is
+/// registered again with them all, or the registry is dropped; for a replacement that failed
+/// while the previous version is still registered, writes that version back instead (removing
+/// the nodes only the replacement had). The first attempt does not wait: the registry is often
+/// dropped right after giving the removal up (a server's shutdown given up), and it is the one
+/// attempt made then (requests on a session are applied in order, so a given-up write still in
+/// flight lands before it).
 async fn remove_later(p: PendingRemoval) {
     let PendingRemoval {
         conn,
@@ -498,9 +501,6 @@ async fn remove_later(p: PendingRemoval) {
     } = p;
     let mut backoff = Backoff::up_to(conn.retry_max());
     loop {
-        if !pause(backoff.next(), &mut alive).await {
-            return;
-        }
         let registrations = registrations.lock().await;
         let again = registrations.get(&instance_id);
         // Registered again meanwhile: its own nodes stay, but those of services it no longer
@@ -526,6 +526,10 @@ async fn remove_later(p: PendingRemoval) {
             Err(e) => {
                 tracing::debug!(instance = %instance_id, error = %e, "removal failed; retrying")
             }
+        }
+        drop(registrations);
+        if !pause(backoff.next(), &mut alive).await {
+            return;
         }
     }
 }

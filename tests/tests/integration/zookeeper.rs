@@ -363,6 +363,34 @@ async fn a_deregistration_given_up_midway_still_removes_the_nodes() {
     );
 }
 
+/// A deregistration given up mid-way by a registry dropped at once (a server's shutdown
+/// given up, its handle the registry's last owner) still removes the nodes, at once: not only
+/// when the session ends, 30 s later here (before, the removal's first attempt waited out a
+/// pause, and the registry gone by then, it never came).
+#[tokio::test]
+async fn a_deregistration_given_up_as_the_registry_goes_still_removes_the_nodes() {
+    let zk = ZooKeeper::shared().await;
+    let url = zk.url_with_prefix(&ZooKeeper::prefix());
+    let options = ZooKeeperOptions {
+        session_timeout: Duration::from_secs(30),
+        connect_timeout: Duration::from_millis(300),
+        request_timeout: Duration::from_millis(300),
+        ..ZooKeeperOptions::default()
+    };
+    let reg = ZooKeeperRegistry::from_url_with_options(&url, options).expect("registry");
+    let id = "127.0.0.1:1006";
+    within("register", reg.register(Instance::new(id, ["t.A"])))
+        .await
+        .expect("register");
+    let other = registry(&url);
+    let mut w = watch(&other, "t.A").await;
+    wait_until(&mut w, SEEN_WITHIN, "registered", has(id)).await;
+    let given_up = tokio::time::timeout(Duration::ZERO, reg.deregister(id)).await;
+    assert!(given_up.is_err(), "the removal was done in one poll");
+    drop(reg);
+    wait_until(&mut w, SEEN_WITHIN, "the instance gone", lacks(id)).await;
+}
+
 /// A registration over ZooKeeper's request limit (an instance is written once per service,
 /// in one request) is refused as a configuration error naming its size, before anything is
 /// sent: ZooKeeper would close the connection, failing it as "unreachable" and making every
