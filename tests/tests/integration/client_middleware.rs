@@ -130,8 +130,9 @@ impl Middleware for Trace {
     }
 }
 
-/// Answers every call itself, without reaching the server.
-struct Refuse;
+/// Answers every call itself, without reaching the server: an error of this status and
+/// message.
+struct Refuse(StatusCode, &'static str);
 
 impl Middleware for Refuse {
     fn call<'a>(
@@ -140,7 +141,7 @@ impl Middleware for Refuse {
         _: Bytes,
         _: Next<'a>,
     ) -> BoxFuture<'a, Result<Bytes, RpcError>> {
-        Box::pin(async { Err(RpcError::new(StatusCode::UnAuthentication, "no ticket")) })
+        Box::pin(async { Err(RpcError::new(self.0, self.1)) })
     }
 }
 
@@ -299,25 +300,16 @@ async fn call_layers_see_one_call_and_attempt_layers_each_attempt_in_order() {
 async fn a_layer_can_answer_without_reaching_the_server() {
     let registry = InProcessRegistry::new();
     let (server, node) = start(&registry).await;
-    let client = MidClient::new(Client::builder().registry(registry).layer(Refuse).build());
+    let client = MidClient::new(
+        Client::builder()
+            .registry(registry)
+            .layer(Refuse(StatusCode::UnAuthentication, "no ticket"))
+            .build(),
+    );
     let err = within("refused", client.maybe(false)).await.unwrap_err();
     assert_eq!(err.code(), StatusCode::UnAuthentication);
     assert_eq!(node.calls.load(Ordering::SeqCst), 0);
     server.shutdown().await;
-}
-
-/// A layer that refuses every call with an error of status 200.
-struct RefusesWithSuccess;
-
-impl Middleware for RefusesWithSuccess {
-    fn call<'a>(
-        &'a self,
-        _: &'a mut CallCx<'_>,
-        _: Bytes,
-        _: Next<'a>,
-    ) -> BoxFuture<'a, Result<Bytes, RpcError>> {
-        Box::pin(async { Err(RpcError::new(StatusCode::Success, "refused, oddly")) })
-    }
 }
 
 /// A client layer's error made with status 200 is a failed call, counted as one: the caller
@@ -329,7 +321,7 @@ async fn a_client_layers_error_of_status_200_is_a_failed_call_in_its_record() {
     let (server, node) = start(&registry).await;
     let client = Client::builder()
         .registry(registry)
-        .layer(RefusesWithSuccess)
+        .layer(Refuse(StatusCode::Success, "refused, oddly"))
         .build();
     let mut records = common::observe_calls(&client);
     let err = within("refused", MidClient::new(client).maybe(false))
