@@ -140,6 +140,15 @@ pub(super) async fn read_loop<R: AsyncRead + Unpin>(
                     kind_name(&other)
                 );
             }
+            // The limit is this client's own (the server is not told it): named, with where
+            // to raise it.
+            Some(Err(FrameError::TooLarge { len, max })) => {
+                break format!(
+                    "an answer frame of {len} bytes is over this client's max_frame_length of \
+                     {max} bytes (ClientBuilder::max_frame_length, \
+                     ConnectOptions::max_frame_length): raise it, or ask for smaller answers"
+                );
+            }
             Some(Err(e)) => {
                 break format!("bad frame from the server: {e}");
             }

@@ -565,6 +565,46 @@ async fn a_connection_limit_of_usize_max_is_no_limit() {
     server.shutdown().await;
 }
 
+/// An answer longer than the client's own frame limit fails the call with the client's limit
+/// named, and where to raise it: not as a bad frame of the server's (before: "bad frame from
+/// the server", and the user looked for a fault in a server that had done nothing wrong).
+#[tokio::test]
+async fn an_answer_over_the_clients_frame_limit_names_the_clients_setting() {
+    use rpc::crates::transport::{Call, ConnectOptions, Connection};
+    let server = Server::builder()
+        .add_service(LimitsServer::from_arc(gate(1)))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let options = ConnectOptions {
+        max_frame_length: 1024,
+        ..ConnectOptions::default()
+    };
+    let conn = within(
+        "connect",
+        Connection::connect(&server.local_addr().to_string(), &options),
+    )
+    .await
+    .expect("connect");
+    let call = Call {
+        service_entry_id: "t.Limits.hold".into(),
+        codec: Codec::MsgPack.to_wire(),
+        parameters: Codec::MsgPack.encode(&("x".repeat(4096),)).expect("encode"),
+        ..Default::default()
+    };
+    let e = within("the call", conn.call(call, None))
+        .await
+        .expect_err("the answer is over the client's limit");
+    assert_eq!(e.code(), StatusCode::CommunicationError, "{e}");
+    assert!(
+        e.message()
+            .contains("this client's max_frame_length of 1024")
+            && !e.message().contains("bad frame from the server"),
+        "{e}"
+    );
+    server.shutdown().await;
+}
+
 /// A call whose frame is longer than the server reads (it says its limit in the handshake)
 /// fails at the client, unsent, and the connection goes on serving: sent, it would have made
 /// the server close the connection and fail every other call on it.
