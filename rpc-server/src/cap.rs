@@ -67,13 +67,22 @@ impl EntryCap {
         }
     }
 
-    /// Takes a slot, or answers Overflow (515) at once.
+    /// Takes a slot, or answers Overflow (515) at once, saying which cap is full: the entry's
+    /// own, or the server's, which the entries without one share.
     pub(crate) fn try_enter(&self, entry: &str) -> Result<Permit, RpcError> {
         if self.own {
-            self.cap.try_enter(entry)
-        } else {
-            self.cap.try_enter_tallied(entry, &self.on_shared)
+            return self.cap.try_enter(entry);
         }
+        self.cap
+            .try_enter_tallied(entry, &self.on_shared)
+            .map_err(|e| {
+                e.with_message(format!(
+                    "the server's cap of {} concurrent calls (ServerBuilder::max_concurrency), \
+                     shared by the entries without a cap of their own, is full; {entry} was not \
+                     run, retry on another endpoint",
+                    self.cap.size()
+                ))
+            })
     }
 
     /// The size of the cap in force.

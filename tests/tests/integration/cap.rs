@@ -173,6 +173,44 @@ async fn an_entry_cap_is_its_own_and_leaves_other_entries_alone() {
     within("shutdown", server.shutdown()).await;
 }
 
+/// A call refused because the server's cap, shared by the entries without one of their own,
+/// is full says so, naming the setting: not that its entry, which sets no cap and runs
+/// nothing, is at "its" cap (before: "t.Cap.quick is at its cap of 1 concurrent calls", and
+/// a user would give `quick` a cap, which is not what refused it).
+#[tokio::test]
+async fn a_refusal_of_the_shared_cap_names_the_servers_cap() {
+    let reg = InProcessRegistry::new();
+    let (gate, mut entered) = Gate::new("only");
+    let server = serve(&reg, &gate, 1).await;
+    let cap = CapClient::new(
+        Client::builder()
+            .registry(reg.clone())
+            .override_options(CapClient::SERVICE_ID, no_retry())
+            .build(),
+    );
+    let held = tokio::spawn({
+        let cap = cap.clone();
+        async move { cap.hold("k".into()).await }
+    });
+    recv_one("the held call entered", &mut entered).await;
+    let err = within("quick", cap.quick())
+        .await
+        .expect_err("the server's cap is full");
+    assert_eq!(err.code(), StatusCode::OverflowMaxServerHandle, "{err}");
+    assert!(
+        err.message().contains("the server's cap of 1")
+            && err.message().contains("max_concurrency")
+            && !err.message().contains("is at its cap"),
+        "{err}"
+    );
+    gate.release.add_permits(1);
+    within("the held call", held)
+        .await
+        .expect("joined")
+        .expect("answered");
+    within("shutdown", server.shutdown()).await;
+}
+
 /// What a spawned `hold` call gives back: its result and the endpoint that answered.
 type HoldCall = tokio::task::JoinHandle<(Result<String, RpcError>, Option<String>)>;
 
