@@ -1712,6 +1712,35 @@ async fn throttling_sends_a_server_that_refuses_everything_almost_nothing() {
     assert_eq!(s.starts().len(), 1000, "throttle_k_percent = 0 is off");
 }
 
+/// A server that is down (its connections fail) is not accepting calls either, and drops
+/// follow; the drop says what was not accepted, not that the server refused calls for
+/// overload, which it never did (before: "the server refused most recent calls for overload
+/// ... raise the server's capacity", the wrong remedy for a server that is down).
+#[tokio::test(start_paused = true)]
+async fn a_drop_for_calls_that_failed_to_connect_does_not_blame_overload() {
+    let g = throttled(200, 0);
+    let s = Script::new(
+        vec![Err(RpcError::new(
+            StatusCode::CommunicationError,
+            "refused",
+        ))],
+        Duration::ZERO,
+    );
+    let mut dropped = None;
+    for _ in 0..100 {
+        let e = g.execute(&g.policy(&M), &s).await.unwrap_err();
+        if e.code() == StatusCode::OverflowMaxRequest {
+            dropped = Some(e);
+            break;
+        }
+    }
+    let e = dropped.expect("calls were dropped");
+    assert!(
+        !e.message().contains("for overload, so") && e.message().contains("not connected"),
+        "{e}"
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn answers_other_than_overload_refusals_count_as_accepts() {
     // Business errors and server errors are the server accepting the call: with K = 2 the

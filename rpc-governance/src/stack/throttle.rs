@@ -89,10 +89,11 @@ impl<S: Service> Service for ThrottleLayer<S> {
             let err = RpcError::new(
                 StatusCode::OverflowMaxRequest,
                 format!(
-                    "{}: dropped by this client, not sent: the server refused most recent calls \
-                     for overload, so calls are dropped with probability {:.0} % \
-                     (throttle_k_percent = {k_percent}); retry later or raise the server's \
-                     capacity",
+                    "{}: dropped by this client, not sent: most recent attempts were not \
+                     accepted (refused for overload, 515 or 429, timed out, or not connected), \
+                     so calls are dropped with probability {:.0} % \
+                     (throttle_k_percent = {k_percent}); retry later, and check the server's \
+                     health and capacity",
                     cx.entry_id(),
                     p * 100.0
                 ),
