@@ -300,8 +300,9 @@ impl AdaptiveLimit {
             Err(n) => Err(RpcError::new(
                 StatusCode::OverflowMaxServerHandle,
                 format!(
-                    "{entry} is handling {n} calls, its adaptive limit for {criticality:?} calls \
-                     now (of {limit}); call another endpoint or retry later"
+                    "{entry} is handling {n} calls, at or over its adaptive limit of {share} for \
+                     {criticality:?} calls now (the limit is {limit}; sheddable calls get 80 % \
+                     of it, critical ones a tenth more); call another endpoint or retry later"
                 ),
             )),
         }
@@ -526,11 +527,18 @@ mod tests {
             initial: 10,
             ..AdaptiveOptions::default()
         });
-        // 8 in flight: sheddable calls (80 % of 10) are refused, the others admitted.
+        // 8 in flight: sheddable calls (80 % of 10) are refused, the others admitted; the
+        // refusal names the sheddable calls' limit, 8, not the 10 of default ones.
         let mut held: Vec<_> = (0..8)
             .map(|_| l.try_enter("e", Criticality::Default, None).unwrap())
             .collect();
-        assert!(l.try_enter("e", Criticality::Sheddable, None).is_err());
+        let e = l
+            .try_enter("e", Criticality::Sheddable, None)
+            .expect_err("over the sheddable share");
+        assert!(
+            e.message().contains("adaptive limit of 8 for Sheddable"),
+            "{e}"
+        );
         held.push(l.try_enter("e", Criticality::Default, None).unwrap());
         held.push(l.try_enter("e", Criticality::Default, None).unwrap());
         // At the limit: default refused, critical still admitted (a tenth more: 11).
