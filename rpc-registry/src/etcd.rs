@@ -214,11 +214,16 @@ impl Drop for PutBack<'_> {
     }
 }
 
+/// The longest lease etcd grants (its `MaxLeaseTTL`): a longer TTL is refused at
+/// construction rather than by etcd at every registration.
+const MAX_LEASE_TTL: Duration = Duration::from_secs(9_000_000_000);
+
 impl EtcdRegistry {
     /// A registry on the etcd cluster at `endpoints` (`host:port` or `http://host:port`).
     ///
     /// Nothing is sent to etcd yet, so this succeeds while etcd is down; it fails only on an
-    /// unusable configuration (no endpoint, a malformed one, a zero TTL or timeout).
+    /// unusable configuration (no endpoint, a malformed one, a zero TTL or timeout, a TTL
+    /// over etcd's longest, 9 000 000 000 s).
     pub async fn connect(
         endpoints: &[impl AsRef<str>],
         mut options: EtcdOptions,
@@ -248,6 +253,13 @@ impl EtcdRegistry {
             return Err(RegistryError::Config(
                 "etcd lease TTL must be at least 1 s".into(),
             ));
+        }
+        if options.lease_ttl > MAX_LEASE_TTL {
+            return Err(RegistryError::Config(format!(
+                "etcd lease TTL of {:?} is over etcd's longest, {} s",
+                options.lease_ttl,
+                MAX_LEASE_TTL.as_secs()
+            )));
         }
         // A zero timeout would fail every request as etcd being unreachable, retried for good.
         for (name, timeout) in [
@@ -705,19 +717,28 @@ mod tests {
     }
 
     /// A zero connect or request timeout is a configuration error at construction, not an
-    /// etcd that never answers (every request failing as unreachable, retried for good).
+    /// etcd that never answers (every request failing as unreachable, retried for good); so is
+    /// a lease TTL longer than etcd grants (`Duration::MAX` overflowed the lease's seconds: a
+    /// panic in debug builds, a lease of 1 s in release ones).
     #[tokio::test]
-    async fn a_zero_timeout_is_refused_as_configuration() {
+    async fn a_zero_timeout_or_a_ttl_past_etcds_is_refused_as_configuration() {
         for (name, options) in [
             (
-                "connect",
+                "lease TTL of",
+                EtcdOptions {
+                    lease_ttl: Duration::MAX,
+                    ..EtcdOptions::default()
+                },
+            ),
+            (
+                "connect timeout",
                 EtcdOptions {
                     connect_timeout: Duration::ZERO,
                     ..EtcdOptions::default()
                 },
             ),
             (
-                "request",
+                "request timeout",
                 EtcdOptions {
                     request_timeout: Duration::ZERO,
                     ..EtcdOptions::default()
@@ -725,9 +746,7 @@ mod tests {
             ),
         ] {
             match EtcdRegistry::connect(&["127.0.0.1:1"], options).await {
-                Err(RegistryError::Config(m)) => {
-                    assert!(m.contains(&format!("{name} timeout")), "{m}")
-                }
+                Err(RegistryError::Config(m)) => assert!(m.contains(name), "{m}"),
                 other => panic!("{name}: {:?}", other.err()),
             }
         }

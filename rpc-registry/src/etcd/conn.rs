@@ -57,7 +57,9 @@ impl Conn {
 
     fn ttl_secs(&self) -> i64 {
         let ttl = self.options.lease_ttl;
-        let secs = ttl.as_secs() + u64::from(ttl.subsec_nanos() > 0);
+        let secs = ttl
+            .as_secs()
+            .saturating_add(u64::from(ttl.subsec_nanos() > 0));
         i64::try_from(secs.max(1)).unwrap_or(i64::MAX)
     }
 
