@@ -156,13 +156,16 @@ pub fn is_callers(started: Instant, d: Instant, options: &GovernanceOptions) -> 
     inherited().is_some() && own.is_none_or(|own| d < own)
 }
 
-/// The error of a call that started at `started` and ran out of its deadline `d`.
+/// The error of a call that started at `started` and ran out of its deadline `d`. (Its
+/// `timeout_ms` may be the entry's, at any level of its options, or the calling handle's own:
+/// the remedy names both.)
 pub fn timeout_error(entry_id: &str, started: Instant, d: Instant) -> RpcError {
     RpcError::new(
         StatusCode::Timeout,
         format!(
-            "{entry_id} did not complete within its {} ms budget; raise timeout_ms for the \
-             entry or look at the server's load",
+            "{entry_id} did not complete within its {} ms budget; raise its timeout_ms where it \
+             is set (the entry's options, or this handle's: Client::with_timeout or \
+             with_options) or look at the server's load",
             d.saturating_duration_since(started).as_millis()
         ),
     )

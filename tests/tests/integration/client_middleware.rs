@@ -450,3 +450,26 @@ async fn the_server_is_told_the_budget_left_after_the_attempt_layers() {
     let left = within("budget", client.budget()).await.unwrap().unwrap();
     assert_eq!(left, 2_000, "ms left at the server");
 }
+
+/// A call that runs out of a budget its handle set (`with_timeout`) is told to raise it
+/// there, not only "for the entry", whose options a user would raise for nothing (the
+/// handle's timeout sits above every level of them).
+#[tokio::test(start_paused = true)]
+async fn a_timeout_set_by_the_handle_is_named_in_its_error() {
+    let registry = InProcessRegistry::new();
+    let (server, _node) = start(&registry).await;
+    let client = Client::builder()
+        .registry(registry)
+        .attempt_layer(waits(std::time::Duration::from_millis(1_000)))
+        .build();
+    let hurried = MidClient::new(client.with_timeout(std::time::Duration::from_millis(50)));
+    let e = within("a hurried call", hurried.budget())
+        .await
+        .expect_err("its 50 ms pass in the attempt layer");
+    assert_eq!(e.code(), StatusCode::Timeout, "{e}");
+    assert!(
+        e.message().contains("50 ms budget") && e.message().contains("Client::with_timeout"),
+        "{e}"
+    );
+    server.shutdown().await;
+}
