@@ -317,7 +317,9 @@ impl Governance {
         let mut layers = self.layers.write().unwrap_or_else(|p| p.into_inner());
         let next = self.changed(&layers, change, Layers::check_in_force)?;
         *layers = next;
-        self.refresh(&layers);
+        let reloaded = self.refresh(&layers);
+        drop(layers);
+        self.announce(reloaded);
         Ok(())
     }
 
@@ -341,7 +343,9 @@ impl Governance {
             left_out.extend(next.centre_left_out(p.method()));
         }
         *layers = next;
-        self.refresh(&layers);
+        let reloaded = self.refresh(&layers);
+        drop(layers);
+        self.announce(reloaded);
         Ok(left_out)
     }
 
@@ -386,18 +390,31 @@ impl Governance {
     pub fn update_layers(&self, change: impl FnOnce(&mut Layers)) {
         let mut layers = self.layers.write().unwrap_or_else(|p| p.into_inner());
         change(&mut layers);
-        self.refresh(&layers);
+        let reloaded = self.refresh(&layers);
+        drop(layers);
+        self.announce(reloaded);
     }
 
-    /// Gives every cached entry the options `layers` resolve for it.
-    fn refresh(&self, layers: &Layers) {
+    /// Gives every cached entry the options `layers` resolve for it; returns the entries
+    /// whose options changed, to be announced once no lock is held.
+    fn refresh(&self, layers: &Layers) -> Vec<Arc<str>> {
+        let mut reloaded = Vec::new();
         for p in self.cache.iter() {
             let new = layers.resolve(p.method());
             if *p.options.load_full() != new {
                 p.options.store(Arc::new(new));
-                self.events
-                    .emit_parts(EventKind::Reload, &p.entry, None, 0, None);
+                reloaded.push(p.entry.clone());
             }
+        }
+        reloaded
+    }
+
+    /// Emits a `reload` event for each of `entries`. Called with no lock of the engine held:
+    /// an observer of the events may read or change the options from its callback.
+    fn announce(&self, entries: Vec<Arc<str>>) {
+        for entry in entries {
+            self.events
+                .emit_parts(EventKind::Reload, &entry, None, 0, None);
         }
     }
 
@@ -536,6 +553,47 @@ mod tests {
             governance: GovernanceOverrides::NONE,
             api: None,
         }
+    }
+
+    /// An observer of the events may read and change the options from its callback: the
+    /// `reload` events of a change are emitted once no lock of the engine is held (before, the
+    /// observer ran under the options' write lock and the entry cache's, and reading the
+    /// options there, or using an entry first, hung the thread for good).
+    #[test]
+    fn an_event_observer_may_read_the_options_while_they_reload() {
+        static FIRST: MethodDescriptor = keyless("t.T", "m", "t.T.m");
+        static LATER: MethodDescriptor = keyless("t.T", "n", "t.T.n");
+        let g = Arc::new(Governance::new(Layers::default()));
+        g.policy(&FIRST);
+        let (seen_tx, seen) = std::sync::mpsc::channel();
+        let weak = Arc::downgrade(&g);
+        g.events().set_observer(Arc::new(move |e| {
+            if e.kind != EventKind::Reload {
+                return;
+            }
+            if let Some(g) = weak.upgrade() {
+                g.policy(&LATER);
+                let _ = seen_tx.send(g.entry_options().len());
+            }
+        }));
+        let (done_tx, done) = std::sync::mpsc::channel();
+        let updating = g.clone();
+        std::thread::spawn(move || {
+            updating.update_layers(|l| {
+                l.runtime.entries.insert(
+                    "t.T.m".into(),
+                    GovernanceOverrides {
+                        timeout_ms: Some(1234),
+                        ..GovernanceOverrides::NONE
+                    },
+                );
+            });
+            let _ = done_tx.send(());
+        });
+        done.recv_timeout(std::time::Duration::from_secs(10))
+            .expect("the update returned");
+        assert_eq!(seen.try_recv(), Ok(2), "the observer read both entries");
+        assert_eq!(g.policy(&FIRST).options().timeout_ms, 1234);
     }
 
     /// A section of the config file or the environment naming a method the service's
