@@ -65,7 +65,9 @@ pub struct CallObservers(Arc<Shared>);
 struct Shared {
     /// Whether the list has anything: what a call checks first.
     any: AtomicBool,
-    list: RwLock<Vec<Arc<dyn CallObserver>>>,
+    /// Replaced whole by `add` and `remove`: a call's end tells the list as it was, with no
+    /// lock held while the observers run (one may add or remove observers, itself included).
+    list: RwLock<Arc<[Arc<dyn CallObserver>]>>,
 }
 
 impl std::fmt::Debug for CallObservers {
@@ -85,7 +87,7 @@ impl CallObservers {
     /// Adds an observer; it is told of every call that starts from now on.
     pub fn add(&self, observer: Arc<dyn CallObserver>) {
         let mut list = self.0.list.write().unwrap_or_else(|p| p.into_inner());
-        list.push(observer);
+        *list = list.iter().cloned().chain([observer]).collect();
         self.0.any.store(true, Ordering::Release);
     }
 
@@ -93,7 +95,11 @@ impl CallObservers {
     /// and with no observer left they read no clock again.
     pub fn remove(&self, observer: &Arc<dyn CallObserver>) {
         let mut list = self.0.list.write().unwrap_or_else(|p| p.into_inner());
-        list.retain(|o| !Arc::ptr_eq(o, observer));
+        *list = list
+            .iter()
+            .filter(|o| !Arc::ptr_eq(o, observer))
+            .cloned()
+            .collect();
         self.0.any.store(!list.is_empty(), Ordering::Release);
     }
 
@@ -123,7 +129,12 @@ impl CallObservers {
             outcome,
             elapsed: started.elapsed(),
         };
-        let list = self.0.list.read().unwrap_or_else(|p| p.into_inner());
+        let list = self
+            .0
+            .list
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
         for observer in list.iter() {
             // An observer is told from inside the call's machinery (a server's call task, a
             // stream's end, a drop): its panic is contained here, and the others are told.
@@ -178,6 +189,54 @@ mod tests {
             *seen.0.lock().unwrap(),
             [("a.A.m".to_string(), Some(StatusCode::Success), "success")]
         );
+    }
+
+    /// Removes itself from its list at the first call it is told of, counting the calls.
+    struct Once {
+        list: CallObservers,
+        me: std::sync::OnceLock<Arc<dyn CallObserver>>,
+        told: std::sync::atomic::AtomicU32,
+    }
+
+    impl CallObserver for Once {
+        fn call_ended(&self, _: &CallRecord) {
+            self.told.fetch_add(1, Ordering::SeqCst);
+            if let Some(me) = self.me.get() {
+                self.list.remove(me);
+            }
+        }
+    }
+
+    /// An observer may remove itself (or add others) from its callback: the list is told as it
+    /// was, with no lock held (before, `remove` waited for the read lock its own caller held:
+    /// the call's thread hung for good).
+    #[test]
+    fn an_observer_may_remove_itself_while_it_is_told() {
+        let observers = CallObservers::new();
+        let once = Arc::new(Once {
+            list: observers.clone(),
+            me: std::sync::OnceLock::new(),
+            told: std::sync::atomic::AtomicU32::new(0),
+        });
+        let me: Arc<dyn CallObserver> = once.clone();
+        let _ = once.me.set(me.clone());
+        observers.add(me);
+        let (done_tx, done) = std::sync::mpsc::channel();
+        let ending = observers.clone();
+        std::thread::spawn(move || {
+            for _ in 0..2 {
+                ending.ended(Side::Client, "a.A.m", Instant::now(), None, "cancelled");
+            }
+            let _ = done_tx.send(());
+        });
+        done.recv_timeout(Duration::from_secs(10))
+            .expect("the calls ended");
+        assert_eq!(
+            once.told.load(Ordering::SeqCst),
+            1,
+            "removed after the first"
+        );
+        assert!(!observers.is_active());
     }
 
     struct Panics;
