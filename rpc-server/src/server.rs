@@ -285,7 +285,9 @@ impl ServerBuilder {
     }
 
     /// Requires this token in every client's `Hello`. An empty token is refused when the
-    /// server starts (every client without a token would match it, and pass as verified).
+    /// server starts (every client without a token would match it, and pass as verified), and
+    /// so is one no `Hello` can carry (over about 7.8 KiB, or less with a small
+    /// [`max_frame_length`](Self::max_frame_length)).
     pub fn token(mut self, token: impl Into<String>) -> Self {
         self.options.token = Some(token.into());
         self
@@ -628,6 +630,34 @@ impl ServerBuilder {
             .map(|(_, what)| format!("{what}; give it a value above 0"))
     }
 
+    /// Why the server's token could never be admitted, if so: a client's `Hello` carries it
+    /// beside a client id of up to [`MAX_CLIENT_ID`](rpc_transport::MAX_CLIENT_ID) bytes and a
+    /// few small fields, in a frame of at most the handshake's limit (`max_frame_length`, and
+    /// [`MAX_HELLO_FRAME`](rpc_transport::MAX_HELLO_FRAME) before the handshake). A longer token
+    /// would have every client holding it refused.
+    fn token_too_long(&self) -> Option<String> {
+        /// What a `Hello` takes beside its token and client id: its other fields, their tags
+        /// and lengths.
+        const HELLO_OVERHEAD: usize = 64;
+        let token = self.options.token.as_deref()?;
+        let limit = self
+            .options
+            .max_frame_length
+            .min(rpc_transport::MAX_HELLO_FRAME);
+        let room = limit.saturating_sub(rpc_transport::MAX_CLIENT_ID + HELLO_OVERHEAD);
+        (token.len() > room).then(|| {
+            format!(
+                "the server's token of {} bytes does not fit in a client's Hello: the \
+                 handshake's frames are at most {limit} bytes (max_frame_length, and {} before \
+                 the handshake), with room for a client id of up to {} bytes; give a token of at \
+                 most {room} bytes",
+                token.len(),
+                rpc_transport::MAX_HELLO_FRAME,
+                rpc_transport::MAX_CLIENT_ID
+            )
+        })
+    }
+
     /// Serves on an already bound listener of any transport (TCP, a Unix domain socket, or
     /// another [`Listener`]).
     pub async fn serve_on<L: Listener>(self, listener: L) -> std::io::Result<ServerHandle> {
@@ -636,6 +666,12 @@ impl ServerBuilder {
                 std::io::ErrorKind::InvalidInput,
                 "the server's token is empty, and a client that sends no token sends the empty \
                  one: give a non-empty token, or none to admit clients without one",
+            ));
+        }
+        if let Some(problem) = self.token_too_long() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                problem,
             ));
         }
         if let Some(problem) = self.unusable_limit() {

@@ -309,3 +309,45 @@ async fn the_token_never_appears_in_logs_errors_or_debug_output() {
         }
     }
 }
+
+/// A token no client's `Hello` can carry (the handshake's frames are at most 8 KiB, or the
+/// server's `max_frame_length`) is refused when the server starts, naming its length: before,
+/// the server started, and every client holding the right token was refused. A token with room
+/// to spare is served.
+#[tokio::test]
+async fn a_token_too_long_for_the_handshake_is_refused_at_start() {
+    let vault = || {
+        GuardedServer::from_arc(Arc::new(Vault {
+            calls: AtomicUsize::new(0),
+        }))
+    };
+    for (token, frame_limit) in [("t".repeat(8 * 1024), None), ("t".repeat(1000), Some(1024))] {
+        let mut builder = Server::builder().token(token.clone()).add_service(vault());
+        if let Some(limit) = frame_limit {
+            builder = builder.max_frame_length(limit);
+        }
+        let e = builder.serve("127.0.0.1:0").await.err().expect("refused");
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput);
+        assert!(
+            e.to_string()
+                .contains(&format!("token of {} bytes", token.len())),
+            "{e}"
+        );
+    }
+    let reg = InProcessRegistry::new();
+    let token = "t".repeat(500);
+    let server = Server::builder()
+        .registry(reg.clone())
+        .token(token.clone())
+        .max_frame_length(1024)
+        .add_service(vault())
+        .serve("127.0.0.1:0")
+        .await
+        .expect("a token with room to spare");
+    let c = client(&reg, Some(&token));
+    assert_eq!(
+        within("a call", c.secret()).await.expect("admitted"),
+        "gold"
+    );
+    within("shutdown", server.shutdown()).await;
+}
