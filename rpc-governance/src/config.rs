@@ -707,7 +707,7 @@ shunt_strategy = \"random\"\n",
         assert_eq!(
             e.message(),
             "governance config: [services.\"a.A\"] appoint_address = \"nowhere\" is not \
-             `host:port`, for example \"127.0.0.1:9000\"; [entries.\"a.A.m\"] \
+             `host:port` (nor `unix:/path`), for example \"127.0.0.1:9000\"; [entries.\"a.A.m\"] \
              failure_ratio_percent = 101 is out of range: at most 100; change these values: \
              nothing of this document is applied"
         );
