@@ -114,7 +114,13 @@ async fn a_sheddable_call_is_refused_where_a_default_one_is_admitted() {
     .expect_err("a sheddable call over its share is refused");
     assert_eq!(shed.code(), StatusCode::OverflowMaxServerHandle, "{shed}");
     assert!(shed.message().contains("Sheddable"), "{shed}");
-    assert!(shed.message().contains(&format!("of {INITIAL}")), "{shed}");
+    // The sheddable calls' limit, and the entry's it is a share of.
+    assert!(
+        shed.message()
+            .contains(&format!("limit of {SHEDDABLE_SHARE} for Sheddable"))
+            && shed.message().contains(&format!("the limit is {INITIAL}")),
+        "{shed}"
+    );
     // At the same load a default call is admitted, and so is one marked default.
     let a = adapt.clone();
     held.push(tokio::spawn(async move { a.hold().await }));

@@ -475,7 +475,7 @@ async fn an_open_stream_holds_a_slot_of_its_entrys_adaptive_limit() {
     assert_eq!(e.code(), StatusCode::OverflowMaxServerHandle, "{e}");
     assert!(
         e.message().contains(&format!(
-            "its adaptive limit for Default calls now (of {LIMIT})"
+            "its adaptive limit of {LIMIT} for Default calls now (the limit is {LIMIT}"
         )),
         "{e}"
     );
