@@ -44,7 +44,8 @@ pub struct ZooKeeperOptions {
     /// Timeout of the registry's ZooKeeper session (10 s by default): a server that dies
     /// without deregistering disappears after this long. ZooKeeper keeps it within its
     /// `minSessionTimeout` and `maxSessionTimeout` (by default 2 and 20 times its `tickTime`,
-    /// so 4 s to 40 s).
+    /// so 4 s to 40 s); one longer than the handshake carries (2³¹ − 1 ms, about 24.8 days)
+    /// is asked as that.
     pub session_timeout: Duration,
     /// Limit on opening a session (3 s by default).
     pub connect_timeout: Duration,
@@ -175,6 +176,9 @@ struct Registration {
     task: JoinHandle<()>,
 }
 
+/// The longest session timeout a ZooKeeper handshake carries: 32-bit milliseconds.
+const MAX_SESSION_TIMEOUT: Duration = Duration::from_millis(i32::MAX as u64);
+
 impl ZooKeeperRegistry {
     /// A registry on the ZooKeeper ensemble at `servers` (`host:port` each).
     ///
@@ -183,7 +187,7 @@ impl ZooKeeperRegistry {
     /// timeout).
     pub fn new(
         servers: &[impl AsRef<str>],
-        options: ZooKeeperOptions,
+        mut options: ZooKeeperOptions,
     ) -> Result<Self, RegistryError> {
         let servers = non_blank(servers);
         if servers.is_empty() {
@@ -210,6 +214,11 @@ impl ZooKeeperRegistry {
                 )));
             }
         }
+        // The handshake carries the session timeout as 32-bit milliseconds: a longer one would
+        // wrap (to a negative number, which ZooKeeper takes as its minimum) or, at
+        // `Duration::MAX`, overflow in the client. The longest it carries gets ZooKeeper's
+        // maximum, as a long timeout is documented to.
+        options.session_timeout = options.session_timeout.min(MAX_SESSION_TIMEOUT);
         let (alive_tx, alive) = watch::channel(());
         Ok(ZooKeeperRegistry {
             inner: Arc::new(Inner {
@@ -684,6 +693,33 @@ mod tests {
         };
         let reg = ZooKeeperRegistry::from_url_with_options("zk://127.0.0.1:1", options).unwrap();
         assert_eq!(reg.path(&"a/b".into(), ".."), "/services/a%2Fb/%2E%2E");
+    }
+
+    /// A session timeout longer than the handshake's 32-bit milliseconds is asked as the
+    /// longest it carries (ZooKeeper then gives its maximum): before, `Duration::MAX` panicked
+    /// in the first request's connect, and 30 days wrapped to a negative number, which
+    /// ZooKeeper took as its minimum.
+    #[tokio::test]
+    async fn a_session_timeout_past_the_handshakes_is_its_longest() {
+        let free = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let url = format!("zk://{}", free.local_addr().expect("addr"));
+        drop(free);
+        for long in [Duration::MAX, Duration::from_secs(30 * 24 * 3600)] {
+            let options = ZooKeeperOptions {
+                session_timeout: long,
+                connect_timeout: Duration::from_millis(300),
+                request_timeout: Duration::from_millis(300),
+                ..ZooKeeperOptions::default()
+            };
+            let reg = ZooKeeperRegistry::from_url_with_options(&url, options).expect("built");
+            assert_eq!(reg.options().session_timeout, MAX_SESSION_TIMEOUT);
+            let watched = tokio::spawn(async move { reg.watch(&"a.A".into()).await.err() });
+            let refused = watched.await.expect("no panic");
+            assert!(
+                matches!(refused, Some(RegistryError::Unavailable(_))),
+                "{refused:?}"
+            );
+        }
     }
 
     #[test]
