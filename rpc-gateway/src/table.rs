@@ -18,10 +18,6 @@ use rpc_paths::template_shape;
 
 use crate::route::{default_path, route_of, Route};
 
-/// Paths the gateway serves itself; a declared route cannot take them (`#[http]` refuses them
-/// at compile time).
-pub(crate) use rpc_paths::RESERVED_PATHS as RESERVED;
-
 /// One entry the gateway serves, with what binding its arguments needs.
 #[derive(Debug, Clone)]
 pub(crate) struct Served {
@@ -189,8 +185,11 @@ impl RouteTable {
         // Matched in the form requests are (`normalized_path`): a template written with
         // escapes (`/caf%C3%A9`) is the same route as one written with its text.
         let path = crate::route::normalized_path(&route.path).into_owned();
-        if RESERVED.contains(&path.as_str()) {
-            return Err(format!("{} is the gateway's own route", route.path));
+        if let Some(reserved) = rpc_paths::reserved_match(&path) {
+            return Err(format!(
+                "{} can match the gateway's own route {reserved}, which is answered first",
+                route.path
+            ));
         }
         if !route.path.starts_with('/') {
             return Err(format!("{:?} does not start with /", route.path));
@@ -609,6 +608,22 @@ mod tests {
     /// A declared path naming one parameter twice (published by a server the macro did not
     /// build: the macro refuses it) would refuse every request, the argument given twice: the
     /// entry is served at its default route instead.
+    /// A declared route that can match one of the gateway's own paths (`/{slug}` takes
+    /// `/docs`) is not served as declared: the gateway's routes are answered first, so a call
+    /// of the route at that path got the documentation page (200) while the document promised
+    /// the entry there. Its entry is served at its default route.
+    #[test]
+    fn a_template_that_can_match_the_gateways_own_paths_is_served_at_the_default_route() {
+        for template in ["/{slug}", "/do{x}", "/{*rest}", "/healthz"] {
+            let table = RouteTable::build(vec![entry("a.A", "show", Some(("GET", template)))]);
+            serves(&table, Method::GET, "/anything", None);
+            serves(&table, Method::POST, "/api/a.A/show", Some("a.A.show"));
+            assert_eq!(table.served()[0].route.path, "/api/a.A/show", "{template}");
+        }
+        let table = RouteTable::build(vec![entry("a.A", "show", Some(("GET", "/pages/{slug}")))]);
+        serves(&table, Method::GET, "/pages/docs", Some("a.A.show"));
+    }
+
     #[test]
     fn a_template_naming_a_parameter_twice_is_served_at_the_default_route() {
         let table = RouteTable::build(vec![entry("a.A", "get", Some(("GET", "/a/{id}/b/{id}")))]);

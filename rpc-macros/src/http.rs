@@ -183,9 +183,10 @@ fn check_path(lit: &LitStr, params: &[String]) -> syn::Result<()> {
             path.trim_start_matches('/')
         )));
     }
-    if RESERVED.contains(&path.as_str()) {
+    if let Some(reserved) = rpc_paths::reserved_match(&path) {
         return Err(err(format!(
-            "`{path}` is a route the gateway serves itself ({}): choose another path",
+            "`{path}` can match `{reserved}`, a route the gateway serves itself and answers \
+             first ({}): choose another path",
             RESERVED.join(", ")
         )));
     }
@@ -349,6 +350,15 @@ mod tests {
 
     fn params() -> Vec<String> {
         vec!["id".to_string(), "verbose".to_string()]
+    }
+
+    /// A path that can match one of the gateway's own (`/{id}` takes `/docs`) is refused:
+    /// the gateway answers its own routes first, so the route would not be reached there.
+    #[test]
+    fn a_path_that_can_match_the_gateways_own_is_refused() {
+        let e = error(parse_quote!(#[http(get = "/{id}")]));
+        assert!(e.contains("can match `/openapi.json`"), "{e}");
+        assert!(route(&[parse_quote!(#[http(get = "/orders/{id}")])], &params()).is_ok());
     }
 
     #[test]

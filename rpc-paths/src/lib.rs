@@ -22,6 +22,48 @@
 /// Paths the gateway serves itself; a declared route cannot take them.
 pub const RESERVED_PATHS: [&str; 3] = ["/openapi.json", "/docs", "/healthz"];
 
+/// The gateway's own path that a route at `template` (written as the gateway matches it:
+/// escapes of text decoded) can match, if any: `/docs` itself, or a template of one segment
+/// holding a parameter whose text around it fits (`/{slug}`, `/do{x}`, `/{name}.json`), or a
+/// catch-all after text that begins one (`/{*rest}`). The gateway's own routes are matched
+/// first, so such a route is never reached at that path while documented for it (`GET /docs`
+/// answering the documentation page to a caller of `/{slug}`): the gateway serves its entry at
+/// its default route instead, and `#[http]` refuses it.
+///
+/// ```
+/// assert_eq!(rpc_paths::reserved_match("/{slug}"), Some("/openapi.json"));
+/// assert_eq!(rpc_paths::reserved_match("/healthz"), Some("/healthz"));
+/// assert_eq!(rpc_paths::reserved_match("/pages/{slug}"), None);
+/// assert_eq!(rpc_paths::reserved_match("/v{n}"), None);
+/// ```
+pub fn reserved_match(template: &str) -> Option<&'static str> {
+    RESERVED_PATHS
+        .into_iter()
+        .find(|reserved| can_match(template, reserved))
+}
+
+/// Whether `template` can match `path`, a path of one segment. (A parameter is taken to match
+/// any text of its segment, the empty one included: what is refused is what might match.)
+fn can_match(template: &str, path: &str) -> bool {
+    let (Some(t), Some(p)) = (template.strip_prefix('/'), path.strip_prefix('/')) else {
+        return false;
+    };
+    // A catch-all takes the rest of the path, slashes included.
+    if let Some(at) = t.find("{*") {
+        return p.starts_with(&t[..at]);
+    }
+    if t.contains('/') {
+        return false;
+    }
+    match (t.find('{'), t.rfind('}')) {
+        (Some(open), Some(close)) if open < close => {
+            let (before, after) = (&t[..open], &t[close + 1..]);
+            p.len() >= before.len() + after.len() && p.starts_with(before) && p.ends_with(after)
+        }
+        _ => t == p,
+    }
+}
+
 /// The most parameters one route template may hold: a template with more is not served as
 /// declared (its entry is served at its default route), since the gateway's matcher takes at
 /// most 25; `#[http]` refuses more at compile time.
