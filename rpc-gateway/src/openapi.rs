@@ -684,6 +684,22 @@ mod tests {
         DocumentInfo::new("test", "1")
     }
 
+    /// An entry declaring a method OpenAPI has no operation for (published by a server built
+    /// without `#[rpc::service]`) is served and documented at its default route: before, it
+    /// was served at its declared route and the document had no operation for it anywhere.
+    #[test]
+    fn an_entry_declaring_a_method_the_document_cannot_hold_is_documented_at_its_default_route() {
+        for method in ["QUERY", "PROPFIND", "CONNECT", "TRACE"] {
+            let e = routed("x.S", "find", &["q"], Some((method, "/search")));
+            assert_eq!(crate::route::route_of(&e).path, "/api/x.S/find", "{method}");
+            let doc = document(&[e], &info());
+            assert_eq!(
+                doc["paths"]["/api/x.S/find"]["post"]["operationId"], "x.S.find",
+                "{method}: {doc}"
+            );
+        }
+    }
+
     #[test]
     fn a_declared_get_route_has_path_and_query_parameters() {
         let e = entry(

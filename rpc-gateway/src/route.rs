@@ -17,11 +17,18 @@ pub struct Route {
     pub path: String,
 }
 
-/// The route `entry` is served at (see [`Route`]). A declared method that is not a valid HTTP
-/// method falls back to the default route.
+/// The route `entry` is served at (see [`Route`]). A declared method other than those
+/// `#[http]` takes (GET, POST, PUT, PATCH, DELETE), published by a server built some other way,
+/// falls back to the default route: an OpenAPI document has no operation for `QUERY` or
+/// `PROPFIND`, and `CONNECT` answers carry no body, so such a route could be neither documented
+/// nor answered.
 pub fn route_of(entry: &ServiceEntry) -> Route {
     if let Some(http) = entry.api.as_ref().and_then(|api| api.http.as_ref()) {
-        if let Ok(method) = Method::from_bytes(http.method.to_ascii_uppercase().as_bytes()) {
+        let method = Method::from_bytes(http.method.to_ascii_uppercase().as_bytes());
+        if let Ok(
+            method @ (Method::GET | Method::POST | Method::PUT | Method::PATCH | Method::DELETE),
+        ) = method
+        {
             return Route {
                 method,
                 path: http.path.clone(),
