@@ -526,15 +526,22 @@ impl ServerBuilder {
                 let (algorithm, threshold) = compression(&m.governance);
                 admission.set_compression(algorithm, threshold);
                 let entry: Arc<str> = Arc::from(m.entry_id);
-                let fallback = fallback.as_ref().map(|service| {
-                    Arc::new(FallbackTo {
+                // The fallback's own method of this entry, by id: its method numbers are its
+                // own (another version of the service, or one covering a few entries), and a
+                // fallback without the entry does not run for it, as on the client.
+                let fallback = fallback.as_ref().and_then(|service| {
+                    let index = service
+                        .methods()
+                        .iter()
+                        .position(|f| f.entry_id == m.entry_id)?;
+                    Some(Arc::new(FallbackTo {
                         service: service.clone(),
                         index,
                         events: self.events.clone(),
                         entry_id: entry.clone(),
                         endpoint: endpoint.clone(),
                         send_panic_text: self.send_panic_text,
-                    })
+                    }))
                 });
                 let layered = (!layers.is_empty()).then(|| {
                     Arc::new(Layered {

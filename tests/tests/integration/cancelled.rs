@@ -849,3 +849,91 @@ async fn superseded_on(seen: &Seen, server: &ServerHandle) {
     })
     .await;
 }
+
+/// Two versions of one service: the second added `credit` between `get` and `debit`.
+mod acct {
+    pub mod v2 {
+        #[rpc::service(name = "t.Acct")]
+        pub trait Acct {
+            async fn get(&self) -> Result<u64, rpc::RpcError>;
+            async fn credit(&self, amount: u64) -> Result<u64, rpc::RpcError>;
+            async fn debit(&self, amount: u64) -> Result<u64, rpc::RpcError>;
+        }
+    }
+    pub mod v1 {
+        #[rpc::service(name = "t.Acct")]
+        pub trait Acct {
+            async fn get(&self) -> Result<u64, rpc::RpcError>;
+            async fn debit(&self, amount: u64) -> Result<u64, rpc::RpcError>;
+        }
+    }
+}
+
+/// A v2 account whose every method fails with 500.
+struct Broken;
+
+impl acct::v2::Acct for Broken {
+    async fn get(&self) -> Result<u64, RpcError> {
+        Err(RpcError::new(StatusCode::FrameworkError, "broken"))
+    }
+    async fn credit(&self, _: u64) -> Result<u64, RpcError> {
+        Err(RpcError::new(StatusCode::FrameworkError, "broken"))
+    }
+    async fn debit(&self, _: u64) -> Result<u64, RpcError> {
+        Err(RpcError::new(StatusCode::FrameworkError, "broken"))
+    }
+}
+
+/// A v1 account as a fallback: `get` answers 7, `debit` counts its runs.
+#[derive(Clone, Default)]
+struct Spare(Arc<Mutex<u32>>);
+
+impl acct::v1::Acct for Spare {
+    async fn get(&self) -> Result<u64, RpcError> {
+        Ok(7)
+    }
+    async fn debit(&self, _: u64) -> Result<u64, RpcError> {
+        *self.0.lock().unwrap() += 1;
+        Ok(0)
+    }
+}
+
+/// A server's fallback answers an entry with its own method of that entry, found by id: a
+/// fallback of another version of the service (here without `credit`) runs `get` for `get`,
+/// and nothing for `credit`. Before, it was called with the service's method number: `credit`
+/// (number 1) ran the fallback's number 1, `debit`, with `credit`'s arguments.
+#[tokio::test]
+async fn a_server_fallback_runs_its_own_method_of_the_entry_or_none() {
+    use acct::v2::Acct as _;
+    let reg = rpc::InProcessRegistry::new();
+    let spare = Spare::default();
+    let server = rpc::Server::builder()
+        .registry(reg.clone())
+        .add_service(acct::v2::AcctServer::new(Broken))
+        .fallback(acct::v1::AcctServer::new(spare.clone()))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("serve");
+    let client = acct::v2::AcctClient::new(
+        Client::builder()
+            .registry(reg)
+            .override_options("t.Acct", common::no_retry())
+            .build(),
+    );
+    assert_eq!(
+        within("get", client.get())
+            .await
+            .expect("the fallback's get"),
+        7
+    );
+    let e = within("credit", client.credit(5))
+        .await
+        .expect_err("no fallback for credit");
+    assert_eq!(e.code(), StatusCode::FrameworkError, "{e}");
+    assert_eq!(
+        *spare.0.lock().unwrap(),
+        0,
+        "the fallback's debit ran for credit"
+    );
+    within("shutdown", server.shutdown()).await;
+}
