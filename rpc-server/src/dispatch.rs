@@ -150,8 +150,17 @@ impl Terminal {
             req.fallback_cause = cause.get();
             // Failed past the deadline: the layers see the timeout the caller gets, as for a
             // unary call.
-            let items = settle(items, &self.entry, self.send_panic_text)
-                .map_err(|e| past_deadline(e, req.deadline, &self.entry))?;
+            let items = match settle(items, &self.entry, self.send_panic_text)
+                .map_err(|e| past_deadline(e, req.deadline, &self.entry))
+            {
+                Ok(items) => items,
+                Err(e) => {
+                    // A fallback that ran and failed still says what it answered for, behind
+                    // a tower layer too (which runs this on a copy of the request).
+                    req.report_back();
+                    return Err(e);
+                }
+            };
             *opened
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner) =

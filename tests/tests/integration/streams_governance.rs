@@ -358,9 +358,16 @@ fn client(reg: &InProcessRegistry, fallback: Option<&Cache>) -> Client {
 /// The market served on a new registry with the cache as the server's fallback (not the
 /// client's).
 async fn with_server_fallback() -> (InProcessRegistry, ServerHandle, Market, Cache) {
+    with_server_fallback_and(|b| b).await
+}
+
+/// [`with_server_fallback`], the server's builder given to `configure` first.
+async fn with_server_fallback_and(
+    configure: impl FnOnce(rpc::ServerBuilder) -> rpc::ServerBuilder,
+) -> (InProcessRegistry, ServerHandle, Market, Cache) {
     let reg = InProcessRegistry::new();
     let (market, cache) = (Market::default(), Cache::default());
-    let server = Server::builder()
+    let server = configure(Server::builder())
         .registry(reg.clone())
         .add_service(StocksServer::new(market.clone()))
         .fallback(StocksServer::new(cache.clone()))
@@ -662,6 +669,59 @@ async fn a_stream_fallback_that_fails_still_leaves_its_cause_on_the_span() {
     // The cache's own business error passes through as the fallback's answer.
     assert_eq!(err.code(), StatusCode::BusinessError, "{err}");
     assert_eq!(attr(&span, "rpc.status_code"), Some(Value::I64(1000)));
+}
+
+/// A tower layer that passes every call on unchanged.
+struct PassThrough;
+
+impl<S> rpc::tower::Layer<S> for PassThrough {
+    type Service = S;
+    fn layer(&self, inner: S) -> S {
+        inner
+    }
+}
+
+/// A server-stream fallback that ran and failed leaves on the `rpc.server` span the status of
+/// the failure it ran for, behind a tower layer as without one (the layer runs the end of the
+/// chain on a copy of the request, which reported back only when the set-up succeeded: the
+/// span named no cause).
+#[tokio::test]
+async fn a_failed_server_stream_fallback_leaves_its_cause_on_the_span_behind_a_tower_layer() {
+    let (traces, _guard) = Traces::install();
+    for towered in [false, true] {
+        let (reg, server, market, cache) = with_server_fallback_and(|b| {
+            if towered {
+                b.layer(rpc::tower::TowerLayer::new(PassThrough))
+            } else {
+                b
+            }
+        })
+        .await;
+        market.down.store(true, Ordering::SeqCst);
+        cache.empty.store(true, Ordering::SeqCst);
+        let stocks = StocksClient::new(client(&reg, None));
+        let failed = within("prices", stocks.prices(3)).await.map(|_| ());
+        assert!(failed.is_err(), "towered {towered}: the fallback fails");
+        assert_eq!(cache.used.load(Ordering::SeqCst), 1, "the fallback ran");
+        within("shutdown", server.shutdown()).await;
+    }
+    let of_prices = |s: &&opentelemetry_sdk::trace::SpanData| {
+        s.name == "rpc.server"
+            && attr(s, "rpc.entry_id") == Some(Value::from("g.Stocks.prices".to_string()))
+    };
+    let spans = traces
+        .spans_once("both server spans end", |spans| {
+            spans.iter().filter(of_prices).count() >= 2
+        })
+        .await;
+    for span in spans.iter().filter(of_prices) {
+        assert_eq!(
+            attr(span, "rpc.fallback.cause"),
+            Some(Value::I64(i64::from(StatusCode::ServerError.as_u32()))),
+            "{:?}",
+            span.attributes
+        );
+    }
 }
 
 /// The client's `rpc.client` span of `entry` (the only one).
