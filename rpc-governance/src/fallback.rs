@@ -29,7 +29,15 @@ pub fn applies(err: &RpcError, side: Side) -> bool {
     }
     match side {
         Side::Client => true,
-        Side::Server => !code.is_breaker_exempt(),
+        // Every other failure of the handler, a rate limit or "not implemented" it passes on
+        // among them (the server's own 429 is answered before the handler, and never reaches
+        // this).
+        Side::Server => !matches!(
+            code,
+            StatusCode::NotFindServiceRoute
+                | StatusCode::NotFindLocalServiceEntry
+                | StatusCode::NotFindServiceEntry
+        ),
     }
 }
 
@@ -112,6 +120,24 @@ mod tests {
             for side in [Side::Client, Side::Server] {
                 assert!(!applies(&RpcError::new(code, "x"), side), "{code}");
             }
+        }
+    }
+
+    /// On a server the fallback answers every failure of the handler but the not-found ones,
+    /// as documented: a rate limit (429) or "not implemented" (501) the handler passes on
+    /// included (before, both were left to the caller, as a breaker leaves them, and the
+    /// caller of a middle tier whose downstream limited it got that 429 as this server's own).
+    #[test]
+    fn a_servers_fallback_answers_a_handlers_rate_limit_or_not_implemented() {
+        for code in [StatusCode::RateLimited, StatusCode::NotImplemented] {
+            assert!(applies(&RpcError::new(code, "x"), Side::Server), "{code}");
+        }
+        for code in [
+            StatusCode::NotFindServiceRoute,
+            StatusCode::NotFindLocalServiceEntry,
+            StatusCode::NotFindServiceEntry,
+        ] {
+            assert!(!applies(&RpcError::new(code, "x"), Side::Server), "{code}");
         }
     }
 
