@@ -118,7 +118,9 @@ where
 /// One call as the server's layers see it.
 ///
 /// [`Next::run`] hands the arguments and the attachments to the handler: after it returns,
-/// [`parameters`](Self::parameters) and [`attachments`](Self::attachments) are empty.
+/// [`parameters`](Self::parameters) and [`attachments`](Self::attachments) are empty when the
+/// handler ran; a call refused before it (over the entry's rate limit or cap, 429 or 515)
+/// keeps them.
 pub struct ServerRequest {
     pub(crate) method: &'static MethodDescriptor,
     pub(crate) caller: Arc<Caller>,
