@@ -94,6 +94,33 @@ pub use rpc_server::{Server, ServerBuilder, ServerHandle, ServerStatus, Service,
 /// What a middleware receives and returns: encoded arguments and results, boxed futures.
 pub use {bytes::Bytes, futures_util::future::BoxFuture};
 
+/// Streams of items, as [`RpcStream::new`] takes them and a stream's consumer reads them: a
+/// handler's items from a channel, say, with nothing but `rpc` and `tokio` in its crate.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// use rpc::stream::StreamExt as _;
+/// let (tx, rx) = tokio::sync::mpsc::channel::<Result<u64, rpc::RpcError>>(4);
+/// let items = rpc::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|i| (i, rx)) });
+/// let stream = rpc::RpcStream::try_new(items);
+/// tx.send(Ok(7)).await.unwrap();
+/// drop(tx);
+/// assert_eq!(stream.collect_all().await.unwrap(), vec![7]);
+/// # }
+/// ```
+pub use futures_util::stream;
+
+/// JSON values, as [`Client::invoke_json`] takes and answers them and
+/// [`error_body`](crates::client::error_body) reads a typed error's:
+/// `rpc::serde_json::json!(["ann"])`, with nothing but `rpc` in the caller's crate.
+///
+/// ```
+/// let args: rpc::serde_json::Value = rpc::serde_json::json!(["ann"]);
+/// assert!(args.is_array());
+/// ```
+pub use serde_json;
+
 /// The JSON Schema library behind the schemas entries publish: derive
 /// `rpc::schemars::JsonSchema` on a service's types (with `#[schemars(crate = "rpc::schemars")]`
 /// when the crate does not depend on `schemars` itself), and gateways and API documents know

@@ -21,7 +21,16 @@
 //! ```
 //!
 //! [`layer`] and [`layer_with_writer`] give the same formatting as a layer, to combine with
-//! others (the OpenTelemetry layer, for instance).
+//! others (the OpenTelemetry layer, for instance), on the registry of the
+//! [`tracing_subscriber`] this module re-exports:
+//!
+//! ```no_run
+//! use rpc::logging::tracing_subscriber::layer::SubscriberExt as _;
+//! use rpc::logging::tracing_subscriber::util::SubscriberInitExt as _;
+//! rpc::logging::tracing_subscriber::registry()
+//!     .with(rpc::logging::layer())
+//!     .init();
+//! ```
 
 use std::fmt::{self, Write as _};
 use std::io::IsTerminal;
@@ -35,6 +44,9 @@ use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer};
+
+/// The subscriber library [`layer`] builds on: its registry, to combine the layer with others.
+pub use tracing_subscriber;
 
 /// Why logging could not be installed.
 #[derive(Debug)]
