@@ -100,6 +100,17 @@ fn method(index: usize, m: &Method, table: &syn::Ident) -> TokenStream {
         quote!(&(#(&#param_idents,)*))
     };
     let hash = match m.hash_key {
+        // A stream's set-up holds its hash across awaits (finding the service first): hashed
+        // at once, so that no reference to the key lives in the future, which stays `Send` for
+        // a key that is not `Sync` (a `Cell`). A unary call hashes the key only when its
+        // strategy asks, before its first await.
+        Some(i) if m.stream_item.is_some() => {
+            let key = arg_idents[i];
+            quote!(::core::option::Option::Some({
+                let __rpc_hash = ::rpc::__private::hash_key(&#key);
+                move || __rpc_hash
+            }))
+        }
         Some(i) => {
             let key = arg_idents[i];
             quote!(::core::option::Option::Some(|| ::rpc::__private::hash_key(&#key)))

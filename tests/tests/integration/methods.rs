@@ -746,6 +746,12 @@ mod send_but_not_sync_arguments {
             #[hash_key] k: Cell<u64>,
             r: RefCell<Vec<u64>>,
         ) -> Result<u64, RpcError>;
+        /// `n` items from `k` on: a server stream whose hash key is not `Sync`.
+        async fn ticks(
+            &self,
+            #[hash_key] k: Cell<u64>,
+            n: u64,
+        ) -> Result<rpc::RpcStream<u64>, RpcError>;
     }
 
     pub struct Summer;
@@ -753,6 +759,10 @@ mod send_but_not_sync_arguments {
     impl Cells for Summer {
         async fn sum(&self, k: Cell<u64>, r: RefCell<Vec<u64>>) -> Result<u64, RpcError> {
             Ok(k.get() + r.borrow().iter().sum::<u64>())
+        }
+        async fn ticks(&self, k: Cell<u64>, n: u64) -> Result<rpc::RpcStream<u64>, RpcError> {
+            let from = k.get();
+            Ok(rpc::RpcStream::iter(from..from + n))
         }
     }
 }
@@ -769,12 +779,29 @@ async fn arguments_that_are_send_but_not_sync_are_sent() {
         .expect("serve");
     let cells = CellsClient::new(Client::builder().registry(reg).build());
     // Spawned: the future must be `Send`.
+    let summing = cells.clone();
     let sum = tokio::spawn(async move {
-        cells
+        summing
             .sum(std::cell::Cell::new(1), std::cell::RefCell::new(vec![2, 3]))
             .await
     });
     assert_eq!(within("sum", sum).await.expect("joined").expect("sum"), 6);
+    // A server stream's hash key too (before, the generated client did not compile: the
+    // stream's set-up held a reference to the `Cell` across an await).
+    let ticks = tokio::spawn(async move {
+        cells
+            .ticks(std::cell::Cell::new(7), 3)
+            .await?
+            .collect_all()
+            .await
+    });
+    assert_eq!(
+        within("ticks", ticks)
+            .await
+            .expect("joined")
+            .expect("ticks"),
+        [7, 8, 9]
+    );
     within("shutdown", server.shutdown()).await;
 }
 
