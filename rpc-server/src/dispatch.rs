@@ -448,9 +448,10 @@ impl Dispatcher {
     #[allow(clippy::result_large_err)]
     ///
     /// `admitted`: the route whose admission took the call's rate-limit tokens, if it did. A
-    /// call refused for want of the decompression budget (515: nothing was decompressed) gets
-    /// them back, as one refused at the cap does; arguments found corrupt keep theirs (their
-    /// decompression cost the work a token stands for).
+    /// call refused for want of the decompression budget by the size its arguments say (515,
+    /// nothing decompressed) gets them back, as one refused at the cap does; arguments found
+    /// corrupt, or over the budget only once decompressed (they said no size), keep theirs
+    /// (their decompression cost the work a token stands for).
     pub(crate) fn unpack(
         &self,
         admitted: Option<&Route>,
@@ -461,13 +462,16 @@ impl Dispatcher {
         if invoke.compression == 0 {
             return Ok(());
         }
-        match caller.unpack(invoke) {
+        match caller.unpack_telling(invoke) {
             Ok(()) => {
                 telemetry::record_compression(span, invoke.compression, invoke.parameters.len());
                 Ok(())
             }
-            Err(e) => {
-                if let (Some(route), StatusCode::OverflowMaxServerHandle) = (admitted, e.code()) {
+            Err(refused) => {
+                let e = refused.error;
+                if let (Some(route), StatusCode::OverflowMaxServerHandle, false) =
+                    (admitted, e.code(), refused.decompressed)
+                {
                     route.admission.give_back(caller.client_id());
                 }
                 telemetry::record_error(span, e.code(), e.message());

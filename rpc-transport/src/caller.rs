@@ -75,19 +75,31 @@ impl Caller {
     /// the budget has not enough left, and 500 for a caller the server did not make (built
     /// with [`new`](Self::new)), which has no budget.
     pub fn unpack(&self, invoke: &mut crate::Invoke) -> Result<(), RpcError> {
+        self.unpack_telling(invoke).map_err(|refused| refused.error)
+    }
+
+    /// [`unpack`](Self::unpack), telling of a refusal whether the arguments were decompressed
+    /// first: arguments found corrupt, or found over the budget only once decompressed (a
+    /// payload that says no size), cost the work a rate limit's token stands for; a refusal
+    /// by the size a payload says cost none.
+    pub fn unpack_telling(&self, invoke: &mut crate::Invoke) -> Result<(), UnpackRefusal> {
         if invoke.compression == 0 {
             return Ok(());
         }
         let Some(unpacker) = &self.unpacker else {
-            return Err(RpcError::new(
-                StatusCode::FrameworkError,
-                "this caller has no server's decompression budget: only a server's \
-                 connection can decompress its calls",
-            ));
+            return Err(UnpackRefusal {
+                error: RpcError::new(
+                    StatusCode::FrameworkError,
+                    "this caller has no server's decompression budget: only a server's \
+                     connection can decompress its calls",
+                ),
+                decompressed: false,
+            });
         };
-        unpacker
-            .unpack(invoke)
-            .map_err(|(code, message)| RpcError::new(code, message))
+        unpacker.unpack(invoke).map_err(|refused| UnpackRefusal {
+            error: RpcError::new(refused.code, refused.message),
+            decompressed: refused.decompressed,
+        })
     }
 
     /// The compression algorithms the caller's `Hello` listed as ones it decodes: a server
@@ -179,6 +191,15 @@ impl fmt::Debug for Caller {
             )
             .finish()
     }
+}
+
+/// Why [`Caller::unpack_telling`] refused a call's arguments.
+#[derive(Debug)]
+pub struct UnpackRefusal {
+    /// The call's answer: 500 (not decompressed), 515 (over the decompression budget).
+    pub error: RpcError,
+    /// Whether the arguments were decompressed before the refusal.
+    pub decompressed: bool,
 }
 
 #[cfg(test)]

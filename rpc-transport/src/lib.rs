@@ -65,7 +65,7 @@ pub mod transport;
 mod writer;
 
 pub use call::Call;
-pub use caller::Caller;
+pub use caller::{Caller, UnpackRefusal};
 pub use client::{ClientStream, ConnectOptions, Connection, EndToError, Opened, StreamSender};
 pub use codec::{FrameCodec, FrameError};
 pub use invoke::{Invoke, WireStr};

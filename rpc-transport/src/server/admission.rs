@@ -312,8 +312,8 @@ impl FrameCtx<'_> {
         {
             return Ok(());
         }
-        self.unpacker.unpack(invoke).map_err(|(code, message)| {
-            self.refuse(id, Refusal::Decompression, code, message);
+        self.unpacker.unpack(invoke).map_err(|refused| {
+            self.refuse(id, Refusal::Decompression, refused.code, refused.message);
         })
     }
 }

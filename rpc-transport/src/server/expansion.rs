@@ -104,7 +104,10 @@ impl ExpansionBudget {
         let mut share = match said {
             Some(size) => Some(
                 self.take(payload.len(), size)
-                    .ok_or(Unexpanded::OverBudget(size))?,
+                    .ok_or(Unexpanded::OverBudget {
+                        size,
+                        decompressed: false,
+                    })?,
             ),
             None => None,
         };
@@ -115,7 +118,10 @@ impl ExpansionBudget {
             drop(share.take());
             share = Some(
                 self.take(payload.len(), plain.len())
-                    .ok_or(Unexpanded::OverBudget(plain.len()))?,
+                    .ok_or(Unexpanded::OverBudget {
+                        size: plain.len(),
+                        decompressed: true,
+                    })?,
             );
         }
         Ok(match share.flatten() {
@@ -136,8 +142,19 @@ impl ExpansionBudget {
 pub(crate) enum Unexpanded {
     /// The payload does not decompress (within the limit).
     Corrupt(crate::compression::CompressionError),
-    /// It decompresses to this many bytes, more than is left of the budget.
-    OverBudget(usize),
+    /// It decompresses to `size` bytes, more than is left of the budget: said by its header
+    /// (nothing was decompressed), or found by decompressing it (a payload that says no size).
+    OverBudget { size: usize, decompressed: bool },
+}
+
+/// Why [`Unpacker::unpack`] refused a call's arguments: the status and message to answer
+/// with, and whether the arguments were decompressed first (the work a rate-limit token stands
+/// for was done: the call keeps its tokens).
+#[derive(Debug)]
+pub(crate) struct Unpacked {
+    pub(crate) code: StatusCode,
+    pub(crate) message: String,
+    pub(crate) decompressed: bool,
 }
 
 /// Decompresses calls' arguments, at most the frame limit of them, into buffers holding what
@@ -164,7 +181,7 @@ impl Unpacker {
     /// call's `compression` is left as it came, since its answer follows it). A call
     /// whose arguments do not decompress is to be answered 500, one beyond what is left of the
     /// budget 515: the status and message, and the call does not run.
-    pub(crate) fn unpack(&self, invoke: &mut Invoke) -> Result<(), (StatusCode, String)> {
+    pub(crate) fn unpack(&self, invoke: &mut Invoke) -> Result<(), Unpacked> {
         if invoke.compression == 0 {
             return Ok(());
         }
@@ -177,29 +194,34 @@ impl Unpacker {
                 invoke.parameters = plain;
                 Ok(())
             }
-            Err(Unexpanded::Corrupt(e)) => Err((
-                StatusCode::FrameworkError,
-                format!(
+            Err(Unexpanded::Corrupt(e)) => Err(Unpacked {
+                code: StatusCode::FrameworkError,
+                message: format!(
                     "the call to {} was not run: {e}",
                     rpc_core::quoted(&invoke.service_entry_id)
                 ),
-            )),
-            Err(Unexpanded::OverBudget(size)) => Err(self.over_budget(invoke, size)),
+                decompressed: true,
+            }),
+            Err(Unexpanded::OverBudget { size, decompressed }) => Err(Unpacked {
+                decompressed,
+                ..self.over_budget(invoke, size)
+            }),
         }
     }
 
     /// The refusal of a call whose arguments decompress to `size` bytes, more than is left.
-    fn over_budget(&self, invoke: &Invoke, size: usize) -> (StatusCode, String) {
-        (
-            StatusCode::OverflowMaxServerHandle,
-            format!(
+    fn over_budget(&self, invoke: &Invoke, size: usize) -> Unpacked {
+        Unpacked {
+            code: StatusCode::OverflowMaxServerHandle,
+            decompressed: false,
+            message: format!(
                 "the call to {} was not run: its arguments decompress to {size} bytes, more \
                  than is left of the server's budget for decompressed arguments of running \
                  calls ({} bytes); retry later or elsewhere, or send it uncompressed",
                 rpc_core::quoted(&invoke.service_entry_id),
                 self.max_decompressed_bytes,
             ),
-        )
+        }
     }
 }
 

@@ -528,7 +528,7 @@ impl Inbound {
             ))),
             // 500, not 515: the stream was accepted and the handler may have acted on items
             // already, while 515 says that nothing ran.
-            Err(Unexpanded::OverBudget(size)) => Err(self.fail(RpcError::new(
+            Err(Unexpanded::OverBudget { size, .. }) => Err(self.fail(RpcError::new(
                 StatusCode::FrameworkError,
                 format!(
                     "the caller's request stream was ended: an item decompresses to {size} \

@@ -578,6 +578,56 @@ async fn a_call_refused_for_the_decompression_budget_keeps_no_rate_limit_token()
     within("shutdown", held.server.shutdown()).await;
 }
 
+/// Arguments that say no size (a streaming Zstandard encoder's) are decompressed to learn it;
+/// refused then for want of the budget, the call keeps its rate-limit token, as corrupt
+/// arguments do: the work a token stands for was done. Before, every such call got its token
+/// back, so a flood of them was decompressed at any rate while the budget was short, the
+/// entry's rate limit never refusing one.
+#[tokio::test]
+async fn arguments_decompressed_then_refused_for_the_budget_keep_their_rate_limit_token() {
+    use std::io::Write as _;
+    let mut held = Holder::serve(|b| b.rate_limit(1, 3)).await;
+    for id in [1, 2] {
+        held.send(id, true).await;
+        within("a call within the budget starts", held.started.recv())
+            .await
+            .expect("started");
+    }
+    let mut encoder = zstd::stream::write::Encoder::new(Vec::new(), 1).expect("encoder");
+    encoder.write_all(&held.plain).expect("encode");
+    let sizeless = Bytes::from(encoder.finish().expect("encoded"));
+    assert_eq!(
+        zstd::bulk::Decompressor::upper_bound(&sizeless),
+        None,
+        "the frame says no size"
+    );
+    for id in 3..=7 {
+        held.raw
+            .send(Kind::Invoke(RemoteInvokeMessage {
+                message_id: id,
+                service_entry_id: "t.Held.hold".into(),
+                codec: Codec::MsgPack.to_wire(),
+                parameters: sizeless.clone(),
+                compression: Compression::Zstd.to_wire(),
+                ..Default::default()
+            }))
+            .await
+            .expect("send");
+    }
+    let mut statuses = Vec::new();
+    for _ in 3..=7 {
+        statuses.push(raw_result(&mut held.raw).await.status_code);
+    }
+    // The third token goes to call 3 (decompressed, then refused 515, and kept); the calls
+    // after it are over the entry's rate (a token a second): 429, none decompressed.
+    assert_eq!(statuses[0], 515, "{statuses:?}");
+    let limited = statuses.iter().filter(|s| **s == 429).count();
+    assert!(limited >= 3, "{statuses:?}");
+    assert!(held.started.try_recv().is_err(), "no handler started");
+    held.gate.add_permits(2);
+    within("shutdown", held.server.shutdown()).await;
+}
+
 /// A compressed call to an entry the server does not have is answered 507, as a plain one
 /// is: its arguments are not decompressed (corrupt ones are not found corrupt, a bomb is not
 /// expanded).
