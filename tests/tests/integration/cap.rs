@@ -75,6 +75,16 @@ async fn serve(reg: &InProcessRegistry, gate: &Arc<Gate>, cap: usize) -> ServerH
         .expect("serve")
 }
 
+/// A client of `reg`'s servers that does not retry.
+fn cap_client(reg: &InProcessRegistry) -> CapClient {
+    CapClient::new(
+        Client::builder()
+            .registry(reg.clone())
+            .override_options(CapClient::SERVICE_ID, no_retry())
+            .build(),
+    )
+}
+
 #[tokio::test]
 async fn over_the_cap_fails_at_once_with_overflow_and_the_held_calls_finish() {
     const N: usize = 3;
@@ -82,12 +92,7 @@ async fn over_the_cap_fails_at_once_with_overflow_and_the_held_calls_finish() {
     let reg = InProcessRegistry::new();
     let (gate, mut entered) = Gate::new("only");
     let server = serve(&reg, &gate, N).await;
-    let cap = CapClient::new(
-        Client::builder()
-            .registry(reg.clone())
-            .override_options(CapClient::SERVICE_ID, no_retry())
-            .build(),
-    );
+    let cap = cap_client(&reg);
 
     let (done_tx, mut done) = mpsc::unbounded_channel();
     for _ in 0..N + K {
@@ -140,12 +145,7 @@ async fn an_entry_cap_is_its_own_and_leaves_other_entries_alone() {
     // A server-wide cap of 1: had the entry's held calls taken its slots too, nothing else
     // would run.
     let server = serve(&reg, &gate, 1).await;
-    let cap = CapClient::new(
-        Client::builder()
-            .registry(reg.clone())
-            .override_options(CapClient::SERVICE_ID, no_retry())
-            .build(),
-    );
+    let cap = cap_client(&reg);
     let (done_tx, mut done) = mpsc::unbounded_channel();
     for _ in 0..3 {
         let (cap, done_tx) = (cap.clone(), done_tx.clone());
@@ -182,12 +182,7 @@ async fn a_refusal_of_the_shared_cap_names_the_servers_cap() {
     let reg = InProcessRegistry::new();
     let (gate, mut entered) = Gate::new("only");
     let server = serve(&reg, &gate, 1).await;
-    let cap = CapClient::new(
-        Client::builder()
-            .registry(reg.clone())
-            .override_options(CapClient::SERVICE_ID, no_retry())
-            .build(),
-    );
+    let cap = cap_client(&reg);
     let held = tokio::spawn({
         let cap = cap.clone();
         async move { cap.hold("k".into()).await }

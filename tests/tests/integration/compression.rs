@@ -559,13 +559,7 @@ async fn compressed_calls_that_do_not_decompress_are_held_to_the_rate_limit() {
 /// token for the next call. Before, the refused call kept its token and the next was 429.
 #[tokio::test]
 async fn a_call_refused_for_the_decompression_budget_keeps_no_rate_limit_token() {
-    let mut held = Holder::serve(|b| b.rate_limit(1, 3)).await;
-    for id in [1, 2] {
-        held.send(id, true).await;
-        within("a call within the budget starts", held.started.recv())
-            .await
-            .expect("started");
-    }
+    let mut held = Holder::two_held_of_a_burst_of_3().await;
     held.send(3, true).await;
     let r = raw_result(&mut held.raw).await;
     assert_eq!((r.message_id, r.status_code), (3, 515), "{r:?}");
@@ -586,13 +580,7 @@ async fn a_call_refused_for_the_decompression_budget_keeps_no_rate_limit_token()
 #[tokio::test]
 async fn arguments_decompressed_then_refused_for_the_budget_keep_their_rate_limit_token() {
     use std::io::Write as _;
-    let mut held = Holder::serve(|b| b.rate_limit(1, 3)).await;
-    for id in [1, 2] {
-        held.send(id, true).await;
-        within("a call within the budget starts", held.started.recv())
-            .await
-            .expect("started");
-    }
+    let mut held = Holder::two_held_of_a_burst_of_3().await;
     let mut encoder = zstd::stream::write::Encoder::new(Vec::new(), 1).expect("encoder");
     encoder.write_all(&held.plain).expect("encode");
     let sizeless = Bytes::from(encoder.finish().expect("encoded"));
@@ -874,6 +862,19 @@ impl Holder {
     }
 
     /// Sends call `id` of `t.Held.hold`, its arguments compressed with zstd or not.
+    /// A holder with a rate limit of one call a second and a burst of 3, and calls 1 and 2
+    /// held (compressed): what is left of the decompression budget takes no third.
+    async fn two_held_of_a_burst_of_3() -> Holder {
+        let mut held = Holder::serve(|b| b.rate_limit(1, 3)).await;
+        for id in [1, 2] {
+            held.send(id, true).await;
+            within("a call within the budget starts", held.started.recv())
+                .await
+                .expect("started");
+        }
+        held
+    }
+
     async fn send(&mut self, id: u64, compressed: bool) {
         let call = held_call(id, &self.plain, compressed);
         self.raw.send(call).await.expect("send");
