@@ -2999,6 +2999,12 @@ async fn attempts_timed_out_in_their_layer_are_no_requests_of_the_throttle() {
             "{err}"
         );
     }
+    no_request_of_the_throttle(&g, &s);
+}
+
+/// Nothing of `s` reached a server, and adaptive throttling of `g`'s test entry, which ran,
+/// counts no request for it: its drop probability is 0.
+fn no_request_of_the_throttle(g: &Governance, s: &Script) {
     assert!(s.starts().is_empty(), "nothing reached a server");
     let policy = g.policy(&M);
     let throttle = policy.throttle.get().expect("the throttle ran");
@@ -3023,10 +3029,7 @@ async fn attempts_dropped_in_their_layer_are_no_requests_of_the_throttle() {
         let given_up = tokio::time::timeout(Duration::from_millis(80), call).await;
         assert!(given_up.is_err(), "the caller gave up at 80 ms");
     }
-    assert!(s.starts().is_empty(), "nothing reached a server");
-    let policy = g.policy(&M);
-    let throttle = policy.throttle.get().expect("the throttle ran");
-    assert_eq!(throttle.drop_probability_at(Instant::now()), 0.0);
+    no_request_of_the_throttle(&g, &s);
 }
 
 /// A hedge that drew a retry from the budget and was dropped with its call before it left

@@ -671,6 +671,23 @@ async fn a_stream_fallback_that_fails_still_leaves_its_cause_on_the_span() {
     assert_eq!(attr(&span, "rpc.status_code"), Some(Value::I64(1000)));
 }
 
+/// The `rpc.server` spans of `g.Stocks.prices`, once at least `n` have ended (`what` names
+/// the wait).
+async fn server_spans_of_prices(
+    traces: &Traces,
+    what: &str,
+    n: usize,
+) -> Vec<opentelemetry_sdk::trace::SpanData> {
+    let of_prices = |s: &&opentelemetry_sdk::trace::SpanData| {
+        s.name == "rpc.server"
+            && attr(s, "rpc.entry_id") == Some(Value::from("g.Stocks.prices".to_string()))
+    };
+    let spans = traces
+        .spans_once(what, |spans| spans.iter().filter(of_prices).count() >= n)
+        .await;
+    spans.iter().filter(of_prices).cloned().collect()
+}
+
 /// A tower layer that passes every call on unchanged.
 struct PassThrough;
 
@@ -705,16 +722,7 @@ async fn a_failed_server_stream_fallback_leaves_its_cause_on_the_span_behind_a_t
         assert_eq!(cache.used.load(Ordering::SeqCst), 1, "the fallback ran");
         within("shutdown", server.shutdown()).await;
     }
-    let of_prices = |s: &&opentelemetry_sdk::trace::SpanData| {
-        s.name == "rpc.server"
-            && attr(s, "rpc.entry_id") == Some(Value::from("g.Stocks.prices".to_string()))
-    };
-    let spans = traces
-        .spans_once("both server spans end", |spans| {
-            spans.iter().filter(of_prices).count() >= 2
-        })
-        .await;
-    for span in spans.iter().filter(of_prices) {
+    for span in &server_spans_of_prices(&traces, "both server spans end", 2).await {
         assert_eq!(
             attr(span, "rpc.fallback.cause"),
             Some(Value::I64(i64::from(StatusCode::ServerError.as_u32()))),
@@ -2124,16 +2132,7 @@ async fn a_panic_in_a_stream_end_hook_ends_the_stream_with_520_and_frees_its_slo
     }
     within("shutdown", server.shutdown()).await;
     // The server recorded each stream's end as its caller got it, 520, not the handler's 200.
-    let prices = |s: &&opentelemetry_sdk::trace::SpanData| {
-        s.name == "rpc.server"
-            && attr(s, "rpc.entry_id") == Some(Value::from("g.Stocks.prices".to_string()))
-    };
-    let spans = traces
-        .spans_once("the streams' server spans end", |spans| {
-            spans.iter().filter(prices).count() >= 2
-        })
-        .await;
-    for span in spans.iter().filter(prices) {
+    for span in &server_spans_of_prices(&traces, "the streams' server spans end", 2).await {
         assert_eq!(
             attr(span, "rpc.status_code"),
             Some(Value::I64(i64::from(StatusCode::ServerError.as_u32())))
