@@ -1,7 +1,7 @@
 //! Protobuf wire types generated from `proto/rpc.proto` (package `rpc.v1`).
 //!
-//! See that file for the meaning of every field; the framing (4-byte big-endian length prefix) is
-//! applied by `rpc-transport`.
-#![allow(missing_docs)]
+//! Every item's documentation is that file's comment on it (the file's opening comment is the
+//! protocol as a whole); the framing (4-byte big-endian length prefix) is applied by
+//! `rpc-transport`.
 
 include!(concat!(env!("OUT_DIR"), "/rpc.v1.rs"));
