@@ -754,8 +754,13 @@ mod tests {
 
     #[tokio::test]
     async fn construction_does_not_need_etcd() {
+        // A port nothing listens on.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .unwrap()
+            .port();
         let reg = EtcdRegistry::from_url_with_options(
-            "etcd://127.0.0.1:1",
+            &format!("etcd://127.0.0.1:{port}"),
             EtcdOptions {
                 request_timeout: Duration::from_millis(300),
                 connect_timeout: Duration::from_millis(300),
@@ -765,14 +770,15 @@ mod tests {
         .await
         .unwrap();
         assert_eq!(reg.key(&"a/b".into(), "x"), "/rpc/services/a%2Fb/x");
+        let unreachable = format!("etcd at 127.0.0.1:{port} unreachable");
         let e = reg.watch(&"a.A".into()).await.unwrap_err().to_string();
-        assert!(e.contains("etcd at 127.0.0.1:1 unreachable"), "{e}");
+        assert!(e.contains(&unreachable), "{e}");
         let e = reg
             .register(Instance::new("127.0.0.1:2", ["a.A"]))
             .await
             .unwrap_err()
             .to_string();
-        assert!(e.contains("etcd at 127.0.0.1:1 unreachable"), "{e}");
+        assert!(e.contains(&unreachable), "{e}");
         reg.deregister("127.0.0.1:2").await.unwrap();
     }
 

@@ -254,11 +254,20 @@ mod tests {
     #[cfg(feature = "zookeeper")]
     #[tokio::test]
     async fn a_zk_url_makes_a_zookeeper_registry() {
-        // Constructing contacts nothing, so no ZooKeeper is needed for this.
-        let registry =
-            <dyn Registry>::from_url_with_lease("zk://127.0.0.1:1", Some(Duration::from_secs(3)))
-                .await;
-        assert!(registry.is_ok());
+        // Constructing contacts nothing, so no ZooKeeper is needed for this; what the registry
+        // then says of the port nothing listens on names its backend.
+        let port = closed_port();
+        let registry = <dyn Registry>::from_url_with_lease(
+            &format!("zk://127.0.0.1:{port}"),
+            Some(Duration::from_secs(3)),
+        )
+        .await
+        .unwrap();
+        let e = registry.services().await.unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("ZooKeeper at 127.0.0.1:{port} unreachable")),
+            "{e}"
+        );
         let err = <dyn Registry>::from_url("zk://127.0.0.1")
             .await
             .err()
@@ -269,10 +278,28 @@ mod tests {
     #[cfg(feature = "etcd")]
     #[tokio::test]
     async fn an_etcd_url_makes_an_etcd_registry() {
-        // Constructing contacts nothing, so no etcd is needed for this.
-        let registry =
-            <dyn Registry>::from_url_with_lease("etcd://127.0.0.1:1", Some(Duration::from_secs(3)))
-                .await;
-        assert!(registry.is_ok());
+        // Constructing contacts nothing, so no etcd is needed for this; what the registry then
+        // says of the port nothing listens on names its backend.
+        let port = closed_port();
+        let registry = <dyn Registry>::from_url_with_lease(
+            &format!("etcd://127.0.0.1:{port}"),
+            Some(Duration::from_secs(3)),
+        )
+        .await
+        .unwrap();
+        let e = registry.services().await.unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("etcd at 127.0.0.1:{port} unreachable")),
+            "{e}"
+        );
+    }
+
+    /// A loopback port nothing listens on (bound, then let go).
+    #[cfg(any(feature = "etcd", feature = "zookeeper"))]
+    fn closed_port() -> u16 {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .unwrap()
+            .port()
     }
 }

@@ -1019,7 +1019,7 @@ async fn a_draining_server_writes_every_answer_to_a_slow_reader_before_it_closes
     within("shutdown", shutdown).await.expect("join");
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_client_that_never_reads_its_answers_is_no_longer_read() {
     let gate = gate(1 << 20);
     let server = Server::builder()
@@ -1043,7 +1043,7 @@ async fn a_client_that_never_reads_its_answers_is_no_longer_read() {
 
 /// The same while the server drains: each call it reads then is answered "not run", and a
 /// client reading none of those answers is no longer read either.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_client_that_never_reads_is_no_longer_read_while_the_server_drains() {
     let gate = gate(0);
     let server = Server::builder()
@@ -1111,8 +1111,9 @@ async fn never_reading(addr: std::net::SocketAddr) -> tokio::net::TcpStream {
     stream
 }
 
-/// Writes calls in chunks of 1 000 until a write no longer completes within a second: the
-/// calls sent, and whether the writes stopped completing. Bounded: at most 2 000 chunks (2
+/// Writes calls in chunks of 1 000 until a write no longer completes within a second (on the
+/// paused clock: the second passes only once nothing else can run, the server reading
+/// nothing more): the calls sent, and whether the writes stopped completing. Bounded: at most 2 000 chunks (2
 /// million calls, about 90 MB); a server that kept reading would take them all.
 async fn flood(stream: &mut tokio::net::TcpStream) -> (u64, bool) {
     use tokio::io::AsyncWriteExt;
@@ -1135,8 +1136,9 @@ async fn flood(stream: &mut tokio::net::TcpStream) -> (u64, bool) {
 
 /// After refusing a connection at `max_connections`, the server stops accepting for a moment
 /// (connects wait in the kernel's queue instead of costing a refusal each), and accepts again
-/// as soon as a connection slot frees.
-#[tokio::test]
+/// as soon as a connection slot frees. On the paused clock: the pause (50 ms) passes only if
+/// nothing else wakes the server first.
+#[tokio::test(start_paused = true)]
 async fn after_a_refusal_at_the_connection_limit_a_freed_slot_is_taken_at_once() {
     let gate = gate(1000);
     let server = Server::builder()
@@ -1153,10 +1155,17 @@ async fn after_a_refusal_at_the_connection_limit_a_freed_slot_is_taken_at_once()
     refused.expect_closed().await;
     // Connected at the TCP level (the kernel's accept queue), waiting for the server.
     let mut waiting = RawConn::connect(server.local_addr()).await;
+    let freed = tokio::time::Instant::now();
     drop(first);
-    // The freed slot ends the pause: the waiting connection is accepted and served.
+    // The freed slot ends the pause: the waiting connection is accepted and served, with no
+    // time passing (the pause's end would be 50 ms on).
     let ack = waiting.handshake().await;
     assert_eq!(ack.protocol_version, 1);
+    assert_eq!(
+        freed.elapsed(),
+        std::time::Duration::ZERO,
+        "accepted at the pause's end"
+    );
     server.shutdown().await;
 }
 
