@@ -673,7 +673,9 @@ mod tests {
                 serializer.serialize_u64(inner.len() as u64)
             }
         }
-        let expected = Codec::MsgPack.encode(&("inner", 1u8)).unwrap().len() as u64;
+        // ["inner", 1] in MessagePack: a fixarray of 2 (1 byte), a fixstr of 5 (1 + 5 bytes)
+        // and a positive fixint (1 byte).
+        let expected = 8;
         let outer = Codec::MsgPack.encode(&("before", Nested, "after")).unwrap();
         let decoded: (String, u64, String) = Codec::MsgPack.decode(&outer).unwrap();
         assert_eq!(decoded, ("before".into(), expected, "after".into()));

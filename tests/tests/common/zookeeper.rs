@@ -54,7 +54,7 @@ pub struct ZooKeeper {
 }
 
 /// A free port on 127.0.0.1 (the listener is closed before returning).
-fn free_port() -> u16 {
+pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .expect("bind a free port")

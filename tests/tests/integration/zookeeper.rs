@@ -189,23 +189,19 @@ async fn calls_keep_working_while_zookeeper_restarts_and_the_sessions_resume() {
     // seen.
     zk.restart().await;
     let other_reg = registry(&url);
+    // An address nothing listens on: a call sent there meanwhile fails over to `a`.
+    let other = format!("127.0.0.1:{}", zookeeper_harness::free_port());
     within(
         "register",
-        other_reg.register(Instance::new("127.0.0.1:1", [WhoClient::SERVICE_ID])),
+        other_reg.register(Instance::new(other.as_str(), [WhoClient::SERVICE_ID])),
     )
     .await
     .expect("register after the short outage");
-    wait_until(
-        &mut w,
-        SEEN_WITHIN,
-        "seen after reconnecting",
-        has("127.0.0.1:1"),
-    )
-    .await;
-    within("deregister", other_reg.deregister("127.0.0.1:1"))
+    wait_until(&mut w, SEEN_WITHIN, "seen after reconnecting", has(&other)).await;
+    within("deregister", other_reg.deregister(&other))
         .await
         .expect("deregister");
-    wait_until(&mut w, SEEN_WITHIN, "gone again", lacks("127.0.0.1:1")).await;
+    wait_until(&mut w, SEEN_WITHIN, "gone again", lacks(&other)).await;
     let kept = stat(&zk.client().await, &node).await.expect("registered");
     assert_eq!(kept.ephemeral_owner, owner, "the same session, kept");
 
