@@ -1679,10 +1679,13 @@ impl Client {
     /// nothing was sent, so the error is a communication error, not delivered, which moves
     /// the call on to another endpoint whatever the entry, and marks this one at once. By the
     /// call's deadline: the call timed out.
+    /// A connection to `addr` for the attempt `cx`. When a connect attempt fails, `cx` records
+    /// its id as the attempt's connection: the calls that awaited that one attempt then count
+    /// once against the endpoint, as those a broken connection fails do.
     pub(crate) async fn connection(
         &self,
         addr: &str,
-        cx: &CallCx<'_>,
+        cx: &mut CallCx<'_>,
     ) -> Result<rpc_transport::Connection, RpcError> {
         if let Some(conn) = self.inner.pool.try_get(addr) {
             return Ok(conn);
@@ -1701,27 +1704,35 @@ impl Client {
             )
             .unsupported_by_endpoint(true));
         }
-        match cx.attempt_deadline() {
-            None => self.inner.pool.get(addr).await,
-            Some(d) => tokio::time::timeout_at(d, self.inner.pool.get(addr))
-                .await
-                .unwrap_or_else(|_| {
-                    Err(if cx.deadline() == Some(d) {
-                        RpcError::new(
-                            StatusCode::Timeout,
-                            format!("{addr}: not connected before the call's deadline"),
-                        )
-                    } else {
-                        RpcError::new(
-                            StatusCode::CommunicationError,
-                            format!(
-                                "{addr}: not connected within the attempt's timeout \
+        let connected = match cx.attempt_deadline() {
+            None => self.inner.pool.get_or_failed_attempt(addr).await,
+            Some(d) => {
+                match tokio::time::timeout_at(d, self.inner.pool.get_or_failed_attempt(addr)).await
+                {
+                    Ok(connected) => connected,
+                    Err(_) => {
+                        return Err(if cx.deadline() == Some(d) {
+                            RpcError::new(
+                                StatusCode::Timeout,
+                                format!("{addr}: not connected before the call's deadline"),
+                            )
+                        } else {
+                            RpcError::new(
+                                StatusCode::CommunicationError,
+                                format!(
+                                    "{addr}: not connected within the attempt's timeout \
                                  (attempt_timeout_ms); nothing was sent"
-                            ),
-                        )
-                    })
-                }),
-        }
+                                ),
+                            )
+                        })
+                    }
+                }
+            }
+        };
+        connected.map_err(|failed| {
+            cx.set_connection(failed.attempt);
+            failed.error
+        })
     }
 
     /// Closes every connection this client holds.

@@ -70,7 +70,7 @@ pub use client::{ClientStream, ConnectOptions, Connection, EndToError, Opened, S
 pub use codec::{FrameCodec, FrameError};
 pub use invoke::{Invoke, WireStr};
 pub use peer::{PeerAddr, UNIX_SCHEME};
-pub use pool::ConnectionPool;
+pub use pool::{ConnectFailed, ConnectionPool};
 pub use server::{
     dropped_as_superseded, dropped_at_drain_deadline, error_result, serve, Dispatch, InvokeHandler,
     ItemSink, Refusal, ServerOptions, StreamEvent, StreamEvents, ABUSE_LIMIT,

@@ -3,7 +3,9 @@
 //! Callers that need a connection which is not there share one connect attempt per slot: N
 //! callers to an endpoint that does not answer all get its error after one connect timeout,
 //! instead of queueing one behind another for N of them. A caller whose turn's slot has no
-//! connection while another slot has one starts the slot's connect and takes the other.
+//! connection while another slot has one starts the slot's connect and takes the other. Each
+//! attempt has an id, which every caller it fails gets: their failures are one failure of the
+//! endpoint, as the calls a broken connection fails are one.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
@@ -12,7 +14,7 @@ use dashmap::DashMap;
 use futures_util::future::{BoxFuture, FutureExt, Shared};
 use rpc_core::{RpcError, StatusCode};
 
-use crate::client::{ConnectOptions, Connection};
+use crate::client::{ConnectOptions, Connection, NEXT_CONNECTION_ID};
 
 /// A pool of multiplexed connections: `connections_per_endpoint` per address, used in turn (a
 /// turn whose connection is not there yet goes to another that is, while it connects).
@@ -39,13 +41,24 @@ struct Endpoint {
     connecting: Vec<Mutex<Option<Connecting>>>,
 }
 
-/// One connect attempt, awaited by every caller that needs it.
 /// A connect attempt under way, shared by its callers, and whether its task has ended (its
 /// outcome is then for the callers already waiting on it, not for a later one).
 type Connecting = (
-    Shared<BoxFuture<'static, Result<Connection, RpcError>>>,
+    Shared<BoxFuture<'static, Result<Connection, ConnectFailed>>>,
     Arc<std::sync::atomic::AtomicBool>,
 );
+
+/// A connect attempt that failed: its error, and the attempt's id, the same for every caller
+/// that awaited that attempt. Ids come from the sequence of [`Connection::id`]s: one names a
+/// connection or a failed attempt, never both, so callers can count the failures of one
+/// attempt once, as those of one connection.
+#[derive(Debug, Clone)]
+pub struct ConnectFailed {
+    /// Why the connection could not be made.
+    pub error: RpcError,
+    /// The attempt's id.
+    pub attempt: u64,
+}
 
 impl ConnectionPool {
     /// A pool that opens `connections_per_endpoint` (at least 1) connections per address.
@@ -81,6 +94,12 @@ impl ConnectionPool {
 
     /// A usable connection to `addr`, connecting when there is none.
     pub async fn get(&self, addr: &str) -> Result<Connection, RpcError> {
+        self.get_or_failed_attempt(addr).await.map_err(|f| f.error)
+    }
+
+    /// [`get`](Self::get), a failure saying which connect attempt failed: callers that
+    /// awaited one attempt get one id.
+    pub async fn get_or_failed_attempt(&self, addr: &str) -> Result<Connection, ConnectFailed> {
         let endpoint = match self.inner.slots.get(addr) {
             Some(e) => e.clone(),
             None => self
@@ -210,6 +229,7 @@ fn connect(
     i: usize,
 ) -> Connecting {
     let peer = addr.clone();
+    let attempt = NEXT_CONNECTION_ID.fetch_add(1, Ordering::Relaxed);
     let ended = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let marks = ended.clone();
     let task = tokio::spawn(async move {
@@ -226,12 +246,13 @@ fn connect(
         conn
     });
     let shared = async move {
-        task.await.unwrap_or_else(|e| {
+        let made = task.await.unwrap_or_else(|e| {
             Err(RpcError::new(
                 StatusCode::CommunicationError,
                 format!("{peer}: the connect attempt failed: {e}"),
             ))
-        })
+        });
+        made.map_err(|error| ConnectFailed { error, attempt })
     }
     .boxed()
     .shared();

@@ -18,4 +18,5 @@ mod stream;
 
 pub use connection::Connection;
 pub use options::ConnectOptions;
+pub(crate) use shared::NEXT_CONNECTION_ID;
 pub use stream::{ClientStream, EndToError, Opened, StreamSender};

@@ -13,8 +13,9 @@ use super::pending::PendingTable;
 use crate::compression::Accepted;
 use crate::writer::FrameSender;
 
-/// Ids of connections, unique in the process.
-pub(super) static NEXT_CONNECTION_ID: AtomicU64 = AtomicU64::new(1);
+/// Ids of connections, unique in the process (and of the pool's failed connect attempts, which
+/// take theirs from the same sequence).
+pub(crate) static NEXT_CONNECTION_ID: AtomicU64 = AtomicU64::new(1);
 
 /// What a connection's handle and its tasks (reader, writer, sweeper, heartbeat) share.
 pub(super) struct Shared {

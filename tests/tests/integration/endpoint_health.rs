@@ -493,6 +493,45 @@ async fn a_crash_with_calls_in_flight_counts_once_and_readmit_brings_it_back() {
     cluster.abort_all();
 }
 
+/// Calls that need a connection to an endpoint at once share one connect attempt; when it
+/// fails they fail together, and that one failure counts once against the endpoint, as the
+/// calls a broken connection fails do. Before, each counted: three calls at once removed an
+/// endpoint whose first connect failed (three failures in a row, the default for removal).
+#[tokio::test]
+async fn calls_failed_by_one_connect_attempt_count_once() {
+    let mut cluster = Cluster::start(&["a"]).await;
+    let client = Client::builder().registry(cluster.registry()).build();
+    let mut events = client.events().subscribe();
+    let shard = ShardClient::new(client.clone());
+    let a = cluster.addr("a");
+    // Listed still, and nothing listens there: its connects are refused.
+    cluster.crash("a");
+    let (x, y, z) = within("three calls at once", async {
+        tokio::join!(
+            shard.stock("x".into()),
+            shard.stock("y".into()),
+            shard.stock("z".into())
+        )
+    })
+    .await;
+    for e in [x, y, z] {
+        let e = e.expect_err("nothing listens");
+        assert_eq!(e.code(), StatusCode::CommunicationError, "{e}");
+        assert!(!e.is_maybe_delivered(), "{e}");
+    }
+    let status = status_of(&client, &a);
+    assert_eq!(status.consecutive_failures, 1, "{status:?}");
+    assert!(
+        matches!(status.state, EndpointState::Unhealthy { .. }),
+        "{status:?}"
+    );
+    let ejections: Vec<_> = std::iter::from_fn(|| events.try_recv().ok())
+        .filter(|e| e.kind == EventKind::Ejection)
+        .collect();
+    assert_eq!(ejections.len(), 1, "{ejections:?}");
+    cluster.abort_all();
+}
+
 /// Item 3: a removed endpoint on a static list (no registry will announce it again) is probed
 /// in the background with a connect and handshake; once the server restarts on the same
 /// address a probe succeeds, the endpoint is re-admitted and gets traffic again.
