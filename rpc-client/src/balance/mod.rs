@@ -576,6 +576,20 @@ impl Pick for Picker {
         })
     }
 
+    fn any_candidate(&self, cx: &CallCx<'_>) -> bool {
+        // Appointed: that address, whatever the registry lists.
+        if appointed(cx).is_some() {
+            return true;
+        }
+        let eps = self.service.endpoints();
+        match self.among(&eps, cx) {
+            // A routing group left empty under `fallback = "fail"`.
+            Err(_) => false,
+            Ok(None) => !eps.is_empty(),
+            Ok(Some(among)) => !among.is_empty(),
+        }
+    }
+
     fn any_other_usable(&self, addr: &str, cx: &CallCx<'_>) -> bool {
         // Appointed: no other candidate, so a failure there is the entry's (its breaker
         // counts it), not one endpoint's among others.
@@ -1119,10 +1133,15 @@ fallback = "fail"
             route: Some(routing::Choice::drawn(Arc::new(rules), 0, 0)),
         };
         assert!(picker.untried_left(&cx), "the canary is a candidate");
+        assert!(picker.any_candidate(&cx), "the canary is a candidate");
         // The canary leaves while the call's attempt on it fails.
         tx.send(Endpoints::new(vec![stable])).expect("the watch");
         assert!(!picker.untried_left(&cx), "no candidate is left");
         assert!(!picker.any_other_usable("c:1", &cx), "no other candidate");
+        assert!(
+            !picker.any_candidate(&cx),
+            "no candidate at all: no retry to wait for"
+        );
     }
 
     #[tokio::test(start_paused = true)]

@@ -58,6 +58,15 @@ pub trait Pick: Send {
         let _ = (addr, cx);
         false
     }
+
+    /// Whether there is any candidate at all, tried or not. False when the service's endpoints,
+    /// or the call's routing group, emptied while an attempt was out: a retry could not be
+    /// sent, and the call ends with the attempt's failure instead of waiting for one. The
+    /// default, `true`, leaves that to [`next`](Self::next).
+    fn any_candidate(&self, cx: &CallCx<'_>) -> bool {
+        let _ = cx;
+        true
+    }
 }
 
 impl<B: Balance> Balance for &B {

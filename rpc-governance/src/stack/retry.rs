@@ -353,6 +353,12 @@ impl<B: Balance, S> RetryLayer<B, S> {
         cx.tried.push(addr);
         let untried_left = picker.untried_left(cx);
         let mut decision = decide(cx, &err, attempt_timed_out, attempt, untried_left);
+        // No endpoint left at all (the service's, or the call's routing group, emptied while
+        // the attempt was out): a retry could not be sent. The call ends with this failure,
+        // not after the retry's wait with "no endpoint", and draws nothing from the budget.
+        if !untried_left && !picker.any_candidate(cx) {
+            decision = Decision::GiveUp;
+        }
         // A hedge is one attempt sent, and one aimed at an endpoint that cannot serve the call
         // was not sent: it moves on to the next untried endpoint, so that the hedge its gate
         // paid for (budget, event) goes where it can be served, or nowhere when none is left.

@@ -47,6 +47,9 @@ trait Attempts: Sync {
         let _ = (addr, usable);
         false
     }
+    fn any_candidate(&self) -> bool {
+        true
+    }
 }
 
 #[derive(Clone, Copy)]
@@ -82,6 +85,9 @@ impl<A: Attempts + Copy + Send> Pick for Scripted<A> {
     }
     fn any_other_usable(&self, addr: &str, cx: &CallCx<'_>) -> bool {
         self.0.any_other(addr, &|e| cx.health().is_usable(e))
+    }
+    fn any_candidate(&self, _: &CallCx<'_>) -> bool {
+        self.0.any_candidate()
     }
 }
 
@@ -120,6 +126,8 @@ struct Script {
     honours_deadline: bool,
     /// Endpoints that left the service (every one is listed unless named here).
     left: Vec<String>,
+    /// Endpoints that leave the service once an attempt went to them.
+    leave_when_called: Vec<String>,
     log: Mutex<Vec<(Duration, String)>>,
     start: Instant,
 }
@@ -132,6 +140,7 @@ impl Script {
             delay,
             honours_deadline: true,
             left: Vec::new(),
+            leave_when_called: Vec::new(),
             log: Mutex::new(Vec::new()),
             start: Instant::now(),
         }
@@ -139,13 +148,25 @@ impl Script {
     fn starts(&self) -> Vec<Duration> {
         self.log.lock().unwrap().iter().map(|(t, _)| *t).collect()
     }
+    /// Whether `addr` has left the service.
+    fn gone(&self, addr: &str) -> bool {
+        self.left.iter().any(|l| l == addr)
+            || (self.leave_when_called.iter().any(|l| l == addr)
+                && self.log.lock().unwrap().iter().any(|(_, a)| a == addr))
+    }
 }
 
 impl Attempts for &Script {
     fn listed(&self, addr: &str) -> bool {
-        !self.left.iter().any(|l| l == addr)
+        !self.gone(addr)
     }
     fn select(&self, ctx: &AttemptCtx<'_>) -> Result<String, RpcError> {
+        if !Attempts::any_candidate(self) {
+            return Err(RpcError::new(
+                StatusCode::NotFindServiceRoute,
+                "none is live",
+            ));
+        }
         let fresh = self.endpoints.iter().find(|e| !ctx.tried.contains(e));
         Ok(fresh.unwrap_or(&self.endpoints[0]).clone())
     }
@@ -176,6 +197,9 @@ impl Attempts for &Script {
     }
     fn any_other(&self, addr: &str, usable: &dyn Fn(&str) -> bool) -> bool {
         self.endpoints.iter().any(|e| e != addr && usable(e))
+    }
+    fn any_candidate(&self) -> bool {
+        self.endpoints.iter().any(|e| !self.gone(e))
     }
 }
 
@@ -314,6 +338,41 @@ fn died_mid_call() -> Result<Bytes, RpcError> {
 /// A failure of a call still out on an endpoint that left the service (its marks forgotten as
 /// it left) is not held against it: a mark made then stayed for good (no success, no second
 /// departure cleared it), and a removal had the address probed for the client's life.
+/// The only endpoint answered 515 (retried on the same endpoint after the interval, as a
+/// server at its cap is) and left while the attempt was out: with no endpoint left a retry
+/// could not be sent, so the call ends at once with that failure, counted by the breaker,
+/// with no wait, no `retry` event and nothing drawn from the budget. Before, it waited the
+/// interval and ended with "no endpoint".
+#[tokio::test(start_paused = true)]
+async fn a_call_whose_last_endpoint_left_ends_with_its_failure_at_once() {
+    let g = engine(GovernanceOptions {
+        retry_times: 1,
+        retry_interval_ms: 200,
+        timeout_ms: 0,
+        ..Default::default()
+    });
+    let p = g.policy(&M);
+    let mut events = g.events().subscribe();
+    let mut s = Script::new(vec![overflow()], Duration::ZERO);
+    s.endpoints = vec!["a:1".into()];
+    s.leave_when_called = vec!["a:1".into()];
+    let began = Instant::now();
+    let err = g.execute(&p, &s).await.unwrap_err();
+    assert_eq!(err.code(), StatusCode::OverflowMaxServerHandle, "{err}");
+    assert_eq!(err.tried(), ["a:1"], "{err}");
+    assert_eq!(began.elapsed(), Duration::ZERO, "waited for a retry");
+    assert_eq!(s.starts().len(), 1);
+    let kinds: Vec<_> = std::iter::from_fn(|| events.try_recv().ok())
+        .map(|e| e.kind)
+        .collect();
+    assert!(!kinds.contains(&EventKind::Retry), "{kinds:?}");
+    assert_eq!(
+        p.breaker().state(),
+        BreakerState::Closed { failures: 1 },
+        "the breaker counts it"
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_failure_on_an_endpoint_that_left_leaves_no_mark() {
     let g = engine(GovernanceOptions {
