@@ -922,6 +922,11 @@ impl StreamDriver {
         // Woken by the client's frames whatever the stream waits on (credit or its producer):
         // a violation ends it at once, not when the producer next yields.
         this.slot.waker.register(cx.waker());
+        // A grant is looked at as it comes, credit left or not: one for more items than the
+        // client was sent ends the stream even while the producer keeps credit in hand.
+        if this.accepted {
+            this.sync_credit();
+        }
         loop {
             if let Some(what) = this.slot.violated.get() {
                 return Poll::Ready(error_result(

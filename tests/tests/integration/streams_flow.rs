@@ -26,6 +26,8 @@ use rpc::{Codec, RpcError, RpcStream, Server, ServerHandle};
 pub trait Flow {
     /// Strings of `size` bytes without end; counts how often its producer is asked.
     async fn text(&self, size: u32) -> Result<RpcStream<String>, RpcError>;
+    /// One item, then none and no end: a producer that keeps the credit it was given.
+    async fn one_then_wait(&self) -> Result<RpcStream<String>, RpcError>;
     /// A unary method beside the streams.
     async fn echo(&self, text: String) -> Result<String, RpcError>;
     /// A unary call that never answers (a long poll).
@@ -45,6 +47,13 @@ impl Flow for Texts {
             polls.fetch_add(1, Ordering::SeqCst);
             item.clone()
         })))
+    }
+
+    async fn one_then_wait(&self) -> Result<RpcStream<String>, RpcError> {
+        Ok(RpcStream::new(futures_util::StreamExt::chain(
+            futures_util::stream::once(async { "x".to_string() }),
+            futures_util::stream::pending(),
+        )))
     }
 
     async fn echo(&self, text: String) -> Result<String, RpcError> {
@@ -904,6 +913,39 @@ async fn a_grant_for_more_items_than_were_sent_ends_the_stream() {
         "{end:?}"
     );
     assert!(polls.load(Ordering::SeqCst) <= 3, "the producer ran ahead");
+    drop(raw);
+    within("shutdown", server.shutdown()).await;
+}
+
+/// The same while the server still has credit (its producer waits with three items of the
+/// window of four left): a grant for more than the one item sent ends the stream with 500 as
+/// well. Before, the grant was looked at only once the credit ran out, which this producer
+/// never lets happen, and the stream went on.
+#[tokio::test]
+async fn a_grant_for_more_items_than_were_sent_ends_the_stream_while_credit_is_left() {
+    let (server, _) = serve().await;
+    let (mut raw, _ack) = raw_client_with_window(&server, 4).await;
+    raw.open_stream(1, "t.Flow.one_then_wait", &(), StreamMode::Server)
+        .await;
+    match raw.recv().await {
+        Some(Kind::StreamCredit(c)) => assert_eq!((c.message_id, c.items), (1, 0)),
+        other => panic!("expected the stream's acceptance, got {other:?}"),
+    }
+    let (items, _) = items_until_echo(&mut raw, 1, 2).await;
+    assert_eq!(items.len(), 1, "the producer's one item");
+    raw.grant(1, 4).await;
+    let end = loop {
+        match within("the stream's end", raw.recv()).await {
+            Some(Kind::Result(end)) => break end,
+            other => panic!("expected the stream's end, got {other:?}"),
+        }
+    };
+    assert_eq!((end.message_id, end.status_code), (1, 500), "{end:?}");
+    assert!(
+        end.exception_message
+            .contains("more items than it was sent"),
+        "{end:?}"
+    );
     drop(raw);
     within("shutdown", server.shutdown()).await;
 }
