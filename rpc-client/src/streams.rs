@@ -286,7 +286,7 @@ impl Client {
                     Ok(watch.into_stream(
                         sent.clone(),
                         cause,
-                        cx.take_stream_end_hooks(),
+                        (cx.take_stream_end_hooks(), cx.deadline()),
                         set_up_at,
                     ))
                 }

@@ -389,12 +389,13 @@ impl CallWatch<'_> {
         mut self,
         sent: Arc<AtomicU64>,
         fallback: Option<RpcError>,
-        hooks: Vec<StreamEndHook>,
+        (hooks, deadline): (Vec<StreamEndHook>, Option<Instant>),
         opened: Instant,
     ) -> StreamWatch {
         self.done = true;
         StreamWatch {
             hooks,
+            deadline,
             opened,
             span: self.span.clone(),
             metrics: self.metrics.to_stream(),
@@ -430,6 +431,9 @@ pub(crate) struct StreamWatch {
     ///
     /// [`CallCx::on_stream_end`]: rpc_governance::stack::CallCx::on_stream_end
     hooks: Vec<StreamEndHook>,
+    /// The stream's deadline, for `hooks`: a stream dropped past it timed out, whether or
+    /// not anything traces it (`started` is read only then).
+    deadline: Option<Instant>,
     /// When the set-up started.
     opened: Instant,
     done: bool,
@@ -533,13 +537,8 @@ impl Drop for StreamWatch {
             let (status, outcome) = Dropped::now(*deadline).recorded();
             observers.ended(Side::Client, entry, *started, status, outcome);
         }
-        let timed_out = if self.hooks.is_empty() {
-            false
-        } else {
-            self.started
-                .and_then(|(_, deadline)| deadline)
-                .is_some_and(|d| Instant::now() >= d)
-        };
+        let timed_out =
+            !self.hooks.is_empty() && self.deadline.is_some_and(|d| Instant::now() >= d);
         self.run_hooks(timed_out.then_some(StatusCode::Timeout), None);
     }
 }

@@ -934,11 +934,9 @@ async fn a_grant_for_more_items_than_were_sent_ends_the_stream_while_credit_is_l
     let (items, _) = items_until_echo(&mut raw, 1, 2).await;
     assert_eq!(items.len(), 1, "the producer's one item");
     raw.grant(1, 4).await;
-    let end = loop {
-        match within("the stream's end", raw.recv()).await {
-            Some(Kind::Result(end)) => break end,
-            other => panic!("expected the stream's end, got {other:?}"),
-        }
+    let end = match within("the stream's end", raw.recv()).await {
+        Some(Kind::Result(end)) => end,
+        other => panic!("expected the stream's end, got {other:?}"),
     };
     assert_eq!((end.message_id, end.status_code), (1, 500), "{end:?}");
     assert!(

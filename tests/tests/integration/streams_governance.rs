@@ -1203,6 +1203,41 @@ async fn a_stream_set_up_a_layer_answered_is_recorded_as_the_error_it_returns() 
     within("shutdown", server.shutdown()).await;
 }
 
+/// A stream its caller drops past its deadline timed out, and a client layer's end hook says
+/// so whether or not anything traces the call (no subscriber here): the deadline is the
+/// stream's own, not read only for its span.
+#[tokio::test(start_paused = true)]
+async fn a_stream_dropped_past_its_deadline_ends_as_timed_out_for_a_client_layer() {
+    let reg = InProcessRegistry::new();
+    let (server, _market) = serve(&reg).await;
+    let (tx, mut seen) = mpsc::unbounded_channel();
+    let stocks = StocksClient::new(
+        Client::builder()
+            .registry(reg.clone())
+            .override_options(
+                StocksClient::SERVICE_ID,
+                GovernanceOverrides {
+                    timeout_ms: Some(100),
+                    ..options(100)
+                },
+            )
+            .layer(watcher(tx))
+            .build(),
+    );
+    let mut prices = within("prices", stocks.prices(1_000_000))
+        .await
+        .expect("accepted");
+    assert!(within("an item", prices.next()).await.is_some());
+    tokio::time::advance(std::time::Duration::from_millis(200)).await;
+    drop(prices);
+    let ends: Vec<_> = std::iter::from_fn(|| seen.try_recv().ok())
+        .filter(|s| s.1 == "end")
+        .map(|s| s.2)
+        .collect();
+    assert_eq!(ends, [Some(StatusCode::Timeout)]);
+    within("shutdown", server.shutdown()).await;
+}
+
 #[tokio::test]
 async fn a_client_layer_sees_a_streams_set_up_and_its_end() {
     let _traced = traced();
