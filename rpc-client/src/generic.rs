@@ -50,7 +50,8 @@ impl Client {
     /// encoding of its value). A key that is an integer, a string, a bool or a list of those
     /// hashes as the typed value does, so a JSON call and a proxy call with the same key go to
     /// the same server; a struct (a JSON object's fields in another order, where the typed
-    /// value is encoded as a list) or an `f32` (read from JSON as a 64-bit float) may not.
+    /// value is encoded as a map in declaration order) or an `f32` (read from JSON as a 64-bit
+    /// float) may not.
     ///
     /// `args` other than an array is refused with [`StatusCode::ValidateError`] (1001) before
     /// anything is sent. A failed call returns the call's error; a typed error's value
