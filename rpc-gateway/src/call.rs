@@ -7,8 +7,10 @@
 //! learn: nothing but 401.
 
 use std::collections::BTreeMap;
+use std::future::Future;
+use std::task::Poll;
 
-use axum::body::{to_bytes, Body, Bytes};
+use axum::body::{Body, Bytes};
 use axum::extract::{OriginalUri, Request, State};
 use axum::http::header::{self, HeaderMap, HeaderValue};
 use axum::http::{Method, StatusCode};
@@ -270,8 +272,14 @@ async fn call(State(gateway): State<Gateway>, request: Request) -> Response {
             .insert(header::RETRY_AFTER, HeaderValue::from(1));
         return answer;
     };
-    let read = to_bytes(Body::new(body), gateway.inner.max_body_bytes);
-    let Ok(read) = tokio::time::timeout(gateway.inner.limits.read, read).await else {
+    // A small body has usually come with the head: read at once, with no timer armed.
+    let mut read = std::pin::pin!(read_body(body, gateway.inner.max_body_bytes));
+    let first = std::future::poll_fn(|c| Poll::Ready(read.as_mut().poll(c))).await;
+    let read = match first {
+        Poll::Ready(read) => Ok(read),
+        Poll::Pending => tokio::time::timeout(gateway.inner.limits.read, read).await,
+    };
+    let Ok(read) = read else {
         return refuse(
             StatusCode::REQUEST_TIMEOUT,
             format!(
@@ -282,7 +290,7 @@ async fn call(State(gateway): State<Gateway>, request: Request) -> Response {
     };
     let body = match read {
         Ok(body) => body,
-        Err(e) if over_the_limit(&e) => {
+        Err(BodyError::TooLarge) => {
             return refuse(
                 StatusCode::PAYLOAD_TOO_LARGE,
                 format!(
@@ -291,7 +299,7 @@ async fn call(State(gateway): State<Gateway>, request: Request) -> Response {
                 ),
             )
         }
-        Err(e) => {
+        Err(BodyError::Broken(e)) => {
             return refuse(
                 StatusCode::BAD_REQUEST,
                 format!("the body could not be read ({e}): send it whole"),
@@ -329,8 +337,17 @@ async fn call(State(gateway): State<Gateway>, request: Request) -> Response {
     // call is out, they would make hyper take a new buffer for its next read.
     drop((parts, body));
     let client = gateway.inner.client.clone();
-    let call = RpcContext::scope(attachments, client.invoke_json_encoded(&entry_id, args))
-        .instrument(span.clone());
+    let call = async {
+        let call = client.invoke_json_encoded(&entry_id, args);
+        // With no header to forward, no context to set (the handler's task has none): the
+        // call sees none either way.
+        if attachments.is_empty() {
+            call.await
+        } else {
+            RpcContext::scope(attachments, call).await
+        }
+    }
+    .instrument(span.clone());
     #[cfg(feature = "otel")]
     let result = otel::traced(&span, carried, call).await;
     #[cfg(not(feature = "otel"))]
@@ -349,16 +366,50 @@ async fn call(State(gateway): State<Gateway>, request: Request) -> Response {
     answer
 }
 
-/// Whether reading a body failed because it was over the limit (not cut off or malformed).
-fn over_the_limit(error: &axum::Error) -> bool {
-    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(error);
-    while let Some(e) = cause {
-        if e.is::<http_body_util::LengthLimitError>() {
-            return true;
-        }
-        cause = e.source();
+/// Why a request's body could not be read whole.
+enum BodyError {
+    /// Over the gateway's limit (said by its length, or found reading it).
+    TooLarge,
+    /// Cut off or malformed.
+    Broken(axum::Error),
+}
+
+/// The body whole, at most `limit` bytes. A body of one data frame (a small one, as it usually
+/// comes) is that frame's bytes as they are, with no copy and no list of frames; frames past
+/// the first are joined.
+async fn read_body(body: Body, limit: usize) -> Result<Bytes, BodyError> {
+    use http_body_util::BodyExt;
+    let mut body = std::pin::pin!(body);
+    if axum::body::HttpBody::size_hint(&*body).lower() > limit as u64 {
+        return Err(BodyError::TooLarge);
     }
-    false
+    let mut first: Option<Bytes> = None;
+    let mut joined: Option<Vec<u8>> = None;
+    while let Some(frame) = body.frame().await {
+        // (Trailers, which no caller of an entry sends, are not arguments.)
+        let Ok(data) = frame.map_err(BodyError::Broken)?.into_data() else {
+            continue;
+        };
+        let read = joined.as_ref().map_or(0, Vec::len) + first.as_ref().map_or(0, Bytes::len);
+        if read + data.len() > limit {
+            return Err(BodyError::TooLarge);
+        }
+        match (&mut first, &mut joined) {
+            (None, None) => first = Some(data),
+            (Some(one), None) => {
+                let mut all = Vec::with_capacity(one.len() + data.len());
+                all.extend_from_slice(one);
+                all.extend_from_slice(&data);
+                first = None;
+                joined = Some(all);
+            }
+            (_, Some(all)) => all.extend_from_slice(&data),
+        }
+    }
+    Ok(match joined {
+        Some(all) => Bytes::from(all),
+        None => first.unwrap_or_default(),
+    })
 }
 
 /// The HTTP answer of a call that succeeded: its result as JSON text, written from the
@@ -487,15 +538,16 @@ fn bind(
             format!("it takes {}", params.join(", "))
         }
     };
-    let mut named: BTreeMap<String, Value> = BTreeMap::new();
+    // Each parameter's value, in declaration order, as the arguments go.
+    let mut named: Vec<Option<Value>> = vec![None; params.len()];
     let mut take = |name: String, value: Value, from: &str| -> Result<(), String> {
-        if !params.contains(&name) {
+        let Some(i) = params.iter().position(|p| *p == name) else {
             return Err(format!(
                 "{entry} has no argument {name:?} (from the {from}): {}",
                 expected()
             ));
-        }
-        if named.insert(name.clone(), value).is_some() {
+        };
+        if named[i].replace(value).is_some() {
             return Err(format!(
                 "argument {name:?} of {entry} is given twice: give it once, in the path, the \
                  query or the body"
@@ -543,8 +595,8 @@ fn bind(
         }
     }
     let mut args = Vec::with_capacity(params.len());
-    for (i, name) in params.iter().enumerate() {
-        match named.remove(name) {
+    for (i, (name, value)) in params.iter().zip(named).enumerate() {
+        match value {
             Some(value) => args.push(value),
             None if served.nullable.get(i).copied().unwrap_or(false) => args.push(Value::Null),
             None => {
@@ -753,6 +805,50 @@ mod tests {
     use super::*;
     use crate::table::RouteTable;
     use rpc_core::{EntryApi, HttpRoute};
+
+    /// A body of `frames`, sent one after another with no length given (as a chunked body).
+    fn frames(frames: Vec<Result<&'static str, &'static str>>) -> Body {
+        Body::from_stream(futures_util::stream::iter(
+            frames
+                .into_iter()
+                .map(|f| f.map(|text| Bytes::from_static(text.as_bytes()))),
+        ))
+    }
+
+    #[tokio::test]
+    async fn a_body_of_one_frame_is_taken_as_it_is() {
+        let sent = Bytes::from_static(b"{\"text\":\"hi\"}");
+        let read = read_body(Body::from(sent.clone()), 64).await;
+        let Ok(read) = read else { panic!("not read") };
+        assert_eq!(read, sent);
+        assert_eq!(read.as_ptr(), sent.as_ptr(), "copied");
+    }
+
+    #[tokio::test]
+    async fn a_body_of_several_frames_is_joined() {
+        let read = read_body(frames(vec![Ok("{\"te"), Ok("xt\":"), Ok("\"hi\"}")]), 64).await;
+        let Ok(read) = read else { panic!("not read") };
+        assert_eq!(&read[..], b"{\"text\":\"hi\"}");
+    }
+
+    #[tokio::test]
+    async fn a_body_over_the_limit_is_too_large_by_its_length_or_as_it_is_read() {
+        // Its length said: refused before a byte is read.
+        let said = read_body(Body::from(vec![b'x'; 65]), 64).await;
+        assert!(matches!(said, Err(BodyError::TooLarge)));
+        // No length said: refused at the frame that goes past the limit.
+        let found = read_body(frames(vec![Ok("0123456789"), Ok("0123456789")]), 15).await;
+        assert!(matches!(found, Err(BodyError::TooLarge)));
+        // At the limit exactly: read.
+        let at = read_body(frames(vec![Ok("0123456789"), Ok("01234")]), 15).await;
+        assert!(matches!(at, Ok(b) if b.len() == 15));
+    }
+
+    #[tokio::test]
+    async fn a_body_cut_off_is_broken() {
+        let read = read_body(frames(vec![Ok("{\"te"), Err("reset")]), 64).await;
+        assert!(matches!(read, Err(BodyError::Broken(e)) if e.to_string().contains("reset")));
+    }
 
     fn table(params: &[&str], http: Option<(&str, &str)>) -> RouteTable {
         RouteTable::build(vec![ServiceEntry {
