@@ -161,8 +161,18 @@ fn kind_of(kind: &str) -> Result<RuleKind, Failure> {
         .map_err(|e: RuleError| Failure::usage(e.to_string()))
 }
 
+/// The document in `file`: one that cannot be read is the command line's fault (exit 2), one
+/// that is not UTF-8 an invalid document (exit 1), as the admin endpoint and the store take it.
 fn read(file: &str) -> Result<String, Failure> {
-    std::fs::read_to_string(file).map_err(|e| Failure::usage(format!("cannot read {file}: {e}")))
+    let bytes =
+        std::fs::read(file).map_err(|e| Failure::usage(format!("cannot read {file}: {e}")))?;
+    String::from_utf8(bytes).map_err(|e| {
+        Failure::failed(format!(
+            "{file} is no rules document: it is not UTF-8 (byte {}), as a TOML document must \
+             be; nothing was written",
+            e.utf8_error().valid_up_to() + 1
+        ))
+    })
 }
 
 fn failure(e: RuleError) -> Failure {

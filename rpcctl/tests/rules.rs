@@ -140,6 +140,20 @@ async fn set_get_diff_history_and_rollback_through_the_program() {
     // A version the history does not hold: exit 1.
     let o = rpcctl(&etcd, &["rules", "rollback", "governance", "1"]);
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    // A document that is not UTF-8 (a Latin-1 comment) is an invalid document, as the admin
+    // endpoint and the store take it: exit 1 for set and diff. A file that cannot be read at
+    // all is the command line's fault: exit 2.
+    let latin1 = dir.path().join("latin1.toml");
+    std::fs::write(&latin1, b"[defaults]\n# d\xE9lai\ntimeout_ms = 100\n").expect("write");
+    let latin1 = latin1.display().to_string();
+    for command in ["set", "diff"] {
+        let o = rpcctl(&etcd, &["rules", command, "governance", &latin1]);
+        assert_eq!(o.status.code(), Some(1), "{command}: {}", stderr(&o));
+        assert!(stderr(&o).contains("not UTF-8"), "{}", stderr(&o));
+    }
+    let missing = dir.path().join("missing.toml").display().to_string();
+    let o = rpcctl(&etcd, &["rules", "set", "governance", &missing]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     // An unknown kind, or a registry that is not etcd: exit 2.
     let o = rpcctl(&etcd, &["rules", "get", "routes"]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
