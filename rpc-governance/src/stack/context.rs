@@ -504,19 +504,24 @@ impl<'g> CallCx<'g> {
     }
 
     /// Where the call's failure `e` happened, for the event of a fallback answering it: the
-    /// endpoint (the last the call tried, leaving out those that could not serve it, which
-    /// were sent nothing and where the call did not end; or the last failed attempt's when
-    /// the error names none) and the number of the attempt the failure is (the one the retry
-    /// layer last decided on, should the call have ended before another attempt was sent).
+    /// endpoint and the number of the attempt the failure is. When the retry layer decided on
+    /// a failure (the call may have ended before another attempt was sent), its endpoint and
+    /// attempt: which is not always the last endpoint tried (a call ended by an endpoint's
+    /// pause past the deadline ends with that endpoint's refusal). Otherwise the last endpoint
+    /// the error names, leaving out those that could not serve the call (sent nothing, and
+    /// not where the call ended).
     pub fn failure(&self, e: &RpcError) -> (Option<Arc<str>>, u32) {
         let unable = |a: &str| self.unable.iter().any(|u| &**u == a);
-        let endpoint = e
-            .tried()
-            .iter()
-            .rev()
-            .find(|a| !unable(a))
-            .map(|a| Arc::from(a.as_str()))
-            .or_else(|| self.last_failed.clone());
+        let endpoint = self
+            .failed_attempt
+            .and(self.last_failed.clone())
+            .or_else(|| {
+                e.tried()
+                    .iter()
+                    .rev()
+                    .find(|a| !unable(a))
+                    .map(|a| Arc::from(a.as_str()))
+            });
         (endpoint, self.failed_attempt.unwrap_or(self.attempt))
     }
 

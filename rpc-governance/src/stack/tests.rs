@@ -2982,6 +2982,34 @@ async fn an_endpoints_retry_after_is_waited_out_when_the_call_comes_back_to_it()
     }
 }
 
+/// The same call ended by `a`'s pause (it ends past the deadline), with a fallback: the
+/// fallback's event names `a:1` and its attempt (0), whose 429 the call ends with, not the
+/// last endpoint tried (`b:1`, which answered no 429).
+#[tokio::test(start_paused = true)]
+async fn a_fallback_for_a_paused_endpoints_refusal_names_that_endpoint() {
+    let limited = || {
+        Err(RpcError::new(StatusCode::RateLimited, "over the quota")
+            .with_retry_after(Duration::from_millis(300)))
+    };
+    let refused = || Err(RpcError::new(StatusCode::CommunicationError, "refused"));
+    let g = engine(GovernanceOptions {
+        retry_times: 2,
+        retry_interval_ms: 50,
+        timeout_ms: 200,
+        ..Default::default()
+    });
+    let p = g.policy(&M);
+    let mut s = Script::new(vec![limited(), refused()], Duration::ZERO);
+    s.endpoints = vec!["a:1".into(), "b:1".into()];
+    let events = fallback_events(&g, &p, &s).await;
+    let fallback = events
+        .iter()
+        .find(|e| e.kind == EventKind::Fallback)
+        .expect("a fallback event");
+    assert_eq!(fallback.endpoint.as_deref(), Some("a:1"), "{fallback:?}");
+    assert_eq!(fallback.attempt, 0, "{fallback:?}");
+}
+
 // ------------------------------------------------------------------ per-attempt layers' own answers
 
 /// One call of the test entry through the governed stack over `attempts`, with `layer` per
