@@ -518,6 +518,12 @@ impl ServerStream {
     fn release(&mut self) -> bool {
         self.ended = true;
         let set_up = self.items.is_some();
+        // The handler's code is dropped as it ran: in the caller's trace context and the call's
+        // span, wherever the end is noticed (a set-up dropped at the deadline says
+        // `fallback_skipped` there, as in a poll).
+        let _carried = telemetry::attached(&self.carried);
+        let span = self.watch.span().clone();
+        let _in_span = span.enter();
         self.setup = None;
         self.items = None;
         self.permit = None;
@@ -621,6 +627,7 @@ impl Drop for ServerStream {
                 // call's task, which drops the stream.)
                 let _ = std::panic::catch_unwind(AssertUnwindSafe(|| self.run_end_hooks(None)));
             }
+            self.release();
         }
     }
 }
@@ -848,6 +855,119 @@ mod tests {
                 ])))
             })
         }
+    }
+
+    /// A set-up that never finishes, for the entry `t.S.count`.
+    struct Hangs;
+
+    impl Service for Hangs {
+        fn service_id(&self) -> &'static str {
+            "t.S"
+        }
+        fn methods(&self) -> &'static [MethodDescriptor] {
+            &METHODS
+        }
+        fn call(&self, _: usize, _: Bytes, _: Codec) -> ServiceFuture {
+            Box::pin(async { Err(RpcError::new(StatusCode::FrameworkError, "unary")) })
+        }
+        fn stream_mode(&self, _: usize) -> StreamMode {
+            StreamMode::Server
+        }
+        fn call_stream(&self, _: usize, _: Bytes, _: Option<ByteStream>, _: Codec) -> StreamFuture {
+            Box::pin(std::future::pending())
+        }
+    }
+
+    /// Records, for each governance event, its kind and the name of the span it is in.
+    struct EventSpans(Arc<std::sync::Mutex<Vec<(String, Option<String>)>>>);
+
+    impl<S> tracing_subscriber::Layer<S> for EventSpans
+    where
+        S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+    {
+        fn on_event(
+            &self,
+            event: &tracing::Event<'_>,
+            ctx: tracing_subscriber::layer::Context<'_, S>,
+        ) {
+            if event.metadata().target() != "rpc::governance" {
+                return;
+            }
+            struct Kind(String);
+            impl tracing::field::Visit for Kind {
+                fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+                    if field.name() == "event" {
+                        self.0 = value.to_string();
+                    }
+                }
+                fn record_debug(&mut self, _: &tracing::field::Field, _: &dyn std::fmt::Debug) {}
+            }
+            let mut kind = Kind(String::new());
+            event.record(&mut kind);
+            let span = ctx.event_span(event).map(|s| s.name().to_string());
+            self.0.lock().unwrap().push((kind.0, span));
+        }
+    }
+
+    /// A server stream's set-up still running at the caller's deadline, noticed while the
+    /// connection waits (not in a poll of the stream's events): it is stopped, and the
+    /// server fallback's `fallback_skipped` is on the call's span, as in a poll. Before, it
+    /// was on no span, and a trace lost it.
+    #[tokio::test(start_paused = true)]
+    async fn a_set_up_stopped_at_the_deadline_outside_a_poll_says_so_on_the_calls_span() {
+        use tracing_subscriber::layer::SubscriberExt;
+        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+        // A global subscriber wanting every callsite first: `tracing` caches a callsite's
+        // interest process-wide, and one reached by another test's thread with no subscriber
+        // would otherwise stay cached as unwanted (see tests/tests/common/mod.rs).
+        static GLOBAL: std::sync::Once = std::sync::Once::new();
+        GLOBAL.call_once(|| {
+            let _ = tracing::subscriber::set_global_default(tracing_subscriber::registry());
+        });
+        let _traced = tracing::subscriber::set_default(
+            tracing_subscriber::registry().with(EventSpans(seen.clone())),
+        );
+        let server = crate::Server::builder().add_service(Hangs).fallback(Count);
+        let shared = rpc_governance::bulkhead::Bulkhead::new(1);
+        let d = server.dispatcher(
+            SocketAddr::from(([127, 0, 0, 1], 1)),
+            "127.0.0.1:1",
+            &shared,
+        );
+        let caller = Arc::new(Caller::new(SocketAddr::from(([127, 0, 0, 1], 2)), "c"));
+        let Dispatch::Events(mut events) = d.handle(
+            Invoke {
+                message_id: 1,
+                service_entry_id: "t.S.count".into(),
+                stream_mode: StreamMode::Server as i32,
+                timeout_ms: 100,
+                ..Default::default()
+            },
+            &caller,
+        ) else {
+            panic!("expected a stream")
+        };
+        let waker = futures_util::task::noop_waker();
+        let mut cx = Context::from_waker(&waker);
+        assert!(events.as_mut().poll_next(&mut cx).is_pending(), "set up");
+        tokio::time::advance(Duration::from_millis(150)).await;
+        let Poll::Ready(end) = events.as_mut().poll_ended(&mut cx) else {
+            panic!("not ended at the deadline")
+        };
+        assert_eq!(end.status_code, StatusCode::Timeout.as_u32(), "{end:?}");
+        let seen = seen.lock().unwrap().clone();
+        let skipped: Vec<_> = seen
+            .iter()
+            .filter(|(k, _)| k == "fallback_skipped")
+            .collect();
+        assert_eq!(
+            skipped,
+            [&(
+                "fallback_skipped".to_string(),
+                Some("rpc.server".to_string())
+            )],
+            "{seen:?}"
+        );
     }
 
     #[tokio::test]
