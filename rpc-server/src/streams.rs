@@ -878,8 +878,11 @@ mod tests {
         }
     }
 
+    /// Each governance event's kind and the name of the span it was in.
+    type Seen = Arc<std::sync::Mutex<Vec<(String, Option<String>)>>>;
+
     /// Records, for each governance event, its kind and the name of the span it is in.
-    struct EventSpans(Arc<std::sync::Mutex<Vec<(String, Option<String>)>>>);
+    struct EventSpans(Seen);
 
     impl<S> tracing_subscriber::Layer<S> for EventSpans
     where
