@@ -830,10 +830,10 @@ mod tests {
         api: None,
     }];
 
-    /// Streams 1, 2, 3 encoded, then fails if asked for a fourth.
-    struct Count;
+    /// The server-streaming entry `t.S.count`, whose set-up is `setup`'s.
+    struct Streams(fn() -> StreamFuture);
 
-    impl Service for Count {
+    impl Service for Streams {
         fn service_id(&self) -> &'static str {
             "t.S"
         }
@@ -847,6 +847,13 @@ mod tests {
             StreamMode::Server
         }
         fn call_stream(&self, _: usize, _: Bytes, _: Option<ByteStream>, _: Codec) -> StreamFuture {
+            (self.0)()
+        }
+    }
+
+    /// Streams 1, 2, 3 encoded, then fails if asked for a fourth.
+    fn count() -> Streams {
+        Streams(|| {
             Box::pin(async {
                 Ok(RpcStream::try_new(futures_util::stream::iter(vec![
                     Ok(Bytes::from_static(b"1")),
@@ -854,28 +861,12 @@ mod tests {
                     Err(RpcError::new(StatusCode::BusinessError, "no more")),
                 ])))
             })
-        }
+        })
     }
 
-    /// A set-up that never finishes, for the entry `t.S.count`.
-    struct Hangs;
-
-    impl Service for Hangs {
-        fn service_id(&self) -> &'static str {
-            "t.S"
-        }
-        fn methods(&self) -> &'static [MethodDescriptor] {
-            &METHODS
-        }
-        fn call(&self, _: usize, _: Bytes, _: Codec) -> ServiceFuture {
-            Box::pin(async { Err(RpcError::new(StatusCode::FrameworkError, "unary")) })
-        }
-        fn stream_mode(&self, _: usize) -> StreamMode {
-            StreamMode::Server
-        }
-        fn call_stream(&self, _: usize, _: Bytes, _: Option<ByteStream>, _: Codec) -> StreamFuture {
-            Box::pin(std::future::pending())
-        }
+    /// A set-up that never finishes.
+    fn hangs() -> Streams {
+        Streams(|| Box::pin(std::future::pending()))
     }
 
     /// Each governance event's kind and the name of the span it was in.
@@ -930,7 +921,9 @@ mod tests {
         let _traced = tracing::subscriber::set_default(
             tracing_subscriber::registry().with(EventSpans(seen.clone())),
         );
-        let server = crate::Server::builder().add_service(Hangs).fallback(Count);
+        let server = crate::Server::builder()
+            .add_service(hangs())
+            .fallback(count());
         let shared = rpc_governance::bulkhead::Bulkhead::new(1);
         let d = server.dispatcher(
             SocketAddr::from(([127, 0, 0, 1], 1)),
@@ -975,7 +968,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_stream_is_accepted_then_yields_its_items_then_its_error_end_and_holds_its_slot() {
-        let server = crate::Server::builder().add_service(Count);
+        let server = crate::Server::builder().add_service(count());
         let shared = rpc_governance::bulkhead::Bulkhead::new(1);
         let d = server.dispatcher(
             SocketAddr::from(([127, 0, 0, 1], 1)),
