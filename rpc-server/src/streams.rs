@@ -869,6 +869,16 @@ mod tests {
         Streams(|| Box::pin(std::future::pending()))
     }
 
+    /// `server`'s dispatcher (at 127.0.0.1:1, sharing `shared`) and a caller of it.
+    fn dispatcher(
+        server: crate::ServerBuilder,
+        shared: &rpc_governance::bulkhead::Bulkhead,
+    ) -> (Dispatcher, Arc<Caller>) {
+        let d = server.dispatcher(SocketAddr::from(([127, 0, 0, 1], 1)), "127.0.0.1:1", shared);
+        let caller = Arc::new(Caller::new(SocketAddr::from(([127, 0, 0, 1], 2)), "c"));
+        (d, caller)
+    }
+
     /// Each governance event's kind and the name of the span it was in.
     type Seen = Arc<std::sync::Mutex<Vec<(String, Option<String>)>>>;
 
@@ -921,16 +931,13 @@ mod tests {
         let _traced = tracing::subscriber::set_default(
             tracing_subscriber::registry().with(EventSpans(seen.clone())),
         );
-        let server = crate::Server::builder()
-            .add_service(hangs())
-            .fallback(count());
         let shared = rpc_governance::bulkhead::Bulkhead::new(1);
-        let d = server.dispatcher(
-            SocketAddr::from(([127, 0, 0, 1], 1)),
-            "127.0.0.1:1",
+        let (d, caller) = dispatcher(
+            crate::Server::builder()
+                .add_service(hangs())
+                .fallback(count()),
             &shared,
         );
-        let caller = Arc::new(Caller::new(SocketAddr::from(([127, 0, 0, 1], 2)), "c"));
         let Dispatch::Events(mut events) = d.handle(
             Invoke {
                 message_id: 1,
@@ -968,14 +975,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_stream_is_accepted_then_yields_its_items_then_its_error_end_and_holds_its_slot() {
-        let server = crate::Server::builder().add_service(count());
         let shared = rpc_governance::bulkhead::Bulkhead::new(1);
-        let d = server.dispatcher(
-            SocketAddr::from(([127, 0, 0, 1], 1)),
-            "127.0.0.1:1",
-            &shared,
-        );
-        let caller = Arc::new(Caller::new(SocketAddr::from(([127, 0, 0, 1], 2)), "c"));
+        let (d, caller) = dispatcher(crate::Server::builder().add_service(count()), &shared);
         let invoke = |mode: StreamMode| Invoke {
             message_id: 1,
             service_entry_id: "t.S.count".into(),
