@@ -402,7 +402,7 @@ impl Connection {
         call: impl Into<Call>,
         deadline: Option<Instant>,
     ) -> Result<RemoteResultMessage, RpcError> {
-        let call = call.into();
+        let mut call = call.into();
         let shared = &self.shared;
         if call.stream_mode != rpc_core::StreamMode::Unary as i32 {
             // The server would open a stream whose items this call's slot cannot take.
@@ -428,6 +428,7 @@ impl Connection {
         }
         if shared.sender.backlog().bytes() > shared.max_unsent_bytes {
             self.wait_for_room(deadline).await?;
+            call.timeout_ms = budget_left(call.timeout_ms, deadline);
         }
         let deadline_ms = deadline.map_or(0, |d| deadline_ms(shared.epoch, d));
         let mut guard = PendingGuard {
@@ -586,6 +587,7 @@ impl Connection {
         }
         if shared.sender.backlog().bytes() > shared.max_unsent_bytes {
             self.wait_for_room(send_by).await?;
+            call.timeout_ms = budget_left(call.timeout_ms, deadline);
         }
         let deadline_ms = deadline.map_or(0, |d| deadline_ms(shared.epoch, d));
         if let Some(e) = shared.past_deadline(send_by) {
@@ -792,6 +794,22 @@ pub(super) fn dropped_reason() -> CancelReason {
         CancelReason::Superseded
     } else {
         CancelReason::Unspecified
+    }
+}
+
+/// `timeout_ms` (the caller's budget; 0, none) as it stands now for a call that waited for room
+/// in the send queue: no more than what is left before `deadline`, rounded up (at least 1). The
+/// server's deadline then does not fall after the caller's by the time the call waited.
+fn budget_left(timeout_ms: u32, deadline: Option<Instant>) -> u32 {
+    match deadline {
+        Some(d) if timeout_ms != 0 => {
+            let left = d
+                .saturating_duration_since(Instant::now())
+                .as_micros()
+                .div_ceil(1000);
+            timeout_ms.min(left.clamp(1, u128::from(u32::MAX)) as u32)
+        }
+        _ => timeout_ms,
     }
 }
 

@@ -245,6 +245,58 @@ async fn a_stream_set_up_waiting_for_room_past_its_attempt_deadline_is_not_sent(
     tasks.abort_all();
 }
 
+/// A call that waited for room in the send queue tells the server the budget left when it is
+/// sent, not the one it had when it began waiting (and so a stream's set-up). Before, it was
+/// told its whole budget, and ran (with the calls it made) past its caller's deadline by as
+/// long as it waited. (On the real clock: the kernel's acknowledgements, which free the
+/// socket's room, keep real time. The wait is measured, not assumed: the budget told must be
+/// at most what was left when the server began reading, which is when room came.)
+#[tokio::test]
+async fn a_call_that_waited_for_room_is_sent_with_the_budget_left() {
+    for stream in [false, true] {
+        let (mut raw, conn) = small_buffers(64 * KIB, common::streaming_ack(16)).await;
+        // 3 MiB of calls the server does not read yet: the socket buffers and the queue fill.
+        let mut tasks = tokio::task::JoinSet::new();
+        for _ in 0..48 {
+            let conn = conn.clone();
+            tasks.spawn(async move { conn.call(call(64 * KIB), None).await.map(|_| ()) });
+        }
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        let late = Call {
+            service_entry_id: "t.Late.put".into(),
+            timeout_ms: 10_000,
+            ..call(16)
+        };
+        let waiting = conn.clone();
+        tasks.spawn(async move {
+            if stream {
+                waiting
+                    .open_stream_within(late, StreamMode::Server, Some(deadline), None)
+                    .await
+                    .map(|_| ())
+            } else {
+                waiting.call(late, Some(deadline)).await.map(|_| ())
+            }
+        });
+        // The late call waits behind the queue for a while before the server reads anything.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let released = tokio::time::Instant::now();
+        let sent = loop {
+            let invoke = raw.recv_invoke("the calls, in order").await;
+            if invoke.service_entry_id == "t.Late.put" {
+                break invoke;
+            }
+        };
+        let left_ms = deadline.saturating_duration_since(released).as_millis() as u32 + 1;
+        assert!(
+            sent.timeout_ms <= left_ms,
+            "stream {stream}: the server was told {} ms, with {left_ms} ms left when it read",
+            sent.timeout_ms
+        );
+        tasks.abort_all();
+    }
+}
+
 /// A server reading a long queue of the client's calls slowly (a slow link): the client's
 /// heartbeat, which hears nothing back meanwhile (the server's answers and its `Pong` come after
 /// those calls), counts the socket taking the calls as the server's sign of life and keeps the
