@@ -254,20 +254,7 @@ mod tests {
     #[cfg(feature = "zookeeper")]
     #[tokio::test]
     async fn a_zk_url_makes_a_zookeeper_registry() {
-        // Constructing contacts nothing, so no ZooKeeper is needed for this; what the registry
-        // then says of the port nothing listens on names its backend.
-        let port = closed_port();
-        let registry = <dyn Registry>::from_url_with_lease(
-            &format!("zk://127.0.0.1:{port}"),
-            Some(Duration::from_secs(3)),
-        )
-        .await
-        .unwrap();
-        let e = registry.services().await.unwrap_err().to_string();
-        assert!(
-            e.contains(&format!("ZooKeeper at 127.0.0.1:{port} unreachable")),
-            "{e}"
-        );
+        names_its_backend("zk", "ZooKeeper").await;
         let err = <dyn Registry>::from_url("zk://127.0.0.1")
             .await
             .err()
@@ -278,28 +265,28 @@ mod tests {
     #[cfg(feature = "etcd")]
     #[tokio::test]
     async fn an_etcd_url_makes_an_etcd_registry() {
-        // Constructing contacts nothing, so no etcd is needed for this; what the registry then
-        // says of the port nothing listens on names its backend.
-        let port = closed_port();
+        names_its_backend("etcd", "etcd").await;
+    }
+
+    /// A `scheme://` URL of a loopback port nothing listens on (bound, then let go) makes a
+    /// registry (constructing contacts nothing, so no server is needed), and what it says of
+    /// that port names `backend`.
+    #[cfg(any(feature = "etcd", feature = "zookeeper"))]
+    async fn names_its_backend(scheme: &str, backend: &str) {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .unwrap()
+            .port();
         let registry = <dyn Registry>::from_url_with_lease(
-            &format!("etcd://127.0.0.1:{port}"),
+            &format!("{scheme}://127.0.0.1:{port}"),
             Some(Duration::from_secs(3)),
         )
         .await
         .unwrap();
         let e = registry.services().await.unwrap_err().to_string();
         assert!(
-            e.contains(&format!("etcd at 127.0.0.1:{port} unreachable")),
+            e.contains(&format!("{backend} at 127.0.0.1:{port} unreachable")),
             "{e}"
         );
-    }
-
-    /// A loopback port nothing listens on (bound, then let go).
-    #[cfg(any(feature = "etcd", feature = "zookeeper"))]
-    fn closed_port() -> u16 {
-        std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .unwrap()
-            .port()
     }
 }

@@ -906,12 +906,7 @@ async fn a_grant_for_more_items_than_were_sent_ends_the_stream() {
             other => panic!("expected the stream's end, got {other:?} after {frames} frames"),
         }
     };
-    assert_eq!((end.message_id, end.status_code), (1, 500), "{end:?}");
-    assert!(
-        end.exception_message
-            .contains("more items than it was sent"),
-        "{end:?}"
-    );
+    assert_over_granted(&end);
     assert!(polls.load(Ordering::SeqCst) <= 3, "the producer ran ahead");
     drop(raw);
     within("shutdown", server.shutdown()).await;
@@ -934,18 +929,22 @@ async fn a_grant_for_more_items_than_were_sent_ends_the_stream_while_credit_is_l
     let (items, _) = items_until_echo(&mut raw, 1, 2).await;
     assert_eq!(items.len(), 1, "the producer's one item");
     raw.grant(1, 4).await;
-    let end = match within("the stream's end", raw.recv()).await {
-        Some(Kind::Result(end)) => end,
+    match within("the stream's end", raw.recv()).await {
+        Some(Kind::Result(end)) => assert_over_granted(&end),
         other => panic!("expected the stream's end, got {other:?}"),
     };
+    drop(raw);
+    within("shutdown", server.shutdown()).await;
+}
+
+/// Asserts that `end` ends stream 1 with 500 for a grant of more items than it was sent.
+fn assert_over_granted(end: &RemoteResultMessage) {
     assert_eq!((end.message_id, end.status_code), (1, 500), "{end:?}");
     assert!(
         end.exception_message
             .contains("more items than it was sent"),
         "{end:?}"
     );
-    drop(raw);
-    within("shutdown", server.shutdown()).await;
 }
 
 /// Sends `calls` echo calls, ids from 100, without waiting for their answers.
