@@ -55,10 +55,19 @@ const NOT_FORWARDED_PREFIXES: [&str; 4] = ["content-", "accept", "sec-", "rpc-"]
 /// Where the OpenAPI document is served (with the gateway's token, when it has one).
 const DOCUMENT_PATH: &str = "/openapi.json";
 
+/// Where the gateway says it is up.
+const HEALTH_PATH: &str = "/healthz";
+
+/// Where the documentation page is served.
+const DOCS_PATH: &str = "/docs";
+
+/// The paths of the gateway's own routes: every other path is an entry's (or none).
+pub(crate) const OWN_PATHS: [&str; 3] = [HEALTH_PATH, DOCS_PATH, DOCUMENT_PATH];
+
 pub(crate) fn router(gateway: Gateway) -> Router {
     Router::new()
-        .route("/healthz", get(|| async { "ok" }))
-        .route("/docs", get(docs_page))
+        .route(HEALTH_PATH, get(|| async { "ok" }))
+        .route(DOCS_PATH, get(docs_page))
         .route(DOCUMENT_PATH, get(document))
         .method_not_allowed_fallback(get_only)
         .fallback(call)
@@ -206,6 +215,12 @@ pub(crate) fn documented(served: &Served) -> ServiceEntry {
 }
 
 async fn call(State(gateway): State<Gateway>, request: Request) -> Response {
+    entry_call(gateway, request).await
+}
+
+/// A request for an entry (any path but the gateway's own routes) answered: the router's
+/// fallback, and what the gateway's own serving calls directly (see `serve`).
+pub(crate) async fn entry_call(gateway: Gateway, request: Request) -> Response {
     let (parts, body) = request.into_parts();
     if let Some(refused) = check_token(&gateway, &parts.headers) {
         return refused;
@@ -337,7 +352,10 @@ async fn call(State(gateway): State<Gateway>, request: Request) -> Response {
     // call is out, they would make hyper take a new buffer for its next read.
     drop((parts, body));
     let client = gateway.inner.client.clone();
-    let call = async {
+    // Boxed: the governed call's future is some kilobytes, and each wrapper it passes
+    // through (the span, the trace context) would move it whole; so would any mover of this
+    // handler's own future, which would hold it.
+    let call = Box::pin(async {
         let call = client.invoke_json_encoded(&entry_id, args);
         // With no header to forward, no context to set (the handler's task has none): the
         // call sees none either way.
@@ -346,7 +364,7 @@ async fn call(State(gateway): State<Gateway>, request: Request) -> Response {
         } else {
             RpcContext::scope(attachments, call).await
         }
-    }
+    })
     .instrument(span.clone());
     #[cfg(feature = "otel")]
     let result = otel::traced(&span, carried, call).await;

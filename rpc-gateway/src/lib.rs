@@ -379,7 +379,7 @@ impl Gateway {
         signal: impl Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
         let limits = self.inner.limits;
-        serve::serve(listener, self.router(), limits, signal).await
+        serve::serve(listener, self, limits, signal).await
     }
 
     /// The entries served now, each as the OpenAPI document shows it (an entry whose declared

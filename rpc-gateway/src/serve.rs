@@ -6,17 +6,28 @@
 //! (or never) holds them, their sockets and their buffers for as long as it likes; a gateway
 //! facing browsers and the open network must not. (The body's limit is the handler's: see
 //! `call`; when a head's limit starts, `head`.)
+//!
+//! A request for an entry goes straight to its handler ([`Dispatch`]), not through the
+//! router, whose matching, boxed per-route service and extensions cost each call as much again
+//! as its own lookup in the route table; the router answers the gateway's own routes.
 
 mod head;
 
+use std::convert::Infallible;
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::body::Body;
+use axum::response::Response;
 use hyper_util::rt::TokioIo;
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
+
+use crate::call::{entry_call, OWN_PATHS};
+use crate::Gateway;
 
 /// How long a connection has to send a request's head once it has begun (and the handler its
 /// body), and how long it may sit idle between requests.
@@ -26,18 +37,22 @@ pub(crate) struct Limits {
     pub idle: Duration,
 }
 
-/// Serves `router` on `listener` until `signal` completes, then stops accepting and waits for
+/// Serves `gateway` on `listener` until `signal` completes, then stops accepting and waits for
 /// the connections' requests in flight (an idle connection closes at once; one still sending
 /// a head or a body has at most `limits.read` more).
 pub(crate) async fn serve(
     listener: TcpListener,
-    router: axum::Router,
+    gateway: Gateway,
     limits: Limits,
     signal: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let mut http = hyper::server::conn::http1::Builder::new();
     http.header_read_timeout(limits.read);
     let graceful = GracefulShutdown::new();
+    let dispatch = Dispatch {
+        router: TowerToHyperService::new(gateway.router()),
+        gateway,
+    };
     let signal = std::pin::pin!(signal);
     let mut signal = signal;
     loop {
@@ -56,7 +71,7 @@ pub(crate) async fn serve(
         };
         let progress = Arc::new(head::Progress::default());
         let service = head::Calls {
-            inner: TowerToHyperService::new(router.clone()),
+            inner: dispatch.clone(),
             progress: progress.clone(),
         };
         let timer = head::HeadTimer {
@@ -83,6 +98,30 @@ pub(crate) async fn serve(
     drop(listener);
     graceful.shutdown().await;
     Ok(())
+}
+
+/// The gateway's requests: one for an entry to its handler, one for the gateway's own routes
+/// to its router (as the router would send them: its fallback is the same handler).
+#[derive(Clone)]
+struct Dispatch {
+    gateway: Gateway,
+    router: TowerToHyperService<axum::Router>,
+}
+
+impl hyper::service::Service<hyper::Request<hyper::body::Incoming>> for Dispatch {
+    type Response = Response;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Response, Infallible>> + Send>>;
+
+    fn call(&self, request: hyper::Request<hyper::body::Incoming>) -> Self::Future {
+        if OWN_PATHS.contains(&request.uri().path()) {
+            Box::pin(self.router.call(request))
+        } else {
+            let gateway = self.gateway.clone();
+            let request = request.map(Body::new);
+            Box::pin(async move { Ok(entry_call(gateway, request).await) })
+        }
+    }
 }
 
 /// After a failed `accept`: nothing for an error of that one connection (it went before it

@@ -875,6 +875,35 @@ async fn the_gateway_s_own_refusals_say_what_to_send() {
 
 /// Query values of optional arguments: text for `Option<String>` whatever it looks like (an
 /// empty value too); an empty value of another optional argument, or none at all, is `null`.
+/// HEAD on an entry's GET route, or on one of the gateway's own, answers what GET would, with
+/// the GET answer's length and no body.
+#[tokio::test]
+async fn a_head_request_answers_the_get_answer_s_head_with_no_body() {
+    let world = World::in_process(None).await;
+    let _orders = world.orders(50).await;
+    world.serving(&["shop.Orders.get"]).await;
+    for path in ["/orders/42?currency=EUR", "/healthz"] {
+        let url = format!("{}{path}", world.base);
+        let get = within("GET", world.http.get(&url).send())
+            .await
+            .expect("GET");
+        assert_eq!(get.status(), 200, "{path}");
+        let length = within("GET's body", get.bytes()).await.expect("body").len();
+        assert!(length > 0, "{path}");
+        let head = within("HEAD", world.http.head(&url).send())
+            .await
+            .expect("HEAD");
+        assert_eq!(head.status(), 200, "{path}");
+        let said = head
+            .headers()
+            .get("content-length")
+            .map(|v| v.to_str().ok());
+        assert_eq!(said, Some(Some(length.to_string().as_str())), "{path}");
+        let body = within("HEAD's body", head.bytes()).await.expect("body");
+        assert!(body.is_empty(), "{path}: {body:?}");
+    }
+}
+
 #[tokio::test]
 async fn optional_query_arguments_are_text_or_null_as_their_schemas_say() {
     let world = World::in_process(None).await;
