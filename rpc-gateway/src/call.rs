@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::future::Future;
 use std::task::Poll;
 
-use axum::body::{Body, Bytes};
+use axum::body::{Bytes, HttpBody};
 use axum::extract::{OriginalUri, Request, State};
 use axum::http::header::{self, HeaderMap, HeaderValue};
 use axum::http::{Method, StatusCode};
@@ -220,7 +220,12 @@ async fn call(State(gateway): State<Gateway>, request: Request) -> Response {
 
 /// A request for an entry (any path but the gateway's own routes) answered: the router's
 /// fallback, and what the gateway's own serving calls directly (see `serve`).
-pub(crate) async fn entry_call(gateway: Gateway, request: Request) -> Response {
+/// (Generic in its body: served by the gateway, hyper's own, with no box around it.)
+pub(crate) async fn entry_call<B>(gateway: Gateway, request: axum::http::Request<B>) -> Response
+where
+    B: HttpBody<Data = Bytes>,
+    B::Error: Into<axum::BoxError>,
+{
     let (parts, body) = request.into_parts();
     if let Some(refused) = check_token(&gateway, &parts.headers) {
         return refused;
@@ -395,17 +400,22 @@ enum BodyError {
 /// The body whole, at most `limit` bytes. A body of one data frame (a small one, as it usually
 /// comes) is that frame's bytes as they are, with no copy and no list of frames; frames past
 /// the first are joined.
-async fn read_body(body: Body, limit: usize) -> Result<Bytes, BodyError> {
+async fn read_body<B>(body: B, limit: usize) -> Result<Bytes, BodyError>
+where
+    B: HttpBody<Data = Bytes>,
+    B::Error: Into<axum::BoxError>,
+{
     use http_body_util::BodyExt;
     let mut body = std::pin::pin!(body);
-    if axum::body::HttpBody::size_hint(&*body).lower() > limit as u64 {
+    if body.size_hint().lower() > limit as u64 {
         return Err(BodyError::TooLarge);
     }
     let mut first: Option<Bytes> = None;
     let mut joined: Option<Vec<u8>> = None;
     while let Some(frame) = body.frame().await {
         // (Trailers, which no caller of an entry sends, are not arguments.)
-        let Ok(data) = frame.map_err(BodyError::Broken)?.into_data() else {
+        let frame = frame.map_err(|e| BodyError::Broken(axum::Error::new(e)))?;
+        let Ok(data) = frame.into_data() else {
             continue;
         };
         let read = joined.as_ref().map_or(0, Vec::len) + first.as_ref().map_or(0, Bytes::len);
@@ -437,14 +447,16 @@ fn answered(entry_id: &str, answer: &rpc_client::JsonAnswer) -> Response {
     // As axum's `Json` starts its buffer.
     let mut text = Vec::with_capacity(128);
     match answer.write_json(&mut text) {
-        Ok(()) => (
-            [(
+        Ok(()) => {
+            // Made as it is sent: through `IntoResponse`, the bytes would be given a content
+            // type of their own first, then this one.
+            let mut answer = Response::new(axum::body::Body::from(text));
+            answer.headers_mut().insert(
                 header::CONTENT_TYPE,
                 HeaderValue::from_static("application/json"),
-            )],
-            text,
-        )
-            .into_response(),
+            );
+            answer
+        }
         Err(e) => {
             let error = RpcError::new(
                 rpc_core::StatusCode::FrameworkError,
@@ -820,6 +832,8 @@ mod otel {
 
 #[cfg(test)]
 mod tests {
+    use axum::body::Body;
+
     use super::*;
     use crate::table::RouteTable;
     use rpc_core::{EntryApi, HttpRoute};

@@ -19,7 +19,6 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::body::Body;
 use axum::response::Response;
 use hyper_util::rt::TokioIo;
 use hyper_util::server::graceful::GracefulShutdown;
@@ -118,7 +117,6 @@ impl hyper::service::Service<hyper::Request<hyper::body::Incoming>> for Dispatch
             Box::pin(self.router.call(request))
         } else {
             let gateway = self.gateway.clone();
-            let request = request.map(Body::new);
             Box::pin(async move { Ok(entry_call(gateway, request).await) })
         }
     }
