@@ -23,12 +23,12 @@
 //! calls at most [`MAX_UNPUBLISHED_ENTRIES`] entries that no instance publishes, and refuses
 //! others (513) before keeping anything of them.
 
-use std::collections::HashMap;
 use std::future::Future;
-use std::sync::{Mutex, OnceLock, PoisonError};
+use std::sync::{OnceLock, PoisonError};
 use std::task::Poll;
 
 use bytes::Bytes;
+use dashmap::DashMap;
 use rpc_core::{Codec, GovernanceOverrides, MethodDescriptor, RpcError, StatusCode};
 use serde_json::Value;
 
@@ -361,40 +361,42 @@ impl Client {
     }
 }
 
-/// The interned strings and descriptors of entries called by id.
-#[derive(Default)]
+/// The interned strings and descriptors of entries called by id: read by every call by id, on
+/// every thread, and written once per new id. Sharded maps, read under one shard's read lock,
+/// rather than one mutex every call would take twice (a gateway's calls on all its threads
+/// waited on each other there).
 struct Interned {
-    strings: HashMap<String, &'static str>,
+    strings: DashMap<Box<str>, &'static str, ahash::RandomState>,
     /// By entry id (looked up without allocating), then hash-key position.
-    descriptors: HashMap<String, Vec<(Option<usize>, &'static MethodDescriptor)>>,
+    descriptors: DashMap<Box<str>, Made, ahash::RandomState>,
 }
 
-fn interned() -> std::sync::MutexGuard<'static, Interned> {
-    static INTERNED: OnceLock<Mutex<Interned>> = OnceLock::new();
-    // Every critical section is a lookup or an insert: nothing to leave half-done.
-    INTERNED
-        .get_or_init(Mutex::default)
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-}
+/// The descriptors made for one entry id, each with its hash-key position.
+type Made = Vec<(Option<usize>, &'static MethodDescriptor)>;
 
-fn intern_in(table: &mut Interned, s: &str) -> &'static str {
-    if let Some(s) = table.strings.get(s) {
-        return s;
-    }
-    let leaked: &'static str = Box::leak(s.to_string().into_boxed_str());
-    table.strings.insert(s.to_string(), leaked);
-    leaked
+fn interned() -> &'static Interned {
+    static INTERNED: OnceLock<Interned> = OnceLock::new();
+    INTERNED.get_or_init(|| Interned {
+        strings: DashMap::with_hasher(ahash::RandomState::new()),
+        descriptors: DashMap::with_hasher(ahash::RandomState::new()),
+    })
 }
 
 /// `s` as a `'static` string if it was interned already.
 fn lookup_str(s: &str) -> Option<&'static str> {
-    interned().strings.get(s).copied()
+    interned().strings.get(s).map(|found| *found)
 }
 
 /// `s` as a `'static` string, the same one every time.
 fn intern_str(s: &str) -> &'static str {
-    intern_in(&mut interned(), s)
+    if let Some(found) = lookup_str(s) {
+        return found;
+    }
+    // Under the shard's write lock: two threads interning `s` at once leak it once.
+    *interned()
+        .strings
+        .entry(s.into())
+        .or_insert_with(|| Box::leak(s.into()))
 }
 
 /// The descriptor of a published entry, made once per entry id and hash-key position. Its own
@@ -406,28 +408,29 @@ fn intern_descriptor(
     entry_id: &str,
     hash_key: Option<usize>,
 ) -> &'static MethodDescriptor {
-    let mut table = interned();
-    let known = table.descriptors.get(entry_id).and_then(|made| {
+    let find = |made: &Made| {
         made.iter()
             .find(|(key, _)| *key == hash_key)
             .map(|(_, d)| *d)
-    });
-    if let Some(d) = known {
+    };
+    let descriptors = &interned().descriptors;
+    if let Some(d) = descriptors.get(entry_id).and_then(|made| find(&made)) {
+        return d;
+    }
+    // Looked for again under the shard's write lock: made once however many threads ask.
+    let mut made = descriptors.entry(entry_id.into()).or_default();
+    if let Some(d) = find(&made) {
         return d;
     }
     let descriptor: &'static MethodDescriptor = Box::leak(Box::new(MethodDescriptor {
         service_id,
-        method: intern_in(&mut table, method),
-        entry_id: intern_in(&mut table, entry_id),
+        method: intern_str(method),
+        entry_id: intern_str(entry_id),
         hash_key,
         governance: GovernanceOverrides::NONE,
         api: None,
     }));
-    table
-        .descriptors
-        .entry(entry_id.to_string())
-        .or_default()
-        .push((hash_key, descriptor));
+    made.push((hash_key, descriptor));
     descriptor
 }
 
