@@ -1355,9 +1355,7 @@ impl Client {
         });
         let governance = &self.inner.governance;
         let call_span = span.clone();
-        // Pinned where it is made: awaited or wrapped, the call's future (the whole stack's,
-        // some kilobytes) is not moved.
-        let call = std::pin::pin!(async move {
+        let call = async move {
             let deadline = || match started {
                 Some(at) => rpc_governance::timeout::deadline_from(at, &options),
                 None => rpc_governance::timeout::deadline(&options),
@@ -1397,7 +1395,7 @@ impl Client {
             }
             watch.finish(&result, cx.fallback_cause());
             result
-        });
+        };
         // Without a subscriber the span is disabled: no wrapper, which would enter and leave it
         // on every poll.
         if span.is_disabled() {

@@ -141,10 +141,6 @@ pub(super) struct HeadTimer {
 
 impl hyper::rt::Timer for HeadTimer {
     fn sleep(&self, duration: Duration) -> Pin<Box<dyn hyper::rt::Sleep>> {
-        // Not begun: no deadline yet, and no clock read (hyper asks on every request).
-        if !self.begun() {
-            return self.unarmed();
-        }
         self.sleep_until(self.now() + duration)
     }
 
@@ -153,11 +149,9 @@ impl hyper::rt::Timer for HeadTimer {
     /// first (a connection that never sends a byte goes at the head limit, not the idle one);
     /// else `read` from its first byte.
     fn sleep_until(&self, deadline: Instant) -> Pin<Box<dyn hyper::rt::Sleep>> {
-        if !self.begun() {
-            return self.unarmed();
-        }
+        let begun = self.progress.begun() || self.progress.first();
         Box::pin(HeadSleep {
-            sleep: Some(Box::pin(tokio::time::sleep_until(deadline.into()))),
+            sleep: begun.then(|| Box::pin(tokio::time::sleep_until(deadline.into()))),
             progress: self.progress.clone(),
             read: self.read,
         })
@@ -165,41 +159,6 @@ impl hyper::rt::Timer for HeadTimer {
 
     fn now(&self) -> Instant {
         tokio::time::Instant::now().into()
-    }
-
-    /// hyper's limit for the next head (asked for on every request): the one it had, armed
-    /// anew or left unarmed, rather than a new one.
-    fn reset(&self, sleep: &mut Pin<Box<dyn hyper::rt::Sleep>>, deadline: Instant) {
-        let Some(head) = sleep.as_mut().downcast_mut_pin::<HeadSleep>() else {
-            *sleep = self.sleep_until(deadline);
-            return;
-        };
-        let head = head.get_mut();
-        if !self.begun() {
-            head.sleep = None;
-            return;
-        }
-        match head.sleep.as_mut() {
-            Some(armed) => armed.as_mut().reset(deadline.into()),
-            None => head.sleep = Some(Box::pin(tokio::time::sleep_until(deadline.into()))),
-        }
-    }
-}
-
-impl HeadTimer {
-    /// Whether the head limit counts from now: the head has begun, or is the connection's
-    /// first.
-    fn begun(&self) -> bool {
-        self.progress.begun() || self.progress.first()
-    }
-
-    /// A limit that starts with the head's first byte.
-    fn unarmed(&self) -> Pin<Box<dyn hyper::rt::Sleep>> {
-        Box::pin(HeadSleep {
-            sleep: None,
-            progress: self.progress.clone(),
-            read: self.read,
-        })
     }
 }
 

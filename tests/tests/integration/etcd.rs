@@ -356,7 +356,8 @@ async fn replacement_given_up_after_its_write(etcd: &Etcd, id: &str) -> bool {
             let polled = given_up
                 .as_mut()
                 .poll(&mut std::task::Context::from_waker(&waker));
-            if polled.is_ready() {
+            if let std::task::Poll::Ready(registered) = polled {
+                registered.expect("the replacement");
                 // Registered before it was given up: this run proves nothing; leave nothing.
                 drop(given_up);
                 within("deregister", reg.deregister(id))

@@ -873,8 +873,6 @@ async fn the_gateway_s_own_refusals_say_what_to_send() {
     assert_eq!(a.headers["referrer-policy"], "no-referrer");
 }
 
-/// Query values of optional arguments: text for `Option<String>` whatever it looks like (an
-/// empty value too); an empty value of another optional argument, or none at all, is `null`.
 /// HEAD on an entry's GET route, or on one of the gateway's own, answers what GET would, with
 /// the GET answer's length and no body.
 #[tokio::test]
@@ -904,6 +902,8 @@ async fn a_head_request_answers_the_get_answer_s_head_with_no_body() {
     }
 }
 
+/// Query values of optional arguments: text for `Option<String>` whatever it looks like (an
+/// empty value too); an empty value of another optional argument, or none at all, is `null`.
 #[tokio::test]
 async fn optional_query_arguments_are_text_or_null_as_their_schemas_say() {
     let world = World::in_process(None).await;
