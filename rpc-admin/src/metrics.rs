@@ -12,7 +12,8 @@
 //! - `rpc_calls_total{side, entry, status, outcome}`: calls ended (`status` is the final
 //!   status code, `other` for every status the framework does not define, `none` for a call
 //!   its caller gave up on; `outcome` as in the OpenTelemetry
-//!   metrics: success, error, fallback, timeout, cancelled, superseded);
+//!   metrics: success, error, fallback, timeout, cancelled, superseded, and a server's
+//!   aborted);
 //! - `rpc_call_duration_seconds{side, entry, outcome}`: their latency (histogram), by outcome
 //!   as the OpenTelemetry `rpc.client.duration` is: a call its caller dropped (`cancelled`) or
 //!   a hedge dropped for another attempt's answer (`superseded`) ends when its caller stops

@@ -265,6 +265,8 @@ enum Dropped {
     /// By the caller's `Cancel` saying another attempt of the call (a hedge) answered first:
     /// not answered, and no failure (the call succeeded).
     Superseded,
+    /// By the server stopping at once (`ServerHandle::abort`): not answered.
+    Aborted,
 }
 
 impl Dropped {
@@ -275,6 +277,7 @@ impl Dropped {
             Dropped::Drain => (Some(StatusCode::ServerError), "error"),
             Dropped::Cancelled => (None, "cancelled"),
             Dropped::Superseded => (None, "superseded"),
+            Dropped::Aborted => (None, "aborted"),
         }
     }
 }
@@ -293,13 +296,16 @@ impl Drop for CallWatch {
             return;
         };
         // Why the handler is dropped, as the caller learns it: its own deadline (519), the
-        // server's drain deadline (520), or its `Cancel` or its connection's end (no answer).
+        // server's drain deadline (520), its `Cancel` or its connection's end, or the server
+        // stopping at once (no answer).
         let why = if self.deadline.is_some_and(|d| now >= d) {
             Dropped::Timeout
         } else if rpc_transport::dropped_at_drain_deadline() {
             Dropped::Drain
         } else if rpc_transport::dropped_as_superseded() {
             Dropped::Superseded
+        } else if rpc_transport::dropped_at_server_abort() {
+            Dropped::Aborted
         } else {
             Dropped::Cancelled
         };
@@ -337,6 +343,10 @@ impl Drop for CallWatch {
             Dropped::Superseded => format!(
                 "handler stopped after {elapsed_ms} ms ({budget}): another attempt of the \
                  hedged call answered first"
+            ),
+            Dropped::Aborted => format!(
+                "handler dropped after {elapsed_ms} ms ({budget}): the server was stopped at once \
+                 (abort), and the caller was not answered"
             ),
         };
         self.span.record("outcome", outcome);
@@ -626,8 +636,8 @@ mod otel {
 
         /// Records a call whose handler was dropped: at its deadline (519, `timeout`), at the
         /// server's drain deadline (520, `error`), by the caller's `Cancel` (`cancelled`, no
-        /// status) or by a `Cancel` saying another attempt answered first (`superseded`, no
-        /// status).
+        /// status), by a `Cancel` saying another attempt answered first (`superseded`, no
+        /// status) or by the server stopping at once (`aborted`, no status).
         pub(crate) fn dropped(&self, code: Option<StatusCode>, outcome: &'static str) {
             let [service, method, system] = attributes(self.method);
             let mut attrs = vec![

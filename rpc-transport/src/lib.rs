@@ -72,9 +72,9 @@ pub use invoke::{Invoke, WireStr};
 pub use peer::{PeerAddr, UNIX_SCHEME};
 pub use pool::{ConnectFailed, ConnectionPool};
 pub use server::{
-    dropped_as_superseded, dropped_at_drain_deadline, error_result, serve, Dispatch, InvokeHandler,
-    ItemSink, Refusal, ServerOptions, StreamEvent, StreamEvents, ABUSE_LIMIT,
-    DEFAULT_CLIENT_STREAM_WINDOW, DEFAULT_STREAM_WINDOW, DEFAULT_STREAM_WINDOW_BYTES,
+    dropped_as_superseded, dropped_at_drain_deadline, dropped_at_server_abort, error_result, serve,
+    Dispatch, InvokeHandler, ItemSink, Refusal, ServerOptions, StreamEvent, StreamEvents,
+    ABUSE_LIMIT, DEFAULT_CLIENT_STREAM_WINDOW, DEFAULT_STREAM_WINDOW, DEFAULT_STREAM_WINDOW_BYTES,
     MAX_CLIENT_ID, MAX_HELLO_FRAME, MAX_STREAM_WINDOW, PAUSED_KEEPALIVE, REFUSALS_BEFORE_PAUSE,
 };
 pub use transport::{Abortive, Address, Dialer, Listener, Stream, TcpDialer};

@@ -1,6 +1,7 @@
 //! The accept loop: takes sockets, refuses those over `max_connections`, hands the rest to
 //! their connection loop.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -35,10 +36,14 @@ pub async fn serve<L: Listener>(
         options,
         shutdown: shutdown.clone(),
         drain_deadline: std::sync::OnceLock::new(),
+        stopped_at_once: Arc::default(),
     });
     // (A limit past what a semaphore holds, `usize::MAX` for "no limit", is no limit.)
     let slots = Arc::new(Semaphore::new(max_connections.min(Semaphore::MAX_PERMITS)));
     let mut conns = tokio::task::JoinSet::new();
+    // Declared after `conns`, so dropped before it: the flag is up before any connection's
+    // task is aborted.
+    let mut stopped = StoppedAtOnce(Some(server.stopped_at_once.clone()));
     // After refusing a connection at the limit, accepting pauses until a slot frees or
     // REFUSAL_BACKOFF passes: a flood of connects then waits in the kernel's accept queue
     // instead of costing an accept, a GoAway and a close each.
@@ -86,6 +91,19 @@ pub async fn serve<L: Listener>(
     // The drain's deadline runs from now, for every connection.
     server.drain_deadline();
     while conns.join_next().await.is_some() {}
+    stopped.0 = None;
+}
+
+/// Raises its flag when dropped still holding it: the accept loop's future was dropped before
+/// it ended.
+struct StoppedAtOnce(Option<Arc<AtomicBool>>);
+
+impl Drop for StoppedAtOnce {
+    fn drop(&mut self) {
+        if let Some(flag) = &self.0 {
+            flag.store(true, Ordering::Release);
+        }
+    }
 }
 
 /// How long accepting pauses after a connection was refused at `max_connections`, unless a

@@ -68,14 +68,22 @@ impl Conn {
 pub(super) struct ConnCleanup {
     pub(super) conn: Arc<Conn>,
     pub(super) close: CancellationToken,
+    /// The server's `Served::stopped_at_once`.
+    pub(super) stopped_at_once: Arc<AtomicBool>,
 }
 
 impl Drop for ConnCleanup {
     fn drop(&mut self) {
-        // Work for a client that is gone (or past the drain deadline) is dropped.
+        // Work for a client that is gone (or past the drain deadline) is dropped; so is all
+        // work when the server stops at once, which its telemetry tells from a cancellation.
+        let stopped_at_once = self.stopped_at_once.load(Ordering::Acquire);
         let mut dropped = 0;
         for (_, h) in self.conn.tasks().drain() {
-            h.abort();
+            if stopped_at_once {
+                h.abort_at_server_abort();
+            } else {
+                h.abort();
+            }
             dropped += 1;
         }
         if dropped > 0 {

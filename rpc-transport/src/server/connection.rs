@@ -45,6 +45,10 @@ pub(super) struct Served {
     /// first to ask (the accept loop as it stops), so a connection that starts draining later
     /// gets what is left of it, not a fresh `drain_timeout`.
     pub(super) drain_deadline: std::sync::OnceLock<Instant>,
+    /// Set when the accept loop's future is dropped before it ended (`ServerHandle::abort`,
+    /// the runtime shutting down): the calls its connections drop as they end are then
+    /// dropped by the server, not by their callers.
+    pub(super) stopped_at_once: Arc<AtomicBool>,
 }
 
 impl Served {
@@ -155,6 +159,7 @@ pub(super) async fn run_connection<R, W>(
     let _cleanup = ConnCleanup {
         conn: conn.clone(),
         close: close.clone(),
+        stopped_at_once: server.stopped_at_once.clone(),
     };
     let shutdown_signal = shutdown.cancelled();
     tokio::pin!(shutdown_signal);

@@ -30,5 +30,5 @@ pub use options::{
     DEFAULT_STREAM_WINDOW_BYTES, MAX_CLIENT_ID, MAX_HELLO_FRAME, MAX_STREAM_WINDOW,
     PAUSED_KEEPALIVE, REFUSALS_BEFORE_PAUSE,
 };
-pub use runner::{dropped_as_superseded, dropped_at_drain_deadline};
+pub use runner::{dropped_as_superseded, dropped_at_drain_deadline, dropped_at_server_abort};
 pub use streams::ItemSink;

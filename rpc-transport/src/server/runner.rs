@@ -147,6 +147,12 @@ impl Running {
     pub(super) fn abort_at_drain_deadline(&self) {
         self.runner.cancel(self.generation, DropCause::Drain);
     }
+
+    /// As [`abort`](Self::abort), because the server stopped at once: while the future is
+    /// dropped, [`dropped_at_server_abort`] says so.
+    pub(super) fn abort_at_server_abort(&self) {
+        self.runner.cancel(self.generation, DropCause::Abort);
+    }
 }
 
 /// The idle call tasks of one connection.
@@ -246,6 +252,9 @@ enum DropCause {
     Superseded,
     /// The server's drain deadline.
     Drain,
+    /// The server stopped at once (its serving future dropped: `ServerHandle::abort`, or the
+    /// runtime it served on shutting down).
+    Abort,
 }
 
 thread_local! {
@@ -267,6 +276,14 @@ pub fn dropped_at_drain_deadline() -> bool {
 /// [`dropped_at_drain_deadline`].
 pub fn dropped_as_superseded() -> bool {
     DROPPING.with(std::cell::Cell::get) == DropCause::Superseded
+}
+
+/// Whether the call being dropped on this thread is dropped because its server stopped at
+/// once (the future serving it was dropped, as `ServerHandle::abort` does) rather than by the
+/// caller's `Cancel` or its connection's end: the caller is not answered, and did not ask for
+/// the call to end. For the same code as [`dropped_at_drain_deadline`].
+pub fn dropped_at_server_abort() -> bool {
+    DROPPING.with(std::cell::Cell::get) == DropCause::Abort
 }
 
 /// Drops a call taken from its task, marked with `cause` while it is dropped.

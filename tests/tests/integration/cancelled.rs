@@ -409,6 +409,39 @@ async fn a_call_dropped_at_the_servers_drain_deadline_is_recorded_as_520_not_can
     assert_eq!(counter(&m, "rpc.server.calls", &cancelled), 0);
 }
 
+/// A server stopped at once (`abort`) drops the handlers it runs: their spans and metrics say
+/// `aborted`, the server's doing, and not `cancelled`, which would blame a caller that is
+/// still waiting (and learns only that its connection ended).
+#[tokio::test]
+async fn a_call_dropped_by_the_servers_abort_is_recorded_as_aborted_not_cancelled() {
+    let (seen, _guard) = Seen::install();
+    let (server, mut probe) = serve(&seen.meter).await;
+    let slow = SlowClient::new(client_of(&server, &seen.meter, 60_000));
+    let call = tokio::spawn(async move { slow.forever().await });
+    recv_one("the handler started", &mut probe.entered).await;
+    server.abort();
+    recv_one("the handler dropped", &mut probe.dropped).await;
+    let err = within("the call", call).await.unwrap().unwrap_err();
+    assert_eq!(err.code(), StatusCode::CommunicationError, "{err}");
+
+    let spans = seen.server_span_ended().await;
+    let span = one(&spans, "rpc.server");
+    let description = error_description(span);
+    assert!(description.contains("stopped at once"), "{description}");
+    assert_eq!(attr(span, "outcome"), Some("aborted".into()));
+    assert_eq!(
+        attr(span, "rpc.status_code"),
+        None,
+        "the caller was not answered"
+    );
+    let m = seen.metrics();
+    let aborted = [("rpc.outcome", Value::from("aborted"))];
+    assert_eq!(counter(&m, "rpc.server.calls", &aborted), 1);
+    assert_eq!(histogram_count(&m, "rpc.server.duration", &aborted), 1);
+    let cancelled = [("rpc.outcome", Value::from("cancelled"))];
+    assert_eq!(counter(&m, "rpc.server.calls", &cancelled), 0);
+}
+
 #[tokio::test]
 async fn a_fallback_answer_is_counted_apart_says_fallback_and_reads_its_cause() {
     let (seen, _guard) = Seen::install();
