@@ -96,36 +96,56 @@ pub(crate) fn escape(segment: &str) -> std::borrow::Cow<'_, str> {
     }
 }
 
-/// The inverse of [`escape`]: `%2F` → `/`, `%25` → `%`, `%2E` → `.`; anything else stays as it
-/// is.
+/// [`escape`], then every character a ZooKeeper path may not hold written `%XX` per byte of
+/// its UTF-8: controls (U+0000–U+001F, U+007F–U+009F), private use (U+E000–U+F8FF), U+FFF0–
+/// U+FFFF, and everything past U+FFFF (ZooKeeper checks UTF-16 units, and refuses surrogates).
+/// etcd and the in-process registry take such ids as they are, so ZooKeeper must too.
+pub(crate) fn escape_for_zookeeper(segment: &str) -> std::borrow::Cow<'_, str> {
+    fn refused(c: char) -> bool {
+        matches!(c, '\u{0}'..='\u{1f}' | '\u{7f}'..='\u{9f}' | '\u{e000}'..='\u{f8ff}')
+            || c >= '\u{fff0}'
+    }
+    let escaped = escape(segment);
+    if !escaped.contains(refused) {
+        return escaped;
+    }
+    let mut out = String::with_capacity(escaped.len() * 3);
+    for c in escaped.chars() {
+        if refused(c) {
+            for b in c.encode_utf8(&mut [0; 4]).bytes() {
+                out.push_str(&format!("%{b:02X}"));
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out.into()
+}
+
+/// The inverse of [`escape`] and [`escape_for_zookeeper`]: each `%XX` (two hex digits) is the
+/// byte it names (`%2F` `/`, `%25` `%`, `%2E` `.`, `%0A` a line feed); any other `%` stays as
+/// it is. (Every `%` of an id is escaped, so each `%XX` of an escaped segment is an escape.)
 pub(crate) fn unescape(segment: &str) -> String {
     if !segment.contains('%') {
         return segment.to_string();
     }
-    let mut out = String::with_capacity(segment.len());
-    let mut rest = segment;
-    while let Some(i) = rest.find('%') {
-        out.push_str(&rest[..i]);
-        let code = rest.get(i + 1..i + 3);
-        let decoded = match code {
-            Some("2F") => Some('/'),
-            Some("25") => Some('%'),
-            Some("2E") => Some('.'),
-            _ => None,
-        };
-        match decoded {
-            Some(c) => {
-                out.push(c);
-                rest = &rest[i + 3..];
+    let bytes = segment.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |at: usize| bytes.get(at).and_then(|b| (*b as char).to_digit(16));
+        match (bytes[i], hex(i + 1), hex(i + 2)) {
+            (b'%', Some(hi), Some(lo)) => {
+                out.push((hi * 16 + lo) as u8);
+                i += 3;
             }
-            None => {
-                out.push('%');
-                rest = &rest[i + 1..];
+            (b, _, _) => {
+                out.push(b);
+                i += 1;
             }
         }
     }
-    out.push_str(rest);
-    out
+    String::from_utf8(out).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned())
 }
 
 /// Retry pauses: 100 ms doubling up to a maximum (2 s unless said otherwise).
@@ -306,6 +326,39 @@ mod tests {
             "%zz",
         ] {
             assert_eq!(unescape(&escape(id)), id, "{id}");
+            assert_eq!(escape_for_zookeeper(id), escape(id), "{id}");
+        }
+    }
+
+    /// What ZooKeeper refuses in a path (`PathUtils.validatePath`: controls, private use,
+    /// U+FFF0 and up, surrogates) is escaped, and comes back as it was; the rest is as
+    /// [`escape`] writes it.
+    #[test]
+    fn zookeeper_segments_escape_what_zookeeper_refuses() {
+        assert_eq!(escape_for_zookeeper("a\nb"), "a%0Ab");
+        assert_eq!(escape_for_zookeeper("\u{7f}\u{9f}"), "%7F%C2%9F");
+        assert_eq!(escape_for_zookeeper("\u{e000}"), "%EE%80%80");
+        assert_eq!(escape_for_zookeeper("x\u{1f600}"), "x%F0%9F%98%80");
+        assert_eq!(escape_for_zookeeper("ключ ✓ \u{a0}"), "ключ ✓ \u{a0}");
+        for id in [
+            "\u{0}",
+            "tab\there",
+            "a/b%0Ac\n",
+            "\u{1}\u{1f}\u{7f}\u{80}\u{9f}",
+            "\u{e000}\u{f8ff}\u{fff0}\u{ffff}",
+            "emoji \u{1f600}",
+            "ключ ✓",
+        ] {
+            let escaped = escape_for_zookeeper(id);
+            // ZooKeeper's own rule, written out apart from the code under test.
+            assert!(
+                escaped.encode_utf16().all(|u| !(u <= 0x1f
+                    || (0x7f..=0x9f).contains(&u)
+                    || (0xd800..=0xf8ff).contains(&u)
+                    || u >= 0xfff0)),
+                "{id:?} -> {escaped:?}"
+            );
+            assert_eq!(unescape(&escaped), id, "{id:?}");
         }
     }
 

@@ -12,7 +12,7 @@ use rpc_core::ServiceId;
 use zookeeper_client as zk;
 
 use super::ZooKeeperOptions;
-use crate::remote::{decode_at, escape, unescape};
+use crate::remote::{decode_at, escape_for_zookeeper, unescape};
 use crate::{Instance, RegistryError};
 
 /// The instances of one service, by node name.
@@ -85,12 +85,20 @@ impl Conn {
 
     /// `<prefix>/services/<service id>`: one child per instance of the service.
     pub(super) fn service_dir(&self, service: &ServiceId) -> String {
-        format!("{}/{}", self.services_root(), escape(service.as_str()))
+        format!(
+            "{}/{}",
+            self.services_root(),
+            escape_for_zookeeper(service.as_str())
+        )
     }
 
     /// `<prefix>/services/<service id>/<instance id>`.
     pub(super) fn path(&self, service: &ServiceId, instance_id: &str) -> String {
-        format!("{}/{}", self.service_dir(service), escape(instance_id))
+        format!(
+            "{}/{}",
+            self.service_dir(service),
+            escape_for_zookeeper(instance_id)
+        )
     }
 
     /// The longest pause between two attempts of the background tasks: short enough that a

@@ -365,6 +365,32 @@ async fn a_deregistered_instance_is_gone<B: Writable>() {
     assert!(late.current().is_empty(), "{:?}", late.current());
 }
 
+/// Ids with characters one store refuses in its keys (ZooKeeper: controls, private use,
+/// U+FFF0 and up, anything past U+FFFF) register, are seen, listed and deregistered as they
+/// are, in every store, as plain ids are: which store a team runs must not decide which ids
+/// its servers may have.
+async fn ids_with_control_and_private_use_characters_round_trip<B: Writable>() {
+    const SERVICE: &str = "t.Ctl\u{7f}\u{9f}\u{1f600}";
+    const ID: &str = "db\n1\u{1}\u{e000}\u{fff0}\u{1f600}/..%0A";
+    let odd = instance("127.0.0.1:3101", ID, &[SERVICE, "t.A"]);
+    let store = B::store(&[]).await;
+    let registry = store.registry();
+    register(&registry, odd.clone()).await;
+    let other = store.another().await;
+    let mut w = watch(&other, SERVICE).await;
+    assert_eq!(listing(&w.current()), expect(&[("127.0.0.1:3101", ID)]));
+    assert_eq!(*w.current()[0], odd);
+    let services = within("list", other.services()).await.expect("list");
+    assert!(services.contains(&ServiceId::from(SERVICE)), "{services:?}");
+    deregister(&registry, ID).await;
+    within("the instance leaves", async {
+        while !w.current().is_empty() {
+            w.changed().await.expect("the watch goes on");
+        }
+    })
+    .await;
+}
+
 /// Registering an instance id again replaces the previous version (new metadata, new address,
 /// other services) without ever listing it twice.
 async fn registering_an_id_again_replaces_it_without_duplicates<B: Writable>() {
@@ -566,6 +592,7 @@ macro_rules! write_checks {
             a_second_instance_joins_in_address_order,
             a_deregistered_instance_is_gone,
             registering_an_id_again_replaces_it_without_duplicates,
+            ids_with_control_and_private_use_characters_round_trip,
             entry_descriptors_round_trip,
             the_listing_follows_registrations,
         );
