@@ -330,7 +330,8 @@ impl AdminHandle {
                 tracing::warn!(
                     address = %self.local_addr,
                     grace_ms = SHUTDOWN_GRACE.as_millis() as u64,
-                    "admin endpoint: requests still in progress after the shutdown's grace                      (a reader of the event stream that reads nothing?); dropped"
+                    "admin endpoint: requests still in progress after the shutdown's grace \
+                     (a reader of the event stream that reads nothing?); dropped"
                 );
                 task.abort();
             }
