@@ -100,6 +100,7 @@ pub(crate) fn escape(segment: &str) -> std::borrow::Cow<'_, str> {
 /// its UTF-8: controls (U+0000–U+001F, U+007F–U+009F), private use (U+E000–U+F8FF), U+FFF0–
 /// U+FFFF, and everything past U+FFFF (ZooKeeper checks UTF-16 units, and refuses surrogates).
 /// etcd and the in-process registry take such ids as they are, so ZooKeeper must too.
+#[cfg(feature = "zookeeper")]
 pub(crate) fn escape_for_zookeeper(segment: &str) -> std::borrow::Cow<'_, str> {
     fn refused(c: char) -> bool {
         matches!(c, '\u{0}'..='\u{1f}' | '\u{7f}'..='\u{9f}' | '\u{e000}'..='\u{f8ff}')
@@ -326,6 +327,7 @@ mod tests {
             "%zz",
         ] {
             assert_eq!(unescape(&escape(id)), id, "{id}");
+            #[cfg(feature = "zookeeper")]
             assert_eq!(escape_for_zookeeper(id), escape(id), "{id}");
         }
     }
@@ -333,6 +335,7 @@ mod tests {
     /// What ZooKeeper refuses in a path (`PathUtils.validatePath`: controls, private use,
     /// U+FFF0 and up, surrogates) is escaped, and comes back as it was; the rest is as
     /// [`escape`] writes it.
+    #[cfg(feature = "zookeeper")]
     #[test]
     fn zookeeper_segments_escape_what_zookeeper_refuses() {
         assert_eq!(escape_for_zookeeper("a\nb"), "a%0Ab");
