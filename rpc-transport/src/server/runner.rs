@@ -279,9 +279,9 @@ pub fn dropped_as_superseded() -> bool {
 }
 
 /// Whether the call being dropped on this thread is dropped because its server stopped at
-/// once (the future serving it was dropped, as `ServerHandle::abort` does) rather than by the
-/// caller's `Cancel` or its connection's end: the caller is not answered, and did not ask for
-/// the call to end. For the same code as [`dropped_at_drain_deadline`].
+/// once (the future serving it was dropped, as `ServerHandle::abort` does, or the runtime it
+/// ran on shut down) rather than by the caller's `Cancel` or its connection's end: the caller
+/// is not answered, and did not ask for the call to end. For the same code as [`dropped_at_drain_deadline`].
 pub fn dropped_at_server_abort() -> bool {
     DROPPING.with(std::cell::Cell::get) == DropCause::Abort
 }
@@ -317,6 +317,30 @@ struct RunnerTask<C> {
     conn: Arc<C>,
     /// The call being run: its id, generation and future.
     current: Option<(u64, u64, CallFuture)>,
+}
+
+impl<C> Drop for RunnerTask<C> {
+    /// A task ends only when told to, idle: dropped with a call (running, or handed over and
+    /// not taken up), it was dropped by its runtime shutting down, and the server with it.
+    /// Its calls are dropped as by the server's abort, unless one was already aborted for a
+    /// cause of its own (the drain deadline, a superseded attempt) and not dropped yet.
+    fn drop(&mut self) {
+        let current = self.current.take();
+        let (cause, next) = {
+            let mut s = self.runner.state();
+            let cause = match &current {
+                Some((_, generation, _))
+                    if *generation == s.cancelled && s.cancelled_by != DropCause::Cancel =>
+                {
+                    s.cancelled_by
+                }
+                _ => DropCause::Abort,
+            };
+            (cause, s.next.take())
+        };
+        drop_call(current, cause);
+        drop_call(next, DropCause::Abort);
+    }
 }
 
 impl<C: CallSink> Future for RunnerTask<C> {

@@ -442,6 +442,41 @@ async fn a_call_dropped_by_the_servers_abort_is_recorded_as_aborted_not_cancelle
     assert_eq!(counter(&m, "rpc.server.calls", &cancelled), 0);
 }
 
+/// The runtime a server runs on shut down under a running call (a `main` returning while the
+/// server still serves): the call's task is dropped without being polled again, in no set order
+/// with the connection's, and its handler is recorded as `aborted` all the same.
+#[tokio::test]
+async fn a_call_dropped_by_its_servers_runtime_shutting_down_is_recorded_as_aborted() {
+    let (seen, _guard) = Seen::install();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("the server's runtime");
+    let meter = seen.meter.clone();
+    let (server, mut probe) = runtime
+        .spawn(async move { serve(&meter).await })
+        .await
+        .expect("the server started");
+    let slow = SlowClient::new(client_of(&server, &seen.meter, 60_000));
+    let call = tokio::spawn(async move { slow.forever().await });
+    recv_one("the handler started", &mut probe.entered).await;
+    // Returns once every task of the runtime is dropped (or at LIMIT, failing below).
+    tokio::task::spawn_blocking(move || runtime.shutdown_timeout(common::LIMIT))
+        .await
+        .expect("the runtime shut down");
+    recv_one("the handler dropped", &mut probe.dropped).await;
+    let err = within("the call", call).await.unwrap().unwrap_err();
+    assert_eq!(err.code(), StatusCode::CommunicationError, "{err}");
+
+    let m = seen.metrics();
+    let aborted = [("rpc.outcome", Value::from("aborted"))];
+    assert_eq!(counter(&m, "rpc.server.calls", &aborted), 1);
+    let cancelled = [("rpc.outcome", Value::from("cancelled"))];
+    assert_eq!(counter(&m, "rpc.server.calls", &cancelled), 0);
+    drop(server);
+}
+
 #[tokio::test]
 async fn a_fallback_answer_is_counted_apart_says_fallback_and_reads_its_cause() {
     let (seen, _guard) = Seen::install();
