@@ -3,8 +3,9 @@
 //! of their background tasks, and the bookkeeping of the watch tasks that follow one service.
 //!
 //! It exists so that an instance published through one backend reads the same through another
-//! (the same JSON, the same segment names), and so that a change to how watchers come and go is
-//! made once.
+//! (the same JSON, the same segment names, but for the characters ZooKeeper alone refuses in a
+//! path, which it escapes further), and so that a change to how watchers come and go is made
+//! once.
 
 use std::collections::HashMap;
 use std::future::Future;

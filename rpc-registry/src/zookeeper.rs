@@ -84,7 +84,10 @@ impl Default for ZooKeeperOptions {
 /// `<prefix>/services/<service id>/<instance id>` (prefix `/rpc` by default) holding the JSON
 /// of [`Instance`] (the same value an etcd registry stores). Service nodes are containers,
 /// which ZooKeeper removes once their last instance is gone. A `/` or `%` inside a service or
-/// instance id is written `%2F` or `%25`, and an id made of dots only has them written `%2E`.
+/// instance id is written `%2F` or `%25`, and an id made of dots only has them written `%2E`
+/// (as in etcd's keys); so is, as `%XX` per byte of its UTF-8, each character ZooKeeper refuses
+/// in a path (controls, private use, U+FFF0 and up, anything past U+FFFF), which etcd keys
+/// hold as they are.
 ///
 /// # Sessions, and ZooKeeper away
 ///
