@@ -56,6 +56,7 @@ mod api;
 mod events;
 mod metrics;
 mod rules;
+mod serve;
 mod stats;
 
 use std::net::SocketAddr;
@@ -279,14 +280,7 @@ impl AdminBuilder {
         state.attach();
         let router = api::router(state.clone());
         let shutdown = stop.clone();
-        let task = tokio::spawn(async move {
-            let served = axum::serve(listener, router)
-                .with_graceful_shutdown(shutdown.cancelled_owned())
-                .await;
-            if let Err(e) = served {
-                tracing::warn!(error = %e, "admin endpoint stopped");
-            }
-        });
+        let task = tokio::spawn(serve::serve(listener, router, shutdown.cancelled_owned()));
         tracing::info!(address = %local_addr, "admin endpoint serving");
         Ok(AdminHandle {
             local_addr,

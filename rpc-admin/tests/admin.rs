@@ -638,6 +638,62 @@ async fn a_reader_of_the_event_stream_that_reads_nothing_does_not_hold_the_shutd
     drop(reader);
 }
 
+/// A request whose body never comes (its client stalled, or gone without a word) is dropped
+/// with its connection once the shutdown's grace has passed: the connection is closed, not
+/// left serving the endpoint's state for as long as the peer keeps it open. Before, each
+/// connection was a task of axum's own, which outlived the endpoint's serving task. On the
+/// paused clock: the grace passes as soon as nothing else can run.
+#[tokio::test(start_paused = true)]
+async fn a_request_stalled_in_its_body_is_closed_when_the_shutdown_s_grace_ends() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let client = Client::builder().build();
+    let admin = Admin::builder()
+        .client(&client)
+        .serve("127.0.0.1:0")
+        .await
+        .expect("admin");
+    let mut stalled = tokio::net::TcpStream::connect(admin.local_addr())
+        .await
+        .expect("connect");
+    // A body of 100 bytes announced, 1 sent. `100-continue`: hyper says `100 Continue` when the
+    // handler begins reading the body, which tells this test the request is in progress.
+    stalled
+        .write_all(
+            b"POST /api/rules/routing/validate HTTP/1.1\r\nHost: 127.0.0.1\r\n\
+              Content-Type: text/plain\r\nContent-Length: 100\r\nExpect: 100-continue\r\n\r\n",
+        )
+        .await
+        .expect("the head");
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 256];
+    while !String::from_utf8_lossy(&seen).contains("100 Continue\r\n\r\n") {
+        let n = tokio::time::timeout(Duration::from_secs(10), stalled.read(&mut buf))
+            .await
+            .expect("100 Continue within 10 s")
+            .expect("read");
+        assert!(
+            n > 0,
+            "closed before the handler read: {:?}",
+            String::from_utf8_lossy(&seen)
+        );
+        seen.extend_from_slice(&buf[..n]);
+    }
+    stalled.write_all(b"x").await.expect("a byte of the body");
+    tokio::time::timeout(rpc_admin::SHUTDOWN_GRACE * 5, admin.shutdown())
+        .await
+        .expect("the shutdown returns");
+    // Closed by the endpoint: the end of the stream (or a reset), with no answer.
+    let mut rest = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(60), stalled.read_to_end(&mut rest))
+        .await
+        .expect("the connection is closed once the grace has passed");
+    assert!(
+        read.is_err() || !String::from_utf8_lossy(&rest).contains("HTTP/1.1 2"),
+        "{:?}",
+        String::from_utf8_lossy(&rest)
+    );
+}
+
 /// The SSE ids of the next `n` events `stream` delivers (at most 10 s).
 async fn sse_ids(stream: &mut reqwest::Response, n: usize) -> Vec<String> {
     let mut buffer = String::new();

@@ -1,0 +1,63 @@
+//! Serving the endpoint's router: an accept loop whose connections are tasks it owns.
+//!
+//! Why not `axum::serve`: it spawns each connection as a task of its own, which nothing
+//! holds. [`AdminHandle::shutdown`](crate::AdminHandle::shutdown) gives requests in progress
+//! [`SHUTDOWN_GRACE`](crate::SHUTDOWN_GRACE), then drops the serving task; a connection that
+//! task did not own would outlive it: one whose peer stalls (a request whose body never comes,
+//! an event stream nobody reads) kept serving, and kept the endpoint's state (its client and
+//! server handles), for as long as the peer kept it open. Here every connection is in the
+//! loop's [`JoinSet`], and dropping the loop ends them all.
+
+use std::future::Future;
+use std::time::Duration;
+
+use hyper_util::rt::TokioIo;
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
+use tokio::net::TcpListener;
+use tokio::task::JoinSet;
+
+/// Serves `router` on `listener` until `signal` completes; then stops accepting, lets each
+/// connection finish the request it is serving (an idle one closes at once), and returns once
+/// they have. Dropped before that, it drops every connection with it.
+pub(crate) async fn serve(
+    listener: TcpListener,
+    router: axum::Router,
+    signal: impl Future<Output = ()>,
+) {
+    let http = hyper::server::conn::http1::Builder::new();
+    let graceful = GracefulShutdown::new();
+    let service = TowerToHyperService::new(router);
+    let mut connections = JoinSet::new();
+    let mut signal = std::pin::pin!(signal);
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            Some(_) = connections.join_next(), if !connections.is_empty() => continue,
+            () = &mut signal => break,
+        };
+        match accepted {
+            Ok((stream, _)) => {
+                let connection =
+                    graceful.watch(http.serve_connection(TokioIo::new(stream), service.clone()));
+                connections.spawn(async move {
+                    if let Err(e) = connection.await {
+                        tracing::debug!(error = %e, "an admin connection ended with an error");
+                    }
+                });
+            }
+            // Out of file descriptors and the like: a pause, in which connections may close,
+            // rather than a loop failing as fast as it can.
+            Err(e) => {
+                tracing::warn!(error = %e, "the admin endpoint cannot accept a connection");
+                tokio::select! {
+                    () = tokio::time::sleep(Duration::from_millis(100)) => {}
+                    () = &mut signal => break,
+                }
+            }
+        }
+    }
+    drop(listener);
+    graceful.shutdown().await;
+    while connections.join_next().await.is_some() {}
+}
