@@ -141,6 +141,7 @@ impl Admin {
             events_kept: 1000,
             stats_window: Duration::from_secs(10),
             rules: None,
+            shutdown_grace: SHUTDOWN_GRACE,
         }
     }
 }
@@ -154,6 +155,7 @@ pub struct AdminBuilder {
     events_kept: usize,
     stats_window: Duration,
     rules: Option<Arc<dyn rules::Store>>,
+    shutdown_grace: Duration,
 }
 
 impl AdminBuilder {
@@ -211,6 +213,13 @@ impl AdminBuilder {
     /// entry called in it).
     pub fn stats_window(mut self, window: Duration) -> Self {
         self.stats_window = window;
+        self
+    }
+
+    /// How long a stop gives the requests in progress before their connections are dropped
+    /// ([`SHUTDOWN_GRACE`] by default): see [`AdminHandle::shutdown`].
+    pub fn shutdown_grace(mut self, grace: Duration) -> Self {
+        self.shutdown_grace = grace;
         self
     }
 
@@ -287,20 +296,24 @@ impl AdminBuilder {
             stop,
             task: Some(task),
             state,
+            grace: self.shutdown_grace,
         })
     }
 }
 
-/// How long [`AdminHandle::shutdown`] waits for the requests in progress.
+/// How long [`AdminHandle::shutdown`] waits for the requests in progress, unless
+/// [`AdminBuilder::shutdown_grace`] says otherwise.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 
-/// A running admin endpoint. Dropping it stops it (without waiting). Once stopped, the client
-/// and the server it showed no longer count their calls for it.
+/// A running admin endpoint. Dropping it stops it as [`shutdown`](Self::shutdown) does, without
+/// waiting (the requests in progress get the same grace, in the background). Once stopped, the
+/// client and the server it showed no longer count their calls for it.
 pub struct AdminHandle {
     local_addr: SocketAddr,
     stop: CancellationToken,
     task: Option<JoinHandle<()>>,
     state: Arc<State>,
+    grace: Duration,
 }
 
 impl AdminHandle {
@@ -310,26 +323,30 @@ impl AdminHandle {
     }
 
     /// Stops serving: event streams end, requests in progress finish, then it returns; after
-    /// [`SHUTDOWN_GRACE`] it returns all the same, the requests still in progress dropped (a
-    /// reader of the event stream that stopped reading, its window shut, holds its
-    /// connection's write, and would hold this for as long).
+    /// the grace ([`SHUTDOWN_GRACE`] unless set) it returns all the same, the requests still in
+    /// progress dropped with their connections (a reader of the event stream that stopped
+    /// reading, its window shut, holds its connection's write, and would hold this for as long;
+    /// so would a request whose body never comes).
     pub async fn shutdown(mut self) {
         self.stop.cancel();
         self.state.detach();
-        if let Some(mut task) = self.task.take() {
-            if tokio::time::timeout(SHUTDOWN_GRACE, &mut task)
-                .await
-                .is_err()
-            {
-                tracing::warn!(
-                    address = %self.local_addr,
-                    grace_ms = SHUTDOWN_GRACE.as_millis() as u64,
-                    "admin endpoint: requests still in progress after the shutdown's grace \
-                     (a reader of the event stream that reads nothing?); dropped"
-                );
-                task.abort();
-            }
+        if let Some(task) = self.task.take() {
+            within_grace(task, self.grace, self.local_addr).await;
         }
+    }
+}
+
+/// Waits for the serving `task` to end, at most `grace`; then drops it, and with it every
+/// connection still open.
+async fn within_grace(mut task: JoinHandle<()>, grace: Duration, address: SocketAddr) {
+    if tokio::time::timeout(grace, &mut task).await.is_err() {
+        tracing::warn!(
+            %address,
+            grace_ms = grace.as_millis() as u64,
+            "admin endpoint: requests still in progress after the shutdown's grace (a reader \
+             of the event stream that reads nothing, a body that never comes?); dropped"
+        );
+        task.abort();
     }
 }
 
@@ -337,6 +354,12 @@ impl Drop for AdminHandle {
     fn drop(&mut self) {
         self.stop.cancel();
         self.state.detach();
+        // Given its grace in the background, on the runtime dropping the handle (one that is
+        // gone has dropped the serving task already).
+        if let (Some(task), Ok(runtime)) = (self.task.take(), tokio::runtime::Handle::try_current())
+        {
+            runtime.spawn(within_grace(task, self.grace, self.local_addr));
+        }
     }
 }
 

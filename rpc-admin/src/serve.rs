@@ -19,7 +19,8 @@ use tokio::task::JoinSet;
 
 /// Serves `router` on `listener` until `signal` completes; then stops accepting, lets each
 /// connection finish the request it is serving (an idle one closes at once), and returns once
-/// they have. Dropped before that, it drops every connection with it.
+/// they have. Dropped before that (by the handle, once the grace has passed), it drops every
+/// connection with it.
 pub(crate) async fn serve(
     listener: TcpListener,
     router: axum::Router,
@@ -46,12 +47,15 @@ pub(crate) async fn serve(
                     }
                 });
             }
-            // Out of file descriptors and the like: a pause, in which connections may close,
-            // rather than a loop failing as fast as it can.
+            // A connection gone before it was taken: nothing to say. Anything else (the
+            // process's open files at their limit) is said once, and followed by a second's
+            // pause, in which connections may close, rather than a loop failing as fast as it
+            // can.
+            Err(e) if is_connection_error(&e) => {}
             Err(e) => {
-                tracing::warn!(error = %e, "the admin endpoint cannot accept a connection");
+                tracing::error!(error = %e, "the admin endpoint cannot accept a connection; it tries again in a second");
                 tokio::select! {
-                    () = tokio::time::sleep(Duration::from_millis(100)) => {}
+                    () = tokio::time::sleep(Duration::from_secs(1)) => {}
                     () = &mut signal => break,
                 }
             }
@@ -60,4 +64,13 @@ pub(crate) async fn serve(
     drop(listener);
     graceful.shutdown().await;
     while connections.join_next().await.is_some() {}
+}
+
+/// An error of one connection, gone before `accept` took it.
+fn is_connection_error(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind;
+    matches!(
+        e.kind(),
+        ErrorKind::ConnectionRefused | ErrorKind::ConnectionAborted | ErrorKind::ConnectionReset
+    )
 }
