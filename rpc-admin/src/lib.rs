@@ -142,6 +142,7 @@ impl Admin {
             stats_window: Duration::from_secs(10),
             rules: None,
             shutdown_grace: SHUTDOWN_GRACE,
+            head_timeout: HEAD_TIMEOUT,
         }
     }
 }
@@ -156,6 +157,7 @@ pub struct AdminBuilder {
     stats_window: Duration,
     rules: Option<Arc<dyn rules::Store>>,
     shutdown_grace: Duration,
+    head_timeout: Duration,
 }
 
 impl AdminBuilder {
@@ -220,6 +222,14 @@ impl AdminBuilder {
     /// ([`SHUTDOWN_GRACE`] by default): see [`AdminHandle::shutdown`].
     pub fn shutdown_grace(mut self, grace: Duration) -> Self {
         self.shutdown_grace = grace;
+        self
+    }
+
+    /// How long a connection has to send a request's head once it waits for one, the time it
+    /// may sit idle between requests included ([`HEAD_TIMEOUT`] by default): a peer slower than
+    /// that is disconnected.
+    pub fn head_timeout(mut self, timeout: Duration) -> Self {
+        self.head_timeout = timeout;
         self
     }
 
@@ -289,7 +299,12 @@ impl AdminBuilder {
         state.attach();
         let router = api::router(state.clone());
         let shutdown = stop.clone();
-        let task = tokio::spawn(serve::serve(listener, router, shutdown.cancelled_owned()));
+        let task = tokio::spawn(serve::serve(
+            listener,
+            router,
+            self.head_timeout,
+            shutdown.cancelled_owned(),
+        ));
         tracing::info!(address = %local_addr, "admin endpoint serving");
         Ok(AdminHandle {
             local_addr,
@@ -300,6 +315,10 @@ impl AdminBuilder {
         })
     }
 }
+
+/// How long a connection has to send a request's head, unless
+/// [`AdminBuilder::head_timeout`] says otherwise (hyper's own default).
+pub const HEAD_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How long [`AdminHandle::shutdown`] waits for the requests in progress, unless
 /// [`AdminBuilder::shutdown_grace`] says otherwise.

@@ -6,27 +6,35 @@
 //! task did not own would outlive it: one whose peer stalls (a request whose body never comes,
 //! an event stream nobody reads) kept serving, and kept the endpoint's state (its client and
 //! server handles), for as long as the peer kept it open. Here every connection is in the
-//! loop's [`JoinSet`], and dropping the loop ends them all.
+//! loop's [`JoinSet`], and dropping the loop ends them all. Nor does `axum::serve` give hyper
+//! a timer, so hyper's limit on reading a request's head never applied: a peer sending heads a
+//! byte at a time (or never finishing one) held its connection for as long as it liked, as
+//! many connections as it opened; with the endpoint open to other hosts (`allow_remote`), the
+//! token is checked only once a head is read.
 
 use std::future::Future;
 use std::time::Duration;
 
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 
-/// Serves `router` on `listener` until `signal` completes; then stops accepting, lets each
+/// Serves `router` on `listener` until `signal` completes, each request's head read within
+/// `head_timeout` of the connection waiting for it; then stops accepting, lets each
 /// connection finish the request it is serving (an idle one closes at once), and returns once
 /// they have. Dropped before that (by the handle, once the grace has passed), it drops every
 /// connection with it.
 pub(crate) async fn serve(
     listener: TcpListener,
     router: axum::Router,
+    head_timeout: Duration,
     signal: impl Future<Output = ()>,
 ) {
-    let http = hyper::server::conn::http1::Builder::new();
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(head_timeout);
     let graceful = GracefulShutdown::new();
     let service = TowerToHyperService::new(router);
     let mut connections = JoinSet::new();

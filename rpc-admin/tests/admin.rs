@@ -722,6 +722,57 @@ async fn a_request_stalled_in_its_body_is_closed_after_the_grace_when_the_handle
     closed_unanswered(stalled).await;
 }
 
+/// A peer sending a request's head and never finishing it is disconnected at the head
+/// timeout, unanswered, as is one sitting idle for as long; an event stream, its head read,
+/// runs past it. Before, the endpoint gave hyper no timer, and such a peer kept its
+/// connection for as long as it liked (with `allow_remote`, before any token was checked).
+#[tokio::test]
+async fn a_head_never_finished_is_disconnected_at_the_head_timeout_and_a_stream_is_not() {
+    use tokio::io::AsyncWriteExt;
+    let client = Client::builder().build();
+    let admin = Admin::builder()
+        .client(&client)
+        .head_timeout(SHORT_GRACE)
+        .serve("127.0.0.1:0")
+        .await
+        .expect("admin");
+    let mut stream = reqwest::Client::new()
+        .get(format!("http://{}/api/events/stream", admin.local_addr()))
+        .send()
+        .await
+        .expect("the event stream");
+    assert_eq!(stream.status(), Http::OK);
+    let mut slow = tokio::net::TcpStream::connect(admin.local_addr())
+        .await
+        .expect("connect");
+    slow.write_all(b"GET /healthz HTTP/1.1\r\nHo")
+        .await
+        .expect("half a head");
+    let idle = tokio::net::TcpStream::connect(admin.local_addr())
+        .await
+        .expect("connect");
+    closed_unanswered(slow).await;
+    closed_unanswered(idle).await;
+    // The stream, opened before both, is still open: an event sent now reaches it.
+    client.events().emit_parts(
+        rpc::EventKind::Retry,
+        &std::sync::Arc::from("adm.Echo.echo"),
+        None,
+        0,
+        None,
+    );
+    let chunk = tokio::time::timeout(Duration::from_secs(10), stream.chunk())
+        .await
+        .expect("an event within 10 s")
+        .expect("read");
+    let chunk = chunk.expect("the stream still open");
+    assert!(
+        String::from_utf8_lossy(&chunk).contains("\"kind\":\"retry\""),
+        "{chunk:?}"
+    );
+    admin.shutdown().await;
+}
+
 /// The SSE ids of the next `n` events `stream` delivers (at most 10 s).
 async fn sse_ids(stream: &mut reqwest::Response, n: usize) -> Vec<String> {
     let mut buffer = String::new();
