@@ -639,6 +639,19 @@ async fn a_reader_of_the_event_stream_that_reads_nothing_does_not_hold_the_shutd
     drop(reader);
 }
 
+/// An endpoint showing a new client with no server (a client process's), built as `configure`
+/// says, on a free loopback port; and its client.
+async fn client_only(
+    configure: impl FnOnce(rpc_admin::AdminBuilder) -> rpc_admin::AdminBuilder,
+) -> (Client, AdminHandle) {
+    let client = Client::builder().build();
+    let admin = configure(Admin::builder().client(&client))
+        .serve("127.0.0.1:0")
+        .await
+        .expect("admin");
+    (client, admin)
+}
+
 /// How long the stalled-request tests give the endpoint's stop (short: the real clock runs).
 const SHORT_GRACE: Duration = Duration::from_millis(200);
 
@@ -647,13 +660,7 @@ const SHORT_GRACE: Duration = Duration::from_millis(200);
 /// asked for with `Expect`, when the handler begins reading the body).
 async fn stalled_request() -> (AdminHandle, tokio::net::TcpStream) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let client = Client::builder().build();
-    let admin = Admin::builder()
-        .client(&client)
-        .shutdown_grace(SHORT_GRACE)
-        .serve("127.0.0.1:0")
-        .await
-        .expect("admin");
+    let (_, admin) = client_only(|b| b.shutdown_grace(SHORT_GRACE)).await;
     let mut stalled = tokio::net::TcpStream::connect(admin.local_addr())
         .await
         .expect("connect");
@@ -730,13 +737,7 @@ async fn a_request_stalled_in_its_body_is_closed_after_the_grace_when_the_handle
 #[tokio::test]
 async fn a_head_never_finished_is_disconnected_at_the_head_timeout_and_a_stream_is_not() {
     use tokio::io::AsyncWriteExt;
-    let client = Client::builder().build();
-    let admin = Admin::builder()
-        .client(&client)
-        .head_timeout(SHORT_GRACE)
-        .serve("127.0.0.1:0")
-        .await
-        .expect("admin");
+    let (client, admin) = client_only(|b| b.head_timeout(SHORT_GRACE)).await;
     let mut stream = reqwest::Client::new()
         .get(format!("http://{}/api/events/stream", admin.local_addr()))
         .send()
@@ -893,13 +894,7 @@ async fn unreadable_queries_and_bodies_are_refused_in_json() {
 /// so as `/readyz` does: an alert on `rpc_server_ready == 0` must not fire for it.
 #[tokio::test]
 async fn a_client_only_endpoint_is_ready_in_readyz_and_in_its_metrics() {
-    let client = Client::builder().build();
-    let admin = Admin::builder()
-        .client(&client)
-        .token(TOKEN)
-        .serve("127.0.0.1:0")
-        .await
-        .expect("admin");
+    let (_client, admin) = client_only(|b| b.token(TOKEN)).await;
     let http = reqwest::Client::new();
     let get = |path: &str| {
         http.get(format!("http://{}{path}", admin.local_addr()))

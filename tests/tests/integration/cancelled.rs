@@ -382,9 +382,7 @@ async fn a_call_dropped_at_the_servers_drain_deadline_is_recorded_as_520_not_can
         .serve("127.0.0.1:0")
         .await
         .unwrap();
-    let slow = SlowClient::new(client_of(&server, &seen.meter, 60_000));
-    let call = tokio::spawn(async move { slow.forever().await });
-    recv_one("the handler started", &mut entered).await;
+    let call = forever_running(&server, &seen.meter, &mut entered).await;
     // The handler never ends: the drain deadline drops it, and the caller is answered 520.
     within("shutdown", server.shutdown()).await;
     recv_one("the handler dropped", &mut dropped).await;
@@ -403,10 +401,37 @@ async fn a_call_dropped_at_the_servers_drain_deadline_is_recorded_as_520_not_can
         ("rpc.outcome", Value::from("error")),
         ("rpc.status_code", Value::I64(520)),
     ];
-    assert_eq!(counter(&m, "rpc.server.calls", &drained), 1);
-    assert_eq!(histogram_count(&m, "rpc.server.duration", &drained), 1);
+    counted_once_and_not_as_cancelled(&m, &drained);
+}
+
+/// A call of `forever` to `server`, in a task of its own, once its handler runs (it says so on
+/// `entered`).
+async fn forever_running(
+    server: &ServerHandle,
+    meter: &opentelemetry::metrics::Meter,
+    entered: &mut mpsc::UnboundedReceiver<String>,
+) -> tokio::task::JoinHandle<Result<(), RpcError>> {
+    let slow = SlowClient::new(client_of(server, meter, 60_000));
+    let call = tokio::spawn(async move { slow.forever().await });
+    recv_one("the handler started", entered).await;
+    call
+}
+
+/// The server counted one call with `attributes`, in its calls and its durations, and none as
+/// cancelled.
+fn counted_once_and_not_as_cancelled(m: &[ResourceMetrics], attributes: &[(&'static str, Value)]) {
+    assert_eq!(
+        counter(m, "rpc.server.calls", attributes),
+        1,
+        "{attributes:?}"
+    );
+    assert_eq!(
+        histogram_count(m, "rpc.server.duration", attributes),
+        1,
+        "{attributes:?}"
+    );
     let cancelled = [("rpc.outcome", Value::from("cancelled"))];
-    assert_eq!(counter(&m, "rpc.server.calls", &cancelled), 0);
+    assert_eq!(counter(m, "rpc.server.calls", &cancelled), 0);
 }
 
 /// A server stopped at once (`abort`) drops the handlers it runs: their spans and metrics say
@@ -416,9 +441,7 @@ async fn a_call_dropped_at_the_servers_drain_deadline_is_recorded_as_520_not_can
 async fn a_call_dropped_by_the_servers_abort_is_recorded_as_aborted_not_cancelled() {
     let (seen, _guard) = Seen::install();
     let (server, mut probe) = serve(&seen.meter).await;
-    let slow = SlowClient::new(client_of(&server, &seen.meter, 60_000));
-    let call = tokio::spawn(async move { slow.forever().await });
-    recv_one("the handler started", &mut probe.entered).await;
+    let call = forever_running(&server, &seen.meter, &mut probe.entered).await;
     server.abort();
     recv_one("the handler dropped", &mut probe.dropped).await;
     let err = within("the call", call).await.unwrap().unwrap_err();
@@ -435,11 +458,7 @@ async fn a_call_dropped_by_the_servers_abort_is_recorded_as_aborted_not_cancelle
         "the caller was not answered"
     );
     let m = seen.metrics();
-    let aborted = [("rpc.outcome", Value::from("aborted"))];
-    assert_eq!(counter(&m, "rpc.server.calls", &aborted), 1);
-    assert_eq!(histogram_count(&m, "rpc.server.duration", &aborted), 1);
-    let cancelled = [("rpc.outcome", Value::from("cancelled"))];
-    assert_eq!(counter(&m, "rpc.server.calls", &cancelled), 0);
+    counted_once_and_not_as_cancelled(&m, &[("rpc.outcome", Value::from("aborted"))]);
 }
 
 /// The runtime a server runs on shut down under a running call (a `main` returning while the
@@ -458,9 +477,7 @@ async fn a_call_dropped_by_its_servers_runtime_shutting_down_is_recorded_as_abor
         .spawn(async move { serve(&meter).await })
         .await
         .expect("the server started");
-    let slow = SlowClient::new(client_of(&server, &seen.meter, 60_000));
-    let call = tokio::spawn(async move { slow.forever().await });
-    recv_one("the handler started", &mut probe.entered).await;
+    let call = forever_running(&server, &seen.meter, &mut probe.entered).await;
     // Returns once every task of the runtime is dropped (or at LIMIT, failing below).
     tokio::task::spawn_blocking(move || runtime.shutdown_timeout(common::LIMIT))
         .await
@@ -470,10 +487,7 @@ async fn a_call_dropped_by_its_servers_runtime_shutting_down_is_recorded_as_abor
     assert_eq!(err.code(), StatusCode::CommunicationError, "{err}");
 
     let m = seen.metrics();
-    let aborted = [("rpc.outcome", Value::from("aborted"))];
-    assert_eq!(counter(&m, "rpc.server.calls", &aborted), 1);
-    let cancelled = [("rpc.outcome", Value::from("cancelled"))];
-    assert_eq!(counter(&m, "rpc.server.calls", &cancelled), 0);
+    counted_once_and_not_as_cancelled(&m, &[("rpc.outcome", Value::from("aborted"))]);
     drop(server);
 }
 
